@@ -1,0 +1,24 @@
+"""Every environment variable trifuse reads, in one place.
+
+TRITON_INTERPRET is Triton's own; it must be set before any module that defines a kernel is
+imported, so it is read once here. The TRIFUSE_* variables are read on each call so that a test
+can change them with monkeypatch.
+"""
+import os
+from pathlib import Path
+
+INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def autotune_enabled() -> bool:
+    """False when TRIFUSE_AUTOTUNE=0: use the built-in default configurations, time nothing."""
+    return os.environ.get("TRIFUSE_AUTOTUNE", "1") != "0" and not INTERPRET
+
+
+def cache_dir() -> Path:
+    """Where tuned configurations persist: TRIFUSE_CACHE_DIR, else ~/.cache/trifuse (XDG)."""
+    explicit = os.environ.get("TRIFUSE_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "trifuse"

@@ -1,0 +1,1 @@
+"""Capture, normalization, matching and rewriting: `fuse()`, the torch.compile backends, the report."""

@@ -1,0 +1,1 @@
+"""Triton kernels, one file per op family, each with its launchers, registered ops and reference."""

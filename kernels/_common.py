@@ -1,0 +1,139 @@
+"""Helpers every op file shares: input checks, layout, device dispatch, the eager fast path.
+
+No kernels live here.
+"""
+import contextlib
+import functools
+from collections.abc import Sequence
+
+import torch
+import triton
+
+from ..autotune.env import INTERPRET
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+# ---------------------------------------------------------------------------------------------
+# Input checks. They raise TypeError for dtypes and ValueError for everything else, and name
+# the op, the argument, what was expected and what came. They run in the fake implementations
+# too, so torch.compile raises the same errors.
+# ---------------------------------------------------------------------------------------------
+
+
+def check_tensor(op: str, name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"trifuse.{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def check_float(op: str, name: str, t: torch.Tensor) -> None:
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"trifuse.{op}: {name} must be float16, bfloat16, float32 or float64, got {t.dtype}"
+        )
+
+
+def check_same_device(op: str, ref_name: str, ref: torch.Tensor, **others: torch.Tensor | None) -> None:
+    for name, t in others.items():
+        if t is not None and t.device != ref.device:
+            raise ValueError(
+                f"trifuse.{op}: {name} is on {t.device} but {ref_name} is on {ref.device}; "
+                "all tensors must be on one device"
+            )
+
+
+def check_same_dtype(op: str, ref_name: str, ref: torch.Tensor, **others: torch.Tensor | None) -> None:
+    for name, t in others.items():
+        if t is not None and t.dtype != ref.dtype:
+            raise TypeError(f"trifuse.{op}: {name} has dtype {t.dtype} but {ref_name} has {ref.dtype}")
+
+
+def check_shape(op: str, name: str, t: torch.Tensor, expected: Sequence[int]) -> None:
+    if tuple(t.shape) != tuple(expected):
+        raise ValueError(f"trifuse.{op}: {name} must have shape {tuple(expected)}, got {tuple(t.shape)}")
+
+
+def check_probability(op: str, name: str, p: float) -> None:
+    if not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+        raise ValueError(f"trifuse.{op}: {name} must be a probability in [0, 1], got {p!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout
+# ---------------------------------------------------------------------------------------------
+
+
+def as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """View `t` as (rows, n) with unit stride along n; copies only when no such view exists.
+
+    Sliced and batched inputs keep their row stride (no copy); permuted ones are copied.
+    """
+    t2 = t.reshape(-1, n)
+    if n > 1 and t2.stride(1) != 1:
+        t2 = t2.contiguous()
+    return t2
+
+
+def acc_dtype(dtype: torch.dtype):
+    """The Triton accumulation dtype: fp64 for fp64 inputs (gradcheck), fp32 otherwise."""
+    import triton.language as tl
+
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device_index: int) -> int:
+    """Multiprocessor count of a CUDA device (a small fixed number under the interpreter)."""
+    if INTERPRET or not torch.cuda.is_available():
+        return 4
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def device_sms(t: torch.Tensor) -> int:
+    return num_sms(t.device.index or 0) if t.is_cuda else num_sms(-1)
+
+
+def next_power_of_2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatch
+# ---------------------------------------------------------------------------------------------
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """CUDA tensors run the Triton kernels; CPU tensors do too under TRITON_INTERPRET=1,
+    and otherwise fall back to the PyTorch reference, so models still run on CPU machines."""
+    return t.is_cuda or (INTERPRET and t.device.type == "cpu")
+
+
+def eager_fast_path(*tensors: torch.Tensor | None) -> bool:
+    """True when plain eager autograd can take the thin `autograd.Function` path.
+
+    Anything traced (Dynamo, AOTAutograd's fake and proxy tensors, tensor subclasses, active
+    dispatch or function modes) must see the registered `trifuse::` op instead.
+    """
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+        return False
+    if torch._C._is_torch_function_mode_enabled():
+        return False
+    return all(t is None or type(t) is torch.Tensor for t in tensors)
+
+
+def profiled(name: str):
+    """A profiler scope named like the registered op, entered only while a profiler runs:
+    users profiling a fused model see which trifuse op ran, and nobody else pays for it."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
+
+
+def philox_seed(device: torch.device) -> torch.Tensor:
+    """A fresh int64 seed drawn from PyTorch's generator on `device`, kept on that device.
+
+    `torch.manual_seed` controls it; it never syncs the host, so it is CUDA-graph safe (the
+    kernel loads the seed from memory). Save it to regenerate the same mask in the backward.
+    """
+    return torch.randint(0, 2**31 - 1, (1,), device=device, dtype=torch.int64)

@@ -1,0 +1,823 @@
+"""LayerNorm and RMSNorm, plain and fused with the residual stream.
+
+Maths, per row of N features, accumulated in fp32 (fp64 for fp64 inputs):
+
+    s    = residual + dropout(x + x_bias, p)      residual-stream form; s = x otherwise
+    mean = sum(s) / N                             LayerNorm only (0 for RMSNorm)
+    rstd = 1 / sqrt(sum((s - mean)^2) / N + eps)
+    y    = (s - mean) * rstd * weight + bias
+
+Backward, with xhat = (s - mean) * rstd and g = dy * weight:
+
+    ds        = rstd * (g - xhat * mean(g * xhat) - mean(g))   (RMSNorm drops the mean(g) term)
+                + ds_out                     gradient arriving at the returned s
+    dresidual = ds;  dx = ds * keep / (1 - p);  dx_bias = sum_rows(dx)
+    dweight   = sum_rows(dy * xhat);  dbias = sum_rows(dy)
+
+Shapes: x, residual, y, s (..., *normalized_shape); weight, bias, x_bias normalized_shape.
+Dtypes: fp16 / bf16 / fp32 / fp64 activations; weights may differ (fp32 master weights under
+autocast). y and s take the activation dtype; mean and rstd are fp32 (fp64 for fp64).
+
+Memory plan: the forward saves s (x for the plain forms), mean and rstd. The dropout mask is
+regenerated from (seed, row, column) in the backward; nothing per element is stored for it.
+dweight, dbias and dx_bias are reduced deterministically: each backward program owns a row of
+an fp32 partial buffer, summed afterwards in a fixed order (bitwise repeatable, no atomics).
+
+Kernels: one row per program in the forward; in the backward each program walks a contiguous
+range of rows. Rows up to MAX_SINGLE_BLOCK_* stay in registers in one block; wider rows are
+walked in chunks (re-reading the row, which stays in L2), so any width runs without spilling.
+"""
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ._common import (
+    acc_dtype,
+    as_rows,
+    check_float,
+    check_probability,
+    check_same_device,
+    check_shape,
+    check_tensor,
+    device_sms,
+    eager_fast_path,
+    next_power_of_2,
+    philox_seed,
+    profiled,
+    use_triton,
+)
+from ._random import dropout_keep
+
+# Widest row (elements) kept whole in registers; wider rows are walked in chunks of this size.
+MAX_SINGLE_BLOCK_FWD = 16384
+MAX_SINGLE_BLOCK_BWD = 8192
+
+
+# =============================================================================================
+# Reference: the spec. Tests run it in float64 as the oracle and in the input dtype to measure
+# PyTorch's own error.
+# =============================================================================================
+
+
+def layer_norm_ref(
+    x: torch.Tensor,
+    normalized_shape: Sequence[int],
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    residual: torch.Tensor | None = None,
+    *,
+    is_rms_norm: bool = False,
+    dropout_mask: torch.Tensor | None = None,
+    p: float = 0.0,
+    x_bias: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream in plain PyTorch: y = norm(residual + dropout(x + x_bias)).
+
+    `dropout_mask` (bool, True = keep) stands in for the kernel's random mask. Returns y, or
+    (y, s) when any of residual / dropout_mask / x_bias is given.
+    """
+    fused = residual is not None or dropout_mask is not None or x_bias is not None
+    s = x if x_bias is None else x + x_bias
+    if dropout_mask is not None:
+        s = s * dropout_mask / (1.0 - p) if p < 1.0 else torch.zeros_like(s)
+    if residual is not None:
+        s = s + residual
+    if is_rms_norm:
+        y = F.rms_norm(s, normalized_shape, weight, eps)
+    else:
+        y = F.layer_norm(s, normalized_shape, weight, bias, eps)
+    return (y, s) if fused else y
+
+
+# =============================================================================================
+# Kernels
+# =============================================================================================
+
+
+@triton.jit
+def _load_stream(X, R, XB, seed, row, cols, mask, p, scale,
+                 HAS_RESIDUAL: tl.constexpr, HAS_X_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                 ACC: tl.constexpr):
+    """s = residual + dropout(x + x_bias) for one block of a row, in ACC; 0 where masked.
+    X and R already point at the row."""
+    s = tl.load(X + cols, mask=mask, other=0.0).to(ACC)
+    if HAS_X_BIAS:
+        s += tl.load(XB + cols, mask=mask, other=0.0).to(ACC)
+    if HAS_DROPOUT:
+        s = tl.where(dropout_keep(seed, row, cols, p), s * scale, 0.0)
+    if HAS_RESIDUAL:
+        s += tl.load(R + cols, mask=mask, other=0.0).to(ACC)
+    return s
+
+
+@triton.jit
+def _layer_norm_fwd_kernel(
+    X,  # in (M, N)
+    R,  # in (M, N) residual; unused unless HAS_RESIDUAL
+    XB,  # in (N,) bias added to x before dropout; unused unless HAS_X_BIAS
+    W,  # in (N,) weight; unused unless HAS_W
+    B,  # in (N,) bias; unused unless HAS_B
+    SEED,  # in (1,) int64 Philox seed; unused unless HAS_DROPOUT
+    Y,  # out (M, N)
+    S,  # out (M, N) the residual stream s; unused unless STORE_S
+    MEAN,  # out (M,) fp32; unused for RMSNorm
+    RSTD,  # out (M,) fp32
+    stride_xm, stride_rm, stride_ym, stride_sm,
+    N, eps, p, scale,
+    BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr, IS_RMS_NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, HAS_X_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, STORE_S: tl.constexpr, ACC: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # int64: row * stride may pass 2^31
+    X += row * stride_xm
+    R += row * stride_rm
+    Y += row * stride_ym
+    S += row * stride_sm
+    seed = tl.load(SEED) if HAS_DROPOUT else 0
+    offs = tl.arange(0, BLOCK_N)
+
+    if SINGLE_BLOCK:
+        mask = offs < N
+        s = _load_stream(X, R, XB, seed, row, offs, mask, p, scale,
+                         HAS_RESIDUAL, HAS_X_BIAS, HAS_DROPOUT, ACC)
+        if STORE_S:
+            tl.store(S + offs, s.to(S.dtype.element_ty), mask=mask)
+        if IS_RMS_NORM:
+            mean = 0.0
+            d = s
+        else:
+            mean = tl.sum(s, axis=0) / N
+            d = tl.where(mask, s - mean, 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=0) / N + eps)
+        y = d * rstd
+        if HAS_W:
+            y *= tl.load(W + offs, mask=mask).to(ACC)
+        if HAS_B:
+            y += tl.load(B + offs, mask=mask).to(ACC)
+        tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+    else:
+        # Pass 1: s (stored once), and its mean.
+        acc = tl.zeros([BLOCK_N], dtype=ACC)
+        for start in range(0, N, BLOCK_N):
+            cols = start + offs
+            mask = cols < N
+            s = _load_stream(X, R, XB, seed, row, cols, mask, p, scale,
+                             HAS_RESIDUAL, HAS_X_BIAS, HAS_DROPOUT, ACC)
+            if STORE_S:
+                tl.store(S + cols, s.to(S.dtype.element_ty), mask=mask)
+            acc += s
+        mean = 0.0 if IS_RMS_NORM else tl.sum(acc, axis=0) / N
+        # Pass 2: the variance around that mean (two passes: no cancellation for large means).
+        acc = tl.zeros([BLOCK_N], dtype=ACC)
+        for start in range(0, N, BLOCK_N):
+            cols = start + offs
+            mask = cols < N
+            s = _load_stream(X, R, XB, seed, row, cols, mask, p, scale,
+                             HAS_RESIDUAL, HAS_X_BIAS, HAS_DROPOUT, ACC)
+            d = tl.where(mask, s - mean, 0.0)
+            acc += d * d
+        rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / N + eps)
+        # Pass 3: normalize.
+        for start in range(0, N, BLOCK_N):
+            cols = start + offs
+            mask = cols < N
+            s = _load_stream(X, R, XB, seed, row, cols, mask, p, scale,
+                             HAS_RESIDUAL, HAS_X_BIAS, HAS_DROPOUT, ACC)
+            y = (s - mean) * rstd
+            if HAS_W:
+                y *= tl.load(W + cols, mask=mask).to(ACC)
+            if HAS_B:
+                y += tl.load(B + cols, mask=mask).to(ACC)
+            tl.store(Y + cols, y.to(Y.dtype.element_ty), mask=mask)
+
+    if not IS_RMS_NORM:
+        tl.store(MEAN + row, mean)
+    tl.store(RSTD + row, rstd)
+
+
+@triton.jit
+def _row_grads(S, DY, W, cols, mask, mean, rstd,
+               IS_RMS_NORM: tl.constexpr, HAS_W: tl.constexpr, ACC: tl.constexpr):
+    """xhat, dy and g = dy * weight for one block of a row (0 where masked)."""
+    s = tl.load(S + cols, mask=mask, other=0.0).to(ACC)
+    xhat = tl.where(mask, (s - mean) * rstd, 0.0)
+    dy = tl.load(DY + cols, mask=mask, other=0.0).to(ACC)
+    g = dy * tl.load(W + cols, mask=mask, other=0.0).to(ACC) if HAS_W else dy
+    return xhat, dy, g
+
+
+@triton.jit
+def _store_input_grads(ds, DS, DX, DR, seed, row, cols, mask, p, scale,
+                       HAS_DS: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_DR: tl.constexpr):
+    """Adds the gradient arriving at s, stores dresidual and dx; returns dx for dx_bias."""
+    if HAS_DS:
+        ds += tl.load(DS + cols, mask=mask, other=0.0).to(ds.dtype)
+    if STORE_DR:
+        tl.store(DR + cols, ds.to(DR.dtype.element_ty), mask=mask)
+    dx = ds
+    if HAS_DROPOUT:
+        dx = tl.where(dropout_keep(seed, row, cols, p), ds * scale, 0.0)
+    tl.store(DX + cols, dx.to(DX.dtype.element_ty), mask=mask)
+    return dx
+
+
+@triton.jit
+def _layer_norm_bwd_kernel(
+    DY,  # in (M, N)
+    DS,  # in (M, N) gradient arriving at the returned s; unused unless HAS_DS
+    S,  # in (M, N) the saved s (x for the plain forms)
+    W,  # in (N,) weight; unused unless HAS_W
+    SEED,  # in (1,) int64 Philox seed; unused unless HAS_DROPOUT
+    MEAN,  # in (M,) fp32; unused for RMSNorm
+    RSTD,  # in (M,) fp32
+    DX,  # out (M, N) gradient for x
+    DR,  # out (M, N) gradient for the residual; unused unless STORE_DR
+    DW_PARTIAL,  # out (programs, N) fp32: this program's share of dweight
+    DB_PARTIAL,  # out (programs, N) fp32: this program's share of dbias
+    DXB_PARTIAL,  # out (programs, N) fp32: this program's share of dx_bias
+    stride_dym, stride_dsm, stride_sm, stride_dxm, stride_drm,
+    M, N, rows_per_program, p, scale,
+    BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr, IS_RMS_NORM: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_DS: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_DR: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    row_start = pid.to(tl.int64) * rows_per_program  # int64 rows: row * stride may pass 2^31
+    row_end = tl.minimum(row_start + rows_per_program, M)
+    seed = tl.load(SEED) if HAS_DROPOUT else 0
+    offs = tl.arange(0, BLOCK_N)
+    partial = pid.to(tl.int64) * N
+
+    if SINGLE_BLOCK:
+        mask = offs < N
+        dw = tl.zeros([BLOCK_N], dtype=ACC)
+        db = tl.zeros([BLOCK_N], dtype=ACC)
+        dxb = tl.zeros([BLOCK_N], dtype=ACC)
+        for row in range(row_start, row_end):
+            mean = 0.0 if IS_RMS_NORM else tl.load(MEAN + row)
+            rstd = tl.load(RSTD + row)
+            xhat, dy, g = _row_grads(S + row * stride_sm, DY + row * stride_dym, W, offs, mask,
+                                     mean, rstd, IS_RMS_NORM, HAS_W, ACC)
+            c1 = tl.sum(xhat * g, axis=0) / N
+            if IS_RMS_NORM:
+                ds = (g - xhat * c1) * rstd
+            else:
+                ds = (g - xhat * c1 - tl.sum(g, axis=0) / N) * rstd
+            dxb += _store_input_grads(ds, DS + row * stride_dsm, DX + row * stride_dxm,
+                                      DR + row * stride_drm, seed, row, offs, mask, p, scale,
+                                      HAS_DS, HAS_DROPOUT, STORE_DR)
+            dw += dy * xhat
+            db += dy
+        tl.store(DW_PARTIAL + partial + offs, dw, mask=mask)
+        tl.store(DB_PARTIAL + partial + offs, db, mask=mask)
+        tl.store(DXB_PARTIAL + partial + offs, dxb, mask=mask)
+    else:
+        # Wide rows: one pass for the two row sums, one to write the grads. The partial rows
+        # are this program's alone (zero-initialised by the launcher), so read-add-write is safe.
+        for row in range(row_start, row_end):
+            mean = 0.0 if IS_RMS_NORM else tl.load(MEAN + row)
+            rstd = tl.load(RSTD + row)
+            acc1 = tl.zeros([BLOCK_N], dtype=ACC)
+            acc2 = tl.zeros([BLOCK_N], dtype=ACC)
+            for start in range(0, N, BLOCK_N):
+                cols = start + offs
+                mask = cols < N
+                xhat, dy, g = _row_grads(S + row * stride_sm, DY + row * stride_dym, W, cols,
+                                         mask, mean, rstd, IS_RMS_NORM, HAS_W, ACC)
+                acc1 += xhat * g
+                acc2 += g
+            c1 = tl.sum(acc1, axis=0) / N
+            c2 = 0.0 if IS_RMS_NORM else tl.sum(acc2, axis=0) / N
+            for start in range(0, N, BLOCK_N):
+                cols = start + offs
+                mask = cols < N
+                xhat, dy, g = _row_grads(S + row * stride_sm, DY + row * stride_dym, W, cols,
+                                         mask, mean, rstd, IS_RMS_NORM, HAS_W, ACC)
+                ds = (g - xhat * c1 - c2) * rstd
+                dx = _store_input_grads(ds, DS + row * stride_dsm, DX + row * stride_dxm,
+                                        DR + row * stride_drm, seed, row, cols, mask, p, scale,
+                                        HAS_DS, HAS_DROPOUT, STORE_DR)
+                p_cols = partial + cols
+                tl.store(DW_PARTIAL + p_cols, tl.load(DW_PARTIAL + p_cols, mask=mask) + dy * xhat, mask=mask)
+                tl.store(DB_PARTIAL + p_cols, tl.load(DB_PARTIAL + p_cols, mask=mask) + dy, mask=mask)
+                tl.store(DXB_PARTIAL + p_cols, tl.load(DXB_PARTIAL + p_cols, mask=mask) + dx, mask=mask)
+
+
+# =============================================================================================
+# Launchers: check nothing, allocate the outputs, launch. Tensors in, tensors out.
+# =============================================================================================
+
+
+def _block_and_warps(n: int, max_single: int) -> tuple[int, bool, int]:
+    block = min(next_power_of_2(n), max_single)
+    num_warps = min(max(block // 256, 1), 16)
+    return block, n <= max_single, num_warps
+
+
+def _dropout_scale(p: float) -> float:
+    return 1.0 / (1.0 - p) if p < 1.0 else 0.0
+
+
+def layer_norm_fwd(
+    x: torch.Tensor,
+    n: int,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    *,
+    is_rms_norm: bool = False,
+    residual: torch.Tensor | None = None,
+    x_bias: torch.Tensor | None = None,
+    p: float = 0.0,
+    seed: torch.Tensor | None = None,
+    store_s: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Normalizes the last `n` features of `x`. Returns (y, s, mean, rstd): y and s shaped like
+    x (s is x itself unless store_s), mean and rstd (rows,) in fp32 (mean empty for RMSNorm)."""
+    dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    x2 = as_rows(x, n)
+    m = x2.shape[0]
+    stat_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    y = torch.empty(x.shape, dtype=dtype, device=x.device)
+    s = torch.empty(x.shape, dtype=dtype, device=x.device) if store_s else x
+    mean = torch.empty(0 if is_rms_norm else m, dtype=stat_dtype, device=x.device)
+    rstd = torch.empty(m, dtype=stat_dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y, s, mean, rstd
+    if not use_triton(x):
+        return _norm_fwd_torch(x, n, weight, bias, eps, is_rms_norm, residual, x_bias, p, seed, store_s)
+    r2 = as_rows(residual, n) if residual is not None else x2
+    y2, s2 = y.view(m, n), s.view(m, n) if store_s else x2
+    block, single, num_warps = _block_and_warps(n, MAX_SINGLE_BLOCK_FWD)
+    has_dropout = p > 0.0
+    _layer_norm_fwd_kernel[(m,)](
+        x2, r2, x_bias if x_bias is not None else x2, weight if weight is not None else x2,
+        bias if bias is not None else x2, seed if has_dropout else x2,
+        y2, s2, mean if not is_rms_norm else rstd, rstd,
+        x2.stride(0), r2.stride(0), y2.stride(0), s2.stride(0),
+        n, eps, p, _dropout_scale(p),
+        BLOCK_N=block, SINGLE_BLOCK=single, IS_RMS_NORM=is_rms_norm,
+        HAS_RESIDUAL=residual is not None, HAS_X_BIAS=x_bias is not None, HAS_DROPOUT=has_dropout,
+        HAS_W=weight is not None, HAS_B=bias is not None, STORE_S=store_s, ACC=acc_dtype(dtype),
+        num_warps=num_warps,
+    )
+    return y, s, mean, rstd
+
+
+def layer_norm_bwd(
+    dy: torch.Tensor,
+    s: torch.Tensor,
+    n: int,
+    weight: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    *,
+    is_rms_norm: bool = False,
+    ds: torch.Tensor | None = None,
+    p: float = 0.0,
+    seed: torch.Tensor | None = None,
+    store_dresidual: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of the norm. Returns (dx, dresidual, dweight, dbias, dx_bias); dresidual is dx
+    itself unless store_dresidual; the three vectors are (n,) in fp32 (fp64 for fp64)."""
+    s2 = as_rows(s, n)
+    m = s2.shape[0]
+    acc = torch.float64 if s.dtype == torch.float64 else torch.float32
+    dx = torch.empty(s.shape, dtype=s.dtype, device=s.device)
+    dr = torch.empty(s.shape, dtype=s.dtype, device=s.device) if store_dresidual else dx
+    if m == 0 or n == 0:
+        zeros = torch.zeros(n, dtype=acc, device=s.device)
+        return dx, dr, zeros, zeros.clone(), zeros.clone()
+    if not use_triton(s):
+        return _norm_bwd_torch(dy, s, n, weight, mean, rstd, is_rms_norm, ds, p, seed, store_dresidual)
+    dy2 = as_rows(dy, n)
+    ds2 = as_rows(ds, n) if ds is not None else dy2
+    block, single, num_warps = _block_and_warps(n, MAX_SINGLE_BLOCK_BWD)
+    programs = min(m, 2 * device_sms(s))
+    rows_per_program = math.ceil(m / programs)
+    programs = math.ceil(m / rows_per_program)
+    alloc = torch.empty if single else torch.zeros
+    partials = alloc((3, programs, n), dtype=acc, device=s.device)
+    dx2, dr2 = dx.view(m, n), dr.view(m, n)
+    has_dropout = p > 0.0
+    _layer_norm_bwd_kernel[(programs,)](
+        dy2, ds2, s2, weight if weight is not None else s2, seed if has_dropout else s2,
+        mean if not is_rms_norm else rstd, rstd, dx2, dr2, partials[0], partials[1], partials[2],
+        dy2.stride(0), ds2.stride(0), s2.stride(0), dx2.stride(0), dr2.stride(0),
+        m, n, rows_per_program, p, _dropout_scale(p),
+        BLOCK_N=block, SINGLE_BLOCK=single, IS_RMS_NORM=is_rms_norm, HAS_W=weight is not None,
+        HAS_DS=ds is not None, HAS_DROPOUT=has_dropout, STORE_DR=store_dresidual,
+        ACC=acc_dtype(s.dtype), num_warps=num_warps,
+    )
+    dw, db, dxb = partials.sum(dim=1)
+    return dx, dr, dw, db, dxb
+
+
+# ---------------------------------------------------------------------------------------------
+# PyTorch path for CPU tensors without the interpreter: same outputs, no Triton.
+# ---------------------------------------------------------------------------------------------
+
+
+def _torch_keep_mask(seed: torch.Tensor, shape: torch.Size, p: float) -> torch.Tensor:
+    gen = torch.Generator(device="cpu").manual_seed(int(seed.item()))
+    return torch.rand(shape, generator=gen) >= p
+
+
+def _norm_fwd_torch(x, n, weight, bias, eps, is_rms_norm, residual, x_bias, p, seed, store_s):
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    s = x.to(acc) if x_bias is None else x.to(acc) + x_bias.to(acc)
+    if p > 0.0:
+        s = torch.where(_torch_keep_mask(seed, s.shape, p).to(s.device), s * _dropout_scale(p), 0.0)
+    if residual is not None:
+        s = s + residual.to(acc)
+    s2 = s.reshape(-1, n)
+    mean = torch.zeros(s2.shape[0], dtype=acc, device=x.device) if is_rms_norm else s2.mean(dim=1)
+    d = s2 - mean[:, None]
+    rstd = torch.rsqrt(d.square().mean(dim=1) + eps)
+    y = d * rstd[:, None]
+    if weight is not None:
+        y = y * weight.reshape(-1).to(acc)
+    if bias is not None:
+        y = y + bias.reshape(-1).to(acc)
+    s_out = s.to(dtype) if store_s else x
+    return y.reshape(x.shape).to(dtype), s_out, mean[:0] if is_rms_norm else mean, rstd
+
+
+def _norm_bwd_torch(dy, s, n, weight, mean, rstd, is_rms_norm, ds, p, seed, store_dresidual):
+    acc = mean.dtype if mean.numel() else rstd.dtype
+    s2 = s.reshape(-1, n).to(acc)
+    dy2 = dy.reshape(-1, n).to(acc)
+    xhat = (s2 - (0.0 if is_rms_norm else mean[:, None])) * rstd[:, None]
+    g = dy2 * weight.reshape(-1).to(acc) if weight is not None else dy2
+    c1 = (xhat * g).mean(dim=1, keepdim=True)
+    c2 = 0.0 if is_rms_norm else g.mean(dim=1, keepdim=True)
+    grad_s = (g - xhat * c1 - c2) * rstd[:, None]
+    if ds is not None:
+        grad_s = grad_s + ds.reshape(-1, n).to(acc)
+    dx = grad_s
+    if p > 0.0:
+        dx = torch.where(_torch_keep_mask(seed, grad_s.shape, p).to(s.device), grad_s * _dropout_scale(p), 0.0)
+    dr = grad_s.reshape(s.shape).to(s.dtype) if store_dresidual else None
+    dx_out = dx.reshape(s.shape).to(s.dtype)
+    return dx_out, dr if dr is not None else dx_out, (dy2 * xhat).sum(0), dy2.sum(0), dx.sum(0)
+
+
+# =============================================================================================
+# Checks, shared by the registered ops (real and fake) and the eager path
+# =============================================================================================
+
+
+def _check_norm_inputs(op, x, normalized_shape, weight, bias, eps, residual=None, x_bias=None, p=0.0):
+    check_tensor(op, "input", x)
+    check_float(op, "input", x)
+    normalized_shape = tuple(normalized_shape)
+    k = len(normalized_shape)
+    if k == 0 or x.dim() < k or tuple(x.shape[-k:]) != normalized_shape:
+        raise ValueError(
+            f"trifuse.{op}: normalized_shape {list(normalized_shape)} must be the trailing "
+            f"dimensions of input, whose shape is {list(x.shape)}"
+        )
+    for name, t in (("weight", weight), ("bias", bias), ("x_bias", x_bias)):
+        if t is not None:
+            check_tensor(op, name, t)
+            check_float(op, name, t)
+            check_shape(op, name, t, normalized_shape)
+    if residual is not None:
+        check_tensor(op, "residual", residual)
+        check_float(op, "residual", residual)
+        check_shape(op, "residual", residual, x.shape)
+    check_same_device(op, "input", x, weight=weight, bias=bias, residual=residual, x_bias=x_bias)
+    if not isinstance(eps, (int, float)) or not eps >= 0.0:
+        raise ValueError(f"trifuse.{op}: eps must be a non-negative number, got {eps!r}")
+    check_probability(op, "p", p)
+    return math.prod(normalized_shape)
+
+
+def _stats_shape(x: torch.Tensor, k: int) -> int:
+    return math.prod(x.shape[: x.dim() - k])
+
+
+# =============================================================================================
+# Registered ops: what torch.compile, fx and exported graphs see. Each forward op returns its
+# outputs plus what its backward needs (statistics, and the seed for dropout); the backward op
+# is registered beside it.
+# =============================================================================================
+
+Tensor = torch.Tensor
+OptTensor = torch.Tensor | None
+
+
+@torch.library.custom_op("trifuse::layer_norm", mutates_args=())
+def _layer_norm_op(x: Tensor, normalized_shape: list[int], weight: OptTensor, bias: OptTensor,
+                   eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    n = _check_norm_inputs("layer_norm", x, normalized_shape, weight, bias, eps)
+    y, _, mean, rstd = layer_norm_fwd(x, n, weight, bias, eps)
+    return y, mean, rstd
+
+
+@torch.library.custom_op("trifuse::rms_norm", mutates_args=())
+def _rms_norm_op(x: Tensor, normalized_shape: list[int], weight: OptTensor, eps: float) -> tuple[Tensor, Tensor]:
+    n = _check_norm_inputs("rms_norm", x, normalized_shape, weight, None, eps)
+    y, _, _, rstd = layer_norm_fwd(x, n, weight, None, eps, is_rms_norm=True)
+    return y, rstd
+
+
+@torch.library.custom_op("trifuse::dropout_add_layer_norm", mutates_args=())
+def _dropout_add_layer_norm_op(
+    x: Tensor, residual: OptTensor, normalized_shape: list[int], weight: OptTensor, bias: OptTensor,
+    eps: float, p: float, x_bias: OptTensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _dropout_add_norm(x, residual, normalized_shape, weight, bias, eps, p, x_bias, False)
+
+
+@torch.library.custom_op("trifuse::dropout_add_rms_norm", mutates_args=())
+def _dropout_add_rms_norm_op(
+    x: Tensor, residual: OptTensor, normalized_shape: list[int], weight: OptTensor,
+    eps: float, p: float, x_bias: OptTensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _dropout_add_norm(x, residual, normalized_shape, weight, None, eps, p, x_bias, True)
+
+
+def _dropout_add_norm(x, residual, normalized_shape, weight, bias, eps, p, x_bias, is_rms_norm):
+    op = "dropout_add_rms_norm" if is_rms_norm else "dropout_add_layer_norm"
+    n = _check_norm_inputs(op, x, normalized_shape, weight, bias, eps, residual, x_bias, p)
+    seed = philox_seed(x.device) if p > 0.0 else torch.zeros(1, dtype=torch.int64, device=x.device)
+    y, s, mean, rstd = layer_norm_fwd(x, n, weight, bias, eps, is_rms_norm=is_rms_norm,
+                                      residual=residual, x_bias=x_bias, p=p, seed=seed, store_s=True)
+    return y, s, mean, rstd, seed
+
+
+@torch.library.custom_op("trifuse::layer_norm_backward", mutates_args=())
+def _layer_norm_backward_op(
+    dy: Tensor, ds: OptTensor, s: Tensor, normalized_shape: list[int], weight: OptTensor,
+    mean: Tensor, rstd: Tensor, seed: OptTensor, p: float, is_rms_norm: bool, store_dresidual: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dx, dresidual, dweight, dbias, dx_bias) for every LayerNorm / RMSNorm forward op."""
+    dx, dr, dw, db, dxb = layer_norm_bwd(
+        dy, s, math.prod(normalized_shape), weight, mean, rstd, is_rms_norm=is_rms_norm, ds=ds,
+        p=p, seed=seed, store_dresidual=store_dresidual,
+    )
+    # A custom op may not return one tensor twice: dresidual is empty unless stored apart.
+    return dx, (dr if store_dresidual else dx.new_empty(0)), dw, db, dxb
+
+
+@_layer_norm_op.register_fake
+def _(x, normalized_shape, weight, bias, eps):
+    _check_norm_inputs("layer_norm", x, normalized_shape, weight, bias, eps)
+    m = _stats_shape(x, len(normalized_shape))
+    return torch.empty_like(x), x.new_empty(m, dtype=_stat_dtype(x)), x.new_empty(m, dtype=_stat_dtype(x))
+
+
+@_rms_norm_op.register_fake
+def _(x, normalized_shape, weight, eps):
+    _check_norm_inputs("rms_norm", x, normalized_shape, weight, None, eps)
+    return torch.empty_like(x), x.new_empty(_stats_shape(x, len(normalized_shape)), dtype=_stat_dtype(x))
+
+
+def _dropout_add_norm_fake(x, residual, normalized_shape, weight, bias, eps, p, x_bias, is_rms_norm):
+    op = "dropout_add_rms_norm" if is_rms_norm else "dropout_add_layer_norm"
+    _check_norm_inputs(op, x, normalized_shape, weight, bias, eps, residual, x_bias, p)
+    dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    m = _stats_shape(x, len(normalized_shape))
+    y = x.new_empty(x.shape, dtype=dtype)
+    stat = _stat_dtype(y)
+    return (y, torch.empty_like(y), y.new_empty(0 if is_rms_norm else m, dtype=stat),
+            y.new_empty(m, dtype=stat), y.new_empty(1, dtype=torch.int64))
+
+
+@_dropout_add_layer_norm_op.register_fake
+def _(x, residual, normalized_shape, weight, bias, eps, p, x_bias):
+    return _dropout_add_norm_fake(x, residual, normalized_shape, weight, bias, eps, p, x_bias, False)
+
+
+@_dropout_add_rms_norm_op.register_fake
+def _(x, residual, normalized_shape, weight, eps, p, x_bias):
+    return _dropout_add_norm_fake(x, residual, normalized_shape, weight, None, eps, p, x_bias, True)
+
+
+@_layer_norm_backward_op.register_fake
+def _(dy, ds, s, normalized_shape, weight, mean, rstd, seed, p, is_rms_norm, store_dresidual):
+    n = math.prod(normalized_shape)
+    vec = s.new_empty(n, dtype=_stat_dtype(s))
+    dr = torch.empty_like(s) if store_dresidual else s.new_empty(0)
+    return torch.empty_like(s), dr, vec, torch.empty_like(vec), torch.empty_like(vec)
+
+
+def _stat_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+# Autograd for the registered ops. Each forward saves what the one backward op needs.
+
+
+def _grad_as(g: torch.Tensor, like: torch.Tensor | None) -> torch.Tensor | None:
+    return None if like is None else g.to(like.dtype).reshape(like.shape)
+
+
+def _setup_plain(ctx, inputs, output, is_rms_norm):
+    x, normalized_shape, weight = inputs[0], inputs[1], inputs[2]
+    bias = None if is_rms_norm else inputs[3]
+    stats = output[1:]
+    mean, rstd = (stats[0][:0], stats[0]) if is_rms_norm else stats
+    ctx.save_for_backward(x, weight, bias, mean, rstd)
+    ctx.normalized_shape, ctx.is_rms_norm = normalized_shape, is_rms_norm
+    ctx.needs = ctx.needs_input_grad
+
+
+def _backward_plain(ctx, dy, *_):
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    dx, _, dw, db, _ = torch.ops.trifuse.layer_norm_backward(
+        dy, None, x, ctx.normalized_shape, weight, mean, rstd, None, 0.0, ctx.is_rms_norm, False)
+    if ctx.is_rms_norm:
+        return dx, None, _grad_as(dw, weight), None
+    return dx, None, _grad_as(dw, weight), _grad_as(db, bias), None
+
+
+def _setup_fused(ctx, inputs, output, is_rms_norm):
+    x, residual, normalized_shape, weight = inputs[:4]
+    bias = None if is_rms_norm else inputs[4]
+    eps_p_xb = inputs[4:] if is_rms_norm else inputs[5:]
+    p, x_bias = eps_p_xb[1], eps_p_xb[2]
+    _, s, mean, rstd, seed = output
+    ctx.save_for_backward(s, weight, bias, x_bias, mean, rstd, seed)
+    ctx.normalized_shape, ctx.is_rms_norm, ctx.p = normalized_shape, is_rms_norm, p
+    ctx.x_dtype, ctx.has_residual = x.dtype, residual is not None
+    ctx.residual_dtype = residual.dtype if residual is not None else None
+
+
+def _backward_fused(ctx, dy, ds, *_):
+    s, weight, bias, x_bias, mean, rstd, seed = ctx.saved_tensors
+    p = ctx.p
+    # With a residual, the kernel writes dresidual apart from dx (they differ under dropout, and
+    # a custom op may not return one tensor twice).
+    dx, dr, dw, db, dxb = torch.ops.trifuse.layer_norm_backward(
+        dy, ds, s, ctx.normalized_shape, weight, mean, rstd, seed, p, ctx.is_rms_norm, ctx.has_residual)
+    dres = dr.to(ctx.residual_dtype) if ctx.has_residual else None
+    grads = [dx.to(ctx.x_dtype), dres, None, _grad_as(dw, weight)]
+    if not ctx.is_rms_norm:
+        grads.append(_grad_as(db, bias))
+    return (*grads, None, None, _grad_as(dxb, x_bias))
+
+
+torch.library.register_autograd(
+    "trifuse::layer_norm", _backward_plain, setup_context=lambda c, i, o: _setup_plain(c, i, o, False))
+torch.library.register_autograd(
+    "trifuse::rms_norm", _backward_plain, setup_context=lambda c, i, o: _setup_plain(c, i, o, True))
+torch.library.register_autograd(
+    "trifuse::dropout_add_layer_norm", _backward_fused,
+    setup_context=lambda c, i, o: _setup_fused(c, i, o, False))
+torch.library.register_autograd(
+    "trifuse::dropout_add_rms_norm", _backward_fused,
+    setup_context=lambda c, i, o: _setup_fused(c, i, o, True))
+
+
+# =============================================================================================
+# Eager fast path: a thin autograd.Function straight over the launchers (a registered op costs
+# ~60-150 us of host time per call; see DESIGN.md "Host overhead"). Same launchers, same bits.
+# =============================================================================================
+
+
+class _NormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, x_bias, weight, bias, n, eps, p, is_rms_norm, fused):
+        seed = philox_seed(x.device) if p > 0.0 else None
+        y, s, mean, rstd = layer_norm_fwd(x, n, weight, bias, eps, is_rms_norm=is_rms_norm,
+                                          residual=residual, x_bias=x_bias, p=p, seed=seed,
+                                          store_s=fused)
+        ctx.save_for_backward(s, weight, bias, x_bias, mean, rstd, seed)
+        ctx.n, ctx.p, ctx.is_rms_norm, ctx.fused = n, p, is_rms_norm, fused
+        ctx.x_dtype = x.dtype
+        ctx.residual_dtype = residual.dtype if residual is not None else None
+        if fused:
+            return y, s
+        return y
+
+    @staticmethod
+    def backward(ctx, dy, ds=None):
+        s, weight, bias, x_bias, mean, rstd, seed = ctx.saved_tensors
+        name = "trifuse::rms_norm_backward" if ctx.is_rms_norm else "trifuse::layer_norm_backward"
+        with profiled(name):
+            dx, dr, dw, db, dxb = layer_norm_bwd(
+                dy, s, ctx.n, weight, mean, rstd, is_rms_norm=ctx.is_rms_norm, ds=ds, p=ctx.p,
+                seed=seed, store_dresidual=ctx.p > 0.0)
+        needs = ctx.needs_input_grad
+        return (
+            dx.to(ctx.x_dtype) if needs[0] else None,
+            dr.to(ctx.residual_dtype) if needs[1] else None,
+            _grad_as(dxb, x_bias) if needs[2] else None,
+            _grad_as(dw, weight) if needs[3] else None,
+            _grad_as(db, bias) if needs[4] else None,
+            None, None, None, None, None,
+        )
+
+
+# =============================================================================================
+# Public API
+# =============================================================================================
+
+
+def _norm(op_name, x, normalized_shape, weight, bias, eps, residual, is_rms_norm, p=0.0, x_bias=None):
+    if isinstance(normalized_shape, int):
+        normalized_shape = (normalized_shape,)
+    normalized_shape = list(normalized_shape)
+    fused = residual is not None or p > 0.0 or x_bias is not None
+    if eager_fast_path(x, weight, bias, residual, x_bias):
+        n = _check_norm_inputs(op_name, x, normalized_shape, weight, bias, eps, residual, x_bias, p)
+        with profiled(f"trifuse::{op_name}"):
+            return _NormFunction.apply(x, residual, x_bias, weight, bias, n, eps, p, is_rms_norm, fused)
+    if fused:
+        if is_rms_norm:
+            out = torch.ops.trifuse.dropout_add_rms_norm(x, residual, normalized_shape, weight, eps, p, x_bias)
+        else:
+            out = torch.ops.trifuse.dropout_add_layer_norm(
+                x, residual, normalized_shape, weight, bias, eps, p, x_bias)
+        return out[0], out[1]
+    if is_rms_norm:
+        return torch.ops.trifuse.rms_norm(x, normalized_shape, weight, eps)[0]
+    return torch.ops.trifuse.layer_norm(x, normalized_shape, weight, bias, eps)[0]
+
+
+def layer_norm(
+    x: torch.Tensor,
+    normalized_shape: int | Sequence[int],
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """LayerNorm over the trailing `normalized_shape` dims, like `F.layer_norm`.
+
+    Args:
+        x: (..., *normalized_shape), fp16 / bf16 / fp32 / fp64; any strides.
+        weight, bias: normalized_shape, optional; any float dtype.
+        residual: like x, optional. When given, computes s = x + residual and y = LN(s) in one
+            pass and returns (y, s): the pre-norm residual stream. Gradients reach x and residual.
+
+    Returns:
+        y shaped like x (or (y, s)), in x's dtype (promoted with residual's).
+
+    Raises:
+        TypeError for non-float tensors; ValueError for shapes, devices or eps that do not fit.
+    """
+    op = "layer_norm" if residual is None else "dropout_add_layer_norm"
+    return _norm(op, x, normalized_shape, weight, bias, eps, residual, is_rms_norm=False)
+
+
+def rms_norm(
+    x: torch.Tensor,
+    normalized_shape: int | Sequence[int],
+    weight: torch.Tensor | None = None,
+    eps: float | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm, like `F.rms_norm` (eps None means `torch.finfo(x.dtype).eps`).
+
+    y = s * rsqrt(mean(s^2) + eps) * weight over the trailing dims, with s = x (+ residual).
+    Shapes, dtypes, the residual form and errors as `layer_norm`.
+    """
+    if eps is None:
+        eps = torch.finfo(x.dtype).eps if isinstance(x, torch.Tensor) and x.is_floating_point() else 1e-6
+    op = "rms_norm" if residual is None else "dropout_add_rms_norm"
+    return _norm(op, x, normalized_shape, weight, None, eps, residual, is_rms_norm=True)
+
+
+def dropout_add_layer_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    normalized_shape: int | Sequence[int],
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    p: float = 0.0,
+    training: bool = True,
+    x_bias: torch.Tensor | None = None,
+    is_rms_norm: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream of a transformer block in one kernel each way:
+
+        s = residual + dropout(x + x_bias, p);  y = LayerNorm(s) (or RMSNorm);  returns (y, s)
+
+    x_bias is the bias of the linear that produced x, folded in here. With training=False or
+    p=0 no random numbers are drawn. The mask comes from Philox seeded by PyTorch's generator on
+    x's device (torch.manual_seed controls it) and is regenerated in the backward; p=1 gives
+    s = residual. Shapes and dtypes as `layer_norm`; with is_rms_norm=True, bias must be None.
+
+    Raises:
+        ValueError for p outside [0, 1] and everything `layer_norm` rejects.
+    """
+    check_probability("dropout_add_layer_norm", "p", p)
+    if is_rms_norm and bias is not None:
+        raise ValueError("trifuse.dropout_add_rms_norm: RMSNorm takes no bias, got one")
+    p = float(p) if training else 0.0
+    op = "dropout_add_rms_norm" if is_rms_norm else "dropout_add_layer_norm"
+    if residual is None and p == 0.0 and x_bias is None:
+        # Nothing to add: still return (y, s) with s = x, as the signature promises.
+        y = _norm(op, x, normalized_shape, weight, bias, eps, None, is_rms_norm)
+        return y, x
+    return _norm(op, x, normalized_shape, weight, bias, eps, residual, is_rms_norm, p, x_bias)

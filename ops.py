@@ -1,0 +1,8 @@
+"""The functional API: one function per fused op, named and shaped like torch.nn.functional.
+
+Each dispatches to a thin autograd.Function in eager mode and to the registered `trifuse::`
+op under torch.compile, fx and export.
+"""
+from .kernels.layer_norm import dropout_add_layer_norm, layer_norm, rms_norm
+
+__all__ = ["layer_norm", "rms_norm", "dropout_add_layer_norm"]

@@ -1,0 +1,1 @@
+"""Tensor and sequence parallelism over torch.distributed."""

@@ -1,0 +1,1 @@
+"""The subgraphs trifuse finds, written as plain PyTorch functions, each with its replacement."""

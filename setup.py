@@ -1,0 +1,29 @@
+"""trifuse: autotuned Triton kernels swapped into unmodified PyTorch models.
+
+The repository root is the package `trifuse`; its sub-folders install as
+`trifuse.kernels`, `trifuse.fusion`, ... (never as top-level packages).
+tests/, bench/ and examples/ are not packaged.
+"""
+from setuptools import setup
+
+SUBPACKAGES = ("kernels", "fusion", "patterns", "autotune", "parallel")
+
+setup(
+    name="trifuse",
+    version="0.1.0",
+    description="Fused, autotuned Triton kernels for transformer training, applied by an fx rewriter",
+    python_requires=">=3.10",
+    package_dir={"trifuse": ".", **{f"trifuse.{p}": p for p in SUBPACKAGES}},
+    packages=["trifuse", *(f"trifuse.{p}" for p in SUBPACKAGES)],
+    install_requires=[
+        "torch>=2.4",
+        "triton>=3.0; platform_system == 'Linux'",
+        "packaging",
+    ],
+    extras_require={
+        "test": ["pytest", "hypothesis", "pytest-benchmark", "transformers"],
+        "bench": ["pytest-benchmark", "matplotlib"],
+        "flash-attn": ["flash-attn"],
+        "xformers": ["xformers"],
+    },
+)
