@@ -27,6 +27,7 @@ Kernels: one row per program in the forward; in the backward each program walks 
 range of rows. Rows up to MAX_SINGLE_BLOCK_* stay in registers in one block; wider rows are
 walked in chunks (re-reading the row, which stays in L2), so any width runs without spilling.
 """
+import functools
 import math
 from collections.abc import Sequence
 
@@ -563,8 +564,9 @@ def _layer_norm_backward_op(
         dy, s, math.prod(normalized_shape), weight, mean, rstd, is_rms_norm=is_rms_norm, ds=ds,
         p=p, seed=seed, store_dresidual=store_dresidual,
     )
-    # A custom op may not return one tensor twice: dresidual is empty unless stored apart.
-    return dx, (dr if store_dresidual else dx.new_empty(0)), dw, db, dxb
+    # A custom op's outputs may not alias: dresidual is empty unless stored apart, and the three
+    # vectors (views of one partial-sum buffer on the eager path) are copied.
+    return dx, (dr if store_dresidual else dx.new_empty(0)), dw, db.clone(), dxb.clone()
 
 
 @_layer_norm_op.register_fake
@@ -665,16 +667,13 @@ def _backward_fused(ctx, dy, ds, *_):
     return (*grads, None, None, _grad_as(dxb, x_bias))
 
 
-torch.library.register_autograd(
-    "trifuse::layer_norm", _backward_plain, setup_context=lambda c, i, o: _setup_plain(c, i, o, False))
-torch.library.register_autograd(
-    "trifuse::rms_norm", _backward_plain, setup_context=lambda c, i, o: _setup_plain(c, i, o, True))
-torch.library.register_autograd(
-    "trifuse::dropout_add_layer_norm", _backward_fused,
-    setup_context=lambda c, i, o: _setup_fused(c, i, o, False))
-torch.library.register_autograd(
-    "trifuse::dropout_add_rms_norm", _backward_fused,
-    setup_context=lambda c, i, o: _setup_fused(c, i, o, True))
+for _name, _backward, _setup, _is_rms in (
+    ("trifuse::layer_norm", _backward_plain, _setup_plain, False),
+    ("trifuse::rms_norm", _backward_plain, _setup_plain, True),
+    ("trifuse::dropout_add_layer_norm", _backward_fused, _setup_fused, False),
+    ("trifuse::dropout_add_rms_norm", _backward_fused, _setup_fused, True),
+):
+    torch.library.register_autograd(_name, _backward, setup_context=functools.partial(_setup, is_rms_norm=_is_rms))
 
 
 # =============================================================================================
