@@ -320,6 +320,11 @@ def _block_and_warps(n: int, max_single: int) -> tuple[int, bool, int]:
     return block, n <= max_single, num_warps
 
 
+def _flat(t: torch.Tensor | None) -> torch.Tensor | None:
+    """Per-feature vectors as contiguous (N,) (no copy when they already are)."""
+    return None if t is None else t.contiguous().view(-1)
+
+
 def _dropout_scale(p: float) -> float:
     return 1.0 / (1.0 - p) if p < 1.0 else 0.0
 
@@ -341,6 +346,7 @@ def layer_norm_fwd(
     """Normalizes the last `n` features of `x`. Returns (y, s, mean, rstd): y and s shaped like
     x (s is x itself unless store_s), mean and rstd (rows,) in fp32 (mean empty for RMSNorm)."""
     dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    weight, bias, x_bias = _flat(weight), _flat(bias), _flat(x_bias)
     x2 = as_rows(x, n)
     m = x2.shape[0]
     stat_dtype = torch.float64 if dtype == torch.float64 else torch.float32
@@ -386,6 +392,7 @@ def layer_norm_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of the norm. Returns (dx, dresidual, dweight, dbias, dx_bias); dresidual is dx
     itself unless store_dresidual; the three vectors are (n,) in fp32 (fp64 for fp64)."""
+    weight = _flat(weight)
     s2 = as_rows(s, n)
     m = s2.shape[0]
     acc = torch.float64 if s.dtype == torch.float64 else torch.float32
@@ -726,6 +733,7 @@ def _norm(op_name, x, normalized_shape, weight, bias, eps, residual, is_rms_norm
         normalized_shape = (normalized_shape,)
     normalized_shape = list(normalized_shape)
     fused = residual is not None or p > 0.0 or x_bias is not None
+    check_tensor(op_name, "input", x)
     if eager_fast_path(x, weight, bias, residual, x_bias):
         n = _check_norm_inputs(op_name, x, normalized_shape, weight, bias, eps, residual, x_bias, p)
         with profiled(f"trifuse::{op_name}"):

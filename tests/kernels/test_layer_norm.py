@@ -1,0 +1,309 @@
+"""LayerNorm / RMSNorm and the pre-norm residual form against the float64 oracle.
+
+On CPU these run the real Triton kernels in the interpreter (tests/_device.py); on a GPU the
+same tests run natively and add bf16.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tolerances import DTYPES, assert_close, check_close
+
+from _device import DEVICE
+import trifuse
+from trifuse.kernels import layer_norm as ln_mod
+from trifuse.kernels.layer_norm import layer_norm_ref
+
+# widths: 1, odd, just past a power of two, past one block, and the wide (chunked) path
+SHAPES = [(1, 1), (3, 7), (4, 100), (2, 129), (5, 1000), (2, 4097), (0, 32), (2, 3, 50), (2, 2, 3, 17)]
+WIDE_SHAPES = [(2, 20000), (1, 65536)]
+VARIANTS = ["layer_norm", "layer_norm-no-affine", "rms_norm", "layer_norm-residual", "rms_norm-residual"]
+
+
+def _ids(shape):
+    return "x".join(map(str, shape))
+
+
+def make(shape, dtype, variant, scale=1.0, offset=0.0):
+    n = shape[-1]
+    x = (torch.randn(shape, device=DEVICE, dtype=torch.float64) * scale + offset).to(dtype).requires_grad_()
+    affine = "no-affine" not in variant
+    w = torch.randn(n, device=DEVICE, dtype=dtype, requires_grad=True) if affine else None
+    b = torch.randn(n, device=DEVICE, dtype=dtype, requires_grad=True) if affine and "layer" in variant else None
+    r = torch.randn(shape, device=DEVICE, dtype=dtype, requires_grad=True) if "residual" in variant else None
+    return x, w, b, r
+
+
+def run_trifuse(variant, x, w, b, r, eps=1e-5):
+    n = x.shape[-1]
+    if variant.startswith("rms"):
+        return trifuse.ops.rms_norm(x, (n,), w, eps, residual=r)
+    return trifuse.ops.layer_norm(x, (n,), w, b, eps, residual=r)
+
+
+def run_ref(variant, x, w, b, r, eps=1e-5):
+    return layer_norm_ref(x, (x.shape[-1],), w, b, eps, r, is_rms_norm=variant.startswith("rms"))
+
+
+def as_tuple(out):
+    return out if isinstance(out, tuple) else (out,)
+
+
+def upcast(*ts):
+    return [None if t is None else t.detach().double().requires_grad_() for t in ts]
+
+
+def lowp(*ts):
+    return [None if t is None else t.detach().clone().requires_grad_() for t in ts]
+
+
+def check_fwd_bwd(variant, dtype, x, w, b, r):
+    """Forward outputs and every gradient against float64, bounded by PyTorch's own error."""
+    inputs = [t for t in (x, w, b, r) if t is not None]
+    out = as_tuple(run_trifuse(variant, x, w, b, r))
+    x64, w64, b64, r64 = upcast(x, w, b, r)
+    ref = as_tuple(run_ref(variant, x64, w64, b64, r64))
+    xl, wl, bl, rl = lowp(x, w, b, r)
+    ref_lp = as_tuple(run_ref(variant, xl, wl, bl, rl))
+    for i, (o, o64, olp) in enumerate(zip(out, ref, ref_lp)):
+        assert o.dtype == dtype and o.shape == x.shape
+        assert_close(f"{variant} out{i}", o, o64, olp)
+    if x.numel() == 0:
+        return
+    grads_out = [torch.randn_like(o) for o in out]
+    g = torch.autograd.grad(out, inputs, grads_out)
+    g64 = torch.autograd.grad(ref, [t for t in (x64, w64, b64, r64) if t is not None], [d.double() for d in grads_out])
+    glp = torch.autograd.grad(ref_lp, [t for t in (xl, wl, bl, rl) if t is not None], grads_out)
+    for name, a, a64, alp in zip(("dx", "dweight", "dbias", "dresidual"), g, g64, glp):
+        assert a.dtype == dtype
+        assert_close(f"{variant} {name}", a, a64, alp)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("shape", SHAPES, ids=_ids)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_matches_float64_oracle(dtype, shape, variant):
+    check_fwd_bwd(variant, dtype, *make(shape, dtype, variant))
+
+
+@pytest.mark.parametrize("variant", ["layer_norm", "rms_norm-residual"])
+@pytest.mark.parametrize("shape", WIDE_SHAPES, ids=_ids)
+def test_wide_rows_use_the_chunked_path(shape, variant):
+    assert shape[-1] > ln_mod.MAX_SINGLE_BLOCK_BWD
+    check_fwd_bwd(variant, torch.float32, *make(shape, torch.float32, variant))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_large_offset_and_scale(dtype):
+    """Mean 1e3 and spread 1e2 (fp16 still represents them): no cancellation in the variance."""
+    check_fwd_bwd("layer_norm", dtype, *make((4, 300), dtype, "layer_norm", scale=100.0, offset=1000.0))
+
+
+@pytest.mark.parametrize("variant", ["layer_norm", "rms_norm-residual"])
+def test_strided_inputs(variant):
+    """Sliced rows (a view with a row stride) and permuted tensors (a copy) both stay right."""
+    big = torch.randn(6, 150, device=DEVICE, requires_grad=True)
+    x = big[:, 10:110]  # (6, 100), row stride 150
+    _, w, b, r = make((6, 100), torch.float32, variant)
+    check_fwd_bwd(variant, torch.float32, x, w, b, r)
+    xt = torch.randn(40, 5, 3, device=DEVICE).permute(2, 1, 0).requires_grad_()  # (3, 5, 40)
+    _, w, b, r = make((3, 5, 40), torch.float32, variant)
+    if r is not None:
+        r = torch.randn(40, 5, 3, device=DEVICE).permute(2, 1, 0).requires_grad_()
+    check_fwd_bwd(variant, torch.float32, xt, w, b, r)
+
+
+def test_strided_weight_and_multi_dim_normalized_shape():
+    x = torch.randn(3, 4, 5, device=DEVICE, requires_grad=True)
+    w = torch.randn(4, 10, device=DEVICE)[:, ::2].requires_grad_()  # (4, 5), not contiguous
+    b = torch.randn(4, 5, device=DEVICE, requires_grad=True)
+    y = trifuse.ops.layer_norm(x, (4, 5), w, b)
+    ref = F.layer_norm(x.double(), (4, 5), w.double(), b.double())
+    assert_close("y", y, ref, F.layer_norm(x, (4, 5), w, b))
+    g = torch.randn_like(y)
+    for a, a64 in zip(torch.autograd.grad(y, (x, w, b), g), torch.autograd.grad(ref, (x, w, b), g.double())):
+        assert_close("grad", a, a64, None)
+
+
+def test_nan_and_inf_propagate_like_pytorch():
+    x = torch.randn(4, 33, device=DEVICE)
+    x[1, 3] = float("nan")
+    x[2, 5] = float("inf")
+    y = trifuse.ops.layer_norm(x, (33,))
+    ref = F.layer_norm(x, (33,))
+    assert torch.equal(torch.isnan(y), torch.isnan(ref))
+    assert_close("finite rows", y[[0, 3]], ref[[0, 3]].double(), None)
+
+
+def test_gradcheck_float64():
+    x = torch.randn(3, 9, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(9, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(9, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    r = torch.randn(3, 9, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda *a: trifuse.ops.layer_norm(a[0], (9,), a[1], a[2]), (x, w, b))
+    assert torch.autograd.gradcheck(lambda *a: trifuse.ops.rms_norm(a[0], (9,), a[1], 1e-6, residual=a[2]), (x, w, r))
+    assert torch.autograd.gradcheck(
+        lambda *a: torch.ops.trifuse.dropout_add_layer_norm(a[0], a[1], [9], a[2], a[3], 1e-5, 0.0, None)[:2],
+        (x, r, w, b))
+
+
+def test_weight_grads_are_deterministic():
+    """dweight/dbias come from fixed-order partial sums: bitwise equal run to run."""
+    x, w, b, r = make((37, 130), torch.float32, "layer_norm-residual")
+    results = []
+    for _ in range(2):
+        y, s = run_trifuse("layer_norm-residual", x, w, b, r)
+        results.append(torch.autograd.grad((y.sum() + s.square().sum()), (x, w, b, r)))
+    for a, b_ in zip(*results):
+        assert torch.equal(a, b_)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_eager_path_and_registered_op_are_bitwise_equal(variant):
+    x, w, b, r = make((5, 70), torch.float32, variant)
+    n, eps = 70, 1e-5
+    eager = as_tuple(run_trifuse(variant, x, w, b, r))
+    if variant == "layer_norm" or variant == "layer_norm-no-affine":
+        op = torch.ops.trifuse.layer_norm(x, [n], w, b, eps)[:1]
+    elif variant == "rms_norm":
+        op = torch.ops.trifuse.rms_norm(x, [n], w, eps)[:1]
+    elif variant == "layer_norm-residual":
+        op = torch.ops.trifuse.dropout_add_layer_norm(x, r, [n], w, b, eps, 0.0, None)[:2]
+    else:
+        op = torch.ops.trifuse.dropout_add_rms_norm(x, r, [n], w, eps, 0.0, None)[:2]
+    inputs = [t for t in (x, w, b, r) if t is not None]
+    dys = [torch.randn_like(o) for o in eager]
+    for a, b_ in zip(eager, op):
+        assert torch.equal(a, b_)
+    for a, b_ in zip(torch.autograd.grad(eager, inputs, dys), torch.autograd.grad(op, inputs, dys)):
+        assert torch.equal(a, b_)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_compiles_fullgraph_without_graph_breaks(variant):
+    x, w, b, r = make((4, 48), torch.float32, variant)
+    fn = torch.compile(lambda *a: run_trifuse(variant, *a), fullgraph=True, backend="aot_eager")
+    out, ref = as_tuple(fn(x, w, b, r)), as_tuple(run_trifuse(variant, x, w, b, r))
+    inputs = [t for t in (x, w, b, r) if t is not None]
+    for a, b_ in zip(out, ref):
+        torch.testing.assert_close(a, b_)
+    for a, b_ in zip(torch.autograd.grad(out, inputs, [torch.ones_like(o) for o in out]),
+                     torch.autograd.grad(ref, inputs, [torch.ones_like(o) for o in ref])):
+        torch.testing.assert_close(a, b_)
+
+
+def test_opcheck_every_op():
+    x = torch.randn(3, 16, device=DEVICE, requires_grad=True)
+    r = torch.randn(3, 16, device=DEVICE, requires_grad=True)
+    w = torch.randn(16, device=DEVICE, requires_grad=True)
+    b = torch.randn(16, device=DEVICE, requires_grad=True)
+    torch.library.opcheck(torch.ops.trifuse.layer_norm.default, (x, [16], w, b, 1e-5))
+    torch.library.opcheck(torch.ops.trifuse.rms_norm.default, (x, [16], w, 1e-6))
+    torch.library.opcheck(torch.ops.trifuse.dropout_add_layer_norm.default, (x, r, [16], w, b, 1e-5, 0.0, None))
+    torch.library.opcheck(torch.ops.trifuse.dropout_add_rms_norm.default, (x, r, [16], w, 1e-6, 0.0, b))
+
+
+def test_autocast_keeps_activation_dtype_and_accuracy():
+    x = torch.randn(4, 64, device=DEVICE, dtype=torch.float16, requires_grad=True)
+    ln = torch.nn.LayerNorm(64, device=DEVICE)  # fp32 master weights
+    with torch.autocast(DEVICE, dtype=torch.float16):
+        y = trifuse.ops.layer_norm(x, (64,), ln.weight, ln.bias)
+    assert y.dtype == torch.float16
+    ref = F.layer_norm(x.double(), (64,), ln.weight.double(), ln.bias.double())
+    assert_close("autocast", y, ref, None)
+    y.sum().backward()
+    assert ln.weight.grad.dtype == torch.float32 and x.grad.dtype == torch.float16
+
+
+def test_modules_load_torch_state_dicts():
+    ref = torch.nn.LayerNorm(24, device=DEVICE)
+    torch.nn.init.normal_(ref.weight)
+    ours = trifuse.nn.LayerNorm(24, device=DEVICE)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(5, 24, device=DEVICE)
+    assert_close("LayerNorm", ours(x), ref(x.double().to(torch.float32)).double(), ref(x))
+    rms_ref = torch.nn.RMSNorm(24, eps=1e-6, device=DEVICE)
+    torch.nn.init.normal_(rms_ref.weight)
+    rms = trifuse.nn.RMSNorm(24, eps=1e-6, device=DEVICE)
+    rms.load_state_dict(rms_ref.state_dict())
+    assert_close("RMSNorm", rms(x), rms_ref(x).double(), None)
+    assert set(rms.state_dict()) == set(rms_ref.state_dict())
+
+
+@settings(max_examples=15, deadline=None)
+@given(m=st.integers(0, 9), n=st.integers(1, 300), variant=st.sampled_from(VARIANTS))
+def test_hypothesis_shapes(m, n, variant):
+    torch.manual_seed(m * 1000 + n)
+    check_fwd_bwd(variant, torch.float32, *make((m, n), torch.float32, variant))
+
+
+# ---------------------------------------------------------------------------------------------
+# Negative controls: plausible wrong implementations must fail the same tolerance.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_negative_control_wrong_eps_fails(dtype):
+    x, w, b, _ = make((8, 64), dtype, "layer_norm", scale=0.01)
+    wrong = trifuse.ops.layer_norm(x, (64,), w, b, eps=1e-3)
+    ref = layer_norm_ref(*upcast(x, w, b)[:1], (64,), *upcast(w, b), 1e-5)
+    ok, msg = check_close("wrong eps", wrong, ref, F.layer_norm(x, (64,), w, b, 1e-5))
+    assert not ok, msg
+
+
+def test_negative_control_missing_mean_term_in_dx_fails():
+    """The RMSNorm backward formula applied to a LayerNorm (drops mean(g)): must not pass."""
+    x, w, b, _ = make((6, 50), torch.float32, "layer_norm")
+    y, _, mean, rstd = ln_mod.layer_norm_fwd(x.detach(), 50, w.detach(), b.detach(), 1e-5)
+    dy = torch.randn_like(y)
+    xhat = (x.detach() - mean[:, None]) * rstd[:, None]
+    g = dy * w.detach()
+    wrong_dx = (g - xhat * (xhat * g).mean(1, keepdim=True)) * rstd[:, None]
+    x64, w64, b64 = upcast(x, w, b)
+    (dx64,) = torch.autograd.grad(F.layer_norm(x64, (50,), w64, b64), x64, dy.double())
+    ok, msg = check_close("dx without mean(g)", wrong_dx, dx64, None)
+    assert not ok, msg
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: a clear error naming the op and the argument, in eager and under compile.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        ({"weight": torch.ones(5)}, ValueError, "layer_norm: weight must have shape"),
+        ({"normalized_shape": (9,)}, ValueError, "normalized_shape"),
+        ({"x": torch.ones(3, 8, dtype=torch.int64)}, TypeError, "layer_norm: input must be float"),
+        ({"weight": torch.ones(8, dtype=torch.int32)}, TypeError, "layer_norm: weight must be float"),
+        ({"residual": torch.ones(3, 7)}, ValueError, "residual must have shape"),
+        ({"eps": -1.0}, ValueError, "eps must be a non-negative"),
+        ({"x": "not a tensor"}, TypeError, "input must be a torch.Tensor"),
+    ],
+    ids=["weight-shape", "normalized-shape", "int-input", "int-weight", "residual-shape", "eps", "not-tensor"],
+)
+def test_bad_input_raises_clear_error(kwargs, exc, match):
+    args = {"x": torch.ones(3, 8, device=DEVICE), "normalized_shape": (8,), "weight": None, "residual": None, "eps": 1e-5}
+    args.update({k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
+    with pytest.raises(exc, match=match):
+        trifuse.ops.layer_norm(args["x"], args["normalized_shape"], args["weight"], None, args["eps"], args["residual"])
+
+
+def test_bad_input_raises_under_compile():
+    fn = torch.compile(lambda x, w: trifuse.ops.layer_norm(x, (8,), w), fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match="weight must have shape"):
+        fn(torch.ones(3, 8, device=DEVICE), torch.ones(5, device=DEVICE))
+
+
+def test_mismatched_devices_raise():
+    with pytest.raises(ValueError, match="weight is on meta"):
+        trifuse.ops.layer_norm(torch.ones(3, 8, device=DEVICE), (8,), torch.ones(8, device="meta"))
+
+
+def test_reference_path_without_interpreter_matches(monkeypatch):
+    """CPU tensors without TRITON_INTERPRET run the PyTorch path: same maths, same API."""
+    monkeypatch.setattr(ln_mod, "use_triton", lambda t: False)
+    for variant in VARIANTS:
+        check_fwd_bwd(variant, torch.float32, *make((4, 37), torch.float32, variant))
