@@ -11,7 +11,10 @@ import triton.language as tl
 
 @triton.jit
 def dropout_keep(seed, row, cols, p):
-    """Boolean block: True where the element at (row, cols) is kept with probability 1 - p."""
-    zero = tl.zeros_like(cols).to(tl.uint32)
-    r0, _, _, _ = tl.random.philox(seed, cols.to(tl.uint32), (zero + row).to(tl.uint32), zero, zero)
+    """Boolean block: True where the element at (row, cols) is kept with probability 1 - p.
+    `row` and `cols` broadcast against each other (a (BLOCK_M, 1) and a (1, BLOCK_N) block)."""
+    c0 = (cols + row * 0).to(tl.uint32)  # broadcast both counters to the tile's shape
+    c1 = (row + cols * 0).to(tl.uint32)
+    zero = c0 * 0
+    r0, _, _, _ = tl.random.philox(seed, c0, c1, zero, zero)
     return tl.random.uint_to_uniform_float(r0) >= p

@@ -56,6 +56,12 @@ from ._random import dropout_keep
 # Widest row (elements) kept whole in registers; wider rows are walked in chunks of this size.
 MAX_SINGLE_BLOCK_FWD = 16384
 MAX_SINGLE_BLOCK_BWD = 8192
+# Elements per tile for narrow rows (BLOCK_M = tile // BLOCK_N rows per step).
+FWD_TILE_ELEMENTS = 4096
+BWD_TILE_ELEMENTS = 4096
+# Backward programs per multiprocessor: each owns a contiguous range of rows and one row of the
+# fp32 partial buffers (more programs: more bytes in flight, a larger buffer to sum).
+BWD_PROGRAMS_PER_SM = 2
 
 
 # =============================================================================================
@@ -96,21 +102,33 @@ def layer_norm_ref(
 
 
 # =============================================================================================
-# Kernels
+# Kernels. Both work on tiles of BLOCK_M rows x BLOCK_N features: several narrow rows per
+# program keep enough bytes in flight; rows wider than one block use BLOCK_M = 1 and walk the
+# row in chunks.
 # =============================================================================================
 
 
 @triton.jit
-def _load_stream(X, R, XB, seed, row, cols, mask, p, scale,
+def _div(total, N, ACC: tl.constexpr):
+    """total / N, correctly rounded: Triton's fp32 `/` is approximate, and a 2-ulp error in a
+    mean is amplified by rstd (up to 1/sqrt(eps)) in the backward."""
+    if ACC == tl.float64:
+        return total / N
+    else:
+        return tl.math.div_rn(total, N * 1.0)
+
+
+@triton.jit
+def _load_stream(X, R, XB, seed, rows, cols, mask, p, scale,
                  HAS_RESIDUAL: tl.constexpr, HAS_X_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                  ACC: tl.constexpr):
-    """s = residual + dropout(x + x_bias) for one block of a row, in ACC; 0 where masked.
-    X and R already point at the row."""
+    """s = residual + dropout(x + x_bias) on a (rows, cols) tile, in ACC; 0 where masked.
+    X and R point at the tile's rows already (a (BLOCK_M, 1) block of pointers)."""
     s = tl.load(X + cols, mask=mask, other=0.0).to(ACC)
     if HAS_X_BIAS:
         s += tl.load(XB + cols, mask=mask, other=0.0).to(ACC)
     if HAS_DROPOUT:
-        s = tl.where(dropout_keep(seed, row, cols, p), s * scale, 0.0)
+        s = tl.where(dropout_keep(seed, rows, cols, p), s * scale, 0.0)
     if HAS_RESIDUAL:
         s += tl.load(R + cols, mask=mask, other=0.0).to(ACC)
     return s
@@ -129,102 +147,111 @@ def _layer_norm_fwd_kernel(
     MEAN,  # out (M,) fp32; unused for RMSNorm
     RSTD,  # out (M,) fp32
     stride_xm, stride_rm, stride_ym, stride_sm,
-    N, eps, p, scale,
-    BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr, IS_RMS_NORM: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, HAS_X_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    HAS_W: tl.constexpr, HAS_B: tl.constexpr, STORE_S: tl.constexpr, ACC: tl.constexpr,
+    M, N, eps, p, scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
+    IS_RMS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_X_BIAS: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, STORE_S: tl.constexpr,
+    ACC: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)  # int64: row * stride may pass 2^31
-    X += row * stride_xm
-    R += row * stride_rm
-    Y += row * stride_ym
-    S += row * stride_sm
+    # int64 rows: row * stride may pass 2^31
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    rows2 = rows[:, None]
+    X += rows2 * stride_xm
+    R += rows2 * stride_rm
+    Y += rows2 * stride_ym
+    S += rows2 * stride_sm
     seed = tl.load(SEED) if HAS_DROPOUT else 0
-    offs = tl.arange(0, BLOCK_N)
+    offs = tl.arange(0, BLOCK_N)[None, :]
 
     if SINGLE_BLOCK:
-        mask = offs < N
-        s = _load_stream(X, R, XB, seed, row, offs, mask, p, scale,
+        mask = row_mask[:, None] & (offs < N)
+        s = _load_stream(X, R, XB, seed, rows2, offs, mask, p, scale,
                          HAS_RESIDUAL, HAS_X_BIAS, HAS_DROPOUT, ACC)
         if STORE_S:
             tl.store(S + offs, s.to(S.dtype.element_ty), mask=mask)
         if IS_RMS_NORM:
-            mean = 0.0
+            mean = tl.zeros([BLOCK_M], dtype=ACC)
             d = s
         else:
-            mean = tl.sum(s, axis=0) / N
-            d = tl.where(mask, s - mean, 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=0) / N + eps)
-        y = d * rstd
+            mean = _div(tl.sum(s, axis=1), N, ACC)
+            d = tl.where(mask, s - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(_div(tl.sum(d * d, axis=1), N, ACC) + eps)
+        y = d * rstd[:, None]
         if HAS_W:
-            y *= tl.load(W + offs, mask=mask).to(ACC)
+            y *= tl.load(W + offs, mask=offs < N).to(ACC)
         if HAS_B:
-            y += tl.load(B + offs, mask=mask).to(ACC)
+            y += tl.load(B + offs, mask=offs < N).to(ACC)
         tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
     else:
         # Pass 1: s (stored once), and its mean.
-        acc = tl.zeros([BLOCK_N], dtype=ACC)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
         for start in range(0, N, BLOCK_N):
             cols = start + offs
-            mask = cols < N
-            s = _load_stream(X, R, XB, seed, row, cols, mask, p, scale,
+            mask = row_mask[:, None] & (cols < N)
+            s = _load_stream(X, R, XB, seed, rows2, cols, mask, p, scale,
                              HAS_RESIDUAL, HAS_X_BIAS, HAS_DROPOUT, ACC)
             if STORE_S:
                 tl.store(S + cols, s.to(S.dtype.element_ty), mask=mask)
             acc += s
-        mean = 0.0 if IS_RMS_NORM else tl.sum(acc, axis=0) / N
+        if IS_RMS_NORM:
+            mean = tl.zeros([BLOCK_M], dtype=ACC)
+        else:
+            mean = _div(tl.sum(acc, axis=1), N, ACC)
         # Pass 2: the variance around that mean (two passes: no cancellation for large means).
-        acc = tl.zeros([BLOCK_N], dtype=ACC)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
         for start in range(0, N, BLOCK_N):
             cols = start + offs
-            mask = cols < N
-            s = _load_stream(X, R, XB, seed, row, cols, mask, p, scale,
+            mask = row_mask[:, None] & (cols < N)
+            s = _load_stream(X, R, XB, seed, rows2, cols, mask, p, scale,
                              HAS_RESIDUAL, HAS_X_BIAS, HAS_DROPOUT, ACC)
-            d = tl.where(mask, s - mean, 0.0)
+            d = tl.where(mask, s - mean[:, None], 0.0)
             acc += d * d
-        rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / N + eps)
+        rstd = 1.0 / tl.sqrt(_div(tl.sum(acc, axis=1), N, ACC) + eps)
         # Pass 3: normalize.
         for start in range(0, N, BLOCK_N):
             cols = start + offs
-            mask = cols < N
-            s = _load_stream(X, R, XB, seed, row, cols, mask, p, scale,
+            mask = row_mask[:, None] & (cols < N)
+            s = _load_stream(X, R, XB, seed, rows2, cols, mask, p, scale,
                              HAS_RESIDUAL, HAS_X_BIAS, HAS_DROPOUT, ACC)
-            y = (s - mean) * rstd
+            y = (s - mean[:, None]) * rstd[:, None]
             if HAS_W:
-                y *= tl.load(W + cols, mask=mask).to(ACC)
+                y *= tl.load(W + cols, mask=cols < N).to(ACC)
             if HAS_B:
-                y += tl.load(B + cols, mask=mask).to(ACC)
+                y += tl.load(B + cols, mask=cols < N).to(ACC)
             tl.store(Y + cols, y.to(Y.dtype.element_ty), mask=mask)
 
     if not IS_RMS_NORM:
-        tl.store(MEAN + row, mean)
-    tl.store(RSTD + row, rstd)
+        tl.store(MEAN + rows, mean, mask=row_mask)
+    tl.store(RSTD + rows, rstd, mask=row_mask)
 
 
 @triton.jit
-def _row_grads(S, DY, W, cols, mask, mean, rstd,
-               IS_RMS_NORM: tl.constexpr, HAS_W: tl.constexpr, ACC: tl.constexpr):
-    """xhat, dy and g = dy * weight for one block of a row (0 where masked)."""
+def _tile_grads(S, DY, W, cols, mask, N, mean, rstd, HAS_W: tl.constexpr, ACC: tl.constexpr):
+    """xhat, dy and g = dy * weight on a tile (0 where masked); mean, rstd are (BLOCK_M,)."""
     s = tl.load(S + cols, mask=mask, other=0.0).to(ACC)
-    xhat = tl.where(mask, (s - mean) * rstd, 0.0)
+    xhat = tl.where(mask, (s - mean[:, None]) * rstd[:, None], 0.0)
     dy = tl.load(DY + cols, mask=mask, other=0.0).to(ACC)
-    g = dy * tl.load(W + cols, mask=mask, other=0.0).to(ACC) if HAS_W else dy
+    if HAS_W:
+        g = dy * tl.load(W + cols, mask=cols < N, other=0.0).to(ACC)
+    else:
+        g = dy
     return xhat, dy, g
 
 
 @triton.jit
-def _store_input_grads(ds, DS, DX, DR, seed, row, cols, mask, p, scale,
+def _store_input_grads(ds, DS, DX, DR, seed, rows, cols, mask, p, scale,
                        HAS_DS: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_DR: tl.constexpr):
-    """Adds the gradient arriving at s, stores dresidual and dx; returns dx for dx_bias."""
+    """Adds the gradient arriving at s, stores dresidual and dx; returns dx (0 where masked)."""
     if HAS_DS:
         ds += tl.load(DS + cols, mask=mask, other=0.0).to(ds.dtype)
     if STORE_DR:
         tl.store(DR + cols, ds.to(DR.dtype.element_ty), mask=mask)
     dx = ds
     if HAS_DROPOUT:
-        dx = tl.where(dropout_keep(seed, row, cols, p), ds * scale, 0.0)
+        dx = tl.where(dropout_keep(seed, rows, cols, p), ds * scale, 0.0)
     tl.store(DX + cols, dx.to(DX.dtype.element_ty), mask=mask)
-    return dx
+    return tl.where(mask, dx, 0.0)
 
 
 @triton.jit
@@ -243,65 +270,78 @@ def _layer_norm_bwd_kernel(
     DXB_PARTIAL,  # out (programs, N) fp32: this program's share of dx_bias
     stride_dym, stride_dsm, stride_sm, stride_dxm, stride_drm,
     M, N, rows_per_program, p, scale,
-    BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr, IS_RMS_NORM: tl.constexpr,
-    HAS_W: tl.constexpr, HAS_DS: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_DR: tl.constexpr,
-    ACC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
+    IS_RMS_NORM: tl.constexpr, HAS_W: tl.constexpr, HAS_DS: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, STORE_DR: tl.constexpr, ACC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     row_start = pid.to(tl.int64) * rows_per_program  # int64 rows: row * stride may pass 2^31
     row_end = tl.minimum(row_start + rows_per_program, M)
     seed = tl.load(SEED) if HAS_DROPOUT else 0
-    offs = tl.arange(0, BLOCK_N)
+    offs = tl.arange(0, BLOCK_N)[None, :]
     partial = pid.to(tl.int64) * N
 
     if SINGLE_BLOCK:
-        mask = offs < N
+        col_mask = offs < N
         dw = tl.zeros([BLOCK_N], dtype=ACC)
         db = tl.zeros([BLOCK_N], dtype=ACC)
         dxb = tl.zeros([BLOCK_N], dtype=ACC)
-        for row in range(row_start, row_end):
-            mean = 0.0 if IS_RMS_NORM else tl.load(MEAN + row)
-            rstd = tl.load(RSTD + row)
-            xhat, dy, g = _row_grads(S + row * stride_sm, DY + row * stride_dym, W, offs, mask,
-                                     mean, rstd, IS_RMS_NORM, HAS_W, ACC)
-            c1 = tl.sum(xhat * g, axis=0) / N
+        for row0 in range(row_start, row_end, BLOCK_M):
+            rows = row0 + tl.arange(0, BLOCK_M)
+            row_mask = rows < row_end
+            rows2 = rows[:, None]
+            mask = row_mask[:, None] & col_mask
+            mean = tl.zeros([BLOCK_M], dtype=ACC) if IS_RMS_NORM else tl.load(MEAN + rows, mask=row_mask, other=0.0)
+            rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+            xhat, dy, g = _tile_grads(S + rows2 * stride_sm, DY + rows2 * stride_dym, W, offs, mask,
+                                      N, mean, rstd, HAS_W, ACC)
+            c1 = _div(tl.sum(xhat * g, axis=1), N, ACC)
             if IS_RMS_NORM:
-                ds = (g - xhat * c1) * rstd
+                ds = (g - xhat * c1[:, None]) * rstd[:, None]
             else:
-                ds = (g - xhat * c1 - tl.sum(g, axis=0) / N) * rstd
-            dxb += _store_input_grads(ds, DS + row * stride_dsm, DX + row * stride_dxm,
-                                      DR + row * stride_drm, seed, row, offs, mask, p, scale,
-                                      HAS_DS, HAS_DROPOUT, STORE_DR)
-            dw += dy * xhat
-            db += dy
-        tl.store(DW_PARTIAL + partial + offs, dw, mask=mask)
-        tl.store(DB_PARTIAL + partial + offs, db, mask=mask)
-        tl.store(DXB_PARTIAL + partial + offs, dxb, mask=mask)
+                c2 = _div(tl.sum(g, axis=1), N, ACC)
+                ds = (g - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
+            dx = _store_input_grads(ds, DS + rows2 * stride_dsm, DX + rows2 * stride_dxm,
+                                    DR + rows2 * stride_drm, seed, rows2, offs, mask, p, scale,
+                                    HAS_DS, HAS_DROPOUT, STORE_DR)
+            dxb += tl.sum(dx, axis=0)
+            dw += tl.sum(dy * xhat, axis=0)
+            db += tl.sum(dy, axis=0)
+        cols1 = tl.arange(0, BLOCK_N)
+        tl.store(DW_PARTIAL + partial + cols1, dw, mask=cols1 < N)
+        tl.store(DB_PARTIAL + partial + cols1, db, mask=cols1 < N)
+        tl.store(DXB_PARTIAL + partial + cols1, dxb, mask=cols1 < N)
     else:
-        # Wide rows: one pass for the two row sums, one to write the grads. The partial rows
-        # are this program's alone (zero-initialised by the launcher), so read-add-write is safe.
+        # Wide rows, one at a time (BLOCK_M = 1): one pass for the two row sums, one to write the
+        # grads. The partial rows are this program's alone (zeroed by the launcher), so
+        # read-add-write is safe and deterministic.
         for row in range(row_start, row_end):
-            mean = 0.0 if IS_RMS_NORM else tl.load(MEAN + row)
-            rstd = tl.load(RSTD + row)
-            acc1 = tl.zeros([BLOCK_N], dtype=ACC)
-            acc2 = tl.zeros([BLOCK_N], dtype=ACC)
+            rows = row + tl.arange(0, 1)
+            rows2 = rows[:, None]
+            mean = tl.zeros([1], dtype=ACC) if IS_RMS_NORM else tl.load(MEAN + rows)
+            rstd = tl.load(RSTD + rows)
+            acc1 = tl.zeros([1, BLOCK_N], dtype=ACC)
+            acc2 = tl.zeros([1, BLOCK_N], dtype=ACC)
             for start in range(0, N, BLOCK_N):
                 cols = start + offs
                 mask = cols < N
-                xhat, dy, g = _row_grads(S + row * stride_sm, DY + row * stride_dym, W, cols,
-                                         mask, mean, rstd, IS_RMS_NORM, HAS_W, ACC)
+                xhat, dy, g = _tile_grads(S + rows2 * stride_sm, DY + rows2 * stride_dym, W, cols,
+                                          mask, N, mean, rstd, HAS_W, ACC)
                 acc1 += xhat * g
                 acc2 += g
-            c1 = tl.sum(acc1, axis=0) / N
-            c2 = 0.0 if IS_RMS_NORM else tl.sum(acc2, axis=0) / N
+            c1 = _div(tl.sum(acc1, axis=1), N, ACC)
+            if IS_RMS_NORM:
+                c2 = tl.zeros([1], dtype=ACC)
+            else:
+                c2 = _div(tl.sum(acc2, axis=1), N, ACC)
             for start in range(0, N, BLOCK_N):
                 cols = start + offs
                 mask = cols < N
-                xhat, dy, g = _row_grads(S + row * stride_sm, DY + row * stride_dym, W, cols,
-                                         mask, mean, rstd, IS_RMS_NORM, HAS_W, ACC)
-                ds = (g - xhat * c1 - c2) * rstd
-                dx = _store_input_grads(ds, DS + row * stride_dsm, DX + row * stride_dxm,
-                                        DR + row * stride_drm, seed, row, cols, mask, p, scale,
+                xhat, dy, g = _tile_grads(S + rows2 * stride_sm, DY + rows2 * stride_dym, W, cols,
+                                          mask, N, mean, rstd, HAS_W, ACC)
+                ds = (g - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
+                dx = _store_input_grads(ds, DS + rows2 * stride_dsm, DX + rows2 * stride_dxm,
+                                        DR + rows2 * stride_drm, seed, rows2, cols, mask, p, scale,
                                         HAS_DS, HAS_DROPOUT, STORE_DR)
                 p_cols = partial + cols
                 tl.store(DW_PARTIAL + p_cols, tl.load(DW_PARTIAL + p_cols, mask=mask) + dy * xhat, mask=mask)
@@ -314,10 +354,22 @@ def _layer_norm_bwd_kernel(
 # =============================================================================================
 
 
-def _block_and_warps(n: int, max_single: int) -> tuple[int, bool, int]:
-    block = min(next_power_of_2(n), max_single)
-    num_warps = min(max(block // 256, 1), 16)
-    return block, n <= max_single, num_warps
+def _fwd_config(n: int) -> tuple[int, int, bool, int]:
+    """(BLOCK_M, BLOCK_N, single block?, num_warps) for the forward."""
+    block_n = min(next_power_of_2(n), MAX_SINGLE_BLOCK_FWD)
+    single = n <= MAX_SINGLE_BLOCK_FWD
+    block_m = max(1, FWD_TILE_ELEMENTS // block_n) if single else 1
+    num_warps = min(16, max(4, block_m * block_n // 512))
+    return block_m, block_n, single, num_warps
+
+
+def _bwd_config(n: int) -> tuple[int, int, bool, int]:
+    """(BLOCK_M, BLOCK_N, single block?, num_warps) for the backward."""
+    block_n = min(next_power_of_2(n), MAX_SINGLE_BLOCK_BWD)
+    single = n <= MAX_SINGLE_BLOCK_BWD
+    block_m = max(1, BWD_TILE_ELEMENTS // block_n) if single else 1
+    num_warps = min(16, max(4, block_m * block_n // 512))
+    return block_m, block_n, single, num_warps
 
 
 def _flat(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -360,15 +412,15 @@ def layer_norm_fwd(
         return _norm_fwd_torch(x, n, weight, bias, eps, is_rms_norm, residual, x_bias, p, seed, store_s)
     r2 = as_rows(residual, n) if residual is not None else x2
     y2, s2 = y.view(m, n), s.view(m, n) if store_s else x2
-    block, single, num_warps = _block_and_warps(n, MAX_SINGLE_BLOCK_FWD)
+    block_m, block_n, single, num_warps = _fwd_config(n)
     has_dropout = p > 0.0
-    _layer_norm_fwd_kernel[(m,)](
+    _layer_norm_fwd_kernel[(triton.cdiv(m, block_m),)](
         x2, r2, x_bias if x_bias is not None else x2, weight if weight is not None else x2,
         bias if bias is not None else x2, seed if has_dropout else x2,
         y2, s2, mean if not is_rms_norm else rstd, rstd,
         x2.stride(0), r2.stride(0), y2.stride(0), s2.stride(0),
-        n, eps, p, _dropout_scale(p),
-        BLOCK_N=block, SINGLE_BLOCK=single, IS_RMS_NORM=is_rms_norm,
+        m, n, eps, p, _dropout_scale(p),
+        BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_BLOCK=single, IS_RMS_NORM=is_rms_norm,
         HAS_RESIDUAL=residual is not None, HAS_X_BIAS=x_bias is not None, HAS_DROPOUT=has_dropout,
         HAS_W=weight is not None, HAS_B=bias is not None, STORE_S=store_s, ACC=acc_dtype(dtype),
         num_warps=num_warps,
@@ -405,10 +457,10 @@ def layer_norm_bwd(
         return _norm_bwd_torch(dy, s, n, weight, mean, rstd, is_rms_norm, ds, p, seed, store_dresidual)
     dy2 = as_rows(dy, n)
     ds2 = as_rows(ds, n) if ds is not None else dy2
-    block, single, num_warps = _block_and_warps(n, MAX_SINGLE_BLOCK_BWD)
-    programs = min(m, 2 * device_sms(s))
-    rows_per_program = math.ceil(m / programs)
-    programs = math.ceil(m / rows_per_program)
+    block_m, block_n, single, num_warps = _bwd_config(n)
+    programs = min(triton.cdiv(m, block_m), BWD_PROGRAMS_PER_SM * device_sms(s))
+    rows_per_program = triton.cdiv(triton.cdiv(m, programs), block_m) * block_m
+    programs = triton.cdiv(m, rows_per_program)
     alloc = torch.empty if single else torch.zeros
     partials = alloc((3, programs, n), dtype=acc, device=s.device)
     dx2, dr2 = dx.view(m, n), dr.view(m, n)
@@ -418,7 +470,7 @@ def layer_norm_bwd(
         mean if not is_rms_norm else rstd, rstd, dx2, dr2, partials[0], partials[1], partials[2],
         dy2.stride(0), ds2.stride(0), s2.stride(0), dx2.stride(0), dr2.stride(0),
         m, n, rows_per_program, p, _dropout_scale(p),
-        BLOCK_N=block, SINGLE_BLOCK=single, IS_RMS_NORM=is_rms_norm, HAS_W=weight is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_BLOCK=single, IS_RMS_NORM=is_rms_norm, HAS_W=weight is not None,
         HAS_DS=ds is not None, HAS_DROPOUT=has_dropout, STORE_DR=store_dresidual,
         ACC=acc_dtype(s.dtype), num_warps=num_warps,
     )
