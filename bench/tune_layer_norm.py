@@ -26,7 +26,7 @@ def main() -> None:
                 continue
             ln._fwd_config = lambda n_, t=tile, wp=warps, bn_=bn: (max(1, t // bn_), bn_, n_ <= ln.MAX_SINGLE_BLOCK_FWD, wp)
             ms = H.gpu_ms(lambda: ln.layer_norm_fwd(x, n, w, b, 1e-5))
-            best.setdefault("fwd", []).append((2 * m * n * e / ms / 1e9, f"tile={tile} warps={warps}"))
+            best.setdefault("fwd", []).append((2 * m * n * e / ms / 1e6, f"tile={tile} warps={warps}"))
         for tile, warps, per_sm in itertools.product((1024, 2048, 4096, 8192), (4, 8, 16), (1, 2, 4, 8)):
             bn = min(triton_np2(n), ln.MAX_SINGLE_BLOCK_BWD)
             if tile < bn:
@@ -34,7 +34,7 @@ def main() -> None:
             ln._bwd_config = lambda n_, t=tile, wp=warps, bn_=bn: (max(1, t // bn_), bn_, n_ <= ln.MAX_SINGLE_BLOCK_BWD, wp)
             ln.BWD_PROGRAMS_PER_SM = per_sm
             ms = H.gpu_ms(lambda: ln.layer_norm_bwd(dy, x, n, w, mean, rstd))
-            best.setdefault("bwd", []).append((3 * m * n * e / ms / 1e9, f"tile={tile} warps={warps} per_sm={per_sm}"))
+            best.setdefault("bwd", []).append((3 * m * n * e / ms / 1e6, f"tile={tile} warps={warps} per_sm={per_sm}"))
         for k, v in best.items():
             v.sort(reverse=True)
             print(f"{m}x{n} {k}: " + " | ".join(f"{gbs:.0f} GB/s {cfg}" for gbs, cfg in v[:4]) + f" | worst {v[-1][0]:.0f}")

@@ -64,15 +64,16 @@ def check_probability(op: str, name: str, p: float) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
-    """View `t` as (rows, n) with unit stride along n; copies only when no such view exists.
-
-    Sliced and batched inputs keep their row stride (no copy); permuted ones are copied.
-    """
+def as_rows(t: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+    """(base, row_stride) so that row i of `t` viewed as (rows, n) starts at base + i * row_stride
+    with unit stride along n. Contiguous tensors are used as they are (no view op: each costs
+    host time); sliced and batched inputs keep their row stride; others are copied."""
+    if t.is_contiguous():
+        return t, n
     t2 = t.reshape(-1, n)
     if n > 1 and t2.stride(1) != 1:
         t2 = t2.contiguous()
-    return t2
+    return t2, t2.stride(0)
 
 
 def acc_dtype(dtype: torch.dtype):

@@ -51,6 +51,7 @@ from ._common import (
     profiled,
     use_triton,
 )
+from ._launch import CachedKernel
 from ._random import dropout_keep
 
 # Widest row (elements) kept whole in registers; wider rows are walked in chunks of this size.
@@ -265,11 +266,9 @@ def _layer_norm_bwd_kernel(
     RSTD,  # in (M,) fp32
     DX,  # out (M, N) gradient for x
     DR,  # out (M, N) gradient for the residual; unused unless STORE_DR
-    DW_PARTIAL,  # out (programs, N) fp32: this program's share of dweight
-    DB_PARTIAL,  # out (programs, N) fp32: this program's share of dbias
-    DXB_PARTIAL,  # out (programs, N) fp32: this program's share of dx_bias
+    PARTIAL,  # out (3, programs, N) fp32: this program's shares of dweight, dbias, dx_bias
     stride_dym, stride_dsm, stride_sm, stride_dxm, stride_drm,
-    M, N, rows_per_program, p, scale,
+    M, N, rows_per_program, stride_pk, p, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
     IS_RMS_NORM: tl.constexpr, HAS_W: tl.constexpr, HAS_DS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, STORE_DR: tl.constexpr, ACC: tl.constexpr,
@@ -279,7 +278,9 @@ def _layer_norm_bwd_kernel(
     row_end = tl.minimum(row_start + rows_per_program, M)
     seed = tl.load(SEED) if HAS_DROPOUT else 0
     offs = tl.arange(0, BLOCK_N)[None, :]
-    partial = pid.to(tl.int64) * N
+    DW_PARTIAL = PARTIAL + pid.to(tl.int64) * N
+    DB_PARTIAL = DW_PARTIAL + stride_pk
+    DXB_PARTIAL = DB_PARTIAL + stride_pk
 
     if SINGLE_BLOCK:
         col_mask = offs < N
@@ -308,9 +309,9 @@ def _layer_norm_bwd_kernel(
             dw += tl.sum(dy * xhat, axis=0)
             db += tl.sum(dy, axis=0)
         cols1 = tl.arange(0, BLOCK_N)
-        tl.store(DW_PARTIAL + partial + cols1, dw, mask=cols1 < N)
-        tl.store(DB_PARTIAL + partial + cols1, db, mask=cols1 < N)
-        tl.store(DXB_PARTIAL + partial + cols1, dxb, mask=cols1 < N)
+        tl.store(DW_PARTIAL + cols1, dw, mask=cols1 < N)
+        tl.store(DB_PARTIAL + cols1, db, mask=cols1 < N)
+        tl.store(DXB_PARTIAL + cols1, dxb, mask=cols1 < N)
     else:
         # Wide rows, one at a time (BLOCK_M = 1): one pass for the two row sums, one to write the
         # grads. The partial rows are this program's alone (zeroed by the launcher), so
@@ -343,10 +344,48 @@ def _layer_norm_bwd_kernel(
                 dx = _store_input_grads(ds, DS + rows2 * stride_dsm, DX + rows2 * stride_dxm,
                                         DR + rows2 * stride_drm, seed, rows2, cols, mask, p, scale,
                                         HAS_DS, HAS_DROPOUT, STORE_DR)
-                p_cols = partial + cols
-                tl.store(DW_PARTIAL + p_cols, tl.load(DW_PARTIAL + p_cols, mask=mask) + dy * xhat, mask=mask)
-                tl.store(DB_PARTIAL + p_cols, tl.load(DB_PARTIAL + p_cols, mask=mask) + dy, mask=mask)
-                tl.store(DXB_PARTIAL + p_cols, tl.load(DXB_PARTIAL + p_cols, mask=mask) + dx, mask=mask)
+                tl.store(DW_PARTIAL + cols, tl.load(DW_PARTIAL + cols, mask=mask) + dy * xhat, mask=mask)
+                tl.store(DB_PARTIAL + cols, tl.load(DB_PARTIAL + cols, mask=mask) + dy, mask=mask)
+                tl.store(DXB_PARTIAL + cols, tl.load(DXB_PARTIAL + cols, mask=mask) + dx, mask=mask)
+
+
+@triton.jit
+def _sum_partials_kernel(
+    PARTIAL,  # in (3, programs, N) fp32
+    DW,  # out (N,) dweight in the weight's dtype; unused unless STORE_DW
+    DB,  # out (N,) dbias; unused unless STORE_DB
+    DXB,  # out (N,) dx_bias; unused unless STORE_DXB
+    programs, N, stride_pk,
+    BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
+    STORE_DW: tl.constexpr, STORE_DB: tl.constexpr, STORE_DXB: tl.constexpr,
+):
+    """Sums the backward's partial rows in a fixed order (deterministic) and casts once."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    acc_w = tl.zeros([BLOCK_N], dtype=PARTIAL.dtype.element_ty)
+    acc_b = tl.zeros([BLOCK_N], dtype=PARTIAL.dtype.element_ty)
+    acc_xb = tl.zeros([BLOCK_N], dtype=PARTIAL.dtype.element_ty)
+    for start in range(0, programs, BLOCK_P):
+        prog = start + tl.arange(0, BLOCK_P)
+        offs = prog[:, None].to(tl.int64) * N + cols[None, :]
+        mask = (prog[:, None] < programs) & col_mask[None, :]
+        if STORE_DW:
+            acc_w += tl.sum(tl.load(PARTIAL + offs, mask=mask, other=0.0), axis=0)
+        if STORE_DB:
+            acc_b += tl.sum(tl.load(PARTIAL + stride_pk + offs, mask=mask, other=0.0), axis=0)
+        if STORE_DXB:
+            acc_xb += tl.sum(tl.load(PARTIAL + 2 * stride_pk + offs, mask=mask, other=0.0), axis=0)
+    if STORE_DW:
+        tl.store(DW + cols, acc_w.to(DW.dtype.element_ty), mask=col_mask)
+    if STORE_DB:
+        tl.store(DB + cols, acc_b.to(DB.dtype.element_ty), mask=col_mask)
+    if STORE_DXB:
+        tl.store(DXB + cols, acc_xb.to(DXB.dtype.element_ty), mask=col_mask)
+
+
+_layer_norm_fwd = CachedKernel(_layer_norm_fwd_kernel)
+_layer_norm_bwd = CachedKernel(_layer_norm_bwd_kernel)
+_sum_partials = CachedKernel(_sum_partials_kernel)
 
 
 # =============================================================================================
@@ -399,26 +438,25 @@ def layer_norm_fwd(
     x (s is x itself unless store_s), mean and rstd (rows,) in fp32 (mean empty for RMSNorm)."""
     dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     weight, bias, x_bias = _flat(weight), _flat(bias), _flat(x_bias)
-    x2 = as_rows(x, n)
-    m = x2.shape[0]
+    m = x.numel() // n if n else 0
     stat_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     y = torch.empty(x.shape, dtype=dtype, device=x.device)
     s = torch.empty(x.shape, dtype=dtype, device=x.device) if store_s else x
-    mean = torch.empty(0 if is_rms_norm else m, dtype=stat_dtype, device=x.device)
     rstd = torch.empty(m, dtype=stat_dtype, device=x.device)
-    if m == 0 or n == 0:
+    mean = torch.empty(0 if is_rms_norm else m, dtype=stat_dtype, device=x.device)
+    if m == 0:
         return y, s, mean, rstd
     if not use_triton(x):
         return _norm_fwd_torch(x, n, weight, bias, eps, is_rms_norm, residual, x_bias, p, seed, store_s)
-    r2 = as_rows(residual, n) if residual is not None else x2
-    y2, s2 = y.view(m, n), s.view(m, n) if store_s else x2
+    x2, stride_x = as_rows(x, n)
+    r2, stride_r = as_rows(residual, n) if residual is not None else (x2, 0)
     block_m, block_n, single, num_warps = _fwd_config(n)
     has_dropout = p > 0.0
-    _layer_norm_fwd_kernel[(triton.cdiv(m, block_m),)](
-        x2, r2, x_bias if x_bias is not None else x2, weight if weight is not None else x2,
-        bias if bias is not None else x2, seed if has_dropout else x2,
-        y2, s2, mean if not is_rms_norm else rstd, rstd,
-        x2.stride(0), r2.stride(0), y2.stride(0), s2.stride(0),
+    _layer_norm_fwd[(triton.cdiv(m, block_m),)](
+        x2, r2, x2 if x_bias is None else x_bias, x2 if weight is None else weight,
+        x2 if bias is None else bias, seed if has_dropout else x2,
+        y, s if store_s else y, rstd if is_rms_norm else mean, rstd,
+        stride_x, stride_r, n, n,
         m, n, eps, p, _dropout_scale(p),
         BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_BLOCK=single, IS_RMS_NORM=is_rms_norm,
         HAS_RESIDUAL=residual is not None, HAS_X_BIAS=x_bias is not None, HAS_DROPOUT=has_dropout,
@@ -441,41 +479,49 @@ def layer_norm_bwd(
     p: float = 0.0,
     seed: torch.Tensor | None = None,
     store_dresidual: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    grad_dtypes: tuple[torch.dtype | None, torch.dtype | None, torch.dtype | None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of the norm. Returns (dx, dresidual, dweight, dbias, dx_bias); dresidual is dx
-    itself unless store_dresidual; the three vectors are (n,) in fp32 (fp64 for fp64)."""
+    itself unless store_dresidual. The three vectors are (n,): in fp32 (fp64 for fp64) when
+    grad_dtypes is None, else each in its dtype from grad_dtypes, or None where that is None."""
     weight = _flat(weight)
-    s2 = as_rows(s, n)
-    m = s2.shape[0]
+    m = s.numel() // n if n else 0
     acc = torch.float64 if s.dtype == torch.float64 else torch.float32
+    if grad_dtypes is None:
+        grad_dtypes = (acc, acc, acc)
     dx = torch.empty(s.shape, dtype=s.dtype, device=s.device)
     dr = torch.empty(s.shape, dtype=s.dtype, device=s.device) if store_dresidual else dx
-    if m == 0 or n == 0:
-        zeros = torch.zeros(n, dtype=acc, device=s.device)
-        return dx, dr, zeros, zeros.clone(), zeros.clone()
+    if m == 0:
+        return dx, dr, *(None if d is None else torch.zeros(n, dtype=d, device=s.device) for d in grad_dtypes)
     if not use_triton(s):
-        return _norm_bwd_torch(dy, s, n, weight, mean, rstd, is_rms_norm, ds, p, seed, store_dresidual)
-    dy2 = as_rows(dy, n)
-    ds2 = as_rows(ds, n) if ds is not None else dy2
+        dx, dr, *vecs = _norm_bwd_torch(dy, s, n, weight, mean, rstd, is_rms_norm, ds, p, seed, store_dresidual)
+        return dx, dr, *(None if d is None else v.to(d) for v, d in zip(vecs, grad_dtypes))
+    s2, stride_s = as_rows(s, n)
+    dy2, stride_dy = as_rows(dy, n)
+    ds2, stride_ds = as_rows(ds, n) if ds is not None else (dy2, 0)
     block_m, block_n, single, num_warps = _bwd_config(n)
     programs = min(triton.cdiv(m, block_m), BWD_PROGRAMS_PER_SM * device_sms(s))
     rows_per_program = triton.cdiv(triton.cdiv(m, programs), block_m) * block_m
     programs = triton.cdiv(m, rows_per_program)
-    alloc = torch.empty if single else torch.zeros
-    partials = alloc((3, programs, n), dtype=acc, device=s.device)
-    dx2, dr2 = dx.view(m, n), dr.view(m, n)
+    partials = (torch.empty if single else torch.zeros)((3, programs, n), dtype=acc, device=s.device)
     has_dropout = p > 0.0
-    _layer_norm_bwd_kernel[(programs,)](
-        dy2, ds2, s2, weight if weight is not None else s2, seed if has_dropout else s2,
-        mean if not is_rms_norm else rstd, rstd, dx2, dr2, partials[0], partials[1], partials[2],
-        dy2.stride(0), ds2.stride(0), s2.stride(0), dx2.stride(0), dr2.stride(0),
-        m, n, rows_per_program, p, _dropout_scale(p),
-        BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_BLOCK=single, IS_RMS_NORM=is_rms_norm, HAS_W=weight is not None,
-        HAS_DS=ds is not None, HAS_DROPOUT=has_dropout, STORE_DR=store_dresidual,
-        ACC=acc_dtype(s.dtype), num_warps=num_warps,
+    _layer_norm_bwd[(programs,)](
+        dy2, ds2, s2, s2 if weight is None else weight, seed if has_dropout else s2,
+        rstd if is_rms_norm else mean, rstd, dx, dr, partials,
+        stride_dy, stride_ds, stride_s, n, n,
+        m, n, rows_per_program, programs * n, p, _dropout_scale(p),
+        BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_BLOCK=single, IS_RMS_NORM=is_rms_norm,
+        HAS_W=weight is not None, HAS_DS=ds is not None, HAS_DROPOUT=has_dropout,
+        STORE_DR=store_dresidual, ACC=acc_dtype(s.dtype), num_warps=num_warps,
     )
-    dw, db, dxb = partials.sum(dim=1)
-    return dx, dr, dw, db, dxb
+    vecs = tuple(None if d is None else torch.empty(n, dtype=d, device=s.device) for d in grad_dtypes)
+    block = min(next_power_of_2(n), 1024)
+    _sum_partials[(triton.cdiv(n, block),)](
+        partials, *(partials if v is None else v for v in vecs), programs, n, programs * n,
+        BLOCK_N=block, BLOCK_P=16, STORE_DW=vecs[0] is not None, STORE_DB=vecs[1] is not None,
+        STORE_DXB=vecs[2] is not None, num_warps=4,
+    )
+    return dx, dr, *vecs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -677,8 +723,16 @@ def _stat_dtype(t: torch.Tensor) -> torch.dtype:
 # Autograd for the registered ops. Each forward saves what the one backward op needs.
 
 
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)  # skips a dispatcher call when it is a no-op
+
+
 def _grad_as(g: torch.Tensor, like: torch.Tensor | None) -> torch.Tensor | None:
-    return None if like is None else g.to(like.dtype).reshape(like.shape)
+    """g in like's dtype and shape (a per-feature gradient for a possibly multi-dim weight)."""
+    if like is None:
+        return None
+    g = _cast(g, like.dtype)
+    return g if g.dim() == like.dim() else g.reshape(like.shape)
 
 
 def _setup_plain(ctx, inputs, output, is_rms_norm):
@@ -743,13 +797,13 @@ for _name, _backward, _setup, _is_rms in (
 
 class _NormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, residual, x_bias, weight, bias, n, eps, p, is_rms_norm, fused):
+    def forward(ctx, x, residual, x_bias, weight, bias, n, eps, p, is_rms_norm, fused, op_name):
         seed = philox_seed(x.device) if p > 0.0 else None
         y, s, mean, rstd = layer_norm_fwd(x, n, weight, bias, eps, is_rms_norm=is_rms_norm,
                                           residual=residual, x_bias=x_bias, p=p, seed=seed,
                                           store_s=fused)
         ctx.save_for_backward(s, weight, bias, x_bias, mean, rstd, seed)
-        ctx.n, ctx.p, ctx.is_rms_norm, ctx.fused = n, p, is_rms_norm, fused
+        ctx.n, ctx.p, ctx.is_rms_norm, ctx.op_name = n, p, is_rms_norm, f"trifuse::{op_name}"
         ctx.x_dtype = x.dtype
         ctx.residual_dtype = residual.dtype if residual is not None else None
         if fused:
@@ -759,19 +813,21 @@ class _NormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, ds=None):
         s, weight, bias, x_bias, mean, rstd, seed = ctx.saved_tensors
-        name = "trifuse::rms_norm_backward" if ctx.is_rms_norm else "trifuse::layer_norm_backward"
-        with profiled(name):
+        needs = ctx.needs_input_grad
+        # dweight, dbias and dx_bias come out of the reduction kernel in their final dtypes.
+        grad_dtypes = tuple(t.dtype if t is not None and need else None
+                            for t, need in zip((weight, bias, x_bias), (needs[3], needs[4], needs[2])))
+        with profiled(ctx.op_name + "_backward"):
             dx, dr, dw, db, dxb = layer_norm_bwd(
                 dy, s, ctx.n, weight, mean, rstd, is_rms_norm=ctx.is_rms_norm, ds=ds, p=ctx.p,
-                seed=seed, store_dresidual=ctx.p > 0.0)
-        needs = ctx.needs_input_grad
+                seed=seed, store_dresidual=ctx.p > 0.0, grad_dtypes=grad_dtypes)
         return (
-            dx.to(ctx.x_dtype) if needs[0] else None,
-            dr.to(ctx.residual_dtype) if needs[1] else None,
+            _cast(dx, ctx.x_dtype) if needs[0] else None,
+            _cast(dr, ctx.residual_dtype) if needs[1] else None,
             _grad_as(dxb, x_bias) if needs[2] else None,
             _grad_as(dw, weight) if needs[3] else None,
             _grad_as(db, bias) if needs[4] else None,
-            None, None, None, None, None,
+            None, None, None, None, None, None,
         )
 
 
@@ -789,7 +845,7 @@ def _norm(op_name, x, normalized_shape, weight, bias, eps, residual, is_rms_norm
     if eager_fast_path(x, weight, bias, residual, x_bias):
         n = _check_norm_inputs(op_name, x, normalized_shape, weight, bias, eps, residual, x_bias, p)
         with profiled(f"trifuse::{op_name}"):
-            return _NormFunction.apply(x, residual, x_bias, weight, bias, n, eps, p, is_rms_norm, fused)
+            return _NormFunction.apply(x, residual, x_bias, weight, bias, n, eps, p, is_rms_norm, fused, op_name)
     if fused:
         if is_rms_norm:
             out = torch.ops.trifuse.dropout_add_rms_norm(x, residual, normalized_shape, weight, eps, p, x_bias)

@@ -1,0 +1,51 @@
+"""CachedKernel: the thin launch path must launch exactly what Triton's own path launches."""
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from _device import DEVICE, ON_GPU
+from trifuse.kernels._launch import CachedKernel
+
+
+@triton.jit
+def _axpy_kernel(X, Y, OUT, n, alpha, BLOCK: tl.constexpr, HAS_Y: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    v = tl.load(X + offs, mask=mask) * alpha
+    if HAS_Y:
+        v += tl.load(Y + offs, mask=mask)
+    tl.store(OUT + offs, v, mask=mask)
+
+
+AXPY = CachedKernel(_axpy_kernel)
+
+
+def launch(x, y, n, alpha, has_y):
+    out = torch.empty_like(x)
+    AXPY[(triton.cdiv(n, 64),)](x, y, out, n, alpha, BLOCK=64, HAS_Y=has_y, num_warps=1)
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 37, 256])
+def test_repeated_launches_match_the_reference(n):
+    base = torch.randn(n + 3, device=DEVICE)
+    y = torch.randn(n + 3, device=DEVICE)
+    for offset in (0, 1, 0, 1):  # aligned and misaligned pointers, each launched twice
+        x = base[offset:offset + n]
+        for alpha, has_y in ((2.0, True), (-0.5, False), (2.0, True)):
+            out = launch(x, y[:n], n, alpha, has_y)
+            torch.testing.assert_close(out, x * alpha + (y[:n] if has_y else 0), rtol=0, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_gpu_caches_one_compiled_kernel_per_specialization():
+    assert ON_GPU
+    AXPY._compiled.clear()
+    x = torch.randn(100, device="cuda")
+    launch(x, x, 100, 1.0, True)
+    launch(x, x, 100, 3.0, True)  # floats do not specialize
+    assert len(AXPY._compiled) == 1
+    launch(x[1:], x[1:], 99, 1.0, True)  # misaligned pointers and n: a new specialization
+    assert len(AXPY._compiled) == 2
+    assert AXPY._fast, "the direct launcher path fell back to Triton's own path"
