@@ -11,6 +11,8 @@ its address is 16-byte aligned, each integer's width and whether it is 1 or a mu
 every constexpr's value, and the device. Anything else (a launch hook installed by a profiler,
 the interpreter, a Triton whose launcher signature differs) takes Triton's own path.
 """
+import warnings
+
 import torch
 import triton
 
@@ -58,8 +60,10 @@ class CachedKernel:
                 torch._C._cuda_getCurrentRawStream(device), compiled.function, compiled.packed_metadata,
                 None, None, None, *args, *constexprs,
             )
-        except (TypeError, AttributeError, KeyError):
+        except (TypeError, AttributeError, KeyError) as e:
             # This Triton's launcher differs from the one this path was written for: use
-            # Triton's own path from now on (correct, only slower).
+            # Triton's own path from now on (correct, only slower), and say so once.
             self._fast = False
+            warnings.warn(f"trifuse: direct launch of {self.fn.__name__} failed ({e!r}); "
+                          "using Triton's launch path", RuntimeWarning, stacklevel=2)
             self.fn[grid](*args, **kwargs)

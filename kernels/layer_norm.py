@@ -56,12 +56,13 @@ from ._random import dropout_keep
 
 # Widest row (elements) kept whole in registers; wider rows are walked in chunks of this size.
 MAX_SINGLE_BLOCK_FWD = 16384
-MAX_SINGLE_BLOCK_BWD = 8192
-# Elements per tile for narrow rows (BLOCK_M = tile // BLOCK_N rows per step).
-FWD_TILE_ELEMENTS = 4096
+MAX_SINGLE_BLOCK_BWD = 16384
+# Launch configurations, from a sweep on the H100 (bench/tune_layer_norm.py, 2026-11-22, bf16):
+# forward tiles of 8192-16384 elements (several narrow rows per program) with 8 warps reached
+# 2.2-2.8 TB/s; the backward preferred 2048-8192-element tiles and, for wide rows, one program
+# per multiprocessor (each owns a contiguous range of rows and one row of the fp32 partials).
+FWD_TILE_ELEMENTS = 8192
 BWD_TILE_ELEMENTS = 4096
-# Backward programs per multiprocessor: each owns a contiguous range of rows and one row of the
-# fp32 partial buffers (more programs: more bytes in flight, a larger buffer to sum).
 BWD_PROGRAMS_PER_SM = 2
 
 
@@ -284,9 +285,11 @@ def _layer_norm_bwd_kernel(
 
     if SINGLE_BLOCK:
         col_mask = offs < N
-        dw = tl.zeros([BLOCK_N], dtype=ACC)
-        db = tl.zeros([BLOCK_N], dtype=ACC)
-        dxb = tl.zeros([BLOCK_N], dtype=ACC)
+        # Tile-shaped accumulators: summing over rows once at the end, not on every step,
+        # keeps cross-warp reductions out of the loop.
+        dw = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+        db = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+        dxb = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
         for row0 in range(row_start, row_end, BLOCK_M):
             rows = row0 + tl.arange(0, BLOCK_M)
             row_mask = rows < row_end
@@ -305,13 +308,13 @@ def _layer_norm_bwd_kernel(
             dx = _store_input_grads(ds, DS + rows2 * stride_dsm, DX + rows2 * stride_dxm,
                                     DR + rows2 * stride_drm, seed, rows2, offs, mask, p, scale,
                                     HAS_DS, HAS_DROPOUT, STORE_DR)
-            dxb += tl.sum(dx, axis=0)
-            dw += tl.sum(dy * xhat, axis=0)
-            db += tl.sum(dy, axis=0)
+            dxb += dx
+            dw += dy * xhat
+            db += dy
         cols1 = tl.arange(0, BLOCK_N)
-        tl.store(DW_PARTIAL + cols1, dw, mask=cols1 < N)
-        tl.store(DB_PARTIAL + cols1, db, mask=cols1 < N)
-        tl.store(DXB_PARTIAL + cols1, dxb, mask=cols1 < N)
+        tl.store(DW_PARTIAL + cols1, tl.sum(dw, axis=0), mask=cols1 < N)
+        tl.store(DB_PARTIAL + cols1, tl.sum(db, axis=0), mask=cols1 < N)
+        tl.store(DXB_PARTIAL + cols1, tl.sum(dxb, axis=0), mask=cols1 < N)
     else:
         # Wide rows, one at a time (BLOCK_M = 1): one pass for the two row sums, one to write the
         # grads. The partial rows are this program's alone (zeroed by the launcher), so
@@ -398,8 +401,7 @@ def _fwd_config(n: int) -> tuple[int, int, bool, int]:
     block_n = min(next_power_of_2(n), MAX_SINGLE_BLOCK_FWD)
     single = n <= MAX_SINGLE_BLOCK_FWD
     block_m = max(1, FWD_TILE_ELEMENTS // block_n) if single else 1
-    num_warps = min(16, max(4, block_m * block_n // 512))
-    return block_m, block_n, single, num_warps
+    return block_m, block_n, single, 8 if block_m * block_n >= 8192 else 4
 
 
 def _bwd_config(n: int) -> tuple[int, int, bool, int]:
@@ -407,8 +409,7 @@ def _bwd_config(n: int) -> tuple[int, int, bool, int]:
     block_n = min(next_power_of_2(n), MAX_SINGLE_BLOCK_BWD)
     single = n <= MAX_SINGLE_BLOCK_BWD
     block_m = max(1, BWD_TILE_ELEMENTS // block_n) if single else 1
-    num_warps = min(16, max(4, block_m * block_n // 512))
-    return block_m, block_n, single, num_warps
+    return block_m, block_n, single, min(16, max(4, block_m * block_n // 512))
 
 
 def _flat(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -500,7 +501,8 @@ def layer_norm_bwd(
     dy2, stride_dy = as_rows(dy, n)
     ds2, stride_ds = as_rows(ds, n) if ds is not None else (dy2, 0)
     block_m, block_n, single, num_warps = _bwd_config(n)
-    programs = min(triton.cdiv(m, block_m), BWD_PROGRAMS_PER_SM * device_sms(s))
+    per_sm = BWD_PROGRAMS_PER_SM if block_n <= 2048 else 1
+    programs = min(triton.cdiv(m, block_m), per_sm * device_sms(s))
     rows_per_program = triton.cdiv(triton.cdiv(m, programs), block_m) * block_m
     programs = triton.cdiv(m, rows_per_program)
     partials = (torch.empty if single else torch.zeros)((3, programs, n), dtype=acc, device=s.device)
