@@ -64,6 +64,6 @@ class CachedKernel:
             # This Triton's launcher differs from the one this path was written for: use
             # Triton's own path from now on (correct, only slower), and say so once.
             self._fast = False
-            warnings.warn(f"trifuse: direct launch of {getattr(self.fn, "__name__", "a kernel")} failed ({e!r}); "
+            warnings.warn(f"trifuse: direct launch of {getattr(self.fn, '__name__', 'a kernel')} failed ({e!r}); "
                           "using Triton's launch path", RuntimeWarning, stacklevel=2)
             self.fn[grid](*args, **kwargs)
