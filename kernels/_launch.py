@@ -8,8 +8,9 @@ calls the compiled kernel's launcher directly.
 
 The specialization key reproduces what Triton specializes on: each tensor's dtype and whether
 its address is 16-byte aligned, each integer's width and whether it is 1 or a multiple of 16,
-every constexpr's value, and the device. Anything else (a launch hook installed by a profiler,
-the interpreter, a Triton whose launcher signature differs) takes Triton's own path.
+every constexpr's value, and the device. Launch hooks are passed on as Triton does. Anything
+else (the interpreter, a Triton without `triton.knobs` or whose launcher signature differs) takes
+Triton's own path.
 """
 import warnings
 
@@ -17,6 +18,8 @@ import torch
 import triton
 
 from ..autotune.env import INTERPRET
+
+_knobs = getattr(triton, "knobs", None)  # Triton >= 3.4; older ones take Triton's own path
 
 
 def _int_spec(v: int) -> tuple[bool, bool, bool]:
@@ -33,13 +36,13 @@ class CachedKernel:
     def __init__(self, fn: triton.JITFunction) -> None:
         self.fn = fn
         self._compiled: dict[tuple, object] = {}
-        self._fast = not INTERPRET
+        self._fast = not INTERPRET and _knobs is not None
 
     def __getitem__(self, grid: tuple[int, ...]):
         return lambda *args, **kwargs: self.run(grid, args, kwargs)
 
     def run(self, grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:
-        if not self._fast or triton.knobs.runtime.launch_enter_hook is not None:
+        if not self._fast:
             self.fn[grid](*args, **kwargs)
             return
         device = torch.cuda.current_device()
@@ -53,12 +56,16 @@ class CachedKernel:
         if compiled is None:
             self._compiled[key] = self.fn[grid](*args, **kwargs)
             return
-        constexprs = [kwargs[name] for name in self.fn.arg_names[len(args):]]
+        all_args = (*args, *(kwargs[name] for name in self.fn.arg_names[len(args):]))
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        # Launch hooks (a profiler's) are honoured exactly as Triton's own path does.
+        enter_hook = _knobs.runtime.launch_enter_hook
+        metadata = None if enter_hook is None else compiled.launch_metadata(grid, stream, *all_args)
         try:
             compiled.run(
                 grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-                torch._C._cuda_getCurrentRawStream(device), compiled.function, compiled.packed_metadata,
-                None, None, None, *args, *constexprs,
+                stream, compiled.function, compiled.packed_metadata,
+                metadata, enter_hook, _knobs.runtime.launch_exit_hook, *all_args,
             )
         except (TypeError, AttributeError, KeyError) as e:
             # This Triton's launcher differs from the one this path was written for: use
