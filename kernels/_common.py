@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import torch
 import triton
+import triton.language as tl
 
 from ..autotune.env import INTERPRET
 
@@ -76,10 +77,8 @@ def as_rows(t: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
     return t2, t2.stride(0)
 
 
-def acc_dtype(dtype: torch.dtype):
+def acc_dtype(dtype: torch.dtype) -> tl.dtype:
     """The Triton accumulation dtype: fp64 for fp64 inputs (gradcheck), fp32 otherwise."""
-    import triton.language as tl
-
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 

@@ -414,7 +414,9 @@ def _bwd_config(n: int) -> tuple[int, int, bool, int]:
 
 def _flat(t: torch.Tensor | None) -> torch.Tensor | None:
     """Per-feature vectors as contiguous (N,) (no copy when they already are)."""
-    return None if t is None else t.contiguous().view(-1)
+    if t is None or (t.dim() == 1 and t.is_contiguous()):
+        return t
+    return t.contiguous().view(-1)
 
 
 def _dropout_scale(p: float) -> float:
