@@ -158,7 +158,11 @@ def peak_memory_mib(step: Callable[[], object]) -> float:
 
 
 def compiled(fn: Callable, **kwargs) -> Callable:
-    """torch.compile of a baseline; compile errors surface at the first call."""
+    """torch.compile of a baseline; compile errors surface at the first call.
+
+    Donated buffers are turned off (this process only) so that the "bwd" mode, which replays
+    one graph's backward with retain_graph=True, can time compiled baselines too."""
+    torch._functorch.config.donated_buffer = False
     return torch.compile(fn, **kwargs)
 
 
