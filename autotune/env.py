@@ -10,9 +10,15 @@ from pathlib import Path
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def tuning_requested() -> bool:
+    """False when TRIFUSE_AUTOTUNE=0: use the built-in (or shipped per-GPU) defaults, time nothing."""
+    return os.environ.get("TRIFUSE_AUTOTUNE", "1") != "0"
+
+
 def autotune_enabled() -> bool:
-    """False when TRIFUSE_AUTOTUNE=0: use the built-in default configurations, time nothing."""
-    return os.environ.get("TRIFUSE_AUTOTUNE", "1") != "0" and not INTERPRET
+    """Whether `triton.autotune` may time several configurations: tuning is requested and kernels
+    run on a real GPU (the interpreter cannot benchmark)."""
+    return tuning_requested() and not INTERPRET
 
 
 def cache_dir() -> Path:

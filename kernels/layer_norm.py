@@ -36,6 +36,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ..autotune import dialects, pow2_bucket
 from ._common import (
     acc_dtype,
     as_rows,
@@ -836,6 +837,61 @@ class _NormFunction(torch.autograd.Function):
 
 
 # =============================================================================================
+# Dialect: trifuse's kernels or PyTorch's F.layer_norm, whichever is faster for the shape, chosen
+# once per (device, dtype, rows bucket, width, weight dtypes, grad) on the GPU and cached on disk
+# (autotune/dialects.py). Traced calls (torch.compile, export) always see trifuse::layer_norm.
+# =============================================================================================
+
+
+def _layer_norm_key(x, normalized_shape, weight, bias, eps):
+    """The dialect key of an eager call; None (the trifuse op decides, and raises on bad input)
+    when traced, empty, or when the shapes do not fit. About 1.5 µs: it runs on every call."""
+    if not eager_fast_path(x, weight, bias):
+        return None
+    shape = x.shape
+    k = len(normalized_shape)
+    if k == 1:
+        n = normalized_shape[0]
+        if not shape or shape[-1] != n:
+            return None
+    elif k > len(shape) or tuple(shape[len(shape) - k:]) != tuple(normalized_shape):
+        return None
+    else:
+        n = math.prod(normalized_shape)
+    rows = x.numel() // n if n else 0
+    if rows == 0:
+        return None
+    grad = torch.is_grad_enabled() and (
+        x.requires_grad or (weight is not None and weight.requires_grad) or (bias is not None and bias.requires_grad))
+    return (x.get_device(), x.dtype, pow2_bucket(rows), n,
+            None if weight is None else weight.dtype, None if bias is None else bias.dtype, grad)
+
+
+def _layer_norm_trifuse(x, normalized_shape, weight, bias, eps):
+    return _norm("layer_norm", x, normalized_shape, weight, bias, eps, None, is_rms_norm=False)
+
+
+def _layer_norm_torch(x, normalized_shape, weight, bias, eps):
+    with profiled("trifuse::layer_norm"):
+        return F.layer_norm(x, normalized_shape, weight, bias, eps)
+
+
+def _layer_norm_torch_supports(x, normalized_shape, weight, bias, eps) -> str | None:
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.dtype != x.dtype and not (
+                t.dtype == torch.float32 and x.dtype in (torch.float16, torch.bfloat16)):
+            return f"F.layer_norm takes {name} in the input's dtype {x.dtype} (or float32), got {t.dtype}"
+    return None
+
+
+LAYER_NORM = dialects.define(
+    "layer_norm", _layer_norm_key, ("device", "dtype", "rows", "n", "weight", "bias", "grad"),
+    reference=layer_norm_ref)
+LAYER_NORM.register(dialects.Candidate("trifuse", _layer_norm_trifuse))
+LAYER_NORM.register(dialects.Candidate("torch", _layer_norm_torch, supports=_layer_norm_torch_supports))
+
+
+# =============================================================================================
 # Public API
 # =============================================================================================
 
@@ -881,11 +937,18 @@ def layer_norm(
     Returns:
         y shaped like x (or (y, s)), in x's dtype (promoted with residual's).
 
+    Without a residual, eager calls run trifuse's kernels or F.layer_norm, whichever the
+    `layer_norm` dialect measured faster for this shape on this GPU (`LAYER_NORM.explain(...)`
+    says which and why); elsewhere, and under torch.compile, trifuse's.
+
     Raises:
         TypeError for non-float tensors; ValueError for shapes, devices or eps that do not fit.
     """
-    op = "layer_norm" if residual is None else "dropout_add_layer_norm"
-    return _norm(op, x, normalized_shape, weight, bias, eps, residual, is_rms_norm=False)
+    if residual is not None:
+        return _norm("dropout_add_layer_norm", x, normalized_shape, weight, bias, eps, residual, is_rms_norm=False)
+    if isinstance(normalized_shape, int):
+        normalized_shape = (normalized_shape,)
+    return LAYER_NORM(x, normalized_shape, weight, bias, eps)
 
 
 def rms_norm(

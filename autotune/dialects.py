@@ -1,0 +1,401 @@
+"""Operator dialects: several implementations of one op, the fastest correct one chosen per shape.
+
+An op is a `Dialect`: a name, a `key` function, the op's reference (`<op>_ref`, the spec) and a
+tuple of `Candidate`s that op files register into it with explicit `register` calls (the trifuse
+Triton kernel, PyTorch's own, flash-attn or xformers when importable). Calling the dialect with
+the op's positional arguments runs the chosen candidate:
+
+    LAYER_NORM = dialects.define("layer_norm", key=_key, key_names=(...), reference=layer_norm_ref)
+    LAYER_NORM.register(Candidate("trifuse", _layer_norm_trifuse))
+    LAYER_NORM.register(Candidate("torch", _layer_norm_torch, supports=_torch_supports))
+    y = LAYER_NORM(x, normalized_shape, weight, bias, eps)
+
+`key(*args)` turns an eager call into a small tuple (the device index, dtype, shape buckets and
+flags, named by `key_names`, "device" among them), or None when the call is traced (Dynamo, fake
+or proxy tensors) or degenerate: then the first candidate, the op's own registered implementation,
+runs. Otherwise the choice for (key, deterministic mode) is made once:
+
+1. Eligibility, per candidate in order: its `requires` modules import; `supports(*args)` returns
+   None (else a reason, as text); it is deterministic when torch.are_deterministic_algorithms_
+   enabled(). The others are rejected with their reason. When none is eligible, the first
+   candidate runs and raises the op's own error.
+2. Where nothing may be timed (TRIFUSE_AUTOTUNE=0, the interpreter, a CPU without a timer, CUDA-
+   graph capture): the shipped default for the GPU family when it names an eligible candidate,
+   else the first eligible one.
+3. The disk cache, when it names an eligible candidate.
+4. Measuring, on the real inputs' shapes (detached views of them): each eligible candidate runs
+   forward, and backward when the call needs gradients, and its outputs and gradients are checked
+   against the reference run in float64 (`gate`); those that pass are timed, forward and backward
+   together; the fastest wins and goes to the disk cache. A candidate that raises is rejected with
+   the exception as its reason. Random generators are restored afterwards: tuning never shifts a
+   seeded run.
+
+Afterwards the same key is one dict lookup. Every choice is recorded (`records`, `explain`) with
+the times and the reasons the others were rejected, for trifuse.report and the autotune command.
+"""
+import dataclasses
+import functools
+import importlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .cache import disk_cache, environment, shipped_default
+from .records import Decision, Timer, bucket_string, log, lookup, record, records
+from .tuner import capturing, error_text, progress, timer_for
+
+# The check's bound, in the form of the tests' oracle rule (tests/tolerances.py) but looser: it
+# guards the choice against a broken implementation (a library bug, a wrong backend for a shape);
+# the tests remain the oracle for trifuse's own kernels.
+GATE_FACTOR = 4.0
+GATE_ULPS = 16
+
+
+@functools.lru_cache(maxsize=None)
+def import_problem(module: str) -> str | None:
+    """None when `module` imports, else why not (as text)."""
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        return f"{module} is not installed ({e})" if getattr(e, "name", None) == module else error_text(e)
+    except Exception as e:  # noqa: BLE001  (a broken install fails in many ways: a wrong-torch wheel, a missing .so)
+        return f"{module} does not import: {error_text(e)}"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One implementation of an op.
+
+    Args:
+        name: short and stable (it is stored on disk): "trifuse", "torch", "sdpa-flash", "flash-attn".
+        fn: takes the op's positional arguments, returns what the op returns.
+        supports: `supports(*args) -> str | None`: None when it can take the call, else why not.
+        deterministic: whether it is bitwise repeatable (eligible under deterministic algorithms).
+        requires: modules that must import (checked once; a missing one is the rejection reason).
+    """
+
+    name: str
+    fn: Callable[..., Any]
+    supports: Callable[..., str | None] | None = None
+    deterministic: bool = True
+    requires: tuple[str, ...] = ()
+
+    def rejection(self, args: tuple, deterministic: bool) -> str | None:
+        for module in self.requires:
+            problem = import_problem(module)
+            if problem is not None:
+                return problem
+        if self.supports is not None:
+            reason = self.supports(*args)
+            if reason is not None:
+                return reason
+        if deterministic and not self.deterministic:
+            return "not deterministic (torch.use_deterministic_algorithms is on)"
+        return None
+
+
+class Dialect:
+    """The candidates of one op and the choice among them per key (see the module docstring).
+
+    `timer` (an attribute, None = do_bench on CUDA) may be replaced, e.g. by a fake in tests.
+    `check(fn, args) -> str | None` replaces the float64 reference comparison for ops whose
+    reference does not fit in memory at real shapes.
+    """
+
+    def __init__(self, name: str, key: Callable[..., tuple | None], key_names: Sequence[str],
+                 reference: Callable[..., Any], check: Callable[[Callable, tuple], str | None] | None = None):
+        if "device" not in key_names:
+            raise ValueError(f"trifuse.autotune.dialects: key_names of {name!r} must include 'device'")
+        self.name = name
+        self.key = key
+        self.key_names = tuple(key_names)
+        self.reference = reference
+        self.check = check
+        self.candidates: tuple[Candidate, ...] = ()
+        self.timer: Timer | None = None
+        self._device_pos = self.key_names.index("device")
+        self._memo: dict[tuple, Callable] = {}
+        self._memo_deterministic: dict[tuple, Callable] = {}
+
+    def register(self, candidate: Candidate) -> Candidate:
+        """Adds a candidate after the existing ones (the first registered is the op's own)."""
+        if any(c.name == candidate.name for c in self.candidates):
+            raise ValueError(f"trifuse.autotune.dialects: {self.name!r} already has a candidate {candidate.name!r}")
+        self.candidates = (*self.candidates, candidate)
+        self.clear()
+        return candidate
+
+    def candidate(self, name: str) -> Candidate:
+        for c in self.candidates:
+            if c.name == name:
+                return c
+        raise KeyError(f"trifuse.autotune.dialects: {self.name!r} has no candidate {name!r} "
+                       f"(it has {[c.name for c in self.candidates]})")
+
+    def clear(self) -> None:
+        """Forgets this process's choices (the disk cache stays)."""
+        self._memo.clear()
+        self._memo_deterministic.clear()
+
+    def __call__(self, *args):
+        key = self.key(*args)
+        if key is None:
+            return self.candidates[0].fn(*args)
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        fn = (self._memo_deterministic if deterministic else self._memo).get(key)
+        if fn is None:
+            fn = self._decide(key, args, deterministic)
+        return fn(*args)
+
+    # -----------------------------------------------------------------------------------------
+
+    def _where(self, key: tuple, deterministic: bool) -> tuple[int, str, str]:
+        device_index = key[self._device_pos]
+        bucket = bucket_string(self.key_names, key) + (",deterministic" if deterministic else "")
+        return device_index, environment(device_index).device, bucket
+
+    def _eligible(self, args: tuple, deterministic: bool) -> tuple[list[Candidate], dict[str, str]]:
+        eligible, rejected = [], {}
+        for c in self.candidates:
+            reason = c.rejection(args, deterministic)
+            if reason is None:
+                eligible.append(c)
+            else:
+                rejected[c.name] = reason
+        return eligible, rejected
+
+    def _decide(self, key: tuple, args: tuple, deterministic: bool) -> Callable:
+        device_index, device, bucket = self._where(key, deterministic)
+        eligible, rejected = self._eligible(args, deterministic)
+
+        def keep(c: Candidate, source: str, times: dict | None = None) -> Callable:
+            (self._memo_deterministic if deterministic else self._memo)[key] = c.fn
+            record(Decision("dialect", self.name, device, bucket, c.name, source, times or {}, rejected))
+            return c.fn
+
+        if not eligible:
+            # Nothing memoized: the op's own implementation raises its error, or copes.
+            record(Decision("dialect", self.name, device, bucket, self.candidates[0].name,
+                            "fallback (no candidate takes this call)", {}, rejected))
+            return self.candidates[0].fn
+        if capturing():
+            return eligible[0].fn
+        timer, why_not = timer_for(device_index, self.timer)
+        if timer is None:
+            shipped = shipped_default(device_index, "dialect:" + self.name, bucket)
+            if shipped is not None:
+                match = [c for c in eligible if c.name == shipped[1].get("choice")]
+                if match:
+                    return keep(match[0], f"shipped {shipped[0]} defaults")
+            return keep(eligible[0], f"default ({why_not})")
+        if len(eligible) == 1:
+            return keep(eligible[0], "only eligible candidate")
+        cache = disk_cache(device_index)
+        hit = cache.get("dialect:" + self.name, bucket)
+        if hit is not None:
+            match = [c for c in eligible if c.name == hit.get("choice")]
+            if match:
+                rejected.update({k: v for k, v in hit.get("rejected", {}).items() if k not in rejected})
+                return keep(match[0], "disk cache", dict(hit.get("ms", {})))
+        times = self._measure(eligible, args, timer, device_index, rejected)
+        if not times:
+            log.warning("trifuse: no candidate of %s passed for %s; using %s", self.name, bucket, self.candidates[0].name)
+            record(Decision("dialect", self.name, device, bucket, self.candidates[0].name,
+                            "fallback (every candidate failed)", {}, rejected))
+            return self.candidates[0].fn
+        best = min(times, key=times.get)
+        cache.put("dialect:" + self.name, bucket, {"choice": best, "ms": times, "rejected": rejected})
+        return keep(self.candidate(best), "measured", times)
+
+    def _measure(self, eligible: list[Candidate], args: tuple, timer: Timer, device_index: int,
+                 rejected: dict[str, str]) -> dict[str, float]:
+        times: dict[str, float] = {}
+        with torch.random.fork_rng(devices=[device_index] if device_index >= 0 else []):
+            try:
+                trial = _Trial(self.reference, args, self.check)
+            except Exception as e:  # noqa: BLE001  (the reference rejects the inputs: so will the op)
+                log.debug("trifuse: %s reference failed on this call (%s); not tuning", self.name, e)
+                return {}
+            for c in progress(eligible, f"trifuse: choosing {self.name}"):
+                try:
+                    problem = trial.problem(c.fn)
+                    if problem is not None:
+                        rejected[c.name] = f"wrong result: {problem}"
+                        continue
+                    times[c.name] = float(timer(c.name, trial.step(c.fn)))
+                except Exception as e:  # noqa: BLE001  (candidates from other libraries fail in many ways)
+                    rejected[c.name] = error_text(e)
+        return times
+
+    def explain(self, *args) -> Decision:
+        """The decision for this call: the recorded one, or (not decided yet) who is eligible and
+        why the others are not, without tuning anything."""
+        key = self.key(*args)
+        if key is None:
+            return Decision("dialect", self.name, "-", "traced", self.candidates[0].name,
+                            "traced or empty call: the op's registered implementation")
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        _, device, bucket = self._where(key, deterministic)
+        done = lookup("dialect", self.name, device, bucket)
+        if done is not None:
+            return done
+        eligible, rejected = self._eligible(args, deterministic)
+        chosen = (eligible or self.candidates)[0].name
+        return Decision("dialect", self.name, device, bucket, chosen, "not decided yet", {}, rejected)
+
+
+# ---------------------------------------------------------------------------------------------
+# The check: run the reference in float64 (the oracle) and in the inputs' dtypes (PyTorch's own
+# error), the candidate on the same inputs, and compare outputs and gradients.
+# ---------------------------------------------------------------------------------------------
+
+
+def _as_tuple(out) -> tuple:
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _leaf(a, dtype: torch.dtype | None = None):
+    """A fresh leaf sharing `a`'s storage (or cast to `dtype`), with `a`'s requires_grad."""
+    if not isinstance(a, torch.Tensor):
+        return a
+    t = a.detach() if dtype is None or not a.is_floating_point() else a.detach().to(dtype)
+    return t.requires_grad_(a.requires_grad and t.is_floating_point())
+
+
+def gate(label: str, out: torch.Tensor | None, ref64: torch.Tensor, ref_lowp: torch.Tensor) -> str | None:
+    """None when `out` is close enough to the float64 reference, else what is wrong:
+
+        max|out - ref64| <= GATE_FACTOR * max|ref_lowp - ref64| + GATE_ULPS * eps(out) * max(1, max|ref64|)
+
+    with NaN and inf where the reference has them.
+    """
+    if out is None:
+        return f"{label} is missing"
+    if tuple(out.shape) != tuple(ref64.shape):
+        return f"{label} has shape {tuple(out.shape)}, the reference {tuple(ref64.shape)}"
+    o, r, lp = out.detach().double(), ref64.detach().double(), ref_lowp.detach().double()
+    finite = torch.isfinite(r)
+    if not torch.equal(torch.isfinite(o), finite):
+        return f"{label} has NaN/inf where the reference does not (or the reverse)"
+    if not finite.any():
+        return None
+    err = (o - r)[finite].abs().max().item()
+    own = (lp - r)[finite].abs().max().item()
+    scale = max(1.0, r[finite].abs().max().item())
+    bound = GATE_FACTOR * own + GATE_ULPS * torch.finfo(out.dtype).eps * scale
+    if err > bound:
+        return f"{label} max error {err:.3g} > {bound:.3g} against the float64 reference"
+    return None
+
+
+class _Trial:
+    """One call's inputs, reference outputs and gradients, and the output gradients to apply."""
+
+    def __init__(self, reference: Callable, args: tuple, check: Callable[[Callable, tuple], str | None] | None):
+        self.args = args
+        self.check = check
+        self.train = torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+        lowp = tuple(_leaf(a) for a in args)
+        out_lowp = _as_tuple(reference(*lowp))
+        self.n_outputs = len(out_lowp)
+        self.grad_outputs = [i for i, o in enumerate(out_lowp) if isinstance(o, torch.Tensor) and o.requires_grad]
+        gen = None
+        self.dys = []
+        for i in self.grad_outputs:
+            o = out_lowp[i]
+            if gen is None:
+                gen = torch.Generator(device=o.device).manual_seed(0)
+            self.dys.append(torch.randn(o.shape, generator=gen, device=o.device, dtype=o.dtype))
+        if check is not None:
+            return
+        wide = tuple(_leaf(a, torch.float64) for a in args)
+        with torch.autocast(device_type=_device_type(args), enabled=False):
+            out64 = _as_tuple(reference(*wide))
+        self.expected = list(zip(out64, out_lowp))
+        if self.train:
+            self.expected += list(zip(self._grads(out64, wide, [d.double() for d in self.dys]),
+                                      self._grads(out_lowp, lowp, self.dys)))
+
+    def _grads(self, outs: tuple, args: tuple, dys: list) -> tuple:
+        leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        return torch.autograd.grad([outs[i] for i in self.grad_outputs], leaves, dys, allow_unused=True)
+
+    def problem(self, fn: Callable) -> str | None:
+        if self.check is not None:
+            return self.check(fn, self.args)
+        args = tuple(_leaf(a) for a in self.args)
+        outs = _as_tuple(fn(*args))
+        if len(outs) != self.n_outputs:
+            return f"{len(outs)} outputs, the reference has {self.n_outputs}"
+        got = list(outs)
+        if self.train:
+            got += list(self._grads(outs, args, self.dys))
+        for i, (g, (e64, elp)) in enumerate(zip(got, self.expected)):
+            if not isinstance(e64, torch.Tensor):
+                continue
+            label = f"output {i}" if i < self.n_outputs else f"gradient {i - self.n_outputs}"
+            problem = gate(label, g, e64, elp)
+            if problem is not None:
+                return problem
+        return None
+
+    def step(self, fn: Callable) -> Callable[[], object]:
+        """One forward (+ backward when the call trains) of `fn` on fresh leaves of the inputs."""
+        args = tuple(_leaf(a) for a in self.args)
+        if not self.train:
+            def run():
+                with torch.no_grad():
+                    return fn(*args)
+            return run
+        leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+
+        def run():
+            outs = _as_tuple(fn(*args))
+            return torch.autograd.grad([outs[i] for i in self.grad_outputs], leaves, self.dys, allow_unused=True)
+        return run
+
+
+def _device_type(args: tuple) -> str:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a.device.type
+    return "cpu"
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry of dialects: explicit `define` calls from op files, a tuple, no import-time patching.
+# ---------------------------------------------------------------------------------------------
+
+_DIALECTS: tuple[Dialect, ...] = ()
+
+
+def define(name: str, key: Callable[..., tuple | None], key_names: Sequence[str], reference: Callable[..., Any],
+           check: Callable[[Callable, tuple], str | None] | None = None) -> Dialect:
+    """Creates the dialect of op `name` and registers it (once per name)."""
+    global _DIALECTS
+    if any(d.name == name for d in _DIALECTS):
+        raise ValueError(f"trifuse.autotune.dialects: {name!r} is already defined")
+    dialect = Dialect(name, key, key_names, reference, check)
+    _DIALECTS = (*_DIALECTS, dialect)
+    return dialect
+
+
+def all_dialects() -> tuple[Dialect, ...]:
+    return _DIALECTS
+
+
+def get(name: str) -> Dialect:
+    for d in _DIALECTS:
+        if d.name == name:
+            return d
+    raise KeyError(f"trifuse.autotune.dialects: no op {name!r} (defined: {[d.name for d in _DIALECTS]})")
+
+
+def explain(op: str, *args) -> Decision | tuple[Decision, ...]:
+    """With the op's arguments: the decision for that call (see `Dialect.explain`). Without:
+    every decision made for `op` in this process."""
+    if args:
+        return get(op).explain(*args)
+    return records(op, kind="dialect")

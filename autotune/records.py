@@ -1,0 +1,104 @@
+"""What was chosen where, and why: one `Decision` per (kernel or op, device, shape bucket).
+
+Kernel tuners and operator dialects both record here; `trifuse.report`, the autotune command
+line and tests read `records()`. Only the latest decision per bucket is kept (a process makes a
+handful: one per distinct shape bucket), so this is a cache, not a log.
+"""
+import dataclasses
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+log = logging.getLogger("trifuse")
+
+# (label, zero-argument step) -> milliseconds. The default times a CUDA step with
+# triton.testing.do_bench; tests pass a fake one so tuning logic is deterministic on CPU.
+Timer = Callable[[str, Callable[[], object]], float]
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """One choice. `kind` is "kernel" (a launch configuration) or "dialect" (an implementation).
+
+    source says how it was reached: "measured", "disk cache", "shipped <family> defaults",
+    "default (...)" with the reason no timing happened, or "fallback (...)".
+    times_ms holds what was timed (empty unless measured or replayed from the disk cache);
+    rejected maps each candidate not taken to why, when it could not take the call at all.
+    """
+
+    kind: str
+    name: str
+    device: str
+    bucket: str
+    chosen: str
+    source: str
+    times_ms: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    rejected: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def __str__(self) -> str:
+        text = f"{self.name} [{self.bucket}] on {self.device}: {self.chosen} ({self.source})"
+        if self.times_ms:
+            text += "; " + ", ".join(f"{k} {v:.4g} ms" for k, v in sorted(self.times_ms.items(), key=lambda kv: kv[1]))
+        for name, reason in self.rejected.items():
+            text += f"; {name} rejected: {reason}"
+        return text
+
+
+_RECORDS: dict[tuple[str, str, str, str], Decision] = {}
+
+
+def record(decision: Decision) -> None:
+    _RECORDS[(decision.kind, decision.name, decision.device, decision.bucket)] = decision
+    level = logging.INFO if decision.source == "measured" or decision.source.startswith("fallback") else logging.DEBUG
+    log.log(level, "trifuse %s: %s", decision.kind, decision)
+
+
+def records(name: str | None = None, kind: str | None = None) -> tuple[Decision, ...]:
+    """Every decision this process made, optionally of one kernel/op `name` or one `kind`."""
+    return tuple(d for d in _RECORDS.values()
+                 if (name is None or d.name == name) and (kind is None or d.kind == kind))
+
+
+def lookup(kind: str, name: str, device: str, bucket: str) -> Decision | None:
+    return _RECORDS.get((kind, name, device, bucket))
+
+
+def clear_records() -> None:
+    _RECORDS.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# Buckets: the part of a key that is about shapes, as text for the disk cache and the tables.
+# ---------------------------------------------------------------------------------------------
+
+
+def pow2_bucket(n: int) -> int:
+    """The smallest power of two >= n (0 stays 0): sizes within a factor of two share a result."""
+    return 1 << (int(n) - 1).bit_length() if n > 0 else 0
+
+
+def bucket_string(names: Sequence[str], values: Iterable[object], skip: str = "device") -> str:
+    return ",".join(f"{n}={_text(v)}" for n, v in zip(names, values) if n != skip)
+
+
+def _text(v: object) -> str:
+    text = str(v)
+    return text[len("torch."):] if text.startswith("torch.") else text
+
+
+# ---------------------------------------------------------------------------------------------
+# Tables
+# ---------------------------------------------------------------------------------------------
+
+
+def format_table(decisions: Sequence[Decision]) -> str:
+    """A plain-text table of decisions: what won, how, against what."""
+    header = ("kind", "name", "bucket", "device", "chosen", "source", "timed (ms)", "rejected")
+    rows = [header]
+    for d in decisions:
+        timed = ", ".join(f"{k} {v:.4g}" for k, v in sorted(d.times_ms.items(), key=lambda kv: kv[1]))
+        rejected = "; ".join(f"{k}: {v}" for k, v in d.rejected.items())
+        rows.append((d.kind, d.name, d.bucket, d.device, d.chosen, d.source, timed, rejected))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,274 @@
+"""Choosing a kernel's launch configuration once per shape bucket, then replaying it.
+
+A `Tuner` replaces `triton.autotune` for kernels whose launchers must stay cheap (DESIGN.md,
+"Host overhead"): the launcher builds a small key tuple and calls `tuner.config(key, launch, *args)`,
+which is one dict lookup once that key is decided. The first call with a new key decides:
+
+1. the config space: `configs(**shape)` (a function in autotune/configs.py; entry 0 is the
+   default), minus the configs `prune(config, limits, **shape)` rejects with a reason (shared
+   memory or register estimates against this device's `DeviceLimits`);
+2. with TRIFUSE_AUTOTUNE=0, or where nothing can be timed (CPU, Triton's interpreter, inside
+   CUDA-graph capture): the shipped per-GPU-family default if there is one, else the first
+   config that fits. No timing;
+3. else the disk cache (autotune/cache.py) for this device, Triton, torch, kernel and bucket;
+4. else every fitting config is timed (`launch(config, *args)` under triton.testing.do_bench, median)
+   and the fastest is written to the disk cache: a second process does no timing.
+
+`launch(config, *args)` must be repeatable: it is called many times while timing, so it writes
+only outputs that the next call overwrites (or scratch buffers); the launcher then launches the
+winner for real. Pass a module-level function and its arguments, so that the hot path builds no
+closure. Keys are tuples whose names are `key_names`; one of them is "device" (the CUDA index,
+-1 for CPU), the others make the shape bucket (bucket sizes with `pow2_bucket`).
+"""
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+
+import triton
+
+from .cache import disk_cache, environment, shipped_default
+from .env import INTERPRET, tuning_requested
+from .records import Decision, Timer, bucket_string, log, lookup, record
+
+# Short timing windows: tuning runs inside the first training step, once per shape bucket.
+WARMUP_MS = 5
+REP_MS = 25
+
+
+def gpu_timer(label: str, step: Callable[[], object]) -> float:
+    """Median milliseconds of a CUDA step (CUDA events, L2 flushed between runs)."""
+    return triton.testing.do_bench(step, warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
+
+
+def timer_for(device_index: int, explicit: Timer | None) -> tuple[Timer | None, str]:
+    """(the timer to use, why none) for a device: None with the reason when nothing may be timed."""
+    if not tuning_requested():
+        return None, "TRIFUSE_AUTOTUNE=0"
+    if explicit is not None:
+        return explicit, ""
+    if INTERPRET:
+        return None, "Triton interpreter"
+    if device_index < 0:
+        return None, "no GPU to time on"
+    return gpu_timer, ""
+
+
+def capturing() -> bool:
+    """True inside CUDA-graph capture, where nothing may be timed or synchronized."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def progress(items: Sequence, desc: str):
+    """`items` under a tqdm progress bar when tqdm is installed and stderr is a terminal."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return items
+    return tqdm(items, desc=desc, leave=False, disable=None)
+
+
+def error_text(e: BaseException) -> str:
+    first = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+    return f"raised {type(e).__name__}" + (f": {first}" if first else "")
+
+
+# ---------------------------------------------------------------------------------------------
+# Device limits for pruning
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceLimits:
+    """What a block may use on one device. Under the interpreter (no device) an H100's numbers
+    stand in, so pruning behaves as on the GPU the defaults come from."""
+
+    shared_memory: int = 232448  # bytes per block, opt-in maximum (H100: 227 KiB)
+    registers_per_thread: int = 255
+    registers_per_sm: int = 65536
+    sms: int = 132
+    capability: tuple[int, int] = (9, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def device_limits(device_index: int) -> DeviceLimits:
+    if device_index < 0 or INTERPRET:
+        return DeviceLimits()
+    import torch
+
+    p = torch.cuda.get_device_properties(device_index)
+    default = DeviceLimits()
+    return DeviceLimits(
+        shared_memory=getattr(p, "shared_memory_per_block_optin", None) or 101376,  # smallest of sm80+
+        registers_per_thread=default.registers_per_thread,
+        registers_per_sm=getattr(p, "regs_per_multiprocessor", None) or default.registers_per_sm,
+        sms=p.multi_processor_count,
+        capability=(p.major, p.minor),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Configs as JSON (the disk cache holds no pickles) and as text (tables, progress bars)
+# ---------------------------------------------------------------------------------------------
+
+
+def config_to_json(c: triton.Config) -> dict:
+    out = {"kwargs": dict(c.kwargs), "num_warps": c.num_warps, "num_stages": c.num_stages,
+           "num_ctas": getattr(c, "num_ctas", 1)}
+    if getattr(c, "maxnreg", None) is not None:
+        out["maxnreg"] = c.maxnreg
+    return out
+
+
+def config_label(c: triton.Config) -> str:
+    parts = [f"{k}={v}" for k, v in c.kwargs.items()] + [f"warps={c.num_warps}", f"stages={c.num_stages}"]
+    if getattr(c, "num_ctas", 1) != 1:
+        parts.append(f"ctas={c.num_ctas}")
+    if getattr(c, "maxnreg", None) is not None:
+        parts.append(f"maxnreg={c.maxnreg}")
+    return ",".join(parts)
+
+
+def _accepting(fn: Callable) -> Callable[[dict], dict]:
+    """A filter keeping the keyword arguments `fn` declares (all of them if it takes **kwargs)."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict
+    names = set(params)
+    return lambda kw: {k: v for k, v in kw.items() if k in names}
+
+
+# Compilation or launch failures of one config: it is skipped with the reason, not fatal.
+_CONFIG_ERRORS = (
+    getattr(triton.runtime.errors, "TritonError", triton.runtime.errors.OutOfResources),
+    triton.compiler.errors.CompilationError,
+    RuntimeError,
+)
+
+
+class Tuner:
+    """The launch configuration of one kernel per key: `config(key, launch, *args)`.
+
+    Args:
+        name: the kernel's name in the cache and the tables, e.g. "layer_norm_fwd".
+        configs: `configs(**shape) -> list[triton.Config]`, entry 0 the default.
+        key_names: names of the key tuple's entries; "device" among them.
+        prune: `prune(config, limits, **shape) -> str | None`, a reason when it cannot fit.
+
+    `timer` (an attribute, None = do_bench on CUDA) may be replaced, e.g. by a fake in tests.
+    """
+
+    def __init__(self, name: str, configs: Callable[..., Sequence[triton.Config]], key_names: Sequence[str],
+                 prune: Callable[..., str | None] | None = None):
+        if "device" not in key_names:
+            raise ValueError(f"trifuse.autotune.Tuner({name!r}): key_names must include 'device', got {tuple(key_names)}")
+        self.name = name
+        self.configs = configs
+        self.key_names = tuple(key_names)
+        self.prune = prune
+        self.timer: Timer | None = None
+        self._device_pos = self.key_names.index("device")
+        self._configs_kwargs = _accepting(configs)
+        self._prune_kwargs = _accepting(prune) if prune is not None else None
+        self._memo: dict[tuple, triton.Config] = {}
+
+    def config(self, key: tuple, launch: Callable[..., object], *args) -> triton.Config:
+        """The chosen config for `key`: a dict hit once decided, else decided now by timing
+        `launch(config, *args)` for each candidate config (see the module docstring)."""
+        cfg = self._memo.get(key)
+        if cfg is None:
+            cfg = self._decide(key, launch, args)
+        return cfg
+
+    def clear(self) -> None:
+        """Forgets this process's choices (the disk cache stays)."""
+        self._memo.clear()
+
+    def _decide(self, key: tuple, launch: Callable[..., object], args: tuple) -> triton.Config:
+        if len(key) != len(self.key_names):
+            raise ValueError(f"trifuse.autotune.Tuner({self.name!r}): key {key!r} does not match {self.key_names}")
+        device_index = key[self._device_pos]
+        shape = {n: v for n, v in zip(self.key_names, key) if n != "device"}
+        bucket = bucket_string(self.key_names, key)
+        device = environment(device_index).device
+        space = list(self.configs(**self._configs_kwargs(shape)))
+        if not space:
+            raise ValueError(f"trifuse.autotune.Tuner({self.name!r}): the config space for {bucket} is empty")
+        fitting, rejected = self._fitting(space, device_index, shape)
+        timer, why_not = timer_for(device_index, self.timer)
+        if capturing():
+            # No timing inside CUDA-graph capture, and nothing memoized: the next eager call tunes.
+            return fitting[0]
+        if timer is None:
+            chosen, source = fitting[0], f"default ({why_not})"
+            shipped = shipped_default(device_index, self.name, bucket)
+            if shipped is not None:
+                match = _find(fitting, shipped[1].get("config"))
+                if match is not None:
+                    chosen, source = match, f"shipped {shipped[0]} defaults"
+            return self._keep(key, chosen, Decision("kernel", self.name, device, bucket, config_label(chosen),
+                                                    source, {}, rejected))
+        if len(fitting) == 1:
+            return self._keep(key, fitting[0], Decision("kernel", self.name, device, bucket,
+                                                        config_label(fitting[0]), "only config", {}, rejected))
+        cache = disk_cache(device_index)
+        hit = cache.get(self.name, bucket)
+        if hit is not None:
+            match = _find(fitting, hit.get("config"))
+            if match is not None:
+                return self._keep(key, match, Decision("kernel", self.name, device, bucket, config_label(match),
+                                                       "disk cache", dict(hit.get("ms", {})), rejected))
+        times: dict[str, float] = {}
+        by_label = {config_label(c): c for c in fitting}
+        for label, cfg in progress(list(by_label.items()), f"trifuse: tuning {self.name} [{bucket}]"):
+            try:
+                times[label] = float(timer(label, functools.partial(launch, cfg, *args)))
+            except _CONFIG_ERRORS as e:
+                rejected[label] = error_text(e)
+        if not times:
+            log.warning("trifuse: every config of %s failed for %s; using the default", self.name, bucket)
+            return self._keep(key, fitting[0], Decision("kernel", self.name, device, bucket, config_label(fitting[0]),
+                                                        "fallback (every config failed)", {}, rejected))
+        best = min(times, key=times.get)
+        cache.put(self.name, bucket, {"config": config_to_json(by_label[best]), "ms": times})
+        return self._keep(key, by_label[best], Decision("kernel", self.name, device, bucket, best, "measured",
+                                                        times, rejected))
+
+    def _fitting(self, space: list, device_index: int, shape: dict) -> tuple[list, dict[str, str]]:
+        if self.prune is None:
+            return space, {}
+        limits = device_limits(device_index)
+        kwargs = self._prune_kwargs(shape)
+        fitting, rejected = [], {}
+        for c in space:
+            reason = self.prune(c, limits, **kwargs)
+            if reason is None:
+                fitting.append(c)
+            else:
+                rejected[config_label(c)] = reason
+        if not fitting:
+            # The estimates are conservative; the default is what the kernel always ran with.
+            log.warning("trifuse: every config of %s was pruned for %s; keeping the default", self.name, shape)
+            fitting = space[:1]
+        return fitting, rejected
+
+    def _keep(self, key: tuple, cfg: triton.Config, decision: Decision) -> triton.Config:
+        self._memo[key] = cfg
+        record(decision)
+        return cfg
+
+    def decision(self, key: tuple) -> Decision | None:
+        """The recorded decision for `key`, if it was decided in this process."""
+        device = environment(key[self._device_pos]).device
+        return lookup("kernel", self.name, device, bucket_string(self.key_names, key))
+
+
+def _find(configs: Sequence[triton.Config], wanted: object) -> triton.Config | None:
+    """The config among `configs` whose JSON form is `wanted` (a cached or shipped entry that is
+    no longer in the space, because the kernel's space changed, is ignored)."""
+    for c in configs:
+        if config_to_json(c) == wanted:
+            return c
+    return None
