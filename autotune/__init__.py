@@ -21,7 +21,7 @@ import triton
 from . import configs, dialects
 from .dialects import Candidate, Dialect
 from .env import autotune_enabled
-from .records import Decision, format_table, pow2_bucket, records
+from .decisions import Decision, format_table, pow2_bucket, records
 from .tuner import DeviceLimits, Tuner
 
 __all__ = ["autotune", "Tuner", "DeviceLimits", "Candidate", "Dialect", "Decision", "configs", "dialects",

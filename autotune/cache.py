@@ -216,9 +216,10 @@ def gpu_family(device_name: str) -> str | None:
     return m.group(1).lower() if m else None
 
 
-@functools.lru_cache(maxsize=None)
-def _load_defaults(family: str) -> dict[str, dict]:
-    path = DEFAULTS_DIR / f"{family}.json"
+def read_defaults(path: Path, family: str) -> dict[str, dict]:
+    """The entries of a shipped-defaults file for `family`; {} (with a warning) when it is
+    missing, unreadable, of another format or of another family."""
+    path = Path(path)
     if not path.exists():
         return {}
     try:
@@ -226,10 +227,16 @@ def _load_defaults(family: str) -> dict[str, dict]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         log.warning("trifuse: ignoring the shipped defaults %s (%s)", path, e)
         return {}
-    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("entries"), dict):
-        log.warning("trifuse: ignoring the shipped defaults %s: not format %d", path, FORMAT)
+    if (not isinstance(data, dict) or data.get("format") != FORMAT or data.get("family") != family
+            or not isinstance(data.get("entries"), dict)):
+        log.warning("trifuse: ignoring the shipped defaults %s: not format %d for %s", path, FORMAT, family)
         return {}
     return data["entries"]
+
+
+@functools.lru_cache(maxsize=None)
+def _load_defaults(family: str) -> dict[str, dict]:
+    return read_defaults(DEFAULTS_DIR / f"{family}.json", family)
 
 
 def shipped_default(device_index: int, kernel: str, bucket: str) -> tuple[str, dict] | None:

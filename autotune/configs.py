@@ -86,9 +86,9 @@ def prune_elementwise(config: triton.Config, limits) -> str | None:
 
 
 def attention_fwd(head_dim: int) -> list[triton.Config]:
-    """Default 128x64 with 8 warps from head dim 128 up (4 below), 3 stages: Triton's tutorial
-    choice on Hopper. The rest of the space is the tutorial's, ordered by likelihood."""
-    default_warps = 8 if head_dim >= 128 else 4
+    """Default 128x64 with 8 warps from (padded) head dim 128 up, 4 below, 3 stages: Triton's
+    tutorial choice on Hopper. The rest of the space is the tutorial's, ordered by likelihood."""
+    default_warps = 8 if _pow2(head_dim) >= 128 else 4
     space = [(128, 64, default_warps, 3)]
     for bm in (128, 64):
         for bn in (64, 128, 32):

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from .cache import disk_cache, environment, shipped_default
-from .records import Decision, Timer, bucket_string, log, lookup, record, records
+from .decisions import Decision, Timer, bucket_string, log, lookup, record, records
 from .tuner import capturing, error_text, progress, timer_for
 
 # The check's bound, in the form of the tests' oracle rule (tests/tolerances.py) but looser: it
@@ -101,11 +101,14 @@ class Dialect:
 
     `timer` (an attribute, None = do_bench on CUDA) may be replaced, e.g. by a fake in tests.
     `check(fn, args) -> str | None` replaces the float64 reference comparison for ops whose
-    reference does not fit in memory at real shapes.
+    reference does not fit in memory at real shapes. `captures` pairs the torch.nn module types
+    whose calls this op replaces with `to_args(module, inputs) -> args`: the autotune command
+    reads a model's shapes through them when the model is not fused.
     """
 
     def __init__(self, name: str, key: Callable[..., tuple | None], key_names: Sequence[str],
-                 reference: Callable[..., Any], check: Callable[[Callable, tuple], str | None] | None = None):
+                 reference: Callable[..., Any], check: Callable[[Callable, tuple], str | None] | None = None,
+                 captures: tuple[tuple[type, Callable[..., tuple]], ...] = ()):
         if "device" not in key_names:
             raise ValueError(f"trifuse.autotune.dialects: key_names of {name!r} must include 'device'")
         self.name = name
@@ -113,6 +116,7 @@ class Dialect:
         self.key_names = tuple(key_names)
         self.reference = reference
         self.check = check
+        self.captures = tuple(captures)
         self.candidates: tuple[Candidate, ...] = ()
         self.timer: Timer | None = None
         self._device_pos = self.key_names.index("device")
@@ -372,12 +376,13 @@ _DIALECTS: tuple[Dialect, ...] = ()
 
 
 def define(name: str, key: Callable[..., tuple | None], key_names: Sequence[str], reference: Callable[..., Any],
-           check: Callable[[Callable, tuple], str | None] | None = None) -> Dialect:
-    """Creates the dialect of op `name` and registers it (once per name)."""
+           check: Callable[[Callable, tuple], str | None] | None = None,
+           captures: tuple[tuple[type, Callable[..., tuple]], ...] = ()) -> Dialect:
+    """Creates the dialect of op `name` and registers it (once per name); arguments as `Dialect`."""
     global _DIALECTS
     if any(d.name == name for d in _DIALECTS):
         raise ValueError(f"trifuse.autotune.dialects: {name!r} is already defined")
-    dialect = Dialect(name, key, key_names, reference, check)
+    dialect = Dialect(name, key, key_names, reference, check, captures)
     _DIALECTS = (*_DIALECTS, dialect)
     return dialect
 

@@ -29,7 +29,7 @@ import triton
 
 from .cache import disk_cache, environment, shipped_default
 from .env import INTERPRET, tuning_requested
-from .records import Decision, Timer, bucket_string, log, lookup, record
+from .decisions import Decision, Timer, bucket_string, log, lookup, record
 
 # Short timing windows: tuning runs inside the first training step, once per shape bucket.
 WARMUP_MS = 5

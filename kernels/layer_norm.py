@@ -873,6 +873,11 @@ def _layer_norm_trifuse(x, normalized_shape, weight, bias, eps):
 
 def _layer_norm_torch(x, normalized_shape, weight, bias, eps):
     with profiled("trifuse::layer_norm"):
+        if torch.is_autocast_enabled(x.device.type):
+            # Autocast runs F.layer_norm in fp32 and returns fp32; trifuse returns x's dtype. The
+            # choice of implementation must not change the output dtype, so autocast is off here.
+            with torch.autocast(x.device.type, enabled=False):
+                return F.layer_norm(x, normalized_shape, weight, bias, eps)
         return F.layer_norm(x, normalized_shape, weight, bias, eps)
 
 
@@ -886,7 +891,8 @@ def _layer_norm_torch_supports(x, normalized_shape, weight, bias, eps) -> str | 
 
 LAYER_NORM = dialects.define(
     "layer_norm", _layer_norm_key, ("device", "dtype", "rows", "n", "weight", "bias", "grad"),
-    reference=layer_norm_ref)
+    reference=layer_norm_ref,
+    captures=((torch.nn.LayerNorm, lambda m, x: (x, tuple(m.normalized_shape), m.weight, m.bias, m.eps)),))
 LAYER_NORM.register(dialects.Candidate("trifuse", _layer_norm_trifuse))
 LAYER_NORM.register(dialects.Candidate("torch", _layer_norm_torch, supports=_layer_norm_torch_supports))
 

@@ -1,0 +1,46 @@
+"""Fixtures for the tuning tests: a private cache directory, fresh in-memory caches and records,
+and a fake timer so tuning decisions are deterministic on the CPU."""
+import pytest
+
+from trifuse.autotune import cache, decisions
+
+
+class FakeTimer:
+    """Stands in for do_bench: runs the step once (so failures surface as on the GPU) and
+    returns the time listed for its label; records every label it was asked to time."""
+
+    def __init__(self, ms: dict[str, float], default: float = 1.0):
+        self.ms = ms
+        self.default = default
+        self.calls: list[str] = []
+
+    def __call__(self, label, step):
+        self.calls.append(label)
+        step()
+        return self.ms.get(label, self.default)
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """TRIFUSE_CACHE_DIR in a temporary directory, tuning on, nothing remembered from before."""
+    monkeypatch.setenv("TRIFUSE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("TRIFUSE_AUTOTUNE", raising=False)
+    monkeypatch.setattr(cache, "_CACHES", {})
+    monkeypatch.setattr(decisions, "_RECORDS", {})
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def new_process(monkeypatch):
+    """Call it to forget what this process holds in memory (cache objects, records), as a second
+    process would start; the disk cache stays."""
+    def forget():
+        monkeypatch.setattr(cache, "_CACHES", {})
+        monkeypatch.setattr(decisions, "_RECORDS", {})
+    return forget
+
+
+@pytest.fixture
+def timer():
+    """A factory of fake timers: timer({"label": ms, ...})."""
+    return FakeTimer

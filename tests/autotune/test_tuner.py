@@ -1,0 +1,197 @@
+"""Kernel configuration tuning with a fake timer: the fastest config wins, is cached on disk and
+replayed without timing; pruning, failing configs, TRIFUSE_AUTOTUNE=0, shipped defaults; and the
+config spaces' contracts (entry 0 is the default, pruning rules give reasons)."""
+import json
+import logging
+
+import pytest
+import torch
+import triton
+
+from trifuse.autotune import DeviceLimits, Tuner, cache, configs, records
+from trifuse.autotune.tuner import config_label, config_to_json
+
+SPACE = [triton.Config({"BLOCK": 64}, num_warps=4), triton.Config({"BLOCK": 128}, num_warps=4),
+         triton.Config({"BLOCK": 256}, num_warps=8)]
+LABELS = [config_label(c) for c in SPACE]
+
+
+def space(n):
+    return SPACE
+
+
+def launch(config, out):
+    out.append(config.kwargs["BLOCK"])
+
+
+def make_tuner(timer, prune=None):
+    t = Tuner("toy", space, key_names=("device", "n", "dtype"), prune=prune)
+    t.timer = timer
+    return t
+
+
+KEY = (-1, 1024, torch.float16)
+
+
+def test_fastest_config_wins_and_is_replayed_without_timing(cache_dir, timer):
+    fake = timer({LABELS[0]: 3.0, LABELS[1]: 1.0, LABELS[2]: 2.0})
+    t, launched = make_tuner(fake), []
+    assert t.config(KEY, launch, launched) is SPACE[1]
+    assert fake.calls == LABELS and launched == [64, 128, 256]
+    assert t.config(KEY, launch, launched) is SPACE[1]
+    assert fake.calls == LABELS, "a decided key is a dict hit"
+    (d,) = records(name="toy")
+    assert d.source == "measured" and d.chosen == LABELS[1] and d.bucket == "n=1024,dtype=float16"
+    assert d.times_ms[LABELS[0]] == 3.0
+
+
+def test_second_process_with_the_same_shapes_does_no_timing(cache_dir, timer, new_process):
+    make_tuner(timer({LABELS[2]: 0.5})).config(KEY, launch, [])
+    new_process()
+    fake = timer({})
+    assert make_tuner(fake).config(KEY, launch, []) is SPACE[2]
+    assert fake.calls == []
+    assert records(name="toy")[0].source == "disk cache"
+
+
+def test_other_shapes_and_dtypes_tune_separately(cache_dir, timer):
+    fake = timer({})
+    t = make_tuner(fake)
+    t.config(KEY, launch, [])
+    t.config((-1, 1024, torch.float32), launch, [])
+    t.config((-1, 4096, torch.float16), launch, [])
+    assert len(fake.calls) == 3 * len(SPACE)
+    assert len(records(name="toy")) == 3
+
+
+def test_cached_config_no_longer_in_the_space_is_retuned(cache_dir, timer, new_process):
+    make_tuner(timer({LABELS[0]: 0.1})).config(KEY, launch, [])
+    path = cache.disk_cache(-1).path
+    data = json.loads(path.read_text())
+    for entry in data["entries"].values():
+        entry["config"] = config_to_json(triton.Config({"BLOCK": 32}, num_warps=2))
+    path.write_text(json.dumps(data))
+    new_process()
+    fake = timer({LABELS[2]: 0.1})
+    assert make_tuner(fake).config(KEY, launch, []) is SPACE[2]
+    assert fake.calls == LABELS
+
+
+def test_autotune_off_uses_the_default_and_times_nothing(cache_dir, timer, monkeypatch):
+    monkeypatch.setenv("TRIFUSE_AUTOTUNE", "0")
+    fake = timer({LABELS[1]: 0.1})
+    assert make_tuner(fake).config(KEY, launch, []) is SPACE[0]
+    assert fake.calls == []
+    assert records(name="toy")[0].source == "default (TRIFUSE_AUTOTUNE=0)"
+    assert not cache_dir.exists(), "nothing is written when nothing was measured"
+
+
+def test_without_a_timer_the_interpreter_uses_the_default(cache_dir):
+    t = Tuner("toy", space, key_names=("device", "n", "dtype"))
+    assert t.config(KEY, launch, []) is SPACE[0]
+    assert records(name="toy")[0].source.startswith("default (")
+
+
+def test_autotune_off_replays_shipped_defaults_for_the_gpu_family(cache_dir, timer, monkeypatch, tmp_path):
+    monkeypatch.setenv("TRIFUSE_AUTOTUNE", "0")
+    h100 = cache.Environment("NVIDIA H100 80GB HBM3", triton.__version__, torch.__version__)
+    monkeypatch.setattr("trifuse.autotune.tuner.environment", lambda i: h100)
+    monkeypatch.setattr(cache, "environment", lambda i: h100)
+    monkeypatch.setattr(cache, "DEFAULTS_DIR", tmp_path)
+    cache._load_defaults.cache_clear()
+    cache.write_defaults(tmp_path / "h100.json", "h100",
+                         {"toy|n=1024,dtype=float16": {"config": config_to_json(SPACE[2])}}, "test")
+    try:
+        fake = timer({})
+        t = make_tuner(fake)
+        assert t.config((0, 1024, torch.float16), launch, []) is SPACE[2]
+        assert t.config((0, 2048, torch.float16), launch, []) is SPACE[0], "no shipped entry: the default"
+        assert fake.calls == []
+        assert {d.source for d in records(name="toy")} == {"shipped h100 defaults", "default (TRIFUSE_AUTOTUNE=0)"}
+    finally:
+        cache._load_defaults.cache_clear()
+
+
+def test_pruned_configs_are_not_timed_and_say_why(cache_dir, timer):
+    def prune(config, limits, n):
+        return "too big" if config.kwargs["BLOCK"] > 128 else None
+
+    fake = timer({})
+    make_tuner(fake, prune).config(KEY, launch, [])
+    assert fake.calls == LABELS[:2]
+    assert records(name="toy")[0].rejected == {LABELS[2]: "too big"}
+
+
+def test_when_everything_is_pruned_the_default_is_kept(cache_dir, timer, caplog):
+    fake = timer({})
+    with caplog.at_level(logging.WARNING, logger="trifuse"):
+        assert make_tuner(fake, lambda c, limits: "never fits").config(KEY, launch, []) is SPACE[0]
+    assert "every config of toy was pruned" in caplog.text
+    assert fake.calls == [], "a single remaining config needs no timing"
+
+
+def test_a_config_that_fails_to_compile_is_skipped(cache_dir, timer):
+    class Failing:
+        calls = []
+
+        def __call__(self, label, step):
+            self.calls.append(label)
+            if label == LABELS[1]:
+                raise triton.runtime.errors.OutOfResources(300000, 232448, "shared memory")
+            return {LABELS[0]: 2.0, LABELS[2]: 1.0}[label]
+
+    t = make_tuner(Failing())
+    assert t.config(KEY, launch, []) is SPACE[2]
+    assert "OutOfResources" in records(name="toy")[0].rejected[LABELS[1]]
+
+
+def test_key_must_name_a_device():
+    with pytest.raises(ValueError, match="key_names must include 'device'"):
+        Tuner("toy", space, key_names=("n",))
+
+
+# ---------------------------------------------------------------------------------------------
+# Config spaces
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 100, 768, 1024, 4096, 8192, 16384, 65536])
+def test_norm_spaces_start_with_the_launchers_heuristic(n):
+    block = triton.next_power_of_2(n)
+    for space_fn in (configs.norm_fwd, configs.norm_bwd):
+        cs = space_fn(n)
+        assert cs[0].num_warps == min(max(block // 256, 1), 16)
+        assert len({config_label(c) for c in cs}) == len(cs), "no duplicates"
+    assert configs.norm_bwd(n)[0].kwargs["PROGRAMS_PER_SM"] == 2
+
+
+def test_prune_rows_rejects_idle_warps():
+    assert configs.prune_rows(triton.Config({}, num_warps=16), DeviceLimits(), n=100) is not None
+    assert configs.prune_rows(triton.Config({}, num_warps=4), DeviceLimits(), n=1024) is None
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 80, 96, 128, 256])
+def test_attention_default_fits_an_h100_and_pruning_gives_reasons(head_dim):
+    for space_fn in (configs.attention_fwd, configs.attention_bwd):
+        cs = space_fn(head_dim)
+        assert len({config_label(c) for c in cs}) == len(cs)
+        reasons = [configs.prune_attention(c, DeviceLimits(), head_dim, torch.bfloat16) for c in cs]
+        assert any(r is None for r in reasons)
+        if head_dim <= 128:
+            assert reasons[0] is None, "the default must fit where the kernel is tuned"
+
+
+def test_attention_pruning_follows_the_device():
+    big = triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=4)
+    small_smem = DeviceLimits(shared_memory=101376)
+    assert "shared memory" in configs.prune_attention(big, small_smem, 128, torch.bfloat16)
+    regs = triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=4, num_stages=2)
+    assert "registers" in configs.prune_attention(regs, DeviceLimits(), 256, torch.bfloat16)
+
+
+@pytest.mark.parametrize("numel, vocab", [(10, 100), (1 << 20, 50257), (1 << 26, 128256)])
+def test_elementwise_and_cross_entropy_spaces(numel, vocab):
+    for cs, prune in ((configs.elementwise(numel), configs.prune_elementwise),
+                      (configs.cross_entropy(vocab), configs.prune_cross_entropy)):
+        assert len({config_label(c) for c in cs}) == len(cs)
+        assert prune(cs[0], DeviceLimits()) is None
