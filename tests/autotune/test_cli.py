@@ -1,0 +1,81 @@
+"""`python -m trifuse.autotune`: a tiny GPT-2 from its config class and a model factory run one
+training step, every dialect on the path decides, the table of winners is printed; with a
+(fake) timer the choices land in the cache and a second run replays them without timing."""
+import pytest
+
+import trifuse
+from trifuse.autotune import __main__ as cli
+from trifuse.kernels import layer_norm as ln
+
+TINY_GPT2 = "gpt2:n_layer=1,n_embd=32,n_head=2,vocab_size=64,n_positions=32"
+
+FACTORY = '''
+import torch
+
+def make(batch, seq):
+    model = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.LayerNorm(24), torch.nn.Linear(24, 4))
+    return model, (torch.randn(batch, seq, 16),)
+'''
+
+
+@pytest.fixture
+def fresh_layer_norm(cache_dir, monkeypatch):
+    ln.LAYER_NORM.clear()
+    monkeypatch.setattr(ln.LAYER_NORM, "timer", None)
+    yield
+    ln.LAYER_NORM.clear()
+
+
+def test_transformers_config_by_model_type(fresh_layer_norm, monkeypatch, capsys):
+    monkeypatch.delattr(trifuse, "fuse", raising=False)
+    assert cli.main([TINY_GPT2, "--batch", "2", "--seq", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "GPT2LMHeadModel (gpt2), batch 2, seq 8" in out
+    assert "has no trifuse.fuse: running the model as is" in out
+    assert "layer_norm  dtype=float32,rows=16,n=32,weight=float32,bias=float32,grad=True" in out
+
+
+def test_fuse_is_used_when_there_is_one(fresh_layer_norm, monkeypatch, capsys):
+    fused = []
+    monkeypatch.setattr(trifuse, "fuse", lambda m: fused.append(m) or m, raising=False)
+    cli.main([TINY_GPT2, "--batch", "1", "--seq", "4"])
+    assert len(fused) == 1 and "has no trifuse.fuse" not in capsys.readouterr().out
+
+
+def test_factory_tunes_and_a_second_run_replays_from_the_cache(fresh_layer_norm, tmp_path, timer, monkeypatch,
+                                                               capsys, new_process):
+    spec = tmp_path / "model.py"
+    spec.write_text(FACTORY)
+    fake = timer({"trifuse": 2.0, "torch": 1.0})
+    monkeypatch.setattr(ln.LAYER_NORM, "timer", fake)
+    cli.main([f"{spec}:make", "--batch", "3", "--seq", "5"])
+    first = capsys.readouterr().out
+    assert "rows=16,n=24" in first and "measured" in first and fake.calls == ["trifuse", "torch"]
+    new_process()
+    ln.LAYER_NORM.clear()
+    cli.main([f"{spec}:make", "--batch", "3", "--seq", "5"])
+    assert "disk cache" in capsys.readouterr().out and fake.calls == ["trifuse", "torch"]
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("no-such-model-type", "is not a transformers model type"),
+    ("missing.py:make", "does not exist"),
+    (TINY_GPT2 + ",bad", "is not name=value"),
+])
+def test_bad_specs_say_what_is_wrong(spec, message):
+    with pytest.raises(SystemExit, match=message):
+        cli.main([spec, "--batch", "1", "--seq", "4"])
+
+
+def test_seq_longer_than_the_model_is_refused():
+    with pytest.raises(SystemExit, match="exceeds the model's 32 positions"):
+        cli.main([TINY_GPT2, "--batch", "1", "--seq", "64"])
+
+
+def test_presets_are_transformers_overrides():
+    import transformers
+
+    for name, (model_type, overrides) in cli.PRESETS.items():
+        config = transformers.AutoConfig.for_model(model_type, **overrides)
+        for k, v in overrides.items():
+            assert getattr(config, k) == v, name

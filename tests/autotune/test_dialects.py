@@ -1,0 +1,244 @@
+"""Operator dialects with a toy op and a fake timer: the fastest correct candidate wins; the
+others are rejected with reasons (not installed, unsupported, raises, wrong result, not
+deterministic); choices replay from memory and disk; TRIFUSE_AUTOTUNE=0, traced calls and
+calls nobody supports fall back to the op's own implementation; tuning leaves RNG state alone."""
+import pytest
+import torch
+
+from trifuse.autotune import dialects
+from trifuse.autotune.dialects import Candidate, Dialect
+
+
+def scale_ref(x, s):
+    return x * s
+
+
+def key(x, s):
+    if type(x) is not torch.Tensor:
+        return None
+    return (x.get_device(), x.dtype, x.shape[-1], torch.is_grad_enabled() and x.requires_grad)
+
+
+def raising(x, s):
+    raise RuntimeError("kernel launch failed")
+
+
+CANDIDATES = (
+    Candidate("own", lambda x, s: x * s),
+    Candidate("fast", lambda x, s: torch.mul(x, s)),
+    Candidate("wrong", lambda x, s: x * (s * 1.01)),  # plausible and wrong: must fail the check
+    Candidate("raises", raising),
+    Candidate("missing", lambda x, s: x * s, requires=("trifuse_no_such_module",)),
+    Candidate("picky", lambda x, s: x * s, supports=lambda x, s: None if x.dtype == torch.float16 else "float16 only"),
+    Candidate("nondet", lambda x, s: x * s, deterministic=False),
+)
+TIMES = {"own": 3.0, "fast": 1.0, "wrong": 0.1, "raises": 0.1, "missing": 0.1, "picky": 0.1, "nondet": 2.0}
+
+
+def make(timer, candidates=CANDIDATES):
+    d = Dialect("scale", key, ("device", "dtype", "n", "grad"), reference=scale_ref)
+    for c in candidates:
+        d.register(c)
+    d.timer = timer
+    return d
+
+
+@pytest.fixture
+def deterministic():
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(before)
+
+
+def x_(n=16, dtype=torch.float32, grad=True):
+    return torch.randn(4, n, dtype=dtype, requires_grad=grad)
+
+
+def test_fastest_correct_candidate_wins_and_others_say_why(cache_dir, timer):
+    fake = timer(TIMES)
+    d = make(fake)
+    x = x_()
+    torch.testing.assert_close(d(x, 2.0), x * 2.0)
+    rec = d.explain(x, 2.0)
+    assert rec.chosen == "fast" and rec.source == "measured"
+    assert fake.calls == ["own", "fast", "nondet"], "only eligible candidates that pass the check are timed"
+    assert rec.times_ms == {"own": 3.0, "fast": 1.0, "nondet": 2.0}
+    assert rec.rejected["wrong"].startswith("wrong result: output 0 max error")
+    assert rec.rejected["raises"] == "raised RuntimeError: kernel launch failed"
+    assert "trifuse_no_such_module is not installed" in rec.rejected["missing"]
+    assert rec.rejected["picky"] == "float16 only"
+    assert set(rec.rejected) == {"wrong", "raises", "missing", "picky"}
+
+
+def test_wrong_gradient_is_caught_too(cache_dir, timer):
+    class WrongBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, s):
+            ctx.s = s
+            return x * s
+
+        @staticmethod
+        def backward(ctx, dy):
+            return dy * (ctx.s + 0.5), None
+
+    d = make(timer({"bad-grad": 0.1}), (CANDIDATES[0], Candidate("bad-grad", WrongBackward.apply)))
+    d(x_(), 2.0)
+    rec = d.explain(x_(), 2.0)
+    assert rec.chosen == "own" and rec.rejected["bad-grad"].startswith("wrong result: gradient 0")
+
+
+def test_training_calls_time_forward_and_backward_together(cache_dir):
+    seen = {}
+
+    def timing(label, step):
+        seen[label] = step()
+        return 1.0
+
+    d = make(timing, CANDIDATES[:2])
+    d(x_(grad=True), 2.0)
+    assert all(isinstance(v, tuple) and v[0].shape == (4, 16) for v in seen.values()), "gradients computed"
+    seen.clear()
+    d(x_(n=32, grad=False), 2.0)
+    assert all(isinstance(v, torch.Tensor) and not v.requires_grad for v in seen.values()), "forward only"
+
+
+def test_choice_is_replayed_from_memory_then_from_disk(cache_dir, timer, new_process):
+    fake = timer(TIMES)
+    d = make(fake)
+    d(x_(), 2.0)
+    n = len(fake.calls)
+    d(x_(), 3.0)
+    assert len(fake.calls) == n, "a decided key is a dict hit"
+    new_process()
+    fake2 = timer(TIMES)
+    d2 = make(fake2)
+    x = x_()
+    torch.testing.assert_close(d2(x, 2.0), x * 2.0)
+    assert fake2.calls == [] and d2.explain(x_(), 2.0).source == "disk cache"
+    assert d2.explain(x_(), 2.0).rejected["raises"] == "raised RuntimeError: kernel launch failed"
+
+
+def test_a_cached_winner_that_is_gone_is_retuned(cache_dir, timer, new_process):
+    make(timer(TIMES))(x_(), 2.0)
+    new_process()
+    fake = timer(TIMES)
+    without_fast = tuple(c for c in CANDIDATES if c.name != "fast")
+    d = make(fake, without_fast)
+    d(x_(), 2.0)
+    assert d.explain(x_(), 2.0).chosen == "nondet" and fake.calls == ["own", "nondet"]
+
+
+def test_deterministic_mode_keeps_only_deterministic_candidates_and_still_tunes(cache_dir, timer, deterministic):
+    fake = timer({"own": 3.0, "fast": 4.0, "nondet": 0.5})
+    d = make(fake)
+    d(x_(), 2.0)
+    rec = d.explain(x_(), 2.0)
+    assert rec.chosen == "own" and rec.source == "measured"
+    assert "nondet" not in fake.calls
+    assert rec.rejected["nondet"] == "not deterministic (torch.use_deterministic_algorithms is on)"
+    assert rec.bucket.endswith(",deterministic")
+
+
+def test_deterministic_and_default_modes_are_decided_apart(cache_dir, timer):
+    fake = timer({"own": 3.0, "fast": 4.0, "nondet": 0.5})
+    d = make(fake)
+    d(x_(), 2.0)
+    assert d.explain(x_(), 2.0).chosen == "nondet"
+    torch.use_deterministic_algorithms(True)
+    try:
+        d(x_(), 2.0)
+        assert d.explain(x_(), 2.0).chosen == "own"
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_autotune_off_takes_the_first_eligible_and_times_nothing(cache_dir, timer, monkeypatch):
+    monkeypatch.setenv("TRIFUSE_AUTOTUNE", "0")
+    fake = timer(TIMES)
+    d = make(fake, CANDIDATES[4:] + CANDIDATES[:2])  # missing, picky, nondet, own, fast
+    d(x_(), 2.0)
+    rec = d.explain(x_(), 2.0)
+    assert rec.chosen == "nondet" and rec.source == "default (TRIFUSE_AUTOTUNE=0)" and fake.calls == []
+    assert not cache_dir.exists()
+
+
+def test_traced_calls_run_the_ops_own_implementation(cache_dir, timer):
+    class Sub(torch.Tensor):
+        pass
+
+    calls = []
+    first = Candidate("own", lambda x, s: calls.append("own") or x * s)
+    d = make(timer({"fast": 0.0}), (first, CANDIDATES[1]))
+    d(torch.randn(3).as_subclass(Sub), 2.0)
+    assert calls == ["own"]
+    assert d.explain(torch.randn(3).as_subclass(Sub), 2.0).source.startswith("traced")
+
+
+def test_when_no_candidate_takes_the_call_the_first_raises_its_own_error(cache_dir, timer):
+    def own(x, s):
+        raise ValueError("trifuse.scale: x must be float16")
+
+    picky = Candidate("own", own, supports=lambda x, s: "float16 only")
+    d = make(timer({}), (picky, CANDIDATES[5]))
+    for _ in range(2):
+        with pytest.raises(ValueError, match="trifuse.scale: x must be float16"):
+            d(x_(), 2.0)
+    assert d.explain(x_(), 2.0).source == "fallback (no candidate takes this call)"
+    assert not d._memo, "nothing memoized for a call nobody takes"
+
+
+def test_when_every_candidate_fails_nothing_is_cached(cache_dir, timer):
+    d = make(timer({}), (Candidate("raises", raising), CANDIDATES[2]))
+    with pytest.raises(RuntimeError, match="kernel launch failed"):
+        d(x_(), 2.0)
+    assert d.explain(x_(), 2.0).source == "fallback (every candidate failed)"
+    assert not cache_dir.exists() and not d._memo
+
+
+def test_tuning_does_not_shift_random_streams(cache_dir, timer):
+    def noisy(x, s):
+        torch.rand(1000)  # a candidate that draws random numbers (dropout, say)
+        return x * s
+
+    x = x_()
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    d = make(timer({}), (CANDIDATES[0], Candidate("noisy", noisy)))
+    torch.manual_seed(123)
+    d(x, 2.0)
+    assert d.explain(x, 2.0).source == "measured"
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_explain_before_deciding_lists_reasons_without_tuning(cache_dir, timer):
+    fake = timer(TIMES)
+    d = make(fake)
+    rec = d.explain(x_(), 2.0)
+    assert rec.source == "not decided yet" and rec.chosen == "own" and fake.calls == []
+    assert set(rec.rejected) == {"missing", "picky"}
+
+
+def test_registry_rules(monkeypatch):
+    d = make(None, CANDIDATES[:1])
+    with pytest.raises(ValueError, match="already has a candidate 'own'"):
+        d.register(CANDIDATES[0])
+    with pytest.raises(KeyError, match="no candidate 'fast'"):
+        d.candidate("fast")
+    monkeypatch.setattr(dialects, "_DIALECTS", ())
+    defined = dialects.define("scale", key, ("device", "n"), scale_ref)
+    assert dialects.get("scale") is defined and dialects.all_dialects() == (defined,)
+    with pytest.raises(ValueError, match="already defined"):
+        dialects.define("scale", key, ("device", "n"), scale_ref)
+    with pytest.raises(ValueError, match="must include 'device'"):
+        Dialect("x", key, ("n",), scale_ref)
+
+
+def test_gate_negative_control():
+    ref64 = torch.linspace(-3, 3, 101, dtype=torch.float64)
+    lowp = ref64.to(torch.float16)
+    assert dialects.gate("y", lowp, ref64, lowp) is None
+    assert dialects.gate("y", (ref64 * 1.01).to(torch.float16), ref64, lowp) is not None
+    nan = lowp.clone()
+    nan[3] = float("nan")
+    assert "NaN" in dialects.gate("y", nan, ref64, lowp)

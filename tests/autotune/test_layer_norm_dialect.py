@@ -1,0 +1,138 @@
+"""The layer_norm dialect wired into trifuse.ops.layer_norm: trifuse's kernels or F.layer_norm,
+chosen with a fake timer here (on the GPU: measured). Whichever runs, the result is bitwise that
+implementation's; traced calls always see trifuse::layer_norm; the check rejects a wrong one."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import trifuse
+from _device import DEVICE
+from trifuse.autotune import dialects
+from trifuse.autotune.dialects import Candidate, Dialect
+from trifuse.kernels import layer_norm as ln
+
+N = 48
+
+
+@pytest.fixture
+def ln_dialect(cache_dir, monkeypatch):
+    """The real layer_norm dialect with its memory cleared before and after the test."""
+    ln.LAYER_NORM.clear()
+    monkeypatch.setattr(ln.LAYER_NORM, "timer", None)
+    yield ln.LAYER_NORM
+    ln.LAYER_NORM.clear()
+
+
+def inputs(dtype=torch.float32, rows=5):
+    x = torch.randn(rows, N, device=DEVICE, dtype=dtype, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(N, device=DEVICE, dtype=dtype))
+    b = torch.nn.Parameter(torch.randn(N, device=DEVICE, dtype=dtype))
+    return x, w, b
+
+
+def fwd_bwd(fn, x, w, b):
+    y = fn(x, (N,), w, b, 1e-5)
+    dy = torch.randn(y.shape, generator=torch.Generator(device=y.device).manual_seed(1), device=y.device, dtype=y.dtype)
+    return (y, *torch.autograd.grad(y, (x, w, b), dy))
+
+
+def registered(x, ns, w, b, eps):
+    return torch.ops.trifuse.layer_norm(x, list(ns), w, b, eps)[0]
+
+
+def test_default_is_trifuse_and_bitwise_equal_to_the_registered_op(ln_dialect):
+    x, w, b = inputs()  # module weights (nn.Parameter) take the eager fast path too
+    got, want = fwd_bwd(trifuse.ops.layer_norm, x, w, b), fwd_bwd(registered, x, w, b)
+    for a, e in zip(got, want):
+        assert torch.equal(a, e)
+    assert ln_dialect.explain(x, (N,), w, b, 1e-5).chosen == "trifuse"
+
+
+@pytest.mark.parametrize("winner", ["trifuse", "torch"])
+def test_the_measured_winner_runs_bitwise(ln_dialect, timer, monkeypatch, winner):
+    fake = timer({"trifuse": 1.0, "torch": 2.0} if winner == "trifuse" else {"trifuse": 2.0, "torch": 1.0})
+    monkeypatch.setattr(ln_dialect, "timer", fake)
+    x, w, b = inputs()
+    got = fwd_bwd(trifuse.ops.layer_norm, x, w, b)
+    want = fwd_bwd(registered if winner == "trifuse" else F.layer_norm, x, w, b)
+    for a, e in zip(got, want):
+        assert torch.equal(a, e)
+    rec = ln_dialect.explain(x, (N,), w, b, 1e-5)
+    assert rec.chosen == winner and rec.source == "measured" and set(fake.calls) == {"trifuse", "torch"}
+    assert rec.bucket == "dtype=float32,rows=8,n=48,weight=float32,bias=float32,grad=True"
+    fwd_bwd(trifuse.ops.layer_norm, *inputs(rows=7))  # same rows bucket: replayed
+    assert len(fake.calls) == 2
+
+
+def test_compiled_graphs_keep_the_registered_op(ln_dialect, timer, monkeypatch):
+    monkeypatch.setattr(ln_dialect, "timer", timer({"trifuse": 2.0, "torch": 1.0}))
+    x, w, b = inputs()
+    trifuse.ops.layer_norm(x, (N,), w, b)
+    assert ln_dialect.explain(x, (N,), w, b, 1e-5).chosen == "torch"
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    out = torch.compile(lambda *a: trifuse.ops.layer_norm(*a), backend=backend, fullgraph=True)(x, (N,), w, b)
+    assert "trifuse.layer_norm" in str(graphs[0].graph)
+    torch.testing.assert_close(out, F.layer_norm(x, (N,), w, b))
+
+
+def test_deterministic_mode_still_tunes(ln_dialect, timer, monkeypatch):
+    fake = timer({"trifuse": 2.0, "torch": 1.0})
+    monkeypatch.setattr(ln_dialect, "timer", fake)
+    torch.use_deterministic_algorithms(True)
+    try:
+        x, w, b = inputs()
+        trifuse.ops.layer_norm(x, (N,), w, b)
+        rec = ln_dialect.explain(x, (N,), w, b, 1e-5)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert rec.chosen == "torch" and rec.source == "measured" and rec.bucket.endswith(",deterministic")
+
+
+def test_torch_rejects_mixed_weight_dtypes_it_cannot_take(ln_dialect):
+    x = torch.randn(3, N, device=DEVICE)
+    w = torch.randn(N, device=DEVICE, dtype=torch.float16)
+    rec = ln_dialect.explain(x, (N,), w, None, 1e-5)
+    assert rec.rejected == {"torch": "F.layer_norm takes weight in the input's dtype torch.float32 (or float32), got torch.float16"}
+
+
+def test_torch_candidate_keeps_the_input_dtype_under_autocast(ln_dialect):
+    """CUDA autocast runs F.layer_norm in fp32 and returns fp32; trifuse returns x's dtype, and
+    the choice between them must not change the dtype."""
+    x = torch.randn(3, N, device=DEVICE, dtype=torch.bfloat16)
+    w, b = torch.randn(N, device=DEVICE), torch.randn(N, device=DEVICE)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        assert ln_dialect.candidate("torch").fn(x, (N,), w, b, 1e-5).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_check_passes_both_and_rejects_a_wrong_layer_norm(cache_dir, timer, dtype):
+    """Negative control for the check on the real op: LayerNorm with eps 1e-1 instead of 1e-5."""
+    d = Dialect("layer_norm_check", ln._layer_norm_key, ln.LAYER_NORM.key_names, ln.layer_norm_ref)
+    for c in ln.LAYER_NORM.candidates:
+        d.register(c)
+    d.register(Candidate("wrong-eps", lambda x, ns, w, b, eps: F.layer_norm(x, ns, w, b, 1e-1)))
+    d.timer = timer({})
+    x, w, b = inputs(dtype, rows=33)
+    d(x, (N,), w, b, 1e-5)
+    rec = d.explain(x, (N,), w, b, 1e-5)
+    assert set(rec.times_ms) == {"trifuse", "torch"}
+    assert rec.rejected["wrong-eps"].startswith("wrong result: output 0")
+
+
+def test_bad_input_still_raises_trifuse_errors(ln_dialect, timer, monkeypatch):
+    monkeypatch.setattr(ln_dialect, "timer", timer({}))
+    with pytest.raises(ValueError, match="layer_norm: weight must have shape"):
+        trifuse.ops.layer_norm(torch.ones(3, 8, device=DEVICE), (8,), torch.ones(5, device=DEVICE))
+    assert not ln_dialect._memo
+
+
+def test_explain_is_reachable_by_op_name(ln_dialect):
+    x, w, b = inputs()
+    trifuse.ops.layer_norm(x, (N,), w, b)
+    assert dialects.explain("layer_norm", x, (N,), w, b, 1e-5).chosen == "trifuse"
+    assert [d.chosen for d in dialects.explain("layer_norm")] == ["trifuse"]
