@@ -15,6 +15,7 @@ setup(
     python_requires=">=3.10",
     package_dir={"trifuse": ".", **{f"trifuse.{p}": p for p in SUBPACKAGES}},
     packages=["trifuse", *(f"trifuse.{p}" for p in SUBPACKAGES)],
+    package_data={"trifuse.autotune": ["defaults/*.json"]},
     install_requires=[
         "torch>=2.4",
         "triton>=3.0; platform_system == 'Linux'",
