@@ -10,8 +10,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 log = logging.getLogger("trifuse")
 
-# (label, zero-argument step) -> milliseconds. The default times a CUDA step with
-# triton.testing.do_bench; tests pass a fake one so tuning logic is deterministic on CPU.
+# (label, zero-argument step) -> milliseconds. The defaults time a CUDA step with
+# triton.testing.do_bench (kernel configs) or by wall time per call (dialects); tests pass a fake
+# one so tuning logic is deterministic on CPU.
 Timer = Callable[[str, Callable[[], object]], float]
 
 

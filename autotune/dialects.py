@@ -26,9 +26,10 @@ runs. Otherwise the choice for (key, deterministic mode) is made once:
 4. Measuring, on the real inputs' shapes (detached views of them): each eligible candidate runs
    forward, and backward when the call needs gradients, and its outputs and gradients are checked
    against the reference run in float64 (`gate`); those that pass are timed, forward and backward
-   together; the fastest wins and goes to the disk cache. A candidate that raises is rejected with
-   the exception as its reason. Random generators are restored afterwards: tuning never shifts a
-   seeded run.
+   together, by wall time per call run back to back (`tuner.wall_timer`: host overhead counts);
+   the fastest wins and goes to the disk cache. A candidate that raises is rejected with the
+   exception as its reason; when none passes, the first eligible one is kept for this process
+   (not written). Random generators are restored afterwards: tuning never shifts a seeded run.
 
 Afterwards the same key is one dict lookup. Every choice is recorded (`records`, `explain`) with
 the times and the reasons the others were rejected, for trifuse.report and the autotune command.
@@ -43,7 +44,7 @@ import torch
 
 from .cache import disk_cache, environment, shipped_default
 from .decisions import Decision, Timer, bucket_string, log, lookup, record, records
-from .tuner import capturing, error_text, progress, timer_for
+from .tuner import capturing, error_text, progress, timer_for, wall_timer
 
 # The check's bound, in the form of the tests' oracle rule (tests/tolerances.py) but with twice
 # the factor: it guards the choice against a broken implementation (a library bug, a backend that
@@ -101,7 +102,7 @@ class Candidate:
 class Dialect:
     """The candidates of one op and the choice among them per key (see the module docstring).
 
-    `timer` (an attribute, None = do_bench on CUDA) may be replaced, e.g. by a fake in tests.
+    `timer` (an attribute, None = `wall_timer` on CUDA) may be replaced, e.g. by a fake in tests.
     `check(fn, args) -> str | None` replaces the float64 reference comparison for ops whose
     reference does not fit in memory at real shapes. `captures` pairs the torch.nn module types
     whose calls this op replaces with `to_args(module, inputs) -> args`: the autotune command
@@ -188,7 +189,7 @@ class Dialect:
             return self.candidates[0].fn
         if capturing():
             return eligible[0].fn
-        timer, why_not = timer_for(device_index, self.timer)
+        timer, why_not = timer_for(device_index, self.timer, wall_timer)
         if timer is None:
             shipped = shipped_default(device_index, "dialect:" + self.name, bucket)
             if shipped is not None:
@@ -205,25 +206,25 @@ class Dialect:
             if match:
                 rejected.update({k: v for k, v in hit.get("rejected", {}).items() if k not in rejected})
                 return keep(match[0], "disk cache", dict(hit.get("ms", {})))
-        times = self._measure(eligible, args, timer, device_index, rejected)
+        times, problem = self._measure(eligible, args, timer, device_index, rejected)
         if not times:
-            log.warning("trifuse: no candidate of %s passed for %s; using %s", self.name, bucket, self.candidates[0].name)
-            record(Decision("dialect", self.name, device, bucket, self.candidates[0].name,
-                            "fallback (every candidate failed)", {}, rejected))
-            return self.candidates[0].fn
+            # Kept for this process (a retry per call would cost a trial each time), not on disk.
+            log.warning("trifuse: could not choose for %s [%s] (%s); using %s",
+                        self.name, bucket, problem, eligible[0].name)
+            return keep(eligible[0], f"fallback ({problem})")
         best = min(times, key=times.get)
         cache.put("dialect:" + self.name, bucket, {"choice": best, "ms": times, "rejected": rejected})
         return keep(self.candidate(best), "measured", times)
 
     def _measure(self, eligible: list[Candidate], args: tuple, timer: Timer, device_index: int,
-                 rejected: dict[str, str]) -> dict[str, float]:
+                 rejected: dict[str, str]) -> tuple[dict[str, float], str]:
+        """({candidate: ms} of those that passed the check, what went wrong when none did)."""
         times: dict[str, float] = {}
         with torch.random.fork_rng(devices=[device_index] if device_index >= 0 else []):
             try:
                 trial = _Trial(self.reference, args, self.check)
-            except Exception as e:  # noqa: BLE001  (the reference rejects the inputs: so will the op)
-                log.debug("trifuse: %s reference failed on this call (%s); not tuning", self.name, e)
-                return {}
+            except Exception as e:  # noqa: BLE001  (bad inputs, or no memory for the float64 reference)
+                return {}, f"the reference {error_text(e)}"
             for c in progress(eligible, f"trifuse: choosing {self.name}"):
                 try:
                     problem = trial.problem(c.fn)
@@ -233,7 +234,7 @@ class Dialect:
                     times[c.name] = float(timer(c.name, trial.step(c.fn)))
                 except Exception as e:  # noqa: BLE001  (candidates from other libraries fail in many ways)
                     rejected[c.name] = error_text(e)
-        return times
+        return times, "every candidate failed"
 
     def explain(self, *args) -> Decision:
         """The decision for this call: the recorded one, or (not decided yet) who is eligible and
@@ -275,16 +276,22 @@ def gate(label: str, out: torch.Tensor | None, ref64: torch.Tensor, ref_lowp: to
 
         max|out - ref64| <= GATE_FACTOR * max|ref_lowp - ref64| + GATE_FLOOR[dtype] * max(1, max|ref64|)
 
-    with NaN and inf where the reference has them.
+    over the entries finite in all three, with NaN and inf where the reference has them.
     """
     if out is None:
         return f"{label} is missing"
     if tuple(out.shape) != tuple(ref64.shape):
         return f"{label} has shape {tuple(out.shape)}, the reference {tuple(ref64.shape)}"
     o, r, lp = out.detach().double(), ref64.detach().double(), ref_lowp.detach().double()
+    # Non-finite where the reference is, and only there or where PyTorch's own computation in
+    # the same dtype overflows too (fp16 inputs near the top of their range).
     finite = torch.isfinite(r)
-    if not torch.equal(torch.isfinite(o), finite):
-        return f"{label} has NaN/inf where the reference does not (or the reverse)"
+    o_finite = torch.isfinite(o)
+    if (o_finite & ~finite).any():
+        return f"{label} is finite where the reference has NaN/inf"
+    if (~o_finite & finite & torch.isfinite(lp)).any():
+        return f"{label} has NaN/inf where the reference does not"
+    finite &= o_finite & torch.isfinite(lp)
     if not finite.any():
         return None
     err = (o - r)[finite].abs().max().item()

@@ -23,6 +23,8 @@ closure. Keys are tuples whose names are `key_names`; one of them is "device" (t
 import dataclasses
 import functools
 import inspect
+import statistics
+import time
 from collections.abc import Callable, Sequence
 
 import triton
@@ -37,11 +39,35 @@ REP_MS = 25
 
 
 def gpu_timer(label: str, step: Callable[[], object]) -> float:
-    """Median milliseconds of a CUDA step (CUDA events, L2 flushed between runs)."""
+    """Median GPU milliseconds of a CUDA step (CUDA events, L2 flushed between runs): for
+    launch configurations of one kernel, whose host cost does not depend on the config."""
     return triton.testing.do_bench(step, warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
 
 
-def timer_for(device_index: int, explicit: Timer | None) -> tuple[Timer | None, str]:
+def wall_timer(label: str, step: Callable[[], object]) -> float:
+    """Median milliseconds per call of a CUDA step run back to back, host and GPU overlapped as
+    in an eager training loop: for implementations of an op, whose host paths differ (DESIGN.md,
+    "Host overhead"; do_bench's GPU time overlaps up to its L2 flush of host time per call)."""
+    import torch
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    step()
+    torch.cuda.synchronize()
+    n = max(1, min(1000, int(REP_MS * 1e-3 / max(time.perf_counter() - t0, 1e-6))))
+    samples = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - t0) / n * 1e3)
+    return statistics.median(samples)
+
+
+def timer_for(device_index: int, explicit: Timer | None, default: Timer = gpu_timer) -> tuple[Timer | None, str]:
     """(the timer to use, why none) for a device: None with the reason when nothing may be timed."""
     if not tuning_requested():
         return None, "TRIFUSE_AUTOTUNE=0"
@@ -51,7 +77,7 @@ def timer_for(device_index: int, explicit: Timer | None) -> tuple[Timer | None, 
         return None, "Triton interpreter"
     if device_index < 0:
         return None, "no GPU to time on"
-    return gpu_timer, ""
+    return default, ""
 
 
 def capturing() -> bool:
@@ -157,7 +183,7 @@ class Tuner:
         key_names: names of the key tuple's entries; "device" among them.
         prune: `prune(config, limits, **shape) -> str | None`, a reason when it cannot fit.
 
-    `timer` (an attribute, None = do_bench on CUDA) may be replaced, e.g. by a fake in tests.
+    `timer` (an attribute, None = `gpu_timer` on CUDA) may be replaced, e.g. by a fake in tests.
     """
 
     def __init__(self, name: str, configs: Callable[..., Sequence[triton.Config]], key_names: Sequence[str],

@@ -188,12 +188,28 @@ def test_when_no_candidate_takes_the_call_the_first_raises_its_own_error(cache_d
     assert not d._memo, "nothing memoized for a call nobody takes"
 
 
-def test_when_every_candidate_fails_nothing_is_cached(cache_dir, timer):
-    d = make(timer({}), (Candidate("raises", raising), CANDIDATES[2]))
-    with pytest.raises(RuntimeError, match="kernel launch failed"):
-        d(x_(), 2.0)
+def test_when_every_candidate_fails_the_first_is_kept_but_not_written(cache_dir, timer):
+    fake = timer({})
+    d = make(fake, (Candidate("raises", raising), CANDIDATES[2]))
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="kernel launch failed"):
+            d(x_(), 2.0)
     assert d.explain(x_(), 2.0).source == "fallback (every candidate failed)"
-    assert not cache_dir.exists() and not d._memo
+    assert fake.calls == [], "nothing passed the check, nothing was timed, nothing retried"
+    assert not cache_dir.exists()
+
+
+def test_when_the_reference_fails_the_first_is_kept(cache_dir, timer):
+    def broken_ref(x, s):
+        raise MemoryError("float64 reference does not fit")
+
+    d = Dialect("scale", key, ("device", "dtype", "n", "grad"), reference=broken_ref)
+    for c in CANDIDATES[:2]:
+        d.register(c)
+    d.timer = timer({})
+    x = x_()
+    torch.testing.assert_close(d(x, 2.0), x * 2.0)
+    assert d.explain(x, 2.0).source == "fallback (the reference raised MemoryError: float64 reference does not fit)"
 
 
 def test_tuning_does_not_shift_random_streams(cache_dir, timer):
@@ -242,3 +258,8 @@ def test_gate_negative_control():
     nan = lowp.clone()
     nan[3] = float("nan")
     assert "NaN" in dialects.gate("y", nan, ref64, lowp)
+    overflow64 = torch.tensor([1.0, 70000.0], dtype=torch.float64)
+    overflow = overflow64.to(torch.float16)  # inf, like PyTorch's own fp16 result: accepted
+    assert dialects.gate("y", overflow, overflow64, overflow) is None
+    assert "finite where the reference has" in dialects.gate("y", lowp[:2], torch.tensor([1.0, float("inf")],
+                                                                                            dtype=torch.float64), lowp[:2])

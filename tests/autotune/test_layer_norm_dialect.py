@@ -128,7 +128,6 @@ def test_bad_input_still_raises_trifuse_errors(ln_dialect, timer, monkeypatch):
     monkeypatch.setattr(ln_dialect, "timer", timer({}))
     with pytest.raises(ValueError, match="layer_norm: weight must have shape"):
         trifuse.ops.layer_norm(torch.ones(3, 8, device=DEVICE), (8,), torch.ones(5, device=DEVICE))
-    assert not ln_dialect._memo
 
 
 def test_explain_is_reachable_by_op_name(ln_dialect):

@@ -195,3 +195,25 @@ def test_elementwise_and_cross_entropy_spaces(numel, vocab):
                       (configs.cross_entropy(vocab), configs.prune_cross_entropy)):
         assert len({config_label(c) for c in cs}) == len(cs)
         assert prune(cs[0], DeviceLimits()) is None
+
+
+@pytest.mark.gpu
+def test_wall_timer_counts_host_time_that_gpu_time_partly_hides():
+    """Why dialects use wall time: a step whose host path is slow (here 0.2 ms of busy host
+    work before a tiny kernel) costs that host time per call in an eager training loop; do_bench
+    overlaps part of it with its L2 flush."""
+    import time
+
+    from trifuse.autotune.tuner import gpu_timer, wall_timer
+
+    x = torch.randn(1024, device="cuda")
+
+    def slow_host():
+        end = time.perf_counter() + 2e-4
+        while time.perf_counter() < end:
+            pass
+        return x * 2
+
+    wall = wall_timer("slow", slow_host)
+    assert wall >= 0.2
+    assert gpu_timer("slow", slow_host) < wall
