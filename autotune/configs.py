@@ -31,32 +31,51 @@ def _warps_for_width(block: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Row-wise reductions: LayerNorm / RMSNorm (one row per program forward; rows split over
-# PROGRAMS_PER_SM x SMs programs backward, each with a partial-sum row for dW / dB).
+# Row-wise reductions: LayerNorm / RMSNorm. A program owns a tile of TILE elements: TILE // BLOCK_N
+# rows when a row fits one block (BLOCK_N = next power of two of the width, at most 16384), one
+# row otherwise. The backward runs PROGRAMS_PER_SM x SMs programs, each with a row of fp32
+# partial sums for dW / dB. Spaces and defaults from the H100 sweep (bench/tune_layer_norm.py).
 # ---------------------------------------------------------------------------------------------
+
+NORM_MAX_BLOCK = 16384
+
+
+def _norm_block(n: int) -> int:
+    return min(_pow2(n), NORM_MAX_BLOCK)
+
+
+def _tiles(n: int, tiles: tuple[int, ...]) -> list[int]:
+    """The distinct effective tiles: a tile below one row block runs one row, like the row's own."""
+    out = []
+    for t in tiles:
+        t = max(t, _norm_block(n))
+        if t not in out:
+            out.append(t)
+    return out
 
 
 def norm_fwd(n: int) -> list[triton.Config]:
-    """Warps per row. BLOCK_N follows from n (the launcher's choice), so only warps vary.
-    Default: the launcher's heuristic (one warp per 256 elements, 1 to 16)."""
-    default = _warps_for_width(_pow2(n))
-    return [triton.Config({}, num_warps=w) for w in _ordered(default, (1, 2, 4, 8, 16))]
+    """Tile size and warps. Default: 8192-element tiles with 8 warps (kernels/layer_norm.py)."""
+    tiles = _tiles(n, (8192, 16384, 4096, 2048))
+    space = [(tiles[0], 8)] + [(t, w) for t in tiles for w in (8, 16, 4) if (t, w) != (tiles[0], 8)]
+    return [triton.Config({"TILE": t}, num_warps=w) for t, w in space]
 
 
 def norm_bwd(n: int) -> list[triton.Config]:
-    """Warps per program and programs per SM (more programs: more parallelism, more partials).
-    Default: the launcher's heuristic, 2 programs per SM."""
-    default = _warps_for_width(_pow2(n))
-    warps = _ordered(default, (max(default // 2, 1), min(default * 2, 16)))
-    return [triton.Config({"PROGRAMS_PER_SM": k}, num_warps=w) for k in (2, 1, 4) for w in warps]
+    """Tile size, warps and programs per SM. Default: 4096-element tiles, one warp per 512
+    elements of the tile (4 to 16), 2 programs per SM (kernels/layer_norm.py)."""
+    tiles = _tiles(n, (4096, 2048, 8192))
+    default = (tiles[0], min(16, max(4, tiles[0] // 512)), 2)
+    space = [default] + [(t, w, k) for t in tiles for w in (4, 8, 16) for k in (2, 1, 4) if (t, w, k) != default]
+    return [triton.Config({"TILE": t, "PROGRAMS_PER_SM": k}, num_warps=w) for t, w, k in space]
 
 
 def prune_rows(config: triton.Config, limits, n: int) -> str | None:
-    """Rejects blocks of more threads than a row has elements (warps would idle)."""
+    """Rejects blocks of more threads than the tile has elements (warps would idle)."""
+    tile = max(config.kwargs["TILE"], _norm_block(n))
     threads = 32 * config.num_warps
-    block = _pow2(n)
-    if threads > max(block, 32):
-        return f"{threads} threads for a row block of {block} elements"
+    if threads > tile:
+        return f"{threads} threads for {tile} elements"
     return None
 
 

@@ -156,18 +156,25 @@ def test_key_must_name_a_device():
 
 
 @pytest.mark.parametrize("n", [1, 100, 768, 1024, 4096, 8192, 16384, 65536])
-def test_norm_spaces_start_with_the_launchers_heuristic(n):
-    block = triton.next_power_of_2(n)
+def test_norm_spaces_start_with_the_launchers_defaults(n):
+    """Entry 0 launches what kernels/layer_norm.py launches today."""
+    from trifuse.kernels import layer_norm as ln
+
+    for cfg, (block_m, block_n, single, warps) in ((configs.norm_fwd(n)[0], ln._fwd_config(n)),
+                                                    (configs.norm_bwd(n)[0], ln._bwd_config(n))):
+        assert (cfg.kwargs["TILE"] // block_n if single else 1) == block_m
+        assert cfg.num_warps == warps
+    assert configs.norm_bwd(n)[0].kwargs["PROGRAMS_PER_SM"] == ln.BWD_PROGRAMS_PER_SM
     for space_fn in (configs.norm_fwd, configs.norm_bwd):
         cs = space_fn(n)
-        assert cs[0].num_warps == min(max(block // 256, 1), 16)
         assert len({config_label(c) for c in cs}) == len(cs), "no duplicates"
-    assert configs.norm_bwd(n)[0].kwargs["PROGRAMS_PER_SM"] == 2
+        assert configs.prune_rows(cs[0], DeviceLimits(), n) is None
 
 
-def test_prune_rows_rejects_idle_warps():
-    assert configs.prune_rows(triton.Config({}, num_warps=16), DeviceLimits(), n=100) is not None
-    assert configs.prune_rows(triton.Config({}, num_warps=4), DeviceLimits(), n=1024) is None
+def test_prune_rows_gives_reasons():
+    idle = triton.Config({"TILE": 256}, num_warps=16)
+    assert "512 threads for 256 elements" in configs.prune_rows(idle, DeviceLimits(), n=100)
+    assert configs.prune_rows(idle, DeviceLimits(), n=1024) is None, "a row block of 1024 fills them"
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 80, 96, 128, 256])
