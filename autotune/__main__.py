@@ -111,7 +111,8 @@ def _from_factory(path: Path, name: str, batch: int, seq: int, device: str):
                              "takes no input_ids (no config.vocab_size): return (model, inputs)")
         ids = torch.randint(0, vocab, (batch, seq), device=device)
         return model, (), {"input_ids": ids}, f"{path}:{name}"
-    return model, tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in inputs), {}, f"{path}:{name}"
+    inputs = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in inputs)
+    return model, inputs, {}, f"{path}:{name}"
 
 
 def _from_transformers(spec: str, batch: int, seq: int, device: str):
@@ -132,7 +133,8 @@ def _from_transformers(spec: str, batch: int, seq: int, device: str):
                              f"({', '.join(PRESETS)}), config path or file.py:factory ({e})") from None
     if hasattr(config, "use_cache"):
         config.use_cache = False  # training: no KV cache (DESIGN.md, the GPT-2 recompile trap)
-    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForMaskedLM, transformers.AutoModel):
+    autos = (transformers.AutoModelForCausalLM, transformers.AutoModelForMaskedLM, transformers.AutoModel)
+    for auto in autos:
         try:
             model = auto.from_config(config)
             break
@@ -192,7 +194,8 @@ def capture_shapes(model: torch.nn.Module, found: dict):
                         args = to_args(mod, *inputs)
                         key = dialect.key(*args)
                         if key is not None:
-                            found.setdefault((dialect.name, key), (dialect, tuple(_describe(a) for a in args)))
+                            specs = tuple(_describe(a) for a in args)
+                            found.setdefault((dialect.name, key), (dialect, specs))
                     handles.append(module.register_forward_hook(hook))
     try:
         yield
@@ -208,7 +211,8 @@ def replay(found: dict) -> None:
         args = tuple(_rebuild(s) for s in specs)
         with torch.enable_grad():
             out = dialect(*args)
-        outs = [o for o in (out if isinstance(out, tuple) else (out,)) if isinstance(o, torch.Tensor) and o.requires_grad]
+        outs = [o for o in (out if isinstance(out, tuple) else (out,))
+                if isinstance(o, torch.Tensor) and o.requires_grad]
         if outs:
             torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
 

@@ -53,7 +53,8 @@ class Environment:
     torch: str
 
     def file_name(self) -> str:
-        return "--".join((_slug(self.device), "triton-" + _slug(self.triton), "torch-" + _slug(self.torch))) + ".json"
+        parts = (_slug(self.device), "triton-" + _slug(self.triton), "torch-" + _slug(self.torch))
+        return "--".join(parts) + ".json"
 
 
 def _slug(text: str) -> str:
@@ -137,8 +138,8 @@ class DiskCache:
             return {}, stamp
         problem = _header_problem(data, self.env)
         if problem is not None:
-            self._warn_once(f"foreign:{stamp}", "trifuse: ignoring the tuning cache %s: %s; it will be rewritten",
-                            self.path, problem)
+            self._warn_once(f"foreign:{stamp}", "trifuse: ignoring the tuning cache %s: %s; "
+                            "it will be rewritten", self.path, problem)
             return {}, stamp
         return {k: v for k, v in data["entries"].items() if isinstance(v, dict)}, stamp
 

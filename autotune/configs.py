@@ -66,7 +66,8 @@ def norm_bwd(n: int) -> list[triton.Config]:
     elements of the tile (4 to 16), 2 programs per SM (kernels/layer_norm.py)."""
     tiles = _tiles(n, (4096, 2048, 8192))
     default = (tiles[0], min(16, max(4, tiles[0] // 512)), 2)
-    space = [default] + [(t, w, k) for t in tiles for w in (4, 8, 16) for k in (2, 1, 4) if (t, w, k) != default]
+    space = [default] + [(t, w, k) for t in tiles for w in (4, 8, 16) for k in (2, 1, 4)
+                         if (t, w, k) != default]
     return [triton.Config({"TILE": t, "PROGRAMS_PER_SM": k}, num_warps=w) for t, w, k in space]
 
 
@@ -115,7 +116,8 @@ def attention_fwd(head_dim: int) -> list[triton.Config]:
                 for stages in (3, 4, 2):
                     if (bm, bn, warps, stages) != space[0]:
                         space.append((bm, bn, warps, stages))
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in space]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+            for bm, bn, w, s in space]
 
 
 def attention_bwd(head_dim: int) -> list[triton.Config]:
@@ -129,7 +131,8 @@ def attention_bwd(head_dim: int) -> list[triton.Config]:
             for stages in (2, 3, 4, 5):
                 if (bm, bn, warps, stages) != default:
                     space.append((bm, bn, warps, stages))
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in space]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+            for bm, bn, w, s in space]
 
 
 def attention_smem_bytes(config: triton.Config, head_dim: int, dtype_bytes: int) -> int:

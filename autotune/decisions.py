@@ -38,7 +38,8 @@ class Decision:
     def __str__(self) -> str:
         text = f"{self.name} [{self.bucket}] on {self.device}: {self.chosen} ({self.source})"
         if self.times_ms:
-            text += "; " + ", ".join(f"{k} {v:.4g} ms" for k, v in sorted(self.times_ms.items(), key=lambda kv: kv[1]))
+            fastest_first = sorted(self.times_ms.items(), key=lambda kv: kv[1])
+            text += "; " + ", ".join(f"{k} {v:.4g} ms" for k, v in fastest_first)
         for name, reason in self.rejected.items():
             text += f"; {name} rejected: {reason}"
         return text
@@ -49,7 +50,8 @@ _RECORDS: dict[tuple[str, str, str, str], Decision] = {}
 
 def record(decision: Decision) -> None:
     _RECORDS[(decision.kind, decision.name, decision.device, decision.bucket)] = decision
-    level = logging.INFO if decision.source == "measured" or decision.source.startswith("fallback") else logging.DEBUG
+    news = decision.source == "measured" or decision.source.startswith("fallback")
+    level = logging.INFO if news else logging.DEBUG
     log.log(level, "trifuse %s: %s", decision.kind, decision)
 
 

@@ -62,7 +62,7 @@ def import_problem(module: str) -> str | None:
         importlib.import_module(module)
     except ImportError as e:
         return f"{module} is not installed ({e})" if getattr(e, "name", None) == module else error_text(e)
-    except Exception as e:  # noqa: BLE001  (a broken install fails in many ways: a wrong-torch wheel, a missing .so)
+    except Exception as e:  # noqa: BLE001  (broken installs fail in many ways: wrong-torch wheels...)
         return f"{module} does not import: {error_text(e)}"
     return None
 
@@ -129,7 +129,8 @@ class Dialect:
     def register(self, candidate: Candidate) -> Candidate:
         """Adds a candidate after the existing ones (the first registered is the op's own)."""
         if any(c.name == candidate.name for c in self.candidates):
-            raise ValueError(f"trifuse.autotune.dialects: {self.name!r} already has a candidate {candidate.name!r}")
+            raise ValueError(f"trifuse.autotune.dialects: {self.name!r} already has a candidate "
+                             f"{candidate.name!r}")
         self.candidates = (*self.candidates, candidate)
         self.clear()
         return candidate
@@ -307,14 +308,15 @@ def gate(label: str, out: torch.Tensor | None, ref64: torch.Tensor, ref_lowp: to
 class _Trial:
     """One call's inputs, reference outputs and gradients, and the output gradients to apply."""
 
-    def __init__(self, reference: Callable, args: tuple, check: Callable[[Callable, tuple], str | None] | None):
+    def __init__(self, reference: Callable, args: tuple,
+                 check: Callable[[Callable, tuple], str | None] | None):
         self.args = args
         self.check = check
-        self.train = torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+        self.train = torch.is_grad_enabled() and any(_needs_grad(a) for a in args)
         lowp = tuple(_leaf(a) for a in args)
         out_lowp = _as_tuple(reference(*lowp))
         self.n_outputs = len(out_lowp)
-        self.grad_outputs = [i for i, o in enumerate(out_lowp) if isinstance(o, torch.Tensor) and o.requires_grad]
+        self.grad_outputs = [i for i, o in enumerate(out_lowp) if _needs_grad(o)]
         gen = None
         self.dys = []
         for i in self.grad_outputs:
@@ -333,7 +335,7 @@ class _Trial:
                                       self._grads(out_lowp, lowp, self.dys)))
 
     def _grads(self, outs: tuple, args: tuple, dys: list) -> tuple:
-        leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        leaves = [a for a in args if _needs_grad(a)]
         return torch.autograd.grad([outs[i] for i in self.grad_outputs], leaves, dys, allow_unused=True)
 
     def problem(self, fn: Callable) -> str | None:
@@ -363,12 +365,17 @@ class _Trial:
                 with torch.no_grad():
                     return fn(*args)
             return run
-        leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        leaves = [a for a in args if _needs_grad(a)]
 
         def run():
             outs = _as_tuple(fn(*args))
-            return torch.autograd.grad([outs[i] for i in self.grad_outputs], leaves, self.dys, allow_unused=True)
+            differentiated = [outs[i] for i in self.grad_outputs]
+            return torch.autograd.grad(differentiated, leaves, self.dys, allow_unused=True)
         return run
+
+
+def _needs_grad(a: object) -> bool:
+    return isinstance(a, torch.Tensor) and a.requires_grad
 
 
 def _device_type(args: tuple) -> str:
@@ -385,8 +392,8 @@ def _device_type(args: tuple) -> str:
 _DIALECTS: tuple[Dialect, ...] = ()
 
 
-def define(name: str, key: Callable[..., tuple | None], key_names: Sequence[str], reference: Callable[..., Any],
-           check: Callable[[Callable, tuple], str | None] | None = None,
+def define(name: str, key: Callable[..., tuple | None], key_names: Sequence[str],
+           reference: Callable[..., Any], check: Callable[[Callable, tuple], str | None] | None = None,
            captures: tuple[tuple[type, Callable[..., tuple]], ...] = ()) -> Dialect:
     """Creates the dialect of op `name` and registers it (once per name); arguments as `Dialect`."""
     global _DIALECTS

@@ -67,7 +67,8 @@ def wall_timer(label: str, step: Callable[[], object]) -> float:
     return statistics.median(samples)
 
 
-def timer_for(device_index: int, explicit: Timer | None, default: Timer = gpu_timer) -> tuple[Timer | None, str]:
+def timer_for(device_index: int, explicit: Timer | None,
+              default: Timer = gpu_timer) -> tuple[Timer | None, str]:
     """(the timer to use, why none) for a device: None with the reason when nothing may be timed."""
     if not tuning_requested():
         return None, "TRIFUSE_AUTOTUNE=0"
@@ -189,7 +190,8 @@ class Tuner:
     def __init__(self, name: str, configs: Callable[..., Sequence[triton.Config]], key_names: Sequence[str],
                  prune: Callable[..., str | None] | None = None):
         if "device" not in key_names:
-            raise ValueError(f"trifuse.autotune.Tuner({name!r}): key_names must include 'device', got {tuple(key_names)}")
+            raise ValueError(f"trifuse.autotune.Tuner({name!r}): key_names must include 'device', "
+                             f"got {tuple(key_names)}")
         self.name = name
         self.configs = configs
         self.key_names = tuple(key_names)
@@ -214,38 +216,39 @@ class Tuner:
 
     def _decide(self, key: tuple, launch: Callable[..., object], args: tuple) -> triton.Config:
         if len(key) != len(self.key_names):
-            raise ValueError(f"trifuse.autotune.Tuner({self.name!r}): key {key!r} does not match {self.key_names}")
+            raise ValueError(f"trifuse.autotune.Tuner({self.name!r}): key {key!r} does not match "
+                             f"{self.key_names}")
         device_index = key[self._device_pos]
         shape = {n: v for n, v in zip(self.key_names, key) if n != "device"}
         bucket = bucket_string(self.key_names, key)
-        device = environment(device_index).device
         space = list(self.configs(**self._configs_kwargs(shape)))
         if not space:
             raise ValueError(f"trifuse.autotune.Tuner({self.name!r}): the config space for {bucket} is empty")
         fitting, rejected = self._fitting(space, device_index, shape)
-        timer, why_not = timer_for(device_index, self.timer)
+
+        def keep(cfg: triton.Config, source: str, times: dict | None = None) -> triton.Config:
+            self._memo[key] = cfg
+            record(Decision("kernel", self.name, environment(device_index).device, bucket, config_label(cfg),
+                            source, times or {}, rejected))
+            return cfg
+
         if capturing():
             # No timing inside CUDA-graph capture, and nothing memoized: the next eager call tunes.
             return fitting[0]
+        timer, why_not = timer_for(device_index, self.timer)
         if timer is None:
-            chosen, source = fitting[0], f"default ({why_not})"
             shipped = shipped_default(device_index, self.name, bucket)
-            if shipped is not None:
-                match = _find(fitting, shipped[1].get("config"))
-                if match is not None:
-                    chosen, source = match, f"shipped {shipped[0]} defaults"
-            return self._keep(key, chosen, Decision("kernel", self.name, device, bucket, config_label(chosen),
-                                                    source, {}, rejected))
+            match = None if shipped is None else _find(fitting, shipped[1].get("config"))
+            if match is not None:
+                return keep(match, f"shipped {shipped[0]} defaults")
+            return keep(fitting[0], f"default ({why_not})")
         if len(fitting) == 1:
-            return self._keep(key, fitting[0], Decision("kernel", self.name, device, bucket,
-                                                        config_label(fitting[0]), "only config", {}, rejected))
+            return keep(fitting[0], "only config")
         cache = disk_cache(device_index)
         hit = cache.get(self.name, bucket)
-        if hit is not None:
-            match = _find(fitting, hit.get("config"))
-            if match is not None:
-                return self._keep(key, match, Decision("kernel", self.name, device, bucket, config_label(match),
-                                                       "disk cache", dict(hit.get("ms", {})), rejected))
+        match = None if hit is None else _find(fitting, hit.get("config"))
+        if match is not None:
+            return keep(match, "disk cache", dict(hit.get("ms", {})))
         times: dict[str, float] = {}
         by_label = {config_label(c): c for c in fitting}
         for label, cfg in progress(list(by_label.items()), f"trifuse: tuning {self.name} [{bucket}]"):
@@ -255,12 +258,10 @@ class Tuner:
                 rejected[label] = error_text(e)
         if not times:
             log.warning("trifuse: every config of %s failed for %s; using the default", self.name, bucket)
-            return self._keep(key, fitting[0], Decision("kernel", self.name, device, bucket, config_label(fitting[0]),
-                                                        "fallback (every config failed)", {}, rejected))
+            return keep(fitting[0], "fallback (every config failed)")
         best = min(times, key=times.get)
         cache.put(self.name, bucket, {"config": config_to_json(by_label[best]), "ms": times})
-        return self._keep(key, by_label[best], Decision("kernel", self.name, device, bucket, best, "measured",
-                                                        times, rejected))
+        return keep(by_label[best], "measured", times)
 
     def _fitting(self, space: list, device_index: int, shape: dict) -> tuple[list, dict[str, str]]:
         if self.prune is None:
@@ -276,14 +277,10 @@ class Tuner:
                 rejected[config_label(c)] = reason
         if not fitting:
             # The estimates are conservative; the default is what the kernel always ran with.
-            log.warning("trifuse: every config of %s was pruned for %s; keeping the default", self.name, shape)
+            log.warning("trifuse: every config of %s was pruned for %s; keeping the default",
+                        self.name, shape)
             fitting = space[:1]
         return fitting, rejected
-
-    def _keep(self, key: tuple, cfg: triton.Config, decision: Decision) -> triton.Config:
-        self._memo[key] = cfg
-        record(decision)
-        return cfg
 
     def decision(self, key: tuple) -> Decision | None:
         """The recorded decision for `key`, if it was decided in this process."""

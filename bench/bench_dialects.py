@@ -11,7 +11,6 @@ bench_layer_norm.py (LayerNorm fwd+bwd: 5·M·N·e + 5·N·e).
 """
 import _harness as H  # noqa: I001  (bench/conftest.py sets TRITON_INTERPRET before this)
 import pytest
-import torch
 
 import bench_layer_norm as BL
 import trifuse

@@ -861,8 +861,8 @@ def _layer_norm_key(x, normalized_shape, weight, bias, eps):
     rows = x.numel() // n if n else 0
     if rows == 0:
         return None
-    grad = torch.is_grad_enabled() and (
-        x.requires_grad or (weight is not None and weight.requires_grad) or (bias is not None and bias.requires_grad))
+    grad = torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)
+                                        or (bias is not None and bias.requires_grad))
     return (x.get_device(), x.dtype, pow2_bucket(rows), n,
             None if weight is None else weight.dtype, None if bias is None else bias.dtype, grad)
 
@@ -882,10 +882,10 @@ def _layer_norm_torch(x, normalized_shape, weight, bias, eps):
 
 
 def _layer_norm_torch_supports(x, normalized_shape, weight, bias, eps) -> str | None:
+    allowed = (x.dtype, torch.float32) if x.dtype in (torch.float16, torch.bfloat16) else (x.dtype,)
     for name, t in (("weight", weight), ("bias", bias)):
-        if t is not None and t.dtype != x.dtype and not (
-                t.dtype == torch.float32 and x.dtype in (torch.float16, torch.bfloat16)):
-            return f"F.layer_norm takes {name} in the input's dtype {x.dtype} (or float32), got {t.dtype}"
+        if t is not None and t.dtype not in allowed:
+            return f"F.layer_norm takes {name} in {' or '.join(map(str, allowed))}, got {t.dtype}"
     return None
 
 
@@ -951,7 +951,8 @@ def layer_norm(
         TypeError for non-float tensors; ValueError for shapes, devices or eps that do not fit.
     """
     if residual is not None:
-        return _norm("dropout_add_layer_norm", x, normalized_shape, weight, bias, eps, residual, is_rms_norm=False)
+        return _norm("dropout_add_layer_norm", x, normalized_shape, weight, bias, eps, residual,
+                     is_rms_norm=False)
     if isinstance(normalized_shape, int):
         normalized_shape = (normalized_shape,)
     return LAYER_NORM(x, normalized_shape, weight, bias, eps)

@@ -29,7 +29,8 @@ CANDIDATES = (
     Candidate("wrong", lambda x, s: x * (s * 1.01)),  # plausible and wrong: must fail the check
     Candidate("raises", raising),
     Candidate("missing", lambda x, s: x * s, requires=("trifuse_no_such_module",)),
-    Candidate("picky", lambda x, s: x * s, supports=lambda x, s: None if x.dtype == torch.float16 else "float16 only"),
+    Candidate("picky", lambda x, s: x * s,
+              supports=lambda x, s: None if x.dtype == torch.float16 else "float16 only"),
     Candidate("nondet", lambda x, s: x * s, deterministic=False),
 )
 TIMES = {"own": 3.0, "fast": 1.0, "wrong": 0.1, "raises": 0.1, "missing": 0.1, "picky": 0.1, "nondet": 2.0}
@@ -129,7 +130,8 @@ def test_a_cached_winner_that_is_gone_is_retuned(cache_dir, timer, new_process):
     assert d.explain(x_(), 2.0).chosen == "nondet" and fake.calls == ["own", "nondet"]
 
 
-def test_deterministic_mode_keeps_only_deterministic_candidates_and_still_tunes(cache_dir, timer, deterministic):
+def test_deterministic_mode_keeps_only_deterministic_candidates_and_still_tunes(cache_dir, timer,
+                                                                                deterministic):
     fake = timer({"own": 3.0, "fast": 4.0, "nondet": 0.5})
     d = make(fake)
     d(x_(), 2.0)
@@ -209,7 +211,8 @@ def test_when_the_reference_fails_the_first_is_kept(cache_dir, timer):
     d.timer = timer({})
     x = x_()
     torch.testing.assert_close(d(x, 2.0), x * 2.0)
-    assert d.explain(x, 2.0).source == "fallback (the reference raised MemoryError: float64 reference does not fit)"
+    expected = "fallback (the reference raised MemoryError: float64 reference does not fit)"
+    assert d.explain(x, 2.0).source == expected
 
 
 def test_tuning_does_not_shift_random_streams(cache_dir, timer):
@@ -261,5 +264,5 @@ def test_gate_negative_control():
     overflow64 = torch.tensor([1.0, 70000.0], dtype=torch.float64)
     overflow = overflow64.to(torch.float16)  # inf, like PyTorch's own fp16 result: accepted
     assert dialects.gate("y", overflow, overflow64, overflow) is None
-    assert "finite where the reference has" in dialects.gate("y", lowp[:2], torch.tensor([1.0, float("inf")],
-                                                                                            dtype=torch.float64), lowp[:2])
+    inf64 = torch.tensor([1.0, float("inf")], dtype=torch.float64)
+    assert "finite where the reference has" in dialects.gate("y", lowp[:2], inf64, lowp[:2])
