@@ -44,7 +44,7 @@ import torch
 
 from .cache import disk_cache, environment, shipped_default
 from .decisions import Decision, Timer, bucket_string, log, lookup, record, records
-from .tuner import capturing, error_text, progress, timer_for, wall_timer
+from .tuner import capturing, error_text, on_device, progress, timer_for, wall_timer
 
 # The check's bound, in the form of the tests' oracle rule (tests/tolerances.py) but with twice
 # the factor: it guards the choice against a broken implementation (a library bug, a backend that
@@ -221,7 +221,8 @@ class Dialect:
                  rejected: dict[str, str]) -> tuple[dict[str, float], str]:
         """({candidate: ms} of those that passed the check, what went wrong when none did)."""
         times: dict[str, float] = {}
-        with torch.random.fork_rng(devices=[device_index] if device_index >= 0 else []):
+        devices = [device_index] if device_index >= 0 else []
+        with torch.random.fork_rng(devices=devices), on_device(device_index):
             try:
                 trial = _Trial(self.reference, args, self.check)
             except Exception as e:  # noqa: BLE001  (bad inputs, or no memory for the float64 reference)

@@ -20,6 +20,7 @@ winner for real. Pass a module-level function and its arguments, so that the hot
 closure. Keys are tuples whose names are `key_names`; one of them is "device" (the CUDA index,
 -1 for CPU), the others make the shape bucket (bucket sizes with `pow2_bucket`).
 """
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -79,6 +80,14 @@ def timer_for(device_index: int, explicit: Timer | None,
     if device_index < 0:
         return None, "no GPU to time on"
     return default, ""
+
+
+def on_device(device_index: int):
+    """Makes CUDA device `device_index` current while timing (timers synchronize the current
+    device); no-op for the CPU."""
+    import torch
+
+    return torch.cuda.device(device_index) if device_index >= 0 else contextlib.nullcontext()
 
 
 def capturing() -> bool:
@@ -251,11 +260,12 @@ class Tuner:
             return keep(match, "disk cache", dict(hit.get("ms", {})))
         times: dict[str, float] = {}
         by_label = {config_label(c): c for c in fitting}
-        for label, cfg in progress(list(by_label.items()), f"trifuse: tuning {self.name} [{bucket}]"):
-            try:
-                times[label] = float(timer(label, functools.partial(launch, cfg, *args)))
-            except _CONFIG_ERRORS as e:
-                rejected[label] = error_text(e)
+        with on_device(device_index):
+            for label, cfg in progress(list(by_label.items()), f"trifuse: tuning {self.name} [{bucket}]"):
+                try:
+                    times[label] = float(timer(label, functools.partial(launch, cfg, *args)))
+                except _CONFIG_ERRORS as e:
+                    rejected[label] = error_text(e)
         if not times:
             log.warning("trifuse: every config of %s failed for %s; using the default", self.name, bucket)
             return keep(fitting[0], "fallback (every config failed)")

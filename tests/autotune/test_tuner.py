@@ -43,6 +43,7 @@ def test_fastest_config_wins_and_is_replayed_without_timing(cache_dir, timer):
     (d,) = records(name="toy")
     assert d.source == "measured" and d.chosen == LABELS[1] and d.bucket == "n=1024,dtype=float16"
     assert d.times_ms[LABELS[0]] == 3.0
+    assert t.decision(KEY) == d and t.decision((-1, 2048, torch.float16)) is None
 
 
 def test_second_process_with_the_same_shapes_does_no_timing(cache_dir, timer, new_process):
