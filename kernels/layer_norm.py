@@ -863,7 +863,7 @@ def _layer_norm_key(x, normalized_shape, weight, bias, eps):
         return None
     grad = torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)
                                         or (bias is not None and bias.requires_grad))
-    return (x.get_device(), x.dtype, pow2_bucket(rows), n,
+    return (x.get_device() if x.is_cuda else -1, x.dtype, pow2_bucket(rows), n,
             None if weight is None else weight.dtype, None if bias is None else bias.dtype, grad)
 
 
@@ -944,8 +944,9 @@ def layer_norm(
         y shaped like x (or (y, s)), in x's dtype (promoted with residual's).
 
     Without a residual, eager calls run trifuse's kernels or F.layer_norm, whichever the
-    `layer_norm` dialect measured faster for this shape on this GPU (`LAYER_NORM.explain(...)`
-    says which and why); elsewhere, and under torch.compile, trifuse's.
+    `layer_norm` dialect measured faster for this shape on this GPU
+    (`trifuse.autotune.dialects.explain("layer_norm", x, ...)` says which and why); elsewhere,
+    and under torch.compile, trifuse's.
 
     Raises:
         TypeError for non-float tensors; ValueError for shapes, devices or eps that do not fit.
