@@ -236,8 +236,8 @@ def read_defaults(path: Path, family: str) -> dict[str, dict]:
 
 
 @functools.lru_cache(maxsize=None)
-def _load_defaults(family: str) -> dict[str, dict]:
-    return read_defaults(DEFAULTS_DIR / f"{family}.json", family)
+def _shipped(path: Path, family: str) -> dict[str, dict]:
+    return read_defaults(path, family)
 
 
 def shipped_default(device_index: int, kernel: str, bucket: str) -> tuple[str, dict] | None:
@@ -245,7 +245,7 @@ def shipped_default(device_index: int, kernel: str, bucket: str) -> tuple[str, d
     family = gpu_family(environment(device_index).device) if device_index >= 0 else None
     if family is None:
         return None
-    entry = _load_defaults(family).get(entry_key(kernel, bucket))
+    entry = _shipped(DEFAULTS_DIR / f"{family}.json", family).get(entry_key(kernel, bucket))
     return None if entry is None else (family, entry)
 
 

@@ -5,7 +5,7 @@ calls nobody supports fall back to the op's own implementation; tuning leaves RN
 import pytest
 import torch
 
-from trifuse.autotune import dialects
+from trifuse.autotune import cache, dialects
 from trifuse.autotune.dialects import Candidate, Dialect
 
 
@@ -266,3 +266,26 @@ def test_gate_negative_control():
     assert dialects.gate("y", overflow, overflow64, overflow) is None
     inf64 = torch.tensor([1.0, float("inf")], dtype=torch.float64)
     assert "finite where the reference has" in dialects.gate("y", lowp[:2], inf64, lowp[:2])
+
+
+def test_autotune_off_replays_shipped_defaults_for_the_gpu_family(cache_dir, timer, monkeypatch, tmp_path):
+    monkeypatch.setenv("TRIFUSE_AUTOTUNE", "0")
+    h100 = cache.Environment("NVIDIA H100 80GB HBM3", "3.6.0", "2.11.0")
+    monkeypatch.setattr(cache, "environment", lambda i: h100)
+    monkeypatch.setattr(dialects, "environment", lambda i: h100)
+    monkeypatch.setattr(cache, "DEFAULTS_DIR", tmp_path)
+    cache.write_defaults(tmp_path / "h100.json", "h100",
+                         {"dialect:scale|dtype=float32,n=16,grad=True": {"choice": "fast"}}, "test")
+
+    def on_gpu0(x, s):  # the key of a call on CUDA device 0, for CPU tensors
+        return (0, *key(x, s)[1:])
+
+    fake = timer({})
+    d = Dialect("scale", on_gpu0, ("device", "dtype", "n", "grad"), reference=scale_ref)
+    for c in CANDIDATES[:2]:
+        d.register(c)
+    d.timer = fake
+    d(x_(), 2.0)
+    d(x_(n=32), 2.0)
+    assert d.explain(x_(), 2.0).chosen == "fast" and d.explain(x_(), 2.0).source == "shipped h100 defaults"
+    assert d.explain(x_(n=32), 2.0).chosen == "own" and fake.calls == []

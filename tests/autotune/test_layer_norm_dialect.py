@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import trifuse
 from _device import DEVICE
-from trifuse.autotune import dialects
+from trifuse.autotune import cache, dialects
 from trifuse.autotune.dialects import Candidate, Dialect
 from trifuse.kernels import layer_norm as ln
 
@@ -41,7 +41,9 @@ def registered(x, ns, w, b, eps):
     return torch.ops.trifuse.layer_norm(x, list(ns), w, b, eps)[0]
 
 
-def test_default_is_trifuse_and_bitwise_equal_to_the_registered_op(ln_dialect):
+def test_untimed_default_is_trifuse_and_bitwise_equal_to_the_registered_op(ln_dialect, monkeypatch):
+    monkeypatch.setenv("TRIFUSE_AUTOTUNE", "0")
+    monkeypatch.setattr(cache, "DEFAULTS_DIR", cache.DEFAULTS_DIR / "none")  # no shipped defaults
     x, w, b = inputs()  # module weights (nn.Parameter) take the eager fast path too
     got, want = fwd_bwd(trifuse.ops.layer_norm, x, w, b), fwd_bwd(registered, x, w, b)
     for a, e in zip(got, want):
@@ -131,7 +133,8 @@ def test_bad_input_still_raises_trifuse_errors(ln_dialect, timer, monkeypatch):
         trifuse.ops.layer_norm(torch.ones(3, 8, device=DEVICE), (8,), torch.ones(5, device=DEVICE))
 
 
-def test_explain_is_reachable_by_op_name(ln_dialect):
+def test_explain_is_reachable_by_op_name(ln_dialect, timer, monkeypatch):
+    monkeypatch.setattr(ln_dialect, "timer", timer({"trifuse": 1.0, "torch": 2.0}))
     x, w, b = inputs()
     trifuse.ops.layer_norm(x, (N,), w, b)
     assert dialects.explain("layer_norm", x, (N,), w, b, 1e-5).chosen == "trifuse"

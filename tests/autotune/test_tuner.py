@@ -99,19 +99,15 @@ def test_autotune_off_replays_shipped_defaults_for_the_gpu_family(cache_dir, tim
     monkeypatch.setattr("trifuse.autotune.tuner.environment", lambda i: h100)
     monkeypatch.setattr(cache, "environment", lambda i: h100)
     monkeypatch.setattr(cache, "DEFAULTS_DIR", tmp_path)
-    cache._load_defaults.cache_clear()
     cache.write_defaults(tmp_path / "h100.json", "h100",
                          {"toy|n=1024,dtype=float16": {"config": config_to_json(SPACE[2])}}, "test")
-    try:
-        fake = timer({})
-        t = make_tuner(fake)
-        assert t.config((0, 1024, torch.float16), launch, []) is SPACE[2]
-        assert t.config((0, 2048, torch.float16), launch, []) is SPACE[0], "no shipped entry: the default"
-        assert fake.calls == []
-        sources = {d.source for d in records(name="toy")}
-        assert sources == {"shipped h100 defaults", "default (TRIFUSE_AUTOTUNE=0)"}
-    finally:
-        cache._load_defaults.cache_clear()
+    fake = timer({})
+    t = make_tuner(fake)
+    assert t.config((0, 1024, torch.float16), launch, []) is SPACE[2]
+    assert t.config((0, 2048, torch.float16), launch, []) is SPACE[0], "no shipped entry: the default"
+    assert fake.calls == []
+    sources = {d.source for d in records(name="toy")}
+    assert sources == {"shipped h100 defaults", "default (TRIFUSE_AUTOTUNE=0)"}
 
 
 def test_pruned_configs_are_not_timed_and_say_why(cache_dir, timer):
