@@ -17,6 +17,10 @@ Backward, with dP~ = dO V^T and delta = rowsum(dO * O) (= rowsum(P * dP~ * Z / (
 
 Causal alignment is SDPA's `is_causal`: top-left, query i sees keys j <= i, also when Sq != Sk
 (rows i >= Sk see every key; keys j >= Sq are seen by nobody and get zero gradients).
+A row that a float mask covers whole with a finite value (transformers' finfo(dtype).min) is a
+uniform average in the forward, as in SDPA's math backend; its gradients then carry the fp32
+cancellation every log-sum-exp kernel has there (L ~ -3e38 cannot hold log(Sk); SDPA's fused
+backends give the same). Rows masked with bools or -inf are exact.
 
 Shapes: q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D) with Hkv = Hq, or Hkv dividing Hq when
 enable_gqa; D <= 256, any value (padded to a power of two >= 16 inside the kernels, masked).
@@ -139,7 +143,10 @@ def _scores(qk, rows, cols, MASK, stride_mm, stride_mn, N_Q, N_K,
             keep = tl.load(ptrs, mask=in_bounds, other=0) != 0
             qk = tl.where(keep, qk, float("-inf"))
         else:
-            qk += tl.load(ptrs, mask=in_bounds, other=0.0).to(ACC) * 1.4426950408889634
+            bias = tl.load(ptrs, mask=in_bounds, other=0.0).to(ACC)
+            # finfo(fp32).min * log2(e) would overflow to -inf and empty a row that a finite mask
+            # (transformers' finfo.min) covers whole; SDPA averages such a row uniformly.
+            qk += tl.where(bias == float("-inf"), bias, tl.maximum(bias, -2.3e38)) * 1.4426950408889634
     if MASKED:
         valid = cols < N_K
         if IS_CAUSAL:
@@ -719,8 +726,10 @@ def _torch_probs(q, k, attn_mask, is_causal, scale, lse=None):
         s = s.masked_fill(~torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril(), float("-inf"))
     if attn_mask is not None:
         s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask.to(acc)
-    if lse is None:
+    if lse is None:  # forward: a plain softmax (exact also for rows at finfo.min)
         lse = torch.logsumexp(s, dim=-1)
+        dead = torch.isneginf(lse)[..., None]
+        return torch.softmax(s.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0), lse
     safe = torch.where(torch.isneginf(lse), float("inf"), lse)
     return torch.exp(s - safe[..., None]), lse
 
