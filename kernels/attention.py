@@ -129,6 +129,12 @@ def attention_ref(
 
 
 @triton.jit
+def _tile(X, rows, offs_d, stride_r, stride_d):
+    """Pointers to a (rows, head_dim) tile of one (b, h) slice that X already points at."""
+    return X + rows[:, None] * stride_r + offs_d[None, :] * stride_d
+
+
+@triton.jit
 def _scores(qk, rows, cols, MASK, stride_mm, stride_mn, N_Q, N_K,
             MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, ACC: tl.constexpr):
     """Applies the attention mask, the causal mask and the key bounds to a block of scores.
@@ -169,7 +175,7 @@ def _attn_fwd_loop(acc, l_i, m_i, q, K, V, MASK, seed, rng_rows, offs_m, offs_n,
         kv_mask = mask_d[None, :]
         if MASKED:
             kv_mask = kv_mask & (cols[:, None] < N_K)
-        k = tl.load(K + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        k = tl.load(_tile(K, cols, offs_d, stride_kn, stride_kd), mask=kv_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC) * qk_scale
         qk = _scores(qk, offs_m[:, None], cols[None, :], MASK, stride_mm, stride_mn, N_Q, N_K,
                      MASKED, IS_CAUSAL, MASK_KIND, ACC)
@@ -183,8 +189,8 @@ def _attn_fwd_loop(acc, l_i, m_i, q, K, V, MASK, seed, rng_rows, offs_m, offs_n,
             # The normalizer l sums the undropped P; dropout acts on the normalized probabilities.
             keep = dropout_keep(seed, rng_rows[:, None], cols[None, :] + 0 * offs_m[:, None], p_drop)
             p = tl.where(keep, p, 0.0)
-        v = tl.load(V + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        v = tl.load(_tile(V, cols, offs_d, stride_vn, stride_vd), mask=kv_mask, other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION, out_dtype=ACC)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -225,7 +231,7 @@ def _attn_fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < N_Q
     qo_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(Q + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=qo_mask, other=0.0)
+    q = tl.load(_tile(Q, offs_m, offs_d, stride_qm, stride_qd), mask=qo_mask, other=0.0)
     seed = tl.load(SEED) if HAS_DROPOUT else 0
     rng_rows = bh * N_Q + offs_m
 
@@ -254,7 +260,7 @@ def _attn_fwd_kernel(
     l_safe = tl.where(seen, l_i, 1.0)
     o = acc * (dropout_scale / l_safe)[:, None]
     lse = tl.where(seen, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
-    tl.store(O + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od, o.to(O.dtype.element_ty), mask=qo_mask)
+    tl.store(_tile(O, offs_m, offs_d, stride_om, stride_od), o.to(O.dtype.element_ty), mask=qo_mask)
     tl.store(LSE + bh * N_Q + offs_m, lse, mask=row_ok)
 
 
@@ -274,9 +280,9 @@ def _attn_bwd_preprocess_kernel(
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_m[:, None] < N_Q) & (offs_d[None, :] < HEAD_DIM)
-    o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
+    o = tl.load(_tile(O + b * stride_ob + h * stride_oh, offs_m, offs_d, stride_om, stride_od),
                 mask=mask, other=0.0).to(ACC)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+    do = tl.load(_tile(DO + b * stride_dob + h * stride_doh, offs_m, offs_d, stride_dom, stride_dod),
                  mask=mask, other=0.0).to(ACC)
     tl.store(DELTA + bh * N_Q + offs_m, tl.sum(o * do, axis=1), mask=offs_m < N_Q)
 
@@ -306,8 +312,8 @@ def _attn_bwd_dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, MASK, seed, rng_base, o
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
         qo_mask = (rows[:, None] < N_Q) & mask_d[None, :]
-        q = tl.load(Q + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=qo_mask, other=0.0)
-        do = tl.load(DO + rows[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=qo_mask, other=0.0)
+        q = tl.load(_tile(Q, rows, offs_d, stride_qm, stride_qd), mask=qo_mask, other=0.0)
+        do = tl.load(_tile(DO, rows, offs_d, stride_dom, stride_dod), mask=qo_mask, other=0.0)
         do = do.to(q.dtype)
         lse, delta = _load_row_stats(LSE, DELTA, rows, N_Q)
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION, out_dtype=ACC) * qk_scale
@@ -321,9 +327,9 @@ def _attn_bwd_dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, MASK, seed, rng_base, o
             dp_t = tl.where(keep_t, dp_t * dropout_scale, 0.0)
         else:
             pd_t = p_t
-        dv = tl.dot(pd_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dv = tl.dot(pd_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION, out_dtype=ACC)
         ds_t = p_t * (dp_t - delta[None, :])
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION, out_dtype=ACC)
     return dk, dv
 
 
@@ -357,21 +363,20 @@ def _attn_bwd_dkdv_kernel(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     kv_mask = (offs_n[:, None] < N_K) & (offs_d[None, :] < HEAD_DIM)
-    k = tl.load(K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+    k = tl.load(_tile(K + b * stride_kb + hk * stride_kh, offs_n, offs_d, stride_kn, stride_kd),
                 mask=kv_mask, other=0.0)
-    v = tl.load(V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+    v = tl.load(_tile(V + b * stride_vb + hk * stride_vh, offs_n, offs_d, stride_vn, stride_vd),
                 mask=kv_mask, other=0.0)
     seed = tl.load(SEED) if HAS_DROPOUT else 0
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
 
-    # Query blocks [lo, mid) straddle the diagonal (causal mask); [mid, N_Q) see the whole key
-    # block. Causal: queries before start_n see none of these keys and are skipped.
+    # Causal: query blocks [lo, mid) straddle the diagonal (causal mask), [mid, N_Q) see the
+    # whole key block, and queries before start_n see none of these keys and are skipped.
     if IS_CAUSAL:
         lo = start_n // BLOCK_M * BLOCK_M
         mid = tl.minimum(lo + tl.cdiv(start_n + BLOCK_N - 1 - lo, BLOCK_M) * BLOCK_M, N_Q)
     else:
-        lo = 0
         mid = 0
     # The group's query heads in order: dK and dV sum over them in registers, deterministically.
     for g in range(0, GROUP):
@@ -383,21 +388,23 @@ def _attn_bwd_dkdv_kernel(
         LSEh = LSE + bh * N_Q
         DELTAh = DELTA + bh * N_Q
         rng_base = bh * N_Q
+        if IS_CAUSAL:
+            dk, dv = _attn_bwd_dkdv_loop(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, MASKh, seed, rng_base,
+                                         offs_m, offs_n, offs_d, stride_qm, stride_qd, stride_dom, stride_dod,
+                                         stride_mm, stride_mn, N_Q, N_K, qk_scale, p_drop, dropout_scale,
+                                         lo, mid, HEAD_DIM, BLOCK_M, True, IS_CAUSAL, MASK_KIND, HAS_DROPOUT,
+                                         DOT_PRECISION, ACC)
         dk, dv = _attn_bwd_dkdv_loop(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, MASKh, seed, rng_base,
                                      offs_m, offs_n, offs_d, stride_qm, stride_qd, stride_dom, stride_dod,
-                                     stride_mm, stride_mn, N_Q, N_K, qk_scale, p_drop, dropout_scale, lo, mid,
-                                     HEAD_DIM, BLOCK_M, True, IS_CAUSAL, MASK_KIND, HAS_DROPOUT,
-                                     DOT_PRECISION, ACC)
-        dk, dv = _attn_bwd_dkdv_loop(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, MASKh, seed, rng_base,
-                                     offs_m, offs_n, offs_d, stride_qm, stride_qd, stride_dom, stride_dod,
-                                     stride_mm, stride_mn, N_Q, N_K, qk_scale, p_drop, dropout_scale, mid, N_Q,
+                                     stride_mm, stride_mn, N_Q, N_K, qk_scale, p_drop, dropout_scale,
+                                     mid, N_Q,
                                      HEAD_DIM, BLOCK_M, False, IS_CAUSAL, MASK_KIND, HAS_DROPOUT,
                                      DOT_PRECISION, ACC)
 
     dk *= sm_scale
-    tl.store(DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
+    tl.store(_tile(DK + b * stride_dkb + hk * stride_dkh, offs_n, offs_d, stride_dkn, stride_dkd),
              dk.to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + b * stride_dvb + hk * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd,
+    tl.store(_tile(DV + b * stride_dvb + hk * stride_dvh, offs_n, offs_d, stride_dvn, stride_dvd),
              dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
@@ -415,8 +422,8 @@ def _attn_bwd_dq_loop(dq, q, do, lse, delta, K, V, MASK, seed, rng_rows, offs_m,
         kv_mask = mask_d[None, :]
         if MASKED:
             kv_mask = kv_mask & (cols[:, None] < N_K)
-        k = tl.load(K + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        v = tl.load(V + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        k = tl.load(_tile(K, cols, offs_d, stride_kn, stride_kd), mask=kv_mask, other=0.0)
+        v = tl.load(_tile(V, cols, offs_d, stride_vn, stride_vd), mask=kv_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC) * qk_scale
         qk = _scores(qk, offs_m[:, None], cols[None, :], MASK, stride_mm, stride_mn, N_Q, N_K,
                      MASKED, IS_CAUSAL, MASK_KIND, ACC)
@@ -426,7 +433,7 @@ def _attn_bwd_dq_loop(dq, q, do, lse, delta, K, V, MASK, seed, rng_rows, offs_m,
             keep = dropout_keep(seed, rng_rows[:, None], cols[None, :] + 0 * offs_m[:, None], p_drop)
             dp = tl.where(keep, dp * dropout_scale, 0.0)
         ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION, out_dtype=ACC)
     return dq
 
 
@@ -460,9 +467,9 @@ def _attn_bwd_dq_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     qo_mask = (offs_m[:, None] < N_Q) & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+    q = tl.load(_tile(Q + b * stride_qb + h * stride_qh, offs_m, offs_d, stride_qm, stride_qd),
                 mask=qo_mask, other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+    do = tl.load(_tile(DO + b * stride_dob + h * stride_doh, offs_m, offs_d, stride_dom, stride_dod),
                  mask=qo_mask, other=0.0).to(q.dtype)
     lse, delta = _load_row_stats(LSE + bh * N_Q, DELTA + bh * N_Q, offs_m, N_Q)
     seed = tl.load(SEED) if HAS_DROPOUT else 0
@@ -487,7 +494,7 @@ def _attn_bwd_dq_kernel(
                            N_Q, N_K, qk_scale, p_drop, dropout_scale, n_full, hi,
                            HEAD_DIM, BLOCK_N, True, IS_CAUSAL, MASK_KIND, HAS_DROPOUT, DOT_PRECISION, ACC)
     dq *= sm_scale
-    tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
+    tl.store(_tile(DQ + b * stride_dqb + h * stride_dqh, offs_m, offs_d, stride_dqm, stride_dqd),
              dq.to(DQ.dtype.element_ty), mask=qo_mask)
 
 
@@ -499,32 +506,42 @@ def _attn_bwd_dq_kernel(
 # lengths, so variable-length training does not retune at every new length.
 # =============================================================================================
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages); fwd and dq want tall query blocks, dK/dV tall key blocks.
-_FWD_SHAPES = {
-    64: [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4), (128, 32, 4, 4), (64, 32, 4, 3)],
-    128: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3)],
-    256: [(64, 32, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 8, 2)],
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and padded head dim. Forward and dQ walk
+# tall query blocks, dK/dV tall key blocks. Every default (first entry) compiles for sm_90 without
+# register spills (checked with ptxas for fp16/bf16 and fp32, causal, no mask, no dropout); a mask
+# or dropout costs registers, and the lighter entries are there for the tuner to pick then.
+_SHAPES_16BIT = {
+    "fwd": {
+        64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 4), (128, 32, 4, 4),
+             (64, 32, 4, 3)],
+        128: [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3),
+              (64, 128, 8, 3)],
+        256: [(128, 32, 8, 2), (64, 32, 8, 2), (128, 64, 8, 1), (64, 16, 4, 2), (128, 16, 8, 2)],
+    },
+    "dq": {
+        64: [(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3)],
+        128: [(128, 32, 8, 2), (128, 64, 8, 2), (64, 32, 4, 3)],
+        256: [(64, 16, 4, 2), (128, 16, 8, 2), (64, 32, 8, 2), (128, 32, 8, 1)],
+    },
+    "dkdv": {
+        64: [(32, 128, 8, 3), (16, 128, 8, 3), (32, 64, 8, 3), (32, 64, 4, 2)],
+        128: [(32, 64, 8, 2), (16, 128, 8, 2), (32, 128, 8, 2), (64, 64, 8, 2), (32, 32, 8, 2)],
+        256: [(32, 32, 8, 2), (16, 32, 4, 2), (16, 64, 8, 2)],
+    },
 }
-_DQ_SHAPES = {
-    64: [(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3)],
-    128: [(128, 32, 8, 2), (128, 64, 8, 2), (64, 64, 4, 3), (64, 32, 4, 3)],
-    256: [(64, 32, 4, 1), (64, 16, 4, 2), (128, 32, 8, 1)],
-}
-_DKDV_SHAPES = {
-    64: [(32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3)],
-    128: [(32, 128, 8, 2), (64, 128, 8, 2), (64, 64, 4, 3), (32, 64, 4, 3)],
-    256: [(32, 64, 4, 1), (16, 64, 4, 2), (32, 128, 8, 1)],
-}
-# 4- and 8-byte elements (fp32 / fp64: CUDA-core dots, used for accuracy, not speed): small tiles.
-_WIDE_SHAPES = {
-    64: [(64, 32, 4, 2), (32, 32, 4, 2)],
-    128: [(32, 32, 4, 2), (64, 32, 4, 1)],
-    256: [(16, 16, 4, 1), (32, 16, 4, 1)],
+# 4- and 8-byte elements: IEEE fp32 (fp64) dots run on CUDA cores, with both operands in
+# registers; they are for accuracy, not speed, and need small tiles to avoid spilling.
+_SHAPES_WIDE = {
+    "fwd": {64: [(64, 32, 8, 2), (32, 32, 4, 2)], 128: [(32, 16, 8, 2), (16, 32, 8, 2)],
+            256: [(32, 16, 8, 1), (16, 16, 4, 1)]},
+    "dq": {64: [(32, 32, 4, 2), (64, 32, 8, 2)], 128: [(32, 16, 8, 2), (16, 16, 4, 2)],
+           256: [(16, 16, 4, 1)]},
+    "dkdv": {64: [(32, 32, 8, 2), (16, 32, 4, 2)], 128: [(16, 16, 4, 2), (16, 32, 4, 2)],
+             256: [(16, 16, 8, 1)]},
 }
 # Under the interpreter blocks are small and unequal, so that tests at sequence lengths <= 64
 # cross block boundaries, the diagonal and ragged last blocks.
-_INTERPRET_FWD = (32, 16, 4, 1)
-_INTERPRET_DKDV = (16, 32, 4, 1)
+_INTERPRET_SHAPES = {"fwd": (32, 16, 4, 1), "dq": (32, 16, 4, 1), "dkdv": (16, 32, 4, 1)}
 
 _DEFAULT_SMEM = 100 * 1024
 
@@ -551,18 +568,14 @@ def _smem_bytes(kind: str, bm: int, bn: int, stages: int, block_d: int, itemsize
 def _configs(kind: str, block_d: int, itemsize: int, smem: int) -> list[triton.Config]:
     """The autotuning list for one kernel, head-dim class and element size (first = default)."""
     if INTERPRET:
-        shapes = [_INTERPRET_DKDV if kind == "dkdv" else _INTERPRET_FWD]
+        shapes = [_INTERPRET_SHAPES[kind]]
     else:
         d_class = 64 if block_d <= 64 else 128 if block_d <= 128 else 256
-        if itemsize >= 4:
-            shapes = _WIDE_SHAPES[d_class]
-            if kind == "dkdv":
-                shapes = [(bn, bm, w, s) for bm, bn, w, s in shapes]
-        else:
-            shapes = {"fwd": _FWD_SHAPES, "dq": _DQ_SHAPES, "dkdv": _DKDV_SHAPES}[kind][d_class]
+        shapes = (_SHAPES_WIDE if itemsize >= 4 else _SHAPES_16BIT)[kind][d_class]
         fits = [s for s in shapes if _smem_bytes(kind, s[0], s[1], s[3], block_d, itemsize) <= smem]
         shapes = [shapes[0]] + [s for s in fits if s != shapes[0]]
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in shapes]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+            for bm, bn, w, s in shapes]
 
 
 _KEY = ["Q_BUCKET", "K_BUCKET", "HEAD_DIM", "IS_CAUSAL", "MASK_KIND", "HAS_DROPOUT"]
@@ -725,7 +738,10 @@ def _torch_probs(q, k, attn_mask, is_causal, scale, lse=None):
     if is_causal:
         s = s.masked_fill(~torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril(), float("-inf"))
     if attn_mask is not None:
-        s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask.to(acc)
+        if attn_mask.dtype == torch.bool:
+            s = s.masked_fill(~attn_mask, float("-inf"))
+        else:
+            s = s + attn_mask.to(acc)
     if lse is None:  # forward: a plain softmax (exact also for rows at finfo.min)
         lse = torch.logsumexp(s, dim=-1)
         dead = torch.isneginf(lse)[..., None]
@@ -742,7 +758,8 @@ def _attention_fwd_torch(q, k, v, attn_mask, dropout_p, is_causal, scale, seed):
     group = q.shape[1] // k.shape[1]
     p, lse = _torch_probs(q, _repeat_kv(k, group), attn_mask, is_causal, scale)
     if dropout_p > 0.0:
-        p = torch.where(_torch_keep_mask(seed, p.shape, dropout_p).to(p.device), p * _dropout_scale(dropout_p), 0.0)
+        keep = _torch_keep_mask(seed, p.shape, dropout_p).to(p.device)
+        p = torch.where(keep, p * _dropout_scale(dropout_p), 0.0)
     return p @ _repeat_kv(v, group).to(p.dtype), lse
 
 

@@ -62,8 +62,10 @@ CASES = [
     Case(h=1, sq=17, sk=17, d=160, causal=True),
 ]
 if ON_GPU:
-    CASES += [Case(b=2, h=3, sq=300, sk=300, d=d, causal=c) for d in (16, 32, 64, 96, 128, 192, 256) for c in (False, True)]
-    CASES += [Case(b=2, h=4, h_kv=2, sq=1000, sk=777, d=64, causal=True), Case(b=1, h=2, sq=513, sk=1025, d=128, mask="hf")]
+    CASES += [Case(b=2, h=3, sq=300, sk=300, d=d, causal=c)
+              for d in (16, 32, 64, 96, 128, 192, 256) for c in (False, True)]
+    CASES += [Case(b=2, h=4, h_kv=2, sq=1000, sk=777, d=64, causal=True),
+              Case(b=1, h=2, sq=513, sk=1025, d=128, mask="hf")]
 EMPTY_CASES = [Case(sq=0, sk=5), Case(b=0), Case(sq=5, sk=0)]
 
 
@@ -257,8 +259,11 @@ def kernel_keep_mask(b, h, sq, sk, p, seed):
     return o * (sk * (1.0 - p)) > 0.5
 
 
-@pytest.mark.parametrize("case", [Case(h=4, h_kv=2, sq=33, sk=40, causal=True), Case(b=2, sq=20, sk=24, mask="dead-rows"),
-                                  Case(sq=40, sk=17, mask="float")], ids=lambda c: c.id)
+DROPOUT_CASES = [Case(h=4, h_kv=2, sq=33, sk=40, causal=True), Case(b=2, sq=20, sk=24, mask="dead-rows"),
+                 Case(sq=40, sk=17, mask="float")]
+
+
+@pytest.mark.parametrize("case", DROPOUT_CASES, ids=lambda c: c.id)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_dropout_matches_oracle_with_the_kernels_mask(dtype, case):
     p = 0.3
@@ -374,8 +379,9 @@ def test_opcheck():
     args = (q, k, v, mask, 0.0, False, 0.5, True)
     torch.library.opcheck(torch.ops.trifuse.attention.default, args)
     torch.library.opcheck(torch.ops.trifuse.attention.default, (q, k, v, None, 0.0, True, None, True))
-    o, lse, seed = torch.ops.trifuse.attention(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args])
-    bwd_args = (torch.randn_like(o), q.detach(), k.detach(), v.detach(), o, lse, seed, mask, 0.0, False, 0.5, True)
+    q, k, v = q.detach(), k.detach(), v.detach()
+    o, lse, seed = torch.ops.trifuse.attention(q, k, v, mask, 0.0, False, 0.5, True)
+    bwd_args = (torch.randn_like(o), q, k, v, o, lse, seed, mask, 0.0, False, 0.5, True)
     torch.library.opcheck(torch.ops.trifuse.attention_backward.default, bwd_args)
 
 
@@ -477,7 +483,8 @@ BAD_INPUTS = {
 def test_bad_input_raises_clear_error(name):
     kwargs, exc, match = BAD_INPUTS[name]
     args = {"q": _t(1, 2, 5, 16), "k": _t(1, 2, 6, 16), "v": _t(1, 2, 6, 16)}
-    args.update({key: val.to(DEVICE) if isinstance(val, torch.Tensor) else val for key, val in kwargs.items()})
+    args.update({key: val.to(DEVICE) if isinstance(val, torch.Tensor) else val
+                 for key, val in kwargs.items()})
     with pytest.raises(exc, match=match):
         trifuse.ops.attention(**args)
 
