@@ -458,6 +458,10 @@ def _t(*shape, dtype=torch.float32, grad=False):
     return torch.randn(*shape, device=DEVICE).to(dtype).requires_grad_(grad)
 
 
+def _expanded(*shape):
+    return _t(1, *shape[1:]).expand(*shape)
+
+
 BAD_INPUTS = {
     "rank": ({"q": _t(2, 5, 16)}, ValueError, "attention: query must be 4-D"),
     "int-dtype": ({"q": torch.ones(1, 2, 5, 16, dtype=torch.int64)}, TypeError, "query must be float"),
@@ -467,6 +471,8 @@ BAD_INPUTS = {
                          "head_dim must be between"),
     "gqa-not-dividing": ({"q": _t(1, 3, 5, 16), "enable_gqa": True}, ValueError, "must divide"),
     "heads-without-gqa": ({"q": _t(1, 4, 5, 16)}, ValueError, "enable_gqa=True"),
+    "batch-heads": ({"q": _expanded(32768, 2, 5, 16), "k": _expanded(32768, 2, 6, 16),
+                     "v": _expanded(32768, 2, 6, 16)}, ValueError, "batch \\* heads must be at most"),
     "kv-seq": ({"v": _t(1, 2, 7, 16)}, ValueError, "key and value must have the same"),
     "batch": ({"k": _t(2, 2, 6, 16), "v": _t(2, 2, 6, 16)}, ValueError, "same batch size"),
     "mask-shape": ({"attn_mask": torch.ones(1, 1, 5, 7, dtype=torch.bool)}, ValueError, "does not broadcast"),
