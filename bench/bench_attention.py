@@ -1,0 +1,160 @@
+"""Attention against PyTorch's SDPA backends (flash, efficient, cuDNN, math) and, when
+importable, flash-attn and xformers.
+
+    python bench/bench_attention.py            # full sweep on the GPU, writes bench/results/
+    pytest bench/bench_attention.py            # CPU: a tiny smoke in the interpreter
+
+FLOPs per step, q/k/v (B, H, S, D), S queries and S keys (FlashAttention's convention):
+    fwd      4·B·H·S·S·D          two matmuls (Q K^T and P V) of 2·S·S·D each per head
+    bwd      2.5 × fwd            five matmuls (Q K^T recomputed, dV, dP, dQ, dK)
+    fwd+bwd  3.5 × fwd
+Causal attention counts half of each (only the lower triangle is computed).
+Peak memory is what one step allocates above what was allocated before it (inputs excluded):
+the output, the saved statistics and, for fwd+bwd, the gradients.
+"""
+import _harness as H  # noqa: I001  (bench/conftest.py sets TRITON_INTERPRET before this)
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import trifuse
+
+DTYPE = torch.bfloat16 if H.on_gpu() else torch.float32
+DEVICE = "cuda" if H.on_gpu() else "cpu"
+MODES = ("fwd", "fwd+bwd")
+# (B, H, S, D), per variant
+SHAPES = {
+    "causal": ((4, 16, 2048, 128), (8, 16, 1024, 64), (2, 16, 8192, 128)),
+    "full": ((4, 16, 2048, 128), (16, 12, 512, 64)),
+}
+
+
+def make_inputs(shape):
+    b, h, s, d = shape
+    q, k, v = (torch.randn(b, h, s, d, device=DEVICE, dtype=DTYPE, requires_grad=True) for _ in range(3))
+    return (q, k, v), (q, k, v)
+
+
+def flops_for(shape, mode, causal: bool) -> float:
+    b, h, s, d = shape
+    fwd = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
+    return {"fwd": fwd, "bwd": 2.5 * fwd, "fwd+bwd": 3.5 * fwd}[mode]
+
+
+def _sdpa(backend: SDPBackend, causal: bool):
+    def fn(q, k, v):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return fn
+
+
+def providers(causal: bool) -> dict:
+    out = {
+        "trifuse": lambda q, k, v: trifuse.ops.attention(q, k, v, is_causal=causal),
+        "sdpa-flash": _sdpa(SDPBackend.FLASH_ATTENTION, causal),
+        "sdpa-efficient": _sdpa(SDPBackend.EFFICIENT_ATTENTION, causal),
+        "sdpa-cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION, causal),
+        "sdpa-math": _sdpa(SDPBackend.MATH, causal),
+    }
+    if not H.on_gpu():
+        return {name: out[name] for name in ("trifuse", "sdpa-math")}
+    flash_attn = H.try_import("flash_attn")
+    if flash_attn is not None:
+        # (B, S, H, D) views of the same tensors: flash-attn takes any strides with a unit last one.
+        out["flash-attn"] = lambda q, k, v: flash_attn.flash_attn_func(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal).transpose(1, 2)
+    xops = H.try_import("xformers.ops")
+    if xops is not None:
+        bias = xops.LowerTriangularMask() if causal else None
+        out["xformers"] = lambda q, k, v: xops.memory_efficient_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_bias=bias).transpose(1, 2)
+    return out
+
+
+def with_peak_memory(rows: list[dict], shapes, causal: bool) -> list[dict]:
+    """Adds each timed row's peak memory (MiB) for one step."""
+    fns = providers(causal)
+    by_shape = {"x".join(map(str, s)): s for s in shapes}
+    for row in rows:
+        if "ms" in row:
+            shape = by_shape[row["shape"]]
+            step = H.make_step(fns[row["provider"]], lambda: make_inputs(shape), row["mode"])
+            row["peak MiB"] = H.peak_memory_mib(step)
+            row["S"] = shape[2]
+    if H.on_gpu():
+        torch.cuda.empty_cache()
+    return rows
+
+
+def host_overhead() -> list[dict]:
+    """Wall µs per call at a tiny size: trifuse's eager path and its registered op, beside SDPA
+    and the explicit softmax(Q K^T / sqrt(d)) V that HF's "eager" attention runs."""
+    shape = (1, 2, 16, 64)
+
+    def registered(q, k, v):
+        return torch.ops.trifuse.attention(q, k, v, None, 0.0, True, None, False)[0]
+
+    def explicit(q, k, v):
+        s = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+        causal = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+        return torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1) @ v
+
+    fns = {
+        "trifuse eager path": providers(True)["trifuse"],
+        "trifuse registered op": registered,
+        "torch F.scaled_dot_product_attention":
+            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+        "torch explicit softmax(QK^T)V": explicit,
+    }
+    cases = {f"{name} {mode}": H.make_step(fn, lambda: make_inputs(shape), mode)
+             for mode in MODES for name, fn in fns.items()}
+    return H.host_overhead_rows(cases)
+
+
+COLUMNS = ("provider", "variant", "mode", "shape", "ms", "TFLOP/s", "peak MiB", "x vs sdpa-flash",
+           "x vs sdpa-cudnn", "x vs sdpa-efficient", "x vs sdpa-math", "x vs flash-attn", "x vs xformers",
+           "error")
+
+
+def main() -> None:
+    rows = []
+    for variant, shapes in SHAPES.items():
+        causal = variant == "causal"
+        swept = H.sweep(providers(causal), shapes, make_inputs,
+                        flops_for=lambda s, m, causal=causal: flops_for(s, m, causal),
+                        modes=MODES, reference="sdpa-flash", x_name="D", variant=variant)
+        rows += with_peak_memory(swept, shapes, causal)
+    overhead = host_overhead()
+    H.print_table(rows, COLUMNS)
+    H.print_table(overhead, ("provider", "host µs"))
+    H.write_results("attention", rows, COLUMNS, plot_x="S", plot_y="TFLOP/s")
+    H.write_results("attention", overhead, ("provider", "host µs"), suffix="host-overhead")
+
+
+# ---------------------------------------------------------------------------------------------
+# pytest entry points: on CPU a tiny smoke of every step in the interpreter, so this file
+# cannot rot; on a GPU the same points timed by pytest-benchmark.
+# ---------------------------------------------------------------------------------------------
+
+SMOKE_SHAPE = (2, 16, 1024, 64) if H.on_gpu() else (1, 2, 24, 16)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("provider", ["trifuse", "sdpa-math"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_attention(benchmark, provider, mode, causal):
+    fns = providers(causal)
+    H.check_against_reference(fns, "sdpa-math", make_inputs, SMOKE_SHAPE)
+    step = H.make_step(fns[provider], lambda: make_inputs(SMOKE_SHAPE), mode)
+    benchmark.pedantic(step, rounds=3 if H.on_gpu() else 1, iterations=1)
+    assert flops_for(SMOKE_SHAPE, mode, causal) > 0
+
+
+def test_host_overhead_runs():
+    rows = host_overhead()
+    assert all(r["host µs"] > 0 for r in rows)
+
+
+if __name__ == "__main__":
+    main()

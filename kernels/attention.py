@@ -1,0 +1,994 @@
+"""Scaled dot-product attention, FlashAttention-2 style, forward and backward.
+
+Maths, per batch b and query head h (kv head hk = h // (Hq // Hkv) under GQA/MQA):
+
+    S = scale * Q K^T + mask          (Sq, Sk); mask: 0 / -inf from a bool mask, the values of a
+                                      float one, -inf above the diagonal j > i when is_causal
+    P = softmax(S) row by row         a row whose every score is -inf gives P = 0 (SDPA's rule)
+    O = (P * Z / (1 - p)) V           Z: the dropout keep mask, Bernoulli(1 - p)
+    L = logsumexp(S) row by row       saved for the backward (-inf for rows that see no key)
+
+Backward, with dP~ = dO V^T and delta = rowsum(dO * O) (= rowsum(P * dP~ * Z / (1 - p))):
+
+    dV = (P * Z / (1 - p))^T dO       summed over the query heads of a kv group
+    dP = dP~ * Z / (1 - p)
+    dS = P * (dP - delta)
+    dQ = scale * dS K;  dK = scale * dS^T Q   (dK summed over the group like dV)
+
+Causal alignment is SDPA's `is_causal`: top-left, query i sees keys j <= i, also when Sq != Sk
+(rows i >= Sk see every key; keys j >= Sq are seen by nobody and get zero gradients).
+A row that a float mask covers whole with a finite value (transformers' finfo(dtype).min) is a
+uniform average in the forward, as in SDPA's math backend; its gradients then carry the fp32
+cancellation every log-sum-exp kernel has there (L ~ -3e38 cannot hold log(Sk); SDPA's fused
+backends give the same). Rows masked with bools or -inf are exact.
+
+Shapes: q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D) with Hkv = Hq, or Hkv dividing Hq when
+enable_gqa; D <= 256, any value (padded to a power of two >= 16 inside the kernels, masked).
+attn_mask broadcasts to (B, Hq, Sq, Sk) (typically (B|1, H|1, Sq|1, Sk)); broadcast dims are read
+with stride 0, never expanded in memory. Any strides for q, k, v, dO and the mask (views of a
+fused QKV projection, (B, S, H, D) transposes, expanded tensors): no copies.
+Dtypes: fp16 / bf16 / fp32 / fp64, one dtype for q, k, v. Dots take the input dtype as operands
+and accumulate in fp32 (fp64 for fp64 inputs, used by gradcheck); fp32 dots are IEEE fp32
+(no TF32). P is rounded to the input dtype before P V, as FlashAttention does.
+
+Memory plan: the score matrix never exists. The forward saves O and the row log-sum-exp L
+(fp32; fp64 for fp64), plus the Philox seed when dropout is on; the backward recomputes P block
+by block from Q, K and L, and regenerates the dropout mask from (seed, row, column): the counter
+column is the key index, the row (b * Hq + h) * Sq + query index. Extra memory is O(B H Sq).
+
+Kernels (one program per block of rows, looping over the other sequence):
+    _attn_fwd_kernel              per (query block, b, h): online softmax over key blocks
+    _attn_bwd_preprocess_kernel   delta = rowsum(dO * O)
+    _attn_bwd_dkdv_kernel         per (key block, b, hk): loops over the group's query heads and
+                                  their query blocks; dK, dV stay in registers
+    _attn_bwd_dq_kernel           per (query block, b, h): loops over key blocks; dQ in registers
+Every output element is written by exactly one program and no atomics are used, so the backward
+is deterministic by construction (bitwise repeatable), GQA's group sums included.
+Key blocks that need no causal or bounds mask run a loop without the masking code; the diagonal
+and the ragged last block run a masked loop (a constexpr flag selects the variant).
+"""
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..autotune import autotune
+from ..autotune.env import INTERPRET
+from ._common import (
+    acc_dtype,
+    check_float,
+    check_probability,
+    check_same_device,
+    check_tensor,
+    eager_fast_path,
+    next_power_of_2,
+    philox_seed,
+    profiled,
+    use_triton,
+)
+from ._random import dropout_keep
+
+OP = "attention"
+MAX_HEAD_DIM = 256
+MAX_BATCH_HEADS = 65535  # batch * heads is the second grid axis
+LOG2E = 1.4426950408889634  # the kernels work in base 2: exp(x) = exp2(x * log2(e))
+
+# MASK_KIND values
+_NO_MASK, _BOOL_MASK, _FLOAT_MASK = 0, 1, 2
+
+
+# =============================================================================================
+# Reference: the spec. Tests run it in float64 as the oracle and in the input dtype to measure
+# PyTorch's own error.
+# =============================================================================================
+
+
+def attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    dropout_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention with an explicit (Sq, Sk) softmax, as SDPA's math backend computes it.
+
+    `dropout_mask` (bool, broadcastable to (B, Hq, Sq, Sk), True = keep) stands in for the
+    kernel's random mask; without it no dropout is applied whatever dropout_p says.
+    """
+    sq, sk = q.shape[-2], k.shape[-2]
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    if enable_gqa:
+        group = q.shape[-3] // k.shape[-3]
+        k = k.repeat_interleave(group, dim=-3)
+        v = v.repeat_interleave(group, dim=-3)
+    s = (q @ k.transpose(-2, -1)) * scale
+    if is_causal:
+        s = s.masked_fill(~torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            s = s.masked_fill(~attn_mask, float("-inf"))
+        else:
+            s = s + attn_mask
+    # Rows that see no key give 0 (SDPA's rule); softmax them over zeros so no NaN reaches autograd.
+    dead = torch.isneginf(s).all(dim=-1, keepdim=True)
+    probs = torch.softmax(s.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
+    if dropout_mask is not None:
+        probs = probs * dropout_mask / (1.0 - dropout_p) if dropout_p < 1.0 else torch.zeros_like(probs)
+    return probs @ v
+
+
+# =============================================================================================
+# Kernels
+# =============================================================================================
+
+
+@triton.jit
+def _tile(X, rows, offs_d, stride_r, stride_d):
+    """Pointers to a (rows, head_dim) tile of one (b, h) slice that X already points at."""
+    return X + rows[:, None] * stride_r + offs_d[None, :] * stride_d
+
+
+@triton.jit
+def _scores(qk, rows, cols, MASK, stride_mm, stride_mn, N_Q, N_K,
+            MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, ACC: tl.constexpr):
+    """Applies the attention mask, the causal mask and the key bounds to a block of scores.
+
+    qk is already in base 2 (scale * log2(e) applied); rows and cols broadcast to qk's shape
+    (a column vector and a row vector, or the reverse for the transposed dK/dV block). MASK
+    points at this (b, h)'s mask. Masked scores become -inf."""
+    if MASK_KIND != 0:
+        in_bounds = (rows < N_Q) & (cols < N_K)
+        ptrs = MASK + rows * stride_mm + cols * stride_mn
+        if MASK_KIND == 1:
+            keep = tl.load(ptrs, mask=in_bounds, other=0) != 0
+            qk = tl.where(keep, qk, float("-inf"))
+        else:
+            bias = tl.load(ptrs, mask=in_bounds, other=0.0).to(ACC)
+            # finfo(fp32).min * log2(e) would overflow to -inf and empty a row that a finite mask
+            # (transformers' finfo.min) covers whole; SDPA averages such a row uniformly.
+            qk += tl.where(bias == float("-inf"), bias, tl.maximum(bias, -2.3e38)) * 1.4426950408889634
+    if MASKED:
+        valid = cols < N_K
+        if IS_CAUSAL:
+            valid = valid & (cols <= rows)
+        qk = tl.where(valid, qk, float("-inf"))
+    return qk
+
+
+@triton.jit
+def _attn_fwd_loop(acc, l_i, m_i, q, K, V, MASK, seed, rng_rows, offs_m, offs_n, offs_d,
+                   stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+                   N_Q, N_K, qk_scale, p_drop, lo, hi,
+                   HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                   IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr, ACC: tl.constexpr):
+    """Online softmax over the key blocks [lo, hi) for one block of query rows."""
+    mask_d = offs_d < HEAD_DIM
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        kv_mask = mask_d[None, :]
+        if MASKED:
+            kv_mask = kv_mask & (cols[:, None] < N_K)
+        k = tl.load(_tile(K, cols, offs_d, stride_kn, stride_kd), mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC) * qk_scale
+        qk = _scores(qk, offs_m[:, None], cols[None, :], MASK, stride_mm, stride_mn, N_Q, N_K,
+                     MASKED, IS_CAUSAL, MASK_KIND, ACC)
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        # A row that has seen only -inf so far keeps m = -inf; subtract 0 instead (no NaN).
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(qk - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if HAS_DROPOUT:
+            # The normalizer l sums the undropped P; dropout acts on the normalized probabilities.
+            keep = dropout_keep(seed, rng_rows[:, None], cols[None, :] + 0 * offs_m[:, None], p_drop)
+            p = tl.where(keep, p, 0.0)
+        v = tl.load(_tile(V, cols, offs_d, stride_vn, stride_vd), mask=kv_mask, other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION, out_dtype=ACC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    Q,  # in (B, H, N_Q, HEAD_DIM)
+    K,  # in (B, H_KV, N_K, HEAD_DIM)
+    V,  # in (B, H_KV, N_K, HEAD_DIM)
+    MASK,  # in, broadcast to (B, H, N_Q, N_K): uint8 (bool) or float; unused unless MASK_KIND
+    SEED,  # in (1,) int64 Philox seed; unused unless HAS_DROPOUT
+    O,  # out (B, H, N_Q, HEAD_DIM)
+    LSE,  # out (B, H, N_Q) fp32 (fp64 for fp64), natural log
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_ob, stride_oh, stride_om, stride_od,
+    H, N_Q, N_K, GROUP, qk_scale, p_drop, dropout_scale,
+    Q_BUCKET, K_BUCKET,  # autotuning keys only
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1).to(tl.int64)  # int64: b * stride may pass 2^31
+    b = bh // H
+    h = bh % H
+    hk = h // GROUP
+    Q += b * stride_qb + h * stride_qh
+    K += b * stride_kb + hk * stride_kh
+    V += b * stride_vb + hk * stride_vh
+    MASK += b * stride_mb + h * stride_mh
+    O += b * stride_ob + h * stride_oh
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < N_Q
+    qo_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(_tile(Q, offs_m, offs_d, stride_qm, stride_qd), mask=qo_mask, other=0.0)
+    seed = tl.load(SEED) if HAS_DROPOUT else 0
+    rng_rows = bh * N_Q + offs_m
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
+    l_i = tl.zeros([BLOCK_M], dtype=ACC)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
+    # Key blocks [0, n_full) need neither the causal nor the bounds mask; [n_full, hi) do.
+    if IS_CAUSAL:
+        hi = tl.minimum(N_K, start_m + BLOCK_M)
+        n_full = tl.minimum(start_m + 1, N_K) // BLOCK_N * BLOCK_N
+    else:
+        hi = N_K
+        n_full = N_K // BLOCK_N * BLOCK_N
+    acc, l_i, m_i = _attn_fwd_loop(acc, l_i, m_i, q, K, V, MASK, seed, rng_rows, offs_m, offs_n, offs_d,
+                                   stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+                                   N_Q, N_K, qk_scale, p_drop, 0, n_full,
+                                   HEAD_DIM, BLOCK_N, False, IS_CAUSAL, MASK_KIND, HAS_DROPOUT,
+                                   DOT_PRECISION, ACC)
+    acc, l_i, m_i = _attn_fwd_loop(acc, l_i, m_i, q, K, V, MASK, seed, rng_rows, offs_m, offs_n, offs_d,
+                                   stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+                                   N_Q, N_K, qk_scale, p_drop, n_full, hi,
+                                   HEAD_DIM, BLOCK_N, True, IS_CAUSAL, MASK_KIND, HAS_DROPOUT,
+                                   DOT_PRECISION, ACC)
+
+    seen = l_i > 0.0  # False only for rows whose every score is -inf: O = 0, L = -inf
+    l_safe = tl.where(seen, l_i, 1.0)
+    o = acc * (dropout_scale / l_safe)[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
+    tl.store(_tile(O, offs_m, offs_d, stride_om, stride_od), o.to(O.dtype.element_ty), mask=qo_mask)
+    tl.store(LSE + bh * N_Q + offs_m, lse, mask=row_ok)
+
+
+@triton.jit
+def _attn_bwd_preprocess_kernel(
+    O,  # in (B, H, N_Q, HEAD_DIM)
+    DO,  # in (B, H, N_Q, HEAD_DIM)
+    DELTA,  # out (B, H, N_Q) fp32 (fp64 for fp64)
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    H, N_Q,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, ACC: tl.constexpr,
+):
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m[:, None] < N_Q) & (offs_d[None, :] < HEAD_DIM)
+    o = tl.load(_tile(O + b * stride_ob + h * stride_oh, offs_m, offs_d, stride_om, stride_od),
+                mask=mask, other=0.0).to(ACC)
+    do = tl.load(_tile(DO + b * stride_dob + h * stride_doh, offs_m, offs_d, stride_dom, stride_dod),
+                 mask=mask, other=0.0).to(ACC)
+    tl.store(DELTA + bh * N_Q + offs_m, tl.sum(o * do, axis=1), mask=offs_m < N_Q)
+
+
+@triton.jit
+def _load_row_stats(LSE, DELTA, rows, N_Q):
+    """L in base 2 and delta for a block of rows. Rows past N_Q, and rows that saw no key
+    (L = -inf), get L = +inf, so their recomputed probabilities are exactly 0."""
+    row_ok = rows < N_Q
+    lse = tl.load(LSE + rows, mask=row_ok, other=float("inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+    delta = tl.load(DELTA + rows, mask=row_ok, other=0.0)
+    return lse, delta
+
+
+@triton.jit
+def _attn_bwd_dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, MASK, seed, rng_base, offs_m, offs_n, offs_d,
+                        stride_qm, stride_qd, stride_dom, stride_dod, stride_mm, stride_mn,
+                        N_Q, N_K, qk_scale, p_drop, dropout_scale, lo, hi,
+                        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
+                        IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr, ACC: tl.constexpr):
+    """Accumulates dK, dV of one key block over the query blocks [lo, hi) of one query head.
+    Works on transposed (keys x queries) blocks so dK and dV come out of plain dots.
+    Keys past N_K (the ragged last block) need no mask: their rows are never stored."""
+    mask_d = offs_d < HEAD_DIM
+    for start_m in range(lo, hi, BLOCK_M):
+        rows = start_m + offs_m
+        qo_mask = (rows[:, None] < N_Q) & mask_d[None, :]
+        q = tl.load(_tile(Q, rows, offs_d, stride_qm, stride_qd), mask=qo_mask, other=0.0)
+        do = tl.load(_tile(DO, rows, offs_d, stride_dom, stride_dod), mask=qo_mask, other=0.0)
+        do = do.to(q.dtype)
+        lse, delta = _load_row_stats(LSE, DELTA, rows, N_Q)
+        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION, out_dtype=ACC) * qk_scale
+        qk_t = _scores(qk_t, rows[None, :], offs_n[:, None], MASK, stride_mm, stride_mn, N_Q, N_K,
+                       MASKED, IS_CAUSAL, MASK_KIND, ACC)
+        p_t = tl.exp2(qk_t - lse[None, :])
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION, out_dtype=ACC)
+        if HAS_DROPOUT:
+            keep_t = dropout_keep(seed, rng_base + rows[None, :], offs_n[:, None] + 0 * rows[None, :], p_drop)
+            pd_t = tl.where(keep_t, p_t * dropout_scale, 0.0)
+            dp_t = tl.where(keep_t, dp_t * dropout_scale, 0.0)
+        else:
+            pd_t = p_t
+        dv = tl.dot(pd_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION, out_dtype=ACC)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION, out_dtype=ACC)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    Q, K, V,  # in, as the forward
+    MASK,  # in, as the forward
+    SEED,  # in (1,) int64; unused unless HAS_DROPOUT
+    DO,  # in (B, H, N_Q, HEAD_DIM)
+    LSE,  # in (B, H, N_Q) from the forward
+    DELTA,  # in (B, H, N_Q) rowsum(dO * O)
+    DK, DV,  # out (B, H_KV, N_K, HEAD_DIM)
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    H, H_KV, N_Q, N_K, GROUP, sm_scale, qk_scale, p_drop, dropout_scale,
+    Q_BUCKET, K_BUCKET,  # autotuning keys only
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
+):
+    start_n = tl.program_id(0) * BLOCK_N
+    bhk = tl.program_id(1).to(tl.int64)
+    b = bhk // H_KV
+    hk = bhk % H_KV
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    kv_mask = (offs_n[:, None] < N_K) & (offs_d[None, :] < HEAD_DIM)
+    k = tl.load(_tile(K + b * stride_kb + hk * stride_kh, offs_n, offs_d, stride_kn, stride_kd),
+                mask=kv_mask, other=0.0)
+    v = tl.load(_tile(V + b * stride_vb + hk * stride_vh, offs_n, offs_d, stride_vn, stride_vd),
+                mask=kv_mask, other=0.0)
+    seed = tl.load(SEED) if HAS_DROPOUT else 0
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
+
+    # Causal: query blocks [lo, mid) straddle the diagonal (causal mask), [mid, N_Q) see the
+    # whole key block, and queries before start_n see none of these keys and are skipped.
+    if IS_CAUSAL:
+        lo = start_n // BLOCK_M * BLOCK_M
+        mid = tl.minimum(lo + tl.cdiv(start_n + BLOCK_N - 1 - lo, BLOCK_M) * BLOCK_M, N_Q)
+    else:
+        mid = 0
+    # The group's query heads in order: dK and dV sum over them in registers, deterministically.
+    for g in range(0, GROUP):
+        h = hk * GROUP + g
+        bh = b * H + h
+        Qh = Q + b * stride_qb + h * stride_qh
+        DOh = DO + b * stride_dob + h * stride_doh
+        MASKh = MASK + b * stride_mb + h * stride_mh
+        LSEh = LSE + bh * N_Q
+        DELTAh = DELTA + bh * N_Q
+        rng_base = bh * N_Q
+        if IS_CAUSAL:
+            dk, dv = _attn_bwd_dkdv_loop(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, MASKh, seed, rng_base,
+                                         offs_m, offs_n, offs_d, stride_qm, stride_qd, stride_dom, stride_dod,
+                                         stride_mm, stride_mn, N_Q, N_K, qk_scale, p_drop, dropout_scale,
+                                         lo, mid, HEAD_DIM, BLOCK_M, True, IS_CAUSAL, MASK_KIND, HAS_DROPOUT,
+                                         DOT_PRECISION, ACC)
+        dk, dv = _attn_bwd_dkdv_loop(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, MASKh, seed, rng_base,
+                                     offs_m, offs_n, offs_d, stride_qm, stride_qd, stride_dom, stride_dod,
+                                     stride_mm, stride_mn, N_Q, N_K, qk_scale, p_drop, dropout_scale,
+                                     mid, N_Q,
+                                     HEAD_DIM, BLOCK_M, False, IS_CAUSAL, MASK_KIND, HAS_DROPOUT,
+                                     DOT_PRECISION, ACC)
+
+    dk *= sm_scale
+    tl.store(_tile(DK + b * stride_dkb + hk * stride_dkh, offs_n, offs_d, stride_dkn, stride_dkd),
+             dk.to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(_tile(DV + b * stride_dvb + hk * stride_dvh, offs_n, offs_d, stride_dvn, stride_dvd),
+             dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _attn_bwd_dq_loop(dq, q, do, lse, delta, K, V, MASK, seed, rng_rows, offs_m, offs_n, offs_d,
+                      stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+                      N_Q, N_K, qk_scale, p_drop, dropout_scale, lo, hi,
+                      HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                      IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr, ACC: tl.constexpr):
+    """Accumulates dQ of one query block over the key blocks [lo, hi)."""
+    mask_d = offs_d < HEAD_DIM
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        kv_mask = mask_d[None, :]
+        if MASKED:
+            kv_mask = kv_mask & (cols[:, None] < N_K)
+        k = tl.load(_tile(K, cols, offs_d, stride_kn, stride_kd), mask=kv_mask, other=0.0)
+        v = tl.load(_tile(V, cols, offs_d, stride_vn, stride_vd), mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC) * qk_scale
+        qk = _scores(qk, offs_m[:, None], cols[None, :], MASK, stride_mm, stride_mn, N_Q, N_K,
+                     MASKED, IS_CAUSAL, MASK_KIND, ACC)
+        p = tl.exp2(qk - lse[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION, out_dtype=ACC)
+        if HAS_DROPOUT:
+            keep = dropout_keep(seed, rng_rows[:, None], cols[None, :] + 0 * offs_m[:, None], p_drop)
+            dp = tl.where(keep, dp * dropout_scale, 0.0)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION, out_dtype=ACC)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(
+    Q, K, V,  # in, as the forward
+    MASK,  # in, as the forward
+    SEED,  # in (1,) int64; unused unless HAS_DROPOUT
+    DO,  # in (B, H, N_Q, HEAD_DIM)
+    LSE,  # in (B, H, N_Q) from the forward
+    DELTA,  # in (B, H, N_Q) rowsum(dO * O)
+    DQ,  # out (B, H, N_Q, HEAD_DIM)
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    H, N_Q, N_K, GROUP, sm_scale, qk_scale, p_drop, dropout_scale,
+    Q_BUCKET, K_BUCKET,  # autotuning keys only
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    hk = h // GROUP
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    qo_mask = (offs_m[:, None] < N_Q) & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(_tile(Q + b * stride_qb + h * stride_qh, offs_m, offs_d, stride_qm, stride_qd),
+                mask=qo_mask, other=0.0)
+    do = tl.load(_tile(DO + b * stride_dob + h * stride_doh, offs_m, offs_d, stride_dom, stride_dod),
+                 mask=qo_mask, other=0.0).to(q.dtype)
+    lse, delta = _load_row_stats(LSE + bh * N_Q, DELTA + bh * N_Q, offs_m, N_Q)
+    seed = tl.load(SEED) if HAS_DROPOUT else 0
+    rng_rows = bh * N_Q + offs_m
+    K += b * stride_kb + hk * stride_kh
+    V += b * stride_vb + hk * stride_vh
+    MASK += b * stride_mb + h * stride_mh
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
+    if IS_CAUSAL:
+        hi = tl.minimum(N_K, start_m + BLOCK_M)
+        n_full = tl.minimum(start_m + 1, N_K) // BLOCK_N * BLOCK_N
+    else:
+        hi = N_K
+        n_full = N_K // BLOCK_N * BLOCK_N
+    dq = _attn_bwd_dq_loop(dq, q, do, lse, delta, K, V, MASK, seed, rng_rows, offs_m, offs_n, offs_d,
+                           stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+                           N_Q, N_K, qk_scale, p_drop, dropout_scale, 0, n_full,
+                           HEAD_DIM, BLOCK_N, False, IS_CAUSAL, MASK_KIND, HAS_DROPOUT, DOT_PRECISION, ACC)
+    dq = _attn_bwd_dq_loop(dq, q, do, lse, delta, K, V, MASK, seed, rng_rows, offs_m, offs_n, offs_d,
+                           stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+                           N_Q, N_K, qk_scale, p_drop, dropout_scale, n_full, hi,
+                           HEAD_DIM, BLOCK_N, True, IS_CAUSAL, MASK_KIND, HAS_DROPOUT, DOT_PRECISION, ACC)
+    dq *= sm_scale
+    tl.store(_tile(DQ + b * stride_dqb + h * stride_dqh, offs_m, offs_d, stride_dqm, stride_dqd),
+             dq.to(DQ.dtype.element_ty), mask=qo_mask)
+
+
+# =============================================================================================
+# Block sizes. Each kernel is autotuned over a short list per (padded head dim, element size);
+# the first entry is the default (used under the interpreter and with TRIFUSE_AUTOTUNE=0) and
+# always fits. Entries whose tiles cannot fit the device's shared memory are dropped up front.
+# Tuning is keyed on the sequence-length buckets and the constexpr features, not on exact
+# lengths, so variable-length training does not retune at every new length.
+# =============================================================================================
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and padded head dim. Forward and dQ walk
+# tall query blocks, dK/dV tall key blocks. Every default (first entry) compiles for sm_90 without
+# register spills (checked with Triton 3.6 and 3.9's ptxas for fp16/bf16 and fp32, causal, no mask,
+# no dropout); a mask or dropout costs registers, and the lighter entries are there for the tuner.
+_SHAPES_16BIT = {
+    "fwd": {
+        64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 4), (128, 32, 4, 4),
+             (64, 32, 4, 3)],
+        128: [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3),
+              (64, 128, 8, 3)],
+        256: [(128, 32, 8, 2), (64, 32, 8, 2), (128, 64, 8, 1), (64, 16, 4, 2), (128, 16, 8, 2)],
+    },
+    "dq": {
+        64: [(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3)],
+        128: [(128, 32, 8, 2), (128, 64, 8, 2), (64, 32, 4, 3)],
+        256: [(128, 16, 8, 2), (64, 32, 8, 2), (64, 16, 4, 2), (128, 32, 8, 1)],
+    },
+    "dkdv": {
+        64: [(32, 128, 8, 3), (16, 128, 8, 3), (32, 64, 8, 3), (32, 64, 4, 2)],
+        128: [(16, 128, 8, 2), (32, 64, 8, 2), (32, 128, 8, 2), (64, 64, 8, 2), (32, 32, 8, 2)],
+        256: [(32, 32, 8, 2), (16, 32, 4, 2), (16, 64, 8, 2)],
+    },
+}
+# 4- and 8-byte elements: IEEE fp32 (fp64) dots run on CUDA cores, with both operands in
+# registers; they are for accuracy, not speed, and need small tiles to avoid spilling.
+_SHAPES_WIDE = {
+    "fwd": {64: [(64, 32, 8, 2), (32, 32, 4, 2)], 128: [(32, 16, 8, 2), (16, 32, 8, 2)],
+            256: [(32, 16, 8, 1), (16, 16, 4, 1)]},
+    "dq": {64: [(32, 32, 4, 2), (64, 32, 8, 2)], 128: [(32, 16, 8, 2), (16, 16, 4, 2)],
+           256: [(16, 16, 4, 1)]},
+    "dkdv": {64: [(32, 32, 8, 2), (16, 32, 4, 2)], 128: [(16, 16, 4, 2), (16, 32, 4, 2)],
+             256: [(16, 16, 8, 1)]},
+}
+# Under the interpreter blocks are small and unequal, so that tests at sequence lengths <= 64
+# cross block boundaries, the diagonal and ragged last blocks.
+_INTERPRET_SHAPES = {"fwd": (32, 16, 4, 1), "dq": (32, 16, 4, 1), "dkdv": (16, 32, 4, 1)}
+
+_DEFAULT_SMEM = 100 * 1024
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_limit(device_index: int) -> int:
+    """Shared memory one program may use (bytes)."""
+    props = triton.runtime.driver.active.utils.get_device_properties(device_index)
+    return int(props.get("max_shared_mem", _DEFAULT_SMEM))
+
+
+def _smem_bytes(kind: str, bm: int, bn: int, stages: int, block_d: int, itemsize: int) -> int:
+    """Rough shared-memory need: the tiles held whole, the pipelined ones times the stages, and
+    one (BLOCK_M, BLOCK_N) layout-conversion buffer."""
+    if kind == "dkdv":
+        held, streamed = 2 * bn * block_d, 2 * bm * block_d
+    elif kind == "dq":
+        held, streamed = 2 * bm * block_d, 2 * bn * block_d
+    else:
+        held, streamed = bm * block_d, 2 * bn * block_d
+    return itemsize * (held + max(stages, 1) * streamed + bm * bn)
+
+
+def _configs(kind: str, block_d: int, itemsize: int, smem: int) -> list[triton.Config]:
+    """The autotuning list for one kernel, head-dim class and element size (first = default)."""
+    if INTERPRET:
+        shapes = [_INTERPRET_SHAPES[kind]]
+    else:
+        d_class = 64 if block_d <= 64 else 128 if block_d <= 128 else 256
+        shapes = (_SHAPES_WIDE if itemsize >= 4 else _SHAPES_16BIT)[kind][d_class]
+        fits = [s for s in shapes if _smem_bytes(kind, s[0], s[1], s[3], block_d, itemsize) <= smem]
+        shapes = [shapes[0]] + [s for s in fits if s != shapes[0]]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+            for bm, bn, w, s in shapes]
+
+
+_KEY = ["Q_BUCKET", "K_BUCKET", "HEAD_DIM", "IS_CAUSAL", "MASK_KIND", "HAS_DROPOUT"]
+_KERNELS = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_bwd_dq_kernel}
+
+
+@functools.lru_cache(maxsize=None)
+def _tuned(kind: str, block_d: int, itemsize: int, smem: int):
+    """The autotuned kernel for one (kind, head-dim class, element size, shared memory)."""
+    return autotune(_configs(kind, block_d, itemsize, smem), key=_KEY)(_KERNELS[kind])
+
+
+def _kernel(kind: str, t: torch.Tensor, block_d: int):
+    smem = _smem_limit(t.device.index or 0) if t.is_cuda else _DEFAULT_SMEM
+    return _tuned(kind, block_d, t.element_size(), smem)
+
+
+# =============================================================================================
+# Launchers: check nothing, allocate the outputs, launch. Tensors in, tensors out.
+# =============================================================================================
+
+
+def _block_d(d: int) -> int:
+    return max(16, next_power_of_2(d))  # tl.dot needs every dimension >= 16
+
+
+def _bucket(n: int) -> int:
+    return min(next_power_of_2(n), 16384)
+
+
+def _dot_precision(dtype: torch.dtype) -> str | None:
+    """IEEE for fp32/fp64 (fp32 really is fp32, no TF32); the default for 16-bit operands."""
+    return "ieee" if dtype in (torch.float32, torch.float64) else None
+
+
+def _dropout_scale(p: float) -> float:
+    return 1.0 / (1.0 - p) if p < 1.0 else 0.0
+
+
+def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _mask_arg(attn_mask: torch.Tensor | None, shape: tuple[int, int, int, int], fallback: torch.Tensor):
+    """(tensor, strides, kind) for the kernels: the mask expanded to (B, H, Sq, Sk) as a view
+    (stride 0 on broadcast dims, nothing copied), bools reinterpreted as uint8."""
+    if attn_mask is None:
+        return fallback, (0, 0, 0, 0), _NO_MASK
+    m = attn_mask.expand(shape)
+    if m.dtype == torch.bool:
+        return m.view(torch.uint8), m.stride(), _BOOL_MASK
+    return m, m.stride(), _FLOAT_MASK
+
+
+def attention_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float,
+    seed: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (o, lse): o like q (same layout when q is dense), lse (B, Hq, Sq) in fp32
+    (fp64 for fp64). `seed` is the Philox seed (1,) int64 when dropout_p > 0."""
+    bsz, h, sq, d = q.shape
+    h_kv, sk = k.shape[1], k.shape[2]
+    o = torch.empty_like(q)
+    lse = torch.empty((bsz, h, sq), dtype=_stat_dtype(q.dtype), device=q.device)
+    if o.numel() == 0:
+        return o, lse
+    if not use_triton(q):
+        o_t, lse_t = _attention_fwd_torch(q, k, v, attn_mask, dropout_p, is_causal, scale, seed)
+        return o.copy_(o_t), lse.copy_(lse_t)
+    if sk == 0:
+        return o.zero_(), lse.fill_(float("-inf"))
+    mask, sm, mask_kind = _mask_arg(attn_mask, (bsz, h, sq, sk), q)
+    has_dropout = dropout_p > 0.0
+    block_d = _block_d(d)
+    kernel = _kernel("fwd", q, block_d)
+    grid = lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), bsz * h)  # noqa: E731
+    kernel[grid](
+        q, k, v, mask, seed if has_dropout else q, o, lse,
+        *q.stride(), *k.stride(), *v.stride(), *sm, *o.stride(),
+        h, sq, sk, h // h_kv, scale * LOG2E, dropout_p, _dropout_scale(dropout_p),
+        _bucket(sq), _bucket(sk),
+        HEAD_DIM=d, BLOCK_D=block_d, IS_CAUSAL=is_causal, MASK_KIND=mask_kind, HAS_DROPOUT=has_dropout,
+        DOT_PRECISION=_dot_precision(q.dtype), ACC=acc_dtype(q.dtype),
+    )
+    return o, lse
+
+
+def attention_bwd(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    seed: torch.Tensor | None,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (dq, dk, dv) shaped and laid out like q, k, v (contiguous when those are not dense)."""
+    bsz, h, sq, d = q.shape
+    h_kv, sk = k.shape[1], k.shape[2]
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if q.numel() == 0 or k.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    if not use_triton(q):
+        grads = _attention_bwd_torch(do, q, k, v, o, lse, seed, attn_mask, dropout_p, is_causal, scale)
+        return dq.copy_(grads[0]), dk.copy_(grads[1]), dv.copy_(grads[2])
+    mask, sm, mask_kind = _mask_arg(attn_mask, (bsz, h, sq, sk), q)
+    has_dropout = dropout_p > 0.0
+    block_d = _block_d(d)
+    acc = acc_dtype(q.dtype)
+    delta = torch.empty_like(lse)
+    pre_block = 32 if INTERPRET else 64  # small under the interpreter: tests cross its blocks too
+    _attn_bwd_preprocess_kernel[(triton.cdiv(sq, pre_block), bsz * h)](
+        o, do, delta, *o.stride(), *do.stride(), h, sq,
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_block, ACC=acc,
+    )
+    common = dict(HEAD_DIM=d, BLOCK_D=block_d, IS_CAUSAL=is_causal, MASK_KIND=mask_kind,
+                  HAS_DROPOUT=has_dropout, DOT_PRECISION=_dot_precision(q.dtype), ACC=acc)
+    seed_arg = seed if has_dropout else q
+    p_args = (scale, scale * LOG2E, dropout_p, _dropout_scale(dropout_p), _bucket(sq), _bucket(sk))
+    _kernel("dkdv", q, block_d)[lambda meta: (triton.cdiv(sk, meta["BLOCK_N"]), bsz * h_kv)](
+        q, k, v, mask, seed_arg, do, lse, delta, dk, dv,
+        *q.stride(), *k.stride(), *v.stride(), *sm, *do.stride(), *dk.stride(), *dv.stride(),
+        h, h_kv, sq, sk, h // h_kv, *p_args, **common,
+    )
+    _kernel("dq", q, block_d)[lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), bsz * h)](
+        q, k, v, mask, seed_arg, do, lse, delta, dq,
+        *q.stride(), *k.stride(), *v.stride(), *sm, *do.stride(), *dq.stride(),
+        h, sq, sk, h // h_kv, *p_args, **common,
+    )
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------
+# PyTorch path for CPU tensors without the interpreter: same outputs, no Triton. It builds the
+# (Sq, Sk) matrices: it exists so models run on CPU, not for speed.
+# ---------------------------------------------------------------------------------------------
+
+
+def _torch_keep_mask(seed: torch.Tensor, shape: tuple[int, ...], p: float) -> torch.Tensor:
+    gen = torch.Generator(device="cpu").manual_seed(int(seed.item()))
+    return torch.rand(shape, generator=gen) >= p
+
+
+def _torch_probs(q, k, attn_mask, is_causal, scale, lse=None):
+    """Scores and probabilities in the accumulation dtype; k already repeated over the group.
+    With lse given, P is recomputed from it as the kernels do (0 for rows with lse = -inf)."""
+    acc = _stat_dtype(q.dtype)
+    s = (q.to(acc) @ k.to(acc).transpose(-2, -1)) * scale
+    sq, sk = s.shape[-2:]
+    if is_causal:
+        s = s.masked_fill(~torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril(), float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            s = s.masked_fill(~attn_mask, float("-inf"))
+        else:
+            s = s + attn_mask.to(acc)
+    if lse is None:  # forward: a plain softmax (exact also for rows at finfo.min)
+        lse = torch.logsumexp(s, dim=-1)
+        dead = torch.isneginf(lse)[..., None]
+        return torch.softmax(s.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0), lse
+    safe = torch.where(torch.isneginf(lse), float("inf"), lse)
+    return torch.exp(s - safe[..., None]), lse
+
+
+def _repeat_kv(t: torch.Tensor, group: int) -> torch.Tensor:
+    return t if group == 1 else t.repeat_interleave(group, dim=1)
+
+
+def _attention_fwd_torch(q, k, v, attn_mask, dropout_p, is_causal, scale, seed):
+    group = q.shape[1] // k.shape[1]
+    p, lse = _torch_probs(q, _repeat_kv(k, group), attn_mask, is_causal, scale)
+    if dropout_p > 0.0:
+        keep = _torch_keep_mask(seed, p.shape, dropout_p).to(p.device)
+        p = torch.where(keep, p * _dropout_scale(dropout_p), 0.0)
+    return p @ _repeat_kv(v, group).to(p.dtype), lse
+
+
+def _attention_bwd_torch(do, q, k, v, o, lse, seed, attn_mask, dropout_p, is_causal, scale):
+    bsz, h, sq, d = q.shape
+    h_kv, sk = k.shape[1], k.shape[2]
+    group = h // h_kv
+    acc = lse.dtype
+    kr, vr = _repeat_kv(k, group).to(acc), _repeat_kv(v, group).to(acc)
+    p, _ = _torch_probs(q, kr, attn_mask, is_causal, scale, lse)
+    do_, o_ = do.to(acc), o.to(acc)
+    dp = do_ @ vr.transpose(-2, -1)
+    pd = p
+    if dropout_p > 0.0:
+        keep = _torch_keep_mask(seed, p.shape, dropout_p).to(p.device)
+        pd = torch.where(keep, p * _dropout_scale(dropout_p), 0.0)
+        dp = torch.where(keep, dp * _dropout_scale(dropout_p), 0.0)
+    ds = p * (dp - (do_ * o_).sum(-1, keepdim=True))
+    dq = (ds @ kr) * scale
+    dk = (ds.transpose(-2, -1) @ q.to(acc)) * scale
+    dv = pd.transpose(-2, -1) @ do_
+    dk = dk.view(bsz, h_kv, group, sk, d).sum(2)
+    dv = dv.view(bsz, h_kv, group, sk, d).sum(2)
+    return dq, dk, dv
+
+
+# =============================================================================================
+# Checks, shared by the registered ops (real and fake) and the eager path
+# =============================================================================================
+
+
+def _check_attention_inputs(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> None:
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        check_tensor(OP, name, t)
+        check_float(OP, name, t)
+        if t.dim() != 4:
+            raise ValueError(
+                f"trifuse.{OP}: {name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"trifuse.{OP}: query, key and value must share one dtype, got "
+                        f"{q.dtype}, {k.dtype} and {v.dtype}")
+    check_same_device(OP, "query", q, key=k, value=v, attn_mask=attn_mask)
+    bsz, h, _, d = q.shape
+    if k.shape[0] != bsz or v.shape[0] != bsz:
+        raise ValueError(f"trifuse.{OP}: query, key and value must have the same batch size, got "
+                         f"{bsz}, {k.shape[0]} and {v.shape[0]}")
+    if k.shape[3] != d or v.shape[3] != d:
+        raise ValueError(f"trifuse.{OP}: query, key and value must have the same head_dim, got "
+                         f"{d}, {k.shape[3]} and {v.shape[3]}")
+    if bsz * h > MAX_BATCH_HEADS:
+        raise ValueError(f"trifuse.{OP}: batch * heads must be at most {MAX_BATCH_HEADS} (a CUDA grid "
+                         f"limit), got {bsz} * {h}")
+    if not 1 <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"trifuse.{OP}: head_dim must be between 1 and {MAX_HEAD_DIM}, got {d}")
+    if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
+        raise ValueError(f"trifuse.{OP}: key and value must have the same heads and seq length, got "
+                         f"shapes {tuple(k.shape)} and {tuple(v.shape)}")
+    h_kv = k.shape[1]
+    if enable_gqa:
+        if h_kv == 0 or h % h_kv != 0:
+            raise ValueError(f"trifuse.{OP}: with enable_gqa the key/value heads must divide the query "
+                             f"heads, got {h} query heads and {h_kv} key/value heads")
+    elif h_kv != h:
+        raise ValueError(f"trifuse.{OP}: key/value heads ({h_kv}) differ from query heads ({h}); "
+                         "pass enable_gqa=True for grouped-query attention")
+    if attn_mask is not None:
+        check_tensor(OP, "attn_mask", attn_mask)
+        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+            raise TypeError(f"trifuse.{OP}: attn_mask must be bool or floating point, got {attn_mask.dtype}")
+        target = (bsz, h, q.shape[2], k.shape[2])
+        if attn_mask.dim() > 4 or any(m not in (1, t) for m, t in zip(attn_mask.shape[::-1], target[::-1])):
+            raise ValueError(f"trifuse.{OP}: attn_mask of shape {tuple(attn_mask.shape)} does not broadcast "
+                             f"to (batch, heads, query_len, key_len) = {target}")
+        if is_causal:
+            raise ValueError(f"trifuse.{OP}: pass either attn_mask or is_causal=True, not both (as SDPA)")
+    check_probability(OP, "dropout_p", dropout_p)
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise TypeError(f"trifuse.{OP}: scale must be a number or None, got {type(scale).__name__}")
+
+
+def _check_mask_grad(attn_mask: torch.Tensor | None) -> None:
+    if attn_mask is not None and attn_mask.requires_grad:
+        raise ValueError(f"trifuse.{OP}: attn_mask requires grad; gradients with respect to the mask "
+                         "are not supported (detach it, or use F.scaled_dot_product_attention)")
+
+
+def _resolve_scale(scale: float | None, d: int) -> float:
+    return 1.0 / math.sqrt(d) if scale is None else float(scale)
+
+
+# =============================================================================================
+# Registered ops: what torch.compile, fx and exported graphs see. The forward returns the output
+# plus what the backward needs (the log-sum-exp and the seed; the seed is empty without dropout).
+# =============================================================================================
+
+Tensor = torch.Tensor
+OptTensor = torch.Tensor | None
+
+
+def _seed_for(q: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    return philox_seed(q.device) if dropout_p > 0.0 else q.new_empty(0, dtype=torch.int64)
+
+
+@torch.library.custom_op("trifuse::attention", mutates_args=())
+def _attention_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: OptTensor, dropout_p: float, is_causal: bool,
+                  scale: float | None, enable_gqa: bool) -> tuple[Tensor, Tensor, Tensor]:
+    _check_attention_inputs(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    seed = _seed_for(q, dropout_p)
+    o, lse = attention_fwd(q, k, v, attn_mask, dropout_p, is_causal, _resolve_scale(scale, q.shape[-1]), seed)
+    return o, lse, seed
+
+
+@torch.library.custom_op("trifuse::attention_backward", mutates_args=())
+def _attention_backward_op(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, seed: Tensor, attn_mask: OptTensor,
+    dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) for trifuse::attention."""
+    _check_attention_inputs(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return attention_bwd(do, q, k, v, o, lse, seed, attn_mask, dropout_p, is_causal,
+                         _resolve_scale(scale, q.shape[-1]))
+
+
+@_attention_op.register_fake
+def _(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    _check_attention_inputs(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    lse = q.new_empty(q.shape[:3], dtype=_stat_dtype(q.dtype))
+    return torch.empty_like(q), lse, q.new_empty(1 if dropout_p > 0.0 else 0, dtype=torch.int64)
+
+
+@_attention_backward_op.register_fake
+def _(do, q, k, v, o, lse, seed, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    _check_attention_inputs(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_attention(ctx, inputs, output):
+    q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa = inputs
+    if ctx.needs_input_grad[3]:
+        _check_mask_grad(attn_mask)
+    o, lse, seed = output
+    ctx.save_for_backward(q, k, v, o, lse, seed, attn_mask)
+    ctx.args = (dropout_p, is_causal, scale, enable_gqa)
+
+
+def _backward_attention(ctx, do, *_):
+    q, k, v, o, lse, seed, attn_mask = ctx.saved_tensors
+    dq, dk, dv = torch.ops.trifuse.attention_backward(do, q, k, v, o, lse, seed, attn_mask, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None
+
+
+torch.library.register_autograd("trifuse::attention", _backward_attention, setup_context=_setup_attention)
+
+
+# =============================================================================================
+# Eager fast path: a thin autograd.Function straight over the launchers (a registered op costs
+# ~60-150 us of host time per call; see DESIGN.md "Host overhead"). Same launchers, same bits.
+# =============================================================================================
+
+
+class _AttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, attn_mask, dropout_p, is_causal, scale):
+        seed = philox_seed(q.device) if dropout_p > 0.0 else None
+        o, lse = attention_fwd(q, k, v, attn_mask, dropout_p, is_causal, scale, seed)
+        ctx.save_for_backward(q, k, v, o, lse, seed, attn_mask)
+        ctx.args = (dropout_p, is_causal, scale)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, seed, attn_mask = ctx.saved_tensors
+        dropout_p, is_causal, scale = ctx.args
+        with profiled("trifuse::attention_backward"):
+            dq, dk, dv = attention_bwd(do, q, k, v, o, lse, seed, attn_mask, dropout_p, is_causal, scale)
+        return dq, dk, dv, None, None, None, None
+
+
+# =============================================================================================
+# Public API
+# =============================================================================================
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """Scaled dot-product attention with the signature and semantics of
+    `F.scaled_dot_product_attention`, never materializing the (Sq, Sk) score matrix.
+
+    Args:
+        q: (B, Hq, Sq, D); k, v: (B, Hkv, Sk, D). fp16 / bf16 / fp32 / fp64, one dtype; D <= 256;
+            any strides (views of a fused QKV projection, (B, S, H, D) transposes).
+        attn_mask: bool (True = attend) or float (added to the scores), broadcastable to
+            (B, Hq, Sq, Sk), e.g. HF key-padding masks (B, 1, 1, Sk) or (B, 1, Sq, Sk). It may not
+            require grad.
+        dropout_p: dropout on the attention probabilities, drawn in the kernel from a seed taken
+            from PyTorch's generator (torch.manual_seed makes it repeatable) and regenerated in
+            the backward. Pass 0.0 in eval, as with SDPA.
+        is_causal: query i attends to keys j <= i (top-left aligned, as SDPA); not with attn_mask.
+        scale: multiplies Q K^T; None means 1 / sqrt(D).
+        enable_gqa: k and v may have fewer heads, dividing Hq; query head h reads kv head
+            h // (Hq // Hkv). K and V are never repeated in memory.
+
+    Returns:
+        (B, Hq, Sq, D) in q's dtype, laid out like q when q is dense (so a (B, S, H, D)
+        transpose gives an output whose transpose back is contiguous). Rows that see no key
+        (fully masked) are 0, with zero gradients, as SDPA gives.
+
+    Raises:
+        TypeError for non-float or mixed dtypes; ValueError for ranks, shapes, head counts, masks
+        that do not broadcast, dropout_p outside [0, 1], or a mask that requires grad.
+    """
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        check_tensor(OP, name, t)
+    check_probability(OP, "dropout_p", dropout_p)
+    if isinstance(attn_mask, torch.Tensor) and torch.is_grad_enabled():
+        _check_mask_grad(attn_mask)
+    if eager_fast_path(q, k, v, attn_mask):
+        _check_attention_inputs(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        with profiled(f"trifuse::{OP}"):
+            return _AttentionFunction.apply(q, k, v, attn_mask, float(dropout_p), bool(is_causal),
+                                            _resolve_scale(scale, q.shape[-1]))
+    return torch.ops.trifuse.attention(q, k, v, attn_mask, float(dropout_p), bool(is_causal),
+                                       None if scale is None else float(scale), bool(enable_gqa))[0]

@@ -1,0 +1,507 @@
+"""Attention (FlashAttention-2 style kernels) against the float64 oracle, forward and backward.
+
+On CPU these run the real Triton kernels in the interpreter (tests/_device.py) with small,
+unequal blocks (32 queries x 16 keys, 16 x 32 in the dK/dV kernel), so sequence lengths up to
+~64 already cross block boundaries, the causal diagonal and ragged last blocks. On a GPU the
+same tests run natively with the tuned blocks, add bf16, every head dim and longer sequences.
+"""
+import math
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tolerances import DTYPES, assert_close, check_close
+
+from _device import DEVICE, ON_GPU
+import trifuse
+from trifuse.kernels import attention as attn_mod
+from trifuse.kernels.attention import attention_ref
+
+
+@dataclass(frozen=True)
+class Case:
+    b: int = 1
+    h: int = 2
+    sq: int = 37
+    sk: int = 37
+    d: int = 16
+    h_kv: int | None = None  # None: same as h
+    causal: bool = False
+    mask: str = ""  # "", "keypad", "bool", "float", "hf", "2d", "dead-rows"
+    scale: float | None = None
+
+    @property
+    def id(self) -> str:
+        kv = f"/{self.h_kv}" if self.h_kv is not None else ""
+        parts = [f"{self.b}x{self.h}{kv}x{self.sq}x{self.sk}x{self.d}", "causal" if self.causal else "full"]
+        parts += [p for p in (self.mask, f"scale{self.scale}" if self.scale is not None else "") if p]
+        return "-".join(parts)
+
+
+CASES = [
+    Case(b=1, h=1, sq=1, sk=1),
+    Case(b=2, h=2, sq=37, sk=37),
+    Case(sq=1, sk=33),
+    Case(sq=45, sk=45, d=32, causal=True),
+    Case(sq=20, sk=50, causal=True),  # Sq < Sk: top-left aligned, keys >= Sq seen by nobody
+    Case(sq=50, sk=20, causal=True),  # Sq > Sk: rows >= Sk see every key
+    Case(h=4, h_kv=2, sq=33, sk=40, d=24, causal=True),  # GQA
+    Case(h=4, h_kv=1, sq=33, sk=40, d=24),  # MQA
+    Case(b=2, sq=33, sk=40, mask="keypad"),  # HF key padding (B, 1, 1, Sk), bool
+    Case(b=2, sq=33, sk=40, mask="hf"),  # HF causal + padding (B, 1, Sq, Sk), float finfo.min
+    Case(b=2, sq=33, sk=40, mask="bool"),  # (B, 1, Sq, Sk) random bool
+    Case(h=4, h_kv=2, sq=33, sk=40, mask="float"),  # (1, H, Sq, Sk) additive, with GQA
+    Case(sq=33, sk=40, mask="2d"),  # (Sq, Sk) bool
+    Case(b=2, sq=33, sk=40, mask="dead-rows"),  # fully masked rows, bool and -inf
+    Case(sq=30, sk=30, scale=0.3, causal=True),
+    Case(sq=19, sk=21, d=8),  # head dim below the 16-wide dot tile
+    Case(sq=20, sk=24, d=80),
+    Case(h=1, sq=17, sk=17, d=160, causal=True),
+]
+if ON_GPU:
+    CASES += [Case(b=2, h=3, sq=300, sk=300, d=d, causal=c)
+              for d in (16, 32, 64, 96, 128, 192, 256) for c in (False, True)]
+    CASES += [Case(b=2, h=4, h_kv=2, sq=1000, sk=777, d=64, causal=True),
+              Case(b=1, h=2, sq=513, sk=1025, d=128, mask="hf")]
+EMPTY_CASES = [Case(sq=0, sk=5), Case(b=0), Case(sq=5, sk=0)]
+
+
+def make_mask(case: Case, dtype: torch.dtype) -> torch.Tensor | None:
+    b, sq, sk = case.b, case.sq, case.sk
+    if case.mask == "keypad":
+        lengths = torch.tensor([sk, sk - 11][:b])
+        return (torch.arange(sk)[None, :] < lengths[:, None]).view(b, 1, 1, sk).to(DEVICE)
+    if case.mask == "hf":
+        # transformers' 4-D float mask: 0 to attend, finfo.min elsewhere; causal + left padding
+        keep = torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq)[None].repeat(b, 1, 1)
+        keep[1:, :, :6] = False
+        mask = torch.zeros(b, 1, sq, sk, dtype=dtype)
+        return mask.masked_fill(~keep[:, None], torch.finfo(dtype).min).to(DEVICE)
+    if case.mask == "bool":
+        return (torch.rand(b, 1, sq, sk) > 0.3).to(DEVICE)
+    if case.mask == "float":
+        return torch.randn(1, case.h, sq, sk, dtype=dtype).to(DEVICE)
+    if case.mask == "2d":
+        return (torch.rand(sq, sk) > 0.3).to(DEVICE)
+    if case.mask == "dead-rows":
+        keep = torch.rand(b, 1, sq, sk) > 0.3
+        keep[0, :, [0, 7, sq - 1]] = False
+        if b > 1:
+            keep[1, :, 3:9] = False
+        return keep.to(DEVICE)
+    return None
+
+
+def make(case: Case, dtype: torch.dtype):
+    h_kv = case.h if case.h_kv is None else case.h_kv
+    q = torch.randn(case.b, case.h, case.sq, case.d, device=DEVICE, dtype=dtype, requires_grad=True)
+    k = torch.randn(case.b, h_kv, case.sk, case.d, device=DEVICE, dtype=dtype, requires_grad=True)
+    v = torch.randn(case.b, h_kv, case.sk, case.d, device=DEVICE, dtype=dtype, requires_grad=True)
+    return q, k, v, make_mask(case, dtype)
+
+
+def kwargs_of(case: Case) -> dict:
+    return {"is_causal": case.causal, "scale": case.scale, "enable_gqa": case.h_kv is not None}
+
+
+def as_ref(t, dtype):
+    if t is None:
+        return None
+    if t.dtype == torch.bool:
+        return t
+    return t.detach().to(dtype).requires_grad_(t.requires_grad)
+
+
+def check_fwd_bwd(q, k, v, mask, kw, *, dropout_p=0.0, dropout_mask=None, seed=None, name=""):
+    """Output and the three gradients against float64, bounded by PyTorch's own error."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    out = trifuse.ops.attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, **kw)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    lowp = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    ref = attention_ref(*leaves, as_ref(mask, torch.float64), dropout_p, dropout_mask=dropout_mask, **kw)
+    ref_lp = attention_ref(*lowp, as_ref(mask, q.dtype), dropout_p, dropout_mask=dropout_mask, **kw)
+    assert_close(f"{name} out", out, ref, ref_lp)
+    if out.numel() == 0:
+        return
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    g64 = torch.autograd.grad(ref, leaves, dout.double())
+    glp = torch.autograd.grad(ref_lp, lowp, dout)
+    for gname, a, a64, alp in zip(("dq", "dk", "dv"), grads, g64, glp):
+        assert a.dtype == q.dtype and a.shape == a64.shape
+        assert_close(f"{name} {gname}", a, a64, alp)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_matches_float64_oracle(dtype, case):
+    q, k, v, mask = make(case, dtype)
+    check_fwd_bwd(q, k, v, mask, kwargs_of(case), name=case.id)
+
+
+@pytest.mark.parametrize("case", EMPTY_CASES, ids=lambda c: c.id)
+def test_empty_sizes(case):
+    """Zero queries, batch or keys: SDPA gives an empty output, or zeros when there are no keys."""
+    q, k, v, _ = make(case, torch.float32)
+    out = trifuse.ops.attention(q, k, v)
+    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v))
+    grads = torch.autograd.grad(out.sum(), (q, k, v), allow_unused=True)
+    assert all(g is None or not g.any() for g in grads)
+
+
+def test_fully_masked_rows_give_what_sdpa_gives():
+    """SDPA (math backend) returns 0 for a row that sees no key, and zero gradients for it; the
+    same for a bool mask and a float mask of -inf, and for a dropped-out forward."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v, mask = make(Case(b=2, sq=20, sk=24, mask="dead-rows"), torch.float32)
+    fmask = torch.zeros(mask.shape, device=DEVICE).masked_fill(~mask, float("-inf"))
+    for m in (mask, fmask):
+        out = trifuse.ops.attention(q, k, v, attn_mask=m)
+        with sdpa_kernel(SDPBackend.MATH):
+            ref = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+        dead = ~mask.any(-1)  # (B, 1, Sq)
+        dead_rows = dead.expand(out.shape[:3])
+        assert ref[dead_rows].eq(0).all() and out[dead_rows].eq(0).all()
+        assert_close("dead rows out", out, ref.double(), None)
+        dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
+        dq_ref, dk_ref, dv_ref = torch.autograd.grad(ref.sum(), (q, k, v))
+        assert dq[dead_rows].eq(0).all() and dq_ref[dead_rows].eq(0).all()
+        for a, r in ((dq, dq_ref), (dk, dk_ref), (dv, dv_ref)):
+            assert_close("dead rows grad", a, r.double(), None)
+    out = trifuse.ops.attention(q, k, v, attn_mask=mask, dropout_p=0.5)
+    assert torch.isfinite(out).all() and out[dead.expand(out.shape[:3])].eq(0).all()
+
+
+def test_rows_masked_whole_by_finfo_min_average_uniformly_like_sdpa():
+    """transformers' float masks use finfo(dtype).min, not -inf: a query row masked whole (left
+    padding) is then a uniform average in SDPA's math backend, and in ours (the forward; the
+    gradients of such rows carry the fp32 log-sum-exp cancellation SDPA's fused backends share)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v, _ = make(Case(b=2, sq=20, sk=24), torch.float32)
+    mask = torch.zeros(2, 1, 20, 24, device=DEVICE)
+    mask[1, :, :5] = torch.finfo(torch.float32).min  # rows 0-4 of batch 1 see nothing
+    mask[0, :, :, 20:] = torch.finfo(torch.float32).min  # key padding for batch 0
+    with torch.no_grad():
+        out = trifuse.ops.attention(q, k, v, attn_mask=mask)
+        with sdpa_kernel(SDPBackend.MATH):
+            ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert_close("finfo.min rows", out, ref.double(), None)
+    torch.testing.assert_close(out[1, :, :5], v[1].mean(1, keepdim=True).expand(2, 5, 16).detach())
+
+
+# ---------------------------------------------------------------------------------------------
+# Strided inputs: views of a fused QKV projection, (B, S, H, D) transposes, expanded tensors.
+# ---------------------------------------------------------------------------------------------
+
+
+def test_fused_qkv_views_and_transposes():
+    b, s, h, d = 2, 29, 3, 16
+    x = torch.randn(b, s, 3 * h * d, device=DEVICE, requires_grad=True)
+
+    def split(t):
+        q, k, v = t.view(b, s, 3, h, d).unbind(2)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, S, D), strided
+
+    q, k, v = split(x)
+    assert not q.is_contiguous() and q.stride(-1) == 1
+    out = trifuse.ops.attention(q, k, v, is_causal=True)
+    x64 = x.detach().double().requires_grad_()
+    ref = attention_ref(*split(x64), is_causal=True)
+    x32 = x.detach().clone().requires_grad_()
+    ref_lp = attention_ref(*split(x32), is_causal=True)
+    assert_close("fused qkv out", out, ref, ref_lp)
+    dout = torch.randn(b, s, h, d, device=DEVICE).transpose(1, 2)  # dO strided too
+    (gx,) = torch.autograd.grad(out, x, dout)
+    assert_close("fused qkv dx", gx, torch.autograd.grad(ref, x64, dout.double())[0],
+                 torch.autograd.grad(ref_lp, x32, dout)[0])
+
+
+def test_bshd_transposes_keep_their_layout():
+    """(B, S, H, D) tensors transposed to (B, H, S, D): the output and grads come back in the same
+    layout, so transposing back to (B, S, H * D) is free."""
+    q, k, v = (torch.randn(2, 23, 3, 16, device=DEVICE).transpose(1, 2).requires_grad_() for _ in range(3))
+    out = trifuse.ops.attention(q, k, v)
+    assert out.transpose(1, 2).is_contiguous()
+    check_fwd_bwd(q, k, v, None, {}, name="bshd")
+    dq = torch.autograd.grad(trifuse.ops.attention(q, k, v).sum(), q)[0]
+    assert dq.transpose(1, 2).is_contiguous()
+
+
+def test_other_strides():
+    """Non-unit head-dim stride, stride-0 (expanded) batch and heads, a sliced sequence."""
+    q = torch.randn(2, 2, 16, 30, device=DEVICE).transpose(-1, -2).requires_grad_()  # stride_d = 30
+    k = torch.randn(1, 1, 40, 16, device=DEVICE).expand(2, 2, 40, 16)[:, :, 5:35].detach().requires_grad_()
+    v = torch.randn(2, 2, 30, 16, device=DEVICE, requires_grad=True)
+    assert q.stride(-1) != 1 and k.stride(0) == 0
+    check_fwd_bwd(q, k, v, None, {}, name="strided")
+
+
+# ---------------------------------------------------------------------------------------------
+# Dropout: the kernel's mask is read back through the kernel itself (q = k = 0 makes P uniform,
+# v = I makes O = keep / ((1 - p) Sk)), then the oracle applies that mask.
+# ---------------------------------------------------------------------------------------------
+
+
+def kernel_keep_mask(b, h, sq, sk, p, seed):
+    torch.manual_seed(seed)
+    q = torch.zeros(b, h, sq, sk, device=DEVICE)
+    k = torch.zeros(b, h, sk, sk, device=DEVICE)
+    v = torch.eye(sk, device=DEVICE).expand(b, h, sk, sk)
+    with torch.no_grad():
+        o = trifuse.ops.attention(q, k, v, dropout_p=p)
+    return o * (sk * (1.0 - p)) > 0.5
+
+
+DROPOUT_CASES = [Case(h=4, h_kv=2, sq=33, sk=40, causal=True), Case(b=2, sq=20, sk=24, mask="dead-rows"),
+                 Case(sq=40, sk=17, mask="float")]
+
+
+@pytest.mark.parametrize("case", DROPOUT_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_dropout_matches_oracle_with_the_kernels_mask(dtype, case):
+    p = 0.3
+    keep = kernel_keep_mask(case.b, case.h, case.sq, case.sk, p, seed=123)
+    q, k, v, mask = make(case, dtype)
+    check_fwd_bwd(q, k, v, mask, kwargs_of(case), dropout_p=p, dropout_mask=keep, seed=123, name="dropout")
+
+
+def test_dropout_keeps_the_right_fraction_and_is_repeatable():
+    p = 0.25
+    keep = kernel_keep_mask(2, 3, 40, 48, p, seed=7)
+    n = keep.numel()
+    assert abs(keep.float().mean().item() - (1 - p)) < 4 * math.sqrt(p * (1 - p) / n)
+    assert torch.equal(keep, kernel_keep_mask(2, 3, 40, 48, p, seed=7))
+    assert not torch.equal(keep, kernel_keep_mask(2, 3, 40, 48, p, seed=8))
+    assert not torch.equal(keep[0, 0], keep[0, 1]) and not torch.equal(keep[0], keep[1])  # per (b, h) streams
+
+
+def test_dropout_is_unbiased():
+    """The mean of the output over many independent draws converges to the no-dropout output:
+    every (b, h) has its own random stream, so 256 heads of the same q, k, v are 512 draws."""
+    n, s, d, p = 256, 16, 16, 0.4
+    q, k, v = (torch.randn(1, 1, s, d, device=DEVICE).expand(1, n, s, d) for _ in range(3))
+    with torch.no_grad():
+        drops = trifuse.ops.attention(q, k, v, dropout_p=p)[0]
+        clean = trifuse.ops.attention(q[:, :1], k[:, :1], v[:, :1])[0, 0]
+    stderr = drops.std(0) / math.sqrt(n)
+    z = ((drops.mean(0) - clean) / stderr).abs().max().item()
+    assert z < 5.0, f"mean over {n} draws is {z:.1f} standard errors from the no-dropout output"
+    # negative control: forgetting the 1 / (1 - p) rescaling is caught by the same statistic
+    z_biased = ((drops.mean(0) * (1 - p) - clean) / stderr).abs().max().item()
+    assert z_biased > 5.0
+
+
+def test_dropout_one_gives_zeros():
+    q, k, v, _ = make(Case(sq=9, sk=11), torch.float32)
+    out = trifuse.ops.attention(q, k, v, dropout_p=1.0)
+    assert out.eq(0).all()
+    assert all(g.eq(0).all() for g in torch.autograd.grad(out.sum(), (q, k, v)))
+
+
+# ---------------------------------------------------------------------------------------------
+# gradcheck, determinism, the two dispatch paths, compile, opcheck
+# ---------------------------------------------------------------------------------------------
+
+
+def test_gradcheck_float64():
+    def leaf(*shape):
+        return torch.randn(*shape, device=DEVICE, dtype=torch.float64, requires_grad=True)
+
+    q, k, v = leaf(1, 2, 5, 4), leaf(1, 1, 6, 4), leaf(1, 1, 6, 4)
+    assert torch.autograd.gradcheck(
+        lambda *a: trifuse.ops.attention(*a, is_causal=True, enable_gqa=True), (q, k, v))
+    q, k, v = leaf(2, 1, 5, 3), leaf(2, 1, 7, 3), leaf(2, 1, 7, 3)
+    keep = torch.rand(2, 1, 5, 7, device=DEVICE) > 0.3
+    keep[0, :, 2] = False
+
+    def dropped(*a):
+        torch.manual_seed(3)  # the same mask on every call
+        return trifuse.ops.attention(*a, attn_mask=keep, dropout_p=0.3, scale=0.7)
+
+    assert torch.autograd.gradcheck(dropped, (q, k, v), fast_mode=True)
+
+
+def test_backward_is_deterministic():
+    """No atomics: every output is written by one program, GQA's group sums in a fixed order."""
+    q, k, v, _ = make(Case(b=2, h=4, h_kv=1, sq=50, sk=45, d=32, causal=True), torch.float32)
+    results = []
+    for _ in range(2):
+        torch.manual_seed(5)
+        out = trifuse.ops.attention(q, k, v, dropout_p=0.1, is_causal=True, enable_gqa=True)
+        results.append((out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out))))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+def test_eager_path_and_registered_op_are_bitwise_equal(dropout_p):
+    case = Case(h=4, h_kv=2, sq=33, sk=40, mask="float")
+    q, k, v, mask = make(case, torch.float32)
+    torch.manual_seed(11)
+    eager = trifuse.ops.attention(q, k, v, mask, dropout_p, enable_gqa=True)
+    torch.manual_seed(11)
+    op = torch.ops.trifuse.attention(q, k, v, mask, dropout_p, False, None, True)[0]
+    assert torch.equal(eager, op)
+    dout = torch.randn_like(eager)
+    for a, b in zip(torch.autograd.grad(eager, (q, k, v), dout), torch.autograd.grad(op, (q, k, v), dout)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("case,dropout_p", [(Case(sq=20, sk=24, causal=True), 0.0),
+                                            (Case(b=2, sq=20, sk=24, mask="keypad", h=4, h_kv=2), 0.2)],
+                         ids=["causal", "mask-gqa-dropout"])
+def test_compiles_fullgraph_without_graph_breaks(case, dropout_p):
+    q, k, v, mask = make(case, torch.float32)
+    kw = kwargs_of(case)
+
+    def fn(q, k, v, mask):
+        return trifuse.ops.attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, **kw)
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    torch.manual_seed(2)
+    out = compiled(q, k, v, mask)
+    torch.manual_seed(2)
+    ref = fn(q, k, v, mask)
+    torch.testing.assert_close(out, ref)
+    for a, b in zip(torch.autograd.grad(out.sum(), (q, k, v)), torch.autograd.grad(ref.sum(), (q, k, v))):
+        torch.testing.assert_close(a, b)
+
+
+def test_opcheck():
+    q, k, v, mask = make(Case(h=4, h_kv=2, sq=9, sk=12, mask="float"), torch.float32)
+    args = (q, k, v, mask, 0.0, False, 0.5, True)
+    torch.library.opcheck(torch.ops.trifuse.attention.default, args)
+    torch.library.opcheck(torch.ops.trifuse.attention.default, (q, k, v, None, 0.0, True, None, True))
+    q, k, v = q.detach(), k.detach(), v.detach()
+    o, lse, seed = torch.ops.trifuse.attention(q, k, v, mask, 0.0, False, 0.5, True)
+    bwd_args = (torch.randn_like(o), q, k, v, o, lse, seed, mask, 0.0, False, 0.5, True)
+    torch.library.opcheck(torch.ops.trifuse.attention_backward.default, bwd_args)
+
+
+@settings(max_examples=10, deadline=None)
+@given(sq=st.integers(1, 48), sk=st.integers(1, 48), d=st.sampled_from([8, 16, 24, 40]),
+       causal=st.booleans(), group=st.sampled_from([1, 2]))
+def test_hypothesis_shapes(sq, sk, d, causal, group):
+    torch.manual_seed(sq * 1000 + sk)
+    case = Case(h=2, h_kv=2 // group if group > 1 else None, sq=sq, sk=sk, d=d, causal=causal)
+    q, k, v, mask = make(case, torch.float32)
+    check_fwd_bwd(q, k, v, mask, kwargs_of(case), name=case.id)
+
+
+def test_reference_path_without_interpreter_matches(monkeypatch):
+    """CPU tensors without TRITON_INTERPRET run the PyTorch path: same maths, same API."""
+    monkeypatch.setattr(attn_mod, "use_triton", lambda t: False)
+    for case in (Case(h=4, h_kv=2, sq=20, sk=24, causal=True), Case(b=2, sq=20, sk=24, mask="dead-rows"),
+                 Case(b=2, sq=33, sk=40, mask="hf")):
+        check_fwd_bwd(*make(case, torch.float32), kwargs_of(case), name="torch path")
+    case = Case(h=4, h_kv=2, sq=20, sk=24, mask="float")
+    keep = kernel_keep_mask(case.b, case.h, case.sq, case.sk, 0.3, seed=9)
+    check_fwd_bwd(*make(case, torch.float32), kwargs_of(case), dropout_p=0.3, dropout_mask=keep, seed=9,
+                  name="torch path dropout")
+
+
+# ---------------------------------------------------------------------------------------------
+# Negative controls: plausible wrong implementations must fail the same tolerance.
+# ---------------------------------------------------------------------------------------------
+
+
+def oracle(case: Case, dtype: torch.dtype, **kw):
+    q, k, v, mask = make(case, dtype)
+    kw = {**kwargs_of(case), **kw}
+    ref64 = attention_ref(*(t.detach().double() for t in (q, k, v)), as_ref(mask, torch.float64), **kw)
+    ref_lp = attention_ref(q.detach(), k.detach(), v.detach(), mask, **kw)
+    return q.detach(), k.detach(), v.detach(), ref64, ref_lp
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("sq,sk", [(30, 30), (20, 40)], ids=["square", "Sq<Sk"])
+def test_negative_control_misaligned_causal_mask_fails(dtype, sq, sk):
+    """A diagonal off by one (square) or bottom-right aligned (Sq < Sk) must not pass."""
+    q, k, v, ref64, ref_lp = oracle(Case(sq=sq, sk=sk, causal=True), dtype)
+    diagonal = 1 if sq == sk else sk - sq
+    wrong_mask = torch.ones(sq, sk, dtype=torch.bool, device=DEVICE).tril(diagonal)
+    wrong = attention_ref(q, k, v, wrong_mask)
+    ok, msg = check_close("misaligned causal", wrong, ref64, ref_lp)
+    assert not ok, msg
+    ok, msg = check_close("kernel", trifuse.ops.attention(q, k, v, is_causal=True), ref64, ref_lp)
+    assert ok, msg
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_negative_control_missing_scale_fails(dtype):
+    q, k, v, ref64, ref_lp = oracle(Case(sq=30, sk=30, d=32), dtype)
+    ok, msg = check_close("scale 1", trifuse.ops.attention(q, k, v, scale=1.0), ref64, ref_lp)
+    assert not ok, msg
+
+
+def test_negative_control_wrong_gqa_head_mapping_fails():
+    """Interleaved kv heads (h % Hkv instead of h // group) must not pass."""
+    q, k, v, ref64, ref_lp = oracle(Case(h=4, h_kv=2, sq=20, sk=20, causal=True), torch.float32)
+    wrong = attention_ref(q, k.repeat(1, 2, 1, 1), v.repeat(1, 2, 1, 1), is_causal=True)
+    ok, msg = check_close("gqa h % Hkv", wrong, ref64, ref_lp)
+    assert not ok, msg
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: a clear error naming the op and the argument, in eager and under compile.
+# ---------------------------------------------------------------------------------------------
+
+
+def _t(*shape, dtype=torch.float32, grad=False):
+    return torch.randn(*shape, device=DEVICE).to(dtype).requires_grad_(grad)
+
+
+def _expanded(*shape):
+    return _t(1, *shape[1:]).expand(*shape)
+
+
+BAD_INPUTS = {
+    "rank": ({"q": _t(2, 5, 16)}, ValueError, "attention: query must be 4-D"),
+    "int-dtype": ({"q": torch.ones(1, 2, 5, 16, dtype=torch.int64)}, TypeError, "query must be float"),
+    "mixed-dtype": ({"k": _t(1, 2, 6, 16, dtype=torch.float16)}, TypeError, "share one dtype"),
+    "head-dim": ({"v": _t(1, 2, 6, 8)}, ValueError, "same head_dim"),
+    "head-dim-too-big": ({"q": _t(1, 2, 5, 300), "k": _t(1, 2, 6, 300), "v": _t(1, 2, 6, 300)}, ValueError,
+                         "head_dim must be between"),
+    "gqa-not-dividing": ({"q": _t(1, 3, 5, 16), "enable_gqa": True}, ValueError, "must divide"),
+    "heads-without-gqa": ({"q": _t(1, 4, 5, 16)}, ValueError, "enable_gqa=True"),
+    "batch-heads": ({"q": _expanded(32768, 2, 5, 16), "k": _expanded(32768, 2, 6, 16),
+                     "v": _expanded(32768, 2, 6, 16)}, ValueError, "batch \\* heads must be at most"),
+    "kv-seq": ({"v": _t(1, 2, 7, 16)}, ValueError, "key and value must have the same"),
+    "batch": ({"k": _t(2, 2, 6, 16), "v": _t(2, 2, 6, 16)}, ValueError, "same batch size"),
+    "mask-shape": ({"attn_mask": torch.ones(1, 1, 5, 7, dtype=torch.bool)}, ValueError, "does not broadcast"),
+    "mask-dtype": ({"attn_mask": torch.ones(5, 6, dtype=torch.int32)}, TypeError, "attn_mask must be bool"),
+    "mask-and-causal": ({"attn_mask": torch.ones(5, 6, dtype=torch.bool), "is_causal": True}, ValueError,
+                        "not both"),
+    "mask-requires-grad": ({"attn_mask": _t(5, 6, grad=True)}, ValueError, "attn_mask requires grad"),
+    "dropout": ({"dropout_p": 1.5}, ValueError, "dropout_p must be a probability"),
+    "not-tensor": ({"k": [1.0]}, TypeError, "key must be a torch.Tensor"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_INPUTS))
+def test_bad_input_raises_clear_error(name):
+    kwargs, exc, match = BAD_INPUTS[name]
+    args = {"q": _t(1, 2, 5, 16), "k": _t(1, 2, 6, 16), "v": _t(1, 2, 6, 16)}
+    args.update({key: val.to(DEVICE) if isinstance(val, torch.Tensor) else val
+                 for key, val in kwargs.items()})
+    with pytest.raises(exc, match=match):
+        trifuse.ops.attention(**args)
+
+
+def test_bad_input_raises_under_compile_and_on_the_registered_op():
+    fn = torch.compile(lambda q, k, v, m: trifuse.ops.attention(q, k, v, attn_mask=m), fullgraph=True,
+                       backend="aot_eager")
+    q, k, v = _t(1, 2, 5, 16), _t(1, 2, 6, 16), _t(1, 2, 6, 16)
+    with pytest.raises(Exception, match="does not broadcast"):
+        fn(q, k, v, torch.ones(1, 1, 5, 7, dtype=torch.bool, device=DEVICE))
+    with pytest.raises(ValueError, match="must divide"):
+        torch.ops.trifuse.attention(_t(1, 3, 5, 16), k, v, None, 0.0, False, None, True)
+    with pytest.raises(ValueError, match="attn_mask requires grad"):
+        torch.ops.trifuse.attention(q, k, v, _t(5, 6, grad=True), 0.0, False, None, False)
