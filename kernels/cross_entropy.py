@@ -332,8 +332,8 @@ def _rows_fwd(x2, target, n_cols, ignore_index, label_smoothing, loss, lse, coun
     if not use_triton(x2):
         _rows_fwd_torch(x2, target, n_cols, ignore_index, label_smoothing, loss, lse, count, dx, is_mean)
         return
-    block, num_warps = _block_and_warps(n_cols)
     store_grad = dx is not None
+    block, num_warps = _block_and_warps(dx.shape[1] if store_grad else n_cols)
     _cross_entropy_fwd_kernel[(m,)](
         x2, target, count if store_grad and is_mean else lse, loss, lse, dx if store_grad else x2,
         x2.stride(0), dx.stride(0) if store_grad else 0,
@@ -352,7 +352,7 @@ def _rows_bwd(x2, target, lse, dloss, count, n_cols, ignore_index, label_smoothi
     if not use_triton(x2):
         _rows_bwd_torch(x2, target, lse, dloss, count, n_cols, ignore_index, label_smoothing, dx, is_mean)
         return
-    block, num_warps = _block_and_warps(n_cols)
+    block, num_warps = _block_and_warps(dx.shape[1])
     dloss = dloss.reshape(-1)
     _cross_entropy_bwd_kernel[(m,)](
         x2, target, lse, dloss, count if is_mean else lse, dx,
@@ -560,7 +560,6 @@ def linear_cross_entropy_fwd(
     t = target.reshape(-1).contiguous()
     tokens = t.shape[0]
     precompute = reduction != "none" and any(grads)
-    empty = hidden.new_empty(0, dtype=compute_dtype)
     with _NoAutocast(device):
         h, w, b, vp = _head_operands(hidden, weight, bias, compute_dtype)
         lse = torch.empty(tokens, dtype=acc, device=device)
@@ -590,8 +589,10 @@ def linear_cross_entropy_fwd(
             count = torch.full((), tokens, dtype=acc, device=device)
         else:
             loss, count = _reduce(losses, t, ignore_index, reduction, out_dtype)
-    return (loss, lse, count, dh if dh is not None else empty, dw if dw is not None else empty,
-            db if db is not None else empty.to(acc))
+    # Gradients not computed come back as empty tensors, each its own (outputs may not alias).
+    return (loss, lse, count, dh if dh is not None else hidden.new_empty(0, dtype=compute_dtype),
+            dw if dw is not None else hidden.new_empty(0, dtype=compute_dtype),
+            db if db is not None else hidden.new_empty(0, dtype=acc))
 
 
 def precomputed_grads_usable(reduction, hidden_shape, dhidden, dweight, dbias, grads) -> bool:
