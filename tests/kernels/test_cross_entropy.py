@@ -387,17 +387,20 @@ def test_linear_cross_entropy_recomputed_backward_matches_forward_gradients():
         torch.testing.assert_close(a, r)
 
 
-@pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_linear_cross_entropy_compiles_fullgraph_without_graph_breaks(reduction):
+@pytest.mark.parametrize("variant", ["mean", "none", "mean-autocast"])
+def test_linear_cross_entropy_compiles_fullgraph_without_graph_breaks(variant):
+    reduction, autocast = variant.split("-")[0], variant.endswith("autocast")
     h, w, b = make_head(9, 8, 13, torch.float32, with_bias=True)
     target = make_target((9,), 13)
 
     def fn(h, w, b):
-        return trifuse.ops.linear_cross_entropy(h, w, target, b, reduction=reduction, chunk_size=4)
+        with torch.autocast(DEVICE, dtype=torch.float16, enabled=autocast):
+            return trifuse.ops.linear_cross_entropy(h, w, target, b, reduction=reduction, chunk_size=4)
 
     inputs = [leaf(t) for t in (h, w, b)]
     out = torch.compile(fn, fullgraph=True, backend="aot_eager")(*inputs)
     ref = fn(*inputs)
+    assert out.dtype == ref.dtype == torch.float32
     torch.testing.assert_close(out, ref)
     for a, r in zip(torch.autograd.grad(out.sum(), inputs), torch.autograd.grad(ref.sum(), inputs)):
         torch.testing.assert_close(a, r)
