@@ -139,7 +139,7 @@ def measure(providers: dict, shapes, make_inputs, variant: str, flops_for=None, 
             for name, fn in providers.items():
                 row = {"provider": name, "variant": variant, "mode": mode, "shape": "x".join(map(str, shape))}
                 try:
-                    step = H.make_step(fn, lambda: make_inputs(shape), mode)
+                    step = H.make_step(fn, lambda s=shape: make_inputs(s), mode)
                     row["ms"] = H.gpu_ms(step) if H.on_gpu() else H._cpu_smoke_ms(step)
                     row["peak MiB"] = H.peak_memory_mib(step)
                 except Exception as e:  # noqa: BLE001  (a baseline that fails is reported, not fatal)

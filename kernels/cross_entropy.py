@@ -414,7 +414,8 @@ def cross_entropy_fwd(
     out_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits (N, C), target (N,). Returns (loss, lse, count): loss () or (N,) in out_dtype,
-    lse (N,) and count () in fp32 (fp64 for fp64 logits)."""
+    lse (N,) and count () in fp32 (fp64 for fp64 logits); count is the number of non-ignored
+    rows for "mean" and "sum" (the backward of "mean" divides by it), N for "none"."""
     n, c = logits.shape
     _check_target_range("cross_entropy", target, c, ignore_index)
     acc = _acc_torch_dtype(logits.dtype)
@@ -545,7 +546,7 @@ def linear_cross_entropy_fwd(
     grads: tuple[bool, bool, bool],
 ) -> tuple[torch.Tensor, ...]:
     """hidden (..., H), weight (V, H), target (...), bias (V,). Returns (loss, lse, count,
-    dhidden, dweight, dbias). The three gradients are d loss / d input for an incoming gradient
+    dhidden, dweight, dbias); lse and count as cross_entropy_fwd's, over the tokens. The three gradients are d loss / d input for an incoming gradient
     of 1, computed here when `grads` asks for them and reduction is "mean" or "sum" (else empty):
     dhidden (..., H), dweight (Vp, H) and dbias (Vp,) with Vp = padded_vocab(V), dhidden and
     dweight in the compute dtype, dbias fp32."""
