@@ -77,6 +77,17 @@ def as_rows(t: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
     return t2, t2.stride(0)
 
 
+def rows_2d(t: torch.Tensor, n: int) -> torch.Tensor:
+    """View `t` as (rows, n) with unit stride along n; copies only when no such view exists.
+
+    Sliced and batched inputs keep their row stride (no copy); permuted ones are copied.
+    """
+    t2 = t.reshape(-1, n)
+    if n > 1 and t2.stride(1) != 1:
+        t2 = t2.contiguous()
+    return t2
+
+
 def acc_dtype(dtype: torch.dtype) -> tl.dtype:
     """The Triton accumulation dtype: fp64 for fp64 inputs (gradcheck), fp32 otherwise."""
     return tl.float64 if dtype == torch.float64 else tl.float32

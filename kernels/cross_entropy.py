@@ -1,0 +1,1109 @@
+"""Cross-entropy over a vocabulary, and the LM head fused with it (linear + cross-entropy).
+
+Maths, per row i of C logits x, target t_i, label smoothing e; fp32 math (fp64 for fp64 inputs):
+
+    lse_i  = log sum_j exp(x_ij)                        online over blocks of the row
+    loss_i = lse_i - (1 - e) x_it - (e / C) sum_j x_ij  = (1-e) nll_i + (e/C) sum_j -log p_ij
+    loss_i = 0                                          where t_i == ignore_index
+    "mean" = sum_i loss_i / #{i : t_i != ignore_index}  (0/0 = nan when every row is ignored)
+    "sum"  = sum_i loss_i;  "none" = loss_i
+    dx_ij  = s_i (p_ij - (1 - e) [j == t_i] - e / C),   p_ij = exp(x_ij - lse_i)
+
+with s_i the incoming gradient of row i (divided by the count for "mean"); ignored rows get an
+exact zero gradient. This is F.cross_entropy's definition, label smoothing and ignore_index
+included (PyTorch also leaves ignored rows out of the smoothing term and of the mean).
+
+cross_entropy(logits (N, C), target (N,)):
+    forward   one pass over each row: online log-sum-exp (blocks of the row, so any vocabulary
+              size runs in registers), the target logit and the row sum; writes loss_i and lse_i.
+              A one-program kernel sums the rows in a fixed order (no atomics: bitwise repeatable).
+    backward  one pass: reads x and the saved lse_i, writes dx. The logits are read as they come
+              (bf16 / fp16 / fp32), upcast in registers: no fp32 copy of the logits ever exists.
+    memory    saves lse (N fp32) beside the logits the caller holds.
+    Why not dlogits in the forward (Liger's way): the forward would read each row twice and hold
+    a logits-sized gradient until the backward, and the backward would still rescale it by the
+    incoming gradient; the split moves 3 N C e bytes in all (read, read, write), the least
+    possible with a separate backward, and keeps nothing logits-sized alive.
+
+linear_cross_entropy(hidden (T, H), weight (V, H), target (T,), bias (V,)):
+    loss of F.cross_entropy(F.linear(hidden, weight, bias), target) without the (T, V) logits.
+    Tokens are walked in chunks of R rows; per chunk, on one (R, Vp) buffer:
+        logits  = hidden_c @ weight.T (+ bias)           cuBLAS (torch.mm)
+        the cross-entropy kernel turns the logits into loss_i and, in place, into dlogits
+        dhidden_c = dlogits @ weight;  dweight += dlogits.T @ hidden_c;  dbias += sum_rows(dlogits)
+    so the gradients are computed in the forward when autograd will want them (reductions "mean"
+    and "sum": their incoming gradient is one scalar, applied in the backward by one scaling pass).
+    With "none" every row has its own incoming gradient and dweight cannot be rescaled afterwards:
+    the forward keeps lse only and the backward recomputes each chunk's logits (one matmul more).
+    Vocabulary padding: cuBLAS falls back to slow kernels when a dimension of a 16-bit matmul is
+    not a multiple of 8 (50257). The weight is then copied once per call into a (Vp, H) buffer,
+    Vp the next multiple of 64, with zero rows below; the kernel treats columns >= V as absent
+    (-inf for the log-sum-exp, zero gradient). The copy costs one read and one write of the weight
+    (206 MB of traffic for GPT-2's 50257 x 1024 in bf16: about 0.07 ms at 3 TB/s); under
+    autocast it replaces the cast F.linear makes anyway. V a multiple of 8 is used as it is.
+    Chunk size R: the chunk's logits may take 8 V H bytes (twice the fp32 weight gradient the
+    caller holds anyway: 4096 rows for GPT-2 medium in bf16) and at most a quarter of the free
+    device memory (CPU: CPU_CHUNK_BYTES); chunks are balanced. The keyword `chunk_size` overrides.
+    memory    O(R Vp) for the logits buffer, plus dweight (Vp, H) and dhidden (T, H) in the compute
+              dtype. dweight sums the chunks' products in the compute dtype (cuBLAS beta=1, fp32
+              inside each product): one rounding per chunk, a handful with the default chunk;
+              an fp32 accumulator would cost 10 V H bytes of traffic per chunk.
+    dtypes    the matmuls run in the compute dtype: the autocast dtype under autocast, else the
+              inputs' (which must then agree, as for F.linear). The loss is fp32 under autocast,
+              else the compute dtype (F.cross_entropy(F.linear(...)) semantics); `out_dtype`
+              overrides (HF's loss path upcasts: out_dtype=torch.float32).
+
+Targets outside [0, C) other than ignore_index: on CPU a ValueError (the check is free there).
+On CUDA checking would cost a host sync per call, so the kernels check on the device instead: such
+a row's loss and gradient are NaN (never an out-of-bounds read, never a silently wrong value), and
+so is a "mean" or "sum" over it.
+"""
+import contextlib
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (
+    acc_dtype,
+    rows_2d,
+    check_float,
+    check_same_device,
+    check_tensor,
+    eager_fast_path,
+    next_power_of_2,
+    profiled,
+    use_triton,
+)
+
+REDUCTIONS = ("mean", "sum", "none")
+# Widest block of a row held in registers at once; longer rows are walked in blocks of this size.
+MAX_BLOCK = 4096
+# The vocabulary of the LM head is padded to a multiple of this when it is not a multiple of 8.
+VOCAB_ALIGN = 64
+# On CPU (no free-memory query) the logits chunk of linear_cross_entropy may take this much.
+CPU_CHUNK_BYTES = 256 * 2**20
+
+
+# =============================================================================================
+# References: the spec. Tests run them in float64 as the oracle and in the input dtype to
+# measure PyTorch's own error.
+# =============================================================================================
+
+
+def cross_entropy_ref(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
+    """F.cross_entropy with class-index targets."""
+    return torch.nn.functional.cross_entropy(
+        logits, target, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)
+
+
+def linear_cross_entropy_ref(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    *,
+    upcast: bool = False,
+) -> torch.Tensor:
+    """F.cross_entropy(F.linear(hidden, weight, bias)) over the flattened tokens; "none" gives
+    target's shape. upcast=True runs the loss on `logits.float()`, as HF's loss path does."""
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    logits = logits.reshape(-1, logits.shape[-1])
+    if upcast:
+        logits = logits.float()
+    loss = cross_entropy_ref(logits, target.reshape(-1), ignore_index, reduction, label_smoothing)
+    return loss.reshape(target.shape) if reduction == "none" else loss
+
+
+# =============================================================================================
+# Kernels
+# =============================================================================================
+
+
+@triton.jit
+def _row_lse(X, C, BLOCK_N: tl.constexpr, HAS_SMOOTHING: tl.constexpr, ACC: tl.constexpr):
+    """log-sum-exp of one row of C logits, and the row's sum (0 unless HAS_SMOOTHING).
+
+    Online and per lane: each lane keeps its running max m and sum s of exp(x - m); the lanes
+    are merged once at the end. A lane that has seen only -inf keeps m = -inf, s = 0 (the
+    subtraction uses 0 in place of an infinite max, so no inf - inf appears); +inf or NaN in
+    the row make the result NaN, as PyTorch's log_softmax does."""
+    offs = tl.arange(0, BLOCK_N)
+    m = tl.full([BLOCK_N], float("-inf"), ACC)
+    s = tl.zeros([BLOCK_N], ACC)
+    row_sum = tl.zeros([BLOCK_N], ACC)
+    for start in range(0, C, BLOCK_N):
+        cols = start + offs
+        mask = cols < C
+        x = tl.load(X + cols, mask=mask, other=float("-inf")).to(ACC)
+        m_new = tl.maximum(m, x)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp(m - m_safe) + tl.exp(x - m_safe)
+        m = m_new
+        if HAS_SMOOTHING:
+            row_sum += tl.where(mask, x, 0.0)
+    m_row = tl.max(m, axis=0)
+    m_row = tl.where(m_row == float("-inf"), 0.0, m_row)
+    lse = m_row + tl.log(tl.sum(s * tl.exp(m - m_row), axis=0))
+    return lse, tl.sum(row_sum, axis=0)
+
+
+@triton.jit
+def _store_row_grad(X, DX, lse, tgt, scale, C, C_STORE, eps,
+                    BLOCK_N: tl.constexpr, HAS_SMOOTHING: tl.constexpr, ACC: tl.constexpr):
+    """dx_j = scale (exp(x_j - lse) - (1 - eps) [j == tgt] - eps / C) for j < C, 0 for
+    C <= j < C_STORE (padding columns). DX may be X itself: each element is read before it is
+    written, by the same program."""
+    offs = tl.arange(0, BLOCK_N)
+    for start in range(0, C_STORE, BLOCK_N):
+        cols = start + offs
+        mask = cols < C
+        x = tl.load(X + cols, mask=mask, other=0.0).to(ACC)
+        g = tl.exp(x - lse) - tl.where(cols == tgt, 1.0 - eps, 0.0)
+        if HAS_SMOOTHING:
+            g -= eps / C
+        g = tl.where(mask, g * scale, 0.0)
+        tl.store(DX + cols, g.to(DX.dtype.element_ty), mask=cols < C_STORE)
+
+
+@triton.jit
+def _store_zero_row(DX, C_STORE, BLOCK_N: tl.constexpr):
+    offs = tl.arange(0, BLOCK_N)
+    for start in range(0, C_STORE, BLOCK_N):
+        cols = start + offs
+        tl.store(DX + cols, tl.zeros([BLOCK_N], DX.dtype.element_ty), mask=cols < C_STORE)
+
+
+@triton.jit
+def _cross_entropy_fwd_kernel(
+    X,  # in (M, >= C) logits, unit column stride
+    TARGET,  # in (M,) integer class indices
+    COUNT,  # in (1,) fp32 number of non-ignored rows; unused unless STORE_GRAD and IS_MEAN
+    LOSS,  # out (M,) per-row loss (fp32, or the output dtype for "none")
+    LSE,  # out (M,) fp32 log-sum-exp of each row
+    DX,  # out (M, C_STORE) d loss / d x, may alias X; unused unless STORE_GRAD
+    stride_xm, stride_dxm,
+    C, C_STORE, ignore_index, eps,
+    BLOCK_N: tl.constexpr, HAS_SMOOTHING: tl.constexpr, STORE_GRAD: tl.constexpr,
+    IS_MEAN: tl.constexpr, ACC: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # int64: row * stride passes 2^31 at LM sizes
+    X += row * stride_xm
+    DX += row * stride_dxm
+    tgt = tl.load(TARGET + row).to(tl.int64)
+    if tgt == ignore_index:
+        # Ignored rows cost no read of the logits.
+        tl.store(LOSS + row, 0.0)
+        tl.store(LSE + row, 0.0)
+        if STORE_GRAD:
+            _store_zero_row(DX, C_STORE, BLOCK_N)
+    else:
+        lse, row_sum = _row_lse(X, C, BLOCK_N, HAS_SMOOTHING, ACC)
+        valid = (tgt >= 0) & (tgt < C)
+        x_t = tl.load(X + tgt, mask=valid, other=0.0).to(ACC)
+        if HAS_SMOOTHING:
+            loss = lse - (1.0 - eps) * x_t - (eps / C) * row_sum
+        else:
+            loss = lse - x_t
+        # A target out of range (and not ignored) gives NaN: loud, and no out-of-bounds read.
+        loss = tl.where(valid, loss, float("nan"))
+        tl.store(LOSS + row, loss.to(LOSS.dtype.element_ty))
+        tl.store(LSE + row, lse.to(LSE.dtype.element_ty))
+        if STORE_GRAD:
+            scale = tl.where(valid, 1.0, float("nan")).to(ACC)
+            if IS_MEAN:
+                scale = scale / tl.maximum(tl.load(COUNT).to(ACC), 1.0)
+            _store_row_grad(X, DX, lse, tgt, scale, C, C_STORE, eps, BLOCK_N, HAS_SMOOTHING, ACC)
+
+
+@triton.jit
+def _cross_entropy_bwd_kernel(
+    X,  # in (M, >= C) logits
+    TARGET,  # in (M,)
+    LSE,  # in (M,) fp32 saved by the forward
+    DLOSS,  # in (M,) or (1,) incoming gradient (stride_dl 0 for a scalar)
+    COUNT,  # in (1,) fp32 number of non-ignored rows; unused unless IS_MEAN
+    DX,  # out (M, C_STORE), may alias X
+    stride_xm, stride_dxm, stride_dl,
+    C, C_STORE, ignore_index, eps,
+    BLOCK_N: tl.constexpr, HAS_SMOOTHING: tl.constexpr, IS_MEAN: tl.constexpr, ACC: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    X += row * stride_xm
+    DX += row * stride_dxm
+    tgt = tl.load(TARGET + row).to(tl.int64)
+    if tgt == ignore_index:
+        _store_zero_row(DX, C_STORE, BLOCK_N)
+    else:
+        valid = (tgt >= 0) & (tgt < C)
+        scale = tl.load(DLOSS + row * stride_dl).to(ACC)
+        if IS_MEAN:
+            scale = scale / tl.maximum(tl.load(COUNT).to(ACC), 1.0)
+        scale = tl.where(valid, scale, float("nan"))
+        lse = tl.load(LSE + row).to(ACC)
+        _store_row_grad(X, DX, lse, tgt, scale, C, C_STORE, eps, BLOCK_N, HAS_SMOOTHING, ACC)
+
+
+@triton.jit
+def _cross_entropy_reduce_kernel(
+    LOSSES,  # in (M,) fp32 per-row losses
+    TARGET,  # in (M,)
+    OUT,  # out (1,) the mean or the sum, in the output dtype
+    COUNT,  # out (1,) fp32 number of non-ignored rows
+    M, ignore_index,
+    BLOCK: tl.constexpr, IS_MEAN: tl.constexpr,
+):
+    """One program sums the rows in a fixed order: the same bits on every run."""
+    offs = tl.arange(0, BLOCK)
+    total = tl.zeros([BLOCK], LOSSES.dtype.element_ty)
+    count = tl.zeros([BLOCK], LOSSES.dtype.element_ty)
+    for start in range(0, M, BLOCK):
+        rows = start + offs
+        mask = rows < M
+        total += tl.load(LOSSES + rows, mask=mask, other=0.0)
+        tgt = tl.load(TARGET + rows, mask=mask, other=0).to(tl.int64)
+        count += tl.where(mask & (tgt != ignore_index), 1.0, 0.0)
+    loss = tl.sum(total, axis=0)
+    n = tl.sum(count, axis=0)
+    if IS_MEAN:
+        loss = loss / n
+    tl.store(OUT, loss.to(OUT.dtype.element_ty))
+    tl.store(COUNT, n)
+
+
+@triton.jit
+def _scale_cast_kernel(
+    X,  # in (n,) contiguous
+    G,  # in (1,) scalar factor
+    Y,  # out (n,) contiguous, any float dtype
+    n,
+    BLOCK: tl.constexpr, HAS_G: tl.constexpr, ACC: tl.constexpr,
+):
+    """y = x * g in ACC, rounded once to y's dtype: one pass where (x * g).to(dtype) makes two."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    y = tl.load(X + offs, mask=mask, other=0.0).to(ACC)
+    if HAS_G:
+        y = y * tl.load(G).to(ACC)
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+# =============================================================================================
+# Launchers: check nothing (except the free CPU target-range check), allocate the outputs,
+# launch. Tensors in, tensors out.
+# =============================================================================================
+
+
+def _block_and_warps(n: int) -> tuple[int, int]:
+    block = min(next_power_of_2(n), MAX_BLOCK)
+    return block, min(max(block // 256, 1), 8)
+
+
+def _acc_torch_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check_target_range(op: str, target: torch.Tensor, n_classes: int, ignore_index: int) -> None:
+    """On CPU a bad target raises here (no sync to pay); on CUDA the kernels give NaN instead."""
+    if target.is_cuda or target.numel() == 0:
+        return
+    t = target.to(torch.int64)
+    bad = (t != ignore_index) & ((t < 0) | (t >= n_classes))
+    if bool(bad.any()):
+        value = int(t[bad][0])
+        raise ValueError(
+            f"trifuse.{op}: target must hold class indices in [0, {n_classes}) or "
+            f"ignore_index={ignore_index}, got {value}"
+        )
+
+
+def _rows_fwd(x2, target, n_cols, ignore_index, label_smoothing, loss, lse, count=None, dx=None,
+              is_mean=False):
+    """Per-row loss and lse of x2 (M, >= n_cols) into `loss` and `lse`; with `dx` (M, >= n_cols),
+    also d(loss_i)/dx (divided by max(count, 1) when is_mean), which may be x2 itself."""
+    m = x2.shape[0]
+    if m == 0:
+        return
+    if not use_triton(x2):
+        _rows_fwd_torch(x2, target, n_cols, ignore_index, label_smoothing, loss, lse, count, dx, is_mean)
+        return
+    store_grad = dx is not None
+    block, num_warps = _block_and_warps(dx.shape[1] if store_grad else n_cols)
+    _cross_entropy_fwd_kernel[(m,)](
+        x2, target, count if store_grad and is_mean else lse, loss, lse, dx if store_grad else x2,
+        x2.stride(0), dx.stride(0) if store_grad else 0,
+        n_cols, dx.shape[1] if store_grad else n_cols, ignore_index, label_smoothing,
+        BLOCK_N=block, HAS_SMOOTHING=label_smoothing > 0.0, STORE_GRAD=store_grad,
+        IS_MEAN=is_mean, ACC=acc_dtype(x2.dtype), num_warps=num_warps,
+    )
+
+
+def _rows_bwd(x2, target, lse, dloss, count, n_cols, ignore_index, label_smoothing, dx, is_mean):
+    """dx (M, >= n_cols) = dloss_i (/ max(count, 1)) * d(loss_i)/dx; dloss is (M,) or a scalar;
+    dx may be x2 itself."""
+    m = x2.shape[0]
+    if m == 0:
+        return
+    if not use_triton(x2):
+        _rows_bwd_torch(x2, target, lse, dloss, count, n_cols, ignore_index, label_smoothing, dx, is_mean)
+        return
+    block, num_warps = _block_and_warps(dx.shape[1])
+    dloss = dloss.reshape(-1)
+    _cross_entropy_bwd_kernel[(m,)](
+        x2, target, lse, dloss, count if is_mean else lse, dx,
+        x2.stride(0), dx.stride(0), dloss.stride(0) if dloss.numel() > 1 else 0,
+        n_cols, dx.shape[1], ignore_index, label_smoothing,
+        BLOCK_N=block, HAS_SMOOTHING=label_smoothing > 0.0, IS_MEAN=is_mean,
+        ACC=acc_dtype(x2.dtype), num_warps=num_warps,
+    )
+
+
+def _reduce(losses, target, ignore_index, reduction, out_dtype):
+    """(loss, count): the mean or sum of the per-row losses in out_dtype, and the number of
+    non-ignored rows (0-dim, fp32 or fp64)."""
+    acc = losses.dtype
+    out = torch.empty((), dtype=out_dtype, device=losses.device)
+    count = torch.empty((), dtype=acc, device=losses.device)
+    if not use_triton(losses):
+        count.copy_((target != ignore_index).sum())
+        total = losses.sum()
+        out.copy_(total / count if reduction == "mean" else total)
+        return out, count
+    _cross_entropy_reduce_kernel[(1,)](
+        losses, target, out, count, losses.shape[0], ignore_index,
+        BLOCK=min(next_power_of_2(losses.shape[0]), 4096), IS_MEAN=reduction == "mean", num_warps=4,
+    )
+    return out, count
+
+
+def scale_cast(x: torch.Tensor, g: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """A fresh tensor x * g (g a 0-dim tensor, or None for 1) in `dtype`, computed in fp32 (fp64
+    for fp64) and rounded once."""
+    acc = _acc_torch_dtype(torch.promote_types(x.dtype, dtype))
+    x = x.contiguous()
+    y = torch.empty(x.shape, dtype=dtype, device=x.device)
+    if x.numel() == 0:
+        return y
+    if not use_triton(x):
+        y.copy_(x.to(acc) * g.to(acc) if g is not None else x)
+        return y
+    block = 4096
+    _scale_cast_kernel[(triton.cdiv(x.numel(), block),)](
+        x, g if g is not None else x, y, x.numel(),
+        BLOCK=block, HAS_G=g is not None, ACC=acc_dtype(acc), num_warps=8,
+    )
+    return y
+
+
+def cross_entropy_fwd(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits (N, C), target (N,). Returns (loss, lse, count): loss () or (N,) in out_dtype,
+    lse (N,) and count () in fp32 (fp64 for fp64 logits); count is the number of non-ignored
+    rows for "mean" and "sum" (the backward of "mean" divides by it), N for "none"."""
+    n, c = logits.shape
+    _check_target_range("cross_entropy", target, c, ignore_index)
+    acc = _acc_torch_dtype(logits.dtype)
+    x2 = rows_2d(logits, c) if c > 0 else logits
+    target = target.contiguous()
+    lse = torch.empty(n, dtype=acc, device=logits.device)
+    if reduction == "none":
+        loss = torch.empty(n, dtype=out_dtype, device=logits.device)
+        _rows_fwd(x2, target, c, ignore_index, label_smoothing, loss, lse)
+        return loss, lse, torch.full((), n, dtype=acc, device=logits.device)
+    losses = torch.empty(n, dtype=acc, device=logits.device)
+    _rows_fwd(x2, target, c, ignore_index, label_smoothing, losses, lse)
+    loss, count = _reduce(losses, target, ignore_index, reduction, out_dtype)
+    return loss, lse, count
+
+
+def cross_entropy_bwd(
+    dloss: torch.Tensor,
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    count: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+) -> torch.Tensor:
+    """d loss / d logits, (N, C) in the logits' dtype."""
+    n, c = logits.shape
+    dx = torch.empty((n, c), dtype=logits.dtype, device=logits.device)
+    if c == 0:
+        return dx
+    _rows_bwd(rows_2d(logits, c), target.contiguous(), lse, dloss, count, c, ignore_index,
+              label_smoothing, dx, reduction == "mean")
+    return dx
+
+
+# ---------------------------------------------------------------------------------------------
+# The LM head: linear + cross-entropy, chunked over tokens
+# ---------------------------------------------------------------------------------------------
+
+
+def padded_vocab(v: int) -> int:
+    """Rows of the weight buffer the matmuls see: V itself when it is a multiple of 8 (cuBLAS's
+    fast 16-bit kernels need that), else the next multiple of VOCAB_ALIGN."""
+    return v if v % 8 == 0 else -(-v // VOCAB_ALIGN) * VOCAB_ALIGN
+
+
+def chunk_rows(tokens: int, vocab_padded: int, hidden: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Tokens per chunk. The chunk's logits (rows x vocab_padded in `dtype`) may take 8 V H
+    bytes, twice the fp32 weight gradient the caller holds anyway, and at most a quarter of the
+    free device memory (CPU: CPU_CHUNK_BYTES). Chunks are then balanced, in multiples of 128 rows
+    (a tensor-core tile) when they are that large."""
+    row_bytes = max(vocab_padded * torch.finfo(dtype).bits // 8, 1)
+    budget = 8 * vocab_padded * hidden
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = min(budget, free // 4)
+    else:
+        budget = min(budget, CPU_CHUNK_BYTES)
+    rows = max(budget // row_bytes, 1)
+    if rows >= tokens:
+        return max(tokens, 1)
+    chunks = -(-tokens // rows)
+    rows = -(-tokens // chunks)
+    return -(-rows // 128) * 128 if rows >= 128 else rows
+
+
+def _no_autocast(device: torch.device):
+    """Autocast off for the matmuls inside the op: the op chose the compute dtype itself."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _pad_rows(t: torch.Tensor | None, rows: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """t with its first dim padded by zeros to `rows`, in `dtype`; t itself when nothing changes."""
+    if t is None or (t.shape[0] == rows and t.dtype == dtype):
+        return t
+    out = torch.empty((rows, *t.shape[1:]), dtype=dtype, device=t.device)
+    out[: t.shape[0]].copy_(t)
+    out[t.shape[0]:].zero_()
+    return out
+
+
+def _head_operands(hidden, weight, bias, compute_dtype):
+    h = hidden.reshape(-1, hidden.shape[-1])
+    if h.dtype != compute_dtype:
+        h = h.to(compute_dtype)
+    vp = padded_vocab(weight.shape[0])
+    return h, _pad_rows(weight, vp, compute_dtype), _pad_rows(bias, vp, compute_dtype), vp
+
+
+def _chunk_logits(h_c, w, b, out):
+    if b is None:
+        torch.mm(h_c, w.t(), out=out)
+    else:
+        torch.addmm(b, h_c, w.t(), out=out)
+
+
+def _chunk_grads(dl, h_c, w, dh_c, dw, db, first):
+    """Given the chunk's dlogits (R, Vp): dhidden_c = dl @ W, dW (+)= dl.T @ h_c, db += sum(dl)."""
+    if dh_c is not None:
+        torch.mm(dl, w, out=dh_c)
+    if dw is not None:
+        if first:
+            torch.mm(dl.t(), h_c, out=dw)
+        else:
+            dw.addmm_(dl.t(), h_c)
+    if db is not None:
+        db += dl.sum(dim=0, dtype=db.dtype)
+
+
+def _chunks(tokens, rows):
+    return [(start, min(start + rows, tokens)) for start in range(0, tokens, rows)]
+
+
+def linear_cross_entropy_fwd(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    compute_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    chunk_size: int | None,
+    grads: tuple[bool, bool, bool],
+) -> tuple[torch.Tensor, ...]:
+    """hidden (..., H), weight (V, H), target (...), bias (V,). Returns (loss, lse, count,
+    dhidden, dweight, dbias); lse and count as cross_entropy_fwd's, over the tokens. The three gradients are d loss / d input for an incoming gradient
+    of 1, computed here when `grads` asks for them and reduction is "mean" or "sum" (else empty):
+    dhidden (..., H), dweight (Vp, H) and dbias (Vp,) with Vp = padded_vocab(V), dhidden and
+    dweight in the compute dtype, dbias fp32."""
+    v = weight.shape[0]
+    _check_target_range("linear_cross_entropy", target, v, ignore_index)
+    device = hidden.device
+    acc = _acc_torch_dtype(compute_dtype)
+    t = target.reshape(-1).contiguous()
+    tokens = t.shape[0]
+    precompute = reduction != "none" and any(grads)
+    with _no_autocast(device):
+        h, w, b, vp = _head_operands(hidden, weight, bias, compute_dtype)
+        lse = torch.empty(tokens, dtype=acc, device=device)
+        losses = torch.empty(tokens, dtype=acc if reduction != "none" else out_dtype, device=device)
+        dh = torch.empty(hidden.shape, dtype=compute_dtype, device=device) if precompute and grads[0] else None
+        dw = torch.empty((vp, weight.shape[1]), dtype=compute_dtype, device=device) if precompute and grads[1] else None
+        db = torch.zeros(vp, dtype=acc, device=device) if precompute and grads[2] and bias is not None else None
+        count = None
+        if precompute and reduction == "mean":
+            count = (t != ignore_index).sum(dtype=acc)
+        rows = chunk_size or chunk_rows(tokens, vp, weight.shape[1], compute_dtype, device)
+        if tokens > 0:
+            buf = torch.empty((min(rows, tokens), vp), dtype=compute_dtype, device=device)
+            dh2 = dh.view(-1, dh.shape[-1]) if dh is not None else None
+            for i, (start, end) in enumerate(_chunks(tokens, rows)):
+                logits = buf[: end - start]
+                h_c = h[start:end]
+                _chunk_logits(h_c, w, b, logits)
+                _rows_fwd(logits, t[start:end], v, ignore_index, label_smoothing, losses[start:end],
+                          lse[start:end], count, logits if precompute else None, reduction == "mean")
+                if precompute:
+                    _chunk_grads(logits, h_c, w, dh2[start:end] if dh2 is not None else None, dw, db, i == 0)
+        if dw is not None and tokens == 0:
+            dw.zero_()
+        if reduction == "none":
+            loss = losses.view(target.shape)
+            count = torch.full((), tokens, dtype=acc, device=device)
+        else:
+            loss, count = _reduce(losses, t, ignore_index, reduction, out_dtype)
+    # Gradients not computed come back as empty tensors, each its own (outputs may not alias).
+    return (loss, lse, count, dh if dh is not None else hidden.new_empty(0, dtype=compute_dtype),
+            dw if dw is not None else hidden.new_empty(0, dtype=compute_dtype),
+            db if db is not None else hidden.new_empty(0, dtype=acc))
+
+
+def precomputed_grads_usable(reduction, hidden_shape, dhidden, dweight, dbias, grads) -> bool:
+    """Whether the forward computed every gradient asked for now (reduction "mean" / "sum")."""
+    return (reduction != "none"
+            and (not grads[0] or tuple(dhidden.shape) == tuple(hidden_shape))
+            and (not grads[1] or dweight.dim() == 2)
+            and (not grads[2] or dbias.numel() > 0))
+
+
+def scale_head_grads(
+    dloss: torch.Tensor,
+    dhidden: torch.Tensor,
+    dweight: torch.Tensor,
+    dbias: torch.Tensor,
+    vocab: int,
+    dtypes: tuple[torch.dtype, torch.dtype, torch.dtype | None],
+    grads: tuple[bool, bool, bool],
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The forward's gradients times the incoming scalar gradient, one pass each, in the
+    inputs' dtypes (hidden, weight, bias); None where not asked for."""
+    g = dloss.reshape(())
+    return (scale_cast(dhidden, g, dtypes[0]) if grads[0] else None,
+            scale_cast(dweight[:vocab], g, dtypes[1]) if grads[1] else None,
+            scale_cast(dbias[:vocab], g, dtypes[2]) if grads[2] else None)
+
+
+def recompute_head_grads(
+    dloss: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    lse: torch.Tensor,
+    count: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    compute_dtype: torch.dtype,
+    chunk_size: int | None,
+    grads: tuple[bool, bool, bool],
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The backward for any reduction ("none" needs it): per chunk, the logits again, turned into
+    dlogits in place with the saved lse and each row's incoming gradient, then the two matmuls.
+    Returns gradients in the inputs' dtypes; None where not asked for."""
+    v = weight.shape[0]
+    device = hidden.device
+    acc = _acc_torch_dtype(compute_dtype)
+    t = target.reshape(-1).contiguous()
+    tokens = t.shape[0]
+    with _no_autocast(device):
+        h, w, b, vp = _head_operands(hidden, weight, bias, compute_dtype)
+        dh = torch.empty(hidden.shape, dtype=compute_dtype, device=device) if grads[0] else None
+        dw = torch.zeros((vp, h.shape[1]), dtype=compute_dtype, device=device) if grads[1] else None
+        db = torch.zeros(vp, dtype=acc, device=device) if grads[2] else None
+        dh2 = dh.view(-1, h.shape[1]) if dh is not None else None
+        rows = chunk_size or chunk_rows(tokens, vp, h.shape[1], compute_dtype, device)
+        dl = dloss.reshape(-1)
+        if tokens > 0:
+            buf = torch.empty((min(rows, tokens), vp), dtype=compute_dtype, device=device)
+            for i, (start, end) in enumerate(_chunks(tokens, rows)):
+                logits = buf[: end - start]
+                h_c = h[start:end]
+                _chunk_logits(h_c, w, b, logits)
+                _rows_bwd(logits, t[start:end], lse[start:end], dl[start:end] if dl.numel() > 1 else dl,
+                          count, v, ignore_index, label_smoothing, logits, reduction == "mean")
+                _chunk_grads(logits, h_c, w, dh2[start:end] if dh2 is not None else None, dw, db, i == 0)
+    return (scale_cast(dh, None, hidden.dtype) if dh is not None else None,
+            scale_cast(dw[:v], None, weight.dtype) if dw is not None else None,
+            scale_cast(db[:v], None, bias.dtype) if db is not None else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# PyTorch path for CPU tensors without the interpreter: the kernels' maths, same outputs.
+# ---------------------------------------------------------------------------------------------
+
+
+def _rows_fwd_torch(x2, target, n_cols, ignore_index, label_smoothing, loss, lse, count, dx, is_mean):
+    acc = lse.dtype
+    x = x2[:, :n_cols].to(acc)
+    t = target.to(torch.int64)
+    ignored = t == ignore_index
+    valid = (t >= 0) & (t < n_cols)
+    row_lse = torch.logsumexp(x, dim=1)
+    x_t = x.gather(1, t.clamp(0, max(n_cols - 1, 0))[:, None])[:, 0]
+    row = row_lse - (1.0 - label_smoothing) * x_t
+    if label_smoothing > 0.0:
+        row = row - label_smoothing / n_cols * x.sum(dim=1)
+    row = torch.where(valid, row, float("nan"))
+    loss.copy_(torch.where(ignored, 0.0, row))
+    lse.copy_(torch.where(ignored, 0.0, row_lse))
+    if dx is not None:
+        ones = torch.ones((), dtype=acc, device=x2.device)
+        _grad_torch(x, t, lse, ones, count, n_cols, ignore_index, label_smoothing, dx, is_mean)
+
+
+def _rows_bwd_torch(x2, target, lse, dloss, count, n_cols, ignore_index, label_smoothing, dx, is_mean):
+    _grad_torch(x2[:, :n_cols].to(lse.dtype), target.to(torch.int64), lse, dloss, count, n_cols,
+                ignore_index, label_smoothing, dx, is_mean)
+
+
+def _grad_torch(x, t, lse, dloss, count, n_cols, ignore_index, label_smoothing, dx, is_mean):
+    scale = dloss.reshape(-1).to(lse.dtype).expand(t.shape[0])
+    if is_mean:
+        scale = scale / count.clamp_min(1)
+    valid = (t >= 0) & (t < n_cols)
+    scale = torch.where(valid, scale, float("nan"))
+    g = torch.exp(x - lse[:, None])
+    g[torch.arange(t.shape[0], device=x.device)[valid], t[valid]] -= 1.0 - label_smoothing
+    g = (g - label_smoothing / n_cols) * scale[:, None]
+    g = torch.where((t == ignore_index)[:, None], 0.0, g)
+    dx[:, :n_cols].copy_(g)
+    dx[:, n_cols:].zero_()
+
+
+# =============================================================================================
+# Checks, shared by the registered ops (real and fake) and the eager paths
+# =============================================================================================
+
+
+def _check_options(op, ignore_index, reduction, label_smoothing):
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise TypeError(f"trifuse.{op}: ignore_index must be an int, got {ignore_index!r}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"trifuse.{op}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"trifuse.{op}: label_smoothing must be in [0, 1], got {label_smoothing!r}")
+
+
+def _check_target(op, target, expected_shape):
+    check_tensor(op, "target", target)
+    if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
+        raise TypeError(
+            f"trifuse.{op}: target must hold integer class indices (int64, int32, ...), got "
+            f"{target.dtype}; class-probability targets are not supported"
+        )
+    if tuple(target.shape) != tuple(expected_shape):
+        raise ValueError(f"trifuse.{op}: target must have shape {tuple(expected_shape)}, got {tuple(target.shape)}")
+
+
+def _check_ce_inputs(logits, target, ignore_index, reduction, label_smoothing):
+    """The registered op's contract: logits (N, C), target (N,)."""
+    op = "cross_entropy"
+    check_tensor(op, "input", logits)
+    check_float(op, "input", logits)
+    if logits.dim() != 2:
+        raise ValueError(f"trifuse.{op}: input must be (N, C), got shape {tuple(logits.shape)}")
+    _check_target(op, target, logits.shape[:1])
+    if logits.shape[1] == 0 and logits.shape[0] > 0:
+        raise ValueError(f"trifuse.{op}: input has no classes (shape {tuple(logits.shape)})")
+    check_same_device(op, "input", logits, target=target)
+    _check_options(op, ignore_index, reduction, label_smoothing)
+
+
+def _check_lce_inputs(hidden, weight, target, bias, ignore_index, reduction, label_smoothing,
+                      compute_dtype, chunk_size):
+    op = "linear_cross_entropy"
+    for name, t in (("hidden", hidden), ("weight", weight)):
+        check_tensor(op, name, t)
+        check_float(op, name, t)
+    if hidden.dim() < 1:
+        raise ValueError(f"trifuse.{op}: hidden must be (..., H), got a 0-dim tensor")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"trifuse.{op}: weight must have shape (V, {hidden.shape[-1]}) for hidden of shape "
+            f"{tuple(hidden.shape)}, got {tuple(weight.shape)}"
+        )
+    if weight.shape[0] == 0:
+        raise ValueError(f"trifuse.{op}: weight has no rows (vocabulary of size 0)")
+    _check_target(op, target, hidden.shape[:-1])
+    if bias is not None:
+        check_tensor(op, "bias", bias)
+        check_float(op, "bias", bias)
+        if tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"trifuse.{op}: bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+    check_same_device(op, "hidden", hidden, weight=weight, target=target, bias=bias)
+    _check_options(op, ignore_index, reduction, label_smoothing)
+    if compute_dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise TypeError(f"trifuse.{op}: compute dtype must be a float dtype, got {compute_dtype}")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1):
+        raise ValueError(f"trifuse.{op}: chunk_size must be a positive int or None, got {chunk_size!r}")
+
+
+def _autocast_dtype(device: torch.device) -> torch.dtype | None:
+    if device.type in ("cuda", "cpu") and torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return None
+
+
+def _ce_out_dtype(logits: torch.Tensor, out_dtype: torch.dtype | None) -> torch.dtype:
+    """F.cross_entropy's: the logits' dtype, fp32 under autocast (log_softmax autocasts to fp32)."""
+    if out_dtype is not None:
+        return out_dtype
+    if logits.dtype != torch.float64 and _autocast_dtype(logits.device) is not None:
+        return torch.float32
+    return logits.dtype
+
+
+def _lce_dtypes(hidden, weight, bias, out_dtype):
+    """(compute dtype, loss dtype) as F.cross_entropy(F.linear(hidden, weight, bias)) has them."""
+    autocast = _autocast_dtype(hidden.device)
+    eligible = all(t is None or t.dtype in (torch.float16, torch.bfloat16, torch.float32)
+                   for t in (hidden, weight, bias))
+    if autocast is not None and eligible:
+        return autocast, out_dtype or torch.float32
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.dtype != hidden.dtype:
+            raise TypeError(
+                f"trifuse.linear_cross_entropy: {name} has dtype {t.dtype} but hidden has "
+                f"{hidden.dtype}; outside autocast they must agree (as for F.linear)"
+            )
+    return hidden.dtype, out_dtype or hidden.dtype
+
+
+# =============================================================================================
+# Registered ops: what torch.compile, fx and exported graphs see. Each forward op returns its
+# outputs plus what its backward needs; the backward op is registered beside it.
+# =============================================================================================
+
+Tensor = torch.Tensor
+OptTensor = torch.Tensor | None
+
+
+@torch.library.custom_op("trifuse::cross_entropy", mutates_args=())
+def _cross_entropy_op(logits: Tensor, target: Tensor, ignore_index: int, reduction: str,
+                      label_smoothing: float, out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss, lse, count) for logits (N, C) and target (N,)."""
+    _check_ce_inputs(logits, target, ignore_index, reduction, label_smoothing)
+    return cross_entropy_fwd(logits, target, ignore_index, reduction, label_smoothing, out_dtype)
+
+
+@torch.library.custom_op("trifuse::cross_entropy_backward", mutates_args=())
+def _cross_entropy_backward_op(dloss: Tensor, logits: Tensor, target: Tensor, lse: Tensor, count: Tensor,
+                               ignore_index: int, reduction: str, label_smoothing: float) -> Tensor:
+    return cross_entropy_bwd(dloss, logits, target, lse, count, ignore_index, reduction, label_smoothing)
+
+
+@torch.library.custom_op("trifuse::linear_cross_entropy", mutates_args=())
+def _linear_cross_entropy_op(
+    hidden: Tensor, weight: Tensor, target: Tensor, bias: OptTensor, ignore_index: int, reduction: str,
+    label_smoothing: float, compute_dtype: torch.dtype, out_dtype: torch.dtype, chunk_size: int | None,
+    grad_hidden: bool, grad_weight: bool, grad_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(loss, lse, count, dhidden, dweight, dbias); see linear_cross_entropy_fwd."""
+    _check_lce_inputs(hidden, weight, target, bias, ignore_index, reduction, label_smoothing,
+                      compute_dtype, chunk_size)
+    return linear_cross_entropy_fwd(hidden, weight, target, bias, ignore_index, reduction, label_smoothing,
+                                    compute_dtype, out_dtype, chunk_size, (grad_hidden, grad_weight, grad_bias))
+
+
+@torch.library.custom_op("trifuse::linear_cross_entropy_backward", mutates_args=())
+def _linear_cross_entropy_backward_op(
+    dloss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias: OptTensor, lse: Tensor,
+    count: Tensor, dhidden: Tensor, dweight: Tensor, dbias: Tensor, ignore_index: int, reduction: str,
+    label_smoothing: float, compute_dtype: torch.dtype, chunk_size: int | None,
+    grad_hidden: bool, grad_weight: bool, grad_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dhidden, dweight, dbias), each empty unless asked for: the forward's gradients scaled
+    when it computed them all, else recomputed chunk by chunk."""
+    grads = (grad_hidden, grad_weight, grad_bias and bias is not None)
+    if precomputed_grads_usable(reduction, hidden.shape, dhidden, dweight, dbias, grads):
+        out = scale_head_grads(dloss, dhidden, dweight, dbias, weight.shape[0],
+                               (hidden.dtype, weight.dtype, None if bias is None else bias.dtype), grads)
+    else:
+        out = recompute_head_grads(dloss, hidden, weight, target, bias, lse, count, ignore_index, reduction,
+                                   label_smoothing, compute_dtype, chunk_size, grads)
+    like = (hidden, weight, weight if bias is None else bias)
+    return tuple(o if o is not None else t.new_empty(0) for o, t in zip(out, like))
+
+
+@_cross_entropy_op.register_fake
+def _(logits, target, ignore_index, reduction, label_smoothing, out_dtype):
+    _check_ce_inputs(logits, target, ignore_index, reduction, label_smoothing)
+    n = logits.shape[0]
+    acc = _acc_torch_dtype(logits.dtype)
+    loss = logits.new_empty((n,) if reduction == "none" else (), dtype=out_dtype)
+    return loss, logits.new_empty(n, dtype=acc), logits.new_empty((), dtype=acc)
+
+
+@_cross_entropy_backward_op.register_fake
+def _(dloss, logits, target, lse, count, ignore_index, reduction, label_smoothing):
+    return logits.new_empty(logits.shape)
+
+
+@_linear_cross_entropy_op.register_fake
+def _(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, compute_dtype, out_dtype,
+      chunk_size, grad_hidden, grad_weight, grad_bias):
+    _check_lce_inputs(hidden, weight, target, bias, ignore_index, reduction, label_smoothing,
+                      compute_dtype, chunk_size)
+    acc = _acc_torch_dtype(compute_dtype)
+    tokens = math.prod(target.shape)
+    precompute = reduction != "none" and (grad_hidden or grad_weight or grad_bias)
+    vp = padded_vocab(weight.shape[0])
+    loss = hidden.new_empty(target.shape if reduction == "none" else (), dtype=out_dtype)
+    dh = hidden.new_empty(hidden.shape if precompute and grad_hidden else (0,), dtype=compute_dtype)
+    dw = hidden.new_empty((vp, weight.shape[1]) if precompute and grad_weight else (0,), dtype=compute_dtype)
+    with_bias = precompute and grad_bias and bias is not None
+    db = hidden.new_empty((vp,) if with_bias else (0,), dtype=acc)
+    return loss, hidden.new_empty(tokens, dtype=acc), hidden.new_empty((), dtype=acc), dh, dw, db
+
+
+@_linear_cross_entropy_backward_op.register_fake
+def _(dloss, hidden, weight, target, bias, lse, count, dhidden, dweight, dbias, ignore_index, reduction,
+      label_smoothing, compute_dtype, chunk_size, grad_hidden, grad_weight, grad_bias):
+    dh = torch.empty_like(hidden) if grad_hidden else hidden.new_empty(0)
+    dw = torch.empty_like(weight) if grad_weight else weight.new_empty(0)
+    if bias is None:
+        db = weight.new_empty(0)
+    else:
+        db = torch.empty_like(bias) if grad_bias else bias.new_empty(0)
+    return dh, dw, db
+
+
+# Autograd for the registered ops.
+
+
+def _setup_cross_entropy(ctx, inputs, output):
+    logits, target, ignore_index, reduction, label_smoothing, _ = inputs
+    _, lse, count = output
+    ctx.save_for_backward(logits, target, lse, count)
+    ctx.options = (ignore_index, reduction, label_smoothing)
+
+
+def _backward_cross_entropy(ctx, dloss, *_):
+    logits, target, lse, count = ctx.saved_tensors
+    dx = torch.ops.trifuse.cross_entropy_backward(dloss, logits, target, lse, count, *ctx.options)
+    return dx, None, None, None, None, None
+
+
+def _setup_linear_cross_entropy(ctx, inputs, output):
+    hidden, weight, target, bias, ignore_index, reduction, label_smoothing, compute_dtype, _, chunk_size = inputs[:10]
+    _, lse, count, dh, dw, db = output
+    ctx.save_for_backward(hidden, weight, target, bias, lse, count, dh, dw, db)
+    ctx.options = (ignore_index, reduction, label_smoothing, compute_dtype, chunk_size)
+
+
+def _backward_linear_cross_entropy(ctx, dloss, *_):
+    hidden, weight, target, bias, lse, count, dh, dw, db = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    ignore_index, reduction, label_smoothing, compute_dtype, chunk_size = ctx.options
+    gh, gw, gb = torch.ops.trifuse.linear_cross_entropy_backward(
+        dloss, hidden, weight, target, bias, lse, count, dh, dw, db, ignore_index, reduction,
+        label_smoothing, compute_dtype, chunk_size, needs[0], needs[1], needs[3] and bias is not None)
+    return (gh if needs[0] else None, gw if needs[1] else None, None,
+            gb if needs[3] and bias is not None else None, *([None] * 9))
+
+
+torch.library.register_autograd("trifuse::cross_entropy", _backward_cross_entropy,
+                                setup_context=_setup_cross_entropy)
+torch.library.register_autograd("trifuse::linear_cross_entropy", _backward_linear_cross_entropy,
+                                setup_context=_setup_linear_cross_entropy)
+
+
+# =============================================================================================
+# Eager fast path: thin autograd.Functions straight over the launchers (a registered op costs
+# ~60-150 us of host time per call; see DESIGN.md "Host overhead"). Same launchers, same bits.
+# =============================================================================================
+
+
+class _CrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, reduction, label_smoothing, out_dtype):
+        loss, lse, count = cross_entropy_fwd(logits, target, ignore_index, reduction, label_smoothing, out_dtype)
+        ctx.save_for_backward(logits, target, lse, count)
+        ctx.options = (ignore_index, reduction, label_smoothing)
+        return loss
+
+    @staticmethod
+    def backward(ctx, dloss):
+        logits, target, lse, count = ctx.saved_tensors
+        with profiled("trifuse::cross_entropy_backward"):
+            dx = cross_entropy_bwd(dloss, logits, target, lse, count, *ctx.options)
+        return dx, None, None, None, None, None
+
+
+class _LinearCrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, target, bias, ignore_index, reduction, label_smoothing,
+                compute_dtype, out_dtype, chunk_size):
+        needs = ctx.needs_input_grad
+        grads = (needs[0], needs[1], needs[3] and bias is not None)
+        loss, lse, count, dh, dw, db = linear_cross_entropy_fwd(
+            hidden, weight, target, bias, ignore_index, reduction, label_smoothing, compute_dtype,
+            out_dtype, chunk_size, grads)
+        if reduction == "none":
+            ctx.save_for_backward(hidden, weight, target, bias, lse, count)
+        else:
+            # The gradients are in hand: the backward needs neither the inputs nor lse.
+            ctx.save_for_backward(dh, dw, db)
+        ctx.options = (ignore_index, reduction, label_smoothing, compute_dtype, chunk_size, grads)
+        ctx.vocab = weight.shape[0]
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return loss
+
+    @staticmethod
+    def backward(ctx, dloss):
+        ignore_index, reduction, label_smoothing, compute_dtype, chunk_size, grads = ctx.options
+        with profiled("trifuse::linear_cross_entropy_backward"):
+            if reduction == "none":
+                gh, gw, gb = recompute_head_grads(dloss, *ctx.saved_tensors, ignore_index, reduction,
+                                                  label_smoothing, compute_dtype, chunk_size, grads)
+            else:
+                gh, gw, gb = scale_head_grads(dloss, *ctx.saved_tensors, ctx.vocab, ctx.dtypes, grads)
+        return gh, gw, None, gb, None, None, None, None, None, None
+
+
+# =============================================================================================
+# Public API
+# =============================================================================================
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    *,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """F.cross_entropy with class-index targets: one pass over the logits each way.
+
+    Args:
+        logits: (N, C), (C,) or (N, C, d1, ...) as F.cross_entropy takes them; fp16 / bf16 /
+            fp32 / fp64, read as they are (no upcast copy). The (N, C, d1, ...) form is moved
+            to (N*d1*..., C) first, which copies.
+        target: integer class indices, (N,), () or (N, d1, ...). Values in [0, C) or ignore_index.
+        reduction: "mean" (over non-ignored rows; nan when all are ignored), "sum" or "none".
+        label_smoothing: in [0, 1], as PyTorch defines it.
+        out_dtype: the loss's dtype; None gives F.cross_entropy's (the logits' dtype, fp32 under
+            autocast). HF's loss path upcasts the logits: out_dtype=torch.float32 does that
+            without the copy.
+
+    Returns:
+        The loss: () for "mean" / "sum", target's shape for "none". The gradient has the logits'
+        dtype and shape.
+
+    Raises:
+        TypeError for float or bool targets and non-float logits; ValueError for shapes,
+        options, and (on CPU) targets out of range. On CUDA an out-of-range target gives NaN.
+    """
+    op = "cross_entropy"
+    check_tensor(op, "input", logits)
+    check_tensor(op, "target", target)
+    x, t = logits, target
+    if logits.dim() == 1:
+        _check_target(op, target, ())
+        x, t = logits.unsqueeze(0), target.reshape(1)
+    elif logits.dim() > 2:
+        _check_target(op, target, (logits.shape[0], *logits.shape[2:]))
+        x, t = logits.movedim(1, -1).reshape(-1, logits.shape[1]), target.reshape(-1)
+    elif logits.dim() < 1:
+        raise ValueError(f"trifuse.{op}: input must have a class dimension, got a 0-dim tensor")
+    dtype = _ce_out_dtype(logits, out_dtype) if logits.is_floating_point() else logits.dtype
+    if eager_fast_path(x, t):
+        _check_ce_inputs(x, t, ignore_index, reduction, label_smoothing)
+        with profiled("trifuse::cross_entropy"):
+            loss = _CrossEntropyFunction.apply(x, t, ignore_index, reduction, label_smoothing, dtype)
+    else:
+        loss = torch.ops.trifuse.cross_entropy(x, t, ignore_index, reduction, label_smoothing, dtype)[0]
+    return loss.reshape(target.shape) if reduction == "none" else loss
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    *,
+    chunk_size: int | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """F.cross_entropy(F.linear(hidden, weight, bias), target) without materializing the logits.
+
+    Args:
+        hidden: (..., H) fp16 / bf16 / fp32 / fp64, any strides.
+        weight: (V, H), the LM head (may be tied to the embedding: its gradient then adds up).
+        target: hidden.shape[:-1] integer class indices in [0, V) or ignore_index.
+        bias: (V,), optional.
+        reduction, label_smoothing, ignore_index: as F.cross_entropy.
+        chunk_size: tokens per chunk; None chooses it from the problem and free memory
+            (see chunk_rows). Results are bitwise repeatable for a given chunk size.
+        out_dtype: the loss's dtype; None gives fp32 under autocast, else the inputs' dtype.
+
+    Returns:
+        The loss: () for "mean" / "sum", target's shape for "none". Gradients reach hidden,
+        weight and bias in their own dtypes.
+
+    Memory: O(chunk_size x V) for the logits, plus the weight's gradient; the (tokens x V)
+    logits never exist. With "mean" / "sum" the gradients are computed during the forward (when
+    autograd will ask for them), so the backward only scales them.
+
+    Raises:
+        TypeError / ValueError as `cross_entropy`, and for weight, bias or dtypes that do not fit.
+    """
+    op = "linear_cross_entropy"
+    for name, t in (("hidden", hidden), ("weight", weight), ("target", target), ("bias", bias)):
+        if t is not None or name != "bias":
+            check_tensor(op, name, t)
+            if name != "target":
+                check_float(op, name, t)
+    compute_dtype, dtype = _lce_dtypes(hidden, weight, bias, out_dtype)
+    if eager_fast_path(hidden, weight, target, bias):
+        _check_lce_inputs(hidden, weight, target, bias, ignore_index, reduction, label_smoothing,
+                          compute_dtype, chunk_size)
+        with profiled("trifuse::linear_cross_entropy"):
+            return _LinearCrossEntropyFunction.apply(hidden, weight, target, bias, ignore_index, reduction,
+                                                     label_smoothing, compute_dtype, dtype, chunk_size)
+    grad = torch.is_grad_enabled()
+    return torch.ops.trifuse.linear_cross_entropy(
+        hidden, weight, target, bias, ignore_index, reduction, label_smoothing, compute_dtype, dtype,
+        chunk_size, grad and hidden.requires_grad, grad and weight.requires_grad,
+        grad and bias is not None and bias.requires_grad,
+    )[0]
