@@ -27,11 +27,23 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel as _TorchColwise
 from torch.distributed.tensor.parallel import RowwiseParallel as _TorchRowwise
-from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor.parallel import (
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    parallelize_module,
+)
 
 from . import random as _random
 from .plan import Plan, derive_plan, linear_kind, merge, recognize
-from .styles import FUSED_LAYOUT_ATTR, ColwiseParallel, RowwiseParallel, from_rank_major
+from .styles import (
+    FUSED_LAYOUT_ATTR,
+    ColwiseParallel,
+    PrepareFirstInput,
+    PrepareFirstOutput,
+    RowwiseParallel,
+    from_rank_major,
+)
 
 _STATE_ATTR = "_trifuse_parallel"
 
@@ -98,6 +110,25 @@ def _plain_style(style: object, module: nn.Module) -> object:
     )
 
 
+_PREPARE_ONLY = (PrepareFirstInput, PrepareFirstOutput, PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput)
+
+
+def _check_sp_coverage(model: nn.Module, plan: Plan) -> None:
+    """Under sequence parallelism every parameter in a block sees sequence shards, so a style
+    must own it: left plain, its gradient would be this rank's partial sum only."""
+    owned = {name for name, style in plan.styles if not isinstance(style, _PREPARE_ONLY)}
+    for block in plan.sp_blocks:
+        for name, module in model.get_submodule(block).named_modules(prefix=block):
+            if name in owned:
+                continue
+            for pname, _ in module.named_parameters(recurse=False):
+                raise ValueError(
+                    f"trifuse.parallel.shard: with sequence parallelism, parameter {name}.{pname} sees sequence shards "
+                    "but no style covers it (its gradient would be a per-rank partial sum); add it to plan= or pass "
+                    "sequence_parallel=False"
+                )
+
+
 def _replicate_grad(param: torch.Tensor) -> None:
     grad = param.grad
     if isinstance(grad, DTensor) and grad.placements != param.placements:
@@ -132,20 +163,14 @@ def shard(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool = True,
     derived = derive_plan(model, tp, sequence_parallel=sequence_parallel) if (recognize(model) or not plan) else Plan()
     full = merge(derived, plan, model)
 
+    _check_sp_coverage(model, full)
+
     _broadcast_replicas(model, mesh)
     for name, style in full.styles:
         module = model.get_submodule(name)
         parallelize_module(module, tp_mesh, _plain_style(style, module))
     for name, attr, value in full.attributes:
         setattr(model.get_submodule(name), attr, value)
-    for block in full.sp_blocks:
-        plain = [n for n, p in model.get_submodule(block).named_parameters(prefix=block) if not isinstance(p, DTensor)]
-        if plain:
-            raise ValueError(
-                f"trifuse.parallel.shard: with sequence parallelism, parameter {plain[0]} sees sequence shards but no "
-                "style covers it (its gradient would be a per-rank partial sum); add it to plan= or pass "
-                "sequence_parallel=False"
-            )
     _random.install(model, full.rank_regions, tp_mesh.get_local_rank())
     for p in model.parameters():
         if isinstance(p, DTensor) and any(isinstance(pl, Replicate) for pl in p.placements):
