@@ -56,16 +56,21 @@ def _as_dtensor(x: torch.Tensor, mesh: DeviceMesh, layout: Placement) -> DTensor
     return x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, (layout,), run_check=False)
 
 
+# Redistributions wait for their collective (async_op=False): a local tensor handed on while its
+# collective is in flight is a lazy-waiting subclass, and a kernel launcher that reads its
+# data_ptr() (trifuse's fused kernels on the local shards) would read memory not yet written.
+
+
 def _redistribute_input(layout, desired, mod, inputs, device_mesh):
     x = _as_dtensor(inputs[0], device_mesh, layout)
     if x.placements != (desired,):
-        x = x.redistribute(device_mesh, (desired,), async_op=True)
+        x = x.redistribute(device_mesh, (desired,), async_op=False)
     return (x, *inputs[1:])
 
 
 def _redistribute_output(layout, use_local_output, mod, outputs, device_mesh):
     if outputs.placements != (layout,):
-        outputs = outputs.redistribute(device_mesh, (layout,), async_op=True)
+        outputs = outputs.redistribute(device_mesh, (layout,), async_op=False)
     return outputs.to_local() if use_local_output else outputs
 
 

@@ -1,6 +1,8 @@
 """Tiny Hugging Face models built from configs (no downloads), identical on every rank."""
 import torch
 
+from tolerances import check_close
+
 VOCAB = 64
 
 
@@ -34,3 +36,19 @@ def batch(kind: str, step: int = 0, *, b: int = 2, s: int = 8) -> dict:
     if kind == "gpt2":
         out["use_cache"] = False
     return out
+
+
+def compare_full(tag, model, ref, failures, grads):
+    """Appends to `failures` every parameter (grads=True: gradient) of `model`, gathered whole,
+    that is not `ref`'s to float64 rounding (tests/tolerances.py); returns how many it checked."""
+    from trifuse.parallel import gather_full
+
+    got, want = gather_full(model, grads=grads), gather_full(ref, grads=grads)
+    if got.keys() != want.keys():
+        failures.append(f"{tag}: keys differ: {sorted(got.keys() ^ want.keys())}")
+        return 0
+    for k in want:
+        ok, msg = check_close(f"{tag} {k}", got[k], want[k], None)
+        if not ok:
+            failures.append(msg)
+    return len(want)

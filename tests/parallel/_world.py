@@ -10,10 +10,12 @@ for the next test, so one broken test cannot leak a wedged process group into th
 """
 import importlib.util
 import os
+import pickle
 import socket
 import sys
 import traceback
 from datetime import timedelta
+from multiprocessing.reduction import ForkingPickler
 
 import torch.multiprocessing as mp
 
@@ -50,7 +52,9 @@ def _serve(rank: int, size: int, port: int, paths: list[str], inbox, outbox) -> 
         while (task := inbox.get()) is not None:
             path, name, args = task
             try:
-                outbox.put((rank, True, getattr(_load(path), name)(rank, size, *args)))
+                # Pickled here, not in the queue's feeder thread, so that an unpicklable result is
+                # reported as a failure instead of being dropped silently.
+                outbox.put((rank, True, bytes(ForkingPickler.dumps(getattr(_load(path), name)(rank, size, *args)))))
             except Exception:  # reported to the parent, which fails the test with it
                 outbox.put((rank, False, traceback.format_exc()))
     finally:
@@ -84,7 +88,7 @@ class World:
         try:
             for _ in range(self.size):
                 rank, ok, value = self.outbox.get(timeout=timeout)
-                results[rank] = value
+                results[rank] = pickle.loads(value) if ok else value
                 if not ok:
                     failures.append(f"rank {rank}:\n{value}")
         except Exception as e:  # queue.Empty: a rank hung (e.g. in a collective)

@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel as TorchColwise
 from torch.distributed.tensor.parallel import RowwiseParallel as TorchRowwise
 
-from _models import batch, build
+from _models import batch, build, compare_full
 from tolerances import check_close
 
 # ---------------------------------------------------------------------------------------------
@@ -24,20 +24,6 @@ from tolerances import check_close
 
 def _mesh(size):
     return init_device_mesh("cpu", (size,))
-
-
-def _compare(tag, model, ref, failures, grads):
-    from trifuse.parallel import gather_full
-
-    got, want = gather_full(model, grads=grads), gather_full(ref, grads=grads)
-    if got.keys() != want.keys():
-        failures.append(f"{tag}: keys differ: {sorted(got.keys() ^ want.keys())}")
-        return 0
-    for k in want:
-        ok, msg = check_close(f"{tag} {k}", got[k], want[k], None)
-        if not ok:
-            failures.append(msg)
-    return len(want)
 
 
 def equal_to_single_process(rank, size, kind, sp, steps, plan=None):
@@ -57,12 +43,12 @@ def equal_to_single_process(rank, size, kind, sp, steps, plan=None):
         ref_loss.backward()
         ok, msg = check_close(f"step {step} loss", loss, ref_loss, None)
         failures += [] if ok else [msg]
-        checks += 1 + _compare(f"step {step} grad", model, ref, failures, grads=True)
+        checks += 1 + compare_full(f"step {step} grad", model, ref, failures, grads=True)
         opt.step()
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
-        checks += _compare(f"after step {step}", model, ref, failures, grads=False)
+        checks += compare_full(f"after step {step}", model, ref, failures, grads=False)
     return failures, checks
 
 
@@ -152,7 +138,7 @@ def toy_mlp_with_user_plan(rank, size):
     out.square().sum().backward()
     ref_out.square().sum().backward()
     failures = [] if check_close("out", out, ref_out, None)[0] else ["out"]
-    _compare("grad", model, ref, failures, grads=True)
+    compare_full("grad", model, ref, failures, grads=True)
     return failures, type(model[0].weight).__name__, gather_full(model)["0.weight"].shape
 
 
