@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node N examples/train_tp.py                    # N-way TP+SP
     torchrun --nproc-per-node 4 examples/train_tp.py --dp 2             # 2-way FSDP2 x 2-way TP+SP
+    torchrun --nproc-per-node N examples/train_tp.py --vocab-parallel   # embedding + LM head split too
     torchrun --nnodes 2 --nproc-per-node 8 ... examples/train_tp.py --dp 2   # TP in a node, DP across
 
 On GPUs: NCCL, bf16 autocast, GPT-2 small by default. Without GPUs: gloo on CPU, a tiny model,
@@ -9,6 +10,7 @@ fp32. Every rank prints its tokens/s (tokens it processed: the whole batch of it
 group, since the ranks of a tensor-parallel group share a batch).
 """
 import argparse
+import contextlib
 import os
 import time
 
@@ -19,6 +21,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before trifuse is imported
 
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.tensor.parallel import loss_parallel  # noqa: E402
 
 import trifuse  # noqa: E402
 
@@ -36,6 +39,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20 if gpu else 4)
     p.add_argument("--warmup", type=int, default=3 if gpu else 1)
     p.add_argument("--no-sp", action="store_true", help="tensor parallelism without sequence parallelism")
+    p.add_argument(
+        "--vocab-parallel", action="store_true", help="split embedding and LM head over the vocabulary (loss_parallel)"
+    )
     return p.parse_args()
 
 
@@ -66,7 +72,7 @@ def main() -> None:
         bos_token_id=0, eos_token_id=0,
     )
     model = GPT2LMHeadModel(config).to(device)
-    trifuse.parallel.shard(model, mesh, sequence_parallel=not args.no_sp)
+    trifuse.parallel.shard(model, mesh, sequence_parallel=not args.no_sp, vocab_parallel=args.vocab_parallel)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
 
     # Ranks of one tensor-parallel group must see the same batch: seed by the data-parallel rank.
@@ -80,9 +86,11 @@ def main() -> None:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
         ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen).to(device)
-        with autocast:
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        loss.backward()
+        # Vocabulary-parallel logits stay sharded: the loss and its backward run under loss_parallel().
+        with loss_parallel() if args.vocab_parallel else contextlib.nullcontext():
+            with autocast:
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     if gpu:
@@ -90,7 +98,7 @@ def main() -> None:
     seconds = time.perf_counter() - t0
     print(
         f"rank {rank}/{world} (dp {args.dp} x tp {tp}, sp {not args.no_sp}, {device.type}): "
-        f"loss {loss.item():.3f}, {tokens * args.steps / seconds:,.0f} tokens/s, "
+        f"loss {loss.full_tensor().item() if args.vocab_parallel else loss.item():.3f}, {tokens * args.steps / seconds:,.0f} tokens/s, "
         f"{seconds / args.steps * 1e3:.1f} ms/step"
         + (f", peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB" if gpu else ""),
         flush=True,

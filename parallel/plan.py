@@ -291,6 +291,41 @@ def derive_plan(model: nn.Module, tp: int, *, sequence_parallel: bool) -> Plan:
     return plan
 
 
+def _module_name(model: nn.Module, target: nn.Module | None) -> str | None:
+    return next((n for n, m in model.named_modules() if m is target), None) if target is not None else None
+
+
+def vocab_plan(model: nn.Module, tp: int) -> list[tuple[str, object]]:
+    """Vocabulary-parallel input embedding (rows split, partial lookups all-reduced) and LM head
+    (columns split, logits left sharded on the vocabulary as a DTensor, for the cross-entropy of
+    `torch.distributed.tensor.parallel.loss_parallel()` which never gathers them). The two are
+    found with the Hugging Face methods `get_input_embeddings` / `get_output_embeddings`."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from .styles import ColwiseParallel, RowwiseParallel
+
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    emb = get_in() if callable(get_in) else None
+    head = get_out() if callable(get_out) else None
+    emb_name, head_name = _module_name(model, emb), _module_name(model, head)
+    if not isinstance(emb, nn.Embedding) or not isinstance(head, nn.Linear) or emb_name is None or head_name is None:
+        raise ValueError(
+            f"trifuse.parallel.shard: vocab_parallel=True needs get_input_embeddings() -> nn.Embedding and "
+            f"get_output_embeddings() -> nn.Linear (Hugging Face models), got {type(emb).__name__} and "
+            f"{type(head).__name__} from {type(model).__name__}"
+        )
+    vocab = emb.num_embeddings
+    if vocab % tp or head.out_features % tp:
+        raise ValueError(
+            f"trifuse.parallel.shard: vocab_parallel=True needs a vocabulary divisible by the tensor-parallel degree "
+            f"{tp}, got {vocab}; pad it (e.g. model.resize_token_embeddings(n, pad_to_multiple_of={tp}))"
+        )
+    return [
+        (emb_name, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())),
+        (head_name, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)),
+    ]
+
+
 def merge(plan: Plan, user: dict | None, model: nn.Module) -> Plan:
     """`plan` with the user's entries {module-name glob: style or None} taking precedence: a
     module matched by a user glob gets the user's style (None: left alone) and none derived."""

@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from . import random as _random
-from .plan import Plan, derive_plan, linear_kind, merge, recognize
+from .plan import Plan, derive_plan, linear_kind, merge, recognize, vocab_plan
 from .styles import (
     FUSED_LAYOUT_ATTR,
     ColwiseParallel,
@@ -113,10 +113,15 @@ def _plain_style(style: object, module: nn.Module) -> object:
 _PREPARE_ONLY = (PrepareFirstInput, PrepareFirstOutput, PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput)
 
 
+def _owned(plan: Plan) -> set[str]:
+    """The modules whose parameters the plan's styles replace."""
+    return {name for name, style in plan.styles if not isinstance(style, _PREPARE_ONLY)}
+
+
 def _check_sp_coverage(model: nn.Module, plan: Plan) -> None:
     """Under sequence parallelism every parameter in a block sees sequence shards, so a style
     must own it: left plain, its gradient would be this rank's partial sum only."""
-    owned = {name for name, style in plan.styles if not isinstance(style, _PREPARE_ONLY)}
+    owned = _owned(plan)
     for block in plan.sp_blocks:
         for name, module in model.get_submodule(block).named_modules(prefix=block):
             if name in owned:
@@ -135,7 +140,54 @@ def _replicate_grad(param: torch.Tensor) -> None:
         param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 
-def shard(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool = True, plan: dict | None = None) -> nn.Module:
+def _tied_groups(model: nn.Module) -> list[list[tuple[str, str]]]:
+    """(module name, parameter name) of every parameter held under more than one name."""
+    owners: dict[int, list[tuple[str, str]]] = {}
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for pname, param in module.named_parameters(recurse=False):
+            if (mod_name, pname) not in owners.setdefault(id(param), []):
+                owners[id(param)].append((mod_name, pname))
+    return [group for group in owners.values() if len(group) > 1]
+
+
+def _check_ties(groups: list[list[tuple[str, str]]], plan: Plan) -> None:
+    owned = _owned(plan)
+    for group in groups:
+        if len({m in owned for m, _ in group}) > 1:
+            names = ", ".join(f"{m}.{p}" for m, p in group)
+            raise ValueError(
+                f"trifuse.parallel.shard: the tied parameters {names} would be sharded in one place and not in "
+                "another; shard all of them alike or none"
+            )
+
+
+def _retie(model: nn.Module, groups: list[list[tuple[str, str]]]) -> None:
+    """Styles replace each module's parameters with new DTensor parameters, which unties weights
+    shared between modules (GPT-2's embedding and LM head). Ties survive when every holder was
+    sharded alike: they then hold equal pieces, and all get the first holder's parameter."""
+    for group in groups:
+        params = [getattr(model.get_submodule(m), p) for m, p in group]
+        if all(q is params[0] for q in params):
+            continue
+        layouts = {(type(q).__name__, getattr(q, "placements", None)) for q in params}
+        if len(layouts) > 1:
+            names = ", ".join(f"{m}.{p}" for m, p in group)
+            raise ValueError(
+                f"trifuse.parallel.shard: the tied parameters {names} were sharded differently "
+                f"({sorted(map(str, layouts))}); shard all of them alike or none"
+            )
+        for m, p in group[1:]:
+            setattr(model.get_submodule(m), p, params[0])
+
+
+def shard(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    sequence_parallel: bool = True,
+    plan: dict | None = None,
+    vocab_parallel: bool = False,
+) -> nn.Module:
     """Shards `model` in place over `mesh` with tensor parallelism (and sequence parallelism
     unless `sequence_parallel=False`); returns the same model.
 
@@ -145,6 +197,10 @@ def shard(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool = True,
         the modules it matches (None leaves a module alone). torch's ColwiseParallel /
         RowwiseParallel work on HF Conv1D too. With a plan, a model without recognized blocks is
         fine; head counts of unrecognized attention modules are then the plan's business.
+    vocab_parallel: also split the input embedding and the LM head over the vocabulary (Hugging
+        Face models). The logits are then a DTensor sharded on the vocabulary: compute the loss
+        and call backward() inside `torch.distributed.tensor.parallel.loss_parallel()`, which
+        computes the cross-entropy from the shards without ever gathering the logits.
 
     Call it on every rank, on identical models (the first rank's weights win), before building
     the optimizer. Inputs: every rank of a tensor-parallel group gets the same batch; with
@@ -161,14 +217,19 @@ def shard(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool = True,
     if plan is not None and not isinstance(plan, dict):
         raise TypeError(f"trifuse.parallel.shard: plan must be a dict or None, got {type(plan).__name__}")
     derived = derive_plan(model, tp, sequence_parallel=sequence_parallel) if (recognize(model) or not plan) else Plan()
+    if vocab_parallel:
+        derived.styles += vocab_plan(model, tp)
     full = merge(derived, plan, model)
 
     _check_sp_coverage(model, full)
+    tied = _tied_groups(model)
+    _check_ties(tied, full)
 
     _broadcast_replicas(model, mesh)
     for name, style in full.styles:
         module = model.get_submodule(name)
         parallelize_module(module, tp_mesh, _plain_style(style, module))
+    _retie(model, tied)
     for name, attr, value in full.attributes:
         setattr(model.get_submodule(name), attr, value)
     _random.install(model, full.rank_regions, tp_mesh.get_local_rank())

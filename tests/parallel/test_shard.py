@@ -52,6 +52,41 @@ def equal_to_single_process(rank, size, kind, sp, steps, plan=None):
     return failures, checks
 
 
+def vocab_parallel_equal_to_single_process(rank, size, steps):
+    """GPT-2 with the tied embedding / LM head split over the vocabulary, loss under
+    loss_parallel(). Hugging Face computes the loss in float32 (logits.float()), whatever the
+    model's dtype, so the comparison is at float32's rule: gradients are cast to float32 first."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from trifuse.parallel import gather_full, shard
+
+    ref = build("gpt2")
+    model = shard(build("gpt2"), _mesh(size), vocab_parallel=True)
+    tied = model.lm_head.weight is model.transformer.wte.weight
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    failures, checks = [], 0
+    for step in range(steps):
+        with loss_parallel():
+            out = model(**batch("gpt2", step))
+            out.loss.backward()
+        ref_loss = ref(**batch("gpt2", step)).loss
+        ref_loss.backward()
+        local_logits = tuple(out.logits.to_local().shape)
+        ok, msg = check_close(f"step {step} loss", out.loss.full_tensor(), ref_loss, None)
+        failures += [] if ok else [msg]
+        got, want = gather_full(model, grads=True), gather_full(ref, grads=True)
+        for k in want:
+            ok, msg = check_close(f"step {step} grad {k}", got[k].float(), want[k], None)
+            failures += [] if ok else [msg]
+        checks += 1 + len(want)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    return failures, checks, tied, local_logits
+
+
 def dropout_masks(rank, size, sp):
     """Masks of GPT-2's first residual dropout and first attention dropout (eager attention, which
     returns the dropped probabilities) over two forwards under one seed, and the losses."""
@@ -114,6 +149,11 @@ def shard_error(rank, size, case):
             shard(build("gpt2"), mesh, plan={"*.nonexistent": None})
         elif case == "sp_uncovered":
             shard(build("gpt2"), mesh, plan={"*.mlp": None, "*.mlp.c_fc": None, "*.mlp.c_proj": None})
+        elif case == "tie_split":
+            shard(build("gpt2"), mesh, plan={"lm_head": TorchColwise()})
+        elif case == "vocab_not_hf":
+            shard(nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 8)), mesh, vocab_parallel=True,
+                  plan={"1": TorchColwise()})
         elif case == "sp_sequence":
             model = shard(build("gpt2"), mesh)
             model(**batch("gpt2", s=7))
@@ -177,6 +217,14 @@ def test_user_plan_on_unrecognized_model(world):
         assert tuple(shape) == (8, 6)
 
 
+def test_vocab_parallel_embedding_and_head_with_loss_parallel(world):
+    for failures, checks, tied, local_logits in world.run(vocab_parallel_equal_to_single_process, 2):
+        assert tied  # GPT-2's embedding and LM head still share one (sharded) parameter
+        assert local_logits == (2, 8, 64 // 2)  # each rank holds its half of the vocabulary only
+        assert checks > 50
+        assert not failures, "\n".join(failures[:10])
+
+
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
 def test_dropout_masks_reproducible_per_rank_and_replicas_consistent(world, sp):
     r0, r1 = world.run(dropout_masks, sp)
@@ -213,6 +261,8 @@ def test_backward_through_dropout_regions(world):
         ("plan_nomatch", "plan entry '*.nonexistent' matches no module"),
         ("sp_uncovered", "parameter transformer.h.0.mlp.c_fc.weight sees sequence shards but no style covers it"),
         ("sp_sequence", "it must be divisible by 2, got shape (2, 7, 32)"),
+        ("tie_split", "the tied parameters transformer.wte.weight, lm_head.weight would be sharded in one place"),
+        ("vocab_not_hf", "vocab_parallel=True needs get_input_embeddings() -> nn.Embedding"),
     ],
 )
 def test_clear_errors(world, case, expected):
