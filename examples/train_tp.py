@@ -9,6 +9,7 @@ On GPUs: NCCL, bf16 autocast, GPT-2 small by default. Without GPUs: gloo on CPU,
 fp32. Every rank prints its tokens/s (tokens it processed: the whole batch of its data-parallel
 group, since the ranks of a tensor-parallel group share a batch).
 """
+
 import argparse
 import contextlib
 import os
@@ -40,7 +41,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3 if gpu else 1)
     p.add_argument("--no-sp", action="store_true", help="tensor parallelism without sequence parallelism")
     p.add_argument(
-        "--vocab-parallel", action="store_true", help="split embedding and LM head over the vocabulary (loss_parallel)"
+        "--vocab-parallel",
+        action="store_true",
+        help="split embedding and LM head over the vocabulary (loss_parallel)",
     )
     return p.parse_args()
 
@@ -49,9 +52,9 @@ def main() -> None:
     args = parse()
     gpu = torch.cuda.is_available()
     if gpu:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     dist.init_process_group("nccl" if gpu else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if world % args.dp:
@@ -68,8 +71,13 @@ def main() -> None:
 
     torch.manual_seed(0)
     config = GPT2Config(
-        n_embd=args.hidden, n_layer=args.layers, n_head=args.heads, n_positions=args.seq, vocab_size=args.vocab,
-        bos_token_id=0, eos_token_id=0,
+        n_embd=args.hidden,
+        n_layer=args.layers,
+        n_head=args.heads,
+        n_positions=args.seq,
+        vocab_size=args.vocab,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     model = GPT2LMHeadModel(config).to(device)
     trifuse.parallel.shard(model, mesh, sequence_parallel=not args.no_sp, vocab_parallel=args.vocab_parallel)
@@ -96,11 +104,12 @@ def main() -> None:
     if gpu:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
+    last = loss.full_tensor() if args.vocab_parallel else loss
+    peak = f", peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB" if gpu else ""
     print(
         f"rank {rank}/{world} (dp {args.dp} x tp {tp}, sp {not args.no_sp}, {device.type}): "
-        f"loss {loss.full_tensor().item() if args.vocab_parallel else loss.item():.3f}, {tokens * args.steps / seconds:,.0f} tokens/s, "
-        f"{seconds / args.steps * 1e3:.1f} ms/step"
-        + (f", peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB" if gpu else ""),
+        f"loss {last.item():.3f}, {tokens * args.steps / seconds:,.0f} tokens/s, "
+        f"{seconds / args.steps * 1e3:.1f} ms/step{peak}",
         flush=True,
     )
     dist.destroy_process_group()

@@ -10,7 +10,7 @@ count that divides the width). The spellings are a tuple; adding a model family 
 The plan, for tensor-parallel degree t (Megatron-LM, Shoeybi et al. 2019; sequence parallel,
 Korthikanti et al. 2022), per block:
 
-    attention   entry (the module fed the normalized hidden states)  gather: Shard(1) or Replicate -> Replicate
+    attention   entry (the module fed the normalized hidden states)  gather: Shard(1) or Replicate -> Repl.
                 Q, K, V (or fused QKV, split per head)               column-parallel, H/t heads per rank
                 output projection                                    row-parallel -> Shard(1) or Replicate
     MLP         entry                                                gather, as above
@@ -24,22 +24,15 @@ With sequence parallelism (SP) the residual stream between blocks (norms, dropou
 adds) holds a 1/t slice of the sequence on each rank; the entry's all-gather replaces
 Megatron's all-reduce-free copy, the row-parallel reduce-scatter replaces its all-reduce.
 """
+
 import fnmatch
 from dataclasses import dataclass, field
 
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
-
-def linear_kind(module: nn.Module) -> str | None:
-    """'linear' for nn.Linear (weight (out, in)), 'conv1d' for HF's Conv1D (weight (in, out),
-    recognized by its `nf` attribute and shape, so transformers need not be imported), else None."""
-    if isinstance(module, nn.Linear):
-        return "linear"
-    weight = getattr(module, "weight", None)
-    nf = getattr(module, "nf", None)
-    if type(module).__name__ == "Conv1D" and weight is not None and weight.dim() == 2 and weight.shape[1] == nf:
-        return "conv1d"
-    return None
+from .styles import ColwiseParallel, PrepareFirstInput, PrepareFirstOutput, RowwiseParallel, linear_kind
 
 
 def _features(module: nn.Module) -> tuple[int, int]:
@@ -70,7 +63,9 @@ class MLPSpelling:
 
 
 ATTENTION_SPELLINGS: tuple[AttentionSpelling, ...] = (
-    AttentionSpelling("fused c_attn + c_proj (GPT-2)", "", ("c_attn",), "c_proj", "num_heads", ("split_size",)),
+    AttentionSpelling(
+        "fused c_attn + c_proj (GPT-2)", "", ("c_attn",), "c_proj", "num_heads", ("split_size",)
+    ),
     AttentionSpelling(
         "query/key/value + output.dense (BERT)",
         "self",
@@ -83,7 +78,9 @@ ATTENTION_SPELLINGS: tuple[AttentionSpelling, ...] = (
 
 MLP_SPELLINGS: tuple[MLPSpelling, ...] = (
     MLPSpelling("c_fc + c_proj (GPT-2)", "", ("c_fc",), "c_proj"),
-    MLPSpelling("intermediate.dense + output.dense (BERT)", "intermediate", ("intermediate.dense",), "output.dense"),
+    MLPSpelling(
+        "intermediate.dense + output.dense (BERT)", "intermediate", ("intermediate.dense",), "output.dense"
+    ),
 )
 
 
@@ -153,6 +150,8 @@ class Recognized:
     # Each stack: the names of its blocks in order (the children of one nn.ModuleList that hold
     # recognized attention or MLP containers).
     stacks: list[list[str]] = field(default_factory=list)
+    # Recognized containers that sit in no nn.ModuleList.
+    unstacked: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.attentions or self.mlps)
@@ -183,9 +182,11 @@ def recognize(model: nn.Module) -> Recognized:
         for list_path in sorted(lists, key=len, reverse=True):
             prefix = list_path + "." if list_path else ""
             if container.startswith(prefix) and container != list_path:
-                index = container[len(prefix):].split(".")[0]
+                index = container[len(prefix) :].split(".")[0]
                 blocks.setdefault(list_path, set()).add(index)
                 break
+        else:
+            found.unstacked.append(container)
     for list_path, indices in blocks.items():
         found.stacks.append([_join(list_path, i) for i in sorted(indices, key=int)])
     return found
@@ -216,15 +217,10 @@ def _norm_like(module: nn.Module, hidden: int) -> bool:
     return False
 
 
-def derive_plan(model: nn.Module, tp: int, *, sequence_parallel: bool) -> Plan:
-    """The Megatron plan for `model` at tensor-parallel degree `tp` (see the module docstring).
-    Raises ValueError when nothing is recognized or when heads or widths do not divide."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import SequenceParallel
-
-    from .styles import ColwiseParallel, PrepareFirstInput, PrepareFirstOutput, RowwiseParallel
-
-    found = recognize(model)
+def derive_plan(model: nn.Module, found: "Recognized", tp: int, *, sequence_parallel: bool) -> Plan:
+    """The Megatron plan for `model`, whose blocks `recognize` found, at tensor-parallel degree
+    `tp` (see the module docstring). Raises ValueError when nothing was recognized, when heads or
+    widths do not divide, or when sequence parallelism cannot bracket the blocks."""
     if not found:
         raise ValueError(
             f"trifuse.parallel.shard: found no attention or MLP block it knows in {type(model).__name__} "
@@ -237,11 +233,14 @@ def derive_plan(model: nn.Module, tp: int, *, sequence_parallel: bool) -> Plan:
         s = a.spelling
         if a.heads % tp:
             raise ValueError(
-                f"trifuse.parallel.shard: {a.path or type(model).__name__} has {a.heads} attention heads, which do "
-                f"not divide across a tensor-parallel degree of {tp}"
+                f"trifuse.parallel.shard: {a.path or type(model).__name__} has {a.heads} attention heads, "
+                f"which do not divide across a tensor-parallel degree of {tp}"
             )
         plan.styles.append(
-            (a.fqn(s.entry), PrepareFirstInput(input_layout=resid, desired_layout=Replicate(), use_local_output=False))
+            (
+                a.fqn(s.entry),
+                PrepareFirstInput(input_layout=resid, desired_layout=Replicate(), use_local_output=False),
+            )
         )
         fused = 3 if len(s.qkv) == 1 else 1
         plan.styles += [(a.fqn(p), ColwiseParallel(fused_parts=fused)) for p in s.qkv]
@@ -254,30 +253,41 @@ def derive_plan(model: nn.Module, tp: int, *, sequence_parallel: bool) -> Plan:
         s = m.spelling
         if m.inner % tp:
             raise ValueError(
-                f"trifuse.parallel.shard: {m.path or type(model).__name__} has an MLP width of {m.inner}, which does "
-                f"not divide across a tensor-parallel degree of {tp}"
+                f"trifuse.parallel.shard: {m.path or type(model).__name__} has an MLP width of {m.inner}, "
+                f"which does not divide across a tensor-parallel degree of {tp}"
             )
         plan.styles.append(
-            (m.fqn(s.entry), PrepareFirstInput(input_layout=resid, desired_layout=Replicate(), use_local_output=False))
+            (
+                m.fqn(s.entry),
+                PrepareFirstInput(input_layout=resid, desired_layout=Replicate(), use_local_output=False),
+            )
         )
         plan.styles += [(m.fqn(p), ColwiseParallel()) for p in s.up]
         plan.styles.append((m.fqn(s.down), RowwiseParallel(output_layouts=resid)))
     if not sequence_parallel:
         return plan
 
-    if not found.stacks:
+    if found.unstacked:
         raise ValueError(
-            "trifuse.parallel.shard: sequence_parallel=True needs the recognized blocks inside an nn.ModuleList "
-            "(the residual stream is sharded from the first block's input to the last block's output); "
+            "trifuse.parallel.shard: sequence_parallel=True needs the recognized blocks inside an "
+            "nn.ModuleList (the residual stream is sharded from the first block's input to the last "
+            f"block's output), but {found.unstacked[0] or type(model).__name__} is in none; "
             "pass sequence_parallel=False"
         )
-    hidden = (found.attentions[0].hidden if found.attentions else None)
-    inside = [a.fqn(a.spelling.entry) for a in found.attentions] + [m.fqn(m.spelling.entry) for m in found.mlps]
+    hidden = found.attentions[0].hidden if found.attentions else None
+    inside = [a.fqn(a.spelling.entry) for a in found.attentions] + [
+        m.fqn(m.spelling.entry) for m in found.mlps
+    ]
     for stack in found.stacks:
         plan.styles.append(
-            (stack[0], PrepareFirstInput(input_layout=Replicate(), desired_layout=Shard(1), use_local_output=True))
+            (
+                stack[0],
+                PrepareFirstInput(input_layout=Replicate(), desired_layout=Shard(1), use_local_output=True),
+            )
         )
-        plan.styles.append((stack[-1], PrepareFirstOutput(output_layout=Shard(1), desired_layout=Replicate())))
+        plan.styles.append(
+            (stack[-1], PrepareFirstOutput(output_layout=Shard(1), desired_layout=Replicate()))
+        )
         for block in stack:
             for name, module in model.get_submodule(block).named_modules(prefix=block):
                 in_core = any(name == e or name.startswith(e + ".") for e in inside)
@@ -300,15 +310,19 @@ def vocab_plan(model: nn.Module, tp: int) -> list[tuple[str, object]]:
     (columns split, logits left sharded on the vocabulary as a DTensor, for the cross-entropy of
     `torch.distributed.tensor.parallel.loss_parallel()` which never gathers them). The two are
     found with the Hugging Face methods `get_input_embeddings` / `get_output_embeddings`."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    from .styles import ColwiseParallel, RowwiseParallel
-
-    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    get_in, get_out = (
+        getattr(model, "get_input_embeddings", None),
+        getattr(model, "get_output_embeddings", None),
+    )
     emb = get_in() if callable(get_in) else None
     head = get_out() if callable(get_out) else None
     emb_name, head_name = _module_name(model, emb), _module_name(model, head)
-    if not isinstance(emb, nn.Embedding) or not isinstance(head, nn.Linear) or emb_name is None or head_name is None:
+    if (
+        not isinstance(emb, nn.Embedding)
+        or not isinstance(head, nn.Linear)
+        or emb_name is None
+        or head_name is None
+    ):
         raise ValueError(
             f"trifuse.parallel.shard: vocab_parallel=True needs get_input_embeddings() -> nn.Embedding and "
             f"get_output_embeddings() -> nn.Linear (Hugging Face models), got {type(emb).__name__} and "
@@ -317,8 +331,9 @@ def vocab_plan(model: nn.Module, tp: int) -> list[tuple[str, object]]:
     vocab = emb.num_embeddings
     if vocab % tp or head.out_features % tp:
         raise ValueError(
-            f"trifuse.parallel.shard: vocab_parallel=True needs a vocabulary divisible by the tensor-parallel degree "
-            f"{tp}, got {vocab}; pad it (e.g. model.resize_token_embeddings(n, pad_to_multiple_of={tp}))"
+            f"trifuse.parallel.shard: vocab_parallel=True needs a vocabulary divisible by the "
+            f"tensor-parallel degree {tp}, got {vocab}; pad it "
+            f"(e.g. model.resize_token_embeddings(n, pad_to_multiple_of={tp}))"
         )
     return [
         (emb_name, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())),
@@ -331,20 +346,23 @@ def merge(plan: Plan, user: dict | None, model: nn.Module) -> Plan:
     module matched by a user glob gets the user's style (None: left alone) and none derived."""
     if not user:
         return plan
-    from torch.distributed.tensor.parallel import ParallelStyle
-
     names = [n for n, _ in model.named_modules()]
     chosen: dict[str, object] = {}
     for pattern, style in user.items():
         if not isinstance(pattern, str):
-            raise TypeError(f"trifuse.parallel.shard: plan keys must be module-name patterns (str), got {pattern!r}")
+            raise TypeError(
+                f"trifuse.parallel.shard: plan keys must be module-name patterns (str), got {pattern!r}"
+            )
         if style is not None and not isinstance(style, ParallelStyle):
             raise TypeError(
-                f"trifuse.parallel.shard: plan[{pattern!r}] must be a ParallelStyle or None, got {type(style).__name__}"
+                f"trifuse.parallel.shard: plan[{pattern!r}] must be a ParallelStyle or None, "
+                f"got {type(style).__name__}"
             )
         hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
         if not hits:
-            raise ValueError(f"trifuse.parallel.shard: plan entry {pattern!r} matches no module of {type(model).__name__}")
+            raise ValueError(
+                f"trifuse.parallel.shard: plan entry {pattern!r} matches no module of {type(model).__name__}"
+            )
         for n in hits:
             chosen[n] = style
     merged = Plan(

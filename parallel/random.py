@@ -20,6 +20,7 @@ This is Megatron-LM's model-parallel RNG tracker without its global state.
 Hooks are forward hooks with `always_call=True`, so an exception inside the region still leaves
 the default generators restored. Outside training nothing happens.
 """
+
 import torch
 from torch import nn
 

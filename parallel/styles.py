@@ -22,17 +22,41 @@ Layouts follow DTensor: Replicate() whole on every rank, Shard(d) split along di
 parallel: d = 1), Partial() a sum still to be reduced (a row-parallel output before its
 all-reduce / reduce-scatter).
 """
+
 from functools import partial
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import (
+    DeviceMesh,
+    DTensor,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import ColwiseParallel as _TorchColwise
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.parallel import RowwiseParallel as _TorchRowwise
 from torch.distributed.tensor.placement_types import Placement
 
-from .plan import linear_kind
+
+def linear_kind(module: nn.Module) -> str | None:
+    """'linear' for nn.Linear (weight (out, in)), 'conv1d' for HF's Conv1D (weight (in, out),
+    recognized by its `nf` attribute and shape, so transformers need not be imported), else None."""
+    if isinstance(module, nn.Linear):
+        return "linear"
+    weight = getattr(module, "weight", None)
+    nf = getattr(module, "nf", None)
+    if (
+        type(module).__name__ == "Conv1D"
+        and weight is not None
+        and weight.dim() == 2
+        and weight.shape[1] == nf
+    ):
+        return "conv1d"
+    return None
+
 
 # The attribute a fused projection carries after sharding: (parts, weight's output dim, tp degree).
 FUSED_LAYOUT_ATTR = "_trifuse_fused_layout"
@@ -97,9 +121,13 @@ class ColwiseParallel(_TorchColwise):
         use_local_output: bool = True,
         fused_parts: int = 1,
     ):
-        super().__init__(input_layouts=input_layouts, output_layouts=output_layouts, use_local_output=use_local_output)
+        super().__init__(
+            input_layouts=input_layouts, output_layouts=output_layouts, use_local_output=use_local_output
+        )
         if not isinstance(fused_parts, int) or fused_parts < 1:
-            raise ValueError(f"trifuse.parallel.ColwiseParallel: fused_parts must be an int >= 1, got {fused_parts!r}")
+            raise ValueError(
+                f"trifuse.parallel.ColwiseParallel: fused_parts must be an int >= 1, got {fused_parts!r}"
+            )
         self.fused_parts = fused_parts
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -191,16 +219,17 @@ class PrepareFirstInput(ParallelStyle):
     def _hook(self, mesh, module, args):
         if not args or not isinstance(args[0], torch.Tensor):
             raise ValueError(
-                f"trifuse.parallel: {type(module).__name__} must get its hidden states as the first positional "
-                f"argument to be sharded, got {type(args[0]).__name__ if args else 'no positional argument'}"
+                f"trifuse.parallel: {type(module).__name__} must get its hidden states as the first "
+                "positional argument to be sharded, got "
+                f"{type(args[0]).__name__ if args else 'no positional argument'}"
             )
         x = args[0]
         if isinstance(self.desired_layout, Shard) and not isinstance(x, DTensor):
             dim, t = self.desired_layout.dim, mesh.size()
             if x.shape[dim] % t:
                 raise ValueError(
-                    f"trifuse.parallel: sequence parallelism splits dim {dim} of the hidden states over {t} ranks; "
-                    f"it must be divisible by {t}, got shape {tuple(x.shape)}"
+                    f"trifuse.parallel: sequence parallelism splits dim {dim} of the hidden states over {t} "
+                    f"ranks; it must be divisible by {t}, got shape {tuple(x.shape)}"
                 )
         x = _redistribute_input(self.input_layout, self.desired_layout, module, (x,), mesh)[0]
         return (x.to_local() if self.use_local_output else x, *args[1:])
@@ -223,7 +252,9 @@ class PrepareFirstOutput(ParallelStyle):
 
     def _hook(self, mesh, module, args, output):
         first = output[0] if isinstance(output, tuple) else output
-        y = _redistribute_output(self.desired_layout, True, module, _as_dtensor(first, mesh, self.output_layout), mesh)
+        y = _redistribute_output(
+            self.desired_layout, True, module, _as_dtensor(first, mesh, self.output_layout), mesh
+        )
         return (y, *output[1:]) if isinstance(output, tuple) else y
 
     def __repr__(self) -> str:
@@ -250,10 +281,14 @@ def _fused_state_dict_hook(module, state_dict, prefix, local_metadata):
         key = prefix + pname
         if key in state_dict and isinstance(state_dict[key], DTensor):
             dim = out_dim if pname == "weight" else 0
-            state_dict[key] = _relayout(state_dict[key], partial(from_rank_major, dim=dim, parts=parts, tp=tp))
+            state_dict[key] = _relayout(
+                state_dict[key], partial(from_rank_major, dim=dim, parts=parts, tp=tp)
+            )
 
 
-def _fused_load_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+def _fused_load_hook(
+    module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+):
     parts, out_dim, tp = getattr(module, FUSED_LAYOUT_ATTR)
     for pname, param in module.named_parameters(recurse=False):
         key = prefix + pname

@@ -1,4 +1,5 @@
 """Tiny Hugging Face models built from configs (no downloads), identical on every rank."""
+
 import torch
 
 from tolerances import check_close
@@ -13,15 +14,30 @@ def build(kind: str, *, dropout: float = 0.0, heads: int = 4, dtype=torch.float6
     torch.manual_seed(seed)
     if kind == "gpt2":
         config = transformers.GPT2Config(
-            n_embd=8 * heads, n_layer=2, n_head=heads, n_positions=32, vocab_size=VOCAB, bos_token_id=0,
-            eos_token_id=0, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, **extra,
+            n_embd=8 * heads,
+            n_layer=2,
+            n_head=heads,
+            n_positions=32,
+            vocab_size=VOCAB,
+            bos_token_id=0,
+            eos_token_id=0,
+            resid_pdrop=dropout,
+            embd_pdrop=dropout,
+            attn_pdrop=dropout,
+            **extra,
         )
         model = transformers.GPT2LMHeadModel(config)
     elif kind == "bert":
         config = transformers.BertConfig(
-            hidden_size=8 * heads, num_hidden_layers=2, num_attention_heads=heads, intermediate_size=64,
-            vocab_size=VOCAB, max_position_embeddings=32, hidden_dropout_prob=dropout,
-            attention_probs_dropout_prob=dropout, **extra,
+            hidden_size=8 * heads,
+            num_hidden_layers=2,
+            num_attention_heads=heads,
+            intermediate_size=64,
+            vocab_size=VOCAB,
+            max_position_embeddings=32,
+            hidden_dropout_prob=dropout,
+            attention_probs_dropout_prob=dropout,
+            **extra,
         )
         model = transformers.BertForMaskedLM(config)
     else:

@@ -8,6 +8,7 @@ and name, whatever pytest's import mode). A failure on any rank raises with that
 traceback; a world that timed out or failed is closed, and the fixture starts a fresh one
 for the next test, so one broken test cannot leak a wedged process group into the next.
 """
+
 import importlib.util
 import os
 import pickle
@@ -54,7 +55,9 @@ def _serve(rank: int, size: int, port: int, paths: list[str], inbox, outbox) -> 
             try:
                 # Pickled here, not in the queue's feeder thread, so that an unpicklable result is
                 # reported as a failure instead of being dropped silently.
-                outbox.put((rank, True, bytes(ForkingPickler.dumps(getattr(_load(path), name)(rank, size, *args)))))
+                outbox.put(
+                    (rank, True, bytes(ForkingPickler.dumps(getattr(_load(path), name)(rank, size, *args))))
+                )
             except Exception:  # reported to the parent, which fails the test with it
                 outbox.put((rank, False, traceback.format_exc()))
     finally:

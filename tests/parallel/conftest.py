@@ -1,4 +1,5 @@
 """Fixtures for the distributed tests: persistent gloo worlds (see _world.py)."""
+
 import os
 import sys
 

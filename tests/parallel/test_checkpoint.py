@@ -4,6 +4,7 @@ A sharded model's state_dict holds DTensors in the unsharded layout (GPT-2's fus
 included: the per-head permutation never reaches a checkpoint), so DCP saves each rank's piece
 and an unsharded model loads the result in one process, bit for bit; and the reverse.
 """
+
 import warnings
 
 import pytest

@@ -5,6 +5,7 @@ collective (wrong rank order, a missing reduction, a reduction twice) changes a 
 Forward and backward are both checked: the backward of each move is its conjugate
 (all-gather <-> reduce-scatter, scatter <-> all-gather, identity <-> all-reduce).
 """
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -26,13 +27,17 @@ def sequence_scatter_and_gather(rank, size):
     s = 2 * size
     full = torch.arange(s, dtype=torch.float32).reshape(1, s, 1).requires_grad_()
     enter = nn.Identity()
-    PrepareFirstInput(input_layout=Replicate(), desired_layout=Shard(1), use_local_output=True)._apply(enter, mesh)
+    PrepareFirstInput(input_layout=Replicate(), desired_layout=Shard(1), use_local_output=True)._apply(
+        enter, mesh
+    )
     local = enter(full)
     (local * (rank + 1)).sum().backward()  # upstream gradient on rank r: r + 1
 
     mine = torch.full((1, 2, 1), 10.0 * (rank + 1)).requires_grad_()  # rank-encoded sequence slice
     gather = nn.Identity()
-    PrepareFirstInput(input_layout=Shard(1), desired_layout=Replicate(), use_local_output=False)._apply(gather, mesh)
+    PrepareFirstInput(input_layout=Shard(1), desired_layout=Replicate(), use_local_output=False)._apply(
+        gather, mesh
+    )
     # As a column-parallel consumer does: its input gradient is this rank's partial sum.
     gathered = gather(mine).to_local(grad_placements=(Partial(),))
     (gathered * (rank + 1)).sum().backward()
@@ -77,12 +82,19 @@ def fused_colwise_conv1d(rank, size):
     ColwiseParallel(fused_parts=3)._apply(conv, mesh)
     out = conv(torch.tensor([[[1.0, 0.0]]]))  # picks weight row 0 (+ bias): 2 * column index
     sd = conv.state_dict()
-    return conv.weight.to_local()[0].detach(), out[0, 0].detach(), sd["weight"].to_local()[0], sd["bias"].to_local()
+    return (
+        conv.weight.to_local()[0].detach(),
+        out[0, 0].detach(),
+        sd["weight"].to_local()[0],
+        sd["bias"].to_local(),
+    )
 
 
 def test_sequence_scatter_and_gather_exact(world):
     size = 2
-    for rank, (local, full_grad, gathered, mine_grad, left) in enumerate(world.run(sequence_scatter_and_gather)):
+    for rank, (local, full_grad, gathered, mine_grad, left) in enumerate(
+        world.run(sequence_scatter_and_gather)
+    ):
         assert local.flatten().tolist() == [2.0 * rank, 2.0 * rank + 1]  # my slice, no communication
         assert full_grad.flatten().tolist() == [1.0, 1.0, 2.0, 2.0]  # all-gather of r + 1 slices
         assert gathered.flatten().tolist() == [10.0, 10.0, 20.0, 20.0]  # all-gather in rank order

@@ -16,6 +16,7 @@ A ring all-reduce of N bytes sends 2 (t-1)/t N per rank, an all-gather or reduce
 so both schemes send 8 (t-1)/t A per layer and step; SP adds only the LayerNorm all-reduces.
 The README's table comes from `expected_collectives` and this count.
 """
+
 from collections import Counter
 
 import pytest
@@ -25,7 +26,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from _models import batch, build
 
-_NAMES = {"all_reduce": "all-reduce", "all_gather_into_tensor": "all-gather", "reduce_scatter_tensor": "reduce-scatter"}
+_NAMES = {
+    "all_reduce": "all-reduce",
+    "all_gather_into_tensor": "all-gather",
+    "reduce_scatter_tensor": "reduce-scatter",
+}
 
 
 class CollectiveBytes(TorchDispatchMode):

@@ -1,6 +1,7 @@
 """A 2-D mesh, ("dp", "tp") = (2, 2) on 4 gloo ranks: tensor + sequence parallelism inside each
 "dp" row, FSDP2 across rows. Each data-parallel replica gets half of the batch; FSDP2 averages
 the gradients, so the result equals one process on the whole batch (float64 oracle)."""
+
 import warnings
 
 import pytest

@@ -6,9 +6,9 @@ unsharded layout) and the weights after three AdamW steps must agree to float64 
 (tests/tolerances.py, float64 floor). A negative control shards GPT-2's fused QKV naively by
 columns and must fail the same check.
 """
+
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel as TorchColwise
@@ -92,8 +92,11 @@ def dropout_masks(rank, size, sp):
     returns the dropped probabilities) over two forwards under one seed, and the losses."""
     from trifuse.parallel import shard
 
-    model = shard(build("gpt2", dropout=0.3, dtype=torch.float32, attn_implementation="eager"), _mesh(size),
-                  sequence_parallel=sp)
+    model = shard(
+        build("gpt2", dropout=0.3, dtype=torch.float32, attn_implementation="eager"),
+        _mesh(size),
+        sequence_parallel=sp,
+    )
     model.train()
     seen = {}
 
@@ -152,8 +155,12 @@ def shard_error(rank, size, case):
         elif case == "tie_split":
             shard(build("gpt2"), mesh, plan={"lm_head": TorchColwise()})
         elif case == "vocab_not_hf":
-            shard(nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 8)), mesh, vocab_parallel=True,
-                  plan={"1": TorchColwise()})
+            shard(
+                nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 8)),
+                mesh,
+                vocab_parallel=True,
+                plan={"1": TorchColwise()},
+            )
         elif case == "sp_sequence":
             model = shard(build("gpt2"), mesh)
             model(**batch("gpt2", s=7))
@@ -254,14 +261,26 @@ def test_backward_through_dropout_regions(world):
         ("heads", "has 3 attention heads, which do not divide across a tensor-parallel degree of 2"),
         ("no_blocks", "found no attention or MLP block it knows in Sequential"),
         ("mesh_world", "the mesh covers 1 rank(s) but the world has 2"),
-        ("mesh_type", "TypeError: trifuse.parallel.shard: mesh must be a torch.distributed.DeviceMesh, got str"),
+        (
+            "mesh_type",
+            "TypeError: trifuse.parallel.shard: mesh must be a torch.distributed.DeviceMesh, got str",
+        ),
         ("mesh_3d", "mesh must be 1-D (tensor parallel) or 2-D with mesh_dim_names ('dp', 'tp')"),
         ("twice", "model is already sharded"),
-        ("plan_type", "TypeError: trifuse.parallel.shard: plan['*.c_fc'] must be a ParallelStyle or None, got str"),
+        (
+            "plan_type",
+            "TypeError: trifuse.parallel.shard: plan['*.c_fc'] must be a ParallelStyle or None, got str",
+        ),
         ("plan_nomatch", "plan entry '*.nonexistent' matches no module"),
-        ("sp_uncovered", "parameter transformer.h.0.mlp.c_fc.weight sees sequence shards but no style covers it"),
+        (
+            "sp_uncovered",
+            "parameter transformer.h.0.mlp.c_fc.weight sees sequence shards but no style covers it",
+        ),
         ("sp_sequence", "it must be divisible by 2, got shape (2, 7, 32)"),
-        ("tie_split", "the tied parameters transformer.wte.weight, lm_head.weight would be sharded in one place"),
+        (
+            "tie_split",
+            "the tied parameters transformer.wte.weight, lm_head.weight would be sharded in one place",
+        ),
         ("vocab_not_hf", "vocab_parallel=True needs get_input_embeddings() -> nn.Embedding"),
     ],
 )

@@ -20,22 +20,23 @@ Parameters outside the plan (embeddings, final norm, head) stay plain tensors, r
 State dicts are DTensors in the unsharded layout: `torch.distributed.checkpoint` saves them
 piecewise and loads them into any sharding, or none.
 """
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel as _TorchColwise
-from torch.distributed.tensor.parallel import RowwiseParallel as _TorchRowwise
 from torch.distributed.tensor.parallel import (
     PrepareModuleInput,
     PrepareModuleInputOutput,
     PrepareModuleOutput,
     parallelize_module,
 )
+from torch.distributed.tensor.parallel import RowwiseParallel as _TorchRowwise
 
 from . import random as _random
-from .plan import Plan, derive_plan, linear_kind, merge, recognize, vocab_plan
+from .plan import Plan, derive_plan, merge, recognize, vocab_plan
 from .styles import (
     FUSED_LAYOUT_ATTR,
     ColwiseParallel,
@@ -43,6 +44,7 @@ from .styles import (
     PrepareFirstOutput,
     RowwiseParallel,
     from_rank_major,
+    linear_kind,
 )
 
 _STATE_ATTR = "_trifuse_parallel"
@@ -60,15 +62,20 @@ def _root_mesh(mesh: DeviceMesh) -> DeviceMesh:
 def _split_mesh(mesh: object) -> tuple[DeviceMesh, DeviceMesh | None]:
     """(tensor-parallel mesh, data-parallel mesh or None), after checking `mesh`."""
     if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"trifuse.parallel.shard: mesh must be a torch.distributed.DeviceMesh, got {type(mesh).__name__}")
+        raise TypeError(
+            f"trifuse.parallel.shard: mesh must be a torch.distributed.DeviceMesh, got {type(mesh).__name__}"
+        )
     if not dist.is_initialized():
-        raise ValueError("trifuse.parallel.shard: torch.distributed is not initialized (use torchrun and init_process_group)")
+        raise ValueError(
+            "trifuse.parallel.shard: torch.distributed is not initialized "
+            "(use torchrun and init_process_group)"
+        )
     world = dist.get_world_size()
     covered = _root_mesh(mesh).mesh.numel()
     if covered != world:
         raise ValueError(
-            f"trifuse.parallel.shard: the mesh covers {covered} rank(s) but the world has {world}; build it with "
-            f"init_device_mesh(device, shape) where the shape's product is the world size"
+            f"trifuse.parallel.shard: the mesh covers {covered} rank(s) but the world has {world}; "
+            f"build it with init_device_mesh(device, shape) where the shape's product is the world size"
         )
     if mesh.get_coordinate() is None:
         raise ValueError(f"trifuse.parallel.shard: rank {dist.get_rank()} is not in the mesh {mesh}")
@@ -77,8 +84,8 @@ def _split_mesh(mesh: object) -> tuple[DeviceMesh, DeviceMesh | None]:
     names = mesh.mesh_dim_names or ()
     if mesh.ndim != 2 or set(names) != {"dp", "tp"}:
         raise ValueError(
-            "trifuse.parallel.shard: mesh must be 1-D (tensor parallel) or 2-D with mesh_dim_names ('dp', 'tp'), "
-            f"got {mesh.ndim}-D with names {names}"
+            "trifuse.parallel.shard: mesh must be 1-D (tensor parallel) or 2-D with "
+            f"mesh_dim_names ('dp', 'tp'), got {mesh.ndim}-D with names {names}"
         )
     return mesh["tp"], mesh["dp"]
 
@@ -106,11 +113,19 @@ def _plain_style(style: object, module: nn.Module) -> object:
     else:
         return style
     return cls(
-        input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0], use_local_output=style.use_local_output
+        input_layouts=style.input_layouts[0],
+        output_layouts=style.output_layouts[0],
+        use_local_output=style.use_local_output,
     )
 
 
-_PREPARE_ONLY = (PrepareFirstInput, PrepareFirstOutput, PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput)
+_PREPARE_ONLY = (
+    PrepareFirstInput,
+    PrepareFirstOutput,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    PrepareModuleInputOutput,
+)
 
 
 def _owned(plan: Plan) -> set[str]:
@@ -128,9 +143,9 @@ def _check_sp_coverage(model: nn.Module, plan: Plan) -> None:
                 continue
             for pname, _ in module.named_parameters(recurse=False):
                 raise ValueError(
-                    f"trifuse.parallel.shard: with sequence parallelism, parameter {name}.{pname} sees sequence shards "
-                    "but no style covers it (its gradient would be a per-rank partial sum); add it to plan= or pass "
-                    "sequence_parallel=False"
+                    f"trifuse.parallel.shard: with sequence parallelism, parameter {name}.{pname} sees "
+                    "sequence shards but no style covers it (its gradient would be a per-rank partial "
+                    "sum); add it to plan= or pass sequence_parallel=False"
                 )
 
 
@@ -156,8 +171,8 @@ def _check_ties(groups: list[list[tuple[str, str]]], plan: Plan) -> None:
         if len({m in owned for m, _ in group}) > 1:
             names = ", ".join(f"{m}.{p}" for m, p in group)
             raise ValueError(
-                f"trifuse.parallel.shard: the tied parameters {names} would be sharded in one place and not in "
-                "another; shard all of them alike or none"
+                f"trifuse.parallel.shard: the tied parameters {names} would be sharded in one place "
+                "and not in another; shard all of them alike or none"
             )
 
 
@@ -216,7 +231,10 @@ def shard(
     tp = tp_mesh.size()
     if plan is not None and not isinstance(plan, dict):
         raise TypeError(f"trifuse.parallel.shard: plan must be a dict or None, got {type(plan).__name__}")
-    derived = derive_plan(model, tp, sequence_parallel=sequence_parallel) if (recognize(model) or not plan) else Plan()
+    found = recognize(model)
+    derived = (
+        derive_plan(model, found, tp, sequence_parallel=sequence_parallel) if (found or not plan) else Plan()
+    )
     if vocab_parallel:
         derived.styles += vocab_plan(model, tp)
     full = merge(derived, plan, model)
@@ -228,7 +246,8 @@ def shard(
     _broadcast_replicas(model, mesh)
     for name, style in full.styles:
         module = model.get_submodule(name)
-        parallelize_module(module, tp_mesh, _plain_style(style, module))
+        # Every rank already holds the first rank's weights: each keeps its own piece, no scatter.
+        parallelize_module(module, tp_mesh, _plain_style(style, module), src_data_rank=None)
     _retie(model, tied)
     for name, attr, value in full.attributes:
         setattr(model.get_submodule(name), attr, value)
@@ -239,7 +258,7 @@ def shard(
     if dp_mesh is not None:
         from torch.distributed.fsdp import fully_shard
 
-        for stack in recognize(model).stacks:
+        for stack in found.stacks:
             for block in stack:
                 fully_shard(model.get_submodule(block), mesh=dp_mesh)
         fully_shard(model, mesh=dp_mesh)
