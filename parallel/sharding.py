@@ -5,10 +5,14 @@ What it does, in place, in this order:
 
 1. checks the mesh: 1-D (tensor parallel) or 2-D with dims named "dp" and "tp" (data parallel
    over the other dim, with FSDP2 `fully_shard`), covering the whole world;
-2. makes every rank start from the same weights (broadcast from the first rank of each mesh dim);
-3. derives the plan from the recognized blocks (`plan.py`), merged with the user's `plan`;
+2. derives the plan from the recognized blocks (`plan.py`; with `vocab_parallel`, the embedding
+   and LM head too), merged with the user's `plan`, and checks it before changing anything
+   (heads and widths divide; under sequence parallelism every parameter in a block is owned by
+   a style; tied parameters are sharded alike or not at all);
+3. makes every rank start from the same weights (broadcast from the first rank of each mesh dim),
+   so that applying a style needs no scatter;
 4. applies each style with `parallelize_module` (parameters become DTensors; forward hooks move
-   activations between layouts with DTensor's collectives);
+   activations between layouts with DTensor's collectives) and re-ties tied parameters;
 5. sets the attention modules' head counts and widths to the local shard's (Hugging Face
    modules read them from attributes);
 6. runs dropout on per-rank tensors under a per-rank random stream (`random.py`);
@@ -18,7 +22,9 @@ What it does, in place, in this order:
 
 Parameters outside the plan (embeddings, final norm, head) stay plain tensors, replicated.
 State dicts are DTensors in the unsharded layout: `torch.distributed.checkpoint` saves them
-piecewise and loads them into any sharding, or none.
+piecewise and loads them into any sharding, or none. Under sequence parallelism the hidden
+states *between* blocks are sequence shards: outputs that expose them (HF's
+`output_hidden_states=True`) show each rank's slice; the final output is whole.
 """
 
 import torch
@@ -217,9 +223,10 @@ def shard(
         and call backward() inside `torch.distributed.tensor.parallel.loss_parallel()`, which
         computes the cross-entropy from the shards without ever gathering the logits.
 
-    Call it on every rank, on identical models (the first rank's weights win), before building
-    the optimizer. Inputs: every rank of a tensor-parallel group gets the same batch; with
-    sequence parallelism the sequence length must divide by the tensor-parallel degree.
+    Call it on every rank, on identical models (the first rank's weights win) already on their
+    device (NCCL moves CUDA tensors only), before building the optimizer. Inputs: every rank
+    of a tensor-parallel group gets the same batch; with sequence parallelism the sequence
+    length must divide by the tensor-parallel degree.
     Raises ValueError for a mesh that does not cover the world, heads or MLP widths that do not
     divide, or a model with no recognized blocks and no plan.
     """
