@@ -4,6 +4,7 @@ Public surface: `trifuse.ops` (functional API), `trifuse.nn` (modules). Importin
 registers its `trifuse::` ops with torch.library and changes nothing else in torch.
 """
 from . import nn, ops
+from . import parallel  # trifuse.parallel.shard: tensor + sequence parallelism
 
 __version__ = "0.1.0"
 

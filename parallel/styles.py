@@ -1,0 +1,301 @@
+"""Parallel styles: PyTorch's tensor-parallel styles, extended to the layers real models use.
+
+`torch.distributed.tensor.parallel.ColwiseParallel` / `RowwiseParallel` shard `nn.Linear` and
+`nn.Embedding`. The subclasses here keep their constructor and meaning and add:
+
+- HF `Conv1D` (GPT-2's projection: y = x @ W + b with W stored (in, out), the transpose of
+  nn.Linear's (out, in)). Column-parallel shards the output features (W dim 1, b dim 0);
+  row-parallel shards the input features (W dim 0) and replicates b.
+- Fused projections (GPT-2's `c_attn`, whose output features are [Q | K | V], each heads-major).
+  Cutting those columns into t equal pieces would give rank 0 all of Q and half of K. With
+  `fused_parts=3` the weight is first permuted so that rank r's piece is [Q_r | K_r | V_r], the
+  q, k and v columns of its own heads H/t (`to_rank_major`). The parameter then holds the
+  permuted layout; state_dict hooks on the module translate to and from the unsharded layout,
+  so checkpoints and `gather_full` never show the permutation.
+
+Two small styles cover what `PrepareModuleInput/Output` cannot for Hugging Face blocks (they
+need one layout per positional argument, and blocks are called with a varying number of them):
+`PrepareFirstInput` and `PrepareFirstOutput` redistribute only the first positional input or
+the (first) output, the hidden states (batch, sequence, features).
+
+Layouts follow DTensor: Replicate() whole on every rank, Shard(d) split along dim d (sequence
+parallel: d = 1), Partial() a sum still to be reduced (a row-parallel output before its
+all-reduce / reduce-scatter).
+"""
+
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.tensor import (
+    DeviceMesh,
+    DTensor,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
+from torch.distributed.tensor.parallel import ColwiseParallel as _TorchColwise
+from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.parallel import RowwiseParallel as _TorchRowwise
+from torch.distributed.tensor.placement_types import Placement
+
+
+def linear_kind(module: nn.Module) -> str | None:
+    """'linear' for nn.Linear (weight (out, in)), 'conv1d' for HF's Conv1D (weight (in, out),
+    recognized by its `nf` attribute and shape, so transformers need not be imported), else None."""
+    if isinstance(module, nn.Linear):
+        return "linear"
+    weight = getattr(module, "weight", None)
+    nf = getattr(module, "nf", None)
+    if (
+        type(module).__name__ == "Conv1D"
+        and weight is not None
+        and weight.dim() == 2
+        and weight.shape[1] == nf
+    ):
+        return "conv1d"
+    return None
+
+
+# The attribute a fused projection carries after sharding: (parts, weight's output dim, tp degree).
+FUSED_LAYOUT_ATTR = "_trifuse_fused_layout"
+
+
+def to_rank_major(t: torch.Tensor, dim: int, parts: int, tp: int) -> torch.Tensor:
+    """Reorders dim `dim` of a fused [part_0 | part_1 | ...] tensor so that its t equal chunks are
+    [part_0 of rank r | part_1 of rank r | ...]. Shape (.., parts * t * n, ..) -> same shape:
+    index (p, r, i) moves to (r, p, i)."""
+    n = t.shape[dim] // (parts * tp)
+    return t.unflatten(dim, (parts, tp, n)).transpose(dim, dim + 1).flatten(dim, dim + 2)
+
+
+def from_rank_major(t: torch.Tensor, dim: int, parts: int, tp: int) -> torch.Tensor:
+    """The inverse of `to_rank_major`: index (r, p, i) moves back to (p, r, i)."""
+    n = t.shape[dim] // (parts * tp)
+    return t.unflatten(dim, (tp, parts, n)).transpose(dim, dim + 1).flatten(dim, dim + 2)
+
+
+def _as_dtensor(x: torch.Tensor, mesh: DeviceMesh, layout: Placement) -> DTensor:
+    return x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, (layout,), run_check=False)
+
+
+# Redistributions wait for their collective (async_op=False): a local tensor handed on while its
+# collective is in flight is a lazy-waiting subclass, and a kernel launcher that reads its
+# data_ptr() (trifuse's fused kernels on the local shards) would read memory not yet written.
+
+
+def _redistribute_input(layout, desired, mod, inputs, device_mesh):
+    x = _as_dtensor(inputs[0], device_mesh, layout)
+    if x.placements != (desired,):
+        x = x.redistribute(device_mesh, (desired,), async_op=False)
+    return (x, *inputs[1:])
+
+
+def _redistribute_output(layout, use_local_output, mod, outputs, device_mesh):
+    if outputs.placements != (layout,):
+        outputs = outputs.redistribute(device_mesh, (layout,), async_op=False)
+    return outputs.to_local() if use_local_output else outputs
+
+
+def _distribute_param(module: nn.Module, name: str, data: torch.Tensor, mesh, placement, src_data_rank):
+    param = getattr(module, name)
+    dist = distribute_tensor(data, mesh, (placement,), src_data_rank=src_data_rank)
+    module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
+
+
+class ColwiseParallel(_TorchColwise):
+    """Column-parallel: output features split across the mesh; input replicated (all-gathered
+    along the sequence first when `input_layouts=Shard(1)`), output Shard(-1).
+
+    As torch's, plus HF Conv1D, plus `fused_parts`: the number of equal blocks the output
+    features consist of ([Q | K | V] = 3), each split per rank as described in the module
+    docstring. The parameter's full tensor is then in rank-major order, and the module carries
+    hooks so that `state_dict()` / `load_state_dict()` speak the unsharded layout."""
+
+    def __init__(
+        self,
+        *,
+        input_layouts: Placement | None = None,
+        output_layouts: Placement | None = None,
+        use_local_output: bool = True,
+        fused_parts: int = 1,
+    ):
+        super().__init__(
+            input_layouts=input_layouts, output_layouts=output_layouts, use_local_output=use_local_output
+        )
+        if not isinstance(fused_parts, int) or fused_parts < 1:
+            raise ValueError(
+                f"trifuse.parallel.ColwiseParallel: fused_parts must be an int >= 1, got {fused_parts!r}"
+            )
+        self.fused_parts = fused_parts
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        kind = linear_kind(module)
+        if kind is None:
+            if self.fused_parts == 1:
+                return super()._apply(module, device_mesh)
+            raise TypeError(
+                "trifuse.parallel.ColwiseParallel: fused_parts needs an nn.Linear or HF Conv1D, "
+                f"got {type(module).__name__}"
+            )
+        out_dim = 0 if kind == "linear" else 1
+        tp = device_mesh.size()
+        parts = self.fused_parts
+        n_out = module.weight.shape[out_dim]
+        if n_out % (parts * tp):
+            raise ValueError(
+                f"trifuse.parallel.ColwiseParallel: {type(module).__name__} has {n_out} output features, "
+                f"which do not split into {parts} part(s) x {tp} ranks"
+            )
+
+        def partition(name, mod, mesh):
+            for pname, param in list(mod.named_parameters(recurse=False)):
+                dim = out_dim if pname == "weight" else 0
+                data = param.detach()
+                if parts > 1:
+                    data = to_rank_major(data, dim, parts, tp)
+                _distribute_param(mod, pname, data, mesh, Shard(dim), self.src_data_rank)
+
+        distribute_module(
+            module,
+            device_mesh,
+            partition,
+            partial(_redistribute_input, self.input_layouts[0], Replicate()),
+            partial(_redistribute_output, self.output_layouts[0], self.use_local_output),
+        )
+        if parts > 1:
+            setattr(module, FUSED_LAYOUT_ATTR, (parts, out_dim, tp))
+            module.register_state_dict_post_hook(_fused_state_dict_hook)
+            module.register_load_state_dict_pre_hook(_fused_load_hook)
+        return module
+
+    def __repr__(self) -> str:
+        return super().__repr__()[:-1] + f", fused_parts={self.fused_parts})"
+
+
+class RowwiseParallel(_TorchRowwise):
+    """Row-parallel: input features split across the mesh (the input arrives Shard(-1), a
+    column-parallel output), the product is Partial and is all-reduced (`output_layouts`
+    Replicate) or reduce-scattered along the sequence (Shard(1)). The bias is replicated and
+    added once. As torch's, plus HF Conv1D."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        kind = linear_kind(module)
+        if kind is None:
+            return super()._apply(module, device_mesh)
+        in_dim = 1 if kind == "linear" else 0
+
+        def partition(name, mod, mesh):
+            _distribute_param(mod, "weight", mod.weight.detach(), mesh, Shard(in_dim), self.src_data_rank)
+            if getattr(mod, "bias", None) is not None:
+                _distribute_param(mod, "bias", mod.bias.detach(), mesh, Replicate(), self.src_data_rank)
+
+        return distribute_module(
+            module,
+            device_mesh,
+            partition,
+            partial(_redistribute_input, self.input_layouts[0], Shard(-1)),
+            partial(_redistribute_output, self.output_layouts[0], self.use_local_output),
+        )
+
+
+class PrepareFirstInput(ParallelStyle):
+    """Redistributes the module's first positional input from `input_layout` to `desired_layout`
+    and leaves every other argument alone. With `use_local_output=False` the module receives a
+    DTensor: all its column-parallel projections then share one all-gather forward and one
+    reduction of their summed input gradients backward (three separate Q, K, V inputs would
+    each all-reduce)."""
+
+    def __init__(self, *, input_layout: Placement, desired_layout: Placement, use_local_output: bool):
+        self.input_layout = input_layout
+        self.desired_layout = desired_layout
+        self.use_local_output = use_local_output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_pre_hook(partial(self._hook, device_mesh))
+        return module
+
+    def _hook(self, mesh, module, args):
+        if not args or not isinstance(args[0], torch.Tensor):
+            raise ValueError(
+                f"trifuse.parallel: {type(module).__name__} must get its hidden states as the first "
+                "positional argument to be sharded, got "
+                f"{type(args[0]).__name__ if args else 'no positional argument'}"
+            )
+        x = args[0]
+        if isinstance(self.desired_layout, Shard) and not isinstance(x, DTensor):
+            dim, t = self.desired_layout.dim, mesh.size()
+            if x.shape[dim] % t:
+                raise ValueError(
+                    f"trifuse.parallel: sequence parallelism splits dim {dim} of the hidden states over {t} "
+                    f"ranks; it must be divisible by {t}, got shape {tuple(x.shape)}"
+                )
+        x = _redistribute_input(self.input_layout, self.desired_layout, module, (x,), mesh)[0]
+        return (x.to_local() if self.use_local_output else x, *args[1:])
+
+    def __repr__(self) -> str:
+        return f"PrepareFirstInput({self.input_layout} -> {self.desired_layout})"
+
+
+class PrepareFirstOutput(ParallelStyle):
+    """Redistributes the module's output (or the first element of a tuple output) from
+    `output_layout` to `desired_layout`, returned as a local tensor."""
+
+    def __init__(self, *, output_layout: Placement, desired_layout: Placement):
+        self.output_layout = output_layout
+        self.desired_layout = desired_layout
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_hook(partial(self._hook, device_mesh))
+        return module
+
+    def _hook(self, mesh, module, args, output):
+        first = output[0] if isinstance(output, tuple) else output
+        y = _redistribute_output(
+            self.desired_layout, True, module, _as_dtensor(first, mesh, self.output_layout), mesh
+        )
+        return (y, *output[1:]) if isinstance(output, tuple) else y
+
+    def __repr__(self) -> str:
+        return f"PrepareFirstOutput({self.output_layout} -> {self.desired_layout})"
+
+
+# ---------------------------------------------------------------------------------------------
+# State-dict hooks of a fused projection: the parameter holds the rank-major permutation, the
+# state_dict shows the unsharded layout (same DTensor mesh and placements, so DCP saves each
+# rank's piece of the *unsharded* tensor and loads into any other sharding or none).
+# ---------------------------------------------------------------------------------------------
+
+
+def _relayout(t: DTensor, fn) -> DTensor:
+    """`fn` applied to the full tensor of `t`, returned with t's mesh and placements. Gathers the
+    whole tensor once (checkpointing only); each rank then keeps its own piece, no scatter."""
+    full = fn(t.full_tensor())
+    return distribute_tensor(full, t.device_mesh, t.placements, src_data_rank=None)
+
+
+def _fused_state_dict_hook(module, state_dict, prefix, local_metadata):
+    parts, out_dim, tp = getattr(module, FUSED_LAYOUT_ATTR)
+    for pname, _ in module.named_parameters(recurse=False):
+        key = prefix + pname
+        if key in state_dict and isinstance(state_dict[key], DTensor):
+            dim = out_dim if pname == "weight" else 0
+            state_dict[key] = _relayout(
+                state_dict[key], partial(from_rank_major, dim=dim, parts=parts, tp=tp)
+            )
+
+
+def _fused_load_hook(
+    module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+):
+    parts, out_dim, tp = getattr(module, FUSED_LAYOUT_ATTR)
+    for pname, param in module.named_parameters(recurse=False):
+        key = prefix + pname
+        if key not in state_dict:
+            continue
+        dim = out_dim if pname == "weight" else 0
+        value = state_dict[key]
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        full = to_rank_major(full.to(param.device), dim, parts, tp)
+        state_dict[key] = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)

@@ -1,0 +1,70 @@
+"""Tiny Hugging Face models built from configs (no downloads), identical on every rank."""
+
+import torch
+
+from tolerances import check_close
+
+VOCAB = 64
+
+
+def build(kind: str, *, dropout: float = 0.0, heads: int = 4, dtype=torch.float64, seed: int = 0, **extra):
+    """GPT-2 (LM head, Conv1D projections, fused c_attn) or BERT (MLM head, nn.Linear Q/K/V)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(
+            n_embd=8 * heads,
+            n_layer=2,
+            n_head=heads,
+            n_positions=32,
+            vocab_size=VOCAB,
+            bos_token_id=0,
+            eos_token_id=0,
+            resid_pdrop=dropout,
+            embd_pdrop=dropout,
+            attn_pdrop=dropout,
+            **extra,
+        )
+        model = transformers.GPT2LMHeadModel(config)
+    elif kind == "bert":
+        config = transformers.BertConfig(
+            hidden_size=8 * heads,
+            num_hidden_layers=2,
+            num_attention_heads=heads,
+            intermediate_size=64,
+            vocab_size=VOCAB,
+            max_position_embeddings=32,
+            hidden_dropout_prob=dropout,
+            attention_probs_dropout_prob=dropout,
+            **extra,
+        )
+        model = transformers.BertForMaskedLM(config)
+    else:
+        raise ValueError(kind)
+    return model.to(dtype)
+
+
+def batch(kind: str, step: int = 0, *, b: int = 2, s: int = 8) -> dict:
+    """Inputs and labels, the same on every rank (a seeded generator, not the global stream)."""
+    ids = torch.randint(0, VOCAB, (b, s), generator=torch.Generator().manual_seed(100 + step))
+    out = {"input_ids": ids, "labels": ids}
+    if kind == "gpt2":
+        out["use_cache"] = False
+    return out
+
+
+def compare_full(tag, model, ref, failures, grads):
+    """Appends to `failures` every parameter (grads=True: gradient) of `model`, gathered whole,
+    that is not `ref`'s to float64 rounding (tests/tolerances.py); returns how many it checked."""
+    from trifuse.parallel import gather_full
+
+    got, want = gather_full(model, grads=grads), gather_full(ref, grads=grads)
+    if got.keys() != want.keys():
+        failures.append(f"{tag}: keys differ: {sorted(got.keys() ^ want.keys())}")
+        return 0
+    for k in want:
+        ok, msg = check_close(f"{tag} {k}", got[k], want[k], None)
+        if not ok:
+            failures.append(msg)
+    return len(want)

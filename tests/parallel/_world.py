@@ -1,0 +1,112 @@
+"""A persistent group of gloo worker processes that tests hand functions to.
+
+Starting processes and a process group costs seconds on this machine, so one world of each
+size serves every test (a session fixture in conftest.py). `World.run(fn, *args)` calls
+`fn(rank, world_size, *args)` on every rank and returns the per-rank results; `fn` must be a
+module-level function of a file under tests/ (it is found again in the workers by file path
+and name, whatever pytest's import mode). A failure on any rank raises with that rank's
+traceback; a world that timed out or failed is closed, and the fixture starts a fresh one
+for the next test, so one broken test cannot leak a wedged process group into the next.
+"""
+
+import importlib.util
+import os
+import pickle
+import socket
+import sys
+import traceback
+from datetime import timedelta
+from multiprocessing.reduction import ForkingPickler
+
+import torch.multiprocessing as mp
+
+TIMEOUT_S = 120
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_MODULES: dict = {}
+
+
+def _load(path: str):
+    if path not in _MODULES:
+        spec = importlib.util.spec_from_file_location(f"_world_task_{len(_MODULES)}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        _MODULES[path] = module
+    return _MODULES[path]
+
+
+def _serve(rank: int, size: int, port: int, paths: list[str], inbox, outbox) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # 2 cores shared by every worker and every other user of the machine
+    sys.path[:0] = paths
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=size, timeout=timedelta(seconds=TIMEOUT_S))
+    try:
+        while (task := inbox.get()) is not None:
+            path, name, args = task
+            try:
+                # Pickled here, not in the queue's feeder thread, so that an unpicklable result is
+                # reported as a failure instead of being dropped silently.
+                outbox.put(
+                    (rank, True, bytes(ForkingPickler.dumps(getattr(_load(path), name)(rank, size, *args))))
+                )
+            except Exception:  # reported to the parent, which fails the test with it
+                outbox.put((rank, False, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+class World:
+    def __init__(self, size: int):
+        ctx = mp.get_context("spawn")
+        here = os.path.dirname(os.path.abspath(__file__))
+        paths = [here, os.path.dirname(here)]
+        port = free_port()
+        self.size = size
+        self.broken = False
+        self.outbox = ctx.Queue()
+        self.inboxes = [ctx.Queue() for _ in range(size)]
+        self.procs = [
+            ctx.Process(target=_serve, args=(r, size, port, paths, self.inboxes[r], self.outbox), daemon=True)
+            for r in range(size)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn, *args, timeout: float = TIMEOUT_S) -> list:
+        """fn(rank, size, *args) on every rank; the results in rank order."""
+        path = sys.modules[fn.__module__].__file__
+        for q in self.inboxes:
+            q.put((path, fn.__name__, args))
+        results: dict[int, object] = {}
+        failures: list[str] = []
+        try:
+            for _ in range(self.size):
+                rank, ok, value = self.outbox.get(timeout=timeout)
+                results[rank] = pickle.loads(value) if ok else value
+                if not ok:
+                    failures.append(f"rank {rank}:\n{value}")
+        except Exception as e:  # queue.Empty: a rank hung (e.g. in a collective)
+            self.broken = True
+            raise AssertionError(f"world of {self.size} timed out after {timeout} s in {fn.__name__}") from e
+        if failures:
+            self.broken = True
+            raise AssertionError("\n".join(failures))
+        return [results[r] for r in range(self.size)]
+
+    def close(self) -> None:
+        for q in self.inboxes:
+            q.put(None)
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()

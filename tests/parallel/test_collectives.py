@@ -1,0 +1,168 @@
+"""The layout moves shard() relies on, with rank-encoded inputs and exact expected values.
+
+Every value is a small integer, so every expected result is exact in float32: a wrong
+collective (wrong rank order, a missing reduction, a reduction twice) changes a number.
+Forward and backward are both checked: the backward of each move is its conjugate
+(all-gather <-> reduce-scatter, scatter <-> all-gather, identity <-> all-reduce).
+"""
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from trifuse.parallel.random import RankStream
+from trifuse.parallel.styles import from_rank_major, to_rank_major
+
+
+def _mesh(size):
+    return init_device_mesh("cpu", (size,))
+
+
+def sequence_scatter_and_gather(rank, size):
+    """Replicate -> Shard(1) (the stack's entry) and Shard(1) -> Replicate (attention's entry)."""
+    from trifuse.parallel.styles import PrepareFirstInput, PrepareFirstOutput
+
+    mesh = _mesh(size)
+    s = 2 * size
+    full = torch.arange(s, dtype=torch.float32).reshape(1, s, 1).requires_grad_()
+    enter = nn.Identity()
+    PrepareFirstInput(input_layout=Replicate(), desired_layout=Shard(1), use_local_output=True)._apply(
+        enter, mesh
+    )
+    local = enter(full)
+    (local * (rank + 1)).sum().backward()  # upstream gradient on rank r: r + 1
+
+    mine = torch.full((1, 2, 1), 10.0 * (rank + 1)).requires_grad_()  # rank-encoded sequence slice
+    gather = nn.Identity()
+    PrepareFirstInput(input_layout=Shard(1), desired_layout=Replicate(), use_local_output=False)._apply(
+        gather, mesh
+    )
+    # As a column-parallel consumer does: its input gradient is this rank's partial sum.
+    gathered = gather(mine).to_local(grad_placements=(Partial(),))
+    (gathered * (rank + 1)).sum().backward()
+
+    leave = nn.Identity()
+    PrepareFirstOutput(output_layout=Shard(1), desired_layout=Replicate())._apply(leave, mesh)
+    left = leave(torch.full((1, 2, 1), 10.0 * (rank + 1)))
+    return local.detach(), full.grad, gathered.detach(), mine.grad, left
+
+
+def rowwise_reduce_scatter(rank, size):
+    """A row-parallel linear with all-ones weights on rank-encoded inputs: the partial products
+    are summed over ranks and scattered along the sequence."""
+    from trifuse.parallel import RowwiseParallel
+
+    mesh = _mesh(size)
+    lin = nn.Linear(2 * size, 3, bias=True)
+    with torch.no_grad():
+        lin.weight.fill_(1.0)
+        lin.bias.fill_(100.0)
+    RowwiseParallel(output_layouts=Shard(1))._apply(lin, mesh)
+    x = torch.full((1, 2 * size, 2), float(rank + 1)).requires_grad_()  # this rank's 2 input features
+    y = lin(x)
+    rows = torch.arange(1, 1 + y.shape[1], dtype=torch.float32) + y.shape[1] * rank  # global row index + 1
+    (y * rows.reshape(1, -1, 1)).sum().backward()
+    return y.detach(), x.grad, lin.bias.grad.full_tensor()
+
+
+def fused_colwise_conv1d(rank, size):
+    """GPT-2's c_attn (Conv1D, [Q | K | V]) column-parallel with fused_parts=3: rank r holds the
+    q, k, v columns of its own heads; its state_dict piece is the unsharded layout's."""
+    from transformers.pytorch_utils import Conv1D
+
+    from trifuse.parallel import ColwiseParallel
+
+    mesh = _mesh(size)
+    heads, d = 2 * size, 1
+    conv = Conv1D(3 * heads * d, 2)
+    with torch.no_grad():
+        conv.weight.copy_(torch.arange(3 * heads).repeat(2, 1))  # column c holds c
+        conv.bias.copy_(torch.arange(3 * heads))
+    ColwiseParallel(fused_parts=3)._apply(conv, mesh)
+    out = conv(torch.tensor([[[1.0, 0.0]]]))  # picks weight row 0 (+ bias): 2 * column index
+    sd = conv.state_dict()
+    return (
+        conv.weight.to_local()[0].detach(),
+        out[0, 0].detach(),
+        sd["weight"].to_local()[0],
+        sd["bias"].to_local(),
+    )
+
+
+def test_sequence_scatter_and_gather_exact(world):
+    size = 2
+    for rank, (local, full_grad, gathered, mine_grad, left) in enumerate(
+        world.run(sequence_scatter_and_gather)
+    ):
+        assert local.flatten().tolist() == [2.0 * rank, 2.0 * rank + 1]  # my slice, no communication
+        assert full_grad.flatten().tolist() == [1.0, 1.0, 2.0, 2.0]  # all-gather of r + 1 slices
+        assert gathered.flatten().tolist() == [10.0, 10.0, 20.0, 20.0]  # all-gather in rank order
+        assert mine_grad.flatten().tolist() == [1.0 + 2.0] * 2  # reduce-scatter of the partial grads
+        assert left.flatten().tolist() == [10.0, 10.0, 20.0, 20.0]
+    assert size == 2
+
+
+def test_rowwise_reduce_scatter_exact(world):
+    for rank, (y, x_grad, bias_grad) in enumerate(world.run(rowwise_reduce_scatter)):
+        # 2 features per rank, all-ones weights: sum_r 2 * (r + 1) = 6, plus the bias added once.
+        assert y.shape == (1, 2, 3)
+        assert torch.equal(y, torch.full((1, 2, 3), 106.0))
+        # The upstream gradient of output row i is i + 1; it is all-gathered, so every rank's input
+        # gradient sees all four rows: 3 outputs x (i + 1).
+        assert x_grad[0, :, 0].tolist() == [3.0, 6.0, 9.0, 12.0]
+        assert bias_grad.tolist() == [1.0 + 2 + 3 + 4] * 3  # summed over the whole sequence, once
+
+
+def test_fused_qkv_split_per_head_exact(world):
+    for rank, (weight_row, out, sd_weight_row, sd_bias) in enumerate(world.run(fused_colwise_conv1d)):
+        # 4 heads of width 1, [q0 q1 q2 q3 | k0 .. | v0 ..] = columns 0..11; rank r has heads 2r, 2r+1.
+        q, k, v = [2 * rank, 2 * rank + 1], [4 + 2 * rank, 5 + 2 * rank], [8 + 2 * rank, 9 + 2 * rank]
+        assert weight_row.tolist() == q + k + v
+        assert out.tolist() == [2.0 * c for c in q + k + v]
+        assert sd_weight_row.tolist() == list(range(6 * rank, 6 * rank + 6))  # unsharded layout
+        assert sd_bias.tolist() == list(range(6 * rank, 6 * rank + 6))
+
+
+def test_rank_major_permutation_round_trip_exact():
+    t = torch.arange(24).reshape(2, 12)
+    permuted = to_rank_major(t, 1, parts=3, tp=2)
+    assert permuted[0].tolist() == [0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11]
+    assert torch.equal(from_rank_major(permuted, 1, parts=3, tp=2), t)
+    assert torch.equal(from_rank_major(to_rank_major(t.T, 0, 3, 4), 0, 3, 4), t.T)
+
+
+def test_rank_stream_differs_per_rank_and_restores_default_stream():
+    module = nn.Dropout(0.5).train()
+    x = torch.ones(64)
+
+    def run(rank, fail=False):
+        torch.manual_seed(3)
+        stream = RankStream(rank)
+        stream.enter(module, (x,))
+        y = module(x)
+        if fail:  # an exception inside the region: the forward hook still runs (always_call)
+            stream.leave(module, (x,), None)
+        else:
+            stream.leave(module, (x,), y)
+        return y, torch.rand(4)
+
+    y0, after0 = run(0)
+    y1, after1 = run(1)
+    y0_again, _ = run(0, fail=True)
+    torch.manual_seed(3)
+    torch.randint(0, 2**62, ())
+    expected_after = torch.rand(4)
+    assert torch.equal(y0, y0_again)  # reproducible under the seed
+    assert not torch.equal(y0, y1)  # independent across ranks
+    assert torch.equal(after0, expected_after) and torch.equal(after1, expected_after)  # one draw consumed
+
+
+def test_rank_stream_is_inert_outside_training():
+    module = nn.Dropout(0.5).eval()
+    torch.manual_seed(3)
+    state = torch.get_rng_state()
+    stream = RankStream(1)
+    stream.enter(module, (torch.ones(2),))
+    stream.leave(module, (), None)
+    assert torch.equal(torch.get_rng_state(), state)

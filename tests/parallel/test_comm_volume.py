@@ -1,0 +1,102 @@
+"""Communication volume of a sharded GPT-2 step, counted on the collectives, against the formula.
+
+Counted: every DTensor collective (torch's `_c10d_functional` ops) seen by a dispatch mode
+during one forward and one backward, with the size N of the *whole* tensor it moves (all-reduce:
+its input; all-gather: its output; reduce-scatter: its input), in bytes. The formula, per
+transformer layer, A = batch * sequence * hidden * bytes per element, t = tensor-parallel degree:
+
+    TP      forward  2 all-reduce (A)               backward 2 all-reduce (A)
+    TP+SP   forward  2 all-gather (A), 2 reduce-scatter (A)
+            backward 2 all-gather (A), 2 reduce-scatter (A), 4 all-reduce (hidden * bytes: the two
+                     LayerNorms' weight and bias gradients, partial sums over sequence shards)
+    + once per model with SP: the stack's entry all-gathers in the backward, its exit in the
+      forward (A each).
+
+A ring all-reduce of N bytes sends 2 (t-1)/t N per rank, an all-gather or reduce-scatter (t-1)/t N,
+so both schemes send 8 (t-1)/t A per layer and step; SP adds only the LayerNorm all-reduces.
+The README's table comes from `expected_collectives` and this count.
+"""
+
+from collections import Counter
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from _models import batch, build
+
+_NAMES = {
+    "all_reduce": "all-reduce",
+    "all_gather_into_tensor": "all-gather",
+    "reduce_scatter_tensor": "reduce-scatter",
+}
+
+
+class CollectiveBytes(TorchDispatchMode):
+    """Counts (phase, collective, whole-tensor bytes) for DTensor's functional collectives."""
+
+    def __init__(self, group_size: int):
+        super().__init__()
+        self.group_size = group_size
+        self.phase = "forward"
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = _NAMES.get(func._opname) if func.namespace == "_c10d_functional" else None
+        if name is not None:
+            whole = out if name == "all-gather" else args[0]
+            self.counts[(self.phase, name, whole.numel() * whole.element_size())] += 1
+        return out
+
+
+def expected_collectives(layers: int, b: int, s: int, h: int, elem: int, sp: bool) -> Counter:
+    a = b * s * h * elem
+    if not sp:
+        return Counter({("forward", "all-reduce", a): 2 * layers, ("backward", "all-reduce", a): 2 * layers})
+    return Counter(
+        {
+            ("forward", "all-gather", a): 2 * layers + 1,
+            ("forward", "reduce-scatter", a): 2 * layers,
+            ("backward", "all-gather", a): 2 * layers + 1,
+            ("backward", "reduce-scatter", a): 2 * layers,
+            ("backward", "all-reduce", h * elem): 4 * layers,
+        }
+    )
+
+
+def wire_bytes_per_rank(counts: Counter, t: int) -> float:
+    """Bytes each rank sends for `counts` with ring algorithms."""
+    factor = {"all-reduce": 2 * (t - 1) / t, "all-gather": (t - 1) / t, "reduce-scatter": (t - 1) / t}
+    return sum(n * factor[name] * nbytes for (_, name, nbytes), n in counts.items())
+
+
+def count_step(rank, size, sp, b, s):
+    from trifuse.parallel import shard
+
+    model = shard(build("gpt2", dtype=torch.float32), init_device_mesh("cpu", (size,)), sequence_parallel=sp)
+    mode = CollectiveBytes(size)
+    with mode:
+        loss = model(**batch("gpt2", b=b, s=s)).loss
+        mode.phase = "backward"
+        loss.backward()
+    return mode.counts
+
+
+@pytest.mark.parametrize("b, s", [(2, 8), (3, 16)])
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_counted_bytes_match_formula(world, sp, b, s):
+    layers, h, elem = 2, 32, 4  # _models.build("gpt2"): 2 layers, 4 heads of 8, float32
+    expected = expected_collectives(layers, b, s, h, elem, sp)
+    for counts in world.run(count_step, sp, b, s):
+        assert counts == expected
+
+
+def test_tp_and_sp_send_the_same_activation_bytes():
+    t, layers, b, s, h, elem = 4, 24, 8, 1024, 1024, 2
+    a = b * s * h * elem
+    tp = wire_bytes_per_rank(expected_collectives(layers, b, s, h, elem, sp=False), t)
+    sp = wire_bytes_per_rank(expected_collectives(layers, b, s, h, elem, sp=True), t)
+    assert tp == 8 * (t - 1) / t * a * layers
+    assert sp == tp + 2 * (t - 1) / t * a + 4 * layers * 2 * (t - 1) / t * h * elem
