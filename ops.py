@@ -3,6 +3,9 @@
 Each dispatches to a thin autograd.Function in eager mode and to the registered `trifuse::`
 op under torch.compile, fx and export.
 """
+from .kernels.bias_gelu import bias_gelu
+from .kernels.dropout_add import dropout_add
 from .kernels.layer_norm import dropout_add_layer_norm, layer_norm, rms_norm
 
 __all__ = ["layer_norm", "rms_norm", "dropout_add_layer_norm"]
+__all__ += ["bias_gelu", "dropout_add"]

@@ -346,9 +346,8 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None = None, approximate: st
         TypeError for non-float tensors; ValueError for a bias that is not (N,), tensors on
         different devices, or an unknown `approximate`.
     """
-    check_tensor("bias_gelu", "input", x)
+    _check_inputs(x, bias, approximate)
     if eager_fast_path(x, bias):
-        _check_inputs(x, bias, approximate)
         with profiled("trifuse::bias_gelu"):
             return _BiasGeluFunction.apply(x, bias, approximate)
     return torch.ops.trifuse.bias_gelu(x, bias, approximate)

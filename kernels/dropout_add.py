@@ -384,11 +384,9 @@ def dropout_add(
         ValueError for p outside [0, 1], shapes that do not match, or tensors on different
         devices; TypeError for non-float tensors.
     """
-    check_tensor("dropout_add", "input", x)
-    check_probability("dropout_add", "p", p)
+    _check_inputs(x, residual, p, bias)
     p = float(p) if training else 0.0
     if eager_fast_path(x, residual, bias):
-        _check_inputs(x, residual, p, bias)
         with profiled("trifuse::dropout_add"):
             return _DropoutAddFunction.apply(x, residual, bias, p)
     return torch.ops.trifuse.dropout_add(x, residual, p, bias)[0]
