@@ -711,7 +711,7 @@ class _NormFunction(torch.autograd.Function):
         with profiled(name):
             dx, dr, dw, db, dxb = layer_norm_bwd(
                 dy, s, ctx.n, weight, mean, rstd, is_rms_norm=ctx.is_rms_norm, ds=ds, p=ctx.p,
-                seed=seed, store_dresidual=ctx.p > 0.0)
+                seed=seed, store_dresidual=ctx.p > 0.0 and ctx.needs_input_grad[1])
         needs = ctx.needs_input_grad
         return (
             dx.to(ctx.x_dtype) if needs[0] else None,
