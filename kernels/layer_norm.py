@@ -51,7 +51,7 @@ from ._common import (
     profiled,
     use_triton,
 )
-from ._random import dropout_keep
+from ._random import dropout_keep_quads
 
 # Widest row (elements) kept whole in registers; wider rows are walked in chunks of this size.
 MAX_SINGLE_BLOCK_FWD = 16384
@@ -110,7 +110,7 @@ def _load_stream(X, R, XB, seed, row, cols, mask, p, scale,
     if HAS_X_BIAS:
         s += tl.load(XB + cols, mask=mask, other=0.0).to(ACC)
     if HAS_DROPOUT:
-        s = tl.where(dropout_keep(seed, row, cols, p), s * scale, 0.0)
+        s = tl.where(dropout_keep_quads(seed, row, cols, p), s * scale, 0.0)
     if HAS_RESIDUAL:
         s += tl.load(R + cols, mask=mask, other=0.0).to(ACC)
     return s
@@ -222,7 +222,7 @@ def _store_input_grads(ds, DS, DX, DR, seed, row, cols, mask, p, scale,
         tl.store(DR + cols, ds.to(DR.dtype.element_ty), mask=mask)
     dx = ds
     if HAS_DROPOUT:
-        dx = tl.where(dropout_keep(seed, row, cols, p), ds * scale, 0.0)
+        dx = tl.where(dropout_keep_quads(seed, row, cols, p), ds * scale, 0.0)
     tl.store(DX + cols, dx.to(DX.dtype.element_ty), mask=mask)
     return dx
 
