@@ -45,7 +45,7 @@ from ._common import (
     profiled,
     use_triton,
 )
-from ._tiles import REDUCE_TILE_ELEMENTS, row_groups, tile_2d
+from ._tiles import REDUCE_TILE_ELEMENTS, cdiv, row_groups, tile_2d
 
 APPROXIMATE = ("none", "tanh")
 
@@ -169,8 +169,8 @@ def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor | None, approximate: str) 
     m = x2.shape[0]
     y2 = y.view(m, n)
     block_m, block_n, num_warps = tile_2d(m, n)
-    col_tiles = triton.cdiv(n, block_n)
-    _bias_gelu_fwd_kernel[(triton.cdiv(m, block_m) * col_tiles,)](
+    col_tiles = cdiv(n, block_n)
+    _bias_gelu_fwd_kernel[(cdiv(m, block_m) * col_tiles,)](
         x2, bias if bias is not None else x2, y2, m, n, x2.stride(0), y2.stride(0), col_tiles,
         BLOCK_M=block_m, BLOCK_N=block_n, HAS_BIAS=bias is not None, TANH=approximate == "tanh",
         ACC=acc_dtype(x.dtype), num_warps=num_warps,
@@ -196,10 +196,10 @@ def bias_gelu_bwd(
     m = x2.shape[0]
     dx2 = dx.view(m, n)
     block_m, block_n, num_warps = tile_2d(m, n, REDUCE_TILE_ELEMENTS)
-    col_tiles = triton.cdiv(n, block_n)
+    col_tiles = cdiv(n, block_n)
     if bias is None:
         # Nothing to reduce: one tile per program.
-        groups, rows_per_program = triton.cdiv(m, block_m), block_m
+        groups, rows_per_program = cdiv(m, block_m), block_m
         partial = dx2
     else:
         groups, rows_per_program = row_groups(m, block_m, col_tiles, device_sms(x))

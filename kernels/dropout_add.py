@@ -43,7 +43,7 @@ from ._common import (
     use_triton,
 )
 from ._random import dropout_keep_quads
-from ._tiles import REDUCE_TILE_ELEMENTS, row_groups, tile_2d
+from ._tiles import REDUCE_TILE_ELEMENTS, cdiv, row_groups, tile_2d
 
 # =============================================================================================
 # Reference: the spec. It takes the kernel's mask as an argument so tests can compare exactly.
@@ -164,8 +164,8 @@ def dropout_add_fwd(
     m = x2.shape[0]
     y2 = y.view(m, n)
     block_m, block_n, num_warps = tile_2d(m, n)
-    col_tiles = triton.cdiv(n, block_n)
-    _dropout_add_fwd_kernel[(triton.cdiv(m, block_m) * col_tiles,)](
+    col_tiles = cdiv(n, block_n)
+    _dropout_add_fwd_kernel[(cdiv(m, block_m) * col_tiles,)](
         x2, r2, bias if bias is not None else x2, seed if p > 0.0 else x2, y2,
         m, n, x2.stride(0), r2.stride(0), y2.stride(0), p, _dropout_scale(p), col_tiles,
         BLOCK_M=block_m, BLOCK_N=block_n, HAS_BIAS=bias is not None, HAS_DROPOUT=p > 0.0,
@@ -190,13 +190,13 @@ def dropout_add_bwd(
     m = dy2.shape[0]
     dx2 = dx.view(m, n)
     block_m, block_n, num_warps = tile_2d(m, n, REDUCE_TILE_ELEMENTS)
-    col_tiles = triton.cdiv(n, block_n)
+    col_tiles = cdiv(n, block_n)
     if has_bias:
         groups, rows_per_program = row_groups(m, block_m, col_tiles, device_sms(dy))
         partial = torch.empty((groups, n), dtype=acc, device=dy.device)
     else:
         # Nothing to reduce: one tile per program.
-        groups, rows_per_program = triton.cdiv(m, block_m), block_m
+        groups, rows_per_program = cdiv(m, block_m), block_m
         partial = dx2
     _dropout_add_bwd_kernel[(groups * col_tiles,)](
         dy2, seed, dx2, partial, m, n, dy2.stride(0), dx2.stride(0), p, _dropout_scale(p),
