@@ -45,7 +45,7 @@ from ._common import (
     profiled,
     use_triton,
 )
-from ._tiles import REDUCE_TILE_ELEMENTS, cdiv, row_groups, tile_2d
+from ._tiles import elementwise_plan, reduce_plan
 
 APPROXIMATE = ("none", "tanh")
 
@@ -168,12 +168,11 @@ def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor | None, approximate: str) 
     x2 = as_rows(x, n)
     m = x2.shape[0]
     y2 = y.view(m, n)
-    block_m, block_n, num_warps = tile_2d(m, n)
-    col_tiles = cdiv(n, block_n)
-    _bias_gelu_fwd_kernel[(cdiv(m, block_m) * col_tiles,)](
-        x2, bias if bias is not None else x2, y2, m, n, x2.stride(0), y2.stride(0), col_tiles,
-        BLOCK_M=block_m, BLOCK_N=block_n, HAS_BIAS=bias is not None, TANH=approximate == "tanh",
-        ACC=acc_dtype(x.dtype), num_warps=num_warps,
+    plan = elementwise_plan(m, n)
+    _bias_gelu_fwd_kernel[(plan.programs,)](
+        x2, bias if bias is not None else x2, y2, m, n, x2.stride(0), y2.stride(0), plan.col_tiles,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, HAS_BIAS=bias is not None, TANH=approximate == "tanh",
+        ACC=acc_dtype(x.dtype), num_warps=plan.num_warps,
     )
     return y
 
@@ -186,31 +185,22 @@ def bias_gelu_bwd(
     n = _width(x)
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if bias is None:
-        dbias = torch.empty(0, dtype=acc, device=x.device)
     if x.numel() == 0:
-        return dx, dbias if bias is None else torch.zeros(n, dtype=acc, device=x.device)
+        return dx, torch.zeros(0 if bias is None else n, dtype=acc, device=x.device)
     if not use_triton(x):
         return _bias_gelu_bwd_torch(dy, x, bias, approximate)
     x2, dy2 = as_rows(x, n), as_rows(dy, n)
     m = x2.shape[0]
     dx2 = dx.view(m, n)
-    block_m, block_n, num_warps = tile_2d(m, n, REDUCE_TILE_ELEMENTS)
-    col_tiles = cdiv(n, block_n)
-    if bias is None:
-        # Nothing to reduce: one tile per program.
-        groups, rows_per_program = cdiv(m, block_m), block_m
-        partial = dx2
-    else:
-        groups, rows_per_program = row_groups(m, block_m, col_tiles, device_sms(x))
-        partial = torch.empty((groups, n), dtype=acc, device=x.device)
-    _bias_gelu_bwd_kernel[(groups * col_tiles,)](
+    plan = reduce_plan(m, n, device_sms(x), bias is not None)
+    partial = dx2 if bias is None else torch.empty((plan.groups, n), dtype=acc, device=x.device)
+    _bias_gelu_bwd_kernel[(plan.programs,)](
         dy2, x2, bias if bias is not None else x2, dx2, partial,
-        m, n, dy2.stride(0), x2.stride(0), dx2.stride(0), rows_per_program, col_tiles,
-        BLOCK_M=block_m, BLOCK_N=block_n, HAS_BIAS=bias is not None, TANH=approximate == "tanh",
-        ACC=acc_dtype(x.dtype), num_warps=num_warps,
+        m, n, dy2.stride(0), x2.stride(0), dx2.stride(0), plan.rows_per_group, plan.col_tiles,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, HAS_BIAS=bias is not None, TANH=approximate == "tanh",
+        ACC=acc_dtype(x.dtype), num_warps=plan.num_warps,
     )
-    return dx, dbias if bias is None else partial.sum(dim=0)
+    return dx, partial.sum(dim=0) if bias is not None else dx.new_empty(0, dtype=acc)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ from ._common import (
     use_triton,
 )
 from ._random import dropout_keep_quads
-from ._tiles import REDUCE_TILE_ELEMENTS, cdiv, row_groups, tile_2d
+from ._tiles import elementwise_plan, reduce_plan
 
 # =============================================================================================
 # Reference: the spec. It takes the kernel's mask as an argument so tests can compare exactly.
@@ -163,13 +163,12 @@ def dropout_add_fwd(
     x2, r2 = as_rows(x, n), as_rows(residual, n)
     m = x2.shape[0]
     y2 = y.view(m, n)
-    block_m, block_n, num_warps = tile_2d(m, n)
-    col_tiles = cdiv(n, block_n)
-    _dropout_add_fwd_kernel[(cdiv(m, block_m) * col_tiles,)](
+    plan = elementwise_plan(m, n)
+    _dropout_add_fwd_kernel[(plan.programs,)](
         x2, r2, bias if bias is not None else x2, seed if p > 0.0 else x2, y2,
-        m, n, x2.stride(0), r2.stride(0), y2.stride(0), p, _dropout_scale(p), col_tiles,
-        BLOCK_M=block_m, BLOCK_N=block_n, HAS_BIAS=bias is not None, HAS_DROPOUT=p > 0.0,
-        ACC=acc_dtype(y.dtype), num_warps=num_warps,
+        m, n, x2.stride(0), r2.stride(0), y2.stride(0), p, _dropout_scale(p), plan.col_tiles,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, HAS_BIAS=bias is not None, HAS_DROPOUT=p > 0.0,
+        ACC=acc_dtype(y.dtype), num_warps=plan.num_warps,
     )
     return y
 
@@ -189,20 +188,13 @@ def dropout_add_bwd(
     dy2 = as_rows(dy, n)
     m = dy2.shape[0]
     dx2 = dx.view(m, n)
-    block_m, block_n, num_warps = tile_2d(m, n, REDUCE_TILE_ELEMENTS)
-    col_tiles = cdiv(n, block_n)
-    if has_bias:
-        groups, rows_per_program = row_groups(m, block_m, col_tiles, device_sms(dy))
-        partial = torch.empty((groups, n), dtype=acc, device=dy.device)
-    else:
-        # Nothing to reduce: one tile per program.
-        groups, rows_per_program = cdiv(m, block_m), block_m
-        partial = dx2
-    _dropout_add_bwd_kernel[(groups * col_tiles,)](
+    plan = reduce_plan(m, n, device_sms(dy), has_bias)
+    partial = torch.empty((plan.groups, n), dtype=acc, device=dy.device) if has_bias else dx2
+    _dropout_add_bwd_kernel[(plan.programs,)](
         dy2, seed, dx2, partial, m, n, dy2.stride(0), dx2.stride(0), p, _dropout_scale(p),
-        rows_per_program, col_tiles,
-        BLOCK_M=block_m, BLOCK_N=block_n, HAS_BIAS=has_bias, ACC=acc_dtype(dy.dtype),
-        num_warps=num_warps,
+        plan.rows_per_group, plan.col_tiles,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, HAS_BIAS=has_bias, ACC=acc_dtype(dy.dtype),
+        num_warps=plan.num_warps,
     )
     return dx, partial.sum(dim=0) if has_bias else dx.new_empty(0, dtype=acc)
 

@@ -114,9 +114,9 @@ def test_extreme_values_stay_finite():
 def test_gradcheck_float64():
     x = torch.randn(4, 6, device=DEVICE, dtype=torch.float64, requires_grad=True)
     b = torch.randn(6, device=DEVICE, dtype=torch.float64, requires_grad=True)
-    for approximate in FORMS:
-        assert torch.autograd.gradcheck(lambda x, b: trifuse.ops.bias_gelu(x, b, approximate), (x, b))
-        assert torch.autograd.gradcheck(lambda x: torch.ops.trifuse.bias_gelu(x, None, approximate), (x,))
+    for form in FORMS:
+        assert torch.autograd.gradcheck(lambda x, b, form=form: trifuse.ops.bias_gelu(x, b, form), (x, b))
+        assert torch.autograd.gradcheck(lambda x, form=form: torch.ops.trifuse.bias_gelu(x, None, form), (x,))
 
 
 def test_bias_grad_is_deterministic():
@@ -198,7 +198,7 @@ def test_more_than_2_to_the_31_elements():
     tail = slice(m - 16, m)
     assert_close("tail", y[tail], bias_gelu_ref(x[tail].double(), b.double()), bias_gelu_ref(x[tail], b))
     del y
-    dx, db = bg_mod.bias_gelu_bwd(torch.ones_like(x), x, b, "none")
+    dx, _ = bg_mod.bias_gelu_bwd(torch.ones_like(x), x, b, "none")
     z = x[tail].double() + b.double()
     dz64 = torch.ops.aten.gelu_backward(torch.ones_like(z), z)
     assert_close("dx tail", dx[tail], dz64, None)

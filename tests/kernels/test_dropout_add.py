@@ -93,7 +93,7 @@ def test_mixed_dtypes_promote_like_pytorch():
 
 
 def test_strided_inputs_and_gradients():
-    x, r, b = make((6, 150), torch.float32)
+    x, _, b = make((6, 150), torch.float32)
     xs = x.detach()[:, 10:110].requires_grad_()  # row stride 150, read in place
     rs = torch.randn(100, 6, device=DEVICE).t().requires_grad_()  # transposed: copied
     check_fwd_bwd(xs, rs, b.detach()[:100].clone().requires_grad_(), dy=torch.randn(100, 6, device=DEVICE).t())
@@ -372,9 +372,9 @@ def test_negative_control_unscaled_dropout_fails(dtype):
     ids=["residual-shape", "residual-broadcast", "bias-shape", "int-input", "bool-residual", "no-residual", "not-tensor"],
 )
 def test_bad_input_raises_clear_error(x, r, b, exc, match):
-    to = lambda t: t.to(DEVICE) if isinstance(t, torch.Tensor) else t  # noqa: E731
+    x, r, b = (t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in (x, r, b))
     with pytest.raises(exc, match=match):
-        trifuse.ops.dropout_add(to(x), to(r), P, bias=to(b))
+        trifuse.ops.dropout_add(x, r, P, bias=b)
 
 
 def test_bad_input_raises_under_compile():

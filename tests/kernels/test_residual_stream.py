@@ -123,7 +123,7 @@ def test_wide_rows_use_the_chunked_paths(norm):
 def test_strided_inputs():
     """A sliced x (row stride, read in place), a transposed residual (copied), and
     non-contiguous incoming gradients."""
-    x, r, w, b, xb = make((6, 150), torch.float32)
+    x, _, w, b, xb = make((6, 150), torch.float32)
     xs = x.detach()[:, 10:110].requires_grad_()
     rt = torch.randn(100, 6, device=DEVICE).t().requires_grad_()
     vec = [t.detach()[:100].clone().requires_grad_() for t in (w, b, xb)]
@@ -369,7 +369,7 @@ def test_negative_control_mask_off_by_one_column_fails(dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_negative_control_dropout_after_the_residual_add_fails(dtype):
     """s = dropout(residual + x + x_bias) (the residual dropped too) must not pass."""
-    x, r, w, b, xb = inputs = make((16, 64), dtype)
+    x, r, _, _, xb = inputs = make((16, 64), dtype)
     _, s = run(*inputs)
     mask = recover_mask(s, r)
     wrong = torch.where(mask, (r.double() + x.double() + xb.double()) / (1 - P), 0.0).to(dtype)
