@@ -157,15 +157,20 @@ def _width(x: torch.Tensor) -> int:
     return x.shape[-1] if x.dim() else 1
 
 
+def _flat(bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The bias as a contiguous vector, as the kernels index it (no copy when it is one)."""
+    return None if bias is None else bias.contiguous()
+
+
 def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor | None, approximate: str) -> torch.Tensor:
     """y = gelu(x + bias), contiguous, shaped like x, in x's dtype."""
+    if x.numel() and not use_triton(x):
+        return _bias_gelu_torch(x, bias, approximate)
     n = _width(x)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if y.numel() == 0:
         return y
-    if not use_triton(x):
-        return _bias_gelu_torch(x, bias, approximate)
-    x2 = as_rows(x, n)
+    x2, bias = as_rows(x, n), _flat(bias)
     m = x2.shape[0]
     y2 = y.view(m, n)
     plan = elementwise_plan(m, n)
@@ -182,14 +187,14 @@ def bias_gelu_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dbias): dx contiguous like x in x's dtype; dbias (N,) fp32 (fp64 for fp64 x), empty
     when bias is None."""
+    if x.numel() and not use_triton(x):
+        return _bias_gelu_bwd_torch(dy, x, bias, approximate)
     n = _width(x)
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.numel() == 0:
         return dx, torch.zeros(0 if bias is None else n, dtype=acc, device=x.device)
-    if not use_triton(x):
-        return _bias_gelu_bwd_torch(dy, x, bias, approximate)
-    x2, dy2 = as_rows(x, n), as_rows(dy, n)
+    x2, dy2, bias = as_rows(x, n), as_rows(dy, n), _flat(bias)
     m = x2.shape[0]
     dx2 = dx.view(m, n)
     plan = reduce_plan(m, n, device_sms(x), bias is not None)
@@ -214,14 +219,14 @@ def _upcast(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
 
 
 def _bias_gelu_torch(x, bias, approximate):
-    return F.gelu(_upcast(x, bias), approximate=approximate).to(x.dtype)
+    return F.gelu(_upcast(x, bias), approximate=approximate).to(x.dtype).contiguous()
 
 
 def _bias_gelu_bwd_torch(dy, x, bias, approximate):
     z = _upcast(x, bias)
     dz = torch.ops.aten.gelu_backward(dy.to(z.dtype), z, approximate=approximate)
     dbias = dz.reshape(-1, _width(x)).sum(dim=0) if bias is not None else z.new_empty(0)
-    return dz.to(x.dtype), dbias
+    return dz.to(x.dtype).contiguous(), dbias
 
 
 # =============================================================================================

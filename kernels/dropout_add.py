@@ -154,13 +154,15 @@ def dropout_add_fwd(
 ) -> torch.Tensor:
     """y = residual + dropout(x + bias), contiguous, shaped like x, in the promoted dtype of x
     and residual. `seed` (an int64 (1,) tensor) is read only when p > 0."""
+    dtype = torch.promote_types(x.dtype, residual.dtype)
+    if x.numel() and not use_triton(x):
+        return _dropout_add_torch(x, residual, bias, p, seed, dtype)
     n = _width(x)
-    y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
+    y = torch.empty(x.shape, dtype=dtype, device=x.device)
     if y.numel() == 0:
         return y
-    if not use_triton(x):
-        return _dropout_add_torch(x, residual, bias, p, seed, y.dtype)
     x2, r2 = as_rows(x, n), as_rows(residual, n)
+    bias = None if bias is None else bias.contiguous()  # the kernel indexes it as a vector
     m = x2.shape[0]
     y2 = y.view(m, n)
     plan = elementwise_plan(m, n)
@@ -178,13 +180,13 @@ def dropout_add_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dbias) for p > 0: dx contiguous like dy in dy's dtype; dbias (N,) fp32 (fp64 for
     fp64), empty unless has_bias. (For p = 0, dx is dy and dbias its column sum: no kernel.)"""
+    if dy.numel() and not use_triton(dy):
+        return _dropout_add_bwd_torch(dy, seed, p, has_bias)
     n = _width(dy)
     acc = _acc(dy.dtype)
     dx = torch.empty(dy.shape, dtype=dy.dtype, device=dy.device)
     if dy.numel() == 0:
         return dx, torch.zeros(n if has_bias else 0, dtype=acc, device=dy.device)
-    if not use_triton(dy):
-        return _dropout_add_bwd_torch(dy, seed, p, has_bias)
     dy2 = as_rows(dy, n)
     m = dy2.shape[0]
     dx2 = dx.view(m, n)
@@ -220,14 +222,14 @@ def _dropout_add_torch(x, residual, bias, p, seed, dtype):
     z = x.to(acc) if bias is None else x.to(acc) + bias.to(acc)
     if p > 0.0:
         z = torch.where(_torch_keep_mask(seed, z.shape, p), z * _dropout_scale(p), 0.0)
-    return (residual.to(acc) + z).to(dtype)
+    return (residual.to(acc) + z).to(dtype).contiguous()
 
 
 def _dropout_add_bwd_torch(dy, seed, p, has_bias):
     g = dy.to(_acc(dy.dtype))
     dx = torch.where(_torch_keep_mask(seed, dy.shape, p), g * _dropout_scale(p), 0.0)
     dbias = dx.reshape(-1, _width(dy)).sum(dim=0) if has_bias else dx.new_empty(0)
-    return dx.to(dy.dtype), dbias
+    return dx.to(dy.dtype).contiguous(), dbias
 
 
 # =============================================================================================

@@ -81,14 +81,14 @@ def test_scalar_input_without_bias():
 
 @pytest.mark.parametrize("approximate", FORMS)
 def test_strided_inputs_and_gradients(approximate):
-    """Sliced rows are read in place, permuted tensors copied; a non-contiguous and an expanded
-    incoming gradient work too."""
+    """Sliced rows are read in place, permuted tensors copied; a strided bias, and a
+    non-contiguous and an expanded incoming gradient work too."""
     big = torch.randn(6, 150, device=DEVICE, requires_grad=True)
     x = big[:, 10:110]  # (6, 100), row stride 150
     _, b = make((6, 100), torch.float32)
     check_fwd_bwd(x, b, approximate, dy=torch.randn(100, 6, device=DEVICE).t())
     xt = torch.randn(40, 5, 3, device=DEVICE).permute(2, 1, 0).requires_grad_()  # (3, 5, 40)
-    _, b = make((3, 5, 40), torch.float32)
+    b = torch.randn(80, device=DEVICE)[::2].requires_grad_()  # a bias with stride 2
     check_fwd_bwd(xt, b, approximate, dy=torch.randn(40, device=DEVICE).expand(3, 5, 40))
 
 

@@ -96,7 +96,9 @@ def test_strided_inputs_and_gradients():
     x, _, b = make((6, 150), torch.float32)
     xs = x.detach()[:, 10:110].requires_grad_()  # row stride 150, read in place
     rs = torch.randn(100, 6, device=DEVICE).t().requires_grad_()  # transposed: copied
-    check_fwd_bwd(xs, rs, b.detach()[:100].clone().requires_grad_(), dy=torch.randn(100, 6, device=DEVICE).t())
+    bs = b.detach()[10:110].repeat_interleave(2)[::2].requires_grad_()  # the same bias, stride 2
+    assert bs.stride(0) == 2
+    check_fwd_bwd(xs, rs, bs, dy=torch.randn(100, 6, device=DEVICE).t())
 
 
 # ---------------------------------------------------------------------------------------------
