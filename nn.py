@@ -46,3 +46,44 @@ class RMSNorm(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+
+
+class LinearGELU(torch.nn.Module):
+    """gelu(x @ weight.T + bias): an nn.Linear followed by GELU, with nn.Linear's parameters,
+    initialization and state_dict keys (`weight`, `bias`), so either loads the other's.
+
+    The matmul runs in cuBLAS (`F.linear` without bias); the bias is added inside trifuse's
+    bias + GeLU kernel, whose backward recomputes from the matmul's output and reduces dbias
+    deterministically. `approximate` is "none" (erf) or "tanh", as in nn.GELU.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        approximate: str = "none",
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"trifuse.nn.LinearGELU: approximate must be 'none' or 'tanh', got {approximate!r}")
+        self.in_features, self.out_features, self.approximate = in_features, out_features, approximate
+        self.weight = torch.nn.Parameter(torch.empty((out_features, in_features), device=device, dtype=dtype))
+        if bias:
+            self.bias = torch.nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's initialization, drawing the same random numbers."""
+        torch.nn.Linear.reset_parameters(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.bias_gelu(torch.nn.functional.linear(x, self.weight), self.bias, self.approximate)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, approximate={self.approximate!r}")

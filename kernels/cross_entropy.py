@@ -67,13 +67,13 @@ import triton.language as tl
 
 from ._common import (
     acc_dtype,
-    rows_2d,
     check_float,
     check_same_device,
     check_tensor,
     eager_fast_path,
     next_power_of_2,
     profiled,
+    rows_2d,
     use_triton,
 )
 

@@ -53,7 +53,7 @@ from ._common import (
     use_triton,
 )
 from ._launch import CachedKernel
-from ._random import dropout_keep
+from ._random import dropout_keep_quads
 
 # Widest row (elements) kept whole in registers; wider rows are walked in chunks of this size.
 MAX_SINGLE_BLOCK_FWD = 16384
@@ -131,7 +131,7 @@ def _load_stream(X, R, XB, seed, rows, cols, mask, p, scale,
     if HAS_X_BIAS:
         s += tl.load(XB + cols, mask=mask, other=0.0).to(ACC)
     if HAS_DROPOUT:
-        s = tl.where(dropout_keep(seed, rows, cols, p), s * scale, 0.0)
+        s = tl.where(dropout_keep_quads(seed, rows, cols, p), s * scale, 0.0)
     if HAS_RESIDUAL:
         s += tl.load(R + cols, mask=mask, other=0.0).to(ACC)
     return s
@@ -252,7 +252,7 @@ def _store_input_grads(ds, DS, DX, DR, seed, rows, cols, mask, p, scale,
         tl.store(DR + cols, ds.to(DR.dtype.element_ty), mask=mask)
     dx = ds
     if HAS_DROPOUT:
-        dx = tl.where(dropout_keep(seed, rows, cols, p), ds * scale, 0.0)
+        dx = tl.where(dropout_keep_quads(seed, rows, cols, p), ds * scale, 0.0)
     tl.store(DX + cols, dx.to(DX.dtype.element_ty), mask=mask)
     return tl.where(mask, dx, 0.0)
 
@@ -825,7 +825,7 @@ class _NormFunction(torch.autograd.Function):
         with profiled(ctx.op_name + "_backward"):
             dx, dr, dw, db, dxb = layer_norm_bwd(
                 dy, s, ctx.n, weight, mean, rstd, is_rms_norm=ctx.is_rms_norm, ds=ds, p=ctx.p,
-                seed=seed, store_dresidual=ctx.p > 0.0, grad_dtypes=grad_dtypes)
+                seed=seed, store_dresidual=ctx.p > 0.0 and needs[1], grad_dtypes=grad_dtypes)
         return (
             _cast(dx, ctx.x_dtype) if needs[0] else None,
             _cast(dr, ctx.residual_dtype) if needs[1] else None,

@@ -1,0 +1,348 @@
+"""Bias + GeLU: y = gelu(x + bias), the activation after a transformer's first MLP linear.
+
+Maths, per element with z = x + bias, in fp32 (fp64 for fp64 inputs):
+
+    erf form  ("none"):  gelu(z)  = z * Phi(z) = 0.5 * z * (1 + erf(z / sqrt(2)))
+                         gelu'(z) = Phi(z) + z * phi(z),  phi(z) = exp(-z^2 / 2) / sqrt(2 pi)
+    tanh form ("tanh"):  gelu(z)  = 0.5 * z * (1 + tanh(u)) = z * sigmoid(2u),
+                                    u = sqrt(2 / pi) * (z + 0.044715 z^3)
+                         gelu'(z) = s + 2 z s (1 - s) u',  s = sigmoid(2u),
+                                    u' = sqrt(2 / pi) * (1 + 3 * 0.044715 z^2)
+
+Each form is exactly the function its name says, as `F.gelu(z, approximate=...)` defines it;
+the tanh form is written through the identity 0.5 (1 + tanh(u)) = sigmoid(2u), which is exact
+and avoids the cancellation of 1 + tanh(u) for negative u. One is never substituted for the
+other (a test shows the two differ by more than the tolerance).
+
+Backward: dx = dy * gelu'(x + bias); dbias = sum over rows of dx.
+
+Shapes: x (..., N); bias (N,) or None; y and dx like x; dbias (N,).
+Dtypes: x fp16 / bf16 / fp32 / fp64; bias any float dtype (fp32 master weights under autocast);
+y and dx take x's dtype, dbias bias's dtype.
+
+Memory plan: the forward saves its inputs x and bias, nothing else; the backward recomputes
+z = x + bias and gelu'(z) from them (one activation read instead of a stored z or gelu'(z)).
+dbias is reduced deterministically: each backward program walks a range of rows for one column
+tile and writes one fp32 partial row, summed afterwards in a fixed order (no atomics).
+
+Kernels: 2-D tiles of several rows x up to 1024 columns (kernels/_tiles.py), 16 elements per
+thread, int64 row offsets (tensors past 2^31 elements), fp32 arithmetic on fp16/bf16 loads.
+"""
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ._common import (
+    acc_dtype,
+    check_float,
+    check_same_device,
+    check_shape,
+    check_tensor,
+    device_sms,
+    eager_fast_path,
+    profiled,
+    rows_2d,
+    use_triton,
+)
+from ._tiles import elementwise_plan, reduce_plan
+
+APPROXIMATE = ("none", "tanh")
+
+# =============================================================================================
+# Reference: the spec. Tests run it in float64 as the oracle and in the input dtype to measure
+# PyTorch's own error.
+# =============================================================================================
+
+
+def bias_gelu_ref(x: torch.Tensor, bias: torch.Tensor | None = None, approximate: str = "none") -> torch.Tensor:
+    """gelu(x + bias) in plain PyTorch."""
+    return F.gelu(x if bias is None else x + bias, approximate=approximate)
+
+
+# =============================================================================================
+# Kernels
+# =============================================================================================
+
+# sqrt(2 / pi), 1 / sqrt(2), 1 / sqrt(2 pi), and the cubic coefficient of the tanh form.
+SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+SQRT_HALF = tl.constexpr(0.7071067811865476)
+INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
+KAPPA = tl.constexpr(0.044715)
+
+
+@triton.jit
+def _gelu(z, TANH: tl.constexpr):
+    if TANH:
+        u = SQRT_2_OVER_PI * (z + KAPPA * z * z * z)
+        return z / (1.0 + tl.exp(-2.0 * u))
+    else:
+        return 0.5 * z * (1.0 + tl.erf(z * SQRT_HALF))
+
+
+@triton.jit
+def _gelu_grad(z, TANH: tl.constexpr):
+    if TANH:
+        u = SQRT_2_OVER_PI * (z + KAPPA * z * z * z)
+        s = 1.0 / (1.0 + tl.exp(-2.0 * u))
+        du = SQRT_2_OVER_PI * (1.0 + 3.0 * KAPPA * z * z)
+        return s + 2.0 * z * s * (1.0 - s) * du
+    else:
+        return 0.5 * (1.0 + tl.erf(z * SQRT_HALF)) + z * tl.exp(-0.5 * z * z) * INV_SQRT_2PI
+
+
+@triton.jit
+def _bias_gelu_fwd_kernel(
+    X,  # in (M, N)
+    B,  # in (N,) bias; unused unless HAS_BIAS
+    Y,  # out (M, N)
+    M, N, stride_xm, stride_ym, col_tiles,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, TANH: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    # A 1-D grid over (row tile, column tile): no 65535 limit on a second grid axis.
+    pid = tl.program_id(0)
+    rows = (pid // col_tiles).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # int64: rows * stride
+    cols = (pid % col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    mask = (rows < M)[:, None] & col_mask[None, :]
+    z = tl.load(X + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(ACC)
+    if HAS_BIAS:
+        z += tl.load(B + cols, mask=col_mask, other=0.0).to(ACC)[None, :]
+    y = _gelu(z, TANH)
+    tl.store(Y + rows[:, None] * stride_ym + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bias_gelu_bwd_kernel(
+    DY,  # in (M, N)
+    X,  # in (M, N) the forward's input
+    B,  # in (N,) bias; unused unless HAS_BIAS
+    DX,  # out (M, N)
+    DB_PARTIAL,  # out (groups, N) fp32: this program's rows' share of dbias; unused unless HAS_BIAS
+    M, N, stride_dym, stride_xm, stride_dxm, rows_per_program, col_tiles,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, TANH: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    group = pid // col_tiles
+    cols = (pid % col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    if HAS_BIAS:
+        b = tl.load(B + cols, mask=col_mask, other=0.0).to(ACC)[None, :]
+    row_start = group.to(tl.int64) * rows_per_program  # int64: rows * stride may pass 2^31
+    row_end = tl.minimum(row_start + rows_per_program, M)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+    for start in range(row_start, row_end, BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        mask = (rows < row_end)[:, None] & col_mask[None, :]
+        z = tl.load(X + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(ACC)
+        if HAS_BIAS:
+            z += b
+        dy = tl.load(DY + rows[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0).to(ACC)
+        dz = dy * _gelu_grad(z, TANH)
+        tl.store(DX + rows[:, None] * stride_dxm + cols[None, :], dz.to(DX.dtype.element_ty), mask=mask)
+        if HAS_BIAS:
+            acc += tl.where(mask, dz, 0.0)
+    if HAS_BIAS:
+        tl.store(DB_PARTIAL + group.to(tl.int64) * N + cols, tl.sum(acc, axis=0), mask=col_mask)
+
+
+# =============================================================================================
+# Launchers: check nothing, allocate the outputs, launch. Tensors in, tensors out.
+# =============================================================================================
+
+
+def _width(x: torch.Tensor) -> int:
+    return x.shape[-1] if x.dim() else 1
+
+
+def _flat(bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The bias as a contiguous vector, as the kernels index it (no copy when it is one)."""
+    return None if bias is None else bias.contiguous()
+
+
+def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor | None, approximate: str) -> torch.Tensor:
+    """y = gelu(x + bias), contiguous, shaped like x, in x's dtype."""
+    if x.numel() and not use_triton(x):
+        return _bias_gelu_torch(x, bias, approximate)
+    n = _width(x)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if y.numel() == 0:
+        return y
+    x2, bias = rows_2d(x, n), _flat(bias)
+    m = x2.shape[0]
+    y2 = y.view(m, n)
+    plan = elementwise_plan(m, n)
+    _bias_gelu_fwd_kernel[(plan.programs,)](
+        x2, bias if bias is not None else x2, y2, m, n, x2.stride(0), y2.stride(0), plan.col_tiles,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, HAS_BIAS=bias is not None, TANH=approximate == "tanh",
+        ACC=acc_dtype(x.dtype), num_warps=plan.num_warps,
+    )
+    return y
+
+
+def bias_gelu_bwd(
+    dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, approximate: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dbias): dx contiguous like x in x's dtype; dbias (N,) fp32 (fp64 for fp64 x), empty
+    when bias is None."""
+    if x.numel() and not use_triton(x):
+        return _bias_gelu_bwd_torch(dy, x, bias, approximate)
+    n = _width(x)
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.numel() == 0:
+        return dx, torch.zeros(0 if bias is None else n, dtype=acc, device=x.device)
+    x2, dy2, bias = rows_2d(x, n), rows_2d(dy, n), _flat(bias)
+    m = x2.shape[0]
+    dx2 = dx.view(m, n)
+    plan = reduce_plan(m, n, device_sms(x), bias is not None)
+    partial = dx2 if bias is None else torch.empty((plan.groups, n), dtype=acc, device=x.device)
+    _bias_gelu_bwd_kernel[(plan.programs,)](
+        dy2, x2, bias if bias is not None else x2, dx2, partial,
+        m, n, dy2.stride(0), x2.stride(0), dx2.stride(0), plan.rows_per_group, plan.col_tiles,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, HAS_BIAS=bias is not None, TANH=approximate == "tanh",
+        ACC=acc_dtype(x.dtype), num_warps=plan.num_warps,
+    )
+    return dx, partial.sum(dim=0) if bias is not None else dx.new_empty(0, dtype=acc)
+
+
+# ---------------------------------------------------------------------------------------------
+# PyTorch path for CPU tensors without the interpreter: same outputs, no Triton.
+# ---------------------------------------------------------------------------------------------
+
+
+def _upcast(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return x.to(acc) if bias is None else x.to(acc) + bias.to(acc)
+
+
+def _bias_gelu_torch(x, bias, approximate):
+    return F.gelu(_upcast(x, bias), approximate=approximate).to(x.dtype).contiguous()
+
+
+def _bias_gelu_bwd_torch(dy, x, bias, approximate):
+    z = _upcast(x, bias)
+    dz = torch.ops.aten.gelu_backward(dy.to(z.dtype), z, approximate=approximate)
+    dbias = dz.reshape(-1, _width(x)).sum(dim=0) if bias is not None else z.new_empty(0)
+    return dz.to(x.dtype).contiguous(), dbias
+
+
+# =============================================================================================
+# Checks, shared by the registered ops (real and fake) and the eager path
+# =============================================================================================
+
+
+def _check_inputs(x: object, bias: object, approximate: object) -> None:
+    op = "bias_gelu"
+    check_tensor(op, "input", x)
+    check_float(op, "input", x)
+    if bias is not None:
+        check_tensor(op, "bias", bias)
+        check_float(op, "bias", bias)
+        check_shape(op, "bias", bias, (_width(x),))
+        check_same_device(op, "input", x, bias=bias)
+    if approximate not in APPROXIMATE:
+        raise ValueError(f"trifuse.{op}: approximate must be 'none' or 'tanh', got {approximate!r}")
+
+
+# =============================================================================================
+# Registered ops: what torch.compile, fx and exported graphs see.
+# =============================================================================================
+
+Tensor = torch.Tensor
+OptTensor = torch.Tensor | None
+
+
+@torch.library.custom_op("trifuse::bias_gelu", mutates_args=())
+def _bias_gelu_op(x: Tensor, bias: OptTensor, approximate: str) -> Tensor:
+    _check_inputs(x, bias, approximate)
+    return bias_gelu_fwd(x, bias, approximate)
+
+
+@torch.library.custom_op("trifuse::bias_gelu_backward", mutates_args=())
+def _bias_gelu_backward_op(dy: Tensor, x: Tensor, bias: OptTensor, approximate: str) -> tuple[Tensor, Tensor]:
+    """(dx, dbias); dbias is (N,) in fp32 (fp64 for fp64 x), empty when bias is None."""
+    return bias_gelu_bwd(dy, x, bias, approximate)
+
+
+@_bias_gelu_op.register_fake
+def _(x, bias, approximate):
+    _check_inputs(x, bias, approximate)
+    return x.new_empty(x.shape)
+
+
+@_bias_gelu_backward_op.register_fake
+def _(dy, x, bias, approximate):
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return x.new_empty(x.shape), x.new_empty(0 if bias is None else _width(x), dtype=acc)
+
+
+def _grad_as(g: torch.Tensor, like: torch.Tensor | None) -> torch.Tensor | None:
+    return None if like is None else g.to(like.dtype)
+
+
+def _setup(ctx, inputs, output):
+    x, bias, approximate = inputs
+    ctx.save_for_backward(x, bias)
+    ctx.approximate = approximate
+
+
+def _backward(ctx, dy):
+    x, bias = ctx.saved_tensors
+    dx, dbias = torch.ops.trifuse.bias_gelu_backward(dy, x, bias, ctx.approximate)
+    return dx, _grad_as(dbias, bias), None
+
+
+torch.library.register_autograd("trifuse::bias_gelu", _backward, setup_context=_setup)
+
+
+# =============================================================================================
+# Eager fast path: a thin autograd.Function straight over the launchers (see DESIGN.md "Host
+# overhead"). Same launchers, same bits as the registered op.
+# =============================================================================================
+
+
+class _BiasGeluFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, bias, approximate):
+        ctx.save_for_backward(x, bias)
+        ctx.approximate = approximate
+        return bias_gelu_fwd(x, bias, approximate)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, bias = ctx.saved_tensors
+        with profiled("trifuse::bias_gelu_backward"):
+            dx, dbias = bias_gelu_bwd(dy, x, bias, ctx.approximate)
+        return dx, _grad_as(dbias, bias), None
+
+
+# =============================================================================================
+# Public API
+# =============================================================================================
+
+
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None = None, approximate: str = "none") -> torch.Tensor:
+    """gelu(x + bias) in one pass each way, like `F.gelu(x + bias, approximate=approximate)`.
+
+    Args:
+        x: (..., N), fp16 / bf16 / fp32 / fp64; any strides (rows with a stride are read in
+            place, other layouts are copied once).
+        bias: (N,) or None; any float dtype.
+        approximate: "none" for the exact erf form, "tanh" for the tanh approximation.
+
+    Returns:
+        y, contiguous, shaped like x, in x's dtype. Gradients reach x and bias; the backward
+        recomputes from x and bias (nothing else is saved) and reduces dbias deterministically.
+
+    Raises:
+        TypeError for non-float tensors; ValueError for a bias that is not (N,), tensors on
+        different devices, or an unknown `approximate`.
+    """
+    _check_inputs(x, bias, approximate)
+    if eager_fast_path(x, bias):
+        with profiled("trifuse::bias_gelu"):
+            return _BiasGeluFunction.apply(x, bias, approximate)
+    return torch.ops.trifuse.bias_gelu(x, bias, approximate)

@@ -1,0 +1,386 @@
+"""Bias + dropout + residual add: y = residual + dropout(x + bias, p), the end of a sublayer.
+
+Maths, per element of the (M, N) view (rows = all leading dims), in fp32 (fp64 for fp64):
+
+    keep = dropout_keep_quads(seed, row, col, p)      Philox; P(keep) = 1 - p
+    y    = residual + (keep ? (x + bias) / (1 - p) : 0)
+
+Backward: dx = keep ? dy / (1 - p) : 0;  dbias = sum over rows of dx;  dresidual = dy.
+
+p = 0 or training=False is a plain add: no random numbers are drawn. p = 1 drops everything
+and gives y = residual exactly (no 0 * inf = NaN from the dropped branch).
+
+Shapes: x, residual, y (..., N); bias (N,) or None. Dtypes: fp16 / bf16 / fp32 / fp64
+activations, y in their promoted dtype; bias any float dtype (fp32 master weights under
+autocast); each gradient in its input's dtype.
+
+Memory plan: nothing per element is saved. The forward draws one int64 seed from PyTorch's
+generator on x's device (`philox_seed`: torch.manual_seed controls it, CUDA-graph safe) and the
+backward regenerates the mask from (seed, row, column). dresidual is dy itself (no copy). dbias
+is reduced deterministically: fp32 partial rows, one per backward program, summed afterwards in
+a fixed order.
+
+Kernels: 2-D tiles of several rows x up to 1024 columns (kernels/_tiles.py), int64 row
+offsets. The mask draws four decisions per Philox call (`dropout_keep_quads`): one call per
+element would make these bandwidth-bound kernels compute-bound on H100.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (
+    acc_dtype,
+    check_float,
+    check_probability,
+    check_same_device,
+    check_shape,
+    check_tensor,
+    device_sms,
+    eager_fast_path,
+    philox_seed,
+    profiled,
+    rows_2d,
+    use_triton,
+)
+from ._random import dropout_keep_quads
+from ._tiles import elementwise_plan, reduce_plan
+
+# =============================================================================================
+# Reference: the spec. It takes the kernel's mask as an argument so tests can compare exactly.
+# =============================================================================================
+
+
+def dropout_add_ref(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    p: float,
+    training: bool = True,
+    bias: torch.Tensor | None = None,
+    *,
+    dropout_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """residual + dropout(x + bias) in plain PyTorch, `dropout_mask` (bool, True = keep)
+    standing in for the kernel's random mask; no mask means no dropout."""
+    z = x if bias is None else x + bias
+    if training and dropout_mask is not None and p > 0.0:
+        z = z * dropout_mask / (1.0 - p) if p < 1.0 else torch.zeros_like(z)
+    return residual + z
+
+
+# =============================================================================================
+# Kernels
+# =============================================================================================
+
+
+@triton.jit
+def _dropout_add_fwd_kernel(
+    X,  # in (M, N)
+    R,  # in (M, N) residual
+    B,  # in (N,) bias; unused unless HAS_BIAS
+    SEED,  # in (1,) int64 Philox seed; unused unless HAS_DROPOUT
+    Y,  # out (M, N)
+    M, N, stride_xm, stride_rm, stride_ym, p, scale, col_tiles,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, ACC: tl.constexpr,
+):
+    # A 1-D grid over (row tile, column tile): no 65535 limit on a second grid axis.
+    pid = tl.program_id(0)
+    rows = (pid // col_tiles).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # int64: rows * stride
+    cols = (pid % col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    mask = (rows < M)[:, None] & col_mask[None, :]
+    z = tl.load(X + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(ACC)
+    if HAS_BIAS:
+        z += tl.load(B + cols, mask=col_mask, other=0.0).to(ACC)[None, :]
+    if HAS_DROPOUT:
+        keep = dropout_keep_quads(tl.load(SEED), rows[:, None], cols[None, :], p)
+        z = tl.where(keep, z * scale, 0.0)
+    y = tl.load(R + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0).to(ACC) + z
+    tl.store(Y + rows[:, None] * stride_ym + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dropout_add_bwd_kernel(
+    DY,  # in (M, N)
+    SEED,  # in (1,) int64 Philox seed
+    DX,  # out (M, N)
+    DB_PARTIAL,  # out (groups, N) fp32: this program's rows' share of dbias; unused unless HAS_BIAS
+    M, N, stride_dym, stride_dxm, p, scale, rows_per_program, col_tiles,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, ACC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    group = pid // col_tiles
+    cols = (pid % col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    seed = tl.load(SEED)
+    row_start = group.to(tl.int64) * rows_per_program  # int64: rows * stride may pass 2^31
+    row_end = tl.minimum(row_start + rows_per_program, M)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+    for start in range(row_start, row_end, BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        mask = (rows < row_end)[:, None] & col_mask[None, :]
+        dy = tl.load(DY + rows[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0).to(ACC)
+        dx = tl.where(dropout_keep_quads(seed, rows[:, None], cols[None, :], p), dy * scale, 0.0)
+        tl.store(DX + rows[:, None] * stride_dxm + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        if HAS_BIAS:
+            acc += dx  # 0 where masked: dy loads as 0 there
+    if HAS_BIAS:
+        tl.store(DB_PARTIAL + group.to(tl.int64) * N + cols, tl.sum(acc, axis=0), mask=col_mask)
+
+
+# =============================================================================================
+# Launchers: check nothing, allocate the outputs, launch. Tensors in, tensors out.
+# =============================================================================================
+
+
+def _width(x: torch.Tensor) -> int:
+    return x.shape[-1] if x.dim() else 1
+
+
+def _dropout_scale(p: float) -> float:
+    return 1.0 / (1.0 - p) if p < 1.0 else 0.0
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def dropout_add_fwd(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    bias: torch.Tensor | None,
+    p: float,
+    seed: torch.Tensor | None,
+) -> torch.Tensor:
+    """y = residual + dropout(x + bias), contiguous, shaped like x, in the promoted dtype of x
+    and residual. `seed` (an int64 (1,) tensor) is read only when p > 0."""
+    dtype = torch.promote_types(x.dtype, residual.dtype)
+    if x.numel() and not use_triton(x):
+        return _dropout_add_torch(x, residual, bias, p, seed, dtype)
+    n = _width(x)
+    y = torch.empty(x.shape, dtype=dtype, device=x.device)
+    if y.numel() == 0:
+        return y
+    x2, r2 = rows_2d(x, n), rows_2d(residual, n)
+    bias = None if bias is None else bias.contiguous()  # the kernel indexes it as a vector
+    m = x2.shape[0]
+    y2 = y.view(m, n)
+    plan = elementwise_plan(m, n)
+    _dropout_add_fwd_kernel[(plan.programs,)](
+        x2, r2, bias if bias is not None else x2, seed if p > 0.0 else x2, y2,
+        m, n, x2.stride(0), r2.stride(0), y2.stride(0), p, _dropout_scale(p), plan.col_tiles,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, HAS_BIAS=bias is not None, HAS_DROPOUT=p > 0.0,
+        ACC=acc_dtype(y.dtype), num_warps=plan.num_warps,
+    )
+    return y
+
+
+def dropout_add_bwd(
+    dy: torch.Tensor, seed: torch.Tensor, p: float, has_bias: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dbias) for p > 0: dx contiguous like dy in dy's dtype; dbias (N,) fp32 (fp64 for
+    fp64), empty unless has_bias. (For p = 0, dx is dy and dbias its column sum: no kernel.)"""
+    if dy.numel() and not use_triton(dy):
+        return _dropout_add_bwd_torch(dy, seed, p, has_bias)
+    n = _width(dy)
+    acc = _acc(dy.dtype)
+    dx = torch.empty(dy.shape, dtype=dy.dtype, device=dy.device)
+    if dy.numel() == 0:
+        return dx, torch.zeros(n if has_bias else 0, dtype=acc, device=dy.device)
+    dy2 = rows_2d(dy, n)
+    m = dy2.shape[0]
+    dx2 = dx.view(m, n)
+    plan = reduce_plan(m, n, device_sms(dy), has_bias)
+    partial = torch.empty((plan.groups, n), dtype=acc, device=dy.device) if has_bias else dx2
+    _dropout_add_bwd_kernel[(plan.programs,)](
+        dy2, seed, dx2, partial, m, n, dy2.stride(0), dx2.stride(0), p, _dropout_scale(p),
+        plan.rows_per_group, plan.col_tiles,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, HAS_BIAS=has_bias, ACC=acc_dtype(dy.dtype),
+        num_warps=plan.num_warps,
+    )
+    return dx, partial.sum(dim=0) if has_bias else dx.new_empty(0, dtype=acc)
+
+
+def _column_sum(dy: torch.Tensor) -> torch.Tensor:
+    """dbias for p = 0: the sum of dy over rows in fp32 (fp64 for fp64), a fixed-order
+    PyTorch reduction."""
+    return torch.sum(dy.reshape(-1, _width(dy)), dim=0, dtype=_acc(dy.dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# PyTorch path for CPU tensors without the interpreter: same maths, its own random stream.
+# ---------------------------------------------------------------------------------------------
+
+
+def _torch_keep_mask(seed: torch.Tensor, shape: torch.Size, p: float) -> torch.Tensor:
+    gen = torch.Generator(device="cpu").manual_seed(int(seed.item()))
+    return torch.rand(shape, generator=gen) >= p
+
+
+def _dropout_add_torch(x, residual, bias, p, seed, dtype):
+    acc = _acc(dtype)
+    z = x.to(acc) if bias is None else x.to(acc) + bias.to(acc)
+    if p > 0.0:
+        z = torch.where(_torch_keep_mask(seed, z.shape, p), z * _dropout_scale(p), 0.0)
+    return (residual.to(acc) + z).to(dtype).contiguous()
+
+
+def _dropout_add_bwd_torch(dy, seed, p, has_bias):
+    g = dy.to(_acc(dy.dtype))
+    dx = torch.where(_torch_keep_mask(seed, dy.shape, p), g * _dropout_scale(p), 0.0)
+    dbias = dx.reshape(-1, _width(dy)).sum(dim=0) if has_bias else dx.new_empty(0)
+    return dx.to(dy.dtype).contiguous(), dbias
+
+
+# =============================================================================================
+# Checks, shared by the registered ops (real and fake) and the eager path
+# =============================================================================================
+
+
+def _check_inputs(x: object, residual: object, p: object, bias: object) -> None:
+    op = "dropout_add"
+    check_tensor(op, "input", x)
+    check_float(op, "input", x)
+    check_tensor(op, "residual", residual)
+    check_float(op, "residual", residual)
+    check_shape(op, "residual", residual, x.shape)
+    if bias is not None:
+        check_tensor(op, "bias", bias)
+        check_float(op, "bias", bias)
+        check_shape(op, "bias", bias, (_width(x),))
+    check_same_device(op, "input", x, residual=residual, bias=bias)
+    check_probability(op, "p", p)
+
+
+# =============================================================================================
+# Registered ops: what torch.compile, fx and exported graphs see. The forward returns the seed
+# it drew (zeros when p = 0: nothing drawn) for its backward.
+# =============================================================================================
+
+Tensor = torch.Tensor
+OptTensor = torch.Tensor | None
+
+
+@torch.library.custom_op("trifuse::dropout_add", mutates_args=())
+def _dropout_add_op(x: Tensor, residual: Tensor, p: float, bias: OptTensor) -> tuple[Tensor, Tensor]:
+    _check_inputs(x, residual, p, bias)
+    seed = philox_seed(x.device) if p > 0.0 else torch.zeros(1, dtype=torch.int64, device=x.device)
+    return dropout_add_fwd(x, residual, bias, p, seed), seed
+
+
+@torch.library.custom_op("trifuse::dropout_add_backward", mutates_args=())
+def _dropout_add_backward_op(dy: Tensor, seed: Tensor, p: float, has_bias: bool) -> tuple[Tensor, Tensor]:
+    """(dx, dbias) for p > 0; dbias is (N,) fp32 (fp64 for fp64), empty unless has_bias."""
+    return dropout_add_bwd(dy, seed, p, has_bias)
+
+
+@_dropout_add_op.register_fake
+def _(x, residual, p, bias):
+    _check_inputs(x, residual, p, bias)
+    y = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype))
+    return y, x.new_empty(1, dtype=torch.int64)
+
+
+@_dropout_add_backward_op.register_fake
+def _(dy, seed, p, has_bias):
+    return dy.new_empty(dy.shape), dy.new_empty(_width(dy) if has_bias else 0, dtype=_acc(dy.dtype))
+
+
+def _input_grads(ctx, dx: torch.Tensor, dbias: torch.Tensor | None, dy: torch.Tensor):
+    """(dx, dresidual, dbias) in their inputs' dtypes; dresidual is dy itself."""
+    return (dx.to(ctx.x_dtype), dy.to(ctx.residual_dtype),
+            None if dbias is None else dbias.to(ctx.bias_dtype))
+
+
+def _save_dtypes(ctx, x, residual, bias) -> None:
+    ctx.x_dtype, ctx.residual_dtype = x.dtype, residual.dtype
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _setup(ctx, inputs, output):
+    x, residual, p, bias = inputs
+    ctx.save_for_backward(output[1])
+    ctx.p = p
+    _save_dtypes(ctx, x, residual, bias)
+
+
+def _backward(ctx, dy, _):
+    (seed,) = ctx.saved_tensors
+    has_bias = ctx.bias_dtype is not None
+    if ctx.p == 0.0:
+        dx, dbias = dy, _column_sum(dy) if has_bias else None
+    else:
+        dx, dbias = torch.ops.trifuse.dropout_add_backward(dy, seed, ctx.p, has_bias)
+    dx, dres, dbias = _input_grads(ctx, dx, dbias if has_bias else None, dy)
+    return dx, dres, None, dbias
+
+
+torch.library.register_autograd("trifuse::dropout_add", _backward, setup_context=_setup)
+
+
+# =============================================================================================
+# Eager fast path: a thin autograd.Function straight over the launchers (see DESIGN.md "Host
+# overhead"). Same launchers, same bits as the registered op.
+# =============================================================================================
+
+
+class _DropoutAddFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, bias, p):
+        seed = philox_seed(x.device) if p > 0.0 else None
+        ctx.save_for_backward(seed)
+        ctx.p = p
+        _save_dtypes(ctx, x, residual, bias)
+        return dropout_add_fwd(x, residual, bias, p, seed)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (seed,) = ctx.saved_tensors
+        need_dbias = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
+        if ctx.p == 0.0:
+            dx, dbias = dy, _column_sum(dy) if need_dbias else None
+        else:
+            with profiled("trifuse::dropout_add_backward"):
+                dx, dbias = dropout_add_bwd(dy, seed, ctx.p, need_dbias)
+        dx, dres, dbias = _input_grads(ctx, dx, dbias if need_dbias else None, dy)
+        return dx, dres, dbias, None
+
+
+# =============================================================================================
+# Public API
+# =============================================================================================
+
+
+def dropout_add(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    p: float,
+    training: bool = True,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """residual + dropout(x + bias, p) in one pass each way, like
+    `residual + F.dropout(x + bias, p, training)`.
+
+    Args:
+        x: (..., N), fp16 / bf16 / fp32 / fp64; any strides.
+        residual: shaped like x; any float dtype.
+        p: drop probability in [0, 1]; kept values are scaled by 1 / (1 - p).
+        training: False (or p = 0) makes it a plain add, drawing no random numbers.
+        bias: (N,) or None, added to x before dropout (the bias of the linear producing x).
+
+    Returns:
+        y, contiguous, shaped like x, in the promoted dtype of x and residual. The mask comes
+        from Philox seeded by PyTorch's generator on x's device (torch.manual_seed makes it
+        repeatable; successive calls differ) and is regenerated in the backward: nothing per
+        element is saved. p = 1 returns residual's values.
+
+    Raises:
+        ValueError for p outside [0, 1], shapes that do not match, or tensors on different
+        devices; TypeError for non-float tensors.
+    """
+    _check_inputs(x, residual, p, bias)
+    p = float(p) if training else 0.0
+    if eager_fast_path(x, residual, bias):
+        with profiled("trifuse::dropout_add"):
+            return _DropoutAddFunction.apply(x, residual, bias, p)
+    return torch.ops.trifuse.dropout_add(x, residual, p, bias)[0]
