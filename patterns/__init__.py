@@ -1,1 +1,16 @@
-"""The subgraphs trifuse finds, written as plain PyTorch functions, each with its replacement."""
+"""The subgraphs trifuse finds, written as plain PyTorch functions, each with its replacement.
+
+PATTERNS is the registry, in priority order within each stage (see _base.py): the residual
+stream is tried before a lone dropout + add, so an add feeding a norm becomes the larger op.
+"""
+from . import bias_gelu, dropout_add, layer_norm, residual_stream
+from ._base import Pattern
+
+PATTERNS: tuple[Pattern, ...] = (
+    *layer_norm.PATTERNS,
+    *bias_gelu.PATTERNS,
+    *residual_stream.PATTERNS,
+    *dropout_add.PATTERNS,
+)
+
+__all__ = ["PATTERNS", "Pattern"]

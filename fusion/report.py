@@ -1,0 +1,167 @@
+"""`trifuse.report(model)`: what `fuse` installed, what each capture replaced, where, and what it
+left and why.
+
+Counts (`counts()`, `by_pattern()`) are those of the captures each module ran in its most recent
+forward: after a training step they are the training graph's, after an eval pass the eval
+graph's. Everything is derived from the units found on the model's modules, so a deep copy of
+a fused model reports on itself.
+"""
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from .capture import Capture, Unit, installed_unit
+from .fuse import _RECORDS, Note
+
+
+@dataclass
+class UnitReport:
+    unit: Unit
+    paths: list[str]  # this model's modules running the unit
+    modules: list[torch.nn.Module]
+
+    @property
+    def name(self) -> str:
+        return f"{_span(self.paths)} ({self.unit.cls.__name__}, {self.unit.strategy})"
+
+
+@dataclass
+class FusionReport:
+    """What `trifuse.fuse` did to one model."""
+
+    units: list[UnitReport] = field(default_factory=list)
+    notes: list[Note] = field(default_factory=list)
+    families: tuple[str, ...] | None = None
+    fused: bool = False
+
+    def _last(self) -> list[tuple[str, Capture]]:
+        out = []
+        for u in self.units:
+            for path, module in zip(u.paths, u.modules):
+                capture = u.unit.last.get(module)
+                if capture is not None:
+                    out.append((path, capture))
+        return out
+
+    def counts(self) -> dict[str, int]:
+        """Replacements per family (attention, layer_norm, ...) in the latest forward."""
+        c: Counter[str] = Counter()
+        for _, capture in self._last():
+            c.update(capture.log.counts)
+        return dict(c)
+
+    def by_pattern(self) -> dict[str, int]:
+        """Replacements per pattern name in the latest forward."""
+        c: Counter[str] = Counter()
+        for _, capture in self._last():
+            c.update(capture.log.by_pattern)
+        return dict(c)
+
+    def replaced(self) -> list[tuple[str, str, str, str]]:
+        """(module path, where inside it, pattern, family) for each replacement of the latest forward."""
+        return [(path, r.where, r.pattern, r.family) for path, capture in self._last() for r in capture.log.active]
+
+    def rejected(self) -> list[tuple[str, str, str, str]]:
+        """(module path, where inside it, pattern, reason) for each candidate left in a graph."""
+        return [(path, r.where, r.pattern, r.reason) for path, capture in self._last() for r in capture.log.rejected]
+
+    def unfused_calls(self) -> dict[str, dict[str, int]]:
+        """Per unit, the calls that ran the original forward, by reason ('fell back to eager' for
+        Dynamo fallbacks)."""
+        out: dict[str, dict[str, int]] = {}
+        for u in self.units:
+            calls = dict(u.unit.eager_calls)
+            if getattr(u.unit, "fallbacks", 0):
+                calls["Dynamo ran no captured graph (fell back to eager: recompile limit or skipped frame)"] = \
+                    u.unit.fallbacks
+            if calls:
+                out[u.name] = calls
+        return out
+
+    def table(self) -> str:
+        lines = []
+        if not self.fused:
+            return "trifuse: this model was not fused (call trifuse.fuse(model))"
+        fams = "all families" if self.families is None else ", ".join(self.families)
+        lines.append(f"trifuse.fuse ({fams}): {len(self.units)} unit(s)")
+        for u in self.units:
+            lines.append(f"  {u.name}: {u.unit.calls} call(s), {len(u.unit.captures)} capture(s)")
+        for n in self.notes:
+            lines.append(f"  left: {n.path} ({n.cls}): {n.reason}")
+        seen: set[int] = set()
+        for u in self.units:
+            for capture in u.unit.captures:
+                if id(capture) not in seen:
+                    seen.add(id(capture))
+                    lines.append(capture_table(u.unit, capture, self._paths_of(u, capture)))
+        skipped: dict[str, set[str]] = {}
+        for u in self.units:
+            for capture in u.unit.captures:
+                for pattern, reason in capture.log.skipped.items():
+                    skipped.setdefault(reason, set()).add(pattern)
+        for reason, patterns in skipped.items():
+            lines.append(f"  skipped patterns ({reason}): {', '.join(sorted(patterns))}")
+        for name, calls in self.unfused_calls().items():
+            for reason, n in calls.items():
+                lines.append(f"  unfused: {name}: {n} call(s): {reason}")
+        counts = self.counts()
+        if counts:
+            lines.append("latest forward, per family: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+        elif self.units:
+            lines.append("latest forward: no replacements ran (not called yet, or nothing matched)")
+        return "\n".join(lines)
+
+    def _paths_of(self, u: UnitReport, capture: Capture) -> str:
+        paths = [p for p, m in zip(u.paths, u.modules) if u.unit.last.get(m) is capture]
+        return _span(paths) if paths else _span(u.paths)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def capture_table(unit: Unit, capture: Capture, paths: str | None = None) -> str:
+    """One capture as a table: replaced, rejected, left."""
+    head = f"{paths or _span(unit.paths)} ({unit.cls.__name__}, {unit.strategy}) [{capture.mode}]"
+    lines = [f"  {head}: {capture.graphs} graph(s)"]
+    if capture.error:
+        lines.append(f"    rewrite failed, running unfused: {capture.error}")
+    rows = [("replaced", r.family, r.pattern, r.where + (f" ({r.note})" if r.note else ""))
+            for r in capture.log.active]
+    rows += [("rejected", r.family, r.pattern, f"{r.where} [{r.node}]: {r.reason}") for r in capture.log.rejected]
+    rows += [("left", "", r.op, f"{r.where} [{r.node}]: {r.reason}") for r in capture.log.left]
+    if rows:
+        w = [max(len(r[i]) for r in rows) for i in range(3)]
+        lines += [f"    {a:<{w[0]}}  {b:<{w[1]}}  {c:<{w[2]}}  {d}" for a, b, c, d in rows]
+    return "\n".join(lines)
+
+
+def report(model: torch.nn.Module) -> FusionReport:
+    """What `trifuse.fuse(model)` replaced, per pattern and family, where, and every candidate
+    it rejected and why. `print(report(model))` shows it as a table."""
+    units: dict[int, UnitReport] = {}
+    for path, module in model.named_modules():
+        unit = installed_unit(module)
+        if unit is None:
+            continue
+        entry = units.setdefault(id(unit), UnitReport(unit, [], []))
+        entry.paths.append(path or "(model)")
+        entry.modules.append(module)
+    record = _RECORDS.get(model)
+    return FusionReport(
+        list(units.values()),
+        list(record.notes) if record else [],
+        record.families if record else None,
+        fused=record is not None or bool(units),
+    )
+
+
+def _span(paths: list[str]) -> str:
+    """'h.0', 'h.1', 'h.2' -> 'h.0-2'."""
+    if len(paths) <= 1:
+        return "".join(paths)
+    heads = {p.rsplit(".", 1)[0] for p in paths}
+    tails = [p.rsplit(".", 1)[-1] for p in paths]
+    if len(heads) == 1 and all(t.isdigit() for t in tails):
+        return f"{heads.pop()}.{tails[0]}-{tails[-1]}"
+    return ", ".join(paths)
