@@ -14,7 +14,7 @@ one when a filter rejects the first.
 import inspect
 import math
 import operator
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -29,10 +29,16 @@ COMMUTATIVE = (operator.add, operator.mul)
 _TENSOR_ANNOTATIONS = (torch.Tensor, "torch.Tensor", "Tensor")
 
 
-def trace_function(fn: Callable[..., Any], constants: dict[str, Any] | None = None) -> fx.Graph:
-    """Traces `fn` into a graph whose placeholders are its parameters not given in `constants`
-    (those are passed as the Python values). trifuse ops called through `patterns._base.ops`
-    become single nodes."""
+def trace_function(fn: Callable[..., Any], constants: dict[str, Any] | None = None,
+                   inputs: Iterable[str] | None = None) -> fx.Graph:
+    """Traces `fn` into a canonical graph. trifuse ops called through `patterns._base.ops`
+    become single nodes.
+
+    Without `inputs` (a search function) every positional parameter is a placeholder. With
+    `inputs` (a replacement) only those are; the others take their value from `constants` or
+    their default. Keyword-only parameters with defaults are options, left to their (bound)
+    values: `functools.partial(search, masking="add")` is one spelling.
+    """
     constants = constants or {}
     tracer = fx.Tracer()
     graph = fx.Graph()
@@ -41,11 +47,17 @@ def trace_function(fn: Callable[..., Any], constants: dict[str, Any] | None = No
     tracer.tensor_attrs = {}
     kwargs: dict[str, Any] = {}
     for name, param in inspect.signature(fn).parameters.items():
+        if param.kind == param.KEYWORD_ONLY and param.default is not param.empty:
+            continue
         if name in constants:
             kwargs[name] = constants[name]
-        else:
-            annotation = param.annotation if param.annotation is not inspect.Parameter.empty else None
+        elif inputs is None or name in inputs:
+            annotation = param.annotation if param.annotation is not param.empty else None
             kwargs[name] = fx.Proxy(graph.placeholder(name, type_expr=annotation), tracer)
+        elif param.default is not param.empty:
+            kwargs[name] = param.default
+        else:
+            raise TypeError(f"{getattr(fn, '__name__', fn)}: nothing matched parameter {name!r}")
     with tracing_ops():
         out = fn(**kwargs)
     graph.output(tracer.create_arg(out))

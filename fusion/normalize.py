@@ -39,6 +39,7 @@ def _sig_addmm(input, mat1, mat2, *, beta=1, alpha=1): ...
 def _sig_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
               enable_gqa=False): ...
 def _sig_softmax(input, dim, dtype=None): ...
+def _sig_f_softmax(input, dim=None, _stacklevel=3, dtype=None): ...
 def _sig_mean(input, dim=None, keepdim=False, *, dtype=None): ...
 def _sig_binary(input, other): ...
 def _sig_pow(input, exponent): ...
@@ -70,7 +71,7 @@ _FUNCTIONS: dict[Any, tuple[Callable[..., Any], Callable[..., Any] | None]] = {
     torch.layer_norm: (F.layer_norm, _sig_torch_layer_norm),
     F.dropout: (F.dropout, None),
     torch.dropout: (F.dropout, _sig_torch_dropout),
-    F.softmax: (torch.softmax, None),
+    F.softmax: (torch.softmax, _sig_f_softmax),
     torch.softmax: (torch.softmax, _sig_softmax),
     torch.mean: (torch.mean, _sig_mean),
     torch.pow: (torch.pow, _sig_pow),
@@ -103,8 +104,10 @@ _METHODS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
     **{name: (getattr(torch, name), _sig_unary) for name in _UNARY},
 }
 
-# Canonical spellings that drop an argument: (argument, value it must have).
+# Canonical spellings that drop an argument: (argument, value it must have, or _ANY).
+_ANY = object()
 _MUST_BE = {
+    (torch.softmax, "_stacklevel"): _ANY,
     (operator.add, "alpha"): 1,
     (operator.sub, "alpha"): 1,
     (operator.truediv, "rounding_mode"): None,
@@ -189,7 +192,7 @@ def _bind(node: fx.Node, target: Callable[..., Any], sig_of: Callable[..., Any])
         value = bound.arguments[name]
         must = _MUST_BE.get((target, name), _NO_VALUE)
         if must is not _NO_VALUE:
-            if value is not must and value != must:
+            if must is not _ANY and value is not must and value != must:
                 return
             continue
         if param.kind == param.KEYWORD_ONLY:

@@ -160,6 +160,8 @@ def _rewrite_at(graph: fx.Graph, node: fx.Node, cp: Any, log: RewriteLog) -> str
         plan = None
         if reason is None:
             plan, reason = _plan(m)
+        if reason is None and plan is not None and not _placeable(graph, m, plan):
+            reason = "an input of the replacement is computed after the pattern starts"
         if reason is None and plan is not None:
             _splice(graph, m, plan, log)
             return None
@@ -197,8 +199,9 @@ class _Plan:
 def _plan(m: Match) -> tuple[_Plan | None, str | None]:
     bindings = m.bindings()
     constants = {k: v for k, v in bindings.items() if not isinstance(v, fx.Node)}
+    nodes = {k for k, v in bindings.items() if isinstance(v, fx.Node)}
     try:
-        rgraph = trace_function(m.pattern.replacement, constants)
+        rgraph = trace_function(m.pattern.replacement, constants, nodes)
     except Exception as e:  # noqa: BLE001  (a replacement that cannot take these constants)
         return None, f"replacement does not trace with these constants: {type(e).__name__}: {e}"
     inputs = {n.target: bindings[n.target] for n in rgraph.nodes if n.op == "placeholder"}
@@ -280,18 +283,50 @@ def _maybe_equal(a: Any, b: Any) -> bool:
         return True
 
 
+def _closure(nodes: Iterable[fx.Node], order: dict[fx.Node, int], first: int) -> set[fx.Node]:
+    """`nodes` at or after position `first`, with their inputs at or after it (all movable)."""
+    out: set[fx.Node] = set()
+    stack = [n for n in nodes if order[n] >= first]
+    while stack:
+        n = stack.pop()
+        if n not in out:
+            out.add(n)
+            stack.extend(i for i in n.all_input_nodes if order[i] >= first)
+    return out
+
+
 def _outputs(rgraph: fx.Graph) -> list[Any]:
     out = next(n for n in rgraph.nodes if n.op == "output").args[0]
     return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def _placeable(graph: fx.Graph, m: Match, plan: _Plan) -> bool:
+    """Whether every input of the replacement is (or can be moved) before the first matched node,
+    where the replacement goes. fx reads parameters where they are used, and shape arithmetic
+    sits wherever it was written; both move up, as long as they depend on nothing matched."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first = min(order[n] for n in m.nodes)
+    matched = set(m.nodes)
+    seen: set[fx.Node] = set()
+
+    def movable(node: fx.Node) -> bool:
+        if order[node] < first or node in seen:
+            return True
+        if node in matched or node.op in ("placeholder", "output") or node.is_impure():
+            return False
+        seen.add(node)
+        return all(movable(n) for n in node.all_input_nodes)
+
+    return all(movable(n) for n in plan.inputs.values())
 
 
 def _splice(graph: fx.Graph, m: Match, plan: _Plan, log: RewriteLog) -> None:
     order = {n: i for i, n in enumerate(graph.nodes)}
     matched = sorted(m.nodes, key=order.__getitem__)
     first = matched[0]
-    for node in plan.inputs.values():
-        if node.op == "get_attr" and order[node] > order[first]:
-            first.prepend(node)  # parameters read at their use in fx graphs: read them earlier
+    late = [n for n in _closure(plan.inputs.values(), order, order[first])]
+    for node in sorted(late, key=order.__getitem__):
+        first.prepend(node)
     meta = {k: m.anchor.meta[k] for k in ("nn_module_stack", "stack_trace") if k in m.anchor.meta}
     env: dict[fx.Node, Any] = {}
     new_nodes = []

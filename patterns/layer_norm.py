@@ -45,20 +45,24 @@ def rms_norm_written_out(x: torch.Tensor, weight: torch.Tensor, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
+# normalized_shape is the weight's shape (filters check it is 1-D): it depends on nothing the
+# norm computes, so a later pattern (the residual stream) can read it before the norm's input.
+
+
 def rms_norm_written_out_fused(x, weight, eps):
-    return ops.rms_norm(x, x.shape[-1:], weight, eps)
+    return ops.rms_norm(x, weight.shape, weight, eps)
 
 
 def rms_norm_written_out_weight_apart(x, weight, eps):
-    return ops.rms_norm(x, x.shape[-1:], None, eps) * weight
+    return ops.rms_norm(x, weight.shape, None, eps) * weight
 
 
 def rms_norm_upcast_fused(x, weight, eps, dtype):
-    return ops.rms_norm(x, x.shape[-1:], weight, eps)
+    return ops.rms_norm(x, weight.shape, weight, eps)
 
 
 def rms_norm_upcast_weight_apart(x, weight, eps, dtype):
-    return weight * ops.rms_norm(x, x.shape[-1:], None, eps)
+    return weight * ops.rms_norm(x, weight.shape, None, eps)
 
 
 def _casts_back_to_input(m: Match) -> str | None:
