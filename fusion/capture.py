@@ -83,6 +83,18 @@ class Unit:
     def instances(self) -> list[torch.nn.Module]:
         return [m for m in (r() for r in self._instances) if m is not None]
 
+    def _named_reason(self, args: tuple, kwargs: dict, reason: str) -> str:
+        """'argument 1 is a DynamicCache' -> 'argument past_key_values is a DynamicCache (...)'."""
+        try:
+            names = list(inspect.signature(self.original).parameters)[1:]
+        except (TypeError, ValueError):
+            names = []
+        for i, name in enumerate(names[: len(args)]):
+            reason = reason.replace(f"argument {i} is", f"argument {name} is")
+        if "Cache" in reason:
+            reason += " (per-layer state: a capture would recompile for every layer; call with use_cache=False to train fused)"
+        return reason
+
     def _eager(self, module: torch.nn.Module, args: tuple, kwargs: dict, reason: str) -> Any:
         self.eager_calls[reason] += 1
         self.last[module] = None
@@ -210,7 +222,7 @@ class DynamoUnit(Unit):
         self.calls += 1
         reason = unsupported_argument(args, kwargs)
         if reason is not None:
-            return self._eager(module, args, kwargs, reason)
+            return self._eager(module, args, kwargs, self._named_reason(args, kwargs, reason))
         self._call_seq += 1
         self._current = (module, args, kwargs)
         runs = self.runs
@@ -264,6 +276,8 @@ class FxUnit(Unit):
         self.signature = inspect.signature(self.original)
         self.leaves = leaves
         self.cache: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, _FxEntry]] = weakref.WeakKeyDictionary()
+        # (key, parameter dtypes and shapes, traced code) -> entry: identical layers share a capture
+        self.shared: dict[tuple[tuple, tuple, str], _FxEntry] = {}
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         self.calls += 1
@@ -285,13 +299,13 @@ class FxUnit(Unit):
         per_module = self.cache.setdefault(module, {})
         entry = per_module.get(key)
         if entry is None:
-            entry = per_module[key] = self._capture_fx(module, list(bound.arguments)[1:], values)
+            entry = per_module[key] = self._capture_fx(module, list(bound.arguments)[1:], values, key)
         if entry.fn is None:
             return self._eager(module, args, kwargs, entry.reason)
         self.last[module] = entry.capture
         return entry.fn(module, *values)
 
-    def _capture_fx(self, module: torch.nn.Module, names: list[str], values: list[Any]) -> _FxEntry:
+    def _capture_fx(self, module: torch.nn.Module, names: list[str], values: list[Any], key: tuple) -> _FxEntry:
         concrete = {n: v for n, v in zip(names, values) if not isinstance(v, torch.Tensor)}
         try:
             graph = _LeafTracer(self.leaves).trace(module, concrete_args=concrete)
@@ -302,6 +316,15 @@ class FxUnit(Unit):
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         if len(placeholders) != len(values):
             return _FxEntry(None, None, "fx traced a different signature")
+        params = tuple((p.dtype, p.device, tuple(p.shape)) for p in module.parameters())
+        shared = self.shared.get((key, params, gm.code))
+        if shared is not None:
+            return shared  # an identical layer was captured already: its code reads this one's parameters
+        entry = self._rewrite_fx(module, gm, values)
+        self.shared[(key, params, gm.code)] = entry
+        return entry
+
+    def _rewrite_fx(self, module: torch.nn.Module, gm: fx.GraphModule, values: list[Any]) -> _FxEntry:
         _propagate_fake(gm, values)
         capture = self._new_capture(describe_mode(module, [v for v in values if isinstance(v, torch.Tensor)]))
         work = self._rewrite(gm, capture, module)

@@ -89,12 +89,12 @@ class FusionReport:
             lines.append(f"  {u.name}: {u.unit.calls} call(s), {len(u.unit.captures)} capture(s)")
         for n in self.notes:
             lines.append(f"  left: {n.path} ({n.cls}): {n.reason}")
-        seen: set[int] = set()
         for u in self.units:
+            groups: dict[tuple, list[Capture]] = {}
             for capture in u.unit.captures:
-                if id(capture) not in seen:
-                    seen.add(id(capture))
-                    lines.append(capture_table(u.unit, capture, self._paths_of(u, capture)))
+                groups.setdefault(_signature(capture), []).append(capture)
+            for captures in groups.values():
+                lines.append(capture_table(u.unit, captures[-1], self._paths_of(u, captures), len(captures)))
         skipped: dict[str, set[str]] = {}
         for u in self.units:
             for capture in u.unit.captures:
@@ -112,18 +112,24 @@ class FusionReport:
             lines.append("latest forward: no replacements ran (not called yet, or nothing matched)")
         return "\n".join(lines)
 
-    def _paths_of(self, u: UnitReport, capture: Capture) -> str:
-        paths = [p for p, m in zip(u.paths, u.modules) if u.unit.last.get(m) is capture]
+    def _paths_of(self, u: UnitReport, captures: list[Capture]) -> str:
+        paths = [p for p, m in zip(u.paths, u.modules) if any(u.unit.last.get(m) is c for c in captures)]
         return _span(paths) if paths else _span(u.paths)
 
     def __str__(self) -> str:
         return self.table()
 
 
-def capture_table(unit: Unit, capture: Capture, paths: str | None = None) -> str:
-    """One capture as a table: replaced, rejected, left."""
+def _signature(c: Capture) -> tuple:
+    return (c.mode, c.error, tuple((r.pattern, r.where) for r in c.log.active),
+            tuple((r.pattern, r.where, r.reason) for r in c.log.rejected), tuple((r.op, r.where) for r in c.log.left))
+
+
+def capture_table(unit: Unit, capture: Capture, paths: str | None = None, count: int = 1) -> str:
+    """One capture as a table: replaced, rejected, left (`count` identical captures: new shapes)."""
     head = f"{paths or _span(unit.paths)} ({unit.cls.__name__}, {unit.strategy}) [{capture.mode}]"
-    lines = [f"  {head}: {capture.graphs} graph(s)"]
+    again = f", captured {count} times (new shapes)" if count > 1 else ""
+    lines = [f"  {head}: {capture.graphs} graph(s){again}"]
     if capture.error:
         lines.append(f"    rewrite failed, running unfused: {capture.error}")
     rows = [("replaced", r.family, r.pattern, r.where + (f" ({r.note})" if r.note else ""))

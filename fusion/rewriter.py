@@ -16,7 +16,6 @@ removed. A replaced op consumed by a later, larger pattern counts only once, as 
 Every candidate left in the graph is reported with the reasons it was rejected, and so is every
 op of interest no pattern took.
 """
-import operator
 import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -199,7 +198,12 @@ class _Plan:
 def _plan(m: Match) -> tuple[_Plan | None, str | None]:
     bindings = m.bindings()
     constants = {k: v for k, v in bindings.items() if not isinstance(v, fx.Node)}
-    nodes = {k for k, v in bindings.items() if isinstance(v, fx.Node)}
+    if m.pattern.derive is not None:
+        derived = m.pattern.derive(m)
+        if derived is None:
+            return None, "a value the replacement needs is unknown (no example value)"
+        constants.update(derived)
+    nodes = {k for k, v in bindings.items() if isinstance(v, fx.Node) and k not in constants}
     try:
         rgraph = trace_function(m.pattern.replacement, constants, nodes)
     except Exception as e:  # noqa: BLE001  (a replacement that cannot take these constants)
@@ -229,6 +233,7 @@ def _plan(m: Match) -> tuple[_Plan | None, str | None]:
 
 def _evaluate(rgraph: fx.Graph, inputs: dict[str, Any]) -> tuple[dict[fx.Node, Any] | None, str | None]:
     """Runs the replacement on fake example values: its ops' checks, output shapes and dtypes."""
+    inputs = {k: _hint(v) for k, v in inputs.items()}
     tensors = [v for v in inputs.values() if isinstance(v, torch.Tensor)]
     if any(v is None for v in inputs.values()) or not tensors:
         return None, None
@@ -254,6 +259,14 @@ def _evaluate(rgraph: fx.Graph, inputs: dict[str, Any]) -> tuple[dict[fx.Node, A
     except (TypeError, ValueError, RuntimeError, NotImplementedError) as e:
         return None, f"the fused op rejects these inputs: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
     return env, None
+
+
+def _hint(v: Any) -> Any:
+    """A symbolic scalar's example value (the ops' checks want a number), None when unknown."""
+    if isinstance(v, (torch.SymInt, torch.SymFloat)):
+        hint = v.node.hint
+        return None if hint is None else hint
+    return v
 
 
 class _no_guards:
@@ -365,6 +378,7 @@ def _splice(graph: fx.Graph, m: Match, plan: _Plan, log: RewriteLog) -> None:
             absorbed = node.meta.get("trifuse_event")
             if absorbed is not None:
                 absorbed.absorbed = True
+                event.where = _join_where(absorbed.where, event.where)
             graph.erase_node(node)
     log.replaced.append(event)
 
@@ -379,6 +393,11 @@ def module_path(node: fx.Node) -> str:
         return ""
     path = list(stack.values())[-1][0]
     return _STACK_PREFIX.sub("", str(path))
+
+
+def _join_where(a: str, b: str) -> str:
+    parts = [p for w in (a, b) for p in w.split(", ") if p != "(the module itself)"]
+    return ", ".join(dict.fromkeys(parts)) or "(the module itself)"
 
 
 def where(nodes: Iterable[fx.Node]) -> str:
@@ -402,5 +421,3 @@ def _hashable(target: Any) -> bool:
     return True
 
 
-__all__ = ["FAMILIES", "Left", "Rejected", "Replaced", "RewriteLog", "rewrite", "rewrite_graph",
-           "select_patterns", "module_path", "where", "operator"]

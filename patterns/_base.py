@@ -16,6 +16,8 @@ Filters take the `Match` and return None to accept or a sentence saying why not 
 `m.value(name)` its example value (a tensor with dtype and shape, the constant itself, or None when
 unknown).
 
+`derive` may compute further constants for the replacement from the match (its example values).
+
 Stages order the rewriting: 0 turns each spelling into one op, 1 combines ops (an add feeding a
 fused norm becomes the residual-stream op), 2 folds the bias of a preceding linear into the op.
 """
@@ -48,6 +50,9 @@ class Pattern:
     ops: tuple[str, ...]  # the trifuse.ops functions the replacement (and search) call
     filters: tuple[Filter, ...] = ()
     stage: int = 0
+    # Constants for the replacement computed from the match's values (they override matched ones),
+    # e.g. eps=None resolved to the input dtype's epsilon, as the op it replaces would.
+    derive: Callable[[Match], dict[str, Any]] | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -123,6 +128,16 @@ def is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def is_runtime_number(v: Any) -> bool:
+    """A constant number, or a graph node that evaluates to a Python number when the graph runs:
+    Dynamo passes a float attribute that differs between captures (one eps per model, one dropout
+    p per layer) as a symbolic value rather than recompiling for each."""
+    if is_number(v):
+        return True
+    return isinstance(v, torch.fx.Node) and isinstance(example_value(v), (int, float, torch.SymInt, torch.SymFloat)) \
+        and not isinstance(example_value(v), bool)
+
+
 def known_equal(a: Any, b: Any) -> bool:
     """a == b for ints or SymInts, True only when provably so (adds no guards)."""
     if isinstance(a, int) and isinstance(b, int):
@@ -137,12 +152,13 @@ def same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def needs_number(*names: str) -> Filter:
-    """The named parameters matched Python numbers (not tensors or values computed at run time)."""
+    """The named parameters matched Python numbers: constants, or scalars the graph computes
+    (`is_runtime_number`), never tensors."""
 
     def check(m: Match) -> str | None:
         for name in names:
-            if not is_number(m[name]):
-                return f"{name} is {_show(m[name])}, not a constant number"
+            if not is_runtime_number(m[name]):
+                return f"{name} is {_show(m[name])}, not a number"
         return None
 
     check.__name__ = f"needs_number({', '.join(names)})"

@@ -151,13 +151,14 @@ def _mha_masks(m: Match) -> str | None:
     return None
 
 
+# The grouped-KV spellings come before plain SDPA, which would otherwise take the repeated K and V.
 PATTERNS = (
-    Pattern("sdpa", "attention", sdpa, sdpa_fused, ("attention",),
-            (needs_number("dropout_p"), needs_bool("is_causal", "enable_gqa"))),
     Pattern("sdpa_repeat_interleave_kv", "attention", sdpa_repeat_interleave_kv, sdpa_gqa_fused, ("attention",),
             (needs_number("dropout_p", "n_rep"), needs_bool("is_causal"))),
     Pattern("sdpa_expand_kv", "attention", sdpa_expand_kv, sdpa_gqa_fused, ("attention",),
             (needs_number("dropout_p"), needs_bool("is_causal"))),
+    Pattern("sdpa", "attention", sdpa, sdpa_fused, ("attention",),
+            (needs_number("dropout_p"), needs_bool("is_causal", "enable_gqa"))),
     *(_chain_pattern(*opts) for opts in itertools.product(
         ("mul", "div"), ("add", "masked_fill", ""), (True, False), (False, True))),
     Pattern("self_attention_mha", "attention", self_attention_mha, self_attention_mha_fused, ("attention",),

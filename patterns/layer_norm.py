@@ -89,12 +89,21 @@ def _weight_dtype(same: bool):
     return check
 
 
+def _resolve_eps(m: Match) -> dict | None:
+    """F.rms_norm's eps=None means the input dtype's epsilon: make it a number, so the residual
+    stream (which takes a number) can absorb this norm later."""
+    if m["eps"] is not None:
+        return {}
+    x = m.value("x")
+    return {"eps": torch.finfo(x.dtype).eps} if isinstance(x, torch.Tensor) else None
+
+
 _RMS_FILTERS = (needs_number("eps"),)
 
 PATTERNS = (
     Pattern("layer_norm", "layer_norm", layer_norm, layer_norm_fused, ("layer_norm",),
             (needs_number("eps"),)),
-    Pattern("rms_norm", "rms_norm", rms_norm, rms_norm_fused, ("rms_norm",)),
+    Pattern("rms_norm", "rms_norm", rms_norm, rms_norm_fused, ("rms_norm",), derive=_resolve_eps),
     Pattern("rms_norm_upcast", "rms_norm", rms_norm_upcast, rms_norm_upcast_fused, ("rms_norm",),
             (*_RMS_FILTERS, _casts_back_to_input, _weight_dtype(True))),
     Pattern("rms_norm_upcast_weight_apart", "rms_norm", rms_norm_upcast, rms_norm_upcast_weight_apart,
