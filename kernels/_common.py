@@ -119,7 +119,12 @@ def eager_fast_path(*tensors: torch.Tensor | None) -> bool:
         return False
     if torch._C._is_torch_function_mode_enabled():
         return False
-    return all(t is None or type(t) is torch.Tensor for t in tensors)
+    return all(t is None or type(t) in _PLAIN_TENSORS for t in tensors)
+
+
+# A model's weights are nn.Parameter: plain tensors for this purpose (not a subclass that
+# overrides dispatch).
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def profiled(name: str):
