@@ -25,6 +25,7 @@ fails) runs the original forward, and every such call is counted with its reason
 that ran no graph of ours (Dynamo fell back to eager: recompile limit, skipped frame) is counted
 as a fallback. `trifuse.report(model)` shows all of it.
 """
+import contextvars
 import functools
 import inspect
 import operator
@@ -45,7 +46,7 @@ from .rewriter import RewriteLog, rewrite_graph
 _SIMPLE = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
 
-@dataclass
+@dataclass(eq=False)
 class Capture:
     """One captured and rewritten graph set: for a unit, in one mode."""
 
@@ -205,12 +206,32 @@ def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
     return new
 
 
+_CALLING: contextvars.ContextVar["DynamoUnit | None"] = contextvars.ContextVar("trifuse_dynamo_unit", default=None)
+
+
+@functools.cache
+def _backend_for(patterns: tuple[Pattern, ...]) -> Callable[..., Any]:
+    """One backend per pattern selection, shared by every unit using it: Dynamo keeps a compiled
+    graph per backend, so units of the same class (several fused models in one process) and the
+    resume functions after graph breaks reuse each other's graphs instead of piling up entries
+    towards the recompile limit. The unit being called is found through a context variable."""
+
+    def trifuse_fuse_backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        unit = _CALLING.get()
+        if unit is None:  # compiled outside a unit's call (should not happen): rewrite, report nowhere
+            unit = DynamoUnit(object, patterns, False)
+        return unit._compile(gm)
+
+    return trifuse_fuse_backend
+
+
 class DynamoUnit(Unit):
     strategy = "dynamo"
 
     def __init__(self, cls: type, patterns: Sequence[Pattern], verbose: bool) -> None:
         super().__init__(cls, patterns, verbose)
-        self.compiled = torch.compile(_own_code(self.original), backend=self._backend)
+        if cls is not object:
+            self.compiled = torch.compile(_own_code(self.original), backend=_backend_for(self.patterns))
         self.runs = 0
         self._call_seq = 0
         self._capture_seq = -1
@@ -226,9 +247,11 @@ class DynamoUnit(Unit):
         self._call_seq += 1
         self._current = (module, args, kwargs)
         runs = self.runs
+        token = _CALLING.set(self)
         try:
             out = self.compiled(module, *args, **kwargs)
         finally:
+            _CALLING.reset(token)
             self._current = None
         if self.runs == runs:
             self.fallbacks += 1
@@ -237,22 +260,61 @@ class DynamoUnit(Unit):
             self.last[module] = self._running
         return out
 
-    def _backend(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+    def _compile(self, gm: fx.GraphModule) -> Callable[..., Any]:
         if self._capture is None or self._capture_seq != self._call_seq:
             module, args, kwargs = self._current or (None, (), {})
             mode = describe_mode(module, _tensors(args, kwargs)) if module is not None else "?"
             self._capture = self._new_capture(mode)
             self._capture_seq = self._call_seq
         capture = self._capture
-        work = self._rewrite(gm, capture, None)
-        fwd = work.forward
+        fwd = self._rewrite(gm, capture, None).forward
 
         def run(*args: Any) -> Any:
-            self.runs += 1
-            self._running = capture
+            unit = _CALLING.get()
+            if unit is not None:  # the unit calling now, which may reuse another one's graph
+                unit.runs += 1
+                unit._running = capture
             return fwd(*args)
 
         return run
+
+
+class HeadUnit(DynamoUnit):
+    """The model's own forward, for what it does around its body: the LM head and the loss.
+
+    The children holding the blocks (a Hugging Face model's `transformer`/`model`/`bert`) are
+    fenced: while this unit runs, Dynamo does not trace into them (they run as they are, their
+    blocks through their own units), so the capture holds only the head and the loss. Outside
+    this unit's calls the fence is transparent (a user's torch.compile sees the whole model).
+    """
+
+    strategy = "dynamo (head)"
+
+    def __init__(self, cls: type, patterns: Sequence[Pattern], verbose: bool) -> None:
+        super().__init__(cls, patterns, verbose)
+        self.capturing = False
+        self.fenced: list[str] = []
+
+    def fence(self, module: torch.nn.Module, path: str) -> None:
+        original = type(module).forward
+        outside = torch._dynamo.disable(original)
+        unit = self
+
+        @functools.wraps(original)
+        def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            if unit.capturing:
+                return outside(self, *args, **kwargs)
+            return original(self, *args, **kwargs)
+
+        module.forward = types.MethodType(forward, module)
+        self.fenced.append(path)
+
+    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        self.capturing = True
+        try:
+            return super().__call__(module, args, kwargs)
+        finally:
+            self.capturing = False
 
 
 # =============================================================================================

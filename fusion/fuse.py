@@ -23,7 +23,7 @@ from torch import fx
 
 from ..patterns import PATTERNS
 from ..patterns._base import available
-from .capture import DynamoUnit, FxUnit, Unit, _LeafTracer, installed_unit
+from .capture import DynamoUnit, FxUnit, HeadUnit, Unit, _LeafTracer, installed_unit
 from .match import compile_pattern, matches
 from .normalize import canonicalize
 from .rewriter import select_patterns
@@ -87,12 +87,40 @@ def fuse(model: torch.nn.Module, *, ops: Iterable[str] | None = None, verbose: b
                 continue
             unit.install(module, path)
     _visit(model, "", patterns, verbose, is_leaf, notes)
+    _install_head(model, patterns, verbose, block_set, notes)
     _RECORDS[model] = FuseRecord(families, notes)
     if verbose:
         from .report import report
 
         print(report(model).table())
     return model
+
+
+def _install_head(model, patterns, verbose, block_set: set[int], notes: list[Note]) -> None:
+    """A model whose forward computes a loss (and that fx could not trace whole) gets a Dynamo
+    capture of that forward with its body fenced off: the LM head and the loss (issue 9)."""
+    if installed_unit(model) is not None or "forward" in model.__dict__ or not blocks_of(model, block_set):
+        return
+    if not any(p.family == "cross_entropy" and all(available(op) for op in p.ops) for p in patterns):
+        return
+    try:
+        source = inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        return
+    if not any(word in source for word in ("cross_entropy", "CrossEntropyLoss", "loss_function")):
+        return
+    head = HeadUnit(type(model), patterns, verbose)
+    for name, child in model.named_children():
+        if id(child) not in block_set and blocks_of(child, block_set) and "forward" not in child.__dict__ \
+                and not isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            head.fence(child, name)
+    head.install(model, "(model)")
+    fenced = ", ".join(head.fenced) or "nothing: its blocks are traced into the capture"
+    notes.append(Note("(model)", type(model).__name__, f"head and loss captured by Dynamo; fenced off: {fenced}"))
+
+
+def blocks_of(module: torch.nn.Module, block_set: set[int]) -> bool:
+    return any(id(m) in block_set for m in module.modules())
 
 
 def _find_blocks(model: torch.nn.Module) -> dict[type, list[tuple[str, torch.nn.Module]]]:

@@ -7,7 +7,7 @@ mix of positional and keyword arguments the source used, and omit defaults. `can
 rewrites, in place:
 
 - `call_module` of modules whose maths does not depend on `.training` (Linear, LayerNorm,
-  RMSNorm, GELU, ReLU, Softmax, Identity) into their functional call, parameters as `get_attr`.
+  RMSNorm, GELU, ReLU, Softmax, Identity, CrossEntropyLoss) into their functional call, parameters as `get_attr`.
   `nn.Dropout` becomes `F.dropout(x, p, training=<the module's flag now>)`: only for graphs that
   are specialized to the module tree's training flags (fx captures are keyed on them; see
   capture.py), never otherwise. A module with hooks stays a module call (its hooks must run).
@@ -214,7 +214,18 @@ def _module_to_function(graph: fx.Graph, node: fx.Node, root: torch.nn.Module) -
         mod = root.get_submodule(node.target)
     except AttributeError:
         return
-    if mod._forward_hooks or mod._forward_pre_hooks or node.kwargs or len(node.args) != 1:
+    if mod._forward_hooks or mod._forward_pre_hooks or node.kwargs:
+        return
+    if type(mod) is torch.nn.CrossEntropyLoss and len(node.args) == 2:
+        with graph.inserting_before(node):
+            weight = graph.get_attr(f"{node.target}.weight") if mod.weight is not None else None
+            new = graph.call_function(F.cross_entropy, (*node.args, weight, None, mod.ignore_index, None,
+                                                        mod.reduction, mod.label_smoothing))
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        return
+    if len(node.args) != 1:
         return
     x = node.args[0]
 

@@ -91,7 +91,8 @@ class FusionReport:
             lines.append(f"  left: {n.path} ({n.cls}): {n.reason}")
         for u in self.units:
             groups: dict[tuple, list[Capture]] = {}
-            for capture in u.unit.captures:
+            used = [c for m in u.modules if (c := u.unit.last.get(m)) is not None]
+            for capture in dict.fromkeys([*u.unit.captures, *used]):
                 groups.setdefault(_signature(capture), []).append(capture)
             for captures in groups.values():
                 lines.append(capture_table(u.unit, captures[-1], self._paths_of(u, captures), len(captures)))

@@ -136,7 +136,7 @@ def rewrite_graph(graph: fx.Graph, patterns: Sequence[Pattern]) -> RewriteLog:
         for node in list(graph.nodes):
             if node.graph is not graph or _erased(node) or not cp.is_candidate(node):
                 continue
-            reason = _rewrite_at(graph, node, cp, log)
+            reason = _rewrite_at(graph, node, cp, log, rejections.get(node, []))
             if reason is not None:
                 rejections.setdefault(node, []).append(Rejected(
                     pattern.name, pattern.family, where([node]), node.name, reason))
@@ -151,8 +151,10 @@ def rewrite_graph(graph: fx.Graph, patterns: Sequence[Pattern]) -> RewriteLog:
     return log
 
 
-def _rewrite_at(graph: fx.Graph, node: fx.Node, cp: Any, log: RewriteLog) -> str | None:
-    """Rewrites the first acceptable match anchored at `node`; None when done, else why not."""
+def _rewrite_at(graph: fx.Graph, node: fx.Node, cp: Any, log: RewriteLog, earlier: list[Rejected]) -> str | None:
+    """Rewrites the first acceptable match anchored at `node`; None when done, else why not.
+    A larger pattern rejected here because the model needs one of its intermediate values (the
+    logits it returns) is named in the replacement's note: the report says why it is not used."""
     first_reason = None
     for m in matches(cp, node):
         reason = _check(m)
@@ -163,6 +165,8 @@ def _rewrite_at(graph: fx.Graph, node: fx.Node, cp: Any, log: RewriteLog) -> str
             reason = "an input of the replacement is computed after the pattern starts"
         if reason is None and plan is not None:
             _splice(graph, m, plan, log)
+            kept = [f"not {r.pattern}: {r.reason}" for r in earlier if "outside the pattern" in r.reason]
+            log.replaced[-1].note = "; ".join([n for n in (log.replaced[-1].note, *kept) if n])
             return None
         first_reason = first_reason or reason
     return first_reason

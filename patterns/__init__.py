@@ -3,7 +3,7 @@
 PATTERNS is the registry, in priority order within each stage (see _base.py): the residual
 stream is tried before a lone dropout + add, so an add feeding a norm becomes the larger op.
 """
-from . import attention, bias_gelu, dropout_add, layer_norm, residual_stream
+from . import attention, bias_gelu, cross_entropy, dropout_add, layer_norm, residual_stream
 from ._base import Pattern
 
 PATTERNS: tuple[Pattern, ...] = (
@@ -12,6 +12,7 @@ PATTERNS: tuple[Pattern, ...] = (
     *bias_gelu.PATTERNS,
     *residual_stream.PATTERNS,
     *dropout_add.PATTERNS,
+    *cross_entropy.PATTERNS,
 )
 
 __all__ = ["PATTERNS", "Pattern"]
