@@ -28,6 +28,7 @@ as a fallback. `trifuse.report(model)` shows all of it.
 import contextvars
 import functools
 import inspect
+import itertools
 import operator
 import types
 import weakref
@@ -48,12 +49,18 @@ _SIMPLE = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
 @dataclass(eq=False)
 class Capture:
-    """One captured and rewritten graph set: for a unit, in one mode."""
+    """One captured and rewritten graph set: for a unit, in one mode (or one graph compiled by
+    a torch.compile backend)."""
 
     mode: str
     graphs: int = 0
     log: RewriteLog = field(default_factory=RewriteLog)
     error: str | None = None  # the rewrite failed: the graph runs as captured, unfused
+    frame: int | None = None  # Dynamo's frame id, for backend captures
+    serial: int = field(default_factory=lambda: next(_SERIAL))
+
+
+_SERIAL = itertools.count()
 
 
 class Unit:

@@ -34,9 +34,12 @@ class FusionReport:
     notes: list[Note] = field(default_factory=list)
     families: tuple[str, ...] | None = None
     fused: bool = False
+    compiled: list[Capture] = field(default_factory=list)  # graphs rewritten by the torch.compile backends
 
     def _last(self) -> list[tuple[str, Capture]]:
-        out = []
+        from .backend import latest_per_frame
+
+        out = [("(compiled)", c) for c in latest_per_frame(self.compiled)]
         for u in self.units:
             for path, module in zip(u.paths, u.modules):
                 capture = u.unit.last.get(module)
@@ -81,8 +84,16 @@ class FusionReport:
 
     def table(self) -> str:
         lines = []
+        if self.compiled:
+            from .backend import latest_per_frame
+
+            lines.append(f"torch.compile backends: {len(self.compiled)} graph(s) rewritten")
+            for capture in latest_per_frame(self.compiled):
+                lines.append(_compiled_table(capture))
         if not self.fused:
-            return "trifuse: this model was not fused (call trifuse.fuse(model))"
+            if self.compiled:
+                return "\n".join(lines + [_counts_line(self.counts())])
+            return "trifuse: this model was not fused (call trifuse.fuse(model) or torch.compile it with backend='trifuse')"
         fams = "all families" if self.families is None else ", ".join(self.families)
         lines.append(f"trifuse.fuse ({fams}): {len(self.units)} unit(s)")
         for u in self.units:
@@ -106,11 +117,7 @@ class FusionReport:
         for name, calls in self.unfused_calls().items():
             for reason, n in calls.items():
                 lines.append(f"  unfused: {name}: {n} call(s): {reason}")
-        counts = self.counts()
-        if counts:
-            lines.append("latest forward, per family: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
-        elif self.units:
-            lines.append("latest forward: no replacements ran (not called yet, or nothing matched)")
+        lines.append(_counts_line(self.counts()))
         return "\n".join(lines)
 
     def _paths_of(self, u: UnitReport, captures: list[Capture]) -> str:
@@ -119,6 +126,24 @@ class FusionReport:
 
     def __str__(self) -> str:
         return self.table()
+
+
+def _counts_line(counts: dict[str, int]) -> str:
+    if not counts:
+        return "latest forward: no replacements ran (not called yet, or nothing matched)"
+    return "latest forward, per family: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+
+
+def _compiled_table(capture: Capture) -> str:
+    lines = [f"  [{capture.mode}]"]
+    if capture.error:
+        lines.append(f"    rewrite failed, compiled unfused: {capture.error}")
+    rows = [("replaced", r.family, r.pattern, r.where) for r in capture.log.active]
+    rows += [("rejected", r.family, r.pattern, f"{r.where}: {r.reason}") for r in capture.log.rejected]
+    if rows:
+        w = [max(len(r[i]) for r in rows) for i in range(3)]
+        lines += [f"    {a:<{w[0]}}  {b:<{w[1]}}  {c:<{w[2]}}  {d}" for a, b, c, d in rows]
+    return "\n".join(lines)
 
 
 def _signature(c: Capture) -> tuple:
@@ -145,7 +170,11 @@ def capture_table(unit: Unit, capture: Capture, paths: str | None = None, count:
 
 def report(model: torch.nn.Module) -> FusionReport:
     """What `trifuse.fuse(model)` replaced, per pattern and family, where, and every candidate
-    it rejected and why. `print(report(model))` shows it as a table."""
+    it rejected and why; for a model compiled with backend="trifuse" or "trifuse_inductor", what
+    the backend replaced in its graphs. `print(report(model))` shows it as a table."""
+    from .backend import compiled_captures
+
+    model = getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule
     units: dict[int, UnitReport] = {}
     for path, module in model.named_modules():
         unit = installed_unit(module)
@@ -160,6 +189,7 @@ def report(model: torch.nn.Module) -> FusionReport:
         list(record.notes) if record else [],
         record.families if record else None,
         fused=record is not None or bool(units),
+        compiled=compiled_captures(model),
     )
 
 
