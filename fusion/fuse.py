@@ -31,11 +31,12 @@ from .rewriter import select_patterns
 
 @dataclass
 class Note:
-    """Something `fuse` left as it was, and why."""
+    """Something `fuse` left as it was, and why (kind "left"), or did in a way worth saying."""
 
     path: str
     cls: str
     reason: str
+    kind: str = "left"
 
 
 @dataclass
@@ -116,7 +117,8 @@ def _install_head(model, patterns, verbose, block_set: set[int], notes: list[Not
             head.fence(child, name)
     head.install(model, "(model)")
     fenced = ", ".join(head.fenced) or "nothing: its blocks are traced into the capture"
-    notes.append(Note("(model)", type(model).__name__, f"head and loss captured by Dynamo; fenced off: {fenced}"))
+    notes.append(Note("(model)", type(model).__name__, f"head and loss captured by Dynamo; fenced off: {fenced}",
+                      kind="note"))
 
 
 def blocks_of(module: torch.nn.Module, block_set: set[int]) -> bool:

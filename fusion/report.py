@@ -99,7 +99,7 @@ class FusionReport:
         for u in self.units:
             lines.append(f"  {u.name}: {u.unit.calls} call(s), {len(u.unit.captures)} capture(s)")
         for n in self.notes:
-            lines.append(f"  left: {n.path} ({n.cls}): {n.reason}")
+            lines.append(f"  {n.kind}: {n.path} ({n.cls}): {n.reason}")
         for u in self.units:
             groups: dict[tuple, list[Capture]] = {}
             used = [c for m in u.modules if (c := u.unit.last.get(m)) is not None]

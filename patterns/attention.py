@@ -99,7 +99,7 @@ def _casts_back_to_q(m: Match) -> str | None:
 
 
 def _chain_pattern(scaling: str, masking: str, dropout: bool, upcast: bool) -> Pattern:
-    opts = dict(scaling=scaling, masking=masking, dropout=dropout, upcast=upcast)
+    opts = {"scaling": scaling, "masking": masking, "dropout": dropout, "upcast": upcast}
     name = "_".join(["attention_chain", scaling, masking or "no_mask", "dropout" if dropout else "no_dropout",
                      *(["upcast"] if upcast else [])])
     filters = [_transposes_last_two, _scale_is_number]

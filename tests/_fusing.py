@@ -6,11 +6,9 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from torch import nn
-from tolerances import assert_close
-
 import trifuse
-
+from tolerances import assert_close
+from torch import nn
 
 # The trifuse op each family's replacements call (branches land one by one: a family whose op is
 # not in this build is skipped by fuse, and its tests skip).

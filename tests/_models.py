@@ -154,15 +154,15 @@ class NanoGPT(nn.Module):
     def __init__(self, flash=True, dropout=0.0, layers=LAYERS, block_size=64):
         super().__init__()
         self.block_size = block_size
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(VOCAB, HIDDEN), wpe=nn.Embedding(block_size, HIDDEN), drop=nn.Dropout(dropout),
-            h=nn.ModuleList([Block(HIDDEN, HEADS, dropout, block_size, flash) for _ in range(layers)]),
-            ln_f=nn.LayerNorm(HIDDEN)))
+        self.transformer = nn.ModuleDict({
+            "wte": nn.Embedding(VOCAB, HIDDEN), "wpe": nn.Embedding(block_size, HIDDEN), "drop": nn.Dropout(dropout),
+            "h": nn.ModuleList([Block(HIDDEN, HEADS, dropout, block_size, flash) for _ in range(layers)]),
+            "ln_f": nn.LayerNorm(HIDDEN)})
         self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
         self.transformer.wte.weight = self.lm_head.weight
 
     def forward(self, idx, targets=None):
-        b, t = idx.size()
+        t = idx.size(1)
         assert t <= self.block_size, f"Cannot forward sequence of length {t}"
         pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))

@@ -8,13 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _models
 import pytest
 import torch
-from torch import nn
-
-import _models
-from tolerances import assert_close
 import trifuse
+from tolerances import assert_close
+from torch import nn
 
 
 def test_gpt2_generate_still_works_and_cache_calls_are_reported():
@@ -25,7 +24,7 @@ def test_gpt2_generate_still_works_and_cache_calls_are_reported():
     model.eval()
     ref.eval()
     ids = inputs(2, 5)["input_ids"]
-    kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    kwargs = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
     assert torch.equal(model.generate(ids, **kwargs), ref.generate(ids, **kwargs))
     unfused = trifuse.report(model).unfused_calls()
     assert any("past_key_values is a DynamicCache" in reason for calls in unfused.values() for reason in calls)
@@ -199,5 +198,5 @@ def test_reference_path_without_the_interpreter():
     tests = str(Path(__file__).resolve().parents[1])
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", REFERENCE_PATH.format(tests=tests)], env=env,
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

@@ -4,13 +4,12 @@ block fused, the trifuse ops run, outputs and gradients equal the unfused model 
 rule, the model keeps its class, Parameter objects and state_dict."""
 import copy
 
+import _models
 import pytest
 import torch
-
-import _models
-from tolerances import assert_close
-from _fusing import available_counts, trifuse_ops_run
 import trifuse
+from _fusing import available_counts, trifuse_ops_run
+from tolerances import assert_close
 
 L = _models.LAYERS
 PRE_NORM = {"layer_norm": L + 1, "attention": L, "bias_gelu": L, "residual_stream": L, "dropout_add": L}

@@ -4,7 +4,6 @@ import operator
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
-
 from trifuse.fusion import rewrite
 from trifuse.fusion.match import compile_pattern, matches, trace_function
 from trifuse.fusion.normalize import canonicalize

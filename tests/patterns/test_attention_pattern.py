@@ -6,9 +6,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from _fusing import check_against_unfused, fuse_via, trifuse_ops_run
+from torch import nn
 
 B, H, S, D = 2, 4, 6, 8
 CAPTURES = ["fx", "dynamo"]

@@ -5,9 +5,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from _fusing import check_against_unfused, fuse_via, trifuse_ops_run
+from torch import nn
 
 N = 16
 X = (torch.randn(2, 5, N),)

@@ -3,9 +3,8 @@ loss becomes trifuse.linear_cross_entropy (the logits never exist); options are 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from _fusing import check_against_unfused, fuse_via, needs_ops, trifuse_ops_run
+from torch import nn
 
 pytestmark = needs_ops("cross_entropy", "linear_cross_entropy")
 T, V, H = 12, 11, 8

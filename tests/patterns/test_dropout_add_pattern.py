@@ -1,10 +1,9 @@
 """Dropout + residual add, either way round, with the bias of the linear before folded in."""
 import pytest
 import torch
-from torch import nn
-
-from _fusing import check_against_unfused, fuse_via, trifuse_ops_run
 import trifuse
+from _fusing import check_against_unfused, fuse_via, trifuse_ops_run
+from torch import nn
 
 N = 16
 X = (torch.randn(2, 5, N),)

@@ -3,10 +3,9 @@ fused model equals the unfused one by the oracle rule; near misses stay as writt
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-from _fusing import check_against_unfused
 import trifuse
+from _fusing import check_against_unfused
+from torch import nn
 
 N = 24
 X = (torch.randn(3, 5, N),)

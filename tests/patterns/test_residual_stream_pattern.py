@@ -2,10 +2,9 @@
 bias of the linear before it folded in; pre-norm and post-norm; p and training carried."""
 import pytest
 import torch
-from torch import nn
-
-from _fusing import check_against_unfused, fuse_via, trifuse_ops_run
 import trifuse
+from _fusing import check_against_unfused, fuse_via, trifuse_ops_run
+from torch import nn
 
 N = 16
 X = (torch.randn(2, 5, N),)
