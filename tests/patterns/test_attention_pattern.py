@@ -6,9 +6,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from _fusing import check_against_unfused, fuse_via, trifuse_ops_run
+from _fusing import check_against_unfused, fuse_via, needs_ops, trifuse_ops_run
 from torch import nn
 
+pytestmark = needs_ops("attention")
 B, H, S, D = 2, 4, 6, 8
 CAPTURES = ["fx", "dynamo"]
 

@@ -5,9 +5,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from _fusing import check_against_unfused, fuse_via, trifuse_ops_run
+from _fusing import check_against_unfused, fuse_via, needs_ops, trifuse_ops_run
 from torch import nn
 
+pytestmark = needs_ops("bias_gelu")
 N = 16
 X = (torch.randn(2, 5, N),)
 CAPTURES = ["fx", "dynamo"]

@@ -2,9 +2,10 @@
 import pytest
 import torch
 import trifuse
-from _fusing import check_against_unfused, fuse_via, trifuse_ops_run
+from _fusing import check_against_unfused, fuse_via, needs_ops, trifuse_ops_run
 from torch import nn
 
+pytestmark = needs_ops("dropout_add")
 N = 16
 X = (torch.randn(2, 5, N),)
 CAPTURES = ["fx", "dynamo"]
