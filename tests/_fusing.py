@@ -7,6 +7,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import trifuse
+from _device import DEVICE
 from tolerances import assert_close
 from torch import nn
 
@@ -77,7 +78,8 @@ def check_against_unfused(make: Callable[[], nn.Module], inputs: tuple, capture:
     """Fuses a fresh `make()`, runs it and the unfused model (fp32 and float64) on `inputs`, and
     checks outputs and every parameter and input gradient by the oracle rule. Returns the report."""
     torch.manual_seed(0)
-    model = make()
+    model = make().to(DEVICE)
+    inputs = tuple(x.to(DEVICE) for x in inputs)
     ref = copy.deepcopy(model)
     ref64 = copy.deepcopy(model).double()
     for m in (model, ref, ref64):

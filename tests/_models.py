@@ -1,7 +1,9 @@
 """Small real models for the fusion tests: Hugging Face models built from tiny configs (no
 download), torch.nn.TransformerEncoder, and hand-written models in the styles people write
 (nanoGPT; a block with data-dependent control flow and numpy). Each builder returns
-(model, make_inputs(batch, seq) -> kwargs, loss(model, inputs) -> scalar)."""
+(model, make_inputs(batch, seq) -> kwargs, loss(model, inputs) -> scalar), on the GPU when there
+is one (the real kernels), else on the CPU."""
+import functools
 import math
 
 import numpy as np
@@ -10,6 +12,22 @@ import torch.nn.functional as F
 from torch import nn
 
 HIDDEN, HEADS, LAYERS, VOCAB = 32, 2, 2, 64
+# Not from tests/_device.py: importing it sets TRITON_INTERPRET, which the reference-path test
+# (a subprocess importing this module) must not have.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _on_device(builder):
+    @functools.wraps(builder)
+    def build(*args, **kwargs):
+        model, inputs, loss = builder(*args, **kwargs)
+
+        def inputs_on_device(batch, seq):
+            return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in inputs(batch, seq).items()}
+
+        return model.to(DEVICE), inputs_on_device, loss
+
+    return build
 
 
 def _quiet_transformers():
@@ -19,6 +37,7 @@ def _quiet_transformers():
     return transformers
 
 
+@_on_device
 def gpt2(dropout: float = 0.0, layers: int = LAYERS):
     tf = _quiet_transformers()
     cfg = tf.GPT2Config(n_layer=layers, n_embd=HIDDEN, n_head=HEADS, n_positions=64, vocab_size=VOCAB,
@@ -33,6 +52,7 @@ def gpt2(dropout: float = 0.0, layers: int = LAYERS):
     return model, inputs, lambda m, kw: m(**kw).loss
 
 
+@_on_device
 def bert(dropout: float = 0.0, layers: int = LAYERS):
     tf = _quiet_transformers()
     cfg = tf.BertConfig(num_hidden_layers=layers, hidden_size=HIDDEN, num_attention_heads=HEADS,
@@ -50,6 +70,7 @@ def bert(dropout: float = 0.0, layers: int = LAYERS):
     return model, inputs, lambda m, kw: m(**kw).loss
 
 
+@_on_device
 def vit(dropout: float = 0.0, layers: int = LAYERS):
     tf = _quiet_transformers()
     cfg = tf.ViTConfig(num_hidden_layers=layers, hidden_size=HIDDEN, num_attention_heads=HEADS,
@@ -64,6 +85,7 @@ def vit(dropout: float = 0.0, layers: int = LAYERS):
     return model, inputs, lambda m, kw: m(**kw).loss
 
 
+@_on_device
 def llama(layers: int = LAYERS):
     """Hugging Face's RMSNorm written out (fp32 upcast), SDPA with grouped KV heads, SiLU MLP."""
     tf = _quiet_transformers()
@@ -79,6 +101,7 @@ def llama(layers: int = LAYERS):
     return model, inputs, lambda m, kw: m(**kw).loss
 
 
+@_on_device
 def transformer_encoder(norm_first: bool, dropout: float = 0.0, layers: int = LAYERS):
     layer = nn.TransformerEncoderLayer(HIDDEN, HEADS, 2 * HIDDEN, dropout=dropout, activation="gelu",
                                        batch_first=True, norm_first=norm_first)
@@ -175,6 +198,7 @@ class NanoGPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
 
 
+@_on_device
 def nanogpt(flash: bool = True, dropout: float = 0.0, layers: int = LAYERS):
     model = NanoGPT(flash, dropout, layers)
 
@@ -218,6 +242,7 @@ class Quirky(nn.Module):
         return self.head(x)
 
 
+@_on_device
 def quirky():
     model = Quirky()
 

@@ -93,17 +93,18 @@ def test_new_shapes_and_modes_recapture_a_bounded_number_of_times():
 
 
 def test_autocast():
-    # fp16 autocast on CPU (bf16 arithmetic is wrong in Triton's interpreter; bf16 runs on GPU)
+    # bf16 on a GPU; fp16 on CPU (bf16 arithmetic is wrong in Triton's interpreter)
+    dtype = torch.bfloat16 if _models.DEVICE == "cuda" else torch.float16
     torch.manual_seed(0)
     model, inputs, loss_fn = _models.gpt2()
     ref, ref64 = copy.deepcopy(model), copy.deepcopy(model).double()
     trifuse.fuse(model)
     kw = inputs(2, 8)
-    with torch.autocast("cpu", dtype=torch.float16):
+    with torch.autocast(_models.DEVICE, dtype=dtype):
         fused, lowp = loss_fn(model, kw), loss_fn(ref, kw)
     assert fused.dtype == lowp.dtype
     assert_close("autocast loss", fused, loss_fn(ref64, kw), lowp)
-    assert "autocast cpu float16" in trifuse.report(model).table()
+    assert f"autocast {_models.DEVICE} {str(dtype).replace('torch.', '')}" in trifuse.report(model).table()
 
 
 def test_data_dependent_control_flow_and_numpy_are_left_working():
@@ -199,6 +200,7 @@ def test_reference_path_without_the_interpreter():
     """CPU tensors without TRITON_INTERPRET take trifuse's PyTorch path: fused models still run."""
     tests = str(Path(__file__).resolve().parents[1])
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # CPU tensors, also on a GPU machine
     out = subprocess.run([sys.executable, "-c", REFERENCE_PATH.format(tests=tests)], env=env,
                          capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
