@@ -74,7 +74,6 @@ class Unit:
         self.verbose = verbose
         self.original = cls.forward
         self.paths: list[str] = []
-        self._instances: list[weakref.ref] = []
         self.captures: list[Capture] = []
         self.eager_calls: Counter[str] = Counter()
         self.fallbacks = 0
@@ -85,11 +84,7 @@ class Unit:
 
     def install(self, module: torch.nn.Module, path: str) -> None:
         self.paths.append(path)
-        self._instances.append(weakref.ref(module))
         module.forward = types.MethodType(self.forward, module)
-
-    def instances(self) -> list[torch.nn.Module]:
-        return [m for m in (r() for r in self._instances) if m is not None]
 
     def _named_reason(self, args: tuple, kwargs: dict, reason: str) -> str:
         """'argument 1 is a DynamicCache' -> 'argument past_key_values is a DynamicCache (...)'."""
@@ -225,8 +220,8 @@ def _backend_for(patterns: tuple[Pattern, ...]) -> Callable[..., Any]:
 
     def trifuse_fuse_backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         unit = _CALLING.get()
-        if unit is None:  # compiled outside a unit's call (should not happen): rewrite, report nowhere
-            unit = DynamoUnit(object, patterns, False)
+        if unit is None:  # only units call their compiled forwards; anything else runs as captured
+            return gm.forward
         return unit._compile(gm)
 
     return trifuse_fuse_backend
@@ -237,8 +232,7 @@ class DynamoUnit(Unit):
 
     def __init__(self, cls: type, patterns: Sequence[Pattern], verbose: bool) -> None:
         super().__init__(cls, patterns, verbose)
-        if cls is not object:
-            self.compiled = torch.compile(_own_code(self.original), backend=_backend_for(self.patterns))
+        self.compiled = torch.compile(_own_code(self.original), backend=_backend_for(self.patterns))
         self.runs = 0
         self._call_seq = 0
         self._capture_seq = -1
@@ -377,7 +371,7 @@ class FxUnit(Unit):
     def _capture_fx(self, module: torch.nn.Module, names: list[str], values: list[Any], key: tuple) -> _FxEntry:
         concrete = {n: v for n, v in zip(names, values) if not isinstance(v, torch.Tensor)}
         try:
-            graph = _LeafTracer(self.leaves).trace(module, concrete_args=concrete)
+            graph = LeafTracer(self.leaves).trace(module, concrete_args=concrete)
         except Exception as e:  # noqa: BLE001  (fx cannot trace this call: run it as written)
             return _FxEntry(None, None, f"fx cannot trace it: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
         _drop_specialization_asserts(graph)
@@ -404,7 +398,7 @@ class FxUnit(Unit):
         return _FxEntry(type(work).forward, capture)
 
 
-class _LeafTracer(fx.Tracer):
+class LeafTracer(fx.Tracer):
     """fx's tracer, also keeping other fused units (blocks) as module calls."""
 
     def __init__(self, leaves: Callable[[torch.nn.Module], bool]) -> None:

@@ -23,7 +23,7 @@ from torch import fx
 
 from ..patterns import PATTERNS
 from ..patterns._base import available
-from .capture import DynamoUnit, FxUnit, HeadUnit, Unit, _LeafTracer, installed_unit
+from .capture import DynamoUnit, FxUnit, HeadUnit, Unit, LeafTracer, installed_unit
 from .match import compile_pattern, matches
 from .normalize import canonicalize
 from .rewriter import select_patterns
@@ -161,7 +161,7 @@ def _trace(module: torch.nn.Module, is_leaf) -> tuple[fx.Graph | None, str]:
         return None, "forward takes *args or **kwargs"
     concrete = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
     try:
-        return _LeafTracer(is_leaf).trace(module, concrete_args=concrete), ""
+        return LeafTracer(is_leaf).trace(module, concrete_args=concrete), ""
     except Exception as e:  # noqa: BLE001  (fx cannot trace it: the caller decides what next)
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
 
