@@ -23,7 +23,7 @@ from torch import fx
 
 from ..patterns import PATTERNS
 from ..patterns._base import available
-from .capture import DynamoUnit, FxUnit, HeadUnit, Unit, LeafTracer, installed_unit
+from .capture import DynamoUnit, FxUnit, HeadUnit, LeafTracer, Unit, installed_unit
 from .match import compile_pattern, matches
 from .normalize import canonicalize
 from .rewriter import select_patterns
