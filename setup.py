@@ -21,6 +21,12 @@ setup(
         "triton>=3.0; platform_system == 'Linux'",
         "packaging",
     ],
+    entry_points={
+        "torch_dynamo_backends": [
+            "trifuse = trifuse.fusion.backend:trifuse_backend",
+            "trifuse_inductor = trifuse.fusion.backend:trifuse_inductor_backend",
+        ],
+    },
     extras_require={
         "test": ["pytest", "hypothesis", "pytest-benchmark", "transformers"],
         "bench": ["pytest-benchmark", "matplotlib"],

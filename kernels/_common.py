@@ -133,7 +133,8 @@ def eager_fast_path(*tensors: torch.Tensor | None) -> bool:
     return all(t is None or type(t) in _PLAIN_TENSORS for t in tensors)
 
 
-# nn.Parameter is a plain tensor to autograd: module weights take the fast path too.
+# A model's weights are nn.Parameter: plain tensors for this purpose (not a subclass that
+# overrides dispatch).
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 

@@ -1,1 +1,18 @@
-"""The subgraphs trifuse finds, written as plain PyTorch functions, each with its replacement."""
+"""The subgraphs trifuse finds, written as plain PyTorch functions, each with its replacement.
+
+PATTERNS is the registry, in priority order within each stage (see _base.py): the residual
+stream is tried before a lone dropout + add, so an add feeding a norm becomes the larger op.
+"""
+from . import attention, bias_gelu, cross_entropy, dropout_add, layer_norm, residual_stream
+from ._base import Pattern
+
+PATTERNS: tuple[Pattern, ...] = (
+    *layer_norm.PATTERNS,
+    *attention.PATTERNS,
+    *bias_gelu.PATTERNS,
+    *residual_stream.PATTERNS,
+    *dropout_add.PATTERNS,
+    *cross_entropy.PATTERNS,
+)
+
+__all__ = ["PATTERNS", "Pattern"]

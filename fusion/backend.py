@@ -1,0 +1,107 @@
+"""The pattern library inside `torch.compile`: two TorchDynamo backends.
+
+    torch.compile(model, backend="trifuse")            rewrite the Dynamo graph, run it eagerly
+    torch.compile(model, backend="trifuse_inductor")   rewrite, then compile the rest with Inductor
+
+Both work after `pip install` without importing trifuse: setup.py registers them under the
+`torch_dynamo_backends` entry point, which Dynamo reads when it meets an unknown backend name.
+`import trifuse` also registers them when no entry point did (a source checkout on PYTHONPATH).
+
+`trifuse`: canonicalize (normalize.py) and rewrite (rewriter.py) each graph Dynamo hands over,
+exactly as `fuse()` does for its captures, and return it to run eagerly: set-up time is Dynamo's
+tracing and the rewrite, no code generation. Replacements call trifuse's public functions, which
+take their thin eager path at run time.
+
+`trifuse_inductor`: the same rewrite, then `torch._inductor.compile_fx` on the rewritten graph.
+AOTAutograd traces the public functions into the registered `trifuse::` custom ops (their fake
+and autograd implementations), which Inductor keeps opaque: the trifuse kernels run forward and
+backward, Inductor generates everything around them. With `mode="reduce-overhead"` the graph is
+replayed by CUDA graphs: the ops draw their dropout seeds on the device (no host sync), so every
+replay draws fresh masks.
+
+`trifuse.report(compiled_model)` lists what each backend replaced in the graphs holding that
+model's parameters.
+"""
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ..patterns import PATTERNS
+from .capture import Capture
+from .normalize import canonicalize
+from .rewriter import rewrite_graph, select_patterns
+
+# Parameter -> the captures of compiled graphs that read it (what report(compiled) shows); keyed
+# by identity (tensors compare elementwise).
+_COMPILED: "WeakIdKeyDictionary[torch.Tensor, list[Capture]]" = WeakIdKeyDictionary()
+
+
+def _rewrite(gm: fx.GraphModule, example_inputs: list[Any], backend: str) -> fx.GraphModule:
+    compile_id = gm.meta.get("dynamo_compile_id")
+    capture = Capture(mode=f"{backend}, graph {compile_id}" if compile_id is not None else backend)
+    capture.frame = getattr(compile_id, "frame_id", None)
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    work = fx.GraphModule(gm, graph)
+    try:
+        canonicalize(work)
+        capture.log = rewrite_graph(work.graph, select_patterns(PATTERNS, None))
+        work.recompile()
+    except Exception as e:  # noqa: BLE001  (never break a model: compile the graph as captured)
+        capture.error = f"{type(e).__name__}: {e}"
+        work = gm
+    capture.graphs = 1
+    for t in example_inputs:
+        if isinstance(t, torch.nn.Parameter):
+            captures = _COMPILED.get(t)
+            if captures is None:
+                _COMPILED[t] = captures = []
+            captures.append(capture)
+    return work
+
+
+def trifuse_backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+    """`backend="trifuse"`: the graph rewritten with trifuse's patterns, run eagerly."""
+    return _rewrite(gm, example_inputs, "backend=trifuse").forward
+
+
+def trifuse_inductor_backend(gm: fx.GraphModule, example_inputs: list[Any], mode: str | None = None,
+                             options: dict[str, Any] | None = None) -> Callable[..., Any]:
+    """`backend="trifuse_inductor"`: the rewritten graph compiled by Inductor, the trifuse ops
+    kept opaque. torch.compile's `mode` ("reduce-overhead", "max-autotune", ...) and `options`
+    mean what they mean for Inductor."""
+    from torch._inductor import list_mode_options
+    from torch._inductor.compile_fx import compile_fx
+
+    work = _rewrite(gm, example_inputs, "backend=trifuse_inductor")
+    config = {**(list_mode_options(mode) if mode else {}), **(options or {})}
+    return compile_fx(work, example_inputs, config_patches=config or None)
+
+
+def compiled_captures(model: torch.nn.Module) -> list[Capture]:
+    """The backends' captures of graphs that read `model`'s parameters, oldest first."""
+    seen: dict[int, Capture] = {}
+    for p in model.parameters():
+        for capture in _COMPILED.get(p, ()):
+            seen.setdefault(id(capture), capture)
+    return sorted(seen.values(), key=lambda c: c.serial)
+
+
+def latest_per_frame(captures: list[Capture]) -> list[Capture]:
+    """Each compiled frame's (the function, the resume functions after graph breaks) most
+    recent capture: what runs now."""
+    latest: dict[Any, Capture] = {}
+    for c in captures:
+        latest[c.frame if c.frame is not None else id(c)] = c
+    return list(latest.values())
+
+
+def register() -> None:
+    """Registers both backends by name unless an entry point already did (source checkouts)."""
+    known = set(torch._dynamo.list_backends(exclude_tags=()))
+    for name, fn in (("trifuse", trifuse_backend), ("trifuse_inductor", trifuse_inductor_backend)):
+        if name not in known:
+            torch._dynamo.register_backend(fn, name)

@@ -1,0 +1,455 @@
+"""Capturing a module's forward as a graph, rewriting it, and running the rewrite in its place.
+
+A *unit* is what `fuse` installs: the instance attribute `module.forward`, a bound method that
+runs the rewritten graph (STYLE.md fact 11: the class, its methods, the Parameter objects and the
+state_dict keys stay as they were; `module.train()`, hooks and `copy.deepcopy` keep working).
+Two kinds:
+
+- `DynamoUnit`, one per block class (the modules repeated in a ModuleList that fx cannot trace):
+  the class's forward compiled by TorchDynamo with a backend that canonicalizes, rewrites and
+  returns the graph to run eagerly. One capture serves every identical layer; Dynamo's guards
+  recapture when train/eval, grad mode, autocast, dtypes or (once, then symbolically) shapes
+  change. Each unit compiles its own copy of the forward's code object, so its recompile budget
+  (Dynamo's limit of 8 per code object) is its own, not shared with other fused models or with
+  the user's torch.compile.
+- `FxUnit`, for a module `torch.fx.symbolic_trace` can trace: traced on the first call for each
+  *key* (the arguments' dtypes, devices and ranks, the non-tensor arguments' values, the training
+  flags of the module tree, grad mode and autocast), with the non-tensor arguments as constants
+  (fx would otherwise take `if mask is not None` as true for every call), shape-propagated on fake
+  tensors, rewritten, and cached per key. The generated code reads parameters through the live
+  module, so `.to()`, `load_state_dict` and parameter swaps are seen.
+
+Never break a model: a call that a capture cannot take (a KV cache or any other object argument,
+which would make Dynamo guard on per-layer state and recompile for every layer; a trace that
+fails) runs the original forward, and every such call is counted with its reason. A Dynamo call
+that ran no graph of ours (Dynamo fell back to eager: recompile limit, skipped frame) is counted
+as a fallback. `trifuse.report(model)` shows all of it.
+"""
+import contextvars
+import functools
+import inspect
+import itertools
+import operator
+import types
+import weakref
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+
+from ..patterns._base import Pattern
+from .normalize import canonicalize
+from .rewriter import RewriteLog, rewrite_graph
+
+_SIMPLE = (type(None), bool, int, float, str, torch.dtype, torch.device)
+
+
+@dataclass(eq=False)
+class Capture:
+    """One captured and rewritten graph set: for a unit, in one mode (or one graph compiled by
+    a torch.compile backend)."""
+
+    mode: str
+    graphs: int = 0
+    log: RewriteLog = field(default_factory=RewriteLog)
+    error: str | None = None  # the rewrite failed: the graph runs as captured, unfused
+    frame: int | None = None  # Dynamo's frame id, for backend captures
+    serial: int = field(default_factory=lambda: next(_SERIAL))
+
+
+_SERIAL = itertools.count()
+
+
+class Unit:
+    """What `fuse` installed on one module class (Dynamo) or one module (fx)."""
+
+    strategy = ""
+
+    def __init__(self, cls: type, patterns: Sequence[Pattern], verbose: bool) -> None:
+        self.cls = cls
+        self.patterns = tuple(patterns)
+        self.verbose = verbose
+        self.original = cls.forward
+        self.paths: list[str] = []
+        self.captures: list[Capture] = []
+        self.eager_calls: Counter[str] = Counter()
+        self.fallbacks = 0
+        self.calls = 0
+        self.last: weakref.WeakKeyDictionary[torch.nn.Module, Capture | None] = weakref.WeakKeyDictionary()
+        forward = _installed_forward(self)
+        self.forward = forward
+
+    def install(self, module: torch.nn.Module, path: str) -> None:
+        self.paths.append(path)
+        module.forward = types.MethodType(self.forward, module)
+
+    def _named_reason(self, args: tuple, kwargs: dict, reason: str) -> str:
+        """'argument 1 is a DynamicCache' -> 'argument past_key_values is a DynamicCache (...)'."""
+        try:
+            names = list(inspect.signature(self.original).parameters)[1:]
+        except (TypeError, ValueError):
+            names = []
+        for i, name in enumerate(names[: len(args)]):
+            reason = reason.replace(f"argument {i} is", f"argument {name} is")
+        if "Cache" in reason:
+            reason += " (per-layer state: a capture would recompile for every layer; call with use_cache=False to train fused)"
+        return reason
+
+    def _eager(self, module: torch.nn.Module, args: tuple, kwargs: dict, reason: str) -> Any:
+        self.eager_calls[reason] += 1
+        self.last[module] = None
+        return self.original(module, *args, **kwargs)
+
+    def _new_capture(self, mode: str) -> Capture:
+        capture = Capture(mode)
+        self.captures.append(capture)
+        return capture
+
+    def _rewrite(self, gm: fx.GraphModule, capture: Capture, root: torch.nn.Module | None) -> fx.GraphModule:
+        """Canonicalizes and rewrites a copy of `gm`; on failure returns `gm` untouched."""
+        graph = fx.Graph()
+        graph.output(graph.graph_copy(gm.graph, {}))
+        work = fx.GraphModule(gm, graph)
+        try:
+            canonicalize(work, root)
+            log = rewrite_graph(work.graph, self.patterns)
+            work.recompile()
+        except Exception as e:  # noqa: BLE001  (never break a model: run the capture unfused)
+            capture.error = f"{type(e).__name__}: {e}"
+            return gm
+        _merge(capture.log, log)
+        capture.graphs += 1
+        if self.verbose:
+            from .report import capture_table
+
+            print(capture_table(self, capture))
+        return work
+
+
+def _installed_forward(unit: Unit) -> Callable[..., Any]:
+    @functools.wraps(unit.original)
+    def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+            # Someone compiles or fake-traces a model containing this module: show them the
+            # original code.
+            return unit.original(self, *args, **kwargs)
+        return unit(self, args, kwargs)
+
+    forward.__trifuse_unit__ = unit  # type: ignore[attr-defined]
+    return forward
+
+
+def installed_unit(module: torch.nn.Module) -> Unit | None:
+    fwd = module.__dict__.get("forward")
+    return getattr(getattr(fwd, "__func__", None), "__trifuse_unit__", None)
+
+
+def _merge(into: RewriteLog, log: RewriteLog) -> None:
+    into.replaced.extend(log.replaced)
+    into.rejected.extend(log.rejected)
+    into.left.extend(log.left)
+    into.skipped.update(log.skipped)
+
+
+def unsupported_argument(args: tuple, kwargs: dict, *, containers: bool = True) -> str | None:
+    """Why these arguments cannot go through a capture (None when they can)."""
+    for i, v in enumerate(args):
+        why = _unsupported(v, containers)
+        if why:
+            return f"argument {i} is {why}"
+    for k, v in kwargs.items():
+        why = _unsupported(v, containers)
+        if why:
+            return f"argument {k} is {why}"
+    return None
+
+
+def _unsupported(v: Any, containers: bool) -> str | None:
+    if isinstance(v, (torch.Tensor, *_SIMPLE)):
+        return None
+    if containers and type(v) in (tuple, list):
+        return next((w for w in (_unsupported(x, containers) for x in v) if w), None)
+    if containers and type(v) is dict:
+        return next((w for w in (_unsupported(x, containers) for x in v.values()) if w), None)
+    return f"a {type(v).__name__}"
+
+
+def describe_mode(module: torch.nn.Module, tensors: Sequence[torch.Tensor]) -> str:
+    parts = ["train" if module.training else "eval", "grad" if torch.is_grad_enabled() else "no_grad"]
+    for device in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(device):
+            parts.append(f"autocast {device} {str(torch.get_autocast_dtype(device)).replace('torch.', '')}")
+    dtypes = sorted({str(t.dtype).replace("torch.", "") for t in tensors if t.is_floating_point()})
+    if dtypes:
+        parts.append("/".join(dtypes))
+    return ", ".join(parts)
+
+
+def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+    return [t for t in leaves if isinstance(t, torch.Tensor)]
+
+
+# =============================================================================================
+# Dynamo
+# =============================================================================================
+
+
+def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` with a fresh code object: Dynamo keeps its cache (and recompile limit) per code object."""
+    new = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
+                             fn.__closure__)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    new.__dict__.update(fn.__dict__)
+    new.__qualname__ = fn.__qualname__
+    return new
+
+
+_CALLING: contextvars.ContextVar["DynamoUnit | None"] = contextvars.ContextVar("trifuse_dynamo_unit", default=None)
+
+
+@functools.cache
+def _backend_for(patterns: tuple[Pattern, ...]) -> Callable[..., Any]:
+    """One backend per pattern selection, shared by every unit using it: Dynamo keeps a compiled
+    graph per backend, so units of the same class (several fused models in one process) and the
+    resume functions after graph breaks reuse each other's graphs instead of piling up entries
+    towards the recompile limit. The unit being called is found through a context variable."""
+
+    def trifuse_fuse_backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        unit = _CALLING.get()
+        if unit is None:  # only units call their compiled forwards; anything else runs as captured
+            return gm.forward
+        return unit._compile(gm)
+
+    return trifuse_fuse_backend
+
+
+class DynamoUnit(Unit):
+    strategy = "dynamo"
+
+    def __init__(self, cls: type, patterns: Sequence[Pattern], verbose: bool) -> None:
+        super().__init__(cls, patterns, verbose)
+        self.compiled = torch.compile(_own_code(self.original), backend=_backend_for(self.patterns))
+        self.runs = 0
+        self._call_seq = 0
+        self._capture_seq = -1
+        self._capture: Capture | None = None
+        self._running: Capture | None = None
+        self._current: tuple[torch.nn.Module, tuple, dict] | None = None
+
+    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        self.calls += 1
+        reason = unsupported_argument(args, kwargs)
+        if reason is not None:
+            return self._eager(module, args, kwargs, self._named_reason(args, kwargs, reason))
+        self._call_seq += 1
+        self._current = (module, args, kwargs)
+        runs = self.runs
+        token = _CALLING.set(self)
+        try:
+            out = self.compiled(module, *args, **kwargs)
+        finally:
+            _CALLING.reset(token)
+            self._current = None
+        if self.runs == runs:
+            self.fallbacks += 1
+            self.last[module] = None
+        else:
+            self.last[module] = self._running
+        return out
+
+    def _compile(self, gm: fx.GraphModule) -> Callable[..., Any]:
+        if self._capture is None or self._capture_seq != self._call_seq:
+            module, args, kwargs = self._current or (None, (), {})
+            mode = describe_mode(module, _tensors(args, kwargs)) if module is not None else "?"
+            self._capture = self._new_capture(mode)
+            self._capture_seq = self._call_seq
+        capture = self._capture
+        fwd = self._rewrite(gm, capture, None).forward
+
+        def run(*args: Any) -> Any:
+            unit = _CALLING.get()
+            if unit is not None:  # the unit calling now, which may reuse another one's graph
+                unit.runs += 1
+                unit._running = capture
+            return fwd(*args)
+
+        return run
+
+
+class HeadUnit(DynamoUnit):
+    """The model's own forward, for what it does around its body: the LM head and the loss.
+
+    The children holding the blocks (a Hugging Face model's `transformer`/`model`/`bert`) are
+    fenced: while this unit runs, Dynamo does not trace into them (they run as they are, their
+    blocks through their own units), so the capture holds only the head and the loss. Outside
+    this unit's calls the fence is transparent (a user's torch.compile sees the whole model).
+    """
+
+    strategy = "dynamo (head)"
+
+    def __init__(self, cls: type, patterns: Sequence[Pattern], verbose: bool) -> None:
+        super().__init__(cls, patterns, verbose)
+        self.capturing = False
+        self.fenced: list[str] = []
+
+    def fence(self, module: torch.nn.Module, path: str) -> None:
+        original = type(module).forward
+        outside = torch._dynamo.disable(original)
+        unit = self
+
+        @functools.wraps(original)
+        def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            if unit.capturing:
+                return outside(self, *args, **kwargs)
+            return original(self, *args, **kwargs)
+
+        module.forward = types.MethodType(forward, module)
+        self.fenced.append(path)
+
+    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        self.capturing = True
+        try:
+            return super().__call__(module, args, kwargs)
+        finally:
+            self.capturing = False
+
+
+# =============================================================================================
+# fx
+# =============================================================================================
+
+
+@dataclass
+class _FxEntry:
+    fn: Callable[..., Any] | None  # generated forward(self, *placeholders), or None: run eagerly
+    capture: Capture | None
+    reason: str = ""
+
+
+class FxUnit(Unit):
+    strategy = "fx"
+
+    def __init__(self, module: torch.nn.Module, patterns: Sequence[Pattern], verbose: bool,
+                 leaves: Callable[[torch.nn.Module], bool]) -> None:
+        super().__init__(type(module), patterns, verbose)
+        self.signature = inspect.signature(self.original)
+        self.leaves = leaves
+        self.cache: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, _FxEntry]] = weakref.WeakKeyDictionary()
+        # (key, parameter dtypes and shapes, traced code) -> entry: identical layers share a capture
+        self.shared: dict[tuple[tuple, tuple, str], _FxEntry] = {}
+
+    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        self.calls += 1
+        try:
+            bound = self.signature.bind(module, *args, **kwargs)
+        except TypeError:
+            return self.original(module, *args, **kwargs)  # raises the error the user would get
+        bound.apply_defaults()
+        values = list(bound.arguments.values())[1:]
+        reason = unsupported_argument(tuple(values), {}, containers=False)
+        if reason is not None:
+            return self._eager(module, args, kwargs, reason)
+        key = (
+            tuple((v.dtype, v.device.type, v.dim()) if isinstance(v, torch.Tensor) else (type(v), v) for v in values),
+            tuple(m.training for m in module.modules()),
+            torch.is_grad_enabled(),
+            _autocast_state(),
+        )
+        per_module = self.cache.setdefault(module, {})
+        entry = per_module.get(key)
+        if entry is None:
+            entry = per_module[key] = self._capture_fx(module, list(bound.arguments)[1:], values, key)
+        if entry.fn is None:
+            return self._eager(module, args, kwargs, entry.reason)
+        self.last[module] = entry.capture
+        return entry.fn(module, *values)
+
+    def _capture_fx(self, module: torch.nn.Module, names: list[str], values: list[Any], key: tuple) -> _FxEntry:
+        concrete = {n: v for n, v in zip(names, values) if not isinstance(v, torch.Tensor)}
+        try:
+            graph = LeafTracer(self.leaves).trace(module, concrete_args=concrete)
+        except Exception as e:  # noqa: BLE001  (fx cannot trace this call: run it as written)
+            return _FxEntry(None, None, f"fx cannot trace it: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+        _drop_specialization_asserts(graph)
+        gm = fx.GraphModule(module, graph)
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != len(values):
+            return _FxEntry(None, None, "fx traced a different signature")
+        params = tuple((p.dtype, p.device, tuple(p.shape)) for p in module.parameters())
+        shared = self.shared.get((key, params, gm.code))
+        if shared is not None:
+            return shared  # an identical layer was captured already: its code reads this one's parameters
+        entry = self._rewrite_fx(module, gm, values)
+        self.shared[(key, params, gm.code)] = entry
+        return entry
+
+    def _rewrite_fx(self, module: torch.nn.Module, gm: fx.GraphModule, values: list[Any]) -> _FxEntry:
+        _propagate_fake(gm, values)
+        capture = self._new_capture(describe_mode(module, [v for v in values if isinstance(v, torch.Tensor)]))
+        work = self._rewrite(gm, capture, module)
+        missing = _unresolved_attributes(work.graph, module)
+        if missing:
+            capture.error = f"the traced graph holds values the module does not ({missing}): left unfused"
+            return _FxEntry(None, capture, capture.error)
+        return _FxEntry(type(work).forward, capture)
+
+
+class LeafTracer(fx.Tracer):
+    """fx's tracer, also keeping other fused units (blocks) as module calls."""
+
+    def __init__(self, leaves: Callable[[torch.nn.Module], bool]) -> None:
+        super().__init__()
+        self._leaves = leaves
+
+    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        return self._leaves(m) or super().is_leaf_module(m, module_qualified_name)
+
+
+def _drop_specialization_asserts(graph: fx.Graph) -> None:
+    """fx checks each constant argument against its traced value; the cache key already does."""
+    from torch.fx._symbolic_trace import _assert_is_none
+
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target in (_assert_is_none, torch._assert):
+            graph.erase_node(node)
+    for node in reversed(list(graph.nodes)):
+        if node.op == "call_function" and not node.users and node.target is operator.eq:
+            graph.erase_node(node)
+
+
+def _propagate_fake(gm: fx.GraphModule, values: list[Any]) -> None:
+    """Example values (fake tensors: no compute, no side effects) on every node, for filters."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake = [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in values]
+    try:
+        FakeTensorProp(gm, mode).propagate(*fake)
+    except Exception:  # noqa: BLE001  (no metadata: filters that need it reject, nothing breaks)
+        return
+
+
+def _unresolved_attributes(graph: fx.Graph, module: torch.nn.Module) -> str | None:
+    for node in graph.nodes:
+        if node.op in ("get_attr", "call_module"):
+            obj: Any = module
+            for part in node.target.split("."):
+                obj = getattr(obj, part, _MISSING)
+                if obj is _MISSING:
+                    return node.target
+    return None
+
+
+_MISSING = object()
+
+
+def _autocast_state() -> tuple:
+    return tuple(
+        (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d) if torch.is_autocast_enabled(d) else None)
+        for d in ("cuda", "cpu")
+    )

@@ -1,0 +1,200 @@
+"""`fuse(model)`: find what to capture in a model and install the rewritten forwards, in place.
+
+Progressive capture (DESIGN.md, "Capture"):
+
+1. Blocks: the modules held in a `ModuleList` (transformer layers), grouped by class. A block
+   class fx can trace gets an `FxUnit`; otherwise (every Hugging Face layer today) a
+   `DynamoUnit`: one Dynamo capture per class, shared by every identical layer.
+2. The rest: from the root down, each module fx can trace (with blocks kept as calls) and that
+   holds something a pattern looks for gets an `FxUnit` (a final LayerNorm, an MLP head);
+   modules fx cannot trace are named in the report and their children tried instead.
+
+Nothing is captured at `fuse` time: captures happen on the first call in each mode, with the
+real arguments (Dynamo needs them; fx needs the constant ones). `report(model)` tells what was
+installed where, and after a forward what each capture replaced.
+"""
+import inspect
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from ..patterns import PATTERNS
+from ..patterns._base import available
+from .capture import DynamoUnit, FxUnit, HeadUnit, LeafTracer, Unit, installed_unit
+from .match import compile_pattern, matches
+from .normalize import canonicalize
+from .rewriter import select_patterns
+
+
+@dataclass
+class Note:
+    """Something `fuse` left as it was, and why (kind "left"), or did in a way worth saying."""
+
+    path: str
+    cls: str
+    reason: str
+    kind: str = "left"
+
+
+@dataclass
+class FuseRecord:
+    families: tuple[str, ...] | None
+    notes: list[Note]
+
+
+_RECORDS: "weakref.WeakKeyDictionary[torch.nn.Module, FuseRecord]" = weakref.WeakKeyDictionary()
+
+
+
+def fuse(model: torch.nn.Module, *, ops: Iterable[str] | None = None, verbose: bool = False) -> torch.nn.Module:
+    """Swaps trifuse's fused ops into `model`, in place, and returns the same object.
+
+    Args:
+        model: any torch.nn.Module. Its class, methods, Parameter objects and state_dict keys
+            are kept; train()/eval(), autocast, devices and new batch or sequence lengths keep
+            working. Modules that cannot be captured run exactly as before.
+        ops: the families to fuse (`trifuse.fusion.FAMILIES`: "attention", "layer_norm",
+            "rms_norm", "bias_gelu", "dropout_add", "residual_stream", "cross_entropy");
+            None for all. "residual_stream" brings the norm families with it.
+        verbose: print what was installed now, and each capture's table when it happens.
+
+    Returns:
+        `model`. Call `trifuse.report(model)` for what was replaced, where, and what was not.
+
+    Raises:
+        TypeError if model is not a torch.nn.Module; ValueError for an unknown family in ops.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"trifuse.fuse: model must be a torch.nn.Module, got {type(model).__name__}")
+    families = None if ops is None else tuple([ops] if isinstance(ops, str) else ops)
+    patterns = select_patterns(PATTERNS, families)
+    if model in _RECORDS or any(installed_unit(m) is not None for m in model.modules()):
+        raise ValueError("trifuse.fuse: this model is already fused; fuse a fresh copy to change `ops`")
+    notes: list[Note] = []
+    blocks = _find_blocks(model)
+    block_set = {id(m) for members in blocks.values() for _, m in members}
+
+    def is_leaf(m: torch.nn.Module) -> bool:
+        return id(m) in block_set or "forward" in m.__dict__
+
+    for cls, members in blocks.items():
+        unit = _unit_for_blocks(cls, members, patterns, verbose, is_leaf)
+        for path, module in members:
+            if "forward" in module.__dict__:
+                notes.append(Note(path, cls.__name__, "has its own forward attribute: left as it is"))
+                continue
+            unit.install(module, path)
+    _visit(model, "", patterns, verbose, is_leaf, notes)
+    _install_head(model, patterns, verbose, block_set, notes)
+    _RECORDS[model] = FuseRecord(families, notes)
+    if verbose:
+        from .report import report
+
+        print(report(model).table())
+    return model
+
+
+def _install_head(model, patterns, verbose, block_set: set[int], notes: list[Note]) -> None:
+    """A model whose forward computes a loss (and that fx could not trace whole) gets a Dynamo
+    capture of that forward with its body fenced off: the LM head and the loss (issue 9)."""
+    if installed_unit(model) is not None or "forward" in model.__dict__ or not blocks_of(model, block_set):
+        return
+    if not any(p.family == "cross_entropy" and all(available(op) for op in p.ops) for p in patterns):
+        return
+    try:
+        source = inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        return
+    if not any(word in source for word in ("cross_entropy", "CrossEntropyLoss", "loss_function")):
+        return
+    head = HeadUnit(type(model), patterns, verbose)
+    for name, child in model.named_children():
+        if id(child) not in block_set and blocks_of(child, block_set) and "forward" not in child.__dict__ \
+                and not isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            head.fence(child, name)
+    head.install(model, "(model)")
+    fenced = ", ".join(head.fenced) or "nothing: its blocks are traced into the capture"
+    notes.append(Note("(model)", type(model).__name__, f"head and loss captured by Dynamo; fenced off: {fenced}",
+                      kind="note"))
+
+
+def blocks_of(module: torch.nn.Module, block_set: set[int]) -> bool:
+    return any(id(m) in block_set for m in module.modules())
+
+
+def _find_blocks(model: torch.nn.Module) -> dict[type, list[tuple[str, torch.nn.Module]]]:
+    """Children of ModuleLists that have submodules of their own, outermost lists only."""
+    blocks: dict[type, list[tuple[str, torch.nn.Module]]] = {}
+    inside: set[int] = set()
+    for path, module in model.named_modules():
+        if id(module) in inside:
+            inside.update(id(m) for m in module.children())
+            continue
+        if isinstance(module, torch.nn.ModuleList):
+            for name, child in module.named_children():
+                if next(child.children(), None) is None:
+                    continue
+                blocks.setdefault(type(child), []).append((f"{path}.{name}" if path else name, child))
+                inside.update(id(m) for m in child.children())
+    return blocks
+
+
+def _unit_for_blocks(cls, members, patterns, verbose, is_leaf) -> Unit:
+    graph, _ = _trace(members[0][1], is_leaf)
+    if graph is not None:
+        return FxUnit(members[0][1], patterns, verbose, is_leaf)
+    return DynamoUnit(cls, patterns, verbose)
+
+
+def _trace(module: torch.nn.Module, is_leaf) -> tuple[fx.Graph | None, str]:
+    """(graph, "") if fx traces the module with its default arguments as constants, else
+    (None, why not)."""
+    try:
+        sig = inspect.signature(type(module).forward)
+    except (TypeError, ValueError) as e:
+        return None, f"no signature: {e}"
+    params = list(sig.parameters.values())[1:]
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+        return None, "forward takes *args or **kwargs"
+    concrete = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+    try:
+        return LeafTracer(is_leaf).trace(module, concrete_args=concrete), ""
+    except Exception as e:  # noqa: BLE001  (fx cannot trace it: the caller decides what next)
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+
+
+def _visit(module: torch.nn.Module, path: str, patterns, verbose, is_leaf, notes: list[Note]) -> None:
+    if is_leaf(module):
+        return
+    if isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+        for name, child in module.named_children():
+            _visit(child, f"{path}.{name}" if path else name, patterns, verbose, is_leaf, notes)
+        return
+    graph, error = _trace(module, is_leaf)
+    if graph is None:
+        if next(module.children(), None) is None:
+            return  # a leaf fx cannot trace: nothing inside to fuse
+        notes.append(Note(path or "(model)", type(module).__name__, f"fx cannot trace it ({error}); "
+                          "its submodules were tried instead"))
+        for name, child in module.named_children():
+            _visit(child, f"{path}.{name}" if path else name, patterns, verbose, is_leaf, notes)
+        return
+    gm = canonicalize(fx.GraphModule(module, graph), module)
+    if _has_candidates(gm.graph, patterns):
+        FxUnit(module, patterns, verbose, is_leaf).install(module, path or "(model)")
+
+
+def _has_candidates(graph: fx.Graph, patterns) -> bool:
+    """Whether some pattern whose op exists matches the graph's structure (filters aside: they
+    need the example values only a call brings). Stage-0 and -1 patterns start from what models
+    write, so they find every place a later stage could."""
+    for pattern in patterns:
+        if pattern.stage > 1 or not all(available(op) for op in pattern.ops):
+            continue
+        cp = compile_pattern(pattern)
+        if any(next(matches(cp, n), None) is not None for n in graph.nodes if cp.is_candidate(n)):
+            return True
+    return False

@@ -1,0 +1,214 @@
+"""Finding a pattern's search function in a canonical graph, by dataflow.
+
+A pattern's `search` is traced once into a small graph and canonicalized like the model's graph.
+Its one sink (the output every other output feeds) is the anchor: each graph node with the
+anchor's target is a candidate, and the pattern is matched backwards from it through arguments,
+so the order in which the model wrote independent statements never matters. Additions and
+multiplications match either way round. A placeholder matches any value (a node, or a constant
+such as eps), the same value wherever it recurs; one annotated `torch.Tensor` only a node. Float
+constants compare within 1e-6 relative: models write sqrt(2/pi) to different numbers of digits.
+
+All matches at a candidate are produced (full backtracking), so the rewriter can try the next
+one when a filter rejects the first.
+"""
+import inspect
+import math
+import operator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import torch
+from torch import fx
+
+from ..patterns._base import Pattern, example_value, tracing_ops
+from .normalize import canonicalize_graph
+
+COMMUTATIVE = (operator.add, operator.mul)
+_TENSOR_ANNOTATIONS = (torch.Tensor, "torch.Tensor", "Tensor")
+
+
+def trace_function(fn: Callable[..., Any], constants: dict[str, Any] | None = None,
+                   inputs: Iterable[str] | None = None) -> fx.Graph:
+    """Traces `fn` into a canonical graph. trifuse ops called through `patterns._base.ops`
+    become single nodes.
+
+    Without `inputs` (a search function) every positional parameter is a placeholder. With
+    `inputs` (a replacement) only those are; the others take their value from `constants` or
+    their default. Keyword-only parameters with defaults are options, left to their (bound)
+    values: `functools.partial(search, masking="add")` is one spelling.
+    """
+    constants = constants or {}
+    tracer = fx.Tracer()
+    graph = fx.Graph()
+    tracer.graph = graph
+    tracer.root = torch.nn.Module()
+    tracer.tensor_attrs = {}
+    kwargs: dict[str, Any] = {}
+    for name, param in inspect.signature(fn).parameters.items():
+        if param.kind == param.KEYWORD_ONLY and param.default is not param.empty:
+            continue
+        if name in constants:
+            kwargs[name] = constants[name]
+        elif inputs is None or name in inputs:
+            annotation = param.annotation if param.annotation is not param.empty else None
+            kwargs[name] = fx.Proxy(graph.placeholder(name, type_expr=annotation), tracer)
+        elif param.default is not param.empty:
+            kwargs[name] = param.default
+        else:
+            raise TypeError(f"{getattr(fn, '__name__', fn)}: nothing matched parameter {name!r}")
+    with tracing_ops():
+        out = fn(**kwargs)
+    graph.output(tracer.create_arg(out))
+    canonicalize_graph(graph)
+    return graph
+
+
+@dataclass(frozen=True)
+class CompiledPattern:
+    pattern: Pattern
+    graph: fx.Graph
+    params: dict[str, fx.Node]  # parameter name -> placeholder
+    outputs: tuple[fx.Node, ...]
+    anchor: fx.Node
+
+    def is_candidate(self, node: fx.Node) -> bool:
+        return node.op == self.anchor.op and node.target == self.anchor.target
+
+
+@cache
+def compile_pattern(pattern: Pattern) -> CompiledPattern:
+    graph = trace_function(pattern.search)
+    params = {n.target: n for n in graph.nodes if n.op == "placeholder"}
+    out = next(n for n in graph.nodes if n.op == "output").args[0]
+    outputs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+    if not all(isinstance(o, fx.Node) and o.op != "placeholder" for o in outputs):
+        raise ValueError(f"pattern {pattern.name}: every output must be computed, got {outputs}")
+    sinks = [o for o in outputs if not any(o is not p and o in _ancestors(p) for p in outputs)]
+    if len(sinks) != 1:
+        raise ValueError(f"pattern {pattern.name}: needs one output that the others feed, got {sinks}")
+    return CompiledPattern(pattern, graph, params, outputs, sinks[0])
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = list(node.all_input_nodes)
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+class Match:
+    """One place where a pattern matched: parameter name -> matched value, plus the graph nodes
+    the pattern's own operations matched."""
+
+    def __init__(self, cp: CompiledPattern, env: dict[fx.Node, Any]) -> None:
+        self.cp = cp
+        self.env = env
+
+    @property
+    def pattern(self) -> Pattern:
+        return self.cp.pattern
+
+    def __getitem__(self, name: str) -> Any:
+        return self.env[self.cp.params[name]]
+
+    def value(self, name: str) -> Any:
+        return example_value(self[name])
+
+    def bindings(self) -> dict[str, Any]:
+        return {name: self.env[ph] for name, ph in self.cp.params.items() if ph in self.env}
+
+    @property
+    def nodes(self) -> list[fx.Node]:
+        """Graph nodes matched by the pattern's operations (what the replacement removes)."""
+        return [g for p, g in self.env.items() if p.op != "placeholder"]
+
+    @property
+    def outputs(self) -> list[fx.Node]:
+        return [self.env[o] for o in self.cp.outputs]
+
+    @property
+    def anchor(self) -> fx.Node:
+        return self.env[self.cp.anchor]
+
+
+def matches(cp: CompiledPattern, node: fx.Node) -> Iterator[Match]:
+    """Every way the pattern matches with its anchor at `node`."""
+    if not cp.is_candidate(node):
+        return
+    for env in _match_node(cp, cp.anchor, node, {}):
+        yield Match(cp, env)
+
+
+Env = dict[fx.Node, Any]
+
+
+def _match_node(cp: CompiledPattern, p: fx.Node, g: Any, env: Env) -> Iterator[Env]:
+    if p.op == "placeholder":
+        if p in env:
+            if _same(env[p], g):
+                yield env
+            return
+        if p.type in _TENSOR_ANNOTATIONS and not isinstance(g, fx.Node):
+            return
+        yield {**env, p: g}
+        return
+    if not isinstance(g, fx.Node) or g.op != p.op or g.target != p.target:
+        return
+    if p in env:
+        if env[p] is g:
+            yield env
+        return
+    if any(v is g for k, v in env.items() if k.op != "placeholder"):
+        return  # two pattern operations cannot be one graph node
+    if len(p.args) != len(g.args) or set(p.kwargs) != set(g.kwargs):
+        return
+    env = {**env, p: g}
+    orders = [p.args]
+    if p.target in COMMUTATIVE and len(p.args) == 2:
+        orders.append(p.args[::-1])
+    for pargs in orders:
+        pairs = [*zip(pargs, g.args), *((p.kwargs[k], g.kwargs[k]) for k in p.kwargs)]
+        yield from _match_seq(cp, pairs, env)
+
+
+def _match_seq(cp: CompiledPattern, pairs: list[tuple[Any, Any]], env: Env) -> Iterator[Env]:
+    if not pairs:
+        yield env
+        return
+    (pa, ga), rest = pairs[0], pairs[1:]
+    for env1 in _match_arg(cp, pa, ga, env):
+        yield from _match_seq(cp, rest, env1)
+
+
+def _match_arg(cp: CompiledPattern, pa: Any, ga: Any, env: Env) -> Iterator[Env]:
+    if isinstance(pa, fx.Node):
+        yield from _match_node(cp, pa, ga, env)
+    elif isinstance(pa, (list, tuple)):
+        if isinstance(ga, (list, tuple)) and len(ga) == len(pa):
+            yield from _match_seq(cp, list(zip(pa, ga)), env)
+    elif not isinstance(ga, fx.Node) and literal_equal(pa, ga):
+        yield env
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, fx.Node) or isinstance(b, fx.Node):
+        return a is b
+    return literal_equal(a, b)
+
+
+def literal_equal(a: Any, b: Any) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b or math.isclose(a, b, rel_tol=1e-6)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(literal_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, fx.Node) or isinstance(b, fx.Node):
+        return a is b
+    return type(a) is type(b) and a == b

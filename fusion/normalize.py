@@ -1,0 +1,298 @@
+"""One canonical form for every graph the rewriter sees, so each pattern is written once.
+
+fx's `symbolic_trace` and TorchDynamo spell the same model differently (STYLE.md facts 1-3):
+fx keeps `nn.Linear`/`nn.LayerNorm`/... as `call_module` nodes and methods as `call_method`,
+Dynamo inlines modules into functional calls with parameters as placeholders; both keep whatever
+mix of positional and keyword arguments the source used, and omit defaults. `canonicalize`
+rewrites, in place:
+
+- `call_module` of modules whose maths does not depend on `.training` (Linear, LayerNorm,
+  RMSNorm, GELU, ReLU, Softmax, Identity, CrossEntropyLoss) into their functional call, parameters as `get_attr`.
+  `nn.Dropout` becomes `F.dropout(x, p, training=<the module's flag now>)`: only for graphs that
+  are specialized to the module tree's training flags (fx captures are keyed on them; see
+  capture.py), never otherwise. A module with hooks stays a module call (its hooks must run).
+- functions and methods with one meaning into one target: `x.tanh()`/`torch.tanh(x)` ->
+  `torch.tanh(x)`, `torch.add(a, b)`/`a.add(b)` -> `a + b`, `x ** 2` -> `torch.pow(x, 2)`,
+  `F.softmax` -> `torch.softmax`, `torch.layer_norm` -> `F.layer_norm`, `x.float()` ->
+  `x.to(torch.float32)`, `a @ b` -> `torch.matmul(a, b)`, ...
+- arguments into one layout: positional parameters positional, keyword-only ones as keywords,
+  every default spelled out (`F.gelu(x)` -> `F.gelu(x, approximate='none')`);
+  `x.view(a, b)` -> `x.view((a, b))`; `x.transpose(2, 1)` -> `x.transpose(1, 2)`.
+- with example values known (fx graphs after shape propagation), `x.dtype` becomes a constant.
+
+Nothing here changes what the graph computes.
+"""
+import inspect
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+
+# Signatures for builtins (inspect cannot read them); only their names and defaults matter.
+def _sig_linear(input, weight, bias=None): ...
+def _sig_gelu(input, *, approximate="none"): ...
+def _sig_addmm(input, mat1, mat2, *, beta=1, alpha=1): ...
+def _sig_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
+              enable_gqa=False): ...
+def _sig_softmax(input, dim, dtype=None): ...
+def _sig_f_softmax(input, dim=None, _stacklevel=3, dtype=None): ...
+def _sig_mean(input, dim=None, keepdim=False, *, dtype=None): ...
+def _sig_binary(input, other): ...
+def _sig_pow(input, exponent): ...
+def _sig_unary(input): ...
+def _sig_where(condition, input, other): ...
+def _sig_masked_fill(input, mask, value): ...
+def _sig_torch_layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True): ...
+def _sig_torch_rms_norm(input, normalized_shape, weight=None, eps=None): ...
+def _sig_torch_dropout(input, p, train): ...
+def _sig_add(input, other, *, alpha=1): ...
+def _sig_div(input, other, *, rounding_mode=None): ...
+def _sig_repeat_interleave(input, repeats, dim=None, *, output_size=None): ...
+def _sig_cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                       reduction="mean", label_smoothing=0.0): ...
+
+
+_UNARY = ("tanh", "erf", "rsqrt", "sqrt", "exp", "sigmoid", "neg", "relu", "square", "logical_not")
+
+# target -> (canonical target, signature to bind against, or None for the target's own)
+_FUNCTIONS: dict[Any, tuple[Callable[..., Any], Callable[..., Any] | None]] = {
+    F.linear: (F.linear, _sig_linear),
+    F.gelu: (F.gelu, _sig_gelu),
+    torch.addmm: (torch.addmm, _sig_addmm),
+    torch.mm: (torch.mm, _sig_binary),
+    torch.matmul: (torch.matmul, _sig_binary),
+    operator.matmul: (torch.matmul, _sig_binary),
+    F.scaled_dot_product_attention: (F.scaled_dot_product_attention, _sig_sdpa),
+    F.layer_norm: (F.layer_norm, None),
+    torch.layer_norm: (F.layer_norm, _sig_torch_layer_norm),
+    F.dropout: (F.dropout, None),
+    torch.dropout: (F.dropout, _sig_torch_dropout),
+    F.softmax: (torch.softmax, _sig_f_softmax),
+    torch.softmax: (torch.softmax, _sig_softmax),
+    torch.mean: (torch.mean, _sig_mean),
+    torch.pow: (torch.pow, _sig_pow),
+    operator.pow: (torch.pow, _sig_pow),
+    torch.where: (torch.where, _sig_where),
+    torch.add: (operator.add, _sig_add),
+    torch.mul: (operator.mul, _sig_binary),
+    torch.sub: (operator.sub, _sig_add),
+    torch.div: (operator.truediv, _sig_div),
+    torch.repeat_interleave: (torch.repeat_interleave, _sig_repeat_interleave),
+    F.cross_entropy: (F.cross_entropy, _sig_cross_entropy),
+    **{getattr(torch, name): (getattr(torch, name), _sig_unary) for name in _UNARY},
+}
+if hasattr(F, "rms_norm"):
+    _FUNCTIONS[F.rms_norm] = (F.rms_norm, None)
+if hasattr(torch, "rms_norm"):
+    _FUNCTIONS[torch.rms_norm] = (F.rms_norm, _sig_torch_rms_norm)
+
+# method name -> (canonical function target, signature with `self` as the first parameter)
+_METHODS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
+    "add": (operator.add, _sig_add),
+    "mul": (operator.mul, _sig_binary),
+    "sub": (operator.sub, _sig_add),
+    "div": (operator.truediv, _sig_div),
+    "pow": (torch.pow, _sig_pow),
+    "mean": (torch.mean, _sig_mean),
+    "softmax": (torch.softmax, _sig_softmax),
+    "matmul": (torch.matmul, _sig_binary),
+    "repeat_interleave": (torch.repeat_interleave, _sig_repeat_interleave),
+    **{name: (getattr(torch, name), _sig_unary) for name in _UNARY},
+}
+
+# Canonical spellings that drop an argument: (argument, value it must have, or _ANY).
+_ANY = object()
+_MUST_BE = {
+    (torch.softmax, "_stacklevel"): _ANY,
+    (operator.add, "alpha"): 1,
+    (operator.sub, "alpha"): 1,
+    (operator.truediv, "rounding_mode"): None,
+    (F.layer_norm, "cudnn_enable"): True,
+}
+
+_CAST_METHODS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16,
+                 "double": torch.float64}
+
+
+def canonicalize(gm: fx.GraphModule, root: torch.nn.Module | None = None) -> fx.GraphModule:
+    """Rewrites `gm`'s graph into the canonical form above, in place, and recompiles it.
+
+    `root` is the module the graph was traced from (fx graphs); module calls are resolved in it.
+    """
+    canonicalize_graph(gm.graph, root)
+    gm.recompile()
+    return gm
+
+
+def canonicalize_graph(graph: fx.Graph, root: torch.nn.Module | None = None) -> None:
+    for node in list(graph.nodes):
+        if node.op == "call_module" and root is not None:
+            _module_to_function(graph, node, root)
+        elif node.op == "call_method":
+            _method(node)
+        elif node.op == "call_function":
+            canonicalize_node(node)
+    _fold_dtypes(graph)
+
+
+def canonicalize_node(node: fx.Node) -> None:
+    """Canonical target and argument layout for one call_function node (no-op for others)."""
+    if node.op != "call_function":
+        return
+    entry = _FUNCTIONS.get(node.target) if _hashable(node.target) else None
+    if entry is not None:
+        target, sig = entry
+        _bind(node, target, sig if sig is not None else node.target)
+    elif _is_python_function(node.target):
+        _bind(node, node.target, node.target)
+
+
+def _method(node: fx.Node) -> None:
+    name = node.target
+    if name in _METHODS:
+        target, sig = _METHODS[name]
+        node.op = "call_function"
+        node.target = target
+        _bind(node, target, sig)
+    elif name in ("view", "reshape", "expand") and len(node.args) > 2:
+        node.args = (node.args[0], tuple(node.args[1:]))
+    elif name in ("view", "reshape", "expand") and len(node.args) == 2 and isinstance(node.args[1], list):
+        node.args = (node.args[0], tuple(node.args[1]))
+    elif name == "transpose" and len(node.args) == 3 and not node.kwargs:
+        a, b = node.args[1], node.args[2]
+        if isinstance(a, int) and isinstance(b, int) and (a < 0) == (b < 0) and a > b:
+            node.args = (node.args[0], b, a)
+    elif name in _CAST_METHODS and len(node.args) == 1 and not node.kwargs:
+        node.target = "to"
+        node.args = (node.args[0], _CAST_METHODS[name])
+    elif name == "to":
+        dtype = node.kwargs.get("dtype") if len(node.args) == 1 else node.args[1]
+        other = {k: v for k, v in node.kwargs.items() if k != "dtype"}
+        if isinstance(dtype, torch.dtype) and not other and len(node.args) <= 2:
+            node.args, node.kwargs = (node.args[0], dtype), {}
+    elif name == "type" and len(node.args) == 2 and isinstance(node.args[1], torch.dtype):
+        node.target = "to"
+
+
+def _bind(node: fx.Node, target: Callable[..., Any], sig_of: Callable[..., Any]) -> None:
+    try:
+        sig = inspect.signature(sig_of)
+        bound = sig.bind(*node.args, **node.kwargs)
+    except (TypeError, ValueError):
+        return  # a call we do not understand: leave it exactly as it was
+    bound.apply_defaults()
+    args, kwargs = [], {}
+    for name, param in sig.parameters.items():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            return
+        value = bound.arguments[name]
+        must = _MUST_BE.get((target, name), _NO_VALUE)
+        if must is not _NO_VALUE:
+            if must is not _ANY and value is not must and value != must:
+                return
+            continue
+        if param.kind == param.KEYWORD_ONLY:
+            kwargs[name] = value
+        else:
+            args.append(value)
+    if target is torch.softmax and args[1] is None:
+        return  # F.softmax's legacy implicit dim: keep F.softmax
+    node.target = target
+    node.args = tuple(args)
+    node.kwargs = kwargs
+
+
+_NO_VALUE = object()
+
+
+def _module_to_function(graph: fx.Graph, node: fx.Node, root: torch.nn.Module) -> None:
+    try:
+        mod = root.get_submodule(node.target)
+    except AttributeError:
+        return
+    if mod._forward_hooks or mod._forward_pre_hooks or node.kwargs:
+        return
+    if type(mod) is torch.nn.CrossEntropyLoss and len(node.args) == 2:
+        with graph.inserting_before(node):
+            weight = graph.get_attr(f"{node.target}.weight") if mod.weight is not None else None
+            new = graph.call_function(F.cross_entropy, (*node.args, weight, None, mod.ignore_index, None,
+                                                        mod.reduction, mod.label_smoothing))
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        return
+    if len(node.args) != 1:
+        return
+    x = node.args[0]
+
+    def param(name: str) -> fx.Node | None:
+        value = getattr(mod, name, None)
+        if value is None:
+            return None
+        attr = graph.get_attr(f"{node.target}.{name}")
+        attr.meta["val"] = value  # the live parameter: its dtype and shape, for filters
+        return attr
+
+    with graph.inserting_before(node):
+        if type(mod) is torch.nn.Linear:
+            new = graph.call_function(F.linear, (x, param("weight"), param("bias")))
+        elif type(mod) is torch.nn.LayerNorm:
+            new = graph.call_function(F.layer_norm, (x, tuple(mod.normalized_shape), param("weight"),
+                                                     param("bias"), mod.eps))
+        elif hasattr(torch.nn, "RMSNorm") and type(mod) is torch.nn.RMSNorm:
+            new = graph.call_function(F.rms_norm, (x, tuple(mod.normalized_shape), param("weight"), mod.eps))
+        elif type(mod) is torch.nn.GELU:
+            new = graph.call_function(F.gelu, (x,), {"approximate": mod.approximate})
+        elif type(mod) is torch.nn.ReLU:
+            new = graph.call_function(F.relu, (x, mod.inplace))
+        elif type(mod) is torch.nn.Softmax and mod.dim is not None:
+            new = graph.call_function(torch.softmax, (x, mod.dim, None))
+        elif type(mod) is torch.nn.Dropout:
+            new = graph.call_function(F.dropout, (x, mod.p, mod.training, mod.inplace))
+        elif type(mod) is torch.nn.Identity:
+            new = x
+        else:
+            return
+    if isinstance(new, fx.Node):
+        new.meta = dict(node.meta)
+        canonicalize_node(new)
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+
+
+def _fold_dtypes(graph: fx.Graph) -> None:
+    """`x.dtype` -> its value, where x's example value is known (the graph is specialized on it)."""
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is getattr and node.args[1:] == ("dtype",):
+            value = node.args[0].meta.get("val", node.args[0].meta.get("example_value")) \
+                if isinstance(node.args[0], fx.Node) else None
+            if isinstance(value, torch.Tensor):
+                replace_uses(node, value.dtype)
+                graph.erase_node(node)
+
+
+def replace_uses(node: fx.Node, value: Any) -> None:
+    """Every use of `node` reads `value` (a node or a constant) instead."""
+    for user in list(node.users):
+        user.args = fx.map_arg(user.args, lambda n: value if n is node else n)
+        user.kwargs = fx.map_arg(user.kwargs, lambda n: value if n is node else n)
+
+
+def _hashable(target: Any) -> bool:
+    try:
+        hash(target)
+    except TypeError:
+        return False
+    return True
+
+
+def _is_python_function(target: Any) -> bool:
+    """Python functions of torch.nn.functional and of trifuse: bound by their own signature."""
+    if not inspect.isfunction(target):
+        return False
+    module = getattr(target, "__module__", "") or ""
+    return module == "torch.nn.functional" or module.startswith("trifuse.")

@@ -1,0 +1,427 @@
+"""Rewriting a canonical graph with the pattern library: `rewrite(gm, patterns) -> RewriteLog`.
+
+For each pattern, in stage order (spellings -> one op; ops -> combined ops; biases folded), every
+candidate node is matched (match.py) and each match is checked before anything changes:
+
+1. the pattern's intermediate values are used nowhere else (else the model still needs them);
+2. the pattern's filters accept the matched values;
+3. the replacement, traced with the matched constants, runs on the matched example values (fake
+   tensors, no data): the trifuse op's own input checks decide whether it takes these shapes,
+   dtypes and devices, and each replacement output must have its original's shape. Where it
+   comes out in another dtype than the original (a norm under autocast returns the activation
+   dtype, autocast's would return float32), a cast back keeps every dtype the model sees.
+
+Then the replacement is spliced in before the first matched node and the matched nodes are
+removed. A replaced op consumed by a later, larger pattern counts only once, as the larger one.
+Every candidate left in the graph is reported with the reasons it was rejected, and so is every
+op of interest no pattern took.
+"""
+import re
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+from torch._subclasses.fake_tensor import FakeTensor
+
+from ..patterns._base import Pattern, available, example_value
+from .match import Match, compile_pattern, matches, trace_function
+from .normalize import canonicalize_node
+
+FAMILIES = ("attention", "layer_norm", "rms_norm", "bias_gelu", "dropout_add", "residual_stream",
+            "cross_entropy")
+# Families whose patterns build on another family's output (the residual stream starts from a
+# fused norm), so selecting them selects those too.
+DEPENDS = {"residual_stream": ("layer_norm", "rms_norm")}
+
+# Ops whose presence in a rewritten graph is worth a line in the report when no pattern took them.
+_OF_INTEREST = {
+    F.layer_norm: "layer_norm",
+    F.gelu: "gelu",
+    F.dropout: "dropout",
+    F.scaled_dot_product_attention: "scaled_dot_product_attention",
+    torch.softmax: "softmax",
+    F.multi_head_attention_forward: "multi_head_attention_forward",
+    F.cross_entropy: "cross_entropy",
+}
+if hasattr(F, "rms_norm"):
+    _OF_INTEREST[F.rms_norm] = "rms_norm"
+
+
+@dataclass
+class Replaced:
+    pattern: str
+    family: str
+    where: str  # module path(s) inside the captured module
+    node: str  # the graph node of the new op
+    note: str = ""
+    absorbed: bool = False  # consumed later by a larger pattern, counted there
+
+
+@dataclass
+class Rejected:
+    pattern: str
+    family: str
+    where: str
+    node: str
+    reason: str
+
+
+@dataclass
+class Left:
+    op: str
+    where: str
+    node: str
+    reason: str
+
+
+@dataclass
+class RewriteLog:
+    """What one rewrite did. `counts` is per family, `by_pattern` per pattern name."""
+
+    replaced: list[Replaced] = field(default_factory=list)
+    rejected: list[Rejected] = field(default_factory=list)
+    left: list[Left] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)  # pattern -> why it did not run
+
+    @property
+    def active(self) -> list[Replaced]:
+        return [r for r in self.replaced if not r.absorbed]
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return dict(Counter(r.family for r in self.active))
+
+    @property
+    def by_pattern(self) -> dict[str, int]:
+        return dict(Counter(r.pattern for r in self.active))
+
+
+def select_patterns(patterns: Sequence[Pattern], families: Iterable[str] | None) -> tuple[Pattern, ...]:
+    """The patterns of the chosen families (all for None), in stage order."""
+    if families is not None:
+        chosen = set(families)
+        unknown = chosen - set(FAMILIES)
+        if unknown:
+            raise ValueError(f"trifuse.fuse: ops must name families among {list(FAMILIES)}, got {sorted(unknown)}")
+        for fam in list(chosen):
+            chosen.update(DEPENDS.get(fam, ()))
+        patterns = [p for p in patterns if p.family in chosen]
+    return tuple(sorted(patterns, key=lambda p: p.stage))
+
+
+def rewrite(gm: fx.GraphModule, patterns: Sequence[Pattern] | None = None) -> RewriteLog:
+    """Rewrites a canonical GraphModule (see normalize.py) in place and recompiles it."""
+    if patterns is None:
+        from ..patterns import PATTERNS
+
+        patterns = PATTERNS
+    log = rewrite_graph(gm.graph, select_patterns(patterns, None))
+    gm.recompile()
+    return log
+
+
+def rewrite_graph(graph: fx.Graph, patterns: Sequence[Pattern]) -> RewriteLog:
+    log = RewriteLog()
+    rejections: dict[fx.Node, list[Rejected]] = {}
+    for pattern in patterns:
+        missing = [name for name in pattern.ops if not available(name)]
+        if missing:
+            log.skipped[pattern.name] = f"op not available: trifuse.ops.{missing[0]}"
+            continue
+        cp = compile_pattern(pattern)
+        for node in list(graph.nodes):
+            if node.graph is not graph or _erased(node) or not cp.is_candidate(node):
+                continue
+            reason = _rewrite_at(graph, node, cp, log, rejections.get(node, []))
+            if reason is not None:
+                rejections.setdefault(node, []).append(Rejected(
+                    pattern.name, pattern.family, where([node]), node.name, reason))
+    for node, rejected in rejections.items():
+        if not _erased(node):
+            log.rejected.extend(rejected)
+    for node in graph.nodes:
+        op = _OF_INTEREST.get(node.target) if node.op == "call_function" and _hashable(node.target) else None
+        if op is not None:
+            reasons = "; ".join(f"{r.pattern}: {r.reason}" for r in rejections.get(node, []))
+            log.left.append(Left(op, where([node]), node.name, reasons or "no pattern matches it here"))
+    return log
+
+
+def _rewrite_at(graph: fx.Graph, node: fx.Node, cp: Any, log: RewriteLog, earlier: list[Rejected]) -> str | None:
+    """Rewrites the first acceptable match anchored at `node`; None when done, else why not.
+    A larger pattern rejected here because the model needs one of its intermediate values (the
+    logits it returns) is named in the replacement's note: the report says why it is not used."""
+    first_reason = None
+    for m in matches(cp, node):
+        reason = _check(m)
+        plan = None
+        if reason is None:
+            plan, reason = _plan(m)
+        if reason is None and plan is not None and not _placeable(graph, m, plan):
+            reason = "an input of the replacement is computed after the pattern starts"
+        if reason is None and plan is not None:
+            _splice(graph, m, plan, log)
+            kept = [f"not {r.pattern}: {r.reason}" for r in earlier if "outside the pattern" in r.reason]
+            log.replaced[-1].note = "; ".join([n for n in (log.replaced[-1].note, *kept) if n])
+            return None
+        first_reason = first_reason or reason
+    return first_reason
+
+
+def _check(m: Match) -> str | None:
+    matched = set(m.nodes)
+    outputs = set(m.outputs)
+    for g in m.nodes:
+        if g in outputs:
+            continue
+        outside = [u for u in g.users if u not in matched]
+        if outside:
+            return f"{g.name} is also used by {outside[0].name}, outside the pattern"
+    for g in m.nodes:
+        if g.op == "call_function" and g.target is F.dropout and g.args[3] is True:
+            return "in-place dropout"
+    for f in m.pattern.filters:
+        reason = f(m)
+        if reason is not None:
+            return reason
+    return None
+
+
+@dataclass
+class _Plan:
+    graph: fx.Graph  # the traced replacement
+    inputs: dict[str, fx.Node]  # its placeholders' names -> the graph nodes they read
+    values: dict[fx.Node, Any] | None  # example values of its nodes (None when unknown)
+    casts: list[torch.dtype | None]  # per output: the dtype to cast back to, if it differs
+
+
+def _plan(m: Match) -> tuple[_Plan | None, str | None]:
+    bindings = m.bindings()
+    constants = {k: v for k, v in bindings.items() if not isinstance(v, fx.Node)}
+    if m.pattern.derive is not None:
+        derived = m.pattern.derive(m)
+        if derived is None:
+            return None, "a value the replacement needs is unknown (no example value)"
+        constants.update(derived)
+    nodes = {k for k, v in bindings.items() if isinstance(v, fx.Node) and k not in constants}
+    try:
+        rgraph = trace_function(m.pattern.replacement, constants, nodes)
+    except Exception as e:  # noqa: BLE001  (a replacement that cannot take these constants)
+        return None, f"replacement does not trace with these constants: {type(e).__name__}: {e}"
+    inputs = {n.target: bindings[n.target] for n in rgraph.nodes if n.op == "placeholder"}
+    values, reason = _evaluate(rgraph, {k: example_value(v) for k, v in inputs.items()})
+    if reason is not None:
+        return None, reason
+    casts: list[torch.dtype | None] = []
+    if values is not None:
+        new_outputs = _outputs(rgraph)
+        if len(new_outputs) != len(m.outputs):
+            return None, f"replacement returns {len(new_outputs)} values, the pattern {len(m.outputs)}"
+        for old, new in zip(m.outputs, new_outputs):
+            before, after = example_value(old), values.get(new) if isinstance(new, fx.Node) else new
+            if isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor):
+                if before.dim() != after.dim() or not all(
+                    _maybe_equal(a, b) for a, b in zip(before.shape, after.shape)):
+                    return None, f"replacement gives shape {tuple(after.shape)} for {old.name}, not {tuple(before.shape)}"
+                casts.append(before.dtype if before.dtype != after.dtype else None)
+            else:
+                casts.append(None)
+    else:
+        casts = [None] * len(m.outputs)
+    return _Plan(rgraph, inputs, values, casts), None
+
+
+def _evaluate(rgraph: fx.Graph, inputs: dict[str, Any]) -> tuple[dict[fx.Node, Any] | None, str | None]:
+    """Runs the replacement on fake example values: its ops' checks, output shapes and dtypes."""
+    inputs = {k: _hint(v) for k, v in inputs.items()}
+    tensors = [v for v in inputs.values() if isinstance(v, torch.Tensor)]
+    if any(v is None for v in inputs.values()) or not tensors:
+        return None, None
+    modes = {id(t.fake_mode): t.fake_mode for t in tensors if isinstance(t, FakeTensor)}
+    if len(modes) != 1:
+        return None, None
+    fake_mode = next(iter(modes.values()))
+    inputs = {k: fake_mode.from_tensor(v) if isinstance(v, torch.Tensor) and not isinstance(v, FakeTensor) else v
+              for k, v in inputs.items()}
+    env: dict[fx.Node, Any] = {}
+    try:
+        with fake_mode, _no_guards(fake_mode):
+            for n in rgraph.nodes:
+                if n.op == "placeholder":
+                    env[n] = inputs[n.target]
+                elif n.op in ("call_function", "call_method"):
+                    args = fx.map_arg(n.args, env.__getitem__)
+                    kwargs = fx.map_arg(n.kwargs, env.__getitem__)
+                    if n.op == "call_function":
+                        env[n] = n.target(*args, **kwargs)
+                    else:
+                        env[n] = getattr(args[0], n.target)(*args[1:], **kwargs)
+    except (TypeError, ValueError, RuntimeError, NotImplementedError) as e:
+        return None, f"the fused op rejects these inputs: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+    return env, None
+
+
+def _hint(v: Any) -> Any:
+    """A symbolic scalar's example value (the ops' checks want a number), None when unknown."""
+    if isinstance(v, (torch.SymInt, torch.SymFloat)):
+        hint = v.node.hint
+        return None if hint is None else hint
+    return v
+
+
+class _no_guards:
+    """Suppresses guard creation on a symbolic-shape env while replacements are checked."""
+
+    def __init__(self, fake_mode: Any) -> None:
+        env = getattr(fake_mode, "shape_env", None)
+        self._ctx = env.suppress_guards() if env is not None else None
+
+    def __enter__(self) -> None:
+        if self._ctx is not None:
+            self._ctx.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._ctx is not None:
+            self._ctx.__exit__(*exc)
+
+
+def _maybe_equal(a: Any, b: Any) -> bool:
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    try:
+        from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+        return bool(statically_known_true(a == b)) or str(a) == str(b)
+    except Exception:  # noqa: BLE001  (symbolic comparison unavailable: do not block on it)
+        return True
+
+
+def _closure(nodes: Iterable[fx.Node], order: dict[fx.Node, int], first: int) -> set[fx.Node]:
+    """`nodes` at or after position `first`, with their inputs at or after it (all movable)."""
+    out: set[fx.Node] = set()
+    stack = [n for n in nodes if order[n] >= first]
+    while stack:
+        n = stack.pop()
+        if n not in out:
+            out.add(n)
+            stack.extend(i for i in n.all_input_nodes if order[i] >= first)
+    return out
+
+
+def _outputs(rgraph: fx.Graph) -> list[Any]:
+    out = next(n for n in rgraph.nodes if n.op == "output").args[0]
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def _placeable(graph: fx.Graph, m: Match, plan: _Plan) -> bool:
+    """Whether every input of the replacement is (or can be moved) before the first matched node,
+    where the replacement goes. fx reads parameters where they are used, and shape arithmetic
+    sits wherever it was written; both move up, as long as they depend on nothing matched."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first = min(order[n] for n in m.nodes)
+    matched = set(m.nodes)
+    seen: set[fx.Node] = set()
+
+    def movable(node: fx.Node) -> bool:
+        if order[node] < first or node in seen:
+            return True
+        if node in matched or node.op in ("placeholder", "output") or node.is_impure():
+            return False
+        seen.add(node)
+        return all(movable(n) for n in node.all_input_nodes)
+
+    return all(movable(n) for n in plan.inputs.values())
+
+
+def _splice(graph: fx.Graph, m: Match, plan: _Plan, log: RewriteLog) -> None:
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    matched = sorted(m.nodes, key=order.__getitem__)
+    first = matched[0]
+    late = [n for n in _closure(plan.inputs.values(), order, order[first])]
+    for node in sorted(late, key=order.__getitem__):
+        first.prepend(node)
+    meta = {k: m.anchor.meta[k] for k in ("nn_module_stack", "stack_trace") if k in m.anchor.meta}
+    env: dict[fx.Node, Any] = {}
+    new_nodes = []
+    with graph.inserting_before(first):
+        for n in plan.graph.nodes:
+            if n.op == "placeholder":
+                env[n] = plan.inputs[n.target]
+            elif n.op in ("call_function", "call_method"):
+                new = graph.node_copy(n, lambda a: env[a])
+                new.meta.update(meta)
+                if plan.values is not None and n in plan.values:
+                    new.meta["example_value"] = new.meta["val"] = plan.values[n]
+                canonicalize_node(new)
+                env[n] = new
+                new_nodes.append(new)
+        outputs = [env[o] if isinstance(o, fx.Node) else o for o in _outputs(plan.graph)]
+        for i, dtype in enumerate(plan.casts):
+            if dtype is not None:
+                cast = graph.call_method("to", (outputs[i], dtype))
+                cast.meta.update(meta)
+                value = example_value(outputs[i])
+                if isinstance(value, torch.Tensor):
+                    cast.meta["example_value"] = cast.meta["val"] = value.to(dtype)
+                outputs[i] = cast
+    placed = where(matched)
+    event = Replaced(m.pattern.name, m.pattern.family, placed, "",
+                     note=", ".join(f"output cast back to {d}" for d in plan.casts if d is not None))
+    for new in new_nodes:
+        if new.op == "call_function" and getattr(new.target, "__module__", "").startswith("trifuse."):
+            new.meta["trifuse_event"] = event
+            event.node = event.node or new.name
+    for old, new in zip(m.outputs, outputs):
+        old.replace_all_uses_with(new)
+    for node in reversed(matched):
+        if not node.users:
+            absorbed = node.meta.get("trifuse_event")
+            if absorbed is not None:
+                absorbed.absorbed = True
+                event.where = _join_where(absorbed.where, event.where)
+            graph.erase_node(node)
+    log.replaced.append(event)
+
+
+_STACK_PREFIX = re.compile(r"^L\['[^']*'\](?:\[\d+\])?\.?")
+
+
+def module_path(node: fx.Node) -> str:
+    """The submodule a node's code ran in, relative to the captured module ('' for itself)."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return _STACK_PREFIX.sub("", str(path))
+
+
+def _join_where(a: str, b: str) -> str:
+    parts = [p for w in (a, b) for p in w.split(", ") if p != "(the module itself)"]
+    return ", ".join(dict.fromkeys(parts)) or "(the module itself)"
+
+
+def where(nodes: Iterable[fx.Node]) -> str:
+    paths: list[str] = []
+    for n in nodes:
+        p = module_path(n)
+        if p and p not in paths:
+            paths.append(p)
+    return ", ".join(paths) or "(the module itself)"
+
+
+def _erased(node: fx.Node) -> bool:
+    return getattr(node, "_erased", False)
+
+
+def _hashable(target: Any) -> bool:
+    try:
+        hash(target)
+    except TypeError:
+        return False
+    return True
+
+

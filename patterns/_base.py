@@ -1,0 +1,200 @@
+"""What a pattern is, and the few helpers its filters use.
+
+A pattern is two plain functions over the same parameter names:
+
+    search(x, weight, bias, ...)       what a model writes, in PyTorch (torch, F, tensor methods)
+    replacement(x, weight, bias, ...)  the same maths through a trifuse public function (`ops.<name>`)
+
+`fusion/` traces `search` into a small graph, finds it by dataflow in a model's canonical graph
+(`fusion/normalize.py`), checks the filters, traces `replacement` with the matched values and
+splices it in. Parameters annotated `torch.Tensor` must match a tensor computed in the graph;
+unannotated ones also match constants (eps, p, shapes), which then reach `replacement` as plain
+Python values, so a replacement may branch on them.
+
+Filters take the `Match` and return None to accept or a sentence saying why not (it goes into
+`trifuse.report`). `m[name]` is what a parameter matched (a graph node or a constant) and
+`m.value(name)` its example value (a tensor with dtype and shape, the constant itself, or None when
+unknown).
+
+`derive` may compute further constants for the replacement from the match (its example values).
+
+Stages order the rewriting: 0 turns each spelling into one op, 1 combines ops (an add feeding a
+fused norm becomes the residual-stream op), 2 folds the bias of a preceding linear into the op.
+"""
+import contextvars
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+
+class Match(Protocol):
+    def __getitem__(self, name: str) -> Any: ...
+
+    def value(self, name: str) -> Any: ...
+
+
+Filter = Callable[[Match], "str | None"]
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """One spelling of one op family; `name` says what it matches (`linear_gelu`)."""
+
+    name: str
+    family: str  # what trifuse.report counts it as: layer_norm, rms_norm, bias_gelu, ...
+    search: Callable[..., Any]
+    replacement: Callable[..., Any]
+    ops: tuple[str, ...]  # the trifuse.ops functions the replacement (and search) call
+    filters: tuple[Filter, ...] = ()
+    stage: int = 0
+    # Constants for the replacement computed from the match's values (they override matched ones),
+    # e.g. eps=None resolved to the input dtype's epsilon, as the op it replaces would.
+    derive: Callable[[Match], dict[str, Any]] | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# `ops.<name>` inside patterns: trifuse's public functions, looked up when used. While fusion
+# traces a pattern they are leaves: a call becomes one graph node whose target is the public
+# function itself (fx must not trace into its launcher; STYLE.md fact 4).
+# ---------------------------------------------------------------------------------------------
+
+_tracing = contextvars.ContextVar("trifuse_tracing_ops", default=False)
+
+
+class _OpNamespace:
+    """`ops.layer_norm` etc.; AttributeError when this build has no such op."""
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        from .. import ops as public
+
+        fn = getattr(public, name)
+        return _leaf(fn) if _tracing.get() else fn
+
+
+ops = _OpNamespace()
+
+
+def available(name: str) -> bool:
+    """Whether this build of trifuse has the public function `trifuse.ops.<name>`."""
+    from .. import ops as public
+
+    return callable(getattr(public, name, None))
+
+
+@functools.cache
+def _leaf(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+        proxy = next((a for a in leaves if isinstance(a, torch.fx.Proxy)), None)
+        if proxy is None:
+            return fn(*args, **kwargs)
+        return proxy.tracer.create_proxy("call_function", fn, args, kwargs)
+
+    return call
+
+
+class tracing_ops:
+    """Context in which `ops.<name>` records graph nodes instead of running (used by fusion)."""
+
+    def __enter__(self) -> None:
+        self._token = _tracing.set(True)
+
+    def __exit__(self, *exc: object) -> None:
+        _tracing.reset(self._token)
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers for filters
+# ---------------------------------------------------------------------------------------------
+
+
+def example_value(node: Any) -> Any:
+    """The value a graph node stands for, as far as it is known: a fake or real tensor from the
+    node's metadata (Dynamo's `example_value`, fx's `val`), the constant itself for non-nodes,
+    or None."""
+    if not isinstance(node, torch.fx.Node):
+        return node
+    meta = node.meta
+    if "example_value" in meta:
+        return meta["example_value"]
+    return meta.get("val")
+
+
+def is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def is_runtime_number(v: Any) -> bool:
+    """A constant number, or a graph node that evaluates to a Python number when the graph runs:
+    Dynamo passes a float attribute that differs between captures (one eps per model, one dropout
+    p per layer) as a symbolic value rather than recompiling for each."""
+    if is_number(v):
+        return True
+    return isinstance(v, torch.fx.Node) and isinstance(example_value(v), (int, float, torch.SymInt, torch.SymFloat)) \
+        and not isinstance(example_value(v), bool)
+
+
+def known_equal(a: Any, b: Any) -> bool:
+    """a == b for ints or SymInts, True only when provably so (adds no guards)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return bool(statically_known_true(a == b))
+
+
+def same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dim() == b.dim() and all(known_equal(x, y) for x, y in zip(a.shape, b.shape))
+
+
+def needs_number(*names: str) -> Filter:
+    """The named parameters matched Python numbers: constants, or scalars the graph computes
+    (`is_runtime_number`), never tensors."""
+
+    def check(m: Match) -> str | None:
+        for name in names:
+            if not is_runtime_number(m[name]):
+                return f"{name} is {_show(m[name])}, not a number"
+        return None
+
+    check.__name__ = f"needs_number({', '.join(names)})"
+    return check
+
+
+def needs_bool(*names: str) -> Filter:
+    def check(m: Match) -> str | None:
+        for name in names:
+            if not isinstance(m[name], bool):
+                return f"{name} is {_show(m[name])}, not a constant bool"
+        return None
+
+    check.__name__ = f"needs_bool({', '.join(names)})"
+    return check
+
+
+def needs_float_tensors(*names: str) -> Filter:
+    """The named parameters are floating-point tensors (or None); unknown metadata fails."""
+
+    def check(m: Match) -> str | None:
+        for name in names:
+            if m[name] is None:
+                continue
+            v = m.value(name)
+            if not isinstance(v, torch.Tensor):
+                return f"{name}: no tensor metadata"
+            if not v.is_floating_point():
+                return f"{name} has dtype {v.dtype}"
+        return None
+
+    check.__name__ = f"needs_float_tensors({', '.join(names)})"
+    return check
+
+
+def _show(v: Any) -> str:
+    if isinstance(v, torch.fx.Node):
+        return f"the value of node {v.name}"
+    return repr(v)

@@ -1,0 +1,102 @@
+"""The residual stream: an add (with dropout) feeding a norm becomes one pass each way.
+
+    s = residual + dropout(x, p)        (dropout optional)
+    y = norm(s)                          LayerNorm or RMSNorm, already a trifuse norm (stage 0)
+  ->  y, s = dropout_add_layer_norm(x, residual, ...)
+
+Post-norm blocks (BERT, nn.TransformerEncoder's default) use only y; pre-norm blocks (GPT-2,
+ViT, Llama) also carry s on as the next residual. The dropout's p and training flag are the
+model's. Then (stage 2) the bias of the linear producing x moves into the op as `x_bias`, so the
+matmul runs without its bias epilogue and the bias gradient comes out of the fused backward.
+"""
+import torch
+import torch.nn.functional as F
+
+from ._base import Pattern, needs_bool, needs_number, ops
+
+
+def dropout_add_layer_norm(x: torch.Tensor, residual: torch.Tensor, p, training, normalized_shape,
+                           weight, bias, eps):
+    s = residual + F.dropout(x, p, training, False)
+    return ops.layer_norm(s, normalized_shape, weight, bias, eps), s
+
+
+def dropout_add_layer_norm_fused(x, residual, p, training, normalized_shape, weight, bias, eps):
+    y, s = ops.dropout_add_layer_norm(x, residual, normalized_shape, weight, bias, eps, p, training)
+    return y, s
+
+
+def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, normalized_shape, weight, bias, eps):
+    s = residual + x
+    return ops.layer_norm(s, normalized_shape, weight, bias, eps), s
+
+
+def add_layer_norm_fused(x, residual, normalized_shape, weight, bias, eps):
+    y, s = ops.dropout_add_layer_norm(x, residual, normalized_shape, weight, bias, eps)
+    return y, s
+
+
+def dropout_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, p, training, normalized_shape, weight, eps):
+    s = residual + F.dropout(x, p, training, False)
+    return ops.rms_norm(s, normalized_shape, weight, eps), s
+
+
+def dropout_add_rms_norm_fused(x, residual, p, training, normalized_shape, weight, eps):
+    y, s = ops.dropout_add_layer_norm(x, residual, normalized_shape, weight, None, eps, p, training,
+                                      is_rms_norm=True)
+    return y, s
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, normalized_shape, weight, eps):
+    s = residual + x
+    return ops.rms_norm(s, normalized_shape, weight, eps), s
+
+
+def add_rms_norm_fused(x, residual, normalized_shape, weight, eps):
+    y, s = ops.dropout_add_layer_norm(x, residual, normalized_shape, weight, None, eps, is_rms_norm=True)
+    return y, s
+
+
+# Stage 2: the bias of the linear (nn.Linear, or HF's Conv1D: addmm + view) producing x.
+
+
+def linear_residual_norm(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor, residual: torch.Tensor,
+                         normalized_shape, weight, bias, eps, p, training, is_rms_norm):
+    return ops.dropout_add_layer_norm(F.linear(h, w, b), residual, normalized_shape, weight, bias, eps, p,
+                                      training, None, is_rms_norm)
+
+
+def linear_residual_norm_fused(h, w, b, residual, normalized_shape, weight, bias, eps, p, training, is_rms_norm):
+    return ops.dropout_add_layer_norm(F.linear(h, w), residual, normalized_shape, weight, bias, eps, p,
+                                      training, b, is_rms_norm)
+
+
+def conv1d_residual_norm(h2d: torch.Tensor, w: torch.Tensor, b: torch.Tensor, shape, residual: torch.Tensor,
+                         normalized_shape, weight, bias, eps, p, training, is_rms_norm):
+    return ops.dropout_add_layer_norm(torch.addmm(b, h2d, w).view(shape), residual, normalized_shape, weight,
+                                      bias, eps, p, training, None, is_rms_norm)
+
+
+def conv1d_residual_norm_fused(h2d, w, b, shape, residual, normalized_shape, weight, bias, eps, p, training,
+                               is_rms_norm):
+    return ops.dropout_add_layer_norm(torch.mm(h2d, w).view(shape), residual, normalized_shape, weight, bias,
+                                      eps, p, training, b, is_rms_norm)
+
+
+_DROPOUT = (needs_number("p"), needs_bool("training"))
+_OPS = ("dropout_add_layer_norm", "layer_norm")
+_RMS_OPS = ("dropout_add_layer_norm", "rms_norm")
+
+PATTERNS = (
+    Pattern("dropout_add_layer_norm", "residual_stream", dropout_add_layer_norm, dropout_add_layer_norm_fused,
+            _OPS, _DROPOUT, stage=1),
+    Pattern("add_layer_norm", "residual_stream", add_layer_norm, add_layer_norm_fused, _OPS, stage=1),
+    Pattern("dropout_add_rms_norm", "residual_stream", dropout_add_rms_norm, dropout_add_rms_norm_fused,
+            _RMS_OPS, (*_DROPOUT, needs_number("eps")), stage=1),
+    Pattern("add_rms_norm", "residual_stream", add_rms_norm, add_rms_norm_fused, _RMS_OPS,
+            (needs_number("eps"),), stage=1),
+    Pattern("linear_residual_norm", "residual_stream", linear_residual_norm, linear_residual_norm_fused,
+            ("dropout_add_layer_norm",), stage=2),
+    Pattern("conv1d_residual_norm", "residual_stream", conv1d_residual_norm, conv1d_residual_norm_fused,
+            ("dropout_add_layer_norm",), stage=2),
+)

@@ -1,0 +1,115 @@
+"""Helpers for the pattern and fusion tests: fuse a module through fx or through Dynamo, compare
+the fused model with the unfused one against the float64 oracle (tests/tolerances.py), list the
+trifuse ops a run executed."""
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+import trifuse
+from _device import DEVICE
+from tolerances import assert_close
+from torch import nn
+
+# The trifuse op each family's replacements call (branches land one by one: a family whose op is
+# not in this build is skipped by fuse, and its tests skip).
+FAMILY_OPS = {"layer_norm": "layer_norm", "rms_norm": "rms_norm", "residual_stream": "dropout_add_layer_norm",
+              "attention": "attention", "bias_gelu": "bias_gelu", "dropout_add": "dropout_add",
+              "cross_entropy": "cross_entropy"}
+
+
+def has_op(name: str) -> bool:
+    return callable(getattr(trifuse.ops, name, None))
+
+
+def needs_ops(*names: str):
+    missing = [n for n in names if not has_op(n)]
+    return pytest.mark.skipif(bool(missing), reason=f"trifuse.ops.{', '.join(missing)} not in this build")
+
+
+def available_counts(counts: dict[str, int]) -> dict[str, int]:
+    """The expected per-family counts, without families whose op this build lacks."""
+    return {k: v for k, v in counts.items() if has_op(FAMILY_OPS[k])}
+
+
+class _ViaDynamo(nn.Module):
+    """A block whose forward fx cannot trace (it takes *args, **kwargs): fuse captures it with Dynamo."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
+
+
+class DynamoHost(nn.Module):
+    """Holds `inner` as the one block of a ModuleList, so fuse captures it with Dynamo."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_ViaDynamo(inner)])
+
+    def forward(self, *args):
+        return self.blocks[0](*args)
+
+
+def fuse_via(module: nn.Module, capture: str, **kwargs) -> nn.Module:
+    """The fused model to call: `module` itself fused by fx, or a Dynamo host around it."""
+    target = module if capture == "fx" else DynamoHost(module)
+    trifuse.fuse(target, **kwargs)
+    return target
+
+
+def _outputs(out) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict) or hasattr(out, "to_tuple"):
+        out = out.to_tuple() if hasattr(out, "to_tuple") else tuple(out.values())
+    return [o for o in out if isinstance(o, torch.Tensor) and o.is_floating_point()]
+
+
+def _double(v):
+    return v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+
+
+def check_against_unfused(make: Callable[[], nn.Module], inputs: tuple, capture: str = "fx", *,
+                          grads: bool = True, train: bool = False, **fuse_kwargs) -> "trifuse.FusionReport":
+    """Fuses a fresh `make()`, runs it and the unfused model (fp32 and float64) on `inputs`, and
+    checks outputs and every parameter and input gradient by the oracle rule. Returns the report."""
+    torch.manual_seed(0)
+    model = make().to(DEVICE)
+    inputs = tuple(x.to(DEVICE) for x in inputs)
+    ref = copy.deepcopy(model)
+    ref64 = copy.deepcopy(model).double()
+    for m in (model, ref, ref64):
+        m.train(train)
+    fused = fuse_via(model, capture, **fuse_kwargs)
+    xs = [x.detach().clone().requires_grad_(grads and x.is_floating_point()) for x in inputs]
+    xr = [x.detach().clone().requires_grad_(grads and x.is_floating_point()) for x in inputs]
+    x64 = [_double(x).detach().clone().requires_grad_(grads and x.is_floating_point()) for x in inputs]
+    outs, outs_r, outs64 = _outputs(fused(*xs)), _outputs(ref(*xr)), _outputs(ref64(*x64))
+    assert len(outs) == len(outs64)
+    for i, (o, o64, olp) in enumerate(zip(outs, outs64, outs_r)):
+        assert o.dtype == olp.dtype, f"output {i}: dtype {o.dtype}, unfused {olp.dtype}"
+        assert_close(f"output {i}", o, o64, olp)
+    if grads:
+        seeds = [torch.randn_like(o) for o in outs]
+        sum(((o * s).sum() for o, s in zip(outs, seeds)), torch.zeros(())).backward()
+        sum(((o * s.double()).sum() for o, s in zip(outs64, seeds)), torch.zeros((), dtype=torch.float64)).backward()
+        sum(((o * s).sum() for o, s in zip(outs_r, seeds)), torch.zeros(())).backward()
+        named = dict(model.named_parameters())
+        for (name, p64), pr in zip(ref64.named_parameters(), ref.parameters()):
+            if p64.grad is not None:
+                assert_close(f"grad {name}", named[name].grad, p64.grad, pr.grad)
+        for i, (a, a64, ar) in enumerate(zip(xs, x64, xr)):
+            if a64.grad is not None:
+                assert_close(f"grad input {i}", a.grad, a64.grad, ar.grad)
+    return trifuse.report(fused)
+
+
+def trifuse_ops_run(fn: Callable[[], object]) -> set[str]:
+    """Names of the trifuse:: ops (and their backward) a profiled call of `fn` ran."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.name for e in prof.events() if e.name.startswith("trifuse::")}

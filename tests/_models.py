@@ -1,0 +1,252 @@
+"""Small real models for the fusion tests: Hugging Face models built from tiny configs (no
+download), torch.nn.TransformerEncoder, and hand-written models in the styles people write
+(nanoGPT; a block with data-dependent control flow and numpy). Each builder returns
+(model, make_inputs(batch, seq) -> kwargs, loss(model, inputs) -> scalar), on the GPU when there
+is one (the real kernels), else on the CPU."""
+import functools
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+HIDDEN, HEADS, LAYERS, VOCAB = 32, 2, 2, 64
+# Not from tests/_device.py: importing it sets TRITON_INTERPRET, which the reference-path test
+# (a subprocess importing this module) must not have.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _on_device(builder):
+    @functools.wraps(builder)
+    def build(*args, **kwargs):
+        model, inputs, loss = builder(*args, **kwargs)
+
+        def inputs_on_device(batch, seq):
+            return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in inputs(batch, seq).items()}
+
+        return model.to(DEVICE), inputs_on_device, loss
+
+    return build
+
+
+def _quiet_transformers():
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    return transformers
+
+
+@_on_device
+def gpt2(dropout: float = 0.0, layers: int = LAYERS):
+    tf = _quiet_transformers()
+    cfg = tf.GPT2Config(n_layer=layers, n_embd=HIDDEN, n_head=HEADS, n_positions=64, vocab_size=VOCAB,
+                        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=0,
+                        eos_token_id=0, attn_implementation="sdpa")
+    model = tf.GPT2LMHeadModel(cfg)
+
+    def inputs(batch, seq):
+        ids = torch.randint(0, VOCAB, (batch, seq))
+        return {"input_ids": ids, "labels": ids, "use_cache": False}
+
+    return model, inputs, lambda m, kw: m(**kw).loss
+
+
+@_on_device
+def bert(dropout: float = 0.0, layers: int = LAYERS):
+    tf = _quiet_transformers()
+    cfg = tf.BertConfig(num_hidden_layers=layers, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                        intermediate_size=2 * HIDDEN, vocab_size=VOCAB, max_position_embeddings=64,
+                        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
+                        attn_implementation="sdpa")
+    model = tf.BertForMaskedLM(cfg)
+
+    def inputs(batch, seq):
+        ids = torch.randint(0, VOCAB, (batch, seq))
+        mask = torch.ones(batch, seq, dtype=torch.long)
+        mask[0, seq - 2:] = 0  # padding: a real attention mask reaches the blocks
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids}
+
+    return model, inputs, lambda m, kw: m(**kw).loss
+
+
+@_on_device
+def vit(dropout: float = 0.0, layers: int = LAYERS):
+    tf = _quiet_transformers()
+    cfg = tf.ViTConfig(num_hidden_layers=layers, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                       intermediate_size=2 * HIDDEN, image_size=16, patch_size=8, num_labels=3,
+                       hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
+                       attn_implementation="sdpa")
+    model = tf.ViTForImageClassification(cfg)
+
+    def inputs(batch, seq):
+        return {"pixel_values": torch.randn(batch, 3, 16, 16), "labels": torch.randint(0, 3, (batch,))}
+
+    return model, inputs, lambda m, kw: m(**kw).loss
+
+
+@_on_device
+def llama(layers: int = LAYERS):
+    """Hugging Face's RMSNorm written out (fp32 upcast), SDPA with grouped KV heads, SiLU MLP."""
+    tf = _quiet_transformers()
+    cfg = tf.LlamaConfig(num_hidden_layers=layers, hidden_size=HIDDEN, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=2 * HIDDEN, vocab_size=VOCAB,
+                         max_position_embeddings=64, attn_implementation="sdpa")
+    model = tf.LlamaForCausalLM(cfg)
+
+    def inputs(batch, seq):
+        ids = torch.randint(0, VOCAB, (batch, seq))
+        return {"input_ids": ids, "labels": ids, "use_cache": False}
+
+    return model, inputs, lambda m, kw: m(**kw).loss
+
+
+@_on_device
+def transformer_encoder(norm_first: bool, dropout: float = 0.0, layers: int = LAYERS):
+    layer = nn.TransformerEncoderLayer(HIDDEN, HEADS, 2 * HIDDEN, dropout=dropout, activation="gelu",
+                                       batch_first=True, norm_first=norm_first)
+    model = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+
+    def inputs(batch, seq):
+        return {"src": torch.randn(batch, seq, HIDDEN)}
+
+    return model, inputs, lambda m, kw: m(**kw).square().mean()
+
+
+# ---------------------------------------------------------------------------------------------
+# nanoGPT, as Karpathy wrote it (flash: SDPA; otherwise the explicit masked chain)
+# ---------------------------------------------------------------------------------------------
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd, n_head, dropout, block_size, flash):
+        super().__init__()
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+        self.attn_dropout = nn.Dropout(dropout)
+        self.resid_dropout = nn.Dropout(dropout)
+        self.n_head, self.n_embd, self.dropout, self.flash = n_head, n_embd, dropout, flash
+        self.register_buffer("bias", torch.tril(torch.ones(block_size, block_size)).view(1, 1, block_size, block_size))
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        if self.flash:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=self.dropout if self.training else 0,
+                                               is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+            att = F.softmax(att, dim=-1)
+            att = self.attn_dropout(att)
+            y = att @ v
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, n_embd, dropout):
+        super().__init__()
+        self.c_fc = nn.Linear(n_embd, 4 * n_embd)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * n_embd, n_embd)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd, n_head, dropout, block_size, flash):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttention(n_embd, n_head, dropout, block_size, flash)
+        self.ln_2 = nn.LayerNorm(n_embd)
+        self.mlp = MLP(n_embd, dropout)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class NanoGPT(nn.Module):
+    def __init__(self, flash=True, dropout=0.0, layers=LAYERS, block_size=64):
+        super().__init__()
+        self.block_size = block_size
+        self.transformer = nn.ModuleDict({
+            "wte": nn.Embedding(VOCAB, HIDDEN), "wpe": nn.Embedding(block_size, HIDDEN), "drop": nn.Dropout(dropout),
+            "h": nn.ModuleList([Block(HIDDEN, HEADS, dropout, block_size, flash) for _ in range(layers)]),
+            "ln_f": nn.LayerNorm(HIDDEN)})
+        self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight
+
+    def forward(self, idx, targets=None):
+        t = idx.size(1)
+        assert t <= self.block_size, f"Cannot forward sequence of length {t}"
+        pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)
+        logits = self.lm_head(x)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+
+
+@_on_device
+def nanogpt(flash: bool = True, dropout: float = 0.0, layers: int = LAYERS):
+    model = NanoGPT(flash, dropout, layers)
+
+    def inputs(batch, seq):
+        ids = torch.randint(0, VOCAB, (batch, seq))
+        return {"idx": ids, "targets": ids}
+
+    return model, inputs, lambda m, kw: m(**kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# A block fx cannot trace and Dynamo must break on: data-dependent control flow and numpy.
+# ---------------------------------------------------------------------------------------------
+
+
+class QuirkyBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.fc = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        h = self.norm(x)
+        if h.sum() > 0:  # data-dependent branch
+            h = h * 2.0
+        scale = float(np.sqrt(x.detach().cpu().numpy().shape[-1]))  # numpy on the data
+        return x + F.gelu(self.fc(h)) / scale
+
+
+class Quirky(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([QuirkyBlock() for _ in range(LAYERS)])
+        self.head = nn.Linear(HIDDEN, 1)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+            if x.abs().max().item() > 1e6:  # more data-dependent control flow, outside the blocks
+                x = x / 2
+        return self.head(x)
+
+
+@_on_device
+def quirky():
+    model = Quirky()
+
+    def inputs(batch, seq):
+        return {"x": torch.randn(batch, seq, HIDDEN)}
+
+    return model, inputs, lambda m, kw: m(**kw).square().mean()

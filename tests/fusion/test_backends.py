@@ -1,0 +1,153 @@
+"""torch.compile(model, backend="trifuse") and backend="trifuse_inductor": the pattern library
+inside torch.compile. Outputs and gradients equal eager by the oracle rule; fullgraph and
+dynamic shapes work; graph breaks in user code are fine; the backends are found by entry point
+in a process that never imports trifuse."""
+import copy
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import _models
+import pytest
+import torch
+import trifuse
+from _device import ON_GPU
+from _fusing import FAMILY_OPS, has_op, trifuse_ops_run
+from tolerances import assert_close
+
+MODELS = {
+    "gpt2": lambda: _models.gpt2(layers=1),
+    "bert": lambda: _models.bert(layers=1),
+    "vit": lambda: _models.vit(layers=1),
+    "encoder": lambda: _models.transformer_encoder(norm_first=True, layers=1),
+}
+EXPECTED = {  # families each model's graph must show (those whose op this build has)
+    "gpt2": ("attention", "bias_gelu", "residual_stream"),
+    "bert": ("attention", "bias_gelu", "residual_stream"),
+    "vit": ("attention", "bias_gelu", "residual_stream"),
+    "encoder": ("attention", "bias_gelu", "residual_stream"),
+}
+
+
+def _double(kw):
+    return {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in kw.items()}
+
+
+@pytest.mark.parametrize("backend", ["trifuse", "trifuse_inductor"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_backend_matches_eager(name, backend):
+    torch.manual_seed(0)
+    model, inputs, loss_fn = MODELS[name]()
+    ref, ref64 = copy.deepcopy(model), copy.deepcopy(model).double()
+    compiled = torch.compile(model, backend=backend)
+    kw = inputs(2, 8)
+    names = trifuse_ops_run(lambda: loss_fn(compiled, kw).backward())
+    model.zero_grad()
+    loss, lowp, loss64 = loss_fn(compiled, kw), loss_fn(ref, kw), loss_fn(ref64, _double(kw))
+    for value in (loss, lowp, loss64):
+        value.backward()
+    assert_close("loss", loss, loss64, lowp)
+    for (pname, p), p64, pr in zip(model.named_parameters(), ref64.parameters(), ref.parameters()):
+        if p64.grad is not None:
+            assert_close(f"grad {pname}", p.grad, p64.grad, pr.grad)
+    counts = trifuse.report(compiled).counts()
+    for family in EXPECTED[name]:
+        if has_op(FAMILY_OPS[family]):
+            assert counts.get(family), f"{family} not replaced: {counts}"
+            assert any(n.startswith(f"trifuse::{FAMILY_OPS[family]}") for n in names), sorted(names)
+
+
+def _fullgraph_works(model, kw, backend):
+    try:
+        torch.compile(copy.deepcopy(model), backend=backend, fullgraph=True)(**kw)
+    except torch._dynamo.exc.Unsupported:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_fullgraph_introduces_no_graph_break(name):
+    torch.manual_seed(0)
+    model, inputs, _ = MODELS[name]()
+    kw = {k: v for k, v in inputs(2, 8).items() if k != "labels"}
+    if not _fullgraph_works(model, kw, "eager"):
+        pytest.skip("the model itself breaks the graph in this transformers version")
+    out = torch.compile(model, backend="trifuse", fullgraph=True)(**kw)
+    torch.testing.assert_close(out.logits, model(**kw).logits)
+    assert trifuse.report(model).counts().get("attention", 0) >= 1 or not has_op("attention")
+
+
+def test_dynamic_shapes_compile_once():
+    torch.manual_seed(0)
+    model, inputs, loss_fn = MODELS["gpt2"]()
+    compiled = torch.compile(model, backend="trifuse", dynamic=True)
+    for batch, seq in [(2, 8), (3, 5), (4, 11)]:
+        kw = inputs(batch, seq)
+        torch.testing.assert_close(loss_fn(compiled, kw), loss_fn(model, kw))
+    graphs = [c for c in trifuse.report(compiled).compiled if c.frame is not None]
+    assert len({c.frame for c in graphs}) == len(graphs), "a frame was recompiled for a new shape"
+
+
+def test_graph_breaks_in_user_code():
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _models.quirky()
+    kw = inputs(2, 8)
+    compiled = torch.compile(model, backend="trifuse")
+    torch.testing.assert_close(loss_fn(compiled, kw), loss_fn(model, kw))
+    report = trifuse.report(compiled)
+    assert len(report.compiled) >= 2 and report.counts().get("layer_norm")
+
+
+def test_compiling_a_fused_model_rewrites_the_whole_graph():
+    torch.manual_seed(0)
+    model, inputs, loss_fn = MODELS["vit"]()
+    ref = copy.deepcopy(model)
+    trifuse.fuse(model)
+    kw = inputs(2, 8)
+    torch.testing.assert_close(loss_fn(torch.compile(model, backend="trifuse"), kw), loss_fn(ref, kw))
+    assert trifuse.report(model).compiled  # the fused units stepped aside for the compiled graph
+
+
+@pytest.mark.gpu
+def test_reduce_overhead_replays_fresh_dropout_masks():
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _models.gpt2(dropout=0.1, layers=1)
+    model.cuda()
+    compiled = torch.compile(model, backend="trifuse_inductor", mode="reduce-overhead")
+    kw = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in inputs(2, 16).items()}
+    losses = [loss_fn(compiled, kw).item() for _ in range(4)]
+    assert len(set(losses)) > 1, "every replay must draw new dropout masks"
+
+
+ENTRY_POINT = """
+import sys, torch
+assert "trifuse" not in sys.modules
+names = torch._dynamo.list_backends()
+assert "trifuse" in names and "trifuse_inductor" in names, names
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.LayerNorm(8))
+x = torch.randn(4, 8)
+out = torch.compile(model, backend="trifuse")(x)
+torch.testing.assert_close(out, model(x))
+assert "trifuse" in sys.modules  # Dynamo imported it through the entry point
+print("ok")
+"""
+
+
+def test_entry_point_found_without_importing_trifuse():
+    """The torch_dynamo_backends entry point declared in setup.py, from a fresh process."""
+    package = Path(trifuse.__file__).resolve().parent
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "setup.py", "-q", "egg_info", "--egg-base", tmp], cwd=package,
+                       check=True, capture_output=True, timeout=120)
+        assert "torch_dynamo_backends" in (Path(tmp) / "trifuse.egg-info" / "entry_points.txt").read_text()
+        importable = Path(trifuse.__file__).parent.parent  # the folder holding the `trifuse` package
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([tmp, str(importable)])}
+        out = subprocess.run([sys.executable, "-c", ENTRY_POINT], env=env, capture_output=True, text=True,
+                             timeout=300, cwd=tmp, check=False)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+pytestmark = pytest.mark.skipif(not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="CPU runs use Triton's interpreter (tests/_device.py)")

@@ -1,0 +1,206 @@
+"""fuse() keeps a model working in every way it was used: generate with a KV cache, train/eval,
+new shapes without unbounded recaptures, autocast, data-dependent control flow and numpy,
+deep copies; it says what it could not fuse (the KV-cache trap, Dynamo fallbacks, missing
+ops); it runs on the PyTorch reference path too."""
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import _models
+import pytest
+import torch
+import trifuse
+from _fusing import available_counts, needs_ops
+from tolerances import assert_close
+from torch import nn
+
+
+def test_gpt2_generate_still_works_and_cache_calls_are_reported():
+    torch.manual_seed(0)
+    model, inputs, _ = _models.gpt2()
+    ref = copy.deepcopy(model)
+    trifuse.fuse(model)
+    model.eval()
+    ref.eval()
+    ids = inputs(2, 5)["input_ids"]
+    kwargs = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(model.generate(ids, **kwargs), ref.generate(ids, **kwargs))
+    unfused = trifuse.report(model).unfused_calls()
+    assert any("past_key_values is a DynamicCache" in reason for calls in unfused.values() for reason in calls)
+
+
+def test_kv_cache_in_training_does_not_recompile_per_layer():
+    # transformers builds a DynamicCache in training unless use_cache=False; capturing it would
+    # make Dynamo guard on each layer's cache entry and recompile per layer (DESIGN.md's trap).
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _models.gpt2(layers=4)
+    trifuse.fuse(model)
+    kw = inputs(2, 8)
+    kw.pop("use_cache")
+    loss_fn(model, kw).backward()
+    block = next(u for u in trifuse.report(model).units if u.unit.strategy == "dynamo")
+    assert block.unit.captures == [] and block.unit.eager_calls.total() == 4
+    kw["use_cache"] = False
+    loss_fn(model, kw).backward()
+    assert len(block.unit.captures) == 1 and block.unit.fallbacks == 0
+    assert trifuse.report(model).counts()["layer_norm"] == 5
+
+
+class PerLayer(nn.Module):
+    """A block whose forward reads a per-layer constant: Dynamo recompiles for each layer."""
+
+    def __init__(self, i):
+        super().__init__()
+        self.i = i
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x, *args):
+        return self.norm(x) * float(self.i + 1)
+
+
+def test_dynamo_fallback_is_detected_and_reported(monkeypatch):
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    model = nn.Sequential(*[PerLayer(i) for i in range(4)])
+    model = nn.ModuleDict({"layers": nn.ModuleList(model)})
+    trifuse.fuse(model)
+    x = torch.randn(2, 8)
+    for layer in model["layers"]:
+        x = layer(x)
+    unit = trifuse.report(model).units[0].unit
+    assert unit.fallbacks == 2 and len(unit.captures) == 2
+    assert "fell back to eager" in trifuse.report(model).table()
+
+
+def test_new_shapes_and_modes_recapture_a_bounded_number_of_times():
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _models.gpt2()
+    trifuse.fuse(model)
+    for batch, seq in [(2, 8), (3, 5), (2, 11), (4, 7), (3, 9), (2, 6)]:
+        loss_fn(model, inputs(batch, seq)).backward()
+    model.eval()
+    with torch.no_grad():
+        for batch, seq in [(2, 8), (3, 5), (2, 11)]:
+            model(inputs(batch, seq)["input_ids"], use_cache=False)
+    model.train()
+    loss_fn(model, inputs(2, 7)).backward()
+    report = trifuse.report(model)
+    block = next(u for u in report.units if u.unit.strategy == "dynamo")
+    assert len(block.unit.captures) <= 4  # train: static then symbolic shapes; eval: the same
+    assert not report.unfused_calls()
+    assert report.counts()["residual_stream"] == _models.LAYERS
+
+
+def test_autocast():
+    # bf16 on a GPU; fp16 on CPU (bf16 arithmetic is wrong in Triton's interpreter)
+    dtype = torch.bfloat16 if _models.DEVICE == "cuda" else torch.float16
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _models.gpt2()
+    ref, ref64 = copy.deepcopy(model), copy.deepcopy(model).double()
+    trifuse.fuse(model)
+    kw = inputs(2, 8)
+    with torch.autocast(_models.DEVICE, dtype=dtype):
+        fused, lowp = loss_fn(model, kw), loss_fn(ref, kw)
+    assert fused.dtype == lowp.dtype
+    assert_close("autocast loss", fused, loss_fn(ref64, kw), lowp)
+    assert f"autocast {_models.DEVICE} {str(dtype).replace('torch.', '')}" in trifuse.report(model).table()
+
+
+def test_data_dependent_control_flow_and_numpy_are_left_working():
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _models.quirky()
+    ref = copy.deepcopy(model)
+    trifuse.fuse(model)
+    kw = inputs(2, 8)
+    torch.testing.assert_close(loss_fn(model, kw), loss_fn(ref, kw))
+    report = trifuse.report(model)
+    assert report.counts() == available_counts({"layer_norm": 2, "bias_gelu": 2})
+    assert any("fx cannot trace" in n.reason for n in report.notes)
+
+
+def test_deepcopy_of_a_fused_model_runs_its_own_weights():
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _models.nanogpt()
+    trifuse.fuse(model)
+    kw = inputs(2, 8)
+    loss_fn(model, kw)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(0.5)
+    assert not torch.allclose(loss_fn(twin, kw), loss_fn(model, kw))
+    assert trifuse.report(twin).counts() == trifuse.report(model).counts()
+
+
+def test_model_to_another_dtype_after_fuse():
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _models.nanogpt()
+    ref = copy.deepcopy(model).double()
+    trifuse.fuse(model)
+    model.double()  # parameters change dtype in place: the fused code reads them live
+    kw = inputs(2, 8)
+    torch.testing.assert_close(loss_fn(model, kw), loss_fn(ref, kw))
+    assert trifuse.report(model).counts()["residual_stream"] >= _models.LAYERS
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        trifuse.fuse(lambda x: x)
+    model, *_ = _models.nanogpt()
+    trifuse.fuse(model)
+    with pytest.raises(ValueError, match="already fused"):
+        trifuse.fuse(model)
+    assert "not fused" in trifuse.report(nn.Linear(2, 2)).table()
+
+
+@needs_ops("bias_gelu")
+def test_missing_op_is_reported_as_skipped(monkeypatch):
+    monkeypatch.delattr(trifuse.ops, "bias_gelu")
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _models.gpt2()
+    trifuse.fuse(model)
+    loss_fn(model, inputs(2, 8)).backward()
+    report = trifuse.report(model)
+    assert "bias_gelu" not in report.counts() and report.counts()["layer_norm"] == _models.LAYERS + 1
+    assert "op not available: trifuse.ops.bias_gelu" in report.table()
+
+
+def test_verbose_prints_the_table(capsys):
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _models.vit()
+    trifuse.fuse(model, verbose=True)
+    loss_fn(model, inputs(2, 8))
+    out = capsys.readouterr().out
+    assert "trifuse.fuse (all families)" in out and "replaced" in out and "residual_stream" in out
+
+
+REFERENCE_PATH = """
+import copy, sys, torch
+sys.path.insert(0, {tests!r})
+import _models, trifuse
+from trifuse.kernels._common import use_triton
+assert not use_triton(torch.zeros(1))
+torch.manual_seed(0)
+model, inputs, loss_fn = _models.gpt2()
+ref = copy.deepcopy(model)
+trifuse.fuse(model)
+kw = inputs(2, 8)
+a, b = loss_fn(model, kw), loss_fn(ref, kw)
+a.backward(); b.backward()
+torch.testing.assert_close(a, b)
+for p, q in zip(model.parameters(), ref.parameters()):
+    torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+assert trifuse.report(model).counts()["residual_stream"] == _models.LAYERS
+print("ok")
+"""
+
+
+def test_reference_path_without_the_interpreter():
+    """CPU tensors without TRITON_INTERPRET take trifuse's PyTorch path: fused models still run."""
+    tests = str(Path(__file__).resolve().parents[1])
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # CPU tensors, also on a GPU machine
+    out = subprocess.run([sys.executable, "-c", REFERENCE_PATH.format(tests=tests)], env=env,
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

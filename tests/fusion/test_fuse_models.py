@@ -1,0 +1,137 @@
+"""fuse() on real models nobody here wrote (Hugging Face GPT-2, BERT, ViT, Llama from tiny
+configs; torch.nn.TransformerEncoder post-norm and pre-norm) and on nanoGPT as written: every
+block fused, the trifuse ops run, outputs and gradients equal the unfused model by the oracle
+rule, the model keeps its class, Parameter objects and state_dict."""
+import copy
+
+import _models
+import pytest
+import torch
+import trifuse
+from _fusing import available_counts, has_op, trifuse_ops_run
+from tolerances import assert_close
+
+L = _models.LAYERS
+PRE_NORM = {"layer_norm": L + 1, "attention": L, "bias_gelu": L, "residual_stream": L, "dropout_add": L}
+LOSS = {"cross_entropy": 1}
+# nanoGPT calls its blocks from the forward that computes the loss: the head capture (installed
+# when the cross-entropy ops exist) traces the whole model, and the residual stream fuses across
+# blocks (each ln_1 and ln_f take the add before them). Without it, its blocks fuse one by one.
+NANOGPT = ({"layer_norm": 1, "attention": L, "bias_gelu": L, "residual_stream": 2 * L, **LOSS}
+           if has_op("cross_entropy") else PRE_NORM)
+# In eval without grad, nn.TransformerEncoderLayer runs PyTorch's own fused fast path
+# (torch._transformer_encoder_layer_fwd): nothing is left to fuse there.
+EVAL_FAST_PATH = ("encoder-post-norm", "encoder-pre-norm")
+MODELS = {
+    # name: (builder, counts in every forward)
+    "gpt2": (_models.gpt2, {**PRE_NORM, **LOSS}),
+    "bert": (_models.bert, {"layer_norm": 2, "attention": L, "bias_gelu": L + 1, "residual_stream": 2 * L, **LOSS}),
+    "vit": (_models.vit, {**PRE_NORM, **LOSS}),
+    "llama": (_models.llama, {"rms_norm": L + 1, "attention": L, "residual_stream": L, **LOSS}),
+    "encoder-post-norm": (lambda: _models.transformer_encoder(False),
+                          {"attention": L, "bias_gelu": L, "residual_stream": 2 * L}),
+    "encoder-pre-norm": (lambda: _models.transformer_encoder(True),
+                         {"layer_norm": L, "attention": L, "bias_gelu": L, "residual_stream": L, "dropout_add": L}),
+    "nanogpt": (_models.nanogpt, NANOGPT),
+    "nanogpt-explicit-attention": (lambda: _models.nanogpt(flash=False), NANOGPT),
+}
+OPS = {"layer_norm": ("trifuse::layer_norm",), "rms_norm": ("trifuse::rms_norm",),
+       "attention": ("trifuse::attention",), "bias_gelu": ("trifuse::bias_gelu",),
+       "dropout_add": ("trifuse::dropout_add",),
+       "residual_stream": ("trifuse::dropout_add_layer_norm", "trifuse::dropout_add_rms_norm"),
+       "cross_entropy": ("trifuse::cross_entropy", "trifuse::linear_cross_entropy")}
+
+
+def _double_inputs(kw):
+    return {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in kw.items()}
+
+
+def _first_output(out):
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_fused_model_matches_and_runs_trifuse_ops(name):
+    build, counts = MODELS[name]
+    counts = available_counts(counts)
+    eval_counts = {} if name in EVAL_FAST_PATH else {k: v for k, v in counts.items() if k != "cross_entropy"}
+    torch.manual_seed(0)
+    model, inputs, loss_fn = build()
+    ref, ref64 = copy.deepcopy(model), copy.deepcopy(model).double()
+    params_before = [id(p) for p in model.parameters()]
+    keys_before = list(model.state_dict())
+    cls = type(model)
+    assert trifuse.fuse(model) is model
+    kw = inputs(2, 8)
+
+    # a training step with dropout 0: the loss and every gradient by the oracle rule
+    for m in (model, ref, ref64):
+        m.train()
+    names = trifuse_ops_run(lambda: loss_fn(model, kw).backward())
+    model.zero_grad()
+    fused_loss, loss, loss64 = loss_fn(model, kw), loss_fn(ref, kw), loss_fn(ref64, _double_inputs(kw))
+    for value in (fused_loss, loss, loss64):
+        value.backward()
+    assert_close("loss", fused_loss, loss64, loss)
+    for (pname, p), p64, pr in zip(model.named_parameters(), ref64.parameters(), ref.parameters()):
+        if p64.grad is not None:
+            assert_close(f"grad {pname}", p.grad, p64.grad, pr.grad)
+    assert trifuse.report(model).counts() == counts
+    for family in counts:
+        assert set(OPS[family]) & names, f"{family}: trifuse ops that ran: {sorted(names)}"
+
+    # eval outputs
+    for m in (model, ref, ref64):
+        m.eval()
+    with torch.no_grad():
+        kw_eval = {k: v for k, v in kw.items() if k not in ("labels", "targets")}
+        out = _first_output(model(**kw_eval))
+        assert_close("eval output", out, _first_output(ref64(**_double_inputs(kw_eval))),
+                     _first_output(ref(**kw_eval)))
+    assert trifuse.report(model).counts() == eval_counts
+
+    # still the same model
+    assert type(model) is cls
+    assert [id(p) for p in model.parameters()] == params_before
+    assert list(model.state_dict()) == keys_before
+    fresh, *_ = build()
+    fresh.load_state_dict(model.state_dict())
+    assert not trifuse.report(model).unfused_calls()
+
+
+def test_optimizer_made_before_fuse_trains_the_fused_model():
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _models.gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    trifuse.fuse(model)
+    kw = inputs(2, 8)
+    before = loss_fn(model, kw).item()
+    for _ in range(3):
+        loss_fn(model, kw).backward()
+        opt.step()
+        opt.zero_grad()
+    assert loss_fn(model, kw).item() < before
+
+
+def test_training_with_dropout_tracks_the_unfused_model():
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _models.gpt2(dropout=0.1)
+    ref = copy.deepcopy(model)
+    trifuse.fuse(model)
+    batches = [inputs(4, 16) for _ in range(6)]
+    losses = {}
+    for name, m in (("fused", model), ("unfused", ref)):
+        torch.manual_seed(1)
+        opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
+        losses[name] = []
+        for kw in batches:
+            loss = loss_fn(m, kw)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[name].append(loss.item())
+    fused, unfused = torch.tensor(losses["fused"]), torch.tensor(losses["unfused"])
+    assert fused[-1] < fused[0] and unfused[-1] < unfused[0]
+    # different dropout masks from the same distribution: the curves agree within dropout's noise
+    assert (fused - unfused).abs().max() < 0.05 * unfused.mean(), losses
+    assert trifuse.report(model).counts() == available_counts({**PRE_NORM, **LOSS})

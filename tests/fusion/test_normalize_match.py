@@ -1,0 +1,138 @@
+"""The canonical form (normalize.py) and the dataflow matcher (match.py) on small graphs."""
+import operator
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+from trifuse.fusion import rewrite
+from trifuse.fusion.match import compile_pattern, matches, trace_function
+from trifuse.fusion.normalize import canonicalize
+from trifuse.patterns import bias_gelu, dropout_add, layer_norm
+from trifuse.patterns._base import Pattern
+
+
+def _calls(gm):
+    return [(n.op, n.target, n.args[1:], dict(n.kwargs)) for n in gm.graph.nodes if n.op.startswith("call")]
+
+
+def test_modules_become_functions_with_defaults_spelled_out():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.act, self.ln, self.drop = nn.Linear(4, 4), nn.GELU(), nn.LayerNorm(4), nn.Dropout(0.25)
+
+        def forward(self, x):
+            return self.drop(self.ln(self.act(self.fc(x)))).tanh()
+
+    m = M()
+    gm = canonicalize(fx.symbolic_trace(m), m)
+    targets = [t for _, t, _, _ in _calls(gm)]
+    assert targets == [F.linear, F.gelu, F.layer_norm, F.dropout, torch.tanh]
+    gelu = next(c for c in _calls(gm) if c[1] is F.gelu)
+    assert gelu[3] == {"approximate": "none"}
+    dropout = next(c for c in _calls(gm) if c[1] is F.dropout)
+    assert dropout[2] == (0.25, True, False)  # p, the module's training flag, inplace
+    x = torch.randn(2, 4)
+    m.eval()
+    torch.testing.assert_close(canonicalize(fx.symbolic_trace(m), m)(x), m(x))
+
+
+def test_a_module_with_hooks_stays_a_module_call():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln = nn.LayerNorm(4)
+
+        def forward(self, x):
+            return self.ln(x)
+
+    m = M()
+    m.ln.register_forward_hook(lambda mod, inp, out: out * 2)
+    gm = canonicalize(fx.symbolic_trace(m), m)
+    assert any(n.op == "call_module" for n in gm.graph.nodes)
+
+
+def test_spellings_of_one_call_become_one_form():
+    def a(x, y):
+        return torch.add(x, y).pow(2).softmax(-1)
+
+    def b(x, y):
+        return torch.softmax(torch.pow(x + y, 2), -1, None)
+
+    def c(x, y):
+        return F.softmax(operator.pow(y.add(x), 2), dim=-1)
+
+    forms = []
+    for fn in (a, b, c):
+        g = trace_function(fn)
+        forms.append([(n.target, len(n.args)) for n in g.nodes if n.op == "call_function"])
+    assert forms[0] == forms[1] == forms[2]
+
+
+def test_view_arguments_and_transposes_are_canonical():
+    g1 = trace_function(lambda x: x.view(2, -1).transpose(-1, -2))
+    g2 = trace_function(lambda x: x.view((2, -1)).transpose(-2, -1))
+    assert [n.args[1:] for n in g1.nodes if n.op == "call_method"] == \
+        [n.args[1:] for n in g2.nodes if n.op == "call_method"]
+
+
+def test_match_is_by_dataflow_not_order_and_either_way_round():
+    cp = compile_pattern(next(p for p in dropout_add.PATTERNS if p.name == "dropout_add"))
+
+    def model(x, r, other):
+        unrelated = other * 3  # statements in between, and the add written the other way round
+        d = F.dropout(x, 0.1, True, False)
+        z = unrelated.sin()
+        return d + r, z
+
+    graph = trace_function(model)
+    add = next(n for n in graph.nodes if n.target is operator.add)
+    found = list(matches(cp, add))
+    assert len(found) == 1
+    assert found[0]["residual"].name == "r" and found[0]["p"] == 0.1 and found[0]["training"] is True
+
+
+def test_a_placeholder_matches_the_same_value_everywhere():
+    cp = compile_pattern(next(p for p in bias_gelu.PATTERNS if p.name == "gelu_tanh_written_out"))
+
+    def almost(x, y):  # the cube of another tensor: not GeLU
+        return 0.5 * x * (1.0 + torch.tanh(0.7978845608028654 * (x + 0.044715 * torch.pow(y, 3.0))))
+
+    graph = trace_function(almost)
+    assert not any(list(matches(cp, n)) for n in graph.nodes)
+
+
+def test_a_tensor_parameter_does_not_match_a_constant():
+    cp = compile_pattern(next(p for p in dropout_add.PATTERNS if p.name == "dropout_add"))
+    graph = trace_function(lambda x: F.dropout(x, 0.1, True, False) + 1.0)
+    assert not any(list(matches(cp, n)) for n in graph.nodes)
+
+
+def test_rewrite_of_a_traced_graph_module():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln = nn.LayerNorm(8)
+
+        def forward(self, x):
+            return self.ln(x) + 1
+
+    m = M()
+    gm = canonicalize(fx.symbolic_trace(m), m)
+    log = rewrite(gm, layer_norm.PATTERNS)
+    assert log.counts == {"layer_norm": 1} and log.by_pattern == {"layer_norm": 1}
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(gm(x), m(x))
+
+
+def test_a_bad_pattern_is_refused():
+    def two_sinks(x):
+        return x.sin(), x.cos()
+
+    bad = Pattern("two_sinks", "layer_norm", two_sinks, two_sinks, ())
+    try:
+        compile_pattern(bad)
+    except ValueError as e:
+        assert "one output" in str(e)
+    else:
+        raise AssertionError("a pattern with two unrelated outputs must be refused")

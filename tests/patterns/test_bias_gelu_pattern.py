@@ -1,0 +1,117 @@
+"""Bias + GeLU: every GeLU spelling after a biased linear (nn.Linear, F.linear, HF Conv1D) moves
+the bias into trifuse.bias_gelu; exact stays exact, tanh stays tanh."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _fusing import check_against_unfused, fuse_via, needs_ops, trifuse_ops_run
+from torch import nn
+
+pytestmark = needs_ops("bias_gelu")
+N = 16
+X = (torch.randn(2, 5, N),)
+CAPTURES = ["fx", "dynamo"]
+
+
+def new_gelu(x):  # transformers' NewGELUActivation
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+def fast_gelu(x):  # transformers' FastGELUActivation
+    return 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x)))
+
+
+def erf_gelu(x):
+    return x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))
+
+
+def quick_gelu(x):  # an approximation with other maths: must not become GeLU
+    return x * torch.sigmoid(1.702 * x)
+
+
+def wrong_constant_gelu(x):
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.04 * torch.pow(x, 3.0))))
+
+
+class Act(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+class LinearAct(nn.Module):
+    def __init__(self, act, bias=True, conv1d=False):
+        super().__init__()
+        if conv1d:
+            from transformers.pytorch_utils import Conv1D
+
+            self.fc = Conv1D(2 * N, N)
+            nn.init.normal_(self.fc.bias)
+        else:
+            self.fc = nn.Linear(N, 2 * N, bias=bias)
+        self.act = act
+
+    def forward(self, x):
+        return self.act(self.fc(x))
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("make, pattern", [
+    (lambda: LinearAct(nn.GELU()), "linear_gelu"),
+    (lambda: LinearAct(nn.GELU(approximate="tanh")), "linear_gelu"),
+    (lambda: LinearAct(Act(lambda x: F.gelu(x, approximate="tanh"))), "linear_gelu"),
+    (lambda: LinearAct(Act(new_gelu), conv1d=True), "conv1d_bias_gelu"),
+    (lambda: LinearAct(Act(new_gelu)), "linear_bias_gelu"),
+    (lambda: LinearAct(Act(fast_gelu)), "linear_bias_gelu"),
+    (lambda: LinearAct(Act(erf_gelu)), "linear_bias_gelu"),
+    (lambda: LinearAct(nn.GELU(), conv1d=True), "conv1d_gelu"),
+], ids=["nn.GELU", "nn.GELU-tanh", "F.gelu-tanh", "conv1d-new-gelu", "new-gelu", "fast-gelu", "erf-written-out",
+        "conv1d-nn.GELU"])
+def test_spelling_fuses_and_matches(make, pattern, capture):
+    # The oracle would catch exact <-> tanh: they differ by ~1e-3, far above fp32's bound.
+    assert check_against_unfused(make, X, capture).by_pattern() == {pattern: 1}
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_written_out_gelu_without_linear_still_becomes_one_op(capture):
+    assert check_against_unfused(lambda: Act(new_gelu), X, capture).by_pattern() == {"gelu_tanh_written_out": 1}
+
+
+def test_trifuse_op_runs():
+    model = fuse_via(LinearAct(nn.GELU()), "dynamo")
+    x = X[0].clone().requires_grad_()
+    names = trifuse_ops_run(lambda: model(x).sum().backward())
+    assert "trifuse::bias_gelu" in names
+
+
+# ---------------------------------------------------------------------------------------------
+# Negatives
+# ---------------------------------------------------------------------------------------------
+
+
+class LinearOutputReused(LinearAct):
+    def forward(self, x):
+        h = self.fc(x)
+        return self.act(h) + h
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("make", [
+    lambda: LinearAct(nn.GELU(), bias=False),
+    lambda: LinearAct(Act(quick_gelu)),
+    lambda: LinearAct(Act(wrong_constant_gelu)),
+    lambda: LinearAct(nn.ReLU()),
+], ids=["no-bias", "quick-gelu", "wrong-constant", "relu"])
+def test_not_gelu_after_a_biased_linear_is_left(make, capture):
+    assert check_against_unfused(make, X, capture).by_pattern() == {}
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_linear_output_used_elsewhere_is_rejected_with_a_reason(capture):
+    report = check_against_unfused(lambda: LinearOutputReused(nn.GELU()), X, capture)
+    assert report.by_pattern() == {}
+    assert any("outside the pattern" in reason for *_, reason in report.rejected())

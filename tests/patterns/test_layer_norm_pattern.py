@@ -1,0 +1,160 @@
+"""LayerNorm / RMSNorm spellings become one trifuse norm, through fx and through Dynamo; the
+fused model equals the unfused one by the oracle rule; near misses stay as written."""
+import pytest
+import torch
+import torch.nn.functional as F
+import trifuse
+from _fusing import check_against_unfused
+from torch import nn
+
+N = 24
+X = (torch.randn(3, 5, N),)
+CAPTURES = ["fx", "dynamo"]
+
+
+class ModuleLayerNorm(nn.Module):
+    def __init__(self, affine=True):
+        super().__init__()
+        self.ln = nn.LayerNorm(N, eps=1e-6, elementwise_affine=affine)
+
+    def forward(self, x):
+        return self.ln(x) * 2.0
+
+
+class FunctionalLayerNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w, self.b = nn.Parameter(torch.randn(N)), nn.Parameter(torch.randn(N))
+
+    def forward(self, x):
+        return F.layer_norm(x, (N,), weight=self.w, bias=self.b, eps=1e-4)
+
+
+class TorchLayerNorm(FunctionalLayerNorm):
+    def forward(self, x):
+        return torch.layer_norm(x, [N], self.w, self.b, 1e-5)
+
+
+class ModuleRMSNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.RMSNorm(N, eps=1e-6)
+
+    def forward(self, x):
+        return self.norm(x)
+
+
+class HFRMSNorm(nn.Module):
+    """transformers' LlamaRMSNorm, verbatim."""
+
+    def __init__(self, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(N) + 0.1 * torch.randn(N))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class HandRMSNorm(nn.Module):
+    def __init__(self, dim=-1):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(N))
+        self.dim = dim
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(self.dim, keepdim=True) + 1e-5) * self.weight
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("make, pattern", [
+    (ModuleLayerNorm, "layer_norm"),
+    (lambda: ModuleLayerNorm(affine=False), "layer_norm"),
+    (FunctionalLayerNorm, "layer_norm"),
+    (TorchLayerNorm, "layer_norm"),
+    (ModuleRMSNorm, "rms_norm"),
+    (HFRMSNorm, "rms_norm_upcast"),
+    (HandRMSNorm, "rms_norm_written_out"),
+], ids=["nn.LayerNorm", "nn.LayerNorm-no-affine", "F.layer_norm-kwargs", "torch.layer_norm", "nn.RMSNorm",
+        "hf-rmsnorm", "written-out-rmsnorm"])
+def test_spelling_fuses_and_matches(make, pattern, capture):
+    report = check_against_unfused(make, X, capture)
+    assert report.by_pattern() == {pattern: 1}
+
+
+def test_trifuse_op_runs():
+    from _fusing import fuse_via, trifuse_ops_run
+
+    model = fuse_via(HFRMSNorm(), "dynamo")
+    x = X[0].clone().requires_grad_()
+    names = trifuse_ops_run(lambda: model(x).sum().backward())
+    assert "trifuse::rms_norm" in names
+    assert any(n.endswith("_backward") for n in names), names
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_hf_rmsnorm_mixed_dtypes_keeps_the_weight_apart(capture):
+    # fp16 activations, fp32 weight: HF rounds the normalized value to fp16, then multiplies by the
+    # fp32 weight, returning fp32. The fused model does the same (weight kept apart).
+    x = (torch.randn(3, 5, N).half(),)
+    report = check_against_unfused(HFRMSNorm, x, capture, grads=False)
+    assert report.by_pattern() == {"rms_norm_upcast_weight_apart": 1}
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_eps_is_kept(capture):
+    # A large eps changes the result visibly: fusing with any other eps would fail the oracle.
+    report = check_against_unfused(lambda: HFRMSNorm(eps=0.5), X, capture)
+    assert report.by_pattern() == {"rms_norm_upcast": 1}
+
+
+# ---------------------------------------------------------------------------------------------
+# Negatives: near misses stay as they are, and the model still matches.
+# ---------------------------------------------------------------------------------------------
+
+
+class EpsTensorRMSNorm(HFRMSNorm):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("eps", torch.tensor(1e-6))
+
+    def forward(self, hidden_states):
+        h = hidden_states.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(hidden_states.dtype)
+
+
+class CubicNorm(HandRMSNorm):
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(3).abs().mean(-1, keepdim=True) + 1e-5) * self.weight
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_rmsnorm_over_another_dim_is_not_fused(capture):
+    report = check_against_unfused(lambda: HandRMSNorm(dim=1), X, capture)
+    assert report.by_pattern() == {}
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_eps_from_a_tensor_is_rejected_with_a_reason(capture):
+    report = check_against_unfused(EpsTensorRMSNorm, X, capture)
+    assert report.by_pattern() == {}
+    assert any("eps" in reason and "not a number" in reason for *_, reason in report.rejected())
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_other_powers_are_not_rmsnorm(capture):
+    assert check_against_unfused(CubicNorm, X, capture).by_pattern() == {}
+
+
+def test_ops_selection_leaves_other_families():
+    report = check_against_unfused(ModuleLayerNorm, X, "fx", ops=["rms_norm"])
+    assert report.by_pattern() == {}
+    report = check_against_unfused(ModuleRMSNorm, X, "fx", ops=["rms_norm"])
+    assert report.by_pattern() == {"rms_norm": 1}
+    with pytest.raises(ValueError, match="families"):
+        trifuse.fuse(ModuleLayerNorm(), ops=["layernorm"])
