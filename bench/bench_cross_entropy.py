@@ -91,6 +91,12 @@ def head_providers() -> dict:
     out = {"trifuse": trifuse_head, "hf eager": hf_head}
     if H.on_gpu():
         out["hf torch.compile"] = H.compiled(hf_head)
+        liger = H.try_import("liger_kernel.transformers.functional")
+        if liger is not None:
+            def liger_head(h, w, y):
+                with _autocast():
+                    return liger.liger_fused_linear_cross_entropy(h, w, y, ignore_index=-100)
+            out["liger"] = liger_head
     return out
 
 
@@ -98,6 +104,10 @@ def ce_providers() -> dict:
     out = {"trifuse": trifuse_ce, "hf eager": hf_ce, "torch bf16 eager": torch_ce}
     if H.on_gpu():
         out["hf torch.compile"] = H.compiled(hf_ce)
+        liger = H.try_import("liger_kernel.transformers.functional")
+        if liger is not None:
+            # Last: Liger writes the gradient into the logits during its forward.
+            out["liger"] = lambda logits, y: liger.liger_cross_entropy(logits, y, ignore_index=-100)
     return out
 
 

@@ -115,9 +115,8 @@ def test_without_residual_or_x_bias(dtype, norm, residual, x_bias):
 @pytest.mark.parametrize("norm", NORMS)
 def test_wide_rows_use_the_chunked_paths(norm):
     shape = (2, 17000)
-    assert shape[-1] > ln_mod.MAX_SINGLE_BLOCK_FWD > ln_mod.MAX_SINGLE_BLOCK_BWD
+    assert shape[-1] > max(ln_mod.MAX_SINGLE_BLOCK_FWD, ln_mod.MAX_SINGLE_BLOCK_BWD)
     check_fwd_bwd(make(shape, torch.float32, norm), norm)
-    check_fwd_bwd(make((2, 9000), torch.float32, norm), norm)  # chunked backward only
 
 
 def test_strided_inputs():

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-# The helpers beside this file (_world, _models) import by name; pytest's importlib mode does not
+# The helpers beside this file (_world, _tp_models) import by name; pytest's importlib mode does not
 # put test folders on sys.path, and the worker processes find them the same way (_world.py).
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 
-from _models import batch, build
+from _tp_models import batch, build
 from tolerances import check_close
 
 

@@ -24,7 +24,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from _models import batch, build
+from _tp_models import batch, build
 
 _NAMES = {
     "all_reduce": "all-reduce",
@@ -87,7 +87,7 @@ def count_step(rank, size, sp, b, s):
 @pytest.mark.parametrize("b, s", [(2, 8), (3, 16)])
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
 def test_counted_bytes_match_formula(world, sp, b, s):
-    layers, h, elem = 2, 32, 4  # _models.build("gpt2"): 2 layers, 4 heads of 8, float32
+    layers, h, elem = 2, 32, 4  # _tp_models.build("gpt2"): 2 layers, 4 heads of 8, float32
     expected = expected_collectives(layers, b, s, h, elem, sp)
     for counts in world.run(count_step, sp, b, s):
         assert counts == expected

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 
-from _models import batch, build, compare_full
+from _tp_models import batch, build, compare_full
 from _world import World
 
 

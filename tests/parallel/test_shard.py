@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel as TorchColwise
 from torch.distributed.tensor.parallel import RowwiseParallel as TorchRowwise
 
-from _models import batch, build, compare_full
+from _tp_models import batch, build, compare_full
 from tolerances import check_close
 
 # ---------------------------------------------------------------------------------------------
