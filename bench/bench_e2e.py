@@ -79,6 +79,8 @@ def run_one(name: str, provider: str, spec, steps: int, device: str) -> dict:
         trifuse.fuse(model)
     elif provider == "torch.compile":
         model = torch.compile(model)
+    elif provider.startswith("compile(backend="):
+        model = torch.compile(model, backend=provider[len("compile(backend="):-1])
     setup_call = time.perf_counter() - t_setup
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     data = make_batch(kind, model, batch, seq, device)
@@ -102,26 +104,19 @@ def run_one(name: str, provider: str, spec, steps: int, device: str) -> dict:
 
 
 def _fused_summary(model) -> str:
-    report = getattr(trifuse, "report", None)
-    if report is None:
-        return ""
-    rep = report(model)
-    counts = getattr(rep, "counts", None)
-    if callable(counts):
-        counts = counts()
-    return str(counts) if counts is not None else str(rep)[:200]
+    rep = trifuse.report(model)
+    return ", ".join(f"{k} {v}" for k, v in rep.by_pattern().items())
 
 
 def providers(compile_: bool) -> list[str]:
-    out = ["eager-sdpa"]
-    if hasattr(trifuse, "fuse"):
-        out.append("trifuse.fuse")
+    out = ["eager-sdpa", "trifuse.fuse"]
     if compile_:
-        out.append("torch.compile")
+        out += ["torch.compile", "compile(backend=trifuse)", "compile(backend=trifuse_inductor)"]
     return out
 
 
-COLUMNS = ("model", "provider", "batch x seq", "step ms", "tokens/s", "x vs eager-sdpa", "peak GiB", "set-up s", "fused")
+COLUMNS = ("model", "provider", "batch x seq", "step ms", "tokens/s", "x vs eager-sdpa", "x vs torch.compile", "peak GiB",
+           "set-up s", "fused")
 
 
 def main() -> None:
@@ -141,9 +136,12 @@ def main() -> None:
             point.append(row)
             torch.cuda.empty_cache()
         eager = next((r for r in point if r["provider"] == "eager-sdpa" and "tokens/s" in r), None)
+        compiled = next((r for r in point if r["provider"] == "torch.compile" and "tokens/s" in r), None)
         for r in point:
             if eager and "tokens/s" in r:
                 r["x vs eager-sdpa"] = r["tokens/s"] / eager["tokens/s"]
+            if compiled and "tokens/s" in r:
+                r["x vs torch.compile"] = r["tokens/s"] / compiled["tokens/s"]
         rows += point
     H.print_table(rows, COLUMNS)
     H.write_results("e2e", rows, COLUMNS)
@@ -153,8 +151,6 @@ def main() -> None:
 @pytest.mark.parametrize("name", list(TINY))
 @pytest.mark.parametrize("provider", ["eager-sdpa", "trifuse.fuse"])
 def test_e2e_smoke(name, provider):
-    if provider == "trifuse.fuse" and not hasattr(trifuse, "fuse"):
-        pytest.skip("trifuse.fuse is not in this build")
     device = "cuda" if H.on_gpu() else "cpu"
     row = run_one(name, provider, TINY[name], 1, device)
     assert row["tokens/s"] > 0
