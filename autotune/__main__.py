@@ -184,18 +184,21 @@ def _rebuild(spec):
 
 @contextlib.contextmanager
 def capture_shapes(model: torch.nn.Module, found: dict):
-    """Forward hooks on every module some dialect captures; fills found[(op, key)] = arg specs."""
+    """Forward hooks on every module some dialect captures; fills found[(op, arg specs)].
+
+    The specs (shapes, dtypes, devices), not the dialect keys: a fused model calls its modules
+    only while `fuse` captures it, on fake tensors, which no dialect keys (they are traced).
+    """
     handles = []
     for module in model.modules():
         for dialect in dialects.all_dialects():
             for module_type, to_args in dialect.captures:
                 if isinstance(module, module_type):
                     def hook(mod, inputs, output, dialect=dialect, to_args=to_args):
-                        args = to_args(mod, *inputs)
-                        key = dialect.key(*args)
-                        if key is not None:
-                            specs = tuple(_describe(a) for a in args)
-                            found.setdefault((dialect.name, key), (dialect, specs))
+                        specs = tuple(_describe(a) for a in to_args(mod, *inputs))
+                        if any(not isinstance(d, int) for s in specs if s[0] == "tensor" for d in s[1]):
+                            return  # symbolic shapes (a dynamic capture): no concrete size to tune
+                        found.setdefault((dialect.name, specs), (dialect, specs))
                     handles.append(module.register_forward_hook(hook))
     try:
         yield
@@ -207,8 +210,13 @@ def capture_shapes(model: torch.nn.Module, found: dict):
 def replay(found: dict) -> None:
     """Calls each dialect once per distinct key on fresh tensors of the recorded shapes,
     forward and backward, so its choice is made (and cached) for those shapes."""
+    seen = set()
     for dialect, specs in found.values():
         args = tuple(_rebuild(s) for s in specs)
+        key = dialect.key(*args)
+        if key is None or (dialect.name, key) in seen:
+            continue
+        seen.add((dialect.name, key))
         with torch.enable_grad():
             out = dialect(*args)
         outs = [o for o in (out if isinstance(out, tuple) else (out,))

@@ -124,6 +124,7 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="also time torch.compile (minutes of compile)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--suffix", default="", help="results file e2e-SUFFIX (to keep runs apart)")
     args = ap.parse_args()
     rows = []
     for name in args.models.split(","):
@@ -144,7 +145,7 @@ def main() -> None:
                 r["x vs torch.compile"] = r["tokens/s"] / compiled["tokens/s"]
         rows += point
     H.print_table(rows, COLUMNS)
-    H.write_results("e2e", rows, COLUMNS)
+    H.write_results("e2e", rows, COLUMNS, suffix=args.suffix)
 
 
 @pytest.mark.skipif(transformers is None, reason="needs transformers")

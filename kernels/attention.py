@@ -607,6 +607,13 @@ def _bucket(n: int) -> int:
     return min(next_power_of_2(n), 16384)
 
 
+def _use_kernels(q: torch.Tensor) -> bool:
+    """Triton on CUDA and in the interpreter, except fp64 on a real GPU: Triton's fp64 MMA
+    has no large-K form ("fp64 don't support largeK MMA" on Hopper), and fp64 is a gradcheck
+    dtype, not a training one; the fp64 kernel path is exercised in the interpreter."""
+    return use_triton(q) and not (q.dtype == torch.float64 and q.is_cuda)
+
+
 def _dot_precision(dtype: torch.dtype) -> str | None:
     """IEEE for fp32/fp64 (fp32 really is fp32, no TF32); the default for 16-bit operands."""
     return "ieee" if dtype in (torch.float32, torch.float64) else None
@@ -649,7 +656,7 @@ def attention_fwd(
     lse = torch.empty((bsz, h, sq), dtype=_stat_dtype(q.dtype), device=q.device)
     if o.numel() == 0:
         return o, lse
-    if not use_triton(q):
+    if not _use_kernels(q):
         o_t, lse_t = _attention_fwd_torch(q, k, v, attn_mask, dropout_p, is_causal, scale, seed)
         return o.copy_(o_t), lse.copy_(lse_t)
     if sk == 0:
@@ -689,7 +696,7 @@ def attention_bwd(
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    if not use_triton(q):
+    if not _use_kernels(q):
         grads = _attention_bwd_torch(do, q, k, v, o, lse, seed, attn_mask, dropout_p, is_causal, scale)
         return dq.copy_(grads[0]), dk.copy_(grads[1]), dv.copy_(grads[2])
     mask, sm, mask_kind = _mask_arg(attn_mask, (bsz, h, sq, sk), q)

@@ -46,8 +46,9 @@ linear_cross_entropy(hidden (T, H), weight (V, H), target (T,), bias (V,)):
     device memory (CPU: CPU_CHUNK_BYTES); chunks are balanced. The keyword `chunk_size` overrides.
     memory    O(R Vp) for the logits buffer, plus dweight (Vp, H) and dhidden (T, H) in the compute
               dtype. dweight sums the chunks' products in the compute dtype (cuBLAS beta=1, fp32
-              inside each product): one rounding per chunk, a handful with the default chunk;
-              an fp32 accumulator would cost 10 V H bytes of traffic per chunk.
+              inside each product), except when an fp32 weight takes 16-bit matmuls (autocast):
+              then dweight is fp32 and each chunk accumulates into it directly (cuBLAS with an
+              fp32 C, out_dtype), so the sum is never rounded to 16 bits between chunks.
     dtypes    the matmuls run in the compute dtype: the autocast dtype under autocast, else the
               inputs' (which must then agree, as for F.linear). The loss is fp32 under autocast,
               else the compute dtype (F.cross_entropy(F.linear(...)) semantics); `out_dtype`
@@ -515,12 +516,39 @@ def _chunk_logits(h_c, w, b, out):
         torch.addmm(b, h_c, w.t(), out=out)
 
 
+def _dweight_dtype(weight_dtype: torch.dtype, compute_dtype: torch.dtype) -> torch.dtype:
+    """dweight's accumulator: fp32 when 16-bit matmuls feed an fp32 weight (autocast with fp32
+    master weights), so the chunks' sum is not rounded to 16 bits once per chunk; else the
+    compute dtype."""
+    if compute_dtype in (torch.float16, torch.bfloat16) and weight_dtype in (torch.float32, torch.float64):
+        return torch.float32
+    return compute_dtype
+
+
+def _accumulate_fp32(dw: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
+    """dw (fp32) (+)= a @ b for 16-bit a, b. On CUDA one cuBLAS call with an fp32 C (beta=1),
+    nothing rounded to 16 bits; elsewhere the product is rounded once, then added in fp32."""
+    if a.is_cuda:
+        try:
+            if first:
+                torch.mm(a, b, out_dtype=torch.float32, out=dw)
+            else:
+                torch.addmm(dw, a, b, out_dtype=torch.float32, out=dw)
+            return
+        except (TypeError, RuntimeError):  # a torch or GPU without the out_dtype matmuls
+            pass
+    prod = torch.mm(a, b)
+    dw.copy_(prod) if first else dw.add_(prod)
+
+
 def _chunk_grads(dl, h_c, w, dh_c, dw, db, first):
     """Given the chunk's dlogits (R, Vp): dhidden_c = dl @ W, dW (+)= dl.T @ h_c, db += sum(dl)."""
     if dh_c is not None:
         torch.mm(dl, w, out=dh_c)
     if dw is not None:
-        if first:
+        if dw.dtype != dl.dtype:
+            _accumulate_fp32(dw, dl.t(), h_c, first)
+        elif first:
             torch.mm(dl.t(), h_c, out=dw)
         else:
             dw.addmm_(dl.t(), h_c)
@@ -548,8 +576,8 @@ def linear_cross_entropy_fwd(
     """hidden (..., H), weight (V, H), target (...), bias (V,). Returns (loss, lse, count,
     dhidden, dweight, dbias); lse and count as cross_entropy_fwd's, over the tokens. The three gradients are d loss / d input for an incoming gradient
     of 1, computed here when `grads` asks for them and reduction is "mean" or "sum" (else empty):
-    dhidden (..., H), dweight (Vp, H) and dbias (Vp,) with Vp = padded_vocab(V), dhidden and
-    dweight in the compute dtype, dbias fp32."""
+    dhidden (..., H), dweight (Vp, H) and dbias (Vp,) with Vp = padded_vocab(V), dhidden in the
+    compute dtype, dweight in _dweight_dtype, dbias fp32."""
     v = weight.shape[0]
     _check_target_range("linear_cross_entropy", target, v, ignore_index)
     device = hidden.device
@@ -562,7 +590,8 @@ def linear_cross_entropy_fwd(
         lse = torch.empty(tokens, dtype=acc, device=device)
         losses = torch.empty(tokens, dtype=acc if reduction != "none" else out_dtype, device=device)
         dh = torch.empty(hidden.shape, dtype=compute_dtype, device=device) if precompute and grads[0] else None
-        dw = torch.empty((vp, weight.shape[1]), dtype=compute_dtype, device=device) if precompute and grads[1] else None
+        dw_dtype = _dweight_dtype(weight.dtype, compute_dtype)
+        dw = torch.empty((vp, weight.shape[1]), dtype=dw_dtype, device=device) if precompute and grads[1] else None
         db = torch.zeros(vp, dtype=acc, device=device) if precompute and grads[2] and bias is not None else None
         count = None
         if precompute and reduction == "mean":
@@ -588,7 +617,7 @@ def linear_cross_entropy_fwd(
             loss, count = _reduce(losses, t, ignore_index, reduction, out_dtype)
     # Gradients not computed come back as empty tensors, each its own (outputs may not alias).
     return (loss, lse, count, dh if dh is not None else hidden.new_empty(0, dtype=compute_dtype),
-            dw if dw is not None else hidden.new_empty(0, dtype=compute_dtype),
+            dw if dw is not None else hidden.new_empty(0, dtype=dw_dtype),
             db if db is not None else hidden.new_empty(0, dtype=acc))
 
 
@@ -643,7 +672,8 @@ def recompute_head_grads(
     with _no_autocast(device):
         h, w, b, vp = _head_operands(hidden, weight, bias, compute_dtype)
         dh = torch.empty(hidden.shape, dtype=compute_dtype, device=device) if grads[0] else None
-        dw = torch.zeros((vp, h.shape[1]), dtype=compute_dtype, device=device) if grads[1] else None
+        dw_dtype = _dweight_dtype(weight.dtype, compute_dtype)
+        dw = torch.zeros((vp, h.shape[1]), dtype=dw_dtype, device=device) if grads[1] else None
         db = torch.zeros(vp, dtype=acc, device=device) if grads[2] else None
         dh2 = dh.view(-1, h.shape[1]) if dh is not None else None
         rows = chunk_size or chunk_rows(tokens, vp, h.shape[1], compute_dtype, device)
@@ -885,7 +915,8 @@ def _(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, co
     vp = padded_vocab(weight.shape[0])
     loss = hidden.new_empty(target.shape if reduction == "none" else (), dtype=out_dtype)
     dh = hidden.new_empty(hidden.shape if precompute and grad_hidden else (0,), dtype=compute_dtype)
-    dw = hidden.new_empty((vp, weight.shape[1]) if precompute and grad_weight else (0,), dtype=compute_dtype)
+    dw = hidden.new_empty((vp, weight.shape[1]) if precompute and grad_weight else (0,),
+                          dtype=_dweight_dtype(weight.dtype, compute_dtype))
     with_bias = precompute and grad_bias and bias is not None
     db = hidden.new_empty((vp,) if with_bias else (0,), dtype=acc)
     return loss, hidden.new_empty(tokens, dtype=acc), hidden.new_empty((), dtype=acc), dh, dw, db

@@ -221,13 +221,13 @@ def _dropout_add_torch(x, residual, bias, p, seed, dtype):
     acc = _acc(dtype)
     z = x.to(acc) if bias is None else x.to(acc) + bias.to(acc)
     if p > 0.0:
-        z = torch.where(_torch_keep_mask(seed, z.shape, p), z * _dropout_scale(p), 0.0)
+        z = torch.where(_torch_keep_mask(seed, z.shape, p).to(z.device), z * _dropout_scale(p), 0.0)
     return (residual.to(acc) + z).to(dtype).contiguous()
 
 
 def _dropout_add_bwd_torch(dy, seed, p, has_bias):
     g = dy.to(_acc(dy.dtype))
-    dx = torch.where(_torch_keep_mask(seed, dy.shape, p), g * _dropout_scale(p), 0.0)
+    dx = torch.where(_torch_keep_mask(seed, dy.shape, p).to(dy.device), g * _dropout_scale(p), 0.0)
     dbias = dx.reshape(-1, _width(dy)).sum(dim=0) if has_bias else dx.new_empty(0)
     return dx.to(dy.dtype).contiguous(), dbias
 

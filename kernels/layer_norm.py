@@ -97,11 +97,22 @@ def layer_norm_ref(
         s = s * dropout_mask / (1.0 - p) if p < 1.0 else torch.zeros_like(s)
     if residual is not None:
         s = s + residual
-    if is_rms_norm:
-        y = F.rms_norm(s, normalized_shape, weight, eps)
-    else:
-        y = F.layer_norm(s, normalized_shape, weight, bias, eps)
+    y = _norm_mixed(s, normalized_shape, weight, bias, eps, is_rms_norm)
     return (y, s) if fused else y
+
+
+def _norm_mixed(s, normalized_shape, weight, bias, eps, is_rms_norm):
+    """F.layer_norm / F.rms_norm, also for 16-bit s with fp32 parameters (which CUDA's native
+    kernels refuse outside autocast): computed in fp32, returned in s's dtype."""
+    params = [t for t in (weight, bias) if t is not None]
+    if any(t.dtype != s.dtype for t in params):
+        wide = functools.reduce(torch.promote_types, [t.dtype for t in params], s.dtype)
+        weight = weight.to(wide) if weight is not None else None
+        bias = bias.to(wide) if bias is not None else None
+        return _norm_mixed(s.to(wide), normalized_shape, weight, bias, eps, is_rms_norm).to(s.dtype)
+    if is_rms_norm:
+        return F.rms_norm(s, normalized_shape, weight, eps)
+    return F.layer_norm(s, normalized_shape, weight, bias, eps)
 
 
 # =============================================================================================
@@ -146,7 +157,7 @@ def _layer_norm_fwd_kernel(
     B,  # in (N,) bias; unused unless HAS_B
     SEED,  # in (1,) int64 Philox seed; unused unless HAS_DROPOUT
     Y,  # out (M, N)
-    S,  # out (M, N) the residual stream s; unused unless STORE_S
+    S,  # out (M, N) the residual stream s; Y when not STORE_S (same dtype)
     MEAN,  # out (M,) fp32; unused for RMSNorm
     RSTD,  # out (M,) fp32
     stride_xm, stride_rm, stride_ym, stride_sm,
@@ -171,6 +182,8 @@ def _layer_norm_fwd_kernel(
         mask = row_mask[:, None] & (offs < N)
         s = _load_stream(X, R, XB, seed, rows2, offs, mask, p, scale,
                          HAS_RESIDUAL, HAS_X_BIAS, HAS_DROPOUT, ACC)
+        # Normalize s as stored (rounded to its dtype): the backward reads the stored s.
+        s = s.to(S.dtype.element_ty).to(ACC)
         if STORE_S:
             tl.store(S + offs, s.to(S.dtype.element_ty), mask=mask)
         if IS_RMS_NORM:
@@ -194,6 +207,7 @@ def _layer_norm_fwd_kernel(
             mask = row_mask[:, None] & (cols < N)
             s = _load_stream(X, R, XB, seed, rows2, cols, mask, p, scale,
                              HAS_RESIDUAL, HAS_X_BIAS, HAS_DROPOUT, ACC)
+            s = s.to(S.dtype.element_ty).to(ACC)
             if STORE_S:
                 tl.store(S + cols, s.to(S.dtype.element_ty), mask=mask)
             acc += s
@@ -208,6 +222,7 @@ def _layer_norm_fwd_kernel(
             mask = row_mask[:, None] & (cols < N)
             s = _load_stream(X, R, XB, seed, rows2, cols, mask, p, scale,
                              HAS_RESIDUAL, HAS_X_BIAS, HAS_DROPOUT, ACC)
+            s = s.to(S.dtype.element_ty).to(ACC)
             d = tl.where(mask, s - mean[:, None], 0.0)
             acc += d * d
         rstd = 1.0 / tl.sqrt(_div(tl.sum(acc, axis=1), N, ACC) + eps)
@@ -217,6 +232,7 @@ def _layer_norm_fwd_kernel(
             mask = row_mask[:, None] & (cols < N)
             s = _load_stream(X, R, XB, seed, rows2, cols, mask, p, scale,
                              HAS_RESIDUAL, HAS_X_BIAS, HAS_DROPOUT, ACC)
+            s = s.to(S.dtype.element_ty).to(ACC)
             y = (s - mean[:, None]) * rstd[:, None]
             if HAS_W:
                 y *= tl.load(W + cols, mask=cols < N).to(ACC)
@@ -547,6 +563,7 @@ def _norm_fwd_torch(x, n, weight, bias, eps, is_rms_norm, residual, x_bias, p, s
         s = torch.where(_torch_keep_mask(seed, s.shape, p).to(s.device), s * _dropout_scale(p), 0.0)
     if residual is not None:
         s = s + residual.to(acc)
+    s = s.to(dtype).to(acc)  # normalize s as stored, as the kernel does
     s2 = s.reshape(-1, n)
     mean = torch.zeros(s2.shape[0], dtype=acc, device=x.device) if is_rms_norm else s2.mean(dim=1)
     d = s2 - mean[:, None]
@@ -872,13 +889,14 @@ def _layer_norm_trifuse(x, normalized_shape, weight, bias, eps):
 
 
 def _layer_norm_torch(x, normalized_shape, weight, bias, eps):
+    # trifuse's checks first: the same clear errors whichever candidate runs (F.layer_norm
+    # would take a negative eps, for one).
+    _check_norm_inputs("layer_norm", x, list(normalized_shape), weight, bias, eps)
     with profiled("trifuse::layer_norm"):
-        if torch.is_autocast_enabled(x.device.type):
-            # Autocast runs F.layer_norm in fp32 and returns fp32; trifuse returns x's dtype. The
-            # choice of implementation must not change the output dtype, so autocast is off here.
-            with torch.autocast(x.device.type, enabled=False):
-                return F.layer_norm(x, normalized_shape, weight, bias, eps)
-        return F.layer_norm(x, normalized_shape, weight, bias, eps)
+        # Autocast would run F.layer_norm in fp32 and return fp32; trifuse returns x's dtype,
+        # and the choice of implementation must not change the output dtype.
+        with torch.autocast(x.device.type, enabled=False):
+            return _norm_mixed(x, normalized_shape, weight, bias, eps, False)
 
 
 def _layer_norm_torch_supports(x, normalized_shape, weight, bias, eps) -> str | None:

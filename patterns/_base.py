@@ -23,6 +23,7 @@ fused norm becomes the residual-stream op), 2 folds the bias of a preceding line
 """
 import contextvars
 import functools
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -115,13 +116,50 @@ class tracing_ops:
 def example_value(node: Any) -> Any:
     """The value a graph node stands for, as far as it is known: a fake or real tensor from the
     node's metadata (Dynamo's `example_value`, fx's `val`), the constant itself for non-nodes,
-    or None."""
+    or None. Shape arithmetic (`x.size()[:-1] + (n,)`, `q.shape[1] // k.shape[1]`) is recomputed
+    from its inputs' values: what fx's fake propagation stores for non-tensor results differs
+    between torch versions."""
     if not isinstance(node, torch.fx.Node):
         return node
     meta = node.meta
+    shape_math = _shape_arithmetic(node)
+    if shape_math is not None:
+        return shape_math
     if "example_value" in meta:
         return meta["example_value"]
     return meta.get("val")
+
+
+_SHAPE_OPS = (operator.getitem, operator.add, operator.sub, operator.mul, operator.floordiv, getattr)
+
+
+def _shape_arithmetic(node: torch.fx.Node) -> Any:
+    """The value of a size/shape node or of integer arithmetic on them; None for anything else."""
+    if node.op == "call_method" and node.target in ("size", "dim"):
+        base = example_value(node.args[0])
+        if isinstance(base, torch.Tensor):
+            return getattr(base, node.target)(*node.args[1:])
+        return None
+    if node.op != "call_function" or node.target not in _SHAPE_OPS or node.kwargs:
+        return None
+    if node.target is getattr:
+        if node.args[1] != "shape":
+            return None
+        base = example_value(node.args[0])
+        return base.shape if isinstance(base, torch.Tensor) else None
+    args = [example_value(a) for a in node.args]
+    if not all(_is_shape_like(a) for a in args) or not any(isinstance(a, torch.fx.Node) for a in node.args):
+        return None
+    try:
+        return node.target(*args)
+    except Exception:  # noqa: BLE001  (not shape arithmetic after all)
+        return None
+
+
+def _is_shape_like(v: Any) -> bool:
+    if isinstance(v, (tuple, list)):  # torch.Size included
+        return all(_is_shape_like(x) for x in v)
+    return isinstance(v, (int, torch.SymInt, slice)) and not isinstance(v, bool)
 
 
 def is_number(v: Any) -> bool:

@@ -57,6 +57,15 @@ def test_factory_tunes_and_a_second_run_replays_from_the_cache(fresh_layer_norm,
     assert "disk cache" in capsys.readouterr().out and fake.calls == ["trifuse", "torch"]
 
 
+def test_fused_model_under_autocast_is_tuned(fresh_layer_norm, tmp_path, capsys):
+    """A fused model calls its modules only while it is captured, on fake tensors under
+    autocast: the shapes still reach the table (this once found nothing to tune on a GPU)."""
+    spec = tmp_path / "model.py"
+    spec.write_text(FACTORY)
+    cli.main([f"{spec}:make", "--batch", "3", "--seq", "5", "--dtype", "bf16", "--device", "cpu"])
+    assert "layer_norm  dtype=bfloat16,rows=16,n=24" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("spec, message", [
     ("no-such-model-type", "is not a transformers model type"),
     ("missing.py:make", "does not exist"),

@@ -60,8 +60,8 @@ class PerLayer(nn.Module):
         return self.norm(x) * float(self.i + 1)
 
 
-def test_dynamo_fallback_is_detected_and_reported(monkeypatch):
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+@torch._dynamo.config.patch(recompile_limit=2)  # not monkeypatch: its undo deletes the entry
+def test_dynamo_fallback_is_detected_and_reported():
     model = nn.Sequential(*[PerLayer(i) for i in range(4)])
     model = nn.ModuleDict({"layers": nn.ModuleList(model)})
     trifuse.fuse(model)
