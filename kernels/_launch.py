@@ -56,12 +56,12 @@ class CachedKernel:
         if compiled is None:
             self._compiled[key] = self.fn[grid](*args, **kwargs)
             return
-        all_args = (*args, *(kwargs[name] for name in self.fn.arg_names[len(args):]))
-        stream = torch._C._cuda_getCurrentRawStream(device)
-        # Launch hooks (a profiler's) are honoured exactly as Triton's own path does.
-        enter_hook = _knobs.runtime.launch_enter_hook
-        metadata = None if enter_hook is None else compiled.launch_metadata(grid, stream, *all_args)
         try:
+            all_args = (*args, *(kwargs[name] for name in self.fn.arg_names[len(args):]))
+            stream = torch._C._cuda_getCurrentRawStream(device)
+            # Launch hooks (a profiler's) are honoured exactly as Triton's own path does.
+            enter_hook = _knobs.runtime.launch_enter_hook
+            metadata = None if enter_hook is None else compiled.launch_metadata(grid, stream, *all_args)
             compiled.run(
                 grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
                 stream, compiled.function, compiled.packed_metadata,

@@ -68,6 +68,7 @@ from ._common import (
     profiled,
     use_triton,
 )
+from ._launch import CachedKernel
 from ._random import dropout_keep
 
 OP = "attention"
@@ -583,13 +584,43 @@ _KEY = ["Q_BUCKET", "K_BUCKET", "HEAD_DIM", "IS_CAUSAL", "MASK_KIND", "HAS_DROPO
 _KERNELS = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_bwd_dq_kernel}
 
 
+class _TunedKernel:
+    """`triton.autotune` chooses the block sizes once per key; after that the chosen config is
+    launched through `CachedKernel`, skipping the autotuner's and Triton's per-call host work
+    (about 60 µs a launch, three launches per backward).
+
+    `kernel[grid_fn, key](*args, **constexprs)`: grid_fn(meta) -> grid, and `key` holds what the
+    autotuner keys on (the _KEY values and the tensors' dtypes) plus the device.
+    """
+
+    def __init__(self, configs: list[triton.Config], fn: triton.JITFunction) -> None:
+        self.tuned = autotune(configs, key=_KEY)(fn)
+        self.cached = CachedKernel(fn)
+        self.chosen: dict[tuple, dict] = {}
+
+    def __getitem__(self, grid_and_key):
+        grid_fn, key = grid_and_key
+        return lambda *args, **kwargs: self.run(grid_fn, key, args, kwargs)
+
+    def run(self, grid_fn, key: tuple, args: tuple, kwargs: dict) -> None:
+        meta = self.chosen.get(key)
+        if meta is None:
+            self.tuned[grid_fn](*args, **kwargs)
+            best = getattr(self.tuned, "best_config", None)
+            if best is not None and hasattr(best, "all_kwargs") and not INTERPRET:
+                self.chosen[key] = {**best.all_kwargs()}
+            return
+        meta = {**kwargs, **meta}
+        self.cached[grid_fn(meta)](*args, **meta)
+
+
 @functools.lru_cache(maxsize=None)
-def _tuned(kind: str, block_d: int, itemsize: int, smem: int):
+def _tuned(kind: str, block_d: int, itemsize: int, smem: int) -> _TunedKernel:
     """The autotuned kernel for one (kind, head-dim class, element size, shared memory)."""
-    return autotune(_configs(kind, block_d, itemsize, smem), key=_KEY)(_KERNELS[kind])
+    return _TunedKernel(_configs(kind, block_d, itemsize, smem), _KERNELS[kind])
 
 
-def _kernel(kind: str, t: torch.Tensor, block_d: int):
+def _kernel(kind: str, t: torch.Tensor, block_d: int) -> _TunedKernel:
     smem = _smem_limit(t.device.index or 0) if t.is_cuda else _DEFAULT_SMEM
     return _tuned(kind, block_d, t.element_size(), smem)
 
@@ -617,6 +648,12 @@ def _use_kernels(q: torch.Tensor) -> bool:
 def _dot_precision(dtype: torch.dtype) -> str | None:
     """IEEE for fp32/fp64 (fp32 really is fp32, no TF32); the default for 16-bit operands."""
     return "ieee" if dtype in (torch.float32, torch.float64) else None
+
+
+def _tuning_key(q, k, v, mask, sq, sk, d, is_causal, mask_kind, has_dropout, *extra) -> tuple:
+    """What triton.autotune keys the block sizes on (see _KEY, plus the operands' dtypes)."""
+    return (q.device.index, _bucket(sq), _bucket(sk), d, is_causal, mask_kind, has_dropout,
+            q.dtype, k.dtype, v.dtype, mask.dtype, *extra)
 
 
 def _dropout_scale(p: float) -> float:
@@ -666,7 +703,8 @@ def attention_fwd(
     block_d = _block_d(d)
     kernel = _kernel("fwd", q, block_d)
     grid = lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), bsz * h)  # noqa: E731
-    kernel[grid](
+    key = _tuning_key(q, k, v, mask, sq, sk, d, is_causal, mask_kind, has_dropout)
+    kernel[grid, key](
         q, k, v, mask, seed if has_dropout else q, o, lse,
         *q.stride(), *k.stride(), *v.stride(), *sm, *o.stride(),
         h, sq, sk, h // h_kv, scale * LOG2E, dropout_p, _dropout_scale(dropout_p),
@@ -713,12 +751,13 @@ def attention_bwd(
                   HAS_DROPOUT=has_dropout, DOT_PRECISION=_dot_precision(q.dtype), ACC=acc)
     seed_arg = seed if has_dropout else q
     p_args = (scale, scale * LOG2E, dropout_p, _dropout_scale(dropout_p), _bucket(sq), _bucket(sk))
-    _kernel("dkdv", q, block_d)[lambda meta: (triton.cdiv(sk, meta["BLOCK_N"]), bsz * h_kv)](
+    key = _tuning_key(q, k, v, mask, sq, sk, d, is_causal, mask_kind, has_dropout, do.dtype)
+    _kernel("dkdv", q, block_d)[lambda meta: (triton.cdiv(sk, meta["BLOCK_N"]), bsz * h_kv), key](
         q, k, v, mask, seed_arg, do, lse, delta, dk, dv,
         *q.stride(), *k.stride(), *v.stride(), *sm, *do.stride(), *dk.stride(), *dv.stride(),
         h, h_kv, sq, sk, h // h_kv, *p_args, **common,
     )
-    _kernel("dq", q, block_d)[lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), bsz * h)](
+    _kernel("dq", q, block_d)[lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), bsz * h), key](
         q, k, v, mask, seed_arg, do, lse, delta, dq,
         *q.stride(), *k.stride(), *v.stride(), *sm, *do.stride(), *dq.stride(),
         h, sq, sk, h // h_kv, *p_args, **common,

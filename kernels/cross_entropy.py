@@ -77,6 +77,7 @@ from ._common import (
     rows_2d,
     use_triton,
 )
+from ._launch import CachedKernel
 
 REDUCTIONS = ("mean", "sum", "none")
 # Widest block of a row held in registers at once; longer rows are walked in blocks of this size.
@@ -328,6 +329,13 @@ def _check_target_range(op: str, target: torch.Tensor, n_classes: int, ignore_in
         )
 
 
+# Thin launch path: Triton's own costs ~60 µs of host time per launch (_launch.py).
+_cross_entropy_fwd = CachedKernel(_cross_entropy_fwd_kernel)
+_cross_entropy_bwd = CachedKernel(_cross_entropy_bwd_kernel)
+_cross_entropy_reduce = CachedKernel(_cross_entropy_reduce_kernel)
+_scale_cast = CachedKernel(_scale_cast_kernel)
+
+
 def _rows_fwd(x2, target, n_cols, ignore_index, label_smoothing, loss, lse, count=None, dx=None,
               is_mean=False):
     """Per-row loss and lse of x2 (M, >= n_cols) into `loss` and `lse`; with `dx` (M, >= n_cols),
@@ -340,7 +348,7 @@ def _rows_fwd(x2, target, n_cols, ignore_index, label_smoothing, loss, lse, coun
         return
     store_grad = dx is not None
     block, num_warps = _block_and_warps(dx.shape[1] if store_grad else n_cols)
-    _cross_entropy_fwd_kernel[(m,)](
+    _cross_entropy_fwd[(m,)](
         x2, target, count if store_grad and is_mean else lse, loss, lse, dx if store_grad else x2,
         x2.stride(0), dx.stride(0) if store_grad else 0,
         n_cols, dx.shape[1] if store_grad else n_cols, ignore_index, label_smoothing,
@@ -360,7 +368,7 @@ def _rows_bwd(x2, target, lse, dloss, count, n_cols, ignore_index, label_smoothi
         return
     block, num_warps = _block_and_warps(dx.shape[1])
     dloss = dloss.reshape(-1)
-    _cross_entropy_bwd_kernel[(m,)](
+    _cross_entropy_bwd[(m,)](
         x2, target, lse, dloss, count if is_mean else lse, dx,
         x2.stride(0), dx.stride(0), dloss.stride(0) if dloss.numel() > 1 else 0,
         n_cols, dx.shape[1], ignore_index, label_smoothing,
@@ -380,7 +388,7 @@ def _reduce(losses, target, ignore_index, reduction, out_dtype):
         total = losses.sum()
         out.copy_(total / count if reduction == "mean" else total)
         return out, count
-    _cross_entropy_reduce_kernel[(1,)](
+    _cross_entropy_reduce[(1,)](
         losses, target, out, count, losses.shape[0], ignore_index,
         BLOCK=min(next_power_of_2(losses.shape[0]), 4096), IS_MEAN=reduction == "mean", num_warps=4,
     )
@@ -399,7 +407,7 @@ def scale_cast(x: torch.Tensor, g: torch.Tensor | None, dtype: torch.dtype) -> t
         y.copy_(x.to(acc) * g.to(acc) if g is not None else x)
         return y
     block = 4096
-    _scale_cast_kernel[(triton.cdiv(x.numel(), block),)](
+    _scale_cast[(triton.cdiv(x.numel(), block),)](
         x, g if g is not None else x, y, x.numel(),
         BLOCK=block, HAS_G=g is not None, ACC=acc_dtype(acc), num_warps=8,
     )

@@ -42,6 +42,7 @@ from ._common import (
     rows_2d,
     use_triton,
 )
+from ._launch import CachedKernel
 from ._random import dropout_keep_quads
 from ._tiles import elementwise_plan, reduce_plan
 
@@ -145,6 +146,11 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+# Thin launch path: Triton's own costs ~60 µs of host time per launch (_launch.py).
+_dropout_add_fwd = CachedKernel(_dropout_add_fwd_kernel)
+_dropout_add_bwd = CachedKernel(_dropout_add_bwd_kernel)
+
+
 def dropout_add_fwd(
     x: torch.Tensor,
     residual: torch.Tensor,
@@ -166,7 +172,7 @@ def dropout_add_fwd(
     m = x2.shape[0]
     y2 = y.view(m, n)
     plan = elementwise_plan(m, n)
-    _dropout_add_fwd_kernel[(plan.programs,)](
+    _dropout_add_fwd[(plan.programs,)](
         x2, r2, bias if bias is not None else x2, seed if p > 0.0 else x2, y2,
         m, n, x2.stride(0), r2.stride(0), y2.stride(0), p, _dropout_scale(p), plan.col_tiles,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, HAS_BIAS=bias is not None, HAS_DROPOUT=p > 0.0,
@@ -192,7 +198,7 @@ def dropout_add_bwd(
     dx2 = dx.view(m, n)
     plan = reduce_plan(m, n, device_sms(dy), has_bias)
     partial = torch.empty((plan.groups, n), dtype=acc, device=dy.device) if has_bias else dx2
-    _dropout_add_bwd_kernel[(plan.programs,)](
+    _dropout_add_bwd[(plan.programs,)](
         dy2, seed, dx2, partial, m, n, dy2.stride(0), dx2.stride(0), p, _dropout_scale(p),
         plan.rows_per_group, plan.col_tiles,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, HAS_BIAS=has_bias, ACC=acc_dtype(dy.dtype),

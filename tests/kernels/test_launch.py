@@ -49,3 +49,33 @@ def test_gpu_caches_one_compiled_kernel_per_specialization():
     launch(x[1:], x[1:], 99, 1.0, True)  # misaligned pointers and n: a new specialization
     assert len(AXPY._compiled) == 2
     assert AXPY._fast, "the direct launcher path fell back to Triton's own path"
+
+
+def test_attention_launches_the_tuned_config_through_the_cached_path(monkeypatch):
+    """After the autotuner's first launch for a key, attention launches its chosen config
+    directly: the same constexprs plus the config's block sizes and launch options."""
+    from trifuse.kernels import attention as attn
+
+    calls = []
+
+    class FakeTuned:
+        best_config = triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=2)
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: calls.append(("tuned", grid({"BLOCK_M": 64}), a, kw))
+
+    class FakeCached:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: calls.append(("cached", grid, a, kw))
+
+    monkeypatch.setattr(attn, "INTERPRET", False)
+    kernel = attn._TunedKernel.__new__(attn._TunedKernel)
+    kernel.tuned, kernel.cached, kernel.chosen = FakeTuned(), FakeCached(), {}
+    grid = lambda meta: (100 // meta["BLOCK_M"], 3)  # noqa: E731
+    for key in ("a", "a", "b"):
+        kernel[grid, key](1, 2, HEAD_DIM=16)
+    assert [c[0] for c in calls] == ["tuned", "cached", "tuned"]
+    _, cached_grid, args, kw = calls[1]
+    assert cached_grid == (1, 3) and args == (1, 2)
+    assert kw["HEAD_DIM"] == 16 and kw["BLOCK_M"] == 64 and kw["BLOCK_N"] == 32
+    assert kw["num_warps"] == 4 and kw["num_stages"] == 2
