@@ -1,8 +1,17 @@
-"""Where the host time of one fused op's eager call goes: cProfile over many fwd+bwd calls at a
-tiny size, plus the cost of the pieces (a raw Triton launch, an empty allocation, autograd).
-`python bench/profile_host.py`"""
+"""Where the host time of trifuse's eager calls goes, on a GPU: wall µs per call at tiny sizes
+for each op's eager path and registered op, beside PyTorch's, and the pieces they are made of
+(an allocation, a launcher alone, autograd with a C++ backward against a Python one, with and
+without a shorter GIL switch interval); then cProfile of the slowest fwd+bwd.
+
+    python bench/profile_host.py [--profile OP]
+
+The H100 run of 2026-11-23 measured fwd at 37–107 µs but fwd+bwd at 400–1350 µs for every op
+with a Python backward (bench/results/README.md); this script is the next step in finding why.
+"""
+import argparse
 import cProfile
 import pstats
+import sys
 import time
 
 import _harness as H  # noqa: I001
@@ -11,6 +20,8 @@ import torch.nn.functional as F
 
 import trifuse
 from trifuse.kernels import layer_norm as ln
+
+DEV, DT = "cuda", torch.bfloat16
 
 
 def per_call_us(fn, iters=300):
@@ -24,26 +35,84 @@ def per_call_us(fn, iters=300):
     return (time.perf_counter() - t0) / iters * 1e6
 
 
-def main() -> None:
-    x = torch.randn(4, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    w = torch.randn(1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    b = torch.randn(1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn_like(x)
+def leaf(*shape, dtype=DT):
+    return torch.randn(*shape, device=DEV, dtype=dtype, requires_grad=True)
+
+
+def fwd_bwd(fn, inputs):
+    def step():
+        out = fn()
+        outs = out if isinstance(out, tuple) else (out,)
+        outs = [o for o in outs if o.requires_grad]
+        torch.autograd.grad(outs, inputs, [torch.ones_like(o) for o in outs])
+    return step
+
+
+class _PyClone(torch.autograd.Function):
+    """The cheapest possible Python backward: what any autograd.Function pays on top of C++."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def cases() -> dict:
+    x, w, b, r = leaf(4, 1024), leaf(1024), leaf(1024), leaf(4, 1024)
+    q, k, v = leaf(1, 2, 16, 64), leaf(1, 2, 16, 64), leaf(1, 2, 16, 64)
+    logits, target = leaf(8, 512), torch.randint(0, 512, (8,), device=DEV)
+    hid, head = leaf(8, 64), leaf(512, 64)
     xd, wd, bd = x.detach(), w.detach(), b.detach()
     y, _, mean, rstd = ln.layer_norm_fwd(xd, 1024, wd, bd, 1e-5)
-    pieces = {
-        "torch.empty (4,1024)": lambda: torch.empty(4, 1024, device="cuda", dtype=torch.bfloat16),
+    dy = torch.randn_like(xd)
+    c = {
+        # pieces
+        "torch.empty (4,1024)": lambda: torch.empty(4, 1024, device=DEV, dtype=DT),
         "launcher layer_norm_fwd": lambda: ln.layer_norm_fwd(xd, 1024, wd, bd, 1e-5),
         "launcher layer_norm_bwd": lambda: ln.layer_norm_bwd(dy, xd, 1024, wd, mean, rstd),
-        "trifuse fwd (no grad)": lambda: trifuse.ops.layer_norm(xd, (1024,), wd, bd),
-        "trifuse fwd+bwd": lambda: torch.autograd.grad(trifuse.ops.layer_norm(x, (1024,), w, b), (x, w, b), dy),
-        "F.layer_norm fwd (no grad)": lambda: F.layer_norm(xd, (1024,), wd, bd),
-        "F.layer_norm fwd+bwd": lambda: torch.autograd.grad(F.layer_norm(x, (1024,), w, b), (x, w, b), dy),
+        "C++ autograd: x.clone() fwd+bwd": fwd_bwd(lambda: x.clone(), (x,)),
+        "Python autograd.Function clone fwd+bwd": fwd_bwd(lambda: _PyClone.apply(x), (x,)),
     }
-    for name, fn in pieces.items():
-        print(f"{name:32s} {per_call_us(fn):8.1f} us")
+    ops = {
+        "layer_norm kernels": (lambda: ln._layer_norm_trifuse(x, (1024,), w, b, 1e-5), (x, w, b)),
+        "layer_norm registered op": (lambda: torch.ops.trifuse.layer_norm(x, [1024], w, b, 1e-5)[0], (x, w, b)),
+        "F.layer_norm": (lambda: F.layer_norm(x, (1024,), w, b), (x, w, b)),
+        "residual stream": (lambda: trifuse.ops.layer_norm(x, (1024,), w, b, residual=r), (x, w, b, r)),
+        "bias_gelu": (lambda: trifuse.ops.bias_gelu(x, b), (x, b)),
+        "F.gelu(x + b)": (lambda: F.gelu(x + b), (x, b)),
+        "dropout_add": (lambda: trifuse.ops.dropout_add(x, r, 0.1, bias=b), (x, r, b)),
+        "r + F.dropout(x + b)": (lambda: r + F.dropout(x + b, 0.1), (x, r, b)),
+        "attention": (lambda: trifuse.ops.attention(q, k, v, is_causal=True), (q, k, v)),
+        "F.scaled_dot_product_attention": (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v)),
+        "cross_entropy": (lambda: trifuse.ops.cross_entropy(logits, target), (logits,)),
+        "F.cross_entropy(float)": (lambda: F.cross_entropy(logits.float(), target), (logits,)),
+        "linear_cross_entropy": (lambda: trifuse.ops.linear_cross_entropy(hid, head, target), (hid, head)),
+        "F.linear -> F.cross_entropy": (lambda: F.cross_entropy(F.linear(hid, head).float(), target), (hid, head)),
+    }
+    for name, (fn, inputs) in ops.items():
+        c[f"{name} fwd"] = fn
+        c[f"{name} fwd+bwd"] = fwd_bwd(fn, inputs)
+    return c
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--profile", default="bias_gelu fwd+bwd", help="the case to run under cProfile")
+    args = ap.parse_args()
+    steps = cases()
+    rows = [{"provider": name, "host µs": per_call_us(fn)} for name, fn in steps.items()]
+    default_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # does the backward wait on the GIL (another Python thread)?
+    for name in ("Python autograd.Function clone fwd+bwd", "bias_gelu fwd+bwd", "layer_norm kernels fwd+bwd"):
+        rows.append({"provider": f"{name}, GIL switch interval 1 µs", "host µs": per_call_us(steps[name])})
+    sys.setswitchinterval(default_interval)
+    H.print_table(rows, ("provider", "host µs"))
+    H.write_results("host_profile", rows, ("provider", "host µs"))
     prof = cProfile.Profile()
-    step = pieces["trifuse fwd+bwd"]
+    step = steps[args.profile]
     prof.enable()
     for _ in range(300):
         step()
