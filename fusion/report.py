@@ -118,7 +118,23 @@ class FusionReport:
             for reason, n in calls.items():
                 lines.append(f"  unfused: {name}: {n} call(s): {reason}")
         lines.append(_counts_line(self.counts()))
+        decisions = self.decisions()
+        if decisions:
+            from ..autotune import format_table
+
+            lines.append("implementations chosen in this process (op dialects and kernel configs, per shape):")
+            lines += ["    " + line for line in format_table(decisions).splitlines()]
         return "\n".join(lines)
+
+    @staticmethod
+    def decisions() -> tuple:
+        """Which implementation each op dialect chose (trifuse's kernel, PyTorch's, ...) and which
+        launch configuration each tuned kernel uses, per shape bucket, with how it was decided
+        and why the other candidates were rejected: every decision made in this process so far
+        (they are per shape, not per model; the fused model's calls make them)."""
+        from ..autotune import records
+
+        return records()
 
     def _paths_of(self, u: UnitReport, captures: list[Capture]) -> str:
         paths = [p for p, m in zip(u.paths, u.modules) if any(u.unit.last.get(m) is c for c in captures)]

@@ -175,6 +175,23 @@ def test_verbose_prints_the_table(capsys):
     assert "trifuse.fuse (all families)" in out and "replaced" in out and "residual_stream" in out
 
 
+def test_report_shows_the_implementation_each_op_uses():
+    from trifuse.autotune.decisions import clear_records
+    from trifuse.kernels import layer_norm as ln
+
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _models.gpt2()
+    trifuse.fuse(model)
+    clear_records()
+    ln.LAYER_NORM.clear()
+    loss_fn(model, inputs(2, 8)).backward()
+    report = trifuse.report(model)
+    chosen = [d for d in report.decisions() if d.kind == "dialect" and d.name == "layer_norm"]
+    assert chosen and chosen[0].chosen in {c.name for c in ln.LAYER_NORM.candidates}
+    assert "implementations chosen in this process" in report.table()
+    assert "layer_norm" in report.table().split("implementations chosen")[1]
+
+
 REFERENCE_PATH = """
 import copy, sys, torch
 sys.path.insert(0, {tests!r})
