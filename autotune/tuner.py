@@ -223,6 +223,10 @@ class Tuner:
         """Forgets this process's choices (the disk cache stays)."""
         self._memo.clear()
 
+    def is_decided(self, key: tuple) -> bool:
+        """Whether `key` has its config for this process (not so inside CUDA-graph capture)."""
+        return key in self._memo
+
     def _decide(self, key: tuple, launch: Callable[..., object], args: tuple) -> triton.Config:
         if len(key) != len(self.key_names):
             raise ValueError(f"trifuse.autotune.Tuner({self.name!r}): key {key!r} does not match "

@@ -54,8 +54,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..autotune import autotune
 from ..autotune.env import INTERPRET
+from ..autotune.tuner import Tuner
 from ._common import (
     acc_dtype,
     check_float,
@@ -212,7 +212,7 @@ def _attn_fwd_kernel(
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_ob, stride_oh, stride_om, stride_od,
     H, N_Q, N_K, GROUP, qk_scale, p_drop, dropout_scale,
-    Q_BUCKET, K_BUCKET,  # autotuning keys only
+    Q_BUCKET, K_BUCKET,  # unused in the kernel: the tuner keys on these buckets on the host
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
@@ -352,7 +352,7 @@ def _attn_bwd_dkdv_kernel(
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     H, H_KV, N_Q, N_K, GROUP, sm_scale, qk_scale, p_drop, dropout_scale,
-    Q_BUCKET, K_BUCKET,  # autotuning keys only
+    Q_BUCKET, K_BUCKET,  # unused in the kernel: the tuner keys on these buckets on the host
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
@@ -455,7 +455,7 @@ def _attn_bwd_dq_kernel(
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     H, N_Q, N_K, GROUP, sm_scale, qk_scale, p_drop, dropout_scale,
-    Q_BUCKET, K_BUCKET,  # autotuning keys only
+    Q_BUCKET, K_BUCKET,  # unused in the kernel: the tuner keys on these buckets on the host
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
@@ -580,49 +580,69 @@ def _configs(kind: str, block_d: int, itemsize: int, smem: int) -> list[triton.C
             for bm, bn, w, s in shapes]
 
 
-_KEY = ["Q_BUCKET", "K_BUCKET", "HEAD_DIM", "IS_CAUSAL", "MASK_KIND", "HAS_DROPOUT"]
 _KERNELS = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_bwd_dq_kernel}
 
 
-class _TunedKernel:
-    """`triton.autotune` chooses the block sizes once per key; after that the chosen config is
-    launched through `CachedKernel`, skipping the autotuner's and Triton's per-call host work
-    (about 60 µs a launch, three launches per backward).
+_KEY_NAMES = ("device", "block_d", "itemsize", "smem", "q_bucket", "k_bucket", "head_dim", "causal", "mask",
+              "dropout", "dtype")
 
-    `kernel[grid_fn, key](*args, **constexprs)`: grid_fn(meta) -> grid, and `key` holds what the
-    autotuner keys on (the _KEY values and the tensors' dtypes) plus the device.
+
+def _config_meta(cfg: triton.Config) -> dict:
+    """A config as launch keywords: its block sizes and launch options."""
+    meta = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    if getattr(cfg, "num_ctas", 1) != 1:
+        meta["num_ctas"] = cfg.num_ctas
+    if getattr(cfg, "maxnreg", None) is not None:
+        meta["maxnreg"] = cfg.maxnreg
+    return meta
+
+
+class _TunedKernel:
+    """One attention kernel, its block sizes chosen by trifuse's persistent tuner (timed once per
+    key, kept on disk, replayed by later processes, shown by trifuse.report), launched through
+    `CachedKernel` (no per-call autotuner or Triton host work: about 60 µs a launch).
+
+    `kernel[grid_fn, key](*args, **constexprs)`: grid_fn(meta) -> grid; `key` as _KEY_NAMES.
     """
 
-    def __init__(self, configs: list[triton.Config], fn: triton.JITFunction) -> None:
-        self.tuned = autotune(configs, key=_KEY)(fn)
-        self.cached = CachedKernel(fn)
+    def __init__(self, kind: str) -> None:
+        def configs(block_d: int, itemsize: int, smem: int) -> list[triton.Config]:
+            return _configs(kind, block_d, itemsize, smem)
+
+        self.tuner = Tuner(f"attention_{kind}", configs, _KEY_NAMES)
+        self.cached = CachedKernel(_KERNELS[kind])
         self.chosen: dict[tuple, dict] = {}
 
     def __getitem__(self, grid_and_key):
         grid_fn, key = grid_and_key
         return lambda *args, **kwargs: self.run(grid_fn, key, args, kwargs)
 
+    def _launch(self, cfg: triton.Config, grid_fn, args: tuple, kwargs: dict) -> None:
+        meta = {**kwargs, **_config_meta(cfg)}
+        self.cached[grid_fn(meta)](*args, **meta)
+
     def run(self, grid_fn, key: tuple, args: tuple, kwargs: dict) -> None:
         meta = self.chosen.get(key)
         if meta is None:
-            self.tuned[grid_fn](*args, **kwargs)
-            best = getattr(self.tuned, "best_config", None)
-            if best is not None and hasattr(best, "all_kwargs") and not INTERPRET:
-                self.chosen[key] = {**best.all_kwargs()}
+            cfg = self.tuner.config(key, self._launch, grid_fn, args, kwargs)
+            if self.tuner.is_decided(key):  # not while a CUDA graph is captured
+                self.chosen[key] = _config_meta(cfg)
+            self._launch(cfg, grid_fn, args, kwargs)
             return
         meta = {**kwargs, **meta}
         self.cached[grid_fn(meta)](*args, **meta)
 
 
-@functools.lru_cache(maxsize=None)
-def _tuned(kind: str, block_d: int, itemsize: int, smem: int) -> _TunedKernel:
-    """The autotuned kernel for one (kind, head-dim class, element size, shared memory)."""
-    return _TunedKernel(_configs(kind, block_d, itemsize, smem), _KERNELS[kind])
+_TUNED = {kind: _TunedKernel(kind) for kind in _KERNELS}
 
 
-def _kernel(kind: str, t: torch.Tensor, block_d: int) -> _TunedKernel:
-    smem = _smem_limit(t.device.index or 0) if t.is_cuda else _DEFAULT_SMEM
-    return _tuned(kind, block_d, t.element_size(), smem)
+def _tuning_key(q: torch.Tensor, sq: int, sk: int, d: int, block_d: int, is_causal: bool, mask_kind: int,
+                has_dropout: bool) -> tuple:
+    """The tuner's key (_KEY_NAMES): block sizes depend on these, not on exact lengths."""
+    device = q.get_device() if q.is_cuda else -1
+    smem = _smem_limit(device) if q.is_cuda else _DEFAULT_SMEM
+    return (device, block_d, q.element_size(), smem, _bucket(sq), _bucket(sk), d, is_causal, mask_kind,
+            has_dropout, q.dtype)
 
 
 # =============================================================================================
@@ -648,12 +668,6 @@ def _use_kernels(q: torch.Tensor) -> bool:
 def _dot_precision(dtype: torch.dtype) -> str | None:
     """IEEE for fp32/fp64 (fp32 really is fp32, no TF32); the default for 16-bit operands."""
     return "ieee" if dtype in (torch.float32, torch.float64) else None
-
-
-def _tuning_key(q, k, v, mask, sq, sk, d, is_causal, mask_kind, has_dropout, *extra) -> tuple:
-    """What triton.autotune keys the block sizes on (see _KEY, plus the operands' dtypes)."""
-    return (q.device.index, _bucket(sq), _bucket(sk), d, is_causal, mask_kind, has_dropout,
-            q.dtype, k.dtype, v.dtype, mask.dtype, *extra)
 
 
 def _dropout_scale(p: float) -> float:
@@ -701,10 +715,9 @@ def attention_fwd(
     mask, sm, mask_kind = _mask_arg(attn_mask, (bsz, h, sq, sk), q)
     has_dropout = dropout_p > 0.0
     block_d = _block_d(d)
-    kernel = _kernel("fwd", q, block_d)
     grid = lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), bsz * h)  # noqa: E731
-    key = _tuning_key(q, k, v, mask, sq, sk, d, is_causal, mask_kind, has_dropout)
-    kernel[grid, key](
+    key = _tuning_key(q, sq, sk, d, block_d, is_causal, mask_kind, has_dropout)
+    _TUNED["fwd"][grid, key](
         q, k, v, mask, seed if has_dropout else q, o, lse,
         *q.stride(), *k.stride(), *v.stride(), *sm, *o.stride(),
         h, sq, sk, h // h_kv, scale * LOG2E, dropout_p, _dropout_scale(dropout_p),
@@ -751,13 +764,13 @@ def attention_bwd(
                   HAS_DROPOUT=has_dropout, DOT_PRECISION=_dot_precision(q.dtype), ACC=acc)
     seed_arg = seed if has_dropout else q
     p_args = (scale, scale * LOG2E, dropout_p, _dropout_scale(dropout_p), _bucket(sq), _bucket(sk))
-    key = _tuning_key(q, k, v, mask, sq, sk, d, is_causal, mask_kind, has_dropout, do.dtype)
-    _kernel("dkdv", q, block_d)[lambda meta: (triton.cdiv(sk, meta["BLOCK_N"]), bsz * h_kv), key](
+    key = _tuning_key(q, sq, sk, d, block_d, is_causal, mask_kind, has_dropout)
+    _TUNED["dkdv"][lambda meta: (triton.cdiv(sk, meta["BLOCK_N"]), bsz * h_kv), key](
         q, k, v, mask, seed_arg, do, lse, delta, dk, dv,
         *q.stride(), *k.stride(), *v.stride(), *sm, *do.stride(), *dk.stride(), *dv.stride(),
         h, h_kv, sq, sk, h // h_kv, *p_args, **common,
     )
-    _kernel("dq", q, block_d)[lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), bsz * h), key](
+    _TUNED["dq"][lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), bsz * h), key](
         q, k, v, mask, seed_arg, do, lse, delta, dq,
         *q.stride(), *k.stride(), *v.stride(), *sm, *do.stride(), *dq.stride(),
         h, sq, sk, h // h_kv, *p_args, **common,

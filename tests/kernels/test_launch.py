@@ -51,31 +51,48 @@ def test_gpu_caches_one_compiled_kernel_per_specialization():
     assert AXPY._fast, "the direct launcher path fell back to Triton's own path"
 
 
-def test_attention_launches_the_tuned_config_through_the_cached_path(monkeypatch):
-    """After the autotuner's first launch for a key, attention launches its chosen config
-    directly: the same constexprs plus the config's block sizes and launch options."""
+def test_attention_launches_the_tuned_config_through_the_cached_path():
+    """The tuner decides once per key; then attention launches the chosen config directly:
+    the same constexprs plus the config's block sizes and launch options."""
     from trifuse.kernels import attention as attn
 
-    calls = []
+    calls, decided = [], set()
 
-    class FakeTuned:
-        best_config = triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=2)
+    class FakeTuner:
+        def config(self, key, launch, *args):
+            decided.add(key)
+            return triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=2)
 
-        def __getitem__(self, grid):
-            return lambda *a, **kw: calls.append(("tuned", grid({"BLOCK_M": 64}), a, kw))
+        def is_decided(self, key):
+            return key in decided
 
     class FakeCached:
         def __getitem__(self, grid):
-            return lambda *a, **kw: calls.append(("cached", grid, a, kw))
+            return lambda *a, **kw: calls.append((grid, a, kw))
 
-    monkeypatch.setattr(attn, "INTERPRET", False)
-    kernel = attn._TunedKernel.__new__(attn._TunedKernel)
-    kernel.tuned, kernel.cached, kernel.chosen = FakeTuned(), FakeCached(), {}
+    kernel = attn._TunedKernel("fwd")
+    kernel.tuner, kernel.cached = FakeTuner(), FakeCached()
     grid = lambda meta: (100 // meta["BLOCK_M"], 3)  # noqa: E731
     for key in ("a", "a", "b"):
         kernel[grid, key](1, 2, HEAD_DIM=16)
-    assert [c[0] for c in calls] == ["tuned", "cached", "tuned"]
-    _, cached_grid, args, kw = calls[1]
+    assert decided == {"a", "b"} and len(calls) == 3 and set(kernel.chosen) == {"a", "b"}
+    cached_grid, args, kw = calls[1]
     assert cached_grid == (1, 3) and args == (1, 2)
-    assert kw["HEAD_DIM"] == 16 and kw["BLOCK_M"] == 64 and kw["BLOCK_N"] == 32
-    assert kw["num_warps"] == 4 and kw["num_stages"] == 2
+    assert kw == {"HEAD_DIM": 16, "BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+
+
+def test_attention_tuning_is_recorded_for_the_report():
+    """Attention's block sizes go through trifuse's tuner: the decision is recorded (and kept on
+    disk when timed), so trifuse.report and `python -m trifuse.autotune` show it."""
+    import trifuse
+    from trifuse.autotune import records
+    from trifuse.kernels import attention as attn
+
+    for t in attn._TUNED.values():
+        t.tuner.clear()
+        t.chosen.clear()
+    q = torch.randn(1, 2, 5, 16, device=DEVICE, requires_grad=True)
+    out = trifuse.ops.attention(q, q, q, is_causal=True)
+    out.sum().backward()
+    names = {d.name for d in records(kind="kernel")}
+    assert {"attention_fwd", "attention_dkdv", "attention_dq"} <= names
