@@ -22,6 +22,7 @@ replay draws fresh masks.
 `trifuse.report(compiled_model)` lists what each backend replaced in the graphs holding that
 model's parameters.
 """
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +34,8 @@ from ..patterns import PATTERNS
 from .capture import Capture
 from .normalize import canonicalize
 from .rewriter import rewrite_graph, select_patterns
+
+log = logging.getLogger("trifuse")
 
 # Parameter -> the captures of compiled graphs that read it (what report(compiled) shows); keyed
 # by identity (tensors compare elementwise).
@@ -54,6 +57,7 @@ def _rewrite(gm: fx.GraphModule, example_inputs: list[Any], backend: str) -> fx.
         capture.error = f"{type(e).__name__}: {e}"
         work = gm
     capture.graphs = 1
+    work.meta["trifuse_capture"] = capture
     for t in example_inputs:
         if isinstance(t, torch.nn.Parameter):
             captures = _COMPILED.get(t)
@@ -78,7 +82,17 @@ def trifuse_inductor_backend(gm: fx.GraphModule, example_inputs: list[Any], mode
 
     work = _rewrite(gm, example_inputs, "backend=trifuse_inductor")
     config = {**(list_mode_options(mode) if mode else {}), **(options or {})}
-    return compile_fx(work, example_inputs, config_patches=config or None)
+    try:
+        return compile_fx(work, example_inputs, config_patches=config or None)
+    except Exception as e:  # noqa: BLE001  (never break a model: Inductor on the graph as captured)
+        # Dynamo's restarts (TensorifyScalarRestartAnalysis, ...) are control flow, not failures.
+        if work is gm or isinstance(e, (torch._dynamo.exc.RestartAnalysis, torch._dynamo.exc.SkipFrame)):
+            raise
+        why = f"Inductor failed on the rewritten graph ({type(e).__name__}: {str(e)[:200]}); compiled unfused"
+        capture = work.meta["trifuse_capture"]
+        capture.error, capture.log = why, type(capture.log)()  # nothing of the rewrite runs
+        log.warning("trifuse: %s", why)
+        return compile_fx(gm, example_inputs, config_patches=config or None)
 
 
 def compiled_captures(model: torch.nn.Module) -> list[Capture]:

@@ -153,3 +153,26 @@ def test_entry_point_found_without_importing_trifuse():
 
 pytestmark = pytest.mark.skipif(not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="CPU runs use Triton's interpreter (tests/_device.py)")
+
+
+def test_inductor_failing_on_the_rewritten_graph_compiles_it_unfused(monkeypatch, caplog):
+    """Never break a model: if Inductor cannot compile the rewritten graph, the graph as
+    captured is compiled instead, and the report says why."""
+    import torch._inductor.compile_fx as cfx
+
+    real = cfx.compile_fx
+
+    def picky(gm, example_inputs, **kw):
+        if "trifuse_capture" in gm.meta:  # the rewritten graph
+            raise RuntimeError("no lowering for this op")
+        return real(gm, example_inputs, **kw)
+
+    monkeypatch.setattr(cfx, "compile_fx", picky)
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    x = torch.randn(3, 8)
+    compiled = torch.compile(model, backend="trifuse_inductor")
+    torch.testing.assert_close(compiled(x), model(x))
+    report = trifuse.report(compiled)
+    assert "Inductor failed on the rewritten graph" in report.table() and not report.counts()
+    assert "compiled unfused" in caplog.text
