@@ -627,8 +627,11 @@ def _check_norm_inputs(op, x, normalized_shape, weight, bias, eps, residual=None
     return math.prod(normalized_shape)
 
 
-def _stats_shape(x: torch.Tensor, k: int) -> int:
-    return math.prod(x.shape[: x.dim() - k])
+def _stats_shape(x: torch.Tensor, k: int) -> tuple[int, ...]:
+    """The registered ops' per-row statistics are shaped like x's leading (not normalized) dims,
+    so that a DTensor sharded on any leading dim has statistics sharded on the same dim
+    (parallel/dtensor_ops.py); the launchers work on them flattened, (rows,)."""
+    return tuple(x.shape[: x.dim() - k])
 
 
 # =============================================================================================
@@ -646,14 +649,15 @@ def _layer_norm_op(x: Tensor, normalized_shape: list[int], weight: OptTensor, bi
                    eps: float) -> tuple[Tensor, Tensor, Tensor]:
     n = _check_norm_inputs("layer_norm", x, normalized_shape, weight, bias, eps)
     y, _, mean, rstd = layer_norm_fwd(x, n, weight, bias, eps)
-    return y, mean, rstd
+    lead = _stats_shape(x, len(normalized_shape))
+    return y, mean.view(lead), rstd.view(lead)
 
 
 @torch.library.custom_op("trifuse::rms_norm", mutates_args=())
 def _rms_norm_op(x: Tensor, normalized_shape: list[int], weight: OptTensor, eps: float) -> tuple[Tensor, Tensor]:
     n = _check_norm_inputs("rms_norm", x, normalized_shape, weight, None, eps)
     y, _, _, rstd = layer_norm_fwd(x, n, weight, None, eps, is_rms_norm=True)
-    return y, rstd
+    return y, rstd.view(_stats_shape(x, len(normalized_shape)))
 
 
 @torch.library.custom_op("trifuse::dropout_add_layer_norm", mutates_args=())
@@ -678,7 +682,8 @@ def _dropout_add_norm(x, residual, normalized_shape, weight, bias, eps, p, x_bia
     seed = philox_seed(x.device) if p > 0.0 else torch.zeros(1, dtype=torch.int64, device=x.device)
     y, s, mean, rstd = layer_norm_fwd(x, n, weight, bias, eps, is_rms_norm=is_rms_norm,
                                       residual=residual, x_bias=x_bias, p=p, seed=seed, store_s=True)
-    return y, s, mean, rstd, seed
+    lead = _stats_shape(x, len(normalized_shape))
+    return y, s, (mean if is_rms_norm else mean.view(lead)), rstd.view(lead), seed
 
 
 @torch.library.custom_op("trifuse::layer_norm_backward", mutates_args=())
@@ -686,9 +691,11 @@ def _layer_norm_backward_op(
     dy: Tensor, ds: OptTensor, s: Tensor, normalized_shape: list[int], weight: OptTensor,
     mean: Tensor, rstd: Tensor, seed: OptTensor, p: float, is_rms_norm: bool, store_dresidual: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dx, dresidual, dweight, dbias, dx_bias) for every LayerNorm / RMSNorm forward op."""
+    """(dx, dresidual, dweight, dbias, dx_bias) for every LayerNorm / RMSNorm forward op. mean
+    and rstd as the forward op returned them (RMSNorm ignores mean)."""
     dx, dr, dw, db, dxb = layer_norm_bwd(
-        dy, s, math.prod(normalized_shape), weight, mean, rstd, is_rms_norm=is_rms_norm, ds=ds,
+        dy, s, math.prod(normalized_shape), weight, mean.reshape(-1), rstd.reshape(-1),
+        is_rms_norm=is_rms_norm, ds=ds,
         p=p, seed=seed, store_dresidual=store_dresidual,
     )
     # A custom op's outputs may not alias: dresidual is empty unless stored apart, and the three
@@ -761,13 +768,20 @@ def _setup_plain(ctx, inputs, output, is_rms_norm):
     x, normalized_shape, weight = inputs[0], inputs[1], inputs[2]
     bias = None if is_rms_norm else inputs[3]
     stats = output[1:]
-    mean, rstd = (stats[0][:0], stats[0]) if is_rms_norm else stats
+    # RMSNorm has no mean; its backward ignores the argument, and rstd stands in for it (a slice
+    # would do too, but not as simply for a DTensor).
+    mean, rstd = (stats[0], stats[0]) if is_rms_norm else stats
     ctx.save_for_backward(x, weight, bias, mean, rstd)
     ctx.normalized_shape, ctx.is_rms_norm = normalized_shape, is_rms_norm
     ctx.needs = ctx.needs_input_grad
+    # Unused outputs' gradients arrive as None, not as zeros autograd would make as plain
+    # tensors (which a DTensor op refuses beside DTensors, and which cost a pass to read).
+    ctx.set_materialize_grads(False)
 
 
 def _backward_plain(ctx, dy, *_):
+    if dy is None:
+        return (None,) * (4 if ctx.is_rms_norm else 5)
     x, weight, bias, mean, rstd = ctx.saved_tensors
     dx, _, dw, db, _ = torch.ops.trifuse.layer_norm_backward(
         dy, None, x, ctx.normalized_shape, weight, mean, rstd, None, 0.0, ctx.is_rms_norm, False)
@@ -786,10 +800,15 @@ def _setup_fused(ctx, inputs, output, is_rms_norm):
     ctx.normalized_shape, ctx.is_rms_norm, ctx.p = normalized_shape, is_rms_norm, p
     ctx.x_dtype, ctx.has_residual = x.dtype, residual is not None
     ctx.residual_dtype = residual.dtype if residual is not None else None
+    ctx.set_materialize_grads(False)  # as _setup_plain
 
 
 def _backward_fused(ctx, dy, ds, *_):
+    if dy is None and ds is None:
+        return (None,) * (7 if ctx.is_rms_norm else 8)
     s, weight, bias, x_bias, mean, rstd, seed = ctx.saved_tensors
+    if dy is None:  # only s was used: y's gradient is zero (ds alone is read as is)
+        dy = torch.zeros_like(s)
     p = ctx.p
     # With a residual, the kernel writes dresidual apart from dx (they differ under dropout, and
     # a custom op may not return one tensor twice).
