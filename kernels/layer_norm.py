@@ -453,21 +453,29 @@ def layer_norm_fwd(
     p: float = 0.0,
     seed: torch.Tensor | None = None,
     store_s: bool = False,
+    stats_shape: tuple[int, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Normalizes the last `n` features of `x`. Returns (y, s, mean, rstd): y and s shaped like
-    x (s is x itself unless store_s), mean and rstd (rows,) in fp32 (mean empty for RMSNorm)."""
+    x (s is x itself unless store_s), mean and rstd (rows,) in fp32 (mean empty for RMSNorm),
+    or shaped `stats_shape` (x's leading dims; same memory), as the registered ops return them."""
     dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     weight, bias, x_bias = _flat(weight), _flat(bias), _flat(x_bias)
     m = x.numel() // n if n else 0
     stat_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     y = torch.empty(x.shape, dtype=dtype, device=x.device)
     s = torch.empty(x.shape, dtype=dtype, device=x.device) if store_s else x
-    rstd = torch.empty(m, dtype=stat_dtype, device=x.device)
-    mean = torch.empty(0 if is_rms_norm else m, dtype=stat_dtype, device=x.device)
+    shape = (m,) if stats_shape is None else stats_shape
+    rstd = torch.empty(shape, dtype=stat_dtype, device=x.device)
+    mean = torch.empty(0 if is_rms_norm else shape, dtype=stat_dtype, device=x.device)
     if m == 0:
         return y, s, mean, rstd
     if not use_triton(x):
-        return _norm_fwd_torch(x, n, weight, bias, eps, is_rms_norm, residual, x_bias, p, seed, store_s)
+        y, s, mean_t, rstd_t = _norm_fwd_torch(x, n, weight, bias, eps, is_rms_norm, residual, x_bias, p, seed,
+                                               store_s)
+        rstd.view(-1).copy_(rstd_t)
+        if not is_rms_norm:
+            mean.view(-1).copy_(mean_t)
+        return y, s, mean, rstd
     x2, stride_x = as_rows(x, n)
     r2, stride_r = as_rows(residual, n) if residual is not None else (x2, 0)
     block_m, block_n, single, num_warps = _fwd_config(n)
@@ -648,16 +656,16 @@ OptTensor = torch.Tensor | None
 def _layer_norm_op(x: Tensor, normalized_shape: list[int], weight: OptTensor, bias: OptTensor,
                    eps: float) -> tuple[Tensor, Tensor, Tensor]:
     n = _check_norm_inputs("layer_norm", x, normalized_shape, weight, bias, eps)
-    y, _, mean, rstd = layer_norm_fwd(x, n, weight, bias, eps)
-    lead = _stats_shape(x, len(normalized_shape))
-    return y, mean.view(lead), rstd.view(lead)
+    y, _, mean, rstd = layer_norm_fwd(x, n, weight, bias, eps, stats_shape=_stats_shape(x, len(normalized_shape)))
+    return y, mean, rstd
 
 
 @torch.library.custom_op("trifuse::rms_norm", mutates_args=())
 def _rms_norm_op(x: Tensor, normalized_shape: list[int], weight: OptTensor, eps: float) -> tuple[Tensor, Tensor]:
     n = _check_norm_inputs("rms_norm", x, normalized_shape, weight, None, eps)
-    y, _, _, rstd = layer_norm_fwd(x, n, weight, None, eps, is_rms_norm=True)
-    return y, rstd.view(_stats_shape(x, len(normalized_shape)))
+    y, _, _, rstd = layer_norm_fwd(x, n, weight, None, eps, is_rms_norm=True,
+                                   stats_shape=_stats_shape(x, len(normalized_shape)))
+    return y, rstd
 
 
 @torch.library.custom_op("trifuse::dropout_add_layer_norm", mutates_args=())
@@ -681,9 +689,9 @@ def _dropout_add_norm(x, residual, normalized_shape, weight, bias, eps, p, x_bia
     n = _check_norm_inputs(op, x, normalized_shape, weight, bias, eps, residual, x_bias, p)
     seed = philox_seed(x.device) if p > 0.0 else torch.zeros(1, dtype=torch.int64, device=x.device)
     y, s, mean, rstd = layer_norm_fwd(x, n, weight, bias, eps, is_rms_norm=is_rms_norm,
-                                      residual=residual, x_bias=x_bias, p=p, seed=seed, store_s=True)
-    lead = _stats_shape(x, len(normalized_shape))
-    return y, s, (mean if is_rms_norm else mean.view(lead)), rstd.view(lead), seed
+                                      residual=residual, x_bias=x_bias, p=p, seed=seed, store_s=True,
+                                      stats_shape=_stats_shape(x, len(normalized_shape)))
+    return y, s, mean, rstd, seed
 
 
 @torch.library.custom_op("trifuse::layer_norm_backward", mutates_args=())
