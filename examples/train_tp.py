@@ -1,12 +1,14 @@
 """Trains GPT-2 (from a config, random weights, random tokens) with tensor + sequence parallelism.
 
-    torchrun --nproc-per-node N examples/train_tp.py                    # N-way TP+SP
+    torchrun --nproc-per-node N examples/train_tp.py                    # N-way TP+SP, fused
+    torchrun --nproc-per-node N examples/train_tp.py --no-fuse          # PyTorch's ops instead
     torchrun --nproc-per-node 4 examples/train_tp.py --dp 2             # 2-way FSDP2 x 2-way TP+SP
     torchrun --nproc-per-node N examples/train_tp.py --vocab-parallel   # embedding + LM head split too
     torchrun --nnodes 2 --nproc-per-node 8 ... examples/train_tp.py --dp 2   # TP in a node, DP across
 
 On GPUs: NCCL, bf16 autocast, GPT-2 small by default. Without GPUs: gloo on CPU, a tiny model,
-fp32. Every rank prints its tokens/s (tokens it processed: the whole batch of its data-parallel
+fp32. trifuse.fuse is applied before sharding unless --no-fuse: the fused blocks run trifuse's
+kernels on the sequence shards (DTensors) too. Every rank prints its tokens/s (tokens it processed: the whole batch of its data-parallel
 group, since the ranks of a tensor-parallel group share a batch).
 """
 
@@ -40,6 +42,12 @@ def parse() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20 if gpu else 4)
     p.add_argument("--warmup", type=int, default=3 if gpu else 1)
     p.add_argument("--no-sp", action="store_true", help="tensor parallelism without sequence parallelism")
+    p.add_argument(
+        "--fuse",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="apply trifuse.fuse before sharding (default: on)",
+    )
     p.add_argument(
         "--vocab-parallel",
         action="store_true",
@@ -80,6 +88,8 @@ def main() -> None:
         eos_token_id=0,
     )
     model = GPT2LMHeadModel(config).to(device)
+    if args.fuse:
+        model = trifuse.fuse(model)
     trifuse.parallel.shard(model, mesh, sequence_parallel=not args.no_sp, vocab_parallel=args.vocab_parallel)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
 
@@ -107,7 +117,7 @@ def main() -> None:
     last = loss.full_tensor() if args.vocab_parallel else loss
     peak = f", peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB" if gpu else ""
     print(
-        f"rank {rank}/{world} (dp {args.dp} x tp {tp}, sp {not args.no_sp}, {device.type}): "
+        f"rank {rank}/{world} (dp {args.dp} x tp {tp}, sp {not args.no_sp}, fused {args.fuse}, {device.type}): "
         f"loss {last.item():.3f}, {tokens * args.steps / seconds:,.0f} tokens/s, "
         f"{seconds / args.steps * 1e3:.1f} ms/step{peak}",
         flush=True,

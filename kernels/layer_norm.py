@@ -453,21 +453,29 @@ def layer_norm_fwd(
     p: float = 0.0,
     seed: torch.Tensor | None = None,
     store_s: bool = False,
+    stats_shape: tuple[int, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Normalizes the last `n` features of `x`. Returns (y, s, mean, rstd): y and s shaped like
-    x (s is x itself unless store_s), mean and rstd (rows,) in fp32 (mean empty for RMSNorm)."""
+    x (s is x itself unless store_s), mean and rstd (rows,) in fp32 (mean empty for RMSNorm),
+    or shaped `stats_shape` (x's leading dims; same memory), as the registered ops return them."""
     dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     weight, bias, x_bias = _flat(weight), _flat(bias), _flat(x_bias)
     m = x.numel() // n if n else 0
     stat_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     y = torch.empty(x.shape, dtype=dtype, device=x.device)
     s = torch.empty(x.shape, dtype=dtype, device=x.device) if store_s else x
-    rstd = torch.empty(m, dtype=stat_dtype, device=x.device)
-    mean = torch.empty(0 if is_rms_norm else m, dtype=stat_dtype, device=x.device)
+    shape = (m,) if stats_shape is None else stats_shape
+    rstd = torch.empty(shape, dtype=stat_dtype, device=x.device)
+    mean = torch.empty(0 if is_rms_norm else shape, dtype=stat_dtype, device=x.device)
     if m == 0:
         return y, s, mean, rstd
     if not use_triton(x):
-        return _norm_fwd_torch(x, n, weight, bias, eps, is_rms_norm, residual, x_bias, p, seed, store_s)
+        y, s, mean_t, rstd_t = _norm_fwd_torch(x, n, weight, bias, eps, is_rms_norm, residual, x_bias, p, seed,
+                                               store_s)
+        rstd.view(-1).copy_(rstd_t)
+        if not is_rms_norm:
+            mean.view(-1).copy_(mean_t)
+        return y, s, mean, rstd
     x2, stride_x = as_rows(x, n)
     r2, stride_r = as_rows(residual, n) if residual is not None else (x2, 0)
     block_m, block_n, single, num_warps = _fwd_config(n)
@@ -627,8 +635,11 @@ def _check_norm_inputs(op, x, normalized_shape, weight, bias, eps, residual=None
     return math.prod(normalized_shape)
 
 
-def _stats_shape(x: torch.Tensor, k: int) -> int:
-    return math.prod(x.shape[: x.dim() - k])
+def _stats_shape(x: torch.Tensor, k: int) -> tuple[int, ...]:
+    """The registered ops' per-row statistics are shaped like x's leading (not normalized) dims,
+    so that a DTensor sharded on any leading dim has statistics sharded on the same dim
+    (parallel/dtensor_ops.py); the launchers work on them flattened, (rows,)."""
+    return tuple(x.shape[: x.dim() - k])
 
 
 # =============================================================================================
@@ -645,14 +656,15 @@ OptTensor = torch.Tensor | None
 def _layer_norm_op(x: Tensor, normalized_shape: list[int], weight: OptTensor, bias: OptTensor,
                    eps: float) -> tuple[Tensor, Tensor, Tensor]:
     n = _check_norm_inputs("layer_norm", x, normalized_shape, weight, bias, eps)
-    y, _, mean, rstd = layer_norm_fwd(x, n, weight, bias, eps)
+    y, _, mean, rstd = layer_norm_fwd(x, n, weight, bias, eps, stats_shape=_stats_shape(x, len(normalized_shape)))
     return y, mean, rstd
 
 
 @torch.library.custom_op("trifuse::rms_norm", mutates_args=())
 def _rms_norm_op(x: Tensor, normalized_shape: list[int], weight: OptTensor, eps: float) -> tuple[Tensor, Tensor]:
     n = _check_norm_inputs("rms_norm", x, normalized_shape, weight, None, eps)
-    y, _, _, rstd = layer_norm_fwd(x, n, weight, None, eps, is_rms_norm=True)
+    y, _, _, rstd = layer_norm_fwd(x, n, weight, None, eps, is_rms_norm=True,
+                                   stats_shape=_stats_shape(x, len(normalized_shape)))
     return y, rstd
 
 
@@ -677,7 +689,8 @@ def _dropout_add_norm(x, residual, normalized_shape, weight, bias, eps, p, x_bia
     n = _check_norm_inputs(op, x, normalized_shape, weight, bias, eps, residual, x_bias, p)
     seed = philox_seed(x.device) if p > 0.0 else torch.zeros(1, dtype=torch.int64, device=x.device)
     y, s, mean, rstd = layer_norm_fwd(x, n, weight, bias, eps, is_rms_norm=is_rms_norm,
-                                      residual=residual, x_bias=x_bias, p=p, seed=seed, store_s=True)
+                                      residual=residual, x_bias=x_bias, p=p, seed=seed, store_s=True,
+                                      stats_shape=_stats_shape(x, len(normalized_shape)))
     return y, s, mean, rstd, seed
 
 
@@ -686,9 +699,11 @@ def _layer_norm_backward_op(
     dy: Tensor, ds: OptTensor, s: Tensor, normalized_shape: list[int], weight: OptTensor,
     mean: Tensor, rstd: Tensor, seed: OptTensor, p: float, is_rms_norm: bool, store_dresidual: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dx, dresidual, dweight, dbias, dx_bias) for every LayerNorm / RMSNorm forward op."""
+    """(dx, dresidual, dweight, dbias, dx_bias) for every LayerNorm / RMSNorm forward op. mean
+    and rstd as the forward op returned them (RMSNorm ignores mean)."""
     dx, dr, dw, db, dxb = layer_norm_bwd(
-        dy, s, math.prod(normalized_shape), weight, mean, rstd, is_rms_norm=is_rms_norm, ds=ds,
+        dy, s, math.prod(normalized_shape), weight, mean.reshape(-1), rstd.reshape(-1),
+        is_rms_norm=is_rms_norm, ds=ds,
         p=p, seed=seed, store_dresidual=store_dresidual,
     )
     # A custom op's outputs may not alias: dresidual is empty unless stored apart, and the three
@@ -761,13 +776,20 @@ def _setup_plain(ctx, inputs, output, is_rms_norm):
     x, normalized_shape, weight = inputs[0], inputs[1], inputs[2]
     bias = None if is_rms_norm else inputs[3]
     stats = output[1:]
-    mean, rstd = (stats[0][:0], stats[0]) if is_rms_norm else stats
+    # RMSNorm has no mean; its backward ignores the argument, and rstd stands in for it (a slice
+    # would do too, but not as simply for a DTensor).
+    mean, rstd = (stats[0], stats[0]) if is_rms_norm else stats
     ctx.save_for_backward(x, weight, bias, mean, rstd)
     ctx.normalized_shape, ctx.is_rms_norm = normalized_shape, is_rms_norm
     ctx.needs = ctx.needs_input_grad
+    # Unused outputs' gradients arrive as None, not as zeros autograd would make as plain
+    # tensors (which a DTensor op refuses beside DTensors, and which cost a pass to read).
+    ctx.set_materialize_grads(False)
 
 
 def _backward_plain(ctx, dy, *_):
+    if dy is None:
+        return (None,) * (4 if ctx.is_rms_norm else 5)
     x, weight, bias, mean, rstd = ctx.saved_tensors
     dx, _, dw, db, _ = torch.ops.trifuse.layer_norm_backward(
         dy, None, x, ctx.normalized_shape, weight, mean, rstd, None, 0.0, ctx.is_rms_norm, False)
@@ -786,10 +808,15 @@ def _setup_fused(ctx, inputs, output, is_rms_norm):
     ctx.normalized_shape, ctx.is_rms_norm, ctx.p = normalized_shape, is_rms_norm, p
     ctx.x_dtype, ctx.has_residual = x.dtype, residual is not None
     ctx.residual_dtype = residual.dtype if residual is not None else None
+    ctx.set_materialize_grads(False)  # as _setup_plain
 
 
 def _backward_fused(ctx, dy, ds, *_):
+    if dy is None and ds is None:
+        return (None,) * (7 if ctx.is_rms_norm else 8)
     s, weight, bias, x_bias, mean, rstd, seed = ctx.saved_tensors
+    if dy is None:  # only s was used: y's gradient is zero (ds alone is read as is)
+        dy = torch.zeros_like(s)
     p = ctx.p
     # With a residual, the kernel writes dresidual apart from dx (they differ under dropout, and
     # a custom op may not return one tensor twice).

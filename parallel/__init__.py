@@ -28,3 +28,16 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted(list(globals()) + __all__)
+
+
+def _register_dtensor_strategies() -> None:
+    # DTensor sharding strategies for the trifuse:: ops (dtensor_ops.py), so that fused models
+    # run under sequence parallelism. torch._dynamo, which trifuse.fusion imports, has already
+    # imported torch.distributed.tensor, so this costs little; without torch.distributed it is
+    # a no-op.
+    from .dtensor_ops import register
+
+    register()
+
+
+_register_dtensor_strategies()

@@ -1,0 +1,226 @@
+"""DTensor sharding strategies for trifuse's registered ops, so that a fused model can be sharded.
+
+Under sequence parallelism (`shard(model, mesh)`'s default) the residual stream between the
+attention and MLP cores is a DTensor sharded on the sequence dim, and the norms' weights are
+replicated DTensors: a fused block then calls `trifuse::layer_norm`, `trifuse::dropout_add_layer_norm`,
+... on DTensors. DTensor runs an op on the local shards once it knows, for some placement of the
+inputs, the placement of the outputs; `register_sharding` (torch.distributed.tensor.experimental,
+the same in torch 2.11 to 2.13) tells it. Per mesh dim, the strategies offered are:
+
+    norms (x normalized over its last k dims; weights per feature)
+        x, residual, s, dy, ds  Shard(d), d any leading dim   Replicate
+        weight, bias, x_bias    Replicate                     Replicate
+        y, s, dx, dresidual     Shard(d)                      Replicate
+        mean, rstd              Shard(d) (shaped like x's leading dims, see kernels/layer_norm.py)
+        dweight, dbias, dx_bias Partial() (each rank summed its rows; DTensor adds them up)
+    dropout_add, bias_gelu (elementwise, bias over the last dim)
+        x, residual, dy         Shard(d), d a leading dim     Shard(last)          Replicate
+        bias                    Replicate                     Shard(0)             Replicate
+        dbias                   Partial()                     Shard(0)             Replicate
+
+Empty tensors (the mean an RMSNorm does not have, a dresidual or dbias not asked for) are
+Replicate. The dropout seed an op returns is Replicate: it is drawn on every rank from that
+rank's generator, which `random.py` makes differ across ranks wherever the activations do
+(sequence shards drop independently) and agree elsewhere, and it only flows back into the same
+op's backward, where it is again Replicate: DTensor never moves it.
+
+DTensor caches a strategy per input layout and, by default, ignores non-tensor arguments
+(register_sharding's schema info hashes none of `list[int]`, float or bool arguments); the
+backward ops' output shapes depend on flags (dresidual, dbias empty or not), so the schema info
+is set to hash every argument from the first non-tensor one on.
+
+`register()` runs on `import trifuse` (from trifuse.parallel) and does nothing when
+torch.distributed or DTensor is unavailable.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_REGISTERED = False
+
+
+def _placements():
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    return Partial, Replicate, Shard
+
+
+def _empty(t) -> bool:
+    return t is not None and t.shape.numel() == 0
+
+
+def _norm_strategies(x, k: int, tensors: dict, outputs: list[str]):
+    """Strategies for a norm op. `tensors` gives each op argument, in order, as (role, value):
+    "row" (shaped like x), "stat" (x's leading dims), "feat" (per feature, replicated), "seed",
+    or None (not a tensor, or absent). `outputs` likewise, with "part" for per-feature partial
+    sums (the weight gradients). Empty values are Replicate."""
+    Partial, Replicate, Shard = _placements()
+    lead = x.ndim - k
+
+    def place(role, value, shard):
+        if role is None or value is None:
+            return None
+        if _empty(value) and role != "row":  # an RMSNorm's mean, an unused dresidual
+            return Replicate()
+        if shard is None:
+            return Replicate()
+        if role in ("row", "stat"):
+            return Shard(shard)
+        if role == "part":
+            return Partial()
+        return Replicate()  # "feat", "seed"
+
+    strategies = []
+    for shard in (None, *range(lead)):
+        outs = [place(role, value, shard) for role, value in outputs]
+        ins = [place(role, value, shard) for role, value in tensors]
+        strategies.append((outs, ins))
+    return strategies
+
+
+def _elementwise_strategies(x, args: list, outputs: list):
+    """Strategies for an elementwise op with a per-feature bias over the last dim. `args` and
+    `outputs` are (role, value) pairs: "row" (shaped like x), "bias" (per feature), "part" (an
+    output per-feature reduction: dbias), "seed", or None (not a tensor or absent)."""
+    Partial, Replicate, Shard = _placements()
+
+    def place(role, value, shard):
+        if role is None or value is None:
+            return None
+        if shard is None or (_empty(value) and role != "row") or role == "seed":
+            return Replicate()
+        if role == "row":
+            return Shard(shard)
+        if shard == x.ndim - 1:  # sharded over features: bias and dbias too
+            return Shard(0)
+        return Replicate() if role == "bias" else Partial()
+
+    strategies = []
+    for shard in (None, *range(x.ndim)):
+        strategies.append(([place(r, v, shard) for r, v in outputs], [place(r, v, shard) for r, v in args]))
+    return strategies
+
+
+def register() -> bool:
+    """Registers the strategies once; False when DTensor is not available here."""
+    global _REGISTERED
+    if _REGISTERED:
+        return True
+    if not torch.distributed.is_available():
+        return False
+    try:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
+        from torch.distributed.tensor.experimental import register_sharding
+    except ImportError:
+        return False
+    import trifuse.kernels  # noqa: F401  (the ops must be defined first)
+
+    ops = torch.ops.trifuse
+
+    @register_sharding(ops.layer_norm.default)
+    def _layer_norm(x, normalized_shape, weight, bias, eps):
+        return _norm_strategies(
+            x, len(normalized_shape), [("row", x), (None, None), ("feat", weight), ("feat", bias), (None, None)],
+            [("row", x), ("stat", x), ("stat", x)],
+        )
+
+    @register_sharding(ops.rms_norm.default)
+    def _rms_norm(x, normalized_shape, weight, eps):
+        return _norm_strategies(
+            x, len(normalized_shape), [("row", x), (None, None), ("feat", weight), (None, None)],
+            [("row", x), ("stat", x)],
+        )
+
+    def _dropout_add_norm(x, residual, normalized_shape, weight, bias, eps, p, x_bias, is_rms_norm):
+        args = [("row", x), ("row", residual), (None, None), ("feat", weight)]
+        if not is_rms_norm:
+            args.append(("feat", bias))
+        args += [(None, None), (None, None), ("feat", x_bias)]
+        # The RMSNorm's mean output is empty: any non-empty stand-in marks it "stat" only when
+        # the op returns one (see place(): empty tensors are Replicate).
+        mean = _EMPTY if is_rms_norm else x
+        return _norm_strategies(
+            x, len(normalized_shape), args,
+            [("row", x), ("row", x), ("stat", mean), ("stat", x), ("seed", x)],
+        )
+
+    @register_sharding(ops.dropout_add_layer_norm.default)
+    def _dropout_add_layer_norm(x, residual, normalized_shape, weight, bias, eps, p, x_bias):
+        return _dropout_add_norm(x, residual, normalized_shape, weight, bias, eps, p, x_bias, False)
+
+    @register_sharding(ops.dropout_add_rms_norm.default)
+    def _dropout_add_rms_norm(x, residual, normalized_shape, weight, eps, p, x_bias):
+        return _dropout_add_norm(x, residual, normalized_shape, weight, None, eps, p, x_bias, True)
+
+    @register_sharding(ops.layer_norm_backward.default)
+    def _layer_norm_backward(dy, ds, s, normalized_shape, weight, mean, rstd, seed, p, is_rms_norm,
+                             store_dresidual):
+        args = [("row", dy), ("row", ds), ("row", s), (None, None), ("feat", weight), ("stat", mean),
+                ("stat", rstd), ("seed", seed), (None, None), (None, None), (None, None)]
+        return _norm_strategies(
+            s, len(normalized_shape), args,
+            [("row", s), ("row" if store_dresidual else "stat", s if store_dresidual else _EMPTY),
+             ("part", s), ("part", s), ("part", s)],
+        )
+
+    @register_sharding(ops.dropout_add.default)
+    def _dropout_add(x, residual, p, bias):
+        return _elementwise_strategies(
+            x, [("row", x), ("row", residual), (None, None), ("bias", bias)], [("row", x), ("seed", x)]
+        )
+
+    @register_sharding(ops.dropout_add_backward.default)
+    def _dropout_add_backward(dy, seed, p, has_bias):
+        return _elementwise_strategies(
+            dy, [("row", dy), ("seed", seed), (None, None), (None, None)],
+            [("row", dy), ("part", dy if has_bias else _EMPTY)],
+        )
+
+    @register_sharding(ops.bias_gelu.default)
+    def _bias_gelu(x, bias, approximate):
+        return _elementwise_strategies(x, [("row", x), ("bias", bias), (None, None)], [("row", x)])
+
+    @register_sharding(ops.bias_gelu_backward.default)
+    def _bias_gelu_backward(dy, x, bias, approximate):
+        return _elementwise_strategies(
+            x, [("row", dy), ("row", x), ("bias", bias), (None, None)],
+            [("row", x), ("part", x if bias is not None else _EMPTY)],
+        )
+
+    # Hash every argument from the first non-tensor one on (see the module docstring).
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    infos = getattr(propagator, "op_to_schema_info", None)
+    for packet in (ops.layer_norm, ops.rms_norm, ops.dropout_add_layer_norm, ops.dropout_add_rms_norm,
+                   ops.layer_norm_backward, ops.dropout_add, ops.dropout_add_backward, ops.bias_gelu,
+                   ops.bias_gelu_backward):
+        op = packet.default
+        if infos is not None and op in infos:
+            first = next(
+                (i for i, a in enumerate(op._schema.arguments) if not _is_tensor_type(a.type)),
+                len(op._schema.arguments),
+            )
+            infos[op] = RuntimeSchemaInfo(static_argnum=first, needs_pytree=True)
+    _REGISTERED = True
+    return True
+
+
+def _is_tensor_type(t) -> bool:
+    if isinstance(t, torch.OptionalType):
+        t = t.getElementType()
+    return isinstance(t, torch.TensorType)
+
+
+class _Empty:
+    """Stands in for an output that is empty (its placement is Replicate)."""
+
+    class shape:
+        @staticmethod
+        def numel() -> int:
+            return 0
+
+    ndim = 1
+
+
+_EMPTY = _Empty()
