@@ -98,6 +98,9 @@ class Unit:
             reason += " (per-layer state: a capture would recompile for every layer; call with use_cache=False to train fused)"
         return reason
 
+    def _annotate(self, graph: fx.Graph, log: RewriteLog) -> None:
+        """Adds to the notes of this rewrite's replacements what only this kind of unit knows."""
+
     def _eager(self, module: torch.nn.Module, args: tuple, kwargs: dict, reason: str) -> Any:
         self.eager_calls[reason] += 1
         self.last[module] = None
@@ -120,6 +123,7 @@ class Unit:
         except Exception as e:  # noqa: BLE001  (never break a model: run the capture unfused)
             capture.error = f"{type(e).__name__}: {e}"
             return gm
+        self._annotate(work.graph, log)
         _merge(capture.log, log)
         capture.graphs += 1
         if self.verbose:
@@ -280,6 +284,10 @@ class DynamoUnit(Unit):
         return run
 
 
+# Views and casts between the head's output and the loss: `logits.float().view(-1, vocab)`.
+_SHAPE_AND_DTYPE = {"view", "reshape", "flatten", "to", "float", "contiguous"}
+
+
 class HeadUnit(DynamoUnit):
     """The model's own forward, for what it does around its body: the LM head and the loss.
 
@@ -309,6 +317,25 @@ class HeadUnit(DynamoUnit):
 
         module.forward = types.MethodType(forward, module)
         self.fenced.append(path)
+
+    def _annotate(self, graph: fx.Graph, log: RewriteLog) -> None:
+        """A loss fused alone whose logits are an input of its graph: the LM head ran in an earlier
+        graph (Dynamo broke the forward between the head and the loss, as at transformers'
+        `loss_function`, which logs a warning), so linear_cross_entropy could not see it. The report
+        says so, as it does when the model also needs the logits (BERT)."""
+        nodes = {n.name: n for n in graph.nodes}
+        for r in log.replaced:
+            if r.family != "cross_entropy" or r.pattern.startswith("linear_") or "not linear_cross_entropy" in r.note:
+                continue
+            node = nodes.get(r.node)
+            logits = node.args[0] if node is not None and node.args else None
+            while isinstance(logits, fx.Node) and logits.op in ("call_method", "call_function") and logits.args \
+                    and getattr(logits.target, "__name__", logits.target) in _SHAPE_AND_DTYPE:
+                logits = logits.args[0]
+            if isinstance(logits, fx.Node) and logits.op == "placeholder":
+                why = ("not linear_cross_entropy: the logits are an input of this graph, the head ran in an "
+                       "earlier one (a graph break between the head and the loss)")
+                r.note = "; ".join(n for n in (r.note, why) if n)
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         self.capturing = True

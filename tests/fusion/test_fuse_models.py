@@ -99,6 +99,24 @@ def test_fused_model_matches_and_runs_trifuse_ops(name):
     assert not trifuse.report(model).unfused_calls()
 
 
+@pytest.mark.skipif(not has_op("linear_cross_entropy"), reason="trifuse.ops.linear_cross_entropy not in this build")
+@pytest.mark.parametrize("name, reason", [
+    # BERT's head and loss are in one graph: the model returns the logits, so the head stays
+    ("bert", "is also used by output, outside the pattern"),
+    # GPT-2's loss_function logs a warning (a graph break): the loss graph gets the logits as an input
+    ("gpt2", "the logits are an input of this graph, the head ran in an earlier one (a graph break"),
+])
+def test_report_says_why_the_head_is_not_fused(name, reason):
+    torch.manual_seed(0)
+    model, inputs, loss_fn = getattr(_models, name)()
+    trifuse.fuse(model)
+    loss_fn(model, inputs(2, 8))
+    report = trifuse.report(model)
+    assert report.by_pattern()["cross_entropy" if name == "bert" else "cross_entropy_upcast"] == 1
+    line = next(row for row in report.table().splitlines() if "replaced  cross_entropy" in row)
+    assert "(not linear_cross_entropy" in line and reason in line, line
+
+
 def test_optimizer_made_before_fuse_trains_the_fused_model():
     torch.manual_seed(0)
     model, inputs, loss_fn = _models.gpt2()

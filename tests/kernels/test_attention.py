@@ -6,17 +6,16 @@ unequal blocks (32 queries x 16 keys, 16 x 32 in the dK/dV kernel), so sequence 
 same tests run natively with the tuned blocks, add bf16, every head dim and longer sequences.
 """
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.nn.functional as F
+import trifuse
+from _device import DEVICE, ON_GPU
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tolerances import DTYPES, assert_close, check_close
-
-from _device import DEVICE, ON_GPU
-import trifuse
 from trifuse.kernels import attention as attn_mod
 from trifuse.kernels.attention import attention_ref
 
@@ -60,6 +59,13 @@ CASES = [
     Case(sq=19, sk=21, d=8),  # head dim below the 16-wide dot tile
     Case(sq=20, sk=24, d=80),
     Case(h=1, sq=17, sk=17, d=160, causal=True),
+    # the wide head dims (on CPU too), short sequences that are not multiples of the blocks
+    Case(h=1, sq=13, sk=13, d=96, causal=True),
+    Case(h=1, sq=7, sk=19, d=96),
+    Case(h=1, sq=19, sk=19, d=192),
+    Case(h=1, sq=5, sk=18, d=192, causal=True),
+    Case(h=1, sq=11, sk=11, d=256, causal=True),
+    Case(h=1, sq=20, sk=9, d=256),
 ]
 if ON_GPU:
     CASES += [Case(b=2, h=3, sq=300, sk=300, d=d, causal=c)
