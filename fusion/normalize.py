@@ -174,8 +174,16 @@ def _method(node: fx.Node) -> None:
         other = {k: v for k, v in node.kwargs.items() if k != "dtype"}
         if isinstance(dtype, torch.dtype) and not other and len(node.args) <= 2:
             node.args, node.kwargs = (node.args[0], dtype), {}
-    elif name == "type" and len(node.args) == 2 and isinstance(node.args[1], torch.dtype):
-        node.target = "to"
+    elif name == "type" and len(node.args) == 2 and not node.kwargs and _is_dtype(node.args[1]):
+        node.target = "to"  # `p.type(v.dtype)`: fx keeps `v.dtype` a node until example values fold it
+
+
+def _is_dtype(arg: Any) -> bool:
+    """A dtype constant, or an `x.dtype` node (fx's symbolic trace: a dtype, whatever x holds)."""
+    if isinstance(arg, torch.dtype):
+        return True
+    return isinstance(arg, fx.Node) and arg.op == "call_function" and arg.target is getattr \
+        and arg.args[1:] == ("dtype",)
 
 
 def _bind(node: fx.Node, target: Callable[..., Any], sig_of: Callable[..., Any]) -> None:

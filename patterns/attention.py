@@ -5,16 +5,27 @@ style: the score matrix never exists).
   and with K and V repeated per query group first (`repeat_interleave`, or Llama's
   `expand` + `reshape`), which becomes `enable_gqa=True` on the un-repeated K and V.
 - The explicit chain `softmax(q @ k^T * scale [+ mask]) [-> dropout] @ v`: scale as a multiply
-  or a divide, the mask added, or applied with `masked_fill(mask, -inf)` (nanoGPT's causal
-  buffer), the softmax optionally computed in fp32 and cast back (Hugging Face's eager code).
-  Each combination is one pattern built from `attention_chain` below.
+  or a divide, the mask added, or applied with `masked_fill(mask, fill)` (nanoGPT's causal
+  buffer: True = drop) or `torch.where(mask, scores, fill)` (True = keep), the softmax optionally
+  computed in fp32 and cast back (Hugging Face's eager code) or followed by a plain cast to the
+  value's dtype (`.type(value.dtype)`, transformers' GPT-2 eager code; a no-op, as the filter
+  requires). Each combination is one pattern built from `attention_chain` below.
 - `F.multi_head_attention_forward` as `nn.MultiheadAttention` (and so nn.TransformerEncoder)
   calls it for self-attention without returned weights: its in-projection, heads and
   out-projection stay as matmuls around the fused attention.
 
-Dropout keeps its p and is off when the model's training flag is off, as in the model. A
-`masked_fill` with a value other than -inf is not a mask (a fully masked row would differ) and is
-left alone, and so is a scale given as a tensor (the op takes a number).
+Dropout keeps its p and is off when the model's training flag is off, as in the model.
+
+The fill of `masked_fill` / `where` is -inf or the scores' `torch.finfo(dtype).min` (transformers'
+value). With either, a row the mask leaves partly open is exactly the bool-masked softmax
+(exp(min - max) underflows to 0). A row masked whole differs: with -inf the unfused softmax gives
+NaN and the op gives 0 (SDPA's rule; as for every -inf mask trifuse fuses), while with finfo.min
+every score of the row is the same number, so the unfused softmax is uniform and the output the
+mean of V over the keys: the replacement puts exactly that into those rows (its gradient goes to V
+only, as in the unfused code). Under active dropout that uniform row would be dropped out too,
+which the replacement does not draw, so a finfo.min fill with dropout on is left; so is any other
+finite fill (-1e4, -1e9: whether a partly open row underflows depends on the scores), and a scale
+given as a tensor (the op takes a number).
 """
 import functools
 import itertools
@@ -55,25 +66,42 @@ def sdpa_gqa_fused(q, k, v, attn_mask, dropout_p, is_causal, scale, n_rep=None, 
 
 
 def attention_chain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, scale, mask: torch.Tensor,
-                    p, training, dtype, *, scaling: str, masking: str, dropout: bool, upcast: bool):
-    """softmax(q @ k^T scaled [masked]) [dropped out] @ v, in the spelling the keywords choose."""
+                    fill, p, training, dtype, *, scaling: str, masking: str, dropout: bool, softmax: str):
+    """softmax(q @ k^T scaled [masked]) [cast] [dropped out] @ v, in the spelling the keywords choose.
+
+    softmax: "plain", "upcast" (computed in fp32, cast to `dtype`), or "cast" (computed in the
+    scores' dtype, then cast to `dtype`: GPT-2's `.type(value.dtype)`)."""
     s = torch.matmul(q, k.transpose(d0, d1))
     s = s * scale if scaling == "mul" else s / scale
     if masking == "add":
         s = s + mask
     elif masking == "masked_fill":
-        s = s.masked_fill(mask, float("-inf"))
-    a = torch.softmax(s, -1, torch.float32).to(dtype) if upcast else torch.softmax(s, -1)
+        s = s.masked_fill(mask, fill)
+    elif masking == "where":
+        s = torch.where(mask, s, fill)
+    if softmax == "upcast":
+        a = torch.softmax(s, -1, torch.float32).to(dtype)
+    elif softmax == "cast":
+        a = torch.softmax(s, -1).to(dtype)
+    else:
+        a = torch.softmax(s, -1)
     if dropout:
         a = F.dropout(a, p, training, False)
     return torch.matmul(a, v)
 
 
-def attention_chain_fused(q, k, v, d0, d1, scale, mask=None, p=0.0, training=False, dtype=None, *,
-                          scaling: str, masking: str, dropout: bool, upcast: bool):
+def attention_chain_fused(q, k, v, d0, d1, scale, mask=None, fill=None, p=0.0, training=False, dtype=None, *,
+                          scaling: str, masking: str, dropout: bool, softmax: str):
     if masking == "masked_fill":
         mask = torch.logical_not(mask)  # masked_fill marks what to drop, an attention mask what to keep
-    return ops.attention(q, k, v, mask, p if training else 0.0, False, scale if scaling == "mul" else 1.0 / scale)
+    o = ops.attention(q, k, v, mask, p if training else 0.0, False, scale if scaling == "mul" else 1.0 / scale)
+    if masking in ("masked_fill", "where") and fill != float("-inf"):
+        # finfo.min fill (the filter allows no other finite one): a row masked whole is a softmax
+        # of equal numbers, uniform, so the unfused output there is the mean of V over the keys;
+        # the op gives 0 with zero gradients there, and the where takes V's mean instead.
+        open_row = mask.any(-1, keepdim=True)
+        o = torch.where(open_row, o, v.mean(-2, keepdim=True))
+    return o
 
 
 def _transposes_last_two(m: Match) -> str | None:
@@ -98,15 +126,47 @@ def _casts_back_to_q(m: Match) -> str | None:
     return None
 
 
-def _chain_pattern(scaling: str, masking: str, dropout: bool, upcast: bool) -> Pattern:
-    opts = {"scaling": scaling, "masking": masking, "dropout": dropout, "upcast": upcast}
+def _cast_is_a_no_op(m: Match) -> str | None:
+    """softmax(s).to(dtype) with s in q's dtype: fused only where the cast changes nothing (q, v and
+    `dtype` agree); otherwise the unfused code mixes dtypes the op does not take."""
+    q, v = m.value("q"), m.value("v")
+    if not isinstance(q, torch.Tensor) or not isinstance(v, torch.Tensor):
+        return "no dtype for q or v"
+    if not (m["dtype"] == q.dtype == v.dtype):
+        return f"casts the probabilities ({q.dtype}) to {m['dtype']}, with v in {v.dtype}: not a no-op"
+    return None
+
+
+def _fill_masks(m: Match, dropout: bool) -> str | None:
+    """The masked_fill / where value is -inf, or the scores' finfo.min with no active dropout."""
+    fill, q = m["fill"], m.value("q")
+    if not is_number(fill):
+        return f"the fill is {fill!r}, not a constant number"
+    if fill == float("-inf"):
+        return None
+    if not isinstance(q, torch.Tensor):
+        return "no dtype for q"
+    if fill != torch.finfo(q.dtype).min:
+        return (f"a finite fill {fill} that is not finfo({q.dtype}).min: whether a partly masked row "
+                f"underflows to exactly 0 depends on the scores")
+    if dropout and m["training"] is not False and not (is_number(m["p"]) and m["p"] == 0):
+        return "a finfo.min fill under active dropout: the unfused code drops out fully masked rows too"
+    return None
+
+
+def _chain_pattern(scaling: str, masking: str, dropout: bool, softmax: str) -> Pattern:
+    opts = {"scaling": scaling, "masking": masking, "dropout": dropout, "softmax": softmax}
     name = "_".join(["attention_chain", scaling, masking or "no_mask", "dropout" if dropout else "no_dropout",
-                     *(["upcast"] if upcast else [])])
+                     *([softmax] if softmax != "plain" else [])])
     filters = [_transposes_last_two, _scale_is_number]
     if dropout:
         filters += [needs_number("p"), needs_bool("training")]
-    if upcast:
+    if masking in ("masked_fill", "where"):
+        filters.append(functools.partial(_fill_masks, dropout=dropout))
+    if softmax == "upcast":
         filters.append(_casts_back_to_q)
+    elif softmax == "cast":
+        filters.append(_cast_is_a_no_op)
     return Pattern(name, "attention", functools.partial(attention_chain, **opts),
                    functools.partial(attention_chain_fused, **opts), ("attention",), tuple(filters))
 
@@ -160,7 +220,7 @@ PATTERNS = (
     Pattern("sdpa", "attention", sdpa, sdpa_fused, ("attention",),
             (needs_number("dropout_p"), needs_bool("is_causal", "enable_gqa"))),
     *(_chain_pattern(*opts) for opts in itertools.product(
-        ("mul", "div"), ("add", "masked_fill", ""), (True, False), (False, True))),
+        ("mul", "div"), ("add", "masked_fill", "where", ""), (True, False), ("plain", "upcast", "cast"))),
     Pattern("self_attention_mha", "attention", self_attention_mha, self_attention_mha_fused, ("attention",),
             (needs_number("dropout_p"), needs_bool("training"), _mha_masks)),
 )

@@ -13,7 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ._base import Pattern, ops
+from ._base import Match, Pattern, ops
 
 
 def gelu_tanh_written_out(x: torch.Tensor):
@@ -55,7 +55,30 @@ def conv1d_gelu_fused(x2d, weight, bias, shape, approximate):
     return ops.bias_gelu(torch.mm(x2d, weight).view(shape), bias, approximate)
 
 
+def addmm_gelu(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, approximate):
+    return F.gelu(torch.addmm(bias, x2d, weight), approximate=approximate)
+
+
+def addmm_gelu_fused(x2d, weight, bias, approximate):
+    return ops.bias_gelu(torch.mm(x2d, weight), bias, approximate)
+
+
+def bias_is_a_row_vector(m: Match) -> str | None:
+    """addmm's bias broadcasts; the op's bias is one vector over the output columns."""
+    b, w = m.value("bias"), m.value("weight")
+    if not isinstance(b, torch.Tensor) or not isinstance(w, torch.Tensor):
+        return "no shape for the bias or the weight"
+    if b.dim() != 1 or b.shape[0] != w.shape[-1]:
+        return f"addmm's bias has shape {tuple(b.shape)}, not ({w.shape[-1]},)"
+    return None
+
+
 # Stage 2: a written-out GeLU became bias_gelu(x, None); the linear before it gives its bias.
+
+
+def addmm_bias_gelu(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, approximate):
+    return ops.bias_gelu(torch.addmm(bias, x2d, weight), None, approximate)
+
 
 
 def linear_bias_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, approximate):
@@ -74,6 +97,9 @@ PATTERNS = (
     Pattern("gelu_erf_written_out", "bias_gelu", gelu_erf_written_out, gelu_erf_fused, _OPS),
     Pattern("linear_gelu", "bias_gelu", linear_gelu, linear_gelu_fused, _OPS, stage=1),
     Pattern("conv1d_gelu", "bias_gelu", conv1d_gelu, conv1d_gelu_fused, _OPS, stage=1),
+    Pattern("addmm_gelu", "bias_gelu", addmm_gelu, addmm_gelu_fused, _OPS, (bias_is_a_row_vector,), stage=1),
     Pattern("linear_bias_gelu", "bias_gelu", linear_bias_gelu, linear_gelu_fused, _OPS, stage=2),
     Pattern("conv1d_bias_gelu", "bias_gelu", conv1d_bias_gelu, conv1d_gelu_fused, _OPS, stage=2),
+    Pattern("addmm_bias_gelu", "bias_gelu", addmm_bias_gelu, addmm_gelu_fused, _OPS, (bias_is_a_row_vector,),
+            stage=2),
 )

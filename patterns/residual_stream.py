@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ._base import Pattern, needs_bool, needs_number, ops
+from .bias_gelu import bias_is_a_row_vector
 
 
 def dropout_add_layer_norm(x: torch.Tensor, residual: torch.Tensor, p, training, normalized_shape,
@@ -57,7 +58,7 @@ def add_rms_norm_fused(x, residual, normalized_shape, weight, eps):
     return y, s
 
 
-# Stage 2: the bias of the linear (nn.Linear, or HF's Conv1D: addmm + view) producing x.
+# Stage 2: the bias of the linear (nn.Linear, HF's Conv1D: addmm + view, or a plain addmm) producing x.
 
 
 def linear_residual_norm(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor, residual: torch.Tensor,
@@ -83,6 +84,18 @@ def conv1d_residual_norm_fused(h2d, w, b, shape, residual, normalized_shape, wei
                                       eps, p, training, b, is_rms_norm)
 
 
+def addmm_residual_norm(h2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor,
+                        normalized_shape, norm_weight, norm_bias, eps, p, training, is_rms_norm):
+    return ops.dropout_add_layer_norm(torch.addmm(bias, h2d, weight), residual, normalized_shape, norm_weight,
+                                      norm_bias, eps, p, training, None, is_rms_norm)
+
+
+def addmm_residual_norm_fused(h2d, weight, bias, residual, normalized_shape, norm_weight, norm_bias, eps, p, training,
+                              is_rms_norm):
+    return ops.dropout_add_layer_norm(torch.mm(h2d, weight), residual, normalized_shape, norm_weight, norm_bias,
+                                      eps, p, training, bias, is_rms_norm)
+
+
 _DROPOUT = (needs_number("p"), needs_bool("training"))
 _OPS = ("dropout_add_layer_norm", "layer_norm")
 _RMS_OPS = ("dropout_add_layer_norm", "rms_norm")
@@ -99,4 +112,6 @@ PATTERNS = (
             ("dropout_add_layer_norm",), stage=2),
     Pattern("conv1d_residual_norm", "residual_stream", conv1d_residual_norm, conv1d_residual_norm_fused,
             ("dropout_add_layer_norm",), stage=2),
+    Pattern("addmm_residual_norm", "residual_stream", addmm_residual_norm, addmm_residual_norm_fused,
+            ("dropout_add_layer_norm",), (bias_is_a_row_vector,), stage=2),
 )

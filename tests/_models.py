@@ -38,11 +38,11 @@ def _quiet_transformers():
 
 
 @_on_device
-def gpt2(dropout: float = 0.0, layers: int = LAYERS):
+def gpt2(dropout: float = 0.0, layers: int = LAYERS, attn_implementation: str = "sdpa"):
     tf = _quiet_transformers()
     cfg = tf.GPT2Config(n_layer=layers, n_embd=HIDDEN, n_head=HEADS, n_positions=64, vocab_size=VOCAB,
                         resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=0,
-                        eos_token_id=0, attn_implementation="sdpa")
+                        eos_token_id=0, attn_implementation=attn_implementation)
     model = tf.GPT2LMHeadModel(cfg)
 
     def inputs(batch, seq):
@@ -53,12 +53,12 @@ def gpt2(dropout: float = 0.0, layers: int = LAYERS):
 
 
 @_on_device
-def bert(dropout: float = 0.0, layers: int = LAYERS):
+def bert(dropout: float = 0.0, layers: int = LAYERS, attn_implementation: str = "sdpa"):
     tf = _quiet_transformers()
     cfg = tf.BertConfig(num_hidden_layers=layers, hidden_size=HIDDEN, num_attention_heads=HEADS,
                         intermediate_size=2 * HIDDEN, vocab_size=VOCAB, max_position_embeddings=64,
                         hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
-                        attn_implementation="sdpa")
+                        attn_implementation=attn_implementation)
     model = tf.BertForMaskedLM(cfg)
 
     def inputs(batch, seq):

@@ -19,13 +19,20 @@ LOSS = {"cross_entropy": 1}
 # blocks (each ln_1 and ln_f take the add before them). Without it, its blocks fuse one by one.
 NANOGPT = ({"layer_norm": 1, "attention": L, "bias_gelu": L, "residual_stream": 2 * L, **LOSS}
            if has_op("cross_entropy") else PRE_NORM)
+BERT = {"layer_norm": 2, "attention": L, "bias_gelu": L + 1, "residual_stream": 2 * L, **LOSS}
+# The attention pattern each eager model's blocks take.
+EAGER_ATTENTION = {"gpt2-eager": "attention_chain_mul_add_dropout_cast",
+                   "bert-eager": "attention_chain_mul_add_dropout"}
 # In eval without grad, nn.TransformerEncoderLayer runs PyTorch's own fused fast path
 # (torch._transformer_encoder_layer_fwd): nothing is left to fuse there.
 EVAL_FAST_PATH = ("encoder-post-norm", "encoder-pre-norm")
 MODELS = {
     # name: (builder, counts in every forward)
     "gpt2": (_models.gpt2, {**PRE_NORM, **LOSS}),
-    "bert": (_models.bert, {"layer_norm": 2, "attention": L, "bias_gelu": L + 1, "residual_stream": 2 * L, **LOSS}),
+    "bert": (_models.bert, BERT),
+    # transformers' eager attention: the explicit chain (GPT-2's with `.type(value.dtype)` after the softmax)
+    "gpt2-eager": (lambda: _models.gpt2(attn_implementation="eager"), {**PRE_NORM, **LOSS}),
+    "bert-eager": (lambda: _models.bert(attn_implementation="eager"), BERT),
     "vit": (_models.vit, {**PRE_NORM, **LOSS}),
     "llama": (_models.llama, {"rms_norm": L + 1, "attention": L, "residual_stream": L, **LOSS}),
     "encoder-post-norm": (lambda: _models.transformer_encoder(False),
@@ -77,6 +84,8 @@ def test_fused_model_matches_and_runs_trifuse_ops(name):
         if p64.grad is not None:
             assert_close(f"grad {pname}", p.grad, p64.grad, pr.grad)
     assert trifuse.report(model).counts() == counts
+    if name in EAGER_ATTENTION and has_op("attention"):
+        assert trifuse.report(model).by_pattern()[EAGER_ATTENTION[name]] == L
     for family in counts:
         assert set(OPS[family]) & names, f"{family}: trifuse ops that ran: {sorted(names)}"
 

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+import trifuse
 from _fusing import check_against_unfused, fuse_via, needs_ops, trifuse_ops_run
 from torch import nn
 
@@ -93,7 +94,38 @@ def chain_upcast(m, q, k, v):  # transformers' eager_attention_forward
     return torch.matmul(w, v)
 
 
+def chain_where_neg_inf(m, q, k, v):  # the mask says what to keep
+    att = (q @ k.transpose(-2, -1)) * 0.3
+    att = torch.where(m.keep, att, float("-inf"))
+    return F.softmax(att, dim=-1) @ v
+
+
+def chain_where_finfo_min(m, q, k, v):  # transformers' older eager code: finfo.min, rows masked whole
+    att = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(D)
+    att = torch.where(m.keep_some_rows_none, att, torch.finfo(torch.float32).min)
+    att = F.dropout(F.softmax(att, dim=-1), 0.1, m.training)
+    return torch.matmul(att, v)
+
+
+def chain_masked_fill_finfo_min(m, q, k, v):
+    att = (q @ k.transpose(-2, -1)) * 0.3
+    att = att.masked_fill(~m.keep_some_rows_none, torch.finfo(torch.float32).min)
+    return F.softmax(att, dim=-1) @ v
+
+
+def chain_cast_to_v(m, q, k, v):  # transformers 5's GPT-2 eager_attention_forward
+    w = torch.matmul(q, k.transpose(-1, -2)) * 0.35
+    w = w + m.mask
+    w = F.softmax(w, dim=-1)
+    w = w.type(v.dtype)
+    w = F.dropout(w, p=0.0, training=m.training)
+    return torch.matmul(w, v)
+
+
 CAUSAL = torch.tril(torch.ones(S, S)).view(1, 1, S, S)
+KEEP = torch.tril(torch.ones(S, S, dtype=torch.bool)).view(1, 1, S, S) & PAD  # every row keeps key 0
+KEEP_SOME_ROWS_NONE = KEEP.clone().expand(B, 1, S, S).clone()
+KEEP_SOME_ROWS_NONE[1, 0, 2] = False  # one query row of batch 1 sees no key
 
 
 @pytest.mark.parametrize("capture", CAPTURES)
@@ -109,11 +141,60 @@ CAUSAL = torch.tril(torch.ones(S, S)).view(1, 1, S, S)
     (chain_div_no_mask, {}, H, "attention_chain_div_no_mask_no_dropout"),
     (chain_masked_fill, {"causal": CAUSAL}, H, "attention_chain_mul_masked_fill_no_dropout"),
     (chain_upcast, {"mask": ADDITIVE}, H, "attention_chain_mul_add_dropout_upcast"),
+    (chain_where_neg_inf, {"keep": KEEP}, H, "attention_chain_mul_where_no_dropout"),
+    (chain_where_finfo_min, {"keep_some_rows_none": KEEP_SOME_ROWS_NONE}, H, "attention_chain_div_where_dropout"),
+    (chain_masked_fill_finfo_min, {"keep_some_rows_none": KEEP_SOME_ROWS_NONE}, H,
+     "attention_chain_mul_masked_fill_no_dropout"),
+    (chain_cast_to_v, {"mask": ADDITIVE}, H, "attention_chain_mul_add_dropout_cast"),
 ], ids=lambda v: v.__name__ if callable(v) else None)
 def test_spelling_fuses_and_matches(fn, buffers, h_kv, pattern, capture):
     make = functools.partial(Fn, fn, **buffers)
     report = check_against_unfused(make, qkv(h_kv), capture)
     assert report.by_pattern() == {pattern: 1}
+
+
+def test_finfo_min_rows_masked_whole_are_the_mean_of_v():
+    """The unfused softmax of a row filled whole with finfo.min is uniform: the output there is
+    V's mean over the keys (not 0, SDPA's rule for bool masks), and so is the fused one."""
+    model = fuse_via(Fn(chain_masked_fill_finfo_min, keep_some_rows_none=KEEP_SOME_ROWS_NONE), "dynamo")
+    q, k, v = qkv()
+    torch.testing.assert_close(model(q, k, v)[1, :, 2], v[1].mean(-2))
+    assert trifuse.report(model).by_pattern() == {"attention_chain_mul_masked_fill_no_dropout": 1}
+
+
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+@pytest.mark.parametrize("arch", ["gpt2", "bert"])
+def test_transformers_attention_block(arch, attn_implementation):
+    """transformers 5's eager attention (GPT-2's ends in `.type(value.dtype)` after the softmax),
+    one block: fused into trifuse.attention, outputs and gradients as unfused."""
+    tf = pytest.importorskip("transformers")
+    tf.logging.set_verbosity_error()
+    if arch == "gpt2":
+        cfg = tf.GPT2Config(n_embd=H * D, n_head=H, n_positions=S, attn_pdrop=0.0, resid_pdrop=0.0,
+                            attn_implementation=attn_implementation)
+        make = functools.partial(tf.models.gpt2.modeling_gpt2.GPT2Attention, cfg, layer_idx=0)
+    else:
+        cfg = tf.BertConfig(hidden_size=H * D, num_attention_heads=H, attention_probs_dropout_prob=0.0,
+                            attn_implementation=attn_implementation)
+        make = functools.partial(tf.models.bert.modeling_bert.BertSelfAttention, cfg)
+    mask = ADDITIVE.clone()
+    mask[0, ..., -2:] = torch.finfo(torch.float32).min  # padding, as transformers builds it
+    report = check_against_unfused(lambda: _FirstOutput(make(), mask), (torch.randn(B, S, H * D),), "dynamo")
+    expected = ("sdpa" if attn_implementation == "sdpa" else
+                "attention_chain_mul_add_dropout_cast" if arch == "gpt2" else "attention_chain_mul_add_dropout")
+    assert report.by_pattern() == {expected: 1}
+
+
+class _FirstOutput(nn.Module):
+    """The attention module's output for a fixed mask (a buffer: the op takes no mask gradient)."""
+
+    def __init__(self, inner, mask):
+        super().__init__()
+        self.inner = inner
+        self.register_buffer("mask", mask)
+
+    def forward(self, x):
+        return self.inner(x, attention_mask=self.mask)[0]
 
 
 def test_trifuse_op_runs():
@@ -173,8 +254,26 @@ def chain_returns_probs(m, q, k, v):  # output_attentions=True: the probabilitie
     return p @ v, p
 
 
+def chain_where_finite_fill(m, q, k, v):  # -1e4 is not finfo.min: a partly open row might not underflow
+    att = torch.where(m.keep, (q @ k.transpose(-2, -1)) * 0.3, -1e4)
+    return F.softmax(att, dim=-1) @ v
+
+
+def chain_where_fill_first(m, q, k, v):  # where(drop, -inf, s): True drops, the other polarity
+    att = torch.where(m.keep, float("-inf"), (q @ k.transpose(-2, -1)) * 0.3)
+    return F.softmax(att, dim=-1) @ v
+
+
+def chain_cast_to_other_dtype(m, q, k, v):  # the cast is not a no-op: probabilities and v in fp64
+    w = torch.softmax(q @ k.transpose(-2, -1) * 0.3, dim=-1)
+    return torch.matmul(w.type(torch.float64), v.double())
+
+
 @pytest.mark.parametrize("fn, buffers", [
     (chain_finite_fill, {"causal": CAUSAL}),
+    (chain_where_finite_fill, {"keep": KEEP}),
+    (chain_where_fill_first, {"keep": ~KEEP | torch.eye(S, dtype=torch.bool)}),
+    (chain_cast_to_other_dtype, {}),
     (chain_tensor_scale, {}),
     (chain_softmax_other_dim, {}),
     (chain_returns_probs, {}),
@@ -189,3 +288,17 @@ def test_rejections_say_why():
     assert any("outside the pattern" in reason for *_, reason in report.rejected())
     report = check_against_unfused(functools.partial(Fn, chain_tensor_scale), qkv(), "dynamo")
     assert any("tensor" in reason for *_, reason in report.rejected())
+    report = check_against_unfused(functools.partial(Fn, chain_where_finite_fill, keep=KEEP), qkv(), "dynamo")
+    assert any("finite fill" in reason for *_, reason in report.rejected())
+    report = check_against_unfused(functools.partial(Fn, chain_cast_to_other_dtype), qkv(), "dynamo")
+    assert any("not a no-op" in reason for *_, reason in report.rejected())
+
+
+def test_finfo_min_fill_under_active_dropout_is_left():
+    """Dropout would drop out the uniform row of a fully masked query too: not what the
+    replacement draws, so the spelling stays unfused in training with p > 0."""
+    model = fuse_via(Fn(chain_where_finfo_min, keep_some_rows_none=KEEP_SOME_ROWS_NONE).train(), "dynamo")
+    model(*qkv())
+    report = trifuse.report(model)
+    assert report.by_pattern() == {}
+    assert any("dropout" in reason for *_, reason in report.rejected())

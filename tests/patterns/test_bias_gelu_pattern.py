@@ -59,6 +59,19 @@ class LinearAct(nn.Module):
         return self.act(self.fc(x))
 
 
+class AddmmAct(nn.Module):
+    """A linear written as `torch.addmm(bias, x2d, w)` on rows, no view after it."""
+
+    def __init__(self, act, bias_shape=(2 * N,)):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(N, 2 * N) / N ** 0.5)
+        self.b = nn.Parameter(torch.randn(bias_shape))
+        self.act = act
+
+    def forward(self, x):
+        return self.act(torch.addmm(self.b, x.reshape(-1, N), self.w))
+
+
 @pytest.mark.parametrize("capture", CAPTURES)
 @pytest.mark.parametrize("make, pattern", [
     (lambda: LinearAct(nn.GELU()), "linear_gelu"),
@@ -69,8 +82,10 @@ class LinearAct(nn.Module):
     (lambda: LinearAct(Act(fast_gelu)), "linear_bias_gelu"),
     (lambda: LinearAct(Act(erf_gelu)), "linear_bias_gelu"),
     (lambda: LinearAct(nn.GELU(), conv1d=True), "conv1d_gelu"),
+    (lambda: AddmmAct(nn.GELU()), "addmm_gelu"),
+    (lambda: AddmmAct(Act(new_gelu)), "addmm_bias_gelu"),
 ], ids=["nn.GELU", "nn.GELU-tanh", "F.gelu-tanh", "conv1d-new-gelu", "new-gelu", "fast-gelu", "erf-written-out",
-        "conv1d-nn.GELU"])
+        "conv1d-nn.GELU", "addmm-nn.GELU", "addmm-new-gelu"])
 def test_spelling_fuses_and_matches(make, pattern, capture):
     # The oracle would catch exact <-> tanh: they differ by ~1e-3, far above fp32's bound.
     assert check_against_unfused(make, X, capture).by_pattern() == {pattern: 1}
@@ -105,7 +120,8 @@ class LinearOutputReused(LinearAct):
     lambda: LinearAct(Act(quick_gelu)),
     lambda: LinearAct(Act(wrong_constant_gelu)),
     lambda: LinearAct(nn.ReLU()),
-], ids=["no-bias", "quick-gelu", "wrong-constant", "relu"])
+    lambda: AddmmAct(nn.GELU(), bias_shape=(10, 2 * N)),  # addmm's bias per element, not a vector
+], ids=["no-bias", "quick-gelu", "wrong-constant", "relu", "addmm-2d-bias"])
 def test_not_gelu_after_a_biased_linear_is_left(make, capture):
     assert check_against_unfused(make, X, capture).by_pattern() == {}
 
@@ -115,3 +131,8 @@ def test_linear_output_used_elsewhere_is_rejected_with_a_reason(capture):
     report = check_against_unfused(lambda: LinearOutputReused(nn.GELU()), X, capture)
     assert report.by_pattern() == {}
     assert any("outside the pattern" in reason for *_, reason in report.rejected())
+
+
+def test_addmm_with_a_2d_bias_says_why():
+    report = check_against_unfused(lambda: AddmmAct(nn.GELU(), bias_shape=(10, 2 * N)), X, "dynamo")
+    assert any("addmm's bias has shape" in reason for *_, reason in report.rejected())

@@ -29,13 +29,29 @@ class Sublayer(nn.Module):
         return x + h if self.order == "residual_first" else h + x
 
 
+class AddmmSublayer(nn.Module):
+    """rows + dropout(addmm(b, rows, w)): the linear as a plain addmm, on (tokens, N) rows."""
+
+    def __init__(self, p=0.0, bias_shape=(N,)):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(N, N) / N ** 0.5)
+        self.b = nn.Parameter(torch.randn(bias_shape))
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x):
+        rows = x.reshape(-1, N)
+        return rows + self.drop(torch.addmm(self.b, rows, self.w))
+
+
 @pytest.mark.parametrize("capture", CAPTURES)
 @pytest.mark.parametrize("make, pattern", [
     (Sublayer, "linear_dropout_add"),
     (lambda: Sublayer(order="dropout_first"), "linear_dropout_add"),
     (lambda: Sublayer(bias=False), "dropout_add"),
     (lambda: Sublayer(conv1d=True), "conv1d_dropout_add"),
-], ids=["residual+dropout", "dropout+residual", "no-bias", "conv1d"])
+    (AddmmSublayer, "addmm_dropout_add"),
+    (lambda: AddmmSublayer(bias_shape=(10, N)), "dropout_add"),  # a 2-D addmm bias stays in the addmm
+], ids=["residual+dropout", "dropout+residual", "no-bias", "conv1d", "addmm", "addmm-2d-bias"])
 def test_spelling_fuses_and_matches(make, pattern, capture):
     assert check_against_unfused(make, X, capture).by_pattern() == {pattern: 1}
 

@@ -52,6 +52,21 @@ class Conv1DPostNorm(nn.Module):
         return self.ln(x + self.drop(self.c_proj(x)))
 
 
+class AddmmPostNorm(nn.Module):
+    """LayerNorm(rows + dropout(addmm(b, rows, w))): the linear as a plain addmm."""
+
+    def __init__(self, p=0.0, bias_shape=(N,)):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(N, N) / N ** 0.5)
+        self.b = nn.Parameter(torch.randn(bias_shape))
+        self.drop = nn.Dropout(p)
+        self.ln = nn.LayerNorm(N)
+
+    def forward(self, x):
+        rows = x.reshape(-1, N)
+        return self.ln(rows + self.drop(torch.addmm(self.b, rows, self.w)))
+
+
 @pytest.mark.parametrize("capture", CAPTURES)
 @pytest.mark.parametrize("make, expected", [
     (PreNorm, {"layer_norm": 1, "linear_residual_norm": 1}),
@@ -59,7 +74,10 @@ class Conv1DPostNorm(nn.Module):
     (lambda: PreNorm(norm=nn.RMSNorm), {"rms_norm": 1, "linear_residual_norm": 1}),
     (PostNorm, {"linear_residual_norm": 1}),
     (Conv1DPostNorm, {"conv1d_residual_norm": 1}),
-], ids=["pre-norm", "pre-norm-no-bias", "pre-norm-rms", "post-norm-bert", "post-norm-conv1d"])
+    (AddmmPostNorm, {"addmm_residual_norm": 1}),
+    (lambda: AddmmPostNorm(bias_shape=(10, N)), {"dropout_add_layer_norm": 1}),  # 2-D bias stays in the addmm
+], ids=["pre-norm", "pre-norm-no-bias", "pre-norm-rms", "post-norm-bert", "post-norm-conv1d", "post-norm-addmm",
+        "post-norm-addmm-2d-bias"])
 def test_spelling_fuses_and_matches(make, expected, capture):
     assert check_against_unfused(make, X, capture).by_pattern() == expected
 
