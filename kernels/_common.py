@@ -58,9 +58,11 @@ def check_shape(op: str, name: str, t: torch.Tensor, expected: Sequence[int]) ->
 def check_probability(op: str, name: str, p: float) -> None:
     # Under torch.compile(dynamic=True) p may be symbolic: check its example value (no guard);
     # one without any is checked when the op runs.
-    value = p.node.hint if isinstance(p, (torch.SymFloat, torch.SymInt)) else p
-    if value is None:
-        return
+    value = p
+    if isinstance(p, (torch.SymFloat, torch.SymInt)):
+        value = p.node.hint
+        if value is None:
+            return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
         raise ValueError(f"trifuse.{op}: {name} must be a probability in [0, 1], got {p!r}")
 
