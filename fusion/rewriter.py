@@ -16,7 +16,6 @@ removed. A replaced op consumed by a later, larger pattern counts only once, as 
 Every candidate left in the graph is reported with the reasons it was rejected, and so is every
 op of interest no pattern took.
 """
-import operator
 import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -267,27 +266,11 @@ def _evaluate(rgraph: fx.Graph, inputs: dict[str, Any]) -> tuple[dict[fx.Node, A
 
 
 def _hint(v: Any) -> Any:
-    """A symbolic scalar's example value (the ops' checks want a number), None when unknown;
-    tuples and lists (a shape such as HF Conv1D's `size()[:-1] + (nf,)`) element by element,
-    integer-like elements as plain ints, since `view` takes a tuple of ints and nothing else."""
+    """A symbolic scalar's example value (the ops' checks want a number), None when unknown."""
     if isinstance(v, (torch.SymInt, torch.SymFloat)):
         hint = v.node.hint
         return None if hint is None else hint
-    if isinstance(v, (tuple, list)) and not isinstance(v, torch.Size):
-        items = [_hint(x) for x in v]
-        if any(x is None and y is not None for x, y in zip(items, v)):
-            return None  # a symbolic element without a hint
-        return type(v)(_as_int(x) for x in items) if isinstance(v, list) else tuple(_as_int(x) for x in items)
     return v
-
-
-def _as_int(x: Any) -> Any:
-    if isinstance(x, (bool, int, float)) or x is None or not hasattr(x, "__index__"):
-        return x
-    try:
-        return operator.index(x)
-    except Exception:  # noqa: BLE001  (a fake or data-dependent value: leave it as it is)
-        return x
 
 
 class _no_guards:
