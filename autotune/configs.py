@@ -22,7 +22,7 @@ REGISTER_VALUES_PER_THREAD = 168
 
 
 def _pow2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
+    return 1 << (int(n) - 1).bit_length() if n > 1 else 1  # plain Python: see kernels/_common.py
 
 
 def _warps_for_width(block: int) -> int:

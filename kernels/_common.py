@@ -113,7 +113,9 @@ def device_sms(t: torch.Tensor) -> int:
 
 
 def next_power_of_2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
+    """The smallest power of two >= n (1 for n <= 1), in plain Python: Triton 3.9's
+    `triton.next_power_of_2` is JIT-wrapped and costs a few µs per host call."""
+    return 1 << (int(n) - 1).bit_length() if n > 1 else 1
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,10 +6,12 @@ every call: about 60 µs per launch on the lent H100 box, against a few µs of G
 small tensors of a training step. `CachedKernel` pays that once per specialization and then
 calls the compiled kernel's launcher directly.
 
-The specialization key reproduces what Triton specializes on: each tensor's dtype and whether
-its address is 16-byte aligned, each integer's width and whether it is 1 or a multiple of 16,
-every constexpr's value, and the device. Launch hooks are passed on as Triton does. Anything
-else (the interpreter, a Triton without `triton.knobs` or whose launcher signature differs) takes
+The cache key covers everything Triton specializes on, more finely: each tensor's dtype and
+whether its address is 16-byte aligned, each integer's value (Triton specializes on its width and
+whether it is 1 or a multiple of 16; keying on the value itself costs less per call than deriving
+those, at one entry per distinct shape, which pays Triton's own path once), every constexpr's
+value and launch option, and the device. Launch hooks are passed on as Triton does. Anything else
+(the interpreter, a Triton without `triton.knobs` or whose launcher signature differs) takes
 Triton's own path.
 """
 import warnings
@@ -22,8 +24,9 @@ from ..autotune.env import INTERPRET
 _knobs = getattr(triton, "knobs", None)  # Triton >= 3.4; older ones take Triton's own path
 
 
-def _int_spec(v: int) -> tuple[bool, bool, bool]:
-    return (v == 1, v % 16 == 0, -(2**31) <= v < 2**31)
+# A bound on the entries of one kernel: one per distinct launch signature (shapes, strides,
+# constexprs); a process that sees endlessly many shapes starts over rather than grow.
+MAX_ENTRIES = 4096
 
 
 class CachedKernel:
@@ -46,26 +49,31 @@ class CachedKernel:
             self.fn[grid](*args, **kwargs)
             return
         device = torch.cuda.current_device()
-        key = (device, tuple(kwargs.items()), *(
+        key = (device, tuple(kwargs.items()), *[
             (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
-            else _int_spec(a) if type(a) is int
-            else type(a)
+            else a if type(a) is int
+            else type(a)  # floats, bools, None: not specialized by value
             for a in args
-        ))
-        compiled = self._compiled.get(key)
-        if compiled is None:
-            self._compiled[key] = self.fn[grid](*args, **kwargs)
+        ])
+        entry = self._compiled.get(key)
+        if entry is None:
+            compiled = self.fn[grid](*args, **kwargs)
+            if len(self._compiled) >= MAX_ENTRIES:
+                self._compiled.clear()
+            # The launcher takes the constexprs after the runtime arguments; fixed for this key.
+            tail = tuple(kwargs[name] for name in self.fn.arg_names[len(args):])
+            self._compiled[key] = (compiled, tail)
             return
+        compiled, tail = entry
         try:
-            all_args = (*args, *(kwargs[name] for name in self.fn.arg_names[len(args):]))
             stream = torch._C._cuda_getCurrentRawStream(device)
             # Launch hooks (a profiler's) are honoured exactly as Triton's own path does.
             enter_hook = _knobs.runtime.launch_enter_hook
-            metadata = None if enter_hook is None else compiled.launch_metadata(grid, stream, *all_args)
+            metadata = None if enter_hook is None else compiled.launch_metadata(grid, stream, *args, *tail)
             compiled.run(
                 grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
                 stream, compiled.function, compiled.packed_metadata,
-                metadata, enter_hook, _knobs.runtime.launch_exit_hook, *all_args,
+                metadata, enter_hook, _knobs.runtime.launch_exit_hook, *args, *tail,
             )
         except (TypeError, AttributeError, KeyError) as e:
             # This Triton's launcher differs from the one this path was written for: use

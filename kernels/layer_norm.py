@@ -54,6 +54,7 @@ from ._common import (
 )
 from ._launch import CachedKernel
 from ._random import dropout_keep_quads
+from ._tiles import cdiv
 
 # Widest row (elements) kept whole in registers; wider rows are walked in chunks of this size.
 MAX_SINGLE_BLOCK_FWD = 16384
@@ -413,6 +414,7 @@ _sum_partials = CachedKernel(_sum_partials_kernel)
 # =============================================================================================
 
 
+@functools.lru_cache(maxsize=1024)
 def _fwd_config(n: int) -> tuple[int, int, bool, int]:
     """(BLOCK_M, BLOCK_N, single block?, num_warps) for the forward."""
     block_n = min(next_power_of_2(n), MAX_SINGLE_BLOCK_FWD)
@@ -421,12 +423,25 @@ def _fwd_config(n: int) -> tuple[int, int, bool, int]:
     return block_m, block_n, single, 8 if block_m * block_n >= 8192 else 4
 
 
+@functools.lru_cache(maxsize=1024)
 def _bwd_config(n: int) -> tuple[int, int, bool, int]:
     """(BLOCK_M, BLOCK_N, single block?, num_warps) for the backward."""
     block_n = min(next_power_of_2(n), MAX_SINGLE_BLOCK_BWD)
     single = n <= MAX_SINGLE_BLOCK_BWD
     block_m = max(1, BWD_TILE_ELEMENTS // block_n) if single else 1
     return block_m, block_n, single, min(16, max(4, block_m * block_n // 512))
+
+
+@functools.lru_cache(maxsize=1024)
+def _bwd_plan(m: int, n: int, sms: int) -> tuple[int, int, bool, int, int, int]:
+    """_bwd_config plus (programs, rows_per_program): each program owns a contiguous range of
+    rows, a multiple of BLOCK_M, and one row of the fp32 partial sums. Cached per shape: the
+    launcher pays a lookup, not this arithmetic."""
+    block_m, block_n, single, num_warps = _bwd_config(n)
+    per_sm = BWD_PROGRAMS_PER_SM if block_n <= 2048 else 1
+    programs = min(cdiv(m, block_m), per_sm * sms)
+    rows_per_program = cdiv(cdiv(m, programs), block_m) * block_m
+    return block_m, block_n, single, num_warps, cdiv(m, rows_per_program), rows_per_program
 
 
 def _flat(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -480,7 +495,7 @@ def layer_norm_fwd(
     r2, stride_r = as_rows(residual, n) if residual is not None else (x2, 0)
     block_m, block_n, single, num_warps = _fwd_config(n)
     has_dropout = p > 0.0
-    _layer_norm_fwd[(triton.cdiv(m, block_m),)](
+    _layer_norm_fwd[(cdiv(m, block_m),)](
         x2, r2, x2 if x_bias is None else x_bias, x2 if weight is None else weight,
         x2 if bias is None else bias, seed if has_dropout else x2,
         y, s if store_s else y, rstd if is_rms_norm else mean, rstd,
@@ -527,11 +542,7 @@ def layer_norm_bwd(
     s2, stride_s = as_rows(s, n)
     dy2, stride_dy = as_rows(dy, n)
     ds2, stride_ds = as_rows(ds, n) if ds is not None else (dy2, 0)
-    block_m, block_n, single, num_warps = _bwd_config(n)
-    per_sm = BWD_PROGRAMS_PER_SM if block_n <= 2048 else 1
-    programs = min(triton.cdiv(m, block_m), per_sm * device_sms(s))
-    rows_per_program = triton.cdiv(triton.cdiv(m, programs), block_m) * block_m
-    programs = triton.cdiv(m, rows_per_program)
+    block_m, block_n, single, num_warps, programs, rows_per_program = _bwd_plan(m, n, device_sms(s))
     partials = (torch.empty if single else torch.zeros)((3, programs, n), dtype=acc, device=s.device)
     has_dropout = p > 0.0
     _layer_norm_bwd[(programs,)](
@@ -545,7 +556,7 @@ def layer_norm_bwd(
     )
     vecs = tuple(None if d is None else torch.empty(n, dtype=d, device=s.device) for d in grad_dtypes)
     block = min(next_power_of_2(n), 1024)
-    _sum_partials[(triton.cdiv(n, block),)](
+    _sum_partials[(cdiv(n, block),)](
         partials, *(partials if v is None else v for v in vecs), programs, n, programs * n,
         BLOCK_N=block, BLOCK_P=16, STORE_DW=vecs[0] is not None, STORE_DB=vecs[1] is not None,
         STORE_DXB=vecs[2] is not None, num_warps=4,

@@ -1,4 +1,6 @@
 """CachedKernel: the thin launch path must launch exactly what Triton's own path launches."""
+import types
+
 import pytest
 import torch
 import triton
@@ -96,3 +98,63 @@ def test_attention_tuning_is_recorded_for_the_report():
     out.sum().backward()
     names = {d.name for d in records(kind="kernel")}
     assert {"attention_fwd", "attention_dkdv", "attention_dq"} <= names
+
+
+class _FakeJit:
+    """Stands in for a @triton.jit function on the direct-launch path: Triton's own launch
+    (`fn[grid](...)`) returns a compiled kernel whose `run` records what it was given."""
+
+    arg_names = ["X", "OUT", "n", "alpha", "BLOCK", "HAS_Y"]
+    __name__ = "fake_kernel"
+
+    def __init__(self):
+        self.slow_launches = 0
+        self.runs = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.slow_launches += 1
+            fake = self
+
+            class Compiled:
+                function, packed_metadata = "function", "packed"
+
+                def run(self, *a):
+                    fake.runs.append(a)
+            return Compiled()
+        return launch
+
+
+def test_direct_launch_path_keys_and_arguments(monkeypatch):
+    """The direct path (GPU only in real use) driven on CPU with a fake compiled kernel: one
+    entry per launch signature, floats not part of it, and the launcher gets the grid, the stream,
+    the runtime arguments and then the constexprs, in the kernel's order."""
+    import trifuse.kernels._launch as launch_mod
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
+    monkeypatch.setattr(launch_mod, "_knobs", types.SimpleNamespace(
+        runtime=types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)))
+    fake = _FakeJit()
+    kernel = CachedKernel(fake)
+    kernel._fast = True
+    buf = torch.zeros(64)
+    x, out = buf[:16], buf[16:32]
+    kernel[(3,)](x, out, 16, 2.0, BLOCK=64, HAS_Y=True, num_warps=1)  # first: Triton's own path
+    assert fake.slow_launches == 1 and not fake.runs
+    kernel[(3,)](x, out, 16, 5.0, BLOCK=64, HAS_Y=True, num_warps=1)  # another float: same entry
+    assert fake.slow_launches == 1 and len(kernel._compiled) == 1
+    assert fake.runs[-1] == (3, 1, 1, 1234, "function", "packed", None, None, None, x, out, 16, 5.0, 64, True)
+    for call in (
+        lambda: kernel[(3,)](x, out, 17, 2.0, BLOCK=64, HAS_Y=True, num_warps=1),  # another int
+        lambda: kernel[(3,)](buf[1:17], out, 16, 2.0, BLOCK=64, HAS_Y=True, num_warps=1),  # misaligned
+        lambda: kernel[(3,)](x, out, 16, 2.0, BLOCK=64, HAS_Y=False, num_warps=1),  # a constexpr
+        lambda: kernel[(3,)](x, out, 16, 2.0, BLOCK=64, HAS_Y=True, num_warps=2),  # a launch option
+        lambda: kernel[(3,)](x.double(), out, 16, 2.0, BLOCK=64, HAS_Y=True, num_warps=1),  # a dtype
+    ):
+        before = fake.slow_launches
+        call()
+        assert fake.slow_launches == before + 1, "a different specialization reused a compiled kernel"
+    monkeypatch.setattr(launch_mod, "MAX_ENTRIES", len(kernel._compiled))
+    kernel[(3,)](x, out, 99, 2.0, BLOCK=64, HAS_Y=True, num_warps=1)
+    assert len(kernel._compiled) == 1, "the cache is bounded"
