@@ -77,6 +77,8 @@ def run_one(name: str, provider: str, spec, steps: int, device: str) -> dict:
     t_setup = time.perf_counter()
     if provider == "trifuse.fuse":
         trifuse.fuse(model)
+    elif provider == "trifuse.fuse(skip_logits)":  # the loop uses only .loss: the head fuses with it
+        trifuse.fuse(model, skip_logits=True)
     elif provider == "torch.compile":
         model = torch.compile(model)
     elif provider.startswith("compile(backend="):
@@ -97,7 +99,7 @@ def run_one(name: str, provider: str, spec, steps: int, device: str) -> dict:
         "peak GiB": torch.cuda.max_memory_allocated() / 2**30 if gpu else float("nan"),
         "set-up s": setup_call + max(0.0, first - step),
     }
-    if provider == "trifuse.fuse":
+    if provider.startswith("trifuse.fuse"):
         row["fused"] = _fused_summary(model)
     del warm, opt, model
     return row
@@ -109,7 +111,7 @@ def _fused_summary(model) -> str:
 
 
 def providers(compile_: bool) -> list[str]:
-    out = ["eager-sdpa", "trifuse.fuse"]
+    out = ["eager-sdpa", "trifuse.fuse", "trifuse.fuse(skip_logits)"]
     if compile_:
         out += ["torch.compile", "compile(backend=trifuse)", "compile(backend=trifuse_inductor)"]
     return out

@@ -29,6 +29,7 @@ import contextvars
 import functools
 import inspect
 import itertools
+import logging
 import operator
 import types
 import weakref
@@ -98,6 +99,9 @@ class Unit:
             reason += " (per-layer state: a capture would recompile for every layer; call with use_cache=False to train fused)"
         return reason
 
+    def _before_rewrite(self, graph: fx.Graph) -> None:
+        """Changes the canonical graph before the patterns run, where only this kind of unit may."""
+
     def _annotate(self, graph: fx.Graph, log: RewriteLog) -> None:
         """Adds to the notes of this rewrite's replacements what only this kind of unit knows."""
 
@@ -118,12 +122,13 @@ class Unit:
         work = fx.GraphModule(gm, graph)
         try:
             canonicalize(work, root)
+            self._before_rewrite(work.graph)
             log = rewrite_graph(work.graph, self.patterns)
+            self._annotate(work.graph, log)
             work.recompile()
         except Exception as e:  # noqa: BLE001  (never break a model: run the capture unfused)
             capture.error = f"{type(e).__name__}: {e}"
             return gm
-        self._annotate(work.graph, log)
         _merge(capture.log, log)
         capture.graphs += 1
         if self.verbose:
@@ -299,10 +304,13 @@ class HeadUnit(DynamoUnit):
 
     strategy = "dynamo (head)"
 
-    def __init__(self, cls: type, patterns: Sequence[Pattern], verbose: bool) -> None:
+    def __init__(self, cls: type, patterns: Sequence[Pattern], verbose: bool, skip_logits: bool = False) -> None:
         super().__init__(cls, patterns, verbose)
         self.capturing = False
         self.fenced: list[str] = []
+        self.skip_logits = skip_logits
+        self._skip_now = False  # this call trains (module.training, grad enabled) with skip_logits
+        self.skipped_logits = 0  # graphs whose logits output was dropped for linear_cross_entropy
 
     def fence(self, module: torch.nn.Module, path: str) -> None:
         original = type(module).forward
@@ -318,13 +326,54 @@ class HeadUnit(DynamoUnit):
         module.forward = types.MethodType(forward, module)
         self.fenced.append(path)
 
+    def _before_rewrite(self, graph: fx.Graph) -> None:
+        """skip_logits, in a training call: the logits that feed a cross-entropy (through views and
+        casts) leave the graph's outputs, replaced by `_SKIPPED_LOGITS`, so the head and the loss
+        have no other user and fuse into linear_cross_entropy. `__call__` turns the placeholder
+        into None in what the model returns."""
+        self._pending: list[tuple[fx.Node, fx.Node]] = []
+        if not self._skip_now:
+            return
+        output = next(n for n in reversed(graph.nodes) if n.op == "output")
+        for node in list(graph.nodes):
+            if node.op != "call_function" or node.target is not torch.nn.functional.cross_entropy or not node.args:
+                continue
+            chain, logits = [], node.args[0]
+            while isinstance(logits, fx.Node):
+                chain.append(logits)
+                if not (logits.op in ("call_method", "call_function") and logits.args
+                        and getattr(logits.target, "__name__", logits.target) in _SHAPE_AND_DTYPE):
+                    break
+                logits = logits.args[0]
+            if not chain or chain[-1].target is not torch.nn.functional.linear:
+                continue  # not an LM head's output: nothing to gain
+            for logit in chain:
+                if output in logit.users:
+                    with graph.inserting_before(output):
+                        placeholder = graph.call_function(_skipped_logits, ())
+                    output.replace_input_with(logit, placeholder)
+                    self._pending.append((logit, placeholder))
+
     def _annotate(self, graph: fx.Graph, log: RewriteLog) -> None:
         """A loss fused alone whose logits are an input of its graph: the LM head ran in an earlier
         graph (Dynamo broke the forward between the head and the loss, as at transformers'
         `loss_function`, which logs a warning), so linear_cross_entropy could not see it. The report
         says so, as it does when the model also needs the logits (BERT)."""
         nodes = {n.name: n for n in graph.nodes}
+        live = set(graph.nodes)
+        output = next(n for n in reversed(graph.nodes) if n.op == "output")
+        for logits, placeholder in self._pending:
+            if logits in live:  # linear_cross_entropy did not take it: the logits are returned after all
+                output.replace_input_with(placeholder, logits)
+                graph.erase_node(placeholder)
+            else:
+                self.skipped_logits += 1
+        if self._pending and not self.skipped_logits:
+            log.skipped["skip_logits"] = "no LM head fused into linear_cross_entropy: the logits are returned"
         for r in log.replaced:
+            if r.family == "cross_entropy" and r.pattern.startswith("linear_") and self._skip_now:
+                r.note = "; ".join(n for n in (r.note, "the logits are not returned (fuse(..., skip_logits=True))")
+                                   if n)
             if r.family != "cross_entropy" or r.pattern.startswith("linear_") or "not linear_cross_entropy" in r.note:
                 continue
             node = nodes.get(r.node)
@@ -339,10 +388,69 @@ class HeadUnit(DynamoUnit):
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         self.capturing = True
+        self._skip_now = self.skip_logits and module.training and torch.is_grad_enabled()
+        ignored = _ignore_once_logging()
         try:
-            return super().__call__(module, args, kwargs)
+            out = super().__call__(module, args, kwargs)
         finally:
             self.capturing = False
+            ignored.difference_update(_ONCE_LOGGING_ADDED)
+        return _none_for_skipped_logits(out) if self._skip_now and self.skipped_logits else out
+
+
+# skip_logits: what a graph returns in place of the logits it no longer outputs. One zero-size
+# tensor, recognized by identity and replaced by None before the model's output reaches the user.
+_SKIPPED = torch.empty(0)
+
+
+def _skipped_logits() -> torch.Tensor:
+    return _SKIPPED
+
+
+def _none_for_skipped_logits(out: Any) -> Any:
+    """The model's output with the skipped-logits placeholder as None: a Hugging Face ModelOutput
+    (a dict subclass whose fields default to None) is rebuilt without it, a tuple or list gets None."""
+    if isinstance(out, dict):
+        if not any(v is _SKIPPED for v in out.values()):
+            return out
+        kept = {k: v for k, v in out.items() if v is not _SKIPPED}
+        try:
+            return type(out)(**kept)
+        except TypeError:
+            return {k: (None if v is _SKIPPED else v) for k, v in out.items()}
+    if isinstance(out, (tuple, list)):
+        items = [_none_for_skipped_logits(v) if isinstance(v, (dict, tuple, list)) else
+                 (None if v is _SKIPPED else v) for v in out]
+        return type(out)(items) if isinstance(out, list) or type(out) is tuple else type(out)(*items)
+    return None if out is _SKIPPED else out
+
+
+# Logger methods Hugging Face adds to logging.Logger (`warning_once`, `info_once`). Dynamo breaks the
+# graph at any Logger call; transformers' `loss_function` property calls `warning_once` between the
+# LM head and the loss, which split them into two graphs and kept linear_cross_entropy from seeing
+# the head. While a head unit runs, these (and only these) are no-ops inside its capture: a
+# once-only advisory message, not an error, is what the capture drops.
+# Looked up per call: transformers may be imported after trifuse.
+_ONCE_LOGGING = ("warning_once", "info_once")
+_ONCE_LOGGING_ADDED: set = set()
+
+
+def _ignore_once_logging() -> set:
+    """Add the once-only Logger methods to Dynamo's ignored logging functions (the set's name
+    changed across torch versions) and return the set; the caller removes `_ONCE_LOGGING_ADDED`."""
+    config = torch._dynamo.config
+    ignored = getattr(config, "ignore_logging_functions", None)
+    if ignored is None:
+        ignored = getattr(config, "ignore_logger_methods", None)
+    if ignored is None:  # an older torch without the option: the break stays, the report says so
+        return set()
+    _ONCE_LOGGING_ADDED.clear()
+    for name in _ONCE_LOGGING:
+        fn = getattr(logging.Logger, name, None)
+        if fn is not None and fn not in ignored:
+            ignored.add(fn)
+            _ONCE_LOGGING_ADDED.add(fn)
+    return ignored
 
 
 # =============================================================================================

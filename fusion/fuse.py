@@ -49,7 +49,8 @@ _RECORDS: "weakref.WeakKeyDictionary[torch.nn.Module, FuseRecord]" = weakref.Wea
 
 
 
-def fuse(model: torch.nn.Module, *, ops: Iterable[str] | None = None, verbose: bool = False) -> torch.nn.Module:
+def fuse(model: torch.nn.Module, *, ops: Iterable[str] | None = None, skip_logits: bool = False,
+         verbose: bool = False) -> torch.nn.Module:
     """Swaps trifuse's fused ops into `model`, in place, and returns the same object.
 
     Args:
@@ -59,6 +60,12 @@ def fuse(model: torch.nn.Module, *, ops: Iterable[str] | None = None, verbose: b
         ops: the families to fuse (`trifuse.fusion.FAMILIES`: "attention", "layer_norm",
             "rms_norm", "bias_gelu", "dropout_add", "residual_stream", "cross_entropy");
             None for all. "residual_stream" brings the norm families with it.
+        skip_logits: in training calls (`model.training` and grad enabled) whose forward computes
+            the loss from an LM head, return the logits as None so that the head and the loss fuse
+            into `linear_cross_entropy` and the (tokens x vocab) logits are never materialized
+            (Liger-Kernel's `skip_logits`). Off by default: the model returns its logits, and the
+            loss alone is fused on them. Eval calls, calls without grad and calls computing no
+            loss always return the logits. The report says where logits were skipped.
         verbose: print what was installed now, and each capture's table when it happens.
 
     Returns:
@@ -88,7 +95,11 @@ def fuse(model: torch.nn.Module, *, ops: Iterable[str] | None = None, verbose: b
                 continue
             unit.install(module, path)
     _visit(model, "", patterns, verbose, is_leaf, notes)
-    _install_head(model, patterns, verbose, block_set, notes)
+    head = _install_head(model, patterns, verbose, block_set, notes, skip_logits)
+    if skip_logits and head is None:
+        notes.append(Note("(model)", type(model).__name__, "skip_logits: no LM head and loss capture was installed "
+                          "(no loss in the model's forward, or fx traced it whole): the logits are returned",
+                          kind="note"))
     _RECORDS[model] = FuseRecord(families, notes)
     if verbose:
         from .report import report
@@ -97,7 +108,8 @@ def fuse(model: torch.nn.Module, *, ops: Iterable[str] | None = None, verbose: b
     return model
 
 
-def _install_head(model, patterns, verbose, block_set: set[int], notes: list[Note]) -> None:
+def _install_head(model, patterns, verbose, block_set: set[int], notes: list[Note],
+                  skip_logits: bool = False) -> HeadUnit | None:
     """A model whose forward computes a loss (and that fx could not trace whole) gets a Dynamo
     capture of that forward with its body fenced off: the LM head and the loss (issue 9)."""
     if installed_unit(model) is not None or "forward" in model.__dict__ or not blocks_of(model, block_set):
@@ -110,15 +122,17 @@ def _install_head(model, patterns, verbose, block_set: set[int], notes: list[Not
         return
     if not any(word in source for word in ("cross_entropy", "CrossEntropyLoss", "loss_function")):
         return
-    head = HeadUnit(type(model), patterns, verbose)
+    head = HeadUnit(type(model), patterns, verbose, skip_logits)
     for name, child in model.named_children():
         if id(child) not in block_set and blocks_of(child, block_set) and "forward" not in child.__dict__ \
                 and not isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)):
             head.fence(child, name)
     head.install(model, "(model)")
     fenced = ", ".join(head.fenced) or "nothing: its blocks are traced into the capture"
-    notes.append(Note("(model)", type(model).__name__, f"head and loss captured by Dynamo; fenced off: {fenced}",
+    skip = "; skip_logits: training calls return no logits" if skip_logits else ""
+    notes.append(Note("(model)", type(model).__name__, f"head and loss captured by Dynamo; fenced off: {fenced}{skip}",
                       kind="note"))
+    return head
 
 
 def blocks_of(module: torch.nn.Module, block_set: set[int]) -> bool:

@@ -7,7 +7,6 @@ import functools
 from collections.abc import Sequence
 
 import torch
-import triton
 import triton.language as tl
 
 from ..autotune.env import INTERPRET

@@ -7,6 +7,7 @@ import copy
 import _models
 import pytest
 import torch
+import torch.nn.functional as F
 import trifuse
 from _fusing import available_counts, has_op, trifuse_ops_run
 from tolerances import assert_close
@@ -112,8 +113,9 @@ def test_fused_model_matches_and_runs_trifuse_ops(name):
 @pytest.mark.parametrize("name, reason", [
     # BERT's head and loss are in one graph: the model returns the logits, so the head stays
     ("bert", "is also used by output, outside the pattern"),
-    # GPT-2's loss_function logs a warning (a graph break): the loss graph gets the logits as an input
-    ("gpt2", "the logits are an input of this graph, the head ran in an earlier one (a graph break"),
+    # GPT-2's loss_function logs a warning_once: a no-op inside the head capture, so head and
+    # loss are one graph, and the logits are returned as with BERT
+    ("gpt2", "is also used by output, outside the pattern"),
 ])
 def test_report_says_why_the_head_is_not_fused(name, reason):
     torch.manual_seed(0)
@@ -162,3 +164,107 @@ def test_training_with_dropout_tracks_the_unfused_model():
     # different dropout masks from the same distribution: the curves agree within dropout's noise
     assert (fused - unfused).abs().max() < 0.05 * unfused.mean(), losses
     assert trifuse.report(model).counts() == available_counts({**PRE_NORM, **LOSS})
+
+
+class LogitsAndLoss(torch.nn.Module):
+    """nanoGPT's real return, `(logits, loss)`: the head's output is both returned and the loss's input.
+    `soft_targets`: class probabilities as the target, which linear_cross_entropy does not take."""
+
+    def __init__(self, soft_targets: bool = False):
+        super().__init__()
+        self.soft_targets = soft_targets
+        self.embed = torch.nn.Embedding(_models.VOCAB, _models.HIDDEN)
+        self.h = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.LayerNorm(_models.HIDDEN),
+                                                         torch.nn.Linear(_models.HIDDEN, _models.HIDDEN))
+                                     for _ in range(2))
+        self.lm_head = torch.nn.Linear(_models.HIDDEN, _models.VOCAB, bias=False)
+
+    def forward(self, idx, targets=None):
+        x = self.embed(idx)
+        for block in self.h:
+            x = x + block(x)
+        logits = self.lm_head(x)
+        if targets is None:
+            return logits, None
+        if self.soft_targets:
+            targets = torch.nn.functional.one_hot(targets, logits.size(-1)).to(logits.dtype)
+            return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1, logits.size(-1)))
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def _logits_and_loss(soft_targets=False):
+    model = LogitsAndLoss(soft_targets)
+
+    def inputs(batch, seq):
+        ids = torch.randint(0, _models.VOCAB, (batch, seq))
+        return {"idx": ids, "targets": ids}
+
+    return model, inputs
+
+
+def _hf(name):
+    def build():
+        model, inputs, _ = getattr(_models, name)()
+        return model, inputs
+    return build
+
+
+def _loss_and_logits(out):
+    return (out[1], out[0]) if isinstance(out, tuple) else (out.loss, out.logits)
+
+
+@pytest.mark.skipif(not has_op("linear_cross_entropy"), reason="trifuse.ops.linear_cross_entropy not in this build")
+@pytest.mark.parametrize("name, build", [("gpt2", _hf("gpt2")), ("llama", _hf("llama")), ("bert", _hf("bert")),
+                                         ("logits-and-loss", _logits_and_loss)])
+def test_skip_logits_fuses_the_head_into_linear_cross_entropy(name, build):
+    torch.manual_seed(0)
+    model, inputs = build()
+    ref64 = copy.deepcopy(model).double()
+    trifuse.fuse(model, skip_logits=True)
+    kw = inputs(2, 8)
+    model.train()
+    ref64.train()
+    loss, logits = _loss_and_logits(model(**kw))
+    assert logits is None  # training with a loss: not materialized, returned as None
+    loss64, logits64 = _loss_and_logits(ref64(**_double_inputs(kw)))
+    loss.backward()
+    loss64.backward()
+    assert_close("loss", loss, loss64, None)
+    for (pname, p), p64 in zip(model.named_parameters(), ref64.parameters()):
+        if p64.grad is not None:
+            assert_close(f"grad {pname}", p.grad, p64.grad, None)
+    report = trifuse.report(model)
+    assert sum(n for pattern, n in report.by_pattern().items() if pattern.startswith("linear_cross_entropy")) == 1
+    assert "the logits are not returned (fuse(..., skip_logits=True))" in report.table()
+
+    # eval, and training without grad: the logits as always
+    model.eval()
+    ref64.eval()
+    with torch.no_grad():
+        _, logits = _loss_and_logits(model(**kw))
+        _, logits64 = _loss_and_logits(ref64(**_double_inputs(kw)))
+        assert_close("eval logits", logits, logits64, None)
+        model.train()
+        assert _loss_and_logits(model(**kw))[1] is not None
+
+
+def test_skip_logits_returns_the_logits_when_the_head_cannot_fuse():
+    # soft targets: linear_cross_entropy's filter rejects the match, so the logits stay an output
+    torch.manual_seed(0)
+    model, inputs = _logits_and_loss(soft_targets=True)
+    ref = copy.deepcopy(model)
+    trifuse.fuse(model, skip_logits=True)
+    kw = inputs(2, 8)
+    logits, loss = model(**kw)
+    ref_logits, ref_loss = ref(**kw)
+    assert logits is not None and logits.shape == ref_logits.shape
+    torch.testing.assert_close(loss, ref_loss)
+    assert "no LM head fused into linear_cross_entropy: the logits are returned" in trifuse.report(model).table()
+
+
+def test_skip_logits_off_by_default_returns_the_logits():
+    torch.manual_seed(0)
+    model, inputs = _logits_and_loss()
+    trifuse.fuse(model)
+    logits, _ = model(**inputs(2, 8))
+    assert logits is not None and logits.shape == (2, 8, _models.VOCAB)

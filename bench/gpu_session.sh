@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# One lent-GPU session's work, in stages that each fit one device call (10 minutes at most; a
+# session has 30 minutes of device time, machine start included). Run from the repo root:
+#
+#   here, once:  echo /.whl/ >> .git/info/exclude
+#                python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#                  --implementation cp --platform manylinux2014_x86_64 -d .whl liger-kernel==0.8.5
+#   device call 1 (carry .whl):  bash bench/gpu_session.sh tests host        (~8 min)
+#   device call 2 (carry .whl):  bash bench/gpu_session.sh kernels           (~9 min)
+#   device call 3 (carry .whl):  bash bench/gpu_session.sh e2e tune          (~9 min)
+#
+# Everything a stage writes (logs, bench/results/*, the exported tuning defaults) comes back as
+# ONE file, $OUT/session.tgz (the device returns at most 8 files per call). Unpack it here with
+# `tar xzf <files_at>/session.tgz` and commit bench/results/ with the device and versions.
+# The device image has torch 2.11, Triton 3.6, transformers, pytest and hypothesis; nothing can
+# be installed from the network there, so Liger-Kernel (a baseline) travels as a wheel.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/trifuse-out}
+LOGS=bench/results/logs
+mkdir -p "$OUT" "$LOGS"
+export PYTHONUNBUFFERED=1
+
+# trifuse is the repo root itself: make it importable as `trifuse` without a build step.
+mkdir -p /tmp/pkgs && ln -sfn "$PWD" /tmp/pkgs/trifuse
+export PYTHONPATH=/tmp/pkgs${PYTHONPATH:+:$PYTHONPATH}
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+
+stage() {  # stage NAME SECONDS COMMAND...: runs with a time limit, logs to $LOGS/NAME.log, never stops the script
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name (limit ${limit}s): $*"
+    local t0=$SECONDS
+    timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
+    local rc=$?
+    echo "=== $name: rc=$rc in $((SECONDS - t0))s"
+    tail -n 40 "$LOGS/$name.log"
+}
+
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+    python3 -c "import liger_kernel; print('liger-kernel loads')" 2>&1 | tail -n 1
+    git log -1 --format='commit %h %s' 2>/dev/null || true
+    date -u
+} > "$LOGS/device.txt" 2>&1
+cat "$LOGS/device.txt"
+
+for what in "$@"; do
+    case $what in
+        tests)  # what only a GPU shows: bf16, native compilation on Triton 3.6, the gpu-marked tests
+            stage tests-gpu 240 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests
+            stage tests-bf16 180 python3 -m pytest -q -p no:cacheprovider tests/kernels -k "bf16 or bfloat16" ;;
+        host)  # wall µs per call at tiny sizes, trifuse against PyTorch, and a cProfile of one case
+            stage profile-host 120 python3 bench/profile_host.py ;;
+        kernels)
+            for op in layer_norm residual_stream bias_gelu dropout_add cross_entropy attention; do
+                stage "bench-$op" 150 python3 "bench/bench_$op.py"
+            done ;;
+        e2e)  # GPT-2 medium training steps: eager, trifuse.fuse, trifuse.fuse(skip_logits)
+            stage bench-e2e 330 python3 bench/bench_e2e.py --steps 8 --models gpt2-medium ;;
+        tune)  # this GPU's winners, shipped as defaults for every H100 user
+            stage tune 240 python3 -m trifuse.autotune gpt2-medium --batch 8 --seq 1024 \
+                --export-defaults autotune/defaults/h100.json ;;
+        *) echo "unknown stage $what (tests host kernels e2e tune)" ;;
+    esac
+done
+
+tar czf "$OUT/session.tgz" bench/results autotune/defaults
+ls -l "$OUT"
