@@ -69,6 +69,7 @@ from ._common import (
     use_triton,
 )
 from ._launch import CachedKernel
+from ._tiles import cdiv
 from ._random import dropout_keep
 
 OP = "attention"
@@ -597,43 +598,52 @@ def _config_meta(cfg: triton.Config) -> dict:
     return meta
 
 
-class _TunedKernel:
-    """One attention kernel, its block sizes chosen by trifuse's persistent tuner (timed once per
-    key, kept on disk, replayed by later processes, shown by trifuse.report), launched through
-    `CachedKernel` (no per-call autotuner or Triton host work: about 60 µs a launch).
+_TUNERS = {kind: Tuner(f"attention_{kind}", functools.partial(_configs, kind), _KEY_NAMES) for kind in _KERNELS}
+_FWD = CachedKernel(_attn_fwd_kernel)
+_BWD_PREPROCESS = CachedKernel(_attn_bwd_preprocess_kernel)
+_BWD_DKDV = CachedKernel(_attn_bwd_dkdv_kernel)
+_BWD_DQ = CachedKernel(_attn_bwd_dq_kernel)
+_CACHED = {"fwd": _FWD, "dkdv": _BWD_DKDV, "dq": _BWD_DQ}
 
-    `kernel[grid_fn, key](*args, **constexprs)`: grid_fn(meta) -> grid; `key` as _KEY_NAMES.
-    """
-
-    def __init__(self, kind: str) -> None:
-        def configs(block_d: int, itemsize: int, smem: int) -> list[triton.Config]:
-            return _configs(kind, block_d, itemsize, smem)
-
-        self.tuner = Tuner(f"attention_{kind}", configs, _KEY_NAMES)
-        self.cached = CachedKernel(_KERNELS[kind])
-        self.chosen: dict[tuple, dict] = {}
-
-    def __getitem__(self, grid_and_key):
-        grid_fn, key = grid_and_key
-        return lambda *args, **kwargs: self.run(grid_fn, key, args, kwargs)
-
-    def _launch(self, cfg: triton.Config, grid_fn, args: tuple, kwargs: dict) -> None:
-        meta = {**kwargs, **_config_meta(cfg)}
-        self.cached[grid_fn(meta)](*args, **meta)
-
-    def run(self, grid_fn, key: tuple, args: tuple, kwargs: dict) -> None:
-        meta = self.chosen.get(key)
-        if meta is None:
-            cfg = self.tuner.config(key, self._launch, grid_fn, args, kwargs)
-            if self.tuner.is_decided(key):  # not while a CUDA graph is captured
-                self.chosen[key] = _config_meta(cfg)
-            self._launch(cfg, grid_fn, args, kwargs)
-            return
-        meta = {**kwargs, **meta}
-        self.cached[grid_fn(meta)](*args, **meta)
+# Launch plans per exact call shape (_plan_key): the grid and every launch keyword (constexprs,
+# block sizes, num_warps, num_stages) of each kernel, so that a repeated shape costs one dict
+# lookup and one direct launch per kernel: no tuner key, no grid arithmetic, no dict merging.
+# Stored only once the tuner has decided (not while a CUDA graph is captured). Bounded like
+# CachedKernel: a process that sees endlessly many shapes starts over.
+# _FWD_PLANS[key] = (grid, meta); _BWD_PLANS[key] = (pre_grid, pre_meta, dkdv_grid, dkdv_meta, dq_grid, dq_meta)
+_FWD_PLANS: dict[tuple, tuple] = {}
+_BWD_PLANS: dict[tuple, tuple] = {}
+MAX_PLANS = 4096
 
 
-_TUNED = {kind: _TunedKernel(kind) for kind in _KERNELS}
+def _plan_key(q: torch.Tensor, bsz: int, h: int, h_kv: int, sq: int, sk: int, d: int, is_causal: bool,
+              mask_kind: int, has_dropout: bool) -> tuple:
+    return (q.get_device() if q.is_cuda else -1, q.dtype, bsz, h, h_kv, sq, sk, d, is_causal, mask_kind,
+            has_dropout)
+
+
+def _store_plan(plans: dict, key: tuple, plan: tuple) -> None:
+    if len(plans) >= MAX_PLANS:
+        plans.clear()
+    plans[key] = plan
+
+
+def _launch_config(cfg: triton.Config, kind: str, grid_fn, args: tuple, constexprs: dict) -> None:
+    """One launch of kernel `kind` with config `cfg` (what the tuner times, and the first launch)."""
+    meta = {**constexprs, **_config_meta(cfg)}
+    _CACHED[kind][grid_fn(meta)](*args, **meta)
+
+
+def _tuned_launch(kind: str, tuning_key: tuple, grid_fn, args: tuple, constexprs: dict):
+    """Launches kernel `kind` with the tuner's config for `tuning_key` (timing the configs first
+    when this key is new). Returns (grid, meta) of that launch, or None while the tuner has not
+    decided for good (inside CUDA-graph capture): then nothing may be planned."""
+    tuner = _TUNERS[kind]
+    cfg = tuner.config(tuning_key, _launch_config, kind, grid_fn, args, constexprs)
+    meta = {**constexprs, **_config_meta(cfg)}
+    grid = grid_fn(meta)
+    _CACHED[kind][grid](*args, **meta)
+    return (grid, meta) if tuner.is_decided(tuning_key) else None
 
 
 def _tuning_key(q: torch.Tensor, sq: int, sk: int, d: int, block_d: int, is_causal: bool, mask_kind: int,
@@ -714,17 +724,21 @@ def attention_fwd(
         return o.zero_(), lse.fill_(float("-inf"))
     mask, sm, mask_kind = _mask_arg(attn_mask, (bsz, h, sq, sk), q)
     has_dropout = dropout_p > 0.0
+    args = (q, k, v, mask, seed if has_dropout else q, o, lse,
+            *q.stride(), *k.stride(), *v.stride(), *sm, *o.stride(),
+            h, sq, sk, h // h_kv, scale * LOG2E, dropout_p, _dropout_scale(dropout_p), _bucket(sq), _bucket(sk))
+    key = _plan_key(q, bsz, h, h_kv, sq, sk, d, is_causal, mask_kind, has_dropout)
+    plan = _FWD_PLANS.get(key)
+    if plan is not None:
+        _FWD.run(plan[0], args, plan[1])
+        return o, lse
     block_d = _block_d(d)
-    grid = lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), bsz * h)  # noqa: E731
-    key = _tuning_key(q, sq, sk, d, block_d, is_causal, mask_kind, has_dropout)
-    _TUNED["fwd"][grid, key](
-        q, k, v, mask, seed if has_dropout else q, o, lse,
-        *q.stride(), *k.stride(), *v.stride(), *sm, *o.stride(),
-        h, sq, sk, h // h_kv, scale * LOG2E, dropout_p, _dropout_scale(dropout_p),
-        _bucket(sq), _bucket(sk),
-        HEAD_DIM=d, BLOCK_D=block_d, IS_CAUSAL=is_causal, MASK_KIND=mask_kind, HAS_DROPOUT=has_dropout,
-        DOT_PRECISION=_dot_precision(q.dtype), ACC=acc_dtype(q.dtype),
-    )
+    constexprs = dict(HEAD_DIM=d, BLOCK_D=block_d, IS_CAUSAL=is_causal, MASK_KIND=mask_kind,
+                      HAS_DROPOUT=has_dropout, DOT_PRECISION=_dot_precision(q.dtype), ACC=acc_dtype(q.dtype))
+    planned = _tuned_launch("fwd", _tuning_key(q, sq, sk, d, block_d, is_causal, mask_kind, has_dropout),
+                            lambda meta: (cdiv(sq, meta["BLOCK_M"]), bsz * h), args, constexprs)
+    if planned is not None:
+        _store_plan(_FWD_PLANS, key, planned)
     return o, lse
 
 
@@ -752,29 +766,38 @@ def attention_bwd(
         return dq.copy_(grads[0]), dk.copy_(grads[1]), dv.copy_(grads[2])
     mask, sm, mask_kind = _mask_arg(attn_mask, (bsz, h, sq, sk), q)
     has_dropout = dropout_p > 0.0
+    delta = torch.empty_like(lse)
+    seed_arg = seed if has_dropout else q
+    tail = (scale, scale * LOG2E, dropout_p, _dropout_scale(dropout_p), _bucket(sq), _bucket(sk))
+    pre_args = (o, do, delta, *o.stride(), *do.stride(), h, sq)
+    dkdv_args = (q, k, v, mask, seed_arg, do, lse, delta, dk, dv,
+                 *q.stride(), *k.stride(), *v.stride(), *sm, *do.stride(), *dk.stride(), *dv.stride(),
+                 h, h_kv, sq, sk, h // h_kv, *tail)
+    dq_args = (q, k, v, mask, seed_arg, do, lse, delta, dq,
+               *q.stride(), *k.stride(), *v.stride(), *sm, *do.stride(), *dq.stride(),
+               h, sq, sk, h // h_kv, *tail)
+    key = _plan_key(q, bsz, h, h_kv, sq, sk, d, is_causal, mask_kind, has_dropout)
+    plan = _BWD_PLANS.get(key)
+    if plan is not None:
+        _BWD_PREPROCESS.run(plan[0], pre_args, plan[1])
+        _BWD_DKDV.run(plan[2], dkdv_args, plan[3])
+        _BWD_DQ.run(plan[4], dq_args, plan[5])
+        return dq, dk, dv
     block_d = _block_d(d)
     acc = acc_dtype(q.dtype)
-    delta = torch.empty_like(lse)
     pre_block = 32 if INTERPRET else 64  # small under the interpreter: tests cross its blocks too
-    _attn_bwd_preprocess_kernel[(triton.cdiv(sq, pre_block), bsz * h)](
-        o, do, delta, *o.stride(), *do.stride(), h, sq,
-        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_block, ACC=acc,
-    )
-    common = dict(HEAD_DIM=d, BLOCK_D=block_d, IS_CAUSAL=is_causal, MASK_KIND=mask_kind,
-                  HAS_DROPOUT=has_dropout, DOT_PRECISION=_dot_precision(q.dtype), ACC=acc)
-    seed_arg = seed if has_dropout else q
-    p_args = (scale, scale * LOG2E, dropout_p, _dropout_scale(dropout_p), _bucket(sq), _bucket(sk))
-    key = _tuning_key(q, sq, sk, d, block_d, is_causal, mask_kind, has_dropout)
-    _TUNED["dkdv"][lambda meta: (triton.cdiv(sk, meta["BLOCK_N"]), bsz * h_kv), key](
-        q, k, v, mask, seed_arg, do, lse, delta, dk, dv,
-        *q.stride(), *k.stride(), *v.stride(), *sm, *do.stride(), *dk.stride(), *dv.stride(),
-        h, h_kv, sq, sk, h // h_kv, *p_args, **common,
-    )
-    _TUNED["dq"][lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), bsz * h), key](
-        q, k, v, mask, seed_arg, do, lse, delta, dq,
-        *q.stride(), *k.stride(), *v.stride(), *sm, *do.stride(), *dq.stride(),
-        h, sq, sk, h // h_kv, *p_args, **common,
-    )
+    pre_grid = (cdiv(sq, pre_block), bsz * h)
+    pre_meta = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_block, ACC=acc)
+    _BWD_PREPROCESS.run(pre_grid, pre_args, pre_meta)
+    constexprs = dict(HEAD_DIM=d, BLOCK_D=block_d, IS_CAUSAL=is_causal, MASK_KIND=mask_kind,
+                      HAS_DROPOUT=has_dropout, DOT_PRECISION=_dot_precision(q.dtype), ACC=acc)
+    tuning_key = _tuning_key(q, sq, sk, d, block_d, is_causal, mask_kind, has_dropout)
+    planned_dkdv = _tuned_launch("dkdv", tuning_key, lambda meta: (cdiv(sk, meta["BLOCK_N"]), bsz * h_kv),
+                                 dkdv_args, constexprs)
+    planned_dq = _tuned_launch("dq", tuning_key, lambda meta: (cdiv(sq, meta["BLOCK_M"]), bsz * h),
+                               dq_args, constexprs)
+    if planned_dkdv is not None and planned_dq is not None:
+        _store_plan(_BWD_PLANS, key, (pre_grid, pre_meta, *planned_dkdv, *planned_dq))
     return dq, dk, dv
 
 
