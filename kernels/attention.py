@@ -1055,8 +1055,11 @@ def _attention_key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
         return None
     mask = _MASK_KINDS.get(None if attn_mask is None else attn_mask.dtype, _FLOAT_MASK)
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    # h_kv: 0 without GQA. causal: 0 no, 1 with Sq == Sk, 2 with Sq != Sk (where backends that
+    # align the diagonal differently, or refuse, part ways: one bucket must not hold both).
+    causal = (1 if qs[2] == ks[2] else 2) if is_causal else 0
     return (q.get_device() if q.is_cuda else -1, q.dtype, pow2_bucket(qs[0] * qs[1]), ks[1] if ks[1] != qs[1] else 0,
-            pow2_bucket(qs[2]), pow2_bucket(ks[2]), qs[3], bool(is_causal), mask, dropout_p > 0.0, grad)
+            pow2_bucket(qs[2]), pow2_bucket(ks[2]), qs[3], causal, mask, dropout_p > 0.0, grad)
 
 
 def _attention_trifuse(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
@@ -1224,9 +1227,12 @@ def _reference_blocks(args: tuple, dtype: torch.dtype, dy: torch.Tensor, train: 
     bsz, h, sq, d = q.shape
     sk = k.shape[2]
     q_, k_, v_ = (t.detach().to(dtype).requires_grad_(train) for t in (q, k, v))
-    mask = None if attn_mask is None else attn_mask.detach().expand(bsz, h, sq, sk)
-    if mask is not None and mask.is_floating_point():
-        mask = mask.to(dtype)
+    mask = None
+    if attn_mask is not None:
+        mask = attn_mask.detach()
+        if mask.is_floating_point():
+            mask = mask.to(dtype)  # before expanding: the cast of the expanded view would be S x S
+        mask = mask.expand(bsz, h, sq, sk)
     rows = max(1, REFERENCE_BLOCK_ELEMENTS // max(1, bsz * h * sk))
     outs, dq = [], []
     dk = torch.zeros_like(k_) if train else None

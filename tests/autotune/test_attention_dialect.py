@@ -187,13 +187,15 @@ def test_key_is_a_small_tuple_of_plain_values():
     q, k, v = qkv(b=2, h=8, s=40, d=16, h_kv=2, sk=70)
     mask = torch.ones(40, 70, dtype=torch.bool)
     key = A._attention_key(*call(q, k, v, mask, 0.1, False, None, True))
-    assert key == (-1 if DEVICE == "cpu" else 0, torch.float32, 16, 2, 64, 128, 16, False, A._BOOL_MASK, True, True)
+    assert key == (-1 if DEVICE == "cpu" else 0, torch.float32, 16, 2, 64, 128, 16, 0, A._BOOL_MASK, True, True)
     assert len(key) == len(A._DIALECT_KEY_NAMES)
     assert not any(isinstance(x, str) for x in key)
     with torch.no_grad():
         assert A._attention_key(*call(q, k, v))[-1] is False
     assert A._attention_key(*call(q, k, v, torch.zeros(40, 70)))[8] == A._FLOAT_MASK
     assert A._attention_key(*call(q, k, v))[8] == A._NO_MASK
+    assert A._attention_key(*call(q, k, v, is_causal=True))[7] == 2  # Sq != Sk
+    assert A._attention_key(*call(q, q, q, is_causal=True))[7] == 1
 
 
 @pytest.mark.parametrize("case", ["3-D", "mixed dtypes", "empty", "kv shapes differ"])
@@ -353,7 +355,7 @@ def test_the_measured_winner_runs_and_is_replayed(cache_dir, timer, winner):
         assert torch.equal(a, e)
     rec = d.explain(*args)
     assert rec.chosen == winner and rec.source == "measured" and set(fake.calls) == {"trifuse", "stand-in"}
-    assert rec.bucket == "dtype=float32,batch_heads=2,h_kv=0,sq=32,sk=32,d=16,causal=True,mask=0,dropout=False,grad=True"
+    assert rec.bucket == "dtype=float32,batch_heads=2,h_kv=0,sq=32,sk=32,d=16,causal=1,mask=0,dropout=False,grad=True"
     fwd_bwd(d, call(*qkv(s=30), is_causal=True))  # same buckets: replayed, nothing timed
     assert len(fake.calls) == 2
 
