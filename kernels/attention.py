@@ -44,6 +44,12 @@ Kernels (one program per block of rows, looping over the other sequence):
     _attn_bwd_dq_kernel           per (query block, b, h): loops over key blocks; dQ in registers
 Every output element is written by exactly one program and no atomics are used, so the backward
 is deterministic by construction (bitwise repeatable), GQA's group sums included.
+All four launch through CachedKernel with a launch plan per exact shape (_FWD_PLANS, _BWD_PLANS):
+after the first call of a shape, a call costs a dict lookup and four direct launches.
+
+Eager calls of `attention` go through the `attention` dialect (bottom of this file): trifuse's
+kernels, SDPA with one backend forced, flash-attn or xformers, whichever measured fastest among
+the candidates that pass the check for the shape bucket.
 Key blocks that need no causal or bounds mask run a loop without the masking code; the diagonal
 and the ragged last block run a masked loop (a constexpr flag selects the variant).
 """
@@ -1090,7 +1096,7 @@ def _fall_back(name: str, reason: str, args: tuple):
     return _attention_trifuse(*args)
 
 
-# SDPA backends: (candidate name, backend label, dtypes, can_use function name, deterministic).
+# SDPA's backends: candidate name -> (label in reasons, dtypes it takes, its torch.backends.cuda.can_use_*).
 _SDPA = {
     "sdpa-flash": ("flash", (torch.float16, torch.bfloat16), "can_use_flash_attention"),
     "sdpa-efficient": ("efficient", (torch.float16, torch.bfloat16, torch.float32), "can_use_efficient_attention"),
