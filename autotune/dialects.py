@@ -61,7 +61,11 @@ def import_problem(module: str) -> str | None:
     try:
         importlib.import_module(module)
     except ImportError as e:
-        return f"{module} is not installed ({e})" if getattr(e, "name", None) == module else error_text(e)
+        missing = getattr(e, "name", None) or ""
+        # "xformers.ops" is not installed when "xformers" (or "xformers.ops") is the missing one.
+        if missing and (module == missing or module.startswith(missing + ".")):
+            return f"{module} is not installed ({e})"
+        return error_text(e)
     except Exception as e:  # noqa: BLE001  (broken installs fail in many ways: wrong-torch wheels...)
         return f"{module} does not import: {error_text(e)}"
     return None
@@ -106,12 +110,15 @@ class Dialect:
     `check(fn, args) -> str | None` replaces the float64 reference comparison for ops whose
     reference does not fit in memory at real shapes. `captures` pairs the torch.nn module types
     whose calls this op replaces with `to_args(module, inputs) -> args`: the autotune command
-    reads a model's shapes through them when the model is not fused.
+    reads a model's shapes through them when the model is not fused. `output_like(*args)` returns
+    tensors shaped like the op's outputs (requiring grad where the call trains): with `check`, the
+    trial takes the shapes of the output gradients from it instead of running the reference.
     """
 
     def __init__(self, name: str, key: Callable[..., tuple | None], key_names: Sequence[str],
                  reference: Callable[..., Any], check: Callable[[Callable, tuple], str | None] | None = None,
-                 captures: tuple[tuple[type, Callable[..., tuple]], ...] = ()):
+                 captures: tuple[tuple[type, Callable[..., tuple]], ...] = (),
+                 output_like: Callable[..., Any] | None = None):
         if "device" not in key_names:
             raise ValueError(f"trifuse.autotune.dialects: key_names of {name!r} must include 'device'")
         self.name = name
@@ -120,6 +127,7 @@ class Dialect:
         self.reference = reference
         self.check = check
         self.captures = tuple(captures)
+        self.output_like = output_like
         self.candidates: tuple[Candidate, ...] = ()
         self.timer: Timer | None = None
         self._device_pos = self.key_names.index("device")
@@ -224,7 +232,7 @@ class Dialect:
         devices = [device_index] if device_index >= 0 else []
         with torch.random.fork_rng(devices=devices), on_device(device_index):
             try:
-                trial = _Trial(self.reference, args, self.check)
+                trial = _Trial(self.reference, args, self.check, self.output_like)
             except Exception as e:  # noqa: BLE001  (bad inputs, or no memory for the float64 reference)
                 return {}, f"the reference {error_text(e)}"
             for c in progress(eligible, f"trifuse: choosing {self.name}"):
@@ -310,12 +318,16 @@ class _Trial:
     """One call's inputs, reference outputs and gradients, and the output gradients to apply."""
 
     def __init__(self, reference: Callable, args: tuple,
-                 check: Callable[[Callable, tuple], str | None] | None):
+                 check: Callable[[Callable, tuple], str | None] | None,
+                 output_like: Callable[..., Any] | None = None):
         self.args = args
         self.check = check
         self.train = torch.is_grad_enabled() and any(_needs_grad(a) for a in args)
         lowp = tuple(_leaf(a) for a in args)
-        out_lowp = _as_tuple(reference(*lowp))
+        # The reference in the inputs' dtype gives the outputs' shapes, unless the check replaces
+        # it and the op says its shapes more cheaply (attention's reference is O(S^2) in memory).
+        shapes_from = output_like if check is not None and output_like is not None else reference
+        out_lowp = _as_tuple(shapes_from(*lowp))
         self.n_outputs = len(out_lowp)
         self.grad_outputs = [i for i, o in enumerate(out_lowp) if _needs_grad(o)]
         gen = None
@@ -395,12 +407,13 @@ _DIALECTS: tuple[Dialect, ...] = ()
 
 def define(name: str, key: Callable[..., tuple | None], key_names: Sequence[str],
            reference: Callable[..., Any], check: Callable[[Callable, tuple], str | None] | None = None,
-           captures: tuple[tuple[type, Callable[..., tuple]], ...] = ()) -> Dialect:
+           captures: tuple[tuple[type, Callable[..., tuple]], ...] = (),
+           output_like: Callable[..., Any] | None = None) -> Dialect:
     """Creates the dialect of op `name` and registers it (once per name); arguments as `Dialect`."""
     global _DIALECTS
     if any(d.name == name for d in _DIALECTS):
         raise ValueError(f"trifuse.autotune.dialects: {name!r} is already defined")
-    dialect = Dialect(name, key, key_names, reference, check, captures)
+    dialect = Dialect(name, key, key_names, reference, check, captures, output_like)
     _DIALECTS = (*_DIALECTS, dialect)
     return dialect
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import trifuse
+from trifuse.kernels import attention as attn_mod
 
 DTYPE = torch.bfloat16 if H.on_gpu() else torch.float32
 DEVICE = "cuda" if H.on_gpu() else "cpu"
@@ -51,14 +52,17 @@ def _sdpa(backend: SDPBackend, causal: bool):
 
 def providers(causal: bool) -> dict:
     out = {
-        "trifuse": lambda q, k, v: trifuse.ops.attention(q, k, v, is_causal=causal),
+        # trifuse's kernels, always: trifuse.ops.attention may choose another implementation
+        # (its dialect), which the "trifuse.ops (dialect)" provider measures.
+        "trifuse": lambda q, k, v: attn_mod._attention_trifuse(q, k, v, None, 0.0, causal, None, False),
+        "trifuse.ops (dialect)": lambda q, k, v: trifuse.ops.attention(q, k, v, is_causal=causal),
         "sdpa-flash": _sdpa(SDPBackend.FLASH_ATTENTION, causal),
         "sdpa-efficient": _sdpa(SDPBackend.EFFICIENT_ATTENTION, causal),
         "sdpa-cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION, causal),
         "sdpa-math": _sdpa(SDPBackend.MATH, causal),
     }
     if not H.on_gpu():
-        return {name: out[name] for name in ("trifuse", "sdpa-math")}
+        return {name: out[name] for name in ("trifuse", "trifuse.ops (dialect)", "sdpa-math")}
     flash_attn = H.try_import("flash_attn")
     if flash_attn is not None:
         # (B, S, H, D) views of the same tensors: flash-attn takes any strides with a unit last one.
@@ -102,6 +106,7 @@ def host_overhead() -> list[dict]:
 
     fns = {
         "trifuse eager path": providers(True)["trifuse"],
+        "trifuse.ops.attention (dialect)": providers(True)["trifuse.ops (dialect)"],
         "trifuse registered op": registered,
         "torch F.scaled_dot_product_attention":
             lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
@@ -141,7 +146,7 @@ SMOKE_SHAPE = (2, 16, 1024, 64) if H.on_gpu() else (1, 2, 24, 16)
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("provider", ["trifuse", "sdpa-math"])
+@pytest.mark.parametrize("provider", ["trifuse", "trifuse.ops (dialect)", "sdpa-math"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_attention(benchmark, provider, mode, causal):
     fns = providers(causal)

@@ -44,16 +44,24 @@ Kernels (one program per block of rows, looping over the other sequence):
     _attn_bwd_dq_kernel           per (query block, b, h): loops over key blocks; dQ in registers
 Every output element is written by exactly one program and no atomics are used, so the backward
 is deterministic by construction (bitwise repeatable), GQA's group sums included.
+All four launch through CachedKernel with a launch plan per exact shape (_FWD_PLANS, _BWD_PLANS):
+after the first call of a shape, a call costs a dict lookup and four direct launches.
+
+Eager calls of `attention` go through the `attention` dialect (bottom of this file): trifuse's
+kernels, SDPA with one backend forced, flash-attn or xformers, whichever measured fastest among
+the candidates that pass the check for the shape bucket.
 Key blocks that need no causal or bounds mask run a loop without the masking code; the diagonal
 and the ragged last block run a masked loop (a constexpr flag selects the variant).
 """
 import functools
+import logging
 import math
 
 import torch
 import triton
 import triton.language as tl
 
+from ..autotune import dialects, pow2_bucket
 from ..autotune.env import INTERPRET
 from ..autotune.tuner import Tuner
 from ._common import (
@@ -69,9 +77,11 @@ from ._common import (
     use_triton,
 )
 from ._launch import CachedKernel
+from ._tiles import cdiv
 from ._random import dropout_keep
 
 OP = "attention"
+log = logging.getLogger("trifuse")
 MAX_HEAD_DIM = 256
 MAX_BATCH_HEADS = 65535  # batch * heads is the second grid axis
 LOG2E = 1.4426950408889634  # the kernels work in base 2: exp(x) = exp2(x * log2(e))
@@ -597,43 +607,52 @@ def _config_meta(cfg: triton.Config) -> dict:
     return meta
 
 
-class _TunedKernel:
-    """One attention kernel, its block sizes chosen by trifuse's persistent tuner (timed once per
-    key, kept on disk, replayed by later processes, shown by trifuse.report), launched through
-    `CachedKernel` (no per-call autotuner or Triton host work: about 60 µs a launch).
+_TUNERS = {kind: Tuner(f"attention_{kind}", functools.partial(_configs, kind), _KEY_NAMES) for kind in _KERNELS}
+_FWD = CachedKernel(_attn_fwd_kernel)
+_BWD_PREPROCESS = CachedKernel(_attn_bwd_preprocess_kernel)
+_BWD_DKDV = CachedKernel(_attn_bwd_dkdv_kernel)
+_BWD_DQ = CachedKernel(_attn_bwd_dq_kernel)
+_CACHED = {"fwd": _FWD, "dkdv": _BWD_DKDV, "dq": _BWD_DQ}
 
-    `kernel[grid_fn, key](*args, **constexprs)`: grid_fn(meta) -> grid; `key` as _KEY_NAMES.
-    """
-
-    def __init__(self, kind: str) -> None:
-        def configs(block_d: int, itemsize: int, smem: int) -> list[triton.Config]:
-            return _configs(kind, block_d, itemsize, smem)
-
-        self.tuner = Tuner(f"attention_{kind}", configs, _KEY_NAMES)
-        self.cached = CachedKernel(_KERNELS[kind])
-        self.chosen: dict[tuple, dict] = {}
-
-    def __getitem__(self, grid_and_key):
-        grid_fn, key = grid_and_key
-        return lambda *args, **kwargs: self.run(grid_fn, key, args, kwargs)
-
-    def _launch(self, cfg: triton.Config, grid_fn, args: tuple, kwargs: dict) -> None:
-        meta = {**kwargs, **_config_meta(cfg)}
-        self.cached[grid_fn(meta)](*args, **meta)
-
-    def run(self, grid_fn, key: tuple, args: tuple, kwargs: dict) -> None:
-        meta = self.chosen.get(key)
-        if meta is None:
-            cfg = self.tuner.config(key, self._launch, grid_fn, args, kwargs)
-            if self.tuner.is_decided(key):  # not while a CUDA graph is captured
-                self.chosen[key] = _config_meta(cfg)
-            self._launch(cfg, grid_fn, args, kwargs)
-            return
-        meta = {**kwargs, **meta}
-        self.cached[grid_fn(meta)](*args, **meta)
+# Launch plans per exact call shape (_plan_key): the grid and every launch keyword (constexprs,
+# block sizes, num_warps, num_stages) of each kernel, so that a repeated shape costs one dict
+# lookup and one direct launch per kernel: no tuner key, no grid arithmetic, no dict merging.
+# Stored only once the tuner has decided (not while a CUDA graph is captured). Bounded like
+# CachedKernel: a process that sees endlessly many shapes starts over.
+# _FWD_PLANS[key] = (grid, meta); _BWD_PLANS[key] = (pre_grid, pre_meta, dkdv_grid, dkdv_meta, dq_grid, dq_meta)
+_FWD_PLANS: dict[tuple, tuple] = {}
+_BWD_PLANS: dict[tuple, tuple] = {}
+MAX_PLANS = 4096
 
 
-_TUNED = {kind: _TunedKernel(kind) for kind in _KERNELS}
+def _plan_key(q: torch.Tensor, bsz: int, h: int, h_kv: int, sq: int, sk: int, d: int, is_causal: bool,
+              mask_kind: int, has_dropout: bool) -> tuple:
+    return (q.get_device() if q.is_cuda else -1, q.dtype, bsz, h, h_kv, sq, sk, d, is_causal, mask_kind,
+            has_dropout)
+
+
+def _store_plan(plans: dict, key: tuple, plan: tuple) -> None:
+    if len(plans) >= MAX_PLANS:
+        plans.clear()
+    plans[key] = plan
+
+
+def _launch_config(cfg: triton.Config, kind: str, grid_fn, args: tuple, constexprs: dict) -> None:
+    """One launch of kernel `kind` with config `cfg` (what the tuner times, and the first launch)."""
+    meta = {**constexprs, **_config_meta(cfg)}
+    _CACHED[kind][grid_fn(meta)](*args, **meta)
+
+
+def _tuned_launch(kind: str, tuning_key: tuple, grid_fn, args: tuple, constexprs: dict):
+    """Launches kernel `kind` with the tuner's config for `tuning_key` (timing the configs first
+    when this key is new). Returns (grid, meta) of that launch, or None while the tuner has not
+    decided for good (inside CUDA-graph capture): then nothing may be planned."""
+    tuner = _TUNERS[kind]
+    cfg = tuner.config(tuning_key, _launch_config, kind, grid_fn, args, constexprs)
+    meta = {**constexprs, **_config_meta(cfg)}
+    grid = grid_fn(meta)
+    _CACHED[kind][grid](*args, **meta)
+    return (grid, meta) if tuner.is_decided(tuning_key) else None
 
 
 def _tuning_key(q: torch.Tensor, sq: int, sk: int, d: int, block_d: int, is_causal: bool, mask_kind: int,
@@ -714,17 +733,21 @@ def attention_fwd(
         return o.zero_(), lse.fill_(float("-inf"))
     mask, sm, mask_kind = _mask_arg(attn_mask, (bsz, h, sq, sk), q)
     has_dropout = dropout_p > 0.0
+    args = (q, k, v, mask, seed if has_dropout else q, o, lse,
+            *q.stride(), *k.stride(), *v.stride(), *sm, *o.stride(),
+            h, sq, sk, h // h_kv, scale * LOG2E, dropout_p, _dropout_scale(dropout_p), _bucket(sq), _bucket(sk))
+    key = _plan_key(q, bsz, h, h_kv, sq, sk, d, is_causal, mask_kind, has_dropout)
+    plan = _FWD_PLANS.get(key)
+    if plan is not None:
+        _FWD.run(plan[0], args, plan[1])
+        return o, lse
     block_d = _block_d(d)
-    grid = lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), bsz * h)  # noqa: E731
-    key = _tuning_key(q, sq, sk, d, block_d, is_causal, mask_kind, has_dropout)
-    _TUNED["fwd"][grid, key](
-        q, k, v, mask, seed if has_dropout else q, o, lse,
-        *q.stride(), *k.stride(), *v.stride(), *sm, *o.stride(),
-        h, sq, sk, h // h_kv, scale * LOG2E, dropout_p, _dropout_scale(dropout_p),
-        _bucket(sq), _bucket(sk),
-        HEAD_DIM=d, BLOCK_D=block_d, IS_CAUSAL=is_causal, MASK_KIND=mask_kind, HAS_DROPOUT=has_dropout,
-        DOT_PRECISION=_dot_precision(q.dtype), ACC=acc_dtype(q.dtype),
-    )
+    constexprs = dict(HEAD_DIM=d, BLOCK_D=block_d, IS_CAUSAL=is_causal, MASK_KIND=mask_kind,
+                      HAS_DROPOUT=has_dropout, DOT_PRECISION=_dot_precision(q.dtype), ACC=acc_dtype(q.dtype))
+    planned = _tuned_launch("fwd", _tuning_key(q, sq, sk, d, block_d, is_causal, mask_kind, has_dropout),
+                            lambda meta: (cdiv(sq, meta["BLOCK_M"]), bsz * h), args, constexprs)
+    if planned is not None:
+        _store_plan(_FWD_PLANS, key, planned)
     return o, lse
 
 
@@ -752,29 +775,38 @@ def attention_bwd(
         return dq.copy_(grads[0]), dk.copy_(grads[1]), dv.copy_(grads[2])
     mask, sm, mask_kind = _mask_arg(attn_mask, (bsz, h, sq, sk), q)
     has_dropout = dropout_p > 0.0
+    delta = torch.empty_like(lse)
+    seed_arg = seed if has_dropout else q
+    tail = (scale, scale * LOG2E, dropout_p, _dropout_scale(dropout_p), _bucket(sq), _bucket(sk))
+    pre_args = (o, do, delta, *o.stride(), *do.stride(), h, sq)
+    dkdv_args = (q, k, v, mask, seed_arg, do, lse, delta, dk, dv,
+                 *q.stride(), *k.stride(), *v.stride(), *sm, *do.stride(), *dk.stride(), *dv.stride(),
+                 h, h_kv, sq, sk, h // h_kv, *tail)
+    dq_args = (q, k, v, mask, seed_arg, do, lse, delta, dq,
+               *q.stride(), *k.stride(), *v.stride(), *sm, *do.stride(), *dq.stride(),
+               h, sq, sk, h // h_kv, *tail)
+    key = _plan_key(q, bsz, h, h_kv, sq, sk, d, is_causal, mask_kind, has_dropout)
+    plan = _BWD_PLANS.get(key)
+    if plan is not None:
+        _BWD_PREPROCESS.run(plan[0], pre_args, plan[1])
+        _BWD_DKDV.run(plan[2], dkdv_args, plan[3])
+        _BWD_DQ.run(plan[4], dq_args, plan[5])
+        return dq, dk, dv
     block_d = _block_d(d)
     acc = acc_dtype(q.dtype)
-    delta = torch.empty_like(lse)
     pre_block = 32 if INTERPRET else 64  # small under the interpreter: tests cross its blocks too
-    _attn_bwd_preprocess_kernel[(triton.cdiv(sq, pre_block), bsz * h)](
-        o, do, delta, *o.stride(), *do.stride(), h, sq,
-        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_block, ACC=acc,
-    )
-    common = dict(HEAD_DIM=d, BLOCK_D=block_d, IS_CAUSAL=is_causal, MASK_KIND=mask_kind,
-                  HAS_DROPOUT=has_dropout, DOT_PRECISION=_dot_precision(q.dtype), ACC=acc)
-    seed_arg = seed if has_dropout else q
-    p_args = (scale, scale * LOG2E, dropout_p, _dropout_scale(dropout_p), _bucket(sq), _bucket(sk))
-    key = _tuning_key(q, sq, sk, d, block_d, is_causal, mask_kind, has_dropout)
-    _TUNED["dkdv"][lambda meta: (triton.cdiv(sk, meta["BLOCK_N"]), bsz * h_kv), key](
-        q, k, v, mask, seed_arg, do, lse, delta, dk, dv,
-        *q.stride(), *k.stride(), *v.stride(), *sm, *do.stride(), *dk.stride(), *dv.stride(),
-        h, h_kv, sq, sk, h // h_kv, *p_args, **common,
-    )
-    _TUNED["dq"][lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), bsz * h), key](
-        q, k, v, mask, seed_arg, do, lse, delta, dq,
-        *q.stride(), *k.stride(), *v.stride(), *sm, *do.stride(), *dq.stride(),
-        h, sq, sk, h // h_kv, *p_args, **common,
-    )
+    pre_grid = (cdiv(sq, pre_block), bsz * h)
+    pre_meta = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_block, ACC=acc)
+    _BWD_PREPROCESS.run(pre_grid, pre_args, pre_meta)
+    constexprs = dict(HEAD_DIM=d, BLOCK_D=block_d, IS_CAUSAL=is_causal, MASK_KIND=mask_kind,
+                      HAS_DROPOUT=has_dropout, DOT_PRECISION=_dot_precision(q.dtype), ACC=acc)
+    tuning_key = _tuning_key(q, sq, sk, d, block_d, is_causal, mask_kind, has_dropout)
+    planned_dkdv = _tuned_launch("dkdv", tuning_key, lambda meta: (cdiv(sk, meta["BLOCK_N"]), bsz * h_kv),
+                                 dkdv_args, constexprs)
+    planned_dq = _tuned_launch("dq", tuning_key, lambda meta: (cdiv(sq, meta["BLOCK_M"]), bsz * h),
+                               dq_args, constexprs)
+    if planned_dkdv is not None and planned_dq is not None:
+        _store_plan(_BWD_PLANS, key, (pre_grid, pre_meta, *planned_dkdv, *planned_dq))
     return dq, dk, dv
 
 
@@ -999,6 +1031,306 @@ class _AttentionFunction(torch.autograd.Function):
 
 
 # =============================================================================================
+# Dialect: trifuse's kernels, PyTorch's SDPA with one backend forced (flash, efficient, cuDNN),
+# and flash-attn or xformers when importable; the fastest correct one chosen once per (device,
+# dtype, shape buckets, flags) on the GPU and cached on disk (autotune/dialects.py). Traced
+# calls (torch.compile, export) always see trifuse::attention.
+#
+# Every candidate's `supports` gives the reason it cannot take a call (device, dtype, head dim,
+# mask kind, dropout, GQA, causal alignment; "not installed" comes from `requires`). A call that
+# shares a decided key with others but breaks one of SDPA's per-call rules (strides, alignment:
+# what torch.backends.cuda.can_use_*_attention checks) runs trifuse's kernels instead, and the
+# reason is kept in FALLBACKS.
+# =============================================================================================
+
+_DIALECT_KEY_NAMES = ("device", "dtype", "batch_heads", "h_kv", "sq", "sk", "d", "causal", "mask", "dropout",
+                      "grad")
+_MASK_KINDS = {None: _NO_MASK, torch.bool: _BOOL_MASK}
+
+
+def _attention_key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    """The dialect key of an eager call; None (trifuse's op decides, and raises on bad input)
+    when traced, empty or malformed. A tuple of ints, dtypes and flags, no text: it runs on every
+    call (about 1-2 µs)."""
+    if not eager_fast_path(q, k, v, attn_mask):
+        return None
+    qs, ks = q.shape, k.shape
+    if len(qs) != 4 or len(ks) != 4 or k.dtype is not q.dtype or v.dtype is not q.dtype or v.shape != ks:
+        return None
+    if not q.numel() or not k.numel():
+        return None
+    mask = _MASK_KINDS.get(None if attn_mask is None else attn_mask.dtype, _FLOAT_MASK)
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    # h_kv: 0 without GQA. causal: 0 no, 1 with Sq == Sk, 2 with Sq != Sk (where backends that
+    # align the diagonal differently, or refuse, part ways: one bucket must not hold both).
+    causal = (1 if qs[2] == ks[2] else 2) if is_causal else 0
+    return (q.get_device() if q.is_cuda else -1, q.dtype, pow2_bucket(qs[0] * qs[1]), ks[1] if ks[1] != qs[1] else 0,
+            pow2_bucket(qs[2]), pow2_bucket(ks[2]), qs[3], causal, mask, dropout_p > 0.0, grad)
+
+
+def _attention_trifuse(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    if eager_fast_path(q, k, v, attn_mask):
+        _check_attention_inputs(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        with profiled(f"trifuse::{OP}"):
+            return _AttentionFunction.apply(q, k, v, attn_mask, float(dropout_p), bool(is_causal),
+                                            _resolve_scale(scale, q.shape[-1]))
+    return torch.ops.trifuse.attention(q, k, v, attn_mask, float(dropout_p), bool(is_causal),
+                                       None if scale is None else float(scale), bool(enable_gqa))[0]
+
+
+def _attention_output_like(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    return torch.empty_like(q).requires_grad_(q.requires_grad or k.requires_grad or v.requires_grad)
+
+
+# Why calls fell back to trifuse's kernels from the candidate chosen for their key:
+# {(candidate, reason): count}. Bounded by the few distinct reasons SDPA gives.
+FALLBACKS: dict[tuple[str, str], int] = {}
+
+
+def _fall_back(name: str, reason: str, args: tuple):
+    seen = FALLBACKS.get((name, reason), 0)
+    if not seen:
+        log.info("trifuse attention: %s cannot take a call of its shape bucket (%s); trifuse's kernels run it",
+                 name, reason)
+    FALLBACKS[(name, reason)] = seen + 1
+    return _attention_trifuse(*args)
+
+
+# SDPA's backends: candidate name -> (label in reasons, dtypes it takes, its torch.backends.cuda.can_use_*).
+_SDPA = {
+    "sdpa-flash": ("flash", (torch.float16, torch.bfloat16), "can_use_flash_attention"),
+    "sdpa-efficient": ("efficient", (torch.float16, torch.bfloat16, torch.float32), "can_use_efficient_attention"),
+    "sdpa-cudnn": ("cuDNN", (torch.float16, torch.bfloat16), "can_use_cudnn_attention"),
+}
+_SDPA_FLAGS = ("flash", "mem_efficient", "math", "cudnn")
+_SDPA_ONLY = {"sdpa-flash": "flash", "sdpa-efficient": "mem_efficient", "sdpa-cudnn": "cudnn"}
+
+
+def _sdpa_call_problem(name: str, q, k, v, attn_mask, dropout_p, is_causal, enable_gqa) -> str | None:
+    """None when SDPA's backend `name` takes this very call (its own per-call rules), else why not."""
+    can_use = getattr(torch.backends.cuda, _SDPA[name][2], None)
+    params_type = getattr(torch.backends.cuda, "SDPAParams", None)
+    if can_use is None or params_type is None:
+        return f"this torch has no torch.backends.cuda.{_SDPA[name][2]}"
+    params = params_type(q, k, v, attn_mask, float(dropout_p), bool(is_causal), bool(enable_gqa))
+    if can_use(params, False):
+        return None
+    # Only on the way out: ask again with debug on, which warns the reasons.
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        can_use(params, True)
+    said = "; ".join(str(w.message).strip() for w in caught)
+    return f"torch.backends.cuda.{_SDPA[name][2]} is False" + (f": {said}" if said else "")
+
+
+def _sdpa_supports(name: str):
+    label, dtypes, _ = _SDPA[name]
+
+    def supports(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> str | None:
+        if not q.is_cuda:
+            return f"SDPA's {label} backend runs on CUDA, got {q.device.type} tensors"
+        if q.dtype not in dtypes:
+            return f"SDPA's {label} backend takes {' / '.join(str(t)[6:] for t in dtypes)}, got {str(q.dtype)[6:]}"
+        d = q.shape[-1]
+        if d % 8 != 0 or d > 256:
+            return f"SDPA's {label} backend takes head dims that are multiples of 8 up to 256, got {d}"
+        if name == "sdpa-flash" and attn_mask is not None:
+            return "SDPA's flash backend takes no attn_mask"
+        return _sdpa_call_problem(name, q, k, v, attn_mask, dropout_p, is_causal, enable_gqa)
+    return supports
+
+
+def _sdpa_fn(name: str):
+    """SDPA with only backend `name` enabled (the global flags flipped and restored: what
+    torch.nn.attention.sdpa_kernel does, minus its context-manager cost)."""
+    only = _SDPA_ONLY[name]
+    getters = tuple(getattr(torch.backends.cuda, f"{f}_sdp_enabled") for f in _SDPA_FLAGS)
+    setters = tuple(getattr(torch.backends.cuda, f"enable_{f}_sdp") for f in _SDPA_FLAGS)
+    wanted = tuple(f == only for f in _SDPA_FLAGS)
+
+    def run(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+        problem = _sdpa_call_problem(name, q, k, v, attn_mask, dropout_p, is_causal, enable_gqa)
+        if problem is not None:
+            return _fall_back(name, problem, (q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa))
+        before = tuple(g() for g in getters)
+        try:
+            for set_flag, on in zip(setters, wanted):
+                set_flag(on)
+            # Autocast would cast fp32 inputs down; trifuse keeps q's dtype, and the choice of
+            # implementation must not change the output dtype.
+            with profiled(f"trifuse::{OP}"), torch.autocast("cuda", enabled=False):
+                return torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                    enable_gqa=enable_gqa)
+        finally:
+            for set_flag, on in zip(setters, before):
+                set_flag(on)
+    return run
+
+
+def _flash_attn_supports(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> str | None:
+    if not q.is_cuda:
+        return f"flash-attn runs on CUDA, got {q.device.type} tensors"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"flash-attn takes float16 / bfloat16, got {str(q.dtype)[6:]}"
+    if q.shape[-1] % 8 != 0 or q.shape[-1] > 256:
+        return f"flash-attn takes head dims that are multiples of 8 up to 256, got {q.shape[-1]}"
+    if attn_mask is not None:
+        return "flash-attn takes no attn_mask"
+    if is_causal and q.shape[2] != k.shape[2]:
+        return "flash-attn aligns the causal mask bottom-right; SDPA's is_causal is top-left (query len != key len)"
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        return "flash-attn needs a unit stride on the head dim"
+    return None
+
+
+def _flash_attn(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    from flash_attn import flash_attn_func  # requires= checked it imports
+
+    # (B, S, H, D) views: flash-attn takes fewer kv heads (GQA/MQA) natively.
+    o = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=dropout_p,
+                        softmax_scale=scale, causal=is_causal)
+    return o.transpose(1, 2)
+
+
+def _xformers_supports(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> str | None:
+    if not q.is_cuda:
+        return f"xformers runs on CUDA, got {q.device.type} tensors"
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"xformers takes float16 / bfloat16 / float32, got {str(q.dtype)[6:]}"
+    if attn_mask is not None:
+        return "attn_mask is not adapted to xformers' attn_bias here"
+    if k.shape[1] != q.shape[1]:
+        return "xformers takes GQA only in its 5-D (B, S, G, H, D) layout, not adapted here"
+    return None
+
+
+def _xformers(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    import xformers.ops as xops  # requires= checked it imports
+
+    bias = xops.LowerTriangularMask() if is_causal else None  # top-left aligned, as SDPA
+    o = xops.memory_efficient_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                        attn_bias=bias, p=dropout_p, scale=scale)
+    return o.transpose(1, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# The check of a candidate: against attention_ref in float64 computed a block of query rows at a
+# time (the (Sq, Sk) matrix never exists whole in float64), outputs and gradients, with the
+# reference in the inputs' dtype as PyTorch's own error (dialects.gate). With dropout, which no
+# reference can reproduce: first the same call at p = 0 against the reference, then at p > 0
+# the output must change and be bitwise repeatable from the same RNG state.
+# ---------------------------------------------------------------------------------------------
+
+REFERENCE_BLOCK_ELEMENTS = 1 << 24  # score entries per block of the reference (128 MiB in fp64)
+
+
+def _reference_blocks(args: tuple, dtype: torch.dtype, dy: torch.Tensor, train: bool) -> list:
+    """[o, dq, dk, dv] (gradients only when train) of attention_ref in `dtype`, by query blocks."""
+    q, k, v, attn_mask, _, is_causal, scale, enable_gqa = args
+    bsz, h, sq, d = q.shape
+    sk = k.shape[2]
+    q_, k_, v_ = (t.detach().to(dtype).requires_grad_(train) for t in (q, k, v))
+    mask = None
+    if attn_mask is not None:
+        mask = attn_mask.detach()
+        if mask.is_floating_point():
+            mask = mask.to(dtype)  # before expanding: the cast of the expanded view would be S x S
+        mask = mask.expand(bsz, h, sq, sk)
+    rows = max(1, REFERENCE_BLOCK_ELEMENTS // max(1, bsz * h * sk))
+    outs, dq = [], []
+    dk = torch.zeros_like(k_) if train else None
+    dv = torch.zeros_like(v_) if train else None
+    causal = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril() if is_causal else None
+    for lo in range(0, sq, rows):
+        hi = min(sq, lo + rows)
+        qb = q_[:, :, lo:hi].detach().requires_grad_(train)
+        mb = None if mask is None else mask[:, :, lo:hi]
+        if causal is not None:
+            mb = causal[lo:hi]
+        with torch.enable_grad() if train else torch.no_grad():
+            ob = attention_ref(qb, k_, v_, mb, 0.0, False, scale, enable_gqa)
+        if train:
+            g = torch.autograd.grad(ob, (qb, k_, v_), dy[:, :, lo:hi].to(dtype))
+            dq.append(g[0])
+            dk += g[1]
+            dv += g[2]
+        outs.append(ob.detach())
+    result = [torch.cat(outs, dim=2)]
+    if train:
+        result += [torch.cat(dq, dim=2), dk, dv]
+    return result
+
+
+def _run_candidate(fn, args: tuple, dy: torch.Tensor, train: bool) -> list:
+    q, k, v = (t.detach().requires_grad_(train) for t in args[:3])
+    o = fn(q, k, v, *args[3:])
+    if not train:
+        return [o.detach()]
+    return [o.detach(), *torch.autograd.grad(o, (q, k, v), dy)]
+
+
+def _rng_state(device: torch.device):
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_rng_state(device: torch.device, state) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+def _attention_check(fn, args: tuple) -> str | None:
+    from ..autotune.dialects import gate
+
+    q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa = args
+    train = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    gen = torch.Generator(device=q.device).manual_seed(0)
+    dy = torch.randn(q.shape, generator=gen, device=q.device, dtype=q.dtype)
+    no_drop = (q, k, v, attn_mask, 0.0, is_causal, scale, enable_gqa)
+    with torch.autocast(q.device.type, enabled=False):
+        ref64 = _reference_blocks(no_drop, torch.float64, dy, train)
+        ref_lowp = _reference_blocks(no_drop, q.dtype, dy, train)
+        got = _run_candidate(fn, no_drop, dy, train)
+    labels = ("output", "dq", "dk", "dv")
+    for label, g, e64, elp in zip(labels, got, ref64, ref_lowp):
+        problem = gate(label + (" at dropout_p=0" if dropout_p > 0.0 else ""), g, e64, elp)
+        if problem is not None:
+            return problem
+    if dropout_p <= 0.0:
+        return None
+    state = _rng_state(q.device)
+    first = _run_candidate(fn, args, dy, train)
+    _set_rng_state(q.device, state)
+    again = _run_candidate(fn, args, dy, train)
+    if dropout_p < 1.0 and torch.equal(first[0], got[0]):
+        return f"dropout check: the output at dropout_p={dropout_p} equals the one at 0"
+    for label, a, b in zip(labels, first, again):
+        if not torch.equal(a, b):
+            return f"dropout check: {label} is not repeatable from the same RNG state"
+    return None
+
+
+ATTENTION = dialects.define(
+    "attention", _attention_key, _DIALECT_KEY_NAMES, reference=attention_ref, check=_attention_check,
+    output_like=_attention_output_like)
+ATTENTION.register(dialects.Candidate("trifuse", _attention_trifuse))
+for _name in _SDPA:
+    # Deterministic backwards are not promised by any of them (flash and efficient accumulate dQ
+    # or dK/dV with atomics); under torch.use_deterministic_algorithms they are not eligible.
+    ATTENTION.register(dialects.Candidate(_name, _sdpa_fn(_name), supports=_sdpa_supports(_name),
+                                          deterministic=False))
+ATTENTION.register(dialects.Candidate("flash-attn", _flash_attn, supports=_flash_attn_supports,
+                                      deterministic=False, requires=("flash_attn",)))
+ATTENTION.register(dialects.Candidate("xformers", _xformers, supports=_xformers_supports,
+                                      deterministic=False, requires=("xformers.ops",)))
+del _name
+
+
+# =============================================================================================
 # Public API
 # =============================================================================================
 
@@ -1035,6 +1367,12 @@ def attention(
         transpose gives an output whose transpose back is contiguous). Rows that see no key
         (fully masked) are 0, with zero gradients, as SDPA gives.
 
+    Eager calls run trifuse's kernels, or SDPA with one backend forced, or flash-attn / xformers
+    when installed, whichever the `attention` dialect measured fastest among those that passed
+    its check for this shape bucket on this GPU (`trifuse.autotune.dialects.explain("attention",
+    q, k, v, ...)` says which and why the others were rejected); elsewhere, and under
+    torch.compile, trifuse's.
+
     Raises:
         TypeError for non-float or mixed dtypes; ValueError for ranks, shapes, head counts, masks
         that do not broadcast, dropout_p outside [0, 1], or a mask that requires grad.
@@ -1044,10 +1382,4 @@ def attention(
     check_probability(OP, "dropout_p", dropout_p)
     if isinstance(attn_mask, torch.Tensor) and torch.is_grad_enabled():
         _check_mask_grad(attn_mask)
-    if eager_fast_path(q, k, v, attn_mask):
-        _check_attention_inputs(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-        with profiled(f"trifuse::{OP}"):
-            return _AttentionFunction.apply(q, k, v, attn_mask, float(dropout_p), bool(is_causal),
-                                            _resolve_scale(scale, q.shape[-1]))
-    return torch.ops.trifuse.attention(q, k, v, attn_mask, float(dropout_p), bool(is_causal),
-                                       None if scale is None else float(scale), bool(enable_gqa))[0]
+    return ATTENTION(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)

@@ -289,3 +289,32 @@ def test_autotune_off_replays_shipped_defaults_for_the_gpu_family(cache_dir, tim
     d(x_(n=32), 2.0)
     assert d.explain(x_(), 2.0).chosen == "fast" and d.explain(x_(), 2.0).source == "shipped h100 defaults"
     assert d.explain(x_(n=32), 2.0).chosen == "own" and fake.calls == []
+
+
+def test_a_check_with_output_like_never_runs_the_reference(cache_dir, timer):
+    """Ops whose reference does not fit at real shapes (attention's is O(S^2)) pass `check` and
+    `output_like`: the trial takes the output gradients' shapes from output_like, and the
+    reference is never called."""
+    def no_reference(x, s):
+        raise AssertionError("the reference ran")
+
+    checked = []
+
+    def check(fn, args):
+        checked.append(fn)
+        return None if torch.equal(fn(*args), args[0] * args[1]) else "differs"
+
+    d = Dialect("scale_checked", key, ("device", "dtype", "n", "grad"), reference=no_reference, check=check,
+                output_like=lambda x, s: torch.empty_like(x).requires_grad_(x.requires_grad))
+    for c in CANDIDATES[:3]:
+        d.register(c)
+    d.timer = timer(TIMES)
+    x = torch.randn(4, 8, requires_grad=True)
+    d(x, 2.0)
+    rec = d.explain(x, 2.0)
+    assert rec.chosen == "fast" and len(checked) == 3
+    assert rec.rejected["wrong"] == "wrong result: differs"
+
+
+def test_a_missing_parent_package_is_not_installed():
+    assert dialects.import_problem("trifuse_no_such_pkg.ops").startswith("trifuse_no_such_pkg.ops is not installed")

@@ -53,34 +53,57 @@ def test_gpu_caches_one_compiled_kernel_per_specialization():
     assert AXPY._fast, "the direct launcher path fell back to Triton's own path"
 
 
-def test_attention_launches_the_tuned_config_through_the_cached_path():
-    """The tuner decides once per key; then attention launches the chosen config directly:
-    the same constexprs plus the config's block sizes and launch options."""
+def test_attention_launches_through_cached_plans(monkeypatch):
+    """The tuner decides once per tuning key; the launch plan (grid + launch keywords) is kept
+    per exact shape, and every later call launches all four kernels (forward, backward
+    preprocess, dK/dV, dQ) through CachedKernel with that plan: the same constexprs plus the
+    config's block sizes and launch options, and no tuner call."""
     from trifuse.kernels import attention as attn
 
-    calls, decided = [], set()
+    calls, decided = [], []
 
     class FakeTuner:
         def config(self, key, launch, *args):
-            decided.add(key)
-            return triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=2)
+            decided.append(key)
+            return triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=2, num_stages=1)
 
         def is_decided(self, key):
             return key in decided
 
     class FakeCached:
-        def __getitem__(self, grid):
-            return lambda *a, **kw: calls.append((grid, a, kw))
+        def __init__(self, name):
+            self.name = name
 
-    kernel = attn._TunedKernel("fwd")
-    kernel.tuner, kernel.cached = FakeTuner(), FakeCached()
-    grid = lambda meta: (100 // meta["BLOCK_M"], 3)  # noqa: E731
-    for key in ("a", "a", "b"):
-        kernel[grid, key](1, 2, HEAD_DIM=16)
-    assert decided == {"a", "b"} and len(calls) == 3 and set(kernel.chosen) == {"a", "b"}
-    cached_grid, args, kw = calls[1]
-    assert cached_grid == (1, 3) and args == (1, 2)
-    assert kw == {"HEAD_DIM": 16, "BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+        def run(self, grid, args, kwargs):
+            calls.append((self.name, grid, kwargs))
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: self.run(grid, a, kw)
+
+    fakes = {name: FakeCached(name) for name in ("fwd", "pre", "dkdv", "dq")}
+    monkeypatch.setattr(attn, "_TUNERS", {kind: FakeTuner() for kind in ("fwd", "dkdv", "dq")})
+    monkeypatch.setattr(attn, "_FWD", fakes["fwd"])
+    monkeypatch.setattr(attn, "_BWD_PREPROCESS", fakes["pre"])
+    monkeypatch.setattr(attn, "_BWD_DKDV", fakes["dkdv"])
+    monkeypatch.setattr(attn, "_BWD_DQ", fakes["dq"])
+    monkeypatch.setattr(attn, "_CACHED", {"fwd": fakes["fwd"], "dkdv": fakes["dkdv"], "dq": fakes["dq"]})
+    monkeypatch.setattr(attn, "_FWD_PLANS", {})
+    monkeypatch.setattr(attn, "_BWD_PLANS", {})
+    q = torch.randn(2, 3, 40, 16, device=DEVICE)
+    for _ in range(3):
+        o, lse = attn.attention_fwd(q, q, q, None, 0.0, True, 0.25, None)
+        attn.attention_bwd(torch.ones_like(o), q, q, q, o, lse, None, None, 0.0, True, 0.25)
+    assert len(decided) == 3, "the tuner is asked once per kernel, not per call"
+    assert len(attn._FWD_PLANS) == 1 and len(attn._BWD_PLANS) == 1
+    assert [c[0] for c in calls] == ["fwd", "pre", "dkdv", "dq"] * 3
+    assert calls[4:8] == calls[8:12] and calls[0] == calls[4], "later calls replay the first call's plan"
+    fwd, _, dkdv, dq = calls[4:8]
+    assert fwd[1] == (3, 6) and dkdv[1] == (3, 6) and dq[1] == (3, 6)
+    assert fwd[2] == {"HEAD_DIM": 16, "BLOCK_D": 16, "IS_CAUSAL": True, "MASK_KIND": 0, "HAS_DROPOUT": False,
+                      "DOT_PRECISION": "ieee", "ACC": attn.acc_dtype(q.dtype),
+                      "BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 2, "num_stages": 1}
+    attn.attention_fwd(q[:, :, :20], q, q, None, 0.0, True, 0.25, None)  # another shape: its own plan
+    assert len(attn._FWD_PLANS) == 2
 
 
 def test_attention_tuning_is_recorded_for_the_report():
@@ -90,9 +113,10 @@ def test_attention_tuning_is_recorded_for_the_report():
     from trifuse.autotune import records
     from trifuse.kernels import attention as attn
 
-    for t in attn._TUNED.values():
-        t.tuner.clear()
-        t.chosen.clear()
+    for t in attn._TUNERS.values():
+        t.clear()
+    attn._FWD_PLANS.clear()
+    attn._BWD_PLANS.clear()
     q = torch.randn(1, 2, 5, 16, device=DEVICE, requires_grad=True)
     out = trifuse.ops.attention(q, q, q, is_causal=True)
     out.sum().backward()
