@@ -35,6 +35,8 @@ linear_cross_entropy(hidden (T, H), weight (V, H), target (T,), bias (V,)):
     and "sum": their incoming gradient is one scalar, applied in the backward by one scaling pass).
     With "none" every row has its own incoming gradient and dweight cannot be rescaled afterwards:
     the forward keeps lse only and the backward recomputes each chunk's logits (one matmul more).
+    Without gradients (torch.no_grad, or no input requiring one) the kernel writes the loss alone:
+    no dlogits, no gradient matmuls, no lse, no autograd node.
     Vocabulary padding: cuBLAS falls back to slow kernels when a dimension of a 16-bit matmul is
     not a multiple of 8 (50257). The weight is then copied once per call into a (Vp, H) buffer,
     Vp the next multiple of 64, with zero rows below; the kernel treats columns >= V as absent
