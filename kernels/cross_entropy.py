@@ -35,6 +35,8 @@ linear_cross_entropy(hidden (T, H), weight (V, H), target (T,), bias (V,)):
     and "sum": their incoming gradient is one scalar, applied in the backward by one scaling pass).
     With "none" every row has its own incoming gradient and dweight cannot be rescaled afterwards:
     the forward keeps lse only and the backward recomputes each chunk's logits (one matmul more).
+    Without gradients (torch.no_grad, or no input requiring one) the kernel writes the loss alone:
+    no dlogits, no gradient matmuls, no lse, no autograd node.
     Vocabulary padding: cuBLAS falls back to slow kernels when a dimension of a 16-bit matmul is
     not a multiple of 8 (50257). The weight is then copied once per call into a (Vp, H) buffer,
     Vp the next multiple of 64, with zero rows below; the kernel treats columns >= V as absent
@@ -60,6 +62,7 @@ a row's loss and gradient are NaN (never an out-of-bounds read, never a silently
 so is a "mean" or "sum" over it.
 """
 import contextlib
+import functools
 import math
 
 import torch
@@ -189,24 +192,27 @@ def _store_zero_row(DX, C_STORE, BLOCK_N: tl.constexpr):
 @triton.jit
 def _cross_entropy_fwd_kernel(
     X,  # in (M, >= C) logits, unit column stride
-    TARGET,  # in (M,) integer class indices
+    TARGET,  # in (row0 + M,) integer class indices
     COUNT,  # in (1,) fp32 number of non-ignored rows; unused unless STORE_GRAD and IS_MEAN
-    LOSS,  # out (M,) per-row loss (fp32, or the output dtype for "none")
-    LSE,  # out (M,) fp32 log-sum-exp of each row
+    LOSS,  # out (row0 + M,) per-row loss (fp32, or the output dtype for "none")
+    LSE,  # out (row0 + M,) fp32 log-sum-exp of each row; unused unless STORE_LSE
     DX,  # out (M, C_STORE) d loss / d x, may alias X; unused unless STORE_GRAD
+    row0,  # the first row of X is row row0 of TARGET, LOSS and LSE (a chunk of the tokens)
     stride_xm, stride_dxm,
     C, C_STORE, ignore_index, eps,
     BLOCK_N: tl.constexpr, HAS_SMOOTHING: tl.constexpr, STORE_GRAD: tl.constexpr,
-    IS_MEAN: tl.constexpr, ACC: tl.constexpr,
+    STORE_LSE: tl.constexpr, IS_MEAN: tl.constexpr, ACC: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)  # int64: row * stride passes 2^31 at LM sizes
     X += row * stride_xm
     DX += row * stride_dxm
-    tgt = tl.load(TARGET + row).to(tl.int64)
+    out_row = row0 + row
+    tgt = tl.load(TARGET + out_row).to(tl.int64)
     if tgt == ignore_index:
         # Ignored rows cost no read of the logits.
-        tl.store(LOSS + row, 0.0)
-        tl.store(LSE + row, 0.0)
+        tl.store(LOSS + out_row, 0.0)
+        if STORE_LSE:
+            tl.store(LSE + out_row, 0.0)
         if STORE_GRAD:
             _store_zero_row(DX, C_STORE, BLOCK_N)
     else:
@@ -219,8 +225,9 @@ def _cross_entropy_fwd_kernel(
             loss = lse - x_t
         # A target out of range (and not ignored) gives NaN: loud, and no out-of-bounds read.
         loss = tl.where(valid, loss, float("nan"))
-        tl.store(LOSS + row, loss.to(LOSS.dtype.element_ty))
-        tl.store(LSE + row, lse.to(LSE.dtype.element_ty))
+        tl.store(LOSS + out_row, loss.to(LOSS.dtype.element_ty))
+        if STORE_LSE:
+            tl.store(LSE + out_row, lse.to(LSE.dtype.element_ty))
         if STORE_GRAD:
             scale = tl.where(valid, 1.0, float("nan")).to(ACC)
             if IS_MEAN:
@@ -231,11 +238,12 @@ def _cross_entropy_fwd_kernel(
 @triton.jit
 def _cross_entropy_bwd_kernel(
     X,  # in (M, >= C) logits
-    TARGET,  # in (M,)
-    LSE,  # in (M,) fp32 saved by the forward
-    DLOSS,  # in (M,) or (1,) incoming gradient (stride_dl 0 for a scalar)
+    TARGET,  # in (row0 + M,)
+    LSE,  # in (row0 + M,) fp32 saved by the forward
+    DLOSS,  # in (row0 + M,) or (1,) incoming gradient (stride_dl 0 for a scalar)
     COUNT,  # in (1,) fp32 number of non-ignored rows; unused unless IS_MEAN
     DX,  # out (M, C_STORE), may alias X
+    row0,  # the first row of X is row row0 of TARGET, LSE and DLOSS
     stride_xm, stride_dxm, stride_dl,
     C, C_STORE, ignore_index, eps,
     BLOCK_N: tl.constexpr, HAS_SMOOTHING: tl.constexpr, IS_MEAN: tl.constexpr, ACC: tl.constexpr,
@@ -243,61 +251,79 @@ def _cross_entropy_bwd_kernel(
     row = tl.program_id(0).to(tl.int64)
     X += row * stride_xm
     DX += row * stride_dxm
-    tgt = tl.load(TARGET + row).to(tl.int64)
+    out_row = row0 + row
+    tgt = tl.load(TARGET + out_row).to(tl.int64)
     if tgt == ignore_index:
         _store_zero_row(DX, C_STORE, BLOCK_N)
     else:
         valid = (tgt >= 0) & (tgt < C)
-        scale = tl.load(DLOSS + row * stride_dl).to(ACC)
+        scale = tl.load(DLOSS + out_row * stride_dl).to(ACC)
         if IS_MEAN:
             scale = scale / tl.maximum(tl.load(COUNT).to(ACC), 1.0)
         scale = tl.where(valid, scale, float("nan"))
-        lse = tl.load(LSE + row).to(ACC)
+        lse = tl.load(LSE + out_row).to(ACC)
         _store_row_grad(X, DX, lse, tgt, scale, C, C_STORE, eps, BLOCK_N, HAS_SMOOTHING, ACC)
 
 
 @triton.jit
 def _cross_entropy_reduce_kernel(
-    LOSSES,  # in (M,) fp32 per-row losses
+    LOSSES,  # in (M,) fp32 per-row losses; unused if COUNT_ONLY
     TARGET,  # in (M,)
-    OUT,  # out (1,) the mean or the sum, in the output dtype
+    OUT,  # out (1,) the mean or the sum, in the output dtype; unused if COUNT_ONLY
     COUNT,  # out (1,) fp32 number of non-ignored rows
     M, ignore_index,
-    BLOCK: tl.constexpr, IS_MEAN: tl.constexpr,
+    BLOCK: tl.constexpr, IS_MEAN: tl.constexpr, COUNT_ONLY: tl.constexpr,
 ):
-    """One program sums the rows in a fixed order: the same bits on every run."""
+    """One program sums the rows in a fixed order: the same bits on every run. COUNT_ONLY
+    counts the non-ignored rows alone (what the gradient of "mean" needs before the losses)."""
     offs = tl.arange(0, BLOCK)
-    total = tl.zeros([BLOCK], LOSSES.dtype.element_ty)
-    count = tl.zeros([BLOCK], LOSSES.dtype.element_ty)
+    total = tl.zeros([BLOCK], COUNT.dtype.element_ty)
+    count = tl.zeros([BLOCK], COUNT.dtype.element_ty)
     for start in range(0, M, BLOCK):
         rows = start + offs
         mask = rows < M
-        total += tl.load(LOSSES + rows, mask=mask, other=0.0)
+        if not COUNT_ONLY:
+            total += tl.load(LOSSES + rows, mask=mask, other=0.0)
         tgt = tl.load(TARGET + rows, mask=mask, other=0).to(tl.int64)
         count += tl.where(mask & (tgt != ignore_index), 1.0, 0.0)
-    loss = tl.sum(total, axis=0)
     n = tl.sum(count, axis=0)
-    if IS_MEAN:
-        loss = loss / n
-    tl.store(OUT, loss.to(OUT.dtype.element_ty))
+    if not COUNT_ONLY:
+        loss = tl.sum(total, axis=0)
+        if IS_MEAN:
+            loss = loss / n
+        tl.store(OUT, loss.to(OUT.dtype.element_ty))
     tl.store(COUNT, n)
 
 
 @triton.jit
-def _scale_cast_kernel(
-    X,  # in (n,) contiguous
-    G,  # in (1,) scalar factor
-    Y,  # out (n,) contiguous, any float dtype
-    n,
-    BLOCK: tl.constexpr, HAS_G: tl.constexpr, ACC: tl.constexpr,
-):
-    """y = x * g in ACC, rounded once to y's dtype: one pass where (x * g).to(dtype) makes two."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def _scale_cast_slot(X, G, Y, n, block, BLOCK: tl.constexpr, HAS_G: tl.constexpr, ACC: tl.constexpr):
+    offs = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     y = tl.load(X + offs, mask=mask, other=0.0).to(ACC)
     if HAS_G:
         y = y * tl.load(G).to(ACC)
     tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _scale_cast_kernel(
+    X0, Y0,  # in (n0,) contiguous; out (n0,) contiguous, any float dtype
+    X1, Y1,  # in (n1,), out (n1,); unused when blocks1 == 0
+    X2, Y2,  # in (n2,), out (n2,); unused when the grid has no blocks past blocks0 + blocks1
+    G,  # in (1,) scalar factor; unused unless HAS_G
+    n0, n1, n2, blocks0, blocks1,
+    BLOCK: tl.constexpr, HAS_G: tl.constexpr, ACC: tl.constexpr,
+):
+    """y_k = x_k * g in ACC, rounded once to y_k's dtype, for up to three tensors in one launch:
+    the first blocks0 programs take slot 0, the next blocks1 slot 1, the rest slot 2. One pass
+    where (x * g).to(dtype) makes two, and one launch where three tensors would make three."""
+    pid = tl.program_id(0)
+    if pid < blocks0:
+        _scale_cast_slot(X0, G, Y0, n0, pid, BLOCK, HAS_G, ACC)
+    elif pid < blocks0 + blocks1:
+        _scale_cast_slot(X1, G, Y1, n1, pid - blocks0, BLOCK, HAS_G, ACC)
+    else:
+        _scale_cast_slot(X2, G, Y2, n2, pid - blocks0 - blocks1, BLOCK, HAS_G, ACC)
 
 
 # =============================================================================================
@@ -329,60 +355,99 @@ def _check_target_range(op: str, target: torch.Tensor, n_classes: int, ignore_in
         )
 
 
-# Thin launch path: Triton's own costs ~60 µs of host time per launch (_launch.py).
+# Thin launch path: Triton's own costs ~60 µs of host time per launch (_launch.py). Every launch
+# below goes through these; the launchers also keep their own torch ops few (each costs a few µs
+# of host time on a GPU): no views where a kernel argument does (row0), no zero-fills a first
+# matmul can replace.
 _cross_entropy_fwd = CachedKernel(_cross_entropy_fwd_kernel)
 _cross_entropy_bwd = CachedKernel(_cross_entropy_bwd_kernel)
 _cross_entropy_reduce = CachedKernel(_cross_entropy_reduce_kernel)
 _scale_cast = CachedKernel(_scale_cast_kernel)
+SCALE_CAST_BLOCK = 4096
 
 
-def _rows_fwd(x2, target, n_cols, ignore_index, label_smoothing, loss, lse, count=None, dx=None,
-              is_mean=False):
-    """Per-row loss and lse of x2 (M, >= n_cols) into `loss` and `lse`; with `dx` (M, >= n_cols),
-    also d(loss_i)/dx (divided by max(count, 1) when is_mean), which may be x2 itself."""
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """t as a contiguous 1-D tensor; t itself (no view op) when it already is one."""
+    return t if t.dim() == 1 and t.is_contiguous() else t.reshape(-1).contiguous()
+
+
+def _logit_rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x (N, n) with unit column stride: x itself when it has one (no view op), else rows_2d."""
+    return x if x.dim() == 2 and (n <= 1 or x.stride(1) == 1) else rows_2d(x, n)
+
+
+def _rows_fwd(x2, target, n_cols, ignore_index, label_smoothing, loss, lse=None, count=None, dx=None,
+              is_mean=False, row0=0):
+    """Per-row loss of x2 (M, >= n_cols) into loss[row0 : row0 + M], the targets being
+    target[row0 : row0 + M]; and lse there too unless lse is None. With `dx` (M, >= n_cols) also
+    d(loss_i)/dx (divided by max(count, 1) when is_mean), which may be x2 itself."""
     m = x2.shape[0]
     if m == 0:
         return
     if not use_triton(x2):
-        _rows_fwd_torch(x2, target, n_cols, ignore_index, label_smoothing, loss, lse, count, dx, is_mean)
+        rows = slice(row0, row0 + m)
+        _rows_fwd_torch(x2, target[rows], n_cols, ignore_index, label_smoothing, loss[rows],
+                        None if lse is None else lse[rows], count, dx, is_mean)
         return
     store_grad = dx is not None
-    block, num_warps = _block_and_warps(dx.shape[1] if store_grad else n_cols)
+    c_store = dx.shape[1] if store_grad else n_cols
+    block, num_warps = _block_and_warps(c_store)
+    # Unused pointers get a tensor of the right kind: the kernel never reads or writes them.
     _cross_entropy_fwd[(m,)](
-        x2, target, count if store_grad and is_mean else lse, loss, lse, dx if store_grad else x2,
-        x2.stride(0), dx.stride(0) if store_grad else 0,
-        n_cols, dx.shape[1] if store_grad else n_cols, ignore_index, label_smoothing,
+        x2, target, count if store_grad and is_mean else loss, loss, loss if lse is None else lse,
+        dx if store_grad else x2, row0, x2.stride(0), dx.stride(0) if store_grad else 0,
+        n_cols, c_store, ignore_index, label_smoothing,
         BLOCK_N=block, HAS_SMOOTHING=label_smoothing > 0.0, STORE_GRAD=store_grad,
-        IS_MEAN=is_mean, ACC=acc_dtype(x2.dtype), num_warps=num_warps,
+        STORE_LSE=lse is not None, IS_MEAN=is_mean, ACC=acc_dtype(x2.dtype), num_warps=num_warps,
     )
 
 
-def _rows_bwd(x2, target, lse, dloss, count, n_cols, ignore_index, label_smoothing, dx, is_mean):
-    """dx (M, >= n_cols) = dloss_i (/ max(count, 1)) * d(loss_i)/dx; dloss is (M,) or a scalar;
-    dx may be x2 itself."""
+def _rows_bwd(x2, target, lse, dloss, count, n_cols, ignore_index, label_smoothing, dx, is_mean, row0=0):
+    """dx (M, >= n_cols) = dloss_i (/ max(count, 1)) * d(loss_i)/dx for the rows row0 .. row0 + M
+    of target, lse and dloss (1-D, or one element for a scalar); dx may be x2 itself."""
     m = x2.shape[0]
     if m == 0:
         return
+    scalar = dloss.numel() == 1
     if not use_triton(x2):
-        _rows_bwd_torch(x2, target, lse, dloss, count, n_cols, ignore_index, label_smoothing, dx, is_mean)
+        rows = slice(row0, row0 + m)
+        _rows_bwd_torch(x2, target[rows], lse[rows], dloss if scalar else dloss[rows], count, n_cols,
+                        ignore_index, label_smoothing, dx, is_mean)
         return
     block, num_warps = _block_and_warps(dx.shape[1])
-    dloss = dloss.reshape(-1)
     _cross_entropy_bwd[(m,)](
         x2, target, lse, dloss, count if is_mean else lse, dx,
-        x2.stride(0), dx.stride(0), dloss.stride(0) if dloss.numel() > 1 else 0,
+        row0, x2.stride(0), dx.stride(0), 0 if scalar else dloss.stride(0),
         n_cols, dx.shape[1], ignore_index, label_smoothing,
         BLOCK_N=block, HAS_SMOOTHING=label_smoothing > 0.0, IS_MEAN=is_mean,
         ACC=acc_dtype(x2.dtype), num_warps=num_warps,
     )
 
 
-def _reduce(losses, target, ignore_index, reduction, out_dtype):
+def _reduce_block(m: int) -> int:
+    return min(next_power_of_2(m), 4096)
+
+
+def count_rows(target: torch.Tensor, ignore_index: int, acc: torch.dtype) -> torch.Tensor:
+    """The number of non-ignored rows of target (1-D), a 0-dim tensor in `acc`: one launch."""
+    count = torch.empty((), dtype=acc, device=target.device)
+    if not use_triton(target):
+        count.copy_((target != ignore_index).sum())
+        return count
+    _cross_entropy_reduce[(1,)](
+        target, target, count, count, target.shape[0], ignore_index,
+        BLOCK=_reduce_block(target.shape[0]), IS_MEAN=False, COUNT_ONLY=True, num_warps=4,
+    )
+    return count
+
+
+def _reduce(losses, target, ignore_index, reduction, out_dtype, count=None):
     """(loss, count): the mean or sum of the per-row losses in out_dtype, and the number of
-    non-ignored rows (0-dim, fp32 or fp64)."""
+    non-ignored rows (0-dim, fp32 or fp64), written into `count` when given."""
     acc = losses.dtype
     out = torch.empty((), dtype=out_dtype, device=losses.device)
-    count = torch.empty((), dtype=acc, device=losses.device)
+    if count is None:
+        count = torch.empty((), dtype=acc, device=losses.device)
     if not use_triton(losses):
         count.copy_((target != ignore_index).sum())
         total = losses.sum()
@@ -390,28 +455,33 @@ def _reduce(losses, target, ignore_index, reduction, out_dtype):
         return out, count
     _cross_entropy_reduce[(1,)](
         losses, target, out, count, losses.shape[0], ignore_index,
-        BLOCK=min(next_power_of_2(losses.shape[0]), 4096), IS_MEAN=reduction == "mean", num_warps=4,
+        BLOCK=_reduce_block(losses.shape[0]), IS_MEAN=reduction == "mean", COUNT_ONLY=False, num_warps=4,
     )
     return out, count
 
 
-def scale_cast(x: torch.Tensor, g: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """A fresh tensor x * g (g a 0-dim tensor, or None for 1) in `dtype`, computed in fp32 (fp64
-    for fp64) and rounded once."""
-    acc = _acc_torch_dtype(torch.promote_types(x.dtype, dtype))
-    x = x.contiguous()
-    y = torch.empty(x.shape, dtype=dtype, device=x.device)
-    if x.numel() == 0:
-        return y
-    if not use_triton(x):
-        y.copy_(x.to(acc) * g.to(acc) if g is not None else x)
-        return y
-    block = 4096
-    _scale_cast[(triton.cdiv(x.numel(), block),)](
-        x, g if g is not None else x, y, x.numel(),
-        BLOCK=block, HAS_G=g is not None, ACC=acc_dtype(acc), num_warps=8,
+def scale_cast(pairs: list[tuple[torch.Tensor, torch.Tensor]], g: torch.Tensor | None) -> None:
+    """y = x * g for each (x, y) of at most three pairs, in one launch: x contiguous, of which the
+    first y.numel() elements are read in y's (contiguous) order; g a 0-dim tensor, or None for 1.
+    Computed in fp32 (fp64 when an fp64 tensor takes part) and rounded once to y's dtype."""
+    pairs = [(x, y) for x, y in pairs if y.numel() > 0]
+    if not pairs:
+        return
+    wide = any(t.dtype == torch.float64 for pair in pairs for t in pair)
+    if not use_triton(pairs[0][0]):
+        acc = torch.float64 if wide else torch.float32
+        for x, y in pairs:
+            x = x.reshape(-1)[: y.numel()].view(y.shape)
+            y.copy_(x.to(acc) * g.to(acc) if g is not None else x)
+        return
+    blocks = [-(-y.numel() // SCALE_CAST_BLOCK) for _, y in pairs]
+    slots = pairs + [pairs[0]] * (3 - len(pairs))  # unused slots: no program reaches them
+    (x0, y0), (x1, y1), (x2, y2) = slots
+    _scale_cast[(sum(blocks),)](
+        x0, y0, x1, y1, x2, y2, g if g is not None else x0, y0.numel(), y1.numel(), y2.numel(),
+        blocks[0], blocks[1] if len(blocks) > 1 else 0,
+        BLOCK=SCALE_CAST_BLOCK, HAS_G=g is not None, ACC=tl.float64 if wide else tl.float32, num_warps=8,
     )
-    return y
 
 
 def cross_entropy_fwd(
@@ -421,20 +491,22 @@ def cross_entropy_fwd(
     reduction: str,
     label_smoothing: float,
     out_dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    store_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """logits (N, C), target (N,). Returns (loss, lse, count): loss () or (N,) in out_dtype,
     lse (N,) and count () in fp32 (fp64 for fp64 logits); count is the number of non-ignored
-    rows for "mean" and "sum" (the backward of "mean" divides by it), N for "none"."""
+    rows for "mean" and "sum" (the backward of "mean" divides by it), None for "none" (nothing
+    needs it); lse is None unless store_lse (the backward needs it, the loss alone does not)."""
     n, c = logits.shape
     _check_target_range("cross_entropy", target, c, ignore_index)
     acc = _acc_torch_dtype(logits.dtype)
-    x2 = rows_2d(logits, c) if c > 0 else logits
-    target = target.contiguous()
-    lse = torch.empty(n, dtype=acc, device=logits.device)
+    x2 = _logit_rows(logits, c) if c > 0 else logits
+    target = _flat(target)
+    lse = torch.empty(n, dtype=acc, device=logits.device) if store_lse else None
     if reduction == "none":
         loss = torch.empty(n, dtype=out_dtype, device=logits.device)
         _rows_fwd(x2, target, c, ignore_index, label_smoothing, loss, lse)
-        return loss, lse, torch.full((), n, dtype=acc, device=logits.device)
+        return loss, lse, None
     losses = torch.empty(n, dtype=acc, device=logits.device)
     _rows_fwd(x2, target, c, ignore_index, label_smoothing, losses, lse)
     loss, count = _reduce(losses, target, ignore_index, reduction, out_dtype)
@@ -446,18 +518,18 @@ def cross_entropy_bwd(
     logits: torch.Tensor,
     target: torch.Tensor,
     lse: torch.Tensor,
-    count: torch.Tensor,
+    count: torch.Tensor | None,
     ignore_index: int,
     reduction: str,
     label_smoothing: float,
 ) -> torch.Tensor:
-    """d loss / d logits, (N, C) in the logits' dtype."""
+    """d loss / d logits, (N, C) in the logits' dtype. count is needed for "mean" only."""
     n, c = logits.shape
     dx = torch.empty((n, c), dtype=logits.dtype, device=logits.device)
     if c == 0:
         return dx
-    _rows_bwd(rows_2d(logits, c), target.contiguous(), lse, dloss, count, c, ignore_index,
-              label_smoothing, dx, reduction == "mean")
+    _rows_bwd(_logit_rows(logits, c), _flat(target), lse, dloss if dloss.dim() <= 1 else dloss.reshape(-1),
+              count, c, ignore_index, label_smoothing, dx, reduction == "mean")
     return dx
 
 
@@ -472,6 +544,10 @@ def padded_vocab(v: int) -> int:
     return v if v % 8 == 0 else -(-v // VOCAB_ALIGN) * VOCAB_ALIGN
 
 
+# Cached per problem: a training loop asks the same question every step, and the free-memory
+# query behind the answer costs a driver call (and reflects the first step's free memory,
+# which is the one that matters: later steps reuse the allocator's blocks).
+@functools.lru_cache(maxsize=256)
 def chunk_rows(tokens: int, vocab_padded: int, hidden: int, dtype: torch.dtype, device: torch.device) -> int:
     """Tokens per chunk. The chunk's logits (rows x vocab_padded in `dtype`) may take 8 V H
     bytes, twice the fp32 weight gradient the caller holds anyway, and at most a quarter of the
@@ -503,6 +579,9 @@ def _pad_rows(t: torch.Tensor | None, rows: int, dtype: torch.dtype) -> torch.Te
     """t with its first dim padded by zeros to `rows`, in `dtype`; t itself when nothing changes."""
     if t is None or (t.shape[0] == rows and t.dtype == dtype):
         return t
+    if t.dtype == dtype:
+        # Two ops where empty + copy + zero-fill of two slices take five; the same traffic.
+        return torch.cat((t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))))
     out = torch.empty((rows, *t.shape[1:]), dtype=dtype, device=t.device)
     out[: t.shape[0]].copy_(t)
     out[t.shape[0]:].zero_()
@@ -510,18 +589,11 @@ def _pad_rows(t: torch.Tensor | None, rows: int, dtype: torch.dtype) -> torch.Te
 
 
 def _head_operands(hidden, weight, bias, compute_dtype):
-    h = hidden.reshape(-1, hidden.shape[-1])
+    h = hidden if hidden.dim() == 2 else hidden.reshape(-1, hidden.shape[-1])
     if h.dtype != compute_dtype:
         h = h.to(compute_dtype)
     vp = padded_vocab(weight.shape[0])
     return h, _pad_rows(weight, vp, compute_dtype), _pad_rows(bias, vp, compute_dtype), vp
-
-
-def _chunk_logits(h_c, w, b, out):
-    if b is None:
-        torch.mm(h_c, w.t(), out=out)
-    else:
-        torch.addmm(b, h_c, w.t(), out=out)
 
 
 def _dweight_dtype(weight_dtype: torch.dtype, compute_dtype: torch.dtype) -> torch.dtype:
@@ -533,39 +605,63 @@ def _dweight_dtype(weight_dtype: torch.dtype, compute_dtype: torch.dtype) -> tor
     return compute_dtype
 
 
-def _accumulate_fp32(dw: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
-    """dw (fp32) (+)= a @ b for 16-bit a, b. On CUDA one cuBLAS call with an fp32 C (beta=1),
-    nothing rounded to 16 bits; elsewhere the product is rounded once, then added in fp32."""
+def _accumulate(dw: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """dw + a @ b in `dtype` (a fresh a @ b when dw is None), accumulated in place. For 16-bit a, b
+    and an fp32 dw: on CUDA one cuBLAS call with an fp32 C (beta=1), nothing rounded to 16 bits;
+    elsewhere the product is rounded once, then added in fp32."""
+    if dtype == a.dtype:
+        return torch.mm(a, b) if dw is None else dw.addmm_(a, b)
     if a.is_cuda:
         try:
-            if first:
-                torch.mm(a, b, out_dtype=torch.float32, out=dw)
-            else:
-                torch.addmm(dw, a, b, out_dtype=torch.float32, out=dw)
-            return
+            if dw is None:
+                return torch.mm(a, b, out_dtype=torch.float32)
+            return torch.addmm(dw, a, b, out_dtype=torch.float32, out=dw)
         except (TypeError, RuntimeError):  # a torch or GPU without the out_dtype matmuls
             pass
     prod = torch.mm(a, b)
-    dw.copy_(prod) if first else dw.add_(prod)
+    return prod.to(dtype) if dw is None else dw.add_(prod)
 
 
-def _chunk_grads(dl, h_c, w, dh_c, dw, db, first):
-    """Given the chunk's dlogits (R, Vp): dhidden_c = dl @ W, dW (+)= dl.T @ h_c, db += sum(dl)."""
-    if dh_c is not None:
-        torch.mm(dl, w, out=dh_c)
-    if dw is not None:
-        if dw.dtype != dl.dtype:
-            _accumulate_fp32(dw, dl.t(), h_c, first)
-        elif first:
-            torch.mm(dl.t(), h_c, out=dw)
+def _head_pass(h, w, b, rows, grads, dw_dtype, acc, chunk_kernel):
+    """The chunk loop both directions share, over h (T, H) and the padded w (Vp, H), b (Vp,).
+    Per chunk of `rows` tokens: its logits (R, Vp) into one reused buffer; chunk_kernel(logits,
+    row0) turns them into the loss or, in place, into dlogits; then, for each gradient `grads`
+    asks for: dhidden_c = dlogits @ W, dW (+)= dlogits.T @ h_c, db (+)= sum_rows(dlogits).
+    Returns (dh (T, H), dw (Vp, H) in dw_dtype, db (Vp,) in acc), None where not asked for.
+    The first chunk's products are fresh tensors (no zero-fill); one chunk slices nothing."""
+    tokens = h.shape[0]
+    wt = w.t()
+    dh = dw = db = None
+    if grads[0] and rows < tokens:
+        dh = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+    buf = torch.empty((min(rows, tokens), w.shape[0]), dtype=h.dtype, device=h.device)
+    for start in range(0, tokens, rows):
+        end = min(start + rows, tokens)
+        logits = buf if end - start == buf.shape[0] else buf[: end - start]
+        h_c = h if end - start == tokens else h[start:end]
+        if b is None:
+            torch.mm(h_c, wt, out=logits)
         else:
-            dw.addmm_(dl.t(), h_c)
-    if db is not None:
-        db += dl.sum(dim=0, dtype=db.dtype)
+            torch.addmm(b, h_c, wt, out=logits)
+        chunk_kernel(logits, start)
+        if grads[0]:
+            if dh is None:
+                dh = torch.mm(logits, w)
+            else:
+                torch.mm(logits, w, out=dh[start:end])
+        if grads[1]:
+            dw = _accumulate(dw, logits.t(), h_c, dw_dtype)
+        if grads[2]:
+            part = logits.sum(dim=0, dtype=acc)
+            db = part if db is None else db.add_(part)
+    return dh, dw, db
 
 
-def _chunks(tokens, rows):
-    return [(start, min(start + rows, tokens)) for start in range(0, tokens, rows)]
+def _empty_head_grads(h, vp, grads, dw_dtype, acc):
+    """What _head_pass gives for no tokens: an empty dhidden, zero dweight and dbias."""
+    return (h.new_empty(h.shape) if grads[0] else None,
+            h.new_zeros((vp, h.shape[1]), dtype=dw_dtype) if grads[1] else None,
+            h.new_zeros(vp, dtype=acc) if grads[2] else None)
 
 
 def linear_cross_entropy_fwd(
@@ -580,53 +676,48 @@ def linear_cross_entropy_fwd(
     out_dtype: torch.dtype,
     chunk_size: int | None,
     grads: tuple[bool, bool, bool],
-) -> tuple[torch.Tensor, ...]:
+    store_lse: bool = True,
+) -> tuple[torch.Tensor | None, ...]:
     """hidden (..., H), weight (V, H), target (...), bias (V,). Returns (loss, lse, count,
-    dhidden, dweight, dbias); lse and count as cross_entropy_fwd's, over the tokens. The three gradients are d loss / d input for an incoming gradient
-    of 1, computed here when `grads` asks for them and reduction is "mean" or "sum" (else empty):
-    dhidden (..., H), dweight (Vp, H) and dbias (Vp,) with Vp = padded_vocab(V), dhidden in the
-    compute dtype, dweight in _dweight_dtype, dbias fp32."""
-    v = weight.shape[0]
+    dhidden, dweight, dbias); lse and count as cross_entropy_fwd's, over the tokens (lse None
+    unless store_lse, count None for "none"). The three gradients are d loss / d input for an
+    incoming gradient of 1, computed here when `grads` asks for them and reduction is "mean" or
+    "sum" (else None): dhidden (..., H), dweight (Vp, H) and dbias (Vp,) with Vp =
+    padded_vocab(V), dhidden in the compute dtype, dweight in _dweight_dtype, dbias fp32. With no
+    gradient asked for, the kernel computes the loss alone (no dlogits written)."""
+    v, hidden_size = weight.shape
     _check_target_range("linear_cross_entropy", target, v, ignore_index)
     device = hidden.device
     acc = _acc_torch_dtype(compute_dtype)
-    t = target.reshape(-1).contiguous()
+    t = _flat(target)
     tokens = t.shape[0]
     precompute = reduction != "none" and any(grads)
+    grads = grads if precompute else (False, False, False)
+    is_mean = reduction == "mean"
     with _no_autocast(device):
         h, w, b, vp = _head_operands(hidden, weight, bias, compute_dtype)
-        lse = torch.empty(tokens, dtype=acc, device=device)
-        losses = torch.empty(tokens, dtype=acc if reduction != "none" else out_dtype, device=device)
-        dh = torch.empty(hidden.shape, dtype=compute_dtype, device=device) if precompute and grads[0] else None
         dw_dtype = _dweight_dtype(weight.dtype, compute_dtype)
-        dw = torch.empty((vp, weight.shape[1]), dtype=dw_dtype, device=device) if precompute and grads[1] else None
-        db = torch.zeros(vp, dtype=acc, device=device) if precompute and grads[2] and bias is not None else None
-        count = None
-        if precompute and reduction == "mean":
-            count = (t != ignore_index).sum(dtype=acc)
-        rows = chunk_size or chunk_rows(tokens, vp, weight.shape[1], compute_dtype, device)
+        losses = torch.empty(tokens, dtype=acc if reduction != "none" else out_dtype, device=device)
+        lse = torch.empty(tokens, dtype=acc, device=device) if store_lse else None
+        # "mean" scales dlogits by 1 / count inside the kernel, so the count comes first.
+        count = count_rows(t, ignore_index, acc) if precompute and is_mean else None
+
+        def chunk_kernel(logits, row0):
+            _rows_fwd(logits, t, v, ignore_index, label_smoothing, losses, lse, count,
+                      logits if precompute else None, is_mean, row0)
+
         if tokens > 0:
-            buf = torch.empty((min(rows, tokens), vp), dtype=compute_dtype, device=device)
-            dh2 = dh.view(-1, dh.shape[-1]) if dh is not None else None
-            for i, (start, end) in enumerate(_chunks(tokens, rows)):
-                logits = buf[: end - start]
-                h_c = h[start:end]
-                _chunk_logits(h_c, w, b, logits)
-                _rows_fwd(logits, t[start:end], v, ignore_index, label_smoothing, losses[start:end],
-                          lse[start:end], count, logits if precompute else None, reduction == "mean")
-                if precompute:
-                    _chunk_grads(logits, h_c, w, dh2[start:end] if dh2 is not None else None, dw, db, i == 0)
-        if dw is not None and tokens == 0:
-            dw.zero_()
-        if reduction == "none":
-            loss = losses.view(target.shape)
-            count = torch.full((), tokens, dtype=acc, device=device)
+            rows = chunk_size or chunk_rows(tokens, vp, hidden_size, compute_dtype, device)
+            dh, dw, db = _head_pass(h, w, b, rows, grads, dw_dtype, acc, chunk_kernel)
         else:
-            loss, count = _reduce(losses, t, ignore_index, reduction, out_dtype)
-    # Gradients not computed come back as empty tensors, each its own (outputs may not alias).
-    return (loss, lse, count, dh if dh is not None else hidden.new_empty(0, dtype=compute_dtype),
-            dw if dw is not None else hidden.new_empty(0, dtype=dw_dtype),
-            db if db is not None else hidden.new_empty(0, dtype=acc))
+            dh, dw, db = _empty_head_grads(h, vp, grads, dw_dtype, acc)
+        if reduction == "none":
+            loss = losses if target.dim() == 1 else losses.view(target.shape)
+        else:
+            loss, count = _reduce(losses, t, ignore_index, reduction, out_dtype, count)
+    if dh is not None and hidden.dim() != 2:
+        dh = dh.view(hidden.shape)
+    return loss, lse, count, dh, dw, db
 
 
 def precomputed_grads_usable(reduction, hidden_shape, dhidden, dweight, dbias, grads) -> bool:
@@ -635,6 +726,33 @@ def precomputed_grads_usable(reduction, hidden_shape, dhidden, dweight, dbias, g
             and (not grads[0] or tuple(dhidden.shape) == tuple(hidden_shape))
             and (not grads[1] or dweight.dim() == 2)
             and (not grads[2] or dbias.numel() > 0))
+
+
+def _head_grads_out(
+    dloss: torch.Tensor | None,
+    dhidden: torch.Tensor | None,
+    dweight: torch.Tensor | None,
+    dbias: torch.Tensor | None,
+    vocab: int,
+    dtypes: tuple[torch.dtype, torch.dtype, torch.dtype | None],
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """dhidden, dweight[:vocab] and dbias[:vocab] times dloss (None: times 1), in `dtypes`: one
+    launch for all three. Without dloss, a gradient already in its dtype and shape is returned
+    as it is (no copy)."""
+    outs, pairs = [], []
+    for x, dtype in zip((dhidden, dweight, dbias), dtypes):
+        if x is None:
+            outs.append(None)
+            continue
+        shape = x.shape if x is dhidden else (vocab, *x.shape[1:])
+        if dloss is None and x.dtype == dtype and x.shape[0] == shape[0]:
+            outs.append(x)
+            continue
+        y = torch.empty(shape, dtype=dtype, device=x.device)
+        outs.append(y)
+        pairs.append((x, y))
+    scale_cast(pairs, dloss)
+    return tuple(outs)
 
 
 def scale_head_grads(
@@ -646,12 +764,11 @@ def scale_head_grads(
     dtypes: tuple[torch.dtype, torch.dtype, torch.dtype | None],
     grads: tuple[bool, bool, bool],
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """The forward's gradients times the incoming scalar gradient, one pass each, in the
-    inputs' dtypes (hidden, weight, bias); None where not asked for."""
-    g = dloss.reshape(())
-    return (scale_cast(dhidden, g, dtypes[0]) if grads[0] else None,
-            scale_cast(dweight[:vocab], g, dtypes[1]) if grads[1] else None,
-            scale_cast(dbias[:vocab], g, dtypes[2]) if grads[2] else None)
+    """The forward's gradients times the incoming scalar gradient, one pass over each and one
+    launch for all, in the inputs' dtypes (hidden, weight, bias); None where not asked for."""
+    return _head_grads_out(dloss if dloss.dim() == 0 else dloss.reshape(()),
+                           dhidden if grads[0] else None, dweight if grads[1] else None,
+                           dbias if grads[2] else None, vocab, dtypes)
 
 
 def recompute_head_grads(
@@ -661,7 +778,7 @@ def recompute_head_grads(
     target: torch.Tensor,
     bias: torch.Tensor | None,
     lse: torch.Tensor,
-    count: torch.Tensor,
+    count: torch.Tensor | None,
     ignore_index: int,
     reduction: str,
     label_smoothing: float,
@@ -671,33 +788,30 @@ def recompute_head_grads(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """The backward for any reduction ("none" needs it): per chunk, the logits again, turned into
     dlogits in place with the saved lse and each row's incoming gradient, then the two matmuls.
-    Returns gradients in the inputs' dtypes; None where not asked for."""
+    count is needed for "mean" only. Returns gradients in the inputs' dtypes; None where not
+    asked for."""
     v = weight.shape[0]
     device = hidden.device
     acc = _acc_torch_dtype(compute_dtype)
-    t = target.reshape(-1).contiguous()
+    t = _flat(target)
     tokens = t.shape[0]
+    is_mean = reduction == "mean"
+    dl = dloss if dloss.dim() <= 1 else dloss.reshape(-1)
     with _no_autocast(device):
         h, w, b, vp = _head_operands(hidden, weight, bias, compute_dtype)
-        dh = torch.empty(hidden.shape, dtype=compute_dtype, device=device) if grads[0] else None
         dw_dtype = _dweight_dtype(weight.dtype, compute_dtype)
-        dw = torch.zeros((vp, h.shape[1]), dtype=dw_dtype, device=device) if grads[1] else None
-        db = torch.zeros(vp, dtype=acc, device=device) if grads[2] else None
-        dh2 = dh.view(-1, h.shape[1]) if dh is not None else None
-        rows = chunk_size or chunk_rows(tokens, vp, h.shape[1], compute_dtype, device)
-        dl = dloss.reshape(-1)
+
+        def chunk_kernel(logits, row0):
+            _rows_bwd(logits, t, lse, dl, count, v, ignore_index, label_smoothing, logits, is_mean, row0)
+
         if tokens > 0:
-            buf = torch.empty((min(rows, tokens), vp), dtype=compute_dtype, device=device)
-            for i, (start, end) in enumerate(_chunks(tokens, rows)):
-                logits = buf[: end - start]
-                h_c = h[start:end]
-                _chunk_logits(h_c, w, b, logits)
-                _rows_bwd(logits, t[start:end], lse[start:end], dl[start:end] if dl.numel() > 1 else dl,
-                          count, v, ignore_index, label_smoothing, logits, reduction == "mean")
-                _chunk_grads(logits, h_c, w, dh2[start:end] if dh2 is not None else None, dw, db, i == 0)
-    return (scale_cast(dh, None, hidden.dtype) if dh is not None else None,
-            scale_cast(dw[:v], None, weight.dtype) if dw is not None else None,
-            scale_cast(db[:v], None, bias.dtype) if db is not None else None)
+            rows = chunk_size or chunk_rows(tokens, vp, h.shape[1], compute_dtype, device)
+            dh, dw, db = _head_pass(h, w, b, rows, grads, dw_dtype, acc, chunk_kernel)
+        else:
+            dh, dw, db = _empty_head_grads(h, vp, grads, dw_dtype, acc)
+    if dh is not None and hidden.dim() != 2:
+        dh = dh.view(hidden.shape)
+    return _head_grads_out(None, dh, dw, db, v, (hidden.dtype, weight.dtype, None if bias is None else bias.dtype))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -706,7 +820,7 @@ def recompute_head_grads(
 
 
 def _rows_fwd_torch(x2, target, n_cols, ignore_index, label_smoothing, loss, lse, count, dx, is_mean):
-    acc = lse.dtype
+    acc = _acc_torch_dtype(x2.dtype)
     x = x2[:, :n_cols].to(acc)
     t = target.to(torch.int64)
     ignored = t == ignore_index
@@ -718,10 +832,12 @@ def _rows_fwd_torch(x2, target, n_cols, ignore_index, label_smoothing, loss, lse
         row = row - label_smoothing / n_cols * x.sum(dim=1)
     row = torch.where(valid, row, float("nan"))
     loss.copy_(torch.where(ignored, 0.0, row))
-    lse.copy_(torch.where(ignored, 0.0, row_lse))
+    row_lse = torch.where(ignored, 0.0, row_lse)
+    if lse is not None:
+        lse.copy_(row_lse)
     if dx is not None:
         ones = torch.ones((), dtype=acc, device=x2.device)
-        _grad_torch(x, t, lse, ones, count, n_cols, ignore_index, label_smoothing, dx, is_mean)
+        _grad_torch(x, t, row_lse, ones, count, n_cols, ignore_index, label_smoothing, dx, is_mean)
 
 
 def _rows_bwd_torch(x2, target, lse, dloss, count, n_cols, ignore_index, label_smoothing, dx, is_mean):
@@ -856,7 +972,10 @@ def _cross_entropy_op(logits: Tensor, target: Tensor, ignore_index: int, reducti
                       label_smoothing: float, out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     """(loss, lse, count) for logits (N, C) and target (N,)."""
     _check_ce_inputs(logits, target, ignore_index, reduction, label_smoothing)
-    return cross_entropy_fwd(logits, target, ignore_index, reduction, label_smoothing, out_dtype)
+    loss, lse, count = cross_entropy_fwd(logits, target, ignore_index, reduction, label_smoothing, out_dtype)
+    if count is None:  # "none": the row count, as the op's signature promises
+        count = torch.full((), logits.shape[0], dtype=lse.dtype, device=logits.device)
+    return loss, lse, count
 
 
 @torch.library.custom_op("trifuse::cross_entropy_backward", mutates_args=())
@@ -874,8 +993,16 @@ def _linear_cross_entropy_op(
     """(loss, lse, count, dhidden, dweight, dbias); see linear_cross_entropy_fwd."""
     _check_lce_inputs(hidden, weight, target, bias, ignore_index, reduction, label_smoothing,
                       compute_dtype, chunk_size)
-    return linear_cross_entropy_fwd(hidden, weight, target, bias, ignore_index, reduction, label_smoothing,
-                                    compute_dtype, out_dtype, chunk_size, (grad_hidden, grad_weight, grad_bias))
+    loss, lse, count, dh, dw, db = linear_cross_entropy_fwd(
+        hidden, weight, target, bias, ignore_index, reduction, label_smoothing, compute_dtype, out_dtype,
+        chunk_size, (grad_hidden, grad_weight, grad_bias))
+    # Outputs the launcher leaves out: empty tensors, each its own (outputs may not alias).
+    acc = lse.dtype
+    if count is None:
+        count = torch.full((), lse.shape[0], dtype=acc, device=hidden.device)
+    return (loss, lse, count, dh if dh is not None else hidden.new_empty(0, dtype=compute_dtype),
+            dw if dw is not None else hidden.new_empty(0, dtype=_dweight_dtype(weight.dtype, compute_dtype)),
+            db if db is not None else hidden.new_empty(0, dtype=acc))
 
 
 @torch.library.custom_op("trifuse::linear_cross_entropy_backward", mutates_args=())
@@ -946,6 +1073,8 @@ def _(dloss, hidden, weight, target, bias, lse, count, dhidden, dweight, dbias, 
 
 
 def _setup_cross_entropy(ctx, inputs, output):
+    # Unused outputs (lse, count) and an unused loss get no zero-filled gradient.
+    ctx.set_materialize_grads(False)
     logits, target, ignore_index, reduction, label_smoothing, _ = inputs
     _, lse, count = output
     ctx.save_for_backward(logits, target, lse, count)
@@ -953,12 +1082,17 @@ def _setup_cross_entropy(ctx, inputs, output):
 
 
 def _backward_cross_entropy(ctx, dloss, *_):
+    if dloss is None:
+        return None, None, None, None, None, None
     logits, target, lse, count = ctx.saved_tensors
     dx = torch.ops.trifuse.cross_entropy_backward(dloss, logits, target, lse, count, *ctx.options)
     return dx, None, None, None, None, None
 
 
 def _setup_linear_cross_entropy(ctx, inputs, output):
+    # Five outputs are never differentiated (lse, count and the gradients, as large as the
+    # weight): materialized, each would get a zero-filled gradient in every backward.
+    ctx.set_materialize_grads(False)
     hidden, weight, target, bias, ignore_index, reduction, label_smoothing, compute_dtype, _, chunk_size = inputs[:10]
     _, lse, count, dh, dw, db = output
     ctx.save_for_backward(hidden, weight, target, bias, lse, count, dh, dw, db)
@@ -966,6 +1100,8 @@ def _setup_linear_cross_entropy(ctx, inputs, output):
 
 
 def _backward_linear_cross_entropy(ctx, dloss, *_):
+    if dloss is None:
+        return (None,) * 13
     hidden, weight, target, bias, lse, count, dh, dw, db = ctx.saved_tensors
     needs = ctx.needs_input_grad
     ignore_index, reduction, label_smoothing, compute_dtype, chunk_size = ctx.options
@@ -991,6 +1127,7 @@ torch.library.register_autograd("trifuse::linear_cross_entropy", _backward_linea
 class _CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, ignore_index, reduction, label_smoothing, out_dtype):
+        ctx.set_materialize_grads(False)
         loss, lse, count = cross_entropy_fwd(logits, target, ignore_index, reduction, label_smoothing, out_dtype)
         ctx.save_for_backward(logits, target, lse, count)
         ctx.options = (ignore_index, reduction, label_smoothing)
@@ -998,6 +1135,8 @@ class _CrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dloss):
+        if dloss is None:  # the loss took no part in what was differentiated
+            return None, None, None, None, None, None
         logits, target, lse, count = ctx.saved_tensors
         with profiled("trifuse::cross_entropy_backward"):
             dx = cross_entropy_bwd(dloss, logits, target, lse, count, *ctx.options)
@@ -1008,13 +1147,16 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, target, bias, ignore_index, reduction, label_smoothing,
                 compute_dtype, out_dtype, chunk_size):
+        ctx.set_materialize_grads(False)
         needs = ctx.needs_input_grad
         grads = (needs[0], needs[1], needs[3] and bias is not None)
-        loss, lse, count, dh, dw, db = linear_cross_entropy_fwd(
+        recompute = reduction == "none"
+        loss, lse, _, dh, dw, db = linear_cross_entropy_fwd(
             hidden, weight, target, bias, ignore_index, reduction, label_smoothing, compute_dtype,
-            out_dtype, chunk_size, grads)
-        if reduction == "none":
-            ctx.save_for_backward(hidden, weight, target, bias, lse, count)
+            out_dtype, chunk_size, grads, store_lse=recompute)
+        if recompute:
+            # ("none" needs no row count: only "mean" divides by it.)
+            ctx.save_for_backward(hidden, weight, target, bias, lse)
         else:
             # The gradients are in hand: the backward needs neither the inputs nor lse.
             ctx.save_for_backward(dh, dw, db)
@@ -1025,14 +1167,22 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dloss):
+        if dloss is None:  # the loss took no part in what was differentiated
+            return (None,) * 10
         ignore_index, reduction, label_smoothing, compute_dtype, chunk_size, grads = ctx.options
         with profiled("trifuse::linear_cross_entropy_backward"):
             if reduction == "none":
-                gh, gw, gb = recompute_head_grads(dloss, *ctx.saved_tensors, ignore_index, reduction,
-                                                  label_smoothing, compute_dtype, chunk_size, grads)
+                hidden, weight, target, bias, lse = ctx.saved_tensors
+                gh, gw, gb = recompute_head_grads(dloss, hidden, weight, target, bias, lse, None, ignore_index,
+                                                  reduction, label_smoothing, compute_dtype, chunk_size, grads)
             else:
                 gh, gw, gb = scale_head_grads(dloss, *ctx.saved_tensors, ctx.vocab, ctx.dtypes, grads)
         return gh, gw, None, gb, None, None, None, None, None, None
+
+
+def _wants_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd will differentiate through an op on these tensors now."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 # =============================================================================================
@@ -1086,10 +1236,13 @@ def cross_entropy(
     if eager_fast_path(x, t):
         _check_ce_inputs(x, t, ignore_index, reduction, label_smoothing)
         with profiled("trifuse::cross_entropy"):
-            loss = _CrossEntropyFunction.apply(x, t, ignore_index, reduction, label_smoothing, dtype)
+            if _wants_grad(x):
+                loss = _CrossEntropyFunction.apply(x, t, ignore_index, reduction, label_smoothing, dtype)
+            else:  # inference: the loss alone, no autograd node, no lse kept
+                loss = cross_entropy_fwd(x, t, ignore_index, reduction, label_smoothing, dtype, store_lse=False)[0]
     else:
         loss = torch.ops.trifuse.cross_entropy(x, t, ignore_index, reduction, label_smoothing, dtype)[0]
-    return loss.reshape(target.shape) if reduction == "none" else loss
+    return loss.reshape(target.shape) if reduction == "none" and target.dim() != 1 else loss
 
 
 def linear_cross_entropy(
@@ -1138,8 +1291,13 @@ def linear_cross_entropy(
         _check_lce_inputs(hidden, weight, target, bias, ignore_index, reduction, label_smoothing,
                           compute_dtype, chunk_size)
         with profiled("trifuse::linear_cross_entropy"):
-            return _LinearCrossEntropyFunction.apply(hidden, weight, target, bias, ignore_index, reduction,
-                                                     label_smoothing, compute_dtype, dtype, chunk_size)
+            if _wants_grad(hidden, weight, bias):
+                return _LinearCrossEntropyFunction.apply(hidden, weight, target, bias, ignore_index, reduction,
+                                                         label_smoothing, compute_dtype, dtype, chunk_size)
+            # Inference: the loss alone (no dlogits, no gradient matmuls, no lse), no autograd node.
+            return linear_cross_entropy_fwd(hidden, weight, target, bias, ignore_index, reduction, label_smoothing,
+                                            compute_dtype, dtype, chunk_size, (False, False, False),
+                                            store_lse=False)[0]
     grad = torch.is_grad_enabled()
     return torch.ops.trifuse.linear_cross_entropy(
         hidden, weight, target, bias, ignore_index, reduction, label_smoothing, compute_dtype, dtype,

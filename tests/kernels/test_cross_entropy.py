@@ -4,6 +4,8 @@ On CPU these run the real Triton kernels in the interpreter (tests/_device.py), 
 matmuls of linear_cross_entropy on PyTorch's CPU kernels; on a GPU the same tests run natively
 and add bf16.
 """
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -442,6 +444,214 @@ def test_padded_vocab_and_chunk_rows():
     rows = ce_mod.chunk_rows(10000, 64, 16, torch.float32, cpu)
     assert rows < 10000 and rows * 64 * 4 <= 8 * 64 * 16 + 128 * 64 * 4
     assert ce_mod.chunk_rows(0, 64, 16, torch.float32, cpu) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The host path: inference computes the loss alone; the chunk size is decided once per problem;
+# unused gradients are None; chunks are addressed by row0; one launch scales all gradients.
+# ---------------------------------------------------------------------------------------------
+
+
+class _Launches:
+    """Records the constexprs of every launch of the cross-entropy kernels, launching them too."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        for name in ("_cross_entropy_fwd", "_cross_entropy_bwd", "_cross_entropy_reduce", "_scale_cast"):
+            kernel = getattr(ce_mod, name)
+            monkeypatch.setattr(kernel, "run", self._spy(name, kernel.run))
+
+    def _spy(self, name, run):
+        def spy(grid, args, kwargs):
+            self.calls.append((name, kwargs))
+            return run(grid, args, kwargs)
+        return spy
+
+    def of(self, name):
+        return [kw for n, kw in self.calls if n == name]
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    if not (ON_GPU or INTERPRETED):
+        pytest.skip("the launch counts are those of the Triton kernels")
+    return _Launches(monkeypatch)
+
+
+def _forbid(monkeypatch, *names):
+    def boom(*args, **kwargs):
+        raise AssertionError("gradient work in a loss-only call")
+    for name in names:
+        monkeypatch.setattr(ce_mod, name, boom)
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inputs_without_grad"])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_linear_cross_entropy_inference_computes_the_loss_alone(launches, monkeypatch, mode, reduction):
+    """Same bits as the training call's loss, but no dlogits, no gradient matmul, no lse, no
+    gradient buffer and no autograd node."""
+    h, w, b = make_head(10, 16, 21, torch.float32, with_bias=True)
+    target = make_target((10,), 21)
+    inputs = [leaf(t) for t in (h, w, b)]
+    trained = trifuse.ops.linear_cross_entropy(*inputs[:2], target, inputs[2], reduction=reduction,
+                                               label_smoothing=0.1, chunk_size=4)
+    launches.calls.clear()
+    _forbid(monkeypatch, "_accumulate", "_head_grads_out", "scale_cast", "count_rows", "_rows_bwd")
+    with torch.no_grad() if mode == "no_grad" else contextlib.nullcontext():
+        args = (h, w, target, b) if mode == "inputs_without_grad" else (*inputs[:2], target, inputs[2])
+        loss = trifuse.ops.linear_cross_entropy(*args, reduction=reduction, label_smoothing=0.1, chunk_size=4)
+    assert loss.grad_fn is None and not loss.requires_grad
+    assert torch.equal(loss, trained.detach())
+    fwd = launches.of("_cross_entropy_fwd")
+    assert len(fwd) == 3  # one per chunk of 4 of the 10 tokens
+    assert not any(kw["STORE_GRAD"] or kw["STORE_LSE"] for kw in fwd)
+    assert not launches.of("_scale_cast") and not launches.of("_cross_entropy_bwd")
+
+
+def test_cross_entropy_inference_computes_the_loss_alone(launches):
+    logits = torch.randn(7, 30, device=DEVICE, requires_grad=True)
+    target = make_target((7,), 30)
+    trained = trifuse.ops.cross_entropy(logits, target, label_smoothing=0.1)
+    launches.calls.clear()
+    with torch.no_grad():
+        loss = trifuse.ops.cross_entropy(logits, target, label_smoothing=0.1)
+    assert loss.grad_fn is None and torch.equal(loss, trained.detach())
+    assert [kw["STORE_LSE"] for kw in launches.of("_cross_entropy_fwd")] == [False]
+
+
+def test_linear_cross_entropy_training_call_stores_what_its_backward_needs(launches):
+    """The counterpart of the inference test: "mean" computes the count first and dlogits in the
+    forward (no lse); "none" keeps lse and recomputes; the backward scales in one launch."""
+    h, w, b = make_head(10, 16, 21, torch.float32, with_bias=True)
+    target = make_target((10,), 21)
+    for reduction, store_grad, store_lse in (("mean", True, False), ("none", False, True)):
+        inputs = [leaf(t) for t in (h, w, b)]
+        launches.calls.clear()
+        loss = trifuse.ops.linear_cross_entropy(*inputs[:2], target, inputs[2], reduction=reduction, chunk_size=4)
+        fwd = launches.of("_cross_entropy_fwd")
+        assert [(kw["STORE_GRAD"], kw["STORE_LSE"]) for kw in fwd] == [(store_grad, store_lse)] * 3
+        counts = [kw["COUNT_ONLY"] for kw in launches.of("_cross_entropy_reduce")]
+        assert counts == ([True, False] if reduction == "mean" else [])
+        launches.calls.clear()
+        torch.autograd.grad(loss, inputs, torch.ones_like(loss))
+        if reduction == "mean":
+            assert [n for n, _ in launches.calls] == ["_scale_cast"]
+        else:
+            assert [n for n, _ in launches.calls].count("_cross_entropy_bwd") == 3
+
+
+def test_chunk_rows_queries_free_memory_once_per_problem(monkeypatch):
+    calls = []
+
+    def mem_get_info(device=None):
+        calls.append(device)
+        return 2**30, 2**31
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    ce_mod.chunk_rows.cache_clear()
+    try:
+        cuda = torch.device("cuda", 0)
+        rows = [ce_mod.chunk_rows(8192, 50304, 1024, torch.bfloat16, cuda) for _ in range(3)]
+        assert len(calls) == 1 and rows[0] == rows[1] == rows[2]
+        # a quarter of 1 GiB free over 50304 bf16 columns: 2668 rows, balanced to 4 chunks of 2048
+        assert rows[0] == 2048
+        ce_mod.chunk_rows(4096, 50304, 1024, torch.bfloat16, cuda)
+        ce_mod.chunk_rows(8192, 50304, 1024, torch.float32, cuda)
+        assert len(calls) == 3
+    finally:
+        ce_mod.chunk_rows.cache_clear()
+
+
+def test_linear_cross_entropy_decides_the_chunk_size_once_per_shape():
+    h, w, _ = make_head(9, 8, 13, torch.float32)
+    target = make_target((9,), 13)
+    ce_mod.chunk_rows.cache_clear()
+    for _ in range(3):
+        inputs = [leaf(t) for t in (h, w)]
+        torch.autograd.grad(trifuse.ops.linear_cross_entropy(*inputs, target, reduction="none").sum(), inputs)
+    info = ce_mod.chunk_rows.cache_info()
+    assert info.misses == 1 and info.hits == 5  # 3 forwards and 3 recomputing backwards
+
+
+class _DropGrad(torch.autograd.Function):
+    """Passes its input on, but gives it no gradient: the loss's backward gets None."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return None
+
+
+@pytest.mark.parametrize("path", ["eager", "op"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_linear_cross_entropy_backward_with_no_incoming_gradient_does_nothing(monkeypatch, path, reduction):
+    h, w, _ = make_head(6, 8, 13, torch.float32)
+    target = make_target((6,), 13)
+    hl, wl = leaf(h), leaf(w)
+    if path == "eager":
+        loss = trifuse.ops.linear_cross_entropy(hl, wl, target, reduction=reduction)
+    else:
+        loss = torch.ops.trifuse.linear_cross_entropy(hl, wl, target, None, -100, reduction, 0.0, torch.float32,
+                                                      torch.float32, None, True, True, False)[0]
+    _forbid(monkeypatch, "_head_grads_out", "scale_cast", "recompute_head_grads", "scale_head_grads")
+    out = _DropGrad.apply(loss).sum() + (hl * 0).sum()
+    gh, gw = torch.autograd.grad(out, (hl, wl), allow_unused=True)
+    assert torch.equal(gh, torch.zeros_like(h)) and gw is None
+
+
+@pytest.mark.parametrize("path", ["eager", "op"])
+def test_cross_entropy_backward_with_no_incoming_gradient_does_nothing(monkeypatch, path):
+    logits = torch.randn(5, 9, device=DEVICE, requires_grad=True)
+    target = make_target((5,), 9)
+    if path == "eager":
+        loss = trifuse.ops.cross_entropy(logits, target)
+    else:
+        loss = torch.ops.trifuse.cross_entropy(logits, target, -100, "mean", 0.0, torch.float32)[0]
+    _forbid(monkeypatch, "cross_entropy_bwd")
+    out = _DropGrad.apply(loss) + logits.sum() * 0
+    (g,) = torch.autograd.grad(out, logits)
+    assert torch.equal(g, torch.zeros_like(logits))
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_linear_cross_entropy_chunks_agree_with_one_chunk(reduction):
+    """row0 addressing: every chunk size gives the single chunk's loss and gradients (to the
+    rounding of the matmuls, which block differently per size), ignored rows included."""
+    h, w, b = make_head(13, 8, 21, torch.float32, with_bias=True)
+    target = make_target((13,), 21)
+    target[-1] = -100
+    results = []
+    for chunk in (13, 5, 1):
+        inputs = [leaf(t) for t in (h, w, b)]
+        loss = trifuse.ops.linear_cross_entropy(*inputs[:2], target, inputs[2], reduction=reduction,
+                                                label_smoothing=0.1, chunk_size=chunk)
+        results.append((loss, *torch.autograd.grad(loss, inputs, torch.ones_like(loss))))
+    for other in results[1:]:
+        for a, r in zip(other, results[0]):
+            torch.testing.assert_close(a, r)
+
+
+def test_scale_cast_three_slots_in_one_launch(launches):
+    """Slots of different sizes (more than one block each, and a tiny one) and dtypes."""
+    xs = [torch.randn(5000, device=DEVICE), torch.randn(3, device=DEVICE), torch.randn(9000, device=DEVICE)]
+    ys = [torch.empty(4999, device=DEVICE, dtype=torch.float16), torch.empty(3, device=DEVICE),
+          torch.empty(30, 300, device=DEVICE, dtype=torch.float16)]
+    g = torch.tensor(0.37, device=DEVICE)
+    ce_mod.scale_cast(list(zip(xs, ys)), g)
+    assert len(launches.of("_scale_cast")) == 1
+    for x, y in zip(xs, ys):
+        assert torch.equal(y, (x[: y.numel()].view(y.shape) * g).to(y.dtype))
+    ce_mod.scale_cast([(xs[1], ys[1])], None)
+    assert torch.equal(ys[1], xs[1])
+
+
+def test_count_rows_counts_the_non_ignored_targets():
+    target = make_target((5000,), 10)
+    count = ce_mod.count_rows(target, -100, torch.float32)
+    assert count.shape == () and count.item() == (target != -100).sum().item()
 
 
 # ---------------------------------------------------------------------------------------------
