@@ -3,7 +3,9 @@ bias of the linear before it folded in; pre-norm and post-norm; p and training c
 import pytest
 import torch
 import trifuse
+import torch.nn.functional as F
 from _fusing import check_against_unfused, fuse_via, trifuse_ops_run
+from tolerances import assert_close
 from torch import nn
 
 N = 16
@@ -167,3 +169,100 @@ def test_dropout_used_elsewhere_stays(capture):
 def test_inplace_dropout_is_not_fused(capture):
     report = check_against_unfused(InplaceDropout, X, capture, grads=False)
     assert "linear_residual_norm" not in report.by_pattern()
+
+
+# ---------------------------------------------------------------------------------------------
+# Under sequence parallelism: the add on local sequence shards, the norm on a DTensor made of
+# them (what trifuse.parallel's styles put between the two). One process, a mesh of one rank;
+# tests/parallel/test_fused_shard.py runs GPT-2 and BERT on two.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()
+
+
+class OnShards(nn.Module):
+    """Pre-norm residual stream as sequence parallelism captures it: s = residual + dropout(x)
+    on local tensors (dropout=False: no dropout call); y = norm(from_local(s, placement)) with
+    replicated weights; s goes on as a local tensor."""
+
+    def __init__(self, mesh, placement, dropout=True, rms=False):
+        super().__init__()
+        self.mesh, self.placement, self.dropout, self.rms = mesh, placement, dropout, rms
+        self.weight = nn.Parameter(torch.randn(N))
+        self.bias = nn.Parameter(torch.randn(N))
+
+    def forward(self, x, residual):
+        from torch.distributed.tensor import DTensor, Replicate
+
+        s = residual + (F.dropout(x, 0.0, self.training) if self.dropout else x)
+        rows = DTensor.from_local(s, self.mesh, (self.placement,), run_check=False)
+        w = DTensor.from_local(self.weight, self.mesh, (Replicate(),), run_check=False)
+        if self.rms:
+            y = F.rms_norm(rows, (N,), w, 1e-6)
+        else:
+            b = DTensor.from_local(self.bias, self.mesh, (Replicate(),), run_check=False)
+            y = F.layer_norm(rows, (N,), w, b, 1e-5)
+        return y.to_local() * 3.0, s
+
+
+def _on_shards_against_unfused(mesh, placement, **kwargs):
+    """Fuses OnShards through Dynamo; outputs and gradients against the unfused model in float64
+    (the oracle) and float32 (tests/tolerances.py); returns the report."""
+    inputs = (torch.randn(2, 6, N), torch.randn(2, 6, N))
+    made = []
+    for dtype in (torch.float32, torch.float32, torch.float64):
+        torch.manual_seed(0)
+        made.append(OnShards(mesh, placement, **kwargs).to(dtype).train())
+    model, ref, ref64 = made
+    fused = fuse_via(model, "dynamo")
+    results = []
+    for m, params, dtype in ((fused, model, torch.float32), (ref, ref, torch.float32), (ref64, ref64, torch.float64)):
+        xs = [x.detach().to(dtype).clone().requires_grad_() for x in inputs]
+        y, s = m(*xs)
+        (y.sum() + (s * s).sum()).backward()
+        results.append([y, s, *(x.grad for x in xs), params.weight.grad, params.bias.grad])
+    for i, (o, olp, o64) in enumerate(zip(*results)):
+        if o64 is not None:
+            assert_close(f"value {i}", o, o64, olp)
+    return trifuse.report(fused)
+
+
+@pytest.mark.parametrize("dropout", [True, False], ids=["dropout_add", "add"])
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_on_sequence_shards_fuses(mesh, dropout, rms):
+    from torch.distributed.tensor import Shard
+
+    report = _on_shards_against_unfused(mesh, Shard(1), dropout=dropout, rms=rms)
+    name = ("dropout_" if dropout else "") + ("add_rms_norm" if rms else "add_layer_norm") + "_on_shards"
+    assert report.by_pattern() == {name: 1}, report.by_pattern()
+
+
+def _placement(name):
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    return {"Shard(2)": Shard(2), "Shard(-1)": Shard(-1), "Replicate()": Replicate(), "Partial()": Partial()}[name]
+
+
+@pytest.mark.parametrize("placement, reason", [
+    ("Shard(2)", "is a normalized dim, not a row dim"),
+    ("Shard(-1)", "is a normalized dim, not a row dim"),
+    ("Replicate()", "no mesh dim shards the rows"),
+    ("Partial()", "is neither a shard of rows nor a replica"),
+])
+def test_on_shards_needs_row_shards(mesh, placement, reason):
+    report = _on_shards_against_unfused(mesh, _placement(placement))
+    # Each stays its own op: the norm, and the dropout + add on the local tensors.
+    assert report.by_pattern() == {"layer_norm": 1, "dropout_add": 1}, report.by_pattern()
+    assert any(pattern == "dropout_add_layer_norm_on_shards" and reason in why
+               for _, _, pattern, why in report.rejected()), report.rejected()
