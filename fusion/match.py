@@ -226,8 +226,8 @@ def _is_dtensor_from_local(target: Any) -> bool:
 def resolve_from_local(rgraph: fx.Graph, m: "Match") -> dict[str, fx.Node]:
     """Rewrites each `from_local(x, placements)` marker of a traced replacement into the model's
     call that the search's marker matched (its mesh and options), reading x with `placements`.
-    The graph nodes that call reads (the mesh) become placeholders of `rgraph`; returns their
-    names -> those nodes."""
+    A search has one marker, whose call gives the mesh. The graph nodes that call reads (the
+    mesh) become placeholders of `rgraph`; returns their names -> those nodes."""
     markers = [n for n in rgraph.nodes if n.op == "call_function" and n.target is from_local]
     if not markers:
         return {}

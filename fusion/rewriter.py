@@ -12,9 +12,11 @@ candidate node is matched (match.py) and each match is checked before anything c
    dtype, autocast's would return float32), a cast back keeps every dtype the model sees.
 
 Then the replacement is spliced in before the first matched node and the matched nodes are
-removed, and so are the replacement's nodes that nothing uses and that have no side effects.
-A replacement's `from_local(x, placements)` (patterns/_base.py) is a copy of the DTensor
-conversion its search matched (match.py's `resolve_from_local`). A replaced op consumed by a later, larger pattern counts only once, as the larger one.
+removed, and so are the replacement's nodes that nothing uses and that have no side effects (a
+post-norm block drops the sum a residual-stream op also returns). A replacement's
+`from_local(x, placements)` (patterns/_base.py) is a copy of the DTensor conversion its search
+matched (match.py's `resolve_from_local`). A replaced op consumed by a later, larger pattern
+counts only once, as the larger one.
 Every candidate left in the graph is reported with the reasons it was rejected, and so is every
 op of interest no pattern took.
 """

@@ -120,7 +120,7 @@ def from_local(x: torch.Tensor, placements: Any) -> Any:
     fusion/match.py resolves. Outside a pattern it is an error."""
     if isinstance(x, torch.fx.Proxy):
         return x.tracer.create_proxy("call_function", from_local, (x, placements), {})
-    raise RuntimeError("trifuse.patterns._base.from_local is a pattern marker: it only works inside a pattern")
+    raise RuntimeError("trifuse.patterns._base.from_local is a pattern marker, for use inside patterns only")
 
 
 # ---------------------------------------------------------------------------------------------

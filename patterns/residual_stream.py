@@ -6,15 +6,16 @@
 
 Post-norm blocks (BERT, nn.TransformerEncoder's default) use only y; pre-norm blocks (GPT-2,
 ViT, Llama) also carry s on as the next residual. The dropout's p and training flag are the
-model's.
+model's. Then (stage 2) the bias of the linear producing x moves into the op as `x_bias`, so the
+matmul runs without its bias epilogue and the bias gradient comes out of the fused backward.
 
 Under sequence parallelism (trifuse.parallel) the add runs on local sequence shards and the norm
 on a DTensor made of them, `norm(from_local(s, placements))`; the `*_on_shards` spellings fuse
 that into one op on DTensors, `dropout_add_layer_norm(from_local(x, ...), from_local(residual,
 ...))`, and hand s on as the local tensor it was. Only when the shards split rows (a batch or
-sequence dim, never the normalized ones: a norm needs its whole row), and x and the residual
-have the same shape as the sum, so that both are shards alike. Then (stage 2) the bias of the linear producing x moves into the op as `x_bias`, so the
-matmul runs without its bias epilogue and the bias gradient comes out of the fused backward.
+sequence dim, never a normalized one: a norm needs its whole row) and x and the residual have
+one shape, so that both are shards alike (`rows_sharded`). The linear's bias stays there: the
+row-parallel linear's output reaches the add through a reduce-scatter.
 """
 import torch
 import torch.nn.functional as F
@@ -71,15 +72,15 @@ def dropout_add_layer_norm_on_shards(x: torch.Tensor, residual: torch.Tensor, p,
     return ops.layer_norm(from_local(s, placements), normalized_shape, weight, bias, eps), s
 
 
-def dropout_add_layer_norm_on_shards_fused(x, residual, p, training, placements, normalized_shape, weight, bias,
-                                           eps):
+def dropout_add_layer_norm_on_shards_fused(x, residual, p, training, placements, normalized_shape, weight,
+                                           bias, eps):
     y, s = ops.dropout_add_layer_norm(from_local(x, placements), from_local(residual, placements),
                                       normalized_shape, weight, bias, eps, p, training)
     return y, s.to_local()
 
 
-def add_layer_norm_on_shards(x: torch.Tensor, residual: torch.Tensor, placements, normalized_shape, weight, bias,
-                             eps):
+def add_layer_norm_on_shards(x: torch.Tensor, residual: torch.Tensor, placements, normalized_shape, weight,
+                             bias, eps):
     s = residual + x
     return ops.layer_norm(from_local(s, placements), normalized_shape, weight, bias, eps), s
 
@@ -102,7 +103,8 @@ def dropout_add_rms_norm_on_shards_fused(x, residual, p, training, placements, n
     return y, s.to_local()
 
 
-def add_rms_norm_on_shards(x: torch.Tensor, residual: torch.Tensor, placements, normalized_shape, weight, eps):
+def add_rms_norm_on_shards(x: torch.Tensor, residual: torch.Tensor, placements, normalized_shape, weight,
+                           eps):
     s = residual + x
     return ops.rms_norm(from_local(s, placements), normalized_shape, weight, eps), s
 
@@ -192,10 +194,11 @@ PATTERNS = (
             (needs_number("eps"),), stage=1),
     Pattern("dropout_add_layer_norm_on_shards", "residual_stream", dropout_add_layer_norm_on_shards,
             dropout_add_layer_norm_on_shards_fused, _OPS, (*_DROPOUT, rows_sharded), stage=1),
-    Pattern("add_layer_norm_on_shards", "residual_stream", add_layer_norm_on_shards, add_layer_norm_on_shards_fused,
-            _OPS, (rows_sharded,), stage=1),
+    Pattern("add_layer_norm_on_shards", "residual_stream", add_layer_norm_on_shards,
+            add_layer_norm_on_shards_fused, _OPS, (rows_sharded,), stage=1),
     Pattern("dropout_add_rms_norm_on_shards", "residual_stream", dropout_add_rms_norm_on_shards,
-            dropout_add_rms_norm_on_shards_fused, _RMS_OPS, (*_DROPOUT, needs_number("eps"), rows_sharded), stage=1),
+            dropout_add_rms_norm_on_shards_fused, _RMS_OPS, (*_DROPOUT, needs_number("eps"), rows_sharded),
+            stage=1),
     Pattern("add_rms_norm_on_shards", "residual_stream", add_rms_norm_on_shards, add_rms_norm_on_shards_fused,
             _RMS_OPS, (needs_number("eps"), rows_sharded), stage=1),
     Pattern("linear_residual_norm", "residual_stream", linear_residual_norm, linear_residual_norm_fused,

@@ -2,8 +2,8 @@
 bias of the linear before it folded in; pre-norm and post-norm; p and training carried."""
 import pytest
 import torch
-import trifuse
 import torch.nn.functional as F
+import trifuse
 from _fusing import check_against_unfused, fuse_via, trifuse_ops_run
 from tolerances import assert_close
 from torch import nn
@@ -227,7 +227,8 @@ def _on_shards_against_unfused(mesh, placement, **kwargs):
     model, ref, ref64 = made
     fused = fuse_via(model, "dynamo")
     results = []
-    for m, params, dtype in ((fused, model, torch.float32), (ref, ref, torch.float32), (ref64, ref64, torch.float64)):
+    runs = ((fused, model, torch.float32), (ref, ref, torch.float32), (ref64, ref64, torch.float64))
+    for m, params, dtype in runs:
         xs = [x.detach().to(dtype).clone().requires_grad_() for x in inputs]
         y, s = m(*xs)
         (y.sum() + (s * s).sum()).backward()
@@ -251,7 +252,8 @@ def test_on_sequence_shards_fuses(mesh, dropout, rms):
 def _placement(name):
     from torch.distributed.tensor import Partial, Replicate, Shard
 
-    return {"Shard(2)": Shard(2), "Shard(-1)": Shard(-1), "Replicate()": Replicate(), "Partial()": Partial()}[name]
+    return {"Shard(2)": Shard(2), "Shard(-1)": Shard(-1), "Replicate()": Replicate(),
+            "Partial()": Partial()}[name]
 
 
 @pytest.mark.parametrize("placement, reason", [
