@@ -8,8 +8,12 @@ and the weights after an AdamW step must agree to float64 rounding (tests/tolera
 is the exception: Hugging Face computes its loss in float32 (logits.float()) and trifuse's fused
 cross-entropy reads the float64 logits, so fused and unfused differ by float32 rounding even in
 one process; GPT-2 is compared at float32's rule, gradients cast to float32 first, as
-test_shard.py's vocab-parallel test does for the same reason.
-The op-level tests check the strategies on DTensors directly, dropout included.
+test_shard.py's vocab-parallel test does for the same reason. The rewriter sees through the
+DTensor conversions the styles put between ops: each add feeding a norm becomes the
+residual-stream op on the shards, and the column-parallel linear's bias moves into the GeLU, so
+the fused counts are the unsharded model's.
+The op-level tests check the strategies on DTensors directly, dropout included, and that no
+backward flattens sequence shards into rows (torch 2.11's DTensor refuses to).
 """
 
 import math
@@ -42,7 +46,8 @@ def fused_equal_to_single_process(rank, size, kind, order, steps):
         shard(model, _mesh(size))
         model = trifuse.fuse(model)
     failures, checks = train_alongside(kind, model, ref, steps, fp32=kind == "gpt2")
-    return failures, checks, trifuse.report(model).counts()
+    report = trifuse.report(model)
+    return failures, checks, (report.counts(), report.by_pattern())
 
 
 class RefuseFlatteningShards(TorchDispatchMode):
@@ -200,12 +205,15 @@ def ops_on_sequence_shards(rank, size):
 
 # Per block: GPT-2 (pre-norm) fuses ln_2 with the attention's residual add, ln_1 stays a norm
 # (its add is the previous block's, in another graph) and the MLP's add a dropout_add; BERT
-# (post-norm) fuses both adds with their norms. Plus the embeddings' / final / head norms.
+# (post-norm) fuses both adds with their norms. Plus the embeddings' / final / head norms. The
+# same counts as without sharding (tests/fusion/test_fuse_models.py).
 _FUSED_UNDER_SP = {
     "gpt2": {"attention": 2, "bias_gelu": 2, "residual_stream": 2, "layer_norm": 3, "dropout_add": 2,
              "cross_entropy": 1},
-    "bert": {"attention": 2, "bias_gelu": 1, "residual_stream": 4, "layer_norm": 2, "cross_entropy": 1},
+    "bert": {"attention": 2, "bias_gelu": 3, "residual_stream": 4, "layer_norm": 2, "cross_entropy": 1},
 }
+# The column-parallel MLP linear's bias moves into the GeLU (the head's linear is not sharded).
+_BIAS_GELU_ON_SHARDS = {"gpt2": "conv1d_bias_gelu_on_shards", "bert": "linear_gelu_on_shards"}
 
 
 @pytest.mark.parametrize(
@@ -213,12 +221,13 @@ _FUSED_UNDER_SP = {
     [("gpt2", "fuse_then_shard"), ("bert", "fuse_then_shard"), ("gpt2", "shard_then_fuse")],
 )
 def test_fused_sequence_parallel_matches_single_process(world, kind, order):
-    for failures, checks, counts in world.run(fused_equal_to_single_process, kind, order, 1):
+    for failures, checks, (counts, by_pattern) in world.run(fused_equal_to_single_process, kind, order, 1):
         assert checks > 50
         assert not failures, "\n".join(failures[:10])
         # The fused kernels ran, on the sequence-sharded stream: each add feeding a norm became
         # the residual-stream op, seen through the DTensor conversion between them.
         assert counts == _FUSED_UNDER_SP[kind], counts
+        assert by_pattern.get(_BIAS_GELU_ON_SHARDS[kind]) == 2, by_pattern
 
 
 def test_fused_sequence_parallel_dropout_reproducible(world):
