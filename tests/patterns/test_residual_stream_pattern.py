@@ -4,8 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import trifuse
-from _fusing import check_against_unfused, fuse_via, trifuse_ops_run
-from tolerances import assert_close
+from _fusing import check_against_unfused, check_sharded_against_unfused, fuse_via, trifuse_ops_run
 from torch import nn
 
 N = 16
@@ -178,19 +177,6 @@ def test_inplace_dropout_is_not_fused(capture):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    import torch.distributed as dist
-
-    if not dist.is_available():
-        pytest.skip("torch.distributed is not available")
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield init_device_mesh("cpu", (1,))
-    dist.destroy_process_group()
-
-
 class OnShards(nn.Module):
     """Pre-norm residual stream as sequence parallelism captures it: s = residual + dropout(x)
     on local tensors (dropout=False: no dropout call); y = norm(from_local(s, placement)) with
@@ -217,34 +203,16 @@ class OnShards(nn.Module):
 
 
 def _on_shards_against_unfused(mesh, placement, **kwargs):
-    """Fuses OnShards through Dynamo; outputs and gradients against the unfused model in float64
-    (the oracle) and float32 (tests/tolerances.py); returns the report."""
     inputs = (torch.randn(2, 6, N), torch.randn(2, 6, N))
-    made = []
-    for dtype in (torch.float32, torch.float32, torch.float64):
-        torch.manual_seed(0)
-        made.append(OnShards(mesh, placement, **kwargs).to(dtype).train())
-    model, ref, ref64 = made
-    fused = fuse_via(model, "dynamo")
-    results = []
-    runs = ((fused, model, torch.float32), (ref, ref, torch.float32), (ref64, ref64, torch.float64))
-    for m, params, dtype in runs:
-        xs = [x.detach().to(dtype).clone().requires_grad_() for x in inputs]
-        y, s = m(*xs)
-        (y.sum() + (s * s).sum()).backward()
-        results.append([y, s, *(x.grad for x in xs), params.weight.grad, params.bias.grad])
-    for i, (o, olp, o64) in enumerate(zip(*results)):
-        if o64 is not None:
-            assert_close(f"value {i}", o, o64, olp)
-    return trifuse.report(fused)
+    return check_sharded_against_unfused(lambda dtype: OnShards(mesh, placement, **kwargs).to(dtype), inputs)
 
 
 @pytest.mark.parametrize("dropout", [True, False], ids=["dropout_add", "add"])
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
-def test_on_sequence_shards_fuses(mesh, dropout, rms):
+def test_on_sequence_shards_fuses(one_rank_mesh, dropout, rms):
     from torch.distributed.tensor import Shard
 
-    report = _on_shards_against_unfused(mesh, Shard(1), dropout=dropout, rms=rms)
+    report = _on_shards_against_unfused(one_rank_mesh, Shard(1), dropout=dropout, rms=rms)
     name = ("dropout_" if dropout else "") + ("add_rms_norm" if rms else "add_layer_norm") + "_on_shards"
     assert report.by_pattern() == {name: 1}, report.by_pattern()
 
@@ -262,8 +230,8 @@ def _placement(name):
     ("Replicate()", "no mesh dim shards the rows"),
     ("Partial()", "is neither a shard of rows nor a replica"),
 ])
-def test_on_shards_needs_row_shards(mesh, placement, reason):
-    report = _on_shards_against_unfused(mesh, _placement(placement))
+def test_on_shards_needs_row_shards(one_rank_mesh, placement, reason):
+    report = _on_shards_against_unfused(one_rank_mesh, _placement(placement))
     # Each stays its own op: the norm, and the dropout + add on the local tensors.
     assert report.by_pattern() == {"layer_norm": 1, "dropout_add": 1}, report.by_pattern()
     assert any(pattern == "dropout_add_layer_norm_on_shards" and reason in why
