@@ -210,7 +210,9 @@ def local_to_dtensor(node: Any) -> dict[str, Any] | None:
         return None
     bound.apply_defaults()
     args = dict(bound.arguments)
-    if args.get("shape") is not None or args.get("stride") is not None or args.get("placements") is None:
+    if "local_tensor" not in args or args.get("placements") is None:
+        return None
+    if args.get("shape") is not None or args.get("stride") is not None:
         return None
     return args
 

@@ -214,9 +214,9 @@ def _plan(m: Match) -> tuple[_Plan | None, str | None]:
     nodes = {k for k, v in bindings.items() if isinstance(v, fx.Node) and k not in constants}
     try:
         rgraph = trace_function(m.pattern.replacement, constants, nodes)
+        sources = {**bindings, **resolve_from_local(rgraph, m)}
     except Exception as e:  # noqa: BLE001  (a replacement that cannot take these constants)
         return None, f"replacement does not trace with these constants: {type(e).__name__}: {e}"
-    sources = {**bindings, **resolve_from_local(rgraph, m)}
     inputs = {n.target: sources[n.target] for n in rgraph.nodes if n.op == "placeholder"}
     values, reason = _evaluate(rgraph, {k: example_value(v) for k, v in inputs.items()})
     if reason is not None:
