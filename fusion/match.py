@@ -10,6 +10,10 @@ constants compare within 1e-6 relative: models write sqrt(2/pi) to different num
 
 All matches at a candidate are produced (full backtracking), so the rewriter can try the next
 one when a filter rejects the first.
+
+The marker `patterns._base.from_local(x, placements)` matches a model's `DTensor.from_local(x,
+mesh, placements, ...)` call (`local_to_dtensor`) whatever its mesh; in a replacement,
+`resolve_from_local` turns it into a copy of the call the search matched, reading the new input.
 """
 import inspect
 import math
@@ -22,7 +26,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from ..patterns._base import Pattern, example_value, tracing_ops
+from ..patterns._base import Pattern, example_value, from_local, tracing_ops
 from .normalize import canonicalize_graph
 
 COMMUTATIVE = (operator.add, operator.mul)
@@ -158,6 +162,9 @@ def _match_node(cp: CompiledPattern, p: fx.Node, g: Any, env: Env) -> Iterator[E
             return
         yield {**env, p: g}
         return
+    if p.op == "call_function" and p.target is from_local:
+        yield from _match_from_local(cp, p, g, env)
+        return
     if not isinstance(g, fx.Node) or g.op != p.op or g.target != p.target:
         return
     if p in env:
@@ -175,6 +182,88 @@ def _match_node(cp: CompiledPattern, p: fx.Node, g: Any, env: Env) -> Iterator[E
     for pargs in orders:
         pairs = [*zip(pargs, g.args), *((p.kwargs[k], g.kwargs[k]) for k in p.kwargs)]
         yield from _match_seq(cp, pairs, env)
+
+
+def _match_from_local(cp: CompiledPattern, p: fx.Node, g: Any, env: Env) -> Iterator[Env]:
+    call = local_to_dtensor(g)
+    if call is None:
+        return
+    if p in env:
+        if env[p] is g:
+            yield env
+        return
+    if any(v is g for k, v in env.items() if k.op != "placeholder"):
+        return
+    env = {**env, p: g}
+    yield from _match_seq(cp, [(p.args[0], call["local_tensor"]), (p.args[1], call["placements"])], env)
+
+
+def local_to_dtensor(node: Any) -> dict[str, Any] | None:
+    """The arguments of a `DTensor.from_local(...)` call node, by parameter name (local_tensor,
+    device_mesh, placements, run_check, ...), or None when `node` is no such call. A call that
+    states the global shape or stride is not one: a copy reading another tensor would be wrong."""
+    if not isinstance(node, fx.Node) or node.op != "call_function" or not _is_dtensor_from_local(node.target):
+        return None
+    try:
+        bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    args = dict(bound.arguments)
+    if "local_tensor" not in args or args.get("placements") is None:
+        return None
+    if args.get("shape") is not None or args.get("stride") is not None:
+        return None
+    return args
+
+
+def _is_dtensor_from_local(target: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return False
+    return target is DTensor.from_local
+
+
+def resolve_from_local(rgraph: fx.Graph, m: "Match") -> dict[str, fx.Node]:
+    """Rewrites each `from_local(x, placements)` marker of a traced replacement into the model's
+    call that the search's marker matched (its mesh and options), reading x with `placements`.
+    A search has one marker, whose call gives the mesh. The graph nodes that call reads (the
+    mesh) become placeholders of `rgraph`; returns their names -> those nodes."""
+    markers = [n for n in rgraph.nodes if n.op == "call_function" and n.target is from_local]
+    if not markers:
+        return {}
+    calls = [g for p, g in m.env.items() if p.op == "call_function" and p.target is from_local]
+    if not calls:
+        raise ValueError(f"pattern {m.pattern.name}: the replacement calls from_local, the search does not")
+    model_call = calls[0]
+    inputs: dict[str, fx.Node] = {}
+    placeholders: dict[fx.Node, fx.Node] = {}
+    first = next(iter(rgraph.nodes))
+
+    def placeholder(node: fx.Node) -> fx.Node:
+        if node not in placeholders:
+            key = f"_from_local_{len(placeholders)}"
+            inputs[key] = node
+            with rgraph.inserting_before(first):
+                placeholders[node] = rgraph.placeholder(key)
+        return placeholders[node]
+
+    signature = inspect.signature(model_call.target)
+    for marker in markers:
+        # The model's own argument layout, its graph nodes read through placeholders, with the
+        # marker's input and placements.
+        bound = signature.bind(*model_call.args, **model_call.kwargs)
+        bound.arguments["local_tensor"] = bound.arguments["placements"] = None
+        args, kwargs = fx.map_arg((bound.args, bound.kwargs), placeholder)
+        bound = signature.bind(*args, **kwargs)
+        bound.arguments["local_tensor"], bound.arguments["placements"] = marker.args
+        args, kwargs = bound.args, bound.kwargs
+        with rgraph.inserting_before(marker):
+            call = rgraph.call_function(model_call.target, args, kwargs)
+        marker.replace_all_uses_with(call)
+        rgraph.erase_node(marker)
+    return inputs
 
 
 def _match_seq(cp: CompiledPattern, pairs: list[tuple[Any, Any]], env: Env) -> Iterator[Env]:

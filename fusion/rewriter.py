@@ -12,7 +12,11 @@ candidate node is matched (match.py) and each match is checked before anything c
    dtype, autocast's would return float32), a cast back keeps every dtype the model sees.
 
 Then the replacement is spliced in before the first matched node and the matched nodes are
-removed. A replaced op consumed by a later, larger pattern counts only once, as the larger one.
+removed, and so are the replacement's nodes that nothing uses and that have no side effects (a
+post-norm block drops the sum a residual-stream op also returns). A replacement's
+`from_local(x, placements)` (patterns/_base.py) is a copy of the DTensor conversion its search
+matched (match.py's `resolve_from_local`). A replaced op consumed by a later, larger pattern
+counts only once, as the larger one.
 Every candidate left in the graph is reported with the reasons it was rejected, and so is every
 op of interest no pattern took.
 """
@@ -28,7 +32,7 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor
 
 from ..patterns._base import Pattern, available, example_value
-from .match import Match, compile_pattern, matches, trace_function
+from .match import Match, compile_pattern, matches, resolve_from_local, trace_function
 from .normalize import canonicalize_node
 
 FAMILIES = ("attention", "layer_norm", "rms_norm", "bias_gelu", "dropout_add", "residual_stream",
@@ -210,9 +214,10 @@ def _plan(m: Match) -> tuple[_Plan | None, str | None]:
     nodes = {k for k, v in bindings.items() if isinstance(v, fx.Node) and k not in constants}
     try:
         rgraph = trace_function(m.pattern.replacement, constants, nodes)
+        sources = {**bindings, **resolve_from_local(rgraph, m)}
     except Exception as e:  # noqa: BLE001  (a replacement that cannot take these constants)
         return None, f"replacement does not trace with these constants: {type(e).__name__}: {e}"
-    inputs = {n.target: bindings[n.target] for n in rgraph.nodes if n.op == "placeholder"}
+    inputs = {n.target: sources[n.target] for n in rgraph.nodes if n.op == "placeholder"}
     values, reason = _evaluate(rgraph, {k: example_value(v) for k, v in inputs.items()})
     if reason is not None:
         return None, reason
@@ -368,6 +373,7 @@ def _splice(graph: fx.Graph, m: Match, plan: _Plan, log: RewriteLog) -> None:
                 if isinstance(value, torch.Tensor):
                     cast.meta["example_value"] = cast.meta["val"] = value.to(dtype)
                 outputs[i] = cast
+                new_nodes.append(cast)
     placed = where(matched)
     event = Replaced(m.pattern.name, m.pattern.family, placed, "",
                      note=", ".join(f"output cast back to {d}" for d in plan.casts if d is not None))
@@ -384,6 +390,11 @@ def _splice(graph: fx.Graph, m: Match, plan: _Plan, log: RewriteLog) -> None:
                 absorbed.absorbed = True
                 event.where = _join_where(absorbed.where, event.where)
             graph.erase_node(node)
+    # What the model does not use of the replacement (the sum a post-norm block drops, brought
+    # back to a local tensor) goes, unless it has side effects.
+    for new in reversed(new_nodes):
+        if not new.users and not new.is_impure():
+            graph.erase_node(new)
     log.replaced.append(event)
 
 

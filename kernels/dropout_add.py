@@ -209,8 +209,12 @@ def dropout_add_bwd(
 
 def _column_sum(dy: torch.Tensor) -> torch.Tensor:
     """dbias for p = 0: the sum of dy over rows in fp32 (fp64 for fp64), a fixed-order
-    PyTorch reduction."""
-    return torch.sum(dy.reshape(-1, _width(dy)), dim=0, dtype=_acc(dy.dtype))
+    PyTorch reduction. Over the leading dims rather than over a reshape to (rows, N): under
+    sequence parallelism dy is a DTensor sharded on dim 1, which torch 2.11 refuses to flatten
+    into rows (2.13 allows it)."""
+    if dy.dim() < 2:
+        return dy.to(_acc(dy.dtype)).reshape(_width(dy))
+    return torch.sum(dy, dim=tuple(range(dy.dim() - 1)), dtype=_acc(dy.dtype))
 
 
 # ---------------------------------------------------------------------------------------------

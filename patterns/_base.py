@@ -18,6 +18,12 @@ unknown).
 
 `derive` may compute further constants for the replacement from the match (its example values).
 
+Under tensor/sequence parallelism (trifuse.parallel) the captured graph converts local tensors
+to DTensors between ops (`DTensor.from_local(x, mesh, placements, ...)`, from the styles' hooks).
+A pattern writes such a conversion as `from_local(x, placements)`: in a search it matches the
+model's call whatever its mesh and options, with `placements` bound to the call's placements; in
+a replacement it becomes a copy of the call the search matched, reading `x`.
+
 Stages order the rewriting: 0 turns each spelling into one op, 1 combines ops (an add feeding a
 fused norm becomes the residual-stream op), 2 folds the bias of a preceding linear into the op.
 """
@@ -106,6 +112,15 @@ class tracing_ops:
 
     def __exit__(self, *exc: object) -> None:
         _tracing.reset(self._token)
+
+
+def from_local(x: torch.Tensor, placements: Any) -> Any:
+    """Pattern marker for `DTensor.from_local(x, <the model's mesh>, placements, ...)` (see the
+    module docstring): traced, it is one graph node whose target is this function, which
+    fusion/match.py resolves. Outside a pattern it is an error."""
+    if isinstance(x, torch.fx.Proxy):
+        return x.tracer.create_proxy("call_function", from_local, (x, placements), {})
+    raise RuntimeError("trifuse.patterns._base.from_local is a pattern marker, for use inside patterns only")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,13 +7,21 @@ original code) and the erf formula written out, which first become one `bias_gel
 (stage 0), then take the bias of the linear before them (stage 2). The linear is `F.linear` /
 `nn.Linear`, or Hugging Face's Conv1D (`addmm(bias, x2d, w).view(...)`). A GeLU without a
 biased linear before it stays `F.gelu`: one kernel already.
+
+Under tensor parallelism (trifuse.parallel) a column-parallel linear runs on DTensors and its
+output reaches the GeLU as the local shard of its columns, `linear(...).redistribute(mesh,
+placements).to_local()`; the `*_on_shards` spellings move the bias out of the linear into the
+op as the local shard of the bias (`bias.to_local()`), which covers the same columns when the
+weight and bias are sharded over the output features and the output over its last dim
+(`bias_sharded_like_columns`).
 """
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from ._base import Match, Pattern, ops
+from ._base import Filter, Match, Pattern, ops
 
 
 def gelu_tanh_written_out(x: torch.Tensor):
@@ -89,6 +97,56 @@ def conv1d_bias_gelu(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return ops.bias_gelu(torch.addmm(bias, x2d, weight).view(shape), None, approximate)
 
 
+# Column-parallel (trifuse.parallel): the linear on DTensors, the GeLU on the local columns.
+
+
+def linear_gelu_on_shards(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, mesh, placements,
+                          approximate):
+    local = F.linear(x, weight, bias).redistribute(mesh, placements, async_op=False).to_local()
+    return F.gelu(local, approximate=approximate)
+
+
+def linear_gelu_on_shards_fused(x, weight, bias, mesh, placements, approximate):
+    local = F.linear(x, weight).redistribute(mesh, placements, async_op=False).to_local()
+    return ops.bias_gelu(local, bias.to_local(), approximate)
+
+
+def conv1d_bias_gelu_on_shards(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, shape, mesh,
+                               placements, approximate):
+    local = torch.addmm(bias, x2d, weight).view(shape).redistribute(mesh, placements, async_op=False).to_local()
+    return ops.bias_gelu(local, None, approximate)
+
+
+def conv1d_gelu_on_shards_fused(x2d, weight, bias, shape, mesh, placements, approximate):
+    local = torch.mm(x2d, weight).view(shape).redistribute(mesh, placements, async_op=False).to_local()
+    return ops.bias_gelu(local, bias.to_local(), approximate)
+
+
+def bias_sharded_like_columns(weight_out_dim: int, out_ndim: Callable[[Match], int]) -> Filter:
+    """The bias is sharded over its features as the weight over its output features
+    (`weight_out_dim`: 0 for Linear's (out, in), 1 for Conv1D's (in, out)) and the output over its
+    last dim, one mesh dim each: the local bias then covers the local columns."""
+
+    def check(m: Match) -> str | None:
+        from torch.distributed.tensor import DTensor, Shard
+
+        bias, weight = m.value("bias"), m.value("weight")
+        if not isinstance(bias, DTensor) or not isinstance(weight, DTensor):
+            return "the bias or the weight is not a DTensor"
+        last = out_ndim(m) - 1
+        placements = tuple(m["placements"])
+        if len(placements) != len(bias.placements):
+            return f"output placements {placements} on another mesh than the bias's {bias.placements}"
+        for pb, pw, po in zip(bias.placements, weight.placements, placements):
+            if not (pb == Shard(0) and pw == Shard(weight_out_dim) and isinstance(po, Shard) and po.dim in (-1, last)):
+                return (f"bias {bias.placements}, weight {weight.placements}, output {placements}: not sharded "
+                        "over the output features alike")
+        return None
+
+    check.__name__ = "bias_sharded_like_columns"
+    return check
+
+
 _OPS = ("bias_gelu",)
 
 PATTERNS = (
@@ -98,8 +156,12 @@ PATTERNS = (
     Pattern("linear_gelu", "bias_gelu", linear_gelu, linear_gelu_fused, _OPS, stage=1),
     Pattern("conv1d_gelu", "bias_gelu", conv1d_gelu, conv1d_gelu_fused, _OPS, stage=1),
     Pattern("addmm_gelu", "bias_gelu", addmm_gelu, addmm_gelu_fused, _OPS, (bias_is_a_row_vector,), stage=1),
+    Pattern("linear_gelu_on_shards", "bias_gelu", linear_gelu_on_shards, linear_gelu_on_shards_fused, _OPS,
+            (bias_sharded_like_columns(0, lambda m: m.value("x").dim()),), stage=1),
     Pattern("linear_bias_gelu", "bias_gelu", linear_bias_gelu, linear_gelu_fused, _OPS, stage=2),
     Pattern("conv1d_bias_gelu", "bias_gelu", conv1d_bias_gelu, conv1d_gelu_fused, _OPS, stage=2),
     Pattern("addmm_bias_gelu", "bias_gelu", addmm_bias_gelu, addmm_gelu_fused, _OPS, (bias_is_a_row_vector,),
             stage=2),
+    Pattern("conv1d_bias_gelu_on_shards", "bias_gelu", conv1d_bias_gelu_on_shards, conv1d_gelu_on_shards_fused,
+            _OPS, (bias_sharded_like_columns(1, lambda m: len(m.value("shape"))),), stage=2),
 )

@@ -8,11 +8,19 @@ Post-norm blocks (BERT, nn.TransformerEncoder's default) use only y; pre-norm bl
 ViT, Llama) also carry s on as the next residual. The dropout's p and training flag are the
 model's. Then (stage 2) the bias of the linear producing x moves into the op as `x_bias`, so the
 matmul runs without its bias epilogue and the bias gradient comes out of the fused backward.
+
+Under sequence parallelism (trifuse.parallel) the add runs on local sequence shards and the norm
+on a DTensor made of them, `norm(from_local(s, placements))`; the `*_on_shards` spellings fuse
+that into one op on DTensors, `dropout_add_layer_norm(from_local(x, ...), from_local(residual,
+...))`, and hand s on as the local tensor it was. Only when the shards split rows (a batch or
+sequence dim, never a normalized one: a norm needs its whole row) and x and the residual have
+one shape, so that both are shards alike (`rows_sharded`). The linear's bias stays there: the
+row-parallel linear's output reaches the add through a reduce-scatter.
 """
 import torch
 import torch.nn.functional as F
 
-from ._base import Pattern, needs_bool, needs_number, ops
+from ._base import Match, Pattern, from_local, needs_bool, needs_number, ops, same_shape
 from .bias_gelu import bias_is_a_row_vector
 
 
@@ -56,6 +64,82 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, normalized_shape, weig
 def add_rms_norm_fused(x, residual, normalized_shape, weight, eps):
     y, s = ops.dropout_add_layer_norm(x, residual, normalized_shape, weight, None, eps, is_rms_norm=True)
     return y, s
+
+
+def dropout_add_layer_norm_on_shards(x: torch.Tensor, residual: torch.Tensor, p, training, placements,
+                                     normalized_shape, weight, bias, eps):
+    s = residual + F.dropout(x, p, training, False)
+    return ops.layer_norm(from_local(s, placements), normalized_shape, weight, bias, eps), s
+
+
+def dropout_add_layer_norm_on_shards_fused(x, residual, p, training, placements, normalized_shape, weight,
+                                           bias, eps):
+    y, s = ops.dropout_add_layer_norm(from_local(x, placements), from_local(residual, placements),
+                                      normalized_shape, weight, bias, eps, p, training)
+    return y, s.to_local()
+
+
+def add_layer_norm_on_shards(x: torch.Tensor, residual: torch.Tensor, placements, normalized_shape, weight,
+                             bias, eps):
+    s = residual + x
+    return ops.layer_norm(from_local(s, placements), normalized_shape, weight, bias, eps), s
+
+
+def add_layer_norm_on_shards_fused(x, residual, placements, normalized_shape, weight, bias, eps):
+    y, s = ops.dropout_add_layer_norm(from_local(x, placements), from_local(residual, placements),
+                                      normalized_shape, weight, bias, eps)
+    return y, s.to_local()
+
+
+def dropout_add_rms_norm_on_shards(x: torch.Tensor, residual: torch.Tensor, p, training, placements,
+                                   normalized_shape, weight, eps):
+    s = residual + F.dropout(x, p, training, False)
+    return ops.rms_norm(from_local(s, placements), normalized_shape, weight, eps), s
+
+
+def dropout_add_rms_norm_on_shards_fused(x, residual, p, training, placements, normalized_shape, weight, eps):
+    y, s = ops.dropout_add_layer_norm(from_local(x, placements), from_local(residual, placements),
+                                      normalized_shape, weight, None, eps, p, training, is_rms_norm=True)
+    return y, s.to_local()
+
+
+def add_rms_norm_on_shards(x: torch.Tensor, residual: torch.Tensor, placements, normalized_shape, weight,
+                           eps):
+    s = residual + x
+    return ops.rms_norm(from_local(s, placements), normalized_shape, weight, eps), s
+
+
+def add_rms_norm_on_shards_fused(x, residual, placements, normalized_shape, weight, eps):
+    y, s = ops.dropout_add_layer_norm(from_local(x, placements), from_local(residual, placements),
+                                      normalized_shape, weight, None, eps, is_rms_norm=True)
+    return y, s.to_local()
+
+
+def rows_sharded(m: Match) -> str | None:
+    """Every mesh dim shards a row dim of the sum (or replicates it), one at least shards: no
+    shard splits a normalized dim, no partial sum is pending, and x and the residual are shards
+    of the same shape."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    x, residual = m.value("x"), m.value("residual")
+    if not isinstance(x, torch.Tensor) or not isinstance(residual, torch.Tensor):
+        return "x or residual: no tensor metadata"
+    if not same_shape(x, residual):
+        return f"x {tuple(x.shape)} and residual {tuple(residual.shape)} differ in shape (a broadcast add)"
+    normalized = m["normalized_shape"]
+    normalized = (normalized,) if isinstance(normalized, int) else tuple(normalized)
+    rows = x.dim() - len(normalized)
+    placements = tuple(m["placements"])
+    for pl in placements:
+        if isinstance(pl, Shard):
+            dim = pl.dim + x.dim() if pl.dim < 0 else pl.dim
+            if not 0 <= dim < rows:
+                return f"placements {placements}: dim {pl.dim} is a normalized dim, not a row dim"
+        elif not isinstance(pl, Replicate):
+            return f"placements {placements}: {pl} is neither a shard of rows nor a replica"
+    if not any(isinstance(pl, Shard) for pl in placements):
+        return f"placements {placements}: no mesh dim shards the rows"
+    return None
 
 
 # Stage 2: the bias of the linear (nn.Linear, HF's Conv1D: addmm + view, or a plain addmm) producing x.
@@ -108,6 +192,15 @@ PATTERNS = (
             _RMS_OPS, (*_DROPOUT, needs_number("eps")), stage=1),
     Pattern("add_rms_norm", "residual_stream", add_rms_norm, add_rms_norm_fused, _RMS_OPS,
             (needs_number("eps"),), stage=1),
+    Pattern("dropout_add_layer_norm_on_shards", "residual_stream", dropout_add_layer_norm_on_shards,
+            dropout_add_layer_norm_on_shards_fused, _OPS, (*_DROPOUT, rows_sharded), stage=1),
+    Pattern("add_layer_norm_on_shards", "residual_stream", add_layer_norm_on_shards,
+            add_layer_norm_on_shards_fused, _OPS, (rows_sharded,), stage=1),
+    Pattern("dropout_add_rms_norm_on_shards", "residual_stream", dropout_add_rms_norm_on_shards,
+            dropout_add_rms_norm_on_shards_fused, _RMS_OPS, (*_DROPOUT, needs_number("eps"), rows_sharded),
+            stage=1),
+    Pattern("add_rms_norm_on_shards", "residual_stream", add_rms_norm_on_shards, add_rms_norm_on_shards_fused,
+            _RMS_OPS, (needs_number("eps"), rows_sharded), stage=1),
     Pattern("linear_residual_norm", "residual_stream", linear_residual_norm, linear_residual_norm_fused,
             ("dropout_add_layer_norm",), stage=2),
     Pattern("conv1d_residual_norm", "residual_stream", conv1d_residual_norm, conv1d_residual_norm_fused,

@@ -113,3 +113,32 @@ def trifuse_ops_run(fn: Callable[[], object]) -> set[str]:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         fn()
     return {e.name for e in prof.events() if e.name.startswith("trifuse::")}
+
+
+def check_sharded_against_unfused(make: Callable[[torch.dtype], nn.Module],
+                                  inputs: tuple) -> "trifuse.FusionReport":
+    """Like `check_against_unfused`, for a model with DTensors in it: `make(dtype)` builds it
+    (seeded, so three builds share weights); the fused float32 one, fused through Dynamo, against
+    the unfused float64 (the oracle) and float32 ones: outputs, then input and parameter
+    gradients (DTensor ones gathered whole). Returns the report."""
+    results = []
+    for dtype, fuse in ((torch.float32, True), (torch.float32, False), (torch.float64, False)):
+        torch.manual_seed(0)
+        model = make(dtype).train()
+        run = fuse_via(model, "dynamo") if fuse else model
+        xs = [x.detach().to(dtype).clone().requires_grad_() for x in inputs]
+        outs = _outputs(run(*xs))
+        sum(((o * o).sum() for o in outs), torch.zeros((), dtype=dtype)).backward()
+        grads = [x.grad for x in xs] + [p.grad for p in model.parameters()]
+        results.append([_whole(v) for v in [*outs, *grads]])
+        if fuse:
+            report = trifuse.report(run)
+    for i, (got, lowp, want) in enumerate(zip(*results)):
+        assert (got is None) == (want is None), f"value {i}: a gradient on one side only"
+        if want is not None:
+            assert_close(f"value {i}", got, want, lowp)
+    return report
+
+
+def _whole(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t

@@ -54,9 +54,10 @@ def batch(kind: str, step: int = 0, *, b: int = 2, s: int = 8) -> dict:
     return out
 
 
-def compare_full(tag, model, ref, failures, grads):
+def compare_full(tag, model, ref, failures, grads, *, fp32=False):
     """Appends to `failures` every parameter (grads=True: gradient) of `model`, gathered whole,
-    that is not `ref`'s to float64 rounding (tests/tolerances.py); returns how many it checked."""
+    that is not `ref`'s to float64 rounding (tests/tolerances.py); returns how many it checked.
+    With `fp32`, model's values are cast to float32 first and compared at float32's rule."""
     from trifuse.parallel import gather_full
 
     got, want = gather_full(model, grads=grads), gather_full(ref, grads=grads)
@@ -64,7 +65,29 @@ def compare_full(tag, model, ref, failures, grads):
         failures.append(f"{tag}: keys differ: {sorted(got.keys() ^ want.keys())}")
         return 0
     for k in want:
-        ok, msg = check_close(f"{tag} {k}", got[k], want[k], None)
+        ok, msg = check_close(f"{tag} {k}", got[k].float() if fp32 else got[k], want[k], None)
         if not ok:
             failures.append(msg)
     return len(want)
+
+
+def train_alongside(kind, model, ref, steps, *, fp32=False):
+    """(failures, checks) for `steps` AdamW steps of `model` and `ref` on the same batches: the
+    loss, every gradient and every weight after the step compared (`compare_full`)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    failures, checks = [], 0
+    for step in range(steps):
+        loss = model(**batch(kind, step)).loss
+        ref_loss = ref(**batch(kind, step)).loss
+        loss.backward()
+        ref_loss.backward()
+        ok, msg = check_close(f"step {step} loss", loss, ref_loss, None)
+        failures += [] if ok else [msg]
+        checks += 1 + compare_full(f"step {step} grad", model, ref, failures, True, fp32=fp32)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        checks += compare_full(f"after step {step}", model, ref, failures, False, fp32=fp32)
+    return failures, checks

@@ -72,10 +72,18 @@ def wire_bytes_per_rank(counts: Counter, t: int) -> float:
     return sum(n * factor[name] * nbytes for (_, name, nbytes), n in counts.items())
 
 
-def count_step(rank, size, sp, b, s):
+def count_step(rank, size, sp, b, s, fused=False):
+    import trifuse
     from trifuse.parallel import shard
 
-    model = shard(build("gpt2", dtype=torch.float32), init_device_mesh("cpu", (size,)), sequence_parallel=sp)
+    model = build("gpt2", dtype=torch.float32)
+    if fused:
+        trifuse.fuse(model)
+    shard(model, init_device_mesh("cpu", (size,)), sequence_parallel=sp)
+    if fused:  # capture first: what is counted is a step of the fused graphs
+        model(**batch("gpt2", b=b, s=s)).loss.backward()
+        model.zero_grad()  # else the counted backward adds to whole gradients: no all-reduce
+        assert trifuse.report(model).counts().get("residual_stream") == 2
     mode = CollectiveBytes(size)
     with mode:
         loss = model(**batch("gpt2", b=b, s=s)).loss
@@ -91,6 +99,15 @@ def test_counted_bytes_match_formula(world, sp, b, s):
     expected = expected_collectives(layers, b, s, h, elem, sp)
     for counts in world.run(count_step, sp, b, s):
         assert counts == expected
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_fusing_moves_no_more_bytes(world, sp):
+    """The fused model (the residual stream fused through the sequence-parallel conversions)
+    runs the same collectives as the unfused one."""
+    b, s, layers, h, elem = 2, 8, 2, 32, 4
+    for counts in world.run(count_step, sp, b, s, True):
+        assert counts == expected_collectives(layers, b, s, h, elem, sp)
 
 
 def test_tp_and_sp_send_the_same_activation_bytes():

@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel as TorchColwise
 from torch.distributed.tensor.parallel import RowwiseParallel as TorchRowwise
 
-from _tp_models import batch, build, compare_full
+from _tp_models import batch, build, compare_full, train_alongside
 from tolerances import check_close
 
 # ---------------------------------------------------------------------------------------------
@@ -33,23 +33,7 @@ def equal_to_single_process(rank, size, kind, sp, steps, plan=None):
 
     ref = build(kind)
     model = shard(build(kind), _mesh(size), sequence_parallel=sp, plan=plan)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    failures, checks = [], 0
-    for step in range(steps):
-        loss = model(**batch(kind, step)).loss
-        ref_loss = ref(**batch(kind, step)).loss
-        loss.backward()
-        ref_loss.backward()
-        ok, msg = check_close(f"step {step} loss", loss, ref_loss, None)
-        failures += [] if ok else [msg]
-        checks += 1 + compare_full(f"step {step} grad", model, ref, failures, grads=True)
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        checks += compare_full(f"after step {step}", model, ref, failures, grads=False)
-    return failures, checks
+    return train_alongside(kind, model, ref, steps)
 
 
 def vocab_parallel_equal_to_single_process(rank, size, steps):
@@ -58,7 +42,7 @@ def vocab_parallel_equal_to_single_process(rank, size, steps):
     model's dtype, so the comparison is at float32's rule: gradients are cast to float32 first."""
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from trifuse.parallel import gather_full, shard
+    from trifuse.parallel import shard
 
     ref = build("gpt2")
     model = shard(build("gpt2"), _mesh(size), vocab_parallel=True)
@@ -75,11 +59,7 @@ def vocab_parallel_equal_to_single_process(rank, size, steps):
         local_logits = tuple(out.logits.to_local().shape)
         ok, msg = check_close(f"step {step} loss", out.loss.full_tensor(), ref_loss, None)
         failures += [] if ok else [msg]
-        got, want = gather_full(model, grads=True), gather_full(ref, grads=True)
-        for k in want:
-            ok, msg = check_close(f"step {step} grad {k}", got[k].float(), want[k], None)
-            failures += [] if ok else [msg]
-        checks += 1 + len(want)
+        checks += 1 + compare_full(f"step {step} grad", model, ref, failures, True, fp32=True)
         opt.step()
         ref_opt.step()
         opt.zero_grad()

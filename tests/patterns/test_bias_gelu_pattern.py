@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from _fusing import check_against_unfused, fuse_via, needs_ops, trifuse_ops_run
+from _fusing import check_against_unfused, check_sharded_against_unfused, fuse_via, needs_ops, trifuse_ops_run
 from torch import nn
 
 pytestmark = needs_ops("bias_gelu")
@@ -136,3 +136,42 @@ def test_linear_output_used_elsewhere_is_rejected_with_a_reason(capture):
 def test_addmm_with_a_2d_bias_says_why():
     report = check_against_unfused(lambda: AddmmAct(nn.GELU(), bias_shape=(10, 2 * N)), X, "dynamo")
     assert any("addmm's bias has shape" in reason for *_, reason in report.rejected())
+
+
+# ---------------------------------------------------------------------------------------------
+# Column-parallel (trifuse.parallel's ColwiseParallel, on a one-rank mesh): the linear runs on
+# DTensors and the GeLU on the local columns; the bias moves in as its local shard.
+# tests/parallel/test_fused_shard.py runs GPT-2 and BERT on two ranks.
+# ---------------------------------------------------------------------------------------------
+
+
+def _colwise(mesh, act, conv1d=False, output_layouts=None):
+    from torch.distributed.tensor.parallel import parallelize_module
+    from trifuse.parallel.styles import ColwiseParallel
+
+    def make(dtype):
+        model = LinearAct(act, conv1d=conv1d).to(dtype)
+        parallelize_module(model, mesh, {"fc": ColwiseParallel(output_layouts=output_layouts)})
+        return model
+
+    return make
+
+
+@pytest.mark.parametrize("make_act, conv1d, expected", [
+    (nn.GELU, False, "linear_gelu_on_shards"),
+    (lambda: nn.GELU(approximate="tanh"), False, "linear_gelu_on_shards"),
+    (lambda: Act(new_gelu), True, "conv1d_bias_gelu_on_shards"),
+], ids=["linear-nn.GELU", "linear-nn.GELU-tanh", "conv1d-new-gelu"])
+def test_column_parallel_bias_moves_into_the_gelu(one_rank_mesh, make_act, conv1d, expected):
+    report = check_sharded_against_unfused(_colwise(one_rank_mesh, make_act(), conv1d), X)
+    assert report.by_pattern() == {expected: 1}, report.by_pattern()
+
+
+def test_column_parallel_output_not_on_its_columns_keeps_the_bias(one_rank_mesh):
+    """The output replicated (gathered) before the GeLU: the local bias would not be its columns'."""
+    from torch.distributed.tensor import Replicate
+
+    report = check_sharded_against_unfused(_colwise(one_rank_mesh, nn.GELU(), output_layouts=Replicate()), X)
+    assert "linear_gelu_on_shards" not in report.by_pattern()
+    assert any(pattern == "linear_gelu_on_shards" and "not sharded over the output features alike" in why
+               for _, _, pattern, why in report.rejected()), report.rejected()

@@ -2,8 +2,9 @@
 bias of the linear before it folded in; pre-norm and post-norm; p and training carried."""
 import pytest
 import torch
+import torch.nn.functional as F
 import trifuse
-from _fusing import check_against_unfused, fuse_via, trifuse_ops_run
+from _fusing import check_against_unfused, check_sharded_against_unfused, fuse_via, trifuse_ops_run
 from torch import nn
 
 N = 16
@@ -167,3 +168,71 @@ def test_dropout_used_elsewhere_stays(capture):
 def test_inplace_dropout_is_not_fused(capture):
     report = check_against_unfused(InplaceDropout, X, capture, grads=False)
     assert "linear_residual_norm" not in report.by_pattern()
+
+
+# ---------------------------------------------------------------------------------------------
+# Under sequence parallelism: the add on local sequence shards, the norm on a DTensor made of
+# them (what trifuse.parallel's styles put between the two). One process, a mesh of one rank;
+# tests/parallel/test_fused_shard.py runs GPT-2 and BERT on two.
+# ---------------------------------------------------------------------------------------------
+
+
+class OnShards(nn.Module):
+    """Pre-norm residual stream as sequence parallelism captures it: s = residual + dropout(x)
+    on local tensors (dropout=False: no dropout call); y = norm(from_local(s, placement)) with
+    replicated weights; s goes on as a local tensor."""
+
+    def __init__(self, mesh, placement, dropout=True, rms=False):
+        super().__init__()
+        self.mesh, self.placement, self.dropout, self.rms = mesh, placement, dropout, rms
+        self.weight = nn.Parameter(torch.randn(N))
+        self.bias = nn.Parameter(torch.randn(N))
+
+    def forward(self, x, residual):
+        from torch.distributed.tensor import DTensor, Replicate
+
+        s = residual + (F.dropout(x, 0.0, self.training) if self.dropout else x)
+        rows = DTensor.from_local(s, self.mesh, (self.placement,), run_check=False)
+        w = DTensor.from_local(self.weight, self.mesh, (Replicate(),), run_check=False)
+        if self.rms:
+            y = F.rms_norm(rows, (N,), w, 1e-6)
+        else:
+            b = DTensor.from_local(self.bias, self.mesh, (Replicate(),), run_check=False)
+            y = F.layer_norm(rows, (N,), w, b, 1e-5)
+        return y.to_local() * 3.0, s
+
+
+def _on_shards_against_unfused(mesh, placement, **kwargs):
+    inputs = (torch.randn(2, 6, N), torch.randn(2, 6, N))
+    return check_sharded_against_unfused(lambda dtype: OnShards(mesh, placement, **kwargs).to(dtype), inputs)
+
+
+@pytest.mark.parametrize("dropout", [True, False], ids=["dropout_add", "add"])
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_on_sequence_shards_fuses(one_rank_mesh, dropout, rms):
+    from torch.distributed.tensor import Shard
+
+    report = _on_shards_against_unfused(one_rank_mesh, Shard(1), dropout=dropout, rms=rms)
+    name = ("dropout_" if dropout else "") + ("add_rms_norm" if rms else "add_layer_norm") + "_on_shards"
+    assert report.by_pattern() == {name: 1}, report.by_pattern()
+
+
+def _placement(name):
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    return {"Shard(2)": Shard(2), "Shard(-1)": Shard(-1), "Replicate()": Replicate(),
+            "Partial()": Partial()}[name]
+
+
+@pytest.mark.parametrize("placement, reason", [
+    ("Shard(2)", "is a normalized dim, not a row dim"),
+    ("Shard(-1)", "is a normalized dim, not a row dim"),
+    ("Replicate()", "no mesh dim shards the rows"),
+    ("Partial()", "is neither a shard of rows nor a replica"),
+])
+def test_on_shards_needs_row_shards(one_rank_mesh, placement, reason):
+    report = _on_shards_against_unfused(one_rank_mesh, _placement(placement))
+    # Each stays its own op: the norm, and the dropout + add on the local tensors.
+    assert report.by_pattern() == {"layer_norm": 1, "dropout_add": 1}, report.by_pattern()
+    assert any(pattern == "dropout_add_layer_norm_on_shards" and reason in why
+               for _, _, pattern, why in report.rejected()), report.rejected()
