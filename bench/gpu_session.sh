@@ -2,7 +2,7 @@
 # One lent-GPU session's work, in stages that each fit one device call (10 minutes at most; a
 # session has 30 minutes of device time, machine start included). Run from the repo root:
 #
-#   here, once:  echo /.whl/ >> .git/info/exclude
+#   here, once (.whl/ is git-ignored):
 #                python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #                  --implementation cp --platform manylinux2014_x86_64 -d .whl liger-kernel==0.8.5
 #   device call 1 (carry .whl):  bash bench/gpu_session.sh tests host        (~8 min)

@@ -389,12 +389,12 @@ class HeadUnit(DynamoUnit):
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         self.capturing = True
         self._skip_now = self.skip_logits and module.training and torch.is_grad_enabled()
-        ignored = _ignore_once_logging()
+        ignored, added = _ignore_once_logging()
         try:
             out = super().__call__(module, args, kwargs)
         finally:
             self.capturing = False
-            ignored.difference_update(_ONCE_LOGGING_ADDED)
+            ignored.difference_update(added)
         return _none_for_skipped_logits(out) if self._skip_now and self.skipped_logits else out
 
 
@@ -432,25 +432,25 @@ def _none_for_skipped_logits(out: Any) -> Any:
 # once-only advisory message, not an error, is what the capture drops.
 # Looked up per call: transformers may be imported after trifuse.
 _ONCE_LOGGING = ("warning_once", "info_once")
-_ONCE_LOGGING_ADDED: set = set()
 
 
-def _ignore_once_logging() -> set:
-    """Add the once-only Logger methods to Dynamo's ignored logging functions (the set's name
-    changed across torch versions) and return the set; the caller removes `_ONCE_LOGGING_ADDED`."""
+def _ignore_once_logging() -> tuple[set, list]:
+    """Adds the once-only Logger methods to Dynamo's ignored logging functions (the set's name
+    changed across torch versions). Returns (the set, what this call added), for the caller to
+    remove what it added and nothing else (a nested call adds nothing)."""
     config = torch._dynamo.config
     ignored = getattr(config, "ignore_logging_functions", None)
     if ignored is None:
         ignored = getattr(config, "ignore_logger_methods", None)
     if ignored is None:  # an older torch without the option: the break stays, the report says so
-        return set()
-    _ONCE_LOGGING_ADDED.clear()
+        return set(), []
+    added = []
     for name in _ONCE_LOGGING:
         fn = getattr(logging.Logger, name, None)
         if fn is not None and fn not in ignored:
             ignored.add(fn)
-            _ONCE_LOGGING_ADDED.add(fn)
-    return ignored
+            added.append(fn)
+    return ignored, added
 
 
 # =============================================================================================

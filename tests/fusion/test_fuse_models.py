@@ -268,3 +268,17 @@ def test_skip_logits_off_by_default_returns_the_logits():
     trifuse.fuse(model)
     logits, _ = model(**inputs(2, 8))
     assert logits is not None and logits.shape == (2, 8, _models.VOCAB)
+
+
+def test_head_capture_leaves_dynamos_logging_config_as_it_was():
+    # the once-only transformers loggers are ignored only while the head unit runs
+    ignored = getattr(torch._dynamo.config, "ignore_logging_functions", None)
+    if ignored is None:
+        pytest.skip("this torch has no ignore_logging_functions")
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _models.gpt2()
+    trifuse.fuse(model)
+    before = set(ignored)
+    loss_fn(model, inputs(2, 8)).backward()
+    assert set(torch._dynamo.config.ignore_logging_functions) == before
+    assert trifuse.report(model).by_pattern().get("cross_entropy_upcast") == 1
