@@ -61,7 +61,7 @@ def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9.+_-]+", "-", text.lower()).strip("-") or "unknown"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def environment(device_index: int) -> Environment:
     """The environment of CUDA device `device_index`; -1 stands for the CPU (interpreter, tests)."""
     import torch
@@ -235,7 +235,7 @@ def read_defaults(path: Path, family: str) -> dict[str, dict]:
     return data["entries"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _shipped(path: Path, family: str) -> dict[str, dict]:
     return read_defaults(path, family)
 

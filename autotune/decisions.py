@@ -85,7 +85,7 @@ def bucket_string(names: Sequence[str], values: Iterable[object], skip: str = "d
 
 def _text(v: object) -> str:
     text = str(v)
-    return text[len("torch."):] if text.startswith("torch.") else text
+    return text.removeprefix("torch.")
 
 
 # ---------------------------------------------------------------------------------------------

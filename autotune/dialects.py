@@ -55,7 +55,7 @@ GATE_FACTOR = 4.0
 GATE_FLOOR = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def import_problem(module: str) -> str | None:
     """None when `module` imports, else why not (as text)."""
     try:

@@ -128,7 +128,7 @@ class DeviceLimits:
     capability: tuple[int, int] = (9, 0)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def device_limits(device_index: int) -> DeviceLimits:
     if device_index < 0 or INTERPRET:
         return DeviceLimits()

@@ -99,7 +99,7 @@ def acc_dtype(dtype: torch.dtype) -> tl.dtype:
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def num_sms(device_index: int) -> int:
     """Multiprocessor count of a CUDA device (a small fixed number under the interpreter)."""
     if INTERPRET or not torch.cuda.is_available():

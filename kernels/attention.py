@@ -391,7 +391,7 @@ def _attn_bwd_dkdv_kernel(
     else:
         mid = 0
     # The group's query heads in order: dK and dV sum over them in registers, deterministically.
-    for g in range(0, GROUP):
+    for g in range(GROUP):
         h = hk * GROUP + g
         bh = b * H + h
         Qh = Q + b * stride_qb + h * stride_qh
@@ -558,7 +558,7 @@ _INTERPRET_SHAPES = {"fwd": (32, 16, 4, 1), "dq": (32, 16, 4, 1), "dkdv": (16, 3
 _DEFAULT_SMEM = 100 * 1024
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _smem_limit(device_index: int) -> int:
     """Shared memory one program may use (bytes)."""
     props = triton.runtime.driver.active.utils.get_device_properties(device_index)

@@ -134,8 +134,8 @@ def test_sdpa_flash_takes_no_mask_and_the_others_ask_torch(mask_dtype, monkeypat
     ("fp32", "flash-attn takes float16 / bfloat16, got float32"),
     ("d=36", "flash-attn takes head dims that are multiples of 8 up to 256, got 36"),
     ("mask", "flash-attn takes no attn_mask"),
-    ("causal sq!=sk", "flash-attn aligns the causal mask bottom-right; SDPA's is_causal is top-left "
-                      "(query len != key len)"),
+    ("causal sq!=sk", ("flash-attn aligns the causal mask bottom-right; SDPA's is_causal is top-left "
+                       "(query len != key len)")),
     ("strided", "flash-attn needs a unit stride on the head dim"),
     ("ok", None),
     ("gqa", None),
