@@ -67,9 +67,30 @@ def _rewrite(gm: fx.GraphModule, example_inputs: list[Any], backend: str) -> fx.
     return work
 
 
-def trifuse_backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-    """`backend="trifuse"`: the graph rewritten with trifuse's patterns, run eagerly."""
-    return _rewrite(gm, example_inputs, "backend=trifuse").forward
+_EAGER_MODES = (None, "default", "reduce-overhead")
+
+
+def trifuse_backend(gm: fx.GraphModule, example_inputs: list[Any], mode: str | None = None,
+                    options: dict[str, Any] | None = None) -> Callable[..., Any]:
+    """`backend="trifuse"`: the graph rewritten with trifuse's patterns, run eagerly.
+
+    `mode="reduce-overhead"` replays the rewritten forward and backward as CUDA graphs (torch's
+    "cudagraphs" backend over AOTAutograd: the trifuse ops are traced as registered ops, and
+    their dropout seeds come from the device generator, which graph replays advance). Graphs on
+    CPU run as they are. Inductor's modes and `options` belong to `backend="trifuse_inductor"`.
+    """
+    if mode not in _EAGER_MODES:
+        raise ValueError(f"torch.compile(backend='trifuse'): mode must be one of 'default', 'reduce-overhead', "
+                         f"got {mode!r} (Inductor's modes need backend='trifuse_inductor')")
+    if options:
+        raise ValueError(f"torch.compile(backend='trifuse') takes no options, got {sorted(options)} "
+                         "(Inductor's options need backend='trifuse_inductor')")
+    work = _rewrite(gm, example_inputs, "backend=trifuse")
+    if mode == "reduce-overhead":
+        from torch._dynamo.backends.cudagraphs import cudagraphs
+
+        return cudagraphs(work, example_inputs)
+    return work.forward
 
 
 def trifuse_inductor_backend(gm: fx.GraphModule, example_inputs: list[Any], mode: str | None = None,

@@ -4,6 +4,7 @@ dynamic shapes work; graph breaks in user code are fine; the backends are found 
 in a process that never imports trifuse."""
 import copy
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -67,14 +68,15 @@ def _fullgraph_works(model, kw, backend):
     return True
 
 
+@pytest.mark.parametrize("backend", ["trifuse", "trifuse_inductor"])
 @pytest.mark.parametrize("name", ["gpt2", "bert"])
-def test_fullgraph_introduces_no_graph_break(name):
+def test_fullgraph_introduces_no_graph_break(name, backend):
     torch.manual_seed(0)
     model, inputs, _ = MODELS[name]()
     kw = {k: v for k, v in inputs(2, 8).items() if k != "labels"}
     if not _fullgraph_works(model, kw, "eager"):
         pytest.skip("the model itself breaks the graph in this transformers version")
-    out = torch.compile(model, backend="trifuse", fullgraph=True)(**kw)
+    out = torch.compile(model, backend=backend, fullgraph=True)(**kw)
     torch.testing.assert_close(out.logits, model(**kw).logits)
     assert trifuse.report(model).counts().get("attention", 0) >= 1 or not has_op("attention")
 
@@ -112,12 +114,49 @@ def test_compiling_a_fused_model_rewrites_the_whole_graph():
     assert trifuse.report(model).compiled  # the fused units stepped aside for the compiled graph
 
 
+def test_trifuse_backend_reduce_overhead_matches_eager(monkeypatch):
+    # CUDA graphs over AOTAutograd: the rewritten graph's trifuse ops traced as registered ops,
+    # forward and backward (on CPU the graphs run without CUDA graphs, the rest is the same path)
+    from torch._dynamo.backends import cudagraphs as cg
+
+    handed = []
+    real = cg.cudagraphs
+    monkeypatch.setattr(cg, "cudagraphs", lambda gm, inputs: handed.append(gm) or real(gm, inputs))
+    torch.manual_seed(0)
+    model, inputs, loss_fn = MODELS["gpt2"]()
+    ref = copy.deepcopy(model)
+    kw = inputs(2, 8)
+    compiled = torch.compile(model, backend="trifuse", mode="reduce-overhead")
+    loss, ref_loss = loss_fn(compiled, kw), loss_fn(ref, kw)
+    loss.backward()
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    assert trifuse.report(compiled).counts().get("layer_norm", 0) >= 1
+    # what was handed to the CUDA-graph backend is the rewritten graph
+    assert handed and any("trifuse" in getattr(n.target, "__module__", "") or "trifuse" in str(n.target)
+                          for gm in handed for n in gm.graph.nodes)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"mode": "max-autotune"}, "mode must be one of 'default', 'reduce-overhead', got 'max-autotune'"),
+    ({"options": {"max_autotune": True}}, "takes no options, got ['max_autotune']"),
+])
+def test_trifuse_backend_names_what_it_does_not_take(kwargs, words):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    with pytest.raises(Exception, match=re.escape(words)) as info:
+        torch.compile(model, backend="trifuse", **kwargs)(torch.randn(2, 8))
+    assert "trifuse_inductor" in str(info.value)
+
+
 @pytest.mark.gpu
-def test_reduce_overhead_replays_fresh_dropout_masks():
+@pytest.mark.parametrize("backend", ["trifuse", "trifuse_inductor"])
+def test_reduce_overhead_replays_fresh_dropout_masks(backend):
     torch.manual_seed(0)
     model, inputs, loss_fn = _models.gpt2(dropout=0.1, layers=1)
     model.cuda()
-    compiled = torch.compile(model, backend="trifuse_inductor", mode="reduce-overhead")
+    compiled = torch.compile(model, backend=backend, mode="reduce-overhead")
     kw = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in inputs(2, 16).items()}
     losses = [loss_fn(compiled, kw).item() for _ in range(4)]
     assert len(set(losses)) > 1, "every replay must draw new dropout masks"
