@@ -5,8 +5,9 @@
     pytest bench/bench_e2e.py                             # CPU: a tiny config, one step each
 
 Reports tokens/s, step time, peak memory and set-up time (the fuse or compile call plus the
-first step's excess over a steady step), all measured in this process, and a profile of the
-top CUDA kernels of one fused step.
+first step's excess over a steady step), all measured in this process; for each provider a
+profile of one more step: its top CUDA kernels (e2e-top-kernels.*) and how busy the GPU was over
+the step's wall time (what host overhead leaves); and a bar plot of tokens/s (e2e.png).
 """
 import argparse
 import time
@@ -101,8 +102,37 @@ def run_one(name: str, provider: str, spec, steps: int, device: str) -> dict:
     }
     if provider.startswith("trifuse.fuse"):
         row["fused"] = _fused_summary(model)
+    top, busy = profile_step(model, opt, data, gpu)
+    row["device busy %"] = busy
+    row["top kernels"] = top
     del warm, opt, model
     return row
+
+
+def profile_step(model, opt, data, gpu: bool, top: int = 12) -> tuple[list[dict], float]:
+    """One more step under torch.profiler: the `top` kernels by self device time (on a CPU, the
+    ops by self CPU time) and how busy the device was over the step's wall time (device time /
+    wall: what host overhead leaves of the GPU)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if gpu else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        wall = train_steps(model, opt, data, 1, gpu)[0]
+
+    def self_time(e) -> float:  # µs; the attribute's name changed across torch versions
+        if not gpu:
+            return e.self_cpu_time_total
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+
+    events = [e for e in prof.key_averages() if not gpu or e.device_type == DeviceType.CUDA]
+    events = [e for e in events if self_time(e) > 0]
+    total = sum(self_time(e) for e in events)
+    ranked = sorted(events, key=self_time, reverse=True)[:top]
+    rows = [{"name": e.key[:90], "calls": e.count, "ms": self_time(e) / 1e3,
+             "% of device time": 100 * self_time(e) / total if total else float("nan")} for e in ranked]
+    busy = 100 * total / 1e6 / wall if gpu and wall > 0 else float("nan")
+    return rows, busy
 
 
 def _fused_summary(model) -> str:
@@ -118,7 +148,35 @@ def providers(compile_: bool) -> list[str]:
 
 
 COLUMNS = ("model", "provider", "batch x seq", "step ms", "tokens/s", "x vs eager-sdpa", "x vs torch.compile", "peak GiB",
-           "set-up s", "fused")
+           "device busy %", "set-up s", "fused")
+TOP_COLUMNS = ("model", "provider", "name", "calls", "ms", "% of device time")
+
+
+def top_kernel_rows(rows: list[dict]) -> list[dict]:
+    """The per-provider profiles flattened into one table."""
+    return [{"model": r["model"], "provider": r["provider"], **k} for r in rows for k in r.get("top kernels", ())]
+
+
+def plot_tokens_per_second(rows: list[dict], path) -> None:
+    """Bars of tokens/s per model, one per provider (when matplotlib is importable)."""
+    plt = H.try_import("matplotlib.pyplot")
+    if plt is None:
+        return
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    providers_ = list(dict.fromkeys(r["provider"] for r in rows))
+    fig, ax = plt.subplots(figsize=(2 + 2.2 * len(models), 4))
+    width = 0.8 / max(1, len(providers_))
+    for i, provider in enumerate(providers_):
+        values = [next((r.get("tokens/s", 0.0) for r in rows if r["model"] == m and r["provider"] == provider), 0.0)
+                  for m in models]
+        ax.bar([j + i * width for j in range(len(models))], values, width, label=provider)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(models))], models)
+    ax.set_ylabel("tokens/s (training)")
+    ax.set_title("end-to-end training step")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main() -> None:
@@ -147,16 +205,30 @@ def main() -> None:
                 r["x vs torch.compile"] = r["tokens/s"] / compiled["tokens/s"]
         rows += point
     H.print_table(rows, COLUMNS)
-    H.write_results("e2e", rows, COLUMNS, suffix=args.suffix)
+    top = top_kernel_rows(rows)
+    H.print_table(top, TOP_COLUMNS)
+    path = H.write_results("e2e", rows, COLUMNS, suffix=args.suffix)
+    H.write_results("e2e", top, TOP_COLUMNS, suffix="-".join(filter(None, (args.suffix, "top-kernels"))))
+    plot_tokens_per_second(rows, path.with_suffix(".png"))
 
 
 @pytest.mark.skipif(transformers is None, reason="needs transformers")
 @pytest.mark.parametrize("name", list(TINY))
-@pytest.mark.parametrize("provider", ["eager-sdpa", "trifuse.fuse"])
+@pytest.mark.parametrize("provider", ["eager-sdpa", "trifuse.fuse", "trifuse.fuse(skip_logits)"])
 def test_e2e_smoke(name, provider):
     device = "cuda" if H.on_gpu() else "cpu"
     row = run_one(name, provider, TINY[name], 1, device)
     assert row["tokens/s"] > 0
+    assert row["top kernels"] and all(k["ms"] > 0 for k in row["top kernels"])
+
+
+def test_e2e_tables_and_plot(tmp_path):
+    rows = [{"model": "m", "provider": p, "tokens/s": t, "top kernels": [{"name": "k", "calls": 1, "ms": 1.0,
+                                                                          "% of device time": 100.0}]}
+            for p, t in (("eager-sdpa", 1.0), ("trifuse.fuse", 2.0))]
+    assert [r["provider"] for r in top_kernel_rows(rows)] == ["eager-sdpa", "trifuse.fuse"]
+    plot_tokens_per_second(rows, tmp_path / "e2e.png")
+    assert H.try_import("matplotlib.pyplot") is None or (tmp_path / "e2e.png").stat().st_size > 0
 
 
 if __name__ == "__main__":
