@@ -20,6 +20,7 @@ setup(
         "torch>=2.4",
         "triton>=3.0; platform_system == 'Linux'",
         "packaging",
+        "tqdm",  # the tuning progress bar
     ],
     entry_points={
         "torch_dynamo_backends": [

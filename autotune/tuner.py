@@ -98,7 +98,8 @@ def capturing() -> bool:
 
 
 def progress(items: Sequence, desc: str):
-    """`items` under a tqdm progress bar when tqdm is installed and stderr is a terminal."""
+    """`items` under a tqdm progress bar (a dependency) when stderr is a terminal; plain `items`
+    where tqdm was left out of an install made without dependencies."""
     try:
         from tqdm.auto import tqdm
     except ImportError:

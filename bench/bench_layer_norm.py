@@ -71,6 +71,16 @@ def providers(residual: bool = False) -> dict:
         liger = H.try_import("liger_kernel.transformers.functional")
         if liger is not None and not residual:
             out["liger"] = lambda x, w, b: liger.liger_layer_norm(x, w, b, 1e-5)
+        apex = H.try_import("apex.normalization.fused_layer_norm")  # a CUDA extension: rarely there
+        if apex is not None and not residual:
+            out["apex"] = lambda x, w, b: apex.fused_layer_norm_affine(x, w, b, x.shape[-1:], 1e-5)
+        flash_ln = H.try_import("flash_attn.ops.triton.layer_norm")
+        if flash_ln is not None:
+            if residual:
+                out["flash-attn"] = lambda x, r, w, b: flash_ln.layer_norm_fn(x, w, b, residual=r, eps=1e-5,
+                                                                             prenorm=True)
+            else:
+                out["flash-attn"] = lambda x, w, b: flash_ln.layer_norm_fn(x, w, b, eps=1e-5)
     return out
 
 
