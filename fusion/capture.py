@@ -311,6 +311,7 @@ class HeadUnit(DynamoUnit):
         self.skip_logits = skip_logits
         self._skip_now = False  # this call trains (module.training, grad enabled) with skip_logits
         self.skipped_logits = 0  # graphs whose logits output was dropped for linear_cross_entropy
+        self._pending: list[tuple[fx.Node, fx.Node]] = []  # (logits, placeholder) of the graph in rewrite
 
     def fence(self, module: torch.nn.Module, path: str) -> None:
         original = type(module).forward
@@ -331,7 +332,7 @@ class HeadUnit(DynamoUnit):
         casts) leave the graph's outputs, replaced by `_SKIPPED_LOGITS`, so the head and the loss
         have no other user and fuse into linear_cross_entropy. `__call__` turns the placeholder
         into None in what the model returns."""
-        self._pending: list[tuple[fx.Node, fx.Node]] = []
+        self._pending = []
         if not self._skip_now:
             return
         output = next(n for n in reversed(graph.nodes) if n.op == "output")
