@@ -336,7 +336,8 @@ class _BiasGeluFunction(torch.autograd.Function):
 
 def _bias_gelu_key(x, bias, approximate):
     """The dialect key of an eager call; None (the trifuse op decides, and raises on bad input)
-    when traced, empty, not float, or when the bias or `approximate` does not fit. About 1.5 µs."""
+    when traced, empty, not float, or when the bias or `approximate` does not fit. About 2 µs: it
+    runs on every call."""
     if x is None or not eager_fast_path(x, bias) or not x.is_floating_point() or x.dim() == 0:
         return None
     if approximate != "none" and approximate != "tanh":

@@ -1198,7 +1198,7 @@ def _wants_grad(*tensors: torch.Tensor | None) -> bool:
 
 def _cross_entropy_key(logits, target, ignore_index, reduction, label_smoothing, out_dtype):
     """The dialect key of an eager call; None (the trifuse op decides, and raises on bad input)
-    when traced, empty, or when the shapes or options do not fit. About 1.5 µs."""
+    when traced, empty, or when the shapes or options do not fit. About 2 µs: it runs on every call."""
     if logits is None or target is None or not eager_fast_path(logits, target):
         return None
     if logits.dim() != 2 or target.dim() != 1 or not logits.is_floating_point() or target.is_floating_point():
