@@ -280,7 +280,7 @@ def test_int32_targets_are_taken():
 def test_check_passes_both_and_rejects_a_wrong_cross_entropy(cache_dir, timer, dtype):
     """Negative control on the real op: a candidate that forgets the label smoothing."""
     d = Dialect("cross_entropy_check", ce._cross_entropy_key, ce.CROSS_ENTROPY.key_names,
-                ce._cross_entropy_reference)
+                ce._cross_entropy_reference, check=ce.CROSS_ENTROPY.check, output_like=ce.CROSS_ENTROPY.output_like)
     for c in ce.CROSS_ENTROPY.candidates:
         d.register(c)
     d.register(Candidate("no-smoothing", lambda x, t, ii, red, ls, od: F.cross_entropy(
@@ -292,6 +292,39 @@ def test_check_passes_both_and_rejects_a_wrong_cross_entropy(cache_dir, timer, d
     rec = d.explain(*a)
     assert set(rec.times_ms) == {"trifuse", "torch"}
     assert rec.rejected["no-smoothing"].startswith("wrong result: output 0")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_check_runs_on_the_first_rows_with_the_real_vocabulary(cache_dir, timer, monkeypatch, reduction):
+    """The float64 reference of a real LM head's logits would take gigabytes: the check runs on
+    the first CHECK_ELEMENTS // C rows; the timing on the whole call."""
+    monkeypatch.setattr(ce, "CHECK_ELEMENTS", 4 * C)
+    seen = []
+
+    def spy(name):
+        def fn(x, t, *options):
+            seen.append((name, tuple(x.shape)))
+            return ce.CROSS_ENTROPY.candidate(name).fn(x, t, *options)
+        return fn
+
+    def no_smoothing(x, t, ii, red, ls, od):
+        seen.append(("no-smoothing", tuple(x.shape)))
+        return F.cross_entropy(x.float(), t, ignore_index=ii, reduction=red).to(od)
+
+    d = Dialect("cross_entropy_rows", ce._cross_entropy_key, ce.CROSS_ENTROPY.key_names,
+                ce._cross_entropy_reference, check=ce.CROSS_ENTROPY.check, output_like=ce.CROSS_ENTROPY.output_like)
+    for name in ("trifuse", "torch"):
+        d.register(Candidate(name, spy(name)))
+    d.register(Candidate("no-smoothing", no_smoothing))
+    d.timer = timer({})
+    x, t = inputs(rows=33, ignored=(0, 5))
+    a = args(x, t, reduction, 0.2)
+    d(*a)
+    rec = d.explain(*a)
+    assert set(rec.times_ms) == {"trifuse", "torch"}
+    assert rec.rejected["no-smoothing"].startswith("wrong result: output 0")
+    assert ("no-smoothing", (4, C)) in seen and ("trifuse", (4, C)) in seen and ("trifuse", (33, C)) in seen
+    assert all(shape[0] in (4, 33) for _, shape in seen)
 
 
 def test_explain_is_reachable_by_op_name(ce_dialect, timer, monkeypatch):
