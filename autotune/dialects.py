@@ -387,6 +387,13 @@ class _Trial:
         return run
 
 
+def compare_with_reference(reference: Callable[..., Any], fn: Callable[..., Any], args: tuple) -> str | None:
+    """The check `Dialect` makes by default, on `args` (for a `check` that runs it on a smaller
+    call than the real one): None when `fn`'s outputs, and gradients where `args` need them,
+    pass `gate` against `reference` in float64, else what is wrong."""
+    return _Trial(reference, args, None).problem(fn)
+
+
 def _needs_grad(a: object) -> bool:
     return isinstance(a, torch.Tensor) and a.requires_grad
 

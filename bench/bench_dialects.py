@@ -6,15 +6,21 @@ choice (trifuse.ops.<op>, which measures once per shape bucket and replays).
 
 The claim checked: with dialects on, every shape runs at least as fast as the best single
 candidate, within noise ("dialect / best" near 1.00 or below), since the choice is measured.
-Rows also say which candidate the dialect chose and what it rejected. Bytes as in
-bench_layer_norm.py (LayerNorm fwd+bwd: 5·M·N·e + 5·N·e); attention FLOPs as in
-bench_attention.py. A forced candidate that cannot take a shape is an error row with its reason
-(never a silent fallback to trifuse's kernels).
+Rows also say which candidate the dialect chose and what it rejected. Dialects covered:
+layer_norm, rms_norm, bias_gelu (erf and tanh), cross_entropy and attention (causal and full).
+Bytes as in bench_layer_norm.py (LayerNorm fwd+bwd: 5·M·N·e + 5·N·e; RMSNorm the same without
+the bias: 5·M·N·e + 3·N·e), bench_bias_gelu.py and bench_cross_entropy.py (logits read twice,
+dlogits written: 3·N·C·e); attention FLOPs as in bench_attention.py. A forced candidate that
+cannot take a shape is an error row with its reason (never a silent fallback to trifuse's kernels).
 """
 import _harness as H  # noqa: I001  (bench/conftest.py sets TRITON_INTERPRET before this)
 import pytest
 
+import torch
+
 import bench_attention as BA
+import bench_bias_gelu as BG
+import bench_cross_entropy as BCE
 import bench_layer_norm as BL
 import trifuse
 from trifuse.autotune import dialects
@@ -33,6 +39,83 @@ def layer_norm_case():
     providers["dialect"] = lambda x, w, b: trifuse.ops.layer_norm(x, (x.shape[-1],), w, b)
     shapes = [*BL.TARGET_SHAPES, *((BL.ELEMENTS // n, n) for n in BL.WIDTHS)]
     return dialect, providers, shapes, BL.make_inputs, BL.bytes_for
+
+
+def _forced(candidate, *options):
+    """A provider running one candidate on (tensors..., *options); one that cannot take the call
+    raises its reason instead of falling back."""
+    def fn(*tensors):
+        args = (*tensors, *options)
+        reason = candidate.rejection(args, False)
+        if reason is not None:
+            raise RuntimeError(reason)
+        return candidate.fn(*args)
+    return fn
+
+
+def rms_norm_case():
+    """(dialect, providers, shapes, make_inputs, bytes_for, explain) for RMSNorm without residual."""
+    dialect = dialects.get("rms_norm")
+
+    def make_inputs(shape):
+        (x, w, _), _ = BL.make_inputs(shape)
+        return (x, w), (x, w)
+
+    def bytes_for(shape, mode):
+        m, n = shape
+        e = torch.finfo(BL.DTYPE).bits // 8
+        fwd, bwd = 2 * m * n * e + n * e, 3 * m * n * e + 2 * n * e
+        return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]
+
+    def forced(candidate):
+        return lambda x, w: _forced(candidate, (x.shape[-1],), w, 1e-6)(x)
+
+    providers = {f"only {c.name}": forced(c) for c in dialect.candidates}
+    providers["dialect"] = lambda x, w: trifuse.ops.rms_norm(x, (x.shape[-1],), w, 1e-6)
+    shapes = [*BL.TARGET_SHAPES, *((BL.ELEMENTS // n, n) for n in BL.WIDTHS)]
+
+    def explain(shape):
+        x, w = make_inputs(shape)[0]
+        return dialect.explain(x, (shape[1],), w, 1e-6)
+    return dialect, providers, shapes, make_inputs, bytes_for, explain
+
+
+def bias_gelu_case(approximate: str):
+    """(dialect, providers, shapes, make_inputs, bytes_for, explain) for bias + GeLU in one form."""
+    dialect = dialects.get("bias_gelu")
+    providers = {f"only {c.name}": _forced(c, approximate) for c in dialect.candidates}
+    providers["dialect"] = lambda x, b: trifuse.ops.bias_gelu(x, b, approximate)
+    shapes = [*BG.TARGET_SHAPES, *((BG.ELEMENTS // n, n) for n in BG.WIDTHS)]
+
+    def explain(shape):
+        x, b = BG.make_inputs(shape)[0]
+        return dialect.explain(x, b, approximate)
+    return dialect, providers, shapes, BG.make_inputs, BG.bytes_for, explain
+
+
+def cross_entropy_case():
+    """(dialect, providers, shapes, make_inputs, bytes_for, explain) for cross-entropy with an
+    fp32 loss (HF's upcast), "mean" over the labels with ignored positions as HF shifts them."""
+    dialect = dialects.get("cross_entropy")
+    options = (-100, "mean", 0.0, torch.float32)
+    providers = {f"only {c.name}": _forced(c, *options) for c in dialect.candidates}
+    providers["dialect"] = lambda logits, y: trifuse.ops.cross_entropy(logits, y, out_dtype=torch.float32)
+
+    def bytes_for(shape, mode):
+        n, c = shape
+        e = torch.finfo(BCE.LOGITS_DTYPE).bits // 8
+        return {"fwd": n * c * e, "bwd": 2 * n * c * e, "fwd+bwd": 3 * n * c * e}[mode]
+
+    def explain(shape):
+        logits, y = BCE.make_ce_inputs(shape)[0]
+        return dialect.explain(logits, y, *options)
+    return dialect, providers, list(BCE.CE_SHAPES), BCE.make_ce_inputs, bytes_for, explain
+
+
+def other_cases() -> list[tuple[str, tuple]]:
+    """(variant, case) for the dialects beside layer_norm and attention."""
+    return [("rms_norm", rms_norm_case()), ("bias_gelu none", bias_gelu_case("none")),
+            ("bias_gelu tanh", bias_gelu_case("tanh")), ("cross_entropy", cross_entropy_case())]
 
 
 def attention_case(causal: bool):
@@ -74,6 +157,12 @@ def main() -> None:
     rows = H.sweep(providers, shapes, make_inputs, bytes_for, modes=(MODE,), reference="only torch",
                    variant=dialect.name)
     names = list(providers)
+    explainers = {}
+    for variant, (_, o_providers, o_shapes, o_inputs, o_bytes, o_explain) in other_cases():
+        rows += H.sweep(o_providers, o_shapes, o_inputs, o_bytes, modes=(MODE,), reference="only torch",
+                        variant=variant)
+        names += [n for n in o_providers if n not in names]
+        explainers[variant] = o_explain
     for causal in (True, False):
         _, a_providers, a_shapes, a_inputs, a_flops = attention_case(causal)
         rows += H.sweep(a_providers, a_shapes, a_inputs, flops_for=a_flops, modes=(MODE,),
@@ -83,7 +172,9 @@ def main() -> None:
     table = winners_table(rows)
     for t in table:
         shape = tuple(map(int, t["shape"].split("x")))
-        if t["op"].startswith("attention"):
+        if t["op"] in explainers:
+            decision = explainers[t["op"]](shape)
+        elif t["op"].startswith("attention"):
             q, k, v = BA.make_inputs(shape)[0]
             decision = dialects.get("attention").explain(q, k, v, None, 0.0, t["op"].endswith("causal"), None, False)
         else:
@@ -120,6 +211,17 @@ def test_attention_dialect(benchmark, provider):
         return
     step = H.make_step(providers[provider], lambda: make_inputs(BA.SMOKE_SHAPE), MODE)
     benchmark.pedantic(step, rounds=3 if H.on_gpu() else 1, iterations=1)
+
+
+@pytest.mark.parametrize("provider", ["only trifuse", "only torch", "dialect"])
+@pytest.mark.parametrize("variant", ["rms_norm", "bias_gelu none", "bias_gelu tanh", "cross_entropy"])
+def test_other_dialects(benchmark, variant, provider):
+    _, providers, _, make_inputs, _, explain = dict(other_cases())[variant]
+    shape = BCE.SMOKE_CE if variant == "cross_entropy" else SMOKE_SHAPE
+    step = H.make_step(providers[provider], lambda: make_inputs(shape), MODE)
+    H.check_against_reference(providers, "only torch", make_inputs, shape)
+    benchmark.pedantic(step, rounds=3 if H.on_gpu() else 1, iterations=1)
+    assert explain(shape).chosen in ("trifuse", "torch")
 
 
 def test_winners_table_compares_with_the_best_single():

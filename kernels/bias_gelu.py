@@ -33,6 +33,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ..autotune import dialects, pow2_bucket
 from ._common import (
     acc_dtype,
     check_float,
@@ -326,6 +327,60 @@ class _BiasGeluFunction(torch.autograd.Function):
 
 
 # =============================================================================================
+# Dialect: trifuse's kernels or PyTorch's F.gelu(x + bias), whichever is faster for the shape,
+# chosen once per (device, dtype, rows bucket, width, bias dtype, form, grad) on the GPU and cached
+# on disk (autotune/dialects.py). Traced calls (torch.compile, export) always see trifuse::bias_gelu.
+# The form is part of the key and passed through as asked: erf and tanh are never exchanged.
+# =============================================================================================
+
+
+def _bias_gelu_key(x, bias, approximate):
+    """The dialect key of an eager call; None (the trifuse op decides, and raises on bad input)
+    when traced, empty, not float, or when the bias or `approximate` does not fit. About 2 µs: it
+    runs on every call."""
+    if x is None or not eager_fast_path(x, bias) or not x.is_floating_point() or x.dim() == 0:
+        return None
+    if approximate != "none" and approximate != "tanh":
+        return None
+    n = x.shape[-1]
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != n):
+        return None
+    rows = x.numel() // n if n else 0
+    if rows == 0:
+        return None
+    grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
+    return (x.get_device() if x.is_cuda else -1, x.dtype, pow2_bucket(rows), n,
+            None if bias is None else bias.dtype, approximate == "tanh", grad)
+
+
+def _bias_gelu_trifuse(x, bias, approximate):
+    _check_inputs(x, bias, approximate)
+    if eager_fast_path(x, bias):
+        with profiled("trifuse::bias_gelu"):
+            return _BiasGeluFunction.apply(x, bias, approximate)
+    return torch.ops.trifuse.bias_gelu(x, bias, approximate)
+
+
+def _bias_gelu_f_gelu(x, bias, approximate):
+    # trifuse's checks first: the same clear errors whichever candidate runs (F.gelu would take a
+    # bias that broadcasts from another shape, for one).
+    _check_inputs(x, bias, approximate)
+    with profiled("trifuse::bias_gelu"):
+        # `approximate` as asked: the exact erf form stays erf, tanh stays tanh. A bias in another
+        # dtype (fp32 master weights beside 16-bit activations) promotes x + bias; the result is
+        # cast back, because trifuse returns x's dtype and the choice must not change it.
+        y = F.gelu(x if bias is None else x + bias, approximate=approximate)
+        return (y if y.dtype == x.dtype else y.to(x.dtype)).contiguous()
+
+
+BIAS_GELU = dialects.define(
+    "bias_gelu", _bias_gelu_key, ("device", "dtype", "rows", "n", "bias", "tanh", "grad"),
+    reference=bias_gelu_ref)
+BIAS_GELU.register(dialects.Candidate("trifuse", _bias_gelu_trifuse))
+BIAS_GELU.register(dialects.Candidate("torch", _bias_gelu_f_gelu))
+
+
+# =============================================================================================
 # Public API
 # =============================================================================================
 
@@ -343,12 +398,13 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None = None, approximate: st
         y, contiguous, shaped like x, in x's dtype. Gradients reach x and bias; the backward
         recomputes from x and bias (nothing else is saved) and reduces dbias deterministically.
 
+    Eager calls run trifuse's kernels or `F.gelu(x + bias, approximate=approximate)`, whichever
+    the `bias_gelu` dialect measured faster for this shape on this GPU
+    (`trifuse.autotune.dialects.explain("bias_gelu", x, bias, approximate)` says which and why);
+    elsewhere, and under torch.compile, trifuse's.
+
     Raises:
         TypeError for non-float tensors; ValueError for a bias that is not (N,), tensors on
         different devices, or an unknown `approximate`.
     """
-    _check_inputs(x, bias, approximate)
-    if eager_fast_path(x, bias):
-        with profiled("trifuse::bias_gelu"):
-            return _BiasGeluFunction.apply(x, bias, approximate)
-    return torch.ops.trifuse.bias_gelu(x, bias, approximate)
+    return BIAS_GELU(x, bias, approximate)

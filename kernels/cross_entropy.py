@@ -66,9 +66,11 @@ import functools
 import math
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ..autotune import dialects, pow2_bucket
 from ._common import (
     acc_dtype,
     check_float,
@@ -1186,6 +1188,119 @@ def _wants_grad(*tensors: torch.Tensor | None) -> bool:
 
 
 # =============================================================================================
+# Dialect: trifuse's kernels or PyTorch's F.cross_entropy, whichever is faster for the shape,
+# chosen once per (device, dtype, rows bucket, classes, reduction, smoothing on/off, loss dtype,
+# grad) on the GPU and cached on disk (autotune/dialects.py). The dialect sees the op's own form,
+# logits (N, C) and target (N,), with the loss dtype resolved; traced calls (torch.compile,
+# export) always see trifuse::cross_entropy.
+# =============================================================================================
+
+
+def _cross_entropy_key(logits, target, ignore_index, reduction, label_smoothing, out_dtype):
+    """The dialect key of an eager call; None (the trifuse op decides, and raises on bad input)
+    when traced, empty, or when the shapes or options do not fit. About 2 µs: it runs on every call."""
+    if logits is None or target is None or not eager_fast_path(logits, target):
+        return None
+    if logits.dim() != 2 or target.dim() != 1 or not logits.is_floating_point() or target.is_floating_point():
+        return None
+    rows, c = logits.shape
+    if rows == 0 or c == 0 or target.shape[0] != rows or reduction not in REDUCTIONS:
+        return None
+    if type(label_smoothing) not in (float, int) or type(out_dtype) is not torch.dtype:
+        return None
+    grad = torch.is_grad_enabled() and logits.requires_grad
+    return (logits.get_device() if logits.is_cuda else -1, logits.dtype, pow2_bucket(rows), c, reduction,
+            label_smoothing > 0, out_dtype, grad)
+
+
+def _cross_entropy_reference(logits, target, ignore_index, reduction, label_smoothing, out_dtype):
+    """The dialect's oracle: cross_entropy_ref in the logits' dtype (float64 for the check). The
+    loss dtype, out_dtype, is not a numerical question: tests pin it for both candidates."""
+    return cross_entropy_ref(logits, target, ignore_index, reduction, label_smoothing)
+
+
+# The check's float64 reference holds several logits-sized fp64 tensors (input, log-probabilities,
+# gradient): 13 GB for 8192 x 50257. It runs on the first rows of the call, at most this many
+# elements of logits (128 MiB each in fp64), with the real vocabulary, dtypes and options.
+CHECK_ELEMENTS = 2**24
+
+
+def _cross_entropy_check(fn, args) -> str | None:
+    logits, target, *options = args
+    rows = max(1, min(logits.shape[0], CHECK_ELEMENTS // max(1, logits.shape[1])))
+    if rows < logits.shape[0]:
+        logits = logits.detach()[:rows].requires_grad_(logits.requires_grad)
+        target = target[:rows]
+    return dialects.compare_with_reference(_cross_entropy_reference, fn, (logits, target, *options))
+
+
+def _cross_entropy_output_like(logits, target, ignore_index, reduction, label_smoothing, out_dtype):
+    loss = logits.new_empty(target.shape if reduction == "none" else (), dtype=out_dtype)
+    return loss.requires_grad_(torch.is_grad_enabled() and logits.requires_grad)
+
+
+def _cross_entropy_trifuse(logits, target, ignore_index, reduction, label_smoothing, out_dtype):
+    if eager_fast_path(logits, target):
+        _check_ce_inputs(logits, target, ignore_index, reduction, label_smoothing)
+        with profiled("trifuse::cross_entropy"):
+            if _wants_grad(logits):
+                return _CrossEntropyFunction.apply(logits, target, ignore_index, reduction, label_smoothing,
+                                                   out_dtype)
+            # inference: the loss alone, no autograd node, no lse kept
+            return cross_entropy_fwd(logits, target, ignore_index, reduction, label_smoothing, out_dtype,
+                                     store_lse=False)[0]
+    return torch.ops.trifuse.cross_entropy(logits, target, ignore_index, reduction, label_smoothing, out_dtype)[0]
+
+
+def _f_cross_entropy(x, target, ignore_index, reduction, label_smoothing, guard):
+    """F.cross_entropy; with `guard`, a target outside [0, C) other than ignore_index gives NaN
+    (as trifuse's kernels do on CUDA) instead of F.cross_entropy's device-side assert, which
+    would end the process's use of the GPU. Without a host sync: such rows are computed as class
+    0 and their loss multiplied by NaN, so the loss is NaN, and so is the gradient (of those rows
+    for "none"; of every row not ignored for "mean" and "sum", whose NaN is the one scalar's)."""
+    if not guard:
+        return F.cross_entropy(x, target, ignore_index=ignore_index, reduction=reduction,
+                               label_smoothing=label_smoothing)
+    bad = (target != ignore_index) & ((target < 0) | (target >= x.shape[1]))
+    loss = F.cross_entropy(x, target.masked_fill(bad, 0), ignore_index=ignore_index, reduction=reduction,
+                           label_smoothing=label_smoothing)
+    if reduction != "none":
+        bad = bad.any()
+    return loss * torch.where(bad, math.nan, 1.0).to(loss.dtype)
+
+
+def _cross_entropy_torch(logits, target, ignore_index, reduction, label_smoothing, out_dtype):
+    # trifuse's checks first: the same clear errors whichever candidate runs (on CPU, a target
+    # out of range raises trifuse's ValueError, as the kernels' launcher does).
+    _check_ce_inputs(logits, target, ignore_index, reduction, label_smoothing)
+    _check_target_range("cross_entropy", target, logits.shape[1], ignore_index)
+    with profiled("trifuse::cross_entropy"):
+        x = logits
+        # A loss wider than the logits (out_dtype=float32 for 16-bit logits: HF's upcast) is
+        # computed in its own precision, as trifuse's fp32 arithmetic gives it: PyTorch needs
+        # the upcast copy trifuse avoids. Under autocast log_softmax upcasts anyway.
+        if torch.promote_types(x.dtype, out_dtype) != x.dtype:
+            x = x.to(out_dtype)
+        t = target if target.dtype == torch.int64 else target.long()  # nll_loss takes int64 only
+        loss = _f_cross_entropy(x, t, ignore_index, reduction, label_smoothing, guard=x.is_cuda)
+        return loss if loss.dtype == out_dtype else loss.to(out_dtype)
+
+
+def _cross_entropy_torch_supports(logits, target, ignore_index, reduction, label_smoothing, out_dtype):
+    if not out_dtype.is_floating_point:
+        return f"the loss dtype must be a float dtype for F.cross_entropy, got {out_dtype}"
+    return None
+
+
+CROSS_ENTROPY = dialects.define(
+    "cross_entropy", _cross_entropy_key,
+    ("device", "dtype", "rows", "classes", "reduction", "smoothing", "loss", "grad"),
+    reference=_cross_entropy_reference, check=_cross_entropy_check, output_like=_cross_entropy_output_like)
+CROSS_ENTROPY.register(dialects.Candidate("trifuse", _cross_entropy_trifuse))
+CROSS_ENTROPY.register(dialects.Candidate("torch", _cross_entropy_torch, supports=_cross_entropy_torch_supports))
+
+
+# =============================================================================================
 # Public API
 # =============================================================================================
 
@@ -1216,6 +1331,12 @@ def cross_entropy(
         The loss: () for "mean" / "sum", target's shape for "none". The gradient has the logits'
         dtype and shape.
 
+    Eager calls run trifuse's kernels or F.cross_entropy (same semantics and loss dtype),
+    whichever the `cross_entropy` dialect measured faster for this shape on this GPU
+    (`trifuse.autotune.dialects.explain("cross_entropy", logits2d, target1d, ignore_index,
+    reduction, label_smoothing, loss_dtype)` says which and why); elsewhere, and under
+    torch.compile, trifuse's.
+
     Raises:
         TypeError for float or bool targets and non-float logits; ValueError for shapes,
         options, and (on CPU) targets out of range. On CUDA an out-of-range target gives NaN.
@@ -1233,15 +1354,7 @@ def cross_entropy(
     elif logits.dim() < 1:
         raise ValueError(f"trifuse.{op}: input must have a class dimension, got a 0-dim tensor")
     dtype = _ce_out_dtype(logits, out_dtype) if logits.is_floating_point() else logits.dtype
-    if eager_fast_path(x, t):
-        _check_ce_inputs(x, t, ignore_index, reduction, label_smoothing)
-        with profiled("trifuse::cross_entropy"):
-            if _wants_grad(x):
-                loss = _CrossEntropyFunction.apply(x, t, ignore_index, reduction, label_smoothing, dtype)
-            else:  # inference: the loss alone, no autograd node, no lse kept
-                loss = cross_entropy_fwd(x, t, ignore_index, reduction, label_smoothing, dtype, store_lse=False)[0]
-    else:
-        loss = torch.ops.trifuse.cross_entropy(x, t, ignore_index, reduction, label_smoothing, dtype)[0]
+    loss = CROSS_ENTROPY(x, t, ignore_index, reduction, label_smoothing, dtype)
     return loss.reshape(target.shape) if reduction == "none" and target.dim() != 1 else loss
 
 

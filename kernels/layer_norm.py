@@ -102,6 +102,19 @@ def layer_norm_ref(
     return (y, s) if fused else y
 
 
+def rms_norm_ref(
+    x: torch.Tensor,
+    normalized_shape: Sequence[int],
+    weight: torch.Tensor | None = None,
+    eps: float | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm in plain PyTorch, as `rms_norm` (eps None means `torch.finfo(x.dtype).eps`)."""
+    if eps is None:
+        eps = torch.finfo(x.dtype).eps
+    return layer_norm_ref(x, normalized_shape, weight, None, eps, residual, is_rms_norm=True)
+
+
 def _norm_mixed(s, normalized_shape, weight, bias, eps, is_rms_norm):
     """F.layer_norm / F.rms_norm, also for 16-bit s with fp32 parameters (which CUDA's native
     kernels refuse outside autocast): computed in fp32, returned in s's dtype."""
@@ -901,7 +914,7 @@ class _NormFunction(torch.autograd.Function):
 def _layer_norm_key(x, normalized_shape, weight, bias, eps):
     """The dialect key of an eager call; None (the trifuse op decides, and raises on bad input)
     when traced, empty, or when the shapes do not fit. About 1.5 µs: it runs on every call."""
-    if not eager_fast_path(x, weight, bias):
+    if x is None or not eager_fast_path(x, weight, bias):
         return None
     shape = x.shape
     k = len(normalized_shape)
@@ -951,6 +964,70 @@ LAYER_NORM = dialects.define(
     captures=((torch.nn.LayerNorm, lambda m, x: (x, tuple(m.normalized_shape), m.weight, m.bias, m.eps)),))
 LAYER_NORM.register(dialects.Candidate("trifuse", _layer_norm_trifuse))
 LAYER_NORM.register(dialects.Candidate("torch", _layer_norm_torch, supports=_layer_norm_torch_supports))
+
+
+# RMSNorm the same way: trifuse's kernels or PyTorch's F.rms_norm (torch >= 2.4), per shape.
+
+
+def _rms_norm_key(x, normalized_shape, weight, eps):
+    """The dialect key of an eager call, as `_layer_norm_key` without the bias; also None when the
+    weight's shape does not fit (trifuse raises). About 1.5 µs: it runs on every call."""
+    if x is None or not eager_fast_path(x, weight):
+        return None
+    shape = x.shape
+    k = len(normalized_shape)
+    if k == 1:
+        n = normalized_shape[0]
+        if not shape or shape[-1] != n:
+            return None
+    elif k > len(shape) or tuple(shape[len(shape) - k:]) != tuple(normalized_shape):
+        return None
+    else:
+        n = math.prod(normalized_shape)
+    if weight is not None and weight.numel() != n:
+        return None
+    rows = x.numel() // n if n else 0
+    if rows == 0:
+        return None
+    grad = torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad))
+    return (x.get_device() if x.is_cuda else -1, x.dtype, pow2_bucket(rows), n,
+            None if weight is None else weight.dtype, grad)
+
+
+def _rms_norm_trifuse(x, normalized_shape, weight, eps):
+    return _norm("rms_norm", x, normalized_shape, weight, None, eps, None, is_rms_norm=True)
+
+
+def _rms_norm_torch(x, normalized_shape, weight, eps):
+    # As _layer_norm_torch: trifuse's checks and errors first, x's dtype kept under autocast.
+    _check_norm_inputs("rms_norm", x, list(normalized_shape), weight, None, eps)
+    with profiled("trifuse::rms_norm"):
+        with torch.autocast(x.device.type, enabled=False):
+            return _norm_mixed(x, normalized_shape, weight, None, eps, True)
+
+
+def _rms_norm_torch_supports(x, normalized_shape, weight, eps) -> str | None:
+    if not hasattr(F, "rms_norm"):
+        return f"F.rms_norm needs torch >= 2.4, this is {torch.__version__}"
+    allowed = (x.dtype, torch.float32) if x.dtype in (torch.float16, torch.bfloat16) else (x.dtype,)
+    if weight is not None and weight.dtype not in allowed:
+        return f"F.rms_norm takes weight in {' or '.join(map(str, allowed))}, got {weight.dtype}"
+    return None
+
+
+def _rms_norm_module_args(m, x):
+    # nn.RMSNorm's eps None means finfo(x.dtype).eps, resolved here as trifuse.ops.rms_norm does.
+    eps = m.eps if m.eps is not None else torch.finfo(x.dtype).eps
+    return x, tuple(m.normalized_shape), m.weight, eps
+
+
+RMS_NORM = dialects.define(
+    "rms_norm", _rms_norm_key, ("device", "dtype", "rows", "n", "weight", "grad"),
+    reference=rms_norm_ref,
+    # torch.nn.RMSNorm exists from torch 2.4, as F.rms_norm.
+    captures=((torch.nn.RMSNorm, _rms_norm_module_args),) if hasattr(torch.nn, "RMSNorm") else ())
+RMS_NORM.register(dialects.Candidate("trifuse", _rms_norm_trifuse))
+RMS_NORM.register(dialects.Candidate("torch", _rms_norm_torch, supports=_rms_norm_torch_supports))
 
 
 # =============================================================================================
@@ -1025,12 +1102,17 @@ def rms_norm(
     """RMSNorm, like `F.rms_norm` (eps None means `torch.finfo(x.dtype).eps`).
 
     y = s * rsqrt(mean(s^2) + eps) * weight over the trailing dims, with s = x (+ residual).
-    Shapes, dtypes, the residual form and errors as `layer_norm`.
+    Shapes, dtypes, the residual form and errors as `layer_norm`; without a residual, eager calls
+    run trifuse's kernels or F.rms_norm, whichever the `rms_norm` dialect measured faster
+    (`trifuse.autotune.dialects.explain("rms_norm", x, ...)` says which and why).
     """
     if eps is None:
         eps = torch.finfo(x.dtype).eps if isinstance(x, torch.Tensor) and x.is_floating_point() else 1e-6
-    op = "rms_norm" if residual is None else "dropout_add_rms_norm"
-    return _norm(op, x, normalized_shape, weight, None, eps, residual, is_rms_norm=True)
+    if residual is not None:
+        return _norm("dropout_add_rms_norm", x, normalized_shape, weight, None, eps, residual, is_rms_norm=True)
+    if isinstance(normalized_shape, int):
+        normalized_shape = (normalized_shape,)
+    return RMS_NORM(x, normalized_shape, weight, eps)
 
 
 def dropout_add_layer_norm(

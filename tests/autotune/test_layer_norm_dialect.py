@@ -139,3 +139,10 @@ def test_explain_is_reachable_by_op_name(ln_dialect, timer, monkeypatch):
     trifuse.ops.layer_norm(x, (N,), w, b)
     assert dialects.explain("layer_norm", x, (N,), w, b, 1e-5).chosen == "trifuse"
     assert [d.chosen for d in dialects.explain("layer_norm")] == ["trifuse"]
+
+
+def test_a_none_input_raises_trifuse_type_error(ln_dialect):
+    """The key leaves a None input to trifuse's check (it used to fail on None.shape)."""
+    assert ln._layer_norm_key(None, (8,), None, None, 1e-5) is None
+    with pytest.raises(TypeError, match="layer_norm: input must be a torch.Tensor"):
+        trifuse.ops.layer_norm(None, (8,))
