@@ -462,13 +462,13 @@ def _bwd_plan(cfg: triton.Config, m: int, n: int, sms: int, constexprs: dict, su
     contiguous range of rows (a multiple of BLOCK_M) and one row of the fp32 partial sums,
     then the fixed-order sum of those rows."""
     block_m, block_n, single = _row_block(cfg, n, MAX_SINGLE_BLOCK_BWD)
-    programs = min(cdiv(m, block_m), cfg.kwargs["PROGRAMS_PER_SM"] * sms)
-    rows_per_program = cdiv(cdiv(m, programs), block_m) * block_m
+    most = min(cdiv(m, block_m), cfg.kwargs["PROGRAMS_PER_SM"] * sms)
+    rows_per_program = cdiv(cdiv(m, most), block_m) * block_m
+    programs = cdiv(m, rows_per_program)
     meta = {**constexprs, "BLOCK_M": block_m, "BLOCK_N": block_n, "SINGLE_BLOCK": single,
             "num_warps": cfg.num_warps}
     sum_block = min(next_power_of_2(n), 1024)
     sum_meta = {"BLOCK_N": sum_block, "BLOCK_P": 16, **sum_flags, "num_warps": 4}
-    programs = cdiv(m, rows_per_program)
     return (programs,), meta, programs, rows_per_program, not single, (cdiv(n, sum_block),), sum_meta
 
 
