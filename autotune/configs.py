@@ -63,9 +63,10 @@ def norm_fwd(n: int) -> list[triton.Config]:
 
 def norm_bwd(n: int) -> list[triton.Config]:
     """Tile size, warps and programs per SM. Default: 4096-element tiles, one warp per 512
-    elements of the tile (4 to 16), 2 programs per SM (kernels/layer_norm.py)."""
+    elements of the tile (4 to 16), 2 programs per SM for row blocks up to 2048 elements and
+    1 for wider ones (what kernels/layer_norm.py launched before it was tuned)."""
     tiles = _tiles(n, (4096, 2048, 8192))
-    default = (tiles[0], min(16, max(4, tiles[0] // 512)), 2)
+    default = (tiles[0], min(16, max(4, tiles[0] // 512)), 2 if _norm_block(n) <= 2048 else 1)
     space = [default] + [(t, w, k) for t in tiles for w in (4, 8, 16) for k in (2, 1, 4)
                          if (t, w, k) != default]
     return [triton.Config({"TILE": t, "PROGRAMS_PER_SM": k}, num_warps=w) for t, w, k in space]
@@ -78,6 +79,34 @@ def prune_rows(config: triton.Config, limits, n: int) -> str | None:
     if threads > tile:
         return f"{threads} threads for {tile} elements"
     return None
+
+
+# fp32 tiles live at once in the norm kernels' single-block loops: the forward holds s and
+# s - mean (y reuses one); the backward xhat, dy and g plus its three tile-shaped accumulators
+# (dW, dB, dx_bias), less one the compiler overlaps. The wide-row loops hold fewer.
+NORM_FWD_LIVE_TILES = 2
+NORM_BWD_LIVE_TILES = 5
+
+
+def _prune_norm(config: triton.Config, limits, n: int, live_tiles: int) -> str | None:
+    reason = prune_rows(config, limits, n)
+    if reason is not None:
+        return reason
+    tile = max(config.kwargs["TILE"], _norm_block(n))
+    per_thread = live_tiles * tile // (32 * config.num_warps)
+    if per_thread > REGISTER_VALUES_PER_THREAD:
+        return f"~{per_thread} fp32 values per thread would spill registers"
+    return None
+
+
+def prune_norm_fwd(config: triton.Config, limits, n: int) -> str | None:
+    """prune_rows, and the forward's register estimate (module docstring)."""
+    return _prune_norm(config, limits, n, NORM_FWD_LIVE_TILES)
+
+
+def prune_norm_bwd(config: triton.Config, limits, n: int) -> str | None:
+    """prune_rows, and the backward's register estimate (module docstring)."""
+    return _prune_norm(config, limits, n, NORM_BWD_LIVE_TILES)
 
 
 # ---------------------------------------------------------------------------------------------

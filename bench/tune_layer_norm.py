@@ -1,47 +1,46 @@
-"""Sweeps the LayerNorm launch configuration (tile size, warps, backward programs per SM) on
-the GPU and prints the best per shape: the evidence behind the defaults in
-kernels/layer_norm.py. `python bench/tune_layer_norm.py`"""
-import itertools
+"""Sweeps the LayerNorm launch configurations (autotune/configs.py: norm_fwd, norm_bwd) on the
+GPU through the launchers' own tuners and prints the fastest per shape, in GB/s: the evidence
+behind entry 0 of each space. Every run times afresh (a private cache directory, nothing kept
+from the disk cache); `python -m trifuse.autotune ... --export-defaults` ships the winners.
 
-import _harness as H  # noqa: I001
+    python bench/tune_layer_norm.py
+"""
+import os
+import tempfile
+
+import _harness as H  # noqa: I001  (first: sets TRITON_INTERPRET before trifuse is imported on CPU)
 import torch
 
+from trifuse.autotune import records
 from trifuse.kernels import layer_norm as ln
 
 SHAPES = ((16384, 1024), (87381, 768), (8192, 4096), (4096, 8192), (4096, 16384))
 
 
 def main() -> None:
+    if not H.on_gpu():
+        raise SystemExit("bench/tune_layer_norm.py times configurations on a GPU; there is none here")
+    os.environ["TRIFUSE_CACHE_DIR"] = tempfile.mkdtemp(prefix="trifuse-tune-ln-")
+    os.environ.pop("TRIFUSE_AUTOTUNE", None)
+    e = 2
     for m, n in SHAPES:
         x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
         dy = torch.randn_like(x)
-        e = 2
-        best = {}
-        y, _, mean, rstd = ln.layer_norm_fwd(x, n, w, b, 1e-5)
-        for tile, warps in itertools.product((2048, 4096, 8192, 16384), (4, 8, 16)):
-            bn = min(triton_np2(n), ln.MAX_SINGLE_BLOCK_FWD)
-            if tile < bn:
-                continue
-            ln._fwd_config = lambda n_, t=tile, wp=warps, bn_=bn: (max(1, t // bn_), bn_, n_ <= ln.MAX_SINGLE_BLOCK_FWD, wp)
-            ms = H.gpu_ms(lambda: ln.layer_norm_fwd(x, n, w, b, 1e-5))
-            best.setdefault("fwd", []).append((2 * m * n * e / ms / 1e6, f"tile={tile} warps={warps}"))
-        for tile, warps, per_sm in itertools.product((2048, 4096, 8192), (4, 8, 16), (1, 2, 4)):
-            bn = min(triton_np2(n), ln.MAX_SINGLE_BLOCK_BWD)
-            if tile < bn:
-                continue
-            ln._bwd_config = lambda n_, t=tile, wp=warps, bn_=bn: (max(1, t // bn_), bn_, n_ <= ln.MAX_SINGLE_BLOCK_BWD, wp)
-            ln.BWD_PROGRAMS_PER_SM = per_sm
-            ms = H.gpu_ms(lambda: ln.layer_norm_bwd(dy, x, n, w, mean, rstd))
-            best.setdefault("bwd", []).append((3 * m * n * e / ms / 1e6, f"tile={tile} warps={warps} per_sm={per_sm}"))
-        for k, v in best.items():
-            v.sort(reverse=True)
-            print(f"{m}x{n} {k}: " + " | ".join(f"{gbs:.0f} GB/s {cfg}" for gbs, cfg in v[:4]) + f" | worst {v[-1][0]:.0f}")
-
-
-def triton_np2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
+        ln._FWD_TUNER.clear()
+        ln._BWD_TUNER.clear()
+        ln._FWD_PLANS.clear()
+        ln._BWD_PLANS.clear()
+        _, _, mean, rstd = ln.layer_norm_fwd(x, n, w, b, 1e-5)  # times every fitting forward config
+        ln.layer_norm_bwd(dy, x, n, w, mean, rstd)  # and every backward config, with its reduction
+        for name, passes in (("layer_norm_fwd", 2), ("layer_norm_bwd", 3)):
+            d = [r for r in records(name=name, kind="kernel") if f"n={n}," in r.bucket][-1]
+            gbs = sorted(((passes * m * n * e / ms / 1e6, label) for label, ms in d.times_ms.items()), reverse=True)
+            default = d.times_ms.get(next(iter(d.times_ms)), float("nan"))
+            print(f"{m}x{n} {name}: " + " | ".join(f"{g:.0f} GB/s {label}" for g, label in gbs[:4])
+                  + f" | worst {gbs[-1][0]:.0f} | default {passes * m * n * e / default / 1e6:.0f}"
+                  + (f" | pruned: {', '.join(d.rejected)}" if d.rejected else ""))
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ..autotune import dialects, pow2_bucket
+from ..autotune import Tuner, configs, dialects, pow2_bucket
 from ._common import (
     acc_dtype,
     as_rows,
@@ -59,13 +59,11 @@ from ._tiles import cdiv
 # Widest row (elements) kept whole in registers; wider rows are walked in chunks of this size.
 MAX_SINGLE_BLOCK_FWD = 16384
 MAX_SINGLE_BLOCK_BWD = 16384
-# Launch configurations, from a sweep on the H100 (bench/tune_layer_norm.py, 2026-11-22, bf16):
-# forward tiles of 8192-16384 elements (several narrow rows per program) with 8 warps reached
-# 2.2-2.8 TB/s; the backward preferred 2048-8192-element tiles and, for wide rows, one program
-# per multiprocessor (each owns a contiguous range of rows and one row of the fp32 partials).
-FWD_TILE_ELEMENTS = 8192
-BWD_TILE_ELEMENTS = 4096
-BWD_PROGRAMS_PER_SM = 2
+# Launch configurations (tile size, warps, backward programs per SM) are tuned per shape bucket
+# (autotune/configs.py: norm_fwd, norm_bwd; entry 0 of each is the default, from a sweep on the
+# H100 with bench/tune_layer_norm.py, 2026-11-22, bf16): forward tiles of 8192 elements with 8
+# warps, backward tiles of 4096 elements and 2 programs per SM for rows up to 2048 wide, one per
+# SM past that (each program owns a contiguous range of rows and one row of the fp32 partials).
 
 
 # =============================================================================================
@@ -427,34 +425,85 @@ _sum_partials = CachedKernel(_sum_partials_kernel)
 # =============================================================================================
 
 
-@functools.lru_cache(maxsize=1024)
-def _fwd_config(n: int) -> tuple[int, int, bool, int]:
-    """(BLOCK_M, BLOCK_N, single block?, num_warps) for the forward."""
-    block_n = min(next_power_of_2(n), MAX_SINGLE_BLOCK_FWD)
-    single = n <= MAX_SINGLE_BLOCK_FWD
-    block_m = max(1, FWD_TILE_ELEMENTS // block_n) if single else 1
-    return block_m, block_n, single, 8 if block_m * block_n >= 8192 else 4
+# Tuning (autotune/tuner.py): one Tuner per kernel, keyed by what changes the best launch: the
+# device, the dtype, the width, the rows (pow2 bucket) and the variant flags that change the
+# bytes moved. A launch plan per exact call (_FWD_PLANS, _BWD_PLANS) holds the grid and every
+# launch keyword, so a repeated call costs one dict lookup and a direct launch; plans are stored
+# only once the tuner has decided (not while a CUDA graph is captured), bounded like
+# CachedKernel's entries.
+
+_FWD_KEY_NAMES = ("device", "dtype", "n", "rows", "rms", "residual", "dropout", "store_s")
+_BWD_KEY_NAMES = ("device", "dtype", "n", "rows", "rms", "ds", "dropout", "store_dr", "grads")
+_FWD_TUNER = Tuner("layer_norm_fwd", configs.norm_fwd, _FWD_KEY_NAMES, prune=configs.prune_norm_fwd)
+_BWD_TUNER = Tuner("layer_norm_bwd", configs.norm_bwd, _BWD_KEY_NAMES, prune=configs.prune_norm_bwd)
+# _FWD_PLANS[key] = (grid, meta); _BWD_PLANS[key] = (grid, meta, programs, rows_per_program,
+# zero the partials?, sum grid, sum meta)
+_FWD_PLANS: dict[tuple, tuple] = {}
+_BWD_PLANS: dict[tuple, tuple] = {}
+MAX_PLANS = 4096
 
 
-@functools.lru_cache(maxsize=1024)
-def _bwd_config(n: int) -> tuple[int, int, bool, int]:
-    """(BLOCK_M, BLOCK_N, single block?, num_warps) for the backward."""
-    block_n = min(next_power_of_2(n), MAX_SINGLE_BLOCK_BWD)
-    single = n <= MAX_SINGLE_BLOCK_BWD
-    block_m = max(1, BWD_TILE_ELEMENTS // block_n) if single else 1
-    return block_m, block_n, single, min(16, max(4, block_m * block_n // 512))
+def _store_plan(plans: dict, key: tuple, plan: tuple) -> None:
+    if len(plans) >= MAX_PLANS:
+        plans.clear()
+    plans[key] = plan
 
 
-@functools.lru_cache(maxsize=1024)
-def _bwd_plan(m: int, n: int, sms: int) -> tuple[int, int, bool, int, int, int]:
-    """_bwd_config plus (programs, rows_per_program): each program owns a contiguous range of
-    rows, a multiple of BLOCK_M, and one row of the fp32 partial sums. Cached per shape: the
-    launcher pays a lookup, not this arithmetic."""
-    block_m, block_n, single, num_warps = _bwd_config(n)
-    per_sm = BWD_PROGRAMS_PER_SM if block_n <= 2048 else 1
-    programs = min(cdiv(m, block_m), per_sm * sms)
-    rows_per_program = cdiv(cdiv(m, programs), block_m) * block_m
-    return block_m, block_n, single, num_warps, cdiv(m, rows_per_program), rows_per_program
+def _row_block(cfg: triton.Config, n: int, max_single: int) -> tuple[int, int, bool]:
+    """(BLOCK_M, BLOCK_N, single block?) of a config: TILE // BLOCK_N rows when a row fits one
+    block, else one row walked in chunks."""
+    block_n = min(next_power_of_2(n), max_single)
+    single = n <= max_single
+    return (max(1, cfg.kwargs["TILE"] // block_n) if single else 1), block_n, single
+
+
+def _fwd_plan(cfg: triton.Config, m: int, n: int, constexprs: dict) -> tuple[tuple[int], dict]:
+    block_m, block_n, single = _row_block(cfg, n, MAX_SINGLE_BLOCK_FWD)
+    meta = {**constexprs, "BLOCK_M": block_m, "BLOCK_N": block_n, "SINGLE_BLOCK": single,
+            "num_warps": cfg.num_warps}
+    return (cdiv(m, block_m),), meta
+
+
+def _fwd_launch(cfg: triton.Config, m: int, n: int, constexprs: dict, args: tuple) -> None:
+    """One forward launch with `cfg` (what the tuner times: it only rewrites the outputs)."""
+    grid, meta = _fwd_plan(cfg, m, n, constexprs)
+    _layer_norm_fwd.run(grid, args, meta)
+
+
+def _bwd_plan(cfg: triton.Config, m: int, n: int, sms: int, constexprs: dict, sum_flags: dict) -> tuple:
+    """The backward's plan for `cfg`: PROGRAMS_PER_SM x SMs programs at most, each owning a
+    contiguous range of rows (a multiple of BLOCK_M) and one row of the fp32 partial sums,
+    then the fixed-order sum of those rows."""
+    block_m, block_n, single = _row_block(cfg, n, MAX_SINGLE_BLOCK_BWD)
+    most = min(cdiv(m, block_m), cfg.kwargs["PROGRAMS_PER_SM"] * sms)
+    rows_per_program = cdiv(cdiv(m, most), block_m) * block_m
+    programs = cdiv(m, rows_per_program)
+    meta = {**constexprs, "BLOCK_M": block_m, "BLOCK_N": block_n, "SINGLE_BLOCK": single,
+            "num_warps": cfg.num_warps}
+    sum_block = min(next_power_of_2(n), 1024)
+    sum_meta = {"BLOCK_N": sum_block, "BLOCK_P": 16, **sum_flags, "num_warps": 4}
+    return (programs,), meta, programs, rows_per_program, not single, (cdiv(n, sum_block),), sum_meta
+
+
+def _bwd_run(plan: tuple, head: tuple, tail: tuple, m: int, n: int, acc: torch.dtype,
+             grad_dtypes: tuple, device: torch.device) -> tuple:
+    """The backward kernel and the partial sums' reduction with `plan`; returns the (n,) vectors
+    (None where grad_dtypes is None). head and tail: the kernel's arguments before PARTIAL and
+    after the row geometry."""
+    grid, meta, programs, rows_per_program, zero, sum_grid, sum_meta = plan
+    partials = (torch.zeros if zero else torch.empty)((3, programs, n), dtype=acc, device=device)
+    _layer_norm_bwd.run(grid, (*head, partials, *tail[:5], m, n, rows_per_program, programs * n, *tail[5:]), meta)
+    vecs = tuple(None if d is None else torch.empty(n, dtype=d, device=device) for d in grad_dtypes)
+    _sum_partials.run(sum_grid, (partials, *(partials if v is None else v for v in vecs), programs, n, programs * n),
+                      sum_meta)
+    return vecs
+
+
+def _bwd_launch(cfg: triton.Config, m: int, n: int, sms: int, constexprs: dict, sum_flags: dict,
+                head: tuple, tail: tuple, acc: torch.dtype, grad_dtypes: tuple, device: torch.device) -> None:
+    """One backward with `cfg` (what the tuner times): its own partial-sum buffer, sized by the
+    config's program count, and the reduction of it, as a real call runs them."""
+    _bwd_run(_bwd_plan(cfg, m, n, sms, constexprs, sum_flags), head, tail, m, n, acc, grad_dtypes, device)
 
 
 def _flat(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -506,19 +555,28 @@ def layer_norm_fwd(
         return y, s, mean, rstd
     x2, stride_x = as_rows(x, n)
     r2, stride_r = as_rows(residual, n) if residual is not None else (x2, 0)
-    block_m, block_n, single, num_warps = _fwd_config(n)
     has_dropout = p > 0.0
-    _layer_norm_fwd[(cdiv(m, block_m),)](
-        x2, r2, x2 if x_bias is None else x_bias, x2 if weight is None else weight,
-        x2 if bias is None else bias, seed if has_dropout else x2,
-        y, s if store_s else y, rstd if is_rms_norm else mean, rstd,
-        stride_x, stride_r, n, n,
-        m, n, eps, p, _dropout_scale(p),
-        BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_BLOCK=single, IS_RMS_NORM=is_rms_norm,
-        HAS_RESIDUAL=residual is not None, HAS_X_BIAS=x_bias is not None, HAS_DROPOUT=has_dropout,
-        HAS_W=weight is not None, HAS_B=bias is not None, STORE_S=store_s, ACC=acc_dtype(dtype),
-        num_warps=num_warps,
-    )
+    args = (x2, r2, x2 if x_bias is None else x_bias, x2 if weight is None else weight,
+            x2 if bias is None else bias, seed if has_dropout else x2,
+            y, s if store_s else y, rstd if is_rms_norm else mean, rstd,
+            stride_x, stride_r, n, n,
+            m, n, eps, p, _dropout_scale(p))
+    device = x.get_device() if x.is_cuda else -1
+    key = (device, dtype, m, n, is_rms_norm, residual is not None, x_bias is not None, has_dropout,
+           weight is not None, bias is not None, store_s)
+    plan = _FWD_PLANS.get(key)
+    if plan is not None:
+        _layer_norm_fwd.run(plan[0], args, plan[1])
+        return y, s, mean, rstd
+    constexprs = dict(IS_RMS_NORM=is_rms_norm, HAS_RESIDUAL=residual is not None, HAS_X_BIAS=x_bias is not None,
+                      HAS_DROPOUT=has_dropout, HAS_W=weight is not None, HAS_B=bias is not None,
+                      STORE_S=store_s, ACC=acc_dtype(dtype))
+    tuning_key = (device, dtype, n, pow2_bucket(m), is_rms_norm, residual is not None, has_dropout, store_s)
+    cfg = _FWD_TUNER.config(tuning_key, _fwd_launch, m, n, constexprs, args)
+    plan = _fwd_plan(cfg, m, n, constexprs)
+    _layer_norm_fwd.run(plan[0], args, plan[1])
+    if _FWD_TUNER.is_decided(tuning_key):
+        _store_plan(_FWD_PLANS, key, plan)
     return y, s, mean, rstd
 
 
@@ -555,25 +613,29 @@ def layer_norm_bwd(
     s2, stride_s = as_rows(s, n)
     dy2, stride_dy = as_rows(dy, n)
     ds2, stride_ds = as_rows(ds, n) if ds is not None else (dy2, 0)
-    block_m, block_n, single, num_warps, programs, rows_per_program = _bwd_plan(m, n, device_sms(s))
-    partials = (torch.empty if single else torch.zeros)((3, programs, n), dtype=acc, device=s.device)
     has_dropout = p > 0.0
-    _layer_norm_bwd[(programs,)](
-        dy2, ds2, s2, s2 if weight is None else weight, seed if has_dropout else s2,
-        rstd if is_rms_norm else mean, rstd, dx, dr, partials,
-        stride_dy, stride_ds, stride_s, n, n,
-        m, n, rows_per_program, programs * n, p, _dropout_scale(p),
-        BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_BLOCK=single, IS_RMS_NORM=is_rms_norm,
-        HAS_W=weight is not None, HAS_DS=ds is not None, HAS_DROPOUT=has_dropout,
-        STORE_DR=store_dresidual, ACC=acc_dtype(s.dtype), num_warps=num_warps,
-    )
-    vecs = tuple(None if d is None else torch.empty(n, dtype=d, device=s.device) for d in grad_dtypes)
-    block = min(next_power_of_2(n), 1024)
-    _sum_partials[(cdiv(n, block),)](
-        partials, *(partials if v is None else v for v in vecs), programs, n, programs * n,
-        BLOCK_N=block, BLOCK_P=16, STORE_DW=vecs[0] is not None, STORE_DB=vecs[1] is not None,
-        STORE_DXB=vecs[2] is not None, num_warps=4,
-    )
+    head = (dy2, ds2, s2, s2 if weight is None else weight, seed if has_dropout else s2,
+            rstd if is_rms_norm else mean, rstd, dx, dr)
+    tail = (stride_dy, stride_ds, stride_s, n, n, p, _dropout_scale(p))
+    device = s.get_device() if s.is_cuda else -1
+    key = (device, s.dtype, m, n, is_rms_norm, weight is not None, ds is not None, has_dropout,
+           store_dresidual, grad_dtypes)
+    plan = _BWD_PLANS.get(key)
+    if plan is None:
+        constexprs = dict(IS_RMS_NORM=is_rms_norm, HAS_W=weight is not None, HAS_DS=ds is not None,
+                          HAS_DROPOUT=has_dropout, STORE_DR=store_dresidual, ACC=acc_dtype(s.dtype))
+        sum_flags = dict(STORE_DW=grad_dtypes[0] is not None, STORE_DB=grad_dtypes[1] is not None,
+                         STORE_DXB=grad_dtypes[2] is not None)
+        grads = "".join(c for c, d in zip("wbx", grad_dtypes) if d is not None)
+        tuning_key = (device, s.dtype, n, pow2_bucket(m), is_rms_norm, ds is not None, has_dropout,
+                      store_dresidual, grads)
+        sms = device_sms(s)
+        cfg = _BWD_TUNER.config(tuning_key, _bwd_launch, m, n, sms, constexprs, sum_flags, head, tail, acc,
+                                grad_dtypes, s.device)
+        plan = _bwd_plan(cfg, m, n, sms, constexprs, sum_flags)
+        if _BWD_TUNER.is_decided(tuning_key):
+            _store_plan(_BWD_PLANS, key, plan)
+    vecs = _bwd_run(plan, head, tail, m, n, acc, grad_dtypes, s.device)
     return dx, dr, *vecs
 
 

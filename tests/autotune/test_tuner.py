@@ -153,20 +153,36 @@ def test_key_must_name_a_device():
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("n", [1, 100, 768, 1024, 4096, 8192, 16384, 65536])
+@pytest.mark.parametrize("n", [1, 100, 768, 1024, 2048, 4096, 8192, 16384, 65536])
 def test_norm_spaces_start_with_the_launchers_defaults(n):
-    """Entry 0 launches what kernels/layer_norm.py launches today."""
+    """Entry 0 launches what kernels/layer_norm.py launched before it was tuned (so untuned
+    runs are bitwise unchanged): forward BLOCK_M = 8192 // BLOCK_N rows with 8 warps; backward
+    4096 // BLOCK_N rows, one warp per 512 elements of the tile (4 to 16), 2 programs per SM up
+    to 2048-wide row blocks and 1 past that; one row per program past a 16384-element block."""
     from trifuse.kernels import layer_norm as ln
 
-    for cfg, (block_m, block_n, single, warps) in ((configs.norm_fwd(n)[0], ln._fwd_config(n)),
-                                                    (configs.norm_bwd(n)[0], ln._bwd_config(n))):
-        assert (cfg.kwargs["TILE"] // block_n if single else 1) == block_m
-        assert cfg.num_warps == warps
-    assert configs.norm_bwd(n)[0].kwargs["PROGRAMS_PER_SM"] == ln.BWD_PROGRAMS_PER_SM
-    for space_fn in (configs.norm_fwd, configs.norm_bwd):
+    block_n = min(1 << (n - 1).bit_length(), 16384)
+    single = n <= 16384
+    fwd, bwd = configs.norm_fwd(n)[0], configs.norm_bwd(n)[0]
+    assert ln._row_block(fwd, n, ln.MAX_SINGLE_BLOCK_FWD) == (max(1, 8192 // block_n) if single else 1, block_n, single)
+    assert fwd.num_warps == 8
+    bwd_rows = max(1, 4096 // block_n) if single else 1
+    assert ln._row_block(bwd, n, ln.MAX_SINGLE_BLOCK_BWD) == (bwd_rows, block_n, single)
+    assert bwd.num_warps == min(16, max(4, bwd_rows * block_n // 512))
+    assert bwd.kwargs["PROGRAMS_PER_SM"] == (2 if block_n <= 2048 else 1)
+    for space_fn, prune in ((configs.norm_fwd, configs.prune_norm_fwd), (configs.norm_bwd, configs.prune_norm_bwd)):
         cs = space_fn(n)
         assert len({config_label(c) for c in cs}) == len(cs), "no duplicates"
         assert configs.prune_rows(cs[0], DeviceLimits(), n) is None
+        assert prune(cs[0], DeviceLimits(), n) is None, "the default is never pruned"
+
+
+def test_norm_pruning_drops_register_hungry_tiles():
+    few_warps = triton.Config({"TILE": 16384}, num_warps=4)
+    assert "spill registers" in configs.prune_norm_fwd(few_warps, DeviceLimits(), n=1024)
+    bwd = triton.Config({"TILE": 8192, "PROGRAMS_PER_SM": 2}, num_warps=4)
+    assert "spill registers" in configs.prune_norm_bwd(bwd, DeviceLimits(), n=1024)
+    assert configs.prune_norm_bwd(configs.norm_bwd(1024)[0], DeviceLimits(), n=1024) is None
 
 
 def test_prune_rows_gives_reasons():
