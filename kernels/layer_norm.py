@@ -618,8 +618,13 @@ def layer_norm_bwd(
             rstd if is_rms_norm else mean, rstd, dx, dr)
     tail = (stride_dy, stride_ds, stride_s, n, n, p, _dropout_scale(p))
     device = s.get_device() if s.is_cuda else -1
+    # The tuned backward config sets how the rows are split into fp32 partial sums, so two
+    # processes tuning apart could sum dweight in different orders. Under
+    # torch.use_deterministic_algorithms every process takes the space's default: the same bits
+    # everywhere, tuned cache or not.
+    deterministic = torch.are_deterministic_algorithms_enabled()
     key = (device, s.dtype, m, n, is_rms_norm, weight is not None, ds is not None, has_dropout,
-           store_dresidual, grad_dtypes)
+           store_dresidual, grad_dtypes, deterministic)
     plan = _BWD_PLANS.get(key)
     if plan is None:
         constexprs = dict(IS_RMS_NORM=is_rms_norm, HAS_W=weight is not None, HAS_DS=ds is not None,
@@ -630,10 +635,13 @@ def layer_norm_bwd(
         tuning_key = (device, s.dtype, n, pow2_bucket(m), is_rms_norm, ds is not None, has_dropout,
                       store_dresidual, grads)
         sms = device_sms(s)
-        cfg = _BWD_TUNER.config(tuning_key, _bwd_launch, m, n, sms, constexprs, sum_flags, head, tail, acc,
-                                grad_dtypes, s.device)
+        if deterministic:
+            cfg = configs.norm_bwd(n)[0]
+        else:
+            cfg = _BWD_TUNER.config(tuning_key, _bwd_launch, m, n, sms, constexprs, sum_flags, head, tail, acc,
+                                    grad_dtypes, s.device)
         plan = _bwd_plan(cfg, m, n, sms, constexprs, sum_flags)
-        if _BWD_TUNER.is_decided(tuning_key):
+        if deterministic or _BWD_TUNER.is_decided(tuning_key):
             _store_plan(_BWD_PLANS, key, plan)
     vecs = _bwd_run(plan, head, tail, m, n, acc, grad_dtypes, s.device)
     return dx, dr, *vecs

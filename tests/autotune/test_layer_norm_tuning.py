@@ -190,3 +190,23 @@ def test_gpu_tuning_times_fitting_configs_and_replays(fresh, cache_dir, launches
     assert launches[-2:] == launches[-4:-2]
     for a, b_ in zip(runs[1], runs[2]):
         assert a is None or torch.equal(a, b_)
+
+
+def test_deterministic_algorithms_take_the_default_backward(fresh, launches, cache_dir, timer):
+    """Under torch.use_deterministic_algorithms the backward never takes a tuned config: its
+    partial-sum split (the order dweight is summed in) is the same in every process."""
+    fwd, bwd = fresh
+    fwd.timer, bwd.timer = timer({FWD_WIN: 0.1}), timer({BWD_WIN: 0.1})
+    default = configs.norm_bwd(N)[0]
+    torch.use_deterministic_algorithms(True)
+    try:
+        _fwd_bwd(*_inputs())
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert not bwd.timer.calls
+    (_, _, bmeta), = [c for c in launches if c[0] == "_layer_norm_bwd"]
+    assert (bmeta["BLOCK_M"], bmeta["num_warps"]) == (default.kwargs["TILE"] // N, default.num_warps)
+    # and outside deterministic mode the same call is tuned, with its own plan
+    launches.clear()
+    _fwd_bwd(*_inputs())
+    assert bwd.timer.calls and len(ln._BWD_PLANS) == 2
