@@ -106,7 +106,12 @@ ATTENTION_SPELLINGS: tuple[AttentionSpelling, ...] = (
         keyword="hidden_states",
     ),
     AttentionSpelling(
-        "q_proj/k_proj/v_proj + o_proj (ViT)", "", ("q_proj", "k_proj", "v_proj"), "o_proj", "num_attention_heads", ()
+        "q_proj/k_proj/v_proj + o_proj (ViT)",
+        "",
+        ("q_proj", "k_proj", "v_proj"),
+        "o_proj",
+        "num_attention_heads",
+        (),
     ),
 )
 
@@ -295,7 +300,12 @@ def _unrecognized(model: nn.Module, found: Recognized, claimed: set[str]) -> lis
     for block in (b for stack in found.stacks for b in stack):
         for name in dict.fromkeys(unclaimed(block, model.get_submodule(block))):
             if not any(under(name, r) for r, _ in out):
-                out.append((name, f"a weight in the recognized block {block} that no known attention or MLP spelling covers"))
+                out.append(
+                    (
+                        name,
+                        f"a weight in the recognized block {block} that no known attention or MLP spelling covers",
+                    )
+                )
     return out
 
 
@@ -310,7 +320,10 @@ def check_unrecognized(model: nn.Module, found: Recognized, user: dict | None) -
         (path, why)
         for path, why in found.unrecognized
         if not any(
-            fnmatch.fnmatchcase(n, p) for p in patterns for n in names if n == path or n.startswith(path + ".")
+            fnmatch.fnmatchcase(n, p)
+            for p in patterns
+            for n in names
+            if n == path or n.startswith(path + ".")
         )
     ]
     if left:

@@ -19,18 +19,27 @@ def _mesh(size):
     return init_device_mesh("cpu", (size,))
 
 
-def equal_to_single_process(rank, size, kind, sp, steps):
-    from trifuse.parallel import shard
+def equal_to_single_process(rank, size, kind, sp, steps, naive_qkv=False):
+    """(failures, checks, local shape of a K projection). With `naive_qkv`, nanoGPT's fused
+    c_attn is cut by columns instead of per Q, K, V and head (rank 0: Q and half of K)."""
+    from torch.distributed.tensor import Shard
 
+    from trifuse.parallel import ColwiseParallel, shard
+
+    plan = {"*.attn.c_attn": ColwiseParallel(input_layouts=Shard(2))} if naive_qkv else None
     ref = build(kind)
-    model = shard(build(kind), _mesh(size), sequence_parallel=sp)
+    model = shard(build(kind), _mesh(size), sequence_parallel=sp, plan=plan)
     # SGD, not AdamW: the key bias (nanoGPT, ViT) has a gradient that is zero in exact arithmetic
     # (adding q.b_k to every score of a query leaves its softmax unchanged), so each run's is
     # float64 rounding noise (~1e-17), which AdamW divides by its eps (1e-8): two summation
     # orders then differ by lr * 1e-9 after one step, in one process as across ranks.
     failures, checks = train_alongside(kind, model, ref, steps, optimizer=torch.optim.SGD)
     attn = model.get_submodule(
-        {"nanogpt": "transformer.h.0.attn", "llama": "model.layers.0.self_attn", "vit": "vit.layers.0.attention"}[kind]
+        {
+            "nanogpt": "transformer.h.0.attn",
+            "llama": "model.layers.0.self_attn",
+            "vit": "vit.layers.0.attention",
+        }[kind]
     )
     proj = attn.c_attn if kind == "nanogpt" else attn.k_proj
     return failures, checks, tuple(proj.weight.to_local().shape)
@@ -76,6 +85,12 @@ def test_loss_grads_and_steps_match_single_process(world, kind, sp):
         assert not failures, "\n".join(failures[:10])
 
 
+def test_naive_column_split_of_nanogpt_qkv_fails_the_check(world):
+    """Negative control: the same check must catch c_attn cut by columns."""
+    for failures, _, _ in world.run(equal_to_single_process, "nanogpt", False, 1, True):
+        assert any("loss" in f for f in failures)
+
+
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
 @pytest.mark.parametrize(
     "case, expected",
@@ -91,8 +106,10 @@ def test_loss_grads_and_steps_match_single_process(world, kind, sp):
         ),
         (
             "transformer_encoder",
-            ("layers.0.self_attn: nn.MultiheadAttention (one packed in_proj_weight for Q, K and V) is not "
-             "supported by trifuse.parallel.shard yet",),
+            (
+                "layers.0.self_attn: nn.MultiheadAttention (one packed in_proj_weight for Q, K and V) is not "
+                "supported by trifuse.parallel.shard yet",
+            ),
         ),
         ("llama_kv_heads", ("has 1 key/value heads (grouped-query attention), which do not divide",)),
         (
