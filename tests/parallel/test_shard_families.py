@@ -19,7 +19,7 @@ def _mesh(size):
     return init_device_mesh("cpu", (size,))
 
 
-def equal_to_single_process(rank, size, kind, sp, steps, naive_qkv=False):
+def equal_to_single_process(rank, size, kind, sp, steps, naive_qkv=False, heads=4):
     """(failures, checks, local shape of a K projection). With `naive_qkv`, nanoGPT's fused
     c_attn is cut by columns instead of per Q, K, V and head (rank 0: Q and half of K)."""
     from torch.distributed.tensor import Shard
@@ -27,8 +27,8 @@ def equal_to_single_process(rank, size, kind, sp, steps, naive_qkv=False):
     from trifuse.parallel import ColwiseParallel, shard
 
     plan = {"*.attn.c_attn": ColwiseParallel(input_layouts=Shard(2))} if naive_qkv else None
-    ref = build(kind)
-    model = shard(build(kind), _mesh(size), sequence_parallel=sp, plan=plan)
+    ref = build(kind, heads=heads)
+    model = shard(build(kind, heads=heads), _mesh(size), sequence_parallel=sp, plan=plan)
     # SGD, not AdamW: the key bias (nanoGPT, ViT) has a gradient that is zero in exact arithmetic
     # (adding q.b_k to every score of a query leaves its softmax unchanged), so each run's is
     # float64 rounding noise (~1e-17), which AdamW divides by its eps (1e-8): two summation
@@ -119,6 +119,18 @@ def test_fused_and_sharded_match_single_process(world, kind, order, sp):
         assert counts.get("attention") == 2, counts
         if kind == "llama":
             assert counts.get("rms_norm", 0) + counts.get("residual_stream", 0) == 5, counts
+
+
+@pytest.mark.parametrize("kind", ["nanogpt", "llama"])
+def test_four_ranks(worlds, kind):
+    """World size 4, sequence parallel: nanoGPT's 4 heads 1 per rank (hidden 32); Llama with 8
+    query and 4 key/value heads (hidden 64), 2 and 1 per rank."""
+    heads = {"nanogpt": 4, "llama": 8}[kind]
+    local = {"nanogpt": (3 * 32 // 4, 32), "llama": (8, 64)}[kind]
+    for failures, checks, shape in worlds(4).run(equal_to_single_process, kind, True, 1, False, heads):
+        assert shape == local
+        assert checks > 30
+        assert not failures, "\n".join(failures[:10])
 
 
 def test_naive_column_split_of_nanogpt_qkv_fails_the_check(world):
