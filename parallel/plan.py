@@ -172,10 +172,12 @@ def _attention_mismatch(module: nn.Module, s: AttentionSpelling) -> str | tuple[
         return "no such projections"
     heads = _attr(entry, s.heads_attr)
     if not isinstance(heads, int) or heads < 1:
-        return f"its projections match, but it has no head count {_join(s.entry, s.heads_attr)} (an int)"
+        heads_name = _join(s.entry, s.heads_attr)
+        return f"its projections match, but it has no head count {heads_name} (an int)"
     kv = heads if s.kv_heads_attr is None else _attr(entry, s.kv_heads_attr)
     if not isinstance(kv, int) or kv < 1 or heads % kv:
-        return f"its projections match, but it has no K/V head count {_join(s.entry, s.kv_heads_attr)} dividing {heads}"
+        kv_name = _join(s.entry, s.kv_heads_attr)
+        return f"its projections match, but it has no K/V head count {kv_name} dividing {heads}"
     width = _features(out)[0]
     outs = [_features(m)[1] for m in projs]
     if width % heads:
@@ -300,12 +302,10 @@ def _unrecognized(model: nn.Module, found: Recognized, claimed: set[str]) -> lis
     for block in (b for stack in found.stacks for b in stack):
         for name in dict.fromkeys(unclaimed(block, model.get_submodule(block))):
             if not any(under(name, r) for r, _ in out):
-                out.append(
-                    (
-                        name,
-                        f"a weight in the recognized block {block} that no known attention or MLP spelling covers",
-                    )
+                why = (
+                    f"a weight in the recognized block {block} that no known attention or MLP spelling covers"
                 )
+                out.append((name, why))
     return out
 
 
