@@ -43,8 +43,11 @@ def _features(module: nn.Module) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class AttentionSpelling:
-    """Paths relative to the matched container. `entry` is the submodule whose first positional
-    input is the normalized hidden states and which owns the head count ("" = the container)."""
+    """Paths relative to the matched container. `entry` is the submodule whose first input (or
+    `hidden_states=`) is the normalized hidden states and which owns the head count ("" = the
+    container). Head counts may be dotted paths (`config.num_attention_heads`): those are read,
+    never written (a config is shared by every layer); the module then must not need them
+    changed (HF's modern attentions reshape with -1 and a fixed head_dim)."""
 
     name: str
     entry: str
@@ -52,6 +55,15 @@ class AttentionSpelling:
     out: str
     heads_attr: str  # the head count on `entry`
     width_attrs: tuple[str, ...]  # widths on `entry` proportional to the head count
+    # Grouped-query attention: the K/V head count on `entry` (K and V then have kv heads x
+    # head_dim output features each, Q heads x head_dim).
+    kv_heads_attr: str | None = None
+    # The module reads its width from its input's last dim (nanoGPT: `B, T, C = x.size()`, then
+    # `view(B, T, n_head, C // n_head)` and `view(B, T, C)`): it is handed this rank's slice of
+    # the features, and the Q/K/V projection gathers them back (see derive_plan).
+    width_from_input: bool = False
+    # The keyword `entry` gets the hidden states by, when its caller passes them by name.
+    keyword: str | None = None
 
 
 @dataclass(frozen=True)
@@ -67,6 +79,15 @@ ATTENTION_SPELLINGS: tuple[AttentionSpelling, ...] = (
         "fused c_attn + c_proj (GPT-2)", "", ("c_attn",), "c_proj", "num_heads", ("split_size",)
     ),
     AttentionSpelling(
+        "fused c_attn + c_proj with n_head (nanoGPT)",
+        "",
+        ("c_attn",),
+        "c_proj",
+        "n_head",
+        ("n_embd",),
+        width_from_input=True,
+    ),
+    AttentionSpelling(
         "query/key/value + output.dense (BERT)",
         "self",
         ("self.query", "self.key", "self.value"),
@@ -74,13 +95,33 @@ ATTENTION_SPELLINGS: tuple[AttentionSpelling, ...] = (
         "num_attention_heads",
         ("all_head_size",),
     ),
+    AttentionSpelling(
+        "q_proj/k_proj/v_proj + o_proj, grouped KV heads (Llama)",
+        "",
+        ("q_proj", "k_proj", "v_proj"),
+        "o_proj",
+        "config.num_attention_heads",
+        (),
+        kv_heads_attr="config.num_key_value_heads",
+        keyword="hidden_states",
+    ),
+    AttentionSpelling(
+        "q_proj/k_proj/v_proj + o_proj (ViT)",
+        "",
+        ("q_proj", "k_proj", "v_proj"),
+        "o_proj",
+        "num_attention_heads",
+        (),
+    ),
 )
 
 MLP_SPELLINGS: tuple[MLPSpelling, ...] = (
-    MLPSpelling("c_fc + c_proj (GPT-2)", "", ("c_fc",), "c_proj"),
+    MLPSpelling("c_fc + c_proj (GPT-2, nanoGPT)", "", ("c_fc",), "c_proj"),
     MLPSpelling(
         "intermediate.dense + output.dense (BERT)", "intermediate", ("intermediate.dense",), "output.dense"
     ),
+    MLPSpelling("gate_proj/up_proj + down_proj (Llama)", "", ("gate_proj", "up_proj"), "down_proj"),
+    MLPSpelling("fc1 + fc2 (ViT)", "", ("fc1",), "fc2"),
 )
 
 
@@ -95,12 +136,19 @@ def _sub(module: nn.Module, path: str) -> nn.Module | None:
         return None
 
 
+def _attr(module: nn.Module, dotted: str):
+    for part in dotted.split("."):
+        module = getattr(module, part, None)
+    return module
+
+
 @dataclass(frozen=True)
 class Attention:
     path: str  # the container
     spelling: AttentionSpelling
     heads: int
     hidden: int
+    kv_heads: int  # = heads without grouped-query attention
 
     def fqn(self, rel: str) -> str:
         return _join(self.path, rel)
@@ -116,20 +164,34 @@ class MLP:
         return _join(self.path, rel)
 
 
-def _match_attention(module: nn.Module, s: AttentionSpelling) -> tuple[int, int] | None:
-    """(heads, hidden) when `module` is spelled as `s`, else None."""
+def _attention_mismatch(module: nn.Module, s: AttentionSpelling) -> str | tuple[int, int, int]:
+    """(heads, kv heads, hidden) when `module` is spelled as `s`, else why not."""
     entry, out = _sub(module, s.entry), _sub(module, s.out)
     projs = [_sub(module, p) for p in s.qkv]
     if entry is None or out is None or any(linear_kind(m) is None for m in (out, *projs)):
-        return None
-    heads = getattr(entry, s.heads_attr, None)
+        return "no such projections"
+    heads = _attr(entry, s.heads_attr)
     if not isinstance(heads, int) or heads < 1:
-        return None
+        heads_name = _join(s.entry, s.heads_attr)
+        return f"its projections match, but it has no head count {heads_name} (an int)"
+    kv = heads if s.kv_heads_attr is None else _attr(entry, s.kv_heads_attr)
+    if not isinstance(kv, int) or kv < 1 or heads % kv:
+        kv_name = _join(s.entry, s.kv_heads_attr)
+        return f"its projections match, but it has no K/V head count {kv_name} dividing {heads}"
     width = _features(out)[0]
     outs = [_features(m)[1] for m in projs]
-    if outs != ([3 * width] if len(projs) == 1 else [width] * 3) or width % heads:
-        return None
-    return heads, _features(projs[0])[0]
+    if width % heads:
+        return f"its output projection's {width} input features do not split into {heads} heads"
+    head_dim = width // heads
+    want = [3 * width] if len(projs) == 1 else [width, kv * head_dim, kv * head_dim]
+    if outs != want:
+        return f"its projections have {outs} output features, not {want} for {heads} heads ({kv} K/V)"
+    return heads, kv, _features(projs[0])[0]
+
+
+def _match_attention(module: nn.Module, s: AttentionSpelling) -> tuple[int, int, int] | None:
+    m = _attention_mismatch(module, s)
+    return None if isinstance(m, str) else m
 
 
 def _match_mlp(module: nn.Module, s: MLPSpelling) -> int | None:
@@ -152,6 +214,9 @@ class Recognized:
     stacks: list[list[str]] = field(default_factory=list)
     # Recognized containers that sit in no nn.ModuleList.
     unstacked: list[str] = field(default_factory=list)
+    # (module name, why): attention-like modules, and projections inside recognized blocks,
+    # that no spelling covers, so the derived plan would leave them unsharded.
+    unrecognized: list[tuple[str, str]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.attentions or self.mlps)
@@ -166,7 +231,7 @@ def recognize(model: nn.Module) -> Recognized:
             m = _match_attention(module, s)
             projs = {_join(path, p) for p in (*s.qkv, s.out)}
             if m is not None and not projs & claimed:
-                found.attentions.append(Attention(path, s, heads=m[0], hidden=m[1]))
+                found.attentions.append(Attention(path, s, heads=m[0], kv_heads=m[1], hidden=m[2]))
                 claimed |= projs
                 break
         for s in MLP_SPELLINGS:
@@ -189,7 +254,86 @@ def recognize(model: nn.Module) -> Recognized:
             found.unstacked.append(container)
     for list_path, indices in blocks.items():
         found.stacks.append([_join(list_path, i) for i in sorted(indices, key=int)])
+    found.unrecognized = _unrecognized(model, found, claimed)
     return found
+
+
+def _attention_like(module: nn.Module) -> bool:
+    return isinstance(module, nn.MultiheadAttention) or "attention" in type(module).__name__.lower()
+
+
+def _why_not_attention(module: nn.Module) -> str:
+    cls = type(module).__name__
+    if isinstance(module, nn.MultiheadAttention):
+        return (
+            "nn.MultiheadAttention (one packed in_proj_weight for Q, K and V) is not supported by "
+            "trifuse.parallel.shard yet"
+        )
+    near = []
+    for s in ATTENTION_SPELLINGS:
+        m = _attention_mismatch(module, s)
+        if isinstance(m, str) and m != "no such projections":
+            near.append(f"as {s.name}, {m}")
+    if near:
+        return f"{cls} is not recognized: " + "; ".join(near)
+    known = ", ".join(s.name for s in ATTENTION_SPELLINGS)
+    return f"{cls} matches no known attention spelling ({known})"
+
+
+def _unrecognized(model: nn.Module, found: Recognized, claimed: set[str]) -> list[tuple[str, str]]:
+    """Attention-like modules (nn.MultiheadAttention, or a class named *Attention*) holding
+    weights no recognized block claims, anywhere; then any other unclaimed weight matrix in a
+    recognized block. Norm weights and biases (1-D) are not projections and are left out."""
+
+    def unclaimed(path: str, module: nn.Module) -> list[str]:
+        return [
+            n.rpartition(".")[0]
+            for n, p in module.named_parameters(prefix=path)
+            if p.dim() >= 2 and n.rpartition(".")[0] not in claimed
+        ]
+
+    def under(name: str, path: str) -> bool:
+        return name == path or name.startswith(path + ".") or not path
+
+    out: list[tuple[str, str]] = []
+    for path, module in model.named_modules():
+        if _attention_like(module) and not any(under(path, r) for r, _ in out) and unclaimed(path, module):
+            out.append((path, _why_not_attention(module)))
+    for block in (b for stack in found.stacks for b in stack):
+        for name in dict.fromkeys(unclaimed(block, model.get_submodule(block))):
+            if not any(under(name, r) for r, _ in out):
+                why = (
+                    f"a weight in the recognized block {block} that no known attention or MLP spelling covers"
+                )
+                out.append((name, why))
+    return out
+
+
+def check_unrecognized(model: nn.Module, found: Recognized, user: dict | None) -> None:
+    """Raises ValueError naming each module the derived plan would leave unsharded without
+    saying so (a half-recognized block would otherwise be sharded in part and silently run
+    the rest replicated, or fail later on a misleading symptom). A user `plan` entry matching
+    the module, or a module inside it, takes responsibility for it."""
+    names = [n for n, _ in model.named_modules()]
+    patterns = [p for p in (user or {}) if isinstance(p, str)]
+    left = [
+        (path, why)
+        for path, why in found.unrecognized
+        if not any(
+            fnmatch.fnmatchcase(n, p)
+            for p in patterns
+            for n in names
+            if n == path or n.startswith(path + ".")
+        )
+    ]
+    if left:
+        where = "; ".join(f"{path or type(model).__name__}: {why}" for path, why in left)
+        raise ValueError(
+            f"trifuse.parallel.shard: would leave unsharded {len(left)} module(s) of {type(model).__name__} "
+            f"that look like part of a transformer block: {where}. Shard them with plan= "
+            "{module-name pattern: style}, or name them in plan= with None to keep them replicated "
+            "(then sequence_parallel=False)"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,22 +375,39 @@ def derive_plan(model: nn.Module, found: "Recognized", tp: int, *, sequence_para
     plan = Plan()
     for a in found.attentions:
         s = a.spelling
+        where = a.path or type(model).__name__
         if a.heads % tp:
             raise ValueError(
-                f"trifuse.parallel.shard: {a.path or type(model).__name__} has {a.heads} attention heads, "
+                f"trifuse.parallel.shard: {where} has {a.heads} attention heads, "
                 f"which do not divide across a tensor-parallel degree of {tp}"
             )
+        if a.kv_heads % tp:
+            raise ValueError(
+                f"trifuse.parallel.shard: {where} has {a.kv_heads} key/value heads (grouped-query "
+                f"attention), which do not divide across a tensor-parallel degree of {tp}"
+            )
+        # nanoGPT reads its width from the input: hand it this rank's feature slice, which the
+        # Q/K/V projection all-gathers back (one all-gather forward; backward, its reduce-scatter
+        # and the slice's all-gather make the all-reduce a column-parallel input needs anyway).
+        sliced = Shard(2) if s.width_from_input else Replicate()
         plan.styles.append(
             (
                 a.fqn(s.entry),
-                PrepareFirstInput(input_layout=resid, desired_layout=Replicate(), use_local_output=False),
+                PrepareFirstInput(
+                    input_layout=resid,
+                    desired_layout=sliced,
+                    use_local_output=s.width_from_input,
+                    keyword=s.keyword,
+                ),
             )
         )
         fused = 3 if len(s.qkv) == 1 else 1
-        plan.styles += [(a.fqn(p), ColwiseParallel(fused_parts=fused)) for p in s.qkv]
+        qkv_in = sliced if s.width_from_input else None
+        plan.styles += [(a.fqn(p), ColwiseParallel(input_layouts=qkv_in, fused_parts=fused)) for p in s.qkv]
         plan.styles.append((a.fqn(s.out), RowwiseParallel(output_layouts=resid)))
         entry = model.get_submodule(a.fqn(s.entry))
-        plan.attributes.append((a.fqn(s.entry), s.heads_attr, a.heads // tp))
+        if "." not in s.heads_attr:
+            plan.attributes.append((a.fqn(s.entry), s.heads_attr, a.heads // tp))
         plan.attributes += [(a.fqn(s.entry), w, getattr(entry, w) // tp) for w in s.width_attrs]
         plan.rank_regions.append((a.fqn(s.entry), (a.fqn(s.entry), a.fqn(s.out))))
     for m in found.mlps:

@@ -7,8 +7,9 @@ What it does, in place, in this order:
    over the other dim, with FSDP2 `fully_shard`), covering the whole world;
 2. derives the plan from the recognized blocks (`plan.py`; with `vocab_parallel`, the embedding
    and LM head too), merged with the user's `plan`, and checks it before changing anything
-   (heads and widths divide; under sequence parallelism every parameter in a block is owned by
-   a style; tied parameters are sharded alike or not at all);
+   (no attention-like module, nor weight in a recognized block, left unsharded unless `plan`
+   names it; heads, K/V heads and widths divide; under sequence parallelism every parameter in
+   a block is owned by a style; tied parameters are sharded alike or not at all);
 3. makes every rank start from the same weights (broadcast from the first rank of each mesh dim),
    so that applying a style needs no scatter;
 4. applies each style with `parallelize_module` (parameters become DTensors; forward hooks move
@@ -42,7 +43,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel import RowwiseParallel as _TorchRowwise
 
 from . import random as _random
-from .plan import Plan, derive_plan, merge, recognize, vocab_plan
+from .plan import Plan, check_unrecognized, derive_plan, merge, recognize, vocab_plan
 from .styles import (
     FUSED_LAYOUT_ATTR,
     ColwiseParallel,
@@ -228,7 +229,9 @@ def shard(
     of a tensor-parallel group gets the same batch; with sequence parallelism the sequence
     length must divide by the tensor-parallel degree.
     Raises ValueError for a mesh that does not cover the world, heads or MLP widths that do not
-    divide, or a model with no recognized blocks and no plan.
+    divide, a model with no recognized blocks and no plan, or an attention-like module (or a
+    weight inside a recognized block) that the derived plan would leave unsharded and `plan`
+    does not name (nn.MultiheadAttention, for one, is not supported yet).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"trifuse.parallel.shard: model must be an nn.Module, got {type(model).__name__}")
@@ -239,6 +242,7 @@ def shard(
     if plan is not None and not isinstance(plan, dict):
         raise TypeError(f"trifuse.parallel.shard: plan must be a dict or None, got {type(plan).__name__}")
     found = recognize(model)
+    check_unrecognized(model, found, plan)
     derived = (
         derive_plan(model, found, tp, sequence_parallel=sequence_parallel) if (found or not plan) else Plan()
     )

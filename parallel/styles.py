@@ -207,21 +207,40 @@ class PrepareFirstInput(ParallelStyle):
     reduction of their summed input gradients backward (three separate Q, K, V inputs would
     each all-reduce)."""
 
-    def __init__(self, *, input_layout: Placement, desired_layout: Placement, use_local_output: bool):
+    def __init__(
+        self,
+        *,
+        input_layout: Placement,
+        desired_layout: Placement,
+        use_local_output: bool,
+        keyword: str | None = None,
+    ):
         self.input_layout = input_layout
         self.desired_layout = desired_layout
         self.use_local_output = use_local_output
+        # The keyword the hidden states come by when the module is called without positional
+        # arguments (Llama's attention: hidden_states=). Only then is the hook a with_kwargs one:
+        # Dynamo traces the plain one into trifuse.fuse's graphs as it always has.
+        self.keyword = keyword
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module.register_forward_pre_hook(partial(self._hook, device_mesh))
+        if self.keyword is None:
+            module.register_forward_pre_hook(partial(self._hook, device_mesh))
+        else:
+            module.register_forward_pre_hook(partial(self._kwargs_hook, device_mesh), with_kwargs=True)
         return module
+
+    def _kwargs_hook(self, mesh, module, args, kwargs):
+        if args or self.keyword not in kwargs:
+            return self._hook(mesh, module, args), kwargs
+        return args, {**kwargs, self.keyword: self._hook(mesh, module, (kwargs[self.keyword],))[0]}
 
     def _hook(self, mesh, module, args):
         if not args or not isinstance(args[0], torch.Tensor):
             raise ValueError(
                 f"trifuse.parallel: {type(module).__name__} must get its hidden states as the first "
-                "positional argument to be sharded, got "
-                f"{type(args[0]).__name__ if args else 'no positional argument'}"
+                f"positional argument{'' if self.keyword is None else f' (or {self.keyword}=)'} to be "
+                f"sharded, got {type(args[0]).__name__ if args else 'no positional argument'}"
             )
         x = args[0]
         if isinstance(self.desired_layout, Shard) and not isinstance(x, DTensor):

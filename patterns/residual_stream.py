@@ -127,7 +127,11 @@ def rows_sharded(m: Match) -> str | None:
     if not same_shape(x, residual):
         return f"x {tuple(x.shape)} and residual {tuple(residual.shape)} differ in shape (a broadcast add)"
     normalized = m["normalized_shape"]
-    normalized = (normalized,) if isinstance(normalized, int) else tuple(normalized)
+    normalized = (normalized,) if isinstance(normalized, int) else normalized
+    # Dynamo may leave the shape computed in the graph (Llama's RMSNorm under sequence
+    # parallelism): a filter rejects what it cannot read rather than failing the whole rewrite.
+    if not isinstance(normalized, (tuple, list)) or not all(isinstance(n, int) for n in normalized):
+        return f"normalized_shape {normalized}: not a constant"
     rows = x.dim() - len(normalized)
     placements = tuple(m["placements"])
     for pl in placements:

@@ -8,10 +8,48 @@ VOCAB = 64
 
 
 def build(kind: str, *, dropout: float = 0.0, heads: int = 4, dtype=torch.float64, seed: int = 0, **extra):
-    """GPT-2 (LM head, Conv1D projections, fused c_attn) or BERT (MLM head, nn.Linear Q/K/V)."""
+    """GPT-2 (LM head, Conv1D projections, fused c_attn), BERT (MLM head, nn.Linear Q/K/V),
+    nanoGPT (tests/_models.py: nn.Linear fused c_attn, head count `n_head`, width read from the
+    input), Llama (q/k/v/o_proj, `heads` query and heads / 2 key/value heads, gated MLP, RMSNorm)
+    or ViT (q/k/v/o_proj, fc1/fc2; 3 x 3 patches + CLS = 10 tokens, divisible for SP)."""
     import transformers
 
     torch.manual_seed(seed)
+    if kind == "nanogpt":
+        import _models
+
+        model = _models.NanoGPT(flash=extra.pop("flash", True), dropout=dropout)
+        model.transformer.h = torch.nn.ModuleList(
+            [_models.Block(_models.HIDDEN, heads, dropout, model.block_size, True) for _ in range(2)]
+        )
+        return model.to(dtype)
+    if kind == "llama":
+        config = transformers.LlamaConfig(
+            hidden_size=8 * heads,
+            num_hidden_layers=2,
+            num_attention_heads=heads,
+            num_key_value_heads=extra.pop("kv_heads", heads // 2),
+            intermediate_size=64,
+            vocab_size=VOCAB,
+            max_position_embeddings=32,
+            attention_dropout=dropout,
+            **extra,
+        )
+        return transformers.LlamaForCausalLM(config).to(dtype)
+    if kind == "vit":
+        config = transformers.ViTConfig(
+            hidden_size=8 * heads,
+            num_hidden_layers=2,
+            num_attention_heads=heads,
+            intermediate_size=64,
+            image_size=24,
+            patch_size=8,
+            num_labels=3,
+            hidden_dropout_prob=dropout,
+            attention_probs_dropout_prob=dropout,
+            **extra,
+        )
+        return transformers.ViTForImageClassification(config).to(dtype)
     if kind == "gpt2":
         config = transformers.GPT2Config(
             n_embd=8 * heads,
@@ -47,11 +85,22 @@ def build(kind: str, *, dropout: float = 0.0, heads: int = 4, dtype=torch.float6
 
 def batch(kind: str, step: int = 0, *, b: int = 2, s: int = 8) -> dict:
     """Inputs and labels, the same on every rank (a seeded generator, not the global stream)."""
-    ids = torch.randint(0, VOCAB, (b, s), generator=torch.Generator().manual_seed(100 + step))
+    gen = torch.Generator().manual_seed(100 + step)
+    if kind == "vit":
+        pixels = torch.randn(b, 3, 24, 24, generator=gen, dtype=torch.float64)
+        return {"pixel_values": pixels, "labels": torch.randint(0, 3, (b,), generator=gen)}
+    ids = torch.randint(0, VOCAB, (b, s), generator=gen)
+    if kind == "nanogpt":
+        return {"idx": ids, "targets": ids}
     out = {"input_ids": ids, "labels": ids}
-    if kind == "gpt2":
+    if kind in ("gpt2", "llama"):
         out["use_cache"] = False
     return out
+
+
+def loss_of(output) -> torch.Tensor:
+    """Hugging Face outputs carry .loss; nanoGPT returns the loss itself."""
+    return output if isinstance(output, torch.Tensor) else output.loss
 
 
 def compare_full(tag, model, ref, failures, grads, *, fp32=False):
@@ -71,15 +120,16 @@ def compare_full(tag, model, ref, failures, grads, *, fp32=False):
     return len(want)
 
 
-def train_alongside(kind, model, ref, steps, *, fp32=False):
-    """(failures, checks) for `steps` AdamW steps of `model` and `ref` on the same batches: the
-    loss, every gradient and every weight after the step compared (`compare_full`)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+def train_alongside(kind, model, ref, steps, *, fp32=False, optimizer=torch.optim.AdamW):
+    """(failures, checks) for `steps` optimizer steps (AdamW unless told) of `model` and `ref` on
+    the same batches: the loss, every gradient and every weight after the step compared
+    (`compare_full`)."""
+    opt = optimizer(model.parameters(), lr=1e-2)
+    ref_opt = optimizer(ref.parameters(), lr=1e-2)
     failures, checks = [], 0
     for step in range(steps):
-        loss = model(**batch(kind, step)).loss
-        ref_loss = ref(**batch(kind, step)).loss
+        loss = loss_of(model(**batch(kind, step)))
+        ref_loss = loss_of(ref(**batch(kind, step)))
         loss.backward()
         ref_loss.backward()
         ok, msg = check_close(f"step {step} loss", loss, ref_loss, None)

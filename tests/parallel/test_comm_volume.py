@@ -24,7 +24,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from _tp_models import batch, build
+from _tp_models import batch, build, loss_of
 
 _NAMES = {
     "all_reduce": "all-reduce",
@@ -72,11 +72,11 @@ def wire_bytes_per_rank(counts: Counter, t: int) -> float:
     return sum(n * factor[name] * nbytes for (_, name, nbytes), n in counts.items())
 
 
-def count_step(rank, size, sp, b, s, fused=False):
+def count_step(rank, size, sp, b, s, fused=False, kind="gpt2"):
     import trifuse
     from trifuse.parallel import shard
 
-    model = build("gpt2", dtype=torch.float32)
+    model = build(kind, dtype=torch.float32)
     if fused:
         trifuse.fuse(model)
     shard(model, init_device_mesh("cpu", (size,)), sequence_parallel=sp)
@@ -86,7 +86,7 @@ def count_step(rank, size, sp, b, s, fused=False):
         assert trifuse.report(model).counts().get("residual_stream") == 2
     mode = CollectiveBytes(size)
     with mode:
-        loss = model(**batch("gpt2", b=b, s=s)).loss
+        loss = loss_of(model(**batch(kind, b=b, s=s)))
         mode.phase = "backward"
         loss.backward()
     return mode.counts
@@ -108,6 +108,24 @@ def test_fusing_moves_no_more_bytes(world, sp):
     b, s, layers, h, elem = 2, 8, 2, 32, 4
     for counts in world.run(count_step, sp, b, s, True):
         assert counts == expected_collectives(layers, b, s, h, elem, sp)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_nanogpt_gathers_its_attention_input_once_more(world, sp):
+    """nanoGPT's attention reads its width from its input, so it gets its rank's feature slice
+    and c_attn all-gathers it back (plan.py, width_from_input): per layer one all-gather (A)
+    forward more than GPT-2; backward, TP alone replaces the attention's all-reduce by a
+    reduce-scatter + all-gather (the same bytes), TP+SP adds one all-gather."""
+    b, s, layers, h, elem = 2, 8, 2, 32, 4  # _models.NanoGPT: hidden 32; 2 layers here
+    a = b * s * h * elem
+    expected = expected_collectives(layers, b, s, h, elem, sp)
+    expected[("forward", "all-gather", a)] += layers
+    expected[("backward", "all-gather", a)] += layers
+    if not sp:
+        expected[("backward", "all-reduce", a)] -= layers
+        expected[("backward", "reduce-scatter", a)] += layers
+    for counts in world.run(count_step, sp, b, s, False, "nanogpt"):
+        assert counts == expected
 
 
 def test_tp_and_sp_send_the_same_activation_bytes():
