@@ -44,3 +44,28 @@ def new_process(monkeypatch):
 def timer():
     """A factory of fake timers: timer({"label": ms, ...})."""
     return FakeTimer
+
+
+@pytest.fixture
+def count_calls():
+    """Returns calls(fn, *args): the Python and C function calls one `fn(*args)` makes, counted
+    with sys.setprofile. How the per-call paths (dialect keys) are kept cheap without timing them:
+    a count does not depend on how loaded the machine is."""
+    import sys
+
+    def calls(fn, *args) -> int:
+        fn(*args)  # warm: caches filled, nothing lazy left
+        n = 0
+
+        def profile(frame, event, arg):
+            nonlocal n
+            if event in ("call", "c_call"):
+                n += 1
+
+        sys.setprofile(profile)
+        try:
+            fn(*args)
+        finally:
+            sys.setprofile(None)
+        return n - 1  # setprofile(None) itself
+    return calls

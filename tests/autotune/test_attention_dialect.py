@@ -5,8 +5,6 @@ On the CPU only trifuse's kernels can run: these tests pin the rejection reasons
 (blockwise float64 reference, the dropout check and their negative controls), the decision
 plumbing with fake timings on candidates that stand in for the GPU ones, the per-call fallback
 and the cost of the dispatch key. The GPU tests check every real candidate in fp16 / bf16."""
-import statistics
-import time
 
 import pytest
 import torch
@@ -212,19 +210,13 @@ def test_key_is_none_where_trifuse_decides(case):
     assert A._attention_key(*call(q, k, v)) is None
 
 
-def test_key_cost_is_a_few_microseconds():
+KEY_CALLS = 36  # 24 today: a budget with room, that a string format or a loop would overrun
+
+
+def test_key_is_a_few_dozen_calls(count_calls):
+    # The key runs on every eager call (~1-2 µs when measured); counted, not timed.
     args = call(*qkv(b=2, h=4, s=64, d=32), is_causal=True)
-    key = A._attention_key
-    for _ in range(200):
-        key(*args)
-    samples = []
-    for _ in range(7):
-        t0 = time.perf_counter()
-        for _ in range(2000):
-            key(*args)
-        samples.append((time.perf_counter() - t0) / 2000 * 1e6)
-    # About 1-2 µs on an idle core; the bound leaves room for a shared CI machine.
-    assert min(samples) < 10.0, f"dialect key costs {statistics.median(samples):.2f} µs"
+    assert count_calls(A._attention_key, *args) <= KEY_CALLS
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,8 +2,6 @@
 F.gelu(x + bias, approximate=...), chosen with a fake timer here (on the GPU: measured). Whichever
 runs, the result is bitwise that implementation's, in the form asked (erf or tanh, never the
 other); traced calls always see trifuse::bias_gelu; the check rejects a wrong one."""
-import statistics
-import time
 
 import pytest
 import torch
@@ -80,19 +78,13 @@ def test_key_is_none_where_trifuse_decides(case):
     assert bg._bias_gelu_key(*args) is None
 
 
-def test_key_cost_is_a_few_microseconds():
+KEY_CALLS = 25  # 17 today: a budget with room, that a string format or a loop would overrun
+
+
+def test_key_is_a_few_dozen_calls(count_calls):
+    # The key runs on every eager call (~1-2 µs when measured); counted, not timed.
     x, b = inputs()
-    key = bg._bias_gelu_key
-    for _ in range(200):
-        key(x, b, "tanh")
-    samples = []
-    for _ in range(7):
-        t0 = time.perf_counter()
-        for _ in range(2000):
-            key(x, b, "tanh")
-        samples.append((time.perf_counter() - t0) / 2000 * 1e6)
-    # About 2 µs on an idle core; the bound leaves room for a shared CI machine.
-    assert min(samples) < 10.0, f"dialect key costs {statistics.median(samples):.2f} µs"
+    assert count_calls(bg._bias_gelu_key, x, b, "tanh") <= KEY_CALLS
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,8 +1,6 @@
 """The rms_norm dialect wired into trifuse.ops.rms_norm: trifuse's kernels or F.rms_norm, chosen
 with a fake timer here (on the GPU: measured). Whichever runs, the result is bitwise that
 implementation's; traced calls always see trifuse::rms_norm; the check rejects a wrong one."""
-import statistics
-import time
 
 import pytest
 import torch
@@ -71,20 +69,14 @@ def test_key_is_none_where_trifuse_decides(case):
     assert ln._rms_norm_key(*args) is None
 
 
-def test_key_cost_is_a_few_microseconds():
+KEY_CALLS = 24  # 16 today: a budget with room, that a string format or a loop would overrun
+
+
+def test_key_is_a_few_dozen_calls(count_calls):
+    # The key runs on every eager call (~1-2 µs when measured); counted, not timed.
     x, w = inputs()
     args = (x, (N,), w, EPS)
-    key = ln._rms_norm_key
-    for _ in range(200):
-        key(*args)
-    samples = []
-    for _ in range(7):
-        t0 = time.perf_counter()
-        for _ in range(2000):
-            key(*args)
-        samples.append((time.perf_counter() - t0) / 2000 * 1e6)
-    # About 1.5 µs on an idle core; the bound leaves room for a shared CI machine.
-    assert min(samples) < 10.0, f"dialect key costs {statistics.median(samples):.2f} µs"
+    assert count_calls(ln._rms_norm_key, *args) <= KEY_CALLS
 
 
 # ---------------------------------------------------------------------------------------------
