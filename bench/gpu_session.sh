@@ -5,9 +5,12 @@
 #   here, once (.whl/ is git-ignored):
 #                python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #                  --implementation cp --platform manylinux2014_x86_64 -d .whl liger-kernel==0.8.5
-#   device call 1 (carry .whl):  bash bench/gpu_session.sh tests host        (~8 min)
+#   device call 1 (carry .whl):  bash bench/gpu_session.sh tests host        (~8.5 min)
 #   device call 2 (carry .whl):  bash bench/gpu_session.sh kernels           (~9 min)
-#   device call 3 (carry .whl):  bash bench/gpu_session.sh e2e tune          (~9 min)
+#   device call 3 (carry .whl):  bash bench/gpu_session.sh e2e tune          (~9.5 min)
+#   (each stage has its own time limit below, so a call ends inside 10 minutes; with the machine's
+#   start that is the whole 30 minutes: a later session runs `dialects`, ~4 min, the winners of
+#   every op dialect, and whatever stage ran short)
 #
 # Everything a stage writes (logs, bench/results/*, the exported tuning defaults) comes back as
 # ONE file, $OUT/session.tgz (the device returns at most 8 files per call). Unpack it here with
@@ -53,19 +56,21 @@ for what in "$@"; do
     case $what in
         tests)  # what only a GPU shows: bf16, native compilation on Triton 3.6, the gpu-marked tests
             stage tests-gpu 240 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests
-            stage tests-bf16 180 python3 -m pytest -q -p no:cacheprovider tests/kernels -k "bf16 or bfloat16" ;;
+            stage tests-bf16 150 python3 -m pytest -q -p no:cacheprovider tests/kernels -k "bf16 or bfloat16" ;;
         host)  # wall µs per call at tiny sizes, trifuse against PyTorch, and a cProfile of one case
             stage profile-host 120 python3 bench/profile_host.py ;;
         kernels)
             for op in layer_norm residual_stream bias_gelu dropout_add cross_entropy attention; do
-                stage "bench-$op" 150 python3 "bench/bench_$op.py"
+                stage "bench-$op" 90 python3 "bench/bench_$op.py"
             done ;;
+        dialects)  # which implementation wins per op and shape, against each candidate alone
+            stage bench-dialects 240 python3 bench/bench_dialects.py ;;
         e2e)  # GPT-2 medium training steps: eager, trifuse.fuse, trifuse.fuse(skip_logits)
-            stage bench-e2e 330 python3 bench/bench_e2e.py --steps 8 --models gpt2-medium ;;
+            stage bench-e2e 300 python3 bench/bench_e2e.py --steps 8 --models gpt2-medium ;;
         tune)  # this GPU's winners, shipped as defaults for every H100 user
             stage tune 240 python3 -m trifuse.autotune gpt2-medium --batch 8 --seq 1024 \
                 --export-defaults autotune/defaults/h100.json ;;
-        *) echo "unknown stage $what (tests host kernels e2e tune)" ;;
+        *) echo "unknown stage $what (tests host kernels dialects e2e tune)" ;;
     esac
 done
 
