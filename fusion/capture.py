@@ -293,6 +293,19 @@ class DynamoUnit(Unit):
 _SHAPE_AND_DTYPE = {"view", "reshape", "flatten", "to", "float", "contiguous"}
 
 
+def _logits_chain(loss: fx.Node) -> list[fx.Node]:
+    """A cross-entropy node's logits argument and what it was viewed or cast from, back to the
+    node that computed them (last); empty when the argument is no node."""
+    chain, logits = [], loss.args[0] if loss.args else None
+    while isinstance(logits, fx.Node):
+        chain.append(logits)
+        if not (logits.op in ("call_method", "call_function") and logits.args
+                and getattr(logits.target, "__name__", logits.target) in _SHAPE_AND_DTYPE):
+            break
+        logits = logits.args[0]
+    return chain
+
+
 class HeadUnit(DynamoUnit):
     """The model's own forward, for what it does around its body: the LM head and the loss.
 
@@ -329,7 +342,7 @@ class HeadUnit(DynamoUnit):
 
     def _before_rewrite(self, graph: fx.Graph) -> None:
         """skip_logits, in a training call: the logits that feed a cross-entropy (through views and
-        casts) leave the graph's outputs, replaced by `_SKIPPED_LOGITS`, so the head and the loss
+        casts) leave the graph's outputs, replaced by `_skipped_logits()`, so the head and the loss
         have no other user and fuse into linear_cross_entropy. `__call__` turns the placeholder
         into None in what the model returns."""
         self._pending = []
@@ -337,15 +350,9 @@ class HeadUnit(DynamoUnit):
             return
         output = next(n for n in reversed(graph.nodes) if n.op == "output")
         for node in list(graph.nodes):
-            if node.op != "call_function" or node.target is not torch.nn.functional.cross_entropy or not node.args:
+            if node.op != "call_function" or node.target is not torch.nn.functional.cross_entropy:
                 continue
-            chain, logits = [], node.args[0]
-            while isinstance(logits, fx.Node):
-                chain.append(logits)
-                if not (logits.op in ("call_method", "call_function") and logits.args
-                        and getattr(logits.target, "__name__", logits.target) in _SHAPE_AND_DTYPE):
-                    break
-                logits = logits.args[0]
+            chain = _logits_chain(node)
             if not chain or chain[-1].target is not torch.nn.functional.linear:
                 continue  # not an LM head's output: nothing to gain
             for logit in chain:
@@ -378,11 +385,8 @@ class HeadUnit(DynamoUnit):
             if r.family != "cross_entropy" or r.pattern.startswith("linear_") or "not linear_cross_entropy" in r.note:
                 continue
             node = nodes.get(r.node)
-            logits = node.args[0] if node is not None and node.args else None
-            while isinstance(logits, fx.Node) and logits.op in ("call_method", "call_function") and logits.args \
-                    and getattr(logits.target, "__name__", logits.target) in _SHAPE_AND_DTYPE:
-                logits = logits.args[0]
-            if isinstance(logits, fx.Node) and logits.op == "placeholder":
+            chain = _logits_chain(node) if node is not None else []
+            if chain and chain[-1].op == "placeholder":
                 why = ("not linear_cross_entropy: the logits are an input of this graph, the head ran in an "
                        "earlier one (a graph break between the head and the loss)")
                 r.note = "; ".join(n for n in (r.note, why) if n)

@@ -162,10 +162,12 @@ def _match_node(cp: CompiledPattern, p: fx.Node, g: Any, env: Env) -> Iterator[E
             return
         yield {**env, p: g}
         return
-    if p.op == "call_function" and p.target is from_local:
-        yield from _match_from_local(cp, p, g, env)
-        return
-    if not isinstance(g, fx.Node) or g.op != p.op or g.target != p.target:
+    dtensor_call = None
+    if p.op == "call_function" and p.target is from_local:  # any DTensor.from_local call, by meaning
+        dtensor_call = local_to_dtensor(g)
+        if dtensor_call is None:
+            return
+    elif not isinstance(g, fx.Node) or g.op != p.op or g.target != p.target:
         return
     if p in env:
         if env[p] is g:
@@ -173,6 +175,10 @@ def _match_node(cp: CompiledPattern, p: fx.Node, g: Any, env: Env) -> Iterator[E
         return
     if any(v is g for k, v in env.items() if k.op != "placeholder"):
         return  # two pattern operations cannot be one graph node
+    if dtensor_call is not None:
+        pairs = [(p.args[0], dtensor_call["local_tensor"]), (p.args[1], dtensor_call["placements"])]
+        yield from _match_seq(cp, pairs, {**env, p: g})
+        return
     if len(p.args) != len(g.args) or set(p.kwargs) != set(g.kwargs):
         return
     env = {**env, p: g}
@@ -182,20 +188,6 @@ def _match_node(cp: CompiledPattern, p: fx.Node, g: Any, env: Env) -> Iterator[E
     for pargs in orders:
         pairs = [*zip(pargs, g.args), *((p.kwargs[k], g.kwargs[k]) for k in p.kwargs)]
         yield from _match_seq(cp, pairs, env)
-
-
-def _match_from_local(cp: CompiledPattern, p: fx.Node, g: Any, env: Env) -> Iterator[Env]:
-    call = local_to_dtensor(g)
-    if call is None:
-        return
-    if p in env:
-        if env[p] is g:
-            yield env
-        return
-    if any(v is g for k, v in env.items() if k.op != "placeholder"):
-        return
-    env = {**env, p: g}
-    yield from _match_seq(cp, [(p.args[0], call["local_tensor"]), (p.args[1], call["placements"])], env)
 
 
 def local_to_dtensor(node: Any) -> dict[str, Any] | None:

@@ -29,6 +29,14 @@ _knobs = getattr(triton, "knobs", None)  # Triton >= 3.4; older ones take Triton
 MAX_ENTRIES = 4096
 
 
+def store_plan(plans: dict, key: tuple, plan: tuple) -> None:
+    """Keeps an op's launch plan (grid and launch keywords per exact call shape), bounded like
+    CachedKernel's entries: a process that sees endlessly many shapes starts over."""
+    if len(plans) >= MAX_ENTRIES:
+        plans.clear()
+    plans[key] = plan
+
+
 class CachedKernel:
     """Wraps a `@triton.jit` function: `CachedKernel(fn)[grid](*args, **constexprs)`.
 

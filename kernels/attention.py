@@ -76,7 +76,7 @@ from ._common import (
     profiled,
     use_triton,
 )
-from ._launch import CachedKernel
+from ._launch import CachedKernel, store_plan
 from ._tiles import cdiv
 from ._random import dropout_keep
 
@@ -622,7 +622,6 @@ _CACHED = {"fwd": _FWD, "dkdv": _BWD_DKDV, "dq": _BWD_DQ}
 # _FWD_PLANS[key] = (grid, meta); _BWD_PLANS[key] = (pre_grid, pre_meta, dkdv_grid, dkdv_meta, dq_grid, dq_meta)
 _FWD_PLANS: dict[tuple, tuple] = {}
 _BWD_PLANS: dict[tuple, tuple] = {}
-MAX_PLANS = 4096
 
 
 def _plan_key(q: torch.Tensor, bsz: int, h: int, h_kv: int, sq: int, sk: int, d: int, is_causal: bool,
@@ -630,11 +629,6 @@ def _plan_key(q: torch.Tensor, bsz: int, h: int, h_kv: int, sq: int, sk: int, d:
     return (q.get_device() if q.is_cuda else -1, q.dtype, bsz, h, h_kv, sq, sk, d, is_causal, mask_kind,
             has_dropout)
 
-
-def _store_plan(plans: dict, key: tuple, plan: tuple) -> None:
-    if len(plans) >= MAX_PLANS:
-        plans.clear()
-    plans[key] = plan
 
 
 def _launch_config(cfg: triton.Config, kind: str, grid_fn, args: tuple, constexprs: dict) -> None:
@@ -747,7 +741,7 @@ def attention_fwd(
     planned = _tuned_launch("fwd", _tuning_key(q, sq, sk, d, block_d, is_causal, mask_kind, has_dropout),
                             lambda meta: (cdiv(sq, meta["BLOCK_M"]), bsz * h), args, constexprs)
     if planned is not None:
-        _store_plan(_FWD_PLANS, key, planned)
+        store_plan(_FWD_PLANS, key, planned)
     return o, lse
 
 
@@ -806,7 +800,7 @@ def attention_bwd(
     planned_dq = _tuned_launch("dq", tuning_key, lambda meta: (cdiv(sq, meta["BLOCK_M"]), bsz * h),
                                dq_args, constexprs)
     if planned_dkdv is not None and planned_dq is not None:
-        _store_plan(_BWD_PLANS, key, (pre_grid, pre_meta, *planned_dkdv, *planned_dq))
+        store_plan(_BWD_PLANS, key, (pre_grid, pre_meta, *planned_dkdv, *planned_dq))
     return dq, dk, dv
 
 

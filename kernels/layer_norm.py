@@ -52,7 +52,7 @@ from ._common import (
     profiled,
     use_triton,
 )
-from ._launch import CachedKernel
+from ._launch import CachedKernel, store_plan
 from ._random import dropout_keep_quads
 from ._tiles import cdiv
 
@@ -440,13 +440,6 @@ _BWD_TUNER = Tuner("layer_norm_bwd", configs.norm_bwd, _BWD_KEY_NAMES, prune=con
 # zero the partials?, sum grid, sum meta)
 _FWD_PLANS: dict[tuple, tuple] = {}
 _BWD_PLANS: dict[tuple, tuple] = {}
-MAX_PLANS = 4096
-
-
-def _store_plan(plans: dict, key: tuple, plan: tuple) -> None:
-    if len(plans) >= MAX_PLANS:
-        plans.clear()
-    plans[key] = plan
 
 
 def _row_block(cfg: triton.Config, n: int, max_single: int) -> tuple[int, int, bool]:
@@ -576,7 +569,7 @@ def layer_norm_fwd(
     plan = _fwd_plan(cfg, m, n, constexprs)
     _layer_norm_fwd.run(plan[0], args, plan[1])
     if _FWD_TUNER.is_decided(tuning_key):
-        _store_plan(_FWD_PLANS, key, plan)
+        store_plan(_FWD_PLANS, key, plan)
     return y, s, mean, rstd
 
 
@@ -642,7 +635,7 @@ def layer_norm_bwd(
                                     grad_dtypes, s.device)
         plan = _bwd_plan(cfg, m, n, sms, constexprs, sum_flags)
         if deterministic or _BWD_TUNER.is_decided(tuning_key):
-            _store_plan(_BWD_PLANS, key, plan)
+            store_plan(_BWD_PLANS, key, plan)
     vecs = _bwd_run(plan, head, tail, m, n, acc, grad_dtypes, s.device)
     return dx, dr, *vecs
 
@@ -981,21 +974,24 @@ class _NormFunction(torch.autograd.Function):
 # =============================================================================================
 
 
+def _key_width(shape: torch.Size, normalized_shape) -> int | None:
+    """The normalized width of a call for the dialect keys, or None when x's trailing dims are
+    not `normalized_shape` (the trifuse op then raises its error)."""
+    k = len(normalized_shape)
+    if k == 1:
+        n = normalized_shape[0]
+        return n if shape and shape[-1] == n else None
+    if k > len(shape) or tuple(shape[len(shape) - k:]) != tuple(normalized_shape):
+        return None
+    return math.prod(normalized_shape)
+
+
 def _layer_norm_key(x, normalized_shape, weight, bias, eps):
     """The dialect key of an eager call; None (the trifuse op decides, and raises on bad input)
     when traced, empty, or when the shapes do not fit. About 1.5 µs: it runs on every call."""
     if x is None or not eager_fast_path(x, weight, bias):
         return None
-    shape = x.shape
-    k = len(normalized_shape)
-    if k == 1:
-        n = normalized_shape[0]
-        if not shape or shape[-1] != n:
-            return None
-    elif k > len(shape) or tuple(shape[len(shape) - k:]) != tuple(normalized_shape):
-        return None
-    else:
-        n = math.prod(normalized_shape)
+    n = _key_width(x.shape, normalized_shape)
     rows = x.numel() // n if n else 0
     if rows == 0:
         return None
@@ -1044,17 +1040,8 @@ def _rms_norm_key(x, normalized_shape, weight, eps):
     weight's shape does not fit (trifuse raises). About 1.5 µs: it runs on every call."""
     if x is None or not eager_fast_path(x, weight):
         return None
-    shape = x.shape
-    k = len(normalized_shape)
-    if k == 1:
-        n = normalized_shape[0]
-        if not shape or shape[-1] != n:
-            return None
-    elif k > len(shape) or tuple(shape[len(shape) - k:]) != tuple(normalized_shape):
-        return None
-    else:
-        n = math.prod(normalized_shape)
-    if weight is not None and weight.numel() != n:
+    n = _key_width(x.shape, normalized_shape)
+    if n is None or (weight is not None and weight.numel() != n):
         return None
     rows = x.numel() // n if n else 0
     if rows == 0:
