@@ -7,7 +7,8 @@ Progressive capture (DESIGN.md, "Capture"):
    `DynamoUnit`: one Dynamo capture per class, shared by every identical layer.
 2. The rest: from the root down, each module fx can trace (with blocks kept as calls) and that
    holds something a pattern looks for gets an `FxUnit` (a final LayerNorm, an MLP head);
-   modules fx cannot trace are named in the report and their children tried instead.
+   modules fx cannot trace are named in the report and their children tried instead; a norm fx
+   cannot trace (a leaf branching on its weight's dtype, T5LayerNorm) gets a `DynamoUnit`.
 
 Nothing is captured at `fuse` time: captures happen on the first call in each mode, with the
 real arguments (Dynamo needs them; fx needs the constant ones). `report(model)` tells what was
@@ -190,7 +191,12 @@ def _visit(module: torch.nn.Module, path: str, patterns, verbose, is_leaf, notes
     graph, error = _trace(module, is_leaf)
     if graph is None:
         if next(module.children(), None) is None:
-            return  # a leaf fx cannot trace: nothing inside to fuse
+            # A leaf fx cannot trace: a norm whose forward branches on a parameter's dtype
+            # (T5LayerNorm) is captured by Dynamo, which guards on it; anything else has nothing
+            # a pattern looks for.
+            if _computes_a_norm(module):
+                DynamoUnit(type(module), patterns, verbose).install(module, path or "(model)")
+            return
         notes.append(Note(path or "(model)", type(module).__name__, f"fx cannot trace it ({error}); "
                           "its submodules were tried instead"))
         for name, child in module.named_children():
@@ -199,6 +205,18 @@ def _visit(module: torch.nn.Module, path: str, patterns, verbose, is_leaf, notes
     gm = canonicalize(fx.GraphModule(module, graph), module)
     if _has_candidates(gm.graph, patterns):
         FxUnit(module, patterns, verbose, is_leaf).install(module, path or "(model)")
+
+
+_NORM_WORDS = ("layer_norm", "rms_norm", "rsqrt", ".var(")
+
+
+def _computes_a_norm(module: torch.nn.Module) -> bool:
+    """Whether a module's own forward (source) computes a LayerNorm or RMSNorm."""
+    try:
+        source = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return False
+    return any(word in source for word in _NORM_WORDS)
 
 
 def _has_candidates(graph: fx.Graph, patterns) -> bool:

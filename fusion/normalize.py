@@ -18,7 +18,8 @@ rewrites, in place:
 - arguments into one layout: positional parameters positional, keyword-only ones as keywords,
   every default spelled out (`F.gelu(x)` -> `F.gelu(x, approximate='none')`);
   `x.view(a, b)` -> `x.view((a, b))`; `x.transpose(2, 1)` -> `x.transpose(1, 2)`.
-- with example values known (fx graphs after shape propagation), `x.dtype` becomes a constant.
+- with example values known (fx graphs after shape propagation), `x.dtype` becomes a constant
+  and `y.type_as(x)` becomes `y.to(<x's dtype>)`.
 
 Nothing here changes what the graph computes.
 """
@@ -273,14 +274,22 @@ def _module_to_function(graph: fx.Graph, node: fx.Node, root: torch.nn.Module) -
 
 
 def _fold_dtypes(graph: fx.Graph) -> None:
-    """`x.dtype` -> its value, where x's example value is known (the graph is specialized on it)."""
+    """`x.dtype` -> its value, and `y.type_as(x)` -> `y.to(<x's dtype>)`, where x's example value
+    is known (the graph is specialized on it)."""
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is getattr and node.args[1:] == ("dtype",):
-            value = node.args[0].meta.get("val", node.args[0].meta.get("example_value")) \
-                if isinstance(node.args[0], fx.Node) else None
+            value = _value(node.args[0])
             if isinstance(value, torch.Tensor):
                 replace_uses(node, value.dtype)
                 graph.erase_node(node)
+        elif node.op == "call_method" and node.target == "type_as" and len(node.args) == 2 and not node.kwargs:
+            value = _value(node.args[1])
+            if isinstance(value, torch.Tensor):
+                node.target, node.args = "to", (node.args[0], value.dtype)
+
+
+def _value(arg: Any) -> Any:
+    return arg.meta.get("val", arg.meta.get("example_value")) if isinstance(arg, fx.Node) else None
 
 
 def replace_uses(node: fx.Node, value: Any) -> None:

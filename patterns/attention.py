@@ -1,7 +1,8 @@
 """Attention, in the spellings models use, becoming `trifuse.ops.attention` (FlashAttention-2
 style: the score matrix never exists).
 
-- `F.scaled_dot_product_attention` with all its arguments (mask, dropout, causal, scale, GQA),
+- `F.scaled_dot_product_attention` with all its arguments (mask, dropout, causal, scale, GQA;
+  K and V of one head broadcast over the query heads, Falcon's multi-query attention, as GQA),
   and with K and V repeated per query group first (`repeat_interleave`, or Llama's
   `expand` + `reshape`), which becomes `enable_gqa=True` on the un-repeated K and V.
 - The explicit chain `softmax(q @ k^T * scale [+ mask]) [-> dropout] @ v`: scale as a multiply
@@ -43,6 +44,16 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask, dropout_p
 
 def sdpa_fused(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     return ops.attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def _one_kv_head_broadcast(m: Match) -> dict:
+    """SDPA broadcasts K and V of one head over the query heads (Falcon's multi-query attention
+    passes them so, without enable_gqa): that is grouped-query attention with one group."""
+    q, k, v = m.value("q"), m.value("k"), m.value("v")
+    if m["enable_gqa"] is False and all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)) \
+            and k.shape[1] == 1 and v.shape[1] == 1 and q.shape[1] != 1:
+        return {"enable_gqa": True}
+    return {}
 
 
 def sdpa_repeat_interleave_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_rep, attn_mask, dropout_p,
@@ -218,7 +229,7 @@ PATTERNS = (
     Pattern("sdpa_expand_kv", "attention", sdpa_expand_kv, sdpa_gqa_fused, ("attention",),
             (needs_number("dropout_p"), needs_bool("is_causal"))),
     Pattern("sdpa", "attention", sdpa, sdpa_fused, ("attention",),
-            (needs_number("dropout_p"), needs_bool("is_causal", "enable_gqa"))),
+            (needs_number("dropout_p"), needs_bool("is_causal", "enable_gqa")), derive=_one_kv_head_broadcast),
     *(_chain_pattern(*opts) for opts in itertools.product(
         ("mul", "div"), ("add", "masked_fill", "where", ""), (True, False), ("plain", "upcast", "cast"))),
     Pattern("self_attention_mha", "attention", self_attention_mha, self_attention_mha_fused, ("attention",),

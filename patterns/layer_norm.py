@@ -5,6 +5,12 @@
 as Hugging Face models do (`x * rsqrt(mean(x^2) + eps) * w`, with or without computing in fp32),
 becomes `rms_norm` too; eps stays the model's eps.
 
+Hugging Face's T5LayerNorm (variance from an fp32 copy, x scaled as it is, weight first) is an
+RMSNorm too. A trifuse norm of an fp32 copy of x cast back to x's dtype (Gemma's RMSNorm,
+`(norm(x.float()) * (1 + w.float())).type_as(x)`; OLMo's and Cohere's `norm(x.float()).to(dtype)`)
+becomes the norm of x itself: the kernels compute in fp32 whatever x's dtype and round once to
+it, so the copy is work for nothing, and an add feeding the norm can then fuse with it.
+
 When the weight's dtype differs from the activation's (fp32 master weights, bf16 activations),
 the written-out forms multiply by the weight in the promoted dtype after rounding the normalized
 value to the activation dtype; the replacement then keeps that multiplication apart, so the
@@ -65,6 +71,80 @@ def rms_norm_upcast_weight_apart(x, weight, eps, dtype):
     return weight * ops.rms_norm(x, weight.shape, None, eps)
 
 
+def rms_norm_t5(x: torch.Tensor, weight: torch.Tensor, eps):
+    """Hugging Face's T5LayerNorm with an fp32 weight (no cast before the weight)."""
+    variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    return weight * (x * torch.rsqrt(variance + eps))
+
+
+def rms_norm_t5_fused(x, weight, eps, upcast):
+    # The model's result is fp32 whatever x's dtype: a 16-bit x is normalized as an exact fp32 copy.
+    return ops.rms_norm(x.to(torch.float32) if upcast else x, weight.shape, weight, eps)
+
+
+def rms_norm_t5_half(x: torch.Tensor, weight: torch.Tensor, eps, dtype):
+    """T5LayerNorm with a 16-bit weight: the normalized value rounds to the weight's dtype first."""
+    variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    return weight * (x * torch.rsqrt(variance + eps)).to(dtype)
+
+
+def rms_norm_t5_half_fused(x, weight, eps, dtype):
+    return weight * ops.rms_norm(x, weight.shape, None, eps).to(dtype)
+
+
+def rms_norm_in_fp32(x: torch.Tensor, normalized_shape, weight, eps, dtype):
+    return ops.rms_norm(x.to(torch.float32), normalized_shape, weight, eps).to(dtype)
+
+
+def rms_norm_in_fp32_fused(x, normalized_shape, weight, eps, dtype):
+    return ops.rms_norm(x, normalized_shape, weight, eps)
+
+
+def layer_norm_in_fp32(x: torch.Tensor, normalized_shape, weight, bias, eps, dtype):
+    return ops.layer_norm(x.to(torch.float32), normalized_shape, weight, bias, eps).to(dtype)
+
+
+def layer_norm_in_fp32_fused(x, normalized_shape, weight, bias, eps, dtype):
+    return ops.layer_norm(x, normalized_shape, weight, bias, eps)
+
+
+def _params_fp32_or_like_input(m: Match) -> str | None:
+    """The norm of x itself computes what the norm of its fp32 copy did when each parameter is
+    fp32 (it joins the fp32 maths either way) or in x's dtype (upcast inside the kernel)."""
+    x = m.value("x")
+    if not isinstance(x, torch.Tensor):
+        return "no dtype for x"
+    for name in ("weight", "bias"):
+        try:
+            v = m.value(name)
+        except KeyError:
+            continue
+        if isinstance(v, torch.Tensor) and v.dtype not in (torch.float32, x.dtype):
+            return f"{name} dtype {v.dtype} is neither float32 nor the input's {x.dtype}"
+    return None
+
+
+def _fp32_weight(m: Match) -> str | None:
+    w = m.value("weight")
+    if not isinstance(w, torch.Tensor) or w.dim() != 1:
+        return "weight: no 1-D tensor"
+    return None if w.dtype == torch.float32 else f"weight dtype {w.dtype}, not float32 (the cast-first form)"
+
+
+def _upcast_if_16_bit(m: Match) -> dict | None:
+    x = m.value("x")
+    return {"upcast": x.dtype != torch.float32} if isinstance(x, torch.Tensor) else None
+
+
+def _rounds_to_half_weight(m: Match) -> str | None:
+    w = m.value("weight")
+    if not isinstance(w, torch.Tensor) or w.dim() != 1:
+        return "weight: no 1-D tensor"
+    if m["dtype"] != w.dtype or w.dtype not in (torch.float16, torch.bfloat16):
+        return f"casts to {m['dtype']}, not to the 16-bit weight's dtype {w.dtype}"
+    return None
+
+
 def _casts_back_to_input(m: Match) -> str | None:
     x = m.value("x")
     if not isinstance(x, torch.Tensor):
@@ -112,4 +192,13 @@ PATTERNS = (
             ("rms_norm",), (*_RMS_FILTERS, _weight_dtype(True))),
     Pattern("rms_norm_written_out_weight_apart", "rms_norm", rms_norm_written_out,
             rms_norm_written_out_weight_apart, ("rms_norm",), (*_RMS_FILTERS, _weight_dtype(False))),
+    Pattern("rms_norm_t5", "rms_norm", rms_norm_t5, rms_norm_t5_fused, ("rms_norm",),
+            (*_RMS_FILTERS, _fp32_weight), derive=_upcast_if_16_bit),
+    Pattern("rms_norm_t5_half", "rms_norm", rms_norm_t5_half, rms_norm_t5_half_fused, ("rms_norm",),
+            (*_RMS_FILTERS, _rounds_to_half_weight)),
+    # After the spellings above: the norm of an fp32 copy, cast back, is the norm of x.
+    Pattern("rms_norm_in_fp32", "rms_norm", rms_norm_in_fp32, rms_norm_in_fp32_fused, ("rms_norm",),
+            (*_RMS_FILTERS, _casts_back_to_input, _params_fp32_or_like_input)),
+    Pattern("layer_norm_in_fp32", "layer_norm", layer_norm_in_fp32, layer_norm_in_fp32_fused, ("layer_norm",),
+            (needs_number("eps"), _casts_back_to_input, _params_fp32_or_like_input)),
 )

@@ -57,6 +57,10 @@ def sdpa_gqa_flag(m, q, k, v):
     return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
 
+def sdpa_one_kv_head_broadcast(m, q, k, v):  # Falcon's multi-query attention: no enable_gqa
+    return F.scaled_dot_product_attention(q, k, v, None, 0.0, is_causal=True)
+
+
 def sdpa_repeat_interleave(m, q, k, v):
     n = q.shape[1] // k.shape[1]
     return F.scaled_dot_product_attention(q, k.repeat_interleave(n, dim=1), v.repeat_interleave(n, dim=1))
@@ -135,6 +139,7 @@ KEEP_SOME_ROWS_NONE[1, 0, 2] = False  # one query row of batch 1 sees no key
     (sdpa_bool_mask, {"mask": PAD}, H, "sdpa"),
     (sdpa_float_mask, {"mask": ADDITIVE}, H, "sdpa"),
     (sdpa_gqa_flag, {}, 2, "sdpa"),
+    (sdpa_one_kv_head_broadcast, {}, 1, "sdpa"),
     (sdpa_repeat_interleave, {}, 2, "sdpa_repeat_interleave_kv"),
     (sdpa_repeat_kv, {}, 2, "sdpa_expand_kv"),
     (chain_mul_additive, {"mask": ADDITIVE}, H, "attention_chain_mul_add_dropout"),

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 import trifuse
 from _fusing import check_against_unfused
+from _hf_norms import GemmaRMSNorm, OlmoLayerNorm, T5LayerNorm
 from torch import nn
 
 N = 24
@@ -60,6 +61,11 @@ class HFRMSNorm(nn.Module):
         return self.weight * hidden_states.to(input_dtype)
 
 
+class FP32CopyNotCastBack(GemmaRMSNorm):
+    def forward(self, x):
+        return self._norm(x.float()) * (1.0 + self.weight.float())
+
+
 class HandRMSNorm(nn.Module):
     def __init__(self, dim=-1):
         super().__init__()
@@ -79,8 +85,11 @@ class HandRMSNorm(nn.Module):
     (ModuleRMSNorm, "rms_norm"),
     (HFRMSNorm, "rms_norm_upcast"),
     (HandRMSNorm, "rms_norm_written_out"),
+    (GemmaRMSNorm, "rms_norm_in_fp32"),
+    (OlmoLayerNorm, "layer_norm_in_fp32"),
+    (T5LayerNorm, "rms_norm_t5"),
 ], ids=["nn.LayerNorm", "nn.LayerNorm-no-affine", "F.layer_norm-kwargs", "torch.layer_norm", "nn.RMSNorm",
-        "hf-rmsnorm", "written-out-rmsnorm"])
+        "hf-rmsnorm", "written-out-rmsnorm", "gemma-rmsnorm", "olmo-layernorm", "t5-layernorm"])
 def test_spelling_fuses_and_matches(make, pattern, capture):
     report = check_against_unfused(make, X, capture)
     assert report.by_pattern() == {pattern: 1}
@@ -103,6 +112,27 @@ def test_hf_rmsnorm_mixed_dtypes_keeps_the_weight_apart(capture):
     x = (torch.randn(3, 5, N).half(),)
     report = check_against_unfused(HFRMSNorm, x, capture, grads=False)
     assert report.by_pattern() == {"rms_norm_upcast_weight_apart": 1}
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("make, pattern", [
+    (GemmaRMSNorm, "rms_norm_in_fp32"),  # the fp32 (1 + w) joins the fp32 maths; one rounding to fp16
+    (OlmoLayerNorm, "layer_norm_in_fp32"),
+    (T5LayerNorm, "rms_norm_t5"),  # fp32 weight: the model returns fp32, the op normalizes an fp32 copy
+    (lambda: T5LayerNorm(dtype=torch.float16), "rms_norm_t5_half"),  # rounds to fp16, then the weight
+], ids=["gemma", "olmo", "t5-fp32-weight", "t5-fp16-weight"])
+def test_fp16_activations_keep_the_models_roundings(make, pattern, capture):
+    x = (torch.randn(3, 5, N).half(),)
+    report = check_against_unfused(make, x, capture, grads=False)
+    assert report.by_pattern() == {pattern: 1}
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_fp32_copy_kept_when_the_result_stays_fp32(capture):
+    # fp16 in, fp32 out: the norm needs the fp32 copy (its result is fp32); only the spelling fuses.
+    x = (torch.randn(3, 5, N).half(),)
+    report = check_against_unfused(FP32CopyNotCastBack, x, capture, grads=False)
+    assert report.by_pattern() == {"rms_norm_written_out": 1}
 
 
 @pytest.mark.parametrize("capture", CAPTURES)

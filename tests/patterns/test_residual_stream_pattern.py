@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 import trifuse
 from _fusing import check_against_unfused, check_sharded_against_unfused, fuse_via, trifuse_ops_run
+from _hf_norms import GemmaRMSNorm, OlmoLayerNorm, T5LayerNorm
 from torch import nn
 
 N = 16
@@ -73,14 +74,26 @@ class AddmmPostNorm(nn.Module):
     (PreNorm, {"layer_norm": 1, "linear_residual_norm": 1}),
     (lambda: PreNorm(bias=False), {"layer_norm": 1, "dropout_add_layer_norm": 1}),
     (lambda: PreNorm(norm=nn.RMSNorm), {"rms_norm": 1, "linear_residual_norm": 1}),
+    # Norms computed on an fp32 copy and cast back (Gemma, OLMo) or T5's: the add still fuses.
+    (lambda: PreNorm(norm=GemmaRMSNorm), {"rms_norm_in_fp32": 1, "linear_residual_norm": 1}),
+    (lambda: PreNorm(norm=OlmoLayerNorm), {"layer_norm_in_fp32": 1, "linear_residual_norm": 1}),
     (PostNorm, {"linear_residual_norm": 1}),
     (Conv1DPostNorm, {"conv1d_residual_norm": 1}),
     (AddmmPostNorm, {"addmm_residual_norm": 1}),
     (lambda: AddmmPostNorm(bias_shape=(10, N)), {"dropout_add_layer_norm": 1}),  # 2-D bias stays in the addmm
-], ids=["pre-norm", "pre-norm-no-bias", "pre-norm-rms", "post-norm-bert", "post-norm-conv1d", "post-norm-addmm",
+], ids=["pre-norm", "pre-norm-no-bias", "pre-norm-rms", "pre-norm-gemma", "pre-norm-olmo",
+        "post-norm-bert", "post-norm-conv1d", "post-norm-addmm",
         "post-norm-addmm-2d-bias"])
 def test_spelling_fuses_and_matches(make, expected, capture):
     assert check_against_unfused(make, X, capture).by_pattern() == expected
+
+
+def test_t5_layernorm_fuses_with_the_add_through_dynamo():
+    # T5LayerNorm branches on its weight's dtype, which fx cannot trace: a block holding it is
+    # captured whole only by Dynamo (as Hugging Face blocks are); through fx each norm fuses alone.
+    assert check_against_unfused(lambda: PreNorm(norm=T5LayerNorm), X, "dynamo").by_pattern() == \
+        {"rms_norm_t5": 1, "linear_residual_norm": 1}
+    assert check_against_unfused(lambda: PreNorm(norm=T5LayerNorm), X, "fx").by_pattern() == {"rms_norm_t5": 2}
 
 
 def test_add_without_dropout():
