@@ -337,7 +337,9 @@ class HeadUnit(DynamoUnit):
                 return outside(self, *args, **kwargs)
             return original(self, *args, **kwargs)
 
-        module.forward = types.MethodType(forward, module)
+        # Dynamo compiles this wrapper as a frame of its own (it breaks the graph at `outside`):
+        # a code object per fence keeps its cache entries apart from other models' fences.
+        module.forward = types.MethodType(_own_code(forward), module)
         self.fenced.append(path)
 
     def _before_rewrite(self, graph: fx.Graph) -> None:

@@ -282,3 +282,20 @@ def test_head_capture_leaves_dynamos_logging_config_as_it_was():
     loss_fn(model, inputs(2, 8)).backward()
     assert set(torch._dynamo.config.ignore_logging_functions) == before
     assert trifuse.report(model).by_pattern().get("cross_entropy_upcast") == 1
+
+
+
+@pytest.mark.skipif(not has_op("cross_entropy"), reason="trifuse.ops.cross_entropy not in this build")
+def test_each_head_capture_fences_with_its_own_code_object():
+    # Dynamo compiles a fence as a frame of its own (its graph breaks at the fenced call), with
+    # guards on the fenced module's class and the grad mode; were the fence's code object shared
+    # by every fused model, a process fusing a few model families (tests, benchmarks) would hit
+    # Dynamo's recompile limit on it (a warning, then that frame eager).
+    fences = []
+    for _ in range(2):
+        model, inputs, loss_fn = _models.llama(layers=1)
+        trifuse.fuse(model)
+        loss_fn(model, inputs(2, 5)).backward()
+        assert "fenced off: model" in trifuse.report(model).table()
+        fences.append(model.model.forward.__func__)
+    assert fences[0].__code__ is not fences[1].__code__
