@@ -101,6 +101,51 @@ def llama(layers: int = LAYERS):
     return model, inputs, lambda m, kw: m(**kw).loss
 
 
+# More Hugging Face families, each for what it writes differently: Gemma's RMSNorm on an fp32 copy
+# with (1 + w); Falcon's multi-query SDPA (one K/V head broadcast); OLMo's parameter-free
+# LayerNorm on an fp32 copy; Phi's parallel attention + MLP; GPT-NeoX's parallel residual; OPT's
+# post-attention add; T5's RMSNorm spelling, relative position bias and encoder-decoder; BART.
+_FAMILIES = {
+    "gemma": dict(hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                  num_key_value_heads=1, head_dim=HIDDEN // HEADS),
+    "falcon": dict(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS, multi_query=True,
+                   new_decoder_architecture=False, hidden_dropout=0.0, attention_dropout=0.0),
+    "olmo": dict(hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS),
+    "phi": dict(hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0),
+    "gpt_neox": dict(hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+                     num_attention_heads=HEADS, hidden_dropout=0.0, attention_dropout=0.0),
+    "opt": dict(hidden_size=HIDDEN, ffn_dim=2 * HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                word_embed_proj_dim=HIDDEN, dropout=0.0, attention_dropout=0.0),
+    "t5": dict(d_model=HIDDEN, d_ff=2 * HIDDEN, d_kv=HIDDEN // HEADS, num_layers=LAYERS, num_heads=HEADS,
+               dropout_rate=0.0, decoder_start_token_id=0),
+    "bart": dict(d_model=HIDDEN, encoder_layers=LAYERS, decoder_layers=LAYERS, encoder_attention_heads=HEADS,
+                 decoder_attention_heads=HEADS, encoder_ffn_dim=2 * HIDDEN, decoder_ffn_dim=2 * HIDDEN, dropout=0.0,
+                 attention_dropout=0.0, activation_dropout=0.0, decoder_start_token_id=0),
+}
+SEQ2SEQ = ("t5", "bart")
+
+
+@_on_device
+def hf_family(model_type: str):
+    """A tiny Hugging Face LM of `model_type` (a key of _FAMILIES), dropout off, SDPA attention."""
+    tf = _quiet_transformers()
+    cfg = tf.AutoConfig.for_model(model_type, vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0,
+                                  bos_token_id=0, eos_token_id=0, tie_word_embeddings=False,
+                                  attn_implementation="sdpa", **_FAMILIES[model_type])
+    auto = tf.AutoModelForSeq2SeqLM if model_type in SEQ2SEQ else tf.AutoModelForCausalLM
+    model = auto.from_config(cfg)
+
+    def inputs(batch, seq):
+        ids = torch.randint(1, VOCAB, (batch, seq))
+        if model_type in SEQ2SEQ:
+            target = torch.randint(1, VOCAB, (batch, seq - 2))
+            return {"input_ids": ids, "decoder_input_ids": target, "labels": target, "use_cache": False}
+        return {"input_ids": ids, "labels": ids, "use_cache": False}
+
+    return model, inputs, lambda m, kw: m(**kw).loss
+
+
 @_on_device
 def transformer_encoder(norm_first: bool, dropout: float = 0.0, layers: int = LAYERS):
     layer = nn.TransformerEncoderLayer(HIDDEN, HEADS, 2 * HIDDEN, dropout=dropout, activation="gelu",

@@ -3,6 +3,7 @@ configs; torch.nn.TransformerEncoder post-norm and pre-norm) and on nanoGPT as w
 block fused, the trifuse ops run, outputs and gradients equal the unfused model by the oracle
 rule, the model keeps its class, Parameter objects and state_dict."""
 import copy
+import functools
 
 import _models
 import pytest
@@ -27,6 +28,12 @@ EAGER_ATTENTION = {"gpt2-eager": "attention_chain_mul_add_dropout_cast",
 # In eval without grad, nn.TransformerEncoderLayer runs PyTorch's own fused fast path
 # (torch._transformer_encoder_layer_fwd): nothing is left to fuse there.
 EVAL_FAST_PATH = ("encoder-post-norm", "encoder-pre-norm")
+
+
+def _family(name):
+    return functools.partial(_models.hf_family, name)
+
+
 MODELS = {
     # name: (builder, counts in every forward)
     "gpt2": (_models.gpt2, {**PRE_NORM, **LOSS}),
@@ -42,6 +49,22 @@ MODELS = {
                          {"layer_norm": L, "attention": L, "bias_gelu": L, "residual_stream": L, "dropout_add": L}),
     "nanogpt": (_models.nanogpt, NANOGPT),
     "nanogpt-explicit-attention": (lambda: _models.nanogpt(flash=False), NANOGPT),
+    # More Hugging Face families (tests/_models.py, _FAMILIES says what each writes differently).
+    # Parallel blocks (Falcon, Phi, GPT-NeoX) have no add feeding a norm inside a block: their
+    # residual adds fuse as dropout_add. T5's self-attention adds a learned position bias as
+    # attn_mask, which needs its gradient (the attention op gives it).
+    "gemma": (_family("gemma"), {"rms_norm": L + 1, "attention": L, "residual_stream": L, **LOSS}),
+    "falcon": (_family("falcon"), {"layer_norm": L + 1, "attention": L, "dropout_add": L, **LOSS}),
+    "olmo": (_family("olmo"), {"layer_norm": L + 1, "attention": L, "residual_stream": L, **LOSS}),
+    "phi": (_family("phi"), {"layer_norm": L + 1, "attention": L, "bias_gelu": L, "dropout_add": L, **LOSS}),
+    "gpt_neox": (_family("gpt_neox"),
+                 {"layer_norm": 2 * L + 1, "attention": L, "bias_gelu": L, "dropout_add": L, **LOSS}),
+    # encoder-decoder: L encoder and L decoder blocks; each stack's last add feeds its final norm
+    # across the block boundary (left as dropout_add), the others fuse with the next block's norm
+    "t5": (_family("t5"), {"rms_norm": 2 * L + 2, "residual_stream": 3 * L, "dropout_add": 2 * L,
+                           "attention": 3 * L, **LOSS}),
+    "bart": (_family("bart"), {"layer_norm": 2, "attention": 3 * L, "bias_gelu": 2 * L, "residual_stream": 5 * L,
+                               **LOSS}),
 }
 OPS = {"layer_norm": ("trifuse::layer_norm",), "rms_norm": ("trifuse::rms_norm",),
        "attention": ("trifuse::attention",), "bias_gelu": ("trifuse::bias_gelu",),
