@@ -124,10 +124,12 @@ def _install_head(model, patterns, verbose, block_set: set[int], notes: list[Not
     if not any(word in source for word in ("cross_entropy", "CrossEntropyLoss", "loss_function")):
         return
     head = HeadUnit(type(model), patterns, verbose, skip_logits)
-    for name, child in model.named_children():
-        if id(child) not in block_set and blocks_of(child, block_set) and "forward" not in child.__dict__ \
-                and not isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)):
-            head.fence(child, name)
+    # Every module between the model and its blocks is fenced, not only its children: a head may
+    # call a grandchild directly (OPT's `self.model.decoder(...)`).
+    for name, sub in model.named_modules():
+        if sub is not model and id(sub) not in block_set and blocks_of(sub, block_set) \
+                and "forward" not in sub.__dict__ and not isinstance(sub, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            head.fence(sub, name)
     head.install(model, "(model)")
     fenced = ", ".join(head.fenced) or "nothing: its blocks are traced into the capture"
     skip = "; skip_logits: training calls return no logits" if skip_logits else ""

@@ -20,7 +20,7 @@ row-parallel linear's output reaches the add through a reduce-scatter.
 import torch
 import torch.nn.functional as F
 
-from ._base import Match, Pattern, from_local, needs_bool, needs_number, ops, same_shape
+from ._base import Match, Pattern, from_local, known_equal, needs_bool, needs_number, ops, same_shape
 from .bias_gelu import bias_is_a_row_vector
 
 
@@ -43,6 +43,36 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, normalized_shape, we
 def add_layer_norm_fused(x, residual, normalized_shape, weight, bias, eps):
     y, s = ops.dropout_add_layer_norm(x, residual, normalized_shape, weight, bias, eps)
     return y, s
+
+
+def dropout_add_reshape_layer_norm(x: torch.Tensor, residual: torch.Tensor, p, training, shape, normalized_shape,
+                                   weight, bias, eps):
+    """OPT's MLP half: the sum flattened to rows (`reshape(-1, hidden)`) before the norm."""
+    s = (residual + F.dropout(x, p, training, False)).reshape(shape)
+    return ops.layer_norm(s, normalized_shape, weight, bias, eps), s
+
+
+def dropout_add_reshape_layer_norm_fused(x, residual, p, training, shape, normalized_shape, weight, bias, eps):
+    # A reshape that keeps the normalized dims commutes with the norm: the op takes x as the
+    # linear made it (its bias can still move in, stage 2) and both results are reshaped.
+    y, s = ops.dropout_add_layer_norm(x, residual, normalized_shape, weight, bias, eps, p, training)
+    return y.reshape(shape), s.reshape(shape)
+
+
+def _reshape_keeps_normalized_dims(m: Match) -> str | None:
+    x, residual = m.value("x"), m.value("residual")
+    normalized = m["normalized_shape"]
+    normalized = (normalized,) if isinstance(normalized, int) else normalized
+    if not isinstance(x, torch.Tensor) or not isinstance(residual, torch.Tensor):
+        return "x or residual: no tensor metadata"
+    if not isinstance(normalized, (tuple, list)) or not all(isinstance(n, int) for n in normalized):
+        return f"normalized_shape {normalized}: not a constant"
+    if not same_shape(x, residual):
+        return f"x {tuple(x.shape)} and residual {tuple(residual.shape)} differ in shape (a broadcast add)"
+    k = len(normalized)
+    if x.dim() < k or not all(known_equal(a, b) for a, b in zip(x.shape[x.dim() - k:], normalized)):
+        return f"the sum's last dims {tuple(x.shape)[-k:]} are not the normalized {tuple(normalized)}"
+    return None
 
 
 def dropout_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, p, training, normalized_shape, weight, eps):
@@ -192,6 +222,8 @@ PATTERNS = (
     Pattern("dropout_add_layer_norm", "residual_stream", dropout_add_layer_norm, dropout_add_layer_norm_fused,
             _OPS, _DROPOUT, stage=1),
     Pattern("add_layer_norm", "residual_stream", add_layer_norm, add_layer_norm_fused, _OPS, stage=1),
+    Pattern("dropout_add_reshape_layer_norm", "residual_stream", dropout_add_reshape_layer_norm,
+            dropout_add_reshape_layer_norm_fused, _OPS, (*_DROPOUT, _reshape_keeps_normalized_dims), stage=1),
     Pattern("dropout_add_rms_norm", "residual_stream", dropout_add_rms_norm, dropout_add_rms_norm_fused,
             _RMS_OPS, (*_DROPOUT, needs_number("eps")), stage=1),
     Pattern("add_rms_norm", "residual_stream", add_rms_norm, add_rms_norm_fused, _RMS_OPS,

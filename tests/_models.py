@@ -104,24 +104,24 @@ def llama(layers: int = LAYERS):
 # More Hugging Face families, each for what it writes differently: Gemma's RMSNorm on an fp32 copy
 # with (1 + w); Falcon's multi-query SDPA (one K/V head broadcast); OLMo's parameter-free
 # LayerNorm on an fp32 copy; Phi's parallel attention + MLP; GPT-NeoX's parallel residual; OPT's
-# post-attention add; T5's RMSNorm spelling, relative position bias and encoder-decoder; BART.
+# flattened sum before its MLP norm; T5's RMSNorm spelling, relative position bias and
+# encoder-decoder; BART.
+_DECODER = {"hidden_size": HIDDEN, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS}
+_MLP = {"intermediate_size": 2 * HIDDEN}
 _FAMILIES = {
-    "gemma": dict(hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                  num_key_value_heads=1, head_dim=HIDDEN // HEADS),
-    "falcon": dict(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS, multi_query=True,
-                   new_decoder_architecture=False, hidden_dropout=0.0, attention_dropout=0.0),
-    "olmo": dict(hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS),
-    "phi": dict(hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0),
-    "gpt_neox": dict(hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
-                     num_attention_heads=HEADS, hidden_dropout=0.0, attention_dropout=0.0),
-    "opt": dict(hidden_size=HIDDEN, ffn_dim=2 * HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                word_embed_proj_dim=HIDDEN, dropout=0.0, attention_dropout=0.0),
-    "t5": dict(d_model=HIDDEN, d_ff=2 * HIDDEN, d_kv=HIDDEN // HEADS, num_layers=LAYERS, num_heads=HEADS,
-               dropout_rate=0.0, decoder_start_token_id=0),
-    "bart": dict(d_model=HIDDEN, encoder_layers=LAYERS, decoder_layers=LAYERS, encoder_attention_heads=HEADS,
-                 decoder_attention_heads=HEADS, encoder_ffn_dim=2 * HIDDEN, decoder_ffn_dim=2 * HIDDEN, dropout=0.0,
-                 attention_dropout=0.0, activation_dropout=0.0, decoder_start_token_id=0),
+    "gemma": {**_DECODER, **_MLP, "num_key_value_heads": 1, "head_dim": HIDDEN // HEADS},
+    "falcon": {**_DECODER, "multi_query": True, "new_decoder_architecture": False, "hidden_dropout": 0.0,
+               "attention_dropout": 0.0},
+    "olmo": {**_DECODER, **_MLP},
+    "phi": {**_DECODER, **_MLP, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attention_dropout": 0.0},
+    "gpt_neox": {**_DECODER, **_MLP, "hidden_dropout": 0.0, "attention_dropout": 0.0},
+    "opt": {**_DECODER, "ffn_dim": 2 * HIDDEN, "word_embed_proj_dim": HIDDEN, "dropout": 0.0,
+            "attention_dropout": 0.0},
+    "t5": {"d_model": HIDDEN, "d_ff": 2 * HIDDEN, "d_kv": HIDDEN // HEADS, "num_layers": LAYERS, "num_heads": HEADS,
+           "dropout_rate": 0.0, "decoder_start_token_id": 0},
+    "bart": {"d_model": HIDDEN, "encoder_layers": LAYERS, "decoder_layers": LAYERS, "encoder_attention_heads": HEADS,
+             "decoder_attention_heads": HEADS, "encoder_ffn_dim": 2 * HIDDEN, "decoder_ffn_dim": 2 * HIDDEN,
+             "dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0, "decoder_start_token_id": 0},
 }
 SEQ2SEQ = ("t5", "bart")
 

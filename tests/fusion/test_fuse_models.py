@@ -59,6 +59,8 @@ MODELS = {
     "phi": (_family("phi"), {"layer_norm": L + 1, "attention": L, "bias_gelu": L, "dropout_add": L, **LOSS}),
     "gpt_neox": (_family("gpt_neox"),
                  {"layer_norm": 2 * L + 1, "attention": L, "bias_gelu": L, "dropout_add": L, **LOSS}),
+    # OPT flattens the sum to rows before the MLP's norm (a reshape that commutes with the norm)
+    "opt": (_family("opt"), {"layer_norm": L + 1, "attention": L, "residual_stream": L, "dropout_add": L, **LOSS}),
     # encoder-decoder: L encoder and L decoder blocks; each stack's last add feeds its final norm
     # across the block boundary (left as dropout_add), the others fuse with the next block's norm
     "t5": (_family("t5"), {"rms_norm": 2 * L + 2, "residual_stream": 3 * L, "dropout_add": 2 * L,

@@ -69,6 +69,21 @@ class AddmmPostNorm(nn.Module):
         return self.ln(rows + self.drop(torch.addmm(self.b, rows, self.w)))
 
 
+class ReshapedPreNorm(nn.Module):
+    """OPT's MLP half: the sum flattened to rows before the norm, and carried on flat."""
+
+    def __init__(self, flat=(-1, N), norm_dim=N):
+        super().__init__()
+        self.fc = nn.Linear(N, N)
+        self.drop = nn.Dropout(0.0)
+        self.ln = nn.LayerNorm(norm_dim)
+        self.flat = flat
+
+    def forward(self, x):
+        h = (x + self.drop(self.fc(x))).reshape(self.flat)
+        return self.ln(h) * 2.0, h
+
+
 @pytest.mark.parametrize("capture", CAPTURES)
 @pytest.mark.parametrize("make, expected", [
     (PreNorm, {"layer_norm": 1, "linear_residual_norm": 1}),
@@ -79,11 +94,14 @@ class AddmmPostNorm(nn.Module):
     (lambda: PreNorm(norm=OlmoLayerNorm), {"layer_norm_in_fp32": 1, "linear_residual_norm": 1}),
     (PostNorm, {"linear_residual_norm": 1}),
     (Conv1DPostNorm, {"conv1d_residual_norm": 1}),
+    (ReshapedPreNorm, {"linear_residual_norm": 1}),
+    # the reshape merges the normalized dim with another: it does not commute with the norm
+    (lambda: ReshapedPreNorm(flat=(2, -1), norm_dim=5 * N), {"layer_norm": 1, "linear_dropout_add": 1}),
     (AddmmPostNorm, {"addmm_residual_norm": 1}),
     (lambda: AddmmPostNorm(bias_shape=(10, N)), {"dropout_add_layer_norm": 1}),  # 2-D bias stays in the addmm
 ], ids=["pre-norm", "pre-norm-no-bias", "pre-norm-rms", "pre-norm-gemma", "pre-norm-olmo",
-        "post-norm-bert", "post-norm-conv1d", "post-norm-addmm",
-        "post-norm-addmm-2d-bias"])
+        "post-norm-bert", "post-norm-conv1d", "pre-norm-reshaped-opt", "pre-norm-reshape-merging-dims",
+        "post-norm-addmm", "post-norm-addmm-2d-bias"])
 def test_spelling_fuses_and_matches(make, expected, capture):
     assert check_against_unfused(make, X, capture).by_pattern() == expected
 
