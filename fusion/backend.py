@@ -31,7 +31,7 @@ from torch import fx
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..patterns import PATTERNS
-from .capture import Capture
+from .capture import Capture, checkpoints_run_eagerly, rewrite_bodies
 from .normalize import canonicalize
 from .rewriter import rewrite_graph, select_patterns
 
@@ -42,7 +42,11 @@ log = logging.getLogger("trifuse")
 _COMPILED: "WeakIdKeyDictionary[torch.Tensor, list[Capture]]" = WeakIdKeyDictionary()
 
 
-def _rewrite(gm: fx.GraphModule, example_inputs: list[Any], backend: str) -> fx.GraphModule:
+def _rewrite(gm: fx.GraphModule, example_inputs: list[Any], backend: str, eager: bool = False) -> fx.GraphModule:
+    """The graph rewritten. `eager`: it runs as it is, so the bodies of its activation checkpoints
+    are rewritten too and run by torch.utils.checkpoint keeping the RNG state for the recompute.
+    Otherwise (AOTAutograd, Inductor) they stay as captured: their recompute would run a trifuse
+    op again, drawing a new dropout seed where Inductor replays its own RNG."""
     compile_id = gm.meta.get("dynamo_compile_id")
     capture = Capture(mode=f"{backend}, graph {compile_id}" if compile_id is not None else backend)
     capture.frame = getattr(compile_id, "frame_id", None)
@@ -51,7 +55,11 @@ def _rewrite(gm: fx.GraphModule, example_inputs: list[Any], backend: str) -> fx.
     work = fx.GraphModule(gm, graph)
     try:
         canonicalize(work)
-        capture.log = rewrite_graph(work.graph, select_patterns(PATTERNS, None))
+        patterns = select_patterns(PATTERNS, None)
+        capture.log = rewrite_graph(work.graph, patterns)
+        if eager:
+            rewrite_bodies(work, patterns, capture.log)
+            checkpoints_run_eagerly(work)
         work.recompile()
     except Exception as e:  # noqa: BLE001  (never break a model: compile the graph as captured)
         capture.error = f"{type(e).__name__}: {e}"
@@ -85,7 +93,7 @@ def trifuse_backend(gm: fx.GraphModule, example_inputs: list[Any], mode: str | N
     if options:
         raise ValueError(f"torch.compile(backend='trifuse') takes no options, got {sorted(options)} "
                          "(Inductor's options need backend='trifuse_inductor')")
-    work = _rewrite(gm, example_inputs, "backend=trifuse")
+    work = _rewrite(gm, example_inputs, "backend=trifuse", eager=mode != "reduce-overhead")
     if mode == "reduce-overhead":
         from torch._dynamo.backends.cudagraphs import cudagraphs
 

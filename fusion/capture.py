@@ -125,6 +125,8 @@ class Unit:
             self._before_rewrite(work.graph)
             log = rewrite_graph(work.graph, self.patterns)
             self._annotate(work.graph, log)
+            rewrite_bodies(work, self.patterns, log)
+            checkpoints_run_eagerly(work)
             work.recompile()
         except Exception as e:  # noqa: BLE001  (never break a model: run the capture unfused)
             capture.error = f"{type(e).__name__}: {e}"
@@ -154,6 +156,64 @@ def _installed_forward(unit: Unit) -> Callable[..., Any]:
 def installed_unit(module: torch.nn.Module) -> Unit | None:
     fwd = module.__dict__.get("forward")
     return getattr(getattr(fwd, "__func__", None), "__trifuse_unit__", None)
+
+
+def _hop_bodies(gm: fx.GraphModule) -> list[fx.GraphModule]:
+    """The graphs of higher-order ops in `gm` (Dynamo puts a block called under activation
+    checkpointing, Hugging Face's gradient checkpointing, into `tag_activation_checkpoint(body,
+    ...)`), each replaced by a copy of its own so that the captured graph stays untouched, nested
+    ones included."""
+    bodies = []
+    for node in list(gm.graph.nodes):
+        if node.op != "get_attr":
+            continue
+        body = getattr(gm, node.target, None)
+        if not isinstance(body, fx.GraphModule) or not all(u.op == "call_function" for u in node.users):
+            continue
+        graph = fx.Graph()
+        graph.output(graph.graph_copy(body.graph, {}))
+        own = fx.GraphModule(body, graph)
+        setattr(gm, node.target, own)
+        bodies += [own, *_hop_bodies(own)]
+    return bodies
+
+
+def rewrite_bodies(gm: fx.GraphModule, patterns: Sequence[Pattern], log: RewriteLog) -> None:
+    """Rewrites the graphs of `gm`'s higher-order ops too (own copies, see `_hop_bodies`)."""
+    for body in _hop_bodies(gm):
+        canonicalize(body)
+        _merge(log, rewrite_graph(body.graph, patterns))
+        body.recompile()
+
+
+def checkpoints_run_eagerly(gm: fx.GraphModule) -> None:
+    """`tag_activation_checkpoint` nodes (also in bodies) call `_checkpoint` instead: for a graph
+    run as it is, not compiled by Inductor. The op's own eager path checkpoints with
+    preserve_rng_state=False (Inductor restores the RNG state its own way), so the recompute in
+    the backward would draw other dropout masks than the forward did: wrong gradients."""
+    hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+    for module in gm.modules():
+        if not isinstance(module, fx.GraphModule):
+            continue
+        changed = False
+        for node in module.graph.nodes:
+            if node.op == "call_function" and hop is not None and node.target is hop:
+                node.target = _checkpoint
+                changed = True
+        if changed:
+            module.recompile()
+
+
+def _checkpoint(body: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+    """torch.utils.checkpoint of a captured body, with the options the model passed (Hugging Face:
+    use_reentrant=False, preserve_rng_state left at its default, True)."""
+    from torch.utils.checkpoint import checkpoint
+
+    kwargs.setdefault("use_reentrant", False)
+    context_fn = body.meta.get("_checkpoint_context_fn")
+    if context_fn is not None:
+        kwargs.setdefault("context_fn", context_fn)
+    return checkpoint(body, *args, **kwargs)
 
 
 def _merge(into: RewriteLog, log: RewriteLog) -> None:

@@ -215,3 +215,42 @@ def test_inductor_failing_on_the_rewritten_graph_compiles_it_unfused(monkeypatch
     report = trifuse.report(compiled)
     assert "Inductor failed on the rewritten graph" in report.table() and not report.counts()
     assert "compiled unfused" in caplog.text
+
+
+class _CheckpointedBlocks(torch.nn.Module):
+    """A model that checkpoints its blocks itself (torch.utils.checkpoint in its forward)."""
+
+    def __init__(self, checkpointed: bool):
+        super().__init__()
+        h = _models.HIDDEN
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(
+            torch.nn.LayerNorm(h), torch.nn.Linear(h, 2 * h), torch.nn.GELU(), torch.nn.Linear(2 * h, h),
+            torch.nn.Dropout(0.2)) for _ in range(2))
+        self.checkpointed = checkpointed
+
+    def forward(self, x):
+        for block in self.blocks:
+            if self.checkpointed:
+                x = x + torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = x + block(x)
+        return x
+
+
+def test_trifuse_backend_fuses_inside_checkpoints_and_recomputes_the_same_dropout():
+    # Dynamo puts each checkpointed call into a tag_activation_checkpoint op; backend="trifuse"
+    # rewrites its body and runs it with torch.utils.checkpoint keeping the RNG state, so the
+    # recompute draws the forward's dropout masks (torch's dropout here: no add follows it inside
+    # the body), and the gradients equal those of the model run eagerly from the same seed.
+    torch.manual_seed(0)
+    model = _CheckpointedBlocks(checkpointed=True).to(_models.DEVICE)
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 5, _models.HIDDEN, device=_models.DEVICE)
+    compiled = torch.compile(model, backend="trifuse")
+    for m in (compiled, ref):
+        torch.manual_seed(7)
+        m(x).square().sum().backward()
+    for (name, p), pr in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, pr.grad, rtol=1e-4, atol=1e-5, msg=name)
+    if has_op("bias_gelu"):
+        assert trifuse.report(compiled).counts().get("bias_gelu") == 2

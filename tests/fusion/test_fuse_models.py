@@ -324,3 +324,48 @@ def test_each_head_capture_fences_with_its_own_code_object():
         assert "fenced off: model" in trifuse.report(model).table()
         fences.append(model.model.forward.__func__)
     assert fences[0].__code__ is not fences[1].__code__
+
+
+def _train_step(model, loss_fn, kw, seed):
+    torch.manual_seed(seed)
+    loss = loss_fn(model, kw)
+    loss.backward()
+    return loss.detach(), [p.grad for p in model.parameters()]
+
+
+def test_gradient_checkpointing_fuses_and_matches_the_unfused_model():
+    # transformers' gradient checkpointing: Dynamo captures each block inside a
+    # tag_activation_checkpoint op whose body holds the block's graph; fuse rewrites the body.
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _models.gpt2()
+    ref64 = copy.deepcopy(model).double()
+    model.gradient_checkpointing_enable()
+    trifuse.fuse(model)
+    model.train()
+    ref64.train()
+    kw = inputs(2, 8)
+    loss, grads = _train_step(model, loss_fn, kw, 1)
+    loss64, grads64 = _train_step(ref64, loss_fn, _double_inputs(kw), 1)
+    assert_close("loss", loss, loss64, None)
+    for (name, _), g, g64 in zip(model.named_parameters(), grads, grads64):
+        assert_close(f"grad {name}", g, g64, None)
+    assert trifuse.report(model).counts() == available_counts({**PRE_NORM, **LOSS})
+
+
+def test_gradient_checkpointing_recomputes_the_forwards_dropout_masks():
+    # The recompute in the backward must draw the forward's dropout seeds: the same fused model
+    # with and without checkpointing, from the same seed, gives the same gradients. (The
+    # checkpoint op's own eager path turns RNG preservation off: new masks, wrong gradients.)
+    torch.manual_seed(0)
+    plain, inputs, loss_fn = _models.gpt2(dropout=0.2)
+    checkpointed = copy.deepcopy(plain)
+    checkpointed.gradient_checkpointing_enable()
+    for m in (plain, checkpointed):
+        trifuse.fuse(m).train()
+    kw = inputs(2, 8)
+    loss, grads = _train_step(plain, loss_fn, kw, 3)
+    loss_ck, grads_ck = _train_step(checkpointed, loss_fn, kw, 3)
+    torch.testing.assert_close(loss_ck, loss)
+    for (name, _), g, g_ck in zip(plain.named_parameters(), grads, grads_ck):
+        torch.testing.assert_close(g_ck, g, msg=name)
+    assert trifuse.report(checkpointed).counts() == trifuse.report(plain).counts()
