@@ -14,6 +14,8 @@ Backward, with dP~ = dO V^T and delta = rowsum(dO * O) (= rowsum(P * dP~ * Z / (
     dP = dP~ * Z / (1 - p)
     dS = P * (dP - delta)
     dQ = scale * dS K;  dK = scale * dS^T Q   (dK summed over the group like dV)
+    dMask = dS                                (a float mask that requires grad; the mask is added
+                                              after the scale; summed over its broadcast dims)
 
 Causal alignment is SDPA's `is_causal`: top-left, query i sees keys j <= i, also when Sq != Sk
 (rows i >= Sk see every key; keys j >= Sq are seen by nobody and get zero gradients).
@@ -34,16 +36,25 @@ and accumulate in fp32 (fp64 for fp64 inputs, used by gradcheck); fp32 dots are 
 Memory plan: the score matrix never exists. The forward saves O and the row log-sum-exp L
 (fp32; fp64 for fp64), plus the Philox seed when dropout is on; the backward recomputes P block
 by block from Q, K and L, and regenerates the dropout mask from (seed, row, column): the counter
-column is the key index, the row (b * Hq + h) * Sq + query index. Extra memory is O(B H Sq).
+column is the key index, the row (b * Hq + h) * Sq + query index. Extra memory is O(B H Sq)
+(plus the O(B H Sq Sk) dS buffer when the mask requires grad, below).
 
 Kernels (one program per block of rows, looping over the other sequence):
     _attn_fwd_kernel              per (query block, b, h): online softmax over key blocks
     _attn_bwd_preprocess_kernel   delta = rowsum(dO * O)
     _attn_bwd_dkdv_kernel         per (key block, b, hk): loops over the group's query heads and
                                   their query blocks; dK, dV stay in registers
-    _attn_bwd_dq_kernel           per (query block, b, h): loops over key blocks; dQ in registers
+    _attn_bwd_dq_kernel           per (query block, b, h): loops over key blocks; dQ in registers;
+                                  with MASK_GRAD it also stores every dS tile it forms
 Every output element is written by exactly one program and no atomics are used, so the backward
 is deterministic by construction (bitwise repeatable), GQA's group sums included.
+
+The mask gradient (only when a float attn_mask requires grad: T5's learned position bias) is the
+one place the score matrix exists: the dQ kernel writes dS to a dense (B, Hq, Sq, Sk) buffer (fp32;
+fp64 for fp64), and torch sums it over the dims the mask broadcasts along. Atomics straight into
+the mask's broadcast shape would save that memory but race across batches / heads (T5's
+(1, H, Sq, Sk) bias is summed over the batch): non-deterministic fp32 sums, contention on one row
+per batch, and nothing the interpreter can test. The buffer is what SDPA's math backend holds too.
 All four launch through CachedKernel with a launch plan per exact shape (_FWD_PLANS, _BWD_PLANS):
 after the first call of a shape, a call costs a dict lookup and four direct launches.
 
