@@ -549,6 +549,7 @@ GPU_CASES = [
     dict(shape=(1, 8, 257, 64), is_causal=True, h_kv=2),
     dict(shape=(2, 4, 64, 64), mask="bool"),
     dict(shape=(2, 4, 64, 80), mask="float"),
+    dict(shape=(2, 4, 64, 64), mask="float-grad"),  # T5's position bias: the check compares dMask
 ]
 
 
@@ -560,6 +561,8 @@ def _gpu_args(case, dtype, dropout_p=0.0):
         mask = torch.rand(b, 1, 1, s, device=DEVICE) > 0.2
     elif case.get("mask") == "float":
         mask = torch.randn(b, 1, s, s, device=DEVICE, dtype=dtype)
+    elif case.get("mask") == "float-grad":
+        mask = torch.randn(1, h, s, s, device=DEVICE, dtype=dtype, requires_grad=True)
     return call(q, k, v, mask, dropout_p, case.get("is_causal", False), None, "h_kv" in case)
 
 
