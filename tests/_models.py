@@ -147,29 +147,6 @@ def hf_family(model_type: str):
 
 
 @_on_device
-def t5(layers: int = LAYERS):
-    """Encoder-decoder: T5's learned relative position bias is added to the scores through SDPA's
-    attn_mask (a float mask that requires grad), in the encoder's and the decoder's self-attention;
-    the cross-attention takes no bias. T5LayerNorm is an RMSNorm without bias."""
-    tf = _quiet_transformers()
-    cfg = tf.T5Config(vocab_size=96, d_model=HIDDEN, d_kv=8, d_ff=2 * HIDDEN, num_layers=layers,
-                      num_decoder_layers=layers, num_heads=4, relative_attention_num_buckets=8,
-                      relative_attention_max_distance=16, dropout_rate=0.0, decoder_start_token_id=0,
-                      pad_token_id=0, attn_implementation="sdpa")
-    model = tf.T5ForConditionalGeneration(cfg)
-
-    def inputs(batch, seq):
-        ids = torch.randint(1, 96, (batch, seq))
-        labels = torch.randint(1, 96, (batch, seq - 2))
-        # Contiguous decoder inputs (the model's own shift_right builds them from the labels anyway).
-        decoder_ids = torch.cat([torch.zeros(batch, 1, dtype=torch.long), labels[:, :-1]], dim=1).contiguous()
-        return {"input_ids": ids, "labels": labels.contiguous(), "decoder_input_ids": decoder_ids,
-                "use_cache": False}
-
-    return model, inputs, lambda m, kw: m(**kw).loss
-
-
-@_on_device
 def transformer_encoder(norm_first: bool, dropout: float = 0.0, layers: int = LAYERS):
     layer = nn.TransformerEncoderLayer(HIDDEN, HEADS, 2 * HIDDEN, dropout=dropout, activation="gelu",
                                        batch_first=True, norm_first=norm_first)

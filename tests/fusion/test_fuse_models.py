@@ -1,4 +1,4 @@
-"""fuse() on real models nobody here wrote (Hugging Face GPT-2, BERT, ViT, Llama, T5 from tiny
+"""fuse() on real models nobody here wrote (Hugging Face GPT-2, BERT, ViT, Llama from tiny
 configs; torch.nn.TransformerEncoder post-norm and pre-norm) and on nanoGPT as written: every
 block fused, the trifuse ops run, outputs and gradients equal the unfused model by the oracle
 rule, the model keeps its class, Parameter objects and state_dict."""
@@ -47,9 +47,6 @@ MODELS = {
                           {"attention": L, "bias_gelu": L, "residual_stream": 2 * L}),
     "encoder-pre-norm": (lambda: _models.transformer_encoder(True),
                          {"layer_norm": L, "attention": L, "bias_gelu": L, "residual_stream": L, "dropout_add": L}),
-    # T5: the learned position bias reaches SDPA as a float attn_mask that requires grad (the
-    # encoder's and decoder's self-attention); 2 encoder self, 2 decoder self, 2 cross-attentions
-    "t5": (_models.t5, {"attention": 3 * L, "dropout_add": 5 * L, **LOSS}),
     "nanogpt": (_models.nanogpt, NANOGPT),
     "nanogpt-explicit-attention": (lambda: _models.nanogpt(flash=False), NANOGPT),
     # More Hugging Face families (tests/_models.py, _FAMILIES says what each writes differently).
@@ -159,16 +156,16 @@ def test_report_says_why_the_head_is_not_fused(name, reason):
 def test_t5_self_attention_with_its_position_bias_is_fused():
     """T5's relative position bias requires grad: every attention is replaced, none rejected, and
     the bias embedding gets its gradient through the fused op's dMask."""
+    if not has_op("attention"):
+        pytest.skip("trifuse.ops.attention not in this build")
     torch.manual_seed(0)
-    model, inputs, loss_fn = _models.t5()
+    model, inputs, loss_fn = _models.hf_family("t5")
     ref64 = copy.deepcopy(model).double()
     trifuse.fuse(model)
     kw = inputs(3, 9)
     loss_fn(model, kw).backward()
     loss_fn(ref64, _double_inputs(kw)).backward()
     report = trifuse.report(model)
-    if not has_op("attention"):
-        pytest.skip("trifuse.ops.attention not in this build")
     assert report.counts()["attention"] == 3 * L
     assert not [r for r in report.rejected() if r[2].startswith("sdpa")], report.table()
     for stack in ("encoder", "decoder"):
