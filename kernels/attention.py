@@ -1194,6 +1194,8 @@ def _sdpa_supports(name: str):
             return f"SDPA's {label} backend takes head dims that are multiples of 8 up to 256, got {d}"
         if name == "sdpa-flash" and attn_mask is not None:
             return "SDPA's flash backend takes no attn_mask"
+        # _scaled_dot_product_cudnn_attention_backward returns (dq, dk, dv) only; the efficient
+        # backend's backward returns the bias gradient too (and the check compares it).
         if name == "sdpa-cudnn" and _needs_mask_grad(attn_mask):
             return "SDPA's cuDNN backend gives no gradient for attn_mask"
         return _sdpa_call_problem(name, q, k, v, attn_mask, dropout_p, is_causal, enable_gqa)
