@@ -14,6 +14,8 @@ Backward, with dP~ = dO V^T and delta = rowsum(dO * O) (= rowsum(P * dP~ * Z / (
     dP = dP~ * Z / (1 - p)
     dS = P * (dP - delta)
     dQ = scale * dS K;  dK = scale * dS^T Q   (dK summed over the group like dV)
+    dMask = dS                                (a float mask that requires grad; the mask is added
+                                              after the scale; summed over its broadcast dims)
 
 Causal alignment is SDPA's `is_causal`: top-left, query i sees keys j <= i, also when Sq != Sk
 (rows i >= Sk see every key; keys j >= Sq are seen by nobody and get zero gradients).
@@ -34,16 +36,25 @@ and accumulate in fp32 (fp64 for fp64 inputs, used by gradcheck); fp32 dots are 
 Memory plan: the score matrix never exists. The forward saves O and the row log-sum-exp L
 (fp32; fp64 for fp64), plus the Philox seed when dropout is on; the backward recomputes P block
 by block from Q, K and L, and regenerates the dropout mask from (seed, row, column): the counter
-column is the key index, the row (b * Hq + h) * Sq + query index. Extra memory is O(B H Sq).
+column is the key index, the row (b * Hq + h) * Sq + query index. Extra memory is O(B H Sq)
+(plus the O(B H Sq Sk) dS buffer when the mask requires grad, below).
 
 Kernels (one program per block of rows, looping over the other sequence):
     _attn_fwd_kernel              per (query block, b, h): online softmax over key blocks
     _attn_bwd_preprocess_kernel   delta = rowsum(dO * O)
     _attn_bwd_dkdv_kernel         per (key block, b, hk): loops over the group's query heads and
                                   their query blocks; dK, dV stay in registers
-    _attn_bwd_dq_kernel           per (query block, b, h): loops over key blocks; dQ in registers
+    _attn_bwd_dq_kernel           per (query block, b, h): loops over key blocks; dQ in registers;
+                                  with MASK_GRAD it also stores every dS tile it forms
 Every output element is written by exactly one program and no atomics are used, so the backward
 is deterministic by construction (bitwise repeatable), GQA's group sums included.
+
+The mask gradient (only when a float attn_mask requires grad: T5's learned position bias) is the
+one place the score matrix exists: the dQ kernel writes dS to a dense (B, Hq, Sq, Sk) buffer (fp32;
+fp64 for fp64), and torch sums it over the dims the mask broadcasts along. Atomics straight into
+the mask's broadcast shape would save that memory but race across batches / heads (T5's
+(1, H, Sq, Sk) bias is summed over the batch): non-deterministic fp32 sums, contention on one row
+per batch, and nothing the interpreter can test. The buffer is what SDPA's math backend holds too.
 All four launch through CachedKernel with a launch plan per exact shape (_FWD_PLANS, _BWD_PLANS):
 after the first call of a shape, a call costs a dict lookup and four direct launches.
 
@@ -421,13 +432,15 @@ def _attn_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _attn_bwd_dq_loop(dq, q, do, lse, delta, K, V, MASK, seed, rng_rows, offs_m, offs_n, offs_d,
+def _attn_bwd_dq_loop(dq, q, do, lse, delta, K, V, MASK, DMASK, seed, rng_rows, offs_m, offs_n, offs_d,
                       stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
                       N_Q, N_K, qk_scale, p_drop, dropout_scale, lo, hi,
                       HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                       IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr, ACC: tl.constexpr):
-    """Accumulates dQ of one query block over the key blocks [lo, hi)."""
+                      MASK_GRAD: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr):
+    """Accumulates dQ of one query block over the key blocks [lo, hi); with MASK_GRAD, also
+    stores each dS tile (= d(mask), the mask being added to the scores) into this (b, h)'s
+    dense (N_Q, N_K) slice of DMASK."""
     mask_d = offs_d < HEAD_DIM
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
@@ -445,6 +458,9 @@ def _attn_bwd_dq_loop(dq, q, do, lse, delta, K, V, MASK, seed, rng_rows, offs_m,
             keep = dropout_keep(seed, rng_rows[:, None], cols[None, :] + 0 * offs_m[:, None], p_drop)
             dp = tl.where(keep, dp * dropout_scale, 0.0)
         ds = p * (dp - delta[:, None])
+        if MASK_GRAD:
+            tl.store(DMASK + offs_m[:, None].to(tl.int64) * N_K + cols[None, :], ds.to(DMASK.dtype.element_ty),
+                     mask=(offs_m[:, None] < N_Q) & (cols[None, :] < N_K))
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION, out_dtype=ACC)
     return dq
 
@@ -458,6 +474,7 @@ def _attn_bwd_dq_kernel(
     LSE,  # in (B, H, N_Q) from the forward
     DELTA,  # in (B, H, N_Q) rowsum(dO * O)
     DQ,  # out (B, H, N_Q, HEAD_DIM)
+    DMASK,  # out (B, H, N_Q, N_K) contiguous, fp32 (fp64 for fp64): dS; unused unless MASK_GRAD
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -468,7 +485,7 @@ def _attn_bwd_dq_kernel(
     Q_BUCKET, K_BUCKET,  # unused in the kernel: the tuner keys on these buckets on the host
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
+    MASK_GRAD: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
@@ -489,6 +506,8 @@ def _attn_bwd_dq_kernel(
     K += b * stride_kb + hk * stride_kh
     V += b * stride_vb + hk * stride_vh
     MASK += b * stride_mb + h * stride_mh
+    if MASK_GRAD:
+        DMASK += bh * N_Q * N_K
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
     if IS_CAUSAL:
@@ -497,14 +516,16 @@ def _attn_bwd_dq_kernel(
     else:
         hi = N_K
         n_full = N_K // BLOCK_N * BLOCK_N
-    dq = _attn_bwd_dq_loop(dq, q, do, lse, delta, K, V, MASK, seed, rng_rows, offs_m, offs_n, offs_d,
+    dq = _attn_bwd_dq_loop(dq, q, do, lse, delta, K, V, MASK, DMASK, seed, rng_rows, offs_m, offs_n, offs_d,
                            stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
                            N_Q, N_K, qk_scale, p_drop, dropout_scale, 0, n_full,
-                           HEAD_DIM, BLOCK_N, False, IS_CAUSAL, MASK_KIND, HAS_DROPOUT, DOT_PRECISION, ACC)
-    dq = _attn_bwd_dq_loop(dq, q, do, lse, delta, K, V, MASK, seed, rng_rows, offs_m, offs_n, offs_d,
+                           HEAD_DIM, BLOCK_N, False, IS_CAUSAL, MASK_KIND, HAS_DROPOUT, MASK_GRAD,
+                           DOT_PRECISION, ACC)
+    dq = _attn_bwd_dq_loop(dq, q, do, lse, delta, K, V, MASK, DMASK, seed, rng_rows, offs_m, offs_n, offs_d,
                            stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
                            N_Q, N_K, qk_scale, p_drop, dropout_scale, n_full, hi,
-                           HEAD_DIM, BLOCK_N, True, IS_CAUSAL, MASK_KIND, HAS_DROPOUT, DOT_PRECISION, ACC)
+                           HEAD_DIM, BLOCK_N, True, IS_CAUSAL, MASK_KIND, HAS_DROPOUT, MASK_GRAD,
+                           DOT_PRECISION, ACC)
     dq *= sm_scale
     tl.store(_tile(DQ + b * stride_dqb + h * stride_dqh, offs_m, offs_d, stride_dqm, stride_dqd),
              dq.to(DQ.dtype.element_ty), mask=qo_mask)
@@ -625,9 +646,9 @@ _BWD_PLANS: dict[tuple, tuple] = {}
 
 
 def _plan_key(q: torch.Tensor, bsz: int, h: int, h_kv: int, sq: int, sk: int, d: int, is_causal: bool,
-              mask_kind: int, has_dropout: bool) -> tuple:
+              mask_kind: int, has_dropout: bool, mask_grad: bool = False) -> tuple:
     return (q.get_device() if q.is_cuda else -1, q.dtype, bsz, h, h_kv, sq, sk, d, is_causal, mask_kind,
-            has_dropout)
+            has_dropout, mask_grad)
 
 
 
@@ -757,35 +778,48 @@ def attention_bwd(
     dropout_p: float,
     is_causal: bool,
     scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (dq, dk, dv) shaped and laid out like q, k, v (contiguous when those are not dense)."""
+    mask_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Returns (dq, dk, dv, dmask): dq, dk, dv shaped and laid out like q, k, v (contiguous when
+    those are not dense); dmask, with `mask_grad` (a float attn_mask), in the mask's shape and
+    dtype (summed over the dims it broadcasts along), else None.
+
+    dmask is dS, which the dQ kernel writes into a dense (B, Hq, Sq, Sk) buffer (fp32; fp64 for
+    fp64) before the host sums the broadcast dims: O(B Hq Sq Sk) extra memory for this call, as
+    SDPA's math and efficient backends need for the same gradient."""
     bsz, h, sq, d = q.shape
     h_kv, sk = k.shape[1], k.shape[2]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if q.numel() == 0 or k.numel() == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
+        dmask = torch.zeros_like(attn_mask, memory_format=torch.contiguous_format) if mask_grad else None
+        return dq.zero_(), dk.zero_(), dv.zero_(), dmask
     if not _use_kernels(q):
-        grads = _attention_bwd_torch(do, q, k, v, o, lse, seed, attn_mask, dropout_p, is_causal, scale)
-        return dq.copy_(grads[0]), dk.copy_(grads[1]), dv.copy_(grads[2])
+        grads = _attention_bwd_torch(do, q, k, v, o, lse, seed, attn_mask, dropout_p, is_causal, scale, mask_grad)
+        dmask = _reduce_mask_grad(grads[3], attn_mask) if mask_grad else None
+        return dq.copy_(grads[0]), dk.copy_(grads[1]), dv.copy_(grads[2]), dmask
     mask, sm, mask_kind = _mask_arg(attn_mask, (bsz, h, sq, sk), q)
     has_dropout = dropout_p > 0.0
     delta = torch.empty_like(lse)
     seed_arg = seed if has_dropout else q
+    ds = None
+    if mask_grad:
+        # Causal: key blocks past the diagonal are never visited, and their dS is 0.
+        ds = (torch.zeros if is_causal else torch.empty)((bsz, h, sq, sk), dtype=lse.dtype, device=q.device)
     tail = (scale, scale * LOG2E, dropout_p, _dropout_scale(dropout_p), _bucket(sq), _bucket(sk))
     pre_args = (o, do, delta, *o.stride(), *do.stride(), h, sq)
     dkdv_args = (q, k, v, mask, seed_arg, do, lse, delta, dk, dv,
                  *q.stride(), *k.stride(), *v.stride(), *sm, *do.stride(), *dk.stride(), *dv.stride(),
                  h, h_kv, sq, sk, h // h_kv, *tail)
-    dq_args = (q, k, v, mask, seed_arg, do, lse, delta, dq,
+    dq_args = (q, k, v, mask, seed_arg, do, lse, delta, dq, q if ds is None else ds,
                *q.stride(), *k.stride(), *v.stride(), *sm, *do.stride(), *dq.stride(),
                h, sq, sk, h // h_kv, *tail)
-    key = _plan_key(q, bsz, h, h_kv, sq, sk, d, is_causal, mask_kind, has_dropout)
+    key = _plan_key(q, bsz, h, h_kv, sq, sk, d, is_causal, mask_kind, has_dropout, mask_grad)
     plan = _BWD_PLANS.get(key)
     if plan is not None:
         _BWD_PREPROCESS.run(plan[0], pre_args, plan[1])
         _BWD_DKDV.run(plan[2], dkdv_args, plan[3])
         _BWD_DQ.run(plan[4], dq_args, plan[5])
-        return dq, dk, dv
+        return dq, dk, dv, None if ds is None else _reduce_mask_grad(ds, attn_mask)
     block_d = _block_d(d)
     acc = acc_dtype(q.dtype)
     pre_block = 32 if INTERPRET else 64  # small under the interpreter: tests cross its blocks too
@@ -797,11 +831,24 @@ def attention_bwd(
     tuning_key = _tuning_key(q, sq, sk, d, block_d, is_causal, mask_kind, has_dropout)
     planned_dkdv = _tuned_launch("dkdv", tuning_key, lambda meta: (cdiv(sk, meta["BLOCK_N"]), bsz * h_kv),
                                  dkdv_args, constexprs)
+    # The dQ kernel's block sizes are tuned without MASK_GRAD: the extra store does not change
+    # which tiles fit, and one tuner key per shape bucket keeps tuning off the training loop.
     planned_dq = _tuned_launch("dq", tuning_key, lambda meta: (cdiv(sq, meta["BLOCK_M"]), bsz * h),
-                               dq_args, constexprs)
+                               dq_args, {**constexprs, "MASK_GRAD": mask_grad})
     if planned_dkdv is not None and planned_dq is not None:
         store_plan(_BWD_PLANS, key, (pre_grid, pre_meta, *planned_dkdv, *planned_dq))
-    return dq, dk, dv
+    return dq, dk, dv, None if ds is None else _reduce_mask_grad(ds, attn_mask)
+
+
+def _reduce_mask_grad(ds: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
+    """dS (B, Hq, Sq, Sk) summed over the dims along which `attn_mask` broadcasts, in its shape
+    and dtype. A dim of the mask with stride 0 but full size is not summed: autograd's expand
+    backward sums it into the tensor the mask was expanded from."""
+    lead = ds.dim() - attn_mask.dim()
+    dims = [i for i in range(ds.dim()) if i < lead or attn_mask.shape[i - lead] == 1 < ds.shape[i]]
+    if dims:
+        ds = ds.sum(dims, keepdim=True)
+    return ds.view(attn_mask.shape).to(attn_mask.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -849,7 +896,7 @@ def _attention_fwd_torch(q, k, v, attn_mask, dropout_p, is_causal, scale, seed):
     return p @ _repeat_kv(v, group).to(p.dtype), lse
 
 
-def _attention_bwd_torch(do, q, k, v, o, lse, seed, attn_mask, dropout_p, is_causal, scale):
+def _attention_bwd_torch(do, q, k, v, o, lse, seed, attn_mask, dropout_p, is_causal, scale, mask_grad=False):
     bsz, h, sq, d = q.shape
     h_kv, sk = k.shape[1], k.shape[2]
     group = h // h_kv
@@ -869,7 +916,7 @@ def _attention_bwd_torch(do, q, k, v, o, lse, seed, attn_mask, dropout_p, is_cau
     dv = pd.transpose(-2, -1) @ do_
     dk = dk.view(bsz, h_kv, group, sk, d).sum(2)
     dv = dv.view(bsz, h_kv, group, sk, d).sum(2)
-    return dq, dk, dv
+    return dq, dk, dv, ds if mask_grad else None
 
 
 # =============================================================================================
@@ -926,10 +973,10 @@ def _check_attention_inputs(q, k, v, attn_mask, dropout_p, is_causal, scale, ena
         raise TypeError(f"trifuse.{OP}: scale must be a number or None, got {type(scale).__name__}")
 
 
-def _check_mask_grad(attn_mask: torch.Tensor | None) -> None:
-    if attn_mask is not None and attn_mask.requires_grad:
-        raise ValueError(f"trifuse.{OP}: attn_mask requires grad; gradients with respect to the mask "
-                         "are not supported (detach it, or use F.scaled_dot_product_attention)")
+def _check_mask_grad(attn_mask: torch.Tensor | None, mask_grad: bool) -> None:
+    if mask_grad and (attn_mask is None or not attn_mask.is_floating_point()):
+        got = "no attn_mask" if attn_mask is None else f"a {attn_mask.dtype} attn_mask"
+        raise ValueError(f"trifuse.{OP}: mask_grad=True needs a floating-point attn_mask, got {got}")
 
 
 def _resolve_scale(scale: float | None, d: int) -> float:
@@ -961,12 +1008,15 @@ def _attention_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: OptTensor, dropout
 @torch.library.custom_op("trifuse::attention_backward", mutates_args=())
 def _attention_backward_op(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, seed: Tensor, attn_mask: OptTensor,
-    dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) for trifuse::attention."""
+    dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool, mask_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dmask) for trifuse::attention; dmask is the gradient of a float attn_mask, in
+    its shape and dtype, when mask_grad, else an empty tensor."""
     _check_attention_inputs(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    return attention_bwd(do, q, k, v, o, lse, seed, attn_mask, dropout_p, is_causal,
-                         _resolve_scale(scale, q.shape[-1]))
+    _check_mask_grad(attn_mask, mask_grad)
+    dq, dk, dv, dmask = attention_bwd(do, q, k, v, o, lse, seed, attn_mask, dropout_p, is_causal,
+                                      _resolve_scale(scale, q.shape[-1]), mask_grad)
+    return dq, dk, dv, q.new_empty(0) if dmask is None else dmask
 
 
 @_attention_op.register_fake
@@ -977,15 +1027,15 @@ def _(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
 
 
 @_attention_backward_op.register_fake
-def _(do, q, k, v, o, lse, seed, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+def _(do, q, k, v, o, lse, seed, attn_mask, dropout_p, is_causal, scale, enable_gqa, mask_grad):
     _check_attention_inputs(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    _check_mask_grad(attn_mask, mask_grad)
+    dmask = attn_mask.new_empty(attn_mask.shape) if mask_grad else q.new_empty(0)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
 
 
 def _setup_attention(ctx, inputs, output):
     q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa = inputs
-    if ctx.needs_input_grad[3]:
-        _check_mask_grad(attn_mask)
     o, lse, seed = output
     ctx.save_for_backward(q, k, v, o, lse, seed, attn_mask)
     ctx.args = (dropout_p, is_causal, scale, enable_gqa)
@@ -993,8 +1043,10 @@ def _setup_attention(ctx, inputs, output):
 
 def _backward_attention(ctx, do, *_):
     q, k, v, o, lse, seed, attn_mask = ctx.saved_tensors
-    dq, dk, dv = torch.ops.trifuse.attention_backward(do, q, k, v, o, lse, seed, attn_mask, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None
+    mask_grad = ctx.needs_input_grad[3]
+    dq, dk, dv, dmask = torch.ops.trifuse.attention_backward(do, q, k, v, o, lse, seed, attn_mask, *ctx.args,
+                                                             mask_grad)
+    return dq, dk, dv, dmask if mask_grad else None, None, None, None, None
 
 
 torch.library.register_autograd("trifuse::attention", _backward_attention, setup_context=_setup_attention)
@@ -1020,8 +1072,9 @@ class _AttentionFunction(torch.autograd.Function):
         q, k, v, o, lse, seed, attn_mask = ctx.saved_tensors
         dropout_p, is_causal, scale = ctx.args
         with profiled("trifuse::attention_backward"):
-            dq, dk, dv = attention_bwd(do, q, k, v, o, lse, seed, attn_mask, dropout_p, is_causal, scale)
-        return dq, dk, dv, None, None, None, None
+            dq, dk, dv, dmask = attention_bwd(do, q, k, v, o, lse, seed, attn_mask, dropout_p, is_causal, scale,
+                                              ctx.needs_input_grad[3])
+        return dq, dk, dv, dmask, None, None, None
 
 
 # =============================================================================================
@@ -1040,6 +1093,11 @@ class _AttentionFunction(torch.autograd.Function):
 _DIALECT_KEY_NAMES = ("device", "dtype", "batch_heads", "h_kv", "sq", "sk", "d", "causal", "mask", "dropout",
                       "grad")
 _MASK_KINDS = {None: _NO_MASK, torch.bool: _BOOL_MASK}
+_FLOAT_MASK_GRAD = 3  # the key's "mask" only: a float mask whose gradient the call needs
+
+
+def _needs_mask_grad(attn_mask) -> bool:
+    return attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled()
 
 
 def _attention_key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
@@ -1055,6 +1113,9 @@ def _attention_key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
         return None
     mask = _MASK_KINDS.get(None if attn_mask is None else attn_mask.dtype, _FLOAT_MASK)
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if mask == _FLOAT_MASK and attn_mask.requires_grad and torch.is_grad_enabled():
+        # Only candidates that give the mask's gradient are eligible for this key.
+        mask, grad = _FLOAT_MASK_GRAD, True
     # h_kv: 0 without GQA. causal: 0 no, 1 with Sq == Sk, 2 with Sq != Sk (where backends that
     # align the diagonal differently, or refuse, part ways: one bucket must not hold both).
     causal = (1 if qs[2] == ks[2] else 2) if is_causal else 0
@@ -1073,7 +1134,8 @@ def _attention_trifuse(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_g
 
 
 def _attention_output_like(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-    return torch.empty_like(q).requires_grad_(q.requires_grad or k.requires_grad or v.requires_grad)
+    grad = q.requires_grad or k.requires_grad or v.requires_grad or _needs_mask_grad(attn_mask)
+    return torch.empty_like(q).requires_grad_(grad)
 
 
 # Why calls fell back to trifuse's kernels from the candidate chosen for their key:
@@ -1132,6 +1194,10 @@ def _sdpa_supports(name: str):
             return f"SDPA's {label} backend takes head dims that are multiples of 8 up to 256, got {d}"
         if name == "sdpa-flash" and attn_mask is not None:
             return "SDPA's flash backend takes no attn_mask"
+        # _scaled_dot_product_cudnn_attention_backward returns (dq, dk, dv) only; the efficient
+        # backend's backward returns the bias gradient too (and the check compares it).
+        if name == "sdpa-cudnn" and _needs_mask_grad(attn_mask):
+            return "SDPA's cuDNN backend gives no gradient for attn_mask"
         return _sdpa_call_problem(name, q, k, v, attn_mask, dropout_p, is_causal, enable_gqa)
     return supports
 
@@ -1222,17 +1288,21 @@ REFERENCE_BLOCK_ELEMENTS = 1 << 24  # score entries per block of the reference (
 
 
 def _reference_blocks(args: tuple, dtype: torch.dtype, dy: torch.Tensor, train: bool) -> list:
-    """[o, dq, dk, dv] (gradients only when train) of attention_ref in `dtype`, by query blocks."""
+    """[o, dq, dk, dv, dmask] (gradients only when train, dmask only when the mask requires grad)
+    of attention_ref in `dtype`, by query blocks."""
     q, k, v, attn_mask, _, is_causal, scale, enable_gqa = args
     bsz, h, sq, d = q.shape
     sk = k.shape[2]
     q_, k_, v_ = (t.detach().to(dtype).requires_grad_(train) for t in (q, k, v))
-    mask = None
+    mask = mask_leaf = None
     if attn_mask is not None:
         mask = attn_mask.detach()
         if mask.is_floating_point():
-            mask = mask.to(dtype)  # before expanding: the cast of the expanded view would be S x S
+            # before expanding: the cast of the expanded view would be S x S
+            mask = mask_leaf = mask.to(dtype).requires_grad_(train and attn_mask.requires_grad)
         mask = mask.expand(bsz, h, sq, sk)
+    mask_grad = mask_leaf is not None and mask_leaf.requires_grad
+    dmask = torch.zeros_like(mask_leaf) if mask_grad else None
     rows = max(1, REFERENCE_BLOCK_ELEMENTS // max(1, bsz * h * sk))
     outs, dq = [], []
     dk = torch.zeros_like(k_) if train else None
@@ -1247,23 +1317,29 @@ def _reference_blocks(args: tuple, dtype: torch.dtype, dy: torch.Tensor, train: 
         with torch.enable_grad() if train else torch.no_grad():
             ob = attention_ref(qb, k_, v_, mb, 0.0, False, scale, enable_gqa)
         if train:
-            g = torch.autograd.grad(ob, (qb, k_, v_), dy[:, :, lo:hi].to(dtype))
+            g = torch.autograd.grad(ob, (qb, k_, v_, *([mask_leaf] if mask_grad else [])), dy[:, :, lo:hi].to(dtype))
             dq.append(g[0])
             dk += g[1]
             dv += g[2]
+            if mask_grad:
+                dmask += g[3]
         outs.append(ob.detach())
     result = [torch.cat(outs, dim=2)]
     if train:
-        result += [torch.cat(dq, dim=2), dk, dv]
+        result += [torch.cat(dq, dim=2), dk, dv, *([dmask] if mask_grad else [])]
     return result
 
 
 def _run_candidate(fn, args: tuple, dy: torch.Tensor, train: bool) -> list:
     q, k, v = (t.detach().requires_grad_(train) for t in args[:3])
-    o = fn(q, k, v, *args[3:])
+    mask = args[3]
+    mask_grad = train and _needs_mask_grad(mask)
+    if mask_grad:
+        mask = mask.detach().requires_grad_()
+    o = fn(q, k, v, mask, *args[4:])
     if not train:
         return [o.detach()]
-    return [o.detach(), *torch.autograd.grad(o, (q, k, v), dy)]
+    return [o.detach(), *torch.autograd.grad(o, (q, k, v, *([mask] if mask_grad else [])), dy, allow_unused=True)]
 
 
 def _rng_state(device: torch.device):
@@ -1281,7 +1357,7 @@ def _attention_check(fn, args: tuple) -> str | None:
     from ..autotune.dialects import gate
 
     q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa = args
-    train = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    train = torch.is_grad_enabled() and (any(t.requires_grad for t in (q, k, v)) or _needs_mask_grad(attn_mask))
     gen = torch.Generator(device=q.device).manual_seed(0)
     dy = torch.randn(q.shape, generator=gen, device=q.device, dtype=q.dtype)
     no_drop = (q, k, v, attn_mask, 0.0, is_causal, scale, enable_gqa)
@@ -1289,7 +1365,7 @@ def _attention_check(fn, args: tuple) -> str | None:
         ref64 = _reference_blocks(no_drop, torch.float64, dy, train)
         ref_lowp = _reference_blocks(no_drop, q.dtype, dy, train)
         got = _run_candidate(fn, no_drop, dy, train)
-    labels = ("output", "dq", "dk", "dv")
+    labels = ("output", "dq", "dk", "dv", "dmask")
     for label, g, e64, elp in zip(labels, got, ref64, ref_lowp):
         problem = gate(label + (" at dropout_p=0" if dropout_p > 0.0 else ""), g, e64, elp)
         if problem is not None:
@@ -1346,8 +1422,9 @@ def attention(
         q: (B, Hq, Sq, D); k, v: (B, Hkv, Sk, D). fp16 / bf16 / fp32 / fp64, one dtype; D <= 256;
             any strides (views of a fused QKV projection, (B, S, H, D) transposes).
         attn_mask: bool (True = attend) or float (added to the scores), broadcastable to
-            (B, Hq, Sq, Sk), e.g. HF key-padding masks (B, 1, 1, Sk) or (B, 1, Sq, Sk). It may not
-            require grad.
+            (B, Hq, Sq, Sk), e.g. HF key-padding masks (B, 1, 1, Sk) or (B, 1, Sq, Sk). A float mask
+            may require grad (T5's learned position bias): its gradient is dS, the gradient of the
+            scores, summed over the dims it broadcasts along.
         dropout_p: dropout on the attention probabilities, drawn in the kernel from a seed taken
             from PyTorch's generator (torch.manual_seed makes it repeatable) and regenerated in
             the backward. Pass 0.0 in eval, as with SDPA.
@@ -1369,11 +1446,9 @@ def attention(
 
     Raises:
         TypeError for non-float or mixed dtypes; ValueError for ranks, shapes, head counts, masks
-        that do not broadcast, dropout_p outside [0, 1], or a mask that requires grad.
+        that do not broadcast, or dropout_p outside [0, 1].
     """
     for name, t in (("query", q), ("key", k), ("value", v)):
         check_tensor(OP, name, t)
     check_probability(OP, "dropout_p", dropout_p)
-    if isinstance(attn_mask, torch.Tensor) and torch.is_grad_enabled():
-        _check_mask_grad(attn_mask)
     return ATTENTION(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)

@@ -127,6 +127,22 @@ def test_sdpa_flash_takes_no_mask_and_the_others_ask_torch(mask_dtype, monkeypat
     assert asked == ["sdpa-efficient", "sdpa-cudnn"], "the per-call rules are torch's (can_use_*_attention)"
 
 
+def test_sdpa_candidates_that_give_no_mask_gradient_are_not_eligible(monkeypatch):
+    """A float mask that requires grad (T5's position bias): flash takes no mask, cuDNN gives it no
+    gradient; the efficient backend does (and the check compares it), so torch is asked."""
+    asked = []
+    monkeypatch.setattr(A, "_sdpa_call_problem", lambda name, *a: asked.append(name))
+    q, k, v = (LooksCuda(t) for t in qkv(d=64, dtype=torch.float16, s=4, grad=False, device="cpu"))
+    bias = torch.zeros(4, 4, requires_grad=True)
+    assert A.ATTENTION.candidate("sdpa-flash").supports(*call(q, k, v, bias)) == "SDPA's flash backend takes no attn_mask"
+    assert (A.ATTENTION.candidate("sdpa-cudnn").supports(*call(q, k, v, bias))
+            == "SDPA's cuDNN backend gives no gradient for attn_mask")
+    assert A.ATTENTION.candidate("sdpa-efficient").supports(*call(q, k, v, bias)) is None
+    with torch.no_grad():
+        assert A.ATTENTION.candidate("sdpa-cudnn").supports(*call(q, k, v, bias)) is None
+    assert asked == ["sdpa-efficient", "sdpa-cudnn"]
+
+
 @pytest.mark.parametrize("case,reason", [
     ("cpu", "flash-attn runs on CUDA, got cpu tensors"),
     ("fp32", "flash-attn takes float16 / bfloat16, got float32"),
@@ -196,6 +212,16 @@ def test_key_is_a_small_tuple_of_plain_values():
     assert A._attention_key(*call(q, q, q, is_causal=True))[7] == 1
 
 
+def test_key_separates_a_mask_that_needs_its_gradient():
+    q, k, v = qkv(s=40, grad=False)
+    bias = torch.zeros(40, 40, requires_grad=True)
+    key = A._attention_key(*call(q, k, v, bias))
+    assert key[8] == A._FLOAT_MASK_GRAD and key[-1] is True, "the call trains through the mask alone"
+    with torch.no_grad():
+        assert A._attention_key(*call(q, k, v, bias))[8] == A._FLOAT_MASK
+    assert A._attention_key(*call(q, k, v, bias.detach()))[8] == A._FLOAT_MASK
+
+
 @pytest.mark.parametrize("case", ["3-D", "mixed dtypes", "empty", "kv shapes differ"])
 def test_key_is_none_where_trifuse_decides(case):
     q, k, v = qkv(s=8)
@@ -224,7 +250,7 @@ def test_key_is_a_few_dozen_calls(count_calls):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", ["causal", "bool mask", "float mask", "gqa", "sq != sk"])
+@pytest.mark.parametrize("case", ["causal", "bool mask", "float mask", "float mask with grad", "gqa", "sq != sk"])
 def test_blockwise_reference_equals_the_whole_one(case, monkeypatch):
     monkeypatch.setattr(A, "REFERENCE_BLOCK_ELEMENTS", 2 * 2 * 30 * 5)  # blocks of 5 query rows, ragged last
     gqa = case == "gqa"
@@ -234,11 +260,15 @@ def test_blockwise_reference_equals_the_whole_one(case, monkeypatch):
         mask = torch.rand(1, 1, 23, 30) > 0.3
     elif case == "float mask":
         mask = torch.randn(4, 23, 30, dtype=torch.float64)
+    elif case == "float mask with grad":
+        mask = torch.randn(1, 4, 23, 30, dtype=torch.float64, requires_grad=True)
     args = call(q, k, v, mask, 0.0, case == "causal", 0.3, gqa)
     dy = torch.randn(q.shape, dtype=torch.float64)
     got = A._reference_blocks(args, torch.float64, dy, True)
     o = A.attention_ref(*args)
-    want = [o, *torch.autograd.grad(o, (q, k, v), dy)]
+    leaves = (q, k, v) + ((mask,) if case == "float mask with grad" else ())
+    want = [o, *torch.autograd.grad(o, leaves, dy)]
+    assert len(got) == len(want)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
 
@@ -273,6 +303,37 @@ class _ScaleGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return g * 1.05
+
+
+def _detached_mask(q, k, v, m, *a):
+    return A._attention_trifuse(q, k, v, m.detach(), *a)
+
+
+def _scaled_mask_grad(q, k, v, m, *a):
+    return A._attention_trifuse(q, k, v, _ScaleGrad.apply(m), *a)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_check_with_a_mask_that_needs_its_gradient(dtype):
+    """The check compares dMask too: trifuse passes; no mask gradient, or a wrong one, does not."""
+    q, k, v = qkv(b=2, h=4, h_kv=2, s=20, sk=27, dtype=dtype)
+    bias = torch.randn(1, 4, 20, 27, device=DEVICE, dtype=dtype, requires_grad=True)
+    args = call(q, k, v, bias, 0.0, False, None, True)
+    assert A._attention_check(A._attention_trifuse, args) is None
+    assert A._attention_check(_detached_mask, args) == "dmask is missing"
+    assert A._attention_check(_scaled_mask_grad, args).startswith("dmask max error")
+    assert A._attention_check(_detached_mask, call(q, k, v, bias.detach(), 0.0, False, None, True)) is None
+
+
+def test_a_candidate_without_the_mask_gradient_is_rejected(cache_dir, timer):
+    d = plumbing(Candidate("no-mask-grad", _detached_mask, deterministic=False))
+    d.timer = timer({"trifuse": 2.0, "no-mask-grad": 1.0})
+    q, k, v = qkv(s=20)
+    bias = torch.randn(1, 2, 20, 20, device=DEVICE, requires_grad=True)
+    d(*call(q, k, v, bias))
+    rec = d.explain(*call(q, k, v, bias))
+    assert rec.chosen == "trifuse" and rec.rejected["no-mask-grad"] == "wrong result: dmask is missing"
+    assert ",mask=3," in rec.bucket
 
 
 def test_check_with_dropout_passes_trifuse():
@@ -488,6 +549,7 @@ GPU_CASES = [
     dict(shape=(1, 8, 257, 64), is_causal=True, h_kv=2),
     dict(shape=(2, 4, 64, 64), mask="bool"),
     dict(shape=(2, 4, 64, 80), mask="float"),
+    dict(shape=(2, 4, 64, 64), mask="float-grad"),  # T5's position bias: the check compares dMask
 ]
 
 
@@ -499,6 +561,8 @@ def _gpu_args(case, dtype, dropout_p=0.0):
         mask = torch.rand(b, 1, 1, s, device=DEVICE) > 0.2
     elif case.get("mask") == "float":
         mask = torch.randn(b, 1, s, s, device=DEVICE, dtype=dtype)
+    elif case.get("mask") == "float-grad":
+        mask = torch.randn(1, h, s, s, device=DEVICE, dtype=dtype, requires_grad=True)
     return call(q, k, v, mask, dropout_p, case.get("is_causal", False), None, "h_kv" in case)
 
 

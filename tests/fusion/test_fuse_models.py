@@ -153,6 +153,28 @@ def test_report_says_why_the_head_is_not_fused(name, reason):
     assert "(not linear_cross_entropy" in line and reason in line, line
 
 
+def test_t5_self_attention_with_its_position_bias_is_fused():
+    """T5's relative position bias requires grad: every attention is replaced, none rejected, and
+    the bias embedding gets its gradient through the fused op's dMask."""
+    if not has_op("attention"):
+        pytest.skip("trifuse.ops.attention not in this build")
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _models.hf_family("t5")
+    ref64 = copy.deepcopy(model).double()
+    trifuse.fuse(model)
+    kw = inputs(3, 9)
+    loss_fn(model, kw).backward()
+    loss_fn(ref64, _double_inputs(kw)).backward()
+    report = trifuse.report(model)
+    assert report.counts()["attention"] == 3 * L
+    assert not [r for r in report.rejected() if r[2].startswith("sdpa")], report.table()
+    for stack in ("encoder", "decoder"):
+        bias = getattr(model, stack).block[0].layer[0].SelfAttention.relative_attention_bias.weight
+        bias64 = getattr(ref64, stack).block[0].layer[0].SelfAttention.relative_attention_bias.weight
+        assert bias.grad is not None and bias.grad.abs().max() > 0
+        assert_close(f"{stack} position bias grad", bias.grad, bias64.grad, None)
+
+
 def test_optimizer_made_before_fuse_trains_the_fused_model():
     torch.manual_seed(0)
     model, inputs, loss_fn = _models.gpt2()

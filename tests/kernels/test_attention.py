@@ -387,8 +387,11 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.trifuse.attention.default, (q, k, v, None, 0.0, True, None, True))
     q, k, v = q.detach(), k.detach(), v.detach()
     o, lse, seed = torch.ops.trifuse.attention(q, k, v, mask, 0.0, False, 0.5, True)
-    bwd_args = (torch.randn_like(o), q, k, v, o, lse, seed, mask, 0.0, False, 0.5, True)
-    torch.library.opcheck(torch.ops.trifuse.attention_backward.default, bwd_args)
+    for mask_grad in (False, True):
+        bwd_args = (torch.randn_like(o), q, k, v, o, lse, seed, mask, 0.0, False, 0.5, True, mask_grad)
+        torch.library.opcheck(torch.ops.trifuse.attention_backward.default, bwd_args)
+    # the autograd registration with a mask that requires grad
+    torch.library.opcheck(torch.ops.trifuse.attention.default, (q, k, v, mask.requires_grad_(), 0.0, False, 0.5, True))
 
 
 @settings(max_examples=10, deadline=None)
@@ -456,6 +459,214 @@ def test_negative_control_wrong_gqa_head_mapping_fails():
 
 
 # ---------------------------------------------------------------------------------------------
+# Gradient of a float attn_mask (T5's learned position bias): dMask = dS, summed over every dim
+# the mask broadcasts along, in the mask's dtype and shape.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MaskGradCase:
+    case: Case
+    layout: str  # how the mask is built from its leaf: see mask_leaf_and_view
+    magnitude: float = 1.0
+
+    @property
+    def id(self) -> str:
+        return f"{self.case.id}-{self.layout}" + (f"-x{self.magnitude:g}" if self.magnitude != 1.0 else "")
+
+
+def mask_leaf_and_view(mc: MaskGradCase, dtype: torch.dtype):
+    """(leaf, view): the tensor that requires grad and the function giving the attn_mask from it."""
+    c = mc.case
+    b, h, sq, sk = c.b, c.h, c.sq, c.sk
+    shapes = {"sq-sk": (sq, sk), "1-h": (1, h, sq, sk), "b-1": (b, 1, sq, sk), "b-h": (b, h, sq, sk),
+              "b-1-1-sk": (b, 1, 1, sk), "expand": (1, h, sq, sk), "transpose": (b, h, sk, sq)}
+    views = {"expand": lambda t: t.expand(b, h, sq, sk), "transpose": lambda t: t.transpose(-1, -2)}
+    leaf = torch.randn(shapes[mc.layout], dtype=torch.float64) * mc.magnitude
+    if mc.magnitude > 1.0:
+        leaf[..., 1::7] = -1e4  # large negative entries, as padding masks have (finite in fp16)
+    leaf = leaf.to(device=DEVICE, dtype=dtype).requires_grad_()
+    return leaf, views.get(mc.layout, lambda t: t)
+
+
+def check_mask_grad(q, k, v, leaf, view, kw, *, dropout_p=0.0, dropout_mask=None, seed=None, name=""):
+    """dMask and dq, dk, dv (the mask requiring grad) against float64, bounded by PyTorch's own error."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    out = trifuse.ops.attention(q, k, v, attn_mask=view(leaf), dropout_p=dropout_p, **kw)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v, leaf), dout)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v, leaf)]
+    lowp = [t.detach().clone().requires_grad_() for t in (q, k, v, leaf)]
+    ref = attention_ref(*leaves[:3], view(leaves[3]), dropout_p, dropout_mask=dropout_mask, **kw)
+    ref_lp = attention_ref(*lowp[:3], view(lowp[3]), dropout_p, dropout_mask=dropout_mask, **kw)
+    assert_close(f"{name} out", out, ref, ref_lp)
+    g64 = torch.autograd.grad(ref, leaves, dout.double())
+    glp = torch.autograd.grad(ref_lp, lowp, dout)
+    for gname, a, a64, alp in zip(("dq", "dk", "dv", "dmask"), grads, g64, glp):
+        assert a.dtype == a64.dtype == torch.float64 or a.dtype == q.dtype
+        assert a.shape == a64.shape, f"{name} {gname}: shape {tuple(a.shape)} != {tuple(a64.shape)}"
+        assert_close(f"{name} {gname}", a, a64, alp)
+
+
+MASK_GRAD_CASES = [
+    MaskGradCase(Case(b=2, h=3, sq=37, sk=45, d=24), "sq-sk"),
+    MaskGradCase(Case(b=3, h=2, sq=37, sk=45), "1-h"),  # T5's position bias, summed over the batch
+    MaskGradCase(Case(b=2, h=3, sq=33, sk=20), "b-1"),
+    MaskGradCase(Case(b=2, h=2, sq=20, sk=33), "b-h"),
+    MaskGradCase(Case(b=2, h=2, sq=1, sk=33), "b-h"),  # one query row
+    MaskGradCase(Case(b=2, h=3, sq=37, sk=45), "b-1-1-sk"),  # summed over heads and query rows
+    MaskGradCase(Case(b=2, h=2, sq=30, sk=41), "expand"),  # stride-0 dims of full size
+    MaskGradCase(Case(b=2, h=2, sq=30, sk=41), "transpose"),  # non-contiguous
+    MaskGradCase(Case(h=4, h_kv=2, sq=33, sk=40, d=24), "1-h"),  # GQA: a mask per query head
+    MaskGradCase(Case(b=2, h=4, h_kv=1, sq=17, sk=29), "b-h"),  # MQA
+    MaskGradCase(Case(sq=20, sk=24, d=80), "sq-sk"),  # head dim not a power of two
+    MaskGradCase(Case(b=2, h=2, sq=26, sk=35), "1-h", magnitude=30.0),  # large-magnitude values
+]
+
+
+@pytest.mark.parametrize("mc", MASK_GRAD_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_mask_grad_matches_float64_oracle(dtype, mc):
+    q, k, v, _ = make(mc.case, dtype)
+    leaf, view = mask_leaf_and_view(mc, dtype)
+    check_mask_grad(q, k, v, leaf, view, kwargs_of(mc.case), name=mc.id)
+
+
+MASK_GRAD_DROPOUT_CASES = [MaskGradCase(Case(sq=40, sk=17), "1-h"),
+                           MaskGradCase(Case(b=2, h=4, h_kv=2, sq=33, sk=40), "b-1")]
+
+
+@pytest.mark.parametrize("mc", MASK_GRAD_DROPOUT_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_mask_grad_with_dropout_matches_oracle_with_the_kernels_mask(dtype, mc):
+    p, c = 0.3, mc.case
+    keep = kernel_keep_mask(c.b, c.h, c.sq, c.sk, p, seed=321)
+    q, k, v, _ = make(c, dtype)
+    leaf, view = mask_leaf_and_view(mc, dtype)
+    check_mask_grad(q, k, v, leaf, view, kwargs_of(c), dropout_p=p, dropout_mask=keep, seed=321, name=mc.id)
+
+
+@pytest.mark.parametrize("sq,sk", [(50, 20), (20, 50), (33, 33)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_mask_grad_with_causal_in_the_launchers(dtype, sq, sk):
+    """The API takes a mask or is_causal, as SDPA; the kernels take both. dS of the key blocks the
+    dQ kernel skips past the diagonal must come out as zeros."""
+    c = Case(b=2, h=2, sq=sq, sk=sk)
+    q, k, v, _ = make(c, dtype)
+    q, k, v = q.detach(), k.detach(), v.detach()
+    mask = torch.randn(1, c.h, sq, sk, device=DEVICE, dtype=dtype)
+    o, lse = attn_mod.attention_fwd(q, k, v, mask, 0.0, True, 0.25, None)
+    dout = torch.randn_like(o)
+    dq, dk, dv, dmask = attn_mod.attention_bwd(dout, q, k, v, o, lse, None, mask, 0.0, True, 0.25, True)
+    leaves = [t.double().requires_grad_() for t in (q, k, v, mask)]
+    lowp = [t.clone().requires_grad_() for t in (q, k, v, mask)]
+    ref = attention_ref(*leaves[:3], leaves[3], scale=0.25, is_causal=True)
+    ref_lp = attention_ref(*lowp[:3], lowp[3], scale=0.25, is_causal=True)
+    assert_close("causal out", o, ref, ref_lp)
+    g64 = torch.autograd.grad(ref, leaves, dout.double())
+    glp = torch.autograd.grad(ref_lp, lowp, dout)
+    for gname, a, a64, alp in zip(("dq", "dk", "dv", "dmask"), (dq, dk, dv, dmask), g64, glp):
+        assert_close(f"causal {gname}", a, a64, alp)
+    above = ~torch.ones(sq, sk, dtype=torch.bool, device=DEVICE).tril()
+    assert not dmask[..., above].any()
+
+
+def test_mask_grad_gradcheck_float64():
+    def leaf(*shape):
+        return torch.randn(*shape, device=DEVICE, dtype=torch.float64, requires_grad=True)
+
+    q, k, v, bias = leaf(2, 2, 5, 4), leaf(2, 1, 6, 4), leaf(2, 1, 6, 4), leaf(1, 2, 5, 6)
+    assert torch.autograd.gradcheck(lambda *a: trifuse.ops.attention(*a[:3], attn_mask=a[3], enable_gqa=True),
+                                    (q, k, v, bias))
+    bias = leaf(5, 6)
+
+    def dropped(*a):
+        torch.manual_seed(3)  # the same mask on every call
+        return trifuse.ops.attention(*a[:3], attn_mask=a[3], dropout_p=0.3, scale=0.7, enable_gqa=True)
+
+    assert torch.autograd.gradcheck(dropped, (q, k, v, bias), fast_mode=True)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+def test_mask_grad_eager_path_and_registered_op_are_bitwise_equal_and_repeatable(dropout_p):
+    case = Case(b=2, h=4, h_kv=2, sq=33, sk=40)
+    q, k, v, _ = make(case, torch.float32)
+    bias = torch.randn(1, 4, 33, 40, device=DEVICE, requires_grad=True)
+    dout = torch.randn(2, 4, 33, 16, device=DEVICE)
+    results = []
+    for run in (lambda: trifuse.ops.attention(q, k, v, bias, dropout_p, enable_gqa=True),
+                lambda: trifuse.ops.attention(q, k, v, bias, dropout_p, enable_gqa=True),
+                lambda: torch.ops.trifuse.attention(q, k, v, bias, dropout_p, False, None, True)[0]):
+        torch.manual_seed(11)
+        out = run()
+        results.append((out, *torch.autograd.grad(out, (q, k, v, bias), dout)))
+    for got in results[1:]:
+        for a, b in zip(results[0], got):
+            assert torch.equal(a, b)
+
+
+def test_mask_grad_compiles_fullgraph():
+    q, k, v, _ = make(Case(b=2, sq=20, sk=24), torch.float32)
+    bias = torch.randn(1, 2, 20, 24, device=DEVICE, requires_grad=True)
+
+    def fn(q, k, v, bias):
+        return trifuse.ops.attention(q, k, v, attn_mask=bias)
+
+    out = torch.compile(fn, fullgraph=True, backend="aot_eager")(q, k, v, bias)
+    ref = fn(q, k, v, bias)
+    torch.testing.assert_close(out, ref)
+    for a, b in zip(torch.autograd.grad(out.sum(), (q, k, v, bias)), torch.autograd.grad(ref.sum(), (q, k, v, bias))):
+        torch.testing.assert_close(a, b)
+
+
+def test_mask_grad_only_when_asked(monkeypatch):
+    """A float mask that does not require grad costs no dS buffer, on either path."""
+    def no_mask_grad(*_):
+        raise AssertionError("the mask gradient was computed for a mask that does not require grad")
+
+    monkeypatch.setattr(attn_mod, "_reduce_mask_grad", no_mask_grad)
+    q, k, v, _ = make(Case(b=2, sq=20, sk=24), torch.float32)
+    bias = torch.randn(1, 2, 20, 24, device=DEVICE)
+    for out in (trifuse.ops.attention(q, k, v, attn_mask=bias),
+                torch.ops.trifuse.attention(q, k, v, bias, 0.0, False, None, False)[0]):
+        assert len(torch.autograd.grad(out.sum(), (q, k, v))) == 3
+    with torch.no_grad():
+        out = trifuse.ops.attention(q, k, v, attn_mask=bias.requires_grad_())
+    assert not out.requires_grad
+
+
+def test_mask_grad_reference_path_without_interpreter_matches(monkeypatch):
+    monkeypatch.setattr(attn_mod, "use_triton", lambda t: False)
+    for mc in (MaskGradCase(Case(b=3, h=2, sq=20, sk=24), "1-h"),
+               MaskGradCase(Case(b=2, h=4, h_kv=2, sq=20, sk=24), "transpose")):
+        q, k, v, _ = make(mc.case, torch.float32)
+        check_mask_grad(q, k, v, *mask_leaf_and_view(mc, torch.float32), kwargs_of(mc.case), name="torch path")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_negative_control_mask_grad_without_the_broadcast_sum_or_with_the_scale_fails(dtype):
+    """dMask of a (1, H, Sq, Sk) mask taken from the first batch only (no sum over the batch), or
+    multiplied by the scale like dQ, must not pass; the kernel's must."""
+    c = Case(b=3, h=2, sq=30, sk=37, d=32)
+    q, k, v, _ = make(c, dtype)
+    bias = torch.randn(1, 2, 30, 37, device=DEVICE, dtype=dtype, requires_grad=True)
+    dout = torch.randn(3, 2, 30, 32, device=DEVICE, dtype=dtype)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v, bias)]
+    g64 = torch.autograd.grad(attention_ref(*leaves[:3], leaves[3]), leaves[3], dout.double())[0]
+    lowp = [t.detach().clone().requires_grad_() for t in (q, k, v, bias)]
+    glp = torch.autograd.grad(attention_ref(*lowp[:3], lowp[3]), lowp[3], dout)[0]
+    full = bias.detach().expand(3, 2, 30, 37).clone().requires_grad_()  # a mask per batch: dS itself
+    ds = torch.autograd.grad(trifuse.ops.attention(q, k, v, attn_mask=full), full, dout)[0]
+    for wrong_name, wrong in (("first batch only", ds[:1]), ("times the scale", ds.sum(0, keepdim=True) / 32**0.5)):
+        ok, msg = check_close(wrong_name, wrong, g64, glp)
+        assert not ok, msg
+    got = torch.autograd.grad(trifuse.ops.attention(q, k, v, attn_mask=bias), bias, dout)[0]
+    ok, msg = check_close("kernel", got, g64, glp)
+    assert ok, msg
+
+
+# ---------------------------------------------------------------------------------------------
 # Bad input: a clear error naming the op and the argument, in eager and under compile.
 # ---------------------------------------------------------------------------------------------
 
@@ -485,7 +696,6 @@ BAD_INPUTS = {
     "mask-dtype": ({"attn_mask": torch.ones(5, 6, dtype=torch.int32)}, TypeError, "attn_mask must be bool"),
     "mask-and-causal": ({"attn_mask": torch.ones(5, 6, dtype=torch.bool), "is_causal": True}, ValueError,
                         "not both"),
-    "mask-requires-grad": ({"attn_mask": _t(5, 6, grad=True)}, ValueError, "attn_mask requires grad"),
     "dropout": ({"dropout_p": 1.5}, ValueError, "dropout_p must be a probability"),
     "not-tensor": ({"k": [1.0]}, TypeError, "key must be a torch.Tensor"),
 }
@@ -509,5 +719,7 @@ def test_bad_input_raises_under_compile_and_on_the_registered_op():
         fn(q, k, v, torch.ones(1, 1, 5, 7, dtype=torch.bool, device=DEVICE))
     with pytest.raises(ValueError, match="must divide"):
         torch.ops.trifuse.attention(_t(1, 3, 5, 16), k, v, None, 0.0, False, None, True)
-    with pytest.raises(ValueError, match="attn_mask requires grad"):
-        torch.ops.trifuse.attention(q, k, v, _t(5, 6, grad=True), 0.0, False, None, False)
+    o, lse, seed = torch.ops.trifuse.attention(q, k, v, None, 0.0, False, None, False)
+    keep = torch.ones(5, 6, dtype=torch.bool, device=DEVICE)
+    with pytest.raises(ValueError, match="attention: mask_grad=True needs a floating-point attn_mask, got a torch.bool"):
+        torch.ops.trifuse.attention_backward(o, q, k, v, o, lse, seed, keep, 0.0, False, None, False, True)
