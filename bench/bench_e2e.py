@@ -1,7 +1,7 @@
 """End-to-end training: HF GPT-2 medium and BERT-large from configs, eager (SDPA) against
 `trifuse.fuse(model)` (and torch.compile with --compile), bf16 autocast, AdamW.
 
-    python bench/bench_e2e.py [--compile] [--steps 10]   # GPU: writes bench/results/e2e.*
+    python bench/bench_e2e.py [--compile] [--steps 10] [--grad-ckpt]   # GPU: bench/results/e2e.*
     pytest bench/bench_e2e.py                             # CPU: a tiny config, one step each
 
 Reports tokens/s, step time, peak memory and set-up time (the fuse or compile call plus the
@@ -70,11 +70,13 @@ def train_steps(model, opt, batch, steps: int, autocast: bool) -> list[float]:
     return times
 
 
-def run_one(name: str, provider: str, spec, steps: int, device: str) -> dict:
+def run_one(name: str, provider: str, spec, steps: int, device: str, checkpointing: bool = False) -> dict:
     kind, kwargs, batch, seq = spec
     torch.manual_seed(0)
     model = build(kind, kwargs, device)  # same seed: every provider starts from the same weights
     model.train()
+    if checkpointing:  # transformers' gradient checkpointing, before fuse/compile as users do it
+        model.gradient_checkpointing_enable()
     t_setup = time.perf_counter()
     if provider == "trifuse.fuse":
         trifuse.fuse(model)
@@ -95,7 +97,8 @@ def run_one(name: str, provider: str, spec, steps: int, device: str) -> dict:
     timed = train_steps(model, opt, data, steps, gpu)
     step = sorted(timed)[len(timed) // 2]
     row = {
-        "model": name, "provider": provider, "batch x seq": f"{batch}x{seq}",
+        "model": name + (" (grad ckpt)" if checkpointing else ""), "provider": provider,
+        "batch x seq": f"{batch}x{seq}",
         "step ms": step * 1e3, "tokens/s": batch * seq / step,
         "peak GiB": torch.cuda.max_memory_allocated() / 2**30 if gpu else float("nan"),
         "set-up s": setup_call + max(0.0, first - step),
@@ -185,13 +188,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--suffix", default="", help="results file e2e-SUFFIX (to keep runs apart)")
+    ap.add_argument("--grad-ckpt", action="store_true", help="with transformers' gradient checkpointing on")
     args = ap.parse_args()
     rows = []
     for name in args.models.split(","):
         point = []
         for provider in providers(args.compile):
             try:
-                row = run_one(name, provider, MODELS[name], args.steps, "cuda")
+                row = run_one(name, provider, MODELS[name], args.steps, "cuda", args.grad_ckpt)
             except Exception as e:  # noqa: BLE001  (report the failure, keep measuring the rest)
                 row = {"model": name, "provider": provider, "fused": f"{type(e).__name__}: {str(e)[:150]}"}
             point.append(row)
@@ -218,6 +222,15 @@ def main() -> None:
 def test_e2e_smoke(name, provider):
     device = "cuda" if H.on_gpu() else "cpu"
     row = run_one(name, provider, TINY[name], 1, device)
+    assert row["tokens/s"] > 0
+    assert row["top kernels"] and all(k["ms"] > 0 for k in row["top kernels"])
+
+
+@pytest.mark.skipif(transformers is None, reason="needs transformers")
+def test_e2e_smoke_with_gradient_checkpointing():
+    device = "cuda" if H.on_gpu() else "cpu"
+    row = run_one("gpt2-medium", "trifuse.fuse", TINY["gpt2-medium"], 1, device, checkpointing=True)
+    assert "grad ckpt" in row["model"] and "sdpa" in row["fused"]
     assert row["tokens/s"] > 0
     assert row["top kernels"] and all(k["ms"] > 0 for k in row["top kernels"])
 
