@@ -576,10 +576,12 @@ def test_mask_grad_gradcheck_float64():
     def leaf(*shape):
         return torch.randn(*shape, device=DEVICE, dtype=torch.float64, requires_grad=True)
 
-    q, k, v, bias = leaf(2, 2, 5, 4), leaf(2, 1, 6, 4), leaf(2, 1, 6, 4), leaf(1, 2, 5, 6)
+    q, k, v, bias = leaf(2, 2, 3, 4), leaf(2, 1, 5, 4), leaf(2, 1, 5, 4), leaf(1, 2, 3, 5)
+    # Fast mode (a random projection of the Jacobian, which a wrong element would still show):
+    # full mode takes 10-30 s in the interpreter; the oracle tests check dMask element by element.
     assert torch.autograd.gradcheck(lambda *a: trifuse.ops.attention(*a[:3], attn_mask=a[3], enable_gqa=True),
-                                    (q, k, v, bias))
-    bias = leaf(5, 6)
+                                    (q, k, v, bias), fast_mode=True)
+    bias = leaf(3, 5)
 
     def dropped(*a):
         torch.manual_seed(3)  # the same mask on every call
