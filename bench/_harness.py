@@ -186,10 +186,23 @@ def environment() -> dict:
         "python": platform.python_version(),
         "device": torch.cuda.get_device_name() if on_gpu() else f"cpu (TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')})",
     }
+    for name in ("transformers", "liger_kernel", "flash_attn", "xformers"):  # baselines and model code, if here
+        version = _version_of(name)
+        if version is not None:
+            env[name] = version
     if on_gpu():
         env["copy_TBps"] = round(copy_bandwidth_tbps(), 3)
         env["cuda"] = torch.version.cuda
     return env
+
+
+def _version_of(package: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(package.replace("_", "-"))
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def write_results(op: str, rows: list[dict], columns: Sequence[str], *, plot_x: str | None = None,

@@ -69,6 +69,11 @@ class FusionReport:
         """(module path, where inside it, pattern, reason) for each candidate left in a graph."""
         return [(path, r.where, r.pattern, r.reason) for path, capture in self._last() for r in capture.log.rejected]
 
+    def left(self) -> list[tuple[str, str, str, str]]:
+        """(module path, where inside it, op, reason) for each op a pattern looks for (softmax,
+        gelu, dropout, ...) that stayed as the model wrote it in the latest forward."""
+        return [(path, r.where, r.op, r.reason) for path, capture in self._last() for r in capture.log.left]
+
     def unfused_calls(self) -> dict[str, dict[str, int]]:
         """Per unit, the calls that ran the original forward, by reason ('fell back to eager' for
         Dynamo fallbacks)."""
