@@ -10,7 +10,7 @@
 #   device call 3 (carry .whl):  bash bench/gpu_session.sh e2e tune          (~9.5 min)
 #   (each stage has its own time limit below, so a call ends inside 10 minutes; with the machine's
 #   start that is the whole 30 minutes: a later session runs `dialects`, ~4 min, the winners of
-#   every op dialect, and whatever stage ran short)
+#   every op dialect, `e2e-ckpt` (~5 min, gradient checkpointing on), and whatever stage ran short)
 #
 # Everything a stage writes (logs, bench/results/*, the exported tuning defaults) comes back as
 # ONE file, $OUT/session.tgz (the device returns at most 8 files per call). Unpack it here with
@@ -67,10 +67,13 @@ for what in "$@"; do
             stage bench-dialects 240 python3 bench/bench_dialects.py ;;
         e2e)  # GPT-2 medium training steps: eager, trifuse.fuse, trifuse.fuse(skip_logits)
             stage bench-e2e 300 python3 bench/bench_e2e.py --steps 8 --models gpt2-medium ;;
+        e2e-ckpt)  # the same with transformers' gradient checkpointing on
+            stage bench-e2e-ckpt 300 python3 bench/bench_e2e.py --steps 6 --models gpt2-medium --grad-ckpt \
+                --suffix grad-ckpt ;;
         tune)  # this GPU's winners, shipped as defaults for every H100 user
             stage tune 240 python3 -m trifuse.autotune gpt2-medium --batch 8 --seq 1024 \
                 --export-defaults autotune/defaults/h100.json ;;
-        *) echo "unknown stage $what (tests host kernels dialects e2e tune)" ;;
+        *) echo "unknown stage $what (tests host kernels dialects e2e e2e-ckpt tune)" ;;
     esac
 done
 
