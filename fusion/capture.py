@@ -158,21 +158,29 @@ def installed_unit(module: torch.nn.Module) -> Unit | None:
     return getattr(getattr(fwd, "__func__", None), "__trifuse_unit__", None)
 
 
+def _checkpoint_hop() -> Any:
+    return getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+
+
 def _hop_bodies(gm: fx.GraphModule) -> list[fx.GraphModule]:
-    """The graphs of higher-order ops in `gm` (Dynamo puts a block called under activation
+    """The bodies of `gm`'s activation checkpoints (Dynamo puts a block called under activation
     checkpointing, Hugging Face's gradient checkpointing, into `tag_activation_checkpoint(body,
-    ...)`), each replaced by a copy of its own so that the captured graph stays untouched, nested
-    ones included."""
+    ...)`), nested ones included, each replaced by a copy of its own so that the captured graph
+    stays untouched. Other higher-order ops (an autograd.Function's forward and backward, cond)
+    have contracts of their own: their bodies stay as captured."""
+    hop = _checkpoint_hop()
     bodies = []
     for node in list(gm.graph.nodes):
-        if node.op != "get_attr":
+        if node.op != "get_attr" or hop is None:
             continue
         body = getattr(gm, node.target, None)
-        if not isinstance(body, fx.GraphModule) or not all(u.op == "call_function" for u in node.users):
+        if not isinstance(body, fx.GraphModule) or not node.users or \
+                not all(u.op == "call_function" and u.target is hop and u.args[0] is node for u in node.users):
             continue
         graph = fx.Graph()
         graph.output(graph.graph_copy(body.graph, {}))
         own = fx.GraphModule(body, graph)
+        own.meta.update(body.meta)
         setattr(gm, node.target, own)
         bodies += [own, *_hop_bodies(own)]
     return bodies
@@ -191,7 +199,7 @@ def checkpoints_run_eagerly(gm: fx.GraphModule) -> None:
     run as it is, not compiled by Inductor. The op's own eager path checkpoints with
     preserve_rng_state=False (Inductor restores the RNG state its own way), so the recompute in
     the backward would draw other dropout masks than the forward did: wrong gradients."""
-    hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+    hop = _checkpoint_hop()
     for module in gm.modules():
         if not isinstance(module, fx.GraphModule):
             continue

@@ -283,8 +283,9 @@ def _fold_dtypes(graph: fx.Graph) -> None:
                 replace_uses(node, value.dtype)
                 graph.erase_node(node)
         elif node.op == "call_method" and node.target == "type_as" and len(node.args) == 2 and not node.kwargs:
-            value = _value(node.args[1])
-            if isinstance(value, torch.Tensor):
+            value, source = _value(node.args[1]), _value(node.args[0])
+            # type_as also moves to the other tensor's device: a cast only when they share one
+            if isinstance(value, torch.Tensor) and isinstance(source, torch.Tensor) and source.device == value.device:
                 node.target, node.args = "to", (node.args[0], value.dtype)
 
 
