@@ -44,6 +44,7 @@ FAMILIES = {
     "stablelm": ("causal", {**_DECODER, "num_key_value_heads": HEADS}),
     "starcoder2": ("causal", _DECODER),
     "granite": ("causal", _DECODER),
+    "cohere": ("causal", {**_DECODER, "num_key_value_heads": HEADS}),
     "bert": ("masked", _DECODER),
     "roberta": ("masked", _DECODER),
     "distilbert": ("masked", {"dim": HIDDEN, "hidden_dim": 2 * HIDDEN, "n_layers": LAYERS, "n_heads": HEADS}),

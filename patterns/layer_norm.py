@@ -5,7 +5,9 @@
 as Hugging Face models do (`x * rsqrt(mean(x^2) + eps) * w`, with or without computing in fp32),
 becomes `rms_norm` too; eps stays the model's eps.
 
-Hugging Face's T5LayerNorm (variance from an fp32 copy, x scaled as it is, weight first) is an
+LayerNorm without a bias written out (Cohere's `(x - mean) * rsqrt(var + eps)` times the weight,
+the centred value computed twice or once) becomes `layer_norm`. Hugging Face's T5LayerNorm
+(variance from an fp32 copy, x scaled as it is, weight first) is an
 RMSNorm too. A trifuse norm of an fp32 copy of x cast back to x's dtype (Gemma's RMSNorm,
 `(norm(x.float()) * (1 + w.float())).type_as(x)`; OLMo's and Cohere's `norm(x.float()).to(dtype)`)
 becomes the norm of x itself: the kernels compute in fp32 whatever x's dtype and round once to
@@ -69,6 +71,25 @@ def rms_norm_upcast_fused(x, weight, eps, dtype):
 
 def rms_norm_upcast_weight_apart(x, weight, eps, dtype):
     return weight * ops.rms_norm(x, weight.shape, None, eps)
+
+
+def layer_norm_written_out(x: torch.Tensor, weight: torch.Tensor, eps):
+    """LayerNorm without a bias written out, as Hugging Face's CohereLayerNorm spells it (the
+    centred value computed twice; Cohere computes on an fp32 copy, which `layer_norm_in_fp32`
+    then takes away)."""
+    mean = x.mean(-1, keepdim=True)
+    variance = (x - mean).pow(2).mean(-1, keepdim=True)
+    return weight * ((x - mean) * torch.rsqrt(variance + eps))
+
+
+def layer_norm_written_out_centred_once(x: torch.Tensor, weight: torch.Tensor, eps):
+    """The same with the centred value computed once, as hand-written models often do."""
+    centred = x - x.mean(-1, keepdim=True)
+    return centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def layer_norm_written_out_fused(x, weight, eps):
+    return ops.layer_norm(x, weight.shape, weight, None, eps)
 
 
 def rms_norm_t5(x: torch.Tensor, weight: torch.Tensor, eps):
@@ -188,6 +209,11 @@ PATTERNS = (
             (*_RMS_FILTERS, _casts_back_to_input, _weight_dtype(True))),
     Pattern("rms_norm_upcast_weight_apart", "rms_norm", rms_norm_upcast, rms_norm_upcast_weight_apart,
             ("rms_norm",), (*_RMS_FILTERS, _casts_back_to_input, _weight_dtype(False))),
+    # Before RMSNorm written out, which would take the centred value for its x (right, but a pass more).
+    Pattern("layer_norm_written_out", "layer_norm", layer_norm_written_out, layer_norm_written_out_fused,
+            ("layer_norm",), (*_RMS_FILTERS, _weight_dtype(True))),
+    Pattern("layer_norm_written_out_centred_once", "layer_norm", layer_norm_written_out_centred_once,
+            layer_norm_written_out_fused, ("layer_norm",), (*_RMS_FILTERS, _weight_dtype(True))),
     Pattern("rms_norm_written_out", "rms_norm", rms_norm_written_out, rms_norm_written_out_fused,
             ("rms_norm",), (*_RMS_FILTERS, _weight_dtype(True))),
     Pattern("rms_norm_written_out_weight_apart", "rms_norm", rms_norm_written_out,

@@ -51,3 +51,33 @@ class T5LayerNorm(nn.Module):
         if self.weight.dtype in [torch.float16, torch.bfloat16]:
             hidden_states = hidden_states.to(self.weight.dtype)
         return self.weight * hidden_states
+
+
+class CohereLayerNorm(nn.Module):
+    """transformers' CohereLayerNorm, verbatim: a LayerNorm without bias, written out on an fp32 copy."""
+
+    def __init__(self, dim=N, eps=1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim) + 0.1 * torch.randn(dim))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        mean = hidden_states.mean(-1, keepdim=True)
+        variance = (hidden_states - mean).pow(2).mean(-1, keepdim=True)
+        hidden_states = (hidden_states - mean) * torch.rsqrt(variance + self.variance_epsilon)
+        hidden_states = self.weight.to(torch.float32) * hidden_states
+        return hidden_states.to(input_dtype)
+
+
+class CentredOnceLayerNorm(nn.Module):
+    """A hand-written LayerNorm without bias, the centred value computed once."""
+
+    def __init__(self, dim=N):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim) + 0.1 * torch.randn(dim))
+
+    def forward(self, x):
+        xc = x - x.mean(dim=-1, keepdim=True)
+        return xc * torch.rsqrt(xc.pow(2).mean(dim=-1, keepdim=True) + 1e-5) * self.weight

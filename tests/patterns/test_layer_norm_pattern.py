@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 import trifuse
 from _fusing import check_against_unfused
-from _hf_norms import GemmaRMSNorm, OlmoLayerNorm, T5LayerNorm
+from _hf_norms import CentredOnceLayerNorm, CohereLayerNorm, GemmaRMSNorm, OlmoLayerNorm, T5LayerNorm
 from torch import nn
 
 N = 24
@@ -88,8 +88,11 @@ class HandRMSNorm(nn.Module):
     (GemmaRMSNorm, "rms_norm_in_fp32"),
     (OlmoLayerNorm, "layer_norm_in_fp32"),
     (T5LayerNorm, "rms_norm_t5"),
+    (CohereLayerNorm, "layer_norm_in_fp32"),  # written out on an fp32 copy: spelling, then the copy goes
+    (CentredOnceLayerNorm, "layer_norm_written_out_centred_once"),
 ], ids=["nn.LayerNorm", "nn.LayerNorm-no-affine", "F.layer_norm-kwargs", "torch.layer_norm", "nn.RMSNorm",
-        "hf-rmsnorm", "written-out-rmsnorm", "gemma-rmsnorm", "olmo-layernorm", "t5-layernorm"])
+        "hf-rmsnorm", "written-out-rmsnorm", "gemma-rmsnorm", "olmo-layernorm", "t5-layernorm", "cohere-layernorm",
+        "written-out-layernorm-centred-once"])
 def test_spelling_fuses_and_matches(make, pattern, capture):
     report = check_against_unfused(make, X, capture)
     assert report.by_pattern() == {pattern: 1}
@@ -120,7 +123,8 @@ def test_hf_rmsnorm_mixed_dtypes_keeps_the_weight_apart(capture):
     (OlmoLayerNorm, "layer_norm_in_fp32"),
     (T5LayerNorm, "rms_norm_t5"),  # fp32 weight: the model returns fp32, the op normalizes an fp32 copy
     (lambda: T5LayerNorm(dtype=torch.float16), "rms_norm_t5_half"),  # rounds to fp16, then the weight
-], ids=["gemma", "olmo", "t5-fp32-weight", "t5-fp16-weight"])
+    (CohereLayerNorm, "layer_norm_in_fp32"),
+], ids=["gemma", "olmo", "t5-fp32-weight", "t5-fp16-weight", "cohere"])
 def test_fp16_activations_keep_the_models_roundings(make, pattern, capture):
     x = (torch.randn(3, 5, N).half(),)
     report = check_against_unfused(make, x, capture, grads=False)
