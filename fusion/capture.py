@@ -609,7 +609,10 @@ class FxUnit(Unit):
 
 
 class LeafTracer(fx.Tracer):
-    """fx's tracer, also keeping other fused units (blocks) as module calls."""
+    """fx's tracer, also keeping other fused units (blocks) as module calls, and each
+    `torch.autograd.Function.apply` as one call: fx alone traces into the Function's forward and
+    the graph loses its backward (a straight-through estimator, a gradient reversal layer would
+    train with the gradient of their forward)."""
 
     def __init__(self, leaves: Callable[[torch.nn.Module], bool]) -> None:
         super().__init__()
@@ -617,6 +620,32 @@ class LeafTracer(fx.Tracer):
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
         return self._leaves(m) or super().is_leaf_module(m, module_qualified_name)
+
+    def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
+        original = torch.autograd.Function.__dict__["apply"]
+        tracer = self
+
+        def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+            if any(isinstance(a, fx.Proxy) for a in torch.utils._pytree.tree_leaves((args, kwargs))):
+                return tracer.create_proxy("call_function", _function_apply(cls), args, kwargs)
+            return original.__func__(cls, *args, **kwargs)
+
+        torch.autograd.Function.apply = classmethod(apply)
+        try:
+            return super().trace(root, concrete_args)
+        finally:
+            torch.autograd.Function.apply = original
+
+
+@functools.cache
+def _function_apply(cls: type) -> Callable[..., Any]:
+    """`cls.apply` as a plain function (what an fx graph node can call)."""
+
+    def apply(*args: Any, **kwargs: Any) -> Any:
+        return cls.apply(*args, **kwargs)
+
+    apply.__name__ = apply.__qualname__ = f"{cls.__name__}_apply"
+    return apply
 
 
 def _drop_specialization_asserts(graph: fx.Graph) -> None:

@@ -221,3 +221,50 @@ def test_reference_path_without_the_interpreter():
     out = subprocess.run([sys.executable, "-c", REFERENCE_PATH.format(tests=tests)], env=env,
                          capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+class _ScaledNorm(torch.autograd.Function):
+    """A user's autograd.Function whose forward holds a LayerNorm and whose backward is its own
+    (deliberately not LayerNorm's): Dynamo captures it as one higher-order op with forward and
+    backward bodies, which fuse must leave as they are."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(w)
+        return torch.nn.functional.layer_norm(x, (x.shape[-1],), w, None, 1e-5)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (w,) = ctx.saved_tensors
+        return grad * 2.0, (grad * 3.0).sum(dim=tuple(range(grad.dim() - 1)))
+
+
+class _BlockWithFunction(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(_models.HIDDEN))
+        self.ln = nn.LayerNorm(_models.HIDDEN)
+
+    def forward(self, x):
+        return self.ln(_ScaledNorm.apply(x, self.w) + x)
+
+
+@pytest.mark.parametrize("capture", ["fx", "dynamo"])
+def test_autograd_functions_keep_their_own_backward(capture):
+    # fx would trace into the Function's forward (its graph then differentiates the forward), and
+    # Dynamo captures it as a higher-order op whose bodies fuse must not rewrite: either way the
+    # Function's own backward must run, while what surrounds it still fuses.
+    from _fusing import fuse_via
+
+    torch.manual_seed(0)
+    ref = _BlockWithFunction()
+    model = fuse_via(copy.deepcopy(ref), capture)
+    x = torch.randn(2, 5, _models.HIDDEN, requires_grad=True)
+    xr = x.detach().clone().requires_grad_()
+    seed = torch.randn(2, 5, _models.HIDDEN)
+    (model(x) * seed).sum().backward()
+    (ref(xr) * seed).sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad)
+    for (name, p), pr in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, pr.grad, msg=name)
+    assert trifuse.report(model).counts() == available_counts({"residual_stream": 1})
