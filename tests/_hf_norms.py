@@ -1,10 +1,26 @@
 """Norms as Hugging Face models write them, verbatim apart from the constructor, for the pattern
-tests (transformers 5.x: GemmaRMSNorm, OlmoLayerNorm, T5LayerNorm)."""
+tests (transformers 5.x: LlamaRMSNorm, GemmaRMSNorm, OlmoLayerNorm, T5LayerNorm, CohereLayerNorm)."""
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 N = 24
+
+
+class HFRMSNorm(nn.Module):
+    """transformers' LlamaRMSNorm, verbatim."""
+
+    def __init__(self, dim=N, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim) + 0.1 * torch.randn(dim))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
 
 
 class GemmaRMSNorm(nn.Module):
@@ -53,13 +69,12 @@ class T5LayerNorm(nn.Module):
         return self.weight * hidden_states
 
 
-class CohereLayerNorm(nn.Module):
-    """transformers' CohereLayerNorm, verbatim: a LayerNorm without bias, written out on an fp32 copy."""
+class CohereLayerNorm(HFRMSNorm):
+    """transformers' CohereLayerNorm, verbatim (its parameters as LlamaRMSNorm's): a LayerNorm
+    without bias, written out on an fp32 copy."""
 
     def __init__(self, dim=N, eps=1e-5):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim) + 0.1 * torch.randn(dim))
-        self.variance_epsilon = eps
+        super().__init__(dim, eps)
 
     def forward(self, hidden_states):
         input_dtype = hidden_states.dtype

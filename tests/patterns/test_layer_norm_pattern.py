@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 import trifuse
 from _fusing import check_against_unfused
-from _hf_norms import CentredOnceLayerNorm, CohereLayerNorm, GemmaRMSNorm, OlmoLayerNorm, T5LayerNorm
+from _hf_norms import (CentredOnceLayerNorm, CohereLayerNorm, GemmaRMSNorm, HFRMSNorm, OlmoLayerNorm,
+                       T5LayerNorm)
 from torch import nn
 
 N = 24
@@ -43,22 +44,6 @@ class ModuleRMSNorm(nn.Module):
 
     def forward(self, x):
         return self.norm(x)
-
-
-class HFRMSNorm(nn.Module):
-    """transformers' LlamaRMSNorm, verbatim."""
-
-    def __init__(self, eps=1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(N) + 0.1 * torch.randn(N))
-        self.variance_epsilon = eps
-
-    def forward(self, hidden_states):
-        input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * hidden_states.to(input_dtype)
 
 
 class FP32CopyNotCastBack(GemmaRMSNorm):
