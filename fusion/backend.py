@@ -31,7 +31,7 @@ from torch import fx
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..patterns import PATTERNS
-from .capture import Capture, checkpoints_run_eagerly, rewrite_bodies
+from .capture import Capture, rewrite_checkpoints
 from .normalize import canonicalize
 from .rewriter import rewrite_graph, select_patterns
 
@@ -58,8 +58,7 @@ def _rewrite(gm: fx.GraphModule, example_inputs: list[Any], backend: str, eager:
         patterns = select_patterns(PATTERNS, None)
         capture.log = rewrite_graph(work.graph, patterns)
         if eager:
-            rewrite_bodies(work, patterns, capture.log)
-            checkpoints_run_eagerly(work)
+            rewrite_checkpoints(work, patterns, capture.log)
         work.recompile()
     except Exception as e:  # noqa: BLE001  (never break a model: compile the graph as captured)
         capture.error = f"{type(e).__name__}: {e}"

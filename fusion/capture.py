@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.utils.checkpoint import checkpoint
 
 from ..patterns._base import Pattern
 from .normalize import canonicalize
@@ -125,8 +126,7 @@ class Unit:
             self._before_rewrite(work.graph)
             log = rewrite_graph(work.graph, self.patterns)
             self._annotate(work.graph, log)
-            rewrite_bodies(work, self.patterns, log)
-            checkpoints_run_eagerly(work)
+            rewrite_checkpoints(work, self.patterns, log)
             work.recompile()
         except Exception as e:  # noqa: BLE001  (never break a model: run the capture unfused)
             capture.error = f"{type(e).__name__}: {e}"
@@ -158,20 +158,12 @@ def installed_unit(module: torch.nn.Module) -> Unit | None:
     return getattr(getattr(fwd, "__func__", None), "__trifuse_unit__", None)
 
 
-def _checkpoint_hop() -> Any:
-    return getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
-
-
-def _hop_bodies(gm: fx.GraphModule) -> list[fx.GraphModule]:
-    """The bodies of `gm`'s activation checkpoints (Dynamo puts a block called under activation
-    checkpointing, Hugging Face's gradient checkpointing, into `tag_activation_checkpoint(body,
-    ...)`), nested ones included, each replaced by a copy of its own so that the captured graph
-    stays untouched. Other higher-order ops (an autograd.Function's forward and backward, cond)
-    have contracts of their own: their bodies stay as captured."""
-    hop = _checkpoint_hop()
+def _hop_bodies(gm: fx.GraphModule, hop: Any) -> list[fx.GraphModule]:
+    """The bodies of `gm`'s activation checkpoints (`hop` calls), nested ones included, each
+    replaced by a copy of its own so that the captured graph stays untouched."""
     bodies = []
     for node in list(gm.graph.nodes):
-        if node.op != "get_attr" or hop is None:
+        if node.op != "get_attr":
             continue
         body = getattr(gm, node.target, None)
         if not isinstance(body, fx.GraphModule) or not node.users or \
@@ -182,41 +174,40 @@ def _hop_bodies(gm: fx.GraphModule) -> list[fx.GraphModule]:
         own = fx.GraphModule(body, graph)
         own.meta.update(body.meta)
         setattr(gm, node.target, own)
-        bodies += [own, *_hop_bodies(own)]
+        bodies += [own, *_hop_bodies(own, hop)]
     return bodies
 
 
-def rewrite_bodies(gm: fx.GraphModule, patterns: Sequence[Pattern], log: RewriteLog) -> None:
-    """Rewrites the graphs of `gm`'s higher-order ops too (own copies, see `_hop_bodies`)."""
-    for body in _hop_bodies(gm):
+def rewrite_checkpoints(gm: fx.GraphModule, patterns: Sequence[Pattern], log: RewriteLog) -> None:
+    """For a graph run as it is (not compiled by Inductor): the bodies of its activation
+    checkpoints are rewritten too, and each checkpoint calls `_checkpoint`.
+
+    Dynamo puts a block called under activation checkpointing (Hugging Face's gradient
+    checkpointing) into `tag_activation_checkpoint(body, ...)`. Only those bodies are rewritten:
+    other higher-order ops (an autograd.Function's forward and backward, cond) have contracts of
+    their own. The op's own eager path checkpoints with preserve_rng_state=False (Inductor
+    restores the RNG state its own way), so its recompute in the backward would draw other
+    dropout masks than the forward did: wrong gradients."""
+    hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+    if hop is None:
+        return
+    bodies = _hop_bodies(gm, hop)
+    for body in bodies:
         canonicalize(body)
         _merge(log, rewrite_graph(body.graph, patterns))
-        body.recompile()
-
-
-def checkpoints_run_eagerly(gm: fx.GraphModule) -> None:
-    """`tag_activation_checkpoint` nodes (also in bodies) call `_checkpoint` instead: for a graph
-    run as it is, not compiled by Inductor. The op's own eager path checkpoints with
-    preserve_rng_state=False (Inductor restores the RNG state its own way), so the recompute in
-    the backward would draw other dropout masks than the forward did: wrong gradients."""
-    hop = _checkpoint_hop()
-    for module in gm.modules():
+    for module in gm.modules():  # checkpoints anywhere, inside other higher-order ops too
         if not isinstance(module, fx.GraphModule):
             continue
-        changed = False
-        for node in module.graph.nodes:
-            if node.op == "call_function" and hop is not None and node.target is hop:
-                node.target = _checkpoint
-                changed = True
-        if changed:
+        calls = [n for n in module.graph.nodes if n.op == "call_function" and n.target is hop]
+        for node in calls:
+            node.target = _checkpoint
+        if calls or module in bodies:
             module.recompile()
 
 
 def _checkpoint(body: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
     """torch.utils.checkpoint of a captured body, with the options the model passed (Hugging Face:
     use_reentrant=False, preserve_rng_state left at its default, True)."""
-    from torch.utils.checkpoint import checkpoint
-
     kwargs.setdefault("use_reentrant", False)
     context_fn = body.meta.get("_checkpoint_context_fn")
     if context_fn is not None:

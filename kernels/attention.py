@@ -1113,7 +1113,7 @@ def _attention_key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
         return None
     mask = _MASK_KINDS.get(None if attn_mask is None else attn_mask.dtype, _FLOAT_MASK)
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if mask == _FLOAT_MASK and attn_mask.requires_grad and torch.is_grad_enabled():
+    if mask == _FLOAT_MASK and _needs_mask_grad(attn_mask):
         # Only candidates that give the mask's gradient are eligible for this key.
         mask, grad = _FLOAT_MASK_GRAD, True
     # h_kv: 0 without GQA. causal: 0 no, 1 with Sq == Sk, 2 with Sq != Sk (where backends that

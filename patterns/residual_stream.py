@@ -59,19 +59,31 @@ def dropout_add_reshape_layer_norm_fused(x, residual, p, training, shape, normal
     return y.reshape(shape), s.reshape(shape)
 
 
-def _reshape_keeps_normalized_dims(m: Match) -> str | None:
+def _same_shape_sum(m: Match) -> tuple[torch.Tensor, tuple[int, ...]] | str:
+    """(x's value, the normalized shape as a tuple) when x and the residual are tensors of one
+    shape and normalized_shape a constant, else why not. Dynamo may leave the shape computed in
+    the graph (Llama's RMSNorm under sequence parallelism): a filter rejects what it cannot read
+    rather than failing the whole rewrite."""
     x, residual = m.value("x"), m.value("residual")
-    normalized = m["normalized_shape"]
-    normalized = (normalized,) if isinstance(normalized, int) else normalized
     if not isinstance(x, torch.Tensor) or not isinstance(residual, torch.Tensor):
         return "x or residual: no tensor metadata"
-    if not isinstance(normalized, (tuple, list)) or not all(isinstance(n, int) for n in normalized):
-        return f"normalized_shape {normalized}: not a constant"
     if not same_shape(x, residual):
         return f"x {tuple(x.shape)} and residual {tuple(residual.shape)} differ in shape (a broadcast add)"
+    normalized = m["normalized_shape"]
+    normalized = (normalized,) if isinstance(normalized, int) else normalized
+    if not isinstance(normalized, (tuple, list)) or not all(isinstance(n, int) for n in normalized):
+        return f"normalized_shape {normalized}: not a constant"
+    return x, tuple(normalized)
+
+
+def _reshape_keeps_normalized_dims(m: Match) -> str | None:
+    found = _same_shape_sum(m)
+    if isinstance(found, str):
+        return found
+    x, normalized = found
     k = len(normalized)
     if x.dim() < k or not all(known_equal(a, b) for a, b in zip(x.shape[x.dim() - k:], normalized)):
-        return f"the sum's last dims {tuple(x.shape)[-k:]} are not the normalized {tuple(normalized)}"
+        return f"the sum's last dims {tuple(x.shape)[-k:]} are not the normalized {normalized}"
     return None
 
 
@@ -151,17 +163,10 @@ def rows_sharded(m: Match) -> str | None:
     of the same shape."""
     from torch.distributed.tensor import Replicate, Shard
 
-    x, residual = m.value("x"), m.value("residual")
-    if not isinstance(x, torch.Tensor) or not isinstance(residual, torch.Tensor):
-        return "x or residual: no tensor metadata"
-    if not same_shape(x, residual):
-        return f"x {tuple(x.shape)} and residual {tuple(residual.shape)} differ in shape (a broadcast add)"
-    normalized = m["normalized_shape"]
-    normalized = (normalized,) if isinstance(normalized, int) else normalized
-    # Dynamo may leave the shape computed in the graph (Llama's RMSNorm under sequence
-    # parallelism): a filter rejects what it cannot read rather than failing the whole rewrite.
-    if not isinstance(normalized, (tuple, list)) or not all(isinstance(n, int) for n in normalized):
-        return f"normalized_shape {normalized}: not a constant"
+    found = _same_shape_sum(m)
+    if isinstance(found, str):
+        return found
+    x, normalized = found
     rows = x.dim() - len(normalized)
     placements = tuple(m["placements"])
     for pl in placements:
