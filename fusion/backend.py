@@ -20,9 +20,11 @@ replayed by CUDA graphs: the ops draw their dropout seeds on the device (no host
 replay draws fresh masks.
 
 `trifuse.report(compiled_model)` lists what each backend replaced in the graphs holding that
-model's parameters.
+model's parameters, and in the graphs compiled while one of the model's calls was running (the
+graph after a graph break, such as GPT-2's loss, reads no parameter).
 """
 import logging
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +42,30 @@ log = logging.getLogger("trifuse")
 # Parameter -> the captures of compiled graphs that read it (what report(compiled) shows); keyed
 # by identity (tensors compare elementwise).
 _COMPILED: "WeakIdKeyDictionary[torch.Tensor, list[Capture]]" = WeakIdKeyDictionary()
+# Module -> the captures of graphs compiled while a call of it was on the Python stack.
+_COMPILED_IN: "WeakIdKeyDictionary[torch.nn.Module, list[Capture]]" = WeakIdKeyDictionary()
+
+
+def _calling_modules() -> list[torch.nn.Module]:
+    """The modules whose methods are on the Python stack: Dynamo compiles a frame from inside the
+    call that runs it, so these are the model being compiled and whatever called it."""
+    found: dict[int, torch.nn.Module] = {}
+    frame = sys._getframe(1)
+    while frame is not None:
+        if "self" in frame.f_code.co_varnames[:1]:
+            obj = frame.f_locals.get("self")
+            if isinstance(obj, torch.nn.Module):
+                found.setdefault(id(obj), obj)
+        frame = frame.f_back
+    return list(found.values())
+
+
+def _attach(table: WeakIdKeyDictionary, key: Any, capture: Capture) -> None:
+    captures = table.get(key)
+    if captures is None:
+        table[key] = captures = []
+    if not captures or captures[-1] is not capture:
+        captures.append(capture)
 
 
 def _rewrite(gm: fx.GraphModule, example_inputs: list[Any], backend: str, eager: bool = False) -> fx.GraphModule:
@@ -67,10 +93,9 @@ def _rewrite(gm: fx.GraphModule, example_inputs: list[Any], backend: str, eager:
     work.meta["trifuse_capture"] = capture
     for t in example_inputs:
         if isinstance(t, torch.nn.Parameter):
-            captures = _COMPILED.get(t)
-            if captures is None:
-                _COMPILED[t] = captures = []
-            captures.append(capture)
+            _attach(_COMPILED, t, capture)
+    for module in _calling_modules():
+        _attach(_COMPILED_IN, module, capture)
     return work
 
 
@@ -124,11 +149,14 @@ def trifuse_inductor_backend(gm: fx.GraphModule, example_inputs: list[Any], mode
 
 
 def compiled_captures(model: torch.nn.Module) -> list[Capture]:
-    """The backends' captures of graphs that read `model`'s parameters, oldest first."""
+    """The backends' captures of graphs that read `model`'s parameters or were compiled during
+    one of its calls, oldest first."""
     seen: dict[int, Capture] = {}
     for p in model.parameters():
         for capture in _COMPILED.get(p, ()):
             seen.setdefault(id(capture), capture)
+    for capture in _COMPILED_IN.get(model, ()):
+        seen.setdefault(id(capture), capture)
     return sorted(seen.values(), key=lambda c: c.serial)
 
 
