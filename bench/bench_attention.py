@@ -9,6 +9,10 @@ FLOPs per step, q/k/v (B, H, S, D), S queries and S keys (FlashAttention's conve
     bwd      2.5 × fwd            five matmuls (Q K^T recomputed, dV, dP, dQ, dK)
     fwd+bwd  3.5 × fwd
 Causal attention counts half of each (only the lower triangle is computed).
+The "softcap" variant is Gemma 2 9B's attention (16 query heads over 8 kv heads, head dim 256,
+logit soft cap 50, causal): SDPA has no soft cap, so its baselines are what a Gemma 2 user runs
+instead, transformers' eager code (scores materialized), FlexAttention with a tanh score_mod
+(compiled), and flash-attn's softcap when importable.
 Peak memory is what one step allocates above what was allocated before it (inputs excluded):
 the output, the saved statistics and, for fwd+bwd, the gradients.
 """
@@ -28,13 +32,62 @@ MODES = ("fwd", "fwd+bwd")
 SHAPES = {
     "causal": ((4, 16, 2048, 128), (8, 16, 1024, 64), (2, 16, 8192, 128)),
     "full": ((4, 16, 2048, 128), (16, 12, 512, 64)),
+    "softcap": ((2, 16, 4096, 256),),
 }
+SOFTCAP, SOFTCAP_KV_HEADS = 50.0, 8
 
 
 def make_inputs(shape):
     b, h, s, d = shape
     q, k, v = (torch.randn(b, h, s, d, device=DEVICE, dtype=DTYPE, requires_grad=True) for _ in range(3))
     return (q, k, v), (q, k, v)
+
+
+def make_gqa_inputs(shape):
+    b, h, s, d = shape
+    h_kv = min(h, SOFTCAP_KV_HEADS)
+    q = torch.randn(b, h, s, d, device=DEVICE, dtype=DTYPE, requires_grad=True)
+    k, v = (torch.randn(b, h_kv, s, d, device=DEVICE, dtype=DTYPE, requires_grad=True) for _ in range(2))
+    return (q, k, v), (q, k, v)
+
+
+def softcap_providers() -> dict:
+    """Gemma 2's capped causal GQA attention, each way a user can run it."""
+    def hf_eager(q, k, v):  # transformers' gemma2 eager_attention_forward (repeat_kv, fp32 softmax)
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        w = torch.matmul(q, k.transpose(2, 3)) * q.shape[-1] ** -0.5
+        w = torch.tanh(w / SOFTCAP) * SOFTCAP
+        causal = torch.ones(w.shape[-2:], dtype=torch.bool, device=w.device).tril()
+        w = w.masked_fill(~causal, torch.finfo(w.dtype).min)
+        return torch.matmul(torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+    out = {
+        "trifuse": lambda q, k, v: trifuse.ops.attention(q, k, v, is_causal=True, enable_gqa=True, softcap=SOFTCAP),
+        "hf-eager": hf_eager,
+    }
+    if not H.on_gpu():
+        return out
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        flex = torch.compile(flex_attention)
+        masks = {}
+
+        def flex_fn(q, k, v):
+            s = q.shape[2]
+            if s not in masks:
+                masks[s] = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, s, s, device=q.device)
+            return flex(q, k, v, score_mod=lambda score, b, h, qi, ki: SOFTCAP * torch.tanh(score / SOFTCAP),
+                        block_mask=masks[s], enable_gqa=True)
+        out["flex-attention"] = flex_fn
+    except ImportError:
+        pass
+    flash_attn = H.try_import("flash_attn")
+    if flash_attn is not None:
+        out["flash-attn"] = lambda q, k, v: flash_attn.flash_attn_func(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, softcap=SOFTCAP).transpose(1, 2)
+    return out
 
 
 def flops_for(shape, mode, causal: bool) -> float:
@@ -76,14 +129,13 @@ def providers(causal: bool) -> dict:
     return out
 
 
-def with_peak_memory(rows: list[dict], shapes, causal: bool) -> list[dict]:
+def with_peak_memory(rows: list[dict], shapes, fns: dict, make) -> list[dict]:
     """Adds each timed row's peak memory (MiB) for one step."""
-    fns = providers(causal)
     by_shape = {"x".join(map(str, s)): s for s in shapes}
     for row in rows:
         if "ms" in row:
             shape = by_shape[row["shape"]]
-            step = H.make_step(fns[row["provider"]], lambda: make_inputs(shape), row["mode"])
+            step = H.make_step(fns[row["provider"]], lambda: make(shape), row["mode"])
             row["peak MiB"] = H.peak_memory_mib(step)
             row["S"] = shape[2]
     if H.on_gpu():
@@ -119,17 +171,18 @@ def host_overhead() -> list[dict]:
 
 COLUMNS = ("provider", "variant", "mode", "shape", "ms", "TFLOP/s", "peak MiB", "x vs sdpa-flash",
            "x vs sdpa-cudnn", "x vs sdpa-efficient", "x vs sdpa-math", "x vs flash-attn", "x vs xformers",
-           "error")
+           "x vs hf-eager", "x vs flex-attention", "error")
 
 
 def main() -> None:
     rows = []
     for variant, shapes in SHAPES.items():
-        causal = variant == "causal"
-        swept = H.sweep(providers(causal), shapes, make_inputs,
-                        flops_for=lambda s, m, causal=causal: flops_for(s, m, causal),
-                        modes=MODES, reference="sdpa-flash", x_name="D", variant=variant)
-        rows += with_peak_memory(swept, shapes, causal)
+        causal = variant != "full"
+        fns, make = (softcap_providers(), make_gqa_inputs) if variant == "softcap" else (providers(causal), make_inputs)
+        swept = H.sweep(fns, shapes, make, flops_for=lambda s, m, causal=causal: flops_for(s, m, causal),
+                        modes=MODES, reference="hf-eager" if variant == "softcap" else "sdpa-flash", x_name="D",
+                        variant=variant)
+        rows += with_peak_memory(swept, shapes, fns, make)
     overhead = host_overhead()
     H.print_table(rows, COLUMNS)
     H.print_table(overhead, ("provider", "host µs"))
@@ -154,6 +207,14 @@ def test_attention(benchmark, provider, mode, causal):
     step = H.make_step(fns[provider], lambda: make_inputs(SMOKE_SHAPE), mode)
     benchmark.pedantic(step, rounds=3 if H.on_gpu() else 1, iterations=1)
     assert flops_for(SMOKE_SHAPE, mode, causal) > 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_softcap_providers(benchmark, mode):
+    fns = softcap_providers()
+    H.check_against_reference(fns, "hf-eager", make_gqa_inputs, SMOKE_SHAPE)
+    step = H.make_step(fns["trifuse"], lambda: make_gqa_inputs(SMOKE_SHAPE), mode)
+    benchmark.pedantic(step, rounds=3 if H.on_gpu() else 1, iterations=1)
 
 
 def test_host_overhead_runs():

@@ -39,6 +39,9 @@ FAMILIES = {
     "qwen2": ("causal", {**_DECODER, "num_key_value_heads": 2}),
     "qwen3": ("causal", {**_DECODER, "num_key_value_heads": 2, "head_dim": HIDDEN // HEADS}),
     "gemma": ("causal", {**_DECODER, "num_key_value_heads": 1, "head_dim": HIDDEN // HEADS}),
+    # transformers' eager attention (SDPA has no logit soft cap), the cap small enough to bend tiny scores
+    "gemma2": ("causal", {**_DECODER, "num_key_value_heads": 2, "head_dim": HIDDEN // HEADS,
+                          "attn_logit_softcapping": 2.0, "attn_implementation": "eager"}),
     "olmo": ("causal", _DECODER),
     "olmo2": ("causal", _DECODER),
     "stablelm": ("causal", {**_DECODER, "num_key_value_heads": HEADS}),
@@ -65,8 +68,8 @@ def build(family: str) -> tuple[torch.nn.Module, dict]:
     kind, overrides = FAMILIES[family]
     cfg = transformers.AutoConfig.for_model(
         family, vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0, bos_token_id=0, eos_token_id=0,
-        decoder_start_token_id=0, tie_word_embeddings=False, attn_implementation="sdpa", **_NO_DROPOUT,
-        **overrides)
+        decoder_start_token_id=0, tie_word_embeddings=False, **_NO_DROPOUT,
+        **{"attn_implementation": "sdpa", **overrides})
     auto = {"causal": transformers.AutoModelForCausalLM, "masked": transformers.AutoModelForMaskedLM,
             "seq2seq": transformers.AutoModelForSeq2SeqLM}[kind]
     model = auto.from_config(cfg)

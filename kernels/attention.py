@@ -4,6 +4,8 @@ Maths, per batch b and query head h (kv head hk = h // (Hq // Hkv) under GQA/MQA
 
     S = scale * Q K^T + mask          (Sq, Sk); mask: 0 / -inf from a bool mask, the values of a
                                       float one, -inf above the diagonal j > i when is_causal
+                                      (with a logit soft cap c, Gemma 2's: S = c * tanh(scale *
+                                      Q K^T / c) + mask)
     P = softmax(S) row by row         a row whose every score is -inf gives P = 0 (SDPA's rule)
     O = (P * Z / (1 - p)) V           Z: the dropout keep mask, Bernoulli(1 - p)
     L = logsumexp(S) row by row       saved for the backward (-inf for rows that see no key)
@@ -13,7 +15,8 @@ Backward, with dP~ = dO V^T and delta = rowsum(dO * O) (= rowsum(P * dP~ * Z / (
     dV = (P * Z / (1 - p))^T dO       summed over the query heads of a kv group
     dP = dP~ * Z / (1 - p)
     dS = P * (dP - delta)
-    dQ = scale * dS K;  dK = scale * dS^T Q   (dK summed over the group like dV)
+    dQ = scale * dS~ K;  dK = scale * dS~^T Q (dK summed over the group like dV); dS~ = dS, or
+                                              dS * (1 - tanh^2) under a soft cap
     dMask = dS                                (a float mask that requires grad; the mask is added
                                               after the scale; summed over its broadcast dims)
 
@@ -117,11 +120,13 @@ def attention_ref(
     scale: float | None = None,
     enable_gqa: bool = False,
     dropout_mask: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention with an explicit (Sq, Sk) softmax, as SDPA's math backend computes it.
 
     `dropout_mask` (bool, broadcastable to (B, Hq, Sq, Sk), True = keep) stands in for the
-    kernel's random mask; without it no dropout is applied whatever dropout_p says.
+    kernel's random mask; without it no dropout is applied whatever dropout_p says. `softcap`
+    c caps the scaled scores as c * tanh(s / c) before the mask is added (Gemma 2).
     """
     sq, sk = q.shape[-2], k.shape[-2]
     if scale is None:
@@ -131,6 +136,8 @@ def attention_ref(
         k = k.repeat_interleave(group, dim=-3)
         v = v.repeat_interleave(group, dim=-3)
     s = (q @ k.transpose(-2, -1)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     if is_causal:
         s = s.masked_fill(~torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(), float("-inf"))
     if attn_mask is not None:
@@ -155,6 +162,19 @@ def attention_ref(
 def _tile(X, rows, offs_d, stride_r, stride_d):
     """Pointers to a (rows, head_dim) tile of one (b, h) slice that X already points at."""
     return X + rows[:, None] * stride_r + offs_d[None, :] * stride_d
+
+
+@triton.jit
+def _scaled(qk, qk_scale, softcap, SOFTCAP: tl.constexpr):
+    """Raw dot products to scores in base 2, and tanh of the capped ones (the backward's chain
+    factor 1 - tanh^2; qk itself without a cap). Without a cap qk_scale = scale * log2(e); with a
+    cap c, qk_scale = scale / c and softcap = c * log2(e): c * tanh(scale * qk / c) * log2(e).
+    tanh(x) = 1 - 2 / (exp(2x) + 1) reaches +-1 exactly at both ends, never NaN (the exponent is
+    clamped at 2^64, where 2 / (2^64 + 1) is below the resolution of 1 in fp32 and fp64)."""
+    if SOFTCAP:
+        t = 1.0 - 2.0 / (tl.exp2(tl.minimum(qk * (qk_scale * 2.8853900817779268), 64.0)) + 1.0)
+        return t * softcap, t
+    return qk * qk_scale, qk
 
 
 @triton.jit
@@ -187,10 +207,10 @@ def _scores(qk, rows, cols, MASK, stride_mm, stride_mn, N_Q, N_K,
 @triton.jit
 def _attn_fwd_loop(acc, l_i, m_i, q, K, V, MASK, seed, rng_rows, offs_m, offs_n, offs_d,
                    stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
-                   N_Q, N_K, qk_scale, p_drop, lo, hi,
+                   N_Q, N_K, qk_scale, softcap, p_drop, lo, hi,
                    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr, ACC: tl.constexpr):
+                   SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr):
     """Online softmax over the key blocks [lo, hi) for one block of query rows."""
     mask_d = offs_d < HEAD_DIM
     for start_n in range(lo, hi, BLOCK_N):
@@ -199,7 +219,8 @@ def _attn_fwd_loop(acc, l_i, m_i, q, K, V, MASK, seed, rng_rows, offs_m, offs_n,
         if MASKED:
             kv_mask = kv_mask & (cols[:, None] < N_K)
         k = tl.load(_tile(K, cols, offs_d, stride_kn, stride_kd), mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC) * qk_scale
+        qk, _ = _scaled(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC), qk_scale, softcap,
+                        SOFTCAP)
         qk = _scores(qk, offs_m[:, None], cols[None, :], MASK, stride_mm, stride_mn, N_Q, N_K,
                      MASKED, IS_CAUSAL, MASK_KIND, ACC)
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -232,11 +253,11 @@ def _attn_fwd_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_ob, stride_oh, stride_om, stride_od,
-    H, N_Q, N_K, GROUP, qk_scale, p_drop, dropout_scale,
+    H, N_Q, N_K, GROUP, qk_scale, softcap, p_drop, dropout_scale,
     Q_BUCKET, K_BUCKET,  # unused in the kernel: the tuner keys on these buckets on the host
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
+    SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)  # int64: b * stride may pass 2^31
@@ -270,14 +291,14 @@ def _attn_fwd_kernel(
         n_full = N_K // BLOCK_N * BLOCK_N
     acc, l_i, m_i = _attn_fwd_loop(acc, l_i, m_i, q, K, V, MASK, seed, rng_rows, offs_m, offs_n, offs_d,
                                    stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
-                                   N_Q, N_K, qk_scale, p_drop, 0, n_full,
+                                   N_Q, N_K, qk_scale, softcap, p_drop, 0, n_full,
                                    HEAD_DIM, BLOCK_N, False, IS_CAUSAL, MASK_KIND, HAS_DROPOUT,
-                                   DOT_PRECISION, ACC)
+                                   SOFTCAP, DOT_PRECISION, ACC)
     acc, l_i, m_i = _attn_fwd_loop(acc, l_i, m_i, q, K, V, MASK, seed, rng_rows, offs_m, offs_n, offs_d,
                                    stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
-                                   N_Q, N_K, qk_scale, p_drop, n_full, hi,
+                                   N_Q, N_K, qk_scale, softcap, p_drop, n_full, hi,
                                    HEAD_DIM, BLOCK_N, True, IS_CAUSAL, MASK_KIND, HAS_DROPOUT,
-                                   DOT_PRECISION, ACC)
+                                   SOFTCAP, DOT_PRECISION, ACC)
 
     seen = l_i > 0.0  # False only for rows whose every score is -inf: O = 0, L = -inf
     l_safe = tl.where(seen, l_i, 1.0)
@@ -324,10 +345,10 @@ def _load_row_stats(LSE, DELTA, rows, N_Q):
 @triton.jit
 def _attn_bwd_dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, MASK, seed, rng_base, offs_m, offs_n, offs_d,
                         stride_qm, stride_qd, stride_dom, stride_dod, stride_mm, stride_mn,
-                        N_Q, N_K, qk_scale, p_drop, dropout_scale, lo, hi,
+                        N_Q, N_K, qk_scale, softcap, p_drop, dropout_scale, lo, hi,
                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
                         IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr, ACC: tl.constexpr):
+                        SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr):
     """Accumulates dK, dV of one key block over the query blocks [lo, hi) of one query head.
     Works on transposed (keys x queries) blocks so dK and dV come out of plain dots.
     Keys past N_K (the ragged last block) need no mask: their rows are never stored."""
@@ -339,7 +360,8 @@ def _attn_bwd_dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, MASK, seed, rng_base, o
         do = tl.load(_tile(DO, rows, offs_d, stride_dom, stride_dod), mask=qo_mask, other=0.0)
         do = do.to(q.dtype)
         lse, delta = _load_row_stats(LSE, DELTA, rows, N_Q)
-        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION, out_dtype=ACC) * qk_scale
+        qk_t, tanh_t = _scaled(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION, out_dtype=ACC), qk_scale,
+                               softcap, SOFTCAP)
         qk_t = _scores(qk_t, rows[None, :], offs_n[:, None], MASK, stride_mm, stride_mn, N_Q, N_K,
                        MASKED, IS_CAUSAL, MASK_KIND, ACC)
         p_t = tl.exp2(qk_t - lse[None, :])
@@ -352,6 +374,8 @@ def _attn_bwd_dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, MASK, seed, rng_base, o
             pd_t = p_t
         dv = tl.dot(pd_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION, out_dtype=ACC)
         ds_t = p_t * (dp_t - delta[None, :])
+        if SOFTCAP:
+            ds_t = ds_t * (1.0 - tanh_t * tanh_t)
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION, out_dtype=ACC)
     return dk, dv
 
@@ -372,11 +396,11 @@ def _attn_bwd_dkdv_kernel(
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    H, H_KV, N_Q, N_K, GROUP, sm_scale, qk_scale, p_drop, dropout_scale,
+    H, H_KV, N_Q, N_K, GROUP, sm_scale, qk_scale, softcap, p_drop, dropout_scale,
     Q_BUCKET, K_BUCKET,  # unused in the kernel: the tuner keys on these buckets on the host
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
+    SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
     start_n = tl.program_id(0) * BLOCK_N
     bhk = tl.program_id(1).to(tl.int64)
@@ -414,15 +438,15 @@ def _attn_bwd_dkdv_kernel(
         if IS_CAUSAL:
             dk, dv = _attn_bwd_dkdv_loop(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, MASKh, seed, rng_base,
                                          offs_m, offs_n, offs_d, stride_qm, stride_qd, stride_dom, stride_dod,
-                                         stride_mm, stride_mn, N_Q, N_K, qk_scale, p_drop, dropout_scale,
-                                         lo, mid, HEAD_DIM, BLOCK_M, True, IS_CAUSAL, MASK_KIND, HAS_DROPOUT,
-                                         DOT_PRECISION, ACC)
+                                         stride_mm, stride_mn, N_Q, N_K, qk_scale, softcap, p_drop,
+                                         dropout_scale, lo, mid, HEAD_DIM, BLOCK_M, True, IS_CAUSAL, MASK_KIND,
+                                         HAS_DROPOUT, SOFTCAP, DOT_PRECISION, ACC)
         dk, dv = _attn_bwd_dkdv_loop(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, MASKh, seed, rng_base,
                                      offs_m, offs_n, offs_d, stride_qm, stride_qd, stride_dom, stride_dod,
-                                     stride_mm, stride_mn, N_Q, N_K, qk_scale, p_drop, dropout_scale,
+                                     stride_mm, stride_mn, N_Q, N_K, qk_scale, softcap, p_drop, dropout_scale,
                                      mid, N_Q,
                                      HEAD_DIM, BLOCK_M, False, IS_CAUSAL, MASK_KIND, HAS_DROPOUT,
-                                     DOT_PRECISION, ACC)
+                                     SOFTCAP, DOT_PRECISION, ACC)
 
     dk *= sm_scale
     tl.store(_tile(DK + b * stride_dkb + hk * stride_dkh, offs_n, offs_d, stride_dkn, stride_dkd),
@@ -434,10 +458,11 @@ def _attn_bwd_dkdv_kernel(
 @triton.jit
 def _attn_bwd_dq_loop(dq, q, do, lse, delta, K, V, MASK, DMASK, seed, rng_rows, offs_m, offs_n, offs_d,
                       stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
-                      N_Q, N_K, qk_scale, p_drop, dropout_scale, lo, hi,
+                      N_Q, N_K, qk_scale, softcap, p_drop, dropout_scale, lo, hi,
                       HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                       IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                      MASK_GRAD: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr):
+                      MASK_GRAD: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                      ACC: tl.constexpr):
     """Accumulates dQ of one query block over the key blocks [lo, hi); with MASK_GRAD, also
     stores each dS tile (= d(mask), the mask being added to the scores) into this (b, h)'s
     dense (N_Q, N_K) slice of DMASK."""
@@ -449,7 +474,8 @@ def _attn_bwd_dq_loop(dq, q, do, lse, delta, K, V, MASK, DMASK, seed, rng_rows, 
             kv_mask = kv_mask & (cols[:, None] < N_K)
         k = tl.load(_tile(K, cols, offs_d, stride_kn, stride_kd), mask=kv_mask, other=0.0)
         v = tl.load(_tile(V, cols, offs_d, stride_vn, stride_vd), mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC) * qk_scale
+        qk, tanh_qk = _scaled(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC), qk_scale,
+                              softcap, SOFTCAP)
         qk = _scores(qk, offs_m[:, None], cols[None, :], MASK, stride_mm, stride_mn, N_Q, N_K,
                      MASKED, IS_CAUSAL, MASK_KIND, ACC)
         p = tl.exp2(qk - lse[:, None])
@@ -461,6 +487,8 @@ def _attn_bwd_dq_loop(dq, q, do, lse, delta, K, V, MASK, DMASK, seed, rng_rows, 
         if MASK_GRAD:
             tl.store(DMASK + offs_m[:, None].to(tl.int64) * N_K + cols[None, :], ds.to(DMASK.dtype.element_ty),
                      mask=(offs_m[:, None] < N_Q) & (cols[None, :] < N_K))
+        if SOFTCAP:  # the mask is added after the cap: its gradient is dS before the tanh's factor
+            ds = ds * (1.0 - tanh_qk * tanh_qk)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION, out_dtype=ACC)
     return dq
 
@@ -481,11 +509,11 @@ def _attn_bwd_dq_kernel(
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    H, N_Q, N_K, GROUP, sm_scale, qk_scale, p_drop, dropout_scale,
+    H, N_Q, N_K, GROUP, sm_scale, qk_scale, softcap, p_drop, dropout_scale,
     Q_BUCKET, K_BUCKET,  # unused in the kernel: the tuner keys on these buckets on the host
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    MASK_GRAD: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
+    MASK_GRAD: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
@@ -518,13 +546,13 @@ def _attn_bwd_dq_kernel(
         n_full = N_K // BLOCK_N * BLOCK_N
     dq = _attn_bwd_dq_loop(dq, q, do, lse, delta, K, V, MASK, DMASK, seed, rng_rows, offs_m, offs_n, offs_d,
                            stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
-                           N_Q, N_K, qk_scale, p_drop, dropout_scale, 0, n_full,
-                           HEAD_DIM, BLOCK_N, False, IS_CAUSAL, MASK_KIND, HAS_DROPOUT, MASK_GRAD,
+                           N_Q, N_K, qk_scale, softcap, p_drop, dropout_scale, 0, n_full,
+                           HEAD_DIM, BLOCK_N, False, IS_CAUSAL, MASK_KIND, HAS_DROPOUT, MASK_GRAD, SOFTCAP,
                            DOT_PRECISION, ACC)
     dq = _attn_bwd_dq_loop(dq, q, do, lse, delta, K, V, MASK, DMASK, seed, rng_rows, offs_m, offs_n, offs_d,
                            stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
-                           N_Q, N_K, qk_scale, p_drop, dropout_scale, n_full, hi,
-                           HEAD_DIM, BLOCK_N, True, IS_CAUSAL, MASK_KIND, HAS_DROPOUT, MASK_GRAD,
+                           N_Q, N_K, qk_scale, softcap, p_drop, dropout_scale, n_full, hi,
+                           HEAD_DIM, BLOCK_N, True, IS_CAUSAL, MASK_KIND, HAS_DROPOUT, MASK_GRAD, SOFTCAP,
                            DOT_PRECISION, ACC)
     dq *= sm_scale
     tl.store(_tile(DQ + b * stride_dqb + h * stride_dqh, offs_m, offs_d, stride_dqm, stride_dqd),
@@ -646,9 +674,9 @@ _BWD_PLANS: dict[tuple, tuple] = {}
 
 
 def _plan_key(q: torch.Tensor, bsz: int, h: int, h_kv: int, sq: int, sk: int, d: int, is_causal: bool,
-              mask_kind: int, has_dropout: bool, mask_grad: bool = False) -> tuple:
+              mask_kind: int, has_dropout: bool, mask_grad: bool = False, softcap: bool = False) -> tuple:
     return (q.get_device() if q.is_cuda else -1, q.dtype, bsz, h, h_kv, sq, sk, d, is_causal, mask_kind,
-            has_dropout, mask_grad)
+            has_dropout, mask_grad, softcap)
 
 
 
@@ -708,6 +736,13 @@ def _dropout_scale(p: float) -> float:
     return 1.0 / (1.0 - p) if p < 1.0 else 0.0
 
 
+def _score_scales(scale: float, softcap: float) -> tuple[float, float]:
+    """(qk_scale, softcap) as the kernels take them (_scaled): base 2, the cap folded in."""
+    if softcap:
+        return scale / softcap, softcap * LOG2E
+    return scale * LOG2E, 0.0
+
+
 def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -732,9 +767,11 @@ def attention_fwd(
     is_causal: bool,
     scale: float,
     seed: torch.Tensor | None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (o, lse): o like q (same layout when q is dense), lse (B, Hq, Sq) in fp32
-    (fp64 for fp64). `seed` is the Philox seed (1,) int64 when dropout_p > 0."""
+    (fp64 for fp64). `seed` is the Philox seed (1,) int64 when dropout_p > 0; `softcap` > 0 caps
+    the scaled scores (0: no cap)."""
     bsz, h, sq, d = q.shape
     h_kv, sk = k.shape[1], k.shape[2]
     o = torch.empty_like(q)
@@ -742,7 +779,7 @@ def attention_fwd(
     if o.numel() == 0:
         return o, lse
     if not _use_kernels(q):
-        o_t, lse_t = _attention_fwd_torch(q, k, v, attn_mask, dropout_p, is_causal, scale, seed)
+        o_t, lse_t = _attention_fwd_torch(q, k, v, attn_mask, dropout_p, is_causal, scale, seed, softcap)
         return o.copy_(o_t), lse.copy_(lse_t)
     if sk == 0:
         return o.zero_(), lse.fill_(float("-inf"))
@@ -750,15 +787,19 @@ def attention_fwd(
     has_dropout = dropout_p > 0.0
     args = (q, k, v, mask, seed if has_dropout else q, o, lse,
             *q.stride(), *k.stride(), *v.stride(), *sm, *o.stride(),
-            h, sq, sk, h // h_kv, scale * LOG2E, dropout_p, _dropout_scale(dropout_p), _bucket(sq), _bucket(sk))
-    key = _plan_key(q, bsz, h, h_kv, sq, sk, d, is_causal, mask_kind, has_dropout)
+            h, sq, sk, h // h_kv, *_score_scales(scale, softcap), dropout_p, _dropout_scale(dropout_p),
+            _bucket(sq), _bucket(sk))
+    key = _plan_key(q, bsz, h, h_kv, sq, sk, d, is_causal, mask_kind, has_dropout, False, softcap > 0.0)
     plan = _FWD_PLANS.get(key)
     if plan is not None:
         _FWD.run(plan[0], args, plan[1])
         return o, lse
     block_d = _block_d(d)
+    # Block sizes are tuned without the soft cap in the key (one tuner key per shape bucket): the
+    # cap adds elementwise work, not tiles.
     constexprs = dict(HEAD_DIM=d, BLOCK_D=block_d, IS_CAUSAL=is_causal, MASK_KIND=mask_kind,
-                      HAS_DROPOUT=has_dropout, DOT_PRECISION=_dot_precision(q.dtype), ACC=acc_dtype(q.dtype))
+                      HAS_DROPOUT=has_dropout, SOFTCAP=softcap > 0.0, DOT_PRECISION=_dot_precision(q.dtype),
+                      ACC=acc_dtype(q.dtype))
     planned = _tuned_launch("fwd", _tuning_key(q, sq, sk, d, block_d, is_causal, mask_kind, has_dropout),
                             lambda meta: (cdiv(sq, meta["BLOCK_M"]), bsz * h), args, constexprs)
     if planned is not None:
@@ -779,6 +820,7 @@ def attention_bwd(
     is_causal: bool,
     scale: float,
     mask_grad: bool = False,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Returns (dq, dk, dv, dmask): dq, dk, dv shaped and laid out like q, k, v (contiguous when
     those are not dense); dmask, with `mask_grad` (a float attn_mask), in the mask's shape and
@@ -794,7 +836,8 @@ def attention_bwd(
         dmask = torch.zeros_like(attn_mask, memory_format=torch.contiguous_format) if mask_grad else None
         return dq.zero_(), dk.zero_(), dv.zero_(), dmask
     if not _use_kernels(q):
-        grads = _attention_bwd_torch(do, q, k, v, o, lse, seed, attn_mask, dropout_p, is_causal, scale, mask_grad)
+        grads = _attention_bwd_torch(do, q, k, v, o, lse, seed, attn_mask, dropout_p, is_causal, scale, mask_grad,
+                                     softcap)
         dmask = _reduce_mask_grad(grads[3], attn_mask) if mask_grad else None
         return dq.copy_(grads[0]), dk.copy_(grads[1]), dv.copy_(grads[2]), dmask
     mask, sm, mask_kind = _mask_arg(attn_mask, (bsz, h, sq, sk), q)
@@ -805,7 +848,7 @@ def attention_bwd(
     if mask_grad:
         # Causal: key blocks past the diagonal are never visited, and their dS is 0.
         ds = (torch.zeros if is_causal else torch.empty)((bsz, h, sq, sk), dtype=lse.dtype, device=q.device)
-    tail = (scale, scale * LOG2E, dropout_p, _dropout_scale(dropout_p), _bucket(sq), _bucket(sk))
+    tail = (scale, *_score_scales(scale, softcap), dropout_p, _dropout_scale(dropout_p), _bucket(sq), _bucket(sk))
     pre_args = (o, do, delta, *o.stride(), *do.stride(), h, sq)
     dkdv_args = (q, k, v, mask, seed_arg, do, lse, delta, dk, dv,
                  *q.stride(), *k.stride(), *v.stride(), *sm, *do.stride(), *dk.stride(), *dv.stride(),
@@ -813,7 +856,7 @@ def attention_bwd(
     dq_args = (q, k, v, mask, seed_arg, do, lse, delta, dq, q if ds is None else ds,
                *q.stride(), *k.stride(), *v.stride(), *sm, *do.stride(), *dq.stride(),
                h, sq, sk, h // h_kv, *tail)
-    key = _plan_key(q, bsz, h, h_kv, sq, sk, d, is_causal, mask_kind, has_dropout, mask_grad)
+    key = _plan_key(q, bsz, h, h_kv, sq, sk, d, is_causal, mask_kind, has_dropout, mask_grad, softcap > 0.0)
     plan = _BWD_PLANS.get(key)
     if plan is not None:
         _BWD_PREPROCESS.run(plan[0], pre_args, plan[1])
@@ -827,7 +870,7 @@ def attention_bwd(
     pre_meta = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_block, ACC=acc)
     _BWD_PREPROCESS.run(pre_grid, pre_args, pre_meta)
     constexprs = dict(HEAD_DIM=d, BLOCK_D=block_d, IS_CAUSAL=is_causal, MASK_KIND=mask_kind,
-                      HAS_DROPOUT=has_dropout, DOT_PRECISION=_dot_precision(q.dtype), ACC=acc)
+                      HAS_DROPOUT=has_dropout, SOFTCAP=softcap > 0.0, DOT_PRECISION=_dot_precision(q.dtype), ACC=acc)
     tuning_key = _tuning_key(q, sq, sk, d, block_d, is_causal, mask_kind, has_dropout)
     planned_dkdv = _tuned_launch("dkdv", tuning_key, lambda meta: (cdiv(sk, meta["BLOCK_N"]), bsz * h_kv),
                                  dkdv_args, constexprs)
@@ -862,11 +905,16 @@ def _torch_keep_mask(seed: torch.Tensor, shape: tuple[int, ...], p: float) -> to
     return torch.rand(shape, generator=gen) >= p
 
 
-def _torch_probs(q, k, attn_mask, is_causal, scale, lse=None):
-    """Scores and probabilities in the accumulation dtype; k already repeated over the group.
-    With lse given, P is recomputed from it as the kernels do (0 for rows with lse = -inf)."""
+def _torch_probs(q, k, attn_mask, is_causal, scale, lse=None, softcap=0.0):
+    """(P, lse, tanh of the capped scores or None) in the accumulation dtype; k already repeated
+    over the group. With lse given, P is recomputed from it as the kernels do (0 for rows with
+    lse = -inf)."""
     acc = _stat_dtype(q.dtype)
     s = (q.to(acc) @ k.to(acc).transpose(-2, -1)) * scale
+    tanh = None
+    if softcap:
+        tanh = torch.tanh(s / softcap)
+        s = softcap * tanh
     sq, sk = s.shape[-2:]
     if is_causal:
         s = s.masked_fill(~torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril(), float("-inf"))
@@ -878,31 +926,32 @@ def _torch_probs(q, k, attn_mask, is_causal, scale, lse=None):
     if lse is None:  # forward: a plain softmax (exact also for rows at finfo.min)
         lse = torch.logsumexp(s, dim=-1)
         dead = torch.isneginf(lse)[..., None]
-        return torch.softmax(s.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0), lse
+        return torch.softmax(s.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0), lse, tanh
     safe = torch.where(torch.isneginf(lse), float("inf"), lse)
-    return torch.exp(s - safe[..., None]), lse
+    return torch.exp(s - safe[..., None]), lse, tanh
 
 
 def _repeat_kv(t: torch.Tensor, group: int) -> torch.Tensor:
     return t if group == 1 else t.repeat_interleave(group, dim=1)
 
 
-def _attention_fwd_torch(q, k, v, attn_mask, dropout_p, is_causal, scale, seed):
+def _attention_fwd_torch(q, k, v, attn_mask, dropout_p, is_causal, scale, seed, softcap=0.0):
     group = q.shape[1] // k.shape[1]
-    p, lse = _torch_probs(q, _repeat_kv(k, group), attn_mask, is_causal, scale)
+    p, lse, _ = _torch_probs(q, _repeat_kv(k, group), attn_mask, is_causal, scale, softcap=softcap)
     if dropout_p > 0.0:
         keep = _torch_keep_mask(seed, p.shape, dropout_p).to(p.device)
         p = torch.where(keep, p * _dropout_scale(dropout_p), 0.0)
     return p @ _repeat_kv(v, group).to(p.dtype), lse
 
 
-def _attention_bwd_torch(do, q, k, v, o, lse, seed, attn_mask, dropout_p, is_causal, scale, mask_grad=False):
+def _attention_bwd_torch(do, q, k, v, o, lse, seed, attn_mask, dropout_p, is_causal, scale, mask_grad=False,
+                         softcap=0.0):
     bsz, h, sq, d = q.shape
     h_kv, sk = k.shape[1], k.shape[2]
     group = h // h_kv
     acc = lse.dtype
     kr, vr = _repeat_kv(k, group).to(acc), _repeat_kv(v, group).to(acc)
-    p, _ = _torch_probs(q, kr, attn_mask, is_causal, scale, lse)
+    p, _, tanh = _torch_probs(q, kr, attn_mask, is_causal, scale, lse, softcap)
     do_, o_ = do.to(acc), o.to(acc)
     dp = do_ @ vr.transpose(-2, -1)
     pd = p
@@ -911,8 +960,9 @@ def _attention_bwd_torch(do, q, k, v, o, lse, seed, attn_mask, dropout_p, is_cau
         pd = torch.where(keep, p * _dropout_scale(dropout_p), 0.0)
         dp = torch.where(keep, dp * _dropout_scale(dropout_p), 0.0)
     ds = p * (dp - (do_ * o_).sum(-1, keepdim=True))
-    dq = (ds @ kr) * scale
-    dk = (ds.transpose(-2, -1) @ q.to(acc)) * scale
+    ds_raw = ds if tanh is None else ds * (1.0 - tanh * tanh)  # the mask's gradient is ds itself
+    dq = (ds_raw @ kr) * scale
+    dk = (ds_raw.transpose(-2, -1) @ q.to(acc)) * scale
     dv = pd.transpose(-2, -1) @ do_
     dk = dk.view(bsz, h_kv, group, sk, d).sum(2)
     dv = dv.view(bsz, h_kv, group, sk, d).sum(2)
@@ -973,6 +1023,13 @@ def _check_attention_inputs(q, k, v, attn_mask, dropout_p, is_causal, scale, ena
         raise TypeError(f"trifuse.{OP}: scale must be a number or None, got {type(scale).__name__}")
 
 
+def _check_softcap(softcap: object) -> None:
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"trifuse.{OP}: softcap must be a number or None, got {type(softcap).__name__}")
+    if not (0.0 <= softcap < float("inf")):
+        raise ValueError(f"trifuse.{OP}: softcap must be a finite number > 0 (or None / 0 for no cap), got {softcap}")
+
+
 def _check_mask_grad(attn_mask: torch.Tensor | None, mask_grad: bool) -> None:
     if mask_grad and (attn_mask is None or not attn_mask.is_floating_point()):
         got = "no attn_mask" if attn_mask is None else f"a {attn_mask.dtype} attn_mask"
@@ -998,10 +1055,12 @@ def _seed_for(q: torch.Tensor, dropout_p: float) -> torch.Tensor:
 
 @torch.library.custom_op("trifuse::attention", mutates_args=())
 def _attention_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: OptTensor, dropout_p: float, is_causal: bool,
-                  scale: float | None, enable_gqa: bool) -> tuple[Tensor, Tensor, Tensor]:
+                  scale: float | None, enable_gqa: bool, softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     _check_attention_inputs(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    _check_softcap(softcap)
     seed = _seed_for(q, dropout_p)
-    o, lse = attention_fwd(q, k, v, attn_mask, dropout_p, is_causal, _resolve_scale(scale, q.shape[-1]), seed)
+    o, lse = attention_fwd(q, k, v, attn_mask, dropout_p, is_causal, _resolve_scale(scale, q.shape[-1]), seed,
+                           softcap)
     return o, lse, seed
 
 
@@ -1009,44 +1068,49 @@ def _attention_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: OptTensor, dropout
 def _attention_backward_op(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, seed: Tensor, attn_mask: OptTensor,
     dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool, mask_grad: bool,
+    softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dmask) for trifuse::attention; dmask is the gradient of a float attn_mask, in
     its shape and dtype, when mask_grad, else an empty tensor."""
     _check_attention_inputs(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     _check_mask_grad(attn_mask, mask_grad)
+    _check_softcap(softcap)
     dq, dk, dv, dmask = attention_bwd(do, q, k, v, o, lse, seed, attn_mask, dropout_p, is_causal,
-                                      _resolve_scale(scale, q.shape[-1]), mask_grad)
+                                      _resolve_scale(scale, q.shape[-1]), mask_grad, softcap)
     return dq, dk, dv, q.new_empty(0) if dmask is None else dmask
 
 
 @_attention_op.register_fake
-def _(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+def _(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap=0.0):
     _check_attention_inputs(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    _check_softcap(softcap)
     lse = q.new_empty(q.shape[:3], dtype=_stat_dtype(q.dtype))
     return torch.empty_like(q), lse, q.new_empty(1 if dropout_p > 0.0 else 0, dtype=torch.int64)
 
 
 @_attention_backward_op.register_fake
-def _(do, q, k, v, o, lse, seed, attn_mask, dropout_p, is_causal, scale, enable_gqa, mask_grad):
+def _(do, q, k, v, o, lse, seed, attn_mask, dropout_p, is_causal, scale, enable_gqa, mask_grad, softcap=0.0):
     _check_attention_inputs(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     _check_mask_grad(attn_mask, mask_grad)
+    _check_softcap(softcap)
     dmask = attn_mask.new_empty(attn_mask.shape) if mask_grad else q.new_empty(0)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
 
 
 def _setup_attention(ctx, inputs, output):
-    q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa = inputs
+    q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, *softcap = inputs
     o, lse, seed = output
     ctx.save_for_backward(q, k, v, o, lse, seed, attn_mask)
     ctx.args = (dropout_p, is_causal, scale, enable_gqa)
+    ctx.softcap = softcap[0] if softcap else 0.0
 
 
 def _backward_attention(ctx, do, *_):
     q, k, v, o, lse, seed, attn_mask = ctx.saved_tensors
     mask_grad = ctx.needs_input_grad[3]
     dq, dk, dv, dmask = torch.ops.trifuse.attention_backward(do, q, k, v, o, lse, seed, attn_mask, *ctx.args,
-                                                             mask_grad)
-    return dq, dk, dv, dmask if mask_grad else None, None, None, None, None
+                                                             mask_grad, ctx.softcap)
+    return dq, dk, dv, dmask if mask_grad else None, None, None, None, None, None
 
 
 torch.library.register_autograd("trifuse::attention", _backward_attention, setup_context=_setup_attention)
@@ -1060,11 +1124,12 @@ torch.library.register_autograd("trifuse::attention", _backward_attention, setup
 
 class _AttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, attn_mask, dropout_p, is_causal, scale):
+    def forward(ctx, q, k, v, attn_mask, dropout_p, is_causal, scale, softcap):
         seed = philox_seed(q.device) if dropout_p > 0.0 else None
-        o, lse = attention_fwd(q, k, v, attn_mask, dropout_p, is_causal, scale, seed)
+        o, lse = attention_fwd(q, k, v, attn_mask, dropout_p, is_causal, scale, seed, softcap)
         ctx.save_for_backward(q, k, v, o, lse, seed, attn_mask)
         ctx.args = (dropout_p, is_causal, scale)
+        ctx.softcap = softcap
         return o
 
     @staticmethod
@@ -1073,8 +1138,8 @@ class _AttentionFunction(torch.autograd.Function):
         dropout_p, is_causal, scale = ctx.args
         with profiled("trifuse::attention_backward"):
             dq, dk, dv, dmask = attention_bwd(do, q, k, v, o, lse, seed, attn_mask, dropout_p, is_causal, scale,
-                                              ctx.needs_input_grad[3])
-        return dq, dk, dv, dmask, None, None, None
+                                              ctx.needs_input_grad[3], ctx.softcap)
+        return dq, dk, dv, dmask, None, None, None, None
 
 
 # =============================================================================================
@@ -1123,12 +1188,15 @@ def _attention_key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
             pow2_bucket(qs[2]), pow2_bucket(ks[2]), qs[3], causal, mask, dropout_p > 0.0, grad)
 
 
-def _attention_trifuse(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+def _attention_trifuse(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap=0.0):
     if eager_fast_path(q, k, v, attn_mask):
         _check_attention_inputs(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         with profiled(f"trifuse::{OP}"):
             return _AttentionFunction.apply(q, k, v, attn_mask, float(dropout_p), bool(is_causal),
-                                            _resolve_scale(scale, q.shape[-1]))
+                                            _resolve_scale(scale, q.shape[-1]), softcap)
+    if softcap:
+        return torch.ops.trifuse.attention(q, k, v, attn_mask, float(dropout_p), bool(is_causal),
+                                           None if scale is None else float(scale), bool(enable_gqa), softcap)[0]
     return torch.ops.trifuse.attention(q, k, v, attn_mask, float(dropout_p), bool(is_causal),
                                        None if scale is None else float(scale), bool(enable_gqa))[0]
 
@@ -1414,6 +1482,8 @@ def attention(
     is_causal: bool = False,
     scale: float | None = None,
     enable_gqa: bool = False,
+    *,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention with the signature and semantics of
     `F.scaled_dot_product_attention`, never materializing the (Sq, Sk) score matrix.
@@ -1432,6 +1502,9 @@ def attention(
         scale: multiplies Q K^T; None means 1 / sqrt(D).
         enable_gqa: k and v may have fewer heads, dividing Hq; query head h reads kv head
             h // (Hq // Hkv). K and V are never repeated in memory.
+        softcap: a logit soft cap c > 0 (Gemma 2's attn_logit_softcapping, flash-attn's
+            softcap): the scaled scores become c * tanh(scores / c) before the mask is added.
+            None or 0: no cap. SDPA has no such argument: capped calls run trifuse's kernels.
 
     Returns:
         (B, Hq, Sq, D) in q's dtype, laid out like q when q is dense (so a (B, S, H, D)
@@ -1446,9 +1519,13 @@ def attention(
 
     Raises:
         TypeError for non-float or mixed dtypes; ValueError for ranks, shapes, head counts, masks
-        that do not broadcast, or dropout_p outside [0, 1].
+        that do not broadcast, dropout_p outside [0, 1], or a negative or infinite softcap.
     """
     for name, t in (("query", q), ("key", k), ("value", v)):
         check_tensor(OP, name, t)
     check_probability(OP, "dropout_p", dropout_p)
+    if softcap is not None:
+        _check_softcap(softcap)
+        if softcap:
+            return _attention_trifuse(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, float(softcap))
     return ATTENTION(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)

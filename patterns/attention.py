@@ -10,7 +10,8 @@ style: the score matrix never exists).
   buffer: True = drop) or `torch.where(mask, scores, fill)` (True = keep), the softmax optionally
   computed in fp32 and cast back (Hugging Face's eager code) or followed by a plain cast to the
   value's dtype (`.type(value.dtype)`, transformers' GPT-2 eager code; a no-op, as the filter
-  requires). Each combination is one pattern built from `attention_chain` below.
+  requires). Each combination is one pattern built from `attention_chain` below. Gemma 2's logit
+  soft cap between the scaling and the mask (`tanh(s / cap) * cap`) becomes the op's `softcap`.
 - `F.multi_head_attention_forward` as `nn.MultiheadAttention` (and so nn.TransformerEncoder)
   calls it for self-attention without returned weights: its in-projection, heads and
   out-projection stay as matmuls around the fused attention.
@@ -77,13 +78,18 @@ def sdpa_gqa_fused(q, k, v, attn_mask, dropout_p, is_causal, scale, n_rep=None, 
 
 
 def attention_chain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, scale, mask: torch.Tensor,
-                    fill, p, training, dtype, *, scaling: str, masking: str, dropout: bool, softmax: str):
-    """softmax(q @ k^T scaled [masked]) [cast] [dropped out] @ v, in the spelling the keywords choose.
+                    fill, p, training, dtype, cap=None, *, scaling: str, masking: str, dropout: bool, softmax: str,
+                    softcap: bool = False):
+    """softmax(q @ k^T scaled [capped] [masked]) [cast] [dropped out] @ v, in the spelling the
+    keywords choose.
 
     softmax: "plain", "upcast" (computed in fp32, cast to `dtype`), or "cast" (computed in the
-    scores' dtype, then cast to `dtype`: GPT-2's `.type(value.dtype)`)."""
+    scores' dtype, then cast to `dtype`: GPT-2's `.type(value.dtype)`). softcap: Gemma 2's
+    `tanh(s / cap) * cap` after the scaling."""
     s = torch.matmul(q, k.transpose(d0, d1))
     s = s * scale if scaling == "mul" else s / scale
+    if softcap:
+        s = torch.tanh(s / cap) * cap
     if masking == "add":
         s = s + mask
     elif masking == "masked_fill":
@@ -101,11 +107,12 @@ def attention_chain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, s
     return torch.matmul(a, v)
 
 
-def attention_chain_fused(q, k, v, d0, d1, scale, mask=None, fill=None, p=0.0, training=False, dtype=None, *,
-                          scaling: str, masking: str, dropout: bool, softmax: str):
+def attention_chain_fused(q, k, v, d0, d1, scale, mask=None, fill=None, p=0.0, training=False, dtype=None, cap=None,
+                          *, scaling: str, masking: str, dropout: bool, softmax: str, softcap: bool = False):
     if masking == "masked_fill":
         mask = torch.logical_not(mask)  # masked_fill marks what to drop, an attention mask what to keep
-    o = ops.attention(q, k, v, mask, p if training else 0.0, False, scale if scaling == "mul" else 1.0 / scale)
+    o = ops.attention(q, k, v, mask, p if training else 0.0, False, scale if scaling == "mul" else 1.0 / scale,
+                      softcap=cap if softcap else None)
     if masking in ("masked_fill", "where") and fill != float("-inf"):
         # finfo.min fill (the filter allows no other finite one): a row masked whole is a softmax
         # of equal numbers, uniform, so the unfused output there is the mean of V over the keys;
@@ -165,11 +172,18 @@ def _fill_masks(m: Match, dropout: bool) -> str | None:
     return None
 
 
-def _chain_pattern(scaling: str, masking: str, dropout: bool, softmax: str) -> Pattern:
-    opts = {"scaling": scaling, "masking": masking, "dropout": dropout, "softmax": softmax}
-    name = "_".join(["attention_chain", scaling, masking or "no_mask", "dropout" if dropout else "no_dropout",
-                     *([softmax] if softmax != "plain" else [])])
-    filters = [_transposes_last_two, _scale_is_number]
+def _cap_is_a_positive_number(m: Match) -> str | None:
+    cap = m["cap"]
+    if not is_number(cap) or not cap > 0 or cap == float("inf"):
+        return f"the soft cap is {cap!r}, not a finite positive constant"
+    return None
+
+
+def _chain_pattern(scaling: str, masking: str, dropout: bool, softmax: str, softcap: bool = False) -> Pattern:
+    opts = {"scaling": scaling, "masking": masking, "dropout": dropout, "softmax": softmax, "softcap": softcap}
+    name = "_".join(["attention_chain", scaling, *(["softcap"] if softcap else []), masking or "no_mask",
+                     "dropout" if dropout else "no_dropout", *([softmax] if softmax != "plain" else [])])
+    filters = [_transposes_last_two, _scale_is_number, *([_cap_is_a_positive_number] if softcap else [])]
     if dropout:
         filters += [needs_number("p"), needs_bool("training")]
     if masking in ("masked_fill", "where"):
@@ -230,6 +244,8 @@ PATTERNS = (
             (needs_number("dropout_p"), needs_bool("is_causal"))),
     Pattern("sdpa", "attention", sdpa, sdpa_fused, ("attention",),
             (needs_number("dropout_p"), needs_bool("is_causal", "enable_gqa")), derive=_one_kv_head_broadcast),
+    *(_chain_pattern("mul", masking, dropout, softmax, softcap=True) for masking, dropout, softmax in
+      itertools.product(("add", ""), (True, False), ("upcast", "plain"))),
     *(_chain_pattern(*opts) for opts in itertools.product(
         ("mul", "div"), ("add", "masked_fill", "where", ""), (True, False), ("plain", "upcast", "cast"))),
     Pattern("self_attention_mha", "attention", self_attention_mha, self_attention_mha_fused, ("attention",),

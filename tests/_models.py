@@ -110,6 +110,10 @@ _DECODER = {"hidden_size": HIDDEN, "num_hidden_layers": LAYERS, "num_attention_h
 _MLP = {"intermediate_size": 2 * HIDDEN}
 _FAMILIES = {
     "gemma": {**_DECODER, **_MLP, "num_key_value_heads": 1, "head_dim": HIDDEN // HEADS},
+    # Gemma 2 needs transformers' eager attention (SDPA has no soft cap); a cap small enough to bend
+    # the tiny model's scores
+    "gemma2": {**_DECODER, **_MLP, "num_key_value_heads": 2, "head_dim": HIDDEN // HEADS,
+               "attn_logit_softcapping": 2.0, "attn_implementation": "eager"},
     "falcon": {**_DECODER, "multi_query": True, "new_decoder_architecture": False, "hidden_dropout": 0.0,
                "attention_dropout": 0.0},
     "olmo": {**_DECODER, **_MLP},
@@ -128,11 +132,12 @@ SEQ2SEQ = ("t5", "bart")
 
 @_on_device
 def hf_family(model_type: str):
-    """A tiny Hugging Face LM of `model_type` (a key of _FAMILIES), dropout off, SDPA attention."""
+    """A tiny Hugging Face LM of `model_type` (a key of _FAMILIES), dropout off, SDPA attention
+    unless the family says otherwise."""
     tf = _quiet_transformers()
     cfg = tf.AutoConfig.for_model(model_type, vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0,
                                   bos_token_id=0, eos_token_id=0, tie_word_embeddings=False,
-                                  attn_implementation="sdpa", **_FAMILIES[model_type])
+                                  **{"attn_implementation": "sdpa", **_FAMILIES[model_type]})
     auto = tf.AutoModelForSeq2SeqLM if model_type in SEQ2SEQ else tf.AutoModelForCausalLM
     model = auto.from_config(cfg)
 

@@ -54,6 +54,8 @@ MODELS = {
     # residual adds fuse as dropout_add. T5's self-attention adds a learned position bias as
     # attn_mask, which needs its gradient (the attention op gives it).
     "gemma": (_family("gemma"), {"rms_norm": L + 1, "attention": L, "residual_stream": L, **LOSS}),
+    # Gemma 2's eager attention with its logit soft cap; four norms a block, two of them after a sublayer
+    "gemma2": (_family("gemma2"), {"rms_norm": 3 * L + 1, "attention": L, "residual_stream": L, **LOSS}),
     "falcon": (_family("falcon"), {"layer_norm": L + 1, "attention": L, "dropout_add": L, **LOSS}),
     "olmo": (_family("olmo"), {"layer_norm": L + 1, "attention": L, "residual_stream": L, **LOSS}),
     "phi": (_family("phi"), {"layer_norm": L + 1, "attention": L, "bias_gelu": L, "dropout_add": L, **LOSS}),

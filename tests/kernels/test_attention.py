@@ -699,6 +699,9 @@ BAD_INPUTS = {
     "mask-and-causal": ({"attn_mask": torch.ones(5, 6, dtype=torch.bool), "is_causal": True}, ValueError,
                         "not both"),
     "dropout": ({"dropout_p": 1.5}, ValueError, "dropout_p must be a probability"),
+    "softcap-negative": ({"softcap": -1.0}, ValueError, "softcap must be a finite number > 0"),
+    "softcap-inf": ({"softcap": float("inf")}, ValueError, "softcap must be a finite number > 0"),
+    "softcap-type": ({"softcap": "50"}, TypeError, "softcap must be a number or None"),
     "not-tensor": ({"k": [1.0]}, TypeError, "key must be a torch.Tensor"),
 }
 
@@ -725,3 +728,118 @@ def test_bad_input_raises_under_compile_and_on_the_registered_op():
     keep = torch.ones(5, 6, dtype=torch.bool, device=DEVICE)
     with pytest.raises(ValueError, match="attention: mask_grad=True needs a floating-point attn_mask, got a torch.bool"):
         torch.ops.trifuse.attention_backward(o, q, k, v, o, lse, seed, keep, 0.0, False, None, False, True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Logit soft cap (Gemma 2's attn_logit_softcapping): S = c * tanh(scale * Q K^T / c) + mask. The
+# cap is small next to the scores here (c = 1.5; scores of unit scale, and 8x larger in the
+# "large" cases), so the tanh is far from linear and its saturated tails are crossed.
+# ---------------------------------------------------------------------------------------------
+
+SOFTCAP_CASES = [
+    (Case(b=2, h=2, sq=37, sk=37), 1.0),
+    (Case(sq=45, sk=45, d=32, causal=True), 1.0),
+    (Case(sq=20, sk=50, causal=True), 8.0),  # saturated: tanh = +-1 in fp32 over most scores
+    (Case(h=4, h_kv=2, sq=33, sk=40, d=24, causal=True), 1.0),  # GQA
+    (Case(b=2, sq=33, sk=40, mask="hf"), 1.0),  # transformers' finfo.min mask, added after the cap
+    (Case(b=2, sq=33, sk=40, mask="dead-rows"), 1.0),
+    (Case(sq=20, sk=24, d=80, scale=0.3), 8.0),
+]
+
+
+def _softcap_id(c):
+    return f"{c[0].id}-x{c[1]:g}"
+
+
+@pytest.mark.parametrize("case,magnitude", SOFTCAP_CASES, ids=[_softcap_id(c) for c in SOFTCAP_CASES])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_softcap_matches_float64_oracle(dtype, case, magnitude):
+    q, k, v, mask = make(case, dtype)
+    q = (q.detach() * magnitude).requires_grad_()
+    check_fwd_bwd(q, k, v, mask, {**kwargs_of(case), "softcap": 1.5}, name=case.id)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_softcap_with_dropout_and_mask_grad(dtype):
+    """A float mask requiring grad under the cap gets dS itself (the mask is added after the cap),
+    while dq, dk take the tanh's factor; dropout regenerated as without the cap."""
+    mc = MaskGradCase(Case(b=2, h=4, h_kv=2, sq=33, sk=40), "1-h")
+    c, p = mc.case, 0.2
+    keep = kernel_keep_mask(c.b, c.h, c.sq, c.sk, p, seed=77)
+    q, k, v, _ = make(c, dtype)
+    leaf, view = mask_leaf_and_view(mc, dtype)
+    check_mask_grad(q, k, v, leaf, view, {**kwargs_of(c), "softcap": 1.5}, dropout_p=p, dropout_mask=keep, seed=77,
+                    name=mc.id)
+
+
+def test_softcap_eager_path_registered_op_and_torch_path_agree(monkeypatch):
+    case = Case(h=4, h_kv=2, sq=33, sk=40, mask="float")
+    q, k, v, mask = make(case, torch.float32)
+    mask.requires_grad_()
+    torch.manual_seed(4)
+    eager = trifuse.ops.attention(q, k, v, mask, 0.1, enable_gqa=True, softcap=2.0)
+    torch.manual_seed(4)
+    op = torch.ops.trifuse.attention(q, k, v, mask, 0.1, False, None, True, 2.0)[0]
+    assert torch.equal(eager, op)
+    dout = torch.randn_like(eager)
+    for a, b in zip(torch.autograd.grad(eager, (q, k, v, mask), dout), torch.autograd.grad(op, (q, k, v, mask), dout)):
+        assert torch.equal(a, b)
+    monkeypatch.setattr(attn_mod, "use_triton", lambda t: False)
+    check_fwd_bwd(*make(Case(h=4, h_kv=2, sq=20, sk=24, causal=True), torch.float32),
+                  {"is_causal": True, "enable_gqa": True, "softcap": 1.5}, name="torch path")
+
+
+def test_softcap_gradcheck_opcheck_and_compile():
+    def leaf(*shape):
+        return (torch.randn(*shape, device=DEVICE, dtype=torch.float64) * 3).requires_grad_()
+
+    q, k, v = leaf(1, 2, 5, 4), leaf(1, 1, 6, 4), leaf(1, 1, 6, 4)
+    bias = leaf(1, 2, 5, 6)
+    assert torch.autograd.gradcheck(
+        lambda *a: trifuse.ops.attention(*a, enable_gqa=True, softcap=2.0), (q, k, v, bias))
+    q, k, v, mask = make(Case(h=4, h_kv=2, sq=9, sk=12, mask="float"), torch.float32)
+    torch.library.opcheck(torch.ops.trifuse.attention.default, (q, k, v, mask, 0.0, False, 0.5, True, 3.0))
+    fn = torch.compile(lambda q, k, v: trifuse.ops.attention(q, k, v, is_causal=True, enable_gqa=True, softcap=3.0),
+                       fullgraph=True, backend="aot_eager")
+    out, ref = fn(q, k, v), trifuse.ops.attention(q, k, v, is_causal=True, enable_gqa=True, softcap=3.0)
+    torch.testing.assert_close(out, ref)
+    for a, b in zip(torch.autograd.grad(out.sum(), (q, k, v)), torch.autograd.grad(ref.sum(), (q, k, v))):
+        torch.testing.assert_close(a, b)
+
+
+def test_softcap_zero_or_none_is_no_cap():
+    q, k, v, _ = make(Case(sq=20, sk=20, causal=True), torch.float32)
+    plain = trifuse.ops.attention(q, k, v, is_causal=True)
+    assert torch.equal(trifuse.ops.attention(q, k, v, is_causal=True, softcap=0.0), plain)
+    assert torch.equal(trifuse.ops.attention(q, k, v, is_causal=True, softcap=None), plain)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_negative_control_softcap_missing_or_without_its_chain_factor_fails(dtype):
+    """Attention without the cap, and a cap whose backward forgets the tanh's factor (identity
+    gradient through the cap), must both fail the tolerance the kernels pass."""
+    case, cap = Case(b=2, h=2, sq=37, sk=37, causal=True), 1.5
+    q, k, v, _ = make(case, dtype)
+    kw = {"is_causal": True, "softcap": cap}
+    ref64_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    lp_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    ref64, ref_lp = attention_ref(*ref64_in, **kw), attention_ref(*lp_in, **kw)
+    ok, msg = check_close("no cap", trifuse.ops.attention(q, k, v, is_causal=True), ref64, ref_lp)
+    assert not ok, msg
+
+    def cap_without_factor(q, k, v):
+        s = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+        s = s + (cap * torch.tanh(s / cap) - s).detach()  # forward capped, backward as if uncapped
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(), float("-inf"))
+        return torch.softmax(s, -1) @ v
+
+    dout = torch.randn(q.shape, device=DEVICE, dtype=dtype)
+    wrong_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    wrong_dq = torch.autograd.grad(cap_without_factor(*wrong_in), wrong_in[0], dout)[0]
+    dq64 = torch.autograd.grad(ref64, ref64_in[0], dout.double())[0]
+    dq_lp = torch.autograd.grad(ref_lp, lp_in[0], dout)[0]
+    ok, msg = check_close("dq without the tanh factor", wrong_dq, dq64, dq_lp)
+    assert not ok, msg
+    got = trifuse.ops.attention(q, k, v, **kw)
+    ok, msg = check_close("kernel dq", torch.autograd.grad(got, q, dout)[0], dq64, dq_lp)
+    assert ok, msg

@@ -126,6 +126,22 @@ def chain_cast_to_v(m, q, k, v):  # transformers 5's GPT-2 eager_attention_forwa
     return torch.matmul(w, v)
 
 
+def chain_softcap(m, q, k, v):  # Gemma 2's eager_attention_forward: the logit soft cap
+    w = torch.matmul(q, k.transpose(2, 3)) * 0.35
+    w = w / 1.5
+    w = torch.tanh(w)
+    w = w * 1.5
+    w = w + m.mask
+    w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+    w = F.dropout(w, p=0.0, training=m.training)
+    return torch.matmul(w, v)
+
+
+def chain_softcap_no_mask(m, q, k, v):
+    w = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * 0.35 / 30.0) * 30.0
+    return torch.matmul(F.softmax(w, dim=-1), v)
+
+
 CAUSAL = torch.tril(torch.ones(S, S)).view(1, 1, S, S)
 KEEP = torch.tril(torch.ones(S, S, dtype=torch.bool)).view(1, 1, S, S) & PAD  # every row keeps key 0
 KEEP_SOME_ROWS_NONE = KEEP.clone().expand(B, 1, S, S).clone()
@@ -151,6 +167,8 @@ KEEP_SOME_ROWS_NONE[1, 0, 2] = False  # one query row of batch 1 sees no key
     (chain_masked_fill_finfo_min, {"keep_some_rows_none": KEEP_SOME_ROWS_NONE}, H,
      "attention_chain_mul_masked_fill_no_dropout"),
     (chain_cast_to_v, {"mask": ADDITIVE}, H, "attention_chain_mul_add_dropout_cast"),
+    (chain_softcap, {"mask": ADDITIVE}, H, "attention_chain_mul_softcap_add_dropout_upcast"),
+    (chain_softcap_no_mask, {}, H, "attention_chain_mul_softcap_no_mask_no_dropout"),
 ], ids=lambda v: v.__name__ if callable(v) else None)
 def test_spelling_fuses_and_matches(fn, buffers, h_kv, pattern, capture):
     make = functools.partial(Fn, fn, **buffers)
@@ -269,6 +287,11 @@ def chain_where_fill_first(m, q, k, v):  # where(drop, -inf, s): True drops, the
     return F.softmax(att, dim=-1) @ v
 
 
+def chain_softcap_mismatched(m, q, k, v):  # tanh(s / 2) * 3 is no soft cap
+    w = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * 0.35 / 2.0) * 3.0
+    return torch.matmul(F.softmax(w, dim=-1), v)
+
+
 def chain_cast_to_other_dtype(m, q, k, v):  # the cast is not a no-op: probabilities and v in fp64
     w = torch.softmax(q @ k.transpose(-2, -1) * 0.3, dim=-1)
     return torch.matmul(w.type(torch.float64), v.double())
@@ -282,6 +305,7 @@ def chain_cast_to_other_dtype(m, q, k, v):  # the cast is not a no-op: probabili
     (chain_tensor_scale, {}),
     (chain_softmax_other_dim, {}),
     (chain_returns_probs, {}),
+    (chain_softcap_mismatched, {}),
 ], ids=lambda v: v.__name__ if callable(v) else None)
 def test_near_misses_are_left(fn, buffers):
     report = check_against_unfused(functools.partial(Fn, fn, **buffers), qkv(), "dynamo")
