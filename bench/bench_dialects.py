@@ -7,9 +7,10 @@ choice (trifuse.ops.<op>, which measures once per shape bucket and replays).
 The claim checked: with dialects on, every shape runs at least as fast as the best single
 candidate, within noise ("dialect / best" near 1.00 or below), since the choice is measured.
 Rows also say which candidate the dialect chose and what it rejected. Dialects covered:
-layer_norm, rms_norm, bias_gelu (erf and tanh), cross_entropy and attention (causal and full).
-Bytes as in bench_layer_norm.py (LayerNorm fwd+bwd: 5·M·N·e + 5·N·e; RMSNorm the same without
-the bias: 5·M·N·e + 3·N·e), bench_bias_gelu.py and bench_cross_entropy.py (logits read twice,
+layer_norm, rms_norm, bias_gelu (erf and tanh), gated_activation (SiLU), cross_entropy and
+attention (causal and full). Bytes as in bench_layer_norm.py (LayerNorm fwd+bwd: 5·M·N·e + 5·N·e;
+RMSNorm the same without the bias: 5·M·N·e + 3·N·e), bench_bias_gelu.py,
+bench_gated_activation.py (8·M·N·e) and bench_cross_entropy.py (logits read twice,
 dlogits written: 3·N·C·e); attention FLOPs as in bench_attention.py. A forced candidate that
 cannot take a shape is an error row with its reason (never a silent fallback to trifuse's kernels).
 """
@@ -21,6 +22,7 @@ import torch
 import bench_attention as BA
 import bench_bias_gelu as BG
 import bench_cross_entropy as BCE
+import bench_gated_activation as BGA
 import bench_layer_norm as BL
 import trifuse
 from trifuse.autotune import dialects
@@ -93,6 +95,18 @@ def bias_gelu_case(approximate: str):
     return dialect, providers, shapes, BG.make_inputs, BG.bytes_for, explain
 
 
+def gated_activation_case(activation: str):
+    """(dialect, providers, shapes, make_inputs, bytes_for, explain) for act(gate) * up."""
+    dialect = dialects.get("gated_activation")
+    providers = {f"only {c.name}": _forced(c, activation) for c in dialect.candidates}
+    providers["dialect"] = lambda gate, up: trifuse.ops.gated_activation(gate, up, activation)
+
+    def explain(shape):
+        gate, up = BGA.make_inputs(shape)[0]
+        return dialect.explain(gate, up, activation)
+    return dialect, providers, list(BGA.SHAPES[activation]), BGA.make_inputs, BGA.bytes_for, explain
+
+
 def cross_entropy_case():
     """(dialect, providers, shapes, make_inputs, bytes_for, explain) for cross-entropy with an
     fp32 loss (HF's upcast), "mean" over the labels with ignored positions as HF shifts them."""
@@ -115,7 +129,8 @@ def cross_entropy_case():
 def other_cases() -> list[tuple[str, tuple]]:
     """(variant, case) for the dialects beside layer_norm and attention."""
     return [("rms_norm", rms_norm_case()), ("bias_gelu none", bias_gelu_case("none")),
-            ("bias_gelu tanh", bias_gelu_case("tanh")), ("cross_entropy", cross_entropy_case())]
+            ("bias_gelu tanh", bias_gelu_case("tanh")), ("gated_activation silu", gated_activation_case("silu")),
+            ("cross_entropy", cross_entropy_case())]
 
 
 def attention_case(causal: bool):
@@ -214,7 +229,8 @@ def test_attention_dialect(benchmark, provider):
 
 
 @pytest.mark.parametrize("provider", ["only trifuse", "only torch", "dialect"])
-@pytest.mark.parametrize("variant", ["rms_norm", "bias_gelu none", "bias_gelu tanh", "cross_entropy"])
+@pytest.mark.parametrize("variant", ["rms_norm", "bias_gelu none", "bias_gelu tanh", "gated_activation silu",
+                                     "cross_entropy"])
 def test_other_dialects(benchmark, variant, provider):
     _, providers, _, make_inputs, _, explain = dict(other_cases())[variant]
     shape = BCE.SMOKE_CE if variant == "cross_entropy" else SMOKE_SHAPE

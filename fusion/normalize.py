@@ -7,7 +7,7 @@ mix of positional and keyword arguments the source used, and omit defaults. `can
 rewrites, in place:
 
 - `call_module` of modules whose maths does not depend on `.training` (Linear, LayerNorm,
-  RMSNorm, GELU, ReLU, Softmax, Identity, CrossEntropyLoss) into their functional call, parameters as `get_attr`.
+  RMSNorm, GELU, SiLU, ReLU, Softmax, Identity, CrossEntropyLoss) into their functional call, parameters as `get_attr`.
   `nn.Dropout` becomes `F.dropout(x, p, training=<the module's flag now>)`: only for graphs that
   are specialized to the module tree's training flags (fx captures are keyed on them; see
   capture.py), never otherwise. A module with hooks stays a module call (its hooks must run).
@@ -256,6 +256,8 @@ def _module_to_function(graph: fx.Graph, node: fx.Node, root: torch.nn.Module) -
             new = graph.call_function(F.rms_norm, (x, tuple(mod.normalized_shape), param("weight"), mod.eps))
         elif type(mod) is torch.nn.GELU:
             new = graph.call_function(F.gelu, (x,), {"approximate": mod.approximate})
+        elif type(mod) is torch.nn.SiLU:
+            new = graph.call_function(F.silu, (x, mod.inplace))
         elif type(mod) is torch.nn.ReLU:
             new = graph.call_function(F.relu, (x, mod.inplace))
         elif type(mod) is torch.nn.Softmax and mod.dim is not None:

@@ -35,8 +35,8 @@ from ..patterns._base import Pattern, available, example_value
 from .match import Match, compile_pattern, matches, resolve_from_local, trace_function
 from .normalize import canonicalize_node
 
-FAMILIES = ("attention", "layer_norm", "rms_norm", "bias_gelu", "dropout_add", "residual_stream",
-            "cross_entropy")
+FAMILIES = ("attention", "layer_norm", "rms_norm", "bias_gelu", "gated_activation", "dropout_add",
+            "residual_stream", "cross_entropy")
 # Families whose patterns build on another family's output (the residual stream starts from a
 # fused norm), so selecting them selects those too.
 DEPENDS = {"residual_stream": ("layer_norm", "rms_norm")}

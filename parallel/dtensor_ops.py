@@ -17,6 +17,8 @@ the same in torch 2.11 to 2.13) tells it. Per mesh dim, the strategies offered a
         x, residual, dy         Shard(d), d a leading dim     Shard(last)          Replicate
         bias                    Replicate                     Shard(0)             Replicate
         dbias                   Partial()                     Shard(0)             Replicate
+    gated_activation (elementwise; gate, up, y, dy, dgate, dup alike)
+        every tensor            Shard(d), d any dim                                Replicate
 
 Empty tensors (the mean an RMSNorm does not have, a dresidual or dbias not asked for) are
 Replicate. The dropout seed an op returns is Replicate: it is drawn on every rank from that
@@ -189,12 +191,22 @@ def register() -> bool:
             [("row", x), ("part", x if bias is not None else _EMPTY)],
         )
 
+    @register_sharding(ops.gated_activation.default)
+    def _gated_activation(gate, up, activation):
+        return _elementwise_strategies(gate, [("row", gate), ("row", up), (None, None)], [("row", gate)])
+
+    @register_sharding(ops.gated_activation_backward.default)
+    def _gated_activation_backward(dy, gate, up, activation):
+        return _elementwise_strategies(
+            gate, [("row", dy), ("row", gate), ("row", up), (None, None)], [("row", gate), ("row", gate)]
+        )
+
     # Hash every argument from the first non-tensor one on (see the module docstring).
     propagator = DTensor._op_dispatcher.sharding_propagator
     infos = getattr(propagator, "op_to_schema_info", None)
     for packet in (ops.layer_norm, ops.rms_norm, ops.dropout_add_layer_norm, ops.dropout_add_rms_norm,
                    ops.layer_norm_backward, ops.dropout_add, ops.dropout_add_backward, ops.bias_gelu,
-                   ops.bias_gelu_backward):
+                   ops.bias_gelu_backward, ops.gated_activation, ops.gated_activation_backward):
         op = packet.default
         if infos is not None and op in infos:
             first = next(

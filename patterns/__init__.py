@@ -1,14 +1,17 @@
 """The subgraphs trifuse finds, written as plain PyTorch functions, each with its replacement.
 
 PATTERNS is the registry, in priority order within each stage (see _base.py): the residual
-stream is tried before a lone dropout + add, so an add feeding a norm becomes the larger op.
+stream is tried before a lone dropout + add, so an add feeding a norm becomes the larger op;
+a GeLU times another tensor becomes gated_activation in stage 0, before bias_gelu's stage 1 could
+take the GeLU alone.
 """
-from . import attention, bias_gelu, cross_entropy, dropout_add, layer_norm, residual_stream
+from . import attention, bias_gelu, cross_entropy, dropout_add, gated_activation, layer_norm, residual_stream
 from ._base import Pattern
 
 PATTERNS: tuple[Pattern, ...] = (
     *layer_norm.PATTERNS,
     *attention.PATTERNS,
+    *gated_activation.PATTERNS,
     *bias_gelu.PATTERNS,
     *residual_stream.PATTERNS,
     *dropout_add.PATTERNS,

@@ -14,8 +14,8 @@ from torch import nn
 # The trifuse op each family's replacements call (branches land one by one: a family whose op is
 # not in this build is skipped by fuse, and its tests skip).
 FAMILY_OPS = {"layer_norm": "layer_norm", "rms_norm": "rms_norm", "residual_stream": "dropout_add_layer_norm",
-              "attention": "attention", "bias_gelu": "bias_gelu", "dropout_add": "dropout_add",
-              "cross_entropy": "cross_entropy"}
+              "attention": "attention", "bias_gelu": "bias_gelu", "gated_activation": "gated_activation",
+              "dropout_add": "dropout_add", "cross_entropy": "cross_entropy"}
 
 
 def has_op(name: str) -> bool:

@@ -105,7 +105,8 @@ def llama(layers: int = LAYERS):
 # with (1 + w); Falcon's multi-query SDPA (one K/V head broadcast); OLMo's parameter-free
 # LayerNorm on an fp32 copy; Phi's parallel attention + MLP; GPT-NeoX's parallel residual; OPT's
 # flattened sum before its MLP norm; T5's RMSNorm spelling, relative position bias and
-# encoder-decoder; BART.
+# encoder-decoder; BART; Phi-3's gated MLP from one projection split in two (`chunk`); Qwen2's
+# gated MLP with one key/value head.
 _DECODER = {"hidden_size": HIDDEN, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS}
 _MLP = {"intermediate_size": 2 * HIDDEN}
 _FAMILIES = {
@@ -118,6 +119,8 @@ _FAMILIES = {
                "attention_dropout": 0.0},
     "olmo": {**_DECODER, **_MLP},
     "phi": {**_DECODER, **_MLP, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attention_dropout": 0.0},
+    "phi3": {**_DECODER, **_MLP, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attention_dropout": 0.0},
+    "qwen2": {**_DECODER, **_MLP, "num_key_value_heads": 1},
     "gpt_neox": {**_DECODER, **_MLP, "hidden_dropout": 0.0, "attention_dropout": 0.0},
     "opt": {**_DECODER, "ffn_dim": 2 * HIDDEN, "word_embed_proj_dim": HIDDEN, "dropout": 0.0,
             "attention_dropout": 0.0},

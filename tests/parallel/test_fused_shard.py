@@ -182,6 +182,8 @@ def ops_on_sequence_shards(rank, size):
     run(lambda t: sum(trifuse.ops.rms_norm(t["x"], 16, t["w"], 1e-6, residual=t["r"])), "add_rms_norm")
     run(lambda t: trifuse.ops.dropout_add(t["x"], t["r"], 0.0, True, t["b"]), "dropout_add")
     run(lambda t: trifuse.ops.bias_gelu(t["x"], t["b"]), "bias_gelu")
+    run(lambda t: trifuse.ops.gated_activation(t["x"], t["r"], "silu"), "gated_activation")
+    run(lambda t: trifuse.ops.gated_activation(t["x"], t["r"], "gelu_tanh"), "gated_activation_tanh")
 
     # Dropout on sequence shards: each rank draws its own seed (random.py seeds the generator
     # per rank inside a block); the mask is reproducible and the backward regenerates it.

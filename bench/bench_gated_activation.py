@@ -1,0 +1,190 @@
+"""Gated activation act(gate) * up (SwiGLU, GeGLU) against PyTorch eager `F.silu(gate) * up`,
+torch.compile of it, and Liger-Kernel's LigerSiLUMulFunction / LigerGELUMulFunction when importable.
+
+    python bench/bench_gated_activation.py            # full sweep on the GPU, writes bench/results/
+    pytest bench/bench_gated_activation.py            # CPU: a tiny smoke in the interpreter
+
+Bytes per step, M tokens x N intermediate features, e bytes per element:
+    fwd      read gate, up; write y                        3·M·N·e
+    bwd      read dy, gate, up; write dgate, dup           5·M·N·e
+    fwd+bwd  the sum of the two                            8·M·N·e
+The formula counts the fused kernels' traffic, the least any implementation needs; PyTorch eager
+moves more (it writes act(gate) in the forward and reads it again in the backward), which shows as
+lower GB/s. Peak memory per step (above what was allocated before it) shows what each saves for the
+backward: trifuse and Liger save gate and up, eager also act(gate).
+
+Providers: "trifuse" the registered op's kernels through the eager autograd.Function path, whatever
+the dialect would choose; "trifuse.ops (dialect)" the public function (the measured winner of
+trifuse and PyTorch for the shape); "torch" eager; "torch.compile"; "liger".
+Liger's backward writes its gradients into the gate and up it saved (its inputs): the "bwd" mode,
+which replays one graph's backward, then computes on overwritten values. Its time stands; its
+values are checked in the forward only, as every provider's are here.
+Shapes: Llama-7B (intermediate 11008) and Llama-3-8B / Mistral-7B (14336) MLPs at 4096, 8192 and
+16384 tokens for SwiGLU, 8192 x 14336 for the GeGLU forms; bf16 on the GPU.
+"""
+import _harness as H  # noqa: I001  (bench/conftest.py sets TRITON_INTERPRET before this)
+import pytest
+import torch
+
+import trifuse
+from trifuse.kernels import gated_activation as ga
+
+DTYPE = torch.bfloat16 if H.on_gpu() else torch.float32
+DEVICE = "cuda" if H.on_gpu() else "cpu"
+TOKENS = (4096, 8192, 16384)
+INTERMEDIATE = (11008, 14336)
+TARGET_SHAPES = tuple((m, n) for n in INTERMEDIATE for m in TOKENS)
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+# SwiGLU at every target shape; the GeGLU forms (same traffic, more arithmetic) at one, so that the
+# sweep fits its stage of bench/gpu_session.sh.
+SHAPES = {"silu": TARGET_SHAPES, "gelu_tanh": ((8192, 14336),), "gelu": ((8192, 14336),)}
+
+
+def make_inputs(shape):
+    m, n = shape
+    gate = torch.randn(m, n, device=DEVICE, dtype=DTYPE, requires_grad=True)
+    up = torch.randn(m, n, device=DEVICE, dtype=DTYPE, requires_grad=True)
+    return (gate, up), (gate, up)
+
+
+def bytes_for(shape, mode):
+    m, n = shape
+    e = torch.finfo(DTYPE).bits // 8
+    fwd, bwd = 3 * m * n * e, 5 * m * n * e
+    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]
+
+
+def _liger(activation: str):
+    """Liger-Kernel's fused gated activation for `activation`, or None (not installed, or no such
+    form: Liger's GEGLU computes the tanh form only)."""
+    module = H.try_import("liger_kernel.ops.swiglu") if activation == "silu" else H.try_import("liger_kernel.ops.geglu")
+    if module is None:
+        return None
+    if activation == "silu":
+        return lambda gate, up: module.LigerSiLUMulFunction.apply(gate, up)
+    if activation == "gelu_tanh":
+        return lambda gate, up: module.LigerGELUMulFunction.apply(gate, up)
+    return None
+
+
+def providers(activation: str) -> dict:
+    def torch_gated(gate, up):
+        return ga.gated_activation_ref(gate, up, activation)
+
+    def trifuse_kernels(gate, up):
+        return ga.GATED_ACTIVATION.candidate("trifuse").fn(gate, up, activation)
+
+    def trifuse_dialect(gate, up):
+        return trifuse.ops.gated_activation(gate, up, activation)
+
+    out = {"trifuse": trifuse_kernels, "trifuse.ops (dialect)": trifuse_dialect, "torch": torch_gated}
+    if H.on_gpu():
+        out["torch.compile"] = H.compiled(torch_gated)
+        liger = _liger(activation)
+        if liger is not None:
+            out["liger"] = liger
+    return out
+
+
+def with_peak_memory(rows: list[dict], activation: str) -> list[dict]:
+    """Adds each timed fwd and fwd+bwd row's peak memory (MiB) for one step. What a forward keeps
+    for its backward is `saved_mib`'s (fwd steps run without grad)."""
+    fns = providers(activation)
+    for row in rows:
+        if "ms" not in row or row["mode"] == "bwd":
+            continue
+        shape = tuple(int(s) for s in row["shape"].split("x"))
+        step = H.make_step(fns[row["provider"]], lambda shape=shape: make_inputs(shape), row["mode"])
+        row["peak MiB"] = H.peak_memory_mib(step)
+    return rows
+
+
+def saved_mib(activation: str, shape=(4096, 11008)) -> list[dict]:
+    """MiB that one forward keeps alive for its backward, per provider (the memory plan)."""
+    rows = []
+    for name, fn in providers(activation).items():
+        (gate, up), _ = make_inputs(shape)
+        if H.on_gpu():
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+        y = fn(gate, up)
+        if H.on_gpu():
+            torch.cuda.synchronize()
+            kept = (torch.cuda.memory_allocated() - before - y.numel() * y.element_size()) / 2**20
+        else:
+            kept = float("nan")
+        rows.append({"provider": name, "variant": activation, "shape": "x".join(map(str, shape)),
+                     "saved MiB": kept})
+        del y
+    return rows
+
+
+def host_overhead() -> list[dict]:
+    """Wall µs per call at a tiny size: trifuse's eager path and its registered op, beside the
+    PyTorch eager sequence they replace, F.silu(gate) * up."""
+    shape = (4, 1024)
+    p = providers("silu")
+
+    def registered(gate, up):
+        return torch.ops.trifuse.gated_activation(gate, up, "silu")
+
+    cases = {}
+    for mode in ("fwd", "fwd+bwd"):
+        cases[f"trifuse eager path {mode}"] = H.make_step(p["trifuse"], lambda: make_inputs(shape), mode)
+        cases[f"trifuse.ops (dialect) {mode}"] = H.make_step(p["trifuse.ops (dialect)"], lambda: make_inputs(shape),
+                                                              mode)
+        cases[f"trifuse registered op {mode}"] = H.make_step(registered, lambda: make_inputs(shape), mode)
+        cases[f"torch F.silu(gate) * up {mode}"] = H.make_step(p["torch"], lambda: make_inputs(shape), mode)
+        if "liger" in p:
+            cases[f"liger LigerSiLUMulFunction {mode}"] = H.make_step(p["liger"], lambda: make_inputs(shape), mode)
+    return H.host_overhead_rows(cases)
+
+
+COLUMNS = ("provider", "variant", "mode", "shape", "ms", "GB/s", "% copy", "peak MiB", "x vs torch",
+           "x vs torch.compile", "x vs liger", "error")
+
+
+def main() -> None:
+    rows, saved = [], []
+    for activation in ACTIVATIONS:
+        swept = H.sweep(providers(activation), SHAPES[activation], make_inputs, bytes_for, variant=activation)
+        rows += with_peak_memory(swept, activation)
+        saved += saved_mib(activation)
+    overhead = host_overhead()
+    H.print_table(rows, COLUMNS)
+    H.print_table(saved, ("provider", "variant", "shape", "saved MiB"))
+    H.print_table(overhead, ("provider", "host µs"))
+    H.write_results("gated_activation", rows, COLUMNS, plot_x="N")
+    H.write_results("gated_activation", saved, ("provider", "variant", "shape", "saved MiB"), suffix="saved")
+    H.write_results("gated_activation", overhead, ("provider", "host µs"), suffix="host-overhead")
+
+
+# ---------------------------------------------------------------------------------------------
+# pytest entry points: on CPU a tiny smoke of every step in the interpreter, so this file
+# cannot rot; on a GPU the same points timed by pytest-benchmark.
+# ---------------------------------------------------------------------------------------------
+
+SMOKE_SHAPE = (64, 11008) if H.on_gpu() else (3, 100)
+
+
+@pytest.mark.parametrize("mode", H.MODES)
+@pytest.mark.parametrize("provider", ["trifuse", "trifuse.ops (dialect)", "torch"])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_gated_activation(benchmark, activation, provider, mode):
+    fn = providers(activation)[provider]
+    step = H.make_step(fn, lambda: make_inputs(SMOKE_SHAPE), mode)
+    H.check_against_reference(providers(activation), "torch", make_inputs, SMOKE_SHAPE)
+    benchmark.pedantic(step, rounds=3 if H.on_gpu() else 1, iterations=1)
+
+
+def test_saved_memory_rows_run():
+    assert len(saved_mib("silu", SMOKE_SHAPE)) >= 3
+
+
+def test_host_overhead_runs():
+    rows = host_overhead()
+    assert all(r["host µs"] > 0 for r in rows)
+
+
+if __name__ == "__main__":
+    main()

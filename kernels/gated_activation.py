@@ -1,0 +1,384 @@
+"""Gated activation: y = act(gate) * up, the middle of a gated MLP (SwiGLU, GeGLU).
+
+Llama, Mistral, Qwen2, Gemma, Phi-3, OLMo and Cohere write their MLP as
+`down_proj(act(gate_proj(x)) * up_proj(x))`; Phi-3 computes both projections at once and splits
+them, `gate, up = gate_up_proj(x).chunk(2, dim=-1)`.
+
+Maths, per element with g = gate, u = up, in fp32 (fp64 for fp64 inputs):
+
+    "silu"       act(g)  = g * s,  s = sigmoid(g) = 1 / (1 + exp(-g))
+                 act'(g) = s * (1 + g * (1 - s))
+    "gelu"       act = gelu's erf form, g * Phi(g)            (as F.gelu(g, approximate="none"))
+    "gelu_tanh"  act = gelu's tanh form, g * sigmoid(2 u(g))  (as F.gelu(g, approximate="tanh"))
+                 (both gelu forms and their derivatives are bias_gelu.py's `_gelu`/`_gelu_grad`)
+
+    y = act(g) * u;  backward: dgate = dy * u * act'(g),  dup = dy * act(g)
+
+Each activation is exactly the function its name says; none is substituted for another (tests
+show the two gelu forms differ by more than the tolerance). For |g| large, exp overflows to inf
+and sigmoid saturates to 0 or 1: every formula above then gives finite values, never 0 * inf.
+
+Shapes: gate, up (..., N), the same shape; y, dgate, dup contiguous, shaped like gate.
+Dtypes: fp16 / bf16 / fp32 / fp64, gate and up alike; y and both gradients in that dtype.
+Layout: each input is read as M rows of N unit-stride features with its own row stride, so
+Phi-3's chunked halves (row stride 2N) are read in place; other layouts are copied once.
+
+Memory plan: the forward saves gate and up, nothing else; the backward recomputes act(g) and
+act'(g) from them. PyTorch eager saves act(g) as well (the input of its multiplication): one
+(tokens x intermediate) activation less per layer, and one pass over it less each way.
+
+Kernels: 2-D tiles of several rows x up to 1024 columns, one tile per program
+(kernels/_tiles.py), int64 row offsets (tensors past 2^31 elements), fp32 arithmetic on
+fp16/bf16 loads. No reduction: forward and backward are one pass each.
+"""
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ..autotune import dialects, pow2_bucket
+from ._common import (
+    acc_dtype,
+    check_float,
+    check_same_device,
+    check_same_dtype,
+    check_shape,
+    check_tensor,
+    eager_fast_path,
+    profiled,
+    rows_2d,
+    use_triton,
+)
+from ._launch import CachedKernel
+from ._tiles import elementwise_plan
+from .bias_gelu import _gelu, _gelu_grad
+
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+# The kernels' ACT constexpr for each activation.
+SILU, GELU, GELU_TANH = 0, 1, 2
+_ACT_CODE = {"silu": SILU, "gelu": GELU, "gelu_tanh": GELU_TANH}
+
+# =============================================================================================
+# Reference: the spec. Tests run it in float64 as the oracle and in the input dtype to measure
+# PyTorch's own error.
+# =============================================================================================
+
+
+def _act_ref(gate: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "silu":
+        return F.silu(gate)
+    return F.gelu(gate, approximate="tanh" if activation == "gelu_tanh" else "none")
+
+
+def gated_activation_ref(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """act(gate) * up in plain PyTorch."""
+    return _act_ref(gate, activation) * up
+
+
+# =============================================================================================
+# Kernels
+# =============================================================================================
+
+
+@triton.jit
+def _act(g, ACT: tl.constexpr):
+    if ACT == 0:  # SILU
+        return g / (1.0 + tl.exp(-g))
+    else:
+        return _gelu(g, ACT == 2)  # GELU_TANH
+
+
+@triton.jit
+def _act_and_grad(g, ACT: tl.constexpr):
+    """(act(g), act'(g)), sharing the sigmoid for SiLU."""
+    if ACT == 0:  # SILU
+        s = 1.0 / (1.0 + tl.exp(-g))
+        return g * s, s * (1.0 + g * (1.0 - s))
+    else:
+        return _gelu(g, ACT == 2), _gelu_grad(g, ACT == 2)
+
+
+@triton.jit
+def _gated_activation_fwd_kernel(
+    GATE,  # in (M, N), row stride stride_gm
+    UP,  # in (M, N), row stride stride_um
+    Y,  # out (M, N)
+    M, N, stride_gm, stride_um, stride_ym, col_tiles,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT: tl.constexpr, ACC: tl.constexpr,
+):
+    # A 1-D grid over (row tile, column tile): no 65535 limit on a second grid axis.
+    pid = tl.program_id(0)
+    rows = (pid // col_tiles).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # int64: rows * stride
+    cols = (pid % col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    g = tl.load(GATE + rows[:, None] * stride_gm + cols[None, :], mask=mask, other=0.0).to(ACC)
+    u = tl.load(UP + rows[:, None] * stride_um + cols[None, :], mask=mask, other=0.0).to(ACC)
+    y = _act(g, ACT) * u
+    tl.store(Y + rows[:, None] * stride_ym + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gated_activation_bwd_kernel(
+    DY,  # in (M, N)
+    GATE,  # in (M, N) the forward's gate
+    UP,  # in (M, N) the forward's up
+    DGATE,  # out (M, N)
+    DUP,  # out (M, N)
+    M, N, stride_dym, stride_gm, stride_um, stride_dgm, stride_dum, col_tiles,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT: tl.constexpr, ACC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = (pid // col_tiles).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # int64: rows * stride
+    cols = (pid % col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    g = tl.load(GATE + rows[:, None] * stride_gm + cols[None, :], mask=mask, other=0.0).to(ACC)
+    u = tl.load(UP + rows[:, None] * stride_um + cols[None, :], mask=mask, other=0.0).to(ACC)
+    dy = tl.load(DY + rows[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0).to(ACC)
+    # Recomputed from gate: act(g) was not saved (one activation less per call).
+    a, da = _act_and_grad(g, ACT)
+    tl.store(DGATE + rows[:, None] * stride_dgm + cols[None, :], (dy * u * da).to(DGATE.dtype.element_ty), mask=mask)
+    tl.store(DUP + rows[:, None] * stride_dum + cols[None, :], (dy * a).to(DUP.dtype.element_ty), mask=mask)
+
+
+# =============================================================================================
+# Launchers: check nothing, allocate the outputs, launch. Tensors in, tensors out.
+# =============================================================================================
+
+
+def _width(t: torch.Tensor) -> int:
+    return t.shape[-1] if t.dim() else 1
+
+
+# Thin launch path: Triton's own costs ~60 µs of host time per launch (_launch.py).
+_gated_activation_fwd = CachedKernel(_gated_activation_fwd_kernel)
+_gated_activation_bwd = CachedKernel(_gated_activation_bwd_kernel)
+
+
+def gated_activation_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """y = act(gate) * up, contiguous, shaped like gate, in gate's dtype."""
+    if gate.numel() and not use_triton(gate):
+        return _gated_activation_torch(gate, up, activation)
+    n = _width(gate)
+    y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    if y.numel() == 0:
+        return y
+    g2, u2 = rows_2d(gate, n), rows_2d(up, n)  # chunked halves keep their row stride: no copy
+    m = g2.shape[0]
+    y2 = y.view(m, n)
+    plan = elementwise_plan(m, n)
+    _gated_activation_fwd[(plan.programs,)](
+        g2, u2, y2, m, n, g2.stride(0), u2.stride(0), y2.stride(0), plan.col_tiles,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, ACT=_ACT_CODE[activation], ACC=acc_dtype(gate.dtype),
+        num_warps=plan.num_warps,
+    )
+    return y
+
+
+def gated_activation_bwd(
+    dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dgate, dup), each contiguous, shaped like gate, in gate's dtype."""
+    if gate.numel() and not use_triton(gate):
+        return _gated_activation_bwd_torch(dy, gate, up, activation)
+    n = _width(gate)
+    dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    dup = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    if gate.numel() == 0:
+        return dgate, dup
+    dy2, g2, u2 = rows_2d(dy, n), rows_2d(gate, n), rows_2d(up, n)
+    m = g2.shape[0]
+    dg2, du2 = dgate.view(m, n), dup.view(m, n)
+    plan = elementwise_plan(m, n)
+    _gated_activation_bwd[(plan.programs,)](
+        dy2, g2, u2, dg2, du2, m, n, dy2.stride(0), g2.stride(0), u2.stride(0), dg2.stride(0), du2.stride(0),
+        plan.col_tiles,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, ACT=_ACT_CODE[activation], ACC=acc_dtype(gate.dtype),
+        num_warps=plan.num_warps,
+    )
+    return dgate, dup
+
+
+# ---------------------------------------------------------------------------------------------
+# PyTorch path for CPU tensors without the interpreter: same outputs, no Triton.
+# ---------------------------------------------------------------------------------------------
+
+
+def _upcast(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float64 if t.dtype == torch.float64 else torch.float32)
+
+
+def _gated_activation_torch(gate, up, activation):
+    return gated_activation_ref(_upcast(gate), _upcast(up), activation).to(gate.dtype).contiguous()
+
+
+def _gated_activation_bwd_torch(dy, gate, up, activation):
+    g = _upcast(gate).detach().requires_grad_()
+    with torch.enable_grad():
+        a = _act_ref(g, activation)
+    (da,) = torch.autograd.grad(a, g, torch.ones_like(a))
+    dy, u = dy.to(g.dtype), _upcast(up)
+    return (dy * u * da).to(gate.dtype).contiguous(), (dy * a.detach()).to(gate.dtype).contiguous()
+
+
+# =============================================================================================
+# Checks, shared by the registered ops (real and fake) and the eager path
+# =============================================================================================
+
+
+def _check_inputs(gate: object, up: object, activation: object) -> None:
+    op = "gated_activation"
+    check_tensor(op, "gate", gate)
+    check_tensor(op, "up", up)
+    check_float(op, "gate", gate)
+    check_float(op, "up", up)
+    check_same_dtype(op, "gate", gate, up=up)
+    check_shape(op, "up", up, tuple(gate.shape))  # no broadcasting: one up per gate element
+    check_same_device(op, "gate", gate, up=up)
+    if activation not in _ACT_CODE:
+        raise ValueError(f"trifuse.{op}: activation must be 'silu', 'gelu' or 'gelu_tanh', got {activation!r}")
+
+
+# =============================================================================================
+# Registered ops: what torch.compile, fx and exported graphs see.
+# =============================================================================================
+
+Tensor = torch.Tensor
+
+
+@torch.library.custom_op("trifuse::gated_activation", mutates_args=())
+def _gated_activation_op(gate: Tensor, up: Tensor, activation: str) -> Tensor:
+    _check_inputs(gate, up, activation)
+    return gated_activation_fwd(gate, up, activation)
+
+
+@torch.library.custom_op("trifuse::gated_activation_backward", mutates_args=())
+def _gated_activation_backward_op(dy: Tensor, gate: Tensor, up: Tensor, activation: str) -> tuple[Tensor, Tensor]:
+    """(dgate, dup), each shaped like gate, in gate's dtype."""
+    return gated_activation_bwd(dy, gate, up, activation)
+
+
+@_gated_activation_op.register_fake
+def _(gate, up, activation):
+    _check_inputs(gate, up, activation)
+    return gate.new_empty(gate.shape)
+
+
+@_gated_activation_backward_op.register_fake
+def _(dy, gate, up, activation):
+    return gate.new_empty(gate.shape), gate.new_empty(gate.shape)
+
+
+def _setup(ctx, inputs, output):
+    gate, up, activation = inputs
+    ctx.save_for_backward(gate, up)
+    ctx.activation = activation
+
+
+def _backward(ctx, dy):
+    gate, up = ctx.saved_tensors
+    dgate, dup = torch.ops.trifuse.gated_activation_backward(dy, gate, up, ctx.activation)
+    return dgate, dup, None
+
+
+torch.library.register_autograd("trifuse::gated_activation", _backward, setup_context=_setup)
+
+
+# =============================================================================================
+# Eager fast path: a thin autograd.Function straight over the launchers (see DESIGN.md "Host
+# overhead"). Same launchers, same bits as the registered op.
+# =============================================================================================
+
+
+class _GatedActivationFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up, activation):
+        ctx.save_for_backward(gate, up)
+        ctx.activation = activation
+        return gated_activation_fwd(gate, up, activation)
+
+    @staticmethod
+    def backward(ctx, dy):
+        gate, up = ctx.saved_tensors
+        with profiled("trifuse::gated_activation_backward"):
+            dgate, dup = gated_activation_bwd(dy, gate, up, ctx.activation)
+        return dgate, dup, None
+
+
+# =============================================================================================
+# Dialect: trifuse's kernels or PyTorch's `F.silu(gate) * up` (or the gelu form asked), whichever
+# is faster for the shape, chosen once per (device, dtype, rows bucket, width, activation, grad) on
+# the GPU and cached on disk (autotune/dialects.py). Traced calls (torch.compile, export) always
+# see trifuse::gated_activation. The activation is part of the key and passed through as asked.
+# =============================================================================================
+
+
+def _gated_activation_key(gate, up, activation):
+    """The dialect key of an eager call; None (the trifuse op decides, and raises on bad input)
+    when traced, empty, not float, or when up or `activation` does not fit. It runs on every call."""
+    if gate is None or up is None or not eager_fast_path(gate, up) or not gate.is_floating_point():
+        return None
+    if gate.dim() == 0 or activation not in _ACT_CODE or up.shape != gate.shape or up.dtype != gate.dtype:
+        return None
+    n = gate.shape[-1]
+    rows = gate.numel() // n if n else 0
+    if rows == 0:
+        return None
+    grad = torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)
+    return (gate.get_device() if gate.is_cuda else -1, gate.dtype, pow2_bucket(rows), n, activation, grad)
+
+
+def _gated_activation_trifuse(gate, up, activation):
+    _check_inputs(gate, up, activation)
+    if eager_fast_path(gate, up):
+        with profiled("trifuse::gated_activation"):
+            return _GatedActivationFunction.apply(gate, up, activation)
+    return torch.ops.trifuse.gated_activation(gate, up, activation)
+
+
+def _gated_activation_torch_candidate(gate, up, activation):
+    # trifuse's checks first: the same clear errors whichever candidate runs (`*` would broadcast
+    # an up of another shape, or promote one of another dtype).
+    _check_inputs(gate, up, activation)
+    with profiled("trifuse::gated_activation"):
+        # The activation as asked: the exact erf form stays erf, tanh stays tanh. Contiguous like
+        # trifuse's output (the product of two chunked halves may not be).
+        return gated_activation_ref(gate, up, activation).contiguous()
+
+
+GATED_ACTIVATION = dialects.define(
+    "gated_activation", _gated_activation_key, ("device", "dtype", "rows", "n", "activation", "grad"),
+    reference=gated_activation_ref)
+GATED_ACTIVATION.register(dialects.Candidate("trifuse", _gated_activation_trifuse))
+GATED_ACTIVATION.register(dialects.Candidate("torch", _gated_activation_torch_candidate))
+
+
+# =============================================================================================
+# Public API
+# =============================================================================================
+
+
+def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """act(gate) * up in one pass each way: a gated MLP's SwiGLU / GeGLU.
+
+    Args:
+        gate: (..., N), fp16 / bf16 / fp32 / fp64; any strides (rows with a stride, such as the
+            halves of `gate_up_proj(x).chunk(2, dim=-1)`, are read in place; other layouts are
+            copied once).
+        up: the same shape and dtype as gate, any strides.
+        activation: "silu" (x * sigmoid(x), SwiGLU), "gelu" (the exact erf form) or "gelu_tanh"
+            (the tanh form), each as `F.silu` / `F.gelu(approximate=...)` define it.
+
+    Returns:
+        y, contiguous, shaped like gate, in gate's dtype. Gradients reach gate and up; the backward
+        recomputes act(gate) from gate and up (nothing else is saved).
+
+    Eager calls run trifuse's kernels or PyTorch's `act(gate) * up`, whichever the
+    `gated_activation` dialect measured faster for this shape on this GPU
+    (`trifuse.autotune.dialects.explain("gated_activation", gate, up, activation)` says which);
+    elsewhere, and under torch.compile, trifuse's.
+
+    Raises:
+        TypeError for non-float tensors or gate and up of different dtypes; ValueError for shapes
+        that differ, tensors on different devices, or an unknown `activation`.
+    """
+    return GATED_ACTIVATION(gate, up, activation)

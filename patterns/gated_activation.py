@@ -1,0 +1,86 @@
+"""Gated activation: act(gate) * up, the middle of a gated MLP (SwiGLU, GeGLU), in one pass each
+way that saves only gate and up.
+
+Spellings (stage 0): `F.silu(gate) * up` (`nn.SiLU`, Hugging Face's SiLUActivation: Llama,
+Mistral, Qwen2, OLMo, Cohere, Phi-3), the SiLU written out as `gate * torch.sigmoid(gate) * up`,
+and `F.gelu(gate, approximate=...) * up` in both forms (`nn.GELU`, Hugging Face's GELUActivation
+and GELUTanh: Gemma's gelu_pytorch_tanh), kept as written: the exact erf form stays "gelu", the
+tanh form "gelu_tanh". Multiplications match either way round (fusion/match.py). Phi-3's
+`gate, up = gate_up_proj(x).chunk(2, dim=-1)` needs no spelling of its own: the two halves are the
+two inputs, read in place by the kernels.
+
+These run in stage 0, before bias_gelu's stage 1 turns `F.gelu(F.linear(x, w, b))` into
+bias_gelu: a GeGLU whose gate projection has a bias becomes one gated_activation (the bias stays
+in the linear), while a lone GeLU after a biased linear still becomes bias_gelu. A GeLU written
+out as its formula becomes `bias_gelu(gate, None)` in stage 0 (bias_gelu.py); times `up` it
+becomes gated_activation in stage 1 (`bias_gelu_mul`), before stage 2 could give it a bias.
+
+Filters: gate and up have the same shape (the op does not broadcast) and the same floating-point
+dtype (the product would promote); anything else is left as written, with the reason in the report.
+"""
+import torch
+import torch.nn.functional as F
+
+from ._base import Match, Pattern, ops, same_shape
+
+_GELU = {"none": "gelu", "tanh": "gelu_tanh"}
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor):
+    """Llama's MLP: `act_fn(gate_proj(x)) * up_proj(x)` with act_fn SiLU."""
+    return F.silu(gate, False) * up
+
+
+def silu_written_out_mul(gate: torch.Tensor, up: torch.Tensor):
+    return gate * torch.sigmoid(gate) * up
+
+
+def silu_mul_fused(gate, up):
+    return ops.gated_activation(gate, up, "silu")
+
+
+def gelu_mul(gate: torch.Tensor, up: torch.Tensor, approximate):
+    """GeGLU: Gemma's gelu_pytorch_tanh (approximate='tanh'), or the exact erf form."""
+    return F.gelu(gate, approximate=approximate) * up
+
+
+def bias_gelu_mul(gate: torch.Tensor, up: torch.Tensor, approximate):
+    """A GeLU written out (stage 0 made it bias_gelu without bias) times up."""
+    return ops.bias_gelu(gate, None, approximate) * up
+
+
+def gelu_mul_fused(gate, up, approximate):
+    return ops.gated_activation(gate, up, _GELU[approximate])
+
+
+def gate_and_up_alike(m: Match) -> str | None:
+    """The op multiplies element by element: gate and up must have one shape (no broadcasting)
+    and one floating-point dtype (no promotion)."""
+    gate, up = m.value("gate"), m.value("up")
+    if not isinstance(gate, torch.Tensor) or not isinstance(up, torch.Tensor):
+        return "no tensor metadata for gate or up"
+    if not gate.is_floating_point() or not up.is_floating_point():
+        return f"gate has dtype {gate.dtype} and up {up.dtype}, not floating point"
+    if gate.dtype != up.dtype:
+        return f"gate has dtype {gate.dtype} but up {up.dtype} (the product would promote)"
+    if not same_shape(gate, up):
+        return f"gate has shape {tuple(gate.shape)} but up {tuple(up.shape)} (broadcasting)"
+    return None
+
+
+def known_gelu_form(m: Match) -> str | None:
+    if m["approximate"] not in _GELU:
+        return f"approximate is {m['approximate']!r}, not 'none' or 'tanh'"
+    return None
+
+
+_OPS = ("gated_activation",)
+_FILTERS = (gate_and_up_alike,)
+
+PATTERNS = (
+    Pattern("silu_mul", "gated_activation", silu_mul, silu_mul_fused, _OPS, _FILTERS),
+    Pattern("silu_written_out_mul", "gated_activation", silu_written_out_mul, silu_mul_fused, _OPS, _FILTERS),
+    Pattern("gelu_mul", "gated_activation", gelu_mul, gelu_mul_fused, _OPS, (known_gelu_form, *_FILTERS)),
+    Pattern("bias_gelu_mul", "gated_activation", bias_gelu_mul, gelu_mul_fused, ("bias_gelu", *_OPS),
+            (known_gelu_form, *_FILTERS), stage=1),
+)

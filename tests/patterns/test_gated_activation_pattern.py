@@ -1,0 +1,219 @@
+"""Gated activation: every spelling of a gated MLP's act(gate) * up (SiLU, the exact and the tanh
+GeLU, as modules, functions, Hugging Face activations or written out; either order; Phi-3's chunked
+projection) becomes one trifuse.gated_activation; the activation stays the one written; a GeLU
+times another tensor is gated_activation, a lone GeLU after a biased linear stays bias_gelu."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _fusing import check_against_unfused, fuse_via, needs_ops, trifuse_ops_run
+from torch import nn
+
+import trifuse
+
+pytestmark = needs_ops("gated_activation")
+N, I = 16, 24  # hidden, intermediate (not a power of two)
+X = (torch.randn(2, 5, N),)
+CAPTURES = ["fx", "dynamo"]
+
+
+def new_gelu(x):  # transformers' NewGELUActivation
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+def erf_gelu(x):
+    return x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))
+
+
+def silu_written_out(x):
+    return x * torch.sigmoid(x)
+
+
+def sigmoid_first_silu(x):
+    return torch.sigmoid(x) * x
+
+
+def quick_gelu(x):  # x * sigmoid(1.702 x): other maths, must not become SiLU
+    return x * torch.sigmoid(1.702 * x)
+
+
+class Act(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+class GatedMLP(nn.Module):
+    """Llama's MLP: down_proj(act_fn(gate_proj(x)) * up_proj(x)); `up_first` writes the product
+    the other way round; `bias` gives the projections biases (some GeGLU models)."""
+
+    def __init__(self, act, up_first=False, bias=False):
+        super().__init__()
+        self.gate_proj = nn.Linear(N, I, bias=bias)
+        self.up_proj = nn.Linear(N, I, bias=bias)
+        self.down_proj = nn.Linear(I, N, bias=False)
+        self.act_fn = act
+        self.up_first = up_first
+
+    def forward(self, x):
+        gate, up = self.act_fn(self.gate_proj(x)), self.up_proj(x)
+        return self.down_proj(up * gate if self.up_first else gate * up)
+
+
+class ChunkedMLP(nn.Module):
+    """Phi-3's MLP: one projection to [gate | up], split with chunk."""
+
+    def __init__(self, act):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(N, 2 * I, bias=False)
+        self.down_proj = nn.Linear(I, N, bias=False)
+        self.activation_fn = act
+
+    def forward(self, x):
+        up_states = self.gate_up_proj(x)
+        gate, up_states = up_states.chunk(2, dim=-1)
+        return self.down_proj(up_states * self.activation_fn(gate))
+
+
+def _hf(name):
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name]
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("make, pattern", [
+    (lambda: GatedMLP(nn.SiLU()), "silu_mul"),
+    (lambda: GatedMLP(nn.SiLU(), up_first=True), "silu_mul"),
+    (lambda: GatedMLP(Act(F.silu)), "silu_mul"),
+    (lambda: GatedMLP(_hf("silu")), "silu_mul"),
+    (lambda: GatedMLP(Act(silu_written_out)), "silu_written_out_mul"),
+    (lambda: GatedMLP(Act(sigmoid_first_silu), up_first=True), "silu_written_out_mul"),
+    (lambda: GatedMLP(nn.GELU()), "gelu_mul"),
+    (lambda: GatedMLP(nn.GELU(approximate="tanh"), up_first=True), "gelu_mul"),
+    (lambda: GatedMLP(_hf("gelu_pytorch_tanh")), "gelu_mul"),
+    (lambda: GatedMLP(_hf("gelu")), "gelu_mul"),
+    (lambda: GatedMLP(Act(new_gelu)), "bias_gelu_mul"),
+    (lambda: GatedMLP(Act(erf_gelu), up_first=True), "bias_gelu_mul"),
+    (lambda: ChunkedMLP(_hf("silu")), "silu_mul"),
+    (lambda: ChunkedMLP(nn.GELU(approximate="tanh")), "gelu_mul"),
+], ids=["nn.SiLU", "nn.SiLU-up-first", "F.silu", "hf-silu", "silu-written-out", "sigmoid-first-up-first",
+        "nn.GELU", "nn.GELU-tanh-up-first", "hf-gelu_pytorch_tanh", "hf-gelu", "new-gelu-written-out",
+        "erf-gelu-written-out", "phi3-chunk-silu", "chunk-gelu-tanh"])
+def test_spelling_fuses_and_matches(make, pattern, capture):
+    # The oracle would catch erf <-> tanh (they differ by ~5e-4, far above fp32's bound) and SiLU
+    # for either: the activation stays the one written.
+    assert check_against_unfused(make, X, capture).by_pattern() == {pattern: 1}
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("act", [nn.GELU(), nn.GELU(approximate="tanh")], ids=["erf", "tanh"])
+def test_gelu_times_up_after_a_biased_gate_proj_is_gated_activation_not_bias_gelu(act, capture):
+    """Stage 0 takes the GeLU with its product before bias_gelu's stage 1 could take it alone (the
+    bias stays in the linear); a lone GeLU after a biased linear is still bias_gelu."""
+    report = check_against_unfused(lambda: GatedMLP(act, bias=True), X, capture)
+    assert report.counts() == {"gated_activation": 1}
+    lone = nn.Sequential(nn.Linear(N, I), act, nn.Linear(I, N))
+    assert check_against_unfused(lambda: lone, X, capture).counts() == {"bias_gelu": 1}
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_written_out_gelu_times_up_is_one_op(capture):
+    """The written-out GeLU becomes bias_gelu in stage 0, then gated_activation takes it (one op,
+    counted once: the bias_gelu step is absorbed)."""
+    report = check_against_unfused(lambda: GatedMLP(Act(new_gelu), bias=True), X, capture)
+    assert report.counts() == {"gated_activation": 1}
+
+
+def test_trifuse_op_runs():
+    model = fuse_via(ChunkedMLP(nn.SiLU()), "dynamo")
+    x = X[0].clone().requires_grad_()
+    names = trifuse_ops_run(lambda: model(x).sum().backward())
+    assert {"trifuse::gated_activation", "trifuse::gated_activation_backward"} <= names
+
+
+# ---------------------------------------------------------------------------------------------
+# Negatives
+# ---------------------------------------------------------------------------------------------
+
+
+class Product(nn.Module):
+    """act(a) * b on the inputs as given: shapes and dtypes the filters must look at."""
+
+    def __init__(self, act=F.silu):
+        super().__init__()
+        self.act = act
+
+    def forward(self, a, b):
+        return self.act(a) * b
+
+
+class ActivationReused(GatedMLP):
+    def forward(self, x):
+        gate = self.act_fn(self.gate_proj(x))
+        return self.down_proj(gate * self.up_proj(x) + gate)
+
+
+class ScaledByAParameter(nn.Module):
+    """act(x) * a per-feature vector: broadcasting, not a gated MLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(N))
+
+    def forward(self, x):
+        return F.silu(x) * self.scale
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("make", [
+    lambda: GatedMLP(nn.ReLU()),
+    lambda: GatedMLP(Act(quick_gelu)),
+    lambda: GatedMLP(nn.Tanh()),
+    lambda: nn.Sequential(nn.Linear(N, I), nn.SiLU(), nn.Linear(I, N)),
+], ids=["relu", "quick-gelu", "tanh", "silu-alone"])
+def test_not_a_gated_activation_is_left(make, capture):
+    assert "gated_activation" not in check_against_unfused(make, X, capture).counts()
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_broadcasting_product_is_rejected_with_a_reason(capture):
+    report = check_against_unfused(ScaledByAParameter, X, capture)
+    assert report.by_pattern() == {}
+    assert any("(broadcasting)" in reason for *_, reason in report.rejected()), report.table()
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_broadcasting_between_inputs_is_rejected(capture):
+    report = check_against_unfused(Product, (torch.randn(2, 5, N), torch.randn(5, N)), capture)
+    assert report.by_pattern() == {}
+    assert any("gate has shape (2, 5, 16) but up (5, 16) (broadcasting)" in reason
+               for *_, reason in report.rejected()), report.table()
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_mixed_dtypes_are_rejected_with_a_reason(capture):
+    model = fuse_via(Product(), capture)
+    a, b = torch.randn(3, N), torch.randn(3, N, dtype=torch.float64)
+    torch.testing.assert_close(model(a, b), F.silu(a) * b)
+    report = trifuse.report(model)
+    assert report.by_pattern() == {}
+    assert any("gate has dtype torch.float32 but up torch.float64" in reason for *_, reason in report.rejected())
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_activation_used_elsewhere_is_rejected_with_a_reason(capture):
+    report = check_against_unfused(lambda: ActivationReused(nn.SiLU()), X, capture)
+    assert "gated_activation" not in report.counts()
+    assert any("outside the pattern" in reason for *_, reason in report.rejected())
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_inplace_silu_product_keeps_its_maths(capture):
+    """nn.SiLU(inplace=True) writes into the gate projection's output: left as written, or fused
+    with the same result; never wrong."""
+    check_against_unfused(lambda: GatedMLP(nn.SiLU(inplace=True)), X, capture)
