@@ -3,11 +3,12 @@
 PATTERNS is the registry, in priority order within each stage (see _base.py): the residual
 stream is tried before a lone dropout + add, so an add feeding a norm becomes the larger op.
 """
-from . import attention, bias_gelu, cross_entropy, dropout_add, layer_norm, residual_stream
+from . import attention, bias_gelu, cross_entropy, dropout_add, layer_norm, residual_stream, rotary
 from ._base import Pattern
 
 PATTERNS: tuple[Pattern, ...] = (
     *layer_norm.PATTERNS,
+    *rotary.PATTERNS,
     *attention.PATTERNS,
     *bias_gelu.PATTERNS,
     *residual_stream.PATTERNS,

@@ -16,6 +16,8 @@ from tolerances import assert_close
 L = _models.LAYERS
 PRE_NORM = {"layer_norm": L + 1, "attention": L, "bias_gelu": L, "residual_stream": L, "dropout_add": L}
 LOSS = {"cross_entropy": 1}
+# q and k of every block rotated together (partial-rotary Phi and GPT-NeoX: on their slices)
+ROTARY = {"rotary": L}
 # nanoGPT calls its blocks from the forward that computes the loss: the head capture (installed
 # when the cross-entropy ops exist) traces the whole model, and the residual stream fuses across
 # blocks (each ln_1 and ln_f take the add before them). Without it, its blocks fuse one by one.
@@ -42,7 +44,7 @@ MODELS = {
     "gpt2-eager": (lambda: _models.gpt2(attn_implementation="eager"), {**PRE_NORM, **LOSS}),
     "bert-eager": (lambda: _models.bert(attn_implementation="eager"), BERT),
     "vit": (_models.vit, {**PRE_NORM, **LOSS}),
-    "llama": (_models.llama, {"rms_norm": L + 1, "attention": L, "residual_stream": L, **LOSS}),
+    "llama": (_models.llama, {"rms_norm": L + 1, "attention": L, "residual_stream": L, **ROTARY, **LOSS}),
     "encoder-post-norm": (lambda: _models.transformer_encoder(False),
                           {"attention": L, "bias_gelu": L, "residual_stream": 2 * L}),
     "encoder-pre-norm": (lambda: _models.transformer_encoder(True),
@@ -53,12 +55,13 @@ MODELS = {
     # Parallel blocks (Falcon, Phi, GPT-NeoX) have no add feeding a norm inside a block: their
     # residual adds fuse as dropout_add. T5's self-attention adds a learned position bias as
     # attn_mask, which needs its gradient (the attention op gives it).
-    "gemma": (_family("gemma"), {"rms_norm": L + 1, "attention": L, "residual_stream": L, **LOSS}),
-    "falcon": (_family("falcon"), {"layer_norm": L + 1, "attention": L, "dropout_add": L, **LOSS}),
-    "olmo": (_family("olmo"), {"layer_norm": L + 1, "attention": L, "residual_stream": L, **LOSS}),
-    "phi": (_family("phi"), {"layer_norm": L + 1, "attention": L, "bias_gelu": L, "dropout_add": L, **LOSS}),
+    "gemma": (_family("gemma"), {"rms_norm": L + 1, "attention": L, "residual_stream": L, **ROTARY, **LOSS}),
+    "falcon": (_family("falcon"), {"layer_norm": L + 1, "attention": L, "dropout_add": L, **ROTARY, **LOSS}),
+    "olmo": (_family("olmo"), {"layer_norm": L + 1, "attention": L, "residual_stream": L, **ROTARY, **LOSS}),
+    "phi": (_family("phi"), {"layer_norm": L + 1, "attention": L, "bias_gelu": L, "dropout_add": L, **ROTARY,
+                             **LOSS}),
     "gpt_neox": (_family("gpt_neox"),
-                 {"layer_norm": 2 * L + 1, "attention": L, "bias_gelu": L, "dropout_add": L, **LOSS}),
+                 {"layer_norm": 2 * L + 1, "attention": L, "bias_gelu": L, "dropout_add": L, **ROTARY, **LOSS}),
     # OPT flattens the sum to rows before the MLP's norm (a reshape that commutes with the norm)
     "opt": (_family("opt"), {"layer_norm": L + 1, "attention": L, "residual_stream": L, "dropout_add": L, **LOSS}),
     # encoder-decoder: L encoder and L decoder blocks; each stack's last add feeds its final norm
@@ -72,7 +75,8 @@ OPS = {"layer_norm": ("trifuse::layer_norm",), "rms_norm": ("trifuse::rms_norm",
        "attention": ("trifuse::attention",), "bias_gelu": ("trifuse::bias_gelu",),
        "dropout_add": ("trifuse::dropout_add",),
        "residual_stream": ("trifuse::dropout_add_layer_norm", "trifuse::dropout_add_rms_norm"),
-       "cross_entropy": ("trifuse::cross_entropy", "trifuse::linear_cross_entropy")}
+       "cross_entropy": ("trifuse::cross_entropy", "trifuse::linear_cross_entropy"),
+       "rotary": ("trifuse::rotary_embedding",)}
 
 
 def _double_inputs(kw):

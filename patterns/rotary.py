@@ -1,0 +1,83 @@
+"""Rotary position embedding, as Hugging Face's `apply_rotary_pos_emb` writes it (Llama, Mistral,
+Qwen2, Gemma, OLMo, Falcon, Phi, GPT-NeoX, StableLM, ...), becoming `trifuse.ops.rotary_embedding`:
+
+    cos = cos.unsqueeze(1); sin = sin.unsqueeze(1)
+    q_embed = (q * cos) + (rotate_half(q) * sin)
+    k_embed = (k * cos) + (rotate_half(k) * sin)
+    rotate_half(x) = torch.cat((-x[..., D/2:], x[..., :D/2]), dim=-1)
+
+q and k rotated with the same cos and sin become one call (one kernel each way for both); a
+tensor rotated alone becomes a call with k=None. Partial-rotary models (Phi, GPT-NeoX, StableLM)
+apply the same formula to slices `q[..., :rot]` and `cat` the rest back: the formula on the
+slices is what matches, the slices are read in place and the `cat` stays.
+
+Filters: rotate_half splits the last dim exactly in half (the same half in both slices, the cat
+along the last dim); cos and sin are 4-D and broadcast to q and k (batch or 1, 1, positions,
+head_dim) in their dtype (the op checks that when the replacement is tried). Not matched: the
+interleaved convention (Cohere's, GPT-J's `rotate_every_two`: a stack + flatten, another
+function).
+"""
+import torch
+
+from ._base import Match, Pattern, ops
+
+
+def rotary_q_k(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half, dim):
+    """Hugging Face's apply_rotary_pos_emb after its unsqueeze."""
+    q_embed = q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=dim) * sin
+    k_embed = k * cos + torch.cat((-k[..., half:], k[..., :half]), dim=dim) * sin
+    return q_embed, k_embed
+
+
+def rotary_q_k_fused(q, k, cos, sin, half=None, dim=None):
+    out = ops.rotary_embedding(q, k, cos, sin)
+    return out[0], out[1]
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half, dim):
+    """One tensor rotated alone."""
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=dim) * sin
+
+
+def rotary_fused(x, cos, sin, half=None, dim=None):
+    return ops.rotary_embedding(x, None, cos, sin)[0]
+
+
+def _rotates_half_of_last_dim(names: tuple[str, ...]):
+    def check(m: Match) -> str | None:
+        half, dim = m["half"], m["dim"]
+        if not isinstance(half, int) or isinstance(half, bool) or not isinstance(dim, int) or isinstance(dim, bool):
+            return f"rotate_half's split {half!r} or cat dim {dim!r} is not a constant int"
+        for name in names:
+            x = m.value(name)
+            if not isinstance(x, torch.Tensor):
+                return f"no shape for {name}"
+            if dim not in (-1, x.dim() - 1):
+                return f"rotate_half concatenates {name} along dim {dim}, not the last"
+            if 2 * half != x.shape[-1]:
+                return f"rotate_half splits {name}'s last dim ({x.shape[-1]}) at {half}, not in half"
+        return None
+
+    check.__name__ = "rotates_half_of_last_dim"
+    return check
+
+
+def _cos_sin_are_4d(m: Match) -> str | None:
+    """The op takes cos and sin after Hugging Face's unsqueeze; a 2-D (S, D) table broadcast by
+    PyTorch is left as written (the op would need a view of it)."""
+    for name in ("cos", "sin"):
+        v = m.value(name)
+        if not isinstance(v, torch.Tensor):
+            return f"no shape for {name}"
+        if v.dim() != 4:
+            return f"{name} is {v.dim()}-D, not (batch or 1, 1, seq, head_dim)"
+    return None
+
+
+_OPS = ("rotary_embedding",)
+
+PATTERNS = (
+    Pattern("rotary_q_k", "rotary", rotary_q_k, rotary_q_k_fused, _OPS,
+            (_rotates_half_of_last_dim(("q", "k")), _cos_sin_are_4d)),
+    Pattern("rotary", "rotary", rotary, rotary_fused, _OPS, (_rotates_half_of_last_dim(("x",)), _cos_sin_are_4d)),
+)
