@@ -277,11 +277,12 @@ def _check_inputs(q: object, k: object, cos: object, sin: object) -> None:
         if k.dim() != 4 or k.shape[0] != b or k.shape[2] != s or k.shape[3] != d:
             raise ValueError(f"trifuse.{OP}: k must have shape ({b}, heads, {s}, {d}) like q "
                              f"{tuple(q.shape)}, got {tuple(k.shape)}")
-    heads = {q.shape[1]} | ({k.shape[1]} if k is not None else set())
     for name, t in (("cos", cos), ("sin", sin)):
         check_tensor(OP, name, t)
         check_float(OP, name, t)
-        ok_heads = t.dim() == 4 and (t.shape[1] == 1 or heads == {t.shape[1]})
+        # One head, or one per head when q and k have as many (no sets: shapes may be SymInts).
+        ok_heads = t.dim() == 4 and (t.shape[1] == 1 or (
+            t.shape[1] == q.shape[1] and (k is None or t.shape[1] == k.shape[1])))
         if not (ok_heads and t.shape[0] in (1, b) and t.shape[2] in (1, s) and t.shape[3] == d):
             raise ValueError(
                 f"trifuse.{OP}: {name} must be 4-D and broadcast to q {tuple(q.shape)}"
