@@ -293,6 +293,8 @@ def _match_arg(cp: CompiledPattern, pa: Any, ga: Any, env: Env) -> Iterator[Env]
 
 
 def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, fx.Node) and isinstance(b, fx.Node) and a.op == b.op == "get_attr":
+        return a.target == b.target  # fx reads an attribute once per use: one value, several nodes
     if isinstance(a, fx.Node) or isinstance(b, fx.Node):
         return a is b
     return literal_equal(a, b)

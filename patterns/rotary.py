@@ -22,40 +22,49 @@ import torch
 from ._base import Match, Pattern, ops
 
 
-def rotary_q_k(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half, dim):
+# The two bounds of rotate_half's slices are separate parameters: an fx capture computes
+# `x.shape[-1] // 2` once per slice (two graph nodes of one value); the filter checks each.
+
+
+def rotary_q_k(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_start, q_end, k_start,
+               k_end, dim):
     """Hugging Face's apply_rotary_pos_emb after its unsqueeze."""
-    q_embed = q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=dim) * sin
-    k_embed = k * cos + torch.cat((-k[..., half:], k[..., :half]), dim=dim) * sin
+    q_embed = q * cos + torch.cat((-q[..., q_start:], q[..., :q_end]), dim=dim) * sin
+    k_embed = k * cos + torch.cat((-k[..., k_start:], k[..., :k_end]), dim=dim) * sin
     return q_embed, k_embed
 
 
-def rotary_q_k_fused(q, k, cos, sin, half=None, dim=None):
+def rotary_q_k_fused(q, k, cos, sin, q_start=None, q_end=None, k_start=None, k_end=None, dim=None):
     out = ops.rotary_embedding(q, k, cos, sin)
     return out[0], out[1]
 
 
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half, dim):
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x_start, x_end, dim):
     """One tensor rotated alone."""
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=dim) * sin
+    return x * cos + torch.cat((-x[..., x_start:], x[..., :x_end]), dim=dim) * sin
 
 
-def rotary_fused(x, cos, sin, half=None, dim=None):
+def rotary_fused(x, cos, sin, x_start=None, x_end=None, dim=None):
     return ops.rotary_embedding(x, None, cos, sin)[0]
 
 
 def _rotates_half_of_last_dim(names: tuple[str, ...]):
     def check(m: Match) -> str | None:
-        half, dim = m["half"], m["dim"]
-        if not isinstance(half, int) or isinstance(half, bool) or not isinstance(dim, int) or isinstance(dim, bool):
-            return f"rotate_half's split {half!r} or cat dim {dim!r} is not a constant int"
+        dim = m.value("dim")
+        if not isinstance(dim, int) or isinstance(dim, bool):
+            return f"rotate_half's cat dim {dim!r} is not a known int"
         for name in names:
             x = m.value(name)
             if not isinstance(x, torch.Tensor):
                 return f"no shape for {name}"
             if dim not in (-1, x.dim() - 1):
                 return f"rotate_half concatenates {name} along dim {dim}, not the last"
-            if 2 * half != x.shape[-1]:
-                return f"rotate_half splits {name}'s last dim ({x.shape[-1]}) at {half}, not in half"
+            # fx captures compute the bounds from the shape (`x.shape[-1] // 2`): their values.
+            for bound in (m.value(f"{name}_start"), m.value(f"{name}_end")):
+                if not isinstance(bound, int) or isinstance(bound, bool):
+                    return f"rotate_half's split {bound!r} of {name} is not a known int"
+                if 2 * bound != x.shape[-1]:
+                    return f"rotate_half splits {name}'s last dim ({x.shape[-1]}) at {bound}, not in half"
         return None
 
     check.__name__ = "rotates_half_of_last_dim"
