@@ -60,7 +60,7 @@ for what in "$@"; do
         host)  # wall µs per call at tiny sizes, trifuse against PyTorch, and a cProfile of one case
             stage profile-host 120 python3 bench/profile_host.py ;;
         kernels)
-            for op in layer_norm residual_stream bias_gelu dropout_add cross_entropy attention; do
+            for op in layer_norm residual_stream bias_gelu dropout_add cross_entropy attention rotary; do
                 stage "bench-$op" 90 python3 "bench/bench_$op.py"
             done ;;
         dialects)  # which implementation wins per op and shape, against each candidate alone
