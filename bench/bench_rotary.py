@@ -82,8 +82,8 @@ def with_peak_memory(rows: list[dict]) -> list[dict]:
     for row in rows:
         if "ms" in row and row["shape"] in by_shape:
             shape = by_shape[row["shape"]]
-            row["peak MiB"] = H.peak_memory_mib(H.make_step(fns[row["provider"]], lambda: make_inputs(shape),
-                                                            row["mode"]))
+            step = H.make_step(fns[row["provider"]], lambda s=shape: make_inputs(s), row["mode"])
+            row["peak MiB"] = H.peak_memory_mib(step)
     if H.on_gpu():
         torch.cuda.empty_cache()
     return rows

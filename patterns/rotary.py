@@ -21,7 +21,6 @@ import torch
 
 from ._base import Match, Pattern, ops
 
-
 # The two bounds of rotate_half's slices are separate parameters: an fx capture computes
 # `x.shape[-1] // 2` once per slice (two graph nodes of one value); the filter checks each.
 

@@ -3,7 +3,6 @@ partial rotary, q and k together or a tensor alone; what must not fuse; SDPA aft
 import pytest
 import torch
 import torch.nn.functional as F
-import trifuse
 from _fusing import check_against_unfused, fuse_via, needs_ops, trifuse_ops_run
 from torch import nn
 
