@@ -25,7 +25,10 @@ sin (B or 1, 1, S or 1, D), what `cos.unsqueeze(1)` gives Hugging Face's (B, S, 
 any strides with a unit stride along D (the usual `proj(x).view(B, S, H, D).transpose(1, 2)`, a
 slice `q[..., :rot]` of a partial-rotary model) and are read in place; cos and sin likewise, and
 broadcast by stride 0. Outputs are new, contiguous (B, H, S, D) tensors (the layout SDPA and
-trifuse's attention read without a copy); dq and dk likewise.
+trifuse's attention read without a copy). dq and dk take the layout of q and k when those are
+transposed (B, S, H, D) tensors, the usual projection view: autograd then hands the projection a
+contiguous gradient through the transpose and the view, where a (B, H, S, D) one would be copied
+(as eager PyTorch's is); otherwise they are contiguous (B, H, S, D).
 Dtypes: q, k, cos and sin all of one float dtype; outputs in it.
 
 Kernel: one launch each way for q and k together. A 1-D grid enumerates (batch, block of
@@ -178,11 +181,25 @@ def _bcast_strides(t: torch.Tensor) -> tuple[int, int, int]:
     return tuple(0 if t.shape[i] == 1 else t.stride(i) for i in range(3))
 
 
-def _launch(x: torch.Tensor, y: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, backward: bool
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def is_bshd(t: torch.Tensor | None) -> bool:
+    """Whether `t` (B, H, S, D) is a transposed contiguous (B, S, H, D) tensor (and not also a
+    contiguous one): `proj(x).view(B, S, H, D).transpose(1, 2)`."""
+    return t is not None and not t.is_contiguous() and t.transpose(1, 2).is_contiguous()
+
+
+def _empty(t: torch.Tensor, bshd: bool) -> torch.Tensor:
+    """A new tensor shaped like `t` (B, H, S, D): contiguous, or transposed (B, S, H, D) storage."""
+    b, h, s, d = t.shape
+    if bshd:
+        return torch.empty((b, s, h, d), dtype=t.dtype, device=t.device).transpose(1, 2)
+    return torch.empty((b, h, s, d), dtype=t.dtype, device=t.device)
+
+
+def _launch(x: torch.Tensor, y: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, backward: bool,
+            x_bshd: bool = False, y_bshd: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     b, hq, s, d = x.shape
-    xo = torch.empty((b, hq, s, d), dtype=x.dtype, device=x.device)
-    yo = None if y is None else torch.empty(y.shape, dtype=y.dtype, device=y.device)
+    xo = _empty(x, x_bshd)
+    yo = None if y is None else _empty(y, y_bshd)
     hkv = 0 if y is None else y.shape[1]
     if b * s == 0 or hq + hkv == 0:
         return xo, yo
@@ -209,12 +226,13 @@ def rotary_embedding_fwd(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Ten
     return _launch(q, k, cos, sin, backward=False)
 
 
-def rotary_embedding_bwd(dq: torch.Tensor, dk: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(dq, dk) from the gradients of q_embed and k_embed: the transpose rotation, contiguous."""
+def rotary_embedding_bwd(dq: torch.Tensor, dk: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                         q_bshd: bool = False, k_bshd: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(dq, dk) from the gradients of q_embed and k_embed: the transpose rotation; each in
+    transposed (B, S, H, D) storage when its flag says (q's layout), else contiguous."""
     if not use_triton(dq):
-        return _rotary_torch(dq, dk, cos, sin, backward=True)
-    return _launch(dq, dk, cos, sin, backward=True)
+        return _rotary_torch(dq, dk, cos, sin, backward=True, x_bshd=q_bshd, y_bshd=k_bshd)
+    return _launch(dq, dk, cos, sin, True, q_bshd, k_bshd)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,18 +246,18 @@ def _rotate_half_t(z: torch.Tensor) -> torch.Tensor:
     return torch.cat((z[..., half:], -z[..., :half]), dim=-1)
 
 
-def _rotary_torch(x, y, cos, sin, backward):
+def _rotary_torch(x, y, cos, sin, backward, x_bshd=False, y_bshd=False):
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     c, s = cos.to(acc), sin.to(acc)
 
-    def one(t):
+    def one(t, bshd):
         if t is None:
             return None
         t32 = t.to(acc)
         out = t32 * c + _rotate_half_t(t32 * s) if backward else t32 * c + rotate_half(t32) * s
-        return out.to(t.dtype).contiguous()
+        return _empty(t, bshd).copy_(out)
 
-    return one(x), one(y)
+    return one(x, x_bshd), one(y, y_bshd)
 
 
 def _cos_sin_grads(dq, dk, q, k, cos, sin):
@@ -316,9 +334,11 @@ def _rotary_embedding_op(q: Tensor, k: OptTensor, cos: Tensor, sin: Tensor) -> t
 
 
 @torch.library.custom_op("trifuse::rotary_embedding_backward", mutates_args=())
-def _rotary_embedding_backward_op(dq: Tensor, dk: OptTensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-    """(dq, dk) from the gradients of q_embed and k_embed; dk is empty (0,) when dk is None."""
-    dq, dk_out = rotary_embedding_bwd(dq, dk, cos, sin)
+def _rotary_embedding_backward_op(dq: Tensor, dk: OptTensor, cos: Tensor, sin: Tensor, q_bshd: bool,
+                                  k_bshd: bool) -> tuple[Tensor, Tensor]:
+    """(dq, dk) from the gradients of q_embed and k_embed, in transposed (B, S, H, D) storage where
+    the flags say; dk is empty (0,) when dk is None."""
+    dq, dk_out = rotary_embedding_bwd(dq, dk, cos, sin, q_bshd, k_bshd)
     return dq, dq.new_empty(0) if dk_out is None else dk_out
 
 
@@ -329,8 +349,8 @@ def _(q, k, cos, sin):
 
 
 @_rotary_embedding_backward_op.register_fake
-def _(dq, dk, cos, sin):
-    return dq.new_empty(dq.shape), _empty_like_k(dq, dk)
+def _(dq, dk, cos, sin, q_bshd, k_bshd):
+    return _empty(dq, q_bshd), dq.new_empty(0) if dk is None else _empty(dk, k_bshd)
 
 
 def _cos_sin_need_grad(cos: torch.Tensor, sin: torch.Tensor) -> bool:
@@ -340,6 +360,7 @@ def _cos_sin_need_grad(cos: torch.Tensor, sin: torch.Tensor) -> bool:
 def _setup(ctx, inputs, output):
     q, k, cos, sin = inputs
     ctx.has_k = k is not None
+    ctx.bshd = (is_bshd(q), is_bshd(k))
     # q and k only when cos or sin train: the rotation's own backward needs just cos and sin.
     ctx.save_for_backward(cos, sin, *((q, k) if _cos_sin_need_grad(cos, sin) else ()))
 
@@ -347,7 +368,7 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, dq_embed, dk_embed):
     cos, sin, *qk = ctx.saved_tensors
     dk_in = dk_embed if ctx.has_k else None
-    dq, dk = torch.ops.trifuse.rotary_embedding_backward(dq_embed, dk_in, cos, sin)
+    dq, dk = torch.ops.trifuse.rotary_embedding_backward(dq_embed, dk_in, cos, sin, *ctx.bshd)
     dcos = dsin = None
     if qk:
         dcos, dsin = _cos_sin_grads(dq_embed, dk_in, *qk, cos, sin)
@@ -367,13 +388,14 @@ class _RotaryEmbeddingFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin):
         ctx.save_for_backward(cos, sin, *((q, k) if _cos_sin_need_grad(cos, sin) else ()))
+        ctx.bshd = (is_bshd(q), is_bshd(k))
         return rotary_embedding_fwd(q, k, cos, sin)
 
     @staticmethod
     def backward(ctx, dq_embed, dk_embed):
         cos, sin, *qk = ctx.saved_tensors
         with profiled("trifuse::rotary_embedding_backward"):
-            dq, dk = rotary_embedding_bwd(dq_embed, dk_embed, cos, sin)
+            dq, dk = rotary_embedding_bwd(dq_embed, dk_embed, cos, sin, *ctx.bshd)
         dcos = dsin = None
         if qk:
             dcos, dsin = _cos_sin_grads(dq_embed, dk_embed, *qk, cos, sin)
@@ -451,7 +473,8 @@ def rotary_embedding(
 
     Returns:
         (q_embed, k_embed), new contiguous (B, H, S, D) tensors in q's dtype; k_embed is None when
-        k is None. Gradients reach q and k (the backward reads only cos and sin), and cos and sin
+        k is None. Gradients reach q and k (the backward reads only cos and sin; dq and dk in
+        q's and k's layout when those are transposed (B, S, H, D) tensors), and cos and sin
         when they require grad.
 
     Eager calls run trifuse's kernel or the PyTorch formula, whichever the `rotary_embedding`

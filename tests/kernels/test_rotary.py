@@ -122,6 +122,24 @@ def test_strided_inputs_are_read_in_place(dtype, monkeypatch):
     check_fwd_bwd(q[..., :rot], k[..., :rot], cos_r, sin_r)
 
 
+@pytest.mark.parametrize("path", ["eager", "registered", "reference"])
+def test_gradients_take_the_layout_of_projection_views(path, monkeypatch):
+    """dq and dk of transposed (B, S, H, D) q and k come in that layout: the projection's gradient
+    then needs no copy through the transpose and the view. Other layouts get contiguous ones."""
+    if path == "reference":
+        monkeypatch.setattr(rk, "use_triton", lambda t: False)
+    b, s, h, d = 2, 5, 4, 8
+    q = torch.randn(b, s, h, d, device=DEVICE).transpose(1, 2).requires_grad_()
+    k = torch.randn(b, s, 3 * h, d, device=DEVICE)[:, :, :h].transpose(1, 2).requires_grad_()  # a slice
+    cos, sin = rope_tables(b, s, d, torch.float32)
+    fn = torch.ops.trifuse.rotary_embedding if path == "registered" else trifuse.ops.rotary_embedding
+    outs = fn(q, k, cos, sin)
+    dq, dk = torch.autograd.grad(outs, (q, k), [torch.ones_like(o) for o in outs])
+    assert dq.stride() == q.stride() and dq.transpose(1, 2).is_contiguous()
+    assert dk.is_contiguous()
+    check_fwd_bwd(q, k, cos, sin)
+
+
 def test_last_dim_strided_cos_is_copied_once():
     q, k, cos, sin = make((1, 2, 2, 5, 8), torch.float32)
     cos2 = torch.stack((cos, cos), dim=-1).flatten(-2)[..., ::2]  # stride 2 along D
@@ -203,8 +221,9 @@ def test_opcheck_every_op():
     torch.library.opcheck(torch.ops.trifuse.rotary_embedding.default,
                           (q, k, cos.clone().requires_grad_(), sin.clone().requires_grad_()))
     dq, dk = torch.randn_like(q), torch.randn_like(k)
-    torch.library.opcheck(torch.ops.trifuse.rotary_embedding_backward.default, (dq, dk, cos, sin))
-    torch.library.opcheck(torch.ops.trifuse.rotary_embedding_backward.default, (dq, None, cos, sin))
+    torch.library.opcheck(torch.ops.trifuse.rotary_embedding_backward.default, (dq, dk, cos, sin, False, False))
+    torch.library.opcheck(torch.ops.trifuse.rotary_embedding_backward.default, (dq, None, cos, sin, True, False))
+    torch.library.opcheck(torch.ops.trifuse.rotary_embedding_backward.default, (dq, dk, cos, sin, False, True))
 
 
 @settings(max_examples=15, deadline=None)
