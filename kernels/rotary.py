@@ -29,7 +29,9 @@ trifuse's attention read without a copy). dq and dk take the layout of q and k w
 transposed (B, S, H, D) tensors, the usual projection view: autograd then hands the projection a
 contiguous gradient through the transpose and the view, where a (B, H, S, D) one would be copied
 (as eager PyTorch's is); otherwise they are contiguous (B, H, S, D).
-Dtypes: q, k, cos and sin all of one float dtype; outputs in it.
+Dtypes: q and k of one float dtype, cos and sin of one (possibly another: fp32 tables beside
+16-bit q and k under autocast, as Hugging Face computes them there); outputs in the promoted
+dtype, as PyTorch's `q * cos` gives (q's when the tables are in it); dq and dk in q's dtype.
 
 Kernel: one launch each way for q and k together. A 1-D grid enumerates (batch, block of
 positions, head) with the head fastest, so the programs that read one tile of cos and sin run
@@ -187,19 +189,24 @@ def is_bshd(t: torch.Tensor | None) -> bool:
     return t is not None and not t.is_contiguous() and t.transpose(1, 2).is_contiguous()
 
 
-def _empty(t: torch.Tensor, bshd: bool) -> torch.Tensor:
+def _empty(t: torch.Tensor, bshd: bool, dtype: torch.dtype) -> torch.Tensor:
     """A new tensor shaped like `t` (B, H, S, D): contiguous, or transposed (B, S, H, D) storage."""
     b, h, s, d = t.shape
     if bshd:
-        return torch.empty((b, s, h, d), dtype=t.dtype, device=t.device).transpose(1, 2)
-    return torch.empty((b, h, s, d), dtype=t.dtype, device=t.device)
+        return torch.empty((b, s, h, d), dtype=dtype, device=t.device).transpose(1, 2)
+    return torch.empty((b, h, s, d), dtype=dtype, device=t.device)
+
+
+def out_dtype(q: torch.Tensor, cos: torch.Tensor) -> torch.dtype:
+    """The outputs' dtype: what PyTorch's `q * cos` gives."""
+    return q.dtype if q.dtype == cos.dtype else torch.promote_types(q.dtype, cos.dtype)
 
 
 def _launch(x: torch.Tensor, y: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, backward: bool,
-            x_bshd: bool = False, y_bshd: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+            dtype: torch.dtype, x_bshd: bool = False, y_bshd: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     b, hq, s, d = x.shape
-    xo = _empty(x, x_bshd)
-    yo = None if y is None else _empty(y, y_bshd)
+    xo = _empty(x, x_bshd, dtype)
+    yo = None if y is None else _empty(y, y_bshd, dtype)
     hkv = 0 if y is None else y.shape[1]
     if b * s == 0 or hq + hkv == 0:
         return xo, yo
@@ -213,26 +220,29 @@ def _launch(x: torch.Tensor, y: torch.Tensor | None, cos: torch.Tensor, sin: tor
         x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2),
         xo.stride(0), xo.stride(1), xo.stride(2), y_out.stride(0), y_out.stride(1), y_out.stride(2),
         *_bcast_strides(cos), *_bcast_strides(sin),
-        BLOCK_S=block_s, BLOCK_HALF=block_half, BACKWARD=backward, ACC=acc_dtype(x.dtype), num_warps=num_warps,
+        BLOCK_S=block_s, BLOCK_HALF=block_half, BACKWARD=backward,
+        ACC=acc_dtype(out_dtype(x, cos)), num_warps=num_warps,
     )
     return xo, yo
 
 
 def rotary_embedding_fwd(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(q_embed, k_embed): contiguous (B, H, S, D) in q's dtype; k_embed None when k is None."""
+    """(q_embed, k_embed): contiguous (B, H, S, D) in `out_dtype(q, cos)`; k_embed None when k is
+    None."""
     if not use_triton(q):
-        return _rotary_torch(q, k, cos, sin, backward=False)
-    return _launch(q, k, cos, sin, backward=False)
+        return _rotary_torch(q, k, cos, sin, False, out_dtype(q, cos))
+    return _launch(q, k, cos, sin, False, out_dtype(q, cos))
 
 
 def rotary_embedding_bwd(dq: torch.Tensor, dk: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                         q_bshd: bool = False, k_bshd: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(dq, dk) from the gradients of q_embed and k_embed: the transpose rotation; each in
-    transposed (B, S, H, D) storage when its flag says (q's layout), else contiguous."""
+                         dtype: torch.dtype, q_bshd: bool = False, k_bshd: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(dq, dk) in `dtype` (q's) from the gradients of q_embed and k_embed: the transpose rotation;
+    each in transposed (B, S, H, D) storage when its flag says (q's layout), else contiguous."""
     if not use_triton(dq):
-        return _rotary_torch(dq, dk, cos, sin, backward=True, x_bshd=q_bshd, y_bshd=k_bshd)
-    return _launch(dq, dk, cos, sin, True, q_bshd, k_bshd)
+        return _rotary_torch(dq, dk, cos, sin, True, dtype, q_bshd, k_bshd)
+    return _launch(dq, dk, cos, sin, True, dtype, q_bshd, k_bshd)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,8 +256,8 @@ def _rotate_half_t(z: torch.Tensor) -> torch.Tensor:
     return torch.cat((z[..., half:], -z[..., :half]), dim=-1)
 
 
-def _rotary_torch(x, y, cos, sin, backward, x_bshd=False, y_bshd=False):
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+def _rotary_torch(x, y, cos, sin, backward, dtype, x_bshd=False, y_bshd=False):
+    acc = torch.float64 if torch.float64 in (x.dtype, cos.dtype) else torch.float32
     c, s = cos.to(acc), sin.to(acc)
 
     def one(t, bshd):
@@ -255,14 +265,14 @@ def _rotary_torch(x, y, cos, sin, backward, x_bshd=False, y_bshd=False):
             return None
         t32 = t.to(acc)
         out = t32 * c + _rotate_half_t(t32 * s) if backward else t32 * c + rotate_half(t32) * s
-        return _empty(t, bshd).copy_(out)
+        return _empty(t, bshd, dtype).copy_(out)
 
     return one(x, x_bshd), one(y, y_bshd)
 
 
 def _cos_sin_grads(dq, dk, q, k, cos, sin):
     """(dcos, dsin) in cos's dtype, shaped like cos: the products summed over the broadcast dims."""
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = torch.float64 if torch.float64 in (q.dtype, cos.dtype) else torch.float32
     dcos = dsin = None
     for dy, x in ((dq, q), (dk, k)):
         if x is None or dy is None:
@@ -308,7 +318,8 @@ def _check_inputs(q: object, k: object, cos: object, sin: object) -> None:
                 + f" as ({b} or 1, 1, {s}, {d}), got shape {tuple(t.shape)}")
     if tuple(sin.shape) != tuple(cos.shape):
         raise ValueError(f"trifuse.{OP}: sin must have cos's shape {tuple(cos.shape)}, got {tuple(sin.shape)}")
-    check_same_dtype(OP, "q", q, k=k, cos=cos, sin=sin)
+    check_same_dtype(OP, "q", q, k=k)
+    check_same_dtype(OP, "cos", cos, sin=sin)
     check_same_device(OP, "q", q, k=k, cos=cos, sin=sin)
 
 
@@ -320,9 +331,6 @@ Tensor = torch.Tensor
 OptTensor = torch.Tensor | None
 
 
-def _empty_like_k(q: torch.Tensor, k: torch.Tensor | None) -> torch.Tensor:
-    """The op's k_embed when there is no k: an empty tensor (an op has one output signature)."""
-    return q.new_empty(0) if k is None else torch.empty(k.shape, dtype=k.dtype, device=k.device)
 
 
 @torch.library.custom_op("trifuse::rotary_embedding", mutates_args=())
@@ -334,23 +342,24 @@ def _rotary_embedding_op(q: Tensor, k: OptTensor, cos: Tensor, sin: Tensor) -> t
 
 
 @torch.library.custom_op("trifuse::rotary_embedding_backward", mutates_args=())
-def _rotary_embedding_backward_op(dq: Tensor, dk: OptTensor, cos: Tensor, sin: Tensor, q_bshd: bool,
-                                  k_bshd: bool) -> tuple[Tensor, Tensor]:
-    """(dq, dk) from the gradients of q_embed and k_embed, in transposed (B, S, H, D) storage where
-    the flags say; dk is empty (0,) when dk is None."""
-    dq, dk_out = rotary_embedding_bwd(dq, dk, cos, sin, q_bshd, k_bshd)
-    return dq, dq.new_empty(0) if dk_out is None else dk_out
+def _rotary_embedding_backward_op(dq: Tensor, dk: OptTensor, cos: Tensor, sin: Tensor, dtype: torch.dtype,
+                                  q_bshd: bool, k_bshd: bool) -> tuple[Tensor, Tensor]:
+    """(dq, dk) in `dtype` from the gradients of q_embed and k_embed, in transposed (B, S, H, D)
+    storage where the flags say; dk is empty (0,) when dk is None."""
+    dq, dk_out = rotary_embedding_bwd(dq, dk, cos, sin, dtype, q_bshd, k_bshd)
+    return dq, dq.new_empty(0, dtype=dtype) if dk_out is None else dk_out
 
 
 @_rotary_embedding_op.register_fake
 def _(q, k, cos, sin):
     _check_inputs(q, k, cos, sin)
-    return q.new_empty(q.shape), _empty_like_k(q, k)
+    dtype = out_dtype(q, cos)
+    return _empty(q, False, dtype), q.new_empty(0) if k is None else _empty(k, False, dtype)
 
 
 @_rotary_embedding_backward_op.register_fake
-def _(dq, dk, cos, sin, q_bshd, k_bshd):
-    return _empty(dq, q_bshd), dq.new_empty(0) if dk is None else _empty(dk, k_bshd)
+def _(dq, dk, cos, sin, dtype, q_bshd, k_bshd):
+    return _empty(dq, q_bshd, dtype), dq.new_empty(0, dtype=dtype) if dk is None else _empty(dk, k_bshd, dtype)
 
 
 def _cos_sin_need_grad(cos: torch.Tensor, sin: torch.Tensor) -> bool:
@@ -361,6 +370,7 @@ def _setup(ctx, inputs, output):
     q, k, cos, sin = inputs
     ctx.has_k = k is not None
     ctx.bshd = (is_bshd(q), is_bshd(k))
+    ctx.dtype = q.dtype
     # q and k only when cos or sin train: the rotation's own backward needs just cos and sin.
     ctx.save_for_backward(cos, sin, *((q, k) if _cos_sin_need_grad(cos, sin) else ()))
 
@@ -368,7 +378,7 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, dq_embed, dk_embed):
     cos, sin, *qk = ctx.saved_tensors
     dk_in = dk_embed if ctx.has_k else None
-    dq, dk = torch.ops.trifuse.rotary_embedding_backward(dq_embed, dk_in, cos, sin, *ctx.bshd)
+    dq, dk = torch.ops.trifuse.rotary_embedding_backward(dq_embed, dk_in, cos, sin, ctx.dtype, *ctx.bshd)
     dcos = dsin = None
     if qk:
         dcos, dsin = _cos_sin_grads(dq_embed, dk_in, *qk, cos, sin)
@@ -389,13 +399,14 @@ class _RotaryEmbeddingFunction(torch.autograd.Function):
     def forward(ctx, q, k, cos, sin):
         ctx.save_for_backward(cos, sin, *((q, k) if _cos_sin_need_grad(cos, sin) else ()))
         ctx.bshd = (is_bshd(q), is_bshd(k))
+        ctx.dtype = q.dtype
         return rotary_embedding_fwd(q, k, cos, sin)
 
     @staticmethod
     def backward(ctx, dq_embed, dk_embed):
         cos, sin, *qk = ctx.saved_tensors
         with profiled("trifuse::rotary_embedding_backward"):
-            dq, dk = rotary_embedding_bwd(dq_embed, dk_embed, cos, sin, *ctx.bshd)
+            dq, dk = rotary_embedding_bwd(dq_embed, dk_embed, cos, sin, ctx.dtype, *ctx.bshd)
         dcos = dsin = None
         if qk:
             dcos, dsin = _cos_sin_grads(dq_embed, dk_embed, *qk, cos, sin)
@@ -404,7 +415,7 @@ class _RotaryEmbeddingFunction(torch.autograd.Function):
 
 # =============================================================================================
 # Dialect: trifuse's kernel or Hugging Face's formula in PyTorch, whichever is faster for the
-# shape, chosen once per (device, dtype, positions bucket, heads, head_dim, cos batch, grad) on the
+# shape, chosen once per (device, dtypes, positions bucket, heads, head_dim, cos batch, grad) on the
 # GPU and cached on disk (autotune/dialects.py). Traced calls always see trifuse::rotary_embedding.
 # =============================================================================================
 
@@ -423,7 +434,7 @@ def _rotary_key(q, k, cos, sin):
         return None
     grad = torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad)
                                         or cos.requires_grad or sin.requires_grad)
-    return (q.get_device() if q.is_cuda else -1, q.dtype, pow2_bucket(b * s), hq,
+    return (q.get_device() if q.is_cuda else -1, q.dtype, cos.dtype, pow2_bucket(b * s), hq,
             0 if k is None else k.shape[1], d, cos.shape[0] == 1, grad)
 
 
@@ -446,8 +457,8 @@ def _rotary_hf_formula(q, k, cos, sin):
 
 
 ROTARY_EMBEDDING = dialects.define(
-    "rotary_embedding", _rotary_key, ("device", "dtype", "positions", "q_heads", "k_heads", "head_dim",
-                                      "cos_batch_broadcast", "grad"),
+    "rotary_embedding", _rotary_key, ("device", "dtype", "cos_dtype", "positions", "q_heads", "k_heads",
+                                      "head_dim", "cos_batch_broadcast", "grad"),
     reference=rotary_embedding_ref)
 ROTARY_EMBEDDING.register(dialects.Candidate("trifuse", _rotary_trifuse))
 ROTARY_EMBEDDING.register(dialects.Candidate("torch", _rotary_hf_formula))
@@ -469,11 +480,12 @@ def rotary_embedding(
         q: (B, Hq, S, D), D even; any strides with a unit stride along D (read in place).
         k: (B, Hkv, S, D), Hkv may differ from Hq (grouped-query attention); or None to rotate q
             alone.
-        cos, sin: (B or 1, 1, S or 1, D) (or a head dim equal to Hq == Hkv), in q's dtype.
+        cos, sin: (B or 1, 1, S or 1, D) (or a head dim equal to Hq == Hkv), of one float dtype:
+            q's, or another (fp32 tables beside 16-bit q and k under autocast).
 
     Returns:
-        (q_embed, k_embed), new contiguous (B, H, S, D) tensors in q's dtype; k_embed is None when
-        k is None. Gradients reach q and k (the backward reads only cos and sin; dq and dk in
+        (q_embed, k_embed), new contiguous (B, H, S, D) tensors in the dtype PyTorch's `q * cos`
+        has (q's when cos is in it); k_embed is None when k is None. Gradients reach q and k (the backward reads only cos and sin; dq and dk in
         q's and k's layout when those are transposed (B, S, H, D) tensors), and cos and sin
         when they require grad.
 
@@ -482,7 +494,7 @@ def rotary_embedding(
     trifuse's.
 
     Raises:
-        TypeError for non-float tensors or mixed dtypes; ValueError for ranks, an odd head_dim,
+        TypeError for non-float tensors, k not in q's dtype or sin not in cos's; ValueError for ranks, an odd head_dim,
         k not matching q's batch, positions or head_dim, cos or sin that do not broadcast, or
         tensors on different devices.
     """

@@ -52,11 +52,11 @@ def registered(q, k, cos, sin):
 def test_key_is_a_small_tuple_of_plain_values():
     q, k, cos, sin = inputs()
     device = -1 if DEVICE == "cpu" else 0
-    assert rk._rotary_key(q, k, cos, sin) == (device, torch.float32, 16, HQ, HKV, D, True, True)
+    assert rk._rotary_key(q, k, cos, sin) == (device, torch.float32, torch.float32, 16, HQ, HKV, D, True, True)
     assert len(rk._rotary_key(q, k, cos, sin)) == len(rk.ROTARY_EMBEDDING.key_names)
     with torch.no_grad():
-        assert rk._rotary_key(q, None, cos.expand(B, 1, S, D), sin) == (
-            device, torch.float32, 16, HQ, 0, D, False, False)
+        assert rk._rotary_key(q, None, cos.expand(B, 1, S, D).double(), sin) == (
+            device, torch.float32, torch.float64, 16, HQ, 0, D, False, False)
 
 
 @pytest.mark.parametrize("case", ["traced", "empty", "integer", "3-d", "odd head_dim", "cos 3-d", "k seq",
@@ -109,7 +109,7 @@ def test_the_measured_winner_runs_bitwise(rope_dialect, timer, monkeypatch, winn
         assert torch.equal(a, e)
     rec = rope_dialect.explain(*args)
     assert rec.chosen == winner and rec.source == "measured" and set(fake.calls) == {"trifuse", "torch"}
-    assert rec.bucket == (f"dtype=float32,positions=16,q_heads={HQ},k_heads={HKV},head_dim={D},"
+    assert rec.bucket == (f"dtype=float32,cos_dtype=float32,positions=16,q_heads={HQ},k_heads={HKV},head_dim={D},"
                           "cos_batch_broadcast=True,grad=True")
     fwd_bwd(trifuse.ops.rotary_embedding, *inputs(seq=6))  # same positions bucket: replayed
     assert len(fake.calls) == 2
@@ -151,12 +151,12 @@ def test_compiled_graphs_keep_the_registered_op(rope_dialect, timer, monkeypatch
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", ["odd head_dim", "cos seq", "cos dtype", "k batch", "q 3-d"])
+@pytest.mark.parametrize("case", ["odd head_dim", "cos seq", "sin dtype", "k batch", "q 3-d"])
 def test_torch_candidate_raises_trifuse_errors(case):
     q, k, cos, sin = inputs()
     args = {"odd head_dim": (q[..., :5], None, cos[..., :5], sin[..., :5]),
             "cos seq": (q, k, cos[:, :, :-1], sin[:, :, :-1]),
-            "cos dtype": (q, k, cos.double(), sin),  # PyTorch would promote
+            "sin dtype": (q, k, cos, sin.double()),  # PyTorch would promote
             "k batch": (q, k[:1], cos, sin),  # PyTorch would broadcast k's batch
             "q 3-d": (q[0], None, cos, sin)}[case]
     with pytest.raises((TypeError, ValueError)) as want:

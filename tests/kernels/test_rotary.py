@@ -69,7 +69,7 @@ def check_fwd_bwd(q, k, cos, sin, dys=None):
         if x is None:
             assert o is None
             continue
-        assert o.dtype == x.dtype and o.shape == x.shape and o.is_contiguous()
+        assert o.dtype == olp.dtype and o.shape == x.shape and o.is_contiguous()
         assert_close(name, o, o64, olp)
     if q.numel() == 0:
         return
@@ -147,6 +147,17 @@ def test_last_dim_strided_cos_is_copied_once():
     check_fwd_bwd(q, k, cos2, sin)
 
 
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32], ids=str)
+def test_fp32_tables_with_16_bit_q_and_k(dtype):
+    """Under autocast Hugging Face computes cos and sin in fp32 beside 16-bit q and k: the outputs
+    are fp32 as PyTorch's `q * cos` makes them, the gradients of q and k in their dtype."""
+    q, k, cos, sin = make((2, 4, 2, 37, 80), dtype, "per-batch")
+    cos, sin = rope_tables(2, 37, 80, torch.float32, per_batch=True)
+    q_embed, k_embed = trifuse.ops.rotary_embedding(q, k, cos, sin)
+    assert q_embed.dtype == k_embed.dtype == torch.float32
+    check_fwd_bwd(q, k, cos, sin)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_large_values(dtype):
     scale = {torch.float32: 1e6, torch.float16: 4e3, torch.bfloat16: 1e30}[dtype]
@@ -221,9 +232,11 @@ def test_opcheck_every_op():
     torch.library.opcheck(torch.ops.trifuse.rotary_embedding.default,
                           (q, k, cos.clone().requires_grad_(), sin.clone().requires_grad_()))
     dq, dk = torch.randn_like(q), torch.randn_like(k)
-    torch.library.opcheck(torch.ops.trifuse.rotary_embedding_backward.default, (dq, dk, cos, sin, False, False))
-    torch.library.opcheck(torch.ops.trifuse.rotary_embedding_backward.default, (dq, None, cos, sin, True, False))
-    torch.library.opcheck(torch.ops.trifuse.rotary_embedding_backward.default, (dq, dk, cos, sin, False, True))
+    backward = torch.ops.trifuse.rotary_embedding_backward.default
+    torch.library.opcheck(backward, (dq, dk, cos, sin, torch.float32, False, False))
+    torch.library.opcheck(backward, (dq, None, cos, sin, torch.float32, True, False))
+    torch.library.opcheck(backward, (dq, dk, cos, sin, torch.float16, False, True))
+    torch.library.opcheck(torch.ops.trifuse.rotary_embedding.default, (q.half(), k.half(), cos, sin))
 
 
 @settings(max_examples=15, deadline=None)
@@ -280,7 +293,7 @@ def test_negative_control_forward_rotation_as_backward_fails(dtype):
     """Gradients through the forward rotation (R instead of its transpose) must not pass."""
     q, k, cos, sin = make((2, 4, 2, 16, 64), dtype)
     dq_embed, dk_embed = torch.randn_like(q), torch.randn_like(k)
-    wrong_dq, _ = rk._launch(dq_embed, dk_embed, cos, sin, backward=False)
+    wrong_dq, _ = rk._launch(dq_embed, dk_embed, cos, sin, False, dtype)
     q64 = q.detach().double().requires_grad_()
     (dq64,) = torch.autograd.grad(rotary_embedding_ref(q64, None, cos.double(), sin.double())[0], q64,
                                   dq_embed.double())
@@ -314,14 +327,14 @@ def _t(shape, dtype=torch.float32):
         ((_t(_Q), _t(_K), _t((1, 4, 5, 8)), _t((1, 4, 5, 8))), ValueError, "cos must be 4-D and broadcast"),
         ((_t(_Q), _t(_K), _t(_C), _t((1, 1, 5, 4))), ValueError, "sin must be 4-D and broadcast"),
         ((_t(_Q), _t(_K), _t(_C), _t((2, 1, 5, 8))), ValueError, r"sin must have cos's shape \(1, 1, 5, 8\)"),
-        ((_t(_Q), _t(_K), _t(_C, torch.float64), _t(_C)), TypeError, "cos has dtype torch.float64 but q has torch.float32"),
+        ((_t(_Q), _t(_K), _t(_C), _t(_C, torch.float64)), TypeError, "sin has dtype torch.float64 but cos has torch.float32"),
         ((_t(_Q), _t(_K, torch.float16), _t(_C), _t(_C)), TypeError, "k has dtype torch.float16"),
         ((_t(_Q, torch.int64), None, _t(_C), _t(_C)), TypeError, "rotary_embedding: q must be float"),
         (("q", None, _t(_C), _t(_C)), TypeError, "q must be a torch.Tensor, got str"),
         ((_t(_Q), None, [1.0], _t(_C)), TypeError, "cos must be a torch.Tensor"),
     ],
     ids=["q-3d", "odd-head-dim", "k-batch", "k-seq", "k-head-dim", "cos-seq", "cos-3d", "cos-batch", "cos-heads",
-         "sin-head-dim", "sin-not-like-cos", "cos-dtype", "k-dtype", "int-q", "q-not-tensor", "cos-list"],
+         "sin-head-dim", "sin-not-like-cos", "sin-dtype", "k-dtype", "int-q", "q-not-tensor", "cos-list"],
 )
 def test_bad_input_raises_clear_error(args, exc, match):
     args = [a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args]

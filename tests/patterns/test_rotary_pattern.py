@@ -59,7 +59,7 @@ class Rotary(nn.Module):
     """q and k projected and split into heads as Llama does, rotated, returned (or fed to SDPA)."""
 
     def __init__(self, rot=D, rotate=rotate_half, which="q_k", per_batch=False, learned=False, sdpa=False,
-                 table_2d=False):
+                 table_2d=False, half_q_k=False):
         super().__init__()
         self.q_proj, self.k_proj = nn.Linear(HQ * D, HQ * D, bias=False), nn.Linear(HQ * D, HKV * D, bias=False)
         self.v_proj = nn.Linear(HQ * D, HKV * D, bias=False)
@@ -70,6 +70,7 @@ class Rotary(nn.Module):
             self.register_buffer("cos", cos)
             self.register_buffer("sin", sin)
         self.rot, self.rotate, self.which, self.sdpa, self.table_2d = rot, rotate, which, sdpa, table_2d
+        self.half_q_k = half_q_k
 
     def embed(self, x, cos, sin):
         return (x * cos) + (self.rotate(x) * sin)
@@ -77,6 +78,8 @@ class Rotary(nn.Module):
     def forward(self, x):
         q = self.q_proj(x).view(B, S, -1, D).transpose(1, 2)
         k = self.k_proj(x).view(B, S, -1, D).transpose(1, 2)
+        if self.half_q_k:  # 16-bit q and k beside fp32 tables, as under autocast
+            q, k = q.half(), k.half()
         if self.table_2d:  # (S, D) tables broadcast by PyTorch, no unsqueeze
             cos, sin = self.cos[0], self.sin[0]
         else:
@@ -117,6 +120,16 @@ class HFRotary(Rotary):
 def test_spelling_fuses_and_matches(make, pattern, capture):
     """Outputs and every gradient (learned cos and sin included) equal the unfused module's."""
     assert check_against_unfused(make, X, capture).by_pattern() == {pattern: 1}
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_fp16_q_and_k_with_fp32_tables_fuse(capture):
+    """Autocast's mix: the op returns fp32 as `q * cos` does (no cast added). Outputs only: the
+    module's own `.half()` rounds the float64 oracle's gradients as much as the model's, so they
+    are no oracle here; tests/kernels/test_rotary.py checks these gradients against float64."""
+    report = check_against_unfused(lambda: Rotary(half_q_k=True), X, capture, grads=False)
+    assert report.by_pattern() == {"rotary_q_k": 1}
+    assert not any("cast back" in note for note in str(report).splitlines() if "rotary" in note)
 
 
 @pytest.mark.parametrize("capture", CAPTURES)
