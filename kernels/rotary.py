@@ -14,7 +14,7 @@ backward is the transpose of that linear map:
                                                  dx[:h] = dy[:h] cos[:h] + dy[h:] sin[h:]
                                                  dx[h:] = dy[h:] cos[h:] - dy[:h] sin[:h]
 
-It needs cos and sin, not x: the op saves nothing else (eager PyTorch keeps q and k too). Should
+It needs cos and sin, not x: the op saves nothing else. Should
 cos or sin require grad, their gradients are computed in PyTorch from the saved q and k (then
 saved too): dcos = sum(dq * q + dk * k), dsin = sum(dq * rotate_half(q) + dk * rotate_half(k)),
 each summed over what cos and sin broadcast across.
@@ -27,15 +27,15 @@ slice `q[..., :rot]` of a partial-rotary model) and are read in place; cos and s
 broadcast by stride 0. Outputs are new, contiguous (B, H, S, D) tensors (the layout SDPA and
 trifuse's attention read without a copy). dq and dk take the layout of q and k when those are
 transposed (B, S, H, D) tensors, the usual projection view: autograd then hands the projection a
-contiguous gradient through the transpose and the view, where a (B, H, S, D) one would be copied
-(as eager PyTorch's is); otherwise they are contiguous (B, H, S, D).
+contiguous gradient through the transpose and the view, where the view's backward would copy a
+(B, H, S, D) one; otherwise they are contiguous (B, H, S, D).
 Dtypes: q and k of one float dtype, cos and sin of one (possibly another: fp32 tables beside
 16-bit q and k under autocast, as Hugging Face computes them there); outputs in the promoted
 dtype, as PyTorch's `q * cos` gives (q's when the tables are in it); dq and dk in q's dtype.
 
 Kernel: one launch each way for q and k together. A 1-D grid enumerates (batch, block of
 positions, head) with the head fastest, so the programs that read one tile of cos and sin run
-next to each other and all but the first find it in L2. A program rotates a BLOCK_S x D tile of
+next to each other (the later ones should find it in L2; not yet measured). A program rotates a BLOCK_S x D tile of
 one head as its two halves (BLOCK_S x BLOCK_HALF each, BLOCK_HALF the power of two >= D / 2,
 masked): D = 80 or 96 pads to 64-wide halves. int64 offsets (tensors past 2^31 elements).
 """

@@ -192,7 +192,7 @@ def test_gradcheck_float64():
 
 
 def test_backward_saves_only_cos_and_sin():
-    """The rotation's backward needs cos and sin, not q and k (eager PyTorch keeps those too)."""
+    """The rotation's backward needs cos and sin, not q and k: nothing else is saved."""
     q, k, cos, sin = make((1, 2, 2, 4, 8), torch.float32)
     q_embed, _ = trifuse.ops.rotary_embedding(q, k, cos, sin)
     saved = q_embed.grad_fn.saved_tensors
