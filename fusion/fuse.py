@@ -59,7 +59,7 @@ def fuse(model: torch.nn.Module, *, ops: Iterable[str] | None = None, skip_logit
             are kept; train()/eval(), autocast, devices and new batch or sequence lengths keep
             working. Modules that cannot be captured run exactly as before.
         ops: the families to fuse (`trifuse.fusion.FAMILIES`: "attention", "layer_norm",
-            "rms_norm", "bias_gelu", "dropout_add", "residual_stream", "cross_entropy");
+            "rms_norm", "bias_gelu", "dropout_add", "residual_stream", "cross_entropy", "rotary");
             None for all. "residual_stream" brings the norm families with it.
         skip_logits: in training calls (`model.training` and grad enabled) whose forward computes
             the loss from an LM head, return the logits as None so that the head and the loss fuse
