@@ -140,6 +140,13 @@ def test_gradients_take_the_layout_of_projection_views(path, monkeypatch):
     check_fwd_bwd(q, k, cos, sin)
 
 
+def test_per_head_tables():
+    """cos and sin with a head dim (Hq == Hkv): one table per head."""
+    q, k, _, _ = make((2, 3, 3, 5, 8), torch.float32)
+    angles = torch.randn(2, 3, 5, 4, device=DEVICE, dtype=torch.float64).repeat(1, 1, 1, 2)
+    check_fwd_bwd(q, k, angles.cos().float(), angles.sin().float())
+
+
 def test_last_dim_strided_cos_is_copied_once():
     q, k, cos, sin = make((1, 2, 2, 5, 8), torch.float32)
     cos2 = torch.stack((cos, cos), dim=-1).flatten(-2)[..., ::2]  # stride 2 along D
@@ -214,15 +221,21 @@ def test_eager_path_and_registered_op_are_bitwise_equal(with_k):
         assert torch.equal(a, a_)
 
 
-def test_compiles_fullgraph_without_graph_breaks():
-    q, k, cos, sin = make((2, 4, 2, 9, 16), torch.float32)
-    fn = torch.compile(lambda *a: trifuse.ops.rotary_embedding(*a), fullgraph=True, backend="aot_eager")
-    out, ref = fn(q, k, cos, sin), trifuse.ops.rotary_embedding(q, k, cos, sin)
-    for a, a_ in zip(out, ref):
-        assert torch.equal(a, a_)
-    dys = [torch.randn_like(o) for o in out]
-    for a, a_ in zip(torch.autograd.grad(out, (q, k), dys), torch.autograd.grad(ref, (q, k), dys)):
-        assert torch.equal(a, a_)
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_compiles_fullgraph_without_graph_breaks(dynamic):
+    fn = torch.compile(lambda *a: trifuse.ops.rotary_embedding(*a), fullgraph=True, backend="aot_eager",
+                       dynamic=dynamic)
+    for s in (9, 13):  # a second length: recompiled (static) or reused (dynamic), same bits
+        q = torch.randn(2, s, 4, 16, device=DEVICE).transpose(1, 2).requires_grad_()
+        _, k, cos, sin = make((2, 4, 2, s, 16), torch.float32)
+        out, ref = fn(q, k, cos, sin), trifuse.ops.rotary_embedding(q, k, cos, sin)
+        for a, a_ in zip(out, ref):
+            assert torch.equal(a, a_)
+        dys = [torch.randn_like(o) for o in out]
+        grads = torch.autograd.grad(out, (q, k), dys)
+        for a, a_ in zip(grads, torch.autograd.grad(ref, (q, k), dys)):
+            assert torch.equal(a, a_)
+        assert grads[0].stride() == q.stride()
 
 
 def test_opcheck_every_op():
