@@ -12,10 +12,11 @@ apply the same formula to slices `q[..., :rot]` and `cat` the rest back: the for
 slices is what matches, the slices are read in place and the `cat` stays.
 
 Filters: rotate_half splits the last dim exactly in half (the same half in both slices, the cat
-along the last dim); cos and sin are 4-D and broadcast to q and k (batch or 1, 1, positions,
-head_dim) in their dtype (the op checks that when the replacement is tried). Not matched: the
-interleaved convention (Cohere's, GPT-J's `rotate_every_two`: a stack + flatten, another
-function).
+along the last dim); cos and sin are 4-D. That they broadcast to q and k (batch or 1, 1,
+positions, head_dim), q and k share a dtype and cos and sin share one (fp32 tables beside 16-bit
+q and k, as under autocast, are fine) the op checks when the replacement is tried. cos and sin
+may require grad (learned tables): the op gives their gradients. Not matched: the interleaved
+convention (Cohere's, GPT-J's `rotate_every_two`: a stack + flatten, another function).
 """
 import torch
 
