@@ -5,12 +5,13 @@
 #   here, once (.whl/ is git-ignored):
 #                python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #                  --implementation cp --platform manylinux2014_x86_64 -d .whl liger-kernel==0.8.5
-#   device call 1 (carry .whl):  bash bench/gpu_session.sh tests host        (~8.5 min)
-#   device call 2 (carry .whl):  bash bench/gpu_session.sh kernels           (~9.5 min)
-#   device call 3 (carry .whl):  bash bench/gpu_session.sh e2e tune          (~9.5 min)
+#   device call 1 (carry .whl):  bash bench/gpu_session.sh tests host             (~8.5 min)
+#   device call 2 (carry .whl):  bash bench/gpu_session.sh kernels                (~9 min)
+#   device call 3 (carry .whl):  bash bench/gpu_session.sh attention dialects     (~9.5 min)
 #   (each stage has its own time limit below, so a call ends inside 10 minutes; with the machine's
-#   start that is the whole 30 minutes: a later session runs `dialects`, ~4 min, the winners of
-#   every op dialect, `e2e-ckpt` (~5 min, gradient checkpointing on), and whatever stage ran short)
+#   start that is the whole 30 minutes. The next session: `e2e` (~5 min: GPT-2 medium, eager,
+#   fuse, fuse(skip_logits)), `tune` (~4 min, the shipped H100 defaults), `e2e-ckpt` (~5 min,
+#   gradient checkpointing on), `e2e-bert` (~5 min, BERT-large), and whatever stage ran short)
 #
 # Everything a stage writes (logs, bench/results/*, the exported tuning defaults) comes back as
 # ONE file, $OUT/session.tgz (the device returns at most 8 files per call). Unpack it here with
@@ -59,22 +60,26 @@ for what in "$@"; do
             stage tests-bf16 150 python3 -m pytest -q -p no:cacheprovider tests/kernels -k "bf16 or bfloat16" ;;
         host)  # wall µs per call at tiny sizes, trifuse against PyTorch, and a cProfile of one case
             stage profile-host 120 python3 bench/profile_host.py ;;
-        kernels)
-            # 7 x 80 s: the call stays inside 10 minutes
-            for op in layer_norm residual_stream bias_gelu gated_activation dropout_add cross_entropy attention; do
-                stage "bench-$op" 80 python3 "bench/bench_$op.py"
+        kernels)  # the memory-bound ops, 6 x 90 s
+            for op in layer_norm residual_stream bias_gelu gated_activation dropout_add rotary; do
+                stage "bench-$op" 90 python3 "bench/bench_$op.py"
             done ;;
+        attention)  # attention (SDPA's backends, Gemma 2's soft cap against FlexAttention) and the LM head
+            stage bench-attention 240 python3 bench/bench_attention.py
+            stage bench-cross_entropy 120 python3 bench/bench_cross_entropy.py ;;
         dialects)  # which implementation wins per op and shape, against each candidate alone
-            stage bench-dialects 240 python3 bench/bench_dialects.py ;;
+            stage bench-dialects 200 python3 bench/bench_dialects.py ;;
         e2e)  # GPT-2 medium training steps: eager, trifuse.fuse, trifuse.fuse(skip_logits)
             stage bench-e2e 300 python3 bench/bench_e2e.py --steps 8 --models gpt2-medium ;;
         e2e-ckpt)  # the same with transformers' gradient checkpointing on
             stage bench-e2e-ckpt 300 python3 bench/bench_e2e.py --steps 6 --models gpt2-medium --grad-ckpt \
                 --suffix grad-ckpt ;;
+        e2e-bert)  # BERT-large (B16 S512) training steps: eager against trifuse.fuse
+            stage bench-e2e-bert 300 python3 bench/bench_e2e.py --steps 8 --models bert-large --suffix bert ;;
         tune)  # this GPU's winners, shipped as defaults for every H100 user
             stage tune 240 python3 -m trifuse.autotune gpt2-medium --batch 8 --seq 1024 \
                 --export-defaults autotune/defaults/h100.json ;;
-        *) echo "unknown stage $what (tests host kernels dialects e2e e2e-ckpt tune)" ;;
+        *) echo "unknown stage $what (tests host kernels attention dialects e2e e2e-ckpt e2e-bert tune)" ;;
     esac
 done
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 import trifuse
 from trifuse.kernels import layer_norm as ln
+from trifuse.kernels.rotary import rotary_embedding_ref
 
 DEV, DT = "cuda", torch.bfloat16
 
@@ -65,6 +66,7 @@ def cases() -> dict:
     q, k, v = leaf(1, 2, 16, 64), leaf(1, 2, 16, 64), leaf(1, 2, 16, 64)
     logits, target = leaf(8, 512), torch.randint(0, 512, (8,), device=DEV)
     hid, head = leaf(8, 64), leaf(512, 64)
+    cos, sin = torch.randn(1, 1, 16, 64, device=DEV, dtype=DT), torch.randn(1, 1, 16, 64, device=DEV, dtype=DT)
     xd, wd, bd = x.detach(), w.detach(), b.detach()
     y, _, mean, rstd = ln.layer_norm_fwd(xd, 1024, wd, bd, 1e-5)
     dy = torch.randn_like(xd)
@@ -87,6 +89,8 @@ def cases() -> dict:
         "r + F.dropout(x + b)": (lambda: r + F.dropout(x + b, 0.1), (x, r, b)),
         "attention": (lambda: trifuse.ops.attention(q, k, v, is_causal=True), (q, k, v)),
         "F.scaled_dot_product_attention": (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v)),
+        "rotary_embedding": (lambda: trifuse.ops.rotary_embedding(q, k, cos, sin), (q, k)),
+        "HF apply_rotary_pos_emb": (lambda: rotary_embedding_ref(q, k, cos, sin), (q, k)),
         "cross_entropy": (lambda: trifuse.ops.cross_entropy(logits, target), (logits,)),
         "F.cross_entropy(float)": (lambda: F.cross_entropy(logits.float(), target), (logits,)),
         "linear_cross_entropy": (lambda: trifuse.ops.linear_cross_entropy(hid, head, target), (hid, head)),

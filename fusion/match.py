@@ -1,9 +1,11 @@
 """Finding a pattern's search function in a canonical graph, by dataflow.
 
 A pattern's `search` is traced once into a small graph and canonicalized like the model's graph.
-Its one sink (the output every other output feeds) is the anchor: each graph node with the
+Its first sink (an output no other output feeds) is the anchor: each graph node with the
 anchor's target is a candidate, and the pattern is matched backwards from it through arguments,
-so the order in which the model wrote independent statements never matters. Additions and
+so the order in which the model wrote independent statements never matters. A search with
+several sinks (rotary embedding of q and of k with one cos and sin) matches each further sink at
+a graph node of its target, in graph order, sharing the bindings made so far. Additions and
 multiplications match either way round. A placeholder matches any value (a node, or a constant
 such as eps), the same value wherever it recurs; one annotated `torch.Tensor` only a node. Float
 constants compare within 1e-6 relative: models write sqrt(2/pi) to different numbers of digits.
@@ -76,6 +78,7 @@ class CompiledPattern:
     params: dict[str, fx.Node]  # parameter name -> placeholder
     outputs: tuple[fx.Node, ...]
     anchor: fx.Node
+    others: tuple[fx.Node, ...] = ()  # further sinks, matched after the anchor
 
     def is_candidate(self, node: fx.Node) -> bool:
         return node.op == self.anchor.op and node.target == self.anchor.target
@@ -90,9 +93,7 @@ def compile_pattern(pattern: Pattern) -> CompiledPattern:
     if not all(isinstance(o, fx.Node) and o.op != "placeholder" for o in outputs):
         raise ValueError(f"pattern {pattern.name}: every output must be computed, got {outputs}")
     sinks = [o for o in outputs if not any(o is not p and o in _ancestors(p) for p in outputs)]
-    if len(sinks) != 1:
-        raise ValueError(f"pattern {pattern.name}: needs one output that the others feed, got {sinks}")
-    return CompiledPattern(pattern, graph, params, outputs, sinks[0])
+    return CompiledPattern(pattern, graph, params, outputs, sinks[0], tuple(sinks[1:]))
 
 
 def _ancestors(node: fx.Node) -> set[fx.Node]:
@@ -146,7 +147,18 @@ def matches(cp: CompiledPattern, node: fx.Node) -> Iterator[Match]:
     if not cp.is_candidate(node):
         return
     for env in _match_node(cp, cp.anchor, node, {}):
-        yield Match(cp, env)
+        for env1 in _match_sinks(cp, list(cp.others), node.graph, env):
+            yield Match(cp, env1)
+
+
+def _match_sinks(cp: CompiledPattern, sinks: list[fx.Node], graph: fx.Graph, env: "Env") -> Iterator["Env"]:
+    if not sinks:
+        yield env
+        return
+    for g in graph.nodes:
+        if g.op == sinks[0].op and g.target == sinks[0].target:
+            for env1 in _match_node(cp, sinks[0], g, env):
+                yield from _match_sinks(cp, sinks[1:], graph, env1)
 
 
 Env = dict[fx.Node, Any]
@@ -273,11 +285,16 @@ def _match_arg(cp: CompiledPattern, pa: Any, ga: Any, env: Env) -> Iterator[Env]
     elif isinstance(pa, (list, tuple)):
         if isinstance(ga, (list, tuple)) and len(ga) == len(pa):
             yield from _match_seq(cp, list(zip(pa, ga)), env)
+    elif isinstance(pa, slice):  # x[..., :half]: the bounds may be placeholders
+        if isinstance(ga, slice):
+            yield from _match_seq(cp, [(pa.start, ga.start), (pa.stop, ga.stop), (pa.step, ga.step)], env)
     elif not isinstance(ga, fx.Node) and literal_equal(pa, ga):
         yield env
 
 
 def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, fx.Node) and isinstance(b, fx.Node) and a.op == b.op == "get_attr":
+        return a.target == b.target  # fx reads an attribute once per use: one value, several nodes
     if isinstance(a, fx.Node) or isinstance(b, fx.Node):
         return a is b
     return literal_equal(a, b)

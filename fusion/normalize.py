@@ -13,7 +13,8 @@ rewrites, in place:
   capture.py), never otherwise. A module with hooks stays a module call (its hooks must run).
 - functions and methods with one meaning into one target: `x.tanh()`/`torch.tanh(x)` ->
   `torch.tanh(x)`, `torch.add(a, b)`/`a.add(b)` -> `a + b`, `x ** 2` -> `torch.pow(x, 2)`,
-  `F.softmax` -> `torch.softmax`, `torch.layer_norm` -> `F.layer_norm`, `x.float()` ->
+  `F.softmax` -> `torch.softmax`, `torch.layer_norm` -> `F.layer_norm`, `torch.concat` ->
+  `torch.cat(tensors, dim)`, `x.float()` ->
   `x.to(torch.float32)`, `a @ b` -> `torch.matmul(a, b)`, ...
 - arguments into one layout: positional parameters positional, keyword-only ones as keywords,
   every default spelled out (`F.gelu(x)` -> `F.gelu(x, approximate='none')`);
@@ -53,6 +54,7 @@ def _sig_torch_dropout(input, p, train): ...
 def _sig_add(input, other, *, alpha=1): ...
 def _sig_div(input, other, *, rounding_mode=None): ...
 def _sig_repeat_interleave(input, repeats, dim=None, *, output_size=None): ...
+def _sig_cat(tensors, dim=0): ...
 def _sig_cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
                        reduction="mean", label_smoothing=0.0): ...
 
@@ -84,6 +86,8 @@ _FUNCTIONS: dict[Any, tuple[Callable[..., Any], Callable[..., Any] | None]] = {
     torch.div: (operator.truediv, _sig_div),
     torch.repeat_interleave: (torch.repeat_interleave, _sig_repeat_interleave),
     F.cross_entropy: (F.cross_entropy, _sig_cross_entropy),
+    torch.cat: (torch.cat, _sig_cat),
+    torch.concat: (torch.cat, _sig_cat),
     **{getattr(torch, name): (getattr(torch, name), _sig_unary) for name in _UNARY},
 }
 if hasattr(F, "rms_norm"):

@@ -36,7 +36,7 @@ from .match import Match, compile_pattern, matches, resolve_from_local, trace_fu
 from .normalize import canonicalize_node
 
 FAMILIES = ("attention", "layer_norm", "rms_norm", "bias_gelu", "gated_activation", "dropout_add",
-            "residual_stream", "cross_entropy")
+            "residual_stream", "cross_entropy", "rotary")
 # Families whose patterns build on another family's output (the residual stream starts from a
 # fused norm), so selecting them selects those too.
 DEPENDS = {"residual_stream": ("layer_norm", "rms_norm")}

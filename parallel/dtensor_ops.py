@@ -20,6 +20,10 @@ the same in torch 2.11 to 2.13) tells it. Per mesh dim, the strategies offered a
     gated_activation (elementwise; gate, up, y, dy, dgate, dup alike)
         every tensor            Shard(d), d any dim                                Replicate
 
+`trifuse::rotary_embedding` has no strategy: like attention it runs inside the attention core,
+on the local head shards the column-parallel q/k projections hand it (tests/parallel: Llama fuses
+its rotary embeddings under TP and TP+SP, in either order with fuse).
+
 Empty tensors (the mean an RMSNorm does not have, a dresidual or dbias not asked for) are
 Replicate. The dropout seed an op returns is Replicate: it is drawn on every rank from that
 rank's generator, which `random.py` makes differ across ranks wherever the activations do

@@ -5,11 +5,21 @@ stream is tried before a lone dropout + add, so an add feeding a norm becomes th
 a GeLU times another tensor becomes gated_activation in stage 0, before bias_gelu's stage 1 could
 take the GeLU alone.
 """
-from . import attention, bias_gelu, cross_entropy, dropout_add, gated_activation, layer_norm, residual_stream
+from . import (
+    attention,
+    bias_gelu,
+    cross_entropy,
+    dropout_add,
+    gated_activation,
+    layer_norm,
+    residual_stream,
+    rotary,
+)
 from ._base import Pattern
 
 PATTERNS: tuple[Pattern, ...] = (
     *layer_norm.PATTERNS,
+    *rotary.PATTERNS,
     *attention.PATTERNS,
     *gated_activation.PATTERNS,
     *bias_gelu.PATTERNS,

@@ -18,6 +18,8 @@ PRE_NORM = {"layer_norm": L + 1, "attention": L, "bias_gelu": L, "residual_strea
 LOSS = {"cross_entropy": 1}
 # Gated MLPs (Llama, Gemma, OLMo, Phi-3, Qwen2): act(gate_proj(x)) * up_proj(x), once per block.
 GATED = {"gated_activation": L}
+# q and k of every block rotated together (partial-rotary Phi and GPT-NeoX: on their slices)
+ROTARY = {"rotary": L}
 # nanoGPT calls its blocks from the forward that computes the loss: the head capture (installed
 # when the cross-entropy ops exist) traces the whole model, and the residual stream fuses across
 # blocks (each ln_1 and ln_f take the add before them). Without it, its blocks fuse one by one.
@@ -44,7 +46,7 @@ MODELS = {
     "gpt2-eager": (lambda: _models.gpt2(attn_implementation="eager"), {**PRE_NORM, **LOSS}),
     "bert-eager": (lambda: _models.bert(attn_implementation="eager"), BERT),
     "vit": (_models.vit, {**PRE_NORM, **LOSS}),
-    "llama": (_models.llama, {"rms_norm": L + 1, "attention": L, "residual_stream": L, **GATED, **LOSS}),
+    "llama": (_models.llama, {"rms_norm": L + 1, "attention": L, "residual_stream": L, **GATED, **ROTARY, **LOSS}),
     "encoder-post-norm": (lambda: _models.transformer_encoder(False),
                           {"attention": L, "bias_gelu": L, "residual_stream": 2 * L}),
     "encoder-pre-norm": (lambda: _models.transformer_encoder(True),
@@ -55,19 +57,24 @@ MODELS = {
     # Parallel blocks (Falcon, Phi, GPT-NeoX) have no add feeding a norm inside a block: their
     # residual adds fuse as dropout_add. T5's self-attention adds a learned position bias as
     # attn_mask, which needs its gradient (the attention op gives it).
-    "gemma": (_family("gemma"), {"rms_norm": L + 1, "attention": L, "residual_stream": L, **GATED, **LOSS}),
+    "gemma": (_family("gemma"), {"rms_norm": L + 1, "attention": L, "residual_stream": L, **GATED, **ROTARY,
+                                 **LOSS}),
     # Gemma 2's eager attention with its logit soft cap; four norms a block, two of them after a sublayer
-    "gemma2": (_family("gemma2"), {"rms_norm": 3 * L + 1, "attention": L, "residual_stream": L, **GATED, **LOSS}),
-    "falcon": (_family("falcon"), {"layer_norm": L + 1, "attention": L, "dropout_add": L, **LOSS}),
-    "olmo": (_family("olmo"), {"layer_norm": L + 1, "attention": L, "residual_stream": L, **GATED, **LOSS}),
-    "phi": (_family("phi"), {"layer_norm": L + 1, "attention": L, "bias_gelu": L, "dropout_add": L, **LOSS}),
+    "gemma2": (_family("gemma2"), {"rms_norm": 3 * L + 1, "attention": L, "residual_stream": L, **GATED, **ROTARY,
+                                   **LOSS}),
+    "falcon": (_family("falcon"), {"layer_norm": L + 1, "attention": L, "dropout_add": L, **ROTARY, **LOSS}),
+    "olmo": (_family("olmo"), {"layer_norm": L + 1, "attention": L, "residual_stream": L, **GATED, **ROTARY,
+                               **LOSS}),
+    "phi": (_family("phi"), {"layer_norm": L + 1, "attention": L, "bias_gelu": L, "dropout_add": L, **ROTARY,
+                             **LOSS}),
     # Phi-3: `gate, up = gate_up_proj(x).chunk(2, dim=-1)`, the halves read in place; its residual
     # dropouts (p = 0 here) before the add fuse as dropout_add, the add into the next norm
     "phi3": (_family("phi3"), {"rms_norm": L + 1, "attention": L, "residual_stream": L, "dropout_add": L, **GATED,
-                               **LOSS}),
-    "qwen2": (_family("qwen2"), {"rms_norm": L + 1, "attention": L, "residual_stream": L, **GATED, **LOSS}),
+                               **ROTARY, **LOSS}),
+    "qwen2": (_family("qwen2"), {"rms_norm": L + 1, "attention": L, "residual_stream": L, **GATED, **ROTARY,
+                                 **LOSS}),
     "gpt_neox": (_family("gpt_neox"),
-                 {"layer_norm": 2 * L + 1, "attention": L, "bias_gelu": L, "dropout_add": L, **LOSS}),
+                 {"layer_norm": 2 * L + 1, "attention": L, "bias_gelu": L, "dropout_add": L, **ROTARY, **LOSS}),
     # OPT flattens the sum to rows before the MLP's norm (a reshape that commutes with the norm)
     "opt": (_family("opt"), {"layer_norm": L + 1, "attention": L, "residual_stream": L, "dropout_add": L, **LOSS}),
     # encoder-decoder: L encoder and L decoder blocks; each stack's last add feeds its final norm
@@ -82,7 +89,8 @@ OPS = {"layer_norm": ("trifuse::layer_norm",), "rms_norm": ("trifuse::rms_norm",
        "gated_activation": ("trifuse::gated_activation",),
        "dropout_add": ("trifuse::dropout_add",),
        "residual_stream": ("trifuse::dropout_add_layer_norm", "trifuse::dropout_add_rms_norm"),
-       "cross_entropy": ("trifuse::cross_entropy", "trifuse::linear_cross_entropy")}
+       "cross_entropy": ("trifuse::cross_entropy", "trifuse::linear_cross_entropy"),
+       "rotary": ("trifuse::rotary_embedding",)}
 
 
 def _double_inputs(kw):

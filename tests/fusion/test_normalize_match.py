@@ -126,13 +126,33 @@ def test_rewrite_of_a_traced_graph_module():
 
 
 def test_a_bad_pattern_is_refused():
-    def two_sinks(x):
-        return x.sin(), x.cos()
+    def returns_its_input(x):
+        return x.sin(), x
 
-    bad = Pattern("two_sinks", "layer_norm", two_sinks, two_sinks, ())
+    bad = Pattern("returns_its_input", "layer_norm", returns_its_input, returns_its_input, ())
     try:
         compile_pattern(bad)
     except ValueError as e:
-        assert "one output" in str(e)
+        assert "every output must be computed" in str(e)
     else:
-        raise AssertionError("a pattern with two unrelated outputs must be refused")
+        raise AssertionError("a pattern returning one of its inputs must be refused")
+
+
+def _two_sinks(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, half):
+    return a[..., :half] * c, b[..., :half] * c
+
+
+def test_a_pattern_with_two_sinks_matches_both_with_shared_bindings():
+    """Outputs that do not feed each other (rotary q and k) are matched together: the second at a
+    node of its target anywhere in the graph, with the bindings of the first (one c, one half);
+    slice bounds bind like any placeholder."""
+
+    def model(x, y, z, w):
+        return x[..., :2] * z, y[..., :2] * z, x[..., :3] * w
+
+    gm = canonicalize(fx.symbolic_trace(model))
+    cp = compile_pattern(Pattern("two_sinks", "layer_norm", _two_sinks, _two_sinks, ()))
+    found = [m for n in gm.graph.nodes for m in matches(cp, n)]
+    assert {(m["a"].name, m["b"].name, m["c"].name, m["half"]) for m in found} == {
+        ("x", "y", "z", 2), ("y", "x", "z", 2)}
+    assert all(len(m.outputs) == 2 and len(set(m.nodes)) == 4 for m in found)

@@ -121,6 +121,8 @@ def test_fused_and_sharded_match_single_process(world, kind, order, sp):
             assert counts.get("rms_norm", 0) + counts.get("residual_stream", 0) == 5, counts
             # the gated MLP's act(gate) * up, on the column-parallel projections' local outputs
             assert counts.get("gated_activation") == 2, counts
+            # q and k rotated on each rank's heads (local shards of the column-parallel projections)
+            assert counts.get("rotary") == 2, counts
 
 
 @pytest.mark.parametrize("kind", ["nanogpt", "llama"])

@@ -1,0 +1,501 @@
+"""Rotary position embedding (RoPE), rotate-half convention (GPT-NeoX, Llama and the models after
+them), applied to the queries and the keys of an attention block in one pass each way.
+
+Maths, per vector x of head_dim D (D even, h = D / 2), in fp32 (fp64 for fp64 inputs):
+
+    rotate_half(x) = cat(-x[h:], x[:h])
+    y = x * cos + rotate_half(x) * sin           y[:h] = x[:h] cos[:h] - x[h:] sin[:h]
+                                                 y[h:] = x[h:] cos[h:] + x[:h] sin[h:]
+
+exactly Hugging Face's `apply_rotary_pos_emb` for q and for k with the same cos and sin. The
+backward is the transpose of that linear map:
+
+    dx = dy * cos + rotate_half^T(dy * sin),  rotate_half^T(z) = cat(z[h:], -z[:h])
+                                                 dx[:h] = dy[:h] cos[:h] + dy[h:] sin[h:]
+                                                 dx[h:] = dy[h:] cos[h:] - dy[:h] sin[:h]
+
+It needs cos and sin, not x: the op saves nothing else. Should
+cos or sin require grad, their gradients are computed in PyTorch from the saved q and k (then
+saved too): dcos = sum(dq * q + dk * k), dsin = sum(dq * rotate_half(q) + dk * rotate_half(k)),
+each summed over what cos and sin broadcast across.
+
+Shapes: q (B, Hq, S, D), k (B, Hkv, S, D) or None (grouped-query attention: Hq != Hkv); cos and
+sin (B or 1, 1, S or 1, D), what `cos.unsqueeze(1)` gives Hugging Face's (B, S, D) embeddings
+(per-batch positions) or (1, S, D) ones; a head dim of Hq == Hkv is taken too. q and k may have
+any strides with a unit stride along D (the usual `proj(x).view(B, S, H, D).transpose(1, 2)`, a
+slice `q[..., :rot]` of a partial-rotary model) and are read in place; cos and sin likewise, and
+broadcast by stride 0. Outputs are new, contiguous (B, H, S, D) tensors (the layout SDPA and
+trifuse's attention read without a copy). dq and dk take the layout of q and k when those are
+transposed (B, S, H, D) tensors, the usual projection view: autograd then hands the projection a
+contiguous gradient through the transpose and the view, where the view's backward would copy a
+(B, H, S, D) one; otherwise they are contiguous (B, H, S, D).
+Dtypes: q and k of one float dtype, cos and sin of one (possibly another: fp32 tables beside
+16-bit q and k under autocast, as Hugging Face computes them there); outputs in the promoted
+dtype, as PyTorch's `q * cos` gives (q's when the tables are in it); dq and dk in q's dtype.
+
+Kernel: one launch each way for q and k together. A 1-D grid enumerates (batch, block of
+positions, head) with the head fastest, so the programs that read one tile of cos and sin run
+next to each other (the later ones should find it in L2; not yet measured). A program rotates a BLOCK_S x D tile of
+one head as its two halves (BLOCK_S x BLOCK_HALF each, BLOCK_HALF the power of two >= D / 2,
+masked): D = 80 or 96 pads to 64-wide halves. int64 offsets (tensors past 2^31 elements).
+"""
+import torch
+import triton
+import triton.language as tl
+
+from ..autotune import dialects, pow2_bucket
+from ._common import (
+    acc_dtype,
+    check_float,
+    check_same_device,
+    check_same_dtype,
+    check_tensor,
+    eager_fast_path,
+    next_power_of_2,
+    profiled,
+    use_triton,
+)
+from ._launch import CachedKernel, store_plan
+from ._tiles import cdiv
+
+# =============================================================================================
+# Reference: the spec. Tests run it in float64 as the oracle and in the input dtype to measure
+# PyTorch's own error.
+# =============================================================================================
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """cat(-x[..., D/2:], x[..., :D/2]), as Hugging Face writes it."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotary_embedding_ref(
+    q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(q * cos + rotate_half(q) * sin, the same for k) in plain PyTorch; k None gives None."""
+    q_embed = q * cos + rotate_half(q) * sin
+    k_embed = None if k is None else k * cos + rotate_half(k) * sin
+    return q_embed, k_embed
+
+
+# =============================================================================================
+# Kernels
+# =============================================================================================
+
+
+@triton.jit
+def _rotate_tile(
+    X,  # in (B, H, S, D) any strides, unit stride along D
+    Y,  # out (B, H, S, D)
+    COS,  # in broadcast to (B, H, S, D) by stride 0
+    SIN,  # in likewise
+    b, h, offs_s, offs_d, mask, HALF,
+    stride_xb, stride_xh, stride_xs, stride_yb, stride_yh, stride_ys,
+    stride_cb, stride_ch, stride_cs, stride_sb, stride_sh, stride_ss,
+    BACKWARD: tl.constexpr, ACC: tl.constexpr,
+):
+    rows = offs_s[:, None]
+    cols = offs_d[None, :]
+    x_ptr = X + b * stride_xb + h * stride_xh + rows * stride_xs + cols
+    c_ptr = COS + b * stride_cb + h * stride_ch + rows * stride_cs + cols
+    s_ptr = SIN + b * stride_sb + h * stride_sh + rows * stride_ss + cols
+    x1 = tl.load(x_ptr, mask=mask, other=0.0).to(ACC)
+    x2 = tl.load(x_ptr + HALF, mask=mask, other=0.0).to(ACC)
+    c1 = tl.load(c_ptr, mask=mask, other=0.0).to(ACC)
+    c2 = tl.load(c_ptr + HALF, mask=mask, other=0.0).to(ACC)
+    s1 = tl.load(s_ptr, mask=mask, other=0.0).to(ACC)
+    s2 = tl.load(s_ptr + HALF, mask=mask, other=0.0).to(ACC)
+    if BACKWARD:  # the transpose rotation
+        y1 = x1 * c1 + x2 * s2
+        y2 = x2 * c2 - x1 * s1
+    else:
+        y1 = x1 * c1 - x2 * s1
+        y2 = x2 * c2 + x1 * s2
+    y_ptr = Y + b * stride_yb + h * stride_yh + rows * stride_ys + cols
+    tl.store(y_ptr, y1.to(Y.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + HALF, y2.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_embedding_kernel(
+    Q,  # in (B, HQ, S, D): q forward, dq_embed backward
+    K,  # in (B, HKV, S, D): k / dk_embed; unused when HKV == 0
+    COS,  # in (B or 1, 1 or H, S or 1, D)
+    SIN,  # in like COS
+    QO,  # out (B, HQ, S, D)
+    KO,  # out (B, HKV, S, D); unused when HKV == 0
+    HQ, HKV, S, HALF, s_blocks,
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
+    stride_qob, stride_qoh, stride_qos, stride_kob, stride_koh, stride_kos,
+    stride_cb, stride_ch, stride_cs, stride_sb, stride_sh, stride_ss,
+    BLOCK_S: tl.constexpr, BLOCK_HALF: tl.constexpr, BACKWARD: tl.constexpr, ACC: tl.constexpr,
+):
+    # Heads fastest: neighbouring programs share the tile of cos and sin (L2 hits).
+    pid = tl.program_id(0)
+    heads = HQ + HKV
+    h = (pid % heads).to(tl.int64)  # int64: index * stride may pass 2^31
+    rest = pid // heads
+    b = (rest // s_blocks).to(tl.int64)
+    offs_s = ((rest % s_blocks) * BLOCK_S + tl.arange(0, BLOCK_S)).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    mask = (offs_s < S)[:, None] & (offs_d < HALF)[None, :]
+    if h < HQ:
+        _rotate_tile(Q, QO, COS, SIN, b, h, offs_s, offs_d, mask, HALF,
+                     stride_qb, stride_qh, stride_qs, stride_qob, stride_qoh, stride_qos,
+                     stride_cb, stride_ch, stride_cs, stride_sb, stride_sh, stride_ss, BACKWARD, ACC)
+    else:
+        _rotate_tile(K, KO, COS, SIN, b, h - HQ, offs_s, offs_d, mask, HALF,
+                     stride_kb, stride_kh, stride_ks, stride_kob, stride_koh, stride_kos,
+                     stride_cb, stride_ch, stride_cs, stride_sb, stride_sh, stride_ss, BACKWARD, ACC)
+
+
+# =============================================================================================
+# Launchers: check nothing, allocate the outputs, launch. Tensors in, tensors out.
+# =============================================================================================
+
+# Elements of one half-tile: each program moves 2 x TILE_HALF elements of x and of y (16 per
+# thread at 8 warps, 16-byte vectors of bf16) and reads as many of cos and sin, mostly from L2.
+TILE_HALF = 2048
+
+_rotary_embedding = CachedKernel(_rotary_embedding_kernel)
+_plans: dict[tuple[int, int], tuple[int, int, int]] = {}
+
+
+def _plan(s: int, d: int) -> tuple[int, int, int]:
+    """(BLOCK_S, BLOCK_HALF, num_warps) for S positions of head dim D; cached per shape."""
+    plan = _plans.get((s, d))
+    if plan is None:
+        block_half = max(next_power_of_2(d // 2), 2)
+        block_s = min(max(TILE_HALF // block_half, 1), next_power_of_2(s))
+        plan = (block_s, block_half, min(max(block_s * block_half // 256, 1), 8))
+        store_plan(_plans, (s, d), plan)
+    return plan
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself when its last dim has unit stride (any other strides are read in place)."""
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+def _bcast_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """(batch, head, position) strides of a 4-D cos or sin, 0 along its broadcast (size-1) dims."""
+    return tuple(0 if t.shape[i] == 1 else t.stride(i) for i in range(3))
+
+
+def is_bshd(t: torch.Tensor | None) -> bool:
+    """Whether `t` (B, H, S, D) is a transposed contiguous (B, S, H, D) tensor (and not also a
+    contiguous one): `proj(x).view(B, S, H, D).transpose(1, 2)`."""
+    return t is not None and not t.is_contiguous() and t.transpose(1, 2).is_contiguous()
+
+
+def _empty(t: torch.Tensor, bshd: bool, dtype: torch.dtype) -> torch.Tensor:
+    """A new tensor shaped like `t` (B, H, S, D): contiguous, or transposed (B, S, H, D) storage."""
+    b, h, s, d = t.shape
+    if bshd:
+        return torch.empty((b, s, h, d), dtype=dtype, device=t.device).transpose(1, 2)
+    return torch.empty((b, h, s, d), dtype=dtype, device=t.device)
+
+
+def out_dtype(q: torch.Tensor, cos: torch.Tensor) -> torch.dtype:
+    """The outputs' dtype: what PyTorch's `q * cos` gives."""
+    return q.dtype if q.dtype == cos.dtype else torch.promote_types(q.dtype, cos.dtype)
+
+
+def _launch(x: torch.Tensor, y: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, backward: bool,
+            dtype: torch.dtype, x_bshd: bool = False, y_bshd: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    b, hq, s, d = x.shape
+    xo = _empty(x, x_bshd, dtype)
+    yo = None if y is None else _empty(y, y_bshd, dtype)
+    hkv = 0 if y is None else y.shape[1]
+    if b * s == 0 or hq + hkv == 0:
+        return xo, yo
+    x, cos, sin = _unit_last(x), _unit_last(cos), _unit_last(sin)
+    y = x if y is None else _unit_last(y)
+    y_out = xo if yo is None else yo
+    block_s, block_half, num_warps = _plan(s, d)
+    s_blocks = cdiv(s, block_s)
+    _rotary_embedding[(b * s_blocks * (hq + hkv),)](
+        x, y, cos, sin, xo, y_out, hq, hkv, s, d // 2, s_blocks,
+        x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2),
+        xo.stride(0), xo.stride(1), xo.stride(2), y_out.stride(0), y_out.stride(1), y_out.stride(2),
+        *_bcast_strides(cos), *_bcast_strides(sin),
+        BLOCK_S=block_s, BLOCK_HALF=block_half, BACKWARD=backward,
+        ACC=acc_dtype(out_dtype(x, cos)), num_warps=num_warps,
+    )
+    return xo, yo
+
+
+def rotary_embedding_fwd(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(q_embed, k_embed): contiguous (B, H, S, D) in `out_dtype(q, cos)`; k_embed None when k is
+    None."""
+    if not use_triton(q):
+        return _rotary_torch(q, k, cos, sin, False, out_dtype(q, cos))
+    return _launch(q, k, cos, sin, False, out_dtype(q, cos))
+
+
+def rotary_embedding_bwd(dq: torch.Tensor, dk: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                         dtype: torch.dtype, q_bshd: bool = False, k_bshd: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(dq, dk) in `dtype` (q's) from the gradients of q_embed and k_embed: the transpose rotation;
+    each in transposed (B, S, H, D) storage when its flag says (q's layout), else contiguous."""
+    if not use_triton(dq):
+        return _rotary_torch(dq, dk, cos, sin, True, dtype, q_bshd, k_bshd)
+    return _launch(dq, dk, cos, sin, True, dtype, q_bshd, k_bshd)
+
+
+# ---------------------------------------------------------------------------------------------
+# PyTorch path for CPU tensors without the interpreter: same outputs, no Triton.
+# ---------------------------------------------------------------------------------------------
+
+
+def _rotate_half_t(z: torch.Tensor) -> torch.Tensor:
+    """rotate_half's transpose: cat(z[..., D/2:], -z[..., :D/2])."""
+    half = z.shape[-1] // 2
+    return torch.cat((z[..., half:], -z[..., :half]), dim=-1)
+
+
+def _rotary_torch(x, y, cos, sin, backward, dtype, x_bshd=False, y_bshd=False):
+    acc = torch.float64 if torch.float64 in (x.dtype, cos.dtype) else torch.float32
+    c, s = cos.to(acc), sin.to(acc)
+
+    def one(t, bshd):
+        if t is None:
+            return None
+        t32 = t.to(acc)
+        out = t32 * c + _rotate_half_t(t32 * s) if backward else t32 * c + rotate_half(t32) * s
+        return _empty(t, bshd, dtype).copy_(out)
+
+    return one(x, x_bshd), one(y, y_bshd)
+
+
+def _cos_sin_grads(dq, dk, q, k, cos, sin):
+    """(dcos, dsin) in cos's dtype, shaped like cos: the products summed over the broadcast dims."""
+    acc = torch.float64 if torch.float64 in (q.dtype, cos.dtype) else torch.float32
+    dcos = dsin = None
+    for dy, x in ((dq, q), (dk, k)):
+        if x is None or dy is None:
+            continue
+        dy, x = dy.to(acc), x.to(acc)
+        c = (dy * x).sum_to_size(cos.shape)
+        s = (dy * rotate_half(x)).sum_to_size(sin.shape)
+        dcos, dsin = (c, s) if dcos is None else (dcos + c, dsin + s)
+    return dcos.to(cos.dtype), dsin.to(sin.dtype)
+
+
+# =============================================================================================
+# Checks, shared by the registered ops (real and fake) and the eager path
+# =============================================================================================
+
+OP = "rotary_embedding"
+
+
+def _check_inputs(q: object, k: object, cos: object, sin: object) -> None:
+    check_tensor(OP, "q", q)
+    check_float(OP, "q", q)
+    if q.dim() != 4:
+        raise ValueError(f"trifuse.{OP}: q must be 4-D (batch, heads, seq, head_dim), got shape {tuple(q.shape)}")
+    b, _, s, d = q.shape
+    if d % 2:
+        raise ValueError(f"trifuse.{OP}: head_dim must be even (rotate-half splits it in two), got {d}")
+    if k is not None:
+        check_tensor(OP, "k", k)
+        check_float(OP, "k", k)
+        if k.dim() != 4 or k.shape[0] != b or k.shape[2] != s or k.shape[3] != d:
+            raise ValueError(f"trifuse.{OP}: k must have shape ({b}, heads, {s}, {d}) like q "
+                             f"{tuple(q.shape)}, got {tuple(k.shape)}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        check_tensor(OP, name, t)
+        check_float(OP, name, t)
+        # One head, or one per head when q and k have as many (no sets: shapes may be SymInts).
+        ok_heads = t.dim() == 4 and (t.shape[1] == 1 or (
+            t.shape[1] == q.shape[1] and (k is None or t.shape[1] == k.shape[1])))
+        if not (ok_heads and t.shape[0] in (1, b) and t.shape[2] in (1, s) and t.shape[3] == d):
+            raise ValueError(
+                f"trifuse.{OP}: {name} must be 4-D and broadcast to q {tuple(q.shape)}"
+                + ("" if k is None else f" and k {tuple(k.shape)}")
+                + f" as ({b} or 1, 1, {s}, {d}), got shape {tuple(t.shape)}")
+    if tuple(sin.shape) != tuple(cos.shape):
+        raise ValueError(f"trifuse.{OP}: sin must have cos's shape {tuple(cos.shape)}, got {tuple(sin.shape)}")
+    check_same_dtype(OP, "q", q, k=k)
+    check_same_dtype(OP, "cos", cos, sin=sin)
+    check_same_device(OP, "q", q, k=k, cos=cos, sin=sin)
+
+
+# =============================================================================================
+# Registered ops: what torch.compile, fx and exported graphs see.
+# =============================================================================================
+
+Tensor = torch.Tensor
+OptTensor = torch.Tensor | None
+
+
+
+
+@torch.library.custom_op("trifuse::rotary_embedding", mutates_args=())
+def _rotary_embedding_op(q: Tensor, k: OptTensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """(q_embed, k_embed); k_embed is empty (0,) when k is None."""
+    _check_inputs(q, k, cos, sin)
+    q_embed, k_embed = rotary_embedding_fwd(q, k, cos, sin)
+    return q_embed, q.new_empty(0) if k_embed is None else k_embed
+
+
+@torch.library.custom_op("trifuse::rotary_embedding_backward", mutates_args=())
+def _rotary_embedding_backward_op(dq: Tensor, dk: OptTensor, cos: Tensor, sin: Tensor, dtype: torch.dtype,
+                                  q_bshd: bool, k_bshd: bool) -> tuple[Tensor, Tensor]:
+    """(dq, dk) in `dtype` from the gradients of q_embed and k_embed, in transposed (B, S, H, D)
+    storage where the flags say; dk is empty (0,) when dk is None."""
+    dq, dk_out = rotary_embedding_bwd(dq, dk, cos, sin, dtype, q_bshd, k_bshd)
+    return dq, dq.new_empty(0, dtype=dtype) if dk_out is None else dk_out
+
+
+@_rotary_embedding_op.register_fake
+def _(q, k, cos, sin):
+    _check_inputs(q, k, cos, sin)
+    dtype = out_dtype(q, cos)
+    return _empty(q, False, dtype), q.new_empty(0) if k is None else _empty(k, False, dtype)
+
+
+@_rotary_embedding_backward_op.register_fake
+def _(dq, dk, cos, sin, dtype, q_bshd, k_bshd):
+    return _empty(dq, q_bshd, dtype), dq.new_empty(0, dtype=dtype) if dk is None else _empty(dk, k_bshd, dtype)
+
+
+def _cos_sin_need_grad(cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    return cos.requires_grad or sin.requires_grad
+
+
+def _setup(ctx, inputs, output):
+    q, k, cos, sin = inputs
+    ctx.has_k = k is not None
+    ctx.bshd = (is_bshd(q), is_bshd(k))
+    ctx.dtype = q.dtype
+    # q and k only when cos or sin train: the rotation's own backward needs just cos and sin.
+    ctx.save_for_backward(cos, sin, *((q, k) if _cos_sin_need_grad(cos, sin) else ()))
+
+
+def _backward(ctx, dq_embed, dk_embed):
+    cos, sin, *qk = ctx.saved_tensors
+    dk_in = dk_embed if ctx.has_k else None
+    dq, dk = torch.ops.trifuse.rotary_embedding_backward(dq_embed, dk_in, cos, sin, ctx.dtype, *ctx.bshd)
+    dcos = dsin = None
+    if qk:
+        dcos, dsin = _cos_sin_grads(dq_embed, dk_in, *qk, cos, sin)
+    return dq, dk if ctx.has_k else None, dcos, dsin
+
+
+torch.library.register_autograd("trifuse::rotary_embedding", _backward, setup_context=_setup)
+
+
+# =============================================================================================
+# Eager fast path: a thin autograd.Function straight over the launchers (see DESIGN.md "Host
+# overhead"). Same launchers, same bits as the registered op.
+# =============================================================================================
+
+
+class _RotaryEmbeddingFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, cos, sin):
+        ctx.save_for_backward(cos, sin, *((q, k) if _cos_sin_need_grad(cos, sin) else ()))
+        ctx.bshd = (is_bshd(q), is_bshd(k))
+        ctx.dtype = q.dtype
+        return rotary_embedding_fwd(q, k, cos, sin)
+
+    @staticmethod
+    def backward(ctx, dq_embed, dk_embed):
+        cos, sin, *qk = ctx.saved_tensors
+        with profiled("trifuse::rotary_embedding_backward"):
+            dq, dk = rotary_embedding_bwd(dq_embed, dk_embed, cos, sin, ctx.dtype, *ctx.bshd)
+        dcos = dsin = None
+        if qk:
+            dcos, dsin = _cos_sin_grads(dq_embed, dk_embed, *qk, cos, sin)
+        return dq, dk, dcos, dsin
+
+
+# =============================================================================================
+# Dialect: trifuse's kernel or Hugging Face's formula in PyTorch, whichever is faster for the
+# shape, chosen once per (device, dtypes, positions bucket, heads, head_dim, cos batch, grad) on the
+# GPU and cached on disk (autotune/dialects.py). Traced calls always see trifuse::rotary_embedding.
+# =============================================================================================
+
+
+def _rotary_key(q, k, cos, sin):
+    """The dialect key of an eager call; None (the trifuse op decides, and raises on bad input)
+    when traced, empty, or when the shapes do not fit. It runs on every call."""
+    if not isinstance(q, torch.Tensor) or not isinstance(cos, torch.Tensor) or not isinstance(sin, torch.Tensor):
+        return None
+    if k is not None and not isinstance(k, torch.Tensor):
+        return None
+    if not eager_fast_path(q, k, cos, sin) or not q.is_floating_point() or q.dim() != 4 or cos.dim() != 4:
+        return None
+    b, hq, s, d = q.shape
+    if b * s * d == 0 or d % 2 or (k is not None and (k.dim() != 4 or k.shape[2] != s)):
+        return None
+    grad = torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad)
+                                        or cos.requires_grad or sin.requires_grad)
+    return (q.get_device() if q.is_cuda else -1, q.dtype, cos.dtype, pow2_bucket(b * s), hq,
+            0 if k is None else k.shape[1], d, cos.shape[0] == 1, grad)
+
+
+def _rotary_trifuse(q, k, cos, sin):
+    _check_inputs(q, k, cos, sin)
+    if eager_fast_path(q, k, cos, sin):
+        with profiled("trifuse::rotary_embedding"):
+            return _RotaryEmbeddingFunction.apply(q, k, cos, sin)
+    q_embed, k_embed = torch.ops.trifuse.rotary_embedding(q, k, cos, sin)
+    return q_embed, None if k is None else k_embed
+
+
+def _rotary_hf_formula(q, k, cos, sin):
+    # trifuse's checks first: the same clear errors whichever candidate runs.
+    _check_inputs(q, k, cos, sin)
+    with profiled("trifuse::rotary_embedding"):
+        q_embed, k_embed = rotary_embedding_ref(q, k, cos, sin)
+        # trifuse returns contiguous (B, H, S, D); the choice must not change the layout.
+        return q_embed.contiguous(), None if k_embed is None else k_embed.contiguous()
+
+
+ROTARY_EMBEDDING = dialects.define(
+    "rotary_embedding", _rotary_key, ("device", "dtype", "cos_dtype", "positions", "q_heads", "k_heads",
+                                      "head_dim", "cos_batch_broadcast", "grad"),
+    reference=rotary_embedding_ref)
+ROTARY_EMBEDDING.register(dialects.Candidate("trifuse", _rotary_trifuse))
+ROTARY_EMBEDDING.register(dialects.Candidate("torch", _rotary_hf_formula))
+
+
+# =============================================================================================
+# Public API
+# =============================================================================================
+
+
+def rotary_embedding(
+    q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rotary position embedding of q and k in one kernel each way, rotate-half convention:
+    `(q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin)`, Hugging Face's
+    `apply_rotary_pos_emb` after its `unsqueeze`.
+
+    Args:
+        q: (B, Hq, S, D), D even; any strides with a unit stride along D (read in place).
+        k: (B, Hkv, S, D), Hkv may differ from Hq (grouped-query attention); or None to rotate q
+            alone.
+        cos, sin: (B or 1, 1, S or 1, D) (or a head dim equal to Hq == Hkv), of one float dtype:
+            q's, or another (fp32 tables beside 16-bit q and k under autocast).
+
+    Returns:
+        (q_embed, k_embed), new contiguous (B, H, S, D) tensors in the dtype PyTorch's `q * cos`
+        has (q's when cos is in it); k_embed is None when k is None. Gradients reach q and k (the backward reads only cos and sin; dq and dk in
+        q's and k's layout when those are transposed (B, S, H, D) tensors), and cos and sin
+        when they require grad.
+
+    Eager calls run trifuse's kernel or the PyTorch formula, whichever the `rotary_embedding`
+    dialect measured faster for this shape on this GPU; elsewhere, and under torch.compile,
+    trifuse's.
+
+    Raises:
+        TypeError for non-float tensors, k not in q's dtype or sin not in cos's; ValueError for ranks, an odd head_dim,
+        k not matching q's batch, positions or head_dim, cos or sin that do not broadcast, or
+        tensors on different devices.
+    """
+    return ROTARY_EMBEDDING(q, k, cos, sin)

@@ -1,0 +1,92 @@
+"""Rotary position embedding, as Hugging Face's `apply_rotary_pos_emb` writes it (Llama, Mistral,
+Qwen2, Gemma, OLMo, Falcon, Phi, GPT-NeoX, StableLM, ...), becoming `trifuse.ops.rotary_embedding`:
+
+    cos = cos.unsqueeze(1); sin = sin.unsqueeze(1)
+    q_embed = (q * cos) + (rotate_half(q) * sin)
+    k_embed = (k * cos) + (rotate_half(k) * sin)
+    rotate_half(x) = torch.cat((-x[..., D/2:], x[..., :D/2]), dim=-1)
+
+q and k rotated with the same cos and sin become one call (one kernel each way for both); a
+tensor rotated alone becomes a call with k=None. Partial-rotary models (Phi, GPT-NeoX, StableLM)
+apply the same formula to slices `q[..., :rot]` and `cat` the rest back: the formula on the
+slices is what matches, the slices are read in place and the `cat` stays.
+
+Filters: rotate_half splits the last dim exactly in half (the same half in both slices, the cat
+along the last dim); cos and sin are 4-D. That they broadcast to q and k (batch or 1, 1,
+positions, head_dim), q and k share a dtype and cos and sin share one (fp32 tables beside 16-bit
+q and k, as under autocast, are fine) the op checks when the replacement is tried. cos and sin
+may require grad (learned tables): the op gives their gradients. Not matched: the interleaved
+convention (Cohere's, GPT-J's `rotate_every_two`: a stack + flatten, another function).
+"""
+import torch
+
+from ._base import Match, Pattern, ops
+
+# The two bounds of rotate_half's slices are separate parameters: an fx capture computes
+# `x.shape[-1] // 2` once per slice (two graph nodes of one value); the filter checks each.
+
+
+def rotary_q_k(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_start, q_end, k_start,
+               k_end, dim):
+    """Hugging Face's apply_rotary_pos_emb after its unsqueeze."""
+    q_embed = q * cos + torch.cat((-q[..., q_start:], q[..., :q_end]), dim=dim) * sin
+    k_embed = k * cos + torch.cat((-k[..., k_start:], k[..., :k_end]), dim=dim) * sin
+    return q_embed, k_embed
+
+
+def rotary_q_k_fused(q, k, cos, sin, q_start=None, q_end=None, k_start=None, k_end=None, dim=None):
+    out = ops.rotary_embedding(q, k, cos, sin)
+    return out[0], out[1]
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x_start, x_end, dim):
+    """One tensor rotated alone."""
+    return x * cos + torch.cat((-x[..., x_start:], x[..., :x_end]), dim=dim) * sin
+
+
+def rotary_fused(x, cos, sin, x_start=None, x_end=None, dim=None):
+    return ops.rotary_embedding(x, None, cos, sin)[0]
+
+
+def _rotates_half_of_last_dim(names: tuple[str, ...]):
+    def check(m: Match) -> str | None:
+        dim = m.value("dim")
+        if not isinstance(dim, int) or isinstance(dim, bool):
+            return f"rotate_half's cat dim {dim!r} is not a known int"
+        for name in names:
+            x = m.value(name)
+            if not isinstance(x, torch.Tensor):
+                return f"no shape for {name}"
+            if dim not in (-1, x.dim() - 1):
+                return f"rotate_half concatenates {name} along dim {dim}, not the last"
+            # fx captures compute the bounds from the shape (`x.shape[-1] // 2`): their values.
+            for bound in (m.value(f"{name}_start"), m.value(f"{name}_end")):
+                if not isinstance(bound, int) or isinstance(bound, bool):
+                    return f"rotate_half's split {bound!r} of {name} is not a known int"
+                if 2 * bound != x.shape[-1]:
+                    return f"rotate_half splits {name}'s last dim ({x.shape[-1]}) at {bound}, not in half"
+        return None
+
+    check.__name__ = "rotates_half_of_last_dim"
+    return check
+
+
+def _cos_sin_are_4d(m: Match) -> str | None:
+    """The op takes cos and sin after Hugging Face's unsqueeze; a 2-D (S, D) table broadcast by
+    PyTorch is left as written (the op would need a view of it)."""
+    for name in ("cos", "sin"):
+        v = m.value(name)
+        if not isinstance(v, torch.Tensor):
+            return f"no shape for {name}"
+        if v.dim() != 4:
+            return f"{name} is {v.dim()}-D, not (batch or 1, 1, seq, head_dim)"
+    return None
+
+
+_OPS = ("rotary_embedding",)
+
+PATTERNS = (
+    Pattern("rotary_q_k", "rotary", rotary_q_k, rotary_q_k_fused, _OPS,
+            (_rotates_half_of_last_dim(("q", "k")), _cos_sin_are_4d)),
+    Pattern("rotary", "rotary", rotary, rotary_fused, _OPS, (_rotates_half_of_last_dim(("x",)), _cos_sin_are_4d)),
+)

@@ -1,0 +1,168 @@
+"""Rotary position embedding as Hugging Face writes it (apply_rotary_pos_emb, rotate_half), full and
+partial rotary, q and k together or a tensor alone; what must not fuse; SDPA after it still fuses."""
+import pytest
+import torch
+import torch.nn.functional as F
+from _fusing import check_against_unfused, fuse_via, needs_ops, trifuse_ops_run
+from torch import nn
+
+pytestmark = needs_ops("rotary_embedding")
+B, S, HQ, HKV, D = 2, 6, 4, 2, 8
+X = (torch.randn(B, S, HQ * D),)
+CAPTURES = ["fx", "dynamo"]
+
+
+def rotate_half(x):
+    """transformers' rotate_half, verbatim."""
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    """transformers' apply_rotary_pos_emb (Llama, 5.x), verbatim."""
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    q_embed = (q * cos) + (rotate_half(q) * sin)
+    k_embed = (k * cos) + (rotate_half(k) * sin)
+    return q_embed, k_embed
+
+
+def rotate_half_concat_positional(x):
+    half = x.shape[-1] // 2
+    return torch.concat([-x[..., half:], x[..., :half]], 3)
+
+
+def rotate_half_sign_flipped(x):
+    half = x.shape[-1] // 2
+    return torch.cat((x[..., half:], -x[..., :half]), dim=-1)
+
+
+def rotate_half_off_centre(x):
+    return torch.cat((-x[..., 3:], x[..., :3]), dim=-1)
+
+
+def rotate_interleaved(x):
+    """GPT-J's and Cohere's convention: a different rotation, not ours."""
+    x1, x2 = x[..., ::2], x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+def rope_tables(s, d, per_batch):
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
+    pos = torch.arange(s).float()[None] + (torch.arange(B).float()[:, None] if per_batch else 0)
+    emb = torch.cat((pos[..., None] * inv_freq, pos[..., None] * inv_freq), dim=-1)
+    return emb.cos(), emb.sin()  # (B or 1, S, D), before the unsqueeze
+
+
+class Rotary(nn.Module):
+    """q and k projected and split into heads as Llama does, rotated, returned (or fed to SDPA)."""
+
+    def __init__(self, rot=D, rotate=rotate_half, which="q_k", per_batch=False, learned=False, sdpa=False,
+                 table_2d=False, half_q_k=False):
+        super().__init__()
+        self.q_proj, self.k_proj = nn.Linear(HQ * D, HQ * D, bias=False), nn.Linear(HQ * D, HKV * D, bias=False)
+        self.v_proj = nn.Linear(HQ * D, HKV * D, bias=False)
+        cos, sin = rope_tables(S, rot, per_batch)
+        if learned:
+            self.cos, self.sin = nn.Parameter(cos), nn.Parameter(sin)
+        else:
+            self.register_buffer("cos", cos)
+            self.register_buffer("sin", sin)
+        self.rot, self.rotate, self.which, self.sdpa, self.table_2d = rot, rotate, which, sdpa, table_2d
+        self.half_q_k = half_q_k
+
+    def embed(self, x, cos, sin):
+        return (x * cos) + (self.rotate(x) * sin)
+
+    def forward(self, x):
+        q = self.q_proj(x).view(B, S, -1, D).transpose(1, 2)
+        k = self.k_proj(x).view(B, S, -1, D).transpose(1, 2)
+        if self.half_q_k:  # 16-bit q and k beside fp32 tables, as under autocast
+            q, k = q.half(), k.half()
+        if self.table_2d:  # (S, D) tables broadcast by PyTorch, no unsqueeze
+            cos, sin = self.cos[0], self.sin[0]
+        else:
+            cos, sin = self.cos.unsqueeze(1), self.sin.unsqueeze(1)
+        rot = self.rot
+        q_rot, q_pass = q[..., :rot], q[..., rot:]
+        k_rot, k_pass = k[..., :rot], k[..., rot:]
+        if self.which == "q_k":
+            q_rot, k_rot = self.embed(q_rot, cos, sin), self.embed(k_rot, cos, sin)
+        else:  # q alone (k used as projected)
+            q_rot = self.embed(q_rot, cos, sin)
+        if rot < D:  # partial rotary (Phi, GPT-NeoX, StableLM): the rest passes through
+            q_rot, k_rot = torch.cat([q_rot, q_pass], dim=-1), torch.cat([k_rot, k_pass], dim=-1)
+        if self.sdpa:
+            v = self.v_proj(x).view(B, S, -1, D).transpose(1, 2)
+            return F.scaled_dot_product_attention(q_rot, k_rot, v, is_causal=True, enable_gqa=True)
+        return q_rot, k_rot
+
+
+class HFRotary(Rotary):
+    """transformers' own function, called as Llama's attention calls it."""
+
+    def forward(self, x):
+        q = self.q_proj(x).view(B, S, -1, D).transpose(1, 2)
+        k = self.k_proj(x).view(B, S, -1, D).transpose(1, 2)
+        return apply_rotary_pos_emb(q, k, self.cos, self.sin)
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("make, pattern", [
+    (HFRotary, "rotary_q_k"),
+    (lambda: HFRotary(per_batch=True), "rotary_q_k"),
+    (lambda: Rotary(rotate=rotate_half_concat_positional), "rotary_q_k"),
+    (lambda: Rotary(rot=4), "rotary_q_k"),
+    (lambda: Rotary(which="q"), "rotary"),
+    (lambda: Rotary(learned=True), "rotary_q_k"),
+], ids=["hf-llama", "per-batch-positions", "concat-positional-dim", "partial-rotary", "q-alone", "learned-cos-sin"])
+def test_spelling_fuses_and_matches(make, pattern, capture):
+    """Outputs and every gradient (learned cos and sin included) equal the unfused module's."""
+    assert check_against_unfused(make, X, capture).by_pattern() == {pattern: 1}
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_fp16_q_and_k_with_fp32_tables_fuse(capture):
+    """Autocast's mix: the op returns fp32 as `q * cos` does (no cast added). Outputs only: the
+    module's own `.half()` rounds the float64 oracle's gradients as much as the model's, so they
+    are no oracle here; tests/kernels/test_rotary.py checks these gradients against float64."""
+    report = check_against_unfused(lambda: Rotary(half_q_k=True), X, capture, grads=False)
+    assert report.by_pattern() == {"rotary_q_k": 1}
+    assert not any("cast back" in note for note in str(report).splitlines() if "rotary" in note)
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_sdpa_after_the_rotary_still_fuses(capture):
+    report = check_against_unfused(lambda: Rotary(sdpa=True), X, capture)
+    assert report.counts() == {"rotary": 1, "attention": 1}
+
+
+def test_trifuse_op_runs_forward_and_backward():
+    model = fuse_via(HFRotary(), "dynamo")
+    x = X[0].clone().requires_grad_()
+    ran = trifuse_ops_run(lambda: sum(o.sum() for o in model(x)).backward())
+    assert {"trifuse::rotary_embedding", "trifuse::rotary_embedding_backward"} <= ran
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("make", [
+    lambda: Rotary(rotate=rotate_half_sign_flipped),
+    lambda: Rotary(rotate=rotate_interleaved),
+], ids=["sign-flipped", "interleaved"])
+def test_other_rotations_are_left_as_written(make, capture):
+    """Not rotate-half: nothing matches, and the module computes what it did."""
+    report = check_against_unfused(make, X, capture)
+    assert report.counts() == {}
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("make, reason", [
+    (lambda: Rotary(rotate=rotate_half_off_centre), "splits q's last dim (8) at 3, not in half"),
+    (lambda: Rotary(table_2d=True), "cos is 2-D, not (batch or 1, 1, seq, head_dim)"),
+], ids=["split-off-centre", "2d-table"])
+def test_rejected_with_reason(make, reason, capture):
+    report = check_against_unfused(make, X, capture)
+    assert report.counts() == {}
+    reasons = [why for _, _, pattern, why in report.rejected() if pattern == "rotary_q_k"]
+    assert any(reason in why for why in reasons), reasons
