@@ -1,5 +1,6 @@
-"""End-to-end training: HF GPT-2 medium and BERT-large from configs, eager (SDPA) against
-`trifuse.fuse(model)` (and torch.compile with --compile), bf16 autocast, AdamW.
+"""End-to-end training: HF GPT-2 medium, BERT-large and a Llama 3.2 1B-shaped Llama from configs,
+eager (SDPA) against `trifuse.fuse(model)` (and torch.compile with --compile; Liger-Kernel's
+patched Llama when it loads), bf16 autocast, AdamW.
 
     python bench/bench_e2e.py [--compile] [--steps 10] [--grad-ckpt]   # GPU: bench/results/e2e.*
     pytest bench/bench_e2e.py                             # CPU: a tiny config, one step each
@@ -25,11 +26,19 @@ MODELS = {
     "gpt2-medium": ("gpt2", dict(n_layer=24, n_embd=1024, n_head=16, n_positions=1024), 8, 1024),
     "bert-large": ("bert", dict(num_hidden_layers=24, hidden_size=1024, num_attention_heads=16,
                                 intermediate_size=4096), 16, 512),
+    # Llama 3.2 1B's shape (GQA, SwiGLU, RoPE, RMSNorm, a 128256 vocabulary, tied embeddings):
+    # Liger-Kernel's own end-to-end benchmark family
+    "llama-1b": ("llama", dict(num_hidden_layers=16, hidden_size=2048, num_attention_heads=32,
+                               num_key_value_heads=8, intermediate_size=8192, vocab_size=128256,
+                               max_position_embeddings=2048, tie_word_embeddings=True), 4, 2048),
 }
 TINY = {
     "gpt2-medium": ("gpt2", dict(n_layer=2, n_embd=64, n_head=4, n_positions=64, vocab_size=128), 2, 16),
     "bert-large": ("bert", dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
                                 intermediate_size=128, vocab_size=128), 2, 16),
+    "llama-1b": ("llama", dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                               intermediate_size=128, vocab_size=128, max_position_embeddings=64,
+                               tie_word_embeddings=True), 2, 16),
 }
 
 
@@ -37,6 +46,9 @@ def build(kind: str, kwargs: dict, device: str) -> torch.nn.Module:
     if kind == "gpt2":
         cfg = transformers.GPT2Config(**kwargs, attn_implementation="sdpa")
         model = transformers.GPT2LMHeadModel(cfg)
+    elif kind == "llama":
+        cfg = transformers.LlamaConfig(**kwargs, attn_implementation="sdpa")
+        model = transformers.LlamaForCausalLM(cfg)
     else:
         cfg = transformers.BertConfig(**kwargs, attn_implementation="sdpa")
         model = transformers.BertForMaskedLM(cfg)
@@ -46,7 +58,7 @@ def build(kind: str, kwargs: dict, device: str) -> torch.nn.Module:
 def make_batch(kind: str, model: torch.nn.Module, batch: int, seq: int, device: str) -> dict:
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (batch, seq), device=device)
-    if kind == "gpt2":
+    if kind in ("gpt2", "llama"):
         return {"input_ids": ids, "labels": ids, "use_cache": False}
     labels = torch.full_like(ids, -100)
     masked = torch.rand(ids.shape, device=device) < 0.15
@@ -86,6 +98,10 @@ def run_one(name: str, provider: str, spec, steps: int, device: str, checkpointi
         model = torch.compile(model)
     elif provider.startswith("compile(backend="):
         model = torch.compile(model, backend=provider[len("compile(backend="):-1])
+    elif provider == "liger":  # Liger-Kernel's kernels patched into this model instance
+        from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
+
+        _apply_liger_kernel_to_instance(model=model)
     setup_call = time.perf_counter() - t_setup
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     data = make_batch(kind, model, batch, seq, device)
@@ -143,14 +159,19 @@ def _fused_summary(model) -> str:
     return ", ".join(f"{k} {v}" for k, v in rep.by_pattern().items())
 
 
-def providers(compile_: bool) -> list[str]:
+def providers(compile_: bool, kind: str = "gpt2") -> list[str]:
     out = ["eager-sdpa", "trifuse.fuse", "trifuse.fuse(skip_logits)"]
     if compile_:
         out += ["torch.compile", "compile(backend=trifuse)", "compile(backend=trifuse_inductor)"]
+    # Last: Liger patches transformers' Llama module globally (its RoPE function and norm class),
+    # which would reach every Llama built after it. Its head fuses with the loss, as skip_logits.
+    if kind == "llama" and H.try_import("liger_kernel.transformers") is not None:
+        out.append("liger")
     return out
 
 
-COLUMNS = ("model", "provider", "batch x seq", "step ms", "tokens/s", "x vs eager-sdpa", "x vs torch.compile", "peak GiB",
+COLUMNS = ("model", "provider", "batch x seq", "step ms", "tokens/s", "x vs eager-sdpa", "x vs torch.compile",
+           "x vs liger", "peak GiB",
            "device busy %", "set-up s", "fused")
 TOP_COLUMNS = ("model", "provider", "name", "calls", "ms", "% of device time")
 
@@ -193,7 +214,7 @@ def main() -> None:
     rows = []
     for name in args.models.split(","):
         point = []
-        for provider in providers(args.compile):
+        for provider in providers(args.compile, MODELS[name][0]):
             try:
                 row = run_one(name, provider, MODELS[name], args.steps, "cuda", args.grad_ckpt)
             except Exception as e:  # noqa: BLE001  (report the failure, keep measuring the rest)
@@ -202,7 +223,10 @@ def main() -> None:
             torch.cuda.empty_cache()
         eager = next((r for r in point if r["provider"] == "eager-sdpa" and "tokens/s" in r), None)
         compiled = next((r for r in point if r["provider"] == "torch.compile" and "tokens/s" in r), None)
+        liger = next((r for r in point if r["provider"] == "liger" and "tokens/s" in r), None)
         for r in point:
+            if liger and "tokens/s" in r:
+                r["x vs liger"] = r["tokens/s"] / liger["tokens/s"]
             if eager and "tokens/s" in r:
                 r["x vs eager-sdpa"] = r["tokens/s"] / eager["tokens/s"]
             if compiled and "tokens/s" in r:

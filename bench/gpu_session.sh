@@ -11,7 +11,8 @@
 #   (each stage has its own time limit below, so a call ends inside 10 minutes; with the machine's
 #   start that is the whole 30 minutes. The next session: `e2e` (~5 min: GPT-2 medium, eager,
 #   fuse, fuse(skip_logits)), `tune` (~4 min, the shipped H100 defaults), `e2e-ckpt` (~5 min,
-#   gradient checkpointing on), `e2e-bert` (~5 min, BERT-large), and whatever stage ran short)
+#   gradient checkpointing on), `e2e-bert` (~5 min, BERT-large), `e2e-llama` (~5 min, Llama 3.2
+#   1B's shape against Liger-Kernel), and whatever stage ran short)
 #
 # Everything a stage writes (logs, bench/results/*, the exported tuning defaults) comes back as
 # ONE file, $OUT/session.tgz (the device returns at most 8 files per call). Unpack it here with
@@ -76,10 +77,12 @@ for what in "$@"; do
                 --suffix grad-ckpt ;;
         e2e-bert)  # BERT-large (B16 S512) training steps: eager against trifuse.fuse
             stage bench-e2e-bert 300 python3 bench/bench_e2e.py --steps 8 --models bert-large --suffix bert ;;
+        e2e-llama)  # Llama 3.2 1B's shape (RoPE, SwiGLU, GQA): eager, trifuse.fuse, Liger-Kernel
+            stage bench-e2e-llama 300 python3 bench/bench_e2e.py --steps 6 --models llama-1b --suffix llama ;;
         tune)  # this GPU's winners, shipped as defaults for every H100 user
             stage tune 240 python3 -m trifuse.autotune gpt2-medium --batch 8 --seq 1024 \
                 --export-defaults autotune/defaults/h100.json ;;
-        *) echo "unknown stage $what (tests host kernels attention dialects e2e e2e-ckpt e2e-bert tune)" ;;
+        *) echo "unknown stage $what (tests host kernels attention dialects e2e e2e-ckpt e2e-bert e2e-llama tune)" ;;
     esac
 done
 
