@@ -12,6 +12,8 @@ style: the score matrix never exists).
   value's dtype (`.type(value.dtype)`, transformers' GPT-2 eager code; a no-op, as the filter
   requires). Each combination is one pattern built from `attention_chain` below. Gemma 2's logit
   soft cap between the scaling and the mask (`tanh(s / cap) * cap`) becomes the op's `softcap`.
+  transformers' eager_attention_forward (fp32 softmax, dropout) on K and V repeated per query
+  group by `repeat_kv` becomes the op with `enable_gqa=True` on the un-repeated K and V.
 - `F.multi_head_attention_forward` as `nn.MultiheadAttention` (and so nn.TransformerEncoder)
   calls it for self-attention without returned weights: its in-projection, heads and
   out-projection stay as matmuls around the fused attention.
@@ -72,20 +74,43 @@ def sdpa_expand_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_shape, v
     return F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale=scale)
 
 
+def _kv_repeated_over_heads(m: Match) -> str | None:
+    """The expand + reshape is a repeat over the heads: (B, Hkv, S, D) -> (B, Hkv * n, S, D), for
+    k and v (where the sizes are constants; symbolic ones are what the expand implies)."""
+    for name in ("k", "v"):
+        t, target = m.value(name), m[f"{name}_heads"]
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            return f"no 4-D shape for {name}"
+        if not isinstance(target, (list, tuple)) or len(target) != 4:
+            return f"{name} is reshaped to {target!r}, not (batch, heads, seq, head_dim)"
+        b, h, sq, d = target
+        for got, want in ((b, t.shape[0]), (sq, t.shape[2]), (d, t.shape[3])):
+            if is_number(got) and got != want:
+                return f"{name} is reshaped to {tuple(target)} from {tuple(t.shape)}: not a repeat over its heads"
+        if is_number(h) and h % t.shape[1] != 0:
+            return f"{name} is reshaped to {h} heads from {t.shape[1]}: not a repeat over its heads"
+    return None
+
+
 def sdpa_gqa_fused(q, k, v, attn_mask, dropout_p, is_causal, scale, n_rep=None, k_shape=None, v_shape=None,
                    k_heads=None, v_heads=None):
     return ops.attention(q, k, v, attn_mask, dropout_p, is_causal, scale, True)
 
 
 def attention_chain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, scale, mask: torch.Tensor,
-                    fill, p, training, dtype, cap=None, *, scaling: str, masking: str, dropout: bool, softmax: str,
-                    softcap: bool = False):
+                    fill, p, training, dtype, cap=None, k_shape=None, v_shape=None, k_heads=None, v_heads=None, *,
+                    scaling: str, masking: str, dropout: bool, softmax: str, softcap: bool = False,
+                    repeat_kv: bool = False):
     """softmax(q @ k^T scaled [capped] [masked]) [cast] [dropped out] @ v, in the spelling the
     keywords choose.
 
     softmax: "plain", "upcast" (computed in fp32, cast to `dtype`), or "cast" (computed in the
     scores' dtype, then cast to `dtype`: GPT-2's `.type(value.dtype)`). softcap: Gemma 2's
-    `tanh(s / cap) * cap` after the scaling."""
+    `tanh(s / cap) * cap` after the scaling. repeat_kv: k and v repeated per query group first,
+    as transformers' repeat_kv writes it (see sdpa_expand_kv)."""
+    if repeat_kv:
+        k = k[:, :, None, :, :].expand(k_shape).reshape(k_heads)
+        v = v[:, :, None, :, :].expand(v_shape).reshape(v_heads)
     s = torch.matmul(q, k.transpose(d0, d1))
     s = s * scale if scaling == "mul" else s / scale
     if softcap:
@@ -108,11 +133,12 @@ def attention_chain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, s
 
 
 def attention_chain_fused(q, k, v, d0, d1, scale, mask=None, fill=None, p=0.0, training=False, dtype=None, cap=None,
-                          *, scaling: str, masking: str, dropout: bool, softmax: str, softcap: bool = False):
+                          k_shape=None, v_shape=None, k_heads=None, v_heads=None, *, scaling: str, masking: str,
+                          dropout: bool, softmax: str, softcap: bool = False, repeat_kv: bool = False):
     if masking == "masked_fill":
         mask = torch.logical_not(mask)  # masked_fill marks what to drop, an attention mask what to keep
     o = ops.attention(q, k, v, mask, p if training else 0.0, False, scale if scaling == "mul" else 1.0 / scale,
-                      softcap=cap if softcap else None)
+                      repeat_kv, softcap=cap if softcap else None)
     if masking in ("masked_fill", "where") and fill != float("-inf"):
         # finfo.min fill (the filter allows no other finite one): a row masked whole is a softmax
         # of equal numbers, uniform, so the unfused output there is the mean of V over the keys;
@@ -179,11 +205,15 @@ def _cap_is_a_positive_number(m: Match) -> str | None:
     return None
 
 
-def _chain_pattern(scaling: str, masking: str, dropout: bool, softmax: str, softcap: bool = False) -> Pattern:
-    opts = {"scaling": scaling, "masking": masking, "dropout": dropout, "softmax": softmax, "softcap": softcap}
+def _chain_pattern(scaling: str, masking: str, dropout: bool, softmax: str, softcap: bool = False,
+                   repeat_kv: bool = False) -> Pattern:
+    opts = {"scaling": scaling, "masking": masking, "dropout": dropout, "softmax": softmax, "softcap": softcap,
+            "repeat_kv": repeat_kv}
     name = "_".join(["attention_chain", scaling, *(["softcap"] if softcap else []), masking or "no_mask",
-                     "dropout" if dropout else "no_dropout", *([softmax] if softmax != "plain" else [])])
-    filters = [_transposes_last_two, _scale_is_number, *([_cap_is_a_positive_number] if softcap else [])]
+                     "dropout" if dropout else "no_dropout", *([softmax] if softmax != "plain" else []),
+                     *(["repeat_kv"] if repeat_kv else [])])
+    filters = [_transposes_last_two, _scale_is_number, *([_cap_is_a_positive_number] if softcap else []),
+               *([_kv_repeated_over_heads] if repeat_kv else [])]
     if dropout:
         filters += [needs_number("p"), needs_bool("training")]
     if masking in ("masked_fill", "where"):
@@ -241,9 +271,13 @@ PATTERNS = (
     Pattern("sdpa_repeat_interleave_kv", "attention", sdpa_repeat_interleave_kv, sdpa_gqa_fused, ("attention",),
             (needs_number("dropout_p", "n_rep"), needs_bool("is_causal"))),
     Pattern("sdpa_expand_kv", "attention", sdpa_expand_kv, sdpa_gqa_fused, ("attention",),
-            (needs_number("dropout_p"), needs_bool("is_causal"))),
+            (needs_number("dropout_p"), needs_bool("is_causal"), _kv_repeated_over_heads)),
     Pattern("sdpa", "attention", sdpa, sdpa_fused, ("attention",),
             (needs_number("dropout_p"), needs_bool("is_causal", "enable_gqa")), derive=_one_kv_head_broadcast),
+    # transformers' eager_attention_forward over repeat_kv (with or without a mask, Gemma 2's cap);
+    # before the chains below, which would otherwise take the repeated K and V
+    *(_chain_pattern("mul", masking, True, "upcast", softcap=softcap, repeat_kv=True) for masking, softcap in
+      itertools.product(("add", ""), (False, True))),
     *(_chain_pattern("mul", masking, dropout, softmax, softcap=True) for masking, dropout, softmax in
       itertools.product(("add", ""), (True, False), ("upcast", "plain"))),
     *(_chain_pattern(*opts) for opts in itertools.product(

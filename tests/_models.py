@@ -86,12 +86,13 @@ def vit(dropout: float = 0.0, layers: int = LAYERS):
 
 
 @_on_device
-def llama(layers: int = LAYERS):
-    """Hugging Face's RMSNorm written out (fp32 upcast), SDPA with grouped KV heads, SiLU MLP."""
+def llama(layers: int = LAYERS, attn_implementation: str = "sdpa"):
+    """Hugging Face's RMSNorm written out (fp32 upcast), SDPA (or the eager chain over repeat_kv)
+    with grouped KV heads, SiLU MLP."""
     tf = _quiet_transformers()
     cfg = tf.LlamaConfig(num_hidden_layers=layers, hidden_size=HIDDEN, num_attention_heads=4,
                          num_key_value_heads=2, intermediate_size=2 * HIDDEN, vocab_size=VOCAB,
-                         max_position_embeddings=64, attn_implementation="sdpa")
+                         max_position_embeddings=64, attn_implementation=attn_implementation)
     model = tf.LlamaForCausalLM(cfg)
 
     def inputs(batch, seq):

@@ -47,6 +47,9 @@ MODELS = {
     "bert-eager": (lambda: _models.bert(attn_implementation="eager"), BERT),
     "vit": (_models.vit, {**PRE_NORM, **LOSS}),
     "llama": (_models.llama, {"rms_norm": L + 1, "attention": L, "residual_stream": L, **GATED, **ROTARY, **LOSS}),
+    # transformers' eager attention over repeat_kv: fused with enable_gqa on the un-repeated K and V
+    "llama-eager": (lambda: _models.llama(attn_implementation="eager"),
+                    {"rms_norm": L + 1, "attention": L, "residual_stream": L, **GATED, **ROTARY, **LOSS}),
     "encoder-post-norm": (lambda: _models.transformer_encoder(False),
                           {"attention": L, "bias_gelu": L, "residual_stream": 2 * L}),
     "encoder-pre-norm": (lambda: _models.transformer_encoder(True),

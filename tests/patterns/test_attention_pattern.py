@@ -66,12 +66,31 @@ def sdpa_repeat_interleave(m, q, k, v):
     return F.scaled_dot_product_attention(q, k.repeat_interleave(n, dim=1), v.repeat_interleave(n, dim=1))
 
 
-def sdpa_repeat_kv(m, q, k, v):  # transformers' repeat_kv
-    def repeat_kv(hidden, n_rep):
-        b, h, s, d = hidden.shape
-        return hidden[:, :, None, :, :].expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)
+def repeat_kv(hidden, n_rep):  # transformers' repeat_kv
+    b, h, s, d = hidden.shape
+    return hidden[:, :, None, :, :].expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)
 
+
+def sdpa_repeat_kv(m, q, k, v):
     return F.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), is_causal=True)
+
+
+def chain_repeat_kv(m, q, k, v):  # transformers' eager_attention_forward (Llama, Mistral, Qwen2, ...)
+    k, v = repeat_kv(k, 2), repeat_kv(v, 2)
+    w = torch.matmul(q, k.transpose(2, 3)) * 0.35
+    w = w + m.mask
+    w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+    w = F.dropout(w, p=0.0, training=m.training)
+    return torch.matmul(w, v)
+
+
+def chain_softcap_repeat_kv(m, q, k, v):  # Gemma 2's, with its cap
+    k, v = repeat_kv(k, 2), repeat_kv(v, 2)
+    w = torch.matmul(q, k.transpose(2, 3)) * 0.35
+    w = torch.tanh(w / 1.5) * 1.5
+    w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+    w = F.dropout(w, p=0.0, training=m.training)
+    return torch.matmul(w, v)
 
 
 def chain_mul_additive(m, q, k, v):  # BERT's and GPT-2's old eager code
@@ -169,6 +188,8 @@ KEEP_SOME_ROWS_NONE[1, 0, 2] = False  # one query row of batch 1 sees no key
     (chain_cast_to_v, {"mask": ADDITIVE}, H, "attention_chain_mul_add_dropout_cast"),
     (chain_softcap, {"mask": ADDITIVE}, H, "attention_chain_mul_softcap_add_dropout_upcast"),
     (chain_softcap_no_mask, {}, H, "attention_chain_mul_softcap_no_mask_no_dropout"),
+    (chain_repeat_kv, {"mask": ADDITIVE}, 2, "attention_chain_mul_add_dropout_upcast_repeat_kv"),
+    (chain_softcap_repeat_kv, {}, 2, "attention_chain_mul_softcap_no_mask_dropout_upcast_repeat_kv"),
 ], ids=lambda v: v.__name__ if callable(v) else None)
 def test_spelling_fuses_and_matches(fn, buffers, h_kv, pattern, capture):
     make = functools.partial(Fn, fn, **buffers)
@@ -292,6 +313,14 @@ def chain_softcap_mismatched(m, q, k, v):  # tanh(s / 2) * 3 is no soft cap
     return torch.matmul(F.softmax(w, dim=-1), v)
 
 
+def chain_expand_over_seq(m, q, k, v):  # expand + reshape that repeats along the sequence, not the heads
+    b, h, s, d = k.shape
+    k = k[:, :, None, :, :].expand(b, h, 2, s, d).reshape(b, h, 2 * s, d)
+    v = v[:, :, None, :, :].expand(b, h, 2, s, d).reshape(b, h, 2 * s, d)
+    w = F.softmax(torch.matmul(q, k.transpose(2, 3)) * 0.35, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(F.dropout(w, p=0.0, training=m.training), v)
+
+
 def chain_cast_to_other_dtype(m, q, k, v):  # the cast is not a no-op: probabilities and v in fp64
     w = torch.softmax(q @ k.transpose(-2, -1) * 0.3, dim=-1)
     return torch.matmul(w.type(torch.float64), v.double())
@@ -310,6 +339,13 @@ def chain_cast_to_other_dtype(m, q, k, v):  # the cast is not a no-op: probabili
 def test_near_misses_are_left(fn, buffers):
     report = check_against_unfused(functools.partial(Fn, fn, **buffers), qkv(), "dynamo")
     assert report.by_pattern() == {}
+
+
+def test_repeat_over_the_sequence_is_no_gqa():
+    """expand + reshape along the sequence is not repeat_kv: the plain chain takes the repeated
+    K and V as they are (the same maths), never enable_gqa over the un-repeated ones."""
+    report = check_against_unfused(functools.partial(Fn, chain_expand_over_seq), qkv(), "dynamo")
+    assert report.by_pattern() == {"attention_chain_mul_no_mask_dropout_upcast": 1}
 
 
 def test_rejections_say_why():
