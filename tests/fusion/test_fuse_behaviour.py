@@ -107,6 +107,38 @@ def test_autocast():
     assert f"autocast {_models.DEVICE} {str(dtype).replace('torch.', '')}" in trifuse.report(model).table()
 
 
+
+def _llama_under_autocast():
+    dtype = torch.bfloat16 if _models.DEVICE == "cuda" else torch.float16
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _models.llama()
+    ref, ref64 = copy.deepcopy(model), copy.deepcopy(model).double()
+    trifuse.fuse(model)
+    kw = inputs(2, 8)
+    with torch.autocast(_models.DEVICE, dtype=dtype):
+        fused, lowp = loss_fn(model, kw), loss_fn(ref, kw)
+    return model, fused, lowp, loss_fn(ref64, kw)
+
+
+def test_autocast_llama_rotary_and_gated_mlp():
+    """Hugging Face's rotary tables are fp32 beside 16-bit q and k under autocast: the fused
+    rotary keeps the promotion (fp32 q and k, as `q * cos` gives), the gated MLP runs on the 16-bit
+    projections, and the loss matches the unfused model's."""
+    model, fused, lowp, ref64 = _llama_under_autocast()
+    assert fused.dtype == lowp.dtype
+    assert_close("autocast loss", fused, ref64, lowp)
+    fused.backward()
+    counts = trifuse.report(model).counts()
+    assert counts["rotary"] == _models.LAYERS and counts["gated_activation"] == _models.LAYERS
+
+
+@pytest.mark.xfail(strict=True, reason="under autocast q and k are fp32 (rotary with fp32 tables) and v 16-bit: "
+                   "SDPA's autocast casts all three down, trifuse::attention takes one dtype, so the attention "
+                   "is left as written (found in review; it predates the rotary fusion: q * cos promoted)")
+def test_autocast_llama_fuses_its_attention():
+    model, _, _, _ = _llama_under_autocast()
+    assert trifuse.report(model).counts().get("attention", 0) == _models.LAYERS
+
 def test_data_dependent_control_flow_and_numpy_are_left_working():
     torch.manual_seed(0)
     model, inputs, loss_fn = _models.quirky()

@@ -53,6 +53,52 @@ def test_gpu_caches_one_compiled_kernel_per_specialization():
     assert AXPY._fast, "the direct launcher path fell back to Triton's own path"
 
 
+
+@pytest.mark.gpu
+def test_gpu_direct_launch_of_rotary_gated_and_softcap_attention():
+    """The kernels added last (rotary, gated_activation, attention with a soft cap) were only run
+    in the interpreter, where CachedKernel takes Triton's own path. On the GPU the second call of
+    a shape goes through the direct launcher (runtime arguments, then the constexprs in the
+    kernel's order): it must give the first call's bits and never fall back (a launcher whose
+    arguments do not line up raises, warns and falls back to Triton's path)."""
+    import warnings
+
+    from trifuse.kernels import attention as attn
+    from trifuse.kernels import gated_activation as gk
+    from trifuse.kernels import rotary as rk
+
+    torch.manual_seed(0)
+    bf16 = torch.bfloat16
+    q = torch.randn(2, 37, 4, 80, device="cuda", dtype=bf16).transpose(1, 2)  # (B, H, S, D) views
+    k = torch.randn(2, 37, 2, 80, device="cuda", dtype=bf16).transpose(1, 2)
+    cos, sin = torch.randn(1, 1, 37, 80, device="cuda"), torch.randn(1, 1, 37, 80, device="cuda")  # fp32 tables
+    gate, up = torch.randn(3, 7, 2 * 700, device="cuda", dtype=bf16).chunk(2, dim=-1)
+    dy = torch.randn(3, 7, 700, device="cuda", dtype=bf16)
+    aq = torch.randn(2, 4, 70, 64, device="cuda", dtype=bf16)
+    ak, av = torch.randn(2, 2, 70, 64, device="cuda", dtype=bf16), torch.randn(2, 2, 70, 64, device="cuda", dtype=bf16)
+    do = torch.randn_like(aq)
+
+    def calls():
+        fwd = rk.rotary_embedding_fwd(q, k, cos, sin)
+        bwd = rk.rotary_embedding_bwd(fwd[0], fwd[1], cos, sin, bf16, True, True)
+        y = gk.gated_activation_fwd(gate, up, "silu")
+        dgate, dup = gk.gated_activation_bwd(dy, gate, up, "gelu_tanh")
+        o, lse = attn.attention_fwd(aq, ak, av, None, 0.0, True, 0.125, None, 30.0)
+        grads = attn.attention_bwd(do, aq, ak, av, o, lse, None, None, 0.0, True, 0.125, False, 30.0)
+        return [*fwd, *bwd, y, dgate, dup, o, lse, *grads[:3]]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a fallback to Triton's path warns
+        first = calls()
+        second, third = calls(), calls()
+    torch.cuda.synchronize()
+    for i, (a, b, c) in enumerate(zip(first, second, third)):
+        assert torch.equal(a, b) and torch.equal(b, c), f"output {i}: the direct launch differs"
+    for kernel in (rk._rotary_embedding, gk._gated_activation_fwd, gk._gated_activation_bwd, attn._FWD,
+                   attn._BWD_PREPROCESS, attn._BWD_DKDV, attn._BWD_DQ):
+        assert kernel._fast, f"{kernel.fn.__name__}: the direct launcher fell back to Triton's path"
+    assert torch.isfinite(first[-4]).all() and torch.isfinite(first[-1]).all()
+
 def test_attention_launches_through_cached_plans(monkeypatch):
     """The tuner decides once per tuning key; the launch plan (grid + launch keywords) is kept
     per exact shape, and every later call launches all four kernels (forward, backward
