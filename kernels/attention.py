@@ -1473,6 +1473,17 @@ del _name
 # =============================================================================================
 
 
+def _autocast_like_sdpa(q, k, v, attn_mask):
+    """What autocast does to SDPA (a lower-precision op): every floating input, the float mask
+    too, in the autocast dtype. Hugging Face's rotary tables are fp32, so under autocast its q
+    and k arrive fp32 beside a 16-bit v, which SDPA takes and one-dtype kernels would refuse."""
+    dtype = torch.get_autocast_dtype(q.device.type)
+    q, k, v = (t.to(dtype) if t.is_floating_point() else t for t in (q, k, v))
+    if attn_mask is not None and attn_mask.is_floating_point():
+        attn_mask = attn_mask.to(dtype)
+    return q, k, v, attn_mask
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -1506,8 +1517,10 @@ def attention(
             softcap): the scaled scores become c * tanh(scores / c) before the mask is added.
             None or 0: no cap. SDPA has no such argument: capped calls run trifuse's kernels.
 
+    Under autocast, as SDPA: q, k, v and a float mask are cast to the autocast dtype first.
+
     Returns:
-        (B, Hq, Sq, D) in q's dtype, laid out like q when q is dense (so a (B, S, H, D)
+        (B, Hq, Sq, D) in q's dtype (the autocast dtype under autocast), laid out like q when q is dense (so a (B, S, H, D)
         transpose gives an output whose transpose back is contiguous). Rows that see no key
         (fully masked) are 0, with zero gradients, as SDPA gives.
 
@@ -1524,6 +1537,8 @@ def attention(
     for name, t in (("query", q), ("key", k), ("value", v)):
         check_tensor(OP, name, t)
     check_probability(OP, "dropout_p", dropout_p)
+    if torch.is_autocast_enabled(q.device.type):
+        q, k, v, attn_mask = _autocast_like_sdpa(q, k, v, attn_mask)
     if softcap is not None:
         _check_softcap(softcap)
         if softcap:

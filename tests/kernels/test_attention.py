@@ -843,3 +843,20 @@ def test_negative_control_softcap_missing_or_without_its_chain_factor_fails(dtyp
     got = trifuse.ops.attention(q, k, v, **kw)
     ok, msg = check_close("kernel dq", torch.autograd.grad(got, q, dout)[0], dq64, dq_lp)
     assert ok, msg
+
+
+def test_autocast_casts_the_inputs_as_sdpa_does():
+    """Under autocast SDPA runs in the autocast dtype whatever its inputs' dtypes (fp32 q and k from
+    fp32 rotary tables beside a 16-bit v); so does trifuse.ops.attention, float mask included."""
+    q, k = (torch.randn(2, 2, 9, 16, device=DEVICE) for _ in range(2))
+    v = torch.randn(2, 2, 9, 16, device=DEVICE, dtype=torch.float16)
+    mask = torch.randn(2, 1, 9, 9, device=DEVICE)
+    with torch.autocast(q.device.type, dtype=torch.float16):
+        out = trifuse.ops.attention(q, k, v, attn_mask=mask)
+        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert out.dtype == ref.dtype == torch.float16
+    ref64 = attention_ref(q.double(), k.double(), v.double(), mask.double())
+    lowp = attention_ref(q.half(), k.half(), v, mask.half())
+    assert_close("autocast out", out, ref64, lowp)
+    with pytest.raises(TypeError, match="share one dtype"):  # outside autocast, one dtype as before
+        trifuse.ops.attention(q, k, v)
