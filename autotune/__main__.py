@@ -39,6 +39,9 @@ PRESETS: dict[str, tuple[str, dict]] = {
     "bert-base": ("bert", {}),
     "bert-large": ("bert", {"num_hidden_layers": 24, "hidden_size": 1024, "num_attention_heads": 16,
                             "intermediate_size": 4096}),
+    "llama-3.2-1b": ("llama", {"num_hidden_layers": 16, "hidden_size": 2048, "num_attention_heads": 32,
+                               "num_key_value_heads": 8, "intermediate_size": 8192, "vocab_size": 128256,
+                               "tie_word_embeddings": True}),
 }
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -80,7 +80,8 @@ for what in "$@"; do
         e2e-llama)  # Llama 3.2 1B's shape (RoPE, SwiGLU, GQA): eager, trifuse.fuse, Liger-Kernel
             stage bench-e2e-llama 300 python3 bench/bench_e2e.py --steps 6 --models llama-1b --suffix llama ;;
         tune)  # this GPU's winners, shipped as defaults for every H100 user
-            stage tune 240 python3 -m trifuse.autotune gpt2-medium --batch 8 --seq 1024 \
+            stage tune 150 python3 -m trifuse.autotune gpt2-medium --batch 8 --seq 1024
+            stage tune-llama 150 python3 -m trifuse.autotune llama-3.2-1b --batch 4 --seq 2048 \
                 --export-defaults autotune/defaults/h100.json ;;
         *) echo "unknown stage $what (tests host kernels attention dialects e2e e2e-ckpt e2e-bert e2e-llama tune)" ;;
     esac
