@@ -6,6 +6,7 @@ import re
 import pytest
 
 import trifuse
+from trifuse.autotune import Tuner, configs
 from trifuse.autotune import __main__ as cli
 from trifuse.kernels import layer_norm as ln
 
@@ -22,8 +23,17 @@ def make(batch, seq):
 
 @pytest.fixture
 def fresh_layer_norm(cache_dir, monkeypatch):
+    """The layer_norm dialect, its kernel tuners and launch plans with nothing decided, as in a
+    new process (a model run earlier in this process would otherwise have decided the shapes the
+    table must show, and a decided shape is not recorded again)."""
     ln.LAYER_NORM.clear()
     monkeypatch.setattr(ln.LAYER_NORM, "timer", None)
+    monkeypatch.setattr(ln, "_FWD_TUNER", Tuner("layer_norm_fwd", configs.norm_fwd, ln._FWD_KEY_NAMES,
+                                                 prune=configs.prune_norm_fwd))
+    monkeypatch.setattr(ln, "_BWD_TUNER", Tuner("layer_norm_bwd", configs.norm_bwd, ln._BWD_KEY_NAMES,
+                                                 prune=configs.prune_norm_bwd))
+    monkeypatch.setattr(ln, "_FWD_PLANS", {})
+    monkeypatch.setattr(ln, "_BWD_PLANS", {})
     yield
     ln.LAYER_NORM.clear()
 
