@@ -3,6 +3,7 @@ against the same model unfused.
 
     python examples/train.py              # GPU: GPT-2 medium from its config, bf16 autocast, AdamW
     python examples/train.py --small      # a tiny GPT-2 (what runs on a CPU, in Triton's interpreter)
+    python examples/train.py --model llama   # Llama 3.2 1B's shape: RoPE, SwiGLU, GQA (tiny on a CPU)
 
 Both models start from the same weights and see the same batches; the losses are printed side by
 side (with dropout they differ by the masks, not by trend). The model is built from a config: no
@@ -23,8 +24,18 @@ import transformers  # noqa: E402
 
 import trifuse  # noqa: E402
 
-GPT2_MEDIUM = {"n_layer": 24, "n_embd": 1024, "n_head": 16, "n_positions": 1024}
-TINY = {"n_layer": 2, "n_embd": 64, "n_head": 4, "n_positions": 64, "vocab_size": 256}
+# model: (config class, LM class, name, full-size config, batch, seq, tiny config)
+MODELS = {
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", "GPT-2 medium",
+             {"n_layer": 24, "n_embd": 1024, "n_head": 16, "n_positions": 1024}, 8, 1024,
+             {"n_layer": 2, "n_embd": 64, "n_head": 4, "n_positions": 64, "vocab_size": 256}),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", "Llama 3.2 1B-shaped Llama",
+              {"num_hidden_layers": 16, "hidden_size": 2048, "num_attention_heads": 32, "num_key_value_heads": 8,
+               "intermediate_size": 8192, "vocab_size": 128256, "max_position_embeddings": 2048,
+               "tie_word_embeddings": True}, 4, 2048,
+              {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 64}),
+}
 
 
 def train(model, batches, autocast: bool, warmup: int) -> tuple[list[float], float]:
@@ -52,24 +63,26 @@ def train(model, batches, autocast: bool, warmup: int) -> tuple[list[float], flo
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--small", action="store_true", help="a tiny GPT-2 (the default without a GPU)")
+    ap.add_argument("--model", choices=sorted(MODELS), default="gpt2")
+    ap.add_argument("--small", action="store_true", help="a tiny model (the default without a GPU)")
     ap.add_argument("--steps", type=int, default=None)
     args = ap.parse_args()
     gpu = torch.cuda.is_available()
     small = args.small or not gpu
     device = "cuda" if gpu else "cpu"
-    config, batch, seq = (TINY, 2, 32) if small else (GPT2_MEDIUM, 8, 1024)
+    config_class, lm_class, full_name, full, full_batch, full_seq, tiny = MODELS[args.model]
+    config, batch, seq = (tiny, 2, 32) if small else (full, full_batch, full_seq)
     steps = args.steps or (4 if small else 12)
     warmup = 1 if small else 3
     autocast = gpu  # bf16 arithmetic is wrong in Triton's interpreter: bf16 runs on GPUs only
 
     torch.manual_seed(0)
     transformers.logging.set_verbosity_error()
-    cfg = transformers.GPT2Config(**config, attn_implementation="sdpa")
-    model = transformers.GPT2LMHeadModel(cfg).to(device).train()
+    cfg = getattr(transformers, config_class)(**config, attn_implementation="sdpa")
+    model = getattr(transformers, lm_class)(cfg).to(device).train()
     unfused = copy.deepcopy(model)
     batches = [torch.randint(0, cfg.vocab_size, (batch, seq), device=device) for _ in range(steps)]
-    name = "tiny GPT-2" if small else "GPT-2 medium"
+    name = f"tiny {lm_class}" if small else full_name
     where = torch.cuda.get_device_name() if gpu else "cpu (Triton interpreter)"
     print(f"{name} from its config, batch {batch} x {seq}, {'bf16 autocast, ' if autocast else ''}AdamW, on {where}")
 
