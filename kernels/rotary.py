@@ -1,5 +1,6 @@
 """Rotary position embedding (RoPE), rotate-half convention (GPT-NeoX, Llama and the models after
-them), applied to the queries and the keys of an attention block in one pass each way.
+them) or interleaved convention (GPT-J, Cohere, GLM, Helium; `interleaved=True`), applied to the
+queries and the keys of an attention block in one pass each way.
 
 Maths, per vector x of head_dim D (D even, h = D / 2), in fp32 (fp64 for fp64 inputs):
 
@@ -13,6 +14,15 @@ backward is the transpose of that linear map:
     dx = dy * cos + rotate_half^T(dy * sin),  rotate_half^T(z) = cat(z[h:], -z[:h])
                                                  dx[:h] = dy[:h] cos[:h] + dy[h:] sin[h:]
                                                  dx[h:] = dy[h:] cos[h:] - dy[:h] sin[:h]
+
+The interleaved convention pairs (x[2i], x[2i+1]) instead of (x[i], x[i+h]), with cos and sin
+in the same interleaved layout (Hugging Face repeats each frequency twice in a row there):
+
+    rotate_half(x) = stack((-x[1::2], x[0::2]), -1).flatten(-2)
+    y[2i] = x[2i] cos[2i] - x[2i+1] sin[2i]      y[2i+1] = x[2i+1] cos[2i+1] + x[2i] sin[2i+1]
+
+the same formulas on pairs addressed differently (first of a pair at 2 i, its partner at + 1),
+backward likewise.
 
 It needs cos and sin, not x: the op saves nothing else. Should
 cos or sin require grad, their gradients are computed in PyTorch from the saved q and k (then
@@ -33,11 +43,12 @@ Dtypes: q and k of one float dtype, cos and sin of one (possibly another: fp32 t
 16-bit q and k under autocast, as Hugging Face computes them there); outputs in the promoted
 dtype, as PyTorch's `q * cos` gives (q's when the tables are in it); dq and dk in q's dtype.
 
-Kernel: one launch each way for q and k together. A 1-D grid enumerates (batch, block of
+Kernel: one launch each way for q and k together, the convention a constexpr (INTERLEAVED). A 1-D grid enumerates (batch, block of
 positions, head) with the head fastest, so the programs that read one tile of cos and sin run
 next to each other (the later ones should find it in L2; not yet measured). A program rotates a BLOCK_S x D tile of
 one head as its two halves (BLOCK_S x BLOCK_HALF each, BLOCK_HALF the power of two >= D / 2,
-masked): D = 80 or 96 pads to 64-wide halves. int64 offsets (tensors past 2^31 elements).
+masked; interleaved, the even and the odd features, stride-2 loads): D = 80 or 96 pads to 64-wide
+halves. int64 offsets (tensors past 2^31 elements).
 """
 import torch
 import triton
@@ -64,18 +75,21 @@ from ._tiles import cdiv
 # =============================================================================================
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """cat(-x[..., D/2:], x[..., :D/2]), as Hugging Face writes it."""
+def rotate_half(x: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """cat(-x[..., D/2:], x[..., :D/2]), as Hugging Face writes it; interleaved, the pairs
+    (x[2i], x[2i+1]) become (-x[2i+1], x[2i]): stack((-x[..., 1::2], x[..., 0::2]), -1).flatten(-2)."""
+    if interleaved:
+        return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def rotary_embedding_ref(
-    q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(q * cos + rotate_half(q) * sin, the same for k) in plain PyTorch; k None gives None."""
-    q_embed = q * cos + rotate_half(q) * sin
-    k_embed = None if k is None else k * cos + rotate_half(k) * sin
+    q_embed = q * cos + rotate_half(q, interleaved) * sin
+    k_embed = None if k is None else k * cos + rotate_half(k, interleaved) * sin
     return q_embed, k_embed
 
 
@@ -93,19 +107,25 @@ def _rotate_tile(
     b, h, offs_s, offs_d, mask, HALF,
     stride_xb, stride_xh, stride_xs, stride_yb, stride_yh, stride_ys,
     stride_cb, stride_ch, stride_cs, stride_sb, stride_sh, stride_ss,
-    BACKWARD: tl.constexpr, ACC: tl.constexpr,
+    BACKWARD: tl.constexpr, ACC: tl.constexpr, INTERLEAVED: tl.constexpr,
 ):
     rows = offs_s[:, None]
-    cols = offs_d[None, :]
+    # Pair i: elements (i, i + HALF) rotate-half, (2 i, 2 i + 1) interleaved.
+    if INTERLEAVED:
+        cols = offs_d[None, :] * 2
+        partner = 1
+    else:
+        cols = offs_d[None, :]
+        partner = HALF
     x_ptr = X + b * stride_xb + h * stride_xh + rows * stride_xs + cols
     c_ptr = COS + b * stride_cb + h * stride_ch + rows * stride_cs + cols
     s_ptr = SIN + b * stride_sb + h * stride_sh + rows * stride_ss + cols
     x1 = tl.load(x_ptr, mask=mask, other=0.0).to(ACC)
-    x2 = tl.load(x_ptr + HALF, mask=mask, other=0.0).to(ACC)
+    x2 = tl.load(x_ptr + partner, mask=mask, other=0.0).to(ACC)
     c1 = tl.load(c_ptr, mask=mask, other=0.0).to(ACC)
-    c2 = tl.load(c_ptr + HALF, mask=mask, other=0.0).to(ACC)
+    c2 = tl.load(c_ptr + partner, mask=mask, other=0.0).to(ACC)
     s1 = tl.load(s_ptr, mask=mask, other=0.0).to(ACC)
-    s2 = tl.load(s_ptr + HALF, mask=mask, other=0.0).to(ACC)
+    s2 = tl.load(s_ptr + partner, mask=mask, other=0.0).to(ACC)
     if BACKWARD:  # the transpose rotation
         y1 = x1 * c1 + x2 * s2
         y2 = x2 * c2 - x1 * s1
@@ -114,7 +134,7 @@ def _rotate_tile(
         y2 = x2 * c2 + x1 * s2
     y_ptr = Y + b * stride_yb + h * stride_yh + rows * stride_ys + cols
     tl.store(y_ptr, y1.to(Y.dtype.element_ty), mask=mask)
-    tl.store(y_ptr + HALF, y2.to(Y.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + partner, y2.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -130,6 +150,7 @@ def _rotary_embedding_kernel(
     stride_qob, stride_qoh, stride_qos, stride_kob, stride_koh, stride_kos,
     stride_cb, stride_ch, stride_cs, stride_sb, stride_sh, stride_ss,
     BLOCK_S: tl.constexpr, BLOCK_HALF: tl.constexpr, BACKWARD: tl.constexpr, ACC: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
 ):
     # Heads fastest: neighbouring programs share the tile of cos and sin (L2 hits).
     pid = tl.program_id(0)
@@ -143,11 +164,13 @@ def _rotary_embedding_kernel(
     if h < HQ:
         _rotate_tile(Q, QO, COS, SIN, b, h, offs_s, offs_d, mask, HALF,
                      stride_qb, stride_qh, stride_qs, stride_qob, stride_qoh, stride_qos,
-                     stride_cb, stride_ch, stride_cs, stride_sb, stride_sh, stride_ss, BACKWARD, ACC)
+                     stride_cb, stride_ch, stride_cs, stride_sb, stride_sh, stride_ss, BACKWARD, ACC,
+                     INTERLEAVED)
     else:
         _rotate_tile(K, KO, COS, SIN, b, h - HQ, offs_s, offs_d, mask, HALF,
                      stride_kb, stride_kh, stride_ks, stride_kob, stride_koh, stride_kos,
-                     stride_cb, stride_ch, stride_cs, stride_sb, stride_sh, stride_ss, BACKWARD, ACC)
+                     stride_cb, stride_ch, stride_cs, stride_sb, stride_sh, stride_ss, BACKWARD, ACC,
+                     INTERLEAVED)
 
 
 # =============================================================================================
@@ -159,17 +182,18 @@ def _rotary_embedding_kernel(
 TILE_HALF = 2048
 
 _rotary_embedding = CachedKernel(_rotary_embedding_kernel)
-_plans: dict[tuple[int, int], tuple[int, int, int]] = {}
+_plans: dict[tuple[int, int, bool], tuple[int, int, int]] = {}
 
 
-def _plan(s: int, d: int) -> tuple[int, int, int]:
-    """(BLOCK_S, BLOCK_HALF, num_warps) for S positions of head dim D; cached per shape."""
-    plan = _plans.get((s, d))
+def _plan(s: int, d: int, interleaved: bool) -> tuple[int, int, int]:
+    """(BLOCK_S, BLOCK_HALF, num_warps) for S positions of head dim D; cached per shape and
+    convention (the same numbers today, but a plan is never shared across conventions)."""
+    plan = _plans.get((s, d, interleaved))
     if plan is None:
         block_half = max(next_power_of_2(d // 2), 2)
         block_s = min(max(TILE_HALF // block_half, 1), next_power_of_2(s))
         plan = (block_s, block_half, min(max(block_s * block_half // 256, 1), 8))
-        store_plan(_plans, (s, d), plan)
+        store_plan(_plans, (s, d, interleaved), plan)
     return plan
 
 
@@ -203,7 +227,8 @@ def out_dtype(q: torch.Tensor, cos: torch.Tensor) -> torch.dtype:
 
 
 def _launch(x: torch.Tensor, y: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, backward: bool,
-            dtype: torch.dtype, x_bshd: bool = False, y_bshd: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+            dtype: torch.dtype, x_bshd: bool = False, y_bshd: bool = False, interleaved: bool = False
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     b, hq, s, d = x.shape
     xo = _empty(x, x_bshd, dtype)
     yo = None if y is None else _empty(y, y_bshd, dtype)
@@ -213,7 +238,7 @@ def _launch(x: torch.Tensor, y: torch.Tensor | None, cos: torch.Tensor, sin: tor
     x, cos, sin = _unit_last(x), _unit_last(cos), _unit_last(sin)
     y = x if y is None else _unit_last(y)
     y_out = xo if yo is None else yo
-    block_s, block_half, num_warps = _plan(s, d)
+    block_s, block_half, num_warps = _plan(s, d, interleaved)
     s_blocks = cdiv(s, block_s)
     _rotary_embedding[(b * s_blocks * (hq + hkv),)](
         x, y, cos, sin, xo, y_out, hq, hkv, s, d // 2, s_blocks,
@@ -221,28 +246,28 @@ def _launch(x: torch.Tensor, y: torch.Tensor | None, cos: torch.Tensor, sin: tor
         xo.stride(0), xo.stride(1), xo.stride(2), y_out.stride(0), y_out.stride(1), y_out.stride(2),
         *_bcast_strides(cos), *_bcast_strides(sin),
         BLOCK_S=block_s, BLOCK_HALF=block_half, BACKWARD=backward,
-        ACC=acc_dtype(out_dtype(x, cos)), num_warps=num_warps,
+        ACC=acc_dtype(out_dtype(x, cos)), INTERLEAVED=interleaved, num_warps=num_warps,
     )
     return xo, yo
 
 
-def rotary_embedding_fwd(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def rotary_embedding_fwd(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                         interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(q_embed, k_embed): contiguous (B, H, S, D) in `out_dtype(q, cos)`; k_embed None when k is
     None."""
     if not use_triton(q):
-        return _rotary_torch(q, k, cos, sin, False, out_dtype(q, cos))
-    return _launch(q, k, cos, sin, False, out_dtype(q, cos))
+        return _rotary_torch(q, k, cos, sin, False, out_dtype(q, cos), interleaved=interleaved)
+    return _launch(q, k, cos, sin, False, out_dtype(q, cos), interleaved=interleaved)
 
 
 def rotary_embedding_bwd(dq: torch.Tensor, dk: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                         dtype: torch.dtype, q_bshd: bool = False, k_bshd: bool = False
+                         dtype: torch.dtype, q_bshd: bool = False, k_bshd: bool = False, interleaved: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(dq, dk) in `dtype` (q's) from the gradients of q_embed and k_embed: the transpose rotation;
     each in transposed (B, S, H, D) storage when its flag says (q's layout), else contiguous."""
     if not use_triton(dq):
-        return _rotary_torch(dq, dk, cos, sin, True, dtype, q_bshd, k_bshd)
-    return _launch(dq, dk, cos, sin, True, dtype, q_bshd, k_bshd)
+        return _rotary_torch(dq, dk, cos, sin, True, dtype, q_bshd, k_bshd, interleaved)
+    return _launch(dq, dk, cos, sin, True, dtype, q_bshd, k_bshd, interleaved)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,13 +275,16 @@ def rotary_embedding_bwd(dq: torch.Tensor, dk: torch.Tensor | None, cos: torch.T
 # ---------------------------------------------------------------------------------------------
 
 
-def _rotate_half_t(z: torch.Tensor) -> torch.Tensor:
-    """rotate_half's transpose: cat(z[..., D/2:], -z[..., :D/2])."""
+def _rotate_half_t(z: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """rotate_half's transpose: cat(z[..., D/2:], -z[..., :D/2]); interleaved, the pairs
+    (z[2i], z[2i+1]) become (z[2i+1], -z[2i])."""
+    if interleaved:
+        return torch.stack((z[..., 1::2], -z[..., 0::2]), dim=-1).flatten(-2)
     half = z.shape[-1] // 2
     return torch.cat((z[..., half:], -z[..., :half]), dim=-1)
 
 
-def _rotary_torch(x, y, cos, sin, backward, dtype, x_bshd=False, y_bshd=False):
+def _rotary_torch(x, y, cos, sin, backward, dtype, x_bshd=False, y_bshd=False, interleaved=False):
     acc = torch.float64 if torch.float64 in (x.dtype, cos.dtype) else torch.float32
     c, s = cos.to(acc), sin.to(acc)
 
@@ -264,13 +292,16 @@ def _rotary_torch(x, y, cos, sin, backward, dtype, x_bshd=False, y_bshd=False):
         if t is None:
             return None
         t32 = t.to(acc)
-        out = t32 * c + _rotate_half_t(t32 * s) if backward else t32 * c + rotate_half(t32) * s
+        if backward:
+            out = t32 * c + _rotate_half_t(t32 * s, interleaved)
+        else:
+            out = t32 * c + rotate_half(t32, interleaved) * s
         return _empty(t, bshd, dtype).copy_(out)
 
     return one(x, x_bshd), one(y, y_bshd)
 
 
-def _cos_sin_grads(dq, dk, q, k, cos, sin):
+def _cos_sin_grads(dq, dk, q, k, cos, sin, interleaved=False):
     """(dcos, dsin) in cos's dtype, shaped like cos: the products summed over the broadcast dims."""
     acc = torch.float64 if torch.float64 in (q.dtype, cos.dtype) else torch.float32
     dcos = dsin = None
@@ -279,7 +310,7 @@ def _cos_sin_grads(dq, dk, q, k, cos, sin):
             continue
         dy, x = dy.to(acc), x.to(acc)
         c = (dy * x).sum_to_size(cos.shape)
-        s = (dy * rotate_half(x)).sum_to_size(sin.shape)
+        s = (dy * rotate_half(x, interleaved)).sum_to_size(sin.shape)
         dcos, dsin = (c, s) if dcos is None else (dcos + c, dsin + s)
     return dcos.to(cos.dtype), dsin.to(sin.dtype)
 
@@ -298,7 +329,7 @@ def _check_inputs(q: object, k: object, cos: object, sin: object) -> None:
         raise ValueError(f"trifuse.{OP}: q must be 4-D (batch, heads, seq, head_dim), got shape {tuple(q.shape)}")
     b, _, s, d = q.shape
     if d % 2:
-        raise ValueError(f"trifuse.{OP}: head_dim must be even (rotate-half splits it in two), got {d}")
+        raise ValueError(f"trifuse.{OP}: head_dim must be even (the rotation pairs its features), got {d}")
     if k is not None:
         check_tensor(OP, "k", k)
         check_float(OP, "k", k)
@@ -334,31 +365,32 @@ OptTensor = torch.Tensor | None
 
 
 @torch.library.custom_op("trifuse::rotary_embedding", mutates_args=())
-def _rotary_embedding_op(q: Tensor, k: OptTensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+def _rotary_embedding_op(q: Tensor, k: OptTensor, cos: Tensor, sin: Tensor, interleaved: bool = False
+                         ) -> tuple[Tensor, Tensor]:
     """(q_embed, k_embed); k_embed is empty (0,) when k is None."""
     _check_inputs(q, k, cos, sin)
-    q_embed, k_embed = rotary_embedding_fwd(q, k, cos, sin)
+    q_embed, k_embed = rotary_embedding_fwd(q, k, cos, sin, interleaved)
     return q_embed, q.new_empty(0) if k_embed is None else k_embed
 
 
 @torch.library.custom_op("trifuse::rotary_embedding_backward", mutates_args=())
 def _rotary_embedding_backward_op(dq: Tensor, dk: OptTensor, cos: Tensor, sin: Tensor, dtype: torch.dtype,
-                                  q_bshd: bool, k_bshd: bool) -> tuple[Tensor, Tensor]:
+                                  q_bshd: bool, k_bshd: bool, interleaved: bool = False) -> tuple[Tensor, Tensor]:
     """(dq, dk) in `dtype` from the gradients of q_embed and k_embed, in transposed (B, S, H, D)
     storage where the flags say; dk is empty (0,) when dk is None."""
-    dq, dk_out = rotary_embedding_bwd(dq, dk, cos, sin, dtype, q_bshd, k_bshd)
+    dq, dk_out = rotary_embedding_bwd(dq, dk, cos, sin, dtype, q_bshd, k_bshd, interleaved)
     return dq, dq.new_empty(0, dtype=dtype) if dk_out is None else dk_out
 
 
 @_rotary_embedding_op.register_fake
-def _(q, k, cos, sin):
+def _(q, k, cos, sin, interleaved=False):
     _check_inputs(q, k, cos, sin)
     dtype = out_dtype(q, cos)
     return _empty(q, False, dtype), q.new_empty(0) if k is None else _empty(k, False, dtype)
 
 
 @_rotary_embedding_backward_op.register_fake
-def _(dq, dk, cos, sin, dtype, q_bshd, k_bshd):
+def _(dq, dk, cos, sin, dtype, q_bshd, k_bshd, interleaved=False):
     return _empty(dq, q_bshd, dtype), dq.new_empty(0, dtype=dtype) if dk is None else _empty(dk, k_bshd, dtype)
 
 
@@ -367,7 +399,8 @@ def _cos_sin_need_grad(cos: torch.Tensor, sin: torch.Tensor) -> bool:
 
 
 def _setup(ctx, inputs, output):
-    q, k, cos, sin = inputs
+    q, k, cos, sin, *rest = inputs
+    ctx.interleaved = bool(rest[0]) if rest else False
     ctx.has_k = k is not None
     ctx.bshd = (is_bshd(q), is_bshd(k))
     ctx.dtype = q.dtype
@@ -378,11 +411,12 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, dq_embed, dk_embed):
     cos, sin, *qk = ctx.saved_tensors
     dk_in = dk_embed if ctx.has_k else None
-    dq, dk = torch.ops.trifuse.rotary_embedding_backward(dq_embed, dk_in, cos, sin, ctx.dtype, *ctx.bshd)
+    dq, dk = torch.ops.trifuse.rotary_embedding_backward(dq_embed, dk_in, cos, sin, ctx.dtype, *ctx.bshd,
+                                                         ctx.interleaved)
     dcos = dsin = None
     if qk:
-        dcos, dsin = _cos_sin_grads(dq_embed, dk_in, *qk, cos, sin)
-    return dq, dk if ctx.has_k else None, dcos, dsin
+        dcos, dsin = _cos_sin_grads(dq_embed, dk_in, *qk, cos, sin, ctx.interleaved)
+    return dq, dk if ctx.has_k else None, dcos, dsin, None
 
 
 torch.library.register_autograd("trifuse::rotary_embedding", _backward, setup_context=_setup)
@@ -396,21 +430,22 @@ torch.library.register_autograd("trifuse::rotary_embedding", _backward, setup_co
 
 class _RotaryEmbeddingFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, cos, sin):
+    def forward(ctx, q, k, cos, sin, interleaved):
         ctx.save_for_backward(cos, sin, *((q, k) if _cos_sin_need_grad(cos, sin) else ()))
         ctx.bshd = (is_bshd(q), is_bshd(k))
         ctx.dtype = q.dtype
-        return rotary_embedding_fwd(q, k, cos, sin)
+        ctx.interleaved = interleaved
+        return rotary_embedding_fwd(q, k, cos, sin, interleaved)
 
     @staticmethod
     def backward(ctx, dq_embed, dk_embed):
         cos, sin, *qk = ctx.saved_tensors
         with profiled("trifuse::rotary_embedding_backward"):
-            dq, dk = rotary_embedding_bwd(dq_embed, dk_embed, cos, sin, ctx.dtype, *ctx.bshd)
+            dq, dk = rotary_embedding_bwd(dq_embed, dk_embed, cos, sin, ctx.dtype, *ctx.bshd, ctx.interleaved)
         dcos = dsin = None
         if qk:
-            dcos, dsin = _cos_sin_grads(dq_embed, dk_embed, *qk, cos, sin)
-        return dq, dk, dcos, dsin
+            dcos, dsin = _cos_sin_grads(dq_embed, dk_embed, *qk, cos, sin, ctx.interleaved)
+        return dq, dk, dcos, dsin, None
 
 
 # =============================================================================================
@@ -420,12 +455,12 @@ class _RotaryEmbeddingFunction(torch.autograd.Function):
 # =============================================================================================
 
 
-def _rotary_key(q, k, cos, sin):
+def _rotary_key(q, k, cos, sin, interleaved=False):
     """The dialect key of an eager call; None (the trifuse op decides, and raises on bad input)
     when traced, empty, or when the shapes do not fit. It runs on every call."""
     if not isinstance(q, torch.Tensor) or not isinstance(cos, torch.Tensor) or not isinstance(sin, torch.Tensor):
         return None
-    if k is not None and not isinstance(k, torch.Tensor):
+    if (k is not None and not isinstance(k, torch.Tensor)) or not isinstance(interleaved, bool):
         return None
     if not eager_fast_path(q, k, cos, sin) or not q.is_floating_point() or q.dim() != 4 or cos.dim() != 4:
         return None
@@ -435,30 +470,31 @@ def _rotary_key(q, k, cos, sin):
     grad = torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad)
                                         or cos.requires_grad or sin.requires_grad)
     return (q.get_device() if q.is_cuda else -1, q.dtype, cos.dtype, pow2_bucket(b * s), hq,
-            0 if k is None else k.shape[1], d, cos.shape[0] == 1, grad)
+            0 if k is None else k.shape[1], d, cos.shape[0] == 1, grad, interleaved)
 
 
-def _rotary_trifuse(q, k, cos, sin):
+def _rotary_trifuse(q, k, cos, sin, interleaved=False):
     _check_inputs(q, k, cos, sin)
+    interleaved = bool(interleaved)
     if eager_fast_path(q, k, cos, sin):
         with profiled("trifuse::rotary_embedding"):
-            return _RotaryEmbeddingFunction.apply(q, k, cos, sin)
-    q_embed, k_embed = torch.ops.trifuse.rotary_embedding(q, k, cos, sin)
+            return _RotaryEmbeddingFunction.apply(q, k, cos, sin, interleaved)
+    q_embed, k_embed = torch.ops.trifuse.rotary_embedding(q, k, cos, sin, interleaved)
     return q_embed, None if k is None else k_embed
 
 
-def _rotary_hf_formula(q, k, cos, sin):
+def _rotary_hf_formula(q, k, cos, sin, interleaved=False):
     # trifuse's checks first: the same clear errors whichever candidate runs.
     _check_inputs(q, k, cos, sin)
     with profiled("trifuse::rotary_embedding"):
-        q_embed, k_embed = rotary_embedding_ref(q, k, cos, sin)
+        q_embed, k_embed = rotary_embedding_ref(q, k, cos, sin, interleaved)
         # trifuse returns contiguous (B, H, S, D); the choice must not change the layout.
         return q_embed.contiguous(), None if k_embed is None else k_embed.contiguous()
 
 
 ROTARY_EMBEDDING = dialects.define(
     "rotary_embedding", _rotary_key, ("device", "dtype", "cos_dtype", "positions", "q_heads", "k_heads",
-                                      "head_dim", "cos_batch_broadcast", "grad"),
+                                      "head_dim", "cos_batch_broadcast", "grad", "interleaved"),
     reference=rotary_embedding_ref)
 ROTARY_EMBEDDING.register(dialects.Candidate("trifuse", _rotary_trifuse))
 ROTARY_EMBEDDING.register(dialects.Candidate("torch", _rotary_hf_formula))
@@ -470,11 +506,14 @@ ROTARY_EMBEDDING.register(dialects.Candidate("torch", _rotary_hf_formula))
 
 
 def rotary_embedding(
-    q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Rotary position embedding of q and k in one kernel each way, rotate-half convention:
+    """Rotary position embedding of q and k in one kernel each way:
     `(q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin)`, Hugging Face's
-    `apply_rotary_pos_emb` after its `unsqueeze`.
+    `apply_rotary_pos_emb` after its `unsqueeze`. rotate_half is the rotate-half convention's
+    (GPT-NeoX, Llama: `cat(-x[..., D/2:], x[..., :D/2])`), or with `interleaved=True` the
+    interleaved one's (GPT-J, Cohere, GLM, Helium: `stack((-x[..., 1::2], x[..., 0::2]),
+    -1).flatten(-2)`, cos and sin then in the interleaved layout).
 
     Args:
         q: (B, Hq, S, D), D even; any strides with a unit stride along D (read in place).
@@ -482,6 +521,7 @@ def rotary_embedding(
             alone.
         cos, sin: (B or 1, 1, S or 1, D) (or a head dim equal to Hq == Hkv), of one float dtype:
             q's, or another (fp32 tables beside 16-bit q and k under autocast).
+        interleaved: rotate the pairs (x[2i], x[2i+1]) instead of (x[i], x[i + D/2]).
 
     Returns:
         (q_embed, k_embed), new contiguous (B, H, S, D) tensors in the dtype PyTorch's `q * cos`
@@ -498,4 +538,6 @@ def rotary_embedding(
         k not matching q's batch, positions or head_dim, cos or sin that do not broadcast, or
         tensors on different devices.
     """
-    return ROTARY_EMBEDDING(q, k, cos, sin)
+    if not isinstance(interleaved, bool):
+        raise TypeError(f"trifuse.{OP}: interleaved must be a bool, got {type(interleaved).__name__}")
+    return ROTARY_EMBEDDING(q, k, cos, sin, interleaved)

@@ -1,4 +1,5 @@
-"""Rotary position embedding (rotate-half) of q and k against the float64 oracle.
+"""Rotary position embedding of q and k, rotate-half and interleaved conventions, against the
+float64 oracle.
 
 On CPU these run the real Triton kernel in the interpreter (tests/_device.py); on a GPU the same
 tests run natively and add bf16.
@@ -20,31 +21,33 @@ from trifuse.kernels.rotary import rotary_embedding_ref
 SHAPES = [(2, 4, 2, 37, 80), (1, 2, 2, 1, 2), (2, 3, 1, 5, 96), (1, 2, 1, 7, 6), (2, 4, 4, 16, 128),
           (1, 2, 2, 130, 64), (1, 2, 1, 9, 256), (0, 2, 2, 4, 8)]
 COS = ["shared", "per-batch", "expanded"]
+CONVENTIONS = pytest.mark.parametrize("interleaved", [False, True], ids=["rotate-half", "interleaved"])
 
 
 def _ids(shape):
     return "B{}-Hq{}-Hkv{}-S{}-D{}".format(*shape)
 
 
-def rope_tables(b, s, d, dtype, per_batch=False, base=10000.0):
+def rope_tables(b, s, d, dtype, per_batch=False, base=10000.0, interleaved=False):
     """Hugging Face's cos and sin after `unsqueeze(1)`: (1 or B, 1, S, D), from positions that
-    differ per batch row when `per_batch` (position_ids of packed or left-padded sequences)."""
+    differ per batch row when `per_batch` (position_ids of packed or left-padded sequences); in
+    the interleaved layout (each frequency twice in a row, as Cohere's) when `interleaved`."""
     inv_freq = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
     pos = torch.arange(s, dtype=torch.float64)[None]
     if per_batch:
         pos = pos + torch.arange(max(b, 1), dtype=torch.float64)[:, None] * 3
     freqs = pos[..., None] * inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1)
+    emb = freqs.repeat_interleave(2, dim=-1) if interleaved else torch.cat((freqs, freqs), dim=-1)
     return emb.cos()[:, None].to(DEVICE, dtype), emb.sin()[:, None].to(DEVICE, dtype)
 
 
-def make(shape, dtype, cos_kind="shared", scale=1.0):
+def make(shape, dtype, cos_kind="shared", scale=1.0, interleaved=False):
     b, hq, hkv, s, d = shape
     q = (torch.randn(b, hq, s, d, device=DEVICE, dtype=torch.float64) * scale).to(dtype).requires_grad_()
     k = (torch.randn(b, hkv, s, d, device=DEVICE, dtype=torch.float64) * scale).to(dtype).requires_grad_()
-    cos, sin = rope_tables(b, s, d, dtype, per_batch=cos_kind != "shared")
+    cos, sin = rope_tables(b, s, d, dtype, per_batch=cos_kind != "shared", interleaved=interleaved)
     if cos_kind == "expanded":  # (1, 1, S, D) expanded to (B, 1, S, D): batch stride 0
-        cos, sin = rope_tables(b, s, d, dtype)
+        cos, sin = rope_tables(b, s, d, dtype, interleaved=interleaved)
         cos, sin = cos.expand(b, 1, s, d), sin.expand(b, 1, s, d)
     return q, k, cos, sin
 
@@ -57,13 +60,13 @@ def _same(t):
     return None if t is None else t.detach().clone().requires_grad_(t.requires_grad)
 
 
-def check_fwd_bwd(q, k, cos, sin, dys=None):
+def check_fwd_bwd(q, k, cos, sin, dys=None, interleaved=False):
     """q_embed, k_embed, dq, dk (and dcos, dsin when they require grad) against float64, bounded
-    by PyTorch's own error in q's dtype."""
-    out = trifuse.ops.rotary_embedding(q, k, cos, sin)
+    by PyTorch's own error in q's dtype; the interleaved convention when `interleaved`."""
+    out = trifuse.ops.rotary_embedding(q, k, cos, sin, interleaved=interleaved)
     args64 = [_wide(t) for t in (q, k, cos, sin)]
     argslp = [_same(t) for t in (q, k, cos, sin)]
-    out64, outlp = rotary_embedding_ref(*args64), rotary_embedding_ref(*argslp)
+    out64, outlp = rotary_embedding_ref(*args64, interleaved), rotary_embedding_ref(*argslp, interleaved)
     names = ("q_embed", "k_embed")
     for name, o, o64, olp, x in zip(names, out, out64, outlp, (q, k)):
         if x is None:
@@ -92,16 +95,27 @@ def test_matches_float64_oracle(dtype, shape, cos_kind):
     check_fwd_bwd(*make(shape, dtype, cos_kind))
 
 
+@pytest.mark.parametrize("cos_kind", COS)
+@pytest.mark.parametrize("shape", SHAPES, ids=_ids)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_q_alone(dtype):
-    q, _, cos, sin = make((2, 3, 1, 11, 64), dtype, "per-batch")
-    check_fwd_bwd(q, None, cos, sin)
-    _, k_embed = torch.ops.trifuse.rotary_embedding(q, None, cos, sin)
+def test_interleaved_matches_float64_oracle(dtype, shape, cos_kind):
+    """GPT-J's, Cohere's, GLM's convention: pairs (x[2i], x[2i+1]); D = 2 and 6 give one and
+    three pairs, 80 and 96 a masked tail of pairs."""
+    check_fwd_bwd(*make(shape, dtype, cos_kind, interleaved=True), interleaved=True)
+
+
+@CONVENTIONS
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_q_alone(dtype, interleaved):
+    q, _, cos, sin = make((2, 3, 1, 11, 64), dtype, "per-batch", interleaved=interleaved)
+    check_fwd_bwd(q, None, cos, sin, interleaved=interleaved)
+    _, k_embed = torch.ops.trifuse.rotary_embedding(q, None, cos, sin, interleaved)
     assert k_embed.shape == (0,)
 
 
+@CONVENTIONS
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_strided_inputs_are_read_in_place(dtype, monkeypatch):
+def test_strided_inputs_are_read_in_place(dtype, interleaved, monkeypatch):
     """q and k as models make them: a projection viewed (B, S, H, D) and transposed, a chunk of a
     fused qkv projection, a partial-rotary slice; cos and sin sliced out of a wider table and a
     transposed incoming gradient. None of them is copied."""
@@ -115,15 +129,16 @@ def test_strided_inputs_are_read_in_place(dtype, monkeypatch):
     real_contiguous = rk._unit_last
     monkeypatch.setattr(rk, "_unit_last", lambda t: copies.append(t) or real_contiguous(t))
     dys = [torch.randn(b, s, h, d, device=DEVICE, dtype=dtype).transpose(1, 2) for _ in range(2)]
-    check_fwd_bwd(q, k, cos, sin, dys)
+    check_fwd_bwd(q, k, cos, sin, dys, interleaved=interleaved)
     assert all(c.stride(-1) == 1 for c in copies)
-    rot = 16  # partial rotary (Phi, GPT-NeoX): the first `rot` features of each head
-    cos_r, sin_r = rope_tables(b, s, rot, dtype)
-    check_fwd_bwd(q[..., :rot], k[..., :rot], cos_r, sin_r)
+    rot = 16  # partial rotary (Phi, GPT-NeoX, GLM): the first `rot` features of each head
+    cos_r, sin_r = rope_tables(b, s, rot, dtype, interleaved=interleaved)
+    check_fwd_bwd(q[..., :rot], k[..., :rot], cos_r, sin_r, interleaved=interleaved)
 
 
+@CONVENTIONS
 @pytest.mark.parametrize("path", ["eager", "registered", "reference"])
-def test_gradients_take_the_layout_of_projection_views(path, monkeypatch):
+def test_gradients_take_the_layout_of_projection_views(path, interleaved, monkeypatch):
     """dq and dk of transposed (B, S, H, D) q and k come in that layout: the projection's gradient
     then needs no copy through the transpose and the view. Other layouts get contiguous ones."""
     if path == "reference":
@@ -131,13 +146,15 @@ def test_gradients_take_the_layout_of_projection_views(path, monkeypatch):
     b, s, h, d = 2, 5, 4, 8
     q = torch.randn(b, s, h, d, device=DEVICE).transpose(1, 2).requires_grad_()
     k = torch.randn(b, s, 3 * h, d, device=DEVICE)[:, :, :h].transpose(1, 2).requires_grad_()  # a slice
-    cos, sin = rope_tables(b, s, d, torch.float32)
-    fn = torch.ops.trifuse.rotary_embedding if path == "registered" else trifuse.ops.rotary_embedding
-    outs = fn(q, k, cos, sin)
+    cos, sin = rope_tables(b, s, d, torch.float32, interleaved=interleaved)
+    if path == "registered":
+        outs = torch.ops.trifuse.rotary_embedding(q, k, cos, sin, interleaved)
+    else:
+        outs = trifuse.ops.rotary_embedding(q, k, cos, sin, interleaved=interleaved)
     dq, dk = torch.autograd.grad(outs, (q, k), [torch.ones_like(o) for o in outs])
     assert dq.stride() == q.stride() and dq.transpose(1, 2).is_contiguous()
     assert dk.is_contiguous()
-    check_fwd_bwd(q, k, cos, sin)
+    check_fwd_bwd(q, k, cos, sin, interleaved=interleaved)
 
 
 def test_per_head_tables():
@@ -154,15 +171,16 @@ def test_last_dim_strided_cos_is_copied_once():
     check_fwd_bwd(q, k, cos2, sin)
 
 
+@CONVENTIONS
 @pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32], ids=str)
-def test_fp32_tables_with_16_bit_q_and_k(dtype):
+def test_fp32_tables_with_16_bit_q_and_k(dtype, interleaved):
     """Under autocast Hugging Face computes cos and sin in fp32 beside 16-bit q and k: the outputs
     are fp32 as PyTorch's `q * cos` makes them, the gradients of q and k in their dtype."""
     q, k, cos, sin = make((2, 4, 2, 37, 80), dtype, "per-batch")
-    cos, sin = rope_tables(2, 37, 80, torch.float32, per_batch=True)
-    q_embed, k_embed = trifuse.ops.rotary_embedding(q, k, cos, sin)
+    cos, sin = rope_tables(2, 37, 80, torch.float32, per_batch=True, interleaved=interleaved)
+    q_embed, k_embed = trifuse.ops.rotary_embedding(q, k, cos, sin, interleaved=interleaved)
     assert q_embed.dtype == k_embed.dtype == torch.float32
-    check_fwd_bwd(q, k, cos, sin)
+    check_fwd_bwd(q, k, cos, sin, interleaved=interleaved)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -180,25 +198,29 @@ def test_nan_and_inf_propagate_like_pytorch():
     assert torch.equal(torch.isnan(out), torch.isnan(ref)) and torch.equal(torch.isinf(out), torch.isinf(ref))
 
 
-def test_cos_and_sin_gradients_when_they_train():
+@CONVENTIONS
+def test_cos_and_sin_gradients_when_they_train(interleaved):
     """Learned or trained cos/sin tables get their gradients (summed over heads, and over the
     batch for a shared table), never a silent zero."""
     for kind in COS[:2]:
-        q, k, cos, sin = make((2, 4, 2, 9, 16), torch.float32, kind)
-        check_fwd_bwd(q, k, cos.requires_grad_(), sin.requires_grad_())
-    q, _, cos, sin = make((2, 4, 2, 9, 16), torch.float32)
-    check_fwd_bwd(q, None, cos.requires_grad_(), sin)
+        q, k, cos, sin = make((2, 4, 2, 9, 16), torch.float32, kind, interleaved=interleaved)
+        check_fwd_bwd(q, k, cos.requires_grad_(), sin.requires_grad_(), interleaved=interleaved)
+    q, _, cos, sin = make((2, 4, 2, 9, 16), torch.float32, interleaved=interleaved)
+    check_fwd_bwd(q, None, cos.requires_grad_(), sin, interleaved=interleaved)
 
 
-def test_gradcheck_float64():
+@CONVENTIONS
+def test_gradcheck_float64(interleaved):
     # fast mode (random directions through the Jacobian): each evaluation is an interpreted kernel
-    q, k, cos, sin = make((2, 3, 1, 4, 6), torch.float64, "per-batch")
+    q, k, cos, sin = make((2, 3, 1, 4, 6), torch.float64, "per-batch", interleaved=interleaved)
     cos, sin = cos.requires_grad_(), sin.requires_grad_()
-    assert torch.autograd.gradcheck(lambda *a: trifuse.ops.rotary_embedding(*a), (q, k, cos, sin), fast_mode=True)
-    assert torch.autograd.gradcheck(lambda *a: torch.ops.trifuse.rotary_embedding(*a), (q, k, cos, sin),
+    il = interleaved
+    assert torch.autograd.gradcheck(lambda *a: trifuse.ops.rotary_embedding(*a, interleaved=il), (q, k, cos, sin),
                                     fast_mode=True)
-    assert torch.autograd.gradcheck(lambda q, c, s: trifuse.ops.rotary_embedding(q, None, c, s)[0], (q, cos, sin),
+    assert torch.autograd.gradcheck(lambda *a: torch.ops.trifuse.rotary_embedding(*a, il), (q, k, cos, sin),
                                     fast_mode=True)
+    assert torch.autograd.gradcheck(lambda q, c, s: trifuse.ops.rotary_embedding(q, None, c, s, interleaved=il)[0],
+                                    (q, cos, sin), fast_mode=True)
 
 
 def test_backward_saves_only_cos_and_sin():
@@ -209,12 +231,13 @@ def test_backward_saves_only_cos_and_sin():
     assert len(saved) == 2 and saved[0] is cos and saved[1] is sin
 
 
+@CONVENTIONS
 @pytest.mark.parametrize("with_k", [True, False], ids=["q-k", "q"])
-def test_eager_path_and_registered_op_are_bitwise_equal(with_k):
-    q, k, cos, sin = make((2, 4, 2, 37, 80), torch.float32, "per-batch")
+def test_eager_path_and_registered_op_are_bitwise_equal(with_k, interleaved):
+    q, k, cos, sin = make((2, 4, 2, 37, 80), torch.float32, "per-batch", interleaved=interleaved)
     k = k if with_k else None
-    eager = trifuse.ops.rotary_embedding(q, k, cos, sin)
-    op = torch.ops.trifuse.rotary_embedding(q, k, cos, sin)
+    eager = trifuse.ops.rotary_embedding(q, k, cos, sin, interleaved=interleaved)
+    op = torch.ops.trifuse.rotary_embedding(q, k, cos, sin, interleaved)
     inputs = [t for t in (q, k) if t is not None]
     outs = [o for o in eager if o is not None]
     for a, a_ in zip(outs, op):
@@ -241,6 +264,24 @@ def test_compiles_fullgraph_without_graph_breaks(dynamic):
         assert grads[0].stride() == q.stride()
 
 
+def test_compiles_the_interleaved_convention():
+    """`interleaved=True` reaches the traced op as its constant argument."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    fn = torch.compile(lambda *a: trifuse.ops.rotary_embedding(*a, interleaved=True), fullgraph=True,
+                       backend=backend)
+    q, k, cos, sin = make((2, 4, 2, 9, 16), torch.float32, interleaved=True)
+    out, ref = fn(q, k, cos, sin), trifuse.ops.rotary_embedding(q, k, cos, sin, interleaved=True)
+    for a, a_ in zip(out, ref):
+        assert torch.equal(a, a_)
+    calls = [n for n in graphs[0].graph.nodes if "rotary_embedding" in str(n.target)]
+    assert len(calls) == 1 and True in calls[0].args
+
+
 def test_opcheck_every_op():
     q, k, cos, sin = make((2, 4, 2, 5, 8), torch.float32, "per-batch")
     torch.library.opcheck(torch.ops.trifuse.rotary_embedding.default, (q, k, cos, sin))
@@ -253,14 +294,20 @@ def test_opcheck_every_op():
     torch.library.opcheck(backward, (dq, None, cos, sin, torch.float32, True, False))
     torch.library.opcheck(backward, (dq, dk, cos, sin, torch.float16, False, True))
     torch.library.opcheck(torch.ops.trifuse.rotary_embedding.default, (q.half(), k.half(), cos, sin))
+    # the interleaved convention
+    torch.library.opcheck(torch.ops.trifuse.rotary_embedding.default, (q, k, cos, sin, True))
+    torch.library.opcheck(torch.ops.trifuse.rotary_embedding.default,
+                          (q, None, cos.clone().requires_grad_(), sin.clone().requires_grad_(), True))
+    torch.library.opcheck(backward, (dq, dk, cos, sin, torch.float32, True, False, True))
 
 
 @settings(max_examples=15, deadline=None)
 @given(b=st.integers(0, 3), hq=st.integers(1, 4), hkv=st.integers(1, 3), s=st.integers(1, 40),
-       half=st.integers(1, 70), kind=st.sampled_from(COS))
-def test_hypothesis_shapes(b, hq, hkv, s, half, kind):
+       half=st.integers(1, 70), kind=st.sampled_from(COS), interleaved=st.booleans())
+def test_hypothesis_shapes(b, hq, hkv, s, half, kind, interleaved):
     torch.manual_seed(b * 10000 + s * 100 + half)
-    check_fwd_bwd(*make((b, hq, hkv, s, 2 * half), torch.float32, kind))
+    check_fwd_bwd(*make((b, hq, hkv, s, 2 * half), torch.float32, kind, interleaved=interleaved),
+                  interleaved=interleaved)
 
 
 @pytest.mark.gpu
@@ -330,14 +377,40 @@ def test_negative_control_other_rotation_fails(dtype, wrong):
     assert not ok, msg
 
 
+@CONVENTIONS
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_negative_control_forward_rotation_as_backward_fails(dtype):
-    """Gradients through the forward rotation (R instead of its transpose) must not pass."""
-    q, k, cos, sin = make((2, 4, 2, 16, 64), dtype)
-    dq_embed, dk_embed = torch.randn_like(q), torch.randn_like(k)
-    wrong_dq, _ = rk._launch(dq_embed, dk_embed, cos, sin, False, dtype)
+def test_negative_control_other_convention_fails(dtype, interleaved):
+    """The op in one convention against the other convention's reference must not pass (with
+    the tables of the convention it claims: the interleaved op on rotate-half tables and the
+    reverse), forward and through the backward; and a plan or compiled kernel of one convention
+    is never replayed for the other on the same shape."""
+    q, k, cos, sin = make((2, 4, 2, 16, 64), dtype, "per-batch", interleaved=not interleaved)
+    right = trifuse.ops.rotary_embedding(q, k, cos, sin, interleaved=not interleaved)  # same shape first
+    out = trifuse.ops.rotary_embedding(q, k, cos, sin, interleaved=interleaved)
+    ref64 = rotary_embedding_ref(*(t.detach().double() for t in (q, k, cos, sin)), not interleaved)
+    reflp = rotary_embedding_ref(q, k, cos, sin, not interleaved)
+    for name, o, good, r64, rlp in zip(("q_embed", "k_embed"), out, right, ref64, reflp):
+        assert check_close(name, good, r64, rlp)[0]
+        ok, msg = check_close(name, o, r64, rlp)
+        assert not ok, msg
+    dq_embed = torch.randn_like(q)
+    wrong_dq, _ = rk._launch(dq_embed, None, cos, sin, True, dtype, interleaved=interleaved)
     q64 = q.detach().double().requires_grad_()
-    (dq64,) = torch.autograd.grad(rotary_embedding_ref(q64, None, cos.double(), sin.double())[0], q64,
+    (dq64,) = torch.autograd.grad(rotary_embedding_ref(q64, None, cos.double(), sin.double(), not interleaved)[0],
+                                  q64, dq_embed.double())
+    ok, msg = check_close("dq in the other convention", wrong_dq, dq64, None)
+    assert not ok, msg
+
+
+@CONVENTIONS
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_negative_control_forward_rotation_as_backward_fails(dtype, interleaved):
+    """Gradients through the forward rotation (R instead of its transpose) must not pass."""
+    q, k, cos, sin = make((2, 4, 2, 16, 64), dtype, interleaved=interleaved)
+    dq_embed, dk_embed = torch.randn_like(q), torch.randn_like(k)
+    wrong_dq, _ = rk._launch(dq_embed, dk_embed, cos, sin, False, dtype, interleaved=interleaved)
+    q64 = q.detach().double().requires_grad_()
+    (dq64,) = torch.autograd.grad(rotary_embedding_ref(q64, None, cos.double(), sin.double(), interleaved)[0], q64,
                                   dq_embed.double())
     ok, msg = check_close("dq by the forward rotation", wrong_dq, dq64, None)
     assert not ok, msg
@@ -399,9 +472,19 @@ def test_mismatched_devices_raise():
         trifuse.ops.rotary_embedding(q, k, cos.to("meta"), sin)
 
 
-def test_reference_path_without_interpreter_matches(monkeypatch):
+@CONVENTIONS
+def test_reference_path_without_interpreter_matches(monkeypatch, interleaved):
     """CPU tensors without TRITON_INTERPRET run the PyTorch path: same maths, same API."""
     monkeypatch.setattr(rk, "use_triton", lambda t: False)
-    check_fwd_bwd(*make((2, 4, 2, 37, 80), torch.float32, "per-batch"))
-    q, _, cos, sin = make((2, 3, 1, 5, 6), torch.float16)
-    check_fwd_bwd(q, None, cos, sin)
+    check_fwd_bwd(*make((2, 4, 2, 37, 80), torch.float32, "per-batch", interleaved=interleaved),
+                  interleaved=interleaved)
+    q, _, cos, sin = make((2, 3, 1, 5, 6), torch.float16, interleaved=interleaved)
+    check_fwd_bwd(q, None, cos, sin, interleaved=interleaved)
+    q, k, cos, sin = make((2, 4, 2, 9, 16), torch.float32, interleaved=interleaved)
+    check_fwd_bwd(q, k, cos.requires_grad_(), sin.requires_grad_(), interleaved=interleaved)
+
+
+def test_interleaved_must_be_a_bool():
+    q, k, cos, sin = make((1, 2, 2, 4, 8), torch.float32)
+    with pytest.raises(TypeError, match="interleaved must be a bool"):
+        trifuse.ops.rotary_embedding(q, k, cos, sin, interleaved=1)
