@@ -48,6 +48,8 @@ FAMILIES = {
     "starcoder2": ("causal", _DECODER),
     "granite": ("causal", _DECODER),
     "cohere": ("causal", {**_DECODER, "num_key_value_heads": HEADS}),
+    "glm": ("causal", {**_DECODER, "num_key_value_heads": 2}),
+    "helium": ("causal", {**_DECODER, "num_key_value_heads": 2, "head_dim": HIDDEN // HEADS}),
     "bert": ("masked", _DECODER),
     "roberta": ("masked", _DECODER),
     "distilbert": ("masked", {"dim": HIDDEN, "hidden_dim": 2 * HIDDEN, "n_layers": LAYERS, "n_heads": HEADS}),

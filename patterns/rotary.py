@@ -1,5 +1,6 @@
 """Rotary position embedding, as Hugging Face's `apply_rotary_pos_emb` writes it (Llama, Mistral,
-Qwen2, Gemma, OLMo, Falcon, Phi, GPT-NeoX, StableLM, ...), becoming `trifuse.ops.rotary_embedding`:
+Qwen2, Gemma, OLMo, Falcon, Phi, GPT-NeoX, StableLM, ...; interleaved: Cohere, GLM, Helium),
+becoming `trifuse.ops.rotary_embedding`:
 
     cos = cos.unsqueeze(1); sin = sin.unsqueeze(1)
     q_embed = (q * cos) + (rotate_half(q) * sin)
@@ -15,8 +16,18 @@ Filters: rotate_half splits the last dim exactly in half (the same half in both 
 along the last dim); cos and sin are 4-D. That they broadcast to q and k (batch or 1, 1,
 positions, head_dim), q and k share a dtype and cos and sin share one (fp32 tables beside 16-bit
 q and k, as under autocast, are fine) the op checks when the replacement is tried. cos and sin
-may require grad (learned tables): the op gives their gradients. Not matched: the interleaved
-convention (Cohere's, GPT-J's `rotate_every_two`: a stack + flatten, another function).
+may require grad (learned tables): the op gives their gradients.
+
+The interleaved convention (Cohere, GLM, Helium) becomes the op with `interleaved=True`:
+
+    rotate_half(x) = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+(`x[..., ::2]` or `x[..., 0::2]` for the even features), q and k together or a tensor alone, and
+on GLM's partial-rotary slices as above. Cohere's `q.float()` before it and `.to(dtype)` after it
+stay as written: the op takes the fp32 q and k. Filters: the pairing is exactly (0::2, 1::2) of
+the last dim (the stack along the new last dim, the flatten of the last two); cos and sin 4-D.
+Not matched: GPT-J's own `rotate_every_two` (`x[:, :, :, ::2]` on (B, S, H, D) tensors, which
+the op does not take), swapped or sign-flipped pairs.
 """
 import torch
 
@@ -71,6 +82,53 @@ def _rotates_half_of_last_dim(names: tuple[str, ...]):
     return check
 
 
+# The interleaved rotate_half: the even features' slice start is a parameter (transformers
+# writes `x[..., ::2]` in Cohere, `x[..., 0::2]` in GLM and Helium), the filter checks it.
+
+
+def rotary_interleaved_q_k(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_start, k_start,
+                           dim, flat):
+    """Cohere's, GLM's and Helium's apply_rotary_pos_emb after its unsqueeze."""
+    q_embed = q * cos + torch.stack((-q[..., 1::2], q[..., q_start::2]), dim=dim).flatten(flat) * sin
+    k_embed = k * cos + torch.stack((-k[..., 1::2], k[..., k_start::2]), dim=dim).flatten(flat) * sin
+    return q_embed, k_embed
+
+
+def rotary_interleaved_q_k_fused(q, k, cos, sin, q_start=None, k_start=None, dim=None, flat=None):
+    out = ops.rotary_embedding(q, k, cos, sin, interleaved=True)
+    return out[0], out[1]
+
+
+def rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x_start, dim, flat):
+    """One tensor rotated alone, interleaved."""
+    return x * cos + torch.stack((-x[..., 1::2], x[..., x_start::2]), dim=dim).flatten(flat) * sin
+
+
+def rotary_interleaved_fused(x, cos, sin, x_start=None, dim=None, flat=None):
+    return ops.rotary_embedding(x, None, cos, sin, interleaved=True)[0]
+
+
+def _pairs_last_dim(names: tuple[str, ...]):
+    def check(m: Match) -> str | None:
+        dim, flat = m.value("dim"), m.value("flat")
+        for name in names:
+            x = m.value(name)
+            if not isinstance(x, torch.Tensor):
+                return f"no shape for {name}"
+            start = m.value(f"{name}_start")
+            if start is not None and (not isinstance(start, int) or isinstance(start, bool) or start != 0):
+                return f"the interleaved rotate_half pairs {name}[..., {start!r}::2] with {name}[..., 1::2], not 0::2"
+            # stack adds a last dim (index x.dim()), flatten merges it with the one before.
+            if not isinstance(dim, int) or isinstance(dim, bool) or dim not in (-1, x.dim()):
+                return f"the interleaved rotate_half stacks {name} along dim {dim!r}, not a new last dim"
+            if not isinstance(flat, int) or isinstance(flat, bool) or flat not in (-2, x.dim() - 1):
+                return f"the interleaved rotate_half flattens {name} from dim {flat!r}, not the last two dims"
+        return None
+
+    check.__name__ = "pairs_last_dim"
+    return check
+
+
 def _cos_sin_are_4d(m: Match) -> str | None:
     """The op takes cos and sin after Hugging Face's unsqueeze; a 2-D (S, D) table broadcast by
     PyTorch is left as written (the op would need a view of it)."""
@@ -89,4 +147,8 @@ PATTERNS = (
     Pattern("rotary_q_k", "rotary", rotary_q_k, rotary_q_k_fused, _OPS,
             (_rotates_half_of_last_dim(("q", "k")), _cos_sin_are_4d)),
     Pattern("rotary", "rotary", rotary, rotary_fused, _OPS, (_rotates_half_of_last_dim(("x",)), _cos_sin_are_4d)),
+    Pattern("rotary_interleaved_q_k", "rotary", rotary_interleaved_q_k, rotary_interleaved_q_k_fused, _OPS,
+            (_pairs_last_dim(("q", "k")), _cos_sin_are_4d)),
+    Pattern("rotary_interleaved", "rotary", rotary_interleaved, rotary_interleaved_fused, _OPS,
+            (_pairs_last_dim(("x",)), _cos_sin_are_4d)),
 )

@@ -127,6 +127,12 @@ _FAMILIES = {
             "attention_dropout": 0.0},
     "t5": {"d_model": HIDDEN, "d_ff": 2 * HIDDEN, "d_kv": HIDDEN // HEADS, "num_layers": LAYERS, "num_heads": HEADS,
            "dropout_rate": 0.0, "decoder_start_token_id": 0},
+    # the interleaved rotary convention: Cohere's on fp32 copies of q and k (`.float()`), its
+    # parallel attention + MLP after one LayerNorm; GLM's on the first half of each head (partial
+    # rotary), its tables halved and repeated per pair; Helium's on the whole head
+    "cohere": {**_DECODER, **_MLP, "num_key_value_heads": HEADS},
+    "glm": {**_DECODER, **_MLP, "num_key_value_heads": 1, "head_dim": HIDDEN // HEADS},
+    "helium": {**_DECODER, **_MLP, "num_key_value_heads": 1, "head_dim": HIDDEN // HEADS},
     "bart": {"d_model": HIDDEN, "encoder_layers": LAYERS, "decoder_layers": LAYERS, "encoder_attention_heads": HEADS,
              "decoder_attention_heads": HEADS, "encoder_ffn_dim": 2 * HIDDEN, "decoder_ffn_dim": 2 * HIDDEN,
              "dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0, "decoder_start_token_id": 0},

@@ -18,7 +18,8 @@ PRE_NORM = {"layer_norm": L + 1, "attention": L, "bias_gelu": L, "residual_strea
 LOSS = {"cross_entropy": 1}
 # Gated MLPs (Llama, Gemma, OLMo, Phi-3, Qwen2): act(gate_proj(x)) * up_proj(x), once per block.
 GATED = {"gated_activation": L}
-# q and k of every block rotated together (partial-rotary Phi and GPT-NeoX: on their slices)
+# q and k of every block rotated together (partial-rotary Phi, GPT-NeoX and GLM: on their slices;
+# Cohere, GLM and Helium in the interleaved convention)
 ROTARY = {"rotary": L}
 # nanoGPT calls its blocks from the forward that computes the loss: the head capture (installed
 # when the cross-entropy ops exist) traces the whole model, and the residual stream fuses across
@@ -78,6 +79,14 @@ MODELS = {
                                  **LOSS}),
     "gpt_neox": (_family("gpt_neox"),
                  {"layer_norm": 2 * L + 1, "attention": L, "bias_gelu": L, "dropout_add": L, **ROTARY, **LOSS}),
+    # The interleaved rotary convention (rotary_interleaved_q_k). Cohere rotates fp32 copies of
+    # q and k (`.float()`, cast back after); its parallel block sums residual + attention + MLP
+    # in one expression, with no norm after it inside the block: nothing there to fuse.
+    "cohere": (_family("cohere"), {"layer_norm": L + 1, "attention": L, **GATED, **ROTARY, **LOSS}),
+    # GLM: partial rotary on the first half of each head, tables halved and repeated per pair
+    "glm": (_family("glm"), {"rms_norm": L + 1, "attention": L, "residual_stream": L, **GATED, **ROTARY, **LOSS}),
+    "helium": (_family("helium"), {"rms_norm": L + 1, "attention": L, "residual_stream": L, **GATED, **ROTARY,
+                                   **LOSS}),
     # OPT flattens the sum to rows before the MLP's norm (a reshape that commutes with the norm)
     "opt": (_family("opt"), {"layer_norm": L + 1, "attention": L, "residual_stream": L, "dropout_add": L, **LOSS}),
     # encoder-decoder: L encoder and L decoder blocks; each stack's last add feeds its final norm

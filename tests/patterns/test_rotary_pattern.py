@@ -1,5 +1,6 @@
 """Rotary position embedding as Hugging Face writes it (apply_rotary_pos_emb, rotate_half), full and
-partial rotary, q and k together or a tensor alone; what must not fuse; SDPA after it still fuses."""
+partial rotary, q and k together or a tensor alone, rotate-half and interleaved (Cohere, GLM,
+Helium) conventions; what must not fuse; SDPA after it still fuses."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -43,15 +44,48 @@ def rotate_half_off_centre(x):
 
 
 def rotate_interleaved(x):
-    """GPT-J's and Cohere's convention: a different rotation, not ours."""
-    x1, x2 = x[..., ::2], x[..., 1::2]
+    """transformers' rotate_half of GLM and Helium, verbatim: the interleaved convention."""
+    x1 = x[..., 0::2]
+    x2 = x[..., 1::2]
     return torch.stack((-x2, x1), dim=-1).flatten(-2)
 
 
-def rope_tables(s, d, per_batch):
+def rotate_interleaved_cohere(x):
+    """transformers' rotate_half of Cohere, verbatim."""
+    x1 = x[..., ::2]
+    x2 = x[..., 1::2]
+    rot_x = torch.stack([-x2, x1], dim=-1).flatten(-2)
+    return rot_x
+
+
+def rotate_interleaved_swapped(x):
+    """Near miss: the odd features taken as the first of each pair (1::2 then 0::2)."""
+    x1 = x[..., 1::2]
+    x2 = x[..., 0::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+def rotate_interleaved_sign_flipped(x):
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x2, -x1), dim=-1).flatten(-2)
+
+
+def rotate_interleaved_odd_only(x):
+    """Near miss: both slices 1::2 (the even features never read)."""
+    return torch.stack((-x[..., 1::2], x[..., 1::2]), dim=-1).flatten(-2)
+
+
+def rotate_interleaved_stacked_before_last(x):
+    """Near miss: stacked along dim -2, so flatten(-2) concatenates the halves instead."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-2).flatten(-2)
+
+
+def rope_tables(s, d, per_batch, interleaved=False):
     inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
     pos = torch.arange(s).float()[None] + (torch.arange(B).float()[:, None] if per_batch else 0)
-    emb = torch.cat((pos[..., None] * inv_freq, pos[..., None] * inv_freq), dim=-1)
+    freqs = pos[..., None] * inv_freq
+    emb = freqs.repeat_interleave(2, dim=-1) if interleaved else torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()  # (B or 1, S, D), before the unsqueeze
 
 
@@ -63,7 +97,8 @@ class Rotary(nn.Module):
         super().__init__()
         self.q_proj, self.k_proj = nn.Linear(HQ * D, HQ * D, bias=False), nn.Linear(HQ * D, HKV * D, bias=False)
         self.v_proj = nn.Linear(HQ * D, HKV * D, bias=False)
-        cos, sin = rope_tables(S, rot, per_batch)
+        cos, sin = rope_tables(S, rot, per_batch, interleaved=rotate is not rotate_half and "interleaved" in
+                               getattr(rotate, "__name__", ""))
         if learned:
             self.cos, self.sin = nn.Parameter(cos), nn.Parameter(sin)
         else:
@@ -122,6 +157,75 @@ def test_spelling_fuses_and_matches(make, pattern, capture):
     assert check_against_unfused(make, X, capture).by_pattern() == {pattern: 1}
 
 
+def apply_rotary_pos_emb_cohere(q, k, cos, sin, unsqueeze_dim=1):
+    """transformers' apply_rotary_pos_emb of Cohere (5.x), verbatim: fp32 around the rotation."""
+    dtype = q.dtype
+    q = q.float()
+    k = k.float()
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    q_embed = (q * cos) + (rotate_interleaved_cohere(q) * sin)
+    k_embed = (k * cos) + (rotate_interleaved_cohere(k) * sin)
+    return q_embed.to(dtype=dtype), k_embed.to(dtype=dtype)
+
+
+def apply_rotary_pos_emb_glm(q, k, cos, sin, unsqueeze_dim=1):
+    """transformers' apply_rotary_pos_emb of GLM (5.x), verbatim: tables of the full head dim
+    halved and repeated per pair, partial rotary."""
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
+    sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
+    rotary_dim = cos.shape[-1]
+    q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:]
+    k_rot, k_pass = k[..., :rotary_dim], k[..., rotary_dim:]
+    q_embed = (q_rot * cos) + (rotate_interleaved(q_rot) * sin)
+    k_embed = (k_rot * cos) + (rotate_interleaved(k_rot) * sin)
+    q_embed = torch.cat([q_embed, q_pass], dim=-1)
+    k_embed = torch.cat([k_embed, k_pass], dim=-1)
+    return q_embed, k_embed
+
+
+class InterleavedHFRotary(Rotary):
+    """Cohere's or GLM's function, called as their attention calls it."""
+
+    def __init__(self, apply, half_q_k=False):
+        super().__init__(rotate=rotate_interleaved, half_q_k=half_q_k)
+        self.apply_fn = apply
+
+    def forward(self, x):
+        q = self.q_proj(x).view(B, S, -1, D).transpose(1, 2)
+        k = self.k_proj(x).view(B, S, -1, D).transpose(1, 2)
+        if self.half_q_k:
+            q, k = q.half(), k.half()
+        return self.apply_fn(q, k, self.cos, self.sin)
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("make, pattern", [
+    (lambda: InterleavedHFRotary(apply_rotary_pos_emb_cohere), "rotary_interleaved_q_k"),
+    (lambda: InterleavedHFRotary(apply_rotary_pos_emb_glm), "rotary_interleaved_q_k"),
+    (lambda: Rotary(rotate=rotate_interleaved), "rotary_interleaved_q_k"),
+    (lambda: Rotary(rotate=rotate_interleaved_cohere, per_batch=True), "rotary_interleaved_q_k"),
+    (lambda: Rotary(rotate=rotate_interleaved, rot=4), "rotary_interleaved_q_k"),
+    (lambda: Rotary(rotate=rotate_interleaved, which="q"), "rotary_interleaved"),
+    (lambda: Rotary(rotate=rotate_interleaved, learned=True), "rotary_interleaved_q_k"),
+], ids=["hf-cohere", "hf-glm", "hf-helium", "cohere-per-batch", "partial-rotary", "q-alone", "learned-cos-sin"])
+def test_interleaved_spelling_fuses_and_matches(make, pattern, capture):
+    """The interleaved convention becomes the op with interleaved=True; outputs and every
+    gradient equal the unfused module's."""
+    assert check_against_unfused(make, X, capture).by_pattern() == {pattern: 1}
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_cohere_upcast_of_fp16_q_and_k_fuses(capture):
+    """Cohere's `.float()` before the rotation and `.to(dtype)` after it stay: the op takes the
+    fp32 q and k (outputs only, as for the autocast mix above)."""
+    report = check_against_unfused(lambda: InterleavedHFRotary(apply_rotary_pos_emb_cohere, half_q_k=True), X,
+                                   capture, grads=False)
+    assert report.by_pattern() == {"rotary_interleaved_q_k": 1}
+
+
 @pytest.mark.parametrize("capture", CAPTURES)
 def test_fp16_q_and_k_with_fp32_tables_fuse(capture):
     """Autocast's mix: the op returns fp32 as `q * cos` does (no cast added). Outputs only: the
@@ -148,10 +252,11 @@ def test_trifuse_op_runs_forward_and_backward():
 @pytest.mark.parametrize("capture", CAPTURES)
 @pytest.mark.parametrize("make", [
     lambda: Rotary(rotate=rotate_half_sign_flipped),
-    lambda: Rotary(rotate=rotate_interleaved),
-], ids=["sign-flipped", "interleaved"])
+    lambda: Rotary(rotate=rotate_interleaved_swapped),
+    lambda: Rotary(rotate=rotate_interleaved_sign_flipped),
+], ids=["sign-flipped", "interleaved-swapped", "interleaved-sign-flipped"])
 def test_other_rotations_are_left_as_written(make, capture):
-    """Not rotate-half: nothing matches, and the module computes what it did."""
+    """Neither convention: nothing matches, and the module computes what it did."""
     report = check_against_unfused(make, X, capture)
     assert report.counts() == {}
 
@@ -160,9 +265,12 @@ def test_other_rotations_are_left_as_written(make, capture):
 @pytest.mark.parametrize("make, reason", [
     (lambda: Rotary(rotate=rotate_half_off_centre), "splits q's last dim (8) at 3, not in half"),
     (lambda: Rotary(table_2d=True), "cos is 2-D, not (batch or 1, 1, seq, head_dim)"),
-], ids=["split-off-centre", "2d-table"])
+    (lambda: Rotary(rotate=rotate_interleaved_odd_only), "pairs q[..., 1::2] with q[..., 1::2], not 0::2"),
+    (lambda: Rotary(rotate=rotate_interleaved_stacked_before_last), "stacks q along dim -2, not a new last dim"),
+    (lambda: Rotary(rotate=rotate_interleaved, table_2d=True), "cos is 2-D, not (batch or 1, 1, seq, head_dim)"),
+], ids=["split-off-centre", "2d-table", "interleaved-odd-only", "interleaved-stack-dim", "interleaved-2d-table"])
 def test_rejected_with_reason(make, reason, capture):
     report = check_against_unfused(make, X, capture)
     assert report.counts() == {}
-    reasons = [why for _, _, pattern, why in report.rejected() if pattern == "rotary_q_k"]
+    reasons = [why for _, _, pattern, why in report.rejected() if pattern in ("rotary_q_k", "rotary_interleaved_q_k")]
     assert any(reason in why for why in reasons), reasons
