@@ -43,12 +43,13 @@ Dtypes: q and k of one float dtype, cos and sin of one (possibly another: fp32 t
 16-bit q and k under autocast, as Hugging Face computes them there); outputs in the promoted
 dtype, as PyTorch's `q * cos` gives (q's when the tables are in it); dq and dk in q's dtype.
 
-Kernel: one launch each way for q and k together, the convention a constexpr (INTERLEAVED). A 1-D grid enumerates (batch, block of
-positions, head) with the head fastest, so the programs that read one tile of cos and sin run
-next to each other (the later ones should find it in L2; not yet measured). A program rotates a BLOCK_S x D tile of
-one head as its two halves (BLOCK_S x BLOCK_HALF each, BLOCK_HALF the power of two >= D / 2,
-masked; interleaved, the even and the odd features, stride-2 loads): D = 80 or 96 pads to 64-wide
-halves. int64 offsets (tensors past 2^31 elements).
+Kernel: one launch each way for q and k together, the convention a constexpr (INTERLEAVED). A
+1-D grid enumerates (batch, block of positions, head) with the head fastest, so the programs that
+read one tile of cos and sin run next to each other (the later ones should find it in L2; not yet
+measured). A program rotates a BLOCK_S x D tile of one head as its two halves (BLOCK_S x
+BLOCK_HALF each, BLOCK_HALF the power of two >= D / 2, masked; interleaved, the even and the odd
+features, stride-2 loads): D = 80 or 96 pads to 64-wide halves. int64 offsets (tensors past 2^31
+elements).
 """
 import torch
 import triton
