@@ -92,26 +92,12 @@ def test_new_shapes_and_modes_recapture_a_bounded_number_of_times():
     assert report.counts()["residual_stream"] == _models.LAYERS
 
 
-def test_autocast():
-    # bf16 on a GPU; fp16 on CPU (bf16 arithmetic is wrong in Triton's interpreter)
+def _fused_under_autocast(build):
+    """(fused model, its loss, the unfused loss in the autocast dtype, the float64 loss): bf16 on a
+    GPU; fp16 on CPU (bf16 arithmetic is wrong in Triton's interpreter)."""
     dtype = torch.bfloat16 if _models.DEVICE == "cuda" else torch.float16
     torch.manual_seed(0)
-    model, inputs, loss_fn = _models.gpt2()
-    ref, ref64 = copy.deepcopy(model), copy.deepcopy(model).double()
-    trifuse.fuse(model)
-    kw = inputs(2, 8)
-    with torch.autocast(_models.DEVICE, dtype=dtype):
-        fused, lowp = loss_fn(model, kw), loss_fn(ref, kw)
-    assert fused.dtype == lowp.dtype
-    assert_close("autocast loss", fused, loss_fn(ref64, kw), lowp)
-    assert f"autocast {_models.DEVICE} {str(dtype).replace('torch.', '')}" in trifuse.report(model).table()
-
-
-
-def _llama_under_autocast():
-    dtype = torch.bfloat16 if _models.DEVICE == "cuda" else torch.float16
-    torch.manual_seed(0)
-    model, inputs, loss_fn = _models.llama()
+    model, inputs, loss_fn = build()
     ref, ref64 = copy.deepcopy(model), copy.deepcopy(model).double()
     trifuse.fuse(model)
     kw = inputs(2, 8)
@@ -120,11 +106,19 @@ def _llama_under_autocast():
     return model, fused, lowp, loss_fn(ref64, kw)
 
 
+def test_autocast():
+    model, fused, lowp, ref64 = _fused_under_autocast(_models.gpt2)
+    assert fused.dtype == lowp.dtype
+    assert_close("autocast loss", fused, ref64, lowp)
+    dtype = "bfloat16" if _models.DEVICE == "cuda" else "float16"
+    assert f"autocast {_models.DEVICE} {dtype}" in trifuse.report(model).table()
+
+
 def test_autocast_llama_rotary_and_gated_mlp():
     """Hugging Face's rotary tables are fp32 beside 16-bit q and k under autocast: the fused
     rotary keeps the promotion (fp32 q and k, as `q * cos` gives), the gated MLP runs on the 16-bit
     projections, and the loss matches the unfused model's."""
-    model, fused, lowp, ref64 = _llama_under_autocast()
+    model, fused, lowp, ref64 = _fused_under_autocast(_models.llama)
     assert fused.dtype == lowp.dtype
     assert_close("autocast loss", fused, ref64, lowp)
     fused.backward()
@@ -135,7 +129,7 @@ def test_autocast_llama_rotary_and_gated_mlp():
 def test_autocast_llama_fuses_its_attention():
     """Under autocast q and k are fp32 (rotary with fp32 tables) and v 16-bit: the op casts them
     as SDPA's autocast does, so the attention fuses (found in review: it was left as written)."""
-    model, fused, lowp, ref64 = _llama_under_autocast()
+    model, fused, lowp, ref64 = _fused_under_autocast(_models.llama)
     assert trifuse.report(model).counts().get("attention", 0) == _models.LAYERS
     assert_close("autocast loss", fused, ref64, lowp)
 
