@@ -183,18 +183,18 @@ def _rotary_embedding_kernel(
 TILE_HALF = 2048
 
 _rotary_embedding = CachedKernel(_rotary_embedding_kernel)
-_plans: dict[tuple[int, int, bool], tuple[int, int, int]] = {}
+_plans: dict[tuple[int, int], tuple[int, int, int]] = {}
 
 
-def _plan(s: int, d: int, interleaved: bool) -> tuple[int, int, int]:
-    """(BLOCK_S, BLOCK_HALF, num_warps) for S positions of head dim D; cached per shape and
-    convention (the same numbers today, but a plan is never shared across conventions)."""
-    plan = _plans.get((s, d, interleaved))
+def _plan(s: int, d: int) -> tuple[int, int, int]:
+    """(BLOCK_S, BLOCK_HALF, num_warps) for S positions of head dim D, cached per shape: both
+    conventions tile alike (the INTERLEAVED constexpr, in CachedKernel's key, picks the kernel)."""
+    plan = _plans.get((s, d))
     if plan is None:
         block_half = max(next_power_of_2(d // 2), 2)
         block_s = min(max(TILE_HALF // block_half, 1), next_power_of_2(s))
         plan = (block_s, block_half, min(max(block_s * block_half // 256, 1), 8))
-        store_plan(_plans, (s, d, interleaved), plan)
+        store_plan(_plans, (s, d), plan)
     return plan
 
 
@@ -239,7 +239,7 @@ def _launch(x: torch.Tensor, y: torch.Tensor | None, cos: torch.Tensor, sin: tor
     x, cos, sin = _unit_last(x), _unit_last(cos), _unit_last(sin)
     y = x if y is None else _unit_last(y)
     y_out = xo if yo is None else yo
-    block_s, block_half, num_warps = _plan(s, d, interleaved)
+    block_s, block_half, num_warps = _plan(s, d)
     s_blocks = cdiv(s, block_s)
     _rotary_embedding[(b * s_blocks * (hq + hkv),)](
         x, y, cos, sin, xo, y_out, hq, hkv, s, d // 2, s_blocks,
@@ -361,8 +361,6 @@ def _check_inputs(q: object, k: object, cos: object, sin: object) -> None:
 
 Tensor = torch.Tensor
 OptTensor = torch.Tensor | None
-
-
 
 
 @torch.library.custom_op("trifuse::rotary_embedding", mutates_args=())

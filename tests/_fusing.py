@@ -54,6 +54,17 @@ class DynamoHost(nn.Module):
         return self.blocks[0](*args)
 
 
+class Act(nn.Module):
+    """A module around an activation function, as models hold theirs (`self.act_fn(x)`)."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
 def fuse_via(module: nn.Module, capture: str, **kwargs) -> nn.Module:
     """The fused model to call: `module` itself fused by fx, or a Dynamo host around it."""
     target = module if capture == "fx" else DynamoHost(module)

@@ -5,7 +5,14 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from _fusing import check_against_unfused, check_sharded_against_unfused, fuse_via, needs_ops, trifuse_ops_run
+from _fusing import (
+    Act,
+    check_against_unfused,
+    check_sharded_against_unfused,
+    fuse_via,
+    needs_ops,
+    trifuse_ops_run,
+)
 from torch import nn
 
 pytestmark = needs_ops("bias_gelu")
@@ -32,15 +39,6 @@ def quick_gelu(x):  # an approximation with other maths: must not become GeLU
 
 def wrong_constant_gelu(x):
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.04 * torch.pow(x, 3.0))))
-
-
-class Act(nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, x):
-        return self.fn(x)
 
 
 class LinearAct(nn.Module):

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from _fusing import check_against_unfused, fuse_via, needs_ops, trifuse_ops_run
+from _fusing import Act, check_against_unfused, fuse_via, needs_ops, trifuse_ops_run
 from torch import nn
 
 import trifuse
@@ -36,15 +36,6 @@ def sigmoid_first_silu(x):
 
 def quick_gelu(x):  # x * sigmoid(1.702 x): other maths, must not become SiLU
     return x * torch.sigmoid(1.702 * x)
-
-
-class Act(nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, x):
-        return self.fn(x)
 
 
 class GatedMLP(nn.Module):
