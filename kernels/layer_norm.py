@@ -391,28 +391,31 @@ def _sum_partials_kernel(
     BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
     STORE_DW: tl.constexpr, STORE_DB: tl.constexpr, STORE_DXB: tl.constexpr,
 ):
-    """Sums the backward's partial rows in a fixed order (deterministic) and casts once."""
+    """Sums the backward's partial rows in a fixed order (deterministic) and casts once.
+
+    A program owns BLOCK_N columns and walks the partial rows BLOCK_P at a time, adding whole
+    tiles (no cross-warp reduction per step); the rows are summed once at the end."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
-    acc_w = tl.zeros([BLOCK_N], dtype=PARTIAL.dtype.element_ty)
-    acc_b = tl.zeros([BLOCK_N], dtype=PARTIAL.dtype.element_ty)
-    acc_xb = tl.zeros([BLOCK_N], dtype=PARTIAL.dtype.element_ty)
+    acc_w = tl.zeros([BLOCK_P, BLOCK_N], dtype=PARTIAL.dtype.element_ty)
+    acc_b = tl.zeros([BLOCK_P, BLOCK_N], dtype=PARTIAL.dtype.element_ty)
+    acc_xb = tl.zeros([BLOCK_P, BLOCK_N], dtype=PARTIAL.dtype.element_ty)
     for start in range(0, programs, BLOCK_P):
         prog = start + tl.arange(0, BLOCK_P)
         offs = prog[:, None].to(tl.int64) * N + cols[None, :]
         mask = (prog[:, None] < programs) & col_mask[None, :]
         if STORE_DW:
-            acc_w += tl.sum(tl.load(PARTIAL + offs, mask=mask, other=0.0), axis=0)
+            acc_w += tl.load(PARTIAL + offs, mask=mask, other=0.0)
         if STORE_DB:
-            acc_b += tl.sum(tl.load(PARTIAL + stride_pk + offs, mask=mask, other=0.0), axis=0)
+            acc_b += tl.load(PARTIAL + stride_pk + offs, mask=mask, other=0.0)
         if STORE_DXB:
-            acc_xb += tl.sum(tl.load(PARTIAL + 2 * stride_pk + offs, mask=mask, other=0.0), axis=0)
+            acc_xb += tl.load(PARTIAL + 2 * stride_pk + offs, mask=mask, other=0.0)
     if STORE_DW:
-        tl.store(DW + cols, acc_w.to(DW.dtype.element_ty), mask=col_mask)
+        tl.store(DW + cols, tl.sum(acc_w, axis=0).to(DW.dtype.element_ty), mask=col_mask)
     if STORE_DB:
-        tl.store(DB + cols, acc_b.to(DB.dtype.element_ty), mask=col_mask)
+        tl.store(DB + cols, tl.sum(acc_b, axis=0).to(DB.dtype.element_ty), mask=col_mask)
     if STORE_DXB:
-        tl.store(DXB + cols, acc_xb.to(DXB.dtype.element_ty), mask=col_mask)
+        tl.store(DXB + cols, tl.sum(acc_xb, axis=0).to(DXB.dtype.element_ty), mask=col_mask)
 
 
 _layer_norm_fwd = CachedKernel(_layer_norm_fwd_kernel)
@@ -463,6 +466,19 @@ def _fwd_launch(cfg: triton.Config, m: int, n: int, constexprs: dict, args: tupl
     _layer_norm_fwd.run(grid, args, meta)
 
 
+# The partial sums' reduction reads programs x N fp32 per vector (up to ~4 MiB at GPT-2's
+# widths): spread it over ~SUM_PROGRAMS programs of narrow column blocks (32 fp32 columns are one
+# 128-byte line per partial row), each adding SUM_TILE elements per step. One program per 1024
+# columns, as before, left a single SM to read it all at width 1024.
+SUM_PROGRAMS, SUM_TILE = 128, 2048
+
+
+def _sum_tile(n: int, programs: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_P) of the partial sums' reduction for width n and `programs` partial rows."""
+    block_n = min(max(next_power_of_2(cdiv(n, SUM_PROGRAMS)), 32), 1024)
+    return block_n, min(max(SUM_TILE // block_n, 1), next_power_of_2(programs))
+
+
 def _bwd_plan(cfg: triton.Config, m: int, n: int, sms: int, constexprs: dict, sum_flags: dict) -> tuple:
     """The backward's plan for `cfg`: PROGRAMS_PER_SM x SMs programs at most, each owning a
     contiguous range of rows (a multiple of BLOCK_M) and one row of the fp32 partial sums,
@@ -473,8 +489,8 @@ def _bwd_plan(cfg: triton.Config, m: int, n: int, sms: int, constexprs: dict, su
     programs = cdiv(m, rows_per_program)
     meta = {**constexprs, "BLOCK_M": block_m, "BLOCK_N": block_n, "SINGLE_BLOCK": single,
             "num_warps": cfg.num_warps}
-    sum_block = min(next_power_of_2(n), 1024)
-    sum_meta = {"BLOCK_N": sum_block, "BLOCK_P": 16, **sum_flags, "num_warps": 4}
+    sum_block, sum_rows = _sum_tile(n, programs)
+    sum_meta = {"BLOCK_N": sum_block, "BLOCK_P": sum_rows, **sum_flags, "num_warps": 4}
     return (programs,), meta, programs, rows_per_program, not single, (cdiv(n, sum_block),), sum_meta
 
 

@@ -277,6 +277,18 @@ def test_vector_grads_are_deterministic():
         assert torch.equal(a, a_)
 
 
+def test_partial_sums_cross_row_tiles_and_column_blocks(monkeypatch):
+    """dweight, dbias and dx_bias when the partial sums' reduction walks several row tiles (the
+    last one ragged) in several column blocks (the last one ragged), as at GPU sizes."""
+    monkeypatch.setattr(ln_mod, "SUM_TILE", 128)  # BLOCK_P 4 at 32 columns a program
+    monkeypatch.setattr(ln_mod, "_BWD_PLANS", {})
+    check_fwd_bwd(make((150, 100), torch.float32))
+    (plan,) = ln_mod._BWD_PLANS.values()
+    programs, sum_grid, sum_meta = plan[2], plan[5], plan[6]
+    assert (sum_meta["BLOCK_N"], sum_meta["BLOCK_P"], sum_grid) == (32, 4, (4,))
+    assert programs > sum_meta["BLOCK_P"] and programs % sum_meta["BLOCK_P"] != 0
+
+
 def _registered(x, r, w, b, xb, norm, p=P):
     if norm == "rms_norm":
         return torch.ops.trifuse.dropout_add_rms_norm(x, r, [x.shape[-1]], w, EPS, p, xb)[:2]
