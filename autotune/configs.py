@@ -1,4 +1,5 @@
-"""Configuration spaces, one function per kernel family, with their pruning rules beside them.
+"""The LayerNorm / RMSNorm configuration spaces, with their pruning rules beside them (attention
+declares its block-size lists beside its kernels, in kernels/attention.py).
 
 Each space is a function of the shape (the Tuner passes the key's named entries it declares) and
 returns a list of `triton.Config`; entry 0 is the default: what runs with TRIFUSE_AUTOTUNE=0, under
@@ -8,10 +9,9 @@ take as constexprs (PROGRAMS_PER_SM) are read by its launcher from `config.kwarg
 A pruning rule `prune(config, limits, **shape) -> str | None` returns why a config cannot run
 well on a device (`tuner.DeviceLimits`), before anything is compiled or timed. The estimates:
 
-    shared memory   the tiles a stage keeps in flight: Triton's pipeliner buffers each loaded tile
-                    once per stage, so K/V-like operands cost stages x tile bytes
-    registers       fp32 values live per thread: accumulator + score tile over 32·num_warps
-                    threads; past REGISTER_VALUES_PER_THREAD the kernel spills
+    registers       fp32 tiles live per thread over 32·num_warps threads; past
+                    REGISTER_VALUES_PER_THREAD (fewer at 16 warps, where a thread gets 128
+                    registers) the kernel spills
     threads         a block with more threads than elements leaves warps idle
 """
 import triton
@@ -23,11 +23,6 @@ REGISTER_VALUES_PER_THREAD = 168
 
 def _pow2(n: int) -> int:
     return 1 << (int(n) - 1).bit_length() if n > 1 else 1  # plain Python: see kernels/_common.py
-
-
-def _warps_for_width(block: int) -> int:
-    """One warp per 256 elements of a row block, 1 to 16: the norm kernels' heuristic."""
-    return min(max(block // 256, 1), 16)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -83,9 +78,20 @@ def prune_rows(config: triton.Config, limits, n: int) -> str | None:
 
 # fp32 tiles live at once in the norm kernels' single-block loops: the forward holds s and
 # s - mean (y reuses one); the backward xhat, dy and g plus its three tile-shaped accumulators
-# (dW, dB, dx_bias), less one the compiler overlaps. The wide-row loops hold fewer.
+# (dW, dB, dx_bias), less one the compiler overlaps. A backward program of several rows needs
+# more (per-row statistics broadcast over the tile, the row sums): compiled for sm_90, a tile of
+# 8 x 1024 spilled at 8 and at 16 warps and 4 x 2048 at 16, while one row of 8192 did not
+# (bench/compile_sm90.py --spaces; bench/results/sm90_compile.md). The wide-row loops hold fewer.
 NORM_FWD_LIVE_TILES = 2
 NORM_BWD_LIVE_TILES = 5
+NORM_BWD_MULTI_ROW_LIVE_TILES = 8
+
+
+def register_values_per_thread(limits, num_warps: int) -> int:
+    """fp32 values a thread may keep live: REGISTER_VALUES_PER_THREAD of 255 registers, scaled
+    down where the block's threads share the register file more thinly (16 warps get 128)."""
+    registers = min(limits.registers_per_thread, limits.registers_per_sm // (32 * num_warps))
+    return REGISTER_VALUES_PER_THREAD * registers // 255
 
 
 def _prune_norm(config: triton.Config, limits, n: int, live_tiles: int) -> str | None:
@@ -94,8 +100,9 @@ def _prune_norm(config: triton.Config, limits, n: int, live_tiles: int) -> str |
         return reason
     tile = max(config.kwargs["TILE"], _norm_block(n))
     per_thread = live_tiles * tile // (32 * config.num_warps)
-    if per_thread > REGISTER_VALUES_PER_THREAD:
-        return f"~{per_thread} fp32 values per thread would spill registers"
+    budget = register_values_per_thread(limits, config.num_warps)
+    if per_thread > budget:
+        return f"~{per_thread} fp32 values per thread would spill registers (~{budget} fit at {config.num_warps} warps)"
     return None
 
 
@@ -106,112 +113,5 @@ def prune_norm_fwd(config: triton.Config, limits, n: int) -> str | None:
 
 def prune_norm_bwd(config: triton.Config, limits, n: int) -> str | None:
     """prune_rows, and the backward's register estimate (module docstring)."""
-    return _prune_norm(config, limits, n, NORM_BWD_LIVE_TILES)
-
-
-# ---------------------------------------------------------------------------------------------
-# Elementwise (bias + GeLU, dropout + add): one BLOCK_SIZE chunk per program.
-# ---------------------------------------------------------------------------------------------
-
-
-def elementwise(numel: int) -> list[triton.Config]:
-    sizes = [b for b in (1024, 2048, 4096, 8192) if b <= max(_pow2(numel), 1024)]
-    out = [triton.Config({"BLOCK_SIZE": 1024}, num_warps=4)]
-    out += [triton.Config({"BLOCK_SIZE": b}, num_warps=w) for b in sizes for w in (4, 8)
-            if (b, w) != (1024, 4)]
-    return out
-
-
-def prune_elementwise(config: triton.Config, limits) -> str | None:
-    per_thread = config.kwargs["BLOCK_SIZE"] // (32 * config.num_warps)
-    if per_thread > 64:
-        return f"{per_thread} elements per thread"
-    return None
-
-
-# ---------------------------------------------------------------------------------------------
-# Attention (FlashAttention-2 style): BLOCK_M query rows per program, BLOCK_N keys per step.
-# ---------------------------------------------------------------------------------------------
-
-
-def attention_fwd(head_dim: int) -> list[triton.Config]:
-    """Default 128x64 with 8 warps from (padded) head dim 128 up, 4 below, 3 stages: Triton's
-    tutorial choice on Hopper. The rest of the space is the tutorial's, ordered by likelihood."""
-    default_warps = 8 if _pow2(head_dim) >= 128 else 4
-    space = [(128, 64, default_warps, 3)]
-    for bm in (128, 64):
-        for bn in (64, 128, 32):
-            for warps in (4, 8):
-                for stages in (3, 4, 2):
-                    if (bm, bn, warps, stages) != space[0]:
-                        space.append((bm, bn, warps, stages))
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-            for bm, bn, w, s in space]
-
-
-def attention_bwd(head_dim: int) -> list[triton.Config]:
-    """BLOCK_M x BLOCK_N tiles of the dK/dV pass (BLOCK_N keys held, BLOCK_M queries streamed);
-    the dQ pass uses the transpose. Default: Triton's tutorial (32 x 128, 4 warps, 5 stages), with
-    fewer stages past head dim 64 where its buffers no longer fit."""
-    default = (32, 128, 4, 5 if head_dim <= 64 else 3)
-    space = [default]
-    for bm, bn in ((32, 128), (64, 128), (64, 64), (32, 64), (16, 64)):
-        for warps in (4, 8):
-            for stages in (2, 3, 4, 5):
-                if (bm, bn, warps, stages) != default:
-                    space.append((bm, bn, warps, stages))
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-            for bm, bn, w, s in space]
-
-
-def attention_smem_bytes(config: triton.Config, head_dim: int, dtype_bytes: int) -> int:
-    """The resident BLOCK_M x D tile plus K and V tiles (BLOCK_N x D) once per stage."""
-    d = _pow2(head_dim)
-    bm, bn = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
-    return (bm * d + max(config.num_stages - 1, 1) * 2 * bn * d) * dtype_bytes
-
-
-def prune_attention(config: triton.Config, limits, head_dim: int, dtype) -> str | None:
-    """Shared memory and register estimates (module docstring) for both attention passes."""
-    dtype_bytes = dtype.itemsize if hasattr(dtype, "itemsize") else 2
-    smem = attention_smem_bytes(config, head_dim, dtype_bytes)
-    if smem > limits.shared_memory:
-        return f"needs ~{smem // 1024} KiB shared memory, the device has {limits.shared_memory // 1024} KiB"
-    d = _pow2(head_dim)
-    bm, bn = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
-    per_thread = (bm * d + bm * bn) // (32 * config.num_warps)
-    if per_thread > REGISTER_VALUES_PER_THREAD:
-        return f"~{per_thread} fp32 values per thread would spill registers"
-    return None
-
-
-# ---------------------------------------------------------------------------------------------
-# Cross-entropy (and the chunked linear + cross-entropy): a row of V logits per program, walked
-# in BLOCK_V chunks (online logsumexp).
-# ---------------------------------------------------------------------------------------------
-
-
-def cross_entropy(vocab: int) -> list[triton.Config]:
-    top = _pow2(vocab)
-    blocks = [b for b in (4096, 8192, 16384, 2048) if b <= max(top, 2048)]
-    default = blocks[0] if top >= 4096 else top
-    out = [triton.Config({"BLOCK_V": default}, num_warps=8)]
-    out += [triton.Config({"BLOCK_V": b}, num_warps=w) for b in blocks for w in (8, 16, 4)
-            if (b, w) != (default, 8)]
-    return out
-
-
-def prune_cross_entropy(config: triton.Config, limits) -> str | None:
-    per_thread = config.kwargs["BLOCK_V"] // (32 * config.num_warps)
-    if per_thread > 128:
-        return f"{per_thread} fp32 values per thread would spill registers"
-    return None
-
-
-def _ordered(default: int, others) -> list[int]:
-    """`default` first, then the other values once each, in order."""
-    out = [default]
-    for v in others:
-        if v not in out:
-            out.append(v)
-    return out
+    rows = config.kwargs["TILE"] // _norm_block(n)
+    return _prune_norm(config, limits, n, NORM_BWD_MULTI_ROW_LIVE_TILES if rows > 1 else NORM_BWD_LIVE_TILES)

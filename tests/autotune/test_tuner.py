@@ -174,7 +174,13 @@ def test_norm_spaces_start_with_the_launchers_defaults(n):
         cs = space_fn(n)
         assert len({config_label(c) for c in cs}) == len(cs), "no duplicates"
         assert configs.prune_rows(cs[0], DeviceLimits(), n) is None
-        assert prune(cs[0], DeviceLimits(), n) is None, "the default is never pruned"
+        if n <= 8192:
+            assert prune(cs[0], DeviceLimits(), n) is None, "the default is never pruned"
+    if n >= 16384:
+        # A 16384-element row block at 16 warps (128 registers a thread) spills in the backward
+        # (24 bytes at 16384, 8 at the chunked 65536; bench/results/sm90_compile.md): the estimate
+        # says so, and the Tuner keeps the default when every config is pruned.
+        assert "spill registers" in configs.prune_norm_bwd(configs.norm_bwd(n)[0], DeviceLimits(), n)
 
 
 def test_norm_pruning_drops_register_hungry_tiles():
@@ -185,37 +191,21 @@ def test_norm_pruning_drops_register_hungry_tiles():
     assert configs.prune_norm_bwd(configs.norm_bwd(1024)[0], DeviceLimits(), n=1024) is None
 
 
+@pytest.mark.parametrize("tile, n, warps, spills", [
+    # (TILE, width, warps) of backward configs compiled for sm_90 (bench/compile_sm90.py --spaces):
+    (8192, 1024, 16, True), (8192, 1024, 8, True), (8192, 2048, 16, True),  # 8 and 4 rows a tile
+    (8192, 8192, 16, False), (4096, 1024, 8, False), (2048, 1024, 16, False), (4096, 4096, 4, False),
+])
+def test_norm_bwd_pruning_agrees_with_the_compiled_kernels(tile, n, warps, spills):
+    """At 16 warps a thread has 128 registers, not 255; a tile of several rows costs more."""
+    cfg = triton.Config({"TILE": tile, "PROGRAMS_PER_SM": 1}, num_warps=warps)
+    assert (configs.prune_norm_bwd(cfg, DeviceLimits(), n) is not None) == spills
+
+
 def test_prune_rows_gives_reasons():
     idle = triton.Config({"TILE": 256}, num_warps=16)
     assert "512 threads for 256 elements" in configs.prune_rows(idle, DeviceLimits(), n=100)
     assert configs.prune_rows(idle, DeviceLimits(), n=1024) is None, "a row block of 1024 fills them"
-
-
-@pytest.mark.parametrize("head_dim", [32, 64, 80, 96, 128, 256])
-def test_attention_default_fits_an_h100_and_pruning_gives_reasons(head_dim):
-    for space_fn in (configs.attention_fwd, configs.attention_bwd):
-        cs = space_fn(head_dim)
-        assert len({config_label(c) for c in cs}) == len(cs)
-        reasons = [configs.prune_attention(c, DeviceLimits(), head_dim, torch.bfloat16) for c in cs]
-        assert any(r is None for r in reasons)
-        if head_dim <= 128:
-            assert reasons[0] is None, "the default must fit where the kernel is tuned"
-
-
-def test_attention_pruning_follows_the_device():
-    big = triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=4)
-    small_smem = DeviceLimits(shared_memory=101376)
-    assert "shared memory" in configs.prune_attention(big, small_smem, 128, torch.bfloat16)
-    regs = triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=4, num_stages=2)
-    assert "registers" in configs.prune_attention(regs, DeviceLimits(), 256, torch.bfloat16)
-
-
-@pytest.mark.parametrize("numel, vocab", [(10, 100), (1 << 20, 50257), (1 << 26, 128256)])
-def test_elementwise_and_cross_entropy_spaces(numel, vocab):
-    for cs, prune in ((configs.elementwise(numel), configs.prune_elementwise),
-                      (configs.cross_entropy(vocab), configs.prune_cross_entropy)):
-        assert len({config_label(c) for c in cs}) == len(cs)
-        assert prune(cs[0], DeviceLimits()) is None
 
 
 @pytest.mark.gpu
