@@ -626,13 +626,21 @@ def _smem_bytes(kind: str, bm: int, bn: int, stages: int, block_d: int, itemsize
     return itemsize * (held + max(stages, 1) * streamed + bm * bn)
 
 
-def _configs(kind: str, block_d: int, itemsize: int, smem: int) -> list[triton.Config]:
+# A mask tile costs registers: the 16-bit head-dim-64 forward default spills with a boolean or
+# float mask (24 and 8 bytes, sm_90), where 8 warps of the same tile do not.
+_MASKED_16BIT_DEFAULT = {("fwd", 64): (128, 64, 8, 3)}
+
+
+def _configs(kind: str, block_d: int, itemsize: int, smem: int, mask: int = 0) -> list[triton.Config]:
     """The autotuning list for one kernel, head-dim class and element size (first = default)."""
     if INTERPRET:
         shapes = [_INTERPRET_SHAPES[kind]]
     else:
         d_class = 64 if block_d <= 64 else 128 if block_d <= 128 else 256
         shapes = (_SHAPES_WIDE if itemsize >= 4 else _SHAPES_16BIT)[kind][d_class]
+        masked = _MASKED_16BIT_DEFAULT.get((kind, d_class)) if mask and itemsize < 4 else None
+        if masked is not None:
+            shapes = [masked] + [s for s in shapes if s != masked]
         fits = [s for s in shapes if _smem_bytes(kind, s[0], s[1], s[3], block_d, itemsize) <= smem]
         shapes = [shapes[0]] + [s for s in fits if s != shapes[0]]
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)

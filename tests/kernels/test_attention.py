@@ -860,3 +860,21 @@ def test_autocast_casts_the_inputs_as_sdpa_does():
     assert_close("autocast out", out, ref64, lowp)
     with pytest.raises(TypeError, match="share one dtype"):  # outside autocast, one dtype as before
         trifuse.ops.attention(q, k, v)
+
+
+def test_masked_head_dim_64_forward_starts_from_a_default_that_does_not_spill(monkeypatch):
+    """The GPU's 16-bit lists (not the interpreter's): with a mask the head-dim-64 forward's
+    default is 8 warps (4 spilled compiled for sm_90), the same configs otherwise, and the tuner
+    passes the key's mask kind on to the list."""
+    monkeypatch.setattr(attn_mod, "INTERPRET", False)
+
+    def shapes(cfgs):
+        return [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in cfgs]
+
+    plain = shapes(attn_mod._configs("fwd", 64, 2, 232448))
+    masked = shapes(attn_mod._configs("fwd", 64, 2, 232448, mask=1))
+    assert plain[0] == (128, 64, 4, 3) and masked[0] == (128, 64, 8, 3) and sorted(plain) == sorted(masked)
+    assert shapes(attn_mod._configs("fwd", 128, 2, 232448, mask=2)) == shapes(attn_mod._configs("fwd", 128, 2, 232448))
+    assert shapes(attn_mod._configs("fwd", 64, 4, 232448, mask=1)) == shapes(attn_mod._configs("fwd", 64, 4, 232448))
+    named = dict(zip(attn_mod._KEY_NAMES[1:], (64, 2, 232448, 128, 128, 64, False, 1, False, torch.bfloat16)))
+    assert attn_mod._TUNERS["fwd"]._configs_kwargs(named)["mask"] == 1
