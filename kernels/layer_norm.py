@@ -25,7 +25,9 @@ an fp32 partial buffer, summed afterwards in a fixed order (bitwise repeatable, 
 
 Kernels: one row per program in the forward; in the backward each program walks a contiguous
 range of rows. Rows up to MAX_SINGLE_BLOCK_* stay in registers in one block; wider rows are
-walked in chunks (re-reading the row, which stays in L2), so any width runs without spilling.
+walked in chunks (re-reading the row, which stays in L2; the backward's chunks are narrower,
+configs.NORM_BWD_WIDE_CHUNK), so any width runs. Compiled for sm_90 (bench/compile_sm90.py), no
+default spills registers but the backward of a 16384-wide row in one block (24 bytes).
 """
 import functools
 import math
@@ -445,11 +447,11 @@ _FWD_PLANS: dict[tuple, tuple] = {}
 _BWD_PLANS: dict[tuple, tuple] = {}
 
 
-def _row_block(cfg: triton.Config, n: int, max_single: int) -> tuple[int, int, bool]:
+def _row_block(cfg: triton.Config, n: int, max_single: int, wide_chunk: int | None = None) -> tuple[int, int, bool]:
     """(BLOCK_M, BLOCK_N, single block?) of a config: TILE // BLOCK_N rows when a row fits one
-    block, else one row walked in chunks."""
-    block_n = min(next_power_of_2(n), max_single)
+    block, else one row walked in chunks (of `wide_chunk` elements if given, else max_single)."""
     single = n <= max_single
+    block_n = min(next_power_of_2(n), max_single) if single or wide_chunk is None else wide_chunk
     return (max(1, cfg.kwargs["TILE"] // block_n) if single else 1), block_n, single
 
 
@@ -483,7 +485,7 @@ def _bwd_plan(cfg: triton.Config, m: int, n: int, sms: int, constexprs: dict, su
     """The backward's plan for `cfg`: PROGRAMS_PER_SM x SMs programs at most, each owning a
     contiguous range of rows (a multiple of BLOCK_M) and one row of the fp32 partial sums,
     then the fixed-order sum of those rows."""
-    block_m, block_n, single = _row_block(cfg, n, MAX_SINGLE_BLOCK_BWD)
+    block_m, block_n, single = _row_block(cfg, n, MAX_SINGLE_BLOCK_BWD, configs.NORM_BWD_WIDE_CHUNK)
     most = min(cdiv(m, block_m), cfg.kwargs["PROGRAMS_PER_SM"] * sms)
     rows_per_program = cdiv(cdiv(m, most), block_m) * block_m
     programs = cdiv(m, rows_per_program)

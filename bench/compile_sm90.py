@@ -1,0 +1,375 @@
+"""Every trifuse Triton kernel compiled for a GPU it does not need: Hopper (sm_90) by default.
+
+A session without a GPU still has Triton's compiler, its `ptxas` and `cuobjdump`. This script
+compiles, for a chosen target, exactly the kernels trifuse launches for a catalogue of
+production shapes (bf16, LLM and BERT widths), and reads back what only a GPU run would
+otherwise reveal:
+
+    compiles     the kernel gets through Triton's passes and ptxas for the target
+    regs, stack  registers per thread, and local-memory bytes (spills) from the cubin
+    smem         shared memory per program, against the device's limit (a launch past it fails)
+    SASS         instruction counts that say which path the compiler took: HGMMA (Hopper's
+                 warpgroup tensor-core MMA) vs HMMA (the older MMA), UTMALDG/UTMASTG (TMA),
+                 LDGSTS (cp.async), LDL/STL (spill traffic)
+
+Two phases. The first runs in a child process under TRITON_INTERPRET=1: it calls each op family
+at the catalogue's shapes (small batch, real widths, so that every constexpr and launch option
+is what the GPU would get) forward and backward, and records every launch at CachedKernel (the
+one launch path of all trifuse kernels). With --spaces, each tuner's whole config space (after
+pruning against the H100's limits) is recorded too: the configs a GPU session would time.
+The second compiles each distinct launch through `JITFunction.warmup` with a stand-in driver
+that names the target, so nothing is launched and no GPU is asked for.
+
+    python bench/compile_sm90.py [--spaces | --smoke] [--only attention layer_norm ...] [--arch 90]
+                                 [--json bench/results/sm90_compile.json] [--md ...]
+
+Exit status 1 when any kernel fails to compile, spills, or needs more shared memory than the
+target has. Run it with the Triton the GPU has (3.6 on the lent H100) as well as CI's.
+"""
+import argparse
+import collections
+import importlib
+import json
+import os
+import pickle
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# Shared memory one program may use on Hopper (cudaDevAttrMaxSharedMemoryPerBlockOptin, H100/H200).
+HOPPER_SMEM = 232448
+SASS_COUNTED = ("HGMMA", "HMMA", "UTMALDG", "UTMASTG", "LDGSTS", "LDL", "STL", "MUFU")
+
+FAMILIES = ("layer_norm", "residual_stream", "bias_gelu", "dropout_add", "gated_activation", "rotary",
+            "attention", "cross_entropy")
+
+
+# ---------------------------------------------------------------------------------------------
+# Phase 1 (child, interpreter): the catalogue, and the launch recorder.
+# ---------------------------------------------------------------------------------------------
+
+def _catalogue(torch, family: str):
+    """Yields (label, thunk): each thunk runs one op forward and backward at a production width."""
+    import trifuse
+
+    bf16, ops = torch.bfloat16, trifuse.ops
+
+    def leaf(*shape, dtype=bf16):
+        return torch.randn(*shape, dtype=dtype).requires_grad_()
+
+    def fwd_bwd(fn):
+        def run():
+            out = fn()
+            outs = out if isinstance(out, tuple) else (out,)
+            torch.autograd.backward([o for o in outs if o is not None and o.requires_grad],
+                                    [torch.ones_like(o) for o in outs if o is not None and o.requires_grad])
+        return run
+
+    rows = 4
+    if family == "layer_norm":
+        for n in (768, 1024, 2048, 4096, 8192, 16384, 20000):
+            x, w, b = leaf(rows, n), leaf(n), leaf(n)
+            yield f"layer_norm {n}", fwd_bwd(lambda x=x, w=w, b=b, n=n: ops.layer_norm(x, n, w, b))
+            yield f"rms_norm {n}", fwd_bwd(lambda x=x, w=w, n=n: ops.rms_norm(x, n, w, 1e-6))
+    elif family == "residual_stream":
+        for n in (1024, 4096):
+            x, r, w, b, xb = leaf(rows, n), leaf(rows, n), leaf(n), leaf(n), leaf(n)
+            yield f"dropout_add_layer_norm {n} p=0.1 bias", fwd_bwd(
+                lambda x=x, r=r, w=w, b=b, xb=xb, n=n: ops.dropout_add_layer_norm(x, r, n, w, b, p=0.1, x_bias=xb))
+            yield f"rms_norm residual {n}", fwd_bwd(lambda x=x, r=r, w=w, n=n: ops.rms_norm(x, n, w, 1e-6, residual=r))
+    elif family == "bias_gelu":
+        for n in (3072, 4096):
+            x, b = leaf(rows, n), leaf(n)
+            for approximate in ("none", "tanh"):
+                yield f"bias_gelu {n} {approximate}", fwd_bwd(
+                    lambda x=x, b=b, a=approximate: ops.bias_gelu(x, b, approximate=a))
+    elif family == "dropout_add":
+        x, r, b = leaf(rows, 1024), leaf(rows, 1024), leaf(1024)
+        yield "dropout_add 1024 p=0.1 bias", fwd_bwd(lambda: ops.dropout_add(x, r, 0.1, bias=b))
+    elif family == "gated_activation":
+        g, u = leaf(rows, 8192), leaf(rows, 8192)
+        for act in ("silu", "gelu", "gelu_tanh"):
+            yield f"gated_activation 8192 {act}", fwd_bwd(lambda act=act: ops.gated_activation(g, u, act))
+    elif family == "rotary":
+        for hq, hkv, d in ((32, 8, 128), (16, 16, 64)):
+            q, k = leaf(1, hq, 16, d), leaf(1, hkv, 16, d)
+            cos, sin = torch.randn(1, 1, 16, d), torch.randn(1, 1, 16, d)
+            for inter in (False, True):
+                yield f"rotary {hq}/{hkv}x{d} interleaved={inter}", fwd_bwd(
+                    lambda q=q, k=k, cos=cos, sin=sin, i=inter: ops.rotary_embedding(q, k, cos, sin, interleaved=i))
+    elif family == "attention":
+        s = 128
+        for d in (64, 80, 128):
+            q, k, v = leaf(1, 2, s, d), leaf(1, 2, s, d), leaf(1, 2, s, d)
+            yield f"attention d{d} causal", fwd_bwd(lambda q=q, k=k, v=v: ops.attention(q, k, v, is_causal=True))
+            yield f"attention d{d} full", fwd_bwd(lambda q=q, k=k, v=v: ops.attention(q, k, v))
+        q, k, v = leaf(1, 4, s, 128), leaf(1, 2, s, 128), leaf(1, 2, s, 128)
+        yield "attention d128 gqa causal dropout", fwd_bwd(
+            lambda: ops.attention(q, k, v, is_causal=True, dropout_p=0.1, enable_gqa=True))
+        yield "attention d128 causal softcap", fwd_bwd(lambda: ops.attention(q, q, q, is_causal=True, softcap=50.0))
+        q, k, v = leaf(2, 2, s, 64), leaf(2, 2, s, 64), leaf(2, 2, s, 64)
+        keep = torch.ones(2, 1, 1, s, dtype=torch.bool)
+        keep[0, ..., s // 2:] = False
+        yield "attention d64 bool key-padding mask", fwd_bwd(lambda: ops.attention(q, k, v, attn_mask=keep))
+        bias = torch.randn(1, 2, s, s, dtype=bf16).requires_grad_()
+        yield "attention d64 float mask with grad", fwd_bwd(lambda: ops.attention(q, k, v, attn_mask=bias))
+    elif family == "cross_entropy":
+        for vocab in (32000, 50257, 128256):
+            logits, target = leaf(2, vocab), torch.randint(0, vocab, (2,))
+            yield f"cross_entropy {vocab}", fwd_bwd(lambda lg=logits, t=target: ops.cross_entropy(lg, t))
+        h, w, t = leaf(8, 64), leaf(50257, 64), torch.randint(0, 50257, (8,))
+        yield "linear_cross_entropy 64->50257", fwd_bwd(lambda: ops.linear_cross_entropy(h, w, t))
+
+
+def _arg_spec(torch, tl, a):
+    if isinstance(a, torch.Tensor):
+        return ("tensor", str(a.dtype).removeprefix("torch."), a.data_ptr() % 16 == 0)
+    if isinstance(a, tl.dtype):
+        return ("tl.dtype", a.name)
+    return ("value", a)
+
+
+def record(families: list[str], spaces: bool, smoke: bool = False) -> list[dict]:
+    """Runs the catalogue in this (interpreted) process (the first and last call of each family
+    when `smoke`: together they launch every kernel); returns one dict per launch."""
+    import torch
+    import triton.language as tl
+    from trifuse.autotune import tuner as tuner_mod
+    from trifuse.kernels import _launch
+    from trifuse.kernels import attention as attention_mod
+
+    launches: list[dict] = []
+    state = {"label": "", "only_record": False, "config": ""}
+    original_run = _launch.CachedKernel.run
+
+    def run(self, grid, args, kwargs):
+        fn = getattr(self.fn, "fn", self.fn)  # the interpreter's wrapper holds the Python function
+        launches.append({
+            "kernel": f"{fn.__module__}:{fn.__name__}", "call": state["label"], "config": state["config"],
+            "args": [_arg_spec(torch, tl, a) for a in args],
+            "kwargs": {k: _arg_spec(torch, tl, v) for k, v in kwargs.items()},
+        })
+        if not state["only_record"]:
+            original_run(self, grid, args, kwargs)
+
+    original_decide = tuner_mod.Tuner._decide
+    hopper = tuner_mod.DeviceLimits()  # the H100's limits (what pruning assumes without a device)
+
+    def decide(self, key, launch, args):
+        # The configs a GPU session would time for this key, pruned against Hopper's limits:
+        # recorded, not run.
+        shape = {n: v for n, v in zip(self.key_names, key) if n != "device"}
+        if "smem" in shape:
+            shape["smem"] = HOPPER_SMEM
+        space = list(self.configs(**self._configs_kwargs(shape)))
+        if self.prune is not None:
+            kwargs = self._prune_kwargs(shape)
+            space = [c for c in space if self.prune(c, hopper, **kwargs) is None] or space[:1]
+        state["only_record"] = True
+        try:
+            for cfg in space:
+                state["config"] = f"{self.name} {tuner_mod.config_label(cfg)}"
+                launch(cfg, *args)
+        finally:
+            state["only_record"], state["config"] = False, ""
+        return original_decide(self, key, launch, args)
+
+    _launch.CachedKernel.run = run
+    # Attention's block sizes as on the GPU, not the interpreter's small test blocks.
+    attention_mod.INTERPRET = False
+    if spaces:
+        tuner_mod.Tuner._decide = decide
+    torch.manual_seed(0)
+    for family in families:
+        calls = list(_catalogue(torch, family))
+        for label, thunk in (calls[:1] + calls[-1:] if smoke and len(calls) > 1 else calls):
+            state["label"] = f"{family}: {label}"
+            thunk()
+    return launches
+
+
+# ---------------------------------------------------------------------------------------------
+# Phase 2 (this process, compiler only): compile each distinct launch for the target.
+# ---------------------------------------------------------------------------------------------
+
+class _TargetOnlyDriver:
+    """Enough of a Triton driver for `JITFunction.warmup` to compile for `target`: no device."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def is_active(self):
+        return True
+
+
+def _tool(name: str) -> str:
+    import triton
+
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+    return str(path) if path.exists() else name
+
+
+def _materialize(torch, tl, spec):
+    kind = spec[0]
+    if kind == "tensor":
+        dtype = getattr(torch, spec[1])
+        buf = torch.empty(64, dtype=dtype)
+        return buf if spec[2] else buf[1:]  # an address off the 16-byte grid, as recorded
+    if kind == "tl.dtype":
+        return tl.dtype(spec[1])
+    return spec[1]
+
+
+def _resources(cubin: bytes) -> dict:
+    """Registers, stack (spill) bytes and SASS instruction counts of one cubin."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True, check=False).stdout
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True, check=False).stdout
+    out = {}
+    for field in ("REG", "STACK", "SHARED", "LOCAL"):
+        m = re.search(rf"\b{field}:(\d+)", usage)
+        out[field.lower()] = int(m.group(1)) if m else None
+    opcodes = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass)
+    counts = collections.Counter(op for op in opcodes)
+    out["sass"] = {name: sum(v for k, v in counts.items() if k == name or k.startswith(name + "_"))
+                   for name in SASS_COUNTED}
+    out["instructions"] = len(opcodes)
+    return out
+
+
+def compile_all(launches: list[dict], arch: int) -> list[dict]:
+    import torch
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+
+    previous = triton.runtime.driver._active  # None on a machine without a GPU
+    triton.runtime.driver.set_active(_TargetOnlyDriver(GPUTarget("cuda", arch, 32)))
+    distinct: dict[str, dict] = {}
+    for launch in launches:
+        key = json.dumps([launch["kernel"], launch["args"], sorted(launch["kwargs"].items())], default=str)
+        entry = distinct.setdefault(key, {**launch, "calls": []})
+        entry["calls"].append(launch["config"] or launch["call"])
+    rows = []
+    try:
+        for entry in distinct.values():
+            module, name = entry["kernel"].split(":")
+            fn = getattr(importlib.import_module(module), name)
+            args = [_materialize(torch, tl, a) for a in entry["args"]]
+            kwargs = {k: _materialize(torch, tl, v) for k, v in entry["kwargs"].items()}
+            row = {"kernel": name, "module": module.rsplit(".", 1)[-1], "calls": sorted(set(entry["calls"])),
+                   "launch": {k: v[1] for k, v in entry["kwargs"].items()}}
+            t0 = time.perf_counter()
+            try:
+                compiled = fn.warmup(*args, grid=(1,), **kwargs)
+                row.update(_resources(compiled.asm["cubin"]))
+                row["smem"] = int(compiled.metadata.shared)
+                row["num_warps"] = int(compiled.metadata.num_warps)
+                row["error"] = ""
+            except Exception as e:  # noqa: BLE001  (a kernel that does not compile is the finding, not a crash)
+                row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}"
+            row["compile_s"] = round(time.perf_counter() - t0, 2)
+            rows.append(row)
+    finally:
+        triton.runtime.driver._active = previous
+    return rows
+
+
+def problems(row: dict, smem_limit: int = HOPPER_SMEM) -> list[str]:
+    """What would go wrong on the GPU: no compile, spills, shared memory past the limit."""
+    if row["error"]:
+        return [row["error"]]
+    out = []
+    if row.get("stack") or row["sass"].get("LDL") or row["sass"].get("STL"):
+        out.append(f"spills ({row.get('stack')} B stack, {row['sass']['LDL']} LDL / {row['sass']['STL']} STL)")
+    if row["smem"] > smem_limit:
+        out.append(f"needs {row['smem']} B shared memory, the limit is {smem_limit}")
+    if row.get("reg") and row["reg"] * 32 * row["num_warps"] > 65536:
+        out.append(f"{row['reg']} registers x {32 * row['num_warps']} threads exceed the 64K register file")
+    return out
+
+
+def markdown(rows: list[dict], header: str) -> str:
+    lines = [header, "",
+             "| kernel | launch | calls | regs | stack B | smem KiB | HGMMA | HMMA | TMA | LDGSTS | problems |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["module"], r["kernel"], json.dumps(r["launch"], default=str))):
+        shown = {k: v for k, v in r["launch"].items() if k.isupper() or k in ("num_warps", "num_stages")}
+        launch = " ".join(f"{k}={v}" for k, v in shown.items())
+        calls = "; ".join(r["calls"][:2]) + (f" (+{len(r['calls']) - 2})" if len(r["calls"]) > 2 else "")
+        if r["error"]:
+            lines.append(f"| {r['kernel']} | {launch} | {calls} | | | | | | | | {r['error']} |")
+            continue
+        s = r["sass"]
+        lines.append(f"| {r['kernel']} | {launch} | {calls} | {r['reg']} | {r['stack']} | {r['smem'] / 1024:.1f} "
+                     f"| {s['HGMMA']} | {s['HMMA']} | {s['UTMALDG'] + s['UTMASTG']} | {s['LDGSTS']} "
+                     f"| {'; '.join(problems(r))} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="+", choices=FAMILIES, default=list(FAMILIES))
+    parser.add_argument("--spaces", action="store_true", help="also every config the tuners would time")
+    parser.add_argument("--smoke", action="store_true", help="two calls per family: every kernel (the test)")
+    parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90 = Hopper)")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--md", type=Path)
+    parser.add_argument("--record-to", type=Path, help=argparse.SUPPRESS)  # the child's side
+    args = parser.parse_args(argv)
+
+    if args.record_to is not None:
+        launches = record(args.only, args.spaces, args.smoke)
+        args.record_to.write_bytes(pickle.dumps(launches))
+        return 0
+
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        parser.error("run without TRITON_INTERPRET: the kernels are compiled, not interpreted "
+                     "(the recording child sets it itself)")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "launches.pkl"
+        env = {**os.environ, "TRITON_INTERPRET": "1", "TRIFUSE_AUTOTUNE": "0"}
+        cmd = [sys.executable, __file__, "--record-to", str(out), "--only", *args.only]
+        cmd += (["--spaces"] if args.spaces else []) + (["--smoke"] if args.smoke else [])
+        subprocess.run(cmd, env=env, check=True)
+        launches = pickle.loads(out.read_bytes())
+
+    import torch
+    import triton
+
+    t0 = time.perf_counter()
+    rows = compile_all(launches, args.arch)
+    bad = [(r, problems(r)) for r in rows if problems(r)]
+    header = (f"# Kernels compiled for sm_{args.arch} without a GPU\n\n"
+              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · triton {triton.__version__} · "
+              f"torch {torch.__version__} · python {platform.python_version()} · {len(launches)} launches recorded, "
+              f"{len(rows)} distinct, compiled in {time.perf_counter() - t0:.0f} s · "
+              f"{'tuning spaces included' if args.spaces else 'the configs the catalogue launched'} · "
+              f"{len(bad)} with problems")
+    text = markdown(rows, header)
+    print(text)
+    if args.json:
+        args.json.write_text(json.dumps({"arch": args.arch, "triton": triton.__version__, "torch": torch.__version__,
+                                         "date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=1, default=str))
+    if args.md:
+        args.md.write_text(text)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

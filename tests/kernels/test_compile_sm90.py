@@ -1,0 +1,45 @@
+"""Every Triton kernel compiled for Hopper (sm_90) by Triton's own compiler and ptxas, on this
+machine without a GPU (bench/compile_sm90.py --smoke): the kernels the interpreter runs must
+also get through the GPU compiler, fit Hopper's shared memory and registers without spilling at
+their default configs, and the attention matmuls must take Hopper's warpgroup MMA (HGMMA), not
+the older mma.sync path. The GPU itself is needed for speed, not for any of this."""
+import importlib
+import json
+import os
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import trifuse.kernels
+import triton
+
+TOOL = Path(__file__).resolve().parents[2] / "bench" / "compile_sm90.py"
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+
+
+def _kernel_names() -> set[str]:
+    """Every `*_kernel` Triton function defined in trifuse/kernels/."""
+    names = set()
+    for info in pkgutil.iter_modules(trifuse.kernels.__path__):
+        module = importlib.import_module(f"trifuse.kernels.{info.name}")
+        for name, obj in vars(module).items():
+            if name.endswith("_kernel") and hasattr(obj, "fn") and getattr(obj.fn, "__module__", "") == module.__name__:
+                names.add(name)
+    return names
+
+
+@pytest.mark.skipif(not PTXAS.exists(), reason="this Triton ships no ptxas for NVIDIA targets")
+def test_every_kernel_compiles_for_sm90_without_spills(tmp_path):
+    out = tmp_path / "sm90.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(TOOL), "--smoke", "--json", str(out)], env=env, check=False,
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["kernel"] for r in rows} == _kernel_names(), "the smoke catalogue launches every kernel"
+    for r in rows:
+        assert not r["error"] and r["stack"] == 0 and r["smem"] <= 232448, r
+        if r["kernel"] in ("_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel"):
+            assert r["sass"]["HGMMA"] > 0 and r["sass"]["HMMA"] == 0, (r["kernel"], r["sass"])
