@@ -15,6 +15,12 @@ def tuning_requested() -> bool:
     return os.environ.get("TRIFUSE_AUTOTUNE", "1") != "0"
 
 
+def attention_tma_requested() -> bool:
+    """TRIFUSE_ATTENTION_TMA=1: the attention forward may load through tensor descriptors (TMA)
+    on sm_90+; its configs join the tuner's list (opt-in until measured on a GPU)."""
+    return os.environ.get("TRIFUSE_ATTENTION_TMA", "0") == "1"
+
+
 def autotune_enabled() -> bool:
     """Whether `triton.autotune` may time several configurations: tuning is requested and kernels
     run on a real GPU (the interpreter cannot benchmark)."""

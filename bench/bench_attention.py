@@ -2,6 +2,8 @@
 importable, flash-attn and xformers.
 
     python bench/bench_attention.py            # full sweep on the GPU, writes bench/results/
+    python bench/bench_attention.py --tma      # the forward through tensor descriptors (opt-in,
+                                               # TRIFUSE_ATTENTION_TMA=1) against the pointer path
     pytest bench/bench_attention.py            # CPU: a tiny smoke in the interpreter
 
 FLOPs per step, q/k/v (B, H, S, D), S queries and S keys (FlashAttention's convention):
@@ -17,6 +19,9 @@ Peak memory is what one step allocates above what was allocated before it (input
 the output, the saved statistics and, for fwd+bwd, the gradients.
 """
 import _harness as H  # noqa: I001  (bench/conftest.py sets TRITON_INTERPRET before this)
+import os
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -129,6 +134,22 @@ def providers(causal: bool) -> dict:
     return out
 
 
+def tma_providers(causal: bool) -> dict:
+    """trifuse's kernels with and without the tensor-descriptor forward allowed (the tuner then
+    times both kinds of config and keeps the faster), beside SDPA's flash and cuDNN."""
+    base = providers(causal)
+
+    def tma_allowed(q, k, v):
+        os.environ["TRIFUSE_ATTENTION_TMA"] = "1"
+        try:
+            return base["trifuse"](q, k, v)
+        finally:
+            del os.environ["TRIFUSE_ATTENTION_TMA"]
+
+    out = {"trifuse": base["trifuse"], "trifuse (TMA allowed)": tma_allowed}
+    return {**out, **{name: base[name] for name in ("sdpa-flash", "sdpa-cudnn", "sdpa-math") if name in base}}
+
+
 def with_peak_memory(rows: list[dict], shapes, fns: dict, make) -> list[dict]:
     """Adds each timed row's peak memory (MiB) for one step."""
     by_shape = {"x".join(map(str, s)): s for s in shapes}
@@ -174,15 +195,27 @@ COLUMNS = ("provider", "variant", "mode", "shape", "ms", "TFLOP/s", "peak MiB", 
            "x vs hf-eager", "x vs flex-attention", "error")
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
+    tma = "--tma" in argv
     rows = []
     for variant, shapes in SHAPES.items():
         causal = variant != "full"
-        fns, make = (softcap_providers(), make_gqa_inputs) if variant == "softcap" else (providers(causal), make_inputs)
+        if tma and variant == "softcap":
+            continue
+        if tma:
+            fns, make = tma_providers(causal), make_inputs
+        elif variant == "softcap":
+            fns, make = softcap_providers(), make_gqa_inputs
+        else:
+            fns, make = providers(causal), make_inputs
         swept = H.sweep(fns, shapes, make, flops_for=lambda s, m, causal=causal: flops_for(s, m, causal),
                         modes=MODES, reference="hf-eager" if variant == "softcap" else "sdpa-flash", x_name="D",
                         variant=variant)
         rows += with_peak_memory(swept, shapes, fns, make)
+    if tma:
+        H.print_table(rows, COLUMNS)
+        H.write_results("attention", rows, COLUMNS, plot_x="S", plot_y="TFLOP/s", suffix="tma")
+        return
     overhead = host_overhead()
     H.print_table(rows, COLUMNS)
     H.print_table(overhead, ("provider", "host µs"))
@@ -222,5 +255,9 @@ def test_host_overhead_runs():
     assert all(r["host µs"] > 0 for r in rows)
 
 
+def test_tma_providers_agree():
+    H.check_against_reference(tma_providers(True), "sdpa-math", make_inputs, SMOKE_SHAPE)
+
+
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

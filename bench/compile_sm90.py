@@ -53,7 +53,8 @@ FAMILIES = ("layer_norm", "residual_stream", "bias_gelu", "dropout_add", "gated_
 # ---------------------------------------------------------------------------------------------
 
 def _catalogue(torch, family: str):
-    """Yields (label, thunk): each thunk runs one op forward and backward at a production width."""
+    """Yields (label, thunk): each thunk runs one op forward and backward at a production width
+    (its tensors bound as default arguments: the list is built before any thunk runs)."""
     import trifuse
 
     bf16, ops = torch.bfloat16, trifuse.ops
@@ -89,11 +90,11 @@ def _catalogue(torch, family: str):
                     lambda x=x, b=b, a=approximate: ops.bias_gelu(x, b, approximate=a))
     elif family == "dropout_add":
         x, r, b = leaf(rows, 1024), leaf(rows, 1024), leaf(1024)
-        yield "dropout_add 1024 p=0.1 bias", fwd_bwd(lambda: ops.dropout_add(x, r, 0.1, bias=b))
+        yield "dropout_add 1024 p=0.1 bias", fwd_bwd(lambda x=x, r=r, b=b: ops.dropout_add(x, r, 0.1, bias=b))
     elif family == "gated_activation":
         g, u = leaf(rows, 8192), leaf(rows, 8192)
         for act in ("silu", "gelu", "gelu_tanh"):
-            yield f"gated_activation 8192 {act}", fwd_bwd(lambda act=act: ops.gated_activation(g, u, act))
+            yield f"gated_activation 8192 {act}", fwd_bwd(lambda act=act, g=g, u=u: ops.gated_activation(g, u, act))
     elif family == "rotary":
         for hq, hkv, d in ((32, 8, 128), (16, 16, 64)):
             q, k = leaf(1, hq, 16, d), leaf(1, hkv, 16, d)
@@ -109,20 +110,20 @@ def _catalogue(torch, family: str):
             yield f"attention d{d} full", fwd_bwd(lambda q=q, k=k, v=v: ops.attention(q, k, v))
         q, k, v = leaf(1, 4, s, 128), leaf(1, 2, s, 128), leaf(1, 2, s, 128)
         yield "attention d128 gqa causal dropout", fwd_bwd(
-            lambda: ops.attention(q, k, v, is_causal=True, dropout_p=0.1, enable_gqa=True))
-        yield "attention d128 causal softcap", fwd_bwd(lambda: ops.attention(q, q, q, is_causal=True, softcap=50.0))
+            lambda q=q, k=k, v=v: ops.attention(q, k, v, is_causal=True, dropout_p=0.1, enable_gqa=True))
+        yield "attention d128 causal softcap", fwd_bwd(lambda q=q: ops.attention(q, q, q, is_causal=True, softcap=50.0))
         q, k, v = leaf(2, 2, s, 64), leaf(2, 2, s, 64), leaf(2, 2, s, 64)
         keep = torch.ones(2, 1, 1, s, dtype=torch.bool)
         keep[0, ..., s // 2:] = False
-        yield "attention d64 bool key-padding mask", fwd_bwd(lambda: ops.attention(q, k, v, attn_mask=keep))
+        yield "attention d64 bool key-padding mask", fwd_bwd(lambda q=q, k=k, v=v: ops.attention(q, k, v, attn_mask=keep))
         bias = torch.randn(1, 2, s, s, dtype=bf16).requires_grad_()
-        yield "attention d64 float mask with grad", fwd_bwd(lambda: ops.attention(q, k, v, attn_mask=bias))
+        yield "attention d64 float mask with grad", fwd_bwd(lambda q=q, k=k, v=v: ops.attention(q, k, v, attn_mask=bias))
     elif family == "cross_entropy":
         for vocab in (32000, 50257, 128256):
             logits, target = leaf(2, vocab), torch.randint(0, vocab, (2,))
             yield f"cross_entropy {vocab}", fwd_bwd(lambda lg=logits, t=target: ops.cross_entropy(lg, t))
         h, w, t = leaf(8, 64), leaf(50257, 64), torch.randint(0, 50257, (8,))
-        yield "linear_cross_entropy 64->50257", fwd_bwd(lambda: ops.linear_cross_entropy(h, w, t))
+        yield "linear_cross_entropy 64->50257", fwd_bwd(lambda h=h, w=w, t=t: ops.linear_cross_entropy(h, w, t))
 
 
 def _arg_spec(torch, tl, a):

@@ -12,7 +12,8 @@
 #   start that is the whole 30 minutes. The next session: `e2e` (~5 min: GPT-2 medium, eager,
 #   fuse, fuse(skip_logits)), `tune` (~4 min, the shipped H100 defaults), `e2e-ckpt` (~5 min,
 #   gradient checkpointing on), `e2e-bert` (~5 min, BERT-large), `e2e-llama` (~5 min, Llama 3.2
-#   1B's shape against Liger-Kernel), and whatever stage ran short)
+#   1B's shape against Liger-Kernel), `tma` (~6 min, the tensor-descriptor attention forward:
+#   its tests on the GPU, then its speed), and whatever stage ran short)
 #
 # Everything a stage writes (logs, bench/results/*, the exported tuning defaults) comes back as
 # ONE file, $OUT/session.tgz (the device returns at most 8 files per call). Unpack it here with
@@ -68,6 +69,12 @@ for what in "$@"; do
         attention)  # attention (SDPA's backends, Gemma 2's soft cap against FlexAttention) and the LM head
             stage bench-attention 240 python3 bench/bench_attention.py
             stage bench-cross_entropy 120 python3 bench/bench_cross_entropy.py ;;
+        tma)  # the attention forward through tensor descriptors (opt-in, TRIFUSE_ATTENTION_TMA=1):
+              # natively on sm_90 first (fp16 and bf16 against float64), then its speed. Its own
+              # processes: a fault here cannot take the other stages' results with it.
+            stage tests-tma 150 env TRIFUSE_ATTENTION_TMA=1 python3 -m pytest -q -p no:cacheprovider \
+                tests/kernels/test_attention.py -k "tma or bf16 or bfloat16"
+            stage bench-attention-tma 200 python3 bench/bench_attention.py --tma ;;
         dialects)  # which implementation wins per op and shape, against each candidate alone
             stage bench-dialects 200 python3 bench/bench_dialects.py ;;
         e2e)  # GPT-2 medium training steps: eager, trifuse.fuse, trifuse.fuse(skip_logits)
@@ -83,7 +90,7 @@ for what in "$@"; do
             stage tune 150 python3 -m trifuse.autotune gpt2-medium --batch 8 --seq 1024
             stage tune-llama 150 python3 -m trifuse.autotune llama-3.2-1b --batch 4 --seq 2048 \
                 --export-defaults autotune/defaults/h100.json ;;
-        *) echo "unknown stage $what (tests host kernels attention dialects e2e e2e-ckpt e2e-bert e2e-llama tune)" ;;
+        *) echo "unknown stage $what (tests host kernels attention tma dialects e2e e2e-ckpt e2e-bert e2e-llama tune)" ;;
     esac
 done
 

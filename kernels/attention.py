@@ -66,6 +66,12 @@ kernels, SDPA with one backend forced, flash-attn or xformers, whichever measure
 the candidates that pass the check for the shape bucket.
 Key blocks that need no causal or bounds mask run a loop without the masking code; the diagonal
 and the ragged last block run a masked loop (a constexpr flag selects the variant).
+
+On Hopper, with TRIFUSE_ATTENTION_TMA=1, the forward may load Q, K, V and store O through tensor
+descriptors built in the kernel (the copy engine, UTMALDG/UTMASTG in SASS; bounds and head-dim
+padding by the hardware, fewer registers: 140 against 182 at head dim 128, compiled for sm_90).
+The tuner then times those configs beside the pointer ones and keeps the faster. Opt-in until a
+GPU session has measured it (bench/bench_attention.py --tma); see _tma_ok for what it takes.
 """
 import functools
 import logging
@@ -76,7 +82,7 @@ import triton
 import triton.language as tl
 
 from ..autotune import dialects, pow2_bucket
-from ..autotune.env import INTERPRET
+from ..autotune.env import INTERPRET, attention_tma_requested
 from ..autotune.tuner import Tuner
 from ._common import (
     acc_dtype,
@@ -210,15 +216,20 @@ def _attn_fwd_loop(acc, l_i, m_i, q, K, V, MASK, seed, rng_rows, offs_m, offs_n,
                    N_Q, N_K, qk_scale, softcap, p_drop, lo, hi,
                    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                   SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr):
-    """Online softmax over the key blocks [lo, hi) for one block of query rows."""
+                   SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
+                   USE_TMA: tl.constexpr):
+    """Online softmax over the key blocks [lo, hi) for one block of query rows. With USE_TMA, K
+    and V are tensor descriptors (the copy engine zero-fills rows and columns past the ends)."""
     mask_d = offs_d < HEAD_DIM
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         kv_mask = mask_d[None, :]
         if MASKED:
             kv_mask = kv_mask & (cols[:, None] < N_K)
-        k = tl.load(_tile(K, cols, offs_d, stride_kn, stride_kd), mask=kv_mask, other=0.0)
+        if USE_TMA:
+            k = K.load([start_n, 0])
+        else:
+            k = tl.load(_tile(K, cols, offs_d, stride_kn, stride_kd), mask=kv_mask, other=0.0)
         qk, _ = _scaled(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC), qk_scale, softcap,
                         SOFTCAP)
         qk = _scores(qk, offs_m[:, None], cols[None, :], MASK, stride_mm, stride_mn, N_Q, N_K,
@@ -233,7 +244,10 @@ def _attn_fwd_loop(acc, l_i, m_i, q, K, V, MASK, seed, rng_rows, offs_m, offs_n,
             # The normalizer l sums the undropped P; dropout acts on the normalized probabilities.
             keep = dropout_keep(seed, rng_rows[:, None], cols[None, :] + 0 * offs_m[:, None], p_drop)
             p = tl.where(keep, p, 0.0)
-        v = tl.load(_tile(V, cols, offs_d, stride_vn, stride_vd), mask=kv_mask, other=0.0)
+        if USE_TMA:
+            v = V.load([start_n, 0])
+        else:
+            v = tl.load(_tile(V, cols, offs_d, stride_vn, stride_vd), mask=kv_mask, other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION, out_dtype=ACC)
         m_i = m_new
     return acc, l_i, m_i
@@ -258,6 +272,7 @@ def _attn_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
+    USE_TMA: tl.constexpr,  # Q, K, V, O through tensor descriptors (sm_90+; see _tma_ok)
 ):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)  # int64: b * stride may pass 2^31
@@ -275,7 +290,14 @@ def _attn_fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < N_Q
     qo_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(_tile(Q, offs_m, offs_d, stride_qm, stride_qd), mask=qo_mask, other=0.0)
+    if USE_TMA:
+        # One (rows, head_dim) descriptor per (b, h) slice: any batch and head strides, unit
+        # stride along head_dim; the copy engine bounds every tile by the slice's shape.
+        q = tl.make_tensor_descriptor(Q, [N_Q, HEAD_DIM], [stride_qm, 1], [BLOCK_M, BLOCK_D]).load([start_m, 0])
+        K = tl.make_tensor_descriptor(K, [N_K, HEAD_DIM], [stride_kn, 1], [BLOCK_N, BLOCK_D])
+        V = tl.make_tensor_descriptor(V, [N_K, HEAD_DIM], [stride_vn, 1], [BLOCK_N, BLOCK_D])
+    else:
+        q = tl.load(_tile(Q, offs_m, offs_d, stride_qm, stride_qd), mask=qo_mask, other=0.0)
     seed = tl.load(SEED) if HAS_DROPOUT else 0
     rng_rows = bh * N_Q + offs_m
 
@@ -293,18 +315,22 @@ def _attn_fwd_kernel(
                                    stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
                                    N_Q, N_K, qk_scale, softcap, p_drop, 0, n_full,
                                    HEAD_DIM, BLOCK_N, False, IS_CAUSAL, MASK_KIND, HAS_DROPOUT,
-                                   SOFTCAP, DOT_PRECISION, ACC)
+                                   SOFTCAP, DOT_PRECISION, ACC, USE_TMA)
     acc, l_i, m_i = _attn_fwd_loop(acc, l_i, m_i, q, K, V, MASK, seed, rng_rows, offs_m, offs_n, offs_d,
                                    stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
                                    N_Q, N_K, qk_scale, softcap, p_drop, n_full, hi,
                                    HEAD_DIM, BLOCK_N, True, IS_CAUSAL, MASK_KIND, HAS_DROPOUT,
-                                   SOFTCAP, DOT_PRECISION, ACC)
+                                   SOFTCAP, DOT_PRECISION, ACC, USE_TMA)
 
     seen = l_i > 0.0  # False only for rows whose every score is -inf: O = 0, L = -inf
     l_safe = tl.where(seen, l_i, 1.0)
     o = acc * (dropout_scale / l_safe)[:, None]
     lse = tl.where(seen, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
-    tl.store(_tile(O, offs_m, offs_d, stride_om, stride_od), o.to(O.dtype.element_ty), mask=qo_mask)
+    if USE_TMA:
+        o_desc = tl.make_tensor_descriptor(O, [N_Q, HEAD_DIM], [stride_om, 1], [BLOCK_M, BLOCK_D])
+        o_desc.store([start_m, 0], o.to(O.dtype.element_ty))
+    else:
+        tl.store(_tile(O, offs_m, offs_d, stride_om, stride_od), o.to(O.dtype.element_ty), mask=qo_mask)
     tl.store(LSE + bh * N_Q + offs_m, lse, mask=row_ok)
 
 
@@ -631,8 +657,10 @@ def _smem_bytes(kind: str, bm: int, bn: int, stages: int, block_d: int, itemsize
 _MASKED_16BIT_DEFAULT = {("fwd", 64): (128, 64, 8, 3)}
 
 
-def _configs(kind: str, block_d: int, itemsize: int, smem: int, mask: int = 0) -> list[triton.Config]:
-    """The autotuning list for one kernel, head-dim class and element size (first = default)."""
+def _configs(kind: str, block_d: int, itemsize: int, smem: int, mask: int = 0,
+             tma: bool = False) -> list[triton.Config]:
+    """The autotuning list for one kernel, head-dim class and element size (first = default).
+    With `tma` (_tma_ok) the forward's list is each block shape with USE_TMA first, then without."""
     if INTERPRET:
         shapes = [_INTERPRET_SHAPES[kind]]
     else:
@@ -643,15 +671,17 @@ def _configs(kind: str, block_d: int, itemsize: int, smem: int, mask: int = 0) -
             shapes = [masked] + [s for s in shapes if s != masked]
         fits = [s for s in shapes if _smem_bytes(kind, s[0], s[1], s[3], block_d, itemsize) <= smem]
         shapes = [shapes[0]] + [s for s in fits if s != shapes[0]]
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-            for bm, bn, w, s in shapes]
+    uses = (True, False) if tma and kind == "fwd" else (None,)
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, **({} if use is None else {"USE_TMA": use})},
+                          num_warps=w, num_stages=s)
+            for use in uses for bm, bn, w, s in shapes]
 
 
 _KERNELS = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_bwd_dq_kernel}
 
 
 _KEY_NAMES = ("device", "block_d", "itemsize", "smem", "q_bucket", "k_bucket", "head_dim", "causal", "mask",
-              "dropout", "dtype")
+              "dropout", "dtype", "tma")
 
 
 def _config_meta(cfg: triton.Config) -> dict:
@@ -682,9 +712,10 @@ _BWD_PLANS: dict[tuple, tuple] = {}
 
 
 def _plan_key(q: torch.Tensor, bsz: int, h: int, h_kv: int, sq: int, sk: int, d: int, is_causal: bool,
-              mask_kind: int, has_dropout: bool, mask_grad: bool = False, softcap: bool = False) -> tuple:
+              mask_kind: int, has_dropout: bool, mask_grad: bool = False, softcap: bool = False,
+              tma: bool = False) -> tuple:
     return (q.get_device() if q.is_cuda else -1, q.dtype, bsz, h, h_kv, sq, sk, d, is_causal, mask_kind,
-            has_dropout, mask_grad, softcap)
+            has_dropout, mask_grad, softcap, tma)
 
 
 
@@ -707,12 +738,58 @@ def _tuned_launch(kind: str, tuning_key: tuple, grid_fn, args: tuple, constexprs
 
 
 def _tuning_key(q: torch.Tensor, sq: int, sk: int, d: int, block_d: int, is_causal: bool, mask_kind: int,
-                has_dropout: bool) -> tuple:
+                has_dropout: bool, tma: bool = False) -> tuple:
     """The tuner's key (_KEY_NAMES): block sizes depend on these, not on exact lengths."""
     device = q.get_device() if q.is_cuda else -1
     smem = _smem_limit(device) if q.is_cuda else _DEFAULT_SMEM
     return (device, block_d, q.element_size(), smem, _bucket(sq), _bucket(sk), d, is_causal, mask_kind,
-            has_dropout, q.dtype)
+            has_dropout, q.dtype, tma)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor descriptors (TMA) for the forward, opt-in with TRIFUSE_ATTENTION_TMA=1 until measured on
+# a GPU: the copy engine needs 16-bit here (the configs are the 16-bit lists), unit stride along
+# head_dim, and every address and other stride on a 16-byte grid. The descriptors are built in
+# the kernel, in a global scratch buffer per program that Triton's launcher takes from
+# `triton.set_allocator`.
+# ---------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _capability_major(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
+def _tma_ok(*tensors: torch.Tensor) -> bool:
+    """Whether the forward may run with USE_TMA for these q, k, v, o."""
+    if not attention_tma_requested() or not hasattr(tl, "make_tensor_descriptor"):
+        return False
+    first = tensors[0]
+    if first.element_size() != 2 or not _use_kernels(first):
+        return False
+    if first.is_cuda:
+        if _capability_major(first.get_device()) < 9 or not hasattr(triton, "set_allocator"):
+            return False
+        _ensure_scratch_allocator()
+    for t in tensors:
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(st * 2 % 16 for st in t.stride()[:-1]):
+            return False
+    return True
+
+
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_scratch_allocator() -> None:
+    """Installs a torch-backed allocator for the descriptors' scratch where none is set (Triton's
+    default raises). Checked on each call: autograd's backward thread (a recomputed forward under
+    checkpointing) starts with Triton's default."""
+    from triton.runtime import _allocation
+
+    current = _allocation._allocator.get() if hasattr(_allocation, "_allocator") else None
+    if current is None or type(current).__name__ == "NullAllocator":
+        triton.set_allocator(_scratch)
 
 
 # =============================================================================================
@@ -797,7 +874,8 @@ def attention_fwd(
             *q.stride(), *k.stride(), *v.stride(), *sm, *o.stride(),
             h, sq, sk, h // h_kv, *_score_scales(scale, softcap), dropout_p, _dropout_scale(dropout_p),
             _bucket(sq), _bucket(sk))
-    key = _plan_key(q, bsz, h, h_kv, sq, sk, d, is_causal, mask_kind, has_dropout, False, softcap > 0.0)
+    tma = _tma_ok(q, k, v, o)
+    key = _plan_key(q, bsz, h, h_kv, sq, sk, d, is_causal, mask_kind, has_dropout, False, softcap > 0.0, tma)
     plan = _FWD_PLANS.get(key)
     if plan is not None:
         _FWD.run(plan[0], args, plan[1])
@@ -807,8 +885,8 @@ def attention_fwd(
     # cap adds elementwise work, not tiles.
     constexprs = dict(HEAD_DIM=d, BLOCK_D=block_d, IS_CAUSAL=is_causal, MASK_KIND=mask_kind,
                       HAS_DROPOUT=has_dropout, SOFTCAP=softcap > 0.0, DOT_PRECISION=_dot_precision(q.dtype),
-                      ACC=acc_dtype(q.dtype))
-    planned = _tuned_launch("fwd", _tuning_key(q, sq, sk, d, block_d, is_causal, mask_kind, has_dropout),
+                      ACC=acc_dtype(q.dtype), USE_TMA=False)
+    planned = _tuned_launch("fwd", _tuning_key(q, sq, sk, d, block_d, is_causal, mask_kind, has_dropout, tma),
                             lambda meta: (cdiv(sq, meta["BLOCK_M"]), bsz * h), args, constexprs)
     if planned is not None:
         store_plan(_FWD_PLANS, key, planned)

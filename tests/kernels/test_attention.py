@@ -878,3 +878,89 @@ def test_masked_head_dim_64_forward_starts_from_a_default_that_does_not_spill(mo
     assert shapes(attn_mod._configs("fwd", 64, 4, 232448, mask=1)) == shapes(attn_mod._configs("fwd", 64, 4, 232448))
     named = dict(zip(attn_mod._KEY_NAMES[1:], (64, 2, 232448, 128, 128, 64, False, 1, False, torch.bfloat16)))
     assert attn_mod._TUNERS["fwd"]._configs_kwargs(named)["mask"] == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The forward through tensor descriptors (TMA), TRIFUSE_ATTENTION_TMA=1: 16-bit only (fp16 here;
+# bf16 on the GPU), unit stride along head_dim and 16-byte aligned addresses and strides.
+# ---------------------------------------------------------------------------------------------
+
+TMA_CASES = [
+    Case(b=2, h=2, sq=37, sk=37),  # ragged last query and key blocks
+    Case(sq=20, sk=50, causal=True), Case(sq=50, sk=20, causal=True),
+    Case(h=4, h_kv=2, sq=33, sk=40, d=24, causal=True),  # GQA, head dim padded 24 -> 32 by the copy engine
+    Case(sq=20, sk=24, d=80),
+    Case(b=2, sq=33, sk=40, mask="hf"),
+    Case(h=1, sq=11, sk=11, d=256, causal=True),
+]
+
+
+@pytest.fixture
+def tma(monkeypatch):
+    """TMA allowed, and on a GPU no timing: the forward's default config, the TMA one, runs."""
+    monkeypatch.setenv("TRIFUSE_ATTENTION_TMA", "1")
+    monkeypatch.setenv("TRIFUSE_AUTOTUNE", "0")
+    monkeypatch.setattr(attn_mod, "_FWD_PLANS", {})
+    monkeypatch.setattr(attn_mod._TUNERS["fwd"], "_memo", {})
+
+
+def _launched_tma(dtype: torch.dtype = torch.float16) -> list[bool]:
+    """USE_TMA of each `dtype` forward launched since the fixture (the oracle's helpers run fp32)."""
+    return [meta["USE_TMA"] for key, (_, meta) in attn_mod._FWD_PLANS.items() if key[1] == dtype]
+
+
+@pytest.mark.parametrize("case", TMA_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if ON_GPU else []), ids=str)
+def test_tma_forward_matches_float64_oracle(tma, dtype, case):
+    q, k, v, mask = make(case, dtype)
+    check_fwd_bwd(q, k, v, mask, kwargs_of(case), name="tma")
+    assert _launched_tma(dtype) == [True]
+
+
+def test_tma_forward_with_dropout_and_softcap(tma):
+    case = Case(h=4, h_kv=2, sq=33, sk=40, causal=True)
+    keep = kernel_keep_mask(case.b, case.h, case.sq, case.sk, 0.3, seed=5)
+    q, k, v, mask = make(case, torch.float16)
+    check_fwd_bwd(q, k, v, mask, kwargs_of(case), dropout_p=0.3, dropout_mask=keep, seed=5, name="tma dropout")
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 29, 32, dtype=torch.float16, device=DEVICE) * 4 for _ in range(3))
+    with_tma = trifuse.ops.attention(q, k, v, is_causal=True, softcap=5.0)
+    ref = attention_ref(q.double(), k.double(), v.double(), is_causal=True, softcap=5.0)
+    assert_close("tma softcap", with_tma, ref, attention_ref(q, k, v, is_causal=True, softcap=5.0))
+    assert _launched_tma() == [True, True]
+
+
+def test_tma_forward_takes_fused_qkv_views(tma):
+    b, s, h, d = 2, 29, 3, 16
+    x = torch.randn(b, s, 3 * h * d, device=DEVICE, dtype=torch.float16)
+    q, k, v = (t.transpose(1, 2) for t in x.view(b, s, 3, h, d).unbind(2))
+    out = trifuse.ops.attention(q, k, v, is_causal=True)
+    ref = attention_ref(q.double(), k.double(), v.double(), is_causal=True)
+    assert_close("tma fused qkv", out, ref, attention_ref(q, k, v, is_causal=True))
+    assert _launched_tma() == [True]
+
+
+def test_tma_is_refused_where_the_copy_engine_cannot_go_and_plans_keep_them_apart(tma):
+    """fp32, a head dim whose row stride is off the 16-byte grid, a misaligned base address, a
+    strided head dim: the pointer path. The same shapes aligned and misaligned get separate
+    launch plans, so a plan made with TMA is never replayed on tensors it cannot take."""
+    q = torch.randn(1, 2, 24, 32, device=DEVICE, dtype=torch.float16)
+    assert attn_mod._tma_ok(q, q, q, q)
+    assert not attn_mod._tma_ok(q.float(), q.float(), q.float(), q.float())
+    odd = torch.randn(1, 2, 24, 20, device=DEVICE, dtype=torch.float16)  # rows of 40 bytes
+    assert not attn_mod._tma_ok(odd, odd, odd, odd)
+    shifted = torch.randn(1 * 2 * 24 * 32 + 1, device=DEVICE, dtype=torch.float16)[1:].view(1, 2, 24, 32)
+    assert not attn_mod._tma_ok(shifted, q, q, q)
+    strided_d = torch.randn(1, 2, 24, 64, device=DEVICE, dtype=torch.float16)[..., ::2]
+    assert not attn_mod._tma_ok(strided_d, q, q, q)
+    for t in (q, shifted):
+        out = trifuse.ops.attention(t, q, q)
+        ref = attention_ref(t.double(), q.double(), q.double())
+        assert_close("tma refusal", out, ref, attention_ref(t, q, q))
+    assert sorted(_launched_tma()) == [False, True]
+
+
+def test_tma_stays_off_unless_asked(monkeypatch):
+    monkeypatch.delenv("TRIFUSE_ATTENTION_TMA", raising=False)
+    q = torch.randn(1, 2, 24, 32, device=DEVICE, dtype=torch.float16)
+    assert not attn_mod._tma_ok(q, q, q, q)

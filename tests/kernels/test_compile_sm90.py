@@ -2,7 +2,8 @@
 machine without a GPU (bench/compile_sm90.py --smoke): the kernels the interpreter runs must
 also get through the GPU compiler, fit Hopper's shared memory and registers without spilling at
 their default configs, and the attention matmuls must take Hopper's warpgroup MMA (HGMMA), not
-the older mma.sync path. The GPU itself is needed for speed, not for any of this."""
+the older mma.sync path; with TRIFUSE_ATTENTION_TMA=1 the forward loads and stores through the
+copy engine (UTMALDG / UTMASTG), not cp.async. The GPU is needed for speed, not for any of this."""
 import importlib
 import json
 import os
@@ -30,16 +31,33 @@ def _kernel_names() -> set[str]:
     return names
 
 
-@pytest.mark.skipif(not PTXAS.exists(), reason="this Triton ships no ptxas for NVIDIA targets")
-def test_every_kernel_compiles_for_sm90_without_spills(tmp_path):
+def _compile(tmp_path, *args: str, **env: str) -> list[dict]:
     out = tmp_path / "sm90.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, str(TOOL), "--smoke", "--json", str(out)], env=env, check=False,
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, **env}
+    run = subprocess.run([sys.executable, str(TOOL), "--smoke", "--json", str(out), *args], env=env, check=False,
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    return json.loads(out.read_text())["rows"]
+
+
+needs_ptxas = pytest.mark.skipif(not PTXAS.exists(), reason="this Triton ships no ptxas for NVIDIA targets")
+
+
+@needs_ptxas
+def test_every_kernel_compiles_for_sm90_without_spills(tmp_path):
+    rows = _compile(tmp_path)
     assert {r["kernel"] for r in rows} == _kernel_names(), "the smoke catalogue launches every kernel"
     for r in rows:
         assert not r["error"] and r["stack"] == 0 and r["smem"] <= 232448, r
         if r["kernel"] in ("_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel"):
             assert r["sass"]["HGMMA"] > 0 and r["sass"]["HMMA"] == 0, (r["kernel"], r["sass"])
+
+
+@needs_ptxas
+def test_attention_forward_through_tensor_descriptors_compiles_to_tma(tmp_path):
+    rows = _compile(tmp_path, "--only", "attention", TRIFUSE_ATTENTION_TMA="1")
+    forward = [r for r in rows if r["kernel"] == "_attn_fwd_kernel"]
+    assert forward and all(r["launch"]["USE_TMA"] for r in forward)
+    for r in forward:
+        assert r["sass"]["UTMALDG"] > 0 and r["sass"]["UTMASTG"] > 0 and r["sass"]["HGMMA"] > 0, r["sass"]
+        assert not r["error"] and r["stack"] == 0, r
