@@ -67,11 +67,15 @@ the candidates that pass the check for the shape bucket.
 Key blocks that need no causal or bounds mask run a loop without the masking code; the diagonal
 and the ragged last block run a masked loop (a constexpr flag selects the variant).
 
-On Hopper, with TRIFUSE_ATTENTION_TMA=1, the forward may load Q, K, V and store O through tensor
+On Hopper, with TRIFUSE_ATTENTION_TMA=1, the kernels may move their tiles through tensor
 descriptors built in the kernel (the copy engine, UTMALDG/UTMASTG in SASS; bounds and head-dim
-padding by the hardware, fewer registers: 140 against 182 at head dim 128, compiled for sm_90).
-The tuner then times those configs beside the pointer ones and keeps the faster. Opt-in until a
-GPU session has measured it (bench/bench_attention.py --tma); see _tma_ok for what it takes.
+padding by the hardware, fewer registers: 140 against 182 at head dim 128 in the forward,
+compiled for sm_90): the forward loads Q, K, V and stores O, the dK/dV pass streams Q and dO,
+the dQ pass K and V. The tuner then times those configs beside the pointer ones and keeps the
+faster. Opt-in until a GPU session has measured it (bench/bench_attention.py --tma); _tma_ok
+says what it takes. Warp specialization (tl.range(warp_specialize=True)) is not used: Triton 3.6
+and 3.9 fail on the causal forward for sm_90 (NVGPUWarpSpecialization pass) and emit no
+register reallocation (setmaxnreg) for the others.
 """
 import functools
 import logging
@@ -371,19 +375,25 @@ def _load_row_stats(LSE, DELTA, rows, N_Q):
 @triton.jit
 def _attn_bwd_dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, MASK, seed, rng_base, offs_m, offs_n, offs_d,
                         stride_qm, stride_qd, stride_dom, stride_dod, stride_mm, stride_mn,
-                        N_Q, N_K, qk_scale, softcap, p_drop, dropout_scale, lo, hi,
+                        N_Q, N_K, qk_scale, softcap, p_drop, dropout_scale, lo, hi, h,
                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
                         IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                        SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr):
+                        SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
+                        USE_TMA: tl.constexpr):
     """Accumulates dK, dV of one key block over the query blocks [lo, hi) of one query head.
     Works on transposed (keys x queries) blocks so dK and dV come out of plain dots.
-    Keys past N_K (the ragged last block) need no mask: their rows are never stored."""
+    Keys past N_K (the ragged last block) need no mask: their rows are never stored.
+    With USE_TMA, Q and DO are (heads, rows, head_dim) descriptors of this batch and h the head."""
     mask_d = offs_d < HEAD_DIM
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
         qo_mask = (rows[:, None] < N_Q) & mask_d[None, :]
-        q = tl.load(_tile(Q, rows, offs_d, stride_qm, stride_qd), mask=qo_mask, other=0.0)
-        do = tl.load(_tile(DO, rows, offs_d, stride_dom, stride_dod), mask=qo_mask, other=0.0)
+        if USE_TMA:
+            q = Q.load([h.to(tl.int32), start_m, 0]).reshape(BLOCK_M, offs_d.shape[0])
+            do = DO.load([h.to(tl.int32), start_m, 0]).reshape(BLOCK_M, offs_d.shape[0])
+        else:
+            q = tl.load(_tile(Q, rows, offs_d, stride_qm, stride_qd), mask=qo_mask, other=0.0)
+            do = tl.load(_tile(DO, rows, offs_d, stride_dom, stride_dod), mask=qo_mask, other=0.0)
         do = do.to(q.dtype)
         lse, delta = _load_row_stats(LSE, DELTA, rows, N_Q)
         qk_t, tanh_t = _scaled(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION, out_dtype=ACC), qk_scale,
@@ -427,6 +437,7 @@ def _attn_bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
+    USE_TMA: tl.constexpr,  # Q and DO streamed through tensor descriptors (see _tma_ok)
 ):
     start_n = tl.program_id(0) * BLOCK_N
     bhk = tl.program_id(1).to(tl.int64)
@@ -451,12 +462,23 @@ def _attn_bwd_dkdv_kernel(
         mid = tl.minimum(lo + tl.cdiv(start_n + BLOCK_N - 1 - lo, BLOCK_M) * BLOCK_M, N_Q)
     else:
         mid = 0
+    if USE_TMA:
+        # One (heads, rows, head_dim) descriptor per tensor for this batch, made once: the loop
+        # over the group's heads indexes it instead of building a descriptor per head.
+        Qd = tl.make_tensor_descriptor(Q + b * stride_qb, [H, N_Q, HEAD_DIM], [stride_qh, stride_qm, 1],
+                                       [1, BLOCK_M, BLOCK_D])
+        DOd = tl.make_tensor_descriptor(DO + b * stride_dob, [H, N_Q, HEAD_DIM], [stride_doh, stride_dom, 1],
+                                        [1, BLOCK_M, BLOCK_D])
     # The group's query heads in order: dK and dV sum over them in registers, deterministically.
     for g in range(GROUP):
         h = hk * GROUP + g
         bh = b * H + h
-        Qh = Q + b * stride_qb + h * stride_qh
-        DOh = DO + b * stride_dob + h * stride_doh
+        if USE_TMA:
+            Qh = Qd
+            DOh = DOd
+        else:
+            Qh = Q + b * stride_qb + h * stride_qh
+            DOh = DO + b * stride_dob + h * stride_doh
         MASKh = MASK + b * stride_mb + h * stride_mh
         LSEh = LSE + bh * N_Q
         DELTAh = DELTA + bh * N_Q
@@ -465,14 +487,14 @@ def _attn_bwd_dkdv_kernel(
             dk, dv = _attn_bwd_dkdv_loop(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, MASKh, seed, rng_base,
                                          offs_m, offs_n, offs_d, stride_qm, stride_qd, stride_dom, stride_dod,
                                          stride_mm, stride_mn, N_Q, N_K, qk_scale, softcap, p_drop,
-                                         dropout_scale, lo, mid, HEAD_DIM, BLOCK_M, True, IS_CAUSAL, MASK_KIND,
-                                         HAS_DROPOUT, SOFTCAP, DOT_PRECISION, ACC)
+                                         dropout_scale, lo, mid, h, HEAD_DIM, BLOCK_M, True, IS_CAUSAL, MASK_KIND,
+                                         HAS_DROPOUT, SOFTCAP, DOT_PRECISION, ACC, USE_TMA)
         dk, dv = _attn_bwd_dkdv_loop(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, MASKh, seed, rng_base,
                                      offs_m, offs_n, offs_d, stride_qm, stride_qd, stride_dom, stride_dod,
                                      stride_mm, stride_mn, N_Q, N_K, qk_scale, softcap, p_drop, dropout_scale,
-                                     mid, N_Q,
+                                     mid, N_Q, h,
                                      HEAD_DIM, BLOCK_M, False, IS_CAUSAL, MASK_KIND, HAS_DROPOUT,
-                                     SOFTCAP, DOT_PRECISION, ACC)
+                                     SOFTCAP, DOT_PRECISION, ACC, USE_TMA)
 
     dk *= sm_scale
     tl.store(_tile(DK + b * stride_dkb + hk * stride_dkh, offs_n, offs_d, stride_dkn, stride_dkd),
@@ -488,18 +510,22 @@ def _attn_bwd_dq_loop(dq, q, do, lse, delta, K, V, MASK, DMASK, seed, rng_rows, 
                       HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                       IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                       MASK_GRAD: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                      ACC: tl.constexpr):
+                      ACC: tl.constexpr, USE_TMA: tl.constexpr):
     """Accumulates dQ of one query block over the key blocks [lo, hi); with MASK_GRAD, also
     stores each dS tile (= d(mask), the mask being added to the scores) into this (b, h)'s
-    dense (N_Q, N_K) slice of DMASK."""
+    dense (N_Q, N_K) slice of DMASK. With USE_TMA, K and V are tensor descriptors."""
     mask_d = offs_d < HEAD_DIM
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         kv_mask = mask_d[None, :]
         if MASKED:
             kv_mask = kv_mask & (cols[:, None] < N_K)
-        k = tl.load(_tile(K, cols, offs_d, stride_kn, stride_kd), mask=kv_mask, other=0.0)
-        v = tl.load(_tile(V, cols, offs_d, stride_vn, stride_vd), mask=kv_mask, other=0.0)
+        if USE_TMA:
+            k = K.load([start_n, 0])
+            v = V.load([start_n, 0])
+        else:
+            k = tl.load(_tile(K, cols, offs_d, stride_kn, stride_kd), mask=kv_mask, other=0.0)
+            v = tl.load(_tile(V, cols, offs_d, stride_vn, stride_vd), mask=kv_mask, other=0.0)
         qk, tanh_qk = _scaled(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC), qk_scale,
                               softcap, SOFTCAP)
         qk = _scores(qk, offs_m[:, None], cols[None, :], MASK, stride_mm, stride_mn, N_Q, N_K,
@@ -540,6 +566,7 @@ def _attn_bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     MASK_GRAD: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
+    USE_TMA: tl.constexpr,  # K and V streamed through tensor descriptors (see _tma_ok)
 ):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
@@ -559,6 +586,9 @@ def _attn_bwd_dq_kernel(
     rng_rows = bh * N_Q + offs_m
     K += b * stride_kb + hk * stride_kh
     V += b * stride_vb + hk * stride_vh
+    if USE_TMA:
+        K = tl.make_tensor_descriptor(K, [N_K, HEAD_DIM], [stride_kn, 1], [BLOCK_N, BLOCK_D])
+        V = tl.make_tensor_descriptor(V, [N_K, HEAD_DIM], [stride_vn, 1], [BLOCK_N, BLOCK_D])
     MASK += b * stride_mb + h * stride_mh
     if MASK_GRAD:
         DMASK += bh * N_Q * N_K
@@ -574,12 +604,12 @@ def _attn_bwd_dq_kernel(
                            stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
                            N_Q, N_K, qk_scale, softcap, p_drop, dropout_scale, 0, n_full,
                            HEAD_DIM, BLOCK_N, False, IS_CAUSAL, MASK_KIND, HAS_DROPOUT, MASK_GRAD, SOFTCAP,
-                           DOT_PRECISION, ACC)
+                           DOT_PRECISION, ACC, USE_TMA)
     dq = _attn_bwd_dq_loop(dq, q, do, lse, delta, K, V, MASK, DMASK, seed, rng_rows, offs_m, offs_n, offs_d,
                            stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
                            N_Q, N_K, qk_scale, softcap, p_drop, dropout_scale, n_full, hi,
                            HEAD_DIM, BLOCK_N, True, IS_CAUSAL, MASK_KIND, HAS_DROPOUT, MASK_GRAD, SOFTCAP,
-                           DOT_PRECISION, ACC)
+                           DOT_PRECISION, ACC, USE_TMA)
     dq *= sm_scale
     tl.store(_tile(DQ + b * stride_dqb + h * stride_dqh, offs_m, offs_d, stride_dqm, stride_dqd),
              dq.to(DQ.dtype.element_ty), mask=qo_mask)
@@ -660,7 +690,7 @@ _MASKED_16BIT_DEFAULT = {("fwd", 64): (128, 64, 8, 3)}
 def _configs(kind: str, block_d: int, itemsize: int, smem: int, mask: int = 0,
              tma: bool = False) -> list[triton.Config]:
     """The autotuning list for one kernel, head-dim class and element size (first = default).
-    With `tma` (_tma_ok) the forward's list is each block shape with USE_TMA first, then without."""
+    With `tma` (_tma_ok) the list is each block shape with USE_TMA first, then without."""
     if INTERPRET:
         shapes = [_INTERPRET_SHAPES[kind]]
     else:
@@ -671,7 +701,7 @@ def _configs(kind: str, block_d: int, itemsize: int, smem: int, mask: int = 0,
             shapes = [masked] + [s for s in shapes if s != masked]
         fits = [s for s in shapes if _smem_bytes(kind, s[0], s[1], s[3], block_d, itemsize) <= smem]
         shapes = [shapes[0]] + [s for s in fits if s != shapes[0]]
-    uses = (True, False) if tma and kind == "fwd" else (None,)
+    uses = (True, False) if tma else (None,)
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, **({} if use is None else {"USE_TMA": use})},
                           num_warps=w, num_stages=s)
             for use in uses for bm, bn, w, s in shapes]
@@ -747,7 +777,7 @@ def _tuning_key(q: torch.Tensor, sq: int, sk: int, d: int, block_d: int, is_caus
 
 
 # ---------------------------------------------------------------------------------------------
-# Tensor descriptors (TMA) for the forward, opt-in with TRIFUSE_ATTENTION_TMA=1 until measured on
+# Tensor descriptors (TMA), opt-in with TRIFUSE_ATTENTION_TMA=1 until measured on
 # a GPU: the copy engine needs 16-bit here (the configs are the 16-bit lists), unit stride along
 # head_dim, and every address and other stride on a 16-byte grid. The descriptors are built in
 # the kernel, in a global scratch buffer per program that Triton's launcher takes from
@@ -761,7 +791,8 @@ def _capability_major(device_index: int) -> int:
 
 
 def _tma_ok(*tensors: torch.Tensor) -> bool:
-    """Whether the forward may run with USE_TMA for these q, k, v, o."""
+    """Whether the kernels may load these tensors through descriptors (USE_TMA): the forward's
+    q, k, v, o, the backward's q, k, v, dO."""
     if not attention_tma_requested() or not hasattr(tl, "make_tensor_descriptor"):
         return False
     first = tensors[0]
@@ -772,7 +803,7 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
             return False
         _ensure_scratch_allocator()
     for t in tensors:
-        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(st * 2 % 16 for st in t.stride()[:-1]):
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(st <= 0 or st * 2 % 16 for st in t.stride()[:-1]):
             return False
     return True
 
@@ -942,7 +973,8 @@ def attention_bwd(
     dq_args = (q, k, v, mask, seed_arg, do, lse, delta, dq, q if ds is None else ds,
                *q.stride(), *k.stride(), *v.stride(), *sm, *do.stride(), *dq.stride(),
                h, sq, sk, h // h_kv, *tail)
-    key = _plan_key(q, bsz, h, h_kv, sq, sk, d, is_causal, mask_kind, has_dropout, mask_grad, softcap > 0.0)
+    tma = _tma_ok(q, k, v, do)  # dQ, dK, dV are stored through pointers
+    key = _plan_key(q, bsz, h, h_kv, sq, sk, d, is_causal, mask_kind, has_dropout, mask_grad, softcap > 0.0, tma)
     plan = _BWD_PLANS.get(key)
     if plan is not None:
         _BWD_PREPROCESS.run(plan[0], pre_args, plan[1])
@@ -956,8 +988,9 @@ def attention_bwd(
     pre_meta = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_block, ACC=acc)
     _BWD_PREPROCESS.run(pre_grid, pre_args, pre_meta)
     constexprs = dict(HEAD_DIM=d, BLOCK_D=block_d, IS_CAUSAL=is_causal, MASK_KIND=mask_kind,
-                      HAS_DROPOUT=has_dropout, SOFTCAP=softcap > 0.0, DOT_PRECISION=_dot_precision(q.dtype), ACC=acc)
-    tuning_key = _tuning_key(q, sq, sk, d, block_d, is_causal, mask_kind, has_dropout)
+                      HAS_DROPOUT=has_dropout, SOFTCAP=softcap > 0.0, DOT_PRECISION=_dot_precision(q.dtype), ACC=acc,
+                      USE_TMA=False)
+    tuning_key = _tuning_key(q, sq, sk, d, block_d, is_causal, mask_kind, has_dropout, tma)
     planned_dkdv = _tuned_launch("dkdv", tuning_key, lambda meta: (cdiv(sk, meta["BLOCK_N"]), bsz * h_kv),
                                  dkdv_args, constexprs)
     # The dQ kernel's block sizes are tuned without MASK_GRAD: the extra store does not change

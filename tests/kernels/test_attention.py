@@ -901,7 +901,9 @@ def tma(monkeypatch):
     monkeypatch.setenv("TRIFUSE_ATTENTION_TMA", "1")
     monkeypatch.setenv("TRIFUSE_AUTOTUNE", "0")
     monkeypatch.setattr(attn_mod, "_FWD_PLANS", {})
-    monkeypatch.setattr(attn_mod._TUNERS["fwd"], "_memo", {})
+    monkeypatch.setattr(attn_mod, "_BWD_PLANS", {})
+    for tuner in attn_mod._TUNERS.values():
+        monkeypatch.setattr(tuner, "_memo", {})
 
 
 def _launched_tma(dtype: torch.dtype = torch.float16) -> list[bool]:
@@ -909,12 +911,17 @@ def _launched_tma(dtype: torch.dtype = torch.float16) -> list[bool]:
     return [meta["USE_TMA"] for key, (_, meta) in attn_mod._FWD_PLANS.items() if key[1] == dtype]
 
 
+def _launched_tma_bwd(dtype: torch.dtype = torch.float16) -> list[tuple[bool, bool]]:
+    """(dK/dV pass, dQ pass) USE_TMA of each `dtype` backward launched since the fixture."""
+    return [(plan[3]["USE_TMA"], plan[5]["USE_TMA"]) for key, plan in attn_mod._BWD_PLANS.items() if key[1] == dtype]
+
+
 @pytest.mark.parametrize("case", TMA_CASES, ids=lambda c: c.id)
 @pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if ON_GPU else []), ids=str)
 def test_tma_forward_matches_float64_oracle(tma, dtype, case):
     q, k, v, mask = make(case, dtype)
     check_fwd_bwd(q, k, v, mask, kwargs_of(case), name="tma")
-    assert _launched_tma(dtype) == [True]
+    assert _launched_tma(dtype) == [True] and _launched_tma_bwd(dtype) == [(True, True)]
 
 
 def test_tma_forward_with_dropout_and_softcap(tma):
@@ -933,11 +940,18 @@ def test_tma_forward_with_dropout_and_softcap(tma):
 def test_tma_forward_takes_fused_qkv_views(tma):
     b, s, h, d = 2, 29, 3, 16
     x = torch.randn(b, s, 3 * h * d, device=DEVICE, dtype=torch.float16)
+    x.requires_grad_()
     q, k, v = (t.transpose(1, 2) for t in x.view(b, s, 3, h, d).unbind(2))
     out = trifuse.ops.attention(q, k, v, is_causal=True)
-    ref = attention_ref(q.double(), k.double(), v.double(), is_causal=True)
-    assert_close("tma fused qkv", out, ref, attention_ref(q, k, v, is_causal=True))
-    assert _launched_tma() == [True]
+    x64, xlp = x.detach().double().requires_grad_(), x.detach().clone().requires_grad_()
+    ref, ref_lp = (attention_ref(*(t.transpose(1, 2) for t in y.view(b, s, 3, h, d).unbind(2)), is_causal=True)
+                   for y in (x64, xlp))
+    assert_close("tma fused qkv", out, ref, ref_lp)
+    dout = torch.randn(b, s, h, d, device=DEVICE, dtype=torch.float16).transpose(1, 2)  # dO strided too
+    (gx,) = torch.autograd.grad(out, x, dout)
+    assert_close("tma fused qkv dx", gx, torch.autograd.grad(ref, x64, dout.double())[0],
+                 torch.autograd.grad(ref_lp, xlp, dout)[0])
+    assert _launched_tma() == [True] and _launched_tma_bwd() == [(True, True)]
 
 
 def test_tma_is_refused_where_the_copy_engine_cannot_go_and_plans_keep_them_apart(tma):
@@ -953,6 +967,8 @@ def test_tma_is_refused_where_the_copy_engine_cannot_go_and_plans_keep_them_apar
     assert not attn_mod._tma_ok(shifted, q, q, q)
     strided_d = torch.randn(1, 2, 24, 64, device=DEVICE, dtype=torch.float16)[..., ::2]
     assert not attn_mod._tma_ok(strided_d, q, q, q)
+    expanded = torch.randn(1, 2, 1, 32, device=DEVICE, dtype=torch.float16).expand(1, 2, 24, 32)  # a dO of sum()
+    assert not attn_mod._tma_ok(q, q, q, expanded)
     for t in (q, shifted):
         out = trifuse.ops.attention(t, q, q)
         ref = attention_ref(t.double(), q.double(), q.double())
