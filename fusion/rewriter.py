@@ -50,6 +50,9 @@ _OF_INTEREST = {
     torch.softmax: "softmax",
     F.multi_head_attention_forward: "multi_head_attention_forward",
     F.cross_entropy: "cross_entropy",
+    # an activation left as written: QuickGELU (CLIP's x * sigmoid(1.702 x), other maths than GeLU),
+    # a SiLU written out with no gate after it, a router's sigmoid
+    torch.sigmoid: "sigmoid",
 }
 if hasattr(F, "rms_norm"):
     _OF_INTEREST[F.rms_norm] = "rms_norm"
