@@ -163,9 +163,14 @@ _FAMILIES.update({
     # GeLU) stays as written; SigLIP's gelu_pytorch_tanh fuses
     "clip": {**_DECODER, **_MLP},
     "siglip": {**_DECODER, **_MLP},
+    # DeBERTa-v2: disentangled attention (relative-position scores added to the scaled q k^T, on
+    # (B*H, S, D) tensors; transformers has only its eager code for it)
+    "deberta-v2": {**_DECODER, **_MLP, "relative_attention": True, "pos_att_type": ["p2c", "c2p"],
+                   "position_buckets": 4, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
+                   "attn_implementation": "eager"},
 })
 SEQ2SEQ = ("t5", "bart")
-MASKED = ("modernbert",)
+MASKED = ("modernbert", "deberta-v2")
 SPEECH = ("whisper",)
 CONTRASTIVE = ("clip", "siglip")
 

@@ -119,6 +119,8 @@ MODELS = {
     "clip": (_family("clip"), {"layer_norm": 2 * L + 3, "attention": 2 * L, "residual_stream": 2 * L}),
     "siglip": (_family("siglip"), {"layer_norm": 2 * L + 3, "attention": 2 * L, "bias_gelu": 2 * L + 1,
                                    "residual_stream": 2 * L}),
+    # DeBERTa-v2's disentangled attention: the relative-position scores become the op's mask
+    "deberta-v2": (_family("deberta-v2"), BERT),
 }
 OPS = {"layer_norm": ("trifuse::layer_norm",), "rms_norm": ("trifuse::rms_norm",),
        "attention": ("trifuse::attention",), "bias_gelu": ("trifuse::bias_gelu",),

@@ -359,6 +359,59 @@ def test_rejections_say_why():
     assert any("not a no-op" in reason for *_, reason in report.rejected())
 
 
+class Disentangled(nn.Module):
+    """DeBERTa-v2's DisentangledSelfAttention core as transformers writes it, on (B*H, S, D)
+    tensors: k^T divided by a 0-d tensor scale inside the bmm, relative-position scores added
+    (here a learned (B*H, S, S) parameter, so its gradient is checked), the finfo.min fill of a
+    (B, 1, S, S) mask with a query row masked whole, dropout, the second bmm."""
+
+    def __init__(self, relative=True, p=0.0, fx_traceable=False):
+        super().__init__()
+        self.rel = nn.Parameter(torch.randn(B * H, S, S)) if relative else None
+        self.fx_traceable = fx_traceable
+        self.register_buffer("keep", KEEP_SOME_ROWS_NONE.clone())
+        self.dropout = nn.Dropout(p)
+
+    def forward(self, q, k, v):
+        q, k, v = (t.reshape(-1, S, D) for t in (q, k, v))
+        # transformers' scaled_size_sqrt, finfo of q's dtype and views by the scores' sizes; fx has no
+        # values for these (Dynamo has), so its variant writes the numbers
+        if self.fx_traceable:
+            scale, dtype, seq = math.sqrt(D * 3), torch.float32, (S, S)
+        else:
+            scale = torch.sqrt(torch.tensor(q.size(-1), dtype=torch.float) * 3).to(dtype=q.dtype)
+            dtype, seq = q.dtype, None
+        scores = torch.bmm(q, k.transpose(-1, -2) / scale)
+        if self.rel is not None:
+            scores = scores + self.rel
+        scores = scores.view(-1, H, *(seq or (scores.size(-2), scores.size(-1))))
+        scores = scores.masked_fill(~self.keep, torch.finfo(dtype).min)
+        probs = self.dropout(nn.functional.softmax(scores, dim=-1))
+        out = torch.bmm(probs.view(-1, *(seq or (probs.size(-2), probs.size(-1)))), v)
+        return out.view(-1, H, S, D)
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("relative, pattern", [
+    (True, "attention_bmm_scaled_k_add_masked_fill_dropout"),
+    (False, "attention_bmm_scaled_k_masked_fill_dropout"),
+], ids=["relative", "plain"])
+def test_deberta_disentangled_attention_fuses(relative, pattern, capture):
+    """Outputs and gradients (the relative scores' through the op's dMask, V's from the row
+    masked whole) equal the unfused module's."""
+    report = check_against_unfused(functools.partial(Disentangled, relative, fx_traceable=capture == "fx"), qkv(),
+                                   capture)
+    assert report.by_pattern() == {pattern: 1}
+
+
+def test_deberta_attention_under_active_dropout_is_left():
+    model = fuse_via(Disentangled(p=0.1).train(), "dynamo")
+    model(*qkv())
+    report = trifuse.report(model)
+    assert report.by_pattern() == {}
+    assert any("dropout" in reason for *_, reason in report.rejected()), report.table()
+
+
 def test_finfo_min_fill_under_active_dropout_is_left():
     """Dropout would drop out the uniform row of a fully masked query too: not what the
     replacement draws, so the spelling stays unfused in training with p > 0."""
