@@ -19,7 +19,9 @@ style: the score matrix never exists).
   k and the position embeddings) added, viewed as (B, H, S, S), `masked_fill(~mask, finfo.min)`,
   softmax, dropout, `bmm` with v. The position scores become the op's float mask (their gradient
   is its dMask), -inf where the bool mask drops a key; k is divided by the scale as written.
-  Without relative attention the same chain without the add.
+  Without relative attention the same chain without the add. A query row masked whole (DeBERTa
+  masks padding queries too) is uniform before dropout in the unfused code: the replacement gives
+  it a zero query and an open mask, so the op computes the same, dropout included.
 - `F.multi_head_attention_forward` as `nn.MultiheadAttention` (and so nn.TransformerEncoder)
   calls it for self-attention without returned weights: its in-projection, heads and
   out-projection stay as matmuls around the fused attention.
@@ -248,18 +250,24 @@ def attention_bmm_scaled_k_fused(q, k, v, d0, d1, scale, bias=None, heads_shape=
                                  fill=None, p=0.0, training=False, *, add_bias: bool):
     heads, seq_q, seq_k, dim = heads_shape[1], q.shape[1], k.shape[1], q.shape[2]
     keep = torch.logical_not(mask)  # masked_fill marks what to drop, an attention mask what to keep
+    q4, v4 = q.view(-1, heads, seq_q, dim), v.view(-1, heads, seq_k, v.shape[2])
+    k4 = (k / scale).view(-1, heads, seq_k, dim)  # the division as the model writes it, on k
+    if fill != float("-inf"):
+        # finfo.min (the filter allows no other finite fill): the unfused softmax of a row masked
+        # whole is uniform, dropped out like any other. The op computes exactly that when the row's
+        # query is zero and its mask open (all scores 0); the where()s pass no gradient to q or the
+        # bias there, as masked_fill passes none to the scores.
+        open_row = keep.any(-1, keepdim=True)
+        q4 = torch.where(open_row, q4, 0.0)
+        keep = torch.logical_or(keep, torch.logical_not(open_row))
     if add_bias:
         # the scores' gradient reaches the bias only where the mask keeps a key, as through masked_fill
         attn_mask = torch.where(keep, bias.view(heads_shape), float("-inf"))
+        if fill != float("-inf"):
+            attn_mask = torch.where(open_row, attn_mask, 0.0)
     else:
         attn_mask = keep
-    q4, v4 = q.view(-1, heads, seq_q, dim), v.view(-1, heads, seq_k, v.shape[2])
-    k4 = (k / scale).view(-1, heads, seq_k, dim)  # the division as the model writes it, on k
     o = ops.attention(q4, k4, v4, attn_mask, p if training else 0.0, False, 1.0)
-    if fill != float("-inf"):
-        # finfo.min (the filter allows no other finite fill): a row masked whole is uniform in the
-        # unfused softmax, so the output there is V's mean over the keys (see attention_chain_fused)
-        o = torch.where(keep.any(-1, keepdim=True), o, v4.mean(-2, keepdim=True))
     return o.reshape(-1, seq_q, v.shape[2])
 
 
@@ -295,7 +303,7 @@ def _bmm_scaled_k_pattern(add_bias: bool) -> Pattern:
     return Pattern(name, "attention", functools.partial(attention_bmm_scaled_k, add_bias=add_bias),
                    functools.partial(attention_bmm_scaled_k_fused, add_bias=add_bias), ("attention",),
                    (_transposes_last_two, _bmm_scaled_k_shapes, needs_number("p"), needs_bool("training"),
-                    functools.partial(_fill_masks, dropout=True)))
+                    functools.partial(_fill_masks, dropout=False)))
 
 
 def self_attention_mha(x: torch.Tensor, embed_dim, num_heads, in_w: torch.Tensor, in_b, dropout_p,

@@ -1,6 +1,7 @@
 """Attention spellings become trifuse.attention: SDPA with each of its arguments, GQA by repeated
 K/V, the explicit softmax chains, nn.MultiheadAttention's self-attention."""
 import functools
+import itertools
 import math
 
 import pytest
@@ -404,12 +405,24 @@ def test_deberta_disentangled_attention_fuses(relative, pattern, capture):
     assert report.by_pattern() == {pattern: 1}
 
 
-def test_deberta_attention_under_active_dropout_is_left():
-    model = fuse_via(Disentangled(p=0.1).train(), "dynamo")
-    model(*qkv())
-    report = trifuse.report(model)
-    assert report.by_pattern() == {}
-    assert any("dropout" in reason for *_, reason in report.rejected()), report.table()
+def test_deberta_attention_under_active_dropout_fuses():
+    """DeBERTa masks padding queries whole: the unfused row is dropout(uniform) @ V, V's rows over a
+    random subset of the keys / (S (1 - p)); so is the fused one (a zero query, an open mask, the
+    op's own dropout). A fixed seed repeats the draw."""
+    p = 0.5
+    model = fuse_via(Disentangled(p=p).train(), "dynamo")
+    q, k, v = qkv()
+    torch.manual_seed(1)
+    out = model(q, k, v)
+    torch.manual_seed(1)
+    torch.testing.assert_close(model(q, k, v), out, rtol=0, atol=0)
+    assert trifuse.report(model).by_pattern() == {"attention_bmm_scaled_k_add_masked_fill_dropout": 1}
+    subsets = torch.tensor(list(itertools.product((0.0, 1.0), repeat=S)))  # (2^S, S)
+    sums = torch.einsum("ns,hsd->hnd", subsets, v[1]) / (S * (1 - p))  # (H, 2^S, D)
+    row = out[1, :, 2]  # batch 1, query 2: masked whole
+    for h in range(H):
+        assert (sums[h] - row[h]).abs().amax(-1).min() < 1e-5, f"head {h}: not a dropout of V's mean"
+    assert not torch.allclose(row, v[1].mean(-2) / (1 - p)), "no key was dropped in any head"
 
 
 def test_finfo_min_fill_under_active_dropout_is_left():
