@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import trifuse
-from _fusing import check_against_unfused, fuse_via, needs_ops, trifuse_ops_run
+from _fusing import available_counts, check_against_unfused, fuse_via, needs_ops, trifuse_ops_run
 from torch import nn
 
 pytestmark = needs_ops("attention")
@@ -271,6 +271,25 @@ def test_multihead_attention_self_attention():
 
     report = check_against_unfused(MHA, (torch.randn(B, S, H * D),), "dynamo")
     assert report.by_pattern() == {"self_attention_mha": 1}
+
+
+def test_multihead_attention_module_left_in_an_fx_capture_is_reported():
+    """SigLIP's pooling head as fx captures it: the LayerNorm fuses, the nn.MultiheadAttention
+    (a learned probe attending to the tokens) stays a module call, and the report says so."""
+    class PoolingHead(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.probe = nn.Parameter(torch.randn(1, 1, H * D))
+            self.attention = nn.MultiheadAttention(H * D, H, batch_first=True)
+            self.layernorm = nn.LayerNorm(H * D)
+
+        def forward(self, x):
+            h = self.attention(self.probe.repeat(x.shape[0], 1, 1), x, x)[0]
+            return self.layernorm(h)
+
+    report = check_against_unfused(PoolingHead, (torch.randn(B, S, H * D),), "fx")
+    assert report.counts() == available_counts({"layer_norm": 1})
+    assert [(where, op) for _, where, op, _ in report.left()] == [("attention", "multi_head_attention")]
 
 
 # ---------------------------------------------------------------------------------------------
