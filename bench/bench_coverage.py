@@ -63,8 +63,10 @@ FAMILIES = {
     # a sliding window (half-width local_attention // 2) narrower than the sequence on the second layer
     "modernbert": ("masked", {**_DECODER, "local_attention": 8, "global_attn_every_n_layers": 2,
                               "cls_token_id": 1, "sep_token_id": 2}),
+    # a sliding-window layer (4 keys, of 12) and a global one
     "gemma3_text": ("causal", {**_DECODER, "num_key_value_heads": 2, "head_dim": HIDDEN // HEADS, "sliding_window": 4,
                                "layer_types": ["sliding_attention", "full_attention"]}),
+    # transformers' default experts implementation (grouped_mm)
     "qwen3_moe": ("causal", {**_DECODER, "num_key_value_heads": 2, "head_dim": HIDDEN // HEADS, "num_experts": 4,
                              "num_experts_per_tok": 2, "moe_intermediate_size": HIDDEN}),
     "olmoe": ("causal", {**_DECODER, "num_experts": 4, "num_experts_per_tok": 2}),
@@ -74,8 +76,10 @@ FAMILIES = {
                            "encoder_attention_heads": HEADS, "decoder_attention_heads": HEADS,
                            "encoder_ffn_dim": 2 * HIDDEN, "decoder_ffn_dim": 2 * HIDDEN, "num_mel_bins": 16,
                            "max_source_positions": 8, "max_target_positions": 64}),
+    # text and vision towers, the model's contrastive loss
     "clip": ("contrastive", _DECODER),
     "siglip": ("contrastive", _DECODER),
+    # disentangled attention (transformers has only its eager code for it)
     "deberta-v2": ("masked", {**_DECODER, "relative_attention": True, "pos_att_type": ["p2c", "c2p"],
                               "position_buckets": 8, "attn_implementation": "eager"}),
 }
@@ -86,7 +90,7 @@ _NO_DROPOUT = {k: 0.0 for k in (
 
 def build(family: str) -> tuple[torch.nn.Module, dict]:
     kind, overrides = FAMILIES[family]
-    if kind == "contrastive":  # two towers, each a tiny config of its own; the model's contrastive loss
+    if kind == "contrastive":  # two towers, each a tiny config of its own
         text = {**overrides, "vocab_size": VOCAB, "max_position_embeddings": 64, "pad_token_id": 0,
                 "bos_token_id": 0, "eos_token_id": 0, **_NO_DROPOUT}
         vision = {**overrides, "image_size": 16, "patch_size": 8, **_NO_DROPOUT}
