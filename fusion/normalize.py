@@ -300,17 +300,30 @@ def _fold_dtypes(graph: fx.Graph) -> None:
 
 def _merge_repeated_casts(graph: fx.Graph) -> None:
     """Two `x.to(dtype)` of one x and one dtype compute the same tensor: the later one's users read
-    the first. Not when either is written in place (then they are two tensors)."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    the first. Not when either is written in place (then they are two tensors), nor across a change
+    of grad or autocast mode in the graph (a cast under no_grad does not require grad)."""
+    order, region, regions = {}, 0, {}
+    for i, n in enumerate(graph.nodes):
+        if _changes_global_mode(n):
+            region += 1
+        order[n], regions[n] = i, region
     for node in list(graph.nodes):
-        first: dict[torch.dtype, fx.Node] = {}
+        first: dict[tuple[torch.dtype, int], fx.Node] = {}
         for cast in sorted(node.users, key=order.__getitem__):
             if not _plain_cast_of(cast, node) or _written_in_place(cast):
                 continue
-            kept = first.setdefault(cast.args[1], cast)
+            kept = first.setdefault((cast.args[1], regions[cast]), cast)
             if kept is not cast:
                 cast.replace_all_uses_with(kept)
                 graph.erase_node(cast)
+
+
+def _changes_global_mode(node: fx.Node) -> bool:
+    """Dynamo's grad-mode and autocast switches (`torch._C._set_grad_enabled`,
+    `torch.amp.autocast_mode._enter_autocast` / `_exit_autocast`, inference mode), and anything
+    else named like them."""
+    name = getattr(node.target, "__name__", "") if node.op == "call_function" else ""
+    return name.startswith(("_set_", "_enter_", "_exit_"))
 
 
 def _plain_cast_of(node: fx.Node, x: fx.Node) -> bool:
