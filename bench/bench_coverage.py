@@ -60,6 +60,28 @@ FAMILIES = {
     "bart": ("seq2seq", {"d_model": HIDDEN, "encoder_layers": LAYERS, "decoder_layers": LAYERS,
                          "encoder_attention_heads": HEADS, "decoder_attention_heads": HEADS,
                          "encoder_ffn_dim": 2 * HIDDEN, "decoder_ffn_dim": 2 * HIDDEN}),
+    # a sliding window (half-width local_attention // 2) narrower than the sequence on the second layer
+    "modernbert": ("masked", {**_DECODER, "local_attention": 8, "global_attn_every_n_layers": 2,
+                              "cls_token_id": 1, "sep_token_id": 2}),
+    # a sliding-window layer (4 keys, of 12) and a global one
+    "gemma3_text": ("causal", {**_DECODER, "num_key_value_heads": 2, "head_dim": HIDDEN // HEADS, "sliding_window": 4,
+                               "layer_types": ["sliding_attention", "full_attention"]}),
+    # transformers' default experts implementation (grouped_mm)
+    "qwen3_moe": ("causal", {**_DECODER, "num_key_value_heads": 2, "head_dim": HIDDEN // HEADS, "num_experts": 4,
+                             "num_experts_per_tok": 2, "moe_intermediate_size": HIDDEN}),
+    "olmoe": ("causal", {**_DECODER, "num_experts": 4, "num_experts_per_tok": 2}),
+    # the second layer without rotary (SmolLM3's NoPE layers)
+    "smollm3": ("causal", {**_DECODER, "num_key_value_heads": 2, "no_rope_layer_interval": 2}),
+    "whisper": ("speech", {"d_model": HIDDEN, "encoder_layers": LAYERS, "decoder_layers": LAYERS,
+                           "encoder_attention_heads": HEADS, "decoder_attention_heads": HEADS,
+                           "encoder_ffn_dim": 2 * HIDDEN, "decoder_ffn_dim": 2 * HIDDEN, "num_mel_bins": 16,
+                           "max_source_positions": 8, "max_target_positions": 64}),
+    # text and vision towers, the model's contrastive loss
+    "clip": ("contrastive", _DECODER),
+    "siglip": ("contrastive", _DECODER),
+    # disentangled attention (transformers has only its eager code for it)
+    "deberta-v2": ("masked", {**_DECODER, "relative_attention": True, "pos_att_type": ["p2c", "c2p"],
+                              "position_buckets": 8, "attn_implementation": "eager"}),
 }
 _NO_DROPOUT = {k: 0.0 for k in (
     "hidden_dropout_prob", "attention_probs_dropout_prob", "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout",
@@ -68,14 +90,27 @@ _NO_DROPOUT = {k: 0.0 for k in (
 
 def build(family: str) -> tuple[torch.nn.Module, dict]:
     kind, overrides = FAMILIES[family]
+    if kind == "contrastive":  # two towers, each a tiny config of its own
+        text = {**overrides, "vocab_size": VOCAB, "max_position_embeddings": 64, "pad_token_id": 0,
+                "bos_token_id": 0, "eos_token_id": 0, **_NO_DROPOUT}
+        vision = {**overrides, "image_size": 16, "patch_size": 8, **_NO_DROPOUT}
+        cfg = transformers.AutoConfig.for_model(family, text_config=text, vision_config=vision,
+                                                projection_dim=HIDDEN, attn_implementation="sdpa")
+        model = transformers.AutoModel.from_config(cfg)
+        return model, {"input_ids": torch.randint(3, VOCAB, (2, 12)), "pixel_values": torch.randn(2, 3, 16, 16),
+                       "return_loss": True}
     cfg = transformers.AutoConfig.for_model(
         family, vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0, bos_token_id=0, eos_token_id=0,
         decoder_start_token_id=0, tie_word_embeddings=False, **_NO_DROPOUT,
         **{"attn_implementation": "sdpa", **overrides})
     auto = {"causal": transformers.AutoModelForCausalLM, "masked": transformers.AutoModelForMaskedLM,
-            "seq2seq": transformers.AutoModelForSeq2SeqLM}[kind]
+            "seq2seq": transformers.AutoModelForSeq2SeqLM, "speech": transformers.AutoModelForSpeechSeq2Seq}[kind]
     model = auto.from_config(cfg)
     ids = torch.randint(3, VOCAB, (2, 12))
+    if kind == "speech":  # log-mel features: two convolutions (the second strided) to max_source_positions
+        target = torch.randint(3, VOCAB, (2, 8))
+        features = torch.randn(2, cfg.num_mel_bins, 2 * cfg.max_source_positions)
+        return model, {"input_features": features, "decoder_input_ids": target, "labels": target, "use_cache": False}
     if kind == "seq2seq":
         target = torch.randint(3, VOCAB, (2, 8))
         return model, {"input_ids": ids, "decoder_input_ids": target, "labels": target, "use_cache": False}

@@ -21,6 +21,8 @@ rewrites, in place:
   `x.view(a, b)` -> `x.view((a, b))`; `x.transpose(2, 1)` -> `x.transpose(1, 2)`.
 - with example values known (fx graphs after shape propagation), `x.dtype` becomes a constant
   and `y.type_as(x)` becomes `y.to(<x's dtype>)`.
+- the same cast of one value written twice (`q.float() * cos + rotate_half(q.float()) * sin`,
+  ModernBERT's rotary) becomes one cast read by both, unless something writes to either in place.
 
 Nothing here changes what the graph computes.
 """
@@ -142,6 +144,7 @@ def canonicalize_graph(graph: fx.Graph, root: torch.nn.Module | None = None) -> 
         elif node.op == "call_function":
             canonicalize_node(node)
     _fold_dtypes(graph)
+    _merge_repeated_casts(graph)
 
 
 def canonicalize_node(node: fx.Node) -> None:
@@ -293,6 +296,56 @@ def _fold_dtypes(graph: fx.Graph) -> None:
             # type_as also moves to the other tensor's device: a cast only when they share one
             if isinstance(value, torch.Tensor) and isinstance(source, torch.Tensor) and source.device == value.device:
                 node.target, node.args = "to", (node.args[0], value.dtype)
+
+
+def _merge_repeated_casts(graph: fx.Graph) -> None:
+    """Two `x.to(dtype)` of one x and one dtype compute the same tensor: the later one's users read
+    the first. Not when either is written in place (then they are two tensors), nor across a change
+    of grad or autocast mode in the graph (a cast under no_grad does not require grad)."""
+    order, region, regions = {}, 0, {}
+    for i, n in enumerate(graph.nodes):
+        if _changes_global_mode(n):
+            region += 1
+        order[n], regions[n] = i, region
+    for node in list(graph.nodes):
+        first: dict[tuple[torch.dtype, int], fx.Node] = {}
+        for cast in sorted(node.users, key=order.__getitem__):
+            if not _plain_cast_of(cast, node) or _written_in_place(cast):
+                continue
+            kept = first.setdefault((cast.args[1], regions[cast]), cast)
+            if kept is not cast:
+                cast.replace_all_uses_with(kept)
+                graph.erase_node(cast)
+
+
+def _changes_global_mode(node: fx.Node) -> bool:
+    """Dynamo's grad-mode and autocast switches (`torch._C._set_grad_enabled`,
+    `torch.amp.autocast_mode._enter_autocast` / `_exit_autocast`, inference mode), and anything
+    else named like them."""
+    name = getattr(node.target, "__name__", "") if node.op == "call_function" else ""
+    return name.startswith(("_set_", "_enter_", "_exit_"))
+
+
+def _plain_cast_of(node: fx.Node, x: fx.Node) -> bool:
+    return node.op == "call_method" and node.target == "to" and len(node.args) == 2 and not node.kwargs \
+        and node.args[0] is x and isinstance(node.args[1], torch.dtype)
+
+
+_IN_PLACE_OPERATORS = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.setitem)
+
+
+def _written_in_place(node: fx.Node) -> bool:
+    """Whether a user of `node` may write to it: an in-place method or function (`x.mul_(y)`,
+    `torch.relu_(x)`), `x += y`, `x[i] = y`."""
+    for user in node.users:
+        if user.op not in ("call_function", "call_method"):
+            continue
+        if user.target in _IN_PLACE_OPERATORS:
+            return True
+        name = user.target if isinstance(user.target, str) else getattr(user.target, "__name__", "")
+        if name.endswith("_") and not name.endswith("__"):
+            return True
+    return False
 
 
 def _value(arg: Any) -> Any:

@@ -50,6 +50,9 @@ _OF_INTEREST = {
     torch.softmax: "softmax",
     F.multi_head_attention_forward: "multi_head_attention_forward",
     F.cross_entropy: "cross_entropy",
+    # an activation left as written: QuickGELU (CLIP's x * sigmoid(1.702 x), other maths than GeLU),
+    # a SiLU written out with no gate after it, a router's sigmoid
+    torch.sigmoid: "sigmoid",
 }
 if hasattr(F, "rms_norm"):
     _OF_INTEREST[F.rms_norm] = "rms_norm"
@@ -152,7 +155,19 @@ def rewrite_graph(graph: fx.Graph, patterns: Sequence[Pattern]) -> RewriteLog:
         if op is not None:
             reasons = "; ".join(f"{r.pattern}: {r.reason}" for r in rejections.get(node, []))
             log.left.append(Left(op, where([node]), node.name, reasons or "no pattern matches it here"))
+        elif node.op == "call_module" and isinstance(_submodule(graph, node), torch.nn.MultiheadAttention):
+            # an fx capture keeps it a module call (its maths depends on .training and its inputs'
+            # layout), which no pattern looks into: SigLIP's pooling head
+            log.left.append(Left("multi_head_attention", node.target, node.name,
+                                 "an nn.MultiheadAttention module call in an fx capture: no pattern looks into it"))
     return log
+
+
+def _submodule(graph: fx.Graph, node: fx.Node) -> torch.nn.Module | None:
+    try:
+        return graph.owning_module.get_submodule(node.target)
+    except AttributeError:
+        return None
 
 
 def _rewrite_at(graph: fx.Graph, node: fx.Node, cp: Any, log: RewriteLog, earlier: list[Rejected]) -> str | None:

@@ -14,6 +14,14 @@ style: the score matrix never exists).
   soft cap between the scaling and the mask (`tanh(s / cap) * cap`) becomes the op's `softcap`.
   transformers' eager_attention_forward (fp32 softmax, dropout) on K and V repeated per query
   group by `repeat_kv` becomes the op with `enable_gqa=True` on the un-repeated K and V.
+- DeBERTa-v2's (and v3's) disentangled attention, on (B*H, S, D) tensors: `bmm(q, k^T / scale)`
+  with the scale a 0-d tensor, its relative-position scores (c2p + p2c, computed before from q,
+  k and the position embeddings) added, viewed as (B, H, S, S), `masked_fill(~mask, finfo.min)`,
+  softmax, dropout, `bmm` with v. The position scores become the op's float mask (their gradient
+  is its dMask), -inf where the bool mask drops a key; k is divided by the scale as written.
+  Without relative attention the same chain without the add. A query row masked whole (DeBERTa
+  masks padding queries too) is uniform before dropout in the unfused code: the replacement gives
+  it a zero query and an open mask, so the op computes the same, dropout included.
 - `F.multi_head_attention_forward` as `nn.MultiheadAttention` (and so nn.TransformerEncoder)
   calls it for self-attention without returned weights: its in-projection, heads and
   out-projection stay as matmuls around the fused attention.
@@ -226,6 +234,78 @@ def _chain_pattern(scaling: str, masking: str, dropout: bool, softmax: str, soft
                    functools.partial(attention_chain_fused, **opts), ("attention",), tuple(filters))
 
 
+def attention_bmm_scaled_k(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, scale, bias: torch.Tensor,
+                           heads_shape, flat_shape, mask: torch.Tensor, fill, p, training, *, add_bias: bool):
+    """DeBERTa-v2's DisentangledSelfAttention: q, k, v (B*H, S, D); the scores viewed per head
+    (B, H, S, S) for the mask (B, 1, S, S), flattened back for the second bmm."""
+    s = torch.bmm(q, k.transpose(d0, d1) / scale)
+    if add_bias:
+        s = s + bias
+    s = s.view(heads_shape).masked_fill(mask, fill)
+    a = F.dropout(torch.softmax(s, -1), p, training, False)
+    return torch.bmm(a.view(flat_shape), v)
+
+
+def attention_bmm_scaled_k_fused(q, k, v, d0, d1, scale, bias=None, heads_shape=None, flat_shape=None, mask=None,
+                                 fill=None, p=0.0, training=False, *, add_bias: bool):
+    heads, seq_q, seq_k, dim = heads_shape[1], q.shape[1], k.shape[1], q.shape[2]
+    keep = torch.logical_not(mask)  # masked_fill marks what to drop, an attention mask what to keep
+    q4, v4 = q.view(-1, heads, seq_q, dim), v.view(-1, heads, seq_k, v.shape[2])
+    k4 = (k / scale).view(-1, heads, seq_k, dim)  # the division as the model writes it, on k
+    if fill != float("-inf"):
+        # finfo.min (the filter allows no other finite fill): the unfused softmax of a row masked
+        # whole is uniform, dropped out like any other. The op computes exactly that when the row's
+        # query is zero and its mask open (all scores 0); the where()s pass no gradient to q or the
+        # bias there, as masked_fill passes none to the scores.
+        open_row = keep.any(-1, keepdim=True)
+        q4 = torch.where(open_row, q4, 0.0)
+        keep = torch.logical_or(keep, torch.logical_not(open_row))
+    if add_bias:
+        # the scores' gradient reaches the bias only where the mask keeps a key, as through masked_fill
+        attn_mask = torch.where(keep, bias.view(heads_shape), float("-inf"))
+        if fill != float("-inf"):
+            attn_mask = torch.where(open_row, attn_mask, 0.0)
+    else:
+        attn_mask = keep
+    o = ops.attention(q4, k4, v4, attn_mask, p if training else 0.0, False, 1.0)
+    return o.reshape(-1, seq_q, v.shape[2])
+
+
+def _bmm_scaled_k_shapes(m: Match) -> str | None:
+    """q, k, v are (B*H, S, D); the scores are viewed as (B, H, Sq, Sk) with a known H, then back
+    to (B*H, Sq, Sk); the mask is 4-D; the scale is a number or a single-element tensor."""
+    q, k, v, mask = m.value("q"), m.value("k"), m.value("v"), m.value("mask")
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (q, k, v)):
+        return "q, k and v are not all 3-D (batch * heads, seq, head_dim)"
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.dtype != torch.bool:
+        return "the mask is not a 4-D bool tensor"
+    heads_shape, flat_shape = m["heads_shape"], m["flat_shape"]
+    if not isinstance(heads_shape, (tuple, list)) or len(heads_shape) != 4 or not is_number(heads_shape[1]):
+        return f"the scores are viewed as {heads_shape!r}, not (batch, heads, seq, seq) with a constant heads"
+    heads = heads_shape[1]
+    for got, want in zip(heads_shape[2:], (q.shape[1], k.shape[1])):
+        if is_number(got) and got != want:
+            return f"the scores are viewed as {tuple(heads_shape)}, not per head"
+    if is_number(q.shape[0]) and q.shape[0] % heads:
+        return f"{q.shape[0]} rows of q are not a multiple of {heads} heads"
+    if not isinstance(flat_shape, (tuple, list)) or len(flat_shape) != 3:
+        return f"the probabilities are viewed as {flat_shape!r}, not (batch * heads, seq, seq)"
+    scale = m.value("scale")
+    if isinstance(scale, torch.Tensor) and scale.numel() != 1:
+        return f"the scale has shape {tuple(scale.shape)}, not a single element"
+    if not isinstance(scale, torch.Tensor) and not is_number(scale):
+        return f"the scale is {scale!r}, not a number or a tensor"
+    return None
+
+
+def _bmm_scaled_k_pattern(add_bias: bool) -> Pattern:
+    name = "attention_bmm_scaled_k_" + ("add_" if add_bias else "") + "masked_fill_dropout"
+    return Pattern(name, "attention", functools.partial(attention_bmm_scaled_k, add_bias=add_bias),
+                   functools.partial(attention_bmm_scaled_k_fused, add_bias=add_bias), ("attention",),
+                   (_transposes_last_two, _bmm_scaled_k_shapes, needs_number("p"), needs_bool("training"),
+                    functools.partial(_fill_masks, dropout=False)))
+
+
 def self_attention_mha(x: torch.Tensor, embed_dim, num_heads, in_w: torch.Tensor, in_b, dropout_p,
                        out_w: torch.Tensor, out_b, training, average_attn_weights, key_padding_mask, attn_mask,
                        is_causal):
@@ -282,6 +362,8 @@ PATTERNS = (
       itertools.product(("add", ""), (True, False), ("upcast", "plain"))),
     *(_chain_pattern(*opts) for opts in itertools.product(
         ("mul", "div"), ("add", "masked_fill", "where", ""), (True, False), ("plain", "upcast", "cast"))),
+    _bmm_scaled_k_pattern(add_bias=True),
+    _bmm_scaled_k_pattern(add_bias=False),
     Pattern("self_attention_mha", "attention", self_attention_mha, self_attention_mha_fused, ("attention",),
             (needs_number("dropout_p"), needs_bool("training"), _mha_masks)),
 )

@@ -137,25 +137,78 @@ _FAMILIES = {
              "decoder_attention_heads": HEADS, "encoder_ffn_dim": 2 * HIDDEN, "decoder_ffn_dim": 2 * HIDDEN,
              "dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0, "decoder_start_token_id": 0},
 }
+_FAMILIES.update({
+    # ModernBERT: GeGLU from one projection chunked in two (`act(input) * gate`, the first half
+    # activated), LayerNorms without bias, q and k cast to fp32 twice in its rotary, global and
+    # sliding-window layers (a window narrower than the test's sequence: SDPA gets it as a mask)
+    "modernbert": {**_DECODER, **_MLP, "local_attention": 4, "global_attn_every_n_layers": 2, "cls_token_id": 1,
+                   "sep_token_id": 2},
+    # Gemma 3: Gemma 2's four norms a block plus q and k norms, a sliding-window layer and a global one
+    "gemma3_text": {**_DECODER, **_MLP, "num_key_value_heads": 1, "head_dim": HIDDEN // HEADS, "sliding_window": 4,
+                    "layer_types": ["sliding_attention", "full_attention"]},
+    # mixtures of experts: every expert's SwiGLU in one call; the router's softmax and top-k stay as
+    # written. transformers' batched_mm experts: its default, grouped_mm, has no float64 (the
+    # oracle); bench_coverage.py runs the default
+    "qwen3_moe": {**_DECODER, "num_key_value_heads": 1, "head_dim": HIDDEN // HEADS, "num_experts": 4,
+                  "num_experts_per_tok": 2, "moe_intermediate_size": 2 * HIDDEN, "experts_implementation": "batched_mm"},
+    "olmoe": {**_DECODER, **_MLP, "num_experts": 4, "num_experts_per_tok": 2, "experts_implementation": "batched_mm"},
+    # SmolLM3: the second layer without rotary (its NoPE layers)
+    "smollm3": {**_DECODER, **_MLP, "num_key_value_heads": 1, "no_rope_layer_interval": 2},
+    # Whisper: a BART-like encoder-decoder over log-mel features (two convolutions, the second strided)
+    "whisper": {"d_model": HIDDEN, "encoder_layers": LAYERS, "decoder_layers": LAYERS, "encoder_attention_heads": HEADS,
+                "decoder_attention_heads": HEADS, "encoder_ffn_dim": 2 * HIDDEN, "decoder_ffn_dim": 2 * HIDDEN,
+                "num_mel_bins": 8, "max_source_positions": 8, "max_target_positions": 64, "dropout": 0.0,
+                "attention_dropout": 0.0, "activation_dropout": 0.0, "decoder_start_token_id": 0},
+    # text and vision towers, the contrastive loss: CLIP's quick_gelu (x * sigmoid(1.702 x), not a
+    # GeLU) stays as written; SigLIP's gelu_pytorch_tanh fuses
+    "clip": {**_DECODER, **_MLP},
+    "siglip": {**_DECODER, **_MLP},
+    # DeBERTa-v2: disentangled attention (relative-position scores added to the scaled q k^T, on
+    # (B*H, S, D) tensors; transformers has only its eager code for it)
+    "deberta-v2": {**_DECODER, **_MLP, "relative_attention": True, "pos_att_type": ["p2c", "c2p"],
+                   "position_buckets": 4, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
+                   "attn_implementation": "eager"},
+})
 SEQ2SEQ = ("t5", "bart")
+MASKED = ("modernbert", "deberta-v2")
+SPEECH = ("whisper",)
+CONTRASTIVE = ("clip", "siglip")
 
 
 @_on_device
 def hf_family(model_type: str):
-    """A tiny Hugging Face LM of `model_type` (a key of _FAMILIES), dropout off, SDPA attention
-    unless the family says otherwise."""
+    """A tiny Hugging Face model of `model_type` (a key of _FAMILIES) with its training loss: an LM,
+    a masked LM with padding, a speech-to-text model, or text and vision towers with a contrastive
+    loss. Dropout off, SDPA attention unless the family says otherwise."""
     tf = _quiet_transformers()
-    cfg = tf.AutoConfig.for_model(model_type, vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0,
-                                  bos_token_id=0, eos_token_id=0, tie_word_embeddings=False,
-                                  **{"attn_implementation": "sdpa", **_FAMILIES[model_type]})
-    auto = tf.AutoModelForSeq2SeqLM if model_type in SEQ2SEQ else tf.AutoModelForCausalLM
-    model = auto.from_config(cfg)
+    if model_type in CONTRASTIVE:
+        text = {**_FAMILIES[model_type], "vocab_size": VOCAB, "max_position_embeddings": 64, "pad_token_id": 0,
+                "bos_token_id": 0, "eos_token_id": 0}
+        vision = {**_FAMILIES[model_type], "image_size": 16, "patch_size": 8}
+        cfg = tf.AutoConfig.for_model(model_type, text_config=text, vision_config=vision, projection_dim=HIDDEN,
+                                      attn_implementation="sdpa")
+        model = tf.AutoModel.from_config(cfg)
+    else:
+        cfg = tf.AutoConfig.for_model(model_type, vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0,
+                                      bos_token_id=0, eos_token_id=0, tie_word_embeddings=False,
+                                      **{"attn_implementation": "sdpa", **_FAMILIES[model_type]})
+        auto = (tf.AutoModelForSeq2SeqLM if model_type in SEQ2SEQ else tf.AutoModelForMaskedLM if model_type in MASKED
+                else tf.AutoModelForSpeechSeq2Seq if model_type in SPEECH else tf.AutoModelForCausalLM)
+        model = auto.from_config(cfg)
 
     def inputs(batch, seq):
         ids = torch.randint(1, VOCAB, (batch, seq))
-        if model_type in SEQ2SEQ:
+        if model_type in SEQ2SEQ or model_type in SPEECH:
             target = torch.randint(1, VOCAB, (batch, seq - 2))
-            return {"input_ids": ids, "decoder_input_ids": target, "labels": target, "use_cache": False}
+            source = ({"input_features": torch.randn(batch, cfg.num_mel_bins, 2 * cfg.max_source_positions)}
+                      if model_type in SPEECH else {"input_ids": ids})
+            return {**source, "decoder_input_ids": target, "labels": target, "use_cache": False}
+        if model_type in MASKED:
+            mask = torch.ones(batch, seq, dtype=torch.long)
+            mask[0, seq - 2:] = 0
+            return {"input_ids": ids, "attention_mask": mask, "labels": ids}
+        if model_type in CONTRASTIVE:
+            return {"input_ids": ids, "pixel_values": torch.randn(batch, 3, 16, 16), "return_loss": True}
         return {"input_ids": ids, "labels": ids, "use_cache": False}
 
     return model, inputs, lambda m, kw: m(**kw).loss

@@ -95,6 +95,32 @@ MODELS = {
                            "attention": 3 * L, **LOSS}),
     "bart": (_family("bart"), {"layer_norm": 2, "attention": 3 * L, "bias_gelu": 2 * L, "residual_stream": 5 * L,
                                **LOSS}),
+    # ModernBERT: GeGLU from one projection chunked in two, rotary on q and k cast to fp32 twice (one
+    # cast after normalize.py), its first block without an attention norm, a sliding-window layer
+    "modernbert": (_family("modernbert"), {"layer_norm": L + 2, "attention": L, "residual_stream": L, **GATED,
+                                           **ROTARY, **LOSS}),
+    # Gemma 3: six RMSNorms a block (q and k norms among them), sliding-window and global layers
+    "gemma3_text": (_family("gemma3_text"), {"rms_norm": 5 * L + 1, "attention": L, "residual_stream": L, **GATED,
+                                             **ROTARY, **LOSS}),
+    # mixtures of experts: all experts' SwiGLU in one call a block; the router's softmax is left
+    "qwen3_moe": (_family("qwen3_moe"), {"rms_norm": 3 * L + 1, "attention": L, "residual_stream": L, **GATED,
+                                         **ROTARY, **LOSS}),
+    "olmoe": (_family("olmoe"), {"rms_norm": 3 * L + 1, "attention": L, "residual_stream": L, **GATED, **ROTARY,
+                                 **LOSS}),
+    # SmolLM3: every second layer without rotary
+    "smollm3": (_family("smollm3"), {"rms_norm": L + 1, "attention": L, "residual_stream": L, **GATED,
+                                     "rotary": L // 2, **LOSS}),
+    # Whisper: pre-norm encoder-decoder as T5 (each stack's last add feeds its final norm across the
+    # block boundary, left as dropout_add)
+    "whisper": (_family("whisper"), {"layer_norm": 2 * L + 2, "attention": 3 * L, "bias_gelu": 2 * L,
+                                     "residual_stream": 3 * L, "dropout_add": 2 * L, **LOSS}),
+    # two towers of L blocks; CLIP's quick_gelu is other maths (left); SigLIP's pooling head adds a
+    # LayerNorm and a GeLU MLP
+    "clip": (_family("clip"), {"layer_norm": 2 * L + 3, "attention": 2 * L, "residual_stream": 2 * L}),
+    "siglip": (_family("siglip"), {"layer_norm": 2 * L + 3, "attention": 2 * L, "bias_gelu": 2 * L + 1,
+                                   "residual_stream": 2 * L}),
+    # DeBERTa-v2's disentangled attention: the relative-position scores become the op's mask
+    "deberta-v2": (_family("deberta-v2"), BERT),
 }
 OPS = {"layer_norm": ("trifuse::layer_norm",), "rms_norm": ("trifuse::rms_norm",),
        "attention": ("trifuse::attention",), "bias_gelu": ("trifuse::bias_gelu",),
@@ -110,7 +136,9 @@ def _double_inputs(kw):
 
 
 def _first_output(out):
-    return out if isinstance(out, torch.Tensor) else out.logits
+    if isinstance(out, torch.Tensor):
+        return out
+    return out.logits_per_image if "logits_per_image" in out else out.logits
 
 
 @pytest.mark.parametrize("name", list(MODELS))

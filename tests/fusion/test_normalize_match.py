@@ -76,6 +76,46 @@ def test_view_arguments_and_transposes_are_canonical():
         [n.args[1:] for n in g2.nodes if n.op == "call_method"]
 
 
+def test_one_cast_written_twice_becomes_one_unless_written_in_place():
+    def twice(x):  # ModernBERT's rotary: `q.float() * cos + rotate_half(q.float()) * sin`
+        return x.float() * 2 + x.float().sin() + x.half()
+
+    def in_place(x):  # two copies, one of them then changed: two values
+        a = x.float()
+        a.mul_(2)
+        return a + x.float()
+
+    def casts(graph):
+        return [n.args[1] for n in graph.nodes if n.op == "call_method" and n.target == "to"]
+
+    assert casts(trace_function(twice)) == [torch.float32, torch.float16]
+    assert casts(trace_function(in_place)) == [torch.float32, torch.float32]
+    x = torch.randn(4, dtype=torch.float16)
+    for fn in (twice, in_place):
+        graph = trace_function(fn)
+        torch.testing.assert_close(fx.GraphModule(nn.Module(), graph)(x), fn(x))
+
+
+def test_casts_either_side_of_a_grad_mode_switch_stay_two():
+    """A cast under no_grad does not require grad: Dynamo's graph switches the mode in place
+    (`torch._C._set_grad_enabled`), and the cast after the switch must stay its own."""
+    def twice(x):
+        with torch.no_grad():
+            a = x.float() * 2
+        return a + x.float()
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(canonicalize(gm))
+        return gm
+
+    x = torch.randn(3, dtype=torch.float16, requires_grad=True)
+    torch.compile(twice, backend=backend, fullgraph=True)(x).sum().backward()
+    assert [n.args[1] for n in graphs[0].graph.nodes if n.target == "to"] == [torch.float32, torch.float32]
+    torch.testing.assert_close(x.grad, torch.ones_like(x))
+
+
 def test_match_is_by_dataflow_not_order_and_either_way_round():
     cp = compile_pattern(next(p for p in dropout_add.PATTERNS if p.name == "dropout_add"))
 

@@ -1,13 +1,14 @@
 """Attention spellings become trifuse.attention: SDPA with each of its arguments, GQA by repeated
 K/V, the explicit softmax chains, nn.MultiheadAttention's self-attention."""
 import functools
+import itertools
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 import trifuse
-from _fusing import check_against_unfused, fuse_via, needs_ops, trifuse_ops_run
+from _fusing import available_counts, check_against_unfused, fuse_via, needs_ops, trifuse_ops_run
 from torch import nn
 
 pytestmark = needs_ops("attention")
@@ -272,6 +273,25 @@ def test_multihead_attention_self_attention():
     assert report.by_pattern() == {"self_attention_mha": 1}
 
 
+def test_multihead_attention_module_left_in_an_fx_capture_is_reported():
+    """SigLIP's pooling head as fx captures it: the LayerNorm fuses, the nn.MultiheadAttention
+    (a learned probe attending to the tokens) stays a module call, and the report says so."""
+    class PoolingHead(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.probe = nn.Parameter(torch.randn(1, 1, H * D))
+            self.attention = nn.MultiheadAttention(H * D, H, batch_first=True)
+            self.layernorm = nn.LayerNorm(H * D)
+
+        def forward(self, x):
+            h = self.attention(self.probe.repeat(x.shape[0], 1, 1), x, x)[0]
+            return self.layernorm(h)
+
+    report = check_against_unfused(PoolingHead, (torch.randn(B, S, H * D),), "fx")
+    assert report.counts() == available_counts({"layer_norm": 1})
+    assert [(where, op) for _, where, op, _ in report.left()] == [("attention", "multi_head_attention")]
+
+
 # ---------------------------------------------------------------------------------------------
 # Negatives
 # ---------------------------------------------------------------------------------------------
@@ -357,6 +377,71 @@ def test_rejections_say_why():
     assert any("finite fill" in reason for *_, reason in report.rejected())
     report = check_against_unfused(functools.partial(Fn, chain_cast_to_other_dtype), qkv(), "dynamo")
     assert any("not a no-op" in reason for *_, reason in report.rejected())
+
+
+class Disentangled(nn.Module):
+    """DeBERTa-v2's DisentangledSelfAttention core as transformers writes it, on (B*H, S, D)
+    tensors: k^T divided by a 0-d tensor scale inside the bmm, relative-position scores added
+    (here a learned (B*H, S, S) parameter, so its gradient is checked), the finfo.min fill of a
+    (B, 1, S, S) mask with a query row masked whole, dropout, the second bmm."""
+
+    def __init__(self, relative=True, p=0.0, fx_traceable=False):
+        super().__init__()
+        self.rel = nn.Parameter(torch.randn(B * H, S, S)) if relative else None
+        self.fx_traceable = fx_traceable
+        self.register_buffer("keep", KEEP_SOME_ROWS_NONE.clone())
+        self.dropout = nn.Dropout(p)
+
+    def forward(self, q, k, v):
+        q, k, v = (t.reshape(-1, S, D) for t in (q, k, v))
+        # transformers' scaled_size_sqrt, finfo of q's dtype and views by the scores' sizes; fx has no
+        # values for these (Dynamo has), so its variant writes the numbers
+        if self.fx_traceable:
+            scale, dtype, seq = math.sqrt(D * 3), torch.float32, (S, S)
+        else:
+            scale = torch.sqrt(torch.tensor(q.size(-1), dtype=torch.float) * 3).to(dtype=q.dtype)
+            dtype, seq = q.dtype, None
+        scores = torch.bmm(q, k.transpose(-1, -2) / scale)
+        if self.rel is not None:
+            scores = scores + self.rel
+        scores = scores.view(-1, H, *(seq or (scores.size(-2), scores.size(-1))))
+        scores = scores.masked_fill(~self.keep, torch.finfo(dtype).min)
+        probs = self.dropout(nn.functional.softmax(scores, dim=-1))
+        out = torch.bmm(probs.view(-1, *(seq or (probs.size(-2), probs.size(-1)))), v)
+        return out.view(-1, H, S, D)
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("relative, pattern", [
+    (True, "attention_bmm_scaled_k_add_masked_fill_dropout"),
+    (False, "attention_bmm_scaled_k_masked_fill_dropout"),
+], ids=["relative", "plain"])
+def test_deberta_disentangled_attention_fuses(relative, pattern, capture):
+    """Outputs and gradients (the relative scores' through the op's dMask, V's from the row
+    masked whole) equal the unfused module's."""
+    report = check_against_unfused(functools.partial(Disentangled, relative, fx_traceable=capture == "fx"), qkv(),
+                                   capture)
+    assert report.by_pattern() == {pattern: 1}
+
+
+def test_deberta_attention_under_active_dropout_fuses():
+    """DeBERTa masks padding queries whole: the unfused row is dropout(uniform) @ V, V's rows over a
+    random subset of the keys / (S (1 - p)); so is the fused one (a zero query, an open mask, the
+    op's own dropout). A fixed seed repeats the draw."""
+    p = 0.5
+    model = fuse_via(Disentangled(p=p).train(), "dynamo")
+    q, k, v = qkv()
+    torch.manual_seed(1)
+    out = model(q, k, v)
+    torch.manual_seed(1)
+    torch.testing.assert_close(model(q, k, v), out, rtol=0, atol=0)
+    assert trifuse.report(model).by_pattern() == {"attention_bmm_scaled_k_add_masked_fill_dropout": 1}
+    subsets = torch.tensor(list(itertools.product((0.0, 1.0), repeat=S)))  # (2^S, S)
+    sums = torch.einsum("ns,hsd->hnd", subsets, v[1]) / (S * (1 - p))  # (H, 2^S, D)
+    row = out[1, :, 2]  # batch 1, query 2: masked whole
+    for h in range(H):
+        assert (sums[h] - row[h]).abs().amax(-1).min() < 1e-5, f"head {h}: not a dropout of V's mean"
+    assert not torch.allclose(row, v[1].mean(-2) / (1 - p)), "no key was dropped in any head"
 
 
 def test_finfo_min_fill_under_active_dropout_is_left():

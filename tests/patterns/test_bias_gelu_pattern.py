@@ -124,6 +124,13 @@ def test_not_gelu_after_a_biased_linear_is_left(make, capture):
     assert check_against_unfused(make, X, capture).by_pattern() == {}
 
 
+def test_quick_gelu_is_reported_as_left():
+    """CLIP's activation, in a block Dynamo captures (as Hugging Face blocks are): the report says
+    its sigmoid is left as written. (fx installs nothing where no pattern could match.)"""
+    report = check_against_unfused(lambda: LinearAct(Act(quick_gelu)), X, "dynamo")
+    assert [op for *_, op, _ in report.left()] == ["sigmoid"], report.table()
+
+
 @pytest.mark.parametrize("capture", CAPTURES)
 def test_linear_output_used_elsewhere_is_rejected_with_a_reason(capture):
     report = check_against_unfused(lambda: LinearOutputReused(nn.GELU()), X, capture)

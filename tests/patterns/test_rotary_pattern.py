@@ -186,6 +186,17 @@ def apply_rotary_pos_emb_glm(q, k, cos, sin, unsqueeze_dim=1):
     return q_embed, k_embed
 
 
+def apply_rotary_pos_emb_modernbert(q, k, cos, sin, unsqueeze_dim=1):
+    """transformers' apply_rotary_pos_emb of ModernBERT (5.x), verbatim: `q.float()` written twice,
+    once for `q * cos` and once for rotate_half's input (normalize.py makes the two casts one)."""
+    original_dtype = q.dtype
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    q_embed = (q.float() * cos) + (rotate_half(q.float()) * sin)
+    k_embed = (k.float() * cos) + (rotate_half(k.float()) * sin)
+    return q_embed.to(original_dtype), k_embed.to(original_dtype)
+
+
 class InterleavedHFRotary(Rotary):
     """Cohere's or GLM's function, called as their attention calls it."""
 
@@ -224,6 +235,24 @@ def test_cohere_upcast_of_fp16_q_and_k_fuses(capture):
     report = check_against_unfused(lambda: InterleavedHFRotary(apply_rotary_pos_emb_cohere, half_q_k=True), X,
                                    capture, grads=False)
     assert report.by_pattern() == {"rotary_interleaved_q_k": 1}
+
+
+class ModernBertRotary(Rotary):
+    def forward(self, x):
+        q = self.q_proj(x).view(B, S, -1, D).transpose(1, 2)
+        k = self.k_proj(x).view(B, S, -1, D).transpose(1, 2)
+        if self.half_q_k:
+            q, k = q.half(), k.half()
+        return apply_rotary_pos_emb_modernbert(q, k, self.cos, self.sin)
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("half_q_k", [False, True], ids=["fp32", "fp16-q-k"])
+def test_modernbert_upcast_written_twice_fuses(half_q_k, capture):
+    """ModernBERT casts q (and k) to fp32 twice: both casts become one, the op takes it and the
+    `.to(original_dtype)` after stays. fp16 q and k: outputs only (as for Cohere above)."""
+    report = check_against_unfused(lambda: ModernBertRotary(half_q_k=half_q_k), X, capture, grads=not half_q_k)
+    assert report.by_pattern() == {"rotary_q_k": 1}
 
 
 @pytest.mark.parametrize("capture", CAPTURES)
