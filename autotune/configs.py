@@ -94,11 +94,17 @@ def register_values_per_thread(limits, num_warps: int) -> int:
     return REGISTER_VALUES_PER_THREAD * registers // 255
 
 
+# Rows wider than NORM_MAX_BLOCK are walked in chunks of this many elements, in both passes:
+# chunks of 16384 spilled compiled for sm_90 (the backward at 16 warps, 8 bytes; the forward at 8
+# warps with Triton 3.6, 8 bytes), 8192 do not. The chunk does not change the bytes moved.
+NORM_WIDE_CHUNK = 8192
+
+
 def _prune_norm(config: triton.Config, limits, n: int, live_tiles: int) -> str | None:
     reason = prune_rows(config, limits, n)
     if reason is not None:
         return reason
-    tile = max(config.kwargs["TILE"], _norm_block(n))
+    tile = NORM_WIDE_CHUNK if n > NORM_MAX_BLOCK else max(config.kwargs["TILE"], _norm_block(n))
     per_thread = live_tiles * tile // (32 * config.num_warps)
     budget = register_values_per_thread(limits, config.num_warps)
     if per_thread > budget:
@@ -111,18 +117,7 @@ def prune_norm_fwd(config: triton.Config, limits, n: int) -> str | None:
     return _prune_norm(config, limits, n, NORM_FWD_LIVE_TILES)
 
 
-# The backward walks rows wider than NORM_MAX_BLOCK in chunks of this many elements: chunks of
-# 16384 at 16 warps spilled (8 bytes, sm_90), 8192 do not.
-NORM_BWD_WIDE_CHUNK = 8192
-
-
 def prune_norm_bwd(config: triton.Config, limits, n: int) -> str | None:
     """prune_rows, and the backward's register estimate (module docstring)."""
-    if n > NORM_MAX_BLOCK:
-        budget = register_values_per_thread(limits, config.num_warps)
-        per_thread = NORM_BWD_LIVE_TILES * NORM_BWD_WIDE_CHUNK // (32 * config.num_warps)
-        if per_thread > budget:
-            return f"~{per_thread} fp32 values per thread would spill registers (~{budget} fit at {config.num_warps} warps)"
-        return None
-    rows = config.kwargs["TILE"] // _norm_block(n)
+    rows = config.kwargs["TILE"] // _norm_block(n) if n <= NORM_MAX_BLOCK else 1
     return _prune_norm(config, limits, n, NORM_BWD_MULTI_ROW_LIVE_TILES if rows > 1 else NORM_BWD_LIVE_TILES)

@@ -76,6 +76,12 @@ def _catalogue(torch, family: str):
             x, w, b = leaf(rows, n), leaf(n), leaf(n)
             yield f"layer_norm {n}", fwd_bwd(lambda x=x, w=w, b=b, n=n: ops.layer_norm(x, n, w, b))
             yield f"rms_norm {n}", fwd_bwd(lambda x=x, w=w, n=n: ops.rms_norm(x, n, w, 1e-6))
+        # The partial sums' reduction as a training step has it: 4 rows above make 4 partial
+        # rows, a GPU step up to PROGRAMS_PER_SM x SMs (here 4 x 132).
+        from trifuse.kernels import layer_norm as ln_mod
+
+        for n in (1024, 4096, 16384):
+            yield f"partial sums 528 x {n}", lambda n=n: _sum_partials_at(torch, ln_mod, 528, n)
     elif family == "residual_stream":
         for n in (1024, 4096):
             x, r, w, b, xb = leaf(rows, n), leaf(rows, n), leaf(n), leaf(n), leaf(n)
@@ -124,6 +130,14 @@ def _catalogue(torch, family: str):
             yield f"cross_entropy {vocab}", fwd_bwd(lambda lg=logits, t=target: ops.cross_entropy(lg, t))
         h, w, t = leaf(8, 64), leaf(50257, 64), torch.randint(0, 50257, (8,))
         yield "linear_cross_entropy 64->50257", fwd_bwd(lambda h=h, w=w, t=t: ops.linear_cross_entropy(h, w, t))
+
+
+def _sum_partials_at(torch, ln_mod, programs: int, n: int) -> None:
+    """The LayerNorm backward's reduction of `programs` fp32 partial rows of width n (dW, dB)."""
+    grid, meta = ln_mod._sum_plan(n, programs, {"STORE_DW": True, "STORE_DB": True, "STORE_DXB": False})
+    partials = torch.randn(3, programs, n)
+    dw, db = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
+    ln_mod._sum_partials.run(grid, (partials, dw, db, partials, programs, n, programs * n), meta)
 
 
 def _arg_spec(torch, tl, a):

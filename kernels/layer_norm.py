@@ -25,9 +25,9 @@ an fp32 partial buffer, summed afterwards in a fixed order (bitwise repeatable, 
 
 Kernels: one row per program in the forward; in the backward each program walks a contiguous
 range of rows. Rows up to MAX_SINGLE_BLOCK_* stay in registers in one block; wider rows are
-walked in chunks (re-reading the row, which stays in L2; the backward's chunks are narrower,
-configs.NORM_BWD_WIDE_CHUNK), so any width runs. Compiled for sm_90 (bench/compile_sm90.py), no
-default spills registers but the backward of a 16384-wide row in one block (24 bytes).
+walked in chunks (re-reading the row, which stays in L2) of configs.NORM_WIDE_CHUNK elements, so
+any width runs. Compiled for sm_90 (bench/compile_sm90.py), no default spills registers but the
+backward of a 16384-wide row in one block (24 bytes with Triton 3.9, 56 with 3.6).
 """
 import functools
 import math
@@ -58,7 +58,8 @@ from ._launch import CachedKernel, store_plan
 from ._random import dropout_keep_quads
 from ._tiles import cdiv
 
-# Widest row (elements) kept whole in registers; wider rows are walked in chunks of this size.
+# Widest row (elements) kept whole in registers; wider rows are walked in chunks
+# (configs.NORM_WIDE_CHUNK).
 MAX_SINGLE_BLOCK_FWD = 16384
 MAX_SINGLE_BLOCK_BWD = 16384
 # Launch configurations (tile size, warps, backward programs per SM) are tuned per shape bucket
@@ -456,7 +457,7 @@ def _row_block(cfg: triton.Config, n: int, max_single: int, wide_chunk: int | No
 
 
 def _fwd_plan(cfg: triton.Config, m: int, n: int, constexprs: dict) -> tuple[tuple[int], dict]:
-    block_m, block_n, single = _row_block(cfg, n, MAX_SINGLE_BLOCK_FWD)
+    block_m, block_n, single = _row_block(cfg, n, MAX_SINGLE_BLOCK_FWD, configs.NORM_WIDE_CHUNK)
     meta = {**constexprs, "BLOCK_M": block_m, "BLOCK_N": block_n, "SINGLE_BLOCK": single,
             "num_warps": cfg.num_warps}
     return (cdiv(m, block_m),), meta
@@ -481,19 +482,23 @@ def _sum_tile(n: int, programs: int) -> tuple[int, int]:
     return block_n, min(max(SUM_TILE // block_n, 1), next_power_of_2(programs))
 
 
+def _sum_plan(n: int, programs: int, sum_flags: dict) -> tuple[tuple[int], dict]:
+    """(grid, launch keywords) of the partial sums' reduction."""
+    block_n, block_p = _sum_tile(n, programs)
+    return (cdiv(n, block_n),), {"BLOCK_N": block_n, "BLOCK_P": block_p, **sum_flags, "num_warps": 4}
+
+
 def _bwd_plan(cfg: triton.Config, m: int, n: int, sms: int, constexprs: dict, sum_flags: dict) -> tuple:
     """The backward's plan for `cfg`: PROGRAMS_PER_SM x SMs programs at most, each owning a
     contiguous range of rows (a multiple of BLOCK_M) and one row of the fp32 partial sums,
     then the fixed-order sum of those rows."""
-    block_m, block_n, single = _row_block(cfg, n, MAX_SINGLE_BLOCK_BWD, configs.NORM_BWD_WIDE_CHUNK)
+    block_m, block_n, single = _row_block(cfg, n, MAX_SINGLE_BLOCK_BWD, configs.NORM_WIDE_CHUNK)
     most = min(cdiv(m, block_m), cfg.kwargs["PROGRAMS_PER_SM"] * sms)
     rows_per_program = cdiv(cdiv(m, most), block_m) * block_m
     programs = cdiv(m, rows_per_program)
     meta = {**constexprs, "BLOCK_M": block_m, "BLOCK_N": block_n, "SINGLE_BLOCK": single,
             "num_warps": cfg.num_warps}
-    sum_block, sum_rows = _sum_tile(n, programs)
-    sum_meta = {"BLOCK_N": sum_block, "BLOCK_P": sum_rows, **sum_flags, "num_warps": 4}
-    return (programs,), meta, programs, rows_per_program, not single, (cdiv(n, sum_block),), sum_meta
+    return (programs,), meta, programs, rows_per_program, not single, *_sum_plan(n, programs, sum_flags)
 
 
 def _bwd_run(plan: tuple, head: tuple, tail: tuple, m: int, n: int, acc: torch.dtype,

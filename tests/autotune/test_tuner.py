@@ -164,11 +164,12 @@ def test_norm_spaces_start_with_the_launchers_defaults(n):
     block_n = min(1 << (n - 1).bit_length(), 16384)
     single = n <= 16384
     fwd, bwd = configs.norm_fwd(n)[0], configs.norm_bwd(n)[0]
-    assert ln._row_block(fwd, n, ln.MAX_SINGLE_BLOCK_FWD) == (max(1, 8192 // block_n) if single else 1, block_n, single)
+    wide_block = block_n if single else configs.NORM_WIDE_CHUNK
+    assert ln._row_block(fwd, n, ln.MAX_SINGLE_BLOCK_FWD, configs.NORM_WIDE_CHUNK) == (
+        max(1, 8192 // block_n) if single else 1, wide_block, single)
     assert fwd.num_warps == 8
     bwd_rows = max(1, 4096 // block_n) if single else 1
-    bwd_block = block_n if single else configs.NORM_BWD_WIDE_CHUNK
-    assert ln._row_block(bwd, n, ln.MAX_SINGLE_BLOCK_BWD, configs.NORM_BWD_WIDE_CHUNK) == (bwd_rows, bwd_block, single)
+    assert ln._row_block(bwd, n, ln.MAX_SINGLE_BLOCK_BWD, configs.NORM_WIDE_CHUNK) == (bwd_rows, wide_block, single)
     assert bwd.num_warps == min(16, max(4, bwd_rows * block_n // 512))
     assert bwd.kwargs["PROGRAMS_PER_SM"] == (2 if block_n <= 2048 else 1)
     for space_fn, prune in ((configs.norm_fwd, configs.prune_norm_fwd), (configs.norm_bwd, configs.prune_norm_bwd)):
