@@ -624,9 +624,11 @@ def _attn_bwd_dq_kernel(
 # =============================================================================================
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and padded head dim. Forward and dQ walk
-# tall query blocks, dK/dV tall key blocks. Every default (first entry) compiles for sm_90 without
-# register spills (checked with Triton 3.6 and 3.9's ptxas for fp16/bf16 and fp32, causal, no mask,
-# no dropout); a mask or dropout costs registers, and the lighter entries are there for the tuner.
+# tall query blocks, dK/dV tall key blocks. Compiled for sm_90 by Triton 3.6 and 3.9
+# (bench/compile_sm90.py --spaces; bench/results/sm90_compile.md), every default runs without
+# register spills but dK/dV at head dim 128 with dropout on 3.9 (16 bytes) and, with
+# TRIFUSE_ATTENTION_TMA=1, the forward at 128 with dropout on 3.6 (40 bytes); a mask or dropout
+# costs registers, and the lighter entries are there for the tuner.
 _SHAPES_16BIT = {
     "fwd": {
         64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 4), (128, 32, 4, 4),
