@@ -801,17 +801,63 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
     if first.element_size() != 2 or not _use_kernels(first):
         return False
     if first.is_cuda:
-        if _capability_major(first.get_device()) < 9 or not hasattr(triton, "set_allocator"):
+        # The descriptors' scratch comes from the current device (the launch's): a tensor on
+        # another one takes the pointer path.
+        if (first.get_device() != torch.cuda.current_device() or _capability_major(first.get_device()) < 9
+                or not hasattr(triton, "set_allocator")):
             return False
         _ensure_scratch_allocator()
     for t in tensors:
-        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(st <= 0 or st * 2 % 16 for st in t.stride()[:-1]):
+        # Every tensor 16-bit (the stride test below counts 2-byte elements): a dO in another
+        # dtype than q (the registered backward op does not check it) takes the pointer path.
+        if t.dtype != first.dtype or t.stride(-1) != 1 or t.data_ptr() % 16 or any(
+                st <= 0 or st * 2 % 16 for st in t.stride()[:-1]):
             return False
     return True
 
 
+# Triton 3.6 (the H100's) places each program's descriptors in the global scratch at
+# (linear program id * scratch bytes per program) computed in 32-bit and sign-extended (the
+# sm_90 PTX: `mad.lo.s32; shl.b32 9; cvt.s64.s32`; 3.9 computes it in 64-bit): from 2^31 bytes
+# of offset on, programs would write their descriptors before the buffer, over other memory,
+# and load through them. Each descriptor takes 128 bytes (global_scratch_size, both Tritons: 512
+# for the forward's Q, K, V, O, 256 for the dK/dV pass's Q, dO and for the dQ pass's K, V). The
+# bound is taken over the smallest block of any config of the kernel, so that whichever config
+# the tuner picks stays under it; it refuses only grids of millions of programs (B*H*Sq >= 2^28
+# rows in the forward), which then take the pointer path.
+_TMA_SCRATCH_BYTES = {"fwd": 4 * 128, "dkdv": 2 * 128, "dq": 2 * 128}
+_TMA_SCRATCH_LIMIT = 2**31
+
+
+@functools.cache
+def _min_block(kind: str) -> int:
+    """The fewest rows (queries for fwd and dq, keys for dkdv) one program of `kind` covers in
+    any 16-bit config (TMA is 16-bit only; the interpreter's one config there)."""
+    axis = 1 if kind == "dkdv" else 0
+    shapes = [_INTERPRET_SHAPES[kind]] if INTERPRET else [
+        *(s for cls in _SHAPES_16BIT[kind].values() for s in cls),
+        *(s for (k, _), s in _MASKED_16BIT_DEFAULT.items() if k == kind)]
+    return min(s[axis] for s in shapes)
+
+
+def _tma_scratch_fits(*launches: tuple[str, int, int]) -> bool:
+    """Whether every launch (kind, rows along grid axis 0, programs along axis 1) keeps each
+    program's scratch offset under 2^31 bytes with any of its configs."""
+    return all(cdiv(rows, _min_block(kind)) * programs * _TMA_SCRATCH_BYTES[kind] < _TMA_SCRATCH_LIMIT
+               for kind, rows, programs in launches)
+
+
+def _aligned_scratch(buf: torch.Tensor, size: int, alignment: int) -> torch.Tensor:
+    """`size` bytes of `buf` (allocated with `alignment` bytes to spare) from its first address
+    on an `alignment` boundary."""
+    start = -buf.data_ptr() % alignment
+    return buf[start:start + size]
+
+
 def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    return torch.empty(size, dtype=torch.int8, device="cuda")
+    # Torch's caching allocator hands out 512-byte aligned blocks, past the 128 bytes the
+    # descriptors need (TMA_ALIGN); another allocator behind torch (a pluggable one) need not.
+    return _aligned_scratch(torch.empty(size + alignment, dtype=torch.int8, device="cuda"), size, alignment)
 
 
 def _ensure_scratch_allocator() -> None:
@@ -907,7 +953,7 @@ def attention_fwd(
             *q.stride(), *k.stride(), *v.stride(), *sm, *o.stride(),
             h, sq, sk, h // h_kv, *_score_scales(scale, softcap), dropout_p, _dropout_scale(dropout_p),
             _bucket(sq), _bucket(sk))
-    tma = _tma_ok(q, k, v, o)
+    tma = _tma_ok(q, k, v, o) and _tma_scratch_fits(("fwd", sq, bsz * h))
     key = _plan_key(q, bsz, h, h_kv, sq, sk, d, is_causal, mask_kind, has_dropout, False, softcap > 0.0, tma)
     plan = _FWD_PLANS.get(key)
     if plan is not None:
@@ -975,7 +1021,8 @@ def attention_bwd(
     dq_args = (q, k, v, mask, seed_arg, do, lse, delta, dq, q if ds is None else ds,
                *q.stride(), *k.stride(), *v.stride(), *sm, *do.stride(), *dq.stride(),
                h, sq, sk, h // h_kv, *tail)
-    tma = _tma_ok(q, k, v, do)  # dQ, dK, dV are stored through pointers
+    # dQ, dK, dV are stored through pointers
+    tma = _tma_ok(q, k, v, do) and _tma_scratch_fits(("dkdv", sk, bsz * h_kv), ("dq", sq, bsz * h))
     key = _plan_key(q, bsz, h, h_kv, sq, sk, d, is_causal, mask_kind, has_dropout, mask_grad, softcap > 0.0, tma)
     plan = _BWD_PLANS.get(key)
     if plan is not None:

@@ -976,6 +976,46 @@ def test_tma_is_refused_where_the_copy_engine_cannot_go_and_plans_keep_them_apar
     assert sorted(_launched_tma()) == [False, True]
 
 
+def test_tma_is_refused_for_a_do_of_another_dtype(tma):
+    """The stride test counts 2-byte elements, and the registered backward op does not check
+    dO's dtype: an fp32 dO (strides multiples of 8 elements, aligned) is refused, not taken as
+    16-bit."""
+    q = torch.randn(1, 2, 24, 32, device=DEVICE, dtype=torch.float16)
+    assert attn_mod._tma_ok(q, q, q, q)
+    assert not attn_mod._tma_ok(q, q, q, q.float())
+    assert not attn_mod._tma_ok(q, q, q, q.bfloat16())
+
+
+def test_tma_is_refused_where_descriptor_scratch_offsets_pass_2_31(tma, monkeypatch):
+    """Triton 3.6 computes each program's descriptor slot in the global scratch as program id *
+    bytes per program in 32-bit: from 2^31 bytes on it lands before the buffer. TMA is refused
+    from there, for the forward (4 descriptors) and each backward pass (2)."""
+    m = attn_mod._min_block("fwd")
+    assert attn_mod._tma_scratch_fits(("fwd", m * 4096 - m, 1024))  # 2^22 - 1024 programs * 512 B
+    assert not attn_mod._tma_scratch_fits(("fwd", m * 4096, 1024))  # 2^22 programs * 512 B = 2^31
+    m = attn_mod._min_block("dkdv")
+    assert attn_mod._tma_scratch_fits(("dkdv", m * 8192 - m, 1024), ("dq", 16, 1))
+    assert not attn_mod._tma_scratch_fits(("dkdv", m * 8192, 1024), ("dq", 16, 1))
+    # A call whose grid would pass the limit (lowered here to a few programs) takes the pointer
+    # path, forward and backward, under its own plans.
+    q = torch.randn(2, 2, 40, 32, device=DEVICE, dtype=torch.float16, requires_grad=True)
+    monkeypatch.setattr(attn_mod, "_TMA_SCRATCH_LIMIT", 4 * 512)
+    out = trifuse.ops.attention(q, q, q)
+    out.backward(torch.ones_like(out))
+    assert _launched_tma() == [False] and _launched_tma_bwd() == [(False, False)]
+    ref = attention_ref(q.detach().double(), q.detach().double(), q.detach().double())
+    assert_close("tma scratch refusal", out, ref, attention_ref(q.detach(), q.detach(), q.detach()))
+
+
+def test_tma_scratch_is_aligned_as_asked():
+    """The descriptors' scratch starts on the launcher's alignment (128 bytes) whatever address
+    the allocator behind torch returns."""
+    buf = torch.empty(1000 + 128, dtype=torch.int8)
+    for skip in (0, 1, 16, 127):
+        part = attn_mod._aligned_scratch(buf[skip:skip + 1000], 872, 128)
+        assert part.data_ptr() % 128 == 0 and part.numel() == 872
+
+
 def test_tma_stays_off_unless_asked(monkeypatch):
     monkeypatch.delenv("TRIFUSE_ATTENTION_TMA", raising=False)
     q = torch.randn(1, 2, 24, 32, device=DEVICE, dtype=torch.float16)
