@@ -892,6 +892,11 @@ TMA_CASES = [
     Case(sq=20, sk=24, d=80),
     Case(b=2, sq=33, sk=40, mask="hf"),
     Case(h=1, sq=11, sk=11, d=256, causal=True),
+    # BLOCK_D 256 with the head dim short of it: Triton 3.6 splits the box into 64-element TMA
+    # messages (the 128-byte swizzle), the last ones wholly past the head dim (zero-filled on
+    # load, dropped on store): what a GPU session should see first.
+    Case(h=2, h_kv=1, sq=19, sk=21, d=160, causal=True),
+    Case(sq=13, sk=17, d=192),
 ]
 
 
