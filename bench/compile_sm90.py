@@ -319,9 +319,14 @@ def problems(row: dict, smem_limit: int = HOPPER_SMEM) -> list[str]:
     return out
 
 
-def markdown(rows: list[dict], header: str) -> str:
-    lines = [header, "",
-             "| kernel | launch | calls | regs | stack B | smem KiB | HGMMA | HMMA | TMA | LDGSTS | problems |",
+def _is_default(row: dict) -> bool:
+    """Whether a catalogue call launched it (its label is "family: call"), not only a tuner's
+    config list (labels "tuner config")."""
+    return any(": " in call for call in row["calls"])
+
+
+def _table(rows: list[dict]) -> list[str]:
+    lines = ["| kernel | launch | calls | regs | stack B | smem KiB | HGMMA | HMMA | TMA | LDGSTS | problems |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["module"], r["kernel"], json.dumps(r["launch"], default=str))):
         shown = {k: v for k, v in r["launch"].items() if k.isupper() or k in ("num_warps", "num_stages")}
@@ -334,6 +339,29 @@ def markdown(rows: list[dict], header: str) -> str:
         lines.append(f"| {r['kernel']} | {launch} | {calls} | {r['reg']} | {r['stack']} | {r['smem'] / 1024:.1f} "
                      f"| {s['HGMMA']} | {s['HMMA']} | {s['UTMALDG'] + s['UTMASTG']} | {s['LDGSTS']} "
                      f"| {'; '.join(problems(r))} |")
+    return lines
+
+
+def markdown(rows: list[dict], header: str) -> str:
+    """A summary per kernel, then every launch with a problem, then every launch the catalogue's
+    calls made (the tuners' other configs are in the JSON)."""
+    lines = [header, "", "| kernel | compiled | default launches | registers | most smem KiB | on HGMMA | on TMA "
+             "| with problems |", "|---|---|---|---|---|---|---|---|"]
+    by_kernel: dict[str, list[dict]] = collections.defaultdict(list)
+    for r in rows:
+        by_kernel[r["kernel"]].append(r)
+    for name, group in sorted(by_kernel.items()):
+        ok = [r for r in group if not r["error"]]
+        regs = sorted(r["reg"] for r in ok)
+        lines.append(f"| {name} | {len(group)} | {sum(map(_is_default, group))} "
+                     f"| {f'{regs[0]}-{regs[-1]}' if regs else ''} | {max((r['smem'] for r in ok), default=0) / 1024:.1f} "
+                     f"| {sum(r['sass']['HGMMA'] > 0 for r in ok)} "
+                     f"| {sum(r['sass']['UTMALDG'] + r['sass']['UTMASTG'] > 0 for r in ok)} "
+                     f"| {sum(bool(problems(r)) for r in group)} |")
+    flagged = [r for r in rows if problems(r)]
+    lines += ["", f"## With problems ({len(flagged)})", "", *_table(flagged)]
+    defaults = [r for r in rows if _is_default(r)]
+    lines += ["", f"## Default launches ({len(defaults)})", "", *_table(defaults)]
     return "\n".join(lines) + "\n"
 
 
@@ -380,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.json:
         args.json.write_text(json.dumps({"arch": args.arch, "triton": triton.__version__, "torch": torch.__version__,
-                                         "date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=1, default=str))
+                                         "date": time.strftime("%Y-%m-%d"), "rows": rows}, default=str))
     if args.md:
         args.md.write_text(text)
     return 1 if bad else 0
