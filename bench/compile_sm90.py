@@ -345,8 +345,8 @@ def _table(rows: list[dict]) -> list[str]:
 def markdown(rows: list[dict], header: str) -> str:
     """A summary per kernel, then every launch with a problem, then every launch the catalogue's
     calls made (the tuners' other configs are in the JSON)."""
-    lines = [header, "", "| kernel | compiled | default launches | registers | most smem KiB | on HGMMA | on TMA "
-             "| with problems |", "|---|---|---|---|---|---|---|---|"]
+    columns = "| kernel | compiled | default launches | registers | most smem KiB | on HGMMA | on TMA | with problems |"
+    lines = [header, "", columns, "|---|---|---|---|---|---|---|---|"]
     by_kernel: dict[str, list[dict]] = collections.defaultdict(list)
     for r in rows:
         by_kernel[r["kernel"]].append(r)
