@@ -7,13 +7,14 @@
 #                  --implementation cp --platform manylinux2014_x86_64 -d .whl liger-kernel==0.8.5
 #   device call 1 (carry .whl):  bash bench/gpu_session.sh tests host             (~8.5 min)
 #   device call 2 (carry .whl):  bash bench/gpu_session.sh kernels                (~9 min)
-#   device call 3 (carry .whl):  bash bench/gpu_session.sh attention dialects     (~9.5 min)
+#   device call 3 (carry .whl):  bash bench/gpu_session.sh tma dialects           (~9.5 min)
 #   (each stage has its own time limit below, so a call ends inside 10 minutes; with the machine's
-#   start that is the whole 30 minutes. The next session: `e2e` (~5 min: GPT-2 medium, eager,
-#   fuse, fuse(skip_logits)), `tune` (~4 min, the shipped H100 defaults), `e2e-ckpt` (~5 min,
-#   gradient checkpointing on), `e2e-bert` (~5 min, BERT-large), `e2e-llama` (~5 min, Llama 3.2
-#   1B's shape against Liger-Kernel), `tma` (~6 min, the tensor-descriptor attention forward:
-#   its tests on the GPU, then its speed), and whatever stage ran short)
+#   start that is the whole 30 minutes. `tma` runs the tensor-descriptor attention path's tests on
+#   the GPU, then attention's speed with and without it beside SDPA's flash and cuDNN backends.
+#   The next session: `attention` (~6 min: every SDPA backend, Gemma 2's soft cap, the LM head),
+#   `e2e` (~5 min: GPT-2 medium, eager, fuse, fuse(skip_logits)), `tune` (~4 min, the shipped H100
+#   defaults), `e2e-ckpt` (~5 min, gradient checkpointing on), `e2e-bert` (~5 min, BERT-large),
+#   `e2e-llama` (~5 min, Llama 3.2 1B's shape against Liger-Kernel), and whatever ran short)
 #
 # Everything a stage writes (logs, bench/results/*, the exported tuning defaults) comes back as
 # ONE file, $OUT/session.tgz (the device returns at most 8 files per call). Unpack it here with
