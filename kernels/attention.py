@@ -87,7 +87,7 @@ import triton.language as tl
 
 from ..autotune import dialects, pow2_bucket
 from ..autotune.env import INTERPRET, attention_tma_requested
-from ..autotune.tuner import Tuner
+from ..autotune.tuner import Tuner, device_limits
 from ._common import (
     acc_dtype,
     check_float,
@@ -787,11 +787,6 @@ def _tuning_key(q: torch.Tensor, sq: int, sk: int, d: int, block_d: int, is_caus
 # ---------------------------------------------------------------------------------------------
 
 
-@functools.cache
-def _capability_major(device_index: int) -> int:
-    return torch.cuda.get_device_capability(device_index)[0]
-
-
 def _tma_ok(*tensors: torch.Tensor) -> bool:
     """Whether the kernels may load these tensors through descriptors (USE_TMA): the forward's
     q, k, v, o, the backward's q, k, v, dO."""
@@ -803,7 +798,7 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
     if first.is_cuda:
         # The descriptors' scratch comes from the current device (the launch's): a tensor on
         # another one takes the pointer path.
-        if (first.get_device() != torch.cuda.current_device() or _capability_major(first.get_device()) < 9
+        if (first.get_device() != torch.cuda.current_device() or device_limits(first.get_device()).capability[0] < 9
                 or not hasattr(triton, "set_allocator")):
             return False
         _ensure_scratch_allocator()
