@@ -225,6 +225,10 @@ def test_autocast_keeps_activation_dtype_and_accuracy():
     assert_close("autocast", y, ref, None)
     y.sum().backward()
     assert ln.weight.grad.dtype == torch.float32 and x.grad.dtype == torch.float16
+    # the fp32 weight grads, cast once from the fp32 partial sums (never through fp16)
+    assert_close("dweight", ln.weight.grad, ((x.double() - x.double().mean(1, keepdim=True))
+                                             * (x.double().var(1, unbiased=False, keepdim=True) + 1e-5).rsqrt()).sum(0), None)
+    assert_close("dbias", ln.bias.grad, torch.full((64,), 4.0, dtype=torch.float64, device=DEVICE), None)
 
 
 def test_modules_load_torch_state_dicts():
@@ -285,6 +289,19 @@ def test_bwd_plan_writes_every_partial_row(n):
                 assert rows_per_program % meta["BLOCK_M"] == 0
                 assert zero == (n > ln_mod.MAX_SINGLE_BLOCK_BWD) == (not meta["SINGLE_BLOCK"])
                 assert (sum_grid, sum_meta) == ln_mod._sum_plan(n, programs, {})
+
+
+@pytest.mark.parametrize("programs, n", [(528, 7), (528, 1025), (3, 20000), (4097, 1)],
+                         ids=["528x7", "528x1025", "3x20000", "4097x1"])
+def test_partial_sums_at_gpu_program_counts(programs, n):
+    """The reduction alone, at the partial-row counts a GPU step makes (4 x 132 SMs; the
+    interpreter's 4 SMs make at most 8): ragged row tiles and column blocks, summed in fp32."""
+    rows = torch.randn(3, programs, n, device=DEVICE) * 100 + 1000  # fp16 sums would be off by ~10
+    vecs = [torch.full((n,), float("nan"), device=DEVICE) for _ in range(3)]
+    grid, meta = ln_mod._sum_plan(n, programs, {"STORE_DW": True, "STORE_DB": True, "STORE_DXB": True})
+    ln_mod._sum_partials.run(grid, (rows, *vecs, programs, n, programs * n), meta)
+    for k, name in enumerate(("dweight", "dbias", "dx_bias")):
+        assert_close(name, vecs[k], rows[k].double().sum(0), rows[k].sum(0))
 
 
 def _unreserved_f32(elements: int) -> torch.Tensor:
