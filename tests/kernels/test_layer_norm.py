@@ -332,7 +332,7 @@ def test_partial_sums_address_vectors_past_2_31_elements():
     grid, meta = ln_mod._sum_plan(n, programs, {"STORE_DW": True, "STORE_DB": True, "STORE_DXB": True})
     ln_mod._sum_partials.run(grid, (partial, *vecs, programs, n, stride_pk), meta)
     for k, name in enumerate(("dweight", "dbias", "dx_bias")):
-        torch.testing.assert_close(vecs[k], rows[k].sum(0), msg=name)
+        assert_close(name, vecs[k], rows[k].double().sum(0), rows[k].sum(0))
 
 
 @pytest.mark.parametrize("variant", ["layer_norm", "rms_norm-residual"])
@@ -344,11 +344,12 @@ def test_backward_reads_no_uninitialized_memory(monkeypatch, shape, variant):
     are zeros)."""
     monkeypatch.setattr(ln_mod, "_BWD_PLANS", {})
     monkeypatch.setattr(torch.utils.deterministic, "fill_uninitialized_memory", True)
+    previous = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
         check_fwd_bwd(variant, torch.float32, *make(shape, torch.float32, variant))
     finally:
-        torch.use_deterministic_algorithms(False)
+        torch.use_deterministic_algorithms(previous)
 
 
 # ---------------------------------------------------------------------------------------------
