@@ -25,6 +25,7 @@ fails) runs the original forward, and every such call is counted with its reason
 that ran no graph of ours (Dynamo fell back to eager: recompile limit, skipped frame) is counted
 as a fallback. `trifuse.report(model)` shows all of it.
 """
+import collections
 import contextvars
 import functools
 import inspect
@@ -242,7 +243,7 @@ def _unsupported(v: Any, containers: bool) -> str | None:
         return None
     if containers and type(v) in (tuple, list):
         return next((w for w in (_unsupported(x, containers) for x in v) if w), None)
-    if containers and type(v) is dict:
+    if containers and (type(v) is dict or isinstance(v, collections.UserDict)):
         return next((w for w in (_unsupported(x, containers) for x in v.values()) if w), None)
     return f"a {type(v).__name__}"
 

@@ -2,8 +2,9 @@
 
 `nn.LayerNorm`, `nn.RMSNorm` and `torch.layer_norm` reach the rewriter as `F.layer_norm` /
 `F.rms_norm` (fusion/normalize.py), so the functional spelling covers them. RMSNorm written out,
-as Hugging Face models do (`x * rsqrt(mean(x^2) + eps) * w`, with or without computing in fp32),
-becomes `rms_norm` too; eps stays the model's eps.
+as Hugging Face models do (`x * rsqrt(mean(x^2) + eps) * w`, with or without computing in fp32;
+Gemma 4's `pow(mean(x^2) + eps, -0.5)`, with a weight or none), becomes `rms_norm` too; eps stays
+the model's eps.
 
 LayerNorm without a bias written out (Cohere's `(x - mean) * rsqrt(var + eps)` times the weight,
 the centred value computed twice or once) becomes `layer_norm`. Hugging Face's T5LayerNorm
@@ -71,6 +72,21 @@ def rms_norm_upcast_fused(x, weight, eps, dtype):
 
 def rms_norm_upcast_weight_apart(x, weight, eps, dtype):
     return weight * ops.rms_norm(x, weight.shape, None, eps)
+
+
+def rms_norm_written_out_pow(x: torch.Tensor, weight: torch.Tensor, eps):
+    """RMSNorm with `pow(ms, -0.5)` for rsqrt, as Gemma 4 writes it (to agree with JAX); its fp32
+    copy and cast back go with `rms_norm_in_fp32`."""
+    return x * torch.pow(x.pow(2).mean(-1, keepdim=True) + eps, -0.5) * weight
+
+
+def rms_norm_written_out_pow_no_weight(x: torch.Tensor, eps):
+    """The same without a scale (Gemma 4's `with_scale=False` norms, its value norm)."""
+    return x * torch.pow(x.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+
+
+def rms_norm_no_weight_fused(x, eps, width):
+    return ops.rms_norm(x, (width,), None, eps)
 
 
 def layer_norm_written_out(x: torch.Tensor, weight: torch.Tensor, eps):
@@ -190,6 +206,12 @@ def _weight_dtype(same: bool):
     return check
 
 
+def _last_dim(m: Match) -> dict | None:
+    """The normalized width of a norm without a weight: x's last dim."""
+    x = m.value("x")
+    return {"width": x.shape[-1]} if isinstance(x, torch.Tensor) and x.dim() >= 1 else None
+
+
 def _resolve_eps(m: Match) -> dict | None:
     """F.rms_norm's eps=None means the input dtype's epsilon: make it a number, so the residual
     stream (which takes a number) can absorb this norm later."""
@@ -218,6 +240,13 @@ PATTERNS = (
             ("rms_norm",), (*_RMS_FILTERS, _weight_dtype(True))),
     Pattern("rms_norm_written_out_weight_apart", "rms_norm", rms_norm_written_out,
             rms_norm_written_out_weight_apart, ("rms_norm",), (*_RMS_FILTERS, _weight_dtype(False))),
+    Pattern("rms_norm_written_out_pow", "rms_norm", rms_norm_written_out_pow, rms_norm_written_out_fused,
+            ("rms_norm",), (*_RMS_FILTERS, _weight_dtype(True))),
+    Pattern("rms_norm_written_out_pow_weight_apart", "rms_norm", rms_norm_written_out_pow,
+            rms_norm_written_out_weight_apart, ("rms_norm",), (*_RMS_FILTERS, _weight_dtype(False))),
+    # After the spellings with a weight, which hold it.
+    Pattern("rms_norm_written_out_pow_no_weight", "rms_norm", rms_norm_written_out_pow_no_weight,
+            rms_norm_no_weight_fused, ("rms_norm",), _RMS_FILTERS, derive=_last_dim),
     Pattern("rms_norm_t5", "rms_norm", rms_norm_t5, rms_norm_t5_fused, ("rms_norm",),
             (*_RMS_FILTERS, _fp32_weight), derive=_upcast_if_16_bit),
     Pattern("rms_norm_t5_half", "rms_norm", rms_norm_t5_half, rms_norm_t5_half_fused, ("rms_norm",),

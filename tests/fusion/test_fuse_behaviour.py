@@ -2,6 +2,7 @@
 new shapes without unbounded recaptures, autocast, data-dependent control flow and numpy,
 deep copies; it says what it could not fuse (the KV-cache trap, Dynamo fallbacks, missing
 ops); it runs on the PyTorch reference path too."""
+import collections
 import copy
 import os
 import subprocess
@@ -109,6 +110,44 @@ def test_an_error_of_the_model_itself_still_raises_through_a_fused_block():
     loss_fn(model, inputs(2, 8)).backward()
     block = next(u for u in trifuse.report(model).units if u.unit.strategy == "dynamo").unit
     assert block.failed is None and trifuse.report(model).counts()["attention"] == 2
+
+
+class SharedKV(collections.UserDict):
+    """Like transformers' KVSharingDict (Gemma 4): a UserDict the layers write and read."""
+
+
+class SharingBlock(nn.Module):
+    def __init__(self, stores: bool):
+        super().__init__()
+        self.stores = stores
+        self.norm = nn.LayerNorm(8)
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x, shared):
+        h = self.norm(x)
+        if self.stores:
+            shared["kv"] = (self.proj(h),)
+        return x + h * shared["kv"][0]
+
+
+def test_a_userdict_argument_is_captured_and_its_writes_seen():
+    """A dict-like container of tensors (Gemma 4's shared KV states) goes through the capture:
+    the block fuses, and what one layer writes into it the next reads."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"layers": nn.ModuleList([SharingBlock(True), SharingBlock(False)])})
+    ref = copy.deepcopy(model)
+
+    def run(m, x):
+        shared = SharedKV()
+        for layer in m["layers"]:
+            x = layer(x, shared)
+        return x
+
+    trifuse.fuse(model)
+    x = torch.randn(2, 3, 8)
+    torch.testing.assert_close(run(model, x), run(ref, x))
+    report = trifuse.report(model)
+    assert not report.unfused_calls() and report.counts()["layer_norm"] == 2
 
 
 def test_new_shapes_and_modes_recapture_a_bounded_number_of_times():

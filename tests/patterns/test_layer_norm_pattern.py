@@ -8,6 +8,7 @@ from _fusing import check_against_unfused
 from _hf_norms import (CentredOnceLayerNorm, CohereLayerNorm, GemmaRMSNorm, HFRMSNorm, OlmoLayerNorm,
                        T5LayerNorm)
 from torch import nn
+from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
 
 N = 24
 X = (torch.randn(3, 5, N),)
@@ -75,9 +76,12 @@ class HandRMSNorm(nn.Module):
     (T5LayerNorm, "rms_norm_t5"),
     (CohereLayerNorm, "layer_norm_in_fp32"),  # written out on an fp32 copy: spelling, then the copy goes
     (CentredOnceLayerNorm, "layer_norm_written_out_centred_once"),
+    # transformers' own Gemma 4 norm: pow(ms, -0.5) on an fp32 copy, with a weight or none
+    (lambda: Gemma4RMSNorm(N), "rms_norm_in_fp32"),
+    (lambda: Gemma4RMSNorm(N, with_scale=False), "rms_norm_in_fp32"),
 ], ids=["nn.LayerNorm", "nn.LayerNorm-no-affine", "F.layer_norm-kwargs", "torch.layer_norm", "nn.RMSNorm",
         "hf-rmsnorm", "written-out-rmsnorm", "gemma-rmsnorm", "olmo-layernorm", "t5-layernorm", "cohere-layernorm",
-        "written-out-layernorm-centred-once"])
+        "written-out-layernorm-centred-once", "gemma4-rmsnorm", "gemma4-rmsnorm-no-scale"])
 def test_spelling_fuses_and_matches(make, pattern, capture):
     report = check_against_unfused(make, X, capture)
     assert report.by_pattern() == {pattern: 1}
@@ -109,7 +113,8 @@ def test_hf_rmsnorm_mixed_dtypes_keeps_the_weight_apart(capture):
     (T5LayerNorm, "rms_norm_t5"),  # fp32 weight: the model returns fp32, the op normalizes an fp32 copy
     (lambda: T5LayerNorm(dtype=torch.float16), "rms_norm_t5_half"),  # rounds to fp16, then the weight
     (CohereLayerNorm, "layer_norm_in_fp32"),
-], ids=["gemma", "olmo", "t5-fp32-weight", "t5-fp16-weight", "cohere"])
+    (lambda: Gemma4RMSNorm(N), "rms_norm_in_fp32"),
+], ids=["gemma", "olmo", "t5-fp32-weight", "t5-fp16-weight", "cohere", "gemma4"])
 def test_fp16_activations_keep_the_models_roundings(make, pattern, capture):
     x = (torch.randn(3, 5, N).half(),)
     report = check_against_unfused(make, x, capture, grads=False)
@@ -165,9 +170,17 @@ def test_eps_from_a_tensor_is_rejected_with_a_reason(capture):
     assert any("eps" in reason and "not a number" in reason for *_, reason in report.rejected())
 
 
+class QuarterPowerNorm(nn.Module):
+    """Gemma 4's spelling with another exponent than -0.5: not an RMSNorm."""
+
+    def forward(self, x):
+        return x * torch.pow(x.pow(2).mean(-1, keepdim=True) + 1e-6, -0.25)
+
+
 @pytest.mark.parametrize("capture", CAPTURES)
 def test_other_powers_are_not_rmsnorm(capture):
     assert check_against_unfused(CubicNorm, X, capture).by_pattern() == {}
+    assert check_against_unfused(QuarterPowerNorm, X, capture).by_pattern() == {}
 
 
 def test_ops_selection_leaves_other_families():
