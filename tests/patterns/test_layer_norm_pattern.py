@@ -5,8 +5,14 @@ import torch
 import torch.nn.functional as F
 import trifuse
 from _fusing import check_against_unfused
-from _hf_norms import (CentredOnceLayerNorm, CohereLayerNorm, GemmaRMSNorm, HFRMSNorm, OlmoLayerNorm,
-                       T5LayerNorm)
+from _hf_norms import (
+    CentredOnceLayerNorm,
+    CohereLayerNorm,
+    GemmaRMSNorm,
+    HFRMSNorm,
+    OlmoLayerNorm,
+    T5LayerNorm,
+)
 from torch import nn
 from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
 
