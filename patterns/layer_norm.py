@@ -74,6 +74,11 @@ def rms_norm_upcast_weight_apart(x, weight, eps, dtype):
     return weight * ops.rms_norm(x, weight.shape, None, eps)
 
 
+def rms_norm_written_out_no_weight(x: torch.Tensor, eps):
+    """RMSNorm without a scale (nanochat's, on an fp32 copy; QK-norms without parameters)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
 def rms_norm_written_out_pow(x: torch.Tensor, weight: torch.Tensor, eps):
     """RMSNorm with `pow(ms, -0.5)` for rsqrt, as Gemma 4 writes it (to agree with JAX); its fp32
     copy and cast back go with `rms_norm_in_fp32`."""
@@ -245,6 +250,8 @@ PATTERNS = (
     Pattern("rms_norm_written_out_pow_weight_apart", "rms_norm", rms_norm_written_out_pow,
             rms_norm_written_out_weight_apart, ("rms_norm",), (*_RMS_FILTERS, _weight_dtype(False))),
     # After the spellings with a weight, which hold it.
+    Pattern("rms_norm_written_out_no_weight", "rms_norm", rms_norm_written_out_no_weight,
+            rms_norm_no_weight_fused, ("rms_norm",), _RMS_FILTERS, derive=_last_dim),
     Pattern("rms_norm_written_out_pow_no_weight", "rms_norm", rms_norm_written_out_pow_no_weight,
             rms_norm_no_weight_fused, ("rms_norm",), _RMS_FILTERS, derive=_last_dim),
     Pattern("rms_norm_t5", "rms_norm", rms_norm_t5, rms_norm_t5_fused, ("rms_norm",),

@@ -15,6 +15,7 @@ from _hf_norms import (
 )
 from torch import nn
 from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
+from transformers.models.nanochat.modeling_nanochat import NanoChatRMSNorm
 
 N = 24
 X = (torch.randn(3, 5, N),)
@@ -85,9 +86,10 @@ class HandRMSNorm(nn.Module):
     # transformers' own Gemma 4 norm: pow(ms, -0.5) on an fp32 copy, with a weight or none
     (lambda: Gemma4RMSNorm(N), "rms_norm_in_fp32"),
     (lambda: Gemma4RMSNorm(N, with_scale=False), "rms_norm_in_fp32"),
+    (NanoChatRMSNorm, "rms_norm_in_fp32"),  # no weight, rsqrt, on an fp32 copy
 ], ids=["nn.LayerNorm", "nn.LayerNorm-no-affine", "F.layer_norm-kwargs", "torch.layer_norm", "nn.RMSNorm",
         "hf-rmsnorm", "written-out-rmsnorm", "gemma-rmsnorm", "olmo-layernorm", "t5-layernorm", "cohere-layernorm",
-        "written-out-layernorm-centred-once", "gemma4-rmsnorm", "gemma4-rmsnorm-no-scale"])
+        "written-out-layernorm-centred-once", "gemma4-rmsnorm", "gemma4-rmsnorm-no-scale", "nanochat-rmsnorm"])
 def test_spelling_fuses_and_matches(make, pattern, capture):
     report = check_against_unfused(make, X, capture)
     assert report.by_pattern() == {pattern: 1}
