@@ -168,6 +168,20 @@ _FAMILIES.update({
     "deberta-v2": {**_DECODER, **_MLP, "relative_attention": True, "pos_att_type": ["p2c", "c2p"],
                    "position_buckets": 4, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
                    "attn_implementation": "eager"},
+    # DeepSeek-V3's multi-head latent attention: q and k 24 wide (16 + 8 rotary), v 8 (a value
+    # head dim of its own), LoRA-compressed q and kv with their norms; the first layer dense, then
+    # routed experts beside a shared one. Its interleaved rotary (even and odd features in, halves
+    # out) stays as written.
+    "deepseek_v3": {**_DECODER, "num_key_value_heads": HEADS, "q_lora_rank": 16, "kv_lora_rank": 16,
+                    "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 8, "n_routed_experts": 4,
+                    "num_experts_per_tok": 2, "moe_intermediate_size": 2 * HIDDEN, "intermediate_size": 2 * HIDDEN,
+                    "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "experts_implementation": "batched_mm"},
+    # Gemma 4: seven RMSNorms a block written with pow(-0.5) (the value norm without a weight), a
+    # per-layer input gated by GeLU, a sliding-window layer and a global one with its own head dim
+    # (512 in the real models, past trifuse's 256: 32 here), the shared KV states in a UserDict
+    "gemma4_text": {**_DECODER, **_MLP, "num_key_value_heads": 1, "head_dim": HIDDEN // HEADS, "sliding_window": 4,
+                    "layer_types": ["sliding_attention", "full_attention"], "per_layer_config": {"01": {"head_dim": HIDDEN}},
+                    "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 8},
 })
 SEQ2SEQ = ("t5", "bart")
 MASKED = ("modernbert", "deberta-v2")

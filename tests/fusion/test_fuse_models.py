@@ -121,6 +121,14 @@ MODELS = {
                                    "residual_stream": 2 * L}),
     # DeBERTa-v2's disentangled attention: the relative-position scores become the op's mask
     "deberta-v2": (_family("deberta-v2"), BERT),
+    # DeepSeek-V3: q/k and v of different head dims; three norms a block (input, q LoRA, kv LoRA),
+    # SwiGLU in the dense MLP, the routed experts and the shared expert
+    "deepseek_v3": (_family("deepseek_v3"), {"rms_norm": 3 * L + 1, "attention": L, "residual_stream": L,
+                                             "gated_activation": 3, **LOSS}),
+    # Gemma 4 (see _FAMILIES): rotary on q and on k apart (k's norm between), GeGLU in the MLP and
+    # the per-layer input gate
+    "gemma4_text": (_family("gemma4_text"), {"rms_norm": 16, "attention": L, "residual_stream": L, "rotary": 2 * L,
+                                             "gated_activation": 2 * L, **LOSS}),
 }
 OPS = {"layer_norm": ("trifuse::layer_norm",), "rms_norm": ("trifuse::rms_norm",),
        "attention": ("trifuse::attention",), "bias_gelu": ("trifuse::bias_gelu",),

@@ -1,0 +1,192 @@
+"""`trifuse.fuse` on every causal-LM architecture the installed transformers has, built from a
+tiny config: does the fused model still run, train and give the unfused model's loss and
+gradients, and what did fuse replace? A net for "never break a model" wider than the test suite's
+hand-configured families (tests/_models.py); on CPU, in the Triton interpreter.
+
+    TRITON_INTERPRET=1 python bench/fuse_sweep.py [MODEL_TYPE ...]   # all types: ~25 min on 2 cores
+
+Each type runs in its own process (memory-capped, timed out), in float64, one training step
+(dropout off) before and after fuse, then a second fused call. Status per type:
+    ok              loss within 1e-6 and every gradient within 1e-5 (relative to its largest
+                    entry, or to 1e-10 of the model's largest where a gradient is numerically
+                    zero) of the unfused model's; the models compute parts in fp32 themselves
+                    (HF's norms upcast), so float64 agreement is at fp32's level, not better
+    MISMATCH        runs, but differs by more
+    FUSED CRASH     the unfused model ran and the fused one raised: a trifuse bug
+    config / build / unfused fails / too big / died: the tiny config does not suit the
+                    architecture (a harness limit, not a verdict on trifuse)
+Writes bench/results/fuse_sweep.json and .md.
+"""
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+import traceback
+
+if __name__ == "__main__" and len(sys.argv) == 2 and sys.argv[1].startswith("--one="):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch
+
+SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
+             vocab_size=64, max_position_embeddings=64, n_embd=32, n_layer=2, n_head=2, d_model=32, n_positions=64,
+             num_layers=2, num_heads=2, ffn_dim=64, head_dim=16, moe_intermediate_size=32, num_experts=4,
+             num_local_experts=4, num_experts_per_tok=2, pad_token_id=0, bos_token_id=0, eos_token_id=0,
+             tie_word_embeddings=False, use_cache=False)
+NO_DROPOUT = {k: 0.0 for k in ("hidden_dropout", "attention_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop",
+                               "hidden_dropout_prob", "attention_probs_dropout_prob", "dropout", "activation_dropout",
+                               "embed_dropout", "ffn_dropout", "attention_dropout_prob")}
+MAX_PARAMS = 3_000_000
+LOSS_TOL, GRAD_TOL = 1e-6, 1e-5
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def _config(tf, model_type: str, attn: str):
+    kw = {**SMALL, **NO_DROPOUT}
+    cfg = tf.CONFIG_MAPPING[model_type](**kw, attn_implementation=attn, experts_implementation="batched_mm")
+    for k, v in SMALL.items():  # sizes some constructors ignore; head_dim may be a derived property
+        if k == "head_dim":
+            continue
+        try:
+            if hasattr(cfg, k):
+                setattr(cfg, k, v)
+        except Exception:  # noqa: BLE001  (per-layer or read-only attributes stay as built)
+            pass
+    return cfg
+
+
+def _grad_error(grads0: tuple, grads1: tuple) -> float:
+    """The largest relative gradient error, each parameter's relative to its own largest entry;
+    parameters whose gradient is numerically zero (below 1e-10 of the largest over the model, e.g.
+    a router's weights through a top-k) are compared at that floor instead."""
+    floor = 1e-10 * max((float(a.abs().max()) for a in grads0 if a is not None and a.numel()), default=0.0)
+    worst = 0.0
+    for a, b in zip(grads0, grads1):
+        if a is None or b is None:
+            if (a is None) != (b is None):
+                return float("inf")
+            continue
+        if a.numel():
+            worst = max(worst, float((a - b).abs().max()) / max(float(a.abs().max()), floor, 1e-300))
+    return worst
+
+
+def run_one(model_type: str, attn: str = "sdpa") -> dict:
+    import transformers as tf
+
+    import trifuse
+
+    tf.logging.set_verbosity_error()
+    try:
+        cfg = _config(tf, model_type, attn)
+    except Exception as e:  # noqa: BLE001
+        return {"status": "config", "why": f"{type(e).__name__}: {str(e).strip()[:150]}"}
+    torch.manual_seed(0)
+    try:
+        model = tf.AutoModelForCausalLM.from_config(cfg).double()
+    except Exception as e:  # noqa: BLE001
+        if attn == "sdpa" and "does not support an attention implementation" in str(e):
+            return run_one(model_type, "eager")
+        return {"status": "build", "why": f"{type(e).__name__}: {str(e).strip()[:150]}"}
+    params = sum(p.numel() for p in model.parameters())
+    if params > MAX_PARAMS:
+        return {"status": "too big", "why": f"{params} parameters with the tiny config"}
+    ids = torch.randint(1, 64, (2, 12))
+    kwargs = {"input_ids": ids, "labels": ids, "use_cache": False}
+    leaves = [p for p in model.parameters() if p.requires_grad]
+    model.train()
+    try:
+        loss0 = model(**kwargs).loss
+        grads0 = torch.autograd.grad(loss0, leaves, allow_unused=True)
+    except Exception as e:  # noqa: BLE001
+        return {"status": "unfused fails", "why": f"{type(e).__name__}: {str(e).strip()[:150]}"}
+    try:
+        trifuse.fuse(model)
+        loss1 = model(**kwargs).loss
+        grads1 = torch.autograd.grad(loss1, leaves, allow_unused=True)
+        loss2 = model(**kwargs).loss.detach()
+    except Exception as e:  # noqa: BLE001
+        return {"status": "FUSED CRASH", "why": f"{type(e).__name__}: {str(e).strip()[:300]}",
+                "traceback": traceback.format_exc()[-3000:]}
+    loss_err = abs(float(loss1) - float(loss0)) / max(abs(float(loss0)), 1e-30)
+    grad_err = _grad_error(grads0, grads1)
+    report = trifuse.report(model)
+    ok = loss_err < LOSS_TOL and grad_err < GRAD_TOL and float(loss2) == float(loss1.detach())
+    return {"status": "ok" if ok else "MISMATCH", "attn": attn, "loss_rel_err": loss_err, "grad_rel_err": grad_err,
+            "replaced": dict(sorted(report.counts().items())), "left": len(report.left()),
+            "unfused_calls": {k: sum(v.values()) for k, v in report.unfused_calls().items()}}
+
+
+def _child(model_type: str, timeout: int = 300) -> dict:
+    def cap_memory():
+        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+
+    t0 = time.time()
+    try:
+        done = subprocess.run([sys.executable, os.path.abspath(__file__), f"--one={model_type}"], capture_output=True,
+                              text=True, timeout=timeout, preexec_fn=cap_memory)
+        lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+        row = json.loads(lines[-1]) if lines else {"status": f"died (rc {done.returncode})",
+                                                    "why": done.stderr.strip().splitlines()[-1:][0][:150]
+                                                    if done.stderr.strip() else ""}
+    except subprocess.TimeoutExpired:
+        row = {"status": "timeout"}
+    return {"type": model_type, **row, "s": round(time.time() - t0, 1)}
+
+
+def _markdown(rows: list[dict], header: str) -> str:
+    from collections import Counter
+
+    counts = Counter(r["status"] for r in rows)
+    out = [f"# fuse sweep\n\n{header}\n", "| status | types |", "|---|---|"]
+    out += [f"| {s} | {n} |" for s, n in counts.most_common()]
+    out += ["", "| type | status | replaced | left as written | loss rel err | max grad rel err | why |",
+            "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        replaced = ", ".join(f"{k} {v}" for k, v in r.get("replaced", {}).items())
+        err = (f"{r['loss_rel_err']:.2g}", f"{r['grad_rel_err']:.2g}") if "loss_rel_err" in r else ("", "")
+        why = r.get("why", "").replace("|", "/").replace("\n", " ")[:120]
+        out.append(f"| {r['type']} | {r['status']} | {replaced} | {r.get('left', '')} | {err[0]} | {err[1]} | {why} |")
+    return "\n".join(out) + "\n"
+
+
+def main(types: list[str]) -> None:
+    import platform
+
+    import transformers as tf
+    import triton
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    types = types or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    rows = []
+    for mt in types:
+        row = _child(mt)
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
+        if "traceback" in row:
+            print(row["traceback"], flush=True)
+    header = (f"date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · torch {torch.__version__} · triton "
+              f"{triton.__version__} · transformers {tf.__version__} · python {platform.python_version()} · CPU "
+              "(TRITON_INTERPRET=1), float64, one training step, dropout off")
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, "fuse_sweep.json"), "w") as f:
+        json.dump({"header": header, "rows": rows}, f, indent=1)
+    with open(os.path.join(RESULTS, "fuse_sweep.md"), "w") as f:
+        f.write(_markdown(rows, header))
+
+
+def test_fuse_sweep_smoke():
+    """One architecture end to end through the child process (`pytest bench/fuse_sweep.py`; not
+    in CI's default collection, which takes bench_*.py)."""
+    row = _child("llama")
+    assert row["status"] == "ok", row
+    assert row["replaced"].get("attention") == 2 and row["replaced"].get("rms_norm") == 3
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 2 and sys.argv[1].startswith("--one="):
+        print(json.dumps(run_one(sys.argv[1][len("--one="):])), flush=True)
+    else:
+        main(sys.argv[1:])
