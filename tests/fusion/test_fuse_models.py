@@ -33,6 +33,8 @@ EAGER_ATTENTION = {"gpt2-eager": "attention_chain_mul_add_dropout_cast",
 # In eval without grad, nn.TransformerEncoderLayer runs PyTorch's own fused fast path
 # (torch._transformer_encoder_layer_fwd): nothing is left to fuse there.
 EVAL_FAST_PATH = ("encoder-post-norm", "encoder-pre-norm")
+# BLOOM's GeLU is an autograd.Function in training and its tanh formula written out in eval: fused in eval only.
+EVAL_ONLY = {"bloom": {"bias_gelu": L}}
 
 
 def _family(name):
@@ -121,6 +123,17 @@ MODELS = {
                                    "residual_stream": 2 * L}),
     # DeBERTa-v2's disentangled attention: the relative-position scores become the op's mask
     "deberta-v2": (_family("deberta-v2"), BERT),
+    # Blocks that return their attention weights (GPT-J, CodeGen, GPT-Neo, BLOOM, MPT): the
+    # weights are a graph output, so no attention pattern may take the softmax. GPT-J and CodeGen's
+    # parallel block ends in attention + MLP + residual, no norm after it: the MLP's dropout and add
+    # fuse. BLOOM's GeLU is an autograd.Function in training (EVAL_ONLY); MPT's MLP has no bias.
+    "gptj": (_family("gptj"), {"layer_norm": L + 1, "bias_gelu": L, "dropout_add": L, **LOSS}),
+    "codegen": (_family("codegen"), {"layer_norm": L + 1, "bias_gelu": L, "dropout_add": L, **LOSS}),
+    "gpt_neo": (_family("gpt_neo"), {"layer_norm": L + 1, "bias_gelu": L, "residual_stream": L, "dropout_add": L,
+                                     **LOSS}),
+    "bloom": (_family("bloom"), {"layer_norm": L + 2, "residual_stream": L, "dropout_add": L, **LOSS}),
+    "mpt": (_family("mpt"), {"layer_norm": L + 1, "residual_stream": L, "dropout_add": L, **LOSS}),
+    "biogpt": (_family("biogpt"), {**PRE_NORM, **LOSS}),
 }
 OPS = {"layer_norm": ("trifuse::layer_norm",), "rms_norm": ("trifuse::rms_norm",),
        "attention": ("trifuse::attention",), "bias_gelu": ("trifuse::bias_gelu",),
@@ -146,6 +159,7 @@ def test_fused_model_matches_and_runs_trifuse_ops(name):
     build, counts = MODELS[name]
     counts = available_counts(counts)
     eval_counts = {} if name in EVAL_FAST_PATH else {k: v for k, v in counts.items() if k != "cross_entropy"}
+    eval_counts.update(available_counts(EVAL_ONLY.get(name, {})))
     torch.manual_seed(0)
     model, inputs, loss_fn = build()
     ref, ref64 = copy.deepcopy(model), copy.deepcopy(model).double()
