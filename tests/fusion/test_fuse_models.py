@@ -123,11 +123,12 @@ MODELS = {
                                    "residual_stream": 2 * L}),
     # DeBERTa-v2's disentangled attention: the relative-position scores become the op's mask
     "deberta-v2": (_family("deberta-v2"), BERT),
-    # Blocks that return their attention weights (GPT-J, CodeGen, GPT-Neo, BLOOM, MPT): the
-    # weights are a graph output, so no attention pattern may take the softmax. GPT-J and CodeGen's
-    # parallel block ends in attention + MLP + residual, no norm after it: the MLP's dropout and add
-    # fuse. BLOOM's GeLU is an autograd.Function in training (EVAL_ONLY); MPT's MLP has no bias.
-    "gptj": (_family("gptj"), {"layer_norm": L + 1, "bias_gelu": L, "dropout_add": L, **LOSS}),
+    # Blocks that return their attention weights whatever output_attentions says (GPT-J, CodeGen,
+    # GPT-Neo, BLOOM, MPT): called with output_attentions=False they return None in their place, and
+    # the attention fuses. GPT-J and CodeGen's parallel block ends in attention + MLP + residual, no
+    # norm after it: the MLP's dropout and add fuse. BLOOM's GeLU is an autograd.Function in training
+    # (EVAL_ONLY); MPT's MLP has no bias.
+    "gptj": (_family("gptj"), {"layer_norm": L + 1, "attention": L, "bias_gelu": L, "dropout_add": L, **LOSS}),
     "codegen": (_family("codegen"), {"layer_norm": L + 1, "bias_gelu": L, "dropout_add": L, **LOSS}),
     "gpt_neo": (_family("gpt_neo"), {"layer_norm": L + 1, "bias_gelu": L, "residual_stream": L, "dropout_add": L,
                                      **LOSS}),
@@ -245,6 +246,25 @@ def test_t5_self_attention_with_its_position_bias_is_fused():
         bias64 = getattr(ref64, stack).block[0].layer[0].SelfAttention.relative_attention_bias.weight
         assert bias.grad is not None and bias.grad.abs().max() > 0
         assert_close(f"{stack} position bias grad", bias.grad, bias64.grad, None)
+
+
+def test_attention_weights_still_returned_when_asked_for():
+    """GPT-J's blocks return their attention probabilities whatever output_attentions says: fused
+    with output_attentions=False (None in their place), as written with True (the weights equal the
+    unfused model's, the attention left)."""
+    torch.manual_seed(0)
+    model, inputs, _ = _models.hf_family("gptj")
+    ref64 = copy.deepcopy(model).double()
+    trifuse.fuse(model)
+    kw = {k: v for k, v in inputs(2, 8).items() if k != "labels"}
+    assert model(**kw).attentions is None
+    assert trifuse.report(model).counts().get("attention", 0) == available_counts({"attention": L}).get("attention", 0)
+    out, out64 = model(**kw, output_attentions=True), ref64(**kw, output_attentions=True)
+    assert len(out.attentions) == L
+    for i, (a, a64) in enumerate(zip(out.attentions, out64.attentions)):
+        assert_close(f"attentions[{i}]", a, a64, None)
+    assert "attention" not in trifuse.report(model).counts()
+    assert_close("logits", out.logits, out64.logits, None)
 
 
 def test_optimizer_made_before_fuse_trains_the_fused_model():
