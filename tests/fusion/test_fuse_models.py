@@ -125,15 +125,20 @@ MODELS = {
     "deberta-v2": (_family("deberta-v2"), BERT),
     # Blocks that return their attention weights whatever output_attentions says (GPT-J, CodeGen,
     # GPT-Neo, BLOOM, MPT): called with output_attentions=False they return None in their place, and
-    # the attention fuses. GPT-J and CodeGen's parallel block ends in attention + MLP + residual, no
-    # norm after it: the MLP's dropout and add fuse. BLOOM's GeLU is an autograd.Function in training
-    # (EVAL_ONLY); MPT's MLP has no bias.
+    # the attention fuses: GPT-J's as GPT-2's eager chain, CodeGen's mask added before the scaling,
+    # GPT-Neo's unscaled scores under a causal where() and an additive mask, BLOOM's ALiBi through
+    # baddbmm, MPT's ALiBi added before a masked_fill. GPT-J and CodeGen's parallel block ends in
+    # attention + MLP + residual, no norm after it: the MLP's dropout and add fuse; their interleaved
+    # partial rotary (rotate_every_two) stays as written. BLOOM's GeLU is an autograd.Function in
+    # training (EVAL_ONLY); MPT's MLP has no bias.
     "gptj": (_family("gptj"), {"layer_norm": L + 1, "attention": L, "bias_gelu": L, "dropout_add": L, **LOSS}),
-    "codegen": (_family("codegen"), {"layer_norm": L + 1, "bias_gelu": L, "dropout_add": L, **LOSS}),
-    "gpt_neo": (_family("gpt_neo"), {"layer_norm": L + 1, "bias_gelu": L, "residual_stream": L, "dropout_add": L,
+    "codegen": (_family("codegen"), {"layer_norm": L + 1, "attention": L, "bias_gelu": L, "dropout_add": L,
                                      **LOSS}),
-    "bloom": (_family("bloom"), {"layer_norm": L + 2, "residual_stream": L, "dropout_add": L, **LOSS}),
-    "mpt": (_family("mpt"), {"layer_norm": L + 1, "residual_stream": L, "dropout_add": L, **LOSS}),
+    "gpt_neo": (_family("gpt_neo"), {"layer_norm": L + 1, "attention": L, "bias_gelu": L, "residual_stream": L,
+                                     "dropout_add": L, **LOSS}),
+    "bloom": (_family("bloom"), {"layer_norm": L + 2, "attention": L, "residual_stream": L, "dropout_add": L,
+                                 **LOSS}),
+    "mpt": (_family("mpt"), {"layer_norm": L + 1, "attention": L, "residual_stream": L, "dropout_add": L, **LOSS}),
     "biogpt": (_family("biogpt"), {**PRE_NORM, **LOSS}),
 }
 OPS = {"layer_norm": ("trifuse::layer_norm",), "rms_norm": ("trifuse::rms_norm",),
