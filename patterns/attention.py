@@ -29,7 +29,8 @@ style: the score matrix never exists).
   softmax of an fp32 copy (`.float()`); GPT-Neo's unscaled scores (scale 1) under
   `torch.where(causal, scores, torch.tensor(finfo.min))` with the additive mask added after (the op's
   mask is the mask where causal keeps a key, fill + mask where not: the same scores, the huge fill
-  absorbing q k^T). Their blocks return the probabilities too: fusion/capture.py drops them from
+  absorbing q k^T; a row the where() drops whole, which GPT-Neo's causal masks never do, has the
+  op's finite-mask gradients). Their blocks return the probabilities too: fusion/capture.py drops them from
   the graph's outputs when the block is called with output_attentions=False.
 - `F.multi_head_attention_forward` as `nn.MultiheadAttention` (and so nn.TransformerEncoder)
   calls it for self-attention without returned weights: its in-projection, heads and
@@ -405,8 +406,10 @@ def attention_chain_where_add(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def attention_chain_where_add_fused(q, k, v, d0, d1, keep, fill, fill_dtype, device, mask, dtype, p, training):
     # The unfused score of a dropped key is fill + mask, whatever q k^T is; the op adds q k^T to it,
-    # which the huge fill absorbs (|q k^T| < ulp(finfo.min) / 2): the same scores, so the same softmax,
-    # also in rows masked whole
+    # which the huge fill absorbs (|q k^T| < ulp(finfo.min) / 2): the same scores, so the same softmax.
+    # A row the where() drops whole is then a finite mask covering the row, uniform as unfused, with
+    # the op's documented gradient cancellation there (kernels/attention.py); GPT-Neo's causal and
+    # local masks always keep the diagonal.
     return ops.attention(q, k, v, torch.where(keep, mask, mask + fill), p if training else 0.0, False, 1.0)
 
 
