@@ -172,7 +172,7 @@ _FAMILIES.update({
 _FAMILIES.update({
     # Older decoders whose blocks return their attention weights (the blocks' second output), with
     # transformers' eager attention only. GPT-J and CodeGen: interleaved rotary (`rotate_every_two`)
-    # on the first rotary_dim of each head, q and k in fp32, a parallel block (attention + MLP +
+    # on the first rotary_dim of each head of (B, S, H, D) tensors, q and k in fp32, a parallel block (attention + MLP +
     # residual in one sum). CodeGen splits its fused qkv in mp_num = 4 groups (heads a multiple of 4).
     "gptj": {**_DECODER, "rotary_dim": 8, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
              "attn_implementation": "eager"},

@@ -129,11 +129,12 @@ MODELS = {
     # GPT-Neo's unscaled scores under a causal where() and an additive mask, BLOOM's ALiBi through
     # baddbmm, MPT's ALiBi added before a masked_fill. GPT-J and CodeGen's parallel block ends in
     # attention + MLP + residual, no norm after it: the MLP's dropout and add fuse; their interleaved
-    # partial rotary (rotate_every_two) stays as written. BLOOM's GeLU is an autograd.Function in
-    # training (EVAL_ONLY); MPT's MLP has no bias.
-    "gptj": (_family("gptj"), {"layer_norm": L + 1, "attention": L, "bias_gelu": L, "dropout_add": L, **LOSS}),
+    # partial rotary (rotate_every_two on (B, S, H, D)) fuses. BLOOM's GeLU is an autograd.Function
+    # in training (EVAL_ONLY); MPT's MLP has no bias.
+    "gptj": (_family("gptj"), {"layer_norm": L + 1, "attention": L, "bias_gelu": L, "dropout_add": L, **ROTARY,
+                               **LOSS}),
     "codegen": (_family("codegen"), {"layer_norm": L + 1, "attention": L, "bias_gelu": L, "dropout_add": L,
-                                     **LOSS}),
+                                     **ROTARY, **LOSS}),
     "gpt_neo": (_family("gpt_neo"), {"layer_norm": L + 1, "attention": L, "bias_gelu": L, "residual_stream": L,
                                      "dropout_add": L, **LOSS}),
     "bloom": (_family("bloom"), {"layer_norm": L + 2, "attention": L, "residual_stream": L, "dropout_add": L,
