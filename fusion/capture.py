@@ -342,8 +342,9 @@ class DynamoUnit(Unit):
         all the same (GPT-J, CodeGen, GPT-Neo, BLOOM, MPT: `return hidden_states, attn_weights`,
         which their models drop unless output_attentions): the probabilities leave the graph's
         outputs, replaced by `_dropped_weights()`, so an attention pattern may take the softmax.
-        `__call__` returns None in their place, what Hugging Face's blocks return for the weights
-        nobody asked for. Where no pattern takes them, `_annotate` puts them back."""
+        `__call__` returns None in their place, as transformers' SDPA and flash attention return for
+        weights nobody asked for. Where no pattern takes them, `_annotate` puts them back. Once a
+        capture has dropped them, calls with output_attentions not False run as written."""
         self._dropped = []
         _, _, kwargs = self._current or (None, (), {})
         if kwargs.get("output_attentions") is not False:
