@@ -386,9 +386,9 @@ def attention_chain_mul_add_masked_fill(q: torch.Tensor, k: torch.Tensor, v: tor
 
 def attention_chain_mul_add_masked_fill_fused(q, k, v, d0, d1, scale, bias, mask, fill, dtype, p, training):
     keep = torch.logical_not(mask)
-    # where the mask drops a key the unfused score is `fill`, whatever the bias: -inf for the op
-    o = ops.attention(q, k, v, torch.where(keep, bias.to(q.dtype), float("-inf")), p if training else 0.0, False,
-                      scale)
+    # where the mask drops a key the unfused score is `fill`, whatever the bias: -inf for the op. The
+    # bias keeps its dtype (MPT's fp32 ALiBi beside 16-bit scores promotes them, as the op's fp32 sum does)
+    o = ops.attention(q, k, v, torch.where(keep, bias, float("-inf")), p if training else 0.0, False, scale)
     if fill != float("-inf"):
         # finfo.min: a row masked whole is uniform in the unfused softmax (as in attention_chain_fused)
         o = torch.where(keep.any(-1, keepdim=True), o, v.mean(-2, keepdim=True))
