@@ -15,6 +15,9 @@ The "softcap" variant is Gemma 2 9B's attention (16 query heads over 8 kv heads,
 logit soft cap 50, causal): SDPA has no soft cap, so its baselines are what a Gemma 2 user runs
 instead, transformers' eager code (scores materialized), FlexAttention with a tanh score_mod
 (compiled), and flash-attn's softcap when importable.
+The "mla" variant is DeepSeek-V2/V3's multi-head latent attention as it reaches SDPA: q and k
+192 wide (128 + 64 rotary features), v 128 (so fwd counts 2·B·H·S·S·(192 + 128)); flash
+backends that need one head dim for q, k and v report an error there.
 Peak memory is what one step allocates above what was allocated before it (inputs excluded):
 the output, the saved statistics and, for fwd+bwd, the gradients.
 """
@@ -38,7 +41,9 @@ SHAPES = {
     "causal": ((4, 16, 2048, 128), (8, 16, 1024, 64), (2, 16, 8192, 128)),
     "full": ((4, 16, 2048, 128), (16, 12, 512, 64)),
     "softcap": ((2, 16, 4096, 256),),
+    "mla": ((2, 16, 4096, 192),),
 }
+MLA_DV = 128 if H.on_gpu() else 8
 SOFTCAP, SOFTCAP_KV_HEADS = 50.0, 8
 
 
@@ -53,6 +58,13 @@ def make_gqa_inputs(shape):
     h_kv = min(h, SOFTCAP_KV_HEADS)
     q = torch.randn(b, h, s, d, device=DEVICE, dtype=DTYPE, requires_grad=True)
     k, v = (torch.randn(b, h_kv, s, d, device=DEVICE, dtype=DTYPE, requires_grad=True) for _ in range(2))
+    return (q, k, v), (q, k, v)
+
+
+def make_mla_inputs(shape):
+    b, h, s, d = shape
+    q, k = (torch.randn(b, h, s, d, device=DEVICE, dtype=DTYPE, requires_grad=True) for _ in range(2))
+    v = torch.randn(b, h, s, MLA_DV, device=DEVICE, dtype=DTYPE, requires_grad=True)
     return (q, k, v), (q, k, v)
 
 
@@ -95,9 +107,9 @@ def softcap_providers() -> dict:
     return out
 
 
-def flops_for(shape, mode, causal: bool) -> float:
+def flops_for(shape, mode, causal: bool, dv: int | None = None) -> float:
     b, h, s, d = shape
-    fwd = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
+    fwd = 2 * b * h * s * s * (d + (d if dv is None else dv)) * (0.5 if causal else 1.0)
     return {"fwd": fwd, "bwd": 2.5 * fwd, "fwd+bwd": 3.5 * fwd}[mode]
 
 
@@ -200,15 +212,18 @@ def main(argv: list[str]) -> None:
     rows = []
     for variant, shapes in SHAPES.items():
         causal = variant != "full"
-        if tma and variant == "softcap":
+        if tma and variant in ("softcap", "mla"):
             continue
+        dv = None
         if tma:
             fns, make = tma_providers(causal), make_inputs
         elif variant == "softcap":
             fns, make = softcap_providers(), make_gqa_inputs
+        elif variant == "mla":
+            fns, make, dv = providers(causal), make_mla_inputs, MLA_DV
         else:
             fns, make = providers(causal), make_inputs
-        swept = H.sweep(fns, shapes, make, flops_for=lambda s, m, causal=causal: flops_for(s, m, causal),
+        swept = H.sweep(fns, shapes, make, flops_for=lambda s, m, causal=causal, dv=dv: flops_for(s, m, causal, dv),
                         modes=MODES, reference="hf-eager" if variant == "softcap" else "sdpa-flash", x_name="D",
                         variant=variant)
         rows += with_peak_memory(swept, shapes, fns, make)
@@ -248,6 +263,12 @@ def test_softcap_providers(benchmark, mode):
     H.check_against_reference(fns, "hf-eager", make_gqa_inputs, SMOKE_SHAPE)
     step = H.make_step(fns["trifuse"], lambda: make_gqa_inputs(SMOKE_SHAPE), mode)
     benchmark.pedantic(step, rounds=3 if H.on_gpu() else 1, iterations=1)
+
+
+def test_mla_providers_agree():
+    """v narrower than q and k: the kernels against SDPA's math backend (the flash ones refuse it)."""
+    H.check_against_reference({n: f for n, f in providers(True).items() if n in ("trifuse", "sdpa-math")},
+                              "sdpa-math", make_mla_inputs, SMOKE_SHAPE)
 
 
 def test_host_overhead_runs():

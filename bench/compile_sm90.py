@@ -118,6 +118,9 @@ def _catalogue(torch, family: str):
         yield "attention d128 gqa causal dropout", fwd_bwd(
             lambda q=q, k=k, v=v: ops.attention(q, k, v, is_causal=True, dropout_p=0.1, enable_gqa=True))
         yield "attention d128 causal softcap", fwd_bwd(lambda q=q: ops.attention(q, q, q, is_causal=True, softcap=50.0))
+        # DeepSeek-V2/V3's multi-head latent attention: q and k 192 wide (128 + 64 rotary), v 128
+        q, k, v = leaf(1, 2, s, 192), leaf(1, 2, s, 192), leaf(1, 2, s, 128)
+        yield "attention MLA d192 v128 causal", fwd_bwd(lambda q=q, k=k, v=v: ops.attention(q, k, v, is_causal=True))
         q, k, v = leaf(2, 2, s, 64), leaf(2, 2, s, 64), leaf(2, 2, s, 64)
         keep = torch.ones(2, 1, 1, s, dtype=torch.bool)
         keep[0, ..., s // 2:] = False

@@ -46,6 +46,8 @@ from ..patterns._base import Pattern, example_value
 from .normalize import canonicalize
 from .rewriter import RewriteLog, rewrite_graph
 
+_log = logging.getLogger("trifuse")
+
 _SIMPLE = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
 
@@ -309,9 +311,12 @@ class DynamoUnit(Unit):
         self._current: tuple[torch.nn.Module, tuple, dict] | None = None
         self._dropped: list[tuple[fx.Node, fx.Node]] = []  # (probabilities, placeholder) of the graph in rewrite
         self.drops_weights = False  # a capture returns None for the attention probabilities
+        self.failed: str | None = None  # Dynamo could not capture this class: its calls run as written
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         self.calls += 1
+        if self.failed is not None:
+            return self._eager(module, args, kwargs, self.failed)
         reason = unsupported_argument(args, kwargs)
         if reason is not None:
             return self._eager(module, args, kwargs, self._named_reason(args, kwargs, reason))
@@ -323,11 +328,27 @@ class DynamoUnit(Unit):
         self._current = (module, args, kwargs)
         runs = self.runs
         token = _CALLING.set(self)
+        failure = None
         try:
             out = self.compiled(module, *args, **kwargs)
+        except torch._dynamo.exc.TorchDynamoException as e:
+            failure = e
         finally:
             _CALLING.reset(token)
             self._current = None
+        if failure is not None:
+            # Dynamo itself failed on this block (e.g. JetMoE's expert routing: its fake tensors
+            # index with a float tensor that eager never sees). Never break a model: run it as
+            # written. A graph captured before a graph break may already have run, so the block's
+            # first part runs twice on this call (no effect on a pure forward but an extra draw of
+            # any dropout there). Only once eager succeeds is the failure Dynamo's, not the model's:
+            # an error of the model's own raises from the eager call, as it would unfused.
+            first = (str(failure).strip().splitlines() or [""])[0][:200]
+            reason = f"TorchDynamo could not capture it ({type(failure).__name__}: {first})"
+            out = self._eager(module, args, kwargs, reason)
+            self.failed = reason
+            _log.warning("trifuse.fuse: %s runs unfused: %s", self.cls.__name__, reason)
+            return out
         if self.runs == runs:
             self.fallbacks += 1
             self.last[module] = None

@@ -163,9 +163,10 @@ def _method(node: fx.Node) -> None:
     name = node.target
     if name in _METHODS:
         target, sig = _METHODS[name]
-        node.op = "call_function"
-        node.target = target
-        _bind(node, target, sig)
+        # Only a call that binds becomes the function: `x.div(k, rounding_mode="trunc")` stays the
+        # method (operator.truediv has no rounding mode; fx would emit `x / k`, a float result).
+        if _bind(node, target, sig):
+            node.op = "call_function"
     elif name in ("view", "reshape", "expand") and len(node.args) > 2:
         node.args = (node.args[0], tuple(node.args[1:]))
     elif name in ("view", "reshape", "expand") and len(node.args) == 2 and isinstance(node.args[1], list):
@@ -194,32 +195,35 @@ def _is_dtype(arg: Any) -> bool:
         and arg.args[1:] == ("dtype",)
 
 
-def _bind(node: fx.Node, target: Callable[..., Any], sig_of: Callable[..., Any]) -> None:
+def _bind(node: fx.Node, target: Callable[..., Any], sig_of: Callable[..., Any]) -> bool:
+    """Rewrites `node` as a call of `target` with `sig_of`'s argument layout; False (the node left
+    exactly as it was) for a call that does not bind or that `target` cannot express."""
     try:
         sig = inspect.signature(sig_of)
         bound = sig.bind(*node.args, **node.kwargs)
     except (TypeError, ValueError):
-        return  # a call we do not understand: leave it exactly as it was
+        return False  # a call we do not understand: leave it exactly as it was
     bound.apply_defaults()
     args, kwargs = [], {}
     for name, param in sig.parameters.items():
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-            return
+            return False
         value = bound.arguments[name]
         must = _MUST_BE.get((target, name), _NO_VALUE)
         if must is not _NO_VALUE:
             if must is not _ANY and value is not must and value != must:
-                return
+                return False
             continue
         if param.kind == param.KEYWORD_ONLY:
             kwargs[name] = value
         else:
             args.append(value)
     if target is torch.softmax and args[1] is None:
-        return  # F.softmax's legacy implicit dim: keep F.softmax
+        return False  # F.softmax's legacy implicit dim: keep F.softmax
     node.target = target
     node.args = tuple(args)
     node.kwargs = kwargs
+    return True
 
 
 _NO_VALUE = object()

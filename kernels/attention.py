@@ -27,8 +27,10 @@ uniform average in the forward, as in SDPA's math backend; its gradients then ca
 cancellation every log-sum-exp kernel has there (L ~ -3e38 cannot hold log(Sk); SDPA's fused
 backends give the same). Rows masked with bools or -inf are exact.
 
-Shapes: q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D) with Hkv = Hq, or Hkv dividing Hq when
-enable_gqa; D <= 256, any value (padded to a power of two >= 16 inside the kernels, masked).
+Shapes: q and k (B, Hq|Hkv, Sq|Sk, D), v (B, Hkv, Sk, Dv), O (B, Hq, Sq, Dv), with Hkv = Hq, or Hkv
+dividing Hq when enable_gqa; D, Dv <= 256, any values (each padded to a power of two >= 16 inside
+the kernels, masked). Dv defaults to D; DeepSeek-V2/V3's multi-head latent attention has D = 192
+(128 + 64 rotary features) and Dv = 128, which SDPA takes and flash-attn 2 does not.
 attn_mask broadcasts to (B, Hq, Sq, Sk) (typically (B|1, H|1, Sq|1, Sk)); broadcast dims are read
 with stride 0, never expanded in memory. Any strides for q, k, v, dO and the mask (views of a
 fused QKV projection, (B, S, H, D) transposes, expanded tensors): no copies.
@@ -215,25 +217,28 @@ def _scores(qk, rows, cols, MASK, stride_mm, stride_mn, N_Q, N_K,
 
 
 @triton.jit
-def _attn_fwd_loop(acc, l_i, m_i, q, K, V, MASK, seed, rng_rows, offs_m, offs_n, offs_d,
+def _attn_fwd_loop(acc, l_i, m_i, q, K, V, MASK, seed, rng_rows, offs_m, offs_n, offs_d, offs_dv,
                    stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
                    N_Q, N_K, qk_scale, softcap, p_drop, lo, hi,
-                   HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                    SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
                    USE_TMA: tl.constexpr):
     """Online softmax over the key blocks [lo, hi) for one block of query rows. With USE_TMA, K
     and V are tensor descriptors (the copy engine zero-fills rows and columns past the ends)."""
     mask_d = offs_d < HEAD_DIM
+    mask_dv = offs_dv < HEAD_DIM_V
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        kv_mask = mask_d[None, :]
+        k_mask = mask_d[None, :]
+        v_mask = mask_dv[None, :]
         if MASKED:
-            kv_mask = kv_mask & (cols[:, None] < N_K)
+            k_mask = k_mask & (cols[:, None] < N_K)
+            v_mask = v_mask & (cols[:, None] < N_K)
         if USE_TMA:
             k = K.load([start_n, 0])
         else:
-            k = tl.load(_tile(K, cols, offs_d, stride_kn, stride_kd), mask=kv_mask, other=0.0)
+            k = tl.load(_tile(K, cols, offs_d, stride_kn, stride_kd), mask=k_mask, other=0.0)
         qk, _ = _scaled(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC), qk_scale, softcap,
                         SOFTCAP)
         qk = _scores(qk, offs_m[:, None], cols[None, :], MASK, stride_mm, stride_mn, N_Q, N_K,
@@ -251,7 +256,7 @@ def _attn_fwd_loop(acc, l_i, m_i, q, K, V, MASK, seed, rng_rows, offs_m, offs_n,
         if USE_TMA:
             v = V.load([start_n, 0])
         else:
-            v = tl.load(_tile(V, cols, offs_d, stride_vn, stride_vd), mask=kv_mask, other=0.0)
+            v = tl.load(_tile(V, cols, offs_dv, stride_vn, stride_vd), mask=v_mask, other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION, out_dtype=ACC)
         m_i = m_new
     return acc, l_i, m_i
@@ -261,10 +266,10 @@ def _attn_fwd_loop(acc, l_i, m_i, q, K, V, MASK, seed, rng_rows, offs_m, offs_n,
 def _attn_fwd_kernel(
     Q,  # in (B, H, N_Q, HEAD_DIM)
     K,  # in (B, H_KV, N_K, HEAD_DIM)
-    V,  # in (B, H_KV, N_K, HEAD_DIM)
+    V,  # in (B, H_KV, N_K, HEAD_DIM_V)
     MASK,  # in, broadcast to (B, H, N_Q, N_K): uint8 (bool) or float; unused unless MASK_KIND
     SEED,  # in (1,) int64 Philox seed; unused unless HAS_DROPOUT
-    O,  # out (B, H, N_Q, HEAD_DIM)
+    O,  # out (B, H, N_Q, HEAD_DIM_V)
     LSE,  # out (B, H, N_Q) fp32 (fp64 for fp64), natural log
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -273,8 +278,8 @@ def _attn_fwd_kernel(
     stride_ob, stride_oh, stride_om, stride_od,
     H, N_Q, N_K, GROUP, qk_scale, softcap, p_drop, dropout_scale,
     Q_BUCKET, K_BUCKET,  # unused in the kernel: the tuner keys on these buckets on the host
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
     USE_TMA: tl.constexpr,  # Q, K, V, O through tensor descriptors (sm_90+; see _tma_ok)
 ):
@@ -292,22 +297,24 @@ def _attn_fwd_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = offs_m < N_Q
-    qo_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    q_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    o_mask = row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
     if USE_TMA:
         # One (rows, head_dim) descriptor per (b, h) slice: any batch and head strides, unit
         # stride along head_dim; the copy engine bounds every tile by the slice's shape.
         q = tl.make_tensor_descriptor(Q, [N_Q, HEAD_DIM], [stride_qm, 1], [BLOCK_M, BLOCK_D]).load([start_m, 0])
         K = tl.make_tensor_descriptor(K, [N_K, HEAD_DIM], [stride_kn, 1], [BLOCK_N, BLOCK_D])
-        V = tl.make_tensor_descriptor(V, [N_K, HEAD_DIM], [stride_vn, 1], [BLOCK_N, BLOCK_D])
+        V = tl.make_tensor_descriptor(V, [N_K, HEAD_DIM_V], [stride_vn, 1], [BLOCK_N, BLOCK_DV])
     else:
-        q = tl.load(_tile(Q, offs_m, offs_d, stride_qm, stride_qd), mask=qo_mask, other=0.0)
+        q = tl.load(_tile(Q, offs_m, offs_d, stride_qm, stride_qd), mask=q_mask, other=0.0)
     seed = tl.load(SEED) if HAS_DROPOUT else 0
     rng_rows = bh * N_Q + offs_m
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
     l_i = tl.zeros([BLOCK_M], dtype=ACC)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=ACC)
     # Key blocks [0, n_full) need neither the causal nor the bounds mask; [n_full, hi) do.
     if IS_CAUSAL:
         hi = tl.minimum(N_K, start_m + BLOCK_M)
@@ -315,15 +322,15 @@ def _attn_fwd_kernel(
     else:
         hi = N_K
         n_full = N_K // BLOCK_N * BLOCK_N
-    acc, l_i, m_i = _attn_fwd_loop(acc, l_i, m_i, q, K, V, MASK, seed, rng_rows, offs_m, offs_n, offs_d,
+    acc, l_i, m_i = _attn_fwd_loop(acc, l_i, m_i, q, K, V, MASK, seed, rng_rows, offs_m, offs_n, offs_d, offs_dv,
                                    stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
                                    N_Q, N_K, qk_scale, softcap, p_drop, 0, n_full,
-                                   HEAD_DIM, BLOCK_N, False, IS_CAUSAL, MASK_KIND, HAS_DROPOUT,
+                                   HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, IS_CAUSAL, MASK_KIND, HAS_DROPOUT,
                                    SOFTCAP, DOT_PRECISION, ACC, USE_TMA)
-    acc, l_i, m_i = _attn_fwd_loop(acc, l_i, m_i, q, K, V, MASK, seed, rng_rows, offs_m, offs_n, offs_d,
+    acc, l_i, m_i = _attn_fwd_loop(acc, l_i, m_i, q, K, V, MASK, seed, rng_rows, offs_m, offs_n, offs_d, offs_dv,
                                    stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
                                    N_Q, N_K, qk_scale, softcap, p_drop, n_full, hi,
-                                   HEAD_DIM, BLOCK_N, True, IS_CAUSAL, MASK_KIND, HAS_DROPOUT,
+                                   HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, IS_CAUSAL, MASK_KIND, HAS_DROPOUT,
                                    SOFTCAP, DOT_PRECISION, ACC, USE_TMA)
 
     seen = l_i > 0.0  # False only for rows whose every score is -inf: O = 0, L = -inf
@@ -331,16 +338,16 @@ def _attn_fwd_kernel(
     o = acc * (dropout_scale / l_safe)[:, None]
     lse = tl.where(seen, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
     if USE_TMA:
-        o_desc = tl.make_tensor_descriptor(O, [N_Q, HEAD_DIM], [stride_om, 1], [BLOCK_M, BLOCK_D])
+        o_desc = tl.make_tensor_descriptor(O, [N_Q, HEAD_DIM_V], [stride_om, 1], [BLOCK_M, BLOCK_DV])
         o_desc.store([start_m, 0], o.to(O.dtype.element_ty))
     else:
-        tl.store(_tile(O, offs_m, offs_d, stride_om, stride_od), o.to(O.dtype.element_ty), mask=qo_mask)
+        tl.store(_tile(O, offs_m, offs_dv, stride_om, stride_od), o.to(O.dtype.element_ty), mask=o_mask)
     tl.store(LSE + bh * N_Q + offs_m, lse, mask=row_ok)
 
 
 @triton.jit
 def _attn_bwd_preprocess_kernel(
-    O,  # in (B, H, N_Q, HEAD_DIM)
+    O,  # in (B, H, N_Q, HEAD_DIM), HEAD_DIM the value's head dim here
     DO,  # in (B, H, N_Q, HEAD_DIM)
     DELTA,  # out (B, H, N_Q) fp32 (fp64 for fp64)
     stride_ob, stride_oh, stride_om, stride_od,
@@ -373,10 +380,11 @@ def _load_row_stats(LSE, DELTA, rows, N_Q):
 
 
 @triton.jit
-def _attn_bwd_dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, MASK, seed, rng_base, offs_m, offs_n, offs_d,
+def _attn_bwd_dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, MASK, seed, rng_base, offs_m, offs_n, offs_d, offs_dv,
                         stride_qm, stride_qd, stride_dom, stride_dod, stride_mm, stride_mn,
                         N_Q, N_K, qk_scale, softcap, p_drop, dropout_scale, lo, hi, h,
-                        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
+                        HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr,
+                        MASKED: tl.constexpr,
                         IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                         SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
                         USE_TMA: tl.constexpr):
@@ -385,15 +393,17 @@ def _attn_bwd_dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, MASK, seed, rng_base, o
     Keys past N_K (the ragged last block) need no mask: their rows are never stored.
     With USE_TMA, Q and DO are (heads, rows, head_dim) descriptors of this batch and h the head."""
     mask_d = offs_d < HEAD_DIM
+    mask_dv = offs_dv < HEAD_DIM_V
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
-        qo_mask = (rows[:, None] < N_Q) & mask_d[None, :]
+        row_ok = rows[:, None] < N_Q
         if USE_TMA:
             q = Q.load([h.to(tl.int32), start_m, 0]).reshape(BLOCK_M, offs_d.shape[0])
-            do = DO.load([h.to(tl.int32), start_m, 0]).reshape(BLOCK_M, offs_d.shape[0])
+            do = DO.load([h.to(tl.int32), start_m, 0]).reshape(BLOCK_M, offs_dv.shape[0])
         else:
-            q = tl.load(_tile(Q, rows, offs_d, stride_qm, stride_qd), mask=qo_mask, other=0.0)
-            do = tl.load(_tile(DO, rows, offs_d, stride_dom, stride_dod), mask=qo_mask, other=0.0)
+            q = tl.load(_tile(Q, rows, offs_d, stride_qm, stride_qd), mask=row_ok & mask_d[None, :], other=0.0)
+            do = tl.load(_tile(DO, rows, offs_dv, stride_dom, stride_dod), mask=row_ok & mask_dv[None, :],
+                         other=0.0)
         do = do.to(q.dtype)
         lse, delta = _load_row_stats(LSE, DELTA, rows, N_Q)
         qk_t, tanh_t = _scaled(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION, out_dtype=ACC), qk_scale,
@@ -421,10 +431,10 @@ def _attn_bwd_dkdv_kernel(
     Q, K, V,  # in, as the forward
     MASK,  # in, as the forward
     SEED,  # in (1,) int64; unused unless HAS_DROPOUT
-    DO,  # in (B, H, N_Q, HEAD_DIM)
+    DO,  # in (B, H, N_Q, HEAD_DIM_V)
     LSE,  # in (B, H, N_Q) from the forward
     DELTA,  # in (B, H, N_Q) rowsum(dO * O)
-    DK, DV,  # out (B, H_KV, N_K, HEAD_DIM)
+    DK, DV,  # out (B, H_KV, N_K, HEAD_DIM) and (B, H_KV, N_K, HEAD_DIM_V)
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -434,8 +444,8 @@ def _attn_bwd_dkdv_kernel(
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     H, H_KV, N_Q, N_K, GROUP, sm_scale, qk_scale, softcap, p_drop, dropout_scale,
     Q_BUCKET, K_BUCKET,  # unused in the kernel: the tuner keys on these buckets on the host
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
     USE_TMA: tl.constexpr,  # Q and DO streamed through tensor descriptors (see _tma_ok)
 ):
@@ -446,14 +456,16 @@ def _attn_bwd_dkdv_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    kv_mask = (offs_n[:, None] < N_K) & (offs_d[None, :] < HEAD_DIM)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    k_mask = (offs_n[:, None] < N_K) & (offs_d[None, :] < HEAD_DIM)
+    v_mask = (offs_n[:, None] < N_K) & (offs_dv[None, :] < HEAD_DIM_V)
     k = tl.load(_tile(K + b * stride_kb + hk * stride_kh, offs_n, offs_d, stride_kn, stride_kd),
-                mask=kv_mask, other=0.0)
-    v = tl.load(_tile(V + b * stride_vb + hk * stride_vh, offs_n, offs_d, stride_vn, stride_vd),
-                mask=kv_mask, other=0.0)
+                mask=k_mask, other=0.0)
+    v = tl.load(_tile(V + b * stride_vb + hk * stride_vh, offs_n, offs_dv, stride_vn, stride_vd),
+                mask=v_mask, other=0.0)
     seed = tl.load(SEED) if HAS_DROPOUT else 0
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=ACC)
 
     # Causal: query blocks [lo, mid) straddle the diagonal (causal mask), [mid, N_Q) see the
     # whole key block, and queries before start_n see none of these keys and are skipped.
@@ -467,8 +479,8 @@ def _attn_bwd_dkdv_kernel(
         # over the group's heads indexes it instead of building a descriptor per head.
         Qd = tl.make_tensor_descriptor(Q + b * stride_qb, [H, N_Q, HEAD_DIM], [stride_qh, stride_qm, 1],
                                        [1, BLOCK_M, BLOCK_D])
-        DOd = tl.make_tensor_descriptor(DO + b * stride_dob, [H, N_Q, HEAD_DIM], [stride_doh, stride_dom, 1],
-                                        [1, BLOCK_M, BLOCK_D])
+        DOd = tl.make_tensor_descriptor(DO + b * stride_dob, [H, N_Q, HEAD_DIM_V], [stride_doh, stride_dom, 1],
+                                        [1, BLOCK_M, BLOCK_DV])
     # The group's query heads in order: dK and dV sum over them in registers, deterministically.
     for g in range(GROUP):
         h = hk * GROUP + g
@@ -485,29 +497,29 @@ def _attn_bwd_dkdv_kernel(
         rng_base = bh * N_Q
         if IS_CAUSAL:
             dk, dv = _attn_bwd_dkdv_loop(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, MASKh, seed, rng_base,
-                                         offs_m, offs_n, offs_d, stride_qm, stride_qd, stride_dom, stride_dod,
-                                         stride_mm, stride_mn, N_Q, N_K, qk_scale, softcap, p_drop,
-                                         dropout_scale, lo, mid, h, HEAD_DIM, BLOCK_M, True, IS_CAUSAL, MASK_KIND,
+                                         offs_m, offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_dom,
+                                         stride_dod, stride_mm, stride_mn, N_Q, N_K, qk_scale, softcap, p_drop,
+                                         dropout_scale, lo, mid, h, HEAD_DIM, HEAD_DIM_V, BLOCK_M, True, IS_CAUSAL, MASK_KIND,
                                          HAS_DROPOUT, SOFTCAP, DOT_PRECISION, ACC, USE_TMA)
         dk, dv = _attn_bwd_dkdv_loop(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, MASKh, seed, rng_base,
-                                     offs_m, offs_n, offs_d, stride_qm, stride_qd, stride_dom, stride_dod,
+                                     offs_m, offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_dom, stride_dod,
                                      stride_mm, stride_mn, N_Q, N_K, qk_scale, softcap, p_drop, dropout_scale,
                                      mid, N_Q, h,
-                                     HEAD_DIM, BLOCK_M, False, IS_CAUSAL, MASK_KIND, HAS_DROPOUT,
+                                     HEAD_DIM, HEAD_DIM_V, BLOCK_M, False, IS_CAUSAL, MASK_KIND, HAS_DROPOUT,
                                      SOFTCAP, DOT_PRECISION, ACC, USE_TMA)
 
     dk *= sm_scale
     tl.store(_tile(DK + b * stride_dkb + hk * stride_dkh, offs_n, offs_d, stride_dkn, stride_dkd),
-             dk.to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(_tile(DV + b * stride_dvb + hk * stride_dvh, offs_n, offs_d, stride_dvn, stride_dvd),
-             dv.to(DV.dtype.element_ty), mask=kv_mask)
+             dk.to(DK.dtype.element_ty), mask=k_mask)
+    tl.store(_tile(DV + b * stride_dvb + hk * stride_dvh, offs_n, offs_dv, stride_dvn, stride_dvd),
+             dv.to(DV.dtype.element_ty), mask=v_mask)
 
 
 @triton.jit
-def _attn_bwd_dq_loop(dq, q, do, lse, delta, K, V, MASK, DMASK, seed, rng_rows, offs_m, offs_n, offs_d,
+def _attn_bwd_dq_loop(dq, q, do, lse, delta, K, V, MASK, DMASK, seed, rng_rows, offs_m, offs_n, offs_d, offs_dv,
                       stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
                       N_Q, N_K, qk_scale, softcap, p_drop, dropout_scale, lo, hi,
-                      HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                       IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                       MASK_GRAD: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
                       ACC: tl.constexpr, USE_TMA: tl.constexpr):
@@ -515,17 +527,20 @@ def _attn_bwd_dq_loop(dq, q, do, lse, delta, K, V, MASK, DMASK, seed, rng_rows, 
     stores each dS tile (= d(mask), the mask being added to the scores) into this (b, h)'s
     dense (N_Q, N_K) slice of DMASK. With USE_TMA, K and V are tensor descriptors."""
     mask_d = offs_d < HEAD_DIM
+    mask_dv = offs_dv < HEAD_DIM_V
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        kv_mask = mask_d[None, :]
+        k_mask = mask_d[None, :]
+        v_mask = mask_dv[None, :]
         if MASKED:
-            kv_mask = kv_mask & (cols[:, None] < N_K)
+            k_mask = k_mask & (cols[:, None] < N_K)
+            v_mask = v_mask & (cols[:, None] < N_K)
         if USE_TMA:
             k = K.load([start_n, 0])
             v = V.load([start_n, 0])
         else:
-            k = tl.load(_tile(K, cols, offs_d, stride_kn, stride_kd), mask=kv_mask, other=0.0)
-            v = tl.load(_tile(V, cols, offs_d, stride_vn, stride_vd), mask=kv_mask, other=0.0)
+            k = tl.load(_tile(K, cols, offs_d, stride_kn, stride_kd), mask=k_mask, other=0.0)
+            v = tl.load(_tile(V, cols, offs_dv, stride_vn, stride_vd), mask=v_mask, other=0.0)
         qk, tanh_qk = _scaled(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC), qk_scale,
                               softcap, SOFTCAP)
         qk = _scores(qk, offs_m[:, None], cols[None, :], MASK, stride_mm, stride_mn, N_Q, N_K,
@@ -550,7 +565,7 @@ def _attn_bwd_dq_kernel(
     Q, K, V,  # in, as the forward
     MASK,  # in, as the forward
     SEED,  # in (1,) int64; unused unless HAS_DROPOUT
-    DO,  # in (B, H, N_Q, HEAD_DIM)
+    DO,  # in (B, H, N_Q, HEAD_DIM_V)
     LSE,  # in (B, H, N_Q) from the forward
     DELTA,  # in (B, H, N_Q) rowsum(dO * O)
     DQ,  # out (B, H, N_Q, HEAD_DIM)
@@ -563,8 +578,8 @@ def _attn_bwd_dq_kernel(
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     H, N_Q, N_K, GROUP, sm_scale, qk_scale, softcap, p_drop, dropout_scale,
     Q_BUCKET, K_BUCKET,  # unused in the kernel: the tuner keys on these buckets on the host
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     MASK_GRAD: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
     USE_TMA: tl.constexpr,  # K and V streamed through tensor descriptors (see _tma_ok)
 ):
@@ -576,11 +591,12 @@ def _attn_bwd_dq_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    qo_mask = (offs_m[:, None] < N_Q) & (offs_d[None, :] < HEAD_DIM)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_mask = (offs_m[:, None] < N_Q) & (offs_d[None, :] < HEAD_DIM)
     q = tl.load(_tile(Q + b * stride_qb + h * stride_qh, offs_m, offs_d, stride_qm, stride_qd),
-                mask=qo_mask, other=0.0)
-    do = tl.load(_tile(DO + b * stride_dob + h * stride_doh, offs_m, offs_d, stride_dom, stride_dod),
-                 mask=qo_mask, other=0.0).to(q.dtype)
+                mask=q_mask, other=0.0)
+    do = tl.load(_tile(DO + b * stride_dob + h * stride_doh, offs_m, offs_dv, stride_dom, stride_dod),
+                 mask=(offs_m[:, None] < N_Q) & (offs_dv[None, :] < HEAD_DIM_V), other=0.0).to(q.dtype)
     lse, delta = _load_row_stats(LSE + bh * N_Q, DELTA + bh * N_Q, offs_m, N_Q)
     seed = tl.load(SEED) if HAS_DROPOUT else 0
     rng_rows = bh * N_Q + offs_m
@@ -588,7 +604,7 @@ def _attn_bwd_dq_kernel(
     V += b * stride_vb + hk * stride_vh
     if USE_TMA:
         K = tl.make_tensor_descriptor(K, [N_K, HEAD_DIM], [stride_kn, 1], [BLOCK_N, BLOCK_D])
-        V = tl.make_tensor_descriptor(V, [N_K, HEAD_DIM], [stride_vn, 1], [BLOCK_N, BLOCK_D])
+        V = tl.make_tensor_descriptor(V, [N_K, HEAD_DIM_V], [stride_vn, 1], [BLOCK_N, BLOCK_DV])
     MASK += b * stride_mb + h * stride_mh
     if MASK_GRAD:
         DMASK += bh * N_Q * N_K
@@ -601,18 +617,18 @@ def _attn_bwd_dq_kernel(
         hi = N_K
         n_full = N_K // BLOCK_N * BLOCK_N
     dq = _attn_bwd_dq_loop(dq, q, do, lse, delta, K, V, MASK, DMASK, seed, rng_rows, offs_m, offs_n, offs_d,
-                           stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+                           offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
                            N_Q, N_K, qk_scale, softcap, p_drop, dropout_scale, 0, n_full,
-                           HEAD_DIM, BLOCK_N, False, IS_CAUSAL, MASK_KIND, HAS_DROPOUT, MASK_GRAD, SOFTCAP,
+                           HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, IS_CAUSAL, MASK_KIND, HAS_DROPOUT, MASK_GRAD, SOFTCAP,
                            DOT_PRECISION, ACC, USE_TMA)
     dq = _attn_bwd_dq_loop(dq, q, do, lse, delta, K, V, MASK, DMASK, seed, rng_rows, offs_m, offs_n, offs_d,
-                           stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+                           offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
                            N_Q, N_K, qk_scale, softcap, p_drop, dropout_scale, n_full, hi,
-                           HEAD_DIM, BLOCK_N, True, IS_CAUSAL, MASK_KIND, HAS_DROPOUT, MASK_GRAD, SOFTCAP,
+                           HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, IS_CAUSAL, MASK_KIND, HAS_DROPOUT, MASK_GRAD, SOFTCAP,
                            DOT_PRECISION, ACC, USE_TMA)
     dq *= sm_scale
     tl.store(_tile(DQ + b * stride_dqb + h * stride_dqh, offs_m, offs_d, stride_dqm, stride_dqd),
-             dq.to(DQ.dtype.element_ty), mask=qo_mask)
+             dq.to(DQ.dtype.element_ty), mask=q_mask)
 
 
 # =============================================================================================
@@ -672,15 +688,18 @@ def _smem_limit(device_index: int) -> int:
     return int(props.get("max_shared_mem", _DEFAULT_SMEM))
 
 
-def _smem_bytes(kind: str, bm: int, bn: int, stages: int, block_d: int, itemsize: int) -> int:
+def _smem_bytes(kind: str, bm: int, bn: int, stages: int, block_d: int, itemsize: int,
+                block_dv: int | None = None) -> int:
     """Rough shared-memory need: the tiles held whole, the pipelined ones times the stages, and
-    one (BLOCK_M, BLOCK_N) layout-conversion buffer."""
+    one (BLOCK_M, BLOCK_N) layout-conversion buffer. block_dv: the value head dim's block
+    (default block_d)."""
+    both = block_d + (block_d if block_dv is None else block_dv)  # a K-and-V or a Q-and-dO pair
     if kind == "dkdv":
-        held, streamed = 2 * bn * block_d, 2 * bm * block_d
+        held, streamed = bn * both, bm * both
     elif kind == "dq":
-        held, streamed = 2 * bm * block_d, 2 * bn * block_d
+        held, streamed = bm * both, bn * both
     else:
-        held, streamed = bm * block_d, 2 * bn * block_d
+        held, streamed = bm * block_d, bn * both
     return itemsize * (held + max(stages, 1) * streamed + bm * bn)
 
 
@@ -690,18 +709,20 @@ _MASKED_16BIT_DEFAULT = {("fwd", 64): (128, 64, 8, 3)}
 
 
 def _configs(kind: str, block_d: int, itemsize: int, smem: int, mask: int = 0,
-             tma: bool = False) -> list[triton.Config]:
+             tma: bool = False, block_dv: int | None = None) -> list[triton.Config]:
     """The autotuning list for one kernel, head-dim class and element size (first = default).
-    With `tma` (_tma_ok) the list is each block shape with USE_TMA first, then without."""
+    With `tma` (_tma_ok) the list is each block shape with USE_TMA first, then without. A value
+    head dim other than the query's (block_dv) takes the class of the wider of the two."""
     if INTERPRET:
         shapes = [_INTERPRET_SHAPES[kind]]
     else:
-        d_class = 64 if block_d <= 64 else 128 if block_d <= 128 else 256
+        widest = max(block_d, block_d if block_dv is None else block_dv)
+        d_class = 64 if widest <= 64 else 128 if widest <= 128 else 256
         shapes = (_SHAPES_WIDE if itemsize >= 4 else _SHAPES_16BIT)[kind][d_class]
         masked = _MASKED_16BIT_DEFAULT.get((kind, d_class)) if mask and itemsize < 4 else None
         if masked is not None:
             shapes = [masked] + [s for s in shapes if s != masked]
-        fits = [s for s in shapes if _smem_bytes(kind, s[0], s[1], s[3], block_d, itemsize) <= smem]
+        fits = [s for s in shapes if _smem_bytes(kind, s[0], s[1], s[3], block_d, itemsize, block_dv) <= smem]
         shapes = [shapes[0]] + [s for s in fits if s != shapes[0]]
     uses = (True, False) if tma else (None,)
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, **({} if use is None else {"USE_TMA": use})},
@@ -713,7 +734,7 @@ _KERNELS = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_
 
 
 _KEY_NAMES = ("device", "block_d", "itemsize", "smem", "q_bucket", "k_bucket", "head_dim", "causal", "mask",
-              "dropout", "dtype", "tma")
+              "dropout", "dtype", "tma", "block_dv")
 
 
 def _config_meta(cfg: triton.Config) -> dict:
@@ -743,10 +764,10 @@ _FWD_PLANS: dict[tuple, tuple] = {}
 _BWD_PLANS: dict[tuple, tuple] = {}
 
 
-def _plan_key(q: torch.Tensor, bsz: int, h: int, h_kv: int, sq: int, sk: int, d: int, is_causal: bool,
+def _plan_key(q: torch.Tensor, bsz: int, h: int, h_kv: int, sq: int, sk: int, d: int, dv: int, is_causal: bool,
               mask_kind: int, has_dropout: bool, mask_grad: bool = False, softcap: bool = False,
               tma: bool = False) -> tuple:
-    return (q.get_device() if q.is_cuda else -1, q.dtype, bsz, h, h_kv, sq, sk, d, is_causal, mask_kind,
+    return (q.get_device() if q.is_cuda else -1, q.dtype, bsz, h, h_kv, sq, sk, d, dv, is_causal, mask_kind,
             has_dropout, mask_grad, softcap, tma)
 
 
@@ -770,12 +791,12 @@ def _tuned_launch(kind: str, tuning_key: tuple, grid_fn, args: tuple, constexprs
 
 
 def _tuning_key(q: torch.Tensor, sq: int, sk: int, d: int, block_d: int, is_causal: bool, mask_kind: int,
-                has_dropout: bool, tma: bool = False) -> tuple:
+                has_dropout: bool, tma: bool = False, block_dv: int | None = None) -> tuple:
     """The tuner's key (_KEY_NAMES): block sizes depend on these, not on exact lengths."""
     device = q.get_device() if q.is_cuda else -1
     smem = _smem_limit(device) if q.is_cuda else _DEFAULT_SMEM
     return (device, block_d, q.element_size(), smem, _bucket(sq), _bucket(sk), d, is_causal, mask_kind,
-            has_dropout, q.dtype, tma)
+            has_dropout, q.dtype, tma, block_d if block_dv is None else block_dv)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -906,6 +927,18 @@ def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _output_like(q: torch.Tensor, dv: int) -> torch.Tensor:
+    """The output (B, Hq, Sq, dv): like q when dv is q's head dim (empty_like keeps a dense q's
+    layout), else contiguous, or a (B, S, H, dv) transpose when q is one (the projection view),
+    so that the output's transpose back is contiguous there too."""
+    if dv == q.shape[3]:
+        return torch.empty_like(q)
+    bsz, h, sq, _ = q.shape
+    if q.stride(1) < q.stride(2) and q.transpose(1, 2).is_contiguous():
+        return q.new_empty((bsz, sq, h, dv)).transpose(1, 2)
+    return q.new_empty((bsz, h, sq, dv))
+
+
 def _mask_arg(attn_mask: torch.Tensor | None, shape: tuple[int, int, int, int], fallback: torch.Tensor):
     """(tensor, strides, kind) for the kernels: the mask expanded to (B, H, Sq, Sk) as a view
     (stride 0 on broadcast dims, nothing copied), bools reinterpreted as uint8."""
@@ -928,12 +961,12 @@ def attention_fwd(
     seed: torch.Tensor | None,
     softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (o, lse): o like q (same layout when q is dense), lse (B, Hq, Sq) in fp32
+    """Returns (o, lse): o (B, Hq, Sq, Dv) laid out like q (_output_like), lse (B, Hq, Sq) in fp32
     (fp64 for fp64). `seed` is the Philox seed (1,) int64 when dropout_p > 0; `softcap` > 0 caps
     the scaled scores (0: no cap)."""
     bsz, h, sq, d = q.shape
-    h_kv, sk = k.shape[1], k.shape[2]
-    o = torch.empty_like(q)
+    h_kv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
+    o = _output_like(q, dv)
     lse = torch.empty((bsz, h, sq), dtype=_stat_dtype(q.dtype), device=q.device)
     if o.numel() == 0:
         return o, lse
@@ -949,18 +982,19 @@ def attention_fwd(
             h, sq, sk, h // h_kv, *_score_scales(scale, softcap), dropout_p, _dropout_scale(dropout_p),
             _bucket(sq), _bucket(sk))
     tma = _tma_ok(q, k, v, o) and _tma_scratch_fits(("fwd", sq, bsz * h))
-    key = _plan_key(q, bsz, h, h_kv, sq, sk, d, is_causal, mask_kind, has_dropout, False, softcap > 0.0, tma)
+    key = _plan_key(q, bsz, h, h_kv, sq, sk, d, dv, is_causal, mask_kind, has_dropout, False, softcap > 0.0, tma)
     plan = _FWD_PLANS.get(key)
     if plan is not None:
         _FWD.run(plan[0], args, plan[1])
         return o, lse
-    block_d = _block_d(d)
+    block_d, block_dv = _block_d(d), _block_d(dv)
     # Block sizes are tuned without the soft cap in the key (one tuner key per shape bucket): the
     # cap adds elementwise work, not tiles.
-    constexprs = dict(HEAD_DIM=d, BLOCK_D=block_d, IS_CAUSAL=is_causal, MASK_KIND=mask_kind,
-                      HAS_DROPOUT=has_dropout, SOFTCAP=softcap > 0.0, DOT_PRECISION=_dot_precision(q.dtype),
-                      ACC=acc_dtype(q.dtype), USE_TMA=False)
-    planned = _tuned_launch("fwd", _tuning_key(q, sq, sk, d, block_d, is_causal, mask_kind, has_dropout, tma),
+    constexprs = dict(HEAD_DIM=d, BLOCK_D=block_d, HEAD_DIM_V=dv, BLOCK_DV=block_dv, IS_CAUSAL=is_causal,
+                      MASK_KIND=mask_kind, HAS_DROPOUT=has_dropout, SOFTCAP=softcap > 0.0,
+                      DOT_PRECISION=_dot_precision(q.dtype), ACC=acc_dtype(q.dtype), USE_TMA=False)
+    planned = _tuned_launch("fwd", _tuning_key(q, sq, sk, d, block_d, is_causal, mask_kind, has_dropout, tma,
+                                               block_dv),
                             lambda meta: (cdiv(sq, meta["BLOCK_M"]), bsz * h), args, constexprs)
     if planned is not None:
         store_plan(_FWD_PLANS, key, planned)
@@ -990,7 +1024,7 @@ def attention_bwd(
     fp64) before the host sums the broadcast dims: O(B Hq Sq Sk) extra memory for this call, as
     SDPA's math and efficient backends need for the same gradient."""
     bsz, h, sq, d = q.shape
-    h_kv, sk = k.shape[1], k.shape[2]
+    h_kv, sk, d_v = k.shape[1], k.shape[2], v.shape[3]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if q.numel() == 0 or k.numel() == 0:
         dmask = torch.zeros_like(attn_mask, memory_format=torch.contiguous_format) if mask_grad else None
@@ -1018,23 +1052,24 @@ def attention_bwd(
                h, sq, sk, h // h_kv, *tail)
     # dQ, dK, dV are stored through pointers
     tma = _tma_ok(q, k, v, do) and _tma_scratch_fits(("dkdv", sk, bsz * h_kv), ("dq", sq, bsz * h))
-    key = _plan_key(q, bsz, h, h_kv, sq, sk, d, is_causal, mask_kind, has_dropout, mask_grad, softcap > 0.0, tma)
+    key = _plan_key(q, bsz, h, h_kv, sq, sk, d, d_v, is_causal, mask_kind, has_dropout, mask_grad, softcap > 0.0,
+                    tma)
     plan = _BWD_PLANS.get(key)
     if plan is not None:
         _BWD_PREPROCESS.run(plan[0], pre_args, plan[1])
         _BWD_DKDV.run(plan[2], dkdv_args, plan[3])
         _BWD_DQ.run(plan[4], dq_args, plan[5])
         return dq, dk, dv, None if ds is None else _reduce_mask_grad(ds, attn_mask)
-    block_d = _block_d(d)
+    block_d, block_dv = _block_d(d), _block_d(d_v)
     acc = acc_dtype(q.dtype)
     pre_block = 32 if INTERPRET else 64  # small under the interpreter: tests cross its blocks too
     pre_grid = (cdiv(sq, pre_block), bsz * h)
-    pre_meta = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_block, ACC=acc)
+    pre_meta = dict(HEAD_DIM=d_v, BLOCK_D=block_dv, BLOCK_M=pre_block, ACC=acc)  # O and dO: the value's head dim
     _BWD_PREPROCESS.run(pre_grid, pre_args, pre_meta)
-    constexprs = dict(HEAD_DIM=d, BLOCK_D=block_d, IS_CAUSAL=is_causal, MASK_KIND=mask_kind,
-                      HAS_DROPOUT=has_dropout, SOFTCAP=softcap > 0.0, DOT_PRECISION=_dot_precision(q.dtype), ACC=acc,
-                      USE_TMA=False)
-    tuning_key = _tuning_key(q, sq, sk, d, block_d, is_causal, mask_kind, has_dropout, tma)
+    constexprs = dict(HEAD_DIM=d, BLOCK_D=block_d, HEAD_DIM_V=d_v, BLOCK_DV=block_dv, IS_CAUSAL=is_causal,
+                      MASK_KIND=mask_kind, HAS_DROPOUT=has_dropout, SOFTCAP=softcap > 0.0,
+                      DOT_PRECISION=_dot_precision(q.dtype), ACC=acc, USE_TMA=False)
+    tuning_key = _tuning_key(q, sq, sk, d, block_d, is_causal, mask_kind, has_dropout, tma, block_dv)
     planned_dkdv = _tuned_launch("dkdv", tuning_key, lambda meta: (cdiv(sk, meta["BLOCK_N"]), bsz * h_kv),
                                  dkdv_args, constexprs)
     # The dQ kernel's block sizes are tuned without MASK_GRAD: the extra store does not change
@@ -1128,7 +1163,7 @@ def _attention_bwd_torch(do, q, k, v, o, lse, seed, attn_mask, dropout_p, is_cau
     dk = (ds_raw.transpose(-2, -1) @ q.to(acc)) * scale
     dv = pd.transpose(-2, -1) @ do_
     dk = dk.view(bsz, h_kv, group, sk, d).sum(2)
-    dv = dv.view(bsz, h_kv, group, sk, d).sum(2)
+    dv = dv.view(bsz, h_kv, group, sk, v.shape[3]).sum(2)
     return dq, dk, dv, ds if mask_grad else None
 
 
@@ -1152,14 +1187,15 @@ def _check_attention_inputs(q, k, v, attn_mask, dropout_p, is_causal, scale, ena
     if k.shape[0] != bsz or v.shape[0] != bsz:
         raise ValueError(f"trifuse.{OP}: query, key and value must have the same batch size, got "
                          f"{bsz}, {k.shape[0]} and {v.shape[0]}")
-    if k.shape[3] != d or v.shape[3] != d:
-        raise ValueError(f"trifuse.{OP}: query, key and value must have the same head_dim, got "
-                         f"{d}, {k.shape[3]} and {v.shape[3]}")
+    if k.shape[3] != d:
+        raise ValueError(f"trifuse.{OP}: query and key must have the same head_dim, got {d} and {k.shape[3]}")
     if bsz * h > MAX_BATCH_HEADS:
         raise ValueError(f"trifuse.{OP}: batch * heads must be at most {MAX_BATCH_HEADS} (a CUDA grid "
                          f"limit), got {bsz} * {h}")
     if not 1 <= d <= MAX_HEAD_DIM:
         raise ValueError(f"trifuse.{OP}: head_dim must be between 1 and {MAX_HEAD_DIM}, got {d}")
+    if not 1 <= v.shape[3] <= MAX_HEAD_DIM:
+        raise ValueError(f"trifuse.{OP}: value's head_dim must be between 1 and {MAX_HEAD_DIM}, got {v.shape[3]}")
     if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
         raise ValueError(f"trifuse.{OP}: key and value must have the same heads and seq length, got "
                          f"shapes {tuple(k.shape)} and {tuple(v.shape)}")
@@ -1248,7 +1284,7 @@ def _(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap=0.0):
     _check_attention_inputs(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     _check_softcap(softcap)
     lse = q.new_empty(q.shape[:3], dtype=_stat_dtype(q.dtype))
-    return torch.empty_like(q), lse, q.new_empty(1 if dropout_p > 0.0 else 0, dtype=torch.int64)
+    return _output_like(q, v.shape[3]), lse, q.new_empty(1 if dropout_p > 0.0 else 0, dtype=torch.int64)
 
 
 @_attention_backward_op.register_fake
@@ -1319,7 +1355,7 @@ class _AttentionFunction(torch.autograd.Function):
 # =============================================================================================
 
 _DIALECT_KEY_NAMES = ("device", "dtype", "batch_heads", "h_kv", "sq", "sk", "d", "causal", "mask", "dropout",
-                      "grad")
+                      "grad", "dv")
 _MASK_KINDS = {None: _NO_MASK, torch.bool: _BOOL_MASK}
 _FLOAT_MASK_GRAD = 3  # the key's "mask" only: a float mask whose gradient the call needs
 
@@ -1335,7 +1371,8 @@ def _attention_key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     if not eager_fast_path(q, k, v, attn_mask):
         return None
     qs, ks = q.shape, k.shape
-    if len(qs) != 4 or len(ks) != 4 or k.dtype is not q.dtype or v.dtype is not q.dtype or v.shape != ks:
+    vs = v.shape
+    if len(qs) != 4 or len(ks) != 4 or k.dtype is not q.dtype or v.dtype is not q.dtype or vs[:3] != ks[:3]:
         return None
     if not q.numel() or not k.numel():
         return None
@@ -1348,7 +1385,7 @@ def _attention_key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     # align the diagonal differently, or refuse, part ways: one bucket must not hold both).
     causal = (1 if qs[2] == ks[2] else 2) if is_causal else 0
     return (q.get_device() if q.is_cuda else -1, q.dtype, pow2_bucket(qs[0] * qs[1]), ks[1] if ks[1] != qs[1] else 0,
-            pow2_bucket(qs[2]), pow2_bucket(ks[2]), qs[3], causal, mask, dropout_p > 0.0, grad)
+            pow2_bucket(qs[2]), pow2_bucket(ks[2]), qs[3], causal, mask, dropout_p > 0.0, grad, vs[3])
 
 
 def _attention_trifuse(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap=0.0):
@@ -1366,7 +1403,7 @@ def _attention_trifuse(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_g
 
 def _attention_output_like(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     grad = q.requires_grad or k.requires_grad or v.requires_grad or _needs_mask_grad(attn_mask)
-    return torch.empty_like(q).requires_grad_(grad)
+    return _output_like(q, v.shape[3]).requires_grad_(grad)
 
 
 # Why calls fell back to trifuse's kernels from the candidate chosen for their key:
@@ -1468,6 +1505,8 @@ def _flash_attn_supports(q, k, v, attn_mask, dropout_p, is_causal, scale, enable
         return f"flash-attn takes float16 / bfloat16, got {str(q.dtype)[6:]}"
     if q.shape[-1] % 8 != 0 or q.shape[-1] > 256:
         return f"flash-attn takes head dims that are multiples of 8 up to 256, got {q.shape[-1]}"
+    if v.shape[-1] != q.shape[-1]:
+        return f"flash-attn takes one head dim for q, k and v, got {q.shape[-1]} and {v.shape[-1]} for v"
     if attn_mask is not None:
         return "flash-attn takes no attn_mask"
     if is_causal and q.shape[2] != k.shape[2]:
@@ -1495,6 +1534,8 @@ def _xformers_supports(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_g
         return "attn_mask is not adapted to xformers' attn_bias here"
     if k.shape[1] != q.shape[1]:
         return "xformers takes GQA only in its 5-D (B, S, G, H, D) layout, not adapted here"
+    if v.shape[-1] != q.shape[-1]:
+        return f"a value head dim ({v.shape[-1]}) other than the query's ({q.shape[-1]}) is not adapted to xformers here"
     return None
 
 
@@ -1590,7 +1631,7 @@ def _attention_check(fn, args: tuple) -> str | None:
     q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa = args
     train = torch.is_grad_enabled() and (any(t.requires_grad for t in (q, k, v)) or _needs_mask_grad(attn_mask))
     gen = torch.Generator(device=q.device).manual_seed(0)
-    dy = torch.randn(q.shape, generator=gen, device=q.device, dtype=q.dtype)
+    dy = torch.randn((*q.shape[:3], v.shape[3]), generator=gen, device=q.device, dtype=q.dtype)
     no_drop = (q, k, v, attn_mask, 0.0, is_causal, scale, enable_gqa)
     with torch.autocast(q.device.type, enabled=False):
         ref64 = _reference_blocks(no_drop, torch.float64, dy, train)
@@ -1663,8 +1704,10 @@ def attention(
     `F.scaled_dot_product_attention`, never materializing the (Sq, Sk) score matrix.
 
     Args:
-        q: (B, Hq, Sq, D); k, v: (B, Hkv, Sk, D). fp16 / bf16 / fp32 / fp64, one dtype; D <= 256;
-            any strides (views of a fused QKV projection, (B, S, H, D) transposes).
+        q: (B, Hq, Sq, D); k: (B, Hkv, Sk, D); v: (B, Hkv, Sk, Dv), Dv usually D (DeepSeek's
+            multi-head latent attention: D = 192, Dv = 128). fp16 / bf16 / fp32 / fp64, one
+            dtype; D, Dv <= 256; any strides (views of a fused QKV projection, (B, S, H, D)
+            transposes).
         attn_mask: bool (True = attend) or float (added to the scores), broadcastable to
             (B, Hq, Sq, Sk), e.g. HF key-padding masks (B, 1, 1, Sk) or (B, 1, Sq, Sk). A float mask
             may require grad (T5's learned position bias): its gradient is dS, the gradient of the
@@ -1683,7 +1726,7 @@ def attention(
     Under autocast, as SDPA: q, k, v and a float mask are cast to the autocast dtype first.
 
     Returns:
-        (B, Hq, Sq, D) in q's dtype (the autocast dtype under autocast), laid out like q when q is dense (so a (B, S, H, D)
+        (B, Hq, Sq, Dv) in q's dtype (the autocast dtype under autocast), laid out like q when q is dense (so a (B, S, H, D)
         transpose gives an output whose transpose back is contiguous). Rows that see no key
         (fully masked) are 0, with zero gradients, as SDPA gives.
 

@@ -400,6 +400,10 @@ def _sum_partials_kernel(
     tiles (no cross-warp reduction per step); the rows are summed once at the end."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
+    # One pointer step of stride_pk at a time: stride_pk is int32 below 2^31, and 2 * stride_pk
+    # in int32 would wrap (from programs x N >= 2^30: 528 programs, N of about 2M).
+    DB_PARTIAL = PARTIAL + stride_pk
+    DXB_PARTIAL = DB_PARTIAL + stride_pk
     acc_w = tl.zeros([BLOCK_P, BLOCK_N], dtype=PARTIAL.dtype.element_ty)
     acc_b = tl.zeros([BLOCK_P, BLOCK_N], dtype=PARTIAL.dtype.element_ty)
     acc_xb = tl.zeros([BLOCK_P, BLOCK_N], dtype=PARTIAL.dtype.element_ty)
@@ -410,9 +414,9 @@ def _sum_partials_kernel(
         if STORE_DW:
             acc_w += tl.load(PARTIAL + offs, mask=mask, other=0.0)
         if STORE_DB:
-            acc_b += tl.load(PARTIAL + stride_pk + offs, mask=mask, other=0.0)
+            acc_b += tl.load(DB_PARTIAL + offs, mask=mask, other=0.0)
         if STORE_DXB:
-            acc_xb += tl.load(PARTIAL + 2 * stride_pk + offs, mask=mask, other=0.0)
+            acc_xb += tl.load(DXB_PARTIAL + offs, mask=mask, other=0.0)
     if STORE_DW:
         tl.store(DW + cols, tl.sum(acc_w, axis=0).to(DW.dtype.element_ty), mask=col_mask)
     if STORE_DB:

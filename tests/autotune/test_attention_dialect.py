@@ -201,22 +201,24 @@ def test_key_is_a_small_tuple_of_plain_values():
     q, k, v = qkv(b=2, h=8, s=40, d=16, h_kv=2, sk=70)
     mask = torch.ones(40, 70, dtype=torch.bool)
     key = A._attention_key(*call(q, k, v, mask, 0.1, False, None, True))
-    assert key == (-1 if DEVICE == "cpu" else 0, torch.float32, 16, 2, 64, 128, 16, 0, A._BOOL_MASK, True, True)
+    assert key == (-1 if DEVICE == "cpu" else 0, torch.float32, 16, 2, 64, 128, 16, 0, A._BOOL_MASK, True, True, 16)
     assert len(key) == len(A._DIALECT_KEY_NAMES)
     assert not any(isinstance(x, str) for x in key)
     with torch.no_grad():
-        assert A._attention_key(*call(q, k, v))[-1] is False
+        assert A._attention_key(*call(q, k, v))[-2] is False
     assert A._attention_key(*call(q, k, v, torch.zeros(40, 70)))[8] == A._FLOAT_MASK
     assert A._attention_key(*call(q, k, v))[8] == A._NO_MASK
     assert A._attention_key(*call(q, k, v, is_causal=True))[7] == 2  # Sq != Sk
     assert A._attention_key(*call(q, q, q, is_causal=True))[7] == 1
+    # a value head dim other than the query's (DeepSeek's MLA) is its own key: SDPA's flash refuses it
+    assert A._attention_key(*call(q, k, v[..., :8]))[-1] == 8
 
 
 def test_key_separates_a_mask_that_needs_its_gradient():
     q, k, v = qkv(s=40, grad=False)
     bias = torch.zeros(40, 40, requires_grad=True)
     key = A._attention_key(*call(q, k, v, bias))
-    assert key[8] == A._FLOAT_MASK_GRAD and key[-1] is True, "the call trains through the mask alone"
+    assert key[8] == A._FLOAT_MASK_GRAD and key[-2] is True, "the call trains through the mask alone"
     with torch.no_grad():
         assert A._attention_key(*call(q, k, v, bias))[8] == A._FLOAT_MASK
     assert A._attention_key(*call(q, k, v, bias.detach()))[8] == A._FLOAT_MASK
@@ -293,6 +295,18 @@ def test_check_rejects_wrong_attention(wrong, label):
     args = call(*qkv(s=20), is_causal=True)
     problem = A._attention_check(wrong, args)
     assert problem is not None and problem.startswith(label)
+
+
+def test_check_takes_a_value_head_dim_other_than_the_query_and_rejects_a_wrong_one():
+    """DeepSeek's MLA shape (v narrower than q and k): the check's dO has the output's shape;
+    trifuse passes, a candidate that drops the scale fails."""
+    q, k, _ = qkv(h=4, h_kv=2, s=20, sk=23)
+    v = torch.randn(1, 2, 23, 8, device=DEVICE, requires_grad=True)
+    args = call(q, k, v, None, 0.0, True, None, True)
+    assert A._attention_check(A._attention_trifuse, args) is None
+    wrong = A._attention_check(lambda q, k, v, m, p, c, s, g: A._attention_trifuse(q, k, v, m, p, c, 1.0, g), args)
+    assert wrong is not None and wrong.startswith("output")
+    assert A._attention_output_like(*args).shape == (1, 4, 20, 8)
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -408,7 +422,7 @@ def test_the_measured_winner_runs_and_is_replayed(cache_dir, timer, winner):
         assert torch.equal(a, e)
     rec = d.explain(*args)
     assert rec.chosen == winner and rec.source == "measured" and set(fake.calls) == {"trifuse", "stand-in"}
-    assert rec.bucket == "dtype=float32,batch_heads=2,h_kv=0,sq=32,sk=32,d=16,causal=1,mask=0,dropout=False,grad=True"
+    assert rec.bucket == "dtype=float32,batch_heads=2,h_kv=0,sq=32,sk=32,d=16,causal=1,mask=0,dropout=False,grad=True,dv=16"
     fwd_bwd(d, call(*qkv(s=30), is_causal=True))  # same buckets: replayed, nothing timed
     assert len(fake.calls) == 2
 
@@ -445,7 +459,7 @@ def test_dropout_candidates_that_cannot_be_checked_are_rejected(cache_dir, timer
     args = call(*qkv(s=20), dropout_p=0.25, is_causal=True)
     d(*args)
     rec = d.explain(*args)
-    assert rec.chosen == "trifuse" and rec.bucket.endswith("dropout=True,grad=True")
+    assert rec.chosen == "trifuse" and rec.bucket.endswith("dropout=True,grad=True,dv=16")
     assert rec.rejected["ignores-dropout"] == "wrong result: dropout check: the output at dropout_p=0.25 equals the one at 0"
 
 

@@ -73,6 +73,44 @@ def test_dynamo_fallback_is_detected_and_reported():
     assert "fell back to eager" in trifuse.report(model).table()
 
 
+def test_a_block_dynamo_cannot_capture_runs_as_written_and_is_reported(monkeypatch):
+    """Dynamo's own failure on a block (a TorchDynamoException, e.g. from its fake tensors) must
+    not break the model: that call and every later one run the block as written, once eager has
+    shown the model itself is fine; the report names the block and the reason."""
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _models.gpt2()
+    ref = copy.deepcopy(model)
+    trifuse.fuse(model)
+    block = next(u for u in trifuse.report(model).units if u.unit.strategy == "dynamo").unit
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        raise torch._dynamo.exc.TorchRuntimeError("Dynamo failed to run FX node with fake tensors")
+
+    monkeypatch.setattr(block, "compiled", failing)
+    kw = inputs(2, 8)
+    for _ in range(2):
+        torch.testing.assert_close(loss_fn(model, kw), loss_fn(ref, kw))
+    assert len(calls) == 1, "after the first failure the block runs as written without asking Dynamo again"
+    reasons = trifuse.report(model).unfused_calls()
+    assert any("TorchDynamo could not capture it (TorchRuntimeError: Dynamo failed" in r and n == 4
+               for calls_by_reason in reasons.values() for r, n in calls_by_reason.items())
+
+
+def test_an_error_of_the_model_itself_still_raises_through_a_fused_block():
+    """A block called with an input it rejects (Dynamo's tracing fails on it too) raises the
+    model's own error from the eager run, and the block stays fused for the next good call."""
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _models.gpt2()
+    trifuse.fuse(model)
+    with pytest.raises(RuntimeError, match="shape|size"):
+        model.transformer.h[0](torch.randn(2, 8, _models.HIDDEN + 1))  # the wrong hidden size
+    loss_fn(model, inputs(2, 8)).backward()
+    block = next(u for u in trifuse.report(model).units if u.unit.strategy == "dynamo").unit
+    assert block.failed is None and trifuse.report(model).counts()["attention"] == 2
+
+
 def test_new_shapes_and_modes_recapture_a_bounded_number_of_times():
     torch.manual_seed(0)
     model, inputs, loss_fn = _models.gpt2()

@@ -69,6 +69,25 @@ def test_spellings_of_one_call_become_one_form():
     assert forms[0] == forms[1] == forms[2]
 
 
+def test_calls_the_canonical_form_cannot_express_keep_their_meaning():
+    """`x.div(k, rounding_mode="trunc")` (JetMoE's router: integer token indices) and
+    `x.add(y, alpha=2)` have no operator form: they stay as written, and the canonical graph
+    computes what the model does (it once became `x / k`, float indices)."""
+    class Block(nn.Module):
+        def forward(self, idx, x, y):
+            return idx.div(2, rounding_mode="trunc"), x.add(y, alpha=2), x.sub(y, alpha=3), x.div(y)
+
+    idx, x, y = torch.arange(9), torch.randn(4), torch.randn(4)
+    gm = fx.symbolic_trace(Block())
+    canonicalize(gm)
+    got, want = gm(idx, x, y), Block()(idx, x, y)
+    assert got[0].dtype == torch.int64
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert [n.target for n in gm.graph.nodes if n.op == "call_method"] == ["div", "add", "sub"]
+    assert operator.truediv in [n.target for n in gm.graph.nodes]  # the plain division still canonical
+
+
 def test_view_arguments_and_transposes_are_canonical():
     g1 = trace_function(lambda x: x.view(2, -1).transpose(-1, -2))
     g2 = trace_function(lambda x: x.view((2, -1)).transpose(-2, -1))

@@ -31,11 +31,13 @@ class Case:
     causal: bool = False
     mask: str = ""  # "", "keypad", "bool", "float", "hf", "2d", "dead-rows"
     scale: float | None = None
+    dv: int | None = None  # the value's head dim; None: d (DeepSeek's MLA: 192 for q and k, 128 for v)
 
     @property
     def id(self) -> str:
         kv = f"/{self.h_kv}" if self.h_kv is not None else ""
-        parts = [f"{self.b}x{self.h}{kv}x{self.sq}x{self.sk}x{self.d}", "causal" if self.causal else "full"]
+        dv = f"v{self.dv}" if self.dv is not None else ""
+        parts = [f"{self.b}x{self.h}{kv}x{self.sq}x{self.sk}x{self.d}{dv}", "causal" if self.causal else "full"]
         parts += [p for p in (self.mask, f"scale{self.scale}" if self.scale is not None else "") if p]
         return "-".join(parts)
 
@@ -66,10 +68,17 @@ CASES = [
     Case(h=1, sq=5, sk=18, d=192, causal=True),
     Case(h=1, sq=11, sk=11, d=256, causal=True),
     Case(h=1, sq=20, sk=9, d=256),
+    # a value head dim other than the query's, narrower and wider, with GQA and a mask
+    Case(sq=37, sk=37, d=24, dv=16),
+    Case(h=4, h_kv=2, sq=33, sk=40, d=48, dv=24, causal=True),
+    Case(b=2, sq=33, sk=40, d=16, dv=40, mask="hf"),
+    Case(h=1, sq=13, sk=19, d=192, dv=128, causal=True),  # DeepSeek-V2/V3's MLA head dims
 ]
 if ON_GPU:
     CASES += [Case(b=2, h=3, sq=300, sk=300, d=d, causal=c)
               for d in (16, 32, 64, 96, 128, 192, 256) for c in (False, True)]
+    CASES += [Case(b=2, h=4, sq=300, sk=300, d=192, dv=128, causal=True), Case(b=2, h=2, sq=300, sk=257, d=64,
+                                                                                dv=128)]
     CASES += [Case(b=2, h=4, h_kv=2, sq=1000, sk=777, d=64, causal=True),
               Case(b=1, h=2, sq=513, sk=1025, d=128, mask="hf")]
 EMPTY_CASES = [Case(sq=0, sk=5), Case(b=0), Case(sq=5, sk=0)]
@@ -105,7 +114,7 @@ def make(case: Case, dtype: torch.dtype):
     h_kv = case.h if case.h_kv is None else case.h_kv
     q = torch.randn(case.b, case.h, case.sq, case.d, device=DEVICE, dtype=dtype, requires_grad=True)
     k = torch.randn(case.b, h_kv, case.sk, case.d, device=DEVICE, dtype=dtype, requires_grad=True)
-    v = torch.randn(case.b, h_kv, case.sk, case.d, device=DEVICE, dtype=dtype, requires_grad=True)
+    v = torch.randn(case.b, h_kv, case.sk, case.dv or case.d, device=DEVICE, dtype=dtype, requires_grad=True)
     return q, k, v, make_mask(case, dtype)
 
 
@@ -126,7 +135,7 @@ def check_fwd_bwd(q, k, v, mask, kw, *, dropout_p=0.0, dropout_mask=None, seed=N
     if seed is not None:
         torch.manual_seed(seed)
     out = trifuse.ops.attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, **kw)
-    assert out.dtype == q.dtype and out.shape == q.shape
+    assert out.dtype == q.dtype and out.shape == (*q.shape[:3], v.shape[3])
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     lowp = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     ref = attention_ref(*leaves, as_ref(mask, torch.float64), dropout_p, dropout_mask=dropout_mask, **kw)
@@ -240,6 +249,26 @@ def test_bshd_transposes_keep_their_layout():
     assert dq.transpose(1, 2).is_contiguous()
 
 
+def test_value_head_dim_other_than_the_query_keeps_the_layout_and_compiles():
+    """v with its own head dim (DeepSeek's MLA): the output takes it, in q's (B, S, H, *) layout when
+    q is that transpose; the registered op's fake output agrees under compile; gradcheck."""
+    q, k = (torch.randn(2, 23, 3, 24, device=DEVICE).transpose(1, 2).requires_grad_() for _ in range(2))
+    v = torch.randn(2, 23, 3, 8, device=DEVICE).transpose(1, 2).requires_grad_()
+    out = trifuse.ops.attention(q, k, v, is_causal=True)
+    assert out.shape == (2, 3, 23, 8) and out.transpose(1, 2).is_contiguous()
+    check_fwd_bwd(q, k, v, None, {"is_causal": True}, name="bshd dv")
+    compiled = torch.compile(lambda *a: trifuse.ops.attention(*a, is_causal=True), fullgraph=True,
+                             backend="aot_eager")
+    torch.testing.assert_close(compiled(q, k, v), out)
+    torch.library.opcheck(torch.ops.trifuse.attention.default, (q, k, v, None, 0.0, True, None, False))
+
+    def leaf(*shape):
+        return torch.randn(*shape, device=DEVICE, dtype=torch.float64, requires_grad=True)
+
+    args = (leaf(1, 2, 5, 4), leaf(1, 1, 6, 4), leaf(1, 1, 6, 3))
+    assert torch.autograd.gradcheck(lambda *a: trifuse.ops.attention(*a, is_causal=True, enable_gqa=True), args)
+
+
 def test_other_strides():
     """Non-unit head-dim stride, stride-0 (expanded) batch and heads, a sliced sequence."""
     q = torch.randn(2, 2, 16, 30, device=DEVICE).transpose(-1, -2).requires_grad_()  # stride_d = 30
@@ -266,7 +295,7 @@ def kernel_keep_mask(b, h, sq, sk, p, seed):
 
 
 DROPOUT_CASES = [Case(h=4, h_kv=2, sq=33, sk=40, causal=True), Case(b=2, sq=20, sk=24, mask="dead-rows"),
-                 Case(sq=40, sk=17, mask="float")]
+                 Case(sq=40, sk=17, mask="float"), Case(sq=35, sk=26, d=24, dv=40, causal=True)]
 
 
 @pytest.mark.parametrize("case", DROPOUT_CASES, ids=lambda c: c.id)
@@ -407,7 +436,7 @@ def test_hypothesis_shapes(sq, sk, d, causal, group):
 def test_reference_path_without_interpreter_matches(monkeypatch):
     """CPU tensors without TRITON_INTERPRET run the PyTorch path: same maths, same API."""
     monkeypatch.setattr(attn_mod, "use_triton", lambda t: False)
-    for case in (Case(h=4, h_kv=2, sq=20, sk=24, causal=True), Case(b=2, sq=20, sk=24, mask="dead-rows"),
+    for case in (Case(h=4, h_kv=2, sq=20, sk=24, causal=True, dv=8), Case(b=2, sq=20, sk=24, mask="dead-rows"),
                  Case(b=2, sq=33, sk=40, mask="hf")):
         check_fwd_bwd(*make(case, torch.float32), kwargs_of(case), name="torch path")
     case = Case(h=4, h_kv=2, sq=20, sk=24, mask="float")
@@ -685,7 +714,8 @@ BAD_INPUTS = {
     "rank": ({"q": _t(2, 5, 16)}, ValueError, "attention: query must be 4-D"),
     "int-dtype": ({"q": torch.ones(1, 2, 5, 16, dtype=torch.int64)}, TypeError, "query must be float"),
     "mixed-dtype": ({"k": _t(1, 2, 6, 16, dtype=torch.float16)}, TypeError, "share one dtype"),
-    "head-dim": ({"v": _t(1, 2, 6, 8)}, ValueError, "same head_dim"),
+    "head-dim": ({"k": _t(1, 2, 6, 8)}, ValueError, "query and key must have the same head_dim"),
+    "value-head-dim-too-big": ({"v": _t(1, 2, 6, 300)}, ValueError, "value's head_dim must be between"),
     "head-dim-too-big": ({"q": _t(1, 2, 5, 300), "k": _t(1, 2, 6, 300), "v": _t(1, 2, 6, 300)}, ValueError,
                          "head_dim must be between"),
     "gqa-not-dividing": ({"q": _t(1, 3, 5, 16), "enable_gqa": True}, ValueError, "must divide"),
@@ -897,6 +927,7 @@ TMA_CASES = [
     # load, dropped on store): what a GPU session should see first.
     Case(h=2, h_kv=1, sq=19, sk=21, d=160, causal=True),
     Case(sq=13, sk=17, d=192),
+    Case(h=4, h_kv=2, sq=21, sk=30, d=48, dv=24, causal=True),  # the value's own head dim (MLA)
 ]
 
 

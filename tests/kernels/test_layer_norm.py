@@ -3,6 +3,9 @@
 On CPU these run the real Triton kernels in the interpreter (tests/_device.py); on a GPU the
 same tests run natively and add bf16.
 """
+import mmap
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,9 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tolerances import DTYPES, assert_close, check_close
 
-from _device import DEVICE
+from _device import DEVICE, INTERPRETED
 import trifuse
+from trifuse.autotune import configs
 from trifuse.kernels import layer_norm as ln_mod
+from trifuse.kernels._common import next_power_of_2
 from trifuse.kernels.layer_norm import layer_norm_ref
 
 # widths: 1, odd, just past a power of two, past one block, and the wide (chunked) path
@@ -220,6 +225,10 @@ def test_autocast_keeps_activation_dtype_and_accuracy():
     assert_close("autocast", y, ref, None)
     y.sum().backward()
     assert ln.weight.grad.dtype == torch.float32 and x.grad.dtype == torch.float16
+    # the fp32 weight grads, cast once from the fp32 partial sums (never through fp16)
+    assert_close("dweight", ln.weight.grad, ((x.double() - x.double().mean(1, keepdim=True))
+                                             * (x.double().var(1, unbiased=False, keepdim=True) + 1e-5).rsqrt()).sum(0), None)
+    assert_close("dbias", ln.bias.grad, torch.full((64,), 4.0, dtype=torch.float64, device=DEVICE), None)
 
 
 def test_modules_load_torch_state_dicts():
@@ -242,6 +251,105 @@ def test_modules_load_torch_state_dicts():
 def test_hypothesis_shapes(m, n, variant):
     torch.manual_seed(m * 1000 + n)
     check_fwd_bwd(variant, torch.float32, *make((m, n), torch.float32, variant))
+
+
+# ---------------------------------------------------------------------------------------------
+# The backward's partial sums at GPU sizes: what the interpreter's 4 SMs and small tensors hide.
+# ---------------------------------------------------------------------------------------------
+
+# widths around the sum's column blocks and the wide path; rows: one, a few, 528 (4 x 132 SMs)
+PLAN_WIDTHS = [1, 7, 1000, 1025, 2049, 8193, 16384, 16385, 20000, 1 << 22]
+PLAN_ROWS = [1, 3, 528, 4097]
+
+
+@pytest.mark.parametrize("n", PLAN_WIDTHS)
+def test_sum_plan_covers_every_column_once(n):
+    """Power-of-two blocks, a grid that covers n with no program past it, a tile of at most
+    SUM_TILE fp32 (registers), for the partial-row counts a GPU runs (up to 4 x 132 SMs)."""
+    for programs in PLAN_ROWS:
+        (grid,), meta = ln_mod._sum_plan(n, programs, {})
+        block_n, block_p = meta["BLOCK_N"], meta["BLOCK_P"]
+        assert next_power_of_2(block_n) == block_n and next_power_of_2(block_p) == block_p
+        assert (grid - 1) * block_n < n <= grid * block_n < 2**31
+        assert 1 <= block_p <= next_power_of_2(programs) and block_n * block_p <= max(ln_mod.SUM_TILE, block_n)
+
+
+@pytest.mark.parametrize("n", PLAN_WIDTHS)
+def test_bwd_plan_writes_every_partial_row(n):
+    """At every config and a GPU's SM count: one program per partial row, each owning at least
+    one row (single-block programs store their row into torch.empty), rows in whole BLOCK_M
+    tiles; the wide path, which adds into its row, gets a zeroed buffer."""
+    for sms in (4, 132):
+        for cfg in configs.norm_bwd(n):
+            for m in PLAN_ROWS:
+                grid, meta, programs, rows_per_program, zero, sum_grid, sum_meta = ln_mod._bwd_plan(
+                    cfg, m, n, sms, {}, {})
+                assert grid == (programs,) and 1 <= programs <= cfg.kwargs["PROGRAMS_PER_SM"] * sms
+                assert (programs - 1) * rows_per_program < m <= programs * rows_per_program
+                assert rows_per_program % meta["BLOCK_M"] == 0
+                assert zero == (n > ln_mod.MAX_SINGLE_BLOCK_BWD) == (not meta["SINGLE_BLOCK"])
+                assert (sum_grid, sum_meta) == ln_mod._sum_plan(n, programs, {})
+
+
+@pytest.mark.parametrize("programs, n", [(528, 7), (528, 1025), (3, 20000), (4097, 1)],
+                         ids=["528x7", "528x1025", "3x20000", "4097x1"])
+def test_partial_sums_at_gpu_program_counts(programs, n):
+    """The reduction alone, at the partial-row counts a GPU step makes (4 x 132 SMs; the
+    interpreter's 4 SMs make at most 8): ragged row tiles and column blocks, summed in fp32."""
+    rows = torch.randn(3, programs, n, device=DEVICE) * 100 + 1000  # fp16 sums would be off by ~10
+    vecs = [torch.full((n,), float("nan"), device=DEVICE) for _ in range(3)]
+    grid, meta = ln_mod._sum_plan(n, programs, {"STORE_DW": True, "STORE_DB": True, "STORE_DXB": True})
+    ln_mod._sum_partials.run(grid, (rows, *vecs, programs, n, programs * n), meta)
+    for k, name in enumerate(("dweight", "dbias", "dx_bias")):
+        assert_close(name, vecs[k], rows[k].double().sum(0), rows[k].sum(0))
+
+
+def _unreserved_f32(elements: int) -> torch.Tensor:
+    """A float32 CPU tensor over an anonymous mapping that reserves no memory: pages never
+    written read as zero and cost nothing, so a test can address past 2^31 elements."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0x4000)
+    try:
+        buf = mmap.mmap(-1, elements * 4, flags=flags)
+    except (OSError, OverflowError) as e:
+        pytest.skip(f"no {elements * 4 / 2**30:.0f} GiB unreserved mapping here: {e}")
+    return torch.frombuffer(buf, dtype=torch.float32)
+
+
+@pytest.mark.skipif(not INTERPRETED or not sys.platform.startswith("linux"),
+                    reason="CPU tensors in the interpreter, over a Linux MAP_NORESERVE mapping")
+def test_partial_sums_address_vectors_past_2_31_elements():
+    """The partial buffer's third vector starts 2 x programs x N elements in, past 2^31 once
+    programs x N >= 2^30 (528 programs, N of about 2M), while programs x N itself still comes as
+    an int32 argument: 2 * stride_pk in int32 wrapped to a negative offset. The stride is given
+    directly, so only a few rows are summed; a wrapped offset lands 8 GiB below the buffer, in
+    pages never written (zeros)."""
+    stride_pk, below, programs, n = 2**30 + 64, 2**31, 3, 40
+    partial = _unreserved_f32(below + 3 * stride_pk)[below:]
+    rows = torch.randn(3, programs, n)
+    for k in range(3):
+        partial[k * stride_pk:k * stride_pk + programs * n] = rows[k].reshape(-1)
+    vecs = [torch.full((n,), float("nan")) for _ in range(3)]
+    grid, meta = ln_mod._sum_plan(n, programs, {"STORE_DW": True, "STORE_DB": True, "STORE_DXB": True})
+    ln_mod._sum_partials.run(grid, (partial, *vecs, programs, n, stride_pk), meta)
+    for k, name in enumerate(("dweight", "dbias", "dx_bias")):
+        assert_close(name, vecs[k], rows[k].double().sum(0), rows[k].sum(0))
+
+
+@pytest.mark.parametrize("variant", ["layer_norm", "rms_norm-residual"])
+@pytest.mark.parametrize("shape", [(37, 130), (3, 16385)], ids=_ids)
+def test_backward_reads_no_uninitialized_memory(monkeypatch, shape, variant):
+    """Under torch.use_deterministic_algorithms, torch.empty fills floats with NaN: any partial
+    row or output column the kernels leave unwritten, or the wide path adding into a buffer not
+    zeroed, shows as NaN (the GPU's caching allocator hands back old bytes; the CPU's fresh pages
+    are zeros)."""
+    monkeypatch.setattr(ln_mod, "_BWD_PLANS", {})
+    monkeypatch.setattr(torch.utils.deterministic, "fill_uninitialized_memory", True)
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        check_fwd_bwd(variant, torch.float32, *make(shape, torch.float32, variant))
+    finally:
+        torch.use_deterministic_algorithms(previous)
 
 
 # ---------------------------------------------------------------------------------------------
