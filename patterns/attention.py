@@ -30,7 +30,9 @@ style: the score matrix never exists).
   `torch.where(causal, scores, torch.tensor(finfo.min))` with the additive mask added after (the op's
   mask is the mask where causal keeps a key, fill + mask where not: the same scores, the huge fill
   absorbing q k^T; a row the where() drops whole, which GPT-Neo's causal masks never do, has the
-  op's finite-mask gradients). Their blocks return the probabilities too: fusion/capture.py drops them from
+  op's finite-mask gradients). GPT-J, CodeGen and GPT-Neo cast q and k to fp32 before the
+  product: in 16-bit models the op takes them uncast (its scores are fp32 whatever their dtype),
+  where q, k and v share a dtype. Their blocks return the probabilities too: fusion/capture.py drops them from
   the graph's outputs when the block is called with output_attentions=False.
 - `F.multi_head_attention_forward` as `nn.MultiheadAttention` (and so nn.TransformerEncoder)
   calls it for self-attention without returned weights: its in-projection, heads and
@@ -118,14 +120,18 @@ def sdpa_gqa_fused(q, k, v, attn_mask, dropout_p, is_causal, scale, n_rep=None, 
 def attention_chain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, scale, mask: torch.Tensor,
                     fill, p, training, dtype, cap=None, k_shape=None, v_shape=None, k_heads=None, v_heads=None, *,
                     scaling: str, masking: str, dropout: bool, softmax: str, softcap: bool = False,
-                    repeat_kv: bool = False):
+                    repeat_kv: bool = False, upcast_qk: bool = False):
     """softmax(q @ k^T scaled [capped] [masked]) [cast] [dropped out] @ v, in the spelling the
     keywords choose.
 
     softmax: "plain", "upcast" (computed in fp32, cast to `dtype`), or "cast" (computed in the
     scores' dtype, then cast to `dtype`: GPT-2's `.type(value.dtype)`). softcap: Gemma 2's
     `tanh(s / cap) * cap` after the scaling. repeat_kv: k and v repeated per query group first,
-    as transformers' repeat_kv writes it (see sdpa_expand_kv)."""
+    as transformers' repeat_kv writes it (see sdpa_expand_kv). upcast_qk: q and k cast to fp32
+    before the product (GPT-J's `query.to(torch.float32)`); the op takes them as they were, its
+    scores being fp32 whatever q's dtype."""
+    if upcast_qk:
+        q, k = q.to(torch.float32), k.to(torch.float32)
     if repeat_kv:
         k = k[:, :, None, :, :].expand(k_shape).reshape(k_heads)
         v = v[:, :, None, :, :].expand(v_shape).reshape(v_heads)
@@ -152,7 +158,8 @@ def attention_chain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, s
 
 def attention_chain_fused(q, k, v, d0, d1, scale, mask=None, fill=None, p=0.0, training=False, dtype=None, cap=None,
                           k_shape=None, v_shape=None, k_heads=None, v_heads=None, *, scaling: str, masking: str,
-                          dropout: bool, softmax: str, softcap: bool = False, repeat_kv: bool = False):
+                          dropout: bool, softmax: str, softcap: bool = False, repeat_kv: bool = False,
+                          upcast_qk: bool = False):
     if masking == "masked_fill":
         mask = torch.logical_not(mask)  # masked_fill marks what to drop, an attention mask what to keep
     o = ops.attention(q, k, v, mask, p if training else 0.0, False, scale if scaling == "mul" else 1.0 / scale,
@@ -199,6 +206,16 @@ def _cast_is_a_no_op(m: Match) -> str | None:
     return None
 
 
+def _q_k_v_share_a_dtype(m: Match) -> str | None:
+    """q and k cast to fp32 before the product: fused where q, k and v had one dtype."""
+    q, k, v = m.value("q"), m.value("k"), m.value("v")
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return "no dtype for q, k or v"
+    if not q.dtype == k.dtype == v.dtype:
+        return f"q, k and v have dtypes {q.dtype}, {k.dtype}, {v.dtype} before the fp32 cast of q and k"
+    return None
+
+
 def _fill_masks(m: Match, dropout: bool) -> str | None:
     """The masked_fill / where value is -inf, or the scores' finfo.min with no active dropout."""
     fill, q = m["fill"], m.value("q")
@@ -224,14 +241,14 @@ def _cap_is_a_positive_number(m: Match) -> str | None:
 
 
 def _chain_pattern(scaling: str, masking: str, dropout: bool, softmax: str, softcap: bool = False,
-                   repeat_kv: bool = False) -> Pattern:
+                   repeat_kv: bool = False, upcast_qk: bool = False) -> Pattern:
     opts = {"scaling": scaling, "masking": masking, "dropout": dropout, "softmax": softmax, "softcap": softcap,
-            "repeat_kv": repeat_kv}
+            "repeat_kv": repeat_kv, "upcast_qk": upcast_qk}
     name = "_".join(["attention_chain", scaling, *(["softcap"] if softcap else []), masking or "no_mask",
                      "dropout" if dropout else "no_dropout", *([softmax] if softmax != "plain" else []),
-                     *(["repeat_kv"] if repeat_kv else [])])
+                     *(["repeat_kv"] if repeat_kv else []), *(["upcast_q_k"] if upcast_qk else [])])
     filters = [_transposes_last_two, _scale_is_number, *([_cap_is_a_positive_number] if softcap else []),
-               *([_kv_repeated_over_heads] if repeat_kv else [])]
+               *([_kv_repeated_over_heads] if repeat_kv else []), *([_q_k_v_share_a_dtype] if upcast_qk else [])]
     if dropout:
         filters += [needs_number("p"), needs_bool("training")]
     if masking in ("masked_fill", "where"):
@@ -361,15 +378,17 @@ def _alibi_baddbmm_shapes(m: Match) -> str | None:
 
 
 def attention_chain_add_div(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, mask: torch.Tensor, scale,
-                            dtype, p, training):
+                            dtype, p, training, *, upcast_qk: bool = False):
     """CodeGen's attention: the additive mask before the scaling, `(q k^T + mask) / scale`, the
-    softmax cast to v's dtype, dropout."""
+    softmax cast to v's dtype, dropout; q and k cast to fp32 first (upcast_qk, as CodeGen writes it)."""
+    if upcast_qk:
+        q, k = q.to(torch.float32), k.to(torch.float32)
     s = (torch.matmul(q, k.transpose(d0, d1)) + mask) / scale
     a = F.dropout(torch.softmax(s, -1).to(dtype), p, training, False)
     return torch.matmul(a, v)
 
 
-def attention_chain_add_div_fused(q, k, v, d0, d1, mask, scale, dtype, p, training):
+def attention_chain_add_div_fused(q, k, v, d0, d1, mask, scale, dtype, p, training, *, upcast_qk: bool = False):
     # (s + m) / c = s / c + m / c: the mask scaled as the scores are
     return ops.attention(q, k, v, mask / scale, p if training else 0.0, False, 1.0 / scale)
 
@@ -396,20 +415,25 @@ def attention_chain_mul_add_masked_fill_fused(q, k, v, d0, d1, scale, bias, mask
 
 
 def attention_chain_where_add(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, keep: torch.Tensor, fill,
-                              fill_dtype, device, mask: torch.Tensor, dtype, p, training):
+                              fill_dtype, device, mask: torch.Tensor, dtype, p, training, *, upcast_qk: bool = False):
     """GPT-Neo's attention: unscaled scores (scale 1), `torch.where(causal, scores, tensor(finfo.min))`,
-    the additive mask added after, the softmax cast to v's dtype, dropout."""
+    the additive mask added after, the softmax cast to v's dtype, dropout; q and k cast to fp32
+    first (upcast_qk, as GPT-Neo writes it)."""
+    if upcast_qk:
+        q, k = q.to(torch.float32), k.to(torch.float32)
     s = torch.where(keep, torch.matmul(q, k.transpose(d0, d1)), torch.tensor(fill, dtype=fill_dtype, device=device))
     a = F.dropout(torch.softmax(s + mask, -1).to(dtype), p, training, False)
     return torch.matmul(a, v)
 
 
-def attention_chain_where_add_fused(q, k, v, d0, d1, keep, fill, fill_dtype, device, mask, dtype, p, training):
+def attention_chain_where_add_fused(q, k, v, d0, d1, keep, fill, fill_dtype, device, mask, dtype, p, training, *,
+                                    upcast_qk: bool = False):
     # The unfused score of a dropped key is fill + mask, whatever q k^T is; the op adds q k^T to it,
     # which the huge fill absorbs (|q k^T| < ulp(finfo.min) / 2): the same scores, so the same softmax.
     # A row the where() drops whole is then a finite mask covering the row, uniform as unfused, with
     # the op's documented gradient cancellation there (kernels/attention.py); GPT-Neo's causal and
     # local masks always keep the diagonal.
+    mask = mask.to(fill_dtype)  # the unfused sum is in the scores' dtype (fp32 beside a 16-bit mask)
     return ops.attention(q, k, v, torch.where(keep, mask, mask + fill), p if training else 0.0, False, 1.0)
 
 
@@ -499,22 +523,30 @@ PATTERNS = (
       itertools.product(("add", ""), (False, True))),
     *(_chain_pattern("mul", masking, dropout, softmax, softcap=True) for masking, dropout, softmax in
       itertools.product(("add", ""), (True, False), ("upcast", "plain"))),
+    # GPT-J's eager chain on q and k cast to fp32 (16-bit models); before the plain chains
+    _chain_pattern("div", "add", True, "cast", upcast_qk=True),
     *(_chain_pattern(*opts) for opts in itertools.product(
         ("mul", "div"), ("add", "masked_fill", "where", ""), (True, False), ("plain", "upcast", "cast"))),
     # ALiBi and the older Hugging Face spellings (BLOOM, CodeGen, MPT, GPT-Neo)
     Pattern("attention_alibi_baddbmm", "attention", attention_alibi_baddbmm, attention_alibi_baddbmm_fused,
             ("attention",), (_transposes_last_two, _alibi_baddbmm_shapes, needs_number("p"), needs_bool("training"),
                              _casts_back_to_q)),
-    Pattern("attention_chain_add_div", "attention", attention_chain_add_div, attention_chain_add_div_fused,
-            ("attention",), (_transposes_last_two, _scale_is_number, needs_number("scale", "p"), needs_bool("training"),
-                             _float_mask("mask"), _cast_is_a_no_op)),
+    *(Pattern("attention_chain_add_div" + ("_upcast_q_k" if upcast else ""), "attention",
+              functools.partial(attention_chain_add_div, upcast_qk=upcast),
+              functools.partial(attention_chain_add_div_fused, upcast_qk=upcast), ("attention",),
+              (_transposes_last_two, _scale_is_number, needs_number("scale", "p"), needs_bool("training"),
+               _float_mask("mask"), _cast_is_a_no_op, *([_q_k_v_share_a_dtype] if upcast else [])))
+      for upcast in (True, False)),
     Pattern("attention_chain_mul_add_masked_fill", "attention", attention_chain_mul_add_masked_fill,
             attention_chain_mul_add_masked_fill_fused, ("attention",),
             (_transposes_last_two, _scale_is_number, needs_number("scale", "p"), needs_bool("training"),
              _float_mask("bias"), _bool_mask("mask"), functools.partial(_fill_masks, dropout=True), _cast_is_a_no_op)),
-    Pattern("attention_chain_where_add", "attention", attention_chain_where_add, attention_chain_where_add_fused,
-            ("attention",), (_transposes_last_two, needs_number("p"), needs_bool("training"), _bool_mask("keep"),
-                             _float_mask("mask"), _fill_is_huge, _cast_is_a_no_op)),
+    *(Pattern("attention_chain_where_add" + ("_upcast_q_k" if upcast else ""), "attention",
+              functools.partial(attention_chain_where_add, upcast_qk=upcast),
+              functools.partial(attention_chain_where_add_fused, upcast_qk=upcast), ("attention",),
+              (_transposes_last_two, needs_number("p"), needs_bool("training"), _bool_mask("keep"), _float_mask("mask"),
+               _fill_is_huge, _cast_is_a_no_op, *([_q_k_v_share_a_dtype] if upcast else [])))
+      for upcast in (True, False)),
     _bmm_scaled_k_pattern(add_bias=True),
     _bmm_scaled_k_pattern(add_bias=False),
     Pattern("self_attention_mha", "attention", self_attention_mha, self_attention_mha_fused, ("attention",),

@@ -334,6 +334,37 @@ def test_older_hf_spelling_fuses_and_matches(fn, buffers, pattern):
     assert report.by_pattern() == {pattern: 1}
 
 
+def chain_gptj_fp16(m, q, k, v):  # GPT-J in a 16-bit model: q and k cast to fp32 before the product
+    q, k, v = q.half().to(torch.float32), k.half().to(torch.float32), v.half()
+    w = torch.matmul(q, k.transpose(-1, -2)) / 2.5 + m.mask.half()
+    return torch.matmul(F.dropout(F.softmax(w, dim=-1).to(v.dtype), p=0.0, training=m.training), v)
+
+
+def chain_codegen_fp16(m, q, k, v):
+    q, k, v = q.half().to(torch.float32), k.half().to(torch.float32), v.half()
+    w = (torch.matmul(q, k.transpose(-1, -2)) + m.mask.half()) / 2.5
+    return torch.matmul(F.dropout(F.softmax(w, dim=-1).to(v.dtype), p=0.0, training=m.training), v)
+
+
+def chain_gpt_neo_fp16(m, q, k, v):
+    q, k, v = q.half().to(torch.float32), k.half().to(torch.float32), v.half()
+    w = torch.matmul(q, k.transpose(-1, -2))
+    w = torch.where(m.keep, w, torch.tensor(torch.finfo(w.dtype).min, dtype=w.dtype, device=w.device))
+    return torch.matmul(F.dropout(F.softmax(w + m.mask.half(), dim=-1).to(v.dtype), p=0.0, training=m.training), v)
+
+
+@pytest.mark.parametrize("fn, buffers, pattern", [
+    (chain_gptj_fp16, {"mask": ADDITIVE}, "attention_chain_div_add_dropout_cast_upcast_q_k"),
+    (chain_codegen_fp16, {"mask": ADDITIVE}, "attention_chain_add_div_upcast_q_k"),
+    (chain_gpt_neo_fp16, {"keep": KEEP, "mask": ADDITIVE}, "attention_chain_where_add_upcast_q_k"),
+], ids=lambda v: v.__name__ if callable(v) else None)
+def test_fp32_upcast_of_16_bit_q_and_k_fuses(fn, buffers, pattern):
+    """GPT-J's, CodeGen's and GPT-Neo's `query.to(torch.float32)` in a 16-bit model: the op takes the
+    fp16 q and k (its scores are fp32) and fp16 v (outputs only, as for the rotary's upcast)."""
+    report = check_against_unfused(functools.partial(Fn, fn, **buffers), qkv(), "dynamo", grads=False)
+    assert report.by_pattern() == {pattern: 1}
+
+
 # ---------------------------------------------------------------------------------------------
 # Negatives
 # ---------------------------------------------------------------------------------------------
