@@ -5,9 +5,13 @@ model (fp32, dropout off), and the ops left as the model wrote them. Runs on a C
 
     TRITON_INTERPRET=1 python bench/bench_coverage.py [family ...]   # writes bench/results/coverage.*
 
+Named families replace their rows in the results and keep the others' (the header's date is then
+that of the latest run).
+
 This is coverage, not speed: the speed of what is fused is in the per-op and end-to-end tables.
 """
 import copy
+import json
 import sys
 import time
 import warnings
@@ -82,6 +86,21 @@ FAMILIES = {
     # disentangled attention (transformers has only its eager code for it)
     "deberta-v2": ("masked", {**_DECODER, "relative_attention": True, "pos_att_type": ["p2c", "c2p"],
                               "position_buckets": 8, "attn_implementation": "eager"}),
+    # older decoders with transformers' eager attention only, their blocks returning the attention
+    # weights: GPT-J and CodeGen (interleaved partial rotary, parallel block), GPT-Neo (a global
+    # and a local layer, window 4 of 12), BLOOM and MPT (ALiBi), XGLM
+    "gptj": ("causal", {"n_embd": HIDDEN, "n_layer": LAYERS, "n_head": HEADS, "rotary_dim": 8,
+                        "attn_implementation": "eager"}),
+    "codegen": ("causal", {"n_embd": HIDDEN, "n_layer": LAYERS, "n_head": HEADS, "rotary_dim": 8, "n_ctx": 64,
+                           "attn_implementation": "eager"}),
+    "gpt_neo": ("causal", {**_DECODER, "attention_types": [[["global", "local"], LAYERS // 2]], "window_size": 4,
+                           "attn_implementation": "eager"}),
+    "bloom": ("causal", {"hidden_size": HIDDEN, "n_layer": LAYERS, "n_head": HEADS, "attn_implementation": "eager"}),
+    "mpt": ("causal", {"d_model": HIDDEN, "n_layers": LAYERS, "n_heads": HEADS, "attn_config": {"attn_pdrop": 0},
+                       "emb_pdrop": 0, "attn_implementation": "eager"}),
+    "biogpt": ("causal", _DECODER),
+    "xglm": ("causal", {"d_model": HIDDEN, "num_layers": LAYERS, "attention_heads": HEADS, "ffn_dim": 2 * HIDDEN,
+                        "attn_implementation": "eager"}),
 }
 _NO_DROPOUT = {k: 0.0 for k in (
     "hidden_dropout_prob", "attention_probs_dropout_prob", "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout",
@@ -161,8 +180,20 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001  (one family failing is a finding, not the end of the sweep)
             rows.append({"family": family, "replaced": f"FAILED: {type(e).__name__}: {str(e)[:120]}"})
         print(rows[-1], flush=True)
+    if sys.argv[1:]:
+        rows = _merged(rows)
     H.print_table(rows, COLUMNS)
     H.write_results("coverage", rows, COLUMNS)
+
+
+def _merged(rows: list[dict]) -> list[dict]:
+    """The rows of the families just measured, with the other families' rows of the results file
+    kept as they were, in FAMILIES order."""
+    path = H.RESULTS_DIR / "coverage.json"
+    old = json.loads(path.read_text())["rows"] if path.exists() else []
+    by_family = {r["family"]: r for r in old} | {r["family"]: r for r in rows}
+    order = [f for f in FAMILIES if f in by_family] + [f for f in by_family if f not in FAMILIES]
+    return [by_family[f] for f in order]
 
 
 def test_coverage_smoke():

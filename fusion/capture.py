@@ -43,7 +43,7 @@ import torch
 from torch import fx
 from torch.utils.checkpoint import checkpoint
 
-from ..patterns._base import Pattern
+from ..patterns._base import Pattern, example_value
 from .normalize import canonicalize
 from .rewriter import RewriteLog, rewrite_graph
 
@@ -310,6 +310,8 @@ class DynamoUnit(Unit):
         self._capture: Capture | None = None
         self._running: Capture | None = None
         self._current: tuple[torch.nn.Module, tuple, dict] | None = None
+        self._dropped: list[tuple[fx.Node, fx.Node]] = []  # (probabilities, placeholder) of the graph in rewrite
+        self.drops_weights = False  # a capture returns None for the attention probabilities
         self.failed: str | None = None  # Dynamo could not capture this class: its calls run as written
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -319,6 +321,10 @@ class DynamoUnit(Unit):
         reason = unsupported_argument(args, kwargs)
         if reason is not None:
             return self._eager(module, args, kwargs, self._named_reason(args, kwargs, reason))
+        if self.drops_weights and kwargs.get("output_attentions") is not False:
+            # Dynamo does not guard on a flag the block never reads: the captured graph would return
+            # the placeholder here too
+            return self._eager(module, args, kwargs, "output_attentions not False: the attention probabilities are returned")
         self._call_seq += 1
         self._current = (module, args, kwargs)
         runs = self.runs
@@ -349,7 +355,47 @@ class DynamoUnit(Unit):
             self.last[module] = None
         else:
             self.last[module] = self._running
+        if isinstance(out, tuple) and any(v is _DROPPED_WEIGHTS for v in out):
+            out = _none_for_skipped_logits(out, _DROPPED_WEIGHTS)
         return out
+
+    def _before_rewrite(self, graph: fx.Graph) -> None:
+        """A block called with `output_attentions=False` that returns its attention probabilities
+        all the same (GPT-J, CodeGen, GPT-Neo, BLOOM, MPT: `return hidden_states, attn_weights`,
+        which their models drop unless output_attentions): the probabilities leave the graph's
+        outputs, replaced by `_dropped_weights()`, so an attention pattern may take the softmax.
+        `__call__` returns None in their place, as transformers' SDPA and flash attention return for
+        weights nobody asked for. Where no pattern takes them, `_annotate` puts them back. Once a
+        capture has dropped them, calls with output_attentions not False run as written."""
+        self._dropped = []
+        _, _, kwargs = self._current or (None, (), {})
+        if kwargs.get("output_attentions") is not False:
+            return
+        output = next(n for n in reversed(graph.nodes) if n.op == "output")
+        for value in list(output.all_input_nodes):
+            if _attention_probabilities(value):
+                with graph.inserting_before(output):
+                    placeholder = graph.call_function(_dropped_weights, ())
+                output.replace_input_with(value, placeholder)
+                self._dropped.append((value, placeholder))
+
+    def _annotate(self, graph: fx.Graph, log: RewriteLog) -> None:
+        live = set(graph.nodes)
+        output = next(n for n in reversed(graph.nodes) if n.op == "output")
+        dropped = 0
+        for value, placeholder in self._dropped:
+            if value in live:  # no attention pattern took it: the block returns it as written
+                output.replace_input_with(placeholder, value)
+                graph.erase_node(placeholder)
+            else:
+                dropped += 1
+        if dropped:
+            self.drops_weights = True
+            for r in log.replaced:
+                if r.family == "attention":
+                    r.note = "; ".join(n for n in (r.note, "its probabilities are not returned: output_attentions=False")
+                                       if n)
+        self._dropped = []
 
     def _compile(self, gm: fx.GraphModule) -> Callable[..., Any]:
         if self._capture is None or self._capture_seq != self._call_seq:
@@ -495,22 +541,50 @@ def _skipped_logits() -> torch.Tensor:
     return _SKIPPED
 
 
-def _none_for_skipped_logits(out: Any) -> Any:
-    """The model's output with the skipped-logits placeholder as None: a Hugging Face ModelOutput
-    (a dict subclass whose fields default to None) is rebuilt without it, a tuple or list gets None."""
+def _none_for_skipped_logits(out: Any, placeholder: torch.Tensor = _SKIPPED) -> Any:
+    """The model's output with the skipped-logits placeholder (or another) as None: a Hugging Face
+    ModelOutput (a dict subclass whose fields default to None) is rebuilt without it, a tuple or list
+    gets None."""
     if isinstance(out, dict):
-        if not any(v is _SKIPPED for v in out.values()):
+        if not any(v is placeholder for v in out.values()):
             return out
-        kept = {k: v for k, v in out.items() if v is not _SKIPPED}
+        kept = {k: v for k, v in out.items() if v is not placeholder}
         try:
             return type(out)(**kept)
         except TypeError:
-            return {k: (None if v is _SKIPPED else v) for k, v in out.items()}
+            return {k: (None if v is placeholder else v) for k, v in out.items()}
     if isinstance(out, (tuple, list)):
-        items = [_none_for_skipped_logits(v) if isinstance(v, (dict, tuple, list)) else
-                 (None if v is _SKIPPED else v) for v in out]
+        items = [_none_for_skipped_logits(v, placeholder) if isinstance(v, (dict, tuple, list)) else
+                 (None if v is placeholder else v) for v in out]
         return type(out)(items) if isinstance(out, list) or type(out) is tuple else type(out)(*items)
-    return None if out is _SKIPPED else out
+    return None if out is placeholder else out
+
+
+# What a block's graph returns in place of attention probabilities its caller did not ask for
+# (DynamoUnit._before_rewrite): zero-size, so any use of it fails loudly; None once returned.
+_DROPPED_WEIGHTS = torch.empty(0)
+
+
+def _dropped_weights() -> torch.Tensor:
+    return _DROPPED_WEIGHTS
+
+
+# Between a softmax and the probabilities a block returns: casts, dropout, views.
+_PROBABILITY_STEPS = {"to", "type", "float", "dropout", "view", "reshape", "contiguous"}
+
+
+def _attention_probabilities(node: fx.Node) -> bool:
+    """Whether `node` is a softmax over the last dim, or reached from one through casts, dropout and views."""
+    while True:
+        name = getattr(node.target, "__name__", node.target)
+        if node.op in ("call_function", "call_method") and name == "softmax":
+            dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+            return dim == -1 or (isinstance(dim, int) and isinstance(example_value(node), torch.Tensor)
+                                 and dim == example_value(node).dim() - 1)
+        if node.op not in ("call_function", "call_method") or name not in _PROBABILITY_STEPS or not node.args \
+                or not isinstance(node.args[0], fx.Node):
+            return False
+        node = node.args[0]
 
 
 # Logger methods Hugging Face adds to logging.Logger (`warning_once`, `info_once`). Dynamo breaks the

@@ -22,6 +22,18 @@ style: the score matrix never exists).
   Without relative attention the same chain without the add. A query row masked whole (DeBERTa
   masks padding queries too) is uniform before dropout in the unfused code: the replacement gives
   it a zero query and an open mask, so the op computes the same, dropout included.
+- The older Hugging Face spellings: BLOOM's ALiBi added by `alibi.baddbmm(q, k^T, beta, alpha)`
+  on (B*H, S, D) tensors (the bias and the additive mask become the op's float mask, alpha its
+  scale); CodeGen's additive mask before the scaling, `(q k^T + mask) / scale` (the op's mask is
+  mask / scale); MPT's ALiBi added to the scaled scores before `masked_fill(mask, finfo.min)` and a
+  softmax of an fp32 copy (`.float()`); GPT-Neo's unscaled scores (scale 1) under
+  `torch.where(causal, scores, torch.tensor(finfo.min))` with the additive mask added after (the op's
+  mask is the mask where causal keeps a key, fill + mask where not: the same scores, the huge fill
+  absorbing q k^T; a row the where() drops whole, which GPT-Neo's causal masks never do, has the
+  op's finite-mask gradients). GPT-J, CodeGen and GPT-Neo cast q and k to fp32 before the
+  product: in 16-bit models the op takes them uncast (its scores are fp32 whatever their dtype),
+  where q, k and v share a dtype. Their blocks return the probabilities too: fusion/capture.py drops them from
+  the graph's outputs when the block is called with output_attentions=False.
 - `F.multi_head_attention_forward` as `nn.MultiheadAttention` (and so nn.TransformerEncoder)
   calls it for self-attention without returned weights: its in-projection, heads and
   out-projection stay as matmuls around the fused attention.
@@ -45,7 +57,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from ._base import Match, Pattern, is_number, needs_bool, needs_number, ops
+from ._base import Filter, Match, Pattern, is_number, needs_bool, needs_number, ops
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask, dropout_p, is_causal, scale, enable_gqa):
@@ -108,14 +120,18 @@ def sdpa_gqa_fused(q, k, v, attn_mask, dropout_p, is_causal, scale, n_rep=None, 
 def attention_chain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, scale, mask: torch.Tensor,
                     fill, p, training, dtype, cap=None, k_shape=None, v_shape=None, k_heads=None, v_heads=None, *,
                     scaling: str, masking: str, dropout: bool, softmax: str, softcap: bool = False,
-                    repeat_kv: bool = False):
+                    repeat_kv: bool = False, upcast_qk: bool = False):
     """softmax(q @ k^T scaled [capped] [masked]) [cast] [dropped out] @ v, in the spelling the
     keywords choose.
 
     softmax: "plain", "upcast" (computed in fp32, cast to `dtype`), or "cast" (computed in the
     scores' dtype, then cast to `dtype`: GPT-2's `.type(value.dtype)`). softcap: Gemma 2's
     `tanh(s / cap) * cap` after the scaling. repeat_kv: k and v repeated per query group first,
-    as transformers' repeat_kv writes it (see sdpa_expand_kv)."""
+    as transformers' repeat_kv writes it (see sdpa_expand_kv). upcast_qk: q and k cast to fp32
+    before the product (GPT-J's `query.to(torch.float32)`); the op takes them as they were, its
+    scores being fp32 whatever q's dtype."""
+    if upcast_qk:
+        q, k = q.to(torch.float32), k.to(torch.float32)
     if repeat_kv:
         k = k[:, :, None, :, :].expand(k_shape).reshape(k_heads)
         v = v[:, :, None, :, :].expand(v_shape).reshape(v_heads)
@@ -142,7 +158,8 @@ def attention_chain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, s
 
 def attention_chain_fused(q, k, v, d0, d1, scale, mask=None, fill=None, p=0.0, training=False, dtype=None, cap=None,
                           k_shape=None, v_shape=None, k_heads=None, v_heads=None, *, scaling: str, masking: str,
-                          dropout: bool, softmax: str, softcap: bool = False, repeat_kv: bool = False):
+                          dropout: bool, softmax: str, softcap: bool = False, repeat_kv: bool = False,
+                          upcast_qk: bool = False):
     if masking == "masked_fill":
         mask = torch.logical_not(mask)  # masked_fill marks what to drop, an attention mask what to keep
     o = ops.attention(q, k, v, mask, p if training else 0.0, False, scale if scaling == "mul" else 1.0 / scale,
@@ -189,6 +206,16 @@ def _cast_is_a_no_op(m: Match) -> str | None:
     return None
 
 
+def _q_k_v_share_a_dtype(m: Match) -> str | None:
+    """q and k cast to fp32 before the product: fused where q, k and v had one dtype."""
+    q, k, v = m.value("q"), m.value("k"), m.value("v")
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return "no dtype for q, k or v"
+    if not q.dtype == k.dtype == v.dtype:
+        return f"q, k and v have dtypes {q.dtype}, {k.dtype}, {v.dtype} before the fp32 cast of q and k"
+    return None
+
+
 def _fill_masks(m: Match, dropout: bool) -> str | None:
     """The masked_fill / where value is -inf, or the scores' finfo.min with no active dropout."""
     fill, q = m["fill"], m.value("q")
@@ -214,14 +241,14 @@ def _cap_is_a_positive_number(m: Match) -> str | None:
 
 
 def _chain_pattern(scaling: str, masking: str, dropout: bool, softmax: str, softcap: bool = False,
-                   repeat_kv: bool = False) -> Pattern:
+                   repeat_kv: bool = False, upcast_qk: bool = False) -> Pattern:
     opts = {"scaling": scaling, "masking": masking, "dropout": dropout, "softmax": softmax, "softcap": softcap,
-            "repeat_kv": repeat_kv}
+            "repeat_kv": repeat_kv, "upcast_qk": upcast_qk}
     name = "_".join(["attention_chain", scaling, *(["softcap"] if softcap else []), masking or "no_mask",
                      "dropout" if dropout else "no_dropout", *([softmax] if softmax != "plain" else []),
-                     *(["repeat_kv"] if repeat_kv else [])])
+                     *(["repeat_kv"] if repeat_kv else []), *(["upcast_q_k"] if upcast_qk else [])])
     filters = [_transposes_last_two, _scale_is_number, *([_cap_is_a_positive_number] if softcap else []),
-               *([_kv_repeated_over_heads] if repeat_kv else [])]
+               *([_kv_repeated_over_heads] if repeat_kv else []), *([_q_k_v_share_a_dtype] if upcast_qk else [])]
     if dropout:
         filters += [needs_number("p"), needs_bool("training")]
     if masking in ("masked_fill", "where"):
@@ -306,6 +333,142 @@ def _bmm_scaled_k_pattern(add_bias: bool) -> Pattern:
                     functools.partial(_fill_masks, dropout=False)))
 
 
+def attention_alibi_baddbmm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi: torch.Tensor, d0, d1, beta,
+                            alpha, heads_shape, mask: torch.Tensor, dtype, p, training, flat_shape):
+    """BLOOM's attention: q, k, v (B*H, S, D); ALiBi (B*H, 1, Sk) added by `baddbmm` with the
+    scaling as its alpha; the scores viewed per head (B, H, Sq, Sk) for the additive mask, the
+    softmax in fp32 cast back, dropout, flattened back for the `bmm` with v."""
+    s = alibi.baddbmm(batch1=q, batch2=k.transpose(d0, d1), beta=beta, alpha=alpha)
+    s = s.view(heads_shape) + mask
+    a = F.dropout(torch.softmax(s, -1, torch.float32).to(dtype), p, training, False)
+    return torch.bmm(a.view(flat_shape), v)
+
+
+def attention_alibi_baddbmm_fused(q, k, v, alibi, d0, d1, beta, alpha, heads_shape, mask, dtype, p, training,
+                                  flat_shape):
+    heads, seq_q, seq_k = heads_shape[1], q.shape[1], k.shape[1]
+    bias = alibi.view(-1, heads, 1, alibi.shape[2])
+    if beta != 1:
+        bias = bias * beta
+    o = ops.attention(q.view(-1, heads, seq_q, q.shape[2]), k.view(-1, heads, seq_k, k.shape[2]),
+                      v.view(-1, heads, seq_k, v.shape[2]), bias + mask, p if training else 0.0, False, alpha)
+    return o.reshape(-1, seq_q, v.shape[2])
+
+
+def _alibi_baddbmm_shapes(m: Match) -> str | None:
+    """q, k, v (B*H, S, D); ALiBi one row per (batch, head), broadcast over the queries; the scores
+    viewed as (B, H, Sq, Sk) with a constant H and back; alpha and beta numbers."""
+    q, k, v, alibi, mask = (m.value(n) for n in ("q", "k", "v", "alibi", "mask"))
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (q, k, v, alibi)):
+        return "q, k, v and the ALiBi bias are not all 3-D (batch * heads, seq, ...)"
+    if alibi.shape[1] != 1 or alibi.shape[0] != q.shape[0]:
+        return f"the ALiBi bias has shape {tuple(alibi.shape)}, not (batch * heads, 1, keys)"
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or not mask.is_floating_point():
+        return "the mask is not a 4-D float (additive) mask"
+    heads_shape = m["heads_shape"]
+    if not isinstance(heads_shape, (tuple, list)) or len(heads_shape) != 4 or not is_number(heads_shape[1]) \
+            or (is_number(q.shape[0]) and q.shape[0] % heads_shape[1]):
+        return f"the scores are viewed as {heads_shape!r}, not (batch, heads, seq, seq) with a constant heads"
+    flat_shape = m["flat_shape"]
+    if not isinstance(flat_shape, (tuple, list)) or len(flat_shape) != 3:
+        return f"the probabilities are viewed as {flat_shape!r}, not (batch * heads, seq, seq)"
+    if not is_number(m["alpha"]) or not is_number(m["beta"]):
+        return "baddbmm's alpha or beta is not a constant number"
+    return None
+
+
+def attention_chain_add_div(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, mask: torch.Tensor, scale,
+                            dtype, p, training, *, upcast_qk: bool = False):
+    """CodeGen's attention: the additive mask before the scaling, `(q k^T + mask) / scale`, the
+    softmax cast to v's dtype, dropout; q and k cast to fp32 first (upcast_qk, as CodeGen writes it)."""
+    if upcast_qk:
+        q, k = q.to(torch.float32), k.to(torch.float32)
+    s = (torch.matmul(q, k.transpose(d0, d1)) + mask) / scale
+    a = F.dropout(torch.softmax(s, -1).to(dtype), p, training, False)
+    return torch.matmul(a, v)
+
+
+def attention_chain_add_div_fused(q, k, v, d0, d1, mask, scale, dtype, p, training, *, upcast_qk: bool = False):
+    # (s + m) / c = s / c + m / c: the mask scaled as the scores are
+    return ops.attention(q, k, v, mask / scale, p if training else 0.0, False, 1.0 / scale)
+
+
+def attention_chain_mul_add_masked_fill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, scale,
+                                        bias: torch.Tensor, mask: torch.Tensor, fill, dtype, p, training):
+    """MPT's attention: scaled scores, ALiBi added, `masked_fill(mask, finfo.min)`, the softmax of
+    an fp32 copy (`.float()`) cast to v's dtype, dropout."""
+    s = torch.matmul(q, k.transpose(d0, d1)) * scale + bias
+    s = s.masked_fill(mask, fill)
+    a = F.dropout(torch.softmax(s.to(torch.float32), -1).to(dtype), p, training, False)
+    return torch.matmul(a, v)
+
+
+def attention_chain_mul_add_masked_fill_fused(q, k, v, d0, d1, scale, bias, mask, fill, dtype, p, training):
+    keep = torch.logical_not(mask)
+    # where the mask drops a key the unfused score is `fill`, whatever the bias: -inf for the op. The
+    # bias keeps its dtype (MPT's fp32 ALiBi beside 16-bit scores promotes them, as the op's fp32 sum does)
+    o = ops.attention(q, k, v, torch.where(keep, bias, float("-inf")), p if training else 0.0, False, scale)
+    if fill != float("-inf"):
+        # finfo.min: a row masked whole is uniform in the unfused softmax (as in attention_chain_fused)
+        o = torch.where(keep.any(-1, keepdim=True), o, v.mean(-2, keepdim=True))
+    return o
+
+
+def attention_chain_where_add(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, keep: torch.Tensor, fill,
+                              fill_dtype, device, mask: torch.Tensor, dtype, p, training, *, upcast_qk: bool = False):
+    """GPT-Neo's attention: unscaled scores (scale 1), `torch.where(causal, scores, tensor(finfo.min))`,
+    the additive mask added after, the softmax cast to v's dtype, dropout; q and k cast to fp32
+    first (upcast_qk, as GPT-Neo writes it)."""
+    if upcast_qk:
+        q, k = q.to(torch.float32), k.to(torch.float32)
+    s = torch.where(keep, torch.matmul(q, k.transpose(d0, d1)), torch.tensor(fill, dtype=fill_dtype, device=device))
+    a = F.dropout(torch.softmax(s + mask, -1).to(dtype), p, training, False)
+    return torch.matmul(a, v)
+
+
+def attention_chain_where_add_fused(q, k, v, d0, d1, keep, fill, fill_dtype, device, mask, dtype, p, training, *,
+                                    upcast_qk: bool = False):
+    # The unfused score of a dropped key is fill + mask, whatever q k^T is; the op adds q k^T to it,
+    # which the huge fill absorbs (|q k^T| < ulp(finfo.min) / 2): the same scores, so the same softmax.
+    # A row the where() drops whole is then a finite mask covering the row, uniform as unfused, with
+    # the op's documented gradient cancellation there (kernels/attention.py); GPT-Neo's causal and
+    # local masks always keep the diagonal.
+    mask = mask.to(fill_dtype)  # the unfused sum is in the scores' dtype (fp32 beside a 16-bit mask)
+    return ops.attention(q, k, v, torch.where(keep, mask, mask + fill), p if training else 0.0, False, 1.0)
+
+
+def _float_mask(name: str) -> Filter:
+    def check(m: Match) -> str | None:
+        mask = m.value(name)
+        if not isinstance(mask, torch.Tensor) or not mask.is_floating_point() or mask.dim() > 4:
+            return f"{name} is not a float (additive) mask of at most 4 dims"
+        return None
+
+    check.__name__ = f"_float_mask({name})"
+    return check
+
+
+def _bool_mask(name: str) -> Filter:
+    def check(m: Match) -> str | None:
+        mask = m.value(name)
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+            return f"{name} is not a bool mask"
+        return None
+
+    check.__name__ = f"_bool_mask({name})"
+    return check
+
+
+def _fill_is_huge(m: Match) -> str | None:
+    """GPT-Neo's fill is -inf or finfo(dtype).min, so that it absorbs the scores it replaces."""
+    fill, dtype = m["fill"], m["fill_dtype"]
+    if not is_number(fill) or not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        return f"the fill is {fill!r} in {dtype!r}, not a constant number in a float dtype"
+    if fill != float("-inf") and fill != torch.finfo(dtype).min:
+        return f"a finite fill {fill} that is not finfo({dtype}).min: it does not absorb the scores"
+    return None
+
+
 def self_attention_mha(x: torch.Tensor, embed_dim, num_heads, in_w: torch.Tensor, in_b, dropout_p,
                        out_w: torch.Tensor, out_b, training, average_attn_weights, key_padding_mask, attn_mask,
                        is_causal):
@@ -360,8 +523,30 @@ PATTERNS = (
       itertools.product(("add", ""), (False, True))),
     *(_chain_pattern("mul", masking, dropout, softmax, softcap=True) for masking, dropout, softmax in
       itertools.product(("add", ""), (True, False), ("upcast", "plain"))),
+    # GPT-J's eager chain on q and k cast to fp32 (16-bit models); before the plain chains
+    _chain_pattern("div", "add", True, "cast", upcast_qk=True),
     *(_chain_pattern(*opts) for opts in itertools.product(
         ("mul", "div"), ("add", "masked_fill", "where", ""), (True, False), ("plain", "upcast", "cast"))),
+    # ALiBi and the older Hugging Face spellings (BLOOM, CodeGen, MPT, GPT-Neo)
+    Pattern("attention_alibi_baddbmm", "attention", attention_alibi_baddbmm, attention_alibi_baddbmm_fused,
+            ("attention",), (_transposes_last_two, _alibi_baddbmm_shapes, needs_number("p"), needs_bool("training"),
+                             _casts_back_to_q)),
+    *(Pattern("attention_chain_add_div" + ("_upcast_q_k" if upcast else ""), "attention",
+              functools.partial(attention_chain_add_div, upcast_qk=upcast),
+              functools.partial(attention_chain_add_div_fused, upcast_qk=upcast), ("attention",),
+              (_transposes_last_two, _scale_is_number, needs_number("scale", "p"), needs_bool("training"),
+               _float_mask("mask"), _cast_is_a_no_op, *([_q_k_v_share_a_dtype] if upcast else [])))
+      for upcast in (True, False)),
+    Pattern("attention_chain_mul_add_masked_fill", "attention", attention_chain_mul_add_masked_fill,
+            attention_chain_mul_add_masked_fill_fused, ("attention",),
+            (_transposes_last_two, _scale_is_number, needs_number("scale", "p"), needs_bool("training"),
+             _float_mask("bias"), _bool_mask("mask"), functools.partial(_fill_masks, dropout=True), _cast_is_a_no_op)),
+    *(Pattern("attention_chain_where_add" + ("_upcast_q_k" if upcast else ""), "attention",
+              functools.partial(attention_chain_where_add, upcast_qk=upcast),
+              functools.partial(attention_chain_where_add_fused, upcast_qk=upcast), ("attention",),
+              (_transposes_last_two, needs_number("p"), needs_bool("training"), _bool_mask("keep"), _float_mask("mask"),
+               _fill_is_huge, _cast_is_a_no_op, *([_q_k_v_share_a_dtype] if upcast else [])))
+      for upcast in (True, False)),
     _bmm_scaled_k_pattern(add_bias=True),
     _bmm_scaled_k_pattern(add_bias=False),
     Pattern("self_attention_mha", "attention", self_attention_mha, self_attention_mha_fused, ("attention",),

@@ -26,8 +26,9 @@ The interleaved convention (Cohere, GLM, Helium) becomes the op with `interleave
 on GLM's partial-rotary slices as above. Cohere's `q.float()` before it and `.to(dtype)` after it
 stay as written: the op takes the fp32 q and k. Filters: the pairing is exactly (0::2, 1::2) of
 the last dim (the stack along the new last dim, the flatten of the last two); cos and sin 4-D.
-Not matched: GPT-J's own `rotate_every_two` (`x[:, :, :, ::2]` on (B, S, H, D) tensors, which
-the op does not take), swapped or sign-flipped pairs.
+GPT-J's and CodeGen's own `rotate_every_two` (`x[:, :, :, ::2]` on (B, S, H, D) tensors, their
+(B, S, D/2) tables repeated per pair for each use) becomes the op on the same tensors transposed
+to (B, H, S, D) (views), q and k in one call. Not matched: swapped or sign-flipped pairs.
 """
 import torch
 
@@ -108,6 +109,65 @@ def rotary_interleaved_fused(x, cos, sin, x_start=None, dim=None, flat=None):
     return ops.rotary_embedding(x, None, cos, sin, interleaved=True)[0]
 
 
+# GPT-J's and CodeGen's rotate_every_two on (B, S, H, D) tensors (the first rotary_dim of each
+# head), before the heads move to dim 1, with (B, S, D/2) tables each repeated per pair and per use
+# (`repeat_interleave(t[:, :, None, :], 2, 3)`, once for q and once for k). The op takes (B, H, S, D)
+# in any strides: the replacement hands it the same tensors transposed (views; the maths is
+# elementwise, so relabelling two dims changes nothing) and transposes its result back.
+
+
+def _every_two(x):
+    return torch.stack((-x[:, :, :, 1::2], x[:, :, :, ::2]), dim=-1).flatten(-2)
+
+
+def _per_pair(t):
+    return torch.repeat_interleave(t[:, :, None, :], 2, 3)
+
+
+def rotary_every_two_q_k(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """GPT-J's apply_rotary_pos_emb on k, then on q, with the (B, S, D/2) tables."""
+    k_embed = k * _per_pair(cos) + _every_two(k) * _per_pair(sin)
+    q_embed = q * _per_pair(cos) + _every_two(q) * _per_pair(sin)
+    return q_embed, k_embed
+
+
+def rotary_every_two_q_k_fused(q, k, cos, sin):
+    cos, sin = _per_pair(cos).transpose(1, 2), _per_pair(sin).transpose(1, 2)
+    out = ops.rotary_embedding(q.transpose(1, 2), k.transpose(1, 2), cos, sin, interleaved=True)
+    return out[0].transpose(1, 2), out[1].transpose(1, 2)
+
+
+def rotary_every_two(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """One (B, S, H, D) tensor rotated alone, with (B, S, 1, D) tables."""
+    return x * cos + _every_two(x) * sin
+
+
+def rotary_every_two_fused(x, cos, sin):
+    return ops.rotary_embedding(x.transpose(1, 2), None, cos.transpose(1, 2), sin.transpose(1, 2),
+                                interleaved=True)[0].transpose(1, 2)
+
+
+def _positions_on_dim_1(names: tuple[str, ...], unsqueezed: bool):
+    """x (B, S, H, D) with tables of its positions: (B or 1, S, D/2) before the per-pair repeat,
+    (B or 1, S, 1, D) after it."""
+
+    def check(m: Match) -> str | None:
+        for name in names:
+            x = m.value(name)
+            if not isinstance(x, torch.Tensor) or x.dim() != 4:
+                return f"{name} is not 4-D (batch, seq, heads, head_dim)"
+            for table in ("cos", "sin"):
+                t = m.value(table)
+                if not isinstance(t, torch.Tensor) or t.dim() != (4 if unsqueezed else 3):
+                    return f"{table} is not {'(batch, seq, 1, D)' if unsqueezed else '(batch, seq, D/2)'}"
+                if t.shape[1] != x.shape[1] or (unsqueezed and t.shape[2] != 1):
+                    return f"{table} {tuple(t.shape)} does not give {name} {tuple(x.shape)} one row per position"
+        return None
+
+    check.__name__ = "positions_on_dim_1"
+    return check
+
+
 def _pairs_last_dim(names: tuple[str, ...]):
     def check(m: Match) -> str | None:
         dim, flat = m.value("dim"), m.value("flat")
@@ -151,4 +211,8 @@ PATTERNS = (
             (_pairs_last_dim(("q", "k")), _cos_sin_are_4d)),
     Pattern("rotary_interleaved", "rotary", rotary_interleaved, rotary_interleaved_fused, _OPS,
             (_pairs_last_dim(("x",)), _cos_sin_are_4d)),
+    Pattern("rotary_every_two_q_k", "rotary", rotary_every_two_q_k, rotary_every_two_q_k_fused, _OPS,
+            (_positions_on_dim_1(("q", "k"), unsqueezed=False),)),
+    Pattern("rotary_every_two", "rotary", rotary_every_two, rotary_every_two_fused, _OPS,
+            (_positions_on_dim_1(("x",), unsqueezed=True),)),
 )

@@ -183,6 +183,30 @@ _FAMILIES.update({
                     "layer_types": ["sliding_attention", "full_attention"], "per_layer_config": {"01": {"head_dim": HIDDEN}},
                     "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 8},
 })
+_FAMILIES.update({
+    # Older decoders whose blocks return their attention weights (the blocks' second output), with
+    # transformers' eager attention only. GPT-J and CodeGen: interleaved rotary (`rotate_every_two`)
+    # on the first rotary_dim of each head of (B, S, H, D) tensors, q and k in fp32, a parallel block (attention + MLP +
+    # residual in one sum). CodeGen splits its fused qkv in mp_num = 4 groups (heads a multiple of 4).
+    "gptj": {**_DECODER, "rotary_dim": 8, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+             "attn_implementation": "eager"},
+    "codegen": {**_DECODER, "num_attention_heads": 4, "rotary_dim": 4, "n_ctx": 64, "resid_pdrop": 0.0,
+                "embd_pdrop": 0.0, "attn_pdrop": 0.0, "attn_implementation": "eager"},
+    # GPT-Neo: unscaled scores in fp32, `torch.where(causal, scores, finfo.min)`; a global layer and
+    # a local one (a window narrower than the test's sequence)
+    "gpt_neo": {**_DECODER, **_MLP, "attention_types": [[["global", "local"], LAYERS // 2]], "window_size": 4,
+                "resid_dropout": 0.0, "embed_dropout": 0.0, "attention_dropout": 0.0, "attn_implementation": "eager"},
+    # BLOOM: ALiBi through `alibi.baddbmm(q, k^T, beta=1, alpha=1/sqrt(d))` on (B*H, S, D) tensors, a
+    # LayerNorm on the embeddings, its own GeLU (an autograd.Function in training)
+    "bloom": {**_DECODER, "hidden_dropout": 0.0, "attention_dropout": 0.0, "attn_implementation": "eager"},
+    # MPT: ALiBi, no biases in its linears and LayerNorms, its MLP 4x wide whatever the config says
+    "mpt": {**_DECODER, "attn_config": {"attn_pdrop": 0}, "resid_pdrop": 0, "emb_pdrop": 0,
+            "attn_implementation": "eager"},
+    # BioGPT: pre-norm blocks with SDPA. (XGLM is not here: its eager attention clamps the scores with
+    # torch.full((), finfo(dtype).min) in the default dtype, which overflows in the float64 oracle.)
+    "biogpt": {**_DECODER, **_MLP, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
+               "activation_dropout": 0.0},
+})
 SEQ2SEQ = ("t5", "bart")
 MASKED = ("modernbert", "deberta-v2")
 SPEECH = ("whisper",)

@@ -33,6 +33,8 @@ EAGER_ATTENTION = {"gpt2-eager": "attention_chain_mul_add_dropout_cast",
 # In eval without grad, nn.TransformerEncoderLayer runs PyTorch's own fused fast path
 # (torch._transformer_encoder_layer_fwd): nothing is left to fuse there.
 EVAL_FAST_PATH = ("encoder-post-norm", "encoder-pre-norm")
+# BLOOM's GeLU is an autograd.Function in training and its tanh formula written out in eval: fused in eval only.
+EVAL_ONLY = {"bloom": {"bias_gelu": L}}
 
 
 def _family(name):
@@ -129,6 +131,24 @@ MODELS = {
     # the per-layer input gate
     "gemma4_text": (_family("gemma4_text"), {"rms_norm": 16, "attention": L, "residual_stream": L, "rotary": 2 * L,
                                              "gated_activation": 2 * L, **LOSS}),
+    # Blocks that return their attention weights whatever output_attentions says (GPT-J, CodeGen,
+    # GPT-Neo, BLOOM, MPT): called with output_attentions=False they return None in their place, and
+    # the attention fuses: GPT-J's as GPT-2's eager chain, CodeGen's mask added before the scaling,
+    # GPT-Neo's unscaled scores under a causal where() and an additive mask, BLOOM's ALiBi through
+    # baddbmm, MPT's ALiBi added before a masked_fill. GPT-J and CodeGen's parallel block ends in
+    # attention + MLP + residual, no norm after it: the MLP's dropout and add fuse; their interleaved
+    # partial rotary (rotate_every_two on (B, S, H, D)) fuses. BLOOM's GeLU is an autograd.Function
+    # in training (EVAL_ONLY); MPT's MLP has no bias.
+    "gptj": (_family("gptj"), {"layer_norm": L + 1, "attention": L, "bias_gelu": L, "dropout_add": L, **ROTARY,
+                               **LOSS}),
+    "codegen": (_family("codegen"), {"layer_norm": L + 1, "attention": L, "bias_gelu": L, "dropout_add": L,
+                                     **ROTARY, **LOSS}),
+    "gpt_neo": (_family("gpt_neo"), {"layer_norm": L + 1, "attention": L, "bias_gelu": L, "residual_stream": L,
+                                     "dropout_add": L, **LOSS}),
+    "bloom": (_family("bloom"), {"layer_norm": L + 2, "attention": L, "residual_stream": L, "dropout_add": L,
+                                 **LOSS}),
+    "mpt": (_family("mpt"), {"layer_norm": L + 1, "attention": L, "residual_stream": L, "dropout_add": L, **LOSS}),
+    "biogpt": (_family("biogpt"), {**PRE_NORM, **LOSS}),
 }
 OPS = {"layer_norm": ("trifuse::layer_norm",), "rms_norm": ("trifuse::rms_norm",),
        "attention": ("trifuse::attention",), "bias_gelu": ("trifuse::bias_gelu",),
@@ -154,6 +174,7 @@ def test_fused_model_matches_and_runs_trifuse_ops(name):
     build, counts = MODELS[name]
     counts = available_counts(counts)
     eval_counts = {} if name in EVAL_FAST_PATH else {k: v for k, v in counts.items() if k != "cross_entropy"}
+    eval_counts.update(available_counts(EVAL_ONLY.get(name, {})))
     torch.manual_seed(0)
     model, inputs, loss_fn = build()
     ref, ref64 = copy.deepcopy(model), copy.deepcopy(model).double()
@@ -239,6 +260,25 @@ def test_t5_self_attention_with_its_position_bias_is_fused():
         bias64 = getattr(ref64, stack).block[0].layer[0].SelfAttention.relative_attention_bias.weight
         assert bias.grad is not None and bias.grad.abs().max() > 0
         assert_close(f"{stack} position bias grad", bias.grad, bias64.grad, None)
+
+
+def test_attention_weights_still_returned_when_asked_for():
+    """GPT-J's blocks return their attention probabilities whatever output_attentions says: fused
+    with output_attentions=False (None in their place), as written with True (the weights equal the
+    unfused model's, the attention left)."""
+    torch.manual_seed(0)
+    model, inputs, _ = _models.hf_family("gptj")
+    ref64 = copy.deepcopy(model).double()
+    trifuse.fuse(model)
+    kw = {k: v for k, v in inputs(2, 8).items() if k != "labels"}
+    assert model(**kw).attentions is None
+    assert trifuse.report(model).counts().get("attention", 0) == available_counts({"attention": L}).get("attention", 0)
+    out, out64 = model(**kw, output_attentions=True), ref64(**kw, output_attentions=True)
+    assert len(out.attentions) == L
+    for i, (a, a64) in enumerate(zip(out.attentions, out64.attentions)):
+        assert_close(f"attentions[{i}]", a, a64, None)
+    assert "attention" not in trifuse.report(model).counts()
+    assert_close("logits", out.logits, out64.logits, None)
 
 
 def test_optimizer_made_before_fuse_trains_the_fused_model():

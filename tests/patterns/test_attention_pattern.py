@@ -292,6 +292,79 @@ def test_multihead_attention_module_left_in_an_fx_capture_is_reported():
     assert [(where, op) for _, where, op, _ in report.left()] == [("attention", "multi_head_attention")]
 
 
+# The older Hugging Face spellings (BLOOM, CodeGen, MPT, GPT-Neo), Dynamo only (as their blocks are captured)
+ALIBI = torch.randn(B * H, 1, S)
+
+
+def alibi_baddbmm(m, q, k, v):  # BLOOM
+    q3, k3, v3 = q.reshape(B * H, S, D), k.reshape(B * H, S, D), v.reshape(B * H, S, D)
+    w = m.alibi.baddbmm(batch1=q3, batch2=k3.transpose(-1, -2), beta=1.0, alpha=0.3).view(B, H, S, -1) + m.mask
+    w = F.dropout(F.softmax(w, dim=-1, dtype=torch.float32).to(q3.dtype), p=0.0, training=m.training)
+    return torch.bmm(w.view(B * H, S, -1), v3)
+
+
+def chain_add_div(m, q, k, v):  # CodeGen: the mask before the scaling
+    w = (torch.matmul(q, k.transpose(-1, -2)) + m.mask) / 2.5
+    return torch.matmul(F.dropout(F.softmax(w, dim=-1).to(v.dtype), p=0.0, training=m.training), v)
+
+
+def chain_alibi_masked_fill(m, q, k, v):  # MPT: ALiBi, then masked_fill with finfo.min (one row dropped whole)
+    w = torch.matmul(q, k.transpose(-1, -2)) * 0.3 + m.alibi.view(B, H, 1, S)[0]
+    # fp32's min also in the float64 reference, whose `.float()` would make fp64's min -inf
+    w = w.masked_fill(~m.keep_some_rows_none, torch.finfo(torch.float32).min)
+    return torch.matmul(F.dropout(F.softmax(w.float(), dim=-1).to(v.dtype), p=0.0, training=m.training), v)
+
+
+def chain_unscaled_where_add(m, q, k, v):  # GPT-Neo: no scale, a tensor fill, then the additive mask
+    w = torch.matmul(q, k.transpose(-1, -2))
+    w = torch.where(m.keep, w, torch.tensor(torch.finfo(w.dtype).min, dtype=w.dtype, device=w.device))
+    return torch.matmul(F.dropout(F.softmax(w + m.mask, dim=-1).to(v.dtype), p=0.0, training=m.training), v)
+
+
+@pytest.mark.parametrize("fn, buffers, pattern", [
+    (alibi_baddbmm, {"alibi": ALIBI, "mask": ADDITIVE}, "attention_alibi_baddbmm"),
+    (chain_add_div, {"mask": ADDITIVE}, "attention_chain_add_div"),
+    (chain_alibi_masked_fill, {"alibi": ALIBI, "keep_some_rows_none": KEEP_SOME_ROWS_NONE},
+     "attention_chain_mul_add_masked_fill"),
+    (chain_unscaled_where_add, {"keep": KEEP, "mask": ADDITIVE},
+     "attention_chain_where_add"),
+], ids=lambda v: v.__name__ if callable(v) else None)
+def test_older_hf_spelling_fuses_and_matches(fn, buffers, pattern):
+    report = check_against_unfused(functools.partial(Fn, fn, **buffers), qkv(), "dynamo")
+    assert report.by_pattern() == {pattern: 1}
+
+
+def chain_gptj_fp16(m, q, k, v):  # GPT-J in a 16-bit model: q and k cast to fp32 before the product
+    q, k, v = q.half().to(torch.float32), k.half().to(torch.float32), v.half()
+    w = torch.matmul(q, k.transpose(-1, -2)) / 2.5 + m.mask.half()
+    return torch.matmul(F.dropout(F.softmax(w, dim=-1).to(v.dtype), p=0.0, training=m.training), v)
+
+
+def chain_codegen_fp16(m, q, k, v):
+    q, k, v = q.half().to(torch.float32), k.half().to(torch.float32), v.half()
+    w = (torch.matmul(q, k.transpose(-1, -2)) + m.mask.half()) / 2.5
+    return torch.matmul(F.dropout(F.softmax(w, dim=-1).to(v.dtype), p=0.0, training=m.training), v)
+
+
+def chain_gpt_neo_fp16(m, q, k, v):
+    q, k, v = q.half().to(torch.float32), k.half().to(torch.float32), v.half()
+    w = torch.matmul(q, k.transpose(-1, -2))
+    w = torch.where(m.keep, w, torch.tensor(torch.finfo(w.dtype).min, dtype=w.dtype, device=w.device))
+    return torch.matmul(F.dropout(F.softmax(w + m.mask.half(), dim=-1).to(v.dtype), p=0.0, training=m.training), v)
+
+
+@pytest.mark.parametrize("fn, buffers, pattern", [
+    (chain_gptj_fp16, {"mask": ADDITIVE}, "attention_chain_div_add_dropout_cast_upcast_q_k"),
+    (chain_codegen_fp16, {"mask": ADDITIVE}, "attention_chain_add_div_upcast_q_k"),
+    (chain_gpt_neo_fp16, {"keep": KEEP, "mask": ADDITIVE}, "attention_chain_where_add_upcast_q_k"),
+], ids=lambda v: v.__name__ if callable(v) else None)
+def test_fp32_upcast_of_16_bit_q_and_k_fuses(fn, buffers, pattern):
+    """GPT-J's, CodeGen's and GPT-Neo's `query.to(torch.float32)` in a 16-bit model: the op takes the
+    fp16 q and k (its scores are fp32) and fp16 v (outputs only, as for the rotary's upcast)."""
+    report = check_against_unfused(functools.partial(Fn, fn, **buffers), qkv(), "dynamo", grads=False)
+    assert report.by_pattern() == {pattern: 1}
+
+
 # ---------------------------------------------------------------------------------------------
 # Negatives
 # ---------------------------------------------------------------------------------------------
@@ -328,6 +401,11 @@ def chain_where_fill_first(m, q, k, v):  # where(drop, -inf, s): True drops, the
     return F.softmax(att, dim=-1) @ v
 
 
+def chain_unscaled_where_finite_fill(m, q, k, v):  # GPT-Neo's spelling with a fill that q k^T is not lost in
+    w = torch.where(m.keep, torch.matmul(q, k.transpose(-1, -2)), torch.tensor(-1e4, dtype=q.dtype, device=q.device))
+    return torch.matmul(F.softmax(w + m.mask, dim=-1).to(v.dtype), v)
+
+
 def chain_softcap_mismatched(m, q, k, v):  # tanh(s / 2) * 3 is no soft cap
     w = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * 0.35 / 2.0) * 3.0
     return torch.matmul(F.softmax(w, dim=-1), v)
@@ -355,6 +433,7 @@ def chain_cast_to_other_dtype(m, q, k, v):  # the cast is not a no-op: probabili
     (chain_softmax_other_dim, {}),
     (chain_returns_probs, {}),
     (chain_softcap_mismatched, {}),
+    (chain_unscaled_where_finite_fill, {"keep": KEEP, "mask": ADDITIVE}),
 ], ids=lambda v: v.__name__ if callable(v) else None)
 def test_near_misses_are_left(fn, buffers):
     report = check_against_unfused(functools.partial(Fn, fn, **buffers), qkv(), "dynamo")

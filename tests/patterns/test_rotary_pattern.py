@@ -228,6 +228,57 @@ def test_interleaved_spelling_fuses_and_matches(make, pattern, capture):
     assert check_against_unfused(make, X, capture).by_pattern() == {pattern: 1}
 
 
+def rotate_every_two(x):
+    """transformers' rotate_every_two of GPT-J and CodeGen (5.x), verbatim."""
+    x1 = x[:, :, :, ::2]
+    x2 = x[:, :, :, 1::2]
+    x = torch.stack((-x2, x1), dim=-1)
+    return x.flatten(-2)
+
+
+def apply_rotary_pos_emb_gptj(tensor, sin, cos):
+    """transformers' apply_rotary_pos_emb of GPT-J and CodeGen (5.x), verbatim: (B, S, H, D)."""
+    sin = torch.repeat_interleave(sin[:, :, None, :], 2, 3)
+    cos = torch.repeat_interleave(cos[:, :, None, :], 2, 3)
+    return (tensor * cos) + (rotate_every_two(tensor) * sin)
+
+
+class GPTJRotary(nn.Module):
+    """GPT-J's attention up to the rotary: heads split without moving them, the first `rot` features
+    of each head rotated with (1, S, rot / 2) tables, the rest passed, then the heads moved to dim 1."""
+
+    def __init__(self, rot=D // 2, which="q_k"):
+        super().__init__()
+        self.q_proj, self.k_proj = nn.Linear(HQ * D, HQ * D, bias=False), nn.Linear(HQ * D, HQ * D, bias=False)
+        inv_freq = 1.0 / 10000 ** (torch.arange(0, rot, 2).float() / rot)
+        freqs = torch.arange(S).float()[:, None] * inv_freq
+        self.register_buffer("sincos", torch.cat((freqs.sin(), freqs.cos()), dim=1)[None])
+        self.rot, self.which = rot, which
+
+    def forward(self, x):
+        q, k = self.q_proj(x).view(B, S, HQ, D), self.k_proj(x).view(B, S, HQ, D)
+        sin, cos = torch.split(self.sincos, self.sincos.shape[-1] // 2, dim=-1)
+        k_rot, k_pass = k[:, :, :, : self.rot], k[:, :, :, self.rot:]
+        q_rot, q_pass = q[:, :, :, : self.rot], q[:, :, :, self.rot:]
+        if self.which == "q_k":
+            k_rot = apply_rotary_pos_emb_gptj(k_rot, sin, cos)
+        q_rot = apply_rotary_pos_emb_gptj(q_rot, sin, cos)
+        k, q = torch.cat([k_rot, k_pass], dim=-1), torch.cat([q_rot, q_pass], dim=-1)
+        return q.permute(0, 2, 1, 3), k.permute(0, 2, 1, 3)
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("make, rotated", [(GPTJRotary, 2), (lambda: GPTJRotary(rot=D), 2),
+                                           (lambda: GPTJRotary(which="q"), 1)],
+                         ids=["hf-gptj-partial", "whole-head", "q-alone"])
+def test_gptj_rotate_every_two_fuses_and_matches(make, rotated, capture):
+    """GPT-J's rotary on (B, S, H, D) tensors becomes the interleaved op on their transposes: q and
+    k in one call where the graph computes the per-pair tables (Dynamo), one call each where fx
+    has folded the tables of the buffer into two constants."""
+    want = ({"rotary_every_two_q_k": 1} if rotated == 2 and capture == "dynamo" else {"rotary_every_two": rotated})
+    assert check_against_unfused(make, X, capture).by_pattern() == want
+
+
 @pytest.mark.parametrize("capture", CAPTURES)
 def test_cohere_upcast_of_fp16_q_and_k_fuses(capture):
     """Cohere's `.float()` before the rotation and `.to(dtype)` after it stay: the op takes the
