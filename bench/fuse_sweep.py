@@ -37,7 +37,8 @@ SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key
              tie_word_embeddings=False, use_cache=False)
 NO_DROPOUT = {k: 0.0 for k in ("hidden_dropout", "attention_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop",
                                "hidden_dropout_prob", "attention_probs_dropout_prob", "dropout", "activation_dropout",
-                               "embed_dropout", "ffn_dropout", "attention_dropout_prob")}
+                               "embed_dropout", "ffn_dropout", "attention_dropout_prob", "residual_dropout",
+                               "router_jitter_noise", "input_jitter_noise")}
 MAX_PARAMS = 3_000_000
 LOSS_TOL, GRAD_TOL = 1e-6, 1e-5
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

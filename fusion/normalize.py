@@ -338,18 +338,20 @@ def _plain_cast_of(node: fx.Node, x: fx.Node) -> bool:
 _IN_PLACE_OPERATORS = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.setitem)
 
 
+def writes_in_place(user: fx.Node) -> bool:
+    """Whether `user` may write to one of its tensor arguments: an in-place method or function
+    (`x.mul_(y)`, `torch.relu_(x)`), `x += y`, `x[i] = y`."""
+    if user.op not in ("call_function", "call_method"):
+        return False
+    if user.target in _IN_PLACE_OPERATORS:
+        return True
+    name = user.target if isinstance(user.target, str) else getattr(user.target, "__name__", "")
+    return name.endswith("_") and not name.endswith("__")
+
+
 def _written_in_place(node: fx.Node) -> bool:
-    """Whether a user of `node` may write to it: an in-place method or function (`x.mul_(y)`,
-    `torch.relu_(x)`), `x += y`, `x[i] = y`."""
-    for user in node.users:
-        if user.op not in ("call_function", "call_method"):
-            continue
-        if user.target in _IN_PLACE_OPERATORS:
-            return True
-        name = user.target if isinstance(user.target, str) else getattr(user.target, "__name__", "")
-        if name.endswith("_") and not name.endswith("__"):
-            return True
-    return False
+    """Whether a user of `node` may write to it."""
+    return any(writes_in_place(user) for user in node.users)
 
 
 def _value(arg: Any) -> Any:

@@ -33,7 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from ..patterns._base import Pattern, available, example_value
 from .match import Match, compile_pattern, matches, resolve_from_local, trace_function
-from .normalize import canonicalize_node
+from .normalize import canonicalize_node, writes_in_place
 
 FAMILIES = ("attention", "layer_norm", "rms_norm", "bias_gelu", "gated_activation", "dropout_add",
             "residual_stream", "cross_entropy", "rotary")
@@ -180,8 +180,8 @@ def _rewrite_at(graph: fx.Graph, node: fx.Node, cp: Any, log: RewriteLog, earlie
         plan = None
         if reason is None:
             plan, reason = _plan(m)
-        if reason is None and plan is not None and not _placeable(graph, m, plan):
-            reason = "an input of the replacement is computed after the pattern starts"
+        if reason is None and plan is not None:
+            reason = _placement_problem(graph, m, plan)
         if reason is None and plan is not None:
             _splice(graph, m, plan, log)
             kept = [f"not {r.pattern}: {r.reason}" for r in earlier if "outside the pattern" in r.reason]
@@ -337,10 +337,13 @@ def _outputs(rgraph: fx.Graph) -> list[Any]:
     return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
-def _placeable(graph: fx.Graph, m: Match, plan: _Plan) -> bool:
-    """Whether every input of the replacement is (or can be moved) before the first matched node,
-    where the replacement goes. fx reads parameters where they are used, and shape arithmetic
-    sits wherever it was written; both move up, as long as they depend on nothing matched."""
+def _placement_problem(graph: fx.Graph, m: Match, plan: _Plan) -> str | None:
+    """Why the replacement cannot go before the first matched node, where it goes (None when it
+    can): every input must be (or be movable to) before it, and none may be written in place after
+    it. fx reads parameters where they are used, and shape arithmetic sits wherever it was
+    written; both move up, as long as they depend on nothing matched. A tensor filled in place
+    (RecurrentGemma's `out = zeros_like(x)` then `out[:, t] = ...` in a loop) is one graph node
+    from its creation on: moved up, the replacement would read it before the writes."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     first = min(order[n] for n in m.nodes)
     matched = set(m.nodes)
@@ -354,7 +357,36 @@ def _placeable(graph: fx.Graph, m: Match, plan: _Plan) -> bool:
         seen.add(node)
         return all(movable(n) for n in node.all_input_nodes)
 
-    return all(movable(n) for n in plan.inputs.values())
+    inputs = [n for n in plan.inputs.values() if isinstance(n, fx.Node)]
+    if not all(movable(n) for n in inputs):
+        return "an input of the replacement is computed after the pattern starts"
+    written = next((n for n in inputs if _written_after(n, first, order)), None)
+    if written is not None:
+        return f"{written.name} is written in place after the pattern starts"
+    return None
+
+
+# Calls whose result may share memory with their first argument: a write through it writes that.
+_ALIASING = {"view", "view_as", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "expand", "expand_as",
+             "flatten", "unflatten", "narrow", "select", "as_strided", "t", "split", "chunk", "unbind", "contiguous",
+             "detach", "to", "type", "float", "getitem", "movedim", "swapaxes", "diagonal", "unfold", "real", "imag"}
+
+
+def _written_after(node: fx.Node, position: int, order: dict[fx.Node, int]) -> bool:
+    """Whether `node`, or a view of it, is written in place by a node after `position`."""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for user in n.users:
+            if writes_in_place(user) and order.get(user, -1) > position:
+                return True
+            name = user.target if isinstance(user.target, str) else getattr(user.target, "__name__", "")
+            if user.op in ("call_function", "call_method") and name in _ALIASING and user.args and user.args[0] is n:
+                stack.append(user)
+    return False
 
 
 def _splice(graph: fx.Graph, m: Match, plan: _Plan, log: RewriteLog) -> None:

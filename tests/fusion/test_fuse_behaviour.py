@@ -15,6 +15,7 @@ import torch
 import trifuse
 from _fusing import available_counts, needs_ops
 from tolerances import assert_close
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -148,6 +149,32 @@ def test_a_userdict_argument_is_captured_and_its_writes_seen():
     torch.testing.assert_close(run(model, x), run(ref, x))
     report = trifuse.report(model)
     assert not report.unfused_calls() and report.counts()["layer_norm"] == 2
+
+
+class FilledInPlace(nn.Module):
+    """RecurrentGemma's scan: a buffer created, then filled in place step by step, then gated.
+    The buffer is one graph node from its creation on; the gated activation's replacement, which
+    goes where the pattern starts (before the loop), would read it empty."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(8, 8)
+
+    def forward(self, x):
+        gate = F.gelu(self.gate(x), approximate="tanh")
+        out = torch.zeros_like(x)
+        for t in range(x.shape[1]):
+            out[:, t] = x[:, t] * 2.0
+        return gate * out
+
+
+def test_an_input_written_in_place_after_the_pattern_starts_is_not_read_early():
+    from _fusing import check_against_unfused
+
+    # Dynamo: fx cannot trace the loop over a traced length
+    report = check_against_unfused(FilledInPlace, (torch.randn(2, 3, 8),), "dynamo")
+    assert "gated_activation" not in report.counts()
+    assert any("written in place after the pattern starts" in reason for *_, reason in report.rejected())
 
 
 def test_new_shapes_and_modes_recapture_a_bounded_number_of_times():
