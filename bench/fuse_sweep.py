@@ -3,7 +3,8 @@ tiny config: does the fused model still run, train and give the unfused model's 
 gradients, and what did fuse replace? A net for "never break a model" wider than the test suite's
 hand-configured families (tests/_models.py); on CPU, in the Triton interpreter.
 
-    TRITON_INTERPRET=1 python bench/fuse_sweep.py [MODEL_TYPE ...]   # all types: ~25 min on 2 cores
+    TRITON_INTERPRET=1 python bench/fuse_sweep.py [MODEL_TYPE ...]   # all types: ~25-40 min on 2 cores;
+                                                                     # named types replace their rows
 
 Each type runs in its own process (memory-capped, timed out), in float64, one training step
 (dropout off) before and after fuse, then a second fused call. Status per type:
@@ -30,11 +31,11 @@ if __name__ == "__main__" and len(sys.argv) == 2 and sys.argv[1].startswith("--o
 
 import torch
 
-SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
-             vocab_size=64, max_position_embeddings=64, n_embd=32, n_layer=2, n_head=2, d_model=32, n_positions=64,
-             num_layers=2, num_heads=2, ffn_dim=64, head_dim=16, moe_intermediate_size=32, num_experts=4,
-             num_local_experts=4, num_experts_per_tok=2, pad_token_id=0, bos_token_id=0, eos_token_id=0,
-             tie_word_embeddings=False, use_cache=False)
+SMALL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+         "intermediate_size": 64, "vocab_size": 64, "max_position_embeddings": 64, "n_embd": 32, "n_layer": 2,
+         "n_head": 2, "d_model": 32, "n_positions": 64, "num_layers": 2, "num_heads": 2, "ffn_dim": 64, "head_dim": 16,
+         "moe_intermediate_size": 32, "num_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2,
+         "pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0, "tie_word_embeddings": False, "use_cache": False}
 NO_DROPOUT = {k: 0.0 for k in ("hidden_dropout", "attention_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop",
                                "hidden_dropout_prob", "attention_probs_dropout_prob", "dropout", "activation_dropout",
                                "embed_dropout", "ffn_dropout", "attention_dropout_prob", "residual_dropout",
@@ -53,7 +54,7 @@ def _config(tf, model_type: str, attn: str):
         try:
             if hasattr(cfg, k):
                 setattr(cfg, k, v)
-        except Exception:  # noqa: BLE001  (per-layer or read-only attributes stay as built)
+        except Exception:  # noqa: BLE001, S110  (per-layer or read-only attributes stay as built)
             pass
     return cfg
 
@@ -76,7 +77,6 @@ def _grad_error(grads0: tuple, grads1: tuple) -> float:
 
 def run_one(model_type: str, attn: str = "sdpa") -> dict:
     import transformers as tf
-
     import trifuse
 
     tf.logging.set_verbosity_error()
@@ -127,7 +127,7 @@ def _child(model_type: str, timeout: int = 300) -> dict:
     t0 = time.time()
     try:
         done = subprocess.run([sys.executable, os.path.abspath(__file__), f"--one={model_type}"], capture_output=True,
-                              text=True, timeout=timeout, preexec_fn=cap_memory)
+                              text=True, timeout=timeout, preexec_fn=cap_memory, check=False)
         lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
         row = json.loads(lines[-1]) if lines else {"status": f"died (rc {done.returncode})",
                                                     "why": done.stderr.strip().splitlines()[-1:][0][:150]
@@ -160,6 +160,12 @@ def main(types: list[str]) -> None:
     import triton
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    path = os.path.join(RESULTS, "fuse_sweep.json")
+    # Named types replace their rows in the results; the others stay as last swept.
+    kept = {}
+    if types and os.path.exists(path):
+        with open(path) as f:
+            kept = {r["type"]: r for r in json.load(f)["rows"]}
     types = types or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     rows = []
     for mt in types:
@@ -171,8 +177,9 @@ def main(types: list[str]) -> None:
     header = (f"date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · torch {torch.__version__} · triton "
               f"{triton.__version__} · transformers {tf.__version__} · python {platform.python_version()} · CPU "
               "(TRITON_INTERPRET=1), float64, one training step, dropout off")
+    rows = sorted({**kept, **{r["type"]: r for r in rows}}.values(), key=lambda r: r["type"])
     os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "fuse_sweep.json"), "w") as f:
+    with open(path, "w") as f:
         json.dump({"header": header, "rows": rows}, f, indent=1)
     with open(os.path.join(RESULTS, "fuse_sweep.md"), "w") as f:
         f.write(_markdown(rows, header))

@@ -12,10 +12,10 @@ from pathlib import Path
 import _models
 import pytest
 import torch
+import torch.nn.functional as F
 import trifuse
 from _fusing import available_counts, needs_ops
 from tolerances import assert_close
-import torch.nn.functional as F
 from torch import nn
 
 
