@@ -356,7 +356,7 @@ class DynamoUnit(Unit):
         else:
             self.last[module] = self._running
         if isinstance(out, tuple) and any(v is _DROPPED_WEIGHTS for v in out):
-            out = _none_for_skipped_logits(out, _DROPPED_WEIGHTS)
+            out = _none_for_placeholder(out, _DROPPED_WEIGHTS)
         return out
 
     def _before_rewrite(self, graph: fx.Graph) -> None:
@@ -529,7 +529,7 @@ class HeadUnit(DynamoUnit):
         finally:
             self.capturing = False
             ignored.difference_update(added)
-        return _none_for_skipped_logits(out) if self._skip_now and self.skipped_logits else out
+        return _none_for_placeholder(out) if self._skip_now and self.skipped_logits else out
 
 
 # skip_logits: what a graph returns in place of the logits it no longer outputs. One zero-size
@@ -541,10 +541,10 @@ def _skipped_logits() -> torch.Tensor:
     return _SKIPPED
 
 
-def _none_for_skipped_logits(out: Any, placeholder: torch.Tensor = _SKIPPED) -> Any:
-    """The model's output with the skipped-logits placeholder (or another) as None: a Hugging Face
-    ModelOutput (a dict subclass whose fields default to None) is rebuilt without it, a tuple or list
-    gets None."""
+def _none_for_placeholder(out: Any, placeholder: torch.Tensor = _SKIPPED) -> Any:
+    """The model's output with a placeholder (the skipped logits', the dropped attention
+    probabilities') as None: a Hugging Face ModelOutput (a dict subclass whose fields default to
+    None) is rebuilt without it, a tuple or list gets None."""
     if isinstance(out, dict):
         if not any(v is placeholder for v in out.values()):
             return out
@@ -554,7 +554,7 @@ def _none_for_skipped_logits(out: Any, placeholder: torch.Tensor = _SKIPPED) -> 
         except TypeError:
             return {k: (None if v is placeholder else v) for k, v in out.items()}
     if isinstance(out, (tuple, list)):
-        items = [_none_for_skipped_logits(v, placeholder) if isinstance(v, (dict, tuple, list)) else
+        items = [_none_for_placeholder(v, placeholder) if isinstance(v, (dict, tuple, list)) else
                  (None if v is placeholder else v) for v in out]
         return type(out)(items) if isinstance(out, list) or type(out) is tuple else type(out)(*items)
     return None if out is placeholder else out

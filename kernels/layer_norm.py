@@ -452,11 +452,11 @@ _FWD_PLANS: dict[tuple, tuple] = {}
 _BWD_PLANS: dict[tuple, tuple] = {}
 
 
-def _row_block(cfg: triton.Config, n: int, max_single: int, wide_chunk: int | None = None) -> tuple[int, int, bool]:
+def _row_block(cfg: triton.Config, n: int, max_single: int, wide_chunk: int) -> tuple[int, int, bool]:
     """(BLOCK_M, BLOCK_N, single block?) of a config: TILE // BLOCK_N rows when a row fits one
-    block, else one row walked in chunks (of `wide_chunk` elements if given, else max_single)."""
+    block, else one row walked in chunks of `wide_chunk` elements."""
     single = n <= max_single
-    block_n = min(next_power_of_2(n), max_single) if single or wide_chunk is None else wide_chunk
+    block_n = min(next_power_of_2(n), max_single) if single else wide_chunk
     return (max(1, cfg.kwargs["TILE"] // block_n) if single else 1), block_n, single
 
 
