@@ -1,10 +1,12 @@
-"""`trifuse.fuse` on every causal-LM architecture the installed transformers has, built from a
-tiny config: does the fused model still run, train and give the unfused model's loss and
-gradients, and what did fuse replace? A net for "never break a model" wider than the test suite's
-hand-configured families (tests/_models.py); on CPU, in the Triton interpreter.
+"""`trifuse.fuse` on every architecture the installed transformers has for a task (causal LM by
+default; masked LM, seq2seq LM, image classification), built from a tiny config: does the fused
+model still run, train and give the unfused model's loss and gradients, and what did fuse
+replace? A net for "never break a model" wider than the test suite's hand-configured families
+(tests/_models.py); on CPU, in the Triton interpreter.
 
-    TRITON_INTERPRET=1 python bench/fuse_sweep.py [MODEL_TYPE ...]   # all types: ~25-40 min on 2 cores;
-                                                                     # named types replace their rows
+    TRITON_INTERPRET=1 python bench/fuse_sweep.py [--task TASK] [MODEL_TYPE ...]
+        # TASK: causal-lm (default; all 189 types ~25-40 min on 2 cores), masked-lm, seq2seq,
+        # image-cls; named types replace their rows
 
 Each type runs in its own process (memory-capped, timed out), in float64, one training step
 (dropout off) before and after fuse, then a second fused call. Status per type:
@@ -16,7 +18,7 @@ Each type runs in its own process (memory-capped, timed out), in float64, one tr
     FUSED CRASH     the unfused model ran and the fused one raised: a trifuse bug
     config / build / unfused fails / too big / died: the tiny config does not suit the
                     architecture (a harness limit, not a verdict on trifuse)
-Writes bench/results/fuse_sweep.json and .md.
+Writes bench/results/fuse_sweep.json and .md (causal-lm), fuse_sweep_<task>.json and .md (others).
 """
 import json
 import os
@@ -26,7 +28,7 @@ import sys
 import time
 import traceback
 
-if __name__ == "__main__" and len(sys.argv) == 2 and sys.argv[1].startswith("--one="):
+if __name__ == "__main__" and len(sys.argv) >= 2 and sys.argv[1].startswith("--one="):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch
@@ -39,16 +41,25 @@ SMALL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "n
 NO_DROPOUT = {k: 0.0 for k in ("hidden_dropout", "attention_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop",
                                "hidden_dropout_prob", "attention_probs_dropout_prob", "dropout", "activation_dropout",
                                "embed_dropout", "ffn_dropout", "attention_dropout_prob", "residual_dropout",
-                               "router_jitter_noise", "input_jitter_noise")}
+                               "router_jitter_noise", "input_jitter_noise", "dropout_rate", "classifier_dropout",
+                               "drop_path_rate", "hidden_dropout_rate", "attention_dropout_rate")}
+# Sizes only the encoder-decoder and vision configs have; kept apart so the causal-LM sweep's
+# configs stay as they were.
+SMALL_EXTRA = {"encoder_layers": 2, "decoder_layers": 2, "num_decoder_layers": 2, "encoder_attention_heads": 2,
+               "decoder_attention_heads": 2, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "d_ff": 64, "d_kv": 16,
+               "embedding_size": 32, "decoder_start_token_id": 0, "image_size": 32, "patch_size": 8,
+               "num_channels": 3, "num_labels": 3}
+TASKS = ("causal-lm", "masked-lm", "seq2seq", "image-cls")
 MAX_PARAMS = 3_000_000
 LOSS_TOL, GRAD_TOL = 1e-6, 1e-5
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
-def _config(tf, model_type: str, attn: str):
-    kw = {**SMALL, **NO_DROPOUT}
+def _config(tf, model_type: str, attn: str, task: str = "causal-lm"):
+    small = SMALL if task == "causal-lm" else {**SMALL, **SMALL_EXTRA}
+    kw = {**small, **NO_DROPOUT}
     cfg = tf.CONFIG_MAPPING[model_type](**kw, attn_implementation=attn, experts_implementation="batched_mm")
-    for k, v in SMALL.items():  # sizes some constructors ignore; head_dim may be a derived property
+    for k, v in small.items():  # sizes some constructors ignore; head_dim may be a derived property
         if k == "head_dim":
             continue
         try:
@@ -75,27 +86,42 @@ def _grad_error(grads0: tuple, grads1: tuple) -> float:
     return worst
 
 
-def run_one(model_type: str, attn: str = "sdpa") -> dict:
+def _auto_class(tf, task: str):
+    return {"causal-lm": tf.AutoModelForCausalLM, "masked-lm": tf.AutoModelForMaskedLM,
+            "seq2seq": tf.AutoModelForSeq2SeqLM, "image-cls": tf.AutoModelForImageClassification}[task]
+
+
+def _inputs(task: str) -> dict:
+    """One batch with labels, so the model computes its own loss."""
+    if task == "image-cls":
+        return {"pixel_values": torch.randn(2, 3, 32, 32, dtype=torch.float64), "labels": torch.tensor([0, 2])}
+    ids = torch.randint(1, 64, (2, 12))
+    kwargs = {"input_ids": ids, "labels": ids}
+    if task in ("causal-lm", "seq2seq"):
+        kwargs["use_cache"] = False
+    return kwargs
+
+
+def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm") -> dict:
     import transformers as tf
     import trifuse
 
     tf.logging.set_verbosity_error()
     try:
-        cfg = _config(tf, model_type, attn)
+        cfg = _config(tf, model_type, attn, task)
     except Exception as e:  # noqa: BLE001
         return {"status": "config", "why": f"{type(e).__name__}: {str(e).strip()[:150]}"}
     torch.manual_seed(0)
     try:
-        model = tf.AutoModelForCausalLM.from_config(cfg).double()
+        model = _auto_class(tf, task).from_config(cfg).double()
     except Exception as e:  # noqa: BLE001
         if attn == "sdpa" and "does not support an attention implementation" in str(e):
-            return run_one(model_type, "eager")
+            return run_one(model_type, "eager", task)
         return {"status": "build", "why": f"{type(e).__name__}: {str(e).strip()[:150]}"}
     params = sum(p.numel() for p in model.parameters())
     if params > MAX_PARAMS:
         return {"status": "too big", "why": f"{params} parameters with the tiny config"}
-    ids = torch.randint(1, 64, (2, 12))
-    kwargs = {"input_ids": ids, "labels": ids, "use_cache": False}
+    kwargs = _inputs(task)
     leaves = [p for p in model.parameters() if p.requires_grad]
     model.train()
     try:
@@ -120,14 +146,14 @@ def run_one(model_type: str, attn: str = "sdpa") -> dict:
             "unfused_calls": {k: sum(v.values()) for k, v in report.unfused_calls().items()}}
 
 
-def _child(model_type: str, timeout: int = 300) -> dict:
+def _child(model_type: str, task: str = "causal-lm", timeout: int = 300) -> dict:
     def cap_memory():
         resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
 
     t0 = time.time()
     try:
-        done = subprocess.run([sys.executable, os.path.abspath(__file__), f"--one={model_type}"], capture_output=True,
-                              text=True, timeout=timeout, preexec_fn=cap_memory, check=False)
+        cmd = [sys.executable, os.path.abspath(__file__), f"--one={model_type}", f"--task={task}"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, preexec_fn=cap_memory, check=False)
         lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
         row = json.loads(lines[-1]) if lines else {"status": f"died (rc {done.returncode})",
                                                     "why": done.stderr.strip().splitlines()[-1:][0][:150]
@@ -137,11 +163,11 @@ def _child(model_type: str, timeout: int = 300) -> dict:
     return {"type": model_type, **row, "s": round(time.time() - t0, 1)}
 
 
-def _markdown(rows: list[dict], header: str) -> str:
+def _markdown(rows: list[dict], header: str, task: str = "causal-lm") -> str:
     from collections import Counter
 
     counts = Counter(r["status"] for r in rows)
-    out = [f"# fuse sweep\n\n{header}\n", "| status | types |", "|---|---|"]
+    out = [f"# fuse sweep ({task})\n\n{header}\n", "| status | types |", "|---|---|"]
     out += [f"| {s} | {n} |" for s, n in counts.most_common()]
     out += ["", "| type | status | replaced | left as written | loss rel err | max grad rel err | why |",
             "|---|---|---|---|---|---|---|"]
@@ -153,36 +179,40 @@ def _markdown(rows: list[dict], header: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def main(types: list[str]) -> None:
+def main(types: list[str], task: str = "causal-lm") -> None:
     import platform
 
     import transformers as tf
     import triton
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto import modeling_auto
 
-    path = os.path.join(RESULTS, "fuse_sweep.json")
+    mapping = {"causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+               "seq2seq": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+               "image-cls": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"}[task]
+    stem = "fuse_sweep" if task == "causal-lm" else f"fuse_sweep_{task}"
+    path = os.path.join(RESULTS, f"{stem}.json")
     # Named types replace their rows in the results; the others stay as last swept.
     kept = {}
     if types and os.path.exists(path):
         with open(path) as f:
             kept = {r["type"]: r for r in json.load(f)["rows"]}
-    types = types or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    types = types or sorted(getattr(modeling_auto, mapping))
     rows = []
     for mt in types:
-        row = _child(mt)
+        row = _child(mt, task)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
         if "traceback" in row:
             print(row["traceback"], flush=True)
     header = (f"date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · torch {torch.__version__} · triton "
               f"{triton.__version__} · transformers {tf.__version__} · python {platform.python_version()} · CPU "
-              "(TRITON_INTERPRET=1), float64, one training step, dropout off")
+              f"(TRITON_INTERPRET=1), float64, one training step, dropout off, task {task}")
     rows = sorted({**kept, **{r["type"]: r for r in rows}}.values(), key=lambda r: r["type"])
     os.makedirs(RESULTS, exist_ok=True)
     with open(path, "w") as f:
         json.dump({"header": header, "rows": rows}, f, indent=1)
-    with open(os.path.join(RESULTS, "fuse_sweep.md"), "w") as f:
-        f.write(_markdown(rows, header))
+    with open(os.path.join(RESULTS, f"{stem}.md"), "w") as f:
+        f.write(_markdown(rows, header, task))
 
 
 def test_fuse_sweep_smoke():
@@ -194,7 +224,19 @@ def test_fuse_sweep_smoke():
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 2 and sys.argv[1].startswith("--one="):
-        print(json.dumps(run_one(sys.argv[1][len("--one="):])), flush=True)
+    args = sys.argv[1:]
+    task = "causal-lm"
+    for a in list(args):
+        if a.startswith("--task="):
+            task = a[len("--task="):]
+            args.remove(a)
+    if "--task" in args:
+        i = args.index("--task")
+        task = args[i + 1]
+        del args[i:i + 2]
+    if task not in TASKS:
+        sys.exit(f"fuse_sweep: --task must be one of {', '.join(TASKS)}, got {task!r}")
+    if args and args[0].startswith("--one="):
+        print(json.dumps(run_one(args[0][len("--one="):], task=task)), flush=True)
     else:
-        main(sys.argv[1:])
+        main(args, task)

@@ -723,6 +723,15 @@ class LeafTracer(fx.Tracer):
         finally:
             torch.autograd.Function.apply = original
 
+    def create_arg(self, a: Any) -> Any:
+        # fx turns every dict into a plain dict: a block returning a Hugging Face ModelOutput would
+        # hand its caller a dict, and the caller's `out[0]` or `out.last_hidden_state` fails
+        # (SqueezeBERT's encoder). A dict subclass with string keys is rebuilt as its own type.
+        if isinstance(a, dict) and type(a) is not dict and not isinstance(a, fx.immutable_collections.immutable_dict) \
+                and all(isinstance(k, str) for k in a):
+            return self.create_node("call_function", type(a), (), {k: self.create_arg(v) for k, v in a.items()})
+        return super().create_arg(a)
+
 
 @functools.cache
 def _function_apply(cls: type) -> Callable[..., Any]:

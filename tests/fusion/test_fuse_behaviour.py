@@ -354,6 +354,33 @@ def test_reference_path_without_the_interpreter():
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
+class _BlockReturningModelOutput(nn.Module):
+    """A block that fx traces and that returns a Hugging Face ModelOutput, which its caller
+    indexes by position (SqueezeBERT's encoder: `encoder_outputs[0]`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(_models.HIDDEN)
+
+    def forward(self, x):
+        from transformers.modeling_outputs import BaseModelOutput
+
+        return BaseModelOutput(last_hidden_state=self.ln(x))
+
+
+def test_a_model_output_returned_by_an_fx_capture_keeps_its_type():
+    # fx's graphs turn any dict into a plain dict; the caller's `out[0]` then raised KeyError
+    torch.manual_seed(0)
+    ref = _BlockReturningModelOutput()
+    model = trifuse.fuse(copy.deepcopy(ref))
+    x = torch.randn(2, 3, _models.HIDDEN)
+    out = model(x)
+    assert type(out) is type(ref(x))
+    torch.testing.assert_close(out[0], ref(x)[0])
+    torch.testing.assert_close(out.last_hidden_state, ref(x).last_hidden_state)
+    assert trifuse.report(model).counts() == available_counts({"layer_norm": 1})
+
+
 class _ScaledNorm(torch.autograd.Function):
     """A user's autograd.Function whose forward holds a LayerNorm and whose backward is its own
     (deliberately not LayerNorm's): Dynamo captures it as one higher-order op with forward and
