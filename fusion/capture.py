@@ -321,7 +321,7 @@ class DynamoUnit(Unit):
         reason = unsupported_argument(args, kwargs)
         if reason is not None:
             return self._eager(module, args, kwargs, self._named_reason(args, kwargs, reason))
-        if self.drops_weights and kwargs.get("output_attentions") is not False:
+        if self.drops_weights and self._output_attentions(module, args, kwargs) is not False:
             # Dynamo does not guard on a flag the block never reads: the captured graph would return
             # the placeholder here too
             return self._eager(module, args, kwargs, "output_attentions not False: the attention probabilities are returned")
@@ -368,8 +368,7 @@ class DynamoUnit(Unit):
         weights nobody asked for. Where no pattern takes them, `_annotate` puts them back. Once a
         capture has dropped them, calls with output_attentions not False run as written."""
         self._dropped = []
-        _, _, kwargs = self._current or (None, (), {})
-        if kwargs.get("output_attentions") is not False:
+        if self._current is None or self._output_attentions(*self._current) is not False:
             return
         output = next(n for n in reversed(graph.nodes) if n.op == "output")
         for value in list(output.all_input_nodes):
@@ -378,6 +377,22 @@ class DynamoUnit(Unit):
                     placeholder = graph.call_function(_dropped_weights, ())
                 output.replace_input_with(value, placeholder)
                 self._dropped.append((value, placeholder))
+
+    def _output_attentions(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        """The block's `output_attentions` on this call, passed by name or by position (RemBERT's,
+        MPNet's encoders pass it positionally), else its default; None where it has none."""
+        try:
+            bound = inspect.signature(self.original).bind(module, *args, **kwargs)
+        except (TypeError, ValueError):
+            return None
+        params = bound.signature.parameters
+        if "output_attentions" in bound.arguments:
+            return bound.arguments["output_attentions"]
+        for name, value in bound.arguments.items():
+            if params[name].kind is inspect.Parameter.VAR_KEYWORD and "output_attentions" in value:
+                return value["output_attentions"]
+        param = params.get("output_attentions")
+        return None if param is None or param.default is inspect.Parameter.empty else param.default
 
     def _annotate(self, graph: fx.Graph, log: RewriteLog) -> None:
         live = set(graph.nodes)

@@ -21,6 +21,8 @@ rewrites, in place:
   `x.view(a, b)` -> `x.view((a, b))`; `x.transpose(2, 1)` -> `x.transpose(1, 2)`.
 - with example values known (fx graphs after shape propagation), `x.dtype` becomes a constant
   and `y.type_as(x)` becomes `y.to(<x's dtype>)`.
+- `a += b` (also -=, *=, /=) on a fresh intermediate that nothing else reads -> `a + b`, where
+  the result keeps a's dtype and shape (MPNet's `attention_scores += position_bias`).
 - the same cast of one value written twice (`q.float() * cos + rotate_half(q.float()) * sin`,
   ModernBERT's rotary) becomes one cast read by both, unless something writes to either in place.
 
@@ -145,6 +147,7 @@ def canonicalize_graph(graph: fx.Graph, root: torch.nn.Module | None = None) -> 
             canonicalize_node(node)
     _fold_dtypes(graph)
     _merge_repeated_casts(graph)
+    _out_of_place_updates(graph)
 
 
 def canonicalize_node(node: fx.Node) -> None:
@@ -320,6 +323,36 @@ def _merge_repeated_casts(graph: fx.Graph) -> None:
             if kept is not cast:
                 cast.replace_all_uses_with(kept)
                 graph.erase_node(cast)
+
+
+# `a += b` on a fresh intermediate that nothing else reads computes `a + b`: MPNet's
+# `attention_scores += position_bias`. Only these producers count as fresh (never a view, an input
+# or a parameter).
+_UPDATES = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
+            operator.itruediv: operator.truediv}
+_FRESH = (operator.add, operator.sub, operator.mul, operator.truediv, torch.matmul, torch.bmm, torch.baddbmm)
+
+
+def _out_of_place_updates(graph: fx.Graph) -> None:
+    """`a += b` -> `a + b` where `a` is a fresh result read by nothing else and the sum keeps a's
+    dtype and shape (no promotion, no broadcast of a): the same tensor, so patterns written with
+    `+` match it. Needs example values; without them the update stays."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in _UPDATES or len(node.args) != 2 or node.kwargs:
+            continue
+        a, b = node.args
+        if not isinstance(a, fx.Node) or a.op != "call_function" or a.target not in _FRESH or len(a.users) != 1:
+            continue
+        va, vb = _value(a), _value(b) if isinstance(b, fx.Node) else b
+        if not isinstance(va, torch.Tensor) or not isinstance(vb, (torch.Tensor, int, float, bool)):
+            continue
+        try:
+            same = torch.result_type(va, vb) == va.dtype and (
+                not isinstance(vb, torch.Tensor) or torch.broadcast_shapes(va.shape, vb.shape) == va.shape)
+        except RuntimeError:
+            continue
+        if same:
+            node.target = _UPDATES[node.target]
 
 
 def _changes_global_mode(node: fx.Node) -> bool:

@@ -26,7 +26,8 @@ style: the score matrix never exists).
   on (B*H, S, D) tensors (the bias and the additive mask become the op's float mask, alpha its
   scale); CodeGen's additive mask before the scaling, `(q k^T + mask) / scale` (the op's mask is
   mask / scale); MPT's ALiBi added to the scaled scores before `masked_fill(mask, finfo.min)` and a
-  softmax of an fp32 copy (`.float()`); GPT-Neo's unscaled scores (scale 1) under
+  softmax of an fp32 copy (`.float()`); MPNet's relative position bias and additive mask added one
+  after the other to the divided scores (the op's mask is their sum); GPT-Neo's unscaled scores (scale 1) under
   `torch.where(causal, scores, torch.tensor(finfo.min))` with the additive mask added after (the op's
   mask is the mask where causal keeps a key, fill + mask where not: the same scores, the huge fill
   absorbing q k^T; a row the where() drops whole, which GPT-Neo's causal masks never do, has the
@@ -414,6 +415,38 @@ def attention_chain_mul_add_masked_fill_fused(q, k, v, d0, d1, scale, bias, mask
     return o
 
 
+def attention_chain_div_add_add(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, scale, bias: torch.Tensor,
+                                mask: torch.Tensor, p, training):
+    """MPNet's attention: scores divided by the scale, its relative position bias added
+    (`scores += position_bias`), then the additive mask, softmax, dropout."""
+    s = torch.matmul(q, k.transpose(d0, d1)) / scale + bias
+    a = F.dropout(torch.softmax(s + mask, -1), p, training, False)
+    return torch.matmul(a, v)
+
+
+def attention_chain_div_add_add_fused(q, k, v, d0, d1, scale, bias, mask, p, training):
+    # one float mask: the sum the unfused code adds in two steps (the op's dMask reaches both addends)
+    return ops.attention(q, k, v, bias + mask, p if training else 0.0, False, 1.0 / scale)
+
+
+def _two_masks_broadcast_to_the_scores(m: Match) -> str | None:
+    """bias + mask must have the scores' shape up to broadcasting, and one dtype with q (the sum
+    the op takes as its mask is the one the unfused code forms)."""
+    q, k, bias, mask = m.value("q"), m.value("k"), m.value("bias"), m.value("mask")
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, bias, mask)):
+        return "no shapes for q, k or the masks"
+    try:
+        both = torch.broadcast_shapes(bias.shape, mask.shape)
+        scores = (*q.shape[:-1], k.shape[-2])
+        if torch.broadcast_shapes(both, scores) != torch.Size(scores):
+            return f"bias {tuple(bias.shape)} + mask {tuple(mask.shape)} broadcast beyond the scores {scores}"
+    except RuntimeError:
+        return f"bias {tuple(bias.shape)} and mask {tuple(mask.shape)} do not broadcast together"
+    if not bias.dtype == mask.dtype == q.dtype:
+        return f"bias ({bias.dtype}), mask ({mask.dtype}) and q ({q.dtype}) differ in dtype"
+    return None
+
+
 def attention_chain_where_add(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, keep: torch.Tensor, fill,
                               fill_dtype, device, mask: torch.Tensor, dtype, p, training, *, upcast_qk: bool = False):
     """GPT-Neo's attention: unscaled scores (scale 1), `torch.where(causal, scores, tensor(finfo.min))`,
@@ -541,6 +574,9 @@ PATTERNS = (
             attention_chain_mul_add_masked_fill_fused, ("attention",),
             (_transposes_last_two, _scale_is_number, needs_number("scale", "p"), needs_bool("training"),
              _float_mask("bias"), _bool_mask("mask"), functools.partial(_fill_masks, dropout=True), _cast_is_a_no_op)),
+    Pattern("attention_chain_div_add_add", "attention", attention_chain_div_add_add, attention_chain_div_add_add_fused,
+            ("attention",), (_transposes_last_two, _scale_is_number, needs_number("scale", "p"), needs_bool("training"),
+                             _float_mask("bias"), _float_mask("mask"), _two_masks_broadcast_to_the_scores)),
     *(Pattern("attention_chain_where_add" + ("_upcast_q_k" if upcast else ""), "attention",
               functools.partial(attention_chain_where_add, upcast_qk=upcast),
               functools.partial(attention_chain_where_add_fused, upcast_qk=upcast), ("attention",),

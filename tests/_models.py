@@ -207,8 +207,17 @@ _FAMILIES.update({
     "biogpt": {**_DECODER, **_MLP, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
                "activation_dropout": 0.0},
 })
+_FAMILIES.update({
+    # MPNet: relative position bias added in place (`scores += position_bias`) before the padding
+    # mask; RemBERT: BERT's eager chain in blocks that return their probabilities, called with
+    # output_attentions by position
+    "mpnet": {**_DECODER, **_MLP, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
+              "attn_implementation": "eager"},
+    "rembert": {**_DECODER, **_MLP, "input_embedding_size": HIDDEN, "output_embedding_size": HIDDEN,
+                "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "attn_implementation": "eager"},
+})
 SEQ2SEQ = ("t5", "bart")
-MASKED = ("modernbert", "deberta-v2")
+MASKED = ("modernbert", "deberta-v2", "mpnet", "rembert")
 SPEECH = ("whisper",)
 CONTRASTIVE = ("clip", "siglip")
 

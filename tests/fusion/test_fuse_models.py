@@ -123,6 +123,10 @@ MODELS = {
                                    "residual_stream": 2 * L}),
     # DeBERTa-v2's disentangled attention: the relative-position scores become the op's mask
     "deberta-v2": (_family("deberta-v2"), BERT),
+    # MPNet's position bias and padding mask, added one after the other, become the op's one mask;
+    # RemBERT's blocks return their probabilities (dropped: output_attentions=False by position)
+    "mpnet": (_family("mpnet"), BERT),
+    "rembert": (_family("rembert"), BERT),
     # DeepSeek-V3: q/k and v of different head dims; three norms a block (input, q LoRA, kv LoRA),
     # SwiGLU in the dense MLP, the routed experts and the shared expert
     "deepseek_v3": (_family("deepseek_v3"), {"rms_norm": 3 * L + 1, "attention": L, "residual_stream": L,

@@ -321,8 +321,26 @@ def chain_unscaled_where_add(m, q, k, v):  # GPT-Neo: no scale, a tensor fill, t
     return torch.matmul(F.dropout(F.softmax(w + m.mask, dim=-1).to(v.dtype), p=0.0, training=m.training), v)
 
 
+def chain_position_bias_in_place(m, q, k, v):  # MPNet: `scores += position_bias`, then the padding mask
+    w = torch.matmul(q, k.transpose(-1, -2)) / 2.5
+    w += m.bias
+    w = w + m.mask
+    return torch.matmul(F.dropout(F.softmax(w, dim=-1), p=0.0, training=m.training), v)
+
+
+def chain_position_bias_alone_in_place(m, q, k, v):  # the same without a mask: the plain chain
+    w = torch.matmul(q, k.transpose(-1, -2)) / 2.5
+    w += m.bias
+    return torch.matmul(F.dropout(F.softmax(w, dim=-1), p=0.0, training=m.training), v)
+
+
+POSITION_BIAS = torch.randn(1, H, S, S)
+
+
 @pytest.mark.parametrize("fn, buffers, pattern", [
     (alibi_baddbmm, {"alibi": ALIBI, "mask": ADDITIVE}, "attention_alibi_baddbmm"),
+    (chain_position_bias_in_place, {"bias": POSITION_BIAS, "mask": ADDITIVE}, "attention_chain_div_add_add"),
+    (chain_position_bias_alone_in_place, {"bias": POSITION_BIAS}, "attention_chain_div_add_dropout"),
     (chain_add_div, {"mask": ADDITIVE}, "attention_chain_add_div"),
     (chain_alibi_masked_fill, {"alibi": ALIBI, "keep_some_rows_none": KEEP_SOME_ROWS_NONE},
      "attention_chain_mul_add_masked_fill"),
@@ -424,8 +442,16 @@ def chain_cast_to_other_dtype(m, q, k, v):  # the cast is not a no-op: probabili
     return torch.matmul(w.type(torch.float64), v.double())
 
 
+def chain_in_place_add_also_read_elsewhere(m, q, k, v):  # `w += bias` changes a tensor returned too
+    w = torch.matmul(q, k.transpose(-1, -2)) / 2.5
+    scores = w
+    w += m.bias
+    return torch.matmul(F.softmax(w, dim=-1), v), scores
+
+
 @pytest.mark.parametrize("fn, buffers", [
     (chain_finite_fill, {"causal": CAUSAL}),
+    (chain_in_place_add_also_read_elsewhere, {"bias": POSITION_BIAS}),
     (chain_where_finite_fill, {"keep": KEEP}),
     (chain_where_fill_first, {"keep": ~KEEP | torch.eye(S, dtype=torch.bool)}),
     (chain_cast_to_other_dtype, {}),
