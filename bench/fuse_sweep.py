@@ -4,9 +4,10 @@ model still run, train and give the unfused model's loss and gradients, and what
 replace? A net for "never break a model" wider than the test suite's hand-configured families
 (tests/_models.py); on CPU, in the Triton interpreter.
 
-    TRITON_INTERPRET=1 python bench/fuse_sweep.py [--task TASK] [MODEL_TYPE ...]
+    TRITON_INTERPRET=1 python bench/fuse_sweep.py [--task TASK] [--via VIA] [MODEL_TYPE ...]
         # TASK: causal-lm (default; all 189 types ~25-40 min on 2 cores), masked-lm, seq2seq,
-        # image-cls; named types replace their rows
+        # image-cls; VIA: fuse (default) or backend (torch.compile(model, backend="trifuse"));
+        # named types replace their rows
 
 Each type runs in its own process (memory-capped, timed out), in float64, one training step
 (dropout off) before and after fuse, then a second fused call. Status per type:
@@ -18,7 +19,7 @@ Each type runs in its own process (memory-capped, timed out), in float64, one tr
     FUSED CRASH     the unfused model ran and the fused one raised: a trifuse bug
     config / build / unfused fails / too big / died: the tiny config does not suit the
                     architecture (a harness limit, not a verdict on trifuse)
-Writes bench/results/fuse_sweep.json and .md (causal-lm), fuse_sweep_<task>.json and .md (others).
+Writes bench/results/fuse_sweep[_<task>][_backend].json and .md (no task suffix for causal-lm).
 """
 import json
 import os
@@ -42,14 +43,15 @@ NO_DROPOUT = {k: 0.0 for k in ("hidden_dropout", "attention_dropout", "resid_pdr
                                "hidden_dropout_prob", "attention_probs_dropout_prob", "dropout", "activation_dropout",
                                "embed_dropout", "ffn_dropout", "attention_dropout_prob", "residual_dropout",
                                "router_jitter_noise", "input_jitter_noise", "dropout_rate", "classifier_dropout",
-                               "drop_path_rate", "hidden_dropout_rate", "attention_dropout_rate")}
+                               "drop_path_rate", "hidden_dropout_rate", "attention_dropout_rate", "classifier_dropout_prob")}
 # Sizes only the encoder-decoder and vision configs have; kept apart so the causal-LM sweep's
 # configs stay as they were.
 SMALL_EXTRA = {"encoder_layers": 2, "decoder_layers": 2, "num_decoder_layers": 2, "encoder_attention_heads": 2,
                "decoder_attention_heads": 2, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "d_ff": 64, "d_kv": 16,
                "embedding_size": 32, "decoder_start_token_id": 0, "image_size": 32, "patch_size": 8,
-               "num_channels": 3, "num_labels": 3}
+               "num_channels": 3, "num_labels": 3, "embed_dim": 32, "hidden_sizes": 32, "depths": 1}
 TASKS = ("causal-lm", "masked-lm", "seq2seq", "image-cls")
+VIAS = ("fuse", "backend")  # trifuse.fuse(model), or torch.compile(model, backend="trifuse")
 MAX_PARAMS = 3_000_000
 LOSS_TOL, GRAD_TOL = 1e-6, 1e-5
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -58,6 +60,13 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 def _config(tf, model_type: str, attn: str, task: str = "causal-lm"):
     small = SMALL if task == "causal-lm" else {**SMALL, **SMALL_EXTRA}
     kw = {**small, **NO_DROPOUT}
+    if task != "causal-lm":
+        # per-stage sizes (Swin's depths and num_heads, PVT's, ...) are lists: one small value per stage
+        default = tf.CONFIG_MAPPING[model_type]()
+        for k, v in list(kw.items()):
+            d = getattr(default, k, None)
+            if isinstance(d, (list, tuple)) and d and all(isinstance(x, (int, float)) for x in d):
+                kw[k] = type(d)([v] * len(d))
     cfg = tf.CONFIG_MAPPING[model_type](**kw, attn_implementation=attn, experts_implementation="batched_mm")
     for k, v in small.items():  # sizes some constructors ignore; head_dim may be a derived property
         if k == "head_dim":
@@ -73,17 +82,29 @@ def _config(tf, model_type: str, attn: str, task: str = "causal-lm"):
 def _grad_error(grads0: tuple, grads1: tuple) -> float:
     """The largest relative gradient error, each parameter's relative to its own largest entry;
     parameters whose gradient is numerically zero (below 1e-10 of the largest over the model, e.g.
-    a router's weights through a top-k) are compared at that floor instead."""
-    floor = 1e-10 * max((float(a.abs().max()) for a in grads0 if a is not None and a.numel()), default=0.0)
+    a router's weights through a top-k) are compared at that floor instead. NaN and inf entries
+    (some models' unfused gradients have them: LED's padded windows) must sit in the same places
+    (inf with the same sign); the rest is compared."""
+    finite = [a[a.isfinite()] for a in grads0 if a is not None]
+    floor = 1e-10 * max((float(a.abs().max()) for a in finite if a.numel()), default=0.0)
     worst = 0.0
     for a, b in zip(grads0, grads1):
         if a is None or b is None:
             if (a is None) != (b is None):
                 return float("inf")
             continue
-        if a.numel():
+        if not torch.equal(a.isnan(), b.isnan()) or not torch.equal(a.isinf(), b.isinf()) \
+                or not torch.equal(a[a.isinf()], b[b.isinf()]):
+            return float("inf")
+        keep = a.isfinite()
+        if keep.any():
+            a, b = a[keep], b[keep]
             worst = max(worst, float((a - b).abs().max()) / max(float(a.abs().max()), floor, 1e-300))
     return worst
+
+
+def _non_finite(grads: tuple) -> int:
+    return sum(int((~g.isfinite()).sum()) for g in grads if g is not None)
 
 
 def _auto_class(tf, task: str):
@@ -102,7 +123,7 @@ def _inputs(task: str) -> dict:
     return kwargs
 
 
-def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm") -> dict:
+def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: str = "fuse") -> dict:
     import transformers as tf
     import trifuse
 
@@ -112,11 +133,15 @@ def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm") -> dic
     except Exception as e:  # noqa: BLE001
         return {"status": "config", "why": f"{type(e).__name__}: {str(e).strip()[:150]}"}
     torch.manual_seed(0)
+    auto = _auto_class(tf, task)
+    names = auto._model_mapping._model_mapping.get(model_type)
+    if isinstance(names, (tuple, list)) and not getattr(cfg, "architectures", None):
+        cfg.architectures = [names[0]]  # several classes for the task (DeiT's with and without teacher): the first
     try:
-        model = _auto_class(tf, task).from_config(cfg).double()
+        model = auto.from_config(cfg).double()
     except Exception as e:  # noqa: BLE001
         if attn == "sdpa" and "does not support an attention implementation" in str(e):
-            return run_one(model_type, "eager", task)
+            return run_one(model_type, "eager", task, via)
         return {"status": "build", "why": f"{type(e).__name__}: {str(e).strip()[:150]}"}
     params = sum(p.numel() for p in model.parameters())
     if params > MAX_PARAMS:
@@ -130,29 +155,32 @@ def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm") -> dic
     except Exception as e:  # noqa: BLE001
         return {"status": "unfused fails", "why": f"{type(e).__name__}: {str(e).strip()[:150]}"}
     try:
-        trifuse.fuse(model)
-        loss1 = model(**kwargs).loss
+        fused = trifuse.fuse(model) if via == "fuse" else torch.compile(model, backend="trifuse")
+        loss1 = fused(**kwargs).loss
         grads1 = torch.autograd.grad(loss1, leaves, allow_unused=True)
-        loss2 = model(**kwargs).loss.detach()
+        loss2 = fused(**kwargs).loss.detach()
     except Exception as e:  # noqa: BLE001
         return {"status": "FUSED CRASH", "why": f"{type(e).__name__}: {str(e).strip()[:300]}",
                 "traceback": traceback.format_exc()[-3000:]}
     loss_err = abs(float(loss1) - float(loss0)) / max(abs(float(loss0)), 1e-30)
     grad_err = _grad_error(grads0, grads1)
-    report = trifuse.report(model)
+    report = trifuse.report(fused)
     ok = loss_err < LOSS_TOL and grad_err < GRAD_TOL and float(loss2) == float(loss1.detach())
-    return {"status": "ok" if ok else "MISMATCH", "attn": attn, "loss_rel_err": loss_err, "grad_rel_err": grad_err,
+    row = {"status": "ok" if ok else "MISMATCH", "attn": attn, "loss_rel_err": loss_err, "grad_rel_err": grad_err,
             "replaced": dict(sorted(report.counts().items())), "left": len(report.left()),
             "unfused_calls": {k: sum(v.values()) for k, v in report.unfused_calls().items()}}
+    if _non_finite(grads0):
+        row["why"] = f"the unfused model's gradients hold {_non_finite(grads0)} NaN/inf entries (compared by place)"
+    return row
 
 
-def _child(model_type: str, task: str = "causal-lm", timeout: int = 300) -> dict:
+def _child(model_type: str, task: str = "causal-lm", via: str = "fuse", timeout: int = 300) -> dict:
     def cap_memory():
         resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
 
     t0 = time.time()
     try:
-        cmd = [sys.executable, os.path.abspath(__file__), f"--one={model_type}", f"--task={task}"]
+        cmd = [sys.executable, os.path.abspath(__file__), f"--one={model_type}", f"--task={task}", f"--via={via}"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, preexec_fn=cap_memory, check=False)
         lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
         row = json.loads(lines[-1]) if lines else {"status": f"died (rc {done.returncode})",
@@ -179,7 +207,7 @@ def _markdown(rows: list[dict], header: str, task: str = "causal-lm") -> str:
     return "\n".join(out) + "\n"
 
 
-def main(types: list[str], task: str = "causal-lm") -> None:
+def main(types: list[str], task: str = "causal-lm", via: str = "fuse") -> None:
     import platform
 
     import transformers as tf
@@ -189,7 +217,7 @@ def main(types: list[str], task: str = "causal-lm") -> None:
     mapping = {"causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
                "seq2seq": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
                "image-cls": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"}[task]
-    stem = "fuse_sweep" if task == "causal-lm" else f"fuse_sweep_{task}"
+    stem = "fuse_sweep" + ("" if task == "causal-lm" else f"_{task}") + ("" if via == "fuse" else f"_{via}")
     path = os.path.join(RESULTS, f"{stem}.json")
     # Named types replace their rows in the results; the others stay as last swept.
     kept = {}
@@ -199,14 +227,14 @@ def main(types: list[str], task: str = "causal-lm") -> None:
     types = types or sorted(getattr(modeling_auto, mapping))
     rows = []
     for mt in types:
-        row = _child(mt, task)
+        row = _child(mt, task, via)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
         if "traceback" in row:
             print(row["traceback"], flush=True)
     header = (f"date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · torch {torch.__version__} · triton "
               f"{triton.__version__} · transformers {tf.__version__} · python {platform.python_version()} · CPU "
-              f"(TRITON_INTERPRET=1), float64, one training step, dropout off, task {task}")
+              f"(TRITON_INTERPRET=1), float64, one training step, dropout off, task {task}, via {via}")
     rows = sorted({**kept, **{r["type"]: r for r in rows}}.values(), key=lambda r: r["type"])
     os.makedirs(RESULTS, exist_ok=True)
     with open(path, "w") as f:
@@ -225,18 +253,21 @@ def test_fuse_sweep_smoke():
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    task = "causal-lm"
-    for a in list(args):
-        if a.startswith("--task="):
-            task = a[len("--task="):]
-            args.remove(a)
-    if "--task" in args:
-        i = args.index("--task")
-        task = args[i + 1]
-        del args[i:i + 2]
-    if task not in TASKS:
-        sys.exit(f"fuse_sweep: --task must be one of {', '.join(TASKS)}, got {task!r}")
+    opts = {"task": "causal-lm", "via": "fuse"}
+    for name in opts:
+        for a in list(args):
+            if a.startswith(f"--{name}="):
+                opts[name] = a.split("=", 1)[1]
+                args.remove(a)
+        if f"--{name}" in args:
+            i = args.index(f"--{name}")
+            opts[name] = args[i + 1]
+            del args[i:i + 2]
+    if opts["task"] not in TASKS:
+        sys.exit(f"fuse_sweep: --task must be one of {', '.join(TASKS)}, got {opts['task']!r}")
+    if opts["via"] not in VIAS:
+        sys.exit(f"fuse_sweep: --via must be one of {', '.join(VIAS)}, got {opts['via']!r}")
     if args and args[0].startswith("--one="):
-        print(json.dumps(run_one(args[0][len("--one="):], task=task)), flush=True)
+        print(json.dumps(run_one(args[0][len("--one="):], task=opts["task"], via=opts["via"])), flush=True)
     else:
-        main(args, task)
+        main(args, opts["task"], opts["via"])

@@ -241,7 +241,7 @@ def unsupported_argument(args: tuple, kwargs: dict, *, containers: bool = True) 
 def _unsupported(v: Any, containers: bool) -> str | None:
     if isinstance(v, (torch.Tensor, *_SIMPLE)):
         return None
-    if containers and type(v) in (tuple, list):
+    if containers and type(v) in (tuple, list, torch.Size):  # BEiT passes its patch grid as a torch.Size
         return next((w for w in (_unsupported(x, containers) for x in v) if w), None)
     if containers and (type(v) is dict or isinstance(v, collections.UserDict)):
         return next((w for w in (_unsupported(x, containers) for x in v.values()) if w), None)
