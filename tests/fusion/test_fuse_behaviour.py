@@ -354,6 +354,29 @@ def test_reference_path_without_the_interpreter():
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
+class _GridBlock(nn.Module):
+    """BEiT's layers take the patch grid as a torch.Size (a tuple subclass)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(_models.HIDDEN)
+
+    def forward(self, x, grid):
+        return self.ln(x).view(x.shape[0], *grid, -1).flatten(1, 2)
+
+
+def test_a_torch_size_argument_is_captured():
+    from _fusing import fuse_via
+
+    torch.manual_seed(0)
+    ref = _GridBlock()
+    model = fuse_via(copy.deepcopy(ref), "dynamo")
+    x = torch.randn(2, 6, _models.HIDDEN)
+    torch.testing.assert_close(model(x, torch.Size([2, 3])), ref(x, torch.Size([2, 3])))
+    report = trifuse.report(model)
+    assert report.counts() == available_counts({"layer_norm": 1}) and not report.unfused_calls()
+
+
 class _BlockReturningModelOutput(nn.Module):
     """A block that fx traces and that returns a Hugging Face ModelOutput, which its caller
     indexes by position (SqueezeBERT's encoder: `encoder_outputs[0]`)."""
