@@ -587,7 +587,7 @@ def test_mask_grad_with_causal_in_the_launchers(dtype, sq, sk):
     mask = torch.randn(1, c.h, sq, sk, device=DEVICE, dtype=dtype)
     o, lse = attn_mod.attention_fwd(q, k, v, mask, 0.0, True, 0.25, None)
     dout = torch.randn_like(o)
-    dq, dk, dv, dmask = attn_mod.attention_bwd(dout, q, k, v, o, lse, None, mask, 0.0, True, 0.25, True)
+    dq, dk, dv, dmask, _ = attn_mod.attention_bwd(dout, q, k, v, o, lse, None, mask, 0.0, True, 0.25, True)
     leaves = [t.double().requires_grad_() for t in (q, k, v, mask)]
     lowp = [t.clone().requires_grad_() for t in (q, k, v, mask)]
     ref = attention_ref(*leaves[:3], leaves[3], scale=0.25, is_causal=True)
