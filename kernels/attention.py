@@ -1841,6 +1841,8 @@ def attention(
     """
     for name, t in (("query", q), ("key", k), ("value", v)):
         check_tensor(OP, name, t)
+    if sinks is not None:
+        check_tensor(OP, "sinks", sinks)
     check_probability(OP, "dropout_p", dropout_p)
     if torch.is_autocast_enabled(q.device.type):
         q, k, v, attn_mask = _autocast_like_sdpa(q, k, v, attn_mask)
