@@ -1076,16 +1076,14 @@ def attention_bwd(
     bsz, h, sq, d = q.shape
     h_kv, sk, d_v = k.shape[1], k.shape[2], v.shape[3]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    dsinks = None if sinks is None else torch.zeros_like(sinks)
     if q.numel() == 0 or k.numel() == 0:  # O = 0, so delta = 0 and dsinks = 0
         dmask = torch.zeros_like(attn_mask, memory_format=torch.contiguous_format) if mask_grad else None
-        return dq.zero_(), dk.zero_(), dv.zero_(), dmask, dsinks
+        return dq.zero_(), dk.zero_(), dv.zero_(), dmask, None if sinks is None else torch.zeros_like(sinks)
     if not _use_kernels(q):
         grads = _attention_bwd_torch(do, q, k, v, o, lse, seed, attn_mask, dropout_p, is_causal, scale, mask_grad,
                                      softcap)
         dmask = _reduce_mask_grad(grads[3], attn_mask) if mask_grad else None
-        if sinks is not None:
-            dsinks = _sinks_grad(sinks, lse, grads[4])
+        dsinks = None if sinks is None else _sinks_grad(sinks, lse, grads[4])
         return dq.copy_(grads[0]), dk.copy_(grads[1]), dv.copy_(grads[2]), dmask, dsinks
     mask, sm, mask_kind = _mask_arg(attn_mask, (bsz, h, sq, sk), q)
     has_dropout = dropout_p > 0.0
