@@ -159,10 +159,9 @@ def _values_indices_field(node: fx.Node) -> int | None:
     if node.target is not getattr or len(node.args) != 2 or node.args[1] not in _FIELDS:
         return None
     r = node.args[0]
-    if not isinstance(r, fx.Node):
+    if not isinstance(r, fx.Node) or r.op not in ("call_method", "call_function"):
         return None
-    name = r.target if r.op == "call_method" else getattr(r.target, "__name__", None) if r.op == "call_function" \
-        else None
+    name = r.target if r.op == "call_method" else getattr(r.target, "__name__", None)
     return _FIELDS[node.args[1]] if name in _VALUES_INDICES else None
 
 
