@@ -118,6 +118,14 @@ def _catalogue(torch, family: str):
         yield "attention d128 gqa causal dropout", fwd_bwd(
             lambda q=q, k=k, v=v: ops.attention(q, k, v, is_causal=True, dropout_p=0.1, enable_gqa=True))
         yield "attention d128 causal softcap", fwd_bwd(lambda q=q: ops.attention(q, q, q, is_causal=True, softcap=50.0))
+        # gpt-oss: GQA at head dim 64 with attention sinks, causal and under a sliding-window float mask
+        q, k, v, sinks = leaf(1, 4, s, 64), leaf(1, 2, s, 64), leaf(1, 2, s, 64), leaf(4)
+        yield "attention d64 gqa causal sinks", fwd_bwd(
+            lambda q=q, k=k, v=v, sinks=sinks: ops.attention(q, k, v, is_causal=True, enable_gqa=True, sinks=sinks))
+        window = torch.ones(s, s, dtype=torch.bool).tril().triu(-16)
+        window = torch.zeros(1, 1, s, s, dtype=bf16).masked_fill(~window, torch.finfo(bf16).min)
+        yield "attention d64 gqa window mask sinks", fwd_bwd(
+            lambda q=q, k=k, v=v, sinks=sinks, m=window: ops.attention(q, k, v, m, enable_gqa=True, sinks=sinks))
         # DeepSeek-V2/V3's multi-head latent attention: q and k 192 wide (128 + 64 rotary), v 128
         q, k, v = leaf(1, 2, s, 192), leaf(1, 2, s, 192), leaf(1, 2, s, 128)
         yield "attention MLA d192 v128 causal", fwd_bwd(lambda q=q, k=k, v=v: ops.attention(q, k, v, is_causal=True))

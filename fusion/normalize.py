@@ -16,6 +16,8 @@ rewrites, in place:
   `F.softmax` -> `torch.softmax`, `torch.layer_norm` -> `F.layer_norm`, `torch.concat` ->
   `torch.cat(tensors, dim)`, `x.float()` ->
   `x.to(torch.float32)`, `a @ b` -> `torch.matmul(a, b)`, ...
+- the fields of a (values, indices) result as indices, as Dynamo writes them:
+  `x.max(dim=-1, keepdim=True).values` -> `x.max(dim=-1, keepdim=True)[0]`.
 - arguments into one layout: positional parameters positional, keyword-only ones as keywords,
   every default spelled out (`F.gelu(x)` -> `F.gelu(x, approximate='none')`);
   `x.view(a, b)` -> `x.view((a, b))`; `x.transpose(2, 1)` -> `x.transpose(1, 2)`.
@@ -150,9 +152,29 @@ def canonicalize_graph(graph: fx.Graph, root: torch.nn.Module | None = None) -> 
     _out_of_place_updates(graph)
 
 
+# Reductions whose dim form returns a (values, indices) named tuple; fx keeps `.values` as getattr.
+_VALUES_INDICES = ("max", "min", "sort", "topk", "kthvalue", "median", "mode", "cummax", "cummin")
+_FIELDS = {"values": 0, "indices": 1}
+
+
+def _values_indices_field(node: fx.Node) -> int | None:
+    """For `r.values` / `r.indices` of such a reduction r, the field's index; else None."""
+    if node.target is not getattr or len(node.args) != 2 or node.args[1] not in _FIELDS:
+        return None
+    r = node.args[0]
+    if not isinstance(r, fx.Node) or r.op not in ("call_method", "call_function"):
+        return None
+    name = r.target if r.op == "call_method" else getattr(r.target, "__name__", None)
+    return _FIELDS[node.args[1]] if name in _VALUES_INDICES else None
+
+
 def canonicalize_node(node: fx.Node) -> None:
     """Canonical target and argument layout for one call_function node (no-op for others)."""
     if node.op != "call_function":
+        return
+    field = _values_indices_field(node)
+    if field is not None:
+        node.target, node.args = operator.getitem, (node.args[0], field)
         return
     entry = _FUNCTIONS.get(node.target) if _hashable(node.target) else None
     if entry is not None:

@@ -10,6 +10,17 @@ Maths, per batch b and query head h (kv head hk = h // (Hq // Hkv) under GQA/MQA
     O = (P * Z / (1 - p)) V           Z: the dropout keep mask, Bernoulli(1 - p)
     L = logsumexp(S) row by row       saved for the backward (-inf for rows that see no key)
 
+With attention sinks (gpt-oss: one learned logit s_h per query head, `sinks` (Hq,)), the sink is
+one more score in every row of head h that has no value and is not masked, scaled or capped:
+
+    L = log(exp(s_h) + sum_j exp(S_ij))    P_ij = exp(S_ij - L)    P_sink = exp(s_h - L)
+
+so the rows of P sum to 1 - P_sink, and dropout acts on P as without a sink (after the sink's
+column is dropped, as transformers' eager code does). The forward starts its online softmax from
+the sink (m = s_h, l = 1, in base 2) instead of (-inf, 0). A row whose every key is masked still
+has the sink in its denominator: P = 0 over the keys, O = 0 and L = s_h (transformers' eager code
+gives the same; a sink of -inf is no sink at all, and such a row is then SDPA's empty row).
+
 Backward, with dP~ = dO V^T and delta = rowsum(dO * O) (= rowsum(P * dP~ * Z / (1 - p))):
 
     dV = (P * Z / (1 - p))^T dO       summed over the query heads of a kv group
@@ -19,6 +30,8 @@ Backward, with dP~ = dO V^T and delta = rowsum(dO * O) (= rowsum(P * dP~ * Z / (
                                               dS * (1 - tanh^2) under a soft cap
     dMask = dS                                (a float mask that requires grad; the mask is added
                                               after the scale; summed over its broadcast dims)
+    dsinks_h = -sum_{b,i} P_sink,bhi * delta_bhi    (the sink's dP is 0: it has no value; dQ, dK,
+                                              dV are the formulas above with the sink inside L)
 
 Causal alignment is SDPA's `is_causal`: top-left, query i sees keys j <= i, also when Sq != Sk
 (rows i >= Sk see every key; keys j >= Sq are seen by nobody and get zero gradients).
@@ -46,7 +59,8 @@ column is the key index, the row (b * Hq + h) * Sq + query index. Extra memory i
 
 Kernels (one program per block of rows, looping over the other sequence):
     _attn_fwd_kernel              per (query block, b, h): online softmax over key blocks
-    _attn_bwd_preprocess_kernel   delta = rowsum(dO * O)
+    _attn_bwd_preprocess_kernel   delta = rowsum(dO * O); dsinks is then a torch reduction of
+                                  exp(s_h - L) * delta over batch and rows (B Hq Sq elements)
     _attn_bwd_dkdv_kernel         per (key block, b, hk): loops over the group's query heads and
                                   their query blocks; dK, dV stay in registers
     _attn_bwd_dq_kernel           per (query block, b, h): loops over key blocks; dQ in registers;
@@ -133,12 +147,14 @@ def attention_ref(
     enable_gqa: bool = False,
     dropout_mask: torch.Tensor | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention with an explicit (Sq, Sk) softmax, as SDPA's math backend computes it.
 
     `dropout_mask` (bool, broadcastable to (B, Hq, Sq, Sk), True = keep) stands in for the
     kernel's random mask; without it no dropout is applied whatever dropout_p says. `softcap`
-    c caps the scaled scores as c * tanh(s / c) before the mask is added (Gemma 2).
+    c caps the scaled scores as c * tanh(s / c) before the mask is added (Gemma 2). `sinks` (Hq,)
+    joins each row's softmax as one more column, dropped before dropout and P V (gpt-oss).
     """
     sq, sk = q.shape[-2], k.shape[-2]
     if scale is None:
@@ -157,9 +173,13 @@ def attention_ref(
             s = s.masked_fill(~attn_mask, float("-inf"))
         else:
             s = s + attn_mask
+    if sinks is not None:
+        s = torch.cat([s, sinks.to(s.dtype).reshape(1, -1, 1, 1).expand(*s.shape[:-1], 1)], dim=-1)
     # Rows that see no key give 0 (SDPA's rule); softmax them over zeros so no NaN reaches autograd.
     dead = torch.isneginf(s).all(dim=-1, keepdim=True)
     probs = torch.softmax(s.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
+    if sinks is not None:
+        probs = probs[..., :-1]
     if dropout_mask is not None:
         probs = probs * dropout_mask / (1.0 - dropout_p) if dropout_p < 1.0 else torch.zeros_like(probs)
     return probs @ v
@@ -269,8 +289,9 @@ def _attn_fwd_kernel(
     V,  # in (B, H_KV, N_K, HEAD_DIM_V)
     MASK,  # in, broadcast to (B, H, N_Q, N_K): uint8 (bool) or float; unused unless MASK_KIND
     SEED,  # in (1,) int64 Philox seed; unused unless HAS_DROPOUT
+    SINKS,  # in (H,) fp32 (fp64 for fp64) sink logits; unused unless HAS_SINKS
     O,  # out (B, H, N_Q, HEAD_DIM_V)
-    LSE,  # out (B, H, N_Q) fp32 (fp64 for fp64), natural log
+    LSE,  # out (B, H, N_Q) fp32 (fp64 for fp64), natural log; the sink included
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -282,6 +303,7 @@ def _attn_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
     USE_TMA: tl.constexpr,  # Q, K, V, O through tensor descriptors (sm_90+; see _tma_ok)
+    HAS_SINKS: tl.constexpr,
 ):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)  # int64: b * stride may pass 2^31
@@ -312,8 +334,15 @@ def _attn_fwd_kernel(
     seed = tl.load(SEED) if HAS_DROPOUT else 0
     rng_rows = bh * N_Q + offs_m
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
-    l_i = tl.zeros([BLOCK_M], dtype=ACC)
+    if HAS_SINKS:
+        # The sink is a score every row sees, with no value: the online softmax starts from it
+        # (l = exp2(m - m) = 1), so L includes it and a row with every key masked keeps l >= 1.
+        # A sink of -inf starts as (-inf, 0), no sink at all.
+        m_i = tl.full([BLOCK_M], 1.4426950408889634, dtype=ACC) * tl.load(SINKS + h).to(ACC)
+        l_i = tl.where(m_i == float("-inf"), 0.0, 1.0).to(ACC)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
+        l_i = tl.zeros([BLOCK_M], dtype=ACC)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=ACC)
     # Key blocks [0, n_full) need neither the causal nor the bounds mask; [n_full, hi) do.
     if IS_CAUSAL:
@@ -333,7 +362,7 @@ def _attn_fwd_kernel(
                                    HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, IS_CAUSAL, MASK_KIND, HAS_DROPOUT,
                                    SOFTCAP, DOT_PRECISION, ACC, USE_TMA)
 
-    seen = l_i > 0.0  # False only for rows whose every score is -inf: O = 0, L = -inf
+    seen = l_i > 0.0  # False only for rows whose every score (the sink's too) is -inf: O = 0, L = -inf
     l_safe = tl.where(seen, l_i, 1.0)
     o = acc * (dropout_scale / l_safe)[:, None]
     lse = tl.where(seen, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
@@ -766,9 +795,9 @@ _BWD_PLANS: dict[tuple, tuple] = {}
 
 def _plan_key(q: torch.Tensor, bsz: int, h: int, h_kv: int, sq: int, sk: int, d: int, dv: int, is_causal: bool,
               mask_kind: int, has_dropout: bool, mask_grad: bool = False, softcap: bool = False,
-              tma: bool = False) -> tuple:
+              tma: bool = False, sinks: bool = False) -> tuple:
     return (q.get_device() if q.is_cuda else -1, q.dtype, bsz, h, h_kv, sq, sk, d, dv, is_causal, mask_kind,
-            has_dropout, mask_grad, softcap, tma)
+            has_dropout, mask_grad, softcap, tma, sinks)
 
 
 
@@ -939,6 +968,20 @@ def _output_like(q: torch.Tensor, dv: int) -> torch.Tensor:
     return q.new_empty((bsz, h, sq, dv))
 
 
+def _sinks_arg(sinks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The sinks (Hq,) as the kernels read them: contiguous, in the statistics' dtype."""
+    return sinks.to(_stat_dtype(dtype)).contiguous()
+
+
+def _sinks_grad(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """dsinks (Hq,) in the sinks' dtype: -sum over batch and rows of P_sink * delta, where
+    P_sink = exp(s_h - L) (L (B, Hq, Sq) includes the sink, so P_sink <= 1; a sink of -inf has
+    P_sink = 0, also in the rows where L = -inf)."""
+    s = sinks.to(lse.dtype)[None, :, None]
+    p_sink = torch.where(torch.isneginf(s), 0.0, torch.exp(s - lse))
+    return (-(p_sink * delta).sum((0, 2))).to(sinks.dtype)
+
+
 def _mask_arg(attn_mask: torch.Tensor | None, shape: tuple[int, int, int, int], fallback: torch.Tensor):
     """(tensor, strides, kind) for the kernels: the mask expanded to (B, H, Sq, Sk) as a view
     (stride 0 on broadcast dims, nothing copied), bools reinterpreted as uint8."""
@@ -960,10 +1003,11 @@ def attention_fwd(
     scale: float,
     seed: torch.Tensor | None,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (o, lse): o (B, Hq, Sq, Dv) laid out like q (_output_like), lse (B, Hq, Sq) in fp32
-    (fp64 for fp64). `seed` is the Philox seed (1,) int64 when dropout_p > 0; `softcap` > 0 caps
-    the scaled scores (0: no cap)."""
+    (fp64 for fp64), the sinks included. `seed` is the Philox seed (1,) int64 when dropout_p > 0;
+    `softcap` > 0 caps the scaled scores (0: no cap); `sinks` (Hq,), any float dtype, or None."""
     bsz, h, sq, d = q.shape
     h_kv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
     o = _output_like(q, dv)
@@ -971,28 +1015,32 @@ def attention_fwd(
     if o.numel() == 0:
         return o, lse
     if not _use_kernels(q):
-        o_t, lse_t = _attention_fwd_torch(q, k, v, attn_mask, dropout_p, is_causal, scale, seed, softcap)
+        o_t, lse_t = _attention_fwd_torch(q, k, v, attn_mask, dropout_p, is_causal, scale, seed, softcap, sinks)
         return o.copy_(o_t), lse.copy_(lse_t)
-    if sk == 0:
-        return o.zero_(), lse.fill_(float("-inf"))
+    if sk == 0:  # every row sees the sink alone: L = s_h
+        return o.zero_(), lse.fill_(float("-inf")) if sinks is None else lse.copy_(
+            sinks.to(lse.dtype)[None, :, None].expand_as(lse))
     mask, sm, mask_kind = _mask_arg(attn_mask, (bsz, h, sq, sk), q)
     has_dropout = dropout_p > 0.0
-    args = (q, k, v, mask, seed if has_dropout else q, o, lse,
+    has_sinks = sinks is not None
+    args = (q, k, v, mask, seed if has_dropout else q, _sinks_arg(sinks, q.dtype) if has_sinks else q, o, lse,
             *q.stride(), *k.stride(), *v.stride(), *sm, *o.stride(),
             h, sq, sk, h // h_kv, *_score_scales(scale, softcap), dropout_p, _dropout_scale(dropout_p),
             _bucket(sq), _bucket(sk))
     tma = _tma_ok(q, k, v, o) and _tma_scratch_fits(("fwd", sq, bsz * h))
-    key = _plan_key(q, bsz, h, h_kv, sq, sk, d, dv, is_causal, mask_kind, has_dropout, False, softcap > 0.0, tma)
+    key = _plan_key(q, bsz, h, h_kv, sq, sk, d, dv, is_causal, mask_kind, has_dropout, False, softcap > 0.0, tma,
+                    has_sinks)
     plan = _FWD_PLANS.get(key)
     if plan is not None:
         _FWD.run(plan[0], args, plan[1])
         return o, lse
     block_d, block_dv = _block_d(d), _block_d(dv)
-    # Block sizes are tuned without the soft cap in the key (one tuner key per shape bucket): the
-    # cap adds elementwise work, not tiles.
+    # Block sizes are tuned without the soft cap or the sinks in the key (one tuner key per shape
+    # bucket): the cap adds elementwise work, the sinks one load per program, neither tiles.
     constexprs = dict(HEAD_DIM=d, BLOCK_D=block_d, HEAD_DIM_V=dv, BLOCK_DV=block_dv, IS_CAUSAL=is_causal,
                       MASK_KIND=mask_kind, HAS_DROPOUT=has_dropout, SOFTCAP=softcap > 0.0,
-                      DOT_PRECISION=_dot_precision(q.dtype), ACC=acc_dtype(q.dtype), USE_TMA=False)
+                      DOT_PRECISION=_dot_precision(q.dtype), ACC=acc_dtype(q.dtype), USE_TMA=False,
+                      HAS_SINKS=has_sinks)
     planned = _tuned_launch("fwd", _tuning_key(q, sq, sk, d, block_d, is_causal, mask_kind, has_dropout, tma,
                                                block_dv),
                             lambda meta: (cdiv(sq, meta["BLOCK_M"]), bsz * h), args, constexprs)
@@ -1015,10 +1063,12 @@ def attention_bwd(
     scale: float,
     mask_grad: bool = False,
     softcap: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Returns (dq, dk, dv, dmask): dq, dk, dv shaped and laid out like q, k, v (contiguous when
-    those are not dense); dmask, with `mask_grad` (a float attn_mask), in the mask's shape and
-    dtype (summed over the dims it broadcasts along), else None.
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Returns (dq, dk, dv, dmask, dsinks): dq, dk, dv shaped and laid out like q, k, v (contiguous
+    when those are not dense); dmask, with `mask_grad` (a float attn_mask), in the mask's shape and
+    dtype (summed over the dims it broadcasts along), else None; dsinks (Hq,) in the sinks' dtype
+    with `sinks`, else None. `lse` is the forward's, which includes the sinks.
 
     dmask is dS, which the dQ kernel writes into a dense (B, Hq, Sq, Sk) buffer (fp32; fp64 for
     fp64) before the host sums the broadcast dims: O(B Hq Sq Sk) extra memory for this call, as
@@ -1026,14 +1076,15 @@ def attention_bwd(
     bsz, h, sq, d = q.shape
     h_kv, sk, d_v = k.shape[1], k.shape[2], v.shape[3]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    if q.numel() == 0 or k.numel() == 0:
+    if q.numel() == 0 or k.numel() == 0:  # O = 0, so delta = 0 and dsinks = 0
         dmask = torch.zeros_like(attn_mask, memory_format=torch.contiguous_format) if mask_grad else None
-        return dq.zero_(), dk.zero_(), dv.zero_(), dmask
+        return dq.zero_(), dk.zero_(), dv.zero_(), dmask, None if sinks is None else torch.zeros_like(sinks)
     if not _use_kernels(q):
         grads = _attention_bwd_torch(do, q, k, v, o, lse, seed, attn_mask, dropout_p, is_causal, scale, mask_grad,
                                      softcap)
         dmask = _reduce_mask_grad(grads[3], attn_mask) if mask_grad else None
-        return dq.copy_(grads[0]), dk.copy_(grads[1]), dv.copy_(grads[2]), dmask
+        dsinks = None if sinks is None else _sinks_grad(sinks, lse, grads[4])
+        return dq.copy_(grads[0]), dk.copy_(grads[1]), dv.copy_(grads[2]), dmask, dsinks
     mask, sm, mask_kind = _mask_arg(attn_mask, (bsz, h, sq, sk), q)
     has_dropout = dropout_p > 0.0
     delta = torch.empty_like(lse)
@@ -1059,7 +1110,8 @@ def attention_bwd(
         _BWD_PREPROCESS.run(plan[0], pre_args, plan[1])
         _BWD_DKDV.run(plan[2], dkdv_args, plan[3])
         _BWD_DQ.run(plan[4], dq_args, plan[5])
-        return dq, dk, dv, None if ds is None else _reduce_mask_grad(ds, attn_mask)
+        return (dq, dk, dv, None if ds is None else _reduce_mask_grad(ds, attn_mask),
+                None if sinks is None else _sinks_grad(sinks, lse, delta))
     block_d, block_dv = _block_d(d), _block_d(d_v)
     acc = acc_dtype(q.dtype)
     pre_block = 32 if INTERPRET else 64  # small under the interpreter: tests cross its blocks too
@@ -1078,7 +1130,8 @@ def attention_bwd(
                                dq_args, {**constexprs, "MASK_GRAD": mask_grad})
     if planned_dkdv is not None and planned_dq is not None:
         store_plan(_BWD_PLANS, key, (pre_grid, pre_meta, *planned_dkdv, *planned_dq))
-    return dq, dk, dv, None if ds is None else _reduce_mask_grad(ds, attn_mask)
+    return (dq, dk, dv, None if ds is None else _reduce_mask_grad(ds, attn_mask),
+            None if sinks is None else _sinks_grad(sinks, lse, delta))
 
 
 def _reduce_mask_grad(ds: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
@@ -1103,10 +1156,10 @@ def _torch_keep_mask(seed: torch.Tensor, shape: tuple[int, ...], p: float) -> to
     return torch.rand(shape, generator=gen) >= p
 
 
-def _torch_probs(q, k, attn_mask, is_causal, scale, lse=None, softcap=0.0):
+def _torch_probs(q, k, attn_mask, is_causal, scale, lse=None, softcap=0.0, sinks=None):
     """(P, lse, tanh of the capped scores or None) in the accumulation dtype; k already repeated
     over the group. With lse given, P is recomputed from it as the kernels do (0 for rows with
-    lse = -inf)."""
+    lse = -inf). `sinks` (forward only) joins the softmax as one more column, then dropped."""
     acc = _stat_dtype(q.dtype)
     s = (q.to(acc) @ k.to(acc).transpose(-2, -1)) * scale
     tanh = None
@@ -1122,9 +1175,12 @@ def _torch_probs(q, k, attn_mask, is_causal, scale, lse=None, softcap=0.0):
         else:
             s = s + attn_mask.to(acc)
     if lse is None:  # forward: a plain softmax (exact also for rows at finfo.min)
+        if sinks is not None:
+            s = torch.cat([s, sinks.to(acc)[None, :, None, None].expand(*s.shape[:-1], 1)], dim=-1)
         lse = torch.logsumexp(s, dim=-1)
         dead = torch.isneginf(lse)[..., None]
-        return torch.softmax(s.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0), lse, tanh
+        p = torch.softmax(s.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
+        return p if sinks is None else p[..., :-1], lse, tanh
     safe = torch.where(torch.isneginf(lse), float("inf"), lse)
     return torch.exp(s - safe[..., None]), lse, tanh
 
@@ -1133,9 +1189,9 @@ def _repeat_kv(t: torch.Tensor, group: int) -> torch.Tensor:
     return t if group == 1 else t.repeat_interleave(group, dim=1)
 
 
-def _attention_fwd_torch(q, k, v, attn_mask, dropout_p, is_causal, scale, seed, softcap=0.0):
+def _attention_fwd_torch(q, k, v, attn_mask, dropout_p, is_causal, scale, seed, softcap=0.0, sinks=None):
     group = q.shape[1] // k.shape[1]
-    p, lse, _ = _torch_probs(q, _repeat_kv(k, group), attn_mask, is_causal, scale, softcap=softcap)
+    p, lse, _ = _torch_probs(q, _repeat_kv(k, group), attn_mask, is_causal, scale, softcap=softcap, sinks=sinks)
     if dropout_p > 0.0:
         keep = _torch_keep_mask(seed, p.shape, dropout_p).to(p.device)
         p = torch.where(keep, p * _dropout_scale(dropout_p), 0.0)
@@ -1157,14 +1213,15 @@ def _attention_bwd_torch(do, q, k, v, o, lse, seed, attn_mask, dropout_p, is_cau
         keep = _torch_keep_mask(seed, p.shape, dropout_p).to(p.device)
         pd = torch.where(keep, p * _dropout_scale(dropout_p), 0.0)
         dp = torch.where(keep, dp * _dropout_scale(dropout_p), 0.0)
-    ds = p * (dp - (do_ * o_).sum(-1, keepdim=True))
+    delta = (do_ * o_).sum(-1)
+    ds = p * (dp - delta[..., None])
     ds_raw = ds if tanh is None else ds * (1.0 - tanh * tanh)  # the mask's gradient is ds itself
     dq = (ds_raw @ kr) * scale
     dk = (ds_raw.transpose(-2, -1) @ q.to(acc)) * scale
     dv = pd.transpose(-2, -1) @ do_
     dk = dk.view(bsz, h_kv, group, sk, d).sum(2)
     dv = dv.view(bsz, h_kv, group, sk, v.shape[3]).sum(2)
-    return dq, dk, dv, ds if mask_grad else None
+    return dq, dk, dv, ds if mask_grad else None, delta
 
 
 # =============================================================================================
@@ -1229,6 +1286,18 @@ def _check_softcap(softcap: object) -> None:
         raise ValueError(f"trifuse.{OP}: softcap must be a finite number > 0 (or None / 0 for no cap), got {softcap}")
 
 
+def _check_sinks(q: torch.Tensor, sinks: object) -> None:
+    """sinks: None, or a float tensor (Hq,) on q's device (any float dtype: read in fp32)."""
+    if sinks is None:
+        return
+    check_tensor(OP, "sinks", sinks)
+    check_float(OP, "sinks", sinks)
+    if sinks.dim() != 1 or sinks.shape[0] != q.shape[1]:
+        raise ValueError(f"trifuse.{OP}: sinks must be 1-D with one logit per query head ({q.shape[1]}), "
+                         f"got shape {tuple(sinks.shape)}")
+    check_same_device(OP, "query", q, sinks=sinks)
+
+
 def _check_mask_grad(attn_mask: torch.Tensor | None, mask_grad: bool) -> None:
     if mask_grad and (attn_mask is None or not attn_mask.is_floating_point()):
         got = "no attn_mask" if attn_mask is None else f"a {attn_mask.dtype} attn_mask"
@@ -1254,12 +1323,14 @@ def _seed_for(q: torch.Tensor, dropout_p: float) -> torch.Tensor:
 
 @torch.library.custom_op("trifuse::attention", mutates_args=())
 def _attention_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: OptTensor, dropout_p: float, is_causal: bool,
-                  scale: float | None, enable_gqa: bool, softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+                  scale: float | None, enable_gqa: bool, softcap: float = 0.0,
+                  sinks: OptTensor = None) -> tuple[Tensor, Tensor, Tensor]:
     _check_attention_inputs(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     _check_softcap(softcap)
+    _check_sinks(q, sinks)
     seed = _seed_for(q, dropout_p)
     o, lse = attention_fwd(q, k, v, attn_mask, dropout_p, is_causal, _resolve_scale(scale, q.shape[-1]), seed,
-                           softcap)
+                           softcap, sinks)
     return o, lse, seed
 
 
@@ -1267,49 +1338,58 @@ def _attention_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: OptTensor, dropout
 def _attention_backward_op(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, seed: Tensor, attn_mask: OptTensor,
     dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool, mask_grad: bool,
-    softcap: float = 0.0,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, dmask) for trifuse::attention; dmask is the gradient of a float attn_mask, in
-    its shape and dtype, when mask_grad, else an empty tensor."""
+    softcap: float = 0.0, sinks: OptTensor = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dmask, dsinks) for trifuse::attention; dmask is the gradient of a float
+    attn_mask, in its shape and dtype, when mask_grad, else an empty tensor; dsinks that of the
+    sinks (Hq,) in their dtype, else an empty tensor."""
     _check_attention_inputs(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     _check_mask_grad(attn_mask, mask_grad)
     _check_softcap(softcap)
-    dq, dk, dv, dmask = attention_bwd(do, q, k, v, o, lse, seed, attn_mask, dropout_p, is_causal,
-                                      _resolve_scale(scale, q.shape[-1]), mask_grad, softcap)
-    return dq, dk, dv, q.new_empty(0) if dmask is None else dmask
+    _check_sinks(q, sinks)
+    dq, dk, dv, dmask, dsinks = attention_bwd(do, q, k, v, o, lse, seed, attn_mask, dropout_p, is_causal,
+                                              _resolve_scale(scale, q.shape[-1]), mask_grad, softcap, sinks)
+    return (dq, dk, dv, q.new_empty(0) if dmask is None else dmask,
+            q.new_empty(0) if dsinks is None else dsinks)
 
 
 @_attention_op.register_fake
-def _(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap=0.0):
+def _(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap=0.0, sinks=None):
     _check_attention_inputs(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     _check_softcap(softcap)
+    _check_sinks(q, sinks)
     lse = q.new_empty(q.shape[:3], dtype=_stat_dtype(q.dtype))
     return _output_like(q, v.shape[3]), lse, q.new_empty(1 if dropout_p > 0.0 else 0, dtype=torch.int64)
 
 
 @_attention_backward_op.register_fake
-def _(do, q, k, v, o, lse, seed, attn_mask, dropout_p, is_causal, scale, enable_gqa, mask_grad, softcap=0.0):
+def _(do, q, k, v, o, lse, seed, attn_mask, dropout_p, is_causal, scale, enable_gqa, mask_grad, softcap=0.0,
+      sinks=None):
     _check_attention_inputs(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     _check_mask_grad(attn_mask, mask_grad)
     _check_softcap(softcap)
+    _check_sinks(q, sinks)
     dmask = attn_mask.new_empty(attn_mask.shape) if mask_grad else q.new_empty(0)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
+    dsinks = q.new_empty(0) if sinks is None else torch.empty_like(sinks)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask, dsinks
 
 
 def _setup_attention(ctx, inputs, output):
-    q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, *softcap = inputs
+    q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, *rest = inputs
+    softcap, sinks = (*rest, *(0.0, None)[len(rest):])  # trailing defaults may be left out
     o, lse, seed = output
-    ctx.save_for_backward(q, k, v, o, lse, seed, attn_mask)
+    ctx.save_for_backward(q, k, v, o, lse, seed, attn_mask, sinks)
     ctx.args = (dropout_p, is_causal, scale, enable_gqa)
-    ctx.softcap = softcap[0] if softcap else 0.0
+    ctx.softcap = softcap
 
 
 def _backward_attention(ctx, do, *_):
-    q, k, v, o, lse, seed, attn_mask = ctx.saved_tensors
+    q, k, v, o, lse, seed, attn_mask, sinks = ctx.saved_tensors
     mask_grad = ctx.needs_input_grad[3]
-    dq, dk, dv, dmask = torch.ops.trifuse.attention_backward(do, q, k, v, o, lse, seed, attn_mask, *ctx.args,
-                                                             mask_grad, ctx.softcap)
-    return dq, dk, dv, dmask if mask_grad else None, None, None, None, None, None
+    dq, dk, dv, dmask, dsinks = torch.ops.trifuse.attention_backward(do, q, k, v, o, lse, seed, attn_mask, *ctx.args,
+                                                                     mask_grad, ctx.softcap, sinks)
+    return (dq, dk, dv, dmask if mask_grad else None, None, None, None, None, None,
+            dsinks if sinks is not None else None)
 
 
 torch.library.register_autograd("trifuse::attention", _backward_attention, setup_context=_setup_attention)
@@ -1323,22 +1403,23 @@ torch.library.register_autograd("trifuse::attention", _backward_attention, setup
 
 class _AttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, attn_mask, dropout_p, is_causal, scale, softcap):
+    def forward(ctx, q, k, v, attn_mask, dropout_p, is_causal, scale, softcap, sinks):
         seed = philox_seed(q.device) if dropout_p > 0.0 else None
-        o, lse = attention_fwd(q, k, v, attn_mask, dropout_p, is_causal, scale, seed, softcap)
-        ctx.save_for_backward(q, k, v, o, lse, seed, attn_mask)
+        o, lse = attention_fwd(q, k, v, attn_mask, dropout_p, is_causal, scale, seed, softcap, sinks)
+        ctx.save_for_backward(q, k, v, o, lse, seed, attn_mask, sinks)
         ctx.args = (dropout_p, is_causal, scale)
         ctx.softcap = softcap
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse, seed, attn_mask = ctx.saved_tensors
+        q, k, v, o, lse, seed, attn_mask, sinks = ctx.saved_tensors
         dropout_p, is_causal, scale = ctx.args
         with profiled("trifuse::attention_backward"):
-            dq, dk, dv, dmask = attention_bwd(do, q, k, v, o, lse, seed, attn_mask, dropout_p, is_causal, scale,
-                                              ctx.needs_input_grad[3], ctx.softcap)
-        return dq, dk, dv, dmask, None, None, None, None
+            dq, dk, dv, dmask, dsinks = attention_bwd(do, q, k, v, o, lse, seed, attn_mask, dropout_p, is_causal,
+                                                      scale, ctx.needs_input_grad[3], ctx.softcap,
+                                                      sinks if ctx.needs_input_grad[8] else None)
+        return dq, dk, dv, dmask, None, None, None, None, dsinks
 
 
 # =============================================================================================
@@ -1348,7 +1429,9 @@ class _AttentionFunction(torch.autograd.Function):
 # calls (torch.compile, export) always see trifuse::attention.
 #
 # Every candidate's `supports` gives the reason it cannot take a call (device, dtype, head dim,
-# mask kind, dropout, GQA, causal alignment; "not installed" comes from `requires`). A call that
+# mask kind, dropout, GQA, causal alignment; "not installed" comes from `requires`). Calls with a
+# soft cap or attention sinks never reach the dialect: SDPA, flash-attn (2) and xformers take
+# neither, so `attention` sends them to trifuse's kernels (or its torch path) directly. A call that
 # shares a decided key with others but breaks one of SDPA's per-call rules (strides, alignment:
 # what torch.backends.cuda.can_use_*_attention checks) runs trifuse's kernels instead, and the
 # reason is kept in FALLBACKS.
@@ -1388,12 +1471,17 @@ def _attention_key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
             pow2_bucket(qs[2]), pow2_bucket(ks[2]), qs[3], causal, mask, dropout_p > 0.0, grad, vs[3])
 
 
-def _attention_trifuse(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap=0.0):
-    if eager_fast_path(q, k, v, attn_mask):
+def _attention_trifuse(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap=0.0, sinks=None):
+    if eager_fast_path(q, k, v, attn_mask, sinks):
         _check_attention_inputs(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        _check_sinks(q, sinks)
         with profiled(f"trifuse::{OP}"):
             return _AttentionFunction.apply(q, k, v, attn_mask, float(dropout_p), bool(is_causal),
-                                            _resolve_scale(scale, q.shape[-1]), softcap)
+                                            _resolve_scale(scale, q.shape[-1]), softcap, sinks)
+    if sinks is not None:
+        return torch.ops.trifuse.attention(q, k, v, attn_mask, float(dropout_p), bool(is_causal),
+                                           None if scale is None else float(scale), bool(enable_gqa), softcap,
+                                           sinks)[0]
     if softcap:
         return torch.ops.trifuse.attention(q, k, v, attn_mask, float(dropout_p), bool(is_causal),
                                            None if scale is None else float(scale), bool(enable_gqa), softcap)[0]
@@ -1699,6 +1787,7 @@ def attention(
     enable_gqa: bool = False,
     *,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention with the signature and semantics of
     `F.scaled_dot_product_attention`, never materializing the (Sq, Sk) score matrix.
@@ -1722,6 +1811,13 @@ def attention(
         softcap: a logit soft cap c > 0 (Gemma 2's attn_logit_softcapping, flash-attn's
             softcap): the scaled scores become c * tanh(scores / c) before the mask is added.
             None or 0: no cap. SDPA has no such argument: capped calls run trifuse's kernels.
+        sinks: attention sinks (gpt-oss), a float tensor (Hq,) of logits, one per query head, any
+            float dtype (read in fp32; fp64 for fp64 inputs), on q's device; it may require grad.
+            Each row's softmax gets one more score s_h that has no value (transformers' eager
+            gpt-oss attention: concatenated to the masked scores, softmaxed, dropped before
+            dropout and P V), so a row's probabilities sum to 1 - exp(s_h - L). A row with every
+            key masked gives 0 (the sink takes all its weight). SDPA takes no sinks: such calls
+            run trifuse's kernels.
 
     Under autocast, as SDPA: q, k, v and a float mask are cast to the autocast dtype first.
 
@@ -1738,15 +1834,21 @@ def attention(
 
     Raises:
         TypeError for non-float or mixed dtypes; ValueError for ranks, shapes, head counts, masks
-        that do not broadcast, dropout_p outside [0, 1], or a negative or infinite softcap.
+        that do not broadcast, dropout_p outside [0, 1], a negative or infinite softcap, or sinks
+        that are not floating point or not shaped (Hq,).
     """
     for name, t in (("query", q), ("key", k), ("value", v)):
         check_tensor(OP, name, t)
+    if sinks is not None:
+        check_tensor(OP, "sinks", sinks)
     check_probability(OP, "dropout_p", dropout_p)
     if torch.is_autocast_enabled(q.device.type):
         q, k, v, attn_mask = _autocast_like_sdpa(q, k, v, attn_mask)
     if softcap is not None:
         _check_softcap(softcap)
-        if softcap:
-            return _attention_trifuse(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, float(softcap))
+    if sinks is not None:
+        return _attention_trifuse(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, float(softcap or 0.0),
+                                  sinks)
+    if softcap:
+        return _attention_trifuse(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, float(softcap))
     return ATTENTION(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)

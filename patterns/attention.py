@@ -14,6 +14,12 @@ style: the score matrix never exists).
   soft cap between the scaling and the mask (`tanh(s / cap) * cap`) becomes the op's `softcap`.
   transformers' eager_attention_forward (fp32 softmax, dropout) on K and V repeated per query
   group by `repeat_kv` becomes the op with `enable_gqa=True` on the un-repeated K and V.
+- gpt-oss's eager attention with attention sinks: the scaled scores (+ the additive mask, a
+  sliding window's too), one learned logit per head concatenated as a last column
+  (`sinks.reshape(1, -1, 1, 1).expand(B, -1, Sq, -1)`), the row max subtracted (a no-op for the
+  softmax: the sink keeps every row's max finite), the softmax, the sink's column dropped
+  (`probs[..., :-1]`), dropout, the cast to v's dtype, `@ v`; over repeat_kv or not. It becomes the
+  op's `sinks`. A row the mask covers whole gives 0 there as unfused (the sink takes its weight).
 - DeBERTa-v2's (and v3's) disentangled attention, on (B*H, S, D) tensors: `bmm(q, k^T / scale)`
   with the scale a 0-d tensor, its relative-position scores (c2p + p2c, computed before from q,
   k and the position embeddings) added, viewed as (B, H, S, S), `masked_fill(~mask, finfo.min)`,
@@ -172,6 +178,65 @@ def attention_chain_fused(q, k, v, d0, d1, scale, mask=None, fill=None, p=0.0, t
         open_row = mask.any(-1, keepdim=True)
         o = torch.where(open_row, o, v.mean(-2, keepdim=True))
     return o
+
+
+def attention_chain_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, scale, mask: torch.Tensor,
+                          sinks: torch.Tensor, sink_shape, sink_expand, softmax_dtype, p, training, dtype,
+                          k_shape=None, v_shape=None, k_heads=None, v_heads=None, *, masked: bool, repeat_kv: bool):
+    """gpt-oss's eager_attention_forward (transformers' modeling_gpt_oss.py), as written."""
+    if repeat_kv:
+        k = k[:, :, None, :, :].expand(k_shape).reshape(k_heads)
+        v = v[:, :, None, :, :].expand(v_shape).reshape(v_heads)
+    s = torch.matmul(q, k.transpose(d0, d1)) * scale
+    if masked:
+        s = s + mask
+    combined = torch.cat([s, sinks.reshape(sink_shape).expand(sink_expand)], -1)
+    combined = combined - combined.max(dim=-1, keepdim=True)[0]
+    probs = torch.softmax(combined, -1, softmax_dtype)
+    a = F.dropout(probs[..., :-1], p, training, False).to(dtype)
+    return torch.matmul(a, v)
+
+
+def attention_chain_sinks_fused(q, k, v, d0, d1, scale, mask=None, sinks=None, sink_shape=None, sink_expand=None,
+                                softmax_dtype=None, p=0.0, training=False, dtype=None, k_shape=None, v_shape=None,
+                                k_heads=None, v_heads=None, *, masked: bool, repeat_kv: bool):
+    # The max subtraction only guards the unfused softmax against overflow; the op's online
+    # softmax does the same by construction.
+    return ops.attention(q, k, v, mask if masked else None, p if training else 0.0, False, scale, repeat_kv,
+                         sinks=sinks)
+
+
+def _sinks_per_head(m: Match) -> str | None:
+    """The concatenated column is one logit per query head, the same for every batch and query
+    row: a 1-D float tensor of Hq entries reshaped to (1, Hq, 1, 1) and expanded to (B, Hq, Sq, 1)
+    (-1 kept where transformers writes it). The softmax is in the scores' dtype or fp32."""
+    q, sinks = m.value("q"), m.value("sinks")
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        return "no 4-D shape for q"
+    heads = q.shape[1]
+    if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point() or sinks.dim() != 1 \
+            or sinks.shape[0] != heads:
+        return f"the concatenated column is not a float tensor of one logit per query head ({heads})"
+    shape, expand = m["sink_shape"], m["sink_expand"]
+    if not isinstance(shape, (list, tuple)) or len(shape) != 4 or [shape[0], shape[2], shape[3]] != [1, 1, 1] \
+            or shape[1] not in (-1, heads):
+        return f"the sinks are reshaped to {shape!r}, not (1, heads, 1, 1)"
+    if not isinstance(expand, (list, tuple)) or len(expand) != 4 or expand[1] not in (-1, heads) \
+            or expand[3] not in (-1, 1):
+        return f"the sinks are expanded to {expand!r}, not (batch, heads, queries, 1)"
+    if m["softmax_dtype"] not in (q.dtype, torch.float32):
+        return f"the softmax runs in {m['softmax_dtype']}, neither q's {q.dtype} nor float32"
+    return None
+
+
+def _sinks_pattern(masked: bool, repeat_kv: bool) -> Pattern:
+    opts = {"masked": masked, "repeat_kv": repeat_kv}
+    name = "_".join(["attention_chain_sinks", "add" if masked else "no_mask", *(["repeat_kv"] if repeat_kv else [])])
+    filters = (_transposes_last_two, _scale_is_number, _sinks_per_head, needs_number("p"), needs_bool("training"),
+               _cast_is_a_no_op, *([_float_mask("mask")] if masked else []),
+               *([_kv_repeated_over_heads] if repeat_kv else []))
+    return Pattern(name, "attention", functools.partial(attention_chain_sinks, **opts),
+                   functools.partial(attention_chain_sinks_fused, **opts), ("attention",), filters)
 
 
 def _transposes_last_two(m: Match) -> str | None:
@@ -550,6 +615,8 @@ PATTERNS = (
             (needs_number("dropout_p"), needs_bool("is_causal"), _kv_repeated_over_heads)),
     Pattern("sdpa", "attention", sdpa, sdpa_fused, ("attention",),
             (needs_number("dropout_p"), needs_bool("is_causal", "enable_gqa")), derive=_one_kv_head_broadcast),
+    # gpt-oss's eager attention with sinks, over repeat_kv or not, with or without a mask
+    *(_sinks_pattern(masked, repeat_kv) for masked, repeat_kv in itertools.product((True, False), (True, False))),
     # transformers' eager_attention_forward over repeat_kv (with or without a mask, Gemma 2's cap);
     # before the chains below, which would otherwise take the repeated K and V
     *(_chain_pattern("mul", masking, True, "upcast", softcap=softcap, repeat_kv=True) for masking, softcap in

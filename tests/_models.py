@@ -202,6 +202,12 @@ _FAMILIES.update({
     # MPT: ALiBi, no biases in its linears and LayerNorms, its MLP 4x wide whatever the config says
     "mpt": {**_DECODER, "attn_config": {"attn_pdrop": 0}, "resid_pdrop": 0, "emb_pdrop": 0,
             "attn_implementation": "eager"},
+    # gpt-oss: attention sinks (a learned logit per head in the softmax's denominator, transformers'
+    # eager attention only) over repeat_kv, a sliding-window layer and a full one, its clamped SwiGLU
+    # experts (left as written)
+    "gpt_oss": {**_DECODER, **_MLP, "num_key_value_heads": 1, "head_dim": HIDDEN // HEADS, "sliding_window": 4,
+                "layer_types": ["sliding_attention", "full_attention"], "num_local_experts": 4,
+                "num_experts_per_tok": 2, "attn_implementation": "eager", "experts_implementation": "batched_mm"},
     # BioGPT: pre-norm blocks with SDPA. (XGLM is not here: its eager attention clamps the scores with
     # torch.full((), finfo(dtype).min) in the default dtype, which overflows in the float64 oracle.)
     "biogpt": {**_DECODER, **_MLP, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,

@@ -631,3 +631,21 @@ def test_gpu_sdpa_keeps_fp32_under_autocast():
     with torch.autocast("cuda", dtype=torch.bfloat16):
         out = A.ATTENTION.candidate("sdpa-efficient").fn(*args)
     assert out.dtype == torch.float32
+
+
+def test_sinks_and_softcap_calls_bypass_the_dialect(attn_dialect, monkeypatch):
+    """SDPA's backends, flash-attn (2) and xformers take neither attention sinks nor a soft cap:
+    such calls run trifuse's kernels without consulting the dialect (no decision is made)."""
+    def consulted(*args):
+        raise AssertionError("the attention dialect was consulted")
+
+    monkeypatch.setattr(Dialect, "__call__", consulted)
+    before = dialects.records("attention", kind="dialect")
+    q, k, v = qkv()
+    sinks = torch.randn(2, device=DEVICE, requires_grad=True)
+    out = trifuse.ops.attention(q, k, v, is_causal=True, sinks=sinks)
+    torch.testing.assert_close(out, A.attention_ref(q, k, v, is_causal=True, sinks=sinks))
+    out.sum().backward()
+    assert sinks.grad is not None
+    trifuse.ops.attention(q, k, v, softcap=2.0)
+    assert dialects.records("attention", kind="dialect") == before

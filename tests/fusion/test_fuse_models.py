@@ -29,7 +29,8 @@ NANOGPT = ({"layer_norm": 1, "attention": L, "bias_gelu": L, "residual_stream": 
 BERT = {"layer_norm": 2, "attention": L, "bias_gelu": L + 1, "residual_stream": 2 * L, **LOSS}
 # The attention pattern each eager model's blocks take.
 EAGER_ATTENTION = {"gpt2-eager": "attention_chain_mul_add_dropout_cast",
-                   "bert-eager": "attention_chain_mul_add_dropout"}
+                   "bert-eager": "attention_chain_mul_add_dropout",
+                   "gpt_oss": "attention_chain_sinks_add_repeat_kv"}
 # In eval without grad, nn.TransformerEncoderLayer runs PyTorch's own fused fast path
 # (torch._transformer_encoder_layer_fwd): nothing is left to fuse there.
 EVAL_FAST_PATH = ("encoder-post-norm", "encoder-pre-norm")
@@ -153,6 +154,9 @@ MODELS = {
                                  **LOSS}),
     "mpt": (_family("mpt"), {"layer_norm": L + 1, "attention": L, "residual_stream": L, "dropout_add": L, **LOSS}),
     "biogpt": (_family("biogpt"), {**PRE_NORM, **LOSS}),
+    # gpt-oss: attention sinks in every layer (a sliding-window one and a full one), the sinks'
+    # gradient through the op's dsinks; the router and the clamped SwiGLU experts are left
+    "gpt_oss": (_family("gpt_oss"), {"rms_norm": L + 1, "attention": L, "residual_stream": L, **LOSS}),
 }
 OPS = {"layer_norm": ("trifuse::layer_norm",), "rms_norm": ("trifuse::rms_norm",),
        "attention": ("trifuse::attention",), "bias_gelu": ("trifuse::bias_gelu",),

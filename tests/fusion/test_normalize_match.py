@@ -95,6 +95,14 @@ def test_view_arguments_and_transposes_are_canonical():
         [n.args[1:] for n in g2.nodes if n.op == "call_method"]
 
 
+def test_fields_of_values_indices_results_become_indices_as_dynamo_writes_them():
+    gm = canonicalize(fx.symbolic_trace(lambda x: x - x.max(dim=-1, keepdim=True).values + torch.min(x, 0).indices))
+    fields = [n.args[1:] for n in gm.graph.nodes if n.op == "call_function" and n.target is operator.getitem]
+    assert fields == [(0,), (1,)]
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(gm(x), x - x.max(dim=-1, keepdim=True).values + torch.min(x, 0).indices)
+
+
 def test_one_cast_written_twice_becomes_one_unless_written_in_place():
     def twice(x):  # ModernBERT's rotary: `q.float() * cos + rotate_half(q.float()) * sin`
         return x.float() * 2 + x.float().sin() + x.half()

@@ -130,25 +130,30 @@ def as_ref(t, dtype):
     return t.detach().to(dtype).requires_grad_(t.requires_grad)
 
 
-def check_fwd_bwd(q, k, v, mask, kw, *, dropout_p=0.0, dropout_mask=None, seed=None, name=""):
-    """Output and the three gradients against float64, bounded by PyTorch's own error."""
+def check_fwd_bwd(q, k, v, mask, kw, *, dropout_p=0.0, dropout_mask=None, seed=None, sinks=None, name=""):
+    """Output and the three gradients (and the sinks' with `sinks`, a leaf (Hq,)) against float64,
+    bounded by PyTorch's own error."""
     if seed is not None:
         torch.manual_seed(seed)
-    out = trifuse.ops.attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, **kw)
+    extra = {} if sinks is None else {"sinks": sinks}
+    out = trifuse.ops.attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, **kw, **extra)
     assert out.dtype == q.dtype and out.shape == (*q.shape[:3], v.shape[3])
-    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    lowp = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    ref = attention_ref(*leaves, as_ref(mask, torch.float64), dropout_p, dropout_mask=dropout_mask, **kw)
-    ref_lp = attention_ref(*lowp, as_ref(mask, q.dtype), dropout_p, dropout_mask=dropout_mask, **kw)
+    inputs = (q, k, v) if sinks is None else (q, k, v, sinks)
+    leaves = [t.detach().double().requires_grad_() for t in inputs]
+    lowp = [t.detach().clone().requires_grad_() for t in inputs]
+    ref = attention_ref(*leaves[:3], as_ref(mask, torch.float64), dropout_p, dropout_mask=dropout_mask, **kw,
+                        **({} if sinks is None else {"sinks": leaves[3]}))
+    ref_lp = attention_ref(*lowp[:3], as_ref(mask, q.dtype), dropout_p, dropout_mask=dropout_mask, **kw,
+                           **({} if sinks is None else {"sinks": lowp[3]}))
     assert_close(f"{name} out", out, ref, ref_lp)
     if out.numel() == 0:
         return
     dout = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), dout)
+    grads = torch.autograd.grad(out, inputs, dout)
     g64 = torch.autograd.grad(ref, leaves, dout.double())
     glp = torch.autograd.grad(ref_lp, lowp, dout)
-    for gname, a, a64, alp in zip(("dq", "dk", "dv"), grads, g64, glp):
-        assert a.dtype == q.dtype and a.shape == a64.shape
+    for gname, x, a, a64, alp in zip(("dq", "dk", "dv", "dsinks"), inputs, grads, g64, glp):
+        assert a.dtype == x.dtype and a.shape == a64.shape
         assert_close(f"{name} {gname}", a, a64, alp)
 
 
@@ -587,7 +592,7 @@ def test_mask_grad_with_causal_in_the_launchers(dtype, sq, sk):
     mask = torch.randn(1, c.h, sq, sk, device=DEVICE, dtype=dtype)
     o, lse = attn_mod.attention_fwd(q, k, v, mask, 0.0, True, 0.25, None)
     dout = torch.randn_like(o)
-    dq, dk, dv, dmask = attn_mod.attention_bwd(dout, q, k, v, o, lse, None, mask, 0.0, True, 0.25, True)
+    dq, dk, dv, dmask, _ = attn_mod.attention_bwd(dout, q, k, v, o, lse, None, mask, 0.0, True, 0.25, True)
     leaves = [t.double().requires_grad_() for t in (q, k, v, mask)]
     lowp = [t.clone().requires_grad_() for t in (q, k, v, mask)]
     ref = attention_ref(*leaves[:3], leaves[3], scale=0.25, is_causal=True)
@@ -732,6 +737,10 @@ BAD_INPUTS = {
     "softcap-negative": ({"softcap": -1.0}, ValueError, "softcap must be a finite number > 0"),
     "softcap-inf": ({"softcap": float("inf")}, ValueError, "softcap must be a finite number > 0"),
     "softcap-type": ({"softcap": "50"}, TypeError, "softcap must be a number or None"),
+    "sinks-length": ({"sinks": _t(3)}, ValueError, "attention: sinks must be 1-D with one logit per query head \\(2\\)"),
+    "sinks-rank": ({"sinks": _t(1, 2)}, ValueError, "sinks must be 1-D"),
+    "sinks-dtype": ({"sinks": torch.zeros(2, dtype=torch.int64)}, TypeError, "attention: sinks must be float16"),
+    "sinks-type": ({"sinks": [0.0, 0.0]}, TypeError, "attention: sinks must be a torch.Tensor"),
     "not-tensor": ({"k": [1.0]}, TypeError, "key must be a torch.Tensor"),
 }
 
@@ -875,6 +884,150 @@ def test_negative_control_softcap_missing_or_without_its_chain_factor_fails(dtyp
     assert ok, msg
 
 
+# ---------------------------------------------------------------------------------------------
+# Attention sinks (gpt-oss): one logit per query head in every row's softmax denominator, with no
+# value. Sinks of about the scores' size (2 randn), so the sink takes a real share of each row.
+# ---------------------------------------------------------------------------------------------
+
+SINKS_CASES = [
+    Case(b=1, h=1, sq=1, sk=1),  # one row, one key
+    Case(b=2, h=2, sq=37, sk=37),
+    Case(h=4, h_kv=2, sq=33, sk=40, d=24, causal=True),  # GQA, causal
+    Case(sq=20, sk=50, causal=True),
+    Case(b=2, sq=33, sk=40, mask="hf"),  # transformers' finfo.min mask: left-padded rows masked whole
+    Case(b=2, sq=33, sk=40, mask="dead-rows"),  # rows masked whole with bools
+]
+
+
+def make_sinks(h: int, dtype: torch.dtype) -> torch.Tensor:
+    return (2 * torch.randn(h, device=DEVICE)).to(dtype).requires_grad_()
+
+
+@pytest.mark.parametrize("case", SINKS_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_sinks_match_float64_oracle(dtype, case):
+    q, k, v, mask = make(case, dtype)
+    check_fwd_bwd(q, k, v, mask, kwargs_of(case), sinks=make_sinks(case.h, dtype), name=case.id)
+
+
+def test_sinks_in_fp32_beside_fp16_and_with_dropout_and_softcap():
+    """Sinks in their own dtype (an fp32 parameter beside 16-bit activations: dsinks in fp32),
+    dropout regenerated in the backward, a soft cap that does not touch the sink."""
+    case, p = Case(h=4, h_kv=2, sq=33, sk=40, causal=True), 0.2
+    keep = kernel_keep_mask(case.b, case.h, case.sq, case.sk, p, seed=21)
+    q, k, v, _ = make(case, torch.float16)
+    check_fwd_bwd(q, k, v, None, {**kwargs_of(case), "softcap": 1.5}, dropout_p=p, dropout_mask=keep, seed=21,
+                  sinks=make_sinks(case.h, torch.float32), name="fp32 sinks, dropout, softcap")
+
+
+def test_sinks_are_what_transformers_gpt_oss_eager_attention_computes():
+    """The oracle against transformers' spelling (concatenated column, max subtracted, softmax,
+    column dropped), and the kernel's rows masked whole: P = 0 over the keys, so O = 0, with
+    L = the sink (the sink takes the row's whole weight) and zero gradients for q there."""
+    case = Case(h=4, h_kv=2, sq=20, sk=24, mask="dead-rows")
+    q, k, v, keep = make(case, torch.float64)
+    sinks = make_sinks(case.h, torch.float64)
+    mask = torch.zeros(keep.shape, dtype=torch.float64, device=DEVICE).masked_fill(~keep, torch.finfo(torch.float64).min)
+    kr, vr = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    w = q @ kr.transpose(2, 3) * case.d**-0.5 + mask
+    combined = torch.cat([w, sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[-2], -1)], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    hf = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1] @ vr
+    torch.testing.assert_close(attention_ref(q, k, v, keep, enable_gqa=True, sinks=sinks), hf)
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    o, lse = attn_mod.attention_fwd(q32, k32, v32, keep, 0.0, False, case.d**-0.5, None, 0.0, sinks.detach())
+    dead = ~keep.any(-1).expand(o.shape[:3])
+    assert dead.any() and o[dead].eq(0).all()
+    assert torch.equal(lse[dead], sinks.detach().float()[None, :, None].expand(lse.shape)[dead])
+    out = trifuse.ops.attention(q32, k32, v32, keep, enable_gqa=True, sinks=sinks.detach().float())
+    assert out[dead].eq(0).all() and torch.autograd.grad(out.sum(), q32)[0][dead].eq(0).all()
+
+
+def test_sinks_without_keys_and_of_minus_inf():
+    """No keys: every row sees the sink alone (O = 0, all gradients 0). A sink of -inf is no sink:
+    the same bits as without, and dsinks = 0 (also in the rows that see no key)."""
+    q, k, v, _ = make(Case(sq=5, sk=0), torch.float32)
+    sinks = make_sinks(2, torch.float32)
+    out = trifuse.ops.attention(q, k, v, sinks=sinks)
+    assert out.eq(0).all()
+    assert all(g is None or not g.any() for g in torch.autograd.grad(out.sum(), (q, k, v, sinks), allow_unused=True))
+    q, k, v, mask = make(Case(b=2, sq=20, sk=24, mask="dead-rows"), torch.float32)
+    none = torch.full((2,), float("-inf"), device=DEVICE, requires_grad=True)
+    out, plain = trifuse.ops.attention(q, k, v, mask, sinks=none), trifuse.ops.attention(q, k, v, mask)
+    assert torch.equal(out, plain)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v, none), dout)
+    assert all(torch.equal(a, b) for a, b in zip(grads, torch.autograd.grad(plain, (q, k, v), dout)))
+    assert torch.equal(grads[3], torch.zeros(2, device=DEVICE))
+
+
+def test_sinks_eager_path_registered_op_and_torch_path_agree(monkeypatch):
+    case = Case(h=4, h_kv=2, sq=33, sk=40, mask="float")
+    q, k, v, mask = make(case, torch.float32)
+    sinks = make_sinks(case.h, torch.float32)
+    torch.manual_seed(4)
+    eager = trifuse.ops.attention(q, k, v, mask, 0.1, enable_gqa=True, sinks=sinks)
+    torch.manual_seed(4)
+    op = torch.ops.trifuse.attention(q, k, v, mask, 0.1, False, None, True, 0.0, sinks)[0]
+    assert torch.equal(eager, op)
+    dout = torch.randn_like(eager)
+    for a, b in zip(torch.autograd.grad(eager, (q, k, v, sinks), dout), torch.autograd.grad(op, (q, k, v, sinks), dout)):
+        assert torch.equal(a, b)
+    monkeypatch.setattr(attn_mod, "use_triton", lambda t: False)
+    for c in (Case(h=4, h_kv=2, sq=20, sk=24, causal=True), Case(b=2, sq=20, sk=24, mask="dead-rows")):
+        check_fwd_bwd(*make(c, torch.float32), kwargs_of(c), sinks=make_sinks(c.h, torch.float32), name="torch path")
+
+
+def test_sinks_gradcheck_opcheck_and_compile():
+    def leaf(*shape):
+        return torch.randn(*shape, device=DEVICE, dtype=torch.float64).requires_grad_()
+
+    q, k, v, sinks = leaf(1, 2, 5, 4), leaf(1, 1, 6, 4), leaf(1, 1, 6, 4), leaf(2)
+    keep = torch.rand(1, 1, 5, 6, device=DEVICE) > 0.3
+    keep[0, :, 2] = False  # a row masked whole: its only weight is the sink's
+    assert torch.autograd.gradcheck(  # fast mode: each evaluation runs the interpreted kernels
+        lambda *a: trifuse.ops.attention(*a[:3], keep, enable_gqa=True, sinks=a[3]), (q, k, v, sinks), fast_mode=True)
+    q, k, v, mask = make(Case(h=4, h_kv=2, sq=9, sk=12, mask="float"), torch.float32)
+    sinks = make_sinks(4, torch.float32)
+    torch.library.opcheck(torch.ops.trifuse.attention.default, (q, k, v, mask, 0.0, False, 0.5, True, 0.0, sinks))
+    q_, k_, v_, sinks_ = (t.detach() for t in (q, k, v, sinks))
+    o, lse, seed = torch.ops.trifuse.attention(q_, k_, v_, mask, 0.0, False, 0.5, True, 0.0, sinks_)
+    torch.library.opcheck(torch.ops.trifuse.attention_backward.default,
+                          (torch.randn_like(o), q_, k_, v_, o, lse, seed, mask, 0.0, False, 0.5, True, False, 0.0,
+                           sinks_))
+    fn = torch.compile(lambda q, k, v, s: trifuse.ops.attention(q, k, v, is_causal=True, enable_gqa=True, sinks=s),
+                       fullgraph=True, backend="aot_eager")
+    out, ref = fn(q, k, v, sinks), trifuse.ops.attention(q, k, v, is_causal=True, enable_gqa=True, sinks=sinks)
+    torch.testing.assert_close(out, ref)
+    for a, b in zip(torch.autograd.grad(out.sum(), (q, k, v, sinks)), torch.autograd.grad(ref.sum(), (q, k, v, sinks))):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(Exception, match="sinks must be 1-D with one logit per query head"):
+        fn(q, k, v, sinks[:3])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_negative_control_sinks_missing_or_dsinks_with_the_wrong_sign_fails(dtype):
+    """Attention without the sinks, and a dsinks of the wrong sign (+ sum P_sink * delta), must fail
+    the tolerance the kernels pass."""
+    case = Case(b=2, h=2, sq=37, sk=37, causal=True)
+    q, k, v, _ = make(case, dtype)
+    sinks = make_sinks(case.h, dtype)
+    ins64 = [t.detach().double().requires_grad_() for t in (q, k, v, sinks)]
+    ins_lp = [t.detach().clone().requires_grad_() for t in (q, k, v, sinks)]
+    ref64 = attention_ref(*ins64[:3], is_causal=True, sinks=ins64[3])
+    ref_lp = attention_ref(*ins_lp[:3], is_causal=True, sinks=ins_lp[3])
+    ok, msg = check_close("no sinks", trifuse.ops.attention(q, k, v, is_causal=True), ref64, ref_lp)
+    assert not ok, msg
+    dout = torch.randn(q.shape, device=DEVICE, dtype=dtype)
+    ds64 = torch.autograd.grad(ref64, ins64[3], dout.double())[0]
+    ds_lp = torch.autograd.grad(ref_lp, ins_lp[3], dout)[0]
+    ds = torch.autograd.grad(trifuse.ops.attention(q, k, v, is_causal=True, sinks=sinks), sinks, dout)[0]
+    ok, msg = check_close("dsinks", ds, ds64, ds_lp)
+    assert ok, msg
+    ok, msg = check_close("dsinks of the wrong sign", -ds, ds64, ds_lp)
+    assert not ok, msg
+
+
 def test_autocast_casts_the_inputs_as_sdpa_does():
     """Under autocast SDPA runs in the autocast dtype whatever its inputs' dtypes (fp32 q and k from
     fp32 rotary tables beside a 16-bit v); so does trifuse.ops.attention, float mask included."""
@@ -971,6 +1124,13 @@ def test_tma_forward_with_dropout_and_softcap(tma):
     ref = attention_ref(q.double(), k.double(), v.double(), is_causal=True, softcap=5.0)
     assert_close("tma softcap", with_tma, ref, attention_ref(q, k, v, is_causal=True, softcap=5.0))
     assert _launched_tma() == [True, True]
+
+
+def test_tma_forward_with_sinks(tma):
+    case = Case(h=4, h_kv=2, sq=33, sk=40, mask="hf")
+    q, k, v, mask = make(case, torch.float16)
+    check_fwd_bwd(q, k, v, mask, kwargs_of(case), sinks=make_sinks(case.h, torch.float16), name="tma sinks")
+    assert _launched_tma() == [True]
 
 
 def test_tma_forward_takes_fused_qkv_views(tma):

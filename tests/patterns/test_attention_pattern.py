@@ -557,3 +557,119 @@ def test_finfo_min_fill_under_active_dropout_is_left():
     report = trifuse.report(model)
     assert report.by_pattern() == {}
     assert any("dropout" in reason for *_, reason in report.rejected())
+
+
+# ---------------------------------------------------------------------------------------------
+# gpt-oss's attention sinks: a learned logit per head concatenated to the scores, softmaxed with
+# them and dropped. The sinks are a parameter (their gradient is checked too).
+# ---------------------------------------------------------------------------------------------
+
+
+class WithSinks(Fn):
+    def __init__(self, fn, **buffers):
+        super().__init__(fn, **buffers)
+        self.sinks = nn.Parameter(torch.randn(H))
+
+
+def _sink_column(m, q):
+    return m.sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[-2], -1)
+
+
+def chain_sinks(m, q, k, v, mask=None, p=0.0):  # transformers' gpt-oss eager_attention_forward, spelled as there
+    k, v = repeat_kv(k, H // k.shape[1]), repeat_kv(v, H // v.shape[1])
+    w = torch.matmul(q, k.transpose(2, 3)) * 0.35
+    if mask is not None:
+        w = w + mask
+    combined = torch.cat([w, _sink_column(m, q)], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = F.softmax(combined, dim=-1, dtype=combined.dtype)
+    w = F.dropout(probs[..., :-1], p=p, training=m.training).to(v.dtype)
+    return torch.matmul(w, v)
+
+
+def chain_sinks_mask(m, q, k, v):
+    return chain_sinks(m, q, k, v, m.mask)
+
+
+def chain_sinks_no_repeat(m, q, k, v):  # one kv head per query head: repeat_kv returns k and v as they are
+    w = torch.matmul(q, k.transpose(2, 3)) * 0.35 + m.mask
+    combined = torch.cat([w, _sink_column(m, q)], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = F.softmax(combined, dim=-1, dtype=combined.dtype)
+    return torch.matmul(F.dropout(probs[..., :-1], p=0.0, training=m.training).to(v.dtype), v)
+
+
+# a causal sliding window of 3 keys as transformers builds it (finfo.min), with one query row of
+# batch 1 masked whole: there the sink takes all the weight and the output is 0
+WINDOW = torch.zeros(B, 1, S, S).masked_fill(
+    ~(torch.ones(S, S, dtype=torch.bool).tril().triu(-2)), torch.finfo(torch.float32).min)
+WINDOW[1, 0, 4] = torch.finfo(torch.float32).min
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("fn, buffers, h_kv, pattern", [
+    (chain_sinks_mask, {"mask": WINDOW}, 2, "attention_chain_sinks_add_repeat_kv"),
+    (chain_sinks, {}, 1, "attention_chain_sinks_no_mask_repeat_kv"),
+    (chain_sinks_no_repeat, {"mask": ADDITIVE}, H, "attention_chain_sinks_add"),
+], ids=lambda v: v.__name__ if callable(v) else None)
+def test_sinks_spelling_fuses_and_matches(fn, buffers, h_kv, pattern, capture):
+    report = check_against_unfused(functools.partial(WithSinks, fn, **buffers), qkv(h_kv), capture)
+    assert report.by_pattern() == {pattern: 1}
+
+
+def test_sinks_row_masked_whole_is_zero_and_dropout_is_carried():
+    model = fuse_via(WithSinks(chain_sinks_mask, mask=WINDOW), "dynamo")
+    q, k, v = qkv(2)
+    out = model(q, k, v)
+    assert out[1, :, 4].eq(0).all()
+    assert trifuse.report(model).by_pattern() == {"attention_chain_sinks_add_repeat_kv": 1}
+    model = fuse_via(WithSinks(functools.partial(chain_sinks, p=0.5)).train(), "dynamo")
+    torch.manual_seed(3)
+    first = model(q, k, v)
+    torch.manual_seed(3)
+    assert torch.equal(model(q, k, v), first) and not torch.equal(model(q, k, v), first)
+    assert trifuse.report(model).by_pattern() == {"attention_chain_sinks_no_mask_repeat_kv": 1}
+
+
+def chain_sinks_column_kept(m, q, k, v):  # the sink's column is not dropped: V gets a zero row
+    combined = torch.cat([torch.matmul(q, k.transpose(2, 3)) * 0.35, _sink_column(m, q)], dim=-1)
+    probs = F.softmax(combined - combined.max(dim=-1, keepdim=True).values, dim=-1, dtype=combined.dtype)
+    return torch.matmul(probs, torch.cat([v, torch.zeros_like(v[:, :, :1])], dim=2))
+
+
+def chain_sinks_first_column_dropped(m, q, k, v):  # drops the first key's column, not the sink's
+    combined = torch.cat([torch.matmul(q, k.transpose(2, 3)) * 0.35, _sink_column(m, q)], dim=-1)
+    probs = F.softmax(combined - combined.max(dim=-1, keepdim=True).values, dim=-1, dtype=combined.dtype)
+    return torch.matmul(probs[..., 1:], v)
+
+
+def _sinks_tail(m, combined, v):  # gpt-oss's steps after the concatenation, as written there
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = F.softmax(combined, dim=-1, dtype=combined.dtype)
+    return torch.matmul(F.dropout(probs[..., :-1], p=0.0, training=m.training).to(v.dtype), v)
+
+
+def chain_sinks_per_query(m, q, k, v):  # one logit per query position, not per head
+    column = m.per_query.reshape(1, 1, -1, 1).expand(q.shape[0], q.shape[1], -1, 1)
+    return _sinks_tail(m, torch.cat([torch.matmul(q, k.transpose(2, 3)) * 0.35, column], dim=-1), v)
+
+
+def chain_sinks_three_columns(m, q, k, v):  # the sink expanded to 3 columns, only one of them dropped
+    columns = m.sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[-2], 3)
+    v = torch.cat([v, torch.zeros_like(v[:, :, :2])], dim=2)
+    return _sinks_tail(m, torch.cat([torch.matmul(q, k.transpose(2, 3)) * 0.35, columns], dim=-1), v)
+
+
+@pytest.mark.parametrize("fn", [chain_sinks_column_kept, chain_sinks_first_column_dropped, chain_sinks_per_query,
+                                chain_sinks_three_columns], ids=lambda f: f.__name__)
+def test_sinks_near_misses_are_left(fn):
+    report = check_against_unfused(functools.partial(WithSinks, fn, per_query=torch.randn(S)), qkv(), "dynamo")
+    assert report.by_pattern() == {}
+
+
+def test_sinks_rejections_say_why():
+    report = check_against_unfused(functools.partial(WithSinks, chain_sinks_per_query, per_query=torch.randn(S)),
+                                   qkv(), "dynamo")
+    assert any("one logit per query head" in reason for *_, reason in report.rejected()), report.table()
+    report = check_against_unfused(functools.partial(WithSinks, chain_sinks_three_columns), qkv(), "dynamo")
+    assert any("(batch, heads, queries, 1)" in reason for *_, reason in report.rejected()), report.table()
