@@ -24,6 +24,11 @@ in the same interleaved layout (Hugging Face repeats each frequency twice in a r
 the same formulas on pairs addressed differently (first of a pair at 2 i, its partner at + 1),
 backward likewise.
 
+DeepSeek-V2/V3 (`apply_rotary_pos_emb_interleave`) reads the pairs interleaved and writes them
+rotate-half (`halves_out=True`): the rotate-half formulas on `pairs_to_halves(x)` = cat(x[0::2],
+x[1::2]), cos and sin in the rotate-half layout, D wide or one entry per pair (D / 2: DeepSeek
+passes `cos[..., :D/2]`). Its backward reads dy rotate-half and writes dx interleaved.
+
 It needs cos and sin, not x: the op saves nothing else. Should
 cos or sin require grad, their gradients are computed in PyTorch from the saved q and k (then
 saved too): dcos = sum(dq * q + dk * k), dsin = sum(dq * rotate_half(q) + dk * rotate_half(k)),
@@ -43,7 +48,8 @@ Dtypes: q and k of one float dtype, cos and sin of one (possibly another: fp32 t
 16-bit q and k under autocast, as Hugging Face computes them there); outputs in the promoted
 dtype, as PyTorch's `q * cos` gives (q's when the tables are in it); dq and dk in q's dtype.
 
-Kernel: one launch each way for q and k together, the convention a constexpr (INTERLEAVED). A
+Kernel: one launch each way for q and k together, the convention constexprs (X_PAIRS, Y_PAIRS:
+the forward input's and output's layouts; TABLE_HALF). A
 1-D grid enumerates (batch, block of positions, head) with the head fastest, so the programs that
 read one tile of cos and sin run next to each other (the later ones should find it in L2; not yet
 measured). A program rotates a BLOCK_S x D tile of one head as its two halves (BLOCK_S x
@@ -85,10 +91,32 @@ def rotate_half(x: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def pairs_to_halves(x: torch.Tensor) -> torch.Tensor:
+    """The features (x[2i], x[2i+1]) moved to (i, i + D/2): cat(x[..., 0::2], x[..., 1::2])."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
+def _halves_to_pairs(z: torch.Tensor) -> torch.Tensor:
+    """pairs_to_halves' inverse (and transpose): stack((z[..., :D/2], z[..., D/2:]), -1).flatten(-2)."""
+    half = z.shape[-1] // 2
+    return torch.stack((z[..., :half], z[..., half:]), dim=-1).flatten(-2)
+
+
+def _full_table(t: torch.Tensor, d: int) -> torch.Tensor:
+    """cos or sin as D entries in the rotate-half layout: a table of one entry per pair repeated."""
+    return t if t.shape[-1] == d else torch.cat((t, t), dim=-1)
+
+
 def rotary_embedding_ref(
-    q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False
+    q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False,
+    halves_out: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(q * cos + rotate_half(q) * sin, the same for k) in plain PyTorch; k None gives None."""
+    """(q * cos + rotate_half(q) * sin, the same for k) in plain PyTorch; k None gives None.
+    halves_out: q and k's pairs (x[2i], x[2i+1]) moved to (i, i + D/2) first, then rotate-half
+    (DeepSeek-V2/V3's `apply_rotary_pos_emb_interleave`; cos and sin D or D / 2 wide)."""
+    if halves_out:
+        q, k, interleaved = pairs_to_halves(q), None if k is None else pairs_to_halves(k), False
+        cos, sin = _full_table(cos, q.shape[-1]), _full_table(sin, q.shape[-1])
     q_embed = q * cos + rotate_half(q, interleaved) * sin
     k_embed = None if k is None else k * cos + rotate_half(k, interleaved) * sin
     return q_embed, k_embed
@@ -100,49 +128,59 @@ def rotary_embedding_ref(
 
 
 @triton.jit
+def _pair_offsets(offs_d, HALF, PAIRS: tl.constexpr):
+    """(first, partner offset) of pair i: (2 i, + 1) interleaved, (i, + HALF) rotate-half."""
+    if PAIRS:
+        return offs_d[None, :] * 2, 1
+    return offs_d[None, :], HALF
+
+
+@triton.jit
 def _rotate_tile(
     X,  # in (B, H, S, D) any strides, unit stride along D
     Y,  # out (B, H, S, D)
-    COS,  # in broadcast to (B, H, S, D) by stride 0
+    COS,  # in broadcast to (B, H, S, D) by stride 0 (D / 2 wide when TABLE_HALF)
     SIN,  # in likewise
     b, h, offs_s, offs_d, mask, HALF,
     stride_xb, stride_xh, stride_xs, stride_yb, stride_yh, stride_ys,
     stride_cb, stride_ch, stride_cs, stride_sb, stride_sh, stride_ss,
-    BACKWARD: tl.constexpr, ACC: tl.constexpr, INTERLEAVED: tl.constexpr,
+    BACKWARD: tl.constexpr, ACC: tl.constexpr, X_PAIRS: tl.constexpr, Y_PAIRS: tl.constexpr,
+    TABLE_HALF: tl.constexpr,
 ):
+    # The forward reads x in X's layout and writes y in Y's; the backward reads dy in Y's and
+    # writes dx in X's. cos and sin are addressed like the forward's output, or per pair (TABLE_HALF).
     rows = offs_s[:, None]
-    # Pair i: elements (i, i + HALF) rotate-half, (2 i, 2 i + 1) interleaved.
-    if INTERLEAVED:
-        cols = offs_d[None, :] * 2
-        partner = 1
+    in_cols, in_partner = _pair_offsets(offs_d, HALF, Y_PAIRS if BACKWARD else X_PAIRS)
+    out_cols, out_partner = _pair_offsets(offs_d, HALF, X_PAIRS if BACKWARD else Y_PAIRS)
+    if TABLE_HALF:
+        t_cols, t_partner = offs_d[None, :], 0
     else:
-        cols = offs_d[None, :]
-        partner = HALF
-    x_ptr = X + b * stride_xb + h * stride_xh + rows * stride_xs + cols
-    c_ptr = COS + b * stride_cb + h * stride_ch + rows * stride_cs + cols
-    s_ptr = SIN + b * stride_sb + h * stride_sh + rows * stride_ss + cols
+        t_cols, t_partner = _pair_offsets(offs_d, HALF, Y_PAIRS)
+    x_ptr = X + b * stride_xb + h * stride_xh + rows * stride_xs + in_cols
+    c_ptr = COS + b * stride_cb + h * stride_ch + rows * stride_cs + t_cols
+    s_ptr = SIN + b * stride_sb + h * stride_sh + rows * stride_ss + t_cols
     x1 = tl.load(x_ptr, mask=mask, other=0.0).to(ACC)
-    x2 = tl.load(x_ptr + partner, mask=mask, other=0.0).to(ACC)
+    x2 = tl.load(x_ptr + in_partner, mask=mask, other=0.0).to(ACC)
     c1 = tl.load(c_ptr, mask=mask, other=0.0).to(ACC)
-    c2 = tl.load(c_ptr + partner, mask=mask, other=0.0).to(ACC)
+    c2 = tl.load(c_ptr + t_partner, mask=mask, other=0.0).to(ACC)
     s1 = tl.load(s_ptr, mask=mask, other=0.0).to(ACC)
-    s2 = tl.load(s_ptr + partner, mask=mask, other=0.0).to(ACC)
+    s2 = tl.load(s_ptr + t_partner, mask=mask, other=0.0).to(ACC)
     if BACKWARD:  # the transpose rotation
         y1 = x1 * c1 + x2 * s2
         y2 = x2 * c2 - x1 * s1
     else:
         y1 = x1 * c1 - x2 * s1
         y2 = x2 * c2 + x1 * s2
-    y_ptr = Y + b * stride_yb + h * stride_yh + rows * stride_ys + cols
+    y_ptr = Y + b * stride_yb + h * stride_yh + rows * stride_ys + out_cols
     tl.store(y_ptr, y1.to(Y.dtype.element_ty), mask=mask)
-    tl.store(y_ptr + partner, y2.to(Y.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + out_partner, y2.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _rotary_embedding_kernel(
     Q,  # in (B, HQ, S, D): q forward, dq_embed backward
     K,  # in (B, HKV, S, D): k / dk_embed; unused when HKV == 0
-    COS,  # in (B or 1, 1 or H, S or 1, D)
+    COS,  # in (B or 1, 1 or H, S or 1, D or D / 2)
     SIN,  # in like COS
     QO,  # out (B, HQ, S, D)
     KO,  # out (B, HKV, S, D); unused when HKV == 0
@@ -151,7 +189,9 @@ def _rotary_embedding_kernel(
     stride_qob, stride_qoh, stride_qos, stride_kob, stride_koh, stride_kos,
     stride_cb, stride_ch, stride_cs, stride_sb, stride_sh, stride_ss,
     BLOCK_S: tl.constexpr, BLOCK_HALF: tl.constexpr, BACKWARD: tl.constexpr, ACC: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
+    X_PAIRS: tl.constexpr,  # the forward's input pairs (2 i, 2 i + 1); else (i, i + HALF)
+    Y_PAIRS: tl.constexpr,  # the forward's output (and cos / sin) likewise
+    TABLE_HALF: tl.constexpr,  # cos and sin hold one entry per pair (D / 2)
 ):
     # Heads fastest: neighbouring programs share the tile of cos and sin (L2 hits).
     pid = tl.program_id(0)
@@ -166,12 +206,12 @@ def _rotary_embedding_kernel(
         _rotate_tile(Q, QO, COS, SIN, b, h, offs_s, offs_d, mask, HALF,
                      stride_qb, stride_qh, stride_qs, stride_qob, stride_qoh, stride_qos,
                      stride_cb, stride_ch, stride_cs, stride_sb, stride_sh, stride_ss, BACKWARD, ACC,
-                     INTERLEAVED)
+                     X_PAIRS, Y_PAIRS, TABLE_HALF)
     else:
         _rotate_tile(K, KO, COS, SIN, b, h - HQ, offs_s, offs_d, mask, HALF,
                      stride_kb, stride_kh, stride_ks, stride_kob, stride_koh, stride_kos,
                      stride_cb, stride_ch, stride_cs, stride_sb, stride_sh, stride_ss, BACKWARD, ACC,
-                     INTERLEAVED)
+                     X_PAIRS, Y_PAIRS, TABLE_HALF)
 
 
 # =============================================================================================
@@ -187,8 +227,8 @@ _plans: dict[tuple[int, int], tuple[int, int, int]] = {}
 
 
 def _plan(s: int, d: int) -> tuple[int, int, int]:
-    """(BLOCK_S, BLOCK_HALF, num_warps) for S positions of head dim D, cached per shape: both
-    conventions tile alike (the INTERLEAVED constexpr, in CachedKernel's key, picks the kernel)."""
+    """(BLOCK_S, BLOCK_HALF, num_warps) for S positions of head dim D, cached per shape: every
+    convention tiles alike (the layout constexprs, in CachedKernel's key, pick the kernel)."""
     plan = _plans.get((s, d))
     if plan is None:
         block_half = max(next_power_of_2(d // 2), 2)
@@ -228,8 +268,8 @@ def out_dtype(q: torch.Tensor, cos: torch.Tensor) -> torch.dtype:
 
 
 def _launch(x: torch.Tensor, y: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, backward: bool,
-            dtype: torch.dtype, x_bshd: bool = False, y_bshd: bool = False, interleaved: bool = False
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+            dtype: torch.dtype, x_bshd: bool = False, y_bshd: bool = False, interleaved: bool = False,
+            halves_out: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     b, hq, s, d = x.shape
     xo = _empty(x, x_bshd, dtype)
     yo = None if y is None else _empty(y, y_bshd, dtype)
@@ -247,28 +287,30 @@ def _launch(x: torch.Tensor, y: torch.Tensor | None, cos: torch.Tensor, sin: tor
         xo.stride(0), xo.stride(1), xo.stride(2), y_out.stride(0), y_out.stride(1), y_out.stride(2),
         *_bcast_strides(cos), *_bcast_strides(sin),
         BLOCK_S=block_s, BLOCK_HALF=block_half, BACKWARD=backward,
-        ACC=acc_dtype(out_dtype(x, cos)), INTERLEAVED=interleaved, num_warps=num_warps,
+        ACC=acc_dtype(out_dtype(x, cos)), X_PAIRS=interleaved, Y_PAIRS=interleaved and not halves_out,
+        TABLE_HALF=cos.shape[-1] != d, num_warps=num_warps,
     )
     return xo, yo
 
 
 def rotary_embedding_fwd(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                         interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         interleaved: bool = False, halves_out: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(q_embed, k_embed): contiguous (B, H, S, D) in `out_dtype(q, cos)`; k_embed None when k is
     None."""
     if not use_triton(q):
-        return _rotary_torch(q, k, cos, sin, False, out_dtype(q, cos), interleaved=interleaved)
-    return _launch(q, k, cos, sin, False, out_dtype(q, cos), interleaved=interleaved)
+        return _rotary_torch(q, k, cos, sin, False, out_dtype(q, cos), interleaved=interleaved, halves_out=halves_out)
+    return _launch(q, k, cos, sin, False, out_dtype(q, cos), interleaved=interleaved, halves_out=halves_out)
 
 
 def rotary_embedding_bwd(dq: torch.Tensor, dk: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                         dtype: torch.dtype, q_bshd: bool = False, k_bshd: bool = False, interleaved: bool = False
-                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         dtype: torch.dtype, q_bshd: bool = False, k_bshd: bool = False, interleaved: bool = False,
+                         halves_out: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(dq, dk) in `dtype` (q's) from the gradients of q_embed and k_embed: the transpose rotation;
     each in transposed (B, S, H, D) storage when its flag says (q's layout), else contiguous."""
     if not use_triton(dq):
-        return _rotary_torch(dq, dk, cos, sin, True, dtype, q_bshd, k_bshd, interleaved)
-    return _launch(dq, dk, cos, sin, True, dtype, q_bshd, k_bshd, interleaved)
+        return _rotary_torch(dq, dk, cos, sin, True, dtype, q_bshd, k_bshd, interleaved, halves_out)
+    return _launch(dq, dk, cos, sin, True, dtype, q_bshd, k_bshd, interleaved, halves_out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -285,33 +327,47 @@ def _rotate_half_t(z: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     return torch.cat((z[..., half:], -z[..., :half]), dim=-1)
 
 
-def _rotary_torch(x, y, cos, sin, backward, dtype, x_bshd=False, y_bshd=False, interleaved=False):
+def _rotary_torch(x, y, cos, sin, backward, dtype, x_bshd=False, y_bshd=False, interleaved=False,
+                  halves_out=False):
     acc = torch.float64 if torch.float64 in (x.dtype, cos.dtype) else torch.float32
-    c, s = cos.to(acc), sin.to(acc)
+    d = x.shape[-1]
+    c, s = _full_table(cos, d).to(acc), _full_table(sin, d).to(acc)
+    # halves_out: rotate-half after pairs_to_halves, so the backward ends with its transpose
+    rot_interleaved = interleaved and not halves_out
 
     def one(t, bshd):
         if t is None:
             return None
         t32 = t.to(acc)
         if backward:
-            out = t32 * c + _rotate_half_t(t32 * s, interleaved)
+            out = t32 * c + _rotate_half_t(t32 * s, rot_interleaved)
+            out = _halves_to_pairs(out) if halves_out else out
         else:
-            out = t32 * c + rotate_half(t32, interleaved) * s
+            t32 = pairs_to_halves(t32) if halves_out else t32
+            out = t32 * c + rotate_half(t32, rot_interleaved) * s
         return _empty(t, bshd, dtype).copy_(out)
 
     return one(x, x_bshd), one(y, y_bshd)
 
 
-def _cos_sin_grads(dq, dk, q, k, cos, sin, interleaved=False):
-    """(dcos, dsin) in cos's dtype, shaped like cos: the products summed over the broadcast dims."""
+def _cos_sin_grads(dq, dk, q, k, cos, sin, interleaved=False, halves_out=False):
+    """(dcos, dsin) in cos's dtype, shaped like cos: the products summed over the broadcast dims
+    (and over the two features of a pair for a table of D / 2)."""
     acc = torch.float64 if torch.float64 in (q.dtype, cos.dtype) else torch.float32
     dcos = dsin = None
     for dy, x in ((dq, q), (dk, k)):
         if x is None or dy is None:
             continue
         dy, x = dy.to(acc), x.to(acc)
-        c = (dy * x).sum_to_size(cos.shape)
-        s = (dy * rotate_half(x, interleaved)).sum_to_size(sin.shape)
+        if halves_out:
+            x, rot_interleaved = pairs_to_halves(x), False
+        else:
+            rot_interleaved = interleaved
+        c, s = dy * x, dy * rotate_half(x, rot_interleaved)
+        if cos.shape[-1] != x.shape[-1]:  # one entry per pair: both features of the pair
+            half = x.shape[-1] // 2
+            c, s = c[..., :half] + c[..., half:], s[..., :half] + s[..., half:]
+        c, s = c.sum_to_size(cos.shape), s.sum_to_size(sin.shape)
         dcos, dsin = (c, s) if dcos is None else (dcos + c, dsin + s)
     return dcos.to(cos.dtype), dsin.to(sin.dtype)
 
@@ -323,7 +379,7 @@ def _cos_sin_grads(dq, dk, q, k, cos, sin, interleaved=False):
 OP = "rotary_embedding"
 
 
-def _check_inputs(q: object, k: object, cos: object, sin: object) -> None:
+def _check_inputs(q: object, k: object, cos: object, sin: object, halves_out: bool = False) -> None:
     check_tensor(OP, "q", q)
     check_float(OP, "q", q)
     if q.dim() != 4:
@@ -343,11 +399,14 @@ def _check_inputs(q: object, k: object, cos: object, sin: object) -> None:
         # One head, or one per head when q and k have as many (no sets: shapes may be SymInts).
         ok_heads = t.dim() == 4 and (t.shape[1] == 1 or (
             t.shape[1] == q.shape[1] and (k is None or t.shape[1] == k.shape[1])))
-        if not (ok_heads and t.shape[0] in (1, b) and t.shape[2] in (1, s) and t.shape[3] == d):
+        # halves_out takes one entry per pair too (DeepSeek's `cos[..., : D // 2]`)
+        ok_width = t.dim() == 4 and (t.shape[3] == d or (halves_out and t.shape[3] == d // 2))
+        if not (ok_heads and ok_width and t.shape[0] in (1, b) and t.shape[2] in (1, s)):
+            width = f"{d} or {d // 2}" if halves_out else f"{d}"
             raise ValueError(
                 f"trifuse.{OP}: {name} must be 4-D and broadcast to q {tuple(q.shape)}"
                 + ("" if k is None else f" and k {tuple(k.shape)}")
-                + f" as ({b} or 1, 1, {s}, {d}), got shape {tuple(t.shape)}")
+                + f" as ({b} or 1, 1, {s}, {width}), got shape {tuple(t.shape)}")
     if tuple(sin.shape) != tuple(cos.shape):
         raise ValueError(f"trifuse.{OP}: sin must have cos's shape {tuple(cos.shape)}, got {tuple(sin.shape)}")
     check_same_dtype(OP, "q", q, k=k)
@@ -364,32 +423,33 @@ OptTensor = torch.Tensor | None
 
 
 @torch.library.custom_op("trifuse::rotary_embedding", mutates_args=())
-def _rotary_embedding_op(q: Tensor, k: OptTensor, cos: Tensor, sin: Tensor, interleaved: bool = False
-                         ) -> tuple[Tensor, Tensor]:
+def _rotary_embedding_op(q: Tensor, k: OptTensor, cos: Tensor, sin: Tensor, interleaved: bool = False,
+                         halves_out: bool = False) -> tuple[Tensor, Tensor]:
     """(q_embed, k_embed); k_embed is empty (0,) when k is None."""
-    _check_inputs(q, k, cos, sin)
-    q_embed, k_embed = rotary_embedding_fwd(q, k, cos, sin, interleaved)
+    _check_inputs(q, k, cos, sin, halves_out)
+    q_embed, k_embed = rotary_embedding_fwd(q, k, cos, sin, interleaved, halves_out)
     return q_embed, q.new_empty(0) if k_embed is None else k_embed
 
 
 @torch.library.custom_op("trifuse::rotary_embedding_backward", mutates_args=())
 def _rotary_embedding_backward_op(dq: Tensor, dk: OptTensor, cos: Tensor, sin: Tensor, dtype: torch.dtype,
-                                  q_bshd: bool, k_bshd: bool, interleaved: bool = False) -> tuple[Tensor, Tensor]:
+                                  q_bshd: bool, k_bshd: bool, interleaved: bool = False, halves_out: bool = False
+                                  ) -> tuple[Tensor, Tensor]:
     """(dq, dk) in `dtype` from the gradients of q_embed and k_embed, in transposed (B, S, H, D)
     storage where the flags say; dk is empty (0,) when dk is None."""
-    dq, dk_out = rotary_embedding_bwd(dq, dk, cos, sin, dtype, q_bshd, k_bshd, interleaved)
+    dq, dk_out = rotary_embedding_bwd(dq, dk, cos, sin, dtype, q_bshd, k_bshd, interleaved, halves_out)
     return dq, dq.new_empty(0, dtype=dtype) if dk_out is None else dk_out
 
 
 @_rotary_embedding_op.register_fake
-def _(q, k, cos, sin, interleaved=False):
-    _check_inputs(q, k, cos, sin)
+def _(q, k, cos, sin, interleaved=False, halves_out=False):
+    _check_inputs(q, k, cos, sin, halves_out)
     dtype = out_dtype(q, cos)
     return _empty(q, False, dtype), q.new_empty(0) if k is None else _empty(k, False, dtype)
 
 
 @_rotary_embedding_backward_op.register_fake
-def _(dq, dk, cos, sin, dtype, q_bshd, k_bshd, interleaved=False):
+def _(dq, dk, cos, sin, dtype, q_bshd, k_bshd, interleaved=False, halves_out=False):
     return _empty(dq, q_bshd, dtype), dq.new_empty(0, dtype=dtype) if dk is None else _empty(dk, k_bshd, dtype)
 
 
@@ -400,6 +460,7 @@ def _cos_sin_need_grad(cos: torch.Tensor, sin: torch.Tensor) -> bool:
 def _setup(ctx, inputs, output):
     q, k, cos, sin, *rest = inputs
     ctx.interleaved = bool(rest[0]) if rest else False
+    ctx.halves_out = bool(rest[1]) if len(rest) > 1 else False
     ctx.has_k = k is not None
     ctx.bshd = (is_bshd(q), is_bshd(k))
     ctx.dtype = q.dtype
@@ -411,11 +472,11 @@ def _backward(ctx, dq_embed, dk_embed):
     cos, sin, *qk = ctx.saved_tensors
     dk_in = dk_embed if ctx.has_k else None
     dq, dk = torch.ops.trifuse.rotary_embedding_backward(dq_embed, dk_in, cos, sin, ctx.dtype, *ctx.bshd,
-                                                         ctx.interleaved)
+                                                         ctx.interleaved, ctx.halves_out)
     dcos = dsin = None
     if qk:
-        dcos, dsin = _cos_sin_grads(dq_embed, dk_in, *qk, cos, sin, ctx.interleaved)
-    return dq, dk if ctx.has_k else None, dcos, dsin, None
+        dcos, dsin = _cos_sin_grads(dq_embed, dk_in, *qk, cos, sin, ctx.interleaved, ctx.halves_out)
+    return dq, dk if ctx.has_k else None, dcos, dsin, None, None
 
 
 torch.library.register_autograd("trifuse::rotary_embedding", _backward, setup_context=_setup)
@@ -429,22 +490,23 @@ torch.library.register_autograd("trifuse::rotary_embedding", _backward, setup_co
 
 class _RotaryEmbeddingFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, cos, sin, interleaved):
+    def forward(ctx, q, k, cos, sin, interleaved, halves_out):
         ctx.save_for_backward(cos, sin, *((q, k) if _cos_sin_need_grad(cos, sin) else ()))
         ctx.bshd = (is_bshd(q), is_bshd(k))
         ctx.dtype = q.dtype
-        ctx.interleaved = interleaved
-        return rotary_embedding_fwd(q, k, cos, sin, interleaved)
+        ctx.interleaved, ctx.halves_out = interleaved, halves_out
+        return rotary_embedding_fwd(q, k, cos, sin, interleaved, halves_out)
 
     @staticmethod
     def backward(ctx, dq_embed, dk_embed):
         cos, sin, *qk = ctx.saved_tensors
         with profiled("trifuse::rotary_embedding_backward"):
-            dq, dk = rotary_embedding_bwd(dq_embed, dk_embed, cos, sin, ctx.dtype, *ctx.bshd, ctx.interleaved)
+            dq, dk = rotary_embedding_bwd(dq_embed, dk_embed, cos, sin, ctx.dtype, *ctx.bshd, ctx.interleaved,
+                                          ctx.halves_out)
         dcos = dsin = None
         if qk:
-            dcos, dsin = _cos_sin_grads(dq_embed, dk_embed, *qk, cos, sin, ctx.interleaved)
-        return dq, dk, dcos, dsin, None
+            dcos, dsin = _cos_sin_grads(dq_embed, dk_embed, *qk, cos, sin, ctx.interleaved, ctx.halves_out)
+        return dq, dk, dcos, dsin, None, None
 
 
 # =============================================================================================
@@ -454,12 +516,13 @@ class _RotaryEmbeddingFunction(torch.autograd.Function):
 # =============================================================================================
 
 
-def _rotary_key(q, k, cos, sin, interleaved=False):
+def _rotary_key(q, k, cos, sin, interleaved=False, halves_out=False):
     """The dialect key of an eager call; None (the trifuse op decides, and raises on bad input)
     when traced, empty, or when the shapes do not fit. It runs on every call."""
     if not isinstance(q, torch.Tensor) or not isinstance(cos, torch.Tensor) or not isinstance(sin, torch.Tensor):
         return None
-    if (k is not None and not isinstance(k, torch.Tensor)) or not isinstance(interleaved, bool):
+    if (k is not None and not isinstance(k, torch.Tensor)) or not isinstance(interleaved, bool) \
+            or not isinstance(halves_out, bool):
         return None
     if not eager_fast_path(q, k, cos, sin) or not q.is_floating_point() or q.dim() != 4 or cos.dim() != 4:
         return None
@@ -469,31 +532,31 @@ def _rotary_key(q, k, cos, sin, interleaved=False):
     grad = torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad)
                                         or cos.requires_grad or sin.requires_grad)
     return (q.get_device() if q.is_cuda else -1, q.dtype, cos.dtype, pow2_bucket(b * s), hq,
-            0 if k is None else k.shape[1], d, cos.shape[0] == 1, grad, interleaved)
+            0 if k is None else k.shape[1], d, cos.shape[0] == 1, grad, interleaved, halves_out)
 
 
-def _rotary_trifuse(q, k, cos, sin, interleaved=False):
-    _check_inputs(q, k, cos, sin)
-    interleaved = bool(interleaved)
+def _rotary_trifuse(q, k, cos, sin, interleaved=False, halves_out=False):
+    _check_inputs(q, k, cos, sin, halves_out)
+    interleaved, halves_out = bool(interleaved), bool(halves_out)
     if eager_fast_path(q, k, cos, sin):
         with profiled("trifuse::rotary_embedding"):
-            return _RotaryEmbeddingFunction.apply(q, k, cos, sin, interleaved)
-    q_embed, k_embed = torch.ops.trifuse.rotary_embedding(q, k, cos, sin, interleaved)
+            return _RotaryEmbeddingFunction.apply(q, k, cos, sin, interleaved, halves_out)
+    q_embed, k_embed = torch.ops.trifuse.rotary_embedding(q, k, cos, sin, interleaved, halves_out)
     return q_embed, None if k is None else k_embed
 
 
-def _rotary_hf_formula(q, k, cos, sin, interleaved=False):
+def _rotary_hf_formula(q, k, cos, sin, interleaved=False, halves_out=False):
     # trifuse's checks first: the same clear errors whichever candidate runs.
-    _check_inputs(q, k, cos, sin)
+    _check_inputs(q, k, cos, sin, halves_out)
     with profiled("trifuse::rotary_embedding"):
-        q_embed, k_embed = rotary_embedding_ref(q, k, cos, sin, interleaved)
+        q_embed, k_embed = rotary_embedding_ref(q, k, cos, sin, interleaved, halves_out)
         # trifuse returns contiguous (B, H, S, D); the choice must not change the layout.
         return q_embed.contiguous(), None if k_embed is None else k_embed.contiguous()
 
 
 ROTARY_EMBEDDING = dialects.define(
     "rotary_embedding", _rotary_key, ("device", "dtype", "cos_dtype", "positions", "q_heads", "k_heads",
-                                      "head_dim", "cos_batch_broadcast", "grad", "interleaved"),
+                                      "head_dim", "cos_batch_broadcast", "grad", "interleaved", "halves_out"),
     reference=rotary_embedding_ref)
 ROTARY_EMBEDDING.register(dialects.Candidate("trifuse", _rotary_trifuse))
 ROTARY_EMBEDDING.register(dialects.Candidate("torch", _rotary_hf_formula))
@@ -505,7 +568,8 @@ ROTARY_EMBEDDING.register(dialects.Candidate("torch", _rotary_hf_formula))
 
 
 def rotary_embedding(
-    q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False
+    q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False,
+    halves_out: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rotary position embedding of q and k in one kernel each way:
     `(q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin)`, Hugging Face's
@@ -521,6 +585,10 @@ def rotary_embedding(
         cos, sin: (B or 1, 1, S or 1, D) (or a head dim equal to Hq == Hkv), of one float dtype:
             q's, or another (fp32 tables beside 16-bit q and k under autocast).
         interleaved: rotate the pairs (x[2i], x[2i+1]) instead of (x[i], x[i + D/2]).
+        halves_out: with interleaved, write the pair i's results to (i, i + D/2): the rotate-half
+            convention applied to `pairs_to_halves(x)` (DeepSeek-V2/V3's
+            `apply_rotary_pos_emb_interleave`); cos and sin then in the rotate-half layout, D or
+            D / 2 (one entry per pair) wide.
 
     Returns:
         (q_embed, k_embed), new contiguous (B, H, S, D) tensors in the dtype PyTorch's `q * cos`
@@ -539,4 +607,8 @@ def rotary_embedding(
     """
     if not isinstance(interleaved, bool):
         raise TypeError(f"trifuse.{OP}: interleaved must be a bool, got {type(interleaved).__name__}")
-    return ROTARY_EMBEDDING(q, k, cos, sin, interleaved)
+    if not isinstance(halves_out, bool):
+        raise TypeError(f"trifuse.{OP}: halves_out must be a bool, got {type(halves_out).__name__}")
+    if halves_out and not interleaved:
+        raise ValueError(f"trifuse.{OP}: halves_out=True moves interleaved pairs to halves; it needs interleaved=True")
+    return ROTARY_EMBEDDING(q, k, cos, sin, interleaved, halves_out)

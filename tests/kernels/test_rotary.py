@@ -60,13 +60,15 @@ def _same(t):
     return None if t is None else t.detach().clone().requires_grad_(t.requires_grad)
 
 
-def check_fwd_bwd(q, k, cos, sin, dys=None, interleaved=False):
+def check_fwd_bwd(q, k, cos, sin, dys=None, interleaved=False, halves_out=False):
     """q_embed, k_embed, dq, dk (and dcos, dsin when they require grad) against float64, bounded
-    by PyTorch's own error in q's dtype; the interleaved convention when `interleaved`."""
-    out = trifuse.ops.rotary_embedding(q, k, cos, sin, interleaved=interleaved)
+    by PyTorch's own error in q's dtype; the interleaved convention when `interleaved`, read
+    interleaved and written rotate-half when also `halves_out`."""
+    out = trifuse.ops.rotary_embedding(q, k, cos, sin, interleaved=interleaved, halves_out=halves_out)
     args64 = [_wide(t) for t in (q, k, cos, sin)]
     argslp = [_same(t) for t in (q, k, cos, sin)]
-    out64, outlp = rotary_embedding_ref(*args64, interleaved), rotary_embedding_ref(*argslp, interleaved)
+    out64 = rotary_embedding_ref(*args64, interleaved, halves_out)
+    outlp = rotary_embedding_ref(*argslp, interleaved, halves_out)
     names = ("q_embed", "k_embed")
     for name, o, o64, olp, x in zip(names, out, out64, outlp, (q, k)):
         if x is None:
@@ -93,6 +95,66 @@ def check_fwd_bwd(q, k, cos, sin, dys=None, interleaved=False):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_matches_float64_oracle(dtype, shape, cos_kind):
     check_fwd_bwd(*make(shape, dtype, cos_kind))
+
+
+def deepseek_rope(x, cos, sin):
+    """DeepSeek-V3's rotary as transformers 5.x writes it (apply_rotary_pos_emb_interleave):
+    the interleaved pairs in, the rotate-half halves out, tables of one entry per pair."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+@pytest.mark.parametrize("table", ["per-pair", "full"])
+@pytest.mark.parametrize("shape", [(2, 4, 1, 37, 24), (1, 2, 2, 1, 2), (2, 3, 1, 5, 64), (0, 2, 2, 4, 8)],
+                         ids=_ids)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_halves_out_matches_float64_oracle(dtype, shape, table):
+    b, hq, hkv, s, d = shape
+    q = torch.randn(b, s, hq, d, device=DEVICE, dtype=dtype).transpose(1, 2).requires_grad_()  # a projection view
+    k = torch.randn(b, hkv, s, d, device=DEVICE, dtype=dtype).requires_grad_()
+    cos, sin = rope_tables(b, s, d, dtype, per_batch=True)
+    if table == "per-pair":
+        cos, sin = cos[..., : d // 2], sin[..., : d // 2]
+    check_fwd_bwd(q, k, cos, sin, interleaved=True, halves_out=True)
+    check_fwd_bwd(q, k, cos.clone().requires_grad_(), sin.clone().requires_grad_(), interleaved=True,
+                  halves_out=True)
+
+
+def test_halves_out_oracle_is_deepseeks_spelling():
+    q, k, cos, sin = make((2, 3, 1, 7, 16), torch.float64, "per-batch")
+    cos_h, sin_h = cos[..., :8], sin[..., :8]
+    q_embed, k_embed = rotary_embedding_ref(q, k, cos_h, sin_h, True, True)
+    torch.testing.assert_close(q_embed, deepseek_rope(q, cos_h, sin_h), rtol=0, atol=0)
+    torch.testing.assert_close(k_embed, deepseek_rope(k, cos_h, sin_h), rtol=0, atol=0)
+    # and not the plain interleaved convention (a test that could not tell them apart proves nothing)
+    assert not torch.allclose(q_embed, rotary_embedding_ref(q, k, cos, sin, True)[0])
+
+
+def test_halves_out_eager_path_and_registered_op_are_bitwise_equal():
+    q, k, cos, sin = make((2, 4, 2, 9, 16), torch.float32, "per-batch")
+    cos, sin = cos[..., :8], sin[..., :8]
+    eager = trifuse.ops.rotary_embedding(q, k, cos, sin, interleaved=True, halves_out=True)
+    op = torch.ops.trifuse.rotary_embedding(q, k, cos, sin, True, True)
+    for a, a_ in zip(eager, op):
+        assert torch.equal(a, a_)
+    dys = [torch.randn_like(o) for o in eager]
+    for a, a_ in zip(torch.autograd.grad(eager, (q, k), dys), torch.autograd.grad(op, (q, k), dys)):
+        assert torch.equal(a, a_)
+    torch.library.opcheck(torch.ops.trifuse.rotary_embedding.default, (q, k, cos, sin, True, True))
+    torch.library.opcheck(torch.ops.trifuse.rotary_embedding_backward.default,
+                          (dys[0], dys[1], cos, sin, torch.float32, False, False, True, True))
+
+
+def test_halves_out_bad_arguments():
+    q, k, cos, sin = make((1, 2, 1, 4, 8), torch.float32)
+    with pytest.raises(ValueError, match="rotary_embedding: halves_out=True .* needs interleaved=True"):
+        trifuse.ops.rotary_embedding(q, k, cos, sin, halves_out=True)
+    with pytest.raises(TypeError, match="rotary_embedding: halves_out must be a bool"):
+        trifuse.ops.rotary_embedding(q, k, cos, sin, interleaved=True, halves_out=1)
+    with pytest.raises(ValueError, match=r"rotary_embedding: cos must be 4-D .* \(1 or 1, 1, 4, 8\)"):
+        trifuse.ops.rotary_embedding(q, k, cos[..., :4], sin[..., :4], interleaved=True)  # per-pair: halves_out only
+    with pytest.raises(ValueError, match=r"rotary_embedding: cos .* \(1 or 1, 1, 4, 8 or 4\)"):
+        trifuse.ops.rotary_embedding(q, k, cos[..., :3], sin[..., :3], interleaved=True, halves_out=True)
 
 
 @pytest.mark.parametrize("cos_kind", COS)
