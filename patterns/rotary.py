@@ -29,6 +29,17 @@ the last dim (the stack along the new last dim, the flatten of the last two); co
 GPT-J's and CodeGen's own `rotate_every_two` (`x[:, :, :, ::2]` on (B, S, H, D) tensors, their
 (B, S, D/2) tables repeated per pair for each use) becomes the op on the same tensors transposed
 to (B, H, S, D) (views), q and k in one call. Not matched: swapped or sign-flipped pairs.
+
+DeepSeek-V2/V3's `apply_rotary_pos_emb_interleave` (also GLM-4-MoE-Lite, Mistral Large 4,
+LongCat-Flash and the others transformers builds on it) rotates the interleaved pairs and writes
+the results as halves, with tables of one entry per pair (`cos[..., :D/2]`):
+
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    x_embed = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+which becomes the op with `interleaved=True, halves_out=True`, q and k in one call or a tensor
+alone. Filters: the pairs are exactly (0::2, 1::2) of the last dim, the cat along the last dim;
+cos and sin 4-D (their width, D / 2 or D, the op checks).
 """
 import torch
 
@@ -201,6 +212,51 @@ def _cos_sin_are_4d(m: Match) -> str | None:
     return None
 
 
+# DeepSeek's: interleaved pairs in, rotate-half halves out. The even slice's start is a parameter
+# (`0::2` or `::2`), as for the interleaved rotate_half above.
+
+
+def rotary_pairs_to_halves_q_k(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_start,
+                               k_start, q_dim, k_dim):
+    """DeepSeek-V3's apply_rotary_pos_emb_interleave after its slice and unsqueeze of the tables."""
+    q1, q2 = q[..., q_start::2], q[..., 1::2]
+    k1, k2 = k[..., k_start::2], k[..., 1::2]
+    q_embed = torch.cat((q1 * cos - q2 * sin, q2 * cos + q1 * sin), dim=q_dim)
+    k_embed = torch.cat((k1 * cos - k2 * sin, k2 * cos + k1 * sin), dim=k_dim)
+    return q_embed, k_embed
+
+
+def rotary_pairs_to_halves_q_k_fused(q, k, cos, sin, q_start=None, k_start=None, q_dim=None, k_dim=None):
+    out = ops.rotary_embedding(q, k, cos, sin, interleaved=True, halves_out=True)
+    return out[0], out[1]
+
+
+def rotary_pairs_to_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x_start, x_dim):
+    """One tensor rotated alone, DeepSeek's way."""
+    x1, x2 = x[..., x_start::2], x[..., 1::2]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=x_dim)
+
+
+def rotary_pairs_to_halves_fused(x, cos, sin, x_start=None, x_dim=None):
+    return ops.rotary_embedding(x, None, cos, sin, interleaved=True, halves_out=True)[0]
+
+
+def _pairs_to_halves_last_dim(names: tuple[str, ...]):
+    def check(m: Match) -> str | None:
+        for name in names:
+            x, start, dim = m.value(name), m.value(f"{name}_start"), m.value(f"{name}_dim")
+            if not isinstance(x, torch.Tensor):
+                return f"no shape for {name}"
+            if start is not None and (not isinstance(start, int) or isinstance(start, bool) or start != 0):
+                return f"the pairs are {name}[..., {start!r}::2] with {name}[..., 1::2], not 0::2"
+            if not isinstance(dim, int) or isinstance(dim, bool) or dim not in (-1, x.dim() - 1):
+                return f"the halves of {name} are concatenated along dim {dim!r}, not the last"
+        return None
+
+    check.__name__ = "pairs_to_halves_last_dim"
+    return check
+
+
 _OPS = ("rotary_embedding",)
 
 PATTERNS = (
@@ -211,6 +267,10 @@ PATTERNS = (
             (_pairs_last_dim(("q", "k")), _cos_sin_are_4d)),
     Pattern("rotary_interleaved", "rotary", rotary_interleaved, rotary_interleaved_fused, _OPS,
             (_pairs_last_dim(("x",)), _cos_sin_are_4d)),
+    Pattern("rotary_pairs_to_halves_q_k", "rotary", rotary_pairs_to_halves_q_k, rotary_pairs_to_halves_q_k_fused,
+            _OPS, (_pairs_to_halves_last_dim(("q", "k")), _cos_sin_are_4d)),
+    Pattern("rotary_pairs_to_halves", "rotary", rotary_pairs_to_halves, rotary_pairs_to_halves_fused, _OPS,
+            (_pairs_to_halves_last_dim(("x",)), _cos_sin_are_4d)),
     Pattern("rotary_every_two_q_k", "rotary", rotary_every_two_q_k, rotary_every_two_q_k_fused, _OPS,
             (_positions_on_dim_1(("q", "k"), unsqueezed=False),)),
     Pattern("rotary_every_two", "rotary", rotary_every_two, rotary_every_two_fused, _OPS,

@@ -129,9 +129,10 @@ MODELS = {
     "mpnet": (_family("mpnet"), BERT),
     "rembert": (_family("rembert"), BERT),
     # DeepSeek-V3: q/k and v of different head dims; three norms a block (input, q LoRA, kv LoRA),
-    # SwiGLU in the dense MLP, the routed experts and the shared expert
+    # SwiGLU in the dense MLP, the routed experts and the shared expert; its rotary reads the pairs
+    # interleaved and writes halves (halves_out)
     "deepseek_v3": (_family("deepseek_v3"), {"rms_norm": 3 * L + 1, "attention": L, "residual_stream": L,
-                                             "gated_activation": 3, **LOSS}),
+                                             "gated_activation": 3, **ROTARY, **LOSS}),
     # Gemma 4 (see _FAMILIES): rotary on q and on k apart (k's norm between), GeGLU in the MLP and
     # the per-layer input gate
     "gemma4_text": (_family("gemma4_text"), {"rms_norm": 16, "attention": L, "residual_stream": L, "rotary": 2 * L,

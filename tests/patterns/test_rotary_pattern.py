@@ -228,6 +228,59 @@ def test_interleaved_spelling_fuses_and_matches(make, pattern, capture):
     assert check_against_unfused(make, X, capture).by_pattern() == {pattern: 1}
 
 
+def apply_rotary_pos_emb_deepseek(q, k, cos, sin, unsqueeze_dim=1):
+    """transformers' DeepSeek-V3 apply_rotary_pos_emb_interleave (5.x), verbatim: interleaved
+    pairs in, rotate-half halves out, tables sliced to one entry per pair."""
+    cos = cos[..., : cos.shape[-1] // 2].unsqueeze(unsqueeze_dim)
+    sin = sin[..., : sin.shape[-1] // 2].unsqueeze(unsqueeze_dim)
+    q1, q2 = q[..., 0::2], q[..., 1::2]
+    k1, k2 = k[..., 0::2], k[..., 1::2]
+    q_embed = torch.cat([q1 * cos - q2 * sin, q2 * cos + q1 * sin], dim=-1)
+    k_embed = torch.cat([k1 * cos - k2 * sin, k2 * cos + k1 * sin], dim=-1)
+    return q_embed, k_embed
+
+
+def apply_rotary_pos_emb_deepseek_swapped(q, k, cos, sin):
+    """The halves in the other order: not DeepSeek's rotation."""
+    cos, sin = cos[..., : cos.shape[-1] // 2].unsqueeze(1), sin[..., : sin.shape[-1] // 2].unsqueeze(1)
+    q1, q2 = q[..., 0::2], q[..., 1::2]
+    k1, k2 = k[..., 0::2], k[..., 1::2]
+    return (torch.cat([q2 * cos + q1 * sin, q1 * cos - q2 * sin], dim=-1),
+            torch.cat([k2 * cos + k1 * sin, k1 * cos - k2 * sin], dim=-1))
+
+
+class DeepSeekRotary(Rotary):
+    """DeepSeek-V3's rotary part of q and k (the first `rot` features here), the rest passed through."""
+
+    def __init__(self, apply=apply_rotary_pos_emb_deepseek, rot=D, which="q_k"):
+        super().__init__(rot=rot)
+        self.apply_fn, self.rot, self.which = apply, rot, which
+
+    def forward(self, x):
+        q = self.q_proj(x).view(B, S, -1, D).transpose(1, 2)
+        k = self.k_proj(x).view(B, S, -1, D).transpose(1, 2)
+        q_rot, q_pass = q[..., : self.rot], q[..., self.rot:]
+        if self.which == "q":
+            cos, sin = self.cos[..., : self.rot // 2].unsqueeze(1), self.sin[..., : self.rot // 2].unsqueeze(1)
+            q1, q2 = q_rot[..., ::2], q_rot[..., 1::2]
+            return torch.cat([q1 * cos - q2 * sin, q2 * cos + q1 * sin], dim=-1), k
+        q_rot, k_rot = self.apply_fn(q_rot, k[..., : self.rot], self.cos, self.sin)
+        return torch.cat([q_pass, q_rot], dim=-1), k_rot
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("make, counts", [
+    (DeepSeekRotary, {"rotary_pairs_to_halves_q_k": 1}),
+    (lambda: DeepSeekRotary(rot=4), {"rotary_pairs_to_halves_q_k": 1}),
+    (lambda: DeepSeekRotary(which="q"), {"rotary_pairs_to_halves": 1}),
+    (lambda: DeepSeekRotary(apply_rotary_pos_emb_deepseek_swapped), {}),
+], ids=["hf-deepseek-v3", "partial-rotary", "q-alone-even-slice-from-start", "halves-swapped-left"])
+def test_deepseek_pairs_to_halves_fuses_and_matches(make, counts, capture):
+    """Interleaved pairs in, halves out becomes the op with halves_out=True (tables of one entry
+    per pair); the halves in the other order are another rotation and stay as written."""
+    assert check_against_unfused(make, X, capture).by_pattern() == counts
+
+
 def rotate_every_two(x):
     """transformers' rotate_every_two of GPT-J and CodeGen (5.x), verbatim."""
     x1 = x[:, :, :, ::2]
