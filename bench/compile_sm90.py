@@ -108,6 +108,12 @@ def _catalogue(torch, family: str):
             for inter in (False, True):
                 yield f"rotary {hq}/{hkv}x{d} interleaved={inter}", fwd_bwd(
                     lambda q=q, k=k, cos=cos, sin=sin, i=inter: ops.rotary_embedding(q, k, cos, sin, interleaved=i))
+        # DeepSeek-V3's rotary part: 64 features of q (128 heads) and of its one k head, pairs in,
+        # halves out, tables of one entry per pair
+        q, k = leaf(1, 128, 16, 64), leaf(1, 1, 16, 64)
+        cos, sin = torch.randn(1, 1, 16, 32), torch.randn(1, 1, 16, 32)
+        yield "rotary 128/1x64 halves_out", fwd_bwd(
+            lambda: ops.rotary_embedding(q, k, cos, sin, interleaved=True, halves_out=True))
     elif family == "attention":
         s = 128
         for d in (64, 80, 128):
