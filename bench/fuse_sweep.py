@@ -4,14 +4,17 @@ model still run, train and give the unfused model's loss and gradients, and what
 replace? A net for "never break a model" wider than the test suite's hand-configured families
 (tests/_models.py); on CPU, in the Triton interpreter.
 
-    TRITON_INTERPRET=1 python bench/fuse_sweep.py [--task TASK] [--via VIA] [MODEL_TYPE ...]
+    TRITON_INTERPRET=1 python bench/fuse_sweep.py [--task TASK] [--via VIA] [--dtype DTYPE] [MODEL_TYPE ...]
         # TASK: causal-lm (default; all 189 types ~25-40 min on 2 cores), masked-lm, seq2seq,
         # image-cls; VIA: fuse (default) or backend (torch.compile(model, backend="trifuse"));
-        # named types replace their rows
+        # DTYPE: float64 (default) or fp16-autocast (an fp32 model under CPU autocast to fp16, at
+        # fp16's tolerance); named types replace their rows
 
-Each type runs in its own process (memory-capped, timed out), in float64, one training step
-(dropout off) before and after fuse, then a second fused call. Status per type:
-    ok              loss within 1e-6 and every gradient within 1e-5 (relative to its largest
+Each type runs in its own process (memory-capped, timed out), in float64 (or fp32 under fp16
+autocast), one training step (dropout off) before and after fuse, then a second fused call.
+Status per type:
+    ok              loss within 1e-6 and every gradient within 1e-5 (fp16-autocast: 1e-2 and
+                    5e-2, TOLERANCES) (relative to its largest
                     entry, or to 1e-10 of the model's largest where a gradient is numerically
                     zero) of the unfused model's; the models compute parts in fp32 themselves
                     (HF's norms upcast), so float64 agreement is at fp32's level, not better
@@ -19,7 +22,8 @@ Each type runs in its own process (memory-capped, timed out), in float64, one tr
     FUSED CRASH     the unfused model ran and the fused one raised: a trifuse bug
     config / build / unfused fails / too big / died: the tiny config does not suit the
                     architecture (a harness limit, not a verdict on trifuse)
-Writes bench/results/fuse_sweep[_<task>][_backend].json and .md (no task suffix for causal-lm).
+Writes bench/results/fuse_sweep[_<task>][_backend][_fp16-autocast].json and .md (no task suffix for
+causal-lm).
 """
 import json
 import os
@@ -53,7 +57,9 @@ SMALL_EXTRA = {"encoder_layers": 2, "decoder_layers": 2, "num_decoder_layers": 2
 TASKS = ("causal-lm", "masked-lm", "seq2seq", "image-cls")
 VIAS = ("fuse", "backend")  # trifuse.fuse(model), or torch.compile(model, backend="trifuse")
 MAX_PARAMS = 3_000_000
-LOSS_TOL, GRAD_TOL = 1e-6, 1e-5
+# (loss, gradient) tolerances per run dtype. fp16-autocast: both models round to fp16 in their own
+# places, so they agree to fp16's level only; these catch a wrong answer, not a last bit.
+TOLERANCES = {"float64": (1e-6, 1e-5), "fp16-autocast": (1e-2, 5e-2)}
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -112,10 +118,10 @@ def _auto_class(tf, task: str):
             "seq2seq": tf.AutoModelForSeq2SeqLM, "image-cls": tf.AutoModelForImageClassification}[task]
 
 
-def _inputs(task: str) -> dict:
+def _inputs(task: str, dtype: torch.dtype = torch.float64) -> dict:
     """One batch with labels, so the model computes its own loss."""
     if task == "image-cls":
-        return {"pixel_values": torch.randn(2, 3, 32, 32, dtype=torch.float64), "labels": torch.tensor([0, 2])}
+        return {"pixel_values": torch.randn(2, 3, 32, 32, dtype=dtype), "labels": torch.tensor([0, 2])}
     ids = torch.randint(1, 64, (2, 12))
     kwargs = {"input_ids": ids, "labels": ids}
     if task in ("causal-lm", "seq2seq"):
@@ -123,7 +129,8 @@ def _inputs(task: str) -> dict:
     return kwargs
 
 
-def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: str = "fuse") -> dict:
+def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: str = "fuse",
+            dtype: str = "float64") -> dict:
     import transformers as tf
     import trifuse
 
@@ -138,34 +145,41 @@ def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: s
     if isinstance(names, (tuple, list)) and not getattr(cfg, "architectures", None):
         cfg.architectures = [names[0]]  # several classes for the task (DeiT's with and without teacher): the first
     try:
-        model = auto.from_config(cfg).double()
+        model = auto.from_config(cfg)
+        model = model.double() if dtype == "float64" else model.float()
     except Exception as e:  # noqa: BLE001
         if attn == "sdpa" and "does not support an attention implementation" in str(e):
-            return run_one(model_type, "eager", task, via)
+            return run_one(model_type, "eager", task, via, dtype)
         return {"status": "build", "why": f"{type(e).__name__}: {str(e).strip()[:150]}"}
     params = sum(p.numel() for p in model.parameters())
     if params > MAX_PARAMS:
         return {"status": "too big", "why": f"{params} parameters with the tiny config"}
-    kwargs = _inputs(task)
+    kwargs = _inputs(task, torch.float64 if dtype == "float64" else torch.float32)
     leaves = [p for p in model.parameters() if p.requires_grad]
     model.train()
+    # fp16-autocast: the model in fp32 under CPU autocast to fp16, as a user trains in mixed precision
+    autocast = torch.autocast("cpu", dtype=torch.float16, enabled=dtype == "fp16-autocast")
+    loss_tol, grad_tol = TOLERANCES[dtype]
     try:
-        loss0 = model(**kwargs).loss
+        with autocast:
+            loss0 = model(**kwargs).loss
         grads0 = torch.autograd.grad(loss0, leaves, allow_unused=True)
     except Exception as e:  # noqa: BLE001
         return {"status": "unfused fails", "why": f"{type(e).__name__}: {str(e).strip()[:150]}"}
     try:
         fused = trifuse.fuse(model) if via == "fuse" else torch.compile(model, backend="trifuse")
-        loss1 = fused(**kwargs).loss
+        with autocast:
+            loss1 = fused(**kwargs).loss
         grads1 = torch.autograd.grad(loss1, leaves, allow_unused=True)
-        loss2 = fused(**kwargs).loss.detach()
+        with autocast:
+            loss2 = fused(**kwargs).loss.detach()
     except Exception as e:  # noqa: BLE001
         return {"status": "FUSED CRASH", "why": f"{type(e).__name__}: {str(e).strip()[:300]}",
                 "traceback": traceback.format_exc()[-3000:]}
     loss_err = abs(float(loss1) - float(loss0)) / max(abs(float(loss0)), 1e-30)
     grad_err = _grad_error(grads0, grads1)
     report = trifuse.report(fused)
-    ok = loss_err < LOSS_TOL and grad_err < GRAD_TOL and float(loss2) == float(loss1.detach())
+    ok = loss_err < loss_tol and grad_err < grad_tol and float(loss2) == float(loss1.detach())
     row = {"status": "ok" if ok else "MISMATCH", "attn": attn, "loss_rel_err": loss_err, "grad_rel_err": grad_err,
             "replaced": dict(sorted(report.counts().items())), "left": len(report.left()),
             "unfused_calls": {k: sum(v.values()) for k, v in report.unfused_calls().items()}}
@@ -174,13 +188,15 @@ def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: s
     return row
 
 
-def _child(model_type: str, task: str = "causal-lm", via: str = "fuse", timeout: int = 300) -> dict:
+def _child(model_type: str, task: str = "causal-lm", via: str = "fuse", dtype: str = "float64",
+           timeout: int = 300) -> dict:
     def cap_memory():
         resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
 
     t0 = time.time()
     try:
-        cmd = [sys.executable, os.path.abspath(__file__), f"--one={model_type}", f"--task={task}", f"--via={via}"]
+        cmd = [sys.executable, os.path.abspath(__file__), f"--one={model_type}", f"--task={task}", f"--via={via}",
+               f"--dtype={dtype}"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, preexec_fn=cap_memory, check=False)
         lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
         row = json.loads(lines[-1]) if lines else {"status": f"died (rc {done.returncode})",
@@ -207,7 +223,7 @@ def _markdown(rows: list[dict], header: str, task: str = "causal-lm") -> str:
     return "\n".join(out) + "\n"
 
 
-def main(types: list[str], task: str = "causal-lm", via: str = "fuse") -> None:
+def main(types: list[str], task: str = "causal-lm", via: str = "fuse", dtype: str = "float64") -> None:
     import platform
 
     import transformers as tf
@@ -217,7 +233,8 @@ def main(types: list[str], task: str = "causal-lm", via: str = "fuse") -> None:
     mapping = {"causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
                "seq2seq": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
                "image-cls": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"}[task]
-    stem = "fuse_sweep" + ("" if task == "causal-lm" else f"_{task}") + ("" if via == "fuse" else f"_{via}")
+    stem = "fuse_sweep" + ("" if task == "causal-lm" else f"_{task}") + ("" if via == "fuse" else f"_{via}") \
+        + ("" if dtype == "float64" else f"_{dtype}")
     path = os.path.join(RESULTS, f"{stem}.json")
     # Named types replace their rows in the results; the others stay as last swept.
     kept = {}
@@ -227,14 +244,14 @@ def main(types: list[str], task: str = "causal-lm", via: str = "fuse") -> None:
     types = types or sorted(getattr(modeling_auto, mapping))
     rows = []
     for mt in types:
-        row = _child(mt, task, via)
+        row = _child(mt, task, via, dtype)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
         if "traceback" in row:
             print(row["traceback"], flush=True)
     header = (f"date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · torch {torch.__version__} · triton "
               f"{triton.__version__} · transformers {tf.__version__} · python {platform.python_version()} · CPU "
-              f"(TRITON_INTERPRET=1), float64, one training step, dropout off, task {task}, via {via}")
+              f"(TRITON_INTERPRET=1), {dtype}, one training step, dropout off, task {task}, via {via}")
     rows = sorted({**kept, **{r["type"]: r for r in rows}}.values(), key=lambda r: r["type"])
     os.makedirs(RESULTS, exist_ok=True)
     with open(path, "w") as f:
@@ -253,7 +270,7 @@ def test_fuse_sweep_smoke():
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    opts = {"task": "causal-lm", "via": "fuse"}
+    opts = {"task": "causal-lm", "via": "fuse", "dtype": "float64"}
     for name in opts:
         for a in list(args):
             if a.startswith(f"--{name}="):
@@ -267,7 +284,10 @@ if __name__ == "__main__":
         sys.exit(f"fuse_sweep: --task must be one of {', '.join(TASKS)}, got {opts['task']!r}")
     if opts["via"] not in VIAS:
         sys.exit(f"fuse_sweep: --via must be one of {', '.join(VIAS)}, got {opts['via']!r}")
+    if opts["dtype"] not in TOLERANCES:
+        sys.exit(f"fuse_sweep: --dtype must be one of {', '.join(TOLERANCES)}, got {opts['dtype']!r}")
     if args and args[0].startswith("--one="):
-        print(json.dumps(run_one(args[0][len("--one="):], task=opts["task"], via=opts["via"])), flush=True)
+        print(json.dumps(run_one(args[0][len("--one="):], task=opts["task"], via=opts["via"], dtype=opts["dtype"])),
+              flush=True)
     else:
-        main(args, opts["task"], opts["via"])
+        main(args, opts["task"], opts["via"], opts["dtype"])
