@@ -313,6 +313,7 @@ class DynamoUnit(Unit):
         self._dropped: list[tuple[fx.Node, fx.Node]] = []  # (probabilities, placeholder) of the graph in rewrite
         self.drops_weights = False  # a capture returns None for the attention probabilities
         self.failed: str | None = None  # Dynamo could not capture this class: its calls run as written
+        self._signature: inspect.Signature | None = None  # of the block's forward, once needed
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         self.calls += 1
@@ -379,11 +380,18 @@ class DynamoUnit(Unit):
                 self._dropped.append((value, placeholder))
 
     def _output_attentions(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
-        """The block's `output_attentions` on this call, passed by name or by position (RemBERT's,
-        MPNet's encoders pass it positionally), else its default; None where it has none."""
+        """The block's `output_attentions` on this call, passed by name or by position (RemBERT's
+        encoder passes it positionally), else its default; None where it has none."""
+        if "output_attentions" in kwargs:  # the usual call: no binding on the per-call path
+            return kwargs["output_attentions"]
+        if self._signature is None:
+            try:
+                self._signature = inspect.signature(self.original)
+            except (TypeError, ValueError):
+                return None
         try:
-            bound = inspect.signature(self.original).bind(module, *args, **kwargs)
-        except (TypeError, ValueError):
+            bound = self._signature.bind(module, *args, **kwargs)
+        except TypeError:
             return None
         params = bound.signature.parameters
         if "output_attentions" in bound.arguments:
