@@ -122,7 +122,9 @@ def _install_head(model, patterns, verbose, block_set: set[int], notes: list[Not
         source = inspect.getsource(type(model).forward)
     except (OSError, TypeError):
         return
-    if not any(word in source for word in ("cross_entropy", "CrossEntropyLoss", "loss_function")):
+    # DistilBERT's forward calls a CrossEntropyLoss held as a child (`self.mlm_loss_fct`)
+    if not any(word in source for word in ("cross_entropy", "CrossEntropyLoss", "loss_function")) \
+            and not any(isinstance(m, torch.nn.CrossEntropyLoss) for m in model.children()):
         return
     head = HeadUnit(type(model), patterns, verbose, skip_logits)
     # Every module between the model and its blocks is fenced, not only its children: a head may

@@ -221,9 +221,12 @@ _FAMILIES.update({
               "attn_implementation": "eager"},
     "rembert": {**_DECODER, **_MLP, "input_embedding_size": HIDDEN, "output_embedding_size": HIDDEN,
                 "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "attn_implementation": "eager"},
+    # DistilBERT: its MLM head written in the model's own forward, the loss a CrossEntropyLoss child
+    "distilbert": {"dim": HIDDEN, "n_layers": LAYERS, "n_heads": HEADS, "hidden_dim": 2 * HIDDEN, "dropout": 0.0,
+                   "attention_dropout": 0.0},
 })
 SEQ2SEQ = ("t5", "bart")
-MASKED = ("modernbert", "deberta-v2", "mpnet", "rembert")
+MASKED = ("modernbert", "deberta-v2", "mpnet", "rembert", "distilbert")
 SPEECH = ("whisper",)
 CONTRASTIVE = ("clip", "siglip")
 

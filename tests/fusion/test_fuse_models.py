@@ -128,6 +128,8 @@ MODELS = {
     # RemBERT's blocks return their probabilities (dropped: output_attentions=False by position)
     "mpnet": (_family("mpnet"), BERT),
     "rembert": (_family("rembert"), BERT),
+    # DistilBERT: the MLM head in the model's forward, its loss a CrossEntropyLoss child (head capture)
+    "distilbert": (_family("distilbert"), BERT),
     # DeepSeek-V3: q/k and v of different head dims; three norms a block (input, q LoRA, kv LoRA),
     # SwiGLU in the dense MLP, the routed experts and the shared expert; its rotary reads the pairs
     # interleaved and writes halves (halves_out)
