@@ -673,3 +673,122 @@ def test_sinks_rejections_say_why():
     assert any("one logit per query head" in reason for *_, reason in report.rejected()), report.table()
     report = check_against_unfused(functools.partial(WithSinks, chain_sinks_three_columns), qkv(), "dynamo")
     assert any("(batch, heads, queries, 1)" in reason for *_, reason in report.rejected()), report.table()
+
+
+# ---------------------------------------------------------------------------------------------
+# MiMo-V2-Flash's layers without sinks (the row max subtracted all the same) and Granite's sinks
+# as a sigmoid(logsumexp - sink) scale of the output: transformers' eager code, spelled as there.
+# ---------------------------------------------------------------------------------------------
+
+
+def chain_max_sub(m, q, k, v, p=0.0, repeat=True):  # transformers' mimo_v2_flash eager_attention_forward, sinks None
+    if repeat:  # transformers' repeat_kv returns k and v as they are for one kv head per query head
+        k, v = repeat_kv(k, H // k.shape[1]), repeat_kv(v, H // v.shape[1])
+    w = torch.matmul(q, k.transpose(2, 3)) * 0.35
+    if hasattr(m, "mask"):
+        w = w + m.mask
+    w = w - w.max(dim=-1, keepdim=True).values
+    probs = F.softmax(w, dim=-1, dtype=w.dtype)
+    return torch.matmul(F.dropout(probs, p=p, training=m.training).to(v.dtype), v)
+
+
+def chain_sink_scale(m, q, k, v, p=0.0, repeat=True):  # transformers' granite_swa eager_attention_forward
+    if repeat:  # transformers' repeat_kv returns k and v as they are for one kv head per query head
+        k, v = repeat_kv(k, H // k.shape[1]), repeat_kv(v, H // v.shape[1])
+    w = torch.matmul(q, k.transpose(2, 3)) * 0.35
+    if hasattr(m, "mask"):
+        w = w + m.mask
+    sink_scale = (torch.logsumexp(w, dim=-1) - m.sinks.view(1, -1, 1)).to(torch.float32).sigmoid()
+    w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+    w = F.dropout(w, p=p, training=m.training)
+    out = torch.matmul(w, v)
+    return out * sink_scale.unsqueeze(-1).to(out.dtype)
+
+
+def chain_sink_scale_no_repeat(m, q, k, v):
+    return chain_sink_scale(m, q, k, v, repeat=False)
+
+
+# the sliding window of 3 keys with every row open: without a sink, a row a finite mask covers whole
+# is uniform, with the op's documented fp32 gradient cancellation there (kernels/attention.py)
+OPEN_WINDOW = torch.zeros(1, 1, S, S).masked_fill(
+    ~(torch.ones(S, S, dtype=torch.bool).tril().triu(-2)), torch.finfo(torch.float32).min)
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("fn, buffers, h_kv, pattern", [
+    (chain_max_sub, {"mask": OPEN_WINDOW}, 2, "attention_chain_max_sub_add_repeat_kv"),
+    (chain_max_sub, {}, 1, "attention_chain_max_sub_no_mask_repeat_kv"),
+    (chain_sink_scale, {"mask": WINDOW}, 2, "attention_chain_sink_scale_add_repeat_kv"),
+    (chain_sink_scale, {}, 1, "attention_chain_sink_scale_no_mask_repeat_kv"),
+    (chain_sink_scale_no_repeat, {"mask": ADDITIVE}, H, "attention_chain_sink_scale_add"),
+], ids=lambda v: v.__name__ if callable(v) else None)
+def test_max_sub_and_sink_scale_fuse_and_match(fn, buffers, h_kv, pattern, capture):
+    report = check_against_unfused(functools.partial(WithSinks, fn, **buffers), qkv(h_kv), capture)
+    assert report.by_pattern() == {pattern: 1}
+
+
+# ---------------------------------------------------------------------------------------------
+# BART's older eager attention on (B*H, S, D) tensors (TrOCR, MVP, LED's decoder): q scaled before
+# the product, the scores viewed per head for the additive mask and back.
+# ---------------------------------------------------------------------------------------------
+
+
+class BartAttention(nn.Module):
+    """transformers' TrOCRAttention core as written there, from q (B, Sq, H*D) and k, v (B, Sk, H*D)
+    projections: self-attention when Sq = Sk, cross-attention otherwise. The mask (B, 1, Sq, Sk)
+    is a buffer, or none."""
+
+    def __init__(self, mask=None, p=0.0):
+        super().__init__()
+        self.register_buffer("mask", mask)
+        self.p = p
+
+    def forward(self, q, k, v):
+        bsz, tgt_len, _ = q.shape
+        q = q * D ** -0.5
+        proj_shape = (bsz * H, -1, D)
+        q = q.view(bsz, tgt_len, H, D).transpose(1, 2).reshape(*proj_shape)
+        k = k.view(bsz, -1, H, D).transpose(1, 2).reshape(*proj_shape)
+        v = v.view(bsz, -1, H, D).transpose(1, 2).reshape(*proj_shape)
+        src_len = k.size(1)
+        w = torch.bmm(q, k.transpose(1, 2))
+        if self.mask is not None:
+            w = w.view(bsz, H, tgt_len, src_len) + self.mask
+            w = w.view(bsz * H, tgt_len, src_len)
+        w = F.softmax(w, dim=-1)
+        probs = F.dropout(w, p=self.p, training=self.training)
+        out = torch.bmm(probs, v)
+        return out.view(bsz, H, tgt_len, D).transpose(1, 2).reshape(bsz, tgt_len, H * D)
+
+
+SRC = S + 3  # cross-attention: more keys than queries
+CROSS_MASK = torch.zeros(B, 1, S, SRC)
+CROSS_MASK[0, ..., -2:] = torch.finfo(torch.float32).min  # the encoder's padding
+
+
+def bart_inputs(src=S):
+    return torch.randn(B, S, H * D), torch.randn(B, src, H * D), torch.randn(B, src, H * D)
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("mask, src, pattern", [
+    (CAUSAL.log().expand(B, 1, S, S).clone(), S, "attention_bmm_add_dropout"),  # self-attention, -inf above the diagonal
+    (CROSS_MASK, SRC, "attention_bmm_add_dropout"),
+    (None, SRC, "attention_bmm_no_mask_dropout"),
+], ids=["self_causal", "cross_padding", "cross_no_mask"])
+def test_bart_bmm_attention_fuses(mask, src, pattern, capture):
+    report = check_against_unfused(functools.partial(BartAttention, mask), bart_inputs(src), capture)
+    assert report.by_pattern() == {pattern: 1}
+
+
+def test_bart_bmm_attention_carries_dropout():
+    model = fuse_via(BartAttention(CROSS_MASK, p=0.5).train(), "dynamo")
+    inputs = bart_inputs(SRC)
+    torch.manual_seed(3)
+    first = model(*inputs)
+    torch.manual_seed(3)
+    assert torch.equal(model(*inputs), first) and not torch.equal(model(*inputs), first)
+    assert trifuse.report(model).by_pattern() == {"attention_bmm_add_dropout": 1}
+    model.eval()
+    torch.testing.assert_close(model(*inputs), BartAttention(CROSS_MASK).eval()(*inputs))
