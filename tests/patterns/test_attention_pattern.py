@@ -792,3 +792,46 @@ def test_bart_bmm_attention_carries_dropout():
     assert trifuse.report(model).by_pattern() == {"attention_bmm_add_dropout": 1}
     model.eval()
     torch.testing.assert_close(model(*inputs), BartAttention(CROSS_MASK).eval()(*inputs))
+
+
+def chain_max_sub_over_queries(m, q, k, v):  # the max over the queries: a shift per column, not a no-op
+    w = torch.matmul(q, k.transpose(2, 3)) * 0.35 + m.mask
+    probs = F.softmax(w - w.max(dim=-2, keepdim=True).values, dim=-1, dtype=w.dtype)
+    return torch.matmul(F.dropout(probs, p=0.0, training=m.training).to(v.dtype), v)
+
+
+def chain_sink_scale_per_query(m, q, k, v):  # one logit per query position, not per head
+    w = torch.matmul(q, k.transpose(2, 3)) * 0.35 + m.mask
+    sink_scale = (torch.logsumexp(w, dim=-1) - m.per_query.view(1, 1, -1)).to(torch.float32).sigmoid()
+    out = torch.matmul(F.dropout(F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype), p=0.0, training=m.training), v)
+    return out * sink_scale.unsqueeze(-1).to(out.dtype)
+
+
+class BartAttentionViewedAcross(BartAttention):
+    """Cross-attention whose scores are viewed (B, H, Sk, Sq) for the mask: the same numbers, but the
+    mask's rows fall on other queries than per head."""
+
+    def forward(self, q, k, v):
+        q, k, v = (t.view(B, -1, H, D).transpose(1, 2).reshape(B * H, -1, D) for t in (q, k, v))
+        w = torch.bmm(q * D ** -0.5, k.transpose(1, 2))
+        w = (w.view(B, H, SRC, S) + self.mask).view(B * H, S, SRC)
+        return torch.bmm(F.dropout(F.softmax(w, dim=-1), p=0.0, training=self.training), v)
+
+
+@pytest.mark.parametrize("make, inputs", [
+    (functools.partial(WithSinks, chain_max_sub_over_queries, mask=ADDITIVE), qkv()),
+    (functools.partial(WithSinks, chain_sink_scale_per_query, per_query=torch.randn(S), mask=ADDITIVE), qkv()),
+    (functools.partial(BartAttentionViewedAcross, torch.randn(B, 1, SRC, S)), bart_inputs(SRC)),
+], ids=["max_over_queries", "sink_per_query", "bmm_viewed_across"])
+def test_max_sub_sink_scale_and_bmm_near_misses_are_left(make, inputs):
+    report = check_against_unfused(make, inputs, "dynamo")
+    assert report.by_pattern() == {}
+
+
+def test_sink_scale_and_bmm_rejections_say_why():
+    report = check_against_unfused(functools.partial(WithSinks, chain_sink_scale_per_query, per_query=torch.randn(S), mask=ADDITIVE),
+                                   qkv(), "dynamo")
+    assert any("one logit per query head" in reason for *_, reason in report.rejected()), report.table()
+    report = check_against_unfused(functools.partial(BartAttentionViewedAcross, torch.randn(B, 1, SRC, S)),
+                                   bart_inputs(SRC), "dynamo")
+    assert any("not per head" in reason for *_, reason in report.rejected()), report.table()
