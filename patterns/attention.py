@@ -20,6 +20,19 @@ style: the score matrix never exists).
   softmax: the sink keeps every row's max finite), the softmax, the sink's column dropped
   (`probs[..., :-1]`), dropout, the cast to v's dtype, `@ v`; over repeat_kv or not. It becomes the
   op's `sinks`. A row the mask covers whole gives 0 there as unfused (the sink takes its weight).
+  MiMo-V2-Flash's layers without sinks write the same chain without the column (the row max still
+  subtracted: softmax and its gradient are shift-invariant): the op without sinks.
+- Granite's sliding-window attention sinks (granite_swa, granitemoe_swa): the softmax without the
+  sink (fp32, cast back), dropout, `@ v` (over repeat_kv or not), the output then scaled per row by
+  `sigmoid(logsumexp(scores, -1) - sinks.view(1, -1, 1))` (cast to fp32, then to the output's
+  dtype). sigmoid(L - s_h) = sum_j exp(S_ij) / (exp(s_h) + sum_j exp(S_ij)), so the scaled row is
+  the op's P with the sink in its denominator, and dropout commutes with the row scale: the op's
+  `sinks`. (16-bit models compute that log-sum-exp in the scores' dtype; the op in fp32.)
+- BART's older eager attention on (B*H, S, D) tensors (TrOCR, MVP, LED's decoder): `bmm(q, k^T)`
+  with q already scaled (the op's scale is 1), the scores viewed as (B, H, Sq, Sk) with a constant
+  H for the additive mask and back (only with a mask), softmax, dropout, `bmm` with v; self- or
+  cross-attention. The op runs on (B, H, S, D) views (without a mask, H = 1: the heads do not
+  matter). These blocks return the probabilities only with output_attentions (None otherwise).
 - DeBERTa-v2's (and v3's) disentangled attention, on (B*H, S, D) tensors: `bmm(q, k^T / scale)`
   with the scale a 0-d tensor, its relative-position scores (c2p + p2c, computed before from q,
   k and the position embeddings) added, viewed as (B, H, S, S), `masked_fill(~mask, finfo.min)`,
