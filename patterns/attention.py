@@ -9,8 +9,8 @@ style: the score matrix never exists).
   or a divide, the mask added, or applied with `masked_fill(mask, fill)` (nanoGPT's causal
   buffer: True = drop) or `torch.where(mask, scores, fill)` (True = keep), the softmax optionally
   computed in fp32 and cast back (Hugging Face's eager code) or followed by a plain cast to the
-  value's dtype (`.type(value.dtype)`, transformers' GPT-2 eager code; a no-op, as the filter
-  requires). Each combination is one pattern built from `attention_chain` below. Gemma 2's logit
+  value's dtype (`.type(value.dtype)`, transformers' GPT-2 eager code; or after the dropout,
+  BigBird-Pegasus's decoder; a no-op, as the filter requires). Each combination is one pattern built from `attention_chain` below. Gemma 2's logit
   soft cap between the scaling and the mask (`tanh(s / cap) * cap`) becomes the op's `softcap`.
   transformers' eager_attention_forward (fp32 softmax, dropout) on K and V repeated per query
   group by `repeat_kv` becomes the op with `enable_gqa=True` on the un-repeated K and V.
@@ -144,8 +144,9 @@ def attention_chain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, s
     """softmax(q @ k^T scaled [capped] [masked]) [cast] [dropped out] @ v, in the spelling the
     keywords choose.
 
-    softmax: "plain", "upcast" (computed in fp32, cast to `dtype`), or "cast" (computed in the
-    scores' dtype, then cast to `dtype`: GPT-2's `.type(value.dtype)`). softcap: Gemma 2's
+    softmax: "plain", "upcast" (computed in fp32, cast to `dtype`), "cast" (computed in the
+    scores' dtype, then cast to `dtype`: GPT-2's `.type(value.dtype)`), or "cast_after" (as "cast",
+    the cast after the dropout: BigBird-Pegasus's `attn_weights.to(value.dtype)` at the product). softcap: Gemma 2's
     `tanh(s / cap) * cap` after the scaling. repeat_kv: k and v repeated per query group first,
     as transformers' repeat_kv writes it (see sdpa_expand_kv). upcast_qk: q and k cast to fp32
     before the product (GPT-J's `query.to(torch.float32)`); the op takes them as they were, its
@@ -173,6 +174,8 @@ def attention_chain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, s
         a = torch.softmax(s, -1)
     if dropout:
         a = F.dropout(a, p, training, False)
+    if softmax == "cast_after":
+        a = a.to(dtype)
     return torch.matmul(a, v)
 
 
@@ -409,7 +412,7 @@ def _chain_pattern(scaling: str, masking: str, dropout: bool, softmax: str, soft
         filters.append(functools.partial(_fill_masks, dropout=dropout))
     if softmax == "upcast":
         filters.append(_casts_back_to_q)
-    elif softmax == "cast":
+    elif softmax in ("cast", "cast_after"):
         filters.append(_cast_is_a_no_op)
     return Pattern(name, "attention", functools.partial(attention_chain, **opts),
                    functools.partial(attention_chain_fused, **opts), ("attention",), tuple(filters))
@@ -778,6 +781,8 @@ PATTERNS = (
       itertools.product(("add", ""), (True, False), ("upcast", "plain"))),
     # GPT-J's eager chain on q and k cast to fp32 (16-bit models); before the plain chains
     _chain_pattern("div", "add", True, "cast", upcast_qk=True),
+    # BigBird-Pegasus's decoder: the cast to v's dtype after the dropout
+    *(_chain_pattern("mul", masking, True, "cast_after") for masking in ("add", "")),
     *(_chain_pattern(*opts) for opts in itertools.product(
         ("mul", "div"), ("add", "masked_fill", "where", ""), (True, False), ("plain", "upcast", "cast"))),
     # ALiBi and the older Hugging Face spellings (BLOOM, CodeGen, MPT, GPT-Neo)

@@ -146,6 +146,11 @@ def chain_cast_to_v(m, q, k, v):  # transformers 5's GPT-2 eager_attention_forwa
     return torch.matmul(w, v)
 
 
+def chain_cast_after_dropout(m, q, k, v):  # BigBird-Pegasus's decoder: the cast at the product, after the dropout
+    w = F.dropout(F.softmax(torch.matmul(q, k.transpose(2, 3)) * 0.35 + m.mask, dim=-1), p=0.0, training=m.training)
+    return torch.matmul(w.to(v.dtype), v)
+
+
 def chain_softcap(m, q, k, v):  # Gemma 2's eager_attention_forward: the logit soft cap
     w = torch.matmul(q, k.transpose(2, 3)) * 0.35
     w = w / 1.5
@@ -187,6 +192,7 @@ KEEP_SOME_ROWS_NONE[1, 0, 2] = False  # one query row of batch 1 sees no key
     (chain_masked_fill_finfo_min, {"keep_some_rows_none": KEEP_SOME_ROWS_NONE}, H,
      "attention_chain_mul_masked_fill_no_dropout"),
     (chain_cast_to_v, {"mask": ADDITIVE}, H, "attention_chain_mul_add_dropout_cast"),
+    (chain_cast_after_dropout, {"mask": ADDITIVE}, H, "attention_chain_mul_add_dropout_cast_after"),
     (chain_softcap, {"mask": ADDITIVE}, H, "attention_chain_mul_softcap_add_dropout_upcast"),
     (chain_softcap_no_mask, {}, H, "attention_chain_mul_softcap_no_mask_no_dropout"),
     (chain_repeat_kv, {"mask": ADDITIVE}, 2, "attention_chain_mul_add_dropout_upcast_repeat_kv"),
@@ -442,6 +448,11 @@ def chain_cast_to_other_dtype(m, q, k, v):  # the cast is not a no-op: probabili
     return torch.matmul(w.type(torch.float64), v.double())
 
 
+def chain_cast_after_dropout_to_other_dtype(m, q, k, v):  # probabilities and v in fp64: not a no-op
+    w = F.dropout(F.softmax(torch.matmul(q, k.transpose(2, 3)) * 0.35, dim=-1), p=0.0, training=m.training)
+    return torch.matmul(w.to(torch.float64), v.double())
+
+
 def chain_in_place_add_also_read_elsewhere(m, q, k, v):  # `w += bias` changes a tensor returned too
     w = torch.matmul(q, k.transpose(-1, -2)) / 2.5
     scores = w
@@ -455,6 +466,7 @@ def chain_in_place_add_also_read_elsewhere(m, q, k, v):  # `w += bias` changes a
     (chain_where_finite_fill, {"keep": KEEP}),
     (chain_where_fill_first, {"keep": ~KEEP | torch.eye(S, dtype=torch.bool)}),
     (chain_cast_to_other_dtype, {}),
+    (chain_cast_after_dropout_to_other_dtype, {}),
     (chain_tensor_scale, {}),
     (chain_softmax_other_dim, {}),
     (chain_returns_probs, {}),
