@@ -10,8 +10,9 @@ style: the score matrix never exists).
   buffer: True = drop) or `torch.where(mask, scores, fill)` (True = keep), the softmax optionally
   computed in fp32 and cast back (Hugging Face's eager code) or followed by a plain cast to the
   value's dtype (`.type(value.dtype)`, transformers' GPT-2 eager code; or after the dropout,
-  BigBird-Pegasus's decoder; a no-op, as the filter requires). Each combination is one pattern built from `attention_chain` below. Gemma 2's logit
-  soft cap between the scaling and the mask (`tanh(s / cap) * cap`) becomes the op's `softcap`.
+  BigBird-Pegasus's decoder; a no-op, as the filter requires). Each combination is one pattern
+  built from `attention_chain` below. Gemma 2's logit soft cap between the scaling and the mask
+  (`tanh(s / cap) * cap`) becomes the op's `softcap`.
   transformers' eager_attention_forward (fp32 softmax, dropout) on K and V repeated per query
   group by `repeat_kv` becomes the op with `enable_gqa=True` on the un-repeated K and V.
 - gpt-oss's eager attention with attention sinks: the scaled scores (+ the additive mask, a
@@ -146,8 +147,8 @@ def attention_chain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, s
 
     softmax: "plain", "upcast" (computed in fp32, cast to `dtype`), "cast" (computed in the
     scores' dtype, then cast to `dtype`: GPT-2's `.type(value.dtype)`), or "cast_after" (as "cast",
-    the cast after the dropout: BigBird-Pegasus's `attn_weights.to(value.dtype)` at the product). softcap: Gemma 2's
-    `tanh(s / cap) * cap` after the scaling. repeat_kv: k and v repeated per query group first,
+    the cast after the dropout: BigBird-Pegasus's `attn_weights.to(value.dtype)` at the product).
+    softcap: Gemma 2's `tanh(s / cap) * cap` after the scaling. repeat_kv: k and v repeated per query group first,
     as transformers' repeat_kv writes it (see sdpa_expand_kv). upcast_qk: q and k cast to fp32
     before the product (GPT-J's `query.to(torch.float32)`); the op takes them as they were, its
     scores being fp32 whatever q's dtype."""
@@ -258,8 +259,8 @@ def _softmax_in_q_dtype_or_fp32(m: Match) -> str | None:
 
 def _sinks_pattern(masked: bool, repeat_kv: bool, with_sinks: bool = True) -> Pattern:
     opts = {"masked": masked, "repeat_kv": repeat_kv, "with_sinks": with_sinks}
-    name = "_".join(["attention_chain_sinks" if with_sinks else "attention_chain_max_sub", "add" if masked else "no_mask",
-                     *(["repeat_kv"] if repeat_kv else [])])
+    name = "_".join(["attention_chain_sinks" if with_sinks else "attention_chain_max_sub",
+                     "add" if masked else "no_mask", *(["repeat_kv"] if repeat_kv else [])])
     filters = (_transposes_last_two, _scale_is_number, *([_sinks_per_head] if with_sinks else []),
                _softmax_in_q_dtype_or_fp32, needs_number("p"), needs_bool("training"), _cast_is_a_no_op,
                *([_float_mask("mask")] if masked else []), *([_kv_repeated_over_heads] if repeat_kv else []))
@@ -322,7 +323,8 @@ def _sink_scale_per_head(m: Match) -> str | None:
 
 def _sink_scale_pattern(masked: bool, repeat_kv: bool) -> Pattern:
     opts = {"masked": masked, "repeat_kv": repeat_kv}
-    name = "_".join(["attention_chain_sink_scale", "add" if masked else "no_mask", *(["repeat_kv"] if repeat_kv else [])])
+    name = "_".join(["attention_chain_sink_scale", "add" if masked else "no_mask",
+                     *(["repeat_kv"] if repeat_kv else [])])
     filters = (_transposes_last_two, _scale_is_number, _sink_scale_per_head, _softmax_in_q_dtype_or_fp32,
                needs_number("p"), needs_bool("training"), _cast_is_a_no_op, *([_float_mask("mask")] if masked else []),
                *([_kv_repeated_over_heads] if repeat_kv else []))
@@ -546,9 +548,10 @@ def _bmm_heads(m: Match, masked: bool) -> str | None:
 
 def _bmm_pattern(masked: bool) -> Pattern:
     return Pattern("attention_bmm_" + ("add_" if masked else "no_mask_") + "dropout", "attention",
-                   functools.partial(attention_bmm, masked=masked), functools.partial(attention_bmm_fused, masked=masked),
-                   ("attention",), (_transposes_last_two, functools.partial(_bmm_heads, masked=masked), needs_number("p"),
-                                    needs_bool("training")))
+                   functools.partial(attention_bmm, masked=masked),
+                   functools.partial(attention_bmm_fused, masked=masked), ("attention",),
+                   (_transposes_last_two, functools.partial(_bmm_heads, masked=masked), needs_number("p"),
+                    needs_bool("training")))
 
 
 def attention_alibi_baddbmm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi: torch.Tensor, d0, d1, beta,
@@ -771,7 +774,8 @@ PATTERNS = (
     *(_sinks_pattern(masked, repeat_kv) for masked, repeat_kv in itertools.product((True, False), (True, False))),
     # Granite's sinks as a sigmoid(logsumexp - sink) scale of the output; MiMo-V2-Flash's layers
     # without sinks (the row max subtracted all the same)
-    *(pattern(masked, repeat_kv) for pattern in (_sink_scale_pattern, functools.partial(_sinks_pattern, with_sinks=False))
+    *(pattern(masked, repeat_kv)
+      for pattern in (_sink_scale_pattern, functools.partial(_sinks_pattern, with_sinks=False))
       for masked, repeat_kv in ((True, True), (False, True), (True, False))),
     # transformers' eager_attention_forward over repeat_kv (with or without a mask, Gemma 2's cap);
     # before the chains below, which would otherwise take the repeated K and V

@@ -785,7 +785,8 @@ def bart_inputs(src=S):
 
 @pytest.mark.parametrize("capture", CAPTURES)
 @pytest.mark.parametrize("mask, src, pattern", [
-    (CAUSAL.log().expand(B, 1, S, S).clone(), S, "attention_bmm_add_dropout"),  # self-attention, -inf above the diagonal
+    # self-attention under a causal mask (-inf above the diagonal)
+    (CAUSAL.log().expand(B, 1, S, S).clone(), S, "attention_bmm_add_dropout"),
     (CROSS_MASK, SRC, "attention_bmm_add_dropout"),
     (None, SRC, "attention_bmm_no_mask_dropout"),
 ], ids=["self_causal", "cross_padding", "cross_no_mask"])
@@ -841,8 +842,8 @@ def test_max_sub_sink_scale_and_bmm_near_misses_are_left(make, inputs):
 
 
 def test_sink_scale_and_bmm_rejections_say_why():
-    report = check_against_unfused(functools.partial(WithSinks, chain_sink_scale_per_query, per_query=torch.randn(S), mask=ADDITIVE),
-                                   qkv(), "dynamo")
+    make = functools.partial(WithSinks, chain_sink_scale_per_query, per_query=torch.randn(S), mask=ADDITIVE)
+    report = check_against_unfused(make, qkv(), "dynamo")
     assert any("one logit per query head" in reason for *_, reason in report.rejected()), report.table()
     report = check_against_unfused(functools.partial(BartAttentionViewedAcross, torch.randn(B, 1, SRC, S)),
                                    bart_inputs(SRC), "dynamo")
