@@ -1,5 +1,6 @@
 """Attention spellings become trifuse.attention: SDPA with each of its arguments, GQA by repeated
 K/V, the explicit softmax chains, nn.MultiheadAttention's self-attention."""
+import copy
 import functools
 import itertools
 import math
@@ -848,3 +849,30 @@ def test_sink_scale_and_bmm_rejections_say_why():
     report = check_against_unfused(functools.partial(BartAttentionViewedAcross, torch.randn(B, 1, SRC, S)),
                                    bart_inputs(SRC), "dynamo")
     assert any("not per head" in reason for *_, reason in report.rejected()), report.table()
+
+
+@pytest.mark.parametrize("fn, pattern", [
+    (chain_max_sub, "attention_chain_max_sub_add_repeat_kv"),
+    (chain_sink_scale, "attention_chain_sink_scale_add_repeat_kv"),
+], ids=["max_sub", "sink_scale"])
+def test_max_sub_and_sink_scale_carry_dropout(fn, pattern):
+    """p is carried (a seed repeats the draw, another call draws afresh) and off in eval, where the
+    fused module is the unfused one. Granite's row scale commutes with the dropout of the softmax:
+    each weight the op keeps is the model's weight (sink-scaled) / (1 - p)."""
+    unfused = WithSinks(functools.partial(fn, p=0.5), mask=OPEN_WINDOW)
+    model = fuse_via(copy.deepcopy(unfused).train(), "dynamo")
+    q, k, v = qkv(2)
+    torch.manual_seed(3)
+    first = model(q, k, v)
+    torch.manual_seed(3)
+    assert torch.equal(model(q, k, v), first) and not torch.equal(model(q, k, v), first)
+    assert trifuse.report(model).by_pattern() == {pattern: 1}
+    # V = one row per key, one-hot: the output is the dropped-out weights themselves, each the
+    # unfused (dropout-free) weight / (1 - p) or 0
+    eye = torch.eye(S).expand(B, 2, S, S)
+    dropped, weights = model(q, k, eye), unfused.eval()(q, k, eye)
+    kept = dropped != 0
+    assert 0 < kept.sum() < kept.numel()
+    torch.testing.assert_close(dropped[kept], weights[kept] / 0.5)
+    model.eval()
+    torch.testing.assert_close(model(q, k, v), unfused(q, k, v))
