@@ -300,9 +300,8 @@ def attention_chain_sink_scale_fused(q, k, v, d0, d1, scale, mask=None, sinks=No
 
 def _sink_scale_per_head(m: Match) -> str | None:
     """The subtracted sink is one logit per query head: a 1-D float tensor of Hq entries viewed as
-    (1, Hq, 1) against the (B, Hq, Sq) log-sum-exp; the casts are to a float dtype (the
-    log-sum-exp's), to v's dtype (the output's: no promotion of it), the softmax in the scores'
-    dtype or fp32."""
+    (1, Hq, 1) against the (B, Hq, Sq) log-sum-exp; the sigmoid in fp32 or q's dtype, its result
+    cast to v's dtype (the output's: no promotion of it)."""
     q, v, sinks = m.value("q"), m.value("v"), m.value("sinks")
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or not isinstance(v, torch.Tensor):
         return "no 4-D shape for q, or none for v"
@@ -314,8 +313,8 @@ def _sink_scale_per_head(m: Match) -> str | None:
     if not isinstance(shape, (list, tuple)) or len(shape) != 3 or shape[0] != 1 or shape[2] != 1 \
             or shape[1] not in (-1, heads):
         return f"the sinks are viewed as {shape!r}, not (1, heads, 1)"
-    if not isinstance(m["lse_dtype"], torch.dtype) or not m["lse_dtype"].is_floating_point:
-        return f"the sink's scale is cast to {m['lse_dtype']!r}, not a float dtype"
+    if m["lse_dtype"] not in (q.dtype, torch.float32):
+        return f"the sink's scale is computed in {m['lse_dtype']!r}, neither q's {q.dtype} nor float32"
     if m["out_dtype"] != v.dtype:
         return f"the sink's scale is cast to {m['out_dtype']}, not to the output's {v.dtype}"
     return None
