@@ -722,6 +722,16 @@ def chain_sink_scale_no_repeat(m, q, k, v):
     return chain_sink_scale(m, q, k, v, repeat=False)
 
 
+
+def chain_sink_scale_fp16(m, q, k, v):  # Granite in a 16-bit model: the log-sum-exp in fp16, the sigmoid in fp32
+    q, k, v = q.half(), k.half(), v.half()
+    w = torch.matmul(q, k.transpose(2, 3)) * 0.35 + m.mask.half()
+    sink_scale = (torch.logsumexp(w, dim=-1) - m.sinks.half().view(1, -1, 1)).to(torch.float32).sigmoid()
+    w = F.dropout(F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype), p=0.0, training=m.training)
+    out = torch.matmul(w, v)
+    return out * sink_scale.unsqueeze(-1).to(out.dtype)
+
+
 # the sliding window of 3 keys with every row open: without a sink, a row a finite mask covers whole
 # is uniform, with the op's documented fp32 gradient cancellation there (kernels/attention.py)
 OPEN_WINDOW = torch.zeros(1, 1, S, S).masked_fill(
@@ -849,6 +859,16 @@ def test_sink_scale_and_bmm_rejections_say_why():
     report = check_against_unfused(functools.partial(BartAttentionViewedAcross, torch.randn(B, 1, SRC, S)),
                                    bart_inputs(SRC), "dynamo")
     assert any("not per head" in reason for *_, reason in report.rejected()), report.table()
+
+
+def test_sink_scale_in_16_bit_fuses():
+    """Granite in fp16 under transformers' fp16 finfo.min padding: the op's fp32 log-sum-exp stands
+    for the model's fp16 one (outputs by the oracle rule)."""
+    window = ADDITIVE.clone()
+    window[0, ..., -2:] = torch.finfo(torch.float16).min
+    report = check_against_unfused(functools.partial(WithSinks, chain_sink_scale_fp16, mask=window), qkv(), "dynamo",
+                                   grads=False)
+    assert report.by_pattern() == {"attention_chain_sink_scale_add": 1}
 
 
 @pytest.mark.parametrize("fn, pattern", [
