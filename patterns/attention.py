@@ -516,7 +516,7 @@ def attention_bmm_fused(q, k, v, d0, d1, heads_shape=None, mask=None, flat_shape
 
 def _bmm_heads(m: Match, masked: bool) -> str | None:
     """q, k, v are (B*H, S, D); with a mask the scores are viewed as (B, H, Sq, Sk) with a constant
-    H and back, the mask a float one in q's dtype that broadcasts to them."""
+    H and back, the mask a float one that broadcasts to them."""
     q, k, v = m.value("q"), m.value("k"), m.value("v")
     if not all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (q, k, v)):
         return "q, k and v are not all 3-D (batch * heads, seq, head_dim)"
@@ -534,8 +534,9 @@ def _bmm_heads(m: Match, masked: bool) -> str | None:
         return f"{q.shape[0]} rows of q are not a multiple of {heads} heads"
     if not isinstance(m["flat_shape"], (tuple, list)) or len(m["flat_shape"]) != 3:
         return f"the scores are viewed back as {m['flat_shape']!r}, not (batch * heads, seq, seq)"
-    if not isinstance(mask, torch.Tensor) or not mask.is_floating_point() or mask.dim() > 4 or mask.dtype != q.dtype:
-        return f"the mask is not a float (additive) mask of at most 4 dims in q's dtype ({q.dtype})"
+    # (a mask wider than q's dtype runs only under autocast, whose softmax is fp32 anyway: the op's sum)
+    if not isinstance(mask, torch.Tensor) or not mask.is_floating_point() or mask.dim() > 4:
+        return "the mask is not a float (additive) mask of at most 4 dims"
     scores = (q.shape[0] // heads, heads, q.shape[1], k.shape[1])
     try:
         if torch.broadcast_shapes(mask.shape, scores) != torch.Size(scores):
