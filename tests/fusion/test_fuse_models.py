@@ -283,12 +283,13 @@ def test_t5_self_attention_with_its_position_bias_is_fused():
         assert_close(f"{stack} position bias grad", bias.grad, bias64.grad, None)
 
 
-def test_attention_weights_still_returned_when_asked_for():
-    """GPT-J's blocks return their attention probabilities whatever output_attentions says: fused
-    with output_attentions=False (None in their place), as written with True (the weights equal the
-    unfused model's, the attention left)."""
+@pytest.mark.parametrize("name", ["gptj", "trocr"])
+def test_attention_weights_still_returned_when_asked_for(name):
+    """GPT-J's blocks return their attention probabilities whatever output_attentions says, TrOCR's
+    (BART's older attention) only when asked: fused with output_attentions=False (None in their
+    place), as written with True (the weights equal the unfused model's, the attention left)."""
     torch.manual_seed(0)
-    model, inputs, _ = _models.hf_family("gptj")
+    model, inputs, _ = _models.hf_family(name)
     ref64 = copy.deepcopy(model).double()
     trifuse.fuse(model)
     kw = {k: v for k, v in inputs(2, 8).items() if k != "labels"}
