@@ -9,9 +9,10 @@ style: the score matrix never exists).
   or a divide, the mask added, or applied with `masked_fill(mask, fill)` (nanoGPT's causal
   buffer: True = drop) or `torch.where(mask, scores, fill)` (True = keep), the softmax optionally
   computed in fp32 and cast back (Hugging Face's eager code) or followed by a plain cast to the
-  value's dtype (`.type(value.dtype)`, transformers' GPT-2 eager code; a no-op, as the filter
-  requires). Each combination is one pattern built from `attention_chain` below. Gemma 2's logit
-  soft cap between the scaling and the mask (`tanh(s / cap) * cap`) becomes the op's `softcap`.
+  value's dtype (`.type(value.dtype)`, transformers' GPT-2 eager code; or after the dropout,
+  BigBird-Pegasus's decoder; a no-op, as the filter requires). Each combination is one pattern
+  built from `attention_chain` below. Gemma 2's logit soft cap between the scaling and the mask
+  (`tanh(s / cap) * cap`) becomes the op's `softcap`.
   transformers' eager_attention_forward (fp32 softmax, dropout) on K and V repeated per query
   group by `repeat_kv` becomes the op with `enable_gqa=True` on the un-repeated K and V.
 - gpt-oss's eager attention with attention sinks: the scaled scores (+ the additive mask, a
@@ -20,6 +21,19 @@ style: the score matrix never exists).
   softmax: the sink keeps every row's max finite), the softmax, the sink's column dropped
   (`probs[..., :-1]`), dropout, the cast to v's dtype, `@ v`; over repeat_kv or not. It becomes the
   op's `sinks`. A row the mask covers whole gives 0 there as unfused (the sink takes its weight).
+  MiMo-V2-Flash's layers without sinks write the same chain without the column (the row max still
+  subtracted: softmax and its gradient are shift-invariant): the op without sinks.
+- Granite's sliding-window attention sinks (granite_swa, granitemoe_swa): the softmax without the
+  sink (fp32, cast back), dropout, `@ v` (over repeat_kv or not), the output then scaled per row by
+  `sigmoid(logsumexp(scores, -1) - sinks.view(1, -1, 1))` (cast to fp32, then to the output's
+  dtype). sigmoid(L - s_h) = sum_j exp(S_ij) / (exp(s_h) + sum_j exp(S_ij)), so the scaled row is
+  the op's P with the sink in its denominator, and dropout commutes with the row scale: the op's
+  `sinks`. (16-bit models compute that log-sum-exp in the scores' dtype; the op in fp32.)
+- BART's older eager attention on (B*H, S, D) tensors (TrOCR, MVP, LED's decoder): `bmm(q, k^T)`
+  with q already scaled (the op's scale is 1), the scores viewed as (B, H, Sq, Sk) with a constant
+  H for the additive mask and back (only with a mask), softmax, dropout, `bmm` with v; self- or
+  cross-attention. The op runs on (B, H, S, D) views (without a mask, H = 1: the heads do not
+  matter). These blocks return the probabilities only with output_attentions (None otherwise).
 - DeBERTa-v2's (and v3's) disentangled attention, on (B*H, S, D) tensors: `bmm(q, k^T / scale)`
   with the scale a 0-d tensor, its relative-position scores (c2p + p2c, computed before from q,
   k and the position embeddings) added, viewed as (B, H, S, S), `masked_fill(~mask, finfo.min)`,
@@ -131,9 +145,10 @@ def attention_chain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, s
     """softmax(q @ k^T scaled [capped] [masked]) [cast] [dropped out] @ v, in the spelling the
     keywords choose.
 
-    softmax: "plain", "upcast" (computed in fp32, cast to `dtype`), or "cast" (computed in the
-    scores' dtype, then cast to `dtype`: GPT-2's `.type(value.dtype)`). softcap: Gemma 2's
-    `tanh(s / cap) * cap` after the scaling. repeat_kv: k and v repeated per query group first,
+    softmax: "plain", "upcast" (computed in fp32, cast to `dtype`), "cast" (computed in the
+    scores' dtype, then cast to `dtype`: GPT-2's `.type(value.dtype)`), or "cast_after" (as "cast",
+    the cast after the dropout: BigBird-Pegasus's `attn_weights.to(value.dtype)` at the product).
+    softcap: Gemma 2's `tanh(s / cap) * cap` after the scaling. repeat_kv: k and v repeated per query group first,
     as transformers' repeat_kv writes it (see sdpa_expand_kv). upcast_qk: q and k cast to fp32
     before the product (GPT-J's `query.to(torch.float32)`); the op takes them as they were, its
     scores being fp32 whatever q's dtype."""
@@ -160,6 +175,8 @@ def attention_chain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, s
         a = torch.softmax(s, -1)
     if dropout:
         a = F.dropout(a, p, training, False)
+    if softmax == "cast_after":
+        a = a.to(dtype)
     return torch.matmul(a, v)
 
 
@@ -182,34 +199,38 @@ def attention_chain_fused(q, k, v, d0, d1, scale, mask=None, fill=None, p=0.0, t
 
 def attention_chain_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, scale, mask: torch.Tensor,
                           sinks: torch.Tensor, sink_shape, sink_expand, softmax_dtype, p, training, dtype,
-                          k_shape=None, v_shape=None, k_heads=None, v_heads=None, *, masked: bool, repeat_kv: bool):
-    """gpt-oss's eager_attention_forward (transformers' modeling_gpt_oss.py), as written."""
+                          k_shape=None, v_shape=None, k_heads=None, v_heads=None, *, masked: bool, repeat_kv: bool,
+                          with_sinks: bool = True):
+    """gpt-oss's eager_attention_forward (transformers' modeling_gpt_oss.py), as written; without
+    the sinks' column (with_sinks=False) MiMo-V2-Flash's layers that have none: the row max still
+    subtracted before the softmax."""
     if repeat_kv:
         k = k[:, :, None, :, :].expand(k_shape).reshape(k_heads)
         v = v[:, :, None, :, :].expand(v_shape).reshape(v_heads)
     s = torch.matmul(q, k.transpose(d0, d1)) * scale
     if masked:
         s = s + mask
-    combined = torch.cat([s, sinks.reshape(sink_shape).expand(sink_expand)], -1)
-    combined = combined - combined.max(dim=-1, keepdim=True)[0]
-    probs = torch.softmax(combined, -1, softmax_dtype)
-    a = F.dropout(probs[..., :-1], p, training, False).to(dtype)
+    if with_sinks:
+        s = torch.cat([s, sinks.reshape(sink_shape).expand(sink_expand)], -1)
+    s = s - s.max(dim=-1, keepdim=True)[0]
+    probs = torch.softmax(s, -1, softmax_dtype)
+    a = F.dropout(probs[..., :-1] if with_sinks else probs, p, training, False).to(dtype)
     return torch.matmul(a, v)
 
 
 def attention_chain_sinks_fused(q, k, v, d0, d1, scale, mask=None, sinks=None, sink_shape=None, sink_expand=None,
                                 softmax_dtype=None, p=0.0, training=False, dtype=None, k_shape=None, v_shape=None,
-                                k_heads=None, v_heads=None, *, masked: bool, repeat_kv: bool):
-    # The max subtraction only guards the unfused softmax against overflow; the op's online
-    # softmax does the same by construction.
+                                k_heads=None, v_heads=None, *, masked: bool, repeat_kv: bool, with_sinks: bool = True):
+    # The max subtraction only guards the unfused softmax against overflow (softmax and its
+    # gradient are shift-invariant); the op's online softmax does the same by construction.
     return ops.attention(q, k, v, mask if masked else None, p if training else 0.0, False, scale, repeat_kv,
-                         sinks=sinks)
+                         sinks=sinks if with_sinks else None)
 
 
 def _sinks_per_head(m: Match) -> str | None:
     """The concatenated column is one logit per query head, the same for every batch and query
     row: a 1-D float tensor of Hq entries reshaped to (1, Hq, 1, 1) and expanded to (B, Hq, Sq, 1)
-    (-1 kept where transformers writes it). The softmax is in the scores' dtype or fp32."""
+    (-1 kept where transformers writes it)."""
     q, sinks = m.value("q"), m.value("sinks")
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         return "no 4-D shape for q"
@@ -224,19 +245,90 @@ def _sinks_per_head(m: Match) -> str | None:
     if not isinstance(expand, (list, tuple)) or len(expand) != 4 or expand[1] not in (-1, heads) \
             or expand[3] not in (-1, 1):
         return f"the sinks are expanded to {expand!r}, not (batch, heads, queries, 1)"
+    return None
+
+
+def _softmax_in_q_dtype_or_fp32(m: Match) -> str | None:
+    q = m.value("q")
+    if not isinstance(q, torch.Tensor):
+        return "no dtype for q"
     if m["softmax_dtype"] not in (q.dtype, torch.float32):
         return f"the softmax runs in {m['softmax_dtype']}, neither q's {q.dtype} nor float32"
     return None
 
 
-def _sinks_pattern(masked: bool, repeat_kv: bool) -> Pattern:
-    opts = {"masked": masked, "repeat_kv": repeat_kv}
-    name = "_".join(["attention_chain_sinks", "add" if masked else "no_mask", *(["repeat_kv"] if repeat_kv else [])])
-    filters = (_transposes_last_two, _scale_is_number, _sinks_per_head, needs_number("p"), needs_bool("training"),
-               _cast_is_a_no_op, *([_float_mask("mask")] if masked else []),
-               *([_kv_repeated_over_heads] if repeat_kv else []))
+def _sinks_pattern(masked: bool, repeat_kv: bool, with_sinks: bool = True) -> Pattern:
+    opts = {"masked": masked, "repeat_kv": repeat_kv, "with_sinks": with_sinks}
+    name = "_".join(["attention_chain_sinks" if with_sinks else "attention_chain_max_sub",
+                     "add" if masked else "no_mask", *(["repeat_kv"] if repeat_kv else [])])
+    filters = (_transposes_last_two, _scale_is_number, *([_sinks_per_head] if with_sinks else []),
+               _softmax_in_q_dtype_or_fp32, needs_number("p"), needs_bool("training"), _cast_is_a_no_op,
+               *([_float_mask("mask")] if masked else []), *([_kv_repeated_over_heads] if repeat_kv else []))
     return Pattern(name, "attention", functools.partial(attention_chain_sinks, **opts),
                    functools.partial(attention_chain_sinks_fused, **opts), ("attention",), filters)
+
+
+def attention_chain_sink_scale(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, scale, mask: torch.Tensor,
+                               sinks: torch.Tensor, sink_shape, lse_dtype, softmax_dtype, dtype, p, training,
+                               out_dtype, k_shape=None, v_shape=None, k_heads=None, v_heads=None, *, masked: bool,
+                               repeat_kv: bool):
+    """Granite's sliding-window attention (transformers' modeling_granite_swa.py), as written: the
+    softmax without the sink, the output scaled per row by sigmoid(logsumexp(scores) - sink)."""
+    if repeat_kv:
+        k = k[:, :, None, :, :].expand(k_shape).reshape(k_heads)
+        v = v[:, :, None, :, :].expand(v_shape).reshape(v_heads)
+    s = torch.matmul(q, k.transpose(d0, d1)) * scale
+    if masked:
+        s = s + mask
+    sink_scale = torch.sigmoid((torch.logsumexp(s, dim=-1) - sinks.view(sink_shape)).to(lse_dtype))
+    a = F.dropout(torch.softmax(s, -1, softmax_dtype).to(dtype), p, training, False)
+    o = torch.matmul(a, v)
+    return o * sink_scale.unsqueeze(-1).to(out_dtype)
+
+
+def attention_chain_sink_scale_fused(q, k, v, d0, d1, scale, mask=None, sinks=None, sink_shape=None, lse_dtype=None,
+                                     softmax_dtype=None, dtype=None, p=0.0, training=False, out_dtype=None,
+                                     k_shape=None, v_shape=None, k_heads=None, v_heads=None, *, masked: bool,
+                                     repeat_kv: bool):
+    # sigmoid(L - s_h) = sum_j exp(S_ij) / (sum_j exp(S_ij) + exp(s_h)): the row scale turns
+    # softmax(S)_ij into exp(S_ij) / (exp(s_h) + sum_j exp(S_ij)), the op's P with a sink. Dropout
+    # commutes with the row scale (Z * P / (1 - p) * c = Z * (c P) / (1 - p)), so dropping out P
+    # with the sink inside its denominator is the model's dropout, then the scale.
+    return ops.attention(q, k, v, mask if masked else None, p if training else 0.0, False, scale, repeat_kv,
+                         sinks=sinks)
+
+
+def _sink_scale_per_head(m: Match) -> str | None:
+    """The subtracted sink is one logit per query head: a 1-D float tensor of Hq entries viewed as
+    (1, Hq, 1) against the (B, Hq, Sq) log-sum-exp; the sigmoid in fp32 or q's dtype, its result
+    cast to v's dtype (the output's: no promotion of it)."""
+    q, v, sinks = m.value("q"), m.value("v"), m.value("sinks")
+    if not isinstance(q, torch.Tensor) or q.dim() != 4 or not isinstance(v, torch.Tensor):
+        return "no 4-D shape for q, or none for v"
+    heads = q.shape[1]
+    if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point() or sinks.dim() != 1 \
+            or sinks.shape[0] != heads:
+        return f"the subtracted sink is not a float tensor of one logit per query head ({heads})"
+    shape = m["sink_shape"]
+    if not isinstance(shape, (list, tuple)) or len(shape) != 3 or shape[0] != 1 or shape[2] != 1 \
+            or shape[1] not in (-1, heads):
+        return f"the sinks are viewed as {shape!r}, not (1, heads, 1)"
+    if m["lse_dtype"] not in (q.dtype, torch.float32):
+        return f"the sink's scale is computed in {m['lse_dtype']!r}, neither q's {q.dtype} nor float32"
+    if m["out_dtype"] != v.dtype:
+        return f"the sink's scale is cast to {m['out_dtype']}, not to the output's {v.dtype}"
+    return None
+
+
+def _sink_scale_pattern(masked: bool, repeat_kv: bool) -> Pattern:
+    opts = {"masked": masked, "repeat_kv": repeat_kv}
+    name = "_".join(["attention_chain_sink_scale", "add" if masked else "no_mask",
+                     *(["repeat_kv"] if repeat_kv else [])])
+    filters = (_transposes_last_two, _scale_is_number, _sink_scale_per_head, _softmax_in_q_dtype_or_fp32,
+               needs_number("p"), needs_bool("training"), _cast_is_a_no_op, *([_float_mask("mask")] if masked else []),
+               *([_kv_repeated_over_heads] if repeat_kv else []))
+    return Pattern(name, "attention", functools.partial(attention_chain_sink_scale, **opts),
+                   functools.partial(attention_chain_sink_scale_fused, **opts), ("attention",), filters)
 
 
 def _transposes_last_two(m: Match) -> str | None:
@@ -321,7 +413,7 @@ def _chain_pattern(scaling: str, masking: str, dropout: bool, softmax: str, soft
         filters.append(functools.partial(_fill_masks, dropout=dropout))
     if softmax == "upcast":
         filters.append(_casts_back_to_q)
-    elif softmax == "cast":
+    elif softmax in ("cast", "cast_after"):
         filters.append(_cast_is_a_no_op)
     return Pattern(name, "attention", functools.partial(attention_chain, **opts),
                    functools.partial(attention_chain_fused, **opts), ("attention",), tuple(filters))
@@ -397,6 +489,69 @@ def _bmm_scaled_k_pattern(add_bias: bool) -> Pattern:
                    functools.partial(attention_bmm_scaled_k_fused, add_bias=add_bias), ("attention",),
                    (_transposes_last_two, _bmm_scaled_k_shapes, needs_number("p"), needs_bool("training"),
                     functools.partial(_fill_masks, dropout=False)))
+
+
+def attention_bmm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, heads_shape, mask: torch.Tensor,
+                  flat_shape, p, training, *, masked: bool):
+    """BART's older eager attention (TrOCR, MVP, LED's decoder, ...): q (already scaled), k, v
+    (B*H, S, D); the scores viewed per head (B, H, Sq, Sk) for the additive mask and back to
+    (B*H, Sq, Sk) when there is a mask; softmax, dropout, the second bmm."""
+    s = torch.bmm(q, k.transpose(d0, d1))
+    if masked:
+        s = (s.view(heads_shape) + mask).view(flat_shape)
+    a = F.dropout(torch.softmax(s, -1), p, training, False)
+    return torch.bmm(a, v)
+
+
+def attention_bmm_fused(q, k, v, d0, d1, heads_shape=None, mask=None, flat_shape=None, p=0.0, training=False, *,
+                        masked: bool):
+    # Without a mask the heads do not matter: each (batch * head) row block is one head of one batch.
+    heads = heads_shape[1] if masked else 1
+    seq_q, seq_k = q.shape[1], k.shape[1]
+    o = ops.attention(q.view(-1, heads, seq_q, q.shape[2]), k.view(-1, heads, seq_k, k.shape[2]),
+                      v.view(-1, heads, seq_k, v.shape[2]), mask if masked else None, p if training else 0.0, False,
+                      1.0)
+    return o.reshape(-1, seq_q, v.shape[2])
+
+
+def _bmm_heads(m: Match, masked: bool) -> str | None:
+    """q, k, v are (B*H, S, D); with a mask the scores are viewed as (B, H, Sq, Sk) with a constant
+    H and back, the mask a float one that broadcasts to them."""
+    q, k, v = m.value("q"), m.value("k"), m.value("v")
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (q, k, v)):
+        return "q, k and v are not all 3-D (batch * heads, seq, head_dim)"
+    if not masked:
+        return None
+    heads_shape, mask = m["heads_shape"], m.value("mask")
+    if not isinstance(heads_shape, (tuple, list)) or len(heads_shape) != 4 or not is_number(heads_shape[1]) \
+            or heads_shape[1] < 1:
+        return f"the scores are viewed as {heads_shape!r}, not (batch, heads, seq, seq) with a constant heads"
+    heads = heads_shape[1]
+    for got, want in zip(heads_shape[2:], (q.shape[1], k.shape[1])):
+        if is_number(got) and got != want:
+            return f"the scores are viewed as {tuple(heads_shape)}, not per head"
+    if is_number(q.shape[0]) and q.shape[0] % heads:
+        return f"{q.shape[0]} rows of q are not a multiple of {heads} heads"
+    if not isinstance(m["flat_shape"], (tuple, list)) or len(m["flat_shape"]) != 3:
+        return f"the scores are viewed back as {m['flat_shape']!r}, not (batch * heads, seq, seq)"
+    # (a mask wider than q's dtype runs only under autocast, whose softmax is fp32 anyway: the op's sum)
+    if not isinstance(mask, torch.Tensor) or not mask.is_floating_point() or mask.dim() > 4:
+        return "the mask is not a float (additive) mask of at most 4 dims"
+    scores = (q.shape[0] // heads, heads, q.shape[1], k.shape[1])
+    try:
+        if torch.broadcast_shapes(mask.shape, scores) != torch.Size(scores):
+            return f"the mask {tuple(mask.shape)} broadcasts beyond the scores {scores}"
+    except RuntimeError:
+        return f"the mask {tuple(mask.shape)} does not broadcast to the scores {scores}"
+    return None
+
+
+def _bmm_pattern(masked: bool) -> Pattern:
+    return Pattern("attention_bmm_" + ("add_" if masked else "no_mask_") + "dropout", "attention",
+                   functools.partial(attention_bmm, masked=masked),
+                   functools.partial(attention_bmm_fused, masked=masked), ("attention",),
+                   (_transposes_last_two, functools.partial(_bmm_heads, masked=masked), needs_number("p"),
+                    needs_bool("training")))
 
 
 def attention_alibi_baddbmm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi: torch.Tensor, d0, d1, beta,
@@ -617,6 +772,11 @@ PATTERNS = (
             (needs_number("dropout_p"), needs_bool("is_causal", "enable_gqa")), derive=_one_kv_head_broadcast),
     # gpt-oss's eager attention with sinks, over repeat_kv or not, with or without a mask
     *(_sinks_pattern(masked, repeat_kv) for masked, repeat_kv in itertools.product((True, False), (True, False))),
+    # Granite's sinks as a sigmoid(logsumexp - sink) scale of the output; MiMo-V2-Flash's layers
+    # without sinks (the row max subtracted all the same)
+    *(pattern(masked, repeat_kv)
+      for pattern in (_sink_scale_pattern, functools.partial(_sinks_pattern, with_sinks=False))
+      for masked, repeat_kv in ((True, True), (False, True), (True, False))),
     # transformers' eager_attention_forward over repeat_kv (with or without a mask, Gemma 2's cap);
     # before the chains below, which would otherwise take the repeated K and V
     *(_chain_pattern("mul", masking, True, "upcast", softcap=softcap, repeat_kv=True) for masking, softcap in
@@ -625,6 +785,8 @@ PATTERNS = (
       itertools.product(("add", ""), (True, False), ("upcast", "plain"))),
     # GPT-J's eager chain on q and k cast to fp32 (16-bit models); before the plain chains
     _chain_pattern("div", "add", True, "cast", upcast_qk=True),
+    # BigBird-Pegasus's decoder: the cast to v's dtype after the dropout
+    *(_chain_pattern("mul", masking, True, "cast_after") for masking in ("add", "")),
     *(_chain_pattern(*opts) for opts in itertools.product(
         ("mul", "div"), ("add", "masked_fill", "where", ""), (True, False), ("plain", "upcast", "cast"))),
     # ALiBi and the older Hugging Face spellings (BLOOM, CodeGen, MPT, GPT-Neo)
@@ -652,6 +814,9 @@ PATTERNS = (
       for upcast in (True, False)),
     _bmm_scaled_k_pattern(add_bias=True),
     _bmm_scaled_k_pattern(add_bias=False),
+    # BART's older eager attention on (B*H, S, D) tensors (TrOCR, MVP, LED's decoder)
+    _bmm_pattern(masked=True),
+    _bmm_pattern(masked=False),
     Pattern("self_attention_mha", "attention", self_attention_mha, self_attention_mha_fused, ("attention",),
             (needs_number("dropout_p"), needs_bool("training"), _mha_masks)),
 )

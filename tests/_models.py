@@ -225,6 +225,23 @@ _FAMILIES.update({
     "distilbert": {"dim": HIDDEN, "n_layers": LAYERS, "n_heads": HEADS, "hidden_dim": 2 * HIDDEN, "dropout": 0.0,
                    "attention_dropout": 0.0},
 })
+_FAMILIES.update({
+    # TrOCR's decoder: BART's older eager attention on (B*H, S, D) tensors (q scaled before the bmm,
+    # the causal mask added to the scores viewed per head); MiMo-V2-Flash: a full-attention layer
+    # without sinks whose eager chain subtracts the row max all the same, and a sliding-window one
+    # with sinks (gpt-oss's spelling, its kv heads doubled: one per query head, no repeat_kv); q/k and
+    # v of different head dims. Granite's sliding-window model: its sinks as a sigmoid(logsumexp -
+    # sink) scale of the output, in both layers.
+    "trocr": {"d_model": HIDDEN, "decoder_layers": LAYERS, "decoder_attention_heads": HEADS,
+              "decoder_ffn_dim": 2 * HIDDEN, "dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0,
+              "attn_implementation": "eager"},
+    "mimo_v2_flash": {**_DECODER, **_MLP, "num_key_value_heads": 1, "head_dim": HIDDEN // HEADS,
+                      "v_head_dim": HIDDEN // (2 * HEADS), "sliding_window": 4,
+                      "layer_types": ["full_attention", "sliding_attention"], "mlp_layer_types": ["dense", "dense"],
+                      "attn_implementation": "eager"},
+    "granite_swa": {**_DECODER, **_MLP, "num_key_value_heads": 1, "sliding_window": 4,
+                    "layer_types": ["sliding_attention", "full_attention"], "attn_implementation": "eager"},
+})
 SEQ2SEQ = ("t5", "bart")
 MASKED = ("modernbert", "deberta-v2", "mpnet", "rembert", "distilbert")
 SPEECH = ("whisper",)

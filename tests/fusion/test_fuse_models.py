@@ -27,10 +27,12 @@ ROTARY = {"rotary": L}
 NANOGPT = ({"layer_norm": 1, "attention": L, "bias_gelu": L, "residual_stream": 2 * L, **LOSS}
            if has_op("cross_entropy") else PRE_NORM)
 BERT = {"layer_norm": 2, "attention": L, "bias_gelu": L + 1, "residual_stream": 2 * L, **LOSS}
-# The attention pattern each eager model's blocks take.
+# The attention pattern each eager model's blocks take (a dict: the patterns its layers take, how often).
 EAGER_ATTENTION = {"gpt2-eager": "attention_chain_mul_add_dropout_cast",
                    "bert-eager": "attention_chain_mul_add_dropout",
-                   "gpt_oss": "attention_chain_sinks_add_repeat_kv"}
+                   "gpt_oss": "attention_chain_sinks_add_repeat_kv", "trocr": "attention_bmm_add_dropout",
+                   "granite_swa": "attention_chain_sink_scale_add_repeat_kv",
+                   "mimo_v2_flash": {"attention_chain_max_sub_add_repeat_kv": 1, "attention_chain_sinks_add": 1}}
 # In eval without grad, nn.TransformerEncoderLayer runs PyTorch's own fused fast path
 # (torch._transformer_encoder_layer_fwd): nothing is left to fuse there.
 EVAL_FAST_PATH = ("encoder-post-norm", "encoder-pre-norm")
@@ -160,6 +162,14 @@ MODELS = {
     # gpt-oss: attention sinks in every layer (a sliding-window one and a full one), the sinks'
     # gradient through the op's dsinks; the router and the clamped SwiGLU experts are left
     "gpt_oss": (_family("gpt_oss"), {"rms_norm": L + 1, "attention": L, "residual_stream": L, **LOSS}),
+    # TrOCR: BART's older bmm attention on (B*H, S, D) tensors under the causal mask, a LayerNorm on
+    # the embeddings; MiMo-V2-Flash: one layer without sinks (the max-subtracted chain), one with;
+    # Granite's sinks as an output scale, the sinks' gradient through the op's dsinks
+    "trocr": (_family("trocr"), {"layer_norm": 1, "attention": L, "bias_gelu": L, "residual_stream": 2 * L, **LOSS}),
+    "mimo_v2_flash": (_family("mimo_v2_flash"), {"rms_norm": L + 1, "attention": L, "residual_stream": L, **GATED,
+                                                 **ROTARY, **LOSS}),
+    "granite_swa": (_family("granite_swa"), {"rms_norm": L + 1, "attention": L, "residual_stream": L, **GATED,
+                                             **ROTARY, **LOSS}),
 }
 OPS = {"layer_norm": ("trifuse::layer_norm",), "rms_norm": ("trifuse::rms_norm",),
        "attention": ("trifuse::attention",), "bias_gelu": ("trifuse::bias_gelu",),
@@ -209,7 +219,9 @@ def test_fused_model_matches_and_runs_trifuse_ops(name):
             assert_close(f"grad {pname}", p.grad, p64.grad, pr.grad)
     assert trifuse.report(model).counts() == counts
     if name in EAGER_ATTENTION and has_op("attention"):
-        assert trifuse.report(model).by_pattern()[EAGER_ATTENTION[name]] == L
+        expected = EAGER_ATTENTION[name]
+        for pattern, count in (expected.items() if isinstance(expected, dict) else [(expected, L)]):
+            assert trifuse.report(model).by_pattern()[pattern] == count
     for family in counts:
         assert set(OPS[family]) & names, f"{family}: trifuse ops that ran: {sorted(names)}"
 
@@ -273,12 +285,13 @@ def test_t5_self_attention_with_its_position_bias_is_fused():
         assert_close(f"{stack} position bias grad", bias.grad, bias64.grad, None)
 
 
-def test_attention_weights_still_returned_when_asked_for():
-    """GPT-J's blocks return their attention probabilities whatever output_attentions says: fused
-    with output_attentions=False (None in their place), as written with True (the weights equal the
-    unfused model's, the attention left)."""
+@pytest.mark.parametrize("name", ["gptj", "trocr"])
+def test_attention_weights_still_returned_when_asked_for(name):
+    """GPT-J's blocks return their attention probabilities whatever output_attentions says, TrOCR's
+    (BART's older attention) only when asked: fused with output_attentions=False (None in their
+    place), as written with True (the weights equal the unfused model's, the attention left)."""
     torch.manual_seed(0)
-    model, inputs, _ = _models.hf_family("gptj")
+    model, inputs, _ = _models.hf_family(name)
     ref64 = copy.deepcopy(model).double()
     trifuse.fuse(model)
     kw = {k: v for k, v in inputs(2, 8).items() if k != "labels"}

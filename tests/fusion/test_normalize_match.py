@@ -67,6 +67,11 @@ def test_spellings_of_one_call_become_one_form():
         g = trace_function(fn)
         forms.append([(n.target, len(n.args)) for n in g.nodes if n.op == "call_function"])
     assert forms[0] == forms[1] == forms[2]
+    # Granite's `torch.logsumexp(s, dim=-1)`, positionally or as a method
+    forms = [[(n.target, n.args[1:], n.kwargs) for n in trace_function(fn).nodes if n.op == "call_function"]
+             for fn in (lambda x: torch.logsumexp(x, dim=-1), lambda x: x.logsumexp(-1, False),
+                        lambda x: torch.logsumexp(x, -1))]
+    assert forms[0] == forms[1] == forms[2] == [(torch.logsumexp, (-1, False), {})]
 
 
 def test_calls_the_canonical_form_cannot_express_keep_their_meaning():

@@ -1,5 +1,6 @@
 """Attention spellings become trifuse.attention: SDPA with each of its arguments, GQA by repeated
 K/V, the explicit softmax chains, nn.MultiheadAttention's self-attention."""
+import copy
 import functools
 import itertools
 import math
@@ -146,6 +147,11 @@ def chain_cast_to_v(m, q, k, v):  # transformers 5's GPT-2 eager_attention_forwa
     return torch.matmul(w, v)
 
 
+def chain_cast_after_dropout(m, q, k, v):  # BigBird-Pegasus's decoder: the cast at the product, after the dropout
+    w = F.dropout(F.softmax(torch.matmul(q, k.transpose(2, 3)) * 0.35 + m.mask, dim=-1), p=0.0, training=m.training)
+    return torch.matmul(w.to(v.dtype), v)
+
+
 def chain_softcap(m, q, k, v):  # Gemma 2's eager_attention_forward: the logit soft cap
     w = torch.matmul(q, k.transpose(2, 3)) * 0.35
     w = w / 1.5
@@ -187,6 +193,7 @@ KEEP_SOME_ROWS_NONE[1, 0, 2] = False  # one query row of batch 1 sees no key
     (chain_masked_fill_finfo_min, {"keep_some_rows_none": KEEP_SOME_ROWS_NONE}, H,
      "attention_chain_mul_masked_fill_no_dropout"),
     (chain_cast_to_v, {"mask": ADDITIVE}, H, "attention_chain_mul_add_dropout_cast"),
+    (chain_cast_after_dropout, {"mask": ADDITIVE}, H, "attention_chain_mul_add_dropout_cast_after"),
     (chain_softcap, {"mask": ADDITIVE}, H, "attention_chain_mul_softcap_add_dropout_upcast"),
     (chain_softcap_no_mask, {}, H, "attention_chain_mul_softcap_no_mask_no_dropout"),
     (chain_repeat_kv, {"mask": ADDITIVE}, 2, "attention_chain_mul_add_dropout_upcast_repeat_kv"),
@@ -442,6 +449,11 @@ def chain_cast_to_other_dtype(m, q, k, v):  # the cast is not a no-op: probabili
     return torch.matmul(w.type(torch.float64), v.double())
 
 
+def chain_cast_after_dropout_to_other_dtype(m, q, k, v):  # probabilities and v in fp64: not a no-op
+    w = F.dropout(F.softmax(torch.matmul(q, k.transpose(2, 3)) * 0.35, dim=-1), p=0.0, training=m.training)
+    return torch.matmul(w.to(torch.float64), v.double())
+
+
 def chain_in_place_add_also_read_elsewhere(m, q, k, v):  # `w += bias` changes a tensor returned too
     w = torch.matmul(q, k.transpose(-1, -2)) / 2.5
     scores = w
@@ -455,6 +467,7 @@ def chain_in_place_add_also_read_elsewhere(m, q, k, v):  # `w += bias` changes a
     (chain_where_finite_fill, {"keep": KEEP}),
     (chain_where_fill_first, {"keep": ~KEEP | torch.eye(S, dtype=torch.bool)}),
     (chain_cast_to_other_dtype, {}),
+    (chain_cast_after_dropout_to_other_dtype, {}),
     (chain_tensor_scale, {}),
     (chain_softmax_other_dim, {}),
     (chain_returns_probs, {}),
@@ -673,3 +686,213 @@ def test_sinks_rejections_say_why():
     assert any("one logit per query head" in reason for *_, reason in report.rejected()), report.table()
     report = check_against_unfused(functools.partial(WithSinks, chain_sinks_three_columns), qkv(), "dynamo")
     assert any("(batch, heads, queries, 1)" in reason for *_, reason in report.rejected()), report.table()
+
+
+# ---------------------------------------------------------------------------------------------
+# MiMo-V2-Flash's layers without sinks (the row max subtracted all the same) and Granite's sinks
+# as a sigmoid(logsumexp - sink) scale of the output: transformers' eager code, spelled as there.
+# ---------------------------------------------------------------------------------------------
+
+
+def chain_max_sub(m, q, k, v, p=0.0, repeat=True):  # transformers' mimo_v2_flash eager_attention_forward, sinks None
+    if repeat:  # transformers' repeat_kv returns k and v as they are for one kv head per query head
+        k, v = repeat_kv(k, H // k.shape[1]), repeat_kv(v, H // v.shape[1])
+    w = torch.matmul(q, k.transpose(2, 3)) * 0.35
+    if hasattr(m, "mask"):
+        w = w + m.mask
+    w = w - w.max(dim=-1, keepdim=True).values
+    probs = F.softmax(w, dim=-1, dtype=w.dtype)
+    return torch.matmul(F.dropout(probs, p=p, training=m.training).to(v.dtype), v)
+
+
+def chain_sink_scale(m, q, k, v, p=0.0, repeat=True):  # transformers' granite_swa eager_attention_forward
+    if repeat:  # transformers' repeat_kv returns k and v as they are for one kv head per query head
+        k, v = repeat_kv(k, H // k.shape[1]), repeat_kv(v, H // v.shape[1])
+    w = torch.matmul(q, k.transpose(2, 3)) * 0.35
+    if hasattr(m, "mask"):
+        w = w + m.mask
+    sink_scale = (torch.logsumexp(w, dim=-1) - m.sinks.view(1, -1, 1)).to(torch.float32).sigmoid()
+    w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+    w = F.dropout(w, p=p, training=m.training)
+    out = torch.matmul(w, v)
+    return out * sink_scale.unsqueeze(-1).to(out.dtype)
+
+
+def chain_sink_scale_no_repeat(m, q, k, v):
+    return chain_sink_scale(m, q, k, v, repeat=False)
+
+
+
+def chain_sink_scale_fp16(m, q, k, v):  # Granite in a 16-bit model: the log-sum-exp in fp16, the sigmoid in fp32
+    q, k, v = q.half(), k.half(), v.half()
+    w = torch.matmul(q, k.transpose(2, 3)) * 0.35 + m.mask.half()
+    sink_scale = (torch.logsumexp(w, dim=-1) - m.sinks.half().view(1, -1, 1)).to(torch.float32).sigmoid()
+    w = F.dropout(F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype), p=0.0, training=m.training)
+    out = torch.matmul(w, v)
+    return out * sink_scale.unsqueeze(-1).to(out.dtype)
+
+
+# the sliding window of 3 keys with every row open: without a sink, a row a finite mask covers whole
+# is uniform, with the op's documented fp32 gradient cancellation there (kernels/attention.py)
+OPEN_WINDOW = torch.zeros(1, 1, S, S).masked_fill(
+    ~(torch.ones(S, S, dtype=torch.bool).tril().triu(-2)), torch.finfo(torch.float32).min)
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("fn, buffers, h_kv, pattern", [
+    (chain_max_sub, {"mask": OPEN_WINDOW}, 2, "attention_chain_max_sub_add_repeat_kv"),
+    (chain_max_sub, {}, 1, "attention_chain_max_sub_no_mask_repeat_kv"),
+    (chain_sink_scale, {"mask": WINDOW}, 2, "attention_chain_sink_scale_add_repeat_kv"),
+    (chain_sink_scale, {}, 1, "attention_chain_sink_scale_no_mask_repeat_kv"),
+    (chain_sink_scale_no_repeat, {"mask": ADDITIVE}, H, "attention_chain_sink_scale_add"),
+], ids=lambda v: v.__name__ if callable(v) else None)
+def test_max_sub_and_sink_scale_fuse_and_match(fn, buffers, h_kv, pattern, capture):
+    report = check_against_unfused(functools.partial(WithSinks, fn, **buffers), qkv(h_kv), capture)
+    assert report.by_pattern() == {pattern: 1}
+
+
+# ---------------------------------------------------------------------------------------------
+# BART's older eager attention on (B*H, S, D) tensors (TrOCR, MVP, LED's decoder): q scaled before
+# the product, the scores viewed per head for the additive mask and back.
+# ---------------------------------------------------------------------------------------------
+
+
+class BartAttention(nn.Module):
+    """transformers' TrOCRAttention core as written there, from q (B, Sq, H*D) and k, v (B, Sk, H*D)
+    projections: self-attention when Sq = Sk, cross-attention otherwise. The mask (B, 1, Sq, Sk)
+    is a buffer, or none."""
+
+    def __init__(self, mask=None, p=0.0):
+        super().__init__()
+        self.register_buffer("mask", mask)
+        self.p = p
+
+    def forward(self, q, k, v):
+        bsz, tgt_len, _ = q.shape
+        q = q * D ** -0.5
+        proj_shape = (bsz * H, -1, D)
+        q = q.view(bsz, tgt_len, H, D).transpose(1, 2).reshape(*proj_shape)
+        k = k.view(bsz, -1, H, D).transpose(1, 2).reshape(*proj_shape)
+        v = v.view(bsz, -1, H, D).transpose(1, 2).reshape(*proj_shape)
+        src_len = k.size(1)
+        w = torch.bmm(q, k.transpose(1, 2))
+        if self.mask is not None:
+            w = w.view(bsz, H, tgt_len, src_len) + self.mask
+            w = w.view(bsz * H, tgt_len, src_len)
+        w = F.softmax(w, dim=-1)
+        probs = F.dropout(w, p=self.p, training=self.training)
+        out = torch.bmm(probs, v)
+        return out.view(bsz, H, tgt_len, D).transpose(1, 2).reshape(bsz, tgt_len, H * D)
+
+
+SRC = S + 3  # cross-attention: more keys than queries
+CROSS_MASK = torch.zeros(B, 1, S, SRC)
+CROSS_MASK[0, ..., -2:] = torch.finfo(torch.float32).min  # the encoder's padding
+
+
+def bart_inputs(src=S):
+    return torch.randn(B, S, H * D), torch.randn(B, src, H * D), torch.randn(B, src, H * D)
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("mask, src, pattern", [
+    # self-attention under a causal mask (-inf above the diagonal)
+    (CAUSAL.log().expand(B, 1, S, S).clone(), S, "attention_bmm_add_dropout"),
+    (CROSS_MASK, SRC, "attention_bmm_add_dropout"),
+    (None, SRC, "attention_bmm_no_mask_dropout"),
+], ids=["self_causal", "cross_padding", "cross_no_mask"])
+def test_bart_bmm_attention_fuses(mask, src, pattern, capture):
+    report = check_against_unfused(functools.partial(BartAttention, mask), bart_inputs(src), capture)
+    assert report.by_pattern() == {pattern: 1}
+
+
+def test_bart_bmm_attention_carries_dropout():
+    model = fuse_via(BartAttention(CROSS_MASK, p=0.5).train(), "dynamo")
+    inputs = bart_inputs(SRC)
+    torch.manual_seed(3)
+    first = model(*inputs)
+    torch.manual_seed(3)
+    assert torch.equal(model(*inputs), first) and not torch.equal(model(*inputs), first)
+    assert trifuse.report(model).by_pattern() == {"attention_bmm_add_dropout": 1}
+    model.eval()
+    torch.testing.assert_close(model(*inputs), BartAttention(CROSS_MASK).eval()(*inputs))
+
+
+def chain_max_sub_over_queries(m, q, k, v):  # the max over the queries: a shift per column, not a no-op
+    w = torch.matmul(q, k.transpose(2, 3)) * 0.35 + m.mask
+    probs = F.softmax(w - w.max(dim=-2, keepdim=True).values, dim=-1, dtype=w.dtype)
+    return torch.matmul(F.dropout(probs, p=0.0, training=m.training).to(v.dtype), v)
+
+
+def chain_sink_scale_per_query(m, q, k, v):  # one logit per query position, not per head
+    w = torch.matmul(q, k.transpose(2, 3)) * 0.35 + m.mask
+    sink_scale = (torch.logsumexp(w, dim=-1) - m.per_query.view(1, 1, -1)).to(torch.float32).sigmoid()
+    out = torch.matmul(F.dropout(F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype), p=0.0, training=m.training), v)
+    return out * sink_scale.unsqueeze(-1).to(out.dtype)
+
+
+class BartAttentionViewedAcross(BartAttention):
+    """Cross-attention whose scores are viewed (B, H, Sk, Sq) for the mask: the same numbers, but the
+    mask's rows fall on other queries than per head."""
+
+    def forward(self, q, k, v):
+        q, k, v = (t.view(B, -1, H, D).transpose(1, 2).reshape(B * H, -1, D) for t in (q, k, v))
+        w = torch.bmm(q * D ** -0.5, k.transpose(1, 2))
+        w = (w.view(B, H, SRC, S) + self.mask).view(B * H, S, SRC)
+        return torch.bmm(F.dropout(F.softmax(w, dim=-1), p=0.0, training=self.training), v)
+
+
+@pytest.mark.parametrize("make, inputs", [
+    (functools.partial(WithSinks, chain_max_sub_over_queries, mask=ADDITIVE), qkv()),
+    (functools.partial(WithSinks, chain_sink_scale_per_query, per_query=torch.randn(S), mask=ADDITIVE), qkv()),
+    (functools.partial(BartAttentionViewedAcross, torch.randn(B, 1, SRC, S)), bart_inputs(SRC)),
+], ids=["max_over_queries", "sink_per_query", "bmm_viewed_across"])
+def test_max_sub_sink_scale_and_bmm_near_misses_are_left(make, inputs):
+    report = check_against_unfused(make, inputs, "dynamo")
+    assert report.by_pattern() == {}
+
+
+def test_sink_scale_and_bmm_rejections_say_why():
+    make = functools.partial(WithSinks, chain_sink_scale_per_query, per_query=torch.randn(S), mask=ADDITIVE)
+    report = check_against_unfused(make, qkv(), "dynamo")
+    assert any("one logit per query head" in reason for *_, reason in report.rejected()), report.table()
+    report = check_against_unfused(functools.partial(BartAttentionViewedAcross, torch.randn(B, 1, SRC, S)),
+                                   bart_inputs(SRC), "dynamo")
+    assert any("not per head" in reason for *_, reason in report.rejected()), report.table()
+
+
+def test_sink_scale_in_16_bit_fuses():
+    """Granite in fp16 under transformers' fp16 finfo.min padding: the op's fp32 log-sum-exp stands
+    for the model's fp16 one (outputs by the oracle rule)."""
+    window = ADDITIVE.clone()
+    window[0, ..., -2:] = torch.finfo(torch.float16).min
+    report = check_against_unfused(functools.partial(WithSinks, chain_sink_scale_fp16, mask=window), qkv(), "dynamo",
+                                   grads=False)
+    assert report.by_pattern() == {"attention_chain_sink_scale_add": 1}
+
+
+@pytest.mark.parametrize("fn, pattern", [
+    (chain_max_sub, "attention_chain_max_sub_add_repeat_kv"),
+    (chain_sink_scale, "attention_chain_sink_scale_add_repeat_kv"),
+], ids=["max_sub", "sink_scale"])
+def test_max_sub_and_sink_scale_carry_dropout(fn, pattern):
+    """p is carried (a seed repeats the draw, another call draws afresh) and off in eval, where the
+    fused module is the unfused one. Granite's row scale commutes with the dropout of the softmax:
+    each weight the op keeps is the model's weight (sink-scaled) / (1 - p)."""
+    unfused = WithSinks(functools.partial(fn, p=0.5), mask=OPEN_WINDOW)
+    model = fuse_via(copy.deepcopy(unfused).train(), "dynamo")
+    q, k, v = qkv(2)
+    torch.manual_seed(3)
+    first = model(q, k, v)
+    torch.manual_seed(3)
+    assert torch.equal(model(q, k, v), first) and not torch.equal(model(q, k, v), first)
+    assert trifuse.report(model).by_pattern() == {pattern: 1}
+    # V = one row per key, one-hot: the output is the dropped-out weights themselves, each the
+    # unfused (dropout-free) weight / (1 - p) or 0
+    eye = torch.eye(S).expand(B, 2, S, S)
+    dropped, weights = model(q, k, eye), unfused.eval()(q, k, eye)
+    kept = dropped != 0
+    assert 0 < kept.sum() < kept.numel()
+    torch.testing.assert_close(dropped[kept], weights[kept] / 0.5)
+    model.eval()
+    torch.testing.assert_close(model(q, k, v), unfused(q, k, v))
