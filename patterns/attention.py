@@ -508,8 +508,9 @@ def attention_bmm_fused(q, k, v, d0, d1, heads_shape=None, mask=None, flat_shape
     # Without a mask the heads do not matter: each (batch * head) row block is one head of one batch.
     heads = heads_shape[1] if masked else 1
     seq_q, seq_k = q.shape[1], k.shape[1]
-    o = ops.attention(q.view(-1, heads, seq_q, q.shape[2]), k.view(-1, heads, seq_k, k.shape[2]),
-                      v.view(-1, heads, seq_k, v.shape[2]), mask if masked else None, p if training else 0.0, False,
+    # reshape: a view wherever the (B*H, S, D) tensors allow one (BART's are contiguous), never an error
+    o = ops.attention(q.reshape(-1, heads, seq_q, q.shape[2]), k.reshape(-1, heads, seq_k, k.shape[2]),
+                      v.reshape(-1, heads, seq_k, v.shape[2]), mask if masked else None, p if training else 0.0, False,
                       1.0)
     return o.reshape(-1, seq_q, v.shape[2])
 
