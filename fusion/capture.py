@@ -790,6 +790,12 @@ def _propagate_fake(gm: fx.GraphModule, values: list[Any]) -> None:
         FakeTensorProp(gm, mode).propagate(*fake)
     except Exception:  # noqa: BLE001  (no metadata: filters that need it reject, nothing breaks)
         return
+    finally:
+        # Under autocast, the propagation's F.linear cast the real parameters (get_attr) to the
+        # autocast dtype as fake tensors, and autocast caches such casts per parameter for the rest
+        # of the autocast region: the real forward that follows would read fake weights (FNet's
+        # layers under fp16 autocast raised in the backward). Only the cache goes; casts recur.
+        torch.clear_autocast_cache()
 
 
 def _unresolved_attributes(graph: fx.Graph, module: torch.nn.Module) -> str | None:

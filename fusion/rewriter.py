@@ -282,6 +282,8 @@ def _evaluate(rgraph: fx.Graph, inputs: dict[str, Any]) -> tuple[dict[fx.Node, A
                         env[n] = getattr(args[0], n.target)(*args[1:], **kwargs)
     except (TypeError, ValueError, RuntimeError, NotImplementedError) as e:
         return None, f"the fused op rejects these inputs: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+    finally:
+        torch.clear_autocast_cache()  # no fake casts kept for the autocast region (capture.py, _propagate_fake)
     return env, None
 
 

@@ -218,6 +218,36 @@ def test_autocast():
     assert f"autocast {_models.DEVICE} {dtype}" in trifuse.report(model).table()
 
 
+class _FxMLP(nn.Module):
+    """An MLP block fx traces whole: Linear + GeLU + Linear, residual, LayerNorm."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.proj, self.ln = nn.Linear(16, 32), nn.Linear(32, 16), nn.LayerNorm(16)
+
+    def forward(self, x):
+        return self.ln(x + self.proj(F.gelu(self.fc(x))))
+
+
+def test_autocast_with_an_fx_capture():
+    """A block fx captures on its first call, here under autocast: the capture's fake-tensor
+    propagation must leave nothing in autocast's per-region cache of cast weights (it once left
+    fake fp16 copies of the Linear weights there, and the real forward returned fake tensors)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    dtype = torch.bfloat16 if _models.DEVICE == "cuda" else torch.float16
+    torch.manual_seed(0)
+    ref = _FxMLP().to(_models.DEVICE)
+    model = trifuse.fuse(copy.deepcopy(ref))
+    x = torch.randn(2, 5, 16, device=_models.DEVICE)
+    with torch.autocast(_models.DEVICE, dtype=dtype):
+        out, lowp = model(x), ref(x)
+    assert not isinstance(out, FakeTensor)
+    assert_close("autocast output", out, ref.double()(x.double()), lowp)
+    out.sum().backward()
+    assert "fx" in trifuse.report(model).table() and trifuse.report(model).counts().get("bias_gelu") == 1
+
+
 def test_autocast_llama_rotary_and_gated_mlp():
     """Hugging Face's rotary tables are fp32 beside 16-bit q and k under autocast: the fused
     rotary keeps the promotion (fp32 q and k, as `q * cos` gives), the gated MLP runs on the 16-bit
