@@ -13,11 +13,12 @@ replace? A net for "never break a model" wider than the test suite's hand-config
 Each type runs in its own process (memory-capped, timed out), in float64 (or fp32 under fp16
 autocast), one training step (dropout off) before and after fuse, then a second fused call.
 Status per type:
-    ok              loss within 1e-6 and every gradient within 1e-5 (fp16-autocast: 1e-2 and
-                    5e-2, TOLERANCES) (relative to its largest
-                    entry, or to 1e-10 (1e-4) of the model's largest where a gradient is numerically
+    ok              loss within 1e-6 and every gradient within 1e-5 (relative to its largest
+                    entry, or to 1e-10 of the model's largest where a gradient is numerically
                     zero) of the unfused model's; the models compute parts in fp32 themselves
-                    (HF's norms upcast), so float64 agreement is at fp32's level, not better
+                    (HF's norms upcast), so float64 agreement is at fp32's level, not better.
+                    fp16-autocast: against a float64 copy, the fused loss and every gradient at
+                    most twice as far as the unfused ones, plus 1e-3 (TOLERANCES)
     MISMATCH        runs, but differs by more
     FUSED CRASH     the unfused model ran and the fused one raised: a trifuse bug
     config / build / unfused fails / too big / died: the tiny config does not suit the
@@ -57,11 +58,14 @@ SMALL_EXTRA = {"encoder_layers": 2, "decoder_layers": 2, "num_decoder_layers": 2
 TASKS = ("causal-lm", "masked-lm", "seq2seq", "image-cls")
 VIAS = ("fuse", "backend")  # trifuse.fuse(model), or torch.compile(model, backend="trifuse")
 MAX_PARAMS = 3_000_000
-# (loss, gradient, zero-gradient floor) tolerances per run dtype. fp16-autocast: both models round
-# to fp16 in their own places, so they agree to fp16's level only; these catch a wrong answer, not
-# a last bit. The floor: a gradient below it (relative to the model's largest) is numerically zero
-# (a key bias's, exactly zero in exact arithmetic) and is compared at the floor.
-TOLERANCES = {"float64": (1e-6, 1e-5, 1e-10), "fp16-autocast": (1e-2, 5e-2, 1e-4)}
+# (loss, gradient, zero-gradient floor) tolerances per run dtype. The floor: a gradient below it
+# (relative to the model's largest) is numerically zero (a key bias's, exactly zero in exact
+# arithmetic) and is compared at the floor. fp16-autocast: both models round to fp16 in their own
+# places, so fused and unfused agree only to fp16's level (q and k projections' gradients differ by
+# ~8% of their largest entry in some models, for both against float64); there the oracle rule
+# judges: the fused model's error against a float64 copy of the model at most twice the unfused
+# model's own, plus the tolerance below as slack.
+TOLERANCES = {"float64": (1e-6, 1e-5, 1e-10), "fp16-autocast": (1e-3, 1e-3, 1e-4)}
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -108,6 +112,21 @@ def _grad_error(grads0: tuple, grads1: tuple, floor: float = 1e-10) -> float:
         if keep.any():
             a, b = a[keep], b[keep]
             worst = max(worst, float((a - b).abs().max()) / max(float(a.abs().max()), floor, 1e-300))
+    return worst
+
+
+def _oracle_error(grads0: tuple, grads1: tuple, grads64: tuple, floor: float, slack: float) -> float:
+    """The worst excess, over parameters, of the fused gradient's error against float64 beyond
+    twice the unfused one's plus `slack` (each relative to the float64 gradient's largest entry, at
+    least `floor` of the model's largest): <= 0 when the fused model is as accurate as the rule asks."""
+    floor = floor * max((float(g.abs().max()) for g in grads64 if g is not None and g.numel()), default=0.0)
+    worst = float("-inf")
+    for a, b, c in zip(grads0, grads1, grads64):
+        if a is None or b is None or c is None or not c.numel():
+            continue
+        scale = max(float(c.abs().max()), floor, 1e-300)
+        e0, e1 = (float((g.double() - c).abs().max()) / scale for g in (a, b))
+        worst = max(worst, e1 - 2 * e0 - slack)
     return worst
 
 
@@ -166,6 +185,15 @@ def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: s
         with autocast:
             loss0 = model(**kwargs).loss
         grads0 = torch.autograd.grad(loss0, leaves, allow_unused=True)
+        if dtype != "float64":  # the oracle: the same model and batch in float64
+            import copy
+
+            model64 = copy.deepcopy(model).double()
+            loss64 = model64(**{k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v
+                                for k, v in kwargs.items()}).loss
+            grads64 = torch.autograd.grad(loss64, [p for p in model64.parameters() if p.requires_grad],
+                                          allow_unused=True)
+            del model64
     except Exception as e:  # noqa: BLE001
         return {"status": "unfused fails", "why": f"{type(e).__name__}: {str(e).strip()[:150]}"}
     try:
@@ -181,10 +209,18 @@ def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: s
     loss_err = abs(float(loss1) - float(loss0)) / max(abs(float(loss0)), 1e-30)
     grad_err = _grad_error(grads0, grads1, floor)
     report = trifuse.report(fused)
-    ok = loss_err < loss_tol and grad_err < grad_tol and float(loss2) == float(loss1.detach())
+    if dtype == "float64":
+        ok = loss_err < loss_tol and grad_err < grad_tol
+    else:
+        l0, l1, l64 = float(loss0), float(loss1), float(loss64)
+        excess = _oracle_error(grads0, grads1, grads64, floor, grad_tol)
+        ok = abs(l1 - l64) <= 2 * abs(l0 - l64) + loss_tol * abs(l64) and excess <= 0
+    ok = ok and float(loss2) == float(loss1.detach())
     row = {"status": "ok" if ok else "MISMATCH", "attn": attn, "loss_rel_err": loss_err, "grad_rel_err": grad_err,
             "replaced": dict(sorted(report.counts().items())), "left": len(report.left()),
             "unfused_calls": {k: sum(v.values()) for k, v in report.unfused_calls().items()}}
+    if dtype != "float64":
+        row["oracle_excess"] = excess
     if _non_finite(grads0):
         row["why"] = f"the unfused model's gradients hold {_non_finite(grads0)} NaN/inf entries (compared by place)"
     return row
