@@ -53,16 +53,17 @@ def test_key_is_a_small_tuple_of_plain_values():
     q, k, cos, sin = inputs()
     device = -1 if DEVICE == "cpu" else 0
     assert rk._rotary_key(q, k, cos, sin) == (device, torch.float32, torch.float32, 16, HQ, HKV, D, True, True,
-                                              False)
-    assert rk._rotary_key(q, k, cos, sin, True)[-1] is True  # the convention: its own choice
+                                              False, False)
+    assert rk._rotary_key(q, k, cos, sin, True)[-2:] == (True, False)  # the convention: its own choice
+    assert rk._rotary_key(q, k, cos, sin, True, True)[-2:] == (True, True)
     assert len(rk._rotary_key(q, k, cos, sin)) == len(rk.ROTARY_EMBEDDING.key_names)
     with torch.no_grad():
         assert rk._rotary_key(q, None, cos.expand(B, 1, S, D).double(), sin) == (
-            device, torch.float32, torch.float64, 16, HQ, 0, D, False, False, False)
+            device, torch.float32, torch.float64, 16, HQ, 0, D, False, False, False, False)
 
 
 @pytest.mark.parametrize("case", ["traced", "empty", "integer", "3-d", "odd head_dim", "cos 3-d", "k seq",
-                                  "not a tensor", "interleaved not a bool"])
+                                  "not a tensor", "interleaved not a bool", "halves_out not a bool"])
 def test_key_is_none_where_trifuse_decides(case):
     q, k, cos, sin = inputs()
     if case == "traced":
@@ -73,7 +74,8 @@ def test_key_is_none_where_trifuse_decides(case):
     args = {"empty": (q[:0], k[:0], cos, sin), "integer": (q.long(), None, cos, sin),
             "3-d": (q[0], None, cos, sin), "odd head_dim": (q[..., :3], None, cos[..., :3], sin[..., :3]),
             "cos 3-d": (q, k, cos[0], sin[0]), "k seq": (q, k[:, :, :2], cos, sin),
-            "not a tensor": (q, k, 1.0, sin), "interleaved not a bool": (q, k, cos, sin, 1)}[case]
+            "not a tensor": (q, k, 1.0, sin), "interleaved not a bool": (q, k, cos, sin, 1),
+            "halves_out not a bool": (q, k, cos, sin, True, 1)}[case]
     assert rk._rotary_key(*args) is None
 
 
@@ -112,16 +114,17 @@ def test_the_measured_winner_runs_bitwise(rope_dialect, timer, monkeypatch, winn
     rec = rope_dialect.explain(*args)
     assert rec.chosen == winner and rec.source == "measured" and set(fake.calls) == {"trifuse", "torch"}
     assert rec.bucket == (f"dtype=float32,cos_dtype=float32,positions=16,q_heads={HQ},k_heads={HKV},head_dim={D},"
-                          "cos_batch_broadcast=True,grad=True,interleaved=False")
+                          "cos_batch_broadcast=True,grad=True,interleaved=False,halves_out=False")
     fwd_bwd(trifuse.ops.rotary_embedding, *inputs(seq=6))  # same positions bucket: replayed
     assert len(fake.calls) == 2
 
 
+@pytest.mark.parametrize("halves_out", [False, True], ids=["interleaved", "pairs-to-halves"])
 @pytest.mark.parametrize("winner", ["trifuse", "torch"])
-def test_interleaved_calls_are_chosen_apart_and_run_bitwise(rope_dialect, timer, monkeypatch, winner):
-    """The convention is part of the key: an interleaved call is measured (both candidates pass
-    the check against the interleaved reference) and replayed on its own, never on the
-    rotate-half choice of the same shape."""
+def test_interleaved_calls_are_chosen_apart_and_run_bitwise(rope_dialect, timer, monkeypatch, winner, halves_out):
+    """The convention is part of the key: an interleaved call (or DeepSeek's pairs to halves) is
+    measured (both candidates pass the check against that convention's reference) and replayed on
+    its own, never on the rotate-half choice of the same shape."""
     fake = timer({"trifuse": 1.0, "torch": 2.0} if winner == "trifuse" else {"trifuse": 2.0, "torch": 1.0})
     monkeypatch.setattr(rope_dialect, "timer", fake)
     args = inputs()
@@ -129,20 +132,20 @@ def test_interleaved_calls_are_chosen_apart_and_run_bitwise(rope_dialect, timer,
     assert len(fake.calls) == 2
 
     def interleaved(q, k, cos, sin):
-        return trifuse.ops.rotary_embedding(q, k, cos, sin, interleaved=True)
+        return trifuse.ops.rotary_embedding(q, k, cos, sin, interleaved=True, halves_out=halves_out)
 
     def want_fn(q, k, cos, sin):
         if winner == "trifuse":
-            q_embed, k_embed = torch.ops.trifuse.rotary_embedding(q, k, cos, sin, True)
+            q_embed, k_embed = torch.ops.trifuse.rotary_embedding(q, k, cos, sin, True, halves_out)
             return q_embed, None if k is None else k_embed
-        return rk._rotary_hf_formula(q, k, cos, sin, True)
+        return rk._rotary_hf_formula(q, k, cos, sin, True, halves_out)
 
     for a, e in zip(fwd_bwd(interleaved, *args), fwd_bwd(want_fn, *args)):
         assert torch.equal(a, e)
     assert len(fake.calls) == 4
-    rec = rope_dialect.explain(*args, True)
+    rec = rope_dialect.explain(*args, True, halves_out)
     assert rec.chosen == winner and rec.source == "measured" and not rec.rejected
-    assert rec.bucket.endswith("grad=True,interleaved=True")
+    assert rec.bucket.endswith(f"grad=True,interleaved=True,halves_out={halves_out}")
 
 
 def test_a_second_process_replays_the_choice_from_disk(rope_dialect, timer, monkeypatch, new_process):
