@@ -465,14 +465,9 @@ def _bmm_scaled_k_shapes(m: Match) -> str | None:
     if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.dtype != torch.bool:
         return "the mask is not a 4-D bool tensor"
     heads_shape, flat_shape = m["heads_shape"], m["flat_shape"]
-    if not isinstance(heads_shape, (tuple, list)) or len(heads_shape) != 4 or not is_number(heads_shape[1]):
-        return f"the scores are viewed as {heads_shape!r}, not (batch, heads, seq, seq) with a constant heads"
-    heads = heads_shape[1]
-    for got, want in zip(heads_shape[2:], (q.shape[1], k.shape[1])):
-        if is_number(got) and got != want:
-            return f"the scores are viewed as {tuple(heads_shape)}, not per head"
-    if is_number(q.shape[0]) and q.shape[0] % heads:
-        return f"{q.shape[0]} rows of q are not a multiple of {heads} heads"
+    why = _per_head_view(heads_shape, q, k)
+    if why:
+        return why
     if not isinstance(flat_shape, (tuple, list)) or len(flat_shape) != 3:
         return f"the probabilities are viewed as {flat_shape!r}, not (batch * heads, seq, seq)"
     scale = m.value("scale")
@@ -480,6 +475,20 @@ def _bmm_scaled_k_shapes(m: Match) -> str | None:
         return f"the scale has shape {tuple(scale.shape)}, not a single element"
     if not isinstance(scale, torch.Tensor) and not is_number(scale):
         return f"the scale is {scale!r}, not a number or a tensor"
+    return None
+
+
+def _per_head_view(heads_shape, q: torch.Tensor, k: torch.Tensor) -> str | None:
+    """(B*H, Sq, Sk) scores viewed as (B, H, Sq, Sk): a constant H dividing q's rows, per head."""
+    if not isinstance(heads_shape, (tuple, list)) or len(heads_shape) != 4 or not is_number(heads_shape[1]) \
+            or heads_shape[1] < 1:
+        return f"the scores are viewed as {heads_shape!r}, not (batch, heads, seq, seq) with a constant heads"
+    heads = heads_shape[1]
+    for got, want in zip(heads_shape[2:], (q.shape[1], k.shape[1])):
+        if is_number(got) and got != want:
+            return f"the scores are viewed as {tuple(heads_shape)}, not per head"
+    if is_number(q.shape[0]) and q.shape[0] % heads:
+        return f"{q.shape[0]} rows of q are not a multiple of {heads} heads"
     return None
 
 
@@ -524,20 +533,15 @@ def _bmm_heads(m: Match, masked: bool) -> str | None:
     if not masked:
         return None
     heads_shape, mask = m["heads_shape"], m.value("mask")
-    if not isinstance(heads_shape, (tuple, list)) or len(heads_shape) != 4 or not is_number(heads_shape[1]) \
-            or heads_shape[1] < 1:
-        return f"the scores are viewed as {heads_shape!r}, not (batch, heads, seq, seq) with a constant heads"
-    heads = heads_shape[1]
-    for got, want in zip(heads_shape[2:], (q.shape[1], k.shape[1])):
-        if is_number(got) and got != want:
-            return f"the scores are viewed as {tuple(heads_shape)}, not per head"
-    if is_number(q.shape[0]) and q.shape[0] % heads:
-        return f"{q.shape[0]} rows of q are not a multiple of {heads} heads"
+    why = _per_head_view(heads_shape, q, k)
+    if why:
+        return why
     if not isinstance(m["flat_shape"], (tuple, list)) or len(m["flat_shape"]) != 3:
         return f"the scores are viewed back as {m['flat_shape']!r}, not (batch * heads, seq, seq)"
     # (a mask wider than q's dtype runs only under autocast, whose softmax is fp32 anyway: the op's sum)
     if not isinstance(mask, torch.Tensor) or not mask.is_floating_point() or mask.dim() > 4:
         return "the mask is not a float (additive) mask of at most 4 dims"
+    heads = heads_shape[1]
     scores = (q.shape[0] // heads, heads, q.shape[1], k.shape[1])
     try:
         if torch.broadcast_shapes(mask.shape, scores) != torch.Size(scores):
