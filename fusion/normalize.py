@@ -393,7 +393,7 @@ def _plain_cast_of(node: fx.Node, x: fx.Node) -> bool:
         and node.args[0] is x and isinstance(node.args[1], torch.dtype)
 
 
-_IN_PLACE_OPERATORS = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.setitem)
+_IN_PLACE_OPERATORS = (*_UPDATES, operator.setitem)
 
 
 def writes_in_place(user: fx.Node) -> bool:

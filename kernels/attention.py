@@ -1478,13 +1478,10 @@ def _attention_trifuse(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_g
         with profiled(f"trifuse::{OP}"):
             return _AttentionFunction.apply(q, k, v, attn_mask, float(dropout_p), bool(is_causal),
                                             _resolve_scale(scale, q.shape[-1]), softcap, sinks)
-    if sinks is not None:
+    if softcap or sinks is not None:
         return torch.ops.trifuse.attention(q, k, v, attn_mask, float(dropout_p), bool(is_causal),
                                            None if scale is None else float(scale), bool(enable_gqa), softcap,
                                            sinks)[0]
-    if softcap:
-        return torch.ops.trifuse.attention(q, k, v, attn_mask, float(dropout_p), bool(is_causal),
-                                           None if scale is None else float(scale), bool(enable_gqa), softcap)[0]
     return torch.ops.trifuse.attention(q, k, v, attn_mask, float(dropout_p), bool(is_causal),
                                        None if scale is None else float(scale), bool(enable_gqa))[0]
 
@@ -1846,9 +1843,7 @@ def attention(
         q, k, v, attn_mask = _autocast_like_sdpa(q, k, v, attn_mask)
     if softcap is not None:
         _check_softcap(softcap)
-    if sinks is not None:
+    if softcap or sinks is not None:  # neither is an SDPA argument: trifuse's kernels, not the dialect
         return _attention_trifuse(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, float(softcap or 0.0),
                                   sinks)
-    if softcap:
-        return _attention_trifuse(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, float(softcap))
     return ATTENTION(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)

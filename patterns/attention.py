@@ -107,11 +107,16 @@ def sdpa_repeat_interleave_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale=scale)
 
 
+def _repeat_kv(x: torch.Tensor, shape, heads) -> torch.Tensor:
+    """transformers' repeat_kv as it writes it: (B, Hkv, S, D) -> (B, Hkv, n_rep, S, D) -> (B, Hkv *
+    n_rep, S, D), `shape` and `heads` the pattern's parameters (checked by _kv_repeated_over_heads)."""
+    return x[:, :, None, :, :].expand(shape).reshape(heads)
+
+
 def sdpa_expand_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_shape, v_shape, k_heads, v_heads,
                    attn_mask, dropout_p, is_causal, scale):
     """Llama's repeat_kv: (B, Hkv, S, D) -> (B, Hkv, n_rep, S, D) -> (B, Hkv * n_rep, S, D)."""
-    k = k[:, :, None, :, :].expand(k_shape).reshape(k_heads)
-    v = v[:, :, None, :, :].expand(v_shape).reshape(v_heads)
+    k, v = _repeat_kv(k, k_shape, k_heads), _repeat_kv(v, v_shape, v_heads)
     return F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale=scale)
 
 
@@ -155,8 +160,7 @@ def attention_chain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, s
     if upcast_qk:
         q, k = q.to(torch.float32), k.to(torch.float32)
     if repeat_kv:
-        k = k[:, :, None, :, :].expand(k_shape).reshape(k_heads)
-        v = v[:, :, None, :, :].expand(v_shape).reshape(v_heads)
+        k, v = _repeat_kv(k, k_shape, k_heads), _repeat_kv(v, v_shape, v_heads)
     s = torch.matmul(q, k.transpose(d0, d1))
     s = s * scale if scaling == "mul" else s / scale
     if softcap:
@@ -205,8 +209,7 @@ def attention_chain_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0,
     the sinks' column (with_sinks=False) MiMo-V2-Flash's layers that have none: the row max still
     subtracted before the softmax."""
     if repeat_kv:
-        k = k[:, :, None, :, :].expand(k_shape).reshape(k_heads)
-        v = v[:, :, None, :, :].expand(v_shape).reshape(v_heads)
+        k, v = _repeat_kv(k, k_shape, k_heads), _repeat_kv(v, v_shape, v_heads)
     s = torch.matmul(q, k.transpose(d0, d1)) * scale
     if masked:
         s = s + mask
@@ -275,8 +278,7 @@ def attention_chain_sink_scale(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """Granite's sliding-window attention (transformers' modeling_granite_swa.py), as written: the
     softmax without the sink, the output scaled per row by sigmoid(logsumexp(scores) - sink)."""
     if repeat_kv:
-        k = k[:, :, None, :, :].expand(k_shape).reshape(k_heads)
-        v = v[:, :, None, :, :].expand(v_shape).reshape(v_heads)
+        k, v = _repeat_kv(k, k_shape, k_heads), _repeat_kv(v, v_shape, v_heads)
     s = torch.matmul(q, k.transpose(d0, d1)) * scale
     if masked:
         s = s + mask
