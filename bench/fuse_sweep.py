@@ -60,13 +60,25 @@ VIAS = ("fuse", "backend")  # trifuse.fuse(model), or torch.compile(model, backe
 MAX_PARAMS = 3_000_000
 # (loss, gradient, zero-gradient floor) tolerances per run dtype. The floor: a gradient below it
 # (relative to the model's largest) is numerically zero (a key bias's, exactly zero in exact
-# arithmetic) and is compared at the floor; under fp16, anything below 1% of the largest is
-# rounding from upstream (a BatchNorm bias before another BatchNorm in MobileViT). fp16-autocast:
-# both models round to fp16 in their own places, so fused and unfused agree only to fp16's level
+# arithmetic) and is compared at the floor (float64) or relative to the model's largest gradient
+# (_oracle_error); under fp16, anything below 1% of the largest is rounding from upstream (a
+# BatchNorm bias before another BatchNorm in MobileViT). fp16-autocast: both models round to fp16 in their own places, so fused and unfused agree only to fp16's level
 # (q and k projections' gradients differ by ~8% of their largest entry in some models, for both
 # against float64); there the oracle rule judges: the fused model's error against a float64 copy
 # of the model at most twice the unfused model's own, plus the tolerance below as slack.
 TOLERANCES = {"float64": (1e-6, 1e-5, 1e-10), "fp16-autocast": (1e-3, 1e-3, 1e-2)}
+# MISMATCH rows whose cause was found and is not trifuse's: shown in the results' "why" column.
+EXPLAINED = {
+    ("seq2seq", "fp16-autocast", "t5"):
+        "ReLU kink: a pre-activation within fp16 rounding of 0 flips sign (T5 with gelu_new, 3 seeds: ok; relu, "
+        "5 seeds: the unfused model flips too, seed 4)",
+    ("causal-lm", "float64", "deepseek_v4"):
+        "the model's own fp32 parts (hyper-connection head): unfused is 1.8e-5 from float64 itself "
+        "(bench/fp64_truth.py, results README)",
+    ("causal-lm", "float64", "qwen3_5_text"):
+        "the model's own fp32 parts (gated delta rule): unfused is 2.0e-5 from float64 itself "
+        "(bench/fp64_truth.py, results README)",
+}
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -118,14 +130,18 @@ def _grad_error(grads0: tuple, grads1: tuple, floor: float = 1e-10) -> float:
 
 def _oracle_error(grads0: tuple, grads1: tuple, grads64: tuple, floor: float, slack: float) -> float:
     """The worst excess, over parameters, of the fused gradient's error against float64 beyond
-    twice the unfused one's plus `slack` (each relative to the float64 gradient's largest entry, at
-    least `floor` of the model's largest): <= 0 when the fused model is as accurate as the rule asks."""
-    floor = floor * max((float(g.abs().max()) for g in grads64 if g is not None and g.numel()), default=0.0)
+    twice the unfused one's plus `slack` (each relative to the float64 gradient's largest entry):
+    <= 0 when the fused model is as accurate as the rule asks. A gradient below `floor` of the
+    model's largest is numerically zero (exactly zero in exact arithmetic: a BatchNorm bias before
+    another BatchNorm): it holds only rounding noise from upstream, which differs at random between
+    the two models, so its errors are measured relative to the model's largest gradient instead."""
+    largest = max((float(g.abs().max()) for g in grads64 if g is not None and g.numel()), default=0.0)
     worst = float("-inf")
     for a, b, c in zip(grads0, grads1, grads64):
         if a is None or b is None or c is None or not c.numel():
             continue
-        scale = max(float(c.abs().max()), floor, 1e-300)
+        scale = float(c.abs().max())
+        scale = max(largest if scale < floor * largest else scale, 1e-300)
         e0, e1 = (float((g.double() - c).abs().max()) / scale for g in (a, b))
         worst = max(worst, e1 - 2 * e0 - slack)
     return worst
@@ -246,7 +262,7 @@ def _child(model_type: str, task: str = "causal-lm", via: str = "fuse", dtype: s
     return {"type": model_type, **row, "s": round(time.time() - t0, 1)}
 
 
-def _markdown(rows: list[dict], header: str, task: str = "causal-lm") -> str:
+def _markdown(rows: list[dict], header: str, task: str = "causal-lm", dtype: str = "float64") -> str:
     from collections import Counter
 
     counts = Counter(r["status"] for r in rows)
@@ -257,7 +273,8 @@ def _markdown(rows: list[dict], header: str, task: str = "causal-lm") -> str:
     for r in rows:
         replaced = ", ".join(f"{k} {v}" for k, v in r.get("replaced", {}).items())
         err = (f"{r['loss_rel_err']:.2g}", f"{r['grad_rel_err']:.2g}") if "loss_rel_err" in r else ("", "")
-        why = r.get("why", "").replace("|", "/").replace("\n", " ")[:120]
+        why = r.get("why", "").replace("|", "/").replace("\n", " ")[:120] \
+            or (EXPLAINED.get((task, dtype, r["type"]), "") if r["status"] == "MISMATCH" else "")
         out.append(f"| {r['type']} | {r['status']} | {replaced} | {r.get('left', '')} | {err[0]} | {err[1]} | {why} |")
     return "\n".join(out) + "\n"
 
@@ -296,7 +313,7 @@ def main(types: list[str], task: str = "causal-lm", via: str = "fuse", dtype: st
     with open(path, "w") as f:
         json.dump({"header": header, "rows": rows}, f, indent=1)
     with open(os.path.join(RESULTS, f"{stem}.md"), "w") as f:
-        f.write(_markdown(rows, header, task))
+        f.write(_markdown(rows, header, task, dtype))
 
 
 def test_fuse_sweep_smoke():
