@@ -332,7 +332,10 @@ class DynamoUnit(Unit):
         token = _CALLING.set(self)
         failure = None
         try:
-            out = self.compiled(module, *args, **kwargs)
+            # `.item()` of a 0-d tensor stays in the graph (DeBERTa's attention span slices the position
+            # embeddings by it): a graph break there would split the attention chain in two
+            with torch._dynamo.config.patch(capture_scalar_outputs=True):
+                out = self.compiled(module, *args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as e:
             failure = e
         finally:
