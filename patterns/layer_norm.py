@@ -115,7 +115,7 @@ def layer_norm_written_out_fused(x, weight, eps):
 
 
 def layer_norm_upcast_div_sqrt(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps, dtype):
-    """Hugging Face's DebertaLayerNorm (DeBERTa v1, SEW): computed on an fp32 copy, the centred
+    """Hugging Face's DebertaLayerNorm (DeBERTa v1): computed on an fp32 copy, the centred
     value (twice) divided by sqrt(variance + eps), cast back, then weight * h + bias."""
     h = x.to(torch.float32)
     mean = h.mean(-1, keepdim=True)
