@@ -313,6 +313,7 @@ class DynamoUnit(Unit):
         self._dropped: list[tuple[fx.Node, fx.Node]] = []  # (probabilities, placeholder) of the graph in rewrite
         self.drops_weights = False  # a capture returns None for the attention probabilities
         self.failed: str | None = None  # Dynamo could not capture this class: its calls run as written
+        self.scalar_outputs = True  # captures keep `.item()` in the graph, unless Dynamo failed with it
         self._signature: inspect.Signature | None = None  # of the block's forward, once needed
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -332,7 +333,18 @@ class DynamoUnit(Unit):
         token = _CALLING.set(self)
         failure = None
         try:
-            out = self.compiled(module, *args, **kwargs)
+            # `.item()` of a 0-d tensor stays in the graph (DeBERTa's attention span slices the position
+            # embeddings by it): a graph break there would split the attention chain in two. Should
+            # Dynamo fail on a graph holding such a scalar, the capture is tried once more without.
+            try:
+                with torch._dynamo.config.patch(capture_scalar_outputs=self.scalar_outputs):
+                    out = self.compiled(module, *args, **kwargs)
+            except torch._dynamo.exc.TorchDynamoException:
+                if not self.scalar_outputs:
+                    raise
+                self.scalar_outputs = False
+                with torch._dynamo.config.patch(capture_scalar_outputs=False):  # also inside another unit's call
+                    out = self.compiled(module, *args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as e:
             failure = e
         finally:

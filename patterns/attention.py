@@ -42,6 +42,11 @@ style: the score matrix never exists).
   Without relative attention the same chain without the add. A query row masked whole (DeBERTa
   masks padding queries too) is uniform before dropout in the unfused code: the replacement gives
   it a zero query and an open mask, so the op computes the same, dropout included.
+- DeBERTa's (v1) on (B, H, S, D) tensors: q divided by the scale before `matmul(q, k^T)` (the op
+  takes the divided q, scale 1), the relative-position scores added (`+ 0` without relative
+  attention), then as DeBERTa-v2 from the masked_fill on. Its relative positions slice the
+  position embeddings by a 0-d tensor (`.item()`): Dynamo captures keep it in the graph
+  (fusion/capture.py), where a graph break would split the chain in two.
 - The older Hugging Face spellings: BLOOM's ALiBi added by `alibi.baddbmm(q, k^T, beta, alpha)`
   on (B*H, S, D) tensors (the bias and the additive mask become the op's float mask, alpha its
   scale); CodeGen's additive mask before the scaling, `(q k^T + mask) / scale` (the op's mask is
@@ -502,6 +507,84 @@ def _bmm_scaled_k_pattern(add_bias: bool) -> Pattern:
                     functools.partial(_fill_masks, dropout=False)))
 
 
+def attention_chain_add_masked_fill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, bias,
+                                    mask: torch.Tensor, fill, p, training, *, add_bias: bool):
+    """DeBERTa's (v1) DisentangledSelfAttention on (B, H, S, D) tensors: q divided by the scale
+    before the product (so the scores are unscaled here: the op's scale is 1), the relative-position
+    scores added (`+ rel_att`; `+ 0` without relative attention), `masked_fill(~mask, finfo.min)`,
+    softmax, dropout."""
+    s = torch.matmul(q, k.transpose(d0, d1))
+    if add_bias:
+        s = s + bias
+    s = s.masked_fill(mask, fill)
+    a = F.dropout(torch.softmax(s, -1), p, training, False)
+    return torch.matmul(a, v)
+
+
+def attention_chain_add_masked_fill_fused(q, k, v, d0, d1, bias=None, mask=None, fill=None, p=0.0, training=False, *,
+                                          add_bias: bool):
+    keep = torch.logical_not(mask)
+    if fill != float("-inf"):
+        # finfo.min: a query row masked whole is uniform before the dropout in the unfused code (DeBERTa
+        # masks padding queries too); a zero query under an open mask makes the op compute exactly that,
+        # dropout included (as attention_bmm_scaled_k_fused does)
+        open_row = keep.any(-1, keepdim=True)
+        q = torch.where(open_row, q, 0.0)
+        keep = torch.logical_or(keep, torch.logical_not(open_row))
+    attn_mask = keep
+    if add_bias and not is_number(bias):
+        # the scores' gradient reaches the bias only where the mask keeps a key, as through masked_fill
+        attn_mask = torch.where(keep, bias, float("-inf"))
+        if fill != float("-inf"):
+            attn_mask = torch.where(open_row, attn_mask, 0.0)
+    return ops.attention(q, k, v, attn_mask, p if training else 0.0, False, 1.0)
+
+
+def _bias_is_scores_like_or_zero(m: Match) -> str | None:
+    """The added term is the number 0 (DeBERTa without relative attention) or a float tensor in q's
+    dtype that broadcasts to the scores (B, H, Sq, Sk)."""
+    bias, q, k = m["bias"], m.value("q"), m.value("k")
+    if is_number(bias):
+        return None if bias == 0 else f"adds the constant {bias!r} to the scores, not 0 or a tensor"
+    bias = m.value("bias")
+    if not all(isinstance(t, torch.Tensor) for t in (bias, q, k)):
+        return "no shapes for q, k or the added scores"
+    if bias.dtype != q.dtype:
+        return f"the added scores ({bias.dtype}) are not in q's dtype ({q.dtype})"
+    scores = (*q.shape[:-1], k.shape[-2])
+    try:
+        if torch.broadcast_shapes(bias.shape, scores) != torch.Size(scores):
+            return f"the added scores {tuple(bias.shape)} broadcast beyond the scores {scores}"
+    except RuntimeError:
+        return f"the added scores {tuple(bias.shape)} do not broadcast to the scores {scores}"
+    return None
+
+
+def _bool_mask_over_scores(m: Match) -> str | None:
+    """A bool mask that broadcasts to the scores (B, H, Sq, Sk) of 4-D q and k."""
+    mask, q, k = m.value("mask"), m.value("q"), m.value("k")
+    if not all(isinstance(t, torch.Tensor) for t in (mask, q, k)) or q.dim() != 4 or k.dim() != 4:
+        return "q and k are not 4-D (batch, heads, seq, head_dim) or the mask has no shape"
+    if mask.dtype != torch.bool:
+        return "the mask is not a bool tensor"
+    scores = (*q.shape[:-1], k.shape[-2])
+    try:
+        if torch.broadcast_shapes(mask.shape, scores) != torch.Size(scores):
+            return f"the mask {tuple(mask.shape)} broadcasts beyond the scores {scores}"
+    except RuntimeError:
+        return f"the mask {tuple(mask.shape)} does not broadcast to the scores {scores}"
+    return None
+
+
+def _add_masked_fill_pattern(add_bias: bool) -> Pattern:
+    name = "attention_chain_" + ("add_" if add_bias else "") + "masked_fill_unscaled_dropout"
+    filters = [_transposes_last_two, _bool_mask_over_scores, needs_number("p"), needs_bool("training"),
+               functools.partial(_fill_masks, dropout=False), *([_bias_is_scores_like_or_zero] if add_bias else [])]
+    return Pattern(name, "attention", functools.partial(attention_chain_add_masked_fill, add_bias=add_bias),
+                   functools.partial(attention_chain_add_masked_fill_fused, add_bias=add_bias), ("attention",),
+                   tuple(filters))
+
+
 def attention_bmm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, heads_shape, mask: torch.Tensor,
                   flat_shape, p, training, *, masked: bool):
     """BART's older eager attention (TrOCR, MVP, LED's decoder, ...): q (already scaled), k, v
@@ -821,6 +904,9 @@ PATTERNS = (
       for upcast in (True, False)),
     _bmm_scaled_k_pattern(add_bias=True),
     _bmm_scaled_k_pattern(add_bias=False),
+    # DeBERTa's (v1) attention: q scaled before the product, relative-position scores (or 0) added
+    _add_masked_fill_pattern(add_bias=True),
+    _add_masked_fill_pattern(add_bias=False),
     # BART's older eager attention on (B*H, S, D) tensors (TrOCR, MVP, LED's decoder)
     _bmm_pattern(masked=True),
     _bmm_pattern(masked=False),

@@ -7,7 +7,8 @@ Gemma 4's `pow(mean(x^2) + eps, -0.5)`, with a weight or none), becomes `rms_nor
 the model's eps.
 
 LayerNorm without a bias written out (Cohere's `(x - mean) * rsqrt(var + eps)` times the weight,
-the centred value computed twice or once) becomes `layer_norm`. Hugging Face's T5LayerNorm
+the centred value computed twice or once) becomes `layer_norm`; so does DeBERTa's LayerNorm with
+its bias (`(x - mean) / sqrt(var + eps)` on an fp32 copy, cast back, `weight * h + bias`). Hugging Face's T5LayerNorm
 (variance from an fp32 copy, x scaled as it is, weight first) is an
 RMSNorm too. A trifuse norm of an fp32 copy of x cast back to x's dtype (Gemma's RMSNorm,
 `(norm(x.float()) * (1 + w.float())).type_as(x)`; OLMo's and Cohere's `norm(x.float()).to(dtype)`)
@@ -113,6 +114,24 @@ def layer_norm_written_out_fused(x, weight, eps):
     return ops.layer_norm(x, weight.shape, weight, None, eps)
 
 
+def layer_norm_upcast_div_sqrt(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps, dtype):
+    """Hugging Face's DebertaLayerNorm (DeBERTa v1): computed on an fp32 copy, the centred
+    value (twice) divided by sqrt(variance + eps), cast back, then weight * h + bias."""
+    h = x.to(torch.float32)
+    mean = h.mean(-1, keepdim=True)
+    variance = (h - mean).pow(2).mean(-1, keepdim=True)
+    h = (h - mean) / torch.sqrt(variance + eps)
+    return weight * h.to(dtype) + bias
+
+
+def layer_norm_upcast_div_sqrt_fused(x, weight, bias, eps, dtype):
+    return ops.layer_norm(x, weight.shape, weight, bias, eps)
+
+
+def layer_norm_upcast_div_sqrt_weight_apart(x, weight, bias, eps, dtype):
+    return weight * ops.layer_norm(x, weight.shape, None, None, eps) + bias
+
+
 def rms_norm_t5(x: torch.Tensor, weight: torch.Tensor, eps):
     """Hugging Face's T5LayerNorm with an fp32 weight (no cast before the weight)."""
     variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
@@ -211,6 +230,16 @@ def _weight_dtype(same: bool):
     return check
 
 
+def _bias_like_weight(m: Match) -> str | None:
+    """The bias added after the weight: a tensor of the weight's shape and dtype."""
+    w, b = m.value("weight"), m.value("bias")
+    if not isinstance(b, torch.Tensor) or not isinstance(w, torch.Tensor):
+        return "no tensor for the weight or the bias"
+    if b.shape != w.shape or b.dtype != w.dtype:
+        return f"bias {tuple(b.shape)} {b.dtype} is not shaped and typed like the weight {tuple(w.shape)} {w.dtype}"
+    return None
+
+
 def _last_dim(m: Match) -> dict | None:
     """The normalized width of a norm without a weight: x's last dim."""
     x = m.value("x")
@@ -254,6 +283,12 @@ PATTERNS = (
             rms_norm_no_weight_fused, ("rms_norm",), _RMS_FILTERS, derive=_last_dim),
     Pattern("rms_norm_written_out_pow_no_weight", "rms_norm", rms_norm_written_out_pow_no_weight,
             rms_norm_no_weight_fused, ("rms_norm",), _RMS_FILTERS, derive=_last_dim),
+    # DeBERTa's LayerNorm: the weight and bias join the norm when they are in x's dtype
+    Pattern("layer_norm_upcast_div_sqrt", "layer_norm", layer_norm_upcast_div_sqrt, layer_norm_upcast_div_sqrt_fused,
+            ("layer_norm",), (*_RMS_FILTERS, _casts_back_to_input, _weight_dtype(True), _bias_like_weight)),
+    Pattern("layer_norm_upcast_div_sqrt_weight_apart", "layer_norm", layer_norm_upcast_div_sqrt,
+            layer_norm_upcast_div_sqrt_weight_apart, ("layer_norm",),
+            (*_RMS_FILTERS, _casts_back_to_input, _weight_dtype(False), _bias_like_weight)),
     Pattern("rms_norm_t5", "rms_norm", rms_norm_t5, rms_norm_t5_fused, ("rms_norm",),
             (*_RMS_FILTERS, _fp32_weight), derive=_upcast_if_16_bit),
     Pattern("rms_norm_t5_half", "rms_norm", rms_norm_t5_half, rms_norm_t5_half_fused, ("rms_norm",),

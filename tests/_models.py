@@ -224,6 +224,10 @@ _FAMILIES.update({
     # DistilBERT: its MLM head written in the model's own forward, the loss a CrossEntropyLoss child
     "distilbert": {"dim": HIDDEN, "n_layers": LAYERS, "n_heads": HEADS, "hidden_dim": 2 * HIDDEN, "dropout": 0.0,
                    "attention_dropout": 0.0},
+    # DeBERTa (v1): disentangled attention on (B, H, S, D) tensors, q divided before the product,
+    # c2p + p2c relative scores added, padding queries masked whole; its own LayerNorm written out
+    "deberta": {**_DECODER, **_MLP, "relative_attention": True, "pos_att_type": ["c2p", "p2c"],
+                "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "attn_implementation": "eager"},
 })
 _FAMILIES.update({
     # TrOCR's decoder: BART's older eager attention on (B*H, S, D) tensors (q scaled before the bmm,
@@ -243,7 +247,7 @@ _FAMILIES.update({
                     "layer_types": ["sliding_attention", "full_attention"], "attn_implementation": "eager"},
 })
 SEQ2SEQ = ("t5", "bart")
-MASKED = ("modernbert", "deberta-v2", "mpnet", "rembert", "distilbert")
+MASKED = ("modernbert", "deberta-v2", "deberta", "mpnet", "rembert", "distilbert")
 SPEECH = ("whisper",)
 CONTRASTIVE = ("clip", "siglip")
 

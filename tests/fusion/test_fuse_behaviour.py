@@ -94,10 +94,36 @@ def test_a_block_dynamo_cannot_capture_runs_as_written_and_is_reported(monkeypat
     kw = inputs(2, 8)
     for _ in range(2):
         torch.testing.assert_close(loss_fn(model, kw), loss_fn(ref, kw))
-    assert len(calls) == 1, "after the first failure the block runs as written without asking Dynamo again"
+    assert len(calls) == 2, "after the first failure (and its retry without .item() in the graph) the block runs as " \
+                            "written without asking Dynamo again"
     reasons = trifuse.report(model).unfused_calls()
     assert any("TorchDynamo could not capture it (TorchRuntimeError: Dynamo failed" in r and n == 4
                for calls_by_reason in reasons.values() for r, n in calls_by_reason.items())
+
+
+def test_a_capture_that_fails_with_scalars_in_the_graph_is_retried_without(monkeypatch):
+    """Dynamo captures keep `.item()` in the graph (capture_scalar_outputs); should Dynamo fail on
+    a block with that setting, the block is captured again without it, and stays fused."""
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _models.gpt2()
+    ref = copy.deepcopy(model)
+    trifuse.fuse(model)
+    block = next(u for u in trifuse.report(model).units if u.unit.strategy == "dynamo").unit
+    compiled, settings = block.compiled, []
+
+    def fails_with_scalars(*args, **kwargs):
+        settings.append(torch._dynamo.config.capture_scalar_outputs)
+        if torch._dynamo.config.capture_scalar_outputs:
+            raise torch._dynamo.exc.TorchRuntimeError("Dynamo failed on an unbacked symbol")
+        return compiled(*args, **kwargs)
+
+    monkeypatch.setattr(block, "compiled", fails_with_scalars)
+    kw = inputs(2, 8)
+    for _ in range(2):
+        torch.testing.assert_close(loss_fn(model, kw), loss_fn(ref, kw))
+    assert settings[:3] == [True, False, False] and not any(settings[3:])
+    assert block.failed is None and not trifuse.report(model).unfused_calls()
+    assert trifuse.report(model).counts()["attention"] == _models.LAYERS
 
 
 def test_an_error_of_the_model_itself_still_raises_through_a_fused_block():

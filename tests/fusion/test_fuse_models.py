@@ -126,6 +126,9 @@ MODELS = {
                                    "residual_stream": 2 * L}),
     # DeBERTa-v2's disentangled attention: the relative-position scores become the op's mask
     "deberta-v2": (_family("deberta-v2"), BERT),
+    # DeBERTa (v1): q scaled before the product, the relative scores the op's mask; its LayerNorm
+    # written out (on an fp32 copy, divided by the root) fuses with the residual add before it
+    "deberta": (_family("deberta"), BERT),
     # MPNet's position bias and padding mask, added one after the other, become the op's one mask;
     # RemBERT's blocks return their probabilities (dropped: output_attentions=False by position)
     "mpnet": (_family("mpnet"), BERT),

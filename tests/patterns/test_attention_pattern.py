@@ -562,6 +562,66 @@ def test_deberta_attention_under_active_dropout_fuses():
     assert not torch.allclose(row, v[1].mean(-2) / (1 - p)), "no key was dropped in any head"
 
 
+class DisentangledV1(nn.Module):
+    """DeBERTa's (v1) DisentangledSelfAttention core as transformers writes it, on (B, H, S, D)
+    tensors: q divided by a 0-d tensor scale before the product, relative-position scores added
+    (a learned (B, H, S, S) parameter, so its gradient is checked) or `+ 0` without relative
+    attention, `masked_fill(~mask, finfo.min)` with a query row masked whole, dropout."""
+
+    def __init__(self, relative=True, p=0.0, fx_traceable=False, bias=None):
+        super().__init__()
+        self.rel = nn.Parameter(torch.randn(B, H, S, S)) if relative else None
+        self.bias = bias  # another constant in place of the relative scores (a negative control)
+        self.fx_traceable = fx_traceable
+        self.register_buffer("keep", KEEP_SOME_ROWS_NONE.clone())
+        self.dropout = nn.Dropout(p)
+
+    def forward(self, q, k, v):
+        if self.fx_traceable:  # fx has no values for the tensor scale and finfo of q's dtype
+            scale, dtype = math.sqrt(D * 3), torch.float32
+        else:
+            scale, dtype = torch.sqrt(torch.tensor(q.size(-1), dtype=torch.float) * 3), q.dtype
+        q = q / (scale.to(dtype=q.dtype) if isinstance(scale, torch.Tensor) else scale)
+        scores = torch.matmul(q, k.transpose(-1, -2))
+        rel = self.rel if self.rel is not None else (0 if self.bias is None else self.bias)
+        scores = scores + rel
+        scores = scores.masked_fill(~self.keep.bool(), torch.finfo(dtype).min)
+        probs = self.dropout(nn.functional.softmax(scores, dim=-1))
+        return torch.matmul(probs, v)
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("relative", [True, False], ids=["relative", "plus_zero"])
+def test_deberta_v1_attention_fuses(relative, capture):
+    """Outputs and gradients (the relative scores' through the op's dMask, only where a key is
+    kept; V's from the row masked whole; none to q there) equal the unfused module's."""
+    report = check_against_unfused(functools.partial(DisentangledV1, relative, fx_traceable=capture == "fx"), qkv(),
+                                   capture)
+    assert report.by_pattern() == {"attention_chain_add_masked_fill_unscaled_dropout": 1}
+
+
+def test_deberta_v1_attention_under_active_dropout_fuses():
+    """A query row masked whole is dropout(uniform) @ V in the unfused code; the fused row is a
+    dropout of V's mean too (the op's own draw, a zero query under an open mask)."""
+    p = 0.5
+    model = fuse_via(DisentangledV1(p=p).train(), "dynamo")
+    q, k, v = qkv()
+    out = model(q, k, v)
+    assert trifuse.report(model).by_pattern() == {"attention_chain_add_masked_fill_unscaled_dropout": 1}
+    subsets = torch.tensor(list(itertools.product((0.0, 1.0), repeat=S)))  # (2^S, S)
+    sums = torch.einsum("ns,hsd->hnd", subsets, v[1]) / (S * (1 - p))  # (H, 2^S, D)
+    row = out[1, :, 2]  # batch 1, query 2: masked whole
+    for h in range(H):
+        assert (sums[h] - row[h]).abs().amax(-1).min() < 1e-5, f"head {h}: not a dropout of V's mean"
+
+
+def test_deberta_v1_spelling_with_another_constant_is_left():
+    """`+ 0.5` instead of `+ 0`: the filter names the constant and the chain stays as written."""
+    report = check_against_unfused(functools.partial(DisentangledV1, False, bias=0.5), qkv(), "dynamo")
+    assert report.by_pattern() == {}
+    assert any("constant 0.5" in reason for *_, reason in report.rejected())
+
+
 def test_finfo_min_fill_under_active_dropout_is_left():
     """Dropout would drop out the uniform row of a fully masked query too: not what the
     replacement draws, so the spelling stays unfused in training with p > 0."""

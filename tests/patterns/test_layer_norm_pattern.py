@@ -14,6 +14,7 @@ from _hf_norms import (
     T5LayerNorm,
 )
 from torch import nn
+from transformers.models.deberta.modeling_deberta import DebertaLayerNorm
 from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
 from transformers.models.nanochat.modeling_nanochat import NanoChatRMSNorm
 
@@ -59,6 +60,16 @@ class FP32CopyNotCastBack(GemmaRMSNorm):
         return self._norm(x.float()) * (1.0 + self.weight.float())
 
 
+def deberta_layer_norm(dtype=torch.float32):
+    """transformers' own DebertaLayerNorm (written out on an fp32 copy, divided by the root, cast
+    back, then weight * h + bias), its parameters random and in `dtype`."""
+    norm = DebertaLayerNorm(N, 1e-7)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(N))
+        norm.bias.copy_(0.1 * torch.randn(N))
+    return norm.to(dtype)
+
+
 class HandRMSNorm(nn.Module):
     def __init__(self, dim=-1):
         super().__init__()
@@ -87,9 +98,11 @@ class HandRMSNorm(nn.Module):
     (lambda: Gemma4RMSNorm(N), "rms_norm_in_fp32"),
     (lambda: Gemma4RMSNorm(N, with_scale=False), "rms_norm_in_fp32"),
     (NanoChatRMSNorm, "rms_norm_in_fp32"),  # no weight, rsqrt, on an fp32 copy
+    (deberta_layer_norm, "layer_norm_upcast_div_sqrt"),
 ], ids=["nn.LayerNorm", "nn.LayerNorm-no-affine", "F.layer_norm-kwargs", "torch.layer_norm", "nn.RMSNorm",
         "hf-rmsnorm", "written-out-rmsnorm", "gemma-rmsnorm", "olmo-layernorm", "t5-layernorm", "cohere-layernorm",
-        "written-out-layernorm-centred-once", "gemma4-rmsnorm", "gemma4-rmsnorm-no-scale", "nanochat-rmsnorm"])
+        "written-out-layernorm-centred-once", "gemma4-rmsnorm", "gemma4-rmsnorm-no-scale", "nanochat-rmsnorm",
+        "deberta-layernorm"])
 def test_spelling_fuses_and_matches(make, pattern, capture):
     report = check_against_unfused(make, X, capture)
     assert report.by_pattern() == {pattern: 1}
@@ -122,7 +135,11 @@ def test_hf_rmsnorm_mixed_dtypes_keeps_the_weight_apart(capture):
     (lambda: T5LayerNorm(dtype=torch.float16), "rms_norm_t5_half"),  # rounds to fp16, then the weight
     (CohereLayerNorm, "layer_norm_in_fp32"),
     (lambda: Gemma4RMSNorm(N), "rms_norm_in_fp32"),
-], ids=["gemma", "olmo", "t5-fp32-weight", "t5-fp16-weight", "cohere", "gemma4"])
+    # fp32 weight and bias: the normalized value rounds to fp16, the affine promotes to fp32
+    (deberta_layer_norm, "layer_norm_upcast_div_sqrt_weight_apart"),
+    (lambda: deberta_layer_norm(torch.float16), "layer_norm_upcast_div_sqrt"),  # fp16 parameters join
+], ids=["gemma", "olmo", "t5-fp32-weight", "t5-fp16-weight", "cohere", "gemma4", "deberta-fp32-params",
+        "deberta-fp16-params"])
 def test_fp16_activations_keep_the_models_roundings(make, pattern, capture):
     x = (torch.randn(3, 5, N).half(),)
     report = check_against_unfused(make, x, capture, grads=False)
