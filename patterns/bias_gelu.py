@@ -196,8 +196,9 @@ PATTERNS = (
     Pattern("conv1d_bias_gelu", "bias_gelu", conv1d_bias_gelu, conv1d_gelu_fused, _OPS, stage=2),
     Pattern("addmm_bias_gelu", "bias_gelu", addmm_bias_gelu, addmm_gelu_fused, _OPS, (bias_is_a_row_vector,),
             stage=2),
-    Pattern("linear_bias_gelu_on_shards", "bias_gelu", linear_bias_gelu_on_shards, linear_gelu_on_shards_fused,
-            _OPS, (bias_sharded_like_columns(0, lambda m: m.value("x").dim()),), stage=2),
+    Pattern("linear_bias_gelu_on_shards", "bias_gelu", linear_bias_gelu_on_shards,
+            linear_gelu_on_shards_fused, _OPS, (bias_sharded_like_columns(0, lambda m: m.value("x").dim()),),
+            stage=2),
     Pattern("conv1d_bias_gelu_on_shards", "bias_gelu", conv1d_bias_gelu_on_shards, conv1d_gelu_on_shards_fused,
             _OPS, (bias_sharded_like_columns(1, lambda m: len(m.value("shape"))),), stage=2),
 )

@@ -93,8 +93,9 @@ def clip_vision(layers: int = LAYERS):
     scalar of them trains the whole tower)."""
     tf = _quiet_transformers()
     cfg = tf.CLIPVisionConfig(num_hidden_layers=layers, hidden_size=HIDDEN, num_attention_heads=HEADS,
-                              intermediate_size=2 * HIDDEN, image_size=32, patch_size=8, projection_dim=HIDDEN,
-                              hidden_act="quick_gelu", attention_dropout=0.0, attn_implementation="sdpa")
+                              intermediate_size=2 * HIDDEN, image_size=32, patch_size=8,
+                              projection_dim=HIDDEN, hidden_act="quick_gelu", attention_dropout=0.0,
+                              attn_implementation="sdpa")
     model = tf.CLIPVisionModelWithProjection(cfg)
 
     def inputs(batch, seq):

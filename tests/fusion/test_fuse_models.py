@@ -125,7 +125,8 @@ MODELS = {
                                "residual_stream": 2 * L}),
     # CLIP's vision tower alone (OWL-ViT, CLIPSeg and X-CLIP build on it): pre- and post-LayerNorm,
     # fc1 + QuickGELU as bias_gelu's quick form
-    "clip-vision": (_models.clip_vision, {"layer_norm": L + 2, "attention": L, "bias_gelu": L, "residual_stream": L}),
+    "clip-vision": (_models.clip_vision, {"layer_norm": L + 2, "attention": L, "bias_gelu": L,
+                                          "residual_stream": L}),
     "siglip": (_family("siglip"), {"layer_norm": 2 * L + 3, "attention": 2 * L, "bias_gelu": 2 * L + 1,
                                    "residual_stream": 2 * L}),
     # DeBERTa-v2's disentangled attention: the relative-position scores become the op's mask

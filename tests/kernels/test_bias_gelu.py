@@ -122,7 +122,8 @@ def test_extreme_values_stay_finite():
 @pytest.mark.parametrize("dtype", [*DTYPES, torch.float64], ids=str)
 def test_extreme_values_stay_finite_in_every_dtype(dtype, approximate):
     """The same in each dtype, with a bias: y is z or -0 and the gradient 1 or 0, never NaN."""
-    x = torch.tensor([[-1e4, -100.0, -20.0, 20.0, 100.0, 1e4]], device=DEVICE, dtype=dtype, requires_grad=True)
+    x = torch.tensor([[-1e4, -100.0, -20.0, 20.0, 100.0, 1e4]], device=DEVICE, dtype=dtype)
+    x.requires_grad_()
     b = torch.zeros(6, device=DEVICE, dtype=dtype, requires_grad=True)
     y = trifuse.ops.bias_gelu(x, b, approximate)
     dx, db = torch.autograd.grad(y, (x, b), torch.ones_like(y))
@@ -315,7 +316,8 @@ def test_negative_control_gradient_without_bias_fails():
         (torch.ones(3, 8), torch.ones(3, 8), "none", ValueError, "bias must have shape"),
         (torch.ones(3, 8, dtype=torch.int64), None, "none", TypeError, "bias_gelu: input must be float"),
         (torch.ones(3, 8), torch.ones(8, dtype=torch.int32), "none", TypeError, "bias_gelu: bias must be float"),
-        (torch.ones(3, 8), None, "exact", ValueError, "approximate must be 'none', 'tanh' or 'quick', got 'exact'"),
+        (torch.ones(3, 8), None, "exact", ValueError,
+         "approximate must be 'none', 'tanh' or 'quick', got 'exact'"),
         ("not a tensor", None, "none", TypeError, "bias_gelu: input must be a torch.Tensor"),
         (torch.ones(3, 8), [1.0] * 8, "none", TypeError, "bias must be a torch.Tensor"),
     ],

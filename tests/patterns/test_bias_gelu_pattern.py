@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+import trifuse
 from _fusing import (
     Act,
     check_against_unfused,
@@ -14,8 +15,6 @@ from _fusing import (
     trifuse_ops_run,
 )
 from torch import nn
-
-import trifuse
 
 pytestmark = needs_ops("bias_gelu")
 N = 16
@@ -141,7 +140,8 @@ def test_quick_gelu_becomes_the_quick_form(capture):
 
 
 @pytest.mark.parametrize("capture", CAPTURES)
-@pytest.mark.parametrize("act, pattern", [(new_gelu, "gelu_tanh_written_out"), (quick_gelu, "gelu_quick_written_out")],
+@pytest.mark.parametrize("act, pattern", [(new_gelu, "gelu_tanh_written_out"),
+                                          (quick_gelu, "gelu_quick_written_out")],
                          ids=["new-gelu", "quick-gelu"])
 def test_written_out_gelu_without_linear_still_becomes_one_op(act, pattern, capture):
     assert check_against_unfused(lambda: Act(act), X, capture).by_pattern() == {pattern: 1}
@@ -256,7 +256,8 @@ def test_column_parallel_output_not_on_its_columns_keeps_the_bias_of_a_written_o
     """The same for QuickGELU written out: one op without bias, the bias stays in the linear."""
     from torch.distributed.tensor import Replicate
 
-    report = check_sharded_against_unfused(_colwise(one_rank_mesh, Act(quick_gelu), output_layouts=Replicate()), X)
+    make = _colwise(one_rank_mesh, Act(quick_gelu), output_layouts=Replicate())
+    report = check_sharded_against_unfused(make, X)
     assert report.by_pattern() == {"gelu_quick_written_out": 1}, report.by_pattern()
     assert any(pattern == "linear_bias_gelu_on_shards" and "not sharded over the output features alike" in why
                for _, _, pattern, why in report.rejected()), report.rejected()

@@ -34,7 +34,7 @@ def sigmoid_first_silu(x):
     return torch.sigmoid(x) * x
 
 
-def quick_gelu(x):  # x * sigmoid(1.702 x): other maths, must not become SiLU (it becomes bias_gelu's quick form)
+def quick_gelu(x):  # x * sigmoid(1.702 x): not SiLU (it becomes bias_gelu's quick form)
     return x * torch.sigmoid(1.702 * x)
 
 
