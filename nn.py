@@ -54,7 +54,8 @@ class LinearGELU(torch.nn.Module):
 
     The matmul runs in cuBLAS (`F.linear` without bias); the bias is added inside trifuse's
     bias + GeLU kernel, whose backward recomputes from the matmul's output and reduces dbias
-    deterministically. `approximate` is "none" (erf) or "tanh", as in nn.GELU.
+    deterministically. `approximate` is "none" (erf) or "tanh", as in nn.GELU, or "quick" for
+    CLIP's QuickGELU, x * sigmoid(1.702 x).
     """
 
     def __init__(
@@ -67,8 +68,9 @@ class LinearGELU(torch.nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        if approximate not in ("none", "tanh"):
-            raise ValueError(f"trifuse.nn.LinearGELU: approximate must be 'none' or 'tanh', got {approximate!r}")
+        if approximate not in ("none", "tanh", "quick"):
+            raise ValueError("trifuse.nn.LinearGELU: approximate must be 'none', 'tanh' or 'quick', "
+                             f"got {approximate!r}")
         self.in_features, self.out_features, self.approximate = in_features, out_features, approximate
         self.weight = torch.nn.Parameter(torch.empty((out_features, in_features), device=device, dtype=dtype))
         if bias:

@@ -1,4 +1,6 @@
-"""bias + GeLU (erf and tanh forms) against PyTorch eager `F.gelu(x + b)` and torch.compile of it.
+"""bias + GeLU (erf, tanh and quick forms) against PyTorch eager `F.gelu(x + b)` (for the quick
+form, CLIP's QuickGELU as transformers writes it, `z * torch.sigmoid(1.702 * z)`) and torch.compile
+of it.
 
     python bench/bench_bias_gelu.py            # full sweep on the GPU, writes bench/results/
     pytest bench/bench_bias_gelu.py            # CPU: a tiny smoke in the interpreter
@@ -23,7 +25,8 @@ DEVICE = "cuda" if H.on_gpu() else "cpu"
 WIDTHS = (768, 1024, 2048, 3072, 4096, 8192, 16384)
 TARGET_SHAPES = ((16384, 1024), (8192, 4096), (4096, 8192))
 ELEMENTS = 2**26  # rows x width for the width sweep: 128 MiB of bf16 per activation
-FORMS = ("none", "tanh")
+FORMS = ("none", "tanh", "quick")
+VARIANT = {"none": "erf", "tanh": "tanh", "quick": "quick"}
 
 
 def make_inputs(shape):
@@ -43,7 +46,8 @@ def bytes_for(shape, mode):
 
 def providers(approximate: str) -> dict:
     def torch_bias_gelu(x, b):
-        return F.gelu(x + b, approximate=approximate)
+        z = x + b
+        return z * torch.sigmoid(1.702 * z) if approximate == "quick" else F.gelu(z, approximate=approximate)
 
     def trifuse_bias_gelu(x, b):
         return trifuse.ops.bias_gelu(x, b, approximate)
@@ -79,7 +83,7 @@ def main() -> None:
     rows = []
     for approximate in FORMS:
         rows += H.sweep(providers(approximate), shapes, make_inputs, bytes_for,
-                        variant="erf" if approximate == "none" else "tanh")
+                        variant=VARIANT[approximate])
     overhead = host_overhead()
     H.print_table(rows, COLUMNS)
     H.print_table(overhead, ("provider", "host µs"))

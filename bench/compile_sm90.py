@@ -91,7 +91,7 @@ def _catalogue(torch, family: str):
     elif family == "bias_gelu":
         for n in (3072, 4096):
             x, b = leaf(rows, n), leaf(n)
-            for approximate in ("none", "tanh"):
+            for approximate in ("none", "tanh", "quick"):
                 yield f"bias_gelu {n} {approximate}", fwd_bwd(
                     lambda x=x, b=b, a=approximate: ops.bias_gelu(x, b, approximate=a))
     elif family == "dropout_add":

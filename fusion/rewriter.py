@@ -50,7 +50,7 @@ _OF_INTEREST = {
     torch.softmax: "softmax",
     F.multi_head_attention_forward: "multi_head_attention_forward",
     F.cross_entropy: "cross_entropy",
-    # an activation left as written: QuickGELU (CLIP's x * sigmoid(1.702 x), other maths than GeLU),
+    # an activation left as written: x * sigmoid(c x) with a slope other than QuickGELU's 1.702,
     # a SiLU written out with no gate after it, a router's sigmoid
     torch.sigmoid: "sigmoid",
 }

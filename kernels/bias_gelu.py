@@ -8,11 +8,16 @@ Maths, per element with z = x + bias, in fp32 (fp64 for fp64 inputs):
                                     u = sqrt(2 / pi) * (z + 0.044715 z^3)
                          gelu'(z) = s + 2 z s (1 - s) u',  s = sigmoid(2u),
                                     u' = sqrt(2 / pi) * (1 + 3 * 0.044715 z^2)
+    quick form ("quick"): qgelu(z) = z * sigmoid(1.702 z)   (CLIP's QuickGELU)
+                         qgelu'(z) = s + 1.702 z s (1 - s),  s = sigmoid(1.702 z)
 
-Each form is exactly the function its name says, as `F.gelu(z, approximate=...)` defines it;
-the tanh form is written through the identity 0.5 (1 + tanh(u)) = sigmoid(2u), which is exact
-and avoids the cancellation of 1 + tanh(u) for negative u. One is never substituted for the
-other (a test shows the two differ by more than the tolerance).
+The erf and tanh forms are exactly the functions `F.gelu(z, approximate=...)` defines; the quick
+form is transformers' QuickGELUActivation, `z * torch.sigmoid(1.702 * z)` (PyTorch has no
+F.gelu for it). The tanh form is written through the identity 0.5 (1 + tanh(u)) = sigmoid(2u),
+which is exact and avoids the cancellation of 1 + tanh(u) for negative u. Every sigmoid is
+1 / (1 + exp(-t)): for large negative t the exp overflows to inf and s to 0, so y is -0 and the
+derivative 0, never NaN. No form is ever substituted for another (tests show each pair differs
+by more than the tolerance).
 
 Backward: dx = dy * gelu'(x + bias); dbias = sum over rows of dx.
 
@@ -49,7 +54,11 @@ from ._common import (
 from ._launch import CachedKernel
 from ._tiles import elementwise_plan, reduce_plan
 
-APPROXIMATE = ("none", "tanh")
+APPROXIMATE = ("none", "tanh", "quick")
+# The quick form's slope: z * sigmoid(1.702 z), transformers' QuickGELUActivation.
+QUICK_ALPHA = 1.702
+# The kernels' FORM constexpr for each value of `approximate`.
+_FORM_CODE = {"none": 0, "tanh": 1, "quick": 2}
 
 # =============================================================================================
 # Reference: the spec. Tests run it in float64 as the oracle and in the input dtype to measure
@@ -58,8 +67,12 @@ APPROXIMATE = ("none", "tanh")
 
 
 def bias_gelu_ref(x: torch.Tensor, bias: torch.Tensor | None = None, approximate: str = "none") -> torch.Tensor:
-    """gelu(x + bias) in plain PyTorch."""
-    return F.gelu(x if bias is None else x + bias, approximate=approximate)
+    """gelu(x + bias) in plain PyTorch; the quick form as transformers' QuickGELUActivation
+    writes it."""
+    z = x if bias is None else x + bias
+    if approximate == "quick":
+        return z * torch.sigmoid(QUICK_ALPHA * z)
+    return F.gelu(z, approximate=approximate)
 
 
 # =============================================================================================
@@ -71,6 +84,11 @@ SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 SQRT_HALF = tl.constexpr(0.7071067811865476)
 INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
 KAPPA = tl.constexpr(0.044715)
+# The quick form's sigmoid slope, as CLIP's QuickGELU writes it.
+QUICK_ALPHA_C = tl.constexpr(QUICK_ALPHA)
+# FORM: 0 erf ("none"), 1 tanh, 2 quick (_FORM_CODE).
+FORM_TANH = tl.constexpr(1)
+FORM_QUICK = tl.constexpr(2)
 
 
 @triton.jit
@@ -94,12 +112,39 @@ def _gelu_grad(z, TANH: tl.constexpr):
 
 
 @triton.jit
+def _quick_gelu(z):
+    return z / (1.0 + tl.exp(-(z * QUICK_ALPHA_C)))
+
+
+@triton.jit
+def _quick_gelu_grad(z):
+    s = 1.0 / (1.0 + tl.exp(-(z * QUICK_ALPHA_C)))
+    return s + z * QUICK_ALPHA_C * s * (1.0 - s)
+
+
+@triton.jit
+def _act(z, FORM: tl.constexpr):
+    if FORM == FORM_QUICK:
+        return _quick_gelu(z)
+    else:
+        return _gelu(z, FORM == FORM_TANH)
+
+
+@triton.jit
+def _act_grad(z, FORM: tl.constexpr):
+    if FORM == FORM_QUICK:
+        return _quick_gelu_grad(z)
+    else:
+        return _gelu_grad(z, FORM == FORM_TANH)
+
+
+@triton.jit
 def _bias_gelu_fwd_kernel(
     X,  # in (M, N)
     B,  # in (N,) bias; unused unless HAS_BIAS
     Y,  # out (M, N)
     M, N, stride_xm, stride_ym, col_tiles,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, TANH: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, FORM: tl.constexpr,
     ACC: tl.constexpr,
 ):
     # A 1-D grid over (row tile, column tile): no 65535 limit on a second grid axis.
@@ -111,7 +156,7 @@ def _bias_gelu_fwd_kernel(
     z = tl.load(X + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(ACC)
     if HAS_BIAS:
         z += tl.load(B + cols, mask=col_mask, other=0.0).to(ACC)[None, :]
-    y = _gelu(z, TANH)
+    y = _act(z, FORM)
     tl.store(Y + rows[:, None] * stride_ym + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -123,7 +168,7 @@ def _bias_gelu_bwd_kernel(
     DX,  # out (M, N)
     DB_PARTIAL,  # out (groups, N) fp32: this program's rows' share of dbias; unused unless HAS_BIAS
     M, N, stride_dym, stride_xm, stride_dxm, rows_per_program, col_tiles,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, TANH: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, FORM: tl.constexpr,
     ACC: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -142,7 +187,7 @@ def _bias_gelu_bwd_kernel(
         if HAS_BIAS:
             z += b
         dy = tl.load(DY + rows[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0).to(ACC)
-        dz = dy * _gelu_grad(z, TANH)
+        dz = dy * _act_grad(z, FORM)
         tl.store(DX + rows[:, None] * stride_dxm + cols[None, :], dz.to(DX.dtype.element_ty), mask=mask)
         if HAS_BIAS:
             acc += tl.where(mask, dz, 0.0)
@@ -183,7 +228,7 @@ def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor | None, approximate: str) 
     plan = elementwise_plan(m, n)
     _bias_gelu_fwd[(plan.programs,)](
         x2, bias if bias is not None else x2, y2, m, n, x2.stride(0), y2.stride(0), plan.col_tiles,
-        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, HAS_BIAS=bias is not None, TANH=approximate == "tanh",
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, HAS_BIAS=bias is not None, FORM=_FORM_CODE[approximate],
         ACC=acc_dtype(x.dtype), num_warps=plan.num_warps,
     )
     return y
@@ -209,7 +254,7 @@ def bias_gelu_bwd(
     _bias_gelu_bwd[(plan.programs,)](
         dy2, x2, bias if bias is not None else x2, dx2, partial,
         m, n, dy2.stride(0), x2.stride(0), dx2.stride(0), plan.rows_per_group, plan.col_tiles,
-        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, HAS_BIAS=bias is not None, TANH=approximate == "tanh",
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, HAS_BIAS=bias is not None, FORM=_FORM_CODE[approximate],
         ACC=acc_dtype(x.dtype), num_warps=plan.num_warps,
     )
     return dx, partial.sum(dim=0) if bias is not None else dx.new_empty(0, dtype=acc)
@@ -225,13 +270,27 @@ def _upcast(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.to(acc) if bias is None else x.to(acc) + bias.to(acc)
 
 
+def _quick_gelu_torch(z: torch.Tensor) -> torch.Tensor:
+    return z * torch.sigmoid(QUICK_ALPHA * z)
+
+
+def _quick_gelu_grad_torch(z: torch.Tensor) -> torch.Tensor:
+    s = torch.sigmoid(QUICK_ALPHA * z)
+    return s + QUICK_ALPHA * z * s * (1.0 - s)
+
+
 def _bias_gelu_torch(x, bias, approximate):
-    return F.gelu(_upcast(x, bias), approximate=approximate).to(x.dtype).contiguous()
+    z = _upcast(x, bias)
+    y = _quick_gelu_torch(z) if approximate == "quick" else F.gelu(z, approximate=approximate)
+    return y.to(x.dtype).contiguous()
 
 
 def _bias_gelu_bwd_torch(dy, x, bias, approximate):
     z = _upcast(x, bias)
-    dz = torch.ops.aten.gelu_backward(dy.to(z.dtype), z, approximate=approximate)
+    if approximate == "quick":
+        dz = dy.to(z.dtype) * _quick_gelu_grad_torch(z)
+    else:
+        dz = torch.ops.aten.gelu_backward(dy.to(z.dtype), z, approximate=approximate)
     dbias = dz.reshape(-1, _width(x)).sum(dim=0) if bias is not None else z.new_empty(0)
     return dz.to(x.dtype).contiguous(), dbias
 
@@ -251,7 +310,7 @@ def _check_inputs(x: object, bias: object, approximate: object) -> None:
         check_shape(op, "bias", bias, (_width(x),))
         check_same_device(op, "input", x, bias=bias)
     if approximate not in APPROXIMATE:
-        raise ValueError(f"trifuse.{op}: approximate must be 'none' or 'tanh', got {approximate!r}")
+        raise ValueError(f"trifuse.{op}: approximate must be 'none', 'tanh' or 'quick', got {approximate!r}")
 
 
 # =============================================================================================
@@ -327,10 +386,11 @@ class _BiasGeluFunction(torch.autograd.Function):
 
 
 # =============================================================================================
-# Dialect: trifuse's kernels or PyTorch's F.gelu(x + bias), whichever is faster for the shape,
-# chosen once per (device, dtype, rows bucket, width, bias dtype, form, grad) on the GPU and cached
-# on disk (autotune/dialects.py). Traced calls (torch.compile, export) always see trifuse::bias_gelu.
-# The form is part of the key and passed through as asked: erf and tanh are never exchanged.
+# Dialect: trifuse's kernels or PyTorch's F.gelu(x + bias) (the quick form written out as
+# transformers writes it), whichever is faster for the shape, chosen once per (device, dtype, rows
+# bucket, width, bias dtype, form, grad) on the GPU and cached on disk (autotune/dialects.py).
+# Traced calls (torch.compile, export) always see trifuse::bias_gelu. The form is part of the key
+# and passed through as asked: erf, tanh and quick are never exchanged.
 # =============================================================================================
 
 
@@ -340,7 +400,7 @@ def _bias_gelu_key(x, bias, approximate):
     runs on every call."""
     if x is None or not eager_fast_path(x, bias) or not x.is_floating_point() or x.dim() == 0:
         return None
-    if approximate != "none" and approximate != "tanh":
+    if approximate not in _FORM_CODE:
         return None
     n = x.shape[-1]
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != n):
@@ -350,7 +410,7 @@ def _bias_gelu_key(x, bias, approximate):
         return None
     grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
     return (x.get_device() if x.is_cuda else -1, x.dtype, pow2_bucket(rows), n,
-            None if bias is None else bias.dtype, approximate == "tanh", grad)
+            None if bias is None else bias.dtype, approximate, grad)
 
 
 def _bias_gelu_trifuse(x, bias, approximate):
@@ -366,15 +426,16 @@ def _bias_gelu_f_gelu(x, bias, approximate):
     # bias that broadcasts from another shape, for one).
     _check_inputs(x, bias, approximate)
     with profiled("trifuse::bias_gelu"):
-        # `approximate` as asked: the exact erf form stays erf, tanh stays tanh. A bias in another
-        # dtype (fp32 master weights beside 16-bit activations) promotes x + bias; the result is
-        # cast back, because trifuse returns x's dtype and the choice must not change it.
-        y = F.gelu(x if bias is None else x + bias, approximate=approximate)
+        # `approximate` as asked: the exact erf form stays erf, tanh stays tanh, and the quick form
+        # (no F.gelu for it) is QuickGELU's own spelling. A bias in another dtype (fp32 master
+        # weights beside 16-bit activations) promotes x + bias; the result is cast back, because
+        # trifuse returns x's dtype and the choice must not change it.
+        y = bias_gelu_ref(x, bias, approximate)
         return (y if y.dtype == x.dtype else y.to(x.dtype)).contiguous()
 
 
 BIAS_GELU = dialects.define(
-    "bias_gelu", _bias_gelu_key, ("device", "dtype", "rows", "n", "bias", "tanh", "grad"),
+    "bias_gelu", _bias_gelu_key, ("device", "dtype", "rows", "n", "bias", "form", "grad"),
     reference=bias_gelu_ref)
 BIAS_GELU.register(dialects.Candidate("trifuse", _bias_gelu_trifuse))
 BIAS_GELU.register(dialects.Candidate("torch", _bias_gelu_f_gelu))
@@ -386,19 +447,22 @@ BIAS_GELU.register(dialects.Candidate("torch", _bias_gelu_f_gelu))
 
 
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None = None, approximate: str = "none") -> torch.Tensor:
-    """gelu(x + bias) in one pass each way, like `F.gelu(x + bias, approximate=approximate)`.
+    """gelu(x + bias) in one pass each way, like `F.gelu(x + bias, approximate=approximate)`
+    (for "quick": `z * torch.sigmoid(1.702 * z)`, z = x + bias, CLIP's QuickGELU).
 
     Args:
         x: (..., N), fp16 / bf16 / fp32 / fp64; any strides (rows with a stride are read in
             place, other layouts are copied once).
         bias: (N,) or None; any float dtype.
-        approximate: "none" for the exact erf form, "tanh" for the tanh approximation.
+        approximate: "none" for the exact erf form, "tanh" for the tanh approximation, "quick"
+            for QuickGELU, z * sigmoid(1.702 z) (CLIP, OWL-ViT, X-CLIP, GroupViT, ...).
 
     Returns:
         y, contiguous, shaped like x, in x's dtype. Gradients reach x and bias; the backward
         recomputes from x and bias (nothing else is saved) and reduces dbias deterministically.
 
-    Eager calls run trifuse's kernels or `F.gelu(x + bias, approximate=approximate)`, whichever
+    Eager calls run trifuse's kernels or PyTorch's `F.gelu(x + bias, approximate=approximate)`
+    (the quick form written out), whichever
     the `bias_gelu` dialect measured faster for this shape on this GPU
     (`trifuse.autotune.dialects.explain("bias_gelu", x, bias, approximate)` says which and why);
     elsewhere, and under torch.compile, trifuse's.

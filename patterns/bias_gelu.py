@@ -3,8 +3,10 @@ pass (the matmul stays with cuBLAS, without its bias epilogue).
 
 Spellings: `F.gelu` / `nn.GELU` in both forms (approximate 'none' and 'tanh', kept as written);
 the tanh formula written out (Hugging Face's NewGELUActivation and FastGELUActivation, GPT-2's
-original code) and the erf formula written out, which first become one `bias_gelu` without bias
-(stage 0), then take the bias of the linear before them (stage 2). The linear is `F.linear` /
+original code), the erf formula written out, and CLIP's QuickGELU `x * sigmoid(1.702 x)` (Hugging
+Face's QuickGELUActivation: CLIP, OWL-ViT, X-CLIP, GroupViT, CLIPSeg, AltCLIP, Chinese-CLIP; the
+op's approximate='quick', its own maths, no GeLU form), which first become one `bias_gelu`
+without bias (stage 0), then take the bias of the linear before them (stage 2). The linear is `F.linear` /
 `nn.Linear`, or Hugging Face's Conv1D (`addmm(bias, x2d, w).view(...)`). A GeLU without a
 biased linear before it stays `F.gelu`: one kernel already.
 
@@ -23,6 +25,9 @@ import torch.nn.functional as F
 
 from ._base import Filter, Match, Pattern, ops
 
+# QuickGELU's sigmoid slope, as transformers writes it (kernels/bias_gelu.py's QUICK_ALPHA).
+QUICK_GELU_SLOPE = 1.702
+
 
 def gelu_tanh_written_out(x: torch.Tensor):
     """Hugging Face's NewGELUActivation, GPT-2's and BERT's original code."""
@@ -39,12 +44,33 @@ def gelu_erf_written_out(x: torch.Tensor):
     return x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))
 
 
+def gelu_quick_written_out(x: torch.Tensor, slope):
+    """CLIP's QuickGELU, Hugging Face's QuickGELUActivation: x * sigmoid(1.702 x). `slope` is
+    matched as any constant, and `slope_is_quick_gelus` keeps only 1.702: x * sigmoid(c x) for
+    another c is another function (SiLU at c = 1), left as written."""
+    return x * torch.sigmoid(slope * x)
+
+
+def slope_is_quick_gelus(m: Match) -> str | None:
+    """The sigmoid's slope is QuickGELU's own constant, 1.702, and nothing else."""
+    slope = m["slope"]
+    if isinstance(slope, torch.fx.Node):
+        return f"the sigmoid's slope is computed in the graph, not QuickGELU's constant {QUICK_GELU_SLOPE!r}"
+    if not isinstance(slope, float) or slope != QUICK_GELU_SLOPE:
+        return f"x * sigmoid({slope!r} x) is not QuickGELU's x * sigmoid({QUICK_GELU_SLOPE!r} x)"
+    return None
+
+
 def gelu_tanh_fused(x):
     return ops.bias_gelu(x, None, "tanh")
 
 
 def gelu_erf_fused(x):
     return ops.bias_gelu(x, None, "none")
+
+
+def gelu_quick_fused(x):
+    return ops.bias_gelu(x, None, "quick")
 
 
 def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, approximate):
@@ -111,6 +137,12 @@ def linear_gelu_on_shards_fused(x, weight, bias, mesh, placements, approximate):
     return ops.bias_gelu(local, bias.to_local(), approximate)
 
 
+def linear_bias_gelu_on_shards(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, mesh, placements,
+                               approximate):
+    local = F.linear(x, weight, bias).redistribute(mesh, placements, async_op=False).to_local()
+    return ops.bias_gelu(local, None, approximate)
+
+
 def conv1d_bias_gelu_on_shards(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, shape, mesh,
                                placements, approximate):
     local = torch.addmm(bias, x2d, weight).view(shape).redistribute(mesh, placements, async_op=False).to_local()
@@ -153,6 +185,8 @@ PATTERNS = (
     Pattern("gelu_tanh_written_out", "bias_gelu", gelu_tanh_written_out, gelu_tanh_fused, _OPS),
     Pattern("gelu_tanh_fast_written_out", "bias_gelu", gelu_tanh_fast_written_out, gelu_tanh_fused, _OPS),
     Pattern("gelu_erf_written_out", "bias_gelu", gelu_erf_written_out, gelu_erf_fused, _OPS),
+    Pattern("gelu_quick_written_out", "bias_gelu", gelu_quick_written_out, gelu_quick_fused, _OPS,
+            (slope_is_quick_gelus,)),
     Pattern("linear_gelu", "bias_gelu", linear_gelu, linear_gelu_fused, _OPS, stage=1),
     Pattern("conv1d_gelu", "bias_gelu", conv1d_gelu, conv1d_gelu_fused, _OPS, stage=1),
     Pattern("addmm_gelu", "bias_gelu", addmm_gelu, addmm_gelu_fused, _OPS, (bias_is_a_row_vector,), stage=1),
@@ -161,6 +195,9 @@ PATTERNS = (
     Pattern("linear_bias_gelu", "bias_gelu", linear_bias_gelu, linear_gelu_fused, _OPS, stage=2),
     Pattern("conv1d_bias_gelu", "bias_gelu", conv1d_bias_gelu, conv1d_gelu_fused, _OPS, stage=2),
     Pattern("addmm_bias_gelu", "bias_gelu", addmm_bias_gelu, addmm_gelu_fused, _OPS, (bias_is_a_row_vector,),
+            stage=2),
+    Pattern("linear_bias_gelu_on_shards", "bias_gelu", linear_bias_gelu_on_shards,
+            linear_gelu_on_shards_fused, _OPS, (bias_sharded_like_columns(0, lambda m: m.value("x").dim()),),
             stage=2),
     Pattern("conv1d_bias_gelu_on_shards", "bias_gelu", conv1d_bias_gelu_on_shards, conv1d_gelu_on_shards_fused,
             _OPS, (bias_sharded_like_columns(1, lambda m: len(m.value("shape"))),), stage=2),

@@ -14,6 +14,8 @@ bias_gelu: a GeGLU whose gate projection has a bias becomes one gated_activation
 in the linear), while a lone GeLU after a biased linear still becomes bias_gelu. A GeLU written
 out as its formula becomes `bias_gelu(gate, None)` in stage 0 (bias_gelu.py); times `up` it
 becomes gated_activation in stage 1 (`bias_gelu_mul`), before stage 2 could give it a bias.
+QuickGELU (bias_gelu's "quick" form, gpt-oss's `gate * sigmoid(1.702 gate)`) times up stays two
+ops: gated_activation has no quick form, and `known_gelu_form` says so in the report.
 
 Filters: gate and up have the same shape (the op does not broadcast) and the same floating-point
 dtype (the product would promote); anything else is left as written, with the reason in the report.

@@ -86,6 +86,25 @@ def vit(dropout: float = 0.0, layers: int = LAYERS):
 
 
 @_on_device
+def clip_vision(layers: int = LAYERS):
+    """CLIP's vision tower with its projection (CLIPVisionModelWithProjection): pre-LayerNorm on
+    the patch embeddings, QuickGELU MLPs (hidden_act='quick_gelu', x * sigmoid(1.702 x)), a
+    post-LayerNorm on the class token. Its loss: the mean square of the image embeddings (any
+    scalar of them trains the whole tower)."""
+    tf = _quiet_transformers()
+    cfg = tf.CLIPVisionConfig(num_hidden_layers=layers, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                              intermediate_size=2 * HIDDEN, image_size=32, patch_size=8,
+                              projection_dim=HIDDEN, hidden_act="quick_gelu", attention_dropout=0.0,
+                              attn_implementation="sdpa")
+    model = tf.CLIPVisionModelWithProjection(cfg)
+
+    def inputs(batch, seq):
+        return {"pixel_values": torch.randn(batch, 3, 32, 32)}
+
+    return model, inputs, lambda m, kw: m(**kw).image_embeds.square().mean()
+
+
+@_on_device
 def llama(layers: int = LAYERS, attn_implementation: str = "sdpa"):
     """Hugging Face's RMSNorm written out (fp32 upcast), SDPA (or the eager chain over repeat_kv)
     with grouped KV heads, SiLU MLP."""
@@ -159,8 +178,8 @@ _FAMILIES.update({
                 "decoder_attention_heads": HEADS, "encoder_ffn_dim": 2 * HIDDEN, "decoder_ffn_dim": 2 * HIDDEN,
                 "num_mel_bins": 8, "max_source_positions": 8, "max_target_positions": 64, "dropout": 0.0,
                 "attention_dropout": 0.0, "activation_dropout": 0.0, "decoder_start_token_id": 0},
-    # text and vision towers, the contrastive loss: CLIP's quick_gelu (x * sigmoid(1.702 x), not a
-    # GeLU) stays as written; SigLIP's gelu_pytorch_tanh fuses
+    # text and vision towers, the contrastive loss: CLIP's quick_gelu (x * sigmoid(1.702 x)) fuses as
+    # bias_gelu's quick form, SigLIP's gelu_pytorch_tanh as its tanh form
     "clip": {**_DECODER, **_MLP},
     "siglip": {**_DECODER, **_MLP},
     # DeBERTa-v2: disentangled attention (relative-position scores added to the scaled q k^T, on
@@ -204,7 +223,7 @@ _FAMILIES.update({
             "attn_implementation": "eager"},
     # gpt-oss: attention sinks (a learned logit per head in the softmax's denominator, transformers'
     # eager attention only) over repeat_kv, a sliding-window layer and a full one, its clamped SwiGLU
-    # experts (left as written)
+    # experts (the clamps left as written; gate * sigmoid(1.702 gate) is bias_gelu's quick form)
     "gpt_oss": {**_DECODER, **_MLP, "num_key_value_heads": 1, "head_dim": HIDDEN // HEADS, "sliding_window": 4,
                 "layer_types": ["sliding_attention", "full_attention"], "num_local_experts": 4,
                 "num_experts_per_tok": 2, "attn_implementation": "eager", "experts_implementation": "batched_mm"},

@@ -1,7 +1,8 @@
 """The bias_gelu dialect wired into trifuse.ops.bias_gelu: trifuse's kernels or
-F.gelu(x + bias, approximate=...), chosen with a fake timer here (on the GPU: measured). Whichever
-runs, the result is bitwise that implementation's, in the form asked (erf or tanh, never the
-other); traced calls always see trifuse::bias_gelu; the check rejects a wrong one."""
+F.gelu(x + bias, approximate=...) (QuickGELU written out for the quick form), chosen with a fake
+timer here (on the GPU: measured). Whichever runs, the result is bitwise that implementation's, in
+the form asked (erf, tanh or quick, never another); traced calls always see trifuse::bias_gelu;
+the check rejects a wrong one."""
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from trifuse.autotune.dialects import Candidate, Dialect
 from trifuse.kernels import bias_gelu as bg
 
 N = 40
-FORMS = ["none", "tanh"]
+FORMS = ["none", "tanh", "quick"]
 
 
 @pytest.fixture
@@ -45,7 +46,9 @@ def registered(x, b, approximate):
 
 
 def eager(x, b, approximate):
-    return F.gelu(x + b, approximate=approximate)
+    """What PyTorch eager computes: F.gelu, or transformers' QuickGELUActivation."""
+    z = x + b
+    return z * torch.sigmoid(1.702 * z) if approximate == "quick" else F.gelu(z, approximate=approximate)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -56,12 +59,13 @@ def eager(x, b, approximate):
 def test_key_is_a_small_tuple_of_plain_values():
     x, b = inputs(rows=7)
     device = -1 if DEVICE == "cpu" else 0
-    assert bg._bias_gelu_key(x, b, "none") == (device, torch.float32, 8, N, torch.float32, False, True)
+    assert bg._bias_gelu_key(x, b, "none") == (device, torch.float32, 8, N, torch.float32, "none", True)
     assert len(bg._bias_gelu_key(x, b, "none")) == len(bg.BIAS_GELU.key_names)
-    assert bg._bias_gelu_key(x, b, "tanh")[5] is True  # erf and tanh never share a decision
+    # erf, tanh and quick never share a decision
+    assert [bg._bias_gelu_key(x, b, form)[5] for form in FORMS] == FORMS
     with torch.no_grad():
         assert bg._bias_gelu_key(x.view(7, 2, N // 2).transpose(0, 1), None, "none") == (
-            device, torch.float32, 16, N // 2, None, False, False)
+            device, torch.float32, 16, N // 2, None, "none", False)
 
 
 @pytest.mark.parametrize("case", ["traced", "empty", "integer", "scalar", "bias shape", "approximate",
@@ -115,20 +119,22 @@ def test_the_measured_winner_runs_bitwise(gelu_dialect, timer, monkeypatch, winn
         assert torch.equal(a, e)
     rec = gelu_dialect.explain(x, b, approximate)
     assert rec.chosen == winner and rec.source == "measured" and set(fake.calls) == {"trifuse", "torch"}
-    tanh = approximate == "tanh"
-    assert rec.bucket == f"dtype=float32,rows=8,n={N},bias=float32,tanh={tanh},grad=True"
+    assert rec.bucket == f"dtype=float32,rows=8,n={N},bias=float32,form={approximate},grad=True"
     fwd_bwd(trifuse.ops.bias_gelu, *inputs(rows=7), approximate)  # same rows bucket: replayed
     assert len(fake.calls) == 2
 
 
-def test_erf_and_tanh_are_chosen_apart(gelu_dialect, timer, monkeypatch):
+def test_each_form_is_chosen_apart(gelu_dialect, timer, monkeypatch):
     monkeypatch.setattr(gelu_dialect, "timer", timer({"trifuse": 2.0, "torch": 1.0}))
     x, b = inputs()
     trifuse.ops.bias_gelu(x, b, "none")
     monkeypatch.setattr(gelu_dialect, "timer", timer({"trifuse": 1.0, "torch": 2.0}))
     trifuse.ops.bias_gelu(x, b, "tanh")
+    monkeypatch.setattr(gelu_dialect, "timer", timer({"trifuse": 2.0, "torch": 1.0}))
+    trifuse.ops.bias_gelu(x, b, "quick")
     assert gelu_dialect.explain(x, b, "none").chosen == "torch"
     assert gelu_dialect.explain(x, b, "tanh").chosen == "trifuse"
+    assert gelu_dialect.explain(x, b, "quick").chosen == "torch"
 
 
 def test_a_second_process_replays_the_choice_from_disk(gelu_dialect, timer, monkeypatch, new_process):
@@ -184,9 +190,10 @@ def test_deterministic_mode_still_tunes(gelu_dialect, timer, monkeypatch):
 def test_torch_candidate_computes_the_form_asked(approximate):
     x, b = inputs()
     got = bg.BIAS_GELU.candidate("torch").fn(x, b, approximate)
-    assert torch.equal(got, F.gelu(x + b, approximate=approximate))
-    other = "tanh" if approximate == "none" else "none"
-    assert not torch.equal(got, F.gelu(x + b, approximate=other))
+    assert torch.equal(got, eager(x, b, approximate))
+    for other in FORMS:
+        if other != approximate:
+            assert not torch.equal(got, eager(x, b, other))
 
 
 @pytest.mark.parametrize("case", ["bias shape", "broadcastable bias", "approximate", "integer input",
@@ -209,7 +216,7 @@ def test_bad_input_still_raises_trifuse_errors(gelu_dialect, timer, monkeypatch)
     monkeypatch.setattr(gelu_dialect, "timer", timer({}))
     with pytest.raises(ValueError, match="bias_gelu: bias must have shape"):
         trifuse.ops.bias_gelu(torch.ones(3, 8, device=DEVICE), torch.ones(5, device=DEVICE))
-    with pytest.raises(ValueError, match="approximate must be 'none' or 'tanh'"):
+    with pytest.raises(ValueError, match="approximate must be 'none', 'tanh' or 'quick'"):
         trifuse.ops.bias_gelu(torch.ones(3, 8, device=DEVICE), None, "erf")
 
 
@@ -238,7 +245,7 @@ def test_check_passes_both_and_rejects_a_wrong_gelu(cache_dir, timer, dtype, app
     d = Dialect("bias_gelu_check", bg._bias_gelu_key, bg.BIAS_GELU.key_names, bg.bias_gelu_ref)
     for c in bg.BIAS_GELU.candidates:
         d.register(c)
-    d.register(Candidate("no-bias", lambda x, b, approximate: F.gelu(x, approximate=approximate)))
+    d.register(Candidate("no-bias", lambda x, b, approximate: bg.bias_gelu_ref(x, None, approximate)))
     d.timer = timer({})
     x, b = inputs(dtype, rows=33)
     d(x, b, approximate)
@@ -247,13 +254,14 @@ def test_check_passes_both_and_rejects_a_wrong_gelu(cache_dir, timer, dtype, app
     assert rec.rejected["no-bias"].startswith("wrong result: output 0")
 
 
-@pytest.mark.parametrize("approximate", FORMS)
-def test_check_rejects_the_other_form(cache_dir, timer, approximate):
-    """Negative control: erf for tanh (or tanh for erf) is a wrong result, not a faster one."""
-    other = "tanh" if approximate == "none" else "none"
+@pytest.mark.parametrize("approximate, other", [("none", "tanh"), ("tanh", "none"), ("quick", "none"),
+                                               ("none", "quick")])
+def test_check_rejects_the_other_form(cache_dir, timer, approximate, other):
+    """Negative control: one form for another (erf for tanh, erf for quick, ...) is a wrong
+    result, not a faster one."""
     d = Dialect("bias_gelu_form_check", bg._bias_gelu_key, bg.BIAS_GELU.key_names, bg.bias_gelu_ref)
     d.register(bg.BIAS_GELU.candidate("trifuse"))
-    d.register(Candidate("swapped", lambda x, b, approximate: F.gelu(x + b, approximate=other)))
+    d.register(Candidate("swapped", lambda x, b, approximate: eager(x, b, other)))
     d.timer = timer({"swapped": 0.1})
     x = torch.randn(64, N, device=DEVICE, requires_grad=True)
     b = torch.nn.Parameter(torch.randn(N, device=DEVICE))

@@ -119,9 +119,14 @@ MODELS = {
     # block boundary, left as dropout_add)
     "whisper": (_family("whisper"), {"layer_norm": 2 * L + 2, "attention": 3 * L, "bias_gelu": 2 * L,
                                      "residual_stream": 3 * L, "dropout_add": 2 * L, **LOSS}),
-    # two towers of L blocks; CLIP's quick_gelu is other maths (left); SigLIP's pooling head adds a
-    # LayerNorm and a GeLU MLP
-    "clip": (_family("clip"), {"layer_norm": 2 * L + 3, "attention": 2 * L, "residual_stream": 2 * L}),
+    # two towers of L blocks; CLIP's quick_gelu becomes bias_gelu's quick form; SigLIP's pooling
+    # head adds a LayerNorm and a GeLU MLP
+    "clip": (_family("clip"), {"layer_norm": 2 * L + 3, "attention": 2 * L, "bias_gelu": 2 * L,
+                               "residual_stream": 2 * L}),
+    # CLIP's vision tower alone (OWL-ViT, CLIPSeg and X-CLIP build on it): pre- and post-LayerNorm,
+    # fc1 + QuickGELU as bias_gelu's quick form
+    "clip-vision": (_models.clip_vision, {"layer_norm": L + 2, "attention": L, "bias_gelu": L,
+                                          "residual_stream": L}),
     "siglip": (_family("siglip"), {"layer_norm": 2 * L + 3, "attention": 2 * L, "bias_gelu": 2 * L + 1,
                                    "residual_stream": 2 * L}),
     # DeBERTa-v2's disentangled attention: the relative-position scores become the op's mask
@@ -163,8 +168,11 @@ MODELS = {
     "mpt": (_family("mpt"), {"layer_norm": L + 1, "attention": L, "residual_stream": L, "dropout_add": L, **LOSS}),
     "biogpt": (_family("biogpt"), {**PRE_NORM, **LOSS}),
     # gpt-oss: attention sinks in every layer (a sliding-window one and a full one), the sinks'
-    # gradient through the op's dsinks; the router and the clamped SwiGLU experts are left
-    "gpt_oss": (_family("gpt_oss"), {"rms_norm": L + 1, "attention": L, "residual_stream": L, **LOSS}),
+    # gradient through the op's dsinks; the router and the clamps of the SwiGLU experts are left,
+    # their `gate * sigmoid(gate * 1.702)` (swiglu_alpha: QuickGELU's function) is bias_gelu's
+    # quick form, one call for all experts
+    "gpt_oss": (_family("gpt_oss"), {"rms_norm": L + 1, "attention": L, "bias_gelu": L, "residual_stream": L,
+                                     **LOSS}),
     # TrOCR: BART's older bmm attention on (B*H, S, D) tensors under the causal mask, a LayerNorm on
     # the embeddings; MiMo-V2-Flash: one layer without sinks (the max-subtracted chain), one with;
     # Granite's sinks as an output scale, the sinks' gradient through the op's dsinks
@@ -190,7 +198,10 @@ def _double_inputs(kw):
 def _first_output(out):
     if isinstance(out, torch.Tensor):
         return out
-    return out.logits_per_image if "logits_per_image" in out else out.logits
+    for name in ("logits_per_image", "logits", "image_embeds"):
+        if name in out:
+            return out[name]
+    raise KeyError(f"no output to compare among {list(out)}")
 
 
 @pytest.mark.parametrize("name", list(MODELS))

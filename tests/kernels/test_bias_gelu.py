@@ -1,4 +1,4 @@
-"""bias + GeLU (erf and tanh forms) and LinearGELU against the float64 oracle.
+"""bias + GeLU (erf, tanh and quick forms) and LinearGELU against the float64 oracle.
 
 On CPU these run the real Triton kernels in the interpreter (tests/_device.py); on a GPU the
 same tests run natively and add bf16.
@@ -19,7 +19,7 @@ from trifuse.kernels.bias_gelu import bias_gelu_ref
 # (300 x 130) whose backward walks several row tiles per program in several programs (with the
 # interpreter's 4 "SMs").
 SHAPES = [(1, 1), (3, 7), (4, 100), (2, 129), (5, 1000), (3, 2500), (0, 32), (2, 3, 50), (2, 2, 3, 17), (300, 130)]
-FORMS = ["none", "tanh"]
+FORMS = ["none", "tanh", "quick"]
 
 
 def _ids(shape):
@@ -68,6 +68,13 @@ def test_matches_float64_oracle(dtype, shape, approximate):
 
 
 @pytest.mark.parametrize("approximate", FORMS)
+@pytest.mark.parametrize("shape", [(5, 1000), (300, 130)], ids=_ids)
+def test_float64_matches_float64_oracle(shape, approximate):
+    """fp64 inputs compute in fp64: the kernels' formulas against PyTorch's to the fp64 floor."""
+    check_fwd_bwd(*make(shape, torch.float64), approximate)
+
+
+@pytest.mark.parametrize("approximate", FORMS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_without_bias(dtype, approximate):
     check_fwd_bwd(*make((5, 300), dtype, bias=False), approximate)
@@ -105,10 +112,25 @@ def test_nan_and_inf_propagate_like_pytorch(approximate):
 
 
 def test_extreme_values_stay_finite():
-    """|z| large: the tanh form's exp overflows to inf and must give z or -0, not NaN."""
+    """|z| large: the tanh and quick forms' exp overflows to inf and must give z or -0, not NaN."""
     x = torch.tensor([[-1e4, -100.0, -20.0, 20.0, 100.0, 1e4]], device=DEVICE, requires_grad=True)
     for approximate in FORMS:
         check_fwd_bwd(x, None, approximate)
+
+
+@pytest.mark.parametrize("approximate", FORMS)
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float64], ids=str)
+def test_extreme_values_stay_finite_in_every_dtype(dtype, approximate):
+    """The same in each dtype, with a bias: y is z or -0 and the gradient 1 or 0, never NaN."""
+    x = torch.tensor([[-1e4, -100.0, -20.0, 20.0, 100.0, 1e4]], device=DEVICE, dtype=dtype)
+    x.requires_grad_()
+    b = torch.zeros(6, device=DEVICE, dtype=dtype, requires_grad=True)
+    y = trifuse.ops.bias_gelu(x, b, approximate)
+    dx, db = torch.autograd.grad(y, (x, b), torch.ones_like(y))
+    for t in (y, dx, db):
+        assert torch.isfinite(t).all(), t
+    assert torch.equal(y[0, 4:], x[0, 4:].detach()) and y[0, 0] == 0  # z = 100, 1e4 and z = -1e4
+    check_fwd_bwd(x, b, approximate)
 
 
 def test_gradcheck_float64():
@@ -167,6 +189,8 @@ def test_opcheck_every_op():
     torch.library.opcheck(torch.ops.trifuse.bias_gelu.default, (x, None, "tanh"))
     dy = torch.randn(3, 16, device=DEVICE)
     torch.library.opcheck(torch.ops.trifuse.bias_gelu_backward.default, (dy, x.detach(), b.detach(), "tanh"))
+    torch.library.opcheck(torch.ops.trifuse.bias_gelu.default, (x, b, "quick"))
+    torch.library.opcheck(torch.ops.trifuse.bias_gelu_backward.default, (dy, x.detach(), None, "quick"))
 
 
 def test_half_input_with_fp32_bias_keeps_each_dtype():
@@ -221,8 +245,8 @@ def test_linear_gelu_is_an_nn_linear_plus_gelu():
     for approximate in FORMS:
         ours.approximate = approximate
         y = ours(x)
-        y64 = F.gelu(F.linear(x.double(), ref.weight.double(), ref.bias.double()), approximate=approximate)
-        ylp = F.gelu(ref(x), approximate=approximate)
+        y64 = bias_gelu_ref(F.linear(x.double(), ref.weight.double(), ref.bias.double()), None, approximate)
+        ylp = bias_gelu_ref(ref(x), None, approximate)
         assert_close("LinearGELU", y, y64, ylp)
         dy = torch.randn_like(y)
         g = torch.autograd.grad(y, (x, ours.weight, ours.bias), dy)
@@ -240,7 +264,7 @@ def test_linear_gelu_loads_linear_state_dict_and_back():
     x = torch.randn(3, 8, device=DEVICE)
     assert_close("no bias", ours(x), F.gelu(ref(x.double().float()).double(), approximate="tanh"), None)
     assert "approximate='tanh'" in repr(ours)
-    with pytest.raises(ValueError, match="LinearGELU: approximate must be 'none' or 'tanh'"):
+    with pytest.raises(ValueError, match="LinearGELU: approximate must be 'none', 'tanh' or 'quick'"):
         trifuse.nn.LinearGELU(8, 12, approximate="sigmoid")
 
 
@@ -249,11 +273,13 @@ def test_linear_gelu_loads_linear_state_dict_and_back():
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("asked, computed", [("none", "tanh"), ("tanh", "none")])
+@pytest.mark.parametrize("asked, computed", [("none", "tanh"), ("tanh", "none"), ("none", "quick"),
+                                             ("quick", "none"), ("tanh", "quick"), ("quick", "tanh")])
 def test_negative_control_other_gelu_form_fails(asked, computed):
-    """The tanh form passed off as the erf form (or the reverse) must not pass, forward or
-    backward. The forms differ by at most 4.7e-4 (at z = -2.7) and their derivatives by 9e-4:
-    far above fp32's tolerance, below fp16's and bf16's resolution, so the control is fp32."""
+    """One form passed off as another must not pass, forward or backward. The erf and tanh forms
+    differ by at most 4.7e-4 (at z = -2.7) and their derivatives by 9e-4: far above fp32's
+    tolerance, below fp16's and bf16's resolution, so the control is fp32. The quick form is
+    farther from both (~2e-2)."""
     x, b = make((64, 256), torch.float32, scale=2.0)
     wrong = trifuse.ops.bias_gelu(x, b, computed)
     x64, b64 = upcast(x, b)
@@ -290,7 +316,8 @@ def test_negative_control_gradient_without_bias_fails():
         (torch.ones(3, 8), torch.ones(3, 8), "none", ValueError, "bias must have shape"),
         (torch.ones(3, 8, dtype=torch.int64), None, "none", TypeError, "bias_gelu: input must be float"),
         (torch.ones(3, 8), torch.ones(8, dtype=torch.int32), "none", TypeError, "bias_gelu: bias must be float"),
-        (torch.ones(3, 8), None, "exact", ValueError, "approximate must be 'none' or 'tanh', got 'exact'"),
+        (torch.ones(3, 8), None, "exact", ValueError,
+         "approximate must be 'none', 'tanh' or 'quick', got 'exact'"),
         ("not a tensor", None, "none", TypeError, "bias_gelu: input must be a torch.Tensor"),
         (torch.ones(3, 8), [1.0] * 8, "none", TypeError, "bias must be a torch.Tensor"),
     ],

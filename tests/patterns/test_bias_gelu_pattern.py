@@ -1,10 +1,11 @@
 """Bias + GeLU: every GeLU spelling after a biased linear (nn.Linear, F.linear, HF Conv1D) moves
-the bias into trifuse.bias_gelu; exact stays exact, tanh stays tanh."""
+the bias into trifuse.bias_gelu; exact stays exact, tanh stays tanh, CLIP's QuickGELU stays quick."""
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
+import trifuse
 from _fusing import (
     Act,
     check_against_unfused,
@@ -33,8 +34,24 @@ def erf_gelu(x):
     return x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))
 
 
-def quick_gelu(x):  # an approximation with other maths: must not become GeLU
+def quick_gelu(x):  # transformers' QuickGELUActivation (CLIP): other maths than either GeLU form
     return x * torch.sigmoid(1.702 * x)
+
+
+def quick_gelu_slope_after(x):
+    return torch.sigmoid(x * 1.702) * x
+
+
+def quick_gelu_method(x):
+    return x * (1.702 * x).sigmoid()
+
+
+def sigmoid_slope_1_7(x):  # QuickGELU's shape with another slope: another function
+    return x * torch.sigmoid(1.7 * x)
+
+
+def silu_as_slope_1(x):  # x * sigmoid(1.0 x) is SiLU, not QuickGELU
+    return x * torch.sigmoid(1.0 * x)
 
 
 def wrong_constant_gelu(x):
@@ -82,16 +99,52 @@ class AddmmAct(nn.Module):
     (lambda: LinearAct(nn.GELU(), conv1d=True), "conv1d_gelu"),
     (lambda: AddmmAct(nn.GELU()), "addmm_gelu"),
     (lambda: AddmmAct(Act(new_gelu)), "addmm_bias_gelu"),
+    (lambda: LinearAct(Act(quick_gelu)), "linear_bias_gelu"),
+    (lambda: LinearAct(Act(quick_gelu_slope_after)), "linear_bias_gelu"),
+    (lambda: LinearAct(Act(quick_gelu_method)), "linear_bias_gelu"),
+    (lambda: LinearAct(_hf_activation("quick_gelu")), "linear_bias_gelu"),
+    (lambda: LinearAct(Act(quick_gelu), conv1d=True), "conv1d_bias_gelu"),
+    (lambda: AddmmAct(Act(quick_gelu)), "addmm_bias_gelu"),
 ], ids=["nn.GELU", "nn.GELU-tanh", "F.gelu-tanh", "conv1d-new-gelu", "new-gelu", "fast-gelu", "erf-written-out",
-        "conv1d-nn.GELU", "addmm-nn.GELU", "addmm-new-gelu"])
+        "conv1d-nn.GELU", "addmm-nn.GELU", "addmm-new-gelu", "quick-gelu", "quick-gelu-slope-after",
+        "quick-gelu-method", "hf-QuickGELUActivation", "conv1d-quick-gelu", "addmm-quick-gelu"])
 def test_spelling_fuses_and_matches(make, pattern, capture):
-    # The oracle would catch exact <-> tanh: they differ by ~1e-3, far above fp32's bound.
+    # The oracle would catch one form for another: exact and tanh differ by ~1e-3, quick and
+    # either by ~2e-2, far above fp32's bound.
     assert check_against_unfused(make, X, capture).by_pattern() == {pattern: 1}
 
 
+def _hf_activation(name):
+    """transformers' own activation module for `hidden_act=name` (ACT2FN), as its models hold it."""
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name]
+
+
 @pytest.mark.parametrize("capture", CAPTURES)
-def test_written_out_gelu_without_linear_still_becomes_one_op(capture):
-    assert check_against_unfused(lambda: Act(new_gelu), X, capture).by_pattern() == {"gelu_tanh_written_out": 1}
+def test_quick_gelu_becomes_the_quick_form(capture):
+    """CLIP's MLP: fc1 + QuickGELU is one bias_gelu(..., approximate="quick"), never a GeLU form."""
+    model = fuse_via(LinearAct(Act(quick_gelu)), capture)
+    x = X[0].clone().requires_grad_()
+    calls = []
+    real = trifuse.ops.bias_gelu
+
+    def spy(x, bias=None, approximate="none"):
+        calls.append(approximate)
+        return real(x, bias, approximate)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(trifuse.ops, "bias_gelu", spy)
+        model(x).sum().backward()
+    assert calls and set(calls) == {"quick"}, calls  # (fusing runs the replacement on example values too)
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("act, pattern", [(new_gelu, "gelu_tanh_written_out"),
+                                          (quick_gelu, "gelu_quick_written_out")],
+                         ids=["new-gelu", "quick-gelu"])
+def test_written_out_gelu_without_linear_still_becomes_one_op(act, pattern, capture):
+    assert check_against_unfused(lambda: Act(act), X, capture).by_pattern() == {pattern: 1}
 
 
 def test_trifuse_op_runs():
@@ -115,20 +168,33 @@ class LinearOutputReused(LinearAct):
 @pytest.mark.parametrize("capture", CAPTURES)
 @pytest.mark.parametrize("make", [
     lambda: LinearAct(nn.GELU(), bias=False),
-    lambda: LinearAct(Act(quick_gelu)),
+    lambda: LinearAct(Act(sigmoid_slope_1_7)),
+    lambda: LinearAct(Act(silu_as_slope_1)),
     lambda: LinearAct(Act(wrong_constant_gelu)),
     lambda: LinearAct(nn.ReLU()),
     lambda: AddmmAct(nn.GELU(), bias_shape=(10, 2 * N)),  # addmm's bias per element, not a vector
-], ids=["no-bias", "quick-gelu", "wrong-constant", "relu", "addmm-2d-bias"])
+], ids=["no-bias", "sigmoid-slope-1.7", "sigmoid-slope-1", "wrong-constant", "relu", "addmm-2d-bias"])
 def test_not_gelu_after_a_biased_linear_is_left(make, capture):
     assert check_against_unfused(make, X, capture).by_pattern() == {}
 
 
-def test_quick_gelu_is_reported_as_left():
-    """CLIP's activation, in a block Dynamo captures (as Hugging Face blocks are): the report says
-    its sigmoid is left as written. (fx installs nothing where no pattern could match.)"""
-    report = check_against_unfused(lambda: LinearAct(Act(quick_gelu)), X, "dynamo")
-    assert [op for *_, op, _ in report.left()] == ["sigmoid"], report.table()
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_quick_gelu_without_bias_is_one_op_without_bias(capture):
+    """A linear without bias: QuickGELU still becomes one op (its own maths, no bias to take)."""
+    report = check_against_unfused(lambda: LinearAct(Act(quick_gelu), bias=False), X, capture)
+    assert report.by_pattern() == {"gelu_quick_written_out": 1}
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_sigmoid_with_another_slope_is_left_with_a_reason(capture):
+    """Negative control for the slope: x * sigmoid(1.7 x) is not QuickGELU; the report says so,
+    and (in a block Dynamo captures) lists its sigmoid as left."""
+    report = check_against_unfused(lambda: LinearAct(Act(sigmoid_slope_1_7)), X, capture)
+    assert report.by_pattern() == {}
+    assert any(pattern == "gelu_quick_written_out" and "is not QuickGELU's x * sigmoid(1.702 x)" in why
+               for _, _, pattern, why in report.rejected()), report.table()
+    if capture == "dynamo":
+        assert [op for *_, op, _ in report.left()] == ["sigmoid"], report.table()
 
 
 @pytest.mark.parametrize("capture", CAPTURES)
@@ -166,7 +232,11 @@ def _colwise(mesh, act, conv1d=False, output_layouts=None):
     (nn.GELU, False, "linear_gelu_on_shards"),
     (lambda: nn.GELU(approximate="tanh"), False, "linear_gelu_on_shards"),
     (lambda: Act(new_gelu), True, "conv1d_bias_gelu_on_shards"),
-], ids=["linear-nn.GELU", "linear-nn.GELU-tanh", "conv1d-new-gelu"])
+    (lambda: Act(new_gelu), False, "linear_bias_gelu_on_shards"),
+    (lambda: Act(quick_gelu), False, "linear_bias_gelu_on_shards"),
+    (lambda: Act(quick_gelu), True, "conv1d_bias_gelu_on_shards"),
+], ids=["linear-nn.GELU", "linear-nn.GELU-tanh", "conv1d-new-gelu", "linear-new-gelu", "linear-quick-gelu",
+        "conv1d-quick-gelu"])
 def test_column_parallel_bias_moves_into_the_gelu(one_rank_mesh, make_act, conv1d, expected):
     report = check_sharded_against_unfused(_colwise(one_rank_mesh, make_act(), conv1d), X)
     assert report.by_pattern() == {expected: 1}, report.by_pattern()
@@ -179,4 +249,15 @@ def test_column_parallel_output_not_on_its_columns_keeps_the_bias(one_rank_mesh)
     report = check_sharded_against_unfused(_colwise(one_rank_mesh, nn.GELU(), output_layouts=Replicate()), X)
     assert "linear_gelu_on_shards" not in report.by_pattern()
     assert any(pattern == "linear_gelu_on_shards" and "not sharded over the output features alike" in why
+               for _, _, pattern, why in report.rejected()), report.rejected()
+
+
+def test_column_parallel_output_not_on_its_columns_keeps_the_bias_of_a_written_out_gelu(one_rank_mesh):
+    """The same for QuickGELU written out: one op without bias, the bias stays in the linear."""
+    from torch.distributed.tensor import Replicate
+
+    make = _colwise(one_rank_mesh, Act(quick_gelu), output_layouts=Replicate())
+    report = check_sharded_against_unfused(make, X)
+    assert report.by_pattern() == {"gelu_quick_written_out": 1}, report.by_pattern()
+    assert any(pattern == "linear_bias_gelu_on_shards" and "not sharded over the output features alike" in why
                for _, _, pattern, why in report.rejected()), report.rejected()

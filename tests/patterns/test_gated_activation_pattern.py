@@ -34,7 +34,7 @@ def sigmoid_first_silu(x):
     return torch.sigmoid(x) * x
 
 
-def quick_gelu(x):  # x * sigmoid(1.702 x): other maths, must not become SiLU
+def quick_gelu(x):  # x * sigmoid(1.702 x): not SiLU (it becomes bias_gelu's quick form)
     return x * torch.sigmoid(1.702 * x)
 
 
@@ -169,6 +169,16 @@ class ScaledByAParameter(nn.Module):
 ], ids=["relu", "quick-gelu", "tanh", "silu-alone"])
 def test_not_a_gated_activation_is_left(make, capture):
     assert "gated_activation" not in check_against_unfused(make, X, capture).counts()
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_quick_gelu_gate_declines_with_a_reason(capture):
+    """QuickGELU becomes bias_gelu's quick form; gated_activation has no quick form and says so
+    instead of computing a GeLU."""
+    report = check_against_unfused(lambda: GatedMLP(Act(quick_gelu)), X, capture)
+    assert report.by_pattern() == {"gelu_quick_written_out": 1}, report.by_pattern()
+    assert any(pattern == "bias_gelu_mul" and "approximate is 'quick'" in why
+               for _, _, pattern, why in report.rejected()), report.table()
 
 
 @pytest.mark.parametrize("capture", CAPTURES)
