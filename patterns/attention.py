@@ -540,6 +540,16 @@ def attention_chain_add_masked_fill_fused(q, k, v, d0, d1, bias=None, mask=None,
     return ops.attention(q, k, v, attn_mask, p if training else 0.0, False, 1.0)
 
 
+def _broadcast_to_scores(what: str, shape: torch.Size, scores: tuple) -> str | None:
+    """None when a mask (or bias) of `shape` broadcasts to exactly the scores' shape; else why not."""
+    try:
+        if torch.broadcast_shapes(shape, scores) != torch.Size(scores):
+            return f"{what} {tuple(shape)}: broadcast with the scores {scores}, wider than them"
+    except RuntimeError:
+        return f"{what} {tuple(shape)}: no broadcast to the scores {scores}"
+    return None
+
+
 def _bias_is_scores_like_or_zero(m: Match) -> str | None:
     """The added term is the number 0 (DeBERTa without relative attention) or a float tensor in q's
     dtype that broadcasts to the scores (B, H, Sq, Sk)."""
@@ -551,13 +561,7 @@ def _bias_is_scores_like_or_zero(m: Match) -> str | None:
         return "no shapes for q, k or the added scores"
     if bias.dtype != q.dtype:
         return f"the added scores ({bias.dtype}) are not in q's dtype ({q.dtype})"
-    scores = (*q.shape[:-1], k.shape[-2])
-    try:
-        if torch.broadcast_shapes(bias.shape, scores) != torch.Size(scores):
-            return f"the added scores {tuple(bias.shape)} broadcast beyond the scores {scores}"
-    except RuntimeError:
-        return f"the added scores {tuple(bias.shape)} do not broadcast to the scores {scores}"
-    return None
+    return _broadcast_to_scores("the added scores", bias.shape, (*q.shape[:-1], k.shape[-2]))
 
 
 def _bool_mask_over_scores(m: Match) -> str | None:
@@ -567,13 +571,7 @@ def _bool_mask_over_scores(m: Match) -> str | None:
         return "q and k are not 4-D (batch, heads, seq, head_dim) or the mask has no shape"
     if mask.dtype != torch.bool:
         return "the mask is not a bool tensor"
-    scores = (*q.shape[:-1], k.shape[-2])
-    try:
-        if torch.broadcast_shapes(mask.shape, scores) != torch.Size(scores):
-            return f"the mask {tuple(mask.shape)} broadcasts beyond the scores {scores}"
-    except RuntimeError:
-        return f"the mask {tuple(mask.shape)} does not broadcast to the scores {scores}"
-    return None
+    return _broadcast_to_scores("the mask", mask.shape, (*q.shape[:-1], k.shape[-2]))
 
 
 def _add_masked_fill_pattern(add_bias: bool) -> Pattern:
@@ -627,13 +625,7 @@ def _bmm_heads(m: Match, masked: bool) -> str | None:
     if not isinstance(mask, torch.Tensor) or not mask.is_floating_point() or mask.dim() > 4:
         return "the mask is not a float (additive) mask of at most 4 dims"
     heads = heads_shape[1]
-    scores = (q.shape[0] // heads, heads, q.shape[1], k.shape[1])
-    try:
-        if torch.broadcast_shapes(mask.shape, scores) != torch.Size(scores):
-            return f"the mask {tuple(mask.shape)} broadcasts beyond the scores {scores}"
-    except RuntimeError:
-        return f"the mask {tuple(mask.shape)} does not broadcast to the scores {scores}"
-    return None
+    return _broadcast_to_scores("the mask", mask.shape, (q.shape[0] // heads, heads, q.shape[1], k.shape[1]))
 
 
 def _bmm_pattern(masked: bool) -> Pattern:
