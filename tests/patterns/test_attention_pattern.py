@@ -542,26 +542,6 @@ def test_deberta_disentangled_attention_fuses(relative, pattern, capture):
     assert report.by_pattern() == {pattern: 1}
 
 
-def test_deberta_attention_under_active_dropout_fuses():
-    """DeBERTa masks padding queries whole: the unfused row is dropout(uniform) @ V, V's rows over a
-    random subset of the keys / (S (1 - p)); so is the fused one (a zero query, an open mask, the
-    op's own dropout). A fixed seed repeats the draw."""
-    p = 0.5
-    model = fuse_via(Disentangled(p=p).train(), "dynamo")
-    q, k, v = qkv()
-    torch.manual_seed(1)
-    out = model(q, k, v)
-    torch.manual_seed(1)
-    torch.testing.assert_close(model(q, k, v), out, rtol=0, atol=0)
-    assert trifuse.report(model).by_pattern() == {"attention_bmm_scaled_k_add_masked_fill_dropout": 1}
-    subsets = torch.tensor(list(itertools.product((0.0, 1.0), repeat=S)))  # (2^S, S)
-    sums = torch.einsum("ns,hsd->hnd", subsets, v[1]) / (S * (1 - p))  # (H, 2^S, D)
-    row = out[1, :, 2]  # batch 1, query 2: masked whole
-    for h in range(H):
-        assert (sums[h] - row[h]).abs().amax(-1).min() < 1e-5, f"head {h}: not a dropout of V's mean"
-    assert not torch.allclose(row, v[1].mean(-2) / (1 - p)), "no key was dropped in any head"
-
-
 class DisentangledV1(nn.Module):
     """DeBERTa's (v1) DisentangledSelfAttention core as transformers writes it, on (B, H, S, D)
     tensors: q divided by a 0-d tensor scale before the product, relative-position scores added
@@ -600,19 +580,28 @@ def test_deberta_v1_attention_fuses(relative, capture):
     assert report.by_pattern() == {"attention_chain_add_masked_fill_unscaled_dropout": 1}
 
 
-def test_deberta_v1_attention_under_active_dropout_fuses():
-    """A query row masked whole is dropout(uniform) @ V in the unfused code; the fused row is a
-    dropout of V's mean too (the op's own draw, a zero query under an open mask)."""
+@pytest.mark.parametrize("make, pattern", [
+    (Disentangled, "attention_bmm_scaled_k_add_masked_fill_dropout"),
+    (DisentangledV1, "attention_chain_add_masked_fill_unscaled_dropout"),
+], ids=["v2", "v1"])
+def test_deberta_attention_under_active_dropout_fuses(make, pattern):
+    """DeBERTa masks padding queries whole: the unfused row is dropout(uniform) @ V, V's rows over a
+    random subset of the keys / (S (1 - p)); so is the fused one (a zero query, an open mask, the
+    op's own dropout). A fixed seed repeats the draw."""
     p = 0.5
-    model = fuse_via(DisentangledV1(p=p).train(), "dynamo")
+    model = fuse_via(make(p=p).train(), "dynamo")
     q, k, v = qkv()
+    torch.manual_seed(1)
     out = model(q, k, v)
-    assert trifuse.report(model).by_pattern() == {"attention_chain_add_masked_fill_unscaled_dropout": 1}
+    torch.manual_seed(1)
+    torch.testing.assert_close(model(q, k, v), out, rtol=0, atol=0)
+    assert trifuse.report(model).by_pattern() == {pattern: 1}
     subsets = torch.tensor(list(itertools.product((0.0, 1.0), repeat=S)))  # (2^S, S)
     sums = torch.einsum("ns,hsd->hnd", subsets, v[1]) / (S * (1 - p))  # (H, 2^S, D)
     row = out[1, :, 2]  # batch 1, query 2: masked whole
     for h in range(H):
         assert (sums[h] - row[h]).abs().amax(-1).min() < 1e-5, f"head {h}: not a dropout of V's mean"
+    assert not torch.allclose(row, v[1].mean(-2) / (1 - p)), "no key was dropped in any head"
 
 
 def test_deberta_v1_spelling_with_another_constant_is_left():
