@@ -86,6 +86,9 @@ FAMILIES = {
     # disentangled attention (transformers has only its eager code for it)
     "deberta-v2": ("masked", {**_DECODER, "relative_attention": True, "pos_att_type": ["p2c", "c2p"],
                               "position_buckets": 8, "attn_implementation": "eager"}),
+    # DeBERTa (v1): q scaled before the product, c2p + p2c scores, its LayerNorm written out
+    "deberta": ("masked", {**_DECODER, "relative_attention": True, "pos_att_type": ["c2p", "p2c"],
+                           "attn_implementation": "eager"}),
     # older decoders with transformers' eager attention only, their blocks returning the attention
     # weights: GPT-J and CodeGen (interleaved partial rotary, parallel block), GPT-Neo (a global
     # and a local layer, window 4 of 12), BLOOM and MPT (ALiBi), XGLM
