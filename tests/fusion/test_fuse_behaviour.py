@@ -123,6 +123,7 @@ def test_a_capture_that_fails_with_scalars_in_the_graph_is_retried_without(monke
         torch.testing.assert_close(loss_fn(model, kw), loss_fn(ref, kw))
     assert settings[:3] == [True, False, False] and not any(settings[3:])
     assert block.failed is None and not trifuse.report(model).unfused_calls()
+    assert torch._dynamo.config.capture_scalar_outputs is False, "the user's Dynamo setting is left as it was"
     assert trifuse.report(model).counts()["attention"] == _models.LAYERS
 
 
