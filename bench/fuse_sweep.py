@@ -72,6 +72,10 @@ EXPLAINED = {
     ("seq2seq", "fp16-autocast", "t5"):
         "ReLU kink: a pre-activation within fp16 rounding of 0 flips sign (T5 with gelu_new, 3 seeds: ok; relu, "
         "5 seeds: the unfused model flips too, seed 4)",
+    ("seq2seq", "fp16-autocast", "longt5"):
+        "ReLU kink, as T5 (with gelu_new: ok, oracle excess -3e-4)",
+    ("seq2seq", "fp16-autocast", "switch_transformers"):
+        "ReLU kink, as T5 (with gelu_new: ok, oracle excess -1e-3)",
     ("causal-lm", "float64", "deepseek_v4"):
         "the model's own fp32 parts (hyper-connection head): unfused is 1.8e-5 from float64 itself "
         "(bench/fp64_truth.py, results README)",
@@ -273,8 +277,9 @@ def _markdown(rows: list[dict], header: str, task: str = "causal-lm", dtype: str
     for r in rows:
         replaced = ", ".join(f"{k} {v}" for k, v in r.get("replaced", {}).items())
         err = (f"{r['loss_rel_err']:.2g}", f"{r['grad_rel_err']:.2g}") if "loss_rel_err" in r else ("", "")
-        why = r.get("why", "").replace("|", "/").replace("\n", " ")[:120] \
-            or (EXPLAINED.get((task, dtype, r["type"]), "") if r["status"] == "MISMATCH" else "")
+        why = r.get("why", "").replace("|", "/").replace("\n", " ")[:120]
+        explained = EXPLAINED.get((task, dtype, r["type"]), "") if r["status"] == "MISMATCH" else ""
+        why = "; ".join(w for w in (why, explained) if w)
         out.append(f"| {r['type']} | {r['status']} | {replaced} | {r.get('left', '')} | {err[0]} | {err[1]} | {why} |")
     return "\n".join(out) + "\n"
 
