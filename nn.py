@@ -4,6 +4,7 @@ from collections.abc import Sequence
 import torch
 
 from . import ops
+from .kernels.bias_gelu import APPROXIMATE
 
 
 class LayerNorm(torch.nn.LayerNorm):
@@ -68,7 +69,7 @@ class LinearGELU(torch.nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        if approximate not in ("none", "tanh", "quick"):
+        if approximate not in APPROXIMATE:
             raise ValueError("trifuse.nn.LinearGELU: approximate must be 'none', 'tanh' or 'quick', "
                              f"got {approximate!r}")
         self.in_features, self.out_features, self.approximate = in_features, out_features, approximate

@@ -70,9 +70,11 @@ def bias_gelu_ref(x: torch.Tensor, bias: torch.Tensor | None = None, approximate
     """gelu(x + bias) in plain PyTorch; the quick form as transformers' QuickGELUActivation
     writes it."""
     z = x if bias is None else x + bias
-    if approximate == "quick":
-        return z * torch.sigmoid(QUICK_ALPHA * z)
-    return F.gelu(z, approximate=approximate)
+    return _quick_gelu_torch(z) if approximate == "quick" else F.gelu(z, approximate=approximate)
+
+
+def _quick_gelu_torch(z: torch.Tensor) -> torch.Tensor:
+    return z * torch.sigmoid(QUICK_ALPHA * z)
 
 
 # =============================================================================================
@@ -270,19 +272,13 @@ def _upcast(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.to(acc) if bias is None else x.to(acc) + bias.to(acc)
 
 
-def _quick_gelu_torch(z: torch.Tensor) -> torch.Tensor:
-    return z * torch.sigmoid(QUICK_ALPHA * z)
-
-
 def _quick_gelu_grad_torch(z: torch.Tensor) -> torch.Tensor:
     s = torch.sigmoid(QUICK_ALPHA * z)
     return s + QUICK_ALPHA * z * s * (1.0 - s)
 
 
 def _bias_gelu_torch(x, bias, approximate):
-    z = _upcast(x, bias)
-    y = _quick_gelu_torch(z) if approximate == "quick" else F.gelu(z, approximate=approximate)
-    return y.to(x.dtype).contiguous()
+    return bias_gelu_ref(_upcast(x, bias), None, approximate).to(x.dtype).contiguous()
 
 
 def _bias_gelu_bwd_torch(dy, x, bias, approximate):

@@ -441,26 +441,33 @@ def attention_bmm_scaled_k(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0
 def attention_bmm_scaled_k_fused(q, k, v, d0, d1, scale, bias=None, heads_shape=None, flat_shape=None, mask=None,
                                  fill=None, p=0.0, training=False, *, add_bias: bool):
     heads, seq_q, seq_k, dim = heads_shape[1], q.shape[1], k.shape[1], q.shape[2]
-    keep = torch.logical_not(mask)  # masked_fill marks what to drop, an attention mask what to keep
     q4, v4 = q.view(-1, heads, seq_q, dim), v.view(-1, heads, seq_k, v.shape[2])
     k4 = (k / scale).view(-1, heads, seq_k, dim)  # the division as the model writes it, on k
-    if fill != float("-inf"):
-        # finfo.min (the filter allows no other finite fill): the unfused softmax of a row masked
-        # whole is uniform, dropped out like any other. The op computes exactly that when the row's
-        # query is zero and its mask open (all scores 0); the where()s pass no gradient to q or the
-        # bias there, as masked_fill passes none to the scores.
-        open_row = keep.any(-1, keepdim=True)
-        q4 = torch.where(open_row, q4, 0.0)
-        keep = torch.logical_or(keep, torch.logical_not(open_row))
-    if add_bias:
-        # the scores' gradient reaches the bias only where the mask keeps a key, as through masked_fill
-        attn_mask = torch.where(keep, bias.view(heads_shape), float("-inf"))
-        if fill != float("-inf"):
-            attn_mask = torch.where(open_row, attn_mask, 0.0)
-    else:
-        attn_mask = keep
+    q4, attn_mask = _masked_fill_as_op_mask(q4, mask, bias.view(heads_shape) if add_bias else None, fill)
     o = ops.attention(q4, k4, v4, attn_mask, p if training else 0.0, False, 1.0)
     return o.reshape(-1, seq_q, v.shape[2])
+
+
+def _masked_fill_as_op_mask(q: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor | None, fill):
+    """`(scores + bias).masked_fill(mask, fill)` as the op's inputs: (q, attn_mask), q per head.
+
+    masked_fill marks what to drop, an attention mask what to keep; the bias (or None) becomes the
+    op's float mask, -inf where a key is dropped (its gradient reaches the bias only where a key is
+    kept, as through masked_fill). With fill finfo.min (the filters allow no other finite fill) the
+    unfused softmax of a row masked whole is uniform, dropped out like any other: the op computes
+    exactly that when the row's query is zero and its mask open (all scores 0); the where()s pass
+    no gradient to q or the bias there, as masked_fill passes none to the scores."""
+    keep = torch.logical_not(mask)
+    if fill != float("-inf"):
+        open_row = keep.any(-1, keepdim=True)
+        q = torch.where(open_row, q, 0.0)
+        keep = torch.logical_or(keep, torch.logical_not(open_row))
+    if bias is None:
+        return q, keep
+    attn_mask = torch.where(keep, bias, float("-inf"))
+    if fill != float("-inf"):
+        attn_mask = torch.where(open_row, attn_mask, 0.0)
+    return q, attn_mask
 
 
 def _bmm_scaled_k_shapes(m: Match) -> str | None:
@@ -523,20 +530,8 @@ def attention_chain_add_masked_fill(q: torch.Tensor, k: torch.Tensor, v: torch.T
 
 def attention_chain_add_masked_fill_fused(q, k, v, d0, d1, bias=None, mask=None, fill=None, p=0.0, training=False, *,
                                           add_bias: bool):
-    keep = torch.logical_not(mask)
-    if fill != float("-inf"):
-        # finfo.min: a query row masked whole is uniform before the dropout in the unfused code (DeBERTa
-        # masks padding queries too); a zero query under an open mask makes the op compute exactly that,
-        # dropout included (as attention_bmm_scaled_k_fused does)
-        open_row = keep.any(-1, keepdim=True)
-        q = torch.where(open_row, q, 0.0)
-        keep = torch.logical_or(keep, torch.logical_not(open_row))
-    attn_mask = keep
-    if add_bias and not is_number(bias):
-        # the scores' gradient reaches the bias only where the mask keeps a key, as through masked_fill
-        attn_mask = torch.where(keep, bias, float("-inf"))
-        if fill != float("-inf"):
-            attn_mask = torch.where(open_row, attn_mask, 0.0)
+    # DeBERTa masks padding queries whole too; `+ 0` adds nothing to the op's mask
+    q, attn_mask = _masked_fill_as_op_mask(q, mask, bias if add_bias and not is_number(bias) else None, fill)
     return ops.attention(q, k, v, attn_mask, p if training else 0.0, False, 1.0)
 
 
