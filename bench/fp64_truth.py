@@ -7,9 +7,9 @@ does that. trifuse's norms and loss read the tensor before such a cast and compu
 precision (float64 for float64 inputs; patterns/layer_norm.py, patterns/cross_entropy.py), so
 fused and unfused then agree only to the model's fp32 level. This script measures that level.
 
-    TRITON_INTERPRET=1 python bench/fp64_truth.py MODEL_TYPE [MODEL_TYPE ...] [--ops FAMILY,FAMILY]
+    TRITON_INTERPRET=1 python bench/fp64_truth.py MODEL_TYPE [MODEL_TYPE ...] [--ops FAMILY,FAMILY] [--task TASK]
 
-Per causal-LM type (built as fuse_sweep builds it: tiny config, float64, one training step,
+Per type (causal LM unless --task says another of fuse_sweep's tasks) (built as fuse_sweep builds it: tiny config, float64, one training step,
 dropout off), the largest relative gradient error (as fuse_sweep measures it) and the loss's:
     fused vs unfused        what fuse_sweep judges (1e-5)
     unfused vs truth        the model's own fp32 parts. The truth is the unfused model run inside
@@ -94,21 +94,21 @@ def other_fp32_cross_entropy() -> Iterator[None]:
         F.cross_entropy = _F_CROSS_ENTROPY
 
 
-def _build(model_type: str) -> tuple[torch.nn.Module, dict]:
-    """The float64 model and batch fuse_sweep.run_one makes for a causal-LM type."""
+def _build(model_type: str, task: str = "causal-lm") -> tuple[torch.nn.Module, dict]:
+    """The float64 model and batch fuse_sweep.run_one makes for a type and task."""
     import transformers as tf
 
     tf.logging.set_verbosity_error()
     for attn in ("sdpa", "eager"):
-        cfg = fuse_sweep._config(tf, model_type, attn)
+        cfg = fuse_sweep._config(tf, model_type, attn, task)
         torch.manual_seed(0)
         try:
-            model = tf.AutoModelForCausalLM.from_config(cfg).double()
+            model = fuse_sweep._auto_class(tf, task).from_config(cfg).double()
         except Exception as e:  # noqa: BLE001
             if attn == "sdpa" and "does not support an attention implementation" in str(e):
                 continue
             raise
-        return model.train(), fuse_sweep._inputs("causal-lm")
+        return model.train(), fuse_sweep._inputs(task)
     raise RuntimeError(f"{model_type}: no attention implementation builds")
 
 
@@ -124,13 +124,13 @@ def _worst(names: list[str], ref: tuple, got: tuple, k: int = 3) -> str:
     return ", ".join(f"{n} {e:.2g}" for e, n in sorted(errs, reverse=True)[:k])
 
 
-def measure(model_type: str, ops: list[str] | None = None) -> dict:
-    """The comparisons in the module docstring for one causal-LM type, fused with `ops` (None:
+def measure(model_type: str, ops: list[str] | None = None, task: str = "causal-lm") -> dict:
+    """The comparisons in the module docstring for one type of a task, fused with `ops` (None:
     every family). Returns {name: (loss rel err, max grad rel err, worst parameters)} and the
     trifuse ops one fused training step ran ("trifuse_ops")."""
     import trifuse
 
-    model, kwargs = _build(model_type)
+    model, kwargs = _build(model_type, task)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     unfused = _step(model, kwargs)
     with Float64Throughout():
@@ -162,12 +162,13 @@ def test_fp64_truth_smoke():
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("types", nargs="+", help="causal-LM model types (transformers' config names)")
+    parser.add_argument("types", nargs="+", help="model types (transformers' config names)")
+    parser.add_argument("--task", default="causal-lm", choices=fuse_sweep.TASKS)
     parser.add_argument("--ops", help="families to fuse, comma-separated (default: all)")
     args = parser.parse_args()
     ops = args.ops.split(",") if args.ops else None
     for model_type in args.types:
-        r = measure(model_type, ops)
+        r = measure(model_type, ops, args.task)
         print(f"{model_type} (ops {ops or 'all'}); trifuse ops a fused step ran: {r.pop('trifuse_ops')}")
         for name, (loss_err, grad_err, worst) in r.items():
             print(f"  {name:20s} loss {loss_err:.2g}  grads {grad_err:.2g}  worst: {worst}")

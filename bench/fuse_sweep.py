@@ -55,6 +55,10 @@ SMALL_EXTRA = {"encoder_layers": 2, "decoder_layers": 2, "num_decoder_layers": 2
                "decoder_attention_heads": 2, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "d_ff": 64, "d_kv": 16,
                "embedding_size": 32, "decoder_start_token_id": 0, "image_size": 32, "patch_size": 8,
                "num_channels": 3, "num_labels": 3, "embed_dim": 32, "hidden_sizes": 32, "depths": 1}
+# Per-type settings the tiny config needs to run at all. T5Gemma masks decoder tokens equal to
+# pad, so a start token equal to pad masks the first query row whole (NaN in the unfused model).
+# Swin halves its patch grid at each of its 4 stages: 16x16 patches (patch size 2) in windows of 2.
+OVERRIDES = {"t5gemma": {"bos_token_id": 2}, **{t: {"window_size": 2, "patch_size": 2} for t in ("swin", "swinv2", "donut-swin")}}
 TASKS = ("causal-lm", "masked-lm", "seq2seq", "image-cls")
 VIAS = ("fuse", "backend")  # trifuse.fuse(model), or torch.compile(model, backend="trifuse")
 MAX_PARAMS = 3_000_000
@@ -86,20 +90,48 @@ EXPLAINED = {
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
+def _small_config(cls, kw: dict):
+    """cls built with the small sizes (encoder-decoder and vision tasks): per-stage sizes (Swin's
+    depths and num_heads, PVT's, ...) become one small value per stage, zeroed rates keep the
+    default's type, sub-configs (CLIP's text and vision towers, T5Gemma's encoder and decoder) are
+    made small too, and sizes the config's own validation rejects (a head_dim it does not have,
+    BiT's layer count) are left at their defaults."""
+    default = cls()
+    kw = dict(kw)
+    for k, v in list(kw.items()):
+        d = getattr(default, k, None)
+        if isinstance(d, (list, tuple)) and d and all(isinstance(x, (int, float)) for x in d):
+            kw[k] = type(d)([v] * len(d))
+        elif k in NO_DROPOUT and isinstance(d, int) and not isinstance(d, bool):
+            kw[k] = 0
+    if not hasattr(default, "head_dim"):
+        kw.pop("head_dim", None)
+    for name, sub_cls in (getattr(default, "sub_configs", None) or {}).items():
+        if isinstance(sub_cls, type) and getattr(default, name, None) is not None:
+            try:
+                kw[name] = _small_config(sub_cls, {k: v for k, v in kw.items() if k != "attn_implementation"})
+            except Exception:  # noqa: BLE001, S110  (an AutoConfig placeholder: that sub-config stays its default)
+                pass
+    try:
+        return cls(**kw)
+    except Exception:  # noqa: BLE001  (the config's own validation: the layer count stays its own)
+        kw.pop("num_hidden_layers", None)
+        return cls(**kw)
+
+
 def _config(tf, model_type: str, attn: str, task: str = "causal-lm"):
     small = SMALL if task == "causal-lm" else {**SMALL, **SMALL_EXTRA}
-    kw = {**small, **NO_DROPOUT}
-    if task != "causal-lm":
-        # per-stage sizes (Swin's depths and num_heads, PVT's, ...) are lists: one small value per stage
-        default = tf.CONFIG_MAPPING[model_type]()
-        for k, v in list(kw.items()):
-            d = getattr(default, k, None)
-            if isinstance(d, (list, tuple)) and d and all(isinstance(x, (int, float)) for x in d):
-                kw[k] = type(d)([v] * len(d))
-    cfg = tf.CONFIG_MAPPING[model_type](**kw, attn_implementation=attn, experts_implementation="batched_mm")
+    kw = {**small, **NO_DROPOUT, **OVERRIDES.get(model_type, {})}
+    extra = {"attn_implementation": attn, "experts_implementation": "batched_mm"}
+    if task == "causal-lm":
+        cfg = tf.CONFIG_MAPPING[model_type](**kw, **extra)
+    else:
+        cfg = _small_config(tf.CONFIG_MAPPING[model_type], {**kw, **extra})
     for k, v in small.items():  # sizes some constructors ignore; head_dim may be a derived property
-        if k == "head_dim":
+        if k == "head_dim" or k in OVERRIDES.get(model_type, {}):
             continue
+        if task != "causal-lm" and isinstance(getattr(cfg, k, None), (list, tuple)):
+            continue  # per-stage sizes, made small above
         try:
             if hasattr(cfg, k):
                 setattr(cfg, k, v)

@@ -799,6 +799,83 @@ def _fill_is_huge(m: Match) -> str | None:
     return None
 
 
+def attention_chain_per_head_scale(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, logit_scale: torch.Tensor,
+                                   bias: torch.Tensor, windows_shape, mask: torch.Tensor, heads_shape, p, training, *,
+                                   windowed: bool):
+    """Swin V2's cosine attention (transformers' Swinv2SelfAttention), q and k normalized before:
+    the scores times a learned scale per head (`logit_scale`, the exp of a clamp, (H, 1, 1)), plus
+    the relative position bias ((1, H, S, S)); in shifted windows (windowed) the window mask
+    (nW, S, S) then added over a (batch, windows, heads, S, S) view, twice, as written there, and
+    viewed back; softmax, dropout, @ v."""
+    s = torch.matmul(q, k.transpose(d0, d1)) * logit_scale + bias
+    if windowed:
+        s = s.view(windows_shape) + mask.unsqueeze(1).unsqueeze(0)
+        s = (s + mask.unsqueeze(1).unsqueeze(0)).view(heads_shape)
+    a = F.dropout(torch.softmax(s, -1), p, training, False)
+    return torch.matmul(a, v)
+
+
+def attention_chain_per_head_scale_fused(q, k, v, d0, d1, logit_scale, bias, windows_shape=None, mask=None,
+                                         heads_shape=None, p=0.0, training=False, *, windowed: bool):
+    # The scale per head moves onto q (the op's scale is 1; logit_scale's gradient comes through
+    # this product), back in q's dtype (logit_scale is an fp32 parameter beside 16-bit q).
+    q_scaled = (q * logit_scale).to(q.dtype)
+    attn_mask = bias
+    if windowed:
+        # the bias and the window mask as one (B, H, S, S) float mask: the window mask repeats every
+        # nW entries of the batch, which no stride can express; its gradient reaches the bias
+        # (shapes from q, k and the mask: the views' sizes may be symbolic in a dynamic capture)
+        scores = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        window_mask = mask.unsqueeze(1).unsqueeze(0)
+        per_window = bias.expand(scores).reshape(-1, mask.shape[0], *scores[1:])
+        attn_mask = (per_window + window_mask + window_mask).reshape(scores)
+    return ops.attention(q_scaled, k, v, attn_mask, p if training else 0.0, False, 1.0)
+
+
+def _per_head_scale_and_bias(m: Match, windowed: bool) -> str | None:
+    """4-D q, k, v; a float tensor scale constant along the queries and keys (per head, or one
+    number), so it can scale q instead; a float bias over the scores; windowed: a 3-D float
+    window mask (nW, Sq, Sk), the scores viewed as (B / nW, nW, H, Sq, Sk) and back to 4-D."""
+    q, k, v, scale, bias = (m.value(n) for n in ("q", "k", "v", "logit_scale", "bias"))
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
+        return "q, k and v are not all 4-D (batch, heads, seq, head_dim)"
+    if not isinstance(scale, torch.Tensor) or not scale.is_floating_point():
+        return "the scale is not a float tensor"
+    if scale.dim() > 4 or any(n != 1 for n in scale.shape[-2:]):
+        return f"the scale has shape {tuple(scale.shape)}: not constant along the queries and keys"
+    try:
+        if torch.broadcast_shapes(scale.shape, q.shape) != q.shape:
+            return f"the scale {tuple(scale.shape)} broadcasts beyond q {tuple(q.shape)}"
+    except RuntimeError:
+        return f"the scale {tuple(scale.shape)} does not broadcast to q {tuple(q.shape)}"
+    if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
+        return "the added bias is not a float tensor"
+    scores = (*q.shape[:-1], k.shape[-2])
+    why = _broadcast_to_scores("the bias", bias.shape, scores)
+    if why or not windowed:
+        return why
+    mask, windows_shape, heads_shape = m.value("mask"), m["windows_shape"], m["heads_shape"]
+    if not isinstance(mask, torch.Tensor) or not mask.is_floating_point() or mask.dim() != 3:
+        return "the window mask is not a 3-D float (windows, seq, seq) tensor"
+    windows = mask.shape[0]
+    want = (q.shape[0] // windows, windows, *scores[1:])
+    if q.shape[0] % windows or not isinstance(windows_shape, (tuple, list)) or len(windows_shape) != 5 \
+            or any(is_number(got) and got not in (w, -1) for got, w in zip(windows_shape, want)):
+        return f"the scores are viewed as {windows_shape!r}, not (batch / windows, windows, heads, seq, seq) = {want}"
+    if not isinstance(heads_shape, (tuple, list)) or len(heads_shape) != 4 \
+            or any(is_number(got) and got not in (w, -1) for got, w in zip(heads_shape, scores)):
+        return f"the scores are viewed back as {heads_shape!r}, not {scores}"
+    return _broadcast_to_scores("the window mask", mask.shape, (windows, *scores[2:]))
+
+
+def _per_head_scale_pattern(windowed: bool) -> Pattern:
+    name = "attention_chain_per_head_scale_add_" + ("window_mask_" if windowed else "") + "dropout"
+    return Pattern(name, "attention", functools.partial(attention_chain_per_head_scale, windowed=windowed),
+                   functools.partial(attention_chain_per_head_scale_fused, windowed=windowed), ("attention",),
+                   (_transposes_last_two, functools.partial(_per_head_scale_and_bias, windowed=windowed),
+                    needs_number("p"), needs_bool("training")))
+
+
 def self_attention_mha(x: torch.Tensor, embed_dim, num_heads, in_w: torch.Tensor, in_b, dropout_p,
                        out_w: torch.Tensor, out_b, training, average_attn_weights, key_padding_mask, attn_mask,
                        is_causal):
@@ -894,6 +971,9 @@ PATTERNS = (
     # DeBERTa's (v1) attention: q scaled before the product, relative-position scores (or 0) added
     _add_masked_fill_pattern(add_bias=True),
     _add_masked_fill_pattern(add_bias=False),
+    # Swin V2's cosine attention: a learned scale per head, the relative position bias, shifted windows' mask
+    _per_head_scale_pattern(windowed=True),
+    _per_head_scale_pattern(windowed=False),
     # BART's older eager attention on (B*H, S, D) tensors (TrOCR, MVP, LED's decoder)
     _bmm_pattern(masked=True),
     _bmm_pattern(masked=False),

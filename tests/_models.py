@@ -86,6 +86,24 @@ def vit(dropout: float = 0.0, layers: int = LAYERS):
 
 
 @_on_device
+def swinv2(stages: int = 2):
+    """Swin V2 (transformers' Swinv2ForImageClassification): cosine attention in windows of 2x2
+    patches with a learned scale per head and a relative position bias from a small MLP; every
+    second block in a stage shifts its windows (the window mask added, twice, over a per-window
+    view); LayerNorms after each sublayer (res-post-norm), patch merging between the stages."""
+    tf = _quiet_transformers()
+    cfg = tf.Swinv2Config(image_size=16, patch_size=2, embed_dim=HIDDEN, depths=[2] * stages,
+                          num_heads=[HEADS] * stages, window_size=2, num_labels=3, hidden_dropout_prob=0.0,
+                          attention_probs_dropout_prob=0.0, drop_path_rate=0.0)
+    model = tf.Swinv2ForImageClassification(cfg)
+
+    def inputs(batch, seq):
+        return {"pixel_values": torch.randn(batch, 3, 16, 16), "labels": torch.randint(0, 3, (batch,))}
+
+    return model, inputs, lambda m, kw: m(**kw).loss
+
+
+@_on_device
 def clip_vision(layers: int = LAYERS):
     """CLIP's vision tower with its projection (CLIPVisionModelWithProjection): pre-LayerNorm on
     the patch embeddings, QuickGELU MLPs (hidden_act='quick_gelu', x * sigmoid(1.702 x)), a

@@ -129,6 +129,10 @@ MODELS = {
                                           "residual_stream": L}),
     "siglip": (_family("siglip"), {"layer_norm": 2 * L + 3, "attention": 2 * L, "bias_gelu": 2 * L + 1,
                                    "residual_stream": 2 * L}),
+    # Swin V2: cosine attention (a learned scale per head moved onto q, the relative position bias
+    # the op's mask, in shifted windows with the window mask added), two stages of two blocks; its
+    # norms after each sublayer (y = r + LN(x)) are plain layer_norms, not the residual stream
+    "swinv2": (_models.swinv2, {"layer_norm": 4 * L + 3, "attention": 2 * L, "bias_gelu": 2 * L, **LOSS}),
     # DeBERTa-v2's disentangled attention: the relative-position scores become the op's mask
     "deberta-v2": (_family("deberta-v2"), BERT),
     # DeBERTa (v1): q scaled before the product, the relative scores the op's mask; its LayerNorm

@@ -945,3 +945,86 @@ def test_max_sub_and_sink_scale_carry_dropout(fn, pattern):
     torch.testing.assert_close(dropped[kept], weights[kept] / 0.5)
     model.eval()
     torch.testing.assert_close(model(q, k, v), unfused(q, k, v))
+
+
+WINDOWS = 2  # windows per image in the Swin V2 tests: a batch of 4 windows is 2 images
+
+
+def _window_mask() -> torch.Tensor:
+    """Swin's shifted-window mask (windows, S, S): 0 within a region, -100 across regions (the
+    first window one region, the second split in two), so no row is masked whole."""
+    region = torch.tensor([[0] * S, [0] * (S // 2) + [1] * (S - S // 2)])
+    return torch.where(region[:, :, None] == region[:, None, :], 0.0, -100.0)
+
+
+class CosineWindowAttention(nn.Module):
+    """Swin V2's attention core as transformers writes it (Swinv2SelfAttention) on (windows, H, S, D):
+    cosine scores of q and k normalized, times a learned scale per head (exp of a clamp), plus a
+    learned relative position bias (16 sigmoid of a table); in shifted windows (a window mask
+    given, as Swin V2's layers pass it) the mask added twice over a (images, windows, H, S, S)
+    view and viewed back; softmax, dropout, @ v. scale_shape other than (H, 1, 1) is a negative
+    control (a scale varying along the keys)."""
+
+    def __init__(self, p=0.0, scale_shape=(H, 1, 1)):
+        super().__init__()
+        self.logit_scale = nn.Parameter(torch.log(10 * torch.rand(scale_shape) + 1))
+        self.bias_table = nn.Parameter(torch.randn(H, S, S))
+        self.dropout = nn.Dropout(p)
+
+    def forward(self, q, k, v, window_mask=None):
+        scores = F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-2, -1)
+        scores = scores * torch.clamp(self.logit_scale, max=math.log(1.0 / 0.01)).exp()
+        scores = scores + (16 * torch.sigmoid(self.bias_table)).unsqueeze(0)
+        if window_mask is not None:
+            n = window_mask.shape[0]
+            scores = scores.view(q.shape[0] // n, n, H, S, S) + window_mask.unsqueeze(1).unsqueeze(0)
+            scores = scores + window_mask.unsqueeze(1).unsqueeze(0)
+            scores = scores.view(-1, H, S, S)
+        probs = self.dropout(F.softmax(scores, dim=-1))
+        return torch.matmul(probs, v)
+
+
+def windows_qkv():
+    return tuple(torch.randn(2 * WINDOWS, H, S, D) for _ in range(3))
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("windowed, pattern", [
+    (True, "attention_chain_per_head_scale_add_window_mask_dropout"),
+    (False, "attention_chain_per_head_scale_add_dropout"),
+], ids=["shifted_windows", "windows"])
+def test_swin_v2_cosine_attention_fuses(windowed, pattern, capture):
+    """Outputs and gradients (the per-head scale's through q, the bias table's and the window
+    mask's through the op's dMask summed over the batch, q's and k's through the normalize) equal
+    the unfused module's."""
+    inputs = windows_qkv() + ((_window_mask(),) if windowed else ())
+    report = check_against_unfused(CosineWindowAttention, inputs, capture)
+    assert report.by_pattern() == {pattern: 1}
+
+
+def test_swin_v2_cosine_attention_carries_dropout():
+    """p is carried: in training the fused output is a dropout (a fixed seed repeats it, another
+    seed differs), in eval it is the unfused output."""
+    model = fuse_via(CosineWindowAttention(p=0.4), "dynamo")
+    q, k, v, mask = *windows_qkv(), _window_mask()
+    model.train()
+    outs = []
+    for seed in (1, 1, 2):
+        torch.manual_seed(seed)
+        outs.append(model(q, k, v, mask))
+    assert trifuse.report(model).by_pattern() == {"attention_chain_per_head_scale_add_window_mask_dropout": 1}
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    assert not torch.allclose(outs[0], outs[2])
+    model.eval()
+    unfused = CosineWindowAttention(p=0.4).eval()
+    unfused.load_state_dict({name.removeprefix("blocks.0.inner."): t for name, t in model.state_dict().items()})
+    with torch.no_grad():
+        torch.testing.assert_close(model(q, k, v, mask), unfused(q, k, v, mask))
+
+
+def test_swin_v2_scale_along_the_keys_is_left():
+    """A scale that varies along the keys cannot move onto q: left as written, with the reason."""
+    report = check_against_unfused(functools.partial(CosineWindowAttention, scale_shape=(H, 1, S)), windows_qkv(),
+                                   "dynamo")
+    assert report.by_pattern() == {}
+    assert any("not constant along the queries and keys" in reason for *_, reason in report.rejected())
