@@ -24,9 +24,14 @@ rewrites, in place:
 - with example values known (fx graphs after shape propagation), `x.dtype` becomes a constant
   and `y.type_as(x)` becomes `y.to(<x's dtype>)`.
 - `a += b` (also -=, *=, /=) on a fresh intermediate that nothing else reads -> `a + b`, where
-  the result keeps a's dtype and shape (MPNet's `attention_scores += position_bias`).
+  the result keeps a's dtype and shape (MPNet's `attention_scores += position_bias`); and
+  `a.masked_fill_(mask, v)` on a fresh intermediate read only after it -> `a.masked_fill(mask, v)`
+  (ldm's CrossAttention), its later readers reading the filled tensor.
 - the same cast of one value written twice (`q.float() * cos + rotate_half(q.float()) * sin`,
   ModernBERT's rotary) becomes one cast read by both, unless something writes to either in place.
+- a two-operand `torch.einsum` that is a batched matrix product (`"bhid,bhjd->bhij"`, spaces and
+  a leading `...` allowed) -> `torch.matmul`, the second operand transposed where the equation
+  contracts its last dim.
 
 Nothing here changes what the graph computes.
 """
@@ -152,6 +157,7 @@ def canonicalize_graph(graph: fx.Graph, root: torch.nn.Module | None = None) -> 
             canonicalize_node(node)
     _fold_dtypes(graph)
     _merge_repeated_casts(graph)
+    _einsum_as_matmul(graph)
     _out_of_place_updates(graph)
 
 
@@ -378,6 +384,86 @@ def _out_of_place_updates(graph: fx.Graph) -> None:
             continue
         if same:
             node.target = _UPDATES[node.target]
+    _out_of_place_masked_fills(graph)
+
+
+def _out_of_place_masked_fills(graph: fx.Graph) -> None:
+    """`a.masked_fill_(mask, value)` -> `a.masked_fill(mask, value)` where `a` is a fresh result
+    whose every other reader comes after the fill (ldm's CrossAttention: `sim.masked_fill_(~mask,
+    max_neg_value)`, then `sim.softmax(-1)`): those readers read the filled tensor instead, the
+    same values, so patterns written with masked_fill match."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        if node.op != "call_method" or node.target != "masked_fill_" or len(node.args) != 3 or node.kwargs:
+            continue
+        a = node.args[0]
+        if not isinstance(a, fx.Node) or a.op != "call_function" or a.target not in _FRESH \
+                or any(order[u] < order[node] for u in a.users if u is not node):
+            continue
+        node.target = "masked_fill"
+        for user in [u for u in a.users if u is not node]:
+            user.replace_input_with(a, node)
+
+
+def _batched_product(equation: str) -> bool | None:
+    """For a two-operand einsum equation that is a batched matrix product, whether the second
+    operand is transposed: "bhid,bhjd->bhij" (q k^T) -> True, "bhij,bhjd->bhid" (P v) -> False,
+    "...id,...jd->...ij" -> True. None for anything else (another contraction, a repeated or
+    reordered batch letter, an implicit output)."""
+    eq = equation.replace(" ", "")
+    if eq.count("->") != 1 or eq.count(",") != 1:
+        return None
+    lhs, out = eq.split("->")
+    a, b = lhs.split(",")
+    batch = out[:-2]
+    if batch.startswith("..."):
+        rest = batch[3:]
+        if "." in rest or not all(t.startswith("...") for t in (a, b)):
+            return None
+    elif "." in eq:
+        return None
+    letters = batch.replace("...", "")
+    if len(set(letters)) != len(letters) or not a.startswith(batch) or not b.startswith(batch):
+        return None
+    if len(a) != len(batch) + 2 or len(b) != len(batch) + 2:
+        return None
+    (i, c), b_tail, (i2, j) = a[len(batch):], b[len(batch):], out[len(batch):]
+    if i2 != i or len({i, c, j}) != 3 or {i, c, j} & set(letters):
+        return None
+    if b_tail == j + c:
+        return True
+    if b_tail == c + j:
+        return False
+    return None
+
+
+def _einsum_as_matmul(graph: fx.Graph) -> None:
+    """`torch.einsum("bhid,bhjd->bhij", q, k)` (or its operands as a list) -> `torch.matmul(q,
+    k.transpose(-2, -1))`, and `einsum("bhij,bhjd->bhid", p, v)` -> `torch.matmul(p, v)`: the
+    attention written with einsum (CvT, ldm's CrossAttention, lucidrains-style code) then meets
+    the patterns written with matmul. Only equations that are exactly a batched matrix product;
+    the result is the same tensor."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.einsum or node.kwargs or not node.args \
+                or not isinstance(node.args[0], str):
+            continue
+        operands = node.args[1:]
+        if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+            operands = tuple(operands[0])
+        transposed = _batched_product(node.args[0])
+        if len(operands) != 2 or not all(isinstance(o, fx.Node) for o in operands) or transposed is None:
+            continue
+        a, b = operands
+        with graph.inserting_before(node):
+            if transposed:
+                value = _value(b)
+                b = graph.call_method("transpose", (b, -2, -1))
+                if isinstance(value, torch.Tensor):
+                    b.meta["val"] = value.transpose(-2, -1)
+            new = graph.call_function(torch.matmul, (a, b))
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
 
 
 def _changes_global_mode(node: fx.Node) -> bool:

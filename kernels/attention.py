@@ -100,6 +100,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..autotune import dialects, pow2_bucket
 from ..autotune.env import INTERPRET, attention_tma_requested
@@ -959,8 +960,10 @@ def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
 def _output_like(q: torch.Tensor, dv: int) -> torch.Tensor:
     """The output (B, Hq, Sq, dv): like q when dv is q's head dim (empty_like keeps a dense q's
     layout), else contiguous, or a (B, S, H, dv) transpose when q is one (the projection view),
-    so that the output's transpose back is contiguous there too."""
-    if dv == q.shape[3]:
+    so that the output's transpose back is contiguous there too. (Under fake tensors with
+    dynamic shapes the head dims may be two symbols: v's is the output's unless they are
+    provably one, never a guess from their example sizes.)"""
+    if statically_known_true(dv == q.shape[3]):
         return torch.empty_like(q)
     bsz, h, sq, _ = q.shape
     if q.stride(1) < q.stride(2) and q.transpose(1, 2).is_contiguous():

@@ -190,13 +190,21 @@ def attention_chain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, s
 
 
 def attention_chain_fused(q, k, v, d0, d1, scale, mask=None, fill=None, p=0.0, training=False, dtype=None, cap=None,
-                          k_shape=None, v_shape=None, k_heads=None, v_heads=None, *, scaling: str, masking: str,
-                          dropout: bool, softmax: str, softcap: bool = False, repeat_kv: bool = False,
+                          k_shape=None, v_shape=None, k_heads=None, v_heads=None, one_head=False, *, scaling: str,
+                          masking: str, dropout: bool, softmax: str, softcap: bool = False, repeat_kv: bool = False,
                           upcast_qk: bool = False):
     if masking == "masked_fill":
         mask = torch.logical_not(mask)  # masked_fill marks what to drop, an attention mask what to keep
-    o = ops.attention(q, k, v, mask, p if training else 0.0, False, scale if scaling == "mul" else 1.0 / scale,
-                      repeat_kv, softcap=cap if softcap else None)
+    scale = scale if scaling == "mul" else 1.0 / scale
+    if one_head:
+        # (N, S, D) tensors (batch and heads flattened, as ldm's CrossAttention and BART's older
+        # code hold them): one head each, the op's (N, 1, S, D); a 3-D mask gets the head dim
+        mask4 = mask.unsqueeze(-3) if masking else None
+        o = ops.attention(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), mask4, p if training else 0.0, False, scale,
+                          softcap=cap if softcap else None).squeeze(1)
+    else:
+        o = ops.attention(q, k, v, mask, p if training else 0.0, False, scale, repeat_kv,
+                          softcap=cap if softcap else None)
     if masking in ("masked_fill", "where") and fill != float("-inf"):
         # finfo.min fill (the filter allows no other finite one): a row masked whole is a softmax
         # of equal numbers, uniform, so the unfused output there is the mean of V over the keys;
@@ -398,6 +406,29 @@ def _fill_masks(m: Match, dropout: bool) -> str | None:
     return None
 
 
+def _one_head_if_3d(m: Match) -> dict:
+    """q, k and v of 3 dims (batch and heads flattened): the replacement runs them as one head."""
+    q, k, v = m.value("q"), m.value("k"), m.value("v")
+    return {"one_head": all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (q, k, v))}
+
+
+def _four_or_three_dims(m: Match, masked: bool) -> str | None:
+    """q, k and v all 4-D (batch, heads, seq, head_dim), or all 3-D (one head each) with a mask,
+    if any, of 2 or 3 dims (its broadcast over the 3-D scores)."""
+    q, k, v = m.value("q"), m.value("k"), m.value("v")
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return "no shapes for q, k or v"
+    dims = {q.dim(), k.dim(), v.dim()}
+    if dims == {4}:
+        return None
+    if dims != {3}:
+        return f"q, k and v have {q.dim()}, {k.dim()} and {v.dim()} dims, not all 4 or all 3"
+    mask = m.value("mask") if masked else None
+    if isinstance(mask, torch.Tensor) and mask.dim() not in (2, 3):
+        return f"a {mask.dim()}-D mask over 3-D scores"
+    return None
+
+
 def _cap_is_a_positive_number(m: Match) -> str | None:
     cap = m["cap"]
     if not is_number(cap) or not cap > 0 or cap == float("inf"):
@@ -412,7 +443,8 @@ def _chain_pattern(scaling: str, masking: str, dropout: bool, softmax: str, soft
     name = "_".join(["attention_chain", scaling, *(["softcap"] if softcap else []), masking or "no_mask",
                      "dropout" if dropout else "no_dropout", *([softmax] if softmax != "plain" else []),
                      *(["repeat_kv"] if repeat_kv else []), *(["upcast_q_k"] if upcast_qk else [])])
-    filters = [_transposes_last_two, _scale_is_number, *([_cap_is_a_positive_number] if softcap else []),
+    filters = [functools.partial(_four_or_three_dims, masked=bool(masking)), _transposes_last_two, _scale_is_number,
+               *([_cap_is_a_positive_number] if softcap else []),
                *([_kv_repeated_over_heads] if repeat_kv else []), *([_q_k_v_share_a_dtype] if upcast_qk else [])]
     if dropout:
         filters += [needs_number("p"), needs_bool("training")]
@@ -423,7 +455,8 @@ def _chain_pattern(scaling: str, masking: str, dropout: bool, softmax: str, soft
     elif softmax in ("cast", "cast_after"):
         filters.append(_cast_is_a_no_op)
     return Pattern(name, "attention", functools.partial(attention_chain, **opts),
-                   functools.partial(attention_chain_fused, **opts), ("attention",), tuple(filters))
+                   functools.partial(attention_chain_fused, **opts), ("attention",), tuple(filters),
+                   derive=None if repeat_kv else _one_head_if_3d)
 
 
 def attention_bmm_scaled_k(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, scale, bias: torch.Tensor,

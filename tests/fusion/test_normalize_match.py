@@ -1,12 +1,13 @@
 """The canonical form (normalize.py) and the dataflow matcher (match.py) on small graphs."""
 import operator
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 from trifuse.fusion import rewrite
 from trifuse.fusion.match import compile_pattern, matches, trace_function
-from trifuse.fusion.normalize import canonicalize
+from trifuse.fusion.normalize import _batched_product, canonicalize
 from trifuse.patterns import bias_gelu, dropout_add, layer_norm
 from trifuse.patterns._base import Pattern
 
@@ -126,6 +127,41 @@ def test_one_cast_written_twice_becomes_one_unless_written_in_place():
     for fn in (twice, in_place):
         graph = trace_function(fn)
         torch.testing.assert_close(fx.GraphModule(nn.Module(), graph)(x), fn(x))
+
+
+@pytest.mark.parametrize("equation, transposed", [
+    ("bhid,bhjd->bhij", True),  # q k^T
+    ("bhij,bhjd->bhid", False),  # P v
+    ("b h i d, b h j d -> b h i j", True),  # lucidrains-style spaces
+    ("bid,bjd->bij", True),  # ldm's CrossAttention on (batch * heads, seq, dim)
+    ("bhlk,bhtk->bhlt", True),  # CvT
+    ("...id,...jd->...ij", True),
+    ("ij,jk->ik", False),
+])
+def test_einsum_batched_products_become_matmul(equation, transposed):
+    letters = equation.replace(" ", "").split("->")[0].split(",")
+    a, b = (torch.randn(*[{"b": 2, "h": 3, "i": 4, "j": 5, "k": 6, "d": 6, "l": 4, "t": 5, ".": 1}[c]
+                          for c in x.replace("...", ".")]) for x in letters)
+    def as_arguments(x, y):
+        return torch.einsum(equation, x, y)
+
+    def as_list(x, y):
+        return torch.einsum(equation, [x, y])
+
+    for fn in (as_arguments, as_list):
+        gm = canonicalize(fx.symbolic_trace(fn))
+        calls = [(n.op, n.target) for n in gm.graph.nodes if n.op.startswith("call")]
+        assert calls == [*([("call_method", "transpose")] if transposed else []), ("call_function", torch.matmul)]
+        torch.testing.assert_close(gm(a, b), torch.einsum(equation, a, b))
+
+
+@pytest.mark.parametrize("equation", ["ibnd,jbnd->bnij", "bhid,bhjd->bhji", "bhid,bhid->bhi", "bbid,bbjd->bbij",
+                                      "bhid,hjd->bhij", "bhid,bhjd", "bhii,bhjd->bhij", "...id,jd->...ij"])
+def test_other_einsums_stay(equation):
+    """Equations that are not one batched matrix product of two operands in order (XLNet's
+    reordered batch, a transposed output, an elementwise product, a repeated letter, a batch dim
+    on one side only, an implicit output) keep their einsum."""
+    assert _batched_product(equation) is None
 
 
 def test_casts_either_side_of_a_grad_mode_switch_stay_two():

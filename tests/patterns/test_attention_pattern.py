@@ -1028,3 +1028,87 @@ def test_swin_v2_scale_along_the_keys_is_left():
                                    "dynamo")
     assert report.by_pattern() == {}
     assert any("not constant along the queries and keys" in reason for *_, reason in report.rejected())
+
+
+def einsum_heads(m, q, k, v):  # lucidrains-style code: einsum on (B, H, S, D), the scale a multiply
+    sim = torch.einsum("b h i d, b h j d -> b h i j", q, k) * D ** -0.5
+    return torch.einsum("b h i j, b h j d -> b h i d", sim.softmax(dim=-1), v)
+
+
+def chain_one_head_add(m, q, k, v):  # (batch * heads, S, D) tensors, an additive (batch * heads, S, S) mask
+    scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(D) + m.mask
+    return torch.matmul(F.dropout(torch.softmax(scores, dim=-1), 0.0, m.training), v)
+
+
+class LdmCrossAttention(nn.Module):
+    """ldm's (Stable Diffusion's) CrossAttention core as written there, on (batch * heads, S, D):
+    einsum scores times the scale, the key padding mask filled in place with -finfo.max (one
+    entry's keys all masked: its rows are uniform, the mean of v), softmax, einsum with v."""
+
+    def __init__(self):
+        super().__init__()
+        keep = torch.ones(2 * H, 1, S, dtype=torch.bool)
+        keep[0, :, -2:] = False
+        keep[1] = False
+        self.register_buffer("keep", keep)
+        self.scale = D ** -0.5
+
+    def forward(self, q, k, v):
+        sim = torch.einsum("b i d, b j d -> b i j", q, k) * self.scale
+        max_neg_value = -torch.finfo(sim.dtype).max
+        sim.masked_fill_(~self.keep, max_neg_value)
+        attn = sim.softmax(dim=-1)
+        return torch.einsum("b i j, b j d -> b i d", attn, v)
+
+
+def one_head_qkv():
+    return tuple(torch.randn(2 * H, S, D) for _ in range(3))
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_einsum_attention_fuses(capture):
+    """einsum("bhid,bhjd->bhij") and einsum("bhij,bhjd->bhid") are canonicalized to matmul
+    (fusion/normalize.py): the plain chain's pattern takes them."""
+    report = check_against_unfused(functools.partial(Fn, einsum_heads), qkv(), capture)
+    assert report.by_pattern() == {"attention_chain_mul_no_mask_no_dropout": 1}
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_one_head_chain_on_3d_tensors_fuses(capture):
+    """(batch * heads, S, D) tensors run as one head each: the op's (N, 1, S, D), the 3-D mask
+    given its head dim; outputs and gradients equal the unfused chain's."""
+    mask = torch.randn(2 * H, S, S)
+    report = check_against_unfused(functools.partial(Fn, chain_one_head_add, mask=mask), one_head_qkv(), capture)
+    assert report.by_pattern() == {"attention_chain_div_add_dropout": 1}
+
+
+def test_ldm_cross_attention_fuses():
+    """The in-place masked_fill_ of a fresh product becomes masked_fill (normalize.py); the row of
+    an entry whose keys are all masked is the mean of v, as unfused (fx cannot trace the finfo of a
+    proxy's dtype: Dynamo captures it)."""
+    report = check_against_unfused(LdmCrossAttention, one_head_qkv(), "dynamo")
+    assert report.by_pattern() == {"attention_chain_mul_masked_fill_no_dropout": 1}
+
+
+def test_a_masked_fill_read_before_it_is_written_stays_in_place():
+    """A reader of the scores before the in-place fill reads them unfilled: that fill is left."""
+    def read_before(m, q, k, v):
+        sim = torch.matmul(q, k.transpose(-1, -2)) * 0.5
+        before = sim.sum()
+        sim.masked_fill_(~m.keep, -1e4)
+        return torch.matmul(sim.softmax(dim=-1), v) + before
+
+    report = check_against_unfused(functools.partial(Fn, read_before, keep=PAD), qkv(), "dynamo")
+    assert report.by_pattern() == {}
+
+
+def test_a_recapture_with_symbolic_sizes_still_fuses():
+    """Called again with other sizes, Dynamo recaptures with symbolic ones; q's and v's head dims
+    are then two symbols, and the op's output takes v's (not a guess from their example sizes
+    being equal), so the replacement's shapes check and the chain fuses in both captures."""
+    model = fuse_via(Fn(einsum_heads), "dynamo")
+    for b, s, d in ((2, 6, 8), (3, 5, 16)):
+        q, k, v = (torch.randn(b, H, s, d) for _ in range(3))
+        out = model(q, k, v)
+        torch.testing.assert_close(out, einsum_heads(None, q, k, v), rtol=1e-5, atol=1e-5)
+        assert trifuse.report(model).by_pattern() == {"attention_chain_mul_no_mask_no_dropout": 1}
