@@ -58,9 +58,10 @@ SMALL_EXTRA = {"encoder_layers": 2, "decoder_layers": 2, "num_decoder_layers": 2
 # Per-type settings the tiny config needs to run at all. T5Gemma masks decoder tokens equal to
 # pad, so a start token equal to pad masks the first query row whole (NaN in the unfused model).
 # Swin halves its patch grid at each of its 4 stages: 16x16 patches (patch size 2) in windows of 2.
-# ProphetNet counts its layers per stack only, Funnel per block.
+# ProphetNet counts its layers per stack only, Funnel per block; BiT's group norms take 32 groups
+# of its bottlenecks' quarter width.
 OVERRIDES = {"t5gemma": {"bos_token_id": 2}, "prophetnet": {"num_encoder_layers": 2, "num_decoder_layers": 2},
-             "funnel": {"block_sizes": [1, 1, 1]},
+             "funnel": {"block_sizes": [1, 1, 1]}, "bit": {"hidden_sizes": 128},
              **{t: {"window_size": 2, "patch_size": 2} for t in ("swin", "swinv2", "donut-swin")}}
 TASKS = ("causal-lm", "masked-lm", "seq2seq", "image-cls")
 VIAS = ("fuse", "backend")  # trifuse.fuse(model), or torch.compile(model, backend="trifuse")
@@ -83,6 +84,10 @@ EXPLAINED = {
         "ReLU kink, as T5 (with gelu_new: ok, oracle excess -3e-4)",
     ("seq2seq", "fp16-autocast", "switch_transformers"):
         "ReLU kink, as T5 (with gelu_new: ok, oracle excess -1e-3)",
+    ("image-cls", "float64", "bit"):
+        "only the loss fused; the rows are gradients at 1e-14 of the largest (its last stage's, zero in exact "
+        "arithmetic), judged at the 1e-10 floor: another formula for the unfused loss moves them as much "
+        "(bench/fp64_truth.py --task image-cls)",
     ("causal-lm", "float64", "deepseek_v4"):
         "the model's own fp32 parts (hyper-connection head): unfused is 1.8e-5 from float64 itself "
         "(bench/fp64_truth.py, results README)",
