@@ -118,8 +118,8 @@ from ._common import (
     use_triton,
 )
 from ._launch import CachedKernel, store_plan
-from ._tiles import cdiv
 from ._random import dropout_keep
+from ._tiles import cdiv
 
 OP = "attention"
 log = logging.getLogger("trifuse")

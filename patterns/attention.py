@@ -155,6 +155,8 @@ def attention_chain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, s
     """softmax(q @ k^T scaled [capped] [masked]) [cast] [dropped out] @ v, in the spelling the
     keywords choose.
 
+    scaling: "mul", "div", or "none" (q scaled before the product, as timm's and Hiera's
+    `(q * scale) @ k^T` write it: the op takes the scaled q, its scale 1).
     softmax: "plain", "upcast" (computed in fp32, cast to `dtype`), "cast" (computed in the
     scores' dtype, then cast to `dtype`: GPT-2's `.type(value.dtype)`), or "cast_after" (as "cast",
     the cast after the dropout: BigBird-Pegasus's `attn_weights.to(value.dtype)` at the product).
@@ -167,7 +169,10 @@ def attention_chain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, s
     if repeat_kv:
         k, v = _repeat_kv(k, k_shape, k_heads), _repeat_kv(v, v_shape, v_heads)
     s = torch.matmul(q, k.transpose(d0, d1))
-    s = s * scale if scaling == "mul" else s / scale
+    if scaling == "mul":
+        s = s * scale
+    elif scaling == "div":
+        s = s / scale
     if softcap:
         s = torch.tanh(s / cap) * cap
     if masking == "add":
@@ -189,22 +194,28 @@ def attention_chain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, s
     return torch.matmul(a, v)
 
 
-def attention_chain_fused(q, k, v, d0, d1, scale, mask=None, fill=None, p=0.0, training=False, dtype=None, cap=None,
-                          k_shape=None, v_shape=None, k_heads=None, v_heads=None, one_head=False, *, scaling: str,
+def attention_chain_fused(q, k, v, d0, d1, scale=None, mask=None, fill=None, p=0.0, training=False, dtype=None, cap=None,
+                          k_shape=None, v_shape=None, k_heads=None, v_heads=None, dims=4, *, scaling: str,
                           masking: str, dropout: bool, softmax: str, softcap: bool = False, repeat_kv: bool = False,
                           upcast_qk: bool = False):
     if masking == "masked_fill":
         mask = torch.logical_not(mask)  # masked_fill marks what to drop, an attention mask what to keep
-    scale = scale if scaling == "mul" else 1.0 / scale
-    if one_head:
+    scale = scale if scaling == "mul" else 1.0 / scale if scaling == "div" else 1.0
+    p = p if training else 0.0
+    if dims == 3:
         # (N, S, D) tensors (batch and heads flattened, as ldm's CrossAttention and BART's older
         # code hold them): one head each, the op's (N, 1, S, D); a 3-D mask gets the head dim
         mask4 = mask.unsqueeze(-3) if masking else None
-        o = ops.attention(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), mask4, p if training else 0.0, False, scale,
+        o = ops.attention(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), mask4, p, False, scale,
                           softcap=cap if softcap else None).squeeze(1)
+    elif dims > 4:
+        # (B, H, W, ..., S, D) tensors (Hiera's heads and windows; no mask, as the filter requires):
+        # the dims between batch and seq flattened into the op's heads (a copy where they are no view)
+        flat = [t.flatten(1, dims - 3) for t in (q, k, v)]
+        o = ops.attention(*flat, None, p, False, scale, softcap=cap if softcap else None)
+        o = o.reshape(q.shape[:-1] + (v.shape[-1],))
     else:
-        o = ops.attention(q, k, v, mask, p if training else 0.0, False, scale, repeat_kv,
-                          softcap=cap if softcap else None)
+        o = ops.attention(q, k, v, mask, p, False, scale, repeat_kv, softcap=cap if softcap else None)
     if masking in ("masked_fill", "where") and fill != float("-inf"):
         # finfo.min fill (the filter allows no other finite one): a row masked whole is a softmax
         # of equal numbers, uniform, so the unfused output there is the mean of V over the keys;
@@ -406,26 +417,31 @@ def _fill_masks(m: Match, dropout: bool) -> str | None:
     return None
 
 
-def _one_head_if_3d(m: Match) -> dict:
-    """q, k and v of 3 dims (batch and heads flattened): the replacement runs them as one head."""
-    q, k, v = m.value("q"), m.value("k"), m.value("v")
-    return {"one_head": all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (q, k, v))}
+def _dims_of_q(m: Match) -> dict:
+    """The replacement's layout: q's dims (3: one head each, 4: as the op takes them, more:
+    flattened into the op's heads); _attention_dims has checked them."""
+    q = m.value("q")
+    return {"dims": q.dim() if isinstance(q, torch.Tensor) else 4}
 
 
-def _four_or_three_dims(m: Match, masked: bool) -> str | None:
-    """q, k and v all 4-D (batch, heads, seq, head_dim), or all 3-D (one head each) with a mask,
-    if any, of 2 or 3 dims (its broadcast over the 3-D scores)."""
+def _attention_dims(m: Match, masked: bool) -> str | None:
+    """q, k and v all 4-D (batch, heads, seq, head_dim); or all 3-D (one head each) with a mask,
+    if any, of 2 or 3 dims (its broadcast over the 3-D scores); or all 5-D or more with one shape
+    before the last two (Hiera's (batch, heads, windows, seq, dim)) and no mask."""
     q, k, v = m.value("q"), m.value("k"), m.value("v")
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         return "no shapes for q, k or v"
     dims = {q.dim(), k.dim(), v.dim()}
-    if dims == {4}:
-        return None
-    if dims != {3}:
-        return f"q, k and v have {q.dim()}, {k.dim()} and {v.dim()} dims, not all 4 or all 3"
+    if len(dims) != 1 or q.dim() < 3:
+        return f"q, k and v have {q.dim()}, {k.dim()} and {v.dim()} dims, not all 3, 4 or more alike"
     mask = m.value("mask") if masked else None
-    if isinstance(mask, torch.Tensor) and mask.dim() not in (2, 3):
+    if q.dim() == 3 and isinstance(mask, torch.Tensor) and mask.dim() not in (2, 3):
         return f"a {mask.dim()}-D mask over 3-D scores"
+    if q.dim() > 4:
+        if masked:
+            return f"a mask over {q.dim()}-D scores (only unmasked ones are flattened into heads)"
+        if not q.shape[:-2] == k.shape[:-2] == v.shape[:-2]:
+            return f"q, k and v differ before their last two dims: {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
     return None
 
 
@@ -440,11 +456,12 @@ def _chain_pattern(scaling: str, masking: str, dropout: bool, softmax: str, soft
                    repeat_kv: bool = False, upcast_qk: bool = False) -> Pattern:
     opts = {"scaling": scaling, "masking": masking, "dropout": dropout, "softmax": softmax, "softcap": softcap,
             "repeat_kv": repeat_kv, "upcast_qk": upcast_qk}
-    name = "_".join(["attention_chain", scaling, *(["softcap"] if softcap else []), masking or "no_mask",
+    name = "_".join(["attention_chain", "unscaled" if scaling == "none" else scaling,
+                     *(["softcap"] if softcap else []), masking or "no_mask",
                      "dropout" if dropout else "no_dropout", *([softmax] if softmax != "plain" else []),
                      *(["repeat_kv"] if repeat_kv else []), *(["upcast_q_k"] if upcast_qk else [])])
-    filters = [functools.partial(_four_or_three_dims, masked=bool(masking)), _transposes_last_two, _scale_is_number,
-               *([_cap_is_a_positive_number] if softcap else []),
+    filters = [functools.partial(_attention_dims, masked=bool(masking)), _transposes_last_two,
+               *([_scale_is_number] if scaling != "none" else []), *([_cap_is_a_positive_number] if softcap else []),
                *([_kv_repeated_over_heads] if repeat_kv else []), *([_q_k_v_share_a_dtype] if upcast_qk else [])]
     if dropout:
         filters += [needs_number("p"), needs_bool("training")]
@@ -456,7 +473,7 @@ def _chain_pattern(scaling: str, masking: str, dropout: bool, softmax: str, soft
         filters.append(_cast_is_a_no_op)
     return Pattern(name, "attention", functools.partial(attention_chain, **opts),
                    functools.partial(attention_chain_fused, **opts), ("attention",), tuple(filters),
-                   derive=None if repeat_kv else _one_head_if_3d)
+                   derive=None if repeat_kv else _dims_of_q)
 
 
 def attention_bmm_scaled_k(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, scale, bias: torch.Tensor,
@@ -976,6 +993,9 @@ PATTERNS = (
     *(_chain_pattern("mul", masking, True, "cast_after") for masking in ("add", "")),
     *(_chain_pattern(*opts) for opts in itertools.product(
         ("mul", "div"), ("add", "masked_fill", "where", ""), (True, False), ("plain", "upcast", "cast"))),
+    # q scaled before the product, `(q * scale) @ k^T` (timm's explicit attention, Hiera's)
+    *(_chain_pattern("none", masking, dropout, softmax) for masking, dropout, softmax in
+      itertools.product(("add", ""), (True, False), ("plain", "upcast"))),
     # ALiBi and the older Hugging Face spellings (BLOOM, CodeGen, MPT, GPT-Neo)
     Pattern("attention_alibi_baddbmm", "attention", attention_alibi_baddbmm, attention_alibi_baddbmm_fused,
             ("attention",), (_transposes_last_two, _alibi_baddbmm_shapes, needs_number("p"), needs_bool("training"),

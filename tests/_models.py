@@ -104,6 +104,24 @@ def swinv2(stages: int = 2):
 
 
 @_on_device
+def hiera():
+    """Hiera (transformers' HieraForImageClassification, the hierarchical ViT of SAM 2's design):
+    attention on (batch, heads, windows, tokens, dim) tensors, mask-unit windows in the first two
+    stages, q scaled before the product and max-pooled over the query stride at the first block
+    of the later stages; no mask. Four stages of one block."""
+    tf = _quiet_transformers()
+    cfg = tf.HieraConfig(embed_dim=HIDDEN, image_size=[32, 32], patch_size=[8, 8], patch_stride=[4, 4],
+                         patch_padding=[3, 3], masked_unit_size=[8, 8], depths=[1, 1, 1, 1], num_heads=[HEADS] * 4,
+                         num_labels=3, drop_path_rate=0.0)
+    model = tf.HieraForImageClassification(cfg)
+
+    def inputs(batch, seq):
+        return {"pixel_values": torch.randn(batch, 3, 32, 32), "labels": torch.randint(0, 3, (batch,))}
+
+    return model, inputs, lambda m, kw: m(**kw).loss
+
+
+@_on_device
 def clip_vision(layers: int = LAYERS):
     """CLIP's vision tower with its projection (CLIPVisionModelWithProjection): pre-LayerNorm on
     the patch embeddings, QuickGELU MLPs (hidden_act='quick_gelu', x * sigmoid(1.702 x)), a

@@ -133,6 +133,9 @@ MODELS = {
     # the op's mask, in shifted windows with the window mask added), two stages of two blocks; its
     # norms after each sublayer (y = r + LN(x)) are plain layer_norms, not the residual stream
     "swinv2": (_models.swinv2, {"layer_norm": 4 * L + 3, "attention": 2 * L, "bias_gelu": 2 * L, **LOSS}),
+    # Hiera: attention on (batch, heads, windows, tokens, dim) tensors, q scaled before the product
+    # (the op's scale 1), heads and windows flattened into the op's heads; four stages of one block
+    "hiera": (_models.hiera, {"layer_norm": 5, "attention": 4, "bias_gelu": 4, "residual_stream": 4, **LOSS}),
     # DeBERTa-v2's disentangled attention: the relative-position scores become the op's mask
     "deberta-v2": (_family("deberta-v2"), BERT),
     # DeBERTa (v1): q scaled before the product, the relative scores the op's mask; its LayerNorm

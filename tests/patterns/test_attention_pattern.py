@@ -1112,3 +1112,52 @@ def test_a_recapture_with_symbolic_sizes_still_fuses():
         out = model(q, k, v)
         torch.testing.assert_close(out, einsum_heads(None, q, k, v), rtol=1e-5, atol=1e-5)
         assert trifuse.report(model).by_pattern() == {"attention_chain_mul_no_mask_no_dropout": 1}
+
+
+def timm_attention(m, q, k, v):  # timm's explicit attention (fused_attn=False): q scaled first
+    q = q * D ** -0.5
+    attn = q @ k.transpose(-2, -1)
+    attn = attn.softmax(dim=-1)
+    attn = F.dropout(attn, 0.0, m.training)
+    return attn @ v
+
+
+class HieraWindows(nn.Module):
+    """Hiera's attention core as transformers writes it: q, k, v of (B, heads, windows, tokens,
+    dim) permuted out of one projection, q scaled before the product, softmax, @ v; `masked` adds
+    a mask over the 5-D scores (a negative control)."""
+
+    def __init__(self, masked=False):
+        super().__init__()
+        self.mask = torch.randn(2, S, S) if masked else None
+
+    def forward(self, qkv):
+        q, k, v = qkv.reshape(B, S, 2, 3, H, D).permute(3, 0, 4, 2, 1, 5).unbind(0)
+        attn = (q * D ** -0.5) @ k.transpose(-1, -2)
+        if self.mask is not None:
+            attn = attn + self.mask
+        return attn.softmax(dim=-1) @ v
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_q_scaled_before_the_product_fuses(capture):
+    """`(q * scale) @ k^T` then softmax (timm's explicit attention): the op takes the scaled q
+    with scale 1."""
+    report = check_against_unfused(functools.partial(Fn, timm_attention), qkv(), capture)
+    assert report.by_pattern() == {"attention_chain_unscaled_no_mask_dropout": 1}
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_hiera_5d_attention_fuses(capture):
+    """(batch, heads, windows, tokens, dim) tensors, permuted out of one projection: heads and
+    windows flattened into the op's heads (a copy: no view of the permutation), the output viewed
+    back; outputs and gradients equal the unfused chain's."""
+    report = check_against_unfused(HieraWindows, (torch.randn(B, 2 * S, 3 * H * D),), capture)
+    assert report.by_pattern() == {"attention_chain_unscaled_no_mask_no_dropout": 1}
+
+
+def test_a_mask_over_5d_scores_is_left():
+    report = check_against_unfused(functools.partial(HieraWindows, True), (torch.randn(B, 2 * S, 3 * H * D),),
+                                   "dynamo")
+    assert report.by_pattern() == {}
+    assert any("a mask over 5-D scores" in reason for *_, reason in report.rejected())
