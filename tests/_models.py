@@ -70,6 +70,14 @@ def bert(dropout: float = 0.0, layers: int = LAYERS, attn_implementation: str = 
     return model, inputs, lambda m, kw: m(**kw).loss
 
 
+def _image_classification(model, size: int):
+    """(model, inputs, loss) for an image classifier of 3-channel size x size images, 3 labels."""
+    def inputs(batch, seq):
+        return {"pixel_values": torch.randn(batch, 3, size, size), "labels": torch.randint(0, 3, (batch,))}
+
+    return model, inputs, lambda m, kw: m(**kw).loss
+
+
 @_on_device
 def vit(dropout: float = 0.0, layers: int = LAYERS):
     tf = _quiet_transformers()
@@ -77,12 +85,7 @@ def vit(dropout: float = 0.0, layers: int = LAYERS):
                        intermediate_size=2 * HIDDEN, image_size=16, patch_size=8, num_labels=3,
                        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
                        attn_implementation="sdpa")
-    model = tf.ViTForImageClassification(cfg)
-
-    def inputs(batch, seq):
-        return {"pixel_values": torch.randn(batch, 3, 16, 16), "labels": torch.randint(0, 3, (batch,))}
-
-    return model, inputs, lambda m, kw: m(**kw).loss
+    return _image_classification(tf.ViTForImageClassification(cfg), 16)
 
 
 @_on_device
@@ -95,12 +98,7 @@ def swinv2(stages: int = 2):
     cfg = tf.Swinv2Config(image_size=16, patch_size=2, embed_dim=HIDDEN, depths=[2] * stages,
                           num_heads=[HEADS] * stages, window_size=2, num_labels=3, hidden_dropout_prob=0.0,
                           attention_probs_dropout_prob=0.0, drop_path_rate=0.0)
-    model = tf.Swinv2ForImageClassification(cfg)
-
-    def inputs(batch, seq):
-        return {"pixel_values": torch.randn(batch, 3, 16, 16), "labels": torch.randint(0, 3, (batch,))}
-
-    return model, inputs, lambda m, kw: m(**kw).loss
+    return _image_classification(tf.Swinv2ForImageClassification(cfg), 16)
 
 
 @_on_device
@@ -113,12 +111,7 @@ def hiera():
     cfg = tf.HieraConfig(embed_dim=HIDDEN, image_size=[32, 32], patch_size=[8, 8], patch_stride=[4, 4],
                          patch_padding=[3, 3], masked_unit_size=[8, 8], depths=[1, 1, 1, 1], num_heads=[HEADS] * 4,
                          num_labels=3, drop_path_rate=0.0)
-    model = tf.HieraForImageClassification(cfg)
-
-    def inputs(batch, seq):
-        return {"pixel_values": torch.randn(batch, 3, 32, 32), "labels": torch.randint(0, 3, (batch,))}
-
-    return model, inputs, lambda m, kw: m(**kw).loss
+    return _image_classification(tf.HieraForImageClassification(cfg), 32)
 
 
 @_on_device
