@@ -59,10 +59,18 @@ SMALL_EXTRA = {"encoder_layers": 2, "decoder_layers": 2, "num_decoder_layers": 2
 # pad, so a start token equal to pad masks the first query row whole (NaN in the unfused model).
 # Swin halves its patch grid at each of its 4 stages: 16x16 patches (patch size 2) in windows of 2.
 # ProphetNet counts its layers per stack only, Funnel per block; BiT's group norms take 32 groups
-# of its bottlenecks' quarter width.
+# of its bottlenecks' quarter width. Multi-head latent attention (DeepSeek-V2/V3/V3.2, Sarvam-MLA)
+# needs its own small sizes: a key head per query head, low-rank q and kv, a rotary width equal
+# to head_dim (the rotary table's), few routed experts; Kimi-Linear's delta-rule heads likewise.
+_MLA = {"num_key_value_heads": 2, "n_routed_experts": 4, "n_shared_experts": 1, "kv_lora_rank": 16, "q_lora_rank": 16,
+        "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "head_dim": 8, "n_group": 1, "topk_group": 1,
+        "first_k_dense_replace": 1}
 OVERRIDES = {"t5gemma": {"bos_token_id": 2}, "prophetnet": {"num_encoder_layers": 2, "num_decoder_layers": 2},
              "funnel": {"block_sizes": [1, 1, 1]}, "bit": {"hidden_sizes": 128},
-             **{t: {"window_size": 2, "patch_size": 2} for t in ("swin", "swinv2", "donut-swin")}}
+             **{t: {"window_size": 2, "patch_size": 2} for t in ("swin", "swinv2", "donut-swin")},
+             **{t: _MLA for t in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "sarvam_mla")},
+             "kimi_linear": {"linear_head_dim": 16, "linear_num_heads": 2, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+                             "v_head_dim": 16, "kv_lora_rank": 16, "head_dim": 8}}
 TASKS = ("causal-lm", "masked-lm", "seq2seq", "image-cls")
 VIAS = ("fuse", "backend")  # trifuse.fuse(model), or torch.compile(model, backend="trifuse")
 MAX_PARAMS = 3_000_000
@@ -97,6 +105,9 @@ EXPLAINED = {
     ("causal-lm", "float64", "qwen3_5_text"):
         "the model's own fp32 parts (gated delta rule): unfused is 2.0e-5 from float64 itself "
         "(bench/fp64_truth.py, results README)",
+    ("causal-lm", "float64", "lara_mini"):
+        "the model's own fp32 parts (Qwen3.5's gated delta rule): unfused is 2.0e-4 from float64 itself, "
+        "another fp32 formula for its loss moves it 1.7e-5 (bench/fp64_truth.py)",
 }
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
