@@ -22,7 +22,9 @@ in the same interleaved layout (Hugging Face repeats each frequency twice in a r
     y[2i] = x[2i] cos[2i] - x[2i+1] sin[2i]      y[2i+1] = x[2i+1] cos[2i+1] + x[2i] sin[2i+1]
 
 the same formulas on pairs addressed differently (first of a pair at 2 i, its partner at + 1),
-backward likewise.
+backward likewise. cos and sin may also hold one entry per pair (D / 2 wide): the rotation as a
+complex product, (x[2i] + i x[2i+1]) (cos[i] + i sin[i]), which is how Meta's Llama reference,
+torchtitan, Llama 4 and DeepSeek-V2 write it (`view_as_complex`, a table from `torch.polar`).
 
 DeepSeek-V2/V3 (`apply_rotary_pos_emb_interleave`) reads the pairs interleaved and writes them
 rotate-half (`halves_out=True`): the rotate-half formulas on `pairs_to_halves(x)` = cat(x[0::2],
@@ -102,9 +104,12 @@ def _halves_to_pairs(z: torch.Tensor) -> torch.Tensor:
     return torch.stack((z[..., :half], z[..., half:]), dim=-1).flatten(-2)
 
 
-def _full_table(t: torch.Tensor, d: int) -> torch.Tensor:
-    """cos or sin as D entries in the rotate-half layout: a table of one entry per pair repeated."""
-    return t if t.shape[-1] == d else torch.cat((t, t), dim=-1)
+def _full_table(t: torch.Tensor, d: int, interleaved: bool = False) -> torch.Tensor:
+    """cos or sin as D entries: a table of one entry per pair repeated, in the rotate-half layout
+    (i and i + D/2) or the interleaved one (2i and 2i + 1)."""
+    if t.shape[-1] == d:
+        return t
+    return t.repeat_interleave(2, dim=-1) if interleaved else torch.cat((t, t), dim=-1)
 
 
 def rotary_embedding_ref(
@@ -113,10 +118,11 @@ def rotary_embedding_ref(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(q * cos + rotate_half(q) * sin, the same for k) in plain PyTorch; k None gives None.
     halves_out: q and k's pairs (x[2i], x[2i+1]) moved to (i, i + D/2) first, then rotate-half
-    (DeepSeek-V2/V3's `apply_rotary_pos_emb_interleave`; cos and sin D or D / 2 wide)."""
+    (DeepSeek-V2/V3's `apply_rotary_pos_emb_interleave`). cos and sin D wide, or D / 2 with
+    interleaved (one entry per pair)."""
     if halves_out:
         q, k, interleaved = pairs_to_halves(q), None if k is None else pairs_to_halves(k), False
-        cos, sin = _full_table(cos, q.shape[-1]), _full_table(sin, q.shape[-1])
+    cos, sin = _full_table(cos, q.shape[-1], interleaved), _full_table(sin, q.shape[-1], interleaved)
     q_embed = q * cos + rotate_half(q, interleaved) * sin
     k_embed = None if k is None else k * cos + rotate_half(k, interleaved) * sin
     return q_embed, k_embed
@@ -331,9 +337,9 @@ def _rotary_torch(x, y, cos, sin, backward, dtype, x_bshd=False, y_bshd=False, i
                   halves_out=False):
     acc = torch.float64 if torch.float64 in (x.dtype, cos.dtype) else torch.float32
     d = x.shape[-1]
-    c, s = _full_table(cos, d).to(acc), _full_table(sin, d).to(acc)
     # halves_out: rotate-half after pairs_to_halves, so the backward ends with its transpose
     rot_interleaved = interleaved and not halves_out
+    c, s = _full_table(cos, d, rot_interleaved).to(acc), _full_table(sin, d, rot_interleaved).to(acc)
 
     def one(t, bshd):
         if t is None:
@@ -365,8 +371,11 @@ def _cos_sin_grads(dq, dk, q, k, cos, sin, interleaved=False, halves_out=False):
             rot_interleaved = interleaved
         c, s = dy * x, dy * rotate_half(x, rot_interleaved)
         if cos.shape[-1] != x.shape[-1]:  # one entry per pair: both features of the pair
-            half = x.shape[-1] // 2
-            c, s = c[..., :half] + c[..., half:], s[..., :half] + s[..., half:]
+            if rot_interleaved:
+                c, s = c[..., 0::2] + c[..., 1::2], s[..., 0::2] + s[..., 1::2]
+            else:
+                half = x.shape[-1] // 2
+                c, s = c[..., :half] + c[..., half:], s[..., :half] + s[..., half:]
         c, s = c.sum_to_size(cos.shape), s.sum_to_size(sin.shape)
         dcos, dsin = (c, s) if dcos is None else (dcos + c, dsin + s)
     return dcos.to(cos.dtype), dsin.to(sin.dtype)
@@ -379,7 +388,7 @@ def _cos_sin_grads(dq, dk, q, k, cos, sin, interleaved=False, halves_out=False):
 OP = "rotary_embedding"
 
 
-def _check_inputs(q: object, k: object, cos: object, sin: object, halves_out: bool = False) -> None:
+def _check_inputs(q: object, k: object, cos: object, sin: object, interleaved: bool = False) -> None:
     check_tensor(OP, "q", q)
     check_float(OP, "q", q)
     if q.dim() != 4:
@@ -399,10 +408,11 @@ def _check_inputs(q: object, k: object, cos: object, sin: object, halves_out: bo
         # One head, or one per head when q and k have as many (no sets: shapes may be SymInts).
         ok_heads = t.dim() == 4 and (t.shape[1] == 1 or (
             t.shape[1] == q.shape[1] and (k is None or t.shape[1] == k.shape[1])))
-        # halves_out takes one entry per pair too (DeepSeek's `cos[..., : D // 2]`)
-        ok_width = t.dim() == 4 and (t.shape[3] == d or (halves_out and t.shape[3] == d // 2))
+        # the interleaved conventions take one entry per pair too (DeepSeek's `cos[..., : D // 2]`,
+        # a complex table's real and imaginary parts)
+        ok_width = t.dim() == 4 and (t.shape[3] == d or (interleaved and t.shape[3] == d // 2))
         if not (ok_heads and ok_width and t.shape[0] in (1, b) and t.shape[2] in (1, s)):
-            width = f"{d} or {d // 2}" if halves_out else f"{d}"
+            width = f"{d} or {d // 2}" if interleaved else f"{d}"
             raise ValueError(
                 f"trifuse.{OP}: {name} must be 4-D and broadcast to q {tuple(q.shape)}"
                 + ("" if k is None else f" and k {tuple(k.shape)}")
@@ -426,7 +436,7 @@ OptTensor = torch.Tensor | None
 def _rotary_embedding_op(q: Tensor, k: OptTensor, cos: Tensor, sin: Tensor, interleaved: bool = False,
                          halves_out: bool = False) -> tuple[Tensor, Tensor]:
     """(q_embed, k_embed); k_embed is empty (0,) when k is None."""
-    _check_inputs(q, k, cos, sin, halves_out)
+    _check_inputs(q, k, cos, sin, interleaved or halves_out)
     q_embed, k_embed = rotary_embedding_fwd(q, k, cos, sin, interleaved, halves_out)
     return q_embed, q.new_empty(0) if k_embed is None else k_embed
 
@@ -443,7 +453,7 @@ def _rotary_embedding_backward_op(dq: Tensor, dk: OptTensor, cos: Tensor, sin: T
 
 @_rotary_embedding_op.register_fake
 def _(q, k, cos, sin, interleaved=False, halves_out=False):
-    _check_inputs(q, k, cos, sin, halves_out)
+    _check_inputs(q, k, cos, sin, interleaved or halves_out)
     dtype = out_dtype(q, cos)
     return _empty(q, False, dtype), q.new_empty(0) if k is None else _empty(k, False, dtype)
 
@@ -536,7 +546,7 @@ def _rotary_key(q, k, cos, sin, interleaved=False, halves_out=False):
 
 
 def _rotary_trifuse(q, k, cos, sin, interleaved=False, halves_out=False):
-    _check_inputs(q, k, cos, sin, halves_out)
+    _check_inputs(q, k, cos, sin, interleaved or halves_out)
     interleaved, halves_out = bool(interleaved), bool(halves_out)
     if eager_fast_path(q, k, cos, sin):
         with profiled("trifuse::rotary_embedding"):
@@ -547,7 +557,7 @@ def _rotary_trifuse(q, k, cos, sin, interleaved=False, halves_out=False):
 
 def _rotary_hf_formula(q, k, cos, sin, interleaved=False, halves_out=False):
     # trifuse's checks first: the same clear errors whichever candidate runs.
-    _check_inputs(q, k, cos, sin, halves_out)
+    _check_inputs(q, k, cos, sin, interleaved or halves_out)
     with profiled("trifuse::rotary_embedding"):
         q_embed, k_embed = rotary_embedding_ref(q, k, cos, sin, interleaved, halves_out)
         # trifuse returns contiguous (B, H, S, D); the choice must not change the layout.
@@ -584,7 +594,9 @@ def rotary_embedding(
             alone.
         cos, sin: (B or 1, 1, S or 1, D) (or a head dim equal to Hq == Hkv), of one float dtype:
             q's, or another (fp32 tables beside 16-bit q and k under autocast).
-        interleaved: rotate the pairs (x[2i], x[2i+1]) instead of (x[i], x[i + D/2]).
+        interleaved: rotate the pairs (x[2i], x[2i+1]) instead of (x[i], x[i + D/2]); cos and sin
+            then D wide in the interleaved layout, or D / 2 wide, one entry per pair (the real
+            and imaginary parts of a complex table: `x` times `cos + i sin` as complex numbers).
         halves_out: with interleaved, write the pair i's results to (i, i + D/2): the rotate-half
             convention applied to `pairs_to_halves(x)` (DeepSeek-V2/V3's
             `apply_rotary_pos_emb_interleave`); cos and sin then in the rotate-half layout, D or

@@ -40,10 +40,26 @@ the results as halves, with tables of one entry per pair (`cos[..., :D/2]`):
 which becomes the op with `interleaved=True, halves_out=True`, q and k in one call or a tensor
 alone. Filters: the pairs are exactly (0::2, 1::2) of the last dim, the cat along the last dim;
 cos and sin 4-D (their width, D / 2 or D, the op checks).
+
+Meta's Llama reference, torchtitan, Llama 4 and DeepSeek-V2 rotate the interleaved pairs as
+complex numbers, with a complex table (`torch.polar`) of one entry per pair:
+
+    x_ = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    x_out = torch.view_as_real(x_ * freqs_cis).flatten(3)
+
+which becomes the op with `interleaved=True` and the table's real and imaginary parts as cos
+and sin (views; the op copies the two small tables to unit stride), q and k in one call when
+they are multiplied by one table (the same node, or the same slice of one written twice, as
+Llama 4 does) or a tensor alone. Both layouts: (B, H, S, D) with a (B or 1, 1, S, D/2) table
+(DeepSeek-V2) and (B, S, H, D) with (B or 1, S, 1, D/2) (Llama 4, torchtitan), the latter through
+transposed views as for GPT-J below. The `.float()` before and the `.type_as(x)` after stay as
+written, as for Cohere. Filters: the reshape splits only the last dim into pairs, the flatten
+merges exactly the pair dims back, the table is complex, 4-D, D/2 wide and broadcasts over the
+heads.
 """
 import torch
 
-from ._base import Match, Pattern, ops
+from ._base import Match, Pattern, example_value, known_equal, ops
 
 # The two bounds of rotate_half's slices are separate parameters: an fx capture computes
 # `x.shape[-1] // 2` once per slice (two graph nodes of one value); the filter checks each.
@@ -257,6 +273,114 @@ def _pairs_to_halves_last_dim(names: tuple[str, ...]):
     return check
 
 
+# The complex product: the reshape's target and the flatten's start are parameters (an fx capture
+# computes the shape from x's, Dynamo writes it out); the filter checks them.
+
+
+def rotary_complex_q_k(q: torch.Tensor, k: torch.Tensor, q_freqs: torch.Tensor, k_freqs: torch.Tensor, q_shape,
+                       k_shape, q_flat, k_flat):
+    """Llama 4's, torchtitan's and DeepSeek-V2's apply_rotary_emb after the upcast of q and k."""
+    q_out = torch.view_as_real(torch.view_as_complex(q.reshape(q_shape)) * q_freqs).flatten(q_flat)
+    k_out = torch.view_as_real(torch.view_as_complex(k.reshape(k_shape)) * k_freqs).flatten(k_flat)
+    return q_out, k_out
+
+
+def _rotate_complex(q, k, freqs, positions_dim):
+    # The table's real and imaginary parts are cos and sin of the interleaved pairs; (B, S, H, D)
+    # tensors go to the op as (B, H, S, D) views and come back the same way.
+    table = torch.view_as_real(freqs.resolve_conj())  # a conjugate table (the inverse rotation) as its values
+    cos, sin = table[..., 0], table[..., 1]
+    if positions_dim == 1:
+        q, cos, sin = q.transpose(1, 2), cos.transpose(1, 2), sin.transpose(1, 2)
+        k = None if k is None else k.transpose(1, 2)
+    q_out, k_out = ops.rotary_embedding(q, k, cos, sin, interleaved=True)
+    if positions_dim == 1:
+        q_out = q_out.transpose(1, 2)
+        k_out = None if k is None else k_out.transpose(1, 2)
+    return q_out, k_out
+
+
+def rotary_complex_q_k_fused(q, k, q_freqs, k_freqs=None, q_shape=None, k_shape=None, q_flat=None, k_flat=None,
+                             positions_dim=2):
+    return _rotate_complex(q, k, q_freqs, positions_dim)
+
+
+def rotary_complex(x: torch.Tensor, freqs: torch.Tensor, x_shape, x_flat):
+    """One tensor rotated alone as a complex product."""
+    return torch.view_as_real(torch.view_as_complex(x.reshape(x_shape)) * freqs).flatten(x_flat)
+
+
+def rotary_complex_fused(x, freqs, x_shape=None, x_flat=None, positions_dim=2):
+    return _rotate_complex(x, None, freqs, positions_dim)[0]
+
+
+def _positions_dim(m: Match, name: str) -> int | None:
+    """Where the positions of `name` are: dim 2 (B, H, S, D), the table (B or 1, 1, S, D/2); dim 1
+    (B, S, H, D), the table (B or 1, S, 1, D/2); None when the table is neither."""
+    t = m.value(f"{name}_freqs" if name in ("q", "k") else "freqs")
+    if known_equal(t.shape[1], 1):
+        return 2
+    if known_equal(t.shape[2], 1):
+        return 1
+    return None
+
+
+def _complex_pairs(names: tuple[str, ...]):
+    def check(m: Match) -> str | None:
+        for name in names:
+            x = m.value(name)
+            freqs = m.value(f"{name}_freqs" if len(names) > 1 else "freqs")
+            shape, flat = m.value(f"{name}_shape"), m.value(f"{name}_flat")
+            if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_floating_point():
+                return f"{name} is not a 4-D float tensor"
+            d = x.shape[-1]
+            # a capture with symbolic sizes writes them as graph nodes: their values (SymInts)
+            shape = [example_value(v) for v in shape] if isinstance(shape, (tuple, list)) else shape
+            if not isinstance(shape, list) or len(shape) != 5 or any(
+                    not isinstance(v, (int, torch.SymInt)) or isinstance(v, bool) for v in shape):
+                return f"{name} is reshaped to {shape!r}, not a known 5-D shape"
+            if not (all(known_equal(a, b) for a, b in zip(shape[:3], x.shape[:3]))
+                    and (known_equal(shape[3], -1) or known_equal(shape[3], d // 2)) and known_equal(shape[4], 2)
+                    and known_equal(d % 2, 0)):
+                return f"{name} {tuple(x.shape)} is reshaped to {tuple(shape)}: not its last dim split into pairs"
+            if not isinstance(flat, int) or isinstance(flat, bool) or flat not in (3, -2):
+                return f"the rotated pairs of {name} are flattened from dim {flat!r}, not the pair dims (3)"
+            if not isinstance(freqs, torch.Tensor) or not freqs.is_complex() or freqs.dim() != 4:
+                return f"the table is not a 4-D complex tensor (got {getattr(freqs, 'shape', freqs)!r})"
+            if not known_equal(freqs.shape[3], d // 2) or not (known_equal(freqs.shape[0], 1)
+                                                                or known_equal(freqs.shape[0], x.shape[0])):
+                return f"the table {tuple(freqs.shape)} does not broadcast to {name}'s pairs {tuple(shape)}"
+            positions = _positions_dim(m, name)
+            if positions is None or not (known_equal(freqs.shape[positions], 1)
+                                         or known_equal(freqs.shape[positions], x.shape[positions])):
+                return f"the table {tuple(freqs.shape)} is not one row per position of {name} {tuple(x.shape)}"
+        return None
+
+    check.__name__ = "complex_pairs"
+    return check
+
+
+def _one_table(m: Match) -> str | None:
+    """q and k multiplied by one table: the same node, one slice of it written twice (Llama 4),
+    or one constant read twice (fx folds the slice of a buffer into a constant per use)."""
+    a, b = m["q_freqs"], m["k_freqs"]
+    if a is b:
+        return None
+    same = (isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node) and a.op == b.op
+            and a.op in ("call_function", "call_method", "get_attr") and not str(a.target).endswith("_")
+            and a.target == b.target and a.args == b.args and a.kwargs == b.kwargs)
+    if not same or _positions_dim(m, "q") != _positions_dim(m, "k"):
+        return "q and k are multiplied by different tables"
+    return None
+
+
+def _complex_layout(name: str):
+    def derive(m: Match) -> dict:
+        return {"positions_dim": _positions_dim(m, name)}
+
+    return derive
+
+
 _OPS = ("rotary_embedding",)
 
 PATTERNS = (
@@ -271,6 +395,10 @@ PATTERNS = (
             _OPS, (_pairs_to_halves_last_dim(("q", "k")), _cos_sin_are_4d)),
     Pattern("rotary_pairs_to_halves", "rotary", rotary_pairs_to_halves, rotary_pairs_to_halves_fused, _OPS,
             (_pairs_to_halves_last_dim(("x",)), _cos_sin_are_4d)),
+    Pattern("rotary_complex_q_k", "rotary", rotary_complex_q_k, rotary_complex_q_k_fused, _OPS,
+            (_complex_pairs(("q", "k")), _one_table), derive=_complex_layout("q")),
+    Pattern("rotary_complex", "rotary", rotary_complex, rotary_complex_fused, _OPS, (_complex_pairs(("x",)),),
+            derive=_complex_layout("x")),
     Pattern("rotary_every_two_q_k", "rotary", rotary_every_two_q_k, rotary_every_two_q_k_fused, _OPS,
             (_positions_on_dim_1(("q", "k"), unsqueezed=False),)),
     Pattern("rotary_every_two", "rotary", rotary_every_two, rotary_every_two_fused, _OPS,

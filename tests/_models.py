@@ -224,6 +224,18 @@ _FAMILIES.update({
                     "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 8, "n_routed_experts": 4,
                     "num_experts_per_tok": 2, "moe_intermediate_size": 2 * HIDDEN, "intermediate_size": 2 * HIDDEN,
                     "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "experts_implementation": "batched_mm"},
+    # DeepSeek-V2: DeepSeek-V3's latent attention with the rotary as a complex product
+    # (`view_as_complex`, a `torch.polar` table), on (B, H, S, D) q and k
+    "deepseek_v2": {**_DECODER, "num_key_value_heads": HEADS, "q_lora_rank": 16, "kv_lora_rank": 16,
+                    "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 8, "head_dim": 8,
+                    "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 2 * HIDDEN, "intermediate_size": 2 * HIDDEN, "first_k_dense_replace": 1,
+                    "n_group": 1, "topk_group": 1, "experts_implementation": "batched_mm"},
+    # Llama 4's text model: the rotary as a complex product on (B, S, H, D) q and k, then an L2
+    # norm of each (no weight), routed experts beside a shared one
+    "llama4_text": {**_DECODER, **_MLP, "intermediate_size_mlp": 2 * HIDDEN, "num_key_value_heads": 1,
+                    "head_dim": HIDDEN // HEADS, "num_local_experts": 4, "num_experts_per_tok": 1,
+                    "experts_implementation": "batched_mm"},
     # Gemma 4: seven RMSNorms a block written with pow(-0.5) (the value norm without a weight), a
     # per-layer input gated by GeLU, a sliding-window layer and a global one with its own head dim
     # (512 in the real models, past trifuse's 256: 32 here), the shared KV states in a UserDict

@@ -152,6 +152,12 @@ MODELS = {
     # interleaved and writes halves (halves_out)
     "deepseek_v3": (_family("deepseek_v3"), {"rms_norm": 3 * L + 1, "attention": L, "residual_stream": L,
                                              "gated_activation": 3, **ROTARY, **LOSS}),
+    # DeepSeek-V2 and Llama 4: the rotary as a complex product (heads first in DeepSeek-V2, after
+    # the positions in Llama 4); Llama 4's q and k L2 norms are RMSNorms without a weight
+    "deepseek_v2": (_family("deepseek_v2"), {"rms_norm": 3 * L + 1, "attention": L, "residual_stream": L,
+                                             "gated_activation": 3, **ROTARY, **LOSS}),
+    "llama4_text": (_family("llama4_text"), {"rms_norm": 3 * L + 1, "attention": L, "residual_stream": L,
+                                             "gated_activation": 2 * L, **ROTARY, **LOSS}),
     # Gemma 4 (see _FAMILIES): rotary on q and on k apart (k's norm between), GeGLU in the MLP and
     # the per-layer input gate
     "gemma4_text": (_family("gemma4_text"), {"rms_norm": 16, "attention": L, "residual_stream": L, "rotary": 2 * L,

@@ -6,12 +6,11 @@ tests run natively and add bf16.
 """
 import pytest
 import torch
+import trifuse
+from _device import DEVICE
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tolerances import DTYPES, assert_close, check_close
-
-from _device import DEVICE
-import trifuse
 from trifuse.kernels import rotary as rk
 from trifuse.kernels.rotary import rotary_embedding_ref
 
@@ -152,9 +151,59 @@ def test_halves_out_bad_arguments():
     with pytest.raises(TypeError, match="rotary_embedding: halves_out must be a bool"):
         trifuse.ops.rotary_embedding(q, k, cos, sin, interleaved=True, halves_out=1)
     with pytest.raises(ValueError, match=r"rotary_embedding: cos must be 4-D .* \(1 or 1, 1, 4, 8\)"):
-        trifuse.ops.rotary_embedding(q, k, cos[..., :4], sin[..., :4], interleaved=True)  # per-pair: halves_out only
+        trifuse.ops.rotary_embedding(q, k, cos[..., :4], sin[..., :4])  # per-pair: the interleaved conventions only
     with pytest.raises(ValueError, match=r"rotary_embedding: cos .* \(1 or 1, 1, 4, 8 or 4\)"):
         trifuse.ops.rotary_embedding(q, k, cos[..., :3], sin[..., :3], interleaved=True, halves_out=True)
+
+
+def complex_table(b, s, d, per_batch=False):
+    """Meta's Llama reference's (and torchtitan's, Llama 4's, DeepSeek-V2's) table: complex
+    `torch.polar(1, pos * inv_freq)`, one entry per pair, (1 or B, 1, S, D / 2) complex128."""
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    pos = torch.arange(s, dtype=torch.float64)[None]
+    if per_batch:
+        pos = pos + torch.arange(max(b, 1), dtype=torch.float64)[:, None] * 3
+    freqs = pos[..., None] * inv_freq
+    return torch.polar(torch.ones_like(freqs), freqs)[:, None].to(DEVICE)
+
+
+def complex_rope(x, freqs):
+    """The rotation as those models write it: pairs as complex numbers times the table."""
+    x_ = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(x_ * freqs).flatten(3)
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 1, 37, 24), (1, 2, 2, 1, 2), (2, 3, 1, 5, 80), (0, 2, 2, 4, 8)],
+                         ids=_ids)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_per_pair_tables_interleaved_match_float64_oracle(dtype, shape):
+    """The interleaved convention with one table entry per pair: a complex table's real and
+    imaginary parts (views with a stride of 2 along the pairs), q a projection view, k GQA;
+    again with the tables training."""
+    b, hq, hkv, s, d = shape
+    q = torch.randn(b, s, hq, d, device=DEVICE, dtype=dtype).transpose(1, 2).requires_grad_()
+    k = torch.randn(b, hkv, s, d, device=DEVICE, dtype=dtype).requires_grad_()
+    table = torch.view_as_real(complex_table(b, s, d, per_batch=True).to(torch.complex64 if dtype != torch.float64
+                                                                          else torch.complex128))
+    cos, sin = table[..., 0].to(dtype), table[..., 1].to(dtype)
+    check_fwd_bwd(q, k, cos, sin, interleaved=True)
+    check_fwd_bwd(q, k, cos.clone().requires_grad_(), sin.clone().requires_grad_(), interleaved=True)
+    view_cos, view_sin = table[..., 0], table[..., 1]  # stride 2: what a replacement hands the op
+    if dtype == torch.float32 and b:
+        check_fwd_bwd(q, None, view_cos, view_sin, interleaved=True)
+
+
+def test_per_pair_interleaved_oracle_is_the_complex_product():
+    q, k, _, _ = make((2, 3, 1, 7, 16), torch.float64)
+    freqs = complex_table(2, 7, 16, per_batch=True)
+    q_embed, k_embed = rotary_embedding_ref(q, k, freqs.real, freqs.imag, True)
+    torch.testing.assert_close(q_embed, complex_rope(q, freqs), rtol=1e-15, atol=1e-15)
+    torch.testing.assert_close(k_embed, complex_rope(k, freqs), rtol=1e-15, atol=1e-15)
+    # the kernel too, and not the rotate-half pairs (a test that could not tell them apart proves nothing)
+    out = trifuse.ops.rotary_embedding(q, k, freqs.real.contiguous(), freqs.imag.contiguous(), interleaved=True)
+    torch.testing.assert_close(out[0], complex_rope(q, freqs), rtol=1e-12, atol=1e-12)
+    halves = rotary_embedding_ref(q, k, freqs.real, freqs.imag, True, True)[0]
+    assert not torch.allclose(halves, q_embed, atol=1e-3)
 
 
 @pytest.mark.parametrize("cos_kind", COS)

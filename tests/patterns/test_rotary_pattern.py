@@ -1,9 +1,11 @@
 """Rotary position embedding as Hugging Face writes it (apply_rotary_pos_emb, rotate_half), full and
 partial rotary, q and k together or a tensor alone, rotate-half and interleaved (Cohere, GLM,
-Helium) conventions; what must not fuse; SDPA after it still fuses."""
+Helium) conventions, the complex product (Llama 4, DeepSeek-V2, torchtitan); what must not
+fuse; SDPA after it still fuses."""
 import pytest
 import torch
 import torch.nn.functional as F
+import trifuse
 from _fusing import check_against_unfused, fuse_via, needs_ops, trifuse_ops_run
 from torch import nn
 
@@ -330,6 +332,163 @@ def test_gptj_rotate_every_two_fuses_and_matches(make, rotated, capture):
     has folded the tables of the buffer into two constants."""
     want = ({"rotary_every_two_q_k": 1} if rotated == 2 and capture == "dynamo" else {"rotary_every_two": rotated})
     assert check_against_unfused(make, X, capture).by_pattern() == want
+
+
+def complex_table(s, d, per_batch):
+    """A complex (B or 1, S, D/2) table from torch.polar, as Meta's Llama reference builds it."""
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
+    pos = torch.arange(s).float()[None] + (torch.arange(B).float()[:, None] if per_batch else 0)
+    freqs = pos[..., None] * inv_freq
+    return torch.polar(torch.ones_like(freqs), freqs)
+
+
+def apply_rotary_emb_llama4(xq, xk, freqs_cis):
+    """transformers' Llama 4 apply_rotary_emb (5.x), verbatim: (B, S, H, D), the table sliced
+    once for each of q and k."""
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    xq_out = torch.view_as_real(xq_ * freqs_cis[:, :, None, :]).flatten(3)
+    xk_out = torch.view_as_real(xk_ * freqs_cis[:, :, None, :]).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+def apply_rotary_emb_titan(xq, xk, freqs_cis):
+    """torchtitan's and Meta's reference Llama spelling: the table viewed once to (1, S, 1, D/2)
+    to broadcast over (B, S, H, D/2) complex pairs."""
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    shape = [d if i in (1, xq_.ndim - 1) else 1 for i, d in enumerate(xq_.shape)]
+    freqs_cis = freqs_cis[0, : xq_.shape[1]].view(*shape)
+    xq_out = torch.view_as_real(xq_ * freqs_cis).flatten(3)
+    xk_out = torch.view_as_real(xk_ * freqs_cis).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+def apply_rotary_emb_deepseek_v2(xq, xk, freqs_cis):
+    """transformers' DeepSeek-V2 apply_rotary_emb (5.x), verbatim: (B, H, S, D)."""
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    freqs_cis = freqs_cis.unsqueeze(1).to(xq_.device)
+    xq_out = torch.view_as_real(xq_ * freqs_cis).flatten(3).type_as(xq)
+    xk_out = torch.view_as_real(xk_ * freqs_cis).flatten(3).type_as(xk)
+    return xq_out, xk_out
+
+
+def apply_rotary_emb_explicit_shapes(xq, xk, freqs_cis):
+    """The same with the shapes written out (fx traces it; the `*x.shape` above it cannot)."""
+    xq_ = torch.view_as_complex(xq.float().reshape(B, S, HQ, D // 2, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(B, S, HKV, D // 2, 2))
+    freqs_cis = freqs_cis[:, :, None, :]
+    return (torch.view_as_real(xq_ * freqs_cis).flatten(3).type_as(xq),
+            torch.view_as_real(xk_ * freqs_cis).flatten(3).type_as(xk))
+
+
+def apply_rotary_emb_inverse(xq, xk, freqs_cis):
+    """The inverse rotation (the conjugate table): still the op, with sin negated."""
+    return apply_rotary_emb_llama4(xq, xk, freqs_cis.conj())
+
+
+def rotate_complex_alone(x, freqs_cis):
+    """One (B, S, H, D) tensor rotated as complex pairs, Llama 4's way."""
+    x_ = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(x_ * freqs_cis[:, :, None, :]).flatten(3).type_as(x)
+
+
+def rotate_complex_per_head_table(x, freqs_cis):
+    """A table with a phase per head as well as per position: (B, S, H, D/2), not a rotary table
+    of positions; left as written, with a reason."""
+    x_ = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    phase = torch.polar(torch.ones(x_.shape[2]), torch.arange(x_.shape[2]).float())
+    return torch.view_as_real(x_ * (freqs_cis[:, :, None, :] * phase[None, None, :, None])).flatten(3).type_as(x)
+
+
+class ComplexRotary(nn.Module):
+    """q and k as (B, S, H, D) projections (Llama 4, torchtitan) or (B, H, S, D) (DeepSeek-V2),
+    rotated as complex numbers, returned as (B, H, S, D) (or fed to SDPA)."""
+
+    def __init__(self, apply=apply_rotary_emb_llama4, heads_first=False, per_batch=False, which="q_k",
+                 sdpa=False, separate_k_table=False):
+        super().__init__()
+        self.q_proj, self.k_proj = nn.Linear(HQ * D, HQ * D, bias=False), nn.Linear(HQ * D, HKV * D, bias=False)
+        self.v_proj = nn.Linear(HQ * D, HKV * D, bias=False)
+        self.register_buffer("freqs", complex_table(S, D, per_batch))
+        self.register_buffer("k_freqs", complex_table(S, D, per_batch) * (1j if separate_k_table else 1))
+        self.apply_fn, self.heads_first, self.which, self.sdpa = apply, heads_first, which, sdpa
+        self.separate_k_table = separate_k_table
+
+    def forward(self, x):
+        q, k = self.q_proj(x).view(B, S, -1, D), self.k_proj(x).view(B, S, -1, D)
+        if self.heads_first:
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+        if self.which == "q":  # apply_fn rotates one tensor here
+            q = self.apply_fn(q, self.freqs)
+        elif self.separate_k_table:
+            q, k = rotate_complex_alone(q, self.freqs), rotate_complex_alone(k, self.k_freqs)
+        else:
+            q, k = self.apply_fn(q, k, self.freqs)
+        if not self.heads_first:
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+        if self.sdpa:
+            v = self.v_proj(x).view(B, S, -1, D).transpose(1, 2)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return q, k
+
+
+@pytest.mark.parametrize("make, counts, captures", [
+    (ComplexRotary, {"rotary_complex_q_k": 1}, ["dynamo"]),
+    (lambda: ComplexRotary(per_batch=True), {"rotary_complex_q_k": 1}, ["dynamo"]),
+    (lambda: ComplexRotary(apply_rotary_emb_titan), {"rotary_complex_q_k": 1}, ["dynamo"]),
+    (lambda: ComplexRotary(apply_rotary_emb_deepseek_v2, heads_first=True, per_batch=True),
+     {"rotary_complex_q_k": 1}, ["dynamo"]),
+    (lambda: ComplexRotary(apply_rotary_emb_explicit_shapes), {"rotary_complex_q_k": 1}, CAPTURES),
+    (lambda: ComplexRotary(rotate_complex_alone, which="q"), {"rotary_complex": 1}, ["dynamo"]),
+    (lambda: ComplexRotary(separate_k_table=True), {"rotary_complex": 2}, ["dynamo"]),
+    (lambda: ComplexRotary(apply_rotary_emb_inverse), {"rotary_complex_q_k": 1}, ["dynamo"]),
+], ids=["hf-llama4", "per-batch-positions", "torchtitan", "hf-deepseek-v2", "explicit-shapes", "q-alone",
+        "other-table-for-k", "conjugate-table"])
+def test_complex_product_fuses_and_matches(make, counts, captures):
+    """The interleaved pairs times a complex table become the interleaved op with the table's
+    real and imaginary parts: outputs and gradients equal the unfused module's, in both layouts;
+    q and k with different tables are two calls."""
+    for capture in captures:
+        torch._dynamo.reset()
+        assert check_against_unfused(make, X, capture).by_pattern() == counts
+
+
+class ComplexRotaryOfInputs(nn.Module):
+    def forward(self, q, k, freqs):
+        return apply_rotary_emb_llama4(q, k, freqs)
+
+
+def test_complex_product_recaptured_with_symbolic_sizes_still_fuses():
+    """Called again with another batch and length, Dynamo recaptures with symbolic sizes (the
+    reshape's target then holds graph nodes): the filters read their values and it still fuses."""
+    model = fuse_via(ComplexRotaryOfInputs(), "dynamo")
+    for b, s in ((2, 6), (3, 5)):
+        q, k = torch.randn(b, s, HQ, D), torch.randn(b, s, HKV, D)
+        freqs = complex_table(s, D, per_batch=False)
+        for out, ref in zip(model(q, k, freqs), apply_rotary_emb_llama4(q, k, freqs)):
+            torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+        assert trifuse.report(model).by_pattern() == {"rotary_complex_q_k": 1}
+
+
+def test_complex_product_then_sdpa_fuses_both():
+    report = check_against_unfused(lambda: ComplexRotary(sdpa=True), X, "dynamo")
+    assert report.counts() == {"rotary": 1, "attention": 1}
+
+
+def test_complex_product_runs_the_op_forward_and_backward():
+    model = fuse_via(ComplexRotary(), "dynamo")
+    x = X[0].clone().requires_grad_()
+    ran = trifuse_ops_run(lambda: sum(o.sum() for o in model(x)).backward())
+    assert {"trifuse::rotary_embedding", "trifuse::rotary_embedding_backward"} <= ran
+
+
+def test_complex_product_with_a_table_per_head_is_left_with_a_reason():
+    report = check_against_unfused(lambda: ComplexRotary(rotate_complex_per_head_table, which="q"), X, "dynamo")
+    assert report.counts() == {}
+    reasons = [why for _, _, pattern, why in report.rejected() if pattern == "rotary_complex"]
+    assert any("is not one row per position" in why for why in reasons), reasons
 
 
 @pytest.mark.parametrize("capture", CAPTURES)
