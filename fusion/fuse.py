@@ -2,7 +2,7 @@
 
 Progressive capture (DESIGN.md, "Capture"):
 
-1. Blocks: the modules held in a `ModuleList` (transformer layers), grouped by class. A block
+1. Blocks: the modules held in a `ModuleList` or `ModuleDict` (transformer layers), grouped by class. A block
    class fx can trace gets an `FxUnit`; otherwise (every Hugging Face layer today) a
    `DynamoUnit`: one Dynamo capture per class, shared by every identical layer.
 2. The rest: from the root down, each module fx can trace (with blocks kept as calls) and that
@@ -146,14 +146,15 @@ def blocks_of(module: torch.nn.Module, block_set: set[int]) -> bool:
 
 
 def _find_blocks(model: torch.nn.Module) -> dict[type, list[tuple[str, torch.nn.Module]]]:
-    """Children of ModuleLists that have submodules of their own, outermost lists only."""
+    """Children of ModuleLists (and ModuleDicts: PyTorch-native code such as torchtitan keys its
+    layers by index) that have submodules of their own, outermost lists only."""
     blocks: dict[type, list[tuple[str, torch.nn.Module]]] = {}
     inside: set[int] = set()
     for path, module in model.named_modules():
         if id(module) in inside:
             inside.update(id(m) for m in module.children())
             continue
-        if isinstance(module, torch.nn.ModuleList):
+        if isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)):
             for name, child in module.named_children():
                 if next(child.children(), None) is None:
                     continue

@@ -15,7 +15,8 @@ rewrites, in place:
   `torch.tanh(x)`, `torch.add(a, b)`/`a.add(b)` -> `a + b`, `x ** 2` -> `torch.pow(x, 2)`,
   `F.softmax` -> `torch.softmax`, `torch.layer_norm` -> `F.layer_norm`, `torch.concat` ->
   `torch.cat(tensors, dim)`, `x.logsumexp(dim=-1)` -> `torch.logsumexp(x, -1, False)`,
-  `x.float()` -> `x.to(torch.float32)`, `a @ b` -> `torch.matmul(a, b)`, ...
+  `x.float()` -> `x.to(torch.float32)`, `a @ b` -> `torch.matmul(a, b)`,
+  `x.unsqueeze(d)`/`torch.unsqueeze(x, dim=d)` -> `torch.unsqueeze(x, d)`, ...
 - the fields of a (values, indices) result as indices, as Dynamo writes them:
   `x.max(dim=-1, keepdim=True).values` -> `x.max(dim=-1, keepdim=True)[0]`.
 - arguments into one layout: positional parameters positional, keyword-only ones as keywords,
@@ -67,6 +68,7 @@ def _sig_div(input, other, *, rounding_mode=None): ...
 def _sig_repeat_interleave(input, repeats, dim=None, *, output_size=None): ...
 def _sig_cat(tensors, dim=0): ...
 def _sig_logsumexp(input, dim, keepdim=False): ...
+def _sig_unsqueeze(input, dim): ...
 def _sig_cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
                        reduction="mean", label_smoothing=0.0): ...
 
@@ -101,6 +103,7 @@ _FUNCTIONS: dict[Any, tuple[Callable[..., Any], Callable[..., Any] | None]] = {
     torch.cat: (torch.cat, _sig_cat),
     torch.concat: (torch.cat, _sig_cat),
     torch.logsumexp: (torch.logsumexp, _sig_logsumexp),
+    torch.unsqueeze: (torch.unsqueeze, _sig_unsqueeze),
     **{getattr(torch, name): (getattr(torch, name), _sig_unary) for name in _UNARY},
 }
 if hasattr(F, "rms_norm"):
@@ -120,6 +123,7 @@ _METHODS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
     "matmul": (torch.matmul, _sig_binary),
     "repeat_interleave": (torch.repeat_interleave, _sig_repeat_interleave),
     "logsumexp": (torch.logsumexp, _sig_logsumexp),
+    "unsqueeze": (torch.unsqueeze, _sig_unsqueeze),
     **{name: (getattr(torch, name), _sig_unary) for name in _UNARY},
 }
 

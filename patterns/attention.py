@@ -4,7 +4,8 @@ style: the score matrix never exists).
 - `F.scaled_dot_product_attention` with all its arguments (mask, dropout, causal, scale, GQA;
   K and V of one head broadcast over the query heads, Falcon's multi-query attention, as GQA),
   and with K and V repeated per query group first (`repeat_interleave`, or Llama's
-  `expand` + `reshape`), which becomes `enable_gqa=True` on the un-repeated K and V.
+  `expand` + `reshape`; or torchtitan's `unsqueeze` + `expand` + `reshape` on (B, S, H, D) before
+  the heads move), which becomes `enable_gqa=True` on the un-repeated K and V.
 - The explicit chain `softmax(q @ k^T * scale [+ mask]) [-> dropout] @ v`: scale as a multiply
   or a divide, the mask added, or applied with `masked_fill(mask, fill)` (nanoGPT's causal
   buffer: True = drop) or `torch.where(mask, scores, fill)` (True = keep), the softmax optionally
@@ -123,6 +124,45 @@ def sdpa_expand_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_shape, v
     """Llama's repeat_kv: (B, Hkv, S, D) -> (B, Hkv, n_rep, S, D) -> (B, Hkv * n_rep, S, D)."""
     k, v = _repeat_kv(k, k_shape, k_heads), _repeat_kv(v, v_shape, v_heads)
     return F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale=scale)
+
+
+def _repeat_kv_before_transpose(x: torch.Tensor, shape, heads) -> torch.Tensor:
+    """repeat_kv as PyTorch-native code writes it (torchtitan, Meta's reference Llama): on (B, S,
+    Hkv, D) before the heads move, (B, S, Hkv, n_rep, D) -> (B, S, Hkv * n_rep, D), then (B, H, S, D)."""
+    return torch.unsqueeze(x, 3).expand(shape).reshape(heads).transpose(1, 2)
+
+
+def sdpa_expand_kv_before_transpose(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_shape, v_shape, k_heads,
+                                    v_heads, attn_mask, dropout_p, is_causal, scale):
+    k, v = _repeat_kv_before_transpose(k, k_shape, k_heads), _repeat_kv_before_transpose(v, v_shape, v_heads)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale=scale)
+
+
+def sdpa_gqa_before_transpose_fused(q, k, v, attn_mask, dropout_p, is_causal, scale, k_shape=None, v_shape=None,
+                                    k_heads=None, v_heads=None):
+    return ops.attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask, dropout_p, is_causal, scale, True)
+
+
+def _kv_repeated_over_heads_before_transpose(m: Match) -> str | None:
+    """The unsqueeze + expand + reshape repeats each of (B, S, Hkv, D)'s heads in a row: (B, S,
+    Hkv * n, D), for k and v (where the sizes are constants; symbolic ones are what the expand
+    implies)."""
+    for name in ("k", "v"):
+        t, target = m.value(name), m[f"{name}_heads"]
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            return f"no 4-D shape for {name}"
+        if not isinstance(target, (list, tuple)) or len(target) != 4:
+            return f"{name} is reshaped to {target!r}, not (batch, seq, heads, head_dim)"
+        expanded = m[f"{name}_shape"]
+        if not isinstance(expanded, (list, tuple)) or len(expanded) != 5:
+            return f"{name} is expanded to {expanded!r}, not (batch, seq, heads, n_rep, head_dim)"
+        b, sq, h, d = target
+        for got, want in ((b, t.shape[0]), (sq, t.shape[1]), (d, t.shape[3])):
+            if is_number(got) and got != want:
+                return f"{name} is reshaped to {tuple(target)} from {tuple(t.shape)}: not a repeat over its heads"
+        if is_number(h) and h % t.shape[2] != 0:
+            return f"{name} is reshaped to {h} heads from {t.shape[2]}: not a repeat over its heads"
+    return None
 
 
 def _kv_repeated_over_heads(m: Match) -> str | None:
@@ -972,6 +1012,9 @@ PATTERNS = (
             (needs_number("dropout_p", "n_rep"), needs_bool("is_causal"))),
     Pattern("sdpa_expand_kv", "attention", sdpa_expand_kv, sdpa_gqa_fused, ("attention",),
             (needs_number("dropout_p"), needs_bool("is_causal"), _kv_repeated_over_heads)),
+    Pattern("sdpa_expand_kv_before_transpose", "attention", sdpa_expand_kv_before_transpose,
+            sdpa_gqa_before_transpose_fused, ("attention",),
+            (needs_number("dropout_p"), needs_bool("is_causal"), _kv_repeated_over_heads_before_transpose)),
     Pattern("sdpa", "attention", sdpa, sdpa_fused, ("attention",),
             (needs_number("dropout_p"), needs_bool("is_causal", "enable_gqa")), derive=_one_kv_head_broadcast),
     # gpt-oss's eager attention with sinks, over repeat_kv or not, with or without a mask

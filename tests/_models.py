@@ -460,6 +460,111 @@ def nanogpt(flash: bool = True, dropout: float = 0.0, layers: int = LAYERS):
 
 
 # ---------------------------------------------------------------------------------------------
+# A Llama written the way PyTorch-native training code (torchtitan, Meta's reference) writes it:
+# blocks in a ModuleDict keyed by layer index, torch.nn.RMSNorm, the rotary as a complex product
+# with a torch.polar table passed to every block, the key and value heads repeated for GQA on
+# (B, S, H, D) tensors before the transpose, SwiGLU as w2(silu(w1 x) * w3 x), SDPA causal.
+# ---------------------------------------------------------------------------------------------
+
+
+def polar_table(head_dim: int, positions: int, theta: float = 10000.0) -> torch.Tensor:
+    """(positions, head_dim / 2) complex64: e^(i * position * theta^(-2j / head_dim))."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    angles = torch.outer(torch.arange(positions).float(), inv_freq)
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def rotate_as_complex(xq, xk, table):
+    """xq, xk (B, S, H, D): their pairs times the table's first S rows as complex numbers."""
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    table = table[: xq.shape[1]].view(1, xq.shape[1], 1, xq_.shape[-1])
+    return (torch.view_as_real(xq_ * table).flatten(3).type_as(xq),
+            torch.view_as_real(xk_ * table).flatten(3).type_as(xk))
+
+
+def repeat_heads(x, n_rep):
+    """(B, S, Hkv, D) -> (B, S, Hkv * n_rep, D), each key head repeated n_rep times in a row."""
+    if n_rep == 1:
+        return x
+    b, s, h, d = x.shape
+    return x.unsqueeze(3).expand(b, s, h, n_rep, d).reshape(b, s, h * n_rep, d)
+
+
+class NativeAttention(nn.Module):
+    def __init__(self, dim, heads, kv_heads):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.wq = nn.Linear(dim, heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x, table):
+        b, s, _ = x.shape
+        xq = self.wq(x).view(b, s, -1, self.head_dim)
+        xk = self.wk(x).view(b, s, -1, self.head_dim)
+        xv = self.wv(x).view(b, s, -1, self.head_dim)
+        xq, xk = rotate_as_complex(xq, xk, table)
+        keys, values = repeat_heads(xk, self.heads // self.kv_heads), repeat_heads(xv, self.heads // self.kv_heads)
+        out = F.scaled_dot_product_attention(xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                             is_causal=True)
+        return self.wo(out.transpose(1, 2).contiguous().view(b, s, -1))
+
+
+class NativeFeedForward(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(dim, hidden, bias=False), nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class NativeBlock(nn.Module):
+    def __init__(self, dim, heads, kv_heads, hidden, eps=1e-5):
+        super().__init__()
+        self.attention_norm, self.ffn_norm = nn.RMSNorm(dim, eps=eps), nn.RMSNorm(dim, eps=eps)
+        self.attention = NativeAttention(dim, heads, kv_heads)
+        self.feed_forward = NativeFeedForward(dim, hidden)
+
+    def forward(self, x, table):
+        h = x + self.attention(self.attention_norm(x), table)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class NativeLlama(nn.Module):
+    def __init__(self, layers=LAYERS, dim=HIDDEN, heads=HEADS, kv_heads=1, vocab=VOCAB, max_seq=64):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.register_buffer("freqs_cis", polar_table(dim // heads, max_seq), persistent=False)
+        self.layers = nn.ModuleDict({str(i): NativeBlock(dim, heads, kv_heads, 2 * dim) for i in range(layers)})
+        self.norm = nn.RMSNorm(dim, eps=1e-5)
+        self.output = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, self.freqs_cis)
+        return self.output(self.norm(h))
+
+
+@_on_device
+def native_llama(layers: int = LAYERS):
+    model = NativeLlama(layers)
+
+    def inputs(batch, seq):
+        return {"tokens": torch.randint(0, VOCAB, (batch, seq))}
+
+    def loss(m, kw):
+        logits = m(**kw)
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), kw["tokens"][:, 1:].flatten())
+
+    return model, inputs, loss
+
+
+# ---------------------------------------------------------------------------------------------
 # A block fx cannot trace and Dynamo must break on: data-dependent control flow and numpy.
 # ---------------------------------------------------------------------------------------------
 

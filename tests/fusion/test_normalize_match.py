@@ -73,6 +73,10 @@ def test_spellings_of_one_call_become_one_form():
              for fn in (lambda x: torch.logsumexp(x, dim=-1), lambda x: x.logsumexp(-1, False),
                         lambda x: torch.logsumexp(x, -1))]
     assert forms[0] == forms[1] == forms[2] == [(torch.logsumexp, (-1, False), {})]
+    # torchtitan's `torch.unsqueeze(x, dim=3)` and the method
+    forms = [[(n.target, n.args[1:], n.kwargs) for n in trace_function(fn).nodes if n.op == "call_function"]
+             for fn in (lambda x: torch.unsqueeze(x, dim=3), lambda x: x.unsqueeze(3), lambda x: x.unsqueeze(dim=3))]
+    assert forms[0] == forms[1] == forms[2] == [(torch.unsqueeze, (3,), {})]
 
 
 def test_calls_the_canonical_form_cannot_express_keep_their_meaning():

@@ -77,6 +77,26 @@ def sdpa_repeat_kv(m, q, k, v):
     return F.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), is_causal=True)
 
 
+def repeat_kv_before_transpose(x, n_rep, dim=3):  # torchtitan's repeat_kv, on (B, S, Hkv, D)
+    b, s, h, d = x.shape
+    shape = (b, s, h, n_rep, d) if dim == 3 else (b, s, n_rep, h, d)
+    return torch.unsqueeze(x, dim=dim).expand(*shape).reshape(b, s, h * n_rep, d)
+
+
+def sdpa_repeat_kv_before_transpose(m, q, k, v):
+    k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, S, Hkv, D), as projected, before the heads move
+    k, v = repeat_kv_before_transpose(k, 2).transpose(1, 2), repeat_kv_before_transpose(v, 2).transpose(1, 2)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def sdpa_repeat_kv_groups_outer(m, q, k, v):
+    """Repeated with the groups outermost (query head i reads key head i % Hkv): no GQA."""
+    k, v = k.transpose(1, 2), v.transpose(1, 2)
+    k, v = (repeat_kv_before_transpose(k, 2, dim=2).transpose(1, 2),
+            repeat_kv_before_transpose(v, 2, dim=2).transpose(1, 2))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 def chain_repeat_kv(m, q, k, v):  # transformers' eager_attention_forward (Llama, Mistral, Qwen2, ...)
     k, v = repeat_kv(k, 2), repeat_kv(v, 2)
     w = torch.matmul(q, k.transpose(2, 3)) * 0.35
@@ -184,6 +204,7 @@ KEEP_SOME_ROWS_NONE[1, 0, 2] = False  # one query row of batch 1 sees no key
     (sdpa_one_kv_head_broadcast, {}, 1, "sdpa"),
     (sdpa_repeat_interleave, {}, 2, "sdpa_repeat_interleave_kv"),
     (sdpa_repeat_kv, {}, 2, "sdpa_expand_kv"),
+    (sdpa_repeat_kv_before_transpose, {}, 2, "sdpa_expand_kv_before_transpose"),
     (chain_mul_additive, {"mask": ADDITIVE}, H, "attention_chain_mul_add_dropout"),
     (chain_div_no_mask, {}, H, "attention_chain_div_no_mask_no_dropout"),
     (chain_masked_fill, {"causal": CAUSAL}, H, "attention_chain_mul_masked_fill_no_dropout"),
@@ -484,6 +505,13 @@ def test_repeat_over_the_sequence_is_no_gqa():
     K and V as they are (the same maths), never enable_gqa over the un-repeated ones."""
     report = check_against_unfused(functools.partial(Fn, chain_expand_over_seq), qkv(), "dynamo")
     assert report.by_pattern() == {"attention_chain_mul_no_mask_dropout_upcast": 1}
+
+
+def test_groups_outermost_is_no_gqa():
+    """Heads repeated with the groups outermost read key head i % Hkv, not i // n_rep: SDPA takes
+    the repeated K and V as they are (the same maths), never enable_gqa over the un-repeated ones."""
+    report = check_against_unfused(functools.partial(Fn, sdpa_repeat_kv_groups_outer), qkv(2), "dynamo")
+    assert report.by_pattern() == {"sdpa": 1}
 
 
 def test_rejections_say_why():
