@@ -52,11 +52,20 @@ and sin (views; the op copies the two small tables to unit stride), q and k in o
 they are multiplied by one table (the same node, or the same slice of one written twice, as
 Llama 4 does) or a tensor alone. Both layouts: (B, H, S, D) with a (B or 1, 1, S, D/2) table
 (DeepSeek-V2) and (B, S, H, D) with (B or 1, S, 1, D/2) (Llama 4, torchtitan), the latter through
-transposed views as for GPT-J below. The `.float()` before and the `.type_as(x)` after stay as
-written, as for Cohere. Filters: the reshape splits only the last dim into pairs, the flatten
+transposed views as for GPT-J below. torchtune and gpt-fast write the same product in real
+arithmetic, with a (.., S, .., D/2, 2) cache of (cos, sin) pairs:
+
+    xs = x.float().reshape(*x.shape[:-1], -1, 2)
+    torch.stack([xs[..., 0] * cache[..., 0] - xs[..., 1] * cache[..., 1],
+                 xs[..., 1] * cache[..., 0] + xs[..., 0] * cache[..., 1]], -1).flatten(3)
+
+which becomes the same op with `cache[..., 0]` and `cache[..., 1]` as cos and sin. The
+`.float()` before and the `.type_as(x)` after stay as written, as for Cohere. Filters: the reshape splits only the last dim into pairs, the flatten
 merges exactly the pair dims back, the table is complex, 4-D, D/2 wide and broadcasts over the
 heads.
 """
+import operator
+
 import torch
 
 from ._base import Match, Pattern, example_value, known_equal, ops
@@ -286,10 +295,13 @@ def rotary_complex_q_k(q: torch.Tensor, k: torch.Tensor, q_freqs: torch.Tensor, 
 
 
 def _rotate_complex(q, k, freqs, positions_dim):
-    # The table's real and imaginary parts are cos and sin of the interleaved pairs; (B, S, H, D)
-    # tensors go to the op as (B, H, S, D) views and come back the same way.
+    # The table's real and imaginary parts are cos and sin of the interleaved pairs.
     table = torch.view_as_real(freqs.resolve_conj())  # a conjugate table (the inverse rotation) as its values
-    cos, sin = table[..., 0], table[..., 1]
+    return _rotate_pairs(q, k, table[..., 0], table[..., 1], positions_dim)
+
+
+def _rotate_pairs(q, k, cos, sin, positions_dim):
+    # (B, S, H, D) tensors go to the op as (B, H, S, D) views and come back the same way.
     if positions_dim == 1:
         q, cos, sin = q.transpose(1, 2), cos.transpose(1, 2), sin.transpose(1, 2)
         k = None if k is None else k.transpose(1, 2)
@@ -314,9 +326,38 @@ def rotary_complex_fused(x, freqs, x_shape=None, x_flat=None, positions_dim=2):
     return _rotate_complex(x, None, freqs, positions_dim)[0]
 
 
+# torchtune's and gpt-fast's: the product in real arithmetic with a cache of (cos, sin) pairs.
+
+
+def _pairs_times_cache(x, cache, shape, flat):
+    xs = x.reshape(shape)
+    return torch.stack([xs[..., 0] * cache[..., 0] - xs[..., 1] * cache[..., 1],
+                        xs[..., 1] * cache[..., 0] + xs[..., 0] * cache[..., 1]], -1).flatten(flat)
+
+
+def rotary_real_pairs_q_k(q: torch.Tensor, k: torch.Tensor, q_freqs: torch.Tensor, k_freqs: torch.Tensor, q_shape,
+                          k_shape, q_flat, k_flat):
+    """q and k rotated with one cache (gpt-fast's apply_rotary_emb on each)."""
+    return _pairs_times_cache(q, q_freqs, q_shape, q_flat), _pairs_times_cache(k, k_freqs, k_shape, k_flat)
+
+
+def rotary_real_pairs_q_k_fused(q, k, q_freqs, k_freqs=None, q_shape=None, k_shape=None, q_flat=None, k_flat=None,
+                                positions_dim=2):
+    return _rotate_pairs(q, k, q_freqs[..., 0], q_freqs[..., 1], positions_dim)
+
+
+def rotary_real_pairs(x: torch.Tensor, freqs: torch.Tensor, x_shape, x_flat):
+    """One tensor rotated alone (torchtune's RotaryPositionalEmbeddings)."""
+    return _pairs_times_cache(x, freqs, x_shape, x_flat)
+
+
+def rotary_real_pairs_fused(x, freqs, x_shape=None, x_flat=None, positions_dim=2):
+    return _rotate_pairs(x, None, freqs[..., 0], freqs[..., 1], positions_dim)[0]
+
+
 def _positions_dim(m: Match, name: str) -> int | None:
-    """Where the positions of `name` are: dim 2 (B, H, S, D), the table (B or 1, 1, S, D/2); dim 1
-    (B, S, H, D), the table (B or 1, S, 1, D/2); None when the table is neither."""
+    """Where the positions of `name` are: dim 2 (B, H, S, D), the table (B or 1, 1, S, D/2[, 2]);
+    dim 1 (B, S, H, D), the table (B or 1, S, 1, D/2[, 2]); None when the table is neither."""
     t = m.value(f"{name}_freqs" if name in ("q", "k") else "freqs")
     if known_equal(t.shape[1], 1):
         return 2
@@ -325,7 +366,10 @@ def _positions_dim(m: Match, name: str) -> int | None:
     return None
 
 
-def _complex_pairs(names: tuple[str, ...]):
+def _complex_pairs(names: tuple[str, ...], real_cache: bool = False):
+    """The pairs of each tensor times a table of one entry per pair: complex and 4-D, or with
+    `real_cache` a float (.., D/2, 2) cache of (cos, sin) pairs."""
+
     def check(m: Match) -> str | None:
         for name in names:
             x = m.value(name)
@@ -345,7 +389,12 @@ def _complex_pairs(names: tuple[str, ...]):
                 return f"{name} {tuple(x.shape)} is reshaped to {tuple(shape)}: not its last dim split into pairs"
             if not isinstance(flat, int) or isinstance(flat, bool) or flat not in (3, -2):
                 return f"the rotated pairs of {name} are flattened from dim {flat!r}, not the pair dims (3)"
-            if not isinstance(freqs, torch.Tensor) or not freqs.is_complex() or freqs.dim() != 4:
+            if real_cache:
+                if not isinstance(freqs, torch.Tensor) or not freqs.is_floating_point() or freqs.dim() != 5 \
+                        or not known_equal(freqs.shape[4], 2):
+                    return f"the cache is not a 5-D float tensor of (cos, sin) pairs (got " \
+                           f"{getattr(freqs, 'shape', freqs)!r})"
+            elif not isinstance(freqs, torch.Tensor) or not freqs.is_complex() or freqs.dim() != 4:
                 return f"the table is not a 4-D complex tensor (got {getattr(freqs, 'shape', freqs)!r})"
             if not known_equal(freqs.shape[3], d // 2) or not (known_equal(freqs.shape[0], 1)
                                                                 or known_equal(freqs.shape[0], x.shape[0])):
@@ -356,20 +405,37 @@ def _complex_pairs(names: tuple[str, ...]):
                 return f"the table {tuple(freqs.shape)} is not one row per position of {name} {tuple(x.shape)}"
         return None
 
-    check.__name__ = "complex_pairs"
+    check.__name__ = "real_pairs" if real_cache else "complex_pairs"
     return check
 
 
-def _one_table(m: Match) -> str | None:
-    """q and k multiplied by one table: the same node, one slice of it written twice (Llama 4),
-    or one constant read twice (fx folds the slice of a buffer into a constant per use)."""
-    a, b = m["q_freqs"], m["k_freqs"]
+# Views and slices a table goes through on its way to the product (pure: the same op on the same
+# input gives the same table).
+_TABLE_VIEWS = {operator.getitem, torch.unsqueeze, torch.view_as_real, torch.view_as_complex, "view", "reshape",
+                "expand", "to", "contiguous", "transpose", "unsqueeze"}
+
+
+def _same_table(a, b, depth: int = 6) -> bool:
+    """a and b compute one value: the same node, or the same view or slice of the same table."""
     if a is b:
-        return None
-    same = (isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node) and a.op == b.op
-            and a.op in ("call_function", "call_method", "get_attr") and not str(a.target).endswith("_")
-            and a.target == b.target and a.args == b.args and a.kwargs == b.kwargs)
-    if not same or _positions_dim(m, "q") != _positions_dim(m, "k"):
+        return True
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same_table(x, y, depth) for x, y in zip(a, b))
+    if not (isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node)):
+        return not isinstance(a, torch.fx.Node) and not isinstance(b, torch.fx.Node) and a == b
+    if depth == 0 or a.op != b.op or a.target != b.target or a.kwargs != b.kwargs:
+        return False
+    if a.op == "get_attr":  # fx folds a slice of a buffer into a constant per use
+        return True
+    return a.op in ("call_function", "call_method") and a.target in _TABLE_VIEWS \
+        and _same_table(a.args, b.args, depth - 1)
+
+
+def _one_table(m: Match) -> str | None:
+    """q and k multiplied by one table: the same node, or the same slice or view of it written
+    twice (Llama 4 slices it for each; gpt-fast and torchtune view it inside the function they
+    call on q and on k)."""
+    if not _same_table(m["q_freqs"], m["k_freqs"]) or _positions_dim(m, "q") != _positions_dim(m, "k"):
         return "q and k are multiplied by different tables"
     return None
 
@@ -399,6 +465,10 @@ PATTERNS = (
             (_complex_pairs(("q", "k")), _one_table), derive=_complex_layout("q")),
     Pattern("rotary_complex", "rotary", rotary_complex, rotary_complex_fused, _OPS, (_complex_pairs(("x",)),),
             derive=_complex_layout("x")),
+    Pattern("rotary_real_pairs_q_k", "rotary", rotary_real_pairs_q_k, rotary_real_pairs_q_k_fused, _OPS,
+            (_complex_pairs(("q", "k"), real_cache=True), _one_table), derive=_complex_layout("q")),
+    Pattern("rotary_real_pairs", "rotary", rotary_real_pairs, rotary_real_pairs_fused, _OPS,
+            (_complex_pairs(("x",), real_cache=True),), derive=_complex_layout("x")),
     Pattern("rotary_every_two_q_k", "rotary", rotary_every_two_q_k, rotary_every_two_q_k_fused, _OPS,
             (_positions_on_dim_1(("q", "k"), unsqueezed=False),)),
     Pattern("rotary_every_two", "rotary", rotary_every_two, rotary_every_two_fused, _OPS,

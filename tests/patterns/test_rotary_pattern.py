@@ -455,6 +455,59 @@ def test_complex_product_fuses_and_matches(make, counts, captures):
         assert check_against_unfused(make, X, capture).by_pattern() == counts
 
 
+class RealPairsRope(nn.Module):
+    """torchtune's RotaryPositionalEmbeddings as it computes: a (max_seq, D/2, 2) cache of (cos,
+    sin), the pairs of a (B, S, H, D) tensor rotated in real arithmetic; `swapped` writes the
+    rotation the other way round (a negative control: not this op's maths)."""
+
+    def __init__(self, d=D, max_seq=2 * S, swapped=False):
+        super().__init__()
+        theta = 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
+        angles = torch.outer(torch.arange(max_seq).float(), theta)
+        self.register_buffer("cache", torch.stack([angles.cos(), angles.sin()], dim=-1))
+        self.swapped = swapped
+
+    def forward(self, x):
+        xs = x.float().reshape(*x.shape[:-1], -1, 2)
+        cache = self.cache[: x.size(1)].view(-1, xs.size(1), 1, xs.size(3), 2)
+        if self.swapped:  # the inverse rotation
+            out = torch.stack([xs[..., 0] * cache[..., 0] + xs[..., 1] * cache[..., 1],
+                               xs[..., 1] * cache[..., 0] - xs[..., 0] * cache[..., 1]], -1)
+        else:
+            out = torch.stack([xs[..., 0] * cache[..., 0] - xs[..., 1] * cache[..., 1],
+                               xs[..., 1] * cache[..., 0] + xs[..., 0] * cache[..., 1]], -1)
+        return out.flatten(3).type_as(x)
+
+
+class RealPairsRotary(nn.Module):
+    """torchtune's attention up to the rotary: one RoPE module applied to q and then to k, (B, S, H, D)."""
+
+    def __init__(self, which="q_k", swapped=False):
+        super().__init__()
+        self.q_proj, self.k_proj = nn.Linear(HQ * D, HQ * D, bias=False), nn.Linear(HQ * D, HKV * D, bias=False)
+        self.pos_embeddings = RealPairsRope(swapped=swapped)
+        self.which = which
+
+    def forward(self, x):
+        q, k = self.q_proj(x).view(B, S, -1, D), self.k_proj(x).view(B, S, -1, D)
+        q = self.pos_embeddings(q)
+        if self.which == "q_k":
+            k = self.pos_embeddings(k)
+        return q.transpose(1, 2), k.transpose(1, 2)
+
+
+@pytest.mark.parametrize("make, counts", [
+    (RealPairsRotary, {"rotary_real_pairs_q_k": 1}),
+    (lambda: RealPairsRotary(which="q"), {"rotary_real_pairs": 1}),
+    (lambda: RealPairsRotary(swapped=True), {}),
+], ids=["torchtune-q-k", "q-alone", "rotation-swapped-left"])
+def test_real_pairs_cache_fuses_and_matches(make, counts):
+    """torchtune's (and gpt-fast's) rotary, the complex product in real arithmetic with a cache of
+    (cos, sin) pairs viewed once per call: q and k in one call of the interleaved op; the rotation
+    the other way round is another map and stays as written."""
+    assert check_against_unfused(make, X, "dynamo").by_pattern() == counts
+
+
 class ComplexRotaryOfInputs(nn.Module):
     def forward(self, q, k, freqs):
         return apply_rotary_emb_llama4(q, k, freqs)
