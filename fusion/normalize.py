@@ -16,7 +16,8 @@ rewrites, in place:
   `F.softmax` -> `torch.softmax`, `torch.layer_norm` -> `F.layer_norm`, `torch.concat` ->
   `torch.cat(tensors, dim)` (and `torch.stack(tensors, dim)`), `x.logsumexp(dim=-1)` -> `torch.logsumexp(x, -1, False)`,
   `x.float()` -> `x.to(torch.float32)`, `a @ b` -> `torch.matmul(a, b)`,
-  `x.unsqueeze(d)`/`torch.unsqueeze(x, dim=d)` -> `torch.unsqueeze(x, d)`, ...
+  `x.unsqueeze(d)`/`torch.unsqueeze(x, dim=d)`/`x[:, :, None]` (whole slices and one None) ->
+  `torch.unsqueeze(x, d)`, ...
 - the fields of a (values, indices) result as indices, as Dynamo writes them:
   `x.max(dim=-1, keepdim=True).values` -> `x.max(dim=-1, keepdim=True)[0]`.
 - arguments into one layout: positional parameters positional, keyword-only ones as keywords,
@@ -191,12 +192,31 @@ def canonicalize_node(node: fx.Node) -> None:
     if field is not None:
         node.target, node.args = operator.getitem, (node.args[0], field)
         return
+    if node.target is operator.getitem and len(node.args) == 2 and not node.kwargs:
+        dim = _unsqueeze_index(node.args[1])
+        if dim is not None:
+            node.target, node.args = torch.unsqueeze, (node.args[0], dim)
+            return
     entry = _FUNCTIONS.get(node.target) if _hashable(node.target) else None
     if entry is not None:
         target, sig = entry
         _bind(node, target, sig if sig is not None else node.target)
     elif _is_python_function(node.target):
         _bind(node, node.target, node.target)
+
+
+def _unsqueeze_index(index: Any) -> int | None:
+    """The dim of the unsqueeze an index is (`x[:, :, None]` -> 2, `x[..., None, :]` -> -2,
+    `x[None]` -> 0): whole slices, at most one Ellipsis and exactly one None; else None."""
+    entries = index if isinstance(index, tuple) else (index,)
+    whole = slice(None, None, None)
+    if sum(e is None for e in entries) != 1 or sum(e is Ellipsis for e in entries) > 1 \
+            or any(not (e is None or e is Ellipsis or (isinstance(e, slice) and e == whole)) for e in entries):
+        return None
+    at = next(i for i, e in enumerate(entries) if e is None)
+    if Ellipsis in entries[:at]:
+        return at - len(entries)  # counted from the end
+    return at
 
 
 def _method(node: fx.Node) -> None:

@@ -4,8 +4,9 @@ style: the score matrix never exists).
 - `F.scaled_dot_product_attention` with all its arguments (mask, dropout, causal, scale, GQA;
   K and V of one head broadcast over the query heads, Falcon's multi-query attention, as GQA),
   and with K and V repeated per query group first (`repeat_interleave`, or Llama's
-  `expand` + `reshape`; or torchtitan's `unsqueeze` + `expand` + `reshape` on (B, S, H, D) before
-  the heads move), which becomes `enable_gqa=True` on the un-repeated K and V.
+  `expand` + `reshape`, torchtune's and gpt-fast's `unsqueeze(2)` + `expand` + `flatten(1, 2)`;
+  or torchtitan's `unsqueeze` + `expand` + `reshape` on (B, S, H, D) before the heads move), which
+  becomes `enable_gqa=True` on the un-repeated K and V.
 - The explicit chain `softmax(q @ k^T * scale [+ mask]) [-> dropout] @ v`: scale as a multiply
   or a divide, the mask added, or applied with `masked_fill(mask, fill)` (nanoGPT's causal
   buffer: True = drop) or `torch.where(mask, scores, fill)` (True = keep), the softmax optionally
@@ -126,6 +127,33 @@ def sdpa_expand_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_shape, v
     return F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale=scale)
 
 
+def _repeat_kv_flatten(x: torch.Tensor, shape) -> torch.Tensor:
+    """torchtune's and gpt-fast's repeat: (B, Hkv, S, D) -> (B, Hkv, n_rep, S, D) -> (B, Hkv * n_rep,
+    S, D) by `flatten(1, 2)`."""
+    return torch.unsqueeze(x, 2).expand(shape).flatten(1, 2)
+
+
+def sdpa_expand_flatten_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_shape, v_shape, attn_mask, dropout_p,
+                           is_causal, scale):
+    k, v = _repeat_kv_flatten(k, k_shape), _repeat_kv_flatten(v, v_shape)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale=scale)
+
+
+def _kv_expanded_per_group(m: Match) -> str | None:
+    """The expand only repeats (B, Hkv, 1, S, D) along its new dim: every other entry is -1 or
+    k's (v's) own size."""
+    for name in ("k", "v"):
+        t, shape = m.value(name), m[f"{name}_shape"]
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            return f"no 4-D shape for {name}"
+        if not isinstance(shape, (list, tuple)) or len(shape) != 5:
+            return f"{name} is expanded to {shape!r}, not (batch, kv_heads, n_rep, seq, head_dim)"
+        for got, want in zip((shape[0], shape[1], shape[3], shape[4]), t.shape):
+            if is_number(got) and got not in (-1, want):
+                return f"{name} {tuple(t.shape)} is expanded to {tuple(shape)}: not a repeat per kv head"
+    return None
+
+
 def _repeat_kv_before_transpose(x: torch.Tensor, shape, heads) -> torch.Tensor:
     """repeat_kv as PyTorch-native code writes it (torchtitan, Meta's reference Llama): on (B, S,
     Hkv, D) before the heads move, (B, S, Hkv, n_rep, D) -> (B, S, Hkv * n_rep, D), then (B, H, S, D)."""
@@ -160,7 +188,7 @@ def _kv_repeated_over_heads_before_transpose(m: Match) -> str | None:
         for got, want in ((b, t.shape[0]), (sq, t.shape[1]), (d, t.shape[3])):
             if is_number(got) and got != want:
                 return f"{name} is reshaped to {tuple(target)} from {tuple(t.shape)}: not a repeat over its heads"
-        if is_number(h) and h % t.shape[2] != 0:
+        if is_number(h) and h != -1 and h % t.shape[2] != 0:
             return f"{name} is reshaped to {h} heads from {t.shape[2]}: not a repeat over its heads"
     return None
 
@@ -175,10 +203,11 @@ def _kv_repeated_over_heads(m: Match) -> str | None:
         if not isinstance(target, (list, tuple)) or len(target) != 4:
             return f"{name} is reshaped to {target!r}, not (batch, heads, seq, head_dim)"
         b, h, sq, d = target
+        # the heads may be -1 (reshape infers them): with the other sizes k's own, that is Hkv * n
         for got, want in ((b, t.shape[0]), (sq, t.shape[2]), (d, t.shape[3])):
             if is_number(got) and got != want:
                 return f"{name} is reshaped to {tuple(target)} from {tuple(t.shape)}: not a repeat over its heads"
-        if is_number(h) and h % t.shape[1] != 0:
+        if is_number(h) and h != -1 and h % t.shape[1] != 0:
             return f"{name} is reshaped to {h} heads from {t.shape[1]}: not a repeat over its heads"
     return None
 
@@ -1012,6 +1041,8 @@ PATTERNS = (
             (needs_number("dropout_p", "n_rep"), needs_bool("is_causal"))),
     Pattern("sdpa_expand_kv", "attention", sdpa_expand_kv, sdpa_gqa_fused, ("attention",),
             (needs_number("dropout_p"), needs_bool("is_causal"), _kv_repeated_over_heads)),
+    Pattern("sdpa_expand_flatten_kv", "attention", sdpa_expand_flatten_kv, sdpa_gqa_fused, ("attention",),
+            (needs_number("dropout_p"), needs_bool("is_causal"), _kv_expanded_per_group)),
     Pattern("sdpa_expand_kv_before_transpose", "attention", sdpa_expand_kv_before_transpose,
             sdpa_gqa_before_transpose_fused, ("attention",),
             (needs_number("dropout_p"), needs_bool("is_causal"), _kv_repeated_over_heads_before_transpose)),

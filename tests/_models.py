@@ -460,10 +460,13 @@ def nanogpt(flash: bool = True, dropout: float = 0.0, layers: int = LAYERS):
 
 
 # ---------------------------------------------------------------------------------------------
-# A Llama written the way PyTorch-native training code (torchtitan, Meta's reference) writes it:
-# blocks in a ModuleDict keyed by layer index, torch.nn.RMSNorm, the rotary as a complex product
-# with a torch.polar table passed to every block, the key and value heads repeated for GQA on
-# (B, S, H, D) tensors before the transpose, SwiGLU as w2(silu(w1 x) * w3 x), SDPA causal.
+# A Llama written the way PyTorch-native training code writes it. torchtitan (and Meta's
+# reference): blocks in a ModuleDict keyed by layer index, the rotary as a complex product with a
+# torch.polar table passed to every block, the key and value heads repeated for GQA on (B, S, H,
+# D) tensors before the transpose. torchtune (and gpt-fast): a RoPE module with a cache of (cos,
+# sin) pairs applied to q and to k in real arithmetic, the repeat after the transpose by
+# `unsqueeze(2).expand(...).flatten(1, 2)`, blocks in a ModuleList. Both: torch.nn.RMSNorm,
+# SwiGLU as w2(silu(w1 x) * w3 x), SDPA causal.
 # ---------------------------------------------------------------------------------------------
 
 
@@ -491,20 +494,45 @@ def repeat_heads(x, n_rep):
     return x.unsqueeze(3).expand(b, s, h, n_rep, d).reshape(b, s, h * n_rep, d)
 
 
-class NativeAttention(nn.Module):
-    def __init__(self, dim, heads, kv_heads):
+class CachedRope(nn.Module):
+    """torchtune's way: (positions, D/2, 2) cos and sin, the pairs of (B, S, H, D) rotated in real arithmetic."""
+
+    def __init__(self, head_dim, positions):
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        table = polar_table(head_dim, positions)
+        self.register_buffer("cache", torch.stack([table.real, table.imag], dim=-1), persistent=False)
+
+    def forward(self, x):
+        xs = x.float().reshape(*x.shape[:-1], -1, 2)
+        cache = self.cache[: x.size(1)].view(-1, xs.size(1), 1, xs.size(3), 2)
+        out = torch.stack([xs[..., 0] * cache[..., 0] - xs[..., 1] * cache[..., 1],
+                           xs[..., 1] * cache[..., 0] + xs[..., 0] * cache[..., 1]], -1)
+        return out.flatten(3).type_as(x)
+
+
+class NativeAttention(nn.Module):
+    def __init__(self, dim, heads, kv_heads, style="torchtitan", max_seq=64):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim, self.style = heads, kv_heads, dim // heads, style
+        if style == "torchtune":
+            self.pos_embeddings = CachedRope(self.head_dim, max_seq)
         self.wq = nn.Linear(dim, heads * self.head_dim, bias=False)
         self.wk = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(heads * self.head_dim, dim, bias=False)
 
-    def forward(self, x, table):
+    def forward(self, x, table=None):
         b, s, _ = x.shape
         xq = self.wq(x).view(b, s, -1, self.head_dim)
         xk = self.wk(x).view(b, s, -1, self.head_dim)
         xv = self.wv(x).view(b, s, -1, self.head_dim)
+        if self.style == "torchtune":
+            q, k, v = self.pos_embeddings(xq).transpose(1, 2), self.pos_embeddings(xk).transpose(1, 2), xv.transpose(1, 2)
+            expand_shape = (b, self.kv_heads, self.heads // self.kv_heads, -1, self.head_dim)
+            k = k.unsqueeze(2).expand(expand_shape).flatten(1, 2)
+            v = v.unsqueeze(2).expand(expand_shape).flatten(1, 2)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.wo(out.transpose(1, 2).contiguous().view(b, s, -1))
         xq, xk = rotate_as_complex(xq, xk, table)
         keys, values = repeat_heads(xk, self.heads // self.kv_heads), repeat_heads(xv, self.heads // self.kv_heads)
         out = F.scaled_dot_product_attention(xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
@@ -523,36 +551,42 @@ class NativeFeedForward(nn.Module):
 
 
 class NativeBlock(nn.Module):
-    def __init__(self, dim, heads, kv_heads, hidden, eps=1e-5):
+    def __init__(self, dim, heads, kv_heads, hidden, eps=1e-5, style="torchtitan"):
         super().__init__()
         self.attention_norm, self.ffn_norm = nn.RMSNorm(dim, eps=eps), nn.RMSNorm(dim, eps=eps)
-        self.attention = NativeAttention(dim, heads, kv_heads)
+        self.attention = NativeAttention(dim, heads, kv_heads, style)
         self.feed_forward = NativeFeedForward(dim, hidden)
 
-    def forward(self, x, table):
+    def forward(self, x, table=None):
         h = x + self.attention(self.attention_norm(x), table)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
 class NativeLlama(nn.Module):
-    def __init__(self, layers=LAYERS, dim=HIDDEN, heads=HEADS, kv_heads=1, vocab=VOCAB, max_seq=64):
+    def __init__(self, layers=LAYERS, dim=HIDDEN, heads=HEADS, kv_heads=1, vocab=VOCAB, max_seq=64,
+                 style="torchtitan"):
         super().__init__()
         self.tok_embeddings = nn.Embedding(vocab, dim)
-        self.register_buffer("freqs_cis", polar_table(dim // heads, max_seq), persistent=False)
-        self.layers = nn.ModuleDict({str(i): NativeBlock(dim, heads, kv_heads, 2 * dim) for i in range(layers)})
+        blocks = [NativeBlock(dim, heads, kv_heads, 2 * dim, style=style) for _ in range(layers)]
+        if style == "torchtitan":
+            self.register_buffer("freqs_cis", polar_table(dim // heads, max_seq), persistent=False)
+            self.layers = nn.ModuleDict({str(i): block for i, block in enumerate(blocks)})
+        else:
+            self.freqs_cis = None
+            self.layers = nn.ModuleList(blocks)
         self.norm = nn.RMSNorm(dim, eps=1e-5)
         self.output = nn.Linear(dim, vocab, bias=False)
 
     def forward(self, tokens):
         h = self.tok_embeddings(tokens)
-        for layer in self.layers.values():
+        for layer in (self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers):
             h = layer(h, self.freqs_cis)
         return self.output(self.norm(h))
 
 
 @_on_device
-def native_llama(layers: int = LAYERS):
-    model = NativeLlama(layers)
+def native_llama(layers: int = LAYERS, style: str = "torchtitan"):
+    model = NativeLlama(layers, style=style)
 
     def inputs(batch, seq):
         return {"tokens": torch.randint(0, VOCAB, (batch, seq))}

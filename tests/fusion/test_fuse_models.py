@@ -62,11 +62,14 @@ MODELS = {
                          {"layer_norm": L, "attention": L, "bias_gelu": L, "residual_stream": L, "dropout_add": L}),
     "nanogpt": (_models.nanogpt, NANOGPT),
     "nanogpt-explicit-attention": (lambda: _models.nanogpt(flash=False), NANOGPT),
-    # A Llama as PyTorch-native training code writes it (torchtitan): blocks in a ModuleDict, the
-    # rotary as a complex product, K and V repeated on (B, S, H, D) before the transpose (GQA),
-    # nn.RMSNorm; its loss outside the model
+    # A Llama as PyTorch-native training code writes it (tests/_models.py), its loss outside the
+    # model. torchtitan's: blocks in a ModuleDict, the rotary as a complex product, K and V
+    # repeated on (B, S, H, D) before the transpose (GQA); torchtune's: a RoPE module with a cache
+    # of (cos, sin) pairs on q and on k, the repeat by unsqueeze + expand + flatten
     "native-llama": (_models.native_llama, {"rms_norm": L + 1, "attention": L, "residual_stream": L, **GATED,
                                             **ROTARY}),
+    "native-llama-torchtune": (lambda: _models.native_llama(style="torchtune"),
+                               {"rms_norm": L + 1, "attention": L, "residual_stream": L, **GATED, **ROTARY}),
     # More Hugging Face families (tests/_models.py, _FAMILIES says what each writes differently).
     # Parallel blocks (Falcon, Phi, GPT-NeoX) have no add feeding a norm inside a block: their
     # residual adds fuse as dropout_add. T5's self-attention adds a learned position bias as

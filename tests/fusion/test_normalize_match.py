@@ -75,8 +75,13 @@ def test_spellings_of_one_call_become_one_form():
     assert forms[0] == forms[1] == forms[2] == [(torch.logsumexp, (-1, False), {})]
     # torchtitan's `torch.unsqueeze(x, dim=3)` and the method
     forms = [[(n.target, n.args[1:], n.kwargs) for n in trace_function(fn).nodes if n.op == "call_function"]
-             for fn in (lambda x: torch.unsqueeze(x, dim=3), lambda x: x.unsqueeze(3), lambda x: x.unsqueeze(dim=3))]
-    assert forms[0] == forms[1] == forms[2] == [(torch.unsqueeze, (3,), {})]
+             for fn in (lambda x: torch.unsqueeze(x, dim=3), lambda x: x.unsqueeze(3), lambda x: x.unsqueeze(dim=3),
+                        lambda x: x[:, :, :, None], lambda x: x[..., None, :, :], lambda x: x[:, :, :, None, ...])]
+    assert all(f == [(torch.unsqueeze, (3,), {})] for f in forms[:3]), forms
+    assert forms[3] == forms[5] == [(torch.unsqueeze, (3,), {})] and forms[4] == [(torch.unsqueeze, (-3,), {})]
+    # indexing that is not an unsqueeze stays an index
+    for fn in (lambda x: x[:, None, 0], lambda x: x[None, None], lambda x: x[:, 1:, None]):
+        assert [n.target for n in trace_function(fn).nodes if n.op == "call_function"] == [operator.getitem]
 
 
 def test_calls_the_canonical_form_cannot_express_keep_their_meaning():

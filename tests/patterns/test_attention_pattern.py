@@ -89,6 +89,19 @@ def sdpa_repeat_kv_before_transpose(m, q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+def sdpa_expand_flatten(m, q, k, v):  # torchtune's and gpt-fast's GQA repeat
+    expand_shape = (B, k.shape[1], 2, -1, D)
+    k = k.unsqueeze(2).expand(expand_shape).flatten(1, 2)
+    v = v.unsqueeze(2).expand(expand_shape).flatten(1, 2)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def sdpa_expand_getitem_reshape_method(m, q, k, v):  # repeat_kv with .unsqueeze(2) for [:, :, None]
+    k = k.unsqueeze(2).expand(B, k.shape[1], 2, S, D).reshape(B, -1, S, D)
+    v = v.unsqueeze(2).expand(B, v.shape[1], 2, S, D).reshape(B, -1, S, D)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 def sdpa_repeat_kv_groups_outer(m, q, k, v):
     """Repeated with the groups outermost (query head i reads key head i % Hkv): no GQA."""
     k, v = k.transpose(1, 2), v.transpose(1, 2)
@@ -205,6 +218,8 @@ KEEP_SOME_ROWS_NONE[1, 0, 2] = False  # one query row of batch 1 sees no key
     (sdpa_repeat_interleave, {}, 2, "sdpa_repeat_interleave_kv"),
     (sdpa_repeat_kv, {}, 2, "sdpa_expand_kv"),
     (sdpa_repeat_kv_before_transpose, {}, 2, "sdpa_expand_kv_before_transpose"),
+    (sdpa_expand_flatten, {}, 2, "sdpa_expand_flatten_kv"),
+    (sdpa_expand_getitem_reshape_method, {}, 2, "sdpa_expand_kv"),
     (chain_mul_additive, {"mask": ADDITIVE}, H, "attention_chain_mul_add_dropout"),
     (chain_div_no_mask, {}, H, "attention_chain_div_no_mask_no_dropout"),
     (chain_masked_fill, {"causal": CAUSAL}, H, "attention_chain_mul_masked_fill_no_dropout"),
