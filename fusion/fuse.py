@@ -147,7 +147,9 @@ def blocks_of(module: torch.nn.Module, block_set: set[int]) -> bool:
 
 def _find_blocks(model: torch.nn.Module) -> dict[type, list[tuple[str, torch.nn.Module]]]:
     """Children of ModuleLists (and ModuleDicts: PyTorch-native code such as torchtitan keys its
-    layers by index) that have submodules of their own, outermost lists only."""
+    layers by index) that have submodules of their own, outermost lists only. A list or dict
+    inside one (`ModuleDict({"layers": ModuleList(...)})`) is a container, not a block: its own
+    children are looked at."""
     blocks: dict[type, list[tuple[str, torch.nn.Module]]] = {}
     inside: set[int] = set()
     for path, module in model.named_modules():
@@ -156,7 +158,8 @@ def _find_blocks(model: torch.nn.Module) -> dict[type, list[tuple[str, torch.nn.
             continue
         if isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)):
             for name, child in module.named_children():
-                if next(child.children(), None) is None:
+                if next(child.children(), None) is None or isinstance(child, (torch.nn.ModuleList,
+                                                                                 torch.nn.ModuleDict)):
                     continue
                 blocks.setdefault(type(child), []).append((f"{path}.{name}" if path else name, child))
                 inside.update(id(m) for m in child.children())
