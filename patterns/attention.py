@@ -171,45 +171,39 @@ def sdpa_gqa_before_transpose_fused(q, k, v, attn_mask, dropout_p, is_causal, sc
     return ops.attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask, dropout_p, is_causal, scale, True)
 
 
-def _kv_repeated_over_heads_before_transpose(m: Match) -> str | None:
-    """The unsqueeze + expand + reshape repeats each of (B, S, Hkv, D)'s heads in a row: (B, S,
-    Hkv * n, D), for k and v (where the sizes are constants; symbolic ones are what the expand
-    implies)."""
-    for name in ("k", "v"):
-        t, target = m.value(name), m[f"{name}_heads"]
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            return f"no 4-D shape for {name}"
-        if not isinstance(target, (list, tuple)) or len(target) != 4:
-            return f"{name} is reshaped to {target!r}, not (batch, seq, heads, head_dim)"
-        expanded = m[f"{name}_shape"]
-        if not isinstance(expanded, (list, tuple)) or len(expanded) != 5:
-            return f"{name} is expanded to {expanded!r}, not (batch, seq, heads, n_rep, head_dim)"
-        b, sq, h, d = target
-        for got, want in ((b, t.shape[0]), (sq, t.shape[1]), (d, t.shape[3])):
-            if is_number(got) and got != want:
-                return f"{name} is reshaped to {tuple(target)} from {tuple(t.shape)}: not a repeat over its heads"
-        if is_number(h) and h != -1 and h % t.shape[2] != 0:
-            return f"{name} is reshaped to {h} heads from {t.shape[2]}: not a repeat over its heads"
-    return None
+def _kv_repeat_check(heads_dim: int) -> Filter:
+    """The expand + reshape is a repeat over the heads, for k and v (where the sizes are constants;
+    symbolic ones are what the expand implies): (B, Hkv, S, D) -> (B, Hkv * n, S, D) with the
+    heads at dim 1; at dim 2, (B, S, Hkv, D) -> (B, S, Hkv * n, D) before the transpose (its expand
+    to 5-D checked too). The heads may be -1 (reshape infers them): with the other sizes k's own,
+    that is Hkv * n."""
+    layout = "(batch, heads, seq, head_dim)" if heads_dim == 1 else "(batch, seq, heads, head_dim)"
+
+    def check(m: Match) -> str | None:
+        for name in ("k", "v"):
+            t, target = m.value(name), m[f"{name}_heads"]
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                return f"no 4-D shape for {name}"
+            if not isinstance(target, (list, tuple)) or len(target) != 4:
+                return f"{name} is reshaped to {target!r}, not {layout}"
+            if heads_dim == 2:
+                expanded = m[f"{name}_shape"]
+                if not isinstance(expanded, (list, tuple)) or len(expanded) != 5:
+                    return f"{name} is expanded to {expanded!r}, not (batch, seq, heads, n_rep, head_dim)"
+            for i in (0, 3 - heads_dim, 3):  # the sizes other than the heads
+                if is_number(target[i]) and target[i] != t.shape[i]:
+                    return f"{name} is reshaped to {tuple(target)} from {tuple(t.shape)}: not a repeat over its heads"
+            h = target[heads_dim]
+            if is_number(h) and h != -1 and h % t.shape[heads_dim] != 0:
+                return f"{name} is reshaped to {h} heads from {t.shape[heads_dim]}: not a repeat over its heads"
+        return None
+
+    check.__name__ = "kv_repeated_over_heads"
+    return check
 
 
-def _kv_repeated_over_heads(m: Match) -> str | None:
-    """The expand + reshape is a repeat over the heads: (B, Hkv, S, D) -> (B, Hkv * n, S, D), for
-    k and v (where the sizes are constants; symbolic ones are what the expand implies)."""
-    for name in ("k", "v"):
-        t, target = m.value(name), m[f"{name}_heads"]
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            return f"no 4-D shape for {name}"
-        if not isinstance(target, (list, tuple)) or len(target) != 4:
-            return f"{name} is reshaped to {target!r}, not (batch, heads, seq, head_dim)"
-        b, h, sq, d = target
-        # the heads may be -1 (reshape infers them): with the other sizes k's own, that is Hkv * n
-        for got, want in ((b, t.shape[0]), (sq, t.shape[2]), (d, t.shape[3])):
-            if is_number(got) and got != want:
-                return f"{name} is reshaped to {tuple(target)} from {tuple(t.shape)}: not a repeat over its heads"
-        if is_number(h) and h != -1 and h % t.shape[1] != 0:
-            return f"{name} is reshaped to {h} heads from {t.shape[1]}: not a repeat over its heads"
-    return None
+_kv_repeated_over_heads = _kv_repeat_check(1)
+_kv_repeated_over_heads_before_transpose = _kv_repeat_check(2)
 
 
 def sdpa_gqa_fused(q, k, v, attn_mask, dropout_p, is_causal, scale, n_rep=None, k_shape=None, v_shape=None,
