@@ -114,12 +114,13 @@ def _catalogue(torch, family: str):
         cos, sin = torch.randn(1, 1, 16, 32), torch.randn(1, 1, 16, 32)
         yield "rotary 128/1x64 halves_out", fwd_bwd(
             lambda: ops.rotary_embedding(q, k, cos, sin, interleaved=True, halves_out=True))
-        # Llama 4's and torchtitan's complex product: (B, S, H, D) q and k (transposed views), the
-        # interleaved pairs, fp32 after the model's upcast, tables of one entry per pair
+        # Llama 4's, torchtitan's and torchtune's product: (B, S, H, D) bf16 q and k (transposed
+        # views), the interleaved pairs, fp32 tables of one entry per pair, bf16 out (the model's
+        # upcast and cast back taken in)
         q, k = leaf(1, 16, 40, 128).transpose(1, 2), leaf(1, 16, 8, 128).transpose(1, 2)
         cos, sin = torch.randn(1, 1, 16, 64, dtype=torch.float32), torch.randn(1, 1, 16, 64, dtype=torch.float32)
-        yield "rotary 40/8x128 interleaved per-pair (complex)", fwd_bwd(
-            lambda: ops.rotary_embedding(q.float(), k.float(), cos, sin, interleaved=True))
+        yield "rotary 40/8x128 interleaved per-pair (complex), bf16 out", fwd_bwd(
+            lambda: ops.rotary_embedding(q, k, cos, sin, interleaved=True, dtype=bf16))
     elif family == "attention":
         s = 128
         for d in (64, 80, 128):

@@ -114,12 +114,15 @@ def _full_table(t: torch.Tensor, d: int, interleaved: bool = False) -> torch.Ten
 
 def rotary_embedding_ref(
     q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False,
-    halves_out: bool = False,
+    halves_out: bool = False, dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(q * cos + rotate_half(q) * sin, the same for k) in plain PyTorch; k None gives None.
     halves_out: q and k's pairs (x[2i], x[2i+1]) moved to (i, i + D/2) first, then rotate-half
     (DeepSeek-V2/V3's `apply_rotary_pos_emb_interleave`). cos and sin D wide, or D / 2 with
-    interleaved (one entry per pair)."""
+    interleaved (one entry per pair). dtype: the results cast to it (computed as `q * cos` is)."""
+    if dtype is not None:
+        q_embed, k_embed = rotary_embedding_ref(q, k, cos, sin, interleaved, halves_out)
+        return q_embed.to(dtype), None if k_embed is None else k_embed.to(dtype)
     if halves_out:
         q, k, interleaved = pairs_to_halves(q), None if k is None else pairs_to_halves(k), False
     cos, sin = _full_table(cos, q.shape[-1], interleaved), _full_table(sin, q.shape[-1], interleaved)
@@ -300,13 +303,14 @@ def _launch(x: torch.Tensor, y: torch.Tensor | None, cos: torch.Tensor, sin: tor
 
 
 def rotary_embedding_fwd(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                         interleaved: bool = False, halves_out: bool = False
+                         interleaved: bool = False, halves_out: bool = False, dtype: torch.dtype | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(q_embed, k_embed): contiguous (B, H, S, D) in `out_dtype(q, cos)`; k_embed None when k is
-    None."""
+    """(q_embed, k_embed): contiguous (B, H, S, D) in `dtype`, by default `out_dtype(q, cos)` (the
+    maths is in that dtype's accumulator either way); k_embed None when k is None."""
+    dtype = dtype or out_dtype(q, cos)
     if not use_triton(q):
-        return _rotary_torch(q, k, cos, sin, False, out_dtype(q, cos), interleaved=interleaved, halves_out=halves_out)
-    return _launch(q, k, cos, sin, False, out_dtype(q, cos), interleaved=interleaved, halves_out=halves_out)
+        return _rotary_torch(q, k, cos, sin, False, dtype, interleaved=interleaved, halves_out=halves_out)
+    return _launch(q, k, cos, sin, False, dtype, interleaved=interleaved, halves_out=halves_out)
 
 
 def rotary_embedding_bwd(dq: torch.Tensor, dk: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
@@ -388,7 +392,8 @@ def _cos_sin_grads(dq, dk, q, k, cos, sin, interleaved=False, halves_out=False):
 OP = "rotary_embedding"
 
 
-def _check_inputs(q: object, k: object, cos: object, sin: object, interleaved: bool = False) -> None:
+def _check_inputs(q: object, k: object, cos: object, sin: object, interleaved: bool = False,
+                  dtype: object = None) -> None:
     check_tensor(OP, "q", q)
     check_float(OP, "q", q)
     if q.dim() != 4:
@@ -422,6 +427,8 @@ def _check_inputs(q: object, k: object, cos: object, sin: object, interleaved: b
     check_same_dtype(OP, "q", q, k=k)
     check_same_dtype(OP, "cos", cos, sin=sin)
     check_same_device(OP, "q", q, k=k, cos=cos, sin=sin)
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"trifuse.{OP}: dtype must be None or a float torch.dtype, got {dtype!r}")
 
 
 # =============================================================================================
@@ -434,10 +441,10 @@ OptTensor = torch.Tensor | None
 
 @torch.library.custom_op("trifuse::rotary_embedding", mutates_args=())
 def _rotary_embedding_op(q: Tensor, k: OptTensor, cos: Tensor, sin: Tensor, interleaved: bool = False,
-                         halves_out: bool = False) -> tuple[Tensor, Tensor]:
+                         halves_out: bool = False, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
     """(q_embed, k_embed); k_embed is empty (0,) when k is None."""
-    _check_inputs(q, k, cos, sin, interleaved or halves_out)
-    q_embed, k_embed = rotary_embedding_fwd(q, k, cos, sin, interleaved, halves_out)
+    _check_inputs(q, k, cos, sin, interleaved or halves_out, dtype)
+    q_embed, k_embed = rotary_embedding_fwd(q, k, cos, sin, interleaved, halves_out, dtype)
     return q_embed, q.new_empty(0) if k_embed is None else k_embed
 
 
@@ -452,9 +459,9 @@ def _rotary_embedding_backward_op(dq: Tensor, dk: OptTensor, cos: Tensor, sin: T
 
 
 @_rotary_embedding_op.register_fake
-def _(q, k, cos, sin, interleaved=False, halves_out=False):
-    _check_inputs(q, k, cos, sin, interleaved or halves_out)
-    dtype = out_dtype(q, cos)
+def _(q, k, cos, sin, interleaved=False, halves_out=False, dtype=None):
+    _check_inputs(q, k, cos, sin, interleaved or halves_out, dtype)
+    dtype = dtype or out_dtype(q, cos)
     return _empty(q, False, dtype), q.new_empty(0) if k is None else _empty(k, False, dtype)
 
 
@@ -486,7 +493,7 @@ def _backward(ctx, dq_embed, dk_embed):
     dcos = dsin = None
     if qk:
         dcos, dsin = _cos_sin_grads(dq_embed, dk_in, *qk, cos, sin, ctx.interleaved, ctx.halves_out)
-    return dq, dk if ctx.has_k else None, dcos, dsin, None, None
+    return dq, dk if ctx.has_k else None, dcos, dsin, None, None, None
 
 
 torch.library.register_autograd("trifuse::rotary_embedding", _backward, setup_context=_setup)
@@ -500,12 +507,12 @@ torch.library.register_autograd("trifuse::rotary_embedding", _backward, setup_co
 
 class _RotaryEmbeddingFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, cos, sin, interleaved, halves_out):
+    def forward(ctx, q, k, cos, sin, interleaved, halves_out, dtype):
         ctx.save_for_backward(cos, sin, *((q, k) if _cos_sin_need_grad(cos, sin) else ()))
         ctx.bshd = (is_bshd(q), is_bshd(k))
         ctx.dtype = q.dtype
         ctx.interleaved, ctx.halves_out = interleaved, halves_out
-        return rotary_embedding_fwd(q, k, cos, sin, interleaved, halves_out)
+        return rotary_embedding_fwd(q, k, cos, sin, interleaved, halves_out, dtype)
 
     @staticmethod
     def backward(ctx, dq_embed, dk_embed):
@@ -516,7 +523,7 @@ class _RotaryEmbeddingFunction(torch.autograd.Function):
         dcos = dsin = None
         if qk:
             dcos, dsin = _cos_sin_grads(dq_embed, dk_embed, *qk, cos, sin, ctx.interleaved, ctx.halves_out)
-        return dq, dk, dcos, dsin, None, None
+        return dq, dk, dcos, dsin, None, None, None
 
 
 # =============================================================================================
@@ -526,9 +533,13 @@ class _RotaryEmbeddingFunction(torch.autograd.Function):
 # =============================================================================================
 
 
-def _rotary_key(q, k, cos, sin, interleaved=False, halves_out=False):
+def _rotary_key(q, k, cos, sin, interleaved=False, halves_out=False, dtype=None):
     """The dialect key of an eager call; None (the trifuse op decides, and raises on bad input)
-    when traced, empty, or when the shapes do not fit. It runs on every call."""
+    when traced, empty, when the shapes do not fit, or when the outputs are asked in another dtype
+    than `q * cos`'s (a cast PyTorch's formula would add a pass for). It runs on every call."""
+    if dtype is not None and (not isinstance(q, torch.Tensor) or not isinstance(cos, torch.Tensor)
+                              or dtype != out_dtype(q, cos)):
+        return None
     if not isinstance(q, torch.Tensor) or not isinstance(cos, torch.Tensor) or not isinstance(sin, torch.Tensor):
         return None
     if (k is not None and not isinstance(k, torch.Tensor)) or not isinstance(interleaved, bool) \
@@ -545,21 +556,21 @@ def _rotary_key(q, k, cos, sin, interleaved=False, halves_out=False):
             0 if k is None else k.shape[1], d, cos.shape[0] == 1, grad, interleaved, halves_out)
 
 
-def _rotary_trifuse(q, k, cos, sin, interleaved=False, halves_out=False):
-    _check_inputs(q, k, cos, sin, interleaved or halves_out)
+def _rotary_trifuse(q, k, cos, sin, interleaved=False, halves_out=False, dtype=None):
+    _check_inputs(q, k, cos, sin, interleaved or halves_out, dtype)
     interleaved, halves_out = bool(interleaved), bool(halves_out)
     if eager_fast_path(q, k, cos, sin):
         with profiled("trifuse::rotary_embedding"):
-            return _RotaryEmbeddingFunction.apply(q, k, cos, sin, interleaved, halves_out)
-    q_embed, k_embed = torch.ops.trifuse.rotary_embedding(q, k, cos, sin, interleaved, halves_out)
+            return _RotaryEmbeddingFunction.apply(q, k, cos, sin, interleaved, halves_out, dtype)
+    q_embed, k_embed = torch.ops.trifuse.rotary_embedding(q, k, cos, sin, interleaved, halves_out, dtype)
     return q_embed, None if k is None else k_embed
 
 
-def _rotary_hf_formula(q, k, cos, sin, interleaved=False, halves_out=False):
+def _rotary_hf_formula(q, k, cos, sin, interleaved=False, halves_out=False, dtype=None):
     # trifuse's checks first: the same clear errors whichever candidate runs.
-    _check_inputs(q, k, cos, sin, interleaved or halves_out)
+    _check_inputs(q, k, cos, sin, interleaved or halves_out, dtype)
     with profiled("trifuse::rotary_embedding"):
-        q_embed, k_embed = rotary_embedding_ref(q, k, cos, sin, interleaved, halves_out)
+        q_embed, k_embed = rotary_embedding_ref(q, k, cos, sin, interleaved, halves_out, dtype)
         # trifuse returns contiguous (B, H, S, D); the choice must not change the layout.
         return q_embed.contiguous(), None if k_embed is None else k_embed.contiguous()
 
@@ -579,7 +590,7 @@ ROTARY_EMBEDDING.register(dialects.Candidate("torch", _rotary_hf_formula))
 
 def rotary_embedding(
     q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False,
-    halves_out: bool = False,
+    halves_out: bool = False, dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rotary position embedding of q and k in one kernel each way:
     `(q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin)`, Hugging Face's
@@ -601,10 +612,14 @@ def rotary_embedding(
             convention applied to `pairs_to_halves(x)` (DeepSeek-V2/V3's
             `apply_rotary_pos_emb_interleave`); cos and sin then in the rotate-half layout, D or
             D / 2 (one entry per pair) wide.
+        dtype: the outputs' dtype, when not `q * cos`'s: the rotation is computed as `q * cos`
+            would be (in fp32 for 16-bit q and k, or fp32 tables) and rounded once to it. A model
+            that upcasts q and k, rotates and casts back (`x.float()`, `.type_as(x)`: Cohere, Llama
+            4, torchtitan, torchtune) is one pass over q and k this way, not three.
 
     Returns:
-        (q_embed, k_embed), new contiguous (B, H, S, D) tensors in the dtype PyTorch's `q * cos`
-        has (q's when cos is in it); k_embed is None when k is None. Gradients reach q and k (the backward reads only cos and sin; dq and dk in
+        (q_embed, k_embed), new contiguous (B, H, S, D) tensors in `dtype`, by default the dtype
+        PyTorch's `q * cos` has (q's when cos is in it); k_embed is None when k is None. Gradients reach q and k (the backward reads only cos and sin; dq and dk in
         q's and k's layout when those are transposed (B, S, H, D) tensors), and cos and sin
         when they require grad.
 
@@ -613,7 +628,8 @@ def rotary_embedding(
     trifuse's.
 
     Raises:
-        TypeError for non-float tensors, k not in q's dtype or sin not in cos's; ValueError for ranks, an odd head_dim,
+        TypeError for non-float tensors, k not in q's dtype or sin not in cos's, a dtype that is not
+        a float dtype; ValueError for ranks, an odd head_dim,
         k not matching q's batch, positions or head_dim, cos or sin that do not broadcast, or
         tensors on different devices.
     """
@@ -623,4 +639,4 @@ def rotary_embedding(
         raise TypeError(f"trifuse.{OP}: halves_out must be a bool, got {type(halves_out).__name__}")
     if halves_out and not interleaved:
         raise ValueError(f"trifuse.{OP}: halves_out=True moves interleaved pairs to halves; it needs interleaved=True")
-    return ROTARY_EMBEDDING(q, k, cos, sin, interleaved, halves_out)
+    return ROTARY_EMBEDDING(q, k, cos, sin, interleaved, halves_out, dtype)

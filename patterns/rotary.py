@@ -283,50 +283,13 @@ def _pairs_to_halves_last_dim(names: tuple[str, ...]):
 
 
 # The complex product: the reshape's target and the flatten's start are parameters (an fx capture
-# computes the shape from x's, Dynamo writes it out); the filter checks them.
+# computes the shape from x's, Dynamo writes it out); the filter checks them. The `_cast`
+# spellings take the upcast before (`x.float()`) and the cast back after (`.type_as(x)`) too: the
+# op then reads x as it was and writes its dtype, one pass over q and k instead of three.
 
 
-def rotary_complex_q_k(q: torch.Tensor, k: torch.Tensor, q_freqs: torch.Tensor, k_freqs: torch.Tensor, q_shape,
-                       k_shape, q_flat, k_flat):
-    """Llama 4's, torchtitan's and DeepSeek-V2's apply_rotary_emb after the upcast of q and k."""
-    q_out = torch.view_as_real(torch.view_as_complex(q.reshape(q_shape)) * q_freqs).flatten(q_flat)
-    k_out = torch.view_as_real(torch.view_as_complex(k.reshape(k_shape)) * k_freqs).flatten(k_flat)
-    return q_out, k_out
-
-
-def _rotate_complex(q, k, freqs, positions_dim):
-    # The table's real and imaginary parts are cos and sin of the interleaved pairs.
-    table = torch.view_as_real(freqs.resolve_conj())  # a conjugate table (the inverse rotation) as its values
-    return _rotate_pairs(q, k, table[..., 0], table[..., 1], positions_dim)
-
-
-def _rotate_pairs(q, k, cos, sin, positions_dim):
-    # (B, S, H, D) tensors go to the op as (B, H, S, D) views and come back the same way.
-    if positions_dim == 1:
-        q, cos, sin = q.transpose(1, 2), cos.transpose(1, 2), sin.transpose(1, 2)
-        k = None if k is None else k.transpose(1, 2)
-    q_out, k_out = ops.rotary_embedding(q, k, cos, sin, interleaved=True)
-    if positions_dim == 1:
-        q_out = q_out.transpose(1, 2)
-        k_out = None if k is None else k_out.transpose(1, 2)
-    return q_out, k_out
-
-
-def rotary_complex_q_k_fused(q, k, q_freqs, k_freqs=None, q_shape=None, k_shape=None, q_flat=None, k_flat=None,
-                             positions_dim=2):
-    return _rotate_complex(q, k, q_freqs, positions_dim)
-
-
-def rotary_complex(x: torch.Tensor, freqs: torch.Tensor, x_shape, x_flat):
-    """One tensor rotated alone as a complex product."""
-    return torch.view_as_real(torch.view_as_complex(x.reshape(x_shape)) * freqs).flatten(x_flat)
-
-
-def rotary_complex_fused(x, freqs, x_shape=None, x_flat=None, positions_dim=2):
-    return _rotate_complex(x, None, freqs, positions_dim)[0]
-
-
-# torchtune's and gpt-fast's: the product in real arithmetic with a cache of (cos, sin) pairs.
+def _complex_product(x, freqs, shape, flat):
+    return torch.view_as_real(torch.view_as_complex(x.reshape(shape)) * freqs).flatten(flat)
 
 
 def _pairs_times_cache(x, cache, shape, flat):
@@ -335,15 +298,39 @@ def _pairs_times_cache(x, cache, shape, flat):
                         xs[..., 1] * cache[..., 0] + xs[..., 0] * cache[..., 1]], -1).flatten(flat)
 
 
+def rotary_complex_q_k(q: torch.Tensor, k: torch.Tensor, q_freqs: torch.Tensor, k_freqs: torch.Tensor, q_shape,
+                       k_shape, q_flat, k_flat):
+    """Llama 4's, torchtitan's and DeepSeek-V2's apply_rotary_emb after the upcast of q and k."""
+    return _complex_product(q, q_freqs, q_shape, q_flat), _complex_product(k, k_freqs, k_shape, k_flat)
+
+
+def rotary_complex_cast_q_k(q: torch.Tensor, k: torch.Tensor, q_freqs: torch.Tensor, k_freqs: torch.Tensor, q_shape,
+                            k_shape, q_flat, k_flat, q_up, k_up, q_back, k_back):
+    """The same with the upcast of q and k and the cast back."""
+    return (_complex_product(q.to(q_up), q_freqs, q_shape, q_flat).to(q_back),
+            _complex_product(k.to(k_up), k_freqs, k_shape, k_flat).to(k_back))
+
+
+def rotary_complex(x: torch.Tensor, freqs: torch.Tensor, x_shape, x_flat):
+    """One tensor rotated alone as a complex product."""
+    return _complex_product(x, freqs, x_shape, x_flat)
+
+
+def rotary_complex_cast(x: torch.Tensor, freqs: torch.Tensor, x_shape, x_flat, x_up, x_back):
+    return _complex_product(x.to(x_up), freqs, x_shape, x_flat).to(x_back)
+
+
 def rotary_real_pairs_q_k(q: torch.Tensor, k: torch.Tensor, q_freqs: torch.Tensor, k_freqs: torch.Tensor, q_shape,
                           k_shape, q_flat, k_flat):
-    """q and k rotated with one cache (gpt-fast's apply_rotary_emb on each)."""
+    """torchtune's and gpt-fast's: the product in real arithmetic with a cache of (cos, sin) pairs,
+    q and k rotated with one cache (gpt-fast's apply_rotary_emb on each)."""
     return _pairs_times_cache(q, q_freqs, q_shape, q_flat), _pairs_times_cache(k, k_freqs, k_shape, k_flat)
 
 
-def rotary_real_pairs_q_k_fused(q, k, q_freqs, k_freqs=None, q_shape=None, k_shape=None, q_flat=None, k_flat=None,
-                                positions_dim=2):
-    return _rotate_pairs(q, k, q_freqs[..., 0], q_freqs[..., 1], positions_dim)
+def rotary_real_pairs_cast_q_k(q: torch.Tensor, k: torch.Tensor, q_freqs: torch.Tensor, k_freqs: torch.Tensor,
+                               q_shape, k_shape, q_flat, k_flat, q_up, k_up, q_back, k_back):
+    return (_pairs_times_cache(q.to(q_up), q_freqs, q_shape, q_flat).to(q_back),
+            _pairs_times_cache(k.to(k_up), k_freqs, k_shape, k_flat).to(k_back))
 
 
 def rotary_real_pairs(x: torch.Tensor, freqs: torch.Tensor, x_shape, x_flat):
@@ -351,8 +338,40 @@ def rotary_real_pairs(x: torch.Tensor, freqs: torch.Tensor, x_shape, x_flat):
     return _pairs_times_cache(x, freqs, x_shape, x_flat)
 
 
-def rotary_real_pairs_fused(x, freqs, x_shape=None, x_flat=None, positions_dim=2):
-    return _rotate_pairs(x, None, freqs[..., 0], freqs[..., 1], positions_dim)[0]
+def rotary_real_pairs_cast(x: torch.Tensor, freqs: torch.Tensor, x_shape, x_flat, x_up, x_back):
+    return _pairs_times_cache(x.to(x_up), freqs, x_shape, x_flat).to(x_back)
+
+
+def _rotate_pairs(q, k, cos, sin, positions_dim, dtype=None):
+    # (B, S, H, D) tensors go to the op as (B, H, S, D) views and come back the same way.
+    if positions_dim == 1:
+        q, cos, sin = q.transpose(1, 2), cos.transpose(1, 2), sin.transpose(1, 2)
+        k = None if k is None else k.transpose(1, 2)
+    q_out, k_out = ops.rotary_embedding(q, k, cos, sin, interleaved=True, dtype=dtype)
+    if positions_dim == 1:
+        q_out = q_out.transpose(1, 2)
+        k_out = None if k is None else k_out.transpose(1, 2)
+    return q_out, k_out
+
+
+def _cos_sin_of(table, complex_table):
+    if complex_table:  # the real and imaginary parts; a conjugate table (the inverse rotation) as its values
+        table = torch.view_as_real(table.resolve_conj())
+    return table[..., 0], table[..., 1]
+
+
+def _pairs_fused(complex_table: bool, with_k: bool):
+    """The replacement of the complex or real-pairs spellings, q and k or a tensor alone, with or
+    without the casts (`dtype`: derived, the cast back's)."""
+
+    def fused_q_k(q, k, q_freqs, k_freqs=None, q_shape=None, k_shape=None, q_flat=None, k_flat=None, q_up=None,
+                  k_up=None, q_back=None, k_back=None, positions_dim=2, dtype=None):
+        return _rotate_pairs(q, k, *_cos_sin_of(q_freqs, complex_table), positions_dim, dtype)
+
+    def fused(x, freqs, x_shape=None, x_flat=None, x_up=None, x_back=None, positions_dim=2, dtype=None):
+        return _rotate_pairs(x, None, *_cos_sin_of(freqs, complex_table), positions_dim, dtype)[0]
+
+    return fused_q_k if with_k else fused
 
 
 def _positions_dim(m: Match, name: str) -> int | None:
@@ -440,14 +459,43 @@ def _one_table(m: Match) -> str | None:
     return None
 
 
-def _complex_layout(name: str):
+def _complex_layout(name: str, cast: bool = False):
     def derive(m: Match) -> dict:
-        return {"positions_dim": _positions_dim(m, name)}
+        out = {"positions_dim": _positions_dim(m, name)}
+        if cast:
+            out["dtype"] = m.value(name).dtype
+        return out
 
     return derive
 
 
+def _upcast_and_back(names: tuple[str, ...]):
+    """Each tensor cast to fp32 before and back to its own dtype after: 16-bit or fp32 ones (the
+    upcast exact; a float64 model's `.float()` rounds, which the spelling without casts keeps)."""
+
+    def check(m: Match) -> str | None:
+        for name in names:
+            x, up, back = m.value(name), m.value(f"{name}_up"), m.value(f"{name}_back")
+            if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+                return f"{name} is not a 16-bit or fp32 tensor"
+            if up is not torch.float32 or back is not x.dtype:
+                return f"{name} ({x.dtype}) is cast to {up!r} and back to {back!r}, not to fp32 and back"
+        return None
+
+    check.__name__ = "upcast_and_back"
+    return check
+
+
 _OPS = ("rotary_embedding",)
+
+
+def _pairs_pattern(search, complex_table: bool, cast: bool, with_k: bool) -> Pattern:
+    names = ("q", "k") if with_k else ("x",)
+    filters = (_complex_pairs(names, real_cache=not complex_table), *((_one_table,) if with_k else ()),
+               *((_upcast_and_back(names),) if cast else ()))
+    return Pattern(search.__name__, "rotary", search, _pairs_fused(complex_table, with_k), _OPS, filters,
+                   derive=_complex_layout(names[0], cast))
+
 
 PATTERNS = (
     Pattern("rotary_q_k", "rotary", rotary_q_k, rotary_q_k_fused, _OPS,
@@ -461,14 +509,15 @@ PATTERNS = (
             _OPS, (_pairs_to_halves_last_dim(("q", "k")), _cos_sin_are_4d)),
     Pattern("rotary_pairs_to_halves", "rotary", rotary_pairs_to_halves, rotary_pairs_to_halves_fused, _OPS,
             (_pairs_to_halves_last_dim(("x",)), _cos_sin_are_4d)),
-    Pattern("rotary_complex_q_k", "rotary", rotary_complex_q_k, rotary_complex_q_k_fused, _OPS,
-            (_complex_pairs(("q", "k")), _one_table), derive=_complex_layout("q")),
-    Pattern("rotary_complex", "rotary", rotary_complex, rotary_complex_fused, _OPS, (_complex_pairs(("x",)),),
-            derive=_complex_layout("x")),
-    Pattern("rotary_real_pairs_q_k", "rotary", rotary_real_pairs_q_k, rotary_real_pairs_q_k_fused, _OPS,
-            (_complex_pairs(("q", "k"), real_cache=True), _one_table), derive=_complex_layout("q")),
-    Pattern("rotary_real_pairs", "rotary", rotary_real_pairs, rotary_real_pairs_fused, _OPS,
-            (_complex_pairs(("x",), real_cache=True),), derive=_complex_layout("x")),
+    # the complex product and torchtune's real pairs, with the casts around them first
+    _pairs_pattern(rotary_complex_cast_q_k, complex_table=True, cast=True, with_k=True),
+    _pairs_pattern(rotary_complex_cast, complex_table=True, cast=True, with_k=False),
+    _pairs_pattern(rotary_real_pairs_cast_q_k, complex_table=False, cast=True, with_k=True),
+    _pairs_pattern(rotary_real_pairs_cast, complex_table=False, cast=True, with_k=False),
+    _pairs_pattern(rotary_complex_q_k, complex_table=True, cast=False, with_k=True),
+    _pairs_pattern(rotary_complex, complex_table=True, cast=False, with_k=False),
+    _pairs_pattern(rotary_real_pairs_q_k, complex_table=False, cast=False, with_k=True),
+    _pairs_pattern(rotary_real_pairs, complex_table=False, cast=False, with_k=False),
     Pattern("rotary_every_two_q_k", "rotary", rotary_every_two_q_k, rotary_every_two_q_k_fused, _OPS,
             (_positions_on_dim_1(("q", "k"), unsqueezed=False),)),
     Pattern("rotary_every_two", "rotary", rotary_every_two, rotary_every_two_fused, _OPS,

@@ -193,6 +193,61 @@ def test_per_pair_tables_interleaved_match_float64_oracle(dtype, shape):
         check_fwd_bwd(q, None, view_cos, view_sin, interleaved=True)
 
 
+@pytest.mark.parametrize("q_dtype, table_dtype, out", [
+    (torch.float16, torch.float32, torch.float16),  # upcast, rotate, cast back (Llama 4, torchtitan, torchtune)
+    (torch.float32, torch.float32, torch.float16),
+    (torch.float16, torch.float16, torch.float32),
+], ids=["fp16-q-fp32-tables-to-fp16", "fp32-to-fp16", "fp16-to-fp32"])
+@pytest.mark.parametrize("table", ["full", "per-pair"])
+def test_outputs_in_another_dtype_are_rounded_once(q_dtype, table_dtype, out, table):
+    """dtype=: the rotation computed as `q * cos` is (fp32 here) and rounded once to `dtype`, as
+    a model's `(rotate(q.float())).to(q.dtype)` gives; dq and dk in q's dtype, dcos and dsin in the
+    tables'."""
+    b, hq, hkv, s, d = 2, 4, 2, 9, 16
+    q = torch.randn(b, s, hq, d, device=DEVICE).to(q_dtype).transpose(1, 2).requires_grad_()
+    k = torch.randn(b, hkv, s, d, device=DEVICE).to(q_dtype).requires_grad_()
+    cos, sin = rope_tables(b, s, d, torch.float64, per_batch=True, interleaved=True)
+    if table == "per-pair":
+        cos, sin = cos[..., 0::2], sin[..., 0::2]
+    cos, sin = cos.to(table_dtype).requires_grad_(), sin.to(table_dtype).requires_grad_()
+    got = trifuse.ops.rotary_embedding(q, k, cos, sin, interleaved=True, dtype=out)
+    op = torch.ops.trifuse.rotary_embedding(q, k, cos, sin, True, False, out)
+    ref64 = rotary_embedding_ref(*(_wide(t) for t in (q, k, cos, sin)), True)
+    # PyTorch's own: in the promoted dtype, then one cast
+    reflp = rotary_embedding_ref(*(_same(t) for t in (q, k, cos, sin)), True, False, out)
+    for name, o, o_op, r64, rlp in zip(("q_embed", "k_embed"), got, op, ref64, reflp):
+        assert o.dtype == out and o_op.dtype == out and o.is_contiguous()
+        assert torch.equal(o, o_op)
+        assert_close(name, o, r64, rlp)
+    dys = [torch.randn_like(o) for o in got]
+    grads = torch.autograd.grad(got, (q, k, cos, sin), dys)
+    wide = [_wide(t) for t in (q, k, cos, sin)]
+    g64 = torch.autograd.grad(rotary_embedding_ref(*wide, True), wide, [d.double() for d in dys])
+    same = [_same(t) for t in (q, k, cos, sin)]
+    glp = torch.autograd.grad(rotary_embedding_ref(*same, True, False, out), same, dys)
+    for name, t, g, gw, gl in zip(("dq", "dk", "dcos", "dsin"), (q, k, cos, sin), grads, g64, glp):
+        assert g.dtype == t.dtype and g.shape == t.shape
+        assert_close(name, g, gw, gl)
+
+
+def test_bad_output_dtype_raises():
+    q, k, cos, sin = make((1, 2, 1, 4, 8), torch.float32)
+    for bad in (torch.int32, "float16", torch.bool):
+        with pytest.raises(TypeError, match="rotary_embedding: dtype must be None or a float torch.dtype"):
+            trifuse.ops.rotary_embedding(q, k, cos, sin, dtype=bad)
+
+
+def test_output_dtype_under_compile_and_opcheck():
+    q, k, cos, sin = make((2, 4, 2, 9, 16), torch.float16, "per-batch", interleaved=True)
+    cos, sin = cos.float(), sin.float()
+    compiled = torch.compile(lambda *a: trifuse.ops.rotary_embedding(*a, interleaved=True, dtype=torch.float16),
+                             backend="aot_eager", fullgraph=True)
+    for a, b in zip(compiled(q, k, cos, sin), trifuse.ops.rotary_embedding(q, k, cos, sin, interleaved=True,
+                                                                          dtype=torch.float16)):
+        assert a.dtype == torch.float16 and torch.equal(a, b)
+    torch.library.opcheck(torch.ops.trifuse.rotary_embedding.default, (q, k, cos, sin, True, False, torch.float16))
+
+
 def test_per_pair_interleaved_oracle_is_the_complex_product():
     q, k, _, _ = make((2, 3, 1, 7, 16), torch.float64)
     freqs = complex_table(2, 7, 16, per_batch=True)

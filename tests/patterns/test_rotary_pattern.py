@@ -2,6 +2,8 @@
 partial rotary, q and k together or a tensor alone, rotate-half and interleaved (Cohere, GLM,
 Helium) conventions, the complex product (Llama 4, DeepSeek-V2, torchtitan); what must not
 fuse; SDPA after it still fuses."""
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -407,8 +409,9 @@ class ComplexRotary(nn.Module):
     rotated as complex numbers, returned as (B, H, S, D) (or fed to SDPA)."""
 
     def __init__(self, apply=apply_rotary_emb_llama4, heads_first=False, per_batch=False, which="q_k",
-                 sdpa=False, separate_k_table=False):
+                 sdpa=False, separate_k_table=False, half_q_k=False):
         super().__init__()
+        self.half_q_k = half_q_k
         self.q_proj, self.k_proj = nn.Linear(HQ * D, HQ * D, bias=False), nn.Linear(HQ * D, HKV * D, bias=False)
         self.v_proj = nn.Linear(HQ * D, HKV * D, bias=False)
         self.register_buffer("freqs", complex_table(S, D, per_batch))
@@ -418,6 +421,8 @@ class ComplexRotary(nn.Module):
 
     def forward(self, x):
         q, k = self.q_proj(x).view(B, S, -1, D), self.k_proj(x).view(B, S, -1, D)
+        if self.half_q_k:  # 16-bit q and k, as a bf16 model has them
+            q, k = q.half(), k.half()
         if self.heads_first:
             q, k = q.transpose(1, 2), k.transpose(1, 2)
         if self.which == "q":  # apply_fn rotates one tensor here
@@ -435,15 +440,15 @@ class ComplexRotary(nn.Module):
 
 
 @pytest.mark.parametrize("make, counts, captures", [
-    (ComplexRotary, {"rotary_complex_q_k": 1}, ["dynamo"]),
-    (lambda: ComplexRotary(per_batch=True), {"rotary_complex_q_k": 1}, ["dynamo"]),
-    (lambda: ComplexRotary(apply_rotary_emb_titan), {"rotary_complex_q_k": 1}, ["dynamo"]),
+    (ComplexRotary, {"rotary_complex_cast_q_k": 1}, ["dynamo"]),
+    (lambda: ComplexRotary(per_batch=True), {"rotary_complex_cast_q_k": 1}, ["dynamo"]),
+    (lambda: ComplexRotary(apply_rotary_emb_titan), {"rotary_complex_cast_q_k": 1}, ["dynamo"]),
     (lambda: ComplexRotary(apply_rotary_emb_deepseek_v2, heads_first=True, per_batch=True),
-     {"rotary_complex_q_k": 1}, ["dynamo"]),
-    (lambda: ComplexRotary(apply_rotary_emb_explicit_shapes), {"rotary_complex_q_k": 1}, CAPTURES),
-    (lambda: ComplexRotary(rotate_complex_alone, which="q"), {"rotary_complex": 1}, ["dynamo"]),
-    (lambda: ComplexRotary(separate_k_table=True), {"rotary_complex": 2}, ["dynamo"]),
-    (lambda: ComplexRotary(apply_rotary_emb_inverse), {"rotary_complex_q_k": 1}, ["dynamo"]),
+     {"rotary_complex_cast_q_k": 1}, ["dynamo"]),
+    (lambda: ComplexRotary(apply_rotary_emb_explicit_shapes), {"rotary_complex_cast_q_k": 1}, CAPTURES),
+    (lambda: ComplexRotary(rotate_complex_alone, which="q"), {"rotary_complex_cast": 1}, ["dynamo"]),
+    (lambda: ComplexRotary(separate_k_table=True), {"rotary_complex_cast": 2}, ["dynamo"]),
+    (lambda: ComplexRotary(apply_rotary_emb_inverse), {"rotary_complex_cast_q_k": 1}, ["dynamo"]),
 ], ids=["hf-llama4", "per-batch-positions", "torchtitan", "hf-deepseek-v2", "explicit-shapes", "q-alone",
         "other-table-for-k", "conjugate-table"])
 def test_complex_product_fuses_and_matches(make, counts, captures):
@@ -497,8 +502,8 @@ class RealPairsRotary(nn.Module):
 
 
 @pytest.mark.parametrize("make, counts", [
-    (RealPairsRotary, {"rotary_real_pairs_q_k": 1}),
-    (lambda: RealPairsRotary(which="q"), {"rotary_real_pairs": 1}),
+    (RealPairsRotary, {"rotary_real_pairs_cast_q_k": 1}),
+    (lambda: RealPairsRotary(which="q"), {"rotary_real_pairs_cast": 1}),
     (lambda: RealPairsRotary(swapped=True), {}),
 ], ids=["torchtune-q-k", "q-alone", "rotation-swapped-left"])
 def test_real_pairs_cache_fuses_and_matches(make, counts):
@@ -522,7 +527,45 @@ def test_complex_product_recaptured_with_symbolic_sizes_still_fuses():
         freqs = complex_table(s, D, per_batch=False)
         for out, ref in zip(model(q, k, freqs), apply_rotary_emb_llama4(q, k, freqs)):
             torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
-        assert trifuse.report(model).by_pattern() == {"rotary_complex_q_k": 1}
+        assert trifuse.report(model).by_pattern() == {"rotary_complex_cast_q_k": 1}
+
+
+def apply_rotary_emb_no_casts(xq, xk, freqs_cis):
+    """The complex product without the upcast and the cast back (q and k already fp32)."""
+    xq_ = torch.view_as_complex(xq.reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.reshape(*xk.shape[:-1], -1, 2))
+    return (torch.view_as_real(xq_ * freqs_cis[:, :, None, :]).flatten(3),
+            torch.view_as_real(xk_ * freqs_cis[:, :, None, :]).flatten(3))
+
+
+def test_complex_product_without_casts_fuses():
+    assert check_against_unfused(lambda: ComplexRotary(apply_rotary_emb_no_casts), X, "dynamo").by_pattern() == \
+        {"rotary_complex_q_k": 1}
+
+
+def test_complex_product_of_fp16_q_and_k_takes_the_casts_in():
+    """q and k in fp16, upcast, rotated, cast back: one op call reading and writing fp16, its
+    results rounded once as the model's are (outputs only, as for Cohere's fp16 test below)."""
+    report = check_against_unfused(lambda: ComplexRotary(half_q_k=True), X, "dynamo", grads=False)
+    assert report.by_pattern() == {"rotary_complex_cast_q_k": 1}
+    model = fuse_via(ComplexRotary(half_q_k=True), "dynamo")
+    ran = trifuse_ops_run(lambda: model(X[0]))
+    assert "trifuse::rotary_embedding" in ran and all(o.dtype == torch.float16 for o in model(X[0]))
+
+
+def test_complex_product_of_float64_q_keeps_its_fp32_rounding():
+    """A float64 model's `.float()` rounds q and k to fp32: the casts stay outside the op, which
+    then rotates the fp32 copies as the model does."""
+    inner = ComplexRotary().double()
+    ref = copy.deepcopy(inner)
+    model = fuse_via(inner, "dynamo")
+    x = X[0].double()
+    for out, want in zip(model(x), ref(x)):
+        assert out.dtype == torch.float64
+        torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)  # both rotate fp32 copies
+    report = trifuse.report(model)
+    assert report.by_pattern() == {"rotary_complex_q_k": 1}
+    assert any("is not a 16-bit or fp32 tensor" in why for *_, why in report.rejected())
 
 
 def test_complex_product_then_sdpa_fuses_both():
