@@ -24,7 +24,8 @@ The interleaved convention (Cohere, GLM, Helium) becomes the op with `interleave
 
 (`x[..., ::2]` or `x[..., 0::2]` for the even features), q and k together or a tensor alone, and
 on GLM's partial-rotary slices as above. Cohere's `q.float()` before it and `.to(dtype)` after it
-stay as written: the op takes the fp32 q and k. Filters: the pairing is exactly (0::2, 1::2) of
+(and ModernBERT's around the rotate-half formula) are taken in: the op reads q and k as they were
+and writes their dtype, rounded once (`dtype=`); a float64 model's `.float()`, which rounds, stays. Filters: the pairing is exactly (0::2, 1::2) of
 the last dim (the stack along the new last dim, the flatten of the last two); cos and sin 4-D.
 GPT-J's and CodeGen's own `rotate_every_two` (`x[:, :, :, ::2]` on (B, S, H, D) tensors, their
 (B, S, D/2) tables repeated per pair for each use) becomes the op on the same tensors transposed
@@ -96,6 +97,20 @@ def rotary_fused(x, cos, sin, x_start=None, x_end=None, dim=None):
     return ops.rotary_embedding(x, None, cos, sin)[0]
 
 
+def rotary_cast_q_k(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_start, q_end, k_start,
+                    k_end, dim, q_up, k_up, q_back, k_back):
+    """ModernBERT's: q and k upcast (the cast it writes twice is one after normalize.py), rotated,
+    cast back."""
+    q_embed, k_embed = rotary_q_k(q.to(q_up), k.to(k_up), cos, sin, q_start, q_end, k_start, k_end, dim)
+    return q_embed.to(q_back), k_embed.to(k_back)
+
+
+def rotary_cast_q_k_fused(q, k, cos, sin, q_start=None, q_end=None, k_start=None, k_end=None, dim=None, q_up=None,
+                          k_up=None, q_back=None, k_back=None, dtype=None):
+    out = ops.rotary_embedding(q, k, cos, sin, dtype=dtype)
+    return out[0], out[1]
+
+
 def _rotates_half_of_last_dim(names: tuple[str, ...]):
     def check(m: Match) -> str | None:
         dim = m.value("dim")
@@ -133,6 +148,19 @@ def rotary_interleaved_q_k(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, 
 
 def rotary_interleaved_q_k_fused(q, k, cos, sin, q_start=None, k_start=None, dim=None, flat=None):
     out = ops.rotary_embedding(q, k, cos, sin, interleaved=True)
+    return out[0], out[1]
+
+
+def rotary_interleaved_cast_q_k(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_start,
+                                k_start, dim, flat, q_up, k_up, q_back, k_back):
+    """Cohere's: q and k upcast, rotated, cast back."""
+    q_embed, k_embed = rotary_interleaved_q_k(q.to(q_up), k.to(k_up), cos, sin, q_start, k_start, dim, flat)
+    return q_embed.to(q_back), k_embed.to(k_back)
+
+
+def rotary_interleaved_cast_q_k_fused(q, k, cos, sin, q_start=None, k_start=None, dim=None, flat=None, q_up=None,
+                                      k_up=None, q_back=None, k_back=None, dtype=None):
+    out = ops.rotary_embedding(q, k, cos, sin, interleaved=True, dtype=dtype)
     return out[0], out[1]
 
 
@@ -497,10 +525,20 @@ def _pairs_pattern(search, complex_table: bool, cast: bool, with_k: bool) -> Pat
                    derive=_complex_layout(names[0], cast))
 
 
+def _q_dtype(m: Match) -> dict:
+    return {"dtype": m.value("q").dtype}
+
+
 PATTERNS = (
+    # with the model's upcast of q and k and its cast back first (ModernBERT; Cohere below)
+    Pattern("rotary_cast_q_k", "rotary", rotary_cast_q_k, rotary_cast_q_k_fused, _OPS,
+            (_rotates_half_of_last_dim(("q", "k")), _cos_sin_are_4d, _upcast_and_back(("q", "k"))),
+            derive=_q_dtype),
     Pattern("rotary_q_k", "rotary", rotary_q_k, rotary_q_k_fused, _OPS,
             (_rotates_half_of_last_dim(("q", "k")), _cos_sin_are_4d)),
     Pattern("rotary", "rotary", rotary, rotary_fused, _OPS, (_rotates_half_of_last_dim(("x",)), _cos_sin_are_4d)),
+    Pattern("rotary_interleaved_cast_q_k", "rotary", rotary_interleaved_cast_q_k, rotary_interleaved_cast_q_k_fused,
+            _OPS, (_pairs_last_dim(("q", "k")), _cos_sin_are_4d, _upcast_and_back(("q", "k"))), derive=_q_dtype),
     Pattern("rotary_interleaved_q_k", "rotary", rotary_interleaved_q_k, rotary_interleaved_q_k_fused, _OPS,
             (_pairs_last_dim(("q", "k")), _cos_sin_are_4d)),
     Pattern("rotary_interleaved", "rotary", rotary_interleaved, rotary_interleaved_fused, _OPS,
