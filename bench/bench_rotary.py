@@ -1,6 +1,7 @@
 """Rotary position embedding of q and k (rotate-half, Hugging Face's apply_rotary_pos_emb) against
 PyTorch eager (HF's formula), torch.compile of it and, when importable, Liger-Kernel's
-`liger_rotary_pos_emb`.
+`liger_rotary_pos_emb`; and the complex product with the model's casts (Llama 4, torchtitan)
+against what fuse replaces it with (`rotary-complex` results).
 
     python bench/bench_rotary.py            # full sweep on the GPU, writes bench/results/
     pytest bench/bench_rotary.py            # CPU: a tiny smoke in the interpreter
@@ -110,14 +111,73 @@ def host_overhead() -> list[dict]:
 COLUMNS = ("provider", "mode", "shape", "ms", "GB/s", "% copy", "peak MiB", "x vs torch", "x vs torch.compile",
            "x vs liger", "error")
 
+# ---------------------------------------------------------------------------------------------
+# The complex product with the model's casts (Llama 4, torchtitan, Meta's reference): q and k
+# (B, S, H, D) as projected, upcast, their pairs times a complex (S, D/2) table, cast back; against
+# what fuse puts there (rotary_complex_cast_q_k: one call, q and k read and written in their own
+# dtype). Bytes, the least: q and k read and written once in their dtype, the table read once
+# (8 bytes a pair), each way.
+# ---------------------------------------------------------------------------------------------
+
+
+def _complex_table(s, d):
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2, device=DEVICE, dtype=torch.float32) / d)
+    freqs = torch.outer(torch.arange(s, device=DEVICE, dtype=torch.float32), inv_freq)
+    return torch.polar(torch.ones_like(freqs), freqs)  # (S, D/2) complex64
+
+
+def make_complex_inputs(shape):
+    b, hq, hkv, s, d = shape
+    q = torch.randn(b, s, hq, d, device=DEVICE, dtype=DTYPE).requires_grad_()
+    k = torch.randn(b, s, hkv, d, device=DEVICE, dtype=DTYPE).requires_grad_()
+    return (q, k, _complex_table(s, d)), (q, k)
+
+
+def complex_bytes_for(shape, mode):
+    b, hq, hkv, s, d = shape
+    e = torch.finfo(DTYPE).bits // 8
+    one_way = 2 * b * (hq + hkv) * s * d * e + s * (d // 2) * 8
+    return {"fwd": one_way, "bwd": one_way, "fwd+bwd": 2 * one_way}[mode]
+
+
+def torch_complex_rotary(q, k, freqs):
+    """Llama 4's apply_rotary_emb (the table indexed for (B, S, H, D/2) pairs)."""
+    table = freqs[None, :, None, :]
+    q_ = torch.view_as_complex(q.float().reshape(*q.shape[:-1], -1, 2))
+    k_ = torch.view_as_complex(k.float().reshape(*k.shape[:-1], -1, 2))
+    return (torch.view_as_real(q_ * table).flatten(3).type_as(q),
+            torch.view_as_real(k_ * table).flatten(3).type_as(k))
+
+
+def trifuse_complex_rotary(q, k, freqs):
+    """What fuse's rotary_complex_cast_q_k replacement runs: the table's real and imaginary parts
+    as per-pair cos and sin, q and k as (B, H, S, D) views, their dtype out."""
+    table = torch.view_as_real(freqs)[None, None]
+    q_embed, k_embed = rk._rotary_trifuse(q.transpose(1, 2), k.transpose(1, 2), table[..., 0], table[..., 1],
+                                          True, False, q.dtype)
+    return q_embed.transpose(1, 2), k_embed.transpose(1, 2)
+
+
+def complex_providers() -> dict:
+    out = {"trifuse": trifuse_complex_rotary, "torch": torch_complex_rotary}
+    if H.on_gpu():
+        out["torch.compile"] = H.compiled(torch_complex_rotary)
+    return out
+
+
+COMPLEX_COLUMNS = ("provider", "mode", "shape", "ms", "GB/s", "% copy", "x vs torch", "x vs torch.compile", "error")
+
 
 def main() -> None:
     rows = with_peak_memory(H.sweep(providers(), SHAPES, make_inputs, bytes_for, x_name="D"))
     overhead = host_overhead()
+    complex_rows = H.sweep(complex_providers(), SHAPES, make_complex_inputs, complex_bytes_for, x_name="D")
     H.print_table(rows, COLUMNS)
     H.print_table(overhead, ("provider", "host µs"))
+    H.print_table(complex_rows, COMPLEX_COLUMNS)
     H.write_results("rotary", rows, COLUMNS)
     H.write_results("rotary", overhead, ("provider", "host µs"), suffix="host-overhead")
+    H.write_results("rotary", complex_rows, COMPLEX_COLUMNS, suffix="complex")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,6 +194,14 @@ def test_rotary(benchmark, provider, mode):
     fn = providers()[provider]
     step = H.make_step(fn, lambda: make_inputs(SMOKE_SHAPE), mode)
     H.check_against_reference(providers(), "torch", make_inputs, SMOKE_SHAPE)
+    benchmark.pedantic(step, rounds=3 if H.on_gpu() else 1, iterations=1)
+
+
+@pytest.mark.parametrize("mode", H.MODES)
+@pytest.mark.parametrize("provider", ["trifuse", "torch"])
+def test_complex_rotary(benchmark, provider, mode):
+    step = H.make_step(complex_providers()[provider], lambda: make_complex_inputs(SMOKE_SHAPE), mode)
+    H.check_against_reference(complex_providers(), "torch", make_complex_inputs, SMOKE_SHAPE)
     benchmark.pedantic(step, rounds=3 if H.on_gpu() else 1, iterations=1)
 
 
