@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 import trifuse
 from _fusing import available_counts, check_against_unfused, fuse_via, needs_ops, trifuse_ops_run
+from tolerances import assert_close
 from torch import nn
 
 pytestmark = needs_ops("attention")
@@ -815,11 +816,14 @@ def chain_sink_scale_no_repeat(m, q, k, v):
 
 
 
-def chain_sink_scale_fp16(m, q, k, v):  # Granite in a 16-bit model: the log-sum-exp in fp16, the sigmoid in fp32
-    q, k, v = q.half(), k.half(), v.half()
-    w = torch.matmul(q, k.transpose(2, 3)) * 0.35 + m.mask.half()
-    sink_scale = (torch.logsumexp(w, dim=-1) - m.sinks.half().view(1, -1, 1)).to(torch.float32).sigmoid()
-    w = F.dropout(F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype), p=0.0, training=m.training)
+def chain_sink_scale_fp16(m, q, k, v, dtype=torch.float16):
+    """Granite in a 16-bit model: the log-sum-exp in `dtype`, the sigmoid in fp32 (or wider). With
+    dtype float64 it is the same maths with no rounding: the oracle for the fp16 one."""
+    up = torch.promote_types(dtype, torch.float32)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    w = torch.matmul(q, k.transpose(2, 3)) * 0.35 + m.mask.to(dtype)
+    sink_scale = (torch.logsumexp(w, dim=-1) - m.sinks.to(dtype).view(1, -1, 1)).to(up).sigmoid()
+    w = F.dropout(F.softmax(w, dim=-1, dtype=up).to(q.dtype), p=0.0, training=m.training)
     out = torch.matmul(w, v)
     return out * sink_scale.unsqueeze(-1).to(out.dtype)
 
@@ -955,12 +959,21 @@ def test_sink_scale_and_bmm_rejections_say_why():
 
 def test_sink_scale_in_16_bit_fuses():
     """Granite in fp16 under transformers' fp16 finfo.min padding: the op's fp32 log-sum-exp stands
-    for the model's fp16 one (outputs by the oracle rule)."""
+    for the model's fp16 one. The oracle is the model's maths in float64 (the casts are inside the
+    module, so its float64 copy would round to fp16 as the fp32 one does), and PyTorch's own error
+    is the fp16 model's."""
     window = ADDITIVE.clone()
     window[0, ..., -2:] = torch.finfo(torch.float16).min
-    report = check_against_unfused(functools.partial(WithSinks, chain_sink_scale_fp16, mask=window), qkv(), "dynamo",
-                                   grads=False)
-    assert report.by_pattern() == {"attention_chain_sink_scale_add": 1}
+    torch.manual_seed(0)
+    unfused = WithSinks(chain_sink_scale_fp16, mask=window).eval()
+    exact = copy.deepcopy(unfused).double()
+    exact.fn = functools.partial(chain_sink_scale_fp16, dtype=torch.float64)
+    model = fuse_via(copy.deepcopy(unfused), "dynamo")
+    q, k, v = qkv()
+    out = model(q, k, v)
+    assert trifuse.report(model).by_pattern() == {"attention_chain_sink_scale_add": 1}
+    assert out.dtype == torch.float16
+    assert_close("output", out, exact(q.double(), k.double(), v.double()), unfused(q, k, v))
 
 
 @pytest.mark.parametrize("fn, pattern", [
