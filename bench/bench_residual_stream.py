@@ -17,6 +17,12 @@ Outputs differ between providers at p > 0 (each draws its own mask), so correctn
 at p = 0 against PyTorch, and at p = P by the kept fraction of s - r (within 5 sigma of 1 - P).
 Target (issue 3; H100, bf16): fwd+bwd >= 1.5x the best of PyTorch eager and torch.compile at
 every width 768-16384.
+
+The post-norm add (variant rms_norm_add: OLMo 2's `r + post_attention_layernorm(x)`) beside it:
+trifuse's `layer_norm_add` against `r + F.rms_norm(x)`, eager and compiled. Bytes, the least any
+provider must move (dresidual is dy itself, never written):
+    fwd      read x, r, w; write y                                3·M·N·e + N·e
+    bwd      read dy, x, w; write dx, dw                          3·M·N·e + 2·N·e
 """
 import _harness as H  # noqa: I001  (bench/conftest.py sets TRITON_INTERPRET before this)
 import pytest
@@ -63,6 +69,33 @@ def providers(p: float = P) -> dict:
     return out
 
 
+def make_post_inputs(shape):
+    m, n = shape
+    x, r = (torch.randn(m, n, device=DEVICE, dtype=DTYPE, requires_grad=True) for _ in range(2))
+    w = torch.randn(n, device=DEVICE, dtype=DTYPE, requires_grad=True)
+    return (x, r, w), (x, r, w)
+
+
+def post_bytes_for(shape, mode):
+    m, n = shape
+    e = torch.finfo(DTYPE).bits // 8
+    fwd, bwd = 3 * m * n * e + n * e, 3 * m * n * e + 2 * n * e
+    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]
+
+
+def post_providers() -> dict:
+    def torch_post(x, r, w):
+        return r + F.rms_norm(x, x.shape[-1:], w, EPS)
+
+    def trifuse_post(x, r, w):
+        return trifuse.ops.layer_norm_add(x, r, x.shape[-1:], w, None, EPS, is_rms_norm=True)
+
+    out = {"trifuse": trifuse_post, "torch": torch_post}
+    if H.on_gpu():
+        out["torch.compile"] = H.compiled(torch_post)
+    return out
+
+
 def check(shape) -> None:
     """Before timing: every provider equals PyTorch at p = 0, and trifuse keeps 1 - P of the
     dropped branch at p = P (within 5 sigma)."""
@@ -103,6 +136,7 @@ def main() -> None:
     # reference="": the outputs differ by their masks; check() above did the checking.
     rows = H.sweep(providers(), shapes, make_inputs, bytes_for, reference="", variant=f"p={P}")
     rows += H.sweep(providers(0.0), TARGET_SHAPES, make_inputs, bytes_for, variant="p=0")
+    rows += H.sweep(post_providers(), TARGET_SHAPES, make_post_inputs, post_bytes_for, variant="rms_norm_add")
     overhead = host_overhead()
     H.print_table(rows, COLUMNS)
     H.print_table(overhead, ("provider", "host µs"))
@@ -123,6 +157,14 @@ SMOKE_SHAPE = (64, 4096) if H.on_gpu() else (3, 100)
 def test_residual_stream(benchmark, provider, mode):
     step = H.make_step(providers()[provider], lambda: make_inputs(SMOKE_SHAPE), mode)
     benchmark.pedantic(step, rounds=3 if H.on_gpu() else 1, iterations=1)
+
+
+@pytest.mark.parametrize("mode", H.MODES)
+@pytest.mark.parametrize("provider", ["trifuse", "torch"])
+def test_post_norm_add(benchmark, provider, mode):
+    step = H.make_step(post_providers()[provider], lambda: make_post_inputs(SMOKE_SHAPE), mode)
+    benchmark.pedantic(step, rounds=3 if H.on_gpu() else 1, iterations=1)
+    H.check_against_reference(post_providers(), "torch", make_post_inputs, SMOKE_SHAPE)
 
 
 def test_checks_pass():

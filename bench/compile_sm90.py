@@ -88,6 +88,8 @@ def _catalogue(torch, family: str):
             yield f"dropout_add_layer_norm {n} p=0.1 bias", fwd_bwd(
                 lambda x=x, r=r, w=w, b=b, xb=xb, n=n: ops.dropout_add_layer_norm(x, r, n, w, b, p=0.1, x_bias=xb))
             yield f"rms_norm residual {n}", fwd_bwd(lambda x=x, r=r, w=w, n=n: ops.rms_norm(x, n, w, 1e-6, residual=r))
+            yield f"rms_norm_add {n}", fwd_bwd(
+                lambda x=x, r=r, w=w, n=n: ops.layer_norm_add(x, r, n, w, None, 1e-6, is_rms_norm=True))
     elif family == "bias_gelu":
         for n in (3072, 4096):
             x, b = leaf(rows, n), leaf(n)

@@ -6,6 +6,8 @@ Maths, per row of N features, accumulated in fp32 (fp64 for fp64 inputs):
     mean = sum(s) / N                             LayerNorm only (0 for RMSNorm)
     rstd = 1 / sqrt(sum((s - mean)^2) / N + eps)
     y    = (s - mean) * rstd * weight + bias
+    y   += post                                   norm-then-add form (post-norm blocks: OLMo 2,
+                                                  Gemma 2's sandwich norms); s = x there
 
 Backward, with xhat = (s - mean) * rstd and g = dy * weight:
 
@@ -13,6 +15,7 @@ Backward, with xhat = (s - mean) * rstd and g = dy * weight:
                 + ds_out                     gradient arriving at the returned s
     dresidual = ds;  dx = ds * keep / (1 - p);  dx_bias = sum_rows(dx)
     dweight   = sum_rows(dy * xhat);  dbias = sum_rows(dy)
+    dpost     = dy                           (the norm-then-add form: no kernel for it)
 
 Shapes: x, residual, y, s (..., *normalized_shape); weight, bias, x_bias normalized_shape.
 Dtypes: fp16 / bf16 / fp32 / fp64 activations; weights may differ (fp32 master weights under
@@ -167,6 +170,7 @@ def _load_stream(X, R, XB, seed, rows, cols, mask, p, scale,
 def _layer_norm_fwd_kernel(
     X,  # in (M, N)
     R,  # in (M, N) residual; unused unless HAS_RESIDUAL
+    P,  # in (M, N) added to y after the norm; unused unless HAS_POST
     XB,  # in (N,) bias added to x before dropout; unused unless HAS_X_BIAS
     W,  # in (N,) weight; unused unless HAS_W
     B,  # in (N,) bias; unused unless HAS_B
@@ -175,12 +179,12 @@ def _layer_norm_fwd_kernel(
     S,  # out (M, N) the residual stream s; Y when not STORE_S (same dtype)
     MEAN,  # out (M,) fp32; unused for RMSNorm
     RSTD,  # out (M,) fp32
-    stride_xm, stride_rm, stride_ym, stride_sm,
+    stride_xm, stride_rm, stride_pm, stride_ym, stride_sm,
     M, N, eps, p, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
     IS_RMS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_X_BIAS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, STORE_S: tl.constexpr,
-    ACC: tl.constexpr,
+    HAS_POST: tl.constexpr, ACC: tl.constexpr,
 ):
     # int64 rows: row * stride may pass 2^31
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -188,6 +192,7 @@ def _layer_norm_fwd_kernel(
     rows2 = rows[:, None]
     X += rows2 * stride_xm
     R += rows2 * stride_rm
+    P += rows2 * stride_pm
     Y += rows2 * stride_ym
     S += rows2 * stride_sm
     seed = tl.load(SEED) if HAS_DROPOUT else 0
@@ -213,6 +218,8 @@ def _layer_norm_fwd_kernel(
             y *= tl.load(W + offs, mask=offs < N).to(ACC)
         if HAS_B:
             y += tl.load(B + offs, mask=offs < N).to(ACC)
+        if HAS_POST:
+            y += tl.load(P + offs, mask=mask, other=0.0).to(ACC)
         tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
     else:
         # Pass 1: s (stored once), and its mean.
@@ -253,6 +260,8 @@ def _layer_norm_fwd_kernel(
                 y *= tl.load(W + cols, mask=cols < N).to(ACC)
             if HAS_B:
                 y += tl.load(B + cols, mask=cols < N).to(ACC)
+            if HAS_POST:
+                y += tl.load(P + cols, mask=mask, other=0.0).to(ACC)
             tl.store(Y + cols, y.to(Y.dtype.element_ty), mask=mask)
 
     if not IS_RMS_NORM:
@@ -551,11 +560,14 @@ def layer_norm_fwd(
     seed: torch.Tensor | None = None,
     store_s: bool = False,
     stats_shape: tuple[int, ...] | None = None,
+    post: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Normalizes the last `n` features of `x`. Returns (y, s, mean, rstd): y and s shaped like
     x (s is x itself unless store_s), mean and rstd (rows,) in fp32 (mean empty for RMSNorm),
-    or shaped `stats_shape` (x's leading dims; same memory), as the registered ops return them."""
-    dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    or shaped `stats_shape` (x's leading dims; same memory), as the registered ops return them.
+    `post` (like x; not with residual) is added to y after the norm, y in the promoted dtype."""
+    other = residual if residual is not None else post
+    dtype = x.dtype if other is None else torch.promote_types(x.dtype, other.dtype)
     weight, bias, x_bias = _flat(weight), _flat(bias), _flat(x_bias)
     m = x.numel() // n if n else 0
     stat_dtype = torch.float64 if dtype == torch.float64 else torch.float32
@@ -568,21 +580,25 @@ def layer_norm_fwd(
         return y, s, mean, rstd
     if not use_triton(x):
         y, s, mean_t, rstd_t = _norm_fwd_torch(x, n, weight, bias, eps, is_rms_norm, residual, x_bias, p, seed,
-                                               store_s)
+                                               store_s, post)
         rstd.view(-1).copy_(rstd_t)
         if not is_rms_norm:
             mean.view(-1).copy_(mean_t)
         return y, s, mean, rstd
     x2, stride_x = as_rows(x, n)
     r2, stride_r = as_rows(residual, n) if residual is not None else (x2, 0)
+    p2, stride_p = as_rows(post, n) if post is not None else (x2, 0)
     has_dropout = p > 0.0
-    args = (x2, r2, x2 if x_bias is None else x_bias, x2 if weight is None else weight,
+    args = (x2, r2, p2, x2 if x_bias is None else x_bias, x2 if weight is None else weight,
             x2 if bias is None else bias, seed if has_dropout else x2,
             y, s if store_s else y, rstd if is_rms_norm else mean, rstd,
-            stride_x, stride_r, n, n,
+            stride_x, stride_r, stride_p, n, n,
             m, n, eps, p, _dropout_scale(p))
     device = x.get_device() if x.is_cuda else -1
-    key = (device, dtype, m, n, is_rms_norm, residual is not None, x_bias is not None, has_dropout,
+    # The tuning key's "residual": False, True (added before the norm) or "post" (after it); the
+    # bytes moved are the same either way, but a post add keeps y live longer.
+    residual_kind = "post" if post is not None else residual is not None
+    key = (device, dtype, m, n, is_rms_norm, residual_kind, x_bias is not None, has_dropout,
            weight is not None, bias is not None, store_s)
     plan = _FWD_PLANS.get(key)
     if plan is not None:
@@ -590,8 +606,8 @@ def layer_norm_fwd(
         return y, s, mean, rstd
     constexprs = dict(IS_RMS_NORM=is_rms_norm, HAS_RESIDUAL=residual is not None, HAS_X_BIAS=x_bias is not None,
                       HAS_DROPOUT=has_dropout, HAS_W=weight is not None, HAS_B=bias is not None,
-                      STORE_S=store_s, ACC=acc_dtype(dtype))
-    tuning_key = (device, dtype, n, pow2_bucket(m), is_rms_norm, residual is not None, has_dropout, store_s)
+                      STORE_S=store_s, HAS_POST=post is not None, ACC=acc_dtype(dtype))
+    tuning_key = (device, dtype, n, pow2_bucket(m), is_rms_norm, residual_kind, has_dropout, store_s)
     cfg = _FWD_TUNER.config(tuning_key, _fwd_launch, m, n, constexprs, args)
     plan = _fwd_plan(cfg, m, n, constexprs)
     _layer_norm_fwd.run(plan[0], args, plan[1])
@@ -677,9 +693,10 @@ def _torch_keep_mask(seed: torch.Tensor, shape: torch.Size, p: float) -> torch.T
     return torch.rand(shape, generator=gen) >= p
 
 
-def _norm_fwd_torch(x, n, weight, bias, eps, is_rms_norm, residual, x_bias, p, seed, store_s):
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+def _norm_fwd_torch(x, n, weight, bias, eps, is_rms_norm, residual, x_bias, p, seed, store_s, post=None):
+    other = residual if residual is not None else post
+    dtype = x.dtype if other is None else torch.promote_types(x.dtype, other.dtype)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
     s = x.to(acc) if x_bias is None else x.to(acc) + x_bias.to(acc)
     if p > 0.0:
         s = torch.where(_torch_keep_mask(seed, s.shape, p).to(s.device), s * _dropout_scale(p), 0.0)
@@ -695,6 +712,8 @@ def _norm_fwd_torch(x, n, weight, bias, eps, is_rms_norm, residual, x_bias, p, s
         y = y * weight.reshape(-1).to(acc)
     if bias is not None:
         y = y + bias.reshape(-1).to(acc)
+    if post is not None:
+        y = y + post.reshape(-1, n).to(acc)
     s_out = s.to(dtype) if store_s else x
     return y.reshape(x.shape).to(dtype), s_out, mean[:0] if is_rms_norm else mean, rstd
 
@@ -747,6 +766,12 @@ def _check_norm_inputs(op, x, normalized_shape, weight, bias, eps, residual=None
         raise ValueError(f"trifuse.{op}: eps must be a non-negative number, got {eps!r}")
     check_probability(op, "p", p)
     return math.prod(normalized_shape)
+
+
+def _check_norm_add_inputs(op, x, residual, normalized_shape, weight, bias, eps):
+    if residual is None:
+        raise ValueError(f"trifuse.{op}: residual must be a tensor shaped like input, got None")
+    return _check_norm_inputs(op, x, normalized_shape, weight, bias, eps, residual)
 
 
 def _stats_shape(x: torch.Tensor, k: int) -> tuple[int, ...]:
@@ -808,6 +833,27 @@ def _dropout_add_norm(x, residual, normalized_shape, weight, bias, eps, p, x_bia
     return y, s, mean, rstd, seed
 
 
+@torch.library.custom_op("trifuse::layer_norm_add", mutates_args=())
+def _layer_norm_add_op(x: Tensor, residual: Tensor, normalized_shape: list[int], weight: OptTensor,
+                       bias: OptTensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    return _norm_add(x, residual, normalized_shape, weight, bias, eps, False)
+
+
+@torch.library.custom_op("trifuse::rms_norm_add", mutates_args=())
+def _rms_norm_add_op(x: Tensor, residual: Tensor, normalized_shape: list[int], weight: OptTensor,
+                     eps: float) -> tuple[Tensor, Tensor]:
+    y, _, rstd = _norm_add(x, residual, normalized_shape, weight, None, eps, True)
+    return y, rstd
+
+
+def _norm_add(x, residual, normalized_shape, weight, bias, eps, is_rms_norm):
+    op = "rms_norm_add" if is_rms_norm else "layer_norm_add"
+    n = _check_norm_add_inputs(op, x, residual, normalized_shape, weight, bias, eps)
+    y, _, mean, rstd = layer_norm_fwd(x, n, weight, bias, eps, is_rms_norm=is_rms_norm, post=residual,
+                                      stats_shape=_stats_shape(x, len(normalized_shape)))
+    return y, mean, rstd
+
+
 @torch.library.custom_op("trifuse::layer_norm_backward", mutates_args=())
 def _layer_norm_backward_op(
     dy: Tensor, ds: OptTensor, s: Tensor, normalized_shape: list[int], weight: OptTensor,
@@ -857,6 +903,25 @@ def _(x, residual, normalized_shape, weight, bias, eps, p, x_bias):
 @_dropout_add_rms_norm_op.register_fake
 def _(x, residual, normalized_shape, weight, eps, p, x_bias):
     return _dropout_add_norm_fake(x, residual, normalized_shape, weight, None, eps, p, x_bias, True)
+
+
+def _norm_add_fake(x, residual, normalized_shape, weight, bias, eps, is_rms_norm):
+    op = "rms_norm_add" if is_rms_norm else "layer_norm_add"
+    _check_norm_add_inputs(op, x, residual, normalized_shape, weight, bias, eps)
+    y = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype))
+    m = _stats_shape(x, len(normalized_shape))
+    return y, y.new_empty(0 if is_rms_norm else m, dtype=_stat_dtype(y)), y.new_empty(m, dtype=_stat_dtype(y))
+
+
+@_layer_norm_add_op.register_fake
+def _(x, residual, normalized_shape, weight, bias, eps):
+    return _norm_add_fake(x, residual, normalized_shape, weight, bias, eps, False)
+
+
+@_rms_norm_add_op.register_fake
+def _(x, residual, normalized_shape, weight, eps):
+    y, _, rstd = _norm_add_fake(x, residual, normalized_shape, weight, None, eps, True)
+    return y, rstd
 
 
 @_layer_norm_backward_op.register_fake
@@ -943,9 +1008,34 @@ def _backward_fused(ctx, dy, ds, *_):
     return (*grads, None, None, _grad_as(dxb, x_bias))
 
 
+def _setup_norm_add(ctx, inputs, output, is_rms_norm):
+    x, residual, normalized_shape, weight = inputs[:4]
+    bias = None if is_rms_norm else inputs[4]
+    mean, rstd = (output[1], output[1]) if is_rms_norm else output[1:]  # as _setup_plain
+    ctx.save_for_backward(x, weight, bias, mean, rstd)
+    ctx.normalized_shape, ctx.is_rms_norm = normalized_shape, is_rms_norm
+    ctx.x_dtype, ctx.residual_dtype = x.dtype, residual.dtype
+    ctx.set_materialize_grads(False)
+
+
+def _backward_norm_add(ctx, dy, *_):
+    # y = residual + norm(x): the residual's gradient is dy itself, x's the norm's backward of dy.
+    if dy is None:
+        return (None,) * (5 if ctx.is_rms_norm else 6)
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    dx, _, dw, db, _ = torch.ops.trifuse.layer_norm_backward(
+        dy, None, x, ctx.normalized_shape, weight, mean, rstd, None, 0.0, ctx.is_rms_norm, False)
+    grads = [_cast(dx, ctx.x_dtype), _cast(dy, ctx.residual_dtype), None, _grad_as(dw, weight)]
+    if not ctx.is_rms_norm:
+        grads.append(_grad_as(db, bias))
+    return (*grads, None)
+
+
 for _name, _backward, _setup, _is_rms in (
     ("trifuse::layer_norm", _backward_plain, _setup_plain, False),
     ("trifuse::rms_norm", _backward_plain, _setup_plain, True),
+    ("trifuse::layer_norm_add", _backward_norm_add, _setup_norm_add, False),
+    ("trifuse::rms_norm_add", _backward_norm_add, _setup_norm_add, True),
     ("trifuse::dropout_add_layer_norm", _backward_fused, _setup_fused, False),
     ("trifuse::dropout_add_rms_norm", _backward_fused, _setup_fused, True),
 ):
@@ -991,6 +1081,37 @@ class _NormFunction(torch.autograd.Function):
             _grad_as(dw, weight) if needs[3] else None,
             _grad_as(db, bias) if needs[4] else None,
             None, None, None, None, None, None,
+        )
+
+
+class _NormAddFunction(torch.autograd.Function):
+    """y = residual + norm(x), eager: the launchers straight, as _NormFunction."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, n, eps, is_rms_norm, op_name):
+        y, _, mean, rstd = layer_norm_fwd(x, n, weight, bias, eps, is_rms_norm=is_rms_norm, post=residual)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        ctx.n, ctx.is_rms_norm, ctx.op_name = n, is_rms_norm, f"trifuse::{op_name}"
+        ctx.x_dtype, ctx.residual_dtype = x.dtype, residual.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        dx = dw = db = None
+        if needs[0] or needs[2] or needs[3]:
+            grad_dtypes = tuple(t.dtype if t is not None and need else None
+                                for t, need in zip((weight, bias), (needs[2], needs[3])))
+            with profiled(ctx.op_name + "_backward"):
+                dx, _, dw, db, _ = layer_norm_bwd(dy, x, ctx.n, weight, mean, rstd, is_rms_norm=ctx.is_rms_norm,
+                                                  grad_dtypes=(*grad_dtypes, None))
+        return (
+            _cast(dx, ctx.x_dtype) if needs[0] else None,
+            _cast(dy, ctx.residual_dtype) if needs[1] else None,
+            _grad_as(dw, weight) if needs[2] else None,
+            _grad_as(db, bias) if needs[3] else None,
+            None, None, None, None,
         )
 
 
@@ -1233,3 +1354,47 @@ def dropout_add_layer_norm(
         y = _norm(op, x, normalized_shape, weight, bias, eps, None, is_rms_norm)
         return y, x
     return _norm(op, x, normalized_shape, weight, bias, eps, residual, is_rms_norm, p, x_bias)
+
+
+def layer_norm_add(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    normalized_shape: int | Sequence[int],
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    is_rms_norm: bool = False,
+) -> torch.Tensor:
+    """The post-norm residual add in one kernel each way:
+
+        y = residual + LayerNorm(x)   (or RMSNorm with is_rms_norm=True, bias None)
+
+    as OLMo 2's blocks (`residual + post_attention_layernorm(attn_out)`), Gemma 2's sandwich norms
+    and Swin V2 write it. The norm's output is added in fp32 and rounded once (the model rounds it
+    to x's dtype first). Gradients reach x, residual (dy itself), weight and bias.
+
+    Args:
+        x: (..., *normalized_shape), fp16 / bf16 / fp32 / fp64; any strides.
+        residual: shaped like x, any float dtype; y takes the dtype x and residual promote to.
+        weight, bias, eps: as `layer_norm` (`rms_norm`: eps None means finfo(x.dtype).eps).
+
+    Raises:
+        TypeError for non-float tensors; ValueError for shapes, devices or eps that do not fit,
+        and for a bias with is_rms_norm=True.
+    """
+    op = "rms_norm_add" if is_rms_norm else "layer_norm_add"
+    if is_rms_norm and bias is not None:
+        raise ValueError("trifuse.rms_norm_add: RMSNorm takes no bias, got one")
+    if eps is None:
+        eps = torch.finfo(x.dtype).eps if isinstance(x, torch.Tensor) and x.is_floating_point() else 1e-6
+    if isinstance(normalized_shape, int):
+        normalized_shape = (normalized_shape,)
+    normalized_shape = list(normalized_shape)
+    check_tensor(op, "input", x)
+    if eager_fast_path(x, weight, bias, residual):
+        n = _check_norm_add_inputs(op, x, residual, normalized_shape, weight, bias, eps)
+        with profiled(f"trifuse::{op}"):
+            return _NormAddFunction.apply(x, residual, weight, bias, n, eps, is_rms_norm, op)
+    if is_rms_norm:
+        return torch.ops.trifuse.rms_norm_add(x, residual, normalized_shape, weight, eps)[0]
+    return torch.ops.trifuse.layer_norm_add(x, residual, normalized_shape, weight, bias, eps)[0]

@@ -9,6 +9,17 @@ ViT, Llama) also carry s on as the next residual. The dropout's p and training f
 model's. Then (stage 2) the bias of the linear producing x moves into the op as `x_bias`, so the
 matmul runs without its bias epilogue and the bias gradient comes out of the fused backward.
 
+The post-norm residual add, the other way round (OLMo 2 and 3, Gemma 2 and 3's sandwich norms,
+Swin V2, EXAONE 4, T5Gemma):
+
+    y = residual + norm(x)               the norm already a trifuse norm (stage 0)
+  ->  y = layer_norm_add(x, residual, ...)
+
+one pass reading x and the residual and writing y, where the norm and the add each made one. It
+is tried before the add-then-norm patterns: in Gemma 2's `pre_ff_norm(residual +
+post_attn_norm(h))` either grouping is one op and one norm, and taking the first norm into the
+add moves less (the norm's output is never written; the add's sum is written once either way).
+
 Under sequence parallelism (trifuse.parallel) the add runs on local sequence shards and the norm
 on a DTensor made of them, `norm(from_local(s, placements))`; the `*_on_shards` spellings fuse
 that into one op on DTensors, `dropout_add_layer_norm(from_local(x, ...), from_local(residual,
@@ -74,6 +85,63 @@ def _same_shape_sum(m: Match) -> tuple[torch.Tensor, tuple[int, ...]] | str:
     if not isinstance(normalized, (tuple, list)) or not all(isinstance(n, int) for n in normalized):
         return f"normalized_shape {normalized}: not a constant"
     return x, tuple(normalized)
+
+
+def layer_norm_add(x: torch.Tensor, residual: torch.Tensor, normalized_shape, weight, bias, eps):
+    return residual + ops.layer_norm(x, normalized_shape, weight, bias, eps)
+
+
+def layer_norm_add_fused(x, residual, normalized_shape, weight, bias, eps):
+    return ops.layer_norm_add(x, residual, normalized_shape, weight, bias, eps)
+
+
+def rms_norm_add(x: torch.Tensor, residual: torch.Tensor, normalized_shape, weight, eps):
+    return residual + ops.rms_norm(x, normalized_shape, weight, eps)
+
+
+def rms_norm_add_fused(x, residual, normalized_shape, weight, eps):
+    return ops.layer_norm_add(x, residual, normalized_shape, weight, None, eps, is_rms_norm=True)
+
+
+def rms_norm_weight_apart_add(x: torch.Tensor, residual: torch.Tensor, normalized_shape, weight: torch.Tensor,
+                              eps):
+    """Llama's RMSNorm in 16 bits under autocast (`weight * x.to(input_dtype)`, an fp32 weight):
+    stage 0 leaves the weight apart, the norm's output rounded to x's dtype before it."""
+    return residual + weight * ops.rms_norm(x, normalized_shape, None, eps)
+
+
+def _plain_same_shape(m: Match) -> str | None:
+    """The norm-then-add's filter: x and the residual of one shape (no broadcast add), and no
+    DTensor (the op has no sharding rule: under sequence parallelism the norm stays as it is).
+    normalized_shape may be computed in the graph (`weight.shape`, as HF's norms pass it): the
+    op takes it as the norm did."""
+    x, residual = m.value("x"), m.value("residual")
+    if not isinstance(x, torch.Tensor) or not isinstance(residual, torch.Tensor):
+        return "x or residual: no tensor metadata"
+    if not same_shape(x, residual):
+        return f"x {tuple(x.shape)} and residual {tuple(residual.shape)} differ in shape (a broadcast add)"
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return None
+    if any(isinstance(m.value(name), DTensor) for name in ("x", "residual")):
+        return "x or residual is a DTensor (the norm-then-add op has no sharding rule)"
+    return None
+
+
+def _weight_apart_fits(m: Match) -> str | None:
+    """The weight a per-feature vector (what the norm would take), and the model's result dtype
+    the op's: promote(x, residual) must not be narrower than with the weight in the product."""
+    found = _plain_same_shape(m)
+    if found is not None:
+        return found
+    x, residual, weight = m.value("x"), m.value("residual"), m.value("weight")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or not known_equal(weight.shape[0], x.shape[-1]):
+        return f"weight {tuple(getattr(weight, 'shape', ()))}: not a vector over x's last dim {x.shape[-1]}"
+    if torch.promote_types(x.dtype, residual.dtype) != torch.promote_types(
+            torch.promote_types(x.dtype, weight.dtype), residual.dtype):
+        return f"the model's sum is {weight.dtype} (the weight's), the op's would be {residual.dtype}"
+    return None
 
 
 def _reshape_keeps_normalized_dims(m: Match) -> str | None:
@@ -224,6 +292,12 @@ _OPS = ("dropout_add_layer_norm", "layer_norm")
 _RMS_OPS = ("dropout_add_layer_norm", "rms_norm")
 
 PATTERNS = (
+    Pattern("layer_norm_add", "residual_stream", layer_norm_add, layer_norm_add_fused, ("layer_norm_add", "layer_norm"),
+            (_plain_same_shape,), stage=1),
+    Pattern("rms_norm_add", "residual_stream", rms_norm_add, rms_norm_add_fused, ("layer_norm_add", "rms_norm"),
+            (_plain_same_shape, needs_number("eps")), stage=1),
+    Pattern("rms_norm_weight_apart_add", "residual_stream", rms_norm_weight_apart_add, rms_norm_add_fused,
+            ("layer_norm_add", "rms_norm"), (_weight_apart_fits, needs_number("eps")), stage=1),
     Pattern("dropout_add_layer_norm", "residual_stream", dropout_add_layer_norm, dropout_add_layer_norm_fused,
             _OPS, _DROPOUT, stage=1),
     Pattern("add_layer_norm", "residual_stream", add_layer_norm, add_layer_norm_fused, _OPS, stage=1),

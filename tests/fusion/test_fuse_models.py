@@ -76,8 +76,9 @@ MODELS = {
     # attn_mask, which needs its gradient (the attention op gives it).
     "gemma": (_family("gemma"), {"rms_norm": L + 1, "attention": L, "residual_stream": L, **GATED, **ROTARY,
                                  **LOSS}),
-    # Gemma 2's eager attention with its logit soft cap; four norms a block, two of them after a sublayer
-    "gemma2": (_family("gemma2"), {"rms_norm": 3 * L + 1, "attention": L, "residual_stream": L, **GATED, **ROTARY,
+    # Gemma 2's eager attention with its logit soft cap; four norms a block, the two after a sublayer
+    # each one op with the add after it (layer_norm_add)
+    "gemma2": (_family("gemma2"), {"rms_norm": 2 * L + 1, "attention": L, "residual_stream": 2 * L, **GATED, **ROTARY,
                                    **LOSS}),
     "falcon": (_family("falcon"), {"layer_norm": L + 1, "attention": L, "dropout_add": L, **ROTARY, **LOSS}),
     "olmo": (_family("olmo"), {"layer_norm": L + 1, "attention": L, "residual_stream": L, **GATED, **ROTARY,
@@ -113,7 +114,7 @@ MODELS = {
     "modernbert": (_family("modernbert"), {"layer_norm": L + 2, "attention": L, "residual_stream": L, **GATED,
                                            **ROTARY, **LOSS}),
     # Gemma 3: six RMSNorms a block (q and k norms among them), sliding-window and global layers
-    "gemma3_text": (_family("gemma3_text"), {"rms_norm": 5 * L + 1, "attention": L, "residual_stream": L, **GATED,
+    "gemma3_text": (_family("gemma3_text"), {"rms_norm": 4 * L + 1, "attention": L, "residual_stream": 2 * L, **GATED,
                                              **ROTARY, **LOSS}),
     # mixtures of experts: all experts' SwiGLU in one call a block; the router's softmax is left
     "qwen3_moe": (_family("qwen3_moe"), {"rms_norm": 3 * L + 1, "attention": L, "residual_stream": L, **GATED,
@@ -139,8 +140,9 @@ MODELS = {
                                    "residual_stream": 2 * L}),
     # Swin V2: cosine attention (a learned scale per head moved onto q, the relative position bias
     # the op's mask, in shifted windows with the window mask added), two stages of two blocks; its
-    # norms after each sublayer (y = r + LN(x)) are plain layer_norms, not the residual stream
-    "swinv2": (_models.swinv2, {"layer_norm": 4 * L + 3, "attention": 2 * L, "bias_gelu": 2 * L, **LOSS}),
+    # norms after each sublayer (y = r + LN(x)) become layer_norm_add with their adds
+    "swinv2": (_models.swinv2, {"layer_norm": 3, "residual_stream": 4 * L, "attention": 2 * L, "bias_gelu": 2 * L,
+                                **LOSS}),
     # Hiera: attention on (batch, heads, windows, tokens, dim) tensors, q scaled before the product
     # (the op's scale 1), heads and windows flattened into the op's heads; four stages of one block
     "hiera": (_models.hiera, {"layer_norm": 5, "attention": 4, "bias_gelu": 4, "residual_stream": 4, **LOSS}),
@@ -168,7 +170,7 @@ MODELS = {
                                              "gated_activation": 2 * L, **ROTARY, **LOSS}),
     # Gemma 4 (see _FAMILIES): rotary on q and on k apart (k's norm between), GeGLU in the MLP and
     # the per-layer input gate
-    "gemma4_text": (_family("gemma4_text"), {"rms_norm": 16, "attention": L, "residual_stream": L, "rotary": 2 * L,
+    "gemma4_text": (_family("gemma4_text"), {"rms_norm": 12, "attention": L, "residual_stream": 3 * L, "rotary": 2 * L,
                                              "gated_activation": 2 * L, **LOSS}),
     # Blocks that return their attention weights whatever output_attentions says (GPT-J, CodeGen,
     # GPT-Neo, BLOOM, MPT): called with output_attentions=False they return None in their place, and
@@ -207,7 +209,8 @@ OPS = {"layer_norm": ("trifuse::layer_norm",), "rms_norm": ("trifuse::rms_norm",
        "attention": ("trifuse::attention",), "bias_gelu": ("trifuse::bias_gelu",),
        "gated_activation": ("trifuse::gated_activation",),
        "dropout_add": ("trifuse::dropout_add",),
-       "residual_stream": ("trifuse::dropout_add_layer_norm", "trifuse::dropout_add_rms_norm"),
+       "residual_stream": ("trifuse::dropout_add_layer_norm", "trifuse::dropout_add_rms_norm",
+                           "trifuse::layer_norm_add", "trifuse::rms_norm_add"),
        "cross_entropy": ("trifuse::cross_entropy", "trifuse::linear_cross_entropy"),
        "rotary": ("trifuse::rotary_embedding",)}
 

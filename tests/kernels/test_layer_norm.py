@@ -1,4 +1,5 @@
-"""LayerNorm / RMSNorm and the pre-norm residual form against the float64 oracle.
+"""LayerNorm / RMSNorm, the pre-norm residual form (add, then norm) and the post-norm one
+(norm, then add: `-post` variants, trifuse.ops.layer_norm_add) against the float64 oracle.
 
 On CPU these run the real Triton kernels in the interpreter (tests/_device.py); on a GPU the
 same tests run natively and add bf16.
@@ -23,7 +24,8 @@ from trifuse.kernels.layer_norm import layer_norm_ref
 # widths: 1, odd, just past a power of two, past one block, and the wide (chunked) path
 SHAPES = [(1, 1), (3, 7), (4, 100), (2, 129), (5, 1000), (2, 4097), (0, 32), (2, 3, 50), (2, 2, 3, 17)]
 WIDE_SHAPES = [(2, 20000), (1, 65536)]
-VARIANTS = ["layer_norm", "layer_norm-no-affine", "rms_norm", "layer_norm-residual", "rms_norm-residual"]
+VARIANTS = ["layer_norm", "layer_norm-no-affine", "rms_norm", "layer_norm-residual", "rms_norm-residual",
+            "layer_norm-post", "rms_norm-post"]
 
 
 def _ids(shape):
@@ -36,7 +38,8 @@ def make(shape, dtype, variant, scale=1.0, offset=0.0):
     affine = "no-affine" not in variant
     w = torch.randn(n, device=DEVICE, dtype=dtype, requires_grad=True) if affine else None
     b = torch.randn(n, device=DEVICE, dtype=dtype, requires_grad=True) if affine and "layer" in variant else None
-    r = torch.randn(shape, device=DEVICE, dtype=dtype, requires_grad=True) if "residual" in variant else None
+    with_r = "residual" in variant or "post" in variant
+    r = torch.randn(shape, device=DEVICE, dtype=dtype, requires_grad=True) if with_r else None
     return x, w, b, r
 
 
@@ -48,12 +51,18 @@ def trifuse_kernels_only(monkeypatch):
 
 def run_trifuse(variant, x, w, b, r, eps=1e-5):
     n = x.shape[-1]
+    if variant.endswith("-post"):
+        return trifuse.ops.layer_norm_add(x, r, (n,), w, b, eps, is_rms_norm=variant.startswith("rms"))
     if variant.startswith("rms"):
         return trifuse.ops.rms_norm(x, (n,), w, eps, residual=r)
     return trifuse.ops.layer_norm(x, (n,), w, b, eps, residual=r)
 
 
 def run_ref(variant, x, w, b, r, eps=1e-5):
+    """The spec; for `-post` the model's spelling, r + norm(x) (in a low dtype the norm's output is
+    rounded before the add, as in the model)."""
+    if variant.endswith("-post"):
+        return r + layer_norm_ref(x, (x.shape[-1],), w, b, eps, is_rms_norm=variant.startswith("rms"))
     return layer_norm_ref(x, (x.shape[-1],), w, b, eps, r, is_rms_norm=variant.startswith("rms"))
 
 
@@ -98,7 +107,7 @@ def test_matches_float64_oracle(dtype, shape, variant):
     check_fwd_bwd(variant, dtype, *make(shape, dtype, variant))
 
 
-@pytest.mark.parametrize("variant", ["layer_norm", "rms_norm-residual"])
+@pytest.mark.parametrize("variant", ["layer_norm", "rms_norm-residual", "layer_norm-post"])
 @pytest.mark.parametrize("shape", WIDE_SHAPES, ids=_ids)
 def test_wide_rows_use_the_chunked_path(shape, variant):
     assert shape[-1] > ln_mod.MAX_SINGLE_BLOCK_BWD
@@ -111,7 +120,7 @@ def test_large_offset_and_scale(dtype):
     check_fwd_bwd("layer_norm", dtype, *make((4, 300), dtype, "layer_norm", scale=100.0, offset=1000.0))
 
 
-@pytest.mark.parametrize("variant", ["layer_norm", "rms_norm-residual"])
+@pytest.mark.parametrize("variant", ["layer_norm", "rms_norm-residual", "rms_norm-post"])
 def test_strided_inputs(variant):
     """Sliced rows (a view with a row stride) and permuted tensors (a copy) both stay right."""
     big = torch.randn(6, 150, device=DEVICE, requires_grad=True)
@@ -157,6 +166,9 @@ def test_gradcheck_float64():
     assert torch.autograd.gradcheck(
         lambda *a: torch.ops.trifuse.dropout_add_layer_norm(a[0], a[1], [9], a[2], a[3], 1e-5, 0.0, None)[:2],
         (x, r, w, b))
+    assert torch.autograd.gradcheck(lambda *a: trifuse.ops.layer_norm_add(a[0], a[1], (9,), a[2], a[3]), (x, r, w, b))
+    assert torch.autograd.gradcheck(lambda *a: torch.ops.trifuse.rms_norm_add(a[0], a[1], [9], a[2], 1e-6)[0],
+                                    (x, r, w))
 
 
 def test_weight_grads_are_deterministic():
@@ -181,6 +193,10 @@ def test_eager_path_and_registered_op_are_bitwise_equal(variant):
         op = torch.ops.trifuse.rms_norm(x, [n], w, eps)[:1]
     elif variant == "layer_norm-residual":
         op = torch.ops.trifuse.dropout_add_layer_norm(x, r, [n], w, b, eps, 0.0, None)[:2]
+    elif variant == "layer_norm-post":
+        op = torch.ops.trifuse.layer_norm_add(x, r, [n], w, b, eps)[:1]
+    elif variant == "rms_norm-post":
+        op = torch.ops.trifuse.rms_norm_add(x, r, [n], w, eps)[:1]
     else:
         op = torch.ops.trifuse.dropout_add_rms_norm(x, r, [n], w, eps, 0.0, None)[:2]
     inputs = [t for t in (x, w, b, r) if t is not None]
@@ -213,6 +229,8 @@ def test_opcheck_every_op():
     torch.library.opcheck(torch.ops.trifuse.rms_norm.default, (x, [16], w, 1e-6))
     torch.library.opcheck(torch.ops.trifuse.dropout_add_layer_norm.default, (x, r, [16], w, b, 1e-5, 0.0, None))
     torch.library.opcheck(torch.ops.trifuse.dropout_add_rms_norm.default, (x, r, [16], w, 1e-6, 0.0, b))
+    torch.library.opcheck(torch.ops.trifuse.layer_norm_add.default, (x, r, [16], w, b, 1e-5))
+    torch.library.opcheck(torch.ops.trifuse.rms_norm_add.default, (x, r, [16], None, 1e-6))
 
 
 def test_autocast_keeps_activation_dtype_and_accuracy():
@@ -229,6 +247,33 @@ def test_autocast_keeps_activation_dtype_and_accuracy():
     assert_close("dweight", ln.weight.grad, ((x.double() - x.double().mean(1, keepdim=True))
                                              * (x.double().var(1, unbiased=False, keepdim=True) + 1e-5).rsqrt()).sum(0), None)
     assert_close("dbias", ln.bias.grad, torch.full((64,), 4.0, dtype=torch.float64, device=DEVICE), None)
+
+
+@pytest.mark.parametrize("is_rms_norm", [False, True], ids=["layer_norm", "rms_norm"])
+def test_norm_add_with_a_wider_residual(is_rms_norm):
+    """Autocast's mix in a post-norm block: the fp16 sublayer output normed and added to the fp32
+    residual stream (fp32 weights). y is fp32 as `residual + norm(x)` is; dresidual is dy in
+    fp32, dx fp16."""
+    x = torch.randn(6, 96, device=DEVICE, dtype=torch.float16, requires_grad=True)
+    r = torch.randn(6, 96, device=DEVICE, requires_grad=True)
+    w = torch.randn(96, device=DEVICE, requires_grad=True)
+    b = None if is_rms_norm else torch.randn(96, device=DEVICE, requires_grad=True)
+    y = trifuse.ops.layer_norm_add(x, r, 96, w, b, 1e-6, is_rms_norm=is_rms_norm)
+    assert y.dtype == torch.float32
+    params = [t for t in (x, r, w, b) if t is not None]
+    x64, r64, w64, b64 = upcast(x, r, w, b)
+    ref = r64 + layer_norm_ref(x64, (96,), w64, b64, 1e-6, is_rms_norm=is_rms_norm)
+    # PyTorch's own: the model's norm output in fp16 (its input dtype), then the fp32 add
+    lp = r.detach() + layer_norm_ref(x.detach().float(), (96,), w.detach(), None if b is None else b.detach(),
+                                     1e-6, is_rms_norm=is_rms_norm).half()
+    assert_close("y", y, ref, lp)
+    dy = torch.randn_like(y)
+    got = torch.autograd.grad(y, params, dy)
+    want = torch.autograd.grad(ref, [t for t in (x64, r64, w64, b64) if t is not None], dy.double())
+    for name, a, a64, t in zip(("dx", "dresidual", "dweight", "dbias"), got, want, params):
+        assert a.dtype == t.dtype
+        assert_close(name, a, a64, None)
+    assert torch.equal(got[1], dy)
 
 
 def test_modules_load_torch_state_dicts():
@@ -366,6 +411,15 @@ def test_negative_control_wrong_eps_fails(dtype):
     assert not ok, msg
 
 
+def test_negative_control_residual_added_before_the_norm_fails():
+    """The pre-norm form where the post-norm one is meant (norm(x + r) for r + norm(x))."""
+    x, w, b, r = make((6, 80), torch.float32, "layer_norm-post")
+    wrong = trifuse.ops.layer_norm(x, (80,), w, b, residual=r)[0]
+    ok, msg = check_close("norm before the add", wrong, run_ref("layer_norm-post", *upcast(x, w, b, r)),
+                          run_ref("layer_norm-post", x, w, b, r))
+    assert not ok, msg
+
+
 def test_negative_control_missing_mean_term_in_dx_fails():
     """The RMSNorm backward formula applied to a LayerNorm (drops mean(g)): must not pass."""
     x, w, b, _ = make((6, 50), torch.float32, "layer_norm")
@@ -409,6 +463,28 @@ def test_bad_input_raises_under_compile():
     fn = torch.compile(lambda x, w: trifuse.ops.layer_norm(x, (8,), w), fullgraph=True, backend="aot_eager")
     with pytest.raises(Exception, match="weight must have shape"):
         fn(torch.ones(3, 8, device=DEVICE), torch.ones(5, device=DEVICE))
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    ({"residual": None}, ValueError, "layer_norm_add: residual must be a tensor shaped like input"),
+    ({"residual": torch.ones(3, 7)}, ValueError, "layer_norm_add: residual must have shape"),
+    ({"residual": torch.ones(3, 8, dtype=torch.int64)}, TypeError, "layer_norm_add: residual must be float"),
+    ({"bias": torch.ones(8), "is_rms_norm": True}, ValueError, "rms_norm_add: RMSNorm takes no bias"),
+    ({"eps": -1.0, "is_rms_norm": True}, ValueError, "rms_norm_add: eps must be a non-negative"),
+], ids=["no-residual", "residual-shape", "int-residual", "rms-bias", "eps"])
+def test_norm_add_bad_input_raises_clear_error(kwargs, exc, match):
+    args = {"residual": torch.ones(3, 8), "bias": None, "eps": 1e-5, "is_rms_norm": False, **kwargs}
+    residual = args["residual"].to(DEVICE) if args["residual"] is not None else None
+    bias = args["bias"].to(DEVICE) if args["bias"] is not None else None
+    with pytest.raises(exc, match=match):
+        trifuse.ops.layer_norm_add(torch.ones(3, 8, device=DEVICE), residual, 8, None, bias, args["eps"],
+                                   is_rms_norm=args["is_rms_norm"])
+    if args["bias"] is None:  # the registered ops raise the same under compile
+        fn = torch.compile(lambda x, r: trifuse.ops.layer_norm_add(x, r, 8, None, None, args["eps"],
+                                                                   is_rms_norm=args["is_rms_norm"]),
+                           fullgraph=True, backend="aot_eager")
+        with pytest.raises(Exception, match=match.split(": ", 1)[1]):
+            fn(torch.ones(3, 8, device=DEVICE), residual)
 
 
 def test_mismatched_devices_raise():

@@ -396,23 +396,45 @@ def test_older_hf_spelling_fuses_and_matches(fn, buffers, pattern):
     assert report.by_pattern() == {pattern: 1}
 
 
-def chain_gptj_fp16(m, q, k, v):  # GPT-J in a 16-bit model: q and k cast to fp32 before the product
-    q, k, v = q.half().to(torch.float32), k.half().to(torch.float32), v.half()
-    w = torch.matmul(q, k.transpose(-1, -2)) / 2.5 + m.mask.half()
+# 16-bit models spelled with their casts inside the module. The float64 copy of such a module
+# rounds to fp16 exactly as the fp32 one does (PyTorch's own error would read 0 and the oracle's
+# bound fall to its floor), so `dtype` is an argument: float64 runs the same maths unrounded, the
+# oracle, and the fp16 module is PyTorch's own.
+def chain_gptj_fp16(m, q, k, v, dtype=torch.float16):  # GPT-J in a 16-bit model: q and k cast to fp32 before the product
+    up = torch.promote_types(dtype, torch.float32)
+    q, k, v = q.to(dtype).to(up), k.to(dtype).to(up), v.to(dtype)
+    w = torch.matmul(q, k.transpose(-1, -2)) / 2.5 + m.mask.to(dtype)
     return torch.matmul(F.dropout(F.softmax(w, dim=-1).to(v.dtype), p=0.0, training=m.training), v)
 
 
-def chain_codegen_fp16(m, q, k, v):
-    q, k, v = q.half().to(torch.float32), k.half().to(torch.float32), v.half()
-    w = (torch.matmul(q, k.transpose(-1, -2)) + m.mask.half()) / 2.5
+def chain_codegen_fp16(m, q, k, v, dtype=torch.float16):
+    up = torch.promote_types(dtype, torch.float32)
+    q, k, v = q.to(dtype).to(up), k.to(dtype).to(up), v.to(dtype)
+    w = (torch.matmul(q, k.transpose(-1, -2)) + m.mask.to(dtype)) / 2.5
     return torch.matmul(F.dropout(F.softmax(w, dim=-1).to(v.dtype), p=0.0, training=m.training), v)
 
 
-def chain_gpt_neo_fp16(m, q, k, v):
-    q, k, v = q.half().to(torch.float32), k.half().to(torch.float32), v.half()
+def chain_gpt_neo_fp16(m, q, k, v, dtype=torch.float16):
+    up = torch.promote_types(dtype, torch.float32)
+    q, k, v = q.to(dtype).to(up), k.to(dtype).to(up), v.to(dtype)
     w = torch.matmul(q, k.transpose(-1, -2))
     w = torch.where(m.keep, w, torch.tensor(torch.finfo(w.dtype).min, dtype=w.dtype, device=w.device))
-    return torch.matmul(F.dropout(F.softmax(w + m.mask.half(), dim=-1).to(v.dtype), p=0.0, training=m.training), v)
+    return torch.matmul(F.dropout(F.softmax(w + m.mask.to(dtype), dim=-1).to(v.dtype), p=0.0, training=m.training), v)
+
+
+def check_16_bit_chain(make, fn, buffers: dict, pattern: str) -> None:
+    """Fuses `make(fn, **buffers)` (fn casting to fp16 inside) through Dynamo and checks its fp16
+    output against `fn` in float64 by the oracle rule, PyTorch's own error the fp16 module's."""
+    torch.manual_seed(0)
+    unfused = make(fn, **buffers).eval()
+    exact = copy.deepcopy(unfused).double()
+    exact.fn = functools.partial(fn, dtype=torch.float64)
+    model = fuse_via(copy.deepcopy(unfused), "dynamo")
+    q, k, v = qkv()
+    out = model(q, k, v)
+    assert trifuse.report(model).by_pattern() == {pattern: 1}
+    assert out.dtype == torch.float16
+    assert_close("output", out, exact(q.double(), k.double(), v.double()), unfused(q, k, v))
 
 
 @pytest.mark.parametrize("fn, buffers, pattern", [
@@ -423,8 +445,7 @@ def chain_gpt_neo_fp16(m, q, k, v):
 def test_fp32_upcast_of_16_bit_q_and_k_fuses(fn, buffers, pattern):
     """GPT-J's, CodeGen's and GPT-Neo's `query.to(torch.float32)` in a 16-bit model: the op takes the
     fp16 q and k (its scores are fp32) and fp16 v (outputs only, as for the rotary's upcast)."""
-    report = check_against_unfused(functools.partial(Fn, fn, **buffers), qkv(), "dynamo", grads=False)
-    assert report.by_pattern() == {pattern: 1}
+    check_16_bit_chain(Fn, fn, buffers, pattern)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -816,9 +837,7 @@ def chain_sink_scale_no_repeat(m, q, k, v):
 
 
 
-def chain_sink_scale_fp16(m, q, k, v, dtype=torch.float16):
-    """Granite in a 16-bit model: the log-sum-exp in `dtype`, the sigmoid in fp32 (or wider). With
-    dtype float64 it is the same maths with no rounding: the oracle for the fp16 one."""
+def chain_sink_scale_fp16(m, q, k, v, dtype=torch.float16):  # Granite in a 16-bit model: the log-sum-exp in fp16, the sigmoid in fp32
     up = torch.promote_types(dtype, torch.float32)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     w = torch.matmul(q, k.transpose(2, 3)) * 0.35 + m.mask.to(dtype)
@@ -959,21 +978,10 @@ def test_sink_scale_and_bmm_rejections_say_why():
 
 def test_sink_scale_in_16_bit_fuses():
     """Granite in fp16 under transformers' fp16 finfo.min padding: the op's fp32 log-sum-exp stands
-    for the model's fp16 one. The oracle is the model's maths in float64 (the casts are inside the
-    module, so its float64 copy would round to fp16 as the fp32 one does), and PyTorch's own error
-    is the fp16 model's."""
+    for the model's fp16 one (the oracle as for the upcasts above)."""
     window = ADDITIVE.clone()
     window[0, ..., -2:] = torch.finfo(torch.float16).min
-    torch.manual_seed(0)
-    unfused = WithSinks(chain_sink_scale_fp16, mask=window).eval()
-    exact = copy.deepcopy(unfused).double()
-    exact.fn = functools.partial(chain_sink_scale_fp16, dtype=torch.float64)
-    model = fuse_via(copy.deepcopy(unfused), "dynamo")
-    q, k, v = qkv()
-    out = model(q, k, v)
-    assert trifuse.report(model).by_pattern() == {"attention_chain_sink_scale_add": 1}
-    assert out.dtype == torch.float16
-    assert_close("output", out, exact(q.double(), k.double(), v.double()), unfused(q, k, v))
+    check_16_bit_chain(WithSinks, chain_sink_scale_fp16, {"mask": window}, "attention_chain_sink_scale_add")
 
 
 @pytest.mark.parametrize("fn, pattern", [

@@ -1,11 +1,15 @@
 """The residual stream: add (+ dropout) feeding a norm becomes dropout_add_layer_norm, with the
-bias of the linear before it folded in; pre-norm and post-norm; p and training carried."""
+bias of the linear before it folded in; pre-norm and post-norm; p and training carried. A norm
+feeding the add (OLMo 2's and Gemma 2's post-sublayer norms) becomes layer_norm_add."""
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
 import trifuse
 from _fusing import check_against_unfused, check_sharded_against_unfused, fuse_via, trifuse_ops_run
-from _hf_norms import GemmaRMSNorm, OlmoLayerNorm, T5LayerNorm
+from _hf_norms import GemmaRMSNorm, HFRMSNorm, OlmoLayerNorm, T5LayerNorm
+from tolerances import assert_close
 from torch import nn
 
 N = 16
@@ -150,6 +154,116 @@ def test_dropout_trains_with_a_fresh_mask_each_step():
     assert not torch.equal(a, b)
     names = trifuse_ops_run(lambda: model(x).sum().backward())
     assert "trifuse::dropout_add_layer_norm" in names
+
+
+# ---------------------------------------------------------------------------------------------
+# Norm, then add: y = residual + norm(sublayer(x))
+# ---------------------------------------------------------------------------------------------
+
+
+class NormThenAdd(nn.Module):
+    """OLMo 2's block half: `residual + post_attention_layernorm(o_proj(...))`. `sandwich`: Gemma 2's,
+    where the sum then goes through the next sublayer's pre-norm too (and on as the residual)."""
+
+    def __init__(self, norm=nn.RMSNorm, sandwich=False, norm_first=False):
+        super().__init__()
+        self.fc = nn.Linear(N, N)
+        self.post, self.pre = norm(N), norm(N)
+        self.sandwich, self.norm_first = sandwich, norm_first
+
+    def forward(self, x):
+        h = self.post(self.fc(x))
+        s = h + x if self.norm_first else x + h
+        if self.sandwich:
+            return self.pre(s) * 2.0, s
+        return s
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("make, expected", [
+    (NormThenAdd, {"rms_norm_add": 1}),
+    (lambda: NormThenAdd(norm_first=True), {"rms_norm_add": 1}),
+    (lambda: NormThenAdd(norm=nn.LayerNorm), {"layer_norm_add": 1}),
+    (lambda: NormThenAdd(norm=HFRMSNorm), {"rms_norm_add": 1}),
+    (lambda: NormThenAdd(norm=OlmoLayerNorm), {"layer_norm_add": 1}),
+    # the first norm goes into the add, the second stays a norm (not add_rms_norm: that grouping
+    # would write the first norm's output and read it back)
+    (lambda: NormThenAdd(norm=GemmaRMSNorm, sandwich=True), {"rms_norm_add": 1, "rms_norm_in_fp32": 1}),
+    (lambda: NormThenAdd(sandwich=True), {"rms_norm_add": 1, "rms_norm": 1}),
+], ids=["olmo2", "norm-first", "layer-norm", "hf-rms", "olmo-layer-norm", "gemma2-sandwich", "sandwich"])
+def test_norm_then_add_fuses_and_matches(make, expected, capture):
+    report = check_against_unfused(make, X, capture)
+    assert report.by_pattern() == expected
+    assert report.counts().get("residual_stream") == 1
+
+
+def test_norm_then_add_runs_one_trifuse_op_each_way():
+    model = fuse_via(NormThenAdd(), "dynamo")
+    x = X[0].clone().requires_grad_()
+    model(x)  # the capture (its tracing runs ops on fake tensors) before the profiled call
+    ran = trifuse_ops_run(lambda: model(x).sum().backward())
+    assert {"trifuse::rms_norm_add", "trifuse::rms_norm_add_backward"} <= ran
+    assert "trifuse::rms_norm" not in ran
+
+
+class NormOutputUsedTwice(NormThenAdd):
+    def forward(self, x):
+        h = self.post(self.fc(x))
+        return x + h, h
+
+
+class NormThenBroadcastAdd(NormThenAdd):
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(1, 5, N))
+
+    def forward(self, x):
+        return self.pos + self.post(self.fc(x))
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_norm_output_used_elsewhere_stays_a_norm(capture):
+    assert check_against_unfused(NormOutputUsedTwice, X, capture).by_pattern() == {"rms_norm": 1}
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_norm_then_broadcast_add_is_rejected(capture):
+    report = check_against_unfused(NormThenBroadcastAdd, X, capture)
+    assert report.by_pattern() == {"rms_norm": 1}
+    assert any(pattern == "rms_norm_add" and "broadcast" in reason for _, _, pattern, reason in report.rejected())
+
+
+class HalfResidual(NormThenAdd):
+    def forward(self, x):
+        return x.half() + self.post(self.fc(x))
+
+
+@pytest.mark.parametrize("make, pattern", [
+    (lambda: NormThenAdd(norm=GemmaRMSNorm), "rms_norm_add"),
+    (lambda: NormThenAdd(norm=HFRMSNorm), "rms_norm_weight_apart_add"),
+    (lambda: HalfResidual(norm=HFRMSNorm), None),
+], ids=["gemma-cast-back", "llama-weight-apart", "fp16-residual"])
+def test_norm_then_add_in_fp16_under_autocast(make, pattern):
+    """Autocast's mix: the fp16 linear output normed (fp32 weights) and added to the residual.
+    Gemma's norm casts back to fp16, Llama's multiplies its fp32 weight last (stage 0 keeps the
+    weight apart); either way the op returns fp32 as the model's add does. With an fp16 residual
+    and Llama's norm the model's sum is fp32 and the op's would be fp16: left as it is."""
+    torch.manual_seed(0)
+    model = make()
+    fused = fuse_via(copy.deepcopy(model), "dynamo")
+    x = X[0]
+    with torch.autocast("cpu", dtype=torch.float16):
+        out, ref = fused(x), model(x)
+    assert out.dtype == ref.dtype == torch.float32
+    found = trifuse.report(fused).by_pattern()
+    if pattern is None:
+        assert not any(name.endswith("norm_add") for name in found), found
+        assert any(p == "rms_norm_weight_apart_add" and "would be torch.float16" in reason
+                   for _, _, p, reason in trifuse.report(fused).rejected())
+        return
+    assert found.get(pattern) == 1, found
+    exact = copy.deepcopy(model).double()
+    assert_close("y", out, exact.post(exact.fc(x.double()).half().double()) + x.double(), ref)
 
 
 # ---------------------------------------------------------------------------------------------
