@@ -966,15 +966,21 @@ def _setup_plain(ctx, inputs, output, is_rms_norm):
     ctx.set_materialize_grads(False)
 
 
-def _backward_plain(ctx, dy, *_):
-    if dy is None:
-        return (None,) * (4 if ctx.is_rms_norm else 5)
+def _norm_grads(ctx, dy):
+    """(dx, dweight, dbias) of a norm of the saved (x, weight, bias, mean, rstd)."""
     x, weight, bias, mean, rstd = ctx.saved_tensors
     dx, _, dw, db, _ = torch.ops.trifuse.layer_norm_backward(
         dy, None, x, ctx.normalized_shape, weight, mean, rstd, None, 0.0, ctx.is_rms_norm, False)
+    return dx, _grad_as(dw, weight), _grad_as(db, bias)
+
+
+def _backward_plain(ctx, dy, *_):
+    if dy is None:
+        return (None,) * (4 if ctx.is_rms_norm else 5)
+    dx, dw, db = _norm_grads(ctx, dy)
     if ctx.is_rms_norm:
-        return dx, None, _grad_as(dw, weight), None
-    return dx, None, _grad_as(dw, weight), _grad_as(db, bias), None
+        return dx, None, dw, None
+    return dx, None, dw, db, None
 
 
 def _setup_fused(ctx, inputs, output, is_rms_norm):
@@ -1022,12 +1028,10 @@ def _backward_norm_add(ctx, dy, *_):
     # y = residual + norm(x): the residual's gradient is dy itself, x's the norm's backward of dy.
     if dy is None:
         return (None,) * (5 if ctx.is_rms_norm else 6)
-    x, weight, bias, mean, rstd = ctx.saved_tensors
-    dx, _, dw, db, _ = torch.ops.trifuse.layer_norm_backward(
-        dy, None, x, ctx.normalized_shape, weight, mean, rstd, None, 0.0, ctx.is_rms_norm, False)
-    grads = [_cast(dx, ctx.x_dtype), _cast(dy, ctx.residual_dtype), None, _grad_as(dw, weight)]
+    dx, dw, db = _norm_grads(ctx, dy)
+    grads = [_cast(dx, ctx.x_dtype), _cast(dy, ctx.residual_dtype), None, dw]
     if not ctx.is_rms_norm:
-        grads.append(_grad_as(db, bias))
+        grads.append(db)
     return (*grads, None)
 
 
