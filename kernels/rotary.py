@@ -537,10 +537,9 @@ def _rotary_key(q, k, cos, sin, interleaved=False, halves_out=False, dtype=None)
     """The dialect key of an eager call; None (the trifuse op decides, and raises on bad input)
     when traced, empty, when the shapes do not fit, or when the outputs are asked in another dtype
     than `q * cos`'s (a cast PyTorch's formula would add a pass for). It runs on every call."""
-    if dtype is not None and (not isinstance(q, torch.Tensor) or not isinstance(cos, torch.Tensor)
-                              or dtype != out_dtype(q, cos)):
-        return None
     if not isinstance(q, torch.Tensor) or not isinstance(cos, torch.Tensor) or not isinstance(sin, torch.Tensor):
+        return None
+    if dtype is not None and dtype != out_dtype(q, cos):
         return None
     if (k is not None and not isinstance(k, torch.Tensor)) or not isinstance(interleaved, bool) \
             or not isinstance(halves_out, bool):

@@ -70,16 +70,25 @@ def dropout_add_reshape_layer_norm_fused(x, residual, p, training, shape, normal
     return y.reshape(shape), s.reshape(shape)
 
 
-def _same_shape_sum(m: Match) -> tuple[torch.Tensor, tuple[int, ...]] | str:
-    """(x's value, the normalized shape as a tuple) when x and the residual are tensors of one
-    shape and normalized_shape a constant, else why not. Dynamo may leave the shape computed in
-    the graph (Llama's RMSNorm under sequence parallelism): a filter rejects what it cannot read
-    rather than failing the whole rewrite."""
+def _operands_of_one_shape(m: Match) -> str | None:
+    """None when x and the residual are tensors of one shape, else why not (a broadcast add)."""
     x, residual = m.value("x"), m.value("residual")
     if not isinstance(x, torch.Tensor) or not isinstance(residual, torch.Tensor):
         return "x or residual: no tensor metadata"
     if not same_shape(x, residual):
         return f"x {tuple(x.shape)} and residual {tuple(residual.shape)} differ in shape (a broadcast add)"
+    return None
+
+
+def _same_shape_sum(m: Match) -> tuple[torch.Tensor, tuple[int, ...]] | str:
+    """(x's value, the normalized shape as a tuple) when x and the residual are tensors of one
+    shape and normalized_shape a constant, else why not. Dynamo may leave the shape computed in
+    the graph (Llama's RMSNorm under sequence parallelism): a filter rejects what it cannot read
+    rather than failing the whole rewrite."""
+    why = _operands_of_one_shape(m)
+    if why is not None:
+        return why
+    x = m.value("x")
     normalized = m["normalized_shape"]
     normalized = (normalized,) if isinstance(normalized, int) else normalized
     if not isinstance(normalized, (tuple, list)) or not all(isinstance(n, int) for n in normalized):
@@ -115,11 +124,9 @@ def _plain_same_shape(m: Match) -> str | None:
     DTensor (the op has no sharding rule: under sequence parallelism the norm stays as it is).
     normalized_shape may be computed in the graph (`weight.shape`, as HF's norms pass it): the
     op takes it as the norm did."""
-    x, residual = m.value("x"), m.value("residual")
-    if not isinstance(x, torch.Tensor) or not isinstance(residual, torch.Tensor):
-        return "x or residual: no tensor metadata"
-    if not same_shape(x, residual):
-        return f"x {tuple(x.shape)} and residual {tuple(residual.shape)} differ in shape (a broadcast add)"
+    why = _operands_of_one_shape(m)
+    if why is not None:
+        return why
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # a torch built without distributed
