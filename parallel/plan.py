@@ -13,6 +13,7 @@ Korthikanti et al. 2022), per block:
     attention   entry (the module fed the normalized hidden states)  gather: Shard(1) or Replicate -> Repl.
                 Q, K, V (or fused QKV, split per head)               column-parallel, H/t heads per rank
                 output projection                                    row-parallel -> Shard(1) or Replicate
+                Q/K norms in the core (per head, or over all heads)  HeadCoreNorm (weight replicated)
     MLP         entry                                                gather, as above
                 first linear(s)                                      column-parallel
                 second linear                                        row-parallel
@@ -32,7 +33,14 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
-from .styles import ColwiseParallel, PrepareFirstInput, PrepareFirstOutput, RowwiseParallel, linear_kind
+from .styles import (
+    ColwiseParallel,
+    HeadCoreNorm,
+    PrepareFirstInput,
+    PrepareFirstOutput,
+    RowwiseParallel,
+    linear_kind,
+)
 
 
 def _features(module: nn.Module) -> tuple[int, int]:
@@ -149,6 +157,9 @@ class Attention:
     heads: int
     hidden: int
     kv_heads: int  # = heads without grouped-query attention
+    # Norms inside the core, beside the projections: (module name, per head or over all heads'
+    # features); see `_core_norms`.
+    norms: tuple[tuple[str, bool], ...] = ()
 
     def fqn(self, rel: str) -> str:
         return _join(self.path, rel)
@@ -194,6 +205,49 @@ def _match_attention(module: nn.Module, s: AttentionSpelling) -> tuple[int, int,
     return None if isinstance(m, str) else m
 
 
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, nn.LayerNorm) or type(module).__name__.endswith(("LayerNorm", "RMSNorm"))
+
+
+def _core_params(
+    model: nn.Module, entry: str, projections: set[str], head_dim: int | None, widths: tuple[int, ...]
+) -> tuple[list[tuple[str, bool]], list[tuple[str, str]]]:
+    """The parameters in a core (the modules under `entry`, which tensor parallelism hands this
+    rank's heads or MLP columns) outside its `projections`. Left plain, each would get a
+    gradient summed over this rank's share alone. (norms, problems): the norms `HeadCoreNorm`
+    shards, as (module name, per head), a norm weight over `head_dim` (per head) or over one of
+    `widths` (a projection's output features, OLMo 2's Q/K norms); and (module name, why) for
+    every other module holding parameters (gpt-oss's attention sinks, a norm of another width)."""
+    norms, problems = [], []
+    for name, module in model.get_submodule(entry).named_modules(prefix=entry):
+        if any(name == p or name.startswith(p + ".") for p in projections):
+            continue
+        params = dict(module.named_parameters(recurse=False))
+        if not params:
+            continue
+        w = params.get("weight")
+        if _is_norm(module) and w is not None and w.dim() == 1 and all(
+            p.shape == w.shape for p in params.values()
+        ):
+            if w.numel() == head_dim:
+                norms.append((name, True))
+                continue
+            if w.numel() in widths:
+                norms.append((name, False))
+                continue
+            why = (
+                f"a norm over {w.numel()} features inside a core tensor parallelism splits, neither one "
+                f"head's {head_dim} nor a projection's output {' or '.join(map(str, widths))}"
+            )
+        else:
+            why = (
+                f"parameters {', '.join(params)} inside a core tensor parallelism splits (each rank "
+                "holds its own heads or columns there) that no style knows how to shard"
+            )
+        problems.append((name, why))
+    return norms, problems
+
+
 def _match_mlp(module: nn.Module, s: MLPSpelling) -> int | None:
     entry, down = _sub(module, s.entry), _sub(module, s.down)
     ups = [_sub(module, p) for p in s.up]
@@ -226,12 +280,21 @@ def recognize(model: nn.Module) -> Recognized:
     """The attention and MLP blocks of `model` that trifuse knows, and the stacks they sit in."""
     found = Recognized()
     claimed: set[str] = set()
+    in_cores: list[tuple[str, str]] = []
     for path, module in model.named_modules():
         for s in ATTENTION_SPELLINGS:
             m = _match_attention(module, s)
             projs = {_join(path, p) for p in (*s.qkv, s.out)}
             if m is not None and not projs & claimed:
-                found.attentions.append(Attention(path, s, heads=m[0], kv_heads=m[1], hidden=m[2]))
+                heads, kv, _ = m
+                width = _features(model.get_submodule(_join(path, s.out)))[0]
+                norms, problems = _core_params(
+                    model, _join(path, s.entry), projs, width // heads, (width, kv * (width // heads))
+                )
+                found.attentions.append(
+                    Attention(path, s, heads=heads, kv_heads=kv, hidden=m[2], norms=tuple(norms))
+                )
+                in_cores += problems
                 claimed |= projs
                 break
         for s in MLP_SPELLINGS:
@@ -239,6 +302,7 @@ def recognize(model: nn.Module) -> Recognized:
             projs = {_join(path, p) for p in (*s.up, s.down)}
             if inner is not None and not projs & claimed:
                 found.mlps.append(MLP(path, s, inner=inner))
+                in_cores += _core_params(model, _join(path, s.entry), projs, None, ())[1]
                 claimed |= projs
                 break
     blocks = {}
@@ -255,6 +319,7 @@ def recognize(model: nn.Module) -> Recognized:
     for list_path, indices in blocks.items():
         found.stacks.append([_join(list_path, i) for i in sorted(indices, key=int)])
     found.unrecognized = _unrecognized(model, found, claimed)
+    found.unrecognized += [(n, why) for n, why in in_cores if all(n != r for r, _ in found.unrecognized)]
     return found
 
 
@@ -405,6 +470,7 @@ def derive_plan(model: nn.Module, found: "Recognized", tp: int, *, sequence_para
         qkv_in = sliced if s.width_from_input else None
         plan.styles += [(a.fqn(p), ColwiseParallel(input_layouts=qkv_in, fused_parts=fused)) for p in s.qkv]
         plan.styles.append((a.fqn(s.out), RowwiseParallel(output_layouts=resid)))
+        plan.styles += [(name, HeadCoreNorm(per_head=per_head)) for name, per_head in a.norms]
         entry = model.get_submodule(a.fqn(s.entry))
         if "." not in s.heads_attr:
             plan.attributes.append((a.fqn(s.entry), s.heads_attr, a.heads // tp))

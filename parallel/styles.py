@@ -13,6 +13,10 @@
   permuted layout; state_dict hooks on the module translate to and from the unsharded layout,
   so checkpoints and `gather_full` never show the permutation.
 
+`HeadCoreNorm` shards the norms inside an attention core (Q/K norms per head or over all
+heads' features), whose parameters plain tensor parallelism would leave with a per-rank
+partial gradient.
+
 Two small styles cover what `PrepareModuleInput/Output` cannot for Hugging Face blocks (they
 need one layout per positional argument, and blocks are called with a varying number of them):
 `PrepareFirstInput` and `PrepareFirstOutput` redistribute only the first positional input or
@@ -278,6 +282,61 @@ class PrepareFirstOutput(ParallelStyle):
 
     def __repr__(self) -> str:
         return f"PrepareFirstOutput({self.output_layout} -> {self.desired_layout})"
+
+
+class HeadCoreNorm(ParallelStyle):
+    """A norm inside the attention core (a Q or K norm), which tensor parallelism hands this
+    rank's heads only: left plain, its weight's gradient would be a sum over this rank's heads
+    alone. Its parameters become replicated DTensors and it runs on a DTensor whose rows are
+    split across ranks; the weight's gradient is then a partial sum that `shard` all-reduces.
+
+    per_head=True: a norm over head_dim (Gemma 3's, Qwen 3's q_norm / k_norm on (batch, seq,
+        heads, head_dim)). The local tensor holds whole rows already: it is declared sharded on
+        dim -2 (the heads; any row dim would do, the norm is row-wise) and handed back as it is.
+        No communication.
+    per_head=False: a norm over all heads' features (OLMo 2's on (batch, seq, heads x head_dim)).
+        A row needs every rank's features: an all-to-all turns the feature shards into row
+        shards (the sequence, else the batch, whichever divides by the ranks), the norm runs on
+        whole rows, and a second all-to-all turns them back; backward likewise. When no row dim
+        divides, the features are all-gathered and every rank normalizes every row.
+    """
+
+    def __init__(self, *, per_head: bool):
+        super().__init__()
+        self.per_head = per_head
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def replicate(name, mod, mesh):
+            for pname, param in list(mod.named_parameters(recurse=False)):
+                # Every rank holds the first rank's values already (shard broadcasts them).
+                dist = DTensor.from_local(param.detach(), mesh, (Replicate(),), run_check=False)
+                mod.register_parameter(pname, nn.Parameter(dist, requires_grad=param.requires_grad))
+
+        return distribute_module(module, device_mesh, replicate, self._input, self._output)
+
+    def _input(self, mod, inputs, mesh):
+        x = inputs[0] if inputs else None
+        if not isinstance(x, torch.Tensor) or isinstance(x, DTensor) or x.dim() < 2:
+            raise ValueError(
+                f"trifuse.parallel: {type(mod).__name__} inside the attention core must get this rank's "
+                f"heads as a local tensor of 2 dims or more, got {type(x).__name__}"
+                + (f" of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else "")
+            )
+        if self.per_head:
+            return (DTensor.from_local(x, mesh, (Shard(x.dim() - 2),), run_check=False), *inputs[1:])
+        x = DTensor.from_local(x, mesh, (Shard(x.dim() - 1),), run_check=False)
+        t = mesh.size()
+        rows = next((d for d in (x.dim() - 2, *range(x.dim() - 2)) if x.shape[d] % t == 0), None)
+        target = Shard(rows) if rows is not None else Replicate()
+        return (x.redistribute(mesh, (target,), async_op=False), *inputs[1:])
+
+    def _output(self, mod, output, mesh):
+        if self.per_head:
+            return output.to_local()
+        return output.redistribute(mesh, (Shard(output.dim() - 1),), async_op=False).to_local()
+
+    def __repr__(self) -> str:
+        return f"HeadCoreNorm(per_head={self.per_head})"
 
 
 # ---------------------------------------------------------------------------------------------

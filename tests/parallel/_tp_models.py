@@ -11,7 +11,8 @@ def build(kind: str, *, dropout: float = 0.0, heads: int = 4, dtype=torch.float6
     """GPT-2 (LM head, Conv1D projections, fused c_attn), BERT (MLM head, nn.Linear Q/K/V),
     nanoGPT (tests/_models.py: nn.Linear fused c_attn, head count `n_head`, width read from the
     input), Llama (q/k/v/o_proj, `heads` query and heads / 2 key/value heads, gated MLP, RMSNorm)
-    or ViT (q/k/v/o_proj, fc1/fc2; 3 x 3 patches + CLS = 10 tokens, divisible for SP)."""
+    ViT (q/k/v/o_proj, fc1/fc2; 3 x 3 patches + CLS = 10 tokens, divisible for SP), or Gemma 3 and
+    OLMo 2 (Llama's shape with Q/K norms in the attention core)."""
     import transformers
 
     torch.manual_seed(seed)
@@ -36,6 +37,24 @@ def build(kind: str, *, dropout: float = 0.0, heads: int = 4, dtype=torch.float6
             **extra,
         )
         return transformers.LlamaForCausalLM(config).to(dtype)
+    if kind in ("gemma3", "olmo2"):
+        # Q/K norms inside the attention core: Gemma 3's per head (over head_dim), OLMo 2's over
+        # all heads' features (so under tensor parallelism a row spans every rank).
+        common = dict(
+            hidden_size=8 * heads,
+            num_hidden_layers=2,
+            num_attention_heads=heads,
+            num_key_value_heads=extra.pop("kv_heads", heads // 2),
+            intermediate_size=64,
+            vocab_size=VOCAB,
+            max_position_embeddings=32,
+            attention_dropout=dropout,
+        )
+        if kind == "gemma3":
+            config = transformers.Gemma3TextConfig(head_dim=8, **common, **extra)
+            return transformers.Gemma3ForCausalLM(config).to(dtype)
+        config = transformers.Olmo2Config(**common, **extra)
+        return transformers.Olmo2ForCausalLM(config).to(dtype)
     if kind == "vit":
         config = transformers.ViTConfig(
             hidden_size=8 * heads,
@@ -93,7 +112,7 @@ def batch(kind: str, step: int = 0, *, b: int = 2, s: int = 8) -> dict:
     if kind == "nanogpt":
         return {"idx": ids, "targets": ids}
     out = {"input_ids": ids, "labels": ids}
-    if kind in ("gpt2", "llama"):
+    if kind in ("gpt2", "llama", "gemma3", "olmo2"):
         out["use_cache"] = False
     return out
 

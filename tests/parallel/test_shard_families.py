@@ -33,11 +33,16 @@ def equal_to_single_process(rank, size, kind, sp, steps, naive_qkv=False, heads=
     # (adding q.b_k to every score of a query leaves its softmax unchanged), so each run's is
     # float64 rounding noise (~1e-17), which AdamW divides by its eps (1e-8): two summation
     # orders then differ by lr * 1e-9 after one step, in one process as across ranks.
-    failures, checks = train_alongside(kind, model, ref, steps, optimizer=torch.optim.SGD)
+    # Gemma 3's and OLMo 2's norms compute in float32 whatever the model's dtype, so the ranks'
+    # partial sums of their weights' gradients differ from one process's sum by float32 rounding.
+    fp32 = kind in ("gemma3", "olmo2")
+    failures, checks = train_alongside(kind, model, ref, steps, fp32=fp32, optimizer=torch.optim.SGD)
     attn = model.get_submodule(
         {
             "nanogpt": "transformer.h.0.attn",
             "llama": "model.layers.0.self_attn",
+            "gemma3": "model.layers.0.self_attn",
+            "olmo2": "model.layers.0.self_attn",
             "vit": "vit.layers.0.attention",
         }[kind]
     )
@@ -62,7 +67,8 @@ def fused_equal_to_single_process(rank, size, kind, order, sp):
     else:
         shard(model, _mesh(size), sequence_parallel=sp)
         model = trifuse.fuse(model)
-    failures, checks = train_alongside(kind, model, ref, 1, fp32=kind == "llama", optimizer=torch.optim.SGD)
+    fp32 = kind in ("llama", "gemma3", "olmo2")  # their norms compute in float32 (see above)
+    failures, checks = train_alongside(kind, model, ref, 1, fp32=fp32, optimizer=torch.optim.SGD)
     return failures, checks, trifuse.report(model).counts()
 
 
@@ -85,6 +91,14 @@ def shard_error(rank, size, case, sp):
     elif case == "unknown_projection":  # a recognized block with one more weight matrix
         model = build("nanogpt")
         model.transformer.h[0].gate = nn.Linear(32, 32).double()
+    elif case == "attention_sinks":  # gpt-oss's per-head sink logits: a vector over the heads
+        model = build("llama")
+        model.model.layers[0].self_attn.sinks = nn.Parameter(torch.zeros(4, dtype=torch.float64))
+    elif case == "core_norm_of_another_width":  # neither one head's width nor a projection's
+        from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+        model = build("gemma3")
+        model.model.layers[1].self_attn.q_norm = Gemma3RMSNorm(4).double()
     else:
         raise AssertionError(case)
     try:
@@ -123,6 +137,56 @@ def test_fused_and_sharded_match_single_process(world, kind, order, sp):
             assert counts.get("gated_activation") == 2, counts
             # q and k rotated on each rank's heads (local shards of the column-parallel projections)
             assert counts.get("rotary") == 2, counts
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("kind", ["gemma3", "olmo2"])
+def test_norms_inside_the_attention_core(world, kind, sp):
+    """Q/K norms on this rank's heads: Gemma 3's per head (no communication), OLMo 2's over all
+    heads' features (all-to-all to whole rows and back). Left plain, Gemma 3's norm weights got
+    this rank's heads' share of the gradient and OLMo 2's forward failed on half-width rows."""
+    for failures, checks, shape in world.run(equal_to_single_process, kind, sp, 2):
+        assert shape == (8, 32)  # 2 K/V heads of 8, 1 per rank
+        assert checks > 60
+        assert not failures, "\n".join(failures[:10])
+
+
+def uneven_rows_equal_to_single_process(rank, size, b, s):
+    """OLMo 2 under tensor parallelism on a batch whose sequence does not divide by the ranks:
+    its full-width Q/K norms take whole rows sharded on the batch, or, when that does not divide
+    either, gathered whole. (failures, checks) for the loss and every gradient."""
+    from tolerances import check_close
+
+    from _tp_models import compare_full, loss_of
+    from trifuse.parallel import shard
+
+    ref = build("olmo2")
+    model = shard(build("olmo2"), _mesh(size), sequence_parallel=False)
+    ids = torch.randint(0, 64, (b, s), generator=torch.Generator().manual_seed(7))
+    loss = loss_of(model(input_ids=ids, labels=ids, use_cache=False))
+    ref_loss = loss_of(ref(input_ids=ids, labels=ids, use_cache=False))
+    loss.backward()
+    ref_loss.backward()
+    ok, msg = check_close("loss", loss, ref_loss, None)
+    failures = [] if ok else [msg]
+    return failures, 1 + compare_full("grad", model, ref, failures, True, fp32=True)
+
+
+@pytest.mark.parametrize("b, s", [(2, 7), (1, 7)], ids=["rows-by-batch", "rows-gathered"])
+def test_full_width_core_norm_on_rows_that_do_not_divide(world, b, s):
+    for failures, checks in world.run(uneven_rows_equal_to_single_process, b, s):
+        assert checks > 20
+        assert not failures, "\n".join(failures[:10])
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "olmo2"])
+def test_fused_norms_inside_the_attention_core(world, kind):
+    """Sharded with sequence parallelism, then fused: the Q/K norms run as trifuse's RMSNorm on the
+    DTensors the core norms' style hands them."""
+    for failures, checks, counts in world.run(fused_equal_to_single_process, kind, "shard_then_fuse", True):
+        assert checks > 40
+        assert not failures, "\n".join(failures[:10])
+        assert counts.get("attention") == 2 and counts.get("rms_norm", 0) >= 9, counts
 
 
 @pytest.mark.parametrize("kind", ["nanogpt", "llama"])
@@ -167,6 +231,15 @@ def test_naive_column_split_of_nanogpt_qkv_fails_the_check(world):
         (
             "unknown_projection",
             ("transformer.h.0.gate: a weight in the recognized block transformer.h.0 that no known",),
+        ),
+        (
+            "attention_sinks",
+            ("model.layers.0.self_attn: parameters sinks inside a core tensor parallelism splits",),
+        ),
+        (
+            "core_norm_of_another_width",
+            ("model.layers.1.self_attn.q_norm: a norm over 4 features inside a core tensor parallelism "
+             "splits, neither one head's 8 nor a projection's output 32 or 16",),
         ),
     ],
 )
