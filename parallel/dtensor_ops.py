@@ -3,12 +3,13 @@
 Under sequence parallelism (`shard(model, mesh)`'s default) the residual stream between the
 attention and MLP cores is a DTensor sharded on the sequence dim, and the norms' weights are
 replicated DTensors: a fused block then calls `trifuse::layer_norm`, `trifuse::dropout_add_layer_norm`,
-... on DTensors. DTensor runs an op on the local shards once it knows, for some placement of the
+`trifuse::layer_norm_add` (a post-norm residual add), ... on DTensors. DTensor runs an op on the local shards once it knows, for some placement of the
 inputs, the placement of the outputs; `register_sharding` (torch.distributed.tensor.experimental,
 the same in torch 2.11 to 2.13) tells it. Per mesh dim, the strategies offered are:
 
     norms (x normalized over its last k dims; weights per feature)
-        x, residual, s, dy, ds  Shard(d), d any leading dim   Replicate
+        x, residual, s, dy, ds  Shard(d), d any leading dim   Replicate   (residual: also the
+                                                              post-norm add's, layer_norm_add)
         weight, bias, x_bias    Replicate                     Replicate
         y, s, dx, dresidual     Shard(d)                      Replicate
         mean, rstd              Shard(d) (shaped like x's leading dims, see kernels/layer_norm.py)
@@ -139,6 +140,21 @@ def register() -> bool:
             [("row", x), ("stat", x)],
         )
 
+    @register_sharding(ops.layer_norm_add.default)
+    def _layer_norm_add(x, residual, normalized_shape, weight, bias, eps):
+        return _norm_strategies(
+            x, len(normalized_shape),
+            [("row", x), ("row", residual), (None, None), ("feat", weight), ("feat", bias), (None, None)],
+            [("row", x), ("stat", x), ("stat", x)],
+        )
+
+    @register_sharding(ops.rms_norm_add.default)
+    def _rms_norm_add(x, residual, normalized_shape, weight, eps):
+        return _norm_strategies(
+            x, len(normalized_shape), [("row", x), ("row", residual), (None, None), ("feat", weight), (None, None)],
+            [("row", x), ("stat", x)],
+        )
+
     def _dropout_add_norm(x, residual, normalized_shape, weight, bias, eps, p, x_bias, is_rms_norm):
         args = [("row", x), ("row", residual), (None, None), ("feat", weight)]
         if not is_rms_norm:
@@ -208,7 +224,8 @@ def register() -> bool:
     # Hash every argument from the first non-tensor one on (see the module docstring).
     propagator = DTensor._op_dispatcher.sharding_propagator
     infos = getattr(propagator, "op_to_schema_info", None)
-    for packet in (ops.layer_norm, ops.rms_norm, ops.dropout_add_layer_norm, ops.dropout_add_rms_norm,
+    for packet in (ops.layer_norm, ops.rms_norm, ops.layer_norm_add, ops.rms_norm_add,
+                   ops.dropout_add_layer_norm, ops.dropout_add_rms_norm,
                    ops.layer_norm_backward, ops.dropout_add, ops.dropout_add_backward, ops.bias_gelu,
                    ops.bias_gelu_backward, ops.gated_activation, ops.gated_activation_backward):
         op = packet.default

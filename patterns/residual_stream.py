@@ -26,7 +26,10 @@ that into one op on DTensors, `dropout_add_layer_norm(from_local(x, ...), from_l
 ...))`, and hand s on as the local tensor it was. Only when the shards split rows (a batch or
 sequence dim, never a normalized one: a norm needs its whole row) and x and the residual have
 one shape, so that both are shards alike (`rows_sharded`). The linear's bias stays there: the
-row-parallel linear's output reaches the add through a reduce-scatter.
+row-parallel linear's output reaches the add through a reduce-scatter. The post-norm add is
+written `residual + norm(from_local(x, placements)).to_local()` there, and fuses the same way
+(`layer_norm_add_on_shards`). The normalized shape may be computed in the graph (`weight.shape`
+of the replicated DTensor weight): its value is read from the graph, the node passed on.
 """
 import torch
 import torch.nn.functional as F
@@ -89,10 +92,12 @@ def _same_shape_sum(m: Match) -> tuple[torch.Tensor, tuple[int, ...]] | str:
     if why is not None:
         return why
     x = m.value("x")
-    normalized = m["normalized_shape"]
+    # A constant, or a shape computed in the graph (`weight.shape` of a DTensor weight under
+    # sequence parallelism) whose value is known: the replacement passes the node on as it is.
+    normalized = m.value("normalized_shape")
     normalized = (normalized,) if isinstance(normalized, int) else normalized
     if not isinstance(normalized, (tuple, list)) or not all(isinstance(n, int) for n in normalized):
-        return f"normalized_shape {normalized}: not a constant"
+        return f"normalized_shape {m['normalized_shape']}: not a constant, nor a shape of known value"
     return x, tuple(normalized)
 
 
@@ -119,6 +124,27 @@ def rms_norm_weight_apart_add(x: torch.Tensor, residual: torch.Tensor, normalize
     return residual + weight * ops.rms_norm(x, normalized_shape, None, eps)
 
 
+def layer_norm_add_on_shards(x: torch.Tensor, residual: torch.Tensor, placements, normalized_shape, weight,
+                             bias, eps):
+    """Under sequence parallelism: the norm on a DTensor made of the local shards, its output
+    made local again before the add (the post-attention norm of Gemma 2 or OLMo 2)."""
+    return residual + ops.layer_norm(from_local(x, placements), normalized_shape, weight, bias, eps).to_local()
+
+
+def layer_norm_add_on_shards_fused(x, residual, placements, normalized_shape, weight, bias, eps):
+    return ops.layer_norm_add(from_local(x, placements), from_local(residual, placements), normalized_shape,
+                              weight, bias, eps).to_local()
+
+
+def rms_norm_add_on_shards(x: torch.Tensor, residual: torch.Tensor, placements, normalized_shape, weight, eps):
+    return residual + ops.rms_norm(from_local(x, placements), normalized_shape, weight, eps).to_local()
+
+
+def rms_norm_add_on_shards_fused(x, residual, placements, normalized_shape, weight, eps):
+    return ops.layer_norm_add(from_local(x, placements), from_local(residual, placements), normalized_shape,
+                              weight, None, eps, is_rms_norm=True).to_local()
+
+
 def _plain_same_shape(m: Match) -> str | None:
     """The norm-then-add's filter: x and the residual of one shape (no broadcast add), and no
     DTensor (the op has no sharding rule: under sequence parallelism the norm stays as it is).
@@ -132,7 +158,10 @@ def _plain_same_shape(m: Match) -> str | None:
     except ImportError:  # a torch built without distributed
         return None
     if any(isinstance(m.value(name), DTensor) for name in ("x", "residual")):
-        return "x or residual is a DTensor (the norm-then-add op has no sharding rule)"
+        # A DTensor sum is not written this way under trifuse.parallel (the add runs on local
+        # shards: the *_on_shards spellings); the op's strategy would take it, but a model's own
+        # DTensor arithmetic may mix layouts the op's strategies do not cover.
+        return "x or residual is a DTensor (only the local-shard spelling, *_add_on_shards, is fused)"
     return None
 
 
@@ -305,6 +334,10 @@ PATTERNS = (
             (_plain_same_shape, needs_number("eps")), stage=1),
     Pattern("rms_norm_weight_apart_add", "residual_stream", rms_norm_weight_apart_add, rms_norm_add_fused,
             ("layer_norm_add", "rms_norm"), (_weight_apart_fits, needs_number("eps")), stage=1),
+    Pattern("layer_norm_add_on_shards", "residual_stream", layer_norm_add_on_shards, layer_norm_add_on_shards_fused,
+            ("layer_norm_add", "layer_norm"), (rows_sharded,), stage=1),
+    Pattern("rms_norm_add_on_shards", "residual_stream", rms_norm_add_on_shards, rms_norm_add_on_shards_fused,
+            ("layer_norm_add", "rms_norm"), (needs_number("eps"), rows_sharded), stage=1),
     Pattern("dropout_add_layer_norm", "residual_stream", dropout_add_layer_norm, dropout_add_layer_norm_fused,
             _OPS, _DROPOUT, stage=1),
     Pattern("add_layer_norm", "residual_stream", add_layer_norm, add_layer_norm_fused, _OPS, stage=1),

@@ -12,7 +12,7 @@ def build(kind: str, *, dropout: float = 0.0, heads: int = 4, dtype=torch.float6
     nanoGPT (tests/_models.py: nn.Linear fused c_attn, head count `n_head`, width read from the
     input), Llama (q/k/v/o_proj, `heads` query and heads / 2 key/value heads, gated MLP, RMSNorm)
     ViT (q/k/v/o_proj, fc1/fc2; 3 x 3 patches + CLS = 10 tokens, divisible for SP), or Gemma 3 and
-    OLMo 2 (Llama's shape with Q/K norms in the attention core)."""
+    OLMo 2 (Llama's shape with Q/K norms in the attention core), or Gemma 2 (sandwich norms)."""
     import transformers
 
     torch.manual_seed(seed)
@@ -37,7 +37,8 @@ def build(kind: str, *, dropout: float = 0.0, heads: int = 4, dtype=torch.float6
             **extra,
         )
         return transformers.LlamaForCausalLM(config).to(dtype)
-    if kind in ("gemma3", "olmo2"):
+    if kind in ("gemma2", "gemma3", "olmo2"):
+        # Gemma 2's sandwich norms (a norm after each sublayer, added to the residual stream);
         # Q/K norms inside the attention core: Gemma 3's per head (over head_dim), OLMo 2's over
         # all heads' features (so under tensor parallelism a row spans every rank).
         common = dict(
@@ -50,6 +51,9 @@ def build(kind: str, *, dropout: float = 0.0, heads: int = 4, dtype=torch.float6
             max_position_embeddings=32,
             attention_dropout=dropout,
         )
+        if kind == "gemma2":  # sandwich norms: post-norms added to the residual stream
+            config = transformers.Gemma2Config(head_dim=8, **common, **extra)
+            return transformers.Gemma2ForCausalLM(config).to(dtype)
         if kind == "gemma3":
             config = transformers.Gemma3TextConfig(head_dim=8, **common, **extra)
             return transformers.Gemma3ForCausalLM(config).to(dtype)
@@ -112,7 +116,7 @@ def batch(kind: str, step: int = 0, *, b: int = 2, s: int = 8) -> dict:
     if kind == "nanogpt":
         return {"idx": ids, "targets": ids}
     out = {"input_ids": ids, "labels": ids}
-    if kind in ("gpt2", "llama", "gemma3", "olmo2"):
+    if kind in ("gpt2", "llama", "gemma2", "gemma3", "olmo2"):
         out["use_cache"] = False
     return out
 

@@ -180,6 +180,9 @@ def ops_on_sequence_shards(rank, size):
     run(lambda t: trifuse.ops.rms_norm(t["x"], 16, t["w"], 1e-6), "rms_norm")
     run(lambda t: sum(trifuse.ops.layer_norm(t["x"], 16, t["w"], t["b"], residual=t["r"])), "add_layer_norm")
     run(lambda t: sum(trifuse.ops.rms_norm(t["x"], 16, t["w"], 1e-6, residual=t["r"])), "add_rms_norm")
+    run(lambda t: trifuse.ops.layer_norm_add(t["x"], t["r"], 16, t["w"], t["b"]), "layer_norm_add")
+    run(lambda t: trifuse.ops.layer_norm_add(t["x"], t["r"], 16, t["w"], None, 1e-6, is_rms_norm=True),
+        "rms_norm_add")
     run(lambda t: trifuse.ops.dropout_add(t["x"], t["r"], 0.0, True, t["b"]), "dropout_add")
     run(lambda t: trifuse.ops.bias_gelu(t["x"], t["b"]), "bias_gelu")
     run(lambda t: trifuse.ops.gated_activation(t["x"], t["r"], "silu"), "gated_activation")

@@ -67,7 +67,7 @@ def fused_equal_to_single_process(rank, size, kind, order, sp):
     else:
         shard(model, _mesh(size), sequence_parallel=sp)
         model = trifuse.fuse(model)
-    fp32 = kind in ("llama", "gemma3", "olmo2")  # their norms compute in float32 (see above)
+    fp32 = kind in ("llama", "gemma2", "gemma3", "olmo2")  # their norms compute in float32 (see above)
     failures, checks = train_alongside(kind, model, ref, 1, fp32=fp32, optimizer=torch.optim.SGD)
     return failures, checks, trifuse.report(model).counts()
 
@@ -128,11 +128,11 @@ def test_fused_and_sharded_match_single_process(world, kind, order, sp):
         assert checks > 40
         assert not failures, "\n".join(failures[:10])
         # The fused kernels ran. Llama's 5 RMSNorms all fused, the 2 after a residual add with
-        # it (residual_stream) except under sequence parallelism, where Dynamo leaves the
-        # normalized shape computed in the graph and the residual-stream filter cannot read it.
+        # it (residual_stream), under sequence parallelism too (where Dynamo leaves the
+        # normalized shape computed in the graph, `weight.shape` of a DTensor weight).
         assert counts.get("attention") == 2, counts
         if kind == "llama":
-            assert counts.get("rms_norm", 0) + counts.get("residual_stream", 0) == 5, counts
+            assert counts.get("rms_norm") == 3 and counts.get("residual_stream") == 2, counts
             # the gated MLP's act(gate) * up, on the column-parallel projections' local outputs
             assert counts.get("gated_activation") == 2, counts
             # q and k rotated on each rank's heads (local shards of the column-parallel projections)
@@ -187,6 +187,19 @@ def test_fused_norms_inside_the_attention_core(world, kind):
         assert checks > 40
         assert not failures, "\n".join(failures[:10])
         assert counts.get("attention") == 2 and counts.get("rms_norm", 0) >= 9, counts
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_fused_sandwich_norms(world, sp):
+    """Gemma 2 sharded, then fused: per block its post-attention norm is added to the residual
+    stream (layer_norm_add), the sum fed to the pre-MLP norm (dropout_add_layer_norm), the
+    post-MLP norm added again (layer_norm_add): under sequence parallelism on the local shards
+    (`*_on_shards`), as without it. Norms and sums in float32 (see fused_equal_to_single_process)."""
+    for failures, checks, counts in world.run(fused_equal_to_single_process, "gemma2", "shard_then_fuse", sp):
+        assert checks > 40
+        assert not failures, "\n".join(failures[:10])
+        assert counts.get("residual_stream") == 4 and counts.get("rms_norm") == 5, counts
+        assert counts.get("attention") == 2, counts
 
 
 @pytest.mark.parametrize("kind", ["nanogpt", "llama"])

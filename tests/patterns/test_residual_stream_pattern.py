@@ -381,3 +381,52 @@ def test_on_shards_needs_row_shards(one_rank_mesh, placement, reason):
     assert report.by_pattern() == {"layer_norm": 1, "dropout_add": 1}, report.by_pattern()
     assert any(pattern == "dropout_add_layer_norm_on_shards" and reason in why
                for _, _, pattern, why in report.rejected()), report.rejected()
+
+
+class NormThenAddOnShards(nn.Module):
+    """The post-norm residual add as trifuse.parallel's sequence parallelism writes it: the norm on
+    a DTensor made of the local shards, its output made local again, then the add (Gemma 2's
+    sandwich norms, OLMo 2's post-norms)."""
+
+    def __init__(self, mesh, placement, rms=False):
+        super().__init__()
+        self.mesh, self.placement, self.rms = mesh, placement, rms
+        self.weight = nn.Parameter(torch.randn(N))
+        self.bias = nn.Parameter(torch.randn(N))
+
+    def forward(self, x, residual):
+        from torch.distributed.tensor import DTensor, Replicate
+
+        rows = DTensor.from_local(x, self.mesh, (self.placement,), run_check=False)
+        w = DTensor.from_local(self.weight, self.mesh, (Replicate(),), run_check=False)
+        if self.rms:
+            y = F.rms_norm(rows, (N,), w, 1e-6)
+        else:
+            b = DTensor.from_local(self.bias, self.mesh, (Replicate(),), run_check=False)
+            y = F.layer_norm(rows, (N,), w, b, 1e-5)
+        return (residual + y.to_local()) * 3.0
+
+
+def _norm_then_add_on_shards(mesh, placement, rms):
+    inputs = (torch.randn(2, 6, N), torch.randn(2, 6, N))
+    return check_sharded_against_unfused(lambda dtype: NormThenAddOnShards(mesh, placement, rms).to(dtype), inputs)
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_norm_then_add_on_sequence_shards_fuses(one_rank_mesh, rms):
+    from torch.distributed.tensor import Shard
+
+    report = _norm_then_add_on_shards(one_rank_mesh, Shard(1), rms)
+    name = ("rms_norm" if rms else "layer_norm") + "_add_on_shards"
+    assert report.by_pattern() == {name: 1}, report.by_pattern()
+
+
+@pytest.mark.parametrize("placement, reason", [
+    ("Shard(-1)", "is a normalized dim, not a row dim"),
+    ("Replicate()", "no mesh dim shards the rows"),
+])
+def test_norm_then_add_on_shards_needs_row_shards(one_rank_mesh, placement, reason):
+    report = _norm_then_add_on_shards(one_rank_mesh, _placement(placement), False)
+    assert report.by_pattern() == {"layer_norm": 1}, report.by_pattern()
+    assert any(pattern == "layer_norm_add_on_shards" and reason in why
+               for _, _, pattern, why in report.rejected()), report.rejected()
