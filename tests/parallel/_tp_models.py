@@ -24,23 +24,11 @@ def build(kind: str, *, dropout: float = 0.0, heads: int = 4, dtype=torch.float6
             [_models.Block(_models.HIDDEN, heads, dropout, model.block_size, True) for _ in range(2)]
         )
         return model.to(dtype)
-    if kind == "llama":
-        config = transformers.LlamaConfig(
-            hidden_size=8 * heads,
-            num_hidden_layers=2,
-            num_attention_heads=heads,
-            num_key_value_heads=extra.pop("kv_heads", heads // 2),
-            intermediate_size=64,
-            vocab_size=VOCAB,
-            max_position_embeddings=32,
-            attention_dropout=dropout,
-            **extra,
-        )
-        return transformers.LlamaForCausalLM(config).to(dtype)
-    if kind in ("gemma2", "gemma3", "olmo2"):
-        # Gemma 2's sandwich norms (a norm after each sublayer, added to the residual stream);
-        # Q/K norms inside the attention core: Gemma 3's per head (over head_dim), OLMo 2's over
-        # all heads' features (so under tensor parallelism a row spans every rank).
+    if kind in ("llama", "gemma2", "gemma3", "olmo2"):
+        # Decoders of Llama's shape. Gemma 2 adds sandwich norms (a norm after each sublayer,
+        # added to the residual stream); Gemma 3 and OLMo 2 Q/K norms inside the attention core,
+        # Gemma 3's per head (over head_dim), OLMo 2's over all heads' features (so under tensor
+        # parallelism a row spans every rank).
         common = dict(
             hidden_size=8 * heads,
             num_hidden_layers=2,
@@ -51,6 +39,8 @@ def build(kind: str, *, dropout: float = 0.0, heads: int = 4, dtype=torch.float6
             max_position_embeddings=32,
             attention_dropout=dropout,
         )
+        if kind == "llama":
+            return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, **extra)).to(dtype)
         if kind == "gemma2":  # sandwich norms: post-norms added to the residual stream
             config = transformers.Gemma2Config(head_dim=8, **common, **extra)
             return transformers.Gemma2ForCausalLM(config).to(dtype)

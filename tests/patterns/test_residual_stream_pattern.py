@@ -333,18 +333,20 @@ class OnShards(nn.Module):
         self.weight = nn.Parameter(torch.randn(N))
         self.bias = nn.Parameter(torch.randn(N))
 
-    def forward(self, x, residual):
+    def norm_on_shards(self, local: torch.Tensor) -> torch.Tensor:
+        """The norm on a DTensor made of the local shards, its output made local again."""
         from torch.distributed.tensor import DTensor, Replicate
 
-        s = residual + (F.dropout(x, 0.0, self.training) if self.dropout else x)
-        rows = DTensor.from_local(s, self.mesh, (self.placement,), run_check=False)
+        rows = DTensor.from_local(local, self.mesh, (self.placement,), run_check=False)
         w = DTensor.from_local(self.weight, self.mesh, (Replicate(),), run_check=False)
         if self.rms:
-            y = F.rms_norm(rows, (N,), w, 1e-6)
-        else:
-            b = DTensor.from_local(self.bias, self.mesh, (Replicate(),), run_check=False)
-            y = F.layer_norm(rows, (N,), w, b, 1e-5)
-        return y.to_local() * 3.0, s
+            return F.rms_norm(rows, (N,), w, 1e-6).to_local()
+        b = DTensor.from_local(self.bias, self.mesh, (Replicate(),), run_check=False)
+        return F.layer_norm(rows, (N,), w, b, 1e-5).to_local()
+
+    def forward(self, x, residual):
+        s = residual + (F.dropout(x, 0.0, self.training) if self.dropout else x)
+        return self.norm_on_shards(s) * 3.0, s
 
 
 def _on_shards_against_unfused(mesh, placement, **kwargs):
@@ -383,28 +385,16 @@ def test_on_shards_needs_row_shards(one_rank_mesh, placement, reason):
                for _, _, pattern, why in report.rejected()), report.rejected()
 
 
-class NormThenAddOnShards(nn.Module):
+class NormThenAddOnShards(OnShards):
     """The post-norm residual add as trifuse.parallel's sequence parallelism writes it: the norm on
     a DTensor made of the local shards, its output made local again, then the add (Gemma 2's
     sandwich norms, OLMo 2's post-norms)."""
 
     def __init__(self, mesh, placement, rms=False):
-        super().__init__()
-        self.mesh, self.placement, self.rms = mesh, placement, rms
-        self.weight = nn.Parameter(torch.randn(N))
-        self.bias = nn.Parameter(torch.randn(N))
+        super().__init__(mesh, placement, dropout=False, rms=rms)
 
     def forward(self, x, residual):
-        from torch.distributed.tensor import DTensor, Replicate
-
-        rows = DTensor.from_local(x, self.mesh, (self.placement,), run_check=False)
-        w = DTensor.from_local(self.weight, self.mesh, (Replicate(),), run_check=False)
-        if self.rms:
-            y = F.rms_norm(rows, (N,), w, 1e-6)
-        else:
-            b = DTensor.from_local(self.bias, self.mesh, (Replicate(),), run_check=False)
-            y = F.layer_norm(rows, (N,), w, b, 1e-5)
-        return (residual + y.to_local()) * 3.0
+        return (residual + self.norm_on_shards(x)) * 3.0
 
 
 def _norm_then_add_on_shards(mesh, placement, rms):
