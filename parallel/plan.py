@@ -210,11 +210,11 @@ def _is_norm(module: nn.Module) -> bool:
 
 
 def _core_params(
-    model: nn.Module, entry: str, projections: set[str], head_dim: int | None, widths: tuple[int, ...]
+    model: nn.Module, entry: str, projections: set[str], head_dim: int, widths: tuple[int, ...]
 ) -> tuple[list[tuple[str, bool]], list[tuple[str, str]]]:
-    """The parameters in a core (the modules under `entry`, which tensor parallelism hands this
-    rank's heads or MLP columns) outside its `projections`. Left plain, each would get a
-    gradient summed over this rank's share alone. (norms, problems): the norms `HeadCoreNorm`
+    """The parameters in an attention core (the modules under `entry`, which tensor parallelism
+    hands this rank's heads) outside its `projections`. Left plain, each would get a gradient
+    summed over this rank's heads alone. (norms, problems): the norms `HeadCoreNorm`
     shards, as (module name, per head), a norm weight over `head_dim` (per head) or over one of
     `widths` (a projection's output features, OLMo 2's Q/K norms); and (module name, why) for
     every other module holding parameters (gpt-oss's attention sinks, a norm of another width)."""
@@ -236,13 +236,13 @@ def _core_params(
                 norms.append((name, False))
                 continue
             why = (
-                f"a norm over {w.numel()} features inside a core tensor parallelism splits, neither one "
-                f"head's {head_dim} nor a projection's output {' or '.join(map(str, widths))}"
+                f"a norm over {w.numel()} features inside an attention core, neither one head's "
+                f"{head_dim} nor a projection's output {' or '.join(map(str, widths))}"
             )
         else:
             why = (
-                f"parameters {', '.join(params)} inside a core tensor parallelism splits (each rank "
-                "holds its own heads or columns there) that no style knows how to shard"
+                f"parameters {', '.join(params)} inside an attention core (each rank holds its own "
+                "heads there) that no style knows how to shard"
             )
         problems.append((name, why))
     return norms, problems
@@ -301,8 +301,10 @@ def recognize(model: nn.Module) -> Recognized:
             inner = _match_mlp(module, s)
             projs = {_join(path, p) for p in (*s.up, s.down)}
             if inner is not None and not projs & claimed:
+                # No core check here: an MLP's container may be the whole block (OPT's and BART's
+                # fc1/fc2 sit beside the attention and the norms), so its other parameters are
+                # not known to see column shards.
                 found.mlps.append(MLP(path, s, inner=inner))
-                in_cores += _core_params(model, _join(path, s.entry), projs, None, ())[1]
                 claimed |= projs
                 break
     blocks = {}

@@ -247,12 +247,12 @@ def test_naive_column_split_of_nanogpt_qkv_fails_the_check(world):
         ),
         (
             "attention_sinks",
-            ("model.layers.0.self_attn: parameters sinks inside a core tensor parallelism splits",),
+            ("model.layers.0.self_attn: parameters sinks inside an attention core",),
         ),
         (
             "core_norm_of_another_width",
-            ("model.layers.1.self_attn.q_norm: a norm over 4 features inside a core tensor parallelism "
-             "splits, neither one head's 8 nor a projection's output 32 or 16",),
+            ("model.layers.1.self_attn.q_norm: a norm over 4 features inside an attention core, neither "
+             "one head's 8 nor a projection's output 32 or 16",),
         ),
     ],
 )
