@@ -551,8 +551,10 @@ def _rotary_key(q, k, cos, sin, interleaved=False, halves_out=False, dtype=None)
         return None
     grad = torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad)
                                         or cos.requires_grad or sin.requires_grad)
+    # The table's width apart from head_dim: D entries or one per pair (D / 2), which PyTorch's
+    # formula widens with an extra pass and trifuse's kernel reads as is.
     return (q.get_device() if q.is_cuda else -1, q.dtype, cos.dtype, pow2_bucket(b * s), hq,
-            0 if k is None else k.shape[1], d, cos.shape[0] == 1, grad, interleaved, halves_out)
+            0 if k is None else k.shape[1], d, cos.shape[-1], cos.shape[0] == 1, grad, interleaved, halves_out)
 
 
 def _rotary_trifuse(q, k, cos, sin, interleaved=False, halves_out=False, dtype=None):
@@ -576,7 +578,8 @@ def _rotary_hf_formula(q, k, cos, sin, interleaved=False, halves_out=False, dtyp
 
 ROTARY_EMBEDDING = dialects.define(
     "rotary_embedding", _rotary_key, ("device", "dtype", "cos_dtype", "positions", "q_heads", "k_heads",
-                                      "head_dim", "cos_batch_broadcast", "grad", "interleaved", "halves_out"),
+                                      "head_dim", "table_width", "cos_batch_broadcast", "grad", "interleaved",
+                                      "halves_out"),
     reference=rotary_embedding_ref)
 ROTARY_EMBEDDING.register(dialects.Candidate("trifuse", _rotary_trifuse))
 ROTARY_EMBEDDING.register(dialects.Candidate("torch", _rotary_hf_formula))

@@ -52,14 +52,15 @@ def registered(q, k, cos, sin):
 def test_key_is_a_small_tuple_of_plain_values():
     q, k, cos, sin = inputs()
     device = -1 if DEVICE == "cpu" else 0
-    assert rk._rotary_key(q, k, cos, sin) == (device, torch.float32, torch.float32, 16, HQ, HKV, D, True, True,
-                                              False, False)
+    assert rk._rotary_key(q, k, cos, sin) == (device, torch.float32, torch.float32, 16, HQ, HKV, D, D, True,
+                                              True, False, False)
     assert rk._rotary_key(q, k, cos, sin, True)[-2:] == (True, False)  # the convention: its own choice
     assert rk._rotary_key(q, k, cos, sin, True, True)[-2:] == (True, True)
     assert len(rk._rotary_key(q, k, cos, sin)) == len(rk.ROTARY_EMBEDDING.key_names)
     with torch.no_grad():
         assert rk._rotary_key(q, None, cos.expand(B, 1, S, D).double(), sin) == (
-            device, torch.float32, torch.float64, 16, HQ, 0, D, False, False, False, False)
+            device, torch.float32, torch.float64, 16, HQ, 0, D, D, False, False, False, False)
+    assert rk._rotary_key(q, k, cos[..., : D // 2], sin[..., : D // 2], True)[7] == D // 2  # one entry per pair
 
 
 @pytest.mark.parametrize("case", ["traced", "empty", "integer", "3-d", "odd head_dim", "cos 3-d", "k seq",
@@ -114,7 +115,7 @@ def test_the_measured_winner_runs_bitwise(rope_dialect, timer, monkeypatch, winn
     rec = rope_dialect.explain(*args)
     assert rec.chosen == winner and rec.source == "measured" and set(fake.calls) == {"trifuse", "torch"}
     assert rec.bucket == (f"dtype=float32,cos_dtype=float32,positions=16,q_heads={HQ},k_heads={HKV},head_dim={D},"
-                          "cos_batch_broadcast=True,grad=True,interleaved=False,halves_out=False")
+                          f"table_width={D},cos_batch_broadcast=True,grad=True,interleaved=False,halves_out=False")
     fwd_bwd(trifuse.ops.rotary_embedding, *inputs(seq=6))  # same positions bucket: replayed
     assert len(fake.calls) == 2
 
@@ -146,6 +147,27 @@ def test_interleaved_calls_are_chosen_apart_and_run_bitwise(rope_dialect, timer,
     rec = rope_dialect.explain(*args, True, halves_out)
     assert rec.chosen == winner and rec.source == "measured" and not rec.rejected
     assert rec.bucket.endswith(f"grad=True,interleaved=True,halves_out={halves_out}")
+
+
+def test_a_per_pair_table_is_chosen_apart(rope_dialect, timer, monkeypatch):
+    """The table's width is part of the key: an interleaved call with one table entry per pair
+    (D / 2, as torchtitan's complex rotary gives it), which PyTorch's formula first widens, is
+    measured on its own, never replayed from the full-width choice of the same shape."""
+    fake = timer({"trifuse": 2.0, "torch": 1.0})
+    monkeypatch.setattr(rope_dialect, "timer", fake)
+    q, k, cos, sin = inputs()
+
+    def interleaved(q, k, cos, sin):
+        return trifuse.ops.rotary_embedding(q, k, cos, sin, interleaved=True)
+
+    fwd_bwd(interleaved, q, k, cos, sin)
+    assert len(fake.calls) == 2
+    pair_cos, pair_sin = cos[..., : D // 2].contiguous(), sin[..., : D // 2].contiguous()
+    want = fwd_bwd(lambda *a: rk._rotary_hf_formula(*a, True), q, k, pair_cos, pair_sin)
+    for a, e in zip(fwd_bwd(interleaved, q, k, pair_cos, pair_sin), want):
+        assert torch.equal(a, e)
+    assert len(fake.calls) == 4
+    assert f"table_width={D // 2}," in rope_dialect.explain(q, k, pair_cos, pair_sin, True).bucket
 
 
 def test_a_second_process_replays_the_choice_from_disk(rope_dialect, timer, monkeypatch, new_process):
