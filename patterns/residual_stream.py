@@ -147,7 +147,7 @@ def rms_norm_add_on_shards_fused(x, residual, placements, normalized_shape, weig
 
 def _plain_same_shape(m: Match) -> str | None:
     """The norm-then-add's filter: x and the residual of one shape (no broadcast add), and no
-    DTensor (the op has no sharding rule: under sequence parallelism the norm stays as it is).
+    DTensor (see below; sequence parallelism's local-shard spelling is `*_add_on_shards`).
     normalized_shape may be computed in the graph (`weight.shape`, as HF's norms pass it): the
     op takes it as the norm did."""
     why = _operands_of_one_shape(m)
