@@ -3,9 +3,10 @@
 Under sequence parallelism (`shard(model, mesh)`'s default) the residual stream between the
 attention and MLP cores is a DTensor sharded on the sequence dim, and the norms' weights are
 replicated DTensors: a fused block then calls `trifuse::layer_norm`, `trifuse::dropout_add_layer_norm`,
-`trifuse::layer_norm_add` (a post-norm residual add), ... on DTensors. DTensor runs an op on the local shards once it knows, for some placement of the
-inputs, the placement of the outputs; `register_sharding` (torch.distributed.tensor.experimental,
-the same in torch 2.11 to 2.13) tells it. Per mesh dim, the strategies offered are:
+`trifuse::layer_norm_add` (a post-norm residual add), ... on DTensors. DTensor runs an op on the
+local shards once it knows, for some placement of the inputs, the placement of the outputs;
+`register_sharding` (torch.distributed.tensor.experimental, the same in torch 2.11 to 2.13)
+tells it. Per mesh dim, the strategies offered are:
 
     norms (x normalized over its last k dims; weights per feature)
         x, residual, s, dy, ds  Shard(d), d any leading dim   Replicate   (residual: also the

@@ -158,7 +158,7 @@ class Attention:
     hidden: int
     kv_heads: int  # = heads without grouped-query attention
     # Norms inside the core, beside the projections: (module name, per head or over all heads'
-    # features); see `_core_norms`.
+    # features); see `_core_params`.
     norms: tuple[tuple[str, bool], ...] = ()
 
     def fqn(self, rel: str) -> str:
@@ -422,7 +422,7 @@ class Plan:
 
 def _norm_like(module: nn.Module, hidden: int) -> bool:
     shape = getattr(module, "normalized_shape", None)
-    if isinstance(module, nn.LayerNorm) or type(module).__name__.endswith(("LayerNorm", "RMSNorm")):
+    if _is_norm(module):
         w = getattr(module, "weight", None)
         return tuple(shape or (w.shape if w is not None else ())) == (hidden,)
     return False

@@ -308,9 +308,7 @@ class HeadCoreNorm(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def replicate(name, mod, mesh):
             for pname, param in list(mod.named_parameters(recurse=False)):
-                # Every rank holds the first rank's values already (shard broadcasts them).
-                dist = DTensor.from_local(param.detach(), mesh, (Replicate(),), run_check=False)
-                mod.register_parameter(pname, nn.Parameter(dist, requires_grad=param.requires_grad))
+                _distribute_param(mod, pname, param.detach(), mesh, Replicate(), self.src_data_rank)
 
         return distribute_module(module, device_mesh, replicate, self._input, self._output)
 
@@ -323,8 +321,8 @@ class HeadCoreNorm(ParallelStyle):
                 + (f" of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else "")
             )
         if self.per_head:
-            return (DTensor.from_local(x, mesh, (Shard(x.dim() - 2),), run_check=False), *inputs[1:])
-        x = DTensor.from_local(x, mesh, (Shard(x.dim() - 1),), run_check=False)
+            return (_as_dtensor(x, mesh, Shard(x.dim() - 2)), *inputs[1:])
+        x = _as_dtensor(x, mesh, Shard(x.dim() - 1))
         t = mesh.size()
         rows = next((d for d in (x.dim() - 2, *range(x.dim() - 2)) if x.shape[d] % t == 0), None)
         target = Shard(rows) if rows is not None else Replicate()

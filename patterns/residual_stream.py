@@ -85,9 +85,8 @@ def _operands_of_one_shape(m: Match) -> str | None:
 
 def _same_shape_sum(m: Match) -> tuple[torch.Tensor, tuple[int, ...]] | str:
     """(x's value, the normalized shape as a tuple) when x and the residual are tensors of one
-    shape and normalized_shape a constant, else why not. Dynamo may leave the shape computed in
-    the graph (Llama's RMSNorm under sequence parallelism): a filter rejects what it cannot read
-    rather than failing the whole rewrite."""
+    shape and normalized_shape's value is known (a constant, or a shape computed in the graph),
+    else why not: a filter rejects what it cannot read rather than failing the whole rewrite."""
     why = _operands_of_one_shape(m)
     if why is not None:
         return why
