@@ -270,13 +270,29 @@ def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
 
 
 def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` with a fresh code object: Dynamo keeps its cache (and recompile limit) per code object."""
-    new = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
-                             fn.__closure__)
+    """`fn` with a fresh code object: Dynamo keeps its cache (and recompile limit) per code object.
+    A decorator's wrapper (functools.wraps, its closure holding the function it wraps) is copied
+    down the chain: Hugging Face's `can_return_tuple` wrapper is one code object for every model
+    class, and when a unit's graph breaks inside it (a head unit's fence) Dynamo compiles it as a
+    frame of its own, one entry per model and shape; past the recompile limit (8) that code ran
+    uncompiled for the rest of the process, and later models' heads went unfused."""
+    closure = fn.__closure__
+    inner = getattr(fn, "__wrapped__", None)
+    if closure and isinstance(inner, types.FunctionType):
+        own_inner = _own_code(inner)
+        closure = tuple(types.CellType(own_inner) if _holds(cell, inner) else cell for cell in closure)
+    new = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, closure)
     new.__kwdefaults__ = fn.__kwdefaults__
     new.__dict__.update(fn.__dict__)
     new.__qualname__ = fn.__qualname__
     return new
+
+
+def _holds(cell: types.CellType, value: Any) -> bool:
+    try:
+        return cell.cell_contents is value
+    except ValueError:  # an empty cell
+        return False
 
 
 _CALLING: contextvars.ContextVar["DynamoUnit | None"] = contextvars.ContextVar("trifuse_dynamo_unit", default=None)

@@ -3,7 +3,10 @@
 For each pattern, in stage order (spellings -> one op; ops -> combined ops; biases folded), every
 candidate node is matched (match.py) and each match is checked before anything changes:
 
-1. the pattern's intermediate values are used nowhere else (else the model still needs them);
+1. the pattern's intermediate values are used nowhere else (else the model still needs them),
+   except for their shape: a `size()` of an intermediate (Dynamo writes OPT's `x.shape`, taken
+   before a reshape, as one when the sequence length is dynamic) then reads a pattern input of
+   provably the same shape instead;
 2. the pattern's filters accept the matched values;
 3. the replacement, traced with the matched constants, runs on the matched example values (fake
    tensors, no data): the trifuse op's own input checks decide whether it takes these shapes,
@@ -31,7 +34,7 @@ import torch.nn.functional as F
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from ..patterns._base import Pattern, available, example_value
+from ..patterns._base import Pattern, available, example_value, same_shape
 from .match import Match, compile_pattern, matches, resolve_from_local, trace_function
 from .normalize import canonicalize_node, writes_in_place
 
@@ -191,15 +194,36 @@ def _rewrite_at(graph: fx.Graph, node: fx.Node, cp: Any, log: RewriteLog, earlie
     return first_reason
 
 
-def _check(m: Match) -> str | None:
-    matched = set(m.nodes)
-    outputs = set(m.outputs)
+_SHAPE_READERS = ("size", "dim", "numel")
+
+
+def _shape_stand_ins(m: Match) -> dict[fx.Node, fx.Node] | str:
+    """{intermediate: pattern input of the same shape} for the matched intermediates whose only
+    users outside the pattern read their shape (`size()`, `dim()`, `numel()`), or why a use
+    outside the pattern blocks the rewrite."""
+    matched, outputs = set(m.nodes), set(m.outputs)
+    inputs = [v for v in m.bindings().values() if isinstance(v, fx.Node) and v not in matched]
+    stand_ins: dict[fx.Node, fx.Node] = {}
     for g in m.nodes:
-        if g in outputs:
-            continue
         outside = [u for u in g.users if u not in matched]
-        if outside:
-            return f"{g.name} is also used by {outside[0].name}, outside the pattern"
+        if g in outputs or not outside:
+            continue
+        value = example_value(g)
+        reader = next((u for u in outside if not (u.op == "call_method" and u.target in _SHAPE_READERS)), None)
+        same = None
+        if reader is None and isinstance(value, torch.Tensor):
+            same = next((i for i in inputs if isinstance(example_value(i), torch.Tensor)
+                         and same_shape(example_value(i), value)), None)
+        if same is None:
+            return f"{g.name} is also used by {(reader or outside[0]).name}, outside the pattern"
+        stand_ins[g] = same
+    return stand_ins
+
+
+def _check(m: Match) -> str | None:
+    stand_ins = _shape_stand_ins(m)
+    if isinstance(stand_ins, str):
+        return stand_ins
     for g in m.nodes:
         if g.op == "call_function" and g.target is F.dropout and g.args[3] is True:
             return "in-place dropout"
@@ -432,6 +456,9 @@ def _splice(graph: fx.Graph, m: Match, plan: _Plan, log: RewriteLog) -> None:
             event.node = event.node or new.name
     for old, new in zip(m.outputs, outputs):
         old.replace_all_uses_with(new)
+    for old, same in _shape_stand_ins(m).items():
+        for user in [u for u in old.users if u not in m.nodes]:
+            user.replace_input_with(old, same)
     for node in reversed(matched):
         if not node.users:
             absorbed = node.meta.get("trifuse_event")

@@ -14,7 +14,8 @@ Korthikanti et al. 2022), per block:
                 Q, K, V (or fused QKV, split per head)               column-parallel, H/t heads per rank
                 output projection                                    row-parallel -> Shard(1) or Replicate
                 Q/K norms in the core (per head, or over all heads)  HeadCoreNorm (weight replicated)
-    MLP         entry                                                gather, as above
+    MLP         entry (its first linear if the container is the      gather, as above
+                whole block: OPT's, BART's fc1)
                 first linear(s)                                      column-parallel
                 second linear                                        row-parallel
     norms       LayerNorms on the residual stream                    SequenceParallel (only with SP)
@@ -23,7 +24,9 @@ Korthikanti et al. 2022), per block:
 
 With sequence parallelism (SP) the residual stream between blocks (norms, dropout, residual
 adds) holds a 1/t slice of the sequence on each rank; the entry's all-gather replaces
-Megatron's all-reduce-free copy, the row-parallel reduce-scatter replaces its all-reduce.
+Megatron's all-reduce-free copy, the row-parallel reduce-scatter replaces its all-reduce. A
+block that flattens its tokens to (tokens, features) (OPT's MLP half) holds the same rows split
+along dim 0: the styles read Shard(1) on a 2-D tensor as Shard(0) (styles.py's `_on_rows`).
 """
 
 import fnmatch
@@ -31,7 +34,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from .styles import (
     ColwiseParallel,
@@ -39,6 +42,7 @@ from .styles import (
     PrepareFirstInput,
     PrepareFirstOutput,
     RowwiseParallel,
+    SequenceParallel,
     linear_kind,
 )
 
@@ -72,6 +76,13 @@ class AttentionSpelling:
     width_from_input: bool = False
     # The keyword `entry` gets the hidden states by, when its caller passes them by name.
     keyword: str | None = None
+    # A fused projection whose output features are grouped per head ([q_0 k_0 v_0 | q_1 k_1 v_1
+    # | ...], GPT-NeoX): a contiguous split of its columns hands each rank whole heads, so it is
+    # not permuted as [Q | K | V] is.
+    heads_major: bool = False
+    # Class names the spelling is limited to, when shapes cannot tell the layout: Falcon names
+    # its projections as GPT-NeoX does, with its features laid out [Q | K | V] or per K/V group.
+    classes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -121,6 +132,26 @@ ATTENTION_SPELLINGS: tuple[AttentionSpelling, ...] = (
         "num_attention_heads",
         (),
     ),
+    AttentionSpelling(
+        "q_proj/k_proj/v_proj + out_proj (OPT, BART, Whisper, CLIP, SigLIP)",
+        "",
+        ("q_proj", "k_proj", "v_proj"),
+        "out_proj",
+        "num_heads",
+        ("embed_dim",),
+        keyword="hidden_states",
+    ),
+    AttentionSpelling(
+        "fused query_key_value per head + dense (GPT-NeoX)",
+        "",
+        ("query_key_value",),
+        "dense",
+        "config.num_attention_heads",
+        (),
+        keyword="hidden_states",
+        heads_major=True,
+        classes=("GPTNeoXAttention",),
+    ),
 )
 
 MLP_SPELLINGS: tuple[MLPSpelling, ...] = (
@@ -129,7 +160,8 @@ MLP_SPELLINGS: tuple[MLPSpelling, ...] = (
         "intermediate.dense + output.dense (BERT)", "intermediate", ("intermediate.dense",), "output.dense"
     ),
     MLPSpelling("gate_proj/up_proj + down_proj (Llama)", "", ("gate_proj", "up_proj"), "down_proj"),
-    MLPSpelling("fc1 + fc2 (ViT)", "", ("fc1",), "fc2"),
+    MLPSpelling("fc1 + fc2 (ViT, CLIP, OPT, BART)", "", ("fc1",), "fc2"),
+    MLPSpelling("dense_h_to_4h + dense_4h_to_h (GPT-NeoX)", "", ("dense_h_to_4h",), "dense_4h_to_h"),
 )
 
 
@@ -170,6 +202,10 @@ class MLP:
     path: str
     spelling: MLPSpelling
     inner: int
+    # Where its input is gathered, relative to `path`: the spelling's entry, or its one up
+    # projection when the container is the whole block (OPT's and BART's fc1/fc2 sit beside the
+    # attention and the norms, which must not see the gathered input).
+    entry: str = ""
 
     def fqn(self, rel: str) -> str:
         return _join(self.path, rel)
@@ -177,6 +213,8 @@ class MLP:
 
 def _attention_mismatch(module: nn.Module, s: AttentionSpelling) -> str | tuple[int, int, int]:
     """(heads, kv heads, hidden) when `module` is spelled as `s`, else why not."""
+    if s.classes and type(module).__name__ not in s.classes:
+        return "no such projections"
     entry, out = _sub(module, s.entry), _sub(module, s.out)
     projs = [_sub(module, p) for p in s.qkv]
     if entry is None or out is None or any(linear_kind(m) is None for m in (out, *projs)):
@@ -248,7 +286,8 @@ def _core_params(
     return norms, problems
 
 
-def _match_mlp(module: nn.Module, s: MLPSpelling) -> int | None:
+def _match_mlp(module: nn.Module, s: MLPSpelling) -> tuple[int, str] | None:
+    """(inner width, entry) when `module` is spelled as `s` (see MLP.entry), else None."""
     entry, down = _sub(module, s.entry), _sub(module, s.down)
     ups = [_sub(module, p) for p in s.up]
     if entry is None or down is None or any(linear_kind(m) is None for m in (down, *ups)):
@@ -256,7 +295,12 @@ def _match_mlp(module: nn.Module, s: MLPSpelling) -> int | None:
     inner = _features(down)[0]
     if any(_features(m)[1] != inner for m in ups):
         return None
-    return inner
+    mine = {_join(s.entry, p) for p in (*s.up, s.down)}
+    others = [n for n, _ in entry.named_parameters(prefix=s.entry) if n.rpartition(".")[0] not in mine]
+    if not others:
+        return inner, s.entry
+    # The container holds more than the MLP: gather at the up projection, if there is one.
+    return (inner, s.up[0]) if len(s.up) == 1 else None
 
 
 @dataclass
@@ -298,13 +342,13 @@ def recognize(model: nn.Module) -> Recognized:
                 claimed |= projs
                 break
         for s in MLP_SPELLINGS:
-            inner = _match_mlp(module, s)
+            m = _match_mlp(module, s)
             projs = {_join(path, p) for p in (*s.up, s.down)}
-            if inner is not None and not projs & claimed:
+            if m is not None and not projs & claimed:
                 # No core check here: an MLP's container may be the whole block (OPT's and BART's
-                # fc1/fc2 sit beside the attention and the norms), so its other parameters are
-                # not known to see column shards.
-                found.mlps.append(MLP(path, s, inner=inner))
+                # fc1/fc2 sit beside the attention and the norms), whose other parameters do not
+                # see column shards.
+                found.mlps.append(MLP(path, s, inner=m[0], entry=m[1]))
                 claimed |= projs
                 break
     blocks = {}
@@ -468,7 +512,7 @@ def derive_plan(model: nn.Module, found: "Recognized", tp: int, *, sequence_para
                 ),
             )
         )
-        fused = 3 if len(s.qkv) == 1 else 1
+        fused = 3 if len(s.qkv) == 1 and not s.heads_major else 1
         qkv_in = sliced if s.width_from_input else None
         plan.styles += [(a.fqn(p), ColwiseParallel(input_layouts=qkv_in, fused_parts=fused)) for p in s.qkv]
         plan.styles.append((a.fqn(s.out), RowwiseParallel(output_layouts=resid)))
@@ -485,13 +529,16 @@ def derive_plan(model: nn.Module, found: "Recognized", tp: int, *, sequence_para
                 f"trifuse.parallel.shard: {m.path or type(model).__name__} has an MLP width of {m.inner}, "
                 f"which does not divide across a tensor-parallel degree of {tp}"
             )
-        plan.styles.append(
-            (
-                m.fqn(s.entry),
-                PrepareFirstInput(input_layout=resid, desired_layout=Replicate(), use_local_output=False),
+        if m.entry in s.up:  # the up projection gathers its own input
+            plan.styles.append((m.fqn(m.entry), ColwiseParallel(input_layouts=resid)))
+        else:
+            plan.styles.append(
+                (
+                    m.fqn(m.entry),
+                    PrepareFirstInput(input_layout=resid, desired_layout=Replicate(), use_local_output=False),
+                )
             )
-        )
-        plan.styles += [(m.fqn(p), ColwiseParallel()) for p in s.up]
+            plan.styles += [(m.fqn(p), ColwiseParallel()) for p in s.up]
         plan.styles.append((m.fqn(s.down), RowwiseParallel(output_layouts=resid)))
     if not sequence_parallel:
         return plan
@@ -504,9 +551,7 @@ def derive_plan(model: nn.Module, found: "Recognized", tp: int, *, sequence_para
             "pass sequence_parallel=False"
         )
     hidden = found.attentions[0].hidden if found.attentions else None
-    inside = [a.fqn(a.spelling.entry) for a in found.attentions] + [
-        m.fqn(m.spelling.entry) for m in found.mlps
-    ]
+    inside = [a.fqn(a.spelling.entry) for a in found.attentions] + [m.fqn(m.entry) for m in found.mlps]
     for stack in found.stacks:
         plan.styles.append(
             (

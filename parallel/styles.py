@@ -42,6 +42,7 @@ from torch.distributed.tensor import (
 from torch.distributed.tensor.parallel import ColwiseParallel as _TorchColwise
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.parallel import RowwiseParallel as _TorchRowwise
+from torch.distributed.tensor.parallel import SequenceParallel as _TorchSequenceParallel
 from torch.distributed.tensor.placement_types import Placement
 
 
@@ -84,19 +85,30 @@ def _as_dtensor(x: torch.Tensor, mesh: DeviceMesh, layout: Placement) -> DTensor
     return x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, (layout,), run_check=False)
 
 
+def _on_rows(layout: Placement, x: torch.Tensor) -> Placement:
+    """Sequence-parallel layouts are written for (batch, sequence, features): Shard(1). A block
+    that flattens its tokens to (tokens, features) (OPT's MLP) holds the same rows split along
+    dim 0, so on a 2-D tensor Shard(1) reads Shard(0). The row order of the whole tensor is then
+    rank-major, not the model's, which row-wise layers and a reduce-scatter back along dim 0 do
+    not mind."""
+    return Shard(0) if x.dim() == 2 and layout == Shard(1) else layout
+
+
 # Redistributions wait for their collective (async_op=False): a local tensor handed on while its
 # collective is in flight is a lazy-waiting subclass, and a kernel launcher that reads its
 # data_ptr() (trifuse's fused kernels on the local shards) would read memory not yet written.
 
 
 def _redistribute_input(layout, desired, mod, inputs, device_mesh):
-    x = _as_dtensor(inputs[0], device_mesh, layout)
+    x = _as_dtensor(inputs[0], device_mesh, _on_rows(layout, inputs[0]))
+    desired = _on_rows(desired, x)
     if x.placements != (desired,):
         x = x.redistribute(device_mesh, (desired,), async_op=False)
     return (x, *inputs[1:])
 
 
 def _redistribute_output(layout, use_local_output, mod, outputs, device_mesh):
+    layout = _on_rows(layout, outputs)
     if outputs.placements != (layout,):
         outputs = outputs.redistribute(device_mesh, (layout,), async_op=False)
     return outputs.to_local() if use_local_output else outputs
@@ -202,6 +214,19 @@ class RowwiseParallel(_TorchRowwise):
             partial(_redistribute_input, self.input_layouts[0], Shard(-1)),
             partial(_redistribute_output, self.output_layouts[0], self.use_local_output),
         )
+
+
+class SequenceParallel(_TorchSequenceParallel):
+    """torch's SequenceParallel (a row-wise module, a norm, run on sequence shards with its
+    parameters replicated), plus tokens flattened to (tokens, features): OPT's final norm sees
+    its rows split along dim 0 (see `_on_rows`)."""
+
+    @staticmethod
+    def _prepare_input_fn(sequence_sharding, mod, inputs, device_mesh):
+        x = inputs[0]
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+            sequence_sharding = (_on_rows(sequence_sharding[0], x),)
+        return _TorchSequenceParallel._prepare_input_fn(sequence_sharding, mod, inputs, device_mesh)
 
 
 class PrepareFirstInput(ParallelStyle):

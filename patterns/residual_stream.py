@@ -224,6 +224,22 @@ def dropout_add_layer_norm_on_shards_fused(x, residual, p, training, placements,
     return y, s.to_local()
 
 
+def dropout_add_reshape_layer_norm_on_shards(x: torch.Tensor, residual: torch.Tensor, p, training, shape,
+                                             placements, normalized_shape, weight, bias, eps):
+    """OPT's MLP half under sequence parallelism: this rank's rows, flattened, then normed."""
+    s = (residual + F.dropout(x, p, training, False)).reshape(shape)
+    return ops.layer_norm(from_local(s, placements), normalized_shape, weight, bias, eps), s
+
+
+def dropout_add_reshape_layer_norm_on_shards_fused(x, residual, p, training, shape, placements, normalized_shape,
+                                                   weight, bias, eps):
+    # The placements are the flattened sum's: the local operands are flattened first.
+    y, s = ops.dropout_add_layer_norm(from_local(x.reshape(shape), placements),
+                                      from_local(residual.reshape(shape), placements), normalized_shape, weight,
+                                      bias, eps, p, training)
+    return y, s.to_local()
+
+
 def add_layer_norm_on_shards(x: torch.Tensor, residual: torch.Tensor, placements, normalized_shape, weight,
                              bias, eps):
     s = residual + x
@@ -260,21 +276,15 @@ def add_rms_norm_on_shards_fused(x, residual, placements, normalized_shape, weig
     return y, s.to_local()
 
 
-def rows_sharded(m: Match) -> str | None:
-    """Every mesh dim shards a row dim of the sum (or replicates it), one at least shards: no
-    shard splits a normalized dim, no partial sum is pending, and x and the residual are shards
-    of the same shape."""
+def _rows_of(placements: tuple, ndim: int, normalized: tuple[int, ...]) -> str | None:
+    """None when every mesh dim shards a row dim of an `ndim`-dim tensor normalized over its last
+    len(normalized) dims (or replicates it) and one at least shards, else why not."""
     from torch.distributed.tensor import Replicate, Shard
 
-    found = _same_shape_sum(m)
-    if isinstance(found, str):
-        return found
-    x, normalized = found
-    rows = x.dim() - len(normalized)
-    placements = tuple(m["placements"])
+    rows = ndim - len(normalized)
     for pl in placements:
         if isinstance(pl, Shard):
-            dim = pl.dim + x.dim() if pl.dim < 0 else pl.dim
+            dim = pl.dim + ndim if pl.dim < 0 else pl.dim
             if not 0 <= dim < rows:
                 return f"placements {placements}: dim {pl.dim} is a normalized dim, not a row dim"
         elif not isinstance(pl, Replicate):
@@ -282,6 +292,29 @@ def rows_sharded(m: Match) -> str | None:
     if not any(isinstance(pl, Shard) for pl in placements):
         return f"placements {placements}: no mesh dim shards the rows"
     return None
+
+
+def rows_sharded(m: Match) -> str | None:
+    """Every mesh dim shards a row dim of the sum (or replicates it), one at least shards: no
+    shard splits a normalized dim, no partial sum is pending, and x and the residual are shards
+    of the same shape."""
+    found = _same_shape_sum(m)
+    if isinstance(found, str):
+        return found
+    x, normalized = found
+    return _rows_of(tuple(m["placements"]), x.dim(), normalized)
+
+
+def reshaped_rows_sharded(m: Match) -> str | None:
+    """`rows_sharded` for a sum reshaped before the norm (OPT's flattened tokens): the reshape
+    keeps the normalized dims, and the placements shard a row dim of the reshaped sum."""
+    why = _reshape_keeps_normalized_dims(m)
+    if why is not None:
+        return why
+    shape = m.value("shape")
+    if not isinstance(shape, (tuple, list)):
+        return f"shape {m['shape']}: not a constant, nor a shape of known value"
+    return _rows_of(tuple(m["placements"]), len(shape), _same_shape_sum(m)[1])
 
 
 # Stage 2: the bias of the linear (nn.Linear, HF's Conv1D: addmm + view, or a plain addmm) producing x.
@@ -348,6 +381,8 @@ PATTERNS = (
             (needs_number("eps"),), stage=1),
     Pattern("dropout_add_layer_norm_on_shards", "residual_stream", dropout_add_layer_norm_on_shards,
             dropout_add_layer_norm_on_shards_fused, _OPS, (*_DROPOUT, rows_sharded), stage=1),
+    Pattern("dropout_add_reshape_layer_norm_on_shards", "residual_stream", dropout_add_reshape_layer_norm_on_shards,
+            dropout_add_reshape_layer_norm_on_shards_fused, _OPS, (*_DROPOUT, reshaped_rows_sharded), stage=1),
     Pattern("add_layer_norm_on_shards", "residual_stream", add_layer_norm_on_shards,
             add_layer_norm_on_shards_fused, _OPS, (rows_sharded,), stage=1),
     Pattern("dropout_add_rms_norm_on_shards", "residual_stream", dropout_add_rms_norm_on_shards,

@@ -516,6 +516,22 @@ def test_each_head_capture_fences_with_its_own_code_object():
     assert fences[0].__code__ is not fences[1].__code__
 
 
+@pytest.mark.skipif(not has_op("cross_entropy"), reason="trifuse.ops.cross_entropy not in this build")
+@torch._dynamo.config.patch(recompile_limit=2)  # not monkeypatch: its undo deletes the entry
+def test_many_model_families_in_one_process_keep_their_head_captures():
+    # Hugging Face's decorators share one code object between model classes, and a head
+    # capture's fence makes Dynamo compile the wrapper as a frame of its own: one entry per model
+    # class and shape. Past the recompile limit (8, here 2 to show it with three models) that
+    # code ran uncompiled from then on, and every later model's head and loss went unfused. Each
+    # unit now compiles its own copy of the decorator chain.
+    for name in ("qwen2", "helium", "glm"):
+        model, inputs, loss_fn = _models.hf_family(name)
+        trifuse.fuse(model)
+        for s in (5, 7):  # the second length recompiles with the sequence dim dynamic
+            loss_fn(model, inputs(2, s)).backward()
+            assert trifuse.report(model).counts().get("cross_entropy") == 1, (name, s)
+
+
 def _train_step(model, loss_fn, kw, seed):
     torch.manual_seed(seed)
     loss = loss_fn(model, kw)

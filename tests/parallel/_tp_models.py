@@ -49,6 +49,97 @@ def build(kind: str, *, dropout: float = 0.0, heads: int = 4, dtype=torch.float6
             return transformers.Gemma3ForCausalLM(config).to(dtype)
         config = transformers.Olmo2Config(**common, **extra)
         return transformers.Olmo2ForCausalLM(config).to(dtype)
+    if kind == "opt":  # q/k/v_proj + out_proj; fc1/fc2 beside them in the decoder layer, on flattened tokens
+        config = transformers.OPTConfig(
+            hidden_size=8 * heads,
+            num_hidden_layers=2,
+            num_attention_heads=heads,
+            ffn_dim=64,
+            vocab_size=VOCAB,
+            word_embed_proj_dim=8 * heads,
+            max_position_embeddings=32,
+            pad_token_id=1,
+            bos_token_id=0,
+            eos_token_id=0,
+            dropout=dropout,
+            attention_dropout=dropout,
+            **extra,
+        )
+        return transformers.OPTForCausalLM(config).to(dtype)
+    if kind == "bart":  # encoder-decoder: post-norm blocks, cross-attention on the encoder's output
+        config = transformers.BartConfig(
+            d_model=8 * heads,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=heads,
+            decoder_attention_heads=heads,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+            vocab_size=VOCAB,
+            max_position_embeddings=32,
+            pad_token_id=1,
+            bos_token_id=0,
+            eos_token_id=2,
+            decoder_start_token_id=2,
+            forced_eos_token_id=None,
+            dropout=dropout,
+            attention_dropout=dropout,
+            activation_dropout=dropout,
+            **extra,
+        )
+        return transformers.BartForConditionalGeneration(config).to(dtype)
+    if kind == "whisper":  # BART's blocks behind a convolutional front end (8 frames from 16)
+        config = transformers.WhisperConfig(
+            d_model=8 * heads,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=heads,
+            decoder_attention_heads=heads,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+            vocab_size=VOCAB,
+            num_mel_bins=4,
+            max_source_positions=8,
+            max_target_positions=32,
+            pad_token_id=1,
+            bos_token_id=0,
+            eos_token_id=2,
+            decoder_start_token_id=2,
+            suppress_tokens=None,
+            begin_suppress_tokens=None,
+            dropout=dropout,
+            attention_dropout=dropout,
+            activation_dropout=dropout,
+            **extra,
+        )
+        return transformers.WhisperForConditionalGeneration(config).to(dtype)
+    if kind == "neox":  # fused query_key_value laid out per head, parallel residual, partial rotary
+        config = transformers.GPTNeoXConfig(
+            hidden_size=8 * heads,
+            num_hidden_layers=2,
+            num_attention_heads=heads,
+            intermediate_size=64,
+            vocab_size=VOCAB,
+            max_position_embeddings=32,
+            attention_dropout=dropout,
+            hidden_dropout=dropout,
+            **extra,
+        )
+        return transformers.GPTNeoXForCausalLM(config).to(dtype)
+    if kind == "clip":  # CLIP's vision tower: q/k/v_proj + out_proj, an MLP module fc1/fc2
+        config = transformers.CLIPVisionConfig(
+            hidden_size=8 * heads,
+            num_hidden_layers=2,
+            num_attention_heads=heads,
+            intermediate_size=64,
+            image_size=24,
+            patch_size=8,
+            attention_dropout=dropout,
+            **extra,
+        )
+        return transformers.CLIPForImageClassification(
+            transformers.CLIPConfig(vision_config=config.to_dict(), text_config={"hidden_size": 8 * heads}, num_labels=3)
+        ).to(dtype)
     if kind == "vit":
         config = transformers.ViTConfig(
             hidden_size=8 * heads,
@@ -99,14 +190,17 @@ def build(kind: str, *, dropout: float = 0.0, heads: int = 4, dtype=torch.float6
 def batch(kind: str, step: int = 0, *, b: int = 2, s: int = 8) -> dict:
     """Inputs and labels, the same on every rank (a seeded generator, not the global stream)."""
     gen = torch.Generator().manual_seed(100 + step)
-    if kind == "vit":
+    if kind in ("vit", "clip"):
         pixels = torch.randn(b, 3, 24, 24, generator=gen, dtype=torch.float64)
         return {"pixel_values": pixels, "labels": torch.randint(0, 3, (b,), generator=gen)}
     ids = torch.randint(0, VOCAB, (b, s), generator=gen)
+    if kind == "whisper":
+        features = torch.randn(b, 4, 16, generator=gen, dtype=torch.float64)
+        return {"input_features": features, "labels": ids, "use_cache": False}
     if kind == "nanogpt":
         return {"idx": ids, "targets": ids}
     out = {"input_ids": ids, "labels": ids}
-    if kind in ("gpt2", "llama", "gemma2", "gemma3", "olmo2"):
+    if kind in ("gpt2", "llama", "gemma2", "gemma3", "olmo2", "opt", "bart", "neox"):
         out["use_cache"] = False
     return out
 

@@ -1,7 +1,10 @@
 """trifuse.parallel.shard on the other block spellings the rewriter knows, 2 gloo ranks:
 nanoGPT (nn.Linear fused c_attn, head count `n_head`, width read from the input), HF Llama
-(q/k/v/o_proj with grouped key/value heads, gated MLP, RMSNorm) and HF ViT (q/k/v/o_proj,
-fc1/fc2). Same oracle as test_shard.py: the unsharded model in one process, float64, same
+(q/k/v/o_proj with grouped key/value heads, gated MLP, RMSNorm), HF ViT (q/k/v/o_proj,
+fc1/fc2), and the q/k/v_proj + out_proj family: OPT (fc1/fc2 beside the attention in the decoder
+layer, on tokens flattened to rows), BART and Whisper (encoder-decoder, cross-attention on the
+encoder's output, Whisper behind convolutions), CLIP's vision tower; and GPT-NeoX (a fused
+query_key_value laid out per head, parallel residual). Same oracle as test_shard.py: the unsharded model in one process, float64, same
 weights and inputs; the loss, every gradient gathered back and the weights after each AdamW
 step (SGD here: see equal_to_single_process) agree to float64 rounding (tests/tolerances.py).
 
@@ -19,14 +22,39 @@ def _mesh(size):
     return init_device_mesh("cpu", (size,))
 
 
-def equal_to_single_process(rank, size, kind, sp, steps, naive_qkv=False, heads=4):
-    """(failures, checks, local shape of a K projection). With `naive_qkv`, nanoGPT's fused
-    c_attn is cut by columns instead of per Q, K, V and head (rank 0: Q and half of K)."""
+# Where each kind's first attention is, and its K (or fused QKV) projection.
+ATTENTION = {
+    "nanogpt": ("transformer.h.0.attn", "c_attn"),
+    "llama": ("model.layers.0.self_attn", "k_proj"),
+    "gemma3": ("model.layers.0.self_attn", "k_proj"),
+    "olmo2": ("model.layers.0.self_attn", "k_proj"),
+    "vit": ("vit.layers.0.attention", "k_proj"),
+    "opt": ("model.decoder.layers.0.self_attn", "k_proj"),
+    "bart": ("model.decoder.layers.0.encoder_attn", "k_proj"),  # the cross-attention
+    "whisper": ("model.decoder.layers.0.encoder_attn", "k_proj"),
+    "clip": ("vision_model.encoder.layers.0.self_attn", "k_proj"),
+    "neox": ("gpt_neox.layers.0.attention", "query_key_value"),
+}
+
+
+def _naive_qkv_plan(kind):
+    """A fused QKV split the wrong way: nanoGPT's [Q | K | V] cut by columns (rank 0: Q and half
+    of K); GPT-NeoX's per-head layout permuted as if it were [Q | K | V]."""
     from torch.distributed.tensor import Shard
 
-    from trifuse.parallel import ColwiseParallel, shard
+    from trifuse.parallel import ColwiseParallel
 
-    plan = {"*.attn.c_attn": ColwiseParallel(input_layouts=Shard(2))} if naive_qkv else None
+    if kind == "nanogpt":
+        return {"*.attn.c_attn": ColwiseParallel(input_layouts=Shard(2))}
+    return {"*.attention.query_key_value": ColwiseParallel(fused_parts=3)}
+
+
+def equal_to_single_process(rank, size, kind, sp, steps, naive_qkv=False, heads=4):
+    """(failures, checks, local shape of a K projection). With `naive_qkv`, the fused QKV is split
+    the wrong way (`_naive_qkv_plan`)."""
+    from trifuse.parallel import shard
+
+    plan = _naive_qkv_plan(kind) if naive_qkv else None
     ref = build(kind, heads=heads)
     model = shard(build(kind, heads=heads), _mesh(size), sequence_parallel=sp, plan=plan)
     # SGD, not AdamW: the key bias (nanoGPT, ViT) has a gradient that is zero in exact arithmetic
@@ -37,17 +65,8 @@ def equal_to_single_process(rank, size, kind, sp, steps, naive_qkv=False, heads=
     # partial sums of their weights' gradients differ from one process's sum by float32 rounding.
     fp32 = kind in ("gemma3", "olmo2")
     failures, checks = train_alongside(kind, model, ref, steps, fp32=fp32, optimizer=torch.optim.SGD)
-    attn = model.get_submodule(
-        {
-            "nanogpt": "transformer.h.0.attn",
-            "llama": "model.layers.0.self_attn",
-            "gemma3": "model.layers.0.self_attn",
-            "olmo2": "model.layers.0.self_attn",
-            "vit": "vit.layers.0.attention",
-        }[kind]
-    )
-    proj = attn.c_attn if kind == "nanogpt" else attn.k_proj
-    return failures, checks, tuple(proj.weight.to_local().shape)
+    attn, proj = ATTENTION[kind]
+    return failures, checks, tuple(model.get_submodule(f"{attn}.{proj}").weight.to_local().shape)
 
 
 def fused_equal_to_single_process(rank, size, kind, order, sp):
@@ -67,7 +86,9 @@ def fused_equal_to_single_process(rank, size, kind, order, sp):
     else:
         shard(model, _mesh(size), sequence_parallel=sp)
         model = trifuse.fuse(model)
-    fp32 = kind in ("llama", "gemma2", "gemma3", "olmo2")  # their norms compute in float32 (see above)
+    # Their norms compute in float32 (see above); OPT's, BART's and NeoX's losses upcast the logits
+    # to float32, trifuse's fused cross-entropy keeps float64.
+    fp32 = kind in ("llama", "gemma2", "gemma3", "olmo2", "opt", "bart", "neox")
     failures, checks = train_alongside(kind, model, ref, 1, fp32=fp32, optimizer=torch.optim.SGD)
     return failures, checks, trifuse.report(model).counts()
 
@@ -94,6 +115,11 @@ def shard_error(rank, size, case, sp):
     elif case == "attention_sinks":  # gpt-oss's per-head sink logits: a vector over the heads
         model = build("llama")
         model.model.layers[0].self_attn.sinks = nn.Parameter(torch.zeros(4, dtype=torch.float64))
+    elif case == "falcon":  # GPT-NeoX's names, its features laid out [Q | K | V] (multi-query here)
+        import transformers
+
+        config = transformers.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=64)
+        model = transformers.FalconForCausalLM(config).double()
     elif case == "core_norm_of_another_width":  # neither one head's width nor a projection's
         from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 
@@ -118,6 +144,38 @@ def test_loss_grads_and_steps_match_single_process(world, kind, sp):
         assert shape == local
         assert checks > 60
         assert not failures, "\n".join(failures[:10])
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("kind", ["opt", "bart", "whisper", "clip", "neox"])
+def test_out_proj_and_neox_families_match_single_process(world, kind, sp):
+    # Local K projection: 4 heads of 8, 2 per rank (a K projection, or NeoX's whole heads of its
+    # fused q, k, v: 2 x 3 x 8 rows).
+    local = (48, 32) if kind == "neox" else (16, 32)
+    for failures, checks, shape in world.run(equal_to_single_process, kind, sp, 2):
+        assert shape == local
+        assert checks > 100
+        assert not failures, "\n".join(failures[:10])
+
+
+# Each fused by trifuse.fuse as in one process (tests/fusion/test_fuse_models.py): OPT's MLP-half
+# residual stream on its flattened rows, BART's ten (post-norm, cross-attention), NeoX's parallel
+# residual with none.
+FUSED_COUNTS = {
+    "opt": {"layer_norm": 3, "attention": 2, "residual_stream": 2, "dropout_add": 2},
+    "bart": {"layer_norm": 2, "attention": 6, "bias_gelu": 4, "residual_stream": 10},
+    "neox": {"layer_norm": 5, "attention": 2, "bias_gelu": 2, "dropout_add": 2, "rotary": 2},
+}
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("kind", list(FUSED_COUNTS))
+def test_out_proj_and_neox_families_fused_and_sharded(world, kind, sp):
+    for failures, checks, counts in world.run(fused_equal_to_single_process, kind, "shard_then_fuse", sp):
+        assert checks > 40
+        assert not failures, "\n".join(failures[:10])
+        counts.pop("cross_entropy", None)
+        assert counts == FUSED_COUNTS[kind], counts
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
@@ -214,9 +272,11 @@ def test_four_ranks(worlds, kind):
         assert not failures, "\n".join(failures[:10])
 
 
-def test_naive_column_split_of_nanogpt_qkv_fails_the_check(world):
-    """Negative control: the same check must catch c_attn cut by columns."""
-    for failures, _, _ in world.run(equal_to_single_process, "nanogpt", False, 1, True):
+@pytest.mark.parametrize("kind", ["nanogpt", "neox"])
+def test_fused_qkv_split_the_wrong_way_fails_the_check(world, kind):
+    """Negative control: the same check must catch nanoGPT's c_attn cut by columns, and GPT-NeoX's
+    per-head query_key_value split as [Q | K | V]."""
+    for failures, _, _ in world.run(equal_to_single_process, kind, False, 1, True):
         assert any("loss" in f for f in failures)
 
 
@@ -249,6 +309,7 @@ def test_naive_column_split_of_nanogpt_qkv_fails_the_check(world):
             "attention_sinks",
             ("model.layers.0.self_attn: parameters sinks inside an attention core",),
         ),
+        ("falcon", ("transformer.h.0.self_attention: FalconAttention matches no known attention spelling",)),
         (
             "core_norm_of_another_width",
             ("model.layers.1.self_attn.q_norm: a norm over 4 features inside an attention core, neither "

@@ -131,6 +131,32 @@ def test_add_without_dropout():
     assert report.by_pattern() == {"add_layer_norm": 1}
 
 
+class ReshapedPreNormShapeKept(ReshapedPreNorm):
+    """OPT's whole MLP half: the sum's shape taken before it is flattened, the flat result viewed
+    back to it. Under dynamic shapes Dynamo writes that shape as a `size()` of the sum, a use of
+    the pattern's intermediate outside it."""
+
+    def forward(self, x):
+        s = x + self.drop(self.fc(x))
+        shape = s.shape
+        h = s.reshape(-1, N)
+        return (self.ln(h) * 2.0 + h).view(shape)
+
+
+def test_a_second_sequence_length_keeps_the_reshaped_residual_stream():
+    # The second length makes Dynamo recapture with the sequence dim symbolic: the sum's size()
+    # then reads x's (provably the same shape) and the add still fuses with the norm.
+    torch.manual_seed(0)
+    model = ReshapedPreNormShapeKept()
+    ref64 = copy.deepcopy(model).double()
+    fused = fuse_via(model, "dynamo")
+    for s in (5, 7):
+        x = torch.randn(2, s, N)
+        assert_close(f"output, {s} positions", fused(x), ref64(x.double()), model(x))
+        assert trifuse.report(fused).by_pattern() == {"linear_residual_norm": 1}, trifuse.report(fused).by_pattern()
+    assert trifuse.report(fused).counts() == {"residual_stream": 1}
+
+
 @pytest.mark.parametrize("capture", CAPTURES)
 def test_dropout_p_and_training_are_carried(capture):
     # p = 1 drops every value: s is the residual exactly, in training only; eval keeps the branch.
@@ -383,6 +409,32 @@ def test_on_shards_needs_row_shards(one_rank_mesh, placement, reason):
     assert report.by_pattern() == {"layer_norm": 1, "dropout_add": 1}, report.by_pattern()
     assert any(pattern == "dropout_add_layer_norm_on_shards" and reason in why
                for _, _, pattern, why in report.rejected()), report.rejected()
+
+
+class ReshapedOnShards(OnShards):
+    """OPT's MLP half under sequence parallelism: the local sum flattened to rows, the norm on a
+    DTensor of them sharded on dim 0 (trifuse.parallel's reading of Shard(1) on 2-D tensors)."""
+
+    def forward(self, x, residual):
+        s = (residual + F.dropout(x, 0.0, self.training)).reshape(-1, N)
+        return self.norm_on_shards(s) * 3.0, s
+
+
+@pytest.mark.parametrize("placement, expected", [
+    ("Shard(0)", {"dropout_add_reshape_layer_norm_on_shards": 1}),
+    # the flattened sum's dim 1 is the normalized one
+    ("Shard(1)", {"layer_norm": 1, "dropout_add": 1}),
+])
+def test_reshaped_sum_on_sequence_shards(one_rank_mesh, placement, expected):
+    from torch.distributed.tensor import Shard
+
+    layout = {"Shard(0)": Shard(0), "Shard(1)": Shard(1)}[placement]
+    inputs = (torch.randn(2, 6, N), torch.randn(2, 6, N))
+    report = check_sharded_against_unfused(lambda dtype: ReshapedOnShards(one_rank_mesh, layout).to(dtype), inputs)
+    assert report.by_pattern() == expected, report.by_pattern()
+    if placement == "Shard(1)":
+        assert any(pattern == "dropout_add_reshape_layer_norm_on_shards" and "is a normalized dim" in why
+                   for _, _, pattern, why in report.rejected()), report.rejected()
 
 
 class NormThenAddOnShards(OnShards):
