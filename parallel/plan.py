@@ -66,7 +66,7 @@ class AttentionSpelling:
     qkv: tuple[str, ...]  # one fused [Q | K | V] projection, or Q, K, V
     out: str
     heads_attr: str  # the head count on `entry`
-    width_attrs: tuple[str, ...]  # widths on `entry` proportional to the head count
+    width_attrs: tuple[str, ...]  # widths and K/V head counts on `entry`, divided by the TP degree
     # Grouped-query attention: the K/V head count on `entry` (K and V then have kv heads x
     # head_dim output features each, Q heads x head_dim).
     kv_heads_attr: str | None = None
@@ -83,6 +83,10 @@ class AttentionSpelling:
     # Class names the spelling is limited to, when shapes cannot tell the layout: Falcon names
     # its projections as GPT-NeoX does, with its features laid out [Q | K | V] or per K/V group.
     classes: tuple[str, ...] = ()
+    # Head counts the module reads from its config (Phi-3 slices its fused projection at
+    # `self.config.num_attention_heads * head_dim`): the module gets a view of the shared config
+    # with this rank's counts (sharding.py's LocalHeadsConfig).
+    config_heads: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,9 @@ class MLPSpelling:
     entry: str
     up: tuple[str, ...]
     down: str
+    # Equal parts of one up projection's output ([gate | up] = 2, Phi-3's gate_up_proj, which the
+    # MLP chunks in two): each split per rank, as a fused QKV is.
+    fused: int = 1
 
 
 ATTENTION_SPELLINGS: tuple[AttentionSpelling, ...] = (
@@ -133,6 +140,17 @@ ATTENTION_SPELLINGS: tuple[AttentionSpelling, ...] = (
         (),
     ),
     AttentionSpelling(
+        "fused qkv_proj [Q | K | V] + o_proj, grouped KV heads (Phi-3)",
+        "",
+        ("qkv_proj",),
+        "o_proj",
+        "config.num_attention_heads",
+        ("num_key_value_heads",),
+        kv_heads_attr="config.num_key_value_heads",
+        keyword="hidden_states",
+        config_heads=("num_attention_heads", "num_key_value_heads"),
+    ),
+    AttentionSpelling(
         "q_proj/k_proj/v_proj + out_proj (OPT, BART, Whisper, CLIP, SigLIP)",
         "",
         ("q_proj", "k_proj", "v_proj"),
@@ -162,6 +180,7 @@ MLP_SPELLINGS: tuple[MLPSpelling, ...] = (
     MLPSpelling("gate_proj/up_proj + down_proj (Llama)", "", ("gate_proj", "up_proj"), "down_proj"),
     MLPSpelling("fc1 + fc2 (ViT, CLIP, OPT, BART)", "", ("fc1",), "fc2"),
     MLPSpelling("dense_h_to_4h + dense_4h_to_h (GPT-NeoX)", "", ("dense_h_to_4h",), "dense_4h_to_h"),
+    MLPSpelling("fused gate_up_proj + down_proj (Phi-3)", "", ("gate_up_proj",), "down_proj", fused=2),
 )
 
 
@@ -232,7 +251,7 @@ def _attention_mismatch(module: nn.Module, s: AttentionSpelling) -> str | tuple[
     if width % heads:
         return f"its output projection's {width} input features do not split into {heads} heads"
     head_dim = width // heads
-    want = [3 * width] if len(projs) == 1 else [width, kv * head_dim, kv * head_dim]
+    want = [width + 2 * kv * head_dim] if len(projs) == 1 else [width, kv * head_dim, kv * head_dim]
     if outs != want:
         return f"its projections have {outs} output features, not {want} for {heads} heads ({kv} K/V)"
     return heads, kv, _features(projs[0])[0]
@@ -293,7 +312,7 @@ def _match_mlp(module: nn.Module, s: MLPSpelling) -> tuple[int, str] | None:
     if entry is None or down is None or any(linear_kind(m) is None for m in (down, *ups)):
         return None
     inner = _features(down)[0]
-    if any(_features(m)[1] != inner for m in ups):
+    if any(_features(m)[1] != s.fused * inner for m in ups):
         return None
     mine = {_join(s.entry, p) for p in (*s.up, s.down)}
     others = [n for n, _ in entry.named_parameters(prefix=s.entry) if n.rpartition(".")[0] not in mine]
@@ -457,6 +476,9 @@ class Plan:
     styles: list[tuple[str, object]] = field(default_factory=list)
     # (module name, attribute, value for this rank): head counts and widths of the local shard.
     attributes: list[tuple[str, str, int]] = field(default_factory=list)
+    # (module name, {config attribute: value for this rank}): head counts a module reads from its
+    # config, which it then reads from a view with these values (sharding.py's LocalHeadsConfig).
+    config_views: list[tuple[str, dict[str, int]]] = field(default_factory=list)
     # Modules whose forward runs on tensors that differ across ranks, for dropout (see random.py):
     # (enter at this module, leave after any of these).
     rank_regions: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
@@ -512,7 +534,14 @@ def derive_plan(model: nn.Module, found: "Recognized", tp: int, *, sequence_para
                 ),
             )
         )
-        fused = 3 if len(s.qkv) == 1 and not s.heads_major else 1
+        width = _features(model.get_submodule(a.fqn(s.out)))[0]
+        head_dim = width // a.heads
+        if len(s.qkv) > 1 or s.heads_major:
+            fused = 1
+        elif a.kv_heads == a.heads:
+            fused = 3
+        else:  # Phi-3: [Q | K | V] with fewer K/V heads
+            fused = (width, a.kv_heads * head_dim, a.kv_heads * head_dim)
         qkv_in = sliced if s.width_from_input else None
         plan.styles += [(a.fqn(p), ColwiseParallel(input_layouts=qkv_in, fused_parts=fused)) for p in s.qkv]
         plan.styles.append((a.fqn(s.out), RowwiseParallel(output_layouts=resid)))
@@ -521,6 +550,9 @@ def derive_plan(model: nn.Module, found: "Recognized", tp: int, *, sequence_para
         if "." not in s.heads_attr:
             plan.attributes.append((a.fqn(s.entry), s.heads_attr, a.heads // tp))
         plan.attributes += [(a.fqn(s.entry), w, getattr(entry, w) // tp) for w in s.width_attrs]
+        if s.config_heads:
+            counts = {"num_attention_heads": a.heads // tp, "num_key_value_heads": a.kv_heads // tp}
+            plan.config_views.append((a.fqn(s.entry), {n: counts[n] for n in s.config_heads}))
         plan.rank_regions.append((a.fqn(s.entry), (a.fqn(s.entry), a.fqn(s.out))))
     for m in found.mlps:
         s = m.spelling
@@ -530,7 +562,7 @@ def derive_plan(model: nn.Module, found: "Recognized", tp: int, *, sequence_para
                 f"which does not divide across a tensor-parallel degree of {tp}"
             )
         if m.entry in s.up:  # the up projection gathers its own input
-            plan.styles.append((m.fqn(m.entry), ColwiseParallel(input_layouts=resid)))
+            plan.styles.append((m.fqn(m.entry), ColwiseParallel(input_layouts=resid, fused_parts=s.fused)))
         else:
             plan.styles.append(
                 (
@@ -538,7 +570,7 @@ def derive_plan(model: nn.Module, found: "Recognized", tp: int, *, sequence_para
                     PrepareFirstInput(input_layout=resid, desired_layout=Replicate(), use_local_output=False),
                 )
             )
-            plan.styles += [(m.fqn(p), ColwiseParallel()) for p in s.up]
+            plan.styles += [(m.fqn(p), ColwiseParallel(fused_parts=s.fused)) for p in s.up]
         plan.styles.append((m.fqn(s.down), RowwiseParallel(output_layouts=resid)))
     if not sequence_parallel:
         return plan
@@ -642,6 +674,7 @@ def merge(plan: Plan, user: dict | None, model: nn.Module) -> Plan:
     merged = Plan(
         styles=[(n, s) for n, s in plan.styles if n not in chosen],
         attributes=list(plan.attributes),
+        config_views=list(plan.config_views),
         rank_regions=list(plan.rank_regions),
         sp_blocks=list(plan.sp_blocks),
     )

@@ -16,7 +16,7 @@ What it does, in place, in this order:
 4. applies each style with `parallelize_module` (parameters become DTensors; forward hooks move
    activations between layouts with DTensor's collectives) and re-ties tied parameters;
 5. sets the attention modules' head counts and widths to the local shard's (Hugging Face
-   modules read them from attributes);
+   modules read them from attributes, Phi-3's from its config: it gets a view of the config);
 6. runs dropout on per-rank tensors under a per-rank random stream (`random.py`);
 7. makes replicated parameters' gradients whole (one all-reduce per tensor, after accumulation;
    sequence-parallel norms produce partial sums);
@@ -56,6 +56,29 @@ from .styles import (
 )
 
 _STATE_ATTR = "_trifuse_parallel"
+
+
+class LocalHeadsConfig:
+    """A view of a model's shared config with this rank's head counts, for an attention module
+    that reads them from `self.config` (Phi-3). Everything else reads (and writes) through to the
+    shared config, so a later change there (`set_attn_implementation`) still reaches the module."""
+
+    def __init__(self, config: object, **local: int):
+        self.__dict__["_shared"] = config
+        self.__dict__["_local"] = local
+
+    def __getattr__(self, name: str):
+        local = self.__dict__["_local"]
+        return local[name] if name in local else getattr(self.__dict__["_shared"], name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in self.__dict__["_local"]:
+            self.__dict__["_local"][name] = value
+        else:
+            setattr(self.__dict__["_shared"], name, value)
+
+    def __repr__(self) -> str:
+        return f"LocalHeadsConfig({self.__dict__['_local']} over {type(self.__dict__['_shared']).__name__})"
 
 
 def _root_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -263,6 +286,9 @@ def shard(
     _retie(model, tied)
     for name, attr, value in full.attributes:
         setattr(model.get_submodule(name), attr, value)
+    for name, counts in full.config_views:
+        module = model.get_submodule(name)
+        module.config = LocalHeadsConfig(module.config, **counts)
     _random.install(model, full.rank_regions, tp_mesh.get_local_rank())
     for p in model.parameters():
         if isinstance(p, DTensor) and any(isinstance(pl, Replicate) for pl in p.placements):

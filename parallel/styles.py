@@ -9,7 +9,8 @@
 - Fused projections (GPT-2's `c_attn`, whose output features are [Q | K | V], each heads-major).
   Cutting those columns into t equal pieces would give rank 0 all of Q and half of K. With
   `fused_parts=3` the weight is first permuted so that rank r's piece is [Q_r | K_r | V_r], the
-  q, k and v columns of its own heads H/t (`to_rank_major`). The parameter then holds the
+  q, k and v columns of its own heads H/t (`to_rank_major`). Parts of unequal sizes are given
+  as their sizes: Phi-3's [Q | K | V] with fewer K/V heads, `fused_parts=(H·d, K·d, K·d)`. The parameter then holds the
   permuted layout; state_dict hooks on the module translate to and from the unsharded layout,
   so checkpoints and `gather_full` never show the permutation.
 
@@ -67,18 +68,25 @@ def linear_kind(module: nn.Module) -> str | None:
 FUSED_LAYOUT_ATTR = "_trifuse_fused_layout"
 
 
-def to_rank_major(t: torch.Tensor, dim: int, parts: int, tp: int) -> torch.Tensor:
+Parts = int | tuple[int, ...]  # how many equal parts a fused dim holds, or their sizes
+
+
+def part_sizes(n: int, parts: Parts) -> tuple[int, ...]:
+    return (n // parts,) * parts if isinstance(parts, int) else tuple(parts)
+
+
+def to_rank_major(t: torch.Tensor, dim: int, parts: Parts, tp: int) -> torch.Tensor:
     """Reorders dim `dim` of a fused [part_0 | part_1 | ...] tensor so that its t equal chunks are
-    [part_0 of rank r | part_1 of rank r | ...]. Shape (.., parts * t * n, ..) -> same shape:
-    index (p, r, i) moves to (r, p, i)."""
-    n = t.shape[dim] // (parts * tp)
-    return t.unflatten(dim, (parts, tp, n)).transpose(dim, dim + 1).flatten(dim, dim + 2)
+    [part_0 of rank r | part_1 of rank r | ...]: the r-th t-th of each part, for r in order."""
+    pieces = [p.chunk(tp, dim) for p in t.split(part_sizes(t.shape[dim], parts), dim)]
+    return torch.cat([piece[r] for r in range(tp) for piece in pieces], dim)
 
 
-def from_rank_major(t: torch.Tensor, dim: int, parts: int, tp: int) -> torch.Tensor:
-    """The inverse of `to_rank_major`: index (r, p, i) moves back to (p, r, i)."""
-    n = t.shape[dim] // (parts * tp)
-    return t.unflatten(dim, (tp, parts, n)).transpose(dim, dim + 1).flatten(dim, dim + 2)
+def from_rank_major(t: torch.Tensor, dim: int, parts: Parts, tp: int) -> torch.Tensor:
+    """The inverse of `to_rank_major`."""
+    sizes = part_sizes(t.shape[dim], parts)
+    ranks = [r.split([s // tp for s in sizes], dim) for r in t.chunk(tp, dim)]
+    return torch.cat([rank[p] for p in range(len(sizes)) for rank in ranks], dim)
 
 
 def _as_dtensor(x: torch.Tensor, mesh: DeviceMesh, layout: Placement) -> DTensor:
@@ -125,8 +133,8 @@ class ColwiseParallel(_TorchColwise):
     along the sequence first when `input_layouts=Shard(1)`), output Shard(-1).
 
     As torch's, plus HF Conv1D, plus `fused_parts`: the number of equal blocks the output
-    features consist of ([Q | K | V] = 3), each split per rank as described in the module
-    docstring. The parameter's full tensor is then in rank-major order, and the module carries
+    features consist of ([Q | K | V] = 3), or their sizes when unequal, each split per rank as
+    described in the module docstring. The parameter's full tensor is then in rank-major order, and the module carries
     hooks so that `state_dict()` / `load_state_dict()` speak the unsharded layout."""
 
     def __init__(
@@ -135,14 +143,16 @@ class ColwiseParallel(_TorchColwise):
         input_layouts: Placement | None = None,
         output_layouts: Placement | None = None,
         use_local_output: bool = True,
-        fused_parts: int = 1,
+        fused_parts: Parts = 1,
     ):
         super().__init__(
             input_layouts=input_layouts, output_layouts=output_layouts, use_local_output=use_local_output
         )
-        if not isinstance(fused_parts, int) or fused_parts < 1:
+        sizes = (fused_parts,) if isinstance(fused_parts, int) else fused_parts
+        if not isinstance(sizes, tuple) or not sizes or not all(isinstance(n, int) and n >= 1 for n in sizes):
             raise ValueError(
-                f"trifuse.parallel.ColwiseParallel: fused_parts must be an int >= 1, got {fused_parts!r}"
+                "trifuse.parallel.ColwiseParallel: fused_parts must be an int >= 1 or a tuple of part sizes "
+                f"(ints >= 1), got {fused_parts!r}"
             )
         self.fused_parts = fused_parts
 
@@ -159,17 +169,18 @@ class ColwiseParallel(_TorchColwise):
         tp = device_mesh.size()
         parts = self.fused_parts
         n_out = module.weight.shape[out_dim]
-        if n_out % (parts * tp):
+        sizes = part_sizes(n_out, parts)
+        if sum(sizes) != n_out or any(n % tp for n in sizes):
             raise ValueError(
                 f"trifuse.parallel.ColwiseParallel: {type(module).__name__} has {n_out} output features, "
-                f"which do not split into {parts} part(s) x {tp} ranks"
+                f"which do not split into parts {parts} x {tp} ranks"
             )
 
         def partition(name, mod, mesh):
             for pname, param in list(mod.named_parameters(recurse=False)):
                 dim = out_dim if pname == "weight" else 0
                 data = param.detach()
-                if parts > 1:
+                if parts != 1:
                     data = to_rank_major(data, dim, parts, tp)
                 _distribute_param(mod, pname, data, mesh, Shard(dim), self.src_data_rank)
 
@@ -180,7 +191,7 @@ class ColwiseParallel(_TorchColwise):
             partial(_redistribute_input, self.input_layouts[0], Replicate()),
             partial(_redistribute_output, self.output_layouts[0], self.use_local_output),
         )
-        if parts > 1:
+        if parts != 1:
             setattr(module, FUSED_LAYOUT_ATTR, (parts, out_dim, tp))
             module.register_state_dict_post_hook(_fused_state_dict_hook)
             module.register_load_state_dict_pre_hook(_fused_load_hook)

@@ -24,7 +24,7 @@ def build(kind: str, *, dropout: float = 0.0, heads: int = 4, dtype=torch.float6
             [_models.Block(_models.HIDDEN, heads, dropout, model.block_size, True) for _ in range(2)]
         )
         return model.to(dtype)
-    if kind in ("llama", "gemma2", "gemma3", "olmo2"):
+    if kind in ("llama", "gemma2", "gemma3", "olmo2", "phi3"):
         # Decoders of Llama's shape. Gemma 2 adds sandwich norms (a norm after each sublayer,
         # added to the residual stream); Gemma 3 and OLMo 2 Q/K norms inside the attention core,
         # Gemma 3's per head (over head_dim), OLMo 2's over all heads' features (so under tensor
@@ -41,6 +41,9 @@ def build(kind: str, *, dropout: float = 0.0, heads: int = 4, dtype=torch.float6
         )
         if kind == "llama":
             return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, **extra)).to(dtype)
+        if kind == "phi3":  # fused qkv_proj [Q | K | V] with fewer K/V heads, fused gate_up_proj
+            config = transformers.Phi3Config(**common, pad_token_id=0, bos_token_id=1, eos_token_id=2, **extra)
+            return transformers.Phi3ForCausalLM(config).to(dtype)
         if kind == "gemma2":  # sandwich norms: post-norms added to the residual stream
             config = transformers.Gemma2Config(head_dim=8, **common, **extra)
             return transformers.Gemma2ForCausalLM(config).to(dtype)
@@ -200,7 +203,7 @@ def batch(kind: str, step: int = 0, *, b: int = 2, s: int = 8) -> dict:
     if kind == "nanogpt":
         return {"idx": ids, "targets": ids}
     out = {"input_ids": ids, "labels": ids}
-    if kind in ("gpt2", "llama", "gemma2", "gemma3", "olmo2", "opt", "bart", "neox"):
+    if kind in ("gpt2", "llama", "gemma2", "gemma3", "olmo2", "phi3", "opt", "bart", "neox"):
         out["use_cache"] = False
     return out
 

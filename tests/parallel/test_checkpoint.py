@@ -70,13 +70,13 @@ def unsharded_to_sharded(rank, size, kind, sp, path):
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
-@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+@pytest.mark.parametrize("kind", ["gpt2", "bert", "phi3"])  # phi3: a fused QKV of unequal parts
 def test_sharded_checkpoint_loads_into_unsharded_model(world, tmp_path, kind, sp):
     for mismatches in world.run(sharded_to_unsharded, kind, sp, str(tmp_path / "ckpt")):
         assert not mismatches
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+@pytest.mark.parametrize("kind", ["gpt2", "bert", "phi3"])
 def test_unsharded_checkpoint_loads_into_sharded_model(world, tmp_path, kind):
     for mismatches in world.run(unsharded_to_sharded, kind, True, str(tmp_path / "ckpt")):
         assert not mismatches

@@ -132,6 +132,31 @@ def test_rank_major_permutation_round_trip_exact():
     assert torch.equal(from_rank_major(to_rank_major(t.T, 0, 3, 4), 0, 3, 4), t.T)
 
 
+def test_local_heads_config_overrides_the_head_counts_and_reads_the_rest_through():
+    from transformers import Phi3Config
+
+    from trifuse.parallel.sharding import LocalHeadsConfig
+
+    shared = Phi3Config(num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    view = LocalHeadsConfig(shared, num_attention_heads=2, num_key_value_heads=1)
+    assert (view.num_attention_heads, view.num_key_value_heads) == (2, 1)
+    assert (shared.num_attention_heads, shared.num_key_value_heads) == (4, 2)
+    shared._attn_implementation = "eager"  # a later change to the model's config reaches the module
+    assert view._attn_implementation == "eager" and view.hidden_size == shared.hidden_size
+    view.sliding_window = 7  # a write to anything but the local counts goes to the shared config
+    assert shared.sliding_window == 7
+    assert getattr(view, "no_such_option", None) is None
+
+
+def test_rank_major_permutation_of_unequal_parts():
+    # Phi-3's [Q | K | V] with half as many K/V heads: rank r gets its half of each part.
+    t = torch.arange(16)
+    permuted = to_rank_major(t, 0, parts=(8, 4, 4), tp=2)
+    assert permuted.tolist() == [0, 1, 2, 3, 8, 9, 12, 13, 4, 5, 6, 7, 10, 11, 14, 15]
+    assert torch.equal(from_rank_major(permuted, 0, parts=(8, 4, 4), tp=2), t)
+    assert torch.equal(to_rank_major(t, 0, parts=(4, 4, 4, 4), tp=2), to_rank_major(t, 0, parts=4, tp=2))
+
+
 def test_rank_stream_differs_per_rank_and_restores_default_stream():
     module = nn.Dropout(0.5).train()
     x = torch.ones(64)
