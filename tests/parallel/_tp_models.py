@@ -16,6 +16,8 @@ def build(kind: str, *, dropout: float = 0.0, heads: int = 4, dtype=torch.float6
     import transformers
 
     torch.manual_seed(seed)
+    # The shape every model here shares: 2 blocks of `heads` heads of 8, an MLP 64 wide.
+    base = dict(hidden_size=8 * heads, num_hidden_layers=2, num_attention_heads=heads, intermediate_size=64)
     if kind == "nanogpt":
         import _models
 
@@ -30,11 +32,8 @@ def build(kind: str, *, dropout: float = 0.0, heads: int = 4, dtype=torch.float6
         # Gemma 3's per head (over head_dim), OLMo 2's over all heads' features (so under tensor
         # parallelism a row spans every rank).
         common = dict(
-            hidden_size=8 * heads,
-            num_hidden_layers=2,
-            num_attention_heads=heads,
+            **base,
             num_key_value_heads=extra.pop("kv_heads", heads // 2),
-            intermediate_size=64,
             vocab_size=VOCAB,
             max_position_embeddings=32,
             attention_dropout=dropout,
@@ -69,8 +68,10 @@ def build(kind: str, *, dropout: float = 0.0, heads: int = 4, dtype=torch.float6
             **extra,
         )
         return transformers.OPTForCausalLM(config).to(dtype)
-    if kind == "bart":  # encoder-decoder: post-norm blocks, cross-attention on the encoder's output
-        config = transformers.BartConfig(
+    if kind in ("bart", "whisper"):
+        # Encoder-decoders: post-norm (BART) or pre-norm (Whisper) blocks, cross-attention on the
+        # encoder's output; Whisper's encoder behind a convolutional front end (8 frames from 16).
+        common = dict(
             d_model=8 * heads,
             encoder_layers=2,
             decoder_layers=2,
@@ -79,49 +80,30 @@ def build(kind: str, *, dropout: float = 0.0, heads: int = 4, dtype=torch.float6
             encoder_ffn_dim=64,
             decoder_ffn_dim=64,
             vocab_size=VOCAB,
-            max_position_embeddings=32,
             pad_token_id=1,
             bos_token_id=0,
             eos_token_id=2,
             decoder_start_token_id=2,
-            forced_eos_token_id=None,
             dropout=dropout,
             attention_dropout=dropout,
             activation_dropout=dropout,
-            **extra,
         )
-        return transformers.BartForConditionalGeneration(config).to(dtype)
-    if kind == "whisper":  # BART's blocks behind a convolutional front end (8 frames from 16)
+        if kind == "bart":
+            config = transformers.BartConfig(max_position_embeddings=32, forced_eos_token_id=None, **common, **extra)
+            return transformers.BartForConditionalGeneration(config).to(dtype)
         config = transformers.WhisperConfig(
-            d_model=8 * heads,
-            encoder_layers=2,
-            decoder_layers=2,
-            encoder_attention_heads=heads,
-            decoder_attention_heads=heads,
-            encoder_ffn_dim=64,
-            decoder_ffn_dim=64,
-            vocab_size=VOCAB,
             num_mel_bins=4,
             max_source_positions=8,
             max_target_positions=32,
-            pad_token_id=1,
-            bos_token_id=0,
-            eos_token_id=2,
-            decoder_start_token_id=2,
             suppress_tokens=None,
             begin_suppress_tokens=None,
-            dropout=dropout,
-            attention_dropout=dropout,
-            activation_dropout=dropout,
+            **common,
             **extra,
         )
         return transformers.WhisperForConditionalGeneration(config).to(dtype)
     if kind == "neox":  # fused query_key_value laid out per head, parallel residual, partial rotary
         config = transformers.GPTNeoXConfig(
-            hidden_size=8 * heads,
-            num_hidden_layers=2,
-            num_attention_heads=heads,
-            intermediate_size=64,
+            **base,
             vocab_size=VOCAB,
             max_position_embeddings=32,
             attention_dropout=dropout,
@@ -129,34 +111,27 @@ def build(kind: str, *, dropout: float = 0.0, heads: int = 4, dtype=torch.float6
             **extra,
         )
         return transformers.GPTNeoXForCausalLM(config).to(dtype)
-    if kind == "clip":  # CLIP's vision tower: q/k/v_proj + out_proj, an MLP module fc1/fc2
-        config = transformers.CLIPVisionConfig(
-            hidden_size=8 * heads,
-            num_hidden_layers=2,
-            num_attention_heads=heads,
-            intermediate_size=64,
+    if kind in ("vit", "clip"):  # 3 x 3 patches + CLS = 10 tokens, divisible for SP
+        common = dict(
+            **base,
             image_size=24,
             patch_size=8,
-            attention_dropout=dropout,
-            **extra,
         )
-        return transformers.CLIPForImageClassification(
-            transformers.CLIPConfig(vision_config=config.to_dict(), text_config={"hidden_size": 8 * heads}, num_labels=3)
-        ).to(dtype)
-    if kind == "vit":
-        config = transformers.ViTConfig(
-            hidden_size=8 * heads,
-            num_hidden_layers=2,
-            num_attention_heads=heads,
-            intermediate_size=64,
-            image_size=24,
-            patch_size=8,
-            num_labels=3,
-            hidden_dropout_prob=dropout,
-            attention_probs_dropout_prob=dropout,
-            **extra,
+        if kind == "vit":
+            config = transformers.ViTConfig(
+                num_labels=3,
+                hidden_dropout_prob=dropout,
+                attention_probs_dropout_prob=dropout,
+                **common,
+                **extra,
+            )
+            return transformers.ViTForImageClassification(config).to(dtype)
+        # CLIP's vision tower: q/k/v_proj + out_proj, an MLP module fc1/fc2
+        vision = transformers.CLIPVisionConfig(attention_dropout=dropout, **common, **extra)
+        config = transformers.CLIPConfig(
+            vision_config=vision.to_dict(), text_config={"hidden_size": 8 * heads}, num_labels=3
         )
-        return transformers.ViTForImageClassification(config).to(dtype)
+        return transformers.CLIPForImageClassification(config).to(dtype)
     if kind == "gpt2":
         config = transformers.GPT2Config(
             n_embd=8 * heads,
@@ -174,10 +149,7 @@ def build(kind: str, *, dropout: float = 0.0, heads: int = 4, dtype=torch.float6
         model = transformers.GPT2LMHeadModel(config)
     elif kind == "bert":
         config = transformers.BertConfig(
-            hidden_size=8 * heads,
-            num_hidden_layers=2,
-            num_attention_heads=heads,
-            intermediate_size=64,
+            **base,
             vocab_size=VOCAB,
             max_position_embeddings=32,
             hidden_dropout_prob=dropout,
