@@ -330,7 +330,16 @@ class DynamoUnit(Unit):
         self.drops_weights = False  # a capture returns None for the attention probabilities
         self.failed: str | None = None  # Dynamo could not capture this class: its calls run as written
         self.scalar_outputs = True  # captures keep `.item()` in the graph, unless Dynamo failed with it
+        self.static_shapes = False  # captures specialize on each shape, once Dynamo failed with dynamic ones
         self._signature: inspect.Signature | None = None  # of the block's forward, once needed
+
+    def _dynamo_settings(self) -> Any:
+        """The Dynamo config of this unit's captures (a context manager; also inside another unit's
+        call)."""
+        settings = {"capture_scalar_outputs": self.scalar_outputs}
+        if self.static_shapes:
+            settings.update(automatic_dynamic_shapes=False, assume_static_by_default=True)
+        return torch._dynamo.config.patch(**settings)
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         self.calls += 1
@@ -351,16 +360,20 @@ class DynamoUnit(Unit):
         try:
             # `.item()` of a 0-d tensor stays in the graph (DeBERTa's attention span slices the position
             # embeddings by it): a graph break there would split the attention chain in two. Should
-            # Dynamo fail on a graph holding such a scalar, the capture is tried once more without.
-            try:
-                with torch._dynamo.config.patch(capture_scalar_outputs=self.scalar_outputs):
-                    out = self.compiled(module, *args, **kwargs)
-            except torch._dynamo.exc.TorchDynamoException:
-                if not self.scalar_outputs:
-                    raise
-                self.scalar_outputs = False
-                with torch._dynamo.config.patch(capture_scalar_outputs=False):  # also inside another unit's call
-                    out = self.compiled(module, *args, **kwargs)
+            # Dynamo fail on a graph holding such a scalar, the capture is tried again with static
+            # shapes (DeBERTa's span, unbacked, next to a symbolic sequence length fails Dynamo's
+            # own bookkeeping: each new length is then a capture of its own), then without scalars.
+            while True:
+                try:
+                    with self._dynamo_settings():
+                        out = self.compiled(module, *args, **kwargs)
+                    break
+                except torch._dynamo.exc.TorchDynamoException:
+                    if not self.scalar_outputs:
+                        raise
+                    if self.static_shapes:
+                        self.scalar_outputs = False
+                    self.static_shapes = True
         except torch._dynamo.exc.TorchDynamoException as e:
             failure = e
         finally:

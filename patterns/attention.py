@@ -553,10 +553,13 @@ def attention_bmm_scaled_k(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0
 
 def attention_bmm_scaled_k_fused(q, k, v, d0, d1, scale, bias=None, heads_shape=None, flat_shape=None, mask=None,
                                  fill=None, p=0.0, training=False, *, add_bias: bool):
+    # Only the head count is read from the model's per-head view: its other dims are computed in
+    # the graph when the sequence length is dynamic (nodes, not numbers), and q and k have them.
     heads, seq_q, seq_k, dim = heads_shape[1], q.shape[1], k.shape[1], q.shape[2]
     q4, v4 = q.view(-1, heads, seq_q, dim), v.view(-1, heads, seq_k, v.shape[2])
     k4 = (k / scale).view(-1, heads, seq_k, dim)  # the division as the model writes it, on k
-    q4, attn_mask = _masked_fill_as_op_mask(q4, mask, bias.view(heads_shape) if add_bias else None, fill)
+    per_head = bias.view(-1, heads, seq_q, seq_k) if add_bias else None
+    q4, attn_mask = _masked_fill_as_op_mask(q4, mask, per_head, fill)
     o = ops.attention(q4, k4, v4, attn_mask, p if training else 0.0, False, 1.0)
     return o.reshape(-1, seq_q, v.shape[2])
 

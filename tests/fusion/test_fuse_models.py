@@ -516,6 +516,35 @@ def test_each_head_capture_fences_with_its_own_code_object():
     assert fences[0].__code__ is not fences[1].__code__
 
 
+@pytest.mark.parametrize("name", ["opt", "deberta-v2", "deberta"])
+def test_a_second_sequence_length_keeps_every_fusion(name):
+    # The second length makes Dynamo recapture each block with the sequence length symbolic.
+    # There OPT's `hidden_states.shape` (taken before its flatten) is a size() of the residual
+    # sum, which kept the sum from fusing with the norm; DeBERTa-v2's per-head view of the
+    # relative-position bias holds symbolic dims the attention's replacement could not take; and
+    # DeBERTa's attention span (an `.item()` kept in the graph) next to a symbolic length fails
+    # Dynamo itself, which dropped the scalar and broke the graph inside the attention. Counts
+    # as after the first length, and the outputs are still the unfused model's.
+    build, counts = MODELS[name]
+    torch.manual_seed(0)
+    model, inputs, loss_fn = build()
+    ref, ref64 = copy.deepcopy(model), copy.deepcopy(model).double()
+    trifuse.fuse(model)
+    first = None
+    for s in (8, 11):
+        kw = inputs(2, s)
+        loss_fn(model, kw).backward()
+        first = first or trifuse.report(model).counts()
+        assert trifuse.report(model).counts() == first == available_counts(counts), (s, trifuse.report(model).counts())
+        with torch.no_grad():
+            for m in (model, ref, ref64):
+                m.eval()
+            kw_eval = {k: v for k, v in kw.items() if k not in ("labels", "targets")}
+            assert_close(f"eval output, {s} positions", _first_output(model(**kw_eval)),
+                         _first_output(ref64(**_double_inputs(kw_eval))), _first_output(ref(**kw_eval)))
+            model.train()
+
+
 @pytest.mark.skipif(not has_op("cross_entropy"), reason="trifuse.ops.cross_entropy not in this build")
 @torch._dynamo.config.patch(recompile_limit=2)  # not monkeypatch: its undo deletes the entry
 def test_many_model_families_in_one_process_keep_their_head_captures():
