@@ -179,14 +179,15 @@ def _rewrite_at(graph: fx.Graph, node: fx.Node, cp: Any, log: RewriteLog, earlie
     logits it returns) is named in the replacement's note: the report says why it is not used."""
     first_reason = None
     for m in matches(cp, node):
-        reason = _check(m)
+        stand_ins = _shape_stand_ins(m)
+        reason = stand_ins if isinstance(stand_ins, str) else _check(m)
         plan = None
         if reason is None:
             plan, reason = _plan(m)
         if reason is None and plan is not None:
             reason = _placement_problem(graph, m, plan)
         if reason is None and plan is not None:
-            _splice(graph, m, plan, log)
+            _splice(graph, m, plan, log, stand_ins)
             kept = [f"not {r.pattern}: {r.reason}" for r in earlier if "outside the pattern" in r.reason]
             log.replaced[-1].note = "; ".join([n for n in (log.replaced[-1].note, *kept) if n])
             return None
@@ -221,9 +222,6 @@ def _shape_stand_ins(m: Match) -> dict[fx.Node, fx.Node] | str:
 
 
 def _check(m: Match) -> str | None:
-    stand_ins = _shape_stand_ins(m)
-    if isinstance(stand_ins, str):
-        return stand_ins
     for g in m.nodes:
         if g.op == "call_function" and g.target is F.dropout and g.args[3] is True:
             return "in-place dropout"
@@ -415,7 +413,8 @@ def _written_after(node: fx.Node, position: int, order: dict[fx.Node, int]) -> b
     return False
 
 
-def _splice(graph: fx.Graph, m: Match, plan: _Plan, log: RewriteLog) -> None:
+def _splice(graph: fx.Graph, m: Match, plan: _Plan, log: RewriteLog,
+            stand_ins: dict[fx.Node, fx.Node]) -> None:
     order = {n: i for i, n in enumerate(graph.nodes)}
     matched = sorted(m.nodes, key=order.__getitem__)
     first = matched[0]
@@ -456,7 +455,7 @@ def _splice(graph: fx.Graph, m: Match, plan: _Plan, log: RewriteLog) -> None:
             event.node = event.node or new.name
     for old, new in zip(m.outputs, outputs):
         old.replace_all_uses_with(new)
-    for old, same in _shape_stand_ins(m).items():
+    for old, same in stand_ins.items():
         for user in [u for u in old.users if u not in m.nodes]:
             user.replace_input_with(old, same)
     for node in reversed(matched):

@@ -534,14 +534,11 @@ def derive_plan(model: nn.Module, found: "Recognized", tp: int, *, sequence_para
                 ),
             )
         )
+        # A fused [Q | K | V] split per part (Phi-3's K and V narrower than Q); separate
+        # projections, or GPT-NeoX's per-head layout, split as they are.
         width = _features(model.get_submodule(a.fqn(s.out)))[0]
-        head_dim = width // a.heads
-        if len(s.qkv) > 1 or s.heads_major:
-            fused = 1
-        elif a.kv_heads == a.heads:
-            fused = 3
-        else:  # Phi-3: [Q | K | V] with fewer K/V heads
-            fused = (width, a.kv_heads * head_dim, a.kv_heads * head_dim)
+        kv_width = a.kv_heads * width // a.heads
+        fused = 1 if len(s.qkv) > 1 or s.heads_major else (width, kv_width, kv_width)
         qkv_in = sliced if s.width_from_input else None
         plan.styles += [(a.fqn(p), ColwiseParallel(input_layouts=qkv_in, fused_parts=fused)) for p in s.qkv]
         plan.styles.append((a.fqn(s.out), RowwiseParallel(output_layouts=resid)))

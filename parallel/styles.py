@@ -10,8 +10,8 @@
   Cutting those columns into t equal pieces would give rank 0 all of Q and half of K. With
   `fused_parts=3` the weight is first permuted so that rank r's piece is [Q_r | K_r | V_r], the
   q, k and v columns of its own heads H/t (`to_rank_major`). Parts of unequal sizes are given
-  as their sizes: Phi-3's [Q | K | V] with fewer K/V heads, `fused_parts=(H·d, K·d, K·d)`. The parameter then holds the
-  permuted layout; state_dict hooks on the module translate to and from the unsharded layout,
+  as their sizes: Phi-3's [Q | K | V] with fewer K/V heads, `fused_parts=(H·d, K·d, K·d)`.
+  The parameter then holds the permuted layout; state_dict hooks on the module translate to and from the unsharded layout,
   so checkpoints and `gather_full` never show the permutation.
 
 `HeadCoreNorm` shards the norms inside an attention core (Q/K norms per head or over all
@@ -93,13 +93,16 @@ def _as_dtensor(x: torch.Tensor, mesh: DeviceMesh, layout: Placement) -> DTensor
     return x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, (layout,), run_check=False)
 
 
+_SEQUENCE, _ROWS = Shard(1), Shard(0)
+
+
 def _on_rows(layout: Placement, x: torch.Tensor) -> Placement:
     """Sequence-parallel layouts are written for (batch, sequence, features): Shard(1). A block
     that flattens its tokens to (tokens, features) (OPT's MLP) holds the same rows split along
     dim 0, so on a 2-D tensor Shard(1) reads Shard(0). The row order of the whole tensor is then
     rank-major, not the model's, which row-wise layers and a reduce-scatter back along dim 0 do
     not mind."""
-    return Shard(0) if x.dim() == 2 and layout == Shard(1) else layout
+    return _ROWS if x.dim() == 2 and layout == _SEQUENCE else layout
 
 
 # Redistributions wait for their collective (async_op=False): a local tensor handed on while its
@@ -134,8 +137,8 @@ class ColwiseParallel(_TorchColwise):
 
     As torch's, plus HF Conv1D, plus `fused_parts`: the number of equal blocks the output
     features consist of ([Q | K | V] = 3), or their sizes when unequal, each split per rank as
-    described in the module docstring. The parameter's full tensor is then in rank-major order, and the module carries
-    hooks so that `state_dict()` / `load_state_dict()` speak the unsharded layout."""
+    described in the module docstring. The parameter's full tensor is then in rank-major order,
+    and the module carries hooks so that `state_dict()` / `load_state_dict()` speak the unsharded layout."""
 
     def __init__(
         self,
@@ -148,8 +151,8 @@ class ColwiseParallel(_TorchColwise):
         super().__init__(
             input_layouts=input_layouts, output_layouts=output_layouts, use_local_output=use_local_output
         )
-        sizes = (fused_parts,) if isinstance(fused_parts, int) else fused_parts
-        if not isinstance(sizes, tuple) or not sizes or not all(isinstance(n, int) and n >= 1 for n in sizes):
+        given = fused_parts if isinstance(fused_parts, tuple) else (fused_parts,)
+        if not given or not all(isinstance(n, int) and n >= 1 for n in given):
             raise ValueError(
                 "trifuse.parallel.ColwiseParallel: fused_parts must be an int >= 1 or a tuple of part sizes "
                 f"(ints >= 1), got {fused_parts!r}"
