@@ -288,6 +288,29 @@ def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
     return new
 
 
+def _entry(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A frame of trifuse's own in front of `fn`, fresh per unit. torch.compile wraps a function
+    Dynamo would not start tracing at (one from torch's own files: nn.TransformerEncoderLayer's
+    forward) in `external_utils.wrap_inline`, whose `inner` is one code object for every such
+    function: every unit of a torch.nn block class then shared one cache, and past the
+    recompile limit (8 entries, say two nn.Transformer models at two lengths) later captures
+    ran unfused.
+
+    Dynamo keeps a frame's automatic-dynamic state (which dims went symbolic after two values)
+    per code object's content and the code of the functions in its closure. `origin`, the block
+    class's own forward under its decorators, is held there so that units of different classes
+    keep theirs apart: Hugging Face wraps every layer class's forward in one
+    `forward_with_checkpointing`, and sharing made a model's dims symbolic from its first call
+    once another model had other widths (GPT-NeoX's rotary then went unfused)."""
+    origin = inspect.unwrap(fn)
+
+    def enter(*args: Any, **kwargs: Any) -> Any:
+        origin  # noqa: B018  (held in the closure: see the docstring)
+        return fn(*args, **kwargs)
+
+    return _own_code(enter)
+
+
 def _holds(cell: types.CellType, value: Any) -> bool:
     try:
         return cell.cell_contents is value
@@ -319,7 +342,7 @@ class DynamoUnit(Unit):
 
     def __init__(self, cls: type, patterns: Sequence[Pattern], verbose: bool) -> None:
         super().__init__(cls, patterns, verbose)
-        self.compiled = torch.compile(_own_code(self.original), backend=_backend_for(self.patterns))
+        self.compiled = torch.compile(_entry(_own_code(self.original)), backend=_backend_for(self.patterns))
         self.runs = 0
         self._call_seq = 0
         self._capture_seq = -1

@@ -167,10 +167,21 @@ def _find_blocks(model: torch.nn.Module) -> dict[type, list[tuple[str, torch.nn.
 
 
 def _unit_for_blocks(cls, members, patterns, verbose, is_leaf) -> Unit:
-    graph, _ = _trace(members[0][1], is_leaf)
-    if graph is not None:
-        return FxUnit(members[0][1], patterns, verbose, is_leaf)
+    module = members[0][1]
+    graph, _ = _trace(module, is_leaf)
+    if graph is not None and not _calls_multihead_attention(graph, module):
+        return FxUnit(module, patterns, verbose, is_leaf)
     return DynamoUnit(cls, patterns, verbose)
+
+
+def _calls_multihead_attention(graph: fx.Graph, module: torch.nn.Module) -> bool:
+    """Whether an fx graph of `module` calls an nn.MultiheadAttention. fx keeps it a module call
+    that no pattern looks into; Dynamo traces through it to F.multi_head_attention_forward,
+    which the attention patterns fuse (nn.TransformerDecoderLayer, which fx traces)."""
+    return any(
+        node.op == "call_module" and isinstance(module.get_submodule(node.target), torch.nn.MultiheadAttention)
+        for node in graph.nodes
+    )
 
 
 def _trace(module: torch.nn.Module, is_leaf) -> tuple[fx.Graph | None, str]:
@@ -210,6 +221,9 @@ def _visit(module: torch.nn.Module, path: str, patterns, verbose, is_leaf, notes
                           "its submodules were tried instead"))
         for name, child in module.named_children():
             _visit(child, f"{path}.{name}" if path else name, patterns, verbose, is_leaf, notes)
+        return
+    if _calls_multihead_attention(graph, module) and next(module.children(), None) is not None:
+        DynamoUnit(type(module), patterns, verbose).install(module, path or "(model)")
         return
     gm = canonicalize(fx.GraphModule(module, graph), module)
     if _has_candidates(gm.graph, patterns):

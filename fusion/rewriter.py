@@ -158,19 +158,7 @@ def rewrite_graph(graph: fx.Graph, patterns: Sequence[Pattern]) -> RewriteLog:
         if op is not None:
             reasons = "; ".join(f"{r.pattern}: {r.reason}" for r in rejections.get(node, []))
             log.left.append(Left(op, where([node]), node.name, reasons or "no pattern matches it here"))
-        elif node.op == "call_module" and isinstance(_submodule(graph, node), torch.nn.MultiheadAttention):
-            # an fx capture keeps it a module call (its maths depends on .training and its inputs'
-            # layout), which no pattern looks into: SigLIP's pooling head
-            log.left.append(Left("multi_head_attention", node.target, node.name,
-                                 "an nn.MultiheadAttention module call in an fx capture: no pattern looks into it"))
     return log
-
-
-def _submodule(graph: fx.Graph, node: fx.Node) -> torch.nn.Module | None:
-    try:
-        return graph.owning_module.get_submodule(node.target)
-    except AttributeError:
-        return None
 
 
 def _rewrite_at(graph: fx.Graph, node: fx.Node, cp: Any, log: RewriteLog, earlier: list[Rejected]) -> str | None:

@@ -2,7 +2,8 @@
 
 See sharding.py for what sharding does, plan.py for how the plan is derived from recognized
 blocks, styles.py for the parallel styles (PyTorch's, extended to HF Conv1D and fused QKV
-projections) and random.py for dropout under tensor and sequence parallelism.
+projections), multihead.py for nn.MultiheadAttention, and random.py for dropout under tensor and
+sequence parallelism.
 
 The names load on first use: importing torch.distributed.tensor costs about half a second, which
 `import trifuse` should not charge to programs that never shard.
@@ -15,6 +16,7 @@ _EXPORTS = {
     "gather_full": ".sharding",
     "ColwiseParallel": ".styles",
     "RowwiseParallel": ".styles",
+    "MultiheadAttentionParallel": ".multihead",
 }
 
 __all__ = list(_EXPORTS)

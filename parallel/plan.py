@@ -14,6 +14,8 @@ Korthikanti et al. 2022), per block:
                 Q, K, V (or fused QKV, split per head)               column-parallel, H/t heads per rank
                 output projection                                    row-parallel -> Shard(1) or Replicate
                 Q/K norms in the core (per head, or over all heads)  HeadCoreNorm (weight replicated)
+                nn.MultiheadAttention: its packed in_proj, the gather  MultiheadAttentionParallel
+                of query/key/value and a forward on the local heads  (multihead.py); out_proj row-par.
     MLP         entry (its first linear if the container is the      gather, as above
                 whole block: OPT's, BART's fc1)
                 first linear(s)                                      column-parallel
@@ -36,6 +38,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from .multihead import MultiheadAttentionParallel, unsupported
 from .styles import (
     ColwiseParallel,
     HeadCoreNorm,
@@ -172,6 +175,12 @@ ATTENTION_SPELLINGS: tuple[AttentionSpelling, ...] = (
     ),
 )
 
+# nn.MultiheadAttention, recognized by its class: one packed in_proj_weight, a forward of its own
+# that multihead.py replaces on the shards.
+MULTIHEAD_SPELLING = AttentionSpelling(
+    "nn.MultiheadAttention (packed in_proj_weight + out_proj)", "", (), "out_proj", "num_heads", ()
+)
+
 MLP_SPELLINGS: tuple[MLPSpelling, ...] = (
     MLPSpelling("c_fc + c_proj (GPT-2, nanoGPT)", "", ("c_fc",), "c_proj"),
     MLPSpelling(
@@ -181,6 +190,7 @@ MLP_SPELLINGS: tuple[MLPSpelling, ...] = (
     MLPSpelling("fc1 + fc2 (ViT, CLIP, OPT, BART)", "", ("fc1",), "fc2"),
     MLPSpelling("dense_h_to_4h + dense_4h_to_h (GPT-NeoX)", "", ("dense_h_to_4h",), "dense_4h_to_h"),
     MLPSpelling("fused gate_up_proj + down_proj (Phi-3)", "", ("gate_up_proj",), "down_proj", fused=2),
+    MLPSpelling("linear1 + linear2 (nn.TransformerEncoderLayer, DecoderLayer)", "", ("linear1",), "linear2"),
 )
 
 
@@ -345,6 +355,14 @@ def recognize(model: nn.Module) -> Recognized:
     claimed: set[str] = set()
     in_cores: list[tuple[str, str]] = []
     for path, module in model.named_modules():
+        if isinstance(module, nn.MultiheadAttention):
+            if unsupported(module) is None:
+                heads = module.num_heads
+                found.attentions.append(
+                    Attention(path, MULTIHEAD_SPELLING, heads=heads, hidden=module.embed_dim, kv_heads=heads)
+                )
+                claimed |= {path, _join(path, "out_proj")}
+            continue
         for s in ATTENTION_SPELLINGS:
             m = _match_attention(module, s)
             projs = {_join(path, p) for p in (*s.qkv, s.out)}
@@ -395,10 +413,7 @@ def _attention_like(module: nn.Module) -> bool:
 def _why_not_attention(module: nn.Module) -> str:
     cls = type(module).__name__
     if isinstance(module, nn.MultiheadAttention):
-        return (
-            "nn.MultiheadAttention (one packed in_proj_weight for Q, K and V) is not supported by "
-            "trifuse.parallel.shard yet"
-        )
+        return f"nn.MultiheadAttention: {unsupported(module)}"
     near = []
     for s in ATTENTION_SPELLINGS:
         m = _attention_mismatch(module, s)
@@ -519,6 +534,11 @@ def derive_plan(model: nn.Module, found: "Recognized", tp: int, *, sequence_para
                 f"trifuse.parallel.shard: {where} has {a.kv_heads} key/value heads (grouped-query "
                 f"attention), which do not divide across a tensor-parallel degree of {tp}"
             )
+        if s is MULTIHEAD_SPELLING:  # one style for the packed projection and the forward
+            plan.styles.append((a.path, MultiheadAttentionParallel(input_layouts=resid)))
+            plan.styles.append((a.fqn(s.out), RowwiseParallel(output_layouts=resid)))
+            plan.rank_regions.append((a.path, (a.path, a.fqn(s.out))))
+            continue
         # nanoGPT reads its width from the input: hand it this rank's feature slice, which the
         # Q/K/V projection all-gathers back (one all-gather forward; backward, its reduce-scatter
         # and the slice's all-gather make the all-reduce a column-parallel input needs anyway).

@@ -60,8 +60,13 @@ class RankStream:
 
 def has_dropout(module: nn.Module) -> bool:
     """Whether `module` holds a dropout module with p > 0 (attention cores keep their
-    probability on an nn.Dropout even when the functional attention applies it)."""
-    return any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in module.modules())
+    probability on an nn.Dropout even when the functional attention applies it), or an
+    nn.MultiheadAttention with dropout > 0 (a float attribute, no module)."""
+    return any(
+        (isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0)
+        or (isinstance(m, nn.MultiheadAttention) and m.dropout > 0)
+        for m in module.modules()
+    )
 
 
 def install(model: nn.Module, regions: list[tuple[str, tuple[str, ...]]], rank: int) -> RankStream | None:

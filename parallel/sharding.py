@@ -16,7 +16,8 @@ What it does, in place, in this order:
 4. applies each style with `parallelize_module` (parameters become DTensors; forward hooks move
    activations between layouts with DTensor's collectives) and re-ties tied parameters;
 5. sets the attention modules' head counts and widths to the local shard's (Hugging Face
-   modules read them from attributes, Phi-3's from its config: it gets a view of the config);
+   modules read them from attributes, Phi-3's from its config: it gets a view of the config;
+   nn.MultiheadAttention gets a forward on its local heads, multihead.py);
 6. runs dropout on per-rank tensors under a per-rank random stream (`random.py`);
 7. makes replicated parameters' gradients whole (one all-reduce per tensor, after accumulation;
    sequence-parallel norms produce partial sums);
@@ -255,7 +256,7 @@ def shard(
     Raises ValueError for a mesh that does not cover the world, heads or MLP widths that do not
     divide, a model with no recognized blocks and no plan, or an attention-like module (or a
     weight inside a recognized block) that the derived plan would leave unsharded and `plan`
-    does not name (nn.MultiheadAttention, for one, is not supported yet).
+    does not name (nn.MultiheadAttention with separate Q/K/V weights, for one).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"trifuse.parallel.shard: model must be an nn.Module, got {type(model).__name__}")
@@ -289,6 +290,11 @@ def shard(
     for name, counts in full.config_views:
         module = model.get_submodule(name)
         module.config = LocalHeadsConfig(module.config, **counts)
+    for module in model.modules():
+        # nn.TransformerEncoder's inference fast path packs a padded batch into a nested tensor
+        # before its layers run; sharded layers take plain tensors only.
+        if isinstance(module, nn.TransformerEncoder):
+            module.use_nested_tensor = False
     _random.install(model, full.rank_regions, tp_mesh.get_local_rank())
     for p in model.parameters():
         if isinstance(p, DTensor) and any(isinstance(pl, Replicate) for pl in p.placements):
@@ -316,8 +322,8 @@ def gather_full(model: nn.Module, *, grads: bool = False) -> dict[str, torch.Ten
             if t is None:
                 continue
             t = t.full_tensor() if isinstance(t, DTensor) else t
-            if layout is not None:
-                parts, out_dim, tp = layout
-                t = from_rank_major(t, out_dim if pname == "weight" else 0, parts, tp)
+            if layout is not None and pname in layout[1]:
+                parts, dims, tp = layout
+                t = from_rank_major(t, dims[pname], parts, tp)
             out[f"{mod_name}.{pname}" if mod_name else pname] = t.detach()
     return out

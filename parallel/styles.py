@@ -64,7 +64,9 @@ def linear_kind(module: nn.Module) -> str | None:
     return None
 
 
-# The attribute a fused projection carries after sharding: (parts, weight's output dim, tp degree).
+# The attribute a module holding fused parameters carries after sharding: (parts, {parameter
+# name: its fused dim}, tp degree). A projection's weight and bias; nn.MultiheadAttention's
+# in_proj_weight and in_proj_bias (multihead.py).
 FUSED_LAYOUT_ATTR = "_trifuse_fused_layout"
 
 
@@ -195,9 +197,7 @@ class ColwiseParallel(_TorchColwise):
             partial(_redistribute_output, self.output_layouts[0], self.use_local_output),
         )
         if parts != 1:
-            setattr(module, FUSED_LAYOUT_ATTR, (parts, out_dim, tp))
-            module.register_state_dict_post_hook(_fused_state_dict_hook)
-            module.register_load_state_dict_pre_hook(_fused_load_hook)
+            mark_fused(module, parts, {"weight": out_dim, "bias": 0}, tp)
         return module
 
     def __repr__(self) -> str:
@@ -390,12 +390,19 @@ def _relayout(t: DTensor, fn) -> DTensor:
     return distribute_tensor(full, t.device_mesh, t.placements, src_data_rank=None)
 
 
+def mark_fused(module: nn.Module, parts: Parts, dims: dict[str, int], tp: int) -> None:
+    """Records that `module`'s parameters named in `dims` hold the rank-major permutation of
+    `parts` along their dim there, and installs the state-dict hooks that hide it."""
+    setattr(module, FUSED_LAYOUT_ATTR, (parts, dims, tp))
+    module.register_state_dict_post_hook(_fused_state_dict_hook)
+    module.register_load_state_dict_pre_hook(_fused_load_hook)
+
+
 def _fused_state_dict_hook(module, state_dict, prefix, local_metadata):
-    parts, out_dim, tp = getattr(module, FUSED_LAYOUT_ATTR)
-    for pname, _ in module.named_parameters(recurse=False):
+    parts, dims, tp = getattr(module, FUSED_LAYOUT_ATTR)
+    for pname, dim in dims.items():
         key = prefix + pname
         if key in state_dict and isinstance(state_dict[key], DTensor):
-            dim = out_dim if pname == "weight" else 0
             state_dict[key] = _relayout(
                 state_dict[key], partial(from_rank_major, dim=dim, parts=parts, tp=tp)
             )
@@ -404,12 +411,11 @@ def _fused_state_dict_hook(module, state_dict, prefix, local_metadata):
 def _fused_load_hook(
     module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
 ):
-    parts, out_dim, tp = getattr(module, FUSED_LAYOUT_ATTR)
-    for pname, param in module.named_parameters(recurse=False):
-        key = prefix + pname
-        if key not in state_dict:
+    parts, dims, tp = getattr(module, FUSED_LAYOUT_ATTR)
+    for pname, dim in dims.items():
+        key, param = prefix + pname, getattr(module, pname, None)
+        if key not in state_dict or param is None:
             continue
-        dim = out_dim if pname == "weight" else 0
         value = state_dict[key]
         full = value.full_tensor() if isinstance(value, DTensor) else value
         full = to_rank_major(full.to(param.device), dim, parts, tp)

@@ -1013,6 +1013,31 @@ def self_attention_mha_fused(x, embed_dim, num_heads, in_w, in_b, dropout_p, out
     return F.linear(o, out_w, out_b)
 
 
+def cross_attention_mha(x: torch.Tensor, memory: torch.Tensor, embed_dim, num_heads, in_w: torch.Tensor, in_b,
+                        dropout_p, out_w: torch.Tensor, out_b, training, average_attn_weights, key_padding_mask,
+                        attn_mask, is_causal):
+    """nn.MultiheadAttention's functional core, attending to another sequence (key is value: a
+    decoder's memory), no returned weights."""
+    return F.multi_head_attention_forward(
+        x, memory, memory, embed_dim, num_heads, in_w, in_b, None, None, False, dropout_p, out_w, out_b, training,
+        key_padding_mask, False, attn_mask, False, None, None, None, None, None, average_attn_weights, is_causal)[0]
+
+
+def cross_attention_mha_fused(x, memory, embed_dim, num_heads, in_w, in_b, dropout_p, out_w, out_b, training,
+                              average_attn_weights, key_padding_mask, attn_mask, is_causal):
+    (seq_q, batch, _), seq_k = x.shape, memory.shape[0]
+    head_dim = embed_dim // num_heads
+    w_q, w_kv = in_w.split([embed_dim, 2 * embed_dim])
+    b_q, b_kv = (None, None) if in_b is None else in_b.split([embed_dim, 2 * embed_dim])
+    q = F.linear(x, w_q, b_q).view(seq_q, batch, num_heads, head_dim).permute(1, 2, 0, 3)
+    kv = F.linear(memory, w_kv, b_kv).view(seq_k, batch, 2, num_heads, head_dim)
+    k, v = kv.permute(2, 1, 3, 0, 4).unbind(0)  # each (batch, heads, seq_k, head_dim)
+    mask = None if key_padding_mask is None else key_padding_mask.view(batch, 1, 1, seq_k)
+    o = ops.attention(q, k, v, mask, dropout_p if training else 0.0, is_causal)
+    o = o.permute(2, 0, 1, 3).reshape(seq_q, batch, embed_dim)
+    return F.linear(o, out_w, out_b)
+
+
 def _mha_masks(m: Match) -> str | None:
     kpm, mask, causal = m["key_padding_mask"], m["attn_mask"], m["is_causal"]
     if not isinstance(causal, bool):
@@ -1102,5 +1127,7 @@ PATTERNS = (
     _bmm_pattern(masked=True),
     _bmm_pattern(masked=False),
     Pattern("self_attention_mha", "attention", self_attention_mha, self_attention_mha_fused, ("attention",),
+            (needs_number("dropout_p"), needs_bool("training"), _mha_masks)),
+    Pattern("cross_attention_mha", "attention", cross_attention_mha, cross_attention_mha_fused, ("attention",),
             (needs_number("dropout_p"), needs_bool("training"), _mha_masks)),
 )

@@ -363,6 +363,22 @@ def transformer_encoder(norm_first: bool, dropout: float = 0.0, layers: int = LA
     return model, inputs, lambda m, kw: m(**kw).square().mean()
 
 
+@_on_device
+def transformer(layers: int = LAYERS):
+    """nn.Transformer, batch first: post-norm encoder and decoder layers, the decoder's
+    cross-attention on the encoder's output with a key padding mask, a causal target mask."""
+    model = nn.Transformer(HIDDEN, HEADS, layers, layers, 2 * HIDDEN, dropout=0.0, batch_first=True)
+
+    def inputs(batch, seq):
+        pad = torch.zeros(batch, seq, dtype=torch.bool)
+        pad[0, seq - 2:] = True
+        return {"src": torch.randn(batch, seq, HIDDEN), "tgt": torch.randn(batch, seq - 1, HIDDEN),
+                "tgt_mask": nn.Transformer.generate_square_subsequent_mask(seq - 1), "tgt_is_causal": True,
+                "memory_key_padding_mask": pad}
+
+    return model, inputs, lambda m, kw: m(**kw).square().mean()
+
+
 # ---------------------------------------------------------------------------------------------
 # nanoGPT, as Karpathy wrote it (flash: SDPA; otherwise the explicit masked chain)
 # ---------------------------------------------------------------------------------------------

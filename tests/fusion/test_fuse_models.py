@@ -36,6 +36,9 @@ EAGER_ATTENTION = {"gpt2-eager": "attention_chain_mul_add_dropout_cast",
 # In eval without grad, nn.TransformerEncoderLayer runs PyTorch's own fused fast path
 # (torch._transformer_encoder_layer_fwd): nothing is left to fuse there.
 EVAL_FAST_PATH = ("encoder-post-norm", "encoder-pre-norm")
+# nn.Transformer in eval: its encoder layers take that fast path, its decoder layers (which have
+# none) fuse as in training.
+EVAL_COUNTS = {"transformer": {"layer_norm": 2, "attention": 2 * L, "residual_stream": 3 * L}}
 # BLOOM's GeLU is an autograd.Function in training and its tanh formula written out in eval: fused in eval only.
 EVAL_ONLY = {"bloom": {"bias_gelu": L}}
 
@@ -60,6 +63,9 @@ MODELS = {
                           {"attention": L, "bias_gelu": L, "residual_stream": 2 * L}),
     "encoder-pre-norm": (lambda: _models.transformer_encoder(True),
                          {"layer_norm": L, "attention": L, "bias_gelu": L, "residual_stream": L, "dropout_add": L}),
+    # nn.Transformer: the decoder layers' self- and cross-attention (nn.MultiheadAttention, which
+    # Dynamo traces into where fx would keep it a module call); post-norm, ReLU
+    "transformer": (_models.transformer, {"layer_norm": 2, "attention": 3 * L, "residual_stream": 5 * L}),
     "nanogpt": (_models.nanogpt, NANOGPT),
     "nanogpt-explicit-attention": (lambda: _models.nanogpt(flash=False), NANOGPT),
     # A Llama as PyTorch-native training code writes it (tests/_models.py), its loss outside the
@@ -233,6 +239,7 @@ def test_fused_model_matches_and_runs_trifuse_ops(name):
     build, counts = MODELS[name]
     counts = available_counts(counts)
     eval_counts = {} if name in EVAL_FAST_PATH else {k: v for k, v in counts.items() if k != "cross_entropy"}
+    eval_counts = available_counts(EVAL_COUNTS.get(name, eval_counts))
     eval_counts.update(available_counts(EVAL_ONLY.get(name, {})))
     torch.manual_seed(0)
     model, inputs, loss_fn = build()
@@ -559,6 +566,33 @@ def test_many_model_families_in_one_process_keep_their_head_captures():
         for s in (5, 7):  # the second length recompiles with the sequence dim dynamic
             loss_fn(model, inputs(2, s)).backward()
             assert trifuse.report(model).counts().get("cross_entropy") == 1, (name, s)
+
+
+@torch._dynamo.config.patch(recompile_limit=2)  # not monkeypatch: its undo deletes the entry
+def test_torch_nn_blocks_of_several_models_keep_their_captures():
+    # torch.compile wraps a forward from torch's own files (nn.TransformerEncoderLayer's) in
+    # wrap_inline, whose code object is shared by every such function: every unit of a torch.nn
+    # block class shared one cache, and past the recompile limit (8, here 2) later models' blocks
+    # ran unfused. Each unit now enters through a frame of its own.
+    for layers in (1, 2, 3):
+        model, inputs, loss_fn = _models.transformer_encoder(True, layers=layers)
+        trifuse.fuse(model)
+        loss_fn(model, inputs(2, 5)).backward()
+        assert trifuse.report(model).counts().get("attention", 0) == (layers if has_op("attention") else 0)
+        assert not trifuse.report(model).unfused_calls(), layers
+
+
+@pytest.mark.skipif(not has_op("rotary_embedding"), reason="trifuse.ops.rotary_embedding not in this build")
+def test_block_classes_keep_their_dynamic_shape_state_apart():
+    # Hugging Face wraps every layer class's forward in one `forward_with_checkpointing`, and
+    # Dynamo keeps its automatic-dynamic state (what went symbolic after two values) per code and
+    # the code in its closure. Were the units' entry frames keyed alike, GPT-NeoX's first capture
+    # would see what the models before it had as already varying, and its rotary would go unfused.
+    for name in ("phi3", "opt", "bart", "gpt_neox"):
+        model, inputs, loss_fn = _models.hf_family(name)
+        trifuse.fuse(model)
+        loss_fn(model, inputs(2, 8)).backward()
+    assert trifuse.report(model).counts().get("rotary") == L
 
 
 def _train_step(model, loss_fn, kw, seed):

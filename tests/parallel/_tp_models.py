@@ -7,6 +7,80 @@ from tolerances import check_close
 VOCAB = 64
 
 
+class TorchTransformerLM(torch.nn.Module):
+    """A language model as PyTorch users write one, on nn.MultiheadAttention: an embedding, layers
+    of torch.nn, a linear head; returns the loss.
+
+    torch_encoder      nn.TransformerEncoder, pre-norm, batch first, GeLU, a final norm; a causal
+                       mask (is_causal) and a key padding mask
+    torch_seq_first    nn.TransformerEncoder, post-norm, sequence first (so sequence parallelism
+                       splits the batch), ReLU; a key padding mask
+    torch_transformer  nn.Transformer (encoder-decoder: cross-attention on the encoder's output),
+                       batch first; causal target mask, padding on the memory
+    """
+
+    def __init__(self, kind: str, heads: int, dropout: float):
+        super().__init__()
+        nn, width = torch.nn, 8 * heads
+        self.kind, self.embed, self.head = kind, nn.Embedding(VOCAB, width), nn.Linear(width, VOCAB)
+        if kind == "torch_transformer":
+            self.body = nn.Transformer(width, heads, 2, 2, 64, dropout, batch_first=True)
+            return
+        first = kind == "torch_encoder"
+        activation = "gelu" if first else "relu"
+        layer = nn.TransformerEncoderLayer(
+            width, heads, 64, dropout, activation=activation, batch_first=first, norm_first=first
+        )
+        norm = nn.LayerNorm(width) if first else None
+        self.body = nn.TransformerEncoder(layer, 2, norm=norm, enable_nested_tensor=False)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        b, s = input_ids.shape
+        pad = torch.zeros(b, s, dtype=torch.bool)
+        pad[0, -2:] = True  # the first sequence's last two tokens are padding
+        causal = torch.nn.Transformer.generate_square_subsequent_mask(s, dtype=x.dtype)
+        if self.kind == "torch_encoder":
+            h = self.body(x, mask=causal, src_key_padding_mask=pad, is_causal=True)
+        elif self.kind == "torch_seq_first":
+            h = self.body(x.transpose(0, 1), src_key_padding_mask=pad).transpose(0, 1)
+        else:
+            h = self.body(x, x.flip(1), tgt_mask=causal, tgt_is_causal=True, memory_key_padding_mask=pad)
+        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+class MultiheadOptions(torch.nn.Module):
+    """nn.MultiheadAttention called directly, with the options its layers never use: an
+    ALiBi-like additive mask per head (3-D, batch x heads rows), add_zero_attn, the attention
+    weights returned per head and averaged (both in the loss), a sequence-first cross-attention
+    with key padding, and an unbatched call. Blocks in no nn.ModuleList: tensor parallelism only."""
+
+    def __init__(self, heads: int, dropout: float):
+        super().__init__()
+        nn, width = torch.nn, 8 * heads
+        self.heads, self.embed, self.head = heads, nn.Embedding(VOCAB, width), nn.Linear(width, VOCAB)
+        self.attn = nn.MultiheadAttention(width, heads, dropout, batch_first=True, add_zero_attn=True)
+        self.cross = nn.MultiheadAttention(width, heads, dropout, bias=False)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        b, s = input_ids.shape
+        distance = (torch.arange(s)[:, None] - torch.arange(s)[None, :]).abs().to(x.dtype)
+        slopes = 2.0 ** -torch.arange(1, self.heads + 1, dtype=x.dtype)
+        alibi = (-slopes[:, None, None] * distance).repeat(b, 1, 1)  # (b * heads, s, s)
+        y, per_head = self.attn(x, x, x, attn_mask=alibi, average_attn_weights=False)
+        h = self.norm(x + y)
+        memory = x.flip(1).transpose(0, 1)
+        pad = torch.zeros(b, s, dtype=torch.bool)
+        pad[1, :3] = True
+        z, averaged = self.cross(h.transpose(0, 1), memory, memory, key_padding_mask=pad)
+        alone, _ = self.attn(h[0], h[0], h[0], need_weights=False)  # (s, width): no batch dim
+        out = h + z.transpose(0, 1) + alone
+        loss = torch.nn.functional.cross_entropy(self.head(out).flatten(0, 1), labels.flatten())
+        return loss + per_head.square().mean() + averaged.square().mean()
+
+
 def build(kind: str, *, dropout: float = 0.0, heads: int = 4, dtype=torch.float64, seed: int = 0, **extra):
     """GPT-2 (LM head, Conv1D projections, fused c_attn), BERT (MLM head, nn.Linear Q/K/V),
     nanoGPT (tests/_models.py: nn.Linear fused c_attn, head count `n_head`, width read from the
@@ -18,6 +92,10 @@ def build(kind: str, *, dropout: float = 0.0, heads: int = 4, dtype=torch.float6
     torch.manual_seed(seed)
     # The shape every model here shares: 2 blocks of `heads` heads of 8, an MLP 64 wide.
     base = dict(hidden_size=8 * heads, num_hidden_layers=2, num_attention_heads=heads, intermediate_size=64)
+    if kind in ("torch_encoder", "torch_seq_first", "torch_transformer"):
+        return TorchTransformerLM(kind, heads, dropout).to(dtype)
+    if kind == "torch_mha_options":
+        return MultiheadOptions(heads, dropout).to(dtype)
     if kind == "nanogpt":
         import _models
 

@@ -36,6 +36,10 @@ ATTENTION = {
     "clip": ("vision_model.encoder.layers.0.self_attn", "k_proj"),
     "neox": ("gpt_neox.layers.0.attention", "query_key_value"),
     "phi3": ("model.layers.0.self_attn", "qkv_proj"),
+    "torch_encoder": ("body.layers.0.self_attn", "out_proj"),
+    "torch_seq_first": ("body.layers.0.self_attn", "out_proj"),
+    "torch_transformer": ("body.decoder.layers.0.multihead_attn", "out_proj"),  # the cross-attention
+    "torch_mha_options": ("cross", "out_proj"),
 }
 
 
@@ -73,6 +77,21 @@ def equal_to_single_process(rank, size, kind, sp, steps, naive_qkv=False, heads=
     return failures, checks, tuple(model.get_submodule(f"{attn}.{proj}").weight.to_local().shape)
 
 
+def multihead_attention_state(rank, size, kind, sp):
+    """Whether `shard` left the model's nn.MultiheadAttention modules as its own local-heads
+    kind; their local head counts; the local in_proj_weight's shape."""
+    from trifuse.parallel import shard
+    from trifuse.parallel.multihead import ShardedMultiheadAttention
+
+    model = shard(build(kind), _mesh(size), sequence_parallel=sp)
+    mhas = [m for m in model.modules() if isinstance(m, torch.nn.MultiheadAttention)]
+    return (
+        all(isinstance(m, ShardedMultiheadAttention) for m in mhas),
+        {m.num_heads for m in mhas},
+        tuple(mhas[0].in_proj_weight.to_local().shape),
+    )
+
+
 def fused_equal_to_single_process(rank, size, kind, order, sp):
     """`equal_to_single_process` for the model fused by trifuse.fuse before or after sharding,
     against the unfused one; also the fused op counts. Llama is compared at float32's rule:
@@ -101,7 +120,6 @@ def shard_error(rank, size, case, sp):
     """The message of the ValueError `shard` raises in `case`, or None."""
     from torch import nn
 
-    import _models
     from trifuse.parallel import shard
 
     if case == "nanogpt_renamed_heads":  # an attention whose head count no spelling knows
@@ -109,8 +127,12 @@ def shard_error(rank, size, case, sp):
         for block in model.transformer.h:
             block.attn.heads = block.attn.n_head
             del block.attn.n_head
-    elif case == "transformer_encoder":
-        model = _models.transformer_encoder(True)[0].double()
+    elif case in ("multihead_kdim", "multihead_bias_kv"):  # nn.MultiheadAttention variants not sharded
+        model = build("torch_mha_options")
+        if case == "multihead_kdim":  # separate Q, K and V weights: keys of another width
+            model.cross = nn.MultiheadAttention(32, 4, kdim=16, vdim=16).double()
+        else:
+            model.cross = nn.MultiheadAttention(32, 4, add_bias_kv=True).double()
     elif case == "llama_kv_heads":
         model = build("llama", heads=4, kv_heads=1)
     elif case == "unknown_projection":  # a recognized block with one more weight matrix
@@ -174,6 +196,53 @@ FUSED_COUNTS = {
 }
 
 
+def multihead_dropout_weights(rank, size):
+    """A sharded nn.MultiheadAttention's attention weights (per head, whole on every rank) with
+    dropout 0.5, twice under one seed."""
+    from trifuse.parallel import shard
+
+    model = shard(build("torch_mha_options", dropout=0.5), _mesh(size), sequence_parallel=False)
+    x = torch.randn(2, 8, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    weights = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        weights.append(model.attn(x, x, x, average_attn_weights=False)[1].detach())
+    return weights
+
+
+def test_multihead_attention_dropout_on_each_ranks_heads(world):
+    (a0, b0), (a1, b1) = world.run(multihead_dropout_weights)
+    assert torch.equal(a0, b0) and torch.equal(a0, a1) and torch.equal(b0, b1)  # reproducible, gathered alike
+    dropped = a0 == 0
+    assert 0.3 < dropped.double().mean() < 0.7
+    # rank 0 holds heads 0-1, rank 1 heads 2-3: independent masks (one stream would repeat them)
+    assert not torch.equal(dropped[:, :2], dropped[:, 2:])
+
+
+@pytest.mark.parametrize(
+    "kind, sp",
+    [
+        ("torch_encoder", False),
+        ("torch_encoder", True),
+        ("torch_seq_first", True),  # sequence parallelism splits dim 1: the batch
+        ("torch_transformer", False),
+        ("torch_transformer", True),
+        ("torch_mha_options", False),  # its blocks sit in no nn.ModuleList
+    ],
+)
+def test_torch_multihead_attention_matches_single_process(world, kind, sp):
+    """nn.MultiheadAttention (nn.TransformerEncoder, nn.Transformer, and called directly with
+    per-head masks, add_zero_attn, returned weights, an unbatched input): 2 of 4 heads per rank,
+    out_proj row-parallel (16 of its 32 input features), the loss, gradients and steps those of
+    the unsharded model."""
+    for failures, checks, shape in world.run(equal_to_single_process, kind, sp, 2):
+        assert shape == (32, 16)
+        assert checks > 30
+        assert not failures, "\n".join(failures[:10])
+    for all_local, heads, in_proj in world.run(multihead_attention_state, kind, sp):
+        assert all_local and heads == {2} and in_proj == (48, 32)
+
+
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
 @pytest.mark.parametrize("kind", list(FUSED_COUNTS))
 def test_more_families_fused_and_sharded(world, kind, sp):
@@ -182,6 +251,26 @@ def test_more_families_fused_and_sharded(world, kind, sp):
         assert not failures, "\n".join(failures[:10])
         counts.pop("cross_entropy", None)
         assert counts == FUSED_COUNTS[kind], counts
+
+
+# nn.MultiheadAttention's local forward fuses as SDPA on this rank's heads (self- and cross-
+# attention); nn.Transformer's decoder layers are captured by Dynamo, as in one process.
+TORCH_FUSED_COUNTS = {
+    "torch_encoder": {"layer_norm": 3, "attention": 2, "bias_gelu": 2, "residual_stream": 2, "dropout_add": 2},
+    "torch_seq_first": {"attention": 2, "residual_stream": 4},
+    "torch_transformer": {"layer_norm": 2, "attention": 6, "residual_stream": 10},
+}
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("order", ["fuse_then_shard", "shard_then_fuse"])
+@pytest.mark.parametrize("kind", list(TORCH_FUSED_COUNTS))
+def test_torch_multihead_attention_fused_and_sharded(world, kind, order, sp):
+    for failures, checks, counts in world.run(fused_equal_to_single_process, kind, order, sp):
+        assert checks > 30
+        assert not failures, "\n".join(failures[:10])
+        counts.pop("cross_entropy", None)
+        assert counts == TORCH_FUSED_COUNTS[kind], counts
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
@@ -300,12 +389,11 @@ def test_fused_qkv_split_the_wrong_way_fails_the_check(world, kind):
             ),
         ),
         (
-            "transformer_encoder",
-            (
-                "layers.0.self_attn: nn.MultiheadAttention (one packed in_proj_weight for Q, K and V) is not "
-                "supported by trifuse.parallel.shard yet",
-            ),
+            "multihead_kdim",
+            ("cross: nn.MultiheadAttention: separate Q/K/V weights (kdim=16, vdim=16 differ from embed_dim=32) "
+             "are not supported",),
         ),
+        ("multihead_bias_kv", ("cross: nn.MultiheadAttention: add_bias_kv=True is not supported",)),
         ("llama_kv_heads", ("has 1 key/value heads (grouped-query attention), which do not divide",)),
         (
             "unknown_projection",

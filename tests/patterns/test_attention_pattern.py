@@ -317,9 +317,39 @@ def test_multihead_attention_self_attention():
     assert report.by_pattern() == {"self_attention_mha": 1}
 
 
-def test_multihead_attention_module_left_in_an_fx_capture_is_reported():
-    """SigLIP's pooling head as fx captures it: the LayerNorm fuses, the nn.MultiheadAttention
-    (a learned probe attending to the tokens) stays a module call, and the report says so."""
+@pytest.mark.parametrize("batch_first, bias, padded, need_weights", [
+    (True, True, True, False),
+    (False, False, False, False),
+    (True, True, True, True),  # the weights are returned: left as written
+])
+def test_multihead_attention_cross_attention(batch_first, bias, padded, need_weights):
+    """A decoder's cross-attention (nn.TransformerDecoderLayer's multihead_attn): the query from
+    one sequence, key and value one tensor from another of a different length."""
+    class Cross(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha = nn.MultiheadAttention(H * D, H, bias=bias, batch_first=batch_first)
+
+        def forward(self, x, memory):
+            pad = None
+            if padded:  # (batch, memory length); the first sequence's last two keys masked
+                batch, seq_k = memory.shape[:2] if batch_first else memory.shape[1::-1]
+                pad = torch.zeros(batch, seq_k, dtype=torch.bool, device=memory.device)
+                pad[0, -2:] = True
+            return self.mha(x, memory, memory, key_padding_mask=pad, need_weights=need_weights)[0]
+
+    x, memory = torch.randn(B, S, H * D), torch.randn(B, S + 3, H * D)
+    if not batch_first:
+        x, memory = x.transpose(0, 1), memory.transpose(0, 1)
+    report = check_against_unfused(Cross, (x, memory), "dynamo")
+    assert report.by_pattern() == ({} if need_weights else {"cross_attention_mha": 1})
+
+
+def test_multihead_attention_returning_weights_is_reported():
+    """SigLIP's pooling head: fx could trace it, with the nn.MultiheadAttention a module call no
+    pattern looks into, so fuse captures it with Dynamo instead. The LayerNorm fuses; the
+    attention (a learned probe attending to the tokens) returns its weights, which no pattern
+    gives, and the report says it is left."""
     class PoolingHead(nn.Module):
         def __init__(self):
             super().__init__()
@@ -333,7 +363,8 @@ def test_multihead_attention_module_left_in_an_fx_capture_is_reported():
 
     report = check_against_unfused(PoolingHead, (torch.randn(B, S, H * D),), "fx")
     assert report.counts() == available_counts({"layer_norm": 1})
-    assert [(where, op) for _, where, op, _ in report.left()] == [("attention", "multi_head_attention")]
+    assert [(where, op) for _, where, op, _ in report.left()] == [("attention", "multi_head_attention_forward")]
+    assert "PoolingHead, dynamo" in report.table()
 
 
 # The older Hugging Face spellings (BLOOM, CodeGen, MPT, GPT-Neo), Dynamo only (as their blocks are captured)
