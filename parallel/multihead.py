@@ -19,7 +19,7 @@ cannot run on a slice of the heads. `MultiheadAttentionParallel` therefore:
 
 Its `out_proj` is row-parallel (`RowwiseParallel`, a plan entry of its own): the attention's
 output reaches it as this rank's features. Separate Q/K/V weights (kdim or vdim other than
-embed_dim) and `add_bias_kv` are refused with a ValueError.
+embed_dim), `add_bias_kv` and subclasses are refused with a ValueError.
 """
 
 from functools import partial
@@ -38,6 +38,8 @@ _ARG_NAMES = ("query", "key", "value")
 
 def unsupported(module: nn.MultiheadAttention) -> str | None:
     """Why `module` cannot be sharded by MultiheadAttentionParallel, or None."""
+    if type(module) is not nn.MultiheadAttention:
+        return f"{type(module).__name__}, a subclass (its forward may differ), is not supported"
     if not module._qkv_same_embed_dim:
         return (
             f"separate Q/K/V weights (kdim={module.kdim}, vdim={module.vdim} differ from "

@@ -14,6 +14,7 @@ Korthikanti et al. 2022), per block:
                 Q, K, V (or fused QKV, split per head)               column-parallel, H/t heads per rank
                 output projection                                    row-parallel -> Shard(1) or Replicate
                 Q/K norms in the core (per head, or over all heads)  HeadCoreNorm (weight replicated)
+                per-head arguments built for all heads (ALiBi)       HeadRowsArguments (this rank's rows)
                 nn.MultiheadAttention: its packed in_proj, the gather  MultiheadAttentionParallel
                 of query/key/value and a forward on the local heads  (multihead.py); out_proj row-par.
     MLP         entry (its first linear if the container is the      gather, as above
@@ -42,6 +43,7 @@ from .multihead import MultiheadAttentionParallel, unsupported
 from .styles import (
     ColwiseParallel,
     HeadCoreNorm,
+    HeadRowsArguments,
     PrepareFirstInput,
     PrepareFirstOutput,
     RowwiseParallel,
@@ -90,6 +92,9 @@ class AttentionSpelling:
     # `self.config.num_attention_heads * head_dim`): the module gets a view of the shared config
     # with this rank's counts (sharding.py's LocalHeadsConfig).
     config_heads: tuple[str, ...] = ()
+    # Keyword arguments with one row per (batch, head), built for all heads by the caller
+    # (BLOOM's ALiBi bias, (batch * H, 1, keys)): sliced to this rank's heads.
+    head_rows_args: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -173,6 +178,17 @@ ATTENTION_SPELLINGS: tuple[AttentionSpelling, ...] = (
         heads_major=True,
         classes=("GPTNeoXAttention",),
     ),
+    AttentionSpelling(
+        "fused query_key_value per head + dense, ALiBi (BLOOM)",
+        "",
+        ("query_key_value",),
+        "dense",
+        "num_heads",
+        (),
+        heads_major=True,
+        classes=("BloomAttention",),
+        head_rows_args=("alibi",),
+    ),
 )
 
 # nn.MultiheadAttention, recognized by its class: one packed in_proj_weight, a forward of its own
@@ -188,7 +204,7 @@ MLP_SPELLINGS: tuple[MLPSpelling, ...] = (
     ),
     MLPSpelling("gate_proj/up_proj + down_proj (Llama)", "", ("gate_proj", "up_proj"), "down_proj"),
     MLPSpelling("fc1 + fc2 (ViT, CLIP, OPT, BART)", "", ("fc1",), "fc2"),
-    MLPSpelling("dense_h_to_4h + dense_4h_to_h (GPT-NeoX)", "", ("dense_h_to_4h",), "dense_4h_to_h"),
+    MLPSpelling("dense_h_to_4h + dense_4h_to_h (GPT-NeoX, BLOOM)", "", ("dense_h_to_4h",), "dense_4h_to_h"),
     MLPSpelling("fused gate_up_proj + down_proj (Phi-3)", "", ("gate_up_proj",), "down_proj", fused=2),
     MLPSpelling("linear1 + linear2 (nn.TransformerEncoderLayer, DecoderLayer)", "", ("linear1",), "linear2"),
 )
@@ -563,6 +579,8 @@ def derive_plan(model: nn.Module, found: "Recognized", tp: int, *, sequence_para
         plan.styles += [(a.fqn(p), ColwiseParallel(input_layouts=qkv_in, fused_parts=fused)) for p in s.qkv]
         plan.styles.append((a.fqn(s.out), RowwiseParallel(output_layouts=resid)))
         plan.styles += [(name, HeadCoreNorm(per_head=per_head)) for name, per_head in a.norms]
+        if s.head_rows_args:
+            plan.styles.append((a.fqn(s.entry), HeadRowsArguments(names=s.head_rows_args, heads=a.heads)))
         entry = model.get_submodule(a.fqn(s.entry))
         if "." not in s.heads_attr:
             plan.attributes.append((a.fqn(s.entry), s.heads_attr, a.heads // tp))

@@ -49,6 +49,7 @@ from .plan import Plan, check_unrecognized, derive_plan, merge, recognize, vocab
 from .styles import (
     FUSED_LAYOUT_ATTR,
     ColwiseParallel,
+    HeadRowsArguments,
     PrepareFirstInput,
     PrepareFirstOutput,
     RowwiseParallel,
@@ -152,6 +153,7 @@ def _plain_style(style: object, module: nn.Module) -> object:
 
 
 _PREPARE_ONLY = (
+    HeadRowsArguments,
     PrepareFirstInput,
     PrepareFirstOutput,
     PrepareModuleInput,

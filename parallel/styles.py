@@ -300,6 +300,40 @@ class PrepareFirstInput(ParallelStyle):
         return f"PrepareFirstInput({self.input_layout} -> {self.desired_layout})"
 
 
+class HeadRowsArguments(ParallelStyle):
+    """Slices keyword arguments holding one row per (batch, head), (batch * H, ...) in batch-major
+    order, to this rank's H/t heads: BLOOM's ALiBi bias, built for every head outside the
+    attention, which tensor parallelism hands this rank's heads only."""
+
+    def __init__(self, *, names: tuple[str, ...], heads: int):
+        super().__init__()
+        self.names, self.heads = names, heads
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        local = self.heads // device_mesh.size()
+        start = device_mesh.get_local_rank() * local
+
+        def hook(mod, args, kwargs):
+            for name in self.names:
+                x = kwargs.get(name)
+                if not isinstance(x, torch.Tensor):
+                    continue
+                if x.shape[0] % self.heads:
+                    raise ValueError(
+                        f"trifuse.parallel: {type(mod).__name__}'s {name} must have batch x {self.heads} heads "
+                        f"rows, got shape {tuple(x.shape)}"
+                    )
+                rows = x.view(x.shape[0] // self.heads, self.heads, *x.shape[1:])[:, start : start + local]
+                kwargs = {**kwargs, name: rows.reshape(-1, *x.shape[1:])}
+            return args, kwargs
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+    def __repr__(self) -> str:
+        return f"HeadRowsArguments({', '.join(self.names)} of {self.heads} heads)"
+
+
 class PrepareFirstOutput(ParallelStyle):
     """Redistributes the module's output (or the first element of a tuple output) from
     `output_layout` to `desired_layout`, returned as a local tensor."""

@@ -179,6 +179,17 @@ def build(kind: str, *, dropout: float = 0.0, heads: int = 4, dtype=torch.float6
             **extra,
         )
         return transformers.WhisperForConditionalGeneration(config).to(dtype)
+    if kind == "bloom":  # fused query_key_value per head; ALiBi built for all heads outside the attention
+        config = transformers.BloomConfig(
+            hidden_size=8 * heads,
+            n_layer=2,
+            n_head=heads,
+            vocab_size=VOCAB,
+            attention_dropout=dropout,
+            hidden_dropout=dropout,
+            **extra,
+        )
+        return transformers.BloomForCausalLM(config).to(dtype)
     if kind == "neox":  # fused query_key_value laid out per head, parallel residual, partial rotary
         config = transformers.GPTNeoXConfig(
             **base,
@@ -253,7 +264,7 @@ def batch(kind: str, step: int = 0, *, b: int = 2, s: int = 8) -> dict:
     if kind == "nanogpt":
         return {"idx": ids, "targets": ids}
     out = {"input_ids": ids, "labels": ids}
-    if kind in ("gpt2", "llama", "gemma2", "gemma3", "olmo2", "phi3", "opt", "bart", "neox"):
+    if kind in ("gpt2", "llama", "gemma2", "gemma3", "olmo2", "phi3", "opt", "bart", "neox", "bloom"):
         out["use_cache"] = False
     return out
 

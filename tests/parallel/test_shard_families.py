@@ -36,6 +36,7 @@ ATTENTION = {
     "clip": ("vision_model.encoder.layers.0.self_attn", "k_proj"),
     "neox": ("gpt_neox.layers.0.attention", "query_key_value"),
     "phi3": ("model.layers.0.self_attn", "qkv_proj"),
+    "bloom": ("transformer.h.0.self_attention", "query_key_value"),
     "torch_encoder": ("body.layers.0.self_attn", "out_proj"),
     "torch_seq_first": ("body.layers.0.self_attn", "out_proj"),
     "torch_transformer": ("body.decoder.layers.0.multihead_attn", "out_proj"),  # the cross-attention
@@ -110,8 +111,9 @@ def fused_equal_to_single_process(rank, size, kind, order, sp):
         shard(model, _mesh(size), sequence_parallel=sp)
         model = trifuse.fuse(model)
     # Their norms compute in float32 (see above); OPT's, BART's and NeoX's losses upcast the logits
-    # to float32, trifuse's fused cross-entropy keeps float64.
-    fp32 = kind in ("llama", "gemma2", "gemma3", "olmo2", "phi3", "opt", "bart", "neox")
+    # to float32, trifuse's fused cross-entropy keeps float64; BLOOM's softmax is float32, trifuse's
+    # attention float64.
+    fp32 = kind in ("llama", "gemma2", "gemma3", "olmo2", "phi3", "opt", "bart", "neox", "bloom")
     failures, checks = train_alongside(kind, model, ref, 1, fp32=fp32, optimizer=torch.optim.SGD)
     return failures, checks, trifuse.report(model).counts()
 
@@ -127,12 +129,14 @@ def shard_error(rank, size, case, sp):
         for block in model.transformer.h:
             block.attn.heads = block.attn.n_head
             del block.attn.n_head
-    elif case in ("multihead_kdim", "multihead_bias_kv"):  # nn.MultiheadAttention variants not sharded
+    elif case.startswith("multihead_"):  # nn.MultiheadAttention variants not sharded
         model = build("torch_mha_options")
         if case == "multihead_kdim":  # separate Q, K and V weights: keys of another width
             model.cross = nn.MultiheadAttention(32, 4, kdim=16, vdim=16).double()
-        else:
+        elif case == "multihead_bias_kv":
             model.cross = nn.MultiheadAttention(32, 4, add_bias_kv=True).double()
+        else:
+            model.cross = type("MyAttention", (nn.MultiheadAttention,), {})(32, 4).double()
     elif case == "llama_kv_heads":
         model = build("llama", heads=4, kv_heads=1)
     elif case == "unknown_projection":  # a recognized block with one more weight matrix
@@ -173,11 +177,12 @@ def test_loss_grads_and_steps_match_single_process(world, kind, sp):
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
-@pytest.mark.parametrize("kind", ["opt", "bart", "whisper", "clip", "neox", "phi3"])
+@pytest.mark.parametrize("kind", ["opt", "bart", "whisper", "clip", "neox", "phi3", "bloom"])
 def test_more_families_match_single_process(world, kind, sp):
-    # Local K projection: 4 heads of 8, 2 per rank (a K projection; NeoX's whole heads of its
-    # fused q, k, v: 2 x 3 x 8 rows; Phi-3's 2 query heads and 1 of its 2 K/V heads: 2 x 8 + 2 x 8).
-    local = {"neox": (48, 32), "phi3": (32, 32)}.get(kind, (16, 32))
+    # Local K projection: 4 heads of 8, 2 per rank (a K projection; NeoX's and BLOOM's whole heads
+    # of their fused q, k, v: 2 x 3 x 8 rows; Phi-3's 2 query heads and 1 of its 2 K/V heads:
+    # 2 x 8 + 2 x 8). BLOOM's ALiBi bias, built for all 4 heads, is sliced to each rank's 2.
+    local = {"neox": (48, 32), "phi3": (32, 32), "bloom": (48, 32)}.get(kind, (16, 32))
     for failures, checks, shape in world.run(equal_to_single_process, kind, sp, 2):
         assert shape == local
         assert checks > 60
@@ -193,6 +198,8 @@ FUSED_COUNTS = {
     "opt": {"layer_norm": 3, "attention": 2, "residual_stream": 2, "dropout_add": 2},
     "bart": {"layer_norm": 2, "attention": 6, "bias_gelu": 4, "residual_stream": 10},
     "neox": {"layer_norm": 5, "attention": 2, "bias_gelu": 2, "dropout_add": 2, "rotary": 2},
+    # BLOOM's ALiBi attention on each rank's slice of the bias (its GeLU fuses in eval only)
+    "bloom": {"layer_norm": 4, "attention": 2, "residual_stream": 2, "dropout_add": 2},
 }
 
 
@@ -208,6 +215,24 @@ def multihead_dropout_weights(rank, size):
         torch.manual_seed(0)
         weights.append(model.attn(x, x, x, average_attn_weights=False)[1].detach())
     return weights
+
+
+def bloom_alibi_of_the_wrong_rows(rank, size):
+    """The error a sharded BLOOM attention raises for an ALiBi bias not of batch x heads rows."""
+    from trifuse.parallel import shard
+
+    model = shard(build("bloom"), _mesh(size), sequence_parallel=False)
+    x = torch.randn(2, 8, 32, dtype=torch.float64)
+    try:
+        model.transformer.h[0].self_attention(x, x, alibi=torch.zeros(6, 1, 8, dtype=torch.float64), attention_mask=None)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_per_head_argument_of_the_wrong_rows_is_a_clear_error(world):
+    for message in world.run(bloom_alibi_of_the_wrong_rows):
+        assert message == "trifuse.parallel: BloomAttention's alibi must have batch x 4 heads rows, got shape (6, 1, 8)"
 
 
 def test_multihead_attention_dropout_on_each_ranks_heads(world):
@@ -394,6 +419,7 @@ def test_fused_qkv_split_the_wrong_way_fails_the_check(world, kind):
              "are not supported",),
         ),
         ("multihead_bias_kv", ("cross: nn.MultiheadAttention: add_bias_kv=True is not supported",)),
+        ("multihead_subclass", ("cross: nn.MultiheadAttention: MyAttention, a subclass (its forward may differ)",)),
         ("llama_kv_heads", ("has 1 key/value heads (grouped-query attention), which do not divide",)),
         (
             "unknown_projection",
