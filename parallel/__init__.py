@@ -2,8 +2,8 @@
 
 See sharding.py for what sharding does, plan.py for how the plan is derived from recognized
 blocks, styles.py for the parallel styles (PyTorch's, extended to HF Conv1D and fused QKV
-projections), multihead.py for nn.MultiheadAttention, and random.py for dropout under tensor and
-sequence parallelism.
+projections), multihead.py for nn.MultiheadAttention, experts.py for mixture-of-experts blocks,
+and random.py for dropout under tensor and sequence parallelism.
 
 The names load on first use: importing torch.distributed.tensor costs about half a second, which
 `import trifuse` should not charge to programs that never shard.
@@ -17,6 +17,8 @@ _EXPORTS = {
     "ColwiseParallel": ".styles",
     "RowwiseParallel": ".styles",
     "MultiheadAttentionParallel": ".multihead",
+    "ExpertsParallel": ".experts",
+    "MoEBlockParallel": ".experts",
 }
 
 __all__ = list(_EXPORTS)

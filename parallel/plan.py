@@ -21,6 +21,8 @@ Korthikanti et al. 2022), per block:
                 whole block: OPT's, BART's fc1)
                 first linear(s)                                      column-parallel
                 second linear                                        row-parallel
+    MoE         the block (router + experts): gather in, reduce out  MoEBlockParallel (experts.py)
+                every expert's [gate | up] and down, split inside    ExpertsParallel; router replicated
     norms       LayerNorms on the residual stream                    SequenceParallel (only with SP)
     stack       first block's input                                  Replicate -> Shard(1) (only with SP)
                 last block's output                                  Shard(1) -> Replicate (only with SP)
@@ -39,6 +41,8 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from .experts import ExpertsParallel, MoEBlockParallel, ReplicatedModule
+from .experts import unsupported as experts_unsupported
 from .multihead import MultiheadAttentionParallel, unsupported
 from .styles import (
     ColwiseParallel,
@@ -348,10 +352,49 @@ def _match_mlp(module: nn.Module, s: MLPSpelling) -> tuple[int, str] | None:
     return (inner, s.up[0]) if len(s.up) == 1 else None
 
 
+@dataclass(frozen=True)
+class MoE:
+    path: str  # the block holding the router and the experts (Mixtral's, Qwen3-MoE's `mlp`)
+    experts: str
+    router: str
+    inner: int  # one expert's inner width
+
+    def fqn(self, rel: str) -> str:
+        return _join(self.path, rel)
+
+
+_ROUTER_NAMES = ("gate", "router")
+
+
+def _match_moe(module: nn.Module) -> tuple[int, str] | str | None:
+    """(inner width, router name) when `module` is an MoE block trifuse shards: an `experts`
+    child with stacked gate_up_proj / down_proj, a router with one (experts, hidden) weight, and
+    nothing else holding parameters. Why not, for a block with such experts; None otherwise."""
+    experts = getattr(module, "experts", None)
+    if not isinstance(experts, nn.Module) or getattr(experts, "gate_up_proj", None) is None:
+        return None
+    why = experts_unsupported(experts)
+    if why is not None:
+        return f"its experts ({type(experts).__name__}) have {why}"
+    n = experts.gate_up_proj.shape[0]
+    routers = [r for r in _ROUTER_NAMES if getattr(getattr(module, r, None), "weight", None) is not None]
+    if len(routers) != 1 or getattr(module, routers[0]).weight.shape != (n, experts.gate_up_proj.shape[2]):
+        return f"no router ({' or '.join(_ROUTER_NAMES)}) with one ({n}, hidden) weight beside its experts"
+    others = [
+        name
+        for name, _ in module.named_parameters()
+        if not name.startswith(("experts.", routers[0] + "."))
+    ]
+    if others:
+        return f"parameters beside its router and experts ({', '.join(others)}: shared experts?)"
+    return experts.down_proj.shape[2], routers[0]
+
+
 @dataclass
 class Recognized:
     attentions: list[Attention] = field(default_factory=list)
     mlps: list[MLP] = field(default_factory=list)
+    moes: list[MoE] = field(default_factory=list)
     # Each stack: the names of its blocks in order (the children of one nn.ModuleList that hold
     # recognized attention or MLP containers).
     stacks: list[list[str]] = field(default_factory=list)
@@ -362,7 +405,7 @@ class Recognized:
     unrecognized: list[tuple[str, str]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.attentions or self.mlps)
+        return bool(self.attentions or self.mlps or self.moes)
 
 
 def recognize(model: nn.Module) -> Recognized:
@@ -370,7 +413,16 @@ def recognize(model: nn.Module) -> Recognized:
     found = Recognized()
     claimed: set[str] = set()
     in_cores: list[tuple[str, str]] = []
+    moe_problems: list[tuple[str, str]] = []
     for path, module in model.named_modules():
+        moe = _match_moe(module)
+        if isinstance(moe, tuple):
+            inner, router = moe
+            found.moes.append(MoE(path, _join(path, "experts"), _join(path, router), inner))
+            claimed |= {_join(path, "experts"), _join(path, router)}
+            continue
+        if isinstance(moe, str):
+            moe_problems.append((_join(path, "experts"), f"an MoE block {path} whose {moe}"))
         if isinstance(module, nn.MultiheadAttention):
             if unsupported(module) is None:
                 heads = module.num_heads
@@ -406,7 +458,8 @@ def recognize(model: nn.Module) -> Recognized:
                 break
     blocks = {}
     lists = {p: m for p, m in model.named_modules() if isinstance(m, nn.ModuleList)}
-    for container in [a.path for a in found.attentions] + [m.path for m in found.mlps]:
+    containers = [b.path for b in (*found.attentions, *found.mlps, *found.moes)]
+    for container in containers:
         for list_path in sorted(lists, key=len, reverse=True):
             prefix = list_path + "." if list_path else ""
             if container.startswith(prefix) and container != list_path:
@@ -417,7 +470,9 @@ def recognize(model: nn.Module) -> Recognized:
             found.unstacked.append(container)
     for list_path, indices in blocks.items():
         found.stacks.append([_join(list_path, i) for i in sorted(indices, key=int)])
-    found.unrecognized = _unrecognized(model, found, claimed)
+    found.unrecognized = moe_problems + [
+        u for u in _unrecognized(model, found, claimed) if all(u[0] != n for n, _ in moe_problems)
+    ]
     found.unrecognized += [(n, why) for n, why in in_cores if all(n != r for r, _ in found.unrecognized)]
     return found
 
@@ -457,8 +512,17 @@ def _unrecognized(model: nn.Module, found: Recognized, claimed: set[str]) -> lis
         return name == path or name.startswith(path + ".") or not path
 
     out: list[tuple[str, str]] = []
+    # A module that holds a recognized attention further down (SigLIP's pooling head around its
+    # nn.MultiheadAttention) is no attention core itself: its other weights (the head's learned
+    # probe, the query it feeds the attention) run replicated, outside any rank's heads.
+    holders = {p for a in found.attentions for p in _ancestors(a.path)}
     for path, module in model.named_modules():
-        if _attention_like(module) and not any(under(path, r) for r, _ in out) and unclaimed(path, module):
+        if (
+            _attention_like(module)
+            and path not in holders
+            and not any(under(path, r) for r, _ in out)
+            and unclaimed(path, module)
+        ):
             out.append((path, _why_not_attention(module)))
     for block in (b for stack in found.stacks for b in stack):
         for name in dict.fromkeys(unclaimed(block, model.get_submodule(block))):
@@ -468,6 +532,12 @@ def _unrecognized(model: nn.Module, found: Recognized, claimed: set[str]) -> lis
                 )
                 out.append((name, why))
     return out
+
+
+def _ancestors(path: str) -> list[str]:
+    """The module names strictly above `path` ("" is the model)."""
+    parts = path.split(".") if path else []
+    return [".".join(parts[:i]) for i in range(len(parts))]
 
 
 def check_unrecognized(model: nn.Module, found: Recognized, user: dict | None) -> None:
@@ -607,6 +677,17 @@ def derive_plan(model: nn.Module, found: "Recognized", tp: int, *, sequence_para
             )
             plan.styles += [(m.fqn(p), ColwiseParallel(fused_parts=s.fused)) for p in s.up]
         plan.styles.append((m.fqn(s.down), RowwiseParallel(output_layouts=resid)))
+    for m in found.moes:
+        if m.inner % tp:
+            raise ValueError(
+                f"trifuse.parallel.shard: {m.path} has experts of inner width {m.inner}, "
+                f"which does not divide across a tensor-parallel degree of {tp}"
+            )
+        plan.styles += [
+            (m.path, MoEBlockParallel(input_layouts=resid)),
+            (m.experts, ExpertsParallel()),
+            (m.router, ReplicatedModule()),
+        ]
     if not sequence_parallel:
         return plan
 
@@ -619,6 +700,7 @@ def derive_plan(model: nn.Module, found: "Recognized", tp: int, *, sequence_para
         )
     hidden = found.attentions[0].hidden if found.attentions else None
     inside = [a.fqn(a.spelling.entry) for a in found.attentions] + [m.fqn(m.entry) for m in found.mlps]
+    inside += [m.path for m in found.moes]
     for stack in found.stacks:
         plan.styles.append(
             (

@@ -45,6 +45,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel import RowwiseParallel as _TorchRowwise
 
 from . import random as _random
+from .experts import MoEBlockParallel
 from .plan import Plan, check_unrecognized, derive_plan, merge, recognize, vocab_plan
 from .styles import (
     FUSED_LAYOUT_ATTR,
@@ -153,6 +154,7 @@ def _plain_style(style: object, module: nn.Module) -> object:
 
 
 _PREPARE_ONLY = (
+    MoEBlockParallel,
     HeadRowsArguments,
     PrepareFirstInput,
     PrepareFirstOutput,

@@ -49,6 +49,20 @@ class TorchTransformerLM(torch.nn.Module):
         return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
 
 
+class SiglipPooled(torch.nn.Module):
+    """SigLIP's vision tower with its pooling head (a learned probe attending to the patches
+    through an nn.MultiheadAttention, then an MLP); the loss is the pooled output's mean square."""
+
+    def __init__(self, config):
+        super().__init__()
+        import transformers
+
+        self.vision = transformers.SiglipVisionModel(config)
+
+    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.vision(pixel_values=pixel_values).pooler_output.square().mean()
+
+
 class MultiheadOptions(torch.nn.Module):
     """nn.MultiheadAttention called directly, with the options its layers never use: an
     ALiBi-like additive mask per head (3-D, batch x heads rows), add_zero_attn, the attention
@@ -104,6 +118,24 @@ def build(kind: str, *, dropout: float = 0.0, heads: int = 4, dtype=torch.float6
             [_models.Block(_models.HIDDEN, heads, dropout, model.block_size, True) for _ in range(2)]
         )
         return model.to(dtype)
+    if kind in ("qwen3_moe", "mixtral", "olmoe"):  # mixtures of 4 experts, 2 per token, each 16 wide
+        common = dict(
+            **{**base, "intermediate_size": 16},
+            num_key_value_heads=heads // 2,
+            vocab_size=VOCAB,
+            max_position_embeddings=32,
+            attention_dropout=dropout,
+            num_experts_per_tok=2,
+            experts_implementation="eager",  # grouped_mm takes no float64
+        )
+        if kind == "qwen3_moe":
+            config = transformers.Qwen3MoeConfig(**common, num_experts=4, moe_intermediate_size=16, head_dim=8, **extra)
+            return transformers.Qwen3MoeForCausalLM(config).to(dtype)
+        if kind == "mixtral":
+            config = transformers.MixtralConfig(**common, num_local_experts=4, **extra)
+            return transformers.MixtralForCausalLM(config).to(dtype)
+        config = transformers.OlmoeConfig(**common, num_experts=4, pad_token_id=1, eos_token_id=0, **extra)
+        return transformers.OlmoeForCausalLM(config).to(dtype)
     if kind in ("llama", "gemma2", "gemma3", "olmo2", "phi3"):
         # Decoders of Llama's shape. Gemma 2 adds sandwich norms (a norm after each sublayer,
         # added to the residual stream); Gemma 3 and OLMo 2 Q/K norms inside the attention core,
@@ -200,7 +232,7 @@ def build(kind: str, *, dropout: float = 0.0, heads: int = 4, dtype=torch.float6
             **extra,
         )
         return transformers.GPTNeoXForCausalLM(config).to(dtype)
-    if kind in ("vit", "clip"):  # 3 x 3 patches + CLS = 10 tokens, divisible for SP
+    if kind in ("vit", "clip", "siglip"):  # 3 x 3 patches + CLS = 10 tokens, divisible for SP
         common = dict(
             **base,
             image_size=24,
@@ -215,6 +247,8 @@ def build(kind: str, *, dropout: float = 0.0, heads: int = 4, dtype=torch.float6
                 **extra,
             )
             return transformers.ViTForImageClassification(config).to(dtype)
+        if kind == "siglip":  # 3 x 3 patches, no CLS; the pooling head outside the stack
+            return SiglipPooled(transformers.SiglipVisionConfig(attention_dropout=dropout, **common, **extra)).to(dtype)
         # CLIP's vision tower: q/k/v_proj + out_proj, an MLP module fc1/fc2
         vision = transformers.CLIPVisionConfig(attention_dropout=dropout, **common, **extra)
         config = transformers.CLIPConfig(
@@ -254,7 +288,7 @@ def build(kind: str, *, dropout: float = 0.0, heads: int = 4, dtype=torch.float6
 def batch(kind: str, step: int = 0, *, b: int = 2, s: int = 8) -> dict:
     """Inputs and labels, the same on every rank (a seeded generator, not the global stream)."""
     gen = torch.Generator().manual_seed(100 + step)
-    if kind in ("vit", "clip"):
+    if kind in ("vit", "clip", "siglip"):
         pixels = torch.randn(b, 3, 24, 24, generator=gen, dtype=torch.float64)
         return {"pixel_values": pixels, "labels": torch.randint(0, 3, (b,), generator=gen)}
     ids = torch.randint(0, VOCAB, (b, s), generator=gen)
@@ -264,7 +298,8 @@ def batch(kind: str, step: int = 0, *, b: int = 2, s: int = 8) -> dict:
     if kind == "nanogpt":
         return {"idx": ids, "targets": ids}
     out = {"input_ids": ids, "labels": ids}
-    if kind in ("gpt2", "llama", "gemma2", "gemma3", "olmo2", "phi3", "opt", "bart", "neox", "bloom"):
+    if kind in ("gpt2", "llama", "gemma2", "gemma3", "olmo2", "phi3", "opt", "bart", "neox", "bloom", "qwen3_moe",
+                "mixtral", "olmoe"):
         out["use_cache"] = False
     return out
 

@@ -41,6 +41,10 @@ ATTENTION = {
     "torch_seq_first": ("body.layers.0.self_attn", "out_proj"),
     "torch_transformer": ("body.decoder.layers.0.multihead_attn", "out_proj"),  # the cross-attention
     "torch_mha_options": ("cross", "out_proj"),
+    "siglip": ("vision.head.attention", "out_proj"),  # the pooling head's nn.MultiheadAttention
+    "qwen3_moe": ("model.layers.0.mlp", "experts"),
+    "mixtral": ("model.layers.0.mlp", "experts"),
+    "olmoe": ("model.layers.0.mlp", "experts"),
 }
 
 
@@ -75,7 +79,39 @@ def equal_to_single_process(rank, size, kind, sp, steps, naive_qkv=False, heads=
     fp32 = kind in ("gemma3", "olmo2")
     failures, checks = train_alongside(kind, model, ref, steps, fp32=fp32, optimizer=torch.optim.SGD)
     attn, proj = ATTENTION[kind]
-    return failures, checks, tuple(model.get_submodule(f"{attn}.{proj}").weight.to_local().shape)
+    module = model.get_submodule(f"{attn}.{proj}")
+    if proj == "experts":  # stacked expert weights: the local gate_up_proj and down_proj
+        local = (module.gate_up_proj.to_local(), module.down_proj.to_local())
+        return failures, checks, tuple(tuple(t.shape) for t in local)
+    return failures, checks, tuple(module.weight.to_local().shape)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "olmoe"])
+def test_mixture_of_experts_matches_single_process(world, kind, sp):
+    """4 experts of inner width 16, 2 per token: each rank holds every expert's half (gate_up_proj
+    [gate_r | up_r] 2 x 8 rows, down_proj 8 columns); the router replicated, its gradient whole on
+    every rank. OLMoE adds Q/K norms over all heads' features."""
+    for failures, checks, shapes in world.run(equal_to_single_process, kind, sp, 2):
+        assert shapes == ((4, 16, 32), (4, 32, 8))
+        assert checks > 60
+        assert not failures, "\n".join(failures[:10])
+
+
+@pytest.mark.parametrize("order", ["fuse_then_shard", "shard_then_fuse"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_mixture_of_experts_fused_and_sharded(world, kind, order):
+    """Sequence parallel, fused before or after: the attention, norms and rotary fuse as in one
+    process. The sharded experts run Hugging Face's eager loop on their pieces, where each routed
+    expert's act(gate) * up fuses (gated_activation, as many as experts were hit)."""
+    counts_of = {"qwen3_moe": {"rms_norm": 7, "rotary": 2, "attention": 2, "residual_stream": 2},
+                 "mixtral": {"rms_norm": 3, "rotary": 2, "attention": 2, "residual_stream": 2}}
+    for failures, checks, counts in world.run(fused_equal_to_single_process, kind, order, True):
+        assert checks > 30
+        assert not failures, "\n".join(failures[:10])
+        counts.pop("cross_entropy", None)
+        counts.pop("gated_activation", None)
+        assert counts == counts_of[kind], counts
 
 
 def multihead_attention_state(rank, size, kind, sp):
@@ -113,7 +149,8 @@ def fused_equal_to_single_process(rank, size, kind, order, sp):
     # Their norms compute in float32 (see above); OPT's, BART's and NeoX's losses upcast the logits
     # to float32, trifuse's fused cross-entropy keeps float64; BLOOM's softmax is float32, trifuse's
     # attention float64.
-    fp32 = kind in ("llama", "gemma2", "gemma3", "olmo2", "phi3", "opt", "bart", "neox", "bloom")
+    fp32 = kind in ("llama", "gemma2", "gemma3", "olmo2", "phi3", "opt", "bart", "neox", "bloom", "qwen3_moe",
+                    "mixtral")
     failures, checks = train_alongside(kind, model, ref, 1, fp32=fp32, optimizer=torch.optim.SGD)
     return failures, checks, trifuse.report(model).counts()
 
@@ -150,6 +187,14 @@ def shard_error(rank, size, case, sp):
 
         config = transformers.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=64)
         model = transformers.FalconForCausalLM(config).double()
+    elif case == "moe_shared_experts":  # Qwen2-MoE: a shared expert beside the routed ones
+        import transformers
+
+        config = transformers.Qwen2MoeConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+        )
+        model = transformers.Qwen2MoeForCausalLM(config).double()
     elif case == "core_norm_of_another_width":  # neither one head's width nor a projection's
         from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 
@@ -224,7 +269,8 @@ def bloom_alibi_of_the_wrong_rows(rank, size):
     model = shard(build("bloom"), _mesh(size), sequence_parallel=False)
     x = torch.randn(2, 8, 32, dtype=torch.float64)
     try:
-        model.transformer.h[0].self_attention(x, x, alibi=torch.zeros(6, 1, 8, dtype=torch.float64), attention_mask=None)
+        alibi = torch.zeros(6, 1, 8, dtype=torch.float64)
+        model.transformer.h[0].self_attention(x, x, alibi=alibi, attention_mask=None)
     except ValueError as e:
         return str(e)
     return None
@@ -232,7 +278,9 @@ def bloom_alibi_of_the_wrong_rows(rank, size):
 
 def test_per_head_argument_of_the_wrong_rows_is_a_clear_error(world):
     for message in world.run(bloom_alibi_of_the_wrong_rows):
-        assert message == "trifuse.parallel: BloomAttention's alibi must have batch x 4 heads rows, got shape (6, 1, 8)"
+        assert message == (
+            "trifuse.parallel: BloomAttention's alibi must have batch x 4 heads rows, got shape (6, 1, 8)"
+        )
 
 
 def test_multihead_attention_dropout_on_each_ranks_heads(world):
@@ -253,11 +301,13 @@ def test_multihead_attention_dropout_on_each_ranks_heads(world):
         ("torch_transformer", False),
         ("torch_transformer", True),
         ("torch_mha_options", False),  # its blocks sit in no nn.ModuleList
+        ("siglip", False),  # its pooling head sits in none either
     ],
 )
 def test_torch_multihead_attention_matches_single_process(world, kind, sp):
-    """nn.MultiheadAttention (nn.TransformerEncoder, nn.Transformer, and called directly with
-    per-head masks, add_zero_attn, returned weights, an unbatched input): 2 of 4 heads per rank,
+    """nn.MultiheadAttention (nn.TransformerEncoder, nn.Transformer, called directly with per-head
+    masks, add_zero_attn, returned weights, an unbatched input, and SigLIP's pooling head, whose
+    learned probe is the query): 2 of 4 heads per rank,
     out_proj row-parallel (16 of its 32 input features), the loss, gradients and steps those of
     the unsharded model."""
     for failures, checks, shape in world.run(equal_to_single_process, kind, sp, 2):
@@ -430,6 +480,11 @@ def test_fused_qkv_split_the_wrong_way_fails_the_check(world, kind):
             ("model.layers.0.self_attn: parameters sinks inside an attention core",),
         ),
         ("falcon", ("transformer.h.0.self_attention: FalconAttention matches no known attention spelling",)),
+        (
+            "moe_shared_experts",
+            ("model.layers.0.mlp.experts: an MoE block model.layers.0.mlp whose parameters beside its router and "
+             "experts (shared_expert.gate_proj.weight",),
+        ),
         (
             "core_norm_of_another_width",
             ("model.layers.1.self_attn.q_norm: a norm over 4 features inside an attention core, neither "

@@ -1,0 +1,156 @@
+"""Mixture-of-experts blocks under tensor parallelism: every expert's MLP split as a dense MLP is
+(Mixtral, Qwen3-MoE, OLMoE; Hugging Face's experts modules, weights stacked over the experts).
+
+Hugging Face keeps an MoE block's experts as two stacked parameters, `gate_up_proj`
+(experts, 2 x inner, hidden) = [gate | up] per expert and `down_proj` (experts, hidden, inner),
+beside a router (`gate`, a (experts, hidden) weight) that picks each token's top-k experts.
+`ExpertsParallel` shards every expert alike, Megatron's MLP split inside each one:
+
+- `gate_up_proj` along its inner dim, rank-major ([gate_r | up_r] on rank r, as a fused
+  projection; the state dict keeps the unsharded layout), `down_proj` along its inner dim;
+- the experts module runs as a subclass whose forward is Hugging Face's eager loop on the local
+  pieces: each rank computes every routed token's partial sum over its slice of the inner dim;
+- its inputs, the tokens and their routing weights, are whole on every rank, with gradients that
+  are this rank's partial sums, reduced on the way back (so the router, replicated, gets its
+  whole gradient on every rank).
+
+The block around it (`MoEBlockParallel`) gathers its input whole (all-gather under sequence
+parallelism) and reduces its output, a partial sum, to the residual stream's layout (all-reduce,
+or reduce-scatter along the sequence). The router runs replicated on the whole tokens.
+"""
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DeviceMesh, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.placement_types import Placement
+
+from .styles import _as_dtensor, _distribute_param, _on_rows, _redistribute_output, mark_fused, to_rank_major
+
+
+def unsupported(experts: nn.Module) -> str | None:
+    """Why a Hugging Face experts module cannot be sharded by ExpertsParallel, or None."""
+    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
+        return "no stacked gate_up_proj and down_proj parameters"
+    standard = {"has_gate": True, "is_concatenated": True, "is_transposed": False, "has_bias": False}
+    layout = {a: getattr(experts, a, None) for a in standard}
+    if layout != standard:
+        return f"an experts layout other than [gate | up], untransposed, without biases: {layout}"
+    if getattr(experts, "has_post_expert_norm", False):
+        return "a norm after each expert"
+    if getattr(type(experts)._apply_gate, "__name__", "") != "_default_apply_gate":
+        return "a gating of its own (_apply_gate)"
+    e, two_inner, hidden = gate_up.shape
+    if gate_up.dim() != 3 or down.shape != (e, hidden, two_inner // 2):
+        return f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} do not agree"
+    return None
+
+
+def _whole_with_partial_grad(x: torch.Tensor, mesh: DeviceMesh, layout: Placement) -> torch.Tensor:
+    """`x` whole on every rank, as a local tensor whose gradient (this rank's experts' partial
+    sum) is reduced on the way back to `layout`."""
+    x = _as_dtensor(x, mesh, _on_rows(layout, x))
+    if x.placements != (Replicate(),):
+        x = x.redistribute(mesh, (Replicate(),), async_op=False)
+    return x.to_local(grad_placements=(Partial(),))
+
+
+class ExpertsParallel(ParallelStyle):
+    """Tensor parallelism inside every expert of a Hugging Face experts module (see the module
+    docstring). Its output is this rank's partial sum: put it in a `MoEBlockParallel` block."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        why = unsupported(module)
+        tp = device_mesh.size()
+        inner = module.down_proj.shape[2]
+        if why is None and inner % tp:
+            why = f"its experts' inner width {inner} does not divide across {tp} ranks"
+        if why is not None:
+            raise ValueError(f"trifuse.parallel.ExpertsParallel: {type(module).__name__}: {why}")
+        gate_up = to_rank_major(module.gate_up_proj.detach(), 1, 2, tp)
+        _distribute_param(module, "gate_up_proj", gate_up, device_mesh, Shard(1), self.src_data_rank)
+        down = module.down_proj.detach()
+        _distribute_param(module, "down_proj", down, device_mesh, Shard(2), self.src_data_rank)
+        mark_fused(module, 2, {"gate_up_proj": 1}, tp)
+        module.register_forward_pre_hook(partial(self._whole_inputs, device_mesh))
+        cls = type(module)
+        module.__class__ = type(f"Sharded{cls.__name__}", (_LocalExperts, cls), {})
+        return module
+
+    @staticmethod
+    def _whole_inputs(mesh, module, args):
+        hidden, index, weights = args
+        # The routing weights in the dtype their product with the experts' output has anyway
+        # (Mixtral's stay float32 in any model): their gradient is then summed over ranks at
+        # that precision, as one process sums it, and cast back once.
+        weights = weights.to(torch.promote_types(hidden.dtype, weights.dtype))
+        return (
+            _whole_with_partial_grad(hidden, mesh, Replicate()),
+            index,
+            _whole_with_partial_grad(weights, mesh, Replicate()),
+        )
+
+    def __repr__(self) -> str:
+        return "ExpertsParallel()"
+
+
+class _LocalExperts(nn.Module):
+    """Hugging Face's eager experts loop on this rank's pieces of every expert."""
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        gate_up, down = self.gate_up_proj.to_local(), self.down_proj.to_local()
+        experts = gate_up.shape[0]
+        out = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            hits = F.one_hot(top_k_index, num_classes=experts).permute(2, 1, 0)  # (experts, top_k, tokens)
+            routed = torch.greater(hits.sum(dim=(-1, -2)), 0).nonzero()
+        for e in routed[:, 0]:
+            slot, token = torch.where(hits[e])
+            h = self._apply_gate(F.linear(hidden_states[token], gate_up[e]))
+            h = F.linear(h, down[e]) * top_k_weights[token, slot, None]
+            out.index_add_(0, token, h.to(out.dtype))
+        return out
+
+
+class MoEBlockParallel(ParallelStyle):
+    """An MoE block (router + ExpertsParallel experts): its input gathered whole from
+    `input_layouts`, its output, a partial sum over ranks, reduced to the same layout."""
+
+    def __init__(self, *, input_layouts: Placement | None = None):
+        super().__init__()
+        self.layout = input_layouts or Replicate()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_pre_hook(partial(self._gather, device_mesh))
+        module.register_forward_hook(partial(self._reduce, device_mesh))
+        return module
+
+    def _gather(self, mesh, module, args):
+        x = _as_dtensor(args[0], mesh, _on_rows(self.layout, args[0]))
+        if x.placements != (Replicate(),):
+            x = x.redistribute(mesh, (Replicate(),), async_op=False)
+        return (x.to_local(), *args[1:])
+
+    def _reduce(self, mesh, module, args, output):
+        first = output[0] if isinstance(output, tuple) else output
+        y = _redistribute_output(self.layout, True, module, _as_dtensor(first, mesh, Partial()), mesh)
+        return (y, *output[1:]) if isinstance(output, tuple) else y
+
+    def __repr__(self) -> str:
+        return f"MoEBlockParallel(input_layouts={self.layout})"
+
+
+class ReplicatedModule(ParallelStyle):
+    """A module left whole on every rank whose gradients come out whole on every rank too (an MoE
+    router: its routing weights' gradients are reduced by ExpertsParallel). Changes nothing; it
+    marks the module as covered under sequence parallelism."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return module
+
+    def __repr__(self) -> str:
+        return "ReplicatedModule()"
