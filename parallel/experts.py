@@ -28,7 +28,15 @@ from torch.distributed.tensor import DeviceMesh, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
-from .styles import _as_dtensor, _distribute_param, _on_rows, _redistribute_output, mark_fused, to_rank_major
+from .styles import (
+    _as_dtensor,
+    _distribute_param,
+    _on_rows,
+    _redistribute_output,
+    mark_fused,
+    to_rank_major,
+    whole_with_partial_grad,
+)
 
 
 def unsupported(experts: nn.Module) -> str | None:
@@ -48,15 +56,6 @@ def unsupported(experts: nn.Module) -> str | None:
     if gate_up.dim() != 3 or down.shape != (e, hidden, two_inner // 2):
         return f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} do not agree"
     return None
-
-
-def _whole_with_partial_grad(x: torch.Tensor, mesh: DeviceMesh, layout: Placement) -> torch.Tensor:
-    """`x` whole on every rank, as a local tensor whose gradient (this rank's experts' partial
-    sum) is reduced on the way back to `layout`."""
-    x = _as_dtensor(x, mesh, _on_rows(layout, x))
-    if x.placements != (Replicate(),):
-        x = x.redistribute(mesh, (Replicate(),), async_op=False)
-    return x.to_local(grad_placements=(Partial(),))
 
 
 class ExpertsParallel(ParallelStyle):
@@ -89,9 +88,9 @@ class ExpertsParallel(ParallelStyle):
         # that precision, as one process sums it, and cast back once.
         weights = weights.to(torch.promote_types(hidden.dtype, weights.dtype))
         return (
-            _whole_with_partial_grad(hidden, mesh, Replicate()),
+            whole_with_partial_grad(hidden, mesh, Replicate()),
             index,
-            _whole_with_partial_grad(weights, mesh, Replicate()),
+            whole_with_partial_grad(weights, mesh, Replicate()),
         )
 
     def __repr__(self) -> str:

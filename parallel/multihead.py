@@ -31,7 +31,7 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Partial, Replicate, Sh
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
-from .styles import _as_dtensor, _distribute_param, _on_rows, mark_fused, to_rank_major
+from .styles import _distribute_param, mark_fused, to_rank_major, whole_with_partial_grad
 
 _ARG_NAMES = ("query", "key", "value")
 
@@ -98,10 +98,7 @@ class MultiheadAttentionParallel(ParallelStyle):
             if not isinstance(x, torch.Tensor) or id(x) in done:
                 continue
             layout = self.input_layout if x is query else Replicate()
-            x = _as_dtensor(x, mesh, _on_rows(layout, x))
-            if x.placements != (Replicate(),):
-                x = x.redistribute(mesh, (Replicate(),), async_op=False)
-            done[id(given[name])] = x.to_local(grad_placements=(Partial(),))
+            done[id(x)] = whole_with_partial_grad(x, mesh, layout)
         n_args = len(args)
         args = tuple(done.get(id(a), a) for a in args)
         kwargs = {k: done.get(id(v), v) if k in _ARG_NAMES else v for k, v in kwargs.items()}

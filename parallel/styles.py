@@ -35,6 +35,7 @@ from torch import nn
 from torch.distributed.tensor import (
     DeviceMesh,
     DTensor,
+    Partial,
     Replicate,
     Shard,
     distribute_module,
@@ -105,6 +106,17 @@ def _on_rows(layout: Placement, x: torch.Tensor) -> Placement:
     rank-major, not the model's, which row-wise layers and a reduce-scatter back along dim 0 do
     not mind."""
     return _ROWS if x.dim() == 2 and layout == _SEQUENCE else layout
+
+
+def whole_with_partial_grad(x: torch.Tensor, mesh: DeviceMesh, layout: Placement) -> torch.Tensor:
+    """`x` (in `layout`) whole on every rank, as a local tensor whose gradient is taken for this
+    rank's partial sum (its heads' or its experts' share) and reduced back to `layout` on the way
+    back: an all-reduce, or a reduce-scatter for a shard. Megatron's identity-forward,
+    all-reduce-backward region entry, on DTensor."""
+    x = _as_dtensor(x, mesh, _on_rows(layout, x))
+    if x.placements != (Replicate(),):
+        x = x.redistribute(mesh, (Replicate(),), async_op=False)
+    return x.to_local(grad_placements=(Partial(),))
 
 
 # Redistributions wait for their collective (async_op=False): a local tensor handed on while its
