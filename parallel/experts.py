@@ -52,8 +52,7 @@ def unsupported(experts: nn.Module) -> str | None:
         return "a norm after each expert"
     if getattr(type(experts)._apply_gate, "__name__", "") != "_default_apply_gate":
         return "a gating of its own (_apply_gate)"
-    e, two_inner, hidden = gate_up.shape
-    if gate_up.dim() != 3 or down.shape != (e, hidden, two_inner // 2):
+    if gate_up.dim() != 3 or down.shape != (gate_up.shape[0], gate_up.shape[2], gate_up.shape[1] // 2):
         return f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} do not agree"
     return None
 
@@ -104,9 +103,10 @@ class _LocalExperts(nn.Module):
         gate_up, down = self.gate_up_proj.to_local(), self.down_proj.to_local()
         experts = gate_up.shape[0]
         out = torch.zeros_like(hidden_states)
+        # Index `experts` marks a slot no expert takes (a router's dropped token), as in HF's loop.
         with torch.no_grad():
-            hits = F.one_hot(top_k_index, num_classes=experts).permute(2, 1, 0)  # (experts, top_k, tokens)
-            routed = torch.greater(hits.sum(dim=(-1, -2)), 0).nonzero()
+            hits = F.one_hot(top_k_index, num_classes=experts + 1).permute(2, 1, 0)  # (experts+1, k, tokens)
+            routed = torch.greater(hits[:experts].sum(dim=(-1, -2)), 0).nonzero()
         for e in routed[:, 0]:
             slot, token = torch.where(hits[e])
             h = self._apply_gate(F.linear(hidden_states[token], gate_up[e]))
