@@ -222,7 +222,7 @@ def _visit(module: torch.nn.Module, path: str, patterns, verbose, is_leaf, notes
         for name, child in module.named_children():
             _visit(child, f"{path}.{name}" if path else name, patterns, verbose, is_leaf, notes)
         return
-    if _calls_multihead_attention(graph, module) and next(module.children(), None) is not None:
+    if _calls_multihead_attention(graph, module):
         DynamoUnit(type(module), patterns, verbose).install(module, path or "(model)")
         return
     gm = canonicalize(fx.GraphModule(module, graph), module)

@@ -29,10 +29,9 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
 from .styles import (
-    _as_dtensor,
+    PrepareFirstInput,
+    PrepareFirstOutput,
     _distribute_param,
-    _on_rows,
-    _redistribute_output,
     mark_fused,
     to_rank_major,
     whole_with_partial_grad,
@@ -124,20 +123,10 @@ class MoEBlockParallel(ParallelStyle):
         self.layout = input_layouts or Replicate()
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module.register_forward_pre_hook(partial(self._gather, device_mesh))
-        module.register_forward_hook(partial(self._reduce, device_mesh))
-        return module
-
-    def _gather(self, mesh, module, args):
-        x = _as_dtensor(args[0], mesh, _on_rows(self.layout, args[0]))
-        if x.placements != (Replicate(),):
-            x = x.redistribute(mesh, (Replicate(),), async_op=False)
-        return (x.to_local(), *args[1:])
-
-    def _reduce(self, mesh, module, args, output):
-        first = output[0] if isinstance(output, tuple) else output
-        y = _redistribute_output(self.layout, True, module, _as_dtensor(first, mesh, Partial()), mesh)
-        return (y, *output[1:]) if isinstance(output, tuple) else y
+        PrepareFirstInput(input_layout=self.layout, desired_layout=Replicate(), use_local_output=True)._apply(
+            module, device_mesh
+        )
+        return PrepareFirstOutput(output_layout=Partial(), desired_layout=self.layout)._apply(module, device_mesh)
 
     def __repr__(self) -> str:
         return f"MoEBlockParallel(input_layouts={self.layout})"

@@ -359,9 +359,6 @@ class MoE:
     router: str
     inner: int  # one expert's inner width
 
-    def fqn(self, rel: str) -> str:
-        return _join(self.path, rel)
-
 
 _ROUTER_NAMES = ("gate", "router")
 

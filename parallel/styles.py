@@ -113,10 +113,8 @@ def whole_with_partial_grad(x: torch.Tensor, mesh: DeviceMesh, layout: Placement
     rank's partial sum (its heads' or its experts' share) and reduced back to `layout` on the way
     back: an all-reduce, or a reduce-scatter for a shard. Megatron's identity-forward,
     all-reduce-backward region entry, on DTensor."""
-    x = _as_dtensor(x, mesh, _on_rows(layout, x))
-    if x.placements != (Replicate(),):
-        x = x.redistribute(mesh, (Replicate(),), async_op=False)
-    return x.to_local(grad_placements=(Partial(),))
+    whole = _redistribute_input(layout, Replicate(), None, (x,), mesh)[0]
+    return whole.to_local(grad_placements=(Partial(),))
 
 
 # Redistributions wait for their collective (async_op=False): a local tensor handed on while its
