@@ -121,6 +121,12 @@ class Unit:
 
     def _rewrite(self, gm: fx.GraphModule, capture: Capture, root: torch.nn.Module | None) -> fx.GraphModule:
         """Canonicalizes and rewrites a copy of `gm`; on failure returns `gm` untouched."""
+        return self._rewrite_logged(gm, capture, root)[0]
+
+    def _rewrite_logged(
+        self, gm: fx.GraphModule, capture: Capture, root: torch.nn.Module | None
+    ) -> tuple[fx.GraphModule, RewriteLog]:
+        """`_rewrite`, and this graph's own part of the capture's log (empty on failure)."""
         graph = fx.Graph()
         graph.output(graph.graph_copy(gm.graph, {}))
         work = fx.GraphModule(gm, graph)
@@ -133,14 +139,14 @@ class Unit:
             work.recompile()
         except Exception as e:  # noqa: BLE001  (never break a model: run the capture unfused)
             capture.error = f"{type(e).__name__}: {e}"
-            return gm
+            return gm, RewriteLog()
         _merge(capture.log, log)
         capture.graphs += 1
         if self.verbose:
             from .report import capture_table
 
             print(capture_table(self, capture))
-        return work
+        return work, log
 
 
 def _installed_forward(unit: Unit) -> Callable[..., Any]:
@@ -288,7 +294,10 @@ def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
     return new
 
 
-def _entry(fn: Callable[..., Any]) -> Callable[..., Any]:
+_UNIT_KEYS = itertools.count()
+
+
+def _entry(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     """A frame of trifuse's own in front of `fn`, fresh per unit. torch.compile wraps a function
     Dynamo would not start tracing at (one from torch's own files: nn.TransformerEncoderLayer's
     forward) in `external_utils.wrap_inline`, whose `inner` is one code object for every such
@@ -297,15 +306,21 @@ def _entry(fn: Callable[..., Any]) -> Callable[..., Any]:
     ran unfused.
 
     Dynamo keeps a frame's automatic-dynamic state (which dims went symbolic after two values)
-    per code object's content and the code of the functions in its closure. `origin`, the block
-    class's own forward under its decorators, is held there so that units of different classes
-    keep theirs apart: Hugging Face wraps every layer class's forward in one
-    `forward_with_checkpointing`, and sharing made a model's dims symbolic from its first call
-    once another model had other widths (GPT-NeoX's rotary then went unfused)."""
-    origin = inspect.unwrap(fn)
+    per file, line and name of its code, and the hash of the code of the functions in its
+    closure. The closure here holds `key`, a function whose code is named after this unit
+    alone (`name` and a process-wide count), so that every unit keeps its own: Hugging Face
+    wraps every layer class's forward in one `forward_with_checkpointing`, and Llama's and
+    GLM-4's decoder layers are the same code in two files (equal hashes), so sharing made a
+    model's dims symbolic from its first call once another model had other widths (GPT-NeoX's
+    and GLM-4's rotary then went unfused)."""
+
+    def key() -> None:
+        pass
+
+    key = types.FunctionType(key.__code__.replace(co_name=f"{name}#{next(_UNIT_KEYS)}"), {})
 
     def enter(*args: Any, **kwargs: Any) -> Any:
-        origin  # noqa: B018  (held in the closure: see the docstring)
+        key  # noqa: B018  (held in the closure: see the docstring)
         return fn(*args, **kwargs)
 
     return _own_code(enter)
@@ -342,12 +357,15 @@ class DynamoUnit(Unit):
 
     def __init__(self, cls: type, patterns: Sequence[Pattern], verbose: bool) -> None:
         super().__init__(cls, patterns, verbose)
-        self.compiled = torch.compile(_entry(_own_code(self.original)), backend=_backend_for(self.patterns))
+        entry = _entry(_own_code(self.original), f"{cls.__module__}.{cls.__qualname__}")
+        self.compiled = torch.compile(entry, backend=_backend_for(self.patterns))
         self.runs = 0
         self._call_seq = 0
         self._capture_seq = -1
         self._capture: Capture | None = None
-        self._running: Capture | None = None
+        # The graphs run in this call, by their log's id: (the capture they were compiled in, their log).
+        self._ran: dict[int, tuple[Capture, RewriteLog]] = {}
+        self._merged: dict[tuple[int, ...], tuple[Capture, list[RewriteLog]]] = {}  # see _ran_capture
         self._current: tuple[torch.nn.Module, tuple, dict] | None = None
         self._dropped: list[tuple[fx.Node, fx.Node]] = []  # (probabilities, placeholder) of the graph in rewrite
         self.drops_weights = False  # a capture returns None for the attention probabilities
@@ -377,6 +395,7 @@ class DynamoUnit(Unit):
             return self._eager(module, args, kwargs, "output_attentions not False: the attention probabilities are returned")
         self._call_seq += 1
         self._current = (module, args, kwargs)
+        self._ran = {}
         runs = self.runs
         token = _CALLING.set(self)
         failure = None
@@ -419,7 +438,7 @@ class DynamoUnit(Unit):
             self.fallbacks += 1
             self.last[module] = None
         else:
-            self.last[module] = self._running
+            self.last[module] = self._ran_capture()
         if isinstance(out, tuple) and any(v is _DROPPED_WEIGHTS for v in out):
             out = _none_for_placeholder(out, _DROPPED_WEIGHTS)
         return out
@@ -491,16 +510,34 @@ class DynamoUnit(Unit):
             self._capture = self._new_capture(mode)
             self._capture_seq = self._call_seq
         capture = self._capture
-        fwd = self._rewrite(gm, capture, None).forward
+        work, log = self._rewrite_logged(gm, capture, None)
+        fwd = work.forward
 
         def run(*args: Any) -> Any:
             unit = _CALLING.get()
             if unit is not None:  # the unit calling now, which may reuse another one's graph
                 unit.runs += 1
-                unit._running = capture
+                unit._ran.setdefault(id(log), (capture, log))
             return fwd(*args)
 
         return run
+
+    def _ran_capture(self) -> Capture | None:
+        """What the graphs run in this call replaced: their capture when they all come from one,
+        else (a frame compiled for another model of the same class: Hugging Face's MoE block,
+        called from the resumed layer after a graph break) one Capture holding the logs of the
+        graphs that ran, the same object for the same graphs."""
+        captures = list(dict.fromkeys(c for c, _ in self._ran.values()))
+        if len(captures) <= 1:
+            return captures[0] if captures else None
+        key = tuple(self._ran)
+        if key not in self._merged:
+            logs = [log for _, log in self._ran.values()]  # held, so that their ids stay theirs
+            merged = Capture(captures[0].mode, graphs=len(logs))
+            for log in logs:
+                _merge(merged.log, log)
+            self._merged[key] = (merged, logs)
+        return self._merged[key][0]
 
 
 # Views and casts between the head's output and the loss: `logits.float().view(-1, vocab)`.

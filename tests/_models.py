@@ -313,10 +313,11 @@ CONTRASTIVE = ("clip", "siglip")
 
 
 @_on_device
-def hf_family(model_type: str):
-    """A tiny Hugging Face model of `model_type` (a key of _FAMILIES) with its training loss: an LM,
-    a masked LM with padding, a speech-to-text model, or text and vision towers with a contrastive
-    loss. Dropout off, SDPA attention unless the family says otherwise."""
+def hf_family(model_type: str, **overrides):
+    """A tiny Hugging Face model of `model_type` (a key of _FAMILIES, its config changed by
+    `overrides`) with its training loss: an LM, a masked LM with padding, a speech-to-text model,
+    or text and vision towers with a contrastive loss. Dropout off, SDPA attention unless the
+    family says otherwise."""
     tf = _quiet_transformers()
     if model_type in CONTRASTIVE:
         text = {**_FAMILIES[model_type], "vocab_size": VOCAB, "max_position_embeddings": 64, "pad_token_id": 0,
@@ -328,7 +329,7 @@ def hf_family(model_type: str):
     else:
         cfg = tf.AutoConfig.for_model(model_type, vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0,
                                       bos_token_id=0, eos_token_id=0, tie_word_embeddings=False,
-                                      **{"attn_implementation": "sdpa", **_FAMILIES[model_type]})
+                                      **{"attn_implementation": "sdpa", **_FAMILIES[model_type], **overrides})
         auto = (tf.AutoModelForSeq2SeqLM if model_type in SEQ2SEQ else tf.AutoModelForMaskedLM if model_type in MASKED
                 else tf.AutoModelForSpeechSeq2Seq if model_type in SPEECH else tf.AutoModelForCausalLM)
         model = auto.from_config(cfg)

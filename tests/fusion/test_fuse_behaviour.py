@@ -515,3 +515,43 @@ def test_autograd_functions_keep_their_own_backward(capture):
     for (name, p), pr in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, pr.grad, msg=name)
     assert trifuse.report(model).counts() == available_counts({"residual_stream": 1})
+
+
+class _NormAfterABranch(nn.Module):
+    """Data-dependent control flow (fx cannot trace it; Dynamo breaks the graph there), then a
+    LayerNorm: called from a block, this module's forward becomes a frame of its own, one code
+    object for every model holding it."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(_models.HIDDEN)
+
+    def forward(self, x):
+        if x.abs().amax() > 1e9:
+            x = x / 2
+        return self.norm(x)
+
+
+class _BlockAroundABranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(_models.HIDDEN, _models.HIDDEN)
+        self.inner = _NormAfterABranch()
+
+    def forward(self, x):
+        return self.inner(self.proj(x)) + x
+
+
+def test_graphs_compiled_for_another_model_of_the_same_classes_count_in_its_report():
+    # The second model's blocks reuse the graphs Dynamo compiled for the first one's inner frame
+    # (same code, same backend); the first model's do not see the second's. Each report counts
+    # what ran in its own latest forward: the norm after the branch too.
+    counts = []
+    for _ in range(2):
+        model = nn.ModuleDict({"layers": nn.ModuleList([_BlockAroundABranch() for _ in range(2)])})
+        trifuse.fuse(model)
+        x = torch.randn(2, 5, _models.HIDDEN)
+        for layer in model["layers"]:
+            x = layer(x)
+        counts.append(trifuse.report(model).counts())
+    assert counts[0] == counts[1] == {"layer_norm": 2}, counts
