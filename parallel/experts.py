@@ -8,21 +8,24 @@ beside a router (`gate`, a (experts, hidden) weight) that picks each token's top
 
 - `gate_up_proj` along its inner dim, rank-major ([gate_r | up_r] on rank r, as a fused
   projection; the state dict keeps the unsharded layout), `down_proj` along its inner dim;
-- the experts module runs as a subclass whose forward is Hugging Face's eager loop on the local
-  pieces: each rank computes every routed token's partial sum over its slice of the inner dim;
+- the experts module runs as a subclass whose forward is Hugging Face's own (its grouped or batched
+  matmuls, or its eager loop, as the config says) on the local pieces: each rank computes every
+  routed token's partial sum over its slice of the inner dim;
 - its inputs, the tokens and their routing weights, are whole on every rank, with gradients that
   are this rank's partial sums, reduced on the way back (so the router, replicated, gets its
   whole gradient on every rank).
 
 The block around it (`MoEBlockParallel`) gathers its input whole (all-gather under sequence
 parallelism) and reduces its output, a partial sum, to the residual stream's layout (all-reduce,
-or reduce-scatter along the sequence). The router runs replicated on the whole tokens.
+or reduce-scatter along the sequence). The router runs replicated on the whole tokens. A shared
+expert beside the routed ones (Qwen2-MoE, DeepSeek, GLM-4-MoE) is a dense MLP split as one, its
+down projection's output left a partial sum that joins the routed experts' before the block's one
+reduction; Qwen2-MoE's gate of it, a sigmoid scale, runs replicated (`ReplicatedModule`).
 """
 
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DeviceMesh, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
@@ -75,7 +78,8 @@ class ExpertsParallel(ParallelStyle):
         mark_fused(module, 2, {"gate_up_proj": 1}, tp)
         module.register_forward_pre_hook(partial(self._whole_inputs, device_mesh))
         cls = type(module)
-        module.__class__ = type(f"Sharded{cls.__name__}", (_LocalExperts, cls), {})
+        sharded = {"_hf_forward": staticmethod(cls.forward)}  # dispatches on the config, as the class does
+        module.__class__ = type(f"Sharded{cls.__name__}", (_LocalExperts, cls), sharded)
         return module
 
     @staticmethod
@@ -95,23 +99,28 @@ class ExpertsParallel(ParallelStyle):
         return "ExpertsParallel()"
 
 
+class _LocalView:
+    """An experts module as its forward sees it, with this rank's pieces of the weights: Hugging
+    Face's implementations (its eager loop, `batched_mm`, `grouped_mm`) read `self.gate_up_proj`
+    and `self.down_proj` and find everything else (the expert count, `_apply_gate`, the config)
+    on the module."""
+
+    def __init__(self, module: nn.Module):
+        self._module = module
+        self.gate_up_proj = module.gate_up_proj.to_local()
+        self.down_proj = module.down_proj.to_local()
+
+    def __getattr__(self, name: str):
+        return getattr(self._module, name)
+
+
 class _LocalExperts(nn.Module):
-    """Hugging Face's eager experts loop on this rank's pieces of every expert."""
+    """The experts' forward the model's config chose (Hugging Face's `experts_implementation`:
+    its grouped or batched matmuls, or its eager loop), run on this rank's pieces of every expert.
+    Each piece is [gate_r | up_r] rank-major, so the gating's chunk in two stays right."""
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        gate_up, down = self.gate_up_proj.to_local(), self.down_proj.to_local()
-        experts = gate_up.shape[0]
-        out = torch.zeros_like(hidden_states)
-        # Index `experts` marks a slot no expert takes (a router's dropped token), as in HF's loop.
-        with torch.no_grad():
-            hits = F.one_hot(top_k_index, num_classes=experts + 1).permute(2, 1, 0)  # (experts+1, k, tokens)
-            routed = torch.greater(hits[:experts].sum(dim=(-1, -2)), 0).nonzero()
-        for e in routed[:, 0]:
-            slot, token = torch.where(hits[e])
-            h = self._apply_gate(F.linear(hidden_states[token], gate_up[e]))
-            h = F.linear(h, down[e]) * top_k_weights[token, slot, None]
-            out.index_add_(0, token, h.to(out.dtype))
-        return out
+        return self._hf_forward(_LocalView(self), hidden_states, top_k_index, top_k_weights)
 
 
 class MoEBlockParallel(ParallelStyle):
@@ -133,12 +142,25 @@ class MoEBlockParallel(ParallelStyle):
 
 
 class ReplicatedModule(ParallelStyle):
-    """A module left whole on every rank whose gradients come out whole on every rank too (an MoE
-    router: its routing weights' gradients are reduced by ExpertsParallel). Changes nothing; it
-    marks the module as covered under sequence parallelism."""
+    """A module left whole on every rank whose gradients come out whole on every rank too. It
+    marks the module as covered under sequence parallelism.
+
+    partial_output_grad=False: an MoE router, whose routing weights' gradients ExpertsParallel
+        reduces. Changes nothing.
+    partial_output_grad=True: a module whose output multiplies a partial sum (Qwen2-MoE's
+        shared_expert_gate, the sigmoid scale of the shared expert's output): its output's
+        gradient is this rank's partial sum, reduced on the way back (`whole_with_partial_grad`)."""
+
+    def __init__(self, *, partial_output_grad: bool = False):
+        super().__init__()
+        self.partial_output_grad = partial_output_grad
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if self.partial_output_grad:
+            module.register_forward_hook(
+                lambda mod, args, out: whole_with_partial_grad(out, device_mesh, Replicate())
+            )
         return module
 
     def __repr__(self) -> str:
-        return "ReplicatedModule()"
+        return f"ReplicatedModule(partial_output_grad={self.partial_output_grad})"

@@ -23,6 +23,8 @@ Korthikanti et al. 2022), per block:
                 second linear                                        row-parallel
     MoE         the block (router + experts): gather in, reduce out  MoEBlockParallel (experts.py)
                 every expert's [gate | up] and down, split inside    ExpertsParallel; router replicated
+                a shared expert (a dense MLP inside the block)       column- / row-parallel, left partial
+                its gate (sigmoid scale of the shared output)        replicated, output grad reduced
     norms       LayerNorms on the residual stream                    SequenceParallel (only with SP)
     stack       first block's input                                  Replicate -> Shard(1) (only with SP)
                 last block's output                                  Shard(1) -> Replicate (only with SP)
@@ -38,7 +40,7 @@ import fnmatch
 from dataclasses import dataclass, field
 
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from .experts import ExpertsParallel, MoEBlockParallel, ReplicatedModule
@@ -358,15 +360,49 @@ class MoE:
     experts: str
     router: str
     inner: int  # one expert's inner width
+    # A shared expert beside the routed ones, which every token goes through (Qwen2-MoE's
+    # `shared_expert`, DeepSeek's `shared_experts`): a dense MLP inside the block.
+    shared: MLP | None = None
+    # Its gate, one (1, hidden) weight whose sigmoid scales the shared expert's output (Qwen2-MoE).
+    shared_gate: str | None = None
 
 
 _ROUTER_NAMES = ("gate", "router")
+_SHARED_EXPERT_NAMES = ("shared_expert", "shared_experts")
+_SHARED_GATE_NAME = "shared_expert_gate"
 
 
-def _match_moe(module: nn.Module) -> tuple[int, str] | str | None:
-    """(inner width, router name) when `module` is an MoE block trifuse shards: an `experts`
-    child with stacked gate_up_proj / down_proj, a router with one (experts, hidden) weight, and
-    nothing else holding parameters. Why not, for a block with such experts; None otherwise."""
+def _match_shared_expert(module: nn.Module, path: str) -> tuple[MLP | None, str | None] | str:
+    """(the shared expert's MLP, the name of its gate), each None when absent, for an MoE block
+    `module` at `path`; why not when a shared expert or gate is spelled in a way trifuse does not
+    shard."""
+    names = [n for n in _SHARED_EXPERT_NAMES if isinstance(getattr(module, n, None), nn.Module)]
+    if not names:
+        return None, None
+    if len(names) > 1:
+        return f"two shared experts ({', '.join(names)})"
+    shared = getattr(module, names[0])
+    for s in MLP_SPELLINGS:
+        m = _match_mlp(shared, s)
+        if m is not None and m[1] == s.entry == "":
+            mlp = MLP(_join(path, names[0]), s, inner=m[0])
+            break
+    else:
+        return f"a shared expert {names[0]} ({type(shared).__name__}) that is no known MLP spelling"
+    gate = getattr(module, _SHARED_GATE_NAME, None)
+    if gate is None:
+        return mlp, None
+    hidden = _features(shared.get_submodule(s.down))[1]
+    if linear_kind(gate) is None or _features(gate) != (hidden, 1):
+        return f"a {_SHARED_GATE_NAME} other than one ({hidden} -> 1) projection"
+    return mlp, _SHARED_GATE_NAME
+
+
+def _match_moe(module: nn.Module, path: str) -> MoE | str | None:
+    """The MoE block `module` at `path` when trifuse shards it: an `experts` child with stacked
+    gate_up_proj / down_proj, a router with one (experts, hidden) weight, optionally a shared
+    expert (an MLP spelling) and its gate, and nothing else holding parameters. Why not, for a
+    block with such experts; None otherwise."""
     experts = getattr(module, "experts", None)
     if not isinstance(experts, nn.Module) or getattr(experts, "gate_up_proj", None) is None:
         return None
@@ -377,14 +413,16 @@ def _match_moe(module: nn.Module) -> tuple[int, str] | str | None:
     routers = [r for r in _ROUTER_NAMES if getattr(getattr(module, r, None), "weight", None) is not None]
     if len(routers) != 1 or getattr(module, routers[0]).weight.shape != (n, experts.gate_up_proj.shape[2]):
         return f"no router ({' or '.join(_ROUTER_NAMES)}) with one ({n}, hidden) weight beside its experts"
-    others = [
-        name
-        for name, _ in module.named_parameters()
-        if not name.startswith(("experts.", routers[0] + "."))
-    ]
+    shared = _match_shared_expert(module, path)
+    if isinstance(shared, str):
+        return shared
+    mlp, gate = shared
+    children = ["experts", routers[0], *([mlp.path.rpartition(".")[2]] if mlp else []), *([gate] if gate else [])]
+    others = [name for name, _ in module.named_parameters() if name.split(".")[0] not in children]
     if others:
-        return f"parameters beside its router and experts ({', '.join(others)}: shared experts?)"
-    return experts.down_proj.shape[2], routers[0]
+        return f"parameters beside its router, experts and shared expert ({', '.join(others)})"
+    router, inner = _join(path, routers[0]), experts.down_proj.shape[2]
+    return MoE(path, _join(path, "experts"), router, inner, shared=mlp, shared_gate=gate and _join(path, gate))
 
 
 @dataclass
@@ -412,14 +450,18 @@ def recognize(model: nn.Module) -> Recognized:
     in_cores: list[tuple[str, str]] = []
     moe_problems: list[tuple[str, str]] = []
     for path, module in model.named_modules():
-        moe = _match_moe(module)
-        if isinstance(moe, tuple):
-            inner, router = moe
-            found.moes.append(MoE(path, _join(path, "experts"), _join(path, router), inner))
-            claimed |= {_join(path, "experts"), _join(path, router)}
+        moe = _match_moe(module, path)
+        if isinstance(moe, MoE):
+            found.moes.append(moe)
+            # The router runs whole on every rank, with whatever it holds (Ernie 4.5's score bias).
+            claimed |= {moe.experts, *(n for n, _ in model.get_submodule(moe.router).named_modules(prefix=moe.router))}
+            if moe.shared is not None:
+                claimed |= {moe.shared.fqn(p) for p in (*moe.shared.spelling.up, moe.shared.spelling.down)}
+            if moe.shared_gate is not None:
+                claimed.add(moe.shared_gate)
             continue
         if isinstance(moe, str):
-            moe_problems.append((_join(path, "experts"), f"an MoE block {path} whose {moe}"))
+            moe_problems.append((_join(path, "experts"), f"an MoE block {path}: {moe}"))
         if isinstance(module, nn.MultiheadAttention):
             if unsupported(module) is None:
                 heads = module.num_heads
@@ -685,6 +727,10 @@ def derive_plan(model: nn.Module, found: "Recognized", tp: int, *, sequence_para
             (m.experts, ExpertsParallel()),
             (m.router, ReplicatedModule()),
         ]
+        if m.shared is not None:
+            plan.styles += _shared_expert_styles(m.shared, tp)
+        if m.shared_gate is not None:  # its output scales a partial sum: its gradient is partial
+            plan.styles.append((m.shared_gate, ReplicatedModule(partial_output_grad=True)))
     if not sequence_parallel:
         return plan
 
@@ -719,6 +765,25 @@ def derive_plan(model: nn.Module, found: "Recognized", tp: int, *, sequence_para
     # With SP the attention regions are covered by the block regions.
     plan.rank_regions = [r for r in plan.rank_regions if r[0] in plan.sp_blocks]
     return plan
+
+
+def _shared_expert_styles(shared: MLP, tp: int) -> list[tuple[str, object]]:
+    """A shared expert inside an MoE block, whose input MoEBlockParallel gathered whole: its up
+    projections column-parallel (one reduction of their input gradients, as a dense MLP's), its
+    down projection row-parallel left a partial sum, which the block's output reduces with the
+    routed experts' in one collective."""
+    s = shared.spelling
+    if shared.inner % tp:
+        raise ValueError(
+            f"trifuse.parallel.shard: the shared expert {shared.path} has an MLP width of {shared.inner}, "
+            f"which does not divide across a tensor-parallel degree of {tp}"
+        )
+    whole = PrepareFirstInput(input_layout=Replicate(), desired_layout=Replicate(), use_local_output=False)
+    return [
+        (shared.path, whole),
+        *[(shared.fqn(p), ColwiseParallel(fused_parts=s.fused)) for p in s.up],
+        (shared.fqn(s.down), RowwiseParallel(output_layouts=Partial())),
+    ]
 
 
 def _module_name(model: nn.Module, target: nn.Module | None) -> str | None:

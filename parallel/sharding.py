@@ -45,7 +45,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel import RowwiseParallel as _TorchRowwise
 
 from . import random as _random
-from .experts import MoEBlockParallel
+from .experts import MoEBlockParallel, ReplicatedModule
 from .plan import Plan, check_unrecognized, derive_plan, merge, recognize, vocab_plan
 from .styles import (
     FUSED_LAYOUT_ATTR,
@@ -173,9 +173,11 @@ def _check_sp_coverage(model: nn.Module, plan: Plan) -> None:
     """Under sequence parallelism every parameter in a block sees sequence shards, so a style
     must own it: left plain, its gradient would be this rank's partial sum only."""
     owned = _owned(plan)
+    # A replicated module (an MoE router) runs whole with whatever it holds.
+    whole = [name + "." for name, style in plan.styles if isinstance(style, ReplicatedModule)]
     for block in plan.sp_blocks:
         for name, module in model.get_submodule(block).named_modules(prefix=block):
-            if name in owned:
+            if name in owned or name.startswith(tuple(whole)):
                 continue
             for pname, _ in module.named_parameters(recurse=False):
                 raise ValueError(

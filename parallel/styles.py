@@ -134,7 +134,13 @@ def _redistribute_output(layout, use_local_output, mod, outputs, device_mesh):
     layout = _on_rows(layout, outputs)
     if outputs.placements != (layout,):
         outputs = outputs.redistribute(device_mesh, (layout,), async_op=False)
-    return outputs.to_local() if use_local_output else outputs
+    if not use_local_output:
+        return outputs
+    if layout.is_partial():
+        # A partial sum handed on as a local tensor (a shared expert's output, summed with the
+        # routed experts' before one reduction) gets the whole gradient back: d(sum)/d(own part).
+        return outputs.to_local(grad_placements=(Replicate(),))
+    return outputs.to_local()  # as written, the graph trifuse's on-shards patterns look for
 
 
 def _distribute_param(module: nn.Module, name: str, data: torch.Tensor, mesh, placement, src_data_rank):

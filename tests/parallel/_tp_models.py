@@ -118,7 +118,8 @@ def build(kind: str, *, dropout: float = 0.0, heads: int = 4, dtype=torch.float6
             [_models.Block(_models.HIDDEN, heads, dropout, model.block_size, True) for _ in range(2)]
         )
         return model.to(dtype)
-    if kind in ("qwen3_moe", "mixtral", "olmoe"):  # mixtures of 4 experts, 2 per token, each 16 wide
+    if kind in ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "glm4_moe", "ernie4_5_moe", "dots1"):
+        # mixtures of 4 experts, 2 per token, each 16 wide
         common = dict(
             **{**base, "intermediate_size": 16},
             num_key_value_heads=heads // 2,
@@ -126,7 +127,8 @@ def build(kind: str, *, dropout: float = 0.0, heads: int = 4, dtype=torch.float6
             max_position_embeddings=32,
             attention_dropout=dropout,
             num_experts_per_tok=2,
-            experts_implementation="eager",  # grouped_mm takes no float64
+            # Hugging Face's loop unless told (its default, grouped_mm, takes float64 through a fallback)
+            experts_implementation=extra.pop("experts_implementation", "eager"),
         )
         if kind == "qwen3_moe":
             config = transformers.Qwen3MoeConfig(**common, num_experts=4, moe_intermediate_size=16, head_dim=8, **extra)
@@ -134,6 +136,29 @@ def build(kind: str, *, dropout: float = 0.0, heads: int = 4, dtype=torch.float6
         if kind == "mixtral":
             config = transformers.MixtralConfig(**common, num_local_experts=4, **extra)
             return transformers.MixtralForCausalLM(config).to(dtype)
+        if kind == "qwen2_moe":  # a shared expert 24 wide beside the routed ones, scaled by a sigmoid gate
+            config = transformers.Qwen2MoeConfig(
+                **common, num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=24, **extra
+            )
+            return transformers.Qwen2MoeForCausalLM(config).to(dtype)
+        if kind == "glm4_moe":  # DeepSeek's shape: a dense first layer, then shared experts (2 x 16 wide)
+            config = transformers.Glm4MoeConfig(
+                **common, n_routed_experts=4, moe_intermediate_size=16, n_shared_experts=2,
+                first_k_dense_replace=1, n_group=1, topk_group=1, **extra,
+            )
+            return transformers.Glm4MoeForCausalLM(config).to(dtype)
+        if kind == "dots1":  # DeepSeek's shape too, with Q/K norms per head
+            config = transformers.Dots1Config(
+                **common, n_routed_experts=4, moe_intermediate_size=16, n_shared_experts=1,
+                first_k_dense_replace=0, n_group=1, topk_group=1, **extra,
+            )
+            return transformers.Dots1ForCausalLM(config).to(dtype)
+        if kind == "ernie4_5_moe":  # a shared expert; the router holds a (frozen) score bias of its own
+            config = transformers.Ernie4_5_MoeConfig(
+                **common, moe_num_experts=4, moe_k=2, moe_intermediate_size=16, moe_num_shared_experts=1,
+                moe_layer_start_index=0, **extra,
+            )
+            return transformers.Ernie4_5_MoeForCausalLM(config).to(dtype)
         config = transformers.OlmoeConfig(**common, num_experts=4, pad_token_id=1, eos_token_id=0, **extra)
         return transformers.OlmoeForCausalLM(config).to(dtype)
     if kind in ("llama", "gemma2", "gemma3", "olmo2", "phi3"):
@@ -299,7 +324,7 @@ def batch(kind: str, step: int = 0, *, b: int = 2, s: int = 8) -> dict:
         return {"idx": ids, "targets": ids}
     out = {"input_ids": ids, "labels": ids}
     if kind in ("gpt2", "llama", "gemma2", "gemma3", "olmo2", "phi3", "opt", "bart", "neox", "bloom", "qwen3_moe",
-                "mixtral", "olmoe"):
+                "mixtral", "olmoe", "qwen2_moe", "glm4_moe", "ernie4_5_moe", "dots1"):
         out["use_cache"] = False
     return out
 

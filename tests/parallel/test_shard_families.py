@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-from _tp_models import build, train_alongside
+from _tp_models import batch, build, train_alongside
 
 
 def _mesh(size):
@@ -45,6 +45,10 @@ ATTENTION = {
     "qwen3_moe": ("model.layers.0.mlp", "experts"),
     "mixtral": ("model.layers.0.mlp", "experts"),
     "olmoe": ("model.layers.0.mlp", "experts"),
+    "qwen2_moe": ("model.layers.0.mlp", "experts"),
+    "glm4_moe": ("model.layers.1.mlp", "experts"),  # its first layer's MLP is dense
+    "ernie4_5_moe": ("model.layers.0.mlp", "experts"),
+    "dots1": ("model.layers.0.mlp", "experts"),
 }
 
 
@@ -62,14 +66,14 @@ def _naive_qkv_plan(kind):
     return {"*.attention.query_key_value": ColwiseParallel(fused_parts=3)}
 
 
-def equal_to_single_process(rank, size, kind, sp, steps, naive_qkv=False, heads=4):
+def equal_to_single_process(rank, size, kind, sp, steps, naive_qkv=False, heads=4, config=None):
     """(failures, checks, local shape of a K projection). With `naive_qkv`, the fused QKV is split
-    the wrong way (`_naive_qkv_plan`)."""
+    the wrong way (`_naive_qkv_plan`); `config` changes the model's config."""
     from trifuse.parallel import shard
 
     plan = _naive_qkv_plan(kind) if naive_qkv else None
-    ref = build(kind, heads=heads)
-    model = shard(build(kind, heads=heads), _mesh(size), sequence_parallel=sp, plan=plan)
+    ref = build(kind, heads=heads, **(config or {}))
+    model = shard(build(kind, heads=heads, **(config or {})), _mesh(size), sequence_parallel=sp, plan=plan)
     # SGD, not AdamW: the key bias (nanoGPT, ViT) has a gradient that is zero in exact arithmetic
     # (adding q.b_k to every score of a query leaves its softmax unchanged), so each run's is
     # float64 rounding noise (~1e-17), which AdamW divides by its eps (1e-8): two summation
@@ -87,30 +91,76 @@ def equal_to_single_process(rank, size, kind, sp, steps, naive_qkv=False, heads=
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
-@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "glm4_moe", "ernie4_5_moe", "dots1"])
 def test_mixture_of_experts_matches_single_process(world, kind, sp):
     """4 experts of inner width 16, 2 per token: each rank holds every expert's half (gate_up_proj
     [gate_r | up_r] 2 x 8 rows, down_proj 8 columns); the router replicated, its gradient whole on
-    every rank. OLMoE adds Q/K norms over all heads' features."""
+    every rank. OLMoE adds Q/K norms over all heads' features. Qwen2-MoE adds a shared expert
+    (a dense MLP, split as one) whose output a replicated sigmoid gate scales; GLM-4-MoE a dense
+    first layer, then shared experts beside the routed ones, and DeepSeek's grouped router; Dots1
+    the same with Q/K norms; Ernie 4.5 a router holding a parameter of its own (a frozen bias)."""
     for failures, checks, shapes in world.run(equal_to_single_process, kind, sp, 2):
         assert shapes == ((4, 16, 32), (4, 32, 8))
         assert checks > 60
         assert not failures, "\n".join(failures[:10])
 
 
+def experts_implementation_calls(rank, size, implementation):
+    """The local gate_up_proj shapes Hugging Face's `implementation` of the experts saw in one
+    forward of a sharded Qwen2-MoE (sequence parallel), one per call."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    from trifuse.parallel import shard
+
+    model = shard(build("qwen2_moe", experts_implementation=implementation), _mesh(size))
+    mapping = ALL_EXPERTS_FUNCTIONS._global_mapping
+    original, seen = mapping[implementation], []
+
+    def spy(experts, *args):
+        seen.append(tuple(experts.gate_up_proj.shape))
+        return original(experts, *args)
+
+    mapping[implementation] = spy
+    try:
+        model(**batch("qwen2_moe"))
+    finally:
+        mapping[implementation] = original
+    return seen
+
+
+@pytest.mark.parametrize("implementation", ["batched_mm", "grouped_mm"])
+def test_mixture_of_experts_run_the_configured_implementation_on_their_pieces(world, implementation):
+    """The sharded experts run the implementation the config chose (Hugging Face's default is
+    grouped_mm), on the local pieces: the same loss and gradients as one process running it
+    (grouped_mm in float32, which it needs)."""
+    config = {"experts_implementation": implementation}
+    if implementation == "grouped_mm":
+        config["dtype"] = torch.float32
+    for failures, checks, shapes in world.run(equal_to_single_process, "qwen2_moe", True, 2, False, 4, config):
+        assert shapes == ((4, 16, 32), (4, 32, 8))
+        assert checks > 60
+        assert not failures, "\n".join(failures[:10])
+    if implementation == "batched_mm":  # float64
+        for seen in world.run(experts_implementation_calls, implementation):
+            assert seen == [(4, 16, 32)] * 2, seen  # each layer's experts, on this rank's halves
+
+
 @pytest.mark.parametrize("order", ["fuse_then_shard", "shard_then_fuse"])
-@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe"])
 def test_mixture_of_experts_fused_and_sharded(world, kind, order):
     """Sequence parallel, fused before or after: the attention, norms and rotary fuse as in one
     process. The sharded experts run Hugging Face's eager loop on their pieces, where each routed
-    expert's act(gate) * up fuses (gated_activation, as many as experts were hit)."""
+    expert's act(gate) * up fuses (gated_activation, as many as experts were hit); the shared
+    experts' (and GLM-4-MoE's dense first MLP) fuse on their column shards, one per layer."""
     counts_of = {"qwen3_moe": {"rms_norm": 7, "rotary": 2, "attention": 2, "residual_stream": 2},
                  "mixtral": {"rms_norm": 3, "rotary": 2, "attention": 2, "residual_stream": 2}}
+    counts_of["qwen2_moe"] = counts_of["glm4_moe"] = counts_of["mixtral"]
     for failures, checks, counts in world.run(fused_equal_to_single_process, kind, order, True):
         assert checks > 30
         assert not failures, "\n".join(failures[:10])
         counts.pop("cross_entropy", None)
-        counts.pop("gated_activation", None)
+        gated = counts.pop("gated_activation", 0)
+        assert gated >= (2 if kind in ("qwen2_moe", "glm4_moe") else 0), gated
         assert counts == counts_of[kind], counts
 
 
@@ -150,7 +200,7 @@ def fused_equal_to_single_process(rank, size, kind, order, sp):
     # to float32, trifuse's fused cross-entropy keeps float64; BLOOM's softmax is float32, trifuse's
     # attention float64.
     fp32 = kind in ("llama", "gemma2", "gemma3", "olmo2", "phi3", "opt", "bart", "neox", "bloom", "qwen3_moe",
-                    "mixtral")
+                    "mixtral", "qwen2_moe", "glm4_moe")
     failures, checks = train_alongside(kind, model, ref, 1, fp32=fp32, optimizer=torch.optim.SGD)
     return failures, checks, trifuse.report(model).counts()
 
@@ -187,14 +237,17 @@ def shard_error(rank, size, case, sp):
 
         config = transformers.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=64)
         model = transformers.FalconForCausalLM(config).double()
-    elif case == "moe_shared_experts":  # Qwen2-MoE: a shared expert beside the routed ones
+    elif case == "moe_shared_gate_per_feature":  # Qwen2-MoE's shared-expert gate, one scale per feature
+        model = build("qwen2_moe")
+        model.model.layers[1].mlp.shared_expert_gate = nn.Linear(32, 32, bias=False).double()
+    elif case == "moe_transposed_experts":  # Llama 4's experts: (experts, hidden, 2 x inner) weights
         import transformers
 
-        config = transformers.Qwen2MoeConfig(
+        config = transformers.Llama4TextConfig(
             hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
-            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+            intermediate_size=16, intermediate_size_mlp=64, num_local_experts=4,
         )
-        model = transformers.Qwen2MoeForCausalLM(config).double()
+        model = transformers.Llama4ForCausalLM(config).double()
     elif case == "core_norm_of_another_width":  # neither one head's width nor a projection's
         from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 
@@ -481,9 +534,14 @@ def test_fused_qkv_split_the_wrong_way_fails_the_check(world, kind):
         ),
         ("falcon", ("transformer.h.0.self_attention: FalconAttention matches no known attention spelling",)),
         (
-            "moe_shared_experts",
-            ("model.layers.0.mlp.experts: an MoE block model.layers.0.mlp whose parameters beside its router and "
-             "experts (shared_expert.gate_proj.weight",),
+            "moe_shared_gate_per_feature",
+            ("model.layers.1.mlp.experts: an MoE block model.layers.1.mlp: a shared_expert_gate other than one "
+             "(32 -> 1) projection",),
+        ),
+        (
+            "moe_transposed_experts",
+            ("model.layers.0.feed_forward.experts: an MoE block model.layers.0.feed_forward: its experts "
+             "(Llama4TextExperts) have an experts layout other than [gate | up]",),
         ),
         (
             "core_norm_of_another_width",
