@@ -164,6 +164,19 @@ def test_mixture_of_experts_fused_and_sharded(world, kind, order):
         assert counts == counts_of[kind], counts
 
 
+def test_mixture_of_experts_grouped_mm_fused_and_sharded(world):
+    """Hugging Face's default experts implementation (grouped_mm, float32) on the local pieces,
+    fused after sharding: the routed experts' gating fuses once per layer (one op over every
+    routed token) on their column shards, as the shared expert's does."""
+    config = {"experts_implementation": "grouped_mm", "dtype": torch.float32}
+    for failures, checks, counts in world.run(fused_equal_to_single_process, "qwen2_moe", "shard_then_fuse", True,
+                                              config):
+        assert checks > 30
+        assert not failures, "\n".join(failures[:10])
+        assert counts == {"rms_norm": 3, "rotary": 2, "attention": 2, "residual_stream": 2, "gated_activation": 4,
+                          "cross_entropy": 1}, counts
+
+
 def multihead_attention_state(rank, size, kind, sp):
     """Whether `shard` left the model's nn.MultiheadAttention modules as its own local-heads
     kind; their local head counts; the local in_proj_weight's shape."""
@@ -179,17 +192,17 @@ def multihead_attention_state(rank, size, kind, sp):
     )
 
 
-def fused_equal_to_single_process(rank, size, kind, order, sp):
+def fused_equal_to_single_process(rank, size, kind, order, sp, config=None):
     """`equal_to_single_process` for the model fused by trifuse.fuse before or after sharding,
     against the unfused one; also the fused op counts. Llama is compared at float32's rule:
     Hugging Face's RMSNorm computes in float32 whatever the model's dtype (and its loss upcasts
     the logits to float32), trifuse's fused norm and cross-entropy in the model's float64, so
     fused and unfused differ by float32 rounding even in one process (test_fused_shard.py's
-    GPT-2 exception)."""
+    GPT-2 exception). `config` changes the model's config."""
     import trifuse
     from trifuse.parallel import shard
 
-    ref, model = build(kind), build(kind)
+    ref, model = build(kind, **(config or {})), build(kind, **(config or {}))
     if order == "fuse_then_shard":
         model = trifuse.fuse(model)
         shard(model, _mesh(size), sequence_parallel=sp)
