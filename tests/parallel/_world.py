@@ -9,11 +9,13 @@ traceback; a world that timed out or failed is closed, and the fixture starts a 
 for the next test, so one broken test cannot leak a wedged process group into the next.
 """
 
+import faulthandler
 import importlib.util
 import os
 import pickle
 import socket
 import sys
+import tempfile
 import traceback
 from datetime import timedelta
 from multiprocessing.reduction import ForkingPickler
@@ -41,7 +43,7 @@ def _load(path: str):
     return _MODULES[path]
 
 
-def _serve(rank: int, size: int, port: int, paths: list[str], inbox, outbox) -> None:
+def _serve(rank: int, size: int, port: int, paths: list[str], inbox, outbox, stacks: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -50,16 +52,24 @@ def _serve(rank: int, size: int, port: int, paths: list[str], inbox, outbox) -> 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=size, timeout=timedelta(seconds=TIMEOUT_S))
     try:
-        while (task := inbox.get()) is not None:
-            path, name, args = task
-            try:
-                # Pickled here, not in the queue's feeder thread, so that an unpicklable result is
-                # reported as a failure instead of being dropped silently.
-                outbox.put(
-                    (rank, True, bytes(ForkingPickler.dumps(getattr(_load(path), name)(rank, size, *args))))
-                )
-            except Exception:  # reported to the parent, which fails the test with it
-                outbox.put((rank, False, traceback.format_exc()))
+        with open(stacks, "w") as stack_file:
+            while (task := inbox.get()) is not None:
+                path, name, args, timeout = task
+                # Where this rank is, written to `stacks` should the task outlive most of the
+                # parent's wait: a hang's report then says which collective or lock it sits in.
+                stack_file.seek(0)
+                stack_file.truncate()
+                faulthandler.dump_traceback_later(0.9 * timeout, file=stack_file)
+                try:
+                    # Pickled here, not in the queue's feeder thread, so that an unpicklable result
+                    # is reported as a failure instead of being dropped silently.
+                    outbox.put(
+                        (rank, True, bytes(ForkingPickler.dumps(getattr(_load(path), name)(rank, size, *args))))
+                    )
+                except Exception:  # reported to the parent, which fails the test with it
+                    outbox.put((rank, False, traceback.format_exc()))
+                finally:
+                    faulthandler.cancel_dump_traceback_later()
     finally:
         dist.destroy_process_group()
 
@@ -74,8 +84,12 @@ class World:
         self.broken = False
         self.outbox = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(size)]
+        self._stacks_dir = tempfile.TemporaryDirectory(prefix="trifuse_world_")
+        self.stacks = [os.path.join(self._stacks_dir.name, f"rank{r}.txt") for r in range(size)]
         self.procs = [
-            ctx.Process(target=_serve, args=(r, size, port, paths, self.inboxes[r], self.outbox), daemon=True)
+            ctx.Process(
+                target=_serve, args=(r, size, port, paths, self.inboxes[r], self.outbox, self.stacks[r]), daemon=True
+            )
             for r in range(size)
         ]
         for p in self.procs:
@@ -85,7 +99,7 @@ class World:
         """fn(rank, size, *args) on every rank; the results in rank order."""
         path = sys.modules[fn.__module__].__file__
         for q in self.inboxes:
-            q.put((path, fn.__name__, args))
+            q.put((path, fn.__name__, args, timeout))
         results: dict[int, object] = {}
         failures: list[str] = []
         try:
@@ -96,11 +110,28 @@ class World:
                     failures.append(f"rank {rank}:\n{value}")
         except Exception as e:  # queue.Empty: a rank hung (e.g. in a collective)
             self.broken = True
-            raise AssertionError(f"world of {self.size} timed out after {timeout} s in {fn.__name__}") from e
+            done = ", ".join(f"rank {r} {'failed' if any(f.startswith(f'rank {r}:') for f in failures) else 'returned'}"
+                             for r in sorted(results)) or "no rank returned"
+            raise AssertionError(
+                f"world of {self.size} timed out after {timeout} s in {fn.__name__} ({done})\n"
+                + "\n".join(failures) + "\n" + self._stacks_of(set(range(self.size)) - set(results))
+            ) from e
         if failures:
             self.broken = True
             raise AssertionError("\n".join(failures))
         return [results[r] for r in range(self.size)]
+
+    def _stacks_of(self, ranks: set[int]) -> str:
+        """The stacks the ranks still running wrote when their task outlived most of the wait."""
+        out = []
+        for r in sorted(ranks):
+            try:
+                with open(self.stacks[r]) as f:
+                    text = f.read().strip()
+            except OSError:
+                text = ""
+            out.append(f"rank {r} stacks:\n{text[-6000:] or '(none written)'}")
+        return "\n".join(out)
 
     def close(self) -> None:
         for q in self.inboxes:
@@ -110,3 +141,5 @@ class World:
             if p.is_alive():
                 p.kill()
                 p.join()
+        self._stacks_dir.cleanup()
+
