@@ -119,14 +119,11 @@ class Unit:
         self.captures.append(capture)
         return capture
 
-    def _rewrite(self, gm: fx.GraphModule, capture: Capture, root: torch.nn.Module | None) -> fx.GraphModule:
-        """Canonicalizes and rewrites a copy of `gm`; on failure returns `gm` untouched."""
-        return self._rewrite_logged(gm, capture, root)[0]
-
-    def _rewrite_logged(
+    def _rewrite(
         self, gm: fx.GraphModule, capture: Capture, root: torch.nn.Module | None
     ) -> tuple[fx.GraphModule, RewriteLog]:
-        """`_rewrite`, and this graph's own part of the capture's log (empty on failure)."""
+        """Canonicalizes and rewrites a copy of `gm`, and returns it with this graph's own part of
+        the capture's log; on failure returns `gm` untouched and an empty log."""
         graph = fx.Graph()
         graph.output(graph.graph_copy(gm.graph, {}))
         work = fx.GraphModule(gm, graph)
@@ -510,14 +507,14 @@ class DynamoUnit(Unit):
             self._capture = self._new_capture(mode)
             self._capture_seq = self._call_seq
         capture = self._capture
-        work, log = self._rewrite_logged(gm, capture, None)
-        fwd = work.forward
+        work, log = self._rewrite(gm, capture, None)
+        fwd, key, ran = work.forward, id(log), (capture, log)
 
         def run(*args: Any) -> Any:
             unit = _CALLING.get()
             if unit is not None:  # the unit calling now, which may reuse another one's graph
                 unit.runs += 1
-                unit._ran.setdefault(id(log), (capture, log))
+                unit._ran.setdefault(key, ran)
             return fwd(*args)
 
         return run
@@ -811,7 +808,7 @@ class FxUnit(Unit):
     def _rewrite_fx(self, module: torch.nn.Module, gm: fx.GraphModule, values: list[Any]) -> _FxEntry:
         _propagate_fake(gm, values)
         capture = self._new_capture(describe_mode(module, [v for v in values if isinstance(v, torch.Tensor)]))
-        work = self._rewrite(gm, capture, module)
+        work, _ = self._rewrite(gm, capture, module)
         missing = _unresolved_attributes(work.graph, module)
         if missing:
             capture.error = f"the traced graph holds values the module does not ({missing}): left unfused"
