@@ -149,18 +149,45 @@ class ReplicatedModule(ParallelStyle):
         reduces. Changes nothing.
     partial_output_grad=True: a module whose output multiplies a partial sum (Qwen2-MoE's
         shared_expert_gate, the sigmoid scale of the shared expert's output): its output's
-        gradient is this rank's partial sum, reduced on the way back (`whole_with_partial_grad`)."""
+        gradient is this rank's partial sum, reduced on the way back (`whole_with_partial_grad`).
+    partial_grad_last=n: the same for the last n features of its output only (the rotary key
+        every head of a latent attention shares, at the end of DeepSeek's kv_a_proj_with_mqa)."""
 
-    def __init__(self, *, partial_output_grad: bool = False):
+    def __init__(self, *, partial_output_grad: bool = False, partial_grad_last: int = 0):
         super().__init__()
+        if partial_output_grad and partial_grad_last:
+            raise ValueError(
+                "trifuse.parallel.ReplicatedModule: pass partial_output_grad=True or partial_grad_last=n, not both"
+            )
         self.partial_output_grad = partial_output_grad
+        self.partial_grad_last = partial_grad_last
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if self.partial_output_grad:
-            module.register_forward_hook(
-                lambda mod, args, out: whole_with_partial_grad(out, device_mesh, Replicate())
-            )
+            module.register_forward_hook(partial(_partial_grad, device_mesh))
+        elif self.partial_grad_last:
+            module.register_forward_hook(partial(_partial_grad_last, device_mesh, self.partial_grad_last))
         return module
 
     def __repr__(self) -> str:
-        return f"ReplicatedModule(partial_output_grad={self.partial_output_grad})"
+        return (
+            f"ReplicatedModule(partial_output_grad={self.partial_output_grad}, "
+            f"partial_grad_last={self.partial_grad_last})"
+        )
+
+
+def _partial_grad(mesh: DeviceMesh, module: nn.Module, args, out):
+    # An output without a gradient (a sparse-attention indexer's key indices) is left as it is.
+    if not isinstance(out, torch.Tensor) or not out.requires_grad:
+        return out
+    return whole_with_partial_grad(out, mesh, Replicate())
+
+
+def _partial_grad_last(mesh: DeviceMesh, n: int, module: nn.Module, args, out: torch.Tensor) -> torch.Tensor:
+    if out.shape[-1] < n:
+        raise ValueError(
+            f"trifuse.parallel.ReplicatedModule: {type(module).__name__}'s output has {out.shape[-1]} features, "
+            f"fewer than the {n} whose gradient is partial"
+        )
+    whole, shared = out.split([out.shape[-1] - n, n], dim=-1)
+    return torch.cat([whole, whole_with_partial_grad(shared, mesh, Replicate())], dim=-1)

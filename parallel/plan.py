@@ -17,6 +17,13 @@ Korthikanti et al. 2022), per block:
                 per-head arguments built for all heads (ALiBi)       HeadRowsArguments (this rank's rows)
                 nn.MultiheadAttention: its packed in_proj, the gather  MultiheadAttentionParallel
                 of query/key/value and a forward on the local heads  (multihead.py); out_proj row-par.
+    latent      multi-head latent attention (DeepSeek V2/V3): the    ReplicatedModule, whole on
+    attention   down projections to the latents and their norms      every rank
+                (and V3.2's sparse-attention indexer)
+                the up projections from the latents, per head        column-parallel, gradient of
+                                                                     the latent input reduced
+                the rotary key shared by every head (the last        its output gradient reduced
+                features of kv_a_proj_with_mqa's output)             (this rank's heads' share)
     MLP         entry (its first linear if the container is the      gather, as above
                 whole block: OPT's, BART's fc1)
                 first linear(s)                                      column-parallel
@@ -101,6 +108,17 @@ class AttentionSpelling:
     # Keyword arguments with one row per (batch, head), built for all heads by the caller
     # (BLOOM's ALiBi bias, (batch * H, 1, keys)): sliced to this rank's heads.
     head_rows_args: tuple[str, ...] = ()
+    # Multi-head latent attention (DeepSeek V2/V3, MLA): the modules before `qkv` that project the
+    # hidden states down to latents every head reads, and norm them. They run whole on every
+    # rank; `qkv` are then the up projections from the latents (Q, and K's and V's per-head
+    # parts), split per head. `shared_key` is the down projection whose output ends with the
+    # rotary key that every head shares (`qk_rope_head_dim` features).
+    latent: tuple[str, ...] = ()
+    shared_key: str | None = None
+    # Of `latent`, a module that picks from the latents which keys each query attends (DeepSeek
+    # V3.2's sparse-attention indexer, top-k key indices): it runs whole on every rank, and any
+    # gradient its output gets from this rank's heads is reduced.
+    indexer: str | None = None
 
 
 @dataclass(frozen=True)
@@ -195,7 +213,45 @@ ATTENTION_SPELLINGS: tuple[AttentionSpelling, ...] = (
         classes=("BloomAttention",),
         head_rows_args=("alibi",),
     ),
+    AttentionSpelling(
+        "latent q_a_proj/q_b_proj, kv_a_proj_with_mqa/kv_b_proj + o_proj, sparse-attention indexer "
+        "(DeepSeek V3.2, GLM-5 DSA)",
+        "",
+        ("q_b_proj", "kv_b_proj"),
+        "o_proj",
+        "num_heads",
+        (),
+        keyword="hidden_states",
+        latent=("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm", "indexer"),
+        shared_key="kv_a_proj_with_mqa",
+        indexer="indexer",
+    ),
+    AttentionSpelling(
+        "latent q_a_proj/q_b_proj, kv_a_proj_with_mqa/kv_b_proj + o_proj (DeepSeek V2/V3 MLA)",
+        "",
+        ("q_b_proj", "kv_b_proj"),
+        "o_proj",
+        "num_heads",
+        (),
+        keyword="hidden_states",
+        latent=("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm"),
+        shared_key="kv_a_proj_with_mqa",
+    ),
+    AttentionSpelling(
+        "q_proj, latent kv_a_proj_with_mqa/kv_b_proj + o_proj (DeepSeek V2-Lite MLA)",
+        "",
+        ("q_proj", "kv_b_proj"),
+        "o_proj",
+        "num_heads",
+        (),
+        keyword="hidden_states",
+        latent=("kv_a_proj_with_mqa", "kv_a_layernorm"),
+        shared_key="kv_a_proj_with_mqa",
+    ),
 )
+
+# Multi-head latent attention: the module's widths (read, never written).
+_LATENT_WIDTHS = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank")
 
 # nn.MultiheadAttention, recognized by its class: one packed in_proj_weight, a forward of its own
 # that multihead.py replaces on the shards.
@@ -274,6 +330,8 @@ def _attention_mismatch(module: nn.Module, s: AttentionSpelling) -> str | tuple[
     if not isinstance(heads, int) or heads < 1:
         heads_name = _join(s.entry, s.heads_attr)
         return f"its projections match, but it has no head count {heads_name} (an int)"
+    if s.latent:
+        return _latent_mismatch(module, s, heads)
     kv = heads if s.kv_heads_attr is None else _attr(entry, s.kv_heads_attr)
     if not isinstance(kv, int) or kv < 1 or heads % kv:
         kv_name = _join(s.entry, s.kv_heads_attr)
@@ -287,6 +345,29 @@ def _attention_mismatch(module: nn.Module, s: AttentionSpelling) -> str | tuple[
     if outs != want:
         return f"its projections have {outs} output features, not {want} for {heads} heads ({kv} K/V)"
     return heads, kv, _features(projs[0])[0]
+
+
+def _latent_mismatch(module: nn.Module, s: AttentionSpelling, heads: int) -> str | tuple[int, int, int]:
+    """(heads, heads, hidden) when `module` is a multi-head latent attention spelled as `s`
+    (Q from the hidden states or from a latent, K without rotary and V from a latent of
+    `kv_lora_rank` features, one rotary key for all heads), else why not."""
+    if any(_sub(module, p) is None for p in s.latent) or linear_kind(_sub(module, s.shared_key)) is None:
+        return "no such projections"
+    widths = {w: getattr(module, w, None) for w in _LATENT_WIDTHS}
+    if not all(isinstance(v, int) and v >= 1 for v in widths.values()):
+        return f"its projections match, but its widths are not all ints >= 1: {widths}"
+    nope, rope, v, rank = (widths[w] for w in _LATENT_WIDTHS)
+    q, kv_b = (_sub(module, p) for p in s.qkv)
+    shapes = {
+        s.qkv[0]: (_features(q)[1], heads * (nope + rope)),
+        s.qkv[1]: (_features(kv_b), (rank, heads * (nope + v))),
+        s.out: (_features(_sub(module, s.out))[0], heads * v),
+        s.shared_key: (_features(_sub(module, s.shared_key))[1], rank + rope),
+    }
+    wrong = [f"{name} {got}, not {want}" for name, (got, want) in shapes.items() if got != want]
+    if wrong:
+        return f"its features do not agree with {heads} heads and {widths}: " + "; ".join(wrong)
+    return heads, heads, _features(_sub(module, s.shared_key))[0]
 
 
 def _match_attention(module: nn.Module, s: AttentionSpelling) -> tuple[int, int, int] | None:
@@ -326,7 +407,7 @@ def _core_params(
                 continue
             why = (
                 f"a norm over {w.numel()} features inside an attention core, neither one head's "
-                f"{head_dim} nor a projection's output {' or '.join(map(str, widths))}"
+                f"{head_dim} nor a projection's output {' or '.join(map(str, dict.fromkeys(widths)))}"
             )
         else:
             why = (
@@ -454,7 +535,7 @@ def recognize(model: nn.Module) -> Recognized:
         if isinstance(moe, MoE):
             found.moes.append(moe)
             # The router runs whole on every rank, with whatever it holds (Ernie 4.5's score bias).
-            claimed |= {moe.experts, *(n for n, _ in model.get_submodule(moe.router).named_modules(prefix=moe.router))}
+            claimed |= {moe.experts, *_subtree(model, moe.router)}
             if moe.shared is not None:
                 claimed |= {moe.shared.fqn(p) for p in (*moe.shared.spelling.up, moe.shared.spelling.down)}
             if moe.shared_gate is not None:
@@ -472,7 +553,7 @@ def recognize(model: nn.Module) -> Recognized:
             continue
         for s in ATTENTION_SPELLINGS:
             m = _match_attention(module, s)
-            projs = {_join(path, p) for p in (*s.qkv, s.out)}
+            projs = {_join(path, p) for p in (*s.qkv, s.out, *s.latent)}
             if m is not None and not projs & claimed:
                 heads, kv, _ = m
                 width = _features(model.get_submodule(_join(path, s.out)))[0]
@@ -484,6 +565,9 @@ def recognize(model: nn.Module) -> Recognized:
                 )
                 in_cores += problems
                 claimed |= projs
+                # Latent modules run whole with whatever they hold (the indexer's own projections).
+                for p in s.latent:
+                    claimed |= _subtree(model, _join(path, p))
                 break
         for s in MLP_SPELLINGS:
             m = _match_mlp(module, s)
@@ -555,10 +639,13 @@ def _unrecognized(model: nn.Module, found: Recognized, claimed: set[str]) -> lis
     # nn.MultiheadAttention) is no attention core itself: its other weights (the head's learned
     # probe, the query it feeds the attention) run replicated, outside any rank's heads.
     holders = {p for a in found.attentions for p in _ancestors(a.path)}
+    # A recognized attention's other parameters are `_core_params`' to report (or its block's).
+    recognized = {a.path for a in found.attentions}
     for path, module in model.named_modules():
         if (
             _attention_like(module)
             and path not in holders
+            and path not in recognized
             and not any(under(path, r) for r, _ in out)
             and unclaimed(path, module)
         ):
@@ -571,6 +658,11 @@ def _unrecognized(model: nn.Module, found: Recognized, claimed: set[str]) -> lis
                 )
                 out.append((name, why))
     return out
+
+
+def _subtree(model: nn.Module, path: str) -> set[str]:
+    """The names of the module at `path` and of every module under it."""
+    return {n for n, _ in model.get_submodule(path).named_modules(prefix=path)}
 
 
 def _ancestors(path: str) -> list[str]:
@@ -663,6 +755,11 @@ def derive_plan(model: nn.Module, found: "Recognized", tp: int, *, sequence_para
             plan.styles.append((a.path, MultiheadAttentionParallel(input_layouts=resid)))
             plan.styles.append((a.fqn(s.out), RowwiseParallel(output_layouts=resid)))
             plan.rank_regions.append((a.path, (a.path, a.fqn(s.out))))
+            continue
+        if s.latent:
+            plan.styles += _latent_styles(model, a, resid)
+            plan.attributes.append((a.fqn(s.entry), s.heads_attr, a.heads // tp))
+            plan.rank_regions.append((a.fqn(s.entry), (a.fqn(s.entry), a.fqn(s.out))))
             continue
         # nanoGPT reads its width from the input: hand it this rank's feature slice, which the
         # Q/K/V projection all-gathers back (one all-gather forward; backward, its reduce-scatter
@@ -765,6 +862,32 @@ def derive_plan(model: nn.Module, found: "Recognized", tp: int, *, sequence_para
     # With SP the attention regions are covered by the block regions.
     plan.rank_regions = [r for r in plan.rank_regions if r[0] in plan.sp_blocks]
     return plan
+
+
+def _latent_styles(model: nn.Module, a: Attention, resid) -> list[tuple[str, object]]:
+    """A multi-head latent attention (DeepSeek's MLA) on this rank's heads. Its input is gathered
+    whole and handed on as a local tensor: the down projections to the latents and their norms
+    run whole on every rank, the up projections from the latents (Q's, and K's and V's per head)
+    are column-parallel on a whole input, whose gradient (this rank's heads' share) they reduce,
+    and the rotary key that every head shares has its gradient reduced where it leaves the down
+    projection. Every gradient into the down projections is then whole on every rank, so are
+    their weights' gradients and the input's: its gather's backward is a plain slice. Backward
+    all-reduces tokens x (q_lora_rank + kv_lora_rank + qk_rope_head_dim) values (V3: 2112 per
+    token) where another attention reduce-scatters the hidden width (V3: 7168). V2-Lite's Q comes
+    from the hidden states (q_proj), so there the query's share is an all-reduce of the hidden
+    width, twice a reduce-scatter's bytes under sequence parallelism."""
+    s = a.spelling
+    rope = model.get_submodule(a.path).qk_rope_head_dim
+    whole = PrepareFirstInput(
+        input_layout=resid, desired_layout=Replicate(), use_local_output=True, keyword=s.keyword
+    )
+    return [
+        (a.fqn(s.entry), whole),
+        *[(a.fqn(p), ReplicatedModule(partial_output_grad=p == s.indexer)) for p in s.latent if p != s.shared_key],
+        (a.fqn(s.shared_key), ReplicatedModule(partial_grad_last=rope)),
+        *[(a.fqn(p), ColwiseParallel(input_layouts=Replicate())) for p in s.qkv],
+        (a.fqn(s.out), RowwiseParallel(output_layouts=resid)),
+    ]
 
 
 def _shared_expert_styles(shared: MLP, tp: int) -> list[tuple[str, object]]:

@@ -95,6 +95,10 @@ class MultiheadOptions(torch.nn.Module):
         return loss + per_head.square().mean() + averaged.square().mean()
 
 
+# Models with DeepSeek's multi-head latent attention.
+LATENT = ("deepseek_v3", "deepseek_v2", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa", "minicpm3")
+
+
 def build(kind: str, *, dropout: float = 0.0, heads: int = 4, dtype=torch.float64, seed: int = 0, **extra):
     """GPT-2 (LM head, Conv1D projections, fused c_attn), BERT (MLM head, nn.Linear Q/K/V),
     nanoGPT (tests/_models.py: nn.Linear fused c_attn, head count `n_head`, width read from the
@@ -118,7 +122,7 @@ def build(kind: str, *, dropout: float = 0.0, heads: int = 4, dtype=torch.float6
             [_models.Block(_models.HIDDEN, heads, dropout, model.block_size, True) for _ in range(2)]
         )
         return model.to(dtype)
-    if kind in ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "glm4_moe", "ernie4_5_moe", "dots1"):
+    if kind in ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "glm4_moe", "ernie4_5_moe", "dots1", *LATENT):
         # mixtures of 4 experts, 2 per token, each 16 wide
         common = dict(
             **{**base, "intermediate_size": 16},
@@ -153,6 +157,21 @@ def build(kind: str, *, dropout: float = 0.0, heads: int = 4, dtype=torch.float6
                 first_k_dense_replace=0, n_group=1, topk_group=1, **extra,
             )
             return transformers.Dots1ForCausalLM(config).to(dtype)
+        if kind in LATENT:
+            # Multi-head latent attention: Q from a 16-wide latent (V2-Lite: from the hidden
+            # states), K and V from a 12-wide one, one 4-wide rotary key shared by all heads, heads
+            # of 8 + 4 (Q, K) and 6 (V); then a dense layer and an MoE with a shared expert
+            # (MiniCPM3: dense only). DeepSeek V3.2 and GLM-5 add a sparse-attention indexer
+            # keeping 5 keys per query.
+            mla = dict(
+                q_lora_rank=None if kind == "deepseek_v2" else 16, kv_lora_rank=12, qk_nope_head_dim=8,
+                qk_rope_head_dim=4, v_head_dim=6, n_routed_experts=4, moe_intermediate_size=16,
+                n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+            )
+            if kind in ("deepseek_v32", "glm_moe_dsa"):
+                mla.update(index_topk=5, index_n_heads=2, index_head_dim=8)
+            config = transformers.CONFIG_MAPPING[kind](**{**common, "num_key_value_heads": heads, **mla, **extra})
+            return transformers.AutoModelForCausalLM.from_config(config).to(dtype)
         if kind == "ernie4_5_moe":  # a shared expert; the router holds a (frozen) score bias of its own
             config = transformers.Ernie4_5_MoeConfig(
                 **common, moe_num_experts=4, moe_k=2, moe_intermediate_size=16, moe_num_shared_experts=1,
@@ -324,7 +343,7 @@ def batch(kind: str, step: int = 0, *, b: int = 2, s: int = 8) -> dict:
         return {"idx": ids, "targets": ids}
     out = {"input_ids": ids, "labels": ids}
     if kind in ("gpt2", "llama", "gemma2", "gemma3", "olmo2", "phi3", "opt", "bart", "neox", "bloom", "qwen3_moe",
-                "mixtral", "olmoe", "qwen2_moe", "glm4_moe", "ernie4_5_moe", "dots1"):
+                "mixtral", "olmoe", "qwen2_moe", "glm4_moe", "ernie4_5_moe", "dots1", *LATENT):
         out["use_cache"] = False
     return out
 

@@ -74,14 +74,15 @@ def unsharded_to_sharded(rank, size, kind, sp, path):
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
 # phi3: a fused QKV of unequal parts; torch_encoder: nn.MultiheadAttention's packed in_proj_weight;
-# qwen3_moe: stacked experts, [gate | up] split per rank
-@pytest.mark.parametrize("kind", ["gpt2", "bert", "phi3", "torch_encoder", "qwen3_moe"])
+# qwen3_moe: stacked experts, [gate | up] split per rank; deepseek_v3: latent attention (replicated
+# down projections beside per-head up projections) and shared experts
+@pytest.mark.parametrize("kind", ["gpt2", "bert", "phi3", "torch_encoder", "qwen3_moe", "deepseek_v3"])
 def test_sharded_checkpoint_loads_into_unsharded_model(world, tmp_path, kind, sp):
     for mismatches in world.run(sharded_to_unsharded, kind, sp, str(tmp_path / "ckpt")):
         assert not mismatches
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "bert", "phi3", "torch_encoder", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["gpt2", "bert", "phi3", "torch_encoder", "qwen3_moe", "deepseek_v3"])
 def test_unsharded_checkpoint_loads_into_sharded_model(world, tmp_path, kind):
     for mismatches in world.run(unsharded_to_sharded, kind, True, str(tmp_path / "ckpt")):
         assert not mismatches

@@ -72,11 +72,11 @@ def wire_bytes_per_rank(counts: Counter, t: int) -> float:
     return sum(n * factor[name] * nbytes for (_, name, nbytes), n in counts.items())
 
 
-def count_step(rank, size, sp, b, s, fused=False, kind="gpt2"):
+def count_step(rank, size, sp, b, s, fused=False, kind="gpt2", config=None):
     import trifuse
     from trifuse.parallel import shard
 
-    model = build(kind, dtype=torch.float32)
+    model = build(kind, dtype=torch.float32, **(config or {}))
     if fused:
         trifuse.fuse(model)
     shard(model, init_device_mesh("cpu", (size,)), sequence_parallel=sp)
@@ -125,6 +125,28 @@ def test_nanogpt_gathers_its_attention_input_once_more(world, sp):
         expected[("backward", "all-reduce", a)] -= layers
         expected[("backward", "reduce-scatter", a)] += layers
     for counts in world.run(count_step, sp, b, s, False, "nanogpt"):
+        assert counts == expected
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_latent_attention_reduces_its_latents_not_the_hidden_states(world, sp):
+    """DeepSeek V3's multi-head latent attention (both layers dense here): its down projections
+    run whole on every rank, so its input's gradient comes back whole and its gather's backward
+    is a slice. Instead of the attention's backward all-reduce (TP) or reduce-scatter (TP+SP) of
+    A, each layer all-reduces the gradients of the query latent (16 wide), the key/value latent
+    (12) and the rotary key every head shares (4). The MLP is GPT-2's; the residual stream's
+    RMSNorms have weights only (2 all-reduces per layer with SP, not LayerNorm's 4)."""
+    b, s, layers, h, elem = 2, 8, 2, 32, 4
+    tokens, a = b * s, b * s * h * elem
+    expected = expected_collectives(layers, b, s, h, elem, sp)
+    if sp:
+        expected[("backward", "reduce-scatter", a)] -= layers
+        expected[("backward", "all-reduce", h * elem)] -= 2 * layers
+    else:
+        expected[("backward", "all-reduce", a)] -= layers
+    for width in (16, 12, 4):
+        expected[("backward", "all-reduce", tokens * width * elem)] += layers
+    for counts in world.run(count_step, sp, b, s, False, "deepseek_v3", {"first_k_dense_replace": 2}):
         assert counts == expected
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-from _tp_models import batch, build, train_alongside
+from _tp_models import LATENT, batch, build, train_alongside
 
 
 def _mesh(size):
@@ -49,6 +49,12 @@ ATTENTION = {
     "glm4_moe": ("model.layers.1.mlp", "experts"),  # its first layer's MLP is dense
     "ernie4_5_moe": ("model.layers.0.mlp", "experts"),
     "dots1": ("model.layers.0.mlp", "experts"),
+    "deepseek_v3": ("model.layers.0.self_attn", "kv_b_proj"),
+    "deepseek_v2": ("model.layers.0.self_attn", "kv_b_proj"),
+    "deepseek_v32": ("model.layers.0.self_attn", "kv_b_proj"),
+    "glm4_moe_lite": ("model.layers.0.self_attn", "kv_b_proj"),
+    "glm_moe_dsa": ("model.layers.0.self_attn", "kv_b_proj"),
+    "minicpm3": ("model.layers.0.self_attn", "kv_b_proj"),
 }
 
 
@@ -78,9 +84,10 @@ def equal_to_single_process(rank, size, kind, sp, steps, naive_qkv=False, heads=
     # (adding q.b_k to every score of a query leaves its softmax unchanged), so each run's is
     # float64 rounding noise (~1e-17), which AdamW divides by its eps (1e-8): two summation
     # orders then differ by lr * 1e-9 after one step, in one process as across ranks.
-    # Gemma 3's and OLMo 2's norms compute in float32 whatever the model's dtype, so the ranks'
-    # partial sums of their weights' gradients differ from one process's sum by float32 rounding.
-    fp32 = kind in ("gemma3", "olmo2")
+    # Gemma 3's, OLMo 2's and DeepSeek V2's norms compute in float32 whatever the model's dtype,
+    # so the ranks' partial sums of their weights' gradients differ from one process's sum by
+    # float32 rounding.
+    fp32 = kind in ("gemma3", "olmo2", "deepseek_v2")
     failures, checks = train_alongside(kind, model, ref, steps, fp32=fp32, optimizer=torch.optim.SGD)
     attn, proj = ATTENTION[kind]
     module = model.get_submodule(f"{attn}.{proj}")
@@ -177,6 +184,26 @@ def test_mixture_of_experts_grouped_mm_fused_and_sharded(world):
                           "cross_entropy": 1}, counts
 
 
+@pytest.mark.parametrize("order", ["fuse_then_shard", "shard_then_fuse"])
+@pytest.mark.parametrize("kind", ["deepseek_v3", "deepseek_v2", "deepseek_v32"])
+def test_latent_attention_fused_and_sharded(world, kind, order):
+    """Sequence parallel, fused before or after: the latents' norms (replicated) fuse beside the
+    residual stream's, the rotary on this rank's query heads and the key every head shares, the
+    attention on this rank's heads; the dense MLP's and the shared expert's gating on their
+    column shards. V3.2's indexer (no gradient) fuses its key norm and its rotaries too."""
+    expected = {"rms_norm": 7, "rotary": 2, "attention": 2, "residual_stream": 2}
+    if kind == "deepseek_v2":  # no query latent to norm
+        expected["rms_norm"] = 5
+    if kind == "deepseek_v32":
+        expected.update(layer_norm=2, rotary=6)
+    for failures, checks, counts in world.run(fused_equal_to_single_process, kind, order, True):
+        assert checks > 30
+        assert not failures, "\n".join(failures[:10])
+        counts.pop("cross_entropy", None)
+        assert counts.pop("gated_activation", 0) >= 2, counts
+        assert counts == expected, counts
+
+
 def multihead_attention_state(rank, size, kind, sp):
     """Whether `shard` left the model's nn.MultiheadAttention modules as its own local-heads
     kind; their local head counts; the local in_proj_weight's shape."""
@@ -213,7 +240,7 @@ def fused_equal_to_single_process(rank, size, kind, order, sp, config=None):
     # to float32, trifuse's fused cross-entropy keeps float64; BLOOM's softmax is float32, trifuse's
     # attention float64.
     fp32 = kind in ("llama", "gemma2", "gemma3", "olmo2", "phi3", "opt", "bart", "neox", "bloom", "qwen3_moe",
-                    "mixtral", "qwen2_moe", "glm4_moe")
+                    "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v3", "deepseek_v2", "deepseek_v32")
     failures, checks = train_alongside(kind, model, ref, 1, fp32=fp32, optimizer=torch.optim.SGD)
     return failures, checks, trifuse.report(model).counts()
 
@@ -266,6 +293,14 @@ def shard_error(rank, size, case, sp):
 
         model = build("gemma3")
         model.model.layers[1].self_attn.q_norm = Gemma3RMSNorm(4).double()
+    elif case == "latent_widths_disagree":  # an MLA whose V heads are not what its o_proj reads
+        model = build("deepseek_v3")
+        model.model.layers[1].self_attn.v_head_dim = 5
+    elif case == "latent_core_norm":  # a norm on the shared rotary key, which no style shards
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
+
+        model = build("deepseek_v3")
+        model.model.layers[0].self_attn.k_rope_norm = DeepseekV3RMSNorm(4).double()
     else:
         raise AssertionError(case)
     try:
@@ -297,6 +332,23 @@ def test_more_families_match_single_process(world, kind, sp):
     for failures, checks, shape in world.run(equal_to_single_process, kind, sp, 2):
         assert shape == local
         assert checks > 60
+        assert not failures, "\n".join(failures[:10])
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("kind", LATENT)
+def test_latent_attention_matches_single_process(world, kind, sp):
+    """DeepSeek's multi-head latent attention (V3: Q through a latent; V2-Lite: Q straight from
+    the hidden states; V3.2: V3's with a sparse-attention indexer, whole on every rank, picking
+    5 of 8 keys per query for every head), then a dense layer and an MoE layer with a shared
+    expert; the families built on its code (GLM-4.7-Flash, GLM-5's with an indexer, MiniCPM3's
+    dense layers). Each rank's
+    kv_b_proj holds its 2 heads' K (8) and V (6) rows: 2 x 14 from the 12-wide latent. The down
+    projections run whole on every rank; the rotary key every head shares gets its whole
+    gradient back, so do the latents, their norms and the down projections' weights."""
+    for failures, checks, shape in world.run(equal_to_single_process, kind, sp, 2):
+        assert shape == (28, 12)
+        assert checks > 100
         assert not failures, "\n".join(failures[:10])
 
 
@@ -555,6 +607,16 @@ def test_fused_qkv_split_the_wrong_way_fails_the_check(world, kind):
             "moe_transposed_experts",
             ("model.layers.0.feed_forward.experts: an MoE block model.layers.0.feed_forward: its experts "
              "(Llama4TextExperts) have an experts layout other than [gate | up]",),
+        ),
+        (
+            "latent_widths_disagree",
+            ("model.layers.1.self_attn: DeepseekV3Attention is not recognized: as latent q_a_proj/q_b_proj, "
+             "kv_a_proj_with_mqa/kv_b_proj + o_proj (DeepSeek V2/V3 MLA), its features do not agree with 4 heads",
+             "o_proj 24, not 20"),
+        ),
+        (
+            "latent_core_norm",
+            ("model.layers.0.self_attn.k_rope_norm: a norm over 4 features inside an attention core",),
         ),
         (
             "core_norm_of_another_width",
