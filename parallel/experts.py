@@ -21,13 +21,19 @@ or reduce-scatter along the sequence). The router runs replicated on the whole t
 expert beside the routed ones (Qwen2-MoE, DeepSeek, GLM-4-MoE) is a dense MLP split as one, its
 down projection's output left a partial sum that joins the routed experts' before the block's one
 reduction; Qwen2-MoE's gate of it, a sigmoid scale, runs replicated (`ReplicatedModule`).
+
+Backward mirrors it: the block's input is a replicated DTensor, whose gradient adds up the
+experts' and the shared expert's partial sums and the router's whole one (DTensor counts a
+replicated gradient once in a partial sum: it divides it by the ranks) and is reduced once, as a
+dense MLP's is (one reduce-scatter under SP, counted in test_comm_volume.py), not once per
+consumer.
 """
 
 from functools import partial
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DeviceMesh, Partial, Replicate, Shard
+from torch.distributed.tensor import DeviceMesh, DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
@@ -89,11 +95,14 @@ class ExpertsParallel(ParallelStyle):
         # (Mixtral's stay float32 in any model): their gradient is then summed over ranks at
         # that precision, as one process sums it, and cast back once.
         weights = weights.to(torch.promote_types(hidden.dtype, weights.dtype))
-        return (
-            whole_with_partial_grad(hidden, mesh, Replicate()),
-            index,
-            whole_with_partial_grad(weights, mesh, Replicate()),
+        # The hidden states as a MoEBlockParallel block hands them on (a replicated DTensor):
+        # their gradient joins the block's input gradient as this rank's share, reduced there.
+        hidden = (
+            hidden.to_local(grad_placements=(Partial(),))
+            if isinstance(hidden, DTensor)
+            else whole_with_partial_grad(hidden, mesh, Replicate())
         )
+        return hidden, index, whole_with_partial_grad(weights, mesh, Replicate())
 
     def __repr__(self) -> str:
         return "ExpertsParallel()"
@@ -132,7 +141,10 @@ class MoEBlockParallel(ParallelStyle):
         self.layout = input_layouts or Replicate()
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        PrepareFirstInput(input_layout=self.layout, desired_layout=Replicate(), use_local_output=True)._apply(
+        # The block gets its input as a replicated DTensor: the experts and a shared expert take
+        # it with their input gradients left partial sums, which add up as one DTensor gradient
+        # reduced once, back to `layout` (one reduce-scatter under SP), not once per consumer.
+        PrepareFirstInput(input_layout=self.layout, desired_layout=Replicate(), use_local_output=False)._apply(
             module, device_mesh
         )
         return PrepareFirstOutput(output_layout=Partial(), desired_layout=self.layout)._apply(module, device_mesh)
@@ -163,6 +175,10 @@ class ReplicatedModule(ParallelStyle):
         self.partial_grad_last = partial_grad_last
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # Inside a MoEBlockParallel block the inputs are replicated DTensors: the module gets
+        # their local tensors, whose gradients, whole on every rank, the block's reduction
+        # counts once (as Replicate, added to the other consumers' partial sums).
+        module.register_forward_pre_hook(_local_inputs)
         if self.partial_output_grad:
             module.register_forward_hook(partial(_partial_grad, device_mesh))
         elif self.partial_grad_last:
@@ -174,6 +190,10 @@ class ReplicatedModule(ParallelStyle):
             f"ReplicatedModule(partial_output_grad={self.partial_output_grad}, "
             f"partial_grad_last={self.partial_grad_last})"
         )
+
+
+def _local_inputs(module: nn.Module, args):
+    return tuple(a.to_local() if isinstance(a, DTensor) else a for a in args)
 
 
 def _partial_grad(mesh: DeviceMesh, module: nn.Module, args, out):

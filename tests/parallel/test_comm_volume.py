@@ -150,6 +150,27 @@ def test_latent_attention_reduces_its_latents_not_the_hidden_states(world, sp):
         assert counts == expected
 
 
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+def test_moe_block_reduces_its_input_gradient_once(world, kind, sp):
+    """A mixture-of-experts block moves what a dense MLP does: its input's gradient, the sum of
+    the routed experts' and the shared expert's shares (this rank's slices of every expert) and
+    the router's (whole on every rank), is reduced once, a reduce-scatter under SP. Beside it the
+    routing weights' gradients (tokens x 2 per layer), and Qwen2-MoE's shared-expert gate's
+    output gradient (tokens x 1). The residual stream's RMSNorms have weights only (SP: 2
+    all-reduces per layer, not LayerNorm's 4)."""
+    b, s, layers, h, elem = 3, 8, 2, 32, 4  # 24 tokens: the routing weights' 192 bytes are no norm's 128
+    tokens = b * s
+    expected = expected_collectives(layers, b, s, h, elem, sp)
+    if sp:
+        expected[("backward", "all-reduce", h * elem)] -= 2 * layers
+    expected[("backward", "all-reduce", tokens * 2 * elem)] += layers
+    if kind == "qwen2_moe":
+        expected[("backward", "all-reduce", tokens * elem)] += layers
+    for counts in world.run(count_step, sp, b, s, False, kind):
+        assert +counts == +expected
+
+
 def test_tp_and_sp_send_the_same_activation_bytes():
     t, layers, b, s, h, elem = 4, 24, 8, 1024, 1024, 2
     a = b * s * h * elem
