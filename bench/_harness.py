@@ -298,6 +298,7 @@ def sweep(
                 except Exception as e:  # noqa: BLE001  (a baseline that fails is reported, not fatal)
                     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}" if str(e) else type(e).__name__
                     rows.append(row)
+                    _print_row(row)
                     continue
                 row["ms"] = ms
                 if bytes_for is not None:
@@ -307,12 +308,19 @@ def sweep(
                     row["TFLOP/s"] = flops_for(shape, mode) / (ms * 1e-3) / 1e12
                 point.append(row)
                 rows.append(row)
+                _print_row(row)
         for row in point:
             for other in point:
                 if other["mode"] == row["mode"] and other is not row:
                     row[f"x vs {other['provider']}"] = other["ms"] / row["ms"]
         torch.cuda.empty_cache() if on_gpu() else None
     return rows
+
+
+def _print_row(row: dict) -> None:
+    """One JSON line per measured row, flushed: a run cut by its time limit (a lent GPU's call)
+    still leaves every number it measured in its log, though its tables are never written."""
+    print("row " + json.dumps(row), flush=True)
 
 
 def check_against_reference(providers, reference, make_inputs, shape) -> None:
