@@ -29,7 +29,7 @@ setup(
         ],
     },
     extras_require={
-        "test": ["pytest", "hypothesis", "pytest-benchmark", "transformers"],
+        "test": ["pytest", "pytest-xdist", "hypothesis", "pytest-benchmark", "transformers"],
         "bench": ["pytest-benchmark", "matplotlib"],
         "flash-attn": ["flash-attn"],
         "xformers": ["xformers"],
