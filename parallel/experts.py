@@ -1,5 +1,6 @@
 """Mixture-of-experts blocks under tensor parallelism: every expert's MLP split as a dense MLP is
-(Mixtral, Qwen3-MoE, OLMoE; Hugging Face's experts modules, weights stacked over the experts).
+(Mixtral, Qwen3-MoE, OLMoE, gpt-oss; Hugging Face's experts modules, weights stacked over the
+experts).
 
 Hugging Face keeps an MoE block's experts as two stacked parameters, `gate_up_proj`
 (experts, 2 x inner, hidden) = [gate | up] per expert and `down_proj` (experts, hidden, inner),
@@ -14,6 +15,16 @@ beside a router (`gate`, a (experts, hidden) weight) that picks each token's top
 - its inputs, the tokens and their routing weights, are whole on every rank, with gradients that
   are this rank's partial sums, reduced on the way back (so the router, replicated, gets its
   whole gradient on every rank).
+
+gpt-oss's experts are laid out otherwise: `gate_up_proj` (experts, hidden, 2 x inner) transposed,
+its features interleaved [g_0 u_0 g_1 u_1 ...], with a bias `gate_up_proj_bias` (experts,
+2 x inner), `down_proj` (experts, inner, hidden) with a bias `down_proj_bias` (experts, hidden),
+and a gating of its own (clamped, elementwise per (gate, up) pair). A contiguous t-th of the
+interleaved features holds whole pairs, so `gate_up_proj` and its bias are split as they are
+(Shard along the features, no permutation), `down_proj` along its inner dim 1. The down bias is
+added inside each expert, before its routing weight, to the row-parallel product, a partial sum:
+it stays replicated and each rank adds 1/t of it (as DTensor adds a row-parallel linear's bias),
+its gradient reduced once after accumulation.
 
 The block around it (`MoEBlockParallel`) gathers its input whole (all-gather under sequence
 parallelism) and reduces its output, a partial sum, to the residual stream's layout (all-reduce,
@@ -47,21 +58,61 @@ from .styles import (
 )
 
 
+# The layouts ExpertsParallel shards, as Hugging Face's experts decorator
+# (`use_experts_implementation`) declares them.
+_CONCATENATED = {"has_gate": True, "is_concatenated": True, "is_transposed": False, "has_bias": False}
+_INTERLEAVED = {"has_gate": True, "is_concatenated": False, "is_transposed": True, "has_bias": True}
+# Gatings of an interleaved layout known to be elementwise per (gate_i, up_i) pair, so that they
+# run as they are on a contiguous slice of the pairs: gpt-oss's clamped `(up + 1) * gate *
+# sigmoid(alpha * gate)`.
+_PAIRWISE_GATES = ("GptOssExperts._apply_gate",)
+
+
+def interleaved(experts: nn.Module) -> bool:
+    """Whether `experts` (a module `unsupported` accepts) has gpt-oss's layout rather than [gate | up]."""
+    return getattr(experts, "is_concatenated", True) is False
+
+
+def widths(experts: nn.Module) -> tuple[int, int]:
+    """(hidden, inner) of a module `unsupported` accepts."""
+    _, a, b = experts.gate_up_proj.shape
+    return (a, b // 2) if interleaved(experts) else (b, a // 2)
+
+
 def unsupported(experts: nn.Module) -> str | None:
     """Why a Hugging Face experts module cannot be sharded by ExpertsParallel, or None."""
     gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
         return "no stacked gate_up_proj and down_proj parameters"
-    standard = {"has_gate": True, "is_concatenated": True, "is_transposed": False, "has_bias": False}
-    layout = {a: getattr(experts, a, None) for a in standard}
-    if layout != standard:
-        return f"an experts layout other than [gate | up], untransposed, without biases: {layout}"
+    layout = {a: getattr(experts, a, None) for a in _CONCATENATED}
+    if layout not in (_CONCATENATED, _INTERLEAVED):
+        return (
+            f"an experts layout other than [gate | up], untransposed, without biases, or gpt-oss's "
+            f"(gate and up interleaved, transposed, with biases): {layout}"
+        )
     if getattr(experts, "has_post_expert_norm", False):
         return "a norm after each expert"
-    if getattr(type(experts)._apply_gate, "__name__", "") != "_default_apply_gate":
+    gate = type(experts)._apply_gate
+    if layout == _CONCATENATED and getattr(gate, "__name__", "") != "_default_apply_gate":
         return "a gating of its own (_apply_gate)"
-    if gate_up.dim() != 3 or down.shape != (gate_up.shape[0], gate_up.shape[2], gate_up.shape[1] // 2):
+    if layout == _INTERLEAVED and getattr(gate, "__qualname__", "") not in _PAIRWISE_GATES:
+        known = ", ".join(_PAIRWISE_GATES)
+        return f"a gating of its own (_apply_gate) on interleaved gate and up features, none of {known}"
+    if gate_up.dim() != 3:
         return f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} do not agree"
+    n = gate_up.shape[0]
+    hidden, inner = widths(experts)
+    want = {"down_proj": (n, hidden, inner)}
+    if layout == _INTERLEAVED:
+        want = {
+            "down_proj": (n, inner, hidden),
+            "gate_up_proj_bias": (n, 2 * inner),
+            "down_proj_bias": (n, hidden),
+        }
+    got = {name: tuple(getattr(getattr(experts, name, None), "shape", ())) for name in want}
+    if gate_up.shape[1 if layout == _CONCATENATED else 2] % 2 or got != want:
+        shapes = ", ".join(f"{name} {got[name]}" for name in want)
+        return f"gate_up_proj {tuple(gate_up.shape)} and {shapes} do not agree"
     return None
 
 
@@ -72,16 +123,28 @@ class ExpertsParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         why = unsupported(module)
         tp = device_mesh.size()
-        inner = module.down_proj.shape[2]
+        inner = widths(module)[1] if why is None else 0
         if why is None and inner % tp:
             why = f"its experts' inner width {inner} does not divide across {tp} ranks"
         if why is not None:
             raise ValueError(f"trifuse.parallel.ExpertsParallel: {type(module).__name__}: {why}")
-        gate_up = to_rank_major(module.gate_up_proj.detach(), 1, 2, tp)
-        _distribute_param(module, "gate_up_proj", gate_up, device_mesh, Shard(1), self.src_data_rank)
-        down = module.down_proj.detach()
-        _distribute_param(module, "down_proj", down, device_mesh, Shard(2), self.src_data_rank)
-        mark_fused(module, 2, {"gate_up_proj": 1}, tp)
+        src = self.src_data_rank
+        if interleaved(module):
+            # [g_0 u_0 g_1 u_1 ...]: a contiguous t-th of the features holds whole (gate, up) pairs,
+            # so rank r's piece is plain Shard (no permutation, the state dict needs no hooks).
+            gate_up, bias = module.gate_up_proj.detach(), module.gate_up_proj_bias.detach()
+            _distribute_param(module, "gate_up_proj", gate_up, device_mesh, Shard(2), src)
+            _distribute_param(module, "gate_up_proj_bias", bias, device_mesh, Shard(1), src)
+            _distribute_param(module, "down_proj", module.down_proj.detach(), device_mesh, Shard(1), src)
+            # Added after the row-parallel product, inside the partial sum: each rank adds 1/t of
+            # it (see _LocalView), its gradient reduced as a row-parallel linear's bias is.
+            bias = module.down_proj_bias.detach()
+            _distribute_param(module, "down_proj_bias", bias, device_mesh, Replicate(), src)
+        else:
+            gate_up = to_rank_major(module.gate_up_proj.detach(), 1, 2, tp)
+            _distribute_param(module, "gate_up_proj", gate_up, device_mesh, Shard(1), src)
+            _distribute_param(module, "down_proj", module.down_proj.detach(), device_mesh, Shard(2), src)
+            mark_fused(module, 2, {"gate_up_proj": 1}, tp)
         module.register_forward_pre_hook(partial(self._whole_inputs, device_mesh))
         cls = type(module)
         sharded = {"_hf_forward": staticmethod(cls.forward)}  # dispatches on the config, as the class does
@@ -111,13 +174,22 @@ class ExpertsParallel(ParallelStyle):
 class _LocalView:
     """An experts module as its forward sees it, with this rank's pieces of the weights: Hugging
     Face's implementations (its eager loop, `batched_mm`, `grouped_mm`) read `self.gate_up_proj`
-    and `self.down_proj` and find everything else (the expert count, `_apply_gate`, the config)
-    on the module."""
+    and `self.down_proj` (and with biases `self.gate_up_proj_bias`, `self.down_proj_bias`) and find
+    everything else (the expert count, `_apply_gate`, the config) on the module.
+
+    The down projection's bias is added to each expert's row-parallel product, a partial sum over
+    ranks: each rank adds 1/t of it, as DTensor adds a row-parallel linear's replicated bias, so it
+    counts once in the sum. Its gradient, this rank's 1/t share, is taken for a partial sum that
+    `shard` all-reduces once after accumulation, the same on every rank and one process's."""
 
     def __init__(self, module: nn.Module):
         self._module = module
         self.gate_up_proj = module.gate_up_proj.to_local()
         self.down_proj = module.down_proj.to_local()
+        if getattr(module, "has_bias", False):
+            self.gate_up_proj_bias = module.gate_up_proj_bias.to_local()
+            bias = module.down_proj_bias
+            self.down_proj_bias = bias.to_local(grad_placements=(Partial(),)) / bias.device_mesh.size()
 
     def __getattr__(self, name: str):
         return getattr(self._module, name)
@@ -126,7 +198,8 @@ class _LocalView:
 class _LocalExperts(nn.Module):
     """The experts' forward the model's config chose (Hugging Face's `experts_implementation`:
     its grouped or batched matmuls, or its eager loop), run on this rank's pieces of every expert.
-    Each piece is [gate_r | up_r] rank-major, so the gating's chunk in two stays right."""
+    Each piece is [gate_r | up_r] rank-major, so the gating's chunk in two stays right (gpt-oss's
+    interleaved pieces hold whole (gate, up) pairs, which its gating takes by [::2] and [1::2])."""
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         return self._hf_forward(_LocalView(self), hidden_states, top_k_index, top_k_weights)

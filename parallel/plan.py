@@ -14,6 +14,7 @@ Korthikanti et al. 2022), per block:
                 Q, K, V (or fused QKV, split per head)               column-parallel, H/t heads per rank
                 output projection                                    row-parallel -> Shard(1) or Replicate
                 Q/K norms in the core (per head, or over all heads)  HeadCoreNorm (weight replicated)
+                per-head parameters in the core (gpt-oss's sinks)    HeadParameters (Shard(0), as Q's heads)
                 per-head arguments built for all heads (ALiBi)       HeadRowsArguments (this rank's rows)
                 nn.MultiheadAttention: its packed in_proj, the gather  MultiheadAttentionParallel
                 of query/key/value and a forward on the local heads  (multihead.py); out_proj row-par.
@@ -30,6 +31,7 @@ Korthikanti et al. 2022), per block:
                 second linear                                        row-parallel
     MoE         the block (router + experts): gather in, reduce out  MoEBlockParallel (experts.py)
                 every expert's [gate | up] and down, split inside    ExpertsParallel; router replicated
+                (gpt-oss's interleaved, transposed, with biases)     (down bias: 1/t per rank)
                 a shared expert (a dense MLP inside the block)       column- / row-parallel, left partial
                 its gate (sigmoid scale of the shared output)        replicated, output grad reduced
     norms       LayerNorms on the residual stream                    SequenceParallel (only with SP)
@@ -52,10 +54,12 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from .experts import ExpertsParallel, MoEBlockParallel, ReplicatedModule
 from .experts import unsupported as experts_unsupported
+from .experts import widths as expert_widths
 from .multihead import MultiheadAttentionParallel, unsupported
 from .styles import (
     ColwiseParallel,
     HeadCoreNorm,
+    HeadParameters,
     HeadRowsArguments,
     PrepareFirstInput,
     PrepareFirstOutput,
@@ -299,6 +303,9 @@ class Attention:
     # Norms inside the core, beside the projections: (module name, per head or over all heads'
     # features); see `_core_params`.
     norms: tuple[tuple[str, bool], ...] = ()
+    # Parameters with one value per head inside the core (gpt-oss's attention sinks): (module
+    # name, parameter names), each split by heads as Q is (`HeadParameters`).
+    head_params: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def fqn(self, rel: str) -> str:
         return _join(self.path, rel)
@@ -379,16 +386,32 @@ def _is_norm(module: nn.Module) -> bool:
     return isinstance(module, nn.LayerNorm) or type(module).__name__.endswith(("LayerNorm", "RMSNorm"))
 
 
+# Parameters inside an attention core known to hold one value per head, read by the core per
+# head: gpt-oss's attention sinks (a logit per head, joined to that head's scores).
+_HEAD_PARAM_NAMES = ("sinks",)
+
+
+@dataclass(frozen=True)
+class CoreParams:
+    """What an attention core holds besides its projections (see `_core_params`)."""
+
+    norms: list[tuple[str, bool]] = field(default_factory=list)
+    head_params: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
+    problems: list[tuple[str, str]] = field(default_factory=list)
+
+
 def _core_params(
-    model: nn.Module, entry: str, projections: set[str], head_dim: int, widths: tuple[int, ...]
-) -> tuple[list[tuple[str, bool]], list[tuple[str, str]]]:
+    model: nn.Module, entry: str, projections: set[str], heads: int, head_dim: int, widths: tuple[int, ...]
+) -> CoreParams:
     """The parameters in an attention core (the modules under `entry`, which tensor parallelism
     hands this rank's heads) outside its `projections`. Left plain, each would get a gradient
-    summed over this rank's heads alone. (norms, problems): the norms `HeadCoreNorm`
-    shards, as (module name, per head), a norm weight over `head_dim` (per head) or over one of
-    `widths` (a projection's output features, OLMo 2's Q/K norms); and (module name, why) for
-    every other module holding parameters (gpt-oss's attention sinks, a norm of another width)."""
-    norms, problems = [], []
+    summed over this rank's heads alone. The norms `HeadCoreNorm` shards, as (module name, per
+    head), a norm weight over `head_dim` (per head) or over one of `widths` (a projection's output
+    features, OLMo 2's Q/K norms); the per-head parameters `HeadParameters` shards, as (module
+    name, parameter names), gpt-oss's attention sinks, one value per each of the `heads`; and
+    (module name, why) for every other module holding parameters (a norm of another width, sinks
+    of another shape)."""
+    found = CoreParams()
     for name, module in model.get_submodule(entry).named_modules(prefix=entry):
         if any(name == p or name.startswith(p + ".") for p in projections):
             continue
@@ -400,22 +423,28 @@ def _core_params(
             p.shape == w.shape for p in params.values()
         ):
             if w.numel() == head_dim:
-                norms.append((name, True))
+                found.norms.append((name, True))
                 continue
             if w.numel() in widths:
-                norms.append((name, False))
+                found.norms.append((name, False))
                 continue
             why = (
                 f"a norm over {w.numel()} features inside an attention core, neither one head's "
                 f"{head_dim} nor a projection's output {' or '.join(map(str, dict.fromkeys(widths)))}"
             )
+        elif all(n in _HEAD_PARAM_NAMES and p.shape == (heads,) for n, p in params.items()):
+            found.head_params.append((name, tuple(params)))
+            continue
         else:
             why = (
                 f"parameters {', '.join(params)} inside an attention core (each rank holds its own "
                 "heads there) that no style knows how to shard"
             )
-        problems.append((name, why))
-    return norms, problems
+            shapes = [f"{n} {tuple(p.shape)}" for n, p in params.items() if n in _HEAD_PARAM_NAMES]
+            if shapes:
+                why += f" ({', '.join(shapes)}: not one value per each of its {heads} heads)"
+        found.problems.append((name, why))
+    return found
 
 
 def _match_mlp(module: nn.Module, s: MLPSpelling) -> tuple[int, str] | None:
@@ -491,8 +520,9 @@ def _match_moe(module: nn.Module, path: str) -> MoE | str | None:
     if why is not None:
         return f"its experts ({type(experts).__name__}) have {why}"
     n = experts.gate_up_proj.shape[0]
+    hidden, inner = expert_widths(experts)
     routers = [r for r in _ROUTER_NAMES if getattr(getattr(module, r, None), "weight", None) is not None]
-    if len(routers) != 1 or getattr(module, routers[0]).weight.shape != (n, experts.gate_up_proj.shape[2]):
+    if len(routers) != 1 or getattr(module, routers[0]).weight.shape != (n, hidden):
         return f"no router ({' or '.join(_ROUTER_NAMES)}) with one ({n}, hidden) weight beside its experts"
     shared = _match_shared_expert(module, path)
     if isinstance(shared, str):
@@ -502,7 +532,7 @@ def _match_moe(module: nn.Module, path: str) -> MoE | str | None:
     others = [name for name, _ in module.named_parameters() if name.split(".")[0] not in children]
     if others:
         return f"parameters beside its router, experts and shared expert ({', '.join(others)})"
-    router, inner = _join(path, routers[0]), experts.down_proj.shape[2]
+    router = _join(path, routers[0])
     return MoE(path, _join(path, "experts"), router, inner, shared=mlp, shared_gate=gate and _join(path, gate))
 
 
@@ -557,13 +587,16 @@ def recognize(model: nn.Module) -> Recognized:
             if m is not None and not projs & claimed:
                 heads, kv, _ = m
                 width = _features(model.get_submodule(_join(path, s.out)))[0]
-                norms, problems = _core_params(
-                    model, _join(path, s.entry), projs, width // heads, (width, kv * (width // heads))
+                core = _core_params(
+                    model, _join(path, s.entry), projs, heads, width // heads, (width, kv * (width // heads))
                 )
                 found.attentions.append(
-                    Attention(path, s, heads=heads, kv_heads=kv, hidden=m[2], norms=tuple(norms))
+                    Attention(
+                        path, s, heads=heads, kv_heads=kv, hidden=m[2], norms=tuple(core.norms),
+                        head_params=tuple(core.head_params),
+                    )
                 )
-                in_cores += problems
+                in_cores += core.problems
                 claimed |= projs
                 # Latent modules run whole with whatever they hold (the indexer's own projections).
                 for p in s.latent:
@@ -756,6 +789,8 @@ def derive_plan(model: nn.Module, found: "Recognized", tp: int, *, sequence_para
             plan.styles.append((a.fqn(s.out), RowwiseParallel(output_layouts=resid)))
             plan.rank_regions.append((a.path, (a.path, a.fqn(s.out))))
             continue
+        # Per-head parameters split as the heads are (column-parallel Q, contiguous per rank).
+        plan.styles += [(name, HeadParameters(names=names, heads=a.heads)) for name, names in a.head_params]
         if s.latent:
             plan.styles += _latent_styles(model, a, resid)
             plan.attributes.append((a.fqn(s.entry), s.heads_attr, a.heads // tp))

@@ -8,9 +8,9 @@ What it does, in place, in this order:
 2. derives the plan from the recognized blocks (`plan.py`; with `vocab_parallel`, the embedding
    and LM head too), merged with the user's `plan`, and checks it before changing anything
    (no attention-like module, nor weight matrix in a recognized block, nor parameter inside an
-   attention core other than the norms it shards, left unsharded unless `plan` names it; heads,
-   K/V heads and widths divide; under sequence parallelism every parameter in a block is owned
-   by a style; tied parameters are sharded alike or not at all);
+   attention core other than the norms and per-head vectors it shards, left unsharded unless
+   `plan` names it; heads, K/V heads and widths divide; under sequence parallelism every
+   parameter in a block is owned by a style; tied parameters are sharded alike or not at all);
 3. makes every rank start from the same weights (broadcast from the first rank of each mesh dim),
    so that applying a style needs no scatter;
 4. applies each style with `parallelize_module` (parameters become DTensors; forward hooks move

@@ -16,7 +16,8 @@
 
 `HeadCoreNorm` shards the norms inside an attention core (Q/K norms per head or over all
 heads' features), whose parameters plain tensor parallelism would leave with a per-rank
-partial gradient.
+partial gradient. `HeadParameters` splits an attention's per-head vectors (gpt-oss's sinks) by
+heads, as Q is.
 
 Two small styles cover what `PrepareModuleInput/Output` cannot for Hugging Face blocks (they
 need one layout per positional argument, and blocks are called with a varying number of them):
@@ -424,6 +425,46 @@ class HeadCoreNorm(ParallelStyle):
 
     def __repr__(self) -> str:
         return f"HeadCoreNorm(per_head={self.per_head})"
+
+
+class HeadParameters(ParallelStyle):
+    """Parameters of an attention module with one value per head, 1-D over its H heads, which the
+    core reads per head (gpt-oss's attention sinks, a logit per head joined to each head's scores
+    before the softmax). Tensor parallelism hands each rank its own H/t heads, q_proj's contiguous
+    slice of them: each parameter is split alike, Shard(0) (the state dict keeps the unsharded
+    layout), and the module reads its rank's piece as a local tensor under the same name, for its
+    forward and the attention functions it passes itself to (`module.sinks`, or `s_aux=`).
+    A head's gradient is then whole on its rank: no communication either way."""
+
+    def __init__(self, *, names: tuple[str, ...], heads: int):
+        super().__init__()
+        self.names, self.heads = tuple(names), heads
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        tp = device_mesh.size()
+        for name in self.names:
+            param = getattr(module, name, None)
+            if not isinstance(param, torch.Tensor) or param.shape != (self.heads,) or self.heads % tp:
+                raise ValueError(
+                    f"trifuse.parallel.HeadParameters: {type(module).__name__}.{name} must be a parameter of "
+                    f"shape ({self.heads},), one value per head, split over {tp} ranks; got "
+                    + (f"shape {tuple(param.shape)}" if isinstance(param, torch.Tensor) else "no tensor")
+                )
+            _distribute_param(module, name, param.detach(), device_mesh, Shard(0), self.src_data_rank)
+        # A property on a subclass wins over nn.Module's lookup of its parameters (__getattr__,
+        # reached only when normal lookup fails): `module.sinks` is the local piece, whose
+        # gradient flows back to the DTensor parameter as this rank's Shard(0) piece.
+        cls = type(module)
+        local = {name: property(partial(_local_param, name)) for name in self.names}
+        module.__class__ = type(f"Sharded{cls.__name__}", (cls,), local)
+        return module
+
+    def __repr__(self) -> str:
+        return f"HeadParameters({', '.join(self.names)} of {self.heads} heads)"
+
+
+def _local_param(name: str, module: nn.Module) -> torch.Tensor:
+    return module._parameters[name].to_local()
 
 
 # ---------------------------------------------------------------------------------------------

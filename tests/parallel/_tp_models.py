@@ -122,7 +122,8 @@ def build(kind: str, *, dropout: float = 0.0, heads: int = 4, dtype=torch.float6
             [_models.Block(_models.HIDDEN, heads, dropout, model.block_size, True) for _ in range(2)]
         )
         return model.to(dtype)
-    if kind in ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "glm4_moe", "ernie4_5_moe", "dots1", *LATENT):
+    moe = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "glm4_moe", "ernie4_5_moe", "dots1", "gpt_oss")
+    if kind in (*moe, *LATENT):
         # mixtures of 4 experts, 2 per token, each 16 wide
         common = dict(
             **{**base, "intermediate_size": 16},
@@ -172,6 +173,23 @@ def build(kind: str, *, dropout: float = 0.0, heads: int = 4, dtype=torch.float6
                 mla.update(index_topk=5, index_n_heads=2, index_head_dim=8)
             config = transformers.CONFIG_MAPPING[kind](**{**common, "num_key_value_heads": heads, **mla, **extra})
             return transformers.AutoModelForCausalLM.from_config(config).to(dtype)
+        if kind == "gpt_oss":
+            # Attention sinks (a logit per head), biases on every projection, sliding-window layers
+            # (4 keys) alternating with full ones; experts with gate and up interleaved, transposed,
+            # with biases, and a clamped gating of their own; a router with a bias.
+            config = transformers.GptOssConfig(
+                **common, num_local_experts=4, head_dim=8, sliding_window=4,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **extra,
+            )
+            model = transformers.GptOssForCausalLM(config).to(dtype)
+            # Hugging Face initializes the experts' biases to zero: give them values, so that a
+            # bias counted on every rank instead of once shows in the loss.
+            gen = torch.Generator().manual_seed(seed)
+            with torch.no_grad():
+                for layer in model.model.layers:
+                    for bias in (layer.mlp.experts.gate_up_proj_bias, layer.mlp.experts.down_proj_bias):
+                        bias.copy_(0.1 * torch.randn(bias.shape, generator=gen, dtype=dtype))
+            return model
         if kind == "ernie4_5_moe":  # a shared expert; the router holds a (frozen) score bias of its own
             config = transformers.Ernie4_5_MoeConfig(
                 **common, moe_num_experts=4, moe_k=2, moe_intermediate_size=16, moe_num_shared_experts=1,
@@ -343,7 +361,7 @@ def batch(kind: str, step: int = 0, *, b: int = 2, s: int = 8) -> dict:
         return {"idx": ids, "targets": ids}
     out = {"input_ids": ids, "labels": ids}
     if kind in ("gpt2", "llama", "gemma2", "gemma3", "olmo2", "phi3", "opt", "bart", "neox", "bloom", "qwen3_moe",
-                "mixtral", "olmoe", "qwen2_moe", "glm4_moe", "ernie4_5_moe", "dots1", *LATENT):
+                "mixtral", "olmoe", "qwen2_moe", "glm4_moe", "ernie4_5_moe", "dots1", "gpt_oss", *LATENT):
         out["use_cache"] = False
     return out
 

@@ -72,17 +72,21 @@ def unsharded_to_sharded(rank, size, kind, sp, path):
     return mismatches + ([] if ok else [msg])
 
 
+KINDS = ["gpt2", "bert", "phi3", "torch_encoder", "qwen3_moe", "deepseek_v3", "gpt_oss"]
+
+
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
 # phi3: a fused QKV of unequal parts; torch_encoder: nn.MultiheadAttention's packed in_proj_weight;
 # qwen3_moe: stacked experts, [gate | up] split per rank; deepseek_v3: latent attention (replicated
-# down projections beside per-head up projections) and shared experts
-@pytest.mark.parametrize("kind", ["gpt2", "bert", "phi3", "torch_encoder", "qwen3_moe", "deepseek_v3"])
+# down projections beside per-head up projections) and shared experts; gpt_oss: attention sinks split
+# by heads, experts with gate and up interleaved and biases (one split, one replicated)
+@pytest.mark.parametrize("kind", KINDS)
 def test_sharded_checkpoint_loads_into_unsharded_model(world, tmp_path, kind, sp):
     for mismatches in world.run(sharded_to_unsharded, kind, sp, str(tmp_path / "ckpt")):
         assert not mismatches
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "bert", "phi3", "torch_encoder", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_unsharded_checkpoint_loads_into_sharded_model(world, tmp_path, kind):
     for mismatches in world.run(unsharded_to_sharded, kind, True, str(tmp_path / "ckpt")):
         assert not mismatches

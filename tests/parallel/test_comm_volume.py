@@ -178,3 +178,22 @@ def test_tp_and_sp_send_the_same_activation_bytes():
     sp = wire_bytes_per_rank(expected_collectives(layers, b, s, h, elem, sp=True), t)
     assert tp == 8 * (t - 1) / t * a * layers
     assert sp == tp + 2 * (t - 1) / t * a + 4 * layers * 2 * (t - 1) / t * h * elem
+
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_gpt_oss_sinks_move_nothing_and_the_down_bias_one_reduction(world, sp):
+    """gpt-oss moves what Mixtral does (its MoE block's input gradient reduced once, the routing
+    weights' gradients beside it) plus one all-reduce per layer of the experts' down-projection
+    bias gradient (experts x hidden: each rank adds 1/t of the bias inside its partial sum). The
+    attention sinks, split by heads, and the Q/K/V biases, column-parallel, move nothing; the
+    output projection's bias, whose gradient is whole on every rank, neither."""
+    b, s, layers, h, elem, experts = 3, 8, 2, 32, 4, 4
+    tokens = b * s
+    expected = expected_collectives(layers, b, s, h, elem, sp)
+    if sp:
+        expected[("backward", "all-reduce", h * elem)] -= 2 * layers  # RMSNorms: weights only
+    expected[("backward", "all-reduce", tokens * 2 * elem)] += layers
+    expected[("backward", "all-reduce", experts * h * elem)] += layers
+    for counts in world.run(count_step, sp, b, s, False, "gpt_oss"):
+        assert +counts == +expected

@@ -49,6 +49,7 @@ ATTENTION = {
     "glm4_moe": ("model.layers.1.mlp", "experts"),  # its first layer's MLP is dense
     "ernie4_5_moe": ("model.layers.0.mlp", "experts"),
     "dots1": ("model.layers.0.mlp", "experts"),
+    "gpt_oss": ("model.layers.0.mlp", "experts"),
     "deepseek_v3": ("model.layers.0.self_attn", "kv_b_proj"),
     "deepseek_v2": ("model.layers.0.self_attn", "kv_b_proj"),
     "deepseek_v32": ("model.layers.0.self_attn", "kv_b_proj"),
@@ -108,6 +109,62 @@ def test_mixture_of_experts_matches_single_process(world, kind, sp):
     the same with Q/K norms; Ernie 4.5 a router holding a parameter of its own (a frozen bias)."""
     for failures, checks, shapes in world.run(equal_to_single_process, kind, sp, 2):
         assert shapes == ((4, 16, 32), (4, 32, 8))
+        assert checks > 60
+        assert not failures, "\n".join(failures[:10])
+
+
+def gpt_oss_pieces(rank, size, sp):
+    """What each rank of a sharded gpt-oss holds of its attention sinks and experts' biases, and
+    what its state dict shows: {name: (placements, local shape, state-dict shape)}."""
+    from trifuse.parallel import shard
+
+    model = shard(build("gpt_oss"), _mesh(size), sequence_parallel=sp)
+    state = model.state_dict()
+    names = ("self_attn.sinks", "mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_bias",
+             "mlp.experts.down_proj", "mlp.experts.down_proj_bias")
+    out = {}
+    for name in names:
+        key = f"model.layers.1.{name}"
+        param = dict(model.named_parameters())[key]  # get_parameter would read the local sinks
+        local, whole = tuple(param.to_local().shape), tuple(state[key].shape)
+        out[name] = (tuple(map(repr, param.placements)), local, whole)
+    attention = model.model.layers[1].self_attn
+    out["local sinks"] = attention.sinks.tolist()  # what the core reads: this rank's heads
+    out["whole sinks"] = state["model.layers.1.self_attn.sinks"].full_tensor().tolist()
+    return out
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_gpt_oss_matches_single_process(world, sp):
+    """gpt-oss: attention sinks (a logit per head, joined to each head's scores before the
+    softmax) split by heads as Q is, sliding-window layers beside full ones, biases on Q/K/V/O;
+    experts whose gate_up_proj (experts, hidden, 2 x inner) interleaves gate and up features
+    (each rank's contiguous half holds whole (gate, up) pairs, 2 x 8 of them), with biases and a
+    clamped gating of their own; the down projection's bias, inside each expert's partial sum,
+    counted once (1/t per rank; the builder gives the biases values, Hugging Face zeros); a
+    router with a bias, replicated. Loss, every gradient and the weights after a step."""
+    for failures, checks, shapes in world.run(equal_to_single_process, "gpt_oss", sp, 2):
+        assert shapes == ((4, 32, 16), (4, 8, 32))
+        assert checks > 60
+        assert not failures, "\n".join(failures[:10])
+    for rank, pieces in enumerate(world.run(gpt_oss_pieces, sp)):
+        assert pieces["self_attn.sinks"] == (("Shard(dim=0)",), (2,), (4,))
+        assert pieces["mlp.experts.gate_up_proj"] == (("Shard(dim=2)",), (4, 32, 16), (4, 32, 32))
+        assert pieces["mlp.experts.gate_up_proj_bias"] == (("Shard(dim=1)",), (4, 16), (4, 32))
+        assert pieces["mlp.experts.down_proj"] == (("Shard(dim=1)",), (4, 8, 32), (4, 16, 32))
+        assert pieces["mlp.experts.down_proj_bias"] == (("Replicate()",), (4, 32), (4, 32))
+        assert pieces["local sinks"] == pieces["whole sinks"][2 * rank : 2 * rank + 2]  # q_proj's heads
+
+
+@pytest.mark.parametrize("implementation", ["batched_mm", "grouped_mm"])
+def test_gpt_oss_experts_run_the_configured_implementation_on_their_pieces(world, implementation):
+    """gpt-oss's experts under Hugging Face's batched and grouped matmuls (transposed weights,
+    per-expert biases gathered by the implementation from the local pieces), sequence parallel."""
+    config = {"experts_implementation": implementation}
+    if implementation == "grouped_mm":
+        config["dtype"] = torch.float32
+    for failures, checks, shapes in world.run(equal_to_single_process, "gpt_oss", True, 1, False, 4, config):
+        assert shapes == ((4, 32, 16), (4, 8, 32))
         assert checks > 60
         assert not failures, "\n".join(failures[:10])
 
@@ -269,9 +326,16 @@ def shard_error(rank, size, case, sp):
     elif case == "unknown_projection":  # a recognized block with one more weight matrix
         model = build("nanogpt")
         model.transformer.h[0].gate = nn.Linear(32, 32).double()
-    elif case == "attention_sinks":  # gpt-oss's per-head sink logits: a vector over the heads
+    elif case == "attention_sinks_per_kv_head":  # sink logits, but not one per head (per K/V head here)
+        model = build("gpt_oss")
+        model.model.layers[0].self_attn.sinks = nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    elif case == "attention_core_vector":  # a vector over the heads under a name no style knows
         model = build("llama")
-        model.model.layers[0].self_attn.sinks = nn.Parameter(torch.zeros(4, dtype=torch.float64))
+        model.model.layers[0].self_attn.head_scale = nn.Parameter(torch.zeros(4, dtype=torch.float64))
+    elif case == "moe_interleaved_other_gating":  # gpt-oss's layout with a gating trifuse does not know
+        model = build("gpt_oss")
+        experts = model.model.layers[1].mlp.experts
+        experts.__class__ = type("MyExperts", (type(experts),), {"_apply_gate": lambda self, x: x[..., ::2]})
     elif case == "falcon":  # GPT-NeoX's names, its features laid out [Q | K | V] (multi-query here)
         import transformers
 
@@ -594,8 +658,18 @@ def test_fused_qkv_split_the_wrong_way_fails_the_check(world, kind):
             ("transformer.h.0.gate: a weight in the recognized block transformer.h.0 that no known",),
         ),
         (
-            "attention_sinks",
-            ("model.layers.0.self_attn: parameters sinks inside an attention core",),
+            "attention_sinks_per_kv_head",
+            ("model.layers.0.self_attn: parameters sinks inside an attention core",
+             "(sinks (2,): not one value per each of its 4 heads)"),
+        ),
+        (
+            "attention_core_vector",
+            ("model.layers.0.self_attn: parameters head_scale inside an attention core",),
+        ),
+        (
+            "moe_interleaved_other_gating",
+            ("model.layers.1.mlp.experts: an MoE block model.layers.1.mlp: its experts (MyExperts) have a "
+             "gating of its own (_apply_gate) on interleaved gate and up features",),
         ),
         ("falcon", ("transformer.h.0.self_attention: FalconAttention matches no known attention spelling",)),
         (
