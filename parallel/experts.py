@@ -53,6 +53,7 @@ from .styles import (
     PrepareFirstOutput,
     _distribute_param,
     mark_fused,
+    swap_class,
     to_rank_major,
     whole_with_partial_grad,
 )
@@ -146,9 +147,8 @@ class ExpertsParallel(ParallelStyle):
             _distribute_param(module, "down_proj", module.down_proj.detach(), device_mesh, Shard(2), src)
             mark_fused(module, 2, {"gate_up_proj": 1}, tp)
         module.register_forward_pre_hook(partial(self._whole_inputs, device_mesh))
-        cls = type(module)
-        sharded = {"_hf_forward": staticmethod(cls.forward)}  # dispatches on the config, as the class does
-        module.__class__ = type(f"Sharded{cls.__name__}", (_LocalExperts, cls), sharded)
+        # Hugging Face's forward dispatches on the config, as the class does
+        swap_class(module, (_LocalExperts,), {"_hf_forward": staticmethod(type(module).forward)})
         return module
 
     @staticmethod

@@ -454,9 +454,8 @@ class HeadParameters(ParallelStyle):
         # A property on a subclass wins over nn.Module's lookup of its parameters (__getattr__,
         # reached only when normal lookup fails): `module.sinks` is the local piece, whose
         # gradient flows back to the DTensor parameter as this rank's Shard(0) piece.
-        cls = type(module)
         local = {name: property(partial(_local_param, name)) for name in self.names}
-        module.__class__ = type(f"Sharded{cls.__name__}", (cls,), local)
+        swap_class(module, (), local, key=self.names)
         return module
 
     def __repr__(self) -> str:
@@ -465,6 +464,24 @@ class HeadParameters(ParallelStyle):
 
 def _local_param(name: str, module: nn.Module) -> torch.Tensor:
     return module._parameters[name].to_local()
+
+
+# The subclasses styles swap modules into, one per (class, mixins, key): shared by every layer,
+# never one per module, since Dynamo guards on a module's type. A class per layer made `fuse`
+# recompile every layer of a sharded model and, past Dynamo's recompile limit (8), run the
+# later layers unfused.
+_SWAPPED_CLASSES: dict[tuple, type] = {}
+
+
+def swap_class(module: nn.Module, mixins: tuple[type, ...], namespace: dict, *, key: tuple = ()) -> None:
+    """Makes `module` an instance of `Sharded<its class>`, a subclass of `mixins` and its class
+    with `namespace` added; made once per (class, mixins, key), where `key` says everything
+    `namespace` depends on besides the class."""
+    cls = type(module)
+    entry = (cls, mixins, key)
+    if entry not in _SWAPPED_CLASSES:
+        _SWAPPED_CLASSES[entry] = type(f"Sharded{cls.__name__}", (*mixins, cls), namespace)
+    module.__class__ = _SWAPPED_CLASSES[entry]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -131,6 +131,10 @@ def gpt_oss_pieces(rank, size, sp):
     attention = model.model.layers[1].self_attn
     out["local sinks"] = attention.sinks.tolist()  # what the core reads: this rank's heads
     out["whole sinks"] = state["model.layers.1.self_attn.sinks"].full_tensor().tolist()
+    # One swapped class for every layer: Dynamo guards on a module's type, so a class per layer
+    # would recompile `fuse`'s capture per layer and leave layers past its limit unfused.
+    layers = model.model.layers
+    out["classes"] = {m: len({type(layer.get_submodule(m)) for layer in layers}) for m in ("self_attn", "mlp.experts")}
     return out
 
 
@@ -154,6 +158,7 @@ def test_gpt_oss_matches_single_process(world, sp):
         assert pieces["mlp.experts.down_proj"] == (("Shard(dim=1)",), (4, 8, 32), (4, 16, 32))
         assert pieces["mlp.experts.down_proj_bias"] == (("Replicate()",), (4, 32), (4, 32))
         assert pieces["local sinks"] == pieces["whole sinks"][2 * rank : 2 * rank + 2]  # q_proj's heads
+        assert pieces["classes"] == {"self_attn": 1, "mlp.experts": 1}
 
 
 @pytest.mark.parametrize("implementation", ["batched_mm", "grouped_mm"])
