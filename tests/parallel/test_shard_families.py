@@ -215,21 +215,25 @@ def test_mixture_of_experts_run_the_configured_implementation_on_their_pieces(wo
 
 
 @pytest.mark.parametrize("order", ["fuse_then_shard", "shard_then_fuse"])
-@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "gpt_oss"])
 def test_mixture_of_experts_fused_and_sharded(world, kind, order):
     """Sequence parallel, fused before or after: the attention, norms and rotary fuse as in one
     process. The sharded experts run Hugging Face's eager loop on their pieces, where each routed
-    expert's act(gate) * up fuses (gated_activation, as many as experts were hit); the shared
-    experts' (and GLM-4-MoE's dense first MLP) fuse on their column shards, one per layer."""
+    expert's act(gate) * up fuses (gated_activation, as many as experts were hit; gpt-oss's
+    clamped gating as bias_gelu's quick form); the shared experts' (and GLM-4-MoE's dense first
+    MLP) fuse on their column shards, one per layer. gpt-oss's attention with its sinks fuses on
+    the local heads; its residual adds do not (yet) fuse on shards, its norms (weight applied
+    apart, in float32) fuse alone."""
     counts_of = {"qwen3_moe": {"rms_norm": 7, "rotary": 2, "attention": 2, "residual_stream": 2},
-                 "mixtral": {"rms_norm": 3, "rotary": 2, "attention": 2, "residual_stream": 2}}
+                 "mixtral": {"rms_norm": 3, "rotary": 2, "attention": 2, "residual_stream": 2},
+                 "gpt_oss": {"rms_norm": 5, "attention": 2}}
     counts_of["qwen2_moe"] = counts_of["glm4_moe"] = counts_of["mixtral"]
     for failures, checks, counts in world.run(fused_equal_to_single_process, kind, order, True):
         assert checks > 30
         assert not failures, "\n".join(failures[:10])
         counts.pop("cross_entropy", None)
-        gated = counts.pop("gated_activation", 0)
-        assert gated >= (2 if kind in ("qwen2_moe", "glm4_moe") else 0), gated
+        gated = counts.pop("gated_activation", 0) + counts.pop("bias_gelu", 0)
+        assert gated >= (2 if kind in ("qwen2_moe", "glm4_moe", "gpt_oss") else 0), gated
         assert counts == counts_of[kind], counts
 
 
@@ -302,7 +306,7 @@ def fused_equal_to_single_process(rank, size, kind, order, sp, config=None):
     # to float32, trifuse's fused cross-entropy keeps float64; BLOOM's softmax is float32, trifuse's
     # attention float64.
     fp32 = kind in ("llama", "gemma2", "gemma3", "olmo2", "phi3", "opt", "bart", "neox", "bloom", "qwen3_moe",
-                    "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v3", "deepseek_v2", "deepseek_v32")
+                    "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v3", "deepseek_v2", "deepseek_v32", "gpt_oss")
     failures, checks = train_alongside(kind, model, ref, 1, fp32=fp32, optimizer=torch.optim.SGD)
     return failures, checks, trifuse.report(model).counts()
 
