@@ -222,8 +222,9 @@ def test_mixture_of_experts_fused_and_sharded(world, kind, order):
     expert's act(gate) * up fuses (gated_activation, as many as experts were hit; gpt-oss's
     clamped gating as bias_gelu's quick form); the shared experts' (and GLM-4-MoE's dense first
     MLP) fuse on their column shards, one per layer. gpt-oss's attention with its sinks fuses on
-    the local heads; its residual adds do not (yet) fuse on shards, its norms (weight applied
-    apart, in float32) fuse alone."""
+    the local heads; its norms fuse alone, as in one process of this float64 model (they compute
+    in float32: a cast down before the norm, which no residual-stream op takes; in float32 its
+    residual adds fuse on shards as in one process)."""
     counts_of = {"qwen3_moe": {"rms_norm": 7, "rotary": 2, "attention": 2, "residual_stream": 2},
                  "mixtral": {"rms_norm": 3, "rotary": 2, "attention": 2, "residual_stream": 2},
                  "gpt_oss": {"rms_norm": 5, "attention": 2}}
