@@ -452,18 +452,32 @@ class HeadParameters(ParallelStyle):
                 )
             _distribute_param(module, name, param.detach(), device_mesh, Shard(0), self.src_data_rank)
         # A property on a subclass wins over nn.Module's lookup of its parameters (__getattr__,
-        # reached only when normal lookup fails): `module.sinks` is the local piece, whose
-        # gradient flows back to the DTensor parameter as this rank's Shard(0) piece.
-        local = {name: property(partial(_local_param, name)) for name in self.names}
+        # reached only when normal lookup fails): inside the module's forward `module.sinks` is
+        # the local piece, whose gradient flows back to the DTensor parameter as this rank's
+        # Shard(0) piece; outside it, the parameter (what FSDP2's lazy init and get_parameter read).
+        local = {name: property(partial(_head_param, name)) for name in self.names}
         swap_class(module, (), local, key=self.names)
+        module._on_local_heads = False
+        module.register_forward_pre_hook(_enter_local_heads)
+        # not always_call=True: Dynamo guards on such a hook's id, which would recompile every layer
+        module.register_forward_hook(_leave_local_heads)
         return module
 
     def __repr__(self) -> str:
         return f"HeadParameters({', '.join(self.names)} of {self.heads} heads)"
 
 
-def _local_param(name: str, module: nn.Module) -> torch.Tensor:
-    return module._parameters[name].to_local()
+def _head_param(name: str, module: nn.Module) -> torch.Tensor:
+    param = module._parameters[name]
+    return param.to_local() if module._on_local_heads else param
+
+
+def _enter_local_heads(module: nn.Module, args: tuple) -> None:
+    module._on_local_heads = True
+
+
+def _leave_local_heads(module: nn.Module, args: tuple, output) -> None:
+    module._on_local_heads = False
 
 
 # The subclasses styles swap modules into, one per (class, mixins, key): shared by every layer,

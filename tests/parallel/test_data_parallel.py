@@ -76,7 +76,9 @@ def test_fsdp2_over_dp_with_tp_sp_matches_single_process(world4, tmp_path):
 
 @pytest.mark.parametrize(
     "kind, sp",
-    [("qwen3_moe", True), ("siglip", False)],  # stacked experts; nn.MultiheadAttention in SigLIP's head
+    # stacked experts; gpt-oss's experts with biases and its attention sinks; nn.MultiheadAttention in
+    # SigLIP's head
+    [("qwen3_moe", True), ("gpt_oss", True), ("siglip", False)],
 )
 def test_fsdp2_over_the_other_sharded_families(world4, tmp_path, kind, sp):
     for failures, checks in world4.run(fsdp_tp_equal_to_single_process, 2, str(tmp_path / "ckpt"), kind, sp):

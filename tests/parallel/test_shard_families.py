@@ -125,11 +125,18 @@ def gpt_oss_pieces(rank, size, sp):
     out = {}
     for name in names:
         key = f"model.layers.1.{name}"
-        param = dict(model.named_parameters())[key]  # get_parameter would read the local sinks
+        param = dict(model.named_parameters())[key]
         local, whole = tuple(param.to_local().shape), tuple(state[key].shape)
         out[name] = (tuple(map(repr, param.placements)), local, whole)
     attention = model.model.layers[1].self_attn
-    out["local sinks"] = attention.sinks.tolist()  # what the core reads: this rank's heads
+    # Outside its forward the attribute is the parameter (FSDP2's lazy init reads it so); inside,
+    # what the core reads is this rank's heads (a hook after the style's sees it).
+    sinks = dict(model.named_parameters())["model.layers.1.self_attn.sinks"]
+    out["parameter outside forward"] = attention.sinks is sinks
+    seen = []
+    attention.register_forward_pre_hook(lambda module, args: seen.append(module.sinks.detach().tolist()))
+    model(**batch("gpt_oss"))
+    out["local sinks"] = seen[0]
     out["whole sinks"] = state["model.layers.1.self_attn.sinks"].full_tensor().tolist()
     # One swapped class for every layer: Dynamo guards on a module's type, so a class per layer
     # would recompile `fuse`'s capture per layer and leave layers past its limit unfused.
@@ -158,6 +165,7 @@ def test_gpt_oss_matches_single_process(world, sp):
         assert pieces["mlp.experts.down_proj"] == (("Shard(dim=1)",), (4, 8, 32), (4, 16, 32))
         assert pieces["mlp.experts.down_proj_bias"] == (("Replicate()",), (4, 32), (4, 32))
         assert pieces["local sinks"] == pieces["whole sinks"][2 * rank : 2 * rank + 2]  # q_proj's heads
+        assert pieces["parameter outside forward"]
         assert pieces["classes"] == {"self_attn": 1, "mlp.experts": 1}
 
 
