@@ -169,19 +169,6 @@ def test_gpt_oss_matches_single_process(world, sp):
         assert pieces["classes"] == {"self_attn": 1, "mlp.experts": 1}
 
 
-@pytest.mark.parametrize("implementation", ["batched_mm", "grouped_mm"])
-def test_gpt_oss_experts_run_the_configured_implementation_on_their_pieces(world, implementation):
-    """gpt-oss's experts under Hugging Face's batched and grouped matmuls (transposed weights,
-    per-expert biases gathered by the implementation from the local pieces), sequence parallel."""
-    config = {"experts_implementation": implementation}
-    if implementation == "grouped_mm":
-        config["dtype"] = torch.float32
-    for failures, checks, shapes in world.run(equal_to_single_process, "gpt_oss", True, 1, False, 4, config):
-        assert shapes == ((4, 32, 16), (4, 8, 32))
-        assert checks > 60
-        assert not failures, "\n".join(failures[:10])
-
-
 def experts_implementation_calls(rank, size, implementation):
     """The local gate_up_proj shapes Hugging Face's `implementation` of the experts saw in one
     forward of a sharded Qwen2-MoE (sequence parallel), one per call."""
@@ -206,18 +193,25 @@ def experts_implementation_calls(rank, size, implementation):
 
 
 @pytest.mark.parametrize("implementation", ["batched_mm", "grouped_mm"])
-def test_mixture_of_experts_run_the_configured_implementation_on_their_pieces(world, implementation):
+@pytest.mark.parametrize("kind, shapes", [
+    ("qwen2_moe", ((4, 16, 32), (4, 32, 8))),
+    # transposed weights, per-expert biases gathered by the implementation from the local pieces
+    ("gpt_oss", ((4, 32, 16), (4, 8, 32))),
+])
+def test_mixture_of_experts_run_the_configured_implementation_on_their_pieces(
+    world, kind, shapes, implementation
+):
     """The sharded experts run the implementation the config chose (Hugging Face's default is
     grouped_mm), on the local pieces: the same loss and gradients as one process running it
-    (grouped_mm in float32, which it needs)."""
+    (grouped_mm in float32, which it needs), sequence parallel."""
     config = {"experts_implementation": implementation}
     if implementation == "grouped_mm":
         config["dtype"] = torch.float32
-    for failures, checks, shapes in world.run(equal_to_single_process, "qwen2_moe", True, 2, False, 4, config):
-        assert shapes == ((4, 16, 32), (4, 32, 8))
+    for failures, checks, local_shapes in world.run(equal_to_single_process, kind, True, 2, False, 4, config):
+        assert local_shapes == shapes
         assert checks > 60
         assert not failures, "\n".join(failures[:10])
-    if implementation == "batched_mm":  # float64
+    if kind == "qwen2_moe" and implementation == "batched_mm":  # float64
         for seen in world.run(experts_implementation_calls, implementation):
             assert seen == [(4, 16, 32)] * 2, seen  # each layer's experts, on this rank's halves
 
