@@ -197,7 +197,7 @@ def experts_implementation_calls(rank, size, implementation):
     ("qwen2_moe", ((4, 16, 32), (4, 32, 8))),
     # transposed weights, per-expert biases gathered by the implementation from the local pieces
     ("gpt_oss", ((4, 32, 16), (4, 8, 32))),
-])
+], ids=["qwen2_moe", "gpt_oss"])
 def test_mixture_of_experts_run_the_configured_implementation_on_their_pieces(
     world, kind, shapes, implementation
 ):
