@@ -7,7 +7,8 @@
 #                python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #                  --implementation cp --platform manylinux2014_x86_64 -d .whl liger-kernel==0.8.5
 #   device call 1 (carry .whl, timeout_s 420):  bash bench/gpu_session.sh tests host   (~6 min)
-#   device call 2 (carry .whl, timeout_s 300), only if 5+ minutes are left:  bash bench/gpu_session.sh kernels-core (~4.5 min)
+#   device call 2 (carry .whl, timeout_s 300), only if 5+ minutes are left:
+#                bash bench/gpu_session.sh kernels-core                            (~4.5 min)
 #   then give_back.
 #   Correctness first: bf16 has never run on the GPU for layer_norm_add, the per-pair rotary tables
 #   and bf16-out rotary, and the host path changed since the only timed run. Each stage has its own

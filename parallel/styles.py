@@ -432,9 +432,10 @@ class HeadParameters(ParallelStyle):
     core reads per head (gpt-oss's attention sinks, a logit per head joined to each head's scores
     before the softmax). Tensor parallelism hands each rank its own H/t heads, q_proj's contiguous
     slice of them: each parameter is split alike, Shard(0) (the state dict keeps the unsharded
-    layout), and the module reads its rank's piece as a local tensor under the same name, for its
-    forward and the attention functions it passes itself to (`module.sinks`, or `s_aux=`).
-    A head's gradient is then whole on its rank: no communication either way."""
+    layout). Inside the module's forward it reads its rank's piece as a local tensor under the
+    same name, as do the attention functions it passes itself to (`module.sinks`, or `s_aux=`);
+    outside it the name is the parameter. A head's gradient is then whole on its rank: no
+    communication either way."""
 
     def __init__(self, *, names: tuple[str, ...], heads: int):
         super().__init__()
