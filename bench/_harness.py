@@ -3,7 +3,10 @@
 - Steps: `make_step(fn, make_inputs, mode)` builds a zero-argument callable for "fwd", "bwd" or
   "fwd+bwd". Gradients come from `torch.autograd.grad` (nothing accumulates into `.grad`).
   Several input sets are built and rotated call by call, so that L2 does not flatter a size.
-- GPU time: `triton.testing.do_bench`, median, CUDA events.
+- GPU time: `triton.testing.do_bench`, median, CUDA events ("ms"): the whole call, so a step whose
+  host path is longer than its GPU work measures the host path. Beside it, the same step with
+  the host path taken out ("graph ms"): several steps captured in one CUDA graph and replayed,
+  which is what the kernels cost when the host runs ahead of the GPU, as in a training step.
 - Wall time: host time per call (`host_us`), measured at tiny sizes where the GPU is idle,
   because host overhead decides eager speed (DESIGN.md, "Host overhead").
 - Results: one JSON (device, versions, date, measured copy bandwidth, every row) and one
@@ -14,6 +17,7 @@ Bytes are counted as DESIGN.md says: each input read once and each output writte
 pass; a fwd+bwd step is the sum of its forward and its backward (the backward reads what the
 forward saved). The formulas live in each bench_<op>.py next to its shapes.
 """
+import argparse
 import datetime
 import json
 import math
@@ -34,6 +38,15 @@ import triton  # noqa: E402
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MODES = ("fwd", "bwd", "fwd+bwd")
 L2_BYTES = 50 * 2**20  # H100; rotation keeps the inputs of consecutive calls apart
+
+
+def cli(description: str | None) -> argparse.Namespace:
+    """A benchmark script's arguments: `--quick` times the issue's target shapes only (what fits
+    a lent GPU's short call); every script writes its host-overhead table first, and its results
+    after each part, so a call cut by its limit keeps what was measured."""
+    ap = argparse.ArgumentParser(description=(description or "").splitlines()[0] if description else None)
+    ap.add_argument("--quick", action="store_true", help="the target shapes only, no width sweep")
+    return ap.parse_args()
 
 
 def on_gpu() -> bool:
@@ -102,6 +115,43 @@ def _as_tuple(out) -> tuple[torch.Tensor, ...]:
 def gpu_ms(step: Callable[[], object], warmup_ms: int = 25, rep_ms: int = 100) -> float:
     """Median GPU time of one step in ms (CUDA events through triton.testing.do_bench)."""
     return triton.testing.do_bench(step, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def graph_ms(step: Callable[[], object], calls: int = 8, replays: int = 10) -> float:
+    """Median GPU time of one step in ms with no host path in it: `calls` consecutive steps (the
+    input sets rotate as they do under do_bench) captured in one CUDA graph, replayed `replays`
+    times. The step must have run before (compiled, tuned, its dialect chosen): nothing may be
+    compiled, timed or synchronized inside a capture. Raises what the capture raises."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # the warm-up a capture needs (PyTorch's CUDA-graph notes)
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                step()
+        graph.replay()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(replays):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / calls)
+    finally:
+        del graph
+    times.sort()
+    return times[len(times) // 2]
+
+
+def graph_calls(ms: float) -> int:
+    """Steps per captured graph: about 2 ms of work per replay, 4 to 64 steps."""
+    return max(4, min(64, math.ceil(2.0 / max(ms, 1e-3))))
 
 
 def host_us(step: Callable[[], object], iters: int = 200) -> float:
@@ -206,11 +256,13 @@ def _version_of(package: str) -> str | None:
 
 
 def write_results(op: str, rows: list[dict], columns: Sequence[str], *, plot_x: str | None = None,
-                  plot_y: str = "GB/s", out_dir: Path = RESULTS_DIR, suffix: str = "") -> Path:
+                  plot_y: str = "GB/s", out_dir: Path = RESULTS_DIR, suffix: str = "",
+                  env: dict | None = None) -> Path:
     """Writes <op>[-suffix].json (environment + rows) and .md (a table of `columns`), and a PNG
-    of plot_y against plot_x per provider and mode when matplotlib is importable."""
+    of plot_y against plot_x per provider and mode when matplotlib is importable. `env`: the
+    run's environment when it is not this process's (results rebuilt from a GPU run's log)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    env = environment()
+    env = environment() if env is None else env
     stem = f"{op}{'-' + suffix if suffix else ''}"
     json_path = out_dir / f"{stem}.json"
     tmp = json_path.with_suffix(".json.tmp")
@@ -281,7 +333,9 @@ def sweep(
     variant: str = "",
 ) -> list[dict]:
     """Times every (provider, mode, shape) and returns one row each with ms, GB/s (or TFLOP/s),
-    % of the measured copy bandwidth, and speed-up over every other provider at that point."""
+    % of the measured copy bandwidth, and speed-up over every other provider at that point; on a
+    GPU also the same step's time replayed from a CUDA graph ("graph ms", "graph GB/s" or
+    "graph TFLOP/s"; "graph error" when the step cannot be captured)."""
     rows = []
     copy = copy_bandwidth_tbps()
     for shape in shapes:
@@ -301,11 +355,22 @@ def sweep(
                     _print_row(row)
                     continue
                 row["ms"] = ms
+                if on_gpu():
+                    try:
+                        row["graph ms"] = graph_ms(step, graph_calls(ms))
+                    except Exception as e:  # noqa: BLE001  (a provider that cannot be captured keeps its ms)
+                        row["graph ms"] = float("nan")
+                        row["graph error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}" if str(e) \
+                            else type(e).__name__
                 if bytes_for is not None:
                     row["GB/s"] = bytes_for(shape, mode) / (ms * 1e-3) / 1e9
                     row["% copy"] = 100 * row["GB/s"] / (copy * 1e3) if on_gpu() else float("nan")
+                    if "graph ms" in row:
+                        row["graph GB/s"] = bytes_for(shape, mode) / (row["graph ms"] * 1e-3) / 1e9
                 if flops_for is not None:
                     row["TFLOP/s"] = flops_for(shape, mode) / (ms * 1e-3) / 1e12
+                    if "graph ms" in row:
+                        row["graph TFLOP/s"] = flops_for(shape, mode) / (row["graph ms"] * 1e-3) / 1e12
                 point.append(row)
                 rows.append(row)
                 _print_row(row)

@@ -24,3 +24,31 @@ def test_sweep_prints_every_row_as_it_is_measured(capsys):
     for shown, row in zip(printed, rows):  # printed before the speed-ups were added to the row
         shown.pop("% copy", None)  # NaN on CPU, unequal to itself
         assert shown == {k: row[k] for k in shown}
+
+
+def test_results_rebuilt_from_a_cut_log_match_the_sweep(capsys, tmp_path):
+    """A log's `row` lines give back the sweep's rows, speed-ups included (the last point of a
+    cut run never had its speed-ups computed), and the tables carry the run's environment."""
+    import results_from_log as R
+
+    def make_inputs(shape):
+        x = torch.randn(*shape, requires_grad=True)
+        return (x,), (x,)
+
+    providers = {"torch": torch.nn.functional.gelu, "half": lambda x: x * 0.5}
+    rows = H.sweep(providers, [(3, 5), (2, 7)], make_inputs, lambda s, m: 4 * s[0] * s[1], reference="",
+                   modes=("fwd", "fwd+bwd"))
+    rebuilt = R.add_speedups(R.rows_from_log("noise\n" + capsys.readouterr().out))
+    assert len(rebuilt) == len(rows) == 8
+    for got, want in zip(rebuilt, rows):
+        assert {k: v for k, v in got.items() if k != "% copy"} == {k: v for k, v in want.items() if k != "% copy"}
+    env = {"device": "NVIDIA H200", "date": "2026-11-27 11:53 UTC"}
+    path = H.write_results("gelu", rebuilt, R.columns_for("no_such_op", rebuilt), out_dir=tmp_path, env=env)
+    assert json.loads(path.read_text())["environment"] == env
+    assert "x vs half" in (tmp_path / "gelu.md").read_text()
+
+
+def test_graph_calls_are_bounded():
+    assert H.graph_calls(0.0) == 64
+    assert H.graph_calls(0.05) == 40
+    assert H.graph_calls(10.0) == 4
