@@ -154,6 +154,14 @@ def profiled(name: str):
     return contextlib.nullcontext()
 
 
+def no_autocast(device: torch.device):
+    """Autocast off on `device`'s type, for code that chose its dtypes itself. Entered only when
+    autocast is on: an autocast context costs ~2 µs of host time a call, a check a tenth of it."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
 def philox_seed(device: torch.device) -> torch.Tensor:
     """A fresh int64 seed drawn from PyTorch's generator on `device`, kept on that device.
 

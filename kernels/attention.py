@@ -113,6 +113,7 @@ from ._common import (
     check_tensor,
     eager_fast_path,
     next_power_of_2,
+    no_autocast,
     philox_seed,
     profiled,
     use_triton,
@@ -1576,7 +1577,7 @@ def _sdpa_fn(name: str):
                 set_flag(on)
             # Autocast would cast fp32 inputs down; trifuse keeps q's dtype, and the choice of
             # implementation must not change the output dtype.
-            with profiled(f"trifuse::{OP}"), torch.autocast("cuda", enabled=False):
+            with profiled(f"trifuse::{OP}"), no_autocast(q.device):
                 return torch.nn.functional.scaled_dot_product_attention(
                     q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                     enable_gqa=enable_gqa)

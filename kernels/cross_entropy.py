@@ -61,7 +61,6 @@ On CUDA checking would cost a host sync per call, so the kernels check on the de
 a row's loss and gradient are NaN (never an out-of-bounds read, never a silently wrong value), and
 so is a "mean" or "sum" over it.
 """
-import contextlib
 import functools
 import math
 
@@ -78,6 +77,7 @@ from ._common import (
     check_tensor,
     eager_fast_path,
     next_power_of_2,
+    no_autocast,
     profiled,
     rows_2d,
     use_triton,
@@ -570,13 +570,6 @@ def chunk_rows(tokens: int, vocab_padded: int, hidden: int, dtype: torch.dtype, 
     return -(-rows // 128) * 128 if rows >= 128 else rows
 
 
-def _no_autocast(device: torch.device):
-    """Autocast off for the matmuls inside the op: the op chose the compute dtype itself."""
-    if torch.is_autocast_enabled(device.type):
-        return torch.autocast(device.type, enabled=False)
-    return contextlib.nullcontext()
-
-
 def _pad_rows(t: torch.Tensor | None, rows: int, dtype: torch.dtype) -> torch.Tensor | None:
     """t with its first dim padded by zeros to `rows`, in `dtype`; t itself when nothing changes."""
     if t is None or (t.shape[0] == rows and t.dtype == dtype):
@@ -696,7 +689,7 @@ def linear_cross_entropy_fwd(
     precompute = reduction != "none" and any(grads)
     grads = grads if precompute else (False, False, False)
     is_mean = reduction == "mean"
-    with _no_autocast(device):
+    with no_autocast(device):
         h, w, b, vp = _head_operands(hidden, weight, bias, compute_dtype)
         dw_dtype = _dweight_dtype(weight.dtype, compute_dtype)
         losses = torch.empty(tokens, dtype=acc if reduction != "none" else out_dtype, device=device)
@@ -799,7 +792,7 @@ def recompute_head_grads(
     tokens = t.shape[0]
     is_mean = reduction == "mean"
     dl = dloss if dloss.dim() <= 1 else dloss.reshape(-1)
-    with _no_autocast(device):
+    with no_autocast(device):
         h, w, b, vp = _head_operands(hidden, weight, bias, compute_dtype)
         dw_dtype = _dweight_dtype(weight.dtype, compute_dtype)
 

@@ -53,6 +53,7 @@ from ._common import (
     device_sms,
     eager_fast_path,
     next_power_of_2,
+    no_autocast,
     philox_seed,
     profiled,
     use_triton,
@@ -122,8 +123,8 @@ def rms_norm_ref(
 def _norm_mixed(s, normalized_shape, weight, bias, eps, is_rms_norm):
     """F.layer_norm / F.rms_norm, also for 16-bit s with fp32 parameters (which CUDA's native
     kernels refuse outside autocast): computed in fp32, returned in s's dtype."""
-    params = [t for t in (weight, bias) if t is not None]
-    if any(t.dtype != s.dtype for t in params):
+    if (weight is not None and weight.dtype != s.dtype) or (bias is not None and bias.dtype != s.dtype):
+        params = [t for t in (weight, bias) if t is not None]
         wide = functools.reduce(torch.promote_types, [t.dtype for t in params], s.dtype)
         weight = weight.to(wide) if weight is not None else None
         bias = bias.to(wide) if bias is not None else None
@@ -1161,11 +1162,10 @@ def _layer_norm_torch(x, normalized_shape, weight, bias, eps):
     # trifuse's checks first: the same clear errors whichever candidate runs (F.layer_norm
     # would take a negative eps, for one).
     _check_norm_inputs("layer_norm", x, list(normalized_shape), weight, bias, eps)
-    with profiled("trifuse::layer_norm"):
-        # Autocast would run F.layer_norm in fp32 and return fp32; trifuse returns x's dtype,
-        # and the choice of implementation must not change the output dtype.
-        with torch.autocast(x.device.type, enabled=False):
-            return _norm_mixed(x, normalized_shape, weight, bias, eps, False)
+    # Autocast would run F.layer_norm in fp32 and return fp32; trifuse returns x's dtype, and the
+    # choice of implementation must not change the output dtype.
+    with profiled("trifuse::layer_norm"), no_autocast(x.device):
+        return _norm_mixed(x, normalized_shape, weight, bias, eps, False)
 
 
 def _layer_norm_torch_supports(x, normalized_shape, weight, bias, eps) -> str | None:
@@ -1210,9 +1210,8 @@ def _rms_norm_trifuse(x, normalized_shape, weight, eps):
 def _rms_norm_torch(x, normalized_shape, weight, eps):
     # As _layer_norm_torch: trifuse's checks and errors first, x's dtype kept under autocast.
     _check_norm_inputs("rms_norm", x, list(normalized_shape), weight, None, eps)
-    with profiled("trifuse::rms_norm"):
-        with torch.autocast(x.device.type, enabled=False):
-            return _norm_mixed(x, normalized_shape, weight, None, eps, True)
+    with profiled("trifuse::rms_norm"), no_autocast(x.device):
+        return _norm_mixed(x, normalized_shape, weight, None, eps, True)
 
 
 def _rms_norm_torch_supports(x, normalized_shape, weight, eps) -> str | None:
