@@ -202,9 +202,9 @@ def host_overhead() -> list[dict]:
     return H.host_overhead_rows(cases)
 
 
-COLUMNS = ("provider", "variant", "mode", "shape", "ms", "TFLOP/s", "peak MiB", "x vs sdpa-flash",
-           "x vs sdpa-cudnn", "x vs sdpa-efficient", "x vs sdpa-math", "x vs flash-attn", "x vs xformers",
-           "x vs hf-eager", "x vs flex-attention", "error")
+COLUMNS = ("provider", "variant", "mode", "shape", "ms", "TFLOP/s", "graph ms", "graph TFLOP/s", "peak MiB",
+           "x vs sdpa-flash", "x vs sdpa-cudnn", "x vs sdpa-efficient", "x vs sdpa-math", "x vs flash-attn",
+           "x vs xformers", "x vs hf-eager", "x vs flex-attention", "error", "graph error")
 
 
 def main(argv: list[str]) -> None:

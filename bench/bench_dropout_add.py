@@ -88,20 +88,24 @@ def host_overhead() -> list[dict]:
     return H.host_overhead_rows(cases)
 
 
-COLUMNS = ("provider", "variant", "mode", "shape", "ms", "GB/s", "% copy", "x vs torch", "x vs torch.compile", "error")
+COLUMNS = ("provider", "variant", "mode", "shape", "ms", "GB/s", "% copy", "graph ms", "graph GB/s",
+           "x vs torch", "x vs torch.compile", "error", "graph error")
 
 
 def main() -> None:
-    shapes = [*TARGET_SHAPES, *((ELEMENTS // n, n) for n in WIDTHS)]
-    for shape in shapes:
-        check(shape)
-    # reference="": the outputs differ by their masks; check() above did the checking.
-    rows = H.sweep(providers(), shapes, make_inputs, bytes_for, reference="", variant=f"p={P}")
+    args = H.cli(__doc__)
     overhead = host_overhead()
-    H.print_table(rows, COLUMNS)
     H.print_table(overhead, ("provider", "host µs"))
-    H.write_results("dropout_add", rows, COLUMNS, plot_x="N")
     H.write_results("dropout_add", overhead, ("provider", "host µs"), suffix="host-overhead")
+    parts = [TARGET_SHAPES] if args.quick else [TARGET_SHAPES, [(ELEMENTS // n, n) for n in WIDTHS]]
+    rows = []
+    for shapes in parts:
+        for shape in shapes:
+            check(shape)
+        # reference="": the outputs differ by their masks; check() above did the checking.
+        rows += H.sweep(providers(), shapes, make_inputs, bytes_for, reference="", variant=f"p={P}")
+        H.write_results("dropout_add", rows, COLUMNS, plot_x="N")
+    H.print_table(rows, COLUMNS)
 
 
 # ---------------------------------------------------------------------------------------------

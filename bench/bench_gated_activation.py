@@ -140,8 +140,8 @@ def host_overhead() -> list[dict]:
     return H.host_overhead_rows(cases)
 
 
-COLUMNS = ("provider", "variant", "mode", "shape", "ms", "GB/s", "% copy", "peak MiB", "x vs torch",
-           "x vs torch.compile", "x vs liger", "error")
+COLUMNS = ("provider", "variant", "mode", "shape", "ms", "GB/s", "% copy", "graph ms", "graph GB/s",
+           "peak MiB", "x vs torch", "x vs torch.compile", "x vs liger", "error", "graph error")
 
 
 def main() -> None:

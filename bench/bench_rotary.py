@@ -108,8 +108,8 @@ def host_overhead() -> list[dict]:
     return H.host_overhead_rows(cases)
 
 
-COLUMNS = ("provider", "mode", "shape", "ms", "GB/s", "% copy", "peak MiB", "x vs torch", "x vs torch.compile",
-           "x vs liger", "error")
+COLUMNS = ("provider", "mode", "shape", "ms", "GB/s", "% copy", "graph ms", "graph GB/s", "peak MiB",
+           "x vs torch", "x vs torch.compile", "x vs liger", "error", "graph error")
 
 # ---------------------------------------------------------------------------------------------
 # The complex product with the model's casts (Llama 4, torchtitan, Meta's reference): q and k

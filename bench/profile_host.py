@@ -6,7 +6,9 @@ without a shorter GIL switch interval); then cProfile of the slowest fwd+bwd.
     python bench/profile_host.py [--profile OP]
 
 The H100 run of 2026-11-23 measured fwd at 37–107 µs but fwd+bwd at 400–1350 µs for every op
-with a Python backward (bench/results/README.md); this script is the next step in finding why.
+with a Python backward (bench/results/README.md); the H200 run of 2026-11-27 632 µs for the
+LayerNorm kernels' fwd+bwd against 275 for F.layer_norm (bench/results/h200-2026-11-27/). The
+profiles run with the backward on the calling thread, so that they see it.
 """
 import argparse
 import cProfile
@@ -104,7 +106,8 @@ def cases() -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--profile", default="bias_gelu fwd+bwd", help="the case to run under cProfile")
+    ap.add_argument("--profile", nargs="*", default=["layer_norm kernels fwd+bwd", "dropout_add fwd+bwd"],
+                    help="the cases to run under cProfile")
     args = ap.parse_args()
     steps = cases()
     rows = [{"provider": name, "host µs": per_call_us(fn)} for name, fn in steps.items()]
@@ -113,16 +116,26 @@ def main() -> None:
     for name in ("Python autograd.Function clone fwd+bwd", "bias_gelu fwd+bwd", "layer_norm kernels fwd+bwd"):
         rows.append({"provider": f"{name}, GIL switch interval 1 µs", "host µs": per_call_us(steps[name])})
     sys.setswitchinterval(default_interval)
+    # The backward of CUDA tensors runs on the autograd engine's device thread: what does handing
+    # it over cost? (The 2026-11-27 H200 run: 151 µs for a C++ clone's fwd+bwd.)
+    with torch.autograd.set_multithreading_enabled(False):
+        for name in ("C++ autograd: x.clone() fwd+bwd", "Python autograd.Function clone fwd+bwd",
+                     "F.layer_norm fwd+bwd", "layer_norm kernels fwd+bwd", "dropout_add fwd+bwd"):
+            rows.append({"provider": f"{name}, backward on the calling thread", "host µs": per_call_us(steps[name])})
     H.print_table(rows, ("provider", "host µs"))
     H.write_results("host_profile", rows, ("provider", "host µs"))
-    prof = cProfile.Profile()
-    step = steps[args.profile]
-    prof.enable()
-    for _ in range(300):
-        step()
-    prof.disable()
-    torch.cuda.synchronize()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    for name in args.profile:
+        # On the calling thread, so that cProfile (which sees one thread) sees the backward too.
+        prof = cProfile.Profile()
+        step = steps[name]
+        with torch.autograd.set_multithreading_enabled(False):
+            prof.enable()
+            for _ in range(300):
+                step()
+            prof.disable()
+        torch.cuda.synchronize()
+        print(f"=== cProfile: {name}, 300 calls, backward on the calling thread")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
 
 
 if __name__ == "__main__":
