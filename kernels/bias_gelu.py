@@ -41,6 +41,7 @@ import triton.language as tl
 from ..autotune import dialects, pow2_bucket
 from ._common import (
     acc_dtype,
+    as_rows,
     check_float,
     check_same_device,
     check_shape,
@@ -48,7 +49,6 @@ from ._common import (
     device_sms,
     eager_fast_path,
     profiled,
-    rows_2d,
     use_triton,
 )
 from ._launch import CachedKernel
@@ -224,12 +224,12 @@ def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor | None, approximate: str) 
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if y.numel() == 0:
         return y
-    x2, bias = rows_2d(x, n), _flat(bias)
-    m = x2.shape[0]
-    y2 = y.view(m, n)
+    # Row bases and strides, not (rows, n) views: a view op costs host time on every call.
+    (x2, stride_x), bias = as_rows(x, n), _flat(bias)
+    m = x.numel() // n
     plan = elementwise_plan(m, n)
     _bias_gelu_fwd[(plan.programs,)](
-        x2, bias if bias is not None else x2, y2, m, n, x2.stride(0), y2.stride(0), plan.col_tiles,
+        x2, bias if bias is not None else x2, y, m, n, stride_x, n, plan.col_tiles,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, HAS_BIAS=bias is not None, FORM=_FORM_CODE[approximate],
         ACC=acc_dtype(x.dtype), num_warps=plan.num_warps,
     )
@@ -248,14 +248,13 @@ def bias_gelu_bwd(
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.numel() == 0:
         return dx, torch.zeros(0 if bias is None else n, dtype=acc, device=x.device)
-    x2, dy2, bias = rows_2d(x, n), rows_2d(dy, n), _flat(bias)
-    m = x2.shape[0]
-    dx2 = dx.view(m, n)
+    (x2, stride_x), (dy2, stride_dy), bias = as_rows(x, n), as_rows(dy, n), _flat(bias)
+    m = x.numel() // n
     plan = reduce_plan(m, n, device_sms(x), bias is not None)
-    partial = dx2 if bias is None else torch.empty((plan.groups, n), dtype=acc, device=x.device)
+    partial = dx if bias is None else torch.empty((plan.groups, n), dtype=acc, device=x.device)
     _bias_gelu_bwd[(plan.programs,)](
-        dy2, x2, bias if bias is not None else x2, dx2, partial,
-        m, n, dy2.stride(0), x2.stride(0), dx2.stride(0), plan.rows_per_group, plan.col_tiles,
+        dy2, x2, bias if bias is not None else x2, dx, partial,
+        m, n, stride_dy, stride_x, n, plan.rows_per_group, plan.col_tiles,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, HAS_BIAS=bias is not None, FORM=_FORM_CODE[approximate],
         ACC=acc_dtype(x.dtype), num_warps=plan.num_warps,
     )
@@ -342,7 +341,9 @@ def _(dy, x, bias, approximate):
 
 
 def _grad_as(g: torch.Tensor, like: torch.Tensor | None) -> torch.Tensor | None:
-    return None if like is None else g.to(like.dtype)
+    if like is None:
+        return None
+    return g if g.dtype == like.dtype else g.to(like.dtype)  # no dispatcher call when it is a no-op
 
 
 def _setup(ctx, inputs, output):

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from ._common import (
     acc_dtype,
+    as_rows,
     check_float,
     check_probability,
     check_same_device,
@@ -39,7 +40,6 @@ from ._common import (
     eager_fast_path,
     philox_seed,
     profiled,
-    rows_2d,
     use_triton,
 )
 from ._launch import CachedKernel
@@ -167,14 +167,14 @@ def dropout_add_fwd(
     y = torch.empty(x.shape, dtype=dtype, device=x.device)
     if y.numel() == 0:
         return y
-    x2, r2 = rows_2d(x, n), rows_2d(residual, n)
+    # Row bases and strides, not (rows, n) views: a view op costs host time on every call.
+    (x2, stride_x), (r2, stride_r) = as_rows(x, n), as_rows(residual, n)
     bias = None if bias is None else bias.contiguous()  # the kernel indexes it as a vector
-    m = x2.shape[0]
-    y2 = y.view(m, n)
+    m = x.numel() // n
     plan = elementwise_plan(m, n)
     _dropout_add_fwd[(plan.programs,)](
-        x2, r2, bias if bias is not None else x2, seed if p > 0.0 else x2, y2,
-        m, n, x2.stride(0), r2.stride(0), y2.stride(0), p, _dropout_scale(p), plan.col_tiles,
+        x2, r2, bias if bias is not None else x2, seed if p > 0.0 else x2, y,
+        m, n, stride_x, stride_r, n, p, _dropout_scale(p), plan.col_tiles,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, HAS_BIAS=bias is not None, HAS_DROPOUT=p > 0.0,
         ACC=acc_dtype(y.dtype), num_warps=plan.num_warps,
     )
@@ -193,13 +193,12 @@ def dropout_add_bwd(
     dx = torch.empty(dy.shape, dtype=dy.dtype, device=dy.device)
     if dy.numel() == 0:
         return dx, torch.zeros(n if has_bias else 0, dtype=acc, device=dy.device)
-    dy2 = rows_2d(dy, n)
-    m = dy2.shape[0]
-    dx2 = dx.view(m, n)
+    dy2, stride_dy = as_rows(dy, n)
+    m = dy.numel() // n
     plan = reduce_plan(m, n, device_sms(dy), has_bias)
-    partial = torch.empty((plan.groups, n), dtype=acc, device=dy.device) if has_bias else dx2
+    partial = torch.empty((plan.groups, n), dtype=acc, device=dy.device) if has_bias else dx
     _dropout_add_bwd[(plan.programs,)](
-        dy2, seed, dx2, partial, m, n, dy2.stride(0), dx2.stride(0), p, _dropout_scale(p),
+        dy2, seed, dx, partial, m, n, stride_dy, n, p, _dropout_scale(p),
         plan.rows_per_group, plan.col_tiles,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, HAS_BIAS=has_bias, ACC=acc_dtype(dy.dtype),
         num_warps=plan.num_warps,
@@ -298,8 +297,11 @@ def _(dy, seed, p, has_bias):
 
 def _input_grads(ctx, dx: torch.Tensor, dbias: torch.Tensor | None, dy: torch.Tensor):
     """(dx, dresidual, dbias) in their inputs' dtypes; dresidual is dy itself."""
-    return (dx.to(ctx.x_dtype), dy.to(ctx.residual_dtype),
-            None if dbias is None else dbias.to(ctx.bias_dtype))
+    return (_cast(dx, ctx.x_dtype), _cast(dy, ctx.residual_dtype), None if dbias is None else _cast(dbias, ctx.bias_dtype))
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)  # no dispatcher call when it is a no-op
 
 
 def _save_dtypes(ctx, x, residual, bias) -> None:
