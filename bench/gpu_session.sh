@@ -67,7 +67,12 @@ for what in "$@"; do
                 # Compiling the kernels takes most of it (the 2026-11-27 H200 call ran 52 of the 115
                 # gpu tests in 180 s on one process and 8 bf16 tests in 120 s): 8 pytest-xdist
                 # workers (in the device image) compile on 8 of its 16 cores, one GPU shared.
-            stage tests-bf16 150 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels -k "bf16 or bfloat16"
+            # TRIFUSE_AUTOTUNE=0: each kernel's default config only (as on CPU), not every config of
+            # its space compiled and timed per shape; the tuners have their own gpu tests below.
+            # ~330 tests, the issues' ops first.
+            stage tests-bf16 150 env TRIFUSE_AUTOTUNE=0 python3 -m pytest -q -n 8 -p no:cacheprovider \
+                -k "bf16 or bfloat16" tests/kernels/test_{layer_norm,residual_stream,bias_gelu,dropout_add}.py \
+                tests/kernels/test_{rotary,gated_activation,cross_entropy,attention}.py
             # the kernels' and the launcher's gpu tests first, the 81 attention-dialect ones last
             stage tests-gpu 150 python3 -m pytest -q -n 8 --maxfail=20 -p no:cacheprovider -m gpu \
                 tests/kernels tests/fusion tests/autotune ;;
