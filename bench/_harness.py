@@ -167,6 +167,20 @@ def host_us(step: Callable[[], object], iters: int = 200) -> float:
     return (time.perf_counter() - t0) / iters * 1e6
 
 
+def best_us_per_call(fn: Callable[[], object], iters: int = 2000, runs: int = 7) -> float:
+    """Wall µs per call of a CPU-only step: the best of `runs` runs of `iters` calls (the CPU
+    proxies of the host path, bench/*_host_proxy.py, run on machines that may be shared)."""
+    for _ in range(50):
+        fn()
+    best = float("inf")
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / iters * 1e6)
+    return best
+
+
 def _sync() -> None:
     if on_gpu():
         torch.cuda.synchronize()

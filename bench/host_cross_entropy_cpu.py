@@ -13,9 +13,9 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before trifuse: the Triton launch path is taken
 
 import argparse  # noqa: E402
-import time  # noqa: E402
 from collections import Counter  # noqa: E402
 
+import _harness as H  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
@@ -39,18 +39,6 @@ class _CountOps(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops[str(func.overloadpacket.__name__)] += 1
         return func(*args, **(kwargs or {}))
-
-
-def per_call_us(fn, iters=2000, repeats=5):
-    for _ in range(50):
-        fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / iters * 1e6)
-    return best
 
 
 def main():
@@ -103,7 +91,7 @@ def main():
     ce.eager_fast_path = fast
     for name, fn in cases.items():
         n, ops, kernels = counts[name]
-        print(f"{name:26s} {per_call_us(fn):7.1f} us  {n:3d} torch ops  launches {kernels}")
+        print(f"{name:26s} {H.best_us_per_call(fn, runs=5):7.1f} us  {n:3d} torch ops  launches {kernels}")
         print(f"{'':26s} {ops}")
 
 

@@ -11,9 +11,9 @@ absolute numbers are this CPU's; the ratios carried over to the lent H200 box wi
 over 7 runs is reported (the machine may be shared).
 """
 import os
-import time
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+import _harness as H  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
@@ -39,18 +39,6 @@ def _first_config(self, key, launch, *args):
 _launch.CachedKernel.run = _stub_run
 tuner.Tuner.config = _first_config
 tuner.Tuner.is_decided = lambda self, key: True
-
-
-def per_call_us(fn, iters=2000, runs=7) -> float:
-    for _ in range(50):
-        fn()
-    best = float("inf")
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / iters * 1e6)
-    return best
 
 
 def fwd(fn):
@@ -95,7 +83,7 @@ def main() -> None:
     pin(bg.BIAS_GELU, "torch", x, b, "none")
     width = max(map(len, cases))
     for name, step in cases.items():
-        print(f"{name:{width}s}  {per_call_us(step):7.1f} µs")
+        print(f"{name:{width}s}  {H.best_us_per_call(step):7.1f} µs")
 
 
 if __name__ == "__main__":
