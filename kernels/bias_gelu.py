@@ -42,6 +42,7 @@ from ..autotune import dialects, pow2_bucket
 from ._common import (
     acc_dtype,
     as_rows,
+    cast,
     check_float,
     check_same_device,
     check_shape,
@@ -341,9 +342,7 @@ def _(dy, x, bias, approximate):
 
 
 def _grad_as(g: torch.Tensor, like: torch.Tensor | None) -> torch.Tensor | None:
-    if like is None:
-        return None
-    return g if g.dtype == like.dtype else g.to(like.dtype)  # no dispatcher call when it is a no-op
+    return None if like is None else cast(g, like.dtype)
 
 
 def _setup(ctx, inputs, output):

@@ -31,6 +31,7 @@ import triton.language as tl
 from ._common import (
     acc_dtype,
     as_rows,
+    cast,
     check_float,
     check_probability,
     check_same_device,
@@ -297,11 +298,8 @@ def _(dy, seed, p, has_bias):
 
 def _input_grads(ctx, dx: torch.Tensor, dbias: torch.Tensor | None, dy: torch.Tensor):
     """(dx, dresidual, dbias) in their inputs' dtypes; dresidual is dy itself."""
-    return (_cast(dx, ctx.x_dtype), _cast(dy, ctx.residual_dtype), None if dbias is None else _cast(dbias, ctx.bias_dtype))
-
-
-def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t if t.dtype == dtype else t.to(dtype)  # no dispatcher call when it is a no-op
+    dbias = None if dbias is None else cast(dbias, ctx.bias_dtype)
+    return cast(dx, ctx.x_dtype), cast(dy, ctx.residual_dtype), dbias
 
 
 def _save_dtypes(ctx, x, residual, bias) -> None:

@@ -45,6 +45,7 @@ from ..autotune import Tuner, configs, dialects, pow2_bucket
 from ._common import (
     acc_dtype,
     as_rows,
+    cast,
     check_float,
     check_probability,
     check_same_device,
@@ -940,15 +941,11 @@ def _stat_dtype(t: torch.Tensor) -> torch.dtype:
 # Autograd for the registered ops. Each forward saves what the one backward op needs.
 
 
-def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t if t.dtype == dtype else t.to(dtype)  # skips a dispatcher call when it is a no-op
-
-
 def _grad_as(g: torch.Tensor, like: torch.Tensor | None) -> torch.Tensor | None:
     """g in like's dtype and shape (a per-feature gradient for a possibly multi-dim weight)."""
     if like is None:
         return None
-    g = _cast(g, like.dtype)
+    g = cast(g, like.dtype)
     return g if g.dim() == like.dim() else g.reshape(like.shape)
 
 
@@ -1030,7 +1027,7 @@ def _backward_norm_add(ctx, dy, *_):
     if dy is None:
         return (None,) * (5 if ctx.is_rms_norm else 6)
     dx, dw, db = _norm_grads(ctx, dy)
-    grads = [_cast(dx, ctx.x_dtype), _cast(dy, ctx.residual_dtype), None, dw]
+    grads = [cast(dx, ctx.x_dtype), cast(dy, ctx.residual_dtype), None, dw]
     if not ctx.is_rms_norm:
         grads.append(db)
     return (*grads, None)
@@ -1080,8 +1077,8 @@ class _NormFunction(torch.autograd.Function):
                 dy, s, ctx.n, weight, mean, rstd, is_rms_norm=ctx.is_rms_norm, ds=ds, p=ctx.p,
                 seed=seed, store_dresidual=ctx.p > 0.0 and needs[1], grad_dtypes=grad_dtypes)
         return (
-            _cast(dx, ctx.x_dtype) if needs[0] else None,
-            _cast(dr, ctx.residual_dtype) if needs[1] else None,
+            cast(dx, ctx.x_dtype) if needs[0] else None,
+            cast(dr, ctx.residual_dtype) if needs[1] else None,
             _grad_as(dxb, x_bias) if needs[2] else None,
             _grad_as(dw, weight) if needs[3] else None,
             _grad_as(db, bias) if needs[4] else None,
@@ -1112,8 +1109,8 @@ class _NormAddFunction(torch.autograd.Function):
                 dx, _, dw, db, _ = layer_norm_bwd(dy, x, ctx.n, weight, mean, rstd, is_rms_norm=ctx.is_rms_norm,
                                                   grad_dtypes=(*grad_dtypes, None))
         return (
-            _cast(dx, ctx.x_dtype) if needs[0] else None,
-            _cast(dy, ctx.residual_dtype) if needs[1] else None,
+            cast(dx, ctx.x_dtype) if needs[0] else None,
+            cast(dy, ctx.residual_dtype) if needs[1] else None,
             _grad_as(dw, weight) if needs[2] else None,
             _grad_as(db, bias) if needs[3] else None,
             None, None, None, None,
