@@ -44,7 +44,7 @@ def cli(description: str | None) -> argparse.Namespace:
     """A benchmark script's arguments: `--quick` times the issue's target shapes only (what fits
     a lent GPU's short call); every script writes its host-overhead table first, and its results
     after each part, so a call cut by its limit keeps what was measured."""
-    ap = argparse.ArgumentParser(description=(description or "").splitlines()[0] if description else None)
+    ap = argparse.ArgumentParser(description=description.splitlines()[0] if description else None)
     ap.add_argument("--quick", action="store_true", help="the target shapes only, no width sweep")
     return ap.parse_args()
 
@@ -364,7 +364,7 @@ def sweep(
                                      bytes_per_set=int(bytes_for(shape, "fwd")) if bytes_for else 0)
                     ms = gpu_ms(step) if on_gpu() else _cpu_smoke_ms(step)
                 except Exception as e:  # noqa: BLE001  (a baseline that fails is reported, not fatal)
-                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}" if str(e) else type(e).__name__
+                    row["error"] = _error_text(e)
                     rows.append(row)
                     _print_row(row)
                     continue
@@ -374,8 +374,7 @@ def sweep(
                         row["graph ms"] = graph_ms(step, graph_calls(ms))
                     except Exception as e:  # noqa: BLE001  (a provider that cannot be captured keeps its ms)
                         row["graph ms"] = float("nan")
-                        row["graph error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}" if str(e) \
-                            else type(e).__name__
+                        row["graph error"] = _error_text(e)
                 if bytes_for is not None:
                     row["GB/s"] = bytes_for(shape, mode) / (ms * 1e-3) / 1e9
                     row["% copy"] = 100 * row["GB/s"] / (copy * 1e3) if on_gpu() else float("nan")
@@ -394,6 +393,11 @@ def sweep(
                     row[f"x vs {other['provider']}"] = other["ms"] / row["ms"]
         torch.cuda.empty_cache() if on_gpu() else None
     return rows
+
+
+def _error_text(e: BaseException) -> str:
+    """An exception as a table cell: its type and the first line of its message."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:120]}" if str(e) else type(e).__name__
 
 
 def _print_row(row: dict) -> None:
