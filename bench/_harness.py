@@ -117,22 +117,31 @@ def gpu_ms(step: Callable[[], object], warmup_ms: int = 25, rep_ms: int = 100) -
     return triton.testing.do_bench(step, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
-def graph_ms(step: Callable[[], object], calls: int = 8, replays: int = 10) -> float:
+def graph_ms(build_step: Callable[[], Callable[[], object]], calls: int = 8, replays: int = 10) -> float:
     """Median GPU time of one step in ms with no host path in it: `calls` consecutive steps (the
     input sets rotate as they do under do_bench) captured in one CUDA graph, replayed `replays`
-    times. The step must have run before (compiled, tuned, its dialect chosen): nothing may be
-    compiled, timed or synchronized inside a capture. Raises what the capture raises."""
+    times. `build_step()` makes the step; it runs on the capture's stream, because autograd runs
+    each backward op on its forward's stream, and a "bwd" step's forward runs when it is built (on
+    the legacy default stream, a backward op invalidates the capture). The step must have run
+    before (compiled, tuned, its dialect chosen): nothing may be compiled, timed or synchronized
+    inside a capture. Raises what the capture raises, after undoing what a failed capture leaves."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # the warm-up a capture needs (PyTorch's CUDA-graph notes)
+        step = build_step()
         for _ in range(2):
             step()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
+    stream_before = torch.cuda.current_stream()
     try:
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=side):
             for _ in range(calls):
                 step()
+    except BaseException:
+        _undo_failed_capture(stream_before)
+        raise
+    try:
         graph.replay()
         torch.cuda.synchronize()
         times = []
@@ -147,6 +156,19 @@ def graph_ms(step: Callable[[], object], calls: int = 8, replays: int = 10) -> f
         del graph
     times.sort()
     return times[len(times) // 2]
+
+
+def _undo_failed_capture(stream_before: torch.cuda.Stream) -> None:
+    """What a failed capture leaves behind (torch.cuda.graph's __exit__ raises from capture_end
+    before it restores the stream, and the default generator stays marked as capturing, so every
+    later random op fails with "Offset increment outside graph capture"): the stream comes back,
+    and the generator gets a copy of its state that is not capturing (seed and offset kept)."""
+    torch.cuda.set_stream(stream_before)
+    gen = torch.cuda.default_generators[torch.cuda.current_device()]
+    try:
+        gen.graphsafe_set_state(gen.clone_state())
+    except (AttributeError, RuntimeError) as e:  # older torch (NotImplementedError is a RuntimeError): later random ops may fail; say why
+        print(f"note: the CUDA generator could not be reset after a failed capture ({e})")
 
 
 def graph_calls(ms: float) -> int:
@@ -359,10 +381,13 @@ def sweep(
             for name, fn in providers.items():
                 row = {"provider": name, "variant": variant, "mode": mode,
                        "shape": "x".join(map(str, shape)), x_name: shape[-1]}
-                try:
-                    step = make_step(fn, lambda: make_inputs(shape), mode,
+                def build_step():
+                    return make_step(fn, lambda: make_inputs(shape), mode,
                                      bytes_per_set=int(bytes_for(shape, "fwd")) if bytes_for else 0)
+                try:
+                    step = build_step()
                     ms = gpu_ms(step) if on_gpu() else _cpu_smoke_ms(step)
+                    del step  # its input sets: the graph replay builds its own
                 except Exception as e:  # noqa: BLE001  (a baseline that fails is reported, not fatal)
                     row["error"] = _error_text(e)
                     rows.append(row)
@@ -371,7 +396,7 @@ def sweep(
                 row["ms"] = ms
                 if on_gpu():
                     try:
-                        row["graph ms"] = graph_ms(step, graph_calls(ms))
+                        row["graph ms"] = graph_ms(build_step, graph_calls(ms))
                     except Exception as e:  # noqa: BLE001  (a provider that cannot be captured keeps its ms)
                         row["graph ms"] = float("nan")
                         row["graph error"] = _error_text(e)

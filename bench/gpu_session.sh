@@ -83,7 +83,7 @@ for what in "$@"; do
                        # at their target shapes (--quick): host overhead, then each shape's whole-call
                        # time and its CUDA-graph replay (the kernels alone). Full sweeps: `kernels`.
             for op in layer_norm residual_stream bias_gelu dropout_add; do
-                stage "bench-$op" 65 python3 "bench/bench_$op.py" --quick
+                stage "bench-$op" 80 python3 "bench/bench_$op.py" --quick
             done ;;
         kernels)  # the memory-bound ops, 6 x 90 s
             for op in layer_norm residual_stream bias_gelu gated_activation dropout_add rotary; do
