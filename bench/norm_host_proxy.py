@@ -26,9 +26,7 @@ from trifuse.kernels import layer_norm as ln  # noqa: E402
 
 def _stub_run(self, grid, args, kwargs):
     """CachedKernel.run up to the launch: its key and its lookup, no kernel."""
-    key = (0, tuple(kwargs.items()), *[
-        (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a if type(a) is int else type(a)
-        for a in args])
+    key, _ = _launch.launch_key(0, args, kwargs)
     self._compiled.get(key)
 
 

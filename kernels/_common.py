@@ -154,6 +154,13 @@ def profiled(name: str):
     return contextlib.nullcontext()
 
 
+def empty_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An uninitialized contiguous tensor shaped like t, in `dtype` (t's by default). On the host
+    torch.empty_like costs about 40% of torch.empty(t.shape, dtype=..., device=...), which parses
+    a shape and a device."""
+    return torch.empty_like(t, dtype=dtype, memory_format=torch.contiguous_format)
+
+
 def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """t in `dtype`: t itself when it already is (skips a dispatcher call on the eager path)."""
     return t if t.dtype == dtype else t.to(dtype)

@@ -6,13 +6,14 @@ every call: about 60 µs per launch on the lent H100 box, against a few µs of G
 small tensors of a training step. `CachedKernel` pays that once per specialization and then
 calls the compiled kernel's launcher directly.
 
-The cache key covers everything Triton specializes on, more finely: each tensor's dtype and
-whether its address is 16-byte aligned, each integer's value (Triton specializes on its width and
-whether it is 1 or a multiple of 16; keying on the value itself costs less per call than deriving
-those, at one entry per distinct shape, which pays Triton's own path once), every constexpr's
-value and launch option, and the device. Launch hooks are passed on as Triton does. Anything else
-(the interpreter, a Triton without `triton.knobs` or whose launcher signature differs) takes
-Triton's own path.
+The cache key covers everything Triton specializes on, more finely: each tensor's dtype,
+whether its address is 16-byte aligned and whether it is on a GPU, each integer's value (Triton
+specializes on its width and whether it is 1 or a multiple of 16; keying on the value itself
+costs less per call than deriving those, at one entry per distinct shape, which pays Triton's
+own path once), every constexpr's value and launch option, and the device. Tensors reach the
+launcher as their addresses (ints); launch hooks are passed on as Triton does, with the tensors.
+Anything else (the interpreter, a Triton without `triton.knobs` or whose launcher signature
+differs) takes Triton's own path.
 """
 import warnings
 
@@ -37,6 +38,24 @@ def store_plan(plans: dict, key: tuple, plan: tuple) -> None:
     plans[key] = plan
 
 
+def launch_key(device: int, args: tuple, kwargs: dict) -> tuple[tuple, list]:
+    """(the cache key of a launch, its runtime arguments with tensors as device addresses).
+
+    Triton's launchers take an int for a pointer as it is, where a tensor costs a Python call of
+    data_ptr() and a cuPointerGetAttribute each. The key reads each address's alignment off the
+    same int, and is_cuda: a tensor elsewhere gets an entry of its own, whose first launch takes
+    Triton's own path and raises there (the launcher checks no address it is given as an int).
+    """
+    addresses = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
+    key = (device, tuple(kwargs.items()), *[
+        (a.dtype, p % 16 == 0, a.is_cuda) if p is not a
+        else a if type(a) is int
+        else type(a)  # floats, bools, None: not specialized by value
+        for a, p in zip(args, addresses)
+    ])
+    return key, addresses
+
+
 class CachedKernel:
     """Wraps a `@triton.jit` function: `CachedKernel(fn)[grid](*args, **constexprs)`.
 
@@ -57,12 +76,7 @@ class CachedKernel:
             self.fn[grid](*args, **kwargs)
             return
         device = torch.cuda.current_device()
-        key = (device, tuple(kwargs.items()), *[
-            (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
-            else a if type(a) is int
-            else type(a)  # floats, bools, None: not specialized by value
-            for a in args
-        ])
+        key, addresses = launch_key(device, args, kwargs)
         entry = self._compiled.get(key)
         if entry is None:
             compiled = self.fn[grid](*args, **kwargs)
@@ -75,13 +89,16 @@ class CachedKernel:
         compiled, tail = entry
         try:
             stream = torch._C._cuda_getCurrentRawStream(device)
-            # Launch hooks (a profiler's) are honoured exactly as Triton's own path does.
+            # Launch hooks (a profiler's) are honoured as Triton's own path does, with the tensors.
             enter_hook = _knobs.runtime.launch_enter_hook
-            metadata = None if enter_hook is None else compiled.launch_metadata(grid, stream, *args, *tail)
+            metadata = None
+            if enter_hook is not None:
+                metadata = compiled.launch_metadata(grid, stream, *args, *tail)
+                addresses = args
             compiled.run(
                 grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
                 stream, compiled.function, compiled.packed_metadata,
-                metadata, enter_hook, _knobs.runtime.launch_exit_hook, *args, *tail,
+                metadata, enter_hook, _knobs.runtime.launch_exit_hook, *addresses, *tail,
             )
         except (TypeError, AttributeError, KeyError) as e:
             # This Triton's launcher differs from the one this path was written for: use

@@ -49,6 +49,7 @@ from ._common import (
     check_tensor,
     device_sms,
     eager_fast_path,
+    empty_like,
     profiled,
     use_triton,
 )
@@ -222,7 +223,7 @@ def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor | None, approximate: str) 
     if x.numel() and not use_triton(x):
         return _bias_gelu_torch(x, bias, approximate)
     n = _width(x)
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = empty_like(x)
     if y.numel() == 0:
         return y
     # Row bases and strides, not (rows, n) views: a view op costs host time on every call.
@@ -246,7 +247,7 @@ def bias_gelu_bwd(
         return _bias_gelu_bwd_torch(dy, x, bias, approximate)
     n = _width(x)
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dx = empty_like(x)
     if x.numel() == 0:
         return dx, torch.zeros(0 if bias is None else n, dtype=acc, device=x.device)
     (x2, stride_x), (dy2, stride_dy), bias = as_rows(x, n), as_rows(dy, n), _flat(bias)

@@ -76,6 +76,7 @@ from ._common import (
     check_same_device,
     check_tensor,
     eager_fast_path,
+    empty_like,
     next_power_of_2,
     no_autocast,
     profiled,
@@ -628,7 +629,7 @@ def _head_pass(h, w, b, rows, grads, dw_dtype, acc, chunk_kernel):
     wt = w.t()
     dh = dw = db = None
     if grads[0] and rows < tokens:
-        dh = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+        dh = empty_like(h)
     buf = torch.empty((min(rows, tokens), w.shape[0]), dtype=h.dtype, device=h.device)
     for start in range(0, tokens, rows):
         end = min(start + rows, tokens)

@@ -39,6 +39,7 @@ from ._common import (
     check_tensor,
     device_sms,
     eager_fast_path,
+    empty_like,
     philox_seed,
     profiled,
     use_triton,
@@ -165,7 +166,7 @@ def dropout_add_fwd(
     if x.numel() and not use_triton(x):
         return _dropout_add_torch(x, residual, bias, p, seed, dtype)
     n = _width(x)
-    y = torch.empty(x.shape, dtype=dtype, device=x.device)
+    y = empty_like(x, dtype)
     if y.numel() == 0:
         return y
     # Row bases and strides, not (rows, n) views: a view op costs host time on every call.
@@ -191,7 +192,7 @@ def dropout_add_bwd(
         return _dropout_add_bwd_torch(dy, seed, p, has_bias)
     n = _width(dy)
     acc = _acc(dy.dtype)
-    dx = torch.empty(dy.shape, dtype=dy.dtype, device=dy.device)
+    dx = empty_like(dy)
     if dy.numel() == 0:
         return dx, torch.zeros(n if has_bias else 0, dtype=acc, device=dy.device)
     dy2, stride_dy = as_rows(dy, n)

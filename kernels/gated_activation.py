@@ -45,6 +45,7 @@ from ._common import (
     check_shape,
     check_tensor,
     eager_fast_path,
+    empty_like,
     profiled,
     rows_2d,
     use_triton,
@@ -159,7 +160,7 @@ def gated_activation_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str) 
     if gate.numel() and not use_triton(gate):
         return _gated_activation_torch(gate, up, activation)
     n = _width(gate)
-    y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    y = empty_like(gate)
     if y.numel() == 0:
         return y
     g2, u2 = rows_2d(gate, n), rows_2d(up, n)  # chunked halves keep their row stride: no copy
@@ -181,8 +182,8 @@ def gated_activation_bwd(
     if gate.numel() and not use_triton(gate):
         return _gated_activation_bwd_torch(dy, gate, up, activation)
     n = _width(gate)
-    dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    dup = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    dgate = empty_like(gate)
+    dup = empty_like(gate)
     if gate.numel() == 0:
         return dgate, dup
     dy2, g2, u2 = rows_2d(dy, n), rows_2d(gate, n), rows_2d(up, n)

@@ -53,6 +53,7 @@ from ._common import (
     check_tensor,
     device_sms,
     eager_fast_path,
+    empty_like,
     next_power_of_2,
     no_autocast,
     philox_seed,
@@ -573,8 +574,8 @@ def layer_norm_fwd(
     weight, bias, x_bias = _flat(weight), _flat(bias), _flat(x_bias)
     m = x.numel() // n if n else 0
     stat_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    y = torch.empty(x.shape, dtype=dtype, device=x.device)
-    s = torch.empty(x.shape, dtype=dtype, device=x.device) if store_s else x
+    y = empty_like(x, dtype)
+    s = empty_like(x, dtype) if store_s else x
     shape = (m,) if stats_shape is None else stats_shape
     rstd = torch.empty(shape, dtype=stat_dtype, device=x.device)
     mean = torch.empty(0 if is_rms_norm else shape, dtype=stat_dtype, device=x.device)
@@ -641,8 +642,8 @@ def layer_norm_bwd(
     acc = torch.float64 if s.dtype == torch.float64 else torch.float32
     if grad_dtypes is None:
         grad_dtypes = (acc, acc, acc)
-    dx = torch.empty(s.shape, dtype=s.dtype, device=s.device)
-    dr = torch.empty(s.shape, dtype=s.dtype, device=s.device) if store_dresidual else dx
+    dx = empty_like(s)
+    dr = empty_like(s) if store_dresidual else dx
     if m == 0:
         return dx, dr, *(None if d is None else torch.zeros(n, dtype=d, device=s.device) for d in grad_dtypes)
     if not use_triton(s):

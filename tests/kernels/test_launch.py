@@ -189,6 +189,9 @@ class _FakeJit:
             class Compiled:
                 function, packed_metadata = "function", "packed"
 
+                def launch_metadata(self, grid, stream, *a):
+                    return ("meta", grid, stream, *a)
+
                 def run(self, *a):
                     fake.runs.append(a)
             return Compiled()
@@ -214,7 +217,9 @@ def test_direct_launch_path_keys_and_arguments(monkeypatch):
     assert fake.slow_launches == 1 and not fake.runs
     kernel[(3,)](x, out, 16, 5.0, BLOCK=64, HAS_Y=True, num_warps=1)  # another float: same entry
     assert fake.slow_launches == 1 and len(kernel._compiled) == 1
-    assert fake.runs[-1] == (3, 1, 1, 1234, "function", "packed", None, None, None, x, out, 16, 5.0, 64, True)
+    # tensors reach the launcher as their addresses, then the constexprs in the kernel's order
+    assert fake.runs[-1] == (3, 1, 1, 1234, "function", "packed", None, None, None,
+                             x.data_ptr(), out.data_ptr(), 16, 5.0, 64, True)
     for call in (
         lambda: kernel[(3,)](x, out, 17, 2.0, BLOCK=64, HAS_Y=True, num_warps=1),  # another int
         lambda: kernel[(3,)](buf[1:17], out, 16, 2.0, BLOCK=64, HAS_Y=True, num_warps=1),  # misaligned
@@ -228,3 +233,24 @@ def test_direct_launch_path_keys_and_arguments(monkeypatch):
     monkeypatch.setattr(launch_mod, "MAX_ENTRIES", len(kernel._compiled))
     kernel[(3,)](x, out, 99, 2.0, BLOCK=64, HAS_Y=True, num_warps=1)
     assert len(kernel._compiled) == 1, "the cache is bounded"
+
+
+def test_direct_launch_gives_launch_hooks_the_tensors(monkeypatch):
+    """With a launch hook set (a profiler's), the launcher gets the tensors themselves and the
+    hook its metadata, as on Triton's own path; without one, addresses."""
+    import trifuse.kernels._launch as launch_mod
+
+    hook = object()
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
+    monkeypatch.setattr(launch_mod, "_knobs", types.SimpleNamespace(
+        runtime=types.SimpleNamespace(launch_enter_hook=hook, launch_exit_hook=None)))
+    fake = _FakeJit()
+    kernel = CachedKernel(fake)
+    kernel._fast = True
+    x, out = torch.zeros(16), torch.zeros(16)
+    for _ in range(2):  # the first through Triton's path, the second direct
+        kernel[(3,)](x, out, 16, 2.0, BLOCK=64, HAS_Y=True, num_warps=1)
+    assert fake.slow_launches == 1
+    assert fake.runs[-1][7] is hook and fake.runs[-1][6] == ("meta", (3,), 1234, x, out, 16, 2.0, 64, True)
+    assert fake.runs[-1][9] is x and fake.runs[-1][10] is out
