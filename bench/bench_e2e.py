@@ -219,6 +219,7 @@ def main() -> None:
                 row = run_one(name, provider, MODELS[name], args.steps, "cuda", args.grad_ckpt)
             except Exception as e:  # noqa: BLE001  (report the failure, keep measuring the rest)
                 row = {"model": name, "provider": provider, "fused": f"{type(e).__name__}: {str(e)[:150]}"}
+            H._print_row(row)  # each provider's numbers reach the log as soon as they exist
             point.append(row)
             torch.cuda.empty_cache()
         eager = next((r for r in point if r["provider"] == "eager-sdpa" and "tokens/s" in r), None)
