@@ -116,6 +116,7 @@ from ._common import (
     no_autocast,
     philox_seed,
     profiled,
+    unscoped,
     use_triton,
 )
 from ._launch import CachedKernel, store_plan
@@ -1577,6 +1578,10 @@ def _sdpa_fn(name: str):
                 set_flag(on)
             # Autocast would cast fp32 inputs down; trifuse keeps q's dtype, and the choice of
             # implementation must not change the output dtype.
+            if unscoped(q.device):
+                return torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                    enable_gqa=enable_gqa)
             with profiled(f"trifuse::{OP}"), no_autocast(q.device):
                 return torch.nn.functional.scaled_dot_product_attention(
                     q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,

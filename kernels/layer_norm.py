@@ -58,6 +58,7 @@ from ._common import (
     no_autocast,
     philox_seed,
     profiled,
+    unscoped,
     use_triton,
 )
 from ._launch import CachedKernel, store_plan
@@ -1162,6 +1163,8 @@ def _layer_norm_torch(x, normalized_shape, weight, bias, eps):
     _check_norm_inputs("layer_norm", x, list(normalized_shape), weight, bias, eps)
     # Autocast would run F.layer_norm in fp32 and return fp32; trifuse returns x's dtype, and the
     # choice of implementation must not change the output dtype.
+    if unscoped(x.device):
+        return _norm_mixed(x, normalized_shape, weight, bias, eps, False)
     with profiled("trifuse::layer_norm"), no_autocast(x.device):
         return _norm_mixed(x, normalized_shape, weight, bias, eps, False)
 
@@ -1208,6 +1211,8 @@ def _rms_norm_trifuse(x, normalized_shape, weight, eps):
 def _rms_norm_torch(x, normalized_shape, weight, eps):
     # As _layer_norm_torch: trifuse's checks and errors first, x's dtype kept under autocast.
     _check_norm_inputs("rms_norm", x, list(normalized_shape), weight, None, eps)
+    if unscoped(x.device):
+        return _norm_mixed(x, normalized_shape, weight, None, eps, True)
     with profiled("trifuse::rms_norm"), no_autocast(x.device):
         return _norm_mixed(x, normalized_shape, weight, None, eps, True)
 

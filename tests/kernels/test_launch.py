@@ -254,3 +254,26 @@ def test_direct_launch_gives_launch_hooks_the_tensors(monkeypatch):
     assert fake.slow_launches == 1
     assert fake.runs[-1][7] is hook and fake.runs[-1][6] == ("meta", (3,), 1234, x, out, 16, 2.0, 64, True)
     assert fake.runs[-1][9] is x and fake.runs[-1][10] is out
+
+
+def test_direct_launch_skips_empty_hook_chains(monkeypatch):
+    """Newer Tritons keep a hook chain (with a `calls` list) even when nothing is hooked: an empty
+    one is not handed to the launcher, which then gets addresses and no metadata."""
+    import trifuse.kernels._launch as launch_mod
+
+    chains = types.SimpleNamespace(launch_enter_hook=types.SimpleNamespace(calls=[]),
+                                   launch_exit_hook=types.SimpleNamespace(calls=[]))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
+    monkeypatch.setattr(launch_mod, "_knobs", types.SimpleNamespace(runtime=chains))
+    fake = _FakeJit()
+    kernel = CachedKernel(fake)
+    kernel._fast = True
+    x, out = torch.zeros(16), torch.zeros(16)
+    for _ in range(2):
+        kernel[(3,)](x, out, 16, 2.0, BLOCK=64, HAS_Y=True, num_warps=1)
+    assert fake.runs[-1][6:11] == (None, None, None, x.data_ptr(), out.data_ptr())
+    chains.launch_exit_hook.calls.append(print)  # a profiler hooks in: metadata and tensors again
+    kernel[(3,)](x, out, 16, 2.0, BLOCK=64, HAS_Y=True, num_warps=1)
+    assert fake.runs[-1][6][0] == "meta" and fake.runs[-1][8] is chains.launch_exit_hook
+    assert fake.runs[-1][9] is x

@@ -1,0 +1,67 @@
+"""CPU proxy for the host time of a fused model's training step, kernel launches stubbed.
+
+    TRITON_INTERPRET=1 python bench/e2e_host_proxy.py
+
+GPT-2 with GPT-2 medium's 24 blocks at a tiny width (64) and 2 x 16 tokens, so that the step is
+host work: eager PyTorch (its ops run, on tensors too small to cost anything) against
+`trifuse.fuse` of the same model, whose kernel launches stop after CachedKernel's key and lookup
+(bench/norm_host_proxy.py). Forward, backward and set_to_none of the gradients; no optimizer.
+What a GPU box adds on top: the launches themselves, and its slower host. On the lent GPU, a
+step is host-bound when this host time, scaled to that box, exceeds the step's GPU time
+(bench_e2e.py reports the device busy % there). The best of 5 runs of 5 steps is reported.
+"""
+import os
+import time
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+import norm_host_proxy  # noqa: E402
+import torch  # noqa: E402
+
+import trifuse  # noqa: E402
+
+transformers = __import__("transformers")
+
+
+def gpt2(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(n_layer=24, n_embd=64, n_head=4, n_positions=64, vocab_size=128,
+                                  bos_token_id=0, eos_token_id=0, attn_implementation="sdpa")
+    return transformers.GPT2LMHeadModel(cfg).train()
+
+
+def best_ms_per_step(model: torch.nn.Module, ids: torch.Tensor, steps: int = 5, runs: int = 5) -> float:
+    def step():
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        for p in model.parameters():
+            p.grad = None
+
+    for _ in range(3):
+        step()
+    best = float("inf")
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        best = min(best, (time.perf_counter() - t0) / steps * 1e3)
+    return best
+
+
+def main() -> None:
+    norm_host_proxy.stub_launches(first_configs=False)
+    torch.set_num_threads(1)
+    ids = torch.randint(0, 128, (2, 16))
+    eager = best_ms_per_step(gpt2(), ids)
+    model = trifuse.fuse(gpt2())
+    fused = best_ms_per_step(model, ids)
+    before = norm_host_proxy.launches[0]
+    best_ms_per_step(model, ids, steps=1, runs=1)  # 3 warm-up steps and 1 timed
+    per_step = (norm_host_proxy.launches[0] - before) // 4
+    fused_ops = ", ".join(f"{k} {v}" for k, v in trifuse.report(model).by_pattern().items())
+    print(f"fused: {fused_ops}")
+    print("GPT-2, 24 blocks, width 64, 2 x 16 tokens, forward + backward, host ms per step:")
+    print(f"  eager PyTorch                     {eager:7.2f}")
+    print(f"  trifuse.fuse (launches stubbed)   {fused:7.2f}   ({per_step} trifuse launches a step)")
+
+
+if __name__ == "__main__":
+    main()
