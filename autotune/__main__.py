@@ -56,7 +56,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="autocast dtype of the step (default: bf16 on a GPU, fp32 on the CPU)")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--export-defaults", type=Path, default=None, metavar="PATH",
-                   help="write this GPU's tuning cache as a shipped-defaults file")
+                   help="write this GPU's tuning cache as a shipped-defaults file (a folder: its "
+                        "<family>.json, e.g. autotune/defaults/h200.json)")
     args = p.parse_args(argv)
     if args.batch < 1 or args.seq < 1:
         p.error(f"--batch and --seq must be positive, got {args.batch} and {args.seq}")
@@ -277,6 +278,8 @@ def _export(path: Path, device_index: int) -> None:
     family = cache.gpu_family(disk.env.device)
     if family is None:
         raise SystemExit(f"trifuse.autotune: no GPU family for {disk.env.device!r}: nothing to export")
+    if path.is_dir():  # a folder (autotune/defaults/): the file of this GPU's family in it
+        path = path / f"{family}.json"
     env = disk.env
     entries = {**cache.read_defaults(path, family), **disk.entries()}
     cache.write_defaults(path, family, entries,

@@ -20,7 +20,8 @@ warning on the `trifuse` logger (and replaced at the next write); the cache neve
 Nothing is loaded with pickle.
 
 Shipped defaults (autotune/defaults/<family>.json, e.g. h100.json) hold the same entries without
-versions; they are what TRIFUSE_AUTOTUNE=0 replays on a matching GPU.
+versions; they are what TRIFUSE_AUTOTUNE=0 replays on a matching GPU, or on the same chip with
+other memory where its family has no entry (SAME_CHIP: the H100 and the H200).
 """
 import dataclasses
 import functools
@@ -240,13 +241,24 @@ def _shipped(path: Path, family: str) -> dict[str, dict]:
     return read_defaults(path, family)
 
 
+# Families that are one chip with other memory: the H100 and the H200 are both GH100 (sm_90, 132
+# SMs), the H200 with more and faster HBM. Where a family ships no entry for a kernel and shape,
+# its sibling's serves (the lent GPU is either; a tuned launch for one is a good start on the other).
+SAME_CHIP = {"h100": "h200", "h200": "h100"}
+
+
 def shipped_default(device_index: int, kernel: str, bucket: str) -> tuple[str, dict] | None:
-    """(family, entry) from the defaults shipped for this device's GPU family, if any."""
+    """(family, entry) from the defaults shipped for this device's GPU family, or else for its
+    sibling on the same chip (SAME_CHIP), if any."""
     family = gpu_family(environment(device_index).device) if device_index >= 0 else None
     if family is None:
         return None
-    entry = _shipped(DEFAULTS_DIR / f"{family}.json", family).get(entry_key(kernel, bucket))
-    return None if entry is None else (family, entry)
+    key = entry_key(kernel, bucket)
+    for source in (family, SAME_CHIP.get(family)):
+        entry = None if source is None else _shipped(DEFAULTS_DIR / f"{source}.json", source).get(key)
+        if entry is not None:
+            return source, entry
+    return None
 
 
 def write_defaults(path: Path, family: str, entries: dict[str, dict], source: str) -> None:

@@ -109,10 +109,10 @@ for what in "$@"; do
             stage bench-e2e-bert 300 python3 bench/bench_e2e.py --steps 8 --models bert-large --suffix bert ;;
         e2e-llama)  # Llama 3.2 1B's shape (RoPE, SwiGLU, GQA): eager, trifuse.fuse, Liger-Kernel
             stage bench-e2e-llama 300 python3 bench/bench_e2e.py --steps 6 --models llama-1b --suffix llama ;;
-        tune)  # this GPU's winners, shipped as defaults for every H100 user
+        tune)  # this GPU's winners, shipped as defaults for its family (and the same chip's: H100/H200)
             stage tune 150 python3 -m trifuse.autotune gpt2-medium --batch 8 --seq 1024
             stage tune-llama 150 python3 -m trifuse.autotune llama-3.2-1b --batch 4 --seq 2048 \
-                --export-defaults autotune/defaults/h100.json ;;
+                --export-defaults autotune/defaults/ ;;  # this GPU's family: h100.json or h200.json
         *) echo "unknown stage $what (tests host kernels-core kernels attention tma dialects e2e e2e-ckpt e2e-bert e2e-llama tune)" ;;
     esac
 done

@@ -102,3 +102,18 @@ def test_presets_are_transformers_overrides():
         config = transformers.AutoConfig.for_model(model_type, **overrides)
         for k, v in overrides.items():
             assert getattr(config, k) == v, name
+
+
+def test_export_defaults_into_a_folder_writes_the_gpus_family_file(tmp_path, monkeypatch, capsys):
+    """`--export-defaults autotune/defaults/` (a folder) writes <family>.json in it: an H200's
+    winners go to h200.json, not into another family's file."""
+    import types
+
+    from trifuse.autotune import cache
+
+    env = cache.Environment("NVIDIA H200", "3.6.0", "2.11.0")
+    entries = {"layer_norm_fwd|n=1024": {"config": {"kwargs": {"TILE": 4096}, "num_warps": 8}}}
+    monkeypatch.setattr(cache, "disk_cache", lambda i: types.SimpleNamespace(env=env, entries=lambda: entries))
+    cli._export(tmp_path, 0)
+    assert cache.read_defaults(tmp_path / "h200.json", "h200") == entries
+    assert "h200.json (h200)" in capsys.readouterr().out

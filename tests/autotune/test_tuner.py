@@ -110,6 +110,27 @@ def test_autotune_off_replays_shipped_defaults_for_the_gpu_family(cache_dir, tim
     assert sources == {"shipped h100 defaults", "default (TRIFUSE_AUTOTUNE=0)"}
 
 
+def test_the_same_chips_shipped_defaults_serve_where_a_family_has_none(cache_dir, timer, monkeypatch, tmp_path):
+    """An H200 (the H100's chip with other memory) replays H100 defaults for shapes its own file
+    lacks; its own entries win where both have one."""
+    monkeypatch.setenv("TRIFUSE_AUTOTUNE", "0")
+    h200 = cache.Environment("NVIDIA H200", triton.__version__, torch.__version__)
+    monkeypatch.setattr("trifuse.autotune.tuner.environment", lambda i: h200)
+    monkeypatch.setattr(cache, "environment", lambda i: h200)
+    monkeypatch.setattr(cache, "DEFAULTS_DIR", tmp_path)
+    cache.write_defaults(tmp_path / "h100.json", "h100",
+                         {"toy|n=1024,dtype=float16": {"config": config_to_json(SPACE[2])},
+                          "toy|n=2048,dtype=float16": {"config": config_to_json(SPACE[2])}}, "test")
+    cache.write_defaults(tmp_path / "h200.json", "h200",
+                         {"toy|n=2048,dtype=float16": {"config": config_to_json(SPACE[1])}}, "test")
+    t = make_tuner(timer({}))
+    assert t.config((0, 1024, torch.float16), launch, []) is SPACE[2]
+    assert t.config((0, 2048, torch.float16), launch, []) is SPACE[1]
+    assert t.config((0, 4096, torch.float16), launch, []) is SPACE[0]
+    assert [d.source for d in records(name="toy")] == [
+        "shipped h100 defaults", "shipped h200 defaults", "default (TRIFUSE_AUTOTUNE=0)"]
+
+
 def test_pruned_configs_are_not_timed_and_say_why(cache_dir, timer):
     def prune(config, limits, n):
         return "too big" if config.kwargs["BLOCK"] > 128 else None
