@@ -12,7 +12,9 @@ which is one dict lookup once that key is decided. The first call with a new key
    config that fits. No timing;
 3. else the disk cache (autotune/cache.py) for this device, Triton, torch, kernel and bucket;
 4. else every fitting config is timed (`launch(config, *args)` under triton.testing.do_bench, median)
-   and the fastest is written to the disk cache: a second process does no timing.
+   and the fastest is written to the disk cache: a second process does no timing. On the GPU's
+   own timer, every config is first compiled, in parallel (`kernels._launch.precompile`: compiles,
+   not timings, are most of a first step's tuning time).
 
 `launch(config, *args)` must be repeatable: it is called many times while timing, so it writes
 only outputs that the next call overwrites (or scratch buffers); the launcher then launches the
@@ -266,6 +268,10 @@ class Tuner:
         times: dict[str, float] = {}
         by_label = {config_label(c): c for c in fitting}
         with on_device(device_index):
+            if self.timer is None:  # the GPU's own timer: every config compiles first, in parallel
+                from ..kernels._launch import precompile  # (kernels import autotune, not the reverse)
+
+                precompile(functools.partial(launch, cfg, *args) for cfg in by_label.values())
             for label, cfg in progress(list(by_label.items()), f"trifuse: tuning {self.name} [{bucket}]"):
                 try:
                     times[label] = float(timer(label, functools.partial(launch, cfg, *args)))

@@ -15,7 +15,12 @@ launcher as their addresses (ints); launch hooks are passed on as Triton does, w
 Anything else (the interpreter, a Triton without `triton.knobs` or whose launcher signature
 differs) takes Triton's own path.
 """
+import contextvars
+import logging
+import os
 import warnings
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import triton
@@ -23,6 +28,12 @@ import triton
 from ..autotune.env import INTERPRET
 
 _knobs = getattr(triton, "knobs", None)  # Triton >= 3.4; older ones take Triton's own path
+try:  # Triton's own parallel compilation (JIT compiles submitted to an executor); not in every Triton
+    from triton.runtime._async_compile import AsyncCompileMode
+except ImportError:
+    AsyncCompileMode = None
+
+log = logging.getLogger("trifuse")
 
 
 # A bound on the entries of one kernel: one per distinct launch signature (shapes, strides,
@@ -36,6 +47,43 @@ def store_plan(plans: dict, key: tuple, plan: tuple) -> None:
     if len(plans) >= MAX_ENTRIES:
         plans.clear()
     plans[key] = plan
+
+
+# True while `precompile` runs its calls: CachedKernel compiles instead of launching.
+_PRECOMPILING = contextvars.ContextVar("trifuse_precompiling", default=False)
+
+
+def precompile(calls: Iterable[Callable[[], object]], workers: int | None = None) -> bool:
+    """Compiles what each call would launch through CachedKernel, several kernels at once, and
+    launches nothing: each call runs with CachedKernel in compile-only mode (`JITFunction.warmup`)
+    inside Triton's AsyncCompileMode, which hands every compile to a pool of `workers` threads
+    (default: one per CPU, at most 16); Triton's passes and ptxas run outside the GIL, so a tuner's
+    dozens of configs compile in parallel instead of one after another. Later launches of the same
+    specializations find them compiled. A call whose compile fails is skipped here: its real launch
+    raises the error. Returns False (doing nothing) under the interpreter or on a Triton without
+    AsyncCompileMode."""
+    calls = list(calls)
+    if INTERPRET or AsyncCompileMode is None or not calls:
+        return False
+    workers = workers or min(len(calls), os.cpu_count() or 1, 16)
+    token = _PRECOMPILING.set(True)
+    try:
+        with ThreadPoolExecutor(workers, thread_name_prefix="trifuse-compile") as pool:
+            try:
+                mode = AsyncCompileMode(pool, ignore_errors=True)
+            except TypeError:  # a Triton whose mode has no ignore_errors: failures raise at exit
+                mode = AsyncCompileMode(pool)
+            with mode:
+                for call in calls:
+                    try:
+                        call()
+                    except Exception as e:  # noqa: BLE001  (the timed launch reports it)
+                        log.debug("trifuse: precompiling a launch failed: %r", e)
+    except Exception as e:  # noqa: BLE001  (a compile error surfacing at the mode's exit)
+        log.debug("trifuse: precompiling ended with %r", e)
+    finally:
+        _PRECOMPILING.reset(token)
+    return True
 
 
 def _active(hook):
@@ -85,6 +133,9 @@ class CachedKernel:
         return lambda *args, **kwargs: self.run(grid, args, kwargs)
 
     def run(self, grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:
+        if _PRECOMPILING.get():
+            self.fn.warmup(*args, grid=grid, **kwargs)
+            return
         if not self._fast:
             self.fn[grid](*args, **kwargs)
             return

@@ -46,6 +46,31 @@ def test_fastest_config_wins_and_is_replayed_without_timing(cache_dir, timer):
     assert t.decision(KEY) == d and t.decision((-1, 2048, torch.float16)) is None
 
 
+def test_on_the_gpus_own_timer_every_config_is_precompiled_before_timing(cache_dir, timer, monkeypatch):
+    """With the GPU's timer (no explicit one), the tuner hands every fitting config's launch to
+    `precompile` (parallel compiles) before it times them one by one; explicit timers (tests,
+    fakes) get no precompile."""
+    from trifuse.autotune import tuner as tuner_mod
+    from trifuse.kernels import _launch
+
+    fake, order = timer({}), []
+
+    def precompile(calls):
+        for call in calls:
+            call()
+        order.append("precompiled")
+
+    monkeypatch.setattr(_launch, "precompile", precompile)
+    monkeypatch.setattr(tuner_mod, "timer_for", lambda device, explicit: (fake, ""))
+    t, launched = Tuner("toy", space, key_names=("device", "n", "dtype")), []
+    t.config(KEY, launch, launched)
+    assert order == ["precompiled"] and launched[:3] == [64, 128, 256], "all configs, before any timing"
+    assert fake.calls == LABELS
+    t2, launched2 = make_tuner(timer({})), []
+    t2.config((-1, 4096, torch.float16), launch, launched2)
+    assert order == ["precompiled"] and launched2 == [64, 128, 256], "an explicit timer: no precompile"
+
+
 def test_second_process_with_the_same_shapes_does_no_timing(cache_dir, timer, new_process):
     make_tuner(timer({LABELS[2]: 0.5})).config(KEY, launch, [])
     new_process()

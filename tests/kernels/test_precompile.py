@@ -1,0 +1,64 @@
+"""`precompile`: a tuner's configs compiled at once in a thread pool (Triton's AsyncCompileMode),
+nothing launched, and later launches find them compiled. Real compiles for Hopper (sm_90) with
+Triton's compiler and ptxas, in a child process without the interpreter and without a GPU."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+CHILD = textwrap.dedent('''
+    import functools, json, sys, threading
+    import torch, triton, triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    sys.path.insert(0, BENCH)
+    from compile_sm90 import _TargetOnlyDriver  # a driver that names the target, no device
+
+    triton.runtime.driver.set_active(_TargetOnlyDriver(GPUTarget("cuda", 90, 32)))
+    from trifuse.kernels import _launch
+
+    threads = set()
+    compile_one = triton.compiler.compile
+
+    def compile_spy(*args, **kwargs):  # which thread compiles (a JITFunction binds it at first use)
+        threads.add(threading.current_thread().name)
+        return compile_one(*args, **kwargs)
+
+    triton.compiler.compile = compile_spy
+
+    @triton.jit
+    def _scale_kernel(X, OUT, n, alpha, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(OUT + offs, tl.load(X + offs, mask=offs < n) * alpha, mask=offs < n)
+
+    kernel = _launch.CachedKernel(_scale_kernel)
+    x, out = torch.empty(64), torch.empty(64)
+    configs = [(64, 1), (128, 2), (256, 4), (512, 4)]
+    done = _launch.precompile([functools.partial(kernel.run, (1,), (x, out, 64, 2.0), {"BLOCK": b, "num_warps": w})
+                               for b, w in configs], workers=2)
+    cache = _scale_kernel.device_caches[0][0]
+    print(json.dumps({"done": done, "kinds": sorted(type(k).__name__ for k in cache.values()),
+                      "entries": len(kernel._compiled), "threads": sorted(threads)}))
+''')
+
+
+def test_precompile_compiles_every_config_in_worker_threads_and_launches_nothing(tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text(f"BENCH = {str(BENCH)!r}\n" + CHILD)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")  # real compiles, not disk-cache hits
+    run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    if "AsyncCompileMode" in run.stderr and run.returncode != 0:
+        pytest.skip("this Triton has no AsyncCompileMode")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    if not out["done"]:
+        pytest.skip("this Triton has no AsyncCompileMode: precompile does nothing")
+    assert out["kinds"] == ["CompiledKernel"] * 4, "every config compiled and finalized in Triton's cache"
+    assert out["entries"] == 0, "nothing was launched or planned"
+    assert out["threads"] and all(t.startswith("trifuse-compile") for t in out["threads"]), out["threads"]
