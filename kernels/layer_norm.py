@@ -318,6 +318,9 @@ def _layer_norm_bwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
     IS_RMS_NORM: tl.constexpr, HAS_W: tl.constexpr, HAS_DS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, STORE_DR: tl.constexpr, ACC: tl.constexpr,
+    # which of the three shares are wanted: an accumulator nobody sums is registers and stores
+    # for nothing (a plain LayerNorm has no dx_bias; an RMSNorm no dbias)
+    STORE_DW: tl.constexpr, STORE_DB: tl.constexpr, STORE_DXB: tl.constexpr,
 ):
     pid = tl.program_id(0)
     row_start = pid.to(tl.int64) * rows_per_program  # int64 rows: row * stride may pass 2^31
@@ -353,13 +356,19 @@ def _layer_norm_bwd_kernel(
             dx = _store_input_grads(ds, DS + rows2 * stride_dsm, DX + rows2 * stride_dxm,
                                     DR + rows2 * stride_drm, seed, rows2, offs, mask, p, scale,
                                     HAS_DS, HAS_DROPOUT, STORE_DR)
-            dxb += dx
-            dw += dy * xhat
-            db += dy
+            if STORE_DXB:
+                dxb += dx
+            if STORE_DW:
+                dw += dy * xhat
+            if STORE_DB:
+                db += dy
         cols1 = tl.arange(0, BLOCK_N)
-        tl.store(DW_PARTIAL + cols1, tl.sum(dw, axis=0), mask=cols1 < N)
-        tl.store(DB_PARTIAL + cols1, tl.sum(db, axis=0), mask=cols1 < N)
-        tl.store(DXB_PARTIAL + cols1, tl.sum(dxb, axis=0), mask=cols1 < N)
+        if STORE_DW:
+            tl.store(DW_PARTIAL + cols1, tl.sum(dw, axis=0), mask=cols1 < N)
+        if STORE_DB:
+            tl.store(DB_PARTIAL + cols1, tl.sum(db, axis=0), mask=cols1 < N)
+        if STORE_DXB:
+            tl.store(DXB_PARTIAL + cols1, tl.sum(dxb, axis=0), mask=cols1 < N)
     else:
         # Wide rows, one at a time (BLOCK_M = 1): one pass for the two row sums, one to write the
         # grads. The partial rows are this program's alone (zeroed by the launcher), so
@@ -392,9 +401,12 @@ def _layer_norm_bwd_kernel(
                 dx = _store_input_grads(ds, DS + rows2 * stride_dsm, DX + rows2 * stride_dxm,
                                         DR + rows2 * stride_drm, seed, rows2, cols, mask, p, scale,
                                         HAS_DS, HAS_DROPOUT, STORE_DR)
-                tl.store(DW_PARTIAL + cols, tl.load(DW_PARTIAL + cols, mask=mask) + dy * xhat, mask=mask)
-                tl.store(DB_PARTIAL + cols, tl.load(DB_PARTIAL + cols, mask=mask) + dy, mask=mask)
-                tl.store(DXB_PARTIAL + cols, tl.load(DXB_PARTIAL + cols, mask=mask) + dx, mask=mask)
+                if STORE_DW:
+                    tl.store(DW_PARTIAL + cols, tl.load(DW_PARTIAL + cols, mask=mask) + dy * xhat, mask=mask)
+                if STORE_DB:
+                    tl.store(DB_PARTIAL + cols, tl.load(DB_PARTIAL + cols, mask=mask) + dy, mask=mask)
+                if STORE_DXB:
+                    tl.store(DXB_PARTIAL + cols, tl.load(DXB_PARTIAL + cols, mask=mask) + dx, mask=mask)
 
 
 @triton.jit
@@ -667,10 +679,10 @@ def layer_norm_bwd(
            store_dresidual, grad_dtypes, deterministic)
     plan = _BWD_PLANS.get(key)
     if plan is None:
-        constexprs = dict(IS_RMS_NORM=is_rms_norm, HAS_W=weight is not None, HAS_DS=ds is not None,
-                          HAS_DROPOUT=has_dropout, STORE_DR=store_dresidual, ACC=acc_dtype(s.dtype))
         sum_flags = dict(STORE_DW=grad_dtypes[0] is not None, STORE_DB=grad_dtypes[1] is not None,
                          STORE_DXB=grad_dtypes[2] is not None)
+        constexprs = dict(IS_RMS_NORM=is_rms_norm, HAS_W=weight is not None, HAS_DS=ds is not None,
+                          HAS_DROPOUT=has_dropout, STORE_DR=store_dresidual, ACC=acc_dtype(s.dtype), **sum_flags)
         grads = "".join(c for c, d in zip("wbx", grad_dtypes) if d is not None)
         tuning_key = (device, s.dtype, n, pow2_bucket(m), is_rms_norm, ds is not None, has_dropout,
                       store_dresidual, grads)

@@ -114,6 +114,28 @@ def test_wide_rows_use_the_chunked_path(shape, variant):
     check_fwd_bwd(variant, torch.float32, *make(shape, torch.float32, variant))
 
 
+@pytest.mark.parametrize("frozen", ["weight", "bias", "both"])
+@pytest.mark.parametrize("shape", [(5, 1000), WIDE_SHAPES[0]], ids=_ids)  # one block; the chunked path
+def test_frozen_parameters_get_no_share_and_the_other_gradients_hold(shape, frozen):
+    """A frozen weight or bias (requires_grad False): the backward accumulates and sums no share
+    for it, and the gradients still asked for match float64."""
+    n = shape[-1]
+    x, w, b, _ = make(shape, torch.float32, "layer_norm")
+    w.requires_grad_(frozen == "bias")
+    b.requires_grad_(frozen == "weight")
+    wanted = [i for i, t in enumerate((x, w, b)) if t.requires_grad]
+    dy = torch.randn(shape, device=DEVICE)
+    out = trifuse.ops.layer_norm(x, (n,), w, b)
+    got = torch.autograd.grad(out, [(x, w, b)[i] for i in wanted], dy)
+    x64, w64, b64 = upcast(x, w, b)
+    want64 = torch.autograd.grad(layer_norm_ref(x64, (n,), w64, b64, 1e-5), [(x64, w64, b64)[i] for i in wanted],
+                                 dy.double())
+    xl, wl, bl = lowp(x, w, b)
+    want_lp = torch.autograd.grad(layer_norm_ref(xl, (n,), wl, bl, 1e-5), [(xl, wl, bl)[i] for i in wanted], dy)
+    for i, a, a64, alp in zip(wanted, got, want64, want_lp):
+        assert_close(f"frozen {frozen}: {('dx', 'dweight', 'dbias')[i]}", a, a64, alp)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_large_offset_and_scale(dtype):
     """Mean 1e3 and spread 1e2 (fp16 still represents them): no cancellation in the variance."""
