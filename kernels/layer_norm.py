@@ -43,6 +43,7 @@ import triton.language as tl
 
 from ..autotune import Tuner, configs, dialects, pow2_bucket
 from ._common import (
+    FLOAT_DTYPES,
     acc_dtype,
     as_rows,
     cast,
@@ -1170,15 +1171,28 @@ def _layer_norm_trifuse(x, normalized_shape, weight, bias, eps):
 
 
 def _layer_norm_torch(x, normalized_shape, weight, bias, eps):
-    # trifuse's checks first: the same clear errors whichever candidate runs (F.layer_norm
-    # would take a negative eps, for one).
-    _check_norm_inputs("layer_norm", x, list(normalized_shape), weight, bias, eps)
-    # Autocast would run F.layer_norm in fp32 and return fp32; trifuse returns x's dtype, and the
-    # choice of implementation must not change the output dtype.
-    if unscoped(x.device):
-        return _norm_mixed(x, normalized_shape, weight, bias, eps, False)
-    with profiled("trifuse::layer_norm"), no_autocast(x.device):
-        return _norm_mixed(x, normalized_shape, weight, bias, eps, False)
+    return _torch_norm("layer_norm", x, normalized_shape, weight, bias, eps, False)
+
+
+def _torch_norm(op, x, normalized_shape, weight, bias, eps, is_rms_norm):
+    """F.layer_norm / F.rms_norm for the dialects' torch candidates, in x's dtype (autocast would
+    run them in fp32 and return fp32: the choice of implementation must not change the output
+    dtype), with trifuse's errors. PyTorch raises on the bad inputs trifuse rejects but an eps below
+    0 or NaN and integer tensors (mixed with float ones, _norm_mixed would compute in float and
+    return integers), so trifuse's checks (a third of this path's host time) run only for those,
+    or after PyTorch raised, to say what was wrong in trifuse's words (or re-raise PyTorch's)."""
+    if not (isinstance(eps, (int, float)) and eps >= 0.0 and getattr(x, "dtype", None) in FLOAT_DTYPES
+            and (weight is None or getattr(weight, "dtype", None) in FLOAT_DTYPES)
+            and (bias is None or getattr(bias, "dtype", None) in FLOAT_DTYPES)):
+        _check_norm_inputs(op, x, list(normalized_shape), weight, bias, eps)
+    try:
+        if unscoped(x.device):
+            return _norm_mixed(x, normalized_shape, weight, bias, eps, is_rms_norm)
+        with profiled(f"trifuse::{op}"), no_autocast(x.device):
+            return _norm_mixed(x, normalized_shape, weight, bias, eps, is_rms_norm)
+    except Exception:
+        _check_norm_inputs(op, x, list(normalized_shape), weight, bias, eps)
+        raise
 
 
 def _layer_norm_torch_supports(x, normalized_shape, weight, bias, eps) -> str | None:
@@ -1221,12 +1235,7 @@ def _rms_norm_trifuse(x, normalized_shape, weight, eps):
 
 
 def _rms_norm_torch(x, normalized_shape, weight, eps):
-    # As _layer_norm_torch: trifuse's checks and errors first, x's dtype kept under autocast.
-    _check_norm_inputs("rms_norm", x, list(normalized_shape), weight, None, eps)
-    if unscoped(x.device):
-        return _norm_mixed(x, normalized_shape, weight, None, eps, True)
-    with profiled("trifuse::rms_norm"), no_autocast(x.device):
-        return _norm_mixed(x, normalized_shape, weight, None, eps, True)
+    return _torch_norm("rms_norm", x, normalized_shape, weight, None, eps, True)
 
 
 def _rms_norm_torch_supports(x, normalized_shape, weight, eps) -> str | None:

@@ -133,6 +133,27 @@ def test_bad_input_still_raises_trifuse_errors(ln_dialect, timer, monkeypatch):
         trifuse.ops.layer_norm(torch.ones(3, 8, device=DEVICE), (8,), torch.ones(5, device=DEVICE))
 
 
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("bad, exc, match", [
+    (dict(weight=torch.ones(5)), ValueError, "weight must have shape"),
+    (dict(weight=[1.0] * N), TypeError, "weight must be a torch.Tensor"),
+    (dict(x=torch.ones(3, N, dtype=torch.int64)), TypeError, "input must be float16"),
+    (dict(weight=torch.ones(N, dtype=torch.int64)), TypeError, "weight must be float16"),
+    (dict(eps=-1e-5), ValueError, "eps must be a non-negative number"),
+    (dict(eps=float("nan")), ValueError, "eps must be a non-negative number"),
+])
+def test_the_torch_candidate_raises_trifuse_errors(op, bad, exc, match):
+    """The torch candidates run PyTorch first and trifuse's checks only when eps is off or PyTorch
+    raised: the errors are still trifuse's (PyTorch would take a negative or NaN eps)."""
+    fn = ln._layer_norm_torch if op == "layer_norm" else ln._rms_norm_torch
+    args = {"x": torch.randn(3, N, device=DEVICE), "weight": torch.ones(N, device=DEVICE), "eps": 1e-5, **bad}
+    if isinstance(args["weight"], torch.Tensor):
+        args["weight"] = args["weight"].to(DEVICE)
+    call = (args["x"].to(DEVICE), (N,), args["weight"], None, args["eps"])
+    with pytest.raises(exc, match=f"trifuse.{op}: {match}"):
+        fn(*call) if op == "layer_norm" else fn(call[0], call[1], call[2], call[4])
+
+
 def test_explain_is_reachable_by_op_name(ln_dialect, timer, monkeypatch):
     monkeypatch.setattr(ln_dialect, "timer", timer({"trifuse": 1.0, "torch": 2.0}))
     x, w, b = inputs()
