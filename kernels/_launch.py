@@ -63,7 +63,7 @@ def precompile(calls: Iterable[Callable[[], object]], workers: int | None = None
     raises the error. Returns False (doing nothing) under the interpreter or on a Triton without
     AsyncCompileMode."""
     calls = list(calls)
-    if INTERPRET or AsyncCompileMode is None or not calls:
+    if INTERPRET or AsyncCompileMode is None or not calls or _PRECOMPILING.get():
         return False
     workers = workers or min(len(calls), os.cpu_count() or 1, 16)
     token = _PRECOMPILING.set(True)
