@@ -189,10 +189,11 @@ def host_us(step: Callable[[], object], iters: int = 200) -> float:
     return (time.perf_counter() - t0) / iters * 1e6
 
 
-def best_us_per_call(fn: Callable[[], object], iters: int = 2000, runs: int = 7) -> float:
-    """Wall µs per call of a CPU-only step: the best of `runs` runs of `iters` calls (the CPU
-    proxies of the host path, bench/*_host_proxy.py, run on machines that may be shared)."""
-    for _ in range(50):
+def best_us_per_call(fn: Callable[[], object], iters: int = 2000, runs: int = 7, warmup: int = 50) -> float:
+    """Wall µs per call of a CPU-only step: the best of `runs` runs of `iters` calls after
+    `warmup` calls (the CPU proxies of the host path, bench/*_host_proxy.py, run on machines that
+    may be shared)."""
+    for _ in range(warmup):
         fn()
     best = float("inf")
     for _ in range(runs):

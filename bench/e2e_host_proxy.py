@@ -11,9 +11,9 @@ step is host-bound when this host time, scaled to that box, exceeds the step's G
 (bench_e2e.py reports the device busy % there). The best of 5 runs of 5 steps is reported.
 """
 import os
-import time
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+import _harness as H  # noqa: E402
 import norm_host_proxy  # noqa: E402
 import torch  # noqa: E402
 
@@ -29,21 +29,16 @@ def gpt2(seed: int = 0) -> torch.nn.Module:
     return transformers.GPT2LMHeadModel(cfg).train()
 
 
-def best_ms_per_step(model: torch.nn.Module, ids: torch.Tensor, steps: int = 5, runs: int = 5) -> float:
+def training_step(model: torch.nn.Module, ids: torch.Tensor):
     def step():
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
         for p in model.parameters():
             p.grad = None
+    return step
 
-    for _ in range(3):
-        step()
-    best = float("inf")
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        best = min(best, (time.perf_counter() - t0) / steps * 1e3)
-    return best
+
+def best_ms_per_step(model: torch.nn.Module, ids: torch.Tensor) -> float:
+    return H.best_us_per_call(training_step(model, ids), iters=5, runs=5, warmup=3) / 1e3
 
 
 def main() -> None:
@@ -54,8 +49,8 @@ def main() -> None:
     model = trifuse.fuse(gpt2())
     fused = best_ms_per_step(model, ids)
     before = norm_host_proxy.launches[0]
-    best_ms_per_step(model, ids, steps=1, runs=1)  # 3 warm-up steps and 1 timed
-    per_step = (norm_host_proxy.launches[0] - before) // 4
+    training_step(model, ids)()
+    per_step = norm_host_proxy.launches[0] - before
     fused_ops = ", ".join(f"{k} {v}" for k, v in trifuse.report(model).by_pattern().items())
     print(f"fused: {fused_ops}")
     print("GPT-2, 24 blocks, width 64, 2 x 16 tokens, forward + backward, host ms per step:")

@@ -118,12 +118,17 @@ def test_without_a_timer_the_interpreter_uses_the_default(cache_dir):
     assert records(name="toy")[0].source.startswith("default (")
 
 
-def test_autotune_off_replays_shipped_defaults_for_the_gpu_family(cache_dir, timer, monkeypatch, tmp_path):
+def _untimed_on(device_name, monkeypatch, defaults_dir):
+    """TRIFUSE_AUTOTUNE=0 on a GPU named `device_name`, with shipped defaults read from defaults_dir."""
     monkeypatch.setenv("TRIFUSE_AUTOTUNE", "0")
-    h100 = cache.Environment("NVIDIA H100 80GB HBM3", triton.__version__, torch.__version__)
-    monkeypatch.setattr("trifuse.autotune.tuner.environment", lambda i: h100)
-    monkeypatch.setattr(cache, "environment", lambda i: h100)
-    monkeypatch.setattr(cache, "DEFAULTS_DIR", tmp_path)
+    env = cache.Environment(device_name, triton.__version__, torch.__version__)
+    monkeypatch.setattr("trifuse.autotune.tuner.environment", lambda i: env)
+    monkeypatch.setattr(cache, "environment", lambda i: env)
+    monkeypatch.setattr(cache, "DEFAULTS_DIR", defaults_dir)
+
+
+def test_autotune_off_replays_shipped_defaults_for_the_gpu_family(cache_dir, timer, monkeypatch, tmp_path):
+    _untimed_on("NVIDIA H100 80GB HBM3", monkeypatch, tmp_path)
     cache.write_defaults(tmp_path / "h100.json", "h100",
                          {"toy|n=1024,dtype=float16": {"config": config_to_json(SPACE[2])}}, "test")
     fake = timer({})
@@ -138,11 +143,7 @@ def test_autotune_off_replays_shipped_defaults_for_the_gpu_family(cache_dir, tim
 def test_the_same_chips_shipped_defaults_serve_where_a_family_has_none(cache_dir, timer, monkeypatch, tmp_path):
     """An H200 (the H100's chip with other memory) replays H100 defaults for shapes its own file
     lacks; its own entries win where both have one."""
-    monkeypatch.setenv("TRIFUSE_AUTOTUNE", "0")
-    h200 = cache.Environment("NVIDIA H200", triton.__version__, torch.__version__)
-    monkeypatch.setattr("trifuse.autotune.tuner.environment", lambda i: h200)
-    monkeypatch.setattr(cache, "environment", lambda i: h200)
-    monkeypatch.setattr(cache, "DEFAULTS_DIR", tmp_path)
+    _untimed_on("NVIDIA H200", monkeypatch, tmp_path)
     cache.write_defaults(tmp_path / "h100.json", "h100",
                          {"toy|n=1024,dtype=float16": {"config": config_to_json(SPACE[2])},
                           "toy|n=2048,dtype=float16": {"config": config_to_json(SPACE[2])}}, "test")

@@ -198,19 +198,27 @@ class _FakeJit:
         return launch
 
 
+def _direct_path(monkeypatch, enter_hook=None, exit_hook=None):
+    """(fake jit function, CachedKernel on the direct path) with a fake device, stream and hooks."""
+    import trifuse.kernels._launch as launch_mod
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
+    monkeypatch.setattr(launch_mod, "_knobs", types.SimpleNamespace(
+        runtime=types.SimpleNamespace(launch_enter_hook=enter_hook, launch_exit_hook=exit_hook)))
+    fake = _FakeJit()
+    kernel = CachedKernel(fake)
+    kernel._fast = True
+    return fake, kernel
+
+
 def test_direct_launch_path_keys_and_arguments(monkeypatch):
     """The direct path (GPU only in real use) driven on CPU with a fake compiled kernel: one
     entry per launch signature, floats not part of it, and the launcher gets the grid, the stream,
     the runtime arguments and then the constexprs, in the kernel's order."""
     import trifuse.kernels._launch as launch_mod
 
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
-    monkeypatch.setattr(launch_mod, "_knobs", types.SimpleNamespace(
-        runtime=types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)))
-    fake = _FakeJit()
-    kernel = CachedKernel(fake)
-    kernel._fast = True
+    fake, kernel = _direct_path(monkeypatch)
     buf = torch.zeros(64)
     x, out = buf[:16], buf[16:32]
     kernel[(3,)](x, out, 16, 2.0, BLOCK=64, HAS_Y=True, num_warps=1)  # first: Triton's own path
@@ -238,16 +246,8 @@ def test_direct_launch_path_keys_and_arguments(monkeypatch):
 def test_direct_launch_gives_launch_hooks_the_tensors(monkeypatch):
     """With a launch hook set (a profiler's), the launcher gets the tensors themselves and the
     hook its metadata, as on Triton's own path; without one, addresses."""
-    import trifuse.kernels._launch as launch_mod
-
     hook = object()
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
-    monkeypatch.setattr(launch_mod, "_knobs", types.SimpleNamespace(
-        runtime=types.SimpleNamespace(launch_enter_hook=hook, launch_exit_hook=None)))
-    fake = _FakeJit()
-    kernel = CachedKernel(fake)
-    kernel._fast = True
+    fake, kernel = _direct_path(monkeypatch, enter_hook=hook)
     x, out = torch.zeros(16), torch.zeros(16)
     for _ in range(2):  # the first through Triton's path, the second direct
         kernel[(3,)](x, out, 16, 2.0, BLOCK=64, HAS_Y=True, num_warps=1)
@@ -259,21 +259,13 @@ def test_direct_launch_gives_launch_hooks_the_tensors(monkeypatch):
 def test_direct_launch_skips_empty_hook_chains(monkeypatch):
     """Newer Tritons keep a hook chain (with a `calls` list) even when nothing is hooked: an empty
     one is not handed to the launcher, which then gets addresses and no metadata."""
-    import trifuse.kernels._launch as launch_mod
-
-    chains = types.SimpleNamespace(launch_enter_hook=types.SimpleNamespace(calls=[]),
-                                   launch_exit_hook=types.SimpleNamespace(calls=[]))
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
-    monkeypatch.setattr(launch_mod, "_knobs", types.SimpleNamespace(runtime=chains))
-    fake = _FakeJit()
-    kernel = CachedKernel(fake)
-    kernel._fast = True
+    enter, exit_ = types.SimpleNamespace(calls=[]), types.SimpleNamespace(calls=[])
+    fake, kernel = _direct_path(monkeypatch, enter_hook=enter, exit_hook=exit_)
     x, out = torch.zeros(16), torch.zeros(16)
     for _ in range(2):
         kernel[(3,)](x, out, 16, 2.0, BLOCK=64, HAS_Y=True, num_warps=1)
     assert fake.runs[-1][6:11] == (None, None, None, x.data_ptr(), out.data_ptr())
-    chains.launch_exit_hook.calls.append(print)  # a profiler hooks in: metadata and tensors again
+    exit_.calls.append(print)  # a profiler hooks in: metadata and tensors again
     kernel[(3,)](x, out, 16, 2.0, BLOCK=64, HAS_Y=True, num_warps=1)
-    assert fake.runs[-1][6][0] == "meta" and fake.runs[-1][8] is chains.launch_exit_hook
+    assert fake.runs[-1][6][0] == "meta" and fake.runs[-1][8] is exit_
     assert fake.runs[-1][9] is x
