@@ -192,6 +192,23 @@ def test_gpu_tuning_times_fitting_configs_and_replays(fresh, cache_dir, launches
         assert a is None or torch.equal(a, b_)
 
 
+@pytest.mark.gpu
+def test_gpu_tuning_compiles_the_configs_in_parallel_first(fresh, cache_dir, monkeypatch):
+    """On the GPU the tuner hands every fitting config to `precompile` (Triton's AsyncCompileMode
+    on a thread pool) before timing: it must really run there (where this Triton has the mode),
+    and the tuned launches must still compute the norm."""
+    from trifuse.kernels import _launch
+
+    ran, precompile = [], _launch.precompile
+    monkeypatch.setattr(_launch, "precompile", lambda calls: ran.append(precompile(calls)))
+    x, r, w, b, dy = (t.cuda().to(torch.bfloat16) for t in _inputs(3))
+    y, s, *_ = _fwd_bwd(x, r, w, b, dy)
+    assert len(ran) == 2 and all(done == (_launch.AsyncCompileMode is not None) for done in ran)
+    ref = torch.nn.functional.layer_norm((x + r).float(), (N,), w.float(), b.float(), 1e-5)
+    torch.testing.assert_close(s, x + r)
+    torch.testing.assert_close(y.float(), ref, atol=3e-2, rtol=3e-2)
+
+
 def test_deterministic_algorithms_take_the_default_backward(fresh, launches, cache_dir, timer):
     """Under torch.use_deterministic_algorithms the backward never takes a tuned config: its
     partial-sum split (the order dweight is summed in) is the same in every process."""
