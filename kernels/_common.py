@@ -77,9 +77,7 @@ def as_rows(t: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
     host time); sliced and batched inputs keep their row stride; others are copied."""
     if t.is_contiguous():
         return t, n
-    t2 = t.reshape(-1, n)
-    if n > 1 and t2.stride(1) != 1:
-        t2 = t2.contiguous()
+    t2 = rows_2d(t, n)
     return t2, t2.stride(0)
 
 
