@@ -50,6 +50,11 @@ stage() {  # stage NAME SECONDS COMMAND...: runs with a time limit, logs to $LOG
     local rc=$?
     echo "=== $name: rc=$rc in $((SECONDS - t0))s"
     tail -n 40 "$LOGS/$name.log"
+    save
+}
+
+save() {  # everything so far into $OUT/session.tgz, after every stage: a call cut by its limit keeps it
+    tar czf "$OUT/session.tmp.tgz" bench/results autotune/defaults && mv "$OUT/session.tmp.tgz" "$OUT/session.tgz"
 }
 
 {
@@ -117,5 +122,5 @@ for what in "$@"; do
     esac
 done
 
-tar czf "$OUT/session.tgz" bench/results autotune/defaults
+save
 ls -l "$OUT"
