@@ -1744,10 +1744,29 @@ def _attention_check(fn, args: tuple) -> str | None:
     again = _run_candidate(fn, args, dy, train)
     if dropout_p < 1.0 and torch.equal(first[0], got[0]):
         return f"dropout check: the output at dropout_p={dropout_p} equals the one at 0"
-    for label, a, b in zip(labels, first, again):
-        if not torch.equal(a, b):
-            return f"dropout check: {label} is not repeatable from the same RNG state"
+    if not torch.equal(first[0], again[0]):
+        return "dropout check: output is not repeatable from the same RNG state"
+    for label, a, b in zip(labels[1:], first[1:], again[1:]):
+        # The gradients only up to rounding: SDPA's backwards (cuDNN, flash, efficient) and
+        # flash-attn's add dQ's partial sums with atomics, in an order that changes from run to
+        # run at real sizes; a mask drawn anew in the backward changes them by far more.
+        problem = _differs_beyond_rounding(a, b)
+        if problem is not None:
+            return f"dropout check: {label} is not repeatable from the same RNG state ({problem})"
     return None
+
+
+def _differs_beyond_rounding(a: torch.Tensor | None, b: torch.Tensor | None) -> str | None:
+    """None when a and b (one gradient, two runs) agree to within 4 units of the dtype's last
+    place of a's largest magnitude: what summing the same terms in another order can change."""
+    if a is None or b is None:
+        return None if a is None and b is None else "missing in one run"
+    scale = a.abs().max().item() if a.numel() else 0.0
+    diff = (a - b).abs().max().item() if a.numel() else 0.0
+    allowed = 4 * torch.finfo(a.dtype).eps * scale
+    if diff <= allowed:
+        return None
+    return f"max difference {diff:.3g}, allowed {allowed:.3g}"
 
 
 ATTENTION = dialects.define(

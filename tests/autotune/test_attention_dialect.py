@@ -371,6 +371,45 @@ def test_check_with_dropout_rejects_a_candidate_that_is_not_repeatable():
     assert problem == "dropout check: output is not repeatable from the same RNG state"
 
 
+class _ScaledGradient(torch.autograd.Function):
+    """Identity forward; the backward multiplies the gradient by `factor`."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.factor, None
+
+
+def _dq_scaled_per_run(factors):
+    """A candidate computing trifuse's attention whose dq is scaled by the next factor each call
+    (the check's three calls: at p = 0, then twice from one RNG state)."""
+    it = iter(factors)
+
+    def fn(q, k, v, m, p, c, s, g):
+        return A._attention_trifuse(_ScaledGradient.apply(q, next(it)), k, v, m, p, c, s, g)
+    return fn
+
+
+def test_check_with_dropout_takes_gradients_that_differ_by_rounding():
+    """A backward that sums dQ with atomics (SDPA's, flash-attn's) gives gradients that differ
+    in the last bits between two runs from one RNG state: still repeatable."""
+    ulp = torch.finfo(torch.float32).eps
+    args = call(*qkv(s=20), dropout_p=0.3, is_causal=True)
+    assert A._attention_check(_dq_scaled_per_run([1.0, 1.0, 1.0 + 2 * ulp]), args) is None
+
+
+def test_check_with_dropout_rejects_gradients_that_differ_beyond_rounding():
+    """A backward whose gradient changes between two runs from one RNG state (a mask drawn
+    anew in the backward does) is not repeatable."""
+    args = call(*qkv(s=20), dropout_p=0.3, is_causal=True)
+    problem = A._attention_check(_dq_scaled_per_run([1.0, 1.0, 1.001]), args)
+    assert problem.startswith("dropout check: dq is not repeatable from the same RNG state (max difference")
+
+
 def test_check_with_dropout_still_checks_p0_first():
     def wrong_at_0(q, k, v, m, p, c, s, g):
         return A._attention_trifuse(q, k, v, m, p, c, s, g) * 1.01
