@@ -8,7 +8,9 @@ patched Llama when it loads), bf16 autocast, AdamW.
 Reports tokens/s, step time, peak memory and set-up time (the fuse or compile call plus the
 first step's excess over a steady step), all measured in this process; for each provider a
 profile of one more step: its top CUDA kernels (e2e-top-kernels.*) and how busy the GPU was over
-the step's wall time (what host overhead leaves); and a bar plot of tokens/s (e2e.png).
+the step's wall time (what host overhead leaves); for the fused runs, what each op's dialect
+chose and why (the rows' "dialect choices", in the log and the JSON); and a bar plot of tokens/s
+(e2e.png).
 """
 import argparse
 import time
@@ -121,6 +123,7 @@ def run_one(name: str, provider: str, spec, steps: int, device: str, checkpointi
     }
     if provider.startswith("trifuse.fuse"):
         row["fused"] = _fused_summary(model)
+        row["dialect choices"] = _dialect_choices()
     top, busy = profile_step(model, opt, data, gpu)
     row["device busy %"] = busy
     row["top kernels"] = top
@@ -144,7 +147,11 @@ def profile_step(model, opt, data, gpu: bool, top: int = 12) -> tuple[list[dict]
             return e.self_cpu_time_total
         return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
 
-    events = [e for e in prof.key_averages() if not gpu or e.device_type == DeviceType.CUDA]
+    # On the GPU, kernels only: a profiler range (record_function: trifuse's op scopes,
+    # Optimizer.step) also shows up with device time, the span of the kernels inside it, which
+    # would count them twice (torch's own table totals leave user annotations out the same way).
+    events = [e for e in prof.key_averages()
+              if not gpu or (e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False))]
     events = [e for e in events if self_time(e) > 0]
     total = sum(self_time(e) for e in events)
     ranked = sorted(events, key=self_time, reverse=True)[:top]
@@ -152,6 +159,14 @@ def profile_step(model, opt, data, gpu: bool, top: int = 12) -> tuple[list[dict]
              "% of device time": 100 * self_time(e) / total if total else float("nan")} for e in ranked]
     busy = 100 * total / 1e6 / wall if gpu and wall > 0 else float("nan")
     return rows, busy
+
+
+def _dialect_choices() -> list[str]:
+    """What each op's dialect chose for the shapes this model ran, and why the others lost or were
+    rejected (times and reasons): which implementation ran is part of the result."""
+    from trifuse.autotune import decisions
+
+    return [str(d) for d in decisions.records(kind="dialect")]
 
 
 def _fused_summary(model) -> str:
@@ -248,6 +263,8 @@ def test_e2e_smoke(name, provider):
     device = "cuda" if H.on_gpu() else "cpu"
     row = run_one(name, provider, TINY[name], 1, device)
     assert row["tokens/s"] > 0
+    if provider.startswith("trifuse.fuse"):  # the attention dialect decided, at the least
+        assert any(c.startswith("attention [") for c in row["dialect choices"])
     assert row["top kernels"] and all(k["ms"] > 0 for k in row["top kernels"])
 
 
