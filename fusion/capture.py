@@ -730,10 +730,34 @@ def _ignore_once_logging() -> tuple[set, list]:
     added = []
     for name in _ONCE_LOGGING:
         fn = getattr(logging.Logger, name, None)
-        if fn is not None and fn not in ignored:
-            ignored.add(fn)
-            added.append(fn)
+        if fn is None or fn in ignored:
+            continue
+        if ignored and _metrics_log_sorts_ignored_functions():
+            break  # a second function would make every compile log a traceback (below)
+        ignored.add(fn)
+        added.append(fn)
     return ignored, added
+
+
+@functools.cache
+def _metrics_log_sorts_ignored_functions() -> bool:
+    """True on torch versions (2.11) whose compilation-metrics logging sorts the ignored logging
+    functions (its clean-up skips the set under its old name only): two functions do not compare,
+    and each compile then logs "Unexpected exception logging compilation metrics" at ERROR. There
+    the set gets one function (`warning_once`, the one between a head and its loss) at a time."""
+    config = torch._dynamo.config
+    probe = getattr(getattr(torch._dynamo, "utils", None), "_get_dynamo_config_for_logging", None)
+    name = "ignore_logging_functions" if hasattr(config, "ignore_logging_functions") else "ignore_logger_methods"
+    if probe is None or not hasattr(config, name):
+        return False
+    with config.patch(**{name: {logging.Logger.info, logging.Logger.debug}}):
+        try:
+            probe()
+        except TypeError:
+            return True
+        except Exception:  # noqa: BLE001  (anything else: the logging code changed; assume it copes)
+            return False
+    return False
 
 
 # =============================================================================================

@@ -555,3 +555,58 @@ def test_graphs_compiled_for_another_model_of_the_same_classes_count_in_its_repo
             x = layer(x)
         counts.append(trifuse.report(model).counts())
     assert counts[0] == counts[1] == {"layer_norm": 2}, counts
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face's once-only Logger methods inside a head capture, and torch 2.11's metrics log
+# ---------------------------------------------------------------------------------------------
+
+
+def _once_methods(monkeypatch):
+    """logging.Logger with warning_once / info_once as transformers adds them (lru_cache'd)."""
+    import functools
+    import logging
+
+    for name in ("warning_once", "info_once"):
+        monkeypatch.setattr(logging.Logger, name, functools.lru_cache(None)(lambda self, *a, _n=name: None),
+                            raising=False)
+
+
+def _ignored_set_name() -> str:
+    config = torch._dynamo.config
+    return "ignore_logging_functions" if hasattr(config, "ignore_logging_functions") else "ignore_logger_methods"
+
+
+@pytest.mark.skipif(not hasattr(torch._dynamo.config, "ignore_logging_functions")
+                    and not hasattr(torch._dynamo.config, "ignore_logger_methods"),
+                    reason="this torch has no ignored logging functions")
+@pytest.mark.parametrize("sorts", [False, True], ids=["torch sorts nothing", "torch 2.11 sorts the set"])
+def test_once_logging_is_ignored_in_a_capture_without_breaking_metrics_logging(monkeypatch, sorts):
+    """Both once-only methods join Dynamo's ignored set for a capture and leave it after; where
+    torch's compilation-metrics logging sorts that set (2.11: two lru_cache wrappers do not compare,
+    and every compile logs an ERROR traceback), only warning_once joins."""
+    import logging
+
+    from trifuse.fusion import capture as C
+
+    _once_methods(monkeypatch)
+    config = torch._dynamo.config
+    name = _ignored_set_name()
+
+    def sorting_probe():  # what torch 2.11's _get_dynamo_config_for_logging does with the set
+        return sorted(getattr(config, name))
+    monkeypatch.setattr(torch._dynamo.utils, "_get_dynamo_config_for_logging",
+                        sorting_probe if sorts else (lambda: "{}"))
+    C._metrics_log_sorts_ignored_functions.cache_clear()
+    try:
+        with config.patch(**{name: set()}):
+            ignored, added = C._ignore_once_logging()
+            assert added == ([logging.Logger.warning_once] if sorts
+                             else [logging.Logger.warning_once, logging.Logger.info_once])
+            assert ignored is getattr(config, name) and set(added) <= ignored
+            if sorts:
+                sorting_probe()  # the metrics log's sort works on what was added
+            ignored.difference_update(added)
+            assert not getattr(config, name)
+    finally:
+        C._metrics_log_sorts_ignored_functions.cache_clear()
