@@ -15,6 +15,8 @@ The "softcap" variant is Gemma 2 9B's attention (16 query heads over 8 kv heads,
 logit soft cap 50, causal): SDPA has no soft cap, so its baselines are what a Gemma 2 user runs
 instead, transformers' eager code (scores materialized), FlexAttention with a tanh score_mod
 (compiled), and flash-attn's softcap when importable.
+The dropout variants are GPT-2 medium's and BERT-large's attention in training (dropout 0.1 on the
+probabilities); every implementation draws its own masks, so their outputs are not compared.
 The "mla" variant is DeepSeek-V2/V3's multi-head latent attention as it reaches SDPA: q and k
 192 wide (128 + 64 rotary features), v 128 (so fwd counts 2·B·H·S·S·(192 + 128)); flash
 backends that need one head dim for q, k and v report an error there.
@@ -42,7 +44,11 @@ SHAPES = {
     "full": ((4, 16, 2048, 128), (16, 12, 512, 64)),
     "softcap": ((2, 16, 4096, 256),),
     "mla": ((2, 16, 4096, 192),),
+    # attention dropout 0.1, as GPT-2 medium and BERT-large train (one draw per probability)
+    "causal, dropout 0.1": ((8, 16, 1024, 64),),
+    "full, dropout 0.1": ((16, 16, 512, 64),),
 }
+DROPOUT = {"causal, dropout 0.1": 0.1, "full, dropout 0.1": 0.1}
 MLA_DV = 128 if H.on_gpu() else 8
 SOFTCAP, SOFTCAP_KV_HEADS = 50.0, 8
 
@@ -113,23 +119,24 @@ def flops_for(shape, mode, causal: bool, dv: int | None = None) -> float:
     return {"fwd": fwd, "bwd": 2.5 * fwd, "fwd+bwd": 3.5 * fwd}[mode]
 
 
-def _sdpa(backend: SDPBackend, causal: bool):
+def _sdpa(backend: SDPBackend, causal: bool, dropout_p: float = 0.0):
     def fn(q, k, v):
         with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal)
     return fn
 
 
-def providers(causal: bool) -> dict:
+def providers(causal: bool, dropout_p: float = 0.0) -> dict:
+    p = dropout_p
     out = {
         # trifuse's kernels, always: trifuse.ops.attention may choose another implementation
         # (its dialect), which the "trifuse.ops (dialect)" provider measures.
-        "trifuse": lambda q, k, v: attn_mod._attention_trifuse(q, k, v, None, 0.0, causal, None, False),
-        "trifuse.ops (dialect)": lambda q, k, v: trifuse.ops.attention(q, k, v, is_causal=causal),
-        "sdpa-flash": _sdpa(SDPBackend.FLASH_ATTENTION, causal),
-        "sdpa-efficient": _sdpa(SDPBackend.EFFICIENT_ATTENTION, causal),
-        "sdpa-cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION, causal),
-        "sdpa-math": _sdpa(SDPBackend.MATH, causal),
+        "trifuse": lambda q, k, v: attn_mod._attention_trifuse(q, k, v, None, p, causal, None, False),
+        "trifuse.ops (dialect)": lambda q, k, v: trifuse.ops.attention(q, k, v, dropout_p=p, is_causal=causal),
+        "sdpa-flash": _sdpa(SDPBackend.FLASH_ATTENTION, causal, p),
+        "sdpa-efficient": _sdpa(SDPBackend.EFFICIENT_ATTENTION, causal, p),
+        "sdpa-cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION, causal, p),
+        "sdpa-math": _sdpa(SDPBackend.MATH, causal, p),
     }
     if not H.on_gpu():
         return {name: out[name] for name in ("trifuse", "trifuse.ops (dialect)", "sdpa-math")}
@@ -137,12 +144,12 @@ def providers(causal: bool) -> dict:
     if flash_attn is not None:
         # (B, S, H, D) views of the same tensors: flash-attn takes any strides with a unit last one.
         out["flash-attn"] = lambda q, k, v: flash_attn.flash_attn_func(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal).transpose(1, 2)
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=p, causal=causal).transpose(1, 2)
     xops = H.try_import("xformers.ops")
     if xops is not None:
         bias = xops.LowerTriangularMask() if causal else None
         out["xformers"] = lambda q, k, v: xops.memory_efficient_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_bias=bias).transpose(1, 2)
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_bias=bias, p=p).transpose(1, 2)
     return out
 
 
@@ -204,7 +211,8 @@ def host_overhead() -> list[dict]:
 
 # Each variant's results are checked against this provider's: one that takes every shape of the
 # variant (SDPA's flash backend refuses latent attention's D 192 with Dv 128; math takes it).
-REFERENCE = {"softcap": "hf-eager", "mla": "sdpa-math"}
+# None: no check, with dropout every implementation draws its own mask (the tests check ours).
+REFERENCE = {"softcap": "hf-eager", "mla": "sdpa-math", "causal, dropout 0.1": None, "full, dropout 0.1": None}
 
 COLUMNS = ("provider", "variant", "mode", "shape", "ms", "TFLOP/s", "graph ms", "graph TFLOP/s", "peak MiB",
            "x vs sdpa-flash", "x vs sdpa-cudnn", "x vs sdpa-efficient", "x vs sdpa-math", "x vs flash-attn",
@@ -215,8 +223,8 @@ def main(argv: list[str]) -> None:
     tma = "--tma" in argv
     rows = []
     for variant, shapes in SHAPES.items():
-        causal = variant != "full"
-        if tma and variant in ("softcap", "mla"):
+        causal = not variant.startswith("full")
+        if tma and variant in ("softcap", "mla", *DROPOUT):
             continue
         dv = None
         if tma:
@@ -226,7 +234,7 @@ def main(argv: list[str]) -> None:
         elif variant == "mla":
             fns, make, dv = providers(causal), make_mla_inputs, MLA_DV
         else:
-            fns, make = providers(causal), make_inputs
+            fns, make = providers(causal, DROPOUT.get(variant, 0.0)), make_inputs
         swept = H.sweep(fns, shapes, make, flops_for=lambda s, m, causal=causal, dv=dv: flops_for(s, m, causal, dv),
                         modes=MODES, reference=REFERENCE.get(variant, "sdpa-flash"), x_name="D",
                         variant=variant)
@@ -273,6 +281,20 @@ def test_mla_providers_agree():
     """v narrower than q and k: the kernels against SDPA's math backend (the flash ones refuse it)."""
     H.check_against_reference({n: f for n, f in providers(True).items() if n in ("trifuse", "sdpa-math")},
                               "sdpa-math", make_mla_inputs, SMOKE_SHAPE)
+
+
+@pytest.mark.parametrize("variant", list(DROPOUT))
+def test_dropout_providers_run_and_drop(variant):
+    """Each provider of a dropout variant runs forward and backward, and trifuse's output is not
+    the one without dropout."""
+    causal = not variant.startswith("full")
+    fns = providers(causal, DROPOUT[variant])
+    for fn in fns.values():
+        H.make_step(fn, lambda: make_inputs(SMOKE_SHAPE), "fwd+bwd")()
+    (q, k, v), _ = make_inputs(SMOKE_SHAPE)
+    with torch.no_grad():
+        assert not torch.equal(fns["trifuse"](q, k, v), providers(causal)["trifuse"](q, k, v))
+    assert REFERENCE[variant] is None and variant in SHAPES
 
 
 def test_host_overhead_runs():

@@ -53,8 +53,9 @@ and accumulate in fp32 (fp64 for fp64 inputs, used by gradcheck); fp32 dots are 
 
 Memory plan: the score matrix never exists. The forward saves O and the row log-sum-exp L
 (fp32; fp64 for fp64), plus the Philox seed when dropout is on; the backward recomputes P block
-by block from Q, K and L, and regenerates the dropout mask from (seed, row, column): the counter
-column is the key index, the row (b * Hq + h) * Sq + query index. Extra memory is O(B H Sq)
+by block from Q, K and L, and regenerates the dropout mask from (seed, row, column)
+(`_random.dropout_keep_quads`, four keys a Philox draw): the column is the key index, the row
+(b * Hq + h) * Sq + query index. Extra memory is O(B H Sq)
 (plus the O(B H Sq Sk) dS buffer when the mask requires grad, below).
 
 Kernels (one program per block of rows, looping over the other sequence):
@@ -120,7 +121,7 @@ from ._common import (
     use_triton,
 )
 from ._launch import CachedKernel, store_plan
-from ._random import dropout_keep
+from ._random import dropout_keep_quads
 from ._tiles import cdiv
 
 OP = "attention"
@@ -274,7 +275,7 @@ def _attn_fwd_loop(acc, l_i, m_i, q, K, V, MASK, seed, rng_rows, offs_m, offs_n,
         l_i = l_i * alpha + tl.sum(p, 1)
         if HAS_DROPOUT:
             # The normalizer l sums the undropped P; dropout acts on the normalized probabilities.
-            keep = dropout_keep(seed, rng_rows[:, None], cols[None, :] + 0 * offs_m[:, None], p_drop)
+            keep = dropout_keep_quads(seed, rng_rows[:, None], cols[None, :], p_drop)
             p = tl.where(keep, p, 0.0)
         if USE_TMA:
             v = V.load([start_n, 0])
@@ -445,7 +446,8 @@ def _attn_bwd_dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, MASK, seed, rng_base, o
         p_t = tl.exp2(qk_t - lse[None, :])
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION, out_dtype=ACC)
         if HAS_DROPOUT:
-            keep_t = dropout_keep(seed, rng_base + rows[None, :], offs_n[:, None] + 0 * rows[None, :], p_drop)
+            # drawn as the other kernels draw it, (query, key), and transposed: four keys a draw
+            keep_t = tl.trans(dropout_keep_quads(seed, rng_base + rows[:, None], offs_n[None, :], p_drop))
             pd_t = tl.where(keep_t, p_t * dropout_scale, 0.0)
             dp_t = tl.where(keep_t, dp_t * dropout_scale, 0.0)
         else:
@@ -580,7 +582,7 @@ def _attn_bwd_dq_loop(dq, q, do, lse, delta, K, V, MASK, DMASK, seed, rng_rows, 
         p = tl.exp2(qk - lse[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION, out_dtype=ACC)
         if HAS_DROPOUT:
-            keep = dropout_keep(seed, rng_rows[:, None], cols[None, :] + 0 * offs_m[:, None], p_drop)
+            keep = dropout_keep_quads(seed, rng_rows[:, None], cols[None, :], p_drop)
             dp = tl.where(keep, dp * dropout_scale, 0.0)
         ds = p * (dp - delta[:, None])
         if MASK_GRAD:
