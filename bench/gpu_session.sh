@@ -6,7 +6,7 @@
 #   here, once (.whl/ is git-ignored):
 #                python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #                  --implementation cp --platform manylinux2014_x86_64 -d .whl liger-kernel==0.8.5
-#   device call 1 (carry .whl, timeout_s 480):  bash bench/gpu_session.sh tests e2e e2e-bert  (~6 min)
+#   device call 1 (carry .whl, timeout_s 540):  bash bench/gpu_session.sh tests nccl e2e e2e-bert  (~7.5 min)
 #   device call 2 (carry .whl), AT ONCE (the machine stays warm only 30 s after a call), with
 #   what is left: `attention` (~3-4 min), then `kernels-core` or `e2e-llama` if time is left.
 #   then give_back.
@@ -15,9 +15,10 @@
 #   3.2 1B shape 1.24x (1.19x Liger), BERT-large 0.81x. Attention dropout was the loss: the
 #   dialect rejected SDPA's backends for dropout calls (its check wanted bit-identical gradients;
 #   atomics) and our kernels drew one Philox per probability. Both changed since, unmeasured:
-#   call 1 `tests e2e e2e-bert` (the bf16 tests run the new dropout draw; the e2e rows now carry
-#   each dialect's choice and why), call 2 `attention` (its new dropout-0.1 rows: our kernels
-#   against cuDNN, flash and efficient, with dropout).
+#   call 1 `tests nccl e2e e2e-bert` (the bf16 tests run the new dropout draw; `nccl` is issue
+#   8's one GPU criterion, the TP example over NCCL at world size 1, never run yet; the e2e rows
+#   now carry each dialect's choice and why), call 2 `attention` (its new dropout-0.1 rows: our
+#   kernels against cuDNN, flash and efficient, with dropout).
 #   Later sessions, one or two calls each: `kernels` (the remaining memory-bound ops), `tma
 #   dialects`, `e2e-ckpt` (gradient checkpointing on), `e2e-llama` (Llama 3.2 1B's shape against
 #   Liger-Kernel), `tune` (the shipped H100 defaults).
@@ -117,11 +118,17 @@ for what in "$@"; do
             stage bench-e2e-bert 300 python3 bench/bench_e2e.py --steps 8 --models bert-large --suffix bert ;;
         e2e-llama)  # Llama 3.2 1B's shape (RoPE, SwiGLU, GQA): eager, trifuse.fuse, Liger-Kernel
             stage bench-e2e-llama 300 python3 bench/bench_e2e.py --steps 6 --models llama-1b --suffix llama ;;
+        nccl)  # issue 8 on the lent GPU: the TP+SP example over NCCL at world size 1, end to end
+               # (fused; PyTorch's ops; the vocabulary-parallel head), a few steps each
+            stage nccl-tp 60 python3 -m torch.distributed.run --standalone --nproc-per-node 1 examples/train_tp.py --steps 6
+            stage nccl-tp-unfused 45 python3 -m torch.distributed.run --standalone --nproc-per-node 1 examples/train_tp.py --steps 6 --no-fuse
+            stage nccl-tp-vocab 60 python3 -m torch.distributed.run --standalone --nproc-per-node 1 examples/train_tp.py --steps 6 \
+                --vocab-parallel ;;
         tune)  # this GPU's winners, shipped as defaults for its family (and the same chip's: H100/H200)
             stage tune 150 python3 -m trifuse.autotune gpt2-medium --batch 8 --seq 1024
             stage tune-llama 150 python3 -m trifuse.autotune llama-3.2-1b --batch 4 --seq 2048 \
                 --export-defaults autotune/defaults/ ;;  # this GPU's family: h100.json or h200.json
-        *) echo "unknown stage $what (tests host kernels-core kernels attention tma dialects e2e e2e-ckpt e2e-bert e2e-llama tune)" ;;
+        *) echo "unknown stage $what (tests host kernels-core kernels attention tma dialects e2e e2e-ckpt e2e-bert e2e-llama nccl tune)" ;;
     esac
 done
 
