@@ -1268,15 +1268,16 @@ RMS_NORM.register(dialects.Candidate("torch", _rms_norm_torch, supports=_rms_nor
 
 
 def _norm(op_name, x, normalized_shape, weight, bias, eps, residual, is_rms_norm, p=0.0, x_bias=None):
-    if isinstance(normalized_shape, int):
-        normalized_shape = (normalized_shape,)
-    normalized_shape = list(normalized_shape)
+    normalized_shape = _shape_list(op_name, normalized_shape)
     fused = residual is not None or p > 0.0 or x_bias is not None
     check_tensor(op_name, "input", x)
     if eager_fast_path(x, weight, bias, residual, x_bias):
         n = _check_norm_inputs(op_name, x, normalized_shape, weight, bias, eps, residual, x_bias, p)
         with profiled(f"trifuse::{op_name}"):
             return _NormFunction.apply(x, residual, x_bias, weight, bias, n, eps, p, is_rms_norm, fused, op_name)
+    for name, t in (("weight", weight), ("bias", bias), ("residual", residual), ("x_bias", x_bias)):
+        if t is not None:  # (the fast path above takes tensors only: no cost there)
+            check_tensor(op_name, name, t)
     if fused:
         if is_rms_norm:
             out = torch.ops.trifuse.dropout_add_rms_norm(x, residual, normalized_shape, weight, eps, p, x_bias)
@@ -1287,6 +1288,19 @@ def _norm(op_name, x, normalized_shape, weight, bias, eps, residual, is_rms_norm
     if is_rms_norm:
         return torch.ops.trifuse.rms_norm(x, normalized_shape, weight, eps)[0]
     return torch.ops.trifuse.layer_norm(x, normalized_shape, weight, bias, eps)[0]
+
+
+def _shape_list(op: str, normalized_shape) -> list[int]:
+    """normalized_shape as a list of ints (an int is one dim), or a TypeError naming the op."""
+    if isinstance(normalized_shape, int) and not isinstance(normalized_shape, bool):
+        return [normalized_shape]
+    if isinstance(normalized_shape, (list, tuple, torch.Size)) and all(
+            isinstance(n, int) and not isinstance(n, bool) for n in normalized_shape):
+        return list(normalized_shape)
+    got = type(normalized_shape).__name__
+    if isinstance(normalized_shape, (list, tuple)):
+        got += " of " + ", ".join(sorted({type(n).__name__ for n in normalized_shape}))
+    raise TypeError(f"trifuse.{op}: normalized_shape must be an int or a sequence of ints, got {got}")
 
 
 def layer_norm(

@@ -471,8 +471,14 @@ def test_negative_control_missing_mean_term_in_dx_fails():
         ({"residual": torch.ones(3, 7)}, ValueError, "residual must have shape"),
         ({"eps": -1.0}, ValueError, "eps must be a non-negative"),
         ({"x": "not a tensor"}, TypeError, "input must be a torch.Tensor"),
+        # the weight passed where normalized_shape goes (F.layer_norm's order is the same)
+        ({"normalized_shape": torch.ones(8)}, TypeError,
+         "layer_norm: normalized_shape must be an int or a sequence of ints, got Tensor"),
+        ({"normalized_shape": (8.0,)}, TypeError, "normalized_shape must be an int or a sequence of ints, got tuple of float"),
+        ({"weight": 1.0}, TypeError, "layer_norm: weight must be a torch.Tensor, got float"),
     ],
-    ids=["weight-shape", "normalized-shape", "int-input", "int-weight", "residual-shape", "eps", "not-tensor"],
+    ids=["weight-shape", "normalized-shape", "int-input", "int-weight", "residual-shape", "eps", "not-tensor",
+         "tensor-shape", "float-shape", "float-weight"],
 )
 def test_bad_input_raises_clear_error(kwargs, exc, match):
     args = {"x": torch.ones(3, 8, device=DEVICE), "normalized_shape": (8,), "weight": None, "residual": None, "eps": 1e-5}
