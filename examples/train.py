@@ -7,8 +7,9 @@ against the same model unfused.
 
 Both models start from the same weights and see the same batches; the losses are printed side by
 side (with dropout they differ by the masks, not by trend). The model is built from a config: no
-download. `use_cache=False` because transformers builds a KV cache otherwise, even in training,
-and trifuse runs calls carrying one unfused (see the report).
+download. Both get `use_cache=False`: transformers builds a KV cache otherwise, even in training
+(fuse turns it off in the fused model's training calls that do not set it; the eager model would
+pay for building it).
 """
 import argparse
 import copy

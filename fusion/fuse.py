@@ -14,6 +14,7 @@ Nothing is captured at `fuse` time: captures happen on the first call in each mo
 real arguments (Dynamo needs them; fx needs the constant ones). `report(model)` tells what was
 installed where, and after a forward what each capture replaced.
 """
+import functools
 import inspect
 import weakref
 from collections.abc import Iterable
@@ -97,6 +98,8 @@ def fuse(model: torch.nn.Module, *, ops: Iterable[str] | None = None, skip_logit
                 continue
             unit.install(module, path)
     _visit(model, "", patterns, verbose, is_leaf, notes)
+    if blocks:
+        _train_without_kv_cache(model, notes)
     head = _install_head(model, patterns, verbose, block_set, notes, skip_logits)
     if skip_logits and head is None:
         notes.append(Note("(model)", type(model).__name__, "skip_logits: no LM head and loss capture was installed "
@@ -108,6 +111,42 @@ def fuse(model: torch.nn.Module, *, ops: Iterable[str] | None = None, skip_logit
 
         print(report(model).table())
     return model
+
+
+def _train_without_kv_cache(model: torch.nn.Module, notes: list[Note]) -> None:
+    """The outermost modules whose forward takes `use_cache` (Hugging Face decoders, the model
+    itself or one inside a wrapper) get a forward pre-hook: a training call (module.training,
+    grad enabled) that does not set use_cache runs with use_cache=False. transformers builds a
+    KV cache in such calls unless told not to (Trainer does not say), and a block called with a
+    cache runs unfused: a capture of it would recompile for every layer. Nothing reads a cache
+    built in training; transformers itself turns it off under gradient checkpointing. A call
+    that passes use_cache (True included), an eval call and a call without grad (generate) run
+    as the caller asked."""
+    hooked: list[str] = []
+    for path, module in model.named_modules():
+        if any(h == "" or path.startswith(h + ".") for h in hooked):
+            continue  # inside a module already hooked: it passes use_cache on
+        try:
+            params = list(inspect.signature(type(module).forward).parameters)
+        except (TypeError, ValueError):
+            continue
+        if "use_cache" not in params:
+            continue
+        module.register_forward_pre_hook(
+            functools.partial(_no_cache_in_training, positional=params.index("use_cache") - 1), with_kwargs=True)
+        hooked.append(path)
+        notes.append(Note(path or "(model)", type(module).__name__,
+                          "training calls that do not set use_cache run with use_cache=False (a KV cache would "
+                          "keep the blocks unfused; transformers does the same under gradient checkpointing)",
+                          kind="note"))
+
+
+def _no_cache_in_training(module, args, kwargs, *, positional: int):
+    """The pre-hook of `_train_without_kv_cache`; `positional`: how many positional arguments
+    come before use_cache (more than that, and the caller set it)."""
+    if module.training and kwargs.get("use_cache") is None and len(args) <= positional and torch.is_grad_enabled():
+        return args, {**kwargs, "use_cache": False}
+    return None
 
 
 def _install_head(model, patterns, verbose, block_set: set[int], notes: list[Note],

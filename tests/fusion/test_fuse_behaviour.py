@@ -38,13 +38,13 @@ def test_gpt2_generate_still_works_and_cache_calls_are_reported():
 
 
 def test_kv_cache_in_training_does_not_recompile_per_layer():
-    # transformers builds a DynamicCache in training unless use_cache=False; capturing it would
+    # With use_cache=True transformers builds a DynamicCache in training; capturing it would
     # make Dynamo guard on each layer's cache entry and recompile per layer (DESIGN.md's trap).
     torch.manual_seed(0)
     model, inputs, loss_fn = _models.gpt2(layers=4)
     trifuse.fuse(model)
     kw = inputs(2, 8)
-    kw.pop("use_cache")
+    kw["use_cache"] = True
     loss_fn(model, kw).backward()
     block = next(u for u in trifuse.report(model).units if u.unit.strategy == "dynamo")
     assert block.unit.captures == [] and block.unit.eager_calls.total() == 4
@@ -52,6 +52,31 @@ def test_kv_cache_in_training_does_not_recompile_per_layer():
     loss_fn(model, kw).backward()
     assert len(block.unit.captures) == 1 and block.unit.fallbacks == 0
     assert trifuse.report(model).counts()["layer_norm"] == 5
+
+
+def test_training_calls_without_use_cache_run_fused():
+    """The usual training call (Trainer's: labels, no use_cache) would build a KV cache and keep
+    the blocks unfused; fuse makes such calls use_cache=False, with the same loss and gradients,
+    says so in its report, and leaves eval calls (which return the cache) alone."""
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _models.gpt2(layers=3)
+    ref = copy.deepcopy(model)
+    trifuse.fuse(model)
+    kw = inputs(2, 8)
+    kw.pop("use_cache")
+    loss, loss_ref = loss_fn(model, kw), loss_fn(ref, kw)
+    loss.backward()
+    loss_ref.backward()
+    torch.testing.assert_close(loss, loss_ref)
+    for p, p_ref in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-4, atol=1e-5)
+    report = trifuse.report(model)
+    block = next(u for u in report.units if u.unit.strategy == "dynamo")
+    assert len(block.unit.captures) == 1 and block.unit.eager_calls.total() == 0
+    assert any("use_cache=False" in n.reason for n in report.notes)
+    model.eval()
+    with torch.no_grad():
+        assert model(kw["input_ids"]).past_key_values is not None
 
 
 class PerLayer(nn.Module):
@@ -610,3 +635,26 @@ def test_once_logging_is_ignored_in_a_capture_without_breaking_metrics_logging(m
             assert not getattr(config, name)
     finally:
         C._metrics_log_sorts_ignored_functions.cache_clear()
+
+
+def test_a_decoder_inside_a_wrapper_also_trains_without_kv_cache():
+    """A user's module around a Hugging Face decoder (no use_cache in its own forward): the hook
+    goes on the decoder, the outermost module that takes use_cache, and its blocks fuse."""
+    torch.manual_seed(0)
+    lm, inputs, _ = _models.gpt2(layers=2)
+
+    class Wrapper(nn.Module):
+        def __init__(self, lm):
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, ids):
+            return self.lm(input_ids=ids, labels=ids).loss
+
+    model = Wrapper(lm)
+    trifuse.fuse(model)
+    model(inputs(2, 8)["input_ids"]).backward()
+    report = trifuse.report(model)
+    block = next(u for u in report.units if u.unit.strategy == "dynamo")
+    assert len(block.unit.captures) == 1 and block.unit.eager_calls.total() == 0
+    assert [n.path for n in report.notes if "use_cache=False" in n.reason] == ["lm"]
