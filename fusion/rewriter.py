@@ -147,7 +147,7 @@ def rewrite_graph(graph: fx.Graph, patterns: Sequence[Pattern]) -> RewriteLog:
             if node.graph is not graph or _erased(node) or not cp.is_candidate(node):
                 continue
             reason = _rewrite_at(graph, node, cp, log, rejections.get(node, []))
-            if reason is not None:
+            if reason is not None and not pattern.quiet:
                 rejections.setdefault(node, []).append(Rejected(
                     pattern.name, pattern.family, where([node]), node.name, reason))
     for node, rejected in rejections.items():

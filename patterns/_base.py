@@ -60,6 +60,9 @@ class Pattern:
     # Constants for the replacement computed from the match's values (they override matched ones),
     # e.g. eps=None resolved to the input dtype's epsilon, as the op it replaces would.
     derive: Callable[[Match], dict[str, Any]] | None = None
+    # True for a pattern whose anchor is an op most of whose calls it is not meant for (every
+    # linear, for the padded LM head): its rejections stay out of the report.
+    quiet: bool = False
 
 
 # ---------------------------------------------------------------------------------------------

@@ -658,3 +658,49 @@ def test_a_decoder_inside_a_wrapper_also_trains_without_kv_cache():
     block = next(u for u in report.units if u.unit.strategy == "dynamo")
     assert len(block.unit.captures) == 1 and block.unit.eager_calls.total() == 0
     assert [n.path for n in report.notes if "use_cache=False" in n.reason] == ["lm"]
+
+
+# ---------------------------------------------------------------------------------------------
+# An LM head over a vocabulary that is not a multiple of 8, its logits returned: padded
+# ---------------------------------------------------------------------------------------------
+
+
+def _gpt2_with_vocab(vocab: int, layers: int = 1):
+    tf = pytest.importorskip("transformers")
+    cfg = tf.GPT2Config(n_layer=layers, n_embd=32, n_head=2, n_positions=32, vocab_size=vocab, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, attn_implementation="sdpa")
+    return tf.GPT2LMHeadModel(cfg).to(_models.DEVICE)
+
+
+@pytest.mark.parametrize("vocab, padded", [(1030, True), (1024, False), (1001, False)],
+                         ids=["misaligned", "multiple-of-8", "narrow"])
+def test_a_misaligned_16bit_head_runs_padded_and_returns_its_logits(vocab, padded):
+    """GPT-2's head (tied to the embedding) over a vocabulary that is not a multiple of 8, under
+    16-bit autocast, its logits returned: the linear runs over a padded weight and the logits are
+    sliced back, with the loss, the logits and every gradient as before; aligned or narrow
+    vocabularies keep the plain linear, and no report lists every linear it declined."""
+    torch.manual_seed(0)
+    model = _gpt2_with_vocab(vocab)
+    ref = copy.deepcopy(model)
+    trifuse.fuse(model)
+    ids = torch.randint(0, vocab, (2, 8), device=_models.DEVICE)
+
+    def run(m):
+        # fp16 on the CPU: the interpreter's bf16 arithmetic is wrong (DESIGN.md)
+        with torch.autocast(_models.DEVICE, dtype=torch.bfloat16 if _models.DEVICE == "cuda" else torch.float16):
+            out = m(input_ids=ids, labels=ids, use_cache=False)
+        out.loss.backward()
+        return out
+
+    out, out_ref = run(model), run(ref)
+    report = trifuse.report(model)
+    assert (report.by_pattern().get("lm_head_padded", 0) == 1) is padded, report.by_pattern()
+    assert not any(r[2] == "lm_head_padded" for r in report.rejected())
+    assert out.logits.shape == out_ref.logits.shape and out.logits.dtype == out_ref.logits.dtype
+    if padded:
+        assert out.logits.stride(-2) == 1088  # rows keep the padded width (1030 -> 17 x 64)
+    torch.testing.assert_close(out.logits, out_ref.logits, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.loss, out_ref.loss, rtol=1e-2, atol=1e-2)
+    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, p_ref.grad, rtol=5e-2, atol=5e-3, msg=name)
+    assert model.transformer.wte.weight is model.lm_head.weight  # the tie is kept
