@@ -124,17 +124,19 @@ def run_one(name: str, provider: str, spec, steps: int, device: str, checkpointi
     if provider.startswith("trifuse.fuse"):
         row["fused"] = _fused_summary(model)
         row["dialect choices"] = _dialect_choices()
-    top, busy = profile_step(model, opt, data, gpu)
+    top, busy, device_ms = profile_step(model, opt, data, gpu)
     row["device busy %"] = busy
+    row["device ms"] = device_ms
     row["top kernels"] = top
     del warm, opt, model
     return row
 
 
-def profile_step(model, opt, data, gpu: bool, top: int = 12) -> tuple[list[dict], float]:
+def profile_step(model, opt, data, gpu: bool, top: int = 12) -> tuple[list[dict], float, float]:
     """One more step under torch.profiler: the `top` kernels by self device time (on a CPU, the
-    ops by self CPU time) and how busy the device was over the step's wall time (device time /
-    wall: what host overhead leaves of the GPU)."""
+    ops by self CPU time), how busy the device was over the step's wall time (device time /
+    wall: what host overhead leaves of the GPU) and the device time in ms (the GPU's work alone,
+    to compare providers whatever their host paths)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -158,7 +160,7 @@ def profile_step(model, opt, data, gpu: bool, top: int = 12) -> tuple[list[dict]
     rows = [{"name": e.key[:90], "calls": e.count, "ms": self_time(e) / 1e3,
              "% of device time": 100 * self_time(e) / total if total else float("nan")} for e in ranked]
     busy = 100 * total / 1e6 / wall if gpu and wall > 0 else float("nan")
-    return rows, busy
+    return rows, busy, total / 1e3 if gpu else float("nan")
 
 
 def _dialect_choices() -> list[str]:
@@ -187,7 +189,7 @@ def providers(compile_: bool, kind: str = "gpt2") -> list[str]:
 
 COLUMNS = ("model", "provider", "batch x seq", "step ms", "tokens/s", "x vs eager-sdpa", "x vs torch.compile",
            "x vs liger", "peak GiB",
-           "device busy %", "set-up s", "fused")
+           "device busy %", "device ms", "set-up s", "fused")
 TOP_COLUMNS = ("model", "provider", "name", "calls", "ms", "% of device time")
 
 
