@@ -109,6 +109,8 @@ def _misaligned_16bit_head(m: Match) -> str | None:
     w = m.value("weight")
     if not isinstance(w, torch.Tensor) or w.dim() != 2:
         return "no metadata for the weight"
+    if type(w).__name__ == "DTensor":  # trifuse.parallel's vocabulary-parallel head: its shards' own widths
+        return "the weight is a DTensor"
     n = w.shape[0]
     if n % 8 == 0:
         return f"out_features {n} is a multiple of 8: aligned already"
