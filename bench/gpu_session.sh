@@ -17,7 +17,9 @@
 #   atomics) and our kernels drew one Philox per probability. Both changed since, unmeasured:
 #   call 1 `tests nccl e2e e2e-bert` (the bf16 tests run the new dropout draw; `nccl` is issue
 #   8's one GPU criterion, the TP example over NCCL at world size 1, never run yet; the e2e rows
-#   now carry each dialect's choice and why), call 2 `attention` (its new dropout-0.1 rows: our
+#   now carry each dialect's choice and why, and "device ms"; GPT-2's and BERT's heads over
+#   their odd vocabularies now run padded, `lm_head_padded` in the "fused" column: GPT-2's
+#   unaligned head matmuls were 20 ms of 115), call 2 `attention` (its new dropout-0.1 rows: our
 #   kernels against cuDNN, flash and efficient, with dropout).
 #   Later sessions, one or two calls each: `kernels` (the remaining memory-bound ops), `tma
 #   dialects`, `e2e-ckpt` (gradient checkpointing on), `e2e-llama` (Llama 3.2 1B's shape against
