@@ -216,3 +216,32 @@ def test_probability_targets_and_class_weights_are_left(capture):
             return F.cross_entropy(logits, target, weight=self.w)
 
     assert check_against_unfused(Weighted, (torch.randn(T, V), _target()), capture).by_pattern() == {}
+
+
+class WideHead(nn.Module):
+    """A head over a wide vocabulary, its logits returned beside the loss (Hugging Face models)."""
+
+    def __init__(self, vocab, bias=False, dtype=torch.float16):
+        super().__init__()
+        self.lm_head = nn.Linear(H, vocab, bias=bias).to(dtype)
+
+    def forward(self, x, target):
+        logits = self.lm_head(x)
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), target.view(-1)), logits
+
+
+@pytest.mark.parametrize("vocab, bias, dtype, padded", [
+    (1030, False, torch.float16, True),
+    (1030, True, torch.float16, False),   # cuBLASLt's bias kernels: left as it is
+    (1030, False, torch.float32, False),  # only 16-bit matmuls fall onto the unaligned kernels
+    (1032, False, torch.float16, False),  # a multiple of 8
+    (1001, False, torch.float16, False),  # too narrow to pay for the padding
+], ids=["misaligned", "bias", "fp32", "aligned", "narrow"])
+def test_a_misaligned_16bit_head_runs_padded(vocab, bias, dtype, padded):
+    """The head's linear over a weight padded to a multiple of 64, logits sliced back: outputs and
+    gradients as the unfused model's; the heads it declines are not listed in the report."""
+    x = torch.randn(2, T // 2, H, dtype=dtype)
+    t = torch.randint(0, vocab, (2, T // 2))
+    report = check_against_unfused(lambda: WideHead(vocab, bias, dtype), (x, t), "dynamo")
+    assert report.by_pattern() == ({"cross_entropy": 1, "lm_head_padded": 1} if padded else {"cross_entropy": 1})
+    assert not any(pattern == "lm_head_padded" for _, _, pattern, _ in report.rejected())
