@@ -237,11 +237,12 @@ class WideHead(nn.Module):
     (1032, False, torch.float16, False),  # a multiple of 8
     (1001, False, torch.float16, False),  # too narrow to pay for the padding
 ], ids=["misaligned", "bias", "fp32", "aligned", "narrow"])
-def test_a_misaligned_16bit_head_runs_padded(vocab, bias, dtype, padded):
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_a_misaligned_16bit_head_runs_padded(vocab, bias, dtype, padded, capture):
     """The head's linear over a weight padded to a multiple of 64, logits sliced back: outputs and
     gradients as the unfused model's; the heads it declines are not listed in the report."""
     x = torch.randn(2, T // 2, H, dtype=dtype)
     t = torch.randint(0, vocab, (2, T // 2))
-    report = check_against_unfused(lambda: WideHead(vocab, bias, dtype), (x, t), "dynamo")
+    report = check_against_unfused(lambda: WideHead(vocab, bias, dtype), (x, t), capture)
     assert report.by_pattern() == ({"cross_entropy": 1, "lm_head_padded": 1} if padded else {"cross_entropy": 1})
     assert not any(pattern == "lm_head_padded" for _, _, pattern, _ in report.rejected())
