@@ -3,6 +3,7 @@ new shapes without unbounded recaptures, autocast, data-dependent control flow a
 deep copies; it says what it could not fuse (the KV-cache trap, Dynamo fallbacks, missing
 ops); it runs on the PyTorch reference path too."""
 import collections
+import functools
 import copy
 import os
 import re
@@ -704,3 +705,23 @@ def test_a_misaligned_16bit_head_runs_padded_and_returns_its_logits(vocab, padde
     for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, p_ref.grad, rtol=5e-2, atol=5e-3, msg=name)
     assert model.transformer.wte.weight is model.lm_head.weight  # the tie is kept
+
+
+def test_the_use_cache_hook_leaves_calls_that_set_it():
+    """The pre-hook sets use_cache only where the caller left it unset: not when it is passed
+    (keyword or positionally), not in eval, not without grad."""
+    from trifuse.fusion.fuse import _no_cache_in_training
+
+    class Decoder(nn.Module):
+        def forward(self, ids, mask=None, use_cache=None):
+            return use_cache
+
+    m = Decoder().train()
+    hook = functools.partial(_no_cache_in_training, positional=2)
+    assert hook(m, (1,), {}) == ((1,), {"use_cache": False})
+    assert hook(m, (1,), {"use_cache": None}) == ((1,), {"use_cache": False})
+    assert hook(m, (1,), {"use_cache": True}) is None
+    assert hook(m, (1, None, True), {}) is None  # passed positionally
+    with torch.no_grad():
+        assert hook(m, (1,), {}) is None
+    assert hook(m.eval(), (1,), {}) is None
