@@ -184,15 +184,17 @@ def dropout_add_fwd(
 
 
 def dropout_add_bwd(
-    dy: torch.Tensor, seed: torch.Tensor, p: float, has_bias: bool
+    dy: torch.Tensor, seed: torch.Tensor, p: float, has_bias: bool, dx_dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx, dbias) for p > 0: dx contiguous like dy in dy's dtype; dbias (N,) fp32 (fp64 for
-    fp64), empty unless has_bias. (For p = 0, dx is dy and dbias its column sum: no kernel.)"""
+    """(dx, dbias) for p > 0: dx contiguous like dy in dx_dtype (dy's by default: x's, where x is
+    bf16 beside an fp32 residual, saves a cast's pass); dbias (N,) fp32 (fp64 for fp64), empty
+    unless has_bias. (For p = 0, dx is dy and dbias its column sum: no kernel.)"""
     if dy.numel() and not use_triton(dy):
-        return _dropout_add_bwd_torch(dy, seed, p, has_bias)
+        dx, dbias = _dropout_add_bwd_torch(dy, seed, p, has_bias)
+        return (dx if dx_dtype is None else dx.to(dx_dtype)), dbias
     n = _width(dy)
     acc = _acc(dy.dtype)
-    dx = empty_like(dy)
+    dx = empty_like(dy, dx_dtype)
     if dy.numel() == 0:
         return dx, torch.zeros(n if has_bias else 0, dtype=acc, device=dy.device)
     dy2, stride_dy = as_rows(dy, n)
@@ -352,7 +354,7 @@ class _DropoutAddFunction(torch.autograd.Function):
             dx, dbias = dy, _column_sum(dy) if need_dbias else None
         else:
             with profiled("trifuse::dropout_add_backward"):
-                dx, dbias = dropout_add_bwd(dy, seed, ctx.p, need_dbias)
+                dx, dbias = dropout_add_bwd(dy, seed, ctx.p, need_dbias, ctx.x_dtype)
         dx, dres, dbias = _input_grads(ctx, dx, dbias if need_dbias else None, dy)
         return dx, dres, dbias, None
 

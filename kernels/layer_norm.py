@@ -647,21 +647,31 @@ def layer_norm_bwd(
     seed: torch.Tensor | None = None,
     store_dresidual: bool = False,
     grad_dtypes: tuple[torch.dtype | None, torch.dtype | None, torch.dtype | None] | None = None,
+    dx_dtype: torch.dtype | None = None,
+    dr_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of the norm. Returns (dx, dresidual, dweight, dbias, dx_bias); dresidual is dx
-    itself unless store_dresidual. The three vectors are (n,): in fp32 (fp64 for fp64) when
-    grad_dtypes is None, else each in its dtype from grad_dtypes, or None where that is None."""
+    itself unless store_dresidual. dx comes in dx_dtype and a stored dresidual in dr_dtype (s's
+    dtype by default): the kernel rounds each once to its input's dtype, where a cast after it
+    would be one more pass over the rows (x in bf16 beside an fp32 residual stream under
+    autocast). The three vectors are (n,): in fp32 (fp64 for fp64) when grad_dtypes is None, else
+    each in its dtype from grad_dtypes, or None where that is None."""
     weight = _flat(weight)
     m = s.numel() // n if n else 0
     acc = torch.float64 if s.dtype == torch.float64 else torch.float32
     if grad_dtypes is None:
         grad_dtypes = (acc, acc, acc)
-    dx = empty_like(s)
-    dr = empty_like(s) if store_dresidual else dx
+    dx = empty_like(s, dx_dtype)
+    dr = empty_like(s, dr_dtype) if store_dresidual else dx
     if m == 0:
         return dx, dr, *(None if d is None else torch.zeros(n, dtype=d, device=s.device) for d in grad_dtypes)
     if not use_triton(s):
         dx, dr, *vecs = _norm_bwd_torch(dy, s, n, weight, mean, rstd, is_rms_norm, ds, p, seed, store_dresidual)
+        dx = dx if dx_dtype is None else cast(dx, dx_dtype)
+        if not store_dresidual:
+            dr = dx
+        elif dr_dtype is not None:
+            dr = cast(dr, dr_dtype)
         return dx, dr, *(None if d is None else v.to(d) for v, d in zip(vecs, grad_dtypes))
     s2, stride_s = as_rows(s, n)
     dy2, stride_dy = as_rows(dy, n)
@@ -1087,13 +1097,20 @@ class _NormFunction(torch.autograd.Function):
         # dweight, dbias and dx_bias come out of the reduction kernel in their final dtypes.
         grad_dtypes = tuple(t.dtype if t is not None and need else None
                             for t, need in zip((weight, bias, x_bias), (needs[3], needs[4], needs[2])))
+        x_dtype, residual_dtype = ctx.x_dtype, ctx.residual_dtype
+        # dx and dresidual straight in their inputs' dtypes: written apart when they differ in
+        # value (dropout) or in dtype (x in bf16, the residual stream in fp32 under autocast);
+        # else one tensor serves both.
+        store_dr = needs[1] and (ctx.p > 0.0 or (needs[0] and residual_dtype != x_dtype))
+        dx_dtype = x_dtype if needs[0] or store_dr or not needs[1] else residual_dtype
         with profiled(ctx.op_name + "_backward"):
             dx, dr, dw, db, dxb = layer_norm_bwd(
                 dy, s, ctx.n, weight, mean, rstd, is_rms_norm=ctx.is_rms_norm, ds=ds, p=ctx.p,
-                seed=seed, store_dresidual=ctx.p > 0.0 and needs[1], grad_dtypes=grad_dtypes)
+                seed=seed, store_dresidual=store_dr, grad_dtypes=grad_dtypes,
+                dx_dtype=dx_dtype, dr_dtype=residual_dtype)
         return (
-            cast(dx, ctx.x_dtype) if needs[0] else None,
-            cast(dr, ctx.residual_dtype) if needs[1] else None,
+            cast(dx, x_dtype) if needs[0] else None,
+            cast(dr, residual_dtype) if needs[1] else None,
             _grad_as(dxb, x_bias) if needs[2] else None,
             _grad_as(dw, weight) if needs[3] else None,
             _grad_as(db, bias) if needs[4] else None,

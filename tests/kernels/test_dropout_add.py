@@ -92,6 +92,23 @@ def test_mixed_dtypes_promote_like_pytorch():
     check_fwd_bwd(x, r, b)
 
 
+def test_half_x_gradient_comes_from_the_kernel_in_its_dtype(monkeypatch):
+    """x in fp16 beside an fp32 residual (autocast's residual stream): the kernel writes dx in
+    fp16 itself, no cast pass after it."""
+    dtypes = []
+    bwd = da_mod.dropout_add_bwd
+
+    def spy(*args, **kwargs):
+        out = bwd(*args, **kwargs)
+        dtypes.append(out[0].dtype)
+        return out
+
+    monkeypatch.setattr(da_mod, "dropout_add_bwd", spy)
+    x, r, b = make((6, 40), torch.float16, residual_dtype=torch.float32)
+    check_fwd_bwd(x, r, b)
+    assert dtypes == [torch.float16]
+
+
 def test_strided_inputs_and_gradients():
     x, _, b = make((6, 150), torch.float32)
     xs = x.detach()[:, 10:110].requires_grad_()  # row stride 150, read in place

@@ -136,6 +136,26 @@ def test_half_input_with_fp32_residual_promotes():
     check_fwd_bwd([x, r, w, b, None])
 
 
+@pytest.mark.parametrize("p", [0.0, P])
+def test_half_x_beside_fp32_residual_gets_its_gradients_from_the_kernel(monkeypatch, p):
+    """Autocast's residual stream: x in fp16 (a matmul's output), the residual in fp32. dx and
+    dresidual are written by the kernel in their inputs' dtypes (no cast pass after it), both
+    with and without dropout, and match float64."""
+    calls = []
+    bwd = ln_mod.layer_norm_bwd
+
+    def spy(*args, **kwargs):
+        out = bwd(*args, **kwargs)
+        calls.append((kwargs["store_dresidual"], out[0].dtype, out[1].dtype))
+        return out
+
+    monkeypatch.setattr(ln_mod, "layer_norm_bwd", spy)
+    x, _, _, _, xb = make((6, 64), torch.float16)
+    r, w, b = (torch.randn(*shape, device=DEVICE, requires_grad=True) for shape in ((6, 64), (64,), (64,)))
+    check_fwd_bwd([x, r, w, b, xb.float().detach().requires_grad_()], p=p)
+    assert calls == [(True, torch.float16, torch.float32)]
+
+
 def test_backward_without_residual_writes_no_residual_gradient(monkeypatch):
     """With dropout, dresidual differs from dx and is written apart, but only when a residual
     wants a gradient: otherwise that is one wasted (M, N) write."""
