@@ -156,14 +156,19 @@ class Dialect:
         self._memo_deterministic.clear()
 
     def __call__(self, *args):
+        return self.implementation(*args)(*args)
+
+    def implementation(self, *args) -> Callable:
+        """The candidate's function a call with these arguments runs (choosing it if not yet
+        chosen), for an op that adds to the call what the candidates do not take."""
         key = self.key(*args)
         if key is None:
-            return self.candidates[0].fn(*args)
+            return self.candidates[0].fn
         deterministic = torch.are_deterministic_algorithms_enabled()
         fn = (self._memo_deterministic if deterministic else self._memo).get(key)
         if fn is None:
             fn = self._decide(key, args, deterministic)
-        return fn(*args)
+        return fn
 
     # -----------------------------------------------------------------------------------------
 

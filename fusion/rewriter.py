@@ -21,7 +21,8 @@ post-norm block drops the sum a residual-stream op also returns). A replacement'
 matched (match.py's `resolve_from_local`). A replaced op consumed by a later, larger pattern
 counts only once, as the larger one.
 Every candidate left in the graph is reported with the reasons it was rejected, and so is every
-op of interest no pattern took.
+op of interest no pattern took. Last, under autocast, a fused norm whose output only autocast's
+matmuls read writes it in their dtype (narrow.py).
 """
 import re
 from collections import Counter
@@ -36,6 +37,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from ..patterns._base import Pattern, available, example_value, same_shape
 from .match import Match, compile_pattern, matches, resolve_from_local, trace_function
+from .narrow import narrow_norm_outputs, out_dtype
 from .normalize import canonicalize_node, writes_in_place
 
 FAMILIES = ("attention", "layer_norm", "rms_norm", "bias_gelu", "gated_activation", "dropout_add",
@@ -153,6 +155,11 @@ def rewrite_graph(graph: fx.Graph, patterns: Sequence[Pattern]) -> RewriteLog:
     for node, rejected in rejections.items():
         if not _erased(node):
             log.rejected.extend(rejected)
+    for node in narrow_norm_outputs(graph):
+        event = node.meta.get("trifuse_event")
+        if event is not None:
+            dtype = str(out_dtype(node)).replace("torch.", "")
+            event.note = "; ".join(n for n in (event.note, f"y in {dtype}: only autocast's matmuls read it") if n)
     for node in graph.nodes:
         op = _OF_INTEREST.get(node.target) if node.op == "call_function" and _hashable(node.target) else None
         if op is not None:

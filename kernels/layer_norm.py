@@ -578,17 +578,19 @@ def layer_norm_fwd(
     store_s: bool = False,
     stats_shape: tuple[int, ...] | None = None,
     post: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Normalizes the last `n` features of `x`. Returns (y, s, mean, rstd): y and s shaped like
     x (s is x itself unless store_s), mean and rstd (rows,) in fp32 (mean empty for RMSNorm),
     or shaped `stats_shape` (x's leading dims; same memory), as the registered ops return them.
-    `post` (like x; not with residual) is added to y after the norm, y in the promoted dtype."""
+    `post` (like x; not with residual) is added to y after the norm, y in the promoted dtype, or
+    in out_dtype when given (rounded once by the kernel)."""
     other = residual if residual is not None else post
     dtype = x.dtype if other is None else torch.promote_types(x.dtype, other.dtype)
     weight, bias, x_bias = _flat(weight), _flat(bias), _flat(x_bias)
     m = x.numel() // n if n else 0
     stat_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    y = empty_like(x, dtype)
+    y = empty_like(x, out_dtype if out_dtype is not None else dtype)
     s = empty_like(x, dtype) if store_s else x
     shape = (m,) if stats_shape is None else stats_shape
     rstd = torch.empty(shape, dtype=stat_dtype, device=x.device)
@@ -601,14 +603,18 @@ def layer_norm_fwd(
         rstd.view(-1).copy_(rstd_t)
         if not is_rms_norm:
             mean.view(-1).copy_(mean_t)
-        return y, s, mean, rstd
+        return (y if out_dtype is None else cast(y, out_dtype)), s, mean, rstd
     x2, stride_x = as_rows(x, n)
     r2, stride_r = as_rows(residual, n) if residual is not None else (x2, 0)
     p2, stride_p = as_rows(post, n) if post is not None else (x2, 0)
     has_dropout = p > 0.0
+    # Without store_s the kernel reads only S's dtype (s is rounded to it before the norm): y
+    # stands in, or a tensor of s's dtype where y has another (fp32 or fp64: rstd's; else x's or
+    # the other input's, one of which has the promoted 16-bit dtype).
+    s_arg = s if store_s else y if y.dtype == dtype else next(t for t in (rstd, x, other) if t.dtype == dtype)
     args = (x2, r2, p2, x2 if x_bias is None else x_bias, x2 if weight is None else weight,
             x2 if bias is None else bias, seed if has_dropout else x2,
-            y, s if store_s else y, rstd if is_rms_norm else mean, rstd,
+            y, s_arg, rstd if is_rms_norm else mean, rstd,
             stride_x, stride_r, stride_p, n, n,
             m, n, eps, p, _dropout_scale(p))
     device = x.get_device() if x.is_cuda else -1
@@ -1077,11 +1083,11 @@ for _name, _backward, _setup, _is_rms in (
 
 class _NormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, residual, x_bias, weight, bias, n, eps, p, is_rms_norm, fused, op_name):
+    def forward(ctx, x, residual, x_bias, weight, bias, n, eps, p, is_rms_norm, fused, op_name, out_dtype):
         seed = philox_seed(x.device) if p > 0.0 else None
         y, s, mean, rstd = layer_norm_fwd(x, n, weight, bias, eps, is_rms_norm=is_rms_norm,
                                           residual=residual, x_bias=x_bias, p=p, seed=seed,
-                                          store_s=fused)
+                                          store_s=fused, out_dtype=out_dtype)
         ctx.save_for_backward(s, weight, bias, x_bias, mean, rstd, seed)
         ctx.n, ctx.p, ctx.is_rms_norm, ctx.op_name = n, p, is_rms_norm, f"trifuse::{op_name}"
         ctx.x_dtype = x.dtype
@@ -1114,7 +1120,7 @@ class _NormFunction(torch.autograd.Function):
             _grad_as(dxb, x_bias) if needs[2] else None,
             _grad_as(dw, weight) if needs[3] else None,
             _grad_as(db, bias) if needs[4] else None,
-            None, None, None, None, None, None,
+            None, None, None, None, None, None, None,
         )
 
 
@@ -1284,27 +1290,40 @@ RMS_NORM.register(dialects.Candidate("torch", _rms_norm_torch, supports=_rms_nor
 # =============================================================================================
 
 
-def _norm(op_name, x, normalized_shape, weight, bias, eps, residual, is_rms_norm, p=0.0, x_bias=None):
+def _norm(op_name, x, normalized_shape, weight, bias, eps, residual, is_rms_norm, p=0.0, x_bias=None,
+          out_dtype=None):
     normalized_shape = _shape_list(op_name, normalized_shape)
     fused = residual is not None or p > 0.0 or x_bias is not None
     check_tensor(op_name, "input", x)
+    if out_dtype is not None:
+        _check_out_dtype(op_name, out_dtype)
     if eager_fast_path(x, weight, bias, residual, x_bias):
         n = _check_norm_inputs(op_name, x, normalized_shape, weight, bias, eps, residual, x_bias, p)
         with profiled(f"trifuse::{op_name}"):
-            return _NormFunction.apply(x, residual, x_bias, weight, bias, n, eps, p, is_rms_norm, fused, op_name)
+            return _NormFunction.apply(x, residual, x_bias, weight, bias, n, eps, p, is_rms_norm, fused, op_name,
+                                       out_dtype)
     for name, t in (("weight", weight), ("bias", bias), ("residual", residual), ("x_bias", x_bias)):
         if t is not None:  # (the fast path above takes tensors only: no cost there)
             check_tensor(op_name, name, t)
+    # Traced, or tensor subclasses: the registered ops (out_dtype as a cast after them, which a
+    # compiler fuses into the kernel before it).
     if fused:
         if is_rms_norm:
             out = torch.ops.trifuse.dropout_add_rms_norm(x, residual, normalized_shape, weight, eps, p, x_bias)
         else:
             out = torch.ops.trifuse.dropout_add_layer_norm(
                 x, residual, normalized_shape, weight, bias, eps, p, x_bias)
-        return out[0], out[1]
+        return (out[0] if out_dtype is None else out[0].to(out_dtype)), out[1]
     if is_rms_norm:
-        return torch.ops.trifuse.rms_norm(x, normalized_shape, weight, eps)[0]
-    return torch.ops.trifuse.layer_norm(x, normalized_shape, weight, bias, eps)[0]
+        y = torch.ops.trifuse.rms_norm(x, normalized_shape, weight, eps)[0]
+    else:
+        y = torch.ops.trifuse.layer_norm(x, normalized_shape, weight, bias, eps)[0]
+    return y if out_dtype is None else y.to(out_dtype)
+
+
+def _check_out_dtype(op: str, out_dtype) -> None:
+    if not isinstance(out_dtype, torch.dtype) or not out_dtype.is_floating_point:
+        raise TypeError(f"trifuse.{op}: out_dtype must be a floating-point torch.dtype or None, got {out_dtype!r}")
 
 
 def _shape_list(op: str, normalized_shape) -> list[int]:
@@ -1327,6 +1346,7 @@ def layer_norm(
     bias: torch.Tensor | None = None,
     eps: float = 1e-5,
     residual: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """LayerNorm over the trailing `normalized_shape` dims, like `F.layer_norm`.
 
@@ -1335,6 +1355,10 @@ def layer_norm(
         weight, bias: normalized_shape, optional; any float dtype.
         residual: like x, optional. When given, computes s = x + residual and y = LN(s) in one
             pass and returns (y, s): the pre-norm residual stream. Gradients reach x and residual.
+        out_dtype: y's dtype, when not x's (s keeps its own): the kernel rounds y to it once, as
+            `y.to(out_dtype)` would, without that cast's pass over y, and the gradient arriving at
+            y may be in it. `fuse` sets it under autocast where y feeds only matmuls that would
+            cast it to the autocast dtype anyway.
 
     Returns:
         y shaped like x (or (y, s)), in x's dtype (promoted with residual's).
@@ -1349,10 +1373,26 @@ def layer_norm(
     """
     if residual is not None:
         return _norm("dropout_add_layer_norm", x, normalized_shape, weight, bias, eps, residual,
-                     is_rms_norm=False)
+                     is_rms_norm=False, out_dtype=out_dtype)
     if isinstance(normalized_shape, int):
         normalized_shape = (normalized_shape,)
-    return LAYER_NORM(x, normalized_shape, weight, bias, eps)
+    if out_dtype is None:
+        return LAYER_NORM(x, normalized_shape, weight, bias, eps)
+    return _with_out_dtype(LAYER_NORM, _layer_norm_trifuse, "layer_norm", out_dtype,
+                           x, normalized_shape, weight, bias, eps)
+
+
+def _with_out_dtype(dialect, trifuse_candidate, op: str, out_dtype: torch.dtype, *args):
+    """A norm without a residual, y in out_dtype: trifuse's kernels write it so, another
+    candidate's y is cast (the dialect's choice stands: it was timed without the cast)."""
+    _check_out_dtype(op, out_dtype)
+    fn = dialect.implementation(*args)
+    if fn is not trifuse_candidate:
+        return cast(fn(*args), out_dtype)
+    if op == "rms_norm":
+        x, normalized_shape, weight, eps = args
+        return _norm(op, x, normalized_shape, weight, None, eps, None, is_rms_norm=True, out_dtype=out_dtype)
+    return _norm(op, *args, None, is_rms_norm=False, out_dtype=out_dtype)
 
 
 def rms_norm(
@@ -1361,21 +1401,25 @@ def rms_norm(
     weight: torch.Tensor | None = None,
     eps: float | None = None,
     residual: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm, like `F.rms_norm` (eps None means `torch.finfo(x.dtype).eps`).
 
     y = s * rsqrt(mean(s^2) + eps) * weight over the trailing dims, with s = x (+ residual).
-    Shapes, dtypes, the residual form and errors as `layer_norm`; without a residual, eager calls
+    Shapes, dtypes, the residual form, out_dtype and errors as `layer_norm`; without a residual, eager calls
     run trifuse's kernels or F.rms_norm, whichever the `rms_norm` dialect measured faster
     (`trifuse.autotune.dialects.explain("rms_norm", x, ...)` says which and why).
     """
     if eps is None:
         eps = torch.finfo(x.dtype).eps if isinstance(x, torch.Tensor) and x.is_floating_point() else 1e-6
     if residual is not None:
-        return _norm("dropout_add_rms_norm", x, normalized_shape, weight, None, eps, residual, is_rms_norm=True)
+        return _norm("dropout_add_rms_norm", x, normalized_shape, weight, None, eps, residual, is_rms_norm=True,
+                     out_dtype=out_dtype)
     if isinstance(normalized_shape, int):
         normalized_shape = (normalized_shape,)
-    return RMS_NORM(x, normalized_shape, weight, eps)
+    if out_dtype is None:
+        return RMS_NORM(x, normalized_shape, weight, eps)
+    return _with_out_dtype(RMS_NORM, _rms_norm_trifuse, "rms_norm", out_dtype, x, normalized_shape, weight, eps)
 
 
 def dropout_add_layer_norm(
@@ -1389,6 +1433,7 @@ def dropout_add_layer_norm(
     training: bool = True,
     x_bias: torch.Tensor | None = None,
     is_rms_norm: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual stream of a transformer block in one kernel each way:
 
@@ -1397,7 +1442,8 @@ def dropout_add_layer_norm(
     x_bias is the bias of the linear that produced x, folded in here. With training=False or
     p=0 no random numbers are drawn. The mask comes from Philox seeded by PyTorch's generator on
     x's device (torch.manual_seed controls it) and is regenerated in the backward; p=1 gives
-    s = residual. Shapes and dtypes as `layer_norm`; with is_rms_norm=True, bias must be None.
+    s = residual. Shapes, dtypes and out_dtype (y's alone) as `layer_norm`; with
+    is_rms_norm=True, bias must be None.
 
     Raises:
         ValueError for p outside [0, 1] and everything `layer_norm` rejects.
@@ -1409,9 +1455,9 @@ def dropout_add_layer_norm(
     op = "dropout_add_rms_norm" if is_rms_norm else "dropout_add_layer_norm"
     if residual is None and p == 0.0 and x_bias is None:
         # Nothing to add: still return (y, s) with s = x, as the signature promises.
-        y = _norm(op, x, normalized_shape, weight, bias, eps, None, is_rms_norm)
+        y = _norm(op, x, normalized_shape, weight, bias, eps, None, is_rms_norm, out_dtype=out_dtype)
         return y, x
-    return _norm(op, x, normalized_shape, weight, bias, eps, residual, is_rms_norm, p, x_bias)
+    return _norm(op, x, normalized_shape, weight, bias, eps, residual, is_rms_norm, p, x_bias, out_dtype)
 
 
 def layer_norm_add(

@@ -525,3 +525,75 @@ def test_reference_path_without_interpreter_matches(monkeypatch):
     monkeypatch.setattr(ln_mod, "use_triton", lambda t: False)
     for variant in VARIANTS:
         check_fwd_bwd(variant, torch.float32, *make((4, 37), torch.float32, variant))
+
+
+# ---------------------------------------------------------------------------------------------
+# out_dtype: y written in another dtype (fuse sets it under autocast, fusion/narrow.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def _norm_call(op, x, w, b, out_dtype, residual=None):
+    if op == "layer_norm":
+        return trifuse.ops.layer_norm(x, x.shape[-1:], w, b, 1e-5, residual=residual, out_dtype=out_dtype)
+    if op == "rms_norm":
+        return trifuse.ops.rms_norm(x, x.shape[-1:], w, 1e-5, residual=residual, out_dtype=out_dtype)
+    return trifuse.ops.dropout_add_layer_norm(x, residual, x.shape[-1:], w, b, 1e-5, p=0.3, x_bias=b,
+                                              out_dtype=out_dtype)
+
+
+@pytest.mark.parametrize("op, with_residual, candidate", [
+    ("layer_norm", False, "trifuse"), ("layer_norm", False, "torch"), ("rms_norm", False, "trifuse"),
+    ("rms_norm", False, "torch"),  # the residual forms have no dialect: trifuse's kernels
+    ("layer_norm", True, "trifuse"), ("rms_norm", True, "trifuse"), ("dropout_add_layer_norm", True, "trifuse")])
+def test_out_dtype_is_the_cast_of_y_without_a_cast_pass(op, with_residual, candidate):
+    """y in out_dtype is bitwise y.to(out_dtype), s keeps its dtype, and the gradients (y's
+    arriving in out_dtype) are bitwise those of the cast's backward; with the dialect choosing
+    either candidate (PyTorch's y is cast)."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 37, device=DEVICE, requires_grad=True)
+    r = torch.randn(6, 37, device=DEVICE, requires_grad=True) if with_residual else None
+    w, b = (torch.randn(37, device=DEVICE, requires_grad=True) for _ in range(2))
+    dialect = ln_mod.RMS_NORM if op == "rms_norm" else ln_mod.LAYER_NORM
+    args = (x, (37,), w, 1e-5) if op == "rms_norm" else (x, (37,), w, b, 1e-5)
+    key = dialect.key(*args)
+    old = dialect._memo.get(key)
+    dialect._memo[key] = dialect.candidate(candidate).fn
+    try:
+        inputs = [t for t in (x, r, w, b if op != "rms_norm" else None) if t is not None]
+        outs = []
+        for out_dtype in (None, torch.float16):
+            torch.manual_seed(1)  # the same dropout mask
+            out = _norm_call(op, x, w, b, out_dtype, r)
+            y, s = out if isinstance(out, tuple) else (out, None)
+            dy = torch.randn(y.shape, device=DEVICE).to(torch.float16)
+            grads = torch.autograd.grad([t for t in (y, s) if t is not None], inputs,
+                                        [dy.to(y.dtype)] + ([torch.ones_like(s)] if s is not None else []))
+            outs.append((y, s, grads))
+    finally:
+        dialect._memo.pop(key) if old is None else dialect._memo.__setitem__(key, old)
+    (y32, s32, g32), (y16, s16, g16) = outs
+    assert y16.dtype == torch.float16 and torch.equal(y16, y32.to(torch.float16))
+    assert s16 is None or (s16.dtype == torch.float32 and torch.equal(s16, s32))
+    for a, c in zip(g32, g16):
+        assert a.dtype == c.dtype and torch.equal(a, c)
+
+
+def test_out_dtype_through_the_registered_op():
+    """Traced calls (torch.compile) run the registered op and cast y after it."""
+    x = torch.randn(4, 24, device=DEVICE)
+    w = torch.randn(24, device=DEVICE)
+    fn = torch.compile(lambda x, w: trifuse.ops.layer_norm(x, (24,), w, None, 1e-5, out_dtype=torch.float16),
+                       fullgraph=True, backend="aot_eager")
+    y = fn(x, w)
+    assert y.dtype == torch.float16
+    torch.testing.assert_close(y, F.layer_norm(x, (24,), w, None, 1e-5).half())
+
+
+@pytest.mark.parametrize("bad", [torch.int32, "float16", 16])
+def test_out_dtype_must_be_a_float_dtype(bad):
+    x = torch.randn(2, 8, device=DEVICE)
+    for call in (lambda: trifuse.ops.layer_norm(x, (8,), out_dtype=bad),
+                 lambda: trifuse.ops.rms_norm(x, (8,), out_dtype=bad),
+                 lambda: trifuse.ops.layer_norm(x, (8,), residual=x, out_dtype=bad)):
+        with pytest.raises(TypeError, match=r"trifuse\.\w+: out_dtype must be a floating-point"):
+            call()

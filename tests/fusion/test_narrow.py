@@ -1,0 +1,145 @@
+"""Norm outputs in the autocast dtype where only autocast's matmuls read them (fusion/narrow.py):
+which norms narrow, which do not, and that narrowing changes no bit of the loss or the
+gradients (the kernel rounds the same fp32 values the matmul's cast rounded)."""
+import copy
+
+import _models
+import pytest
+import torch
+import trifuse
+from _fusing import DynamoHost
+from torch import nn
+
+from trifuse.fusion import narrow, rewriter
+
+DTYPE = torch.bfloat16 if _models.DEVICE == "cuda" else torch.float16  # bf16 is wrong in the interpreter
+NOTE = f"y in {str(DTYPE).replace('torch.', '')}: only autocast's matmuls read it"
+
+
+def _narrowed(model) -> list[str]:
+    """The replaced patterns whose note says the norm writes the autocast dtype."""
+    return [r.pattern for u in trifuse.report(model).units for c in u.unit.captures for r in c.log.replaced
+            if NOTE in r.note]
+
+
+def _step(model, inputs, loss_fn):
+    torch.manual_seed(1)  # the same dropout masks for both models
+    with torch.autocast(_models.DEVICE, dtype=DTYPE):
+        loss = loss_fn(model, inputs)
+    grads = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad], allow_unused=True)
+    return loss, grads
+
+
+def _fused_pair(build, monkeypatch, **kwargs):
+    """(narrowed model, model fused with narrowing off, inputs, loss_fn), from one set of weights."""
+    torch.manual_seed(0)
+    model, inputs, loss_fn = build(**kwargs)
+    plain = copy.deepcopy(model)
+    kw = inputs(2, 8)
+    trifuse.fuse(model)
+    _step(model, kw, loss_fn)  # captures with narrowing
+    with monkeypatch.context() as m:
+        m.setattr(rewriter, "narrow_norm_outputs", lambda graph: [])
+        trifuse.fuse(plain)
+        _step(plain, kw, loss_fn)  # captures without
+    return model, plain, kw, loss_fn
+
+
+def test_pre_norm_blocks_narrow_and_change_no_bit(monkeypatch):
+    """GPT-2: ln_1 feeds c_attn's addmm alone, ln_2 c_fc's; with dropout on."""
+    model, plain, kw, loss_fn = _fused_pair(_models.gpt2, monkeypatch, dropout=0.1)
+    assert set(_narrowed(model)) == {"layer_norm", "conv1d_residual_norm"} and not _narrowed(plain)
+    loss, grads = _step(model, kw, loss_fn)
+    loss_plain, grads_plain = _step(plain, kw, loss_fn)
+    assert torch.equal(loss, loss_plain)
+    for g, gp in zip(grads, grads_plain):
+        assert (g is None and gp is None) or torch.equal(g, gp)
+
+
+def test_an_output_several_matmuls_read_stays_fp32():
+    """Llama's norms feed q, k and v (gate and up): their 16-bit gradients would be summed in 16
+    bits, not in fp32 as the casts' are. Not narrowed."""
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _models.llama()
+    trifuse.fuse(model)
+    _step(model, inputs(2, 8), loss_fn)
+    counts = trifuse.report(model).counts()
+    assert counts["rms_norm"] >= _models.LAYERS and counts["residual_stream"] == _models.LAYERS
+    assert not _narrowed(model)
+
+
+def test_post_norm_output_that_is_also_the_residual_stays_fp32():
+    """BERT's norms feed the next block's projections and its residual add: not narrowed."""
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _models.bert()
+    trifuse.fuse(model)
+    _step(model, inputs(2, 8), loss_fn)
+    assert trifuse.report(model).counts()["residual_stream"] == 2 * _models.LAYERS
+    assert not _narrowed(model)
+
+
+def test_without_autocast_nothing_narrows():
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _models.gpt2()
+    trifuse.fuse(model)
+    loss_fn(model, inputs(2, 8)).backward()
+    assert trifuse.report(model).counts()["layer_norm"] >= _models.LAYERS
+    assert not _narrowed(model)
+
+
+class _NormThen(nn.Module):
+    """LayerNorm, then a linear and one more use of the norm's output (or autocast switched off
+    around the linear)."""
+
+    def __init__(self, other_use: str):
+        super().__init__()
+        self.ln, self.fc, self.other_use = nn.LayerNorm(16), nn.Linear(16, 16), other_use
+
+    def forward(self, x):
+        y = self.ln(x)
+        if self.other_use == "autocast off":
+            with torch.autocast(x.device.type, enabled=False):
+                return self.fc(y)
+        out = self.fc(y.reshape(-1, 16)).reshape(y.shape)
+        if self.other_use == "add":
+            out = out + y
+        if self.other_use == "second linear":
+            out = out + self.fc(y)
+        if self.other_use == "returned":
+            return out, y
+        return out
+
+
+@pytest.mark.parametrize("other_use, narrows", [
+    ("none", True), ("add", False), ("returned", False), ("autocast off", False), ("second linear", False)])
+def test_only_outputs_read_by_lowered_matmuls_alone_narrow(other_use, narrows):
+    torch.manual_seed(0)
+    ref = _NormThen(other_use).to(_models.DEVICE)
+    model = trifuse.fuse(DynamoHost(copy.deepcopy(ref)))
+    x = torch.randn(2, 5, 16, device=_models.DEVICE, requires_grad=True)
+    with torch.autocast(_models.DEVICE, dtype=DTYPE):
+        out, expected = model(x), ref(x)
+    assert trifuse.report(model).counts().get("layer_norm") == 1
+    assert bool(_narrowed(model)) == narrows
+    for a, b in zip(out if isinstance(out, tuple) else (out,), expected if isinstance(expected, tuple) else (expected,)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_the_pass_finds_the_views_between_the_norm_and_its_matmuls():
+    """Unit level: a graph norm -> view -> addmm (GPT-2's Conv1D) and norm -> linear x 2."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    y = graph.call_function(trifuse.ops.layer_norm, (x, (16,)))
+    v = graph.call_method("view", (y, (-1, 16)))
+    graph.call_method("size", (y, -1))
+    mm = graph.call_function(torch.addmm, (x, v, x))
+    graph.output(mm)
+    assert narrow._views_to_matmuls(y) == [v]
+    for other in (torch.add, torch.mm):  # another op, a second matmul
+        node = graph.call_function(other, (v, x))
+        assert narrow._views_to_matmuls(y) is None
+        graph.erase_node(node)
+    assert narrow.out_dtype(y) is None
+    narrow._set_out_dtype(y, torch.float16)
+    assert narrow.out_dtype(y) == torch.float16 and y.kwargs == {"out_dtype": torch.float16}
