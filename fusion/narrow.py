@@ -1,14 +1,16 @@
 """Norm outputs in the autocast dtype where only autocast's matmuls read them.
 
-Under autocast a pre-norm block's residual stream stays fp32, so its norm returns fp32 and the
-matmul after it (the attention's q/k/v projection, the MLP's first linear) casts that to bf16 or
-fp16 first: one more kernel reading 4 and writing 2 bytes an element forward, and its backward
-casting the matmul's 16-bit gradient back to fp32 for the norm's backward, on every layer. When
-a fused norm's output goes to one such matmul alone (through views and reshapes), the norm may as
-well write the 16-bit values itself (`out_dtype`): the kernel rounds the same fp32 result once, as
-the cast did, so the matmul sees the same bits and the norm's backward gets the same gradient,
-with two passes fewer. Not for an output several matmuls read (Llama's q/k/v projections):
-autograd would sum their gradients in 16 bits, where the casts' gradients are summed in fp32.
+Under autocast a pre-norm block's residual stream stays fp32, so its norm returns fp32 and each
+matmul after it (the attention's q/k/v projections, the MLP's first linear or gate and up) casts
+that to bf16 or fp16 first: a kernel reading 4 and writing 2 bytes an element per matmul forward,
+and backward one casting each matmul's 16-bit gradient back to fp32 and adds summing them for the
+norm's backward, on every layer. When a fused norm's output goes to such matmuls alone (through
+views and reshapes), the norm writes the 16-bit values itself (`out_dtype`): the kernel rounds
+the same fp32 result once, as each cast did, so every matmul sees the same bits. With several
+matmuls (up to `MAX_READERS`) the norm returns one view of its output for each (`readers`), so
+that their gradients reach its backward apart and are summed there in fp32, as autograd summed
+the casts' fp32 gradients; one 16-bit tensor read by all of them would have its gradients summed
+in 16 bits.
 
 The autocast state is the capture's (a capture is made per autocast mode and replayed only under
 the same one); graphs that switch autocast inside are left alone, and so is any output that
@@ -29,13 +31,14 @@ LOWERED = frozenset({torch._C._nn.linear, torch.addmm, torch.mm, torch.matmul, t
 # Methods that pass values on unchanged (any dtype), and those that read only the shape.
 _VIEWS = frozenset({"view", "reshape", "flatten", "unflatten"})
 _SHAPE_ONLY = frozenset({"size", "dim"})
-# The trifuse ops that take out_dtype, and which of their results is y (None: the op's value).
+# The trifuse ops that take out_dtype and readers, and which of their results is y (None: the
+# op's value).
 _NORMS = {ln.layer_norm: None, ln.rms_norm: None, ln.dropout_add_layer_norm: 0}
 
 
 def narrow_norm_outputs(graph: fx.Graph) -> list[fx.Node]:
-    """Sets out_dtype to the autocast dtype on the norm nodes whose fp32 output goes to one
-    autocast-lowered matmul alone; returns the nodes changed."""
+    """Sets out_dtype to the autocast dtype (and readers to the number of matmuls) on the norm
+    nodes whose fp32 output only autocast-lowered matmuls read; returns the nodes changed."""
     if any(_switches_autocast(n) for n in graph.nodes):
         return []
     changed = []
@@ -50,34 +53,43 @@ def narrow_norm_outputs(graph: fx.Graph) -> list[fx.Node]:
         if device_type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device_type):
             continue
         dtype = torch.get_autocast_dtype(device_type)
-        chain = _views_to_matmuls(y)
-        if dtype not in (torch.float16, torch.bfloat16) or chain is None:
+        branches = _branches_to_matmuls(y)
+        if dtype not in (torch.float16, torch.bfloat16) or branches is None:
             continue
-        _set_out_dtype(node, dtype)
-        for n in (y, *chain):  # the example values say what now runs
-            v = example_value(n)
-            if isinstance(v, torch.Tensor) and v.dtype == torch.float32:
-                n.meta["example_value"] = n.meta["val"] = v.to(dtype)
+        narrow = value.to(dtype)
+        _set_argument(node, "out_dtype", dtype)
+        for _, chain in branches:  # the example values say what now runs
+            for n in chain:
+                v = example_value(n)
+                n.meta["example_value"] = n.meta["val"] = v.to(dtype) if isinstance(v, torch.Tensor) else v
+        if len(branches) == 1:
+            y.meta["example_value"] = y.meta["val"] = narrow
+        else:
+            _split_into_readers(node, y, branches, narrow)
         changed.append(node)
     return changed
 
 
-def _position(fn) -> int:
-    return list(inspect.signature(fn).parameters).index("out_dtype")
+def readers(node: fx.Node) -> int:
+    return _argument(node, "readers") or 1
 
 
 def out_dtype(node: fx.Node):
-    """The node's out_dtype, passed by keyword or (calls traced with every argument) position."""
-    i = _position(node.target)
-    return node.args[i] if len(node.args) > i else node.kwargs.get("out_dtype")
+    return _argument(node, "out_dtype")
 
 
-def _set_out_dtype(node: fx.Node, dtype: torch.dtype) -> None:
-    i = _position(node.target)
+def _argument(node: fx.Node, name: str):
+    """A norm node's argument, passed by keyword or (calls traced with every argument) position."""
+    i = list(inspect.signature(node.target).parameters).index(name)
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name)
+
+
+def _set_argument(node: fx.Node, name: str, value) -> None:
+    i = list(inspect.signature(node.target).parameters).index(name)
     if len(node.args) > i:
-        node.args = (*node.args[:i], dtype, *node.args[i + 1:])
+        node.args = (*node.args[:i], value, *node.args[i + 1:])
     else:
-        node.kwargs = {**node.kwargs, "out_dtype": dtype}
+        node.kwargs = {**node.kwargs, name: value}
 
 
 def _output(node: fx.Node, index: int | None) -> fx.Node | None:
@@ -88,25 +100,47 @@ def _output(node: fx.Node, index: int | None) -> fx.Node | None:
     return items[0] if len(items) == 1 else None
 
 
-def _views_to_matmuls(y: fx.Node) -> list[fx.Node] | None:
-    """The view nodes between y and the one autocast-lowered op that reads it, when that op (once)
-    and shape queries are all y's uses; None otherwise (a second matmul, the graph's output, any
-    other op). One reader only: the gradients of several would be summed in the 16-bit dtype,
-    where autograd sums the fp32 gradients of their casts."""
-    chain, todo, matmuls = [], [y], []
-    while todo:
-        value = todo.pop()
-        for user in value.users:
-            if user.op == "call_function" and user.target in LOWERED:
-                matmuls += [user] * sum(a is value for a in (*user.args, *user.kwargs.values()))
-            elif user.op == "call_method" and user.target in _SHAPE_ONLY:
-                continue
-            elif user.op == "call_method" and user.target in _VIEWS and user.args[0] is value:
-                chain.append(user)
-                todo.append(user)
-            else:
+def _branches_to_matmuls(y: fx.Node) -> list[tuple[fx.Node, list[fx.Node]]] | None:
+    """y's uses as (first node, its views) branches, one per autocast-lowered op reading y once
+    at the branch's end, when that is all y's uses are (besides shape queries) and there are at
+    most MAX_READERS; None otherwise (the graph's output, any other op, a branch reaching two
+    matmuls or one matmul twice)."""
+    branches = []
+    for first in y.users:
+        if first.op == "call_method" and first.target in _SHAPE_ONLY:
+            continue
+        chain, value = [], first
+        while value.op == "call_method" and value.target in _VIEWS:
+            chain.append(value)
+            uses = [u for u in value.users if not (u.op == "call_method" and u.target in _SHAPE_ONLY)]
+            if len(uses) != 1:
                 return None
-    return chain if len(matmuls) == 1 else None
+            value = uses[0]
+        source = chain[-1] if chain else y
+        if not (value.op == "call_function" and value.target in LOWERED) or \
+                sum(a is source for a in (*value.args, *value.kwargs.values())) != 1:
+            return None
+        branches.append((first, chain))
+    return branches if 1 <= len(branches) <= ln.MAX_READERS else None
+
+
+def _split_into_readers(node: fx.Node, y: fx.Node, branches, narrow: torch.Tensor) -> None:
+    """y becomes a tuple of views, one per branch: `getitem(y, i)` feeds branch i, and the
+    shape queries read the first."""
+    _set_argument(node, "readers", len(branches))
+    graph = y.graph
+    with graph.inserting_after(y):
+        items = []
+        for i in range(len(branches)):
+            item = graph.call_function(operator.getitem, (y, i))
+            item.meta.update({k: y.meta[k] for k in ("nn_module_stack", "stack_trace") if k in y.meta})
+            item.meta["example_value"] = item.meta["val"] = narrow
+            items.append(item)
+    for item, (first, _) in zip(items, branches):
+        first.replace_input_with(y, item)
+    for user in [u for u in y.users if u not in items]:
+        user.replace_input_with(y, items[0])
+    y.meta["example_value"] = y.meta["val"] = tuple(narrow for _ in items)
 
 
 def _switches_autocast(node: fx.Node) -> bool:

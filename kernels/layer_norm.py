@@ -69,6 +69,8 @@ from ._tiles import cdiv
 # Widest row (elements) kept whole in registers; wider rows are walked in chunks
 # (configs.NORM_WIDE_CHUNK).
 MAX_SINGLE_BLOCK_FWD = 16384
+# The most readers of one narrowed y (fusion/narrow.py) whose gradients the backward sums: q, k, v.
+MAX_READERS = 3
 MAX_SINGLE_BLOCK_BWD = 16384
 # Launch configurations (tile size, warps, backward programs per SM) are tuned per shape bucket
 # (autotune/configs.py: norm_fwd, norm_bwd; entry 0 of each is the default, from a sweep on the
@@ -275,11 +277,18 @@ def _layer_norm_fwd_kernel(
 
 
 @triton.jit
-def _tile_grads(S, DY, W, cols, mask, N, mean, rstd, HAS_W: tl.constexpr, ACC: tl.constexpr):
-    """xhat, dy and g = dy * weight on a tile (0 where masked); mean, rstd are (BLOCK_M,)."""
+def _tile_grads(S, DY, DY2, DY3, W, cols, mask, N, mean, rstd,
+                HAS_W: tl.constexpr, NUM_DY: tl.constexpr, ACC: tl.constexpr):
+    """xhat, dy and g = dy * weight on a tile (0 where masked); mean, rstd are (BLOCK_M,). With
+    NUM_DY 2 or 3, dy is the fp32 sum of DY, DY2 (and DY3): y's gradients from as many readers of
+    one 16-bit y (fusion/narrow.py), summed as autograd sums fp32 ones."""
     s = tl.load(S + cols, mask=mask, other=0.0).to(ACC)
     xhat = tl.where(mask, (s - mean[:, None]) * rstd[:, None], 0.0)
     dy = tl.load(DY + cols, mask=mask, other=0.0).to(ACC)
+    if NUM_DY >= 2:
+        dy += tl.load(DY2 + cols, mask=mask, other=0.0).to(ACC)
+    if NUM_DY >= 3:
+        dy += tl.load(DY3 + cols, mask=mask, other=0.0).to(ACC)
     if HAS_W:
         g = dy * tl.load(W + cols, mask=cols < N, other=0.0).to(ACC)
     else:
@@ -316,12 +325,14 @@ def _layer_norm_bwd_kernel(
     PARTIAL,  # out (3, programs, N) fp32: this program's shares of dweight, dbias, dx_bias
     stride_dym, stride_dsm, stride_sm, stride_dxm, stride_drm,
     M, N, rows_per_program, stride_pk, p, scale,
+    DY2, DY3,  # in (M, N) further gradients for y, added to DY; unused unless NUM_DY > 1, > 2
+    stride_dy2m, stride_dy3m,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
     IS_RMS_NORM: tl.constexpr, HAS_W: tl.constexpr, HAS_DS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, STORE_DR: tl.constexpr, ACC: tl.constexpr,
     # which of the three shares are wanted: an accumulator nobody sums is registers and stores
     # for nothing (a plain LayerNorm has no dx_bias; an RMSNorm no dbias)
-    STORE_DW: tl.constexpr, STORE_DB: tl.constexpr, STORE_DXB: tl.constexpr,
+    STORE_DW: tl.constexpr, STORE_DB: tl.constexpr, STORE_DXB: tl.constexpr, NUM_DY: tl.constexpr,
 ):
     pid = tl.program_id(0)
     row_start = pid.to(tl.int64) * rows_per_program  # int64 rows: row * stride may pass 2^31
@@ -346,8 +357,8 @@ def _layer_norm_bwd_kernel(
             mask = row_mask[:, None] & col_mask
             mean = tl.zeros([BLOCK_M], dtype=ACC) if IS_RMS_NORM else tl.load(MEAN + rows, mask=row_mask, other=0.0)
             rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
-            xhat, dy, g = _tile_grads(S + rows2 * stride_sm, DY + rows2 * stride_dym, W, offs, mask,
-                                      N, mean, rstd, HAS_W, ACC)
+            xhat, dy, g = _tile_grads(S + rows2 * stride_sm, DY + rows2 * stride_dym, DY2 + rows2 * stride_dy2m,
+                                      DY3 + rows2 * stride_dy3m, W, offs, mask, N, mean, rstd, HAS_W, NUM_DY, ACC)
             c1 = _div(tl.sum(xhat * g, axis=1), N, ACC)
             if IS_RMS_NORM:
                 ds = (g - xhat * c1[:, None]) * rstd[:, None]
@@ -384,8 +395,9 @@ def _layer_norm_bwd_kernel(
             for start in range(0, N, BLOCK_N):
                 cols = start + offs
                 mask = cols < N
-                xhat, dy, g = _tile_grads(S + rows2 * stride_sm, DY + rows2 * stride_dym, W, cols,
-                                          mask, N, mean, rstd, HAS_W, ACC)
+                xhat, dy, g = _tile_grads(S + rows2 * stride_sm, DY + rows2 * stride_dym,
+                                          DY2 + rows2 * stride_dy2m, DY3 + rows2 * stride_dy3m, W, cols,
+                                          mask, N, mean, rstd, HAS_W, NUM_DY, ACC)
                 acc1 += xhat * g
                 acc2 += g
             c1 = _div(tl.sum(acc1, axis=1), N, ACC)
@@ -396,8 +408,9 @@ def _layer_norm_bwd_kernel(
             for start in range(0, N, BLOCK_N):
                 cols = start + offs
                 mask = cols < N
-                xhat, dy, g = _tile_grads(S + rows2 * stride_sm, DY + rows2 * stride_dym, W, cols,
-                                          mask, N, mean, rstd, HAS_W, ACC)
+                xhat, dy, g = _tile_grads(S + rows2 * stride_sm, DY + rows2 * stride_dym,
+                                          DY2 + rows2 * stride_dy2m, DY3 + rows2 * stride_dy3m, W, cols,
+                                          mask, N, mean, rstd, HAS_W, NUM_DY, ACC)
                 ds = (g - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
                 dx = _store_input_grads(ds, DS + rows2 * stride_dsm, DX + rows2 * stride_dxm,
                                         DR + rows2 * stride_drm, seed, rows2, cols, mask, p, scale,
@@ -655,12 +668,14 @@ def layer_norm_bwd(
     grad_dtypes: tuple[torch.dtype | None, torch.dtype | None, torch.dtype | None] | None = None,
     dx_dtype: torch.dtype | None = None,
     dr_dtype: torch.dtype | None = None,
+    more_dy: tuple[torch.Tensor, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of the norm. Returns (dx, dresidual, dweight, dbias, dx_bias); dresidual is dx
-    itself unless store_dresidual. dx comes in dx_dtype and a stored dresidual in dr_dtype (s's
-    dtype by default): the kernel rounds each once to its input's dtype, where a cast after it
-    would be one more pass over the rows (x in bf16 beside an fp32 residual stream under
-    autocast). The three vectors are (n,): in fp32 (fp64 for fp64) when grad_dtypes is None, else
+    itself unless store_dresidual. y's gradient is dy, plus (in fp32, inside the kernel) up to two
+    more_dy: those of the other views of a y several readers share. dx comes in dx_dtype and a
+    stored dresidual in dr_dtype (s's dtype by default): the kernel rounds each once to its input's
+    dtype, where a cast after it would be one more pass over the rows (x in bf16 beside an fp32
+    residual stream under autocast). The three vectors are (n,): in fp32 (fp64 for fp64) when grad_dtypes is None, else
     each in its dtype from grad_dtypes, or None where that is None."""
     weight = _flat(weight)
     m = s.numel() // n if n else 0
@@ -671,7 +686,11 @@ def layer_norm_bwd(
     dr = empty_like(s, dr_dtype) if store_dresidual else dx
     if m == 0:
         return dx, dr, *(None if d is None else torch.zeros(n, dtype=d, device=s.device) for d in grad_dtypes)
+    if len(more_dy) > 2:
+        raise ValueError(f"trifuse.layer_norm_bwd: at most two more_dy, got {len(more_dy)}")
     if not use_triton(s):
+        for extra in more_dy:
+            dy = dy.to(acc) + extra
         dx, dr, *vecs = _norm_bwd_torch(dy, s, n, weight, mean, rstd, is_rms_norm, ds, p, seed, store_dresidual)
         dx = dx if dx_dtype is None else cast(dx, dx_dtype)
         if not store_dresidual:
@@ -685,7 +704,9 @@ def layer_norm_bwd(
     has_dropout = p > 0.0
     head = (dy2, ds2, s2, s2 if weight is None else weight, seed if has_dropout else s2,
             rstd if is_rms_norm else mean, rstd, dx, dr)
-    tail = (stride_dy, stride_ds, stride_s, n, n, p, _dropout_scale(p))
+    extra = [as_rows(t, n) for t in more_dy] + [(dy2, 0)] * (2 - len(more_dy))
+    tail = (stride_dy, stride_ds, stride_s, n, n, p, _dropout_scale(p),
+            extra[0][0], extra[1][0], extra[0][1], extra[1][1])
     device = s.get_device() if s.is_cuda else -1
     # The tuned backward config sets how the rows are split into fp32 partial sums, so two
     # processes tuning apart could sum dweight in different orders. Under
@@ -693,13 +714,14 @@ def layer_norm_bwd(
     # everywhere, tuned cache or not.
     deterministic = torch.are_deterministic_algorithms_enabled()
     key = (device, s.dtype, m, n, is_rms_norm, weight is not None, ds is not None, has_dropout,
-           store_dresidual, grad_dtypes, deterministic)
+           store_dresidual, grad_dtypes, deterministic, len(more_dy))
     plan = _BWD_PLANS.get(key)
     if plan is None:
         sum_flags = dict(STORE_DW=grad_dtypes[0] is not None, STORE_DB=grad_dtypes[1] is not None,
                          STORE_DXB=grad_dtypes[2] is not None)
         constexprs = dict(IS_RMS_NORM=is_rms_norm, HAS_W=weight is not None, HAS_DS=ds is not None,
-                          HAS_DROPOUT=has_dropout, STORE_DR=store_dresidual, ACC=acc_dtype(s.dtype), **sum_flags)
+                          HAS_DROPOUT=has_dropout, STORE_DR=store_dresidual, ACC=acc_dtype(s.dtype),
+                          NUM_DY=1 + len(more_dy), **sum_flags)
         grads = "".join(c for c, d in zip("wbx", grad_dtypes) if d is not None)
         tuning_key = (device, s.dtype, n, pow2_bucket(m), is_rms_norm, ds is not None, has_dropout,
                       store_dresidual, grads)
@@ -1083,7 +1105,7 @@ for _name, _backward, _setup, _is_rms in (
 
 class _NormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, residual, x_bias, weight, bias, n, eps, p, is_rms_norm, fused, op_name, out_dtype):
+    def forward(ctx, x, residual, x_bias, weight, bias, n, eps, p, is_rms_norm, fused, op_name, out_dtype, readers):
         seed = philox_seed(x.device) if p > 0.0 else None
         y, s, mean, rstd = layer_norm_fwd(x, n, weight, bias, eps, is_rms_norm=is_rms_norm,
                                           residual=residual, x_bias=x_bias, p=p, seed=seed,
@@ -1092,12 +1114,17 @@ class _NormFunction(torch.autograd.Function):
         ctx.n, ctx.p, ctx.is_rms_norm, ctx.op_name = n, p, is_rms_norm, f"trifuse::{op_name}"
         ctx.x_dtype = x.dtype
         ctx.residual_dtype = residual.dtype if residual is not None else None
+        ctx.readers = readers
+        if readers > 1:  # one buffer, a view for each reader: each view's gradient comes apart
+            y = (y, *(y.view_as(y) for _ in range(readers - 1)))
         if fused:
-            return y, s
+            return (*y, s) if readers > 1 else (y, s)
         return y
 
     @staticmethod
-    def backward(ctx, dy, ds=None):
+    def backward(ctx, *grads):
+        dy, more_dy = grads[0], grads[1:ctx.readers]
+        ds = grads[ctx.readers] if len(grads) > ctx.readers else None
         s, weight, bias, x_bias, mean, rstd, seed = ctx.saved_tensors
         needs = ctx.needs_input_grad
         # dweight, dbias and dx_bias come out of the reduction kernel in their final dtypes.
@@ -1113,14 +1140,14 @@ class _NormFunction(torch.autograd.Function):
             dx, dr, dw, db, dxb = layer_norm_bwd(
                 dy, s, ctx.n, weight, mean, rstd, is_rms_norm=ctx.is_rms_norm, ds=ds, p=ctx.p,
                 seed=seed, store_dresidual=store_dr, grad_dtypes=grad_dtypes,
-                dx_dtype=dx_dtype, dr_dtype=residual_dtype)
+                dx_dtype=dx_dtype, dr_dtype=residual_dtype, more_dy=more_dy)
         return (
             cast(dx, x_dtype) if needs[0] else None,
             cast(dr, residual_dtype) if needs[1] else None,
             _grad_as(dxb, x_bias) if needs[2] else None,
             _grad_as(dw, weight) if needs[3] else None,
             _grad_as(db, bias) if needs[4] else None,
-            None, None, None, None, None, None, None,
+            None, None, None, None, None, None, None, None,
         )
 
 
@@ -1291,17 +1318,18 @@ RMS_NORM.register(dialects.Candidate("torch", _rms_norm_torch, supports=_rms_nor
 
 
 def _norm(op_name, x, normalized_shape, weight, bias, eps, residual, is_rms_norm, p=0.0, x_bias=None,
-          out_dtype=None):
+          out_dtype=None, readers=1):
     normalized_shape = _shape_list(op_name, normalized_shape)
     fused = residual is not None or p > 0.0 or x_bias is not None
     check_tensor(op_name, "input", x)
-    if out_dtype is not None:
-        _check_out_dtype(op_name, out_dtype)
+    if out_dtype is not None or readers != 1:
+        _check_out_dtype(op_name, out_dtype, readers)
     if eager_fast_path(x, weight, bias, residual, x_bias):
         n = _check_norm_inputs(op_name, x, normalized_shape, weight, bias, eps, residual, x_bias, p)
         with profiled(f"trifuse::{op_name}"):
-            return _NormFunction.apply(x, residual, x_bias, weight, bias, n, eps, p, is_rms_norm, fused, op_name,
-                                       out_dtype)
+            out = _NormFunction.apply(x, residual, x_bias, weight, bias, n, eps, p, is_rms_norm, fused, op_name,
+                                      out_dtype, readers)
+        return ((out[:readers], out[readers]) if fused else out) if readers > 1 else out
     for name, t in (("weight", weight), ("bias", bias), ("residual", residual), ("x_bias", x_bias)):
         if t is not None:  # (the fast path above takes tensors only: no cost there)
             check_tensor(op_name, name, t)
@@ -1313,17 +1341,28 @@ def _norm(op_name, x, normalized_shape, weight, bias, eps, residual, is_rms_norm
         else:
             out = torch.ops.trifuse.dropout_add_layer_norm(
                 x, residual, normalized_shape, weight, bias, eps, p, x_bias)
-        return (out[0] if out_dtype is None else out[0].to(out_dtype)), out[1]
+        return _cast_for_readers(out[0], out_dtype, readers), out[1]
     if is_rms_norm:
         y = torch.ops.trifuse.rms_norm(x, normalized_shape, weight, eps)[0]
     else:
         y = torch.ops.trifuse.layer_norm(x, normalized_shape, weight, bias, eps)[0]
-    return y if out_dtype is None else y.to(out_dtype)
+    return _cast_for_readers(y, out_dtype, readers)
 
 
-def _check_out_dtype(op: str, out_dtype) -> None:
+def _cast_for_readers(y: torch.Tensor, out_dtype: torch.dtype | None, readers: int):
+    """y in out_dtype, one cast per reader when several (each cast's gradient comes back in fp32
+    and autograd sums them there, as the model's own casts did)."""
+    if out_dtype is None:
+        return y
+    return tuple(y.to(out_dtype) for _ in range(readers)) if readers > 1 else y.to(out_dtype)
+
+
+def _check_out_dtype(op: str, out_dtype, readers: int = 1) -> None:
     if not isinstance(out_dtype, torch.dtype) or not out_dtype.is_floating_point:
-        raise TypeError(f"trifuse.{op}: out_dtype must be a floating-point torch.dtype or None, got {out_dtype!r}")
+        raise TypeError(f"trifuse.{op}: out_dtype must be a floating-point torch.dtype"
+                        f"{'' if readers != 1 else ' or None'}, got {out_dtype!r}")
+    if type(readers) is not int or not 1 <= readers <= MAX_READERS:
+        raise ValueError(f"trifuse.{op}: readers must be an int from 1 to {MAX_READERS}, got {readers!r}")
 
 
 def _shape_list(op: str, normalized_shape) -> list[int]:
@@ -1347,6 +1386,7 @@ def layer_norm(
     eps: float = 1e-5,
     residual: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    readers: int = 1,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """LayerNorm over the trailing `normalized_shape` dims, like `F.layer_norm`.
 
@@ -1359,6 +1399,10 @@ def layer_norm(
             `y.to(out_dtype)` would, without that cast's pass over y, and the gradient arriving at
             y may be in it. `fuse` sets it under autocast where y feeds only matmuls that would
             cast it to the autocast dtype anyway.
+        readers: with out_dtype, y comes as a tuple of this many views of one buffer (at most 3),
+            one for each matmul reading it: their gradients reach the backward apart and are
+            summed there in fp32, as autograd sums the gradients of one cast per matmul (on one
+            16-bit y it would sum them in 16 bits).
 
     Returns:
         y shaped like x (or (y, s)), in x's dtype (promoted with residual's).
@@ -1373,26 +1417,28 @@ def layer_norm(
     """
     if residual is not None:
         return _norm("dropout_add_layer_norm", x, normalized_shape, weight, bias, eps, residual,
-                     is_rms_norm=False, out_dtype=out_dtype)
+                     is_rms_norm=False, out_dtype=out_dtype, readers=readers)
     if isinstance(normalized_shape, int):
         normalized_shape = (normalized_shape,)
-    if out_dtype is None:
+    if out_dtype is None and readers == 1:
         return LAYER_NORM(x, normalized_shape, weight, bias, eps)
-    return _with_out_dtype(LAYER_NORM, _layer_norm_trifuse, "layer_norm", out_dtype,
+    return _with_out_dtype(LAYER_NORM, _layer_norm_trifuse, "layer_norm", out_dtype, readers,
                            x, normalized_shape, weight, bias, eps)
 
 
-def _with_out_dtype(dialect, trifuse_candidate, op: str, out_dtype: torch.dtype, *args):
+def _with_out_dtype(dialect, trifuse_candidate, op: str, out_dtype: torch.dtype, readers: int, *args):
     """A norm without a residual, y in out_dtype: trifuse's kernels write it so, another
-    candidate's y is cast (the dialect's choice stands: it was timed without the cast)."""
-    _check_out_dtype(op, out_dtype)
+    candidate's y is cast, once per reader (the dialect's choice stands: it was timed without
+    the casts)."""
+    _check_out_dtype(op, out_dtype, readers)
     fn = dialect.implementation(*args)
     if fn is not trifuse_candidate:
-        return cast(fn(*args), out_dtype)
+        return _cast_for_readers(fn(*args), out_dtype, readers)
     if op == "rms_norm":
         x, normalized_shape, weight, eps = args
-        return _norm(op, x, normalized_shape, weight, None, eps, None, is_rms_norm=True, out_dtype=out_dtype)
-    return _norm(op, *args, None, is_rms_norm=False, out_dtype=out_dtype)
+        return _norm(op, x, normalized_shape, weight, None, eps, None, is_rms_norm=True, out_dtype=out_dtype,
+                     readers=readers)
+    return _norm(op, *args, None, is_rms_norm=False, out_dtype=out_dtype, readers=readers)
 
 
 def rms_norm(
@@ -1402,11 +1448,12 @@ def rms_norm(
     eps: float | None = None,
     residual: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    readers: int = 1,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm, like `F.rms_norm` (eps None means `torch.finfo(x.dtype).eps`).
 
     y = s * rsqrt(mean(s^2) + eps) * weight over the trailing dims, with s = x (+ residual).
-    Shapes, dtypes, the residual form, out_dtype and errors as `layer_norm`; without a residual, eager calls
+    Shapes, dtypes, the residual form, out_dtype, readers and errors as `layer_norm`; without a residual, eager calls
     run trifuse's kernels or F.rms_norm, whichever the `rms_norm` dialect measured faster
     (`trifuse.autotune.dialects.explain("rms_norm", x, ...)` says which and why).
     """
@@ -1414,12 +1461,13 @@ def rms_norm(
         eps = torch.finfo(x.dtype).eps if isinstance(x, torch.Tensor) and x.is_floating_point() else 1e-6
     if residual is not None:
         return _norm("dropout_add_rms_norm", x, normalized_shape, weight, None, eps, residual, is_rms_norm=True,
-                     out_dtype=out_dtype)
+                     out_dtype=out_dtype, readers=readers)
     if isinstance(normalized_shape, int):
         normalized_shape = (normalized_shape,)
-    if out_dtype is None:
+    if out_dtype is None and readers == 1:
         return RMS_NORM(x, normalized_shape, weight, eps)
-    return _with_out_dtype(RMS_NORM, _rms_norm_trifuse, "rms_norm", out_dtype, x, normalized_shape, weight, eps)
+    return _with_out_dtype(RMS_NORM, _rms_norm_trifuse, "rms_norm", out_dtype, readers,
+                           x, normalized_shape, weight, eps)
 
 
 def dropout_add_layer_norm(
@@ -1434,6 +1482,7 @@ def dropout_add_layer_norm(
     x_bias: torch.Tensor | None = None,
     is_rms_norm: bool = False,
     out_dtype: torch.dtype | None = None,
+    readers: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual stream of a transformer block in one kernel each way:
 
@@ -1442,7 +1491,7 @@ def dropout_add_layer_norm(
     x_bias is the bias of the linear that produced x, folded in here. With training=False or
     p=0 no random numbers are drawn. The mask comes from Philox seeded by PyTorch's generator on
     x's device (torch.manual_seed controls it) and is regenerated in the backward; p=1 gives
-    s = residual. Shapes, dtypes and out_dtype (y's alone) as `layer_norm`; with
+    s = residual. Shapes, dtypes, out_dtype and readers (y's alone) as `layer_norm`; with
     is_rms_norm=True, bias must be None.
 
     Raises:
@@ -1455,9 +1504,9 @@ def dropout_add_layer_norm(
     op = "dropout_add_rms_norm" if is_rms_norm else "dropout_add_layer_norm"
     if residual is None and p == 0.0 and x_bias is None:
         # Nothing to add: still return (y, s) with s = x, as the signature promises.
-        y = _norm(op, x, normalized_shape, weight, bias, eps, None, is_rms_norm, out_dtype=out_dtype)
+        y = _norm(op, x, normalized_shape, weight, bias, eps, None, is_rms_norm, out_dtype=out_dtype, readers=readers)
         return y, x
-    return _norm(op, x, normalized_shape, weight, bias, eps, residual, is_rms_norm, p, x_bias, out_dtype)
+    return _norm(op, x, normalized_shape, weight, bias, eps, residual, is_rms_norm, p, x_bias, out_dtype, readers)
 
 
 def layer_norm_add(

@@ -532,13 +532,15 @@ def test_reference_path_without_interpreter_matches(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 
 
-def _norm_call(op, x, w, b, out_dtype, residual=None):
+def _norm_call(op, x, w, b, out_dtype, residual=None, readers=1):
     if op == "layer_norm":
-        return trifuse.ops.layer_norm(x, x.shape[-1:], w, b, 1e-5, residual=residual, out_dtype=out_dtype)
+        return trifuse.ops.layer_norm(x, x.shape[-1:], w, b, 1e-5, residual=residual, out_dtype=out_dtype,
+                                      readers=readers)
     if op == "rms_norm":
-        return trifuse.ops.rms_norm(x, x.shape[-1:], w, 1e-5, residual=residual, out_dtype=out_dtype)
+        return trifuse.ops.rms_norm(x, x.shape[-1:], w, 1e-5, residual=residual, out_dtype=out_dtype,
+                                    readers=readers)
     return trifuse.ops.dropout_add_layer_norm(x, residual, x.shape[-1:], w, b, 1e-5, p=0.3, x_bias=b,
-                                              out_dtype=out_dtype)
+                                              out_dtype=out_dtype, readers=readers)
 
 
 @pytest.mark.parametrize("op, with_residual, candidate", [
@@ -578,15 +580,18 @@ def test_out_dtype_is_the_cast_of_y_without_a_cast_pass(op, with_residual, candi
         assert a.dtype == c.dtype and torch.equal(a, c)
 
 
-def test_out_dtype_through_the_registered_op():
-    """Traced calls (torch.compile) run the registered op and cast y after it."""
+@pytest.mark.parametrize("readers", [1, 2])
+def test_out_dtype_through_the_registered_op(readers):
+    """Traced calls (torch.compile) run the registered op and cast y after it, once per reader."""
     x = torch.randn(4, 24, device=DEVICE)
     w = torch.randn(24, device=DEVICE)
-    fn = torch.compile(lambda x, w: trifuse.ops.layer_norm(x, (24,), w, None, 1e-5, out_dtype=torch.float16),
+    fn = torch.compile(lambda x, w: trifuse.ops.layer_norm(x, (24,), w, None, 1e-5, out_dtype=torch.float16,
+                                                           readers=readers),
                        fullgraph=True, backend="aot_eager")
-    y = fn(x, w)
-    assert y.dtype == torch.float16
-    torch.testing.assert_close(y, F.layer_norm(x, (24,), w, None, 1e-5).half())
+    ys = fn(x, w)
+    for y in (ys if readers > 1 else (ys,)):
+        assert y.dtype == torch.float16
+        torch.testing.assert_close(y, F.layer_norm(x, (24,), w, None, 1e-5).half())
 
 
 @pytest.mark.parametrize("bad", [torch.int32, "float16", 16])
@@ -597,3 +602,39 @@ def test_out_dtype_must_be_a_float_dtype(bad):
                  lambda: trifuse.ops.layer_norm(x, (8,), residual=x, out_dtype=bad)):
         with pytest.raises(TypeError, match=r"trifuse\.\w+: out_dtype must be a floating-point"):
             call()
+
+
+@pytest.mark.parametrize("readers", [2, 3])
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "dropout_add_layer_norm"])
+def test_readers_get_views_whose_gradients_sum_in_fp32(op, readers):
+    """y as `readers` views of one fp16 buffer, each read by its own matmul: every gradient is
+    bitwise that of the model's own spelling, one cast of the fp32 y per matmul (autograd sums
+    those casts' gradients in fp32; the backward kernel sums the views' the same way)."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 37, device=DEVICE, requires_grad=True)
+    r = torch.randn(6, 37, device=DEVICE, requires_grad=True) if op == "dropout_add_layer_norm" else None
+    w, b = (torch.randn(37, device=DEVICE, requires_grad=True) for _ in range(2))
+    mats = [torch.randn(37, 5, device=DEVICE).half() for _ in range(readers)]
+    inputs = [t for t in (x, r, w, b if op != "rms_norm" else None) if t is not None]
+
+    def grads(k):
+        torch.manual_seed(1)  # the same dropout mask
+        out = _norm_call(op, x, w, b, torch.float16 if k > 1 else None, r, readers=k)
+        y, s = out if op == "dropout_add_layer_norm" else (out, None)
+        ys = y if k > 1 else [y.half() for _ in mats]  # the model's spelling: a cast per matmul
+        assert k == 1 or (len(ys) == k and all(t.dtype == torch.float16 and t.data_ptr() == ys[0].data_ptr()
+                                               for t in ys))
+        loss = sum((t @ m).float().square().sum() for t, m in zip(ys, mats)) + (0 if s is None else s.sum())
+        return torch.autograd.grad(loss, inputs)
+
+    for a, c in zip(grads(1), grads(readers)):
+        assert torch.equal(a, c)
+
+
+@pytest.mark.parametrize("out_dtype, readers, error", [
+    (torch.float16, 0, ValueError), (torch.float16, 4, ValueError), (torch.float16, 2.0, ValueError),
+    (None, 2, TypeError)])
+def test_readers_must_be_1_to_3_with_an_out_dtype(out_dtype, readers, error):
+    x = torch.randn(2, 8, device=DEVICE)
+    with pytest.raises(error, match=r"trifuse\.layer_norm: (readers must be an int from 1 to 3|out_dtype must)"):
+        trifuse.ops.layer_norm(x, (8,), out_dtype=out_dtype, readers=readers)
