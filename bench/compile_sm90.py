@@ -90,6 +90,12 @@ def _catalogue(torch, family: str):
             yield f"rms_norm residual {n}", fwd_bwd(lambda x=x, r=r, w=w, n=n: ops.rms_norm(x, n, w, 1e-6, residual=r))
             yield f"rms_norm_add {n}", fwd_bwd(
                 lambda x=x, r=r, w=w, n=n: ops.layer_norm_add(x, r, n, w, None, 1e-6, is_rms_norm=True))
+        # Llama's narrowed norms under autocast (fusion/narrow.py): fp32 stream, bf16 y read by
+        # three projections (q, k, v), the backward summing their three gradients.
+        for n in (2048, 4096):
+            x, r, w = leaf(rows, n, dtype=torch.float32), leaf(rows, n, dtype=torch.float32), leaf(n, dtype=torch.float32)
+            yield f"rms_norm residual {n} -> bf16 x 3 readers", fwd_bwd(
+                lambda x=x, r=r, w=w, n=n: ops.rms_norm(x, n, w, 1e-6, residual=r, out_dtype=bf16, readers=3)[0])
     elif family == "bias_gelu":
         for n in (3072, 4096):
             x, b = leaf(rows, n), leaf(n)

@@ -21,6 +21,12 @@
 #   their odd vocabularies now run padded, `lm_head_padded` in the "fused" column: GPT-2's
 #   unaligned head matmuls were 20 ms of 115), call 2 `attention` (its new dropout-0.1 rows: our
 #   kernels against cuDNN, flash and efficient, with dropout).
+#   Also unmeasured since (fourth session, no GPU): under autocast, fused norms that only matmuls
+#   read write bf16 themselves (one view per matmul: Llama's q/k/v), and the norm and dropout+add
+#   backwards write x's bf16 gradient directly: in the e2e top kernels, GPT-2's and Llama's
+#   activation-sized `bfloat16_copy` and `direct_copy` (bf16 -> fp32) kernels should drop by 4
+#   per layer (GPT-2) and 10 per layer (Llama), and their time with them; `e2e-llama` shows it
+#   for Llama.
 #   Later sessions, one or two calls each: `kernels` (the remaining memory-bound ops), `tma
 #   dialects`, `e2e-ckpt` (gradient checkpointing on), `e2e-llama` (Llama 3.2 1B's shape against
 #   Liger-Kernel), `tune` (the shipped H100 defaults).
