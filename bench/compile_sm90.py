@@ -93,7 +93,8 @@ def _catalogue(torch, family: str):
         # Llama's narrowed norms under autocast (fusion/narrow.py): fp32 stream, bf16 y read by
         # three projections (q, k, v), the backward summing their three gradients.
         for n in (2048, 4096):
-            x, r, w = leaf(rows, n, dtype=torch.float32), leaf(rows, n, dtype=torch.float32), leaf(n, dtype=torch.float32)
+            fp32 = torch.float32
+            x, r, w = leaf(rows, n, dtype=fp32), leaf(rows, n, dtype=fp32), leaf(n, dtype=fp32)
             yield f"rms_norm residual {n} -> bf16 x 3 readers", fwd_bwd(
                 lambda x=x, r=r, w=w, n=n: ops.rms_norm(x, n, w, 1e-6, residual=r, out_dtype=bf16, readers=3)[0])
     elif family == "bias_gelu":

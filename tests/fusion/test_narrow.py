@@ -10,7 +10,6 @@ import torch
 import trifuse
 from _fusing import DynamoHost
 from torch import nn
-
 from trifuse.fusion import narrow, rewriter
 
 DTYPE = torch.bfloat16 if _models.DEVICE == "cuda" else torch.float16  # bf16 is wrong in the interpreter
