@@ -10,11 +10,13 @@ the same fp32 result once, as each cast did, so every matmul sees the same bits.
 matmuls (up to `MAX_READERS`) the norm returns one view of its output for each (`readers`), so
 that their gradients reach its backward apart and are summed there in fp32, as autograd summed
 the casts' fp32 gradients; one 16-bit tensor read by all of them would have its gradients summed
-in 16 bits.
+in 16 bits. Where other ops read the output in full as well (a post-norm block's norm output is
+also the next residual: BERT's), the norm returns both (`full_y`): its output as before and the
+16-bit one for one matmul, both stored by the kernel, their two gradients added in the backward.
 
 The autocast state is the capture's (a capture is made per autocast mode and replayed only under
 the same one); graphs that switch autocast inside are left alone, and so is any output that
-reaches the graph's result or an op that is not in autocast's lower-precision list.
+only reaches the graph's result or ops that are not in autocast's lower-precision list.
 """
 import inspect
 import operator
@@ -37,8 +39,9 @@ _NORMS = {ln.layer_norm: None, ln.rms_norm: None, ln.dropout_add_layer_norm: 0}
 
 
 def narrow_norm_outputs(graph: fx.Graph) -> list[fx.Node]:
-    """Sets out_dtype to the autocast dtype (and readers to the number of matmuls) on the norm
-    nodes whose fp32 output only autocast-lowered matmuls read; returns the nodes changed."""
+    """Sets out_dtype to the autocast dtype on the norm nodes whose fp32 output autocast-lowered
+    matmuls read: readers to their number when nothing else reads it, else full_y for one of
+    them; returns the nodes changed."""
     if any(_switches_autocast(n) for n in graph.nodes):
         return []
     changed = []
@@ -53,21 +56,28 @@ def narrow_norm_outputs(graph: fx.Graph) -> list[fx.Node]:
         if device_type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device_type):
             continue
         dtype = torch.get_autocast_dtype(device_type)
-        branches = _branches_to_matmuls(y)
-        if dtype not in (torch.float16, torch.bfloat16) or branches is None:
+        branches, others = _branches_to_matmuls(y)
+        if dtype not in (torch.float16, torch.bfloat16) or not branches:
             continue
+        full_y = others or len(branches) > ln.MAX_READERS
+        if full_y:
+            branches = branches[:1]
         narrow = value.to(dtype)
         _set_argument(node, "out_dtype", dtype)
         for _, chain in branches:  # the example values say what now runs
             for n in chain:
                 v = example_value(n)
                 n.meta["example_value"] = n.meta["val"] = v.to(dtype) if isinstance(v, torch.Tensor) else v
-        if len(branches) == 1:
+        if len(branches) == 1 and not full_y:
             y.meta["example_value"] = y.meta["val"] = narrow
         else:
-            _split_into_readers(node, y, branches, narrow)
+            _split_into_readers(node, y, branches, narrow, value if full_y else None)
         changed.append(node)
     return changed
+
+
+def full_y(node: fx.Node) -> bool:
+    return bool(_argument(node, "full_y"))
 
 
 def readers(node: fx.Node) -> int:
@@ -100,12 +110,12 @@ def _output(node: fx.Node, index: int | None) -> fx.Node | None:
     return items[0] if len(items) == 1 else None
 
 
-def _branches_to_matmuls(y: fx.Node) -> list[tuple[fx.Node, list[fx.Node]]] | None:
-    """y's uses as (first node, its views) branches, one per autocast-lowered op reading y once
-    at the branch's end, when that is all y's uses are (besides shape queries) and there are at
-    most MAX_READERS; None otherwise (the graph's output, any other op, a branch reaching two
-    matmuls or one matmul twice)."""
-    branches = []
+def _branches_to_matmuls(y: fx.Node) -> tuple[list[tuple[fx.Node, list[fx.Node]]], bool]:
+    """(branches, others): y's uses that end in an autocast-lowered op reading them once, as
+    (first node, its views), each view read by the next alone; and whether anything else reads y
+    (the graph's output, another op, views feeding two matmuls or one matmul twice). Shape
+    queries count as neither."""
+    branches, others = [], False
     for first in y.users:
         if first.op == "call_method" and first.target in _SHAPE_ONLY:
             continue
@@ -114,33 +124,40 @@ def _branches_to_matmuls(y: fx.Node) -> list[tuple[fx.Node, list[fx.Node]]] | No
             chain.append(value)
             uses = [u for u in value.users if not (u.op == "call_method" and u.target in _SHAPE_ONLY)]
             if len(uses) != 1:
-                return None
+                break
             value = uses[0]
         source = chain[-1] if chain else y
-        if not (value.op == "call_function" and value.target in LOWERED) or \
-                sum(a is source for a in (*value.args, *value.kwargs.values())) != 1:
-            return None
-        branches.append((first, chain))
-    return branches if 1 <= len(branches) <= ln.MAX_READERS else None
+        if value is not source and value.op == "call_function" and value.target in LOWERED and \
+                sum(a is source for a in (*value.args, *value.kwargs.values())) == 1:
+            branches.append((first, chain))
+        else:
+            others = True
+    return branches, others
 
 
-def _split_into_readers(node: fx.Node, y: fx.Node, branches, narrow: torch.Tensor) -> None:
-    """y becomes a tuple of views, one per branch: `getitem(y, i)` feeds branch i, and the
-    shape queries read the first."""
+def _split_into_readers(node: fx.Node, y: fx.Node, branches, narrow: torch.Tensor,
+                        full: torch.Tensor | None) -> None:
+    """y becomes a tuple: y in full first when `full` (its value) is given, then a view of the
+    narrowed y per branch. Branch i reads its view; every other use (shape queries too) reads
+    the first item."""
     _set_argument(node, "readers", len(branches))
+    if full is not None:
+        _set_argument(node, "full_y", True)
+    values = ([full] if full is not None else []) + [narrow] * len(branches)
     graph = y.graph
     with graph.inserting_after(y):
         items = []
-        for i in range(len(branches)):
+        for i, v in enumerate(values):
             item = graph.call_function(operator.getitem, (y, i))
             item.meta.update({k: y.meta[k] for k in ("nn_module_stack", "stack_trace") if k in y.meta})
-            item.meta["example_value"] = item.meta["val"] = narrow
+            item.meta["example_value"] = item.meta["val"] = v
             items.append(item)
-    for item, (first, _) in zip(items, branches):
+    views = items[1:] if full is not None else items
+    for item, (first, _) in zip(views, branches):
         first.replace_input_with(y, item)
     for user in [u for u in y.users if u not in items]:
         user.replace_input_with(y, items[0])
-    y.meta["example_value"] = y.meta["val"] = tuple(narrow for _ in items)
+    y.meta["example_value"] = y.meta["val"] = tuple(values)
 
 
 def _switches_autocast(node: fx.Node) -> bool:

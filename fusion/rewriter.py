@@ -37,7 +37,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from ..patterns._base import Pattern, available, example_value, same_shape
 from .match import Match, compile_pattern, matches, resolve_from_local, trace_function
-from .narrow import narrow_norm_outputs, out_dtype, readers
+from .narrow import full_y, narrow_norm_outputs, out_dtype, readers
 from .normalize import canonicalize_node, writes_in_place
 
 FAMILIES = ("attention", "layer_norm", "rms_norm", "bias_gelu", "gated_activation", "dropout_add",
@@ -160,7 +160,10 @@ def rewrite_graph(graph: fx.Graph, patterns: Sequence[Pattern]) -> RewriteLog:
         if event is not None:
             dtype = str(out_dtype(node)).replace("torch.", "")
             k = readers(node)
-            note = f"y in {dtype}: only autocast's matmuls read it" + (f" ({k}, a view each)" if k > 1 else "")
+            if full_y(node):
+                note = f"y in {dtype} too, for the autocast matmul that reads it"
+            else:
+                note = f"y in {dtype}: only autocast's matmuls read it" + (f" ({k}, a view each)" if k > 1 else "")
             event.note = "; ".join(n for n in (event.note, note) if n)
     for node in graph.nodes:
         op = _OF_INTEREST.get(node.target) if node.op == "call_function" and _hashable(node.target) else None

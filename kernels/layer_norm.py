@@ -188,10 +188,11 @@ def _layer_norm_fwd_kernel(
     RSTD,  # out (M,) fp32
     stride_xm, stride_rm, stride_pm, stride_ym, stride_sm,
     M, N, eps, p, scale,
+    Y2,  # out (M, N) y once more in another dtype (fusion/narrow.py); unused unless STORE_Y2
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
     IS_RMS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_X_BIAS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, STORE_S: tl.constexpr,
-    HAS_POST: tl.constexpr, ACC: tl.constexpr,
+    HAS_POST: tl.constexpr, ACC: tl.constexpr, STORE_Y2: tl.constexpr,
 ):
     # int64 rows: row * stride may pass 2^31
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -201,6 +202,7 @@ def _layer_norm_fwd_kernel(
     R += rows2 * stride_rm
     P += rows2 * stride_pm
     Y += rows2 * stride_ym
+    Y2 += rows2 * stride_ym
     S += rows2 * stride_sm
     seed = tl.load(SEED) if HAS_DROPOUT else 0
     offs = tl.arange(0, BLOCK_N)[None, :]
@@ -228,6 +230,8 @@ def _layer_norm_fwd_kernel(
         if HAS_POST:
             y += tl.load(P + offs, mask=mask, other=0.0).to(ACC)
         tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+        if STORE_Y2:
+            tl.store(Y2 + offs, y.to(Y2.dtype.element_ty), mask=mask)
     else:
         # Pass 1: s (stored once), and its mean.
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
@@ -270,6 +274,8 @@ def _layer_norm_fwd_kernel(
             if HAS_POST:
                 y += tl.load(P + cols, mask=mask, other=0.0).to(ACC)
             tl.store(Y + cols, y.to(Y.dtype.element_ty), mask=mask)
+            if STORE_Y2:
+                tl.store(Y2 + cols, y.to(Y2.dtype.element_ty), mask=mask)
 
     if not IS_RMS_NORM:
         tl.store(MEAN + rows, mean, mask=row_mask)
@@ -592,31 +598,35 @@ def layer_norm_fwd(
     stats_shape: tuple[int, ...] | None = None,
     post: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    y2_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, ...]:
     """Normalizes the last `n` features of `x`. Returns (y, s, mean, rstd): y and s shaped like
     x (s is x itself unless store_s), mean and rstd (rows,) in fp32 (mean empty for RMSNorm),
     or shaped `stats_shape` (x's leading dims; same memory), as the registered ops return them.
     `post` (like x; not with residual) is added to y after the norm, y in the promoted dtype, or
-    in out_dtype when given (rounded once by the kernel)."""
+    in out_dtype when given (rounded once by the kernel). With y2_dtype, the kernel stores y a
+    second time in that dtype, returned fifth."""
     other = residual if residual is not None else post
     dtype = x.dtype if other is None else torch.promote_types(x.dtype, other.dtype)
     weight, bias, x_bias = _flat(weight), _flat(bias), _flat(x_bias)
     m = x.numel() // n if n else 0
     stat_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     y = empty_like(x, out_dtype if out_dtype is not None else dtype)
+    y2 = empty_like(x, y2_dtype) if y2_dtype is not None else None
     s = empty_like(x, dtype) if store_s else x
     shape = (m,) if stats_shape is None else stats_shape
     rstd = torch.empty(shape, dtype=stat_dtype, device=x.device)
     mean = torch.empty(0 if is_rms_norm else shape, dtype=stat_dtype, device=x.device)
     if m == 0:
-        return y, s, mean, rstd
+        return (y, s, mean, rstd) if y2 is None else (y, s, mean, rstd, y2)
     if not use_triton(x):
         y, s, mean_t, rstd_t = _norm_fwd_torch(x, n, weight, bias, eps, is_rms_norm, residual, x_bias, p, seed,
                                                store_s, post)
         rstd.view(-1).copy_(rstd_t)
         if not is_rms_norm:
             mean.view(-1).copy_(mean_t)
-        return (y if out_dtype is None else cast(y, out_dtype)), s, mean, rstd
+        y_out = y if out_dtype is None else cast(y, out_dtype)
+        return (y_out, s, mean, rstd) if y2_dtype is None else (y_out, s, mean, rstd, y.to(y2_dtype))
     x2, stride_x = as_rows(x, n)
     r2, stride_r = as_rows(residual, n) if residual is not None else (x2, 0)
     p2, stride_p = as_rows(post, n) if post is not None else (x2, 0)
@@ -629,27 +639,28 @@ def layer_norm_fwd(
             x2 if bias is None else bias, seed if has_dropout else x2,
             y, s_arg, rstd if is_rms_norm else mean, rstd,
             stride_x, stride_r, stride_p, n, n,
-            m, n, eps, p, _dropout_scale(p))
+            m, n, eps, p, _dropout_scale(p), y if y2 is None else y2)
     device = x.get_device() if x.is_cuda else -1
     # The tuning key's "residual": False, True (added before the norm) or "post" (after it); the
     # bytes moved are the same either way, but a post add keeps y live longer.
     residual_kind = "post" if post is not None else residual is not None
     key = (device, dtype, m, n, is_rms_norm, residual_kind, x_bias is not None, has_dropout,
-           weight is not None, bias is not None, store_s)
+           weight is not None, bias is not None, store_s, y2 is not None)
+    out = (y, s, mean, rstd) if y2 is None else (y, s, mean, rstd, y2)
     plan = _FWD_PLANS.get(key)
     if plan is not None:
         _layer_norm_fwd.run(plan[0], args, plan[1])
-        return y, s, mean, rstd
+        return out
     constexprs = dict(IS_RMS_NORM=is_rms_norm, HAS_RESIDUAL=residual is not None, HAS_X_BIAS=x_bias is not None,
                       HAS_DROPOUT=has_dropout, HAS_W=weight is not None, HAS_B=bias is not None,
-                      STORE_S=store_s, HAS_POST=post is not None, ACC=acc_dtype(dtype))
+                      STORE_S=store_s, HAS_POST=post is not None, ACC=acc_dtype(dtype), STORE_Y2=y2 is not None)
     tuning_key = (device, dtype, n, pow2_bucket(m), is_rms_norm, residual_kind, has_dropout, store_s)
     cfg = _FWD_TUNER.config(tuning_key, _fwd_launch, m, n, constexprs, args)
     plan = _fwd_plan(cfg, m, n, constexprs)
     _layer_norm_fwd.run(plan[0], args, plan[1])
     if _FWD_TUNER.is_decided(tuning_key):
         store_plan(_FWD_PLANS, key, plan)
-    return y, s, mean, rstd
+    return out
 
 
 def layer_norm_bwd(
@@ -1105,26 +1116,30 @@ for _name, _backward, _setup, _is_rms in (
 
 class _NormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, residual, x_bias, weight, bias, n, eps, p, is_rms_norm, fused, op_name, out_dtype, readers):
+    def forward(ctx, x, residual, x_bias, weight, bias, n, eps, p, is_rms_norm, fused, op_name, out_dtype, readers,
+                full_y):
         seed = philox_seed(x.device) if p > 0.0 else None
-        y, s, mean, rstd = layer_norm_fwd(x, n, weight, bias, eps, is_rms_norm=is_rms_norm,
-                                          residual=residual, x_bias=x_bias, p=p, seed=seed,
-                                          store_s=fused, out_dtype=out_dtype)
+        out = layer_norm_fwd(x, n, weight, bias, eps, is_rms_norm=is_rms_norm, residual=residual, x_bias=x_bias,
+                             p=p, seed=seed, store_s=fused, out_dtype=None if full_y else out_dtype,
+                             y2_dtype=out_dtype if full_y else None)
+        y, s, mean, rstd = out[:4]
         ctx.save_for_backward(s, weight, bias, x_bias, mean, rstd, seed)
         ctx.n, ctx.p, ctx.is_rms_norm, ctx.op_name = n, p, is_rms_norm, f"trifuse::{op_name}"
         ctx.x_dtype = x.dtype
         ctx.residual_dtype = residual.dtype if residual is not None else None
-        ctx.readers = readers
-        if readers > 1:  # one buffer, a view for each reader: each view's gradient comes apart
-            y = (y, *(y.view_as(y) for _ in range(readers - 1)))
+        # y (in full as well, with full_y) and a view of the narrowed y for each reader beyond the
+        # first: one buffer, each view's gradient reaching the backward apart.
+        narrow = out[4] if full_y else y
+        ys = ((y,) if full_y else ()) + (narrow, *(narrow.view_as(narrow) for _ in range(readers - 1)))
+        ctx.outputs = len(ys)
         if fused:
-            return (*y, s) if readers > 1 else (y, s)
-        return y
+            return (*ys, s)
+        return ys if len(ys) > 1 else y
 
     @staticmethod
     def backward(ctx, *grads):
-        dy, more_dy = grads[0], grads[1:ctx.readers]
-        ds = grads[ctx.readers] if len(grads) > ctx.readers else None
+        dy, more_dy = grads[0], grads[1:ctx.outputs]
+        ds = grads[ctx.outputs] if len(grads) > ctx.outputs else None
         s, weight, bias, x_bias, mean, rstd, seed = ctx.saved_tensors
         needs = ctx.needs_input_grad
         # dweight, dbias and dx_bias come out of the reduction kernel in their final dtypes.
@@ -1147,7 +1162,7 @@ class _NormFunction(torch.autograd.Function):
             _grad_as(dxb, x_bias) if needs[2] else None,
             _grad_as(dw, weight) if needs[3] else None,
             _grad_as(db, bias) if needs[4] else None,
-            None, None, None, None, None, None, None, None,
+            None, None, None, None, None, None, None, None, None,
         )
 
 
@@ -1318,18 +1333,19 @@ RMS_NORM.register(dialects.Candidate("torch", _rms_norm_torch, supports=_rms_nor
 
 
 def _norm(op_name, x, normalized_shape, weight, bias, eps, residual, is_rms_norm, p=0.0, x_bias=None,
-          out_dtype=None, readers=1):
+          out_dtype=None, readers=1, full_y=False):
     normalized_shape = _shape_list(op_name, normalized_shape)
     fused = residual is not None or p > 0.0 or x_bias is not None
     check_tensor(op_name, "input", x)
-    if out_dtype is not None or readers != 1:
-        _check_out_dtype(op_name, out_dtype, readers)
+    if out_dtype is not None or readers != 1 or full_y:
+        _check_out_dtype(op_name, out_dtype, readers, full_y)
     if eager_fast_path(x, weight, bias, residual, x_bias):
         n = _check_norm_inputs(op_name, x, normalized_shape, weight, bias, eps, residual, x_bias, p)
         with profiled(f"trifuse::{op_name}"):
             out = _NormFunction.apply(x, residual, x_bias, weight, bias, n, eps, p, is_rms_norm, fused, op_name,
-                                      out_dtype, readers)
-        return ((out[:readers], out[readers]) if fused else out) if readers > 1 else out
+                                      out_dtype, readers, full_y)
+        outputs = readers + full_y
+        return ((out[:outputs], out[outputs]) if fused else out) if outputs > 1 else out
     for name, t in (("weight", weight), ("bias", bias), ("residual", residual), ("x_bias", x_bias)):
         if t is not None:  # (the fast path above takes tensors only: no cost there)
             check_tensor(op_name, name, t)
@@ -1341,28 +1357,33 @@ def _norm(op_name, x, normalized_shape, weight, bias, eps, residual, is_rms_norm
         else:
             out = torch.ops.trifuse.dropout_add_layer_norm(
                 x, residual, normalized_shape, weight, bias, eps, p, x_bias)
-        return _cast_for_readers(out[0], out_dtype, readers), out[1]
+        return _cast_for_readers(out[0], out_dtype, readers, full_y), out[1]
     if is_rms_norm:
         y = torch.ops.trifuse.rms_norm(x, normalized_shape, weight, eps)[0]
     else:
         y = torch.ops.trifuse.layer_norm(x, normalized_shape, weight, bias, eps)[0]
-    return _cast_for_readers(y, out_dtype, readers)
+    return _cast_for_readers(y, out_dtype, readers, full_y)
 
 
-def _cast_for_readers(y: torch.Tensor, out_dtype: torch.dtype | None, readers: int):
+def _cast_for_readers(y: torch.Tensor, out_dtype: torch.dtype | None, readers: int, full_y: bool):
     """y in out_dtype, one cast per reader when several (each cast's gradient comes back in fp32
-    and autograd sums them there, as the model's own casts did)."""
+    and autograd sums them there, as the model's own casts did), after y itself with full_y."""
     if out_dtype is None:
         return y
-    return tuple(y.to(out_dtype) for _ in range(readers)) if readers > 1 else y.to(out_dtype)
+    ys = ((y,) if full_y else ()) + tuple(y.to(out_dtype) for _ in range(readers))
+    return ys if len(ys) > 1 else ys[0]
 
 
-def _check_out_dtype(op: str, out_dtype, readers: int = 1) -> None:
+def _check_out_dtype(op: str, out_dtype, readers: int = 1, full_y: bool = False) -> None:
     if not isinstance(out_dtype, torch.dtype) or not out_dtype.is_floating_point:
         raise TypeError(f"trifuse.{op}: out_dtype must be a floating-point torch.dtype"
-                        f"{'' if readers != 1 else ' or None'}, got {out_dtype!r}")
-    if type(readers) is not int or not 1 <= readers <= MAX_READERS:
-        raise ValueError(f"trifuse.{op}: readers must be an int from 1 to {MAX_READERS}, got {readers!r}")
+                        f"{'' if readers != 1 or full_y else ' or None'}, got {out_dtype!r}")
+    if not isinstance(full_y, bool):
+        raise TypeError(f"trifuse.{op}: full_y must be a bool, got {full_y!r}")
+    most = 1 if full_y else MAX_READERS  # with full_y: two gradients to add, in either order the same bits
+    if type(readers) is not int or not 1 <= readers <= most:
+        raise ValueError(f"trifuse.{op}: readers must be an int from 1 to {most}"
+                         f"{' with full_y' if full_y else ''}, got {readers!r}")
 
 
 def _shape_list(op: str, normalized_shape) -> list[int]:
@@ -1387,7 +1408,8 @@ def layer_norm(
     residual: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     readers: int = 1,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    full_y: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """LayerNorm over the trailing `normalized_shape` dims, like `F.layer_norm`.
 
     Args:
@@ -1403,6 +1425,10 @@ def layer_norm(
             one for each matmul reading it: their gradients reach the backward apart and are
             summed there in fp32, as autograd sums the gradients of one cast per matmul (on one
             16-bit y it would sum them in 16 bits).
+        full_y: with out_dtype and one reader, returns (y in its own dtype, y in out_dtype), for
+            a y that other ops read in full too (a post-norm block's residual): the kernel stores
+            both, and the backward adds their gradients (one reader only: an fp32 sum of three
+            gradients would depend on their order).
 
     Returns:
         y shaped like x (or (y, s)), in x's dtype (promoted with residual's).
@@ -1417,28 +1443,29 @@ def layer_norm(
     """
     if residual is not None:
         return _norm("dropout_add_layer_norm", x, normalized_shape, weight, bias, eps, residual,
-                     is_rms_norm=False, out_dtype=out_dtype, readers=readers)
+                     is_rms_norm=False, out_dtype=out_dtype, readers=readers, full_y=full_y)
     if isinstance(normalized_shape, int):
         normalized_shape = (normalized_shape,)
-    if out_dtype is None and readers == 1:
+    if out_dtype is None and readers == 1 and not full_y:
         return LAYER_NORM(x, normalized_shape, weight, bias, eps)
-    return _with_out_dtype(LAYER_NORM, _layer_norm_trifuse, "layer_norm", out_dtype, readers,
+    return _with_out_dtype(LAYER_NORM, _layer_norm_trifuse, "layer_norm", out_dtype, readers, full_y,
                            x, normalized_shape, weight, bias, eps)
 
 
-def _with_out_dtype(dialect, trifuse_candidate, op: str, out_dtype: torch.dtype, readers: int, *args):
+def _with_out_dtype(dialect, trifuse_candidate, op: str, out_dtype: torch.dtype, readers: int, full_y: bool,
+                    *args):
     """A norm without a residual, y in out_dtype: trifuse's kernels write it so, another
     candidate's y is cast, once per reader (the dialect's choice stands: it was timed without
     the casts)."""
-    _check_out_dtype(op, out_dtype, readers)
+    _check_out_dtype(op, out_dtype, readers, full_y)
     fn = dialect.implementation(*args)
     if fn is not trifuse_candidate:
-        return _cast_for_readers(fn(*args), out_dtype, readers)
+        return _cast_for_readers(fn(*args), out_dtype, readers, full_y)
     if op == "rms_norm":
         x, normalized_shape, weight, eps = args
         return _norm(op, x, normalized_shape, weight, None, eps, None, is_rms_norm=True, out_dtype=out_dtype,
-                     readers=readers)
-    return _norm(op, *args, None, is_rms_norm=False, out_dtype=out_dtype, readers=readers)
+                     readers=readers, full_y=full_y)
+    return _norm(op, *args, None, is_rms_norm=False, out_dtype=out_dtype, readers=readers, full_y=full_y)
 
 
 def rms_norm(
@@ -1449,11 +1476,12 @@ def rms_norm(
     residual: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     readers: int = 1,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    full_y: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """RMSNorm, like `F.rms_norm` (eps None means `torch.finfo(x.dtype).eps`).
 
     y = s * rsqrt(mean(s^2) + eps) * weight over the trailing dims, with s = x (+ residual).
-    Shapes, dtypes, the residual form, out_dtype, readers and errors as `layer_norm`; without a residual, eager calls
+    Shapes, dtypes, the residual form, out_dtype, readers, full_y and errors as `layer_norm`; without a residual, eager calls
     run trifuse's kernels or F.rms_norm, whichever the `rms_norm` dialect measured faster
     (`trifuse.autotune.dialects.explain("rms_norm", x, ...)` says which and why).
     """
@@ -1461,12 +1489,12 @@ def rms_norm(
         eps = torch.finfo(x.dtype).eps if isinstance(x, torch.Tensor) and x.is_floating_point() else 1e-6
     if residual is not None:
         return _norm("dropout_add_rms_norm", x, normalized_shape, weight, None, eps, residual, is_rms_norm=True,
-                     out_dtype=out_dtype, readers=readers)
+                     out_dtype=out_dtype, readers=readers, full_y=full_y)
     if isinstance(normalized_shape, int):
         normalized_shape = (normalized_shape,)
-    if out_dtype is None and readers == 1:
+    if out_dtype is None and readers == 1 and not full_y:
         return RMS_NORM(x, normalized_shape, weight, eps)
-    return _with_out_dtype(RMS_NORM, _rms_norm_trifuse, "rms_norm", out_dtype, readers,
+    return _with_out_dtype(RMS_NORM, _rms_norm_trifuse, "rms_norm", out_dtype, readers, full_y,
                            x, normalized_shape, weight, eps)
 
 
@@ -1483,6 +1511,7 @@ def dropout_add_layer_norm(
     is_rms_norm: bool = False,
     out_dtype: torch.dtype | None = None,
     readers: int = 1,
+    full_y: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual stream of a transformer block in one kernel each way:
 
@@ -1491,7 +1520,7 @@ def dropout_add_layer_norm(
     x_bias is the bias of the linear that produced x, folded in here. With training=False or
     p=0 no random numbers are drawn. The mask comes from Philox seeded by PyTorch's generator on
     x's device (torch.manual_seed controls it) and is regenerated in the backward; p=1 gives
-    s = residual. Shapes, dtypes, out_dtype and readers (y's alone) as `layer_norm`; with
+    s = residual. Shapes, dtypes, out_dtype, readers and full_y (y's alone) as `layer_norm`; with
     is_rms_norm=True, bias must be None.
 
     Raises:
@@ -1504,9 +1533,11 @@ def dropout_add_layer_norm(
     op = "dropout_add_rms_norm" if is_rms_norm else "dropout_add_layer_norm"
     if residual is None and p == 0.0 and x_bias is None:
         # Nothing to add: still return (y, s) with s = x, as the signature promises.
-        y = _norm(op, x, normalized_shape, weight, bias, eps, None, is_rms_norm, out_dtype=out_dtype, readers=readers)
+        y = _norm(op, x, normalized_shape, weight, bias, eps, None, is_rms_norm, out_dtype=out_dtype, readers=readers,
+                  full_y=full_y)
         return y, x
-    return _norm(op, x, normalized_shape, weight, bias, eps, residual, is_rms_norm, p, x_bias, out_dtype, readers)
+    return _norm(op, x, normalized_shape, weight, bias, eps, residual, is_rms_norm, p, x_bias, out_dtype, readers,
+                 full_y)
 
 
 def layer_norm_add(

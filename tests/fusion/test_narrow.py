@@ -13,11 +13,13 @@ from torch import nn
 from trifuse.fusion import narrow, rewriter
 
 DTYPE = torch.bfloat16 if _models.DEVICE == "cuda" else torch.float16  # bf16 is wrong in the interpreter
-NOTE = f"y in {str(DTYPE).replace('torch.', '')}: only autocast's matmuls read it"
+NAME = str(DTYPE).replace("torch.", "")
+NOTE, NOTE_FULL = f"y in {NAME}: only autocast's matmuls read it", f"y in {NAME} too, for the autocast matmul"
 
 
-def _narrowed(model) -> dict[str, int]:
-    """{pattern: readers} of the replacements whose note says the norm writes the autocast dtype."""
+def _narrowed(model) -> dict[str, int | str]:
+    """{pattern: readers, or "full" for y in full and in 16 bits for one matmul} of the
+    replacements whose note says the norm writes the autocast dtype."""
     found = {}
     for u in trifuse.report(model).units:
         for c in u.unit.captures:
@@ -25,6 +27,8 @@ def _narrowed(model) -> dict[str, int]:
                 if NOTE in r.note:
                     k = re.search(r"\((\d), a view each\)", r.note)
                     found[r.pattern] = int(k.group(1)) if k else 1
+                elif NOTE_FULL in r.note:
+                    found[r.pattern] = "full"
     return found
 
 
@@ -68,14 +72,18 @@ def test_pre_norm_blocks_narrow_and_change_no_bit(build, expected, monkeypatch):
         assert (g is None and gp is None) or torch.equal(g, gp)
 
 
-def test_post_norm_output_that_is_also_the_residual_stays_fp32():
-    """BERT's norms feed the next block's projections and its residual add: not narrowed."""
-    torch.manual_seed(0)
-    model, inputs, loss_fn = _models.bert()
-    trifuse.fuse(model)
-    _step(model, inputs(2, 8), loss_fn)
+def test_post_norm_output_that_is_also_the_residual_comes_in_full_and_narrow(monkeypatch):
+    """BERT's attention-output norm feeds the intermediate dense and the next residual add: the
+    norm returns y in fp32 and in 16 bits (full_y); the block's output norm only leaves the
+    block. Loss and gradients bitwise those of the model fused without narrowing."""
+    model, plain, kw, loss_fn = _fused_pair(_models.bert, monkeypatch, dropout=0.1)
     assert trifuse.report(model).counts()["residual_stream"] == 2 * _models.LAYERS
-    assert not _narrowed(model)
+    assert _narrowed(model) == {"linear_residual_norm": "full"} and not _narrowed(plain)
+    loss, grads = _step(model, kw, loss_fn)
+    loss_plain, grads_plain = _step(plain, kw, loss_fn)
+    assert torch.equal(loss, loss_plain)
+    for g, gp in zip(grads, grads_plain):
+        assert (g is None and gp is None) or torch.equal(g, gp)
 
 
 def test_without_autocast_nothing_narrows():
@@ -116,8 +124,8 @@ class _NormThen(nn.Module):
 
 
 @pytest.mark.parametrize("other_use, readers", [
-    ("none", 1), ("second linear", 2), ("add", 0), ("returned", 0), ("autocast off", 0), ("four linears", 0),
-    ("view read twice", 0)])
+    ("none", 1), ("second linear", 2), ("add", "full"), ("returned", "full"), ("autocast off", None),
+    ("four linears", "full"), ("view read twice", "full")])
 def test_only_outputs_read_by_lowered_matmuls_alone_narrow(other_use, readers):
     torch.manual_seed(0)
     ref = _NormThen(other_use).to(_models.DEVICE)
@@ -126,7 +134,7 @@ def test_only_outputs_read_by_lowered_matmuls_alone_narrow(other_use, readers):
     with torch.autocast(_models.DEVICE, dtype=DTYPE):
         out, expected = model(x), ref(x)
     assert trifuse.report(model).counts().get("layer_norm") == 1
-    assert sum(_narrowed(model).values()) == readers
+    assert _narrowed(model).get("layer_norm") == readers
     for a, b in zip(out if isinstance(out, tuple) else (out,), expected if isinstance(expected, tuple) else (expected,)):
         assert a.dtype == b.dtype and a.shape == b.shape
         torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
@@ -141,12 +149,12 @@ def test_the_pass_finds_the_views_between_the_norm_and_its_matmuls():
     graph.call_method("size", (y, -1))
     mm = graph.call_function(torch.addmm, (x, v, x))
     graph.output(mm)
-    assert narrow._branches_to_matmuls(y) == [(v, [v])]
-    node = graph.call_function(torch.add, (v, x))  # another op
-    assert narrow._branches_to_matmuls(y) is None
+    assert narrow._branches_to_matmuls(y) == ([(v, [v])], False)
+    node = graph.call_function(torch.add, (v, x))  # another op reads the view
+    assert narrow._branches_to_matmuls(y) == ([], True)
     graph.erase_node(node)
     second = graph.call_function(torch.mm, (y, x))  # a second matmul: a second reader
-    assert narrow._branches_to_matmuls(y) == [(v, [v]), (second, [])]
+    assert narrow._branches_to_matmuls(y) == ([(v, [v]), (second, [])], False)
     assert narrow.out_dtype(y) is None and narrow.readers(y) == 1
     narrow._set_argument(y, "out_dtype", torch.float16)
     assert narrow.out_dtype(y) == torch.float16 and y.kwargs == {"out_dtype": torch.float16}

@@ -532,15 +532,13 @@ def test_reference_path_without_interpreter_matches(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 
 
-def _norm_call(op, x, w, b, out_dtype, residual=None, readers=1):
+def _norm_call(op, x, w, b, out_dtype, residual=None, readers=1, full_y=False):
+    kw = {"out_dtype": out_dtype, "readers": readers, "full_y": full_y}
     if op == "layer_norm":
-        return trifuse.ops.layer_norm(x, x.shape[-1:], w, b, 1e-5, residual=residual, out_dtype=out_dtype,
-                                      readers=readers)
+        return trifuse.ops.layer_norm(x, x.shape[-1:], w, b, 1e-5, residual=residual, **kw)
     if op == "rms_norm":
-        return trifuse.ops.rms_norm(x, x.shape[-1:], w, 1e-5, residual=residual, out_dtype=out_dtype,
-                                    readers=readers)
-    return trifuse.ops.dropout_add_layer_norm(x, residual, x.shape[-1:], w, b, 1e-5, p=0.3, x_bias=b,
-                                              out_dtype=out_dtype, readers=readers)
+        return trifuse.ops.rms_norm(x, x.shape[-1:], w, 1e-5, residual=residual, **kw)
+    return trifuse.ops.dropout_add_layer_norm(x, residual, x.shape[-1:], w, b, 1e-5, p=0.3, x_bias=b, **kw)
 
 
 @pytest.mark.parametrize("op, with_residual, candidate", [
@@ -580,18 +578,22 @@ def test_out_dtype_is_the_cast_of_y_without_a_cast_pass(op, with_residual, candi
         assert a.dtype == c.dtype and torch.equal(a, c)
 
 
-@pytest.mark.parametrize("readers", [1, 2])
-def test_out_dtype_through_the_registered_op(readers):
-    """Traced calls (torch.compile) run the registered op and cast y after it, once per reader."""
+@pytest.mark.parametrize("readers, full_y", [(1, False), (2, False), (1, True)])
+def test_out_dtype_through_the_registered_op(readers, full_y):
+    """Traced calls (torch.compile) run the registered op and cast y after it, once per reader
+    (after y itself with full_y)."""
     x = torch.randn(4, 24, device=DEVICE)
     w = torch.randn(24, device=DEVICE)
     fn = torch.compile(lambda x, w: trifuse.ops.layer_norm(x, (24,), w, None, 1e-5, out_dtype=torch.float16,
-                                                           readers=readers),
+                                                           readers=readers, full_y=full_y),
                        fullgraph=True, backend="aot_eager")
     ys = fn(x, w)
-    for y in (ys if readers > 1 else (ys,)):
-        assert y.dtype == torch.float16
-        torch.testing.assert_close(y, F.layer_norm(x, (24,), w, None, 1e-5).half())
+    ys = ys if readers + full_y > 1 else (ys,)
+    assert len(ys) == readers + full_y
+    expected = F.layer_norm(x, (24,), w, None, 1e-5)
+    for i, y in enumerate(ys):
+        assert y.dtype == (torch.float32 if full_y and i == 0 else torch.float16)
+        torch.testing.assert_close(y, expected.to(y.dtype))
 
 
 @pytest.mark.parametrize("bad", [torch.int32, "float16", 16])
@@ -638,3 +640,35 @@ def test_readers_must_be_1_to_3_with_an_out_dtype(out_dtype, readers, error):
     x = torch.randn(2, 8, device=DEVICE)
     with pytest.raises(error, match=r"trifuse\.layer_norm: (readers must be an int from 1 to 3|out_dtype must)"):
         trifuse.ops.layer_norm(x, (8,), out_dtype=out_dtype, readers=readers)
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "dropout_add_layer_norm"])
+def test_full_y_returns_y_and_its_narrow_copy_whose_gradients_add(op):
+    """full_y: (y, y in fp16) from one kernel, y read by another op and the copy by a matmul; loss
+    and gradients bitwise those of the model's spelling (y, and its cast for the matmul)."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 37, device=DEVICE, requires_grad=True)
+    r = torch.randn(6, 37, device=DEVICE, requires_grad=True) if op == "dropout_add_layer_norm" else None
+    w, b = (torch.randn(37, device=DEVICE, requires_grad=True) for _ in range(2))
+    mat, c = torch.randn(37, 5, device=DEVICE).half(), torch.randn(6, 37, device=DEVICE)
+    inputs = [t for t in (x, r, w, b if op != "rms_norm" else None) if t is not None]
+
+    def loss_and_grads(narrow):
+        torch.manual_seed(1)  # the same dropout mask
+        out = _norm_call(op, x, w, b, torch.float16 if narrow else None, r, full_y=narrow)
+        y, s = out if op == "dropout_add_layer_norm" else (out, None)
+        y, y16 = y if narrow else (y, y.half())
+        assert y.dtype == torch.float32 and y16.dtype == torch.float16
+        loss = (y16 @ mat).float().square().sum() + (y * c).sum() + (0 if s is None else s.sum())
+        return loss, torch.autograd.grad(loss, inputs)
+
+    (loss, grads), (loss_narrow, grads_narrow) = loss_and_grads(False), loss_and_grads(True)
+    assert torch.equal(loss, loss_narrow)
+    for a, c2 in zip(grads, grads_narrow):
+        assert torch.equal(a, c2)
+
+
+def test_full_y_takes_one_reader():
+    x = torch.randn(2, 8, device=DEVICE)
+    with pytest.raises(ValueError, match=r"trifuse\.layer_norm: readers must be an int from 1 to 1 with full_y"):
+        trifuse.ops.layer_norm(x, (8,), out_dtype=torch.float16, readers=2, full_y=True)
