@@ -96,11 +96,13 @@ def _catalogue(torch, family: str):
         for n in (2048, 4096):
             x, r, w = leaf(rows, n, dtype=fp32), leaf(rows, n, dtype=fp32), leaf(n, dtype=fp32)
             yield f"rms_norm residual {n} -> bf16 x 3 readers", fwd_bwd(
-                lambda x=x, r=r, w=w, n=n: ops.rms_norm(x, n, w, 1e-6, residual=r, out_dtype=bf16, readers=3)[0])
+                lambda x=x, r=r, w=w, n=n: ops.rms_norm(x, n, w, 1e-6, residual=r, out_dtype=bf16,
+                                                        readers=3)[0])
         # BERT's post-norm: y in fp32 (the next residual) and in bf16 (the intermediate dense).
         x, r, w, b = leaf(rows, 1024), leaf(rows, 1024, dtype=fp32), leaf(1024), leaf(1024)
         yield "layer_norm residual 1024 -> fp32 and bf16", fwd_bwd(
-            lambda x=x, r=r, w=w, b=b: ops.layer_norm(x, 1024, w, b, residual=r, out_dtype=bf16, full_y=True)[0])
+            lambda x=x, r=r, w=w, b=b: ops.layer_norm(x, 1024, w, b, residual=r, out_dtype=bf16,
+                                                      full_y=True)[0])
     elif family == "bias_gelu":
         for n in (3072, 4096):
             x, b = leaf(rows, n), leaf(n)

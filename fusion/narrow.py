@@ -106,7 +106,8 @@ def _output(node: fx.Node, index: int | None) -> fx.Node | None:
     """The node holding y: the op itself, or its only `getitem(op, index)` user."""
     if index is None:
         return node
-    items = [u for u in node.users if u.op == "call_function" and u.target is operator.getitem and u.args[1] == index]
+    items = [u for u in node.users
+             if u.op == "call_function" and u.target is operator.getitem and u.args[1] == index]
     return items[0] if len(items) == 1 else None
 
 

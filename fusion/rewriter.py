@@ -163,7 +163,8 @@ def rewrite_graph(graph: fx.Graph, patterns: Sequence[Pattern]) -> RewriteLog:
             if full_y(node):
                 note = f"y in {dtype} too, for the autocast matmul that reads it"
             else:
-                note = f"y in {dtype}: only autocast's matmuls read it" + (f" ({k}, a view each)" if k > 1 else "")
+                note = f"y in {dtype}: only autocast's matmuls read it"
+                note += f" ({k}, a view each)" if k > 1 else ""
             event.note = "; ".join(n for n in (event.note, note) if n)
     for node in graph.nodes:
         op = _OF_INTEREST.get(node.target) if node.op == "call_function" and _hashable(node.target) else None

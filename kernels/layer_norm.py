@@ -363,8 +363,9 @@ def _layer_norm_bwd_kernel(
             mask = row_mask[:, None] & col_mask
             mean = tl.zeros([BLOCK_M], dtype=ACC) if IS_RMS_NORM else tl.load(MEAN + rows, mask=row_mask, other=0.0)
             rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
-            xhat, dy, g = _tile_grads(S + rows2 * stride_sm, DY + rows2 * stride_dym, DY2 + rows2 * stride_dy2m,
-                                      DY3 + rows2 * stride_dy3m, W, offs, mask, N, mean, rstd, HAS_W, NUM_DY, ACC)
+            xhat, dy, g = _tile_grads(S + rows2 * stride_sm, DY + rows2 * stride_dym,
+                                      DY2 + rows2 * stride_dy2m, DY3 + rows2 * stride_dy3m, W, offs, mask,
+                                      N, mean, rstd, HAS_W, NUM_DY, ACC)
             c1 = _div(tl.sum(xhat * g, axis=1), N, ACC)
             if IS_RMS_NORM:
                 ds = (g - xhat * c1[:, None]) * rstd[:, None]
@@ -653,7 +654,8 @@ def layer_norm_fwd(
         return out
     constexprs = dict(IS_RMS_NORM=is_rms_norm, HAS_RESIDUAL=residual is not None, HAS_X_BIAS=x_bias is not None,
                       HAS_DROPOUT=has_dropout, HAS_W=weight is not None, HAS_B=bias is not None,
-                      STORE_S=store_s, HAS_POST=post is not None, ACC=acc_dtype(dtype), STORE_Y2=y2 is not None)
+                      STORE_S=store_s, HAS_POST=post is not None, ACC=acc_dtype(dtype),
+                      STORE_Y2=y2 is not None)
     tuning_key = (device, dtype, n, pow2_bucket(m), is_rms_norm, residual_kind, has_dropout, store_s)
     cfg = _FWD_TUNER.config(tuning_key, _fwd_launch, m, n, constexprs, args)
     plan = _fwd_plan(cfg, m, n, constexprs)
@@ -686,8 +688,8 @@ def layer_norm_bwd(
     more_dy: those of the other views of a y several readers share. dx comes in dx_dtype and a
     stored dresidual in dr_dtype (s's dtype by default): the kernel rounds each once to its input's
     dtype, where a cast after it would be one more pass over the rows (x in bf16 beside an fp32
-    residual stream under autocast). The three vectors are (n,): in fp32 (fp64 for fp64) when grad_dtypes is None, else
-    each in its dtype from grad_dtypes, or None where that is None."""
+    residual stream under autocast). The three vectors are (n,): in fp32 (fp64 for fp64) when
+    grad_dtypes is None, else each in its dtype from grad_dtypes, or None where that is None."""
     weight = _flat(weight)
     m = s.numel() // n if n else 0
     acc = torch.float64 if s.dtype == torch.float64 else torch.float32
@@ -1116,12 +1118,12 @@ for _name, _backward, _setup, _is_rms in (
 
 class _NormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, residual, x_bias, weight, bias, n, eps, p, is_rms_norm, fused, op_name, out_dtype, readers,
-                full_y):
+    def forward(ctx, x, residual, x_bias, weight, bias, n, eps, p, is_rms_norm, fused, op_name,
+                out_dtype, readers, full_y):
         seed = philox_seed(x.device) if p > 0.0 else None
-        out = layer_norm_fwd(x, n, weight, bias, eps, is_rms_norm=is_rms_norm, residual=residual, x_bias=x_bias,
-                             p=p, seed=seed, store_s=fused, out_dtype=None if full_y else out_dtype,
-                             y2_dtype=out_dtype if full_y else None)
+        out = layer_norm_fwd(x, n, weight, bias, eps, is_rms_norm=is_rms_norm, residual=residual,
+                             x_bias=x_bias, p=p, seed=seed, store_s=fused,
+                             out_dtype=None if full_y else out_dtype, y2_dtype=out_dtype if full_y else None)
         y, s, mean, rstd = out[:4]
         ctx.save_for_backward(s, weight, bias, x_bias, mean, rstd, seed)
         ctx.n, ctx.p, ctx.is_rms_norm, ctx.op_name = n, p, is_rms_norm, f"trifuse::{op_name}"
@@ -1342,8 +1344,8 @@ def _norm(op_name, x, normalized_shape, weight, bias, eps, residual, is_rms_norm
     if eager_fast_path(x, weight, bias, residual, x_bias):
         n = _check_norm_inputs(op_name, x, normalized_shape, weight, bias, eps, residual, x_bias, p)
         with profiled(f"trifuse::{op_name}"):
-            out = _NormFunction.apply(x, residual, x_bias, weight, bias, n, eps, p, is_rms_norm, fused, op_name,
-                                      out_dtype, readers, full_y)
+            out = _NormFunction.apply(x, residual, x_bias, weight, bias, n, eps, p, is_rms_norm, fused,
+                                      op_name, out_dtype, readers, full_y)
         outputs = readers + full_y
         return ((out[:outputs], out[outputs]) if fused else out) if outputs > 1 else out
     for name, t in (("weight", weight), ("bias", bias), ("residual", residual), ("x_bias", x_bias)):
@@ -1481,15 +1483,16 @@ def rms_norm(
     """RMSNorm, like `F.rms_norm` (eps None means `torch.finfo(x.dtype).eps`).
 
     y = s * rsqrt(mean(s^2) + eps) * weight over the trailing dims, with s = x (+ residual).
-    Shapes, dtypes, the residual form, out_dtype, readers, full_y and errors as `layer_norm`; without a residual, eager calls
-    run trifuse's kernels or F.rms_norm, whichever the `rms_norm` dialect measured faster
-    (`trifuse.autotune.dialects.explain("rms_norm", x, ...)` says which and why).
+    Shapes, dtypes, the residual form, out_dtype, readers, full_y and errors as `layer_norm`;
+    without a residual, eager calls run trifuse's kernels or F.rms_norm, whichever the `rms_norm`
+    dialect measured faster (`trifuse.autotune.dialects.explain("rms_norm", x, ...)` says which
+    and why).
     """
     if eps is None:
         eps = torch.finfo(x.dtype).eps if isinstance(x, torch.Tensor) and x.is_floating_point() else 1e-6
     if residual is not None:
-        return _norm("dropout_add_rms_norm", x, normalized_shape, weight, None, eps, residual, is_rms_norm=True,
-                     out_dtype=out_dtype, readers=readers, full_y=full_y)
+        return _norm("dropout_add_rms_norm", x, normalized_shape, weight, None, eps, residual,
+                     is_rms_norm=True, out_dtype=out_dtype, readers=readers, full_y=full_y)
     if isinstance(normalized_shape, int):
         normalized_shape = (normalized_shape,)
     if out_dtype is None and readers == 1 and not full_y:
@@ -1533,11 +1536,11 @@ def dropout_add_layer_norm(
     op = "dropout_add_rms_norm" if is_rms_norm else "dropout_add_layer_norm"
     if residual is None and p == 0.0 and x_bias is None:
         # Nothing to add: still return (y, s) with s = x, as the signature promises.
-        y = _norm(op, x, normalized_shape, weight, bias, eps, None, is_rms_norm, out_dtype=out_dtype, readers=readers,
-                  full_y=full_y)
+        y = _norm(op, x, normalized_shape, weight, bias, eps, None, is_rms_norm, out_dtype=out_dtype,
+                  readers=readers, full_y=full_y)
         return y, x
-    return _norm(op, x, normalized_shape, weight, bias, eps, residual, is_rms_norm, p, x_bias, out_dtype, readers,
-                 full_y)
+    return _norm(op, x, normalized_shape, weight, bias, eps, residual, is_rms_norm, p, x_bias,
+                 out_dtype, readers, full_y)
 
 
 def layer_norm_add(

@@ -63,7 +63,8 @@ def test_pre_norm_blocks_narrow_and_change_no_bit(build, expected, monkeypatch):
     """The norms before the projections narrow (GPT-2 with dropout on); loss and every gradient
     are bitwise those of the model fused without narrowing (Llama's several readers included:
     their gradients are summed in fp32 as the casts' were)."""
-    model, plain, kw, loss_fn = _fused_pair(build, monkeypatch, **({"dropout": 0.1} if build is _models.gpt2 else {}))
+    kwargs = {"dropout": 0.1} if build is _models.gpt2 else {}
+    model, plain, kw, loss_fn = _fused_pair(build, monkeypatch, **kwargs)
     assert _narrowed(model) == expected and not _narrowed(plain)
     loss, grads = _step(model, kw, loss_fn)
     loss_plain, grads_plain = _step(plain, kw, loss_fn)
@@ -135,7 +136,8 @@ def test_only_outputs_read_by_lowered_matmuls_alone_narrow(other_use, readers):
         out, expected = model(x), ref(x)
     assert trifuse.report(model).counts().get("layer_norm") == 1
     assert _narrowed(model).get("layer_norm") == readers
-    for a, b in zip(out if isinstance(out, tuple) else (out,), expected if isinstance(expected, tuple) else (expected,)):
+    as_tuple = lambda t: t if isinstance(t, tuple) else (t,)  # noqa: E731
+    for a, b in zip(as_tuple(out), as_tuple(expected)):
         assert a.dtype == b.dtype and a.shape == b.shape
         torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
 
