@@ -59,8 +59,8 @@ def narrow_norm_outputs(graph: fx.Graph) -> list[fx.Node]:
         branches, others = _branches_to_matmuls(y)
         if dtype not in (torch.float16, torch.bfloat16) or not branches:
             continue
-        full_y = others or len(branches) > ln.MAX_READERS
-        if full_y:
+        keep_full = others or len(branches) > ln.MAX_READERS
+        if keep_full:
             branches = branches[:1]
         narrow = value.to(dtype)
         _set_argument(node, "out_dtype", dtype)
@@ -68,10 +68,10 @@ def narrow_norm_outputs(graph: fx.Graph) -> list[fx.Node]:
             for n in chain:
                 v = example_value(n)
                 n.meta["example_value"] = n.meta["val"] = v.to(dtype) if isinstance(v, torch.Tensor) else v
-        if len(branches) == 1 and not full_y:
+        if len(branches) == 1 and not keep_full:
             y.meta["example_value"] = y.meta["val"] = narrow
         else:
-            _split_into_readers(node, y, branches, narrow, value if full_y else None)
+            _split_into_readers(node, y, branches, narrow, value if keep_full else None)
         changed.append(node)
     return changed
 
