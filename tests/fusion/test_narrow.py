@@ -73,6 +73,23 @@ def test_pre_norm_blocks_narrow_and_change_no_bit(build, expected, monkeypatch):
         assert (g is None and gp is None) or torch.equal(g, gp)
 
 
+def test_under_gradient_checkpointing_too(monkeypatch):
+    """Checkpointed blocks (their bodies rewritten apart, recomputed in the backward) narrow the
+    same way, and the step stays bitwise the unnarrowed one."""
+    def build():
+        model, inputs, loss_fn = _models.gpt2(dropout=0.1)
+        model.gradient_checkpointing_enable()
+        return model, inputs, loss_fn
+
+    model, plain, kw, loss_fn = _fused_pair(build, monkeypatch)
+    assert _narrowed(model) == {"layer_norm": 1, "conv1d_residual_norm": 1} and not _narrowed(plain)
+    loss, grads = _step(model, kw, loss_fn)
+    loss_plain, grads_plain = _step(plain, kw, loss_fn)
+    assert torch.equal(loss, loss_plain)
+    for g, gp in zip(grads, grads_plain):
+        assert (g is None and gp is None) or torch.equal(g, gp)
+
+
 def test_post_norm_output_that_is_also_the_residual_comes_in_full_and_narrow(monkeypatch):
     """BERT's attention-output norm feeds the intermediate dense and the next residual add: the
     norm returns y in fp32 and in 16 bits (full_y); the block's output norm only leaves the
