@@ -40,6 +40,15 @@ def _step(model, inputs, loss_fn):
     return loss, grads
 
 
+def _assert_same_step(model, plain, kw, loss_fn) -> None:
+    """The narrowed model's loss and every parameter gradient bitwise the unnarrowed one's."""
+    loss, grads = _step(model, kw, loss_fn)
+    loss_plain, grads_plain = _step(plain, kw, loss_fn)
+    assert torch.equal(loss, loss_plain)
+    for g, gp in zip(grads, grads_plain):
+        assert (g is None and gp is None) or torch.equal(g, gp)
+
+
 def _fused_pair(build, monkeypatch, **kwargs):
     """(narrowed model, model fused with narrowing off, inputs, loss_fn), from one set of weights."""
     torch.manual_seed(0)
@@ -66,11 +75,7 @@ def test_pre_norm_blocks_narrow_and_change_no_bit(build, expected, monkeypatch):
     kwargs = {"dropout": 0.1} if build is _models.gpt2 else {}
     model, plain, kw, loss_fn = _fused_pair(build, monkeypatch, **kwargs)
     assert _narrowed(model) == expected and not _narrowed(plain)
-    loss, grads = _step(model, kw, loss_fn)
-    loss_plain, grads_plain = _step(plain, kw, loss_fn)
-    assert torch.equal(loss, loss_plain)
-    for g, gp in zip(grads, grads_plain):
-        assert (g is None and gp is None) or torch.equal(g, gp)
+    _assert_same_step(model, plain, kw, loss_fn)
 
 
 def test_under_gradient_checkpointing_too(monkeypatch):
@@ -83,11 +88,7 @@ def test_under_gradient_checkpointing_too(monkeypatch):
 
     model, plain, kw, loss_fn = _fused_pair(build, monkeypatch)
     assert _narrowed(model) == {"layer_norm": 1, "conv1d_residual_norm": 1} and not _narrowed(plain)
-    loss, grads = _step(model, kw, loss_fn)
-    loss_plain, grads_plain = _step(plain, kw, loss_fn)
-    assert torch.equal(loss, loss_plain)
-    for g, gp in zip(grads, grads_plain):
-        assert (g is None and gp is None) or torch.equal(g, gp)
+    _assert_same_step(model, plain, kw, loss_fn)
 
 
 def test_post_norm_output_that_is_also_the_residual_comes_in_full_and_narrow(monkeypatch):
@@ -97,11 +98,7 @@ def test_post_norm_output_that_is_also_the_residual_comes_in_full_and_narrow(mon
     model, plain, kw, loss_fn = _fused_pair(_models.bert, monkeypatch, dropout=0.1)
     assert trifuse.report(model).counts()["residual_stream"] == 2 * _models.LAYERS
     assert _narrowed(model) == {"linear_residual_norm": "full"} and not _narrowed(plain)
-    loss, grads = _step(model, kw, loss_fn)
-    loss_plain, grads_plain = _step(plain, kw, loss_fn)
-    assert torch.equal(loss, loss_plain)
-    for g, gp in zip(grads, grads_plain):
-        assert (g is None and gp is None) or torch.equal(g, gp)
+    _assert_same_step(model, plain, kw, loss_fn)
 
 
 def test_without_autocast_nothing_narrows():
