@@ -1346,7 +1346,7 @@ def _norm(op_name, x, normalized_shape, weight, bias, eps, residual, is_rms_norm
     check_tensor(op_name, "input", x)
     narrowing = None
     if out_dtype is not None or readers != 1 or full_y:
-        _check_out_dtype(op_name, out_dtype, readers, full_y)
+        _check_narrowing(op_name, out_dtype, readers, full_y)
         narrowing = (out_dtype, readers, full_y)
     if eager_fast_path(x, weight, bias, residual, x_bias):
         n = _check_norm_inputs(op_name, x, normalized_shape, weight, bias, eps, residual, x_bias, p)
@@ -1383,7 +1383,7 @@ def _cast_for_readers(y: torch.Tensor, out_dtype: torch.dtype | None, readers: i
     return ys if len(ys) > 1 else ys[0]
 
 
-def _check_out_dtype(op: str, out_dtype, readers: int = 1, full_y: bool = False) -> None:
+def _check_narrowing(op: str, out_dtype, readers: int = 1, full_y: bool = False) -> None:
     if not isinstance(out_dtype, torch.dtype) or not out_dtype.is_floating_point:
         raise TypeError(f"trifuse.{op}: out_dtype must be a floating-point torch.dtype"
                         f"{'' if readers != 1 or full_y else ' or None'}, got {out_dtype!r}")
@@ -1465,10 +1465,10 @@ def _with_out_dtype(dialect, trifuse_candidate, op: str, out_dtype: torch.dtype,
                     *args):
     """A norm without a residual, y in out_dtype: trifuse's kernels write it so, another
     candidate's y is cast, once per reader (the dialect's choice stands: it was timed without
-    the casts)."""
-    _check_out_dtype(op, out_dtype, readers, full_y)
+    the casts). _norm checks the narrowing arguments on trifuse's path, this on the others'."""
     fn = dialect.implementation(*args)
     if fn is not trifuse_candidate:
+        _check_narrowing(op, out_dtype, readers, full_y)
         return _cast_for_readers(fn(*args), out_dtype, readers, full_y)
     if op == "rms_norm":
         x, normalized_shape, weight, eps = args
