@@ -303,3 +303,14 @@ def test_gpu_torch_candidate_keeps_bf16_under_autocast_with_fp32_bias():
         y = bg.BIAS_GELU.candidate("torch").fn(x, b, "none")
         want = bg.BIAS_GELU.candidate("trifuse").fn(x, b, "none")
     assert y.dtype == want.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("candidate", ["trifuse", "torch"])
+def test_check_passes_both_candidates_with_a_wider_bias_over_many_rows(candidate):
+    """16-bit activations beside an fp32 bias (autocast's Linear/Conv1D bias): the bias gradient
+    sums thousands of rows. Before the reference returned x's dtype, its output gradients were
+    drawn in fp32 and the candidates saw them rounded to x's, so every candidate failed the check
+    at GPT-2's rows on the H200 (fp16 here: the interpreter's bf16 is wrong)."""
+    x, b = inputs(torch.float16, rows=3000, bias_dtype=torch.float32)
+    trial = dialects._Trial(bg.BIAS_GELU.reference, (x, b, "tanh"), None)
+    assert trial.problem(bg.BIAS_GELU.candidate(candidate).fn) is None

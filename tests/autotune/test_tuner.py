@@ -260,13 +260,15 @@ def test_prune_rows_gives_reasons():
 
 
 @pytest.mark.gpu
-def test_wall_timer_counts_host_time_that_gpu_time_partly_hides():
+def test_wall_timer_counts_host_time():
     """Why dialects use wall time: a step whose host path is slow (here 0.2 ms of busy host
-    work before a tiny kernel) costs that host time per call in an eager training loop; do_bench
-    overlaps part of it with its L2 flush."""
+    work before a tiny kernel) costs that host time per call in an eager training loop. The
+    wall timer must count it: its result cannot fall below the busy wait. (Whether do_bench's
+    GPU time hides part of it is a race with its L2 flush: under 8 pytest workers sharing the
+    GPU it did not, 2026-11-27; no assertion on it.)"""
     import time
 
-    from trifuse.autotune.tuner import gpu_timer, wall_timer
+    from trifuse.autotune.tuner import wall_timer
 
     x = torch.randn(1024, device="cuda")
 
@@ -278,4 +280,3 @@ def test_wall_timer_counts_host_time_that_gpu_time_partly_hides():
 
     wall = wall_timer("slow", slow_host)
     assert wall >= 0.2
-    assert gpu_timer("slow", slow_host) < wall

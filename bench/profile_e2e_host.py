@@ -1,0 +1,124 @@
+"""Where a training step's host time goes on the GPU, for the models of bench_e2e.py.
+
+    python bench/profile_e2e_host.py [--models gpt2-medium,bert-large] [--providers eager-sdpa,trifuse.fuse]
+
+bench_e2e.py's "device ms" says how much GPU work a step holds; when the step's wall time is well
+above it (2026-11-27, fourth H200 session: fused GPT-2 medium 117 ms a step for 62.5 ms of
+kernels), the host is the limit. For each model and provider this prints:
+  - the step's wall ms (synchronized) and its host ms (until the last call returns, before the
+    synchronize: when it is about the wall time, the GPU waited on the host);
+  - every synchronizing call in one step (torch.cuda.set_sync_debug_mode), with where it came from;
+  - one step under cProfile (Python's view: the most expensive functions by own and total time);
+  - one step under torch.profiler, CPU ops and CUDA runtime calls by self CPU time.
+Text only, to stdout.
+"""
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+import traceback
+import warnings
+
+import bench_e2e as E  # noqa: I001
+import torch
+
+import trifuse
+
+
+def host_and_wall_ms(model, opt, batch) -> tuple[float, float]:
+    """One step: ms until the host has issued everything, and ms until the GPU is done."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(**batch).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    host = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return host * 1e3, (time.perf_counter() - t0) * 1e3
+
+
+def one_step(model, opt, batch) -> None:
+    E.train_steps(model, opt, batch, 1, True)
+
+
+def report_syncs(model, opt, batch, limit: int = 6) -> None:
+    seen: list[str] = []
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        stack = [f for f in traceback.extract_stack()[:-1] if "warnings" not in f.filename]
+        seen.append(f"{message}\n" + "".join(traceback.format_list(stack[-8:])))
+
+    old = warnings.showwarning
+    warnings.showwarning = show
+    warnings.simplefilter("always")
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = old
+    torch.cuda.synchronize()
+    print(f"  synchronizing calls in one step: {len(seen)}")
+    for s in seen[:limit]:
+        print("  ---", s)
+
+
+def report_cprofile(model, opt, batch) -> None:
+    pr = cProfile.Profile()
+    pr.enable()
+    one_step(model, opt, batch)
+    pr.disable()
+    for key, n in (("tottime", 30), ("cumtime", 45)):
+        out = io.StringIO()
+        pstats.Stats(pr, stream=out).sort_stats(key).print_stats(n)
+        print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:12000])
+
+
+def report_torch_profiler(model, opt, batch) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        one_step(model, opt, batch)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=35, max_name_column_width=70))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="gpt2-medium,bert-large")
+    ap.add_argument("--providers", default="eager-sdpa,trifuse.fuse")
+    ap.add_argument("--no-profiles", action="store_true", help="wall and host ms only")
+    args = ap.parse_args()
+    for name in args.models.split(","):
+        kind, kwargs, batch_size, seq = E.MODELS[name]
+        for provider in args.providers.split(","):
+            torch.manual_seed(0)
+            model = E.build(kind, kwargs, "cuda").train()
+            if provider == "trifuse.fuse":
+                trifuse.fuse(model)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            batch = E.make_batch(kind, model, batch_size, seq, "cuda")
+            E.train_steps(model, opt, batch, 3, True)
+            times = sorted(host_and_wall_ms(model, opt, batch) for _ in range(5))
+            host, wall = times[len(times) // 2]
+            print(f"=== {name} {provider}: step {wall:.1f} ms wall, host issued it in {host:.1f} ms")
+            sys.stdout.flush()
+            if not args.no_profiles:
+                report_syncs(model, opt, batch)
+                if provider != "eager-sdpa":
+                    report_cprofile(model, opt, batch)
+                report_torch_profiler(model, opt, batch)
+            sys.stdout.flush()
+            del model, opt
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
