@@ -21,7 +21,9 @@ What it does, in place, in this order:
 6. runs dropout on per-rank tensors under a per-rank random stream (`random.py`);
 7. makes replicated parameters' gradients whole (one all-reduce per tensor, after accumulation;
    sequence-parallel norms produce partial sums);
-8. on a 2-D mesh, `fully_shard`s each block and then the root over "dp".
+8. on a 2-D mesh, `fully_shard`s each block and then the root over "dp";
+9. lets torch.optim's for-each path (CUDA's default) step over DTensors and plain tensors
+   together (`optim.py`).
 
 Parameters outside the plan (embeddings, final norm, head) stay plain tensors, replicated.
 State dicts are DTensors in the unsharded layout: `torch.distributed.checkpoint` saves them
@@ -44,6 +46,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel import RowwiseParallel as _TorchRowwise
 
+from . import optim as _optim
 from . import random as _random
 from .experts import MoEBlockParallel, ReplicatedModule
 from .plan import Plan, check_unrecognized, derive_plan, merge, recognize, vocab_plan
@@ -312,6 +315,7 @@ def shard(
             for block in stack:
                 fully_shard(model.get_submodule(block), mesh=dp_mesh)
         fully_shard(model, mesh=dp_mesh)
+    _optim.register(model.parameters())
     object.__setattr__(model, _STATE_ATTR, full)
     return model
 

@@ -7,6 +7,8 @@ unsharded layout) and the weights after three AdamW steps must agree to float64 
 columns and must fail the same check.
 """
 
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -34,6 +36,25 @@ def equal_to_single_process(rank, size, kind, sp, steps, plan=None):
     ref = build(kind)
     model = shard(build(kind), _mesh(size), sequence_parallel=sp, plan=plan)
     return train_alongside(kind, model, ref, steps)
+
+
+def foreach_optimizers_equal_to_single_process(rank, size, steps):
+    """torch.optim's for-each path (CUDA's default, forced here on CPU) over a sharded model's
+    DTensors and plain replicated tensors together: AdamW and SGD with momentum step as the
+    unsharded model's. Returns (failures, checks, implicit replication still on after a step)."""
+    from torch.distributed.tensor import DTensor
+
+    from trifuse.parallel import shard
+
+    failures, checks = [], 0
+    for optimizer in (functools.partial(torch.optim.AdamW, foreach=True),
+                      functools.partial(torch.optim.SGD, momentum=0.9, foreach=True)):
+        ref = build("gpt2")
+        model = shard(build("gpt2"), _mesh(size))
+        f, c = train_alongside("gpt2", model, ref, steps, optimizer=optimizer)
+        failures += f
+        checks += c
+    return failures, checks, DTensor._op_dispatcher._allow_implicit_replication
 
 
 def vocab_parallel_equal_to_single_process(rank, size, steps):
@@ -180,6 +201,14 @@ def test_loss_grads_and_three_steps_match_single_process(world, kind, sp):
     for failures, checks in world.run(equal_to_single_process, kind, sp, 3):
         assert checks > 100
         assert not failures, "\n".join(failures[:10])
+
+
+def test_foreach_optimizers_step_over_dtensors_and_plain_tensors(world):
+    """AdamW's first step failed on the H200 (mixed torch.Tensor and DTensor in one for-each call)."""
+    for failures, checks, still_on in world.run(foreach_optimizers_equal_to_single_process, 2):
+        assert checks > 100
+        assert not failures, "\n".join(failures[:10])
+        assert not still_on, "implicit replication must end with the step"
 
 
 def test_naive_column_split_of_fused_qkv_fails_the_check(world):
