@@ -645,11 +645,15 @@ class HeadUnit(DynamoUnit):
         self.capturing = True
         self._skip_now = self.skip_logits and module.training and torch.is_grad_enabled()
         ignored, added = _ignore_once_logging()
+        if added:
+            _METRICS_LOGGER.addFilter(_drop_metrics_log_failure)
         try:
             out = super().__call__(module, args, kwargs)
         finally:
             self.capturing = False
             ignored.difference_update(added)
+            if added:
+                _METRICS_LOGGER.removeFilter(_drop_metrics_log_failure)
         return _none_for_placeholder(out) if self._skip_now and self.skipped_logits else out
 
 
@@ -737,6 +741,18 @@ def _ignore_once_logging() -> tuple[set, list]:
         ignored.add(fn)
         added.append(fn)
     return ignored, added
+
+
+_METRICS_LOGGER = logging.getLogger("torch._dynamo.metrics_context")
+
+
+def _drop_metrics_log_failure(record: logging.LogRecord) -> bool:
+    """A log filter: torch 2.11's compilation-metrics logging writes Dynamo's config as JSON, the
+    ignored logging functions included (2.13 leaves them out), and a function is not JSON: with
+    `warning_once` in the set, every compile logged "Unexpected exception logging compilation
+    metrics" and a traceback at ERROR (the NCCL example on the H200, 2026-11-27). While a head
+    unit has put it there, that record, and only it, is dropped."""
+    return not str(record.msg).startswith("Unexpected exception logging compilation metrics")
 
 
 @functools.cache

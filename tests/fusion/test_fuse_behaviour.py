@@ -725,3 +725,39 @@ def test_the_use_cache_hook_leaves_calls_that_set_it():
     with torch.no_grad():
         assert hook(m, (1,), {}) is None
     assert hook(m.eval(), (1,), {}) is None
+
+
+def test_torch_2_11_metrics_log_failure_is_not_shown_while_a_head_capture_ignores_once_logging(monkeypatch):
+    """torch 2.11 writes Dynamo's config as JSON when it logs a compile's metrics, the ignored
+    logging functions included: with warning_once there, every compile logged "Unexpected
+    exception logging compilation metrics" and a traceback at ERROR (the NCCL example on the H200).
+    torch 2.13 does not, so the head's capture is stood in for by a call that logs as 2.11 did:
+    inside the head's call that record is dropped and others pass; outside it, it passes again."""
+    import logging
+
+    from trifuse.fusion import capture as C
+
+    _once_methods(monkeypatch)
+    monkeypatch.setattr(C, "_metrics_log_sorts_ignored_functions", lambda: True)
+
+    def compile_and_log(self, module, args, kwargs):
+        C._METRICS_LOGGER.error("Unexpected exception logging compilation metrics")
+        C._METRICS_LOGGER.error("another error")
+        return None
+    monkeypatch.setattr(C.DynamoUnit, "__call__", compile_and_log)
+    seen = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = lambda r: seen.append(r.getMessage())  # on the logger: torch's need not propagate
+    C._METRICS_LOGGER.addHandler(handler)
+    config = torch._dynamo.config
+    try:
+        with config.patch(**{_ignored_set_name(): set()}):
+            unit = C.HeadUnit.__new__(C.HeadUnit)
+            unit.skip_logits, unit.skipped_logits = False, False
+            unit(nn.Linear(2, 2), (), {})
+            assert seen == ["another error"]
+            assert C._drop_metrics_log_failure not in C._METRICS_LOGGER.filters
+            compile_and_log(unit, None, (), {})
+            assert seen == ["another error", "Unexpected exception logging compilation metrics", "another error"]
+    finally:
+        C._METRICS_LOGGER.removeHandler(handler)
