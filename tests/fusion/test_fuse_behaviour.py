@@ -743,7 +743,6 @@ def test_torch_2_11_metrics_log_failure_is_not_shown_while_a_head_capture_ignore
     def compile_and_log(self, module, args, kwargs):
         C._METRICS_LOGGER.error("Unexpected exception logging compilation metrics")
         C._METRICS_LOGGER.error("another error")
-        return None
     monkeypatch.setattr(C.DynamoUnit, "__call__", compile_and_log)
     seen = []
     handler = logging.Handler(logging.ERROR)
