@@ -6,7 +6,7 @@ patched Llama when it loads), bf16 autocast, AdamW.
     pytest bench/bench_e2e.py                             # CPU: a tiny config, one step each
 
 Reports tokens/s, step time, peak memory and set-up time (the fuse or compile call plus the
-first step's excess over a steady step), all measured in this process; for each provider a
+first three steps' excess over a steady step), all measured in this process; for each provider a
 profile of one more step: its top CUDA kernels (e2e-top-kernels.*) and how busy the GPU was over
 the step's wall time (what host overhead leaves); for the fused runs, what each op's dialect
 chose and why (the rows' "dialect choices", in the log and the JSON); and a bar plot of tokens/s
@@ -96,6 +96,8 @@ def run_one(name: str, provider: str, spec, steps: int, device: str, checkpointi
         trifuse.fuse(model)
     elif provider == "trifuse.fuse(skip_logits)":  # the loop uses only .loss: the head fuses with it
         trifuse.fuse(model, skip_logits=True)
+    elif provider == "trifuse.fuse(cuda_graphs)":  # blocks replayed from CUDA graphs (built in step 2)
+        trifuse.fuse(model, cuda_graphs=True)
     elif provider == "torch.compile":
         model = torch.compile(model)
     elif provider.startswith("compile(backend="):
@@ -119,10 +121,14 @@ def run_one(name: str, provider: str, spec, steps: int, device: str, checkpointi
         "batch x seq": f"{batch}x{seq}",
         "step ms": step * 1e3, "tokens/s": batch * seq / step,
         "peak GiB": torch.cuda.max_memory_allocated() / 2**30 if gpu else float("nan"),
-        "set-up s": setup_call + max(0.0, first - step),
+        # the first steps' excess over a steady one: captures, tuning, CUDA graphs (built in step 2)
+        "set-up s": setup_call + sum(max(0.0, t - step) for t in [first, *warm]),
     }
     if provider.startswith("trifuse.fuse"):
         row["fused"] = _fused_summary(model)
+        graphs = [u.graphs.summary() for u in _block_units(model) if u.graphs is not None]
+        if graphs:
+            row["cuda graphs"] = graphs
         row["dialect choices"] = _dialect_choices()
     top, busy, device_ms = profile_step(model, opt, data, gpu)
     row["device busy %"] = busy
@@ -171,13 +177,20 @@ def _dialect_choices() -> list[str]:
     return [str(d) for d in decisions.records(kind="dialect")]
 
 
+def _block_units(model) -> list:
+    from trifuse.fusion.capture import DynamoUnit, installed_unit
+
+    units = {id(u): u for m in model.modules() if isinstance(u := installed_unit(m), DynamoUnit)}
+    return list(units.values())
+
+
 def _fused_summary(model) -> str:
     rep = trifuse.report(model)
     return ", ".join(f"{k} {v}" for k, v in rep.by_pattern().items())
 
 
 def providers(compile_: bool, kind: str = "gpt2") -> list[str]:
-    out = ["eager-sdpa", "trifuse.fuse", "trifuse.fuse(skip_logits)"]
+    out = ["eager-sdpa", "trifuse.fuse", "trifuse.fuse(skip_logits)", "trifuse.fuse(cuda_graphs)"]
     if compile_:
         out += ["torch.compile", "compile(backend=trifuse)", "compile(backend=trifuse_inductor)"]
     # Last: Liger patches transformers' Llama module globally (its RoPE function and norm class),
@@ -227,11 +240,15 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--suffix", default="", help="results file e2e-SUFFIX (to keep runs apart)")
     ap.add_argument("--grad-ckpt", action="store_true", help="with transformers' gradient checkpointing on")
+    ap.add_argument("--providers", default="", help="comma-separated subset of the providers (default: all)")
     args = ap.parse_args()
+    chosen = set(filter(None, args.providers.split(",")))
     rows = []
     for name in args.models.split(","):
         point = []
         for provider in providers(args.compile, MODELS[name][0]):
+            if chosen and provider not in chosen:
+                continue
             try:
                 row = run_one(name, provider, MODELS[name], args.steps, "cuda", args.grad_ckpt)
             except Exception as e:  # noqa: BLE001  (report the failure, keep measuring the rest)
@@ -260,11 +277,14 @@ def main() -> None:
 
 @pytest.mark.skipif(transformers is None, reason="needs transformers")
 @pytest.mark.parametrize("name", list(TINY))
-@pytest.mark.parametrize("provider", ["eager-sdpa", "trifuse.fuse", "trifuse.fuse(skip_logits)"])
+@pytest.mark.parametrize("provider", ["eager-sdpa", "trifuse.fuse", "trifuse.fuse(skip_logits)",
+                                      "trifuse.fuse(cuda_graphs)"])
 def test_e2e_smoke(name, provider):
     device = "cuda" if H.on_gpu() else "cpu"
     row = run_one(name, provider, TINY[name], 1, device)
     assert row["tokens/s"] > 0
+    if provider == "trifuse.fuse(cuda_graphs)":
+        assert row["cuda graphs"], "the blocks' graphs say what they did"
     if provider.startswith("trifuse.fuse"):  # the attention dialect decided, at the least
         assert any(c.startswith("attention [") for c in row["dialect choices"])
     assert row["top kernels"] and all(k["ms"] > 0 for k in row["top kernels"])

@@ -126,6 +126,15 @@ for what in "$@"; do
             stage bench-e2e-bert 300 python3 bench/bench_e2e.py --steps 8 --models bert-large --suffix bert ;;
         e2e-llama)  # Llama 3.2 1B's shape (RoPE, SwiGLU, GQA): eager, trifuse.fuse, Liger-Kernel
             stage bench-e2e-llama 300 python3 bench/bench_e2e.py --steps 6 --models llama-1b --suffix llama ;;
+        graphs)  # fuse(cuda_graphs=True): the real graphs against the ungraphed fused model (gpu tests),
+                 # then GPT-2 medium's and BERT-large's steps (eager, fused, fused + graphs); the NCCL
+                 # example between them (its first run failed in AdamW's for-each step, since fixed)
+            stage tests-graphs 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/fusion/test_block_graphs.py
+            stage bench-e2e-graphs 150 python3 bench/bench_e2e.py --steps 6 --models gpt2-medium --suffix graphs \
+                --providers "eager-sdpa,trifuse.fuse,trifuse.fuse(cuda_graphs)"
+            stage nccl-tp 60 python3 -m torch.distributed.run --standalone --nproc-per-node 1 examples/train_tp.py --steps 6
+            stage bench-e2e-bert-graphs 150 python3 bench/bench_e2e.py --steps 6 --models bert-large --suffix bert-graphs \
+                --providers "eager-sdpa,trifuse.fuse,trifuse.fuse(cuda_graphs)" ;;
         nccl)  # issue 8 on the lent GPU: the TP+SP example over NCCL at world size 1, end to end
                # (fused; PyTorch's ops; the vocabulary-parallel head), a few steps each
             stage nccl-tp 60 python3 -m torch.distributed.run --standalone --nproc-per-node 1 examples/train_tp.py --steps 6
@@ -136,7 +145,7 @@ for what in "$@"; do
             stage tune 150 python3 -m trifuse.autotune gpt2-medium --batch 8 --seq 1024
             stage tune-llama 150 python3 -m trifuse.autotune llama-3.2-1b --batch 4 --seq 2048 \
                 --export-defaults autotune/defaults/ ;;  # this GPU's family: h100.json or h200.json
-        *) echo "unknown stage $what (tests host kernels-core kernels attention tma dialects e2e e2e-ckpt e2e-bert e2e-llama nccl tune)" ;;
+        *) echo "unknown stage $what (tests host kernels-core kernels attention tma dialects e2e e2e-ckpt e2e-bert e2e-llama graphs nccl tune)" ;;
     esac
 done
 

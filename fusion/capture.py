@@ -44,6 +44,7 @@ from torch import fx
 from torch.utils.checkpoint import checkpoint
 
 from ..patterns._base import Pattern, example_value
+from .graphs import BlockGraphs
 from .normalize import canonicalize
 from .rewriter import RewriteLog, rewrite_graph
 
@@ -370,6 +371,7 @@ class DynamoUnit(Unit):
         self.scalar_outputs = True  # captures keep `.item()` in the graph, unless Dynamo failed with it
         self.static_shapes = False  # captures specialize on each shape, once Dynamo failed with dynamic ones
         self._signature: inspect.Signature | None = None  # of the block's forward, once needed
+        self.graphs: BlockGraphs | None = None  # CUDA graphs of the blocks: fuse(cuda_graphs=True)
 
     def _dynamo_settings(self) -> Any:
         """The Dynamo config of this unit's captures (a context manager; also inside another unit's
@@ -381,6 +383,11 @@ class DynamoUnit(Unit):
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         self.calls += 1
+        if self.graphs is not None and self.failed is None:
+            return self.graphs.call(module, args, kwargs, self._call_fused, lambda m: self.last.get(m) is not None)
+        return self._call_fused(module, args, kwargs)
+
+    def _call_fused(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         if self.failed is not None:
             return self._eager(module, args, kwargs, self.failed)
         reason = unsupported_argument(args, kwargs)

@@ -26,6 +26,7 @@ from torch import fx
 from ..patterns import PATTERNS
 from ..patterns._base import available
 from .capture import DynamoUnit, FxUnit, HeadUnit, LeafTracer, Unit, installed_unit
+from .graphs import BlockGraphs
 from .match import compile_pattern, matches
 from .normalize import canonicalize
 from .rewriter import select_patterns
@@ -52,7 +53,7 @@ _RECORDS: "weakref.WeakKeyDictionary[torch.nn.Module, FuseRecord]" = weakref.Wea
 
 
 def fuse(model: torch.nn.Module, *, ops: Iterable[str] | None = None, skip_logits: bool = False,
-         verbose: bool = False) -> torch.nn.Module:
+         cuda_graphs: bool = False, verbose: bool = False) -> torch.nn.Module:
     """Swaps trifuse's fused ops into `model`, in place, and returns the same object.
 
     Args:
@@ -69,6 +70,11 @@ def fuse(model: torch.nn.Module, *, ops: Iterable[str] | None = None, skip_logit
             (Liger-Kernel's `skip_logits`). Off by default: the model returns its logits, and the
             loss alone is fused on them. Eval calls, calls without grad and calls computing no
             loss always return the logits. The report says where logits were skipped.
+        cuda_graphs: replay each fused block's training forward and backward from CUDA graphs
+            (`trifuse.fusion.graphs`), from the second training call of a block with the same
+            shapes on: a step's host time then no longer grows with the block count. A block's
+            outputs are overwritten when it runs again (clone activations kept across steps);
+            eval, no-grad and gradient-checkpointed calls run ungraphed. Off by default.
         verbose: print what was installed now, and each capture's table when it happens.
 
     Returns:
@@ -92,6 +98,8 @@ def fuse(model: torch.nn.Module, *, ops: Iterable[str] | None = None, skip_logit
 
     for cls, members in blocks.items():
         unit = _unit_for_blocks(cls, members, patterns, verbose, is_leaf)
+        if cuda_graphs and isinstance(unit, DynamoUnit):
+            unit.graphs = BlockGraphs()
         for path, module in members:
             if "forward" in module.__dict__:
                 notes.append(Note(path, cls.__name__, "has its own forward attribute: left as it is"))

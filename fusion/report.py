@@ -103,6 +103,8 @@ class FusionReport:
         lines.append(f"trifuse.fuse ({fams}): {len(self.units)} unit(s)")
         for u in self.units:
             lines.append(f"  {u.name}: {u.unit.calls} call(s), {len(u.unit.captures)} capture(s)")
+            if getattr(u.unit, "graphs", None) is not None:
+                lines.append(f"    {u.unit.graphs.summary()}")
         for n in self.notes:
             lines.append(f"  {n.kind}: {n.path} ({n.cls}): {n.reason}")
         for u in self.units:

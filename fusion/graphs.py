@@ -1,0 +1,192 @@
+"""CUDA graphs of fused blocks: `fuse(model, cuda_graphs=True)`.
+
+Why: a fused training step is host-bound on the lent H200 (2026-11-27: GPT-2 medium 8x1024 ran
+62.5 ms of kernels in a 97-117 ms step, the host issuing it in 92 ms; eager PyTorch's host took
+88 ms for 121 ms of kernels). Each block's forward is ~30 Python-level calls and 5 fused ops,
+each with its autograd node. Replayed from a CUDA graph, a block's forward and its backward are
+one launch each, plus a copy of the block's inputs (and of the gradient arriving at its output)
+into the graph's own buffers.
+
+How: `torch.cuda.make_graphed_callables` on the block's fused forward (the Dynamo capture, with
+the block's trainable parameters as inputs, so that their gradients flow out of the backward
+graph into `.grad` as usual). One graph pair per block instance and per call signature (shapes,
+strides, dtypes, non-tensor arguments, autocast, the parameters' addresses), built on the second
+training call with that signature (the first one captures and tunes: no timing may run inside
+a capture). Only training calls with grad on CUDA tensors are graphed; eval calls, calls without
+grad, gradient-checkpointed blocks and anything unsupported run the fused forward as before, and a
+graph that cannot be built is reported (`BlockGraphs.failures`) and never tried again for that
+signature.
+
+What a user should know: a block's outputs live in its graph's buffers and are overwritten when
+that block runs again (the next step), as with `torch.cuda.make_graphed_callables`; the loss and
+the gradients are unaffected, but an activation kept across steps (hidden states returned with
+`output_hidden_states=True`) must be cloned. Each block's graphs keep their own memory pool.
+The dropout masks differ from the ungraphed run's (graph-safe Philox offsets), with the same
+distribution.
+"""
+import weakref
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+_FAILED = object()  # an entry: this signature is not graphed
+# Per block: each graph pair holds its own memory; a block called with ever new arguments (an
+# object per call) stops being looked at.
+MAX_SIGNATURES = 16
+
+
+class BlockGraphs:
+    """The CUDA graphs of one unit's blocks, per block instance and call signature."""
+
+    def __init__(self, warmup_iters: int = 2, device_type: str = "cuda") -> None:
+        self.warmup_iters = warmup_iters
+        self.device_type = device_type  # tests on a CPU graph "cpu" calls with a stand-in make_graphed_callables
+        self._entries: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, Any]] = weakref.WeakKeyDictionary()
+        self.built = 0  # graph pairs built
+        self.replays = 0  # calls that ran from a graph
+        self.failures: Counter[str] = Counter()  # why a signature could not be graphed
+        self.skipped: Counter[str] = Counter()  # why a call was not graphed (eval, no grad, ...)
+
+    def call(self, module: torch.nn.Module, args: tuple, kwargs: dict,
+             run: Callable[[torch.nn.Module, tuple, dict], Any],
+             ran_fused: Callable[[torch.nn.Module], bool]) -> Any:
+        """The block's output: `run(module, args, kwargs)` (its fused forward), from a graph of it
+        from the second training call with this signature on. `ran_fused(module)` says whether
+        the last `run` ran fused: a signature whose first call ran as written is never graphed."""
+        why = _not_graphable(module)
+        if why is not None:
+            self.skipped[why] += 1
+            return run(module, args, kwargs)
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        key = _signature(module, leaves, spec, self.device_type)
+        if isinstance(key, str):
+            self.skipped[key] += 1
+            return run(module, args, kwargs)
+        entries = self._entries.setdefault(module, {})
+        entry = entries.get(key)
+        if entry is None and len(entries) >= MAX_SIGNATURES:
+            self.skipped[f"more than {MAX_SIGNATURES} call signatures for one block"] += 1
+            return run(module, args, kwargs)
+        if entry is None:  # first call with this signature: it captures and tunes, ungraphed
+            out = run(module, args, kwargs)
+            if ran_fused(module):
+                entries[key] = _SEEN
+            else:
+                entries[key] = _FAILED
+                self.failures["its first call did not run fused"] += 1
+            return out
+        if entry is _SEEN:
+            entry = entries[key] = self._build(module, leaves, spec, run)
+        if entry is _FAILED:
+            return run(module, args, kwargs)
+        graphed, params, (out_spec, out_leaves) = entry
+        self.replays += 1
+        tensors = iter(graphed(*[x for x in leaves if isinstance(x, torch.Tensor)], *_OwnGrads.apply(*params)))
+        return pytree.tree_unflatten([next(tensors) if x is _TENSOR else x for x in out_leaves], out_spec)
+
+    def _build(self, module, leaves: list, spec, run) -> Any:
+        params = _trainable(module)
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        # The graph's own input buffers, in the arguments' layouts (clone keeps dense strides).
+        static = [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
+        n = len(static)
+
+        out_structure: list = []  # the output's spec and its non-tensor leaves, as the block returns them
+
+        def block(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            given = iter(flat[:n])
+            args, kwargs = pytree.tree_unflatten(
+                [next(given) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+            out_leaves, out_spec = pytree.tree_flatten(run(module, args, kwargs))
+            # The graph returns tensors only (a None among the outputs is a leaf to pytree).
+            structure = (out_spec, [_TENSOR if isinstance(x, torch.Tensor) else x for x in out_leaves])
+            if out_structure and out_structure[0] != structure:
+                raise RuntimeError("the block's output structure changed between calls")
+            out_structure[:] = [structure]
+            return tuple(x for x in out_leaves if isinstance(x, torch.Tensor))
+
+        cache = torch.is_autocast_cache_enabled()
+        torch.set_autocast_cache_enabled(False)  # make_graphed_callables refuses autocast's weight cache
+        try:
+            graphed = torch.cuda.make_graphed_callables(
+                block, (*static, *params), num_warmup_iters=self.warmup_iters, allow_unused_input=True)
+        except Exception as e:  # noqa: BLE001  (never break a model: the block runs ungraphed)
+            self.failures[f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"] += 1
+            return _FAILED
+        finally:
+            torch.set_autocast_cache_enabled(cache)
+        self.built += 1
+        return graphed, params, out_structure[0]
+
+    def summary(self) -> str:
+        """One line for the report."""
+        parts = [f"{self.built} graph pair(s) built, {self.replays} call(s) replayed"]
+        parts += [f"not graphed: {why} ({n} call(s))" for why, n in self.skipped.items()]
+        parts += [f"could not graph: {why} ({n} signature(s))" for why, n in self.failures.items()]
+        return "CUDA graphs: " + "; ".join(parts)
+
+
+class _OwnGrads(torch.autograd.Function):
+    """The identity on a block's parameters, whose backward copies their gradients out of the
+    backward graph's buffers. The graph hands them out as those buffers, and autograd stores a
+    gradient it can take as `.grad` itself: the next replay would then overwrite `.grad`, and under
+    gradient accumulation `.grad += grad` would add the new gradient to itself."""
+
+    @staticmethod
+    def forward(ctx, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(p.view_as(p) for p in params)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return tuple(None if g is None else g.clone() for g in grads)
+
+
+_SEEN = object()  # an entry: called once with this signature, not graphed yet
+_TENSOR = object()  # in an output structure: a tensor's place
+
+
+def _not_graphable(module: torch.nn.Module) -> str | None:
+    """Why no call of `module` can be graphed right now, or None."""
+    if not (module.training and torch.is_grad_enabled()):
+        return "not a training call (eval or no grad)"
+    if getattr(module, "gradient_checkpointing", False):
+        return "gradient checkpointing (the backward recomputes the forward)"
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return "called inside another CUDA graph capture"
+    if torch.compiler.is_compiling():
+        return "called inside torch.compile"
+    return None
+
+
+def _trainable(module: torch.nn.Module) -> tuple[torch.Tensor, ...]:
+    return tuple(p for p in module.parameters() if p.requires_grad)
+
+
+def _signature(module: torch.nn.Module, leaves: list, spec, device_type: str) -> tuple | str:
+    """The call's graph key, or why it cannot have a graph."""
+    parts: list = [spec, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)]
+    cuda = False
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            if x.device.type != device_type:
+                return "an argument is not on a CUDA device"
+            cuda = True
+            parts.append((x.shape, x.stride(), x.dtype, x.requires_grad))
+        else:
+            try:
+                hash(x)
+            except TypeError:
+                return f"an argument of type {type(x).__name__} is not hashable"
+            parts.append((type(x), x))
+    if not cuda:
+        return "no CUDA tensor argument"
+    # The graph reads the parameters where they were at capture (in-place optimizer steps are fine).
+    parts += [(p.data_ptr(), p.dtype, p.requires_grad) for p in module.parameters()]
+    try:
+        hash(spec)
+    except TypeError:  # a torch whose TreeSpec does not hash: its text says the same
+        parts[0] = str(spec)
+    return tuple(parts)

@@ -1,0 +1,233 @@
+"""`fuse(model, cuda_graphs=True)`: fused blocks replayed from CUDA graphs (fusion/graphs.py).
+
+On a CPU the graphs' bookkeeping runs against a stand-in for torch.cuda.make_graphed_callables
+that calls the block (no graph: the same autograd), so what is checked is which calls are graphed,
+when graphs are built, that inputs, parameters and outputs go in and out in the right places, and
+that anything unsupported falls back; the training steps must equal the ungraphed model's bitwise.
+On the GPU the real graphs run, against the ungraphed fused model."""
+import copy
+
+import pytest
+import torch
+
+import _models
+import trifuse
+from _device import DEVICE
+from trifuse.fusion.capture import DynamoUnit, installed_unit
+from trifuse.fusion.graphs import BlockGraphs
+
+
+class _StandIn:
+    """torch.cuda.make_graphed_callables without the graphs, but with its buffers: each call's
+    outputs, and the gradients its backward hands out, are views of the same static tensors,
+    overwritten by the next call (as a replay overwrites them). Records its calls."""
+
+    def __init__(self, fail: Exception | None = None):
+        self.builds, self.calls, self.fail = [], 0, fail
+
+    def __call__(self, fn, sample_args, num_warmup_iters=3, allow_unused_input=False):
+        if self.fail is not None:
+            raise self.fail
+        assert not torch.is_autocast_cache_enabled(), "the real one refuses autocast's cache"
+        assert all(isinstance(a, torch.Tensor) for a in sample_args)
+        self.builds.append(len(sample_args))
+        static_out = [o.detach().clone() for o in fn(*sample_args)]  # a warm-up, as the real one runs
+        static_grads: list = [None] * len(sample_args)
+        stand_in = self
+
+        class Replay(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, *inputs):
+                # A replay: the inputs copied into the sample arguments (the graph's inputs; the
+                # parameters among them are the real ones), the captured work run on those.
+                with torch.no_grad():
+                    for buf, x in zip(sample_args, inputs):
+                        if buf.data_ptr() != x.data_ptr():
+                            buf.copy_(x)
+                with torch.enable_grad():
+                    outs = fn(*sample_args)
+                assert isinstance(outs, tuple) and all(isinstance(o, torch.Tensor) for o in outs)
+                ctx.leaves, ctx.outs = sample_args, outs
+                for buf, o in zip(static_out, outs):
+                    buf.copy_(o.detach())
+                return tuple(buf.detach() for buf in static_out)
+
+            @staticmethod
+            def backward(ctx, *grads):
+                wanted = [i for i, leaf in enumerate(ctx.leaves) if leaf.requires_grad]
+                got = torch.autograd.grad([o for o in ctx.outs if o.requires_grad],
+                                          [ctx.leaves[i] for i in wanted],
+                                          [g for o, g in zip(ctx.outs, grads) if o.requires_grad], allow_unused=True)
+                out = [None] * len(ctx.leaves)
+                for i, g in zip(wanted, got):
+                    if g is not None:
+                        if static_grads[i] is None:
+                            static_grads[i] = torch.empty_like(g)
+                        static_grads[i].copy_(g)
+                        out[i] = static_grads[i].detach()
+                return tuple(out)
+
+        def graphed(*args):
+            stand_in.calls += 1
+            assert len(args) == len(sample_args)
+            return Replay.apply(*args)
+        return graphed
+
+
+def _block_graphs(model) -> list[BlockGraphs]:
+    units = {id(u): u for m in model.modules() if isinstance(u := installed_unit(m), DynamoUnit)}
+    return [u.graphs for u in units.values() if u.graphs is not None]
+
+
+def _on_cpu(model, monkeypatch, stand_in):
+    """Point the model's block graphs at CPU tensors and the stand-in."""
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", stand_in)
+    for g in _block_graphs(model):
+        g.device_type = "cpu"
+
+
+def _steps(model, inputs, batches, lr=1e-2):
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses, grads = [], []
+    for kw in batches:
+        loss = model(**kw).loss
+        loss.backward()
+        losses.append(loss.detach().clone())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses, grads
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the stand-in for make_graphed_callables: CPU runs")
+def test_blocks_are_graphed_from_their_second_call_and_train_bitwise_as_ungraphed(monkeypatch):
+    torch.manual_seed(0)
+    lm, inputs, _ = _models.gpt2(layers=2)
+    ref = copy.deepcopy(lm)
+    trifuse.fuse(ref)
+    trifuse.fuse(lm, cuda_graphs=True)
+    stand_in = _StandIn()
+    _on_cpu(lm, monkeypatch, stand_in)
+    batches = [inputs(2, 8) for _ in range(3)] + [inputs(2, 5)]  # a new length: a new signature
+    got, want = _steps(lm, inputs, batches), _steps(ref, inputs, batches)
+    for a, b in zip(got[0], want[0]):
+        assert torch.equal(a, b)
+    for a, b in zip(got[1], want[1]):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    (graphs,) = _block_graphs(lm)
+    # step 1: captures; step 2: builds (each block, its inputs and its 12 trainable parameters);
+    # step 3: replays (the building call replays too); the new length: captured ungraphed
+    assert graphs.built == 2 and len(stand_in.builds) == 2
+    assert graphs.replays == 4 and stand_in.calls == 4
+    assert not graphs.failures
+    text = trifuse.report(lm).table()
+    assert "CUDA graphs: 2 graph pair(s) built, 4 call(s) replayed" in text
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the stand-in for make_graphed_callables: CPU runs")
+def test_gradient_accumulation_over_graphed_blocks(monkeypatch):
+    """Two backward passes into the same .grad: a graph hands the parameters' gradients out as its
+    own buffers, which the next replay overwrites; .grad must not be one of them."""
+    torch.manual_seed(0)
+    lm, inputs, _ = _models.gpt2(layers=2)
+    ref = copy.deepcopy(lm)
+    trifuse.fuse(ref)
+    trifuse.fuse(lm, cuda_graphs=True)
+    _on_cpu(lm, monkeypatch, _StandIn())
+    batches = [inputs(2, 8) for _ in range(4)]
+    for model in (lm, ref):
+        model(**batches[0]).loss.backward()  # capture
+        model(**batches[1]).loss.backward()  # build (and replay)
+        model.zero_grad(set_to_none=True)
+        model(**batches[2]).loss.backward()  # replays, accumulated
+        model(**batches[3]).loss.backward()
+    (graphs,) = _block_graphs(lm)
+    assert graphs.replays == 6
+    want = dict(ref.named_parameters())
+    for name, p in lm.named_parameters():
+        assert torch.equal(p.grad, want[name].grad), name
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the stand-in for make_graphed_callables: CPU runs")
+def test_eval_no_grad_and_failed_builds_run_ungraphed(monkeypatch):
+    torch.manual_seed(0)
+    lm, inputs, _ = _models.gpt2(layers=2)
+    trifuse.fuse(lm, cuda_graphs=True)
+    _on_cpu(lm, monkeypatch, _StandIn(fail=RuntimeError("capture failed\nmore")))
+    kw = inputs(2, 8)
+    for _ in range(3):
+        lm(**kw).loss.backward()
+    with torch.no_grad():
+        lm(**kw)
+    lm.eval()
+    lm(**kw)
+    (graphs,) = _block_graphs(lm)
+    assert graphs.built == 0 and graphs.replays == 0
+    assert graphs.failures == {"RuntimeError: capture failed": 2}  # one per block, tried once each
+    assert graphs.skipped["not a training call (eval or no grad)"] == 4
+    text = trifuse.report(lm).table()
+    assert "could not graph: RuntimeError: capture failed (2 signature(s))" in text
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="on a CPU")
+def test_cpu_tensors_are_never_graphed():
+    torch.manual_seed(0)
+    lm, inputs, _ = _models.gpt2(layers=2)
+    trifuse.fuse(lm, cuda_graphs=True)
+    for _ in range(3):
+        lm(**inputs(2, 8)).loss.backward()
+    (graphs,) = _block_graphs(lm)
+    assert graphs.built == 0 and graphs.skipped == {"an argument is not on a CUDA device": 6}
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the stand-in for make_graphed_callables: CPU runs")
+def test_a_moved_parameter_gets_a_new_graph(monkeypatch):
+    """The graph reads the parameters at their captured addresses: new storage, new signature."""
+    torch.manual_seed(0)
+    lm, inputs, _ = _models.gpt2(layers=1)
+    trifuse.fuse(lm, cuda_graphs=True)
+    stand_in = _StandIn()
+    _on_cpu(lm, monkeypatch, stand_in)
+    kw = inputs(2, 8)
+    for _ in range(3):
+        lm(**kw).loss.backward()
+    block = lm.transformer.h[0]
+    block.mlp.c_fc.weight.data = block.mlp.c_fc.weight.data.clone()
+    for _ in range(2):
+        lm(**kw).loss.backward()
+    (graphs,) = _block_graphs(lm)
+    assert graphs.built == 2 and graphs.replays == 3  # the call that builds a graph replays it too
+
+
+def test_unfused_models_and_fx_blocks_have_no_graphs():
+    torch.manual_seed(0)
+    lm, _, _ = _models.gpt2(layers=1)
+    trifuse.fuse(lm)
+    assert _block_graphs(lm) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("model", ["gpt2", "bert"])
+def test_gpu_graphed_training_equals_ungraphed(model):
+    """The real graphs, under bf16 autocast, dropout off: the losses and gradients of four steps
+    equal the ungraphed fused model's (the same kernels replayed)."""
+    torch.manual_seed(0)
+    lm, inputs, _ = getattr(_models, model)(layers=2)
+    ref = copy.deepcopy(lm)
+    trifuse.fuse(ref)
+    trifuse.fuse(lm, cuda_graphs=True)
+    batches = [inputs(2, 16) for _ in range(4)]
+
+    def run(m):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return _steps(m, inputs, batches)
+    got, want = run(lm), run(ref)
+    for a, b in zip(got[0], want[0]):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+    for a, b in zip(got[1], want[1]):
+        assert a.keys() == b.keys()
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=2e-2, atol=2e-3, msg=k)
+    (graphs,) = _block_graphs(lm)
+    assert graphs.built == 2 and graphs.replays == 4 and not graphs.failures, graphs.summary()
