@@ -67,6 +67,8 @@ def main() -> None:
     ap.add_argument("--model", choices=sorted(MODELS), default="gpt2")
     ap.add_argument("--small", action="store_true", help="a tiny model (the default without a GPU)")
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--no-cuda-graphs", action="store_true",
+                    help="run the fused blocks without CUDA graphs (on a GPU they are replayed from graphs)")
     args = ap.parse_args()
     gpu = torch.cuda.is_available()
     small = args.small or not gpu
@@ -89,8 +91,9 @@ def main() -> None:
 
     t0 = time.perf_counter()
     # The loop reads only the loss: skip_logits lets the LM head and the loss fuse into
-    # linear_cross_entropy, so the (tokens x vocab) logits are never materialized.
-    trifuse.fuse(model, skip_logits=True)
+    # linear_cross_entropy, so the (tokens x vocab) logits are never materialized. On a GPU the
+    # fused blocks replay from CUDA graphs (from the second step): the host no longer paces the step.
+    trifuse.fuse(model, skip_logits=True, cuda_graphs=gpu and not args.no_cuda_graphs)
     set_up = time.perf_counter() - t0
     torch.manual_seed(1)
     fused_losses, fused_tps = train(model, batches, autocast, warmup)
