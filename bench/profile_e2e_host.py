@@ -9,6 +9,7 @@ kernels), the host is the limit. For each model and provider this prints:
     synchronize: when it is about the wall time, the GPU waited on the host);
   - every synchronizing call in one step (torch.cuda.set_sync_debug_mode), with where it came from;
   - one step under cProfile (Python's view: the most expensive functions by own and total time);
+  - the step's copies and dtype conversions by input shape (which tensors they convert);
   - one step under torch.profiler, CPU ops and CUDA runtime calls by self CPU time.
 Text only, to stdout.
 """
@@ -21,7 +22,7 @@ import time
 import traceback
 import warnings
 
-import bench_e2e as E  # noqa: I001
+import bench_e2e as E
 import torch
 
 import trifuse
@@ -90,10 +91,31 @@ def report_torch_profiler(model, opt, batch) -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=35, max_name_column_width=70))
 
 
+def report_casts(model, opt, batch, limit: int = 25) -> None:
+    """The step's copies and dtype conversions by input shape and dtypes (aten::_to_copy, copy_,
+    contiguous), with their CUDA time: which tensors the conversion kernels convert."""
+    from collections import defaultdict
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        one_step(model, opt, batch)
+    groups: dict = defaultdict(lambda: [0, 0.0])
+    for e in prof.key_averages(group_by_input_shape=True):
+        if e.key in ("aten::_to_copy", "aten::copy_", "aten::contiguous", "aten::clone"):
+            g = groups[(e.key, str(e.input_shapes)[:90])]
+            g[0] += e.count
+            g[1] += (getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)) / 1e3
+    print("  copies and conversions: op, input shapes, calls, CUDA ms (children included)")
+    for (name, shapes), (n, ms) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:limit]:
+        print(f"    {name:18} {shapes:90} {n:5} {ms:8.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="gpt2-medium,bert-large")
-    ap.add_argument("--providers", default="eager-sdpa,trifuse.fuse")
+    ap.add_argument("--providers", default="eager-sdpa,trifuse.fuse",
+                    help="eager-sdpa, trifuse.fuse, trifuse.fuse(cuda_graphs)")
     ap.add_argument("--no-profiles", action="store_true", help="wall and host ms only")
     args = ap.parse_args()
     for name in args.models.split(","):
@@ -101,8 +123,8 @@ def main() -> None:
         for provider in args.providers.split(","):
             torch.manual_seed(0)
             model = E.build(kind, kwargs, "cuda").train()
-            if provider == "trifuse.fuse":
-                trifuse.fuse(model)
+            if provider.startswith("trifuse.fuse"):
+                trifuse.fuse(model, cuda_graphs=provider == "trifuse.fuse(cuda_graphs)")
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
             batch = E.make_batch(kind, model, batch_size, seq, "cuda")
             E.train_steps(model, opt, batch, 3, True)
@@ -112,6 +134,7 @@ def main() -> None:
             sys.stdout.flush()
             if not args.no_profiles:
                 report_syncs(model, opt, batch)
+                report_casts(model, opt, batch)
                 if provider != "eager-sdpa":
                     report_cprofile(model, opt, batch)
                 report_torch_profiler(model, opt, batch)

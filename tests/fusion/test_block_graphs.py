@@ -104,9 +104,13 @@ def _steps(model, inputs, batches, lr=1e-2, autocast=False):
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the stand-in for make_graphed_callables: CPU runs")
-def test_blocks_are_graphed_from_their_second_call_and_train_bitwise_as_ungraphed(monkeypatch):
+@pytest.mark.parametrize("model", ["gpt2", "bert", "llama"])
+def test_blocks_are_graphed_from_their_second_call_and_train_bitwise_as_ungraphed(monkeypatch, model):
+    """GPT-2 (a block of hidden states alone), BERT (a padding mask reaches the blocks) and Llama
+    (RoPE's cos and sin as a tuple, position ids): every tensor argument into the graph, every
+    other one in the signature."""
     torch.manual_seed(0)
-    lm, inputs, _ = _models.gpt2(layers=2)
+    lm, inputs, _ = getattr(_models, model)(layers=2)
     ref = copy.deepcopy(lm)
     trifuse.fuse(ref)
     trifuse.fuse(lm, cuda_graphs=True)
