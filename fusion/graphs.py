@@ -34,8 +34,11 @@ from torch.utils import _pytree as pytree
 
 _FAILED = object()  # an entry: this signature is not graphed
 # Per block: each graph pair holds its own memory; a block called with ever new arguments (an
-# object per call) stops being looked at.
+# object per call) stops being looked at, and one whose parameters move more than once (FSDP2
+# gathers them into new storage each step) runs ungraphed instead of capturing every step.
 MAX_SIGNATURES = 16
+MAX_MOVES = 1
+MOVING = "its parameters keep moving to new storage (FSDP's resharding?)"
 
 
 class BlockGraphs:
@@ -49,6 +52,7 @@ class BlockGraphs:
         self.replays = 0  # calls that ran from a graph
         self.failures: Counter[str] = Counter()  # why a signature could not be graphed
         self.skipped: Counter[str] = Counter()  # why a call was not graphed (eval, no grad, ...)
+        self.moves: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
 
     def call(self, module: torch.nn.Module, args: tuple, kwargs: dict,
              run: Callable[[torch.nn.Module, tuple, dict], Any],
@@ -61,25 +65,39 @@ class BlockGraphs:
             self.skipped[why] += 1
             return run(module, args, kwargs)
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        key = _signature(module, leaves, spec, self.device_type)
+        key = _signature(leaves, spec, self.device_type)
         if isinstance(key, str):
             self.skipped[key] += 1
             return run(module, args, kwargs)
+        # The graph reads the parameters where they were at capture (in-place optimizer steps are
+        # fine); new storage (model.to(), a state_dict loaded with assign) drops the old graph.
+        params = tuple(module.parameters())
+        key += tuple((p.dtype, p.requires_grad) for p in params)
+        where = tuple(p.data_ptr() for p in params)
         entries = self._entries.setdefault(module, {})
-        entry = entries.get(key)
-        if entry is None and len(entries) >= MAX_SIGNATURES:
+        slot = entries.get(key)
+        if slot is not None and slot[0] != where:
+            self.moves[module] = moves = self.moves.get(module, 0) + 1
+            if moves > MAX_MOVES:
+                if slot[1] is not _FAILED:
+                    self.failures[MOVING] += 1
+                slot[:] = [where, _FAILED]
+            else:
+                slot = entries[key] = [where, None]
+        if slot is None and len(entries) >= MAX_SIGNATURES:
             self.skipped[f"more than {MAX_SIGNATURES} call signatures for one block"] += 1
             return run(module, args, kwargs)
-        if entry is None:  # first call with this signature: it captures and tunes, ungraphed
+        if slot is None or slot[1] is None:  # first call with this signature: it captures and tunes, ungraphed
             out = run(module, args, kwargs)
             if ran_fused(module):
-                entries[key] = _SEEN
+                entries[key] = [where, _SEEN]
             else:
-                entries[key] = _FAILED
+                entries[key] = [where, _FAILED]
                 self.failures["its first call did not run fused"] += 1
             return out
+        entry = slot[1]
         if entry is _SEEN:
-            entry = entries[key] = self._build(module, leaves, spec, run)
+            entry = slot[1] = self._build(module, leaves, spec, run)
         if entry is _FAILED:
             return run(module, args, kwargs)
         graphed, params, (out_spec, out_leaves) = entry
@@ -165,8 +183,8 @@ def _trainable(module: torch.nn.Module) -> tuple[torch.Tensor, ...]:
     return tuple(p for p in module.parameters() if p.requires_grad)
 
 
-def _signature(module: torch.nn.Module, leaves: list, spec, device_type: str) -> tuple | str:
-    """The call's graph key, or why it cannot have a graph."""
+def _signature(leaves: list, spec, device_type: str) -> tuple | str:
+    """The call's graph key (the parameters' addresses apart), or why it cannot have a graph."""
     parts: list = [spec, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)]
     cuda = False
     for x in leaves:
@@ -183,8 +201,6 @@ def _signature(module: torch.nn.Module, leaves: list, spec, device_type: str) ->
             parts.append((type(x), x))
     if not cuda:
         return "no CUDA tensor argument"
-    # The graph reads the parameters where they were at capture (in-place optimizer steps are fine).
-    parts += [(p.data_ptr(), p.dtype, p.requires_grad) for p in module.parameters()]
     try:
         hash(spec)
     except TypeError:  # a torch whose TreeSpec does not hash: its text says the same

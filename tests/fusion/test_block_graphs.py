@@ -207,6 +207,27 @@ def test_a_moved_parameter_gets_a_new_graph(monkeypatch):
     assert graphs.built == 2 and graphs.replays == 3  # the call that builds a graph replays it too
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="the stand-in for make_graphed_callables: CPU runs")
+def test_parameters_that_move_every_step_stop_being_graphed(monkeypatch):
+    """FSDP2 gathers a block's parameters into new storage for each forward: rebuilding graphs
+    every step would cost a capture a step and a pool each; after a second move the block runs
+    ungraphed and the report says why."""
+    torch.manual_seed(0)
+    lm, inputs, _ = _models.gpt2(layers=1)
+    trifuse.fuse(lm, cuda_graphs=True)
+    stand_in = _StandIn()
+    _on_cpu(lm, monkeypatch, stand_in)
+    kw = inputs(2, 8)
+    for _ in range(6):
+        lm(**kw).loss.backward()
+        for p in lm.transformer.h[0].parameters():
+            p.data = p.data.clone()
+    (graphs,) = _block_graphs(lm)
+    # step 1: seen; moved: step 2 seen again; moved again: ungraphed from then on, never captured
+    assert graphs.built == 0 and graphs.replays == 0
+    assert graphs.failures == {"its parameters keep moving to new storage (FSDP's resharding?)": 1}
+
+
 def test_unfused_models_and_fx_blocks_have_no_graphs():
     torch.manual_seed(0)
     lm, _, _ = _models.gpt2(layers=1)
