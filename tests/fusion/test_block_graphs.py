@@ -188,15 +188,19 @@ def test_cpu_tensors_are_never_graphed():
     assert graphs.built == 0 and graphs.skipped == {"an argument is not on a CUDA device": 6}
 
 
-@pytest.mark.skipif(DEVICE != "cpu", reason="the stand-in for make_graphed_callables: CPU runs")
-def test_a_moved_parameter_gets_a_new_graph(monkeypatch):
-    """The graph reads the parameters at their captured addresses: new storage, new signature."""
+def _one_graphed_block(monkeypatch):
+    """A one-block GPT-2 fused with graphs on the stand-in, and a batch for it."""
     torch.manual_seed(0)
     lm, inputs, _ = _models.gpt2(layers=1)
     trifuse.fuse(lm, cuda_graphs=True)
-    stand_in = _StandIn()
-    _on_cpu(lm, monkeypatch, stand_in)
-    kw = inputs(2, 8)
+    _on_cpu(lm, monkeypatch, _StandIn())
+    return lm, inputs(2, 8)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the stand-in for make_graphed_callables: CPU runs")
+def test_a_moved_parameter_gets_a_new_graph(monkeypatch):
+    """The graph reads the parameters at their captured addresses: new storage, new signature."""
+    lm, kw = _one_graphed_block(monkeypatch)
     for _ in range(3):
         lm(**kw).loss.backward()
     block = lm.transformer.h[0]
@@ -212,12 +216,7 @@ def test_parameters_that_move_every_step_stop_being_graphed(monkeypatch):
     """FSDP2 gathers a block's parameters into new storage for each forward: rebuilding graphs
     every step would cost a capture a step and a pool each; after a second move the block runs
     ungraphed and the report says why."""
-    torch.manual_seed(0)
-    lm, inputs, _ = _models.gpt2(layers=1)
-    trifuse.fuse(lm, cuda_graphs=True)
-    stand_in = _StandIn()
-    _on_cpu(lm, monkeypatch, stand_in)
-    kw = inputs(2, 8)
+    lm, kw = _one_graphed_block(monkeypatch)
     for _ in range(6):
         lm(**kw).loss.backward()
         for p in lm.transformer.h[0].parameters():
