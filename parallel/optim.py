@@ -1,7 +1,8 @@
 """Optimizers over a sharded model: every torch.optim optimizer steps as it does unsharded.
 
 A sharded model holds DTensor parameters (the plan's) beside plain tensors (the replicated ones
-outside it: embeddings, the final norm, the head), and on a 2-D mesh DTensors on two meshes.
+outside it: embeddings, the final norm, the head); on a 2-D mesh, DTensors on two meshes (there
+too `implicit_replication` is what PyTorch offers for for-each calls; not run yet on a 2-D mesh).
 On CUDA, torch.optim's default for-each path hands all of them to one `torch._foreach_*` call,
 which DTensor refuses ("got mixed torch.Tensor and DTensor"): AdamW's first step failed on the
 H200 (2026-11-27; on CPU the default is the per-tensor loop, so CPU runs never saw it).
