@@ -133,6 +133,24 @@ def test_blocks_are_graphed_from_their_second_call_and_train_bitwise_as_ungraphe
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the stand-in for make_graphed_callables: CPU runs")
+def test_graphs_with_skip_logits_as_the_main_job_runs_them(monkeypatch):
+    """examples/train.py on a GPU: skip_logits (the head and the loss fused, not graphed) and the
+    blocks graphed; the losses and gradients equal skip_logits alone."""
+    torch.manual_seed(0)
+    lm, inputs, _ = _models.gpt2(layers=2)
+    ref = copy.deepcopy(lm)
+    trifuse.fuse(ref, skip_logits=True)
+    trifuse.fuse(lm, skip_logits=True, cuda_graphs=True)
+    _on_cpu(lm, monkeypatch, _StandIn())
+    batches = [inputs(2, 8) for _ in range(3)]
+    got, want = _steps(lm, inputs, batches), _steps(ref, inputs, batches)
+    assert all(torch.equal(a, b) for a, b in zip(got[0], want[0]))
+    assert all(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(got[1], want[1]))
+    (graphs,) = _block_graphs(lm)
+    assert graphs.built == 2 and graphs.replays == 4
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the stand-in for make_graphed_callables: CPU runs")
 def test_gradient_accumulation_over_graphed_blocks(monkeypatch):
     """Two backward passes into the same .grad: a graph hands the parameters' gradients out as its
     own buffers, which the next replay overwrites; .grad must not be one of them."""
