@@ -5,7 +5,8 @@
   then a dict lookup per call.
 - `dialects` (dialects.py): per op, the fastest correct implementation among trifuse's kernel,
   PyTorch's own and third-party libraries, per shape bucket, dtype, device and determinism,
-  checked against the op's reference, timed forward + backward by wall time per call.
+  checked against the op's reference, timed forward + backward by wall time per call (by GPU
+  time replayed from a CUDA graph for the ops of blocks that `fuse(cuda_graphs=True)` graphs).
 - `cache` (cache.py): the JSON cache both write (TRIFUSE_CACHE_DIR), atomic across processes,
   and the per-GPU-family defaults shipped in autotune/defaults/.
 - `records()` / `format_table()`: every choice this process made and why, for trifuse.report and

@@ -27,13 +27,18 @@ runs. Otherwise the choice for (key, deterministic mode) is made once:
    forward, and backward when the call needs gradients, and its outputs and gradients are checked
    against the reference run in float64 (`gate`); those that pass are timed, forward and backward
    together, by wall time per call run back to back (`tuner.wall_timer`: host overhead counts);
-   the fastest wins and goes to the disk cache. A candidate that raises is rejected with the
+   inside `graphed_calls()` (a block that `fuse(cuda_graphs=True)` runs from a CUDA graph, whose
+   host paths are gone) by GPU time replayed from a CUDA graph instead (`tuner.graph_timer`),
+   those choices kept apart (the bucket ends in ",graphed"). The fastest wins and goes to the
+   disk cache. A candidate that raises is rejected with the
    exception as its reason; when none passes, the first eligible one is kept for this process
    (not written). Random generators are restored afterwards: tuning never shifts a seeded run.
 
 Afterwards the same key is one dict lookup. Every choice is recorded (`records`, `explain`) with
 the times and the reasons the others were rejected, for trifuse.report and the autotune command.
 """
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import importlib
@@ -44,7 +49,7 @@ import torch
 
 from .cache import disk_cache, environment, shipped_default
 from .decisions import Decision, Timer, bucket_string, log, lookup, record, records
-from .tuner import capturing, error_text, on_device, progress, timer_for, wall_timer
+from .tuner import capturing, error_text, graph_timer, on_device, progress, timer_for, wall_timer
 
 # The check's bound, in the form of the tests' oracle rule (tests/tolerances.py) but with twice
 # the factor: it guards the choice against a broken implementation (a library bug, a backend that
@@ -103,10 +108,30 @@ class Candidate:
         return None
 
 
+# True while a block whose calls will replay from a CUDA graph runs its fused forward (its first
+# call and its capture, fusion/graphs.py): the ops it calls choose by GPU time, not wall time.
+_GRAPHED: contextvars.ContextVar[bool] = contextvars.ContextVar("trifuse_graphed_calls", default=False)
+
+
+@contextlib.contextmanager
+def graphed_calls():
+    """The dialect calls made inside run from a CUDA graph: choose (and remember, apart from the
+    eager choices) by GPU time in a CUDA graph. For host-bound ops the two differ: on the lent
+    H200, PyTorch's LayerNorm won GPT-2's fp32 norm by wall time, 0.22 against 0.46 ms a
+    fwd+bwd, almost all of it our host path."""
+    token = _GRAPHED.set(True)
+    try:
+        yield
+    finally:
+        _GRAPHED.reset(token)
+
+
 class Dialect:
     """The candidates of one op and the choice among them per key (see the module docstring).
 
-    `timer` (an attribute, None = `wall_timer` on CUDA) may be replaced, e.g. by a fake in tests.
+    `timer` (an attribute, None = `wall_timer` on CUDA) may be replaced, e.g. by a fake in tests;
+    `graph_timer` likewise for calls inside `graphed_calls()` (None = `tuner.graph_timer` on CUDA,
+    or `timer` when only that is replaced).
     `check(fn, args) -> str | None` replaces the float64 reference comparison for ops whose
     reference does not fit in memory at real shapes. `captures` pairs the torch.nn module types
     whose calls this op replaces with `to_args(module, inputs) -> args`: the autotune command
@@ -130,9 +155,12 @@ class Dialect:
         self.output_like = output_like
         self.candidates: tuple[Candidate, ...] = ()
         self.timer: Timer | None = None
+        self.graph_timer: Timer | None = None
         self._device_pos = self.key_names.index("device")
         self._memo: dict[tuple, Callable] = {}
         self._memo_deterministic: dict[tuple, Callable] = {}
+        self._memo_graphed: dict[tuple, Callable] = {}
+        self._memo_graphed_deterministic: dict[tuple, Callable] = {}
 
     def register(self, candidate: Candidate) -> Candidate:
         """Adds a candidate after the existing ones (the first registered is the op's own)."""
@@ -152,8 +180,9 @@ class Dialect:
 
     def clear(self) -> None:
         """Forgets this process's choices (the disk cache stays)."""
-        self._memo.clear()
-        self._memo_deterministic.clear()
+        for memo in (self._memo, self._memo_deterministic,
+                     self._memo_graphed, self._memo_graphed_deterministic):
+            memo.clear()
 
     def __call__(self, *args):
         return self.implementation(*args)(*args)
@@ -165,16 +194,23 @@ class Dialect:
         if key is None:
             return self.candidates[0].fn
         deterministic = torch.are_deterministic_algorithms_enabled()
-        fn = (self._memo_deterministic if deterministic else self._memo).get(key)
+        graphed = _GRAPHED.get()
+        fn = self._memo_for(deterministic, graphed).get(key)
         if fn is None:
-            fn = self._decide(key, args, deterministic)
+            fn = self._decide(key, args, deterministic, graphed)
         return fn
+
+    def _memo_for(self, deterministic: bool, graphed: bool) -> dict[tuple, Callable]:
+        if graphed:
+            return self._memo_graphed_deterministic if deterministic else self._memo_graphed
+        return self._memo_deterministic if deterministic else self._memo
 
     # -----------------------------------------------------------------------------------------
 
-    def _where(self, key: tuple, deterministic: bool) -> tuple[int, str, str]:
+    def _where(self, key: tuple, deterministic: bool, graphed: bool = False) -> tuple[int, str, str]:
         device_index = key[self._device_pos]
-        bucket = bucket_string(self.key_names, key) + (",deterministic" if deterministic else "")
+        bucket = (bucket_string(self.key_names, key) + (",deterministic" if deterministic else "")
+                  + (",graphed" if graphed else ""))
         return device_index, environment(device_index).device, bucket
 
     def _eligible(self, args: tuple, deterministic: bool) -> tuple[list[Candidate], dict[str, str]]:
@@ -187,12 +223,12 @@ class Dialect:
                 rejected[c.name] = reason
         return eligible, rejected
 
-    def _decide(self, key: tuple, args: tuple, deterministic: bool) -> Callable:
-        device_index, device, bucket = self._where(key, deterministic)
+    def _decide(self, key: tuple, args: tuple, deterministic: bool, graphed: bool = False) -> Callable:
+        device_index, device, bucket = self._where(key, deterministic, graphed)
         eligible, rejected = self._eligible(args, deterministic)
 
         def keep(c: Candidate, source: str, times: dict | None = None) -> Callable:
-            (self._memo_deterministic if deterministic else self._memo)[key] = c.fn
+            self._memo_for(deterministic, graphed)[key] = c.fn
             record(Decision("dialect", self.name, device, bucket, c.name, source, times or {}, rejected))
             return c.fn
 
@@ -203,7 +239,10 @@ class Dialect:
             return self.candidates[0].fn
         if capturing():
             return eligible[0].fn
-        timer, why_not = timer_for(device_index, self.timer, wall_timer)
+        if graphed:
+            timer, why_not = timer_for(device_index, self.graph_timer or self.timer, graph_timer)
+        else:
+            timer, why_not = timer_for(device_index, self.timer, wall_timer)
         if timer is None:
             shipped = shipped_default(device_index, "dialect:" + self.name, bucket)
             if shipped is not None:
@@ -259,7 +298,7 @@ class Dialect:
             return Decision("dialect", self.name, "-", "traced", self.candidates[0].name,
                             "traced or empty call: the op's registered implementation")
         deterministic = torch.are_deterministic_algorithms_enabled()
-        _, device, bucket = self._where(key, deterministic)
+        _, device, bucket = self._where(key, deterministic, _GRAPHED.get())
         done = lookup("dialect", self.name, device, bucket)
         if done is not None:
             return done

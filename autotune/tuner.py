@@ -70,6 +70,44 @@ def wall_timer(label: str, step: Callable[[], object]) -> float:
     return statistics.median(samples)
 
 
+def graph_timer(label: str, step: Callable[[], object]) -> float:
+    """Median GPU milliseconds of a CUDA step replayed from a CUDA graph: for implementations of
+    an op that will run inside one (`fuse(cuda_graphs=True)`), where their host paths are gone and
+    only their kernels count. The step is warmed up on a side stream and captured once (as
+    make_graphed_callables does); its replays are timed back to back with CUDA events, so no
+    host time enters. L2 is not flushed: every candidate replays with its inputs equally warm.
+    A step that cannot be captured (it synchronizes, or allocates on the host) raises, as it
+    would when its block's graph is built."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    n = max(1, min(1000, int(REP_MS / max(start.elapsed_time(end), 1e-3))))
+    samples = []
+    for _ in range(5):
+        start.record()
+        for _ in range(n):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / n)
+    del graph  # its memory pool goes back to the caching allocator
+    return statistics.median(samples)
+
+
 def timer_for(device_index: int, explicit: Timer | None,
               default: Timer = gpu_timer) -> tuple[Timer | None, str]:
     """(the timer to use, why none) for a device: None with the reason when nothing may be timed."""

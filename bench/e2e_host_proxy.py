@@ -1,6 +1,6 @@
 """CPU proxy for the host time of a fused model's training step, kernel launches stubbed.
 
-    TRITON_INTERPRET=1 python bench/e2e_host_proxy.py
+    TRITON_INTERPRET=1 python bench/e2e_host_proxy.py [--model gpt2|bert]
 
 GPT-2 with GPT-2 medium's 24 blocks at a tiny width (64) and 2 x 16 tokens, so that the step is
 host work: eager PyTorch (its ops run, on tensors too small to cost anything) against
@@ -10,6 +10,7 @@ What a GPU box adds on top: the launches themselves, and its slower host. On the
 step is host-bound when this host time, scaled to that box, exceeds the step's GPU time
 (bench_e2e.py reports the device busy % there). The best of 5 runs of 5 steps is reported.
 """
+import argparse
 import os
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
@@ -29,9 +30,24 @@ def gpt2(seed: int = 0) -> torch.nn.Module:
     return transformers.GPT2LMHeadModel(cfg).train()
 
 
+def bert(seed: int = 0) -> torch.nn.Module:
+    """BERT-large's 24 post-norm layers at width 64, masked-LM head and loss, padding mask on."""
+    torch.manual_seed(seed)
+    cfg = transformers.BertConfig(num_hidden_layers=24, hidden_size=64, num_attention_heads=4,
+                                  intermediate_size=256, max_position_embeddings=64, vocab_size=128,
+                                  attn_implementation="sdpa")
+    return transformers.BertForMaskedLM(cfg).train()
+
+
+MODELS = {"gpt2": gpt2, "bert": bert}
+
+
 def training_step(model: torch.nn.Module, ids: torch.Tensor):
+    extra = {"attention_mask": torch.ones_like(ids)} if isinstance(model, transformers.BertForMaskedLM) \
+        else {"use_cache": False}
+
     def step():
-        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        model(input_ids=ids, labels=ids, **extra).loss.backward()
         for p in model.parameters():
             p.grad = None
     return step
@@ -42,18 +58,22 @@ def best_ms_per_step(model: torch.nn.Module, ids: torch.Tensor) -> float:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=sorted(MODELS), default="gpt2")
+    name = ap.parse_args().model
+    build = MODELS[name]
     norm_host_proxy.stub_launches(first_configs=False)
     torch.set_num_threads(1)
     ids = torch.randint(0, 128, (2, 16))
-    eager = best_ms_per_step(gpt2(), ids)
-    model = trifuse.fuse(gpt2())
+    eager = best_ms_per_step(build(), ids)
+    model = trifuse.fuse(build())
     fused = best_ms_per_step(model, ids)
     before = norm_host_proxy.launches[0]
     training_step(model, ids)()
     per_step = norm_host_proxy.launches[0] - before
     fused_ops = ", ".join(f"{k} {v}" for k, v in trifuse.report(model).by_pattern().items())
     print(f"fused: {fused_ops}")
-    print("GPT-2, 24 blocks, width 64, 2 x 16 tokens, forward + backward, host ms per step:")
+    print(f"{name}, 24 blocks, width 64, 2 x 16 tokens, forward + backward, host ms per step:")
     print(f"  eager PyTorch                     {eager:7.2f}")
     print(f"  trifuse.fuse (launches stubbed)   {fused:7.2f}   ({per_step} trifuse launches a step)")
 

@@ -14,10 +14,12 @@ graph into `.grad` as usual). One graph pair per block instance and per call sig
 strides, dtypes, non-tensor arguments, autocast; parameters that move to new storage drop the
 graph, and a block whose parameters keep moving runs ungraphed), built on the second training
 call with that signature (the first one captures and tunes: no timing may run inside a
-capture). The parameters' gradients are copied out of the backward graph's buffers. Only training calls with grad on CUDA tensors are graphed; eval calls, calls without
-grad, gradient-checkpointed blocks and anything unsupported run the fused forward as before, and a
-graph that cannot be built is reported (`BlockGraphs.failures`) and never tried again for that
-signature.
+capture). The parameters' gradients are copied out of the backward graph's buffers. The ops of
+a block to be graphed choose their implementations by GPU time in a CUDA graph, not wall time
+(`autotune.dialects.graphed_calls`): their host paths no longer count. Only training calls with
+grad on CUDA tensors are graphed; eval calls, calls without grad, gradient-checkpointed blocks
+and anything unsupported run the fused forward as before, and a graph that cannot be built is
+reported (`BlockGraphs.failures`) and never tried again for that signature.
 
 What a user should know: a block's outputs live in its graph's buffers and are overwritten when
 that block runs again (the next step), as with `torch.cuda.make_graphed_callables`; the loss and
@@ -33,6 +35,8 @@ from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
+
+from ..autotune.dialects import graphed_calls
 
 _FAILED = object()  # an entry: this signature is not graphed
 # Per block: each graph pair holds its own memory; a block called with ever new arguments (an
@@ -90,7 +94,8 @@ class BlockGraphs:
             self.skipped[f"more than {MAX_SIGNATURES} call signatures for one block"] += 1
             return run(module, args, kwargs)
         if slot is None or slot[1] is None:  # first call with this signature: it captures and tunes, ungraphed
-            out = run(module, args, kwargs)
+            with graphed_calls():  # its ops will replay from a graph: they choose by GPU time
+                out = run(module, args, kwargs)
             if ran_fused(module):
                 entries[key] = [where, _SEEN]
             else:
@@ -131,8 +136,9 @@ class BlockGraphs:
         cache = torch.is_autocast_cache_enabled()
         torch.set_autocast_cache_enabled(False)  # make_graphed_callables refuses autocast's weight cache
         try:
-            graphed = torch.cuda.make_graphed_callables(
-                block, (*static, *params), num_warmup_iters=self.warmup_iters, allow_unused_input=True)
+            with graphed_calls():
+                graphed = torch.cuda.make_graphed_callables(
+                    block, (*static, *params), num_warmup_iters=self.warmup_iters, allow_unused_input=True)
         except Exception as e:  # noqa: BLE001  (never break a model: the block runs ungraphed)
             self.failures[f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"] += 1
             return _FAILED

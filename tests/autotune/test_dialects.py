@@ -155,6 +155,46 @@ def test_deterministic_and_default_modes_are_decided_apart(cache_dir, timer):
         torch.use_deterministic_algorithms(False)
 
 
+def test_graphed_calls_choose_by_their_own_timer_and_apart_from_eager_ones(cache_dir, timer, new_process):
+    """Inside `graphed_calls()` (a block replayed from a CUDA graph) the host path is gone: the
+    choice is timed by the graph timer, remembered apart (memory and disk) from the eager choice
+    of the same call, and each mode replays its own."""
+    wall = timer({"own": 1.0, "fast": 5.0, "nondet": 5.0})  # own's host path is the cheap one
+    gpu = timer({"own": 3.0, "fast": 1.0, "nondet": 2.0})  # fast's kernels are
+    d = make(wall)
+    d.graph_timer = gpu
+    x = x_()
+    d(x, 2.0)
+    assert d.explain(x, 2.0).chosen == "own" and gpu.calls == []
+    with dialects.graphed_calls():
+        torch.testing.assert_close(d(x, 2.0), x * 2.0)
+        rec = d.explain(x, 2.0)
+    assert rec.chosen == "fast" and rec.bucket.endswith(",graphed") and rec.times_ms["fast"] == 1.0
+    assert gpu.calls == ["own", "fast", "nondet"] and wall.calls == ["own", "fast", "nondet"]
+    assert d.explain(x, 2.0).chosen == "own", "the eager choice stays"
+    with dialects.graphed_calls():
+        d(x, 2.0)
+    d(x, 2.0)
+    assert len(gpu.calls) == 3 and len(wall.calls) == 3, "both replay from memory"
+    new_process()
+    d2 = make(timer({}))
+    with dialects.graphed_calls():
+        d2(x, 2.0)
+        assert d2.explain(x, 2.0).chosen == "fast" and d2.explain(x, 2.0).source == "disk cache"
+    d2(x, 2.0)
+    assert d2.explain(x, 2.0).chosen == "own" and d2.explain(x, 2.0).source == "disk cache"
+
+
+def test_graphed_calls_use_the_replaced_timer_when_only_that_is_replaced(cache_dir, timer):
+    fake = timer(TIMES)
+    d = make(fake)
+    with dialects.graphed_calls():
+        d(x_(), 2.0)
+    assert fake.calls == ["own", "fast", "nondet"] and d.explain(x_(), 2.0).chosen == "own"
+    with dialects.graphed_calls():
+        assert d.explain(x_(), 2.0).chosen == "fast"
+
+
 def test_autotune_off_takes_the_first_eligible_and_times_nothing(cache_dir, timer, monkeypatch):
     monkeypatch.setenv("TRIFUSE_AUTOTUNE", "0")
     fake = timer(TIMES)

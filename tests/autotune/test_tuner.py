@@ -8,6 +8,7 @@ import pytest
 import torch
 import triton
 
+import trifuse
 from trifuse.autotune import DeviceLimits, Tuner, cache, configs, records
 from trifuse.autotune.tuner import config_label, config_to_json
 
@@ -280,3 +281,41 @@ def test_wall_timer_counts_host_time():
 
     wall = wall_timer("slow", slow_host)
     assert wall >= 0.2
+
+
+@pytest.mark.gpu
+def test_graph_timer_leaves_host_time_out():
+    """Why dialects inside graphed blocks use the graph timer: a replay runs the step's kernels
+    without its Python. The step below busy-waits 2 ms on the host before a tiny kernel; its
+    replays cost the kernel alone, far under the wait the wall timer counts."""
+    import time
+
+    from trifuse.autotune.tuner import graph_timer
+
+    x = torch.randn(1024, device="cuda")
+
+    def slow_host():
+        end = time.perf_counter() + 2e-3
+        while time.perf_counter() < end:
+            pass
+        return x * 2
+
+    assert 0 < graph_timer("slow", slow_host) < 1.0
+
+
+@pytest.mark.gpu
+def test_graph_timer_times_a_training_step_of_a_fused_op():
+    """fwd+bwd of a trifuse op (its Philox seed drawn inside the capture) replays from a graph."""
+    from trifuse.autotune.tuner import graph_timer
+    from trifuse.kernels.layer_norm import _layer_norm_trifuse
+
+    x = torch.randn(512, 1024, device="cuda", requires_grad=True)
+    w = torch.ones(1024, device="cuda", requires_grad=True)
+    r = torch.randn(512, 1024, device="cuda")
+    dy = torch.randn(512, 1024, device="cuda")
+
+    def step():
+        y = trifuse.ops.dropout_add(_layer_norm_trifuse(x, (1024,), w, None, 1e-5), r, 0.1)
+        return torch.autograd.grad(y, (x, w), dy)
+
+    assert graph_timer("ln+dropout", step) > 0

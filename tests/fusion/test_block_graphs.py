@@ -13,6 +13,7 @@ import torch
 import _models
 import trifuse
 from _device import DEVICE
+from trifuse.autotune.dialects import graphed_calls
 from trifuse.fusion.capture import DynamoUnit, installed_unit
 from trifuse.fusion.graphs import BlockGraphs
 
@@ -44,7 +45,7 @@ class _StandIn:
                     for buf, x in zip(sample_args, inputs):
                         if buf.data_ptr() != x.data_ptr():
                             buf.copy_(x)
-                with torch.enable_grad():
+                with torch.enable_grad(), graphed_calls():  # replays what was captured
                     outs = fn(*sample_args)
                 assert isinstance(outs, tuple) and all(isinstance(o, torch.Tensor) for o in outs)
                 ctx.leaves, ctx.outs = sample_args, outs
@@ -130,6 +131,46 @@ def test_blocks_are_graphed_from_their_second_call_and_train_bitwise_as_ungraphe
     assert not graphs.failures
     text = trifuse.report(lm).table()
     assert "CUDA graphs: 2 graph pair(s) built, 4 call(s) replayed" in text
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the stand-in for make_graphed_callables: CPU runs")
+def test_ops_of_blocks_to_be_graphed_choose_as_graphed_calls(monkeypatch):
+    """A block's ops replay from its graph once it is built, so their implementations are chosen
+    for that (dialects.graphed_calls: by GPU time in a graph): on the block's first call, which
+    decides, and during the build. Calls that will not be graphed (eval, the ungraphed model)
+    choose as eager calls."""
+    from trifuse.autotune import dialects
+
+    seen: list[tuple[str, bool]] = []
+    implementation = dialects.Dialect.implementation
+
+    def recording(self, *args):
+        seen.append((self.name, dialects._GRAPHED.get()))
+        return implementation(self, *args)
+
+    monkeypatch.setattr(dialects.Dialect, "implementation", recording)
+    torch.manual_seed(0)
+    lm, inputs, _ = _models.gpt2(layers=2)
+    ref = copy.deepcopy(lm)
+    trifuse.fuse(ref)
+    trifuse.fuse(lm, cuda_graphs=True)
+    _on_cpu(lm, monkeypatch, _StandIn())
+    kw = inputs(2, 8)
+    lm(**kw).loss.backward()  # first call of each block: decides
+    first = list(seen)
+    assert ("attention", True) in first and ("attention", False) not in first
+    seen.clear()
+    lm(**kw).loss.backward()  # the build (its warm-up and capture)
+    assert ("attention", True) in seen and ("attention", False) not in seen
+    seen.clear()
+    lm(**kw).loss.backward()  # replays (the stand-in runs what a graph would replay)
+    assert ("attention", True) in seen and ("attention", False) not in seen
+    seen.clear()
+    lm.eval()
+    with torch.no_grad():
+        lm(**kw)
+    ref(**kw).loss.backward()
+    assert ("attention", False) in seen and ("attention", True) not in seen
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the stand-in for make_graphed_callables: CPU runs")
