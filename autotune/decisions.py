@@ -4,8 +4,11 @@ Kernel tuners and operator dialects both record here; `trifuse.report`, the auto
 line and tests read `records()`. Only the latest decision per bucket is kept (a process makes a
 handful: one per distinct shape bucket), so this is a cache, not a log.
 """
+import contextlib
+import contextvars
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 log = logging.getLogger("trifuse")
@@ -24,6 +27,8 @@ class Decision:
     "default (...)" with the reason no timing happened, or "fallback (...)".
     times_ms holds what was timed (empty unless measured or replayed from the disk cache);
     rejected maps each candidate not taken to why, when it could not take the call at all.
+    seconds: the wall time the decision took (compiles, checks and timing; a dialect's includes
+    the tuning of its candidates' kernels): what a first step spends choosing.
     """
 
     kind: str
@@ -34,9 +39,12 @@ class Decision:
     source: str
     times_ms: Mapping[str, float] = dataclasses.field(default_factory=dict)
     rejected: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    seconds: float = 0.0
+    nested: bool = False  # made while another decision was being made (a dialect's trial)
 
     def __str__(self) -> str:
-        text = f"{self.name} [{self.bucket}] on {self.device}: {self.chosen} ({self.source})"
+        text = f"{self.name} [{self.bucket}] on {self.device}: {self.chosen} ({self.source}"
+        text += f", {self.seconds:.2f} s)" if self.seconds >= 0.01 else ")"
         if self.times_ms:
             fastest_first = sorted(self.times_ms.items(), key=lambda kv: kv[1])
             text += "; " + ", ".join(f"{k} {v:.4g} ms" for k, v in fastest_first)
@@ -46,6 +54,29 @@ class Decision:
 
 
 _RECORDS: dict[tuple[str, str, str, str], Decision] = {}
+_DEPTH: contextvars.ContextVar[int] = contextvars.ContextVar("trifuse_deciding", default=0)
+
+
+class Clock:
+    """The wall time of one decision so far, and whether another decision encloses it."""
+
+    def __init__(self, nested: bool) -> None:
+        self.start = time.perf_counter()
+        self.nested = nested
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.start
+
+
+@contextlib.contextmanager
+def deciding():
+    """Around one decision (a tuner's or a dialect's): yields its Clock."""
+    depth = _DEPTH.get()
+    token = _DEPTH.set(depth + 1)
+    try:
+        yield Clock(depth > 0)
+    finally:
+        _DEPTH.reset(token)
 
 
 def record(decision: Decision) -> None:
@@ -67,6 +98,16 @@ def lookup(kind: str, name: str, device: str, bucket: str) -> Decision | None:
 
 def clear_records() -> None:
     _RECORDS.clear()
+
+
+def set_up_seconds(decisions: Iterable[Decision], top: int = 8) -> tuple[float, list[str]]:
+    """(seconds spent deciding, the costliest decisions as text): where a first step's set-up
+    went. A dialect's time includes the tuning of its candidates' kernels, so the total counts
+    the decisions made outside any other."""
+    decisions = [d for d in decisions if d.seconds > 0]
+    total = sum(d.seconds for d in decisions if not d.nested)
+    ranked = sorted(decisions, key=lambda d: -d.seconds)[:top]
+    return total, [f"{d.seconds:.2f} s {d.kind} {d.name} [{d.bucket}] ({d.source})" for d in ranked]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from .cache import disk_cache, environment, shipped_default
-from .decisions import Decision, Timer, bucket_string, log, lookup, record, records
+from .decisions import Clock, Decision, Timer, bucket_string, deciding, log, lookup, record, records
 from .tuner import capturing, error_text, graph_timer, on_device, progress, timer_for, wall_timer
 
 # The check's bound, in the form of the tests' oracle rule (tests/tolerances.py) but with twice
@@ -224,12 +224,17 @@ class Dialect:
         return eligible, rejected
 
     def _decide(self, key: tuple, args: tuple, deterministic: bool, graphed: bool = False) -> Callable:
+        with deciding() as clock:
+            return self._choose(key, args, deterministic, graphed, clock)
+
+    def _choose(self, key: tuple, args: tuple, deterministic: bool, graphed: bool, clock: Clock) -> Callable:
         device_index, device, bucket = self._where(key, deterministic, graphed)
         eligible, rejected = self._eligible(args, deterministic)
 
         def keep(c: Candidate, source: str, times: dict | None = None) -> Callable:
             self._memo_for(deterministic, graphed)[key] = c.fn
-            record(Decision("dialect", self.name, device, bucket, c.name, source, times or {}, rejected))
+            record(Decision("dialect", self.name, device, bucket, c.name, source, times or {}, rejected,
+                            clock.seconds(), clock.nested))
             return c.fn
 
         if not eligible:

@@ -34,7 +34,7 @@ import triton
 
 from .cache import disk_cache, environment, shipped_default
 from .env import INTERPRET, tuning_requested
-from .decisions import Decision, Timer, bucket_string, log, lookup, record
+from .decisions import Clock, Decision, Timer, bucket_string, deciding, log, lookup, record
 
 # Short timing windows: tuning runs inside the first training step, once per shape bucket.
 WARMUP_MS = 5
@@ -269,6 +269,10 @@ class Tuner:
         return key in self._memo
 
     def _decide(self, key: tuple, launch: Callable[..., object], args: tuple) -> triton.Config:
+        with deciding() as clock:
+            return self._choose(key, launch, args, clock)
+
+    def _choose(self, key: tuple, launch: Callable[..., object], args: tuple, clock: Clock) -> triton.Config:
         if len(key) != len(self.key_names):
             raise ValueError(f"trifuse.autotune.Tuner({self.name!r}): key {key!r} does not match "
                              f"{self.key_names}")
@@ -283,7 +287,7 @@ class Tuner:
         def keep(cfg: triton.Config, source: str, times: dict | None = None) -> triton.Config:
             self._memo[key] = cfg
             record(Decision("kernel", self.name, environment(device_index).device, bucket, config_label(cfg),
-                            source, times or {}, rejected))
+                            source, times or {}, rejected, clock.seconds(), clock.nested))
             return cfg
 
         if capturing():

@@ -6,7 +6,9 @@ patched Llama when it loads), bf16 autocast, AdamW.
     pytest bench/bench_e2e.py                             # CPU: a tiny config, one step each
 
 Reports tokens/s, step time, peak memory and set-up time (the fuse or compile call plus the
-first three steps' excess over a steady step), all measured in this process; for each provider a
+first three steps' excess over a steady step), all measured in this process, and of it, for the
+fused runs, the time spent tuning ("tuning s": kernel configs and op dialects chosen in those
+steps, the costliest listed in the JSON); for each provider a
 profile of one more step: its top CUDA kernels (e2e-top-kernels.*) and how busy the GPU was over
 the step's wall time (what host overhead leaves); for the fused runs, what each op's dialect
 chose and why (the rows' "dialect choices", in the log and the JSON); and a bar plot of tokens/s
@@ -20,6 +22,7 @@ import pytest
 import torch
 
 import trifuse
+from trifuse.autotune import decisions
 
 transformers = H.try_import("transformers")
 
@@ -91,6 +94,7 @@ def run_one(name: str, provider: str, spec, steps: int, device: str, checkpointi
     model.train()
     if checkpointing:  # transformers' gradient checkpointing, before fuse/compile as users do it
         model.gradient_checkpointing_enable()
+    decided_before = set(map(id, decisions.records()))
     t_setup = time.perf_counter()
     if provider == "trifuse.fuse":
         trifuse.fuse(model)
@@ -130,6 +134,9 @@ def run_one(name: str, provider: str, spec, steps: int, device: str, checkpointi
         if graphs:
             row["cuda graphs"] = graphs
         row["dialect choices"] = _dialect_choices()
+        # What the first steps spent tuning (compiles, checks, timing), of the set-up above.
+        new = [d for d in decisions.records() if id(d) not in decided_before]
+        row["tuning s"], row["costliest decisions"] = decisions.set_up_seconds(new)
     top, busy, device_ms = profile_step(model, opt, data, gpu)
     row["device busy %"] = busy
     row["device ms"] = device_ms
@@ -172,8 +179,6 @@ def profile_step(model, opt, data, gpu: bool, top: int = 12) -> tuple[list[dict]
 def _dialect_choices() -> list[str]:
     """What each op's dialect chose for the shapes this model ran, and why the others lost or were
     rejected (times and reasons): which implementation ran is part of the result."""
-    from trifuse.autotune import decisions
-
     return [str(d) for d in decisions.records(kind="dialect")]
 
 
@@ -202,7 +207,7 @@ def providers(compile_: bool, kind: str = "gpt2") -> list[str]:
 
 COLUMNS = ("model", "provider", "batch x seq", "step ms", "tokens/s", "x vs eager-sdpa", "x vs torch.compile",
            "x vs liger", "peak GiB",
-           "device busy %", "device ms", "set-up s", "fused")
+           "device busy %", "device ms", "set-up s", "tuning s", "fused")
 TOP_COLUMNS = ("model", "provider", "name", "calls", "ms", "% of device time")
 
 
@@ -287,6 +292,7 @@ def test_e2e_smoke(name, provider):
         assert row["cuda graphs"], "the blocks' graphs say what they did"
     if provider.startswith("trifuse.fuse"):  # the attention dialect decided, at the least
         assert any(c.startswith("attention [") for c in row["dialect choices"])
+        assert row["tuning s"] >= 0 and isinstance(row["costliest decisions"], list)
     assert row["top kernels"] and all(k["ms"] > 0 for k in row["top kernels"])
 
 

@@ -3,6 +3,7 @@ others are rejected with reasons (not installed, unsupported, raises, wrong resu
 deterministic); choices replay from memory and disk; TRIFUSE_AUTOTUNE=0, traced calls and
 calls nobody supports fall back to the op's own implementation; tuning leaves RNG state alone."""
 import pytest
+import triton
 import torch
 
 from trifuse.autotune import cache, dialects
@@ -358,3 +359,32 @@ def test_a_check_with_output_like_never_runs_the_reference(cache_dir, timer):
 
 def test_a_missing_parent_package_is_not_installed():
     assert dialects.import_problem("trifuse_no_such_pkg.ops").startswith("trifuse_no_such_pkg.ops is not installed")
+
+
+def test_decisions_say_how_long_they_took_and_which_ran_inside_another(cache_dir):
+    """Set-up accounting: a dialect's decision includes the tuning of its candidates' kernels
+    (nested, not counted twice in the total); each decision's seconds are its wall time."""
+    import time
+
+    from trifuse.autotune import Tuner, decisions
+
+    space = [triton.Config({"BLOCK": b}) for b in (64, 128)]
+    tuner = Tuner("toy_kernel", lambda n: space, key_names=("device", "n"))
+    tuner.timer = lambda label, step: (time.sleep(0.02), 1.0)[1]
+
+    def tuned(x, s):
+        tuner.config((-1, x.shape[-1]), lambda cfg: None)
+        return x * s
+
+    d = make(lambda label, step: (step(), time.sleep(0.05), 1.0)[2],
+             (Candidate("own", lambda x, s: x * s), Candidate("tuned", tuned)))
+    d(x_(), 2.0)
+    (kernel,) = decisions.records(name="toy_kernel")
+    (dialect,) = decisions.records(name="scale")
+    assert kernel.nested and not dialect.nested
+    assert kernel.seconds >= 0.04, "two configs timed at 20 ms each"
+    assert dialect.seconds >= kernel.seconds + 0.1, "two candidates timed at 50 ms each, and the tuning"
+    total, costliest = decisions.set_up_seconds([kernel, dialect])
+    assert total == dialect.seconds
+    assert costliest[0].startswith(f"{dialect.seconds:.2f} s dialect scale [")
+    assert f"({dialect.source}, {dialect.seconds:.2f} s)" in str(dialect)
