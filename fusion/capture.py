@@ -350,6 +350,32 @@ def _backend_for(patterns: tuple[Pattern, ...]) -> Callable[..., Any]:
     return trifuse_fuse_backend
 
 
+class _DynamoSettings:
+    """torch._dynamo.config values for the duration of a call: `apply()` sets them and returns
+    the previous ones, `restore(prior)` puts those back, as `config.patch` does, without the
+    class `config.patch` builds on every call (19 µs a block call on this CPU, 0.5 ms of a
+    24-block step; 3 µs this way). The prior values stay with the caller: re-entrant and
+    thread-safe as one object per unit."""
+
+    __slots__ = ("changes",)
+
+    def __init__(self, changes: tuple[tuple[str, Any], ...]) -> None:
+        self.changes = changes
+
+    def apply(self) -> list[tuple[str, Any]]:
+        config = torch._dynamo.config
+        prior = [(name, getattr(config, name)) for name, _ in self.changes]
+        for name, value in self.changes:
+            setattr(config, name, value)
+        return prior
+
+    @staticmethod
+    def restore(prior: list[tuple[str, Any]]) -> None:
+        config = torch._dynamo.config
+        for name, value in prior:
+            setattr(config, name, value)
+
+
 class DynamoUnit(Unit):
     strategy = "dynamo"
 
@@ -372,14 +398,17 @@ class DynamoUnit(Unit):
         self.static_shapes = False  # captures specialize on each shape, once Dynamo failed with dynamic ones
         self._signature: inspect.Signature | None = None  # of the block's forward, once needed
         self.graphs: BlockGraphs | None = None  # CUDA graphs of the blocks: fuse(cuda_graphs=True)
+        self._settings: _DynamoSettings | None = None
 
-    def _dynamo_settings(self) -> Any:
-        """The Dynamo config of this unit's captures (a context manager; also inside another unit's
-        call)."""
-        settings = {"capture_scalar_outputs": self.scalar_outputs}
+    def _dynamo_settings(self) -> _DynamoSettings:
+        """The Dynamo config of this unit's captures: one object per distinct setting, reused by
+        every call."""
+        settings = (("capture_scalar_outputs", self.scalar_outputs),)
         if self.static_shapes:
-            settings.update(automatic_dynamic_shapes=False, assume_static_by_default=True)
-        return torch._dynamo.config.patch(**settings)
+            settings += (("automatic_dynamic_shapes", False), ("assume_static_by_default", True))
+        if self._settings is None or self._settings.changes != settings:
+            self._settings = _DynamoSettings(settings)
+        return self._settings
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         self.calls += 1
@@ -411,8 +440,12 @@ class DynamoUnit(Unit):
             # own bookkeeping: each new length is then a capture of its own), then without scalars.
             while True:
                 try:
-                    with self._dynamo_settings():
+                    settings = self._dynamo_settings()
+                    prior = settings.apply()
+                    try:
                         out = self.compiled(module, *args, **kwargs)
+                    finally:
+                        settings.restore(prior)
                     break
                 except torch._dynamo.exc.TorchDynamoException:
                     if not self.scalar_outputs:
