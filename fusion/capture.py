@@ -45,6 +45,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..patterns._base import Pattern, example_value
 from .graphs import BlockGraphs
+from .narrow import share_input_casts
 from .normalize import canonicalize
 from .rewriter import RewriteLog, rewrite_graph
 
@@ -132,6 +133,11 @@ class Unit:
             canonicalize(work, root)
             self._before_rewrite(work.graph)
             log = rewrite_graph(work.graph, self.patterns)
+            for value, readers in share_input_casts(work.graph):
+                dtype = str(torch.get_autocast_dtype(example_value(value).device.type)).replace("torch.", "")
+                name = f"input {value.name.removeprefix('l_').rstrip('_')}" if value.op == "placeholder" else value.name
+                log.shared_casts.append(f"{name}: read by {readers} autocast matmuls, cast to {dtype} "
+                                        "once (a view each)")
             self._annotate(work.graph, log)
             rewrite_checkpoints(work, self.patterns, log)
             work.recompile()
@@ -227,6 +233,7 @@ def _merge(into: RewriteLog, log: RewriteLog) -> None:
     into.rejected.extend(log.rejected)
     into.left.extend(log.left)
     into.skipped.update(log.skipped)
+    into.shared_casts.extend(log.shared_casts)
 
 
 def unsupported_argument(args: tuple, kwargs: dict, *, containers: bool = True) -> str | None:

@@ -14,6 +14,10 @@ in 16 bits. Where other ops read the output in full as well (a post-norm block's
 also the next residual: BERT's), the norm returns both (`full_y`): its output as before and the
 16-bit one for one matmul, both stored by the kernel, their two gradients added in the backward.
 
+The same for an fp32 value that is not a norm's and that several such matmuls read (a post-norm
+block's input, read by its query, key and value projections): `share_input_casts` casts it once,
+a view per matmul, and sums their gradients in fp32 in one kernel (kernels/cast.py).
+
 The autocast state is the capture's (a capture is made per autocast mode and replayed only under
 the same one); graphs that switch autocast inside are left alone, and so is any output that
 only reaches the graph's result or ops that are not in autocast's lower-precision list.
@@ -25,6 +29,7 @@ import torch
 from torch import fx
 
 from ..kernels import layer_norm as ln
+from ..kernels.cast import cast_for_readers
 from ..patterns._base import example_value
 
 # Ops autocast runs in its lower-precision dtype, casting every fp32 tensor argument to it.
@@ -73,6 +78,48 @@ def narrow_norm_outputs(graph: fx.Graph) -> list[fx.Node]:
         else:
             _split_into_readers(node, y, branches, narrow, value if keep_full else None)
         changed.append(node)
+    return changed
+
+
+def share_input_casts(graph: fx.Graph) -> list[tuple[fx.Node, int]]:
+    """Under autocast, an fp32 value that several autocast-lowered matmuls read (through views) and
+    that is not a norm's (those narrow above) — a post-norm block's input, which its query, key
+    and value projections all read — is cast once, by `kernels.cast.cast_for_readers`, and each
+    matmul reads its own view of that; whatever else reads the value reads it as before. Returns
+    (value, readers) for each value changed. Eager graphs only (fuse's units): under Inductor the
+    casts are its to fuse."""
+    if any(_switches_autocast(n) for n in graph.nodes):
+        return []
+    changed = []
+    for node in list(graph.nodes):
+        if node.op not in ("placeholder", "call_function", "call_method") or \
+                (node.op == "call_function" and node.target in _NORMS):
+            continue
+        value = example_value(node)
+        if not isinstance(value, torch.Tensor) or value.dtype != torch.float32:
+            continue
+        device_type = value.device.type
+        if device_type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device_type):
+            continue
+        dtype = torch.get_autocast_dtype(device_type)
+        branches, _ = _branches_to_matmuls(node)
+        if dtype not in (torch.float16, torch.bfloat16) or len(branches) < 2:
+            continue
+        narrow = value.to(dtype)
+        # after the last placeholder when the value is one: the graph's inputs stay first
+        anchor = node if node.op != "placeholder" else [n for n in graph.nodes if n.op == "placeholder"][-1]
+        with graph.inserting_after(anchor):
+            shared = graph.call_function(cast_for_readers, (node, dtype, len(branches)))
+        shared.meta["example_value"] = shared.meta["val"] = (narrow,) * len(branches)
+        with graph.inserting_after(shared):
+            for i, (first, chain) in enumerate(branches):
+                item = graph.call_function(operator.getitem, (shared, i))
+                item.meta["example_value"] = item.meta["val"] = narrow
+                first.replace_input_with(node, item)
+                for n in chain:
+                    v = example_value(n)
+                    n.meta["example_value"] = n.meta["val"] = v.to(dtype) if isinstance(v, torch.Tensor) else v
+        changed.append((node, len(branches)))
     return changed
 
 

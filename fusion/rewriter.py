@@ -98,6 +98,7 @@ class RewriteLog:
     rejected: list[Rejected] = field(default_factory=list)
     left: list[Left] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)  # pattern -> why it did not run
+    shared_casts: list[str] = field(default_factory=list)  # values cast once for their matmuls (narrow.py)
 
     @property
     def active(self) -> list[Replaced]:

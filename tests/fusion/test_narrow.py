@@ -174,3 +174,46 @@ def test_the_pass_finds_the_views_between_the_norm_and_its_matmuls():
     assert narrow.out_dtype(y) is None and narrow.readers(y) == 1
     narrow._set_argument(y, "out_dtype", torch.float16)
     assert narrow.out_dtype(y) == torch.float16 and y.kwargs == {"out_dtype": torch.float16}
+
+
+def _cast_once(model) -> list[str]:
+    return [text for u in trifuse.report(model).units for c in u.unit.captures for text in c.log.shared_casts]
+
+
+def test_a_post_norm_block_input_is_cast_once_for_its_three_projections(monkeypatch):
+    """BERT's block input (fp32 under autocast, the previous block's output norm) is read by the
+    query, key and value projections: one cast, a view for each, their gradients summed in fp32
+    by one kernel (kernels/cast.py), where each projection cast it and autograd summed three fp32
+    casts of their gradients. Loss and gradients are bitwise the same (the fp32 sums in the same
+    order); the step runs one cast of an activation per block instead of five."""
+    from torch.profiler import ProfilerActivity, profile
+    from trifuse.fusion import capture
+
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _models.bert(dropout=0.1)
+    plain = copy.deepcopy(model)
+    kw = inputs(2, 8)
+    trifuse.fuse(model)
+    _step(model, kw, loss_fn)
+    with monkeypatch.context() as m:
+        m.setattr(capture, "share_input_casts", lambda graph: [])
+        trifuse.fuse(plain)
+        _step(plain, kw, loss_fn)
+    shared = _cast_once(model)
+    assert len(shared) == 1 and not _cast_once(plain), "one capture serves both layers"
+    assert all(f"read by 3 autocast matmuls, cast to {NAME} once" in text for text in shared)
+    assert "input args_1: read by 3 autocast matmuls" in shared[0] and "cast once" in trifuse.report(model).table()
+    loss, grads = _step(model, kw, loss_fn)
+    loss_plain, grads_plain = _step(plain, kw, loss_fn)
+    assert torch.equal(loss, loss_plain)
+    for g, gp in zip(grads, grads_plain):  # the kernel sums in reader order, as autograd did here
+        assert torch.equal(g, gp)
+
+    def activation_casts(m) -> int:
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            _step(m, kw, loss_fn)
+        return sum(1 for e in prof.events() if e.name == "aten::_to_copy" and e.input_shapes
+                   and list(e.input_shapes[0]) == [2, 8, _models.HIDDEN])
+
+    assert activation_casts(plain) - activation_casts(model) == 5 * _models.LAYERS, \
+        "per block: two casts forward, and the three casts of gradients backward (summed by the kernel)"
