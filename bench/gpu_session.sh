@@ -13,11 +13,14 @@
 #   Why this order (2026-11-27, fourth session): a fused step is host-bound (GPT-2 medium 62.6 ms
 #   of kernels in a 77-117 ms step, the host issuing it in 92 ms), and fuse(cuda_graphs=True)
 #   took GPT-2 medium to 69.3 ms (1.83x eager) and BERT-large to 67.3 ms (1.20x; 0.68x without
-#   graphs). Its GPU test failed on the test's own fault (autocast's cache across optimizer
-#   steps), fixed since: `tests` and `graphs` rerun it and the end-to-end rows; `e2e-host` says
-#   which tensors the ~8 dtype conversions a fused GPT-2 block still runs convert (10 ms a step);
-#   `e2e-llama` adds the graphs row to the Llama 3.2 1B shape (its RoPE tuple and GQA through a
-#   graph for the first time on a GPU); `attention` measures the dropout-0.1 rows.
+#   graphs). Since then (fifth session, no GPU): ops inside graphed blocks choose by GPU time
+#   replayed from a CUDA graph (tuner.graph_timer, never run on a GPU yet: `tests` runs its gpu
+#   tests; wall time had chosen F.layer_norm for GPT-2's ln_1 and sdpa-flash over cuDNN for BERT,
+#   whose kernels took longer); a post-norm block's input is cast once for q, k and v (BERT: five
+#   activation casts a layer gone, ~2 ms estimated); each tuning decision records its seconds
+#   (the e2e rows' "tuning s": where the 23.6 s set-up goes). `graphs` measures all three;
+#   `e2e-host` says which tensors the ~8 dtype conversions a fused GPT-2 block still runs convert;
+#   `e2e-llama` adds the graphs row to the Llama 3.2 1B shape; `attention` the dropout-0.1 rows.
 #   Later sessions, one or two calls each: `kernels` (the remaining memory-bound ops), `tma
 #   dialects`, `e2e-ckpt` (gradient checkpointing on), `e2e-llama` (Llama 3.2 1B's shape against
 #   Liger-Kernel), `tune` (the shipped H100 defaults).
