@@ -55,14 +55,11 @@ def narrow_norm_outputs(graph: fx.Graph) -> list[fx.Node]:
             continue
         y = _output(node, _NORMS[node.target])
         value = example_value(y) if y is not None else None
-        if not isinstance(value, torch.Tensor) or value.dtype != torch.float32:
+        dtype = _autocast_dtype_for(value)
+        if dtype is None:
             continue
-        device_type = value.device.type
-        if device_type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device_type):
-            continue
-        dtype = torch.get_autocast_dtype(device_type)
         branches, others = _branches_to_matmuls(y)
-        if dtype not in (torch.float16, torch.bfloat16) or not branches:
+        if not branches:
             continue
         keep_full = others or len(branches) > ln.MAX_READERS
         if keep_full:
@@ -96,14 +93,11 @@ def share_input_casts(graph: fx.Graph) -> list[tuple[fx.Node, int]]:
                 (node.op == "call_function" and node.target in _NORMS):
             continue
         value = example_value(node)
-        if not isinstance(value, torch.Tensor) or value.dtype != torch.float32:
+        dtype = _autocast_dtype_for(value)
+        if dtype is None:
             continue
-        device_type = value.device.type
-        if device_type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device_type):
-            continue
-        dtype = torch.get_autocast_dtype(device_type)
         branches, _ = _branches_to_matmuls(node)
-        if dtype not in (torch.float16, torch.bfloat16) or len(branches) < 2:
+        if len(branches) < 2:
             continue
         narrow = value.to(dtype)
         # after the last placeholder when the value is one: the graph's inputs stay first
@@ -121,6 +115,18 @@ def share_input_casts(graph: fx.Graph) -> list[tuple[fx.Node, int]]:
                     n.meta["example_value"] = n.meta["val"] = v.to(dtype) if isinstance(v, torch.Tensor) else v
         changed.append((node, len(branches)))
     return changed
+
+
+def _autocast_dtype_for(value: object) -> torch.dtype | None:
+    """The 16-bit dtype autocast's matmuls cast `value` to, when it is an fp32 tensor on a device
+    whose autocast (the capture's) is on with float16 or bfloat16; else None."""
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.float32:
+        return None
+    device_type = value.device.type
+    if device_type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device_type):
+        return None
+    dtype = torch.get_autocast_dtype(device_type)
+    return dtype if dtype in (torch.float16, torch.bfloat16) else None
 
 
 def full_y(node: fx.Node) -> bool:

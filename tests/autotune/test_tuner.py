@@ -260,6 +260,20 @@ def test_prune_rows_gives_reasons():
     assert configs.prune_rows(idle, DeviceLimits(), n=1024) is None, "a row block of 1024 fills them"
 
 
+def _slow_host_step(seconds: float):
+    """A CUDA step that busy-waits `seconds` on the host before a tiny kernel."""
+    import time
+
+    x = torch.randn(1024, device="cuda")
+
+    def slow_host():
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+        return x * 2
+    return slow_host
+
+
 @pytest.mark.gpu
 def test_wall_timer_counts_host_time():
     """Why dialects use wall time: a step whose host path is slow (here 0.2 ms of busy host
@@ -267,20 +281,9 @@ def test_wall_timer_counts_host_time():
     wall timer must count it: its result cannot fall below the busy wait. (Whether do_bench's
     GPU time hides part of it is a race with its L2 flush: under 8 pytest workers sharing the
     GPU it did not, 2026-11-27; no assertion on it.)"""
-    import time
-
     from trifuse.autotune.tuner import wall_timer
 
-    x = torch.randn(1024, device="cuda")
-
-    def slow_host():
-        end = time.perf_counter() + 2e-4
-        while time.perf_counter() < end:
-            pass
-        return x * 2
-
-    wall = wall_timer("slow", slow_host)
-    assert wall >= 0.2
+    assert wall_timer("slow", _slow_host_step(2e-4)) >= 0.2
 
 
 @pytest.mark.gpu
@@ -288,19 +291,9 @@ def test_graph_timer_leaves_host_time_out():
     """Why dialects inside graphed blocks use the graph timer: a replay runs the step's kernels
     without its Python. The step below busy-waits 2 ms on the host before a tiny kernel; its
     replays cost the kernel alone, far under the wait the wall timer counts."""
-    import time
-
     from trifuse.autotune.tuner import graph_timer
 
-    x = torch.randn(1024, device="cuda")
-
-    def slow_host():
-        end = time.perf_counter() + 2e-3
-        while time.perf_counter() < end:
-            pass
-        return x * 2
-
-    assert 0 < graph_timer("slow", slow_host) < 1.0
+    assert 0 < graph_timer("slow", _slow_host_step(2e-3)) < 1.0
 
 
 @pytest.mark.gpu

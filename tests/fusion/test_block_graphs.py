@@ -87,6 +87,18 @@ def _on_cpu(model, monkeypatch, stand_in):
         g.device_type = "cpu"
 
 
+def _graphed_gpt2_and_ungraphed(monkeypatch):
+    """(a 2-layer GPT-2 fused with graphs against the stand-in, the same weights fused without,
+    its inputs(batch, seq))."""
+    torch.manual_seed(0)
+    lm, inputs, _ = _models.gpt2(layers=2)
+    ref = copy.deepcopy(lm)
+    trifuse.fuse(ref)
+    trifuse.fuse(lm, cuda_graphs=True)
+    _on_cpu(lm, monkeypatch, _StandIn())
+    return lm, ref, inputs
+
+
 def _steps(model, inputs, batches, lr=1e-2, autocast=False):
     """Losses and gradients of SGD steps. Autocast around each forward only: left on across the
     optimizer's steps, its cache would hand later forwards the first step's 16-bit weights (the
@@ -149,12 +161,7 @@ def test_ops_of_blocks_to_be_graphed_choose_as_graphed_calls(monkeypatch):
         return implementation(self, *args)
 
     monkeypatch.setattr(dialects.Dialect, "implementation", recording)
-    torch.manual_seed(0)
-    lm, inputs, _ = _models.gpt2(layers=2)
-    ref = copy.deepcopy(lm)
-    trifuse.fuse(ref)
-    trifuse.fuse(lm, cuda_graphs=True)
-    _on_cpu(lm, monkeypatch, _StandIn())
+    lm, ref, inputs = _graphed_gpt2_and_ungraphed(monkeypatch)
     kw = inputs(2, 8)
     lm(**kw).loss.backward()  # first call of each block: decides
     first = list(seen)
@@ -195,12 +202,7 @@ def test_graphs_with_skip_logits_as_the_main_job_runs_them(monkeypatch):
 def test_gradient_accumulation_over_graphed_blocks(monkeypatch):
     """Two backward passes into the same .grad: a graph hands the parameters' gradients out as its
     own buffers, which the next replay overwrites; .grad must not be one of them."""
-    torch.manual_seed(0)
-    lm, inputs, _ = _models.gpt2(layers=2)
-    ref = copy.deepcopy(lm)
-    trifuse.fuse(ref)
-    trifuse.fuse(lm, cuda_graphs=True)
-    _on_cpu(lm, monkeypatch, _StandIn())
+    lm, ref, inputs = _graphed_gpt2_and_ungraphed(monkeypatch)
     batches = [inputs(2, 8) for _ in range(4)]
     for model in (lm, ref):
         model(**batches[0]).loss.backward()  # capture
