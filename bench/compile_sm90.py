@@ -45,7 +45,7 @@ HOPPER_SMEM = 232448
 SASS_COUNTED = ("HGMMA", "HMMA", "UTMALDG", "UTMASTG", "LDGSTS", "LDL", "STL", "MUFU")
 
 FAMILIES = ("layer_norm", "residual_stream", "bias_gelu", "dropout_add", "gated_activation", "rotary",
-            "attention", "cross_entropy")
+            "attention", "cross_entropy", "cast")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,6 +112,15 @@ def _catalogue(torch, family: str):
     elif family == "dropout_add":
         x, r, b = leaf(rows, 1024), leaf(rows, 1024), leaf(1024)
         yield "dropout_add 1024 p=0.1 bias", fwd_bwd(lambda x=x, r=r, b=b: ops.dropout_add(x, r, 0.1, bias=b))
+    elif family == "cast":
+        # A post-norm block's fp32 input cast once for its q, k and v projections (BERT), and a
+        # cross-attention's encoder states for k and v (T5): the backward sums 3 and 2 gradients.
+        from trifuse.kernels.cast import cast_for_readers
+
+        x = leaf(rows, 1024, dtype=torch.float32)
+        for readers in (3, 2):
+            yield f"cast_for_readers 1024 -> bf16 x {readers}", fwd_bwd(
+                lambda x=x, k=readers: cast_for_readers(x, bf16, k))
     elif family == "gated_activation":
         g, u = leaf(rows, 8192), leaf(rows, 8192)
         for act in ("silu", "gelu", "gelu_tanh"):
