@@ -78,12 +78,12 @@ def narrow_norm_outputs(graph: fx.Graph) -> list[fx.Node]:
     return changed
 
 
-def share_input_casts(graph: fx.Graph) -> list[tuple[fx.Node, int]]:
+def share_input_casts(graph: fx.Graph) -> list[tuple[fx.Node, int, torch.dtype]]:
     """Under autocast, an fp32 value that several autocast-lowered matmuls read (through views) and
     that is not a norm's (those narrow above) — a post-norm block's input, which its query, key
     and value projections all read — is cast once, by `kernels.cast.cast_for_readers`, and each
     matmul reads its own view of that; whatever else reads the value reads it as before. Returns
-    (value, readers) for each value changed. Eager graphs only (fuse's units): under Inductor the
+    (value, readers, dtype) for each value changed. Eager graphs only (fuse's units): under Inductor the
     casts are its to fuse."""
     if any(_switches_autocast(n) for n in graph.nodes):
         return []
@@ -113,7 +113,7 @@ def share_input_casts(graph: fx.Graph) -> list[tuple[fx.Node, int]]:
                 for n in chain:
                     v = example_value(n)
                     n.meta["example_value"] = n.meta["val"] = v.to(dtype) if isinstance(v, torch.Tensor) else v
-        changed.append((node, len(branches)))
+        changed.append((node, len(branches), dtype))
     return changed
 
 
