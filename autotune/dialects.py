@@ -31,7 +31,8 @@ runs. Otherwise the choice for (key, deterministic mode) is made once:
    host paths are gone) by GPU time replayed from a CUDA graph instead (`tuner.graph_timer`),
    those choices kept apart (the bucket ends in ",graphed"). The fastest wins and goes to the
    disk cache. A candidate that raises is rejected with the exception as its reason; when none
-   passes, the first eligible one is kept for this process (not written). Random generators are restored afterwards: tuning never shifts a seeded run.
+   passes, the first eligible one is kept for this process (not written). Random generators are
+   restored afterwards: tuning never shifts a seeded run.
 
 Afterwards the same key is one dict lookup. Every choice is recorded (`records`, `explain`) with
 the times and the reasons the others were rejected, for trifuse.report and the autotune command.

@@ -134,7 +134,8 @@ class Unit:
             self._before_rewrite(work.graph)
             log = rewrite_graph(work.graph, self.patterns)
             for value, readers, dtype in share_input_casts(work.graph):
-                name = f"input {value.name.removeprefix('l_').rstrip('_')}" if value.op == "placeholder" else value.name
+                name = value.name.removeprefix("l_").rstrip("_")
+                name = f"input {name}" if value.op == "placeholder" else value.name
                 log.shared_casts.append(f"{name}: read by {readers} autocast matmuls, cast to "
                                         f"{str(dtype).removeprefix('torch.')} once (a view each)")
             self._annotate(work.graph, log)

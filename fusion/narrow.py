@@ -66,10 +66,8 @@ def narrow_norm_outputs(graph: fx.Graph) -> list[fx.Node]:
             branches = branches[:1]
         narrow = value.to(dtype)
         _set_argument(node, "out_dtype", dtype)
-        for _, chain in branches:  # the example values say what now runs
-            for n in chain:
-                v = example_value(n)
-                n.meta["example_value"] = n.meta["val"] = v.to(dtype) if isinstance(v, torch.Tensor) else v
+        for _, chain in branches:
+            _narrow_example_values(chain, dtype)
         if len(branches) == 1 and not keep_full:
             y.meta["example_value"] = y.meta["val"] = narrow
         else:
@@ -83,8 +81,8 @@ def share_input_casts(graph: fx.Graph) -> list[tuple[fx.Node, int, torch.dtype]]
     that is not a norm's (those narrow above) — a post-norm block's input, which its query, key
     and value projections all read — is cast once, by `kernels.cast.cast_for_readers`, and each
     matmul reads its own view of that; whatever else reads the value reads it as before. Returns
-    (value, readers, dtype) for each value changed. Eager graphs only (fuse's units): under Inductor the
-    casts are its to fuse."""
+    (value, readers, dtype) for each value changed. Eager graphs only (fuse's units): under
+    Inductor the casts are its to fuse."""
     if any(_switches_autocast(n) for n in graph.nodes):
         return []
     changed = []
@@ -110,11 +108,17 @@ def share_input_casts(graph: fx.Graph) -> list[tuple[fx.Node, int, torch.dtype]]
                 item = graph.call_function(operator.getitem, (shared, i))
                 item.meta["example_value"] = item.meta["val"] = narrow
                 first.replace_input_with(node, item)
-                for n in chain:
-                    v = example_value(n)
-                    n.meta["example_value"] = n.meta["val"] = v.to(dtype) if isinstance(v, torch.Tensor) else v
+                _narrow_example_values(chain, dtype)
         changed.append((node, len(branches), dtype))
     return changed
+
+
+def _narrow_example_values(chain: list[fx.Node], dtype: torch.dtype) -> None:
+    """The views between a narrowed value and its matmul now carry `dtype`: their example values
+    say what runs."""
+    for n in chain:
+        v = example_value(n)
+        n.meta["example_value"] = n.meta["val"] = v.to(dtype) if isinstance(v, torch.Tensor) else v
 
 
 def _autocast_dtype_for(value: object) -> torch.dtype | None:

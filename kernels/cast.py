@@ -4,14 +4,14 @@ Under autocast every matmul casts its fp32 input to the autocast dtype itself. W
 tensor feeds several of them (a post-norm block's input: BERT's query, key and value projections
 all read the residual stream), that is one cast kernel per matmul forward, and backward one cast
 of each matmul's 16-bit input gradient back to fp32 plus fp32 adds summing them: on BERT-large's
-8192 x 1024 activations, ~430 MB of memory traffic a layer for what one cast and one sum do.
+8192 x 1024 activations, ~370 MB a layer more memory traffic than one cast and one sum.
 
 `cast_for_readers(x, dtype, readers)` casts once and returns one view of the result per reader
 (so that their gradients reach the backward apart, not summed by autograd in 16 bits); the
-backward sums the readers' gradients in fp32 (fp64 for a float64 x) in one kernel, in reader order, and writes x's
-gradient in x's dtype. Each reader sees the same bits its own cast gave; the gradient is the same
-fp32 sum, associated in reader order where autograd used its own order (fp32 rounding apart, the
-same). fusion/narrow.py puts it into fused blocks (`share_input_casts`).
+backward sums the readers' gradients in fp32 (fp64 for a float64 x) in one kernel, in reader
+order, and writes x's gradient in x's dtype. Each reader sees the same bits its own cast gave;
+the gradient is the same fp32 sum, associated in reader order where autograd used its own
+(fp32 rounding apart, the same). fusion/narrow.py puts it into fused blocks (`share_input_casts`).
 
 Eager only: fused blocks run their graphs eagerly. Traced calls (torch.compile, fake tensors) get
 one plain cast per reader, the model's own computation.
@@ -23,7 +23,7 @@ import triton.language as tl
 from ._common import check_float, check_tensor, eager_fast_path, use_triton
 from ._launch import CachedKernel
 
-# The most readers the summing kernel takes at once; more are summed in two launches.
+# The most readers the summing kernel takes at once; more are summed by PyTorch, in the same order.
 MAX_SUMMED = 4
 BLOCK = 4096
 
@@ -99,7 +99,8 @@ def cast_for_readers(x: torch.Tensor, dtype: torch.dtype, readers: int) -> tuple
     check_tensor("cast_for_readers", "x", x)
     check_float("cast_for_readers", "x", x)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"trifuse.cast_for_readers: dtype must be a floating-point torch.dtype, got {dtype!r}")
+        raise TypeError("trifuse.cast_for_readers: dtype must be a floating-point torch.dtype, "
+                        f"got {dtype!r}")
     if type(readers) is not int or readers < 1:
         raise ValueError(f"trifuse.cast_for_readers: readers must be an int of at least 1, got {readers!r}")
     if not eager_fast_path(x):  # traced: the model's own casts, one per reader
