@@ -1223,9 +1223,11 @@ def _key_width(shape: torch.Size, normalized_shape) -> int | None:
     return math.prod(normalized_shape)
 
 
-def _layer_norm_key(x, normalized_shape, weight, bias, eps):
+def _layer_norm_key(x, normalized_shape, weight, bias, eps, out_dtype=None, readers=1, full_y=False):
     """The dialect key of an eager call; None (the trifuse op decides, and raises on bad input)
-    when traced, empty, or when the shapes do not fit. About 1.5 µs: it runs on every call."""
+    when traced, empty, or when the shapes do not fit. About 1.5 µs: it runs on every call.
+    A narrowed call (y in out_dtype, see `layer_norm`) gets one more entry, so that its choice
+    is timed with the casts the other candidates need and kept apart from the plain call's."""
     if x is None or not eager_fast_path(x, weight, bias):
         return None
     n = _key_width(x.shape, normalized_shape)
@@ -1234,16 +1236,49 @@ def _layer_norm_key(x, normalized_shape, weight, bias, eps):
         return None
     grad = torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)
                                         or (bias is not None and bias.requires_grad))
-    return (x.get_device() if x.is_cuda else -1, x.dtype, pow2_bucket(rows), n,
-            None if weight is None else weight.dtype, None if bias is None else bias.dtype, grad)
+    key = (x.get_device() if x.is_cuda else -1, x.dtype, pow2_bucket(rows), n,
+           None if weight is None else weight.dtype, None if bias is None else bias.dtype, grad)
+    return key if out_dtype is None and readers == 1 and not full_y else _narrowed_key(key, x, out_dtype, readers,
+                                                                                       full_y)
 
 
-def _layer_norm_trifuse(x, normalized_shape, weight, bias, eps):
-    return _norm("layer_norm", x, normalized_shape, weight, bias, eps, None, is_rms_norm=False)
+def _narrowed_key(key: tuple, x: torch.Tensor, out_dtype, readers: int, full_y: bool) -> tuple | None:
+    """`key` with the narrowing as its last entry ("bfloat16", "bfloat16x3", "bfloat16+y"), or
+    None (trifuse's kernels) for a float64 x: the dialects' float64 oracle runs the reference on
+    float64 inputs and must not narrow there."""
+    if x.dtype == torch.float64:
+        return None
+    text = str(out_dtype).removeprefix("torch.")
+    return (*key, text + ("+y" if full_y else f"x{readers}" if readers != 1 else ""))
 
 
-def _layer_norm_torch(x, normalized_shape, weight, bias, eps):
-    return _torch_norm("layer_norm", x, normalized_shape, weight, bias, eps, False)
+# The candidates take the narrowing arguments of `layer_norm` (out_dtype, readers, full_y) after
+# the plain ones: trifuse's kernels write y in out_dtype, PyTorch's y is cast once per reader.
+
+
+def _layer_norm_trifuse(x, normalized_shape, weight, bias, eps, out_dtype=None, readers=1, full_y=False):
+    return _norm("layer_norm", x, normalized_shape, weight, bias, eps, None, is_rms_norm=False,
+                 out_dtype=out_dtype, readers=readers, full_y=full_y)
+
+
+def _layer_norm_torch(x, normalized_shape, weight, bias, eps, out_dtype=None, readers=1, full_y=False):
+    y = _torch_norm("layer_norm", x, normalized_shape, weight, bias, eps, False)
+    return y if out_dtype is None else _cast_for_readers(y, out_dtype, readers, full_y)
+
+
+def _layer_norm_dialect_ref(x, normalized_shape, weight, bias, eps, out_dtype=None, readers=1, full_y=False):
+    """The layer_norm dialect's reference: `layer_norm_ref`, y cast as the narrowing says (not
+    for float64 x: the oracle's run, which narrowed calls never make for real)."""
+    y = layer_norm_ref(x, normalized_shape, weight, bias, eps)
+    return _narrowed_ref(y, x, out_dtype, readers, full_y)
+
+
+def _narrowed_ref(y: torch.Tensor, x: torch.Tensor, out_dtype, readers: int, full_y: bool):
+    if out_dtype is None:
+        return y
+    if x.dtype == torch.float64:
+        return ((y,) if full_y else ()) + (y,) * readers if readers + full_y > 1 else y
+    return _cast_for_readers(y, out_dtype, readers, full_y)
 
 
 def _torch_norm(op, x, normalized_shape, weight, bias, eps, is_rms_norm):
@@ -1267,7 +1302,7 @@ def _torch_norm(op, x, normalized_shape, weight, bias, eps, is_rms_norm):
         raise
 
 
-def _layer_norm_torch_supports(x, normalized_shape, weight, bias, eps) -> str | None:
+def _layer_norm_torch_supports(x, normalized_shape, weight, bias, eps, *narrowing) -> str | None:
     allowed = (x.dtype, torch.float32) if x.dtype in (torch.float16, torch.bfloat16) else (x.dtype,)
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and t.dtype not in allowed:
@@ -1276,8 +1311,8 @@ def _layer_norm_torch_supports(x, normalized_shape, weight, bias, eps) -> str | 
 
 
 LAYER_NORM = dialects.define(
-    "layer_norm", _layer_norm_key, ("device", "dtype", "rows", "n", "weight", "bias", "grad"),
-    reference=layer_norm_ref,
+    "layer_norm", _layer_norm_key, ("device", "dtype", "rows", "n", "weight", "bias", "grad", "out"),
+    reference=_layer_norm_dialect_ref,
     captures=((torch.nn.LayerNorm, lambda m, x: (x, tuple(m.normalized_shape), m.weight, m.bias, m.eps)),))
 LAYER_NORM.register(dialects.Candidate("trifuse", _layer_norm_trifuse))
 LAYER_NORM.register(dialects.Candidate("torch", _layer_norm_torch, supports=_layer_norm_torch_supports))
@@ -1286,7 +1321,7 @@ LAYER_NORM.register(dialects.Candidate("torch", _layer_norm_torch, supports=_lay
 # RMSNorm the same way: trifuse's kernels or PyTorch's F.rms_norm (torch >= 2.4), per shape.
 
 
-def _rms_norm_key(x, normalized_shape, weight, eps):
+def _rms_norm_key(x, normalized_shape, weight, eps, out_dtype=None, readers=1, full_y=False):
     """The dialect key of an eager call, as `_layer_norm_key` without the bias; also None when the
     weight's shape does not fit (trifuse raises). About 1.5 µs: it runs on every call."""
     if x is None or not eager_fast_path(x, weight):
@@ -1298,19 +1333,28 @@ def _rms_norm_key(x, normalized_shape, weight, eps):
     if rows == 0:
         return None
     grad = torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad))
-    return (x.get_device() if x.is_cuda else -1, x.dtype, pow2_bucket(rows), n,
-            None if weight is None else weight.dtype, grad)
+    key = (x.get_device() if x.is_cuda else -1, x.dtype, pow2_bucket(rows), n,
+           None if weight is None else weight.dtype, grad)
+    return key if out_dtype is None and readers == 1 and not full_y else _narrowed_key(key, x, out_dtype, readers,
+                                                                                       full_y)
 
 
-def _rms_norm_trifuse(x, normalized_shape, weight, eps):
-    return _norm("rms_norm", x, normalized_shape, weight, None, eps, None, is_rms_norm=True)
+def _rms_norm_trifuse(x, normalized_shape, weight, eps, out_dtype=None, readers=1, full_y=False):
+    return _norm("rms_norm", x, normalized_shape, weight, None, eps, None, is_rms_norm=True,
+                 out_dtype=out_dtype, readers=readers, full_y=full_y)
 
 
-def _rms_norm_torch(x, normalized_shape, weight, eps):
-    return _torch_norm("rms_norm", x, normalized_shape, weight, None, eps, True)
+def _rms_norm_torch(x, normalized_shape, weight, eps, out_dtype=None, readers=1, full_y=False):
+    y = _torch_norm("rms_norm", x, normalized_shape, weight, None, eps, True)
+    return y if out_dtype is None else _cast_for_readers(y, out_dtype, readers, full_y)
 
 
-def _rms_norm_torch_supports(x, normalized_shape, weight, eps) -> str | None:
+def _rms_norm_dialect_ref(x, normalized_shape, weight, eps, out_dtype=None, readers=1, full_y=False):
+    """The rms_norm dialect's reference, narrowed as `_layer_norm_dialect_ref`."""
+    return _narrowed_ref(rms_norm_ref(x, normalized_shape, weight, eps), x, out_dtype, readers, full_y)
+
+
+def _rms_norm_torch_supports(x, normalized_shape, weight, eps, *narrowing) -> str | None:
     if not hasattr(F, "rms_norm"):
         return f"F.rms_norm needs torch >= 2.4, this is {torch.__version__}"
     allowed = (x.dtype, torch.float32) if x.dtype in (torch.float16, torch.bfloat16) else (x.dtype,)
@@ -1326,8 +1370,8 @@ def _rms_norm_module_args(m, x):
 
 
 RMS_NORM = dialects.define(
-    "rms_norm", _rms_norm_key, ("device", "dtype", "rows", "n", "weight", "grad"),
-    reference=rms_norm_ref,
+    "rms_norm", _rms_norm_key, ("device", "dtype", "rows", "n", "weight", "grad", "out"),
+    reference=_rms_norm_dialect_ref,
     # torch.nn.RMSNorm exists from torch 2.4, as F.rms_norm.
     captures=((torch.nn.RMSNorm, _rms_norm_module_args),) if hasattr(torch.nn, "RMSNorm") else ())
 RMS_NORM.register(dialects.Candidate("trifuse", _rms_norm_trifuse))
@@ -1457,24 +1501,10 @@ def layer_norm(
         normalized_shape = (normalized_shape,)
     if out_dtype is None and readers == 1 and not full_y:
         return LAYER_NORM(x, normalized_shape, weight, bias, eps)
-    return _with_out_dtype(LAYER_NORM, _layer_norm_trifuse, "layer_norm", out_dtype, readers, full_y,
-                           x, normalized_shape, weight, bias, eps)
-
-
-def _with_out_dtype(dialect, trifuse_candidate, op: str, out_dtype: torch.dtype, readers: int, full_y: bool,
-                    *args):
-    """A norm without a residual, y in out_dtype: trifuse's kernels write it so, another
-    candidate's y is cast, once per reader (the dialect's choice stands: it was timed without
-    the casts). _norm checks the narrowing arguments on trifuse's path, this on the others'."""
-    fn = dialect.implementation(*args)
-    if fn is not trifuse_candidate:
-        _check_narrowing(op, out_dtype, readers, full_y)
-        return _cast_for_readers(fn(*args), out_dtype, readers, full_y)
-    if op == "rms_norm":
-        x, normalized_shape, weight, eps = args
-        return _norm(op, x, normalized_shape, weight, None, eps, None, is_rms_norm=True, out_dtype=out_dtype,
-                     readers=readers, full_y=full_y)
-    return _norm(op, *args, None, is_rms_norm=False, out_dtype=out_dtype, readers=readers, full_y=full_y)
+    # Narrowed: the dialect times each candidate with what it needs to narrow (PyTorch's y is cast,
+    # once per reader; trifuse's kernels write it so), apart from the plain call's choice.
+    _check_narrowing("layer_norm", out_dtype, readers, full_y)
+    return LAYER_NORM(x, normalized_shape, weight, bias, eps, out_dtype, readers, full_y)
 
 
 def rms_norm(
@@ -1504,8 +1534,8 @@ def rms_norm(
         normalized_shape = (normalized_shape,)
     if out_dtype is None and readers == 1 and not full_y:
         return RMS_NORM(x, normalized_shape, weight, eps)
-    return _with_out_dtype(RMS_NORM, _rms_norm_trifuse, "rms_norm", out_dtype, readers, full_y,
-                           x, normalized_shape, weight, eps)
+    _check_narrowing("rms_norm", out_dtype, readers, full_y)  # narrowed: as in layer_norm
+    return RMS_NORM(x, normalized_shape, weight, eps, out_dtype, readers, full_y)
 
 
 def dropout_add_layer_norm(

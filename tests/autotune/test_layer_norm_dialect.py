@@ -83,6 +83,56 @@ def test_compiled_graphs_keep_the_registered_op(ln_dialect, timer, monkeypatch):
     torch.testing.assert_close(out, F.layer_norm(x, (N,), w, b))
 
 
+class CastCountingTimer:
+    """A fake timer that also counts, per candidate, the dtype casts (aten::_to_copy) of x's shape
+    that one timed fwd+bwd step makes."""
+
+    def __init__(self, ms: dict[str, float], shape: tuple[int, ...]):
+        self.ms, self.shape, self.casts = ms, list(shape), {}
+
+    def __call__(self, label, step):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+            step()
+        self.casts[label] = sum(e.name == "aten::_to_copy" and list(e.input_shapes[0]) == self.shape
+                                for e in prof.events())
+        return self.ms[label]
+
+
+@pytest.mark.parametrize("readers, full_y, suffix", [(1, False, ""), (2, False, "x2"), (1, True, "+y")])
+@pytest.mark.parametrize("winner", ["trifuse", "torch"])
+def test_a_narrowed_call_is_timed_with_the_casts_it_needs_and_chosen_apart(ln_dialect, monkeypatch, winner,
+                                                                            readers, full_y, suffix):
+    """y in fp16 for an fp32 x (what fuse asks under autocast): PyTorch's candidate casts y, once
+    per reader, then (backward) each gradient back; the timed step must hold those casts, or the
+    choice compares trifuse's whole work with a part of PyTorch's (the H200 chose F.layer_norm for
+    GPT-2's ln_1 so). The choice is kept apart from the plain call's, and the winner runs."""
+    x, w, b = inputs()
+    fake = CastCountingTimer({"trifuse": 1.0, "torch": 2.0} if winner == "trifuse" else
+                             {"trifuse": 2.0, "torch": 1.0}, tuple(x.shape))
+    monkeypatch.setattr(ln_dialect, "timer", fake)
+    out = trifuse.ops.layer_norm(x, (N,), w, b, out_dtype=torch.float16, readers=readers, full_y=full_y)
+    outs = out if isinstance(out, tuple) else (out,)
+    assert [o.dtype for o in outs] == [torch.float32] * full_y + [torch.float16] * readers
+    assert fake.casts == {"trifuse": 0, "torch": 2 * readers}
+    rec = ln_dialect.explain(x, (N,), w, b, 1e-5, torch.float16, readers, full_y)
+    assert rec.chosen == winner and rec.source == "measured"
+    assert rec.bucket == f"dtype=float32,rows=8,n=48,weight=float32,bias=float32,grad=True,out=float16{suffix}"
+    assert ln_dialect.explain(x, (N,), w, b, 1e-5).source == "not decided yet"
+    want = ln_dialect.candidate(winner).fn(x, (N,), w, b, 1e-5, torch.float16, readers, full_y)
+    for got, expected in zip(outs, want if isinstance(want, tuple) else (want,)):
+        assert torch.equal(got, expected)
+
+
+def test_narrowing_arguments_are_checked_before_the_dialect(ln_dialect, timer, monkeypatch):
+    monkeypatch.setattr(ln_dialect, "timer", timer({"trifuse": 2.0, "torch": 1.0}))
+    x, w, b = inputs()
+    with pytest.raises(TypeError, match="layer_norm: out_dtype must be a floating-point torch.dtype"):
+        trifuse.ops.layer_norm(x, (N,), w, b, out_dtype=torch.int32, readers=2)
+    with pytest.raises(ValueError, match="rms_norm: readers must be an int from 1 to 3"):
+        trifuse.ops.rms_norm(x, (N,), w, out_dtype=torch.float16, readers=4)
+    assert ln._layer_norm_key(x.double(), (N,), None, None, 1e-5, torch.float16) is None  # the oracle's dtype
+
+
 def test_deterministic_mode_still_tunes(ln_dialect, timer, monkeypatch):
     fake = timer({"trifuse": 2.0, "torch": 1.0})
     monkeypatch.setattr(ln_dialect, "timer", fake)
