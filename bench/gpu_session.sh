@@ -21,6 +21,11 @@
 #   (the e2e rows' "tuning s": where the 23.6 s set-up goes). `graphs` measures all three;
 #   `e2e-host` says which tensors the ~8 dtype conversions a fused GPT-2 block still runs convert;
 #   `e2e-llama` adds the graphs row to the Llama 3.2 1B shape; `attention` the dropout-0.1 rows.
+#   Sixth session (no GPU): every autocast matmul of an fp32 weight in a fused block computes dW
+#   and db in fp32 (kernels/linear.py, torch.mm out_dtype; a dialect against autocast's linear):
+#   the ~8 (GPT-2) and 12 (BERT) `direct_copy` conversions a block, 6.5 and 4.2 ms a step, should
+#   be gone from `graphs`' top kernels; `tests` runs its gpu test (mm's out_dtype on torch 2.11).
+#   And a narrowed norm's dialect now times PyTorch's candidate with its casts (ln_1 of GPT-2).
 #   Later sessions, one or two calls each: `kernels` (the remaining memory-bound ops), `tma
 #   dialects`, `e2e-ckpt` (gradient checkpointing on), `e2e-llama` (Llama 3.2 1B's shape against
 #   Liger-Kernel), `tune` (the shipped H100 defaults).

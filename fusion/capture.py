@@ -45,7 +45,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..patterns._base import Pattern, example_value
 from .graphs import BlockGraphs
-from .narrow import share_input_casts
+from .narrow import fp32_weight_grads, share_input_casts
 from .normalize import canonicalize
 from .rewriter import RewriteLog, rewrite_graph
 
@@ -138,6 +138,9 @@ class Unit:
                 name = f"input {name}" if value.op == "placeholder" else value.name
                 log.shared_casts.append(f"{name}: read by {readers} autocast matmuls, cast to "
                                         f"{str(dtype).removeprefix('torch.')} once (a view each)")
+            for node, dtype in fp32_weight_grads(work.graph):
+                text = f"{str(dtype).removeprefix('torch.')} GEMM, its fp32 gradient from the GEMM itself"
+                log.fp32_weight_grads.append(f"{_parameter_name(node.args[1])}: {text} (no conversion kernel)")
             self._annotate(work.graph, log)
             rewrite_checkpoints(work, self.patterns, log)
             work.recompile()
@@ -228,12 +231,26 @@ def _checkpoint(body: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
     return checkpoint(body, *args, **kwargs)
 
 
+def _parameter_name(node: fx.Node) -> str:
+    """A parameter's name in the captured module ("attn.c_proj.weight") from its graph input
+    (Dynamo names it after its source, `L['self']._modules['attn']..._parameters['weight']`) or
+    its get_attr; other nodes by their own name."""
+    if node.op == "get_attr":
+        return str(node.target)
+    name = node.name.removeprefix("l_").rstrip("_")
+    if "_parameters_" not in name or "modules_" not in name:
+        return name
+    name = name.split("modules_", 1)[1]
+    return name.replace("_modules_", ".").replace("_parameters_", ".")
+
+
 def _merge(into: RewriteLog, log: RewriteLog) -> None:
     into.replaced.extend(log.replaced)
     into.rejected.extend(log.rejected)
     into.left.extend(log.left)
     into.skipped.update(log.skipped)
     into.shared_casts.extend(log.shared_casts)
+    into.fp32_weight_grads.extend(log.fp32_weight_grads)
 
 
 def unsupported_argument(args: tuple, kwargs: dict, *, containers: bool = True) -> str | None:

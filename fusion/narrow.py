@@ -18,6 +18,11 @@ The same for an fp32 value that is not a norm's and that several such matmuls re
 block's input, read by its query, key and value projections): `share_input_casts` casts it once,
 a view per matmul, and sums their gradients in fp32 in one kernel (kernels/cast.py).
 
+And the matmuls of fp32 weights themselves (`fp32_weight_grads`): autocast's casts of a weight
+and bias to 16 bits make their gradients 16-bit GEMM and sum results that a kernel then converts
+to fp32, one per weight and bias on every layer; `kernels.linear.autocast_linear` runs the same
+forward and dx, and computes dW and db in fp32 directly.
+
 The autocast state is the capture's (a capture is made per autocast mode and replayed only under
 the same one); graphs that switch autocast inside are left alone, and so is any output that
 only reaches the graph's result or ops that are not in autocast's lower-precision list.
@@ -30,6 +35,7 @@ from torch import fx
 
 from ..kernels import layer_norm as ln
 from ..kernels.cast import cast_for_readers
+from ..kernels.linear import autocast_linear
 from ..patterns._base import example_value
 
 # Ops autocast runs in its lower-precision dtype, casting every fp32 tensor argument to it.
@@ -111,6 +117,63 @@ def share_input_casts(graph: fx.Graph) -> list[tuple[fx.Node, int, torch.dtype]]
                 _narrow_example_values(chain, dtype)
         changed.append((node, len(branches), dtype))
     return changed
+
+
+def fp32_weight_grads(graph: fx.Graph) -> list[tuple[fx.Node, torch.dtype]]:
+    """Under autocast, each `F.linear(x, w[, b])`, `torch.mm(x, w)` and `torch.addmm(b, x, w)`
+    (x 2-D, b a row vector, no scaling) whose weight w is an fp32 tensor that needs a gradient
+    becomes `autocast_linear(x, w, b, dtype)`: the same forward, dW and db in fp32 from the GEMM
+    and the sum. Returns (node, dtype) for each node changed. Eager graphs only (fuse's units):
+    under Inductor the casts are its to fuse."""
+    if any(_switches_autocast(n) for n in graph.nodes):
+        return []
+    changed = []
+    for node in list(graph.nodes):
+        call = _linear_call(node)
+        if call is None:
+            continue
+        x, w, b, in_by_out = call
+        weight = example_value(w)
+        dtype = _autocast_dtype_for(weight)
+        if dtype is None or not weight.requires_grad or weight.dim() != 2:
+            continue
+        if type(weight).__name__ == "DTensor":
+            continue  # trifuse.parallel's sharded weights keep their own matmuls
+        value = example_value(x)
+        if not isinstance(value, torch.Tensor) or \
+                value.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            continue
+        bias = example_value(b) if b is not None else None
+        if b is not None and not (isinstance(bias, torch.Tensor) and bias.is_floating_point()):
+            continue
+        if in_by_out and (value.dim() != 2 or (bias is not None and tuple(bias.shape) != (weight.shape[1],))):
+            continue  # torch.mm / addmm as autocast_linear computes them: 2-D x, a bias per column
+        node.target = autocast_linear
+        node.args, node.kwargs = (x, w, b, dtype, in_by_out), {}
+        changed.append((node, dtype))
+    return changed
+
+
+def _linear_call(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None, bool] | None:
+    """(x, weight, bias or None, weight stored (in, out)) of a linear / mm / addmm node with
+    plain node arguments, else None."""
+    if node.op != "call_function":
+        return None
+    args, kwargs = node.args, node.kwargs
+    if node.target is torch._C._nn.linear:
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        call = (args[0], args[1], bias, False) if len(args) >= 2 and set(kwargs) <= {"bias"} else None
+    elif node.target is torch.mm:
+        call = (args[0], args[1], None, True) if len(args) == 2 and not kwargs else None
+    elif node.target is torch.addmm:  # (captures spell out beta=1, alpha=1)
+        plain = all(kwargs.get(k, 1) == 1 for k in ("beta", "alpha")) and set(kwargs) <= {"beta", "alpha"}
+        call = (args[1], args[2], args[0], True) if len(args) == 3 and plain else None
+    else:
+        return None
+    if call is None or not all(isinstance(a, fx.Node) for a in call[:2]) or \
+            not (call[2] is None or isinstance(call[2], fx.Node)):
+        return None
+    return call
 
 
 def _narrow_example_values(chain: list[fx.Node], dtype: torch.dtype) -> None:

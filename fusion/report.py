@@ -186,6 +186,7 @@ def capture_table(unit: Unit, capture: Capture, paths: str | None = None, count:
     rows += [("rejected", r.family, r.pattern, f"{r.where} [{r.node}]: {r.reason}") for r in capture.log.rejected]
     rows += [("left", "", r.op, f"{r.where} [{r.node}]: {r.reason}") for r in capture.log.left]
     rows += [("cast once", "", "", text) for text in capture.log.shared_casts]
+    rows += [("fp32 weight grad", "", "", text) for text in capture.log.fp32_weight_grads]
     if rows:
         w = [max(len(r[i]) for r in rows) for i in range(3)]
         lines += [f"    {a:<{w[0]}}  {b:<{w[1]}}  {c:<{w[2]}}  {d}" for a, b, c, d in rows]

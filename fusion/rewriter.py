@@ -99,6 +99,7 @@ class RewriteLog:
     left: list[Left] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)  # pattern -> why it did not run
     shared_casts: list[str] = field(default_factory=list)  # values cast once for their matmuls (narrow.py)
+    fp32_weight_grads: list[str] = field(default_factory=list)  # autocast matmuls with fp32 dW, db (narrow.py)
 
     @property
     def active(self) -> list[Replaced]:

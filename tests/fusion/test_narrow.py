@@ -217,3 +217,70 @@ def test_a_post_norm_block_input_is_cast_once_for_its_three_projections(monkeypa
 
     assert activation_casts(plain) - activation_casts(model) == 5 * _models.LAYERS, \
         "per block: two casts forward, and the three casts of gradients backward (summed by the kernel)"
+
+
+def _in_backward(event) -> bool:
+    """A profiler event run by an autograd backward node (its own name or an ancestor's)."""
+    while event is not None:
+        if "Backward" in event.name:
+            return True
+        event = event.cpu_parent
+    return False
+
+
+def _fp32_weight_grads(model) -> list[str]:
+    return [t for u in trifuse.report(model).units for c in u.unit.captures for t in c.log.fp32_weight_grads]
+
+
+@pytest.mark.parametrize("build, weights", [
+    (_models.gpt2, ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"]),
+    (_models.bert, ["attention.self.query.weight", "attention.self.key.weight", "attention.self.value.weight",
+                    "attention.output.dense.weight", "intermediate.dense.weight", "output.dense.weight"]),
+], ids=["gpt2", "bert"])
+def test_autocast_matmuls_of_fp32_weights_get_their_gradients_in_fp32(build, weights, monkeypatch):
+    """Every matmul of a block's fp32 weights under autocast computes the weight's (and an unfused
+    bias's) gradient in fp32 (kernels/linear.py): the step converts no 16-bit weight gradient any
+    more. The loss and every other gradient are bitwise those of the model fused without the pass;
+    the matmuls' weight and bias gradients differ by the 16-bit rounding autocast gave them."""
+    from tolerances import FLOOR
+    from torch.profiler import ProfilerActivity, profile
+    from trifuse.fusion import capture
+
+    torch.manual_seed(0)
+    model, inputs, loss_fn = build(dropout=0.1)
+    plain = copy.deepcopy(model)
+    kw = inputs(2, 8)
+    trifuse.fuse(model)
+    _step(model, kw, loss_fn)
+    with monkeypatch.context() as m:
+        m.setattr(capture, "fp32_weight_grads", lambda graph: [])
+        trifuse.fuse(plain)
+        _step(plain, kw, loss_fn)
+    rows = _fp32_weight_grads(model)
+    assert [r.split(":")[0] for r in rows if not r.startswith(("lm_head", "cls."))] == weights
+    assert all(f"{NAME} GEMM, its fp32 gradient from the GEMM itself" in r for r in rows)
+    assert not _fp32_weight_grads(plain) and "fp32 weight grad" in trifuse.report(model).table()
+    loss, grads = _step(model, kw, loss_fn)
+    loss_plain, grads_plain = _step(plain, kw, loss_fn)
+    assert torch.equal(loss, loss_plain)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    changed = []
+    for name, g, gp in zip(names, grads, grads_plain):
+        if g is None or torch.equal(g, gp):
+            continue
+        changed.append(name)
+        assert (g - gp).abs().max() <= FLOOR[DTYPE] * max(1.0, gp.abs().max().item()), name
+    matmul_weights = {f"{prefix}.{layer}.{w}" for layer in range(_models.LAYERS) for w in weights
+                      for prefix in ("transformer.h", "bert.encoder.layer")}
+    assert matmul_weights & set(changed) == {n for n in matmul_weights if n in names}
+    assert all(n.endswith(("weight", "bias")) and not any(k in n for k in ("ln_", "LayerNorm"))
+               for n in changed)
+
+    def weight_grad_casts(m) -> int:
+        shapes = {tuple(p.shape) for n, p in m.named_parameters() if n in matmul_weights}
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            _step(m, kw, loss_fn)
+        return sum(1 for e in prof.events() if e.name == "aten::_to_copy" and e.input_shapes
+                   and tuple(e.input_shapes[0]) in shapes and _in_backward(e))
+
+    assert weight_grad_casts(model) == 0 < weight_grad_casts(plain)
