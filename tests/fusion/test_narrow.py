@@ -49,8 +49,9 @@ def _assert_same_step(model, plain, kw, loss_fn) -> None:
         assert (g is None and gp is None) or torch.equal(g, gp)
 
 
-def _fused_pair(build, monkeypatch, **kwargs):
-    """(narrowed model, model fused with narrowing off, inputs, loss_fn), from one set of weights."""
+def _fused_pair(build, monkeypatch, without=(rewriter, "narrow_norm_outputs"), **kwargs):
+    """(narrowed model, model fused with narrowing off, inputs, loss_fn), from one set of weights;
+    `without`: (module, name) of the pass the second model is fused without."""
     torch.manual_seed(0)
     model, inputs, loss_fn = build(**kwargs)
     plain = copy.deepcopy(model)
@@ -58,7 +59,7 @@ def _fused_pair(build, monkeypatch, **kwargs):
     trifuse.fuse(model)
     _step(model, kw, loss_fn)  # captures with narrowing
     with monkeypatch.context() as m:
-        m.setattr(rewriter, "narrow_norm_outputs", lambda graph: [])
+        m.setattr(*without, lambda graph: [])
         trifuse.fuse(plain)
         _step(plain, kw, loss_fn)  # captures without
     return model, plain, kw, loss_fn
@@ -189,16 +190,7 @@ def test_a_post_norm_block_input_is_cast_once_for_its_three_projections(monkeypa
     from torch.profiler import ProfilerActivity, profile
     from trifuse.fusion import capture
 
-    torch.manual_seed(0)
-    model, inputs, loss_fn = _models.bert(dropout=0.1)
-    plain = copy.deepcopy(model)
-    kw = inputs(2, 8)
-    trifuse.fuse(model)
-    _step(model, kw, loss_fn)
-    with monkeypatch.context() as m:
-        m.setattr(capture, "share_input_casts", lambda graph: [])
-        trifuse.fuse(plain)
-        _step(plain, kw, loss_fn)
+    model, plain, kw, loss_fn = _fused_pair(_models.bert, monkeypatch, (capture, "share_input_casts"), dropout=0.1)
     shared = _cast_once(model)
     assert len(shared) == 1 and not _cast_once(plain), "one capture serves both layers"
     assert all(f"read by 3 autocast matmuls, cast to {NAME} once" in text for text in shared)
@@ -246,16 +238,7 @@ def test_autocast_matmuls_of_fp32_weights_get_their_gradients_in_fp32(build, wei
     from torch.profiler import ProfilerActivity, profile
     from trifuse.fusion import capture
 
-    torch.manual_seed(0)
-    model, inputs, loss_fn = build(dropout=0.1)
-    plain = copy.deepcopy(model)
-    kw = inputs(2, 8)
-    trifuse.fuse(model)
-    _step(model, kw, loss_fn)
-    with monkeypatch.context() as m:
-        m.setattr(capture, "fp32_weight_grads", lambda graph: [])
-        trifuse.fuse(plain)
-        _step(plain, kw, loss_fn)
+    model, plain, kw, loss_fn = _fused_pair(build, monkeypatch, (capture, "fp32_weight_grads"), dropout=0.1)
     rows = _fp32_weight_grads(model)
     assert [r.split(":")[0] for r in rows if not r.startswith(("lm_head", "cls."))] == weights
     assert all(f"{NAME} GEMM, its fp32 gradient from the GEMM itself" in r for r in rows)
