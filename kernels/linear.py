@@ -21,6 +21,8 @@ that runs slower with an fp32 output, keeps autocast's). fusion/narrow.py puts i
 blocks (`fp32_weight_grads`). Outside autocast, or for a weight that is not fp32, it is the
 plain op.
 """
+import warnings
+
 import torch
 import torch.nn.functional as F
 
@@ -42,9 +44,19 @@ HAS_MM_OUT_DTYPE = _has_mm_out_dtype()
 def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b for 16-bit a and b, accumulated and returned in fp32 (never rounded to 16 bits): on
     CUDA in one cuBLAS call with an fp32 output; elsewhere (CPU has no such kernel) as an fp32
-    GEMM of the same 16-bit values, the same products summed in another order."""
+    GEMM of the same 16-bit values, the same products summed in another order. Should this CUDA
+    build refuse the call (a layout or dtype its kernel does not take), autocast's way from then
+    on: the 16-bit GEMM and a conversion, said once."""
+    global HAS_MM_OUT_DTYPE
     if a.is_cuda and HAS_MM_OUT_DTYPE:
-        return torch.mm(a, b, out_dtype=torch.float32)
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except RuntimeError as e:
+            HAS_MM_OUT_DTYPE = False
+            warnings.warn(f"trifuse.autocast_linear: torch.mm(out_dtype=float32) failed ({e}); weight "
+                          "gradients are converted from 16 bits from now on", RuntimeWarning, stacklevel=2)
+    if a.is_cuda:
+        return torch.mm(a, b).float()
     return torch.mm(a.float(), b.float())
 
 
@@ -96,8 +108,8 @@ def _eligible(x, weight, bias, dtype) -> str | None:
     if not torch.is_autocast_enabled(device_type) or torch.get_autocast_dtype(device_type) != dtype:
         return f"autocast is not on with {dtype} here"
     if x.is_cuda and not HAS_MM_OUT_DTYPE:
-        return (f"torch.mm's out_dtype (fp32 output of a 16-bit GEMM) needs torch >= 2.8, "
-                f"this is {torch.__version__}")
+        return (f"torch.mm's out_dtype (an fp32 output of a 16-bit GEMM) is not available in torch "
+                f"{torch.__version__} here")
     return None
 
 
