@@ -105,6 +105,13 @@ class Unit:
             reason += " (per-layer state: a capture would recompile for every layer; call with use_cache=False to train fused)"
         return reason
 
+    def host_time_hidden(self) -> bool:
+        """True when this unit's training calls replay from CUDA graphs, where the host path of
+        an op costs nothing per step: rewrites that trade host time for GPU time (the autocast
+        matmuls' fp32 weight gradients, an autograd.Function of Python each) apply there alone.
+        An ungraphed fused step is host-bound on the lent GPU, and CPU calls gain nothing."""
+        return False
+
     def _before_rewrite(self, graph: fx.Graph) -> None:
         """Changes the canonical graph before the patterns run, where only this kind of unit may."""
 
@@ -138,7 +145,7 @@ class Unit:
                 name = f"input {name}" if value.op == "placeholder" else value.name
                 log.shared_casts.append(f"{name}: read by {readers} autocast matmuls, cast to "
                                         f"{str(dtype).removeprefix('torch.')} once (a view each)")
-            for node, dtype in fp32_weight_grads(work.graph):
+            for node, dtype in (fp32_weight_grads(work.graph) if self.host_time_hidden() else ()):
                 text = f"{str(dtype).removeprefix('torch.')} GEMM, its fp32 gradient from the GEMM itself"
                 log.fp32_weight_grads.append(f"{_parameter_name(node.args[1])}: {text} (no conversion kernel)")
             self._annotate(work.graph, log)
@@ -423,6 +430,9 @@ class DynamoUnit(Unit):
         self._signature: inspect.Signature | None = None  # of the block's forward, once needed
         self.graphs: BlockGraphs | None = None  # CUDA graphs of the blocks: fuse(cuda_graphs=True)
         self._settings: _DynamoSettings | None = None
+
+    def host_time_hidden(self) -> bool:
+        return self.graphs is not None
 
     def _dynamo_settings(self) -> _DynamoSettings:
         """The Dynamo config of this unit's captures: one object per distinct setting, reused by

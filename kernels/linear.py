@@ -18,8 +18,10 @@ fusion does). `in_by_out` takes the weight as (in, out), Hugging Face's Conv1D a
 It is a dialect (`trifuse.autotune.dialects`): on a GPU the first call per shape times it against
 autocast's own `F.linear` and keeps the faster (a CUDA build without `mm`'s out_dtype, or a GEMM
 that runs slower with an fp32 output, keeps autocast's). fusion/narrow.py puts it into fused
-blocks (`fp32_weight_grads`). Outside autocast, or for a weight that is not fp32, it is the
-plain op.
+blocks (`fp32_weight_grads`), those replayed from CUDA graphs only: its host path (an
+autograd.Function, ~150 µs more per forward and backward than autocast's linear on the CPU proxy)
+would cost a host-bound ungraphed step more than the conversions it saves. Outside autocast, or
+for a weight that is not fp32, it is the plain op.
 """
 import warnings
 
