@@ -29,8 +29,11 @@ runs. Otherwise the choice for (key, deterministic mode) is made once:
    together, by wall time per call run back to back (`tuner.wall_timer`: host overhead counts);
    inside `graphed_calls()` (a block that `fuse(cuda_graphs=True)` runs from a CUDA graph, whose
    host paths are gone) by GPU time replayed from a CUDA graph instead (`tuner.graph_timer`),
-   those choices kept apart (the bucket ends in ",graphed"). The fastest wins and goes to the
-   disk cache. A candidate that raises is rejected with the exception as its reason; when none
+   those choices kept apart (the bucket ends in ",graphed"). Candidates are first checked and
+   timed with their kernels at default configs where those are not tuned yet; a candidate whose
+   kernels wanted tuning is tuned (`tuner.Tuner`) and timed again only when it came within
+   SCREEN_MARGIN of the fastest (tuning a clear loser would cost the first step every config's
+   compile and timing). The fastest wins and goes to the disk cache. A candidate that raises is rejected with the exception as its reason; when none
    passes, the first eligible one is kept for this process (not written). Random generators are
    restored afterwards: tuning never shifts a seeded run.
 
@@ -49,7 +52,7 @@ import torch
 
 from .cache import disk_cache, environment, shipped_default
 from .decisions import Clock, Decision, Timer, bucket_string, deciding, log, lookup, record, records
-from .tuner import capturing, error_text, graph_timer, on_device, progress, timer_for, wall_timer
+from .tuner import capturing, error_text, graph_timer, on_device, progress, timer_for, untuned, wall_timer
 
 # The check's bound, in the form of the tests' oracle rule (tests/tolerances.py) but with twice
 # the factor: it guards the choice against a broken implementation (a library bug, a backend that
@@ -58,6 +61,14 @@ from .tuner import capturing, error_text, graph_timer, on_device, progress, time
 # thousand terms, as in the tests.
 GATE_FACTOR = 4.0
 GATE_FLOOR = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+# Screening before tuning: a candidate whose kernels would be tuned for this call is tuned (every
+# config compiled and timed) only when, at its kernels' default configs, it takes at most this
+# many times the fastest candidate's time. A default config is rarely off its tuned best by 2x;
+# on the lent H200 the losers were further off than that (GPT-2 medium's fp32 LayerNorm 2.1x
+# PyTorch's, attention with dropout 2.5x cuDNN's, both tuned), and tuning them was most of the
+# first step's set-up.
+SCREEN_MARGIN = 2.0
 
 
 @functools.cache
@@ -264,7 +275,7 @@ class Dialect:
             if match:
                 rejected.update({k: v for k, v in hit.get("rejected", {}).items() if k not in rejected})
                 return keep(match[0], "disk cache", dict(hit.get("ms", {})))
-        times, problem = self._measure(eligible, args, timer, device_index, rejected)
+        times, problem, untuned_names = self._measure(eligible, args, timer, device_index, rejected)
         if not times:
             # Kept for this process (a retry per call would cost a trial each time), not on disk.
             log.warning("trifuse: could not choose for %s [%s] (%s); using %s",
@@ -272,28 +283,60 @@ class Dialect:
             return keep(eligible[0], f"fallback ({problem})")
         best = min(times, key=times.get)
         cache.put("dialect:" + self.name, bucket, {"choice": best, "ms": times, "rejected": rejected})
-        return keep(self.candidate(best), "measured", times)
+        source = "measured"
+        if untuned_names:
+            source += (f"; not tuned, over {SCREEN_MARGIN:g}x the fastest at default configs: "
+                       + ", ".join(untuned_names))
+        return keep(self.candidate(best), source, times)
 
     def _measure(self, eligible: list[Candidate], args: tuple, timer: Timer, device_index: int,
-                 rejected: dict[str, str]) -> tuple[dict[str, float], str]:
-        """({candidate: ms} of those that passed the check, what went wrong when none did)."""
+                 rejected: dict[str, str]) -> tuple[dict[str, float], str, list[str]]:
+        """({candidate: ms} of those that passed the check, what went wrong when none did, the
+        candidates left untuned). Each candidate is first checked and timed with its kernels at
+        their default configs where they are not tuned yet (`tuner.untuned`); one whose kernels
+        wanted tuning is then tuned, checked and timed again, unless it took more than
+        SCREEN_MARGIN times the fastest: its default-config time stands, and it loses."""
         times: dict[str, float] = {}
+        left: list[str] = []
         devices = [device_index] if device_index >= 0 else []
         with torch.random.fork_rng(devices=devices), on_device(device_index):
             try:
                 trial = _Trial(self.reference, args, self.check, self.output_like)
             except Exception as e:  # noqa: BLE001  (bad inputs, or no memory for the float64 reference)
-                return {}, f"the reference {error_text(e)}"
-            for c in progress(eligible, f"trifuse: choosing {self.name}"):
-                try:
-                    problem = trial.problem(c.fn)
-                    if problem is not None:
-                        rejected[c.name] = f"wrong result: {problem}"
-                        continue
-                    times[c.name] = float(timer(c.name, trial.step(c.fn)))
-                except Exception as e:  # noqa: BLE001  (candidates from other libraries fail in many ways)
-                    rejected[c.name] = error_text(e)
-        return times, "every candidate failed"
+                return {}, f"the reference {error_text(e)}", left
+            wants_tuning: list[Candidate] = []
+            with untuned() as pending:
+                for c in progress(eligible, f"trifuse: choosing {self.name}"):
+                    before = len(pending)
+                    ms = self._checked_time(c, trial, timer, rejected)
+                    if ms is not None:
+                        times[c.name] = ms
+                        if len(pending) > before:
+                            wants_tuning.append(c)
+            fastest = min(times.values(), default=0.0)
+            for c in wants_tuning:
+                if times[c.name] > SCREEN_MARGIN * fastest:
+                    left.append(c.name)
+                    continue
+                del times[c.name]  # timed again with its kernels tuned (or rejected now)
+                ms = self._checked_time(c, trial, timer, rejected)
+                if ms is not None:
+                    times[c.name] = ms
+        return times, "every candidate failed", left
+
+    @staticmethod
+    def _checked_time(c: Candidate, trial: "_Trial", timer: Timer, rejected: dict[str, str]) -> float | None:
+        """ms per call of `c` on the trial's inputs, or None (and its reason in `rejected`) when
+        its result is wrong or it raises."""
+        try:
+            problem = trial.problem(c.fn)
+            if problem is not None:
+                rejected[c.name] = f"wrong result: {problem}"
+                return None
+            return float(timer(c.name, trial.step(c.fn)))
+        except Exception as e:  # noqa: BLE001  (candidates from other libraries fail in many ways)
+            rejected[c.name] = error_text(e)
+            return None
 
     def explain(self, *args) -> Decision:
         """The decision for this call: the recorded one, or (not decided yet) who is eligible and

@@ -23,6 +23,7 @@ closure. Keys are tuples whose names are `key_names`; one of them is "device" (t
 -1 for CPU), the others make the shape bucket (bucket sizes with `pow2_bucket`).
 """
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import inspect
@@ -135,6 +136,27 @@ def on_device(device_index: int):
     import torch
 
     return torch.cuda.device(device_index) if device_index >= 0 else contextlib.nullcontext()
+
+
+# While a dialect screens its candidates (dialects.Dialect._measure): the list of the tuners that
+# would have timed their configs and took their default instead; None otherwise.
+_UNTUNED: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("trifuse_untuned", default=None)
+
+
+@contextlib.contextmanager
+def untuned():
+    """Inside, a tuner that would time its configs for an undecided key takes its default (the
+    shipped one, else the first that fits) without timing, compiling the others or remembering
+    it, and appends its name to the list this yields. Keys already decided (in this process, on
+    disk, or with one config) run as decided. What a dialect screens candidates with: tuning a
+    candidate that loses by far at its default config would cost a first step every config's
+    compile and timing, for nothing."""
+    pending: list[str] = []
+    token = _UNTUNED.set(pending)
+    try:
+        yield pending
+    finally:
+        _UNTUNED.reset(token)
 
 
 def capturing() -> bool:
@@ -258,18 +280,24 @@ class Tuner:
         self._configs_kwargs = _accepting(configs)
         self._prune_kwargs = _accepting(prune) if prune is not None else None
         self._memo: dict[tuple, triton.Config] = {}
+        self._untuned: dict[tuple, triton.Config] = {}  # defaults taken while screening (untuned())
 
     def config(self, key: tuple, launch: Callable[..., object], *args) -> triton.Config:
         """The chosen config for `key`: a dict hit once decided, else decided now by timing
         `launch(config, *args)` for each candidate config (see the module docstring)."""
         cfg = self._memo.get(key)
         if cfg is None:
+            pending = _UNTUNED.get()
+            if pending is not None and key in self._untuned:  # screening: the default, one lookup
+                pending.append(self.name)
+                return self._untuned[key]
             cfg = self._decide(key, launch, args)
         return cfg
 
     def clear(self) -> None:
         """Forgets this process's choices (the disk cache stays)."""
         self._memo.clear()
+        self._untuned.clear()
 
     def is_decided(self, key: tuple) -> bool:
         """Whether `key` has its config for this process (not so inside CUDA-graph capture)."""
@@ -314,6 +342,13 @@ class Tuner:
         match = None if hit is None else _find(fitting, hit.get("config"))
         if match is not None:
             return keep(match, "disk cache", dict(hit.get("ms", {})))
+        pending = _UNTUNED.get()
+        if pending is not None:  # a dialect screening its candidates: no timing, nothing kept
+            pending.append(self.name)
+            shipped = shipped_default(device_index, self.name, bucket)
+            match = None if shipped is None else _find(fitting, shipped[1].get("config"))
+            self._untuned[key] = match if match is not None else fitting[0]
+            return self._untuned[key]
         times: dict[str, float] = {}
         by_label = {config_label(c): c for c in fitting}
         with on_device(device_index):

@@ -6,8 +6,9 @@ import pytest
 import triton
 import torch
 
-from trifuse.autotune import cache, dialects
+from trifuse.autotune import Tuner, cache, dialects
 from trifuse.autotune.dialects import Candidate, Dialect
+from trifuse.autotune.tuner import config_label
 
 
 def scale_ref(x, s):
@@ -388,3 +389,70 @@ def test_decisions_say_how_long_they_took_and_which_ran_inside_another(cache_dir
     assert total == dialect.seconds
     assert costliest[0].startswith(f"{dialect.seconds:.2f} s dialect scale [")
     assert f"({dialect.source}, {dialect.seconds:.2f} s)" in str(dialect)
+
+
+# A candidate whose "kernel" has three launch configs for a toy tuner: screening at the default
+# config, then tuning only when the candidate is near the fastest.
+KERNEL_SPACE = [triton.Config({"BLOCK": b}, num_warps=4) for b in (64, 128, 256)]
+
+
+def _tuned_candidate(kernel: Tuner, launched: list) -> Candidate:
+    def fn(x, s):
+        kernel.config((-1, x.shape[-1]), lambda cfg, out: out.append(cfg.kwargs["BLOCK"]), launched)
+        return x * s
+    return Candidate("tuned", fn)
+
+
+def _kernel(timer) -> Tuner:
+    kernel = Tuner("toy_kernel", lambda n: KERNEL_SPACE, ("device", "n"))
+    kernel.timer = timer
+    return kernel
+
+
+def test_a_candidate_far_behind_at_its_default_configs_is_not_tuned(cache_dir, timer):
+    """Its kernels run their default config (no config compiled or timed, nothing remembered)
+    and its time at that config stands: it loses, and the decision says it was not tuned."""
+    kernel_timer, launched = timer({}), []
+    kernel = _kernel(kernel_timer)
+    dialect_timer = timer({"own": 1.0, "tuned": 2.5})
+    d = make(dialect_timer, (CANDIDATES[0], _tuned_candidate(kernel, launched)))
+    x = x_()
+    torch.testing.assert_close(d(x, 2.0), x * 2.0)
+    rec = d.explain(x, 2.0)
+    assert rec.chosen == "own" and rec.times_ms == {"own": 1.0, "tuned": 2.5}
+    assert rec.source == "measured; not tuned, over 2x the fastest at default configs: tuned"
+    assert kernel_timer.calls == [] and launched == [] and not kernel.is_decided((-1, 16))
+    assert dialect_timer.calls == ["own", "tuned"]
+
+
+def test_a_candidate_near_the_fastest_is_tuned_then_checked_and_timed_again(cache_dir, timer):
+    """Within SCREEN_MARGIN of the fastest at its default configs, the candidate's kernels are
+    tuned (every config timed) and it is timed again with them: here it then wins."""
+    kernel_timer, launched = timer({config_label(KERNEL_SPACE[2]): 0.1}), []
+    kernel = _kernel(kernel_timer)
+
+    def dialect_timer(label, step):
+        step()
+        calls.append(label)
+        return {"own": 1.0}.get(label, 0.8 if kernel.is_decided((-1, 16)) else 1.5)
+
+    calls: list[str] = []
+    d = make(dialect_timer, (CANDIDATES[0], _tuned_candidate(kernel, launched)))
+    x = x_()
+    d(x, 2.0)
+    rec = d.explain(x, 2.0)
+    assert rec.chosen == "tuned" and rec.source == "measured" and rec.times_ms == {"own": 1.0, "tuned": 0.8}
+    assert calls == ["own", "tuned", "tuned"]
+    assert kernel_timer.calls == [config_label(c) for c in KERNEL_SPACE]
+    assert kernel.config((-1, 16), None) is KERNEL_SPACE[2]
+
+
+def test_kernels_decided_before_are_not_screened(cache_dir, timer):
+    """A candidate whose kernels are already tuned for the call runs as tuned: timed once."""
+    kernel_timer, launched = timer({}), []
+    kernel = _kernel(kernel_timer)
+    kernel.config((-1, 16), lambda cfg, out: None, [])  # tuned earlier (three configs timed)
+    dialect_timer = timer({"own": 1.0, "tuned": 1.5})
+    d = make(dialect_timer, (CANDIDATES[0], _tuned_candidate(kernel, launched)))
+    d(x_(), 2.0)
+    assert dialect_timer.calls == ["own", "tuned"] and len(kernel_timer.calls) == 3
