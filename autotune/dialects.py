@@ -52,7 +52,8 @@ import torch
 
 from .cache import disk_cache, environment, shipped_default
 from .decisions import Clock, Decision, Timer, bucket_string, deciding, log, lookup, record, records
-from .tuner import capturing, error_text, graph_timer, on_device, progress, timer_for, untuned, wall_timer
+from .tuner import (capturing, error_text, graph_timer, on_device, progress, timer_for, tuned, untuned,
+                    wall_timer)
 
 # The check's bound, in the form of the tests' oracle rule (tests/tolerances.py) but with twice
 # the factor: it guards the choice against a broken implementation (a library bug, a backend that
@@ -235,7 +236,7 @@ class Dialect:
         return eligible, rejected
 
     def _decide(self, key: tuple, args: tuple, deterministic: bool, graphed: bool = False) -> Callable:
-        with deciding() as clock:
+        with deciding() as clock, tuned():
             return self._choose(key, args, deterministic, graphed, clock)
 
     def _choose(self, key: tuple, args: tuple, deterministic: bool, graphed: bool, clock: Clock) -> Callable:

@@ -159,6 +159,17 @@ def untuned():
         _UNTUNED.reset(token)
 
 
+@contextlib.contextmanager
+def tuned():
+    """Undoes an enclosing `untuned()` inside: a dialect deciding while another screens its
+    candidates (one op's candidate calling another op) makes its own choice in full."""
+    token = _UNTUNED.set(None)
+    try:
+        yield
+    finally:
+        _UNTUNED.reset(token)
+
+
 def capturing() -> bool:
     """True inside CUDA-graph capture, where nothing may be timed or synchronized."""
     import torch

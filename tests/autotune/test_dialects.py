@@ -456,3 +456,15 @@ def test_kernels_decided_before_are_not_screened(cache_dir, timer):
     d = make(dialect_timer, (CANDIDATES[0], _tuned_candidate(kernel, launched)))
     d(x_(), 2.0)
     assert dialect_timer.calls == ["own", "tuned"] and len(kernel_timer.calls) == 3
+
+
+def test_a_dialect_deciding_inside_another_ones_screening_tunes_in_full(cache_dir, timer):
+    """One op's candidate calling another op: the inner choice is made in full (its candidates'
+    kernels tuned as its own screening says), not at the outer screening's default configs."""
+    kernel_timer, launched = timer({}), []
+    kernel = _kernel(kernel_timer)
+    inner = make(timer({"own": 1.0, "tuned": 1.2}), (CANDIDATES[0], _tuned_candidate(kernel, launched)))
+    outer = make(timer({"own": 1.0, "calls-inner": 1.0}),
+                 (CANDIDATES[0], Candidate("calls-inner", lambda x, s: inner(x, s))))
+    outer(x_(), 2.0)
+    assert kernel.is_decided((-1, 16)) and len(kernel_timer.calls) == 3
