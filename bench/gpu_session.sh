@@ -26,6 +26,12 @@
 #   the ~8 (GPT-2) and 12 (BERT) `direct_copy` conversions a block, 6.5 and 4.2 ms a step, should
 #   be gone from `graphs`' top kernels; `tests` runs its gpu test (mm's out_dtype on torch 2.11).
 #   And a narrowed norm's dialect now times PyTorch's candidate with its casts (ln_1 of GPT-2).
+#   Seventh session (no GPU): the fp32 weight gradients apply in graphed blocks only (ungraphed,
+#   the Python autograd.Function costs +147 µs of host a matmul on the CPU proxy: `e2e-host`'s
+#   ungraphed rows should not have them, `graphs`' should); and dialects screen before tuning:
+#   a candidate more than 2x behind at its default configs is not tuned (the decisions' source
+#   says "not tuned"): the e2e rows' "set-up s" and "tuning s" (23.6 s on a fresh machine)
+#   should fall, GPT-2's fp32 LayerNorm and the dropout attention no longer tuned there.
 #   Later sessions, one or two calls each: `kernels` (the remaining memory-bound ops), `tma
 #   dialects`, `e2e-ckpt` (gradient checkpointing on), `e2e-llama` (Llama 3.2 1B's shape against
 #   Liger-Kernel), `tune` (the shipped H100 defaults).
