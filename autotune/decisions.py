@@ -23,7 +23,8 @@ Timer = Callable[[str, Callable[[], object]], float]
 class Decision:
     """One choice. `kind` is "kernel" (a launch configuration) or "dialect" (an implementation).
 
-    source says how it was reached: "measured", "disk cache", "shipped <family> defaults",
+    source says how it was reached: "measured" (a dialect's followed by the candidates it did
+    not tune: "measured; not tuned, ..."), "disk cache", "shipped <family> defaults",
     "default (...)" with the reason no timing happened, or "fallback (...)".
     times_ms holds what was timed (empty unless measured or replayed from the disk cache);
     rejected maps each candidate not taken to why, when it could not take the call at all.
@@ -81,7 +82,7 @@ def deciding():
 
 def record(decision: Decision) -> None:
     _RECORDS[(decision.kind, decision.name, decision.device, decision.bucket)] = decision
-    news = decision.source == "measured" or decision.source.startswith("fallback")
+    news = decision.source.startswith(("measured", "fallback"))
     level = logging.INFO if news else logging.DEBUG
     log.log(level, "trifuse %s: %s", decision.kind, decision)
 

@@ -660,7 +660,7 @@ def test_gpu_dialect_measures_and_replays(attn_dialect):
     args = _gpu_args(GPU_CASES[0], torch.bfloat16)
     trifuse.ops.attention(*args)
     rec = attn_dialect.explain(*args)
-    assert rec.source in ("measured", "disk cache") and rec.chosen in rec.times_ms
+    assert rec.source.startswith(("measured", "disk cache")) and rec.chosen in rec.times_ms
     assert "trifuse" in rec.times_ms
 
 

@@ -291,7 +291,7 @@ def test_gpu_dialect_measures_and_replays(gelu_dialect, dtype, approximate):
     b = torch.nn.Parameter(torch.randn(4096, device="cuda", dtype=dtype))
     trifuse.ops.bias_gelu(x, b, approximate).sum().backward()
     rec = gelu_dialect.explain(x, b, approximate)
-    assert rec.source in ("measured", "disk cache") and rec.chosen in rec.times_ms
+    assert rec.source.startswith(("measured", "disk cache")) and rec.chosen in rec.times_ms
     assert set(rec.times_ms) == {"trifuse", "torch"}, rec.rejected
 
 

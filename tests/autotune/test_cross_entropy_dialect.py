@@ -339,7 +339,7 @@ def test_gpu_dialect_measures_and_replays(ce_dialect, dtype):
     t = torch.randint(0, 32000, (4096,), device="cuda")
     trifuse.ops.cross_entropy(x, t).backward()
     rec = ce_dialect.explain(*args(x, t, out_dtype=dtype))
-    assert rec.source in ("measured", "disk cache") and rec.chosen in rec.times_ms
+    assert rec.source.startswith(("measured", "disk cache")) and rec.chosen in rec.times_ms
     assert set(rec.times_ms) == {"trifuse", "torch"}, rec.rejected
 
 

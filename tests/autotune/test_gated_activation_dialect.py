@@ -240,5 +240,5 @@ def test_gpu_dialect_measures_and_replays(gated_dialect, dtype, activation):
     up = torch.randn(4096, 11008, device="cuda", dtype=dtype, requires_grad=True)
     trifuse.ops.gated_activation(gate, up, activation).sum().backward()
     rec = gated_dialect.explain(gate, up, activation)
-    assert rec.source in ("measured", "disk cache") and rec.chosen in rec.times_ms
+    assert rec.source.startswith(("measured", "disk cache")) and rec.chosen in rec.times_ms
     assert set(rec.times_ms) == {"trifuse", "torch"}, rec.rejected

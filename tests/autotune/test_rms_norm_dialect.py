@@ -263,7 +263,7 @@ def test_gpu_dialect_measures_and_replays(rms_dialect, dtype):
     w = torch.nn.Parameter(torch.randn(1024, device="cuda", dtype=dtype))
     trifuse.ops.rms_norm(x, (1024,), w, EPS).sum().backward()
     rec = rms_dialect.explain(x, (1024,), w, EPS)
-    assert rec.source in ("measured", "disk cache") and rec.chosen in rec.times_ms
+    assert rec.source.startswith(("measured", "disk cache")) and rec.chosen in rec.times_ms
     assert set(rec.times_ms) == {"trifuse", "torch"}, rec.rejected
 
 

@@ -270,5 +270,5 @@ def test_gpu_dialect_measures_and_replays(rope_dialect, dtype):
     q_embed, k_embed = trifuse.ops.rotary_embedding(q, k, cos, sin)
     (q_embed.sum() + k_embed.sum()).backward()
     rec = rope_dialect.explain(q, k, cos, sin)
-    assert rec.source in ("measured", "disk cache") and rec.chosen in rec.times_ms
+    assert rec.source.startswith(("measured", "disk cache")) and rec.chosen in rec.times_ms
     assert set(rec.times_ms) == {"trifuse", "torch"}, rec.rejected
