@@ -8,6 +8,7 @@ and the cost of the dispatch key. The GPU tests check every real candidate in fp
 
 import pytest
 import torch
+import triton
 
 import trifuse
 from _device import DEVICE, ON_GPU
@@ -464,6 +465,33 @@ def test_the_measured_winner_runs_and_is_replayed(cache_dir, timer, winner):
     assert rec.bucket == "dtype=float32,batch_heads=2,h_kv=0,sq=32,sk=32,d=16,causal=1,mask=0,dropout=False,grad=True,dv=16"
     fwd_bwd(d, call(*qkv(s=30), is_causal=True))  # same buckets: replayed, nothing timed
     assert len(fake.calls) == 2
+
+
+def test_trifuse_far_behind_at_default_configs_leaves_its_kernels_untuned(cache_dir, timer, monkeypatch):
+    """Screening with the real kernels: forward, dK/dV and dQ run at their default configs while
+    trifuse is checked and timed; at 3x the stand-in's time it is not tuned, and no attention
+    tuner has timed a config or decided anything, nor any launch plan been kept."""
+    kernel_timer = timer({})
+    for kind, tuner in A._TUNERS.items():
+        space = tuner.configs
+        # two configs (the interpreter's one, and it at other warps), as a GPU's space has several
+        monkeypatch.setattr(tuner, "configs", lambda space=space, **kw: [
+            *space(**kw), *(triton.Config(c.kwargs, num_warps=2 * c.num_warps) for c in space(**kw))])
+        monkeypatch.setattr(tuner, "timer", kernel_timer)
+        monkeypatch.setattr(tuner, "_memo", {})
+        monkeypatch.setattr(tuner, "_untuned", {})
+    monkeypatch.setattr(A, "_FWD_PLANS", {})
+    monkeypatch.setattr(A, "_BWD_PLANS", {})
+    d = plumbing(Candidate("stand-in", math_attention, deterministic=False))
+    d.timer = timer({"trifuse": 3.0, "stand-in": 1.0})
+    args = call(*qkv(s=20), is_causal=True)
+    fwd_bwd(d, args)
+    rec = d.explain(*args)
+    assert rec.chosen == "stand-in" and rec.times_ms == {"trifuse": 3.0, "stand-in": 1.0}
+    assert rec.source.endswith("not tuned, over 2x the fastest at default configs: trifuse")
+    assert kernel_timer.calls == [] and not A._FWD_PLANS and not A._BWD_PLANS
+    assert {kind for kind, t in A._TUNERS.items() if t._untuned} >= {"fwd", "dkdv", "dq"}
+    assert not any(t._memo for t in A._TUNERS.values())
 
 
 def test_rejections_name_their_reason(cache_dir, timer):
