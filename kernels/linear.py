@@ -152,12 +152,13 @@ def _linear_key(x, weight, bias, dtype, in_by_out):
         return None
     grad = torch.is_grad_enabled() and weight.requires_grad
     out_features = weight.shape[1] if in_by_out else weight.shape[0]
+    # layout: the weight as (out, in) or (in, out), two different GEMM layouts for cuBLAS
     return (x.get_device() if x.is_cuda else -1, dtype, pow2_bucket(rows), x.shape[-1], out_features,
-            x.dtype, None if bias is None else bias.dtype, grad)
+            x.dtype, None if bias is None else bias.dtype, grad, "in-out" if in_by_out else "out-in")
 
 
 AUTOCAST_LINEAR = dialects.define(
-    "autocast_linear", _linear_key, ("device", "dtype", "rows", "in", "out", "x", "bias", "grad"),
+    "autocast_linear", _linear_key, ("device", "dtype", "rows", "in", "out", "x", "bias", "grad", "layout"),
     reference=_linear_ref)
 AUTOCAST_LINEAR.register(dialects.Candidate("fp32-grads", _linear_fp32_grads,
                                             supports=_linear_fp32_grads_supports))

@@ -41,7 +41,7 @@ def test_the_dialect_runs_its_choice_bitwise(fresh_dialect, timer, monkeypatch, 
     got = _fwd_bwd(lambda: autocast_linear(x, w, b, torch.float16), x, w, b, dy, torch.float16)
     rec = dialects.explain("autocast_linear", x, w, b, torch.float16, False)
     assert rec.chosen == winner and rec.source == "measured" and not rec.rejected
-    assert rec.bucket == "dtype=float16,rows=16,in=24,out=40,x=float32,bias=float32,grad=True"
+    assert rec.bucket == "dtype=float16,rows=16,in=24,out=40,x=float32,bias=float32,grad=True,layout=out-in"
     fn = fresh_dialect.candidate(winner).fn
     want = _fwd_bwd(lambda: fn(x, w, b, torch.float16, False), x, w, b, dy, torch.float16)
     for a, e in zip(got, want):
