@@ -144,6 +144,30 @@ def eager_fast_path(*tensors: torch.Tensor | None) -> bool:
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
+class _NoGradCtx:
+    """What a Function's forward gets for `ctx` when `apply_function` calls it directly: it may
+    save tensors, set attributes and read needs_input_grad (all False); nothing is kept."""
+
+    def __init__(self, n_inputs: int) -> None:
+        self.needs_input_grad = (False,) * n_inputs
+
+    def save_for_backward(self, *tensors: torch.Tensor) -> None:
+        pass
+
+    def set_materialize_grads(self, value: bool) -> None:
+        pass
+
+
+def apply_function(fn: type[torch.autograd.Function], *args):
+    """`fn.apply(*args)`, or with grad mode off `fn.forward` called directly: no autograd node
+    can be recorded then, and Function.apply still costs about a quarter of a LayerNorm's eager
+    forward on the host (the CPU proxy, bench/norm_host_proxy.py). functorch transforms take
+    `apply` as before (it says what they need)."""
+    if torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
+        return fn.apply(*args)
+    return fn.forward(_NoGradCtx(len(args)), *args)
+
+
 def profiled(name: str):
     """A profiler scope named like the registered op, entered only while a profiler runs:
     users profiling a fused model see which trifuse op ran, and nobody else pays for it."""

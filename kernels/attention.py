@@ -108,6 +108,7 @@ from ..autotune.env import INTERPRET, attention_tma_requested
 from ..autotune.tuner import Tuner, device_limits
 from ._common import (
     acc_dtype,
+    apply_function,
     check_float,
     check_probability,
     check_same_device,
@@ -1483,8 +1484,8 @@ def _attention_trifuse(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_g
         _check_attention_inputs(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         _check_sinks(q, sinks)
         with profiled(f"trifuse::{OP}"):
-            return _AttentionFunction.apply(q, k, v, attn_mask, float(dropout_p), bool(is_causal),
-                                            _resolve_scale(scale, q.shape[-1]), softcap, sinks)
+            return apply_function(_AttentionFunction, q, k, v, attn_mask, float(dropout_p), bool(is_causal),
+                                  _resolve_scale(scale, q.shape[-1]), softcap, sinks)
     if softcap or sinks is not None:
         return torch.ops.trifuse.attention(q, k, v, attn_mask, float(dropout_p), bool(is_causal),
                                            None if scale is None else float(scale), bool(enable_gqa), softcap,

@@ -41,6 +41,7 @@ import triton.language as tl
 from ..autotune import dialects, pow2_bucket
 from ._common import (
     acc_dtype,
+    apply_function,
     as_rows,
     cast,
     check_float,
@@ -414,7 +415,7 @@ def _bias_gelu_trifuse(x, bias, approximate):
     _check_inputs(x, bias, approximate)
     if eager_fast_path(x, bias):
         with profiled("trifuse::bias_gelu"):
-            return _BiasGeluFunction.apply(x, bias, approximate)
+            return apply_function(_BiasGeluFunction, x, bias, approximate)
     return torch.ops.trifuse.bias_gelu(x, bias, approximate)
 
 

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_float, check_tensor, eager_fast_path, use_triton
+from ._common import apply_function, check_float, check_tensor, eager_fast_path, use_triton
 from ._launch import CachedKernel
 
 # The most readers the summing kernel takes at once; more are summed by PyTorch, in the same order.
@@ -105,4 +105,4 @@ def cast_for_readers(x: torch.Tensor, dtype: torch.dtype, readers: int) -> tuple
         raise ValueError(f"trifuse.cast_for_readers: readers must be an int of at least 1, got {readers!r}")
     if not eager_fast_path(x):  # traced: the model's own casts, one per reader
         return tuple(x.to(dtype) for _ in range(readers))
-    return _CastForReaders.apply(x, dtype, readers)
+    return apply_function(_CastForReaders, x, dtype, readers)

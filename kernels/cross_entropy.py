@@ -72,6 +72,7 @@ import triton.language as tl
 from ..autotune import dialects, pow2_bucket
 from ._common import (
     acc_dtype,
+    apply_function,
     check_float,
     check_same_device,
     check_tensor,
@@ -1238,8 +1239,8 @@ def _cross_entropy_trifuse(logits, target, ignore_index, reduction, label_smooth
         _check_ce_inputs(logits, target, ignore_index, reduction, label_smoothing)
         with profiled("trifuse::cross_entropy"):
             if _wants_grad(logits):
-                return _CrossEntropyFunction.apply(logits, target, ignore_index, reduction, label_smoothing,
-                                                   out_dtype)
+                return apply_function(_CrossEntropyFunction, logits, target, ignore_index, reduction,
+                                      label_smoothing, out_dtype)
             # inference: the loss alone, no autograd node, no lse kept
             return cross_entropy_fwd(logits, target, ignore_index, reduction, label_smoothing, out_dtype,
                                      store_lse=False)[0]
@@ -1399,8 +1400,8 @@ def linear_cross_entropy(
                           compute_dtype, chunk_size)
         with profiled("trifuse::linear_cross_entropy"):
             if _wants_grad(hidden, weight, bias):
-                return _LinearCrossEntropyFunction.apply(hidden, weight, target, bias, ignore_index, reduction,
-                                                         label_smoothing, compute_dtype, dtype, chunk_size)
+                return apply_function(_LinearCrossEntropyFunction, hidden, weight, target, bias, ignore_index,
+                                      reduction, label_smoothing, compute_dtype, dtype, chunk_size)
             # Inference: the loss alone (no dlogits, no gradient matmuls, no lse), no autograd node.
             return linear_cross_entropy_fwd(hidden, weight, target, bias, ignore_index, reduction, label_smoothing,
                                             compute_dtype, dtype, chunk_size, (False, False, False),

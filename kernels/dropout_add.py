@@ -30,6 +30,7 @@ import triton.language as tl
 
 from ._common import (
     acc_dtype,
+    apply_function,
     as_rows,
     cast,
     check_float,
@@ -395,5 +396,5 @@ def dropout_add(
     p = float(p) if training else 0.0
     if eager_fast_path(x, residual, bias):
         with profiled("trifuse::dropout_add"):
-            return _DropoutAddFunction.apply(x, residual, bias, p)
+            return apply_function(_DropoutAddFunction, x, residual, bias, p)
     return torch.ops.trifuse.dropout_add(x, residual, p, bias)[0]

@@ -39,6 +39,7 @@ import triton.language as tl
 from ..autotune import dialects, pow2_bucket
 from ._common import (
     acc_dtype,
+    apply_function,
     check_float,
     check_same_device,
     check_same_dtype,
@@ -332,7 +333,7 @@ def _gated_activation_trifuse(gate, up, activation):
     _check_inputs(gate, up, activation)
     if eager_fast_path(gate, up):
         with profiled("trifuse::gated_activation"):
-            return _GatedActivationFunction.apply(gate, up, activation)
+            return apply_function(_GatedActivationFunction, gate, up, activation)
     return torch.ops.trifuse.gated_activation(gate, up, activation)
 
 

@@ -45,6 +45,7 @@ from ..autotune import Tuner, configs, dialects, pow2_bucket
 from ._common import (
     FLOAT_DTYPES,
     acc_dtype,
+    apply_function,
     as_rows,
     cast,
     check_float,
@@ -1395,8 +1396,8 @@ def _norm(op_name, x, normalized_shape, weight, bias, eps, residual, is_rms_norm
     if eager_fast_path(x, weight, bias, residual, x_bias):
         n = _check_norm_inputs(op_name, x, normalized_shape, weight, bias, eps, residual, x_bias, p)
         with profiled(f"trifuse::{op_name}"):
-            out = _NormFunction.apply(x, residual, x_bias, weight, bias, n, eps, p, is_rms_norm, fused,
-                                      op_name, narrowing)
+            out = apply_function(_NormFunction, x, residual, x_bias, weight, bias, n, eps, p, is_rms_norm,
+                                 fused, op_name, narrowing)
         outputs = readers + full_y
         return ((out[:outputs], out[outputs]) if fused else out) if outputs > 1 else out
     for name, t in (("weight", weight), ("bias", bias), ("residual", residual), ("x_bias", x_bias)):
@@ -1618,7 +1619,7 @@ def layer_norm_add(
     if eager_fast_path(x, weight, bias, residual):
         n = _check_norm_add_inputs(op, x, residual, normalized_shape, weight, bias, eps)
         with profiled(f"trifuse::{op}"):
-            return _NormAddFunction.apply(x, residual, weight, bias, n, eps, is_rms_norm, op)
+            return apply_function(_NormAddFunction, x, residual, weight, bias, n, eps, is_rms_norm, op)
     if is_rms_norm:
         return torch.ops.trifuse.rms_norm_add(x, residual, normalized_shape, weight, eps)[0]
     return torch.ops.trifuse.layer_norm_add(x, residual, normalized_shape, weight, bias, eps)[0]

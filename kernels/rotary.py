@@ -66,6 +66,7 @@ import triton.language as tl
 from ..autotune import dialects, pow2_bucket
 from ._common import (
     acc_dtype,
+    apply_function,
     check_float,
     check_same_device,
     check_same_dtype,
@@ -562,7 +563,7 @@ def _rotary_trifuse(q, k, cos, sin, interleaved=False, halves_out=False, dtype=N
     interleaved, halves_out = bool(interleaved), bool(halves_out)
     if eager_fast_path(q, k, cos, sin):
         with profiled("trifuse::rotary_embedding"):
-            return _RotaryEmbeddingFunction.apply(q, k, cos, sin, interleaved, halves_out, dtype)
+            return apply_function(_RotaryEmbeddingFunction, q, k, cos, sin, interleaved, halves_out, dtype)
     q_embed, k_embed = torch.ops.trifuse.rotary_embedding(q, k, cos, sin, interleaved, halves_out, dtype)
     return q_embed, None if k is None else k_embed
 

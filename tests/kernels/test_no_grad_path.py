@@ -1,0 +1,79 @@
+"""Without grad mode, the eager ops call their autograd.Function's forward directly
+(`_common.apply_function`): the same outputs bit for bit as the recorded call, no autograd node,
+and Function.apply not called at all (it costs host time for nothing there)."""
+import pytest
+import torch
+
+from _device import DEVICE
+from trifuse.kernels import _common
+from trifuse.kernels import attention as A
+from trifuse.kernels import bias_gelu as BG
+from trifuse.kernels import cast as C
+from trifuse.kernels import dropout_add as DA
+from trifuse.kernels import gated_activation as GA
+from trifuse.kernels import layer_norm as LN
+from trifuse.kernels import rotary as RO
+
+
+def _t(*shape):
+    return torch.randn(*shape, device=DEVICE, requires_grad=True)
+
+
+def _cases():
+    x, r, w, b, xb = _t(3, 40), _t(3, 40), _t(40), _t(40), _t(40)
+    q, k, v = _t(1, 2, 9, 16), _t(1, 2, 9, 16), _t(1, 2, 9, 16)
+    cos, sin = torch.randn(1, 1, 9, 16, device=DEVICE), torch.randn(1, 1, 9, 16, device=DEVICE)
+    return {
+        "layer_norm": (LN._NormFunction, lambda: LN._layer_norm_trifuse(x, (40,), w, b, 1e-5)),
+        "residual_stream": (LN._NormFunction,
+                            lambda: LN.dropout_add_layer_norm(x, r, 40, w, b, p=0.25, x_bias=xb)),
+        "layer_norm_add": (LN._NormAddFunction, lambda: LN.layer_norm_add(x, r, 40, w, b)),
+        "bias_gelu": (BG._BiasGeluFunction, lambda: BG._bias_gelu_trifuse(x, b, "tanh")),
+        "dropout_add": (DA._DropoutAddFunction, lambda: DA.dropout_add(x, r, 0.25, bias=b)),
+        "gated_activation": (GA._GatedActivationFunction, lambda: GA._gated_activation_trifuse(x, r, "silu")),
+        "attention": (A._AttentionFunction, lambda: A._attention_trifuse(q, k, v, None, 0.25, True, None, False)),
+        "rotary": (RO._RotaryEmbeddingFunction, lambda: RO._rotary_trifuse(q, k, cos, sin)),
+        "cast_for_readers": (C._CastForReaders, lambda: C.cast_for_readers(x, torch.float16, 2)),
+    }
+
+
+def _flat(out):
+    return [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
+
+
+@pytest.mark.parametrize("name", list(_cases()))
+def test_no_grad_calls_skip_function_apply_and_give_the_same_bits(name, monkeypatch):
+    function, call = _cases()[name]
+    torch.manual_seed(0)
+    recorded = _flat(call())
+    assert any(t.grad_fn is not None for t in recorded), "with grad, the Function records its node"
+
+    def refused(*args):
+        raise AssertionError(f"{function.__name__}.apply called without grad mode")
+
+    monkeypatch.setattr(function, "apply", refused)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        direct = _flat(call())
+    assert len(direct) == len(recorded)
+    for a, e in zip(direct, recorded):
+        assert a.grad_fn is None and not a.requires_grad
+        assert a.dtype == e.dtype and torch.equal(a, e.detach())
+
+
+def test_the_ctx_stand_in_says_no_input_needs_a_gradient():
+    seen = {}
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b):
+            seen["needs"] = ctx.needs_input_grad
+            ctx.save_for_backward(a)
+            ctx.set_materialize_grads(False)
+            return a + b
+
+    a = torch.ones(2, requires_grad=True)
+    with torch.no_grad():
+        out = _common.apply_function(Probe, a, 1.0)
+    assert seen["needs"] == (False, False) and out.grad_fn is None
+    assert _common.apply_function(Probe, a, 1.0).grad_fn is not None
