@@ -33,9 +33,10 @@ runs. Otherwise the choice for (key, deterministic mode) is made once:
    timed with their kernels at default configs where those are not tuned yet; a candidate whose
    kernels wanted tuning is tuned (`tuner.Tuner`) and timed again only when it came within
    SCREEN_MARGIN of the fastest (tuning a clear loser would cost the first step every config's
-   compile and timing). The fastest wins and goes to the disk cache. A candidate that raises is rejected with the exception as its reason; when none
-   passes, the first eligible one is kept for this process (not written). Random generators are
-   restored afterwards: tuning never shifts a seeded run.
+   compile and timing). The fastest wins and goes to the disk cache. A candidate that raises is
+   rejected with the exception as its reason; when none passes, the first eligible one is kept
+   for this process (not written). Random generators are restored afterwards: tuning never
+   shifts a seeded run.
 
 Afterwards the same key is one dict lookup. Every choice is recorded (`records`, `explain`) with
 the times and the reasons the others were rejected, for trifuse.report and the autotune command.

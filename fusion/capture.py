@@ -145,7 +145,8 @@ class Unit:
                 name = f"input {name}" if value.op == "placeholder" else value.name
                 log.shared_casts.append(f"{name}: read by {readers} autocast matmuls, cast to "
                                         f"{str(dtype).removeprefix('torch.')} once (a view each)")
-            for node, dtype in (fp32_weight_grads(work.graph) if self.host_time_hidden() else ()):
+            fp32_grads = fp32_weight_grads(work.graph) if self.host_time_hidden() else []
+            for node, dtype in fp32_grads:
                 text = f"{str(dtype).removeprefix('torch.')} GEMM, its fp32 gradient from the GEMM itself"
                 log.fp32_weight_grads.append(f"{_parameter_name(node.args[1])}: {text} (no conversion kernel)")
             self._annotate(work.graph, log)
