@@ -341,10 +341,9 @@ class Tuner:
             return fitting[0]
         timer, why_not = timer_for(device_index, self.timer)
         if timer is None:
-            shipped = shipped_default(device_index, self.name, bucket)
-            match = None if shipped is None else _find(fitting, shipped[1].get("config"))
+            family, match = self._shipped(fitting, device_index, bucket)
             if match is not None:
-                return keep(match, f"shipped {shipped[0]} defaults")
+                return keep(match, f"shipped {family} defaults")
             return keep(fitting[0], f"default ({why_not})")
         if len(fitting) == 1:
             return keep(fitting[0], "only config")
@@ -356,8 +355,7 @@ class Tuner:
         pending = _UNTUNED.get()
         if pending is not None:  # a dialect screening its candidates: no timing, nothing kept
             pending.append(self.name)
-            shipped = shipped_default(device_index, self.name, bucket)
-            match = None if shipped is None else _find(fitting, shipped[1].get("config"))
+            match = self._shipped(fitting, device_index, bucket)[1]
             self._untuned[key] = match if match is not None else fitting[0]
             return self._untuned[key]
         times: dict[str, float] = {}
@@ -378,6 +376,15 @@ class Tuner:
         best = min(times, key=times.get)
         cache.put(self.name, bucket, {"config": config_to_json(by_label[best]), "ms": times})
         return keep(by_label[best], "measured", times)
+
+    def _shipped(self, fitting: list, device_index: int,
+                 bucket: str) -> tuple[str | None, triton.Config | None]:
+        """(the GPU family, the config among `fitting`) of the shipped default for this bucket,
+        (None, None) when none is shipped or it is no longer in the space."""
+        shipped = shipped_default(device_index, self.name, bucket)
+        if shipped is None:
+            return None, None
+        return shipped[0], _find(fitting, shipped[1].get("config"))
 
     def _fitting(self, space: list, device_index: int, shape: dict) -> tuple[list, dict[str, str]]:
         if self.prune is None:
