@@ -34,6 +34,7 @@ rewrites, in place:
 - a two-operand `torch.einsum` that is a batched matrix product (`"bhid,bhjd->bhij"`, spaces and
   a leading `...` allowed) -> `torch.matmul`, the second operand transposed where the equation
   contracts its last dim.
+- a view there and back, `x.view(s).view(<x's shape>)`, -> `x`, where example values give the shapes.
 
 Nothing here changes what the graph computes.
 """
@@ -45,6 +46,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import fx
+
+from ..patterns._base import same_shape
 
 
 # Signatures for builtins (inspect cannot read them); only their names and defaults matter.
@@ -166,6 +169,7 @@ def canonicalize_graph(graph: fx.Graph, root: torch.nn.Module | None = None) -> 
     _merge_repeated_casts(graph)
     _einsum_as_matmul(graph)
     _out_of_place_updates(graph)
+    _view_round_trips(graph)
 
 
 # Reductions whose dim form returns a (values, indices) named tuple; fx keeps `.values` as getattr.
@@ -490,6 +494,29 @@ def _einsum_as_matmul(graph: fx.Graph) -> None:
         new.meta = dict(node.meta)
         node.replace_all_uses_with(new)
         graph.erase_node(node)
+
+
+def _view_round_trips(graph: fx.Graph) -> None:
+    """`x.view(s).view(x's shape)` -> `x` (XGLM's `attn_weights.view(B, H, S, S).view(B * H, S, S)`
+    between its softmax and dropout), where the example values show x's shape (provably, for
+    symbolic shapes: no guard added); the first view is dropped when nothing else reads it. Both views alias x with its values, so nothing written in
+    place through either is lost: only a chain that nothing writes to is folded."""
+    for node in list(graph.nodes):
+        inner = node.args[0] if _is_view(node) else None
+        if not _is_view(inner) or _written_in_place(node) or _written_in_place(inner):
+            continue
+        x, value = _value(inner.args[0]), _value(node)
+        if not isinstance(x, torch.Tensor) or not isinstance(value, torch.Tensor) or not same_shape(x, value):
+            continue
+        node.replace_all_uses_with(inner.args[0])
+        graph.erase_node(node)
+        if not inner.users:
+            graph.erase_node(inner)
+
+
+def _is_view(node: Any) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_method" and node.target == "view" and len(node.args) == 2 \
+        and not node.kwargs and isinstance(node.args[0], fx.Node)
 
 
 def _changes_global_mode(node: fx.Node) -> bool:

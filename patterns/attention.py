@@ -36,6 +36,10 @@ style: the score matrix never exists).
   H for the additive mask and back (only with a mask), softmax, dropout, `bmm` with v; self- or
   cross-attention. The op runs on (B, H, S, D) views (without a mask, H = 1: the heads do not
   matter). These blocks return the probabilities only with output_attentions (None otherwise).
+  XGLM's writes the same chain with the masked scores clamped from below,
+  `torch.max(scores + mask, torch.full((), finfo(dtype).min))`: the op takes the mask clamped
+  instead (the same scores; a row masked whole, -inf or finfo.min, uniform as unfused), except with
+  fp16 scores, whose sum overflows to -inf before the clamp where the op's fp32 sum does not.
 - DeBERTa-v2's (and v3's) disentangled attention, on (B*H, S, D) tensors: `bmm(q, k^T / scale)`
   with the scale a 0-d tensor, its relative-position scores (c2p + p2c, computed before from q,
   k and the position embeddings) added, viewed as (B, H, S, S), `masked_fill(~mask, finfo.min)`,
@@ -739,6 +743,51 @@ def _bmm_heads(m: Match, masked: bool) -> str | None:
     return _broadcast_to_scores("the mask", mask.shape, (q.shape[0] // heads, heads, q.shape[1], k.shape[1]))
 
 
+def attention_bmm_clamped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, heads_shape, mask: torch.Tensor,
+                          fill, device, flat_shape, p, training):
+    """XGLM's eager attention: BART's older chain with the masked scores clamped from below,
+    `torch.max(scores + mask, torch.full((), finfo(dtype).min))` (so that 16-bit sums that overflow
+    to -inf stay finite)."""
+    s = torch.bmm(q, k.transpose(d0, d1))
+    s = torch.max(s.view(heads_shape) + mask, torch.full((), fill, device=device)).view(flat_shape)
+    a = F.dropout(torch.softmax(s, -1), p, training, False)
+    return torch.bmm(a, v)
+
+
+def attention_bmm_clamped_fused(q, k, v, d0, d1, heads_shape, mask, fill, device, flat_shape, p, training):
+    # max(s + m, f) = s + max(m, f) for the floor f = finfo(dtype).min of the scores and the mask
+    # (the filter's): a kept key's s + m is far above f; a dropped key's (m = f, or m = -inf) is f
+    # either way, s being absorbed by f's rounding (|s| < ulp(f) / 2 in fp32 and bf16 alike, the op's
+    # fp32 sum included). The floor is rounded as torch.full rounds it (to the default dtype).
+    floor = _clamp_floor(fill)
+    if floor != float("-inf"):
+        mask = torch.clamp_min(mask, floor)
+    return attention_bmm_fused(q, k, v, d0, d1, heads_shape, mask, flat_shape, p, training, masked=True)
+
+
+def _clamp_floor(fill) -> float:
+    return float(torch.tensor(fill, dtype=torch.get_default_dtype()))
+
+
+def _clamp_is_finfo_min(m: Match) -> str | None:
+    """The floor is -inf (no clamp) or finfo(dtype).min of the scores, which the mask has too, and
+    not fp16: a 16-bit sum overflows to -inf before the clamp (XGLM's reason for it), which the
+    op's fp32 sum does not, and a row masked whole would then differ."""
+    fill, q, mask = m["fill"], m.value("q"), m.value("mask")
+    if not is_number(fill) or not isinstance(q, torch.Tensor) or not isinstance(mask, torch.Tensor):
+        return f"the clamp's floor is {fill!r}, not a constant number"
+    floor = _clamp_floor(fill)
+    if floor == float("-inf"):
+        return None
+    if torch.promote_types(q.dtype, mask.dtype) != mask.dtype:
+        return f"the scores ({q.dtype}) are wider than the mask ({mask.dtype})"
+    if mask.dtype == torch.float16:
+        return "fp16 scores: their sum with the mask overflows to -inf before the clamp, the op's does not"
+    if not mask.is_floating_point() or floor != torch.finfo(mask.dtype).min:
+        return f"a floor {floor} that is not finfo({mask.dtype}).min: the clamp may change kept scores"
+    return None
+
+
 def _bmm_pattern(masked: bool) -> Pattern:
     return Pattern("attention_bmm_" + ("add_" if masked else "no_mask_") + "dropout", "attention",
                    functools.partial(attention_bmm, masked=masked),
@@ -1126,6 +1175,10 @@ PATTERNS = (
     # BART's older eager attention on (B*H, S, D) tensors (TrOCR, MVP, LED's decoder)
     _bmm_pattern(masked=True),
     _bmm_pattern(masked=False),
+    # XGLM's: the same with the masked scores clamped at finfo.min
+    Pattern("attention_bmm_add_clamp_dropout", "attention", attention_bmm_clamped, attention_bmm_clamped_fused,
+            ("attention",), (_transposes_last_two, functools.partial(_bmm_heads, masked=True), _clamp_is_finfo_min,
+                             needs_number("p"), needs_bool("training"))),
     Pattern("self_attention_mha", "attention", self_attention_mha, self_attention_mha_fused, ("attention",),
             (needs_number("dropout_p"), needs_bool("training"), _mha_masks)),
     Pattern("cross_attention_mha", "attention", cross_attention_mha, cross_attention_mha_fused, ("attention",),

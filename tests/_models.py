@@ -268,8 +268,7 @@ _FAMILIES.update({
     "gpt_oss": {**_DECODER, **_MLP, "num_key_value_heads": 1, "head_dim": HIDDEN // HEADS, "sliding_window": 4,
                 "layer_types": ["sliding_attention", "full_attention"], "num_local_experts": 4,
                 "num_experts_per_tok": 2, "attn_implementation": "eager", "experts_implementation": "batched_mm"},
-    # BioGPT: pre-norm blocks with SDPA. (XGLM is not here: its eager attention clamps the scores with
-    # torch.full((), finfo(dtype).min) in the default dtype, which overflows in the float64 oracle.)
+    # BioGPT: pre-norm blocks with SDPA
     "biogpt": {**_DECODER, **_MLP, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
                "activation_dropout": 0.0},
 })
@@ -305,11 +304,34 @@ _FAMILIES.update({
                       "attn_implementation": "eager"},
     "granite_swa": {**_DECODER, **_MLP, "num_key_value_heads": 1, "sliding_window": 4,
                     "layer_types": ["sliding_attention", "full_attention"], "attn_implementation": "eager"},
+    # XGLM: BART's older chain with the masked scores clamped, `torch.max(scores + mask,
+    # torch.full((), finfo(dtype).min))` (the floor in the default dtype: -inf for a float64 model)
+    "xglm": {"d_model": HIDDEN, "num_layers": LAYERS, "attention_heads": HEADS, "ffn_dim": 2 * HIDDEN,
+             "dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0, "attn_implementation": "eager"},
 })
 SEQ2SEQ = ("t5", "bart")
 MASKED = ("modernbert", "deberta-v2", "deberta", "mpnet", "rembert", "distilbert")
 SPEECH = ("whisper",)
 CONTRASTIVE = ("clip", "siglip")
+
+
+def _float64_default_for_float64_copies(model: nn.Module) -> None:
+    """XGLM builds its clamp's floor as `torch.full((), finfo(scores' dtype).min)` in the default
+    dtype, which overflows float32 (an error) in a float64 copy, the tests' oracle: the model's
+    calls run with float64 as the default dtype while its parameters are float64 (hooks that
+    `copy.deepcopy` carries to the copy)."""
+    prior = []
+
+    def before(module, args, kwargs):
+        prior.append(torch.get_default_dtype())
+        if next(module.parameters()).dtype == torch.float64:
+            torch.set_default_dtype(torch.float64)
+
+    def after(module, args, kwargs, output):
+        torch.set_default_dtype(prior.pop())
+
+    model.register_forward_pre_hook(before, with_kwargs=True)
+    model.register_forward_hook(after, with_kwargs=True, always_call=True)
 
 
 @_on_device
@@ -333,6 +355,8 @@ def hf_family(model_type: str, **overrides):
         auto = (tf.AutoModelForSeq2SeqLM if model_type in SEQ2SEQ else tf.AutoModelForMaskedLM if model_type in MASKED
                 else tf.AutoModelForSpeechSeq2Seq if model_type in SPEECH else tf.AutoModelForCausalLM)
         model = auto.from_config(cfg)
+        if model_type == "xglm":
+            _float64_default_for_float64_copies(model)
 
     def inputs(batch, seq):
         ids = torch.randint(1, VOCAB, (batch, seq))

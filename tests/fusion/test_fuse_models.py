@@ -31,6 +31,7 @@ BERT = {"layer_norm": 2, "attention": L, "bias_gelu": L + 1, "residual_stream": 
 EAGER_ATTENTION = {"gpt2-eager": "attention_chain_mul_add_dropout_cast",
                    "bert-eager": "attention_chain_mul_add_dropout",
                    "gpt_oss": "attention_chain_sinks_add_repeat_kv", "trocr": "attention_bmm_add_dropout",
+                   "xglm": "attention_bmm_add_clamp_dropout",
                    "granite_swa": "attention_chain_sink_scale_add_repeat_kv",
                    "mimo_v2_flash": {"attention_chain_max_sub_add_repeat_kv": 1, "attention_chain_sinks_add": 1}}
 # In eval without grad, nn.TransformerEncoderLayer runs PyTorch's own fused fast path
@@ -206,6 +207,7 @@ MODELS = {
     # the embeddings; MiMo-V2-Flash: one layer without sinks (the max-subtracted chain), one with;
     # Granite's sinks as an output scale, the sinks' gradient through the op's dsinks
     "trocr": (_family("trocr"), {"layer_norm": 1, "attention": L, "bias_gelu": L, "residual_stream": 2 * L, **LOSS}),
+    "xglm": (_family("xglm"), {**PRE_NORM, **LOSS}),
     "mimo_v2_flash": (_family("mimo_v2_flash"), {"rms_norm": L + 1, "attention": L, "residual_stream": L, **GATED,
                                                  **ROTARY, **LOSS}),
     "granite_swa": (_family("granite_swa"), {"rms_norm": L + 1, "attention": L, "residual_stream": L, **GATED,

@@ -193,6 +193,44 @@ def test_casts_either_side_of_a_grad_mode_switch_stay_two():
     torch.testing.assert_close(x.grad, torch.ones_like(x))
 
 
+def _dynamo_canonical(fn, *inputs):
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(canonicalize(gm))
+        return gm
+
+    out = torch.compile(fn, backend=backend, fullgraph=True)(*inputs)
+    torch.testing.assert_close(out, fn(*inputs))
+    return graphs[0]
+
+
+def test_a_view_there_and_back_is_dropped():
+    """XGLM's `w.view(B, H, S, S).view(B * H, S, S)` after its softmax reads the softmax itself;
+    the first view stays where something else reads it, and a chain ending in another shape or
+    written to in place stays as written."""
+    def round_trip(x):
+        return x.softmax(-1).view(2, 3, 4, 4).view(6, 4, 4) * 2
+
+    def round_trip_read_twice(x):
+        w = x.softmax(-1).view(2, 3, 4, 4)
+        return w.view(6, 4, 4) * 2, w
+
+    def other_shape(x):
+        return x.softmax(-1).view(2, 3, 4, 4).view(6, 16) * 2
+
+    def written_in_place(x):
+        w = x.softmax(-1).view(2, 3, 4, 4).view(6, 4, 4)
+        w.mul_(2)
+        return w
+
+    x = torch.randn(6, 4, 4)
+    views = {fn.__name__: [n.args[1] for n in _dynamo_canonical(fn, x).graph.nodes if n.target == "view"]
+             for fn in (round_trip, round_trip_read_twice, other_shape, written_in_place)}
+    assert views == {"round_trip": [], "round_trip_read_twice": [(2, 3, 4, 4)],
+                     "other_shape": [(2, 3, 4, 4), (6, 16)], "written_in_place": [(2, 3, 4, 4), (6, 4, 4)]}
+
+
 def test_match_is_by_dataflow_not_order_and_either_way_round():
     cp = compile_pattern(next(p for p in dropout_add.PATTERNS if p.name == "dropout_add"))
 

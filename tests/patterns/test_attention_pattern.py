@@ -964,6 +964,68 @@ def test_bart_bmm_attention_carries_dropout():
     torch.testing.assert_close(model(*inputs), BartAttention(CROSS_MASK).eval()(*inputs))
 
 
+class XglmAttention(BartAttention):
+    """transformers' XGLMAttention core: BartAttention's chain with the masked scores clamped from
+    below by a 0-d `torch.full` of the scores' finfo.min (float64 copies: float32's, as torch.full in
+    the default dtype cannot hold finfo(float64).min), and its view there and back after the softmax.
+    `floor` replaces the floor."""
+
+    def __init__(self, mask, p=0.0, floor=None):
+        super().__init__(mask, p)
+        self.floor = floor
+
+    def forward(self, q, k, v):
+        bsz, tgt_len, _ = q.shape
+        q, k, v = (t.view(bsz, -1, H, D).transpose(1, 2).reshape(bsz * H, -1, D) for t in (q * D ** -0.5, k, v))
+        src_len = k.size(1)
+        w = torch.bmm(q, k.transpose(1, 2)).view(bsz, H, tgt_len, src_len) + self.mask
+        floor = self.floor if self.floor is not None else \
+            torch.finfo(w.dtype if w.dtype != torch.float64 else torch.float32).min
+        w = torch.max(w, torch.full((), floor, device=w.device)).view(bsz * H, tgt_len, src_len)
+        w = F.softmax(w, dim=-1)
+        w = w.view(bsz, H, tgt_len, src_len).view(bsz * H, tgt_len, src_len)
+        out = torch.bmm(F.dropout(w, p=self.p, training=self.training), v)
+        return out.view(bsz, H, tgt_len, D).transpose(1, 2).reshape(bsz, tgt_len, H * D)
+
+
+CROSS_MASK_INF = torch.where(CROSS_MASK < 0, float("-inf"), 0.0)
+
+
+@pytest.mark.parametrize("mask, src", [
+    (CAUSAL.log().expand(B, 1, S, S).clone(), S),  # -inf above the diagonal: clamped to finfo.min
+    (torch.where(CAUSAL.bool(), 0.0, torch.finfo(torch.float32).min).expand(B, 1, S, S).clone(), S),
+    (CROSS_MASK, SRC),
+    (CROSS_MASK_INF, SRC),
+], ids=["causal_inf", "causal_finfo_min", "cross_padding", "cross_padding_inf"])
+def test_xglm_clamped_bmm_attention_fuses(mask, src):
+    report = check_against_unfused(functools.partial(XglmAttention, mask), bart_inputs(src), "dynamo")
+    assert report.by_pattern() == {"attention_bmm_add_clamp_dropout": 1}
+
+
+@pytest.mark.parametrize("fill", [torch.finfo(torch.float32).min, float("-inf")], ids=["finfo_min", "inf"])
+def test_xglm_row_masked_whole_is_the_mean_of_v(fill):
+    """A query whose keys are all masked: the clamp makes every score of its row finfo.min, a uniform
+    softmax, with a finite or an infinite mask alike; so does the op on the clamped mask (forward:
+    the op documents the fp32 cancellation of such rows' gradients)."""
+    mask = CROSS_MASK.clone()
+    mask[1, 0, 2] = fill
+    report = check_against_unfused(functools.partial(XglmAttention, mask), bart_inputs(SRC), "dynamo", grads=False)
+    assert report.by_pattern() == {"attention_bmm_add_clamp_dropout": 1}
+
+
+def test_xglm_clamp_rejections_say_why():
+    report = check_against_unfused(functools.partial(XglmAttention, CROSS_MASK, floor=-1e4), bart_inputs(SRC),
+                                   "dynamo")
+    assert report.by_pattern() == {}
+    assert any("not finfo(torch.float32).min" in reason for *_, reason in report.rejected()), report.table()
+    # fp16 scores: their sum with a finfo.min mask overflows to -inf before the clamp (unfused)
+    model = fuse_via(XglmAttention(CROSS_MASK.half()).half(), "dynamo")
+    model(*(x.half() for x in bart_inputs(SRC)))
+    report = trifuse.report(model)
+    assert report.by_pattern() == {}
+    assert any("fp16 scores" in reason for *_, reason in report.rejected()), report.table()
+
+
 def chain_max_sub_over_queries(m, q, k, v):  # the max over the queries: a shift per column, not a no-op
     w = torch.matmul(q, k.transpose(2, 3)) * 0.35 + m.mask
     probs = F.softmax(w - w.max(dim=-2, keepdim=True).values, dim=-1, dtype=w.dtype)
