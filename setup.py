@@ -29,7 +29,7 @@ setup(
         ],
     },
     extras_require={
-        "test": ["pytest", "pytest-xdist", "hypothesis", "pytest-benchmark", "transformers"],
+        "test": ["pytest", "pytest-xdist", "hypothesis", "pytest-benchmark", "transformers", "peft"],
         "bench": ["pytest-benchmark", "matplotlib"],
         "flash-attn": ["flash-attn"],
         "xformers": ["xformers"],

@@ -9,6 +9,9 @@ Progressive capture (DESIGN.md, "Capture"):
    holds something a pattern looks for gets an `FxUnit` (a final LayerNorm, an MLP head);
    modules fx cannot trace are named in the report and their children tried instead; a norm fx
    cannot trace (a leaf branching on its weight's dtype, T5LayerNorm) gets a `DynamoUnit`.
+3. The head: the outermost module on the way to the blocks whose forward computes a loss (the
+   model, or the transformers model inside a wrapper: PEFT's PeftModel -> LoraModel -> model, a
+   user's module calling the LM) gets a `HeadUnit`, its body fenced off: the LM head and the loss.
 
 Nothing is captured at `fuse` time: captures happen on the first call in each mode, with the
 real arguments (Dynamo needs them; fx needs the constant ones). `report(model)` tells what was
@@ -108,7 +111,8 @@ def fuse(model: torch.nn.Module, *, ops: Iterable[str] | None = None, skip_logit
     _visit(model, "", patterns, verbose, is_leaf, notes)
     if blocks:
         _train_without_kv_cache(model, notes)
-    head = _install_head(model, patterns, verbose, block_set, notes, skip_logits)
+    found = _loss_module(model, block_set)
+    head = _install_head(*found, patterns, verbose, block_set, notes, skip_logits) if found else None
     if skip_logits and head is None:
         notes.append(Note("(model)", type(model).__name__, "skip_logits: no LM head and loss capture was installed "
                           "(no loss in the model's forward, or fx traced it whole): the logits are returned",
@@ -157,22 +161,41 @@ def _no_cache_in_training(module, args, kwargs, *, positional: int):
     return None
 
 
-def _install_head(model, patterns, verbose, block_set: set[int], notes: list[Note],
-                  skip_logits: bool = False) -> HeadUnit | None:
-    """A model whose forward computes a loss (and that fx could not trace whole) gets a Dynamo
-    capture of that forward with its body fenced off: the LM head and the loss (issue 9)."""
-    if installed_unit(model) is not None or "forward" in model.__dict__ or not blocks_of(model, block_set):
-        return
-    if not any(p.family == "cross_entropy" and all(available(op) for op in p.ops) for p in patterns):
-        return
+def _loss_module(model: torch.nn.Module, block_set: set[int]) -> tuple[torch.nn.Module, str] | None:
+    """The outermost module, on the way from the model to its blocks, whose forward computes a
+    loss (its source names one): the model itself, or the model a wrapper holds (PEFT's
+    PeftModel -> LoraModel -> the transformers model; a user's module calling an LM with labels).
+    Returns (module, its path), or None."""
+    queue = [(model, "")]
+    while queue:
+        module, path = queue.pop(0)
+        if id(module) in block_set or not blocks_of(module, block_set):
+            continue
+        if _computes_loss(module):
+            return module, path or "(model)"
+        queue.extend((child, f"{path}.{name}" if path else name) for name, child in module.named_children())
+    return None
+
+
+def _computes_loss(module: torch.nn.Module) -> bool:
     try:
-        source = inspect.getsource(type(model).forward)
+        source = inspect.getsource(type(module).forward)
     except (OSError, TypeError):
-        return
+        return False
     # DistilBERT's forward calls a CrossEntropyLoss held as a child (`self.mlm_loss_fct`)
-    if not any(word in source for word in ("cross_entropy", "CrossEntropyLoss", "loss_function")) \
-            and not any(isinstance(m, torch.nn.CrossEntropyLoss) for m in model.children()):
-        return
+    return any(word in source for word in ("cross_entropy", "CrossEntropyLoss", "loss_function")) \
+        or any(isinstance(m, torch.nn.CrossEntropyLoss) for m in module.children())
+
+
+def _install_head(model: torch.nn.Module, path: str, patterns, verbose, block_set: set[int], notes: list[Note],
+                  skip_logits: bool = False) -> HeadUnit | None:
+    """`model` (the fused model, or the one inside a wrapper at `path`) computes a loss in its
+    forward, and fx could not trace it whole: a Dynamo capture of that forward with its body
+    fenced off holds the LM head and the loss (issue 9)."""
+    if installed_unit(model) is not None or "forward" in model.__dict__:
+        return None
+    if not any(p.family == "cross_entropy" and all(available(op) for op in p.ops) for p in patterns):
+        return None
     head = HeadUnit(type(model), patterns, verbose, skip_logits)
     # Every module between the model and its blocks is fenced, not only its children: a head may
     # call a grandchild directly (OPT's `self.model.decoder(...)`).
@@ -180,10 +203,10 @@ def _install_head(model, patterns, verbose, block_set: set[int], notes: list[Not
         if sub is not model and id(sub) not in block_set and blocks_of(sub, block_set) \
                 and "forward" not in sub.__dict__ and not isinstance(sub, (torch.nn.ModuleList, torch.nn.ModuleDict)):
             head.fence(sub, name)
-    head.install(model, "(model)")
+    head.install(model, path)
     fenced = ", ".join(head.fenced) or "nothing: its blocks are traced into the capture"
     skip = "; skip_logits: training calls return no logits" if skip_logits else ""
-    notes.append(Note("(model)", type(model).__name__, f"head and loss captured by Dynamo; fenced off: {fenced}{skip}",
+    notes.append(Note(path, type(model).__name__, f"head and loss captured by Dynamo; fenced off: {fenced}{skip}",
                       kind="note"))
     return head
 

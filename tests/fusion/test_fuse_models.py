@@ -310,6 +310,58 @@ def test_report_says_why_the_head_is_not_fused(name, reason):
     assert "(not linear_cross_entropy" in line and reason in line, line
 
 
+class CallsTheLM(torch.nn.Module):
+    """A user's module around a Hugging Face LM that computes nothing itself: the loss is the LM's."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, **kw):
+        return self.lm(**kw)
+
+
+def _wrapped_in_peft_lora(model, targets):
+    peft = pytest.importorskip("peft")
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0))
+    for name, p in lora.named_parameters():
+        if "lora_B" in name:  # PEFT starts B at zero: adapters that change nothing would test nothing
+            torch.nn.init.normal_(p, std=0.02)
+    return lora
+
+
+@pytest.mark.parametrize("name, wrap, head_path", [
+    ("gpt2", lambda m: _wrapped_in_peft_lora(m, ["c_attn", "c_fc"]), "base_model.model"),
+    ("llama", lambda m: _wrapped_in_peft_lora(m, ["q_proj", "v_proj", "up_proj"]), "base_model.model"),
+    ("gpt2", CallsTheLM, "lm"),
+], ids=["gpt2-peft-lora", "llama-peft-lora", "gpt2-user-wrapper"])
+def test_a_wrapped_model_fuses_its_blocks_and_its_loss(name, wrap, head_path):
+    """PEFT's LoRA (PeftModel -> LoraModel -> the transformers model) and a user's module around
+    the LM: the blocks fuse as unwrapped (the LoRA linears' sums feed GPT-2's GeLU, fused without a
+    bias to fold), and the loss, computed by the model inside, is captured there; the trainable
+    parameters' gradients by the oracle rule."""
+    torch.manual_seed(0)
+    model, inputs, loss_fn = getattr(_models, name)()
+    model = wrap(model)
+    ref, ref64 = copy.deepcopy(model), copy.deepcopy(model).double()
+    trifuse.fuse(model)
+    kw = inputs(2, 8)
+    fused_loss, loss, loss64 = loss_fn(model, kw), loss_fn(ref, kw), loss_fn(ref64, _double_inputs(kw))
+    for value in (fused_loss, loss, loss64):
+        value.backward()
+    assert_close("loss", fused_loss, loss64, loss)
+    trained = 0
+    for (pname, p), p64, pr in zip(model.named_parameters(), ref64.parameters(), ref.parameters()):
+        if p64.grad is not None:
+            trained += 1
+            assert_close(f"grad {pname}", p.grad, p64.grad, pr.grad)
+    assert trained > 0
+    report = trifuse.report(model)
+    assert report.counts() == available_counts(MODELS[name][1])
+    if has_op("cross_entropy"):
+        assert any(head_path in row and "head and loss captured" in row for row in report.table().splitlines())
+
+
 def test_t5_self_attention_with_its_position_bias_is_fused():
     """T5's relative position bias requires grad: every attention is replaced, none rejected, and
     the bias embedding gets its gradient through the fused op's dMask."""
