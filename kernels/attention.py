@@ -209,7 +209,9 @@ def _scaled(qk, qk_scale, softcap, SOFTCAP: tl.constexpr):
     tanh(x) = 1 - 2 / (exp(2x) + 1) reaches +-1 exactly at both ends, never NaN (the exponent is
     clamped at 2^64, where 2 / (2^64 + 1) is below the resolution of 1 in fp32 and fp64)."""
     if SOFTCAP:
-        t = 1.0 - 2.0 / (tl.exp2(tl.minimum(qk * (qk_scale * 2.8853900817779268), 64.0)) + 1.0)
+        x = qk * (qk_scale * 2.8853900817779268)
+        # the clamp keeps a NaN score NaN (tl.minimum would return 64): NaN in, NaN out, as unfused
+        t = 1.0 - 2.0 / (tl.exp2(tl.where(x != x, x, tl.minimum(x, 64.0))) + 1.0)
         return t * softcap, t
     return qk * qk_scale, qk
 
@@ -231,8 +233,11 @@ def _scores(qk, rows, cols, MASK, stride_mm, stride_mn, N_Q, N_K,
         else:
             bias = tl.load(ptrs, mask=in_bounds, other=0.0).to(ACC)
             # finfo(fp32).min * log2(e) would overflow to -inf and empty a row that a finite mask
-            # (transformers' finfo.min) covers whole; SDPA averages such a row uniformly.
-            qk += tl.where(bias == float("-inf"), bias, tl.maximum(bias, -2.3e38)) * 1.4426950408889634
+            # (transformers' finfo.min) covers whole; SDPA averages such a row uniformly. -inf and
+            # NaN pass unclamped (tl.maximum would turn a NaN into -2.3e38, a masked key: SDPA's
+            # row is NaN).
+            qk += tl.where((bias == float("-inf")) | (bias != bias), bias, tl.maximum(bias, -2.3e38)) \
+                * 1.4426950408889634
     if MASKED:
         valid = cols < N_K
         if IS_CAUSAL:

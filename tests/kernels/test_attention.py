@@ -216,6 +216,25 @@ def test_rows_masked_whole_by_finfo_min_average_uniformly_like_sdpa():
     torch.testing.assert_close(out[1, :, :5], v[1].mean(1, keepdim=True).expand(2, 5, 16).detach())
 
 
+@pytest.mark.parametrize("where", ["mask", "q", "k", "v", "q-softcap", "mask-softcap"])
+def test_a_nan_in_an_input_reaches_the_output_as_unfused(where):
+    """A NaN in a float mask's entry, or in q, k or v, makes NaN of what it makes NaN in the
+    float64 reference (SDPA's maths), with or without a soft cap; the other rows stay as they were.
+    The mask's finfo.min clamp and the cap's exponent clamp once turned such a NaN into a masked
+    key or a capped score: a finite answer for bad input."""
+    q, k, v, _ = make(Case(b=1, h=2, sq=6, sk=7), torch.float32)
+    q, k, v = (t.detach().clone() for t in (q, k, v))
+    mask = torch.zeros(1, 1, 6, 7, device=DEVICE)
+    {"mask": mask, "q": q, "k": k, "v": v}[where.split("-")[0]][0, 0, 2, 3] = float("nan")
+    softcap = 5.0 if where.endswith("softcap") else None
+    with torch.no_grad():
+        out = trifuse.ops.attention(q, k, v, attn_mask=mask, softcap=softcap)
+        ref = attention_ref(q.double(), k.double(), v.double(), mask.double(), softcap=softcap)
+    assert ref.isnan().any() and torch.equal(out.isnan(), ref.isnan()), where
+    keep = ~ref.isnan()
+    assert_close("rows without NaN", out[keep], ref[keep], None)
+
+
 # ---------------------------------------------------------------------------------------------
 # Strided inputs: views of a fused QKV projection, (B, S, H, D) transposes, expanded tensors.
 # ---------------------------------------------------------------------------------------------
