@@ -1,12 +1,12 @@
 """`trifuse.fuse` on every architecture the installed transformers has for a task (causal LM by
-default; masked LM, seq2seq LM, image classification), built from a tiny config: does the fused
+default; masked LM, seq2seq LM, image classification, sequence classification), built from a tiny config: does the fused
 model still run, train and give the unfused model's loss and gradients, and what did fuse
 replace? A net for "never break a model" wider than the test suite's hand-configured families
 (tests/_models.py); on CPU, in the Triton interpreter.
 
     TRITON_INTERPRET=1 python bench/fuse_sweep.py [--task TASK] [--via VIA] [--dtype DTYPE] [MODEL_TYPE ...]
         # TASK: causal-lm (default; all 196 types of transformers 5.24, ~30-40 min on 2 cores), masked-lm, seq2seq,
-        # image-cls; VIA: fuse (default) or backend (torch.compile(model, backend="trifuse"));
+        # image-cls, seq-cls (sequence classification: 3 labels, the model's own loss); VIA: fuse (default) or backend (torch.compile(model, backend="trifuse"));
         # DTYPE: float64 (default) or fp16-autocast (an fp32 model under CPU autocast to fp16, at
         # fp16's tolerance); named types replace their rows
 
@@ -48,7 +48,10 @@ NO_DROPOUT = {k: 0.0 for k in ("hidden_dropout", "attention_dropout", "resid_pdr
                                "hidden_dropout_prob", "attention_probs_dropout_prob", "dropout", "activation_dropout",
                                "embed_dropout", "ffn_dropout", "attention_dropout_prob", "residual_dropout",
                                "router_jitter_noise", "input_jitter_noise", "dropout_rate", "classifier_dropout",
-                               "drop_path_rate", "hidden_dropout_rate", "attention_dropout_rate", "classifier_dropout_prob")}
+                               "drop_path_rate", "hidden_dropout_rate", "attention_dropout_rate", "classifier_dropout_prob",
+                               # the classification heads' own (sequence classification)
+                               "seq_classif_dropout", "summary_first_dropout", "summary_last_dropout", "pooler_dropout",
+                               "cls_dropout", "final_dropout")}
 # Sizes only the encoder-decoder and vision configs have; kept apart so the causal-LM sweep's
 # configs stay as they were.
 SMALL_EXTRA = {"encoder_layers": 2, "decoder_layers": 2, "num_decoder_layers": 2, "encoder_attention_heads": 2,
@@ -71,7 +74,7 @@ OVERRIDES = {"t5gemma": {"bos_token_id": 2}, "prophetnet": {"num_encoder_layers"
              **{t: _MLA for t in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "sarvam_mla")},
              "kimi_linear": {"linear_head_dim": 16, "linear_num_heads": 2, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
                              "v_head_dim": 16, "kv_lora_rank": 16, "head_dim": 8}}
-TASKS = ("causal-lm", "masked-lm", "seq2seq", "image-cls")
+TASKS = ("causal-lm", "masked-lm", "seq2seq", "image-cls", "seq-cls")
 VIAS = ("fuse", "backend")  # trifuse.fuse(model), or torch.compile(model, backend="trifuse")
 MAX_PARAMS = 3_000_000
 # (loss, gradient, zero-gradient floor) tolerances per run dtype. The floor: a gradient below it
@@ -105,6 +108,15 @@ EXPLAINED = {
     ("causal-lm", "float64", "qwen3_5_text"):
         "the model's own fp32 parts (gated delta rule): unfused is 2.0e-5 from float64 itself "
         "(bench/fp64_truth.py, results README)",
+    ("seq-cls", "float64", "markuplm"):
+        "the model's own fp32 softmax (a downcast in float64): unfused is 1.0e-2 from float64 itself (its key "
+        "biases' gradients, zero in exact arithmetic), fused 3.8e-11 (bench/fp64_truth.py --task seq-cls)",
+    ("seq-cls", "float64", "t5gemma"):
+        "the model's own fp32 softmax, as in seq2seq: unfused 1.8e-5 from float64 itself, fused 3.3e-7 "
+        "(bench/fp64_truth.py --task seq-cls)",
+    ("seq-cls", "float64", "zamba2"):
+        "the model's own fp32 parts (its Mamba-2 mixers): unfused 1.3e-5 from float64 itself, fused 4.0e-6 "
+        "(bench/fp64_truth.py --task seq-cls)",
     ("causal-lm", "float64", "lara_mini"):
         "the model's own fp32 parts (Qwen3.5's gated delta rule): unfused is 2.0e-4 from float64 itself, "
         "another fp32 formula for its loss moves it 1.7e-5 (bench/fp64_truth.py)",
@@ -215,7 +227,8 @@ def _non_finite(grads: tuple) -> int:
 
 def _auto_class(tf, task: str):
     return {"causal-lm": tf.AutoModelForCausalLM, "masked-lm": tf.AutoModelForMaskedLM,
-            "seq2seq": tf.AutoModelForSeq2SeqLM, "image-cls": tf.AutoModelForImageClassification}[task]
+            "seq2seq": tf.AutoModelForSeq2SeqLM, "image-cls": tf.AutoModelForImageClassification,
+            "seq-cls": tf.AutoModelForSequenceClassification}[task]
 
 
 def _inputs(task: str, dtype: torch.dtype = torch.float64) -> dict:
@@ -223,6 +236,9 @@ def _inputs(task: str, dtype: torch.dtype = torch.float64) -> dict:
     if task == "image-cls":
         return {"pixel_values": torch.randn(2, 3, 32, 32, dtype=dtype), "labels": torch.tensor([0, 2])}
     ids = torch.randint(1, 64, (2, 12))
+    if task == "seq-cls":  # one of SMALL_EXTRA's 3 labels per sequence; each sequence ends with eos (= pad,
+        ids[:, -1] = 0     # token 0): BART-like heads pool at the eos, decoder-only ones at the token before the pad
+        return {"input_ids": ids, "labels": torch.tensor([0, 2])}
     kwargs = {"input_ids": ids, "labels": ids}
     if task in ("causal-lm", "seq2seq"):
         kwargs["use_cache"] = False
@@ -285,7 +301,9 @@ def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: s
     except Exception as e:  # noqa: BLE001
         return {"status": "FUSED CRASH", "why": f"{type(e).__name__}: {str(e).strip()[:300]}",
                 "traceback": traceback.format_exc()[-3000:]}
-    loss_err = abs(float(loss1) - float(loss0)) / max(abs(float(loss0)), 1e-30)
+    # NaN against NaN agrees, as the gradients are compared by place (a model whose own loss is NaN)
+    loss_err = 0.0 if float(loss0) != float(loss0) and float(loss1) != float(loss1) else \
+        abs(float(loss1) - float(loss0)) / max(abs(float(loss0)), 1e-30)
     grad_err = _grad_error(grads0, grads1, floor)
     report = trifuse.report(fused)
     if dtype == "float64":
@@ -294,7 +312,8 @@ def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: s
         l0, l1, l64 = float(loss0), float(loss1), float(loss64)
         excess = _oracle_error(grads0, grads1, grads64, floor, grad_tol)
         ok = abs(l1 - l64) <= 2 * abs(l0 - l64) + loss_tol * abs(l64) and excess <= 0
-    ok = ok and float(loss2) == float(loss1.detach())
+    again, first = float(loss2), float(loss1.detach())
+    ok = ok and (again == first or again != again and first != first)
     row = {"status": "ok" if ok else "MISMATCH", "attn": attn, "loss_rel_err": loss_err, "grad_rel_err": grad_err,
             "replaced": dict(sorted(report.counts().items())), "left": len(report.left()),
             "unfused_calls": {k: sum(v.values()) for k, v in report.unfused_calls().items()}}
@@ -351,7 +370,8 @@ def main(types: list[str], task: str = "causal-lm", via: str = "fuse", dtype: st
 
     mapping = {"causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
                "seq2seq": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
-               "image-cls": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"}[task]
+               "image-cls": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+               "seq-cls": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"}[task]
     stem = "fuse_sweep" + ("" if task == "causal-lm" else f"_{task}") + ("" if via == "fuse" else f"_{via}") \
         + ("" if dtype == "float64" else f"_{dtype}")
     path = os.path.join(RESULTS, f"{stem}.json")
