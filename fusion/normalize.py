@@ -499,8 +499,8 @@ def _einsum_as_matmul(graph: fx.Graph) -> None:
 def _view_round_trips(graph: fx.Graph) -> None:
     """`x.view(s).view(x's shape)` -> `x` (XGLM's `attn_weights.view(B, H, S, S).view(B * H, S, S)`
     between its softmax and dropout), where the example values show x's shape (provably, for
-    symbolic shapes: no guard added); the first view is dropped when nothing else reads it. Both views alias x with its values, so nothing written in
-    place through either is lost: only a chain that nothing writes to is folded."""
+    symbolic shapes: no guard added); the first view is dropped when nothing else reads it. Only
+    a chain that nothing writes to in place is folded."""
     for node in list(graph.nodes):
         inner = node.args[0] if _is_view(node) else None
         if not _is_view(inner) or _written_in_place(node) or _written_in_place(inner):

@@ -305,7 +305,7 @@ _FAMILIES.update({
     "granite_swa": {**_DECODER, **_MLP, "num_key_value_heads": 1, "sliding_window": 4,
                     "layer_types": ["sliding_attention", "full_attention"], "attn_implementation": "eager"},
     # XGLM: BART's older chain with the masked scores clamped, `torch.max(scores + mask,
-    # torch.full((), finfo(dtype).min))` (the floor in the default dtype: -inf for a float64 model)
+    # torch.full((), finfo(dtype).min))`; its float64 copy runs with float64 the default dtype (below)
     "xglm": {"d_model": HIDDEN, "num_layers": LAYERS, "attention_heads": HEADS, "ffn_dim": 2 * HIDDEN,
              "dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0, "attn_implementation": "eager"},
 })
