@@ -698,3 +698,45 @@ def test_gradient_checkpointing_recomputes_the_forwards_dropout_masks():
     for (name, _), g, g_ck in zip(plain.named_parameters(), grads, grads_ck):
         torch.testing.assert_close(g_ck, g, msg=name)
     assert trifuse.report(checkpointed).counts() == trifuse.report(plain).counts()
+
+
+def _bert_head(head: str):
+    """BERT from the tests' tiny config with a question-answering or token-classification head."""
+    tf = _models._quiet_transformers()
+    model, inputs, _ = _models.bert()
+    cls = {"qa": tf.BertForQuestionAnswering, "token-cls": tf.BertForTokenClassification}[head]
+    return cls(model.config).to(_models.DEVICE), inputs
+
+
+@pytest.mark.skipif(not has_op("cross_entropy"), reason="trifuse.ops.cross_entropy not in this build")
+@pytest.mark.parametrize("head, losses", [("qa", 2), ("token-cls", 1)])
+def test_question_answering_and_token_classification_losses_fuse(head, losses):
+    # Extractive QA scores the start and the end positions with two cross-entropies whose
+    # ignore_index is the sequence length (positions past it are clamped there and not scored):
+    # a constant at the first length, a symbolic size at the second (the blocks' recapture). Token
+    # classification scores every token, -100 where a tokenizer leaves a sub-word. The losses and
+    # every gradient are the unfused model's by the oracle rule, at both lengths.
+    torch.manual_seed(0)
+    model, inputs = _bert_head(head)
+    model.train()
+    ref64 = copy.deepcopy(model).double()
+    ref = copy.deepcopy(model)
+    trifuse.fuse(model)
+    for s in (8, 11):
+        kw = {k: v for k, v in inputs(2, s).items() if k != "labels"}
+        if head == "qa":
+            kw["start_positions"] = torch.tensor([1, s + 5], device=_models.DEVICE)  # the second past the end
+            kw["end_positions"] = torch.tensor([s - 1, 2], device=_models.DEVICE)
+        else:
+            labels = torch.randint(0, model.config.num_labels, (2, s), device=_models.DEVICE)
+            labels[0, :3] = -100
+            kw["labels"] = labels
+        results = [_train_step(m, lambda m, kw: m(**kw).loss, k, 0)
+                   for m, k in ((model, kw), (ref64, _double_inputs(kw)), (ref, kw))]
+        (loss, grads), (loss64, grads64), (loss_r, grads_r) = results
+        assert_close(f"loss, {s} positions", loss, loss64, loss_r)
+        for (name, _), g, g64, gr in zip(model.named_parameters(), grads, grads64, grads_r):
+            assert_close(f"grad {name}, {s} positions", g, g64, gr)
+        for m in (model, ref64, ref):
+            m.zero_grad(set_to_none=True)
+        assert trifuse.report(model).counts().get("cross_entropy") == losses, (s, trifuse.report(model).counts())
