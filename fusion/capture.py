@@ -164,12 +164,18 @@ class Unit:
         return work, log
 
 
+_is_fx_tracing = getattr(torch.fx._symbolic_trace, "is_fx_symbolic_tracing", None) \
+    or torch.fx._symbolic_trace.is_fx_tracing  # an older torch's, which also warns once
+
+
 def _installed_forward(unit: Unit) -> Callable[..., Any]:
     @functools.wraps(unit.original)
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
-            # Someone compiles or fake-traces a model containing this module: show them the
-            # original code.
+        if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0 or _is_fx_tracing():
+            # Someone compiles or fake-traces a model containing this module, or fx traces its
+            # parent, which called `layer.forward(...)` where fx looks for `layer(...)` (a leaf
+            # call): show them the original code. Not a call of this unit: fx records the ops
+            # into the parent's graph, which is fused as a whole.
             return unit.original(self, *args, **kwargs)
         return unit(self, args, kwargs)
 

@@ -14,7 +14,9 @@ style: the score matrix never exists).
   value's dtype (`.type(value.dtype)`, transformers' GPT-2 eager code; or after the dropout,
   BigBird-Pegasus's decoder; a no-op, as the filter requires). Each combination is one pattern
   built from `attention_chain` below. Gemma 2's logit soft cap between the scaling and the mask
-  (`tanh(s / cap) * cap`) becomes the op's `softcap`.
+  (`tanh(s / cap) * cap`) becomes the op's `softcap`. A key laid out as k^T already, multiplied
+  without a transpose (SqueezeBERT's (B, H, D, S) view of its key convolution), is the op's key
+  transposed back, a view.
   transformers' eager_attention_forward (fp32 softmax, dropout) on K and V repeated per query
   group by `repeat_kv` becomes the op with `enable_gqa=True` on the un-repeated K and V.
 - gpt-oss's eager attention with attention sinks: the scaled scores (+ the additive mask, a
@@ -218,7 +220,7 @@ def sdpa_gqa_fused(q, k, v, attn_mask, dropout_p, is_causal, scale, n_rep=None, 
 def attention_chain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, scale, mask: torch.Tensor,
                     fill, p, training, dtype, cap=None, k_shape=None, v_shape=None, k_heads=None, v_heads=None, *,
                     scaling: str, masking: str, dropout: bool, softmax: str, softcap: bool = False,
-                    repeat_kv: bool = False, upcast_qk: bool = False):
+                    repeat_kv: bool = False, upcast_qk: bool = False, k_transposed: bool = False):
     """softmax(q @ k^T scaled [capped] [masked]) [cast] [dropped out] @ v, in the spelling the
     keywords choose.
 
@@ -230,12 +232,14 @@ def attention_chain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, s
     softcap: Gemma 2's `tanh(s / cap) * cap` after the scaling. repeat_kv: k and v repeated per query group first,
     as transformers' repeat_kv writes it (see sdpa_expand_kv). upcast_qk: q and k cast to fp32
     before the product (GPT-J's `query.to(torch.float32)`); the op takes them as they were, its
-    scores being fp32 whatever q's dtype."""
+    scores being fp32 whatever q's dtype. k_transposed: the key comes already laid out as k^T,
+    (..., head_dim, keys), with no transpose before the product (SqueezeBERT's view of its key
+    convolution, or a permute straight to that layout); the op takes its transpose, a view."""
     if upcast_qk:
         q, k = q.to(torch.float32), k.to(torch.float32)
     if repeat_kv:
         k, v = _repeat_kv(k, k_shape, k_heads), _repeat_kv(v, v_shape, v_heads)
-    s = torch.matmul(q, k.transpose(d0, d1))
+    s = torch.matmul(q, k if k_transposed else k.transpose(d0, d1))
     if scaling == "mul":
         s = s * scale
     elif scaling == "div":
@@ -261,10 +265,12 @@ def attention_chain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, s
     return torch.matmul(a, v)
 
 
-def attention_chain_fused(q, k, v, d0, d1, scale=None, mask=None, fill=None, p=0.0, training=False, dtype=None, cap=None,
-                          k_shape=None, v_shape=None, k_heads=None, v_heads=None, dims=4, *, scaling: str,
-                          masking: str, dropout: bool, softmax: str, softcap: bool = False, repeat_kv: bool = False,
-                          upcast_qk: bool = False):
+def attention_chain_fused(q, k, v, d0=None, d1=None, scale=None, mask=None, fill=None, p=0.0, training=False,
+                          dtype=None, cap=None, k_shape=None, v_shape=None, k_heads=None, v_heads=None, dims=4,
+                          *, scaling: str, masking: str, dropout: bool, softmax: str, softcap: bool = False,
+                          repeat_kv: bool = False, upcast_qk: bool = False, k_transposed: bool = False):
+    if k_transposed:
+        k = k.transpose(-2, -1)  # (..., keys, head_dim) as the op takes it; the model multiplied by k^T
     if masking == "masked_fill":
         mask = torch.logical_not(mask)  # masked_fill marks what to drop, an attention mask what to keep
     scale = scale if scaling == "mul" else 1.0 / scale if scaling == "div" else 1.0
@@ -520,14 +526,16 @@ def _cap_is_a_positive_number(m: Match) -> str | None:
 
 
 def _chain_pattern(scaling: str, masking: str, dropout: bool, softmax: str, softcap: bool = False,
-                   repeat_kv: bool = False, upcast_qk: bool = False) -> Pattern:
+                   repeat_kv: bool = False, upcast_qk: bool = False, k_transposed: bool = False) -> Pattern:
     opts = {"scaling": scaling, "masking": masking, "dropout": dropout, "softmax": softmax, "softcap": softcap,
-            "repeat_kv": repeat_kv, "upcast_qk": upcast_qk}
+            "repeat_kv": repeat_kv, "upcast_qk": upcast_qk, "k_transposed": k_transposed}
     name = "_".join(["attention_chain", "unscaled" if scaling == "none" else scaling,
                      *(["softcap"] if softcap else []), masking or "no_mask",
                      "dropout" if dropout else "no_dropout", *([softmax] if softmax != "plain" else []),
-                     *(["repeat_kv"] if repeat_kv else []), *(["upcast_q_k"] if upcast_qk else [])])
-    filters = [functools.partial(_attention_dims, masked=bool(masking)), _transposes_last_two,
+                     *(["repeat_kv"] if repeat_kv else []), *(["upcast_q_k"] if upcast_qk else []),
+                     *(["k_transposed"] if k_transposed else [])])
+    filters = [functools.partial(_attention_dims, masked=bool(masking)),
+               *([] if k_transposed else [_transposes_last_two]),
                *([_scale_is_number] if scaling != "none" else []), *([_cap_is_a_positive_number] if softcap else []),
                *([_kv_repeated_over_heads] if repeat_kv else []), *([_q_k_v_share_a_dtype] if upcast_qk else [])]
     if dropout:
@@ -1141,6 +1149,10 @@ PATTERNS = (
     # q scaled before the product, `(q * scale) @ k^T` (timm's explicit attention, Hiera's)
     *(_chain_pattern("none", masking, dropout, softmax) for masking, dropout, softmax in
       itertools.product(("add", ""), (True, False), ("plain", "upcast"))),
+    # the key already laid out as k^T, no transpose before the product (SqueezeBERT's); after the
+    # chains above, which take a written transpose themselves
+    *(_chain_pattern(*opts, k_transposed=True) for opts in itertools.product(
+        ("mul", "div"), ("add", ""), (True, False), ("plain", "upcast"))),
     # ALiBi and the older Hugging Face spellings (BLOOM, CodeGen, MPT, GPT-Neo)
     Pattern("attention_alibi_baddbmm", "attention", attention_alibi_baddbmm, attention_alibi_baddbmm_fused,
             ("attention",), (_transposes_last_two, _alibi_baddbmm_shapes, needs_number("p"), needs_bool("training"),

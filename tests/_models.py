@@ -283,6 +283,9 @@ _FAMILIES.update({
     # DistilBERT: its MLM head written in the model's own forward, the loss a CrossEntropyLoss child
     "distilbert": {"dim": HIDDEN, "n_layers": LAYERS, "n_heads": HEADS, "hidden_dim": 2 * HIDDEN, "dropout": 0.0,
                    "attention_dropout": 0.0},
+    # SqueezeBERT: 1x1 grouped convolutions on (B, C, S); its key viewed per head is k^T already
+    "squeezebert": {**_DECODER, **_MLP, "embedding_size": HIDDEN, "hidden_dropout_prob": 0.0,
+                    "attention_probs_dropout_prob": 0.0, "attn_implementation": "eager"},
     # DeBERTa (v1): disentangled attention on (B, H, S, D) tensors, q divided before the product,
     # c2p + p2c relative scores added, padding queries masked whole; its own LayerNorm written out
     "deberta": {**_DECODER, **_MLP, "relative_attention": True, "pos_att_type": ["c2p", "p2c"],
@@ -310,7 +313,7 @@ _FAMILIES.update({
              "dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0, "attn_implementation": "eager"},
 })
 SEQ2SEQ = ("t5", "bart")
-MASKED = ("modernbert", "deberta-v2", "deberta", "mpnet", "rembert", "distilbert")
+MASKED = ("modernbert", "deberta-v2", "deberta", "mpnet", "rembert", "distilbert", "squeezebert")
 SPEECH = ("whisper",)
 CONTRASTIVE = ("clip", "siglip")
 

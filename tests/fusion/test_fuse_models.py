@@ -32,6 +32,7 @@ EAGER_ATTENTION = {"gpt2-eager": "attention_chain_mul_add_dropout_cast",
                    "bert-eager": "attention_chain_mul_add_dropout",
                    "gpt_oss": "attention_chain_sinks_add_repeat_kv", "trocr": "attention_bmm_add_dropout",
                    "xglm": "attention_bmm_add_clamp_dropout",
+                   "squeezebert": "attention_chain_div_add_dropout_k_transposed",
                    "granite_swa": "attention_chain_sink_scale_add_repeat_kv",
                    "mimo_v2_flash": {"attention_chain_max_sub_add_repeat_kv": 1, "attention_chain_sinks_add": 1}}
 # In eval without grad, nn.TransformerEncoderLayer runs PyTorch's own fused fast path
@@ -164,6 +165,11 @@ MODELS = {
     "rembert": (_family("rembert"), BERT),
     # DistilBERT: the MLM head in the model's forward, its loss a CrossEntropyLoss child (head capture)
     "distilbert": (_family("distilbert"), BERT),
+    # SqueezeBERT: the encoder calls `layer.forward(...)`, so fx traces its blocks into the encoder's
+    # graph; the key multiplied as laid out, (B, H, D, S), no transpose; its GeLU after a grouped
+    # convolution and the MLM head's GeLU after a Linear (the one bias_gelu)
+    "squeezebert": (_family("squeezebert"), {"layer_norm": 2 * L + 2, "attention": L, "dropout_add": 2 * L,
+                                             "bias_gelu": 1, **LOSS}),
     # DeepSeek-V3: q/k and v of different head dims; three norms a block (input, q LoRA, kv LoRA),
     # SwiGLU in the dense MLP, the routed experts and the shared expert; its rotary reads the pairs
     # interleaved and writes halves (halves_out)

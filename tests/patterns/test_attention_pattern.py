@@ -1318,3 +1318,69 @@ def test_a_mask_over_5d_scores_is_left():
                                    "dynamo")
     assert report.by_pattern() == {}
     assert any("a mask over 5-D scores" in reason for *_, reason in report.rejected())
+
+
+class SqueezeBertSelfAttention(nn.Module):
+    """transformers' SqueezeBertSelfAttention core: q, k, v out of 1x1 convolutions laid out (B, C,
+    S); q and v viewed per head and permuted to (B, H, S, D), k viewed per head only, (B, H, D, S):
+    k^T already, multiplied without a transpose; divided by sqrt(D), the additive mask, softmax,
+    dropout, @ v, back to (B, C, S). `permuted_key`: the key permuted from (B, S, C) straight to
+    (B, H, D, S) instead (another spelling of a key laid out transposed)."""
+
+    def __init__(self, mask=None, p=0.0, permuted_key=False):
+        super().__init__()
+        self.mask, self.p, self.permuted_key = mask, p, permuted_key
+
+    def forward(self, q, k, v):  # (B, H*D, S) each
+        b, _, s = q.shape
+        q = q.view(b, H, D, s).permute(0, 1, 3, 2)
+        if self.permuted_key:
+            k = k.permute(0, 2, 1).reshape(b, s, H, D).permute(0, 2, 3, 1)
+        else:
+            k = k.view(b, H, D, s)
+        v = v.view(b, H, D, s).permute(0, 1, 3, 2)
+        scores = torch.matmul(q, k) / math.sqrt(D)
+        if self.mask is not None:
+            scores = scores + self.mask
+        probs = F.dropout(torch.softmax(scores, dim=-1), self.p, self.training)
+        return torch.matmul(probs, v).permute(0, 1, 3, 2).contiguous().view(b, H * D, s)
+
+
+def squeezebert_inputs():
+    return tuple(torch.randn(B, H * D, S) for _ in range(3))
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("mask, permuted_key, pattern", [
+    (None, False, "attention_chain_div_no_mask_dropout_k_transposed"),
+    (ADDITIVE, False, "attention_chain_div_add_dropout_k_transposed"),
+    (PAD.logical_not() * torch.finfo(torch.float32).min, True,
+     "attention_chain_div_add_dropout_k_transposed"),
+], ids=["no_mask", "additive", "padding_permuted_key"])
+def test_key_laid_out_transposed_fuses(mask, permuted_key, pattern, capture):
+    """A key already (B, H, D, S), multiplied without a transpose: the op takes its transpose (a
+    view); outputs and gradients equal the unfused chain's, padded keys included."""
+    report = check_against_unfused(functools.partial(SqueezeBertSelfAttention, mask, 0.0, permuted_key),
+                                   squeezebert_inputs(), capture)
+    assert report.by_pattern() == {pattern: 1}
+
+
+def test_key_laid_out_transposed_carries_dropout():
+    """The dropout probability reaches the op (repeatable under a seed, fresh masks otherwise);
+    in eval it is off, as in the model."""
+    model = fuse_via(SqueezeBertSelfAttention(ADDITIVE, p=0.5).train(), "dynamo")
+    inputs = squeezebert_inputs()
+    torch.manual_seed(3)
+    first = model(*inputs)
+    torch.manual_seed(3)
+    assert torch.equal(model(*inputs), first) and not torch.equal(model(*inputs), first)
+    assert trifuse.report(model).by_pattern() == {"attention_chain_div_add_dropout_k_transposed": 1}
+    model.eval()
+    torch.testing.assert_close(model(*inputs), SqueezeBertSelfAttention(ADDITIVE).eval()(*inputs))
+
+
+def test_a_written_transpose_still_takes_the_usual_chain():
+    """`q @ k.transpose(-2, -1)` keeps matching the chain with the transpose in it: the key laid out
+    transposed is tried after it."""
+    report = check_against_unfused(functools.partial(Fn, chain_div_no_mask), qkv(), "dynamo")
+    assert report.by_pattern() == {"attention_chain_div_no_mask_no_dropout": 1}
