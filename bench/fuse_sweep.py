@@ -1,14 +1,17 @@
 """`trifuse.fuse` on every architecture the installed transformers has for a task (causal LM by
-default; masked LM, seq2seq LM, image classification, sequence classification), built from a tiny config: does the fused
+default; masked LM, seq2seq LM, image classification, sequence and token classification,
+question answering, multiple choice), built from a tiny config: does the fused
 model still run, train and give the unfused model's loss and gradients, and what did fuse
 replace? A net for "never break a model" wider than the test suite's hand-configured families
 (tests/_models.py); on CPU, in the Triton interpreter.
 
     TRITON_INTERPRET=1 python bench/fuse_sweep.py [--task TASK] [--via VIA] [--dtype DTYPE] [MODEL_TYPE ...]
         # TASK: causal-lm (default; all 196 types of transformers 5.24, ~30-40 min on 2 cores), masked-lm, seq2seq,
-        # image-cls, seq-cls (sequence classification: 3 labels, the model's own loss); VIA: fuse (default) or backend (torch.compile(model, backend="trifuse"));
+        # image-cls, seq-cls (sequence classification: 3 labels, the model's own loss), token-cls (a label
+        # per token, some -100), qa (extractive question answering: start and end positions, one past
+        # the sequence), multiple-choice (3 choices an example); VIA: fuse (default) or backend (torch.compile(model, backend="trifuse"));
         # DTYPE: float64 (default) or fp16-autocast (an fp32 model under CPU autocast to fp16, at
-        # fp16's tolerance); named types replace their rows
+        # fp16's tolerance); named types replace their rows; --jobs N runs N types at once
 
 Each type runs in its own process (memory-capped, timed out), in float64 (or fp32 under fp16
 autocast), one training step (dropout off) before and after fuse, then a second fused call.
@@ -51,7 +54,7 @@ NO_DROPOUT = {k: 0.0 for k in ("hidden_dropout", "attention_dropout", "resid_pdr
                                "drop_path_rate", "hidden_dropout_rate", "attention_dropout_rate", "classifier_dropout_prob",
                                # the classification heads' own (sequence classification)
                                "seq_classif_dropout", "summary_first_dropout", "summary_last_dropout", "pooler_dropout",
-                               "cls_dropout", "final_dropout")}
+                               "cls_dropout", "final_dropout", "qa_dropout")}
 # Sizes only the encoder-decoder and vision configs have; kept apart so the causal-LM sweep's
 # configs stay as they were.
 SMALL_EXTRA = {"encoder_layers": 2, "decoder_layers": 2, "num_decoder_layers": 2, "encoder_attention_heads": 2,
@@ -74,7 +77,7 @@ OVERRIDES = {"t5gemma": {"bos_token_id": 2}, "prophetnet": {"num_encoder_layers"
              **{t: _MLA for t in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "sarvam_mla")},
              "kimi_linear": {"linear_head_dim": 16, "linear_num_heads": 2, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
                              "v_head_dim": 16, "kv_lora_rank": 16, "head_dim": 8}}
-TASKS = ("causal-lm", "masked-lm", "seq2seq", "image-cls", "seq-cls")
+TASKS = ("causal-lm", "masked-lm", "seq2seq", "image-cls", "seq-cls", "token-cls", "qa", "multiple-choice")
 VIAS = ("fuse", "backend")  # trifuse.fuse(model), or torch.compile(model, backend="trifuse")
 MAX_PARAMS = 3_000_000
 # (loss, gradient, zero-gradient floor) tolerances per run dtype. The floor: a gradient below it
@@ -86,6 +89,14 @@ MAX_PARAMS = 3_000_000
 # against float64); there the oracle rule judges: the fused model's error against a float64 copy
 # of the model at most twice the unfused model's own, plus the tolerance below as slack.
 TOLERANCES = {"float64": (1e-6, 1e-5, 1e-10), "fp16-autocast": (1e-3, 1e-3, 1e-2)}
+# A multiple-choice head scores each choice with one logit: a bias that shifts every choice's logit alike
+# is cancelled by the softmax over the choices, so its gradient is zero in exact arithmetic and holds
+# float64 rounding only, which the 1e-10 floor judges against 1e-15 of the largest gradient.
+_ZERO_CLASSIFIER_BIAS = (
+    "a bias that shifts every choice's logit alike has a gradient zero in exact arithmetic (classifier.bias; "
+    "ConvBERT's last LayerNorm bias, before its linear summary): fused 1.0-1.8e-15 of the largest gradient, the "
+    "unfused model itself with its batch reversed up to 1.0e-15: float64 rounding, judged at the 1e-10 floor "
+    "against 1e-15")
 # MISMATCH rows whose cause was found and is not trifuse's: shown in the results' "why" column.
 EXPLAINED = {
     ("seq2seq", "fp16-autocast", "t5"):
@@ -117,6 +128,21 @@ EXPLAINED = {
     ("seq-cls", "float64", "zamba2"):
         "the model's own fp32 parts (its Mamba-2 mixers): unfused 1.3e-5 from float64 itself, fused 4.0e-6 "
         "(bench/fp64_truth.py --task seq-cls)",
+    ("qa", "float64", "splinter"):
+        "the model's own fp32 parts: unfused 3.2e-2 from float64 itself (its query and key biases), fused 1.1e-7 "
+        "(bench/fp64_truth.py --task qa)",
+    ("qa", "float64", "markuplm"):
+        "the model's own fp32 softmax, as in seq-cls: unfused 1.9e-2 from float64 itself, fused 7.7e-7 "
+        "(bench/fp64_truth.py --task qa)",
+    ("token-cls", "float64", "markuplm"):
+        "the model's own fp32 softmax, as in seq-cls: unfused 1.3e-2 from float64 itself, fused 4.7e-11 "
+        "(bench/fp64_truth.py --task token-cls)",
+    ("qa", "float64", "mobilebert"):
+        "qa_outputs.bias's gradient is zero in exact arithmetic (each row's softmax sums to 1): fused 9.3e-15 of "
+        "the largest gradient, float64 rounding, which the 1e-10 floor judges against 1e-15 (bench/fp64_truth.py "
+        "--task qa)",
+    **{("multiple-choice", "float64", t): _ZERO_CLASSIFIER_BIAS
+       for t in ("big_bird", "convbert", "deberta-v2", "distilbert", "squeezebert")},
     ("causal-lm", "float64", "lara_mini"):
         "the model's own fp32 parts (Qwen3.5's gated delta rule): unfused is 2.0e-4 from float64 itself, "
         "another fp32 formula for its loss moves it 1.7e-5 (bench/fp64_truth.py)",
@@ -159,6 +185,8 @@ def _small_config(cls, kw: dict):
 
 def _config(tf, model_type: str, attn: str, task: str = "causal-lm"):
     small = SMALL if task == "causal-lm" else {**SMALL, **SMALL_EXTRA}
+    if task == "qa":  # a start and an end logit per token: heads that split num_labels take 2
+        small = {**small, "num_labels": 2}
     kw = {**small, **NO_DROPOUT, **OVERRIDES.get(model_type, {})}
     extra = {"attn_implementation": attn, "experts_implementation": "batched_mm"}
     if task == "causal-lm":
@@ -228,7 +256,9 @@ def _non_finite(grads: tuple) -> int:
 def _auto_class(tf, task: str):
     return {"causal-lm": tf.AutoModelForCausalLM, "masked-lm": tf.AutoModelForMaskedLM,
             "seq2seq": tf.AutoModelForSeq2SeqLM, "image-cls": tf.AutoModelForImageClassification,
-            "seq-cls": tf.AutoModelForSequenceClassification}[task]
+            "seq-cls": tf.AutoModelForSequenceClassification,
+            "token-cls": tf.AutoModelForTokenClassification, "qa": tf.AutoModelForQuestionAnswering,
+            "multiple-choice": tf.AutoModelForMultipleChoice}[task]
 
 
 def _inputs(task: str, dtype: torch.dtype = torch.float64) -> dict:
@@ -239,6 +269,16 @@ def _inputs(task: str, dtype: torch.dtype = torch.float64) -> dict:
     if task == "seq-cls":  # one of SMALL_EXTRA's 3 labels per sequence; each sequence ends with eos (= pad,
         ids[:, -1] = 0     # token 0): BART-like heads pool at the eos, decoder-only ones at the token before the pad
         return {"input_ids": ids, "labels": torch.tensor([0, 2])}
+    if task == "token-cls":  # a label per token, some -100 (not scored) as a tokenizer leaves sub-words
+        labels = torch.randint(0, 3, (2, 12))
+        labels[0, :3], labels[1, 7] = -100, -100
+        return {"input_ids": ids, "labels": labels}
+    if task == "multiple-choice":  # 3 choices per example, each a sequence ending with eos; the right one's index
+        ids = torch.randint(1, 64, (2, 3, 12))
+        ids[..., -1] = 0
+        return {"input_ids": ids, "labels": torch.tensor([2, 0])}
+    if task == "qa":  # answer spans; 30 lies past the sequence: clamped to 12, the losses' ignore_index
+        return {"input_ids": ids, "start_positions": torch.tensor([1, 30]), "end_positions": torch.tensor([4, 9])}
     kwargs = {"input_ids": ids, "labels": ids}
     if task in ("causal-lm", "seq2seq"):
         kwargs["use_cache"] = False
@@ -267,6 +307,9 @@ def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: s
         if attn == "sdpa" and "does not support an attention implementation" in str(e):
             return run_one(model_type, "eager", task, via, dtype)
         return {"status": "build", "why": f"{type(e).__name__}: {str(e).strip()[:150]}"}
+    for module in model.modules():  # a head's dropout its config has no field for (a token classifier's
+        if isinstance(module, torch.nn.Dropout):  # falls back to 0.1): off like the rest
+            module.p = 0.0
     params = sum(p.numel() for p in model.parameters())
     if params > MAX_PARAMS:
         return {"status": "too big", "why": f"{params} parameters with the tiny config"}
@@ -361,8 +404,9 @@ def _markdown(rows: list[dict], header: str, task: str = "causal-lm", dtype: str
     return "\n".join(out) + "\n"
 
 
-def main(types: list[str], task: str = "causal-lm", via: str = "fuse", dtype: str = "float64") -> None:
+def main(types: list[str], task: str = "causal-lm", via: str = "fuse", dtype: str = "float64", jobs: int = 1) -> None:
     import platform
+    from concurrent.futures import ThreadPoolExecutor
 
     import transformers as tf
     import triton
@@ -371,7 +415,10 @@ def main(types: list[str], task: str = "causal-lm", via: str = "fuse", dtype: st
     mapping = {"causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
                "seq2seq": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
                "image-cls": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
-               "seq-cls": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"}[task]
+               "seq-cls": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+               "token-cls": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
+               "qa": "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES",
+               "multiple-choice": "MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES"}[task]
     stem = "fuse_sweep" + ("" if task == "causal-lm" else f"_{task}") + ("" if via == "fuse" else f"_{via}") \
         + ("" if dtype == "float64" else f"_{dtype}")
     path = os.path.join(RESULTS, f"{stem}.json")
@@ -382,12 +429,12 @@ def main(types: list[str], task: str = "causal-lm", via: str = "fuse", dtype: st
             kept = {r["type"]: r for r in json.load(f)["rows"]}
     types = types or sorted(getattr(modeling_auto, mapping))
     rows = []
-    for mt in types:
-        row = _child(mt, task, via, dtype)
-        rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
-        if "traceback" in row:
-            print(row["traceback"], flush=True)
+    with ThreadPoolExecutor(jobs) as pool:  # each type is a child process: threads only wait on them
+        for row in pool.map(lambda mt: _child(mt, task, via, dtype), types):
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
+            if "traceback" in row:
+                print(row["traceback"], flush=True)
     header = (f"date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · torch {torch.__version__} · triton "
               f"{triton.__version__} · transformers {tf.__version__} · python {platform.python_version()} · CPU "
               f"(TRITON_INTERPRET=1), {dtype}, one training step, dropout off, task {task}, via {via}")
@@ -409,7 +456,7 @@ def test_fuse_sweep_smoke():
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    opts = {"task": "causal-lm", "via": "fuse", "dtype": "float64"}
+    opts = {"task": "causal-lm", "via": "fuse", "dtype": "float64", "jobs": "1"}
     for name in opts:
         for a in list(args):
             if a.startswith(f"--{name}="):
@@ -419,6 +466,9 @@ if __name__ == "__main__":
             i = args.index(f"--{name}")
             opts[name] = args[i + 1]
             del args[i:i + 2]
+    unknown = [a for a in args if a.startswith("-") and not a.startswith("--one=")]
+    if unknown:
+        sys.exit(f"fuse_sweep: unknown option {unknown[0]!r}\n{__doc__}")
     if opts["task"] not in TASKS:
         sys.exit(f"fuse_sweep: --task must be one of {', '.join(TASKS)}, got {opts['task']!r}")
     if opts["via"] not in VIAS:
@@ -429,4 +479,4 @@ if __name__ == "__main__":
         print(json.dumps(run_one(args[0][len("--one="):], task=opts["task"], via=opts["via"], dtype=opts["dtype"])),
               flush=True)
     else:
-        main(args, opts["task"], opts["via"], opts["dtype"])
+        main(args, opts["task"], opts["via"], opts["dtype"], int(opts["jobs"]))
