@@ -78,7 +78,8 @@ def _cross_entropy_other_fp32(logits: torch.Tensor, target: torch.Tensor, weight
         return _F_CROSS_ENTROPY(logits, target, weight, size_average, ignore_index, reduce, reduction,
                                 label_smoothing)
     keep = target != ignore_index
-    picked = logits.gather(-1, torch.where(keep, target, 0)[:, None])[:, 0]  # an ignore_index past the classes too (QA's)
+    # where(), not clamp(): QA's ignore_index (the sequence length) lies past the classes
+    picked = logits.gather(-1, torch.where(keep, target, 0)[:, None])[:, 0]
     per_row = (torch.logsumexp(logits, -1) - picked) * keep
     return per_row.sum() / keep.sum() if reduction == "mean" else per_row.sum()
 

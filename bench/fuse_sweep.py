@@ -9,7 +9,8 @@ replace? A net for "never break a model" wider than the test suite's hand-config
         # TASK: causal-lm (default; all 196 types of transformers 5.24, ~30-40 min on 2 cores), masked-lm, seq2seq,
         # image-cls, seq-cls (sequence classification: 3 labels, the model's own loss), token-cls (a label
         # per token, some -100), qa (extractive question answering: start and end positions, one past
-        # the sequence), multiple-choice (3 choices an example); VIA: fuse (default) or backend (torch.compile(model, backend="trifuse"));
+        # the sequence), multiple-choice (3 choices an example);
+        # VIA: fuse (default) or backend (torch.compile(model, backend="trifuse"));
         # DTYPE: float64 (default) or fp16-autocast (an fp32 model under CPU autocast to fp16, at
         # fp16's tolerance); named types replace their rows; --jobs N runs N types at once
 
