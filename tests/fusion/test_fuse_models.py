@@ -746,3 +746,53 @@ def test_question_answering_and_token_classification_losses_fuse(head, losses):
         for m in (model, ref64, ref):
             m.zero_grad(set_to_none=True)
         assert trifuse.report(model).counts().get("cross_entropy") == losses, (s, trifuse.report(model).counts())
+
+
+class _TokenRows(torch.utils.data.Dataset):
+    """Fixed rows of token ids, each its own labels (the tail of some ignored), as a causal-LM dataset hands them to Trainer."""
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        self.ids = ids
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        labels = self.ids[i].clone()
+        labels[len(labels) - i % 4:] = -100  # rows of 9 to 6 counted tokens: the loss's ignore_index
+        return {"input_ids": self.ids[i], "labels": labels}
+
+
+def _trainer_run(model, ids, tmp_path):
+    """Three optimizer steps of transformers' Trainer (AdamW, two batches accumulated a step, so
+    the loss goes through Trainer's num_items_in_batch sum); returns the logged losses."""
+    tf = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # Trainer needs it; peft, a test extra, brings it
+    args = tf.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3,
+        learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[], seed=0, data_seed=0,
+        dataloader_num_workers=0, use_cpu=ids.device.type == "cpu", disable_tqdm=True)
+    trainer = tf.Trainer(model=model, args=args, train_dataset=_TokenRows(ids))
+    trainer.train()
+    return [row["loss"] for row in trainer.state.log_history if "loss" in row]
+
+
+def test_transformers_trainer_trains_a_fused_model_as_the_unfused_one(tmp_path):
+    """Hugging Face's Trainer over a fused GPT-2 (its own loop: accelerate's wrapping, gradient
+    accumulation with num_items_in_batch passed to the model's loss, AdamW, clipping): after three
+    steps every parameter equals the unfused model's by the oracle rule (float64 Trainer run as
+    truth), the blocks and the loss ran fused, and the logged losses agree."""
+    torch.manual_seed(0)
+    model, inputs, _ = _models.gpt2()
+    ref, ref64 = copy.deepcopy(model), copy.deepcopy(model).double()
+    ids = inputs(12, 9)["input_ids"]
+    trifuse.fuse(model)
+    fused_losses = []
+    ran = trifuse_ops_run(lambda: fused_losses.extend(_trainer_run(model, ids, tmp_path / "fused")))
+    losses = _trainer_run(ref, ids, tmp_path / "unfused")
+    _trainer_run(ref64, ids, tmp_path / "float64")
+    assert len(fused_losses) == 3 and fused_losses == pytest.approx(losses, abs=2e-4)
+    for (name, p), p64, pr in zip(model.named_parameters(), ref64.parameters(), ref.parameters()):
+        assert_close(f"trained {name}", p.detach(), p64.detach(), pr.detach())
+    assert trifuse.report(model).counts() == available_counts({**PRE_NORM, **LOSS})
+    assert {"trifuse::attention", "trifuse::cross_entropy"} <= ran
