@@ -1,6 +1,7 @@
 """`trifuse.fuse` on every architecture the installed transformers has for a task (causal LM by
 default; masked LM, seq2seq LM, image classification, sequence and token classification,
-question answering, multiple choice), built from a tiny config: does the fused
+question answering, multiple choice, speech recognition with CTC, audio classification), built
+from a tiny config: does the fused
 model still run, train and give the unfused model's loss and gradients, and what did fuse
 replace? A net for "never break a model" wider than the test suite's hand-configured families
 (tests/_models.py); on CPU, in the Triton interpreter.
@@ -9,7 +10,8 @@ replace? A net for "never break a model" wider than the test suite's hand-config
         # TASK: causal-lm (default; all 196 types of transformers 5.24, ~30-40 min on 2 cores), masked-lm, seq2seq,
         # image-cls, seq-cls (sequence classification: 3 labels, the model's own loss), token-cls (a label
         # per token, some -100), qa (extractive question answering: start and end positions, one past
-        # the sequence), multiple-choice (3 choices an example);
+        # the sequence), multiple-choice (3 choices an example), ctc (speech to characters: 2 clips,
+        # transcripts of 4 and 2 tokens), audio-cls (a class per clip);
         # VIA: fuse (default) or backend (torch.compile(model, backend="trifuse"));
         # DTYPE: float64 (default) or fp16-autocast (an fp32 model under CPU autocast to fp16, at
         # fp16's tolerance); named types replace their rows; --jobs N runs N types at once
@@ -78,7 +80,9 @@ OVERRIDES = {"t5gemma": {"bos_token_id": 2}, "prophetnet": {"num_encoder_layers"
              **{t: _MLA for t in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "sarvam_mla")},
              "kimi_linear": {"linear_head_dim": 16, "linear_num_heads": 2, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
                              "v_head_dim": 16, "kv_lora_rank": 16, "head_dim": 8}}
-TASKS = ("causal-lm", "masked-lm", "seq2seq", "image-cls", "seq-cls", "token-cls", "qa", "multiple-choice")
+TASKS = ("causal-lm", "masked-lm", "seq2seq", "image-cls", "seq-cls", "token-cls", "qa", "multiple-choice", "ctc",
+         "audio-cls")
+AUDIO_TASKS = ("ctc", "audio-cls")
 VIAS = ("fuse", "backend")  # trifuse.fuse(model), or torch.compile(model, backend="trifuse")
 MAX_PARAMS = 3_000_000
 # (loss, gradient, zero-gradient floor) tolerances per run dtype. The floor: a gradient below it
@@ -184,8 +188,21 @@ def _small_config(cls, kw: dict):
         return cls(**kw)
 
 
+# Speech models' own sizes and training-time randomness: the wav2vec2 family's 7-layer convolutional
+# feature encoder (512 channels each by default) and its convolutional position embedding (kernel
+# 128); SpecAugment's time and feature masks and LayerDrop, drawn per training call (off, as
+# dropout is); the spectrogram sizes of AST (time x mel patches) and Whisper's encoder (mel x frames,
+# twice its positions); the x-vector head's TDNN.
+SMALL_AUDIO = {"conv_dim": 32, "num_conv_pos_embeddings": 16, "num_conv_pos_embedding_groups": 4,
+               "mask_time_prob": 0.0, "mask_feature_prob": 0.0, "layerdrop": 0.0, "feat_proj_dropout": 0.0,
+               "max_length": 32, "num_mel_bins": 16, "max_source_positions": 16, "tdnn_dim": 32,
+               "xvector_output_dim": 32, "classifier_proj_size": 32}
+
+
 def _config(tf, model_type: str, attn: str, task: str = "causal-lm"):
     small = SMALL if task == "causal-lm" else {**SMALL, **SMALL_EXTRA}
+    if task in AUDIO_TASKS:
+        small = {**small, **SMALL_AUDIO}
     if task == "qa":  # a start and an end logit per token: heads that split num_labels take 2
         small = {**small, "num_labels": 2}
     kw = {**small, **NO_DROPOUT, **OVERRIDES.get(model_type, {})}
@@ -259,7 +276,29 @@ def _auto_class(tf, task: str):
             "seq2seq": tf.AutoModelForSeq2SeqLM, "image-cls": tf.AutoModelForImageClassification,
             "seq-cls": tf.AutoModelForSequenceClassification,
             "token-cls": tf.AutoModelForTokenClassification, "qa": tf.AutoModelForQuestionAnswering,
-            "multiple-choice": tf.AutoModelForMultipleChoice}[task]
+            "multiple-choice": tf.AutoModelForMultipleChoice, "ctc": tf.AutoModelForCTC,
+            "audio-cls": tf.AutoModelForAudioClassification}[task]
+
+
+def _audio_inputs(model, task: str, dtype: torch.dtype) -> dict:
+    """One batch of two clips for the model's main input, with labels: 0.2 s of 16 kHz samples
+    (`input_values`: the wav2vec2 family, ~9 frames after its feature encoder), a time x mel
+    spectrogram (AST's `input_values`), or mel x frames features (`input_features`: Whisper's
+    encoder, its full window). ctc: transcripts of 4 and 2 tokens, the second padded with -100 as
+    a CTC collator pads them; audio-cls: a class per clip."""
+    cfg, name = model.config, model.main_input_name
+    own = type(cfg)().to_dict()  # the config's own fields (the small sizes were passed to every config)
+    if name == "input_values" and "num_mel_bins" in own:
+        x = torch.randn(2, cfg.max_length, cfg.num_mel_bins, dtype=dtype)
+    elif name == "input_values":
+        x = torch.randn(2, 3200, dtype=dtype)
+    elif "max_source_positions" in own and "num_mel_bins" in own:
+        x = torch.randn(2, cfg.num_mel_bins, 2 * cfg.max_source_positions, dtype=dtype)
+    else:  # filter-bank frames (time, features; Wav2Vec2-BERT stacks 2 frames of 80 into one of 160)
+        width = own.get("feature_projection_input_dim") or own.get("feature_size") or own.get("num_mel_bins") or 80
+        x = torch.randn(2, 40, width, dtype=dtype)
+    labels = torch.tensor([0, 2]) if task == "audio-cls" else torch.tensor([[3, 4, 5, 6], [7, 8, -100, -100]])
+    return {name: x, "labels": labels}
 
 
 def _inputs(task: str, dtype: torch.dtype = torch.float64) -> dict:
@@ -314,7 +353,8 @@ def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: s
     params = sum(p.numel() for p in model.parameters())
     if params > MAX_PARAMS:
         return {"status": "too big", "why": f"{params} parameters with the tiny config"}
-    kwargs = _inputs(task, torch.float64 if dtype == "float64" else torch.float32)
+    input_dtype = torch.float64 if dtype == "float64" else torch.float32
+    kwargs = _audio_inputs(model, task, input_dtype) if task in AUDIO_TASKS else _inputs(task, input_dtype)
     leaves = [p for p in model.parameters() if p.requires_grad]
     model.train()
     # fp16-autocast: the model in fp32 under CPU autocast to fp16, as a user trains in mixed precision
@@ -419,7 +459,8 @@ def main(types: list[str], task: str = "causal-lm", via: str = "fuse", dtype: st
                "seq-cls": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
                "token-cls": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
                "qa": "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES",
-               "multiple-choice": "MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES"}[task]
+               "multiple-choice": "MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES", "ctc": "MODEL_FOR_CTC_MAPPING_NAMES",
+               "audio-cls": "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES"}[task]
     stem = "fuse_sweep" + ("" if task == "causal-lm" else f"_{task}") + ("" if via == "fuse" else f"_{via}") \
         + ("" if dtype == "float64" else f"_{dtype}")
     path = os.path.join(RESULTS, f"{stem}.json")
