@@ -24,6 +24,7 @@ Every candidate left in the graph is reported with the reasons it was rejected, 
 op of interest no pattern took. Last, under autocast, a fused norm whose output only autocast's
 matmuls read writes it in their dtype (narrow.py).
 """
+import operator
 import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -138,8 +139,32 @@ def rewrite(gm: fx.GraphModule, patterns: Sequence[Pattern] | None = None) -> Re
     return log
 
 
+# Reads whose value nobody uses can go before matching: pure, and a use outside a pattern would
+# block it (WavLM's attention weights, returned by F.multi_head_attention_forward, indexed and
+# broadcast, then dropped: Dynamo keeps the dead reads in its graph).
+_PURE_METHODS = frozenset(("broadcast_to", "expand", "view", "reshape", "unsqueeze", "squeeze", "transpose",
+                           "permute", "flatten", "contiguous", "size", "dim", "numel"))
+_PURE_FUNCTIONS = frozenset((operator.getitem, torch.broadcast_to, torch.reshape, torch.unsqueeze, torch.squeeze,
+                             torch.transpose, torch.permute, torch.flatten, torch.numel))
+
+
+def _drop_dead_reads(graph: fx.Graph) -> None:
+    """Erases getitem and view-like method nodes that have no users, and then those left unused."""
+    changed = True
+    while changed:
+        changed = False
+        for node in reversed(list(graph.nodes)):
+            if node.users:
+                continue
+            if (node.op == "call_function" and _hashable(node.target) and node.target in _PURE_FUNCTIONS) or \
+                    (node.op == "call_method" and node.target in _PURE_METHODS):
+                graph.erase_node(node)
+                changed = True
+
+
 def rewrite_graph(graph: fx.Graph, patterns: Sequence[Pattern]) -> RewriteLog:
     log = RewriteLog()
+    _drop_dead_reads(graph)
     rejections: dict[fx.Node, list[Rejected]] = {}
     for pattern in patterns:
         missing = [name for name in pattern.ops if not available(name)]

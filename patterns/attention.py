@@ -68,9 +68,12 @@ style: the score matrix never exists).
   product: in 16-bit models the op takes them uncast (its scores are fp32 whatever their dtype),
   where q, k and v share a dtype. Their blocks return the probabilities too: fusion/capture.py drops them from
   the graph's outputs when the block is called with output_attentions=False.
-- `F.multi_head_attention_forward` as `nn.MultiheadAttention` (and so nn.TransformerEncoder)
-  calls it for self-attention without returned weights: its in-projection, heads and
-  out-projection stay as matmuls around the fused attention.
+- `F.multi_head_attention_forward`, self- and cross-attention, as `nn.MultiheadAttention` (and so
+  nn.TransformerEncoder / Decoder) calls it and as WavLM calls it itself: projection weights
+  packed or separate (q, k, v), an attn_mask (2-D, or per batch and head: WavLM's gated relative
+  position bias, which gets its gradient) and a key padding mask, each boolean or additive; with
+  need_weights (nn.MultiheadAttention's default) when the weights go unused. The in-projections,
+  heads and out-projection stay as matmuls around the fused attention.
 
 Dropout keeps its p and is off when the model's training flag is off, as in the model.
 
@@ -1049,68 +1052,148 @@ def _per_head_scale_pattern(windowed: bool) -> Pattern:
                     needs_number("p"), needs_bool("training")))
 
 
-def self_attention_mha(x: torch.Tensor, embed_dim, num_heads, in_w: torch.Tensor, in_b, dropout_p,
-                       out_w: torch.Tensor, out_b, training, average_attn_weights, key_padding_mask, attn_mask,
+def self_attention_mha(x: torch.Tensor, embed_dim, num_heads, in_w, in_b, dropout_p, out_w, out_b, training,
+                       key_padding_mask, need_weights, attn_mask, separate, q_w, k_w, v_w, average_attn_weights,
                        is_causal):
-    """nn.MultiheadAttention's functional core, self-attention, no returned weights."""
+    """nn.MultiheadAttention's functional core on one sequence, its projection weights packed or
+    separate; the attention weights, computed when need_weights, unused (a use refuses the match)."""
     return F.multi_head_attention_forward(
         x, x, x, embed_dim, num_heads, in_w, in_b, None, None, False, dropout_p, out_w, out_b, training,
-        key_padding_mask, False, attn_mask, False, None, None, None, None, None, average_attn_weights, is_causal)[0]
+        key_padding_mask, need_weights, attn_mask, separate, q_w, k_w, v_w, None, None, average_attn_weights,
+        is_causal)[0]
 
 
 def self_attention_mha_fused(x, embed_dim, num_heads, in_w, in_b, dropout_p, out_w, out_b, training,
-                             average_attn_weights, key_padding_mask, attn_mask, is_causal):
+                             key_padding_mask, need_weights, attn_mask, separate, q_w, k_w, v_w,
+                             average_attn_weights, is_causal, kinds):
+    if separate:
+        return _mha_fused(x, x, embed_dim, num_heads, (q_w, k_w, v_w), in_b, dropout_p, out_w, out_b, training,
+                          key_padding_mask, need_weights, attn_mask, is_causal, kinds)
     seq, batch, _ = x.shape
     head_dim = embed_dim // num_heads
-    qkv = F.linear(x, in_w, in_b).view(seq, batch, 3, num_heads, head_dim)
+    qkv = F.linear(x, in_w, in_b).view(seq, batch, 3, num_heads, head_dim)  # one GEMM for q, k and v
     q, k, v = qkv.permute(2, 1, 3, 0, 4).unbind(0)  # each (batch, heads, seq, head_dim)
-    mask = None if key_padding_mask is None else key_padding_mask.view(batch, 1, 1, seq)
-    o = ops.attention(q, k, v, mask, dropout_p if training else 0.0, is_causal)
-    o = o.permute(2, 0, 1, 3).reshape(seq, batch, embed_dim)
-    return F.linear(o, out_w, out_b)
+    return _mha_attend(q, k, v, embed_dim, dropout_p, out_w, out_b, training, key_padding_mask, need_weights,
+                       attn_mask, is_causal, kinds)
 
 
-def cross_attention_mha(x: torch.Tensor, memory: torch.Tensor, embed_dim, num_heads, in_w: torch.Tensor, in_b,
-                        dropout_p, out_w: torch.Tensor, out_b, training, average_attn_weights, key_padding_mask,
-                        attn_mask, is_causal):
-    """nn.MultiheadAttention's functional core, attending to another sequence (key is value: a
-    decoder's memory), no returned weights."""
+def cross_attention_mha(x: torch.Tensor, memory: torch.Tensor, embed_dim, num_heads, in_w, in_b, dropout_p, out_w,
+                        out_b, training, key_padding_mask, need_weights, attn_mask, separate, q_w, k_w, v_w,
+                        average_attn_weights, is_causal):
+    """nn.MultiheadAttention's functional core attending to another sequence (key is value: a
+    decoder's memory, a pooling probe's tokens); weights as in self_attention_mha."""
     return F.multi_head_attention_forward(
         x, memory, memory, embed_dim, num_heads, in_w, in_b, None, None, False, dropout_p, out_w, out_b, training,
-        key_padding_mask, False, attn_mask, False, None, None, None, None, None, average_attn_weights, is_causal)[0]
+        key_padding_mask, need_weights, attn_mask, separate, q_w, k_w, v_w, None, None, average_attn_weights,
+        is_causal)[0]
 
 
 def cross_attention_mha_fused(x, memory, embed_dim, num_heads, in_w, in_b, dropout_p, out_w, out_b, training,
-                              average_attn_weights, key_padding_mask, attn_mask, is_causal):
+                              key_padding_mask, need_weights, attn_mask, separate, q_w, k_w, v_w,
+                              average_attn_weights, is_causal, kinds):
+    if separate:
+        return _mha_fused(x, memory, embed_dim, num_heads, (q_w, k_w, v_w), in_b, dropout_p, out_w, out_b, training,
+                          key_padding_mask, need_weights, attn_mask, is_causal, kinds)
+    w_q, w_kv = in_w.split([embed_dim, 2 * embed_dim])
+    return _mha_fused(x, memory, embed_dim, num_heads, (w_q, w_kv), in_b, dropout_p, out_w, out_b, training,
+                      key_padding_mask, need_weights, attn_mask, is_causal, kinds)
+
+
+def _mha_fused(x, memory, embed_dim, num_heads, weights, in_b, dropout_p, out_w, out_b, training,
+               key_padding_mask, need_weights, attn_mask, is_causal, kinds):
+    """The query from x, key and value from memory, with three projection weights or a query one
+    and a packed key-value one (2 x embed_dim rows); in_b packs the three biases."""
     (seq_q, batch, _), seq_k = x.shape, memory.shape[0]
     head_dim = embed_dim // num_heads
-    w_q, w_kv = in_w.split([embed_dim, 2 * embed_dim])
-    b_q, b_kv = (None, None) if in_b is None else in_b.split([embed_dim, 2 * embed_dim])
+    if len(weights) == 3:  # a tuple of the pattern's own: its length is known while tracing
+        w_q, w_k, w_v = weights
+        b_q, b_k, b_v = (None, None, None) if in_b is None else in_b.split([embed_dim, embed_dim, embed_dim])
+        k, v = (F.linear(memory, w, b).view(seq_k, batch, num_heads, head_dim).permute(1, 2, 0, 3)
+                for w, b in ((w_k, b_k), (w_v, b_v)))
+    else:
+        w_q, w_kv = weights
+        b_q, b_kv = (None, None) if in_b is None else in_b.split([embed_dim, 2 * embed_dim])
+        kv = F.linear(memory, w_kv, b_kv).view(seq_k, batch, 2, num_heads, head_dim)
+        k, v = kv.permute(2, 1, 3, 0, 4).unbind(0)  # each (batch, heads, seq_k, head_dim)
     q = F.linear(x, w_q, b_q).view(seq_q, batch, num_heads, head_dim).permute(1, 2, 0, 3)
-    kv = F.linear(memory, w_kv, b_kv).view(seq_k, batch, 2, num_heads, head_dim)
-    k, v = kv.permute(2, 1, 3, 0, 4).unbind(0)  # each (batch, heads, seq_k, head_dim)
-    mask = None if key_padding_mask is None else key_padding_mask.view(batch, 1, 1, seq_k)
-    o = ops.attention(q, k, v, mask, dropout_p if training else 0.0, is_causal)
-    o = o.permute(2, 0, 1, 3).reshape(seq_q, batch, embed_dim)
-    return F.linear(o, out_w, out_b)
+    return _mha_attend(q, k, v, embed_dim, dropout_p, out_w, out_b, training, key_padding_mask, need_weights,
+                       attn_mask, is_causal, kinds)
 
 
-def _mha_masks(m: Match) -> str | None:
-    kpm, mask, causal = m["key_padding_mask"], m["attn_mask"], m["is_causal"]
-    if not isinstance(causal, bool):
-        return "is_causal is not a constant"
-    if mask is not None and not causal:
-        return "an explicit attn_mask (only the causal hint or none is fused)"
-    if mask is None and causal:
-        return "is_causal without a mask (nn.MultiheadAttention raises on it)"
-    if mask is not None and kpm is not None:
-        return "a causal mask together with a key padding mask"
-    if kpm is not None:
-        v = m.value("key_padding_mask")
-        if not isinstance(v, torch.Tensor) or not v.is_floating_point():
-            return "the key padding mask is not a float (additive) mask"
+def _mha_attend(q, k, v, embed_dim, dropout_p, out_w, out_b, training, key_padding_mask, need_weights, attn_mask,
+                is_causal, kinds):
+    """The op on (batch, heads, seq, head_dim) q, k, v with F.multi_head_attention_forward's masks,
+    then the out-projection, back in (seq_q, batch, embed_dim)."""
+    (batch, heads, seq_q, _), seq_k = q.shape, k.shape[2]
+    if is_causal and key_padding_mask is None and not need_weights:
+        # as F.multi_head_attention_forward does there: attn_mask is only the hint's causal mask
+        mask, causal = None, True
+    else:
+        mask, causal = _mha_mask(batch, heads, seq_q, seq_k, key_padding_mask, attn_mask, *kinds), False
+    o = ops.attention(q, k, v, mask, dropout_p if training else 0.0, causal)
+    return F.linear(o.permute(2, 0, 1, 3).reshape(seq_q, batch, embed_dim), out_w, out_b)
+
+
+def _mha_mask(batch, heads, seq_q, seq_k, key_padding_mask, attn_mask, mask_bool: bool, mask_per_head: bool,
+              padding_bool: bool):
+    """The op's mask from F.multi_head_attention_forward's: attn_mask (seq_q, seq_k) or (batch *
+    heads, seq_q, seq_k), key_padding_mask (batch, seq_k), each boolean (True: masked out, the
+    reverse of the op's) or additive (the flags, from _mha_kinds, say which: the replacement is
+    traced with them as constants). Two masks become one, as multi_head_attention_forward merges
+    them: boolean AND, else -inf where a boolean one masks, or the additive ones added."""
+    a = p = None
+    if attn_mask is not None:
+        a = attn_mask.view(batch, heads, seq_q, seq_k) if mask_per_head else attn_mask.view(1, 1, seq_q, seq_k)
+        a = ~a if mask_bool else a  # boolean: True keeps a key, as the op reads it
+    if key_padding_mask is not None:
+        p = key_padding_mask.view(batch, 1, 1, seq_k)
+        p = ~p if padding_bool else p
+    if a is None or p is None:
+        return p if a is None else a
+    if mask_bool and padding_bool:
+        return a & p
+    if mask_bool or padding_bool:
+        keep, additive = (a, p) if mask_bool else (p, a)
+        return torch.where(keep, additive, float("-inf"))
+    return a + p
+
+
+def _mha_kinds(m: Match) -> dict:
+    """The masks' kinds for the replacement: (attn_mask boolean, attn_mask per batch and head,
+    key padding mask boolean)."""
+    mask, kpm = m.value("attn_mask"), m.value("key_padding_mask")
+    return {"kinds": (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool,
+                      isinstance(mask, torch.Tensor) and mask.dim() == 3,
+                      isinstance(kpm, torch.Tensor) and kpm.dtype == torch.bool)}
+
+
+def _mha_masks(m: Match, cross: bool) -> str | None:
+    for name in ("is_causal", "need_weights", "separate"):
+        if not isinstance(m[name], bool):
+            return f"{name} is not a constant bool"
     if not is_number(m["embed_dim"]) or not is_number(m["num_heads"]):
         return "embed_dim / num_heads are not constants"
+    x = m.value("x")
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        return "the query is not batched (seq, batch, embed_dim)"
+    batch, seq_q = x.shape[1], x.shape[0]
+    memory = m.value("memory") if cross else x
+    seq_k = memory.shape[0] if isinstance(memory, torch.Tensor) else None
+    weights = ("q_w", "k_w", "v_w") if m["separate"] else ("in_w",)
+    if not all(isinstance(m.value(w), torch.Tensor) for w in weights):
+        return "projection weights that are not tensors"
+    mask, kpm = m.value("attn_mask"), m.value("key_padding_mask")
+    if m["attn_mask"] is None and m["is_causal"]:
+        return "is_causal without a mask (nn.MultiheadAttention raises on it)"
+    if m["attn_mask"] is not None:
+        if not isinstance(mask, torch.Tensor):
+            return "no metadata for attn_mask"
+        heads = int(m["num_heads"])
+        if tuple(mask.shape) not in ((seq_q, seq_k), (batch * heads, seq_q, seq_k)):
+            return f"attn_mask of shape {tuple(mask.shape)}, not (seq_q, seq_k) or (batch * heads, seq_q, seq_k)"
+    if m["key_padding_mask"] is not None:
+        if not isinstance(kpm, torch.Tensor) or tuple(kpm.shape) != (batch, seq_k):
+            return "a key padding mask that is not (batch, seq_k)"
     return None
 
 
@@ -1192,7 +1275,9 @@ PATTERNS = (
             ("attention",), (_transposes_last_two, functools.partial(_bmm_heads, masked=True), _clamp_is_finfo_min,
                              needs_number("p"), needs_bool("training"))),
     Pattern("self_attention_mha", "attention", self_attention_mha, self_attention_mha_fused, ("attention",),
-            (needs_number("dropout_p"), needs_bool("training"), _mha_masks)),
+            (needs_number("dropout_p"), needs_bool("training"), functools.partial(_mha_masks, cross=False)),
+            derive=_mha_kinds),
     Pattern("cross_attention_mha", "attention", cross_attention_mha, cross_attention_mha_fused, ("attention",),
-            (needs_number("dropout_p"), needs_bool("training"), _mha_masks)),
+            (needs_number("dropout_p"), needs_bool("training"), functools.partial(_mha_masks, cross=True)),
+            derive=_mha_kinds),
 )

@@ -158,6 +158,9 @@ def llama(layers: int = LAYERS, attn_implementation: str = "sdpa"):
 # gated MLP with one key/value head.
 _DECODER = {"hidden_size": HIDDEN, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS}
 _MLP = {"intermediate_size": 2 * HIDDEN}
+_SPEECH_ENCODER = {**_DECODER, **_MLP, "conv_dim": (HIDDEN,) * 7, "num_conv_pos_embeddings": 16,
+                   "num_conv_pos_embedding_groups": 4, "mask_time_prob": 0.0, "layerdrop": 0.0, "hidden_dropout": 0.0,
+                   "attention_dropout": 0.0, "activation_dropout": 0.0, "feat_proj_dropout": 0.0, "final_dropout": 0.0}
 _FAMILIES = {
     "gemma": {**_DECODER, **_MLP, "num_key_value_heads": 1, "head_dim": HIDDEN // HEADS},
     # Gemma 2 needs transformers' eager attention (SDPA has no soft cap); a cap small enough to bend
@@ -311,10 +314,20 @@ _FAMILIES.update({
     # torch.full((), finfo(dtype).min))`; its float64 copy runs with float64 the default dtype (below)
     "xglm": {"d_model": HIDDEN, "num_layers": LAYERS, "attention_heads": HEADS, "ffn_dim": 2 * HIDDEN,
              "dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0, "attn_implementation": "eager"},
+    # Speech to characters with a CTC loss over raw 16 kHz samples: wav2vec 2.0's convolutional
+    # feature encoder (GeLU after each convolution, unfused), a convolutional position embedding,
+    # post-norm blocks; WavLM's pre-norm (stable) blocks call F.multi_head_attention_forward
+    # themselves, with separate q/k/v weights, its gated relative position bias as a per-head float
+    # attn_mask (which gets its gradient) and the frames' padding as a boolean key padding mask.
+    # SpecAugment's masks and LayerDrop, drawn per training call, off.
+    "wav2vec2": {**_SPEECH_ENCODER, "feat_extract_norm": "group"},
+    "wavlm": {**_SPEECH_ENCODER, "feat_extract_norm": "layer", "do_stable_layer_norm": True, "num_buckets": 8,
+              "max_bucket_distance": 16, "attn_implementation": "eager"},
 })
 SEQ2SEQ = ("t5", "bart")
 MASKED = ("modernbert", "deberta-v2", "deberta", "mpnet", "rembert", "distilbert", "squeezebert")
 SPEECH = ("whisper",)
+CTC = ("wav2vec2", "wavlm")
 CONTRASTIVE = ("clip", "siglip")
 
 
@@ -341,8 +354,8 @@ def _float64_default_for_float64_copies(model: nn.Module) -> None:
 def hf_family(model_type: str, **overrides):
     """A tiny Hugging Face model of `model_type` (a key of _FAMILIES, its config changed by
     `overrides`) with its training loss: an LM, a masked LM with padding, a speech-to-text model,
-    or text and vision towers with a contrastive loss. Dropout off, SDPA attention unless the
-    family says otherwise."""
+    text and vision towers with a contrastive loss, or speech to characters (CTC). Dropout off,
+    SDPA attention unless the family says otherwise."""
     tf = _quiet_transformers()
     if model_type in CONTRASTIVE:
         text = {**_FAMILIES[model_type], "vocab_size": VOCAB, "max_position_embeddings": 64, "pad_token_id": 0,
@@ -356,7 +369,8 @@ def hf_family(model_type: str, **overrides):
                                       bos_token_id=0, eos_token_id=0, tie_word_embeddings=False,
                                       **{"attn_implementation": "sdpa", **_FAMILIES[model_type], **overrides})
         auto = (tf.AutoModelForSeq2SeqLM if model_type in SEQ2SEQ else tf.AutoModelForMaskedLM if model_type in MASKED
-                else tf.AutoModelForSpeechSeq2Seq if model_type in SPEECH else tf.AutoModelForCausalLM)
+                else tf.AutoModelForSpeechSeq2Seq if model_type in SPEECH else tf.AutoModelForCTC if model_type in CTC
+                else tf.AutoModelForCausalLM)
         model = auto.from_config(cfg)
         if model_type == "xglm":
             _float64_default_for_float64_copies(model)
@@ -374,6 +388,13 @@ def hf_family(model_type: str, **overrides):
             return {"input_ids": ids, "attention_mask": mask, "labels": ids}
         if model_type in CONTRASTIVE:
             return {"input_ids": ids, "pixel_values": torch.randn(batch, 3, 16, 16), "return_loss": True}
+        if model_type in CTC:  # about `seq` frames of audio (320 samples each); the first clip's last 600 padded
+            samples = 320 * seq + 80
+            mask = torch.ones(batch, samples, dtype=torch.long)
+            mask[0, samples - 600:] = 0
+            labels = torch.randint(1, VOCAB, (batch, 3))
+            labels[0, -1] = -100  # a shorter transcript, padded as a CTC collator pads it
+            return {"input_values": torch.randn(batch, samples), "attention_mask": mask, "labels": labels}
         return {"input_ids": ids, "labels": ids, "use_cache": False}
 
     return model, inputs, lambda m, kw: m(**kw).loss

@@ -31,7 +31,7 @@ BERT = {"layer_norm": 2, "attention": L, "bias_gelu": L + 1, "residual_stream": 
 EAGER_ATTENTION = {"gpt2-eager": "attention_chain_mul_add_dropout_cast",
                    "bert-eager": "attention_chain_mul_add_dropout",
                    "gpt_oss": "attention_chain_sinks_add_repeat_kv", "trocr": "attention_bmm_add_dropout",
-                   "xglm": "attention_bmm_add_clamp_dropout",
+                   "xglm": "attention_bmm_add_clamp_dropout", "wavlm": "self_attention_mha",
                    "squeezebert": "attention_chain_div_add_dropout_k_transposed",
                    "granite_swa": "attention_chain_sink_scale_add_repeat_kv",
                    "mimo_v2_flash": {"attention_chain_max_sub_add_repeat_kv": 1, "attention_chain_sinks_add": 1}}
@@ -218,6 +218,13 @@ MODELS = {
                                                  **ROTARY, **LOSS}),
     "granite_swa": (_family("granite_swa"), {"rms_norm": L + 1, "attention": L, "residual_stream": L, **GATED,
                                              **ROTARY, **LOSS}),
+    # Speech with a CTC loss (not a cross-entropy): wav2vec 2.0's post-norm blocks; WavLM's pre-norm
+    # ones call F.multi_head_attention_forward themselves (separate q/k/v weights, the gated relative
+    # position bias as a per-head float mask, a boolean key padding mask, need_weights with the
+    # weights dropped), and its feature encoder's 7 convolutions each end in a LayerNorm
+    "wav2vec2": (_family("wav2vec2"), {"layer_norm": 2, "attention": L, "bias_gelu": L, "residual_stream": 2 * L}),
+    "wavlm": (_family("wavlm"), {"layer_norm": 9 + L, "attention": L, "bias_gelu": L, "residual_stream": L,
+                                 "dropout_add": L}),
 }
 OPS = {"layer_norm": ("trifuse::layer_norm",), "rms_norm": ("trifuse::rms_norm",),
        "attention": ("trifuse::attention",), "bias_gelu": ("trifuse::bias_gelu",),

@@ -320,11 +320,12 @@ def test_multihead_attention_self_attention():
 @pytest.mark.parametrize("batch_first, bias, padded, need_weights", [
     (True, True, True, False),
     (False, False, False, False),
-    (True, True, True, True),  # the weights are returned: left as written
+    (True, True, True, True),  # nn.MultiheadAttention's default: weights computed, then dropped
 ])
 def test_multihead_attention_cross_attention(batch_first, bias, padded, need_weights):
     """A decoder's cross-attention (nn.TransformerDecoderLayer's multihead_attn): the query from
-    one sequence, key and value one tensor from another of a different length."""
+    one sequence, key and value one tensor from another of a different length. Weights computed
+    (need_weights, the module's default) but unused do not keep it unfused."""
     class Cross(nn.Module):
         def __init__(self):
             super().__init__()
@@ -342,14 +343,112 @@ def test_multihead_attention_cross_attention(batch_first, bias, padded, need_wei
     if not batch_first:
         x, memory = x.transpose(0, 1), memory.transpose(0, 1)
     report = check_against_unfused(Cross, (x, memory), "dynamo")
-    assert report.by_pattern() == ({} if need_weights else {"cross_attention_mha": 1})
+    assert report.by_pattern() == {"cross_attention_mha": 1}
 
 
-def test_multihead_attention_returning_weights_is_reported():
+def test_multihead_attention_whose_weights_are_used_is_left_and_reported():
+    class Weighted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha = nn.MultiheadAttention(H * D, H, batch_first=True)
+
+        def forward(self, x):
+            out, weights = self.mha(x, x, x)
+            return out, weights
+
+    report = check_against_unfused(Weighted, (torch.randn(B, S, H * D),), "dynamo")
+    assert report.by_pattern() == {}
+    assert any(pattern == "self_attention_mha" and "outside the pattern" in reason
+               for _, _, pattern, reason in report.rejected())
+
+
+# F.multi_head_attention_forward's masks, as code that calls it itself passes them (WavLM: separate
+# q/k/v weights, a per-head float attn_mask that is learned, a boolean key padding mask). Boolean
+# masks there are True where a key is masked out.
+def _mha_masks(attn, padding):
+    """(attn_mask, key_padding_mask) of each kind for a (S, S) self-attention of batch B."""
+    if attn == "bool":
+        attn_mask = torch.ones(S, S, dtype=torch.bool).triu(1)  # causal, written as a mask
+        attn_mask[-1, 0] = True
+    elif attn == "float":
+        attn_mask = torch.randn(S, S)
+    elif attn == "per-head":
+        attn_mask = torch.randn(B * H, S, S)
+    else:
+        attn_mask = None
+    pad = torch.zeros(B, S, dtype=torch.bool)
+    pad[0, -2:] = True
+    if padding == "bool":
+        return attn_mask, pad
+    if padding == "float":
+        return attn_mask, torch.zeros(B, S).masked_fill(pad, -1e4)
+    return attn_mask, None
+
+
+class CallsMHA(nn.Module):
+    """F.multi_head_attention_forward called directly on (S, B, E), as WavLM does; a float
+    attn_mask is a parameter here (WavLM's gated position bias is computed from its own)."""
+
+    def __init__(self, separate, attn, padding, need_weights, is_causal=False):
+        super().__init__()
+        e = H * D
+        self.w = nn.ParameterList([nn.Parameter(torch.randn(e, e) / e**0.5) for _ in range(3 if separate else 1)])
+        if not separate:
+            self.w[0] = nn.Parameter(torch.randn(3 * e, e) / e**0.5)
+        self.in_b = nn.Parameter(torch.randn(3 * e))
+        self.out = nn.Linear(e, e)
+        attn_mask, pad = _mha_masks(attn, padding)
+        if attn_mask is not None and attn_mask.is_floating_point():
+            self.attn_mask = nn.Parameter(attn_mask)
+        else:
+            self.register_buffer("attn_mask", attn_mask)
+        self.register_buffer("pad", pad)
+        self.separate, self.need_weights, self.is_causal = separate, need_weights, is_causal
+
+    def forward(self, x):
+        x = x.transpose(0, 1)
+        separate = self.separate
+        out, _ = F.multi_head_attention_forward(
+            x, x, x, H * D, H, torch.empty([0]) if separate else self.w[0], self.in_b, None, None, False, 0.0,
+            self.out.weight, self.out.bias, self.training, self.pad, need_weights=self.need_weights,
+            attn_mask=self.attn_mask, use_separate_proj_weight=separate,
+            q_proj_weight=self.w[0] if separate else None, k_proj_weight=self.w[1] if separate else None,
+            v_proj_weight=self.w[2] if separate else None, is_causal=self.is_causal)
+        return out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("separate, attn, padding, need_weights", [
+    (True, "per-head", "bool", True),  # WavLM's call
+    (True, "per-head", "float", False),
+    (False, "float", "bool", True),
+    (False, "bool", "bool", False),
+    (False, "bool", "float", True),
+    (True, "float", None, False),
+    (False, None, "bool", False),
+    (False, "per-head", None, True),
+])
+def test_multi_head_attention_forward_called_directly(separate, attn, padding, need_weights):
+    """Every mask kind and pairing, packed or separate projection weights: one fused attention,
+    outputs and every gradient (a float attn_mask's too, through the op's mask gradient) by the
+    oracle rule; the two masks merged as F.multi_head_attention_forward merges them."""
+    report = check_against_unfused(lambda: CallsMHA(separate, attn, padding, need_weights),
+                                   (torch.randn(B, S, H * D),), "dynamo")
+    assert report.by_pattern() == {"self_attention_mha": 1}
+
+
+def test_multi_head_attention_forward_causal_hint_with_need_weights_uses_the_mask():
+    """With need_weights, F.multi_head_attention_forward applies attn_mask and ignores the is_causal
+    hint; so does the fused op (a mask that is not causal tells the two apart)."""
+    report = check_against_unfused(lambda: CallsMHA(False, "float", None, True, is_causal=True),
+                                   (torch.randn(B, S, H * D),), "dynamo")
+    assert report.by_pattern() == {"self_attention_mha": 1}
+
+
+def test_multihead_attention_pooling_head_fuses_through_dynamo():
     """SigLIP's pooling head: fx could trace it, with the nn.MultiheadAttention a module call no
-    pattern looks into, so fuse captures it with Dynamo instead. The LayerNorm fuses; the
-    attention (a learned probe attending to the tokens) returns its weights, which no pattern
-    gives, and the report says it is left."""
+    pattern looks into, so fuse captures it with Dynamo instead. The LayerNorm fuses, and the
+    attention (a learned probe attending to the tokens, its weights computed by default and
+    dropped) fuses as cross-attention."""
     class PoolingHead(nn.Module):
         def __init__(self):
             super().__init__()
@@ -362,8 +461,8 @@ def test_multihead_attention_returning_weights_is_reported():
             return self.layernorm(h)
 
     report = check_against_unfused(PoolingHead, (torch.randn(B, S, H * D),), "fx")
-    assert report.counts() == available_counts({"layer_norm": 1})
-    assert [(where, op) for _, where, op, _ in report.left()] == [("attention", "multi_head_attention_forward")]
+    assert report.counts() == available_counts({"layer_norm": 1, "attention": 1})
+    assert report.by_pattern()["cross_attention_mha"] == 1
     assert "PoolingHead, dynamo" in report.table()
 
 
