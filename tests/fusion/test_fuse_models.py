@@ -137,14 +137,14 @@ MODELS = {
     "whisper": (_family("whisper"), {"layer_norm": 2 * L + 2, "attention": 3 * L, "bias_gelu": 2 * L,
                                      "residual_stream": 3 * L, "dropout_add": 2 * L, **LOSS}),
     # two towers of L blocks; CLIP's quick_gelu becomes bias_gelu's quick form; SigLIP's pooling
-    # head adds a LayerNorm and a GeLU MLP
+    # head adds a LayerNorm, a GeLU MLP and its probe's nn.MultiheadAttention (weights dropped)
     "clip": (_family("clip"), {"layer_norm": 2 * L + 3, "attention": 2 * L, "bias_gelu": 2 * L,
                                "residual_stream": 2 * L}),
     # CLIP's vision tower alone (OWL-ViT, CLIPSeg and X-CLIP build on it): pre- and post-LayerNorm,
     # fc1 + QuickGELU as bias_gelu's quick form
     "clip-vision": (_models.clip_vision, {"layer_norm": L + 2, "attention": L, "bias_gelu": L,
                                           "residual_stream": L}),
-    "siglip": (_family("siglip"), {"layer_norm": 2 * L + 3, "attention": 2 * L, "bias_gelu": 2 * L + 1,
+    "siglip": (_family("siglip"), {"layer_norm": 2 * L + 3, "attention": 2 * L + 1, "bias_gelu": 2 * L + 1,
                                    "residual_stream": 2 * L}),
     # Swin V2: cosine attention (a learned scale per head moved onto q, the relative position bias
     # the op's mask, in shifted windows with the window mask added), two stages of two blocks; its
