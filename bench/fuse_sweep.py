@@ -480,6 +480,10 @@ def main(types: list[str], task: str = "causal-lm", via: str = "fuse", dtype: st
     header = (f"date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · torch {torch.__version__} · triton "
               f"{triton.__version__} · transformers {tf.__version__} · python {platform.python_version()} · CPU "
               f"(TRITON_INTERPRET=1), {dtype}, one training step, dropout off, task {task}, via {via}")
+    if kept:  # a partial rerun: the sweep's own header stays, and says which rows are newer
+        with open(path) as f:
+            header = json.load(f)["header"].split(" · rerun ")[0] + f" · rerun {header.split(' · ')[0][5:]} " \
+                f"(transformers {tf.__version__}): {', '.join(types)}"
     rows = sorted({**kept, **{r["type"]: r for r in rows}}.values(), key=lambda r: r["type"])
     os.makedirs(RESULTS, exist_ok=True)
     with open(path, "w") as f:
