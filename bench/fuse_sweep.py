@@ -80,8 +80,8 @@ OVERRIDES = {"t5gemma": {"bos_token_id": 2}, "prophetnet": {"num_encoder_layers"
              **{t: _MLA for t in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "sarvam_mla")},
              "kimi_linear": {"linear_head_dim": 16, "linear_num_heads": 2, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
                              "v_head_dim": 16, "kv_lora_rank": 16, "head_dim": 8}}
-TASKS = ("causal-lm", "masked-lm", "seq2seq", "image-cls", "seq-cls", "token-cls", "qa", "multiple-choice", "ctc",
-         "audio-cls")
+TASKS = ("causal-lm", "masked-lm", "seq2seq", "image-cls", "seq-cls", "token-cls", "qa", "multiple-choice",
+         "ctc", "audio-cls")
 AUDIO_TASKS = ("ctc", "audio-cls")
 VIAS = ("fuse", "backend")  # trifuse.fuse(model), or torch.compile(model, backend="trifuse")
 MAX_PARAMS = 3_000_000
@@ -295,7 +295,8 @@ def _audio_inputs(model, task: str, dtype: torch.dtype) -> dict:
     elif "max_source_positions" in own and "num_mel_bins" in own:
         x = torch.randn(2, cfg.num_mel_bins, 2 * cfg.max_source_positions, dtype=dtype)
     else:  # filter-bank frames (time, features; Wav2Vec2-BERT stacks 2 frames of 80 into one of 160)
-        width = own.get("feature_projection_input_dim") or own.get("feature_size") or own.get("num_mel_bins") or 80
+        width = (own.get("feature_projection_input_dim") or own.get("feature_size") or own.get("num_mel_bins")
+                 or 80)
         x = torch.randn(2, 40, width, dtype=dtype)
     labels = torch.tensor([0, 2]) if task == "audio-cls" else torch.tensor([[3, 4, 5, 6], [7, 8, -100, -100]])
     return {name: x, "labels": labels}
@@ -459,7 +460,8 @@ def main(types: list[str], task: str = "causal-lm", via: str = "fuse", dtype: st
                "seq-cls": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
                "token-cls": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
                "qa": "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES",
-               "multiple-choice": "MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES", "ctc": "MODEL_FOR_CTC_MAPPING_NAMES",
+               "multiple-choice": "MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES",
+               "ctc": "MODEL_FOR_CTC_MAPPING_NAMES",
                "audio-cls": "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES"}[task]
     stem = "fuse_sweep" + ("" if task == "causal-lm" else f"_{task}") + ("" if via == "fuse" else f"_{via}") \
         + ("" if dtype == "float64" else f"_{dtype}")
@@ -482,8 +484,9 @@ def main(types: list[str], task: str = "causal-lm", via: str = "fuse", dtype: st
               f"(TRITON_INTERPRET=1), {dtype}, one training step, dropout off, task {task}, via {via}")
     if kept:  # a partial rerun: the sweep's own header stays, and says which rows are newer
         with open(path) as f:
-            header = json.load(f)["header"].split(" · rerun ")[0] + f" · rerun {header.split(' · ')[0][5:]} " \
-                f"(transformers {tf.__version__}): {', '.join(types)}"
+            swept = json.load(f)["header"].split(" · rerun ")[0]
+        rerun = header.split(" · ")[0][len("date "):]
+        header = f"{swept} · rerun {rerun} (transformers {tf.__version__}): {', '.join(types)}"
     rows = sorted({**kept, **{r["type"]: r for r in rows}}.values(), key=lambda r: r["type"])
     os.makedirs(RESULTS, exist_ok=True)
     with open(path, "w") as f:

@@ -144,8 +144,8 @@ def rewrite(gm: fx.GraphModule, patterns: Sequence[Pattern] | None = None) -> Re
 # broadcast, then dropped: Dynamo keeps the dead reads in its graph).
 _PURE_METHODS = frozenset(("broadcast_to", "expand", "view", "reshape", "unsqueeze", "squeeze", "transpose",
                            "permute", "flatten", "contiguous", "size", "dim", "numel"))
-_PURE_FUNCTIONS = frozenset((operator.getitem, torch.broadcast_to, torch.reshape, torch.unsqueeze, torch.squeeze,
-                             torch.transpose, torch.permute, torch.flatten, torch.numel))
+_PURE_FUNCTIONS = frozenset((operator.getitem, torch.broadcast_to, torch.reshape, torch.unsqueeze,
+                             torch.squeeze, torch.transpose, torch.permute, torch.flatten, torch.numel))
 
 
 def _drop_dead_reads(graph: fx.Graph) -> None:

@@ -1053,8 +1053,8 @@ def _per_head_scale_pattern(windowed: bool) -> Pattern:
 
 
 def self_attention_mha(x: torch.Tensor, embed_dim, num_heads, in_w, in_b, dropout_p, out_w, out_b, training,
-                       key_padding_mask, need_weights, attn_mask, separate, q_w, k_w, v_w, average_attn_weights,
-                       is_causal):
+                       key_padding_mask, need_weights, attn_mask, separate, q_w, k_w, v_w,
+                       average_attn_weights, is_causal):
     """nn.MultiheadAttention's functional core on one sequence, its projection weights packed or
     separate; the attention weights, computed when need_weights, unused (a use refuses the match)."""
     return F.multi_head_attention_forward(
@@ -1067,8 +1067,8 @@ def self_attention_mha_fused(x, embed_dim, num_heads, in_w, in_b, dropout_p, out
                              key_padding_mask, need_weights, attn_mask, separate, q_w, k_w, v_w,
                              average_attn_weights, is_causal, kinds):
     if separate:
-        return _mha_fused(x, x, embed_dim, num_heads, (q_w, k_w, v_w), in_b, dropout_p, out_w, out_b, training,
-                          key_padding_mask, need_weights, attn_mask, is_causal, kinds)
+        return _mha_fused(x, x, embed_dim, num_heads, (q_w, k_w, v_w), in_b, dropout_p, out_w, out_b,
+                          training, key_padding_mask, need_weights, attn_mask, is_causal, kinds)
     seq, batch, _ = x.shape
     head_dim = embed_dim // num_heads
     qkv = F.linear(x, in_w, in_b).view(seq, batch, 3, num_heads, head_dim)  # one GEMM for q, k and v
@@ -1077,9 +1077,9 @@ def self_attention_mha_fused(x, embed_dim, num_heads, in_w, in_b, dropout_p, out
                        attn_mask, is_causal, kinds)
 
 
-def cross_attention_mha(x: torch.Tensor, memory: torch.Tensor, embed_dim, num_heads, in_w, in_b, dropout_p, out_w,
-                        out_b, training, key_padding_mask, need_weights, attn_mask, separate, q_w, k_w, v_w,
-                        average_attn_weights, is_causal):
+def cross_attention_mha(x: torch.Tensor, memory: torch.Tensor, embed_dim, num_heads, in_w, in_b, dropout_p,
+                        out_w, out_b, training, key_padding_mask, need_weights, attn_mask, separate, q_w, k_w,
+                        v_w, average_attn_weights, is_causal):
     """nn.MultiheadAttention's functional core attending to another sequence (key is value: a
     decoder's memory, a pooling probe's tokens); weights as in self_attention_mha."""
     return F.multi_head_attention_forward(
@@ -1092,8 +1092,8 @@ def cross_attention_mha_fused(x, memory, embed_dim, num_heads, in_w, in_b, dropo
                               key_padding_mask, need_weights, attn_mask, separate, q_w, k_w, v_w,
                               average_attn_weights, is_causal, kinds):
     if separate:
-        return _mha_fused(x, memory, embed_dim, num_heads, (q_w, k_w, v_w), in_b, dropout_p, out_w, out_b, training,
-                          key_padding_mask, need_weights, attn_mask, is_causal, kinds)
+        return _mha_fused(x, memory, embed_dim, num_heads, (q_w, k_w, v_w), in_b, dropout_p, out_w, out_b,
+                          training, key_padding_mask, need_weights, attn_mask, is_causal, kinds)
     w_q, w_kv = in_w.split([embed_dim, 2 * embed_dim])
     return _mha_fused(x, memory, embed_dim, num_heads, (w_q, w_kv), in_b, dropout_p, out_w, out_b, training,
                       key_padding_mask, need_weights, attn_mask, is_causal, kinds)
@@ -1120,8 +1120,8 @@ def _mha_fused(x, memory, embed_dim, num_heads, weights, in_b, dropout_p, out_w,
                        attn_mask, is_causal, kinds)
 
 
-def _mha_attend(q, k, v, embed_dim, dropout_p, out_w, out_b, training, key_padding_mask, need_weights, attn_mask,
-                is_causal, kinds):
+def _mha_attend(q, k, v, embed_dim, dropout_p, out_w, out_b, training, key_padding_mask, need_weights,
+                attn_mask, is_causal, kinds):
     """The op on (batch, heads, seq, head_dim) q, k, v with F.multi_head_attention_forward's masks,
     then the out-projection, back in (seq_q, batch, embed_dim)."""
     (batch, heads, seq_q, _), seq_k = q.shape, k.shape[2]
@@ -1143,7 +1143,8 @@ def _mha_mask(batch, heads, seq_q, seq_k, key_padding_mask, attn_mask, mask_bool
     them: boolean AND, else -inf where a boolean one masks, or the additive ones added."""
     a = p = None
     if attn_mask is not None:
-        a = attn_mask.view(batch, heads, seq_q, seq_k) if mask_per_head else attn_mask.view(1, 1, seq_q, seq_k)
+        shape = (batch, heads, seq_q, seq_k) if mask_per_head else (1, 1, seq_q, seq_k)
+        a = attn_mask.view(shape)
         a = ~a if mask_bool else a  # boolean: True keeps a key, as the op reads it
     if key_padding_mask is not None:
         p = key_padding_mask.view(batch, 1, 1, seq_k)
@@ -1190,7 +1191,8 @@ def _mha_masks(m: Match, cross: bool) -> str | None:
             return "no metadata for attn_mask"
         heads = int(m["num_heads"])
         if tuple(mask.shape) not in ((seq_q, seq_k), (batch * heads, seq_q, seq_k)):
-            return f"attn_mask of shape {tuple(mask.shape)}, not (seq_q, seq_k) or (batch * heads, seq_q, seq_k)"
+            return (f"attn_mask of shape {tuple(mask.shape)}, not (seq_q, seq_k) or "
+                    "(batch * heads, seq_q, seq_k)")
     if m["key_padding_mask"] is not None:
         if not isinstance(kpm, torch.Tensor) or tuple(kpm.shape) != (batch, seq_k):
             return "a key padding mask that is not (batch, seq_k)"

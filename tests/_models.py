@@ -159,8 +159,9 @@ def llama(layers: int = LAYERS, attn_implementation: str = "sdpa"):
 _DECODER = {"hidden_size": HIDDEN, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS}
 _MLP = {"intermediate_size": 2 * HIDDEN}
 _SPEECH_ENCODER = {**_DECODER, **_MLP, "conv_dim": (HIDDEN,) * 7, "num_conv_pos_embeddings": 16,
-                   "num_conv_pos_embedding_groups": 4, "mask_time_prob": 0.0, "layerdrop": 0.0, "hidden_dropout": 0.0,
-                   "attention_dropout": 0.0, "activation_dropout": 0.0, "feat_proj_dropout": 0.0, "final_dropout": 0.0}
+                   "num_conv_pos_embedding_groups": 4, "mask_time_prob": 0.0, "layerdrop": 0.0,
+                   **{k: 0.0 for k in ("hidden_dropout", "attention_dropout", "activation_dropout",
+                                       "feat_proj_dropout", "final_dropout")}}
 _FAMILIES = {
     "gemma": {**_DECODER, **_MLP, "num_key_value_heads": 1, "head_dim": HIDDEN // HEADS},
     # Gemma 2 needs transformers' eager attention (SDPA has no soft cap); a cap small enough to bend
@@ -369,8 +370,8 @@ def hf_family(model_type: str, **overrides):
                                       bos_token_id=0, eos_token_id=0, tie_word_embeddings=False,
                                       **{"attn_implementation": "sdpa", **_FAMILIES[model_type], **overrides})
         auto = (tf.AutoModelForSeq2SeqLM if model_type in SEQ2SEQ else tf.AutoModelForMaskedLM if model_type in MASKED
-                else tf.AutoModelForSpeechSeq2Seq if model_type in SPEECH else tf.AutoModelForCTC if model_type in CTC
-                else tf.AutoModelForCausalLM)
+                else tf.AutoModelForSpeechSeq2Seq if model_type in SPEECH
+                else tf.AutoModelForCTC if model_type in CTC else tf.AutoModelForCausalLM)
         model = auto.from_config(cfg)
         if model_type == "xglm":
             _float64_default_for_float64_copies(model)
@@ -388,7 +389,7 @@ def hf_family(model_type: str, **overrides):
             return {"input_ids": ids, "attention_mask": mask, "labels": ids}
         if model_type in CONTRASTIVE:
             return {"input_ids": ids, "pixel_values": torch.randn(batch, 3, 16, 16), "return_loss": True}
-        if model_type in CTC:  # about `seq` frames of audio (320 samples each); the first clip's last 600 padded
+        if model_type in CTC:  # about `seq` frames of audio (320 samples each); the first clip's end padded
             samples = 320 * seq + 80
             mask = torch.ones(batch, samples, dtype=torch.long)
             mask[0, samples - 600:] = 0

@@ -222,7 +222,8 @@ MODELS = {
     # ones call F.multi_head_attention_forward themselves (separate q/k/v weights, the gated relative
     # position bias as a per-head float mask, a boolean key padding mask, need_weights with the
     # weights dropped), and its feature encoder's 7 convolutions each end in a LayerNorm
-    "wav2vec2": (_family("wav2vec2"), {"layer_norm": 2, "attention": L, "bias_gelu": L, "residual_stream": 2 * L}),
+    "wav2vec2": (_family("wav2vec2"), {"layer_norm": 2, "attention": L, "bias_gelu": L,
+                                       "residual_stream": 2 * L}),
     "wavlm": (_family("wavlm"), {"layer_norm": 9 + L, "attention": L, "bias_gelu": L, "residual_stream": L,
                                  "dropout_add": L}),
 }
@@ -756,7 +757,8 @@ def test_question_answering_and_token_classification_losses_fuse(head, losses):
 
 
 class _TokenRows(torch.utils.data.Dataset):
-    """Fixed rows of token ids, each its own labels (the tail of some ignored), as a causal-LM dataset hands them to Trainer."""
+    """Fixed rows of token ids, each its own labels (the tail of some ignored), as a causal-LM
+    dataset hands them to Trainer."""
 
     def __init__(self, ids: torch.Tensor) -> None:
         self.ids = ids

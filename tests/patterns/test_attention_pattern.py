@@ -392,7 +392,8 @@ class CallsMHA(nn.Module):
     def __init__(self, separate, attn, padding, need_weights, is_causal=False):
         super().__init__()
         e = H * D
-        self.w = nn.ParameterList([nn.Parameter(torch.randn(e, e) / e**0.5) for _ in range(3 if separate else 1)])
+        count = 3 if separate else 1
+        self.w = nn.ParameterList([nn.Parameter(torch.randn(e, e) / e**0.5) for _ in range(count)])
         if not separate:
             self.w[0] = nn.Parameter(torch.randn(3 * e, e) / e**0.5)
         self.in_b = nn.Parameter(torch.randn(3 * e))
