@@ -74,7 +74,12 @@ SMALL_EXTRA = {"encoder_layers": 2, "decoder_layers": 2, "num_decoder_layers": 2
 _MLA = {"num_key_value_heads": 2, "n_routed_experts": 4, "n_shared_experts": 1, "kv_lora_rank": 16, "q_lora_rank": 16,
         "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "head_dim": 8, "n_group": 1, "topk_group": 1,
         "first_k_dense_replace": 1}
-OVERRIDES = {"t5gemma": {"bos_token_id": 2}, "prophetnet": {"num_encoder_layers": 2, "num_decoder_layers": 2},
+# Gemma 4's per-layer input embeddings (vocab x layers x width) take small sizes of their own.
+_GEMMA4 = {"vocab_size_per_layer_input": 64, "hidden_size_per_layer_input": 8}
+OVERRIDES = {"t5gemma": {"bos_token_id": 2},
+             **{t: _GEMMA4 for t in ("gemma4", "gemma4_text", "gemma4_assistant", "gemma4_unified",
+                                     "gemma4_unified_assistant", "gemma4_unified_text")},
+             "prophetnet": {"num_encoder_layers": 2, "num_decoder_layers": 2},
              "funnel": {"block_sizes": [1, 1, 1]}, "bit": {"hidden_sizes": 128},
              **{t: {"window_size": 2, "patch_size": 2} for t in ("swin", "swinv2", "donut-swin")},
              **{t: _MLA for t in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "sarvam_mla")},
@@ -148,11 +153,33 @@ EXPLAINED = {
         "--task qa)",
     **{("multiple-choice", "float64", t): _ZERO_CLASSIFIER_BIAS
        for t in ("big_bird", "convbert", "deberta-v2", "distilbert", "squeezebert")},
+    ("causal-lm", "float64", "qwen3_5"):
+        "the model's own fp32 parts (its text model's gated delta rule, as qwen3_5_text): unfused is 2.0e-5 "
+        "from float64 itself, fused 2.0e-5 (bench/fp64_truth.py)",
+    ("causal-lm", "float64", "gemma4_text"):
+        "the model's own fp32 parts (worst at its q and k norms): unfused is 3.3e-5 from float64 itself, "
+        "fused 2.1e-5 (bench/fp64_truth.py)",
     ("causal-lm", "float64", "lara_mini"):
         "the model's own fp32 parts (Qwen3.5's gated delta rule): unfused is 2.0e-4 from float64 itself, "
         "another fp32 formula for its loss moves it 1.7e-5 (bench/fp64_truth.py)",
 }
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def _attribute(cfg, name: str):
+    """cfg.name, or None where it has none, or where reading it raises (Gemma 4's per-layer
+    attributes refuse a global read)."""
+    try:
+        return getattr(cfg, name, None)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _has(cfg, name: str) -> bool:
+    try:
+        return hasattr(cfg, name)
+    except Exception:  # noqa: BLE001  (a per-layer attribute: the config has it)
+        return True
 
 
 def _small_config(cls, kw: dict):
@@ -164,19 +191,24 @@ def _small_config(cls, kw: dict):
     default = cls()
     kw = dict(kw)
     for k, v in list(kw.items()):
-        d = getattr(default, k, None)
+        d = _attribute(default, k)
         if isinstance(d, (list, tuple)) and d and all(isinstance(x, (int, float)) for x in d) \
                 and isinstance(v, (int, float)):
             kw[k] = type(d)([v] * len(d))
         elif k in NO_DROPOUT and isinstance(d, int) and not isinstance(d, bool):
             kw[k] = 0
-    if not hasattr(default, "head_dim"):
+    if not _has(default, "head_dim"):
         kw.pop("head_dim", None)
     for name, sub_cls in (getattr(default, "sub_configs", None) or {}).items():
-        if isinstance(sub_cls, type) and getattr(default, name, None) is not None:
+        sub = _attribute(default, name)
+        if sub is None:
+            continue
+        if hasattr(sub, "to_dict") and not isinstance(sub, type):  # the default's own class (an AutoConfig
+            sub_cls = type(sub)  # placeholder names none: Gemma 3's SigLIP tower, Llama 4's vision config)
+        if isinstance(sub_cls, type):
             try:
                 kw[name] = _small_config(sub_cls, {k: v for k, v in kw.items() if k != "attn_implementation"})
-            except Exception:  # noqa: BLE001, S110  (an AutoConfig placeholder: that sub-config stays its default)
+            except Exception:  # noqa: BLE001, S110  (a sub-config not buildable small stays its default)
                 pass
     try:
         return cls(**kw)
@@ -184,7 +216,7 @@ def _small_config(cls, kw: dict):
         # and only sizes the config has are set: ProphetNet's num_encoder_layers, not decoder_layers)
         aliases = getattr(cls, "attribute_map", {}) or {}
         kw = {k: v for k, v in kw.items() if k in ("attn_implementation", "experts_implementation")
-              or (hasattr(default, k) and k != "num_hidden_layers" and aliases.get(k) != "num_hidden_layers")}
+              or (_has(default, k) and k != "num_hidden_layers" and aliases.get(k) != "num_hidden_layers")}
         return cls(**kw)
 
 
@@ -207,17 +239,19 @@ def _config(tf, model_type: str, attn: str, task: str = "causal-lm"):
         small = {**small, "num_labels": 2}
     kw = {**small, **NO_DROPOUT, **OVERRIDES.get(model_type, {})}
     extra = {"attn_implementation": attn, "experts_implementation": "batched_mm"}
-    if task == "causal-lm":
-        cfg = tf.CONFIG_MAPPING[model_type](**kw, **extra)
-    else:
-        cfg = _small_config(tf.CONFIG_MAPPING[model_type], {**kw, **extra})
+    config_cls = tf.CONFIG_MAPPING[model_type]
+    plain = task == "causal-lm" and not getattr(config_cls, "sub_configs", None)
+    if plain:
+        cfg = config_cls(**kw, **extra)
+    else:  # composite configs (a text model beside vision or audio towers): each part made small
+        cfg = _small_config(config_cls, {**kw, **extra})
     for k, v in small.items():  # sizes some constructors ignore; head_dim may be a derived property
         if k == "head_dim" or k in OVERRIDES.get(model_type, {}):
             continue
-        if task != "causal-lm" and isinstance(getattr(cfg, k, None), (list, tuple)):
+        if not plain and isinstance(_attribute(cfg, k), (list, tuple)):
             continue  # per-stage sizes, made small above
         try:
-            if hasattr(cfg, k):
+            if _has(cfg, k):
                 setattr(cfg, k, v)
         except Exception:  # noqa: BLE001, S110  (per-layer or read-only attributes stay as built)
             pass
@@ -482,9 +516,9 @@ def main(types: list[str], task: str = "causal-lm", via: str = "fuse", dtype: st
     header = (f"date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · torch {torch.__version__} · triton "
               f"{triton.__version__} · transformers {tf.__version__} · python {platform.python_version()} · CPU "
               f"(TRITON_INTERPRET=1), {dtype}, one training step, dropout off, task {task}, via {via}")
-    if kept:  # a partial rerun: the sweep's own header stays, and says which rows are newer
+    if kept:  # a partial rerun: the sweep's header stays, earlier reruns too, and says which rows are newer
         with open(path) as f:
-            swept = json.load(f)["header"].split(" · rerun ")[0]
+            swept = json.load(f)["header"]
         rerun = header.split(" · ")[0][len("date "):]
         header = f"{swept} · rerun {rerun} (transformers {tf.__version__}): {', '.join(types)}"
     rows = sorted({**kept, **{r["type"]: r for r in rows}}.values(), key=lambda r: r["type"])

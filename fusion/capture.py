@@ -46,6 +46,7 @@ from torch.utils.checkpoint import checkpoint
 from ..patterns._base import Pattern, example_value
 from .graphs import BlockGraphs
 from .narrow import fp32_weight_grads, share_input_casts
+from .outputs import collector_restore, collector_to_global
 from .normalize import canonicalize
 from .rewriter import RewriteLog, rewrite_graph
 
@@ -416,11 +417,15 @@ class _DynamoSettings:
 
 class DynamoUnit(Unit):
     strategy = "dynamo"
+    # The capture traces its submodules' hooks, transformers' output capture among them (see
+    # outputs.collector_to_global). Not the head's: the model body it fences sets the collector itself.
+    traces_output_hooks = True
 
     def __init__(self, cls: type, patterns: Sequence[Pattern], verbose: bool) -> None:
         super().__init__(cls, patterns, verbose)
         entry = _entry(_own_code(self.original), f"{cls.__module__}.{cls.__qualname__}")
         self.compiled = torch.compile(entry, backend=_backend_for(self.patterns))
+        self._compiled_collecting: Callable[..., Any] | None = None  # see _collecting
         self.runs = 0
         self._call_seq = 0
         self._capture_seq = -1
@@ -436,20 +441,35 @@ class DynamoUnit(Unit):
         self.static_shapes = False  # captures specialize on each shape, once Dynamo failed with dynamic ones
         self._signature: inspect.Signature | None = None  # of the block's forward, once needed
         self.graphs: BlockGraphs | None = None  # CUDA graphs of the blocks: fuse(cuda_graphs=True)
-        self._settings: _DynamoSettings | None = None
+        self._settings: dict[tuple, _DynamoSettings] = {}
 
     def host_time_hidden(self) -> bool:
         return self.graphs is not None
 
-    def _dynamo_settings(self) -> _DynamoSettings:
+    def _dynamo_settings(self, collecting: bool = False) -> _DynamoSettings:
         """The Dynamo config of this unit's captures: one object per distinct setting, reused by
-        every call."""
+        every call. `collecting`: the captures guard on the modules' hooks (see `_collecting`)."""
         settings = (("capture_scalar_outputs", self.scalar_outputs),)
         if self.static_shapes:
             settings += (("automatic_dynamic_shapes", False), ("assume_static_by_default", True))
-        if self._settings is None or self._settings.changes != settings:
-            self._settings = _DynamoSettings(settings)
-        return self._settings
+        if collecting:
+            settings += (("skip_nnmodule_hook_guards", False),)
+        found = self._settings.get(settings)
+        if found is None:
+            found = self._settings[settings] = _DynamoSettings(settings)
+        return found
+
+    def _collecting(self) -> Callable[..., Any]:
+        """The forward compiled apart for calls on which transformers collects outputs through
+        hooks (output_hidden_states, output_attentions): its captures guard on the modules' hooks,
+        which Dynamo's default does not, so that a capture made before transformers installed
+        them (it does so on the first call that asks) is not reused, leaving their outputs
+        uncollected. The other calls' captures need no such guards: the hooks do nothing then."""
+        if self._compiled_collecting is None:
+            name = f"{self.cls.__module__}.{self.cls.__qualname__}.collecting"
+            entry = _entry(_own_code(self.original), name)
+            self._compiled_collecting = torch.compile(entry, backend=_backend_for(self.patterns))
+        return self._compiled_collecting
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         self.calls += 1
@@ -481,11 +501,14 @@ class DynamoUnit(Unit):
             # own bookkeeping: each new length is then a capture of its own), then without scalars.
             while True:
                 try:
-                    settings = self._dynamo_settings()
+                    collector = collector_to_global() if self.traces_output_hooks else None
+                    collecting = collector is not None and bool(collector[0].global_var)
+                    settings = self._dynamo_settings(collecting)
                     prior = settings.apply()
                     try:
-                        out = self.compiled(module, *args, **kwargs)
+                        out = (self._collecting() if collecting else self.compiled)(module, *args, **kwargs)
                     finally:
+                        collector_restore(collector)
                         settings.restore(prior)
                     break
                 except torch._dynamo.exc.TorchDynamoException:
@@ -645,6 +668,7 @@ class HeadUnit(DynamoUnit):
     """
 
     strategy = "dynamo (head)"
+    traces_output_hooks = False
 
     def __init__(self, cls: type, patterns: Sequence[Pattern], verbose: bool, skip_logits: bool = False) -> None:
         super().__init__(cls, patterns, verbose)

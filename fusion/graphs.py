@@ -37,6 +37,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..autotune.dialects import graphed_calls
+from .outputs import collecting_outputs
 
 _FAILED = object()  # an entry: this signature is not graphed
 # Per block: each graph pair holds its own memory; a block called with ever new arguments (an
@@ -184,6 +185,8 @@ def _not_graphable(module: torch.nn.Module) -> str | None:
         return "called inside another CUDA graph capture"
     if torch.compiler.is_compiling():
         return "called inside torch.compile"
+    if collecting_outputs():  # its hooks inside the block would not run in a replay
+        return "transformers collects outputs on this call (output_hidden_states, output_attentions)"
     return None
 
 

@@ -238,6 +238,31 @@ def test_eval_no_grad_and_failed_builds_run_ungraphed(monkeypatch):
     assert "could not graph: RuntimeError: capture failed (2 signature(s))" in text
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="the stand-in for make_graphed_callables: CPU runs")
+def test_calls_collecting_hidden_states_run_ungraphed(monkeypatch):
+    """transformers' hooks inside a block record its attention probabilities: a replay would not
+    run them. Training calls asking for outputs run ungraphed and collect every hidden state and
+    attention map; the calls around them stay graphed."""
+    torch.manual_seed(0)
+    lm, inputs, _ = _models.gpt2(layers=2, attn_implementation="eager")
+    ref = copy.deepcopy(lm)
+    trifuse.fuse(lm, cuda_graphs=True)
+    _on_cpu(lm, monkeypatch, _StandIn())
+    kw = inputs(2, 8)
+    for _ in range(3):
+        lm(**kw).loss.backward()
+    asks = {"output_hidden_states": True, "output_attentions": True}
+    out, want = lm(**kw, **asks), ref(**kw, **asks)
+    assert len(out.hidden_states) == 3 and len(out.attentions) == 2
+    for h, h_ref in zip(out.hidden_states + out.attentions, want.hidden_states + want.attentions):
+        torch.testing.assert_close(h, h_ref)
+    lm(**kw).loss.backward()
+    (graphs,) = _block_graphs(lm)
+    why = "transformers collects outputs on this call (output_hidden_states, output_attentions)"
+    assert graphs.skipped[why] == 2
+    assert graphs.replays == 3 * 2  # two blocks: the 2nd and 3rd calls, and the one after the collecting call
+
+
 @pytest.mark.skipif(DEVICE != "cpu", reason="on a CPU")
 def test_cpu_tensors_are_never_graphed():
     torch.manual_seed(0)

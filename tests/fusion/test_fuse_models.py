@@ -418,6 +418,38 @@ def test_attention_weights_still_returned_when_asked_for(name):
     assert_close("logits", out.logits, out64.logits, None)
 
 
+@pytest.mark.parametrize("hooks_first", [True, False], ids=["hooks-before-fuse", "hooks-after-capture"])
+def test_transformers_output_capture_hooks_keep_blocks_whole_and_collect(hooks_first):
+    """transformers records hidden states and attention probabilities through forward hooks it
+    installs, for good, on the first call that asks for them; each hook reads a ContextVar, which
+    Dynamo cannot trace. Hooks there before fuse (an evaluation first): each GPT-2 block is still
+    one graph with its eager attention fused (it was three graphs, the attention left). Hooks
+    installed after the blocks were captured: a call asking for outputs gets all of them (a capture
+    made without the hooks returned no attentions), equal to the unfused model's."""
+    torch.manual_seed(0)
+    model, inputs, _ = _models.gpt2(attn_implementation="eager")
+    kw = inputs(2, 8)
+    if hooks_first:
+        with torch.no_grad():
+            model(**kw, output_hidden_states=True, output_attentions=True)
+    ref64 = copy.deepcopy(model).double()
+    trifuse.fuse(model)
+    model(**kw).loss.backward()
+    report = trifuse.report(model)
+    assert report.counts().get("attention", 0) == available_counts({"attention": L}).get("attention", 0)
+    block = next(u for u in report.units if u.unit.cls.__name__ == "GPT2Block")
+    assert block.unit.last[block.modules[0]].graphs == 1
+    for asks in ({"output_hidden_states": True}, {"output_hidden_states": True, "output_attentions": True}):
+        out, out64 = model(**kw, **asks), ref64(**kw, **asks)
+        assert_close("loss", out.loss, out64.loss, None)
+        assert len(out.hidden_states) == L + 1
+        for i, (h, h64) in enumerate(zip(out.hidden_states, out64.hidden_states)):
+            assert_close(f"hidden_states[{i}]", h, h64, None)
+        assert len(out.attentions or ()) == (L if asks.get("output_attentions") else 0)
+        for i, (a, a64) in enumerate(zip(out.attentions or (), out64.attentions or ())):
+            assert_close(f"attentions[{i}]", a, a64, None)
+
+
 def test_optimizer_made_before_fuse_trains_the_fused_model():
     torch.manual_seed(0)
     model, inputs, loss_fn = _models.gpt2()
