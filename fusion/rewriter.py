@@ -149,17 +149,14 @@ _PURE_FUNCTIONS = frozenset((operator.getitem, torch.broadcast_to, torch.reshape
 
 
 def _drop_dead_reads(graph: fx.Graph) -> None:
-    """Erases getitem and view-like method nodes that have no users, and then those left unused."""
-    changed = True
-    while changed:
-        changed = False
-        for node in reversed(list(graph.nodes)):
-            if node.users:
-                continue
-            if (node.op == "call_function" and _hashable(node.target) and node.target in _PURE_FUNCTIONS) or \
-                    (node.op == "call_method" and node.target in _PURE_METHODS):
-                graph.erase_node(node)
-                changed = True
+    """Erases getitem and view-like method nodes that have no users, and then those left unused:
+    one pass from the output back suffices, as every user of a node comes after it."""
+    for node in reversed(list(graph.nodes)):
+        if node.users:
+            continue
+        if (node.op == "call_function" and _hashable(node.target) and node.target in _PURE_FUNCTIONS) or \
+                (node.op == "call_method" and node.target in _PURE_METHODS):
+            graph.erase_node(node)
 
 
 def rewrite_graph(graph: fx.Graph, patterns: Sequence[Pattern]) -> RewriteLog:

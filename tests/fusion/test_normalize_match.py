@@ -311,3 +311,27 @@ def test_a_pattern_with_two_sinks_matches_both_with_shared_bindings():
     assert {(m["a"].name, m["b"].name, m["c"].name, m["half"]) for m in found} == {
         ("x", "y", "z", 2), ("y", "x", "z", 2)}
     assert all(len(m.outputs) == 2 and len(set(m.nodes)) == 4 for m in found)
+
+
+def test_dead_view_chains_are_dropped_whole_and_nothing_else():
+    """What a block computes and drops (WavLM's attention probabilities, unsqueezed and broadcast
+    for an output nobody reads) goes, chain and all, in one pass; an unused op that is not a view
+    (a softmax) and everything the output reads stay."""
+    from trifuse.fusion.rewriter import _drop_dead_reads
+
+    def f(x):
+        pair = torch.softmax(x, -1), x.relu()
+        pair[1].unsqueeze(1).broadcast_to(2, 3, 4, 5).transpose(0, 1)  # read by nobody
+        torch.softmax(x, 0)  # not a view: kept
+        return pair[0].view(2, 20)
+
+    gm = fx.symbolic_trace(f)
+    before = [n.target for n in gm.graph.nodes]
+    _drop_dead_reads(gm.graph)
+    after = [n.target for n in gm.graph.nodes]
+    assert {"unsqueeze", "broadcast_to", "transpose"} <= set(before)
+    assert not {"unsqueeze", "broadcast_to", "transpose"} & set(after)
+    assert after.count(torch.softmax) == 2 and "relu" in after and "view" in after
+    x = torch.randn(2, 4, 5)
+    gm.recompile()
+    torch.testing.assert_close(gm(x), f(x))
