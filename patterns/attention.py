@@ -26,7 +26,9 @@ style: the score matrix never exists).
   (`probs[..., :-1]`), dropout, the cast to v's dtype, `@ v`; over repeat_kv or not. It becomes the
   op's `sinks`. A row the mask covers whole gives 0 there as unfused (the sink takes its weight).
   MiMo-V2-Flash's layers without sinks write the same chain without the column (the row max still
-  subtracted: softmax and its gradient are shift-invariant): the op without sinks.
+  subtracted: softmax and its gradient are shift-invariant): the op without sinks. Flint writes
+  the sinks' chain on q and k cast to fp32 (with autocast off), without the row max, the cast to
+  v's dtype before the dropout: the op on q and k uncast.
 - Granite's sliding-window attention sinks (granite_swa, granitemoe_swa): the softmax without the
   sink (fp32, cast back), dropout, `@ v` (over repeat_kv or not), the output then scaled per row by
   `sigmoid(logsumexp(scores, -1) - sinks.view(1, -1, 1))` (cast to fp32, then to the output's
@@ -328,6 +330,41 @@ def attention_chain_sinks_fused(q, k, v, d0, d1, scale, mask=None, sinks=None, s
     # gradient are shift-invariant); the op's online softmax does the same by construction.
     return ops.attention(q, k, v, mask if masked else None, p if training else 0.0, False, scale, repeat_kv,
                          sinks=sinks if with_sinks else None)
+
+
+def attention_chain_sinks_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, scale, mask: torch.Tensor,
+                               sinks: torch.Tensor, sink_shape, sink_expand, dtype, p, training, k_shape=None,
+                               v_shape=None, k_heads=None, v_heads=None, *, masked: bool, repeat_kv: bool):
+    """Flint's eager_attention_forward (transformers' modeling_flint.py), as written: q and the
+    repeated k cast to fp32 for the scores (autocast off around them), the sinks' column, no row
+    max subtracted, the softmax, the column dropped, the cast to v's dtype before the dropout."""
+    if repeat_kv:
+        k, v = _repeat_kv(k, k_shape, k_heads), _repeat_kv(v, v_shape, v_heads)
+    s = torch.matmul(q.to(torch.float32), k.to(torch.float32).transpose(d0, d1)) * scale
+    if masked:
+        s = s + mask
+    s = torch.cat([s, sinks.reshape(sink_shape).expand(sink_expand)], -1)
+    a = F.dropout(torch.softmax(s, -1)[..., :-1].to(dtype), p, training, False)
+    return torch.matmul(a, v)
+
+
+def attention_chain_sinks_fp32_fused(q, k, v, d0, d1, scale, mask=None, sinks=None, sink_shape=None, sink_expand=None,
+                                     dtype=None, p=0.0, training=False, k_shape=None, v_shape=None, k_heads=None,
+                                     v_heads=None, *, masked: bool, repeat_kv: bool):
+    # q and k uncast: the op's scores are fp32 whatever their dtype (products of 16-bit numbers are
+    # exact in fp32), its probabilities rounded to v's dtype for the product as the cast does.
+    return ops.attention(q, k, v, mask if masked else None, p if training else 0.0, False, scale, repeat_kv,
+                         sinks=sinks)
+
+
+def _sinks_fp32_pattern(masked: bool, repeat_kv: bool) -> Pattern:
+    opts = {"masked": masked, "repeat_kv": repeat_kv}
+    name = "_".join(["attention_chain_sinks_fp32", "add" if masked else "no_mask", *(["repeat_kv"] if repeat_kv else [])])
+    filters = (_transposes_last_two, _scale_is_number, _sinks_per_head, needs_number("p"), needs_bool("training"),
+               _cast_is_a_no_op, *([_float_mask("mask")] if masked else []),
+               *([_kv_repeated_over_heads] if repeat_kv else []))
+    return Pattern(name, "attention", functools.partial(attention_chain_sinks_fp32, **opts),
+                   functools.partial(attention_chain_sinks_fp32_fused, **opts), ("attention",), filters)
 
 
 def _sinks_per_head(m: Match) -> str | None:
@@ -1214,6 +1251,8 @@ PATTERNS = (
             (needs_number("dropout_p"), needs_bool("is_causal", "enable_gqa")), derive=_one_kv_head_broadcast),
     # gpt-oss's eager attention with sinks, over repeat_kv or not, with or without a mask
     *(_sinks_pattern(masked, repeat_kv) for masked, repeat_kv in itertools.product((True, False), (True, False))),
+    # Flint's: scores and softmax in fp32 from upcast q and k, no row max, the cast before the dropout
+    *(_sinks_fp32_pattern(masked, repeat_kv) for masked, repeat_kv in itertools.product((True, False), (True, False))),
     # Granite's sinks as a sigmoid(logsumexp - sink) scale of the output; MiMo-V2-Flash's layers
     # without sinks (the row max subtracted all the same)
     *(pattern(masked, repeat_kv)

@@ -857,6 +857,27 @@ def chain_sinks_no_repeat(m, q, k, v):  # one kv head per query head: repeat_kv 
     return torch.matmul(F.dropout(probs[..., :-1], p=0.0, training=m.training).to(v.dtype), v)
 
 
+def chain_sinks_fp32(m, q, k, v, mask=None, p=0.0):  # transformers' Flint eager_attention_forward, as there
+    k, v = repeat_kv(k, H // k.shape[1]), repeat_kv(v, H // v.shape[1])
+    with torch.autocast(q.device.type, enabled=False):
+        w = torch.matmul(q.float(), k.float().transpose(2, 3)) * 0.35
+    if mask is not None:
+        w = w + mask
+    sinks = m.sinks.reshape(1, -1, 1, 1).expand(*w.shape[:-1], 1)
+    w = F.softmax(torch.cat([w, sinks], dim=-1), dim=-1)[..., :-1].to(v.dtype)
+    return torch.matmul(F.dropout(w, p=p, training=m.training), v)
+
+
+def chain_sinks_fp32_mask(m, q, k, v):
+    return chain_sinks_fp32(m, q, k, v, m.mask)
+
+
+def chain_sinks_fp32_no_repeat(m, q, k, v):  # one kv head per query head
+    w = torch.matmul(q.float(), k.float().transpose(2, 3)) * 0.35 + m.mask
+    w = F.softmax(torch.cat([w, _sink_column(m, q)], dim=-1), dim=-1)[..., :-1].to(v.dtype)
+    return torch.matmul(F.dropout(w, p=0.0, training=m.training), v)
+
+
 # a causal sliding window of 3 keys as transformers builds it (finfo.min), with one query row of
 # batch 1 masked whole: there the sink takes all the weight and the output is 0
 WINDOW = torch.zeros(B, 1, S, S).masked_fill(
@@ -872,6 +893,17 @@ WINDOW[1, 0, 4] = torch.finfo(torch.float32).min
 ], ids=lambda v: v.__name__ if callable(v) else None)
 def test_sinks_spelling_fuses_and_matches(fn, buffers, h_kv, pattern, capture):
     report = check_against_unfused(functools.partial(WithSinks, fn, **buffers), qkv(h_kv), capture)
+    assert report.by_pattern() == {pattern: 1}
+
+
+@pytest.mark.parametrize("fn, buffers, h_kv, pattern", [
+    (chain_sinks_fp32_mask, {"mask": WINDOW}, 2, "attention_chain_sinks_fp32_add_repeat_kv"),
+    (chain_sinks_fp32, {}, 1, "attention_chain_sinks_fp32_no_mask_repeat_kv"),
+    (chain_sinks_fp32_no_repeat, {"mask": ADDITIVE}, H, "attention_chain_sinks_fp32_add"),
+], ids=lambda v: v.__name__ if callable(v) else None)
+def test_flint_sinks_spelling_fuses_and_matches(fn, buffers, h_kv, pattern):
+    """Flint's spelling (the autocast block and `*w.shape[:-1]` are Dynamo's to capture, not fx's)."""
+    report = check_against_unfused(functools.partial(WithSinks, fn, **buffers), qkv(h_kv), "dynamo")
     assert report.by_pattern() == {pattern: 1}
 
 
