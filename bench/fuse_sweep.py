@@ -81,7 +81,8 @@ _GEMMA4 = {"vocab_size_per_layer_input": 64, "hidden_size_per_layer_input": 8}
 # whose tiny config lacks the indexer's sizes; not Bailing's, whose tiny heads then disagree).
 _HYBRID = {"layer_types": ["linear_attention", "full_attention"]}
 OVERRIDES = {"t5gemma": {"bos_token_id": 2},
-             **{t: _HYBRID for t in ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")},
+             **{t: _HYBRID for t in ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
+                                     "qwen3_next")},
              "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},
              **{t: _GEMMA4 for t in ("gemma4", "gemma4_text", "gemma4_assistant", "gemma4_unified",
                                      "gemma4_unified_assistant", "gemma4_unified_text")},
@@ -89,8 +90,8 @@ OVERRIDES = {"t5gemma": {"bos_token_id": 2},
              "funnel": {"block_sizes": [1, 1, 1]}, "bit": {"hidden_sizes": 128},
              **{t: {"window_size": 2, "patch_size": 2} for t in ("swin", "swinv2", "donut-swin")},
              **{t: _MLA for t in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "sarvam_mla")},
-             "kimi_linear": {**_HYBRID, "linear_head_dim": 16, "linear_num_heads": 2, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
-                             "v_head_dim": 16, "kv_lora_rank": 16, "head_dim": 8}}
+             "kimi_linear": {**_HYBRID, "linear_head_dim": 16, "linear_num_heads": 2, "qk_rope_head_dim": 8,
+                             "qk_nope_head_dim": 8, "v_head_dim": 16, "kv_lora_rank": 16, "head_dim": 8}}
 TASKS = ("causal-lm", "masked-lm", "seq2seq", "image-cls", "seq-cls", "token-cls", "qa", "multiple-choice",
          "ctc", "audio-cls")
 AUDIO_TASKS = ("ctc", "audio-cls")

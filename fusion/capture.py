@@ -46,8 +46,8 @@ from torch.utils.checkpoint import checkpoint
 from ..patterns._base import Pattern, example_value
 from .graphs import BlockGraphs
 from .narrow import fp32_weight_grads, share_input_casts
-from .outputs import collector_restore, collector_to_global
 from .normalize import canonicalize
+from .outputs import collector_restore, collector_to_global
 from .rewriter import RewriteLog, rewrite_graph
 
 _log = logging.getLogger("trifuse")

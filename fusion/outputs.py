@@ -22,7 +22,8 @@ def output_collector() -> Any:
     if _found[0] is None:
         module = sys.modules.get("transformers.utils.output_capturing")
         collector = getattr(module, "_active_collector", None)
-        if collector is not None and all(hasattr(collector, a) for a in ("context_var", "compiling", "global_var")):
+        needed = ("context_var", "compiling", "global_var")
+        if collector is not None and all(hasattr(collector, a) for a in needed):
             _found[0] = collector
     return _found[0]
 

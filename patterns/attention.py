@@ -332,9 +332,10 @@ def attention_chain_sinks_fused(q, k, v, d0, d1, scale, mask=None, sinks=None, s
                          sinks=sinks if with_sinks else None)
 
 
-def attention_chain_sinks_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, scale, mask: torch.Tensor,
-                               sinks: torch.Tensor, sink_shape, sink_expand, dtype, p, training, k_shape=None,
-                               v_shape=None, k_heads=None, v_heads=None, *, masked: bool, repeat_kv: bool):
+def attention_chain_sinks_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, scale,
+                               mask: torch.Tensor, sinks: torch.Tensor, sink_shape, sink_expand, dtype, p,
+                               training, k_shape=None, v_shape=None, k_heads=None, v_heads=None, *,
+                               masked: bool, repeat_kv: bool):
     """Flint's eager_attention_forward (transformers' modeling_flint.py), as written: q and the
     repeated k cast to fp32 for the scores (autocast off around them), the sinks' column, no row
     max subtracted, the softmax, the column dropped, the cast to v's dtype before the dropout."""
@@ -348,9 +349,10 @@ def attention_chain_sinks_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return torch.matmul(a, v)
 
 
-def attention_chain_sinks_fp32_fused(q, k, v, d0, d1, scale, mask=None, sinks=None, sink_shape=None, sink_expand=None,
-                                     dtype=None, p=0.0, training=False, k_shape=None, v_shape=None, k_heads=None,
-                                     v_heads=None, *, masked: bool, repeat_kv: bool):
+def attention_chain_sinks_fp32_fused(q, k, v, d0, d1, scale, mask=None, sinks=None, sink_shape=None,
+                                     sink_expand=None, dtype=None, p=0.0, training=False, k_shape=None,
+                                     v_shape=None, k_heads=None, v_heads=None, *, masked: bool,
+                                     repeat_kv: bool):
     # q and k uncast: the op's scores are fp32 whatever their dtype (products of 16-bit numbers are
     # exact in fp32), its probabilities rounded to v's dtype for the product as the cast does.
     return ops.attention(q, k, v, mask if masked else None, p if training else 0.0, False, scale, repeat_kv,
@@ -359,9 +361,10 @@ def attention_chain_sinks_fp32_fused(q, k, v, d0, d1, scale, mask=None, sinks=No
 
 def _sinks_fp32_pattern(masked: bool, repeat_kv: bool) -> Pattern:
     opts = {"masked": masked, "repeat_kv": repeat_kv}
-    name = "_".join(["attention_chain_sinks_fp32", "add" if masked else "no_mask", *(["repeat_kv"] if repeat_kv else [])])
-    filters = (_transposes_last_two, _scale_is_number, _sinks_per_head, needs_number("p"), needs_bool("training"),
-               _cast_is_a_no_op, *([_float_mask("mask")] if masked else []),
+    name = "_".join(["attention_chain_sinks_fp32", "add" if masked else "no_mask",
+                     *(["repeat_kv"] if repeat_kv else [])])
+    filters = (_transposes_last_two, _scale_is_number, _sinks_per_head, needs_number("p"),
+               needs_bool("training"), _cast_is_a_no_op, *([_float_mask("mask")] if masked else []),
                *([_kv_repeated_over_heads] if repeat_kv else []))
     return Pattern(name, "attention", functools.partial(attention_chain_sinks_fp32, **opts),
                    functools.partial(attention_chain_sinks_fp32_fused, **opts), ("attention",), filters)
@@ -1252,7 +1255,8 @@ PATTERNS = (
     # gpt-oss's eager attention with sinks, over repeat_kv or not, with or without a mask
     *(_sinks_pattern(masked, repeat_kv) for masked, repeat_kv in itertools.product((True, False), (True, False))),
     # Flint's: scores and softmax in fp32 from upcast q and k, no row max, the cast before the dropout
-    *(_sinks_fp32_pattern(masked, repeat_kv) for masked, repeat_kv in itertools.product((True, False), (True, False))),
+    *(_sinks_fp32_pattern(masked, repeat_kv)
+      for masked, repeat_kv in itertools.product((True, False), (True, False))),
     # Granite's sinks as a sigmoid(logsumexp - sink) scale of the output; MiMo-V2-Flash's layers
     # without sinks (the row max subtracted all the same)
     *(pattern(masked, repeat_kv)
