@@ -32,6 +32,7 @@ Status per type:
 Writes bench/results/fuse_sweep[_<task>][_backend][_fp16-autocast].json and .md (no task suffix for
 causal-lm).
 """
+import inspect
 import json
 import os
 import resource
@@ -74,13 +75,48 @@ SMALL_EXTRA = {"encoder_layers": 2, "decoder_layers": 2, "num_decoder_layers": 2
 _MLA = {"num_key_value_heads": 2, "n_routed_experts": 4, "n_shared_experts": 1, "kv_lora_rank": 16, "q_lora_rank": 16,
         "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "head_dim": 8, "n_group": 1, "topk_group": 1,
         "first_k_dense_replace": 1}
+# Sparse (indexed) attention over MLA: the indexer's heads small too.
+_DSA = {**_MLA, "index_head_dim": 16, "index_n_heads": 2, "index_topk": 8}
 # Gemma 4's per-layer input embeddings (vocab x layers x width) take small sizes of their own.
 _GEMMA4 = {"vocab_size_per_layer_input": 64, "hidden_size_per_layer_input": 8}
 # Hybrid models alternate linear-attention (or state-space) layers with attention ones, attention
 # every 4th or 8th layer by default: with two layers, one of each (not Qwen4-exp's indexed attention,
 # whose tiny config lacks the indexer's sizes; not Bailing's, whose tiny heads then disagree).
 _HYBRID = {"layer_types": ["linear_attention", "full_attention"]}
+# Decoders of encoder-decoder families built alone (BART's ForCausalLM, ...) read their sizes from
+# the encoder-decoder names; Whisper's and PLBart's heads would not divide the small width.
+_DECODER = {k: SMALL_EXTRA[k] for k in ("encoder_layers", "decoder_layers", "encoder_attention_heads",
+                                        "decoder_attention_heads", "encoder_ffn_dim", "decoder_ffn_dim")}
+# State-space mixers' sizes: their heads must tile expand x width (2 x 32) exactly.
+_MAMBA = {"mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_chunk_size": 16}
 OVERRIDES = {"t5gemma": {"bos_token_id": 2},
+             **{t: _DECODER for t in ("bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "marian",
+                                      "mbart", "mvp", "pegasus", "plbart", "whisper", "trocr")},
+             # partial rotary over 8 of the 16-wide heads (the default 64 is past the head)
+             **{t: {"rotary_dim": 8} for t in ("gptj", "codegen")},
+             "gpt_neo": {"attention_types": [[["global", "local"], 1]], "window_size": 8},
+             "diffllama": {"num_key_value_heads": 2},
+             "dots1": {"n_shared_experts": 1},
+             "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+             "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default",
+                                                                            "rope_theta": 1e4}}},
+             **{t: _DSA for t in ("glm_moe_dsa", "hy_v4")},
+             "longcat_flash": {**_MLA, "ffn_hidden_size": 64, "expert_ffn_hidden_size": 32,
+                               "zero_expert_num": 2, "moe_topk": 2},
+             **{t: {"unpadded_vocab_size": 64, "swa_head_dim": 16, "swa_num_attention_heads": 2,
+                    "swa_num_key_value_heads": 1, "sliding_window_size": 8, "rel_extent": 8,
+                    "n_routed_experts": 4}
+                for t in ("inkling2_text", "inkling2_loop_text")},
+             "roc_bert": {"pronunciation_vocab_size": 64, "shape_vocab_size": 64,
+                          "pronunciation_embed_dim": 32, "shape_embed_dim": 32},
+             "mamba2": {"num_heads": 4, "head_dim": 16, "n_groups": 1, "state_size": 16, "chunk_size": 16},
+             "bamba": {**_MAMBA, "attn_layer_indices": [1]},
+             "granitemoehybrid": {**_MAMBA, "layer_types": ["mamba", "attention"]},
+             "zamba": {"layers_block_type": ["mamba", "hybrid"], "attention_head_dim": 16, "mamba_dt_rank": 8,
+                       "attn_layer_period": 2, "attn_layer_offset": 1},
+             "zamba2": {"layers_block_type": ["mamba", "hybrid"], "hybrid_layer_ids": [1],
+                        "attention_head_dim": 16, "mamba_headdim": 16, "n_mamba_heads": 4,
+                        "mamba_d_state": 16, "num_query_groups": 2},
              **{t: _HYBRID for t in ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
                                      "qwen3_next")},
              "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},
@@ -89,7 +125,10 @@ OVERRIDES = {"t5gemma": {"bos_token_id": 2},
              "prophetnet": {"num_encoder_layers": 2, "num_decoder_layers": 2},
              "funnel": {"block_sizes": [1, 1, 1]}, "bit": {"hidden_sizes": 128},
              **{t: {"window_size": 2, "patch_size": 2} for t in ("swin", "swinv2", "donut-swin")},
-             **{t: _MLA for t in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "sarvam_mla")},
+             **{t: _MLA for t in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "sarvam_mla", "axk1", "axk2",
+                                  "youtu", "glm4_moe_lite", "minicpm3")},
+             # its rotary covers half of head_dim (partial_rotary_factor 0.5): 8 of 16, the qk rope width
+             "mistral4": {**_MLA, "head_dim": 16},
              "kimi_linear": {**_HYBRID, "linear_head_dim": 16, "linear_num_heads": 2, "qk_rope_head_dim": 8,
                              "qk_nope_head_dim": 8, "v_head_dim": 16, "kv_lora_rank": 16, "head_dim": 8}}
 TASKS = ("causal-lm", "masked-lm", "seq2seq", "image-cls", "seq-cls", "token-cls", "qa", "multiple-choice",
@@ -186,6 +225,12 @@ def _has(cfg, name: str) -> bool:
         return True
 
 
+def _read_only(cls, name: str) -> bool:
+    """Whether cls derives `name` (a property with no setter: Falcon's head_dim)."""
+    attr = inspect.getattr_static(cls, name, None)
+    return isinstance(attr, property) and attr.fset is None
+
+
 def _small_config(cls, kw: dict):
     """cls built with the small sizes (encoder-decoder and vision tasks): per-stage sizes (Swin's
     depths and num_heads, PVT's, ...) become one small value per stage, zeroed rates keep the
@@ -201,7 +246,7 @@ def _small_config(cls, kw: dict):
             kw[k] = type(d)([v] * len(d))
         elif k in NO_DROPOUT and isinstance(d, int) and not isinstance(d, bool):
             kw[k] = 0
-    if not _has(default, "head_dim"):
+    if not _has(default, "head_dim") or _read_only(cls, "head_dim"):
         kw.pop("head_dim", None)
     for name, sub_cls in (getattr(default, "sub_configs", None) or {}).items():
         sub = _attribute(default, name)
@@ -245,8 +290,13 @@ def _config(tf, model_type: str, attn: str, task: str = "causal-lm"):
     extra = {"attn_implementation": attn, "experts_implementation": "batched_mm"}
     config_cls = tf.CONFIG_MAPPING[model_type]
     plain = task == "causal-lm" and not getattr(config_cls, "sub_configs", None)
+    if plain and _read_only(config_cls, "head_dim"):
+        kw.pop("head_dim", None)
     if plain:
-        cfg = config_cls(**kw, **extra)
+        try:
+            cfg = config_cls(**kw, **extra)
+        except Exception:  # noqa: BLE001  (its validation refuses a size: set only the sizes it takes)
+            cfg = _small_config(config_cls, {**kw, **extra})
     else:  # composite configs (a text model beside vision or audio towers): each part made small
         cfg = _small_config(config_cls, {**kw, **extra})
     for k, v in small.items():  # sizes some constructors ignore; head_dim may be a derived property
