@@ -194,8 +194,59 @@ def rewrite_graph(graph: fx.Graph, patterns: Sequence[Pattern]) -> RewriteLog:
         op = _OF_INTEREST.get(node.target) if node.op == "call_function" and _hashable(node.target) else None
         if op is not None:
             reasons = "; ".join(f"{r.pattern}: {r.reason}" for r in rejections.get(node, []))
-            log.left.append(Left(op, where([node]), node.name, reasons or "no pattern matches it here"))
+            log.left.append(Left(op, where([node]), node.name, reasons or _why_no_pattern(node, op)))
     return log
+
+
+# Products that make attention scores (q @ kᵀ), in the canonical graph's spellings.
+_PRODUCTS = frozenset((torch.matmul, operator.matmul, torch.bmm, torch.baddbmm, torch.einsum, torch.mm))
+
+
+def _produced_by(node: fx.Node, targets: frozenset, hops: int = 8) -> bool:
+    """Whether a call of one of `targets` lies at most `hops` nodes upstream of node."""
+    seen, frontier = set(), [node]
+    for _ in range(hops):
+        frontier = [a for n in frontier for a in n.all_input_nodes if a not in seen]
+        seen.update(frontier)
+        if any(a.op == "call_function" and _hashable(a.target) and a.target in targets for a in frontier):
+            return True
+    return False
+
+
+def _unbiased_product(node: fx.Node) -> bool:
+    """A Linear without bias or a bare matrix product."""
+    if node.op != "call_function" or not _hashable(node.target):
+        return False
+    if node.target is F.linear:
+        return _arg(node, 2, "bias", None) is None
+    return node.target in _PRODUCTS
+
+
+def _arg(node: fx.Node, index: int, name: str, default: Any) -> Any:
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+
+
+def _why_no_pattern(node: fx.Node, op: str) -> str:
+    """The reason shown for an op of interest that no pattern even tried: what it is, where that
+    can be told from the graph (a p = 0 dropout, a router's softmax), so a user reading the report
+    sees whether something was missed or there was nothing to fuse."""
+    if op == "dropout":
+        p, training = _arg(node, 1, "p", 0.5), _arg(node, 2, "training", True)
+        if isinstance(p, (int, float)) and p == 0:
+            return "p = 0: the identity in PyTorch too (nothing to fuse)"
+        if training is False:
+            return "training=False: the identity (nothing to fuse)"
+        return "no residual add takes its result (dropout_add fuses residual + dropout(x)): an activation's " \
+               "or a sublayer's own dropout"
+    if op == "gelu" and node.args and isinstance(node.args[0], fx.Node) and _unbiased_product(node.args[0]):
+        return "no bias before it (a Linear without one): a lone GeLU is one pass either way (bias_gelu fuses " \
+               "gelu(x + b))"
+    if op == "softmax" and not _produced_by(node, _PRODUCTS):
+        return "not over attention scores (no q @ kᵀ before it): a router's or a gate's softmax"
+    if op == "sigmoid":
+        return "not in an activation trifuse fuses (QuickGELU's x * sigmoid(1.702 x), a gated SiLU): a " \
+               "router's or a gate's sigmoid, or another slope"
+    return "no pattern matches it here"
 
 
 def _rewrite_at(graph: fx.Graph, node: fx.Node, cp: Any, log: RewriteLog, earlier: list[Rejected]) -> str | None:

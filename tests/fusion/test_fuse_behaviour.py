@@ -760,3 +760,47 @@ def test_torch_2_11_metrics_log_failure_is_not_shown_while_a_head_capture_ignore
             assert seen == ["another error", "Unexpected exception logging compilation metrics", "another error"]
     finally:
         C._METRICS_LOGGER.removeHandler(handler)
+
+
+class _NothingToFuse(nn.Module):
+    """Ops of interest with nothing for trifuse to take: a router's softmax and sigmoid, a GeLU
+    after a Linear without bias, dropouts with p = 0 and an activation's dropout (no residual add)."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.router = nn.Linear(width, 4)
+        self.up = nn.Linear(width, width, bias=False)
+        self.down = nn.Linear(width, width)
+
+    def forward(self, x):
+        weights = torch.softmax(self.router(x), dim=-1) * torch.sigmoid(self.router(x))
+        h = F.dropout(F.gelu(self.up(x)), 0.0, self.training)
+        h = F.dropout(self.down(h), 0.25, self.training)
+        return h * weights.sum(-1, keepdim=True)
+
+
+def test_report_says_what_each_op_left_alone_is_when_no_pattern_tried_it():
+    """Ops no pattern was a candidate for get a reason that says what they are (nothing missed);
+    a softmax over q @ kᵀ scores that no pattern took keeps the generic reason."""
+    from _fusing import fuse_via
+    model = fuse_via(_NothingToFuse().train(), "dynamo")
+    model(torch.randn(3, 16))
+    left = {(op, why) for *_, op, why in trifuse.report(model).left()}
+    reasons = collections.defaultdict(list)
+    for op, why in left:
+        reasons[op].append(why)
+    assert set(reasons) == {"softmax", "sigmoid", "gelu", "dropout"}, left
+    assert reasons["softmax"] == ["not over attention scores (no q @ kᵀ before it): a router's or a gate's softmax"]
+    assert "a router's or a gate's sigmoid" in reasons["sigmoid"][0]
+    assert reasons["gelu"][0].startswith("no bias before it (a Linear without one)")
+    assert sorted(reasons["dropout"]) == [
+        "no residual add takes its result (dropout_add fuses residual + dropout(x)): an activation's or a "
+        "sublayer's own dropout", "p = 0: the identity in PyTorch too (nothing to fuse)"]
+
+    class Scores(nn.Module):  # q @ kᵀ, then a softmax over it no attention spelling takes (a cube)
+        def forward(self, q, k):
+            return torch.softmax((q @ k.transpose(-1, -2)) ** 3, dim=-1)
+
+    scores = fuse_via(Scores(), "dynamo")
+    scores(torch.randn(2, 5, 8), torch.randn(2, 5, 8))
+    assert [(op, why) for *_, op, why in trifuse.report(scores).left()] == [("softmax", "no pattern matches it here")]
