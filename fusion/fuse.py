@@ -8,7 +8,9 @@ Progressive capture (DESIGN.md, "Capture"):
 2. The rest: from the root down, each module fx can trace (with blocks kept as calls) and that
    holds something a pattern looks for gets an `FxUnit` (a final LayerNorm, an MLP head);
    modules fx cannot trace are named in the report and their children tried instead; a norm fx
-   cannot trace (a leaf branching on its weight's dtype, T5LayerNorm) gets a `DynamoUnit`.
+   cannot trace (a leaf branching on its weight's dtype, T5LayerNorm) gets a `DynamoUnit`, and so
+   does a module fx cannot trace that computes an attention and holds no block (Perceiver's
+   cross-attention layers and decoders), one per class.
 3. The head: the outermost module on the way to the blocks whose forward computes a loss (the
    model, or the transformers model inside a wrapper: PEFT's PeftModel -> LoraModel -> model, a
    user's module calling the LM) gets a `HeadUnit`, its body fenced off: the LM head and the loss.
@@ -108,7 +110,7 @@ def fuse(model: torch.nn.Module, *, ops: Iterable[str] | None = None, skip_logit
                 notes.append(Note(path, cls.__name__, "has its own forward attribute: left as it is"))
                 continue
             unit.install(module, path)
-    _visit(model, "", patterns, verbose, is_leaf, notes)
+    _visit(model, "", patterns, verbose, is_leaf, notes, {})
     if blocks:
         _train_without_kv_cache(model, notes)
     found = _loss_module(model, block_set)
@@ -271,12 +273,15 @@ def _trace(module: torch.nn.Module, is_leaf) -> tuple[fx.Graph | None, str]:
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
 
 
-def _visit(module: torch.nn.Module, path: str, patterns, verbose, is_leaf, notes: list[Note]) -> None:
+def _visit(module: torch.nn.Module, path: str, patterns, verbose, is_leaf, notes: list[Note],
+           units: dict[type, DynamoUnit]) -> None:
+    """Installs units from `module` down (step 2 of the module docstring). units: the Dynamo units
+    made here so far, one per class, shared by the modules of that class as blocks share theirs."""
     if is_leaf(module):
         return
     if isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)):
         for name, child in module.named_children():
-            _visit(child, f"{path}.{name}" if path else name, patterns, verbose, is_leaf, notes)
+            _visit(child, f"{path}.{name}" if path else name, patterns, verbose, is_leaf, notes, units)
         return
     graph, error = _trace(module, is_leaf)
     if graph is None:
@@ -287,10 +292,22 @@ def _visit(module: torch.nn.Module, path: str, patterns, verbose, is_leaf, notes
             if _computes_a_norm(module):
                 DynamoUnit(type(module), patterns, verbose).install(module, path or "(model)")
             return
+        if not any(is_leaf(m) for m in module.modules() if m is not module) and _computes_attention(module):
+            # An attention outside the repeated blocks (Perceiver's cross-attention layers and its
+            # decoders): split into its submodules, the attention would be cut from its softmax's
+            # neighbours (fx cannot trace the attention module either); captured whole by Dynamo,
+            # as a block is. Inside a capture of the head, this forward shows Dynamo its own code.
+            unit = units.get(type(module))
+            if unit is None:
+                unit = units[type(module)] = DynamoUnit(type(module), patterns, verbose)
+            unit.install(module, path or "(model)")
+            notes.append(Note(path or "(model)", type(module).__name__, f"fx cannot trace it ({error}): captured "
+                              "whole by Dynamo (an attention outside the repeated blocks)", kind="note"))
+            return
         notes.append(Note(path or "(model)", type(module).__name__, f"fx cannot trace it ({error}); "
                           "its submodules were tried instead"))
         for name, child in module.named_children():
-            _visit(child, f"{path}.{name}" if path else name, patterns, verbose, is_leaf, notes)
+            _visit(child, f"{path}.{name}" if path else name, patterns, verbose, is_leaf, notes, units)
         return
     if _calls_multihead_attention(graph, module):
         DynamoUnit(type(module), patterns, verbose).install(module, path or "(model)")
@@ -301,6 +318,24 @@ def _visit(module: torch.nn.Module, path: str, patterns, verbose, is_leaf, notes
 
 
 _NORM_WORDS = ("layer_norm", "rms_norm", "rsqrt", ".var(")
+_ATTENTION_WORDS = ("softmax", "Softmax", "scaled_dot_product_attention", "multi_head_attention_forward",
+                    "attention_interface", "ALL_ATTENTION_FUNCTIONS")
+
+
+def _computes_attention(module: torch.nn.Module) -> bool:
+    """Whether some module in `module`'s subtree (itself included) computes an attention: an
+    nn.MultiheadAttention, or a forward whose source names a softmax or an attention function
+    (transformers' attention interface)."""
+    for m in module.modules():
+        if isinstance(m, torch.nn.MultiheadAttention):
+            return True
+        try:
+            source = inspect.getsource(type(m).forward)
+        except (OSError, TypeError):
+            continue
+        if any(word in source for word in _ATTENTION_WORDS):
+            return True
+    return False
 
 
 def _computes_a_norm(module: torch.nn.Module) -> bool:

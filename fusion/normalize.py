@@ -201,12 +201,47 @@ def canonicalize_node(node: fx.Node) -> None:
         if dim is not None:
             node.target, node.args = torch.unsqueeze, (node.args[0], dim)
             return
+    if node.target is operator.pow and _numbers_only(node):
+        return  # `head_dim ** 0.5` of a symbolic size: Python arithmetic, which torch.pow refuses
     entry = _FUNCTIONS.get(node.target) if _hashable(node.target) else None
     if entry is not None:
         target, sig = entry
         _bind(node, target, sig if sig is not None else node.target)
     elif _is_python_function(node.target):
         _bind(node, node.target, node.target)
+
+
+_ARITHMETIC = frozenset((operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv,
+                         operator.pow, operator.mod, operator.neg, len))
+
+
+def _numbers_only(node: fx.Node) -> bool:
+    """Whether every operand of a Python operator's call is a number (`_is_number`)."""
+    return all(_is_number(a) for a in (*node.args, *node.kwargs.values()))
+
+
+def _is_number(a: Any, depth: int = 8) -> bool:
+    """A constant, or a node computing a number: Dynamo's recorded value is a SymInt, a SymFloat
+    or a number; or (fx graphs record none) an entry of a shape (`x.shape[-1]`, `x.size(-1)`),
+    `x.dim()`, `x.numel()`, or arithmetic on such numbers (`head_dim ** -0.5`)."""
+    if not isinstance(a, fx.Node):
+        return isinstance(a, (int, float, bool)) or a is None
+    value = a.meta.get("val", a.meta.get("example_value"))
+    if value is not None:
+        return not isinstance(value, torch.Tensor)
+    if depth == 0:
+        return False
+    if a.op == "call_method" and a.target in ("dim", "numel"):
+        return True
+    if a.op == "call_method" and a.target == "size":
+        return len(a.args) > 1 or "dim" in a.kwargs
+    if a.op == "call_function" and a.target is operator.getitem and isinstance(a.args[0], fx.Node):
+        shape = a.args[0]
+        return (shape.op == "call_function" and shape.target is getattr and shape.args[1] == "shape") or \
+            (shape.op == "call_method" and shape.target == "size" and len(shape.args) == 1)
+    if a.op == "call_function" and _hashable(a.target) and a.target in _ARITHMETIC:
+        return all(_is_number(x, depth - 1) for x in (*a.args, *a.kwargs.values()))
+    return False
 
 
 def _unsqueeze_index(index: Any) -> int | None:

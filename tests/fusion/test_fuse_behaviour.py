@@ -804,3 +804,62 @@ def test_report_says_what_each_op_left_alone_is_when_no_pattern_tried_it():
     scores = fuse_via(Scores(), "dynamo")
     scores(torch.randn(2, 5, 8), torch.randn(2, 5, 8))
     assert [(op, why) for *_, op, why in trifuse.report(scores).left()] == [("softmax", "no pattern matches it here")]
+
+
+class _AttentionPool(nn.Module):
+    """Attention pooling outside the repeated blocks (Perceiver's decoder, SigLIP's head): learned
+    queries attend over the tokens. `**kwargs` keeps fx out, as transformers' forwards do."""
+
+    def __init__(self, width: int = 16, heads: int = 2, queries: int = 3):
+        super().__init__()
+        self.heads = heads
+        self.queries = nn.Parameter(torch.randn(1, queries, width))
+        self.kv = nn.Linear(width, 2 * width)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x, **kwargs):
+        b, s, w = x.shape
+        k, v = self.kv(x).view(b, s, 2, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
+        q = self.queries.expand(b, -1, -1).view(b, -1, self.heads, w // self.heads).transpose(1, 2)
+        scores = q @ k.transpose(-1, -2) / (w // self.heads) ** 0.5
+        out = torch.softmax(scores, dim=-1) @ v
+        return self.norm(out.transpose(1, 2).reshape(b, -1, w))
+
+
+class _PooledEncoder(nn.Module):
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.TransformerEncoderLayer(width, 2, 32, dropout=0.0, batch_first=True)
+                                    for _ in range(2))
+        self.pool = _AttentionPool(width)
+
+    def forward(self, x, **kwargs):  # not fx-traceable either: each module is visited on its own
+        for layer in self.layers:
+            x = layer(x)
+        return self.pool(x)
+
+
+def test_an_attention_outside_the_blocks_is_captured_whole_by_dynamo():
+    """A module fx cannot trace that computes an attention and holds no block is captured whole
+    by Dynamo (one unit per class), not split into submodules that cut the attention apart (it
+    was: Perceiver's cross-attention layers and decoders kept their attention unfused)."""
+    from _fusing import check_against_unfused
+    report = check_against_unfused(_PooledEncoder, (torch.randn(2, 7, 16),), "fx")
+    assert report.counts().get("attention") == available_counts({"attention": 3})["attention"], report.table()
+    assert report.counts().get("layer_norm", 0) + report.counts().get("residual_stream", 0) >= 1
+    pooled = [n for n in report.notes if n.path == "pool"]
+    assert [n.kind for n in pooled] == ["note"] and "captured whole by Dynamo" in pooled[0].reason, report.notes
+
+
+def test_python_arithmetic_on_shapes_stays_python_in_fx_graphs():
+    """`(x.shape[-1] // heads) ** 0.5` in a module fx traces is Python arithmetic on sizes: the
+    canonical form keeps it `operator.pow` (it became `torch.pow`, which refuses two numbers and
+    failed the fused forward), and the attention it scales fuses."""
+    from _fusing import check_against_unfused
+
+    class Pool(_AttentionPool):
+        def forward(self, x):  # fx-traceable: the scale's ** is traced on the shape's proxies
+            return super().forward(x)
+
+    report = check_against_unfused(Pool, (torch.randn(2, 7, 16),), "fx")
+    assert report.counts().get("attention") == available_counts({"attention": 1})["attention"], report.table()
