@@ -27,6 +27,7 @@ Status per type:
                     most twice as far as the unfused ones, plus 1e-3 (TOLERANCES)
     MISMATCH        runs, but differs by more
     FUSED CRASH     the unfused model ran and the fused one raised: a trifuse bug
+    Dynamo fails    (--via backend) torch.compile(backend="eager"), without trifuse, fails on it too
     config / build / unfused fails / too big / died: the tiny config does not suit the
                     architecture (a harness limit, not a verdict on trifuse)
 Writes bench/results/fuse_sweep[_<task>][_backend][_fp16-autocast].json and .md (no task suffix for
@@ -417,6 +418,17 @@ def _inputs(task: str, dtype: torch.dtype = torch.float64) -> dict:
     return kwargs
 
 
+def _dynamo_fails(model, kwargs: dict, autocast) -> bool:
+    """Whether torch.compile with Dynamo's own backend (no trifuse) fails on the model too."""
+    torch._dynamo.reset()
+    try:
+        with autocast:
+            torch.compile(model, backend="eager")(**kwargs).loss.backward()
+    except Exception:  # noqa: BLE001
+        return True
+    return False
+
+
 def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: str = "fuse",
             dtype: str = "float64") -> dict:
     import transformers as tf
@@ -475,8 +487,11 @@ def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: s
         with autocast:
             loss2 = fused(**kwargs).loss.detach()
     except Exception as e:  # noqa: BLE001
-        return {"status": "FUSED CRASH", "why": f"{type(e).__name__}: {str(e).strip()[:300]}",
-                "traceback": traceback.format_exc()[-3000:]}
+        crash = {"status": "FUSED CRASH", "why": f"{type(e).__name__}: {str(e).strip()[:300]}",
+                 "traceback": traceback.format_exc()[-3000:]}
+        if via == "backend" and _dynamo_fails(model, kwargs, autocast):
+            crash["status"] = "Dynamo fails"
+        return crash
     # NaN against NaN agrees, as the gradients are compared by place (a model whose own loss is NaN)
     loss_err = 0.0 if float(loss0) != float(loss0) and float(loss1) != float(loss1) else \
         abs(float(loss1) - float(loss0)) / max(abs(float(loss0)), 1e-30)

@@ -29,6 +29,9 @@ rewrites, in place:
   the result keeps a's dtype and shape (MPNet's `attention_scores += position_bias`); and
   `a.masked_fill_(mask, v)` on a fresh intermediate read only after it -> `a.masked_fill(mask, v)`
   (ldm's CrossAttention), its later readers reading the filled tensor.
+- `y.expand_as(x)` -> `y.expand(<x's shape>)` where example values give x a static shape.
+- `torch.softmax(x.to(dtype), dim)` -> `torch.softmax(x, dim, dtype)` (softmax casts its input to
+  its dtype argument first: `softmax(scores.float(), dim=-1)` and the dtype form are one spelling).
 - the same cast of one value written twice (`q.float() * cos + rotate_half(q.float()) * sin`,
   ModernBERT's rotary) becomes one cast read by both, unless something writes to either in place.
 - a two-operand `torch.einsum` that is a batched matrix product (`"bhid,bhjd->bhij"`, spaces and
@@ -168,7 +171,9 @@ def canonicalize_graph(graph: fx.Graph, root: torch.nn.Module | None = None) -> 
     _fold_dtypes(graph)
     _merge_repeated_casts(graph)
     _einsum_as_matmul(graph)
+    _static_expand_as(graph)
     _out_of_place_updates(graph)
+    _softmax_of_casts(graph)
     _view_round_trips(graph)
 
 
@@ -455,19 +460,69 @@ def _out_of_place_updates(graph: fx.Graph) -> None:
 def _out_of_place_masked_fills(graph: fx.Graph) -> None:
     """`a.masked_fill_(mask, value)` -> `a.masked_fill(mask, value)` where `a` is a fresh result
     whose every other reader comes after the fill (ldm's CrossAttention: `sim.masked_fill_(~mask,
-    max_neg_value)`, then `sim.softmax(-1)`): those readers read the filled tensor instead, the
-    same values, so patterns written with masked_fill match."""
+    max_neg_value)`, then `sim.softmax(-1)`), or before it reads only its shape (XLM's
+    `mask.expand_as(scores)`): the later readers read the filled tensor instead, the same values,
+    so patterns written with masked_fill match."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     for node in list(graph.nodes):
         if node.op != "call_method" or node.target != "masked_fill_" or len(node.args) != 3 or node.kwargs:
             continue
         a = node.args[0]
         if not isinstance(a, fx.Node) or a.op != "call_function" or a.target not in _FRESH \
-                or any(order[u] < order[node] for u in a.users if u is not node):
+                or any(order[u] < order[node] and not _reads_only_metadata(u, a) for u in a.users if u is not node):
             continue
         node.target = "masked_fill"
-        for user in [u for u in a.users if u is not node]:
+        for user in [u for u in a.users if order[u] > order[node]]:
             user.replace_input_with(a, node)
+
+
+# Methods that read only the shape, dtype or device of their argument at this position (XLM's
+# `mask.expand_as(scores)` before `scores.masked_fill_(mask, ...)`).
+_METADATA_ARGS = {"expand_as": 1, "view_as": 1, "reshape_as": 1, "type_as": 1, "size": 0, "dim": 0}
+
+
+def _reads_only_metadata(user: fx.Node, a: fx.Node) -> bool:
+    """Whether `user` reads no value of `a`, only its shape, dtype or device."""
+    if user.op == "call_function" and user.target is getattr and user.args[1:] in (("shape",), ("dtype",)):
+        return True
+    position = _METADATA_ARGS.get(user.target) if user.op == "call_method" else None
+    return position is not None and len(user.args) > position and user.args[position] is a \
+        and sum(arg is a for arg in (*user.args, *user.kwargs.values())) == 1
+
+
+def _static_expand_as(graph: fx.Graph) -> None:
+    """`y.expand_as(x)` -> `y.expand(<x's shape>)` where x's example value has a static shape: the
+    same view of y, no longer reading x. XLM expands its mask to the scores it then fills
+    (`mask.expand_as(scores)`); read that way, the scores fed the mask, and no attention pattern
+    could take them whole."""
+    for node in list(graph.nodes):
+        if node.op != "call_method" or node.target != "expand_as" or len(node.args) != 2 or node.kwargs:
+            continue
+        value = _value(node.args[1])
+        if isinstance(value, torch.Tensor) and all(type(d) is int for d in value.shape):
+            node.target, node.args = "expand", (node.args[0], tuple(value.shape))
+
+
+def _softmax_of_casts(graph: fx.Graph) -> None:
+    """`torch.softmax(x.to(dtype), dim, None)` -> `torch.softmax(x, dim, dtype)` for a floating
+    dtype: softmax's dtype argument casts its input before computing (T5's and XLM's
+    `softmax(scores.float(), dim=-1)`), the same values and the same gradient, so the upcast
+    spelling of a pattern matches both. The cast stays where something else reads it; not where
+    x or the cast is written in place."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.softmax or len(node.args) != 3 \
+                or node.args[2] is not None or node.kwargs:
+            continue
+        cast = node.args[0]
+        if not isinstance(cast, fx.Node) or not isinstance(cast.args[0] if cast.args else None, fx.Node) \
+                or not _plain_cast_of(cast, cast.args[0]) or not cast.args[1].is_floating_point:
+            continue
+        x = cast.args[0]
+        if _written_in_place(cast) or _written_in_place(x):
+            continue
+        node.args = (x, node.args[1], cast.args[1])
+        if not cast.users:
+            graph.erase_node(cast)
 
 
 def _batched_product(equation: str) -> bool | None:

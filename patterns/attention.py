@@ -928,18 +928,21 @@ def attention_chain_mul_add_masked_fill_fused(q, k, v, d0, d1, scale, bias, mask
     return o
 
 
-def attention_chain_div_add_add(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, scale, bias: torch.Tensor,
-                                mask: torch.Tensor, p, training):
-    """MPNet's attention: scores divided by the scale, its relative position bias added
-    (`scores += position_bias`), then the additive mask, softmax, dropout."""
-    s = torch.matmul(q, k.transpose(d0, d1)) / scale + bias
+def attention_chain_add_add(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, scale, bias: torch.Tensor,
+                            mask: torch.Tensor, p, training, *, scaling: str):
+    """Scores scaled (scaling "div": MPNet's; "mul": Switch Transformers' and LongT5's eager
+    attention, `* scaling`), a relative position bias added (`scores += position_bias`), then the
+    additive mask, softmax, dropout."""
+    s = torch.matmul(q, k.transpose(d0, d1))
+    s = (s / scale if scaling == "div" else s * scale) + bias
     a = F.dropout(torch.softmax(s + mask, -1), p, training, False)
     return torch.matmul(a, v)
 
 
-def attention_chain_div_add_add_fused(q, k, v, d0, d1, scale, bias, mask, p, training):
+def attention_chain_add_add_fused(q, k, v, d0, d1, scale, bias, mask, p, training, *, scaling: str):
     # one float mask: the sum the unfused code adds in two steps (the op's dMask reaches both addends)
-    return ops.attention(q, k, v, bias + mask, p if training else 0.0, False, 1.0 / scale)
+    return ops.attention(q, k, v, bias + mask, p if training else 0.0, False,
+                         1.0 / scale if scaling == "div" else scale)
 
 
 def _two_masks_broadcast_to_the_scores(m: Match) -> str | None:
@@ -1274,9 +1277,10 @@ PATTERNS = (
     *(_chain_pattern("mul", masking, True, "cast_after") for masking in ("add", "")),
     *(_chain_pattern(*opts) for opts in itertools.product(
         ("mul", "div"), ("add", "masked_fill", "where", ""), (True, False), ("plain", "upcast", "cast"))),
-    # q scaled before the product, `(q * scale) @ k^T` (timm's explicit attention, Hiera's)
+    # q scaled before the product, `(q * scale) @ k^T` (timm's explicit attention, Hiera's; XLM's
+    # `q / sqrt(d)`, then `masked_fill_` and `softmax(scores.float())`), or never scaled (T5's)
     *(_chain_pattern("none", masking, dropout, softmax) for masking, dropout, softmax in
-      itertools.product(("add", ""), (True, False), ("plain", "upcast"))),
+      itertools.product(("add", "masked_fill", "where", ""), (True, False), ("plain", "upcast"))),
     # the key already laid out as k^T, no transpose before the product (SqueezeBERT's); after the
     # chains above, which take a written transpose themselves
     *(_chain_pattern(*opts, k_transposed=True) for opts in itertools.product(
@@ -1295,9 +1299,12 @@ PATTERNS = (
             attention_chain_mul_add_masked_fill_fused, ("attention",),
             (_transposes_last_two, _scale_is_number, needs_number("scale", "p"), needs_bool("training"),
              _float_mask("bias"), _bool_mask("mask"), functools.partial(_fill_masks, dropout=True), _cast_is_a_no_op)),
-    Pattern("attention_chain_div_add_add", "attention", attention_chain_div_add_add, attention_chain_div_add_add_fused,
-            ("attention",), (_transposes_last_two, _scale_is_number, needs_number("scale", "p"), needs_bool("training"),
-                             _float_mask("bias"), _float_mask("mask"), _two_masks_broadcast_to_the_scores)),
+    *(Pattern(f"attention_chain_{scaling}_add_add", "attention",
+              functools.partial(attention_chain_add_add, scaling=scaling),
+              functools.partial(attention_chain_add_add_fused, scaling=scaling), ("attention",),
+              (_transposes_last_two, _scale_is_number, needs_number("scale", "p"), needs_bool("training"),
+               _float_mask("bias"), _float_mask("mask"), _two_masks_broadcast_to_the_scores))
+      for scaling in ("div", "mul")),
     *(Pattern("attention_chain_where_add" + ("_upcast_q_k" if upcast else ""), "attention",
               functools.partial(attention_chain_where_add, upcast_qk=upcast),
               functools.partial(attention_chain_where_add_fused, upcast_qk=upcast), ("attention",),

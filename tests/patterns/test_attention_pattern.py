@@ -509,12 +509,20 @@ def chain_position_bias_alone_in_place(m, q, k, v):  # the same without a mask: 
     return torch.matmul(F.dropout(F.softmax(w, dim=-1), p=0.0, training=m.training), v)
 
 
+def chain_t5_eager(m, q, k, v):  # Switch Transformers' / LongT5's eager attention: `* scaling`, bias, mask
+    w = torch.matmul(q, k.transpose(2, 3)) * 0.4
+    w = w + m.bias
+    w = w + m.mask
+    return torch.matmul(F.dropout(F.softmax(w, dim=-1), p=0.0, training=m.training), v)
+
+
 POSITION_BIAS = torch.randn(1, H, S, S)
 
 
 @pytest.mark.parametrize("fn, buffers, pattern", [
     (alibi_baddbmm, {"alibi": ALIBI, "mask": ADDITIVE}, "attention_alibi_baddbmm"),
     (chain_position_bias_in_place, {"bias": POSITION_BIAS, "mask": ADDITIVE}, "attention_chain_div_add_add"),
+    (chain_t5_eager, {"bias": POSITION_BIAS, "mask": ADDITIVE}, "attention_chain_mul_add_add"),
     (chain_position_bias_alone_in_place, {"bias": POSITION_BIAS}, "attention_chain_div_add_dropout"),
     (chain_add_div, {"mask": ADDITIVE}, "attention_chain_add_div"),
     (chain_alibi_masked_fill, {"alibi": ALIBI, "keep_some_rows_none": KEEP_SOME_ROWS_NONE},
@@ -1377,6 +1385,39 @@ def test_ldm_cross_attention_fuses():
     proxy's dtype: Dynamo captures it)."""
     report = check_against_unfused(LdmCrossAttention, one_head_qkv(), "dynamo")
     assert report.by_pattern() == {"attention_chain_mul_masked_fill_no_dropout": 1}
+
+
+class XlmAttentionCore(nn.Module):
+    """XLM's (and FlauBERT's) attention core as transformers writes it: q divided by sqrt(d) before
+    the product, the key padding mask expanded to the scores (`expand_as`) and filled in place with
+    finfo.min, the softmax of the scores upcast (`.float()`, then `type_as`), dropout, @ v. (No
+    entry has all its keys masked: the float64 oracle's `.float()` turns finfo(float64).min into
+    -inf there, NaN rows; ldm's test covers such rows.)"""
+
+    def __init__(self):
+        super().__init__()
+        keep = torch.ones(B, S)
+        keep[0, -2:] = 0
+        keep[1, 0] = 0
+        self.register_buffer("keep", keep)
+
+    def forward(self, q, k, v):
+        q = q / math.sqrt(D)
+        scores = torch.matmul(q, k.transpose(2, 3))
+        mask = (self.keep == 0).view(B, 1, 1, -1).expand_as(scores)
+        scores.masked_fill_(mask, torch.finfo(scores.dtype).min)
+        weights = F.softmax(scores.float(), dim=-1).type_as(scores)
+        weights = F.dropout(weights, p=0.0, training=self.training)
+        return torch.matmul(weights, v)
+
+
+def test_xlm_attention_fuses():
+    """Three canonical forms meet here (normalize.py): the mask's `expand_as(scores)` becomes an
+    expand to the scores' static shape (else the scores feed the mask and no pattern can take them
+    whole), the in-place fill of the fresh scores becomes masked_fill, and `softmax(s.float())`
+    softmax's dtype form; the q-scaled chain then fuses, equal to the unfused core."""
+    report = check_against_unfused(XlmAttentionCore, qkv(), "dynamo")
+    assert report.by_pattern() == {"attention_chain_unscaled_masked_fill_dropout_upcast": 1}
 
 
 def test_a_masked_fill_read_before_it_is_written_stays_in_place():
