@@ -469,7 +469,8 @@ def _out_of_place_masked_fills(graph: fx.Graph) -> None:
             continue
         a = node.args[0]
         if not isinstance(a, fx.Node) or a.op != "call_function" or a.target not in _FRESH \
-                or any(order[u] < order[node] and not _reads_only_metadata(u, a) for u in a.users if u is not node):
+                or any(order[u] < order[node] and not _reads_only_metadata(u, a)
+                       for u in a.users if u is not node):
             continue
         node.target = "masked_fill"
         for user in [u for u in a.users if order[u] > order[node]]:

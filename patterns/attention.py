@@ -928,8 +928,8 @@ def attention_chain_mul_add_masked_fill_fused(q, k, v, d0, d1, scale, bias, mask
     return o
 
 
-def attention_chain_add_add(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, scale, bias: torch.Tensor,
-                            mask: torch.Tensor, p, training, *, scaling: str):
+def attention_chain_add_add(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, scale,
+                            bias: torch.Tensor, mask: torch.Tensor, p, training, *, scaling: str):
     """Scores scaled (scaling "div": MPNet's; "mul": Switch Transformers' and LongT5's eager
     attention, `* scaling`), a relative position bias added (`scores += position_bias`), then the
     additive mask, softmax, dropout."""

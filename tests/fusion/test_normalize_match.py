@@ -233,8 +233,9 @@ def test_a_view_there_and_back_is_dropped():
 
 def test_a_softmax_of_a_cast_takes_the_dtype_and_expand_as_a_static_shape():
     """`softmax(x.float())` is softmax's dtype form (the cast stays for its other readers; where it
-    is written in place, the softmax reads it as written); `m.expand_as(x)` becomes `m.expand(<x's shape>)` where Dynamo's example
-    values give x a static shape, so the mask no longer reads x. Values unchanged."""
+    is written in place, the softmax reads it as written); `m.expand_as(x)` becomes
+    `m.expand(<x's shape>)` where Dynamo's example values give x a static shape, so the mask no
+    longer reads x. Values unchanged."""
     def upcast(x, m):
         s = x * 2
         return torch.softmax(s.float(), dim=-1).type_as(s) + (m == 0).expand_as(s)
@@ -249,9 +250,12 @@ def test_a_softmax_of_a_cast_takes_the_dtype_and_expand_as_a_static_shape():
         return torch.softmax(f, -1)
 
     x, m = torch.randn(2, 3, 4, dtype=torch.float16), torch.ones(2, 1, 4)
-    graphs = {fn.__name__: _dynamo_canonical(fn, x, m).graph for fn in (upcast, cast_read_twice, cast_written)}
-    softmax_dtypes = {name: [n.args[2] for n in g.nodes if n.target is torch.softmax] for name, g in graphs.items()}
-    assert softmax_dtypes == {"upcast": [torch.float32], "cast_read_twice": [torch.float32], "cast_written": [None]}
+    graphs = {fn.__name__: _dynamo_canonical(fn, x, m).graph
+              for fn in (upcast, cast_read_twice, cast_written)}
+    softmax_dtypes = {name: [n.args[2] for n in g.nodes if n.target is torch.softmax]
+                      for name, g in graphs.items()}
+    assert softmax_dtypes == {"upcast": [torch.float32], "cast_read_twice": [torch.float32],
+                              "cast_written": [None]}
     casts = {name: sum(n.target == "to" for n in g.nodes) for name, g in graphs.items()}
     assert casts == {"upcast": 1, "cast_read_twice": 1, "cast_written": 1}  # upcast's: type_as
     expands = [(n.target, n.args[1:]) for n in graphs["upcast"].nodes if n.target in ("expand", "expand_as")]
