@@ -103,7 +103,8 @@ class Unit:
         for i, name in enumerate(names[: len(args)]):
             reason = reason.replace(f"argument {i} is", f"argument {name} is")
         if "Cache" in reason:
-            reason += " (per-layer state: a capture would recompile for every layer; call with use_cache=False to train fused)"
+            reason += (" (per-layer state: a capture would recompile for every layer; call with use_cache=False to "
+                       "train fused, unless the model makes one regardless, as XLM's does)")
         return reason
 
     def host_time_hidden(self) -> bool:
