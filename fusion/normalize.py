@@ -29,7 +29,7 @@ rewrites, in place:
   the result keeps a's dtype and shape (MPNet's `attention_scores += position_bias`); and
   `a.masked_fill_(mask, v)` on a fresh intermediate read only after it -> `a.masked_fill(mask, v)`
   (ldm's CrossAttention), its later readers reading the filled tensor.
-- `y.expand_as(x)` -> `y.expand(<x's shape>)` where example values give x a static shape.
+- `y.expand_as(x)` -> `y.expand(<x's shape>)` in Dynamo graphs, where x's shape is static (guarded).
 - `torch.softmax(x.to(dtype), dim)` -> `torch.softmax(x, dim, dtype)` (softmax casts its input to
   its dtype argument first: `softmax(scores.float(), dim=-1)` and the dtype form are one spelling).
 - the same cast of one value written twice (`q.float() * cos + rotate_half(q.float()) * sin`,
@@ -492,10 +492,13 @@ def _reads_only_metadata(user: fx.Node, a: fx.Node) -> bool:
 
 
 def _static_expand_as(graph: fx.Graph) -> None:
-    """`y.expand_as(x)` -> `y.expand(<x's shape>)` where x's example value has a static shape: the
-    same view of y, no longer reading x. XLM expands its mask to the scores it then fills
-    (`mask.expand_as(scores)`); read that way, the scores fed the mask, and no attention pattern
-    could take them whole."""
+    """`y.expand_as(x)` -> `y.expand(<x's shape>)` in a Dynamo graph where x's example value has a
+    static shape: the same view of y, no longer reading x. XLM expands its mask to the scores it
+    then fills (`mask.expand_as(scores)`); read that way, the scores fed the mask, and no attention
+    pattern could take them whole. Dynamo guards a static size (another size recaptures); an fx
+    capture serves every size of its key, so its graphs keep expand_as."""
+    if not any(n.op == "placeholder" and "grapharg" in n.meta for n in graph.nodes):
+        return
     for node in list(graph.nodes):
         if node.op != "call_method" or node.target != "expand_as" or len(node.args) != 2 or node.kwargs:
             continue

@@ -260,6 +260,13 @@ def test_a_softmax_of_a_cast_takes_the_dtype_and_expand_as_a_static_shape():
     assert casts == {"upcast": 1, "cast_read_twice": 1, "cast_written": 1}  # upcast's: type_as
     expands = [(n.target, n.args[1:]) for n in graphs["upcast"].nodes if n.target in ("expand", "expand_as")]
     assert expands == [("expand", ((2, 3, 4),))]
+    # an fx capture serves every size of its key: its graph keeps expand_as, example values or not
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+    gm = fx.symbolic_trace(upcast)
+    FakeTensorProp(gm).propagate(x, m)
+    assert [n.target for n in canonicalize(gm).graph.nodes if n.op == "call_method"].count("expand_as") == 1
+    x2, m2 = torch.randn(3, 5, 4, dtype=torch.float16), torch.ones(3, 1, 4)
+    torch.testing.assert_close(gm(x2, m2), upcast(x2, m2))
 
 
 def test_match_is_by_dataflow_not_order_and_either_way_round():
