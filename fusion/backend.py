@@ -21,10 +21,16 @@ replay draws fresh masks.
 
 `trifuse.report(compiled_model)` lists what each backend replaced in the graphs holding that
 model's parameters, and in the graphs compiled while one of the model's calls was running (the
-graph after a graph break, such as GPT-2's loss, reads no parameter).
+graph after a graph break, such as GPT-2's loss, reads no parameter). Its counts are those of
+the model's latest forward: each graph counted as many times as it ran there (a graph break
+inside every layer compiles the layer's frame once, and its graph runs once a layer).
 """
+import bisect
+import itertools
 import logging
 import sys
+import weakref
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +50,10 @@ log = logging.getLogger("trifuse")
 _COMPILED: "WeakIdKeyDictionary[torch.Tensor, list[Capture]]" = WeakIdKeyDictionary()
 # Module -> the captures of graphs compiled while a call of it was on the Python stack.
 _COMPILED_IN: "WeakIdKeyDictionary[torch.nn.Module, list[Capture]]" = WeakIdKeyDictionary()
+# Every capture whose graph may still run: a second model of the same class runs the graphs
+# compiled for the first (Dynamo's guards pass) without compiling anything of its own, and is
+# found through the parameters the graphs ran for.
+_RUNNABLE: "weakref.WeakSet[Capture]" = weakref.WeakSet()
 
 
 def _calling_modules() -> list[torch.nn.Module]:
@@ -99,6 +109,39 @@ def _rewrite(gm: fx.GraphModule, example_inputs: list[Any], backend: str, eager:
     return work
 
 
+# A sequence number per run of any graph the backends compiled (`counted`).
+_RUN_SEQ = itertools.count(1)
+# The run numbers a capture keeps: enough for any forward's runs of one graph.
+MAX_RUNS = 1 << 14
+
+
+def counted(fn: Callable[..., Any], capture: Capture, example_inputs: list[Any]) -> Callable[..., Any]:
+    """`fn`, the compiled graph, noting each run in `capture.runs` (a list append, a fraction of a
+    µs) and, when the graph takes parameters (Dynamo passes a module's parameters as inputs), the
+    identity of the first one: the module it ran for. The report tells from them which graphs ran
+    in a model's latest forward, and how often."""
+    runs, runs_for = capture.runs, capture.runs_for
+    _RUNNABLE.add(capture)
+    first = next((i for i, t in enumerate(example_inputs) if isinstance(t, torch.nn.Parameter)), None)
+
+    def run(*args: Any) -> Any:
+        seq = next(_RUN_SEQ)
+        runs.append(seq)
+        if len(runs) > MAX_RUNS:
+            del runs[: MAX_RUNS // 2]
+            runs_for.clear()
+        if first is not None:
+            param = args[first]
+            entry = runs_for.get(id(param))
+            if entry is not None and entry[1]() is param:
+                entry[0] = seq
+            else:  # a weak reference: an id alone may be a dead parameter's, reused
+                runs_for[id(param)] = [seq, weakref.ref(param)]
+        return fn(*args)
+
+    return run
+
+
 _EAGER_MODES = (None, "default", "reduce-overhead")
 
 
@@ -121,8 +164,8 @@ def trifuse_backend(gm: fx.GraphModule, example_inputs: list[Any], mode: str | N
     if mode == "reduce-overhead":
         from torch._dynamo.backends.cudagraphs import cudagraphs
 
-        return cudagraphs(work, example_inputs)
-    return work.forward
+        return counted(cudagraphs(work, example_inputs), work.meta["trifuse_capture"], example_inputs)
+    return counted(work.forward, work.meta["trifuse_capture"], example_inputs)
 
 
 def trifuse_inductor_backend(gm: fx.GraphModule, example_inputs: list[Any], mode: str | None = None,
@@ -134,39 +177,74 @@ def trifuse_inductor_backend(gm: fx.GraphModule, example_inputs: list[Any], mode
     from torch._inductor.compile_fx import compile_fx
 
     work = _rewrite(gm, example_inputs, "backend=trifuse_inductor")
+    capture = work.meta["trifuse_capture"]
     config = {**(list_mode_options(mode) if mode else {}), **(options or {})}
     try:
-        return compile_fx(work, example_inputs, config_patches=config or None)
+        return counted(compile_fx(work, example_inputs, config_patches=config or None), capture, example_inputs)
     except Exception as e:  # noqa: BLE001  (never break a model: Inductor on the graph as captured)
         # Dynamo's restarts (TensorifyScalarRestartAnalysis, ...) are control flow, not failures.
         if work is gm or isinstance(e, (torch._dynamo.exc.RestartAnalysis, torch._dynamo.exc.SkipFrame)):
             raise
         why = f"Inductor failed on the rewritten graph ({type(e).__name__}: {str(e)[:200]}); compiled unfused"
-        capture = work.meta["trifuse_capture"]
         capture.error, capture.log = why, type(capture.log)()  # nothing of the rewrite runs
         log.warning("trifuse: %s", why)
-        return compile_fx(gm, example_inputs, config_patches=config or None)
+        return counted(compile_fx(gm, example_inputs, config_patches=config or None), capture, example_inputs)
 
 
 def compiled_captures(model: torch.nn.Module) -> list[Capture]:
-    """The backends' captures of graphs that read `model`'s parameters or were compiled during
-    one of its calls, oldest first."""
+    """The backends' captures of graphs that read `model`'s parameters, were compiled during one
+    of its calls, or ran for its modules, oldest first."""
     seen: dict[int, Capture] = {}
-    for p in model.parameters():
+    params = list(model.parameters())
+    for p in params:
         for capture in _COMPILED.get(p, ()):
             seen.setdefault(id(capture), capture)
     for capture in _COMPILED_IN.get(model, ()):
         seen.setdefault(id(capture), capture)
+    by_id = {id(p): p for p in params}
+    for capture in list(_RUNNABLE):
+        if _ran_for(capture, by_id):
+            seen.setdefault(id(capture), capture)
     return sorted(seen.values(), key=lambda c: c.serial)
 
 
-def latest_per_frame(captures: list[Capture]) -> list[Capture]:
-    """Each compiled frame's (the function, the resume functions after graph breaks) most
-    recent capture: what runs now."""
+def _ran_for(capture: Capture, params: dict[int, torch.Tensor]) -> dict[int, int]:
+    """id -> latest run, for the parameters in `params` (id -> parameter) the graph ran for."""
+    return {pid: seq for pid, (seq, ref) in list(capture.runs_for.items())
+            if pid in params and ref() is params[pid]}
+
+
+def latest_forward(captures: list[Capture], params: dict[int, torch.Tensor]) -> list[tuple[Capture, int]]:
+    """(capture, how many times its graph ran) for the graphs of a model's latest forward;
+    `params`: the model's parameters by id.
+
+    A model compiled whole: its forward starts with the model's first compiled frame (the lowest
+    Dynamo frame id among its captures: Dynamo converts the outermost frame first), whose graph
+    runs once a forward, for the same parameters; what ran since that frame's latest run is the
+    latest forward. A model compiled region by region (`block.compile()` on each block: the
+    lowest frame's graphs ran for several of the model's modules): each module counts once, with
+    the graph that ran for it last; graphs taking no parameter there count once. Graphs that ran
+    no more (an earlier mode's, such as training's after model.eval()) are left out."""
+    ran = [c for c in captures if c.runs]
+    if not ran:
+        return []
+    first = min((c.frame for c in ran if c.frame is not None), default=None)
+    roots = [c for c in ran if c.frame == first]
+    if len({p for c in roots for p in _ran_for(c, params)}) <= 1:
+        start = max(c.runs[-1] for c in roots)
+        counts = [(c, len(c.runs) - bisect.bisect_left(c.runs, start)) for c in ran]
+        return [(c, n) for c, n in counts if n]
+    owner: dict[int, tuple[int, Capture]] = {}
+    for c in ran:
+        for p, seq in _ran_for(c, params).items():
+            if seq > owner.get(p, (0, c))[0]:
+                owner[p] = (seq, c)
+    modules = Counter(id(c) for _, c in owner.values())
     latest: dict[Any, Capture] = {}
-    for c in captures:
-        latest[c.frame if c.frame is not None else id(c)] = c
-    return list(latest.values())
+    for c in ran:
+        if not c.runs_for:
+            latest[c.frame if c.frame is not None else id(c)] = c
+    return [(c, modules[id(c)]) for c in ran if modules[id(c)]] + [(c, 1) for c in latest.values()]
 
 
 def register() -> None:

@@ -66,6 +66,11 @@ class Capture:
     error: str | None = None  # the rewrite failed: the graph runs as captured, unfused
     frame: int | None = None  # Dynamo's frame id, for backend captures
     serial: int = field(default_factory=lambda: next(_SERIAL))
+    # Backend captures (backend.counted): the sequence numbers of the graph's recent runs, and per
+    # parameter the graph took first (a module it ran for: id -> its latest run), from which the
+    # report tells what ran in a model's latest forward, and how many times.
+    runs: list[int] = field(default_factory=list)
+    runs_for: dict[int, list] = field(default_factory=dict)  # id -> [latest run, weakref]
 
 
 _SERIAL = itertools.count()

@@ -3,8 +3,10 @@ left and why.
 
 Counts (`counts()`, `by_pattern()`) are those of the captures each module ran in its most recent
 forward: after a training step they are the training graph's, after an eval pass the eval
-graph's. Everything is derived from the units found on the model's modules, so a deep copy of
-a fused model reports on itself.
+graph's. For a model compiled with the torch.compile backends they are the graphs its latest
+forward ran, each counted as many times as it ran (a graph break inside every block compiles
+one graph that every block runs). Everything is derived from the units found on the model's
+modules, so a deep copy of a fused model reports on itself.
 """
 from collections import Counter
 from dataclasses import dataclass, field
@@ -35,11 +37,11 @@ class FusionReport:
     families: tuple[str, ...] | None = None
     fused: bool = False
     compiled: list[Capture] = field(default_factory=list)  # graphs rewritten by the torch.compile backends
+    # (capture, runs) of the compiled graphs that ran in the model's latest forward
+    compiled_runs: list[tuple[Capture, int]] = field(default_factory=list)
 
     def _last(self) -> list[tuple[str, Capture]]:
-        from .backend import latest_per_frame
-
-        out = [("(compiled)", c) for c in latest_per_frame(self.compiled)]
+        out = [("(compiled)", c) for c, runs in self.compiled_runs for _ in range(runs)]
         for u in self.units:
             for path, module in zip(u.paths, u.modules):
                 capture = u.unit.last.get(module)
@@ -90,11 +92,10 @@ class FusionReport:
     def table(self) -> str:
         lines = []
         if self.compiled:
-            from .backend import latest_per_frame
-
-            lines.append(f"torch.compile backends: {len(self.compiled)} graph(s) rewritten")
-            for capture in latest_per_frame(self.compiled):
-                lines.append(_compiled_table(capture))
+            lines.append(f"torch.compile backends: {len(self.compiled)} graph(s) rewritten, "
+                         f"{len(self.compiled_runs)} ran in the latest forward")
+            for capture, runs in self.compiled_runs:
+                lines.append(_compiled_table(capture, runs))
         if not self.fused:
             if self.compiled:
                 return "\n".join(lines + [_counts_line(self.counts())])
@@ -157,8 +158,8 @@ def _counts_line(counts: dict[str, int]) -> str:
     return "latest forward, per family: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
 
 
-def _compiled_table(capture: Capture) -> str:
-    lines = [f"  [{capture.mode}]"]
+def _compiled_table(capture: Capture, runs: int) -> str:
+    lines = [f"  [{capture.mode}]: ran {runs} time(s) in the latest forward"]
     if capture.error:
         lines.append(f"    rewrite failed, compiled unfused: {capture.error}")
     rows = [("replaced", r.family, r.pattern, r.where) for r in capture.log.active]
@@ -197,7 +198,7 @@ def report(model: torch.nn.Module) -> FusionReport:
     """What `trifuse.fuse(model)` replaced, per pattern and family, where, and every candidate
     it rejected and why; for a model compiled with backend="trifuse" or "trifuse_inductor", what
     the backend replaced in its graphs. `print(report(model))` shows it as a table."""
-    from .backend import compiled_captures
+    from .backend import compiled_captures, latest_forward
 
     model = getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule
     units: dict[int, UnitReport] = {}
@@ -209,12 +210,14 @@ def report(model: torch.nn.Module) -> FusionReport:
         entry.paths.append(path or "(model)")
         entry.modules.append(module)
     record = _RECORDS.get(model)
+    compiled = compiled_captures(model)
     return FusionReport(
         list(units.values()),
         list(record.notes) if record else [],
         record.families if record else None,
         fused=record is not None or bool(units),
-        compiled=compiled_captures(model),
+        compiled=compiled,
+        compiled_runs=latest_forward(compiled, {id(p): p for p in model.parameters()}),
     )
 
 

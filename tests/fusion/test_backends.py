@@ -15,7 +15,7 @@ import pytest
 import torch
 import trifuse
 from _device import ON_GPU
-from _fusing import FAMILY_OPS, has_op, trifuse_ops_run
+from _fusing import FAMILY_OPS, has_op, needs_ops, trifuse_ops_run
 from tolerances import assert_close
 
 MODELS = {
@@ -103,6 +103,72 @@ def test_graph_breaks_in_user_code():
     torch.testing.assert_close(loss_fn(compiled, kw), loss_fn(model, kw))
     report = trifuse.report(compiled)
     assert len(report.compiled) >= 2 and report.counts().get("layer_norm")
+
+
+class _BrokenBlock(torch.nn.Module):
+    """A block that breaks the graph in its middle: Dynamo compiles its two halves as frames of
+    their own, whose graphs every block of the model runs."""
+
+    def __init__(self, h):
+        super().__init__()
+        self.ln, self.fc, self.drop = torch.nn.LayerNorm(h), torch.nn.Linear(h, h), torch.nn.Dropout(0.1)
+
+    def forward(self, x):
+        h = self.ln(x)
+        torch._dynamo.graph_break()
+        return x + self.drop(self.fc(h))
+
+
+class _BrokenBlocks(torch.nn.Module):
+    def __init__(self, h=_models.HIDDEN):
+        super().__init__()
+        self.inp, self.out = torch.nn.Linear(h, h), torch.nn.LayerNorm(h)
+        self.b0, self.b1, self.b2 = (_BrokenBlock(h) for _ in range(3))
+
+    def forward(self, x):
+        return self.out(self.b2(self.b1(self.b0(self.inp(x)))))
+
+
+@needs_ops("layer_norm", "dropout_add")
+def test_report_counts_each_run_of_a_compiled_graph_in_the_latest_forward():
+    # A graph break inside every block: one compiled frame per half block, run by all three
+    # blocks. The report counts what the latest forward ran (3 layer norms of the blocks' graph
+    # and the model's own), lists each graph once with its runs, and after model.eval() the eval
+    # graphs, not the training graph that no longer runs.
+    torch._dynamo.reset()
+    x = torch.randn(2, 5, _models.HIDDEN)
+    model = _BrokenBlocks()
+    compiled = torch.compile(model, backend="trifuse")
+    compiled(x).sum().backward()
+    report = trifuse.report(compiled)
+    assert report.counts() == {"layer_norm": 4, "dropout_add": 3}
+    assert [runs for _, runs in report.compiled_runs].count(3) == 2
+    assert "ran 3 time(s) in the latest forward" in report.table()
+    training = {c.mode for c, _ in report.compiled_runs}
+    model.eval()
+    compiled(x)
+    report = trifuse.report(compiled)
+    assert report.counts() == {"layer_norm": 4, "dropout_add": 3}
+    eval_modes = {c.mode for c, _ in report.compiled_runs}
+    assert eval_modes != training and len(report.compiled) > len(report.compiled_runs)
+    # a second model of the class runs the same graphs without compiling any: found by its parameters
+    other = _BrokenBlocks()
+    torch.compile(other, backend="trifuse")(x)
+    assert trifuse.report(other).counts() == {"layer_norm": 4, "dropout_add": 3}
+
+
+@needs_ops("layer_norm", "dropout_add")
+def test_report_counts_blocks_compiled_one_by_one():
+    # Regional compilation (block.compile() on each block, the model's own forward eager): each
+    # block counted once, with the graphs that ran for it.
+    torch._dynamo.reset()
+    model = _BrokenBlocks()
+    for block in (model.b0, model.b1, model.b2):
+        block.compile(backend="trifuse")
+    x = torch.randn(2, 5, _models.HIDDEN)
+    model(x)
+    model(x)
+    assert trifuse.report(model).counts() == {"layer_norm": 3, "dropout_add": 3}
 
 
 def test_compiling_a_fused_model_rewrites_the_whole_graph():
