@@ -946,8 +946,10 @@ def attention_chain_add_add_fused(q, k, v, d0, d1, scale, bias, mask, p, trainin
 
 
 def _two_masks_broadcast_to_the_scores(m: Match) -> str | None:
-    """bias + mask must have the scores' shape up to broadcasting, and one dtype with q (the sum
-    the op takes as its mask is the one the unfused code forms)."""
+    """bias + mask must have the scores' shape up to broadcasting, and be formed at least as wide as
+    the scores: the unfused code adds both to scores of q's dtype, so the op's mask, their sum, is
+    the one it forms when q is no wider than the sum. A wider sum is autocast's (T5's fp32
+    position bias beside bf16 q and k: scores, softmax and the op's mask all fp32)."""
     q, k, bias, mask = m.value("q"), m.value("k"), m.value("bias"), m.value("mask")
     if not all(isinstance(t, torch.Tensor) for t in (q, k, bias, mask)):
         return "no shapes for q, k or the masks"
@@ -958,8 +960,10 @@ def _two_masks_broadcast_to_the_scores(m: Match) -> str | None:
             return f"bias {tuple(bias.shape)} + mask {tuple(mask.shape)} broadcast beyond the scores {scores}"
     except RuntimeError:
         return f"bias {tuple(bias.shape)} and mask {tuple(mask.shape)} do not broadcast together"
-    if not bias.dtype == mask.dtype == q.dtype:
-        return f"bias ({bias.dtype}), mask ({mask.dtype}) and q ({q.dtype}) differ in dtype"
+    both = torch.promote_types(bias.dtype, mask.dtype)
+    if torch.promote_types(both, q.dtype) != both:
+        return (f"q ({q.dtype}) is wider than bias ({bias.dtype}) + mask ({mask.dtype}): "
+                f"the op's mask would be their sum rounded to {both}")
     return None
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import trifuse
+from _device import DEVICE
 from _fusing import available_counts, check_against_unfused, fuse_via, needs_ops, trifuse_ops_run
 from tolerances import assert_close
 from torch import nn
@@ -535,6 +536,44 @@ def test_older_hf_spelling_fuses_and_matches(fn, buffers, pattern):
     assert report.by_pattern() == {pattern: 1}
 
 
+class T5EagerAttention(nn.Module):
+    """chain_t5_eager with a learned position bias (a parameter: its gradient is checked)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias = nn.Parameter(POSITION_BIAS.clone())
+        self.register_buffer("mask", ADDITIVE)
+
+    def forward(self, q, k, v):
+        return chain_t5_eager(self, q, k, v)
+
+
+def test_t5_eager_attention_under_autocast_fuses():
+    """Switch Transformers' / LongT5's eager attention under fp16 autocast: fp16 q, k, v (the
+    autocast projections'), the fp32 position bias and mask promote the scores to fp32, the
+    softmax is fp32, and autocast casts it down for the product with v. The op takes the fp32 sum
+    of bias and mask; output and gradients (q, k, v, the bias) by the oracle rule against the
+    module in float64 without autocast, PyTorch's own error the unfused module's under autocast."""
+    torch.manual_seed(0)
+    unfused = T5EagerAttention().to(DEVICE)
+    exact = copy.deepcopy(unfused).double()
+    model = fuse_via(copy.deepcopy(unfused), "dynamo")
+    q, k, v = (t.to(DEVICE).half() for t in qkv())
+    runs = {}
+    for name, m, dtype in (("fused", model, torch.float16), ("unfused", unfused, torch.float16),
+                           ("exact", exact, torch.float64)):
+        xs = [t.detach().to(dtype).clone().requires_grad_() for t in (q, k, v)]
+        with torch.autocast(DEVICE, dtype=torch.float16, enabled=dtype == torch.float16):
+            out = m(*xs)
+        out.backward(torch.ones_like(out))
+        (bias,) = m.parameters()
+        runs[name] = (out, *(x.grad for x in xs), bias.grad)
+    assert trifuse.report(model).by_pattern() == {"attention_chain_mul_add_add": 1}
+    assert runs["fused"][0].dtype == runs["unfused"][0].dtype == torch.float16
+    for i, what in enumerate(("output", "grad q", "grad k", "grad v", "grad bias")):
+        assert_close(what, runs["fused"][i], runs["exact"][i], runs["unfused"][i])
+
+
 # 16-bit models spelled with their casts inside the module. The float64 copy of such a module
 # rounds to fp16 exactly as the fp32 one does (PyTorch's own error would read 0 and the oracle's
 # bound fall to its floor), so `dtype` is an argument: float64 runs the same maths unrounded, the
@@ -699,6 +738,10 @@ def test_rejections_say_why():
     assert any("finite fill" in reason for *_, reason in report.rejected())
     report = check_against_unfused(functools.partial(Fn, chain_cast_to_other_dtype), qkv(), "dynamo")
     assert any("not a no-op" in reason for *_, reason in report.rejected())
+    # fp16 bias and mask beside fp32 scores: the op's mask, their sum, would be rounded to fp16
+    narrow = functools.partial(Fn, chain_t5_eager, bias=POSITION_BIAS.half(), mask=ADDITIVE.half())
+    report = check_against_unfused(narrow, qkv(), "dynamo")
+    assert any("wider than bias" in reason for *_, reason in report.rejected())
 
 
 class Disentangled(nn.Module):
