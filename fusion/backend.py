@@ -120,11 +120,11 @@ def counted(fn: Callable[..., Any], capture: Capture, example_inputs: list[Any])
     µs) and, when the graph takes parameters (Dynamo passes a module's parameters as inputs), the
     identity of the first one: the module it ran for. The report tells from them which graphs ran
     in a model's latest forward, and how often."""
-    runs, runs_for = capture.runs, capture.runs_for
-    _RUNNABLE.add(capture)
+    _RUNNABLE.add(capture)  # for as long as the graph may run: `run` holds the capture
     first = next((i for i, t in enumerate(example_inputs) if isinstance(t, torch.nn.Parameter)), None)
 
     def run(*args: Any) -> Any:
+        runs, runs_for = capture.runs, capture.runs_for
         seq = next(_RUN_SEQ)
         runs.append(seq)
         if len(runs) > MAX_RUNS:
