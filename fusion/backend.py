@@ -180,7 +180,8 @@ def trifuse_inductor_backend(gm: fx.GraphModule, example_inputs: list[Any], mode
     capture = work.meta["trifuse_capture"]
     config = {**(list_mode_options(mode) if mode else {}), **(options or {})}
     try:
-        return counted(compile_fx(work, example_inputs, config_patches=config or None), capture, example_inputs)
+        compiled = compile_fx(work, example_inputs, config_patches=config or None)
+        return counted(compiled, capture, example_inputs)
     except Exception as e:  # noqa: BLE001  (never break a model: Inductor on the graph as captured)
         # Dynamo's restarts (TensorifyScalarRestartAnalysis, ...) are control flow, not failures.
         if work is gm or isinstance(e, (torch._dynamo.exc.RestartAnalysis, torch._dynamo.exc.SkipFrame)):

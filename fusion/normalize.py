@@ -26,7 +26,8 @@ rewrites, in place:
 - with example values known (fx graphs after shape propagation), `x.dtype` becomes a constant
   and `y.type_as(x)` becomes `y.to(<x's dtype>)`.
 - `a += b` (also -=, *=, /=) on a fresh intermediate that nothing else reads -> `a + b`, where
-  the result keeps a's dtype and shape (MPNet's `attention_scores += position_bias`); and
+  the result keeps a's shape (MPNet's `attention_scores += position_bias`); `(a + b).to(a.dtype)`
+  where the sum promotes (16-bit scores and an fp32 bias under autocast: what the update stores); and
   `a.masked_fill_(mask, v)` on a fresh intermediate read only after it -> `a.masked_fill(mask, v)`
   (ldm's CrossAttention), its later readers reading the filled tensor.
 - `y.expand_as(x)` -> `y.expand(<x's shape>)` in Dynamo graphs, where x's shape is static (guarded).
@@ -436,8 +437,10 @@ _FRESH = (operator.add, operator.sub, operator.mul, operator.truediv, torch.matm
 
 def _out_of_place_updates(graph: fx.Graph) -> None:
     """`a += b` -> `a + b` where `a` is a fresh result read by nothing else and the sum keeps a's
-    dtype and shape (no promotion, no broadcast of a): the same tensor, so patterns written with
-    `+` match it. Needs example values; without them the update stays."""
+    shape (no broadcast of a): the same tensor, so patterns written with `+` match it. Where the
+    sum promotes (16-bit scores += an fp32 bias, under autocast), the update computes it in the
+    wider dtype and stores it rounded to a's: `(a + b).to(a.dtype)`, the same values. Needs
+    example values; without them the update stays."""
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in _UPDATES or len(node.args) != 2 or node.kwargs:
             continue
@@ -448,12 +451,22 @@ def _out_of_place_updates(graph: fx.Graph) -> None:
         if not isinstance(va, torch.Tensor) or not isinstance(vb, (torch.Tensor, int, float, bool)):
             continue
         try:
-            same = torch.result_type(va, vb) == va.dtype and (
-                not isinstance(vb, torch.Tensor) or torch.broadcast_shapes(va.shape, vb.shape) == va.shape)
+            wide = torch.result_type(va, vb)
+            if isinstance(vb, torch.Tensor) and torch.broadcast_shapes(va.shape, vb.shape) != va.shape:
+                continue
         except RuntimeError:
             continue
-        if same:
-            node.target = _UPDATES[node.target]
+        if wide != va.dtype and not (va.is_floating_point() and wide.is_floating_point):
+            continue
+        node.target = _UPDATES[node.target]
+        if wide != va.dtype:
+            key = "val" if "val" in node.meta else "example_value"
+            with graph.inserting_after(node):
+                cast = graph.call_method("to", (node, va.dtype))
+            replace_uses(node, cast)
+            cast.args = (node, va.dtype)  # replace_uses rewired the cast itself too
+            cast.meta[key] = node.meta.get(key, va)
+            node.meta[key] = va.to(wide)
     _out_of_place_masked_fills(graph)
 
 

@@ -62,8 +62,11 @@ style: the score matrix never exists).
   scale); CodeGen's additive mask before the scaling, `(q k^T + mask) / scale` (the op's mask is
   mask / scale); MPT's ALiBi added to the scaled scores before `masked_fill(mask, finfo.min)` and a
   softmax of an fp32 copy (`.float()`); MPNet's relative position bias and additive mask added one
-  after the other to the divided scores (the op's mask is their sum); GPT-Neo's unscaled scores (scale 1) under
-  `torch.where(causal, scores, torch.tensor(finfo.min))` with the additive mask added after (the op's
+  after the other to the divided scores (the op's mask is their sum; under autocast the fp32 bias
+  and mask beside 16-bit q too, the in-place `+=` rounding its sum to 16 bits, which the op's fp32
+  scores never are; Switch Transformers' and LongT5's the same with `* scale`); GPT-Neo's
+  unscaled scores (scale 1) under `torch.where(causal, scores, torch.tensor(finfo.min))` with the
+  additive mask added after (the op's
   mask is the mask where causal keeps a key, fill + mask where not: the same scores, the huge fill
   absorbing q k^T; a row the where() drops whole, which GPT-Neo's causal masks never do, has the
   op's finite-mask gradients). GPT-J, CodeGen and GPT-Neo cast q and k to fp32 before the
@@ -945,6 +948,32 @@ def attention_chain_add_add_fused(q, k, v, d0, d1, scale, bias, mask, p, trainin
                          1.0 / scale if scaling == "div" else scale)
 
 
+def attention_chain_add_rounded_add(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, scale,
+                                    bias: torch.Tensor, dtype, mask: torch.Tensor, p, training, *,
+                                    scaling: str):
+    """MPNet's `scores += position_bias` under autocast: the in-place update adds the fp32 bias to
+    16-bit scores and stores the sum rounded to their dtype (canonical form: `(s + bias).to(dtype)`),
+    then the fp32 mask and an fp32 softmax."""
+    s = torch.matmul(q, k.transpose(d0, d1))
+    s = ((s / scale if scaling == "div" else s * scale) + bias).to(dtype)
+    a = F.dropout(torch.softmax(s + mask, -1), p, training, False)
+    return torch.matmul(a, v)
+
+
+def attention_chain_add_rounded_add_fused(q, k, v, d0, d1, scale, bias, dtype, mask, p, training, *,
+                                          scaling: str):
+    # The op's scores are fp32 throughout: neither the product nor its sum with the bias is
+    # rounded to 16 bits, as the unfused code rounds both (the softmax's input is fp32 in both).
+    return attention_chain_add_add_fused(q, k, v, d0, d1, scale, bias, mask, p, training, scaling=scaling)
+
+
+def _rounded_to_the_scores_dtype(m: Match) -> str | None:
+    q = m.value("q")
+    if not isinstance(q, torch.Tensor) or m["dtype"] != q.dtype:
+        return f"the scores plus the bias are cast to {m['dtype']}, not to q's dtype"
+    return None
+
+
 def _two_masks_broadcast_to_the_scores(m: Match) -> str | None:
     """bias + mask must have the scores' shape up to broadcasting, and be formed at least as wide as
     the scores: the unfused code adds both to scores of q's dtype, so the op's mask, their sum, is
@@ -1308,6 +1337,13 @@ PATTERNS = (
               functools.partial(attention_chain_add_add_fused, scaling=scaling), ("attention",),
               (_transposes_last_two, _scale_is_number, needs_number("scale", "p"), needs_bool("training"),
                _float_mask("bias"), _float_mask("mask"), _two_masks_broadcast_to_the_scores))
+      for scaling in ("div", "mul")),
+    *(Pattern(f"attention_chain_{scaling}_add_rounded_add", "attention",
+              functools.partial(attention_chain_add_rounded_add, scaling=scaling),
+              functools.partial(attention_chain_add_rounded_add_fused, scaling=scaling), ("attention",),
+              (_transposes_last_two, _scale_is_number, needs_number("scale", "p"), needs_bool("training"),
+               _float_mask("bias"), _float_mask("mask"), _rounded_to_the_scores_dtype,
+               _two_masks_broadcast_to_the_scores))
       for scaling in ("div", "mul")),
     *(Pattern("attention_chain_where_add" + ("_upcast_q_k" if upcast else ""), "attention",
               functools.partial(attention_chain_where_add, upcast_qk=upcast),

@@ -205,6 +205,33 @@ def _dynamo_canonical(fn, *inputs):
     return graphs[0]
 
 
+def test_an_update_of_a_fresh_result_is_out_of_place_rounded_where_it_promotes():
+    """MPNet's `scores += position_bias`: on a fresh product read by nothing else, `a + b`; where
+    the sum promotes (fp16 scores, an fp32 bias: autocast's mix), what the update stores,
+    `(a + b).to(fp16)`, its readers reading the cast; any other update stays as written.
+    Values unchanged (an fp16 result either way)."""
+    def fresh(q, k, bias):
+        s = torch.matmul(q, k) / 2
+        s += bias
+        return s * 3
+
+    def not_fresh(q, bias):  # a clone: not a fresh result of the kinds the update may stand for
+        s = q.clone()
+        s += bias
+        return s * 3
+
+    q, k = torch.randn(2, 4, 4, dtype=torch.float16), torch.randn(2, 4, 4, dtype=torch.float16)
+    for bias in (torch.randn(4, 4, dtype=torch.float16), torch.randn(4, 4)):
+        graph = _dynamo_canonical(fresh, q, k, bias).graph
+        updates = [n for n in graph.nodes if n.target in (operator.iadd, operator.add)]
+        assert [n.target for n in updates] == [operator.add]
+        casts = [n for n in graph.nodes if n.target == "to"]
+        rounded = bias.dtype == torch.float32
+        assert [n.args for n in casts] == ([(updates[0], torch.float16)] if rounded else [])
+        graph = _dynamo_canonical(not_fresh, q, bias).graph
+        assert [n.target for n in graph.nodes if n.target in (operator.iadd, operator.add)] == [operator.iadd]
+
+
 def test_a_view_there_and_back_is_dropped():
     """XGLM's `w.view(B, H, S, S).view(B * H, S, S)` after its softmax reads the softmax itself;
     the first view stays where something else reads it, and a chain ending in another shape or
