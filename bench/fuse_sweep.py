@@ -531,15 +531,20 @@ def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: s
 
 
 def _child(model_type: str, task: str = "causal-lm", via: str = "fuse", dtype: str = "float64",
-           timeout: int = 300) -> dict:
+           timeout: int = 300, threads: int | None = None) -> dict:
+    """One type in its own process. `threads`: its intra-op threads (OMP_NUM_THREADS), one per child
+    when several run at once: two children each spinning as many OpenMP threads as there are cores
+    took 40x longer on Qwen 3.5's many small ops (its recurrence), timing out."""
     def cap_memory():
         resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
 
     t0 = time.time()
+    env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
     try:
         cmd = [sys.executable, os.path.abspath(__file__), f"--one={model_type}", f"--task={task}", f"--via={via}",
                f"--dtype={dtype}"]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, preexec_fn=cap_memory, check=False)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, preexec_fn=cap_memory,
+                              check=False, env=env)
         lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
         row = json.loads(lines[-1]) if lines else {"status": f"died (rc {done.returncode})",
                                                     "why": done.stderr.strip().splitlines()[-1:][0][:150]
@@ -595,7 +600,8 @@ def main(types: list[str], task: str = "causal-lm", via: str = "fuse", dtype: st
     types = types or sorted(getattr(modeling_auto, mapping))
     rows = []
     with ThreadPoolExecutor(jobs) as pool:  # each type is a child process: threads only wait on them
-        for row in pool.map(lambda mt: _child(mt, task, via, dtype), types):
+        threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else None
+        for row in pool.map(lambda mt: _child(mt, task, via, dtype, threads=threads), types):
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
             if "traceback" in row:
