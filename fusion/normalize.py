@@ -525,7 +525,9 @@ def _softmax_of_casts(graph: fx.Graph) -> None:
     dtype: softmax's dtype argument casts its input before computing (T5's and XLM's
     `softmax(scores.float(), dim=-1)`), the same values and the same gradient, so the upcast
     spelling of a pattern matches both. The cast stays where something else reads it; not where
-    x or the cast is written in place."""
+    x or the cast is written in place. Not where the softmax's result is of another dtype than
+    the cast's (CUDA autocast computes `softmax(x.half())` in fp32, and `softmax(x, dtype=half)`
+    as asked), nor, without example values, for a cast to 16 bits."""
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not torch.softmax or len(node.args) != 3 \
                 or node.args[2] is not None or node.kwargs:
@@ -533,6 +535,10 @@ def _softmax_of_casts(graph: fx.Graph) -> None:
         cast = node.args[0]
         if not isinstance(cast, fx.Node) or not isinstance(cast.args[0] if cast.args else None, fx.Node) \
                 or not _plain_cast_of(cast, cast.args[0]) or not cast.args[1].is_floating_point:
+            continue
+        out = _value(node)
+        as_cast = out.dtype == cast.args[1] if isinstance(out, torch.Tensor) else cast.args[1].itemsize >= 4
+        if not as_cast:
             continue
         x = cast.args[0]
         if _written_in_place(cast) or _written_in_place(x):

@@ -296,6 +296,31 @@ def test_a_softmax_of_a_cast_takes_the_dtype_and_expand_as_a_static_shape():
     torch.testing.assert_close(gm(x2, m2), upcast(x2, m2))
 
 
+def test_a_softmax_of_a_cast_to_16_bits_takes_the_dtype_only_where_it_computes_in_it():
+    """`softmax(x.half())` is `softmax(x, dtype=half)` where the softmax's result is fp16 (its
+    example value says so); CUDA autocast computes the first in fp32 and the second in fp16, so a
+    softmax whose value is fp32 keeps its cast, as does one without example values."""
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    def downcast(x):
+        return torch.softmax(x.half(), -1)
+
+    def softmax_dtype(gm):
+        return [n.args[2] for n in canonicalize(gm).graph.nodes if n.target is torch.softmax]
+
+    x = torch.randn(2, 4)
+    assert softmax_dtype(fx.symbolic_trace(downcast)) == [None]  # no example values
+    gm = fx.symbolic_trace(downcast)
+    FakeTensorProp(gm).propagate(x)
+    assert softmax_dtype(gm) == [torch.float16]
+    torch.testing.assert_close(gm(x), downcast(x))
+    gm = fx.symbolic_trace(downcast)
+    FakeTensorProp(gm).propagate(x)
+    softmax = next(n for n in gm.graph.nodes if n.target in (torch.softmax, F.softmax, "softmax"))
+    softmax.meta["val"] = softmax.meta["val"].float()  # as traced under CUDA autocast
+    assert softmax_dtype(gm) == [None]
+
+
 def test_match_is_by_dataflow_not_order_and_either_way_round():
     cp = compile_pattern(next(p for p in dropout_add.PATTERNS if p.name == "dropout_add"))
 
