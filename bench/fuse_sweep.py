@@ -162,10 +162,6 @@ EXPLAINED = {
     ("seq2seq", "fp16-autocast", "t5"):
         "ReLU kink: a pre-activation within fp16 rounding of 0 flips sign (T5 with gelu_new, 3 seeds: ok; relu, "
         "5 seeds: the unfused model flips too, seed 4)",
-    ("seq2seq", "fp16-autocast", "longt5"):
-        "ReLU kink, as T5 (with gelu_new: ok, oracle excess -3e-4)",
-    ("seq2seq", "fp16-autocast", "switch_transformers"):
-        "ReLU kink, as T5 (with gelu_new: ok, oracle excess -1e-3)",
     **{("causal-lm", "fp16-autocast", model_type): (
         "an ill-conditioned draw: the unfused model's own fp16 gradients are 1-9% off float64 in layer 0 and "
         f"move that much when its weights move by 1e-6 ({draws}, each ahead in some); other seeds: both 1e-5")
