@@ -169,6 +169,8 @@ EXPLAINED = {
            ("gemma4_unified",
             "4 draws: k_proj unfused 6.5-8.2e-2, fused 7.5-8.7e-2; gate_proj 1.1-2.4e-2, 1.8-2.3e-2"),
            ("gemma4_unified_text", "5 draws: k_proj unfused 1.6-7.2e-2, fused 1.5-5.0e-2"))},
+    ("qa", "fp16-autocast", "t5"):
+        "ReLU kink, as T5's seq2seq row (with gelu_new: ok, oracle excess -1e-3)",
     ("image-cls", "float64", "bit"):
         "only the loss fused; the rows are gradients at 1e-14 of the largest (its last stage's, zero in exact "
         "arithmetic), judged at the 1e-10 floor: another formula for the unfused loss moves them as much "
@@ -514,8 +516,11 @@ def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: s
         l0, l1, l64 = float(loss0), float(loss1), float(loss64)
         excess = _oracle_error(grads0, grads1, grads64, floor, grad_tol)
         ok = abs(l1 - l64) <= 2 * abs(l0 - l64) + loss_tol * abs(l64) and excess <= 0
-        if l0 != l0 or l64 != l64:  # a NaN loss of the model's own (fp16 or its float64 copy): no oracle;
-            ok = loss_err < loss_tol and grad_err < grad_tol  # fused against unfused, NaN for NaN by place
+        if l0 != l0 or l64 != l64:
+            # A NaN loss of the model's own (fp16, or its float64 copy): no oracle. Fused against
+            # unfused, NaN for NaN by place; each rounds to fp16 in its own places, which the oracle's
+            # 2x-plus-slack allows for and a direct comparison must too: 10x the slack (~20 fp16 ulps).
+            ok = loss_err < loss_tol and grad_err < 10 * grad_tol
     again, first = float(loss2), float(loss1.detach())
     ok = ok and (again == first or again != again and first != first)
     row = {"status": "ok" if ok else "MISMATCH", "attn": attn, "loss_rel_err": loss_err, "grad_rel_err": grad_err,
