@@ -66,9 +66,8 @@ style: the score matrix never exists).
   and mask beside 16-bit q too, the in-place `+=` rounding its sum to 16 bits, which the op's fp32
   scores never are; Switch Transformers' and LongT5's the same with `* scale`); GPT-Neo's
   unscaled scores (scale 1) under `torch.where(causal, scores, torch.tensor(finfo.min))` with the
-  additive mask added after (the op's
-  mask is the mask where causal keeps a key, fill + mask where not: the same scores, the huge fill
-  absorbing q k^T; a row the where() drops whole, which GPT-Neo's causal masks never do, has the
+  additive mask added after (the op's mask is the mask where causal keeps a key, fill + mask where
+  not: the same scores, the huge fill absorbing q k^T; a row the where() drops whole, which GPT-Neo's causal masks never do, has the
   op's finite-mask gradients). GPT-J, CodeGen and GPT-Neo cast q and k to fp32 before the
   product: in 16-bit models the op takes them uncast (its scores are fp32 whatever their dtype),
   where q, k and v share a dtype. Their blocks return the probabilities too: fusion/capture.py drops them from
