@@ -463,8 +463,7 @@ def _out_of_place_updates(graph: fx.Graph) -> None:
             key = "val" if "val" in node.meta else "example_value"
             with graph.inserting_after(node):
                 cast = graph.call_method("to", (node, va.dtype))
-            replace_uses(node, cast)
-            cast.args = (node, va.dtype)  # replace_uses rewired the cast itself too
+            node.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
             cast.meta[key] = node.meta.get(key, va)
             node.meta[key] = va.to(wide)
     _out_of_place_masked_fills(graph)
