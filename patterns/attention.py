@@ -498,14 +498,23 @@ def _casts_back_to_q(m: Match) -> str | None:
 
 
 def _cast_is_a_no_op(m: Match) -> str | None:
-    """softmax(s).to(dtype) with s in q's dtype: fused only where the cast changes nothing (q, v and
-    `dtype` agree); otherwise the unfused code mixes dtypes the op does not take."""
-    q, v = m.value("q"), m.value("v")
-    if not isinstance(q, torch.Tensor) or not isinstance(v, torch.Tensor):
-        return "no dtype for q or v"
-    if not (m["dtype"] == q.dtype == v.dtype):
-        return f"casts the probabilities ({q.dtype}) to {m['dtype']}, with v in {v.dtype}: not a no-op"
-    return None
+    """softmax(s).to(dtype) with s in q's dtype: fused where the cast changes nothing (q, v and
+    `dtype` agree), or under autocast where each of q, k, v and `dtype` is fp32 or autocast's
+    dtype: the products cast their operands to autocast's dtype themselves, as the op casts q, k
+    and v (Hugging Face's rotary tables are fp32, so its q and k arrive fp32 beside a 16-bit v and
+    `.to(query.dtype)` casts the probabilities to fp32). Otherwise the unfused code mixes dtypes
+    the op does not take."""
+    q, k, v = m.value("q"), m.value("k"), m.value("v")
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return "no dtype for q, k or v"
+    if m["dtype"] == q.dtype == v.dtype:
+        return None
+    device = q.device.type
+    if device in ("cuda", "cpu") and torch.is_autocast_enabled(device):
+        low = torch.get_autocast_dtype(device)
+        if low in (torch.float16, torch.bfloat16) and {m["dtype"], q.dtype, k.dtype, v.dtype} <= {low, torch.float32}:
+            return None
+    return f"casts the probabilities ({q.dtype}) to {m['dtype']}, with v in {v.dtype}: not a no-op"
 
 
 def _q_k_v_share_a_dtype(m: Match) -> str | None:

@@ -1274,6 +1274,63 @@ def test_sink_scale_in_16_bit_fuses():
     check_16_bit_chain(WithSinks, chain_sink_scale_fp16, {"mask": window}, "attention_chain_sink_scale_add")
 
 
+class RotaryFp32(nn.Module):
+    """q and k times an fp32 table before the chain, as Hugging Face's rotary embedding leaves them
+    under autocast: fp32 beside the 16-bit v of the autocast projection."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.register_buffer("table", torch.rand(S, D) + 0.5)
+
+    def forward(self, q, k, v):
+        return self.inner(q * self.table, k * self.table, v)
+
+
+@pytest.mark.parametrize("fn, h_kv, buffers, pattern", [
+    (chain_repeat_kv, 2, {"mask": ADDITIVE}, "attention_chain_mul_add_dropout_upcast_repeat_kv"),
+    (chain_sink_scale, 2, {"mask": ADDITIVE}, "attention_chain_sink_scale_add_repeat_kv"),
+    (chain_sinks_mask, 2, {"mask": WINDOW}, "attention_chain_sinks_add_repeat_kv"),
+], ids=["llama", "granite_swa", "gpt_oss"])
+def test_eager_attention_of_fp32_q_under_autocast_fuses(fn, h_kv, buffers, pattern):
+    """transformers' eager attention under fp16 autocast (the models that have no SDPA path: sinks,
+    Granite's sink scale): q and k fp32 from the rotary tables, v fp16, the mask fp32. Autocast
+    casts the product's operands to fp16 whatever the probabilities were cast to (`.to(q.dtype)`:
+    fp32), as the op casts q, k and v. Output and gradients by the oracle rule against the module
+    in float64 without autocast, PyTorch's own error the unfused module's under autocast."""
+    torch.manual_seed(0)
+    unfused = RotaryFp32(WithSinks(fn, **buffers) if "sink" in fn.__name__ else Fn(fn, **buffers)).to(DEVICE)
+    exact = copy.deepcopy(unfused).double()
+    model = fuse_via(copy.deepcopy(unfused), "dynamo")
+    q, k, v = (t.to(DEVICE).half() for t in qkv(h_kv))
+    dy = torch.randn(B, H, S, D, device=DEVICE).half()
+    runs = {}
+    for name, m, dtype in (("fused", model, torch.float16), ("unfused", unfused, torch.float16),
+                           ("exact", exact, torch.float64)):
+        xs = [t.detach().to(dtype).clone().requires_grad_() for t in (q, k, v)]
+        with torch.autocast(DEVICE, dtype=torch.float16, enabled=dtype == torch.float16):
+            out = m(*xs)
+        out.backward(dy.to(dtype))
+        runs[name] = (out, *(x.grad for x in xs))
+    assert trifuse.report(model).by_pattern() == {pattern: 1}
+    assert runs["fused"][0].dtype == runs["unfused"][0].dtype == torch.float16
+    for i, what in enumerate(("output", "grad q", "grad k", "grad v")):
+        fused, unfused16 = (runs[name][i].half() for name in ("fused", "unfused"))
+        assert_close(what, fused, runs["exact"][i], unfused16)
+
+
+def test_fp32_q_beside_fp16_v_outside_autocast_is_left():
+    """The same chain outside autocast (q and k fp32, v and the probabilities' cast fp16): the op
+    takes one dtype and no autocast casts for it, so the chain stays, saying why."""
+    unfused = WithSinks(chain_sinks_mask, mask=WINDOW)
+    model = fuse_via(copy.deepcopy(unfused), "dynamo")
+    q, k, v = qkv(2)
+    torch.testing.assert_close(model(q, k, v.half()), unfused(q, k, v.half()), rtol=0, atol=0)
+    report = trifuse.report(model)
+    assert report.by_pattern() == {}
+    assert any("not a no-op" in reason for *_, reason in report.rejected()), report.table()
+
+
 @pytest.mark.parametrize("fn, pattern", [
     (chain_max_sub, "attention_chain_max_sub_add_repeat_kv"),
     (chain_sink_scale, "attention_chain_sink_scale_add_repeat_kv"),
