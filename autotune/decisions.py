@@ -135,15 +135,20 @@ def _text(v: object) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def format_table(decisions: Sequence[Decision]) -> str:
-    """A plain-text table of decisions: what won, how, against what."""
+def format_table(decisions: Sequence[Decision], max_rejected: int = 2) -> str:
+    """A plain-text table of decisions: what won, how, against what. A kernel prunes a dozen
+    configurations for one reason each; past `max_rejected` of them a row says how many more
+    there are (`records()` keeps every reason)."""
     header = ("kind", "name", "bucket", "device", "chosen", "source", "timed (ms)", "rejected")
     rows = [header]
     for d in decisions:
         timed = ", ".join(f"{k} {v:.4g}" for k, v in sorted(d.times_ms.items(), key=lambda kv: kv[1]))
-        rejected = "; ".join(f"{k}: {v}" for k, v in d.rejected.items())
-        rows.append((d.kind, d.name, d.bucket, d.device, d.chosen, d.source, timed, rejected))
+        reasons = [f"{k}: {v}" for k, v in d.rejected.items()]
+        if len(reasons) > max_rejected:
+            reasons = reasons[:max_rejected] + [f"+{len(reasons) - max_rejected} more (trifuse.autotune.records())"]
+        rows.append((d.kind, d.name, d.bucket, d.device, d.chosen, d.source, timed, "; ".join(reasons)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    # the last column is free text: its rule as wide as its title, not its longest cell
+    lines.insert(1, "  ".join("-" * w for w in widths[:-1] + [len(header[-1])]))
     return "\n".join(lines)

@@ -174,6 +174,20 @@ def test_tuning_decisions_show_in_the_report(fresh, cache_dir):
     assert "rms=True" in table and "rows=32" in table and "n=16" in table
 
 
+def test_the_table_lists_two_rejections_a_row_and_counts_the_rest():
+    from trifuse.autotune import Decision, format_table
+
+    rejected = {f"TILE={t}": f"~{t // 16} fp32 values per thread would spill registers"
+                for t in (2048, 4096, 8192, 16384)}
+    decision = Decision(kind="kernel", name="layer_norm_fwd", bucket="n=32", device="cpu", chosen="TILE=1024",
+                        source="default", times_ms={}, rejected=rejected)
+    header, rule, row = format_table([decision]).splitlines()
+    assert "TILE=2048: ~128" in row and "TILE=4096: ~256" in row and "TILE=8192" not in row
+    assert row.endswith("+2 more (trifuse.autotune.records())")
+    assert rule.endswith(" " + "-" * len("rejected")) and len(rule) < len(row)
+    assert "TILE=16384" in format_table([decision], max_rejected=4)
+
+
 def cdiv(a, b):
     return triton.cdiv(a, b)
 
