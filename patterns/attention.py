@@ -975,6 +975,34 @@ def attention_chain_add_rounded_add_fused(q, k, v, d0, d1, scale, bias, dtype, m
     return attention_chain_add_add_fused(q, k, v, d0, d1, scale, bias, mask, p, training, scaling=scaling)
 
 
+def attention_chain_add_rounded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, scale, bias: torch.Tensor,
+                                dtype, p, training, *, scaling: str, in_softmax: bool):
+    """MPNet's `scores += position_bias` under autocast with no padding mask: the sum rounded to
+    the 16-bit scores' dtype goes straight to the softmax. CUDA's autocast computes that softmax
+    in fp32 (the cast stays); where it computes in the cast's dtype (CPU's), fusion/normalize.py
+    has made the cast the softmax's dtype (in_softmax)."""
+    s = torch.matmul(q, k.transpose(d0, d1))
+    s = (s / scale if scaling == "div" else s * scale) + bias
+    a = torch.softmax(s, -1, dtype) if in_softmax else torch.softmax(s.to(dtype), -1)
+    return torch.matmul(F.dropout(a, p, training, False), v)
+
+
+def attention_chain_add_rounded_fused(q, k, v, d0, d1, scale, bias, dtype, p, training, *, scaling: str,
+                                      in_softmax: bool):
+    # the op's scores and their sum with the bias stay fp32, unrounded (as for the masked form)
+    return ops.attention(q, k, v, bias, p if training else 0.0, False, 1.0 / scale if scaling == "div" else scale)
+
+
+def _bias_over_the_scores(m: Match) -> str | None:
+    """q, k, v 4-D and the added bias a float tensor that broadcasts to their (B, H, Sq, Sk) scores."""
+    q, k, v, bias = m.value("q"), m.value("k"), m.value("v"), m.value("bias")
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
+        return "q, k and v are not all 4-D (batch, heads, seq, head_dim)"
+    if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
+        return "the added bias is not a float tensor"
+    return _broadcast_to_scores("the bias", bias.shape, (*q.shape[:-1], k.shape[-2]))
+
+
 def _rounded_to_the_scores_dtype(m: Match) -> str | None:
     q = m.value("q")
     if not isinstance(q, torch.Tensor) or m["dtype"] != q.dtype:
@@ -1353,6 +1381,12 @@ PATTERNS = (
                _float_mask("bias"), _float_mask("mask"), _rounded_to_the_scores_dtype,
                _two_masks_broadcast_to_the_scores))
       for scaling in ("div", "mul")),
+    *(Pattern(f"attention_chain_{scaling}_add_rounded" + ("_in_softmax" if in_softmax else ""), "attention",
+              functools.partial(attention_chain_add_rounded, scaling=scaling, in_softmax=in_softmax),
+              functools.partial(attention_chain_add_rounded_fused, scaling=scaling, in_softmax=in_softmax),
+              ("attention",), (_transposes_last_two, _scale_is_number, needs_number("scale", "p"),
+                               needs_bool("training"), _bias_over_the_scores, _rounded_to_the_scores_dtype))
+      for scaling in ("div", "mul") for in_softmax in (False, True)),
     *(Pattern("attention_chain_where_add" + ("_upcast_q_k" if upcast else ""), "attention",
               functools.partial(attention_chain_where_add, upcast_qk=upcast),
               functools.partial(attention_chain_where_add_fused, upcast_qk=upcast), ("attention",),

@@ -553,7 +553,8 @@ class PositionBiasAttention(nn.Module):
 @pytest.mark.parametrize("chain, pattern", [
     (chain_t5_eager, "attention_chain_mul_add_add"),
     (chain_position_bias_in_place, "attention_chain_div_add_rounded_add"),
-], ids=["t5_eager", "mpnet_in_place"])
+    (chain_position_bias_alone_in_place, "attention_chain_div_add_rounded_in_softmax"),
+], ids=["t5_eager", "mpnet_in_place", "mpnet_no_mask"])
 def test_position_bias_attention_under_autocast_fuses(chain, pattern):
     """Switch Transformers' / LongT5's and MPNet's eager attention under fp16 autocast: fp16 q, k, v
     (the autocast projections'), the fp32 position bias and mask promote the scores to fp32 (MPNet's
@@ -1272,6 +1273,33 @@ def test_sink_scale_in_16_bit_fuses():
     window = ADDITIVE.clone()
     window[0, ..., -2:] = torch.finfo(torch.float16).min
     check_16_bit_chain(WithSinks, chain_sink_scale_fp16, {"mask": window}, "attention_chain_sink_scale_add")
+
+
+def test_mpnet_without_a_mask_under_cuda_autocast_keeps_its_cast_and_fuses():
+    """Under CUDA's autocast the softmax of MPNet's rounded sum computes in fp32 (its example value
+    says so), so fusion/normalize.py leaves the cast before it: the spelling with the cast matches.
+    The graph is traced and propagated under CPU autocast, the softmax's value made fp32 as CUDA's
+    autocast makes it."""
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+    from trifuse.fusion import rewrite
+    from trifuse.fusion.normalize import canonicalize
+    from trifuse.patterns import attention
+
+    def mpnet(q, k, v, bias):  # `w += bias` in its canonical form (fx's tracer makes it out of place)
+        w = torch.matmul(q, k.transpose(-1, -2)) / 2.5
+        w = (w + bias).to(w.dtype)
+        return torch.matmul(F.dropout(F.softmax(w, dim=-1), p=0.1, training=True), v)
+
+    gm = torch.fx.symbolic_trace(mpnet)
+    q, k, v = (t.half() for t in qkv())
+    with torch.autocast("cpu", dtype=torch.float16):
+        FakeTensorProp(gm).propagate(q, k, v, POSITION_BIAS)
+        softmax = next(n for n in gm.graph.nodes if n.target in (torch.softmax, F.softmax))
+        softmax.meta["val"] = softmax.meta["val"].float()
+        gm = canonicalize(gm)
+        assert [n.args[2] for n in gm.graph.nodes if n.target is torch.softmax] == [None]  # the cast kept
+        log = rewrite(gm, attention.PATTERNS)
+    assert log.by_pattern == {"attention_chain_div_add_rounded": 1}, log
 
 
 class RotaryFp32(nn.Module):
