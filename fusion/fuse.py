@@ -350,11 +350,16 @@ def _computes_a_norm(module: torch.nn.Module) -> bool:
 def _has_candidates(graph: fx.Graph, patterns) -> bool:
     """Whether some pattern whose op exists matches the graph's structure (filters aside: they
     need the example values only a call brings). Stage-0 and -1 patterns start from what models
-    write, so they find every place a later stage could."""
-    for pattern in patterns:
-        if pattern.stage > 1 or not all(available(op) for op in pattern.ops):
-            continue
-        cp = compile_pattern(pattern)
-        if any(next(matches(cp, n), None) is not None for n in graph.nodes if cp.is_candidate(n)):
-            return True
-    return False
+    write, so they find every place a later stage could. The graph is a throwaway copy: its
+    softmaxes may lose their dtype arguments."""
+    compiled = [compile_pattern(p) for p in patterns if p.stage <= 1 and all(available(op) for op in p.ops)]
+    if any(next(matches(cp, n), None) is not None for cp in compiled for n in graph.nodes if cp.is_candidate(n)):
+        return True
+    # A softmax's dtype argument may be its input's own dtype, which normalize.py drops once
+    # example values show it (Falcon's `dtype=hidden_states.dtype`): without them, try it dropped.
+    softmaxes = [n for n in graph.nodes if n.op == "call_function" and n.target is torch.softmax
+                 and len(n.args) == 3 and n.args[2] is not None]
+    for n in softmaxes:
+        n.args = (*n.args[:2], None)
+    return bool(softmaxes) and any(next(matches(cp, n), None) is not None for cp in compiled for n in graph.nodes
+                                   if cp.is_candidate(n))

@@ -32,7 +32,10 @@ rewrites, in place:
   (ldm's CrossAttention), its later readers reading the filled tensor.
 - `y.expand_as(x)` -> `y.expand(<x's shape>)` in Dynamo graphs, where x's shape is static (guarded).
 - `torch.softmax(x.to(dtype), dim)` -> `torch.softmax(x, dim, dtype)` (softmax casts its input to
-  its dtype argument first: `softmax(scores.float(), dim=-1)` and the dtype form are one spelling).
+  its dtype argument first: `softmax(scores.float(), dim=-1)` and the dtype form are one spelling);
+  and, with example values, `torch.softmax(x, dim, <x's dtype>)` -> `torch.softmax(x, dim)`
+  (Falcon's `dtype=hidden_states.dtype`), except where the result is cast (Llama's
+  `softmax(x, dtype=float32).to(q.dtype)` keeps the upcast spelling its patterns name).
 - the same cast of one value written twice (`q.float() * cos + rotate_half(q.float()) * sin`,
   ModernBERT's rotary) becomes one cast read by both, unless something writes to either in place.
 - a two-operand `torch.einsum` that is a batched matrix product (`"bhid,bhjd->bhij"`, spaces and
@@ -545,6 +548,13 @@ def _softmax_of_casts(graph: fx.Graph) -> None:
         node.args = (x, node.args[1], cast.args[1])
         if not cast.users:
             graph.erase_node(cast)
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is torch.softmax and len(node.args) == 3 \
+                and isinstance(node.args[2], torch.dtype) and not node.kwargs:
+            x = _value(node.args[0]) if isinstance(node.args[0], fx.Node) else None
+            cast_after = any(u.op == "call_method" and u.target == "to" for u in node.users)
+            if isinstance(x, torch.Tensor) and x.dtype == node.args[2] and not cast_after:
+                node.args = (node.args[0], node.args[1], None)  # a no-op dtype: the plain spelling
 
 
 def _batched_product(equation: str) -> bool | None:

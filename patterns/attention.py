@@ -274,7 +274,8 @@ def attention_chain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, s
 
 def attention_chain_fused(q, k, v, d0=None, d1=None, scale=None, mask=None, fill=None, p=0.0, training=False,
                           dtype=None, cap=None, k_shape=None, v_shape=None, k_heads=None, v_heads=None, dims=4,
-                          *, scaling: str, masking: str, dropout: bool, softmax: str, softcap: bool = False,
+                          shared_kv=False, *, scaling: str, masking: str, dropout: bool, softmax: str,
+                          softcap: bool = False,
                           repeat_kv: bool = False, upcast_qk: bool = False, k_transposed: bool = False):
     if k_transposed:
         k = k.transpose(-2, -1)  # (..., keys, head_dim) as the op takes it; the model multiplied by k^T
@@ -295,7 +296,7 @@ def attention_chain_fused(q, k, v, d0=None, d1=None, scale=None, mask=None, fill
         o = ops.attention(*flat, None, p, False, scale, softcap=cap if softcap else None)
         o = o.reshape(q.shape[:-1] + (v.shape[-1],))
     else:
-        o = ops.attention(q, k, v, mask, p, False, scale, repeat_kv, softcap=cap if softcap else None)
+        o = ops.attention(q, k, v, mask, p, False, scale, repeat_kv or shared_kv, softcap=cap if softcap else None)
     if masking in ("masked_fill", "where") and fill != float("-inf"):
         # finfo.min fill (the filter allows no other finite one): a row masked whole is a softmax
         # of equal numbers, uniform, so the unfused output there is the mean of V over the keys;
@@ -394,9 +395,23 @@ def _sinks_per_head(m: Match) -> str | None:
 
 
 def _softmax_in_q_dtype_or_fp32(m: Match) -> str | None:
+    """The softmax computes in q's dtype or fp32: its dtype argument one of those, or none (the
+    canonical form of gpt-oss's `dtype=combined.dtype`): the scores' own dtype, q's promoted with
+    the mask's and the sinks'."""
     q = m.value("q")
     if not isinstance(q, torch.Tensor):
         return "no dtype for q"
+    if m["softmax_dtype"] is None:
+        scores = q.dtype
+        for name in ("mask", "sinks"):
+            try:
+                t = m.value(name)
+            except KeyError:  # not in this spelling
+                continue
+            scores = torch.promote_types(scores, t.dtype) if isinstance(t, torch.Tensor) else scores
+        if scores in (q.dtype, torch.float32):
+            return None
+        return f"the softmax runs in the scores' {scores}, neither q's {q.dtype} nor float32"
     if m["softmax_dtype"] not in (q.dtype, torch.float32):
         return f"the softmax runs in {m['softmax_dtype']}, neither q's {q.dtype} nor float32"
     return None
@@ -546,15 +561,20 @@ def _fill_masks(m: Match, dropout: bool) -> str | None:
 
 def _dims_of_q(m: Match) -> dict:
     """The replacement's layout: q's dims (3: one head each, 4: as the op takes them, more:
-    flattened into the op's heads); _attention_dims has checked them."""
-    q = m.value("q")
-    return {"dims": q.dim() if isinstance(q, torch.Tensor) else 4}
+    flattened into the op's heads); _attention_dims has checked them. With one key/value head
+    beside several query heads (Falcon's multi-query attention, broadcast by the products), the
+    op's GQA."""
+    q, k = m.value("q"), m.value("k")
+    dims = q.dim() if isinstance(q, torch.Tensor) else 4
+    shared_kv = dims == 4 and isinstance(k, torch.Tensor) and k.dim() == 4 and k.shape[1] == 1 < q.shape[1]
+    return {"dims": dims, "shared_kv": shared_kv}
 
 
-def _attention_dims(m: Match, masked: bool) -> str | None:
-    """q, k and v all 4-D (batch, heads, seq, head_dim); or all 3-D (one head each) with a mask,
-    if any, of 2 or 3 dims (its broadcast over the 3-D scores); or all 5-D or more with one shape
-    before the last two (Hiera's (batch, heads, windows, seq, dim)) and no mask."""
+def _attention_dims(m: Match, masked: bool, kv_repeated: bool = False) -> str | None:
+    """q, k and v all 4-D (batch, heads, seq, head_dim), k and v with q's heads or one head that
+    the products broadcast (unless repeated to q's heads before); or all 3-D (one head each) with
+    a mask, if any, of 2 or 3 dims (its broadcast over the 3-D scores); or all 5-D or more with one
+    shape before the last two (Hiera's (batch, heads, windows, seq, dim)) and no mask."""
     q, k, v = m.value("q"), m.value("k"), m.value("v")
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         return "no shapes for q, k or v"
@@ -564,6 +584,11 @@ def _attention_dims(m: Match, masked: bool) -> str | None:
     mask = m.value("mask") if masked else None
     if q.dim() == 3 and isinstance(mask, torch.Tensor) and mask.dim() not in (2, 3):
         return f"a {mask.dim()}-D mask over 3-D scores"
+    if q.dim() == 4 and not kv_repeated:  # the products broadcast k and v over q's heads, or not at all
+        heads_ok = k.shape[1] == v.shape[1] and k.shape[1] in (1, q.shape[1])
+        if not heads_ok or not q.shape[0] == k.shape[0] == v.shape[0]:
+            return (f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: not one batch, or k and v "
+                    "with neither q's heads nor one head for all")
     if q.dim() > 4:
         if masked:
             return f"a mask over {q.dim()}-D scores (only unmasked ones are flattened into heads)"
@@ -588,7 +613,7 @@ def _chain_pattern(scaling: str, masking: str, dropout: bool, softmax: str, soft
                      "dropout" if dropout else "no_dropout", *([softmax] if softmax != "plain" else []),
                      *(["repeat_kv"] if repeat_kv else []), *(["upcast_q_k"] if upcast_qk else []),
                      *(["k_transposed"] if k_transposed else [])])
-    filters = [functools.partial(_attention_dims, masked=bool(masking)),
+    filters = [functools.partial(_attention_dims, masked=bool(masking), kv_repeated=repeat_kv),
                *([] if k_transposed else [_transposes_last_two]),
                *([_scale_is_number] if scaling != "none" else []), *([_cap_is_a_positive_number] if softcap else []),
                *([_kv_repeated_over_heads] if repeat_kv else []), *([_q_k_v_share_a_dtype] if upcast_qk else [])]

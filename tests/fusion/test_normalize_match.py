@@ -321,6 +321,28 @@ def test_a_softmax_of_a_cast_to_16_bits_takes_the_dtype_only_where_it_computes_i
     assert softmax_dtype(gm) == [None]
 
 
+def test_a_softmax_in_its_inputs_own_dtype_is_the_plain_softmax_unless_cast_after():
+    """`softmax(x, dtype=<x's dtype>)` (Falcon's `dtype=hidden_states.dtype`) computes what
+    `softmax(x)` does: the dtype goes, where example values show it; a softmax cast after keeps it
+    (Llama's upcast spelling, `softmax(x, dtype=float32).to(q.dtype)`), as does one in another dtype."""
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    def model(x):
+        return (torch.softmax(x, -1, torch.float32), torch.softmax(x, -1, torch.float32).to(torch.float16),
+                torch.softmax(x, -1, torch.float64))
+
+    x = torch.randn(2, 4)
+    gm = fx.symbolic_trace(model)
+    dtypes = [n.args[2] for n in canonicalize(gm).graph.nodes if n.target is torch.softmax]
+    assert dtypes == [torch.float32, torch.float32, torch.float64]  # no example values: kept
+    gm = fx.symbolic_trace(model)
+    FakeTensorProp(gm).propagate(x)
+    gm = canonicalize(gm)
+    assert [n.args[2] for n in gm.graph.nodes if n.target is torch.softmax] == [None, torch.float32, torch.float64]
+    for a, b in zip(gm(x), model(x)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_match_is_by_dataflow_not_order_and_either_way_round():
     cp = compile_pattern(next(p for p in dropout_add.PATTERNS if p.name == "dropout_add"))
 

@@ -730,6 +730,30 @@ def test_near_misses_are_left(fn, buffers):
     assert report.by_pattern() == {}
 
 
+def chain_falcon(m, q, k, v):  # Falcon's eager attention: one k/v head the products broadcast (multi-query)
+    w = q @ k.transpose(-1, -2)
+    w /= 2.5
+    return F.softmax(w + m.mask, dim=-1, dtype=m.mask.dtype) @ v  # dtype=hidden_states.dtype: the scores'
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_falcon_multi_query_by_broadcast_fuses_as_gqa(capture):
+    """Falcon's single k/v head broadcast over q's heads by the matmuls: the op's GQA with one
+    group; its softmax's dtype, the scores' own, is the plain softmax."""
+    report = check_against_unfused(functools.partial(Fn, chain_falcon, mask=ADDITIVE), qkv(1), capture)
+    assert report.by_pattern() == {"attention_chain_div_add_no_dropout": 1}
+
+
+def chain_k_broadcast_over_batch(m, q, k, v):
+    return torch.matmul(F.softmax(torch.matmul(q, k[:1].transpose(-1, -2)) * 0.35, dim=-1), v[:1])
+
+
+def test_keys_broadcast_over_the_batch_are_left_saying_why():
+    report = check_against_unfused(functools.partial(Fn, chain_k_broadcast_over_batch), qkv(), "dynamo")
+    assert report.by_pattern() == {}
+    assert any("not one batch" in reason for *_, reason in report.rejected()), report.table()
+
+
 def test_repeat_over_the_sequence_is_no_gqa():
     """expand + reshape along the sequence is not repeat_kv: the plain chain takes the repeated
     K and V as they are (the same maths), never enable_gqa over the un-repeated ones."""
@@ -1319,7 +1343,8 @@ class RotaryFp32(nn.Module):
     (chain_repeat_kv, 2, {"mask": ADDITIVE}, "attention_chain_mul_add_dropout_upcast_repeat_kv"),
     (chain_sink_scale, 2, {"mask": ADDITIVE}, "attention_chain_sink_scale_add_repeat_kv"),
     (chain_sinks_mask, 2, {"mask": WINDOW}, "attention_chain_sinks_add_repeat_kv"),
-], ids=["llama", "granite_swa", "gpt_oss"])
+    (chain_falcon, 1, {"mask": ADDITIVE}, "attention_chain_div_add_no_dropout"),
+], ids=["llama", "granite_swa", "gpt_oss", "falcon"])
 def test_eager_attention_of_fp32_q_under_autocast_fuses(fn, h_kv, buffers, pattern):
     """transformers' eager attention under fp16 autocast (the models that have no SDPA path: sinks,
     Granite's sink scale): q and k fp32 from the rotary tables, v fp16, the mask fp32. Autocast
