@@ -6,7 +6,7 @@ model still run, train and give the unfused model's loss and gradients, and what
 replace? A net for "never break a model" wider than the test suite's hand-configured families
 (tests/_models.py); on CPU, in the Triton interpreter.
 
-    TRITON_INTERPRET=1 python bench/fuse_sweep.py [--task TASK] [--via VIA] [--dtype DTYPE] [MODEL_TYPE ...]
+    TRITON_INTERPRET=1 python bench/fuse_sweep.py [--task TASK] [--via VIA] [--dtype DTYPE] [--attn eager] [MODEL_TYPE ...]
         # TASK: causal-lm (default; all 196 types of transformers 5.24, ~30-40 min on 2 cores), masked-lm, seq2seq,
         # image-cls, seq-cls (sequence classification: 3 labels, the model's own loss), token-cls (a label
         # per token, some -100), qa (extractive question answering: start and end positions, one past
@@ -14,7 +14,8 @@ replace? A net for "never break a model" wider than the test suite's hand-config
         # transcripts of 4 and 2 tokens), audio-cls (a class per clip);
         # VIA: fuse (default) or backend (torch.compile(model, backend="trifuse"));
         # DTYPE: float64 (default) or fp16-autocast (an fp32 model under CPU autocast to fp16, at
-        # fp16's tolerance); named types replace their rows; --jobs N runs N types at once
+        # fp16's tolerance); --attn eager: transformers' eager attention (the explicit chains) where a
+        # model has SDPA too; named types replace their rows; --jobs N runs N types at once
 
 Each type runs in its own process (memory-capped, timed out), in float64 (or fp32 under fp16
 autocast), one training step (dropout off) before and after fuse, then a second fused call.
@@ -30,8 +31,8 @@ Status per type:
     Dynamo fails    (--via backend) torch.compile(backend="eager"), without trifuse, fails on it too
     config / build / unfused fails / too big / died: the tiny config does not suit the
                     architecture (a harness limit, not a verdict on trifuse)
-Writes bench/results/fuse_sweep[_<task>][_backend][_fp16-autocast].json and .md (no task suffix for
-causal-lm).
+Writes bench/results/fuse_sweep[_<task>][_backend][_eager][_fp16-autocast].json and .md (no task
+suffix for causal-lm).
 """
 import inspect
 import json
@@ -537,7 +538,7 @@ def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: s
 
 
 def _child(model_type: str, task: str = "causal-lm", via: str = "fuse", dtype: str = "float64",
-           timeout: int = 300, threads: int | None = None) -> dict:
+           timeout: int = 300, threads: int | None = None, attn: str = "sdpa") -> dict:
     """One type in its own process. `threads`: its intra-op threads (OMP_NUM_THREADS), one per child
     when several run at once: two children each spinning as many OpenMP threads as there are cores
     took 40x longer on Qwen 3.5's many small ops (its recurrence), timing out."""
@@ -548,7 +549,7 @@ def _child(model_type: str, task: str = "causal-lm", via: str = "fuse", dtype: s
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
     try:
         cmd = [sys.executable, os.path.abspath(__file__), f"--one={model_type}", f"--task={task}", f"--via={via}",
-               f"--dtype={dtype}"]
+               f"--dtype={dtype}", f"--attn={attn}"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, preexec_fn=cap_memory,
                               check=False, env=env)
         lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
@@ -578,7 +579,8 @@ def _markdown(rows: list[dict], header: str, task: str = "causal-lm", dtype: str
     return "\n".join(out) + "\n"
 
 
-def main(types: list[str], task: str = "causal-lm", via: str = "fuse", dtype: str = "float64", jobs: int = 1) -> None:
+def main(types: list[str], task: str = "causal-lm", via: str = "fuse", dtype: str = "float64", jobs: int = 1,
+         attn: str = "sdpa") -> None:
     import platform
     from concurrent.futures import ThreadPoolExecutor
 
@@ -596,7 +598,7 @@ def main(types: list[str], task: str = "causal-lm", via: str = "fuse", dtype: st
                "ctc": "MODEL_FOR_CTC_MAPPING_NAMES",
                "audio-cls": "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES"}[task]
     stem = "fuse_sweep" + ("" if task == "causal-lm" else f"_{task}") + ("" if via == "fuse" else f"_{via}") \
-        + ("" if dtype == "float64" else f"_{dtype}")
+        + ("" if attn == "sdpa" else f"_{attn}") + ("" if dtype == "float64" else f"_{dtype}")
     path = os.path.join(RESULTS, f"{stem}.json")
     # Named types replace their rows in the results; the others stay as last swept.
     kept = {}
@@ -607,14 +609,15 @@ def main(types: list[str], task: str = "causal-lm", via: str = "fuse", dtype: st
     rows = []
     with ThreadPoolExecutor(jobs) as pool:  # each type is a child process: threads only wait on them
         threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else None
-        for row in pool.map(lambda mt: _child(mt, task, via, dtype, threads=threads), types):
+        for row in pool.map(lambda mt: _child(mt, task, via, dtype, threads=threads, attn=attn), types):
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
             if "traceback" in row:
                 print(row["traceback"], flush=True)
     header = (f"date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · torch {torch.__version__} · triton "
               f"{triton.__version__} · transformers {tf.__version__} · python {platform.python_version()} · CPU "
-              f"(TRITON_INTERPRET=1), {dtype}, one training step, dropout off, task {task}, via {via}")
+              f"(TRITON_INTERPRET=1), {dtype}, one training step, dropout off, task {task}, via {via}"
+              + ("" if attn == "sdpa" else f", {attn} attention"))
     if kept:  # a partial rerun: the sweep's header stays, earlier reruns too, and says which rows are newer
         with open(path) as f:
             swept = json.load(f)["header"]
@@ -638,7 +641,7 @@ def test_fuse_sweep_smoke():
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    opts = {"task": "causal-lm", "via": "fuse", "dtype": "float64", "jobs": "1"}
+    opts = {"task": "causal-lm", "via": "fuse", "dtype": "float64", "jobs": "1", "attn": "sdpa"}
     for name in opts:
         for a in list(args):
             if a.startswith(f"--{name}="):
@@ -657,8 +660,10 @@ if __name__ == "__main__":
         sys.exit(f"fuse_sweep: --via must be one of {', '.join(VIAS)}, got {opts['via']!r}")
     if opts["dtype"] not in TOLERANCES:
         sys.exit(f"fuse_sweep: --dtype must be one of {', '.join(TOLERANCES)}, got {opts['dtype']!r}")
+    if opts["attn"] not in ("sdpa", "eager"):
+        sys.exit(f"fuse_sweep: --attn must be sdpa or eager, got {opts['attn']!r}")
     if args and args[0].startswith("--one="):
-        print(json.dumps(run_one(args[0][len("--one="):], task=opts["task"], via=opts["via"], dtype=opts["dtype"])),
-              flush=True)
+        print(json.dumps(run_one(args[0][len("--one="):], attn=opts["attn"], task=opts["task"], via=opts["via"],
+                                 dtype=opts["dtype"])), flush=True)
     else:
-        main(args, opts["task"], opts["via"], opts["dtype"], int(opts["jobs"]))
+        main(args, opts["task"], opts["via"], opts["dtype"], int(opts["jobs"]), opts["attn"])
