@@ -8,7 +8,7 @@
 #                  --implementation cp --platform manylinux2014_x86_64 -d .whl liger-kernel==0.8.5
 #   device call 1 (carry .whl, timeout_s 540):  bash bench/gpu_session.sh tests graphs e2e-host  (~7.5 min)
 #   device call 2 (carry .whl), AT ONCE (the machine stays warm only 30 s after a call), with
-#   what is left: `e2e-warm e2e-llama` (~3 min), then `attention` (~3 min) if time is left.
+#   what is left: `e2e-warm e2e-llama` (~3 min), then `attention autocast` (~4 min) if time is left.
 #   then give_back.
 #   Why this order (2026-11-27, fourth session): a fused step is host-bound (GPT-2 medium 62.6 ms
 #   of kernels in a 77-117 ms step, the host issuing it in 92 ms), and fuse(cuda_graphs=True)
@@ -32,6 +32,9 @@
 #   a candidate more than 2x behind at its default configs is not tuned (the decisions' source
 #   says "not tuned"): the e2e rows' "set-up s" and "tuning s" (23.6 s on a fresh machine)
 #   should fall, GPT-2's fp32 LayerNorm and the dropout attention no longer tuned there.
+#   Ninth session (no GPU): transformers' eager attention under autocast fuses with fp32 q and k
+#   (rotary) beside a 16-bit v, MPNet's rounded position bias with and without a mask: tested
+#   under CPU autocast only; `autocast` (~1 min) runs those tests under CUDA's, with `attention`.
 #   Later sessions, one or two calls each: `kernels` (the remaining memory-bound ops), `tma
 #   dialects`, `e2e-ckpt` (gradient checkpointing on), `e2e-llama` (Llama 3.2 1B's shape against
 #   Liger-Kernel), `tune` (the shipped H100 defaults).
@@ -110,6 +113,10 @@ for what in "$@"; do
             for op in layer_norm residual_stream bias_gelu gated_activation dropout_add rotary; do
                 stage "bench-$op" 90 python3 "bench/bench_$op.py"
             done ;;
+        autocast)  # the patterns written for autocast, under CUDA's (its softmax computes fp16 input in
+                   # fp32, CPU's in fp16): eager attention of fp32 q beside 16-bit v, position biases
+            stage tests-autocast 90 env TRIFUSE_AUTOTUNE=0 python3 -m pytest -q -n 8 -p no:cacheprovider \
+                -k "autocast" tests/patterns tests/fusion ;;
         attention)  # attention (SDPA's backends, Gemma 2's soft cap against FlexAttention) and the LM head
             stage bench-attention 240 python3 bench/bench_attention.py
             stage bench-cross_entropy 120 python3 bench/bench_cross_entropy.py ;;
