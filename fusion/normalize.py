@@ -38,6 +38,8 @@ rewrites, in place:
   `softmax(x, dtype=float32).to(q.dtype)` keeps the upcast spelling its patterns name).
 - the same cast of one value written twice (`q.float() * cos + rotate_half(q.float()) * sin`,
   ModernBERT's rotary) becomes one cast read by both, unless something writes to either in place.
+- `torch.baddbmm(torch.zeros(...), a, b, beta=β, alpha=α)` -> `torch.bmm(a, b) * α` (GPT-NeoX-
+  Japanese's scores: β times zeros adds nothing), the zeros read by nothing else.
 - a two-operand `torch.einsum` that is a batched matrix product (`"bhid,bhjd->bhij"`, spaces and
   a leading `...` allowed) -> `torch.matmul`, the second operand transposed where the equation
   contracts its last dim.
@@ -46,6 +48,7 @@ rewrites, in place:
 Nothing here changes what the graph computes.
 """
 import inspect
+import math
 import operator
 from collections.abc import Callable
 from typing import Any
@@ -175,6 +178,7 @@ def canonicalize_graph(graph: fx.Graph, root: torch.nn.Module | None = None) -> 
     _fold_dtypes(graph)
     _merge_repeated_casts(graph)
     _einsum_as_matmul(graph)
+    _baddbmm_over_zeros(graph)
     _static_expand_as(graph)
     _out_of_place_updates(graph)
     _softmax_of_casts(graph)
@@ -616,6 +620,34 @@ def _einsum_as_matmul(graph: fx.Graph) -> None:
         new.meta = dict(node.meta)
         node.replace_all_uses_with(new)
         graph.erase_node(node)
+
+
+_ZEROS = (torch.zeros, torch.zeros_like)
+
+
+def _baddbmm_over_zeros(graph: fx.Graph) -> None:
+    """`torch.baddbmm(z, a, b, beta=β, alpha=α)` with z a fresh `torch.zeros` (or `zeros_like`)
+    read by nothing else and β a finite number: β z is zero, so the call is `torch.bmm(a, b)`
+    times α (α = 1: the product alone), which the bmm attention patterns take."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.baddbmm or len(node.args) != 3 \
+                or not set(node.kwargs) <= {"beta", "alpha"}:
+            continue
+        zeros, a, b = node.args
+        beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
+        if not isinstance(zeros, fx.Node) or zeros.op != "call_function" or zeros.target not in _ZEROS \
+                or len(zeros.users) != 1 or not all(isinstance(x, (int, float)) for x in (beta, alpha)) \
+                or not math.isfinite(beta):
+            continue
+        with graph.inserting_before(node):
+            new = graph.call_function(torch.bmm, (a, b))
+            new.meta = dict(node.meta)
+            if alpha != 1:
+                new = graph.call_function(operator.mul, (new, alpha))
+                new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        graph.erase_node(zeros)
 
 
 def _view_round_trips(graph: fx.Graph) -> None:

@@ -713,6 +713,54 @@ def _per_head_view(heads_shape, q: torch.Tensor, k: torch.Tensor) -> str | None:
     return None
 
 
+def attention_bmm_of_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_flat, k_flat, d0, d1, scale,
+                           heads_shape, mask: torch.Tensor, p, training, dtype, *, masked: bool):
+    """GPT-NeoX-Japanese's attention: q and k (B, H, S, D) viewed as (B*H, S, D) for the product
+    (its `baddbmm` over zeros, in canonical form `bmm * alpha`), the scores viewed back per head
+    for the additive mask; softmax, dropout, the cast to v's dtype, `@ v` on the 4-D value."""
+    s = torch.bmm(q.view(q_flat), k.view(k_flat).transpose(d0, d1)) * scale
+    s = s.view(heads_shape)
+    if masked:
+        s = s + mask
+    a = F.dropout(torch.softmax(s, -1), p, training, False).to(dtype)
+    return torch.matmul(a, v)
+
+
+def attention_bmm_of_heads_fused(q, k, v, q_flat, k_flat, d0, d1, scale, heads_shape, mask=None, p=0.0,
+                                 training=False, dtype=None, *, masked: bool):
+    return ops.attention(q, k, v, mask if masked else None, p if training else 0.0, False, scale)
+
+
+def _heads_flattened_and_back(m: Match, masked: bool) -> str | None:
+    """q, k, v (B, H, S, D) alike in batch and heads; q and k viewed as (B*H, S, D), the key's
+    transpose its last two dims, the scores viewed back as (B, H, Sq, Sk); a float mask, if any,
+    broadcasting to them."""
+    q, k, v = m.value("q"), m.value("k"), m.value("v")
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
+        return "q, k and v are not all 4-D (batch, heads, seq, head_dim)"
+    if not q.shape[:2] == k.shape[:2] == v.shape[:2]:
+        return f"q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} differ in batch or heads"
+    for name, t in (("q", q), ("k", k)):
+        flat = m[f"{name}_flat"]
+        want = (t.shape[0] * t.shape[1], *t.shape[2:])
+        if not isinstance(flat, (tuple, list)) or len(flat) != 3 \
+                or any(is_number(g) and g != -1 and g != w for g, w in zip(flat, want)):
+            return f"{name} is viewed as {flat!r}, not (batch * heads, seq, head_dim)"
+    if sorted(d % 3 for d in (m["d0"], m["d1"])) != [1, 2]:
+        return f"transposes dims {m['d0']}, {m['d1']} of the flat key, not the last two"
+    shape = m["heads_shape"]
+    want = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    if not isinstance(shape, (tuple, list)) or len(shape) != 4 \
+            or any(is_number(g) and g != -1 and g != w for g, w in zip(shape, want)):
+        return f"the scores are viewed as {shape!r}, not (batch, heads, seq, seq)"
+    if masked:
+        mask = m.value("mask")
+        if not isinstance(mask, torch.Tensor) or not mask.is_floating_point():
+            return "the mask is not a float (additive) mask"
+        return _broadcast_to_scores("the mask", mask.shape, want)
+    return None
+
+
 def _bmm_scaled_k_pattern(add_bias: bool) -> Pattern:
     name = "attention_bmm_scaled_k_" + ("add_" if add_bias else "") + "masked_fill_dropout"
     return Pattern(name, "attention", functools.partial(attention_bmm_scaled_k, add_bias=add_bias),
@@ -1433,6 +1481,12 @@ PATTERNS = (
               (_transposes_last_two, needs_number("p"), needs_bool("training"), _bool_mask("keep"), _float_mask("mask"),
                _fill_is_huge, _cast_is_a_no_op, *([_q_k_v_share_a_dtype] if upcast else [])))
       for upcast in (True, False)),
+    *(Pattern("attention_bmm_of_heads_" + ("add" if masked else "no_mask"), "attention",
+              functools.partial(attention_bmm_of_heads, masked=masked),
+              functools.partial(attention_bmm_of_heads_fused, masked=masked), ("attention",),
+              (functools.partial(_heads_flattened_and_back, masked=masked), _scale_is_number,
+               needs_number("scale", "p"), needs_bool("training"), _cast_is_a_no_op))
+      for masked in (True, False)),
     _bmm_scaled_k_pattern(add_bias=True),
     _bmm_scaled_k_pattern(add_bias=False),
     # DeBERTa's (v1) attention: q scaled before the product, relative-position scores (or 0) added

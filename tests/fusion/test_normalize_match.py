@@ -343,6 +343,23 @@ def test_a_softmax_in_its_inputs_own_dtype_is_the_plain_softmax_unless_cast_afte
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_a_baddbmm_over_fresh_zeros_is_a_scaled_bmm():
+    """`baddbmm(zeros, a, b, beta, alpha)` -> `bmm(a, b) * alpha`; zeros read elsewhere too, or a
+    start that is not zeros, keep the baddbmm."""
+    def model(a, b, c):  # zeros_like of an input: fx keeps it a node (torch.zeros of constants it runs)
+        over_zeros = torch.baddbmm(torch.zeros_like(c), a, b, beta=1.0, alpha=0.5)
+        shared = torch.zeros_like(c)
+        kept = torch.baddbmm(shared, a, b, alpha=0.5) + shared
+        return over_zeros, kept, torch.baddbmm(torch.ones_like(c), a, b, alpha=0.5)
+
+    gm = canonicalize(fx.symbolic_trace(model))
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.bmm) == 1 and targets.count(torch.baddbmm) == 2
+    a, b, c = torch.randn(2, 3, 4), torch.randn(2, 4, 5), torch.randn(2, 3, 5)
+    for x, y in zip(gm(a, b, c), model(a, b, c)):
+        torch.testing.assert_close(x, y)
+
+
 def test_match_is_by_dataflow_not_order_and_either_way_round():
     cp = compile_pattern(next(p for p in dropout_add.PATTERNS if p.name == "dropout_add"))
 

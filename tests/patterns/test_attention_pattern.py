@@ -775,6 +775,35 @@ def test_keys_broadcast_over_the_batch_are_left_saying_why():
     assert any("not one batch" in reason for *_, reason in report.rejected()), report.table()
 
 
+def chain_gpt_neox_japanese(m, q, k, v, start=torch.zeros, masked=True):  # transformers' _attn, as written
+    b, h, sq, d = q.size()
+    sk = k.size(-2)
+    scores = start(b * h, sq, sk, dtype=q.dtype, device=k.device)
+    scores = torch.baddbmm(scores, q.view(b * h, sq, d), k.view(b * h, sk, d).transpose(1, 2), beta=1.0,
+                           alpha=1.0 / 2.5)
+    scores = scores.view(b, h, sq, -1)
+    if masked:
+        scores = scores + m.mask
+    w = F.dropout(F.softmax(scores, dim=-1), p=0.0, training=m.training).to(v.dtype)
+    return torch.matmul(w, v)
+
+
+@pytest.mark.parametrize("masked, pattern", [(True, "attention_bmm_of_heads_add"),
+                                             (False, "attention_bmm_of_heads_no_mask")])
+def test_baddbmm_over_zeros_fuses(masked, pattern):
+    """GPT-NeoX-Japanese's scores: `baddbmm` over a zeros tensor of q and k flattened to (B*H, S, D),
+    viewed back per head for the mask (Dynamo: fx cannot unpack `q.size()`)."""
+    chain = functools.partial(chain_gpt_neox_japanese, masked=masked)
+    report = check_against_unfused(functools.partial(Fn, chain, mask=ADDITIVE), qkv(), "dynamo")
+    assert report.by_pattern() == {pattern: 1}
+
+
+def test_baddbmm_over_ones_is_left():
+    chain = functools.partial(chain_gpt_neox_japanese, start=torch.ones)
+    report = check_against_unfused(functools.partial(Fn, chain, mask=ADDITIVE), qkv(), "dynamo")
+    assert report.by_pattern() == {}
+
+
 def test_repeat_over_the_sequence_is_no_gqa():
     """expand + reshape along the sequence is not repeat_kv: the plain chain takes the repeated
     K and V as they are (the same maths), never enable_gqa over the un-repeated ones."""
