@@ -588,12 +588,21 @@ def test_position_bias_attention_under_autocast_fuses(chain, pattern):
     softmax's row term from its fp16 output, as FlashAttention's does, where the unfused fp32
     softmax sums fp32 probabilities (up to 3x the unfused error on 8 seeds, ~2e-3 of the largest
     entry, within fp16's floor)."""
+    check_under_fp16_autocast(functools.partial(PositionBiasAttention, chain), H, pattern)
+
+
+def check_under_fp16_autocast(make, h_kv: int, pattern: str) -> None:
+    """Fuses `make()` through Dynamo and runs it and the unfused module under fp16 autocast on fp16
+    q, k, v: the pattern replaced, the output fp16 as the unfused one's, and the output and every
+    input and parameter gradient (judged at fp16's precision) by the oracle rule against the module
+    in float64 without autocast, PyTorch's own error the unfused module's under autocast."""
     torch.manual_seed(0)
-    unfused = PositionBiasAttention(chain).to(DEVICE)
+    unfused = make().to(DEVICE)
     exact = copy.deepcopy(unfused).double()
     model = fuse_via(copy.deepcopy(unfused), "dynamo")
-    q, k, v = (t.to(DEVICE).half() for t in qkv())
+    q, k, v = (t.to(DEVICE).half() for t in qkv(h_kv))
     dy = torch.randn(B, H, S, D, device=DEVICE).half()
+    params = [f"grad {n}" for n, _ in unfused.named_parameters()]  # the fused host's names differ
     runs = {}
     for name, m, dtype in (("fused", model, torch.float16), ("unfused", unfused, torch.float16),
                            ("exact", exact, torch.float64)):
@@ -601,13 +610,12 @@ def test_position_bias_attention_under_autocast_fuses(chain, pattern):
         with torch.autocast(DEVICE, dtype=torch.float16, enabled=dtype == torch.float16):
             out = m(*xs)
         out.backward(dy.to(dtype))
-        (bias,) = m.parameters()
-        runs[name] = (out, *(x.grad for x in xs), bias.grad)
+        runs[name] = {"output": out, **{f"grad {n}": x.grad for n, x in zip("qkv", xs)},
+                      **{n: p.grad for n, p in zip(params, m.parameters(), strict=True)}}
     assert trifuse.report(model).by_pattern() == {pattern: 1}
-    assert runs["fused"][0].dtype == runs["unfused"][0].dtype == torch.float16
-    for i, what in enumerate(("output", "grad q", "grad k", "grad v", "grad bias")):
-        fused, unfused16 = (runs[name][i].half() for name in ("fused", "unfused"))
-        assert_close(what, fused, runs["exact"][i], unfused16)
+    assert runs["fused"]["output"].dtype == runs["unfused"]["output"].dtype == torch.float16
+    for what, exact_value in runs["exact"].items():
+        assert_close(what, runs["fused"][what].half(), exact_value, runs["unfused"][what].half())
 
 
 # 16-bit models spelled with their casts inside the module. The float64 copy of such a module
@@ -1400,26 +1408,10 @@ def test_eager_attention_of_fp32_q_under_autocast_fuses(fn, h_kv, buffers, patte
     Granite's sink scale): q and k fp32 from the rotary tables, v fp16, the mask fp32. Autocast
     casts the product's operands to fp16 whatever the probabilities were cast to (`.to(q.dtype)`:
     fp32), as the op casts q, k and v. Output and gradients by the oracle rule against the module
-    in float64 without autocast, PyTorch's own error the unfused module's under autocast."""
-    torch.manual_seed(0)
-    unfused = RotaryFp32(WithSinks(fn, **buffers) if "sink" in fn.__name__ else Fn(fn, **buffers)).to(DEVICE)
-    exact = copy.deepcopy(unfused).double()
-    model = fuse_via(copy.deepcopy(unfused), "dynamo")
-    q, k, v = (t.to(DEVICE).half() for t in qkv(h_kv))
-    dy = torch.randn(B, H, S, D, device=DEVICE).half()
-    runs = {}
-    for name, m, dtype in (("fused", model, torch.float16), ("unfused", unfused, torch.float16),
-                           ("exact", exact, torch.float64)):
-        xs = [t.detach().to(dtype).clone().requires_grad_() for t in (q, k, v)]
-        with torch.autocast(DEVICE, dtype=torch.float16, enabled=dtype == torch.float16):
-            out = m(*xs)
-        out.backward(dy.to(dtype))
-        runs[name] = (out, *(x.grad for x in xs))
-    assert trifuse.report(model).by_pattern() == {pattern: 1}
-    assert runs["fused"][0].dtype == runs["unfused"][0].dtype == torch.float16
-    for i, what in enumerate(("output", "grad q", "grad k", "grad v")):
-        fused, unfused16 = (runs[name][i].half() for name in ("fused", "unfused"))
-        assert_close(what, fused, runs["exact"][i], unfused16)
+    in float64 without autocast, PyTorch's own error the unfused module's under autocast (the
+    sinks' gradients too)."""
+    check_under_fp16_autocast(lambda: RotaryFp32((WithSinks if "sink" in fn.__name__ else Fn)(fn, **buffers)),
+                              h_kv, pattern)
 
 
 def test_fp32_q_beside_fp16_v_outside_autocast_is_left():
