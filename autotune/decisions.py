@@ -145,7 +145,8 @@ def format_table(decisions: Sequence[Decision], max_rejected: int = 2) -> str:
         timed = ", ".join(f"{k} {v:.4g}" for k, v in sorted(d.times_ms.items(), key=lambda kv: kv[1]))
         reasons = [f"{k}: {v}" for k, v in d.rejected.items()]
         if len(reasons) > max_rejected:
-            reasons = reasons[:max_rejected] + [f"+{len(reasons) - max_rejected} more (trifuse.autotune.records())"]
+            more = len(reasons) - max_rejected
+            reasons = reasons[:max_rejected] + [f"+{more} more (trifuse.autotune.records())"]
         rows.append((d.kind, d.name, d.bucket, d.device, d.chosen, d.source, timed, "; ".join(reasons)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]

@@ -6,7 +6,8 @@ model still run, train and give the unfused model's loss and gradients, and what
 replace? A net for "never break a model" wider than the test suite's hand-configured families
 (tests/_models.py); on CPU, in the Triton interpreter.
 
-    TRITON_INTERPRET=1 python bench/fuse_sweep.py [--task TASK] [--via VIA] [--dtype DTYPE] [--attn eager] [MODEL_TYPE ...]
+    TRITON_INTERPRET=1 python bench/fuse_sweep.py [--task TASK] [--via VIA] [--dtype DTYPE] [--attn ATTN]
+                                                   [MODEL_TYPE ...]
         # TASK: causal-lm (default; all 196 types of transformers 5.24, ~30-40 min on 2 cores), masked-lm, seq2seq,
         # image-cls, seq-cls (sequence classification: 3 labels, the model's own loss), token-cls (a label
         # per token, some -100), qa (extractive question answering: start and end positions, one past
@@ -14,8 +15,8 @@ replace? A net for "never break a model" wider than the test suite's hand-config
         # transcripts of 4 and 2 tokens), audio-cls (a class per clip);
         # VIA: fuse (default) or backend (torch.compile(model, backend="trifuse"));
         # DTYPE: float64 (default) or fp16-autocast (an fp32 model under CPU autocast to fp16, at
-        # fp16's tolerance); --attn eager: transformers' eager attention (the explicit chains) where a
-        # model has SDPA too; named types replace their rows; --jobs N runs N types at once
+        # fp16's tolerance); ATTN: sdpa (default) or eager (transformers' eager attention, the explicit
+        # chains, where a model has SDPA too); named types replace their rows; --jobs N runs N types at once
 
 Each type runs in its own process (memory-capped, timed out), in float64 (or fp32 under fp16
 autocast), one training step (dropout off) before and after fuse, then a second fused call.
@@ -161,9 +162,9 @@ _ZERO_CLASSIFIER_BIAS = (
 # MISMATCH rows whose cause was found and is not trifuse's: shown in the results' "why" column.
 EXPLAINED = {
     ("causal-lm", "fp16-autocast", "youtu"):
-        "with eager attention (--attn eager), seed 0: one gradient (layer 0's kv_a_layernorm) 2e-5 past the rule "
-        "(fused 3.4e-3 off float64, unfused 1.2e-3), fp16 rounding compounding over attention and rotary; "
-        "seeds 1-3: within it by 0.9-2.4e-3 (as its SDPA row)",
+        "with eager attention (--attn eager), seed 0: one gradient (layer 0's kv_a_layernorm) 2e-5 past the "
+        "rule (fused 3.4e-3 off float64, unfused 1.2e-3), fp16 rounding compounding over attention and "
+        "rotary; seeds 1-3: within it by 0.9-2.4e-3 (as its SDPA row)",
     ("seq2seq", "fp16-autocast", "t5"):
         "ReLU kink: a pre-activation within fp16 rounding of 0 flips sign (T5 with gelu_new, 3 seeds: ok; relu, "
         "5 seeds: the unfused model flips too, seed 4)",
@@ -667,7 +668,8 @@ if __name__ == "__main__":
     if opts["attn"] not in ("sdpa", "eager"):
         sys.exit(f"fuse_sweep: --attn must be sdpa or eager, got {opts['attn']!r}")
     if args and args[0].startswith("--one="):
-        print(json.dumps(run_one(args[0][len("--one="):], attn=opts["attn"], task=opts["task"], via=opts["via"],
-                                 dtype=opts["dtype"])), flush=True)
+        row = run_one(args[0][len("--one="):], attn=opts["attn"], task=opts["task"], via=opts["via"],
+                      dtype=opts["dtype"])
+        print(json.dumps(row), flush=True)
     else:
         main(args, opts["task"], opts["via"], opts["dtype"], int(opts["jobs"]), opts["attn"])

@@ -353,7 +353,12 @@ def _has_candidates(graph: fx.Graph, patterns) -> bool:
     write, so they find every place a later stage could. The graph is a throwaway copy: its
     softmaxes may lose their dtype arguments."""
     compiled = [compile_pattern(p) for p in patterns if p.stage <= 1 and all(available(op) for op in p.ops)]
-    if any(next(matches(cp, n), None) is not None for cp in compiled for n in graph.nodes if cp.is_candidate(n)):
+
+    def found() -> bool:
+        return any(next(matches(cp, n), None) is not None for cp in compiled for n in graph.nodes
+                   if cp.is_candidate(n))
+
+    if found():
         return True
     # A softmax's dtype argument may be its input's own dtype, which normalize.py drops once
     # example values show it (Falcon's `dtype=hidden_states.dtype`): without them, try it dropped.
@@ -361,5 +366,4 @@ def _has_candidates(graph: fx.Graph, patterns) -> bool:
                  and len(n.args) == 3 and n.args[2] is not None]
     for n in softmaxes:
         n.args = (*n.args[:2], None)
-    return bool(softmaxes) and any(next(matches(cp, n), None) is not None for cp in compiled for n in graph.nodes
-                                   if cp.is_candidate(n))
+    return bool(softmaxes) and found()

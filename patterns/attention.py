@@ -275,8 +275,8 @@ def attention_chain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, s
 def attention_chain_fused(q, k, v, d0=None, d1=None, scale=None, mask=None, fill=None, p=0.0, training=False,
                           dtype=None, cap=None, k_shape=None, v_shape=None, k_heads=None, v_heads=None, dims=4,
                           shared_kv=False, *, scaling: str, masking: str, dropout: bool, softmax: str,
-                          softcap: bool = False,
-                          repeat_kv: bool = False, upcast_qk: bool = False, k_transposed: bool = False):
+                          softcap: bool = False, repeat_kv: bool = False, upcast_qk: bool = False,
+                          k_transposed: bool = False):
     if k_transposed:
         k = k.transpose(-2, -1)  # (..., keys, head_dim) as the op takes it; the model multiplied by k^T
     if masking == "masked_fill":
@@ -296,7 +296,8 @@ def attention_chain_fused(q, k, v, d0=None, d1=None, scale=None, mask=None, fill
         o = ops.attention(*flat, None, p, False, scale, softcap=cap if softcap else None)
         o = o.reshape(q.shape[:-1] + (v.shape[-1],))
     else:
-        o = ops.attention(q, k, v, mask, p, False, scale, repeat_kv or shared_kv, softcap=cap if softcap else None)
+        o = ops.attention(q, k, v, mask, p, False, scale, repeat_kv or shared_kv,
+                          softcap=cap if softcap else None)
     if masking in ("masked_fill", "where") and fill != float("-inf"):
         # finfo.min fill (the filter allows no other finite one): a row masked whole is a softmax
         # of equal numbers, uniform, so the unfused output there is the mean of V over the keys;
@@ -527,7 +528,8 @@ def _cast_is_a_no_op(m: Match) -> str | None:
     device = q.device.type
     if device in ("cuda", "cpu") and torch.is_autocast_enabled(device):
         low = torch.get_autocast_dtype(device)
-        if low in (torch.float16, torch.bfloat16) and {m["dtype"], q.dtype, k.dtype, v.dtype} <= {low, torch.float32}:
+        dtypes = {m["dtype"], q.dtype, k.dtype, v.dtype}
+        if low in (torch.float16, torch.bfloat16) and dtypes <= {low, torch.float32}:
             return None
     return f"casts the probabilities ({q.dtype}) to {m['dtype']}, with v in {v.dtype}: not a no-op"
 
@@ -1029,8 +1031,8 @@ def attention_chain_add_add(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d
 
 
 def attention_chain_add_add_fused(q, k, v, d0, d1, scale, bias, mask, p, training, dtype=None, k_shape=None,
-                                  v_shape=None, k_heads=None, v_heads=None, *, scaling: str, upcast: bool = False,
-                                  repeat_kv: bool = False):
+                                  v_shape=None, k_heads=None, v_heads=None, *, scaling: str,
+                                  upcast: bool = False, repeat_kv: bool = False):
     # one float mask: the sum the unfused code adds in two steps (the op's dMask reaches both addends)
     return ops.attention(q, k, v, bias + mask, p if training else 0.0, False,
                          1.0 / scale if scaling == "div" else scale, repeat_kv)
@@ -1055,8 +1057,8 @@ def attention_chain_add_rounded_add_fused(q, k, v, d0, d1, scale, bias, dtype, m
     return attention_chain_add_add_fused(q, k, v, d0, d1, scale, bias, mask, p, training, scaling=scaling)
 
 
-def attention_chain_add_rounded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, scale, bias: torch.Tensor,
-                                dtype, p, training, *, scaling: str, in_softmax: bool):
+def attention_chain_add_rounded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, scale,
+                                bias: torch.Tensor, dtype, p, training, *, scaling: str, in_softmax: bool):
     """MPNet's `scores += position_bias` under autocast with no padding mask: the sum rounded to
     the 16-bit scores' dtype goes straight to the softmax. CUDA's autocast computes that softmax
     in fp32 (the cast stays); where it computes in the cast's dtype (CPU's), fusion/normalize.py
@@ -1070,7 +1072,8 @@ def attention_chain_add_rounded(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 def attention_chain_add_rounded_fused(q, k, v, d0, d1, scale, bias, dtype, p, training, *, scaling: str,
                                       in_softmax: bool):
     # the op's scores and their sum with the bias stay fp32, unrounded (as for the masked form)
-    return ops.attention(q, k, v, bias, p if training else 0.0, False, 1.0 / scale if scaling == "div" else scale)
+    scale = 1.0 / scale if scaling == "div" else scale
+    return ops.attention(q, k, v, bias, p if training else 0.0, False, scale)
 
 
 def _bias_over_the_scores(m: Match) -> str | None:
@@ -1456,7 +1459,8 @@ PATTERNS = (
       for scaling in ("div", "mul")),
     *(Pattern("attention_chain_mul_add_add_upcast" + ("_repeat_kv" if repeat_kv else ""), "attention",
               functools.partial(attention_chain_add_add, scaling="mul", upcast=True, repeat_kv=repeat_kv),
-              functools.partial(attention_chain_add_add_fused, scaling="mul", upcast=True, repeat_kv=repeat_kv),
+              functools.partial(attention_chain_add_add_fused, scaling="mul", upcast=True,
+                                repeat_kv=repeat_kv),
               ("attention",), (_transposes_last_two, _scale_is_number, needs_number("scale", "p"),
                                needs_bool("training"), _float_mask("bias"), _float_mask("mask"),
                                _two_masks_broadcast_to_the_scores, _casts_back_to_q,

@@ -536,7 +536,7 @@ def test_older_hf_spelling_fuses_and_matches(fn, buffers, pattern):
     assert report.by_pattern() == {pattern: 1}
 
 
-def chain_inkling(m, q, k, v, n_rep=2):  # Inkling's eager attention: scaled, position bias, mask, fp32 softmax
+def chain_inkling(m, q, k, v, n_rep=2):  # Inkling's eager attention: scale, position bias, mask, fp32 softmax
     if n_rep > 1:  # transformers' repeat_kv returns k and v as they are for one kv head per query head
         k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
     w = torch.matmul(q, k.transpose(2, 3)) * 0.35
@@ -551,7 +551,8 @@ def chain_inkling(m, q, k, v, n_rep=2):  # Inkling's eager attention: scaled, po
                                            (H, "attention_chain_mul_add_add_upcast")])
 def test_position_bias_with_upcast_softmax_over_repeated_kv_fuses(h_kv, pattern, capture):
     chain = functools.partial(chain_inkling, n_rep=H // h_kv)
-    report = check_against_unfused(functools.partial(Fn, chain, bias=POSITION_BIAS, mask=ADDITIVE), qkv(h_kv), capture)
+    make = functools.partial(Fn, chain, bias=POSITION_BIAS, mask=ADDITIVE)
+    report = check_against_unfused(make, qkv(h_kv), capture)
     assert report.by_pattern() == {pattern: 1}
 
 
