@@ -533,7 +533,9 @@ def _softmax_of_casts(graph: fx.Graph) -> None:
     spelling of a pattern matches both. The cast stays where something else reads it; not where
     x or the cast is written in place. Not where the softmax's result is of another dtype than
     the cast's (CUDA autocast computes `softmax(x.half())` in fp32, and `softmax(x, dtype=half)`
-    as asked), nor, without example values, for a cast to 16 bits."""
+    as asked), nor, without example values, for a cast to 16 bits. Then a softmax whose dtype is
+    its input's own (example values show it) and whose result no cast reads loses the dtype: the
+    plain softmax (Falcon's `dtype=hidden_states.dtype`)."""
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not torch.softmax or len(node.args) != 3 \
                 or node.args[2] is not None or node.kwargs:
