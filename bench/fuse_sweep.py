@@ -38,6 +38,7 @@ suffix for causal-lm).
 import inspect
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -138,7 +139,7 @@ OVERRIDES = {"t5gemma": {"bos_token_id": 2},
              "kimi_linear": {**_HYBRID, "linear_head_dim": 16, "linear_num_heads": 2, "qk_rope_head_dim": 8,
                              "qk_nope_head_dim": 8, "v_head_dim": 16, "kv_lora_rank": 16, "head_dim": 8}}
 TASKS = ("causal-lm", "masked-lm", "seq2seq", "image-cls", "seq-cls", "token-cls", "qa", "multiple-choice",
-         "ctc", "audio-cls")
+         "ctc", "audio-cls", "image-text")
 AUDIO_TASKS = ("ctc", "audio-cls")
 VIAS = ("fuse", "backend")  # trifuse.fuse(model), or torch.compile(model, backend="trifuse")
 MAX_PARAMS = 3_000_000
@@ -303,10 +304,50 @@ SMALL_AUDIO = {"conv_dim": 32, "num_conv_pos_embeddings": 16, "num_conv_pos_embe
                "xvector_output_dim": 32, "classifier_proj_size": 32}
 
 
+# Vision-language models (image-text): the vision tower's output width is the text model's (Qwen2.5-VL's
+# out_hidden_size, PaliGemma's projection), Gemma 3 pools the 4x4 patches of a 32-pixel image into 4
+# tokens, LLaVA-NeXT tiles an image on one 32x32 grid point (a base image and one tile).
+SMALL_IMAGE_TEXT = {"out_hidden_size": 32, "projection_dim": 32, "mm_tokens_per_image": 4,
+                    "image_grid_pinpoints": [[32, 32]]}
+# Token ids a config keeps as such, not the special tokens a multimodal model marks its inputs with
+_PLAIN_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "_pad_token_id",
+                    "user_token_id")
+
+
+def _small_token_ids(cfg, vocab: int = 64) -> None:
+    """Moves the special tokens of a multimodal config (image_token_id, vision_start_token_id,
+    boi_token_index, ...) into the tiny vocabulary, the same name to the same id in the config and
+    its sub-configs: the text model embeds every input id, an image token's too, in some models."""
+    configs = [cfg] + [c for c in (_attribute(cfg, n) for n in (getattr(cfg, "sub_configs", None) or {}))
+                       if hasattr(c, "to_dict")]
+    names = sorted({k for c in configs for k, v in c.to_dict().items()
+                    if re.search(r"token_(id|index)$", k) and k not in _PLAIN_TOKEN_IDS
+                    and type(v) is int})
+    for i, name in enumerate(names):
+        for c in configs:
+            if type(_attribute(c, name)) is int:
+                setattr(c, name, vocab - 1 - i)
+
+
+def _small_mrope(cfg) -> None:
+    """Multimodal rotary (Qwen-VL's t/h/w sections of the rotary frequencies): sections that sum to
+    the tiny heads' rotary half, where the text config takes `mrope_section` (their defaults are
+    for head_dim 128)."""
+    for c in (cfg, _attribute(cfg, "text_config")):
+        params = _attribute(c, "rope_parameters")
+        if "mrope_section" not in getattr(type(c), "ignore_keys_at_rope_validation", ()) or not isinstance(params, dict):
+            continue
+        head_dim = _attribute(c, "head_dim") or c.hidden_size // c.num_attention_heads
+        half = int(head_dim * params.get("partial_rotary_factor", 1.0)) // 2
+        params["mrope_section"] = [half - 2 * (half // 3), half // 3, half // 3]
+
+
 def _config(tf, model_type: str, attn: str, task: str = "causal-lm"):
     small = SMALL if task == "causal-lm" else {**SMALL, **SMALL_EXTRA}
     if task in AUDIO_TASKS:
         small = {**small, **SMALL_AUDIO}
+    if task == "image-text":
+        small = {**small, **SMALL_IMAGE_TEXT}
     if task == "qa":  # a start and an end logit per token: heads that split num_labels take 2
         small = {**small, "num_labels": 2}
     kw = {**small, **NO_DROPOUT, **OVERRIDES.get(model_type, {})}
@@ -332,6 +373,9 @@ def _config(tf, model_type: str, attn: str, task: str = "causal-lm"):
                 setattr(cfg, k, v)
         except Exception:  # noqa: BLE001, S110  (per-layer or read-only attributes stay as built)
             pass
+    if task == "image-text":
+        _small_token_ids(cfg)
+        _small_mrope(cfg)
     return cfg
 
 
@@ -388,7 +432,7 @@ def _auto_class(tf, task: str):
             "seq-cls": tf.AutoModelForSequenceClassification,
             "token-cls": tf.AutoModelForTokenClassification, "qa": tf.AutoModelForQuestionAnswering,
             "multiple-choice": tf.AutoModelForMultipleChoice, "ctc": tf.AutoModelForCTC,
-            "audio-cls": tf.AutoModelForAudioClassification}[task]
+            "audio-cls": tf.AutoModelForAudioClassification, "image-text": tf.AutoModelForImageTextToText}[task]
 
 
 def _audio_inputs(model, task: str, dtype: torch.dtype) -> dict:
@@ -411,6 +455,79 @@ def _audio_inputs(model, task: str, dtype: torch.dtype) -> dict:
         x = torch.randn(2, 40, width, dtype=dtype)
     labels = torch.tensor([0, 2]) if task == "audio-cls" else torch.tensor([[3, 4, 5, 6], [7, 8, -100, -100]])
     return {name: x, "labels": labels}
+
+
+def _first(x):
+    return x[0] if isinstance(x, (list, tuple)) else x
+
+
+def _image_token_counts(out, images: int) -> list[int] | None:
+    """How many text positions each image's features fill, from what get_image_features returns
+    (transformers 5: an output whose pooler_output holds the features, a tensor or one per image)."""
+    feats = out if torch.is_tensor(out) or isinstance(out, (list, tuple)) else getattr(out, "pooler_output", None)
+    if feats is None:
+        return None
+    if isinstance(feats, (list, tuple)):
+        if all(torch.is_tensor(f) for f in feats) and len(feats) == images:
+            return [f.reshape(-1, f.shape[-1]).shape[0] for f in feats]
+        feats = torch.cat([f.reshape(-1, f.shape[-1]) for f in feats])
+    rows = feats.reshape(-1, feats.shape[-1]).shape[0]
+    return [rows // images] * images if rows % images == 0 else None
+
+
+def _image_text_inputs(model, dtype: torch.dtype) -> dict:
+    """A batch of two sequences with one small image each, as a processor builds them: text, the
+    image's placeholder tokens (as many as its features; after a vision-start token where the
+    config has one), more text; labels the ids with the image positions -100. The pixel layout
+    is the first of the usual ones the model's get_image_features takes: Qwen-VL's flattened
+    patches with a (t, h, w) grid, one image (with its size where asked), or a stack of tiles."""
+    cfg = model.config
+    vc = cfg.vision_config
+    side, patch = _first(vc.image_size), _first(vc.patch_size)
+    sig = inspect.signature(model.get_image_features).parameters
+    layouts = []
+    if "image_grid_thw" in sig:
+        grid, temporal = side // patch, getattr(vc, "temporal_patch_size", 1) or 1
+        channels = getattr(vc, "in_channels", None) or getattr(vc, "num_channels", 3)
+        layouts.append((torch.randn(2 * grid * grid, channels * temporal * patch * patch, dtype=dtype),
+                        {"image_grid_thw": torch.tensor([[1, grid, grid]] * 2)}))
+    sizes = {"image_sizes": torch.tensor([[side, side]] * 2)} if "image_sizes" in sig else {}
+    layouts.append((torch.randn(2, 3, side, side, dtype=dtype), dict(sizes)))
+    for tiles in (1, 2):
+        extra = dict(sizes)
+        if "pixel_attention_mask" in sig:
+            extra["pixel_attention_mask"] = torch.ones(2, tiles, side, side, dtype=torch.bool)
+        layouts.append((torch.randn(2, tiles, 3, side, side, dtype=dtype), extra))
+    failure = None
+    for pixels, extra in layouts:
+        try:
+            with torch.no_grad():
+                counts = _image_token_counts(model.get_image_features(pixel_values=pixels, **extra), 2)
+        except Exception as e:  # noqa: BLE001  (not this layout)
+            failure = e
+            continue
+        if counts:
+            break
+    else:
+        raise ValueError(f"no pixel layout suits get_image_features ({type(failure).__name__}: {failure})")
+    image = _attribute(cfg, "image_token_id")
+    image = image if image is not None else _attribute(cfg, "image_token_index")
+    start = _attribute(cfg, "vision_start_token_id")
+    ids, gen = [], torch.Generator().manual_seed(1)
+    for n in counts:
+        text = torch.randint(1, 32, (10,), generator=gen).tolist()
+        ids.append(text[:2] + ([start] if start is not None else []) + [image] * n + text[2:])
+    ids = torch.tensor(ids)
+    labels = ids.masked_fill(ids >= 32, -100)
+    kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pixels, "labels": labels,
+              **extra}
+    forward = inspect.signature(model.forward).parameters
+    for name in ("token_type_ids", "mm_token_type_ids"):  # 1 at the image's positions (Gemma 3, Qwen-VL)
+        if name in forward:
+            kwargs[name] = (ids == image).long()
+    if "use_cache" in forward:
+        kwargs["use_cache"] = False
+    return kwargs
 
 
 def _inputs(task: str, dtype: torch.dtype = torch.float64) -> dict:
@@ -477,7 +594,15 @@ def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: s
     if params > MAX_PARAMS:
         return {"status": "too big", "why": f"{params} parameters with the tiny config"}
     input_dtype = torch.float64 if dtype == "float64" else torch.float32
-    kwargs = _audio_inputs(model, task, input_dtype) if task in AUDIO_TASKS else _inputs(task, input_dtype)
+    if task in AUDIO_TASKS:
+        kwargs = _audio_inputs(model, task, input_dtype)
+    elif task == "image-text":
+        try:
+            kwargs = _image_text_inputs(model, input_dtype)
+        except Exception as e:  # noqa: BLE001
+            return {"status": "inputs", "why": f"{type(e).__name__}: {str(e).strip()[:150]}"}
+    else:
+        kwargs = _inputs(task, input_dtype)
     leaves = [p for p in model.parameters() if p.requires_grad]
     model.train()
     # fp16-autocast: the model in fp32 under CPU autocast to fp16, as a user trains in mixed precision
@@ -601,7 +726,8 @@ def main(types: list[str], task: str = "causal-lm", via: str = "fuse", dtype: st
                "qa": "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES",
                "multiple-choice": "MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES",
                "ctc": "MODEL_FOR_CTC_MAPPING_NAMES",
-               "audio-cls": "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES"}[task]
+               "audio-cls": "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES",
+               "image-text": "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES"}[task]
     stem = "fuse_sweep" + ("" if task == "causal-lm" else f"_{task}") + ("" if via == "fuse" else f"_{via}") \
         + ("" if attn == "sdpa" else f"_{attn}") + ("" if dtype == "float64" else f"_{dtype}")
     path = os.path.join(RESULTS, f"{stem}.json")
