@@ -270,8 +270,6 @@ def _small_config(cls, kw: dict):
             kw[k] = type(d)([v] * len(d))
         elif k in NO_DROPOUT and isinstance(d, int) and not isinstance(d, bool):
             kw[k] = 0
-    if not _has(default, "head_dim") or _read_only(cls, "head_dim"):
-        kw.pop("head_dim", None)
     for name, sub_cls in (getattr(default, "sub_configs", None) or {}).items():
         sub = _attribute(default, name)
         if sub is None:
@@ -280,9 +278,12 @@ def _small_config(cls, kw: dict):
             sub_cls = type(sub)  # placeholder names none: Gemma 3's SigLIP tower, Llama 4's vision config)
         if isinstance(sub_cls, type):
             try:
-                kw[name] = _small_config(sub_cls, {k: v for k, v in kw.items() if k != "attn_implementation"})
+                kw[name] = _small_config(sub_cls, {k: v for k, v in kw.items() if k != "attn_implementation"
+                                                   and k not in default.sub_configs})
             except Exception:  # noqa: BLE001, S110  (a sub-config not buildable small stays its default)
                 pass
+    if not _has(default, "head_dim") or _read_only(cls, "head_dim"):  # the sub-configs' head_dim set above
+        kw.pop("head_dim", None)
     try:
         return cls(**kw)
     except Exception:  # noqa: BLE001  (the config's own validation: the layer count stays its own,
@@ -305,10 +306,11 @@ SMALL_AUDIO = {"conv_dim": 32, "num_conv_pos_embeddings": 16, "num_conv_pos_embe
 
 
 # Vision-language models (image-text): the vision tower's output width is the text model's (Qwen2.5-VL's
-# out_hidden_size, PaliGemma's projection), Gemma 3 pools the 4x4 patches of a 32-pixel image into 4
+# out_hidden_size, PaliGemma's projection, Llama 4's and Cohere 2 Vision's projectors), Gemma 3 pools the 4x4 patches of a 32-pixel image into 4
 # tokens, LLaVA-NeXT tiles an image on one 32x32 grid point (a base image and one tile).
 SMALL_IMAGE_TEXT = {"out_hidden_size": 32, "projection_dim": 32, "mm_tokens_per_image": 4,
-                    "image_grid_pinpoints": [[32, 32]]}
+                    "image_grid_pinpoints": [[32, 32]], "projector_input_dim": 32, "projector_output_dim": 32,
+                    "vision_output_dim": 32, "alignment_intermediate_size": 64}
 # Token ids a config keeps as such, not the special tokens a multimodal model marks its inputs with
 _PLAIN_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "_pad_token_id",
                     "user_token_id")

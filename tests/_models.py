@@ -150,6 +150,68 @@ def llama(layers: int = LAYERS, attn_implementation: str = "sdpa"):
     return model, inputs, lambda m, kw: m(**kw).loss
 
 
+IMAGE_TOKEN = VOCAB - 1  # a vision-language model's image placeholder, in the tiny vocabulary
+_TEXT = {"hidden_size": HIDDEN, "num_hidden_layers": LAYERS, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "intermediate_size": 2 * HIDDEN, "vocab_size": VOCAB, "max_position_embeddings": 64, "pad_token_id": 0,
+         "bos_token_id": 0, "eos_token_id": 0}
+_VISION = {"hidden_size": HIDDEN, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
+           "intermediate_size": 2 * HIDDEN, "image_size": 16, "patch_size": 4}
+
+
+@_on_device
+def vision_language(model_type: str):
+    """A vision-language model trained on text with an image per sequence, as its processor lays
+    them out (text, the image's placeholder tokens, text; the labels -100 at the image):
+    LLaVA: CLIP's vision tower, its second-to-last layer's patches through a GeLU projector into
+    a Llama (16 image tokens); Qwen2-VL: its own tower on flattened patches, each image's
+    attention apart (a loop over images, SDPA each), 2x2 patches merged into 4 tokens, then a
+    Qwen2 whose rotary takes (time, height, width) positions; Gemma 3: SigLIP's tower pooled to
+    4 tokens, which the Gemma 3 text model attends to bidirectionally (token_type_ids)."""
+    tf = _quiet_transformers()
+    if model_type == "llava":
+        cfg = tf.LlavaConfig(vision_config=tf.CLIPVisionConfig(**_VISION), text_config=tf.LlamaConfig(**_TEXT),
+                             image_token_index=IMAGE_TOKEN, attn_implementation="sdpa")
+        tokens = 16
+    elif model_type == "qwen2_vl":
+        half = HIDDEN // 4 // 2  # the heads' rotary half, split over time, height and width
+        text = {**_TEXT, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                             "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]}}
+        vision = {"depth": LAYERS, "embed_dim": HIDDEN, "hidden_size": HIDDEN, "num_heads": HEADS, "mlp_ratio": 2,
+                  "patch_size": 4, "temporal_patch_size": 2}
+        cfg = tf.Qwen2VLConfig(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN,
+                               vision_start_token_id=VOCAB - 2, vision_end_token_id=VOCAB - 3,
+                               video_token_id=VOCAB - 4, attn_implementation="sdpa")
+        tokens = 4  # a 16x16 image: 4x4 patches of 4 pixels, merged 2x2
+    elif model_type == "gemma3":
+        cfg = tf.Gemma3Config(vision_config=tf.SiglipVisionConfig(**_VISION),
+                              text_config=tf.Gemma3TextConfig(**{**_TEXT, "head_dim": 8, "sliding_window": 4}),
+                              mm_tokens_per_image=4, image_token_index=IMAGE_TOKEN, boi_token_index=VOCAB - 2,
+                              eoi_token_index=VOCAB - 3, attn_implementation="sdpa")
+        tokens = 4
+    else:
+        raise ValueError(f"vision_language: no tiny config for {model_type!r}")
+    model = tf.AutoModelForImageTextToText.from_config(cfg)
+
+    def inputs(batch, seq):
+        text = torch.randint(1, VOCAB - 4, (batch, seq))
+        image = torch.full((batch, tokens), IMAGE_TOKEN)
+        start = torch.full((batch, 1), VOCAB - 2) if model_type == "qwen2_vl" else image[:, :0]
+        ids = torch.cat([text[:, :2], start, image, text[:, 2:]], dim=1)
+        kw = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+              "labels": ids.masked_fill(ids >= VOCAB - 4, -100), "use_cache": False}
+        if model_type == "qwen2_vl":
+            kw["pixel_values"] = torch.randn(batch * 16, 3 * 2 * 4 * 4)  # (patches, channels x time x 4 x 4)
+            kw["image_grid_thw"] = torch.tensor([[1, 4, 4]] * batch)
+            kw["mm_token_type_ids"] = (ids == IMAGE_TOKEN).long()
+        else:
+            kw["pixel_values"] = torch.randn(batch, 3, 16, 16)
+        if model_type == "gemma3":
+            kw["token_type_ids"] = (ids == IMAGE_TOKEN).long()
+        return kw
+
+    return model, inputs, lambda m, kw: m(**kw).loss
+
+
 # More Hugging Face families, each for what it writes differently: Gemma's RMSNorm on an fp32 copy
 # with (1 + w); Falcon's multi-query SDPA (one K/V head broadcast); OLMo's parameter-free
 # LayerNorm on an fp32 copy; Phi's parallel attention + MLP; GPT-NeoX's parallel residual; OPT's
