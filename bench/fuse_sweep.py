@@ -311,6 +311,8 @@ SMALL_AUDIO = {"conv_dim": 32, "num_conv_pos_embeddings": 16, "num_conv_pos_embe
 SMALL_IMAGE_TEXT = {"out_hidden_size": 32, "projection_dim": 32, "mm_tokens_per_image": 4,
                     "image_grid_pinpoints": [[32, 32]], "projector_input_dim": 32, "projector_output_dim": 32,
                     "vision_output_dim": 32, "alignment_intermediate_size": 64}
+# Llama 4's pixel shuffle (ratio 0.5) hands its adapter 4x the tower's width: its intermediate size.
+IMAGE_TEXT_OVERRIDES = {"llama4": {"intermediate_size": 128}}
 # Token ids a config keeps as such, not the special tokens a multimodal model marks its inputs with
 _PLAIN_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "_pad_token_id",
                     "user_token_id")
@@ -349,7 +351,7 @@ def _config(tf, model_type: str, attn: str, task: str = "causal-lm"):
     if task in AUDIO_TASKS:
         small = {**small, **SMALL_AUDIO}
     if task == "image-text":
-        small = {**small, **SMALL_IMAGE_TEXT}
+        small = {**small, **SMALL_IMAGE_TEXT, **IMAGE_TEXT_OVERRIDES.get(model_type, {})}
     if task == "qa":  # a start and an end logit per token: heads that split num_labels take 2
         small = {**small, "num_labels": 2}
     kw = {**small, **NO_DROPOUT, **OVERRIDES.get(model_type, {})}
@@ -465,8 +467,12 @@ def _first(x):
 
 def _image_token_counts(out, images: int) -> list[int] | None:
     """How many text positions each image's features fill, from what get_image_features returns
-    (transformers 5: an output whose pooler_output holds the features, a tensor or one per image)."""
-    feats = out if torch.is_tensor(out) or isinstance(out, (list, tuple)) else getattr(out, "pooler_output", None)
+    (transformers 5: an output whose pooler_output holds the features, a tensor or one per image;
+    Llama 4's, the tower's last hidden state, projected later)."""
+    feats = out
+    if not torch.is_tensor(out) and not isinstance(out, (list, tuple)):
+        feats = getattr(out, "pooler_output", None)
+        feats = feats if feats is not None else getattr(out, "last_hidden_state", None)
     if feats is None:
         return None
     if isinstance(feats, (list, tuple)):
