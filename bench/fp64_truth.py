@@ -109,7 +109,10 @@ def _build(model_type: str, task: str = "causal-lm") -> tuple[torch.nn.Module, d
             if attn == "sdpa" and "does not support an attention implementation" in str(e):
                 continue
             raise
-        return model.train(), fuse_sweep._inputs(task)
+        model.train()
+        if task == "image-text":
+            return model, fuse_sweep._image_text_inputs(model, torch.float64)
+        return model, fuse_sweep._inputs(task)
     raise RuntimeError(f"{model_type}: no attention implementation builds")
 
 

@@ -226,6 +226,9 @@ EXPLAINED = {
     ("causal-lm", "float64", "gemma4_text"):
         "the model's own fp32 parts (worst at its q and k norms): unfused is 3.3e-5 from float64 itself, "
         "fused 2.1e-5 (bench/fp64_truth.py)",
+    ("image-text", "float64", "gemma4"):
+        "the model's own fp32 parts (its vision tower's first k_proj worst): unfused is 8.8e-4 from float64 itself, "
+        "fused 1.9e-4 (bench/fp64_truth.py --task image-text)",
     ("causal-lm", "float64", "lara_mini"):
         "the model's own fp32 parts (Qwen3.5's gated delta rule): unfused is 2.0e-4 from float64 itself, "
         "another fp32 formula for its loss moves it 1.7e-5 (bench/fp64_truth.py)",
@@ -312,7 +315,12 @@ SMALL_IMAGE_TEXT = {"out_hidden_size": 32, "projection_dim": 32, "mm_tokens_per_
                     "image_grid_pinpoints": [[32, 32]], "projector_input_dim": 32, "projector_output_dim": 32,
                     "vision_output_dim": 32, "alignment_intermediate_size": 64}
 # Llama 4's pixel shuffle (ratio 0.5) hands its adapter 4x the tower's width: its intermediate size.
-IMAGE_TEXT_OVERRIDES = {"llama4": {"intermediate_size": 128}}
+# Gemma 4 pools its 4x4 patches 2x2 into 4 tokens. Mllama: a cross-attention layer among the two text layers, its tower's global layer and the
+# intermediate layers it concatenates (two, so 3 x 32 wide) within its two layers.
+IMAGE_TEXT_OVERRIDES = {"llama4": {"intermediate_size": 128},
+                        **{t: {"pooling_kernel_size": 2} for t in ("gemma4", "gemma4_unified")},
+                        "mllama": {"cross_attention_layers": [1], "intermediate_layers_indices": [0, 1],
+                                   "num_global_layers": 1, "vision_output_dim": 96}}
 # Token ids a config keeps as such, not the special tokens a multimodal model marks its inputs with
 _PLAIN_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "_pad_token_id",
                     "user_token_id")
@@ -366,6 +374,9 @@ def _config(tf, model_type: str, attn: str, task: str = "causal-lm"):
         except Exception:  # noqa: BLE001  (its validation refuses a size: set only the sizes it takes)
             cfg = _small_config(config_cls, {**kw, **extra})
     else:  # composite configs (a text model beside vision or audio towers): each part made small
+        vision_cls = (getattr(config_cls, "sub_configs", None) or {}).get("vision_config")
+        if task == "image-text" and isinstance(vision_cls, type) and _attribute(config_cls(), "vision_config") is None:
+            kw["vision_config"] = _small_config(vision_cls, kw)  # a tower the default leaves out (Gemma 4)
         cfg = _small_config(config_cls, {**kw, **extra})
     for k, v in small.items():  # sizes some constructors ignore; head_dim may be a derived property
         if k == "head_dim" or k in OVERRIDES.get(model_type, {}):
@@ -492,6 +503,9 @@ def _image_text_inputs(model, dtype: torch.dtype) -> dict:
     cfg = model.config
     vc = cfg.vision_config
     side, patch = _first(vc.image_size), _first(vc.patch_size)
+    forward = inspect.signature(model.forward).parameters
+    if "cross_attention_mask" in forward:
+        return _cross_attention_image_text_inputs(model, dtype)
     sig = inspect.signature(model.get_image_features).parameters
     layouts = []
     if "image_grid_thw" in sig:
@@ -499,6 +513,11 @@ def _image_text_inputs(model, dtype: torch.dtype) -> dict:
         channels = getattr(vc, "in_channels", None) or getattr(vc, "num_channels", 3)
         layouts.append((torch.randn(2 * grid * grid, channels * temporal * patch * patch, dtype=dtype),
                         {"image_grid_thw": torch.tensor([[1, grid, grid]] * 2)}))
+    if "image_position_ids" in sig:  # Gemma 4: each image's patches flattened, with their (x, y) in the grid
+        grid = side // patch
+        xy = torch.stack(torch.meshgrid(torch.arange(grid), torch.arange(grid), indexing="xy"), -1).reshape(-1, 2)
+        layouts.append((torch.randn(2, grid * grid, 3 * patch * patch, dtype=dtype),
+                        {"image_position_ids": xy.expand(2, -1, -1).contiguous()}))
     sizes = {"image_sizes": torch.tensor([[side, side]] * 2)} if "image_sizes" in sig else {}
     layouts.append((torch.randn(2, 3, side, side, dtype=dtype), dict(sizes)))
     for tiles in (1, 2):
@@ -529,13 +548,28 @@ def _image_text_inputs(model, dtype: torch.dtype) -> dict:
     labels = ids.masked_fill(ids >= 32, -100)
     kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pixels, "labels": labels,
               **extra}
-    forward = inspect.signature(model.forward).parameters
     for name in ("token_type_ids", "mm_token_type_ids"):  # 1 at the image's positions (Gemma 3, Qwen-VL)
         if name in forward:
             kwargs[name] = (ids == image).long()
     if "use_cache" in forward:
         kwargs["use_cache"] = False
     return kwargs
+
+
+def _cross_attention_image_text_inputs(model, dtype: torch.dtype) -> dict:
+    """Mllama's layout: an image token, then text that cross-attends to the image's tiles (one
+    tile of the model's maximum, aspect ratio 1:1)."""
+    cfg = model.config
+    side, tiles = _first(cfg.vision_config.image_size), cfg.vision_config.max_num_tiles
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.cat([torch.full((2, 1), cfg.image_token_index), torch.randint(1, 32, (2, 11), generator=gen)], 1)
+    one_tile = torch.zeros(2, 1, tiles, dtype=torch.long)
+    one_tile[..., 0] = 1
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.masked_fill(ids >= 32, -100),
+            "pixel_values": torch.randn(2, 1, tiles, 3, side, side, dtype=dtype),
+            "aspect_ratio_ids": torch.ones(2, 1, dtype=torch.long), "aspect_ratio_mask": one_tile,
+            "cross_attention_mask": one_tile[:, None].expand(2, ids.shape[1], 1, tiles).contiguous(),
+            "use_cache": False}
 
 
 def _inputs(task: str, dtype: torch.dtype = torch.float64) -> dict:

@@ -30,7 +30,8 @@ rewrites, in place:
   where the sum promotes (16-bit scores and an fp32 bias under autocast: what the update stores); and
   `a.masked_fill_(mask, v)` on a fresh intermediate read only after it -> `a.masked_fill(mask, v)`
   (ldm's CrossAttention), its later readers reading the filled tensor.
-- `y.expand_as(x)` -> `y.expand(<x's shape>)` in Dynamo graphs, where x's shape is static (guarded).
+- `y.expand_as(x)` -> `y.expand(<x's shape>)` (likewise `view_as`, `reshape_as`) in Dynamo graphs,
+  where x's shape is static (guarded).
 - `torch.softmax(x.to(dtype), dim)` -> `torch.softmax(x, dim, dtype)` (softmax casts its input to
   its dtype argument first: `softmax(scores.float(), dim=-1)` and the dtype form are one spelling);
   and, with example values, `torch.softmax(x, dim, <x's dtype>)` -> `torch.softmax(x, dim)`
@@ -179,7 +180,7 @@ def canonicalize_graph(graph: fx.Graph, root: torch.nn.Module | None = None) -> 
     _merge_repeated_casts(graph)
     _einsum_as_matmul(graph)
     _baddbmm_over_zeros(graph)
-    _static_expand_as(graph)
+    _static_shapes_as(graph)
     _out_of_place_updates(graph)
     _softmax_of_casts(graph)
     _view_round_trips(graph)
@@ -510,20 +511,26 @@ def _reads_only_metadata(user: fx.Node, a: fx.Node) -> bool:
         and sum(arg is a for arg in (*user.args, *user.kwargs.values())) == 1
 
 
-def _static_expand_as(graph: fx.Graph) -> None:
-    """`y.expand_as(x)` -> `y.expand(<x's shape>)` in a Dynamo graph where x's example value has a
-    static shape: the same view of y, no longer reading x. XLM expands its mask to the scores it
-    then fills (`mask.expand_as(scores)`); read that way, the scores fed the mask, and no attention
-    pattern could take them whole. Dynamo guards a static size (another size recaptures); an fx
-    capture serves every size of its key, so its graphs keep expand_as."""
+# y.<method>_as(x) -> y.<method>(<x's shape>): the same result, x read for its shape only
+_SHAPE_AS = {"expand_as": "expand", "view_as": "view", "reshape_as": "reshape"}
+
+
+def _static_shapes_as(graph: fx.Graph) -> None:
+    """`y.expand_as(x)`, `y.view_as(x)`, `y.reshape_as(x)` -> `y.expand(<x's shape>)` (`view`,
+    `reshape`) in a Dynamo graph where x's example value has a static shape: the same tensor, no
+    longer reading x. XLM expands its mask to the scores it then fills (`mask.expand_as(scores)`),
+    SAM's vision attention (GOT-OCR2's, DeepSeek-OCR's) reshapes its relative-position bias to
+    the scores it adds it to (`rel_pos.reshape_as(scores)`): read that way, the scores fed the
+    mask, and no attention pattern could take them whole. Dynamo guards a static size (another size
+    recaptures); an fx capture serves every size of its key, so its graphs keep the `_as` forms."""
     if not any(n.op == "placeholder" and "grapharg" in n.meta for n in graph.nodes):
         return
     for node in list(graph.nodes):
-        if node.op != "call_method" or node.target != "expand_as" or len(node.args) != 2 or node.kwargs:
+        if node.op != "call_method" or node.target not in _SHAPE_AS or len(node.args) != 2 or node.kwargs:
             continue
         value = _value(node.args[1])
         if isinstance(value, torch.Tensor) and all(type(d) is int for d in value.shape):
-            node.target, node.args = "expand", (node.args[0], tuple(value.shape))
+            node.target, node.args = _SHAPE_AS[node.target], (node.args[0], tuple(value.shape))
 
 
 def _softmax_of_casts(graph: fx.Graph) -> None:

@@ -296,6 +296,22 @@ def test_a_softmax_of_a_cast_takes_the_dtype_and_expand_as_a_static_shape():
     torch.testing.assert_close(gm(x2, m2), upcast(x2, m2))
 
 
+def test_view_as_and_reshape_as_a_static_shape_read_no_value():
+    """`b.reshape_as(s)` and `b.view_as(s)` (SAM's relative-position bias shaped to the scores)
+    become `reshape` / `view` to s's static shape in a Dynamo graph: s then feeds only the sum.
+    Values unchanged."""
+    def bias_shaped_to_scores(x, b):
+        s = x * 2
+        return s + b.reshape_as(s) + b.contiguous().view_as(s)
+
+    x, b = torch.randn(2, 3, 4), torch.randn(6, 4)
+    graph = _dynamo_canonical(bias_shaped_to_scores, x, b).graph
+    shaped = [(n.target, n.args[1:]) for n in graph.nodes if n.op == "call_method" and n.target != "contiguous"]
+    assert shaped == [("reshape", ((2, 3, 4),)), ("view", ((2, 3, 4),))]
+    scores = next(n for n in graph.nodes if n.target is operator.mul)
+    assert [u.target for u in scores.users] == [operator.add]
+
+
 def test_a_softmax_of_a_cast_to_16_bits_takes_the_dtype_only_where_it_computes_in_it():
     """`softmax(x.half())` is `softmax(x, dtype=half)` where the softmax's result is fp16 (its
     example value says so); CUDA autocast computes the first in fp32 and the second in fp16, so a

@@ -1767,3 +1767,33 @@ def test_a_written_transpose_still_takes_the_usual_chain():
     transposed is tried after it."""
     report = check_against_unfused(functools.partial(Fn, chain_div_no_mask), qkv(), "dynamo")
     assert report.by_pattern() == {"attention_chain_div_no_mask_no_dropout": 1}
+
+
+class _SamStyleAttention(nn.Module):
+    """transformers' SAM-style vision attention (GOT-OCR2's, DeepSeek-OCR's; SAM's own eager path):
+    q, k, v as (batch * heads, patches, head_dim), `(q * scale) @ k^T` plus the decomposed
+    relative-position bias computed from q and reshaped to the scores (`reshape_as`), the softmax
+    in fp32 cast back, dropout, `@ v`; the block's output alone (its probabilities unread)."""
+
+    def __init__(self):
+        super().__init__()
+        tf = pytest.importorskip("transformers")
+        tf.logging.set_verbosity_error()
+        cfg = tf.models.got_ocr2.configuration_got_ocr2.GotOcr2VisionConfig(
+            hidden_size=H * D, num_attention_heads=H, image_size=16, patch_size=4, use_rel_pos=True)
+        self.inner = tf.models.got_ocr2.modeling_got_ocr2.GotOcr2VisionAttention(cfg, window_size=0)
+        with torch.no_grad():  # a bias that is not zero (SAM initializes the tables to zeros)
+            self.inner.rel_pos_h.normal_()
+            self.inner.rel_pos_w.normal_()
+
+    def forward(self, x):
+        return self.inner(x)[0]
+
+
+def test_sam_style_attention_with_its_relative_position_bias_fuses():
+    """The bias reads the scores only for their shape (`rel_pos.reshape_as(scores)`); Dynamo's
+    static example shape makes it `reshape(<shape>)`, and the chain fuses with the bias as the op's
+    mask, its gradient (to q and the position tables) through the op's. Dynamo only: an fx
+    capture serves every size, so its graph keeps `reshape_as`."""
+    report = check_against_unfused(_SamStyleAttention, (torch.randn(B, 4, 4, H * D),), "dynamo")
+    assert report.by_pattern() == {"attention_chain_unscaled_add_dropout_upcast": 1}
