@@ -226,6 +226,9 @@ EXPLAINED = {
     ("causal-lm", "float64", "gemma4_text"):
         "the model's own fp32 parts (worst at its q and k norms): unfused is 3.3e-5 from float64 itself, "
         "fused 2.1e-5 (bench/fp64_truth.py)",
+    ("image-text", "float64", "git"):
+        "its vision tower's k_proj biases, whose gradient is zero in exact arithmetic (a softmax ignores a shift "
+        "of every key's score): unfused 0.9-1.2e-15 (float64 rounding), fused ~1e-24, 5-6e-5 of the 1e-10 floor",
     ("image-text", "float64", "gemma4"):
         "the model's own fp32 parts (its vision tower's first k_proj worst): unfused is 8.8e-4 from float64 itself, "
         "fused 1.9e-4 (bench/fp64_truth.py --task image-text)",
@@ -501,12 +504,22 @@ def _image_text_inputs(model, dtype: torch.dtype) -> dict:
     is the first of the usual ones the model's get_image_features takes: Qwen-VL's flattened
     patches with a (t, h, w) grid, one image (with its size where asked), or a stack of tiles."""
     cfg = model.config
-    vc = cfg.vision_config
+    vc = _attribute(cfg, "vision_config") or _attribute(cfg, "encoder")  # a vision encoder-decoder's encoder
     side, patch = _first(vc.image_size), _first(vc.patch_size)
     forward = inspect.signature(model.forward).parameters
     if "cross_attention_mask" in forward:
         return _cross_attention_image_text_inputs(model, dtype)
-    sig = inspect.signature(model.get_image_features).parameters
+    image_features = getattr(model, "get_image_features", None) or getattr(getattr(model, "model", None),
+                                                                            "get_image_features", None)
+    image = _attribute(cfg, "image_token_id")
+    image = image if image is not None else _attribute(cfg, "image_token_index")
+    if image_features is None or image is None:
+        # no image placeholders: the image conditions the text some other way (a vision encoder-
+        # decoder's cross-attention, GIT's and BLIP's image tokens prepended by the model)
+        ids = torch.randint(1, 32, (2, 12), generator=torch.Generator().manual_seed(1))
+        return {"pixel_values": torch.randn(2, 3, side, side, dtype=dtype), "labels": ids,
+                **({"input_ids": ids} if "input_ids" in forward else {})}
+    sig = inspect.signature(image_features).parameters
     layouts = []
     if "image_grid_thw" in sig:
         grid, temporal = side // patch, getattr(vc, "temporal_patch_size", 1) or 1
@@ -529,7 +542,7 @@ def _image_text_inputs(model, dtype: torch.dtype) -> dict:
     for pixels, extra in layouts:
         try:
             with torch.no_grad():
-                counts = _image_token_counts(model.get_image_features(pixel_values=pixels, **extra), 2)
+                counts = _image_token_counts(image_features(pixel_values=pixels, **extra), 2)
         except Exception as e:  # noqa: BLE001  (not this layout)
             failure = e
             continue
@@ -537,8 +550,6 @@ def _image_text_inputs(model, dtype: torch.dtype) -> dict:
             break
     else:
         raise ValueError(f"no pixel layout suits get_image_features ({type(failure).__name__}: {failure})")
-    image = _attribute(cfg, "image_token_id")
-    image = image if image is not None else _attribute(cfg, "image_token_index")
     start = _attribute(cfg, "vision_start_token_id")
     ids, gen = [], torch.Generator().manual_seed(1)
     for n in counts:

@@ -83,8 +83,29 @@ def rotary_q_k(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     return q_embed, k_embed
 
 
-def rotary_q_k_fused(q, k, cos, sin, q_start=None, q_end=None, k_start=None, k_end=None, dim=None):
-    out = ops.rotary_embedding(q, k, cos, sin)
+def _seq_heads_as_op_layout(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """(seq, heads, head_dim) q and k and their (seq, 1, head_dim) tables as the op's (1, heads, seq,
+    head_dim) and (1, 1, seq, head_dim): views, no copy (the op reads any strides)."""
+    return [None if t is None else t.unsqueeze(0).transpose(1, 2) for t in tensors]
+
+
+def _seq_heads_from_op_layout(y: torch.Tensor) -> torch.Tensor:
+    # the op writes a transposed input's layout: (1, heads, seq, D) views of (seq, heads, D) storage
+    return y.squeeze(0).transpose(0, 1).contiguous()
+
+
+def _rotate_half_op(q, k, cos, sin, dtype=None, seq_heads=False):
+    """The op on 4-D (batch, heads, seq, head_dim) q and k, or (`seq_heads`) on the 3-D (seq, heads,
+    head_dim) ones of Qwen-VL's vision towers (the patches of every image in one sequence, no batch)."""
+    if not seq_heads:
+        return ops.rotary_embedding(q, k, cos, sin, dtype=dtype)
+    out = ops.rotary_embedding(*_seq_heads_as_op_layout(q, k, cos, sin), dtype=dtype)
+    return _seq_heads_from_op_layout(out[0]), None if k is None else _seq_heads_from_op_layout(out[1])
+
+
+def rotary_q_k_fused(q, k, cos, sin, q_start=None, q_end=None, k_start=None, k_end=None, dim=None,
+                     seq_heads=False):
+    out = _rotate_half_op(q, k, cos, sin, seq_heads=seq_heads)
     return out[0], out[1]
 
 
@@ -93,8 +114,8 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x_start, x_end
     return x * cos + torch.cat((-x[..., x_start:], x[..., :x_end]), dim=dim) * sin
 
 
-def rotary_fused(x, cos, sin, x_start=None, x_end=None, dim=None):
-    return ops.rotary_embedding(x, None, cos, sin)[0]
+def rotary_fused(x, cos, sin, x_start=None, x_end=None, dim=None, seq_heads=False):
+    return _rotate_half_op(x, None, cos, sin, seq_heads=seq_heads)[0]
 
 
 def rotary_cast_q_k(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_start, q_end, k_start,
@@ -106,8 +127,8 @@ def rotary_cast_q_k(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: to
 
 
 def rotary_cast_q_k_fused(q, k, cos, sin, q_start=None, q_end=None, k_start=None, k_end=None, dim=None, q_up=None,
-                          k_up=None, q_back=None, k_back=None, dtype=None):
-    out = ops.rotary_embedding(q, k, cos, sin, dtype=dtype)
+                          k_up=None, q_back=None, k_back=None, dtype=None, seq_heads=False):
+    out = _rotate_half_op(q, k, cos, sin, dtype=dtype, seq_heads=seq_heads)
     return out[0], out[1]
 
 
@@ -253,14 +274,33 @@ def _pairs_last_dim(names: tuple[str, ...]):
     return check
 
 
+def _rotated(m: Match) -> list[torch.Tensor | None]:
+    """The example values of what a match rotates: q and k, or x alone."""
+    values = []
+    for name in ("q", "k", "x"):
+        try:
+            values.append(m.value(name))
+        except KeyError:
+            pass
+    return values
+
+
 def _cos_sin_are_4d(m: Match) -> str | None:
-    """The op takes cos and sin after Hugging Face's unsqueeze; a 2-D (S, D) table broadcast by
-    PyTorch is left as written (the op would need a view of it)."""
+    """The op takes cos and sin after Hugging Face's unsqueeze, (batch or 1, 1, seq, head_dim); or,
+    beside 3-D (seq, heads, head_dim) q and k (Qwen-VL's vision towers, which rotate the patches
+    of all images as one sequence), tables unsqueezed to (seq or 1, 1, head_dim), which the
+    replacement views as the op's layout. A 2-D (S, D) table broadcast by PyTorch is left as
+    written (the op would need a view of it)."""
+    rotated = _rotated(m)
+    seq_heads = all(isinstance(x, torch.Tensor) and x.dim() == 3 for x in rotated)
     for name in ("cos", "sin"):
         v = m.value(name)
         if not isinstance(v, torch.Tensor):
             return f"no shape for {name}"
-        if v.dim() != 4:
+        if seq_heads and v.dim() == 3:
+            if v.shape[1] != 1 or v.shape[0] not in (1, rotated[0].shape[0]):
+                return f"{name} {tuple(v.shape)} beside (seq, heads, head_dim) q is not (seq or 1, 1, head_dim)"
+        elif v.dim() != 4:
             return f"{name} is {v.dim()}-D, not (batch or 1, 1, seq, head_dim)"
     return None
 
@@ -525,8 +565,13 @@ def _pairs_pattern(search, complex_table: bool, cast: bool, with_k: bool) -> Pat
                    derive=_complex_layout(names[0], cast))
 
 
+def _seq_heads(m: Match) -> dict:
+    """The replacement's layout: 3-D (seq, heads, head_dim) tensors (_cos_sin_are_4d checked them)."""
+    return {"seq_heads": all(isinstance(x, torch.Tensor) and x.dim() == 3 for x in _rotated(m))}
+
+
 def _q_dtype(m: Match) -> dict:
-    return {"dtype": m.value("q").dtype}
+    return {"dtype": m.value("q").dtype, **_seq_heads(m)}
 
 
 PATTERNS = (
@@ -535,8 +580,9 @@ PATTERNS = (
             (_rotates_half_of_last_dim(("q", "k")), _cos_sin_are_4d, _upcast_and_back(("q", "k"))),
             derive=_q_dtype),
     Pattern("rotary_q_k", "rotary", rotary_q_k, rotary_q_k_fused, _OPS,
-            (_rotates_half_of_last_dim(("q", "k")), _cos_sin_are_4d)),
-    Pattern("rotary", "rotary", rotary, rotary_fused, _OPS, (_rotates_half_of_last_dim(("x",)), _cos_sin_are_4d)),
+            (_rotates_half_of_last_dim(("q", "k")), _cos_sin_are_4d), derive=_seq_heads),
+    Pattern("rotary", "rotary", rotary, rotary_fused, _OPS, (_rotates_half_of_last_dim(("x",)), _cos_sin_are_4d),
+            derive=_seq_heads),
     Pattern("rotary_interleaved_cast_q_k", "rotary", rotary_interleaved_cast_q_k, rotary_interleaved_cast_q_k_fused,
             _OPS, (_pairs_last_dim(("q", "k")), _cos_sin_are_4d, _upcast_and_back(("q", "k"))), derive=_q_dtype),
     Pattern("rotary_interleaved_q_k", "rotary", rotary_interleaved_q_k, rotary_interleaved_q_k_fused, _OPS,

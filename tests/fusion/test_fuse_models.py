@@ -229,8 +229,9 @@ MODELS = {
     # Vision-language models: the vision tower's blocks and the LM's fuse alike. LLaVA: CLIP's
     # pre-norm tower (its embeddings' and its unused pooled output's LayerNorms; QuickGELU MLPs)
     # and the projector's GeLU, then a Llama; Qwen2-VL: its tower's attention one image at a time
-    # (the loop over images in one capture), the patch merger's LayerNorm and GeLU, the LM's
-    # rotary on (time, height, width) positions; Gemma 3: SigLIP's tower with its attention-pooling
+    # (the loop over images in one capture) after its rotary on (patches, heads, head_dim) with no
+    # batch, the patch merger's LayerNorm and GeLU, the LM's rotary on (time, height, width)
+    # positions; Gemma 3: SigLIP's tower with its attention-pooling
     # head, then Gemma 3's four norms a block (q and k norms too) with the image tokens attending
     # to each other (a mask from token_type_ids)
     "llava": (functools.partial(_models.vision_language, "llava"),
@@ -238,7 +239,7 @@ MODELS = {
                "rms_norm": L + 1, **GATED, **ROTARY, **LOSS}),
     "qwen2_vl": (functools.partial(_models.vision_language, "qwen2_vl"),
                  {"layer_norm": L + 1, "attention": 2 * L, "bias_gelu": L + 1, "residual_stream": 2 * L,
-                  "rms_norm": L + 1, **GATED, **ROTARY, **LOSS}),
+                  "rms_norm": L + 1, "rotary": 2 * L, **GATED, **LOSS}),
     "gemma3": (functools.partial(_models.vision_language, "gemma3"),
                {"layer_norm": L + 2, "attention": 2 * L + 1, "bias_gelu": L + 1, "residual_stream": 3 * L,
                 "rms_norm": 5 * L, **GATED, **ROTARY, **LOSS}),

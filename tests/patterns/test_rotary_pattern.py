@@ -161,6 +161,54 @@ def test_spelling_fuses_and_matches(make, pattern, capture):
     assert check_against_unfused(make, X, capture).by_pattern() == {pattern: 1}
 
 
+def apply_rotary_pos_emb_vision(q, k, cos, sin):
+    """Qwen2-VL's (and Qwen2.5-VL's, GLM-4V's) rotary in its vision tower: q and k (patches,
+    heads, head_dim) with no batch, the (patches, head_dim) tables unsqueezed over the heads, fp32
+    around the rotation."""
+    q_dtype, k_dtype = q.dtype, k.dtype
+    q, k = q.float(), k.float()
+    cos, sin = cos.unsqueeze(-2).float(), sin.unsqueeze(-2).float()
+    return ((q * cos) + (rotate_half(q) * sin)).to(q_dtype), ((k * cos) + (rotate_half(k) * sin)).to(k_dtype)
+
+
+class VisionRotary(nn.Module):
+    """A vision tower's attention: q and k projected to (patches, heads, head_dim), the patches of
+    every image in one sequence, rotated by learned (patches, head_dim) tables (fp32 around the
+    rotation, or not; or q alone)."""
+
+    def __init__(self, cast=True, which="q_k"):
+        super().__init__()
+        self.q_proj, self.k_proj = nn.Linear(HQ * D, HQ * D), nn.Linear(HQ * D, HQ * D)
+        cos, sin = rope_tables(B * S, D, per_batch=False)
+        self.cos, self.sin = nn.Parameter(cos[0]), nn.Parameter(sin[0])
+        self.cast, self.which = cast, which
+
+    def forward(self, x):
+        q = self.q_proj(x).reshape(B * S, HQ, D)
+        k = self.k_proj(x).reshape(B * S, HQ, D)
+        if self.cast:
+            return apply_rotary_pos_emb_vision(q, k, self.cos, self.sin)
+        cos, sin = self.cos.unsqueeze(-2), self.sin.unsqueeze(-2)
+        q_embed = (q * cos) + (rotate_half(q) * sin)
+        return q_embed if self.which == "q" else (q_embed, (k * cos) + (rotate_half(k) * sin))
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("make, pattern", [(VisionRotary, "rotary_cast_q_k"),
+                                           (lambda: VisionRotary(cast=False), "rotary_q_k"),
+                                           (lambda: VisionRotary(cast=False, which="q"), "rotary")],
+                         ids=["qwen2-vl", "uncast", "q-alone"])
+def test_vision_tower_layout_without_batch_fuses_and_matches(make, pattern, capture):
+    """(patches, heads, head_dim) q and k beside (patches, 1, head_dim) tables: the op on views of
+    them as (1, heads, patches, head_dim), the output as the model's layout again; outputs and
+    every gradient (the learned tables' too) as unfused. The casts around the rotation go into
+    the op under Dynamo (under fx they stay, as ModernBERT's below)."""
+    if pattern == "rotary_cast_q_k" and capture == "fx":
+        pattern = "rotary_q_k"
+    x = (torch.randn(B, S, HQ * D),)
+    assert check_against_unfused(make, x, capture).by_pattern() == {pattern: 1}
+
+
 def apply_rotary_pos_emb_cohere(q, k, cos, sin, unsqueeze_dim=1):
     """transformers' apply_rotary_pos_emb of Cohere (5.x), verbatim: fp32 around the rotation."""
     dtype = q.dtype
