@@ -222,6 +222,21 @@ def _unbiased_product(node: fx.Node) -> bool:
     return node.target in _PRODUCTS
 
 
+def _biased_product(node: fx.Node) -> bool:
+    """A Linear with a bias, or addmm: what bias_gelu takes the bias of."""
+    if node.op != "call_function" or not _hashable(node.target):
+        return False
+    return node.target is torch.addmm or node.target is F.linear and _arg(node, 2, "bias", None) is not None
+
+
+def _describe(node: fx.Node) -> str:
+    """A node's computation in a word for the report: `layer_norm`'s output, a placeholder."""
+    if node.op in ("call_function", "call_method"):
+        name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+        return f"{name}'s output"
+    return "the block's input" if node.op == "placeholder" else f"{node.op} {node.target}"
+
+
 def _arg(node: fx.Node, index: int, name: str, default: Any) -> Any:
     return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
 
@@ -238,9 +253,10 @@ def _why_no_pattern(node: fx.Node, op: str) -> str:
             return "training=False: the identity (nothing to fuse)"
         return "no residual add takes its result (dropout_add fuses residual + dropout(x)): an activation's " \
                "or a sublayer's own dropout"
-    if op == "gelu" and node.args and isinstance(node.args[0], fx.Node) and _unbiased_product(node.args[0]):
-        return "no bias before it (a Linear without one): a lone GeLU is one pass either way (bias_gelu fuses " \
-               "gelu(x + b))"
+    if op == "gelu" and node.args and isinstance(node.args[0], fx.Node) and not _biased_product(node.args[0]):
+        source = node.args[0]
+        what = "a Linear without one" if _unbiased_product(source) else f"its input is {_describe(source)}"
+        return f"no bias before it ({what}): a lone GeLU is one pass either way (bias_gelu fuses gelu(x + b))"
     if op == "softmax" and not _produced_by(node, _PRODUCTS):
         return "not over attention scores (no q @ kᵀ before it): a router's or a gate's softmax"
     if op == "sigmoid":

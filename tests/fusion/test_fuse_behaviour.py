@@ -764,7 +764,8 @@ def test_torch_2_11_metrics_log_failure_is_not_shown_while_a_head_capture_ignore
 
 class _NothingToFuse(nn.Module):
     """Ops of interest with nothing for trifuse to take: a router's softmax and sigmoid, a GeLU
-    after a Linear without bias, dropouts with p = 0 and an activation's dropout (no residual add)."""
+    after a Linear without bias and one after a LayerNorm (GLM-4V's patch merger), dropouts with
+    p = 0 and an activation's dropout (no residual add)."""
 
     def __init__(self, width: int = 16):
         super().__init__()
@@ -776,7 +777,7 @@ class _NothingToFuse(nn.Module):
         weights = torch.softmax(self.router(x), dim=-1) * torch.sigmoid(self.router(x))
         h = F.dropout(F.gelu(self.up(x)), 0.0, self.training)
         h = F.dropout(self.down(h), 0.25, self.training)
-        return h * weights.sum(-1, keepdim=True)
+        return h * weights.sum(-1, keepdim=True) + F.gelu(F.layer_norm(x, (x.shape[-1],)))
 
 
 def test_report_says_what_each_op_left_alone_is_when_no_pattern_tried_it():
@@ -792,7 +793,9 @@ def test_report_says_what_each_op_left_alone_is_when_no_pattern_tried_it():
     assert set(reasons) == {"softmax", "sigmoid", "gelu", "dropout"}, left
     assert reasons["softmax"] == ["not over attention scores (no q @ kᵀ before it): a router's or a gate's softmax"]
     assert "a router's or a gate's sigmoid" in reasons["sigmoid"][0]
-    assert reasons["gelu"][0].startswith("no bias before it (a Linear without one)")
+    assert sorted(reasons["gelu"]) == [
+        f"no bias before it ({what}): a lone GeLU is one pass either way (bias_gelu fuses gelu(x + b))"
+        for what in ("a Linear without one", "its input is layer_norm's output")]
     assert sorted(reasons["dropout"]) == [
         "no residual add takes its result (dropout_add fuses residual + dropout(x)): an activation's or a "
         "sublayer's own dropout", "p = 0: the identity in PyTorch too (nothing to fuse)"]
