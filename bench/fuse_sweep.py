@@ -229,9 +229,6 @@ EXPLAINED = {
     ("image-text", "float64", "git"):
         "its vision tower's k_proj biases, whose gradient is zero in exact arithmetic (a softmax ignores a shift "
         "of every key's score): unfused 0.9-1.2e-15 (float64 rounding), fused ~1e-24, 5-6e-5 of the 1e-10 floor",
-    ("image-text", "float64", "gemma4"):
-        "the model's own fp32 parts (its vision tower's first k_proj worst): unfused is 8.8e-4 from float64 itself, "
-        "fused 1.9e-4 (bench/fp64_truth.py --task image-text)",
     ("causal-lm", "float64", "lara_mini"):
         "the model's own fp32 parts (Qwen3.5's gated delta rule): unfused is 2.0e-4 from float64 itself, "
         "another fp32 formula for its loss moves it 1.7e-5 (bench/fp64_truth.py)",
@@ -318,10 +315,10 @@ SMALL_IMAGE_TEXT = {"out_hidden_size": 32, "projection_dim": 32, "mm_tokens_per_
                     "image_grid_pinpoints": [[32, 32]], "projector_input_dim": 32, "projector_output_dim": 32,
                     "vision_output_dim": 32, "alignment_intermediate_size": 64}
 # Llama 4's pixel shuffle (ratio 0.5) hands its adapter 4x the tower's width: its intermediate size.
-# Gemma 4 pools its 4x4 patches 2x2 into 4 tokens. Mllama: a cross-attention layer among the two text layers, its tower's global layer and the
+# Gemma 4 pools its 4x4 patches 2x2 into 4 tokens (its global layers' heads as small as the rest). Mllama: a cross-attention layer among the two text layers, its tower's global layer and the
 # intermediate layers it concatenates (two, so 3 x 32 wide) within its two layers.
 IMAGE_TEXT_OVERRIDES = {"llama4": {"intermediate_size": 128},
-                        **{t: {"pooling_kernel_size": 2} for t in ("gemma4", "gemma4_unified")},
+                        **{t: {"pooling_kernel_size": 2, "global_head_dim": 16} for t in ("gemma4", "gemma4_unified")},
                         "mllama": {"cross_attention_layers": [1], "intermediate_layers_indices": [0, 1],
                                    "num_global_layers": 1, "vision_output_dim": 96}}
 # Token ids a config keeps as such, not the special tokens a multimodal model marks its inputs with
