@@ -227,8 +227,9 @@ EXPLAINED = {
         "the model's own fp32 parts (worst at its q and k norms): unfused is 3.3e-5 from float64 itself, "
         "fused 2.1e-5 (bench/fp64_truth.py)",
     ("image-text", "float64", "git"):
-        "its vision tower's k_proj biases, whose gradient is zero in exact arithmetic (a softmax ignores a shift "
-        "of every key's score): unfused 0.9-1.2e-15 (float64 rounding), fused ~1e-24, 5-6e-5 of the 1e-10 floor",
+        "its vision tower's k_proj biases, whose gradient is zero in exact arithmetic (a softmax ignores "
+        "a shift of every key's score): unfused 0.9-1.2e-15 (float64 rounding), fused ~1e-24, 5-6e-5 "
+        "of the 1e-10 floor",
     ("causal-lm", "float64", "lara_mini"):
         "the model's own fp32 parts (Qwen3.5's gated delta rule): unfused is 2.0e-4 from float64 itself, "
         "another fp32 formula for its loss moves it 1.7e-5 (bench/fp64_truth.py)",
@@ -308,17 +309,20 @@ SMALL_AUDIO = {"conv_dim": 32, "num_conv_pos_embeddings": 16, "num_conv_pos_embe
                "xvector_output_dim": 32, "classifier_proj_size": 32}
 
 
-# Vision-language models (image-text): the vision tower's output width is the text model's (Qwen2.5-VL's
-# out_hidden_size, PaliGemma's projection, Llama 4's and Cohere 2 Vision's projectors), Gemma 3 pools the 4x4 patches of a 32-pixel image into 4
-# tokens, LLaVA-NeXT tiles an image on one 32x32 grid point (a base image and one tile).
+# Vision-language models (image-text): the vision tower's output width is the text model's
+# (Qwen2.5-VL's out_hidden_size, PaliGemma's projection, Llama 4's and Cohere 2 Vision's
+# projectors), Gemma 3 pools the 4x4 patches of a 32-pixel image into 4 tokens, LLaVA-NeXT tiles
+# an image on one 32x32 grid point (a base image and one tile).
 SMALL_IMAGE_TEXT = {"out_hidden_size": 32, "projection_dim": 32, "mm_tokens_per_image": 4,
                     "image_grid_pinpoints": [[32, 32]], "projector_input_dim": 32, "projector_output_dim": 32,
                     "vision_output_dim": 32, "alignment_intermediate_size": 64}
 # Llama 4's pixel shuffle (ratio 0.5) hands its adapter 4x the tower's width: its intermediate size.
-# Gemma 4 pools its 4x4 patches 2x2 into 4 tokens (its global layers' heads as small as the rest). Mllama: a cross-attention layer among the two text layers, its tower's global layer and the
+# Gemma 4 pools its 4x4 patches 2x2 into 4 tokens (its global layers' heads as small as the rest).
+# Mllama: a cross-attention layer among the two text layers, its tower's global layer and the
 # intermediate layers it concatenates (two, so 3 x 32 wide) within its two layers.
-IMAGE_TEXT_OVERRIDES = {"llama4": {"intermediate_size": 128},
-                        **{t: {"pooling_kernel_size": 2, "global_head_dim": 16} for t in ("gemma4", "gemma4_unified")},
+_GEMMA4_IMAGE_TEXT = {"pooling_kernel_size": 2, "global_head_dim": 16}
+IMAGE_TEXT_OVERRIDES = {"llama4": {"intermediate_size": 128}, "gemma4": _GEMMA4_IMAGE_TEXT,
+                        "gemma4_unified": _GEMMA4_IMAGE_TEXT,
                         "mllama": {"cross_attention_layers": [1], "intermediate_layers_indices": [0, 1],
                                    "num_global_layers": 1, "vision_output_dim": 96}}
 # Token ids a config keeps as such, not the special tokens a multimodal model marks its inputs with
@@ -347,7 +351,8 @@ def _small_mrope(cfg) -> None:
     for head_dim 128)."""
     for c in (cfg, _attribute(cfg, "text_config")):
         params = _attribute(c, "rope_parameters")
-        if "mrope_section" not in getattr(type(c), "ignore_keys_at_rope_validation", ()) or not isinstance(params, dict):
+        takes_sections = "mrope_section" in getattr(type(c), "ignore_keys_at_rope_validation", ())
+        if not takes_sections or not isinstance(params, dict):
             continue
         head_dim = _attribute(c, "head_dim") or c.hidden_size // c.num_attention_heads
         half = int(head_dim * params.get("partial_rotary_factor", 1.0)) // 2
@@ -375,7 +380,8 @@ def _config(tf, model_type: str, attn: str, task: str = "causal-lm"):
             cfg = _small_config(config_cls, {**kw, **extra})
     else:  # composite configs (a text model beside vision or audio towers): each part made small
         vision_cls = (getattr(config_cls, "sub_configs", None) or {}).get("vision_config")
-        if task == "image-text" and isinstance(vision_cls, type) and _attribute(config_cls(), "vision_config") is None:
+        if task == "image-text" and isinstance(vision_cls, type) \
+                and _attribute(config_cls(), "vision_config") is None:
             kw["vision_config"] = _small_config(vision_cls, kw)  # a tower the default leaves out (Gemma 4)
         cfg = _small_config(config_cls, {**kw, **extra})
     for k, v in small.items():  # sizes some constructors ignore; head_dim may be a derived property
@@ -447,7 +453,8 @@ def _auto_class(tf, task: str):
             "seq-cls": tf.AutoModelForSequenceClassification,
             "token-cls": tf.AutoModelForTokenClassification, "qa": tf.AutoModelForQuestionAnswering,
             "multiple-choice": tf.AutoModelForMultipleChoice, "ctc": tf.AutoModelForCTC,
-            "audio-cls": tf.AutoModelForAudioClassification, "image-text": tf.AutoModelForImageTextToText}[task]
+            "audio-cls": tf.AutoModelForAudioClassification,
+            "image-text": tf.AutoModelForImageTextToText}[task]
 
 
 def _audio_inputs(model, task: str, dtype: torch.dtype) -> dict:
@@ -525,7 +532,8 @@ def _image_text_inputs(model, dtype: torch.dtype) -> dict:
                         {"image_grid_thw": torch.tensor([[1, grid, grid]] * 2)}))
     if "image_position_ids" in sig:  # Gemma 4: each image's patches flattened, with their (x, y) in the grid
         grid = side // patch
-        xy = torch.stack(torch.meshgrid(torch.arange(grid), torch.arange(grid), indexing="xy"), -1).reshape(-1, 2)
+        xy = torch.stack(torch.meshgrid(torch.arange(grid), torch.arange(grid), indexing="xy"), -1)
+        xy = xy.reshape(-1, 2)
         layouts.append((torch.randn(2, grid * grid, 3 * patch * patch, dtype=dtype),
                         {"image_position_ids": xy.expand(2, -1, -1).contiguous()}))
     sizes = {"image_sizes": torch.tensor([[side, side]] * 2)} if "image_sizes" in sig else {}
@@ -554,8 +562,8 @@ def _image_text_inputs(model, dtype: torch.dtype) -> dict:
         ids.append(text[:2] + ([start] if start is not None else []) + [image] * n + text[2:])
     ids = torch.tensor(ids)
     labels = ids.masked_fill(ids >= 32, -100)
-    kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pixels, "labels": labels,
-              **extra}
+    kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pixels,
+              "labels": labels, **extra}
     for name in ("token_type_ids", "mm_token_type_ids"):  # 1 at the image's positions (Gemma 3, Qwen-VL)
         if name in forward:
             kwargs[name] = (ids == image).long()
@@ -570,10 +578,12 @@ def _cross_attention_image_text_inputs(model, dtype: torch.dtype) -> dict:
     cfg = model.config
     side, tiles = _first(cfg.vision_config.image_size), cfg.vision_config.max_num_tiles
     gen = torch.Generator().manual_seed(1)
-    ids = torch.cat([torch.full((2, 1), cfg.image_token_index), torch.randint(1, 32, (2, 11), generator=gen)], 1)
+    text = torch.randint(1, 32, (2, 11), generator=gen)
+    ids = torch.cat([torch.full((2, 1), cfg.image_token_index), text], 1)
     one_tile = torch.zeros(2, 1, tiles, dtype=torch.long)
     one_tile[..., 0] = 1
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.masked_fill(ids >= 32, -100),
+    labels = ids.masked_fill(ids >= 32, -100)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels,
             "pixel_values": torch.randn(2, 1, tiles, 3, side, side, dtype=dtype),
             "aspect_ratio_ids": torch.ones(2, 1, dtype=torch.long), "aspect_ratio_mask": one_tile,
             "cross_attention_mask": one_tile[:, None].expand(2, ids.shape[1], 1, tiles).contiguous(),

@@ -232,7 +232,8 @@ def _biased_product(node: fx.Node) -> bool:
 def _describe(node: fx.Node) -> str:
     """A node's computation in a word for the report: `layer_norm`'s output, a placeholder."""
     if node.op in ("call_function", "call_method"):
-        name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+        target = node.target
+        name = target if isinstance(target, str) else getattr(target, "__name__", str(target))
         return f"{name}'s output"
     return "the block's input" if node.op == "placeholder" else f"{node.op} {node.target}"
 

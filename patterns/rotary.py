@@ -299,7 +299,7 @@ def _cos_sin_are_4d(m: Match) -> str | None:
             return f"no shape for {name}"
         if seq_heads and v.dim() == 3:
             if v.shape[1] != 1 or v.shape[0] not in (1, rotated[0].shape[0]):
-                return f"{name} {tuple(v.shape)} beside (seq, heads, head_dim) q is not (seq or 1, 1, head_dim)"
+                return f"{name} {tuple(v.shape)} beside (seq, heads, head_dim) q: not (seq or 1, 1, head_dim)"
         elif v.dim() != 4:
             return f"{name} is {v.dim()}-D, not (batch or 1, 1, seq, head_dim)"
     return None
@@ -581,8 +581,8 @@ PATTERNS = (
             derive=_q_dtype),
     Pattern("rotary_q_k", "rotary", rotary_q_k, rotary_q_k_fused, _OPS,
             (_rotates_half_of_last_dim(("q", "k")), _cos_sin_are_4d), derive=_seq_heads),
-    Pattern("rotary", "rotary", rotary, rotary_fused, _OPS, (_rotates_half_of_last_dim(("x",)), _cos_sin_are_4d),
-            derive=_seq_heads),
+    Pattern("rotary", "rotary", rotary, rotary_fused, _OPS,
+            (_rotates_half_of_last_dim(("x",)), _cos_sin_are_4d), derive=_seq_heads),
     Pattern("rotary_interleaved_cast_q_k", "rotary", rotary_interleaved_cast_q_k, rotary_interleaved_cast_q_k_fused,
             _OPS, (_pairs_last_dim(("q", "k")), _cos_sin_are_4d, _upcast_and_back(("q", "k"))), derive=_q_dtype),
     Pattern("rotary_interleaved_q_k", "rotary", rotary_interleaved_q_k, rotary_interleaved_q_k_fused, _OPS,

@@ -151,9 +151,9 @@ def llama(layers: int = LAYERS, attn_implementation: str = "sdpa"):
 
 
 IMAGE_TOKEN = VOCAB - 1  # a vision-language model's image placeholder, in the tiny vocabulary
-_TEXT = {"hidden_size": HIDDEN, "num_hidden_layers": LAYERS, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "intermediate_size": 2 * HIDDEN, "vocab_size": VOCAB, "max_position_embeddings": 64, "pad_token_id": 0,
-         "bos_token_id": 0, "eos_token_id": 0}
+_TEXT = {"hidden_size": HIDDEN, "num_hidden_layers": LAYERS, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "intermediate_size": 2 * HIDDEN, "vocab_size": VOCAB,
+         "max_position_embeddings": 64, "pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0}
 _VISION = {"hidden_size": HIDDEN, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
            "intermediate_size": 2 * HIDDEN, "image_size": 16, "patch_size": 4}
 
@@ -169,22 +169,23 @@ def vision_language(model_type: str):
     4 tokens, which the Gemma 3 text model attends to bidirectionally (token_type_ids)."""
     tf = _quiet_transformers()
     if model_type == "llava":
-        cfg = tf.LlavaConfig(vision_config=tf.CLIPVisionConfig(**_VISION), text_config=tf.LlamaConfig(**_TEXT),
-                             image_token_index=IMAGE_TOKEN, attn_implementation="sdpa")
+        cfg = tf.LlavaConfig(vision_config=tf.CLIPVisionConfig(**_VISION),
+                             text_config=tf.LlamaConfig(**_TEXT), image_token_index=IMAGE_TOKEN,
+                             attn_implementation="sdpa")
         tokens = 16
     elif model_type == "qwen2_vl":
         half = HIDDEN // 4 // 2  # the heads' rotary half, split over time, height and width
         text = {**_TEXT, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
                                              "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]}}
-        vision = {"depth": LAYERS, "embed_dim": HIDDEN, "hidden_size": HIDDEN, "num_heads": HEADS, "mlp_ratio": 2,
-                  "patch_size": 4, "temporal_patch_size": 2}
+        vision = {"depth": LAYERS, "embed_dim": HIDDEN, "hidden_size": HIDDEN, "num_heads": HEADS,
+                  "mlp_ratio": 2, "patch_size": 4, "temporal_patch_size": 2}
         cfg = tf.Qwen2VLConfig(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN,
                                vision_start_token_id=VOCAB - 2, vision_end_token_id=VOCAB - 3,
                                video_token_id=VOCAB - 4, attn_implementation="sdpa")
         tokens = 4  # a 16x16 image: 4x4 patches of 4 pixels, merged 2x2
     elif model_type == "gemma3":
         cfg = tf.Gemma3Config(vision_config=tf.SiglipVisionConfig(**_VISION),
-                              text_config=tf.Gemma3TextConfig(**{**_TEXT, "head_dim": 8, "sliding_window": 4}),
+                              text_config=tf.Gemma3TextConfig(**_TEXT, head_dim=8, sliding_window=4),
                               mm_tokens_per_image=4, image_token_index=IMAGE_TOKEN, boi_token_index=VOCAB - 2,
                               eoi_token_index=VOCAB - 3, attn_implementation="sdpa")
         tokens = 4

@@ -306,7 +306,8 @@ def test_view_as_and_reshape_as_a_static_shape_read_no_value():
 
     x, b = torch.randn(2, 3, 4), torch.randn(6, 4)
     graph = _dynamo_canonical(bias_shaped_to_scores, x, b).graph
-    shaped = [(n.target, n.args[1:]) for n in graph.nodes if n.op == "call_method" and n.target != "contiguous"]
+    shaped = [(n.target, n.args[1:]) for n in graph.nodes
+              if n.op == "call_method" and n.target != "contiguous"]
     assert shaped == [("reshape", ((2, 3, 4),)), ("view", ((2, 3, 4),))]
     scores = next(n for n in graph.nodes if n.target is operator.mul)
     assert [u.target for u in scores.users] == [operator.add]
