@@ -319,10 +319,11 @@ SMALL_IMAGE_TEXT = {"out_hidden_size": 32, "projection_dim": 32, "mm_tokens_per_
 # Llama 4's pixel shuffle (ratio 0.5) hands its adapter 4x the tower's width: its intermediate size.
 # Gemma 4 pools its 4x4 patches 2x2 into 4 tokens (its global layers' heads as small as the rest).
 # Mllama: a cross-attention layer among the two text layers, its tower's global layer and the
-# intermediate layers it concatenates (two, so 3 x 32 wide) within its two layers.
+# intermediate layers it concatenates (two, so 3 x 32 wide) within its two layers; Molmo 2's
+# adapter reads its tower's two layers.
 _GEMMA4_IMAGE_TEXT = {"pooling_kernel_size": 2, "global_head_dim": 16}
 IMAGE_TEXT_OVERRIDES = {"llama4": {"intermediate_size": 128}, "gemma4": _GEMMA4_IMAGE_TEXT,
-                        "gemma4_unified": _GEMMA4_IMAGE_TEXT,
+                        "gemma4_unified": _GEMMA4_IMAGE_TEXT, "molmo2": {"vision_feature_layer": [1, 0]},
                         "mllama": {"cross_attention_layers": [1], "intermediate_layers_indices": [0, 1],
                                    "num_global_layers": 1, "vision_output_dim": 96}}
 # Token ids a config keeps as such, not the special tokens a multimodal model marks its inputs with
@@ -536,6 +537,11 @@ def _image_text_inputs(model, dtype: torch.dtype) -> dict:
         xy = xy.reshape(-1, 2)
         layouts.append((torch.randn(2, grid * grid, 3 * patch * patch, dtype=dtype),
                         {"image_position_ids": xy.expand(2, -1, -1).contiguous()}))
+    if "spatial_shapes" in sig:  # SigLIP 2's NaFlex patches (LFM2-VL): flattened, with their grid and mask
+        grid = side // patch
+        layouts.append((torch.randn(2, grid * grid, 3 * patch * patch, dtype=dtype),
+                        {"spatial_shapes": torch.tensor([[grid, grid]] * 2),
+                         "pixel_attention_mask": torch.ones(2, grid * grid, dtype=torch.long)}))
     sizes = {"image_sizes": torch.tensor([[side, side]] * 2)} if "image_sizes" in sig else {}
     layouts.append((torch.randn(2, 3, side, side, dtype=dtype), dict(sizes)))
     for tiles in (1, 2):
