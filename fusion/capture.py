@@ -376,6 +376,20 @@ def _holds(cell: types.CellType, value: Any) -> bool:
         return False
 
 
+def _checkpointed_forward(forward: Callable[..., Any]) -> bool:
+    """Whether `forward` is Hugging Face's `forward_with_checkpointing` around a block's own (its
+    GradientCheckpointingLayer: `torch.utils.checkpoint` of `__wrapped__` when checkpointing)."""
+    code = getattr(forward, "__code__", None)
+    return code is not None and code.co_name == "forward_with_checkpointing" and \
+        isinstance(getattr(forward, "__wrapped__", None), types.FunctionType)
+
+
+def _checkpointing(module: torch.nn.Module) -> bool:
+    """Whether Hugging Face's wrapper checkpoints this call (its own condition, outermost wrapper aside)."""
+    return bool(getattr(module, "gradient_checkpointing", False)) and module.training \
+        and torch.is_grad_enabled() and callable(getattr(module, "_gradient_checkpointing_func", None))
+
+
 _CALLING: contextvars.ContextVar["DynamoUnit | None"] = contextvars.ContextVar("trifuse_dynamo_unit", default=None)
 
 
@@ -432,6 +446,8 @@ class DynamoUnit(Unit):
         entry = _entry(_own_code(self.original), f"{cls.__module__}.{cls.__qualname__}")
         self.compiled = torch.compile(entry, backend=_backend_for(self.patterns))
         self._compiled_collecting: Callable[..., Any] | None = None  # see _collecting
+        self._compiled_checkpointed: Callable[..., Any] | None = None  # see _checkpoint_outside
+        self.checkpoint_outside = False  # see _checkpoint_outside
         self.runs = 0
         self._call_seq = 0
         self._capture_seq = -1
@@ -477,6 +493,36 @@ class DynamoUnit(Unit):
             self._compiled_collecting = torch.compile(entry, backend=_backend_for(self.patterns))
         return self._compiled_collecting
 
+    def _checkpoint_outside(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        """A block under Hugging Face's gradient checkpointing whose body Dynamo cannot take as
+        one checkpointed graph (a graph break inside it: Qwen2-VL's vision blocks split their
+        attention per image by `lengths.tolist()`). Dynamo then runs `torch.utils.checkpoint`
+        as written, which disables Dynamo for the block: all of it ran unfused. Here the wrapper
+        runs as written and checkpoints the block's own forward compiled apart (graph breaks
+        allowed), so the forward and the backward's recompute both run the rewritten graphs;
+        the checkpoint's own options (non-reentrant, the RNG state kept for the recompute) are
+        the model's."""
+        checkpoint_fn = module._gradient_checkpointing_func
+        if self._compiled_checkpointed is None:
+            name = f"{self.cls.__module__}.{self.cls.__qualname__}.checkpointed"
+            entry = _entry(_own_code(self.original.__wrapped__), name)
+            self._compiled_checkpointed = torch.compile(entry, backend=_backend_for(self.patterns))
+        compiled = self._compiled_checkpointed
+
+        def checkpoint_compiled(fn: functools.partial, *inputs: Any) -> Any:
+            # fn: the wrapper's partial(forward, module, **kwargs)
+            return checkpoint_fn(functools.partial(compiled, *fn.args, **fn.keywords), *inputs)
+
+        own = "_gradient_checkpointing_func" in module.__dict__
+        module._gradient_checkpointing_func = checkpoint_compiled
+        try:
+            return self.original(module, *args, **kwargs)
+        finally:
+            if own:
+                module._gradient_checkpointing_func = checkpoint_fn
+            else:
+                del module._gradient_checkpointing_func
+
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         self.calls += 1
         if self.graphs is not None and self.failed is None:
@@ -511,8 +557,11 @@ class DynamoUnit(Unit):
                     collecting = collector is not None and bool(collector[0].global_var)
                     settings = self._dynamo_settings(collecting)
                     prior = settings.apply()
+                    target = self._collecting() if collecting else self.compiled
+                    if self.checkpoint_outside and _checkpointing(module):
+                        target = self._checkpoint_outside
                     try:
-                        out = (self._collecting() if collecting else self.compiled)(module, *args, **kwargs)
+                        out = target(module, *args, **kwargs)
                     finally:
                         collector_restore(collector)
                         settings.restore(prior)
@@ -544,6 +593,8 @@ class DynamoUnit(Unit):
         if self.runs == runs:
             self.fallbacks += 1
             self.last[module] = None
+            if _checkpointing(module) and _checkpointed_forward(self.original) and not self.checkpoint_outside:
+                self.checkpoint_outside = True  # from the next call on; this one ran as written
         else:
             self.last[module] = self._ran_capture()
         if isinstance(out, tuple) and any(v is _DROPPED_WEIGHTS for v in out):
@@ -617,7 +668,8 @@ class DynamoUnit(Unit):
             self._capture = self._new_capture(mode)
             self._capture_seq = self._call_seq
         capture = self._capture
-        work, log = self._rewrite(gm, capture, None)
+        with torch.no_grad():
+            work, log = self._rewrite(gm, capture, None)
         fwd, key, ran = work.forward, id(log), (capture, log)
 
         def run(*args: Any) -> Any:

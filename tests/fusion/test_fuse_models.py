@@ -744,6 +744,30 @@ def test_gradient_checkpointing_fuses_and_matches_the_unfused_model():
     assert trifuse.report(model).counts() == available_counts({**PRE_NORM, **LOSS})
 
 
+def test_gradient_checkpointing_of_blocks_with_a_graph_break_fuses_them():
+    # Qwen2-VL's vision blocks split their attention per image by `lengths.tolist()`: a graph break
+    # inside the checkpointed body, so Dynamo cannot make it one checkpoint op and runs
+    # torch.utils.checkpoint as written, Dynamo off inside (the first call, unfused: the report
+    # says so). From the next call on fuse checkpoints the block's own forward compiled apart: the
+    # vision blocks fuse, the recompute in the backward saves what the forward saved (no
+    # CheckpointError: the capture's checks on fake tensors record no autograd graph), and the
+    # gradients are the float64 model's.
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _models.vision_language("qwen2_vl")
+    ref64 = copy.deepcopy(model).double().train()
+    model.gradient_checkpointing_enable()
+    trifuse.fuse(model).train()
+    kw = inputs(2, 8)
+    loss64, grads64 = _train_step(ref64, loss_fn, _double_inputs(kw), 1)
+    for step in range(2):
+        model.zero_grad()
+        loss, grads = _train_step(model, loss_fn, kw, 1)
+        assert_close("loss", loss, loss64, None)
+        for (name, _), g, g64 in zip(model.named_parameters(), grads, grads64):
+            assert_close(f"grad {name}", g, g64, None)
+    assert trifuse.report(model).counts() == available_counts(MODELS["qwen2_vl"][1])
+
+
 def test_gradient_checkpointing_recomputes_the_forwards_dropout_masks():
     # The recompute in the backward must draw the forward's dropout seeds: the same fused model
     # with and without checkpointing, from the same seed, gives the same gradients. (The
