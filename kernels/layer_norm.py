@@ -1068,7 +1068,8 @@ def _backward_fused(ctx, dy, ds, *_):
     if dy is None and ds is None:
         return (None,) * (7 if ctx.is_rms_norm else 8)
     s, weight, bias, x_bias, mean, rstd, seed = ctx.saved_tensors
-    if dy is None:  # only s was used: y's gradient is zero (ds alone is read as is)
+    y_used = dy is not None
+    if not y_used:  # only s was used: y's gradient is zero (ds alone is read as is)
         dy = torch.zeros_like(s)
     p = ctx.p
     # With a residual, the kernel writes dresidual apart from dx (they differ under dropout, and
@@ -1076,9 +1077,11 @@ def _backward_fused(ctx, dy, ds, *_):
     dx, dr, dw, db, dxb = torch.ops.trifuse.layer_norm_backward(
         dy, ds, s, ctx.normalized_shape, weight, mean, rstd, seed, p, ctx.is_rms_norm, ctx.has_residual)
     dres = dr.to(ctx.residual_dtype) if ctx.has_residual else None
-    grads = [dx.to(ctx.x_dtype), dres, None, _grad_as(dw, weight)]
+    # y unread: the norm's weight and bias reach the loss through nothing, so their gradients are
+    # None as unfused (not zeros: an optimizer would decay and step them, DDP count them as used)
+    grads = [dx.to(ctx.x_dtype), dres, None, _grad_as(dw, weight) if y_used else None]
     if not ctx.is_rms_norm:
-        grads.append(_grad_as(db, bias))
+        grads.append(_grad_as(db, bias) if y_used else None)
     return (*grads, None, None, _grad_as(dxb, x_bias))
 
 
@@ -1136,12 +1139,18 @@ class _NormFunction(torch.autograd.Function):
         ctx.residual_dtype = residual.dtype if residual is not None else None
         if readers == 1 and not full_y:
             ctx.outputs = 1
+            if fused:  # an unread y or s gets None, not zeros: see backward
+                ctx.set_materialize_grads(False)
+                ctx.y_dtypes = (y.dtype,)
             return (y, s) if fused else y
         # y (in full as well, with full_y) and a view of the narrowed y for each reader beyond the
         # first: one buffer, each view's gradient reaching the backward apart.
         narrow = out[4] if full_y else y
         ys = ((y,) if full_y else ()) + (narrow, *(narrow.view_as(narrow) for _ in range(readers - 1)))
         ctx.outputs = len(ys)
+        if fused:
+            ctx.set_materialize_grads(False)
+            ctx.y_dtypes = tuple(t.dtype for t in ys)
         return (*ys, s) if fused else ys
 
     @staticmethod
@@ -1150,6 +1159,16 @@ class _NormFunction(torch.autograd.Function):
         ds = grads[ctx.outputs] if len(grads) > ctx.outputs else None
         s, weight, bias, x_bias, mean, rstd, seed = ctx.saved_tensors
         needs = ctx.needs_input_grad
+        if dy is None or any(g is None for g in more_dy):  # the fused form: unread outputs come as None
+            if dy is None and all(g is None for g in more_dy):
+                if ds is None:
+                    return (None,) * 12
+                # y unread: weight and bias reach the loss through nothing, so their gradients
+                # are None as unfused (zeros would be decayed and stepped by an optimizer)
+                needs = needs[:3] + (False, False) + needs[5:]
+            dy, *more_dy = (torch.zeros(s.shape, dtype=t, device=s.device) if g is None else g
+                            for g, t in zip((dy, *more_dy), ctx.y_dtypes))
+            more_dy = tuple(more_dy)
         # dweight, dbias and dx_bias come out of the reduction kernel in their final dtypes.
         grad_dtypes = tuple(t.dtype if t is not None and need else None
                             for t, need in zip((weight, bias, x_bias), (needs[3], needs[4], needs[2])))

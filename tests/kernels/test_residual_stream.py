@@ -331,6 +331,32 @@ def test_eager_path_and_registered_op_are_bitwise_equal(norm, residual):
         assert torch.equal(a, a_)
 
 
+@pytest.mark.parametrize("path", ["eager", "registered"])
+@pytest.mark.parametrize("norm", NORMS)
+def test_only_s_read_leaves_the_norms_parameters_without_gradient(norm, path):
+    """The sum read and the normalized y not (a model's last block before a norm nobody uses,
+    fused across the boundary): the weight and bias reach the loss through nothing, so their
+    gradients are None, as unfused, not zeros an optimizer would decay and step. x, the residual
+    and x's bias get s's gradient through the mask; and the other way round, only y read."""
+    x, r, w, b, xb = make((5, 70), torch.float32, norm)
+    live = [t for t in (x, r, w, b, xb) if t is not None]
+    torch.manual_seed(3)
+    y, s = run(x, r, w, b, xb, norm) if path == "eager" else _registered(x, r, w, b, xb, norm)
+    ds = torch.randn_like(s)
+    grads = torch.autograd.grad(s, live, ds, allow_unused=True)
+    mask = recover_mask(s.detach(), r)
+    ref = run_ref(x, r, w, b, xb, norm, mask)[1]
+    expected = torch.autograd.grad(ref, live, ds, allow_unused=True)
+    for name, g, e in zip(("x", "residual", "weight", "bias", "x_bias"), grads, expected):
+        assert (g is None) == (e is None), name
+        if e is not None:
+            torch.testing.assert_close(g, e, msg=name)
+    assert grads[2] is None
+    torch.manual_seed(3)
+    y, s = run(x, r, w, b, xb, norm) if path == "eager" else _registered(x, r, w, b, xb, norm)
+    assert all(g is not None for g in torch.autograd.grad(y.sum(), live))
+
+
 @pytest.mark.parametrize("norm", NORMS)
 def test_compiles_fullgraph_without_graph_breaks(norm):
     inputs = make((4, 48), torch.float32, norm)
