@@ -1,7 +1,7 @@
 """`trifuse.fuse` on every architecture the installed transformers has for a task (causal LM by
 default; masked LM, seq2seq LM, image classification, sequence and token classification,
-question answering, multiple choice, speech recognition with CTC, audio classification), built
-from a tiny config: does the fused
+question answering, multiple choice, speech recognition with CTC, audio classification, image and
+text to text: the vision-language models), built from a tiny config: does the fused
 model still run, train and give the unfused model's loss and gradients, and what did fuse
 replace? A net for "never break a model" wider than the test suite's hand-configured families
 (tests/_models.py); on CPU, in the Triton interpreter.
@@ -12,7 +12,8 @@ replace? A net for "never break a model" wider than the test suite's hand-config
         # image-cls, seq-cls (sequence classification: 3 labels, the model's own loss), token-cls (a label
         # per token, some -100), qa (extractive question answering: start and end positions, one past
         # the sequence), multiple-choice (3 choices an example), ctc (speech to characters: 2 clips,
-        # transcripts of 4 and 2 tokens), audio-cls (a class per clip);
+        # transcripts of 4 and 2 tokens), audio-cls (a class per clip), image-text (vision-language
+        # models: two sequences with a small image each, as _image_text_inputs lays them out);
         # VIA: fuse (default) or backend (torch.compile(model, backend="trifuse"));
         # DTYPE: float64 (default) or fp16-autocast (an fp32 model under CPU autocast to fp16, at
         # fp16's tolerance); ATTN: sdpa (default) or eager (transformers' eager attention, the explicit
