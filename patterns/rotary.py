@@ -286,22 +286,30 @@ def _rotated(m: Match) -> list[torch.Tensor | None]:
 
 
 def _cos_sin_are_4d(m: Match) -> str | None:
-    """The op takes cos and sin after Hugging Face's unsqueeze, (batch or 1, 1, seq, head_dim); or,
-    beside 3-D (seq, heads, head_dim) q and k (Qwen-VL's vision towers, which rotate the patches
-    of all images as one sequence), tables unsqueezed to (seq or 1, 1, head_dim), which the
-    replacement views as the op's layout. A 2-D (S, D) table broadcast by PyTorch is left as
-    written (the op would need a view of it)."""
-    rotated = _rotated(m)
-    seq_heads = all(isinstance(x, torch.Tensor) and x.dim() == 3 for x in rotated)
+    """The op takes cos and sin after Hugging Face's unsqueeze; a 2-D (S, D) table broadcast by
+    PyTorch is left as written (the op would need a view of it)."""
     for name in ("cos", "sin"):
         v = m.value(name)
         if not isinstance(v, torch.Tensor):
             return f"no shape for {name}"
-        if seq_heads and v.dim() == 3:
-            if v.shape[1] != 1 or v.shape[0] not in (1, rotated[0].shape[0]):
-                return f"{name} {tuple(v.shape)} beside (seq, heads, head_dim) q: not (seq or 1, 1, head_dim)"
-        elif v.dim() != 4:
+        if v.dim() != 4:
             return f"{name} is {v.dim()}-D, not (batch or 1, 1, seq, head_dim)"
+    return None
+
+
+def _cos_sin_layout(m: Match) -> str | None:
+    """As _cos_sin_are_4d, or, beside 3-D (seq, heads, head_dim) q and k (Qwen-VL's vision towers,
+    which rotate the patches of all images as one sequence), tables unsqueezed to (seq or 1, 1,
+    head_dim), which the rotate-half replacements view as the op's layout."""
+    rotated = _rotated(m)
+    if not all(isinstance(x, torch.Tensor) and x.dim() == 3 for x in rotated):
+        return _cos_sin_are_4d(m)
+    for name in ("cos", "sin"):
+        v = m.value(name)
+        if not isinstance(v, torch.Tensor):
+            return f"no shape for {name}"
+        if v.dim() != 3 or v.shape[1] != 1 or v.shape[0] not in (1, rotated[0].shape[0]):
+            return f"{name} {tuple(v.shape)} beside (seq, heads, head_dim) q: not (seq or 1, 1, head_dim)"
     return None
 
 
@@ -566,23 +574,27 @@ def _pairs_pattern(search, complex_table: bool, cast: bool, with_k: bool) -> Pat
 
 
 def _seq_heads(m: Match) -> dict:
-    """The replacement's layout: 3-D (seq, heads, head_dim) tensors (_cos_sin_are_4d checked them)."""
+    """The replacement's layout: 3-D (seq, heads, head_dim) tensors (_cos_sin_layout checked them)."""
     return {"seq_heads": all(isinstance(x, torch.Tensor) and x.dim() == 3 for x in _rotated(m))}
 
 
 def _q_dtype(m: Match) -> dict:
-    return {"dtype": m.value("q").dtype, **_seq_heads(m)}
+    return {"dtype": m.value("q").dtype}
+
+
+def _q_dtype_and_layout(m: Match) -> dict:
+    return {**_q_dtype(m), **_seq_heads(m)}
 
 
 PATTERNS = (
     # with the model's upcast of q and k and its cast back first (ModernBERT; Cohere below)
     Pattern("rotary_cast_q_k", "rotary", rotary_cast_q_k, rotary_cast_q_k_fused, _OPS,
-            (_rotates_half_of_last_dim(("q", "k")), _cos_sin_are_4d, _upcast_and_back(("q", "k"))),
-            derive=_q_dtype),
+            (_rotates_half_of_last_dim(("q", "k")), _cos_sin_layout, _upcast_and_back(("q", "k"))),
+            derive=_q_dtype_and_layout),
     Pattern("rotary_q_k", "rotary", rotary_q_k, rotary_q_k_fused, _OPS,
-            (_rotates_half_of_last_dim(("q", "k")), _cos_sin_are_4d), derive=_seq_heads),
+            (_rotates_half_of_last_dim(("q", "k")), _cos_sin_layout), derive=_seq_heads),
     Pattern("rotary", "rotary", rotary, rotary_fused, _OPS,
-            (_rotates_half_of_last_dim(("x",)), _cos_sin_are_4d), derive=_seq_heads),
+            (_rotates_half_of_last_dim(("x",)), _cos_sin_layout), derive=_seq_heads),
     Pattern("rotary_interleaved_cast_q_k", "rotary", rotary_interleaved_cast_q_k, rotary_interleaved_cast_q_k_fused,
             _OPS, (_pairs_last_dim(("q", "k")), _cos_sin_are_4d, _upcast_and_back(("q", "k"))), derive=_q_dtype),
     Pattern("rotary_interleaved_q_k", "rotary", rotary_interleaved_q_k, rotary_interleaved_q_k_fused, _OPS,
