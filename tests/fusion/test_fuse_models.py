@@ -548,13 +548,21 @@ def _hf(name):
     return build
 
 
+def _vision_language(name):  # a vision-language model's LM head and loss, its labels -100 at the image
+    def build():
+        model, inputs, _ = _models.vision_language(name)
+        return model, inputs
+    return build
+
+
 def _loss_and_logits(out):
     return (out[1], out[0]) if isinstance(out, tuple) else (out.loss, out.logits)
 
 
 @pytest.mark.skipif(not has_op("linear_cross_entropy"), reason="trifuse.ops.linear_cross_entropy not in this build")
 @pytest.mark.parametrize("name, build", [("gpt2", _hf("gpt2")), ("llama", _hf("llama")), ("bert", _hf("bert")),
-                                         ("logits-and-loss", _logits_and_loss)])
+                                         ("logits-and-loss", _logits_and_loss),
+                                         ("qwen2_vl", _vision_language("qwen2_vl"))])
 def test_skip_logits_fuses_the_head_into_linear_cross_entropy(name, build):
     torch.manual_seed(0)
     model, inputs = build()
