@@ -4,6 +4,7 @@ Each dispatches to a thin autograd.Function in eager mode and to the registered 
 op under torch.compile, fx and export.
 """
 from .kernels.attention import attention
+from .kernels.attention_varlen import attention_varlen
 from .kernels.bias_gelu import bias_gelu
 from .kernels.cross_entropy import cross_entropy, linear_cross_entropy
 from .kernels.dropout_add import dropout_add
@@ -11,6 +12,6 @@ from .kernels.gated_activation import gated_activation
 from .kernels.layer_norm import dropout_add_layer_norm, layer_norm, layer_norm_add, rms_norm
 from .kernels.rotary import rotary_embedding
 
-__all__ = ["layer_norm", "rms_norm", "dropout_add_layer_norm", "layer_norm_add", "attention"]
+__all__ = ["layer_norm", "rms_norm", "dropout_add_layer_norm", "layer_norm_add", "attention", "attention_varlen"]
 __all__ += ["cross_entropy", "linear_cross_entropy"]
 __all__ += ["bias_gelu", "dropout_add", "gated_activation", "rotary_embedding"]

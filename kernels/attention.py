@@ -1292,11 +1292,11 @@ def _check_attention_inputs(q, k, v, attn_mask, dropout_p, is_causal, scale, ena
         raise TypeError(f"trifuse.{OP}: scale must be a number or None, got {type(scale).__name__}")
 
 
-def _check_softcap(softcap: object) -> None:
+def _check_softcap(softcap: object, op: str = OP) -> None:
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-        raise TypeError(f"trifuse.{OP}: softcap must be a number or None, got {type(softcap).__name__}")
+        raise TypeError(f"trifuse.{op}: softcap must be a number or None, got {type(softcap).__name__}")
     if not (0.0 <= softcap < float("inf")):
-        raise ValueError(f"trifuse.{OP}: softcap must be a finite number > 0 (or None / 0 for no cap), got {softcap}")
+        raise ValueError(f"trifuse.{op}: softcap must be a finite number > 0 (or None / 0 for no cap), got {softcap}")
 
 
 def _check_sinks(q: torch.Tensor, sinks: object) -> None:

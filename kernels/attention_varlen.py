@@ -1,0 +1,673 @@
+"""Variable-length ("varlen") attention: sequences packed end to end along one token axis,
+forward and backward, without padding and without a mask.
+
+This is flash-attn's `flash_attn_varlen_func` layout, the one padding-free training uses
+(transformers' DataCollatorWithFlattening, TRL's padding_free): q (total_q, Hq, D), k (total_k,
+Hkv, D), v (total_k, Hkv, Dv), and offsets cu_seqlens_q (B + 1,) with sequence b's queries in
+rows cu_seqlens_q[b] : cu_seqlens_q[b + 1] (the same for keys). Each sequence attends only to its
+own keys. With a dense (1, 1, S, S) block-diagonal mask, which is what SDPA gets from
+transformers for packed sequences, the kernels would read S^2 mask bytes and score every tile of
+every other sequence only to mask it away; here a program covers one block of one sequence and
+loops over that sequence's keys alone: the work is sum_b Sq_b * Sk_b, not (sum_b Sq_b)^2.
+
+The maths is `attention.py`'s, per sequence (softmax over its keys, dropout on the probabilities
+regenerated in the backward, a logit soft cap, GQA without repeating K/V); the kernels below are
+that file's entry kernels with the (batch, head) slice replaced by (sequence, head): they call
+the same inner loops. Statistics are laid out (Hq, total_q): row r of head h is token r.
+Dropout draws from (seed, h * total_q + token, key index within the sequence).
+
+Causal: query i of a sequence sees its keys j <= i (top-left, as trifuse.ops.attention and SDPA).
+flash-attn >= 2.1 aligns bottom-right when a sequence's query and key lengths differ; the two
+agree when they are equal (packed self-attention), and a causal call whose offsets differ is
+refused rather than answered in one convention for a caller who expects the other.
+
+cu_seqlens are checked on the host (start at 0, non-decreasing, within the tokens, no sequence
+longer than max_seqlen): one device sync per distinct offsets tensor, remembered for later calls
+with the same tensor (a model's layers share it), skipped while a CUDA graph is captured. The
+kernels also clamp every offset into range, so a malformed one can never address memory outside
+the tensors.
+"""
+import functools
+import math
+import weakref
+
+import torch
+import triton
+import triton.language as tl
+
+from ..autotune.tuner import Tuner
+from . import attention as attn
+from ._common import (
+    acc_dtype,
+    apply_function,
+    check_float,
+    check_probability,
+    check_same_device,
+    check_tensor,
+    eager_fast_path,
+    no_autocast,
+    philox_seed,
+    profiled,
+)
+from ._launch import CachedKernel
+from ._tiles import cdiv
+
+OP = "attention_varlen"
+MAX_SEQUENCES = 65535  # the second grid axis; heads are the third
+MAX_HEADS = 65535
+
+
+# =============================================================================================
+# Kernels: attention.py's entry kernels per (block, sequence, head); the loops are shared.
+# =============================================================================================
+
+
+@triton.jit
+def _span(CU, b, total):
+    """(start, length) of sequence b from its offsets, clamped into [0, total]: a malformed
+    offset (caught on the host where it can be) never makes an address outside the tensor."""
+    start = tl.minimum(tl.maximum(tl.load(CU + b).to(tl.int64), 0), total)
+    end = tl.minimum(tl.maximum(tl.load(CU + b + 1).to(tl.int64), start), total)
+    return start, (end - start).to(tl.int32)
+
+
+@triton.jit
+def _varlen_fwd_kernel(
+    Q,  # in (TOTAL_Q, H, HEAD_DIM)
+    K,  # in (TOTAL_K, H_KV, HEAD_DIM)
+    V,  # in (TOTAL_K, H_KV, HEAD_DIM_V)
+    CU_Q, CU_K,  # in (B + 1,) int32 or int64 offsets
+    SEED,  # in (1,) int64 Philox seed; unused unless HAS_DROPOUT
+    O,  # out (TOTAL_Q, H, HEAD_DIM_V)
+    LSE,  # out (H, TOTAL_Q) fp32 (fp64 for fp64), natural log
+    stride_qt, stride_qh, stride_qd,
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_ot, stride_oh, stride_od,
+    TOTAL_Q, TOTAL_K, GROUP, qk_scale, softcap, p_drop, dropout_scale,
+    Q_BUCKET, K_BUCKET,  # unused in the kernel: the tuner keys on these buckets on the host
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    b = tl.program_id(1)
+    h = tl.program_id(2).to(tl.int64)
+    q_start, n_q = _span(CU_Q, b, TOTAL_Q)
+    if start_m >= n_q:  # the grid covers the longest sequence; this one is shorter
+        return
+    k_start, n_k = _span(CU_K, b, TOTAL_K)
+    hk = h // GROUP
+    Q += q_start * stride_qt + h * stride_qh
+    K += k_start * stride_kt + hk * stride_kh
+    V += k_start * stride_vt + hk * stride_vh
+    O += q_start * stride_ot + h * stride_oh
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < n_q
+    q = tl.load(attn._tile(Q, offs_m, offs_d, stride_qt, stride_qd),
+                mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    seed = tl.load(SEED) if HAS_DROPOUT else 0
+    rng_rows = h * TOTAL_Q + q_start + offs_m
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
+    l_i = tl.zeros([BLOCK_M], dtype=ACC)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=ACC)
+    if IS_CAUSAL:
+        hi = tl.minimum(n_k, start_m + BLOCK_M)
+        n_full = tl.minimum(start_m + 1, n_k) // BLOCK_N * BLOCK_N
+    else:
+        hi = n_k
+        n_full = n_k // BLOCK_N * BLOCK_N
+    # No mask tensor (MASK_KIND 0): Q stands in for its pointer and strides, never read.
+    acc, l_i, m_i = attn._attn_fwd_loop(acc, l_i, m_i, q, K, V, Q, seed, rng_rows, offs_m, offs_n, offs_d, offs_dv,
+                                        stride_kt, stride_kd, stride_vt, stride_vd, 0, 0,
+                                        n_q, n_k, qk_scale, softcap, p_drop, 0, n_full,
+                                        HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, IS_CAUSAL, 0, HAS_DROPOUT,
+                                        SOFTCAP, DOT_PRECISION, ACC, False)
+    acc, l_i, m_i = attn._attn_fwd_loop(acc, l_i, m_i, q, K, V, Q, seed, rng_rows, offs_m, offs_n, offs_d, offs_dv,
+                                        stride_kt, stride_kd, stride_vt, stride_vd, 0, 0,
+                                        n_q, n_k, qk_scale, softcap, p_drop, n_full, hi,
+                                        HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, IS_CAUSAL, 0, HAS_DROPOUT,
+                                        SOFTCAP, DOT_PRECISION, ACC, False)
+
+    seen = l_i > 0.0  # False for rows that see no key (an empty key sequence): O = 0, L = -inf
+    l_safe = tl.where(seen, l_i, 1.0)
+    o = acc * (dropout_scale / l_safe)[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
+    tl.store(attn._tile(O, offs_m, offs_dv, stride_ot, stride_od), o.to(O.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
+    tl.store(LSE + h * TOTAL_Q + q_start + offs_m, lse, mask=row_ok)
+
+
+@triton.jit
+def _varlen_bwd_dkdv_kernel(
+    Q, K, V,  # in, as the forward
+    CU_Q, CU_K,  # in, as the forward
+    SEED,  # in (1,) int64; unused unless HAS_DROPOUT
+    DO,  # in (TOTAL_Q, H, HEAD_DIM_V)
+    LSE,  # in (H, TOTAL_Q) from the forward
+    DELTA,  # in (H, TOTAL_Q) rowsum(dO * O)
+    DK, DV,  # out (TOTAL_K, H_KV, HEAD_DIM) and (TOTAL_K, H_KV, HEAD_DIM_V)
+    stride_qt, stride_qh, stride_qd,
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_dot, stride_doh, stride_dod,
+    stride_dkt, stride_dkh, stride_dkd,
+    stride_dvt, stride_dvh, stride_dvd,
+    TOTAL_Q, TOTAL_K, GROUP, sm_scale, qk_scale, softcap, p_drop, dropout_scale,
+    Q_BUCKET, K_BUCKET,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
+):
+    start_n = tl.program_id(0) * BLOCK_N
+    b = tl.program_id(1)
+    hk = tl.program_id(2).to(tl.int64)
+    k_start, n_k = _span(CU_K, b, TOTAL_K)
+    if start_n >= n_k:
+        return
+    q_start, n_q = _span(CU_Q, b, TOTAL_Q)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    k_mask = (offs_n[:, None] < n_k) & (offs_d[None, :] < HEAD_DIM)
+    v_mask = (offs_n[:, None] < n_k) & (offs_dv[None, :] < HEAD_DIM_V)
+    k = tl.load(attn._tile(K + k_start * stride_kt + hk * stride_kh, offs_n, offs_d, stride_kt, stride_kd),
+                mask=k_mask, other=0.0)
+    v = tl.load(attn._tile(V + k_start * stride_vt + hk * stride_vh, offs_n, offs_dv, stride_vt, stride_vd),
+                mask=v_mask, other=0.0)
+    seed = tl.load(SEED) if HAS_DROPOUT else 0
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=ACC)
+    if IS_CAUSAL:  # as attention.py: [lo, mid) straddle the diagonal, [mid, n_q) see the whole block
+        lo = start_n // BLOCK_M * BLOCK_M
+        mid = tl.minimum(lo + tl.cdiv(start_n + BLOCK_N - 1 - lo, BLOCK_M) * BLOCK_M, n_q)
+    else:
+        mid = 0
+    for g in range(GROUP):  # the group's query heads in order: a deterministic sum in registers
+        h = hk * GROUP + g
+        Qh = Q + q_start * stride_qt + h * stride_qh
+        DOh = DO + q_start * stride_dot + h * stride_doh
+        row0 = h * TOTAL_Q + q_start
+        if IS_CAUSAL:
+            dk, dv = attn._attn_bwd_dkdv_loop(dk, dv, k, v, Qh, DOh, LSE + row0, DELTA + row0, Q, seed, row0,
+                                              offs_m, offs_n, offs_d, offs_dv, stride_qt, stride_qd, stride_dot,
+                                              stride_dod, 0, 0, n_q, n_k, qk_scale, softcap, p_drop,
+                                              dropout_scale, lo, mid, h, HEAD_DIM, HEAD_DIM_V, BLOCK_M, True,
+                                              IS_CAUSAL, 0, HAS_DROPOUT, SOFTCAP, DOT_PRECISION, ACC, False)
+        dk, dv = attn._attn_bwd_dkdv_loop(dk, dv, k, v, Qh, DOh, LSE + row0, DELTA + row0, Q, seed, row0,
+                                          offs_m, offs_n, offs_d, offs_dv, stride_qt, stride_qd, stride_dot,
+                                          stride_dod, 0, 0, n_q, n_k, qk_scale, softcap, p_drop, dropout_scale,
+                                          mid, n_q, h, HEAD_DIM, HEAD_DIM_V, BLOCK_M, False, IS_CAUSAL, 0,
+                                          HAS_DROPOUT, SOFTCAP, DOT_PRECISION, ACC, False)
+    dk *= sm_scale
+    tl.store(attn._tile(DK + k_start * stride_dkt + hk * stride_dkh, offs_n, offs_d, stride_dkt, stride_dkd),
+             dk.to(DK.dtype.element_ty), mask=k_mask)
+    tl.store(attn._tile(DV + k_start * stride_dvt + hk * stride_dvh, offs_n, offs_dv, stride_dvt, stride_dvd),
+             dv.to(DV.dtype.element_ty), mask=v_mask)
+
+
+@triton.jit
+def _varlen_bwd_dq_kernel(
+    Q, K, V,  # in, as the forward
+    CU_Q, CU_K,  # in, as the forward
+    SEED,  # in (1,) int64; unused unless HAS_DROPOUT
+    DO,  # in (TOTAL_Q, H, HEAD_DIM_V)
+    LSE,  # in (H, TOTAL_Q)
+    DELTA,  # in (H, TOTAL_Q)
+    DQ,  # out (TOTAL_Q, H, HEAD_DIM)
+    stride_qt, stride_qh, stride_qd,
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_dot, stride_doh, stride_dod,
+    stride_dqt, stride_dqh, stride_dqd,
+    TOTAL_Q, TOTAL_K, GROUP, sm_scale, qk_scale, softcap, p_drop, dropout_scale,
+    Q_BUCKET, K_BUCKET,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    b = tl.program_id(1)
+    h = tl.program_id(2).to(tl.int64)
+    q_start, n_q = _span(CU_Q, b, TOTAL_Q)
+    if start_m >= n_q:
+        return
+    k_start, n_k = _span(CU_K, b, TOTAL_K)
+    hk = h // GROUP
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_mask = (offs_m[:, None] < n_q) & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(attn._tile(Q + q_start * stride_qt + h * stride_qh, offs_m, offs_d, stride_qt, stride_qd),
+                mask=q_mask, other=0.0)
+    do = tl.load(attn._tile(DO + q_start * stride_dot + h * stride_doh, offs_m, offs_dv, stride_dot, stride_dod),
+                 mask=(offs_m[:, None] < n_q) & (offs_dv[None, :] < HEAD_DIM_V), other=0.0).to(q.dtype)
+    row0 = h * TOTAL_Q + q_start
+    lse, delta = attn._load_row_stats(LSE + row0, DELTA + row0, offs_m, n_q)
+    seed = tl.load(SEED) if HAS_DROPOUT else 0
+    rng_rows = row0 + offs_m
+    K += k_start * stride_kt + hk * stride_kh
+    V += k_start * stride_vt + hk * stride_vh
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
+    if IS_CAUSAL:
+        hi = tl.minimum(n_k, start_m + BLOCK_M)
+        n_full = tl.minimum(start_m + 1, n_k) // BLOCK_N * BLOCK_N
+    else:
+        hi = n_k
+        n_full = n_k // BLOCK_N * BLOCK_N
+    dq = attn._attn_bwd_dq_loop(dq, q, do, lse, delta, K, V, Q, Q, seed, rng_rows, offs_m, offs_n, offs_d,
+                                offs_dv, stride_kt, stride_kd, stride_vt, stride_vd, 0, 0,
+                                n_q, n_k, qk_scale, softcap, p_drop, dropout_scale, 0, n_full,
+                                HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, IS_CAUSAL, 0, HAS_DROPOUT, False, SOFTCAP,
+                                DOT_PRECISION, ACC, False)
+    dq = attn._attn_bwd_dq_loop(dq, q, do, lse, delta, K, V, Q, Q, seed, rng_rows, offs_m, offs_n, offs_d,
+                                offs_dv, stride_kt, stride_kd, stride_vt, stride_vd, 0, 0,
+                                n_q, n_k, qk_scale, softcap, p_drop, dropout_scale, n_full, hi,
+                                HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, IS_CAUSAL, 0, HAS_DROPOUT, False, SOFTCAP,
+                                DOT_PRECISION, ACC, False)
+    dq *= sm_scale
+    tl.store(attn._tile(DQ + q_start * stride_dqt + h * stride_dqh, offs_m, offs_d, stride_dqt, stride_dqd),
+             dq.to(DQ.dtype.element_ty), mask=q_mask)
+
+
+# =============================================================================================
+# Launchers. Block sizes: attention.py's lists and pruning (same loops, same registers), tuned
+# under their own names, keyed on the longest sequence's bucket.
+# =============================================================================================
+
+_KERNELS = {"fwd": _varlen_fwd_kernel, "dkdv": _varlen_bwd_dkdv_kernel, "dq": _varlen_bwd_dq_kernel}
+_CACHED = {kind: CachedKernel(fn) for kind, fn in _KERNELS.items()}
+_TUNERS = {kind: Tuner(f"attention_varlen_{kind}", functools.partial(attn._configs, kind), attn._KEY_NAMES)
+           for kind in _KERNELS}
+
+
+def _launch_config(cfg: triton.Config, kind: str, grid_fn, args: tuple, constexprs: dict) -> None:
+    meta = {**constexprs, **attn._config_meta(cfg)}
+    _CACHED[kind][grid_fn(meta)](*args, **meta)
+
+
+def _tuned_launch(kind: str, tuning_key: tuple, grid_fn, args: tuple, constexprs: dict) -> None:
+    cfg = _TUNERS[kind].config(tuning_key, _launch_config, kind, grid_fn, args, constexprs)
+    _launch_config(cfg, kind, grid_fn, args, constexprs)
+
+
+def _constexprs(q: torch.Tensor, v: torch.Tensor, causal: bool, has_dropout: bool, softcap: float) -> dict:
+    d, dv = q.shape[2], v.shape[2]
+    return dict(HEAD_DIM=d, BLOCK_D=attn._block_d(d), HEAD_DIM_V=dv, BLOCK_DV=attn._block_d(dv), IS_CAUSAL=causal,
+                HAS_DROPOUT=has_dropout, SOFTCAP=softcap > 0.0, DOT_PRECISION=attn._dot_precision(q.dtype),
+                ACC=acc_dtype(q.dtype))
+
+
+def _tuning_key(q: torch.Tensor, v: torch.Tensor, max_q: int, max_k: int, causal: bool, has_dropout: bool) -> tuple:
+    d, dv = q.shape[2], v.shape[2]
+    return attn._tuning_key(q, max_q, max_k, d, attn._block_d(d), causal, 0, has_dropout, False, attn._block_d(dv))
+
+
+def attention_varlen_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
+    max_k: int, dropout_p: float, causal: bool, scale: float, seed: torch.Tensor | None, softcap: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse): o (total_q, Hq, Dv) contiguous, lse (Hq, total_q) fp32 (fp64 for fp64)."""
+    total_q, h, _ = q.shape
+    total_k, h_kv, dv = k.shape[0], k.shape[1], v.shape[2]
+    nseq = cu_q.shape[0] - 1
+    o = q.new_empty((total_q, h, dv))
+    lse = torch.empty((h, total_q), dtype=attn._stat_dtype(q.dtype), device=q.device)
+    if o.numel() == 0:
+        return o, lse
+    if not attn._use_kernels(q):
+        with no_autocast(q.device):
+            return _varlen_torch(q, k, v, cu_q, cu_k, dropout_p, causal, scale, seed, softcap, o, lse)
+    has_dropout = dropout_p > 0.0
+    if nseq == 0 or max_q == 0:  # no query belongs to a sequence: rows outside every sequence are 0
+        return o.zero_(), lse.fill_(float("-inf"))
+    args = (q, k, v, cu_q, cu_k, seed if has_dropout else q, o, lse, *q.stride(), *k.stride(), *v.stride(),
+            *o.stride(), total_q, total_k, h // h_kv, *attn._score_scales(scale, softcap), dropout_p,
+            attn._dropout_scale(dropout_p), attn._bucket(max_q), attn._bucket(max(max_k, 1)))
+    _tuned_launch("fwd", _tuning_key(q, v, max_q, max(max_k, 1), causal, has_dropout),
+                  lambda meta: (cdiv(max_q, meta["BLOCK_M"]), nseq, h), args,
+                  _constexprs(q, v, causal, has_dropout, softcap))
+    return o, lse
+
+
+def attention_varlen_bwd(
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+    cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int, dropout_p: float, causal: bool, scale: float,
+    seed: torch.Tensor | None, softcap: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv), contiguous, shaped like q, k, v."""
+    total_q, h, d = q.shape
+    total_k, h_kv, dv = k.shape[0], k.shape[1], v.shape[2]
+    nseq = cu_q.shape[0] - 1
+    dq, dk, dv_ = (t.new_empty(t.shape) for t in (q, k, v))
+    if q.numel() == 0 or k.numel() == 0 or nseq == 0:
+        return dq.zero_(), dk.zero_(), dv_.zero_()
+    if not attn._use_kernels(q):
+        with no_autocast(q.device):
+            return _varlen_torch_bwd(do, q, k, v, o, lse, cu_q, cu_k, dropout_p, causal, scale, seed, softcap,
+                                     dq, dk, dv_)
+    if max_q == 0 or max_k == 0:  # no sequence has both queries and keys: every gradient is 0
+        return dq.zero_(), dk.zero_(), dv_.zero_()
+    has_dropout = dropout_p > 0.0
+    delta = torch.empty_like(lse)
+    pre_block = 32 if attn.INTERPRET else 64
+    # delta = rowsum(dO * O): attention.py's kernel over o and dO seen as (1, Hq, total_q, Dv)
+    attn._BWD_PREPROCESS.run((cdiv(total_q, pre_block), h),
+                             (o, do, delta, 0, o.stride(1), o.stride(0), o.stride(2),
+                              0, do.stride(1), do.stride(0), do.stride(2), h, total_q),
+                             dict(HEAD_DIM=dv, BLOCK_D=attn._block_d(dv), BLOCK_M=pre_block, ACC=acc_dtype(q.dtype)))
+    seed_arg = seed if has_dropout else q
+    tail = (total_q, total_k, h // h_kv, scale, *attn._score_scales(scale, softcap), dropout_p,
+            attn._dropout_scale(dropout_p), attn._bucket(max_q), attn._bucket(max_k))
+    constexprs = _constexprs(q, v, causal, has_dropout, softcap)
+    key = _tuning_key(q, v, max_q, max_k, causal, has_dropout)
+    _tuned_launch("dkdv", key, lambda meta: (cdiv(max_k, meta["BLOCK_N"]), nseq, h_kv),
+                  (q, k, v, cu_q, cu_k, seed_arg, do, lse, delta, dk, dv_, *q.stride(), *k.stride(), *v.stride(),
+                   *do.stride(), *dk.stride(), *dv_.stride(), *tail), constexprs)
+    _tuned_launch("dq", key, lambda meta: (cdiv(max_q, meta["BLOCK_M"]), nseq, h),
+                  (q, k, v, cu_q, cu_k, seed_arg, do, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(),
+                   *do.stride(), *dq.stride(), *tail), constexprs)
+    return dq, dk, dv_
+
+
+# ---------------------------------------------------------------------------------------------
+# PyTorch path (CPU tensors without the interpreter, fp64 on a GPU): attention.py's, sequence by
+# sequence. Dropout there draws from its own generator per sequence (seed + b), repeatable and
+# regenerated in the backward like the kernels', not bit-equal to them.
+# ---------------------------------------------------------------------------------------------
+
+
+def _spans(cu_q: torch.Tensor, cu_k: torch.Tensor):
+    q_off, k_off = cu_q.tolist(), cu_k.tolist()
+    return [(b, slice(q_off[b], q_off[b + 1]), slice(k_off[b], k_off[b + 1])) for b in range(len(q_off) - 1)]
+
+
+def _heads_first(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(0, 1).unsqueeze(0)  # (s, H, D) -> (1, H, s, D)
+
+
+def _varlen_torch(q, k, v, cu_q, cu_k, dropout_p, causal, scale, seed, softcap, o, lse):
+    o.zero_()
+    lse.fill_(float("-inf"))
+    for b, sq, sk in _spans(cu_q, cu_k):
+        if sq.stop == sq.start:
+            continue
+        seed_b = None if seed is None else seed + b
+        o_b, lse_b = attn._attention_fwd_torch(_heads_first(q[sq]), _heads_first(k[sk]), _heads_first(v[sk]), None,
+                                               dropout_p, causal, scale, seed_b, softcap)
+        o[sq] = o_b[0].transpose(0, 1).to(o.dtype)
+        lse[:, sq] = lse_b[0]
+    return o, lse
+
+
+def _varlen_torch_bwd(do, q, k, v, o, lse, cu_q, cu_k, dropout_p, causal, scale, seed, softcap, dq, dk, dv):
+    dq.zero_(), dk.zero_(), dv.zero_()
+    for b, sq, sk in _spans(cu_q, cu_k):
+        if sq.stop == sq.start or sk.stop == sk.start:
+            continue
+        seed_b = None if seed is None else seed + b
+        grads = attn._attention_bwd_torch(_heads_first(do[sq]), _heads_first(q[sq]), _heads_first(k[sk]),
+                                          _heads_first(v[sk]), _heads_first(o[sq]), lse[None, :, sq], seed_b, None,
+                                          dropout_p, causal, scale, False, softcap)
+        for out, g, rows in ((dq, grads[0], sq), (dk, grads[1], sk), (dv, grads[2], sk)):
+            out[rows] = g[0].transpose(0, 1).to(out.dtype)
+    return dq, dk, dv
+
+
+# =============================================================================================
+# Checks
+# =============================================================================================
+
+# Offsets tensors already checked, with what they were checked against: a model's layers share
+# one, so a step pays one sync, not one per layer.
+_CHECKED_OFFSETS = torch.utils.weak.WeakTensorKeyDictionary()
+_EQUAL_OFFSETS = torch.utils.weak.WeakTensorKeyDictionary()  # cu_q -> (weakref(cu_k), versions): equal
+
+
+def _check_inputs(q, k, v, cu_q, cu_k, dropout_p, causal, scale) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(OP, name, t)
+        check_float(OP, name, t)
+        if t.dim() != 3:
+            raise ValueError(f"trifuse.{OP}: {name} must be 3-D (total_tokens, heads, head_dim), "
+                             f"got shape {tuple(t.shape)}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"trifuse.{OP}: q, k and v must share one dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
+    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+        check_tensor(OP, name, cu)
+        if cu.dtype not in (torch.int32, torch.int64) or cu.dim() != 1 or cu.numel() < 1 or cu.stride(0) != 1:
+            raise ValueError(f"trifuse.{OP}: {name} must be a contiguous 1-D int32 or int64 tensor of "
+                             f"(sequences + 1) offsets, got {cu.dtype} of shape {tuple(cu.shape)}")
+    check_same_device(OP, "q", q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    if cu_q.shape[0] != cu_k.shape[0]:
+        raise ValueError(f"trifuse.{OP}: cu_seqlens_q and cu_seqlens_k must count the same sequences, got "
+                         f"{cu_q.shape[0] - 1} and {cu_k.shape[0] - 1}")
+    if cu_q.shape[0] - 1 > MAX_SEQUENCES:
+        raise ValueError(f"trifuse.{OP}: at most {MAX_SEQUENCES} sequences (a CUDA grid limit), "
+                         f"got {cu_q.shape[0] - 1}")
+    h, d = q.shape[1], q.shape[2]
+    if k.shape[2] != d:
+        raise ValueError(f"trifuse.{OP}: q and k must have the same head_dim, got {d} and {k.shape[2]}")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"trifuse.{OP}: k and v must have the same tokens and heads, got shapes "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    if h > MAX_HEADS:
+        raise ValueError(f"trifuse.{OP}: at most {MAX_HEADS} heads (a CUDA grid limit), got {h}")
+    if not 1 <= d <= attn.MAX_HEAD_DIM or not 1 <= v.shape[2] <= attn.MAX_HEAD_DIM:
+        raise ValueError(f"trifuse.{OP}: head dims must be between 1 and {attn.MAX_HEAD_DIM}, got {d} "
+                         f"(q, k) and {v.shape[2]} (v)")
+    h_kv = k.shape[1]
+    if h_kv == 0 or h % h_kv != 0:
+        raise ValueError(f"trifuse.{OP}: the key/value heads must divide the query heads, got {h} query "
+                         f"heads and {h_kv} key/value heads")
+    check_probability(OP, "dropout_p", dropout_p)
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(f"trifuse.{OP}: softmax_scale must be a number or None, got {type(scale).__name__}")
+
+
+def _offset_stats(cu: torch.Tensor) -> list[int]:
+    """[first, last, shortest, longest]: the offsets' ends and the extreme lengths, in one sync."""
+    lengths = cu.diff()
+    zero = cu[0] * 0
+    return torch.stack([cu[0], cu[-1], *(lengths.aminmax() if lengths.numel() else (zero, zero))]).tolist()
+
+
+def _check_offsets(q, k, cu_q, cu_k, max_q: int, max_k: int, causal: bool) -> None:
+    """The offsets' values against the tokens and the max lengths (see the module docstring):
+    a sync on a GPU, once per offsets tensor; nothing while a CUDA graph is captured."""
+    for name, value in (("max_seqlen_q", max_q), ("max_seqlen_k", max_k)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise TypeError(f"trifuse.{OP}: {name} must be an int >= 0, got {value!r}")
+    if cu_q.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    for name, cu, total, longest in (("cu_seqlens_q", cu_q, q.shape[0], max_q),
+                                     ("cu_seqlens_k", cu_k, k.shape[0], max_k)):
+        stamp = (cu._version, total, longest)
+        if _CHECKED_OFFSETS.get(cu) == stamp:
+            continue
+        stats = _offset_stats(cu)
+        ends, (shortest, most) = stats[:2], stats[2:]
+        if ends != [0, total]:
+            raise ValueError(f"trifuse.{OP}: {name} must run from 0 to the number of tokens ({total}), "
+                             f"got {ends[0]} ... {ends[1]}")
+        if shortest < 0:
+            raise ValueError(f"trifuse.{OP}: {name} must not decrease (a sequence of length {shortest})")
+        if most > longest:
+            raise ValueError(f"trifuse.{OP}: a sequence of {most} tokens is longer than "
+                             f"{name.replace('cu_seqlens', 'max_seqlen')}={longest}")
+        _CHECKED_OFFSETS[cu] = stamp
+    if causal and cu_k is not cu_q:
+        stamp = (weakref.ref(cu_k), cu_q._version, cu_k._version)
+        seen = _EQUAL_OFFSETS.get(cu_q)
+        if seen is None or seen[0]() is not cu_k or seen[1:] != stamp[1:]:
+            if not torch.equal(cu_q, cu_k):
+                raise ValueError(f"trifuse.{OP}: causal=True needs each sequence's query and key lengths equal "
+                                 "(cu_seqlens_q == cu_seqlens_k): with unequal ones flash-attn aligns the "
+                                 "diagonal bottom-right and SDPA top-left, and a caller may expect either")
+            _EQUAL_OFFSETS[cu_q] = stamp
+
+
+def _max_seqlen(cu: torch.Tensor) -> int:
+    return int(cu.diff().max()) if cu.numel() > 1 else 0
+
+
+# =============================================================================================
+# Registered ops (torch.compile, fx, export) and the eager autograd.Function
+# =============================================================================================
+
+Tensor = torch.Tensor
+
+
+def _resolve_scale(scale: float | None, d: int) -> float:
+    return 1.0 / math.sqrt(d) if scale is None else float(scale)
+
+
+@torch.library.custom_op("trifuse::attention_varlen", mutates_args=())
+def _attention_varlen_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                         max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, causal: bool,
+                         scale: float | None, softcap: float) -> tuple[Tensor, Tensor, Tensor]:
+    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, causal, scale)
+    attn._check_softcap(softcap, OP)
+    _check_offsets(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
+    seed = philox_seed(q.device) if dropout_p > 0.0 else q.new_empty(0, dtype=torch.int64)
+    o, lse = attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                  causal, _resolve_scale(scale, q.shape[-1]), seed, softcap)
+    return o, lse, seed
+
+
+@_attention_varlen_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, causal, scale, softcap):
+    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, causal, scale)
+    attn._check_softcap(softcap, OP)
+    o = q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
+    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=attn._stat_dtype(q.dtype))
+    return o, lse, q.new_empty(1 if dropout_p > 0.0 else 0, dtype=torch.int64)
+
+
+@torch.library.custom_op("trifuse::attention_varlen_backward", mutates_args=())
+def _attention_varlen_backward_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, seed: Tensor,
+                                  cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                                  dropout_p: float, causal: bool, scale: float | None,
+                                  softcap: float) -> tuple[Tensor, Tensor, Tensor]:
+    return attention_varlen_bwd(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                dropout_p, causal, _resolve_scale(scale, q.shape[-1]), seed, softcap)
+
+
+@_attention_varlen_backward_op.register_fake
+def _(do, q, k, v, o, lse, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, causal, scale,
+      softcap):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_varlen(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, scale, softcap = inputs
+    o, lse, seed = output
+    ctx.save_for_backward(q, k, v, o, lse, seed, cu_q, cu_k)
+    ctx.args = (max_q, max_k, dropout_p, causal, scale, softcap)
+
+
+def _backward_varlen(ctx, do, *_):
+    q, k, v, o, lse, seed, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = torch.ops.trifuse.attention_varlen_backward(do, q, k, v, o, lse, seed, cu_q, cu_k, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("trifuse::attention_varlen", _backward_varlen, setup_context=_setup_varlen)
+
+
+class _VarlenFunction(torch.autograd.Function):
+    """The eager path: straight over the launchers (a registered op's dispatch costs host time)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, scale, softcap):
+        seed = philox_seed(q.device) if dropout_p > 0.0 else None
+        o, lse = attention_varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, scale, seed, softcap)
+        ctx.save_for_backward(q, k, v, o, lse, seed, cu_q, cu_k)
+        ctx.args = (max_q, max_k, dropout_p, causal, scale)
+        ctx.softcap = softcap
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, seed, cu_q, cu_k = ctx.saved_tensors
+        max_q, max_k, dropout_p, causal, scale = ctx.args
+        with profiled("trifuse::attention_varlen_backward"):
+            dq, dk, dv = attention_varlen_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, dropout_p, causal,
+                                              scale, seed, ctx.softcap)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """Attention over sequences packed along the token axis: flash-attn's `flash_attn_varlen_func`
+    arguments and semantics, on trifuse's kernels, forward and backward.
+
+    Args:
+        q: (total_q, Hq, D); k: (total_k, Hkv, D); v: (total_k, Hkv, Dv). fp16 / bf16 / fp32 /
+            fp64, one dtype; D, Dv <= 256; any strides (views of a fused QKV projection). Hkv
+            divides Hq (GQA / MQA; K and V are never repeated).
+        cu_seqlens_q, cu_seqlens_k: (B + 1,) int32 or int64 offsets on q's device, from 0 to
+            total_q (total_k), non-decreasing: sequence b is rows cu[b]:cu[b + 1]. A sequence may
+            be empty; one with queries but no keys gives 0 (as SDPA's fully masked rows).
+        max_seqlen_q, max_seqlen_k: the longest sequence (sizes the launch grid). None: computed
+            from the offsets, a device sync; pass them (transformers and flash-attn callers do)
+            to keep the call asynchronous and traceable.
+        dropout_p: dropout on the attention probabilities, Philox seeded from PyTorch's
+            generator, regenerated in the backward. Pass 0.0 in eval.
+        softmax_scale: multiplies Q K^T; None means 1 / sqrt(D).
+        causal: query i of a sequence sees its keys j <= i. Requires cu_seqlens_q ==
+            cu_seqlens_k (packed self-attention, where top-left and flash-attn's bottom-right
+            alignment agree); other offsets are refused.
+        softcap: a logit soft cap c > 0 (flash-attn's softcap): scores become c * tanh(s / c).
+
+    Under autocast, q, k and v are cast to the autocast dtype first, as SDPA's inputs are.
+
+    Returns:
+        (total_q, Hq, Dv), contiguous, in q's dtype.
+
+    Raises:
+        TypeError / ValueError naming the argument: ranks, dtypes, head counts, offsets that are
+        not int32/int64 1-D, do not run from 0 to the token count, decrease, or hold a sequence
+        longer than max_seqlen.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        check_tensor(OP, name, t)
+    check_probability(OP, "dropout_p", dropout_p)
+    attn._check_softcap(softcap, OP)
+    if torch.is_autocast_enabled(q.device.type):
+        dtype = torch.get_autocast_dtype(q.device.type)
+        q, k, v = (t.to(dtype) if t.is_floating_point() else t for t in (q, k, v))
+    if max_seqlen_q is None:
+        max_seqlen_q = _max_seqlen(cu_seqlens_q)
+    if max_seqlen_k is None:
+        max_seqlen_k = max_seqlen_q if cu_seqlens_k is cu_seqlens_q else _max_seqlen(cu_seqlens_k)
+    max_q, max_k = int(max_seqlen_q), int(max_seqlen_k)
+    softcap = float(softcap or 0.0)
+    if eager_fast_path(q, k, v, cu_seqlens_q, cu_seqlens_k):
+        _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, causal, softmax_scale)
+        _check_offsets(q, k, cu_seqlens_q, cu_seqlens_k, max_q, max_k, bool(causal))
+        with profiled(f"trifuse::{OP}"):
+            return apply_function(_VarlenFunction, q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k,
+                                  float(dropout_p), bool(causal), _resolve_scale(softmax_scale, q.shape[-1]), softcap)
+    return torch.ops.trifuse.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, float(dropout_p),
+                                              bool(causal), None if softmax_scale is None else float(softmax_scale),
+                                              softcap)[0]
