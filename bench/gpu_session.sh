@@ -35,6 +35,10 @@
 #   Ninth session (no GPU): transformers' eager attention under autocast fuses with fp32 q and k
 #   (rotary) beside a 16-bit v, MPNet's rounded position bias with and without a mask: tested
 #   under CPU autocast only; `autocast` (~1 min) runs those tests under CUDA's, with `attention`.
+#   Eleventh session (no GPU): packed sequences on `attention_varlen` (flash-attn's varlen layout) and
+#   attn_implementation="trifuse": `tests` runs test_attention_varlen.py in bf16 on sm_90 at
+#   sequences of 300-517 tokens; `attention` adds bench_attention_varlen.py (~2 min: varlen
+#   against the dense block mask a fused model runs today, SDPA, FlexAttention, flash-attn).
 #   Later sessions, one or two calls each: `kernels` (the remaining memory-bound ops), `tma
 #   dialects`, `e2e-ckpt` (gradient checkpointing on), `e2e-llama` (Llama 3.2 1B's shape against
 #   Liger-Kernel), `tune` (the shipped H100 defaults).
@@ -97,7 +101,7 @@ for what in "$@"; do
             # 410 tests, the issues' ops first.
             stage tests-bf16 120 env TRIFUSE_AUTOTUNE=0 python3 -m pytest -q -n 8 -p no:cacheprovider \
                 -k "bf16 or bfloat16" tests/kernels/test_{layer_norm,residual_stream,bias_gelu,dropout_add}.py \
-                tests/kernels/test_{rotary,gated_activation,cross_entropy,attention}.py
+                tests/kernels/test_{rotary,gated_activation,cross_entropy,attention,attention_varlen}.py
             # the kernels' and the launcher's gpu tests first, the 81 attention-dialect ones last
             stage tests-gpu 120 python3 -m pytest -q -n 8 --maxfail=20 -p no:cacheprovider -m gpu \
                 tests/kernels tests/fusion tests/autotune ;;
@@ -119,6 +123,7 @@ for what in "$@"; do
                 -k "autocast" tests/patterns tests/fusion ;;
         attention)  # attention (SDPA's backends, Gemma 2's soft cap against FlexAttention) and the LM head
             stage bench-attention 240 python3 bench/bench_attention.py
+            stage bench-attention-varlen 120 python3 bench/bench_attention_varlen.py
             stage bench-cross_entropy 120 python3 bench/bench_cross_entropy.py ;;
         tma)  # the attention forward through tensor descriptors (opt-in, TRIFUSE_ATTENTION_TMA=1):
               # natively on sm_90 first (fp16 and bf16 against float64), then its speed. Its own

@@ -123,13 +123,13 @@ def _varlen_fwd_kernel(
         hi = n_k
         n_full = n_k // BLOCK_N * BLOCK_N
     # No mask tensor (MASK_KIND 0): Q stands in for its pointer and strides, never read.
-    acc, l_i, m_i = attn._attn_fwd_loop(acc, l_i, m_i, q, K, V, Q, seed, rng_rows, offs_m, offs_n, offs_d, offs_dv,
-                                        stride_kt, stride_kd, stride_vt, stride_vd, 0, 0,
+    acc, l_i, m_i = attn._attn_fwd_loop(acc, l_i, m_i, q, K, V, Q, seed, rng_rows, offs_m, offs_n, offs_d,
+                                        offs_dv, stride_kt, stride_kd, stride_vt, stride_vd, 0, 0,
                                         n_q, n_k, qk_scale, softcap, p_drop, 0, n_full,
                                         HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, IS_CAUSAL, 0, HAS_DROPOUT,
                                         SOFTCAP, DOT_PRECISION, ACC, False)
-    acc, l_i, m_i = attn._attn_fwd_loop(acc, l_i, m_i, q, K, V, Q, seed, rng_rows, offs_m, offs_n, offs_d, offs_dv,
-                                        stride_kt, stride_kd, stride_vt, stride_vd, 0, 0,
+    acc, l_i, m_i = attn._attn_fwd_loop(acc, l_i, m_i, q, K, V, Q, seed, rng_rows, offs_m, offs_n, offs_d,
+                                        offs_dv, stride_kt, stride_kd, stride_vt, stride_vd, 0, 0,
                                         n_q, n_k, qk_scale, softcap, p_drop, n_full, hi,
                                         HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, IS_CAUSAL, 0, HAS_DROPOUT,
                                         SOFTCAP, DOT_PRECISION, ACC, False)
@@ -195,16 +195,16 @@ def _varlen_bwd_dkdv_kernel(
         DOh = DO + q_start * stride_dot + h * stride_doh
         row0 = h * TOTAL_Q + q_start
         if IS_CAUSAL:
-            dk, dv = attn._attn_bwd_dkdv_loop(dk, dv, k, v, Qh, DOh, LSE + row0, DELTA + row0, Q, seed, row0,
-                                              offs_m, offs_n, offs_d, offs_dv, stride_qt, stride_qd, stride_dot,
-                                              stride_dod, 0, 0, n_q, n_k, qk_scale, softcap, p_drop,
-                                              dropout_scale, lo, mid, h, HEAD_DIM, HEAD_DIM_V, BLOCK_M, True,
-                                              IS_CAUSAL, 0, HAS_DROPOUT, SOFTCAP, DOT_PRECISION, ACC, False)
-        dk, dv = attn._attn_bwd_dkdv_loop(dk, dv, k, v, Qh, DOh, LSE + row0, DELTA + row0, Q, seed, row0,
-                                          offs_m, offs_n, offs_d, offs_dv, stride_qt, stride_qd, stride_dot,
-                                          stride_dod, 0, 0, n_q, n_k, qk_scale, softcap, p_drop, dropout_scale,
-                                          mid, n_q, h, HEAD_DIM, HEAD_DIM_V, BLOCK_M, False, IS_CAUSAL, 0,
-                                          HAS_DROPOUT, SOFTCAP, DOT_PRECISION, ACC, False)
+            dk, dv = attn._attn_bwd_dkdv_loop(
+                dk, dv, k, v, Qh, DOh, LSE + row0, DELTA + row0, Q, seed, row0, offs_m, offs_n, offs_d,
+                offs_dv, stride_qt, stride_qd, stride_dot, stride_dod, 0, 0, n_q, n_k, qk_scale, softcap,
+                p_drop, dropout_scale, lo, mid, h, HEAD_DIM, HEAD_DIM_V, BLOCK_M, True, IS_CAUSAL, 0,
+                HAS_DROPOUT, SOFTCAP, DOT_PRECISION, ACC, False)
+        dk, dv = attn._attn_bwd_dkdv_loop(
+            dk, dv, k, v, Qh, DOh, LSE + row0, DELTA + row0, Q, seed, row0, offs_m, offs_n, offs_d,
+            offs_dv, stride_qt, stride_qd, stride_dot, stride_dod, 0, 0, n_q, n_k, qk_scale, softcap, p_drop,
+            dropout_scale, mid, n_q, h, HEAD_DIM, HEAD_DIM_V, BLOCK_M, False, IS_CAUSAL, 0, HAS_DROPOUT,
+            SOFTCAP, DOT_PRECISION, ACC, False)
     dk *= sm_scale
     tl.store(attn._tile(DK + k_start * stride_dkt + hk * stride_dkh, offs_n, offs_d, stride_dkt, stride_dkd),
              dk.to(DK.dtype.element_ty), mask=k_mask)
@@ -247,7 +247,8 @@ def _varlen_bwd_dq_kernel(
     q_mask = (offs_m[:, None] < n_q) & (offs_d[None, :] < HEAD_DIM)
     q = tl.load(attn._tile(Q + q_start * stride_qt + h * stride_qh, offs_m, offs_d, stride_qt, stride_qd),
                 mask=q_mask, other=0.0)
-    do = tl.load(attn._tile(DO + q_start * stride_dot + h * stride_doh, offs_m, offs_dv, stride_dot, stride_dod),
+    do = tl.load(attn._tile(DO + q_start * stride_dot + h * stride_doh, offs_m, offs_dv, stride_dot,
+                            stride_dod),
                  mask=(offs_m[:, None] < n_q) & (offs_dv[None, :] < HEAD_DIM_V), other=0.0).to(q.dtype)
     row0 = h * TOTAL_Q + q_start
     lse, delta = attn._load_row_stats(LSE + row0, DELTA + row0, offs_m, n_q)
@@ -266,13 +267,13 @@ def _varlen_bwd_dq_kernel(
     dq = attn._attn_bwd_dq_loop(dq, q, do, lse, delta, K, V, Q, Q, seed, rng_rows, offs_m, offs_n, offs_d,
                                 offs_dv, stride_kt, stride_kd, stride_vt, stride_vd, 0, 0,
                                 n_q, n_k, qk_scale, softcap, p_drop, dropout_scale, 0, n_full,
-                                HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, IS_CAUSAL, 0, HAS_DROPOUT, False, SOFTCAP,
-                                DOT_PRECISION, ACC, False)
+                                HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, IS_CAUSAL, 0, HAS_DROPOUT, False,
+                                SOFTCAP, DOT_PRECISION, ACC, False)
     dq = attn._attn_bwd_dq_loop(dq, q, do, lse, delta, K, V, Q, Q, seed, rng_rows, offs_m, offs_n, offs_d,
                                 offs_dv, stride_kt, stride_kd, stride_vt, stride_vd, 0, 0,
                                 n_q, n_k, qk_scale, softcap, p_drop, dropout_scale, n_full, hi,
-                                HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, IS_CAUSAL, 0, HAS_DROPOUT, False, SOFTCAP,
-                                DOT_PRECISION, ACC, False)
+                                HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, IS_CAUSAL, 0, HAS_DROPOUT, False,
+                                SOFTCAP, DOT_PRECISION, ACC, False)
     dq *= sm_scale
     tl.store(attn._tile(DQ + q_start * stride_dqt + h * stride_dqh, offs_m, offs_d, stride_dqt, stride_dqd),
              dq.to(DQ.dtype.element_ty), mask=q_mask)
@@ -301,14 +302,16 @@ def _tuned_launch(kind: str, tuning_key: tuple, grid_fn, args: tuple, constexprs
 
 def _constexprs(q: torch.Tensor, v: torch.Tensor, causal: bool, has_dropout: bool, softcap: float) -> dict:
     d, dv = q.shape[2], v.shape[2]
-    return dict(HEAD_DIM=d, BLOCK_D=attn._block_d(d), HEAD_DIM_V=dv, BLOCK_DV=attn._block_d(dv), IS_CAUSAL=causal,
-                HAS_DROPOUT=has_dropout, SOFTCAP=softcap > 0.0, DOT_PRECISION=attn._dot_precision(q.dtype),
-                ACC=acc_dtype(q.dtype))
+    return dict(HEAD_DIM=d, BLOCK_D=attn._block_d(d), HEAD_DIM_V=dv, BLOCK_DV=attn._block_d(dv),
+                IS_CAUSAL=causal, HAS_DROPOUT=has_dropout, SOFTCAP=softcap > 0.0,
+                DOT_PRECISION=attn._dot_precision(q.dtype), ACC=acc_dtype(q.dtype))
 
 
-def _tuning_key(q: torch.Tensor, v: torch.Tensor, max_q: int, max_k: int, causal: bool, has_dropout: bool) -> tuple:
+def _tuning_key(q: torch.Tensor, v: torch.Tensor, max_q: int, max_k: int, causal: bool,
+                has_dropout: bool) -> tuple:
     d, dv = q.shape[2], v.shape[2]
-    return attn._tuning_key(q, max_q, max_k, d, attn._block_d(d), causal, 0, has_dropout, False, attn._block_d(dv))
+    return attn._tuning_key(q, max_q, max_k, d, attn._block_d(d), causal, 0, has_dropout, False,
+                            attn._block_d(dv))
 
 
 def attention_varlen_fwd(
@@ -340,8 +343,8 @@ def attention_varlen_fwd(
 
 def attention_varlen_bwd(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-    cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int, dropout_p: float, causal: bool, scale: float,
-    seed: torch.Tensor | None, softcap: float = 0.0,
+    cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int, dropout_p: float, causal: bool,
+    scale: float, seed: torch.Tensor | None, softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv), contiguous, shaped like q, k, v."""
     total_q, h, d = q.shape
@@ -363,14 +366,16 @@ def attention_varlen_bwd(
     attn._BWD_PREPROCESS.run((cdiv(total_q, pre_block), h),
                              (o, do, delta, 0, o.stride(1), o.stride(0), o.stride(2),
                               0, do.stride(1), do.stride(0), do.stride(2), h, total_q),
-                             dict(HEAD_DIM=dv, BLOCK_D=attn._block_d(dv), BLOCK_M=pre_block, ACC=acc_dtype(q.dtype)))
+                             dict(HEAD_DIM=dv, BLOCK_D=attn._block_d(dv), BLOCK_M=pre_block,
+                                  ACC=acc_dtype(q.dtype)))
     seed_arg = seed if has_dropout else q
     tail = (total_q, total_k, h // h_kv, scale, *attn._score_scales(scale, softcap), dropout_p,
             attn._dropout_scale(dropout_p), attn._bucket(max_q), attn._bucket(max_k))
     constexprs = _constexprs(q, v, causal, has_dropout, softcap)
     key = _tuning_key(q, v, max_q, max_k, causal, has_dropout)
     _tuned_launch("dkdv", key, lambda meta: (cdiv(max_k, meta["BLOCK_N"]), nseq, h_kv),
-                  (q, k, v, cu_q, cu_k, seed_arg, do, lse, delta, dk, dv_, *q.stride(), *k.stride(), *v.stride(),
+                  (q, k, v, cu_q, cu_k, seed_arg, do, lse, delta, dk, dv_, *q.stride(), *k.stride(),
+                   *v.stride(),
                    *do.stride(), *dk.stride(), *dv_.stride(), *tail), constexprs)
     _tuned_launch("dq", key, lambda meta: (cdiv(max_q, meta["BLOCK_M"]), nseq, h),
                   (q, k, v, cu_q, cu_k, seed_arg, do, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(),
@@ -401,8 +406,9 @@ def _varlen_torch(q, k, v, cu_q, cu_k, dropout_p, causal, scale, seed, softcap, 
         if sq.stop == sq.start:
             continue
         seed_b = None if seed is None else seed + b
-        o_b, lse_b = attn._attention_fwd_torch(_heads_first(q[sq]), _heads_first(k[sk]), _heads_first(v[sk]), None,
-                                               dropout_p, causal, scale, seed_b, softcap)
+        o_b, lse_b = attn._attention_fwd_torch(_heads_first(q[sq]), _heads_first(k[sk]), _heads_first(v[sk]),
+                                               None, dropout_p, causal, scale, seed_b,
+                                               softcap)
         o[sq] = o_b[0].transpose(0, 1).to(o.dtype)
         lse[:, sq] = lse_b[0]
     return o, lse
@@ -415,7 +421,8 @@ def _varlen_torch_bwd(do, q, k, v, o, lse, cu_q, cu_k, dropout_p, causal, scale,
             continue
         seed_b = None if seed is None else seed + b
         grads = attn._attention_bwd_torch(_heads_first(do[sq]), _heads_first(q[sq]), _heads_first(k[sk]),
-                                          _heads_first(v[sk]), _heads_first(o[sq]), lse[None, :, sq], seed_b, None,
+                                          _heads_first(v[sk]), _heads_first(o[sq]), lse[None, :, sq],
+                                          seed_b, None,
                                           dropout_p, causal, scale, False, softcap)
         for out, g, rows in ((dq, grads[0], sq), (dk, grads[1], sk), (dv, grads[2], sk)):
             out[rows] = g[0].transpose(0, 1).to(out.dtype)
@@ -440,7 +447,8 @@ def _check_inputs(q, k, v, cu_q, cu_k, dropout_p, causal, scale) -> None:
             raise ValueError(f"trifuse.{OP}: {name} must be 3-D (total_tokens, heads, head_dim), "
                              f"got shape {tuple(t.shape)}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"trifuse.{OP}: q, k and v must share one dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
+        raise TypeError(f"trifuse.{OP}: q, k and v must share one dtype, got {q.dtype}, {k.dtype} and "
+                        f"{v.dtype}")
     for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
         check_tensor(OP, name, cu)
         if cu.dtype not in (torch.int32, torch.int64) or cu.dim() != 1 or cu.numel() < 1 or cu.stride(0) != 1:
@@ -509,9 +517,10 @@ def _check_offsets(q, k, cu_q, cu_k, max_q: int, max_k: int, causal: bool) -> No
         seen = _EQUAL_OFFSETS.get(cu_q)
         if seen is None or seen[0]() is not cu_k or seen[1:] != stamp[1:]:
             if not torch.equal(cu_q, cu_k):
-                raise ValueError(f"trifuse.{OP}: causal=True needs each sequence's query and key lengths equal "
-                                 "(cu_seqlens_q == cu_seqlens_k): with unequal ones flash-attn aligns the "
-                                 "diagonal bottom-right and SDPA top-left, and a caller may expect either")
+                raise ValueError(f"trifuse.{OP}: causal=True needs each sequence's query and key lengths "
+                                 "equal (cu_seqlens_q == cu_seqlens_k): with unequal ones flash-attn aligns "
+                                 "the diagonal bottom-right and SDPA top-left, and a caller may expect "
+                                 "either")
             _EQUAL_OFFSETS[cu_q] = stamp
 
 
@@ -553,17 +562,18 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p
 
 
 @torch.library.custom_op("trifuse::attention_varlen_backward", mutates_args=())
-def _attention_varlen_backward_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, seed: Tensor,
-                                  cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
-                                  dropout_p: float, causal: bool, scale: float | None,
-                                  softcap: float) -> tuple[Tensor, Tensor, Tensor]:
+def _attention_varlen_backward_op(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, seed: Tensor, cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, causal: bool,
+    scale: float | None, softcap: float,
+) -> tuple[Tensor, Tensor, Tensor]:
     return attention_varlen_bwd(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                 dropout_p, causal, _resolve_scale(scale, q.shape[-1]), seed, softcap)
 
 
 @_attention_varlen_backward_op.register_fake
-def _(do, q, k, v, o, lse, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, causal, scale,
-      softcap):
+def _(do, q, k, v, o, lse, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, causal,
+      scale, softcap):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -589,7 +599,8 @@ class _VarlenFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, scale, softcap):
         seed = philox_seed(q.device) if dropout_p > 0.0 else None
-        o, lse = attention_varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, scale, seed, softcap)
+        o, lse = attention_varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, scale, seed,
+                                      softcap)
         ctx.save_for_backward(q, k, v, o, lse, seed, cu_q, cu_k)
         ctx.args = (max_q, max_k, dropout_p, causal, scale)
         ctx.softcap = softcap
@@ -600,8 +611,8 @@ class _VarlenFunction(torch.autograd.Function):
         q, k, v, o, lse, seed, cu_q, cu_k = ctx.saved_tensors
         max_q, max_k, dropout_p, causal, scale = ctx.args
         with profiled("trifuse::attention_varlen_backward"):
-            dq, dk, dv = attention_varlen_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, dropout_p, causal,
-                                              scale, seed, ctx.softcap)
+            dq, dk, dv = attention_varlen_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, dropout_p,
+                                              causal, scale, seed, ctx.softcap)
         return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
@@ -649,7 +660,8 @@ def attention_varlen(
         not int32/int64 1-D, do not run from 0 to the token count, decrease, or hold a sequence
         longer than max_seqlen.
     """
-    for name, t in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+    named = (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))
+    for name, t in named:
         check_tensor(OP, name, t)
     check_probability(OP, "dropout_p", dropout_p)
     attn._check_softcap(softcap, OP)
@@ -667,7 +679,8 @@ def attention_varlen(
         _check_offsets(q, k, cu_seqlens_q, cu_seqlens_k, max_q, max_k, bool(causal))
         with profiled(f"trifuse::{OP}"):
             return apply_function(_VarlenFunction, q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k,
-                                  float(dropout_p), bool(causal), _resolve_scale(softmax_scale, q.shape[-1]), softcap)
-    return torch.ops.trifuse.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, float(dropout_p),
-                                              bool(causal), None if softmax_scale is None else float(softmax_scale),
-                                              softcap)[0]
+                                  float(dropout_p), bool(causal), _resolve_scale(softmax_scale, q.shape[-1]),
+                                  softcap)
+    scale = None if softmax_scale is None else float(softmax_scale)
+    return torch.ops.trifuse.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k,
+                                              float(dropout_p), bool(causal), scale, softcap)[0]

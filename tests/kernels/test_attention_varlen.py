@@ -43,10 +43,13 @@ class Case:
     @property
     def id(self) -> str:
         kv = f"/{self.h_kv}" if self.h_kv is not None else ""
-        lens = "-".join(map(str, self.lens_q)) + ("" if self.lens_k is None else "_k" + "-".join(map(str, self.lens_k)))
+        lens = "-".join(map(str, self.lens_q))
+        if self.lens_k is not None:
+            lens += "_k" + "-".join(map(str, self.lens_k))
         parts = [f"{lens}x{self.h}{kv}x{self.d}" + (f"v{self.dv}" if self.dv else ""),
                  "causal" if self.causal else "full"]
-        parts += [f"scale{self.scale}"] * (self.scale is not None) + [f"cap{self.softcap}"] * bool(self.softcap)
+        parts += [f"scale{self.scale}"] * (self.scale is not None)
+        parts += [f"cap{self.softcap}"] * bool(self.softcap)
         return "-".join(parts)
 
 
@@ -61,7 +64,8 @@ CASES = [
     Case(lens_q=(25, 14), scale=0.3, softcap=5.0, causal=True),
 ]
 if ON_GPU:
-    CASES += [Case(lens_q=(300, 1, 517, 64), h=4, h_kv=2, d=d, causal=c) for d in (64, 128) for c in (False, True)]
+    CASES += [Case(lens_q=(300, 1, 517, 64), h=4, h_kv=2, d=d, causal=c)
+              for d in (64, 128) for c in (False, True)]
 
 
 def offsets(lens: tuple[int, ...]) -> torch.Tensor:
@@ -106,7 +110,8 @@ def call(q, k, v, cu_q, cu_k, case: Case, **kw):
                   softmax_scale=case.scale, causal=case.causal, softcap=case.softcap, **kw)
 
 
-def check_fwd_bwd(case: Case, dtype: torch.dtype, *, dropout_p=0.0, dropout_mask=None, seed=None, inputs=None):
+def check_fwd_bwd(case: Case, dtype: torch.dtype, *, dropout_p=0.0, dropout_mask=None, seed=None,
+                  inputs=None):
     q, k, v, cu_q, cu_k = make(case, dtype) if inputs is None else inputs
     if seed is not None:
         torch.manual_seed(seed)
@@ -135,7 +140,8 @@ def test_matches_float64_oracle(dtype, case):
 
 
 @settings(max_examples=8, deadline=None)
-@given(lens=st.lists(st.integers(0, 40), min_size=1, max_size=5), causal=st.booleans(), group=st.sampled_from([1, 2]))
+@given(lens=st.lists(st.integers(0, 40), min_size=1, max_size=5), causal=st.booleans(),
+       group=st.sampled_from([1, 2]))
 def test_hypothesis_sequence_lengths(lens, causal, group):
     torch.manual_seed(sum(lens) * 7 + len(lens))
     check_fwd_bwd(Case(lens_q=tuple(lens), h=2, h_kv=2 // group, causal=causal), torch.float32)
@@ -170,7 +176,8 @@ def test_empty_inputs():
 def test_one_long_sequence_equals_dense_attention():
     q, k, v, cu, _ = make(Case(lens_q=(45,), h=4, h_kv=2), torch.float32)
     out = varlen(q, k, v, cu, cu, causal=True)
-    dense = trifuse.ops.attention(*(t.transpose(0, 1)[None] for t in (q, k, v)), is_causal=True, enable_gqa=True)
+    dense = trifuse.ops.attention(*(t.transpose(0, 1)[None] for t in (q, k, v)), is_causal=True,
+                                  enable_gqa=True)
     torch.testing.assert_close(out, dense[0].transpose(0, 1), rtol=0, atol=0)
 
 
@@ -284,7 +291,8 @@ def test_compiles_fullgraph_without_graph_breaks():
 
 def test_opcheck():
     q, k, v, cu, _ = make(Case(lens_q=(4, 0, 9), h=4, h_kv=2), torch.float32)
-    torch.library.opcheck(torch.ops.trifuse.attention_varlen.default, (q, k, v, cu, cu, 9, 9, 0.0, True, 0.5, 0.0))
+    args = (q, k, v, cu, cu, 9, 9, 0.0, True, 0.5, 0.0)
+    torch.library.opcheck(torch.ops.trifuse.attention_varlen.default, args)
     q, k, v = q.detach(), k.detach(), v.detach()
     o, lse, seed = torch.ops.trifuse.attention_varlen(q, k, v, cu, cu, 9, 9, 0.0, False, None, 3.0)
     assert lse.shape == (4, 13)
@@ -324,7 +332,8 @@ def test_negative_control_attention_across_sequences_fails():
     """The oracle tells packed attention from attention over the whole packed row."""
     case = Case(causal=True)
     q, k, v, cu, _ = make(case, torch.float32)
-    whole = trifuse.ops.attention(*(t.transpose(0, 1)[None] for t in (q, k, v)), is_causal=True)[0].transpose(0, 1)
+    whole = trifuse.ops.attention(*(t.transpose(0, 1)[None] for t in (q, k, v)),
+                                  is_causal=True)[0].transpose(0, 1)
     leaves = [t.detach().double() for t in (q, k, v)]
     ok, _ = check_close("across", whole, packed_ref(*leaves, case), packed_ref(q, k, v, case))
     assert not ok
@@ -343,7 +352,8 @@ def test_negative_control_wrong_offsets_fail():
 
 
 def _inputs(t=10, h=2, d=8, h_kv=None, dtype=torch.float32):
-    return (torch.randn(t, h, d, device=DEVICE, dtype=dtype), torch.randn(t, h_kv or h, d, device=DEVICE, dtype=dtype),
+    return (torch.randn(t, h, d, device=DEVICE, dtype=dtype),
+            torch.randn(t, h_kv or h, d, device=DEVICE, dtype=dtype),
             torch.randn(t, h_kv or h, d, device=DEVICE, dtype=dtype))
 
 
@@ -352,16 +362,20 @@ def _cu(*values, dtype=torch.int32):
 
 
 BAD_INPUTS = {
-    "rank": (lambda: (torch.randn(1, 10, 2, 8), *_inputs()[1:], _cu(0, 10), _cu(0, 10)), {}, ValueError, "3-D"),
-    "dtypes": (lambda: (*_inputs()[:2], _inputs(dtype=torch.float16)[2], _cu(0, 10), _cu(0, 10)), {}, TypeError,
+    "rank": (lambda: (torch.randn(1, 10, 2, 8), *_inputs()[1:], _cu(0, 10), _cu(0, 10)), {}, ValueError,
+             "3-D"),
+    "dtypes": (lambda: (*_inputs()[:2], _inputs(dtype=torch.float16)[2], _cu(0, 10), _cu(0, 10)), {},
+               TypeError,
                "one dtype"),
     "offsets dtype": (lambda: (*_inputs(), _cu(0, 10, dtype=torch.float32), _cu(0, 10)), {}, ValueError,
                       "cu_seqlens_q must be a contiguous 1-D int32 or int64"),
     "offsets count": (lambda: (*_inputs(), _cu(0, 4, 10), _cu(0, 10)), {}, ValueError, "the same sequences"),
-    "offsets start": (lambda: (*_inputs(), _cu(1, 10), _cu(1, 10)), {}, ValueError, "from 0 to the number of tokens"),
+    "offsets start": (lambda: (*_inputs(), _cu(1, 10), _cu(1, 10)), {}, ValueError,
+                      "from 0 to the number of tokens"),
     "offsets end": (lambda: (*_inputs(), _cu(0, 4, 8), _cu(0, 4, 8)), {}, ValueError,
                     "from 0 to the number of tokens (10)"),
-    "offsets decrease": (lambda: (*_inputs(), _cu(0, 6, 3, 10), _cu(0, 6, 3, 10)), {}, ValueError, "must not decrease"),
+    "offsets decrease": (lambda: (*_inputs(), _cu(0, 6, 3, 10), _cu(0, 6, 3, 10)), {}, ValueError,
+                         "must not decrease"),
     "max_seqlen short": (lambda: (*_inputs(), _cu(0, 4, 10), _cu(0, 4, 10), 5, 6), {}, ValueError,
                          "longer than max_seqlen_q=5"),
     "causal unequal": (lambda: (*_inputs(), _cu(0, 4, 10), _cu(0, 5, 10)), {"causal": True}, ValueError,
@@ -377,7 +391,8 @@ BAD_INPUTS = {
 @pytest.mark.parametrize("name", list(BAD_INPUTS))
 def test_bad_input_raises_clear_error(name):
     make_args, kw, error, text = BAD_INPUTS[name]
-    with pytest.raises(error, match=f"trifuse.attention_varlen: .*{text}".replace("(", r"\(").replace(")", r"\)")):
+    pattern = f"trifuse.attention_varlen: .*{text}".replace("(", r"\(").replace(")", r"\)")
+    with pytest.raises(error, match=pattern):
         varlen(*make_args(), **kw)
 
 

@@ -1,0 +1,186 @@
+"""Packed sequences (padding-free training): trifuse's varlen kernels against the other ways a
+packed batch of documents gets its attention.
+
+    python bench/bench_attention_varlen.py     # on the GPU, writes bench/results/attention_varlen*
+    pytest bench/bench_attention_varlen.py     # CPU: a tiny smoke in the interpreter
+
+A shape (T, H, N, D) is one row of T tokens holding N documents (lengths drawn once from a
+seeded Dirichlet split, every document >= 1 token), H heads of dim D, causal within each
+document: what transformers' DataCollatorWithFlattening hands a decoder. Providers:
+    trifuse varlen            trifuse.ops.attention_varlen over the offsets
+    trifuse block mask        trifuse.ops.attention over the row with the (1, 1, T, T) bool mask
+                              transformers builds for SDPA from packed position ids (what a fused
+                              model runs for such a batch without attn_implementation="trifuse")
+    sdpa-efficient block mask SDPA's memory-efficient backend with that mask (flash takes none)
+    sdpa-flash per document   one causal SDPA flash call per document (a loop on the host)
+    flex-attention            FlexAttention with a document block mask (compiled), GPU only
+    flash-attn varlen         flash_attn_varlen_func, when importable
+The mask and the offsets are built once, outside the timing (transformers builds them once a
+step). FLOPs count each document's own square, halved for causal: sum_b 2 * H * s_b^2 * (D + D)
+/ 2 forward, 2.5x that backward (FlashAttention's convention); the dense providers do more work
+than that for the same answer, which is the point.
+"""
+import _harness as H  # noqa: I001  (bench/conftest.py sets TRITON_INTERPRET before this)
+import functools
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import trifuse
+
+DTYPE = torch.bfloat16 if H.on_gpu() else torch.float32
+DEVICE = "cuda" if H.on_gpu() else "cpu"
+MODES = ("fwd", "fwd+bwd")
+# (T tokens, H heads, N documents, D head dim)
+SHAPES = ((16384, 16, 8, 128), (16384, 16, 64, 128), (8192, 32, 16, 64)) if H.on_gpu() else ((48, 2, 3, 16),)
+
+
+@functools.cache
+def lengths(shape) -> tuple[int, ...]:
+    t, _, n, _ = shape
+    state = torch.random.get_rng_state()
+    torch.manual_seed(t * 31 + n)
+    share = torch.distributions.Dirichlet(torch.full((n,), 2.0)).sample()
+    torch.random.set_rng_state(state)
+    sizes = (share * (t - n)).floor().long() + 1  # each document at least one token
+    sizes[-1] += t - int(sizes.sum())
+    return tuple(sizes.tolist())
+
+
+@functools.cache
+def packing(shape):
+    """(cu_seqlens int32, longest, (1, 1, T, T) bool block-causal mask) for the shape's row."""
+    sizes = torch.tensor(lengths(shape))
+    cu = torch.zeros(len(sizes) + 1, dtype=torch.int32)
+    cu[1:] = sizes.cumsum(0)
+    doc = torch.repeat_interleave(torch.arange(len(sizes)), sizes).to(DEVICE)
+    pos = torch.arange(shape[0], device=DEVICE)
+    mask = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
+    return cu.to(DEVICE), int(sizes.max()), mask[None, None]
+
+
+def make_inputs(shape):
+    t, h, _, d = shape
+    q, k, v = (torch.randn(1, h, t, d, device=DEVICE, dtype=DTYPE, requires_grad=True) for _ in range(3))
+    return (q, k, v, shape), (q, k, v)
+
+
+def flops_for(shape, mode) -> float:
+    _, h, _, d = shape
+    fwd = sum(2 * h * s * s * 2 * d * 0.5 for s in lengths(shape))
+    return {"fwd": fwd, "bwd": 2.5 * fwd, "fwd+bwd": 3.5 * fwd}[mode]
+
+
+def _tokens_first(t):
+    return t[0].transpose(0, 1)  # (1, H, T, D) -> (T, H, D), a view
+
+
+def trifuse_varlen(q, k, v, shape):
+    cu, longest, _ = packing(shape)
+    out = trifuse.ops.attention_varlen(_tokens_first(q), _tokens_first(k), _tokens_first(v), cu, cu, longest,
+                                       longest, causal=True)
+    return out.transpose(0, 1)[None]
+
+
+def trifuse_block_mask(q, k, v, shape):
+    return trifuse.ops.attention(q, k, v, attn_mask=packing(shape)[2])
+
+
+def sdpa_efficient_block_mask(q, k, v, shape):
+    with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=packing(shape)[2])
+
+
+def sdpa_math_block_mask(q, k, v, shape):
+    with sdpa_kernel(SDPBackend.MATH):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=packing(shape)[2])
+
+
+def sdpa_flash_per_document(q, k, v, shape):
+    outs, start = [], 0
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        for n in lengths(shape):
+            span = slice(start, start + n)
+            outs.append(F.scaled_dot_product_attention(q[:, :, span], k[:, :, span], v[:, :, span],
+                                                       is_causal=True))
+            start += n
+    return torch.cat(outs, 2)
+
+
+def providers() -> dict:
+    out = {"trifuse varlen": trifuse_varlen, "trifuse block mask": trifuse_block_mask}
+    if not H.on_gpu():
+        return {**out, "sdpa-math block mask": sdpa_math_block_mask}
+    out["sdpa-efficient block mask"] = sdpa_efficient_block_mask
+    out["sdpa-flash per document"] = sdpa_flash_per_document
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        flex = torch.compile(flex_attention)
+
+        @functools.cache
+        def block_mask(shape):
+            cu, _, _ = packing(shape)
+            doc = torch.repeat_interleave(torch.arange(len(cu) - 1, device=DEVICE), cu.diff())
+            return create_block_mask(lambda b, h, qi, ki: (doc[qi] == doc[ki]) & (ki <= qi), None, None,
+                                     shape[0], shape[0], device=DEVICE)
+
+        out["flex-attention"] = lambda q, k, v, shape: flex(q, k, v, block_mask=block_mask(shape))
+    except ImportError:
+        pass
+    flash_attn = H.try_import("flash_attn")
+    if flash_attn is not None:
+        def flash_varlen(q, k, v, shape):
+            cu, longest, _ = packing(shape)
+            q, k, v = (_tokens_first(t) for t in (q, k, v))
+            out = flash_attn.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True)
+            return out.transpose(0, 1)[None]
+        out["flash-attn varlen"] = flash_varlen
+    return out
+
+
+def with_peak_memory(rows: list[dict], fns: dict) -> list[dict]:
+    by_shape = {"x".join(map(str, s)): s for s in SHAPES}
+    for row in rows:
+        if "ms" in row:
+            shape = by_shape[row["shape"]]
+            row["peak MiB"] = H.peak_memory_mib(H.make_step(fns[row["provider"]], lambda: make_inputs(shape),
+                                                            row["mode"]))
+            row["longest"] = max(lengths(shape))
+    return rows
+
+
+COLUMNS = ("provider", "mode", "shape", "longest", "ms", "TFLOP/s", "graph ms", "peak MiB",
+           "x vs trifuse block mask", "x vs sdpa-efficient block mask", "x vs sdpa-flash per document",
+           "x vs flex-attention", "x vs flash-attn varlen", "error", "graph error")
+
+
+def main() -> None:
+    fns = providers()
+    rows = H.sweep(fns, SHAPES, make_inputs, flops_for=flops_for, modes=MODES, reference="trifuse block mask",
+                   x_name="N")
+    rows = with_peak_memory(rows, fns)
+    H.print_table(rows, COLUMNS)
+    H.write_results("attention_varlen", rows, COLUMNS)
+
+
+# pytest: on CPU the steps run once in the interpreter and agree, so this file cannot rot.
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("provider", ["trifuse varlen", "trifuse block mask"])
+def test_attention_varlen(benchmark, provider, mode):
+    fns = providers()
+    H.check_against_reference(fns, "sdpa-math block mask" if not H.on_gpu() else "trifuse block mask",
+                              make_inputs, SHAPES[0])
+    step = H.make_step(fns[provider], lambda: make_inputs(SHAPES[0]), mode)
+    benchmark.pedantic(step, rounds=3 if H.on_gpu() else 1, iterations=1)
+    assert sum(lengths(SHAPES[0])) == SHAPES[0][0] and min(lengths(SHAPES[0])) >= 1
+    assert flops_for(SHAPES[0], mode) > 0
+
+
+if __name__ == "__main__":
+    main()
