@@ -14,7 +14,8 @@ replace? A net for "never break a model" wider than the test suite's hand-config
         # the sequence), multiple-choice (3 choices an example), ctc (speech to characters: 2 clips,
         # transcripts of 4 and 2 tokens), audio-cls (a class per clip), image-text (vision-language
         # models: two sequences with a small image each, as _image_text_inputs lays them out);
-        # VIA: fuse (default) or backend (torch.compile(model, backend="trifuse"));
+        # VIA: fuse (default), backend (torch.compile(model, backend="trifuse")) or hf-attention (the model
+        # with attn_implementation="trifuse", unfused, on the sweep's batch and a packed one; causal-lm);
         # DTYPE: float64 (default) or fp16-autocast (an fp32 model under CPU autocast to fp16, at
         # fp16's tolerance); ATTN: sdpa (default) or eager (transformers' eager attention, the explicit
         # chains, where a model has SDPA too); named types replace their rows; --jobs N runs N types at once
@@ -142,7 +143,9 @@ OVERRIDES = {"t5gemma": {"bos_token_id": 2},
 TASKS = ("causal-lm", "masked-lm", "seq2seq", "image-cls", "seq-cls", "token-cls", "qa", "multiple-choice",
          "ctc", "audio-cls", "image-text")
 AUDIO_TASKS = ("ctc", "audio-cls")
-VIAS = ("fuse", "backend")  # trifuse.fuse(model), or torch.compile(model, backend="trifuse")
+# trifuse.fuse(model), torch.compile(model, backend="trifuse"), or the model with
+# attn_implementation="trifuse" (trifuse/hf.py; causal LMs, float64: _hf_attention_row)
+VIAS = ("fuse", "backend", "hf-attention")
 MAX_PARAMS = 3_000_000
 # (loss, gradient, zero-gradient floor) tolerances per run dtype. The floor: a gradient below it
 # (relative to the model's largest) is numerically zero (a key bias's, exactly zero in exact
@@ -635,6 +638,97 @@ def _dynamo_fails(model, kwargs: dict, autocast) -> bool:
     return False
 
 
+PACKED_LENGTHS = (5, 4, 3)
+
+
+def _packed_inputs() -> dict:
+    """One row of three sequences as transformers' DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+    lays it out: position ids restarting at 0, each sequence's first label -100, the offsets."""
+    ids = torch.randint(1, 64, (1, sum(PACKED_LENGTHS)))
+    labels = ids.clone()
+    starts = torch.tensor([0, *PACKED_LENGTHS]).cumsum(0)
+    labels[0, starts[:-1]] = -100
+    cu = starts.to(torch.int32)
+    longest = max(PACKED_LENGTHS)
+    positions = torch.cat([torch.arange(n) for n in PACKED_LENGTHS])[None]
+    return {"input_ids": ids, "labels": labels, "position_ids": positions, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest,
+            "use_cache": False}
+
+
+def _hf_attention_row(model, kwargs: dict, loss0, grads0, floor: float, loss_tol: float, grad_tol: float) -> dict:
+    """The model with attn_implementation="trifuse" against itself with SDPA (or eager), on the
+    sweep's batch and on a packed one (_packed_inputs). Packed: where transformers' SDPA masks keep
+    the sequences apart (its logits those of each sequence run alone), the trifuse model must give
+    its loss and gradients; where they do not (a model that ignores position ids, or builds its
+    own mask), the row says so and compares the trifuse model's logits with the sequences alone."""
+    import copy
+
+    import trifuse.hf
+    from trifuse.kernels import attention_varlen as varlen_mod
+
+    trifuse.hf.register()
+    other = copy.deepcopy(model)
+    try:
+        other.set_attn_implementation("trifuse")
+    except Exception as e:  # noqa: BLE001
+        return {"status": "no interface", "why": f"{type(e).__name__}: {str(e).strip()[:150]}"}
+    leaves1 = [p for p in other.parameters() if p.requires_grad]
+    calls = []
+    launcher = varlen_mod.attention_varlen_fwd
+    varlen_mod.attention_varlen_fwd = lambda *a, **k: calls.append(1) or launcher(*a, **k)
+    try:
+        loss1 = other(**kwargs).loss
+        grads1 = torch.autograd.grad(loss1, leaves1, allow_unused=True)
+    except Exception as e:  # noqa: BLE001
+        return {"status": "FUSED CRASH", "why": f"{type(e).__name__}: {str(e).strip()[:300]}",
+                "traceback": traceback.format_exc()[-3000:]}
+    loss0, loss1 = float(loss0.detach()), float(loss1.detach())
+    loss_err = abs(loss1 - loss0) / max(abs(loss0), 1e-30)
+    grad_err = _grad_error(grads0, grads1, floor)
+    ok = loss_err < loss_tol and grad_err < grad_tol
+    row = {"attn": "trifuse", "loss_rel_err": loss_err, "grad_rel_err": grad_err}
+    packed = _packed_inputs()
+    leaves = [p for p in model.parameters() if p.requires_grad]
+    try:
+        out0 = model(**packed)
+        gp0 = torch.autograd.grad(out0.loss, leaves, allow_unused=True)
+        starts = [0, *torch.tensor(PACKED_LENGTHS).cumsum(0).tolist()]
+        with torch.no_grad():
+            alone = torch.cat([model(input_ids=packed["input_ids"][:, a:b], use_cache=False).logits
+                               for a, b in zip(starts[:-1], starts[1:])], 1)
+    except Exception as e:  # noqa: BLE001
+        row.update(status="ok" if ok else "MISMATCH", why=f"packed batch: the SDPA model fails ({type(e).__name__})")
+        return row
+    n_calls = len(calls)
+    try:
+        out1 = other(**packed)
+        gp1 = torch.autograd.grad(out1.loss, leaves1, allow_unused=True)
+    except Exception as e:  # noqa: BLE001
+        return {"status": "FUSED CRASH", "why": f"packed: {type(e).__name__}: {str(e).strip()[:300]}",
+                "traceback": traceback.format_exc()[-3000:]}
+    row["replaced"] = {"attention_varlen": len(calls) - n_calls}
+
+    def rel(a, b):
+        return float((a - b).abs().max()) / max(float(b.abs().max()), 1e-30)
+
+    sdpa_isolates = rel(out0.logits.detach(), alone) < 1e-6
+    if sdpa_isolates:
+        l0, l1 = float(out0.loss.detach()), float(out1.loss.detach())
+        p_loss = abs(l1 - l0) / max(abs(l0), 1e-30)
+        p_grad = _grad_error(gp0, gp1, floor)
+        row.update(packed_loss_rel_err=p_loss, packed_grad_rel_err=p_grad)
+        ok = ok and p_loss < loss_tol and p_grad < grad_tol
+        row["why"] = f"packed: as SDPA (loss {p_loss:.2g}, grads {p_grad:.2g}), {len(calls) - n_calls} varlen calls"
+    else:
+        isolated = rel(out1.logits.detach(), alone) < 1e-6
+        row["why"] = ("packed: SDPA's masks do not keep the sequences apart here; "
+                      + ("the trifuse model gives each sequence's own logits" if isolated
+                         else "neither model gives each sequence's own logits (positions not from position ids?)")
+                      + f", {len(calls) - n_calls} varlen calls")
+    row["status"] = "ok" if ok else "MISMATCH"
+    return row
+
+
 def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: str = "fuse",
             dtype: str = "float64") -> dict:
     import transformers as tf
@@ -693,6 +787,8 @@ def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: s
             del model64
     except Exception as e:  # noqa: BLE001
         return {"status": "unfused fails", "why": f"{type(e).__name__}: {str(e).strip()[:150]}"}
+    if via == "hf-attention":
+        return _hf_attention_row(model, kwargs, loss0, grads0, floor, loss_tol, grad_tol)
     try:
         fused = trifuse.fuse(model) if via == "fuse" else torch.compile(model, backend="trifuse")
         with autocast:
@@ -861,6 +957,8 @@ if __name__ == "__main__":
         sys.exit(f"fuse_sweep: --via must be one of {', '.join(VIAS)}, got {opts['via']!r}")
     if opts["dtype"] not in TOLERANCES:
         sys.exit(f"fuse_sweep: --dtype must be one of {', '.join(TOLERANCES)}, got {opts['dtype']!r}")
+    if opts["via"] == "hf-attention" and (opts["task"], opts["dtype"]) != ("causal-lm", "float64"):
+        sys.exit("fuse_sweep: --via hf-attention sweeps causal LMs in float64")
     if opts["attn"] not in ("sdpa", "eager"):
         sys.exit(f"fuse_sweep: --attn must be sdpa or eager, got {opts['attn']!r}")
     if args and args[0].startswith("--one="):
