@@ -651,11 +651,12 @@ def _packed_inputs() -> dict:
     cu = starts.to(torch.int32)
     longest = max(PACKED_LENGTHS)
     positions = torch.cat([torch.arange(n) for n in PACKED_LENGTHS])[None]
-    return {"input_ids": ids, "labels": labels, "position_ids": positions, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest,
-            "use_cache": False}
+    return {"input_ids": ids, "labels": labels, "position_ids": positions, "cu_seq_lens_q": cu,
+            "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest, "use_cache": False}
 
 
-def _hf_attention_row(model, kwargs: dict, loss0, grads0, floor: float, loss_tol: float, grad_tol: float) -> dict:
+def _hf_attention_row(model, kwargs: dict, loss0, grads0, floor: float, loss_tol: float,
+                      grad_tol: float) -> dict:
     """The model with attn_implementation="trifuse" against itself with SDPA (or eager), on the
     sweep's batch and on a packed one (_packed_inputs). Packed: where transformers' SDPA masks keep
     the sequences apart (its logits those of each sequence run alone), the trifuse model must give
@@ -697,7 +698,8 @@ def _hf_attention_row(model, kwargs: dict, loss0, grads0, floor: float, loss_tol
             alone = torch.cat([model(input_ids=packed["input_ids"][:, a:b], use_cache=False).logits
                                for a, b in zip(starts[:-1], starts[1:])], 1)
     except Exception as e:  # noqa: BLE001
-        row.update(status="ok" if ok else "MISMATCH", why=f"packed batch: the SDPA model fails ({type(e).__name__})")
+        row.update(status="ok" if ok else "MISMATCH",
+                   why=f"packed batch: the SDPA model fails ({type(e).__name__})")
         return row
     n_calls = len(calls)
     try:
@@ -718,12 +720,14 @@ def _hf_attention_row(model, kwargs: dict, loss0, grads0, floor: float, loss_tol
         p_grad = _grad_error(gp0, gp1, floor)
         row.update(packed_loss_rel_err=p_loss, packed_grad_rel_err=p_grad)
         ok = ok and p_loss < loss_tol and p_grad < grad_tol
-        row["why"] = f"packed: as SDPA (loss {p_loss:.2g}, grads {p_grad:.2g}), {len(calls) - n_calls} varlen calls"
+        row["why"] = (f"packed: as SDPA (loss {p_loss:.2g}, grads {p_grad:.2g}), "
+                      f"{len(calls) - n_calls} varlen calls")
     else:
         isolated = rel(out1.logits.detach(), alone) < 1e-6
         row["why"] = ("packed: SDPA's masks do not keep the sequences apart here; "
                       + ("the trifuse model gives each sequence's own logits" if isolated
-                         else "neither model gives each sequence's own logits (positions not from position ids?)")
+                         else "neither model gives each sequence's own logits (positions not from "
+                              "position ids?)")
                       + f", {len(calls) - n_calls} varlen calls")
     row["status"] = "ok" if ok else "MISMATCH"
     return row
