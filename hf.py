@@ -5,31 +5,33 @@
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="trifuse")
     # or, on a loaded model: model.set_attn_implementation("trifuse")
 
-What it adds over `trifuse.fuse` matching SDPA calls: packed batches without padding
-(transformers' DataCollatorWithFlattening(return_flash_attn_kwargs=True), the padding-free
-layout flash-attn users train with) run `trifuse.ops.attention_varlen`, each sequence attending
-to its own tokens only, instead of a dense attention over the whole packed row under a (T, T)
-block-diagonal mask. Every other call is SDPA's: the masks are transformers' SDPA masks
-(padding, sliding windows, chunked or bidirectional spans), run by `trifuse.ops.attention` with
-the soft cap and the sinks where a model has them.
+SDPA's semantics on trifuse's kernels: the masks are transformers' SDPA masks (padding, sliding
+windows, chunked or bidirectional spans, packed sequences), run by `trifuse.ops.attention`, with
+the logit soft cap (Gemma 2, which SDPA refuses) and gpt-oss's sinks where a model has them.
+Packed batches need nothing more: transformers masks packed position ids block-diagonally for
+SDPA, and `trifuse.ops.attention` runs such a mask as varlen attention over its blocks.
 
-The varlen path is taken only when the caller names the sequences: the four flash-attention
-keyword arguments cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k on a batch of one,
-and only in layers whose mask is causal-or-full within each sequence (no sliding window, no
-sinks, no position bias). Offsets inferred from position_ids alone are not used: a batch of one
-with a padding mask has position ids too, and ignoring its mask would give another answer.
-transformers still builds the dense packed mask for such a batch (its mask functions never see
-the offsets); this path leaves it unread.
+DeepSeek sparse attention (GLM-5, HY-V4) hands a kernel implementation the keys each query
+selected (`indices`) where it folds them into the mask for SDPA: they are folded in here the
+same way. Calls with head dims over 256 (Gemma 4's 512) run SDPA itself (`trifuse.hf.FALLBACKS`
+counts them). A causal model whose attention modules say is_causal=False and rely on the mask
+(BigBird-Pegasus, which transformers does not run with SDPA either) is refused on a call without
+a mask, never answered as a bidirectional one.
 
-`trifuse.fuse` on a model with this implementation fuses the other ops as usual; its attention
-calls are trifuse's already.
+`trifuse.fuse` on a model with this implementation fuses the other ops as usual.
 """
+import logging
+import sys
+
 import torch
 
-from .ops import attention, attention_varlen
+from .kernels.attention import MAX_HEAD_DIM
+from .ops import attention
 
 NAME = "trifuse"
-_VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+log = logging.getLogger("trifuse")
+FALLBACKS: dict[str, int] = {}
+_SDPA_SUPPORT: dict[type, bool] = {}
 
 
 def register(name: str = NAME) -> str:
@@ -43,18 +45,40 @@ def register(name: str = NAME) -> str:
     return name
 
 
-def _varlen_offsets(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, kwargs: dict):
-    """(cu_q, cu_k, max_q, max_k) when this call may run varlen (see the module docstring)."""
-    if query.shape[0] != 1 or any(kwargs.get(name) is None for name in _VARLEN_KWARGS):
-        return None
-    if kwargs.get("s_aux") is not None or kwargs.get("position_bias") is not None:
-        return None
-    if kwargs.get("sliding_window") is not None or getattr(module, "sliding_window", None) is not None:
-        return None
-    cu_q, cu_k = kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"]
-    if not isinstance(cu_q, torch.Tensor) or not isinstance(cu_k, torch.Tensor):
-        return None
-    return cu_q, cu_k, int(kwargs["max_length_q"]), int(kwargs["max_length_k"])
+def _supports_sdpa(attention_class: type) -> bool:
+    """Whether the model an attention module belongs to declares SDPA support (its modeling file's
+    PreTrainedModel classes' `_supports_sdpa`); True where none is found."""
+    known = _SDPA_SUPPORT.get(attention_class)
+    if known is None:
+        home = attention_class.__module__
+        flags = [cls._supports_sdpa for name, cls in vars(sys.modules.get(home, sys)).items()
+                 if isinstance(cls, type) and cls.__module__ == home and name.endswith("PreTrainedModel")
+                 and hasattr(cls, "_supports_sdpa")]
+        known = _SDPA_SUPPORT[attention_class] = all(flags)
+    return known
+
+
+def _selected_keys(indices: torch.Tensor, mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor,
+                  causal: bool) -> torch.Tensor:
+    """DeepSeek sparse attention's top-k keys per query (indices (B, Sq, k)) folded into the mask,
+    as GLM-5's and HY-V4's code folds them for SDPA: only the selected keys stay."""
+    bsz, q_len, k_len = query.shape[0], query.shape[2], key.shape[2]
+    keep = torch.zeros(bsz, q_len, k_len, dtype=torch.bool, device=query.device)
+    keep = keep.scatter(-1, indices.long(), True).unsqueeze(1)
+    if mask is None:
+        if not causal or q_len == 1:
+            return keep
+        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
+    if mask.dtype == torch.bool:
+        return mask & keep
+    return mask.masked_fill(~keep, torch.finfo(mask.dtype).min)
+
+
+def _fallback(reason: str, fn, *args, **kwargs):
+    if reason not in FALLBACKS:
+        log.info("trifuse attention_forward: %s; the call runs without trifuse", reason)
+    FALLBACKS[reason] = FALLBACKS.get(reason, 0) + 1
+    return fn(*args, **kwargs)
 
 
 def attention_forward(
@@ -69,17 +93,21 @@ def attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention interface: query (B, Hq, S, D), key and value (B, Hkv, S_k, D);
-    returns ((B, S, Hq, Dv), None) as SDPA's and flash-attention's implementations do."""
-    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    softcap = kwargs.get("softcap") or None
+    returns ((B, S, Hq, Dv), None) as SDPA's implementation does, with its rules."""
     q_length = query.shape[2]
-    varlen = _varlen_offsets(module, query, key, kwargs)
-    if varlen is not None and q_length == key.shape[2]:
-        cu_q, cu_k, max_q, max_k = varlen
-        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, H, D): views, no copies
-        out = attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=dropout, softmax_scale=scaling,
-                               causal=bool(is_causal) and q_length > 1, softcap=softcap or 0.0)
-        return out.unsqueeze(0), None
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if kwargs.get("indices") is not None:
+        attention_mask = _selected_keys(kwargs["indices"], attention_mask, query, key, bool(is_causal))
+    if attention_mask is None and q_length > 1 and not is_causal and not _supports_sdpa(type(module)):
+        raise ValueError(f"trifuse.hf: {type(module).__name__}'s model does not run with SDPA in "
+                         f"transformers, and attn_implementation=\"{NAME}\" is SDPA's semantics on trifuse's "
+                         "kernels; load it with attn_implementation=\"eager\" (trifuse.fuse fuses its eager "
+                         "attention)")
+    if max(query.shape[-1], value.shape[-1]) > MAX_HEAD_DIM:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return _fallback(f"head dim over {MAX_HEAD_DIM}", sdpa_attention_forward, module, query, key, value,
+                         attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
     position_bias = kwargs.get("position_bias")
     # SDPA's rules (transformers' sdpa_attention_forward): causal only without a mask, and a
     # causal call with more keys than queries keeps the first q_length keys.
@@ -94,6 +122,6 @@ def attention_forward(
         attention_mask = create_position_bias_mask(position_bias, attention_mask, is_causal, query, key)
         is_causal = False
     out = attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=is_causal,
-                    scale=scaling, enable_gqa=key.shape[1] != query.shape[1], softcap=softcap,
-                    sinks=kwargs.get("s_aux"))
+                    scale=scaling, enable_gqa=key.shape[1] != query.shape[1],
+                    softcap=kwargs.get("softcap") or None, sinks=kwargs.get("s_aux"))
     return out.transpose(1, 2).contiguous(), None

@@ -45,7 +45,7 @@ HOPPER_SMEM = 232448
 SASS_COUNTED = ("HGMMA", "HMMA", "UTMALDG", "UTMASTG", "LDGSTS", "LDL", "STL", "MUFU")
 
 FAMILIES = ("layer_norm", "residual_stream", "bias_gelu", "dropout_add", "gated_activation", "rotary",
-            "attention", "cross_entropy", "cast")
+            "attention", "attention_varlen", "cross_entropy", "cast")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,6 +172,18 @@ def _catalogue(torch, family: str):
         yield "attention d64 bool key-padding mask", fwd_bwd(lambda q=q, k=k, v=v: ops.attention(q, k, v, attn_mask=keep))
         bias = torch.randn(1, 2, s, s, dtype=bf16).requires_grad_()
         yield "attention d64 float mask with grad", fwd_bwd(lambda q=q, k=k, v=v: ops.attention(q, k, v, attn_mask=bias))
+    elif family == "attention_varlen":
+        # packed sequences (padding-free training): three documents in one row of 128 tokens, GQA
+        cu = torch.tensor([0, 40, 100, 128], dtype=torch.int32)
+        for d in (64, 128):
+            q, k, v = leaf(128, 4, d), leaf(128, 2, d), leaf(128, 2, d)
+            yield f"attention_varlen d{d} gqa causal", fwd_bwd(
+                lambda q=q, k=k, v=v: ops.attention_varlen(q, k, v, cu, cu, 60, 60, causal=True))
+        # gpt-oss: sinks, with attention dropout
+        q, k, v, sinks = leaf(128, 4, 64), leaf(128, 2, 64), leaf(128, 2, 64), leaf(4)
+        yield "attention_varlen d64 gqa causal dropout sinks", fwd_bwd(
+            lambda q=q, k=k, v=v, sinks=sinks: ops.attention_varlen(q, k, v, cu, cu, 60, 60, dropout_p=0.1,
+                                                                    causal=True, sinks=sinks))
     elif family == "cross_entropy":
         for vocab in (32000, 50257, 128256):
             logits, target = leaf(2, vocab), torch.randint(0, vocab, (2,))

@@ -31,6 +31,7 @@ Status per type:
                     most twice as far as the unfused ones, plus 1e-3 (TOLERANCES)
     MISMATCH        runs, but differs by more
     FUSED CRASH     the unfused model ran and the fused one raised: a trifuse bug
+    refused         (--via hf-attention) a model trifuse/hf.py refuses with a clear error, by design
     Dynamo fails    (--via backend) torch.compile(backend="eager"), without trifuse, fails on it too
     config / build / unfused fails / too big / died: the tiny config does not suit the
                     architecture (a harness limit, not a verdict on trifuse)
@@ -658,10 +659,11 @@ def _packed_inputs() -> dict:
 def _hf_attention_row(model, kwargs: dict, loss0, grads0, floor: float, loss_tol: float,
                       grad_tol: float) -> dict:
     """The model with attn_implementation="trifuse" against itself with SDPA (or eager), on the
-    sweep's batch and on a packed one (_packed_inputs). Packed: where transformers' SDPA masks keep
-    the sequences apart (its logits those of each sequence run alone), the trifuse model must give
-    its loss and gradients; where they do not (a model that ignores position ids, or builds its
-    own mask), the row says so and compares the trifuse model's logits with the sequences alone."""
+    sweep's batch and on a packed one (_packed_inputs): the loss and every gradient. The row says
+    how many calls ran varlen (trifuse.ops.attention recognizing transformers' block-diagonal
+    mask) and whether the model keeps packed sequences apart at all (its logits those of each
+    sequence run alone: transformers builds the packed mask only where a model hands its mask
+    code the position ids)."""
     import copy
 
     import trifuse.hf
@@ -677,10 +679,13 @@ def _hf_attention_row(model, kwargs: dict, loss0, grads0, floor: float, loss_tol
     calls = []
     launcher = varlen_mod.attention_varlen_fwd
     varlen_mod.attention_varlen_fwd = lambda *a, **k: calls.append(1) or launcher(*a, **k)
+    fallbacks = dict(trifuse.hf.FALLBACKS)
     try:
         loss1 = other(**kwargs).loss
         grads1 = torch.autograd.grad(loss1, leaves1, allow_unused=True)
     except Exception as e:  # noqa: BLE001
+        if "does not run with SDPA in transformers" in str(e):  # hf.py's refusal, by design
+            return {"status": "refused", "why": str(e).strip()[:200]}
         return {"status": "FUSED CRASH", "why": f"{type(e).__name__}: {str(e).strip()[:300]}",
                 "traceback": traceback.format_exc()[-3000:]}
     loss0, loss1 = float(loss0.detach()), float(loss1.detach())
@@ -690,6 +695,7 @@ def _hf_attention_row(model, kwargs: dict, loss0, grads0, floor: float, loss_tol
     row = {"attn": "trifuse", "loss_rel_err": loss_err, "grad_rel_err": grad_err}
     packed = _packed_inputs()
     leaves = [p for p in model.parameters() if p.requires_grad]
+    notes = []
     try:
         out0 = model(**packed)
         gp0 = torch.autograd.grad(out0.loss, leaves, allow_unused=True)
@@ -698,37 +704,29 @@ def _hf_attention_row(model, kwargs: dict, loss0, grads0, floor: float, loss_tol
             alone = torch.cat([model(input_ids=packed["input_ids"][:, a:b], use_cache=False).logits
                                for a, b in zip(starts[:-1], starts[1:])], 1)
     except Exception as e:  # noqa: BLE001
-        row.update(status="ok" if ok else "MISMATCH",
-                   why=f"packed batch: the SDPA model fails ({type(e).__name__})")
-        return row
-    n_calls = len(calls)
-    try:
-        out1 = other(**packed)
-        gp1 = torch.autograd.grad(out1.loss, leaves1, allow_unused=True)
-    except Exception as e:  # noqa: BLE001
-        return {"status": "FUSED CRASH", "why": f"packed: {type(e).__name__}: {str(e).strip()[:300]}",
-                "traceback": traceback.format_exc()[-3000:]}
-    row["replaced"] = {"attention_varlen": len(calls) - n_calls}
-
-    def rel(a, b):
-        return float((a - b).abs().max()) / max(float(b.abs().max()), 1e-30)
-
-    sdpa_isolates = rel(out0.logits.detach(), alone) < 1e-6
-    if sdpa_isolates:
+        notes.append(f"packed batch: the unfused model fails ({type(e).__name__})")
+    else:
+        n_calls = len(calls)
+        try:
+            out1 = other(**packed)
+            gp1 = torch.autograd.grad(out1.loss, leaves1, allow_unused=True)
+        except Exception as e:  # noqa: BLE001
+            return {"status": "FUSED CRASH", "why": f"packed: {type(e).__name__}: {str(e).strip()[:300]}",
+                    "traceback": traceback.format_exc()[-3000:]}
         l0, l1 = float(out0.loss.detach()), float(out1.loss.detach())
         p_loss = abs(l1 - l0) / max(abs(l0), 1e-30)
         p_grad = _grad_error(gp0, gp1, floor)
         row.update(packed_loss_rel_err=p_loss, packed_grad_rel_err=p_grad)
         ok = ok and p_loss < loss_tol and p_grad < grad_tol
-        row["why"] = (f"packed: as SDPA (loss {p_loss:.2g}, grads {p_grad:.2g}), "
-                      f"{len(calls) - n_calls} varlen calls")
-    else:
-        isolated = rel(out1.logits.detach(), alone) < 1e-6
-        row["why"] = ("packed: SDPA's masks do not keep the sequences apart here; "
-                      + ("the trifuse model gives each sequence's own logits" if isolated
-                         else "neither model gives each sequence's own logits (positions not from "
-                              "position ids?)")
-                      + f", {len(calls) - n_calls} varlen calls")
+        logits = out0.logits.detach()
+        apart = float((logits - alone).abs().max()) <= 1e-6 * max(float(alone.abs().max()), 1e-30)
+        row["replaced"] = {"attention_varlen": len(calls) - n_calls}
+        notes.append(f"packed: loss {p_loss:.2g}, grads {p_grad:.2g}; {len(calls) - n_calls} varlen calls; "
+                     + ("sequences kept apart" if apart else "the model lets packed sequences see each other"))
+    new = {k: v - fallbacks.get(k, 0) for k, v in trifuse.hf.FALLBACKS.items() if v != fallbacks.get(k, 0)}
+    if new:
+        notes.append("fell back: " + "; ".join(f"{k} ({v})" for k, v in new.items()))
+    row["why"] = "; ".join(notes)
     row["status"] = "ok" if ok else "MISMATCH"
     return row
 

@@ -218,12 +218,14 @@ def _scaled(qk, qk_scale, softcap, SOFTCAP: tl.constexpr):
 
 @triton.jit
 def _scores(qk, rows, cols, MASK, stride_mm, stride_mn, N_Q, N_K,
-            MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, ACC: tl.constexpr):
+            MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, ACC: tl.constexpr,
+            window=0, HAS_WINDOW: tl.constexpr = False):
     """Applies the attention mask, the causal mask and the key bounds to a block of scores.
 
     qk is already in base 2 (scale * log2(e) applied); rows and cols broadcast to qk's shape
     (a column vector and a row vector, or the reverse for the transposed dK/dV block). MASK
-    points at this (b, h)'s mask. Masked scores become -inf."""
+    points at this (b, h)'s mask. Masked scores become -inf. With HAS_WINDOW (varlen's sliding
+    window, in masked blocks only) key j is seen by row i only if j > i - window."""
     if MASK_KIND != 0:
         in_bounds = (rows < N_Q) & (cols < N_K)
         ptrs = MASK + rows * stride_mm + cols * stride_mn
@@ -242,6 +244,8 @@ def _scores(qk, rows, cols, MASK, stride_mm, stride_mn, N_Q, N_K,
         valid = cols < N_K
         if IS_CAUSAL:
             valid = valid & (cols <= rows)
+        if HAS_WINDOW:
+            valid = valid & (cols > rows - window)
         qk = tl.where(valid, qk, float("-inf"))
     return qk
 
@@ -253,7 +257,7 @@ def _attn_fwd_loop(acc, l_i, m_i, q, K, V, MASK, seed, rng_rows, offs_m, offs_n,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                    SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
-                   USE_TMA: tl.constexpr):
+                   USE_TMA: tl.constexpr, window=0, HAS_WINDOW: tl.constexpr = False):
     """Online softmax over the key blocks [lo, hi) for one block of query rows. With USE_TMA, K
     and V are tensor descriptors (the copy engine zero-fills rows and columns past the ends)."""
     mask_d = offs_d < HEAD_DIM
@@ -272,7 +276,7 @@ def _attn_fwd_loop(acc, l_i, m_i, q, K, V, MASK, seed, rng_rows, offs_m, offs_n,
         qk, _ = _scaled(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC), qk_scale, softcap,
                         SOFTCAP)
         qk = _scores(qk, offs_m[:, None], cols[None, :], MASK, stride_mm, stride_mn, N_Q, N_K,
-                     MASKED, IS_CAUSAL, MASK_KIND, ACC)
+                     MASKED, IS_CAUSAL, MASK_KIND, ACC, window, HAS_WINDOW)
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         # A row that has seen only -inf so far keeps m = -inf; subtract 0 instead (no NaN).
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -426,7 +430,7 @@ def _attn_bwd_dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, MASK, seed, rng_base, o
                         MASKED: tl.constexpr,
                         IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                         SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
-                        USE_TMA: tl.constexpr):
+                        USE_TMA: tl.constexpr, window=0, HAS_WINDOW: tl.constexpr = False):
     """Accumulates dK, dV of one key block over the query blocks [lo, hi) of one query head.
     Works on transposed (keys x queries) blocks so dK and dV come out of plain dots.
     Keys past N_K (the ragged last block) need no mask: their rows are never stored.
@@ -448,7 +452,7 @@ def _attn_bwd_dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, MASK, seed, rng_base, o
         qk_t, tanh_t = _scaled(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION, out_dtype=ACC), qk_scale,
                                softcap, SOFTCAP)
         qk_t = _scores(qk_t, rows[None, :], offs_n[:, None], MASK, stride_mm, stride_mn, N_Q, N_K,
-                       MASKED, IS_CAUSAL, MASK_KIND, ACC)
+                       MASKED, IS_CAUSAL, MASK_KIND, ACC, window, HAS_WINDOW)
         p_t = tl.exp2(qk_t - lse[None, :])
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION, out_dtype=ACC)
         if HAS_DROPOUT:
@@ -562,7 +566,7 @@ def _attn_bwd_dq_loop(dq, q, do, lse, delta, K, V, MASK, DMASK, seed, rng_rows, 
                       HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                       IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                       MASK_GRAD: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                      ACC: tl.constexpr, USE_TMA: tl.constexpr):
+                      ACC: tl.constexpr, USE_TMA: tl.constexpr, window=0, HAS_WINDOW: tl.constexpr = False):
     """Accumulates dQ of one query block over the key blocks [lo, hi); with MASK_GRAD, also
     stores each dS tile (= d(mask), the mask being added to the scores) into this (b, h)'s
     dense (N_Q, N_K) slice of DMASK. With USE_TMA, K and V are tensor descriptors."""
@@ -584,7 +588,7 @@ def _attn_bwd_dq_loop(dq, q, do, lse, delta, K, V, MASK, DMASK, seed, rng_rows, 
         qk, tanh_qk = _scaled(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC), qk_scale,
                               softcap, SOFTCAP)
         qk = _scores(qk, offs_m[:, None], cols[None, :], MASK, stride_mm, stride_mn, N_Q, N_K,
-                     MASKED, IS_CAUSAL, MASK_KIND, ACC)
+                     MASKED, IS_CAUSAL, MASK_KIND, ACC, window, HAS_WINDOW)
         p = tl.exp2(qk - lse[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION, out_dtype=ACC)
         if HAS_DROPOUT:
@@ -1299,16 +1303,17 @@ def _check_softcap(softcap: object, op: str = OP) -> None:
         raise ValueError(f"trifuse.{op}: softcap must be a finite number > 0 (or None / 0 for no cap), got {softcap}")
 
 
-def _check_sinks(q: torch.Tensor, sinks: object) -> None:
-    """sinks: None, or a float tensor (Hq,) on q's device (any float dtype: read in fp32)."""
+def _check_sinks(q: torch.Tensor, sinks: object, op: str = OP) -> None:
+    """sinks: None, or a float tensor (Hq,) on q's device (any float dtype: read in fp32); q's
+    heads are its dim 1, in (B, H, S, D) and in varlen's (T, H, D)."""
     if sinks is None:
         return
-    check_tensor(OP, "sinks", sinks)
-    check_float(OP, "sinks", sinks)
+    check_tensor(op, "sinks", sinks)
+    check_float(op, "sinks", sinks)
     if sinks.dim() != 1 or sinks.shape[0] != q.shape[1]:
-        raise ValueError(f"trifuse.{OP}: sinks must be 1-D with one logit per query head ({q.shape[1]}), "
+        raise ValueError(f"trifuse.{op}: sinks must be 1-D with one logit per query head ({q.shape[1]}), "
                          f"got shape {tuple(sinks.shape)}")
-    check_same_device(OP, "query", q, sinks=sinks)
+    check_same_device(op, "query", q, sinks=sinks)
 
 
 def _check_mask_grad(attn_mask: torch.Tensor | None, mask_grad: bool) -> None:
@@ -1879,7 +1884,36 @@ def attention(
         q, k, v, attn_mask = _autocast_like_sdpa(q, k, v, attn_mask)
     if softcap is not None:
         _check_softcap(softcap)
+    if attn_mask is not None and attn_mask.dtype == torch.bool and q.shape[0] == 1:
+        packed = _packed(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, sinks)
+        if packed is not None:
+            return packed
     if softcap or sinks is not None:  # neither is an SDPA argument: trifuse's kernels, not the dialect
         return _attention_trifuse(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, float(softcap or 0.0),
                                   sinks)
     return ATTENTION(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def _packed(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap,
+            sinks) -> torch.Tensor | None:
+    """A batch of one under a block-diagonal causal bool mask (packed sequences, as transformers
+    masks them for SDPA) runs varlen attention over the blocks: the same answer without scoring
+    every other sequence's keys. Eager calls only (the mask is checked on the host, once per mask),
+    not while a CUDA graph is captured; None when the call is anything else."""
+    from .attention_varlen import attention_varlen, packed_mask_offsets
+
+    n = q.shape[2]
+    if (is_causal or q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape[2] != n or k.shape[0] != 1
+            or (k.shape[1] != q.shape[1] and not enable_gqa)
+            or not eager_fast_path(q, k, v, attn_mask, sinks)):
+        return None
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    offsets = packed_mask_offsets(attn_mask, n)
+    if offsets is None:
+        return None
+    cu, longest, window = offsets
+    tokens = [t[0].transpose(0, 1) for t in (q, k, v)]  # (T, H, D) views
+    out = attention_varlen(*tokens, cu, cu, longest, longest, dropout_p, scale, True, softcap or 0.0, sinks,
+                           window or None)
+    return out.transpose(0, 1).unsqueeze(0)  # (1, H, T, Dv), as the (B, S, H, D) transpose SDPA returns

@@ -78,6 +78,7 @@ def _varlen_fwd_kernel(
     V,  # in (TOTAL_K, H_KV, HEAD_DIM_V)
     CU_Q, CU_K,  # in (B + 1,) int32 or int64 offsets
     SEED,  # in (1,) int64 Philox seed; unused unless HAS_DROPOUT
+    SINKS,  # in (H,) fp32 (fp64 for fp64) sink logits; unused unless HAS_SINKS
     O,  # out (TOTAL_Q, H, HEAD_DIM_V)
     LSE,  # out (H, TOTAL_Q) fp32 (fp64 for fp64), natural log
     stride_qt, stride_qh, stride_qd,
@@ -85,10 +86,12 @@ def _varlen_fwd_kernel(
     stride_vt, stride_vh, stride_vd,
     stride_ot, stride_oh, stride_od,
     TOTAL_Q, TOTAL_K, GROUP, qk_scale, softcap, p_drop, dropout_scale,
+    window,  # the sliding window (key j seen by query i if i - window < j <= i); unused unless HAS_WINDOW
     Q_BUCKET, K_BUCKET,  # unused in the kernel: the tuner keys on these buckets on the host
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
+    SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     start_m = tl.program_id(0) * BLOCK_M
     b = tl.program_id(1)
@@ -113,8 +116,12 @@ def _varlen_fwd_kernel(
     seed = tl.load(SEED) if HAS_DROPOUT else 0
     rng_rows = h * TOTAL_Q + q_start + offs_m
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
-    l_i = tl.zeros([BLOCK_M], dtype=ACC)
+    if HAS_SINKS:  # the online softmax starts from the sink, as in attention.py
+        m_i = tl.full([BLOCK_M], 1.4426950408889634, dtype=ACC) * tl.load(SINKS + h).to(ACC)
+        l_i = tl.where(m_i == float("-inf"), 0.0, 1.0).to(ACC)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
+        l_i = tl.zeros([BLOCK_M], dtype=ACC)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=ACC)
     if IS_CAUSAL:
         hi = tl.minimum(n_k, start_m + BLOCK_M)
@@ -122,19 +129,22 @@ def _varlen_fwd_kernel(
     else:
         hi = n_k
         n_full = n_k // BLOCK_N * BLOCK_N
-    # No mask tensor (MASK_KIND 0): Q stands in for its pointer and strides, never read.
-    acc, l_i, m_i = attn._attn_fwd_loop(acc, l_i, m_i, q, K, V, Q, seed, rng_rows, offs_m, offs_n, offs_d,
-                                        offs_dv, stride_kt, stride_kd, stride_vt, stride_vd, 0, 0,
-                                        n_q, n_k, qk_scale, softcap, p_drop, 0, n_full,
-                                        HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, IS_CAUSAL, 0, HAS_DROPOUT,
-                                        SOFTCAP, DOT_PRECISION, ACC, False)
+    if HAS_WINDOW:  # causal (host-checked): keys from the window's first block, every block masked
+        n_full = tl.maximum(start_m - window + 1, 0) // BLOCK_N * BLOCK_N
+    else:
+        # No mask tensor (MASK_KIND 0): Q stands in for its pointer and strides, never read.
+        acc, l_i, m_i = attn._attn_fwd_loop(acc, l_i, m_i, q, K, V, Q, seed, rng_rows, offs_m, offs_n, offs_d,
+                                            offs_dv, stride_kt, stride_kd, stride_vt, stride_vd, 0, 0,
+                                            n_q, n_k, qk_scale, softcap, p_drop, 0, n_full,
+                                            HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, IS_CAUSAL, 0, HAS_DROPOUT,
+                                            SOFTCAP, DOT_PRECISION, ACC, False)
     acc, l_i, m_i = attn._attn_fwd_loop(acc, l_i, m_i, q, K, V, Q, seed, rng_rows, offs_m, offs_n, offs_d,
                                         offs_dv, stride_kt, stride_kd, stride_vt, stride_vd, 0, 0,
                                         n_q, n_k, qk_scale, softcap, p_drop, n_full, hi,
                                         HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, IS_CAUSAL, 0, HAS_DROPOUT,
-                                        SOFTCAP, DOT_PRECISION, ACC, False)
+                                        SOFTCAP, DOT_PRECISION, ACC, False, window, HAS_WINDOW)
 
-    seen = l_i > 0.0  # False for rows that see no key (an empty key sequence): O = 0, L = -inf
+    seen = l_i > 0.0  # False for rows that see no key (an empty key sequence) and no sink: O = 0, L = -inf
     l_safe = tl.where(seen, l_i, 1.0)
     o = acc * (dropout_scale / l_safe)[:, None]
     lse = tl.where(seen, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
@@ -158,11 +168,11 @@ def _varlen_bwd_dkdv_kernel(
     stride_dot, stride_doh, stride_dod,
     stride_dkt, stride_dkh, stride_dkd,
     stride_dvt, stride_dvh, stride_dvd,
-    TOTAL_Q, TOTAL_K, GROUP, sm_scale, qk_scale, softcap, p_drop, dropout_scale,
+    TOTAL_Q, TOTAL_K, GROUP, sm_scale, qk_scale, softcap, p_drop, dropout_scale, window,
     Q_BUCKET, K_BUCKET,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
+    SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     start_n = tl.program_id(0) * BLOCK_N
     b = tl.program_id(1)
@@ -189,22 +199,25 @@ def _varlen_bwd_dkdv_kernel(
         mid = tl.minimum(lo + tl.cdiv(start_n + BLOCK_N - 1 - lo, BLOCK_M) * BLOCK_M, n_q)
     else:
         mid = 0
+    if HAS_WINDOW:  # every query that sees a key of this block is below start_n + BLOCK_N - 1 + window
+        mid = tl.minimum(start_n + BLOCK_N - 1 + window, n_q)
     for g in range(GROUP):  # the group's query heads in order: a deterministic sum in registers
         h = hk * GROUP + g
         Qh = Q + q_start * stride_qt + h * stride_qh
         DOh = DO + q_start * stride_dot + h * stride_doh
         row0 = h * TOTAL_Q + q_start
-        if IS_CAUSAL:
+        if IS_CAUSAL:  # with a window, [lo, mid) is every query block that sees this key block
             dk, dv = attn._attn_bwd_dkdv_loop(
                 dk, dv, k, v, Qh, DOh, LSE + row0, DELTA + row0, Q, seed, row0, offs_m, offs_n, offs_d,
                 offs_dv, stride_qt, stride_qd, stride_dot, stride_dod, 0, 0, n_q, n_k, qk_scale, softcap,
                 p_drop, dropout_scale, lo, mid, h, HEAD_DIM, HEAD_DIM_V, BLOCK_M, True, IS_CAUSAL, 0,
+                HAS_DROPOUT, SOFTCAP, DOT_PRECISION, ACC, False, window, HAS_WINDOW)
+        if not HAS_WINDOW:
+            dk, dv = attn._attn_bwd_dkdv_loop(
+                dk, dv, k, v, Qh, DOh, LSE + row0, DELTA + row0, Q, seed, row0, offs_m, offs_n, offs_d,
+                offs_dv, stride_qt, stride_qd, stride_dot, stride_dod, 0, 0, n_q, n_k, qk_scale, softcap,
+                p_drop, dropout_scale, mid, n_q, h, HEAD_DIM, HEAD_DIM_V, BLOCK_M, False, IS_CAUSAL, 0,
                 HAS_DROPOUT, SOFTCAP, DOT_PRECISION, ACC, False)
-        dk, dv = attn._attn_bwd_dkdv_loop(
-            dk, dv, k, v, Qh, DOh, LSE + row0, DELTA + row0, Q, seed, row0, offs_m, offs_n, offs_d,
-            offs_dv, stride_qt, stride_qd, stride_dot, stride_dod, 0, 0, n_q, n_k, qk_scale, softcap, p_drop,
-            dropout_scale, mid, n_q, h, HEAD_DIM, HEAD_DIM_V, BLOCK_M, False, IS_CAUSAL, 0, HAS_DROPOUT,
-            SOFTCAP, DOT_PRECISION, ACC, False)
     dk *= sm_scale
     tl.store(attn._tile(DK + k_start * stride_dkt + hk * stride_dkh, offs_n, offs_d, stride_dkt, stride_dkd),
              dk.to(DK.dtype.element_ty), mask=k_mask)
@@ -226,11 +239,11 @@ def _varlen_bwd_dq_kernel(
     stride_vt, stride_vh, stride_vd,
     stride_dot, stride_doh, stride_dod,
     stride_dqt, stride_dqh, stride_dqd,
-    TOTAL_Q, TOTAL_K, GROUP, sm_scale, qk_scale, softcap, p_drop, dropout_scale,
+    TOTAL_Q, TOTAL_K, GROUP, sm_scale, qk_scale, softcap, p_drop, dropout_scale, window,
     Q_BUCKET, K_BUCKET,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
+    SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     start_m = tl.program_id(0) * BLOCK_M
     b = tl.program_id(1)
@@ -264,16 +277,19 @@ def _varlen_bwd_dq_kernel(
     else:
         hi = n_k
         n_full = n_k // BLOCK_N * BLOCK_N
-    dq = attn._attn_bwd_dq_loop(dq, q, do, lse, delta, K, V, Q, Q, seed, rng_rows, offs_m, offs_n, offs_d,
-                                offs_dv, stride_kt, stride_kd, stride_vt, stride_vd, 0, 0,
-                                n_q, n_k, qk_scale, softcap, p_drop, dropout_scale, 0, n_full,
-                                HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, IS_CAUSAL, 0, HAS_DROPOUT, False,
-                                SOFTCAP, DOT_PRECISION, ACC, False)
+    if HAS_WINDOW:
+        n_full = tl.maximum(start_m - window + 1, 0) // BLOCK_N * BLOCK_N
+    else:
+        dq = attn._attn_bwd_dq_loop(dq, q, do, lse, delta, K, V, Q, Q, seed, rng_rows, offs_m, offs_n, offs_d,
+                                    offs_dv, stride_kt, stride_kd, stride_vt, stride_vd, 0, 0,
+                                    n_q, n_k, qk_scale, softcap, p_drop, dropout_scale, 0, n_full,
+                                    HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, IS_CAUSAL, 0, HAS_DROPOUT, False,
+                                    SOFTCAP, DOT_PRECISION, ACC, False)
     dq = attn._attn_bwd_dq_loop(dq, q, do, lse, delta, K, V, Q, Q, seed, rng_rows, offs_m, offs_n, offs_d,
                                 offs_dv, stride_kt, stride_kd, stride_vt, stride_vd, 0, 0,
                                 n_q, n_k, qk_scale, softcap, p_drop, dropout_scale, n_full, hi,
                                 HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, IS_CAUSAL, 0, HAS_DROPOUT, False,
-                                SOFTCAP, DOT_PRECISION, ACC, False)
+                                SOFTCAP, DOT_PRECISION, ACC, False, window, HAS_WINDOW)
     dq *= sm_scale
     tl.store(attn._tile(DQ + q_start * stride_dqt + h * stride_dqh, offs_m, offs_d, stride_dqt, stride_dqd),
              dq.to(DQ.dtype.element_ty), mask=q_mask)
@@ -300,11 +316,12 @@ def _tuned_launch(kind: str, tuning_key: tuple, grid_fn, args: tuple, constexprs
     _launch_config(cfg, kind, grid_fn, args, constexprs)
 
 
-def _constexprs(q: torch.Tensor, v: torch.Tensor, causal: bool, has_dropout: bool, softcap: float) -> dict:
+def _constexprs(q: torch.Tensor, v: torch.Tensor, causal: bool, has_dropout: bool, softcap: float,
+                window: int) -> dict:
     d, dv = q.shape[2], v.shape[2]
     return dict(HEAD_DIM=d, BLOCK_D=attn._block_d(d), HEAD_DIM_V=dv, BLOCK_DV=attn._block_d(dv),
                 IS_CAUSAL=causal, HAS_DROPOUT=has_dropout, SOFTCAP=softcap > 0.0,
-                DOT_PRECISION=attn._dot_precision(q.dtype), ACC=acc_dtype(q.dtype))
+                DOT_PRECISION=attn._dot_precision(q.dtype), ACC=acc_dtype(q.dtype), HAS_WINDOW=window > 0)
 
 
 def _tuning_key(q: torch.Tensor, v: torch.Tensor, max_q: int, max_k: int, causal: bool,
@@ -317,8 +334,10 @@ def _tuning_key(q: torch.Tensor, v: torch.Tensor, max_q: int, max_k: int, causal
 def attention_varlen_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
     max_k: int, dropout_p: float, causal: bool, scale: float, seed: torch.Tensor | None, softcap: float = 0.0,
+    sinks: torch.Tensor | None = None, window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o, lse): o (total_q, Hq, Dv) contiguous, lse (Hq, total_q) fp32 (fp64 for fp64)."""
+    """(o, lse): o (total_q, Hq, Dv) contiguous, lse (Hq, total_q) fp32 (fp64 for fp64), the sinks
+    (Hq,) included when given. `window` > 0: causal sliding window (0: none)."""
     total_q, h, _ = q.shape
     total_k, h_kv, dv = k.shape[0], k.shape[1], v.shape[2]
     nseq = cu_q.shape[0] - 1
@@ -328,37 +347,43 @@ def attention_varlen_fwd(
         return o, lse
     if not attn._use_kernels(q):
         with no_autocast(q.device):
-            return _varlen_torch(q, k, v, cu_q, cu_k, dropout_p, causal, scale, seed, softcap, o, lse)
+            return _varlen_torch(q, k, v, cu_q, cu_k, dropout_p, causal, scale, seed, softcap, sinks, window,
+                                 o, lse)
     has_dropout = dropout_p > 0.0
     if nseq == 0 or max_q == 0:  # no query belongs to a sequence: rows outside every sequence are 0
         return o.zero_(), lse.fill_(float("-inf"))
-    args = (q, k, v, cu_q, cu_k, seed if has_dropout else q, o, lse, *q.stride(), *k.stride(), *v.stride(),
-            *o.stride(), total_q, total_k, h // h_kv, *attn._score_scales(scale, softcap), dropout_p,
-            attn._dropout_scale(dropout_p), attn._bucket(max_q), attn._bucket(max(max_k, 1)))
+    sinks_arg = q if sinks is None else attn._sinks_arg(sinks, q.dtype)
+    args = (q, k, v, cu_q, cu_k, seed if has_dropout else q, sinks_arg, o, lse, *q.stride(), *k.stride(),
+            *v.stride(), *o.stride(), total_q, total_k, h // h_kv, *attn._score_scales(scale, softcap),
+            dropout_p, attn._dropout_scale(dropout_p), window, attn._bucket(max_q),
+            attn._bucket(max(max_k, 1)))
     _tuned_launch("fwd", _tuning_key(q, v, max_q, max(max_k, 1), causal, has_dropout),
                   lambda meta: (cdiv(max_q, meta["BLOCK_M"]), nseq, h), args,
-                  _constexprs(q, v, causal, has_dropout, softcap))
+                  {**_constexprs(q, v, causal, has_dropout, softcap, window), "HAS_SINKS": sinks is not None})
     return o, lse
 
 
 def attention_varlen_bwd(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
     cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int, dropout_p: float, causal: bool,
-    scale: float, seed: torch.Tensor | None, softcap: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv), contiguous, shaped like q, k, v."""
+    scale: float, seed: torch.Tensor | None, softcap: float = 0.0, sinks: torch.Tensor | None = None,
+    window: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(dq, dk, dv, dsinks): contiguous, shaped like q, k, v; dsinks (Hq,) in the sinks' dtype
+    with `sinks` (whose logits `lse` includes), else None."""
     total_q, h, d = q.shape
     total_k, h_kv, dv = k.shape[0], k.shape[1], v.shape[2]
     nseq = cu_q.shape[0] - 1
     dq, dk, dv_ = (t.new_empty(t.shape) for t in (q, k, v))
-    if q.numel() == 0 or k.numel() == 0 or nseq == 0:
-        return dq.zero_(), dk.zero_(), dv_.zero_()
+    no_dsinks = None if sinks is None else torch.zeros_like(sinks)
+    if q.numel() == 0 or k.numel() == 0 or nseq == 0 or max_q == 0 or max_k == 0:
+        # no sequence has both queries and keys: O = 0, so delta = 0, and every gradient is 0
+        return dq.zero_(), dk.zero_(), dv_.zero_(), no_dsinks
     if not attn._use_kernels(q):
         with no_autocast(q.device):
-            return _varlen_torch_bwd(do, q, k, v, o, lse, cu_q, cu_k, dropout_p, causal, scale, seed, softcap,
-                                     dq, dk, dv_)
-    if max_q == 0 or max_k == 0:  # no sequence has both queries and keys: every gradient is 0
-        return dq.zero_(), dk.zero_(), dv_.zero_()
+            delta = _varlen_torch_bwd(do, q, k, v, o, lse, cu_q, cu_k, dropout_p, causal, scale, seed,
+                                      softcap, window, dq, dk, dv_)
+        return dq, dk, dv_, None if sinks is None else attn._sinks_grad(sinks, lse[None], delta[None])
     has_dropout = dropout_p > 0.0
     delta = torch.empty_like(lse)
     pre_block = 32 if attn.INTERPRET else 64
@@ -370,8 +395,8 @@ def attention_varlen_bwd(
                                   ACC=acc_dtype(q.dtype)))
     seed_arg = seed if has_dropout else q
     tail = (total_q, total_k, h // h_kv, scale, *attn._score_scales(scale, softcap), dropout_p,
-            attn._dropout_scale(dropout_p), attn._bucket(max_q), attn._bucket(max_k))
-    constexprs = _constexprs(q, v, causal, has_dropout, softcap)
+            attn._dropout_scale(dropout_p), window, attn._bucket(max_q), attn._bucket(max_k))
+    constexprs = _constexprs(q, v, causal, has_dropout, softcap, window)
     key = _tuning_key(q, v, max_q, max_k, causal, has_dropout)
     _tuned_launch("dkdv", key, lambda meta: (cdiv(max_k, meta["BLOCK_N"]), nseq, h_kv),
                   (q, k, v, cu_q, cu_k, seed_arg, do, lse, delta, dk, dv_, *q.stride(), *k.stride(),
@@ -380,7 +405,7 @@ def attention_varlen_bwd(
     _tuned_launch("dq", key, lambda meta: (cdiv(max_q, meta["BLOCK_M"]), nseq, h),
                   (q, k, v, cu_q, cu_k, seed_arg, do, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(),
                    *do.stride(), *dq.stride(), *tail), constexprs)
-    return dq, dk, dv_
+    return dq, dk, dv_, None if sinks is None else attn._sinks_grad(sinks, lse[None], delta[None])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -399,7 +424,16 @@ def _heads_first(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(0, 1).unsqueeze(0)  # (s, H, D) -> (1, H, s, D)
 
 
-def _varlen_torch(q, k, v, cu_q, cu_k, dropout_p, causal, scale, seed, softcap, o, lse):
+def _band(sq: slice, sk: slice, window: int, device) -> torch.Tensor | None:
+    """The sliding window as a bool (Sq, Sk) mask (key j seen by query i if j > i - window), or None."""
+    if not window:
+        return None
+    i = torch.arange(sq.stop - sq.start, device=device)[:, None]
+    j = torch.arange(sk.stop - sk.start, device=device)[None, :]
+    return j > i - window
+
+
+def _varlen_torch(q, k, v, cu_q, cu_k, dropout_p, causal, scale, seed, softcap, sinks, window, o, lse):
     o.zero_()
     lse.fill_(float("-inf"))
     for b, sq, sk in _spans(cu_q, cu_k):
@@ -407,26 +441,30 @@ def _varlen_torch(q, k, v, cu_q, cu_k, dropout_p, causal, scale, seed, softcap, 
             continue
         seed_b = None if seed is None else seed + b
         o_b, lse_b = attn._attention_fwd_torch(_heads_first(q[sq]), _heads_first(k[sk]), _heads_first(v[sk]),
-                                               None, dropout_p, causal, scale, seed_b,
-                                               softcap)
+                                               _band(sq, sk, window, q.device), dropout_p, causal, scale,
+                                               seed_b, softcap, sinks)
         o[sq] = o_b[0].transpose(0, 1).to(o.dtype)
         lse[:, sq] = lse_b[0]
     return o, lse
 
 
-def _varlen_torch_bwd(do, q, k, v, o, lse, cu_q, cu_k, dropout_p, causal, scale, seed, softcap, dq, dk, dv):
+def _varlen_torch_bwd(do, q, k, v, o, lse, cu_q, cu_k, dropout_p, causal, scale, seed, softcap, window,
+                      dq, dk, dv):
+    """Fills dq, dk, dv; returns delta (Hq, total_q)."""
     dq.zero_(), dk.zero_(), dv.zero_()
+    delta = torch.zeros_like(lse)
     for b, sq, sk in _spans(cu_q, cu_k):
         if sq.stop == sq.start or sk.stop == sk.start:
             continue
         seed_b = None if seed is None else seed + b
         grads = attn._attention_bwd_torch(_heads_first(do[sq]), _heads_first(q[sq]), _heads_first(k[sk]),
                                           _heads_first(v[sk]), _heads_first(o[sq]), lse[None, :, sq],
-                                          seed_b, None,
+                                          seed_b, _band(sq, sk, window, q.device),
                                           dropout_p, causal, scale, False, softcap)
         for out, g, rows in ((dq, grads[0], sq), (dk, grads[1], sk), (dv, grads[2], sk)):
             out[rows] = g[0].transpose(0, 1).to(out.dtype)
-    return dq, dk, dv
+        delta[:, sq] = grads[4][0]
+    return delta
 
 
 # =============================================================================================
@@ -524,8 +562,76 @@ def _check_offsets(q, k, cu_q, cu_k, max_q: int, max_k: int, causal: bool) -> No
             _EQUAL_OFFSETS[cu_q] = stamp
 
 
+def _check_window(window: object, causal: bool) -> None:
+    """window: an int >= 0 (0: none); a window needs causal (transformers' sliding windows are)."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise TypeError(f"trifuse.{OP}: sliding_window must be a positive int or None, got {window!r}")
+    if window and not causal:
+        raise ValueError(f"trifuse.{OP}: sliding_window needs causal=True (a window to the left of the "
+                         "diagonal, as transformers' sliding-window layers)")
+
+
 def _max_seqlen(cu: torch.Tensor) -> int:
     return int(cu.diff().max()) if cu.numel() > 1 else 0
+
+
+# =============================================================================================
+# Packed masks: a dense bool mask that is exactly block-diagonal causal (optionally within a
+# sliding window) is varlen attention over its blocks. transformers builds such a (1, 1, T, T)
+# mask for SDPA from packed position ids (DataCollatorWithFlattening, TRL's padding_free), and
+# chunked attention (Llama 4) is one too; `trifuse.ops.attention` recognizes them on eager calls
+# and runs varlen: the same answer, without scoring every other sequence's keys.
+# =============================================================================================
+
+# mask (its base tensor) -> (version, shape, strides, offset, result): checked once per mask; a
+# model's layers share one (in fused graphs, views of one).
+_PACKED_MASKS = torch.utils.weak.WeakTensorKeyDictionary()
+_CHECK_ELEMENTS = 1 << 24  # mask entries compared per step of the check (16 MiB of bools)
+
+
+def packed_mask_offsets(mask: torch.Tensor, n: int) -> tuple[torch.Tensor, int, int] | None:
+    """(cu_seqlens int32, longest, window or 0) when `mask`, bool and broadcast to (1, 1, n, n),
+    keeps exactly: query i sees key j iff both lie in one block, j <= i, and (with a window w)
+    j > i - w. None otherwise (padding, bidirectional spans, per-head or per-batch masks, any
+    other pattern). Costs one pass over the mask and two syncs the first time a mask is seen."""
+    if mask.dtype != torch.bool or mask.dim() < 2 or mask.shape[-2:] != (n, n):
+        return None
+    if any(d != 1 for d in mask.shape[:-2]):
+        return None
+    base = mask if mask._base is None else mask._base
+    view = (tuple(mask.shape), mask.stride(), mask.storage_offset())
+    seen = _PACKED_MASKS.get(base)
+    if seen is not None and seen[0] == base._version and seen[1] == view:
+        return seen[2]
+    result = _packed_offsets(mask.reshape(n, n)) if n > 0 else None
+    _PACKED_MASKS[base] = (base._version, view, result)
+    return result
+
+
+def _packed_offsets(m: torch.Tensor) -> tuple[torch.Tensor, int, int] | None:
+    n = m.shape[0]
+    idx = torch.arange(n, device=m.device)
+    start = torch.ones(n, dtype=torch.bool, device=m.device)
+    start[1:] = ~m.diagonal(-1)  # a block starts where a row does not see the token before it
+    block = start.cumsum(0)
+    pos = idx - torch.where(start, idx, 0).cummax(0).values  # position within the block
+    seen = m.sum(1)
+    # a window: some row sees fewer keys than its position allows; w is the most any row sees
+    window = torch.where((seen == pos + 1).all(), 0, seen.max())
+    ok = m.diagonal().all() & (seen == torch.where(window > 0, torch.minimum(pos + 1, window), pos + 1)).all()
+    rows = max(1, _CHECK_ELEMENTS // max(n, 1))
+    for r in range(0, n, rows):
+        i = idx[r:r + rows, None]
+        expected = (block[r:r + rows, None] == block[None, :]) & (idx[None, :] <= i)
+        expected &= (window == 0) | (idx[None, :] > i - window)
+        ok &= (m[r:r + rows] == expected).all()
+    ok, window = torch.stack([ok.to(torch.long), window.to(torch.long)]).tolist()
+    if not ok:
+        return None
+    cu = torch.cat([start.nonzero().flatten(), idx.new_tensor([n])]).to(torch.int32)
+    longest = int(cu.diff().max())
+    _CHECKED_OFFSETS[cu] = (cu._version, n, longest)  # valid by construction
+    return cu, longest, 0 if window >= longest else window
 
 
 # =============================================================================================
@@ -542,20 +648,26 @@ def _resolve_scale(scale: float | None, d: int) -> float:
 @torch.library.custom_op("trifuse::attention_varlen", mutates_args=())
 def _attention_varlen_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                          max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, causal: bool,
-                         scale: float | None, softcap: float) -> tuple[Tensor, Tensor, Tensor]:
+                         scale: float | None, softcap: float, sinks: Tensor | None = None,
+                         window: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, causal, scale)
     attn._check_softcap(softcap, OP)
+    attn._check_sinks(q, sinks, OP)
+    _check_window(window, causal)
     _check_offsets(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
     seed = philox_seed(q.device) if dropout_p > 0.0 else q.new_empty(0, dtype=torch.int64)
     o, lse = attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                                  causal, _resolve_scale(scale, q.shape[-1]), seed, softcap)
+                                  causal, _resolve_scale(scale, q.shape[-1]), seed, softcap, sinks, window)
     return o, lse, seed
 
 
 @_attention_varlen_op.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, causal, scale, softcap):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, causal, scale, softcap,
+      sinks=None, window=0):
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, causal, scale)
     attn._check_softcap(softcap, OP)
+    attn._check_sinks(q, sinks, OP)
+    _check_window(window, causal)
     o = q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=attn._stat_dtype(q.dtype))
     return o, lse, q.new_empty(1 if dropout_p > 0.0 else 0, dtype=torch.int64)
@@ -565,29 +677,37 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p
 def _attention_varlen_backward_op(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, seed: Tensor, cu_seqlens_q: Tensor,
     cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, causal: bool,
-    scale: float | None, softcap: float,
-) -> tuple[Tensor, Tensor, Tensor]:
-    return attention_varlen_bwd(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                dropout_p, causal, _resolve_scale(scale, q.shape[-1]), seed, softcap)
+    scale: float | None, softcap: float, sinks: Tensor | None = None, window: int = 0,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dsinks); dsinks is an empty tensor without sinks."""
+    dq, dk, dv, dsinks = attention_varlen_bwd(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                              max_seqlen_k, dropout_p, causal,
+                                              _resolve_scale(scale, q.shape[-1]), seed, softcap, sinks,
+                                              window)
+    return dq, dk, dv, q.new_empty(0) if dsinks is None else dsinks
 
 
 @_attention_varlen_backward_op.register_fake
 def _(do, q, k, v, o, lse, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, causal,
-      scale, softcap):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+      scale, softcap, sinks=None, window=0):
+    dsinks = q.new_empty(0) if sinks is None else torch.empty_like(sinks)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 def _setup_varlen(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, scale, softcap = inputs
+    q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, scale, softcap, *rest = inputs
+    sinks, window = (*rest, *(None, 0)[len(rest):])  # trailing defaults may be left out
     o, lse, seed = output
-    ctx.save_for_backward(q, k, v, o, lse, seed, cu_q, cu_k)
+    ctx.save_for_backward(q, k, v, o, lse, seed, cu_q, cu_k, sinks)
     ctx.args = (max_q, max_k, dropout_p, causal, scale, softcap)
+    ctx.window = window
 
 
 def _backward_varlen(ctx, do, *_):
-    q, k, v, o, lse, seed, cu_q, cu_k = ctx.saved_tensors
-    dq, dk, dv = torch.ops.trifuse.attention_varlen_backward(do, q, k, v, o, lse, seed, cu_q, cu_k, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    q, k, v, o, lse, seed, cu_q, cu_k, sinks = ctx.saved_tensors
+    dq, dk, dv, dsinks = torch.ops.trifuse.attention_varlen_backward(do, q, k, v, o, lse, seed, cu_q, cu_k,
+                                                                     *ctx.args, sinks, ctx.window)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None if sinks is None else dsinks, None
 
 
 torch.library.register_autograd("trifuse::attention_varlen", _backward_varlen, setup_context=_setup_varlen)
@@ -597,23 +717,24 @@ class _VarlenFunction(torch.autograd.Function):
     """The eager path: straight over the launchers (a registered op's dispatch costs host time)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, scale, softcap):
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, scale, softcap, sinks, window):
         seed = philox_seed(q.device) if dropout_p > 0.0 else None
         o, lse = attention_varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, scale, seed,
-                                      softcap)
-        ctx.save_for_backward(q, k, v, o, lse, seed, cu_q, cu_k)
+                                      softcap, sinks, window)
+        ctx.save_for_backward(q, k, v, o, lse, seed, cu_q, cu_k, sinks)
         ctx.args = (max_q, max_k, dropout_p, causal, scale)
-        ctx.softcap = softcap
+        ctx.softcap, ctx.window = softcap, window
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse, seed, cu_q, cu_k = ctx.saved_tensors
+        q, k, v, o, lse, seed, cu_q, cu_k, sinks = ctx.saved_tensors
         max_q, max_k, dropout_p, causal, scale = ctx.args
         with profiled("trifuse::attention_varlen_backward"):
-            dq, dk, dv = attention_varlen_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, dropout_p,
-                                              causal, scale, seed, ctx.softcap)
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+            dq, dk, dv, dsinks = attention_varlen_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k,
+                                                      dropout_p, causal, scale, seed, ctx.softcap,
+                                                      sinks if ctx.needs_input_grad[11] else None, ctx.window)
+        return dq, dk, dv, None, None, None, None, None, None, None, None, dsinks, None
 
 
 def attention_varlen(
@@ -628,6 +749,8 @@ def attention_varlen(
     softmax_scale: float | None = None,
     causal: bool = False,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Attention over sequences packed along the token axis: flash-attn's `flash_attn_varlen_func`
     arguments and semantics, on trifuse's kernels, forward and backward.
@@ -649,6 +772,10 @@ def attention_varlen(
             cu_seqlens_k (packed self-attention, where top-left and flash-attn's bottom-right
             alignment agree); other offsets are refused.
         softcap: a logit soft cap c > 0 (flash-attn's softcap): scores become c * tanh(s / c).
+        sinks: attention sinks (gpt-oss), (Hq,) logits, as in `trifuse.ops.attention`: one more
+            score in each row's softmax that has no value; may require grad.
+        sliding_window: with causal, query i sees only keys j > i - sliding_window (transformers'
+            sliding_window; flash-attn's window_size=(sliding_window - 1, 0)). None: no window.
 
     Under autocast, q, k and v are cast to the autocast dtype first, as SDPA's inputs are.
 
@@ -665,6 +792,9 @@ def attention_varlen(
         check_tensor(OP, name, t)
     check_probability(OP, "dropout_p", dropout_p)
     attn._check_softcap(softcap, OP)
+    attn._check_sinks(q, sinks, OP)
+    window = 0 if sliding_window is None else sliding_window
+    _check_window(window, causal)
     if torch.is_autocast_enabled(q.device.type):
         dtype = torch.get_autocast_dtype(q.device.type)
         q, k, v = (t.to(dtype) if t.is_floating_point() else t for t in (q, k, v))
@@ -674,13 +804,15 @@ def attention_varlen(
         max_seqlen_k = max_seqlen_q if cu_seqlens_k is cu_seqlens_q else _max_seqlen(cu_seqlens_k)
     max_q, max_k = int(max_seqlen_q), int(max_seqlen_k)
     softcap = float(softcap or 0.0)
-    if eager_fast_path(q, k, v, cu_seqlens_q, cu_seqlens_k):
+    window = 0 if window >= max_k else int(window)  # a window no sequence outgrows changes nothing
+    if eager_fast_path(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks):
         _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, causal, softmax_scale)
         _check_offsets(q, k, cu_seqlens_q, cu_seqlens_k, max_q, max_k, bool(causal))
         with profiled(f"trifuse::{OP}"):
             return apply_function(_VarlenFunction, q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k,
                                   float(dropout_p), bool(causal), _resolve_scale(softmax_scale, q.shape[-1]),
-                                  softcap)
+                                  softcap, sinks, window)
     scale = None if softmax_scale is None else float(softmax_scale)
     return torch.ops.trifuse.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k,
-                                              float(dropout_p), bool(causal), scale, softcap)[0]
+                                              float(dropout_p), bool(causal), scale, softcap, sinks,
+                                              window)[0]

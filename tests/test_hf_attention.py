@@ -1,6 +1,7 @@
 """`attn_implementation="trifuse"` (trifuse/hf.py) on tiny transformers models: every call SDPA's
-answer (padding, causal, sliding windows, soft caps, a KV cache), and packed batches with
-flash-attention offsets on the varlen kernels, each sequence alone."""
+answer (padding, causal, sliding windows, soft caps, sinks, a KV cache), packed batches on the
+varlen kernels (each sequence as if alone), and what it hands back to SDPA or the model's eager
+code. Also fuse on packed batches: the same varlen dispatch in trifuse.ops.attention."""
 import copy
 
 import pytest
@@ -50,6 +51,9 @@ def check_against(model: torch.nn.Module, ref_attn: str, batch: dict) -> None:
     for out in outs:
         out.loss.backward()
     for (name, p), p64, pr in zip(model.named_parameters(), ref64.parameters(), ref.parameters()):
+        if p64.grad is None:  # a parameter the loss does not reach
+            assert p.grad is None, name
+            continue
         assert_close(f"grad {name}", p.grad, p64.grad, pr.grad)
 
 
@@ -78,37 +82,110 @@ def test_padded_batch_is_sdpa():
     assert "trifuse::attention" in ran and "trifuse::attention_varlen" not in ran
 
 
-def test_packed_batch_with_offsets_runs_varlen_sequence_by_sequence():
-    model = tiny("llama", "trifuse")
-    batch = packed_batch()
-    assert batch["input_ids"].shape[0] == 1 and "cu_seq_lens_q" in batch
-    ran = trifuse_ops_run(lambda: model(**batch, use_cache=False))
-    assert "trifuse::attention_varlen" in ran and "trifuse::attention" not in ran
-    check_against(model, "sdpa", batch)  # transformers' SDPA masks the packed row block-diagonally
-    # and each sequence run alone gives the same logits
+def logits_alone(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    """The model's logits for each packed sequence run by itself, concatenated as packed."""
+    cu = batch["cu_seq_lens_q"].tolist()
     with torch.no_grad():
-        packed = model(**batch, use_cache=False).logits[0]
-        cu = batch["cu_seq_lens_q"].tolist()
-        for start, end in zip(cu[:-1], cu[1:]):
-            alone = model(input_ids=batch["input_ids"][:, start:end], use_cache=False).logits[0]
-            torch.testing.assert_close(packed[start:end], alone, rtol=1e-5, atol=1e-5)
+        return torch.cat([model(input_ids=batch["input_ids"][:, a:b], use_cache=False).logits
+                          for a, b in zip(cu[:-1], cu[1:])], 1)
 
 
-def test_packed_batch_without_offsets_keeps_the_dense_mask():
-    """position_ids alone do not say that a batch of one is packed (a padded one has them too)."""
+@pytest.mark.parametrize("flash_kwargs", [True, False], ids=["with-offsets", "position-ids-only"])
+def test_packed_batch_runs_varlen_sequence_by_sequence(flash_kwargs):
+    """transformers masks a packed row block-diagonally for SDPA (from the position ids; the
+    collator's flash-attention offsets are not needed): trifuse runs varlen over the blocks."""
     model = tiny("llama", "trifuse")
-    batch = packed_batch(flash_kwargs=False)
+    batch = packed_batch(flash_kwargs=flash_kwargs)
+    assert batch["input_ids"].shape[0] == 1
+    ran = trifuse_ops_run(lambda: model(**batch, use_cache=False))
+    assert "trifuse::attention_varlen" in ran
+    check_against(model, "sdpa", batch)
+    with torch.no_grad():
+        logits = model(**batch, use_cache=False).logits
+    torch.testing.assert_close(logits, logits_alone(model, packed_batch()), rtol=1e-5, atol=1e-5)
+
+
+def test_a_padded_batch_of_one_keeps_its_mask():
+    model = tiny("llama", "trifuse")
+    batch = {k: v[1:] for k, v in padded_batch().items()}  # the left-padded row alone
     ran = trifuse_ops_run(lambda: model(**batch, use_cache=False))
     assert "trifuse::attention" in ran and "trifuse::attention_varlen" not in ran
     check_against(model, "sdpa", batch)
 
 
-def test_sliding_window_layers_keep_the_mask_even_when_packed():
+def test_sliding_window_layers_run_varlen_with_the_window():
+    """Mistral's packed mask is block-diagonal within its window: varlen with the window."""
     model = tiny("mistral", "trifuse", sliding_window=4)
     batch = packed_batch()
     ran = trifuse_ops_run(lambda: model(**batch, use_cache=False))
-    assert "trifuse::attention_varlen" not in ran
+    assert "trifuse::attention_varlen" in ran
     check_against(model, "sdpa", batch)
+    with torch.no_grad():
+        torch.testing.assert_close(model(**batch, use_cache=False).logits, logits_alone(model, batch),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_gpt_oss_sinks_and_windows_packed_as_eager():
+    """gpt-oss: sinks in every layer, a sliding window in every other one; transformers builds
+    its masks without the position ids (its packed sequences see each other, in eager code too),
+    and trifuse gives its eager code's answer."""
+    model = tiny("gpt_oss", "trifuse", head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                 sliding_window=3, experts_implementation="eager")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_()
+    check_against(model, "eager", packed_batch())
+    assert all(layer.self_attn.sinks.grad.abs().sum() > 0 for layer in model.model.layers)
+
+
+def test_head_dims_over_256_run_sdpa():
+    model = tiny("llama", "trifuse", head_dim=272)
+    before = dict(trifuse.hf.FALLBACKS)
+    check_against(model, "sdpa", padded_batch())
+    assert trifuse.hf.FALLBACKS.get("head dim over 256", 0) > before.get("head dim over 256", 0)
+
+
+def test_a_causal_model_that_leans_on_its_mask_is_refused_without_one():
+    """BigBird-Pegasus' decoder attention says is_causal=False and lets its (eager) mask make it
+    causal; transformers does not run it with SDPA. Without a mask: a clear error, not a
+    bidirectional answer. With a padding mask (causal inside): SDPA's answer is the eager one."""
+    model = tiny("bigbird_pegasus", "eager", attention_type="original_full", d_model=32, encoder_layers=1,
+                 decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+                 decoder_ffn_dim=64)
+    other = as_attention(model, "trifuse")
+    ids = torch.randint(1, VOCAB, (2, 12), device=DEVICE)
+    with pytest.raises(ValueError, match="does not run with SDPA in transformers"):
+        other(input_ids=ids, use_cache=False)
+    check_against(other, "eager", padded_batch())
+
+
+def test_sparse_attention_selected_keys_fold_into_the_mask():
+    """GLM-5's and HY-V4's DeepSeek sparse attention hands a kernel implementation its top-k keys
+    (`indices`) where it folds them into SDPA's mask: folded in the same way, the answer is
+    SDPA's with the folded mask."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 6, 8, device=DEVICE) for _ in range(3))
+    indices = torch.stack([torch.randperm(6)[:3] for _ in range(12)]).view(2, 6, 3).to(DEVICE)
+    keep = torch.zeros(2, 6, 6, dtype=torch.bool, device=DEVICE).scatter(-1, indices, True)[:, None]
+    causal = torch.ones(6, 6, dtype=torch.bool, device=DEVICE).tril()
+    module = torch.nn.Module()
+    module.is_causal = True
+    for mask, expected in ((None, keep & causal), (causal.expand(2, 1, 6, 6), keep & causal)):
+        out, _ = trifuse.hf.attention_forward(module, q, k, v, mask, indices=indices)
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=expected)
+        torch.testing.assert_close(out, ref.transpose(1, 2), rtol=1e-5, atol=1e-5)
+
+
+def test_fuse_runs_packed_batches_on_varlen():
+    """No attn_implementation needed: a fused SDPA model's attention sees the packed mask too."""
+    model = tiny("llama", "sdpa")
+    ref64 = copy.deepcopy(model).double()
+    batch = packed_batch()
+    fused = trifuse.fuse(copy.deepcopy(model))
+    out = fused(**batch)
+    unfused = model(**batch, use_cache=False).loss
+    assert_close("fused loss", out.loss, ref64(**batch, use_cache=False).loss, unfused)
+    assert "trifuse::attention_varlen" in trifuse_ops_run(lambda: fused(**batch))
 
 
 def test_soft_cap_and_alternating_windows_match_eager():
@@ -142,5 +219,3 @@ def test_fuse_fuses_the_rest_of_a_model_with_this_attention():
     assert_close("fused loss", out.loss, out64.loss, model(**batch, use_cache=False).loss)
     counts = trifuse.report(fused).counts()
     assert counts.get("rms_norm") and counts.get("gated_activation")
-    ran = trifuse_ops_run(lambda: fused(**batch))
-    assert "trifuse::attention_varlen" in ran

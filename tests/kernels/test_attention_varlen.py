@@ -7,7 +7,7 @@ Triton's interpreter with small unequal blocks (32 x 16, 16 x 32 in dK/dV), so s
 up to ~40 tokens cross block boundaries, the diagonal and ragged last blocks.
 """
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -34,7 +34,8 @@ class Case:
     causal: bool = False
     scale: float | None = None
     softcap: float = 0.0
-    tags: tuple[str, ...] = field(default=())
+    sinks: bool = False  # gpt-oss's attention sinks, one logit per query head
+    window: int | None = None  # a causal sliding window (transformers' sliding_window)
 
     @property
     def keys(self) -> tuple[int, ...]:
@@ -49,7 +50,8 @@ class Case:
         parts = [f"{lens}x{self.h}{kv}x{self.d}" + (f"v{self.dv}" if self.dv else ""),
                  "causal" if self.causal else "full"]
         parts += [f"scale{self.scale}"] * (self.scale is not None)
-        parts += [f"cap{self.softcap}"] * bool(self.softcap)
+        parts += [f"cap{self.softcap}"] * bool(self.softcap) + ["sinks"] * self.sinks
+        parts += [f"window{self.window}"] * (self.window is not None)
         return "-".join(parts)
 
 
@@ -62,6 +64,12 @@ CASES = [
     Case(lens_q=(12, 30), h=4, h_kv=1, d=80, dv=24),  # MQA, head dims that are not powers of two
     Case(lens_q=(9, 21), h=1, d=192, dv=128, causal=True),  # DeepSeek's MLA head dims
     Case(lens_q=(25, 14), scale=0.3, softcap=5.0, causal=True),
+    Case(lens_q=(13, 0, 30, 2), h=4, h_kv=2, causal=True, sinks=True),
+    Case(lens_q=(3, 20, 0, 9), lens_k=(17, 5, 8, 0), sinks=True),  # a sink alone for the queries without keys
+    # sliding windows: narrower than a block, between the two kinds of blocks, wider than most sequences
+    Case(lens_q=(40, 3, 29), causal=True, window=5),
+    Case(lens_q=(40, 17), h=4, h_kv=2, causal=True, window=20, sinks=True, softcap=4.0),
+    Case(lens_q=(45, 12, 1), causal=True, window=33),
 ]
 if ON_GPU:
     CASES += [Case(lens_q=(300, 1, 517, 64), h=4, h_kv=2, d=d, causal=c)
@@ -83,9 +91,17 @@ def make(case: Case, dtype: torch.dtype):
     return q, k, v, cu_q, (cu_q if case.lens_k is None else offsets(case.lens_k))
 
 
-def block_mask(lens_q, lens_k, causal: bool) -> torch.Tensor:
+def make_sinks(case: Case, dtype: torch.dtype) -> torch.Tensor | None:
+    if not case.sinks:
+        return None
+    sinks = torch.randn(case.h, device=DEVICE, dtype=dtype) * 2
+    sinks[0] = float("-inf") if case.h > 2 else sinks[0]  # a head without a sink
+    return sinks.requires_grad_()
+
+
+def block_mask(lens_q, lens_k, causal: bool, window: int | None = None) -> torch.Tensor:
     """(Tq, Tk) bool: True where query i and key j are in one sequence (and j <= i with causal,
-    positions counted within the sequence)."""
+    j > i - window with a window, positions counted within the sequence)."""
     seq_q = torch.repeat_interleave(torch.arange(len(lens_q)), torch.tensor(lens_q, dtype=torch.int64))
     seq_k = torch.repeat_interleave(torch.arange(len(lens_k)), torch.tensor(lens_k, dtype=torch.int64))
     pos_q = torch.cat([torch.arange(n) for n in lens_q]) if sum(lens_q) else torch.zeros(0, dtype=torch.int64)
@@ -93,42 +109,47 @@ def block_mask(lens_q, lens_k, causal: bool) -> torch.Tensor:
     keep = seq_q[:, None] == seq_k[None, :]
     if causal:
         keep &= pos_k[None, :] <= pos_q[:, None]
+    if window is not None:
+        keep &= pos_k[None, :] > pos_q[:, None] - window
     return keep.to(DEVICE)
 
 
-def packed_ref(q, k, v, case: Case, dropout_p=0.0, dropout_mask=None):
+def packed_ref(q, k, v, case: Case, dropout_p=0.0, dropout_mask=None, sinks=None):
     """attention_ref on (1, H, T, D) with the block-diagonal mask, back to (T, H, Dv)."""
-    mask = block_mask(case.lens_q, case.keys, case.causal)
+    mask = block_mask(case.lens_q, case.keys, case.causal, case.window)
     heads = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
     out = attention_ref(*heads, mask, dropout_p, scale=case.scale, enable_gqa=True, dropout_mask=dropout_mask,
-                        softcap=case.softcap or None)
+                        softcap=case.softcap or None, sinks=sinks)
     return out[0].transpose(0, 1)
 
 
 def call(q, k, v, cu_q, cu_k, case: Case, **kw):
     return varlen(q, k, v, cu_q, cu_k, max(case.lens_q, default=0), max(case.keys, default=0),
-                  softmax_scale=case.scale, causal=case.causal, softcap=case.softcap, **kw)
+                  softmax_scale=case.scale, causal=case.causal, softcap=case.softcap,
+                  sliding_window=case.window, **kw)
 
 
 def check_fwd_bwd(case: Case, dtype: torch.dtype, *, dropout_p=0.0, dropout_mask=None, seed=None,
                   inputs=None):
     q, k, v, cu_q, cu_k = make(case, dtype) if inputs is None else inputs
+    sinks = make_sinks(case, dtype)
     if seed is not None:
         torch.manual_seed(seed)
-    out = call(q, k, v, cu_q, cu_k, case, dropout_p=dropout_p)
+    out = call(q, k, v, cu_q, cu_k, case, dropout_p=dropout_p, sinks=sinks)
     assert out.dtype == q.dtype and out.shape == (q.shape[0], q.shape[1], v.shape[2]) and out.is_contiguous()
-    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    lowp = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    ref = packed_ref(*leaves, case, dropout_p, dropout_mask)
-    ref_lp = packed_ref(*lowp, case, dropout_p, dropout_mask)
+    inputs = (q, k, v) if sinks is None else (q, k, v, sinks)
+    leaves = [t.detach().double().requires_grad_() for t in inputs]
+    lowp = [t.detach().clone().requires_grad_() for t in inputs]
+    ref = packed_ref(*leaves[:3], case, dropout_p, dropout_mask, *leaves[3:])
+    ref_lp = packed_ref(*lowp[:3], case, dropout_p, dropout_mask, *lowp[3:])
     assert_close(f"{case.id} out", out, ref, ref_lp)
     if out.numel() == 0:
         return
     dout = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), dout)
+    grads = torch.autograd.grad(out, inputs, dout)
     g64 = torch.autograd.grad(ref, leaves, dout.double())
     glp = torch.autograd.grad(ref_lp, lowp, dout)
-    for name, x, a, a64, alp in zip(("dq", "dk", "dv"), (q, k, v), grads, g64, glp):
+    for name, x, a, a64, alp in zip(("dq", "dk", "dv", "dsinks"), inputs, grads, g64, glp):
         assert a.dtype == x.dtype and a.shape == x.shape
         assert_close(f"{case.id} {name}", a, a64, alp)
 
@@ -200,9 +221,11 @@ def kernel_keep_mask(lens: tuple[int, ...], h: int, p: float, seed: int) -> torc
     return ((o * (n[:, None, None] * (1.0 - p))) > 0.5).transpose(0, 1)[None] & block_mask(lens, lens, False)
 
 
+@pytest.mark.parametrize("case", [Case(lens_q=(13, 0, 30, 2), h=4, h_kv=2, causal=True),
+                                  Case(lens_q=(37, 6), causal=True, window=9)], ids=lambda c: c.id)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_dropout_matches_oracle_with_the_kernels_mask(dtype):
-    p, case = 0.3, Case(lens_q=(13, 0, 30, 2), h=4, h_kv=2, causal=True)
+def test_dropout_matches_oracle_with_the_kernels_mask(dtype, case):
+    p = 0.3
     keep = kernel_keep_mask(case.lens_q, case.h, p, seed=123)
     check_fwd_bwd(case, dtype, dropout_p=p, dropout_mask=keep, seed=123)
 
@@ -244,6 +267,9 @@ def test_gradcheck_float64():
         return varlen(*a, cu, cu, 5, 5, dropout_p=0.3, softmax_scale=0.7, softcap=2.0)
 
     assert torch.autograd.gradcheck(dropped, (q, k, v), fast_mode=True)
+    sinks = leaf(2)
+    assert torch.autograd.gradcheck(lambda *a: varlen(*a[:3], cu, cu, 5, 5, causal=True, sinks=a[3],
+                                                      sliding_window=2), (q, k, v, sinks))
 
 
 def test_backward_is_deterministic():
@@ -298,13 +324,24 @@ def test_opcheck():
     assert lse.shape == (4, 13)
     torch.library.opcheck(torch.ops.trifuse.attention_varlen_backward.default,
                           (torch.randn_like(o), q, k, v, o, lse, seed, cu, cu, 9, 9, 0.0, False, None, 3.0))
+    sinks = torch.randn(4, device=DEVICE, requires_grad=True)
+    torch.library.opcheck(torch.ops.trifuse.attention_varlen.default,
+                          (q, k, v, cu, cu, 9, 9, 0.0, True, None, 0.0, sinks))
+    o, lse, seed = torch.ops.trifuse.attention_varlen(q, k, v, cu, cu, 9, 9, 0.0, True, None, 0.0,
+                                                      sinks.detach())
+    torch.library.opcheck(torch.ops.trifuse.attention_varlen_backward.default,
+                          (torch.randn_like(o), q, k, v, o, lse, seed, cu, cu, 9, 9, 0.0, True, None, 0.0,
+                           sinks.detach()))
+    torch.library.opcheck(torch.ops.trifuse.attention_varlen.default,
+                          (q, k, v, cu, cu, 9, 9, 0.0, True, None, 0.0, sinks, 3))
 
 
 def test_torch_path_without_interpreter_matches(monkeypatch):
     """CPU tensors without TRITON_INTERPRET run attention.py's PyTorch path sequence by sequence."""
     monkeypatch.setattr(attn_mod, "use_triton", lambda t: False)
     for case in (Case(h=4, h_kv=2, causal=True, dv=8), Case(lens_q=(3, 20, 0, 9), lens_k=(17, 5, 8, 0)),
-                 Case(lens_q=(25, 14), softcap=5.0, causal=True)):
+                 Case(lens_q=(25, 14), softcap=5.0, causal=True), Case(h=4, causal=True, sinks=True),
+                 Case(lens_q=(40, 3, 29), causal=True, window=5)):
         check_fwd_bwd(case, torch.float32)
     case = Case(h=2, causal=True)
     q, k, v, cu, _ = make(case, torch.float32)
@@ -385,6 +422,10 @@ BAD_INPUTS = {
                   "same head_dim"),
     "dropout": (lambda: (*_inputs(), _cu(0, 10), _cu(0, 10)), {"dropout_p": 1.5}, ValueError, "dropout_p"),
     "softcap": (lambda: (*_inputs(), _cu(0, 10), _cu(0, 10)), {"softcap": -1.0}, ValueError, "softcap"),
+    "window without causal": (lambda: (*_inputs(), _cu(0, 10), _cu(0, 10)), {"sliding_window": 4}, ValueError,
+                              "sliding_window needs causal"),
+    "window type": (lambda: (*_inputs(), _cu(0, 10), _cu(0, 10)), {"sliding_window": 2.5, "causal": True},
+                    TypeError, "sliding_window must be"),
 }
 
 
