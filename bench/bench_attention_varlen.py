@@ -8,9 +8,13 @@ A shape (T, H, N, D) is one row of T tokens holding N documents (lengths drawn o
 seeded Dirichlet split, every document >= 1 token), H heads of dim D, causal within each
 document: what transformers' DataCollatorWithFlattening hands a decoder. Providers:
     trifuse varlen            trifuse.ops.attention_varlen over the offsets
-    trifuse block mask        trifuse.ops.attention over the row with the (1, 1, T, T) bool mask
-                              transformers builds for SDPA from packed position ids (what a fused
-                              model runs for such a batch without attn_implementation="trifuse")
+    trifuse.ops.attention     the public op on the row with the (1, 1, T, T) bool mask transformers
+                              builds for SDPA from packed position ids: what a fused model calls;
+                              it recognizes the block-diagonal mask (checked once per mask, cached)
+                              and runs varlen (not in its "graph ms": inside a CUDA graph capture
+                              nothing may sync, and a graph replays fixed shapes: the dense kernels)
+    trifuse block mask        trifuse's dense kernels over the whole row under that mask (what the
+                              op ran before it recognized packed masks)
     sdpa-efficient block mask SDPA's memory-efficient backend with that mask (flash takes none)
     sdpa-flash per document   one causal SDPA flash call per document (a loop on the host)
     flex-attention            FlexAttention with a document block mask (compiled), GPU only
@@ -30,6 +34,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import trifuse
+from trifuse.kernels import attention as attn_mod
 
 DTYPE = torch.bfloat16 if H.on_gpu() else torch.float32
 DEVICE = "cuda" if H.on_gpu() else "cpu"
@@ -85,8 +90,12 @@ def trifuse_varlen(q, k, v, shape):
     return out.transpose(0, 1)[None]
 
 
-def trifuse_block_mask(q, k, v, shape):
+def trifuse_ops_attention(q, k, v, shape):
     return trifuse.ops.attention(q, k, v, attn_mask=packing(shape)[2])
+
+
+def trifuse_block_mask(q, k, v, shape):
+    return attn_mod._attention_trifuse(q, k, v, packing(shape)[2], 0.0, False, None, False)
 
 
 def sdpa_efficient_block_mask(q, k, v, shape):
@@ -111,7 +120,8 @@ def sdpa_flash_per_document(q, k, v, shape):
 
 
 def providers() -> dict:
-    out = {"trifuse varlen": trifuse_varlen, "trifuse block mask": trifuse_block_mask}
+    out = {"trifuse varlen": trifuse_varlen, "trifuse.ops.attention": trifuse_ops_attention,
+           "trifuse block mask": trifuse_block_mask}
     if not H.on_gpu():
         return {**out, "sdpa-math block mask": sdpa_math_block_mask}
     out["sdpa-efficient block mask"] = sdpa_efficient_block_mask
@@ -154,7 +164,7 @@ def with_peak_memory(rows: list[dict], fns: dict) -> list[dict]:
 
 
 COLUMNS = ("provider", "mode", "shape", "longest", "ms", "TFLOP/s", "graph ms", "peak MiB",
-           "x vs trifuse block mask", "x vs sdpa-efficient block mask", "x vs sdpa-flash per document",
+           "x vs trifuse block mask", "x vs trifuse.ops.attention", "x vs sdpa-efficient block mask", "x vs sdpa-flash per document",
            "x vs flex-attention", "x vs flash-attn varlen", "error", "graph error")
 
 
@@ -171,7 +181,7 @@ def main() -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("provider", ["trifuse varlen", "trifuse block mask"])
+@pytest.mark.parametrize("provider", ["trifuse varlen", "trifuse.ops.attention", "trifuse block mask"])
 def test_attention_varlen(benchmark, provider, mode):
     fns = providers()
     H.check_against_reference(fns, "sdpa-math block mask" if not H.on_gpu() else "trifuse block mask",

@@ -80,7 +80,10 @@ after the first call of a shape, a call costs a dict lookup and four direct laun
 
 Eager calls of `attention` go through the `attention` dialect (bottom of this file): trifuse's
 kernels, SDPA with one backend forced, flash-attn or xformers, whichever measured fastest among
-the candidates that pass the check for the shape bucket.
+the candidates that pass the check for the shape bucket. Before it, a batch of one under a bool
+mask that is exactly block-diagonal causal (packed sequences as transformers masks them for SDPA)
+goes to `attention_varlen.py` over the blocks (`_packed`): the same answer without scoring every
+other sequence's keys; the mask is checked once (one pass, two syncs) and the verdict cached.
 Key blocks that need no causal or bounds mask run a loop without the masking code; the diagonal
 and the ragged last block run a masked loop (a constexpr flag selects the variant).
 
@@ -1858,6 +1861,11 @@ def attention(
             run trifuse's kernels.
 
     Under autocast, as SDPA: q, k, v and a float mask are cast to the autocast dtype first.
+
+    Packed sequences: an eager call with batch 1 whose bool mask keeps exactly a block-diagonal
+    causal pattern (optionally within a sliding window) - what transformers builds for SDPA from
+    packed position ids - runs `trifuse.ops.attention_varlen` over the blocks; the mask's check
+    runs once per mask (a model's layers share it), not inside CUDA graph capture.
 
     Returns:
         (B, Hq, Sq, Dv) in q's dtype (the autocast dtype under autocast), laid out like q when q is dense (so a (B, S, H, D)
