@@ -164,7 +164,8 @@ def with_peak_memory(rows: list[dict], fns: dict) -> list[dict]:
 
 
 COLUMNS = ("provider", "mode", "shape", "longest", "ms", "TFLOP/s", "graph ms", "peak MiB",
-           "x vs trifuse block mask", "x vs trifuse.ops.attention", "x vs sdpa-efficient block mask", "x vs sdpa-flash per document",
+           "x vs trifuse block mask", "x vs trifuse.ops.attention", "x vs sdpa-efficient block mask",
+           "x vs sdpa-flash per document",
            "x vs flex-attention", "x vs flash-attn varlen", "error", "graph error")
 
 

@@ -182,8 +182,8 @@ def _catalogue(torch, family: str):
         # gpt-oss: sinks and a sliding window, with attention dropout
         q, k, v, sinks = leaf(128, 4, 64), leaf(128, 2, 64), leaf(128, 2, 64), leaf(4)
         yield "attention_varlen d64 gqa causal dropout sinks window", fwd_bwd(
-            lambda q=q, k=k, v=v, sinks=sinks: ops.attention_varlen(q, k, v, cu, cu, 60, 60, dropout_p=0.1,
-                                                                    causal=True, sinks=sinks, sliding_window=32))
+            lambda q=q, k=k, v=v, sinks=sinks: ops.attention_varlen(
+                q, k, v, cu, cu, 60, 60, dropout_p=0.1, causal=True, sinks=sinks, sliding_window=32))
     elif family == "cross_entropy":
         for vocab in (32000, 50257, 128256):
             logits, target = leaf(2, vocab), torch.randint(0, vocab, (2,))
