@@ -49,8 +49,8 @@ def test_every_kernel_compiles_for_sm90_without_spills(tmp_path):
     assert {r["kernel"] for r in rows} == _kernel_names(), "the smoke catalogue launches every kernel"
     for r in rows:
         assert not r["error"] and r["stack"] == 0 and r["smem"] <= 232448, r
-        if r["kernel"] in ("_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel", "_varlen_fwd_kernel",
-                           "_varlen_bwd_dkdv_kernel", "_varlen_bwd_dq_kernel"):
+        if r["kernel"] in ("_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel",
+                           "_varlen_fwd_kernel", "_varlen_bwd_dkdv_kernel", "_varlen_bwd_dq_kernel"):
             assert r["sass"]["HGMMA"] > 0 and r["sass"]["HMMA"] == 0, (r["kernel"], r["sass"])
 
 
