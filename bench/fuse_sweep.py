@@ -722,7 +722,8 @@ def _hf_attention_row(model, kwargs: dict, loss0, grads0, floor: float, loss_tol
         apart = float((logits - alone).abs().max()) <= 1e-6 * max(float(alone.abs().max()), 1e-30)
         row["replaced"] = {"attention_varlen": len(calls) - n_calls}
         kept = "sequences kept apart" if apart else "the model lets packed sequences see each other"
-        notes.append(f"packed: loss {p_loss:.2g}, grads {p_grad:.2g}; {len(calls) - n_calls} varlen calls; {kept}")
+        ran = len(calls) - n_calls
+        notes.append(f"packed: loss {p_loss:.2g}, grads {p_grad:.2g}; {ran} varlen calls; {kept}")
     new = {k: v - fallbacks.get(k, 0) for k, v in trifuse.hf.FALLBACKS.items() if v != fallbacks.get(k, 0)}
     if new:
         notes.append("fell back: " + "; ".join(f"{k} ({v})" for k, v in new.items()))
