@@ -11,10 +11,16 @@ every other sequence only to mask it away; here a program covers one block of on
 loops over that sequence's keys alone: the work is sum_b Sq_b * Sk_b, not (sum_b Sq_b)^2.
 
 The maths is `attention.py`'s, per sequence (softmax over its keys, dropout on the probabilities
-regenerated in the backward, a logit soft cap, GQA without repeating K/V); the kernels below are
-that file's entry kernels with the (batch, head) slice replaced by (sequence, head): they call
-the same inner loops. Statistics are laid out (Hq, total_q): row r of head h is token r.
-Dropout draws from (seed, h * total_q + token, key index within the sequence).
+regenerated in the backward, a logit soft cap, gpt-oss's sinks, GQA without repeating K/V, and a
+causal sliding window w: query i sees keys i - w < j <= i, transformers' sliding_window and
+flash-attn's window_size=(w - 1, 0)); the kernels below are that file's entry kernels with the
+(batch, head) slice replaced by (sequence, head): they call the same inner loops, and with a
+window loop over the window's blocks only, all masked. Statistics are laid out (Hq, total_q):
+row r of head h is token r. Dropout draws from (seed, h * total_q + token, key index within the
+sequence).
+
+`trifuse.ops.attention` sends here the packed masks it recognizes (`packed_mask_offsets`, bottom
+of this file): a batch of one under an exactly block-diagonal causal bool mask.
 
 Causal: query i of a sequence sees its keys j <= i (top-left, as trifuse.ops.attention and SDPA).
 flash-attn >= 2.1 aligns bottom-right when a sequence's query and key lengths differ; the two
