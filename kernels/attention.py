@@ -254,6 +254,34 @@ def _scores(qk, rows, cols, MASK, stride_mm, stride_mn, N_Q, N_K,
 
 
 @triton.jit
+def _softmax_start(SINKS, h, BLOCK_M: tl.constexpr, ACC: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """(m, l) the online softmax of a block of rows of head h starts from. The sink is a score
+    every row sees, with no value: the softmax starts from it (l = exp2(m - m) = 1), so L includes
+    it and a row with every key masked keeps l >= 1. A sink of -inf starts as (-inf, 0), no sink
+    at all, as without sinks."""
+    if HAS_SINKS:
+        m_i = tl.full([BLOCK_M], 1.4426950408889634, dtype=ACC) * tl.load(SINKS + h).to(ACC)
+        l_i = tl.where(m_i == float("-inf"), 0.0, 1.0).to(ACC)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
+        l_i = tl.zeros([BLOCK_M], dtype=ACC)
+    return m_i, l_i
+
+
+@triton.jit
+def _key_blocks(start_m, N_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """(n_full, hi) for the block of query rows from start_m: key blocks [0, n_full) need neither
+    the causal nor the bounds mask, [n_full, hi) do; keys from hi on are past the diagonal."""
+    if IS_CAUSAL:
+        hi = tl.minimum(N_K, start_m + BLOCK_M)
+        n_full = tl.minimum(start_m + 1, N_K) // BLOCK_N * BLOCK_N
+    else:
+        hi = N_K
+        n_full = N_K // BLOCK_N * BLOCK_N
+    return n_full, hi
+
+
+@triton.jit
 def _attn_fwd_loop(acc, l_i, m_i, q, K, V, MASK, seed, rng_rows, offs_m, offs_n, offs_d, offs_dv,
                    stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
                    N_Q, N_K, qk_scale, softcap, p_drop, lo, hi,
@@ -351,23 +379,9 @@ def _attn_fwd_kernel(
     seed = tl.load(SEED) if HAS_DROPOUT else 0
     rng_rows = bh * N_Q + offs_m
 
-    if HAS_SINKS:
-        # The sink is a score every row sees, with no value: the online softmax starts from it
-        # (l = exp2(m - m) = 1), so L includes it and a row with every key masked keeps l >= 1.
-        # A sink of -inf starts as (-inf, 0), no sink at all.
-        m_i = tl.full([BLOCK_M], 1.4426950408889634, dtype=ACC) * tl.load(SINKS + h).to(ACC)
-        l_i = tl.where(m_i == float("-inf"), 0.0, 1.0).to(ACC)
-    else:
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
-        l_i = tl.zeros([BLOCK_M], dtype=ACC)
+    m_i, l_i = _softmax_start(SINKS, h, BLOCK_M, ACC, HAS_SINKS)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=ACC)
-    # Key blocks [0, n_full) need neither the causal nor the bounds mask; [n_full, hi) do.
-    if IS_CAUSAL:
-        hi = tl.minimum(N_K, start_m + BLOCK_M)
-        n_full = tl.minimum(start_m + 1, N_K) // BLOCK_N * BLOCK_N
-    else:
-        hi = N_K
-        n_full = N_K // BLOCK_N * BLOCK_N
+    n_full, hi = _key_blocks(start_m, N_K, BLOCK_M, BLOCK_N, IS_CAUSAL)
     acc, l_i, m_i = _attn_fwd_loop(acc, l_i, m_i, q, K, V, MASK, seed, rng_rows, offs_m, offs_n, offs_d, offs_dv,
                                    stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
                                    N_Q, N_K, qk_scale, softcap, p_drop, 0, n_full,
@@ -657,12 +671,7 @@ def _attn_bwd_dq_kernel(
         DMASK += bh * N_Q * N_K
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
-    if IS_CAUSAL:
-        hi = tl.minimum(N_K, start_m + BLOCK_M)
-        n_full = tl.minimum(start_m + 1, N_K) // BLOCK_N * BLOCK_N
-    else:
-        hi = N_K
-        n_full = N_K // BLOCK_N * BLOCK_N
+    n_full, hi = _key_blocks(start_m, N_K, BLOCK_M, BLOCK_N, IS_CAUSAL)
     dq = _attn_bwd_dq_loop(dq, q, do, lse, delta, K, V, MASK, DMASK, seed, rng_rows, offs_m, offs_n, offs_d,
                            offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
                            N_Q, N_K, qk_scale, softcap, p_drop, dropout_scale, 0, n_full,

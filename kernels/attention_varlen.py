@@ -122,19 +122,9 @@ def _varlen_fwd_kernel(
     seed = tl.load(SEED) if HAS_DROPOUT else 0
     rng_rows = h * TOTAL_Q + q_start + offs_m
 
-    if HAS_SINKS:  # the online softmax starts from the sink, as in attention.py
-        m_i = tl.full([BLOCK_M], 1.4426950408889634, dtype=ACC) * tl.load(SINKS + h).to(ACC)
-        l_i = tl.where(m_i == float("-inf"), 0.0, 1.0).to(ACC)
-    else:
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
-        l_i = tl.zeros([BLOCK_M], dtype=ACC)
+    m_i, l_i = attn._softmax_start(SINKS, h, BLOCK_M, ACC, HAS_SINKS)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=ACC)
-    if IS_CAUSAL:
-        hi = tl.minimum(n_k, start_m + BLOCK_M)
-        n_full = tl.minimum(start_m + 1, n_k) // BLOCK_N * BLOCK_N
-    else:
-        hi = n_k
-        n_full = n_k // BLOCK_N * BLOCK_N
+    n_full, hi = attn._key_blocks(start_m, n_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
     if HAS_WINDOW:  # causal (host-checked): keys from the window's first block, every block masked
         n_full = tl.maximum(start_m - window + 1, 0) // BLOCK_N * BLOCK_N
     else:
@@ -277,12 +267,7 @@ def _varlen_bwd_dq_kernel(
     V += k_start * stride_vt + hk * stride_vh
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
-    if IS_CAUSAL:
-        hi = tl.minimum(n_k, start_m + BLOCK_M)
-        n_full = tl.minimum(start_m + 1, n_k) // BLOCK_N * BLOCK_N
-    else:
-        hi = n_k
-        n_full = n_k // BLOCK_N * BLOCK_N
+    n_full, hi = attn._key_blocks(start_m, n_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
     if HAS_WINDOW:
         n_full = tl.maximum(start_m - window + 1, 0) // BLOCK_N * BLOCK_N
     else:
