@@ -1871,10 +1871,11 @@ def attention(
 
     Under autocast, as SDPA: q, k, v and a float mask are cast to the autocast dtype first.
 
-    Packed sequences: an eager call with batch 1 whose bool mask keeps exactly a block-diagonal
-    causal pattern (optionally within a sliding window) - what transformers builds for SDPA from
-    packed position ids - runs `trifuse.ops.attention_varlen` over the blocks; the mask's check
-    runs once per mask (a model's layers share it), not inside CUDA graph capture.
+    Packed sequences: an eager call with batch 1 whose mask (bool, or additive 0 / -inf) keeps
+    exactly a block-diagonal causal pattern (optionally within a sliding window) - what
+    transformers builds for SDPA from packed position ids - runs `trifuse.ops.attention_varlen`
+    over the blocks; the mask's check runs once per mask (a model's layers share it), not inside
+    CUDA graph capture.
 
     Returns:
         (B, Hq, Sq, Dv) in q's dtype (the autocast dtype under autocast), laid out like q when q is dense (so a (B, S, H, D)
@@ -1901,7 +1902,7 @@ def attention(
         q, k, v, attn_mask = _autocast_like_sdpa(q, k, v, attn_mask)
     if softcap is not None:
         _check_softcap(softcap)
-    if attn_mask is not None and attn_mask.dtype == torch.bool and q.shape[0] == 1:
+    if attn_mask is not None and q.shape[0] == 1 and q.shape[-2] > 1:
         packed = _packed(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, sinks)
         if packed is not None:
             return packed
@@ -1913,10 +1914,11 @@ def attention(
 
 def _packed(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap,
             sinks) -> torch.Tensor | None:
-    """A batch of one under a block-diagonal causal bool mask (packed sequences, as transformers
-    masks them for SDPA) runs varlen attention over the blocks: the same answer without scoring
-    every other sequence's keys. Eager calls only (the mask is checked on the host, once per mask),
-    not while a CUDA graph is captured; None when the call is anything else."""
+    """Packed sequences: a batch of one under a mask that keeps exactly a block-diagonal causal
+    pattern (transformers' SDPA mask for packed position ids) runs varlen attention over the
+    blocks: the same answer without scoring every other sequence's keys. Eager calls only (the
+    mask is checked on the host, once per mask), not while a CUDA graph is captured; None when the
+    call is anything else."""
     from .attention_varlen import attention_varlen, packed_mask_offsets
 
     n = q.shape[2]

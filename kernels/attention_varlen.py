@@ -596,50 +596,69 @@ def _max_seqlen(cu: torch.Tensor) -> int:
 # model's layers share one (in fused graphs, views of one).
 _PACKED_MASKS = torch.utils.weak.WeakTensorKeyDictionary()
 _CHECK_ELEMENTS = 1 << 24  # mask entries compared per step of the check (16 MiB of bools)
+# An additive mask entry at or below this is a masked key (transformers' eager masks use the
+# dtype's minimum, fp16's is -65504); anything between it and 0 is a bias, not a mask.
+_MASKED_BELOW = -65504.0
 
 
 def packed_mask_offsets(mask: torch.Tensor, n: int) -> tuple[torch.Tensor, int, int] | None:
-    """(cu_seqlens int32, longest, window or 0) when `mask`, bool and broadcast to (1, 1, n, n),
+    """(cu_seqlens int32, longest block, window or 0) when `mask`, broadcast to (1, 1, n, n),
     keeps exactly: query i sees key j iff both lie in one block, j <= i, and (with a window w)
-    j > i - w. None otherwise (padding, bidirectional spans, per-head or per-batch masks, any
-    other pattern). Costs one pass over the mask and two syncs the first time a mask is seen."""
-    if mask.dtype != torch.bool or mask.dim() < 2 or mask.shape[-2:] != (n, n):
+    j > i - w. Bool masks, or additive ones holding only 0 and masked entries (<= -65504, -inf).
+    None otherwise (padding, a bias, bidirectional spans, per-head masks, any other pattern). The
+    first time a mask is seen it costs one pass over it and two syncs; the verdict is cached with
+    the mask. Batches of one only: the flattening collators' layout, and no check (nor its sync)
+    for the padded batches of ordinary training."""
+    if mask.dim() < 2 or mask.shape[-2:] != (n, n) or n == 0 or mask.requires_grad:
         return None
     if any(d != 1 for d in mask.shape[:-2]):
         return None
     base = mask if mask._base is None else mask._base
     view = (tuple(mask.shape), mask.stride(), mask.storage_offset())
     seen = _PACKED_MASKS.get(base)
-    if seen is not None and seen[0] == base._version and seen[1] == view:
-        return seen[2]
-    result = _packed_offsets(mask.reshape(n, n)) if n > 0 else None
-    _PACKED_MASKS[base] = (base._version, view, result)
-    return result
+    if seen is None or seen[0] != base._version or seen[1] != view:
+        seen = (base._version, view, _packed_offsets(mask.reshape(1, n, n)))
+        _PACKED_MASKS[base] = seen
+    return seen[2]
 
 
-def _packed_offsets(m: torch.Tensor) -> tuple[torch.Tensor, int, int] | None:
-    n = m.shape[0]
-    idx = torch.arange(n, device=m.device)
-    start = torch.ones(n, dtype=torch.bool, device=m.device)
-    start[1:] = ~m.diagonal(-1)  # a block starts where a row does not see the token before it
-    block = start.cumsum(0)
-    pos = idx - torch.where(start, idx, 0).cummax(0).values  # position within the block
-    seen = m.sum(1)
-    # a window: some row sees fewer keys than its position allows; w is the most any row sees
+def _packed_offsets(mask: torch.Tensor) -> tuple[torch.Tensor, int, int] | None:
+    """packed_mask_offsets' check of (rows, n, n) masks: the blocks read off the sub-diagonal (a
+    block starts where a query does not see the token before it), the window off the row counts,
+    then every entry compared with the pattern they imply, in chunks of rows."""
+    rows, n = mask.shape[0], mask.shape[1]
+    if mask.dtype == torch.bool:
+        keep, valid = mask, torch.ones((), dtype=torch.bool, device=mask.device)
+    elif mask.is_floating_point():
+        keep = mask == 0
+        valid = (keep | (mask <= _MASKED_BELOW)).all()
+    else:
+        return None
+    idx = torch.arange(n, device=mask.device)
+    start = torch.ones(rows, n, dtype=torch.bool, device=mask.device)
+    start[:, 1:] = ~keep.diagonal(-1, dim1=1, dim2=2)
+    flat = torch.arange(rows * n, device=mask.device)
+    start = start.flatten()
+    block = start.cumsum(0).view(rows, n)  # block ids across the batch's rows
+    pos = (flat - torch.where(start, flat, 0).cummax(0).values).view(rows, n)  # position within the block
+    seen = keep.sum(-1)
+    # a window: some query sees fewer keys than its position allows; w is the most any query sees
     window = torch.where((seen == pos + 1).all(), 0, seen.max())
-    ok = m.diagonal().all() & (seen == torch.where(window > 0, torch.minimum(pos + 1, window), pos + 1)).all()
-    rows = max(1, _CHECK_ELEMENTS // max(n, 1))
-    for r in range(0, n, rows):
-        i = idx[r:r + rows, None]
-        expected = (block[r:r + rows, None] == block[None, :]) & (idx[None, :] <= i)
-        expected &= (window == 0) | (idx[None, :] > i - window)
-        ok &= (m[r:r + rows] == expected).all()
+    counts = torch.where(window > 0, torch.minimum(pos + 1, window), pos + 1)
+    ok = valid & keep.diagonal(dim1=1, dim2=2).all() & (seen == counts).all()
+    step = max(1, _CHECK_ELEMENTS // n)
+    for r in range(rows):
+        for q0 in range(0, n, step):
+            i = idx[q0:q0 + step, None]
+            expected = (block[r, q0:q0 + step, None] == block[r][None, :]) & (idx[None, :] <= i)
+            expected &= (window == 0) | (idx[None, :] > i - window)
+            ok &= (keep[r, q0:q0 + step] == expected).all()
     ok, window = torch.stack([ok.to(torch.long), window.to(torch.long)]).tolist()
     if not ok:
         return None
-    cu = torch.cat([start.nonzero().flatten(), idx.new_tensor([n])]).to(torch.int32)
+    cu = torch.cat([start.nonzero().flatten(), flat.new_tensor([rows * n])]).to(torch.int32)
     longest = int(cu.diff().max())
-    _CHECKED_OFFSETS[cu] = (cu._version, n, longest)  # valid by construction
+    _CHECKED_OFFSETS[cu] = (cu._version, rows * n, longest)  # valid by construction
     return cu, longest, 0 if window >= longest else window
 
 

@@ -361,6 +361,72 @@ def test_autocast_casts_like_sdpa():
 
 
 # ---------------------------------------------------------------------------------------------
+# packed masks: trifuse.ops.attention recognizes a block-diagonal causal mask and runs varlen
+# ---------------------------------------------------------------------------------------------
+
+
+def as_additive(keep: torch.Tensor, low: float = float("-inf")) -> torch.Tensor:
+    return torch.zeros(keep.shape, device=keep.device).masked_fill(~keep, low)
+
+
+def test_packed_masks_are_recognized_and_nothing_else():
+    lens = (5, 1, 12, 7)
+    t = sum(lens)
+    keep = block_mask(lens, lens, True)[None, None]
+    cu = offsets(lens)
+
+    def found(mask):
+        got = varlen_mod.packed_mask_offsets(mask, t)
+        return None if got is None else (got[0].tolist(), got[1], got[2])
+
+    assert found(keep) == (cu.tolist(), 12, 0)
+    assert found(keep[0, 0]) == (cu.tolist(), 12, 0)  # (T, T)
+    assert found(block_mask(lens, lens, True, window=3)[None, None]) == (cu.tolist(), 12, 3)
+    wide = block_mask(lens, lens, True, window=40)[None, None]  # a window wider than any block: none
+    assert found(wide) == (cu.tolist(), 12, 0)
+    assert found(as_additive(keep)) == (cu.tolist(), 12, 0)
+    assert found(as_additive(keep, torch.finfo(torch.float32).min)) == (cu.tolist(), 12, 0)
+    padded = keep.clone()
+    padded[..., 3] = False  # a padding key
+    bidirectional = keep.clone()
+    bidirectional[..., 6, 7] = True
+    biased = as_additive(keep)
+    biased[..., 8, 6] = -1.0  # a bias, not a mask
+    per_head = torch.cat([keep, keep], 1)
+    for mask in (padded, bidirectional, biased, per_head, block_mask(lens, lens, False)[None, None],
+                 as_additive(keep).requires_grad_()):
+        assert found(mask) is None
+    # checked once per mask, again after an in-place change
+    mask = keep.clone()
+    assert found(mask) is not None
+    mask[..., 3] = False
+    assert found(mask) is None
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive", "window"])
+def test_attention_on_a_packed_mask_runs_varlen(kind, monkeypatch):
+    lens = (13, 1, 30, 6)
+    window = 7 if kind == "window" else None
+    case = Case(lens_q=lens, h=4, h_kv=2, causal=True, window=window)
+    keep = block_mask(lens, lens, True, window)[None, None]
+    mask = as_additive(keep) if kind == "additive" else keep
+    q, k, v, _, _ = make(case, torch.float32)
+    calls = []
+    launcher = varlen_mod.attention_varlen_fwd
+    monkeypatch.setattr(varlen_mod, "attention_varlen_fwd",
+                        lambda *a, **kw: calls.append(1) or launcher(*a, **kw))
+    heads = [t.transpose(0, 1)[None] for t in (q, k, v)]
+    out = trifuse.ops.attention(*heads, attn_mask=mask, enable_gqa=True)
+    assert calls and out.shape == (1, 4, sum(lens), 16)
+    dense = attention_ref(*(t.detach().double() for t in heads), keep, enable_gqa=True)
+    assert_close("packed", out, dense, attention_ref(*(t.detach() for t in heads), keep, enable_gqa=True))
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    expected = torch.autograd.grad(packed_ref(q, k, v, case).sum(), (q, k, v))
+    for a, b in zip(grads, expected):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
 # negative controls and bad input
 # ---------------------------------------------------------------------------------------------
 
