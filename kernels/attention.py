@@ -762,13 +762,19 @@ def _smem_bytes(kind: str, bm: int, bn: int, stages: int, block_d: int, itemsize
 # A mask tile costs registers: the 16-bit head-dim-64 forward default spills with a boolean or
 # float mask (24 and 8 bytes, sm_90), where 8 warps of the same tile do not.
 _MASKED_16BIT_DEFAULT = {("fwd", 64): (128, 64, 8, 3)}
+# So do dropout's Philox draws (sm_90, Triton 3.9; bench/compile_sm90.py --spaces --only
+# attention_dropout): at head dim 64 the forward and dQ defaults spill (72-88 and 48 bytes of
+# stack: GPT-2's and BERT's attention in training). At 128 every dK/dV entry spills (72 bytes at
+# the default, up to 368) but 32 x 32, which loses the warpgroup MMA (no HGMMA): left to the tuner.
+_DROPOUT_16BIT_DEFAULT = {("fwd", 64): (128, 64, 8, 3), ("dq", 64): (128, 64, 8, 3)}
 
 
-def _configs(kind: str, block_d: int, itemsize: int, smem: int, mask: int = 0,
+def _configs(kind: str, block_d: int, itemsize: int, smem: int, mask: int = 0, dropout: bool = False,
              tma: bool = False, block_dv: int | None = None) -> list[triton.Config]:
-    """The autotuning list for one kernel, head-dim class and element size (first = default).
-    With `tma` (_tma_ok) the list is each block shape with USE_TMA first, then without. A value
-    head dim other than the query's (block_dv) takes the class of the wider of the two."""
+    """The autotuning list for one kernel, head-dim class and element size (first = default; with
+    a mask or dropout, an entry that does not spill). With `tma` (_tma_ok) the list is each block
+    shape with USE_TMA first, then without. A value head dim other than the query's (block_dv)
+    takes the class of the wider of the two."""
     if INTERPRET:
         shapes = [_INTERPRET_SHAPES[kind]]
     else:
@@ -776,6 +782,8 @@ def _configs(kind: str, block_d: int, itemsize: int, smem: int, mask: int = 0,
         d_class = 64 if widest <= 64 else 128 if widest <= 128 else 256
         shapes = (_SHAPES_WIDE if itemsize >= 4 else _SHAPES_16BIT)[kind][d_class]
         masked = _MASKED_16BIT_DEFAULT.get((kind, d_class)) if mask and itemsize < 4 else None
+        if dropout and itemsize < 4:
+            masked = _DROPOUT_16BIT_DEFAULT.get((kind, d_class), masked)
         if masked is not None:
             shapes = [masked] + [s for s in shapes if s != masked]
         fits = [s for s in shapes if _smem_bytes(kind, s[0], s[1], s[3], block_d, itemsize, block_dv) <= smem]
@@ -908,7 +916,7 @@ def _min_block(kind: str) -> int:
     axis = 1 if kind == "dkdv" else 0
     shapes = [_INTERPRET_SHAPES[kind]] if INTERPRET else [
         *(s for cls in _SHAPES_16BIT[kind].values() for s in cls),
-        *(s for (k, _), s in _MASKED_16BIT_DEFAULT.items() if k == kind)]
+        *(s for (k, _), s in (*_MASKED_16BIT_DEFAULT.items(), *_DROPOUT_16BIT_DEFAULT.items()) if k == kind)]
     return min(s[axis] for s in shapes)
 
 

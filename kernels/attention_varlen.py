@@ -293,20 +293,20 @@ def _varlen_bwd_dq_kernel(
 
 _KERNELS = {"fwd": _varlen_fwd_kernel, "dkdv": _varlen_bwd_dkdv_kernel, "dq": _varlen_bwd_dq_kernel}
 _CACHED = {kind: CachedKernel(fn) for kind, fn in _KERNELS.items()}
-# With dropout at head dim 64 the 16-bit defaults spill registers (sm_90, Triton 3.9: 96, 8 and 48
-# bytes of stack in fwd, dK/dV, dQ; `bench/compile_sm90.py --spaces --only attention_varlen`):
-# these entries of the same lists do not, and go first.
-_DROPOUT_D64_DEFAULT = {"fwd": (128, 64, 8, 3), "dkdv": (16, 128, 8, 3), "dq": (128, 64, 8, 3)}
+# attention.py's lists, whose defaults with dropout avoid spills (_DROPOUT_16BIT_DEFAULT); the dK/dV
+# pass here spills 8 bytes with dropout at head dim 64 at that default (32 x 128; sm_90, Triton 3.9,
+# `bench/compile_sm90.py --spaces --only attention_varlen`), where 16 x 128 of the same list does not.
+_VARLEN_DROPOUT_DEFAULT = {("dkdv", 64): (16, 128, 8, 3)}
 
 
 def _configs(kind: str, block_d: int, itemsize: int, smem: int, mask: int = 0, dropout: bool = False,
              tma: bool = False, block_dv: int | None = None) -> list[triton.Config]:
-    """attention.py's list for the kernel, the non-spilling entry first with dropout at head dim 64."""
-    configs = attn._configs(kind, block_d, itemsize, smem, mask, tma, block_dv)
-    if dropout and itemsize < 4 and max(block_d, block_dv or block_d) <= 64 and len(configs) > 1:
-        bm, bn, warps, stages = _DROPOUT_D64_DEFAULT[kind]
+    configs = attn._configs(kind, block_d, itemsize, smem, mask, dropout, tma, block_dv)
+    widest = max(block_d, block_dv or block_d)
+    first = _VARLEN_DROPOUT_DEFAULT.get((kind, widest)) if dropout and itemsize < 4 else None
+    if first is not None and len(configs) > 1:
         preferred = [c for c in configs if (c.kwargs.get("BLOCK_M"), c.kwargs.get("BLOCK_N"), c.num_warps,
-                                            c.num_stages) == (bm, bn, warps, stages)]
+                                            c.num_stages) == first]
         configs = preferred + [c for c in configs if c not in preferred]
     return configs
 

@@ -1082,6 +1082,25 @@ def test_masked_head_dim_64_forward_starts_from_a_default_that_does_not_spill(mo
     assert attn_mod._TUNERS["fwd"]._configs_kwargs(named)["mask"] == 1
 
 
+def test_dropout_defaults_are_the_entries_that_do_not_spill(monkeypatch):
+    """With dropout (compiled for sm_90: bench/compile_sm90.py --spaces --only attention_dropout)
+    the head-dim-64 forward and dQ defaults spill; the lists put an entry of the same list that
+    does not first, and the tuner passes the key's dropout flag."""
+    monkeypatch.setattr(attn_mod, "INTERPRET", False)
+
+    def shapes(kind, d, **kw):
+        return [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
+                for c in attn_mod._configs(kind, d, 2, 232448, **kw)]
+
+    for (kind, d), first in attn_mod._DROPOUT_16BIT_DEFAULT.items():
+        with_dropout = shapes(kind, d, dropout=True)
+        plain = shapes(kind, d)
+        assert with_dropout[0] == first != plain[0] and sorted(with_dropout) == sorted(plain)
+    assert shapes("dkdv", 64, dropout=True) == shapes("dkdv", 64)  # no spill there: unchanged
+    named = dict(zip(attn_mod._KEY_NAMES[1:], (64, 2, 232448, 128, 128, 64, False, 0, True, torch.bfloat16)))
+    assert attn_mod._TUNERS["dq"]._configs_kwargs(named)["dropout"] is True
+
+
 # ---------------------------------------------------------------------------------------------
 # The forward through tensor descriptors (TMA), TRIFUSE_ATTENTION_TMA=1: 16-bit only (fp16 here;
 # bf16 on the GPU), unit stride along head_dim and 16-byte aligned addresses and strides.
