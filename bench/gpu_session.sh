@@ -38,7 +38,11 @@
 #   Eleventh session (no GPU): packed sequences on `attention_varlen` (flash-attn's varlen layout) and
 #   attn_implementation="trifuse": `tests` runs test_attention_varlen.py in bf16 on sm_90 at
 #   sequences of 300-517 tokens; `attention` adds bench_attention_varlen.py (~2 min: varlen
-#   against the dense block mask a fused model runs today, SDPA, FlexAttention, flash-attn).
+#   and the public op's packed-mask route against the dense block mask, SDPA, FlexAttention,
+#   flash-attn). And the dense attention's 16-bit defaults with dropout at head dim 64 spilled
+#   registers (compiled for sm_90): now 128x64 at 8 warps for fwd and dQ; GPT-2's and BERT's e2e
+#   attention (dropout 0.1) may now be tuned and chosen where the screening dropped it (watch the
+#   dialect rows of `graphs`).
 #   Later sessions, one or two calls each: `kernels` (the remaining memory-bound ops), `tma
 #   dialects`, `e2e-ckpt` (gradient checkpointing on), `e2e-llama` (Llama 3.2 1B's shape against
 #   Liger-Kernel), `tune` (the shipped H100 defaults).
