@@ -293,17 +293,18 @@ def _varlen_bwd_dq_kernel(
 
 _KERNELS = {"fwd": _varlen_fwd_kernel, "dkdv": _varlen_bwd_dkdv_kernel, "dq": _varlen_bwd_dq_kernel}
 _CACHED = {kind: CachedKernel(fn) for kind, fn in _KERNELS.items()}
-# attention.py's lists, whose defaults with dropout avoid spills (_DROPOUT_16BIT_DEFAULT); the dK/dV
-# pass here spills 8 bytes with dropout at head dim 64 at that default (32 x 128; sm_90, Triton 3.9,
-# `bench/compile_sm90.py --spaces --only attention_varlen`), where 16 x 128 of the same list does not.
-_VARLEN_DROPOUT_DEFAULT = {("dkdv", 64): (16, 128, 8, 3)}
+# attention.py's lists, whose defaults with dropout avoid spills (_DROPOUT_16BIT_DEFAULT). This
+# dK/dV pass at head dim 64 spills at that list's default (32 x 128: 64 bytes of stack compiled by
+# Triton 3.6 for sm_90, the lent GPU's; 8 bytes by 3.9 with dropout; `bench/compile_sm90.py`),
+# where 16 x 128 of the same list does not: first here, with or without dropout.
+_VARLEN_16BIT_DEFAULT = {("dkdv", 64): (16, 128, 8, 3)}
 
 
 def _configs(kind: str, block_d: int, itemsize: int, smem: int, mask: int = 0, dropout: bool = False,
              tma: bool = False, block_dv: int | None = None) -> list[triton.Config]:
     configs = attn._configs(kind, block_d, itemsize, smem, mask, dropout, tma, block_dv)
     widest = max(block_d, block_dv or block_d)
-    first = _VARLEN_DROPOUT_DEFAULT.get((kind, widest)) if dropout and itemsize < 4 else None
+    first = _VARLEN_16BIT_DEFAULT.get((kind, widest)) if itemsize < 4 else None
     if first is not None and len(configs) > 1:
         preferred = [c for c in configs if (c.kwargs.get("BLOCK_M"), c.kwargs.get("BLOCK_N"), c.num_warps,
                                             c.num_stages) == first]
