@@ -385,10 +385,9 @@ def attention_varlen_bwd(
     total_k, h_kv, dv = k.shape[0], k.shape[1], v.shape[2]
     nseq = cu_q.shape[0] - 1
     dq, dk, dv_ = (t.new_empty(t.shape) for t in (q, k, v))
-    no_dsinks = None if sinks is None else torch.zeros_like(sinks)
     if q.numel() == 0 or k.numel() == 0 or nseq == 0 or max_q == 0 or max_k == 0:
         # no sequence has both queries and keys: O = 0, so delta = 0, and every gradient is 0
-        return dq.zero_(), dk.zero_(), dv_.zero_(), no_dsinks
+        return dq.zero_(), dk.zero_(), dv_.zero_(), None if sinks is None else torch.zeros_like(sinks)
     if not attn._use_kernels(q):
         with no_autocast(q.device):
             delta = _varlen_torch_bwd(do, q, k, v, o, lse, cu_q, cu_k, dropout_p, causal, scale, seed,
@@ -410,8 +409,7 @@ def attention_varlen_bwd(
     key = _tuning_key(q, v, max_q, max_k, causal, has_dropout)
     _tuned_launch("dkdv", key, lambda meta: (cdiv(max_k, meta["BLOCK_N"]), nseq, h_kv),
                   (q, k, v, cu_q, cu_k, seed_arg, do, lse, delta, dk, dv_, *q.stride(), *k.stride(),
-                   *v.stride(),
-                   *do.stride(), *dk.stride(), *dv_.stride(), *tail), constexprs)
+                   *v.stride(), *do.stride(), *dk.stride(), *dv_.stride(), *tail), constexprs)
     _tuned_launch("dq", key, lambda meta: (cdiv(max_q, meta["BLOCK_M"]), nseq, h),
                   (q, k, v, cu_q, cu_k, seed_arg, do, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(),
                    *do.stride(), *dq.stride(), *tail), constexprs)
