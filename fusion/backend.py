@@ -40,6 +40,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..patterns import PATTERNS
 from .capture import Capture, rewrite_checkpoints
+from .dtensor_calls import recompile
 from .normalize import canonicalize
 from .rewriter import rewrite_graph, select_patterns
 
@@ -95,7 +96,7 @@ def _rewrite(gm: fx.GraphModule, example_inputs: list[Any], backend: str, eager:
         capture.log = rewrite_graph(work.graph, patterns)
         if eager:
             rewrite_checkpoints(work, patterns, capture.log)
-        work.recompile()
+        recompile(work)
     except Exception as e:  # noqa: BLE001  (never break a model: compile the graph as captured)
         capture.error = f"{type(e).__name__}: {e}"
         work = gm

@@ -44,6 +44,7 @@ from torch import fx
 from torch.utils.checkpoint import checkpoint
 
 from ..patterns._base import Pattern, example_value
+from .dtensor_calls import recompile
 from .graphs import BlockGraphs
 from .narrow import fp32_weight_grads, share_input_casts
 from .normalize import canonicalize
@@ -158,7 +159,7 @@ class Unit:
                 log.fp32_weight_grads.append(f"{_parameter_name(node.args[1])}: {text} (no conversion kernel)")
             self._annotate(work.graph, log)
             rewrite_checkpoints(work, self.patterns, log)
-            work.recompile()
+            recompile(work)
         except Exception as e:  # noqa: BLE001  (never break a model: run the capture unfused)
             capture.error = f"{type(e).__name__}: {e}"
             return gm, RewriteLog()
@@ -239,7 +240,7 @@ def rewrite_checkpoints(gm: fx.GraphModule, patterns: Sequence[Pattern], log: Re
         for node in calls:
             node.target = _checkpoint
         if calls or module in bodies:
-            module.recompile()
+            recompile(module)
 
 
 def _checkpoint(body: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:

@@ -59,6 +59,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from ..patterns._base import same_shape
+from .dtensor_calls import open_closures
 
 
 # Signatures for builtins (inspect cannot read them); only their names and defaults matter.
@@ -169,6 +170,7 @@ def canonicalize(gm: fx.GraphModule, root: torch.nn.Module | None = None) -> fx.
 
 
 def canonicalize_graph(graph: fx.Graph, root: torch.nn.Module | None = None) -> None:
+    open_closures(graph)
     for node in list(graph.nodes):
         if node.op == "call_module" and root is not None:
             _module_to_function(graph, node, root)

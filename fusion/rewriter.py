@@ -37,6 +37,7 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor
 
 from ..patterns._base import Pattern, available, example_value, same_shape
+from .dtensor_calls import holds_unprintable, recompile
 from .match import Match, compile_pattern, matches, resolve_from_local, trace_function
 from .narrow import full_y, narrow_norm_outputs, out_dtype, readers
 from .normalize import canonicalize_node, writes_in_place
@@ -135,7 +136,7 @@ def rewrite(gm: fx.GraphModule, patterns: Sequence[Pattern] | None = None) -> Re
 
         patterns = PATTERNS
     log = rewrite_graph(gm.graph, select_patterns(patterns, None))
-    gm.recompile()
+    recompile(gm)
     return log
 
 
@@ -335,13 +336,14 @@ class _Plan:
 
 def _plan(m: Match) -> tuple[_Plan | None, str | None]:
     bindings = m.bindings()
-    constants = {k: v for k, v in bindings.items() if not isinstance(v, fx.Node)}
+    # A mesh or placements that this torch cannot write into code reach the replacement as inputs.
+    constants = {k: v for k, v in bindings.items() if not isinstance(v, fx.Node) and not holds_unprintable(v)}
     if m.pattern.derive is not None:
         derived = m.pattern.derive(m)
         if derived is None:
             return None, "a value the replacement needs is unknown (no example value)"
         constants.update(derived)
-    nodes = {k for k, v in bindings.items() if isinstance(v, fx.Node) and k not in constants}
+    nodes = {k for k in bindings if k not in constants}
     try:
         rgraph = trace_function(m.pattern.replacement, constants, nodes)
         sources = {**bindings, **resolve_from_local(rgraph, m)}
@@ -511,7 +513,8 @@ def _splice(graph: fx.Graph, m: Match, plan: _Plan, log: RewriteLog,
     order = {n: i for i, n in enumerate(graph.nodes)}
     matched = sorted(m.nodes, key=order.__getitem__)
     first = matched[0]
-    late = [n for n in _closure(plan.inputs.values(), order, order[first])]
+    inputs = [n for n in plan.inputs.values() if isinstance(n, fx.Node)]  # not a mesh or placements
+    late = [n for n in _closure(inputs, order, order[first])]
     for node in sorted(late, key=order.__getitem__):
         first.prepend(node)
     meta = {k: m.anchor.meta[k] for k in ("nn_module_stack", "stack_trace") if k in m.anchor.meta}

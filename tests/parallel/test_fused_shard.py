@@ -269,4 +269,7 @@ def test_flattening_sequence_shards_is_caught(world):
     """Negative control: the bias gradient summed through reshape(-1, N), as it was, is refused."""
     for errors in world.run(backward_without_flattening_shards, True):
         assert list(errors) == ["dropout_add p=0"], errors
-        assert "flattens dim 1" in errors["dropout_add p=0"]
+        # torch 2.13: "... flattens dim 1 ..."; 2.11: "Attempted to flatten multiple dimensions,
+        # with dimension 1 being sharded"
+        message = errors["dropout_add p=0"]
+        assert "flattens dim 1" in message or "dimension 1 being sharded" in message, message
