@@ -87,6 +87,14 @@ other sequence's keys; the mask is checked once (one pass, two syncs) and the ve
 Key blocks that need no causal or bounds mask run a loop without the masking code; the diagonal
 and the ragged last block run a masked loop (a constexpr flag selects the variant).
 
+Under a mask, the kernels visit only the blocks some of their rows can see (HAS_BOUNDS): per mask,
+torch computes each query row's first and one-past-last unmasked key and each key's span of query
+rows (`_mask_bounds`, a few device ops, cached with the mask so a model's layers share it), and
+each program narrows its loop to the span of its block's rows (keys, in dK/dV). Padding past
+whole blocks, the other documents of rows packed with several (B > 1, where `_packed` does not
+apply), and what a sliding window leaves behind are skipped exactly (the skipped scores are
+masked for every row there), with no host sync, so CUDA-graph capture keeps working.
+
 On Hopper, with TRIFUSE_ATTENTION_TMA=1, the kernels may move their tiles through tensor
 descriptors built in the kernel (the copy engine, UTMALDG/UTMASTG in SASS; bounds and head-dim
 padding by the hardware, fewer registers: 140 against 182 at head dim 128 in the forward,
@@ -282,6 +290,18 @@ def _key_blocks(start_m, N_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_C
 
 
 @triton.jit
+def _mask_span(BOUNDS, lines, N_LINES, N_OTHER, BLOCK: tl.constexpr):
+    """(first, last) of the other sequence that some of `lines` (query rows, or key columns) may
+    attend under the mask: BOUNDS holds each line's first and one-past-last unmasked position
+    (BOUNDS[i], BOUNDS[N_LINES + i]; _mask_bounds). `first` is rounded down to a block start;
+    everything outside [first, last) is masked for every line here, and skipped."""
+    ok = lines < N_LINES
+    first = tl.min(tl.load(BOUNDS + lines, mask=ok, other=N_OTHER), 0)
+    last = tl.max(tl.load(BOUNDS + N_LINES + lines, mask=ok, other=0), 0)
+    return first // BLOCK * BLOCK, last
+
+
+@triton.jit
 def _attn_fwd_loop(acc, l_i, m_i, q, K, V, MASK, seed, rng_rows, offs_m, offs_n, offs_d, offs_dv,
                    stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
                    N_Q, N_K, qk_scale, softcap, p_drop, lo, hi,
@@ -337,11 +357,13 @@ def _attn_fwd_kernel(
     SINKS,  # in (H,) fp32 (fp64 for fp64) sink logits; unused unless HAS_SINKS
     O,  # out (B, H, N_Q, HEAD_DIM_V)
     LSE,  # out (B, H, N_Q) fp32 (fp64 for fp64), natural log; the sink included
+    ROW_BOUNDS,  # in (B, H, 2, N_Q) int32, broadcast like the mask: _mask_bounds; unused unless HAS_BOUNDS
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_ob, stride_oh, stride_om, stride_od,
+    stride_rb, stride_rh,
     H, N_Q, N_K, GROUP, qk_scale, softcap, p_drop, dropout_scale,
     Q_BUCKET, K_BUCKET,  # unused in the kernel: the tuner keys on these buckets on the host
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -349,6 +371,7 @@ def _attn_fwd_kernel(
     SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
     USE_TMA: tl.constexpr,  # Q, K, V, O through tensor descriptors (sm_90+; see _tma_ok)
     HAS_SINKS: tl.constexpr,
+    HAS_BOUNDS: tl.constexpr = False,
 ):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)  # int64: b * stride may pass 2^31
@@ -382,14 +405,18 @@ def _attn_fwd_kernel(
     m_i, l_i = _softmax_start(SINKS, h, BLOCK_M, ACC, HAS_SINKS)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=ACC)
     n_full, hi = _key_blocks(start_m, N_K, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    lo, full_end, masked_start = 0, n_full, n_full
+    if HAS_BOUNDS:  # only the keys some row of this block sees under the mask
+        lo, last = _mask_span(ROW_BOUNDS + b * stride_rb + h * stride_rh, offs_m, N_Q, N_K, BLOCK_N)
+        full_end, masked_start, hi = tl.minimum(n_full, last), tl.maximum(n_full, lo), tl.minimum(hi, last)
     acc, l_i, m_i = _attn_fwd_loop(acc, l_i, m_i, q, K, V, MASK, seed, rng_rows, offs_m, offs_n, offs_d, offs_dv,
                                    stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
-                                   N_Q, N_K, qk_scale, softcap, p_drop, 0, n_full,
+                                   N_Q, N_K, qk_scale, softcap, p_drop, lo, full_end,
                                    HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, IS_CAUSAL, MASK_KIND, HAS_DROPOUT,
                                    SOFTCAP, DOT_PRECISION, ACC, USE_TMA)
     acc, l_i, m_i = _attn_fwd_loop(acc, l_i, m_i, q, K, V, MASK, seed, rng_rows, offs_m, offs_n, offs_d, offs_dv,
                                    stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
-                                   N_Q, N_K, qk_scale, softcap, p_drop, n_full, hi,
+                                   N_Q, N_K, qk_scale, softcap, p_drop, masked_start, hi,
                                    HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, IS_CAUSAL, MASK_KIND, HAS_DROPOUT,
                                    SOFTCAP, DOT_PRECISION, ACC, USE_TMA)
 
@@ -496,6 +523,7 @@ def _attn_bwd_dkdv_kernel(
     LSE,  # in (B, H, N_Q) from the forward
     DELTA,  # in (B, H, N_Q) rowsum(dO * O)
     DK, DV,  # out (B, H_KV, N_K, HEAD_DIM) and (B, H_KV, N_K, HEAD_DIM_V)
+    COL_BOUNDS,  # in (B, H, 2, N_K) int32, broadcast like the mask: _mask_bounds; unused unless HAS_BOUNDS
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -503,12 +531,14 @@ def _attn_bwd_dkdv_kernel(
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    stride_cb, stride_ch,
     H, H_KV, N_Q, N_K, GROUP, sm_scale, qk_scale, softcap, p_drop, dropout_scale,
     Q_BUCKET, K_BUCKET,  # unused in the kernel: the tuner keys on these buckets on the host
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
     USE_TMA: tl.constexpr,  # Q and DO streamed through tensor descriptors (see _tma_ok)
+    HAS_BOUNDS: tl.constexpr = False,
 ):
     start_n = tl.program_id(0) * BLOCK_N
     bhk = tl.program_id(1).to(tl.int64)
@@ -534,6 +564,7 @@ def _attn_bwd_dkdv_kernel(
         lo = start_n // BLOCK_M * BLOCK_M
         mid = tl.minimum(lo + tl.cdiv(start_n + BLOCK_N - 1 - lo, BLOCK_M) * BLOCK_M, N_Q)
     else:
+        lo = 0
         mid = 0
     if USE_TMA:
         # One (heads, rows, head_dim) descriptor per tensor for this batch, made once: the loop
@@ -556,16 +587,22 @@ def _attn_bwd_dkdv_kernel(
         LSEh = LSE + bh * N_Q
         DELTAh = DELTA + bh * N_Q
         rng_base = bh * N_Q
+        causal_lo, causal_end, full_start, full_end = lo, mid, mid, N_Q
+        if HAS_BOUNDS:  # only the query rows that see some key of this block under the mask
+            first, last = _mask_span(COL_BOUNDS + b * stride_cb + h * stride_ch, offs_n, N_K, N_Q, BLOCK_M)
+            causal_lo, causal_end = tl.maximum(lo, first), tl.minimum(mid, last)
+            full_start, full_end = tl.maximum(mid, first), tl.minimum(N_Q, last)
         if IS_CAUSAL:
             dk, dv = _attn_bwd_dkdv_loop(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, MASKh, seed, rng_base,
                                          offs_m, offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_dom,
                                          stride_dod, stride_mm, stride_mn, N_Q, N_K, qk_scale, softcap, p_drop,
-                                         dropout_scale, lo, mid, h, HEAD_DIM, HEAD_DIM_V, BLOCK_M, True, IS_CAUSAL, MASK_KIND,
-                                         HAS_DROPOUT, SOFTCAP, DOT_PRECISION, ACC, USE_TMA)
+                                         dropout_scale, causal_lo, causal_end, h, HEAD_DIM, HEAD_DIM_V, BLOCK_M,
+                                         True, IS_CAUSAL, MASK_KIND, HAS_DROPOUT, SOFTCAP, DOT_PRECISION, ACC,
+                                         USE_TMA)
         dk, dv = _attn_bwd_dkdv_loop(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, MASKh, seed, rng_base,
                                      offs_m, offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_dom, stride_dod,
                                      stride_mm, stride_mn, N_Q, N_K, qk_scale, softcap, p_drop, dropout_scale,
-                                     mid, N_Q, h,
+                                     full_start, full_end, h,
                                      HEAD_DIM, HEAD_DIM_V, BLOCK_M, False, IS_CAUSAL, MASK_KIND, HAS_DROPOUT,
                                      SOFTCAP, DOT_PRECISION, ACC, USE_TMA)
 
@@ -631,18 +668,21 @@ def _attn_bwd_dq_kernel(
     DELTA,  # in (B, H, N_Q) rowsum(dO * O)
     DQ,  # out (B, H, N_Q, HEAD_DIM)
     DMASK,  # out (B, H, N_Q, N_K) contiguous, fp32 (fp64 for fp64): dS; unused unless MASK_GRAD
+    ROW_BOUNDS,  # in, as the forward's; unused unless HAS_BOUNDS (never with MASK_GRAD: dS is dense)
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    stride_rb, stride_rh,
     H, N_Q, N_K, GROUP, sm_scale, qk_scale, softcap, p_drop, dropout_scale,
     Q_BUCKET, K_BUCKET,  # unused in the kernel: the tuner keys on these buckets on the host
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     MASK_GRAD: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
     USE_TMA: tl.constexpr,  # K and V streamed through tensor descriptors (see _tma_ok)
+    HAS_BOUNDS: tl.constexpr = False,
 ):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
@@ -672,14 +712,18 @@ def _attn_bwd_dq_kernel(
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
     n_full, hi = _key_blocks(start_m, N_K, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    lo, full_end, masked_start = 0, n_full, n_full
+    if HAS_BOUNDS:  # as the forward
+        lo, last = _mask_span(ROW_BOUNDS + b * stride_rb + h * stride_rh, offs_m, N_Q, N_K, BLOCK_N)
+        full_end, masked_start, hi = tl.minimum(n_full, last), tl.maximum(n_full, lo), tl.minimum(hi, last)
     dq = _attn_bwd_dq_loop(dq, q, do, lse, delta, K, V, MASK, DMASK, seed, rng_rows, offs_m, offs_n, offs_d,
                            offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
-                           N_Q, N_K, qk_scale, softcap, p_drop, dropout_scale, 0, n_full,
+                           N_Q, N_K, qk_scale, softcap, p_drop, dropout_scale, lo, full_end,
                            HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, IS_CAUSAL, MASK_KIND, HAS_DROPOUT, MASK_GRAD, SOFTCAP,
                            DOT_PRECISION, ACC, USE_TMA)
     dq = _attn_bwd_dq_loop(dq, q, do, lse, delta, K, V, MASK, DMASK, seed, rng_rows, offs_m, offs_n, offs_d,
                            offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
-                           N_Q, N_K, qk_scale, softcap, p_drop, dropout_scale, n_full, hi,
+                           N_Q, N_K, qk_scale, softcap, p_drop, dropout_scale, masked_start, hi,
                            HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, IS_CAUSAL, MASK_KIND, HAS_DROPOUT, MASK_GRAD, SOFTCAP,
                            DOT_PRECISION, ACC, USE_TMA)
     dq *= sm_scale
@@ -830,9 +874,9 @@ _BWD_PLANS: dict[tuple, tuple] = {}
 
 def _plan_key(q: torch.Tensor, bsz: int, h: int, h_kv: int, sq: int, sk: int, d: int, dv: int, is_causal: bool,
               mask_kind: int, has_dropout: bool, mask_grad: bool = False, softcap: bool = False,
-              tma: bool = False, sinks: bool = False) -> tuple:
+              tma: bool = False, sinks: bool = False, bounds: bool = False) -> tuple:
     return (q.get_device() if q.is_cuda else -1, q.dtype, bsz, h, h_kv, sq, sk, d, dv, is_causal, mask_kind,
-            has_dropout, mask_grad, softcap, tma, sinks)
+            has_dropout, mask_grad, softcap, tma, sinks, bounds)
 
 
 
@@ -1030,6 +1074,67 @@ def _mask_arg(attn_mask: torch.Tensor | None, shape: tuple[int, int, int, int], 
     return m, m.stride(), _FLOAT_MASK
 
 
+# An additive mask entry at or below this masks its key (transformers' masks use the dtype's
+# minimum; fp16's is -65504): exp underflows to exactly 0 for it whenever the row has any key
+# that is not masked (scaled scores within ~6e4 of each other).
+_MASKED_AT_OR_BELOW = -65504.0
+# Keys below which the mask's bounds are not worth their host time (a few torch ops per mask).
+_BOUNDS_MIN_KEYS = 0 if INTERPRET else 256
+# mask (its base tensor) -> (version, view, sq, sk, bounds): one computation per mask, which a
+# model's layers share (transformers builds one per forward); never kept across CUDA-graph
+# capture, whose replays may rewrite the mask's memory without a version change.
+_MASK_BOUNDS = torch.utils.weak.WeakTensorKeyDictionary()
+
+
+def _mask_bounds(attn_mask: torch.Tensor | None, sq: int, sk: int, mask_grad: bool = False):
+    """(row_bounds, row_strides, col_bounds, col_strides) for the kernels' HAS_BOUNDS, or None.
+
+    row_bounds (b, h, 2, sq) int32 holds, for each query row of the mask (b and h as the mask
+    has them, 1 where it broadcasts), the first and one-past-last key it does not mask (all keys
+    for a row it masks whole); col_bounds (b, h, 2, sk) the same for each key over the query
+    rows (none for a key that no row sees: its dK and dV are 0). The kernels then visit only
+    the key blocks (query blocks, in dK/dV) within the span of their lines: padding, the other
+    sequences of a packed batch, what a sliding window leaves, all skipped with no host sync.
+    None without a mask, with a mask gradient (dS is stored dense), or below _BOUNDS_MIN_KEYS
+    keys."""
+    if attn_mask is None or mask_grad or attn_mask.requires_grad or sk < _BOUNDS_MIN_KEYS or sq * sk == 0:
+        return None  # a learned bias (T5's) masks nothing
+    capturing = attn_mask.is_cuda and torch.cuda.is_current_stream_capturing()
+    base = attn_mask if attn_mask._base is None else attn_mask._base
+    view = (tuple(attn_mask.shape), attn_mask.stride(), attn_mask.storage_offset(), sq, sk)
+    seen = None if capturing else _MASK_BOUNDS.get(base)
+    if seen is None or seen[0] != base._version or seen[1] != view:
+        seen = (base._version, view, _compute_mask_bounds(attn_mask, sq, sk))
+        if not capturing:
+            _MASK_BOUNDS[base] = seen
+    return seen[2]
+
+
+def _compute_mask_bounds(attn_mask: torch.Tensor, sq: int, sk: int):
+    m = attn_mask
+    while m.dim() < 4:
+        m = m.unsqueeze(0)
+    keep = m if m.dtype == torch.bool else m > _MASKED_AT_OR_BELOW
+    b, h = keep.shape[0], keep.shape[1]
+    keep = keep.expand(b, h, sq, sk)
+    # A row the mask masks whole sees every key, as the kernels compute it without bounds (zeros
+    # under a bool mask, the average of V under a float one at the dtype's minimum).
+    sees = keep | ~keep.any(-1, keepdim=True)
+
+    def spans(sees: torch.Tensor, n: int) -> torch.Tensor:  # per line of the last-but-one dim
+        idx = torch.arange(n, dtype=torch.int32, device=sees.device)
+        first = torch.where(sees, idx, n).amin(-1)  # n, 0 for a line that sees nothing: none visited
+        last = torch.where(sees, idx + 1, 0).amax(-1)
+        return torch.stack((first, last), dim=-2).to(torch.int32).contiguous()
+
+    rows, cols = spans(sees, sk), spans(sees.transpose(-1, -2), sq)
+
+    def strides(t: torch.Tensor) -> tuple[int, int]:  # 0 along the dims the mask broadcasts
+        return (t.stride(0) if b > 1 else 0, t.stride(1) if h > 1 else 0)
+
+    return rows, strides(rows), cols, strides(cols)
+
+
 def attention_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -1060,13 +1165,15 @@ def attention_fwd(
     mask, sm, mask_kind = _mask_arg(attn_mask, (bsz, h, sq, sk), q)
     has_dropout = dropout_p > 0.0
     has_sinks = sinks is not None
+    bounds = _mask_bounds(attn_mask, sq, sk)
+    row_bounds, row_strides = (q, (0, 0)) if bounds is None else bounds[:2]
     args = (q, k, v, mask, seed if has_dropout else q, _sinks_arg(sinks, q.dtype) if has_sinks else q, o, lse,
-            *q.stride(), *k.stride(), *v.stride(), *sm, *o.stride(),
+            row_bounds, *q.stride(), *k.stride(), *v.stride(), *sm, *o.stride(), *row_strides,
             h, sq, sk, h // h_kv, *_score_scales(scale, softcap), dropout_p, _dropout_scale(dropout_p),
             _bucket(sq), _bucket(sk))
     tma = _tma_ok(q, k, v, o) and _tma_scratch_fits(("fwd", sq, bsz * h))
     key = _plan_key(q, bsz, h, h_kv, sq, sk, d, dv, is_causal, mask_kind, has_dropout, False, softcap > 0.0, tma,
-                    has_sinks)
+                    has_sinks, bounds is not None)
     plan = _FWD_PLANS.get(key)
     if plan is not None:
         _FWD.run(plan[0], args, plan[1])
@@ -1077,7 +1184,7 @@ def attention_fwd(
     constexprs = dict(HEAD_DIM=d, BLOCK_D=block_d, HEAD_DIM_V=dv, BLOCK_DV=block_dv, IS_CAUSAL=is_causal,
                       MASK_KIND=mask_kind, HAS_DROPOUT=has_dropout, SOFTCAP=softcap > 0.0,
                       DOT_PRECISION=_dot_precision(q.dtype), ACC=acc_dtype(q.dtype), USE_TMA=False,
-                      HAS_SINKS=has_sinks)
+                      HAS_SINKS=has_sinks, HAS_BOUNDS=bounds is not None)
     planned = _tuned_launch("fwd", _tuning_key(q, sq, sk, d, block_d, is_causal, mask_kind, has_dropout, tma,
                                                block_dv),
                             lambda meta: (cdiv(sq, meta["BLOCK_M"]), bsz * h), args, constexprs)
@@ -1131,17 +1238,20 @@ def attention_bwd(
         # Causal: key blocks past the diagonal are never visited, and their dS is 0.
         ds = (torch.zeros if is_causal else torch.empty)((bsz, h, sq, sk), dtype=lse.dtype, device=q.device)
     tail = (scale, *_score_scales(scale, softcap), dropout_p, _dropout_scale(dropout_p), _bucket(sq), _bucket(sk))
+    bounds = _mask_bounds(attn_mask, sq, sk, mask_grad)
+    row_bounds, row_strides, col_bounds, col_strides = (q, (0, 0), q, (0, 0)) if bounds is None else bounds
     pre_args = (o, do, delta, *o.stride(), *do.stride(), h, sq)
-    dkdv_args = (q, k, v, mask, seed_arg, do, lse, delta, dk, dv,
+    dkdv_args = (q, k, v, mask, seed_arg, do, lse, delta, dk, dv, col_bounds,
                  *q.stride(), *k.stride(), *v.stride(), *sm, *do.stride(), *dk.stride(), *dv.stride(),
+                 *col_strides,
                  h, h_kv, sq, sk, h // h_kv, *tail)
-    dq_args = (q, k, v, mask, seed_arg, do, lse, delta, dq, q if ds is None else ds,
-               *q.stride(), *k.stride(), *v.stride(), *sm, *do.stride(), *dq.stride(),
+    dq_args = (q, k, v, mask, seed_arg, do, lse, delta, dq, q if ds is None else ds, row_bounds,
+               *q.stride(), *k.stride(), *v.stride(), *sm, *do.stride(), *dq.stride(), *row_strides,
                h, sq, sk, h // h_kv, *tail)
     # dQ, dK, dV are stored through pointers
     tma = _tma_ok(q, k, v, do) and _tma_scratch_fits(("dkdv", sk, bsz * h_kv), ("dq", sq, bsz * h))
     key = _plan_key(q, bsz, h, h_kv, sq, sk, d, d_v, is_causal, mask_kind, has_dropout, mask_grad, softcap > 0.0,
-                    tma)
+                    tma, False, bounds is not None)
     plan = _BWD_PLANS.get(key)
     if plan is not None:
         _BWD_PREPROCESS.run(plan[0], pre_args, plan[1])
@@ -1157,7 +1267,8 @@ def attention_bwd(
     _BWD_PREPROCESS.run(pre_grid, pre_args, pre_meta)
     constexprs = dict(HEAD_DIM=d, BLOCK_D=block_d, HEAD_DIM_V=d_v, BLOCK_DV=block_dv, IS_CAUSAL=is_causal,
                       MASK_KIND=mask_kind, HAS_DROPOUT=has_dropout, SOFTCAP=softcap > 0.0,
-                      DOT_PRECISION=_dot_precision(q.dtype), ACC=acc, USE_TMA=False)
+                      DOT_PRECISION=_dot_precision(q.dtype), ACC=acc, USE_TMA=False,
+                      HAS_BOUNDS=bounds is not None)
     tuning_key = _tuning_key(q, sq, sk, d, block_d, is_causal, mask_kind, has_dropout, tma, block_dv)
     planned_dkdv = _tuned_launch("dkdv", tuning_key, lambda meta: (cdiv(sk, meta["BLOCK_N"]), bsz * h_kv),
                                  dkdv_args, constexprs)

@@ -29,7 +29,7 @@ class Case:
     d: int = 16
     h_kv: int | None = None  # None: same as h
     causal: bool = False
-    mask: str = ""  # "", "keypad", "bool", "float", "hf", "2d", "dead-rows"
+    mask: str = ""  # "", "keypad", "bool", "float", "hf", "2d", "dead-rows", "packed", "window", "per-head"
     scale: float | None = None
     dv: int | None = None  # the value's head dim; None: d (DeepSeek's MLA: 192 for q and k, 128 for v)
 
@@ -57,6 +57,13 @@ CASES = [
     Case(h=4, h_kv=2, sq=33, sk=40, mask="float"),  # (1, H, Sq, Sk) additive, with GQA
     Case(sq=33, sk=40, mask="2d"),  # (Sq, Sk) bool
     Case(b=2, sq=33, sk=40, mask="dead-rows"),  # fully masked rows, bool and -inf
+    # masks whose bounds let the kernels skip blocks (_mask_bounds): packed documents per row,
+    # a sliding window, a span per head, keys padded past whole blocks
+    Case(b=2, sq=70, sk=70, mask="packed"),
+    Case(b=2, h=4, h_kv=2, sq=70, sk=70, mask="packed"),
+    Case(sq=70, sk=70, mask="window"),
+    Case(b=2, sq=50, sk=70, mask="per-head"),
+    Case(b=2, sq=40, sk=90, mask="keypad-short"),
     Case(sq=30, sk=30, scale=0.3, causal=True),
     Case(sq=19, sk=21, d=8),  # head dim below the 16-wide dot tile
     Case(sq=20, sk=24, d=80),
@@ -86,9 +93,23 @@ EMPTY_CASES = [Case(sq=0, sk=5), Case(b=0), Case(sq=5, sk=0)]
 
 def make_mask(case: Case, dtype: torch.dtype) -> torch.Tensor | None:
     b, sq, sk = case.b, case.sq, case.sk
-    if case.mask == "keypad":
-        lengths = torch.tensor([sk, sk - 11][:b])
+    if case.mask in ("keypad", "keypad-short"):
+        lengths = torch.tensor([sk, sk - 11 if case.mask == "keypad" else 17][:b])
         return (torch.arange(sk)[None, :] < lengths[:, None]).view(b, 1, 1, sk).to(DEVICE)
+    if case.mask == "packed":  # documents packed into each row, cut differently per row (Sq == Sk)
+        keep = torch.zeros(b, sq, sk, dtype=torch.bool)
+        for row, cuts in enumerate(([0, 23, 41, sq], [0, 50, sq])[:b]):
+            for start, end in zip(cuts, cuts[1:]):
+                keep[row, start:end, start:end] = True
+        return (keep & torch.ones(sq, sk, dtype=torch.bool).tril())[:, None].to(DEVICE)
+    if case.mask == "window":  # causal sliding window of 9 keys, float at finfo.min (Mistral's)
+        keep = torch.ones(sq, sk, dtype=torch.bool).tril() & ~torch.ones(sq, sk, dtype=torch.bool).tril(-9)
+        return torch.zeros(1, 1, sq, sk, dtype=dtype).masked_fill(~keep, torch.finfo(dtype).min).to(DEVICE)
+    if case.mask == "per-head":  # (B, H, Sq, Sk): head 0 the first 20 keys, head 1 keys 30 on
+        keep = torch.rand(b, case.h, sq, sk) > 0.3
+        keep[:, 0, :, 20:] = False
+        keep[:, 1, :, :30] = False
+        return keep.to(DEVICE)
     if case.mask == "hf":
         # transformers' 4-D float mask: 0 to attend, finfo.min elsewhere; causal + left padding
         keep = torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq)[None].repeat(b, 1, 1)
@@ -172,6 +193,80 @@ def test_empty_sizes(case):
     assert torch.equal(out, F.scaled_dot_product_attention(q, k, v))
     grads = torch.autograd.grad(out.sum(), (q, k, v), allow_unused=True)
     assert all(g is None or not g.any() for g in grads)
+
+
+def _padded_with_nans(pad_from: int, causal: bool):
+    """(q, k, v, mask, kw) with batch 1's keys from `pad_from` on masked (a bool key padding)
+    and holding NaN: a kernel that reads them spreads NaN (0 * NaN) into what it computes."""
+    torch.manual_seed(0)
+    q, k, v, _ = make(Case(b=2, h=2, sq=150, sk=160, d=16), torch.float32)
+    with torch.no_grad():
+        k[1, :, pad_from:] = float("nan")
+        v[1, :, pad_from:] = float("nan")
+    lengths = torch.tensor([160, pad_from])
+    mask = (torch.arange(160)[None, :] < lengths[:, None]).view(2, 1, 1, 160).to(DEVICE)
+    return q, k, v, mask, {"is_causal": causal}
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_mask_bounds_skip_the_key_blocks_no_row_sees(causal):
+    """Keys that the mask hides from every row of a block are never read (_mask_bounds): NaNs
+    planted in the padded keys' whole blocks (from 64, a multiple of every block size) stay out
+    of the output and gradients, which equal the float64 oracle on the unpadded keys; the
+    padded keys' dK and dV are 0. Causal with the mask is the kernels' own combination (the
+    public op takes one or the other, as SDPA), called through their launchers."""
+    q, k, v, mask, kw = _padded_with_nans(64, causal)
+    if causal:
+        scale = 16 ** -0.5
+        out, lse = attn_mod.attention_fwd(q.detach(), k.detach(), v.detach(), mask, 0.0, True, scale, None)
+        dout = torch.randn_like(out)
+        dq, dk, dv, *_ = attn_mod.attention_bwd(dout, q.detach(), k.detach(), v.detach(), out, lse, None, mask,
+                                                0.0, True, scale)
+    else:
+        out = trifuse.ops.attention(q, k, v, attn_mask=mask, **kw)
+        dout = torch.randn_like(out)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    assert torch.isfinite(out).all() and torch.isfinite(dq).all()
+    assert not dk[1, :, 64:].any() and not dv[1, :, 64:].any()
+    for b, n in ((0, 160), (1, 64)):
+        leaves = [t[b:b + 1, :, :n].detach().double().requires_grad_() for t in (k, v)]
+        q64 = q[b:b + 1].detach().double().requires_grad_()
+        lowp = [q[b:b + 1].detach().clone().requires_grad_(), *(t[b:b + 1, :, :n].detach().clone().requires_grad_()
+                                                               for t in (k, v))]
+        # causal is top-left aligned (Sq 150 against Sk 160), as on the padded keys
+        ref = attention_ref(q64, *leaves, None, 0.0, **kw)
+        ref_lp = attention_ref(*lowp, None, 0.0, **kw)
+        assert_close(f"out {b}", out[b:b + 1], ref, ref_lp)
+        g64 = torch.autograd.grad(ref, (q64, *leaves), dout[b:b + 1].double())
+        glp = torch.autograd.grad(ref_lp, lowp, dout[b:b + 1])
+        for name, got, a64, alp in zip(("dq", "dk", "dv"), (dq, dk, dv), g64, glp):
+            assert_close(f"{name} {b}", got[b:b + 1, :, :a64.shape[2]], a64, alp)
+
+
+def test_negative_control_without_mask_bounds_the_padded_keys_are_read(monkeypatch):
+    """The same call with the bounds off (as for short sequences on a GPU): every key block is
+    visited and the planted NaNs reach the output, so the test above sees skipping."""
+    monkeypatch.setattr(attn_mod, "_BOUNDS_MIN_KEYS", 1 << 30)
+    q, k, v, mask, kw = _padded_with_nans(64, False)
+    out = trifuse.ops.attention(q, k, v, attn_mask=mask, **kw)
+    assert torch.isnan(out[1]).any() and torch.isfinite(out[0]).all()
+
+
+def test_mask_bounds_are_computed_once_per_mask_and_again_when_it_changes(monkeypatch):
+    """A model's layers share one mask: its bounds are computed on its first call and reused
+    (forward and backward) until the mask is written in place."""
+    computed = []
+    compute = attn_mod._compute_mask_bounds
+    monkeypatch.setattr(attn_mod, "_compute_mask_bounds", lambda *a: computed.append(1) or compute(*a))
+    q, k, v, mask = make(Case(b=2, sq=33, sk=40, mask="keypad-short"), torch.float32)
+    for _ in range(3):  # three layers
+        trifuse.ops.attention(q, k, v, attn_mask=mask).sum().backward()
+    assert len(computed) == 1
+    reference = trifuse.ops.attention(q, k, v, attn_mask=mask & (torch.arange(40, device=DEVICE) < 30))
+    before = len(computed)
+    mask[:, :, :, 30:] = False  # written in place: new bounds, and what they imply
+    assert torch.equal(trifuse.ops.attention(q, k, v, attn_mask=mask), reference)
+    assert len(computed) == before + 1
 
 
 def test_fully_masked_rows_give_what_sdpa_gives():

@@ -147,7 +147,8 @@ def test_attention_launches_through_cached_plans(monkeypatch):
     assert fwd[1] == (3, 6) and dkdv[1] == (3, 6) and dq[1] == (3, 6)
     assert fwd[2] == {"HEAD_DIM": 16, "BLOCK_D": 16, "HEAD_DIM_V": 16, "BLOCK_DV": 16, "IS_CAUSAL": True, "MASK_KIND": 0, "HAS_DROPOUT": False,
                       "SOFTCAP": False, "DOT_PRECISION": "ieee", "ACC": attn.acc_dtype(q.dtype), "USE_TMA": False,
-                      "HAS_SINKS": False, "BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 2, "num_stages": 1}
+                      "HAS_SINKS": False, "HAS_BOUNDS": False, "BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 2,
+                      "num_stages": 1}
     attn.attention_fwd(q[:, :, :20], q, q, None, 0.0, True, 0.25, None)  # another shape: its own plan
     assert len(attn._FWD_PLANS) == 2
 
