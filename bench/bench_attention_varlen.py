@@ -13,8 +13,11 @@ document: what transformers' DataCollatorWithFlattening hands a decoder. Provide
                               it recognizes the block-diagonal mask (checked once per mask, cached)
                               and runs varlen (not in its "graph ms": inside a CUDA graph capture
                               nothing may sync, and a graph replays fixed shapes: the dense kernels)
-    trifuse block mask        trifuse's dense kernels over the whole row under that mask (what the
-                              op ran before it recognized packed masks)
+    trifuse block mask        trifuse's dense kernels over the row under that mask, visiting only
+                              the key blocks each query block's rows see (the mask's bounds): what
+                              a fused model runs for packed rows in batches of more than one
+    trifuse every block       the same kernels visiting every block (no bounds; what the op ran
+                              before it recognized packed masks)
     sdpa-efficient block mask SDPA's memory-efficient backend with that mask (flash takes none)
     sdpa-flash per document   one causal SDPA flash call per document (a loop on the host)
     flex-attention            FlexAttention with a document block mask (compiled), GPU only
@@ -98,6 +101,37 @@ def trifuse_block_mask(q, k, v, shape):
     return attn_mod._attention_trifuse(q, k, v, packing(shape)[2], 0.0, False, None, False)
 
 
+class _EveryBlock(torch.autograd.Function):
+    """trifuse's dense kernels with the mask's bounds off, forward and backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask):
+        with _bounds_off():
+            o, lse = attn_mod.attention_fwd(q, k, v, mask, 0.0, False, q.shape[-1] ** -0.5, None)
+        ctx.save_for_backward(q, k, v, mask, o, lse)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, mask, o, lse = ctx.saved_tensors
+        with _bounds_off():
+            dq, dk, dv, *_ = attn_mod.attention_bwd(do.contiguous(), q, k, v, o, lse, None, mask, 0.0, False,
+                                                    q.shape[-1] ** -0.5)
+        return dq, dk, dv, None
+
+
+class _bounds_off:
+    def __enter__(self):
+        self.saved, attn_mod._BOUNDS_MIN_KEYS = attn_mod._BOUNDS_MIN_KEYS, 1 << 62
+
+    def __exit__(self, *exc):
+        attn_mod._BOUNDS_MIN_KEYS = self.saved
+
+
+def trifuse_every_block(q, k, v, shape):
+    return _EveryBlock.apply(q, k, v, packing(shape)[2])
+
+
 def sdpa_efficient_block_mask(q, k, v, shape):
     with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=packing(shape)[2])
@@ -121,7 +155,7 @@ def sdpa_flash_per_document(q, k, v, shape):
 
 def providers() -> dict:
     out = {"trifuse varlen": trifuse_varlen, "trifuse.ops.attention": trifuse_ops_attention,
-           "trifuse block mask": trifuse_block_mask}
+           "trifuse block mask": trifuse_block_mask, "trifuse every block": trifuse_every_block}
     if not H.on_gpu():
         return {**out, "sdpa-math block mask": sdpa_math_block_mask}
     out["sdpa-efficient block mask"] = sdpa_efficient_block_mask
@@ -164,8 +198,8 @@ def with_peak_memory(rows: list[dict], fns: dict) -> list[dict]:
 
 
 COLUMNS = ("provider", "mode", "shape", "longest", "ms", "TFLOP/s", "graph ms", "peak MiB",
-           "x vs trifuse block mask", "x vs trifuse.ops.attention", "x vs sdpa-efficient block mask",
-           "x vs sdpa-flash per document",
+           "x vs trifuse block mask", "x vs trifuse every block", "x vs trifuse.ops.attention",
+           "x vs sdpa-efficient block mask", "x vs sdpa-flash per document",
            "x vs flex-attention", "x vs flash-attn varlen", "error", "graph error")
 
 
@@ -182,7 +216,8 @@ def main() -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("provider", ["trifuse varlen", "trifuse.ops.attention", "trifuse block mask"])
+@pytest.mark.parametrize("provider", ["trifuse varlen", "trifuse.ops.attention", "trifuse block mask",
+                                      "trifuse every block"])
 def test_attention_varlen(benchmark, provider, mode):
     fns = providers()
     H.check_against_reference(fns, "sdpa-math block mask" if not H.on_gpu() else "trifuse block mask",

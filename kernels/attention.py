@@ -596,9 +596,9 @@ def _attn_bwd_dkdv_kernel(
             dk, dv = _attn_bwd_dkdv_loop(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, MASKh, seed, rng_base,
                                          offs_m, offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_dom,
                                          stride_dod, stride_mm, stride_mn, N_Q, N_K, qk_scale, softcap, p_drop,
-                                         dropout_scale, causal_lo, causal_end, h, HEAD_DIM, HEAD_DIM_V, BLOCK_M,
-                                         True, IS_CAUSAL, MASK_KIND, HAS_DROPOUT, SOFTCAP, DOT_PRECISION, ACC,
-                                         USE_TMA)
+                                         dropout_scale, causal_lo, causal_end, h, HEAD_DIM, HEAD_DIM_V,
+                                         BLOCK_M, True, IS_CAUSAL, MASK_KIND, HAS_DROPOUT, SOFTCAP,
+                                         DOT_PRECISION, ACC, USE_TMA)
         dk, dv = _attn_bwd_dkdv_loop(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, MASKh, seed, rng_base,
                                      offs_m, offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_dom, stride_dod,
                                      stride_mm, stride_mn, N_Q, N_K, qk_scale, softcap, p_drop, dropout_scale,

@@ -220,8 +220,8 @@ def test_mask_bounds_skip_the_key_blocks_no_row_sees(causal):
         scale = 16 ** -0.5
         out, lse = attn_mod.attention_fwd(q.detach(), k.detach(), v.detach(), mask, 0.0, True, scale, None)
         dout = torch.randn_like(out)
-        dq, dk, dv, *_ = attn_mod.attention_bwd(dout, q.detach(), k.detach(), v.detach(), out, lse, None, mask,
-                                                0.0, True, scale)
+        dq, dk, dv, *_ = attn_mod.attention_bwd(dout, q.detach(), k.detach(), v.detach(), out, lse, None,
+                                                mask, 0.0, True, scale)
     else:
         out = trifuse.ops.attention(q, k, v, attn_mask=mask, **kw)
         dout = torch.randn_like(out)
@@ -231,8 +231,8 @@ def test_mask_bounds_skip_the_key_blocks_no_row_sees(causal):
     for b, n in ((0, 160), (1, 64)):
         leaves = [t[b:b + 1, :, :n].detach().double().requires_grad_() for t in (k, v)]
         q64 = q[b:b + 1].detach().double().requires_grad_()
-        lowp = [q[b:b + 1].detach().clone().requires_grad_(), *(t[b:b + 1, :, :n].detach().clone().requires_grad_()
-                                                               for t in (k, v))]
+        parts = (q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n])
+        lowp = [t.detach().clone().requires_grad_() for t in parts]
         # causal is top-left aligned (Sq 150 against Sk 160), as on the padded keys
         ref = attention_ref(q64, *leaves, None, 0.0, **kw)
         ref_lp = attention_ref(*lowp, None, 0.0, **kw)
