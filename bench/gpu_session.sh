@@ -43,6 +43,12 @@
 #   registers (compiled for sm_90): now 128x64 at 8 warps for fwd and dQ; GPT-2's and BERT's e2e
 #   attention (dropout 0.1) may now be tuned and chosen where the screening dropped it (watch the
 #   dialect rows of `graphs`).
+#   Twelfth session (no GPU): the suite ran on this box's CPU under the GPU's own torch 2.11,
+#   Triton 3.6 and transformers 5.17 (bench/results/README.md): DTensor graphs of 2.11 now fuse.
+#   Attention under a mask skips the blocks the mask hides (HAS_BOUNDS): `tests` covers it in bf16
+#   (the mask cases of test_attention.py); `attention`'s bench_attention_varlen.py times "trifuse
+#   every block" (bounds off) beside "trifuse block mask" (on). The e2e runs have no padding
+#   (transformers drops BERT's mask of ones): nothing changes there.
 #   Later sessions, one or two calls each: `kernels` (the remaining memory-bound ops), `tma
 #   dialects`, `e2e-ckpt` (gradient checkpointing on), `e2e-llama` (Llama 3.2 1B's shape against
 #   Liger-Kernel), `tune` (the shipped H100 defaults).

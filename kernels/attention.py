@@ -1118,16 +1118,19 @@ def _compute_mask_bounds(attn_mask: torch.Tensor, sq: int, sk: int):
     b, h = keep.shape[0], keep.shape[1]
     keep = keep.expand(b, h, sq, sk)
     # A row the mask masks whole sees every key, as the kernels compute it without bounds (zeros
-    # under a bool mask, the average of V under a float one at the dtype's minimum).
-    sees = keep | ~keep.any(-1, keepdim=True)
+    # under a bool mask, the average of V under a float one at the dtype's minimum). One byte an
+    # entry: argmax finds the first visible key (the first maximum), of the flipped the last.
+    sees = (keep | ~keep.any(-1, keepdim=True)).view(torch.uint8)
 
-    def spans(sees: torch.Tensor, n: int) -> torch.Tensor:  # per line of the last-but-one dim
-        idx = torch.arange(n, dtype=torch.int32, device=sees.device)
-        first = torch.where(sees, idx, n).amin(-1)  # n, 0 for a line that sees nothing: none visited
-        last = torch.where(sees, idx + 1, 0).amax(-1)
+    def spans(dim: int, n: int) -> torch.Tensor:  # (first, one past last) along `dim`
+        first = sees.argmax(dim)
+        last = n - sees.flip(dim).argmax(dim)
+        if dim == -2:  # a key no row sees: none visited
+            seen = sees.amax(dim).bool()
+            first, last = first.masked_fill(~seen, n), last.masked_fill(~seen, 0)
         return torch.stack((first, last), dim=-2).to(torch.int32).contiguous()
 
-    rows, cols = spans(sees, sk), spans(sees.transpose(-1, -2), sq)
+    rows, cols = spans(-1, sk), spans(-2, sq)
 
     def strides(t: torch.Tensor) -> tuple[int, int]:  # 0 along the dims the mask broadcasts
         return (t.stride(0) if b > 1 else 0, t.stride(1) if h > 1 else 0)

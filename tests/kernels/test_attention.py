@@ -252,6 +252,31 @@ def test_negative_control_without_mask_bounds_the_padded_keys_are_read(monkeypat
     assert torch.isnan(out[1]).any() and torch.isfinite(out[0]).all()
 
 
+@pytest.mark.parametrize("shape, sq, sk", [((2, 1, 13, 17), 13, 17), ((2, 3, 1, 17), 9, 17),
+                                          ((13, 17), 13, 17), ((1, 2, 5, 7), 5, 7), ((3, 4, 6), 4, 6)])
+@pytest.mark.parametrize("kind", ["bool", "float", "none visible"])
+def test_mask_bounds_are_each_lines_first_and_last_visible_position(shape, sq, sk, kind):
+    """_compute_mask_bounds (argmax over one byte an entry) against the spans written out: the
+    first and one-past-last visible key of each row (every key for a row masked whole), and of
+    each key the rows that see it (none: first past the end, last 0)."""
+    torch.manual_seed(sq * sk)
+    keep = torch.rand(shape) > 0.6 if kind != "none visible" else torch.zeros(shape, dtype=torch.bool)
+    keep[..., 2] = False  # a key no row sees
+    if shape[-2] > 1:
+        keep[..., 1, :] = False  # a row that sees none
+    mask = keep if kind != "float" else torch.zeros(shape).masked_fill(~keep, torch.finfo(torch.float32).min)
+    rows, _, cols, _ = attn_mod._compute_mask_bounds(mask.to(DEVICE), sq, sk)
+    k4 = keep.reshape((1,) * (4 - keep.dim()) + keep.shape).expand(-1, -1, sq, sk)
+    sees = k4 | ~k4.any(-1, keepdim=True)
+
+    def spans(sees, n):
+        idx = torch.arange(n)
+        return torch.stack((torch.where(sees, idx, n).amin(-1), torch.where(sees, idx + 1, 0).amax(-1)), -2)
+
+    assert torch.equal(rows.cpu().long(), spans(sees, sk))
+    assert torch.equal(cols.cpu().long(), spans(sees.transpose(-1, -2), sq))
+
+
 def test_mask_bounds_are_computed_once_per_mask_and_again_when_it_changes(monkeypatch):
     """A model's layers share one mask: its bounds are computed on its first call and reused
     (forward and backward) until the mask is written in place."""
