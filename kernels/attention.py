@@ -1082,7 +1082,8 @@ _MASKED_AT_OR_BELOW = -65504.0
 _BOUNDS_MIN_KEYS = 0 if INTERPRET else 256
 # mask (its base tensor) -> (version, view, sq, sk, bounds): one computation per mask, which a
 # model's layers share (transformers builds one per forward); never kept across CUDA-graph
-# capture, whose replays may rewrite the mask's memory without a version change.
+# capture, whose replays may rewrite the mask's memory without a version change, nor for
+# inference tensors (no version counter).
 _MASK_BOUNDS = torch.utils.weak.WeakTensorKeyDictionary()
 
 
@@ -1099,14 +1100,15 @@ def _mask_bounds(attn_mask: torch.Tensor | None, sq: int, sk: int, mask_grad: bo
     keys."""
     if attn_mask is None or mask_grad or attn_mask.requires_grad or sk < _BOUNDS_MIN_KEYS or sq * sk == 0:
         return None  # a learned bias (T5's) masks nothing
-    capturing = attn_mask.is_cuda and torch.cuda.is_current_stream_capturing()
     base = attn_mask if attn_mask._base is None else attn_mask._base
+    # Inference tensors keep no version counter: nothing to validate a cached entry by.
+    if base.is_inference() or (attn_mask.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return _compute_mask_bounds(attn_mask, sq, sk)
     view = (tuple(attn_mask.shape), attn_mask.stride(), attn_mask.storage_offset(), sq, sk)
-    seen = None if capturing else _MASK_BOUNDS.get(base)
+    seen = _MASK_BOUNDS.get(base)
     if seen is None or seen[0] != base._version or seen[1] != view:
         seen = (base._version, view, _compute_mask_bounds(attn_mask, sq, sk))
-        if not capturing:
-            _MASK_BOUNDS[base] = seen
+        _MASK_BOUNDS[base] = seen
     return seen[2]
 
 

@@ -613,6 +613,8 @@ def packed_mask_offsets(mask: torch.Tensor, n: int) -> tuple[torch.Tensor, int, 
     if any(d != 1 for d in mask.shape[:-2]):
         return None
     base = mask if mask._base is None else mask._base
+    if base.is_inference():  # no version counter to cache the verdict by, and a check a call costs
+        return None          # two syncs: the dense kernels, which skip what the mask hides anyway
     view = (tuple(mask.shape), mask.stride(), mask.storage_offset())
     seen = _PACKED_MASKS.get(base)
     if seen is None or seen[0] != base._version or seen[1] != view:

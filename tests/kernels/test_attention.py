@@ -294,6 +294,19 @@ def test_mask_bounds_are_computed_once_per_mask_and_again_when_it_changes(monkey
     assert len(computed) == before + 1
 
 
+@pytest.mark.parametrize("mask_kind", ["bool", "packed"])
+def test_masks_made_under_inference_mode(mask_kind):
+    """Inference tensors keep no version counter, which the mask caches (bounds, packed check) key
+    on: a mask made under torch.inference_mode (generation) is used without caching, with the
+    same result."""
+    case = Case(b=2 if mask_kind == "bool" else 1, sq=70, sk=70, mask=mask_kind)
+    q, k, v, mask = make(case, torch.float32)
+    want = trifuse.ops.attention(q, k, v, attn_mask=mask)
+    with torch.inference_mode():
+        got = trifuse.ops.attention(q, k, v, attn_mask=mask.clone())
+    torch.testing.assert_close(got, want)
+
+
 def test_fully_masked_rows_give_what_sdpa_gives():
     """SDPA (math backend) returns 0 for a row that sees no key, and zero gradients for it; the
     same for a bool mask and a float mask of -inf, and for a dropped-out forward."""
