@@ -1080,7 +1080,7 @@ def _mask_arg(attn_mask: torch.Tensor | None, shape: tuple[int, int, int, int], 
 _MASKED_AT_OR_BELOW = -65504.0
 # Keys below which the mask's bounds are not worth their host time (a few torch ops per mask).
 _BOUNDS_MIN_KEYS = 0 if INTERPRET else 256
-# mask (its base tensor) -> (version, view, sq, sk, bounds): one computation per mask, which a
+# mask (its base tensor) -> (version, view and lengths, bounds): one computation per mask, which a
 # model's layers share (transformers builds one per forward); never kept across CUDA-graph
 # capture, whose replays may rewrite the mask's memory without a version change, nor for
 # inference tensors (no version counter).

@@ -452,7 +452,8 @@ def kernel_keep_mask(b, h, sq, sk, p, seed):
 
 
 DROPOUT_CASES = [Case(h=4, h_kv=2, sq=33, sk=40, causal=True), Case(b=2, sq=20, sk=24, mask="dead-rows"),
-                 Case(sq=40, sk=17, mask="float"), Case(sq=35, sk=26, d=24, dv=40, causal=True)]
+                 Case(sq=40, sk=17, mask="float"), Case(sq=35, sk=26, d=24, dv=40, causal=True),
+                 Case(b=2, sq=70, sk=70, mask="packed")]  # blocks skipped: the draws stay put
 
 
 @pytest.mark.parametrize("case", DROPOUT_CASES, ids=lambda c: c.id)
