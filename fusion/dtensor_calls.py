@@ -13,6 +13,7 @@ spelling; `close_constants` turns every explicit call whose constants this torch
 (anything the rewriter left, and the copies its replacements made) back into a closure over them,
 as Dynamo did, before the graph is compiled into code. On torch 2.13 both find nothing to do.
 """
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -77,16 +78,21 @@ def open_closures(graph: fx.Graph) -> int:
     return count
 
 
+@functools.cache
+def _dtensor_constant_types() -> tuple[type, ...]:
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor.placement_types import Placement
+    except ImportError:  # a torch built without distributed
+        return ()
+    return DeviceMesh, Placement
+
+
 def _unprintable(value: Any) -> bool:
     """Whether fx's code generation cannot write `value` as a constant in this torch: a DeviceMesh
     or Placement that torch has not registered as printable (2.13 registers placements; a mesh is
     never a constant there)."""
-    try:
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.tensor.placement_types import Placement
-    except ImportError:
-        return False
-    if not isinstance(value, (DeviceMesh, Placement)):
+    if not isinstance(value, _dtensor_constant_types()):
         return False
     try:
         from torch._library.opaque_object import is_opaque_value_type
