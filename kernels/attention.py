@@ -1076,7 +1076,8 @@ def _mask_arg(attn_mask: torch.Tensor | None, shape: tuple[int, int, int, int], 
 
 # An additive mask entry at or below this masks its key (transformers' masks use the dtype's
 # minimum; fp16's is -65504): exp underflows to exactly 0 for it whenever the row has any key
-# that is not masked (scaled scores within ~6e4 of each other).
+# that is not masked (scaled scores within ~6e4 of each other). Between it and 0: a bias, not a
+# mask (also attention_varlen.py's packed-mask check).
 _MASKED_AT_OR_BELOW = -65504.0
 # Keys below which the mask's bounds are not worth their host time (a few torch ops per mask).
 _BOUNDS_MIN_KEYS = 0 if INTERPRET else 256

@@ -595,9 +595,6 @@ def _max_seqlen(cu: torch.Tensor) -> int:
 # model's layers share one (in fused graphs, views of one).
 _PACKED_MASKS = torch.utils.weak.WeakTensorKeyDictionary()
 _CHECK_ELEMENTS = 1 << 24  # mask entries compared per step of the check (16 MiB of bools)
-# An additive mask entry at or below this is a masked key (transformers' eager masks use the
-# dtype's minimum, fp16's is -65504); anything between it and 0 is a bias, not a mask.
-_MASKED_BELOW = -65504.0
 
 
 def packed_mask_offsets(mask: torch.Tensor, n: int) -> tuple[torch.Tensor, int, int] | None:
@@ -632,7 +629,7 @@ def _packed_offsets(mask: torch.Tensor) -> tuple[torch.Tensor, int, int] | None:
         keep, valid = mask, torch.ones((), dtype=torch.bool, device=mask.device)
     elif mask.is_floating_point():
         keep = mask == 0
-        valid = (keep | (mask <= _MASKED_BELOW)).all()
+        valid = (keep | (mask <= attn._MASKED_AT_OR_BELOW)).all()
     else:
         return None
     idx = torch.arange(n, device=mask.device)
