@@ -32,6 +32,7 @@ import inspect
 import itertools
 import logging
 import operator
+import sys
 import types
 import weakref
 from collections import Counter
@@ -350,24 +351,22 @@ def _entry(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     ran unfused.
 
     Dynamo keeps a frame's automatic-dynamic state (which dims went symbolic after two values)
-    per file, line and name of its code, and the hash of the code of the functions in its
-    closure. The closure here holds `key`, a function whose code is named after this unit
-    alone (`name` and a process-wide count), so that every unit keeps its own: Hugging Face
-    wraps every layer class's forward in one `forward_with_checkpointing`, and Llama's and
-    GLM-4's decoder layers are the same code in two files (equal hashes), so sharing made a
-    model's dims symbolic from its first call once another model had other widths (GPT-NeoX's
-    and GLM-4's rotary then went unfused)."""
-
-    def key() -> None:
-        pass
-
-    key = types.FunctionType(key.__code__.replace(co_name=f"{name}#{next(_UNIT_KEYS)}"), {})
+    per file, first line and name of its code (torch 2.13 adds the hash of its closure's code),
+    so this frame's code is named after its unit alone (`name` and a process-wide count): Hugging
+    Face wraps every layer class's forward in one `forward_with_checkpointing`, and Llama's and
+    GLM-4's decoder layers are the same code in two files, so sharing made a model's dims
+    symbolic from its first call once another model had other widths (GPT-NeoX's and GLM-4's
+    rotary then went unfused)."""
 
     def enter(*args: Any, **kwargs: Any) -> Any:
-        key  # noqa: B018  (held in the closure: see the docstring)
         return fn(*args, **kwargs)
 
-    return _own_code(enter)
+    unit = f"{name}#{next(_UNIT_KEYS)}"
+    names = {"co_name": unit} | ({"co_qualname": unit} if sys.version_info >= (3, 11) else {})
+    code = enter.__code__.replace(**names)
+    own = types.FunctionType(code, enter.__globals__, unit, None, enter.__closure__)
+    own.__qualname__ = unit
+    return own
 
 
 def _holds(cell: types.CellType, value: Any) -> bool:

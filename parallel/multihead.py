@@ -91,21 +91,34 @@ class MultiheadAttentionParallel(ParallelStyle):
         rank's heads only), reduced on the way back."""
         given = dict(zip(_ARG_NAMES, args))
         given.update((n, kwargs[n]) for n in _ARG_NAMES if n in kwargs)
-        done: dict[int, torch.Tensor] = {}
+        # (given, whole) pairs, matched by identity: self-attention passes one tensor three times.
+        # No id(): torch 2.11's Dynamo breaks the graph on id() of a tensor made inside it.
+        done: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def whole(x):
+            for given_x, whole_x in done:
+                if x is given_x:
+                    return whole_x
+            return None
+
         query = given.get("query")
         for name in _ARG_NAMES:
             x = given.get(name)
-            if not isinstance(x, torch.Tensor) or id(x) in done:
+            if not isinstance(x, torch.Tensor) or whole(x) is not None:
                 continue
             layout = self.input_layout if x is query else Replicate()
-            done[id(x)] = whole_with_partial_grad(x, mesh, layout)
+            done.append((x, whole_with_partial_grad(x, mesh, layout)))
         n_args = len(args)
-        args = tuple(done.get(id(a), a) for a in args)
-        kwargs = {k: done.get(id(v), v) if k in _ARG_NAMES else v for k, v in kwargs.items()}
+        args = tuple(_or(whole(a), a) for a in args)
+        kwargs = {k: _or(whole(v), v) if k in _ARG_NAMES else v for k, v in kwargs.items()}
         return args[:n_args], kwargs
 
     def __repr__(self) -> str:
         return f"MultiheadAttentionParallel(input_layouts={self.input_layout})"
+
+
+def _or(x, default):
+    return default if x is None else x
 
 
 def _per_head_mask(mask: torch.Tensor, batch: int, module: "ShardedMultiheadAttention") -> torch.Tensor:

@@ -184,6 +184,9 @@ def test_xformers_reasons(case, reason):
     assert A._xformers_supports(*call(q, k, v, mask, enable_gqa=case == "gqa")) == reason
 
 
+@pytest.mark.skipif(torch.version.cuda is not None and not ON_GPU,
+                    reason="a CUDA build of torch with no driver raises from its SDPA checks instead of answering "
+                           "(the dialect asks them for CUDA tensors only)")
 def test_sdpa_call_problem_says_what_torch_says():
     """On this build torch answers for itself: no CUDA, no backend (the reason names the check)."""
     q, k, v = qkv(d=64, dtype=torch.float16, s=8, grad=False, device="cpu")

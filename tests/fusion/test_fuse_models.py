@@ -710,8 +710,9 @@ def test_torch_nn_blocks_of_several_models_keep_their_captures():
 @pytest.mark.skipif(not has_op("rotary_embedding"), reason="trifuse.ops.rotary_embedding not in this build")
 def test_block_classes_keep_their_dynamic_shape_state_apart():
     # Hugging Face wraps every layer class's forward in one `forward_with_checkpointing`, and
-    # Dynamo keeps its automatic-dynamic state (what went symbolic after two values) per code and
-    # the hash of the code in its closure. Were the units' entry frames keyed alike, a model's
+    # Dynamo keeps its automatic-dynamic state (what went symbolic after two values) per file,
+    # line and name of a frame's code (torch 2.13 adds the hash of the code in its closure; torch
+    # 2.11 does not). Were the units' entry frames keyed alike, a model's
     # first capture would see what the models before it had as already varying, and a partial
     # rotary whose width changed would go unfused (rotate_half's split no longer a known int):
     # GPT-NeoX's after other models, and a second GPT-NeoX of another rotary width after the first
