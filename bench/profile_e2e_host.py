@@ -91,24 +91,56 @@ def report_torch_profiler(model, opt, batch) -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=35, max_name_column_width=70))
 
 
-def report_casts(model, opt, batch, limit: int = 25) -> None:
-    """The step's copies and dtype conversions by input shape and dtypes (aten::_to_copy, copy_,
-    contiguous), with their CUDA time: which tensors the conversion kernels convert."""
-    from collections import defaultdict
-
+def copy_sources(model, opt, batch, gpu: bool = True, top: int = 25) -> list[dict]:
+    """Where one step's copies come from: the `top` groups of aten::copy_ calls by CUDA time (CPU
+    time on a CPU), kernels under them included. A group is the ops that asked for the copy (its
+    callers up to the first that is not a copy or a conversion: aten::_to_copy is a dtype cast,
+    aten::clone a layout copy), the shape copied, and where: the first Python frame outside torch
+    (GPU only: on a CPU the frames would trace the interpreter's kernels), or in the backward the
+    autograd node that ran it. Which tensors the ~10 ms of direct_copy / bfloat16_copy kernels in
+    a fused GPT-2 medium step (H200, 2026-11-27) convert."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
-        one_step(model, opt, batch)
-    groups: dict = defaultdict(lambda: [0, 0.0])
-    for e in prof.key_averages(group_by_input_shape=True):
-        if e.key in ("aten::_to_copy", "aten::copy_", "aten::contiguous", "aten::clone"):
-            g = groups[(e.key, str(e.input_shapes)[:90])]
-            g[0] += e.count
-            g[1] += (getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)) / 1e3
-    print("  copies and conversions: op, input shapes, calls, CUDA ms (children included)")
-    for (name, shapes), (n, ms) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:limit]:
-        print(f"    {name:18} {shapes:90} {n:5} {ms:8.3f}")
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if gpu else [ProfilerActivity.CPU]
+    with profile(activities=activities, record_shapes=True, with_stack=gpu) as prof:
+        E.train_steps(model, opt, batch, 1, gpu)
+
+    def time_us(e) -> float:
+        if not gpu:
+            return e.cpu_time_total
+        return getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+
+    conversions = ("aten::to", "aten::_to_copy", "aten::clone", "aten::contiguous", "aten::copy")
+    groups: dict[tuple, list] = {}
+    for e in prof.events():
+        if e.name != "aten::copy_" or e.device_type.name != "CPU":
+            continue
+        up = [e]  # the copy and its callers, outermost last: ops, then Python frames ("file(line): fn")
+        while up[-1].cpu_parent is not None:
+            up.append(up[-1].cpu_parent)
+        callers = []
+        for x in up[1:]:
+            if not x.name.startswith("aten::"):
+                break
+            callers.append(x.name)
+            if not x.name.startswith(conversions):
+                break
+        where = next((x.name for x in up if ".py(" in x.name and not x.name.startswith("torch/")), "")
+        if not where:
+            where = next((x.name.rsplit(": ", 1)[-1] for x in up if x.name.startswith("autograd::engine")), "")
+        shapes = e.input_shapes
+        key = (" < ".join(callers) or "(called directly)", str(shapes[1] if len(shapes) > 1 else shapes), where)
+        g = groups.setdefault(key, [0, 0.0])
+        g[0] += 1
+        g[1] += time_us(e)
+    ranked = sorted(groups.items(), key=lambda kv: kv[1][1], reverse=True)[:top]
+    return [{"callers": k[0], "shape": k[1], "where": k[2], "calls": n, "ms": us / 1e3} for k, (n, us) in ranked]
+
+
+def report_casts(model, opt, batch) -> None:
+    print("  copies and conversions: calls, CUDA ms (kernels included), callers, shape copied, where")
+    for c in copy_sources(model, opt, batch):
+        print(f"    {c['calls']:5} {c['ms']:8.3f}  {c['callers'][:70]:70} {c['shape'][:28]:28} {c['where'][-100:]}")
 
 
 def main() -> None:

@@ -52,3 +52,28 @@ def test_graph_calls_are_bounded():
     assert H.graph_calls(0.0) == 64
     assert H.graph_calls(0.05) == 40
     assert H.graph_calls(10.0) == 4
+
+
+def test_copy_sources_name_who_copied_what():
+    """profile_e2e_host's copy table on a CPU: a layout copy in the forward (a transposed view made
+    contiguous) and a dtype cast, each found with its callers and shape, the backward's copy with
+    its autograd node."""
+    import profile_e2e_host as P
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(6, 10))
+
+        def forward(self, x):
+            y = (x @ self.w).t().contiguous()  # a clone of a (10, 5) view
+            return type("Out", (), {"loss": y.double().sum()})()  # a cast of (10, 5) to float64
+
+    model = Model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rows = P.copy_sources(model, opt, {"x": torch.randn(5, 6)}, gpu=False)
+    by_callers = {(r["callers"], r["shape"]): r for r in rows}
+    assert ("aten::clone < aten::contiguous", "[10, 5]") in by_callers, rows
+    assert ("aten::_to_copy < aten::to", "[10, 5]") in by_callers, rows
+    assert any(r["where"].endswith("Backward0") for r in rows), rows
+    assert all(r["calls"] > 0 and r["ms"] >= 0 for r in rows)
