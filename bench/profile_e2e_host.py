@@ -127,20 +127,24 @@ def copy_sources(model, opt, batch, gpu: bool = True, top: int = 25) -> list[dic
                 break
         where = next((x.name for x in up if ".py(" in x.name and not x.name.startswith("torch/")), "")
         if not where:
-            where = next((x.name.rsplit(": ", 1)[-1] for x in up if x.name.startswith("autograd::engine")), "")
+            nodes = (x.name.rsplit(": ", 1)[-1] for x in up if x.name.startswith("autograd::engine"))
+            where = next(nodes, "")
         shapes = e.input_shapes
-        key = (" < ".join(callers) or "(called directly)", str(shapes[1] if len(shapes) > 1 else shapes), where)
+        shape = str(shapes[1] if len(shapes) > 1 else shapes)  # copy_(self, src): the source's
+        key = (" < ".join(callers) or "(called directly)", shape, where)
         g = groups.setdefault(key, [0, 0.0])
         g[0] += 1
         g[1] += time_us(e)
     ranked = sorted(groups.items(), key=lambda kv: kv[1][1], reverse=True)[:top]
-    return [{"callers": k[0], "shape": k[1], "where": k[2], "calls": n, "ms": us / 1e3} for k, (n, us) in ranked]
+    return [{"callers": k[0], "shape": k[1], "where": k[2], "calls": n, "ms": us / 1e3}
+            for k, (n, us) in ranked]
 
 
 def report_casts(model, opt, batch) -> None:
     print("  copies and conversions: calls, CUDA ms (kernels included), callers, shape copied, where")
     for c in copy_sources(model, opt, batch):
-        print(f"    {c['calls']:5} {c['ms']:8.3f}  {c['callers'][:70]:70} {c['shape'][:28]:28} {c['where'][-100:]}")
+        print(f"    {c['calls']:5} {c['ms']:8.3f}  {c['callers'][:70]:70} {c['shape'][:28]:28} "
+              f"{c['where'][-100:]}")
 
 
 def main() -> None:
