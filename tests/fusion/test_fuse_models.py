@@ -707,6 +707,21 @@ def test_torch_nn_blocks_of_several_models_keep_their_captures():
         assert not trifuse.report(model).unfused_calls(), layers
 
 
+def test_unit_entry_frames_differ_in_what_every_torch_keys_dynamic_state_by():
+    """Dynamo's automatic-dynamic state is keyed by a code's file, first line and name (torch
+    2.11), plus its closure's code hash (2.13): two units of one class must differ in the first
+    three, or on torch 2.11 they share the state (the test below then fails there, not here)."""
+    from trifuse.fusion.capture import _entry
+
+    def forward(x):
+        return x
+
+    first, second = (_entry(forward, "Block").__code__ for _ in range(2))
+    keys = {(c.co_filename, c.co_firstlineno, c.co_name) for c in (first, second)}
+    assert len(keys) == 2 and all("Block" in c.co_name for c in (first, second)), keys
+    assert _entry(forward, "Block")(3) == 3
+
+
 @pytest.mark.skipif(not has_op("rotary_embedding"), reason="trifuse.ops.rotary_embedding not in this build")
 def test_block_classes_keep_their_dynamic_shape_state_apart():
     # Hugging Face wraps every layer class's forward in one `forward_with_checkpointing`, and
