@@ -95,11 +95,11 @@ class MultiheadAttentionParallel(ParallelStyle):
         # No id(): torch 2.11's Dynamo breaks the graph on id() of a tensor made inside it.
         done: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-        def whole(x):
+        def whole(x, default=None):
             for given_x, whole_x in done:
                 if x is given_x:
                     return whole_x
-            return None
+            return default
 
         query = given.get("query")
         for name in _ARG_NAMES:
@@ -109,16 +109,12 @@ class MultiheadAttentionParallel(ParallelStyle):
             layout = self.input_layout if x is query else Replicate()
             done.append((x, whole_with_partial_grad(x, mesh, layout)))
         n_args = len(args)
-        args = tuple(_or(whole(a), a) for a in args)
-        kwargs = {k: _or(whole(v), v) if k in _ARG_NAMES else v for k, v in kwargs.items()}
+        args = tuple(whole(a, a) for a in args)
+        kwargs = {k: whole(v, v) if k in _ARG_NAMES else v for k, v in kwargs.items()}
         return args[:n_args], kwargs
 
     def __repr__(self) -> str:
         return f"MultiheadAttentionParallel(input_layouts={self.input_layout})"
-
-
-def _or(x, default):
-    return default if x is None else x
 
 
 def _per_head_mask(mask: torch.Tensor, batch: int, module: "ShardedMultiheadAttention") -> torch.Tensor:
