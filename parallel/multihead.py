@@ -92,7 +92,7 @@ class MultiheadAttentionParallel(ParallelStyle):
         given = dict(zip(_ARG_NAMES, args))
         given.update((n, kwargs[n]) for n in _ARG_NAMES if n in kwargs)
         # (given, whole) pairs, matched by identity: self-attention passes one tensor three times.
-        # No id(): torch 2.11's Dynamo breaks the graph on id() of a tensor made inside it.
+        # No id(): Dynamo before torch 2.13 breaks the graph on id() of a tensor made inside it.
         done: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def whole(x, default=None):
