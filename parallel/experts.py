@@ -34,10 +34,9 @@ down projection's output left a partial sum that joins the routed experts' befor
 reduction; Qwen2-MoE's gate of it, a sigmoid scale, runs replicated (`ReplicatedModule`).
 
 Backward mirrors it: the block's input is a replicated DTensor, whose gradient adds up the
-experts' and the shared expert's partial sums and the router's whole one (DTensor counts a
-replicated gradient once in a partial sum: it divides it by the ranks) and is reduced once, as a
-dense MLP's is (one reduce-scatter under SP, counted in test_comm_volume.py), not once per
-consumer.
+experts' and the shared expert's partial sums and the router's and the shared expert gate's whole
+ones (handed back as 1/t shares of the sum, `_local_share`) and is reduced once, as a dense MLP's
+is (one reduce-scatter under SP, counted in test_comm_volume.py), not once per consumer.
 """
 
 from functools import partial
@@ -249,8 +248,8 @@ class ReplicatedModule(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         # Inside a MoEBlockParallel block the inputs are replicated DTensors: the module gets
-        # their local tensors, whose gradients, whole on every rank, the block's reduction
-        # counts once (as Replicate, added to the other consumers' partial sums).
+        # their local tensors, whose gradients, whole on every rank, join the other consumers'
+        # partial sums as 1/t shares, so that the block reduces the sum once (`_local_inputs`).
         module.register_forward_pre_hook(_local_inputs)
         if self.partial_output_grad:
             module.register_forward_hook(partial(_partial_grad, device_mesh))
@@ -266,7 +265,32 @@ class ReplicatedModule(ParallelStyle):
 
 
 def _local_inputs(module: nn.Module, args):
-    return tuple(a.to_local() if isinstance(a, DTensor) else a for a in args)
+    return tuple(_local_share(a) if isinstance(a, DTensor) else a for a in args)
+
+
+def _local_share(x: DTensor) -> torch.Tensor:
+    """A replicated DTensor's local tensor for a module run whole on every rank: its gradient, the
+    same on every rank, is handed back as this rank's 1/t share of a partial sum. The experts' and
+    a shared expert's gradients are partial sums too, and the block's input reduces them all once.
+    DTensor from torch 2.12 on converts a replicated gradient so when it meets a partial one;
+    2.11's reduces the partial one first (Qwen2-MoE: two more all-reduces of the hidden states per
+    block, issued inside DTensor's dispatch of the gradient's sum)."""
+    if any(not p.is_replicate() for p in x.placements):
+        return x.to_local()
+    return _GradShare.apply(x.to_local(grad_placements=(Partial(),)), x.device_mesh.size())
+
+
+class _GradShare(torch.autograd.Function):
+    """The identity forward; backward hands on 1/ranks of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, ranks: int) -> torch.Tensor:
+        ctx.ranks = ranks
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad / ctx.ranks, None
 
 
 def _partial_grad(mesh: DeviceMesh, module: nn.Module, args, out):
