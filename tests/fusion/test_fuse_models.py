@@ -4,6 +4,7 @@ block fused, the trifuse ops run, outputs and gradients equal the unfused model 
 rule, the model keeps its class, Parameter objects and state_dict."""
 import copy
 import functools
+import inspect
 
 import _models
 import pytest
@@ -790,6 +791,57 @@ def test_gradient_checkpointing_of_blocks_with_a_graph_break_fuses_them():
         for (name, _), g, g64 in zip(model.named_parameters(), grads, grads64):
             assert_close(f"grad {name}", g, g64, None)
     assert trifuse.report(model).counts() == available_counts(MODELS["qwen2_vl"][1])
+
+
+def test_every_other_layer_checkpointed_with_offload_fuses_and_keeps_both(monkeypatch):
+    # transformers 5.24's activation_checkpointing_enable(every_n_layers=2, offload=True): every
+    # other block checkpointed, what its checkpoint saves (the block's inputs) held on the host
+    # through `save_on_cpu`. Every block fuses; the checkpointed ones still recompute their
+    # forward in the backward (attention runs L + L/2 times a step), and their saved inputs still
+    # go through the offload's pack hook as the unfused model's do; gradients are float64's.
+    tf = _models._quiet_transformers()
+    enable = getattr(tf.PreTrainedModel, "activation_checkpointing_enable", None)
+    if enable is None or not {"every_n_layers", "offload"} <= set(inspect.signature(enable).parameters):
+        pytest.skip("this transformers has no every_n_layers / offload checkpointing (5.24 added them)")
+    import transformers.modeling_utils as modeling_utils
+
+    packed = []
+
+    class CountingSaveOnCpu(modeling_utils.save_on_cpu):
+        def __init__(self, pin_memory: bool = True, device_type: str = "cuda"):
+            # Pinned memory needs an accelerator: a CPU run holds the offloaded tensors unpinned.
+            super().__init__(pin_memory=pin_memory and torch.cuda.is_available(), device_type=device_type)
+            pack = self.pack_hook
+            self.pack_hook = lambda t: packed.append(tuple(t.shape)) or pack(t)
+
+    monkeypatch.setattr(modeling_utils, "save_on_cpu", CountingSaveOnCpu)
+    torch.manual_seed(0)
+    layers = 4
+    model, inputs, loss_fn = _models.gpt2(layers=layers)
+    ref64 = copy.deepcopy(model).double().train()
+    unfused = copy.deepcopy(model).train()
+    for m in (model, unfused):
+        m.activation_checkpointing_enable(every_n_layers=2, offload=True)
+    assert [block.gradient_checkpointing for block in model.transformer.h] == [True, False] * (layers // 2)
+    trifuse.fuse(model).train()
+    kw = inputs(2, 8)
+    loss64, grads64 = _train_step(ref64, loss_fn, _double_inputs(kw), 1)
+    _train_step(model, loss_fn, kw, 1)  # captures
+    saves = {}
+    for name, m in (("unfused", unfused), ("fused", model)):
+        m.zero_grad()
+        packed.clear()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            loss, grads = _train_step(m, loss_fn, kw, 1)
+        ran = [e.name for e in prof.events() if e.name == "trifuse::attention"]
+        saves[name] = list(packed)
+    assert_close("loss", loss, loss64, None)
+    for (name, _), g, g64 in zip(model.named_parameters(), grads, grads64):
+        assert_close(f"grad {name}", g, g64, None)
+    assert len(ran) == layers + layers // 2, ran
+    assert saves["fused"] == saves["unfused"] and len(saves["fused"]) >= layers // 2, saves
+    per_block = {"attention": layers, "bias_gelu": layers, "residual_stream": layers, "dropout_add": layers}
+    assert trifuse.report(model).counts() == available_counts({**LOSS, **per_block, "layer_norm": layers + 1})
 
 
 def test_gradient_checkpointing_recomputes_the_forwards_dropout_masks():
