@@ -827,19 +827,22 @@ def test_every_other_layer_checkpointed_with_offload_fuses_and_keeps_both(monkey
     kw = inputs(2, 8)
     loss64, grads64 = _train_step(ref64, loss_fn, _double_inputs(kw), 1)
     _train_step(model, loss_fn, kw, 1)  # captures
-    saves = {}
-    for name, m in (("unfused", unfused), ("fused", model)):
+
+    def profiled_step(m):
+        """(loss, gradients, trifuse attention forwards run, shapes the offload packed)."""
         m.zero_grad()
         packed.clear()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             loss, grads = _train_step(m, loss_fn, kw, 1)
-        ran = [e.name for e in prof.events() if e.name == "trifuse::attention"]
-        saves[name] = list(packed)
+        return loss, grads, sum(e.name == "trifuse::attention" for e in prof.events()), list(packed)
+
+    *_, saved_unfused = profiled_step(unfused)
+    loss, grads, attention_runs, saved = profiled_step(model)
     assert_close("loss", loss, loss64, None)
     for (name, _), g, g64 in zip(model.named_parameters(), grads, grads64):
         assert_close(f"grad {name}", g, g64, None)
-    assert len(ran) == layers + layers // 2, ran
-    assert saves["fused"] == saves["unfused"] and len(saves["fused"]) >= layers // 2, saves
+    assert attention_runs == layers + layers // 2
+    assert saved == saved_unfused and len(saved) >= layers // 2, (saved, saved_unfused)
     per_block = {"attention": layers, "bias_gelu": layers, "residual_stream": layers, "dropout_add": layers}
     assert trifuse.report(model).counts() == available_counts({**LOSS, **per_block, "layer_norm": layers + 1})
 
