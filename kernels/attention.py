@@ -356,7 +356,7 @@ def _attn_fwd_kernel(
     SEED,  # in (1,) int64 Philox seed; unused unless HAS_DROPOUT
     SINKS,  # in (H,) fp32 (fp64 for fp64) sink logits; unused unless HAS_SINKS
     O,  # out (B, H, N_Q, HEAD_DIM_V)
-    LSE,  # out (B, H, N_Q) fp32 (fp64 for fp64), natural log; the sink included
+    LSE,  # out (B, H, 2, N_Q) fp32 (fp64 for fp64): log2 of the row sum as hi + lo (_row_stats)
     ROW_BOUNDS,  # in (B, H, 2, N_Q) int32, broadcast like the mask: _mask_bounds; unused unless HAS_BOUNDS
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -423,13 +423,14 @@ def _attn_fwd_kernel(
     seen = l_i > 0.0  # False only for rows whose every score (the sink's too) is -inf: O = 0, L = -inf
     l_safe = tl.where(seen, l_i, 1.0)
     o = acc * (dropout_scale / l_safe)[:, None]
-    lse = tl.where(seen, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
+    lse_hi, lse_lo = _row_stats(m_i, l_safe, seen)
     if USE_TMA:
         o_desc = tl.make_tensor_descriptor(O, [N_Q, HEAD_DIM_V], [stride_om, 1], [BLOCK_M, BLOCK_DV])
         o_desc.store([start_m, 0], o.to(O.dtype.element_ty))
     else:
         tl.store(_tile(O, offs_m, offs_dv, stride_om, stride_od), o.to(O.dtype.element_ty), mask=o_mask)
-    tl.store(LSE + bh * N_Q + offs_m, lse, mask=row_ok)
+    tl.store(LSE + bh * 2 * N_Q + offs_m, lse_hi, mask=row_ok)
+    tl.store(LSE + bh * 2 * N_Q + N_Q + offs_m, lse_lo, mask=row_ok)
 
 
 @triton.jit
@@ -456,14 +457,34 @@ def _attn_bwd_preprocess_kernel(
 
 
 @triton.jit
-def _load_row_stats(LSE, DELTA, rows, N_Q):
-    """L in base 2 and delta for a block of rows. Rows past N_Q, and rows that saw no key
-    (L = -inf), get L = +inf, so their recomputed probabilities are exactly 0."""
+def _row_stats(m, l, seen):
+    """The softmax's normalizer L = m + log2(l) (base 2) as an unevaluated sum hi + lo: hi
+    rounded, lo its rounding error (Knuth's TwoSum, exact). Under a float mask of finfo.min
+    (transformers' left padding: a row that sees no key) every score is ~-2^128, where hi's
+    resolution is 2^104 and log2(l) vanishes from hi: the backward's P = exp2((S - hi) - lo) is
+    1 / l there, as the forward averaged, where exp2(S - hi) would be 1. Rows not seen: -inf, 0."""
+    log_l = tl.log2(l)
+    m = tl.where(seen, m, 0.0)  # -inf - -inf would be NaN below
+    hi = m + log_l
+    m_part = hi - log_l
+    lo = (m - m_part) + (log_l - (hi - m_part))
+    return tl.where(seen, hi, float("-inf")), tl.where(seen, lo, 0.0)
+
+
+@triton.jit
+def _load_row_stats(LSE, DELTA, rows, N_Q, HAS_LO: tl.constexpr):
+    """(hi, lo, delta) for a block of rows: L in base 2 (_row_stats; lo N_Q past hi, read only
+    with HAS_LO, else 0) and delta. Rows past N_Q, and rows that saw no key (L = -inf), get
+    hi = +inf, so their recomputed probabilities are exactly 0."""
     row_ok = rows < N_Q
-    lse = tl.load(LSE + rows, mask=row_ok, other=float("inf"))
-    lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+    hi = tl.load(LSE + rows, mask=row_ok, other=float("inf"))
+    hi = tl.where(hi == float("-inf"), float("inf"), hi)
+    if HAS_LO:
+        lo = tl.load(LSE + N_Q + rows, mask=row_ok, other=0.0)
+    else:
+        lo = tl.zeros_like(hi)
     delta = tl.load(DELTA + rows, mask=row_ok, other=0.0)
-    return lse, delta
+    return hi, lo, delta
 
 
 @triton.jit
@@ -492,12 +513,15 @@ def _attn_bwd_dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, MASK, seed, rng_base, o
             do = tl.load(_tile(DO, rows, offs_dv, stride_dom, stride_dod), mask=row_ok & mask_dv[None, :],
                          other=0.0)
         do = do.to(q.dtype)
-        lse, delta = _load_row_stats(LSE, DELTA, rows, N_Q)
+        lse, lse_lo, delta = _load_row_stats(LSE, DELTA, rows, N_Q, MASK_KIND == 2)
         qk_t, tanh_t = _scaled(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION, out_dtype=ACC), qk_scale,
                                softcap, SOFTCAP)
         qk_t = _scores(qk_t, rows[None, :], offs_n[:, None], MASK, stride_mm, stride_mn, N_Q, N_K,
                        MASKED, IS_CAUSAL, MASK_KIND, ACC, window, HAS_WINDOW)
-        p_t = tl.exp2(qk_t - lse[None, :])
+        if MASK_KIND == 2:  # a float mask: L's rounding error counts (_row_stats)
+            p_t = tl.exp2((qk_t - lse[None, :]) - lse_lo[None, :])
+        else:
+            p_t = tl.exp2(qk_t - lse[None, :])
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION, out_dtype=ACC)
         if HAS_DROPOUT:
             # drawn as the other kernels draw it, (query, key), and transposed: four keys a draw
@@ -520,7 +544,7 @@ def _attn_bwd_dkdv_kernel(
     MASK,  # in, as the forward
     SEED,  # in (1,) int64; unused unless HAS_DROPOUT
     DO,  # in (B, H, N_Q, HEAD_DIM_V)
-    LSE,  # in (B, H, N_Q) from the forward
+    LSE,  # in (B, H, 2, N_Q) from the forward
     DELTA,  # in (B, H, N_Q) rowsum(dO * O)
     DK, DV,  # out (B, H_KV, N_K, HEAD_DIM) and (B, H_KV, N_K, HEAD_DIM_V)
     COL_BOUNDS,  # in (B, H, 2, N_K) int32, broadcast like the mask: _mask_bounds; unused unless HAS_BOUNDS
@@ -584,7 +608,7 @@ def _attn_bwd_dkdv_kernel(
             Qh = Q + b * stride_qb + h * stride_qh
             DOh = DO + b * stride_dob + h * stride_doh
         MASKh = MASK + b * stride_mb + h * stride_mh
-        LSEh = LSE + bh * N_Q
+        LSEh = LSE + bh * 2 * N_Q
         DELTAh = DELTA + bh * N_Q
         rng_base = bh * N_Q
         causal_lo, causal_end, full_start, full_end = lo, mid, mid, N_Q
@@ -614,8 +638,8 @@ def _attn_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _attn_bwd_dq_loop(dq, q, do, lse, delta, K, V, MASK, DMASK, seed, rng_rows, offs_m, offs_n, offs_d, offs_dv,
-                      stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+def _attn_bwd_dq_loop(dq, q, do, lse, lse_lo, delta, K, V, MASK, DMASK, seed, rng_rows, offs_m, offs_n,
+                      offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
                       N_Q, N_K, qk_scale, softcap, p_drop, dropout_scale, lo, hi,
                       HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                       IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -643,7 +667,10 @@ def _attn_bwd_dq_loop(dq, q, do, lse, delta, K, V, MASK, DMASK, seed, rng_rows, 
                               softcap, SOFTCAP)
         qk = _scores(qk, offs_m[:, None], cols[None, :], MASK, stride_mm, stride_mn, N_Q, N_K,
                      MASKED, IS_CAUSAL, MASK_KIND, ACC, window, HAS_WINDOW)
-        p = tl.exp2(qk - lse[:, None])
+        if MASK_KIND == 2:  # a float mask: L's rounding error counts (_row_stats)
+            p = tl.exp2((qk - lse[:, None]) - lse_lo[:, None])
+        else:
+            p = tl.exp2(qk - lse[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION, out_dtype=ACC)
         if HAS_DROPOUT:
             keep = dropout_keep_quads(seed, rng_rows[:, None], cols[None, :], p_drop)
@@ -664,7 +691,7 @@ def _attn_bwd_dq_kernel(
     MASK,  # in, as the forward
     SEED,  # in (1,) int64; unused unless HAS_DROPOUT
     DO,  # in (B, H, N_Q, HEAD_DIM_V)
-    LSE,  # in (B, H, N_Q) from the forward
+    LSE,  # in (B, H, 2, N_Q) from the forward
     DELTA,  # in (B, H, N_Q) rowsum(dO * O)
     DQ,  # out (B, H, N_Q, HEAD_DIM)
     DMASK,  # out (B, H, N_Q, N_K) contiguous, fp32 (fp64 for fp64): dS; unused unless MASK_GRAD
@@ -698,7 +725,7 @@ def _attn_bwd_dq_kernel(
                 mask=q_mask, other=0.0)
     do = tl.load(_tile(DO + b * stride_dob + h * stride_doh, offs_m, offs_dv, stride_dom, stride_dod),
                  mask=(offs_m[:, None] < N_Q) & (offs_dv[None, :] < HEAD_DIM_V), other=0.0).to(q.dtype)
-    lse, delta = _load_row_stats(LSE + bh * N_Q, DELTA + bh * N_Q, offs_m, N_Q)
+    lse, lse_lo, delta = _load_row_stats(LSE + bh * 2 * N_Q, DELTA + bh * N_Q, offs_m, N_Q, MASK_KIND == 2)
     seed = tl.load(SEED) if HAS_DROPOUT else 0
     rng_rows = bh * N_Q + offs_m
     K += b * stride_kb + hk * stride_kh
@@ -716,13 +743,13 @@ def _attn_bwd_dq_kernel(
     if HAS_BOUNDS:  # as the forward
         lo, last = _mask_span(ROW_BOUNDS + b * stride_rb + h * stride_rh, offs_m, N_Q, N_K, BLOCK_N)
         full_end, masked_start, hi = tl.minimum(n_full, last), tl.maximum(n_full, lo), tl.minimum(hi, last)
-    dq = _attn_bwd_dq_loop(dq, q, do, lse, delta, K, V, MASK, DMASK, seed, rng_rows, offs_m, offs_n, offs_d,
-                           offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+    dq = _attn_bwd_dq_loop(dq, q, do, lse, lse_lo, delta, K, V, MASK, DMASK, seed, rng_rows, offs_m, offs_n,
+                           offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
                            N_Q, N_K, qk_scale, softcap, p_drop, dropout_scale, lo, full_end,
                            HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, IS_CAUSAL, MASK_KIND, HAS_DROPOUT, MASK_GRAD, SOFTCAP,
                            DOT_PRECISION, ACC, USE_TMA)
-    dq = _attn_bwd_dq_loop(dq, q, do, lse, delta, K, V, MASK, DMASK, seed, rng_rows, offs_m, offs_n, offs_d,
-                           offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+    dq = _attn_bwd_dq_loop(dq, q, do, lse, lse_lo, delta, K, V, MASK, DMASK, seed, rng_rows, offs_m, offs_n,
+                           offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
                            N_Q, N_K, qk_scale, softcap, p_drop, dropout_scale, masked_start, hi,
                            HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, IS_CAUSAL, MASK_KIND, HAS_DROPOUT, MASK_GRAD, SOFTCAP,
                            DOT_PRECISION, ACC, USE_TMA)
@@ -1054,13 +1081,18 @@ def _sinks_arg(sinks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return sinks.to(_stat_dtype(dtype)).contiguous()
 
 
-def _sinks_grad(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+def _sinks_grad(sinks: torch.Tensor, lse2: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """dsinks (Hq,) in the sinks' dtype: -sum over batch and rows of P_sink * delta, where
-    P_sink = exp(s_h - L) (L (B, Hq, Sq) includes the sink, so P_sink <= 1; a sink of -inf has
-    P_sink = 0, also in the rows where L = -inf)."""
-    s = sinks.to(lse.dtype)[None, :, None]
-    p_sink = torch.where(torch.isneginf(s), 0.0, torch.exp(s - lse))
+    P_sink = exp2(s_h log2(e) - L) (L (B, Hq, Sq), base 2, includes the sink, so P_sink <= 1; a
+    sink of -inf has P_sink = 0, also in the rows where L = -inf)."""
+    s = sinks.to(lse2.dtype)[None, :, None] * LOG2E
+    p_sink = torch.where(torch.isneginf(s), 0.0, torch.exp2(s - lse2))
     return (-(p_sink * delta).sum((0, 2))).to(sinks.dtype)
+
+
+def _row_lse2(stats: torch.Tensor) -> torch.Tensor:
+    """L in base 2, (B, Hq, Sq), from the dense kernels' (B, Hq, 2, Sq) hi and lo (_row_stats)."""
+    return stats[:, :, 0] + stats[:, :, 1]
 
 
 def _mask_arg(attn_mask: torch.Tensor | None, shape: tuple[int, int, int, int], fallback: torch.Tensor):
@@ -1153,21 +1185,24 @@ def attention_fwd(
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (o, lse): o (B, Hq, Sq, Dv) laid out like q (_output_like), lse (B, Hq, Sq) in fp32
-    (fp64 for fp64), the sinks included. `seed` is the Philox seed (1,) int64 when dropout_p > 0;
+    """Returns (o, lse): o (B, Hq, Sq, Dv) laid out like q (_output_like); lse (B, Hq, 2, Sq) in
+    fp32 (fp64 for fp64), each row's log-sum-exp in base 2 as hi + lo (`_row_stats`; `_row_lse2`
+    sums them), the sinks included. `seed` is the Philox seed (1,) int64 when dropout_p > 0;
     `softcap` > 0 caps the scaled scores (0: no cap); `sinks` (Hq,), any float dtype, or None."""
     bsz, h, sq, d = q.shape
     h_kv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
     o = _output_like(q, dv)
-    lse = torch.empty((bsz, h, sq), dtype=_stat_dtype(q.dtype), device=q.device)
+    lse = torch.empty((bsz, h, 2, sq), dtype=_stat_dtype(q.dtype), device=q.device)
     if o.numel() == 0:
         return o, lse
     if not _use_kernels(q):
         o_t, lse_t = _attention_fwd_torch(q, k, v, attn_mask, dropout_p, is_causal, scale, seed, softcap, sinks)
-        return o.copy_(o_t), lse.copy_(lse_t)
+        lse[:, :, 0], lse[:, :, 1] = lse_t * LOG2E, 0.0
+        return o.copy_(o_t), lse
     if sk == 0:  # every row sees the sink alone: L = s_h
-        return o.zero_(), lse.fill_(float("-inf")) if sinks is None else lse.copy_(
-            sinks.to(lse.dtype)[None, :, None].expand_as(lse))
+        lse[:, :, 0] = float("-inf") if sinks is None else sinks.to(lse.dtype)[None, :, None] * LOG2E
+        lse[:, :, 1] = 0.0
+        return o.zero_(), lse
     mask, sm, mask_kind = _mask_arg(attn_mask, (bsz, h, sq, sk), q)
     has_dropout = dropout_p > 0.0
     has_sinks = sinks is not None
@@ -1218,7 +1253,7 @@ def attention_bwd(
     """Returns (dq, dk, dv, dmask, dsinks): dq, dk, dv shaped and laid out like q, k, v (contiguous
     when those are not dense); dmask, with `mask_grad` (a float attn_mask), in the mask's shape and
     dtype (summed over the dims it broadcasts along), else None; dsinks (Hq,) in the sinks' dtype
-    with `sinks`, else None. `lse` is the forward's, which includes the sinks.
+    with `sinks`, else None. `lse` is the forward's (B, Hq, 2, Sq), which includes the sinks.
 
     dmask is dS, which the dQ kernel writes into a dense (B, Hq, Sq, Sk) buffer (fp32; fp64 for
     fp64) before the host sums the broadcast dims: O(B Hq Sq Sk) extra memory for this call, as
@@ -1230,14 +1265,14 @@ def attention_bwd(
         dmask = torch.zeros_like(attn_mask, memory_format=torch.contiguous_format) if mask_grad else None
         return dq.zero_(), dk.zero_(), dv.zero_(), dmask, None if sinks is None else torch.zeros_like(sinks)
     if not _use_kernels(q):
-        grads = _attention_bwd_torch(do, q, k, v, o, lse, seed, attn_mask, dropout_p, is_causal, scale, mask_grad,
-                                     softcap)
+        grads = _attention_bwd_torch(do, q, k, v, o, seed, attn_mask, dropout_p, is_causal, scale, mask_grad,
+                                     softcap, sinks)
         dmask = _reduce_mask_grad(grads[3], attn_mask) if mask_grad else None
-        dsinks = None if sinks is None else _sinks_grad(sinks, lse, grads[4])
+        dsinks = None if sinks is None else _sinks_grad(sinks, _row_lse2(lse), grads[4])
         return dq.copy_(grads[0]), dk.copy_(grads[1]), dv.copy_(grads[2]), dmask, dsinks
     mask, sm, mask_kind = _mask_arg(attn_mask, (bsz, h, sq, sk), q)
     has_dropout = dropout_p > 0.0
-    delta = torch.empty_like(lse)
+    delta = lse.new_empty((bsz, h, sq))
     seed_arg = seed if has_dropout else q
     ds = None
     if mask_grad:
@@ -1264,7 +1299,7 @@ def attention_bwd(
         _BWD_DKDV.run(plan[2], dkdv_args, plan[3])
         _BWD_DQ.run(plan[4], dq_args, plan[5])
         return (dq, dk, dv, None if ds is None else _reduce_mask_grad(ds, attn_mask),
-                None if sinks is None else _sinks_grad(sinks, lse, delta))
+                None if sinks is None else _sinks_grad(sinks, _row_lse2(lse), delta))
     block_d, block_dv = _block_d(d), _block_d(d_v)
     acc = acc_dtype(q.dtype)
     pre_block = 32 if INTERPRET else 64  # small under the interpreter: tests cross its blocks too
@@ -1285,7 +1320,7 @@ def attention_bwd(
     if planned_dkdv is not None and planned_dq is not None:
         store_plan(_BWD_PLANS, key, (pre_grid, pre_meta, *planned_dkdv, *planned_dq))
     return (dq, dk, dv, None if ds is None else _reduce_mask_grad(ds, attn_mask),
-            None if sinks is None else _sinks_grad(sinks, lse, delta))
+            None if sinks is None else _sinks_grad(sinks, _row_lse2(lse), delta))
 
 
 def _reduce_mask_grad(ds: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
@@ -1310,10 +1345,11 @@ def _torch_keep_mask(seed: torch.Tensor, shape: tuple[int, ...], p: float) -> to
     return torch.rand(shape, generator=gen) >= p
 
 
-def _torch_probs(q, k, attn_mask, is_causal, scale, lse=None, softcap=0.0, sinks=None):
-    """(P, lse, tanh of the capped scores or None) in the accumulation dtype; k already repeated
-    over the group. With lse given, P is recomputed from it as the kernels do (0 for rows with
-    lse = -inf). `sinks` (forward only) joins the softmax as one more column, then dropped."""
+def _torch_probs(q, k, attn_mask, is_causal, scale, softcap=0.0, sinks=None):
+    """(P, lse, tanh of the capped scores or None) in the accumulation dtype, lse natural; k
+    already repeated over the group. `sinks` join the softmax as one more column, then dropped.
+    The backward calls it again: a softmax of the scores stays exact in rows that a float mask
+    covers whole at finfo.min, where exp(S - lse) would not (_row_stats)."""
     acc = _stat_dtype(q.dtype)
     s = (q.to(acc) @ k.to(acc).transpose(-2, -1)) * scale
     tanh = None
@@ -1328,15 +1364,12 @@ def _torch_probs(q, k, attn_mask, is_causal, scale, lse=None, softcap=0.0, sinks
             s = s.masked_fill(~attn_mask, float("-inf"))
         else:
             s = s + attn_mask.to(acc)
-    if lse is None:  # forward: a plain softmax (exact also for rows at finfo.min)
-        if sinks is not None:
-            s = torch.cat([s, sinks.to(acc)[None, :, None, None].expand(*s.shape[:-1], 1)], dim=-1)
-        lse = torch.logsumexp(s, dim=-1)
-        dead = torch.isneginf(lse)[..., None]
-        p = torch.softmax(s.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
-        return p if sinks is None else p[..., :-1], lse, tanh
-    safe = torch.where(torch.isneginf(lse), float("inf"), lse)
-    return torch.exp(s - safe[..., None]), lse, tanh
+    if sinks is not None:
+        s = torch.cat([s, sinks.to(acc)[None, :, None, None].expand(*s.shape[:-1], 1)], dim=-1)
+    lse = torch.logsumexp(s, dim=-1)
+    dead = torch.isneginf(lse)[..., None]
+    p = torch.softmax(s.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
+    return p if sinks is None else p[..., :-1], lse, tanh
 
 
 def _repeat_kv(t: torch.Tensor, group: int) -> torch.Tensor:
@@ -1352,14 +1385,14 @@ def _attention_fwd_torch(q, k, v, attn_mask, dropout_p, is_causal, scale, seed, 
     return p @ _repeat_kv(v, group).to(p.dtype), lse
 
 
-def _attention_bwd_torch(do, q, k, v, o, lse, seed, attn_mask, dropout_p, is_causal, scale, mask_grad=False,
-                         softcap=0.0):
+def _attention_bwd_torch(do, q, k, v, o, seed, attn_mask, dropout_p, is_causal, scale, mask_grad=False,
+                         softcap=0.0, sinks=None):
     bsz, h, sq, d = q.shape
     h_kv, sk = k.shape[1], k.shape[2]
     group = h // h_kv
-    acc = lse.dtype
+    acc = _stat_dtype(q.dtype)
     kr, vr = _repeat_kv(k, group).to(acc), _repeat_kv(v, group).to(acc)
-    p, _, tanh = _torch_probs(q, kr, attn_mask, is_causal, scale, lse, softcap)
+    p, _, tanh = _torch_probs(q, kr, attn_mask, is_causal, scale, softcap, sinks)
     do_, o_ = do.to(acc), o.to(acc)
     dp = do_ @ vr.transpose(-2, -1)
     pd = p
@@ -1513,7 +1546,7 @@ def _(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap=0.0, 
     _check_attention_inputs(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     _check_softcap(softcap)
     _check_sinks(q, sinks)
-    lse = q.new_empty(q.shape[:3], dtype=_stat_dtype(q.dtype))
+    lse = q.new_empty((*q.shape[:2], 2, q.shape[2]), dtype=_stat_dtype(q.dtype))
     return _output_like(q, v.shape[3]), lse, q.new_empty(1 if dropout_p > 0.0 else 0, dtype=torch.int64)
 
 

@@ -86,7 +86,7 @@ def _varlen_fwd_kernel(
     SEED,  # in (1,) int64 Philox seed; unused unless HAS_DROPOUT
     SINKS,  # in (H,) fp32 (fp64 for fp64) sink logits; unused unless HAS_SINKS
     O,  # out (TOTAL_Q, H, HEAD_DIM_V)
-    LSE,  # out (H, TOTAL_Q) fp32 (fp64 for fp64), natural log
+    LSE,  # out (H, TOTAL_Q) fp32 (fp64 for fp64), log2 of each row's sum of exp2 (attention.py's hi)
     stride_qt, stride_qh, stride_qd,
     stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd,
@@ -143,7 +143,8 @@ def _varlen_fwd_kernel(
     seen = l_i > 0.0  # False for rows that see no key (an empty key sequence) and no sink: O = 0, L = -inf
     l_safe = tl.where(seen, l_i, 1.0)
     o = acc * (dropout_scale / l_safe)[:, None]
-    lse = tl.where(seen, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
+    # hi alone: without a float mask no score is large enough to lose log2(l) (attention._row_stats)
+    lse = tl.where(seen, m_i + tl.log2(l_safe), float("-inf"))
     tl.store(attn._tile(O, offs_m, offs_dv, stride_ot, stride_od), o.to(O.dtype.element_ty),
              mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
     tl.store(LSE + h * TOTAL_Q + q_start + offs_m, lse, mask=row_ok)
@@ -260,7 +261,7 @@ def _varlen_bwd_dq_kernel(
                             stride_dod),
                  mask=(offs_m[:, None] < n_q) & (offs_dv[None, :] < HEAD_DIM_V), other=0.0).to(q.dtype)
     row0 = h * TOTAL_Q + q_start
-    lse, delta = attn._load_row_stats(LSE + row0, DELTA + row0, offs_m, n_q)
+    lse, lse_lo, delta = attn._load_row_stats(LSE + row0, DELTA + row0, offs_m, n_q, False)
     seed = tl.load(SEED) if HAS_DROPOUT else 0
     rng_rows = row0 + offs_m
     K += k_start * stride_kt + hk * stride_kh
@@ -271,13 +272,13 @@ def _varlen_bwd_dq_kernel(
     if HAS_WINDOW:
         n_full = tl.maximum(start_m - window + 1, 0) // BLOCK_N * BLOCK_N
     else:
-        dq = attn._attn_bwd_dq_loop(dq, q, do, lse, delta, K, V, Q, Q, seed, rng_rows, offs_m, offs_n, offs_d,
-                                    offs_dv, stride_kt, stride_kd, stride_vt, stride_vd, 0, 0,
+        dq = attn._attn_bwd_dq_loop(dq, q, do, lse, lse_lo, delta, K, V, Q, Q, seed, rng_rows, offs_m, offs_n,
+                                    offs_d, offs_dv, stride_kt, stride_kd, stride_vt, stride_vd, 0, 0,
                                     n_q, n_k, qk_scale, softcap, p_drop, dropout_scale, 0, n_full,
                                     HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, IS_CAUSAL, 0, HAS_DROPOUT, False,
                                     SOFTCAP, DOT_PRECISION, ACC, False)
-    dq = attn._attn_bwd_dq_loop(dq, q, do, lse, delta, K, V, Q, Q, seed, rng_rows, offs_m, offs_n, offs_d,
-                                offs_dv, stride_kt, stride_kd, stride_vt, stride_vd, 0, 0,
+    dq = attn._attn_bwd_dq_loop(dq, q, do, lse, lse_lo, delta, K, V, Q, Q, seed, rng_rows, offs_m, offs_n,
+                                offs_d, offs_dv, stride_kt, stride_kd, stride_vt, stride_vd, 0, 0,
                                 n_q, n_k, qk_scale, softcap, p_drop, dropout_scale, n_full, hi,
                                 HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, IS_CAUSAL, 0, HAS_DROPOUT, False,
                                 SOFTCAP, DOT_PRECISION, ACC, False, window, HAS_WINDOW)
@@ -346,8 +347,8 @@ def attention_varlen_fwd(
     max_k: int, dropout_p: float, causal: bool, scale: float, seed: torch.Tensor | None, softcap: float = 0.0,
     sinks: torch.Tensor | None = None, window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o, lse): o (total_q, Hq, Dv) contiguous, lse (Hq, total_q) fp32 (fp64 for fp64), the sinks
-    (Hq,) included when given. `window` > 0: causal sliding window (0: none)."""
+    """(o, lse): o (total_q, Hq, Dv) contiguous, lse (Hq, total_q) fp32 (fp64 for fp64) in base 2,
+    the sinks (Hq,) included when given. `window` > 0: causal sliding window (0: none)."""
     total_q, h, _ = q.shape
     total_k, h_kv, dv = k.shape[0], k.shape[1], v.shape[2]
     nseq = cu_q.shape[0] - 1
@@ -390,8 +391,8 @@ def attention_varlen_bwd(
         return dq.zero_(), dk.zero_(), dv_.zero_(), None if sinks is None else torch.zeros_like(sinks)
     if not attn._use_kernels(q):
         with no_autocast(q.device):
-            delta = _varlen_torch_bwd(do, q, k, v, o, lse, cu_q, cu_k, dropout_p, causal, scale, seed,
-                                      softcap, window, dq, dk, dv_)
+            delta = _varlen_torch_bwd(do, q, k, v, o, cu_q, cu_k, dropout_p, causal, scale, seed,
+                                      softcap, sinks, window, dq, dk, dv_)
         return dq, dk, dv_, None if sinks is None else attn._sinks_grad(sinks, lse[None], delta[None])
     has_dropout = dropout_p > 0.0
     delta = torch.empty_like(lse)
@@ -452,23 +453,23 @@ def _varlen_torch(q, k, v, cu_q, cu_k, dropout_p, causal, scale, seed, softcap, 
                                                _band(sq, sk, window, q.device), dropout_p, causal, scale,
                                                seed_b, softcap, sinks)
         o[sq] = o_b[0].transpose(0, 1).to(o.dtype)
-        lse[:, sq] = lse_b[0]
+        lse[:, sq] = lse_b[0] * attn.LOG2E
     return o, lse
 
 
-def _varlen_torch_bwd(do, q, k, v, o, lse, cu_q, cu_k, dropout_p, causal, scale, seed, softcap, window,
+def _varlen_torch_bwd(do, q, k, v, o, cu_q, cu_k, dropout_p, causal, scale, seed, softcap, sinks, window,
                       dq, dk, dv):
     """Fills dq, dk, dv; returns delta (Hq, total_q)."""
     dq.zero_(), dk.zero_(), dv.zero_()
-    delta = torch.zeros_like(lse)
+    delta = q.new_zeros((q.shape[1], q.shape[0]), dtype=attn._stat_dtype(q.dtype))
     for b, sq, sk in _spans(cu_q, cu_k):
         if sq.stop == sq.start or sk.stop == sk.start:
             continue
         seed_b = None if seed is None else seed + b
         grads = attn._attention_bwd_torch(_heads_first(do[sq]), _heads_first(q[sq]), _heads_first(k[sk]),
-                                          _heads_first(v[sk]), _heads_first(o[sq]), lse[None, :, sq],
-                                          seed_b, _band(sq, sk, window, q.device),
-                                          dropout_p, causal, scale, False, softcap)
+                                          _heads_first(v[sk]), _heads_first(o[sq]), seed_b,
+                                          _band(sq, sk, window, q.device), dropout_p, causal, scale, False,
+                                          softcap, sinks)
         for out, g, rows in ((dq, grads[0], sq), (dk, grads[1], sk), (dv, grads[2], sk)):
             out[rows] = g[0].transpose(0, 1).to(out.dtype)
         delta[:, sq] = grads[4][0]
