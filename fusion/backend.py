@@ -26,12 +26,15 @@ the model's latest forward: each graph counted as many times as it ran there (a 
 inside every layer compiles the layer's frame once, and its graph runs once a layer).
 """
 import bisect
+import functools
+import hashlib
 import itertools
 import logging
 import sys
 import weakref
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -169,19 +172,61 @@ def trifuse_backend(gm: fx.GraphModule, example_inputs: list[Any], mode: str | N
     return counted(work.forward, work.meta["trifuse_capture"], example_inputs)
 
 
+@functools.cache
+def source_hash(root: Path = Path(__file__).resolve().parent.parent) -> str:
+    """sha256 of the trifuse package's Python source: the top-level modules and the installed
+    sub-packages (setup.py's), not the tests, benchmarks or examples beside them in a checkout."""
+    hasher = hashlib.sha256()
+    paths = [*root.glob("*.py"), *(p for sub in _SUBPACKAGES for p in (root / sub).rglob("*.py"))]
+    for path in sorted(p for p in paths if p.name != "setup.py"):
+        hasher.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return hasher.hexdigest()
+
+
+_SUBPACKAGES = ("autotune", "fusion", "kernels", "parallel", "patterns")
+
+
+def _keyed_on_trifuse(current: Any) -> Any:
+    """A post-grad pass for Inductor's config that keys its caches on trifuse's source as well.
+
+    Inductor's FX-graph and AOTAutograd caches key a graph on its code, which names a custom op
+    but not what its fake implementation returns: after an upgrade that changes a trifuse op's
+    outputs (the attention statistics' shape, say), a warm cache would hand back code laid out
+    for the old ones. The pass changes nothing; its uuid, which Inductor hashes into both keys,
+    carries `source_hash()`. A pass already configured (`current`) still runs, keyed as before:
+    one without a uuid keeps Inductor's caches bypassed, as it did."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    inner = () if current is None else tuple(current) if isinstance(current, (list, tuple)) else (current,)
+
+    class KeyedOnTrifuse(CustomGraphPass):
+        def __call__(self, graph: fx.Graph) -> None:
+            for run in inner:
+                run(graph)
+
+        def uuid(self) -> Any:
+            keys = [p.uuid() if isinstance(p, CustomGraphPass) else None for p in inner]
+            return None if None in keys else ("trifuse", source_hash(), *keys)
+
+    return KeyedOnTrifuse()
+
+
 def trifuse_inductor_backend(gm: fx.GraphModule, example_inputs: list[Any], mode: str | None = None,
                              options: dict[str, Any] | None = None) -> Callable[..., Any]:
     """`backend="trifuse_inductor"`: the rewritten graph compiled by Inductor, the trifuse ops
     kept opaque. torch.compile's `mode` ("reduce-overhead", "max-autotune", ...) and `options`
     mean what they mean for Inductor."""
+    from torch._inductor import config as inductor_config
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
     work = _rewrite(gm, example_inputs, "backend=trifuse_inductor")
     capture = work.meta["trifuse_capture"]
     config = {**(list_mode_options(mode) if mode else {}), **(options or {})}
+    config["post_grad_custom_post_pass"] = _keyed_on_trifuse(
+        config.get("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass))
     try:
-        compiled = compile_fx(work, example_inputs, config_patches=config or None)
+        compiled = compile_fx(work, example_inputs, config_patches=config)
         return counted(compiled, capture, example_inputs)
     except Exception as e:  # noqa: BLE001  (never break a model: Inductor on the graph as captured)
         # Dynamo's restarts (TensorifyScalarRestartAnalysis, ...) are control flow, not failures.
@@ -190,7 +235,7 @@ def trifuse_inductor_backend(gm: fx.GraphModule, example_inputs: list[Any], mode
         why = f"Inductor failed on the rewritten graph ({type(e).__name__}: {str(e)[:200]}); compiled unfused"
         capture.error, capture.log = why, type(capture.log)()  # nothing of the rewrite runs
         log.warning("trifuse: %s", why)
-        return counted(compile_fx(gm, example_inputs, config_patches=config or None), capture, example_inputs)
+        return counted(compile_fx(gm, example_inputs, config_patches=config), capture, example_inputs)
 
 
 def compiled_captures(model: torch.nn.Module) -> list[Capture]:

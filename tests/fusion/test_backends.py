@@ -284,6 +284,67 @@ def test_inductor_failing_on_the_rewritten_graph_compiles_it_unfused(monkeypatch
     assert "compiled unfused" in caplog.text
 
 
+class _UserPass:
+    """A post-grad pass a user configured, with or without the uuid Inductor's caches need."""
+
+    def __init__(self, uuid):
+        self.ran, self._uuid = 0, uuid
+
+    def __call__(self, graph):
+        self.ran += 1
+
+
+@pytest.mark.parametrize("user_pass", [None, "keyed", "unkeyed"])
+def test_inductor_caches_are_keyed_on_trifuse_source(monkeypatch, user_pass):
+    """Inductor's caches key a graph on its code, which names a trifuse op but not what its fake
+    implementation returns: the backend hands Inductor a post-grad pass that changes nothing and
+    whose uuid carries the hash of trifuse's source, so a cache warmed by an older trifuse is not
+    read (a changed output shape of the attention op failed `as_strided` on such a cache, and
+    fell back to the unfused graph). A pass the user configured still runs, and keys as before."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+    import torch._inductor.compile_fx as cfx
+    from trifuse.fusion import backend
+
+    configured = None
+    if user_pass is not None:
+        configured = (type("Keyed", (_UserPass, CustomGraphPass), {"uuid": lambda self: self._uuid})
+                      if user_pass == "keyed" else _UserPass)("user-1")
+    seen = []
+    real = cfx.compile_fx
+    monkeypatch.setattr(cfx, "compile_fx", lambda gm, inputs, **kw: seen.append(kw.get("config_patches"))
+                        or real(gm, inputs, **kw))
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    x = torch.randn(3, 8)
+    options = {} if configured is None else {"post_grad_custom_post_pass": configured}
+    compiled = torch.compile(model, backend="trifuse_inductor", options=options)
+    torch.testing.assert_close(compiled(x), model(x))
+    keyed = seen[0]["post_grad_custom_post_pass"]
+    assert isinstance(keyed, CustomGraphPass)
+    if user_pass != "unkeyed":
+        assert keyed.uuid() == ("trifuse", backend.source_hash(), *(["user-1"] if configured else []))
+    else:
+        assert keyed.uuid() is None  # Inductor bypasses its caches, as for the user's pass alone
+    if configured is not None:
+        assert configured.ran > 0
+
+
+def test_source_hash_follows_the_package_source_only(tmp_path):
+    from trifuse.fusion.backend import source_hash
+
+    for name in ("__init__.py", "kernels/attention.py", "tests/test_x.py", "bench/b.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x = 1\n")
+    before = source_hash(tmp_path)
+    (tmp_path / "tests/test_x.py").write_text("x = 2\n")
+    (tmp_path / "bench/b.py").write_text("x = 2\n")
+    source_hash.cache_clear()
+    assert source_hash(tmp_path) == before
+    (tmp_path / "kernels/attention.py").write_text("x = 2\n")
+    source_hash.cache_clear()
+    assert source_hash(tmp_path) != before
+
+
 class _CheckpointedBlocks(torch.nn.Module):
     """A model that checkpoints its blocks itself (torch.utils.checkpoint in its forward)."""
 
