@@ -36,9 +36,9 @@ Backward, with dP~ = dO V^T and delta = rowsum(dO * O) (= rowsum(P * dP~ * Z / (
 Causal alignment is SDPA's `is_causal`: top-left, query i sees keys j <= i, also when Sq != Sk
 (rows i >= Sk see every key; keys j >= Sq are seen by nobody and get zero gradients).
 A row that a float mask covers whole with a finite value (transformers' finfo(dtype).min) is a
-uniform average in the forward, as in SDPA's math backend; its gradients then carry the fp32
-cancellation every log-sum-exp kernel has there (L ~ -3e38 cannot hold log(Sk); SDPA's fused
-backends give the same). Rows masked with bools or -inf are exact.
+uniform average, as in SDPA's math backend, forward and backward: L ~ -3e38 cannot hold log(Sk)
+in one float, so L is kept as hi + lo (`_row_stats`) and the backward's P = exp2((S - hi) - lo)
+is 1/Sk there (from one float it came back as 1). Rows masked with bools or -inf are exact.
 
 Shapes: q and k (B, Hq|Hkv, Sq|Sk, D), v (B, Hkv, Sk, Dv), O (B, Hq, Sq, Dv), with Hkv = Hq, or Hkv
 dividing Hq when enable_gqa; D, Dv <= 256, any values (each padded to a power of two >= 16 inside
@@ -52,11 +52,11 @@ and accumulate in fp32 (fp64 for fp64 inputs, used by gradcheck); fp32 dots are 
 (no TF32). P is rounded to the input dtype before P V, as FlashAttention does.
 
 Memory plan: the score matrix never exists. The forward saves O and the row log-sum-exp L
-(fp32; fp64 for fp64), plus the Philox seed when dropout is on; the backward recomputes P block
-by block from Q, K and L, and regenerates the dropout mask from (seed, row, column)
-(`_random.dropout_keep_quads`, four keys a Philox draw): the column is the key index, the row
-(b * Hq + h) * Sq + query index. Extra memory is O(B H Sq)
-(plus the O(B H Sq Sk) dS buffer when the mask requires grad, below).
+(base 2 as hi + lo, two fp32 a row; fp64 for fp64), plus the Philox seed when dropout is on; the
+backward recomputes P block by block from Q, K and L, and regenerates the dropout mask from
+(seed, row, column) (`_random.dropout_keep_quads`, four keys a Philox draw): the column is the
+key index, the row (b * Hq + h) * Sq + query index. Extra memory is O(B H Sq) (plus the
+O(B H Sq Sk) dS buffer when the mask requires grad, below).
 
 Kernels (one program per block of rows, looping over the other sequence):
     _attn_fwd_kernel              per (query block, b, h): online softmax over key blocks
