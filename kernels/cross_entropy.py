@@ -2,8 +2,9 @@
 
 Maths, per row i of C logits x, target t_i, label smoothing e; fp32 math (fp64 for fp64 inputs):
 
-    lse_i  = log sum_j exp(x_ij)                        online over blocks of the row
+    lse_i  = log sum_j exp(x_ij) = m_i + log l_i        online over blocks of the row (m_i the max)
     loss_i = lse_i - (1 - e) x_it - (e / C) sum_j x_ij  = (1-e) nll_i + (e/C) sum_j -log p_ij
+                                                        (m_i taken out before log l_i is added)
     loss_i = 0                                          where t_i == ignore_index
     "mean" = sum_i loss_i / #{i : t_i != ignore_index}  (0/0 = nan when every row is ignored)
     "sum"  = sum_i loss_i;  "none" = loss_i
@@ -141,7 +142,10 @@ def linear_cross_entropy_ref(
 
 @triton.jit
 def _row_lse(X, C, BLOCK_N: tl.constexpr, HAS_SMOOTHING: tl.constexpr, ACC: tl.constexpr):
-    """log-sum-exp of one row of C logits, and the row's sum (0 unless HAS_SMOOTHING).
+    """(m, log l, row sum) of one row of C logits: its log-sum-exp is m + log l, m the row's max
+    (0 for a row of -inf) and l = sum_j exp(x_j - m); the row's sum is 0 unless HAS_SMOOTHING.
+    Kept apart, not added: at logits far from 0 (m ~ 1e4) m + log l rounds at m's scale, where
+    PyTorch's log_softmax subtracts m first; the loss and the forward's gradients do the same.
 
     Online and per lane: each lane keeps its running max m and sum s of exp(x - m); the lanes
     are merged once at the end. A lane that has seen only -inf keeps m = -inf, s = 0 (the
@@ -163,22 +167,22 @@ def _row_lse(X, C, BLOCK_N: tl.constexpr, HAS_SMOOTHING: tl.constexpr, ACC: tl.c
             row_sum += tl.where(mask, x, 0.0)
     m_row = tl.max(m, axis=0)
     m_row = tl.where(m_row == float("-inf"), 0.0, m_row)
-    lse = m_row + tl.log(tl.sum(s * tl.exp(m - m_row), axis=0))
-    return lse, tl.sum(row_sum, axis=0)
+    return m_row, tl.log(tl.sum(s * tl.exp(m - m_row), axis=0)), tl.sum(row_sum, axis=0)
 
 
 @triton.jit
-def _store_row_grad(X, DX, lse, tgt, scale, C, C_STORE, eps,
+def _store_row_grad(X, DX, shift, log_norm, tgt, scale, C, C_STORE, eps,
                     BLOCK_N: tl.constexpr, HAS_SMOOTHING: tl.constexpr, ACC: tl.constexpr):
-    """dx_j = scale (exp(x_j - lse) - (1 - eps) [j == tgt] - eps / C) for j < C, 0 for
-    C <= j < C_STORE (padding columns). DX may be X itself: each element is read before it is
-    written, by the same program."""
+    """dx_j = scale (exp((x_j - shift) - log_norm) - (1 - eps) [j == tgt] - eps / C) for j < C,
+    0 for C <= j < C_STORE (padding columns); shift + log_norm is the row's log-sum-exp (the
+    forward's m and log l, the backward's saved lse and 0). DX may be X itself: each element is
+    read before it is written, by the same program."""
     offs = tl.arange(0, BLOCK_N)
     for start in range(0, C_STORE, BLOCK_N):
         cols = start + offs
         mask = cols < C
         x = tl.load(X + cols, mask=mask, other=0.0).to(ACC)
-        g = tl.exp(x - lse) - tl.where(cols == tgt, 1.0 - eps, 0.0)
+        g = tl.exp((x - shift) - log_norm) - tl.where(cols == tgt, 1.0 - eps, 0.0)
         if HAS_SMOOTHING:
             g -= eps / C
         g = tl.where(mask, g * scale, 0.0)
@@ -220,23 +224,24 @@ def _cross_entropy_fwd_kernel(
         if STORE_GRAD:
             _store_zero_row(DX, C_STORE, BLOCK_N)
     else:
-        lse, row_sum = _row_lse(X, C, BLOCK_N, HAS_SMOOTHING, ACC)
+        m, log_l, row_sum = _row_lse(X, C, BLOCK_N, HAS_SMOOTHING, ACC)
         valid = (tgt >= 0) & (tgt < C)
         x_t = tl.load(X + tgt, mask=valid, other=0.0).to(ACC)
+        # lse - x_t with m taken out first: exact where lse itself would round (_row_lse)
         if HAS_SMOOTHING:
-            loss = lse - (1.0 - eps) * x_t - (eps / C) * row_sum
+            loss = log_l + (1.0 - eps) * (m - x_t) + eps * (m - row_sum / C)
         else:
-            loss = lse - x_t
+            loss = (m - x_t) + log_l
         # A target out of range (and not ignored) gives NaN: loud, and no out-of-bounds read.
         loss = tl.where(valid, loss, float("nan"))
         tl.store(LOSS + out_row, loss.to(LOSS.dtype.element_ty))
         if STORE_LSE:
-            tl.store(LSE + out_row, lse.to(LSE.dtype.element_ty))
+            tl.store(LSE + out_row, (m + log_l).to(LSE.dtype.element_ty))
         if STORE_GRAD:
             scale = tl.where(valid, 1.0, float("nan")).to(ACC)
             if IS_MEAN:
                 scale = scale / tl.maximum(tl.load(COUNT).to(ACC), 1.0)
-            _store_row_grad(X, DX, lse, tgt, scale, C, C_STORE, eps, BLOCK_N, HAS_SMOOTHING, ACC)
+            _store_row_grad(X, DX, m, log_l, tgt, scale, C, C_STORE, eps, BLOCK_N, HAS_SMOOTHING, ACC)
 
 
 @triton.jit
@@ -266,7 +271,7 @@ def _cross_entropy_bwd_kernel(
             scale = scale / tl.maximum(tl.load(COUNT).to(ACC), 1.0)
         scale = tl.where(valid, scale, float("nan"))
         lse = tl.load(LSE + out_row).to(ACC)
-        _store_row_grad(X, DX, lse, tgt, scale, C, C_STORE, eps, BLOCK_N, HAS_SMOOTHING, ACC)
+        _store_row_grad(X, DX, lse, 0.0, tgt, scale, C, C_STORE, eps, BLOCK_N, HAS_SMOOTHING, ACC)
 
 
 @triton.jit
@@ -823,10 +828,11 @@ def _rows_fwd_torch(x2, target, n_cols, ignore_index, label_smoothing, loss, lse
     ignored = t == ignore_index
     valid = (t >= 0) & (t < n_cols)
     row_lse = torch.logsumexp(x, dim=1)
-    x_t = x.gather(1, t.clamp(0, max(n_cols - 1, 0))[:, None])[:, 0]
-    row = row_lse - (1.0 - label_smoothing) * x_t
+    # -log p from log_softmax (the max taken out first), as the kernel computes lse - x_t
+    logp = torch.log_softmax(x, dim=1)
+    row = -(1.0 - label_smoothing) * logp.gather(1, t.clamp(0, max(n_cols - 1, 0))[:, None])[:, 0]
     if label_smoothing > 0.0:
-        row = row - label_smoothing / n_cols * x.sum(dim=1)
+        row = row - label_smoothing / n_cols * logp.sum(dim=1)
     row = torch.where(valid, row, float("nan"))
     loss.copy_(torch.where(ignored, 0.0, row))
     row_lse = torch.where(ignored, 0.0, row_lse)
@@ -834,22 +840,23 @@ def _rows_fwd_torch(x2, target, n_cols, ignore_index, label_smoothing, loss, lse
         lse.copy_(row_lse)
     if dx is not None:
         ones = torch.ones((), dtype=acc, device=x2.device)
-        _grad_torch(x, t, row_lse, ones, count, n_cols, ignore_index, label_smoothing, dx, is_mean)
+        _grad_torch(logp.exp(), t, ones, count, n_cols, ignore_index, label_smoothing, dx, is_mean)
 
 
 def _rows_bwd_torch(x2, target, lse, dloss, count, n_cols, ignore_index, label_smoothing, dx, is_mean):
-    _grad_torch(x2[:, :n_cols].to(lse.dtype), target.to(torch.int64), lse, dloss, count, n_cols,
-                ignore_index, label_smoothing, dx, is_mean)
+    p = torch.exp(x2[:, :n_cols].to(lse.dtype) - lse[:, None])
+    _grad_torch(p, target.to(torch.int64), dloss, count, n_cols, ignore_index, label_smoothing, dx, is_mean)
 
 
-def _grad_torch(x, t, lse, dloss, count, n_cols, ignore_index, label_smoothing, dx, is_mean):
-    scale = dloss.reshape(-1).to(lse.dtype).expand(t.shape[0])
+def _grad_torch(p, t, dloss, count, n_cols, ignore_index, label_smoothing, dx, is_mean):
+    """dx from the probabilities p (the forward's softmax, or the backward's exp(x - lse))."""
+    scale = dloss.reshape(-1).to(p.dtype).expand(t.shape[0])
     if is_mean:
         scale = scale / count.clamp_min(1)
     valid = (t >= 0) & (t < n_cols)
     scale = torch.where(valid, scale, float("nan"))
-    g = torch.exp(x - lse[:, None])
-    g[torch.arange(t.shape[0], device=x.device)[valid], t[valid]] -= 1.0 - label_smoothing
+    g = p.clone()
+    g[torch.arange(t.shape[0], device=p.device)[valid], t[valid]] -= 1.0 - label_smoothing
     g = (g - label_smoothing / n_cols) * scale[:, None]
     g = torch.where((t == ignore_index)[:, None], 0.0, g)
     dx[:, :n_cols].copy_(g)

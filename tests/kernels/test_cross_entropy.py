@@ -836,6 +836,26 @@ def test_linear_cross_entropy_hypothesis(t, h, v, chunk, reduction, with_bias):
     check_lce(hid, w, make_target((t,), v), b, reduction, 0.1, chunk_size=chunk)
 
 
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1], ids=["plain", "smoothed"])
+@pytest.mark.parametrize("path", ["kernels", "torch"])
+def test_loss_at_logits_far_from_zero_is_as_exact_as_pytorchs(monkeypatch, path, label_smoothing):
+    """Logits near 1e5: lse = m + log l rounds at m's scale (4e-3 there), so lse - x_t lost as
+    much; the loss takes m out first, as log_softmax does (PyTorch's own error ~1e-7). The fused
+    head's gradients, computed in its forward from m and log l, too; the plain cross-entropy's
+    backward reads the saved lse and keeps its rounding (8e-7 at 1e4 against PyTorch's 3e-9)."""
+    if path == "torch":
+        monkeypatch.setattr(ce_mod, "use_triton", lambda t: False)
+    logits = torch.randn(6, 300, device=DEVICE, dtype=torch.float64) * 3 + 1e5
+    target = make_target((6,), 300)
+    for reduction in ("none", "mean"):
+        out = trifuse.ops.cross_entropy(logits.float(), target, -100, reduction, label_smoothing)
+        ref = cross_entropy_ref(logits, target, -100, reduction, label_smoothing)
+        assert_close(f"loss {reduction}", out, ref, cross_entropy_ref(logits.float(), target, -100, reduction,
+                                                                     label_smoothing))
+    h, w, b = make_head(9, 16, 40, torch.float32, with_bias=True)
+    check_lce(h, w, make_target((9,), 40), b + 1e5, "mean", label_smoothing)
+
+
 def test_reference_path_without_interpreter_matches(monkeypatch):
     """CPU tensors without TRITON_INTERPRET run the PyTorch path: same maths, same API."""
     monkeypatch.setattr(ce_mod, "use_triton", lambda t: False)
