@@ -172,6 +172,10 @@ def trifuse_backend(gm: fx.GraphModule, example_inputs: list[Any], mode: str | N
     return counted(work.forward, work.meta["trifuse_capture"], example_inputs)
 
 
+# setup.py's sub-packages: what an installed trifuse is made of.
+_SUBPACKAGES = ("autotune", "fusion", "kernels", "parallel", "patterns")
+
+
 @functools.cache
 def source_hash(root: Path = Path(__file__).resolve().parent.parent) -> str:
     """sha256 of the trifuse package's Python source: the top-level modules and the installed
@@ -181,9 +185,6 @@ def source_hash(root: Path = Path(__file__).resolve().parent.parent) -> str:
     for path in sorted(p for p in paths if p.name != "setup.py"):
         hasher.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
     return hasher.hexdigest()
-
-
-_SUBPACKAGES = ("autotune", "fusion", "kernels", "parallel", "patterns")
 
 
 def _keyed_on_trifuse(current: Any) -> Any:

@@ -849,13 +849,14 @@ def _rows_bwd_torch(x2, target, lse, dloss, count, n_cols, ignore_index, label_s
 
 
 def _grad_torch(p, t, dloss, count, n_cols, ignore_index, label_smoothing, dx, is_mean):
-    """dx from the probabilities p (the forward's softmax, or the backward's exp(x - lse))."""
+    """dx from the probabilities p (the forward's softmax, or the backward's exp(x - lse)): a
+    fresh tensor of the callers', turned into dx in place."""
     scale = dloss.reshape(-1).to(p.dtype).expand(t.shape[0])
     if is_mean:
         scale = scale / count.clamp_min(1)
     valid = (t >= 0) & (t < n_cols)
     scale = torch.where(valid, scale, float("nan"))
-    g = p.clone()
+    g = p
     g[torch.arange(t.shape[0], device=p.device)[valid], t[valid]] -= 1.0 - label_smoothing
     g = (g - label_smoothing / n_cols) * scale[:, None]
     g = torch.where((t == ignore_index)[:, None], 0.0, g)
