@@ -8,7 +8,7 @@ Maths, per row i of C logits x, target t_i, label smoothing e; fp32 math (fp64 f
     loss_i = 0                                          where t_i == ignore_index
     "mean" = sum_i loss_i / #{i : t_i != ignore_index}  (0/0 = nan when every row is ignored)
     "sum"  = sum_i loss_i;  "none" = loss_i
-    dx_ij  = s_i (p_ij - (1 - e) [j == t_i] - e / C),   p_ij = exp(x_ij - lse_i)
+    dx_ij  = s_i (p_ij - (1 - e) [j == t_i] - e / C),   p_ij = exp((x_ij - m_i) - log l_i)
 
 with s_i the incoming gradient of row i (divided by the count for "mean"); ignored rows get an
 exact zero gradient. This is F.cross_entropy's definition, label smoothing and ignore_index
@@ -18,9 +18,11 @@ cross_entropy(logits (N, C), target (N,)):
     forward   one pass over each row: online log-sum-exp (blocks of the row, so any vocabulary
               size runs in registers), the target logit and the row sum; writes loss_i and lse_i.
               A one-program kernel sums the rows in a fixed order (no atomics: bitwise repeatable).
-    backward  one pass: reads x and the saved lse_i, writes dx. The logits are read as they come
-              (bf16 / fp16 / fp32), upcast in registers: no fp32 copy of the logits ever exists.
-    memory    saves lse (N fp32) beside the logits the caller holds.
+    backward  one pass: reads x and the saved (m_i, log l_i), writes dx. The logits are read as
+              they come (bf16 / fp16 / fp32), upcast in registers: no fp32 copy of them exists.
+    memory    saves lse as its two parts (N x 2 fp32) beside the logits the caller holds: at
+              logits far from 0 (m ~ 1e4, an fp32 ulp of 1e-3) m + log l rounded to one float
+              would put its rounding into every p_ij of the backward.
     Why not dlogits in the forward (Liger's way): the forward would read each row twice and hold
     a logits-sized gradient until the backward, and the backward would still rescale it by the
     incoming gradient; the split moves 3 N C e bytes in all (read, read, write), the least
@@ -142,10 +144,13 @@ def linear_cross_entropy_ref(
 
 @triton.jit
 def _row_lse(X, C, BLOCK_N: tl.constexpr, HAS_SMOOTHING: tl.constexpr, ACC: tl.constexpr):
-    """(m, log l, row sum) of one row of C logits: its log-sum-exp is m + log l, m the row's max
-    (0 for a row of -inf) and l = sum_j exp(x_j - m); the row's sum is 0 unless HAS_SMOOTHING.
-    Kept apart, not added: at logits far from 0 (m ~ 1e4) m + log l rounds at m's scale, where
-    PyTorch's log_softmax subtracts m first; the loss and the forward's gradients do the same.
+    """(m, log l, m - mean x) of one row of C logits: its log-sum-exp is m + log l, m the row's
+    max (0 for a row of -inf) and l = sum_j exp(x_j - m); m - mean x (what label smoothing
+    needs) is 0 unless HAS_SMOOTHING. Kept apart, not added: at logits far from 0 (m ~ 1e4)
+    m + log l rounds at m's scale, where PyTorch's log_softmax subtracts m first; the loss and
+    the gradients do the same (the backward reads both, saved by the forward). The mean is
+    summed as x - x_0 (x_0 the row's first logit, 0 if not finite) for the same reason: a sum
+    of logits at 1e4 rounds at 1e-3 per 2 classes.
 
     Online and per lane: each lane keeps its running max m and sum s of exp(x - m); the lanes
     are merged once at the end. A lane that has seen only -inf keeps m = -inf, s = 0 (the
@@ -155,6 +160,10 @@ def _row_lse(X, C, BLOCK_N: tl.constexpr, HAS_SMOOTHING: tl.constexpr, ACC: tl.c
     m = tl.full([BLOCK_N], float("-inf"), ACC)
     s = tl.zeros([BLOCK_N], ACC)
     row_sum = tl.zeros([BLOCK_N], ACC)
+    pivot = 0.0
+    if HAS_SMOOTHING:
+        pivot = tl.load(X, mask=C > 0, other=0.0).to(ACC)
+        pivot = tl.where(tl.abs(pivot) < float("inf"), pivot, 0.0)
     for start in range(0, C, BLOCK_N):
         cols = start + offs
         mask = cols < C
@@ -164,19 +173,22 @@ def _row_lse(X, C, BLOCK_N: tl.constexpr, HAS_SMOOTHING: tl.constexpr, ACC: tl.c
         s = s * tl.exp(m - m_safe) + tl.exp(x - m_safe)
         m = m_new
         if HAS_SMOOTHING:
-            row_sum += tl.where(mask, x, 0.0)
+            row_sum += tl.where(mask, x - pivot, 0.0)
     m_row = tl.max(m, axis=0)
     m_row = tl.where(m_row == float("-inf"), 0.0, m_row)
-    return m_row, tl.log(tl.sum(s * tl.exp(m - m_row), axis=0)), tl.sum(row_sum, axis=0)
+    gap = 0.0
+    if HAS_SMOOTHING:
+        gap = (m_row - pivot) - tl.sum(row_sum, axis=0) / C
+    return m_row, tl.log(tl.sum(s * tl.exp(m - m_row), axis=0)), gap
 
 
 @triton.jit
 def _store_row_grad(X, DX, shift, log_norm, tgt, scale, C, C_STORE, eps,
                     BLOCK_N: tl.constexpr, HAS_SMOOTHING: tl.constexpr, ACC: tl.constexpr):
     """dx_j = scale (exp((x_j - shift) - log_norm) - (1 - eps) [j == tgt] - eps / C) for j < C,
-    0 for C <= j < C_STORE (padding columns); shift + log_norm is the row's log-sum-exp (the
-    forward's m and log l, the backward's saved lse and 0). DX may be X itself: each element is
-    read before it is written, by the same program."""
+    0 for C <= j < C_STORE (padding columns); shift + log_norm is the row's log-sum-exp (its m
+    and log l, kept apart). DX may be X itself: each element is read before it is written, by
+    the same program."""
     offs = tl.arange(0, BLOCK_N)
     for start in range(0, C_STORE, BLOCK_N):
         cols = start + offs
@@ -203,7 +215,7 @@ def _cross_entropy_fwd_kernel(
     TARGET,  # in (row0 + M,) integer class indices
     COUNT,  # in (1,) fp32 number of non-ignored rows; unused unless STORE_GRAD and IS_MEAN
     LOSS,  # out (row0 + M,) per-row loss (fp32, or the output dtype for "none")
-    LSE,  # out (row0 + M,) fp32 log-sum-exp of each row; unused unless STORE_LSE
+    LSE,  # out (row0 + M, 2) fp32 each row's log-sum-exp as (m, log l); unused unless STORE_LSE
     DX,  # out (M, C_STORE) d loss / d x, may alias X; unused unless STORE_GRAD
     row0,  # the first row of X is row row0 of TARGET, LOSS and LSE (a chunk of the tokens)
     stride_xm, stride_dxm,
@@ -220,23 +232,24 @@ def _cross_entropy_fwd_kernel(
         # Ignored rows cost no read of the logits.
         tl.store(LOSS + out_row, 0.0)
         if STORE_LSE:
-            tl.store(LSE + out_row, 0.0)
+            tl.store(LSE + 2 * out_row + tl.arange(0, 2), tl.zeros([2], LSE.dtype.element_ty))
         if STORE_GRAD:
             _store_zero_row(DX, C_STORE, BLOCK_N)
     else:
-        m, log_l, row_sum = _row_lse(X, C, BLOCK_N, HAS_SMOOTHING, ACC)
+        m, log_l, mean_gap = _row_lse(X, C, BLOCK_N, HAS_SMOOTHING, ACC)
         valid = (tgt >= 0) & (tgt < C)
         x_t = tl.load(X + tgt, mask=valid, other=0.0).to(ACC)
         # lse - x_t with m taken out first: exact where lse itself would round (_row_lse)
         if HAS_SMOOTHING:
-            loss = log_l + (1.0 - eps) * (m - x_t) + eps * (m - row_sum / C)
+            loss = log_l + (1.0 - eps) * (m - x_t) + eps * mean_gap
         else:
             loss = (m - x_t) + log_l
         # A target out of range (and not ignored) gives NaN: loud, and no out-of-bounds read.
         loss = tl.where(valid, loss, float("nan"))
         tl.store(LOSS + out_row, loss.to(LOSS.dtype.element_ty))
         if STORE_LSE:
-            tl.store(LSE + out_row, (m + log_l).to(LSE.dtype.element_ty))
+            tl.store(LSE + 2 * out_row, m.to(LSE.dtype.element_ty))
+            tl.store(LSE + 2 * out_row + 1, log_l.to(LSE.dtype.element_ty))
         if STORE_GRAD:
             scale = tl.where(valid, 1.0, float("nan")).to(ACC)
             if IS_MEAN:
@@ -248,7 +261,7 @@ def _cross_entropy_fwd_kernel(
 def _cross_entropy_bwd_kernel(
     X,  # in (M, >= C) logits
     TARGET,  # in (row0 + M,)
-    LSE,  # in (row0 + M,) fp32 saved by the forward
+    LSE,  # in (row0 + M, 2) fp32 (m, log l) saved by the forward
     DLOSS,  # in (row0 + M,) or (1,) incoming gradient (stride_dl 0 for a scalar)
     COUNT,  # in (1,) fp32 number of non-ignored rows; unused unless IS_MEAN
     DX,  # out (M, C_STORE), may alias X
@@ -270,8 +283,9 @@ def _cross_entropy_bwd_kernel(
         if IS_MEAN:
             scale = scale / tl.maximum(tl.load(COUNT).to(ACC), 1.0)
         scale = tl.where(valid, scale, float("nan"))
-        lse = tl.load(LSE + out_row).to(ACC)
-        _store_row_grad(X, DX, lse, 0.0, tgt, scale, C, C_STORE, eps, BLOCK_N, HAS_SMOOTHING, ACC)
+        m = tl.load(LSE + 2 * out_row).to(ACC)
+        log_l = tl.load(LSE + 2 * out_row + 1).to(ACC)
+        _store_row_grad(X, DX, m, log_l, tgt, scale, C, C_STORE, eps, BLOCK_N, HAS_SMOOTHING, ACC)
 
 
 @triton.jit
@@ -388,7 +402,7 @@ def _logit_rows(x: torch.Tensor, n: int) -> torch.Tensor:
 def _rows_fwd(x2, target, n_cols, ignore_index, label_smoothing, loss, lse=None, count=None, dx=None,
               is_mean=False, row0=0):
     """Per-row loss of x2 (M, >= n_cols) into loss[row0 : row0 + M], the targets being
-    target[row0 : row0 + M]; and lse there too unless lse is None. With `dx` (M, >= n_cols) also
+    target[row0 : row0 + M]; and lse's (m, log l) there too unless lse is None. With `dx` (M, >= n_cols) also
     d(loss_i)/dx (divided by max(count, 1) when is_mean), which may be x2 itself."""
     m = x2.shape[0]
     if m == 0:
@@ -503,7 +517,8 @@ def cross_entropy_fwd(
     store_lse: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """logits (N, C), target (N,). Returns (loss, lse, count): loss () or (N,) in out_dtype,
-    lse (N,) and count () in fp32 (fp64 for fp64 logits); count is the number of non-ignored
+    lse (N, 2) (each row's max m and log l, lse = m + log l) and count () in fp32 (fp64 for
+    fp64 logits); count is the number of non-ignored
     rows for "mean" and "sum" (the backward of "mean" divides by it), None for "none" (nothing
     needs it); lse is None unless store_lse (the backward needs it, the loss alone does not)."""
     n, c = logits.shape
@@ -511,7 +526,7 @@ def cross_entropy_fwd(
     acc = _acc_torch_dtype(logits.dtype)
     x2 = _logit_rows(logits, c) if c > 0 else logits
     target = _flat(target)
-    lse = torch.empty(n, dtype=acc, device=logits.device) if store_lse else None
+    lse = torch.empty((n, 2), dtype=acc, device=logits.device) if store_lse else None
     if reduction == "none":
         loss = torch.empty(n, dtype=out_dtype, device=logits.device)
         _rows_fwd(x2, target, c, ignore_index, label_smoothing, loss, lse)
@@ -700,7 +715,7 @@ def linear_cross_entropy_fwd(
         h, w, b, vp = _head_operands(hidden, weight, bias, compute_dtype)
         dw_dtype = _dweight_dtype(weight.dtype, compute_dtype)
         losses = torch.empty(tokens, dtype=acc if reduction != "none" else out_dtype, device=device)
-        lse = torch.empty(tokens, dtype=acc, device=device) if store_lse else None
+        lse = torch.empty((tokens, 2), dtype=acc, device=device) if store_lse else None
         # "mean" scales dlogits by 1 / count inside the kernel, so the count comes first.
         count = count_rows(t, ignore_index, acc) if precompute and is_mean else None
 
@@ -827,7 +842,6 @@ def _rows_fwd_torch(x2, target, n_cols, ignore_index, label_smoothing, loss, lse
     t = target.to(torch.int64)
     ignored = t == ignore_index
     valid = (t >= 0) & (t < n_cols)
-    row_lse = torch.logsumexp(x, dim=1)
     # -log p from log_softmax (the max taken out first), as the kernel computes lse - x_t
     logp = torch.log_softmax(x, dim=1)
     row = -(1.0 - label_smoothing) * logp.gather(1, t.clamp(0, max(n_cols - 1, 0))[:, None])[:, 0]
@@ -835,21 +849,23 @@ def _rows_fwd_torch(x2, target, n_cols, ignore_index, label_smoothing, loss, lse
         row = row - label_smoothing / n_cols * logp.sum(dim=1)
     row = torch.where(valid, row, float("nan"))
     loss.copy_(torch.where(ignored, 0.0, row))
-    row_lse = torch.where(ignored, 0.0, row_lse)
-    if lse is not None:
-        lse.copy_(row_lse)
+    if lse is not None:  # (m, log l) as the kernel keeps them: 0 for a row of -inf, or ignored
+        m = x.amax(dim=1) if n_cols > 0 else x.new_zeros(x.shape[0])
+        m = torch.where(ignored | (m == float("-inf")), 0.0, m)
+        log_l = torch.exp(x - m[:, None]).sum(dim=1).log()
+        lse.copy_(torch.stack((m, torch.where(ignored, 0.0, log_l)), dim=1))
     if dx is not None:
         ones = torch.ones((), dtype=acc, device=x2.device)
         _grad_torch(logp.exp(), t, ones, count, n_cols, ignore_index, label_smoothing, dx, is_mean)
 
 
 def _rows_bwd_torch(x2, target, lse, dloss, count, n_cols, ignore_index, label_smoothing, dx, is_mean):
-    p = torch.exp(x2[:, :n_cols].to(lse.dtype) - lse[:, None])
+    p = torch.exp((x2[:, :n_cols].to(lse.dtype) - lse[:, :1]) - lse[:, 1:])
     _grad_torch(p, target.to(torch.int64), dloss, count, n_cols, ignore_index, label_smoothing, dx, is_mean)
 
 
 def _grad_torch(p, t, dloss, count, n_cols, ignore_index, label_smoothing, dx, is_mean):
-    """dx from the probabilities p (the forward's softmax, or the backward's exp(x - lse)): a
+    """dx from the probabilities p (the forward's softmax, or the backward's from lse): a
     fresh tensor of the callers', turned into dx in place."""
     scale = dloss.reshape(-1).to(p.dtype).expand(t.shape[0])
     if is_mean:
@@ -1036,7 +1052,7 @@ def _(logits, target, ignore_index, reduction, label_smoothing, out_dtype):
     n = logits.shape[0]
     acc = _acc_torch_dtype(logits.dtype)
     loss = logits.new_empty((n,) if reduction == "none" else (), dtype=out_dtype)
-    return loss, logits.new_empty(n, dtype=acc), logits.new_empty((), dtype=acc)
+    return loss, logits.new_empty((n, 2), dtype=acc), logits.new_empty((), dtype=acc)
 
 
 @_cross_entropy_backward_op.register_fake
@@ -1059,7 +1075,7 @@ def _(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, co
                           dtype=_dweight_dtype(weight.dtype, compute_dtype))
     with_bias = precompute and grad_bias and bias is not None
     db = hidden.new_empty((vp,) if with_bias else (0,), dtype=acc)
-    return loss, hidden.new_empty(tokens, dtype=acc), hidden.new_empty((), dtype=acc), dh, dw, db
+    return loss, hidden.new_empty((tokens, 2), dtype=acc), hidden.new_empty((), dtype=acc), dh, dw, db
 
 
 @_linear_cross_entropy_backward_op.register_fake
