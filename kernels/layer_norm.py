@@ -5,6 +5,9 @@ Maths, per row of N features, accumulated in fp32 (fp64 for fp64 inputs):
     s    = residual + dropout(x + x_bias, p)      residual-stream form; s = x otherwise
     mean = sum(s) / N                             LayerNorm only (0 for RMSNorm)
     rstd = 1 / sqrt(sum((s - mean)^2) / N + eps)
+                                                  two passes, the mean corrected by the second's
+                                                  sum(s - mean) / N (_corrected_moments): exact
+                                                  to fp32's rounding at a mean of 1e4 +- 1
     y    = (s - mean) * rstd * weight + bias
     y   += post                                   norm-then-add form (post-norm blocks: OLMo 2,
                                                   Gemma 2's sandwich norms); s = x there
@@ -159,6 +162,17 @@ def _div(total, N, ACC: tl.constexpr):
 
 
 @triton.jit
+def _corrected_moments(sum_d, sum_d2, N, ACC: tl.constexpr):
+    """(shift, var) from the row sums of d = s - mean0 and of d^2, mean0 a first estimate of s's
+    mean: the corrected two-pass algorithm (mean = mean0 + shift, var = mean(d^2) - shift^2).
+    mean0's rounding comes back as shift: at a large mean and a small spread (1e3 +- 1) a mean
+    summed in fp32 is 1e-4 off, and y = (s - mean) * rstd was as far off (PyTorch's CPU kernel
+    1.6e-4 there; with the shift 1e-6, y's own rounding)."""
+    shift = _div(sum_d, N, ACC)
+    return shift, tl.maximum(_div(sum_d2, N, ACC) - shift * shift, 0.0)
+
+
+@triton.jit
 def _load_stream(X, R, XB, seed, rows, cols, mask, p, scale,
                  HAS_RESIDUAL: tl.constexpr, HAS_X_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                  ACC: tl.constexpr):
@@ -219,10 +233,14 @@ def _layer_norm_fwd_kernel(
         if IS_RMS_NORM:
             mean = tl.zeros([BLOCK_M], dtype=ACC)
             d = s
+            rstd = 1.0 / tl.sqrt(_div(tl.sum(d * d, axis=1), N, ACC) + eps)
         else:
             mean = _div(tl.sum(s, axis=1), N, ACC)
             d = tl.where(mask, s - mean[:, None], 0.0)
-        rstd = 1.0 / tl.sqrt(_div(tl.sum(d * d, axis=1), N, ACC) + eps)
+            shift, var = _corrected_moments(tl.sum(d, axis=1), tl.sum(d * d, axis=1), N, ACC)
+            mean += shift
+            rstd = 1.0 / tl.sqrt(var + eps)
+            d -= shift[:, None]
         y = d * rstd[:, None]
         if HAS_W:
             y *= tl.load(W + offs, mask=offs < N).to(ACC)
@@ -249,8 +267,10 @@ def _layer_norm_fwd_kernel(
             mean = tl.zeros([BLOCK_M], dtype=ACC)
         else:
             mean = _div(tl.sum(acc, axis=1), N, ACC)
-        # Pass 2: the variance around that mean (two passes: no cancellation for large means).
+        # Pass 2: the variance around that mean (two passes: no cancellation for large means),
+        # and the mean's correction (_corrected_moments).
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+        acc_d = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
         for start in range(0, N, BLOCK_N):
             cols = start + offs
             mask = row_mask[:, None] & (cols < N)
@@ -259,7 +279,14 @@ def _layer_norm_fwd_kernel(
             s = s.to(S.dtype.element_ty).to(ACC)
             d = tl.where(mask, s - mean[:, None], 0.0)
             acc += d * d
-        rstd = 1.0 / tl.sqrt(_div(tl.sum(acc, axis=1), N, ACC) + eps)
+            if not IS_RMS_NORM:
+                acc_d += d
+        if IS_RMS_NORM:
+            shift = tl.zeros([BLOCK_M], dtype=ACC)
+            rstd = 1.0 / tl.sqrt(_div(tl.sum(acc, axis=1), N, ACC) + eps)
+        else:
+            shift, var = _corrected_moments(tl.sum(acc_d, axis=1), tl.sum(acc, axis=1), N, ACC)
+            rstd = 1.0 / tl.sqrt(var + eps)
         # Pass 3: normalize.
         for start in range(0, N, BLOCK_N):
             cols = start + offs
@@ -267,7 +294,7 @@ def _layer_norm_fwd_kernel(
             s = _load_stream(X, R, XB, seed, rows2, cols, mask, p, scale,
                              HAS_RESIDUAL, HAS_X_BIAS, HAS_DROPOUT, ACC)
             s = s.to(S.dtype.element_ty).to(ACC)
-            y = (s - mean[:, None]) * rstd[:, None]
+            y = ((s - mean[:, None]) - shift[:, None]) * rstd[:, None]
             if HAS_W:
                 y *= tl.load(W + cols, mask=cols < N).to(ACC)
             if HAS_B:
@@ -277,6 +304,7 @@ def _layer_norm_fwd_kernel(
             tl.store(Y + cols, y.to(Y.dtype.element_ty), mask=mask)
             if STORE_Y2:
                 tl.store(Y2 + cols, y.to(Y2.dtype.element_ty), mask=mask)
+        mean += shift
 
     if not IS_RMS_NORM:
         tl.store(MEAN + rows, mean, mask=row_mask)

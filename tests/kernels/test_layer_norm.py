@@ -142,6 +142,23 @@ def test_large_offset_and_scale(dtype):
     check_fwd_bwd("layer_norm", dtype, *make((4, 300), dtype, "layer_norm", scale=100.0, offset=1000.0))
 
 
+@pytest.mark.parametrize("variant", ["layer_norm", "layer_norm-residual", "layer_norm-post"])
+@pytest.mark.parametrize("shape", [(4, 768), WIDE_SHAPES[0]], ids=_ids)  # one block; the chunked path
+def test_large_mean_small_spread_normalizes_at_the_rounding_floor(shape, variant):
+    """Rows of 1e4 +- 1 in fp32: a mean summed in fp32 is ~1e-3 off there (fp32's ulp at 1e4),
+    and y = (s - mean) * rstd with it (PyTorch's CPU kernel 2.6e-3 off). The forward corrects
+    its mean with the mean of s - mean (the corrected two-pass algorithm): y within twice its
+    own rounding of float64's, plus the fp32 floor. With a residual the norm is of s as stored
+    (x + r rounded to fp32, as PyTorch's add rounds it), the reference's too."""
+    x, w, b, r = make(shape, torch.float32, variant, offset=1e4)
+    out = as_tuple(run_trifuse(variant, x, w, b, r))
+    if variant.endswith("-residual"):
+        assert torch.equal(out[1], x + r)
+        x, r = out[1], None
+    ref = as_tuple(run_ref(variant.removesuffix("-residual"), *upcast(x, w, b, r)))[0]
+    assert_close(f"{variant} y", out[0], ref, None)
+
+
 @pytest.mark.parametrize("variant", ["layer_norm", "rms_norm-residual", "rms_norm-post"])
 def test_strided_inputs(variant):
     """Sliced rows (a view with a row stride) and permuted tensors (a copy) both stay right."""
