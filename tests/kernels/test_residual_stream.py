@@ -92,8 +92,9 @@ def check_fwd_bwd(inputs, norm="layer_norm", p=P, grads_out=None):
     for (name, i), a, a64, alp in zip(live, g, g64, glp):
         assert a.dtype == inputs[i].dtype and a.shape == inputs[i].shape
         assert_close(f"{norm} {name}", a, a64, alp)
-    # The backward regenerated the forward's mask: dx is zero exactly where the forward dropped.
-    assert torch.equal(g[0] != 0, mask)
+    # The backward regenerated the forward's mask: dx is zero where the forward dropped (a kept
+    # element's gradient may round to zero in 16 bits).
+    assert (g[0][~mask] == 0).all()
     return mask
 
 
@@ -399,12 +400,25 @@ def test_gradcheck_float64_with_dropout():
                                     fast_mode=True)
 
 
-@settings(max_examples=12, deadline=None)
-@given(m=st.integers(0, 9), n=st.integers(1, 300), norm=st.sampled_from(NORMS), p=st.sampled_from([0.0, 0.2, 0.8]),
-       residual=st.booleans(), x_bias=st.booleans())
-def test_hypothesis_shapes(m, n, norm, p, residual, x_bias):
+@settings(max_examples=16, deadline=None)
+@given(m=st.integers(0, 9), n=st.integers(1, 1100), norm=st.sampled_from(NORMS), p=st.sampled_from([0.0, 0.2, 0.8]),
+       residual=st.booleans(), x_bias=st.booleans(), dtype=st.sampled_from(DTYPES),
+       fp32_weights=st.booleans(), offset=st.sampled_from([0.0, 1e3]), strided=st.booleans())
+def test_hypothesis_feature_combinations(m, n, norm, p, residual, x_bias, dtype, fp32_weights, offset, strided):
+    """Shapes, dtypes, autocast's fp32 weights, a residual stream far from 0 and a row-strided x,
+    drawn together. A random search over these (800 draws) found LayerNorm's mean at 1e3 +- 1
+    (_corrected_moments)."""
     torch.manual_seed(m * 1000 + n)
-    check_fwd_bwd(make((m, n), torch.float32, norm, residual, x_bias), norm, p)
+    x, r, w, b, xb = make((m, n), dtype, norm, residual, x_bias)
+    if r is not None and offset:
+        r = (r.detach().double() + offset).to(dtype).requires_grad_()
+    if strided:
+        wide = torch.zeros(m, n + 5, device=DEVICE, dtype=dtype)
+        wide[:, 2:n + 2] = x.detach()
+        x = wide[:, 2:n + 2].requires_grad_()
+    if fp32_weights:  # x_bias stays in x's dtype: s is in x's (the reference would promote it)
+        w, b = (None if t is None else t.detach().float().requires_grad_() for t in (w, b))
+    check_fwd_bwd([x, r, w, b, xb], norm, p)
 
 
 # ---------------------------------------------------------------------------------------------
