@@ -12,7 +12,8 @@ Maths, per row of N features, accumulated in fp32 (fp64 for fp64 inputs):
     y   += post                                   norm-then-add form (post-norm blocks: OLMo 2,
                                                   Gemma 2's sandwich norms); s = x there
 
-Backward, with xhat = (s - mean) * rstd and g = dy * weight:
+Backward, with xhat = (s - mean) * rstd and g = dy * weight (the saved mean, rounded to fp32,
+corrected again by the row's mean of s - mean: _tile_grads):
 
     ds        = rstd * (g - xhat * mean(g * xhat) - mean(g))   (RMSNorm drops the mean(g) term)
                 + ds_out                     gradient arriving at the returned s
@@ -314,11 +315,13 @@ def _layer_norm_fwd_kernel(
 @triton.jit
 def _tile_grads(S, DY, DY2, DY3, W, cols, mask, N, mean, rstd,
                 HAS_W: tl.constexpr, NUM_DY: tl.constexpr, ACC: tl.constexpr):
-    """xhat, dy and g = dy * weight on a tile (0 where masked); mean, rstd are (BLOCK_M,). With
-    NUM_DY 2 or 3, dy is the fp32 sum of DY, DY2 (and DY3): y's gradients from as many readers of
-    one 16-bit y (fusion/narrow.py), summed as autograd sums fp32 ones."""
+    """d = s - mean, dy and g = dy * weight on a tile (0 where masked); mean, rstd are (BLOCK_M,).
+    xhat = (d - shift) * rstd, shift = mean(d) (_xhat): the saved mean is rounded to fp32, 3e-5
+    off at 1e3, and d's own mean takes that back. With NUM_DY 2 or 3, dy is the fp32 sum of DY,
+    DY2 (and DY3): y's gradients from as many readers of one 16-bit y (fusion/narrow.py), summed
+    as autograd sums fp32 ones."""
     s = tl.load(S + cols, mask=mask, other=0.0).to(ACC)
-    xhat = tl.where(mask, (s - mean[:, None]) * rstd[:, None], 0.0)
+    d = tl.where(mask, s - mean[:, None], 0.0)
     dy = tl.load(DY + cols, mask=mask, other=0.0).to(ACC)
     if NUM_DY >= 2:
         dy += tl.load(DY2 + cols, mask=mask, other=0.0).to(ACC)
@@ -328,7 +331,24 @@ def _tile_grads(S, DY, DY2, DY3, W, cols, mask, N, mean, rstd,
         g = dy * tl.load(W + cols, mask=cols < N, other=0.0).to(ACC)
     else:
         g = dy
-    return xhat, dy, g
+    return d, dy, g
+
+
+@triton.jit
+def _xhat(d, shift, rstd, mask):
+    return tl.where(mask, (d - shift[:, None]) * rstd[:, None], 0.0)
+
+
+@triton.jit
+def _row_constants(sum_d, sum_dg, sum_g, rstd, N, IS_RMS_NORM: tl.constexpr, ACC: tl.constexpr):
+    """(shift, c1, c2) from a row's sums of d, d g and g: shift = mean(d) (0 for RMSNorm),
+    c1 = mean(xhat g) = rstd (mean(d g) - shift mean(g)), c2 = mean(g) (0 for RMSNorm)."""
+    if IS_RMS_NORM:
+        return sum_d * 0.0, _div(sum_dg, N, ACC) * rstd, sum_d * 0.0
+    else:
+        shift = _div(sum_d, N, ACC)
+        c2 = _div(sum_g, N, ACC)
+        return shift, (_div(sum_dg, N, ACC) - shift * c2) * rstd, c2
 
 
 @triton.jit
@@ -392,15 +412,17 @@ def _layer_norm_bwd_kernel(
             mask = row_mask[:, None] & col_mask
             mean = tl.zeros([BLOCK_M], dtype=ACC) if IS_RMS_NORM else tl.load(MEAN + rows, mask=row_mask, other=0.0)
             rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
-            xhat, dy, g = _tile_grads(S + rows2 * stride_sm, DY + rows2 * stride_dym,
-                                      DY2 + rows2 * stride_dy2m, DY3 + rows2 * stride_dy3m, W, offs, mask,
-                                      N, mean, rstd, HAS_W, NUM_DY, ACC)
-            c1 = _div(tl.sum(xhat * g, axis=1), N, ACC)
+            d, dy, g = _tile_grads(S + rows2 * stride_sm, DY + rows2 * stride_dym,
+                                   DY2 + rows2 * stride_dy2m, DY3 + rows2 * stride_dy3m, W, offs, mask,
+                                   N, mean, rstd, HAS_W, NUM_DY, ACC)
             if IS_RMS_NORM:
-                ds = (g - xhat * c1[:, None]) * rstd[:, None]
+                sum_d = tl.zeros([BLOCK_M], dtype=ACC)
+                sum_g = sum_d
             else:
-                c2 = _div(tl.sum(g, axis=1), N, ACC)
-                ds = (g - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
+                sum_d, sum_g = tl.sum(d, axis=1), tl.sum(g, axis=1)
+            shift, c1, c2 = _row_constants(sum_d, tl.sum(d * g, axis=1), sum_g, rstd, N, IS_RMS_NORM, ACC)
+            xhat = _xhat(d, shift, rstd, mask)
+            ds = (g - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
             dx = _store_input_grads(ds, DS + rows2 * stride_dsm, DX + rows2 * stride_dxm,
                                     DR + rows2 * stride_drm, seed, rows2, offs, mask, p, scale,
                                     HAS_DS, HAS_DROPOUT, STORE_DR)
@@ -426,27 +448,28 @@ def _layer_norm_bwd_kernel(
             rows2 = rows[:, None]
             mean = tl.zeros([1], dtype=ACC) if IS_RMS_NORM else tl.load(MEAN + rows)
             rstd = tl.load(RSTD + rows)
-            acc1 = tl.zeros([1, BLOCK_N], dtype=ACC)
-            acc2 = tl.zeros([1, BLOCK_N], dtype=ACC)
+            acc_dg = tl.zeros([1, BLOCK_N], dtype=ACC)
+            acc_g = tl.zeros([1, BLOCK_N], dtype=ACC)
+            acc_d = tl.zeros([1, BLOCK_N], dtype=ACC)
             for start in range(0, N, BLOCK_N):
                 cols = start + offs
                 mask = cols < N
-                xhat, dy, g = _tile_grads(S + rows2 * stride_sm, DY + rows2 * stride_dym,
-                                          DY2 + rows2 * stride_dy2m, DY3 + rows2 * stride_dy3m, W, cols,
-                                          mask, N, mean, rstd, HAS_W, NUM_DY, ACC)
-                acc1 += xhat * g
-                acc2 += g
-            c1 = _div(tl.sum(acc1, axis=1), N, ACC)
-            if IS_RMS_NORM:
-                c2 = tl.zeros([1], dtype=ACC)
-            else:
-                c2 = _div(tl.sum(acc2, axis=1), N, ACC)
+                d, dy, g = _tile_grads(S + rows2 * stride_sm, DY + rows2 * stride_dym,
+                                       DY2 + rows2 * stride_dy2m, DY3 + rows2 * stride_dy3m, W, cols,
+                                       mask, N, mean, rstd, HAS_W, NUM_DY, ACC)
+                acc_dg += d * g
+                if not IS_RMS_NORM:
+                    acc_g += g
+                    acc_d += d
+            shift, c1, c2 = _row_constants(tl.sum(acc_d, axis=1), tl.sum(acc_dg, axis=1),
+                                           tl.sum(acc_g, axis=1), rstd, N, IS_RMS_NORM, ACC)
             for start in range(0, N, BLOCK_N):
                 cols = start + offs
                 mask = cols < N
-                xhat, dy, g = _tile_grads(S + rows2 * stride_sm, DY + rows2 * stride_dym,
-                                          DY2 + rows2 * stride_dy2m, DY3 + rows2 * stride_dy3m, W, cols,
-                                          mask, N, mean, rstd, HAS_W, NUM_DY, ACC)
+                d, dy, g = _tile_grads(S + rows2 * stride_sm, DY + rows2 * stride_dym,
+                                       DY2 + rows2 * stride_dy2m, DY3 + rows2 * stride_dy3m, W, cols,
+                                       mask, N, mean, rstd, HAS_W, NUM_DY, ACC)
+                xhat = _xhat(d, shift, rstd, mask)
                 ds = (g - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
                 dx = _store_input_grads(ds, DS + rows2 * stride_dsm, DX + rows2 * stride_dxm,
                                         DR + rows2 * stride_drm, seed, rows2, cols, mask, p, scale,

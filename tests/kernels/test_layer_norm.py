@@ -146,17 +146,29 @@ def test_large_offset_and_scale(dtype):
 @pytest.mark.parametrize("shape", [(4, 768), WIDE_SHAPES[0]], ids=_ids)  # one block; the chunked path
 def test_large_mean_small_spread_normalizes_at_the_rounding_floor(shape, variant):
     """Rows of 1e4 +- 1 in fp32: a mean summed in fp32 is ~1e-3 off there (fp32's ulp at 1e4),
-    and y = (s - mean) * rstd with it (PyTorch's CPU kernel 2.6e-3 off). The forward corrects
-    its mean with the mean of s - mean (the corrected two-pass algorithm): y within twice its
-    own rounding of float64's, plus the fp32 floor. With a residual the norm is of s as stored
-    (x + r rounded to fp32, as PyTorch's add rounds it), the reference's too."""
+    and y = (s - mean) * rstd with it (PyTorch's CPU kernel 2.6e-3 off); the mean saved for the
+    backward, rounded to fp32, is 5e-4 off (PyTorch's dweight 5.7e-3 off). The forward corrects
+    its mean with the mean of s - mean (the corrected two-pass algorithm), the backward its
+    saved one the same way: y and every gradient within twice their own rounding of float64's,
+    plus the fp32 floor. With a residual the norm is of s as stored (x + r rounded to fp32, as
+    PyTorch's add rounds it), the reference's too, and dresidual is dx."""
     x, w, b, r = make(shape, torch.float32, variant, offset=1e4)
     out = as_tuple(run_trifuse(variant, x, w, b, r))
+    leaves = [x, w, b] + ([r] if variant.endswith("-post") else [])
+    x_ref = x
     if variant.endswith("-residual"):
         assert torch.equal(out[1], x + r)
-        x, r = out[1], None
-    ref = as_tuple(run_ref(variant.removesuffix("-residual"), *upcast(x, w, b, r)))[0]
+        x_ref = out[1]
+    x64, w64, b64, r64 = upcast(x_ref, w, b, r if variant.endswith("-post") else None)
+    ref = as_tuple(run_ref(variant.removesuffix("-residual"), x64, w64, b64, r64))[0]
     assert_close(f"{variant} y", out[0], ref, None)
+    dy = torch.randn_like(out[0])
+    grads = torch.autograd.grad(out[0], leaves + ([r] if variant.endswith("-residual") else []), dy)
+    want = torch.autograd.grad(ref, [t for t in (x64, w64, b64, r64) if t is not None], dy.double())
+    for name, got, exact in zip(("dx", "dweight", "dbias", "dresidual"), grads, want):
+        assert_close(f"{variant} {name}", got, exact, None)
+    if variant.endswith("-residual"):
+        assert torch.equal(grads[3], grads[0])
 
 
 @pytest.mark.parametrize("variant", ["layer_norm", "rms_norm-residual", "rms_norm-post"])
