@@ -16,7 +16,8 @@ included (PyTorch also leaves ignored rows out of the smoothing term and of the 
 
 cross_entropy(logits (N, C), target (N,)):
     forward   one pass over each row: online log-sum-exp (blocks of the row, so any vocabulary
-              size runs in registers), the target logit and the row sum; writes loss_i and lse_i.
+              size runs in registers), the target logit and the row sum; writes loss_i and lse_i
+              (as m_i and log l_i).
               A one-program kernel sums the rows in a fixed order (no atomics: bitwise repeatable).
     backward  one pass: reads x and the saved (m_i, log l_i), writes dx. The logits are read as
               they come (bf16 / fp16 / fp32), upcast in registers: no fp32 copy of them exists.
@@ -402,8 +403,8 @@ def _logit_rows(x: torch.Tensor, n: int) -> torch.Tensor:
 def _rows_fwd(x2, target, n_cols, ignore_index, label_smoothing, loss, lse=None, count=None, dx=None,
               is_mean=False, row0=0):
     """Per-row loss of x2 (M, >= n_cols) into loss[row0 : row0 + M], the targets being
-    target[row0 : row0 + M]; and lse's (m, log l) there too unless lse is None. With `dx` (M, >= n_cols) also
-    d(loss_i)/dx (divided by max(count, 1) when is_mean), which may be x2 itself."""
+    target[row0 : row0 + M]; and lse's (m, log l) there too unless lse is None. With `dx`
+    (M, >= n_cols) also d(loss_i)/dx (divided by max(count, 1) when is_mean), which may be x2 itself."""
     m = x2.shape[0]
     if m == 0:
         return

@@ -316,7 +316,7 @@ def _layer_norm_fwd_kernel(
 def _tile_grads(S, DY, DY2, DY3, W, cols, mask, N, mean, rstd,
                 HAS_W: tl.constexpr, NUM_DY: tl.constexpr, ACC: tl.constexpr):
     """d = s - mean, dy and g = dy * weight on a tile (0 where masked); mean, rstd are (BLOCK_M,).
-    xhat = (d - shift) * rstd, shift = mean(d) (_xhat): the saved mean is rounded to fp32, 3e-5
+    xhat = (d - shift) * rstd, shift = mean(d) (_xhat_and_ds): the saved mean is rounded to fp32, 3e-5
     off at 1e3, and d's own mean takes that back. With NUM_DY 2 or 3, dy is the fp32 sum of DY,
     DY2 (and DY3): y's gradients from as many readers of one 16-bit y (fusion/narrow.py), summed
     as autograd sums fp32 ones."""
@@ -335,16 +335,24 @@ def _tile_grads(S, DY, DY2, DY3, W, cols, mask, N, mean, rstd,
 
 
 @triton.jit
-def _xhat(d, shift, rstd, mask):
-    return tl.where(mask, (d - shift[:, None]) * rstd[:, None], 0.0)
+def _xhat_and_ds(d, g, shift, c1, c2, rstd, mask, IS_RMS_NORM: tl.constexpr):
+    """xhat = (d - shift) rstd (0 where masked) and ds = rstd (g - xhat c1 - c2), shift and c2
+    absent for RMSNorm."""
+    if IS_RMS_NORM:
+        xhat = tl.where(mask, d * rstd[:, None], 0.0)
+        return xhat, (g - xhat * c1[:, None]) * rstd[:, None]
+    else:
+        xhat = tl.where(mask, (d - shift[:, None]) * rstd[:, None], 0.0)
+        return xhat, (g - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
 
 
 @triton.jit
 def _row_constants(sum_d, sum_dg, sum_g, rstd, N, IS_RMS_NORM: tl.constexpr, ACC: tl.constexpr):
-    """(shift, c1, c2) from a row's sums of d, d g and g: shift = mean(d) (0 for RMSNorm),
-    c1 = mean(xhat g) = rstd (mean(d g) - shift mean(g)), c2 = mean(g) (0 for RMSNorm)."""
+    """(shift, c1, c2) from a row's sums of d, d g and g: shift = mean(d), c1 = mean(xhat g) =
+    rstd (mean(d g) - shift mean(g)), c2 = mean(g); for RMSNorm c1 = rstd mean(d g) alone (the
+    other two are its unused sums, passed through)."""
     if IS_RMS_NORM:
-        return sum_d * 0.0, _div(sum_dg, N, ACC) * rstd, sum_d * 0.0
+        return sum_d, _div(sum_dg, N, ACC) * rstd, sum_g
     else:
         shift = _div(sum_d, N, ACC)
         c2 = _div(sum_g, N, ACC)
@@ -421,8 +429,7 @@ def _layer_norm_bwd_kernel(
             else:
                 sum_d, sum_g = tl.sum(d, axis=1), tl.sum(g, axis=1)
             shift, c1, c2 = _row_constants(sum_d, tl.sum(d * g, axis=1), sum_g, rstd, N, IS_RMS_NORM, ACC)
-            xhat = _xhat(d, shift, rstd, mask)
-            ds = (g - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
+            xhat, ds = _xhat_and_ds(d, g, shift, c1, c2, rstd, mask, IS_RMS_NORM)
             dx = _store_input_grads(ds, DS + rows2 * stride_dsm, DX + rows2 * stride_dxm,
                                     DR + rows2 * stride_drm, seed, rows2, offs, mask, p, scale,
                                     HAS_DS, HAS_DROPOUT, STORE_DR)
@@ -469,8 +476,7 @@ def _layer_norm_bwd_kernel(
                 d, dy, g = _tile_grads(S + rows2 * stride_sm, DY + rows2 * stride_dym,
                                        DY2 + rows2 * stride_dy2m, DY3 + rows2 * stride_dy3m, W, cols,
                                        mask, N, mean, rstd, HAS_W, NUM_DY, ACC)
-                xhat = _xhat(d, shift, rstd, mask)
-                ds = (g - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
+                xhat, ds = _xhat_and_ds(d, g, shift, c1, c2, rstd, mask, IS_RMS_NORM)
                 dx = _store_input_grads(ds, DS + rows2 * stride_dsm, DX + rows2 * stride_dxm,
                                         DR + rows2 * stride_drm, seed, rows2, cols, mask, p, scale,
                                         HAS_DS, HAS_DROPOUT, STORE_DR)
