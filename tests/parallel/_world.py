@@ -6,16 +6,21 @@ size serves every test (a session fixture in conftest.py). `World.run(fn, *args)
 module-level function of a file under tests/ (it is found again in the workers by file path
 and name, whatever pytest's import mode). A failure on any rank raises with that rank's
 traceback; a world that timed out or failed is closed, and the fixture starts a fresh one
-for the next test, so one broken test cannot leak a wedged process group into the next.
+for the next test, so one broken test cannot leak a wedged process group into the next. A rank
+that dies (a native crash: a signal, an abort) is reported at once with its exit status and the
+Python stacks faulthandler wrote as it died, not after the parent's timeout.
 """
 
 import faulthandler
 import importlib.util
 import os
 import pickle
+import queue
+import signal
 import socket
 import sys
 import tempfile
+import time
 import traceback
 from datetime import timedelta
 from multiprocessing.reduction import ForkingPickler
@@ -46,6 +51,9 @@ def _load(path: str):
 def _serve(rank: int, size: int, port: int, paths: list[str], inbox, outbox, stacks: str) -> None:
     import torch
     import torch.distributed as dist
+
+    crash_file = open(stacks + ".crash", "w")  # kept open: faulthandler writes to it as the rank dies
+    faulthandler.enable(file=crash_file, all_threads=True)
 
     torch.set_num_threads(1)  # 2 cores shared by every worker and every other user of the machine
     sys.path[:0] = paths
@@ -102,13 +110,24 @@ class World:
             q.put((path, fn.__name__, args, timeout))
         results: dict[int, object] = {}
         failures: list[str] = []
+        deadline = time.monotonic() + timeout
         try:
-            for _ in range(self.size):
-                rank, ok, value = self.outbox.get(timeout=timeout)
+            while len(results) < self.size:
+                try:
+                    rank, ok, value = self.outbox.get(timeout=min(1.0, max(deadline - time.monotonic(), 0.01)))
+                except queue.Empty:
+                    dead = [r for r, p in enumerate(self.procs) if p.exitcode is not None and r not in results]
+                    if dead:
+                        self.broken = True
+                        raise AssertionError(f"world of {self.size}: rank(s) {dead} died in {fn.__name__}\n"
+                                             + "\n".join(failures) + "\n" + self._deaths(dead)) from None
+                    if time.monotonic() >= deadline:
+                        raise
+                    continue
                 results[rank] = pickle.loads(value) if ok else value
                 if not ok:
                     failures.append(f"rank {rank}:\n{value}")
-        except Exception as e:  # queue.Empty: a rank hung (e.g. in a collective)
+        except queue.Empty as e:  # a rank hung (e.g. in a collective)
             self.broken = True
             done = ", ".join(f"rank {r} {'failed' if any(f.startswith(f'rank {r}:') for f in failures) else 'returned'}"
                              for r in sorted(results)) or "no rank returned"
@@ -120,6 +139,20 @@ class World:
             self.broken = True
             raise AssertionError("\n".join(failures))
         return [results[r] for r in range(self.size)]
+
+    def _deaths(self, ranks: list[int]) -> str:
+        """Each dead rank's exit status and what faulthandler wrote as it died."""
+        out = []
+        for r in ranks:
+            code = self.procs[r].exitcode
+            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            try:
+                with open(self.stacks[r] + ".crash") as f:
+                    text = f.read().strip()
+            except OSError:
+                text = ""
+            out.append(f"rank {r} died ({how}); its stacks:\n{text[-8000:] or '(none written)'}")
+        return "\n".join(out)
 
     def _stacks_of(self, ranks: set[int]) -> str:
         """The stacks the ranks still running wrote when their task outlived most of the wait."""

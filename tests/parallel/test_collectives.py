@@ -6,6 +6,10 @@ Forward and backward are both checked: the backward of each move is its conjugat
 (all-gather <-> reduce-scatter, scatter <-> all-gather, identity <-> all-reduce).
 """
 
+import os
+import time
+
+import pytest
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -191,3 +195,28 @@ def test_rank_stream_is_inert_outside_training():
     stream.enter(module, (torch.ones(2),))
     stream.leave(module, (), None)
     assert torch.equal(torch.get_rng_state(), state)
+
+
+
+def _abort_on_rank_1(rank, size):
+    if rank == 1:
+        os.abort()  # a native crash, as a heap corruption's abort in a CPU kernel would be
+    return rank
+
+
+def _rank_of(rank, size):
+    return rank
+
+
+def test_a_rank_that_dies_is_reported_at_once_with_its_stacks(worlds):
+    """A rank killed by a signal fails the run within seconds, not at the 120 s timeout, naming
+    the signal and the Python stack faulthandler wrote as it died; the next test gets a fresh
+    world."""
+    world = worlds(2)
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match=r"(?s)rank\(s\) \[1\] died in _abort_on_rank_1.*"
+                                             r"signal SIGABRT.*in _abort_on_rank_1"):
+        world.run(_abort_on_rank_1)
+    assert time.monotonic() - start < 30
+    assert world.broken and worlds(2) is not world
+    assert worlds(2).run(_rank_of) == [0, 1]
