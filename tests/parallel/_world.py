@@ -114,9 +114,11 @@ class World:
         try:
             while len(results) < self.size:
                 try:
-                    rank, ok, value = self.outbox.get(timeout=min(1.0, max(deadline - time.monotonic(), 0.01)))
+                    wait = min(1.0, max(deadline - time.monotonic(), 0.01))
+                    rank, ok, value = self.outbox.get(timeout=wait)
                 except queue.Empty:
-                    dead = [r for r, p in enumerate(self.procs) if p.exitcode is not None and r not in results]
+                    dead = [r for r, p in enumerate(self.procs)
+                            if p.exitcode is not None and r not in results]
                     if dead:
                         self.broken = True
                         raise AssertionError(f"world of {self.size}: rank(s) {dead} died in {fn.__name__}\n"
