@@ -33,7 +33,7 @@ from ..patterns._base import available
 from .capture import DynamoUnit, FxUnit, HeadUnit, LeafTracer, Unit, installed_unit
 from .graphs import BlockGraphs
 from .match import compile_pattern, matches
-from .normalize import canonicalize
+from .normalize import canonicalize, squares_as_powers
 from .rewriter import select_patterns
 
 
@@ -317,7 +317,7 @@ def _visit(module: torch.nn.Module, path: str, patterns, verbose, is_leaf, notes
         FxUnit(module, patterns, verbose, is_leaf).install(module, path or "(model)")
 
 
-_NORM_WORDS = ("layer_norm", "rms_norm", "rsqrt", ".var(")
+_NORM_WORDS = ("layer_norm", "rms_norm", "sqrt", ".var(", "var_mean")  # sqrt: rsqrt and x / sqrt(var + eps)
 _ATTENTION_WORDS = ("softmax", "Softmax", "scaled_dot_product_attention", "multi_head_attention_forward",
                     "attention_interface", "ALL_ATTENTION_FUNCTIONS")
 
@@ -353,6 +353,7 @@ def _has_candidates(graph: fx.Graph, patterns) -> bool:
     write, so they find every place a later stage could. The graph is a throwaway copy: its
     softmaxes may lose their dtype arguments."""
     compiled = [compile_pattern(p) for p in patterns if p.stage <= 1 and all(available(op) for op in p.ops)]
+    squares_as_powers(graph)  # what a float x * x becomes once example values show x's dtype
 
     def found() -> bool:
         return any(next(matches(cp, n), None) is not None for cp in compiled for n in graph.nodes

@@ -15,7 +15,9 @@ rewrites, in place:
   `torch.tanh(x)`, `torch.add(a, b)`/`a.add(b)` -> `a + b`, `x ** 2` -> `torch.pow(x, 2)`,
   `F.softmax` -> `torch.softmax`, `torch.layer_norm` -> `F.layer_norm`, `torch.concat` ->
   `torch.cat(tensors, dim)` (and `torch.stack(tensors, dim)`), `x.logsumexp(dim=-1)` -> `torch.logsumexp(x, -1, False)`,
-  `x.float()` -> `x.to(torch.float32)`, `a @ b` -> `torch.matmul(a, b)`,
+  `x.float()` -> `x.to(torch.float32)`, `a @ b` -> `torch.matmul(a, b)`, `x.square()` and
+  (x floating point) `x * x` -> `torch.pow(x, 2)`, `x.var(-1, unbiased=False)` and the other
+  overloads of `var`/`var_mean` -> `torch.var(x, -1, correction=0, keepdim=False)`,
   `x.unsqueeze(d)`/`torch.unsqueeze(x, dim=d)`/`x[:, :, None]` (whole slices and one None) ->
   `torch.unsqueeze(x, d)`, ...
 - the fields of a (values, indices) result as indices, as Dynamo writes them:
@@ -219,6 +221,12 @@ def canonicalize_node(node: fx.Node) -> None:
             return
     if node.target is operator.pow and _numbers_only(node):
         return  # `head_dim ** 0.5` of a symbolic size: Python arithmetic, which torch.pow refuses
+    if node.target in _VARIANCES:
+        _variance(node)
+        return
+    if _squares(node):
+        node.target, node.args, node.kwargs = torch.pow, (node.args[0], 2), {}
+        return
     entry = _FUNCTIONS.get(node.target) if _hashable(node.target) else None
     if entry is not None:
         target, sig = entry
@@ -229,6 +237,64 @@ def canonicalize_node(node: fx.Node) -> None:
 
 _ARITHMETIC = frozenset((operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv,
                          operator.pow, operator.mod, operator.neg, len))
+
+
+def _squares(node: fx.Node) -> bool:
+    """`torch.square(x)` and, for a floating-point x, `x * x`: ATen computes both as `pow(x, 2)`
+    does, one rounding of x * x."""
+    if node.target is torch.square:
+        return len(node.args) == 1 and not node.kwargs
+    if node.target is not operator.mul or len(node.args) != 2 or node.kwargs \
+            or node.args[0] is not node.args[1]:
+        return False
+    x = node.args[0]
+    value = x.meta.get("val", x.meta.get("example_value")) if isinstance(x, fx.Node) else None
+    return isinstance(value, torch.Tensor) and value.is_floating_point()  # bool * bool is no power
+
+
+def squares_as_powers(graph: fx.Graph) -> None:
+    """Every `x * x` as `pow(x, 2)`, x's dtype unknown: for a throwaway copy of a graph without
+    example values that is only searched for where patterns could match (fuse.py), never run."""
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is operator.mul and len(node.args) == 2 \
+                and isinstance(node.args[0], fx.Node) and node.args[0] is node.args[1] \
+                and not _numbers_only(node):
+            node.target, node.args, node.kwargs = torch.pow, (node.args[0], 2), {}
+
+
+_VARIANCES = (torch.var, torch.var_mean)
+
+
+def _variance(node: fx.Node) -> None:
+    """`torch.var`/`torch.var_mean` (and the `var` method) in their overloads, `(x, unbiased)`,
+    `(x, dim, unbiased, keepdim)`, `(x, dim, *, correction, keepdim)`, as one:
+    `(x, dim, correction=c, keepdim=k)`, c a number and a one-entry dim list its entry. A call
+    that fits none of them stays as written."""
+    args, kwargs = list(node.args), dict(node.kwargs)
+    if not args or not set(kwargs) <= {"dim", "unbiased", "correction", "keepdim"}:
+        return
+    x, rest = args[0], args[1:]
+    if rest and isinstance(rest[0], bool):  # var(x, unbiased)
+        if len(rest) > 1 or "unbiased" in kwargs or "correction" in kwargs:
+            return
+        kwargs["unbiased"], rest = rest[0], []
+    names = ("dim", "unbiased", "keepdim")
+    if len(rest) > len(names) or any(n in kwargs for n in names[:len(rest)]):
+        return
+    kwargs.update(zip(names, rest))
+    unbiased, correction = kwargs.get("unbiased"), kwargs.get("correction")
+    if unbiased is not None and correction is not None:
+        return
+    if isinstance(unbiased, bool):
+        correction = int(unbiased)
+    elif unbiased is not None or not (correction is None or isinstance(correction, (int, float))):
+        return
+    dim = kwargs.get("dim")
+    if isinstance(dim, (list, tuple)) and len(dim) == 1:
+        dim = dim[0]
+    keepdim = kwargs.get("keepdim", False)
+    node.args = (x, dim)
+    node.kwargs = {"correction": 1 if correction is None else correction, "keepdim": keepdim}
 
 
 def _numbers_only(node: fx.Node) -> bool:
@@ -276,12 +342,17 @@ def _unsqueeze_index(index: Any) -> int | None:
 
 def _method(node: fx.Node) -> None:
     name = node.target
-    if name in _METHODS:
+    if name == "var":
+        node.op, node.target = "call_function", torch.var
+        _variance(node)
+    elif name in _METHODS:
         target, sig = _METHODS[name]
         # Only a call that binds becomes the function: `x.div(k, rounding_mode="trunc")` stays the
         # method (operator.truediv has no rounding mode; fx would emit `x / k`, a float result).
         if _bind(node, target, sig):
             node.op = "call_function"
+            if _squares(node):
+                node.target, node.args = torch.pow, (node.args[0], 2)
     elif name in ("view", "reshape", "expand") and len(node.args) > 2:
         node.args = (node.args[0], tuple(node.args[1:]))
     elif name in ("view", "reshape", "expand") and len(node.args) == 2 and isinstance(node.args[1], list):

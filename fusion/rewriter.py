@@ -560,6 +560,10 @@ def _splice(graph: fx.Graph, m: Match, plan: _Plan, log: RewriteLog,
             if absorbed is not None:
                 absorbed.absorbed = True
                 event.where = _join_where(absorbed.where, event.where)
+                if m.pattern.folds and absorbed.family == event.family:
+                    spelled = absorbed.note or f"spelled as {absorbed.pattern}"
+                    notes = (spelled, f"{m.pattern.folds} folded in", event.note)
+                    event.note = "; ".join(n for n in notes if n)
             graph.erase_node(node)
     # What the model does not use of the replacement (the sum a post-norm block drops, brought
     # back to a local tensor) goes, unless it has side effects.

@@ -63,6 +63,9 @@ class Pattern:
     # True for a pattern whose anchor is an op most of whose calls it is not meant for (every
     # linear, for the padded LM head): its rejections stay out of the report.
     quiet: bool = False
+    # For a pattern that folds a weight or bias written after a fused norm into it ("weight",
+    # "bias"): the report keeps the spelling of the norm it absorbed in its note.
+    folds: str | None = None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,11 +15,20 @@ RMSNorm too. A trifuse norm of an fp32 copy of x cast back to x's dtype (Gemma's
 becomes the norm of x itself: the kernels compute in fp32 whatever x's dtype and round once to
 it, so the copy is work for nothing, and an add feeding the norm can then fuse with it.
 
+LayerNorm written out in x's dtype without a weight or bias (`layer_norm_bare`: the biased
+variance as `pow(2).mean` of the centred value, `var(unbiased=False)` or `var_mean`; the centred
+value `* rsqrt` or `/ sqrt` of variance + eps) and RMSNorm as `x / sqrt(mean(x^2) + eps)` become
+the norm without parameters; a weight multiplying such a norm, then a bias added to it, fold in
+after (`*_weight_folded`, `layer_norm_bias_folded`) when each is 1-D over the normalized width
+and in x's dtype, so BERT's `weight * (x - u) / sqrt(s + eps) + bias` of old is one op.
+
 When the weight's dtype differs from the activation's (fp32 master weights, bf16 activations),
 the written-out forms multiply by the weight in the promoted dtype after rounding the normalized
 value to the activation dtype; the replacement then keeps that multiplication apart, so the
 result and its dtype are the model's own.
 """
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -112,6 +121,66 @@ def layer_norm_written_out_centred_once(x: torch.Tensor, weight: torch.Tensor, e
 
 def layer_norm_written_out_fused(x, weight, eps):
     return ops.layer_norm(x, weight.shape, weight, None, eps)
+
+
+def _over_root(centred, variance, eps, root):
+    """centred / sqrt(variance + eps), as `root` spells it."""
+    if root == "rsqrt":
+        return centred * torch.rsqrt(variance + eps)
+    return centred / torch.sqrt(variance + eps)
+
+
+def layer_norm_bare(x: torch.Tensor, eps, *, variance="centred_twice", root="rsqrt"):
+    """LayerNorm without weight or bias written out in x's dtype: the mean, the biased variance
+    (of the centred value computed twice or once, `x.var(unbiased=False)` or `torch.var_mean`),
+    and the centred value over the root (`* rsqrt` or `/ sqrt`), as pre-`nn.LayerNorm` BERT ports
+    and hand-written models spell it; their weight and bias fold in after (`norm_weight_folded`)."""
+    if variance == "var_mean":
+        var_mean = torch.var_mean(x, -1, correction=0, keepdim=True)
+        return _over_root(x - var_mean[1], var_mean[0], eps, root)
+    mean = x.mean(-1, keepdim=True)
+    if variance == "var":
+        return _over_root(x - mean, x.var(-1, correction=0, keepdim=True), eps, root)
+    if variance == "centred_once":
+        centred = x - mean
+        return _over_root(centred, centred.pow(2).mean(-1, keepdim=True), eps, root)
+    return _over_root(x - mean, (x - mean).pow(2).mean(-1, keepdim=True), eps, root)
+
+
+def layer_norm_bare_fused(x, eps, width, *, variance="centred_twice", root="rsqrt"):
+    return ops.layer_norm(x, (width,), None, None, eps)
+
+
+def rms_norm_div_sqrt_no_weight(x: torch.Tensor, eps):
+    """RMSNorm as x over the root mean square (`x / sqrt(mean(x^2) + eps)`); a weight after it
+    folds in (`norm_weight_folded`)."""
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def layer_norm_then_weight(x: torch.Tensor, normalized_shape, weight: torch.Tensor, eps):
+    """A weight multiplying a fused LayerNorm that has none (what `layer_norm_bare` leaves)."""
+    return ops.layer_norm(x, normalized_shape, None, None, eps) * weight
+
+
+def layer_norm_weight_folded(x, normalized_shape, weight, eps):
+    return ops.layer_norm(x, normalized_shape, weight, None, eps)
+
+
+def layer_norm_then_bias(x: torch.Tensor, normalized_shape, weight, bias: torch.Tensor, eps):
+    """A bias added to a fused LayerNorm that has none, with a weight or without."""
+    return ops.layer_norm(x, normalized_shape, weight, None, eps) + bias
+
+
+def layer_norm_bias_folded(x, normalized_shape, weight, bias, eps):
+    return ops.layer_norm(x, normalized_shape, weight, bias, eps)
+
+
+def rms_norm_then_weight(x: torch.Tensor, normalized_shape, weight: torch.Tensor, eps):
+    return ops.rms_norm(x, normalized_shape, None, eps) * weight
+
+
+def rms_norm_weight_folded(x, normalized_shape, weight, eps):
+    return ops.rms_norm(x, normalized_shape, weight, eps)
 
 
 def layer_norm_upcast_div_sqrt(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps, dtype):
@@ -246,6 +315,31 @@ def _last_dim(m: Match) -> dict | None:
     return {"width": x.shape[-1]} if isinstance(x, torch.Tensor) and x.dim() >= 1 else None
 
 
+def _folds_as_affine(name: str):
+    """The weight or bias after a fused norm joins it when it is what the norm's own would be: a
+    1-D tensor over the normalized width (one dim), in x's dtype, so the product or sum neither
+    broadcasts differently (a per-token scale, adaLN's) nor promotes."""
+    def check(m: Match) -> str | None:
+        x, p, shape = m.value("x"), m.value(name), m.value("normalized_shape")
+        if not isinstance(x, torch.Tensor) or not isinstance(p, torch.Tensor):
+            return f"no tensor for x or the {name}"
+        try:
+            width = tuple(int(n) for n in shape)
+        except TypeError:
+            return "normalized_shape unknown"
+        if len(width) != 1 or tuple(p.shape) != width:
+            return f"{name} shaped {tuple(p.shape)}, not the normalized width {width} alone"
+        if p.dtype != x.dtype:
+            return f"{name} dtype {p.dtype} differs from the input's {x.dtype} (the product promotes)"
+        w = m.value("weight") if name == "bias" else None
+        if isinstance(w, torch.Tensor) and w.dtype != p.dtype:
+            return f"bias dtype {p.dtype} differs from the weight's {w.dtype}"
+        return None
+
+    check.__name__ = f"{name}_folds_as_affine"
+    return check
+
+
 def _resolve_eps(m: Match) -> dict | None:
     """F.rms_norm's eps=None means the input dtype's epsilon: make it a number, so the residual
     stream (which takes a number) can absorb this norm later."""
@@ -270,6 +364,14 @@ PATTERNS = (
             ("layer_norm",), (*_RMS_FILTERS, _weight_dtype(True))),
     Pattern("layer_norm_written_out_centred_once", "layer_norm", layer_norm_written_out_centred_once,
             layer_norm_written_out_fused, ("layer_norm",), (*_RMS_FILTERS, _weight_dtype(True))),
+    # DeBERTa's LayerNorm (before the bare spellings, which would take its fp32 copy): the weight
+    # and bias join the norm when they are in x's dtype
+    Pattern("layer_norm_upcast_div_sqrt", "layer_norm", layer_norm_upcast_div_sqrt,
+            layer_norm_upcast_div_sqrt_fused, ("layer_norm",),
+            (*_RMS_FILTERS, _casts_back_to_input, _weight_dtype(True), _bias_like_weight)),
+    Pattern("layer_norm_upcast_div_sqrt_weight_apart", "layer_norm", layer_norm_upcast_div_sqrt,
+            layer_norm_upcast_div_sqrt_weight_apart, ("layer_norm",),
+            (*_RMS_FILTERS, _casts_back_to_input, _weight_dtype(False), _bias_like_weight)),
     Pattern("rms_norm_written_out", "rms_norm", rms_norm_written_out, rms_norm_written_out_fused,
             ("rms_norm",), (*_RMS_FILTERS, _weight_dtype(True))),
     Pattern("rms_norm_written_out_weight_apart", "rms_norm", rms_norm_written_out,
@@ -278,17 +380,19 @@ PATTERNS = (
             ("rms_norm",), (*_RMS_FILTERS, _weight_dtype(True))),
     Pattern("rms_norm_written_out_pow_weight_apart", "rms_norm", rms_norm_written_out_pow,
             rms_norm_written_out_weight_apart, ("rms_norm",), (*_RMS_FILTERS, _weight_dtype(False))),
-    # After the spellings with a weight, which hold it.
+    # After the spellings with a weight, which hold it; LayerNorm before RMSNorm, which would take
+    # the centred value for its x.
+    *(Pattern(f"layer_norm_bare_{variance}_{root}", "layer_norm",
+              functools.partial(layer_norm_bare, variance=variance, root=root),
+              functools.partial(layer_norm_bare_fused, variance=variance, root=root), ("layer_norm",),
+              _RMS_FILTERS, derive=_last_dim)
+      for variance in ("centred_twice", "centred_once", "var", "var_mean") for root in ("rsqrt", "div_sqrt")),
     Pattern("rms_norm_written_out_no_weight", "rms_norm", rms_norm_written_out_no_weight,
             rms_norm_no_weight_fused, ("rms_norm",), _RMS_FILTERS, derive=_last_dim),
     Pattern("rms_norm_written_out_pow_no_weight", "rms_norm", rms_norm_written_out_pow_no_weight,
             rms_norm_no_weight_fused, ("rms_norm",), _RMS_FILTERS, derive=_last_dim),
-    # DeBERTa's LayerNorm: the weight and bias join the norm when they are in x's dtype
-    Pattern("layer_norm_upcast_div_sqrt", "layer_norm", layer_norm_upcast_div_sqrt, layer_norm_upcast_div_sqrt_fused,
-            ("layer_norm",), (*_RMS_FILTERS, _casts_back_to_input, _weight_dtype(True), _bias_like_weight)),
-    Pattern("layer_norm_upcast_div_sqrt_weight_apart", "layer_norm", layer_norm_upcast_div_sqrt,
-            layer_norm_upcast_div_sqrt_weight_apart, ("layer_norm",),
-            (*_RMS_FILTERS, _casts_back_to_input, _weight_dtype(False), _bias_like_weight)),
+    Pattern("rms_norm_div_sqrt_no_weight", "rms_norm", rms_norm_div_sqrt_no_weight, rms_norm_no_weight_fused,
+            ("rms_norm",), _RMS_FILTERS, derive=_last_dim),
     Pattern("rms_norm_t5", "rms_norm", rms_norm_t5, rms_norm_t5_fused, ("rms_norm",),
             (*_RMS_FILTERS, _fp32_weight), derive=_upcast_if_16_bit),
     Pattern("rms_norm_t5_half", "rms_norm", rms_norm_t5_half, rms_norm_t5_half_fused, ("rms_norm",),
@@ -298,4 +402,12 @@ PATTERNS = (
             (*_RMS_FILTERS, _casts_back_to_input, _params_fp32_or_like_input)),
     Pattern("layer_norm_in_fp32", "layer_norm", layer_norm_in_fp32, layer_norm_in_fp32_fused, ("layer_norm",),
             (needs_number("eps"), _casts_back_to_input, _params_fp32_or_like_input)),
+    # Last: a weight, then a bias, after a fused norm without them (what the spellings above leave
+    # of `w * norm(x) + b` written out). Quiet: most products and sums are no norm's affine.
+    Pattern("layer_norm_weight_folded", "layer_norm", layer_norm_then_weight, layer_norm_weight_folded,
+            ("layer_norm",), (_folds_as_affine("weight"),), quiet=True, folds="weight"),
+    Pattern("layer_norm_bias_folded", "layer_norm", layer_norm_then_bias, layer_norm_bias_folded,
+            ("layer_norm",), (_folds_as_affine("bias"),), quiet=True, folds="bias"),
+    Pattern("rms_norm_weight_folded", "rms_norm", rms_norm_then_weight, rms_norm_weight_folded,
+            ("rms_norm",), (_folds_as_affine("weight"),), quiet=True, folds="weight"),
 )

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 from trifuse.fusion import rewrite
 from trifuse.fusion.match import compile_pattern, matches, trace_function
-from trifuse.fusion.normalize import _batched_product, canonicalize
+from trifuse.fusion.normalize import _batched_product, canonicalize, canonicalize_graph, squares_as_powers
 from trifuse.patterns import bias_gelu, dropout_add, layer_norm
 from trifuse.patterns._base import Pattern
 
@@ -101,6 +101,42 @@ def test_calls_the_canonical_form_cannot_express_keep_their_meaning():
         assert torch.equal(a, b)
     assert [n.target for n in gm.graph.nodes if n.op == "call_method"] == ["div", "add", "sub"]
     assert operator.truediv in [n.target for n in gm.graph.nodes]  # the plain division still canonical
+
+
+def test_squares_and_variances_take_one_form_and_compute_the_same():
+    """`x.square()`, `torch.square(x)` and a float `x * x` are `pow(x, 2)` (ATen's square, one
+    rounding); `var`/`var_mean` in each overload are `(x, dim, correction=c, keepdim=k)`. A bool
+    `b * b` stays a product: as a power it would come out int64."""
+    class Block(nn.Module):
+        def forward(self, x, b):
+            return (x.square(), torch.square(x), x * x, b * b, x.var(-1, keepdim=True, unbiased=False),
+                    torch.var(x, [-1], False, True), torch.var(x, dim=-1, correction=0, keepdim=True),
+                    x.var(), torch.var(x, False), torch.var_mean(x, 0, unbiased=True)[0],
+                    x.var(dim=1, correction=2))
+
+    x, b = torch.randn(3, 5), torch.tensor([True, False])
+    gm = fx.symbolic_trace(Block())
+    from trifuse.fusion.capture import _propagate_fake
+
+    _propagate_fake(gm, [x, b])
+    canonicalize(gm)
+    calls = _calls(gm)
+    assert [c[1:] for c in calls[:4]] == [(torch.pow, (2,), {})] * 3 + [(operator.mul, (calls[3][2][0],), {})]
+    variances = [(target, args, kwargs) for _, target, args, kwargs in calls[4:]
+                 if target in (torch.var, torch.var_mean)]
+    assert variances == [(torch.var, (-1,), {"correction": 0, "keepdim": True})] * 3 + [
+        (torch.var, (None,), {"correction": 1, "keepdim": False}),
+        (torch.var, (None,), {"correction": 0, "keepdim": False}),
+        (torch.var_mean, (0,), {"correction": 1, "keepdim": False}),
+        (torch.var, (1,), {"correction": 2, "keepdim": False})]
+    for got, want in zip(gm(x, b), Block()(x, b)):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    # without example values (fuse's structural search over a throwaway copy) x * x is a power too
+    g = fx.symbolic_trace(lambda x: x * x).graph
+    canonicalize_graph(g)
+    assert [n.target for n in g.nodes if n.op == "call_function"] == [operator.mul]
+    squares_as_powers(g)
+    assert [n.target for n in g.nodes if n.op == "call_function"] == [torch.pow]
 
 
 def test_view_arguments_and_transposes_are_canonical():

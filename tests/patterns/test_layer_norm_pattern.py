@@ -161,6 +161,136 @@ def test_eps_is_kept(capture):
     assert report.by_pattern() == {"rms_norm_upcast": 1}
 
 
+class WrittenOutLayerNorm(nn.Module):
+    """LayerNorm written out in x's dtype, as BERT ports from before `nn.LayerNorm` and hand-written
+    models spell it: `variance` and `root` choose the spelling, `affine` what follows the norm."""
+
+    def __init__(self, variance, root, affine="weight_bias", eps=1e-5):
+        super().__init__()
+        self.variance, self.root, self.affine, self.eps = variance, root, affine, eps
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(N))
+        self.bias = nn.Parameter(0.1 * torch.randn(N))
+
+    def forward(self, x):
+        if self.variance == "var_mean":
+            var, mean = torch.var_mean(x, dim=-1, unbiased=False, keepdim=True)
+            centred = x - mean
+        else:
+            mean = x.mean(-1, keepdim=True)
+            centred = x - mean
+            if self.variance == "var":
+                var = x.var(-1, keepdim=True, unbiased=False)
+            elif self.variance == "var_correction":
+                var = torch.var(x, dim=[-1], correction=0, keepdim=True)
+            elif self.variance == "centred_twice":
+                var = ((x - mean) ** 2).mean(-1, keepdim=True)
+            else:
+                var = centred.square().mean(-1, keepdim=True)
+        if self.root == "div_sqrt":
+            h = centred / torch.sqrt(var + self.eps)
+        else:
+            h = centred * (var + self.eps).rsqrt()
+        if self.affine == "weight_bias":  # the pytorch-pretrained-bert order
+            return self.weight * h + self.bias
+        if self.affine == "bias_weight_after":
+            return h * self.weight + self.bias
+        if self.affine == "weight":
+            return h * self.weight
+        if self.affine == "bias":
+            return h + self.bias
+        return h
+
+
+LAYER_NORM_SPELLINGS = [(v, r) for v in ("centred_twice", "centred_once", "var", "var_correction", "var_mean")
+                        for r in ("rsqrt", "div_sqrt")]
+_BARE = {"var_correction": "var"}  # torch.var(correction=0) and x.var(unbiased=False): one form
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("variance, root", LAYER_NORM_SPELLINGS,
+                         ids=[f"{v}-{r}" for v, r in LAYER_NORM_SPELLINGS])
+def test_layer_norm_written_out_fuses_with_its_weight_and_bias(variance, root, capture):
+    report = check_against_unfused(lambda: WrittenOutLayerNorm(variance, root), X, capture)
+    assert report.counts() == {"layer_norm": 1}, report.table()
+    # the spellings whose weight comes last fuse with the weight in the first step
+    assert report.by_pattern() == {"layer_norm_bias_folded": 1}
+    if root == "div_sqrt" or variance in ("var", "var_correction", "var_mean"):
+        bare = f"layer_norm_bare_{_BARE.get(variance, variance)}_{root}"
+        assert f"spelled as {bare}; weight folded in; bias folded in" in report.table()
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("affine, pattern", [
+    ("bias_weight_after", "layer_norm_bias_folded"), ("weight", "layer_norm_weight_folded"),
+    ("bias", "layer_norm_bias_folded"), ("none", "layer_norm_bare_var_div_sqrt"),
+])
+def test_layer_norm_written_out_takes_what_affine_follows(affine, pattern, capture):
+    report = check_against_unfused(lambda: WrittenOutLayerNorm("var", "div_sqrt", affine), X, capture)
+    assert report.by_pattern() == {pattern: 1}
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_layer_norm_written_out_keeps_its_eps_and_fp16_roundings(capture):
+    report = check_against_unfused(lambda: WrittenOutLayerNorm("centred_twice", "div_sqrt", eps=0.5), X,
+                                   capture)
+    assert report.by_pattern() == {"layer_norm_bias_folded": 1}
+    x16 = (torch.randn(3, 5, N).half(),)
+    report = check_against_unfused(lambda: WrittenOutLayerNorm("var", "rsqrt").half(), x16, capture,
+                                   grads=False)
+    assert report.by_pattern() == {"layer_norm_bias_folded": 1}
+
+
+class ParamsApart(WrittenOutLayerNorm):
+    """fp32 parameters on fp16 activations (the product promotes), or a per-token scale and shift
+    (adaLN's modulation): the norm fuses, the affine stays the model's."""
+
+    def __init__(self, kind):
+        super().__init__("var", "div_sqrt", "none")
+        self.kind = kind
+
+    def forward(self, x):
+        h = super().forward(x)
+        if self.kind == "fp32_params":
+            return h * self.weight.float() + self.bias.float()
+        return h * (1 + x[..., :1]) + x[..., 1:2]
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_an_affine_that_is_not_the_norms_own_stays_apart(capture):
+    x16 = (torch.randn(3, 5, N).half(),)
+    report = check_against_unfused(lambda: ParamsApart("fp32_params").half(), x16, capture, grads=False)
+    assert report.by_pattern() == {"layer_norm_bare_var_div_sqrt": 1}
+    report = check_against_unfused(lambda: ParamsApart("per_token"), X, capture)
+    assert report.by_pattern() == {"layer_norm_bare_var_div_sqrt": 1}
+    assert report.rejected() == []  # a product that is no norm's weight is not worth a line
+
+
+class WrittenOutRMSNorm(nn.Module):
+    def __init__(self, spelling):
+        super().__init__()
+        self.spelling = spelling
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(N))
+
+    def forward(self, x):
+        if self.spelling == "square":
+            return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6) * self.weight
+        if self.spelling == "self_product":
+            return x * torch.rsqrt(torch.mean(x * x, dim=-1, keepdim=True) + 1e-6) * self.weight
+        if self.spelling == "div_sqrt":
+            return self.weight * (x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+        return x / (x.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()  # no weight, sqrt as a method
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("spelling, pattern", [
+    ("square", "rms_norm_written_out"), ("self_product", "rms_norm_written_out"),
+    ("div_sqrt", "rms_norm_weight_folded"), ("div_sqrt_no_weight", "rms_norm_div_sqrt_no_weight"),
+])
+def test_rmsnorm_written_out_with_a_square_or_a_division(spelling, pattern, capture):
+    report = check_against_unfused(lambda: WrittenOutRMSNorm(spelling), X, capture)
+    assert report.by_pattern() == {pattern: 1}
+
+
 # ---------------------------------------------------------------------------------------------
 # Negatives: near misses stay as they are, and the model still matches.
 # ---------------------------------------------------------------------------------------------
@@ -215,3 +345,29 @@ def test_ops_selection_leaves_other_families():
     assert report.by_pattern() == {"rms_norm": 1}
     with pytest.raises(ValueError, match="families"):
         trifuse.fuse(ModuleLayerNorm(), ops=["layernorm"])
+
+
+class NotLayerNorm(nn.Module):
+    """Near misses of LayerNorm written out: the unbiased variance (`x.var()`'s default, the
+    Annotated Transformer's std), eps outside the root, the mean over another dim."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, x):
+        mean = x.mean(-1, keepdim=True)
+        if self.kind == "unbiased":
+            return (x - mean) / torch.sqrt(x.var(-1, keepdim=True) + 1e-5)
+        if self.kind == "std":
+            return (x - mean) / (x.std(-1, keepdim=True) + 1e-5)
+        if self.kind == "eps_outside":
+            return (x - mean) / (torch.sqrt(((x - mean) ** 2).mean(-1, keepdim=True)) + 1e-5)
+        var_mean = torch.var_mean(x, dim=1, unbiased=False, keepdim=True)
+        return (x - var_mean[1]) * torch.rsqrt(var_mean[0] + 1e-5)
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("kind", ["unbiased", "std", "eps_outside", "other_dim"])
+def test_near_misses_of_layer_norm_are_not_fused(kind, capture):
+    assert check_against_unfused(lambda: NotLayerNorm(kind), X, capture).by_pattern() == {}

@@ -44,6 +44,29 @@ class PostNorm(nn.Module):
         return self.LayerNorm(self.dropout(self.dense(x)) + x)
 
 
+class BertLayerNorm(nn.Module):
+    """The LayerNorm of BERT ports from before `nn.LayerNorm` (pytorch-pretrained-bert), written
+    out: mean, biased variance, divided by the root, then weight * x + bias."""
+
+    def __init__(self, hidden_size, eps=1e-12):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(hidden_size))
+        self.bias = nn.Parameter(0.1 * torch.randn(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, x):
+        u = x.mean(-1, keepdim=True)
+        s = (x - u).pow(2).mean(-1, keepdim=True)
+        x = (x - u) / torch.sqrt(s + self.variance_epsilon)
+        return self.weight * x + self.bias
+
+
+class WrittenOutPostNorm(PostNorm):
+    def __init__(self, p=0.0):
+        super().__init__(p)
+        self.LayerNorm = BertLayerNorm(N)
+
+
 class Conv1DPostNorm(nn.Module):
     def __init__(self, p=0.0):
         super().__init__()
@@ -97,6 +120,7 @@ class ReshapedPreNorm(nn.Module):
     (lambda: PreNorm(norm=GemmaRMSNorm), {"rms_norm_in_fp32": 1, "linear_residual_norm": 1}),
     (lambda: PreNorm(norm=OlmoLayerNorm), {"layer_norm_in_fp32": 1, "linear_residual_norm": 1}),
     (PostNorm, {"linear_residual_norm": 1}),
+    (WrittenOutPostNorm, {"linear_residual_norm": 1}),
     (Conv1DPostNorm, {"conv1d_residual_norm": 1}),
     (ReshapedPreNorm, {"linear_residual_norm": 1}),
     # the reshape merges the normalized dim with another: it does not commute with the norm
@@ -104,7 +128,8 @@ class ReshapedPreNorm(nn.Module):
     (AddmmPostNorm, {"addmm_residual_norm": 1}),
     (lambda: AddmmPostNorm(bias_shape=(10, N)), {"dropout_add_layer_norm": 1}),  # 2-D bias stays in the addmm
 ], ids=["pre-norm", "pre-norm-no-bias", "pre-norm-rms", "pre-norm-gemma", "pre-norm-olmo",
-        "post-norm-bert", "post-norm-conv1d", "pre-norm-reshaped-opt", "pre-norm-reshape-merging-dims",
+        "post-norm-bert", "post-norm-bert-written-out-layernorm",
+        "post-norm-conv1d", "pre-norm-reshaped-opt", "pre-norm-reshape-merging-dims",
         "post-norm-addmm", "post-norm-addmm-2d-bias"])
 def test_spelling_fuses_and_matches(make, expected, capture):
     assert check_against_unfused(make, X, capture).by_pattern() == expected
