@@ -177,6 +177,20 @@ _is_fx_tracing = getattr(torch.fx._symbolic_trace, "is_fx_symbolic_tracing", Non
     or torch.fx._symbolic_trace.is_fx_tracing  # an older torch's, which also warns once
 
 
+_peek_functorch = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", lambda: None)
+
+
+def function_transform() -> str | None:
+    """Why a call must run as the model wrote it, when it must: inside a torch.func transform
+    (`grad`, `vmap`, `jvp`, `jacrev`: per-sample gradients, JVP-based losses) or under forward-mode
+    AD, which trifuse's ops do not implement (their autograd Functions have no vmap or jvp rule)."""
+    if _peek_functorch() is not None:
+        return "inside a torch.func transform (grad, vmap, jvp, ...), which trifuse's ops do not implement"
+    if torch.autograd.forward_ad._current_level >= 0:
+        return "under forward-mode AD (a dual level is open), which trifuse's ops do not implement"
+    return None
+
+
 def _installed_forward(unit: Unit) -> Callable[..., Any]:
     @functools.wraps(unit.original)
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -186,6 +200,9 @@ def _installed_forward(unit: Unit) -> Callable[..., Any]:
             # call): show them the original code. Not a call of this unit: fx records the ops
             # into the parent's graph, which is fused as a whole.
             return unit.original(self, *args, **kwargs)
+        transform = function_transform()
+        if transform is not None:
+            return unit._eager(self, args, kwargs, transform)
         return unit(self, args, kwargs)
 
     forward.__trifuse_unit__ = unit  # type: ignore[attr-defined]

@@ -158,12 +158,29 @@ class _NoGradCtx:
         pass
 
 
+# The public functions each autograd.Function serves, for messages.
+_PUBLIC_OPS = {"_AttentionFunction": "attention", "_VarlenFunction": "attention_varlen",
+               "_BiasGeluFunction": "bias_gelu", "_CrossEntropyFunction": "cross_entropy",
+               "_LinearCrossEntropyFunction": "linear_cross_entropy", "_DropoutAddFunction": "dropout_add",
+               "_GatedActivationFunction": "gated_activation", "_NormFunction": "layer_norm (or rms_norm)",
+               "_NormAddFunction": "layer_norm_add", "_RotaryEmbeddingFunction": "rotary_embedding",
+               "_CastForReaders": "cast_for_readers"}
+
+
 def apply_function(fn: type[torch.autograd.Function], *args):
     """`fn.apply(*args)`, or with grad mode off `fn.forward` called directly: no autograd node
     can be recorded then, and Function.apply still costs about a quarter of a LayerNorm's eager
-    forward on the host (the CPU proxy, bench/norm_host_proxy.py). functorch transforms take
-    `apply` as before (it says what they need)."""
-    if torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
+    forward on the host (the CPU proxy, bench/norm_host_proxy.py).
+
+    Inside a torch.func transform (grad, vmap, jvp, ...) it raises NotImplementedError: the
+    Triton kernels have no batching rule and the Functions no functorch one."""
+    if torch._C._are_functorch_transforms_active():
+        raise NotImplementedError(
+            f"trifuse.ops.{_PUBLIC_OPS.get(fn.__name__, fn.__name__)} was called inside a torch.func transform "
+            "(grad, vmap, jvp, ...), "
+            "which trifuse's ops do not implement; call the PyTorch op there (a trifuse.fuse()d model does: "
+            "its fused blocks run as written inside transforms)")
+    if torch.is_grad_enabled():
         return fn.apply(*args)
     return fn.forward(_NoGradCtx(len(args)), *args)
 

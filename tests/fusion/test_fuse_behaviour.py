@@ -342,6 +342,53 @@ def test_data_dependent_control_flow_and_numpy_are_left_working():
     assert any("fx cannot trace" in n.reason for n in report.notes)
 
 
+def test_torch_func_transforms_and_forward_ad_run_the_blocks_as_written():
+    """torch.func's grad and jvp, vmap for per-sample gradients, and forward-mode AD through a
+    fused model: trifuse's ops implement none of them, so each fused block and the fused loss run
+    as the model wrote them there (the report counts why), and fused again outside."""
+    from torch.autograd import forward_ad
+    from torch.func import functional_call, grad, jvp, vmap
+
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _models.gpt2(attn_implementation="eager")  # SDPA on CPU has no forward AD
+    model.eval()
+    ref = copy.deepcopy(model)
+    trifuse.fuse(model)
+    kw = inputs(2, 8)
+    torch.testing.assert_close(loss_fn(model, kw), loss_fn(ref, kw))
+    fused = trifuse.report(model).counts()
+    assert fused.get("attention") == 2
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(p, m, kw=kw):
+        return functional_call(m, p, (), kw).loss
+
+    for got, want in zip(grad(loss)(params, model).values(), grad(loss)(params, ref).values()):
+        torch.testing.assert_close(got, want)
+    tangents = {k: torch.randn_like(v) for k, v in params.items()}
+    torch.testing.assert_close(jvp(lambda p: loss(p, model), (params,), (tangents,)),
+                               jvp(lambda p: loss(p, ref), (params,), (tangents,)))
+
+    def one_row_loss(p, ids, m):  # per-sample gradients: vmap over the batch
+        return functional_call(m, p, (), {"input_ids": ids[None], "labels": ids[None], "use_cache": False}).loss
+
+    per_row = [vmap(grad(one_row_loss), in_dims=(None, 0, None))(params, kw["input_ids"], m) for m in (model, ref)]
+    torch.testing.assert_close(per_row[0]["transformer.h.0.attn.c_attn.weight"],
+                               per_row[1]["transformer.h.0.attn.c_attn.weight"])
+    with forward_ad.dual_level():
+        embeds = model.transformer.wte(kw["input_ids"]).detach()
+        tangent = torch.randn_like(embeds)
+        outs = [m(inputs_embeds=forward_ad.make_dual(embeds, tangent), use_cache=False).logits for m in (model, ref)]
+        torch.testing.assert_close(forward_ad.unpack_dual(outs[0]).tangent, forward_ad.unpack_dual(outs[1]).tangent)
+    reasons = collections.Counter()
+    for calls in trifuse.report(model).unfused_calls().values():
+        reasons.update(calls)
+    assert any("torch.func transform" in r for r in reasons), reasons
+    assert any("forward-mode AD" in r for r in reasons), reasons
+    torch.testing.assert_close(loss_fn(model, kw), loss_fn(ref, kw))
+    assert trifuse.report(model).counts() == fused  # outside the transforms the model runs fused again
+
+
 def test_deepcopy_of_a_fused_model_runs_its_own_weights():
     torch.manual_seed(0)
     model, inputs, loss_fn = _models.nanogpt()

@@ -1,6 +1,7 @@
 """Without grad mode, the eager ops call their autograd.Function's forward directly
 (`_common.apply_function`): the same outputs bit for bit as the recorded call, no autograd node,
-and Function.apply not called at all (it costs host time for nothing there)."""
+and Function.apply not called at all (it costs host time for nothing there). Inside a torch.func
+transform, a clear error naming the op."""
 import pytest
 import torch
 
@@ -59,6 +60,16 @@ def test_no_grad_calls_skip_function_apply_and_give_the_same_bits(name, monkeypa
     for a, e in zip(direct, recorded):
         assert a.grad_fn is None and not a.requires_grad
         assert a.dtype == e.dtype and torch.equal(a, e.detach())
+
+
+@pytest.mark.parametrize("name", list(_cases()))
+def test_inside_a_torch_func_transform_an_op_says_it_does_not_implement_it(name):
+    # not PyTorch's "must override the setup_context staticmethod", which names no trifuse op
+    function, call = _cases()[name]
+    public = _common._PUBLIC_OPS.get(function.__name__, function.__name__)
+    with pytest.raises(NotImplementedError, match=rf"trifuse\.ops\.{public.split()[0]} .*torch\.func transform"):
+        torch.func.grad(lambda t: _flat(call())[0].sum() * t)(torch.tensor(1.0, device=DEVICE))
+    assert torch.isfinite(_flat(call())[0]).all()  # outside the transform it runs as before
 
 
 def test_the_ctx_stand_in_says_no_input_needs_a_gradient():
