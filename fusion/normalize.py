@@ -13,7 +13,8 @@ rewrites, in place:
   capture.py), never otherwise. A module with hooks stays a module call (its hooks must run).
 - functions and methods with one meaning into one target: `x.tanh()`/`torch.tanh(x)` ->
   `torch.tanh(x)`, `torch.add(a, b)`/`a.add(b)` -> `a + b`, `x ** 2` -> `torch.pow(x, 2)`,
-  `F.softmax` -> `torch.softmax`, `torch.layer_norm` -> `F.layer_norm`, `torch.concat` ->
+  `F.softmax` -> `torch.softmax`, `torch.layer_norm` -> `F.layer_norm`, `torch.special.erf` ->
+  `torch.erf` (and `expit` -> `torch.sigmoid`), `torch.concat` ->
   `torch.cat(tensors, dim)` (and `torch.stack(tensors, dim)`), `x.logsumexp(dim=-1)` -> `torch.logsumexp(x, -1, False)`,
   `x.float()` -> `x.to(torch.float32)`, `a @ b` -> `torch.matmul(a, b)`, `x.square()` and
   (x floating point) `x * x` -> `torch.pow(x, 2)`, `x.var(-1, unbiased=False)` and the other
@@ -125,6 +126,8 @@ _FUNCTIONS: dict[Any, tuple[Callable[..., Any], Callable[..., Any] | None]] = {
     torch.logsumexp: (torch.logsumexp, _sig_logsumexp),
     torch.unsqueeze: (torch.unsqueeze, _sig_unsqueeze),
     **{getattr(torch, name): (getattr(torch, name), _sig_unary) for name in _UNARY},
+    torch.special.erf: (torch.erf, _sig_unary),  # aliases of one function
+    torch.special.expit: (torch.sigmoid, _sig_unary),
 }
 if hasattr(F, "rms_norm"):
     _FUNCTIONS[F.rms_norm] = (F.rms_norm, None)

@@ -17,6 +17,7 @@ op as the local shard of the bias (`bias.to_local()`), which covers the same col
 weight and bias are sharded over the output features and the output over its last dim
 (`bias_sharded_like_columns`).
 """
+import functools
 import math
 from collections.abc import Callable
 
@@ -39,9 +40,22 @@ def gelu_tanh_fast_written_out(x: torch.Tensor):
     return 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x)))
 
 
+def gelu_tanh_cubed_written_out(x: torch.Tensor, *, scaled_first: bool):
+    """The tanh form with the cube written as a product: `0.044715 * (x * x * x)` (canonical form:
+    `x^2 * x`) or, scaled_first, `0.044715 * x * x * x`, which multiplies from the left."""
+    cubic = 0.044715 * x * x * x if scaled_first else 0.044715 * (torch.pow(x, 2) * x)
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + cubic)))
+
+
 def gelu_erf_written_out(x: torch.Tensor):
     """The exact GeLU, x * Phi(x), as older code and Megatron write it."""
     return x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))
+
+
+def gelu_erf_times_root_half_written_out(x: torch.Tensor):
+    """The same with x times 1/sqrt(2) (`x * 0.7071067811865476`) where others divide by sqrt(2).
+    A constant off by more than 1e-6 relative (Megatron's `x / 1.41421`) is another function."""
+    return x * 0.5 * (1.0 + torch.erf(x * math.sqrt(0.5)))
 
 
 def gelu_quick_written_out(x: torch.Tensor, slope):
@@ -184,7 +198,12 @@ _OPS = ("bias_gelu",)
 PATTERNS = (
     Pattern("gelu_tanh_written_out", "bias_gelu", gelu_tanh_written_out, gelu_tanh_fused, _OPS),
     Pattern("gelu_tanh_fast_written_out", "bias_gelu", gelu_tanh_fast_written_out, gelu_tanh_fused, _OPS),
+    *(Pattern("gelu_tanh_cubed_written_out" + ("_scaled_first" if first else ""), "bias_gelu",
+              functools.partial(gelu_tanh_cubed_written_out, scaled_first=first), gelu_tanh_fused, _OPS)
+      for first in (False, True)),
     Pattern("gelu_erf_written_out", "bias_gelu", gelu_erf_written_out, gelu_erf_fused, _OPS),
+    Pattern("gelu_erf_times_root_half_written_out", "bias_gelu", gelu_erf_times_root_half_written_out,
+            gelu_erf_fused, _OPS),
     Pattern("gelu_quick_written_out", "bias_gelu", gelu_quick_written_out, gelu_quick_fused, _OPS,
             (slope_is_quick_gelus,)),
     Pattern("linear_gelu", "bias_gelu", linear_gelu, linear_gelu_fused, _OPS, stage=1),

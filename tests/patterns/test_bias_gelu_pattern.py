@@ -34,6 +34,26 @@ def erf_gelu(x):
     return x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))
 
 
+def cube_product_gelu(x):  # the cube as a product of x's
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * (x * x * x))))
+
+
+def cube_scaled_first_gelu(x):  # `0.044715 * x * x * x`: the constant multiplies first
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)))
+
+
+def erf_times_root_half_gelu(x):  # x * 1/sqrt(2), to 16 digits
+    return x * 0.5 * (1.0 + torch.erf(x * 0.7071067811865476))
+
+
+def special_erf_gelu(x):  # torch.special.erf: torch.erf by another name
+    return 0.5 * x * (1.0 + torch.special.erf(x / math.sqrt(2.0)))
+
+
+def erf_over_1_41421_gelu(x):  # Megatron's erf_gelu: 1.41421, 2.5e-6 off sqrt(2), another function
+    return x * 0.5 * (1.0 + torch.erf(x / 1.41421))
+
+
 def quick_gelu(x):  # transformers' QuickGELUActivation (CLIP): other maths than either GeLU form
     return x * torch.sigmoid(1.702 * x)
 
@@ -96,6 +116,8 @@ class AddmmAct(nn.Module):
     (lambda: LinearAct(Act(new_gelu)), "linear_bias_gelu"),
     (lambda: LinearAct(Act(fast_gelu)), "linear_bias_gelu"),
     (lambda: LinearAct(Act(erf_gelu)), "linear_bias_gelu"),
+    (lambda: LinearAct(Act(cube_product_gelu)), "linear_bias_gelu"),
+    (lambda: LinearAct(Act(erf_times_root_half_gelu)), "linear_bias_gelu"),
     (lambda: LinearAct(nn.GELU(), conv1d=True), "conv1d_gelu"),
     (lambda: AddmmAct(nn.GELU()), "addmm_gelu"),
     (lambda: AddmmAct(Act(new_gelu)), "addmm_bias_gelu"),
@@ -106,7 +128,8 @@ class AddmmAct(nn.Module):
     (lambda: LinearAct(Act(quick_gelu), conv1d=True), "conv1d_bias_gelu"),
     (lambda: AddmmAct(Act(quick_gelu)), "addmm_bias_gelu"),
 ], ids=["nn.GELU", "nn.GELU-tanh", "F.gelu-tanh", "conv1d-new-gelu", "new-gelu", "fast-gelu", "erf-written-out",
-        "conv1d-nn.GELU", "addmm-nn.GELU", "addmm-new-gelu", "quick-gelu", "quick-gelu-slope-after",
+        "cube-product", "erf-times-root-half", "conv1d-nn.GELU", "addmm-nn.GELU", "addmm-new-gelu", "quick-gelu",
+        "quick-gelu-slope-after",
         "quick-gelu-method", "hf-QuickGELUActivation", "conv1d-quick-gelu", "addmm-quick-gelu"])
 def test_spelling_fuses_and_matches(make, pattern, capture):
     # The oracle would catch one form for another: exact and tanh differ by ~1e-3, quick and
@@ -141,8 +164,14 @@ def test_quick_gelu_becomes_the_quick_form(capture):
 
 @pytest.mark.parametrize("capture", CAPTURES)
 @pytest.mark.parametrize("act, pattern", [(new_gelu, "gelu_tanh_written_out"),
-                                          (quick_gelu, "gelu_quick_written_out")],
-                         ids=["new-gelu", "quick-gelu"])
+                                          (quick_gelu, "gelu_quick_written_out"),
+                                          (cube_product_gelu, "gelu_tanh_cubed_written_out"),
+                                          (cube_scaled_first_gelu,
+                                           "gelu_tanh_cubed_written_out_scaled_first"),
+                                          (erf_times_root_half_gelu, "gelu_erf_times_root_half_written_out"),
+                                          (special_erf_gelu, "gelu_erf_written_out")],
+                         ids=["new-gelu", "quick-gelu", "cube-product", "cube-scaled-first",
+                              "erf-times-root-half", "special-erf"])
 def test_written_out_gelu_without_linear_still_becomes_one_op(act, pattern, capture):
     assert check_against_unfused(lambda: Act(act), X, capture).by_pattern() == {pattern: 1}
 
@@ -171,9 +200,11 @@ class LinearOutputReused(LinearAct):
     lambda: LinearAct(Act(sigmoid_slope_1_7)),
     lambda: LinearAct(Act(silu_as_slope_1)),
     lambda: LinearAct(Act(wrong_constant_gelu)),
+    lambda: LinearAct(Act(erf_over_1_41421_gelu)),
     lambda: LinearAct(nn.ReLU()),
     lambda: AddmmAct(nn.GELU(), bias_shape=(10, 2 * N)),  # addmm's bias per element, not a vector
-], ids=["no-bias", "sigmoid-slope-1.7", "sigmoid-slope-1", "wrong-constant", "relu", "addmm-2d-bias"])
+], ids=["no-bias", "sigmoid-slope-1.7", "sigmoid-slope-1", "wrong-constant", "erf-over-1.41421", "relu",
+        "addmm-2d-bias"])
 def test_not_gelu_after_a_biased_linear_is_left(make, capture):
     assert check_against_unfused(make, X, capture).by_pattern() == {}
 
