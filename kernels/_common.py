@@ -158,6 +158,54 @@ class _NoGradCtx:
         pass
 
 
+class _NotTwiceDifferentiable(torch.autograd.Function):
+    """The identity on a backward's gradients, made to depend on what they are functions of (the
+    op's saved tensors and incoming gradients): differentiating them again raises."""
+
+    @staticmethod
+    def forward(ctx, message: str, n: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.message = message
+        return tuple(t.view_as(t) for t in tensors[:n])
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        raise RuntimeError(ctx.message)
+
+
+def single_backward(backward):
+    """For an autograd.Function's backward computed by kernels autograd cannot see into: its
+    gradients are not differentiable. Under `create_graph=True` (a gradient penalty, a
+    Hessian-vector product, MAML) they would enter the second backward as constants, and the
+    second-order terms through the op would be silently missing. Here the gradients it returns
+    then depend on the op's saved tensors and incoming gradients through a node that raises,
+    naming the op, when a second backward reaches it. (PyTorch's `once_differentiable` connects
+    them to the incoming gradients only: a second backward towards the op's inputs, a weight
+    say, would never reach its error.)"""
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        if not torch.is_grad_enabled():  # the engine enables grad mode for create_graph=True only
+            return backward(ctx, *grads)
+        sources = [t for t in (*ctx.saved_tensors, *grads) if isinstance(t, torch.Tensor) and t.requires_grad]
+        with torch.no_grad():
+            outputs = backward(ctx, *grads)
+        single = not isinstance(outputs, tuple)
+        outputs = (outputs,) if single else outputs
+        tensors = [t for t in outputs if isinstance(t, torch.Tensor)]
+        if not tensors or not sources:
+            return outputs[0] if single else outputs
+        name = type(ctx).__name__.removesuffix("Backward")
+        message = (f"trifuse.ops.{_PUBLIC_OPS.get(name, name)} has no double backward: its gradients, taken "
+                   "with create_graph=True, cannot be differentiated again (a gradient penalty, a "
+                   "Hessian-vector product); leave that op's family out of trifuse.fuse(model, ops=...) or "
+                   "run the model unfused")
+        connected = iter(_NotTwiceDifferentiable.apply(message, len(tensors), *tensors, *sources))
+        outputs = tuple(next(connected) if isinstance(t, torch.Tensor) else t for t in outputs)
+        return outputs[0] if single else outputs
+
+    return wrapper
+
+
 # The public functions each autograd.Function serves, for messages.
 _PUBLIC_OPS = {"_AttentionFunction": "attention", "_VarlenFunction": "attention_varlen",
                "_BiasGeluFunction": "bias_gelu", "_CrossEntropyFunction": "cross_entropy",

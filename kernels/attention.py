@@ -129,6 +129,7 @@ from ._common import (
     no_autocast,
     philox_seed,
     profiled,
+    single_backward,
     unscoped,
     use_triton,
 )
@@ -1600,6 +1601,7 @@ class _AttentionFunction(torch.autograd.Function):
         return o
 
     @staticmethod
+    @single_backward
     def backward(ctx, do):
         q, k, v, o, lse, seed, attn_mask, sinks = ctx.saved_tensors
         dropout_p, is_causal, scale = ctx.args

@@ -54,6 +54,7 @@ from ._common import (
     no_autocast,
     philox_seed,
     profiled,
+    single_backward,
 )
 from ._launch import CachedKernel
 from ._tiles import cdiv
@@ -754,6 +755,7 @@ class _VarlenFunction(torch.autograd.Function):
         return o
 
     @staticmethod
+    @single_backward
     def backward(ctx, do):
         q, k, v, o, lse, seed, cu_q, cu_k, sinks = ctx.saved_tensors
         max_q, max_k, dropout_p, causal, scale = ctx.args

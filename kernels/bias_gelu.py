@@ -52,6 +52,7 @@ from ._common import (
     eager_fast_path,
     empty_like,
     profiled,
+    single_backward,
     use_triton,
 )
 from ._launch import CachedKernel
@@ -376,6 +377,7 @@ class _BiasGeluFunction(torch.autograd.Function):
         return bias_gelu_fwd(x, bias, approximate)
 
     @staticmethod
+    @single_backward
     def backward(ctx, dy):
         x, bias = ctx.saved_tensors
         with profiled("trifuse::bias_gelu_backward"):

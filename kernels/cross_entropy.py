@@ -86,6 +86,7 @@ from ._common import (
     no_autocast,
     profiled,
     rows_2d,
+    single_backward,
     use_triton,
 )
 from ._launch import CachedKernel
@@ -1156,6 +1157,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @single_backward
     def backward(ctx, dloss):
         if dloss is None:  # the loss took no part in what was differentiated
             return None, None, None, None, None, None
@@ -1188,6 +1190,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @single_backward
     def backward(ctx, dloss):
         if dloss is None:  # the loss took no part in what was differentiated
             return (None,) * 10

@@ -43,6 +43,7 @@ from ._common import (
     empty_like,
     philox_seed,
     profiled,
+    single_backward,
     use_triton,
 )
 from ._launch import CachedKernel
@@ -348,6 +349,7 @@ class _DropoutAddFunction(torch.autograd.Function):
         return dropout_add_fwd(x, residual, bias, p, seed)
 
     @staticmethod
+    @single_backward
     def backward(ctx, dy):
         (seed,) = ctx.saved_tensors
         need_dbias = ctx.bias_dtype is not None and ctx.needs_input_grad[2]

@@ -49,6 +49,7 @@ from ._common import (
     empty_like,
     profiled,
     rows_2d,
+    single_backward,
     use_triton,
 )
 from ._launch import CachedKernel
@@ -299,6 +300,7 @@ class _GatedActivationFunction(torch.autograd.Function):
         return gated_activation_fwd(gate, up, activation)
 
     @staticmethod
+    @single_backward
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
         with profiled("trifuse::gated_activation_backward"):

@@ -64,6 +64,7 @@ from ._common import (
     no_autocast,
     philox_seed,
     profiled,
+    single_backward,
     unscoped,
     use_triton,
 )
@@ -1211,6 +1212,7 @@ class _NormFunction(torch.autograd.Function):
         return (*ys, s) if fused else ys
 
     @staticmethod
+    @single_backward
     def backward(ctx, *grads):
         dy, more_dy = grads[0], grads[1:ctx.outputs]
         ds = grads[ctx.outputs] if len(grads) > ctx.outputs else None
@@ -1262,6 +1264,7 @@ class _NormAddFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @single_backward
     def backward(ctx, dy):
         x, weight, bias, mean, rstd = ctx.saved_tensors
         needs = ctx.needs_input_grad

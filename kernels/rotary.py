@@ -74,6 +74,7 @@ from ._common import (
     eager_fast_path,
     next_power_of_2,
     profiled,
+    single_backward,
     use_triton,
 )
 from ._launch import CachedKernel, store_plan
@@ -516,6 +517,7 @@ class _RotaryEmbeddingFunction(torch.autograd.Function):
         return rotary_embedding_fwd(q, k, cos, sin, interleaved, halves_out, dtype)
 
     @staticmethod
+    @single_backward
     def backward(ctx, dq_embed, dk_embed):
         cos, sin, *qk = ctx.saved_tensors
         with profiled("trifuse::rotary_embedding_backward"):

@@ -1,7 +1,10 @@
 """Without grad mode, the eager ops call their autograd.Function's forward directly
 (`_common.apply_function`): the same outputs bit for bit as the recorded call, no autograd node,
 and Function.apply not called at all (it costs host time for nothing there). Inside a torch.func
-transform, a clear error naming the op."""
+transform, a clear error naming the op; a second backward through an op (create_graph=True), one
+too."""
+import re
+
 import pytest
 import torch
 
@@ -88,3 +91,58 @@ def test_the_ctx_stand_in_says_no_input_needs_a_gradient():
         out = _common.apply_function(Probe, a, 1.0)
     assert seen["needs"] == (False, False) and out.grad_fn is None
     assert _common.apply_function(Probe, a, 1.0).grad_fn is not None
+
+
+def _leaves(outs):
+    """The tensors requiring grad that `outs` were computed from (the closures' inputs)."""
+    seen, stack, leaves = set(), [o.grad_fn for o in outs if o.grad_fn is not None], []
+    while stack:
+        fn = stack.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        if hasattr(fn, "variable"):
+            leaves.append(fn.variable)
+        stack += [f for f, _ in fn.next_functions if f is not None]
+    return leaves
+
+
+# Ops whose gradients are functions of their inputs (second derivatives exist); the others are
+# linear in every input that requires grad here (dropout_add, rotary, a cast): their gradients
+# are constants of those inputs, as in PyTorch.
+_SECOND_ORDER = ("layer_norm", "residual_stream", "layer_norm_add", "bias_gelu", "gated_activation",
+                 "attention")
+
+
+@pytest.mark.parametrize("name", list(_cases()))
+def test_a_second_backward_through_an_op_raises_instead_of_missing_its_terms(name):
+    """create_graph=True (a gradient penalty): the first-order gradients are the usual ones, and
+    differentiating them again, by .backward() or towards any one input, raises naming the op;
+    before, the kernels' gradients entered the second backward as constants, and the op's
+    second-order terms were silently missing."""
+    function, call = _cases()[name]
+    torch.manual_seed(0)
+    outs = _flat(call())
+    leaves = _leaves(outs)
+    seeds = [torch.randn_like(o) for o in outs]
+    first = torch.autograd.grad(outs, leaves, seeds, create_graph=True, allow_unused=True)
+    torch.manual_seed(0)
+    plain = torch.autograd.grad(_flat(call()), leaves, seeds, allow_unused=True)
+    for a, b in zip(first, plain):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a.detach(), b))
+    grads = [g for g in first if g is not None and g.requires_grad]
+    if name not in _SECOND_ORDER:
+        assert grads == []
+        return
+    public = _common._PUBLIC_OPS[function.__name__].split()[0]
+    raised = 0
+    for leaf in leaves:  # every input the gradients depend on raises; one they are linear in has no path
+        penalty = sum((g.float() ** 2).sum() for g in grads)
+        try:
+            assert torch.autograd.grad(penalty, leaf, allow_unused=True) == (None,)
+        except RuntimeError as e:
+            assert re.search(rf"trifuse\.ops\.{public}\b.* has no double backward", str(e)), e
+            raised += 1
+    assert raised >= 1
+    with pytest.raises(RuntimeError, match="has no double backward"):
+        sum((g.float() ** 2).sum() for g in grads).backward()
