@@ -48,7 +48,7 @@ from ..patterns._base import Pattern, example_value
 from .dtensor_calls import recompile
 from .graphs import BlockGraphs
 from .narrow import fp32_weight_grads, share_input_casts
-from .normalize import canonicalize
+from .normalize import canonicalize, has_hooks
 from .outputs import collector_restore, collector_to_global
 from .rewriter import RewriteLog, rewrite_graph
 
@@ -485,14 +485,14 @@ class DynamoUnit(Unit):
     def host_time_hidden(self) -> bool:
         return self.graphs is not None
 
-    def _dynamo_settings(self, collecting: bool = False) -> _DynamoSettings:
+    def _dynamo_settings(self) -> _DynamoSettings:
         """The Dynamo config of this unit's captures: one object per distinct setting, reused by
-        every call. `collecting`: the captures guard on the modules' hooks (see `_collecting`)."""
-        settings = (("capture_scalar_outputs", self.scalar_outputs),)
+        every call."""
+        # guards on the modules' hooks: a hook registered after a capture (a user's forward hook on
+        # a block's MLP) must run, not be left out of the graph that Dynamo's default would reuse
+        settings = (("capture_scalar_outputs", self.scalar_outputs), ("skip_nnmodule_hook_guards", False))
         if self.static_shapes:
             settings += (("automatic_dynamic_shapes", False), ("assume_static_by_default", True))
-        if collecting:
-            settings += (("skip_nnmodule_hook_guards", False),)
         found = self._settings.get(settings)
         if found is None:
             found = self._settings[settings] = _DynamoSettings(settings)
@@ -500,10 +500,10 @@ class DynamoUnit(Unit):
 
     def _collecting(self) -> Callable[..., Any]:
         """The forward compiled apart for calls on which transformers collects outputs through
-        hooks (output_hidden_states, output_attentions): its captures guard on the modules' hooks,
-        which Dynamo's default does not, so that a capture made before transformers installed
-        them (it does so on the first call that asks) is not reused, leaving their outputs
-        uncollected. The other calls' captures need no such guards: the hooks do nothing then."""
+        hooks (output_hidden_states, output_attentions): the hooks' collecting is traced into these
+        captures, which the other calls must not run. Like every capture of the unit, they guard
+        on the modules' hooks, so one made before transformers installed them (it does so on the
+        first call that asks) is not reused, leaving their outputs uncollected."""
         if self._compiled_collecting is None:
             name = f"{self.cls.__module__}.{self.cls.__qualname__}.collecting"
             entry = _entry(_own_code(self.original), name)
@@ -572,7 +572,7 @@ class DynamoUnit(Unit):
                 try:
                     collector = collector_to_global() if self.traces_output_hooks else None
                     collecting = collector is not None and bool(collector[0].global_var)
-                    settings = self._dynamo_settings(collecting)
+                    settings = self._dynamo_settings()
                     prior = settings.apply()
                     target = self._collecting() if collecting else self.compiled
                     if self.checkpoint_outside and _checkpointing(module):
@@ -993,7 +993,8 @@ class FxUnit(Unit):
             return self._eager(module, args, kwargs, reason)
         key = (
             tuple((v.dtype, v.device.type, v.dim()) if isinstance(v, torch.Tensor) else (type(v), v) for v in values),
-            tuple(m.training for m in module.modules()),
+            # a hook registered after a capture keeps its module a call in a capture of its own
+            tuple((m.training, has_hooks(m)) for m in module.modules()),
             torch.is_grad_enabled(),
             _autocast_state(),
         )
@@ -1047,7 +1048,8 @@ class LeafTracer(fx.Tracer):
         self._leaves = leaves
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
-        return self._leaves(m) or super().is_leaf_module(m, module_qualified_name)
+        # a submodule with hooks stays a call, which runs them (fx would trace its forward alone)
+        return self._leaves(m) or has_hooks(m) or super().is_leaf_module(m, module_qualified_name)
 
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
         original = torch.autograd.Function.__dict__["apply"]

@@ -60,6 +60,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import fx
+from torch.nn.modules import module as _nn_module
 
 from ..patterns._base import same_shape
 from .dtensor_calls import open_closures
@@ -418,12 +419,21 @@ def _bind(node: fx.Node, target: Callable[..., Any], sig_of: Callable[..., Any])
 _NO_VALUE = object()
 
 
+def has_hooks(module: torch.nn.Module) -> bool:
+    """Whether calling `module` runs hooks around its forward (its own, forward or backward, or
+    global ones): a graph must then call the module, not inline its forward."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or getattr(module, "_backward_pre_hooks", None) or _nn_module._global_forward_hooks
+                or _nn_module._global_forward_pre_hooks or _nn_module._global_backward_hooks
+                or getattr(_nn_module, "_global_backward_pre_hooks", None))
+
+
 def _module_to_function(graph: fx.Graph, node: fx.Node, root: torch.nn.Module) -> None:
     try:
         mod = root.get_submodule(node.target)
     except AttributeError:
         return
-    if mod._forward_hooks or mod._forward_pre_hooks or node.kwargs:
+    if has_hooks(mod) or node.kwargs:
         return
     if type(mod) is torch.nn.CrossEntropyLoss and len(node.args) == 2:
         with graph.inserting_before(node):

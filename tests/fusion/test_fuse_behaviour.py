@@ -409,6 +409,56 @@ def test_a_gradient_penalty_through_a_fused_model_raises_instead_of_missing_term
     torch.testing.assert_close(model(**kw).loss, first)  # first-order training is untouched
 
 
+def _gpt2_with_hooks():
+    model, inputs, loss_fn = _models.gpt2()
+    kw = inputs(2, 8)
+    return model, lambda m: loss_fn(m, kw), lambda m: (m.transformer.h[0], m.transformer.h[1])
+
+
+def _nanogpt_block_with_hooks():
+    block = _models.Block(_models.HIDDEN, _models.HEADS, 0.0, 64, True)
+    x = torch.randn(2, 8, _models.HIDDEN)
+    return block, lambda m: m(x).square().mean(), lambda m: (m, m)
+
+
+@pytest.mark.parametrize("make", [_gpt2_with_hooks, _nanogpt_block_with_hooks],
+                         ids=["gpt2-blocks-by-dynamo", "nanogpt-block-by-fx"])
+def test_hooks_registered_after_a_capture_run(make):
+    """Hooks a user registers on a block's submodules after the blocks were captured (a forward
+    hook steering an MLP's output, a pre-hook, a full backward hook reading gradients) run as in
+    the unfused model, not left out of a graph captured without them; removed, they stop."""
+    torch.manual_seed(0)
+    model, loss_fn, blocks = make()
+    model.eval()
+    ref = copy.deepcopy(model)
+    trifuse.fuse(model)
+    torch.testing.assert_close(loss_fn(model), loss_fn(ref))
+    strategies = {u.unit.strategy for u in trifuse.report(model).units if u.unit.calls}
+    # what captured the blocks
+    assert ("dynamo" if make is _gpt2_with_hooks else "fx") in strategies, strategies
+    seen = {id(model): [], id(ref): []}
+    handles = []
+    for m in (model, ref):
+        first, second = blocks(m)
+        handles += [first.mlp.register_forward_hook(lambda mod, args, out: out * 0.5),
+                    second.ln_2.register_forward_pre_hook(lambda mod, args: (args[0] + 1.0,)),
+                    first.attn.register_full_backward_hook(
+                        lambda mod, gin, gout, key=id(m): seen[key].append(gout[0].detach().clone()))]
+    loss = loss_fn(model)
+    loss.backward()
+    want = loss_fn(ref)
+    want.backward()
+    torch.testing.assert_close(loss, want)
+    assert len(seen[id(model)]) == len(seen[id(ref)]) == 1
+    torch.testing.assert_close(seen[id(model)][0], seen[id(ref)][0])
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    for h in handles:
+        h.remove()
+    torch.testing.assert_close(loss_fn(model), loss_fn(ref))
+    assert loss_fn(model) != loss  # the hooks no longer run
+
+
 def test_deepcopy_of_a_fused_model_runs_its_own_weights():
     torch.manual_seed(0)
     model, inputs, loss_fn = _models.nanogpt()
