@@ -48,7 +48,7 @@ from ..patterns._base import Pattern, example_value
 from .dtensor_calls import recompile
 from .graphs import BlockGraphs
 from .narrow import fp32_weight_grads, share_input_casts
-from .normalize import canonicalize, has_hooks
+from .normalize import baked_attributes, canonicalize, has_hooks
 from .outputs import collector_restore, collector_to_global
 from .rewriter import RewriteLog, rewrite_graph
 
@@ -966,6 +966,27 @@ class _FxEntry:
     fn: Callable[..., Any] | None  # generated forward(self, *placeholders), or None: run eagerly
     capture: Capture | None
     reason: str = ""
+    # (submodule path, attribute, value) the graph took as constants (normalize.baked_attributes)
+    baked: tuple[tuple[str, str, Any], ...] = ()
+
+
+def _baked_checks(module: torch.nn.Module, entry: _FxEntry) -> tuple[tuple[Any, str, Any], ...] | None:
+    """The entry's baked attributes resolved on `module` (submodule, attribute, value), or None
+    where one no longer holds its value (a Dropout's p set after the capture) or is gone."""
+    checks = []
+    for path, name, value in entry.baked:
+        try:
+            sub = module.get_submodule(path)
+        except AttributeError:
+            return None
+        if getattr(sub, name, _MISSING) != value:
+            return None
+        checks.append((sub, name, value))
+    return tuple(checks)
+
+
+_MISSING = object()
+_MAX_RECAPTURES = 8
 
 
 class FxUnit(Unit):
@@ -976,7 +997,10 @@ class FxUnit(Unit):
         super().__init__(type(module), patterns, verbose)
         self.signature = inspect.signature(self.original)
         self.leaves = leaves
-        self.cache: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, _FxEntry]] = weakref.WeakKeyDictionary()
+        # per module, per call key: (entry, its baked attributes resolved on the module)
+        self.cache: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, tuple[_FxEntry, tuple]]] = \
+            weakref.WeakKeyDictionary()
+        self.recaptures = 0  # captures made again because a module attribute they hold changed
         # (key, parameter dtypes and shapes, traced code) -> entry: identical layers share a capture
         self.shared: dict[tuple[tuple, tuple, str], _FxEntry] = {}
 
@@ -999,9 +1023,17 @@ class FxUnit(Unit):
             _autocast_state(),
         )
         per_module = self.cache.setdefault(module, {})
-        entry = per_module.get(key)
-        if entry is None:
-            entry = per_module[key] = self._capture_fx(module, list(bound.arguments)[1:], values, key)
+        found = per_module.get(key)
+        if found is None or any(getattr(sub, name, _MISSING) != value for sub, name, value in found[1]):
+            # first call, or a module attribute the graph holds as a constant changed since
+            if found is not None:
+                self.recaptures += 1
+                if self.recaptures > _MAX_RECAPTURES:  # as Dynamo's recompile limit: stop capturing
+                    reason = "module attributes the captures hold as constants keep changing (a Dropout's p)"
+                    return self._eager(module, args, kwargs, reason)
+            entry = self._capture_fx(module, list(bound.arguments)[1:], values, key)
+            found = per_module[key] = (entry, _baked_checks(module, entry) or ())
+        entry = found[0]
         if entry.fn is None:
             return self._eager(module, args, kwargs, entry.reason)
         self.last[module] = entry.capture
@@ -1020,7 +1052,7 @@ class FxUnit(Unit):
             return _FxEntry(None, None, "fx traced a different signature")
         params = tuple((p.dtype, p.device, tuple(p.shape)) for p in module.parameters())
         shared = self.shared.get((key, params, gm.code))
-        if shared is not None:
+        if shared is not None and _baked_checks(module, shared) is not None:
             return shared  # an identical layer was captured already: its code reads this one's parameters
         entry = self._rewrite_fx(module, gm, values)
         self.shared[(key, params, gm.code)] = entry
@@ -1034,7 +1066,7 @@ class FxUnit(Unit):
         if missing:
             capture.error = f"the traced graph holds values the module does not ({missing}): left unfused"
             return _FxEntry(None, capture, capture.error)
-        return _FxEntry(type(work).forward, capture)
+        return _FxEntry(type(work).forward, capture, baked=tuple(baked_attributes(work.graph)))
 
 
 class LeafTracer(fx.Tracer):

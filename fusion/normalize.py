@@ -428,6 +428,32 @@ def has_hooks(module: torch.nn.Module) -> bool:
                 or getattr(_nn_module, "_global_backward_pre_hooks", None))
 
 
+# The attributes of a module that its functional call takes as constants (its parameters stay
+# reads of the module): a graph holding the call is right only while they keep these values.
+_BAKED: dict[type, tuple[str, ...]] = {
+    torch.nn.LayerNorm: ("normalized_shape", "eps"),
+    torch.nn.GELU: ("approximate",),
+    torch.nn.SiLU: ("inplace",),
+    torch.nn.ReLU: ("inplace",),
+    torch.nn.Softmax: ("dim",),
+    torch.nn.Dropout: ("p", "inplace"),
+    torch.nn.CrossEntropyLoss: ("ignore_index", "reduction", "label_smoothing"),
+}
+if hasattr(torch.nn, "RMSNorm"):
+    _BAKED[torch.nn.RMSNorm] = ("normalized_shape", "eps")
+
+
+def _bake(graph: fx.Graph, path: str, name: str, value: Any) -> None:
+    graph.__dict__.setdefault("_trifuse_baked", []).append((path, name, value))
+
+
+def baked_attributes(graph: fx.Graph) -> list[tuple[str, str, Any]]:
+    """(submodule path, attribute, value) for each module attribute `canonicalize` turned into a
+    constant of `graph` (a Dropout's p, a LayerNorm's eps): a caller running the graph later
+    checks they still hold (fx captures; Dynamo's guard on them itself)."""
+    return list(graph.__dict__.get("_trifuse_baked", ()))
+
+
 def _module_to_function(graph: fx.Graph, node: fx.Node, root: torch.nn.Module) -> None:
     try:
         mod = root.get_submodule(node.target)
@@ -436,6 +462,8 @@ def _module_to_function(graph: fx.Graph, node: fx.Node, root: torch.nn.Module) -
     if has_hooks(mod) or node.kwargs:
         return
     if type(mod) is torch.nn.CrossEntropyLoss and len(node.args) == 2:
+        for name in _BAKED[torch.nn.CrossEntropyLoss]:
+            _bake(graph, node.target, name, getattr(mod, name))
         with graph.inserting_before(node):
             weight = graph.get_attr(f"{node.target}.weight") if mod.weight is not None else None
             new = graph.call_function(F.cross_entropy, (*node.args, weight, None, mod.ignore_index, None,
@@ -456,6 +484,8 @@ def _module_to_function(graph: fx.Graph, node: fx.Node, root: torch.nn.Module) -
         attr.meta["val"] = value  # the live parameter: its dtype and shape, for filters
         return attr
 
+    for name in _BAKED.get(type(mod), ()):
+        _bake(graph, node.target, name, getattr(mod, name))
     with graph.inserting_before(node):
         if type(mod) is torch.nn.Linear:
             new = graph.call_function(F.linear, (x, param("weight"), param("bias")))

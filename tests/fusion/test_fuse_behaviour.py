@@ -459,6 +459,43 @@ def test_hooks_registered_after_a_capture_run(make):
     assert loss_fn(model) != loss  # the hooks no longer run
 
 
+@pytest.mark.parametrize("capture", ["fx", "dynamo"])
+def test_module_attributes_changed_after_a_capture_take_effect(capture):
+    """A Dropout's p set after the capture (disabling dropout for a fine-tuning phase, a schedule)
+    and a LayerNorm's eps: the fused block computes with the new values, as the unfused one. fx
+    graphs hold them as constants: a change brings a new capture, up to 8, then the block runs as
+    written (the report says why); Dynamo guards on them itself."""
+    from _fusing import fuse_via
+
+    torch.manual_seed(0)
+    block = _models.Block(_models.HIDDEN, _models.HEADS, 0.0, 64, True).train()  # no attention dropout
+    ref = copy.deepcopy(block)
+    fused = fuse_via(block, capture)
+    x = torch.randn(2, 8, _models.HIDDEN)
+    fused(x)
+    for m in (block, ref):
+        for d in (m.attn.resid_dropout, m.mlp.dropout):
+            d.p = 1.0  # every sublayer's output dropped: the block returns x
+        m.ln_2.eps = 0.5
+    torch.testing.assert_close(fused(x), x)
+    for m in (block, ref):
+        for d in (m.attn.resid_dropout, m.mlp.dropout):
+            d.p = 0.0
+    torch.testing.assert_close(fused(x), ref(x))
+    before = copy.deepcopy(ref)
+    before.ln_2.eps = 1e-5
+    assert (ref(x) - before(x)).abs().max() > 1e-2  # ln_2's eps 0.5 changes the block visibly
+    for step in range(12):  # a schedule: p changes every call
+        for m in (block, ref):
+            m.mlp.dropout.p = 0.0 if step % 2 else 1e-9
+        torch.testing.assert_close(fused(x), ref(x))
+    reasons = collections.Counter()
+    for calls in trifuse.report(fused).unfused_calls().values():
+        reasons.update(calls)
+    if capture == "fx":
+        assert any("keep changing" in r for r in reasons), reasons
+
+
 def test_deepcopy_of_a_fused_model_runs_its_own_weights():
     torch.manual_seed(0)
     model, inputs, loss_fn = _models.nanogpt()
