@@ -1017,8 +1017,9 @@ class FxUnit(Unit):
             return self._eager(module, args, kwargs, reason)
         key = (
             tuple((v.dtype, v.device.type, v.dim()) if isinstance(v, torch.Tensor) else (type(v), v) for v in values),
-            # a hook registered after a capture keeps its module a call in a capture of its own
-            tuple((m.training, has_hooks(m)) for m in module.modules()),
+            # a hook registered after a capture keeps its module a call in a capture of its own; a
+            # submodule replaced by one of another class (an adapter around a Linear) is traced anew
+            tuple((type(m), m.training, has_hooks(m)) for m in module.modules()),
             torch.is_grad_enabled(),
             _autocast_state(),
         )
