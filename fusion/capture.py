@@ -985,6 +985,15 @@ def _baked_checks(module: torch.nn.Module, entry: _FxEntry) -> tuple[tuple[Any, 
     return tuple(checks)
 
 
+def _float_settings(module: torch.nn.Module) -> list[tuple[str, str, float]]:
+    """(submodule path, attribute, value) for each public float attribute of the module's tree:
+    fx reads them as constants while tracing (nanoGPT's `dropout_p=self.dropout`), so a graph is
+    right only while they keep their values. Floats only: ints and strings are sizes, counters and
+    cache lengths, which change without meaning a new graph or never change."""
+    return [(path, name, value) for path, sub in module.named_modules()
+            for name, value in vars(sub).items() if type(value) is float and not name.startswith("_")]
+
+
 _MISSING = object()
 _MAX_RECAPTURES = 8
 
@@ -1067,7 +1076,8 @@ class FxUnit(Unit):
         if missing:
             capture.error = f"the traced graph holds values the module does not ({missing}): left unfused"
             return _FxEntry(None, capture, capture.error)
-        return _FxEntry(type(work).forward, capture, baked=tuple(baked_attributes(work.graph)))
+        baked = (*baked_attributes(work.graph), *_float_settings(module))
+        return _FxEntry(type(work).forward, capture, baked=baked)
 
 
 class LeafTracer(fx.Tracer):

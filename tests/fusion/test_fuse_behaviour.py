@@ -496,6 +496,32 @@ def test_module_attributes_changed_after_a_capture_take_effect(capture):
         assert any("keep changing" in r for r in reasons), reasons
 
 
+class ScaledNorm(nn.Module):
+    """A float setting the forward reads (nanoGPT's `dropout_p=self.dropout`, a residual scale):
+    fx traces it as a constant."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(_models.HIDDEN)
+        self.alpha = 1.0
+
+    def forward(self, x):
+        return self.ln(x) * self.alpha
+
+
+@pytest.mark.parametrize("capture", ["fx", "dynamo"])
+def test_a_float_setting_changed_after_a_capture_takes_effect(capture):
+    from _fusing import fuse_via
+
+    model = ScaledNorm()
+    fused = fuse_via(model, capture)
+    x = torch.randn(2, 8, _models.HIDDEN)
+    first = fused(x)
+    model.alpha = 2.0
+    torch.testing.assert_close(fused(x), 2 * first)
+    assert trifuse.report(fused).counts() == {"layer_norm": 1}
+
+
 def test_deepcopy_of_a_fused_model_runs_its_own_weights():
     torch.manual_seed(0)
     model, inputs, loss_fn = _models.nanogpt()
