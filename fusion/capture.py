@@ -991,7 +991,8 @@ def _float_settings(module: torch.nn.Module) -> list[tuple[str, str, float]]:
     right only while they keep their values. Floats only: ints and strings are sizes, counters and
     cache lengths, which change without meaning a new graph or never change."""
     return [(path, name, value) for path, sub in module.named_modules()
-            for name, value in vars(sub).items() if type(value) is float and not name.startswith("_")]
+            for name, value in vars(sub).items()
+            if type(value) is float and value == value and not name.startswith("_")]  # NaN: never equal
 
 
 _MISSING = object()
