@@ -91,14 +91,15 @@ def vit(dropout: float = 0.0, layers: int = LAYERS):
 @_on_device
 def swinv2(stages: int = 2):
     """Swin V2 (transformers' Swinv2ForImageClassification): cosine attention in windows of 2x2
-    patches with a learned scale per head and a relative position bias from a small MLP; every
-    second block in a stage shifts its windows (the window mask added, twice, over a per-window
-    view); LayerNorms after each sublayer (res-post-norm), patch merging between the stages."""
+    patches with a learned scale per head and a relative position bias from a small MLP; the
+    second block of the first stage (4x4 patches of 8x8 images) shifts its windows (the window mask
+    added, twice, over a per-window view; the second stage's 2x2 patches are one window, unshifted);
+    LayerNorms after each sublayer (res-post-norm), patch merging between the stages."""
     tf = _quiet_transformers()
-    cfg = tf.Swinv2Config(image_size=16, patch_size=2, embed_dim=HIDDEN, depths=[2] * stages,
+    cfg = tf.Swinv2Config(image_size=8, patch_size=2, embed_dim=HIDDEN, depths=[2] * stages,
                           num_heads=[HEADS] * stages, window_size=2, num_labels=3, hidden_dropout_prob=0.0,
                           attention_probs_dropout_prob=0.0, drop_path_rate=0.0)
-    return _image_classification(tf.Swinv2ForImageClassification(cfg), 16)
+    return _image_classification(tf.Swinv2ForImageClassification(cfg), 8)
 
 
 @_on_device

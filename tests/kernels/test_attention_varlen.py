@@ -268,8 +268,9 @@ def test_gradcheck_float64():
 
     assert torch.autograd.gradcheck(dropped, (q, k, v), fast_mode=True)
     sinks = leaf(2)
+    # fast mode (a random projection of the Jacobian): the full check above already covers q, k, v
     assert torch.autograd.gradcheck(lambda *a: varlen(*a[:3], cu, cu, 5, 5, causal=True, sinks=a[3],
-                                                      sliding_window=2), (q, k, v, sinks))
+                                                      sliding_window=2), (q, k, v, sinks), fast_mode=True)
 
 
 def test_backward_is_deterministic():
