@@ -48,7 +48,7 @@ from ..patterns._base import Pattern, example_value
 from .dtensor_calls import recompile
 from .graphs import BlockGraphs
 from .narrow import fp32_weight_grads, share_input_casts
-from .normalize import baked_attributes, canonicalize, has_hooks
+from .normalize import baked_attributes, canonicalize, global_hooks, has_hooks
 from .outputs import collector_restore, collector_to_global
 from .rewriter import RewriteLog, rewrite_graph
 
@@ -1025,11 +1025,14 @@ class FxUnit(Unit):
         reason = unsupported_argument(tuple(values), {}, containers=False)
         if reason is not None:
             return self._eager(module, args, kwargs, reason)
+        everywhere = global_hooks()
         key = (
             tuple((v.dtype, v.device.type, v.dim()) if isinstance(v, torch.Tensor) else (type(v), v) for v in values),
             # a hook registered after a capture keeps its module a call in a capture of its own; a
             # submodule replaced by one of another class (an adapter around a Linear) is traced anew
-            tuple((type(m), m.training, has_hooks(m)) for m in module.modules()),
+            tuple((type(m), m.training, everywhere or bool(m._forward_hooks or m._forward_pre_hooks
+                                                           or m._backward_hooks or m._backward_pre_hooks))
+                  for m in module.modules()),
             torch.is_grad_enabled(),
             _autocast_state(),
         )

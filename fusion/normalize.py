@@ -419,13 +419,22 @@ def _bind(node: fx.Node, target: Callable[..., Any], sig_of: Callable[..., Any])
 _NO_VALUE = object()
 
 
+def global_hooks() -> bool:
+    """Whether hooks registered for every module (`register_module_forward_hook`, ...) exist."""
+    return bool(_nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks
+                or _nn_module._global_backward_hooks or _nn_module._global_backward_pre_hooks)
+
+
+def own_hooks(module: torch.nn.Module) -> bool:
+    """Whether `module` has hooks of its own, forward or backward."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks)
+
+
 def has_hooks(module: torch.nn.Module) -> bool:
     """Whether calling `module` runs hooks around its forward (its own, forward or backward, or
     global ones): a graph must then call the module, not inline its forward."""
-    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or getattr(module, "_backward_pre_hooks", None) or _nn_module._global_forward_hooks
-                or _nn_module._global_forward_pre_hooks or _nn_module._global_backward_hooks
-                or getattr(_nn_module, "_global_backward_pre_hooks", None))
+    return own_hooks(module) or global_hooks()
 
 
 # The attributes of a module that its functional call takes as constants (its parameters stay
