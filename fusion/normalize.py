@@ -243,16 +243,21 @@ _ARITHMETIC = frozenset((operator.add, operator.sub, operator.mul, operator.true
                          operator.pow, operator.mod, operator.neg, len))
 
 
+def _self_product(node: fx.Node) -> bool:
+    """`x * x` of one graph value that is not a number."""
+    return node.target is operator.mul and len(node.args) == 2 and not node.kwargs \
+        and isinstance(node.args[0], fx.Node) and node.args[0] is node.args[1] and not _numbers_only(node)
+
+
 def _squares(node: fx.Node) -> bool:
     """`torch.square(x)` and, for a floating-point x, `x * x`: ATen computes both as `pow(x, 2)`
     does, one rounding of x * x."""
     if node.target is torch.square:
         return len(node.args) == 1 and not node.kwargs
-    if node.target is not operator.mul or len(node.args) != 2 or node.kwargs \
-            or node.args[0] is not node.args[1]:
+    if not _self_product(node):
         return False
     x = node.args[0]
-    value = x.meta.get("val", x.meta.get("example_value")) if isinstance(x, fx.Node) else None
+    value = x.meta.get("val", x.meta.get("example_value"))
     return isinstance(value, torch.Tensor) and value.is_floating_point()  # bool * bool is no power
 
 
@@ -260,9 +265,7 @@ def squares_as_powers(graph: fx.Graph) -> None:
     """Every `x * x` as `pow(x, 2)`, x's dtype unknown: for a throwaway copy of a graph without
     example values that is only searched for where patterns could match (fuse.py), never run."""
     for node in graph.nodes:
-        if node.op == "call_function" and node.target is operator.mul and len(node.args) == 2 \
-                and isinstance(node.args[0], fx.Node) and node.args[0] is node.args[1] \
-                and not _numbers_only(node):
+        if node.op == "call_function" and _self_product(node):
             node.target, node.args, node.kwargs = torch.pow, (node.args[0], 2), {}
 
 
