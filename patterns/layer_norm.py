@@ -134,7 +134,8 @@ def layer_norm_bare(x: torch.Tensor, eps, *, variance="centred_twice", root="rsq
     """LayerNorm without weight or bias written out in x's dtype: the mean, the biased variance
     (of the centred value computed twice or once, `x.var(unbiased=False)` or `torch.var_mean`),
     and the centred value over the root (`* rsqrt` or `/ sqrt`), as pre-`nn.LayerNorm` BERT ports
-    and hand-written models spell it; their weight and bias fold in after (`norm_weight_folded`)."""
+    and hand-written models spell it; their weight and bias fold in after
+    (`layer_norm_weight_folded`, `layer_norm_bias_folded`)."""
     if variance == "var_mean":
         var_mean = torch.var_mean(x, -1, correction=0, keepdim=True)
         return _over_root(x - var_mean[1], var_mean[0], eps, root)
@@ -153,7 +154,7 @@ def layer_norm_bare_fused(x, eps, width, *, variance="centred_twice", root="rsqr
 
 def rms_norm_div_sqrt_no_weight(x: torch.Tensor, eps):
     """RMSNorm as x over the root mean square (`x / sqrt(mean(x^2) + eps)`); a weight after it
-    folds in (`norm_weight_folded`)."""
+    folds in (`rms_norm_weight_folded`)."""
     return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
