@@ -234,7 +234,7 @@ def canonicalize_node(node: fx.Node) -> None:
     entry = _FUNCTIONS.get(node.target) if _hashable(node.target) else None
     if entry is not None:
         target, sig = entry
-        _bind(node, target, sig if sig is not None else node.target)
+        _bind(node, target, sig if sig is not None else node.target, aliases=sig is not None)
     elif _is_python_function(node.target):
         _bind(node, node.target, node.target)
 
@@ -277,7 +277,7 @@ def _variance(node: fx.Node) -> None:
     `(x, dim, unbiased, keepdim)`, `(x, dim, *, correction, keepdim)`, as one:
     `(x, dim, correction=c, keepdim=k)`, c a number and a one-entry dim list its entry. A call
     that fits none of them stays as written."""
-    args, kwargs = list(node.args), dict(node.kwargs)
+    args, kwargs = list(node.args), _numpy_names(node.kwargs)
     if not args or not set(kwargs) <= {"dim", "unbiased", "correction", "keepdim"}:
         return
     x, rest = args[0], args[1:]
@@ -356,7 +356,7 @@ def _method(node: fx.Node) -> None:
         target, sig = _METHODS[name]
         # Only a call that binds becomes the function: `x.div(k, rounding_mode="trunc")` stays the
         # method (operator.truediv has no rounding mode; fx would emit `x / k`, a float result).
-        if _bind(node, target, sig):
+        if _bind(node, target, sig, aliases=True):
             node.op = "call_function"
             if _squares(node):
                 node.target, node.args = torch.pow, (node.args[0], 2)
@@ -388,12 +388,25 @@ def _is_dtype(arg: Any) -> bool:
         and arg.args[1:] == ("dtype",)
 
 
-def _bind(node: fx.Node, target: Callable[..., Any], sig_of: Callable[..., Any]) -> bool:
+# NumPy's keyword names, which torch's builtins take for their own (`x.mean(axis=-1, keepdims=True)`)
+_NUMPY_NAMES = {"axis": "dim", "keepdims": "keepdim", "x": "input", "a": "input", "x1": "input", "x2": "other"}
+
+
+def _numpy_names(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A builtin's keyword arguments with NumPy's names as torch's (an alias beside its own name:
+    left alone, for the call to fail as written)."""
+    renamed = {_NUMPY_NAMES.get(k, k): v for k, v in kwargs.items()}
+    return renamed if len(renamed) == len(kwargs) else dict(kwargs)
+
+
+def _bind(node: fx.Node, target: Callable[..., Any], sig_of: Callable[..., Any],
+          aliases: bool = False) -> bool:
     """Rewrites `node` as a call of `target` with `sig_of`'s argument layout; False (the node left
-    exactly as it was) for a call that does not bind or that `target` cannot express."""
+    exactly as it was) for a call that does not bind or that `target` cannot express. aliases: the
+    call is a torch builtin's, which takes NumPy's keyword names too."""
     try:
         sig = inspect.signature(sig_of)
-        bound = sig.bind(*node.args, **node.kwargs)
+        bound = sig.bind(*node.args, **(_numpy_names(node.kwargs) if aliases else node.kwargs))
     except (TypeError, ValueError):
         return False  # a call we do not understand: leave it exactly as it was
     bound.apply_defaults()

@@ -103,6 +103,37 @@ def test_calls_the_canonical_form_cannot_express_keep_their_meaning():
     assert operator.truediv in [n.target for n in gm.graph.nodes]  # the plain division still canonical
 
 
+def test_numpy_keyword_names_of_builtins_take_torchs_names():
+    """torch's builtins take NumPy's `axis`, `keepdims`, `x`, `x1`/`x2` for `dim`, `keepdim`,
+    `input`, `other` (ImageGPT's `torch.mean(x, axis=-1, keepdim=True)`): one form with the
+    positional call. A Python function's own `axis` keyword stays as written, and so does a call
+    that names a parameter twice (it fails as written)."""
+    def numpy_names(x):
+        return (torch.mean(x, axis=-1, keepdims=True), x.mean(axis=-1, keepdim=True), torch.mul(x1=x, x2=x),
+                torch.tanh(x=x), torch.var(x, axis=-1, keepdims=True))
+
+    def torch_names(x):
+        return torch.mean(x, -1, True), x.mean(-1, True), x * x, torch.tanh(x), torch.var(x, -1, keepdim=True)
+
+    def own_axis(x, axis=0):
+        return x.sum(axis)
+
+    x = torch.randn(3, 5)
+    got, want = fx.symbolic_trace(numpy_names), fx.symbolic_trace(torch_names)
+    for gm in (got, want):
+        canonicalize(gm)
+    assert str(_calls(got)) == str(_calls(want))  # nodes by name: the two graphs' own
+    for a, b in zip(got(x), torch_names(x)):
+        assert torch.equal(a, b)
+    g = fx.Graph()
+    x_node = g.placeholder("x")
+    call = g.call_function(own_axis, (x_node,), {"axis": 1})
+    twice = g.call_function(torch.mean, (x_node,), {"dim": -1, "axis": -1})
+    g.output((call, twice))
+    canonicalize_graph(g)
+    assert dict(call.kwargs) == {"axis": 1} and dict(twice.kwargs) == {"dim": -1, "axis": -1}
+
+
 def test_squares_and_variances_take_one_form_and_compute_the_same():
     """`x.square()`, `torch.square(x)` and a float `x * x` are `pow(x, 2)` (ATen's square, one
     rounding); `var`/`var_mean` in each overload are `(x, dim, correction=c, keepdim=k)`. A bool
