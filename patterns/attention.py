@@ -225,7 +225,8 @@ def sdpa_gqa_fused(q, k, v, attn_mask, dropout_p, is_causal, scale, n_rep=None, 
 
 
 def attention_chain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, scale, mask: torch.Tensor,
-                    fill, p, training, dtype, cap=None, k_shape=None, v_shape=None, k_heads=None, v_heads=None, *,
+                    fill, p, training, dtype, cap=None, k_shape=None, v_shape=None, k_heads=None, v_heads=None,
+                    fill_dtype=None, device=None, *,
                     scaling: str, masking: str, dropout: bool, softmax: str, softcap: bool = False,
                     repeat_kv: bool = False, upcast_qk: bool = False, k_transposed: bool = False):
     """softmax(q @ k^T scaled [capped] [masked]) [cast] [dropped out] @ v, in the spelling the
@@ -233,6 +234,8 @@ def attention_chain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, s
 
     scaling: "mul", "div", or "none" (q scaled before the product, as timm's and Hiera's
     `(q * scale) @ k^T` write it: the op takes the scaled q, its scale 1).
+    masking: "add", "masked_fill", "where", "where_tensor" (the fill a 0-d tensor,
+    `torch.tensor(finfo.min, dtype=..., device=...)`: ImageGPT's), or "" (none).
     softmax: "plain", "upcast" (computed in fp32, cast to `dtype`), "cast" (computed in the
     scores' dtype, then cast to `dtype`: GPT-2's `.type(value.dtype)`), or "cast_after" (as "cast",
     the cast after the dropout: BigBird-Pegasus's `attn_weights.to(value.dtype)` at the product).
@@ -259,6 +262,8 @@ def attention_chain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, s
         s = s.masked_fill(mask, fill)
     elif masking == "where":
         s = torch.where(mask, s, fill)
+    elif masking == "where_tensor":
+        s = torch.where(mask, s, torch.tensor(fill, dtype=fill_dtype, device=device))
     if softmax == "upcast":
         a = torch.softmax(s, -1, torch.float32).to(dtype)
     elif softmax == "cast":
@@ -273,14 +278,18 @@ def attention_chain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, s
 
 
 def attention_chain_fused(q, k, v, d0=None, d1=None, scale=None, mask=None, fill=None, p=0.0, training=False,
-                          dtype=None, cap=None, k_shape=None, v_shape=None, k_heads=None, v_heads=None, dims=4,
-                          shared_kv=False, *, scaling: str, masking: str, dropout: bool, softmax: str,
-                          softcap: bool = False, repeat_kv: bool = False, upcast_qk: bool = False,
-                          k_transposed: bool = False):
+                          dtype=None, cap=None, k_shape=None, v_shape=None, k_heads=None, v_heads=None,
+                          fill_dtype=None, device=None, dims=4, shared_kv=False, *, scaling: str, masking: str,
+                          dropout: bool, softmax: str, softcap: bool = False, repeat_kv: bool = False,
+                          upcast_qk: bool = False, k_transposed: bool = False):
     if k_transposed:
         k = k.transpose(-2, -1)  # (..., keys, head_dim) as the op takes it; the model multiplied by k^T
-    if masking == "masked_fill":
-        mask = torch.logical_not(mask)  # masked_fill marks what to drop, an attention mask what to keep
+    if masking in ("masked_fill", "where", "where_tensor"):
+        # masked_fill marks what to drop, an attention mask what to keep; a finfo.min fill (the
+        # filter allows no other finite one) makes a row masked whole a uniform softmax, dropped
+        # out like the others: the op's, with that row's query zeroed and its keys all open
+        keep = torch.logical_not(mask) if masking == "masked_fill" else mask
+        q, mask = _keep_as_op_mask(q, keep, None, fill)
     scale = scale if scaling == "mul" else 1.0 / scale if scaling == "div" else 1.0
     p = p if training else 0.0
     if dims == 3:
@@ -298,12 +307,6 @@ def attention_chain_fused(q, k, v, d0=None, d1=None, scale=None, mask=None, fill
     else:
         o = ops.attention(q, k, v, mask, p, False, scale, repeat_kv or shared_kv,
                           softcap=cap if softcap else None)
-    if masking in ("masked_fill", "where") and fill != float("-inf"):
-        # finfo.min fill (the filter allows no other finite one): a row masked whole is a softmax
-        # of equal numbers, uniform, so the unfused output there is the mean of V over the keys;
-        # the op gives 0 with zero gradients there, and the where takes V's mean instead.
-        open_row = mask.any(-1, keepdim=True)
-        o = torch.where(open_row, o, v.mean(-2, keepdim=True))
     return o
 
 
@@ -544,8 +547,10 @@ def _q_k_v_share_a_dtype(m: Match) -> str | None:
     return None
 
 
-def _fill_masks(m: Match, dropout: bool) -> str | None:
-    """The masked_fill / where value is -inf, or the scores' finfo.min with no active dropout."""
+def _fill_masks(m: Match, tensor: bool = False) -> str | None:
+    """The masked_fill / where value is -inf, or the scores' finfo.min (a row masked whole is then
+    uniform, dropped out like the others: `_keep_as_op_mask`). tensor: the fill a 0-d tensor of
+    `fill_dtype`, the scores' own (ImageGPT's)."""
     fill, q = m["fill"], m.value("q")
     if not is_number(fill):
         return f"the fill is {fill!r}, not a constant number"
@@ -553,12 +558,23 @@ def _fill_masks(m: Match, dropout: bool) -> str | None:
         return None
     if not isinstance(q, torch.Tensor):
         return "no dtype for q"
-    if fill != torch.finfo(q.dtype).min:
-        return (f"a finite fill {fill} that is not finfo({q.dtype}).min: whether a partly masked row "
+    dtype = m["fill_dtype"] if tensor else q.dtype
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        return f"the fill tensor's dtype is {dtype!r}, not a float dtype"
+    if tensor and dtype != _scores_dtype(q):
+        return f"the fill tensor is {dtype}, not the scores' {_scores_dtype(q)}"
+    if fill != torch.finfo(dtype).min:
+        return (f"a finite fill {fill} that is not finfo({dtype}).min: whether a partly masked row "
                 f"underflows to exactly 0 depends on the scores")
-    if dropout and m["training"] is not False and not (is_number(m["p"]) and m["p"] == 0):
-        return "a finfo.min fill under active dropout: the unfused code drops out fully masked rows too"
     return None
+
+
+def _scores_dtype(q: torch.Tensor) -> torch.dtype:
+    """The dtype of q @ k^T: q's, or autocast's 16-bit dtype where autocast casts the product."""
+    device = q.device.type
+    if device in ("cuda", "cpu") and torch.is_autocast_enabled(device) and q.dtype == torch.float32:
+        return torch.get_autocast_dtype(device)
+    return q.dtype
 
 
 def _dims_of_q(m: Match) -> dict:
@@ -621,8 +637,8 @@ def _chain_pattern(scaling: str, masking: str, dropout: bool, softmax: str, soft
                *([_kv_repeated_over_heads] if repeat_kv else []), *([_q_k_v_share_a_dtype] if upcast_qk else [])]
     if dropout:
         filters += [needs_number("p"), needs_bool("training")]
-    if masking in ("masked_fill", "where"):
-        filters.append(functools.partial(_fill_masks, dropout=dropout))
+    if masking in ("masked_fill", "where", "where_tensor"):
+        filters.append(functools.partial(_fill_masks, tensor=masking == "where_tensor"))
     if softmax == "upcast":
         filters.append(_casts_back_to_q)
     elif softmax in ("cast", "cast_after"):
@@ -666,7 +682,11 @@ def _masked_fill_as_op_mask(q: torch.Tensor, mask: torch.Tensor, bias: torch.Ten
     unfused softmax of a row masked whole is uniform, dropped out like any other: the op computes
     exactly that when the row's query is zero and its mask open (all scores 0); the where()s pass
     no gradient to q or the bias there, as masked_fill passes none to the scores."""
-    keep = torch.logical_not(mask)
+    return _keep_as_op_mask(q, torch.logical_not(mask), bias, fill)
+
+
+def _keep_as_op_mask(q: torch.Tensor, keep: torch.Tensor, bias: torch.Tensor | None, fill):
+    """_masked_fill_as_op_mask for a mask of the keys to keep (`torch.where(keep, scores, fill)`)."""
     if fill != float("-inf"):
         open_row = keep.any(-1, keepdim=True)
         q = torch.where(open_row, q, 0.0)
@@ -768,7 +788,7 @@ def _bmm_scaled_k_pattern(add_bias: bool) -> Pattern:
     return Pattern(name, "attention", functools.partial(attention_bmm_scaled_k, add_bias=add_bias),
                    functools.partial(attention_bmm_scaled_k_fused, add_bias=add_bias), ("attention",),
                    (_transposes_last_two, _bmm_scaled_k_shapes, needs_number("p"), needs_bool("training"),
-                    functools.partial(_fill_masks, dropout=False)))
+                    _fill_masks))
 
 
 def attention_chain_add_masked_fill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, bias,
@@ -829,7 +849,7 @@ def _bool_mask_over_scores(m: Match) -> str | None:
 def _add_masked_fill_pattern(add_bias: bool) -> Pattern:
     name = "attention_chain_" + ("add_" if add_bias else "") + "masked_fill_unscaled_dropout"
     filters = [_transposes_last_two, _bool_mask_over_scores, needs_number("p"), needs_bool("training"),
-               functools.partial(_fill_masks, dropout=False), *([_bias_is_scores_like_or_zero] if add_bias else [])]
+               _fill_masks, *([_bias_is_scores_like_or_zero] if add_bias else [])]
     return Pattern(name, "attention", functools.partial(attention_chain_add_masked_fill, add_bias=add_bias),
                    functools.partial(attention_chain_add_masked_fill_fused, add_bias=add_bias), ("attention",),
                    tuple(filters))
@@ -1004,14 +1024,10 @@ def attention_chain_mul_add_masked_fill(q: torch.Tensor, k: torch.Tensor, v: tor
 
 
 def attention_chain_mul_add_masked_fill_fused(q, k, v, d0, d1, scale, bias, mask, fill, dtype, p, training):
-    keep = torch.logical_not(mask)
     # where the mask drops a key the unfused score is `fill`, whatever the bias: -inf for the op. The
     # bias keeps its dtype (MPT's fp32 ALiBi beside 16-bit scores promotes them, as the op's fp32 sum does)
-    o = ops.attention(q, k, v, torch.where(keep, bias, float("-inf")), p if training else 0.0, False, scale)
-    if fill != float("-inf"):
-        # finfo.min: a row masked whole is uniform in the unfused softmax (as in attention_chain_fused)
-        o = torch.where(keep.any(-1, keepdim=True), o, v.mean(-2, keepdim=True))
-    return o
+    q, attn_mask = _masked_fill_as_op_mask(q, mask, bias, fill)
+    return ops.attention(q, k, v, attn_mask, p if training else 0.0, False, scale)
 
 
 def attention_chain_add_add(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, scale,
@@ -1116,26 +1132,36 @@ def _two_masks_broadcast_to_the_scores(m: Match) -> str | None:
 
 
 def attention_chain_where_add(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, keep: torch.Tensor, fill,
-                              fill_dtype, device, mask: torch.Tensor, dtype, p, training, *, upcast_qk: bool = False):
+                              fill_dtype, device, mask: torch.Tensor, dtype, p, training, scale=None, *,
+                              upcast_qk: bool = False, scaling: str = "none"):
     """GPT-Neo's attention: unscaled scores (scale 1), `torch.where(causal, scores, tensor(finfo.min))`,
     the additive mask added after, the softmax cast to v's dtype, dropout; q and k cast to fp32
-    first (upcast_qk, as GPT-Neo writes it)."""
+    first (upcast_qk, as GPT-Neo writes it). scaling "div": ImageGPT's, the scores divided by
+    sqrt(head_dim) before the where ("mul": multiplied)."""
     if upcast_qk:
         q, k = q.to(torch.float32), k.to(torch.float32)
-    s = torch.where(keep, torch.matmul(q, k.transpose(d0, d1)), torch.tensor(fill, dtype=fill_dtype, device=device))
+    s = torch.matmul(q, k.transpose(d0, d1))
+    if scaling == "div":
+        s = s / scale
+    elif scaling == "mul":
+        s = s * scale
+    s = torch.where(keep, s, torch.tensor(fill, dtype=fill_dtype, device=device))
     a = F.dropout(torch.softmax(s + mask, -1).to(dtype), p, training, False)
     return torch.matmul(a, v)
 
 
-def attention_chain_where_add_fused(q, k, v, d0, d1, keep, fill, fill_dtype, device, mask, dtype, p, training, *,
-                                    upcast_qk: bool = False):
+def attention_chain_where_add_fused(q, k, v, d0, d1, keep, fill, fill_dtype, device, mask, dtype, p, training,
+                                    scale=None, *, upcast_qk: bool = False, scaling: str = "none"):
     # The unfused score of a dropped key is fill + mask, whatever q k^T is; the op adds q k^T to it,
     # which the huge fill absorbs (|q k^T| < ulp(finfo.min) / 2): the same scores, so the same softmax.
-    # A row the where() drops whole is then a finite mask covering the row, uniform as unfused, with
-    # the op's documented gradient cancellation there (kernels/attention.py); GPT-Neo's causal and
-    # local masks always keep the diagonal.
     mask = mask.to(fill_dtype)  # the unfused sum is in the scores' dtype (fp32 beside a 16-bit mask)
-    return ops.attention(q, k, v, torch.where(keep, mask, mask + fill), p if training else 0.0, False, 1.0)
+    scale = 1.0 / scale if scaling == "div" else scale if scaling == "mul" else 1.0
+    if fill != float("-inf"):
+        # A row the where() drops whole (GPT-Neo's and ImageGPT's causal masks keep the diagonal; a
+        # custom one may not): its query zeroed, the op's scores there are fill + mask exactly, and
+        # neither q nor k gets a gradient from it, as through the where().
+        q = torch.where(keep.any(-1, keepdim=True), q, 0.0)
+    return ops.attention(q, k, v, torch.where(keep, mask, mask + fill), p if training else 0.0, False, scale)
 
 
 def _float_mask(name: str) -> Filter:
@@ -1429,6 +1455,9 @@ PATTERNS = (
     *(_chain_pattern("mul", masking, True, "cast_after") for masking in ("add", "")),
     *(_chain_pattern(*opts) for opts in itertools.product(
         ("mul", "div"), ("add", "masked_fill", "where", ""), (True, False), ("plain", "upcast", "cast"))),
+    # the fill a 0-d tensor of the scores' finfo.min (ImageGPT's causal where; GPT-Neo's with no padding mask)
+    *(_chain_pattern(scaling, "where_tensor", dropout, softmax) for scaling, dropout, softmax
+      in itertools.product(("mul", "div", "none"), (True, False), ("plain", "cast"))),
     # q scaled before the product, `(q * scale) @ k^T` (timm's explicit attention, Hiera's; XLM's
     # `q / sqrt(d)`, then `masked_fill_` and `softmax(scores.float())`), or never scaled (T5's)
     *(_chain_pattern("none", masking, dropout, softmax) for masking, dropout, softmax in
@@ -1450,7 +1479,7 @@ PATTERNS = (
     Pattern("attention_chain_mul_add_masked_fill", "attention", attention_chain_mul_add_masked_fill,
             attention_chain_mul_add_masked_fill_fused, ("attention",),
             (_transposes_last_two, _scale_is_number, needs_number("scale", "p"), needs_bool("training"),
-             _float_mask("bias"), _bool_mask("mask"), functools.partial(_fill_masks, dropout=True), _cast_is_a_no_op)),
+             _float_mask("bias"), _bool_mask("mask"), _fill_masks, _cast_is_a_no_op)),
     *(Pattern(f"attention_chain_{scaling}_add_add", "attention",
               functools.partial(attention_chain_add_add, scaling=scaling),
               functools.partial(attention_chain_add_add_fused, scaling=scaling), ("attention",),
@@ -1479,12 +1508,15 @@ PATTERNS = (
               ("attention",), (_transposes_last_two, _scale_is_number, needs_number("scale", "p"),
                                needs_bool("training"), _bias_over_the_scores, _rounded_to_the_scores_dtype))
       for scaling in ("div", "mul") for in_softmax in (False, True)),
-    *(Pattern("attention_chain_where_add" + ("_upcast_q_k" if upcast else ""), "attention",
-              functools.partial(attention_chain_where_add, upcast_qk=upcast),
-              functools.partial(attention_chain_where_add_fused, upcast_qk=upcast), ("attention",),
+    *(Pattern("_".join(["attention_chain", *([scaling] if scaling != "none" else []), "where_add",
+                        *(["upcast_q_k"] if upcast else [])]), "attention",
+              functools.partial(attention_chain_where_add, upcast_qk=upcast, scaling=scaling),
+              functools.partial(attention_chain_where_add_fused, upcast_qk=upcast, scaling=scaling),
+              ("attention",),
               (_transposes_last_two, needs_number("p"), needs_bool("training"), _bool_mask("keep"), _float_mask("mask"),
-               _fill_is_huge, _cast_is_a_no_op, *([_q_k_v_share_a_dtype] if upcast else [])))
-      for upcast in (True, False)),
+               _fill_is_huge, _cast_is_a_no_op, *([_q_k_v_share_a_dtype] if upcast else []),
+               *([_scale_is_number] if scaling != "none" else [])))
+      for upcast in (True, False) for scaling in ("none", "div", "mul")),
     *(Pattern("attention_bmm_of_heads_" + ("add" if masked else "no_mask"), "attention",
               functools.partial(attention_bmm_of_heads, masked=masked),
               functools.partial(attention_bmm_of_heads_fused, masked=masked), ("attention",),

@@ -324,6 +324,10 @@ _FAMILIES.update({
     # a local one (a window narrower than the test's sequence)
     "gpt_neo": {**_DECODER, **_MLP, "attention_types": [[["global", "local"], LAYERS // 2]], "window_size": 4,
                 "resid_dropout": 0.0, "embed_dropout": 0.0, "attention_dropout": 0.0, "attn_implementation": "eager"},
+    # ImageGPT: its own RMSNorm written out (`x / sqrt(mean(square(x), axis=-1) + eps) * w`), the
+    # scores divided by sqrt(d), `torch.where(causal, scores, tensor(finfo.min))`, QuickGELU
+    "imagegpt": {**_DECODER, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+                 "attn_implementation": "eager"},
     # BLOOM: ALiBi through `alibi.baddbmm(q, k^T, beta=1, alpha=1/sqrt(d))` on (B*H, S, D) tensors, a
     # LayerNorm on the embeddings, its own GeLU (an autograd.Function in training)
     "bloom": {**_DECODER, "hidden_dropout": 0.0, "attention_dropout": 0.0, "attn_implementation": "eager"},
@@ -430,13 +434,17 @@ def hf_family(model_type: str, **overrides):
                                       attn_implementation="sdpa")
         model = tf.AutoModel.from_config(cfg)
     else:
-        cfg = tf.AutoConfig.for_model(model_type, vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0,
+        # ImageGPT's head predicts vocab_size - 1 colour clusters (its last id is the start token)
+        vocab = VOCAB + 1 if model_type == "imagegpt" else VOCAB
+        cfg = tf.AutoConfig.for_model(model_type, vocab_size=vocab, max_position_embeddings=64, pad_token_id=0,
                                       bos_token_id=0, eos_token_id=0, tie_word_embeddings=False,
                                       **{"attn_implementation": "sdpa", **_FAMILIES[model_type], **overrides})
         auto = (tf.AutoModelForSeq2SeqLM if model_type in SEQ2SEQ else tf.AutoModelForMaskedLM if model_type in MASKED
                 else tf.AutoModelForSpeechSeq2Seq if model_type in SPEECH
-                else tf.AutoModelForCTC if model_type in CTC else tf.AutoModelForCausalLM)
-        model = auto.from_config(cfg)
+                else tf.AutoModelForCTC if model_type in CTC
+                else tf.ImageGPTForCausalImageModeling if model_type == "imagegpt"
+                else tf.AutoModelForCausalLM)
+        model = auto(cfg) if model_type == "imagegpt" else auto.from_config(cfg)
         if model_type == "xglm":
             _float64_default_for_float64_copies(model)
 

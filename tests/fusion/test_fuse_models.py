@@ -33,6 +33,7 @@ EAGER_ATTENTION = {"gpt2-eager": "attention_chain_mul_add_dropout_cast",
                    "bert-eager": "attention_chain_mul_add_dropout",
                    "gpt_oss": "attention_chain_sinks_add_repeat_kv", "trocr": "attention_bmm_add_dropout",
                    "xglm": "attention_bmm_add_clamp_dropout", "wavlm": "self_attention_mha",
+                   "imagegpt": "attention_chain_div_where_tensor_dropout_cast",
                    "squeezebert": "attention_chain_div_add_dropout_k_transposed",
                    "granite_swa": "attention_chain_sink_scale_add_repeat_kv",
                    "mimo_v2_flash": {"attention_chain_max_sub_add_repeat_kv": 1, "attention_chain_sinks_add": 1}}
@@ -200,6 +201,10 @@ MODELS = {
                                      **ROTARY, **LOSS}),
     "gpt_neo": (_family("gpt_neo"), {"layer_norm": L + 1, "attention": L, "bias_gelu": L, "residual_stream": L,
                                      "dropout_add": L, **LOSS}),
+    # ImageGPT: RMSNorm written out with NumPy's keyword names, its weight folded in; the attention
+    # chain's causal where fills with a 0-d tensor
+    "imagegpt": (_family("imagegpt"), {"rms_norm": L + 1, "attention": L, "bias_gelu": L, "residual_stream": L,
+                                       "dropout_add": L, **LOSS}),
     "bloom": (_family("bloom"), {"layer_norm": L + 2, "attention": L, "residual_stream": L, "dropout_add": L,
                                  **LOSS}),
     "mpt": (_family("mpt"), {"layer_norm": L + 1, "attention": L, "residual_stream": L, "dropout_add": L, **LOSS}),

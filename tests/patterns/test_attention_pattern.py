@@ -497,6 +497,20 @@ def chain_unscaled_where_add(m, q, k, v):  # GPT-Neo: no scale, a tensor fill, t
     return torch.matmul(F.dropout(F.softmax(w + m.mask, dim=-1).to(v.dtype), p=0.0, training=m.training), v)
 
 
+def chain_imagegpt(m, q, k, v):  # ImageGPT: the scaled scores' causal where, the fill a 0-d tensor
+    w = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(D)
+    w = torch.where(m.keep, w, torch.tensor(torch.finfo(w.dtype).min, dtype=w.dtype, device=w.device))
+    w = torch.nn.Softmax(dim=-1)(w).type(v.dtype)
+    return torch.matmul(F.dropout(w, p=0.0, training=m.training), v)
+
+
+def chain_imagegpt_padded(m, q, k, v):  # ImageGPT with a padding mask, added after the causal where
+    w = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(D)
+    w = torch.where(m.keep, w, torch.tensor(torch.finfo(w.dtype).min, dtype=w.dtype, device=w.device))
+    w = torch.nn.Softmax(dim=-1)(w + m.mask).type(v.dtype)
+    return torch.matmul(F.dropout(w, p=0.0, training=m.training), v)
+
+
 def chain_position_bias_in_place(m, q, k, v):  # MPNet: `scores += position_bias`, then the padding mask
     w = torch.matmul(q, k.transpose(-1, -2)) / 2.5
     w += m.bias
@@ -530,6 +544,8 @@ POSITION_BIAS = torch.randn(1, H, S, S)
      "attention_chain_mul_add_masked_fill"),
     (chain_unscaled_where_add, {"keep": KEEP, "mask": ADDITIVE},
      "attention_chain_where_add"),
+    (chain_imagegpt, {"keep": KEEP_SOME_ROWS_NONE}, "attention_chain_div_where_tensor_dropout_cast"),
+    (chain_imagegpt_padded, {"keep": KEEP, "mask": ADDITIVE}, "attention_chain_div_where_add"),
 ], ids=lambda v: v.__name__ if callable(v) else None)
 def test_older_hf_spelling_fuses_and_matches(fn, buffers, pattern):
     report = check_against_unfused(functools.partial(Fn, fn, **buffers), qkv(), "dynamo")
@@ -712,6 +728,18 @@ def chain_unscaled_where_finite_fill(m, q, k, v):  # GPT-Neo's spelling with a f
     return torch.matmul(F.softmax(w + m.mask, dim=-1).to(v.dtype), v)
 
 
+def chain_where_tensor_fill_in_other_dtype(m, q, k, v):  # fp16's finfo.min beside fp32 scores
+    w = torch.matmul(q, k.transpose(-1, -2)) * 0.3
+    w = torch.where(m.keep, w, torch.tensor(torch.finfo(torch.float16).min, dtype=torch.float16, device=w.device))
+    return torch.matmul(F.softmax(w, dim=-1), v)
+
+
+def chain_where_tensor_finite_fill(m, q, k, v):  # a 0-d tensor fill that is not finfo.min
+    w = torch.matmul(q, k.transpose(-1, -2)) * 0.3
+    w = torch.where(m.keep, w, torch.tensor(-1e4, dtype=w.dtype, device=w.device))
+    return torch.matmul(F.softmax(w, dim=-1), v)
+
+
 def chain_softcap_mismatched(m, q, k, v):  # tanh(s / 2) * 3 is no soft cap
     w = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * 0.35 / 2.0) * 3.0
     return torch.matmul(F.softmax(w, dim=-1), v)
@@ -754,6 +782,8 @@ def chain_in_place_add_also_read_elsewhere(m, q, k, v):  # `w += bias` changes a
     (chain_returns_probs, {}),
     (chain_softcap_mismatched, {}),
     (chain_unscaled_where_finite_fill, {"keep": KEEP, "mask": ADDITIVE}),
+    (chain_where_tensor_fill_in_other_dtype, {"keep": KEEP}),
+    (chain_where_tensor_finite_fill, {"keep": KEEP}),
 ], ids=lambda v: v.__name__ if callable(v) else None)
 def test_near_misses_are_left(fn, buffers):
     report = check_against_unfused(functools.partial(Fn, fn, **buffers), qkv(), "dynamo")
@@ -956,14 +986,68 @@ def test_deberta_v1_spelling_with_another_constant_is_left():
     assert any("constant 0.5" in reason for *_, reason in report.rejected())
 
 
-def test_finfo_min_fill_under_active_dropout_is_left():
-    """Dropout would drop out the uniform row of a fully masked query too: not what the
-    replacement draws, so the spelling stays unfused in training with p > 0."""
-    model = fuse_via(Fn(chain_where_finfo_min, keep_some_rows_none=KEEP_SOME_ROWS_NONE).train(), "dynamo")
-    model(*qkv())
-    report = trifuse.report(model)
-    assert report.by_pattern() == {}
-    assert any("dropout" in reason for *_, reason in report.rejected())
+def chain_where_finfo_min_dropout(m, q, k, v):
+    att = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(D)
+    att = torch.where(m.keep_some_rows_none, att, torch.finfo(torch.float32).min)
+    return torch.matmul(F.dropout(F.softmax(att, dim=-1), 0.5, m.training), v)
+
+
+def chain_masked_fill_finfo_min_dropout(m, q, k, v):
+    att = (q @ k.transpose(-2, -1)) * 0.3
+    att = att.masked_fill(~m.keep_some_rows_none, torch.finfo(torch.float32).min)
+    return F.dropout(F.softmax(att, dim=-1), 0.5, m.training) @ v
+
+
+def chain_imagegpt_dropout(m, q, k, v):
+    w = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(D)
+    fill = torch.tensor(torch.finfo(w.dtype).min, dtype=w.dtype, device=w.device)
+    w = torch.where(m.keep_some_rows_none, w, fill)
+    return torch.matmul(F.dropout(F.softmax(w, dim=-1).type(v.dtype), p=0.5, training=m.training), v)
+
+
+def chain_imagegpt_padded_dropout(m, q, k, v):  # an all-zero padding mask: the closed row uniform over all keys
+    w = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(D)
+    fill = torch.tensor(torch.finfo(w.dtype).min, dtype=w.dtype, device=w.device)
+    w = torch.where(m.keep_some_rows_none, w, fill)
+    w = F.softmax(w + m.mask, dim=-1).type(v.dtype)
+    return torch.matmul(F.dropout(w, p=0.5, training=m.training), v)
+
+
+def chain_alibi_masked_fill_dropout(m, q, k, v):  # MPT's, dropout on
+    w = torch.matmul(q, k.transpose(-1, -2)) * 0.3 + m.alibi.view(B, H, 1, S)[0]
+    w = w.masked_fill(~m.keep_some_rows_none, torch.finfo(torch.float32).min)
+    return torch.matmul(F.dropout(F.softmax(w.float(), dim=-1).to(v.dtype), p=0.5, training=m.training), v)
+
+
+@pytest.mark.parametrize("fn, buffers, pattern", [
+    (chain_where_finfo_min_dropout, {}, "attention_chain_div_where_dropout"),
+    (chain_masked_fill_finfo_min_dropout, {}, "attention_chain_mul_masked_fill_dropout"),
+    (chain_imagegpt_dropout, {}, "attention_chain_div_where_tensor_dropout_cast"),
+    (chain_imagegpt_padded_dropout, {"mask": torch.zeros(B, 1, 1, S)}, "attention_chain_div_where_add"),
+    (chain_alibi_masked_fill_dropout, {"alibi": ALIBI}, "attention_chain_mul_add_masked_fill"),
+], ids=lambda v: v.__name__ if callable(v) else None)
+def test_finfo_min_fill_under_active_dropout_fuses(fn, buffers, pattern):
+    """A query row masked whole at finfo.min is uniform in the unfused softmax, then dropped out
+    like any other: dropout(uniform) @ V, V's rows over a random subset of the keys / (S (1 - p)).
+    So is the fused row (its query zeroed, its keys opened, the op's own dropout), and neither q
+    nor k gets a gradient from it, as through the where() or masked_fill."""
+    p = 0.5
+    model = fuse_via(Fn(fn, keep_some_rows_none=KEEP_SOME_ROWS_NONE, **buffers).train(), "dynamo")
+    q, k, v = (t.requires_grad_() for t in qkv())
+    torch.manual_seed(1)
+    out = model(q, k, v)
+    assert trifuse.report(model).by_pattern() == {pattern: 1}
+    subsets = torch.tensor(list(itertools.product((0.0, 1.0), repeat=S)))  # (2^S, S)
+    sums = torch.einsum("ns,hsd->hnd", subsets, v[1].detach()) / (S * (1 - p))  # (H, 2^S, D)
+    row = out[1, :, 2].detach()  # batch 1, query 2: masked whole
+    for h in range(H):
+        assert (sums[h] - row[h]).abs().amax(-1).min() < 1e-5, f"head {h}: not a dropout of V's mean"
+    assert not torch.allclose(row, v[1].detach().mean(-2) / (1 - p)), "no key was dropped in any head"
+    only_that_row = torch.zeros_like(out)
+    only_that_row[1, :, 2] = 1.0
+    dq, dk, dv = torch.autograd.grad((out * only_that_row).sum(), (q, k, v))
+    assert not dq.any() and not dk.any(), "the row masked whole sends a gradient to q or k"
+    assert dv[1].abs().sum(-1).gt(0).any(), "nor to v"
 
 
 # ---------------------------------------------------------------------------------------------
