@@ -985,14 +985,16 @@ def _baked_checks(module: torch.nn.Module, entry: _FxEntry) -> tuple[tuple[Any, 
     return tuple(checks)
 
 
-def _float_settings(module: torch.nn.Module) -> list[tuple[str, str, float]]:
-    """(submodule path, attribute, value) for each public float attribute of the module's tree:
-    fx reads them as constants while tracing (nanoGPT's `dropout_p=self.dropout`), so a graph is
-    right only while they keep their values. Floats only: ints and strings are sizes, counters and
-    cache lengths, which change without meaning a new graph or never change."""
+def _settings(module: torch.nn.Module) -> list[tuple[str, str, float | bool | str]]:
+    """(submodule path, attribute, value) for each public float, bool or str attribute of the
+    module's tree: fx reads them as constants while tracing (nanoGPT's `dropout_p=self.dropout`, a
+    `self.approximate` passed to F.gelu, an `if self.pre_norm:`), so a graph is right only while
+    they keep their values. Not ints: sizes never change, and counters change every call without
+    meaning a new graph. Not `training`: the call key holds every module's."""
     return [(path, name, value) for path, sub in module.named_modules()
             for name, value in vars(sub).items()
-            if type(value) is float and value == value and not name.startswith("_")]  # NaN: never equal
+            if type(value) in (float, bool, str) and value == value  # NaN: never equal
+            and not name.startswith("_") and name != "training"]
 
 
 _MISSING = object()
@@ -1080,7 +1082,7 @@ class FxUnit(Unit):
         if missing:
             capture.error = f"the traced graph holds values the module does not ({missing}): left unfused"
             return _FxEntry(None, capture, capture.error)
-        baked = (*baked_attributes(work.graph), *_float_settings(module))
+        baked = (*baked_attributes(work.graph), *_settings(module))
         return _FxEntry(type(work).forward, capture, baked=baked)
 
 

@@ -522,6 +522,39 @@ def test_a_float_setting_changed_after_a_capture_takes_effect(capture):
     assert trifuse.report(fused).counts() == {"layer_norm": 1}
 
 
+class Switches(nn.Module):
+    """A str and a bool setting the forward reads: fx traces the GeLU's form as a constant and
+    only the branch its flag took."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(_models.HIDDEN, _models.HIDDEN)
+        self.approximate = "none"
+        self.post_norm = False
+
+    def forward(self, x):
+        y = F.gelu(self.fc(x), approximate=self.approximate)
+        return F.layer_norm(y, y.shape[-1:]) if self.post_norm else y
+
+
+@pytest.mark.parametrize("capture", ["fx", "dynamo"])
+def test_str_and_bool_settings_changed_after_a_capture_take_effect(capture):
+    from _fusing import fuse_via
+
+    torch.manual_seed(0)
+    model = Switches()
+    ref = copy.deepcopy(model)
+    fused = fuse_via(model, capture)
+    x = torch.randn(2, 8, _models.HIDDEN)
+    torch.testing.assert_close(fused(x), ref(x))
+    for m in (model, ref):
+        m.approximate, m.post_norm = "tanh", True
+    out = fused(x)
+    torch.testing.assert_close(out, ref(x))
+    assert out.std(-1).sub(1).abs().max() < 0.1  # normalized: the new branch ran
+    assert trifuse.report(fused).counts() == {"bias_gelu": 1, "layer_norm": 1}
+
+
 def test_deepcopy_of_a_fused_model_runs_its_own_weights():
     torch.manual_seed(0)
     model, inputs, loss_fn = _models.nanogpt()
