@@ -4,7 +4,8 @@ No kernels live here.
 """
 import contextlib
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import triton.language as tl
@@ -172,20 +173,31 @@ class _NotTwiceDifferentiable(torch.autograd.Function):
         raise RuntimeError(ctx.message)
 
 
-def single_backward(backward):
+def single_backward(backward=None, *, twice: Callable[..., Any] | None = None):
     """For an autograd.Function's backward computed by kernels autograd cannot see into: its
     gradients are not differentiable. Under `create_graph=True` (a gradient penalty, a
     Hessian-vector product, MAML) they would enter the second backward as constants, and the
-    second-order terms through the op would be silently missing. Here the gradients it returns
-    then depend on the op's saved tensors and incoming gradients through a node that raises,
-    naming the op, when a second backward reaches it. (PyTorch's `once_differentiable` connects
-    them to the incoming gradients only: a second backward towards the op's inputs, a weight
-    say, would never reach its error.)"""
+    second-order terms through the op would be silently missing.
+
+    `twice(ctx, *grads)`, where given, returns what the backward returns, computed with
+    differentiable PyTorch ops (`reference_grads`): under create_graph=True it stands in for
+    the kernels, and the op is twice differentiable (at PyTorch's speed and memory there). Where
+    it returns None (a call it has no such form for: dropout's mask lives in the kernels), or
+    where there is none, the gradients depend on the op's saved tensors and incoming gradients
+    through a node that raises, naming the op, when a second backward reaches it. (PyTorch's
+    `once_differentiable` connects them to the incoming gradients only: a second backward
+    towards the op's inputs, a weight say, would never reach its error.)"""
+    if backward is None:
+        return functools.partial(single_backward, twice=twice)
 
     @functools.wraps(backward)
     def wrapper(ctx, *grads):
         if not torch.is_grad_enabled():  # the engine enables grad mode for create_graph=True only
             return backward(ctx, *grads)
+        if twice is not None:
+            outputs = twice(ctx, *grads)
+            if outputs is not None:
+                return outputs
         sources = [t for t in (*ctx.saved_tensors, *grads) if isinstance(t, torch.Tensor) and t.requires_grad]
         with torch.no_grad():
             outputs = backward(ctx, *grads)
@@ -206,13 +218,36 @@ def single_backward(backward):
     return wrapper
 
 
+def reference_grads(forward: Callable[..., Any], inputs: tuple, needs: tuple, grads: tuple) -> list:
+    """The gradients of `forward(*inputs)` (a tensor or a tuple) for the given output gradients,
+    by autograd over PyTorch ops with create_graph=True: differentiable again, towards the
+    inputs (the op's saved tensors, which are its inputs or outputs in the outer graph) and the
+    output gradients. One entry per input: None where `needs` says no gradient, or where the
+    input is None; a needed input the outputs do not reach gets zeros."""
+    wanted = [t for t, need in zip(inputs, needs) if need and t is not None]
+    with torch.enable_grad():
+        outputs = forward(*inputs)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
+    got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], create_graph=True,
+                                   allow_unused=True) if pairs and wanted else [None] * len(wanted))
+    result = []
+    for t, need in zip(inputs, needs):
+        if need and t is not None:
+            g = next(got)
+            result.append(torch.zeros_like(t) if g is None else g)
+        else:
+            result.append(None)
+    return result
+
+
 # The public functions each autograd.Function serves, for messages.
 _PUBLIC_OPS = {"_AttentionFunction": "attention", "_VarlenFunction": "attention_varlen",
                "_BiasGeluFunction": "bias_gelu", "_CrossEntropyFunction": "cross_entropy",
                "_LinearCrossEntropyFunction": "linear_cross_entropy", "_DropoutAddFunction": "dropout_add",
                "_GatedActivationFunction": "gated_activation", "_NormFunction": "layer_norm (or rms_norm)",
                "_NormAddFunction": "layer_norm_add", "_RotaryEmbeddingFunction": "rotary_embedding",
-               "_CastForReaders": "cast_for_readers"}
+               "_CastForReaders": "cast_for_readers", "_AutocastLinear": "autocast_linear"}
 
 
 def apply_function(fn: type[torch.autograd.Function], *args):

@@ -129,6 +129,7 @@ from ._common import (
     no_autocast,
     philox_seed,
     profiled,
+    reference_grads,
     single_backward,
     unscoped,
     use_triton,
@@ -1590,6 +1591,55 @@ torch.library.register_autograd("trifuse::attention", _backward_attention, setup
 # =============================================================================================
 
 
+@triton.jit
+def _dropout_keep_kernel(SEED, KEEP, n_rows, n_cols, p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """KEEP (n_rows, n_cols) int8: the kernels' dropout decisions, row (b * Hq + h) * Sq + i,
+    column the key (dropout_keep_quads: the same draws whatever the block)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    keep = dropout_keep_quads(tl.load(SEED), rows[:, None], cols[None, :], p)
+    inside = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    tl.store(KEEP + rows[:, None] * n_cols + cols[None, :], keep.to(tl.int8), mask=inside)
+
+
+def dropout_keep(seed: torch.Tensor, shape: tuple[int, int, int, int], p: float, q: torch.Tensor) -> torch.Tensor:
+    """The (B, Hq, Sq, Sk) bool mask the attention kernels keep under dropout p with `seed` (the
+    torch path's, where q's call took it): O(Sq Sk) memory, for a double backward only."""
+    device = q.device
+    if not _use_kernels(q):
+        return _torch_keep_mask(seed, shape, p).to(device)
+    n_cols = shape[-1]
+    n_rows = math.prod(shape) // n_cols if n_cols else 0
+    keep = torch.empty(shape, dtype=torch.int8, device=device)
+    if keep.numel():
+        _dropout_keep_kernel[(cdiv(n_rows, 32), cdiv(n_cols, 64))](seed, keep, n_rows, n_cols, p,
+                                                                   BLOCK_M=32, BLOCK_N=64)
+    return keep.bool()
+
+
+def _attention_twice(ctx, do):
+    """The backward in PyTorch ops, differentiable again (create_graph=True): SDPA's math on the
+    saved q, k, v (and mask, sinks), the dropout mask materialized from the forward's seed.
+    O(Sq Sk) memory, as PyTorch's own double backward through SDPA's math backend."""
+    q, k, v, o, lse, seed, attn_mask, sinks = ctx.saved_tensors
+    dropout_p, is_causal, scale = ctx.args
+    group = q.shape[1] // k.shape[1]
+    keep = None
+    if dropout_p > 0.0:
+        keep = dropout_keep(seed, (*q.shape[:3], k.shape[2]), dropout_p, q)
+
+    def forward(q, k, v, attn_mask, sinks):
+        p, _, _ = _torch_probs(q, _repeat_kv(k, group), attn_mask, is_causal, scale, ctx.softcap, sinks)
+        if keep is not None:
+            p = torch.where(keep, p * _dropout_scale(dropout_p), 0.0)
+        return (p @ _repeat_kv(v, group).to(p.dtype)).to(o.dtype)
+
+    needs = ctx.needs_input_grad
+    dq, dk, dv, dmask, dsinks = reference_grads(forward, (q, k, v, attn_mask, sinks),
+                                                (*needs[:4], needs[8]), (do,))
+    return dq, dk, dv, dmask, None, None, None, None, dsinks
+
+
 class _AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, dropout_p, is_causal, scale, softcap, sinks):
@@ -1601,7 +1651,7 @@ class _AttentionFunction(torch.autograd.Function):
         return o
 
     @staticmethod
-    @single_backward
+    @single_backward(twice=_attention_twice)
     def backward(ctx, do):
         q, k, v, o, lse, seed, attn_mask, sinks = ctx.saved_tensors
         dropout_p, is_causal, scale = ctx.args

@@ -54,6 +54,7 @@ from ._common import (
     no_autocast,
     philox_seed,
     profiled,
+    reference_grads,
     single_backward,
 )
 from ._launch import CachedKernel
@@ -741,6 +742,42 @@ def _backward_varlen(ctx, do, *_):
 torch.library.register_autograd("trifuse::attention_varlen", _backward_varlen, setup_context=_setup_varlen)
 
 
+def _varlen_twice(ctx, do):
+    """The backward in PyTorch ops, differentiable again (create_graph=True): SDPA's math on each
+    packed sequence of the saved q, k, v, the dropout mask materialized from the forward's seed
+    (attention.dropout_keep over (head, token) rows). O(Sq Sk) memory a sequence, one host sync."""
+    q, k, v, o, lse, seed, cu_q, cu_k, sinks = ctx.saved_tensors
+    max_q, max_k, dropout_p, causal, scale = ctx.args
+    group = q.shape[1] // k.shape[1]
+    spans = _spans(cu_q, cu_k)
+    keep = None
+    if dropout_p > 0.0 and attn._use_kernels(q):
+        keep = attn.dropout_keep(seed, (1, q.shape[1], q.shape[0], max_k), dropout_p, q)[0]
+
+    def forward(q, k, v, sinks):
+        outs = []  # one a sequence, in token order (the offsets run from 0 to every token, checked)
+        for b, sq, sk in spans:
+            n_q, n_k = sq.stop - sq.start, sk.stop - sk.start
+            if n_q == 0:
+                continue
+            if n_k == 0:
+                outs.append(o.new_zeros(n_q, *o.shape[1:]))
+                continue
+            p, _, _ = attn._torch_probs(_heads_first(q[sq]), attn._repeat_kv(_heads_first(k[sk]), group),
+                                        _band(sq, sk, ctx.window, q.device), causal, scale, ctx.softcap, sinks)
+            if dropout_p > 0.0:
+                kept = (keep[:, sq, :n_k] if keep is not None
+                        else attn._torch_keep_mask(seed + b, p.shape, dropout_p).to(p.device))
+                p = torch.where(kept, p * attn._dropout_scale(dropout_p), 0.0)
+            o_b = p @ attn._repeat_kv(_heads_first(v[sk]), group).to(p.dtype)
+            outs.append(o_b[0].transpose(0, 1).to(o.dtype))
+        return torch.cat(outs) if outs else o.new_zeros(o.shape)
+
+    needs = ctx.needs_input_grad
+    dq, dk, dv, dsinks = reference_grads(forward, (q, k, v, sinks), (*needs[:3], needs[11]), (do,))
+    return dq, dk, dv, None, None, None, None, None, None, None, None, dsinks, None
+
+
 class _VarlenFunction(torch.autograd.Function):
     """The eager path: straight over the launchers (a registered op's dispatch costs host time)."""
 
@@ -755,7 +792,7 @@ class _VarlenFunction(torch.autograd.Function):
         return o
 
     @staticmethod
-    @single_backward
+    @single_backward(twice=_varlen_twice)
     def backward(ctx, do):
         q, k, v, o, lse, seed, cu_q, cu_k, sinks = ctx.saved_tensors
         max_q, max_k, dropout_p, causal, scale = ctx.args

@@ -52,6 +52,7 @@ from ._common import (
     eager_fast_path,
     empty_like,
     profiled,
+    reference_grads,
     single_backward,
     use_triton,
 )
@@ -369,6 +370,14 @@ torch.library.register_autograd("trifuse::bias_gelu", _backward, setup_context=_
 # =============================================================================================
 
 
+def _bias_gelu_twice(ctx, dy):
+    """The backward in PyTorch ops, differentiable again (create_graph=True)."""
+    x, bias = ctx.saved_tensors
+    dx, dbias = reference_grads(lambda x, b: _bias_gelu_torch(x, b, ctx.approximate), (x, bias),
+                                ctx.needs_input_grad[:2], (dy,))
+    return dx, dbias, None
+
+
 class _BiasGeluFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, approximate):
@@ -377,7 +386,7 @@ class _BiasGeluFunction(torch.autograd.Function):
         return bias_gelu_fwd(x, bias, approximate)
 
     @staticmethod
-    @single_backward
+    @single_backward(twice=_bias_gelu_twice)
     def backward(ctx, dy):
         x, bias = ctx.saved_tensors
         with profiled("trifuse::bias_gelu_backward"):

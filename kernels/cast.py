@@ -16,6 +16,8 @@ the gradient is the same fp32 sum, associated in reader order where autograd use
 Eager only: fused blocks run their graphs eagerly. Traced calls (torch.compile, fake tensors) get
 one plain cast per reader, the model's own computation.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -84,6 +86,9 @@ class _CastForReaders(torch.autograd.Function):
         given = [g for g in grads if g is not None]
         if not given:
             return None, None, None
+        if torch.is_grad_enabled():  # create_graph=True: the same sum in PyTorch ops, differentiable again
+            acc_dtype = torch.float64 if ctx.x_dtype == torch.float64 else torch.float32
+            return functools.reduce(torch.add, (g.to(acc_dtype) for g in given)).to(ctx.x_dtype), None, None
         return sum_grads(given, ctx.x_dtype), None, None
 
 

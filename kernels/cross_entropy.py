@@ -86,6 +86,7 @@ from ._common import (
     no_autocast,
     profiled,
     rows_2d,
+    reference_grads,
     single_backward,
     use_triton,
 )
@@ -1147,6 +1148,41 @@ torch.library.register_autograd("trifuse::linear_cross_entropy", _backward_linea
 # =============================================================================================
 
 
+def _cross_entropy_twice(ctx, dloss):
+    """The backward in PyTorch ops, differentiable again (create_graph=True): F.cross_entropy of
+    the logits upcast, whose loss the op's is."""
+    if dloss is None:
+        return None
+    logits, target, lse, count = ctx.saved_tensors
+    ignore_index, reduction, label_smoothing = ctx.options
+    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    (dx,) = reference_grads(lambda x: F.cross_entropy(x.to(acc), target, ignore_index=ignore_index, reduction=reduction,
+                                                      label_smoothing=label_smoothing),
+                            (logits,), ctx.needs_input_grad[:1], (dloss,))
+    return dx, None, None, None, None, None
+
+
+def _linear_cross_entropy_twice(ctx, dloss):
+    """The backward in PyTorch ops, differentiable again (create_graph=True): the head's product
+    in the compute dtype, its cross-entropy upcast, as the op computes them (the logits exist
+    here, as in PyTorch's own double backward)."""
+    if dloss is None:
+        return None
+    hidden, weight, target, bias = ctx.saved_tensors[:4]
+    ignore_index, reduction, label_smoothing, compute_dtype, _, _ = ctx.options
+    acc = torch.float64 if compute_dtype == torch.float64 else torch.float32
+
+    def loss(h, w, b):
+        logits = F.linear(h.to(compute_dtype), w.to(compute_dtype), None if b is None else b.to(compute_dtype))
+        out = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(acc), target.reshape(-1),
+                              ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)
+        return out.reshape(target.shape) if reduction == "none" else out
+
+    needs = ctx.needs_input_grad
+    gh, gw, gb = reference_grads(loss, (hidden, weight, bias), (needs[0], needs[1], needs[3]), (dloss,))
+    return gh, gw, None, gb, None, None, None, None, None, None
+
+
 class _CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, ignore_index, reduction, label_smoothing, out_dtype):
@@ -1157,7 +1193,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
         return loss
 
     @staticmethod
-    @single_backward
+    @single_backward(twice=_cross_entropy_twice)
     def backward(ctx, dloss):
         if dloss is None:  # the loss took no part in what was differentiated
             return None, None, None, None, None, None
@@ -1182,15 +1218,17 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
             # ("none" needs no row count: only "mean" divides by it.)
             ctx.save_for_backward(hidden, weight, target, bias, lse)
         else:
-            # The gradients are in hand: the backward needs neither the inputs nor lse.
-            ctx.save_for_backward(dh, dw, db)
+            # The gradients are in hand: the backward needs neither the inputs nor lse. The
+            # inputs are saved for a double backward only (as the unfused head saves hidden and
+            # the weight for its own backward: no copies).
+            ctx.save_for_backward(hidden, weight, target, bias, dh, dw, db)
         ctx.options = (ignore_index, reduction, label_smoothing, compute_dtype, chunk_size, grads)
         ctx.vocab = weight.shape[0]
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         return loss
 
     @staticmethod
-    @single_backward
+    @single_backward(twice=_linear_cross_entropy_twice)
     def backward(ctx, dloss):
         if dloss is None:  # the loss took no part in what was differentiated
             return (None,) * 10
@@ -1201,7 +1239,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
                 gh, gw, gb = recompute_head_grads(dloss, hidden, weight, target, bias, lse, None, ignore_index,
                                                   reduction, label_smoothing, compute_dtype, chunk_size, grads)
             else:
-                gh, gw, gb = scale_head_grads(dloss, *ctx.saved_tensors, ctx.vocab, ctx.dtypes, grads)
+                gh, gw, gb = scale_head_grads(dloss, *ctx.saved_tensors[4:], ctx.vocab, ctx.dtypes, grads)
         return gh, gw, None, gb, None, None, None, None, None, None
 
 

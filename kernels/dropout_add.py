@@ -339,6 +339,30 @@ torch.library.register_autograd("trifuse::dropout_add", _backward, setup_context
 # =============================================================================================
 
 
+class _DropoutMask(torch.autograd.Function):
+    """g -> keep * g / (1 - p), the forward's mask regenerated from its seed: a diagonal map,
+    its own transpose, so its backward is itself and it is differentiable any number of times."""
+
+    @staticmethod
+    def forward(ctx, g, seed, p, dtype):
+        ctx.seed, ctx.p = seed, p
+        return dropout_add_bwd(g, seed, p, False, dtype)[0]
+
+    @staticmethod
+    def backward(ctx, gg):
+        return _DropoutMask.apply(gg, ctx.seed, ctx.p, gg.dtype), None, None, None
+
+
+def _dropout_add_twice(ctx, dy):
+    """The backward, differentiable again (create_graph=True): the mask as _DropoutMask, the
+    sums in PyTorch ops."""
+    (seed,) = ctx.saved_tensors
+    need_dbias = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
+    dx = dy if ctx.p == 0.0 else _DropoutMask.apply(dy, seed, ctx.p, ctx.x_dtype)
+    dbias = dx.to(_acc(dx.dtype)).reshape(-1, _width(dx)).sum(0) if need_dbias else None
+    return (*_input_grads(ctx, dx, dbias, dy), None)
+
+
 class _DropoutAddFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, bias, p):
@@ -349,7 +373,7 @@ class _DropoutAddFunction(torch.autograd.Function):
         return dropout_add_fwd(x, residual, bias, p, seed)
 
     @staticmethod
-    @single_backward
+    @single_backward(twice=_dropout_add_twice)
     def backward(ctx, dy):
         (seed,) = ctx.saved_tensors
         need_dbias = ctx.bias_dtype is not None and ctx.needs_input_grad[2]

@@ -49,6 +49,7 @@ from ._common import (
     empty_like,
     profiled,
     rows_2d,
+    reference_grads,
     single_backward,
     use_triton,
 )
@@ -292,6 +293,14 @@ torch.library.register_autograd("trifuse::gated_activation", _backward, setup_co
 # =============================================================================================
 
 
+def _gated_activation_twice(ctx, dy):
+    """The backward in PyTorch ops, differentiable again (create_graph=True)."""
+    gate, up = ctx.saved_tensors
+    dgate, dup = reference_grads(lambda g, u: _gated_activation_torch(g, u, ctx.activation), (gate, up),
+                                 ctx.needs_input_grad[:2], (dy,))
+    return dgate, dup, None
+
+
 class _GatedActivationFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, activation):
@@ -300,7 +309,7 @@ class _GatedActivationFunction(torch.autograd.Function):
         return gated_activation_fwd(gate, up, activation)
 
     @staticmethod
-    @single_backward
+    @single_backward(twice=_gated_activation_twice)
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
         with profiled("trifuse::gated_activation_backward"):

@@ -64,6 +64,7 @@ from ._common import (
     no_autocast,
     philox_seed,
     profiled,
+    reference_grads,
     single_backward,
     unscoped,
     use_triton,
@@ -1181,6 +1182,53 @@ for _name, _backward, _setup, _is_rms in (
 # =============================================================================================
 
 
+def _norm_rows(s, weight, bias, n, eps, is_rms_norm):
+    """The norm over s's rows of width n in PyTorch ops, fp32 (fp64 for fp64), shaped like s."""
+    acc = torch.float64 if s.dtype == torch.float64 else torch.float32
+    rows = s.to(acc).reshape(-1, n)
+    w = None if weight is None else weight.to(acc).reshape(n)
+    if is_rms_norm:
+        y = F.rms_norm(rows, (n,), w, eps)
+    else:
+        y = F.layer_norm(rows, (n,), w, None if bias is None else bias.to(acc).reshape(n), eps)
+    return y.reshape(s.shape)
+
+
+def _norm_twice(ctx, *grads):
+    """_NormFunction's backward in PyTorch ops, differentiable again (create_graph=True), for
+    calls without dropout: the norm's gradients by autograd from s (x itself, or the stored sum,
+    an output of this op whose own backward takes what reaches it), then s's gradient to x, the
+    residual and x's bias, through the forward's dropout mask (dropout_add's _DropoutMask: the
+    same Philox draws over rows of width n). None where the sum was not stored."""
+    s, weight, bias, x_bias, mean, rstd, seed = ctx.saved_tensors
+    if not (ctx.fused or (ctx.residual_dtype is None and x_bias is None and ctx.p == 0.0)):
+        return None
+    needs = ctx.needs_input_grad
+    dys = [g for g in grads[:ctx.outputs] if g is not None]
+    ds = grads[ctx.outputs] if len(grads) > ctx.outputs else None
+    ds_norm = dw = db = None
+    if dys:
+        acc = torch.float64 if s.dtype == torch.float64 else torch.float32
+        dy = functools.reduce(torch.add, (g.to(acc) for g in dys))
+        ds_norm, dw, db = reference_grads(
+            lambda s, w, b: _norm_rows(s, w, b, ctx.n, ctx.eps, ctx.is_rms_norm), (s, weight, bias),
+            (needs[0] or needs[1] or needs[2], needs[3], needs[4]), (dy,))
+    ds = ds_norm if ds is None else ds if ds_norm is None else ds_norm + ds
+    if ds is None:
+        return (None,) * 12
+    dz = ds  # the gradient of dropout(x + x_bias)'s input
+    if ctx.p > 0.0 and (needs[0] or needs[2]):
+        from .dropout_add import _DropoutMask
+
+        dz = _DropoutMask.apply(ds.reshape(-1, ctx.n), seed, ctx.p, ds.dtype).reshape(ds.shape)
+    dxb = None
+    if needs[2] and x_bias is not None:
+        dxb = dz.reshape(-1, ctx.n).sum(0).reshape(x_bias.shape).to(x_bias.dtype)
+    return (cast(dz, ctx.x_dtype) if needs[0] else None,
+            cast(ds, ctx.residual_dtype) if needs[1] else None,
+            dxb, dw, db, *(None,) * 7)
+
+
 class _NormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, x_bias, weight, bias, n, eps, p, is_rms_norm, fused, op_name, narrowing):
@@ -1193,6 +1241,7 @@ class _NormFunction(torch.autograd.Function):
         y, s, mean, rstd = out[0], out[1], out[2], out[3]
         ctx.save_for_backward(s, weight, bias, x_bias, mean, rstd, seed)
         ctx.n, ctx.p, ctx.is_rms_norm, ctx.op_name = n, p, is_rms_norm, f"trifuse::{op_name}"
+        ctx.eps, ctx.fused = eps, fused
         ctx.x_dtype = x.dtype
         ctx.residual_dtype = residual.dtype if residual is not None else None
         if readers == 1 and not full_y:
@@ -1212,7 +1261,7 @@ class _NormFunction(torch.autograd.Function):
         return (*ys, s) if fused else ys
 
     @staticmethod
-    @single_backward
+    @single_backward(twice=_norm_twice)
     def backward(ctx, *grads):
         dy, more_dy = grads[0], grads[1:ctx.outputs]
         ds = grads[ctx.outputs] if len(grads) > ctx.outputs else None
@@ -1252,6 +1301,15 @@ class _NormFunction(torch.autograd.Function):
         )
 
 
+def _norm_add_twice(ctx, dy):
+    """_NormAddFunction's backward in PyTorch ops, differentiable again (create_graph=True)."""
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    dx, dw, db = reference_grads(lambda x, w, b: _norm_rows(x, w, b, ctx.n, ctx.eps, ctx.is_rms_norm),
+                                 (x, weight, bias), (needs[0], needs[2], needs[3]), (dy,))
+    return dx, cast(dy, ctx.residual_dtype) if needs[1] else None, dw, db, None, None, None, None
+
+
 class _NormAddFunction(torch.autograd.Function):
     """y = residual + norm(x), eager: the launchers straight, as _NormFunction."""
 
@@ -1259,12 +1317,12 @@ class _NormAddFunction(torch.autograd.Function):
     def forward(ctx, x, residual, weight, bias, n, eps, is_rms_norm, op_name):
         y, _, mean, rstd = layer_norm_fwd(x, n, weight, bias, eps, is_rms_norm=is_rms_norm, post=residual)
         ctx.save_for_backward(x, weight, bias, mean, rstd)
-        ctx.n, ctx.is_rms_norm, ctx.op_name = n, is_rms_norm, f"trifuse::{op_name}"
+        ctx.n, ctx.is_rms_norm, ctx.op_name, ctx.eps = n, is_rms_norm, f"trifuse::{op_name}", eps
         ctx.x_dtype, ctx.residual_dtype = x.dtype, residual.dtype
         return y
 
     @staticmethod
-    @single_backward
+    @single_backward(twice=_norm_add_twice)
     def backward(ctx, dy):
         x, weight, bias, mean, rstd = ctx.saved_tensors
         needs = ctx.needs_input_grad

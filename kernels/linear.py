@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from ..autotune import dialects
 from ..autotune.decisions import pow2_bucket
-from ._common import eager_fast_path
+from ._common import eager_fast_path, reference_grads, single_backward
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -62,6 +62,24 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(a.float(), b.float())
 
 
+def _autocast_linear_twice(ctx, dy):
+    """The backward in PyTorch ops, differentiable again (create_graph=True): autocast's casts and
+    GEMM by autograd from the inputs themselves. Only where x came in `dtype` (its 16-bit copy is
+    x itself, so nothing is kept alive for this) and no input changed in place since the forward;
+    else None: the saved 16-bit copies lead back to nothing."""
+    x, weight, bias, versions = ctx.originals
+    if x is None or versions != tuple(None if t is None else t._version for t in (x, weight, bias)):
+        return None
+    dtype = ctx.dtype
+
+    def forward(x, w, b):
+        w16 = w.to(dtype)
+        return F.linear(x.to(dtype), w16.t() if ctx.in_by_out else w16, None if b is None else b.to(dtype))
+
+    gx, gw, gb = reference_grads(forward, (x, weight, bias), ctx.needs_input_grad[:3], (dy,))
+    return gx, gw, gb, None, None
+
+
 class _AutocastLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, dtype, in_by_out):
@@ -69,11 +87,15 @@ class _AutocastLinear(torch.autograd.Function):
         w_out_in = w16.t() if in_by_out else w16
         y = F.linear(x16, w_out_in, None if bias is None else bias.to(dtype))
         ctx.save_for_backward(x16, w16)
-        ctx.x_dtype, ctx.w_dtype, ctx.in_by_out = x.dtype, weight.dtype, in_by_out
+        ctx.x_dtype, ctx.w_dtype, ctx.in_by_out, ctx.dtype = x.dtype, weight.dtype, in_by_out, dtype
         ctx.b_dtype = None if bias is None else bias.dtype
+        # references (no copies, no version checks on the first-order path) for a double backward
+        kept = (x if x16 is x else None, weight, bias)
+        ctx.originals = (*kept, tuple(None if t is None else t._version for t in kept))
         return y
 
     @staticmethod
+    @single_backward(twice=_autocast_linear_twice)
     def backward(ctx, dy):
         x16, w16 = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]

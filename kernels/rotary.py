@@ -507,6 +507,18 @@ torch.library.register_autograd("trifuse::rotary_embedding", _backward, setup_co
 # =============================================================================================
 
 
+def _rotary_twice(ctx, dq_embed, dk_embed):
+    """The backward in PyTorch ops, differentiable again (create_graph=True): the rotation's
+    transpose of the incoming gradients, and cos's and sin's gradients from the saved q and k."""
+    cos, sin, *qk = ctx.saved_tensors
+    dq, dk = _rotary_torch(dq_embed, dk_embed, cos, sin, True, ctx.dtype, *ctx.bshd, ctx.interleaved,
+                           ctx.halves_out)
+    dcos = dsin = None
+    if qk:
+        dcos, dsin = _cos_sin_grads(dq_embed, dk_embed, *qk, cos, sin, ctx.interleaved, ctx.halves_out)
+    return dq, dk, dcos, dsin, None, None, None
+
+
 class _RotaryEmbeddingFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin, interleaved, halves_out, dtype):
@@ -517,7 +529,7 @@ class _RotaryEmbeddingFunction(torch.autograd.Function):
         return rotary_embedding_fwd(q, k, cos, sin, interleaved, halves_out, dtype)
 
     @staticmethod
-    @single_backward
+    @single_backward(twice=_rotary_twice)
     def backward(ctx, dq_embed, dk_embed):
         cos, sin, *qk = ctx.saved_tensors
         with profiled("trifuse::rotary_embedding_backward"):

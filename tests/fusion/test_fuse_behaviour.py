@@ -389,24 +389,39 @@ def test_torch_func_transforms_and_forward_ad_run_the_blocks_as_written():
     assert trifuse.report(model).counts() == fused  # outside the transforms the model runs fused again
 
 
-def test_a_gradient_penalty_through_a_fused_model_raises_instead_of_missing_terms():
-    """A second backward (an input-gradient penalty, create_graph=True) through a fused op raises,
-    naming it: its kernels' gradients are not differentiable. Before, they entered the penalty's
-    backward as constants and the fused model's penalty gradient was silently off (GPT-2 with only
-    its GeLUs fused: 1.99 against 2.16 for a weight's gradient norm)."""
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train-dropout"])
+def test_a_gradient_penalty_through_a_fused_model_matches_the_unfused_one(train):
+    """A second backward (an input-gradient penalty, create_graph=True) through the fused ops:
+    their backward runs in PyTorch ops there (kernels/_common.reference_grads), so the penalty's
+    gradients are the unfused model's. It used to raise, naming the op; before that, the kernels'
+    gradients entered the second backward as constants and the penalty's gradient was silently
+    off (GPT-2 with only its GeLUs fused: 1.99 against 2.16 for a weight's gradient norm). In
+    training with dropout the fused model draws its own masks: its penalty is finite and its
+    weights all get gradients."""
     torch.manual_seed(0)
-    model, inputs, _ = _models.gpt2(attn_implementation="eager")
-    model.eval()
-    trifuse.fuse(model, ops=["bias_gelu"])
+    model, inputs, _ = _models.gpt2(dropout=0.1 if train else 0.0, attn_implementation="eager")
+    model.train(train)
+    ref, ref64 = copy.deepcopy(model), copy.deepcopy(model).double()
+    trifuse.fuse(model)
     kw = inputs(2, 8)
-    embeds = model.transformer.wte(kw["input_ids"]).detach().requires_grad_()
-    loss = model(inputs_embeds=embeds, labels=kw["labels"], use_cache=False).loss
-    first = loss.detach()
-    (grad,) = torch.autograd.grad(loss, embeds, create_graph=True)
-    with pytest.raises(RuntimeError, match=r"trifuse\.ops\.bias_gelu has no double backward"):
-        grad.pow(2).sum().backward()
-    assert trifuse.report(model).counts() == {"bias_gelu": 2}
-    torch.testing.assert_close(model(**kw).loss, first)  # first-order training is untouched
+
+    def step(m):
+        embeds = m.transformer.wte(kw["input_ids"]).detach().requires_grad_()
+        loss = m(inputs_embeds=embeds, labels=kw["labels"], use_cache=False).loss
+        (grad,) = torch.autograd.grad(loss, embeds, create_graph=True)
+        (loss + grad.pow(2).sum()).backward()
+
+    step(model)
+    counts = trifuse.report(model).counts()
+    assert {"attention", "bias_gelu", "residual_stream"} <= set(counts), counts
+    if train:
+        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+        return
+    step(ref)
+    step(ref64)
+    for (name, p), p64, pr in zip(model.named_parameters(), ref64.parameters(), ref.parameters()):
+        if p64.grad is not None:
+            assert_close(f"grad {name}", p.grad, p64.grad, pr.grad)
 
 
 def _gpt2_with_hooks():
