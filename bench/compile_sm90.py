@@ -182,8 +182,15 @@ def _catalogue(torch, family: str):
         q4, k4, v4 = leaf(1, 4, s, 128), leaf(1, 2, s, 128), leaf(1, 2, s, 128)
         yield "attention d128 gqa causal dropout", fwd_bwd(
             lambda q=q4, k=k4, v=v4: ops.attention(q, k, v, is_causal=True, dropout_p=0.1, enable_gqa=True))
-        yield "attention d64 full dropout", fwd_bwd(
-            lambda q=q, k=k, v=v: ops.attention(q, k, v, dropout_p=0.1))
+        full_dropout = fwd_bwd(lambda q=q, k=k, v=v: ops.attention(q, k, v, dropout_p=0.1))
+
+        def and_its_mask():  # a double backward materializes the mask (attention.dropout_keep)
+            from trifuse.kernels.attention import dropout_keep
+
+            full_dropout()
+            dropout_keep(torch.tensor([1234], dtype=torch.int64), (1, 2, s, s), 0.1, q)
+
+        yield "attention d64 full dropout, and its mask for a double backward", and_its_mask
     elif family == "attention_varlen":
         # packed sequences (padding-free training): three documents in one row of 128 tokens, GQA
         cu = torch.tensor([0, 40, 100, 128], dtype=torch.int32)
