@@ -182,11 +182,12 @@ def single_backward(backward=None, *, twice: Callable[..., Any] | None = None):
     `twice(ctx, *grads)`, where given, returns what the backward returns, computed with
     differentiable PyTorch ops (`reference_grads`): under create_graph=True it stands in for
     the kernels, and the op is twice differentiable (at PyTorch's speed and memory there). Where
-    it returns None (a call it has no such form for: dropout's mask lives in the kernels), or
-    where there is none, the gradients depend on the op's saved tensors and incoming gradients
-    through a node that raises, naming the op, when a second backward reaches it. (PyTorch's
-    `once_differentiable` connects them to the incoming gradients only: a second backward
-    towards the op's inputs, a weight say, would never reach its error.)"""
+    it returns None (a call it has no such form for: autocast_linear's fp32 input, whose 16-bit
+    copy leads back to nothing), or where there is none, the gradients depend on the op's saved
+    tensors and incoming gradients through a node that raises, naming the op, when a second
+    backward reaches it. (PyTorch's `once_differentiable` connects them to the incoming
+    gradients only: a second backward towards the op's inputs, a weight say, would never reach
+    its error.)"""
     if backward is None:
         return functools.partial(single_backward, twice=twice)
 

@@ -1605,7 +1605,8 @@ def _dropout_keep_kernel(SEED, KEEP, n_rows, n_cols, p, BLOCK_M: tl.constexpr, B
 _dropout_keep = CachedKernel(_dropout_keep_kernel)
 
 
-def dropout_keep(seed: torch.Tensor, shape: tuple[int, int, int, int], p: float, q: torch.Tensor) -> torch.Tensor:
+def dropout_keep(seed: torch.Tensor, shape: tuple[int, int, int, int], p: float,
+                 q: torch.Tensor) -> torch.Tensor:
     """The (B, Hq, Sq, Sk) bool mask the attention kernels keep under dropout p with `seed` (the
     torch path's, where q's call took it): O(Sq Sk) memory, for a double backward only."""
     device = q.device
@@ -1615,7 +1616,8 @@ def dropout_keep(seed: torch.Tensor, shape: tuple[int, int, int, int], p: float,
     n_rows = math.prod(shape) // n_cols if n_cols else 0
     keep = torch.empty(shape, dtype=torch.int8, device=device)
     if keep.numel():
-        _dropout_keep[(cdiv(n_rows, 32), cdiv(n_cols, 64))](seed, keep, n_rows, n_cols, p, BLOCK_M=32, BLOCK_N=64)
+        grid = (cdiv(n_rows, 32), cdiv(n_cols, 64))
+        _dropout_keep[grid](seed, keep, n_rows, n_cols, p, BLOCK_M=32, BLOCK_N=64)
     return keep.bool()
 
 

@@ -86,7 +86,7 @@ class _CastForReaders(torch.autograd.Function):
         given = [g for g in grads if g is not None]
         if not given:
             return None, None, None
-        if torch.is_grad_enabled():  # create_graph=True: the same sum in PyTorch ops, differentiable again
+        if torch.is_grad_enabled():  # create_graph=True: the same sum in PyTorch ops, differentiable
             acc_dtype = torch.float64 if ctx.x_dtype == torch.float64 else torch.float32
             return functools.reduce(torch.add, (g.to(acc_dtype) for g in given)).to(ctx.x_dtype), None, None
         return sum_grads(given, ctx.x_dtype), None, None

@@ -1156,9 +1156,11 @@ def _cross_entropy_twice(ctx, dloss):
     logits, target, lse, count = ctx.saved_tensors
     ignore_index, reduction, label_smoothing = ctx.options
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    (dx,) = reference_grads(lambda x: F.cross_entropy(x.to(acc), target, ignore_index=ignore_index, reduction=reduction,
-                                                      label_smoothing=label_smoothing),
-                            (logits,), ctx.needs_input_grad[:1], (dloss,))
+    def loss(x):
+        return F.cross_entropy(x.to(acc), target, ignore_index=ignore_index, reduction=reduction,
+                               label_smoothing=label_smoothing)
+
+    (dx,) = reference_grads(loss, (logits,), ctx.needs_input_grad[:1], (dloss,))
     return dx, None, None, None, None, None
 
 

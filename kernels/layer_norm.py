@@ -1195,11 +1195,11 @@ def _norm_rows(s, weight, bias, n, eps, is_rms_norm):
 
 
 def _norm_twice(ctx, *grads):
-    """_NormFunction's backward in PyTorch ops, differentiable again (create_graph=True), for
-    calls without dropout: the norm's gradients by autograd from s (x itself, or the stored sum,
-    an output of this op whose own backward takes what reaches it), then s's gradient to x, the
-    residual and x's bias, through the forward's dropout mask (dropout_add's _DropoutMask: the
-    same Philox draws over rows of width n). None where the sum was not stored."""
+    """_NormFunction's backward in PyTorch ops, differentiable again (create_graph=True): the
+    norm's gradients by autograd from s (x itself, or the stored sum, an output of this op whose
+    own backward takes what reaches it), then s's gradient to the residual, and to x and x's bias
+    through the forward's dropout mask (dropout_add's _DropoutMask: the same Philox draws over
+    rows of width n). None where the sum was not stored."""
     s, weight, bias, x_bias, mean, rstd, seed = ctx.saved_tensors
     if not (ctx.fused or (ctx.residual_dtype is None and x_bias is None and ctx.p == 0.0)):
         return None
