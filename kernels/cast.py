@@ -16,8 +16,6 @@ the gradient is the same fp32 sum, associated in reader order where autograd use
 Eager only: fused blocks run their graphs eagerly. Traced calls (torch.compile, fake tensors) get
 one plain cast per reader, the model's own computation.
 """
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -55,10 +53,12 @@ _sum_grads = CachedKernel(_sum_grads_kernel)
 def sum_grads(grads: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """grads[0] + grads[1] + ..., left to right in fp32 (fp64 for a float64 `dtype`), as a tensor
     of `dtype` shaped like them: one kernel for up to MAX_SUMMED contiguous gradients, else
-    PyTorch, the same sums."""
+    PyTorch, the same sums (also under create_graph=True, where grad mode is on in the backward:
+    the kernel's sum would be a constant there, PyTorch's is differentiable again)."""
     first = grads[0]
     acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    if acc_dtype == torch.float32 and use_triton(first) and len(grads) <= MAX_SUMMED and all(
+    if acc_dtype == torch.float32 and use_triton(first) and not torch.is_grad_enabled() \
+            and len(grads) <= MAX_SUMMED and all(
             g.is_contiguous() and g.shape == first.shape for g in grads):
         out = torch.empty(first.shape, dtype=dtype, device=first.device)
         numel = first.numel()
@@ -86,9 +86,6 @@ class _CastForReaders(torch.autograd.Function):
         given = [g for g in grads if g is not None]
         if not given:
             return None, None, None
-        if torch.is_grad_enabled():  # create_graph=True: the same sum in PyTorch ops, differentiable
-            acc_dtype = torch.float64 if ctx.x_dtype == torch.float64 else torch.float32
-            return functools.reduce(torch.add, (g.to(acc_dtype) for g in given)).to(ctx.x_dtype), None, None
         return sum_grads(given, ctx.x_dtype), None, None
 
 

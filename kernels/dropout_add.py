@@ -359,7 +359,7 @@ def _dropout_add_twice(ctx, dy):
     (seed,) = ctx.saved_tensors
     need_dbias = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
     dx = dy if ctx.p == 0.0 else _DropoutMask.apply(dy, seed, ctx.p, ctx.x_dtype)
-    dbias = dx.to(_acc(dx.dtype)).reshape(-1, _width(dx)).sum(0) if need_dbias else None
+    dbias = _column_sum(dx) if need_dbias else None
     return (*_input_grads(ctx, dx, dbias, dy), None)
 
 
