@@ -357,6 +357,7 @@ def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 _UNIT_KEYS = itertools.count()
+_SHAPE_ENTRIES = 4  # compiled forwards of a block class with parameters of different shapes, see _compiled_for
 
 
 def _entry(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
@@ -462,6 +463,10 @@ class DynamoUnit(Unit):
         super().__init__(cls, patterns, verbose)
         entry = _entry(_own_code(self.original), f"{cls.__module__}.{cls.__qualname__}")
         self.compiled = torch.compile(entry, backend=_backend_for(self.patterns))
+        # see _compiled_for: the compiled forwards per shapes of a module's parameters, and per module
+        self._compiled_by_shapes: dict[tuple | str | None, Callable[..., Any] | None] = {}
+        self._compiled_by_module: weakref.WeakKeyDictionary[torch.nn.Module, Callable[..., Any]] = \
+            weakref.WeakKeyDictionary()
         self._compiled_collecting: Callable[..., Any] | None = None  # see _collecting
         self._compiled_checkpointed: Callable[..., Any] | None = None  # see _checkpoint_outside
         self.checkpoint_outside = False  # see _checkpoint_outside
@@ -484,6 +489,36 @@ class DynamoUnit(Unit):
 
     def host_time_hidden(self) -> bool:
         return self.graphs is not None
+
+    def install(self, module: torch.nn.Module, path: str) -> None:
+        super().install(module, path)
+        compiled = self._compiled_for(module)
+        if compiled is not None:
+            self._compiled_by_module[module] = compiled
+
+    def _compiled_for(self, module: torch.nn.Module) -> Callable[..., Any] | None:
+        """The compiled forward of a module whose parameters differ in shape from the first
+        installed module's (None: `self.compiled`, that one's). Dynamo keeps the automatic-dynamic
+        state (a dim seen with two values is symbolic from then on) per code object, so one shared
+        by blocks of different widths made every capture after the first symbolic in the widths
+        and the token counts: Swin V2's stages (a width and a window count each) spent 8-10 s in
+        SymPy per capture on our CPU, 31 s of set-up in all, now 6. Blocks of one shape (every
+        transformer's layers) share `self.compiled`; past `_SHAPE_ENTRIES` shapes (per-layer
+        widths, as in OpenELM), the rest share one more, which goes dynamic as one shared forward
+        did."""
+        try:
+            shapes = tuple(tuple(p.shape) for p in module.parameters())
+        except (RuntimeError, ValueError):  # an uninitialized (lazy) parameter: no shape yet
+            shapes = None
+        if not self._compiled_by_shapes:
+            self._compiled_by_shapes[shapes] = None
+        key = shapes if shapes in self._compiled_by_shapes or len(self._compiled_by_shapes) < _SHAPE_ENTRIES \
+            else "more shapes"
+        if key not in self._compiled_by_shapes:
+            name = f"{self.cls.__module__}.{self.cls.__qualname__}.shapes{len(self._compiled_by_shapes)}"
+            entry = _entry(_own_code(self.original), name)
+            self._compiled_by_shapes[key] = torch.compile(entry, backend=_backend_for(self.patterns))
+        return self._compiled_by_shapes[key]
 
     def _dynamo_settings(self) -> _DynamoSettings:
         """The Dynamo config of this unit's captures: one object per distinct setting, reused by
@@ -575,6 +610,8 @@ class DynamoUnit(Unit):
                     settings = self._dynamo_settings()
                     prior = settings.apply()
                     target = self._collecting() if collecting else self.compiled
+                    if self._compiled_by_module and not collecting:
+                        target = self._compiled_by_module.get(module, target)
                     if self.checkpoint_outside and _checkpointing(module):
                         target = self._checkpoint_outside
                     try:

@@ -258,6 +258,67 @@ def test_new_shapes_and_modes_recapture_a_bounded_number_of_times():
     assert report.counts()["residual_stream"] == _models.LAYERS
 
 
+class _Stage(nn.Module):
+    """A hierarchical model's stage (Swin's): one class, a width and a token count of its own."""
+
+    def __init__(self, width: int, out: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, width)
+        self.down = nn.Linear(2 * width, out)
+
+    def forward(self, x):
+        if x.shape[1] % 2:  # Python control flow on a shape (Swin pads odd windows): fx cannot trace it
+            x = F.pad(x, (0, 0, 0, 1))
+        x = x + F.gelu(self.fc(self.norm(x)))
+        return self.down(x.reshape(x.shape[0], x.shape[1] // 2, 2 * x.shape[2]))  # merge token pairs
+
+
+class _Hierarchical(nn.Module):
+    def __init__(self, widths: list[int]) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList(_Stage(w, n) for w, n in zip(widths, widths[1:] + [4]))
+
+    def forward(self, x):
+        for stage in self.stages:
+            x = stage(x)
+        return x
+
+
+def test_blocks_of_one_class_and_other_widths_capture_with_static_shapes(monkeypatch):
+    """Stages of one class but their own widths (Swin's) each get a compiled forward of their own,
+    so Dynamo's automatic-dynamic state of one does not make the others' captures symbolic (Swin
+    V2's spent 10-20 s each in SymPy); past four widths the rest share one, which goes dynamic."""
+    from trifuse.fusion import capture
+
+    symbolic = []
+    compile_graph = capture.DynamoUnit._compile
+
+    def recording(self, gm):
+        symbolic.append(any(isinstance(n.meta.get("example_value"), torch.SymInt) for n in gm.graph.nodes
+                            if n.op == "placeholder"))
+        return compile_graph(self, gm)
+
+    monkeypatch.setattr(capture.DynamoUnit, "_compile", recording)
+    widths = [4, 8, 12, 16, 20, 24, 28]
+    torch.manual_seed(0)
+    model = _Hierarchical(widths).to(_models.DEVICE)
+    ref = copy.deepcopy(model)
+    trifuse.fuse(model)
+    x = torch.randn(2, 128, 4, device=_models.DEVICE)
+    for _ in range(2):  # the second call reuses every capture
+        loss, loss_ref = model(x).square().sum(), ref(x).square().sum()
+        loss.backward(), loss_ref.backward()
+        torch.testing.assert_close(loss, loss_ref)
+    for p, pr in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, pr.grad)
+    # widths 4..16 one forward each, static; 20, 24 and 28 share one: static first, then as
+    # Dynamo decides (symbolic token counts for 24). Nothing captured again on the second call.
+    assert symbolic[:5] == [False] * 5 and True in symbolic and len(symbolic) <= len(widths), symbolic
+    report = trifuse.report(model)
+    assert report.counts()["layer_norm"] == len(widths) and not report.unfused_calls()
+
+
 def _fused_under_autocast(build):
     """(fused model, its loss, the unfused loss in the autocast dtype, the float64 loss): bf16 on a
     GPU; fp16 on CPU (bf16 arithmetic is wrong in Triton's interpreter)."""
