@@ -11,3 +11,60 @@ if not ON_GPU:
 
 DEVICE: str = "cuda" if ON_GPU else "cpu"
 INTERPRETED: bool = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _patch_triton_language_once_per_launch() -> None:
+    """Speed only, under the interpreter: Triton's interpreter patches `triton.language` when a
+    kernel is launched (restoring it when the grid is done), then walks the language modules again
+    (`inspect.getmembers` over tl, tl.tensor and tl.math, ~1 ms) on every call of a @triton.jit
+    function from inside the kernel, per program instance: our helpers and Triton's own `tl.sum`,
+    `tl.max`, `tl.cdiv`. Those walks find every builtin already wrapped and change nothing, so
+    inside a launch they are skipped once the modules the function sees have been walked. The
+    kernels run exactly as before; a Triton without these internals is left as it is."""
+    import inspect
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_patch_lang", None)
+    scope_type = getattr(interpreter, "_LangPatchScope", None)
+    if original is None or scope_type is None or hasattr(original, "__wrapped__"):
+        return
+    walked: set[int] = set()  # the language modules patched inside the running launch
+    launch_depth = [0]
+    seen: dict = {}  # function -> the ids of the language modules among its globals
+
+    def languages(fn) -> set[int]:
+        found = seen.get(fn)
+        if found is None:
+            found = seen[fn] = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+        return found
+
+    class LaunchScope:
+        def __init__(self, scope) -> None:
+            self.scope = scope
+
+        def restore(self) -> None:
+            launch_depth[0] -= 1
+            walked.clear()
+            self.scope.restore()
+
+    def patch_lang(fn):
+        needed = languages(fn)
+        if launch_depth[0] == 0:  # a launch: GridExecutor restores what it patched
+            scope = LaunchScope(original(fn))
+            launch_depth[0] += 1
+            walked.update(needed)
+            return scope
+        if needed <= walked:  # a call inside the launch, its modules already patched
+            return scope_type()
+        scope = original(fn)  # as Triton does: patched for good, never restored
+        walked.update(needed)
+        return scope
+
+    patch_lang.__wrapped__ = original
+    interpreter._patch_lang = patch_lang
+
+
+if INTERPRETED:
+    _patch_triton_language_once_per_launch()

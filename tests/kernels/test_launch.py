@@ -270,3 +270,41 @@ def test_direct_launch_skips_empty_hook_chains(monkeypatch):
     kernel[(3,)](x, out, 16, 2.0, BLOCK=64, HAS_Y=True, num_warps=1)
     assert fake.runs[-1][6][0] == "meta" and fake.runs[-1][8] is exit_
     assert fake.runs[-1][9] is x
+
+
+@triton.jit
+def _scaled(v, alpha):  # a helper: each call re-patched triton.language in Triton's own interpreter
+    return v * alpha
+
+
+@triton.jit
+def _row_sum_kernel(X, OUT, n, alpha, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    v = tl.load(X + tl.program_id(0) * n + offs, mask=offs < n, other=0.0)
+    tl.store(OUT + tl.program_id(0), tl.sum(_scaled(v, alpha), axis=0) + tl.max(v, axis=0))
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter's language patch (tests/_device.py)")
+def test_interpreter_patched_once_per_launch_runs_as_triton_patches_it(monkeypatch):
+    """tests/_device.py skips the interpreter's re-patching of triton.language on calls inside a
+    launch: the kernel gives bitwise what it gives with every call re-patched, and the language
+    is Triton's own again after the launch (and after a launch that raised)."""
+    from triton.runtime import interpreter
+
+    assert hasattr(interpreter._patch_lang, "__wrapped__"), "tests/_device.py did not install its patch"
+    x = torch.randn(5, 37, device=DEVICE)
+
+    def row_sums():
+        out = torch.empty(5, device=DEVICE)
+        _row_sum_kernel[(5,)](x, out, 37, 0.5, BLOCK=64)
+        return out
+
+    before = (tl.sum, tl.max, tl.core.load, tl.tensor.__add__, tl.exp)
+    fast = row_sums()
+    assert (tl.sum, tl.max, tl.core.load, tl.tensor.__add__, tl.exp) == before
+    with pytest.raises(Exception):
+        _row_sum_kernel[(5,)](x, None, 37, 0.5, BLOCK=64)  # OUT is None: fails inside the launch
+    assert (tl.sum, tl.max, tl.core.load, tl.tensor.__add__, tl.exp) == before
+    monkeypatch.setattr(interpreter, "_patch_lang", interpreter._patch_lang.__wrapped__)
+    assert torch.equal(fast, row_sums())
+    torch.testing.assert_close(fast, (x * 0.5).sum(1) + x.amax(1), rtol=1e-6, atol=1e-6)

@@ -62,6 +62,8 @@ def _serve(rank: int, size: int, port: int, paths: list[str], inbox, outbox, sta
 
     torch.set_num_threads(1)  # 2 cores shared by every worker and every other user of the machine
     sys.path[:0] = paths
+    import _device  # noqa: F401  (as in conftest.py: the interpreter where no GPU is, patched for speed)
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=size, timeout=timedelta(seconds=TIMEOUT_S))
     try:
