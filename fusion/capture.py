@@ -357,7 +357,8 @@ def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 _UNIT_KEYS = itertools.count()
-_SHAPE_ENTRIES = 4  # compiled forwards of a block class with parameters of different shapes, see _compiled_for
+# compiled forwards of one block class whose modules differ in parameter shapes (see _compiled_for)
+_SHAPE_ENTRIES = 4
 
 
 def _entry(fn: Callable[..., Any], name: str) -> Callable[..., Any]:

@@ -37,7 +37,8 @@ def _patch_triton_language_once_per_launch() -> None:
     def languages(fn) -> set[int]:
         found = seen.get(fn)
         if found is None:
-            found = seen[fn] = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+            modules = (v for v in fn.__globals__.values() if inspect.ismodule(v))
+            found = seen[fn] = {id(v) for v in modules if v in (tl, tl.core)}
         return found
 
     class LaunchScope:
