@@ -67,5 +67,41 @@ def _patch_triton_language_once_per_launch() -> None:
     interpreter._patch_lang = patch_lang
 
 
+def set_interpreter_overflow_checks(enabled: bool) -> None:
+    """Speed only, under the interpreter: Triton's interpreter options ask for the integer-overflow
+    sanitizer (each int32 add, sub and mul in a kernel redone in int64 and compared against the
+    int32 range, about a fifth of a kernel's interpreted time), but the check's assert is emitted
+    only in debug mode, which the interpreter never sets: the comparisons are computed and dropped.
+    Off, the kernels run exactly as before (tests/kernels/test_launch.py checks both, and fails if a
+    Triton starts asserting there, when this should be left on). A Triton without these options is
+    left as it is."""
+    import dataclasses
+
+    from triton.runtime import interpreter
+
+    builder = getattr(interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if dataclasses.is_dataclass(options) and getattr(options, "sanitize_overflow", enabled) != enabled:
+        builder.options = dataclasses.replace(options, sanitize_overflow=enabled)
+
+
+def _skip_dynamo_guard_latency_profile() -> None:
+    """Speed only: after building the guards of each new capture, Dynamo times them once for its
+    compilation metrics (`profile_guard_manager`, which first flushes the CPU caches: ~20 ms a
+    capture on this machine, a twentieth of the model tests' time). The tests read no metrics;
+    the guards are built and checked as before, only the timing is skipped (reported as 0 us)."""
+    import torch._dynamo.guards as guards
+
+    profile = getattr(guards, "profile_guard_manager", None)
+    if profile is not None and not hasattr(profile, "__wrapped__"):
+        def no_profile(*args, **kwargs) -> float:
+            return 0.0
+
+        no_profile.__wrapped__ = profile
+        guards.profile_guard_manager = no_profile
+
+
+_skip_dynamo_guard_latency_profile()
 if INTERPRETED:
     _patch_triton_language_once_per_launch()
+    set_interpreter_overflow_checks(False)

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from _device import DEVICE, ON_GPU
+from _device import DEVICE, ON_GPU, set_interpreter_overflow_checks
 from trifuse.kernels._launch import CachedKernel
 
 
@@ -310,3 +310,29 @@ def test_interpreter_patched_once_per_launch_runs_as_triton_patches_it(monkeypat
     monkeypatch.setattr(interpreter, "_patch_lang", interpreter._patch_lang.__wrapped__)
     assert torch.equal(fast, row_sums())
     torch.testing.assert_close(fast, (x * 0.5).sum(1) + x.amax(1), rtol=1e-6, atol=1e-6)
+
+
+@triton.jit
+def _scale_int_kernel(X, OUT, factor):
+    tl.store(OUT, tl.load(X) * factor)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter's integer-overflow sanitizer (tests/_device.py)")
+def test_interpreter_overflow_checks_assert_nothing_so_they_are_skipped():
+    """tests/_device.py turns the interpreter's overflow sanitizer off for speed because its assert
+    is dropped outside debug mode: an int32 product that wraps gives the same result with it on
+    as off. Should a Triton assert there, this fails, and the sanitizer should stay on."""
+    from triton.runtime import interpreter
+
+    assert not interpreter.interpreter_builder.options.sanitize_overflow
+    x = torch.tensor([2**30 + 3], dtype=torch.int32)
+    wrapped = torch.zeros(1, dtype=torch.int32)
+    _scale_int_kernel[(1,)](x, wrapped, 4)
+    assert wrapped.item() == 12  # 2^32 + 12 wrapped to int32
+    set_interpreter_overflow_checks(True)
+    try:
+        checked = torch.zeros(1, dtype=torch.int32)
+        _scale_int_kernel[(1,)](x, checked, 4)  # Triton's default options: computed, never asserted
+    finally:
+        set_interpreter_overflow_checks(False)
+    assert checked.item() == 12
