@@ -1,5 +1,6 @@
 """The speed-only patches tests/_device.py makes to Dynamo change no behaviour (the Triton
 interpreter's are tested in tests/kernels/test_launch.py)."""
+import pytest
 import torch
 import torch._dynamo.guards
 
@@ -7,7 +8,10 @@ import torch._dynamo.guards
 def test_dynamo_guards_still_guard_without_their_latency_timing():
     """Dynamo no longer times each new guard set (reported as 0 us); the guards are built and
     checked as before: a call they reject recompiles, one they accept reuses the capture."""
-    assert hasattr(torch._dynamo.guards.profile_guard_manager, "__wrapped__"), "tests/_device.py did not patch"
+    profile = getattr(torch._dynamo.guards, "profile_guard_manager", None)
+    if profile is None:
+        pytest.skip("this torch does not time its guards")
+    assert hasattr(profile, "__wrapped__"), "tests/_device.py did not patch"
     torch._dynamo.reset()
     frames = []
 
