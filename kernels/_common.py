@@ -4,6 +4,7 @@ No kernels live here.
 """
 import contextlib
 import functools
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -173,7 +174,7 @@ class _NotTwiceDifferentiable(torch.autograd.Function):
         raise RuntimeError(ctx.message)
 
 
-def single_backward(backward=None, *, twice: Callable[..., Any] | None = None):
+def single_backward(backward=None, *, twice: Callable[..., Any] | None = None, op: str | None = None):
     """For an autograd.Function's backward computed by kernels autograd cannot see into: its
     gradients are not differentiable. Under `create_graph=True` (a gradient penalty, a
     Hessian-vector product, MAML) they would enter the second backward as constants, and the
@@ -184,12 +185,15 @@ def single_backward(backward=None, *, twice: Callable[..., Any] | None = None):
     the kernels, and the op is twice differentiable (at PyTorch's speed and memory there). Where
     it returns None (a call it has no such form for: autocast_linear's fp32 input, whose 16-bit
     copy leads back to nothing), or where there is none, the gradients depend on the op's saved
-    tensors and incoming gradients through a node that raises, naming the op, when a second
-    backward reaches it. (PyTorch's `once_differentiable` connects them to the incoming
-    gradients only: a second backward towards the op's inputs, a weight say, would never reach
-    its error.)"""
+    tensors and incoming gradients through a node that raises, naming the op (`op`, the public
+    function's name, or else the one its autograd.Function serves), when a second backward reaches
+    it. (PyTorch's `once_differentiable` connects them to the incoming gradients only: a second
+    backward towards the op's inputs, a weight say, would never reach its error.)
+
+    It serves the registered ops' autograd formulas too (`torch.library.register_autograd`: what a
+    graph of `torch.compile(..., backend="trifuse")` runs), with their own `twice`."""
     if backward is None:
-        return functools.partial(single_backward, twice=twice)
+        return functools.partial(single_backward, twice=twice, op=op)
 
     @functools.wraps(backward)
     def wrapper(ctx, *grads):
@@ -208,7 +212,7 @@ def single_backward(backward=None, *, twice: Callable[..., Any] | None = None):
         if not tensors or not sources:
             return outputs[0] if single else outputs
         name = type(ctx).__name__.removesuffix("Backward")
-        message = (f"trifuse.ops.{_PUBLIC_OPS.get(name, name)} has no double backward: its gradients, taken "
+        message = (f"trifuse.ops.{op or _PUBLIC_OPS.get(name, name)} has no double backward: its gradients, taken "
                    "with create_graph=True, cannot be differentiated again (a gradient penalty, a "
                    "Hessian-vector product); leave that op's family out of trifuse.fuse(model, ops=...) or "
                    "run the model unfused")
@@ -217,6 +221,13 @@ def single_backward(backward=None, *, twice: Callable[..., Any] | None = None):
         return outputs[0] if single else outputs
 
     return wrapper
+
+
+def ctx_as(ctx, needs_input_grad: tuple, **attributes: Any) -> types.SimpleNamespace:
+    """A stand-in for `ctx` with its saved tensors, the given needs_input_grad and attributes:
+    lets a registered op's autograd formula call its eager autograd.Function's `twice`, whose
+    inputs come in another order and whose attributes are spelled apart."""
+    return types.SimpleNamespace(**{"saved_tensors": ctx.saved_tensors, **attributes}, needs_input_grad=needs_input_grad)
 
 
 def reference_grads(forward: Callable[..., Any], inputs: tuple, needs: tuple, grads: tuple) -> list:

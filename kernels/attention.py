@@ -124,6 +124,7 @@ from ._common import (
     check_probability,
     check_same_device,
     check_tensor,
+    ctx_as,
     eager_fast_path,
     next_power_of_2,
     no_autocast,
@@ -1573,6 +1574,18 @@ def _setup_attention(ctx, inputs, output):
     ctx.softcap = softcap
 
 
+def _registered_twice(ctx, do, *_):
+    """_attention_twice for the registered op: inputs (q, k, v, attn_mask, dropout_p, is_causal,
+    scale, enable_gqa, softcap, sinks), scale unresolved."""
+    dropout_p, is_causal, scale, _ = ctx.args
+    needs = (*ctx.needs_input_grad, False, False)  # trailing defaults left out of a call have no entry
+    view = ctx_as(ctx, (*needs[:4], False, False, False, False, needs[9]), softcap=ctx.softcap,
+                  args=(dropout_p, is_causal, _resolve_scale(scale, ctx.saved_tensors[0].shape[-1])))
+    dq, dk, dv, dmask, *_, dsinks = _attention_twice(view, do)
+    return dq, dk, dv, dmask, None, None, None, None, None, dsinks
+
+
+@single_backward(twice=_registered_twice, op="attention")
 def _backward_attention(ctx, do, *_):
     q, k, v, o, lse, seed, attn_mask, sinks = ctx.saved_tensors
     mask_grad = ctx.needs_input_grad[3]

@@ -50,6 +50,7 @@ from ._common import (
     check_probability,
     check_same_device,
     check_tensor,
+    ctx_as,
     eager_fast_path,
     no_autocast,
     philox_seed,
@@ -732,6 +733,18 @@ def _setup_varlen(ctx, inputs, output):
     ctx.window = window
 
 
+def _registered_twice(ctx, do, *_):
+    """_varlen_twice for the registered op: its inputs as the eager Function's, scale unresolved
+    and the soft cap among ctx.args."""
+    max_q, max_k, dropout_p, causal, scale, softcap = ctx.args
+    scale = _resolve_scale(scale, ctx.saved_tensors[0].shape[-1])
+    needs = (*ctx.needs_input_grad, False, False)  # trailing defaults left out of a call have no entry
+    view = ctx_as(ctx, needs, args=(max_q, max_k, dropout_p, causal, scale), softcap=softcap,
+                  window=ctx.window)
+    return _varlen_twice(view, do)
+
+
+@single_backward(twice=_registered_twice, op="attention_varlen")
 def _backward_varlen(ctx, do, *_):
     q, k, v, o, lse, seed, cu_q, cu_k, sinks = ctx.saved_tensors
     dq, dk, dv, dsinks = torch.ops.trifuse.attention_varlen_backward(do, q, k, v, o, lse, seed, cu_q, cu_k,

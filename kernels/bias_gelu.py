@@ -355,6 +355,8 @@ def _setup(ctx, inputs, output):
     ctx.approximate = approximate
 
 
+# Differentiable again under create_graph=True by the eager path's formula (defined below with it).
+@single_backward(twice=lambda ctx, dy: _bias_gelu_twice(ctx, dy), op="bias_gelu")
 def _backward(ctx, dy):
     x, bias = ctx.saved_tensors
     dx, dbias = torch.ops.trifuse.bias_gelu_backward(dy, x, bias, ctx.approximate)

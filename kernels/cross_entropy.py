@@ -80,6 +80,7 @@ from ._common import (
     check_float,
     check_same_device,
     check_tensor,
+    ctx_as,
     eager_fast_path,
     empty_like,
     next_power_of_2,
@@ -1105,6 +1106,8 @@ def _setup_cross_entropy(ctx, inputs, output):
     ctx.options = (ignore_index, reduction, label_smoothing)
 
 
+# Differentiable again under create_graph=True by the eager path's formula (defined below with it).
+@single_backward(twice=lambda ctx, dloss, *_: _cross_entropy_twice(ctx, dloss), op="cross_entropy")
 def _backward_cross_entropy(ctx, dloss, *_):
     if dloss is None:
         return None, None, None, None, None, None
@@ -1123,6 +1126,15 @@ def _setup_linear_cross_entropy(ctx, inputs, output):
     ctx.options = (ignore_index, reduction, label_smoothing, compute_dtype, chunk_size)
 
 
+def _registered_linear_twice(ctx, dloss, *_):
+    """_linear_cross_entropy_twice for the registered op: three more inputs (which gradients the
+    forward computes), no `grads` among the options."""
+    view = ctx_as(ctx, ctx.needs_input_grad, options=(*ctx.options, None))
+    grads = _linear_cross_entropy_twice(view, dloss)
+    return None if grads is None else (*grads, None, None, None)
+
+
+@single_backward(twice=_registered_linear_twice, op="linear_cross_entropy")
 def _backward_linear_cross_entropy(ctx, dloss, *_):
     if dloss is None:
         return (None,) * 13

@@ -38,6 +38,7 @@ from ._common import (
     check_same_device,
     check_shape,
     check_tensor,
+    ctx_as,
     device_sms,
     eager_fast_path,
     empty_like,
@@ -319,6 +320,16 @@ def _setup(ctx, inputs, output):
     _save_dtypes(ctx, x, residual, bias)
 
 
+def _registered_twice(ctx, dy, _):
+    """_dropout_add_twice for the registered op, whose inputs are (x, residual, p, bias)."""
+    needs = ctx.needs_input_grad
+    view = ctx_as(ctx, (needs[0], needs[1], needs[3]), p=ctx.p, x_dtype=ctx.x_dtype,
+                  residual_dtype=ctx.residual_dtype, bias_dtype=ctx.bias_dtype)
+    dx, dres, dbias, _ = _dropout_add_twice(view, dy)
+    return dx, dres, None, dbias
+
+
+@single_backward(twice=_registered_twice, op="dropout_add")
 def _backward(ctx, dy, _):
     (seed,) = ctx.saved_tensors
     has_bias = ctx.bias_dtype is not None

@@ -278,6 +278,8 @@ def _setup(ctx, inputs, output):
     ctx.activation = activation
 
 
+# Differentiable again under create_graph=True by the eager path's formula (defined below with it).
+@single_backward(twice=lambda ctx, dy: _gated_activation_twice(ctx, dy), op="gated_activation")
 def _backward(ctx, dy):
     gate, up = ctx.saved_tensors
     dgate, dup = torch.ops.trifuse.gated_activation_backward(dy, gate, up, ctx.activation)

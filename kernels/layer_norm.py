@@ -57,6 +57,7 @@ from ._common import (
     check_same_device,
     check_shape,
     check_tensor,
+    ctx_as,
     device_sms,
     eager_fast_path,
     empty_like,
@@ -1086,7 +1087,7 @@ def _setup_plain(ctx, inputs, output, is_rms_norm):
     # would do too, but not as simply for a DTensor).
     mean, rstd = (stats[0], stats[0]) if is_rms_norm else stats
     ctx.save_for_backward(x, weight, bias, mean, rstd)
-    ctx.normalized_shape, ctx.is_rms_norm = normalized_shape, is_rms_norm
+    ctx.normalized_shape, ctx.is_rms_norm, ctx.eps = normalized_shape, is_rms_norm, inputs[-1]
     ctx.needs = ctx.needs_input_grad
     # Unused outputs' gradients arrive as None, not as zeros autograd would make as plain
     # tensors (which a DTensor op refuses beside DTensors, and which cost a pass to read).
@@ -1101,6 +1102,26 @@ def _norm_grads(ctx, dy):
     return dx, _grad_as(dw, weight), _grad_as(db, bias)
 
 
+# The registered norms' formulas are differentiable again under create_graph=True by the eager
+# path's (_norm_twice, _norm_add_twice, defined below with it), their inputs and ctx mapped.
+
+
+def _width_of(ctx) -> int:
+    return math.prod(ctx.normalized_shape)
+
+
+def _plain_twice(ctx, dy, *_):
+    """For layer_norm (x, normalized_shape, weight, bias, eps) and rms_norm (no bias)."""
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    view = ctx_as(ctx, (needs[0], False, False, needs[2], not ctx.is_rms_norm and needs[3]),
+                  saved_tensors=(x, weight, bias, None, mean, rstd, None), fused=False, residual_dtype=None,
+                  p=0.0, outputs=1, n=_width_of(ctx), eps=ctx.eps, is_rms_norm=ctx.is_rms_norm, x_dtype=x.dtype)
+    dx, _, _, dw, db, *_ = _norm_twice(view, dy)
+    return (dx, None, dw, None) if ctx.is_rms_norm else (dx, None, dw, db, None)
+
+
+@single_backward(twice=_plain_twice, op="layer_norm (or rms_norm)")
 def _backward_plain(ctx, dy, *_):
     if dy is None:
         return (None,) * (4 if ctx.is_rms_norm else 5)
@@ -1117,12 +1138,25 @@ def _setup_fused(ctx, inputs, output, is_rms_norm):
     p, x_bias = eps_p_xb[1], eps_p_xb[2]
     _, s, mean, rstd, seed = output
     ctx.save_for_backward(s, weight, bias, x_bias, mean, rstd, seed)
-    ctx.normalized_shape, ctx.is_rms_norm, ctx.p = normalized_shape, is_rms_norm, p
+    ctx.normalized_shape, ctx.is_rms_norm, ctx.p, ctx.eps = normalized_shape, is_rms_norm, p, eps_p_xb[0]
     ctx.x_dtype, ctx.has_residual = x.dtype, residual is not None
     ctx.residual_dtype = residual.dtype if residual is not None else None
     ctx.set_materialize_grads(False)  # as _setup_plain
 
 
+def _fused_twice(ctx, dy, ds, *_):
+    """For dropout_add_layer_norm (x, residual, normalized_shape, weight, bias, eps, p, x_bias) and
+    dropout_add_rms_norm (no bias)."""
+    needs = ctx.needs_input_grad
+    view = ctx_as(ctx, (needs[0], needs[1], needs[-1], needs[3], not ctx.is_rms_norm and needs[4]), fused=True,
+                  outputs=1, n=_width_of(ctx), eps=ctx.eps, p=ctx.p, is_rms_norm=ctx.is_rms_norm,
+                  x_dtype=ctx.x_dtype, residual_dtype=ctx.residual_dtype)
+    dx, dres, dxb, dw, db, *_ = _norm_twice(view, dy, ds)
+    grads = (dx, dres, None, dw) if ctx.is_rms_norm else (dx, dres, None, dw, db)
+    return (*grads, None, None, dxb)
+
+
+@single_backward(twice=_fused_twice, op="dropout_add_layer_norm")
 def _backward_fused(ctx, dy, ds, *_):
     if dy is None and ds is None:
         return (None,) * (7 if ctx.is_rms_norm else 8)
@@ -1149,11 +1183,24 @@ def _setup_norm_add(ctx, inputs, output, is_rms_norm):
     bias = None if is_rms_norm else inputs[4]
     mean, rstd = (output[1], output[1]) if is_rms_norm else output[1:]  # as _setup_plain
     ctx.save_for_backward(x, weight, bias, mean, rstd)
-    ctx.normalized_shape, ctx.is_rms_norm = normalized_shape, is_rms_norm
+    ctx.normalized_shape, ctx.is_rms_norm, ctx.eps = normalized_shape, is_rms_norm, inputs[-1]
     ctx.x_dtype, ctx.residual_dtype = x.dtype, residual.dtype
     ctx.set_materialize_grads(False)
 
 
+def _norm_add_registered_twice(ctx, dy, *_):
+    """For layer_norm_add (x, residual, normalized_shape, weight, bias, eps) and rms_norm_add."""
+    if dy is None:
+        return None
+    needs = ctx.needs_input_grad
+    view = ctx_as(ctx, (needs[0], needs[1], needs[3], not ctx.is_rms_norm and needs[4]), n=_width_of(ctx),
+                  eps=ctx.eps, is_rms_norm=ctx.is_rms_norm, residual_dtype=ctx.residual_dtype)
+    dx, dres, dw, db, *_ = _norm_add_twice(view, dy)
+    grads = (dx, dres, None, dw) if ctx.is_rms_norm else (dx, dres, None, dw, db)
+    return (*grads, None)
+
+
+@single_backward(twice=_norm_add_registered_twice, op="layer_norm_add")
 def _backward_norm_add(ctx, dy, *_):
     # y = residual + norm(x): the residual's gradient is dy itself, x's the norm's backward of dy.
     if dy is None:

@@ -487,6 +487,10 @@ def _setup(ctx, inputs, output):
     ctx.save_for_backward(cos, sin, *((q, k) if _cos_sin_need_grad(cos, sin) else ()))
 
 
+# Differentiable again under create_graph=True by the eager path's formula (defined below with it;
+# the registered op's k_embed without a k is an empty stand-in, whose gradient is no gradient).
+@single_backward(twice=lambda ctx, dq, dk: _rotary_twice(ctx, dq, dk if ctx.has_k else None),
+                 op="rotary_embedding")
 def _backward(ctx, dq_embed, dk_embed):
     cos, sin, *qk = ctx.saved_tensors
     dk_in = dk_embed if ctx.has_k else None

@@ -3,6 +3,7 @@ new shapes without unbounded recaptures, autocast, data-dependent control flow a
 deep copies; it says what it could not fuse (the KV-cache trap, Dynamo fallbacks, missing
 ops); it runs on the PyTorch reference path too."""
 import collections
+import contextlib
 import functools
 import copy
 import os
@@ -450,15 +451,21 @@ def test_torch_func_transforms_and_forward_ad_run_the_blocks_as_written():
     assert trifuse.report(model).counts() == fused  # outside the transforms the model runs fused again
 
 
+@pytest.mark.parametrize("under", ["plain", "device-mode"])
 @pytest.mark.parametrize("train", [False, True], ids=["eval", "train-dropout"])
-def test_a_gradient_penalty_through_a_fused_model_matches_the_unfused_one(train):
+def test_a_gradient_penalty_through_a_fused_model_matches_the_unfused_one(train, under):
     """A second backward (an input-gradient penalty, create_graph=True) through the fused ops:
     their backward runs in PyTorch ops there (kernels/_common.reference_grads), so the penalty's
     gradients are the unfused model's. It used to raise, naming the op; before that, the kernels'
     gradients entered the second backward as constants and the penalty's gradient was silently
     off (GPT-2 with only its GeLUs fused: 1.99 against 2.16 for a weight's gradient norm). In
     training with dropout the fused model draws its own masks: its penalty is finite and its
-    weights all get gradients."""
+    weights all get gradients.
+
+    "device-mode": the step under `with torch.device(...)`, a function mode, under which the ops
+    take their registered `trifuse::` ops (as under a DTensor or torch.export) and those ops'
+    autograd formulas; those raised PyTorch's "no autograd formula registered for
+    trifuse.*_backward" at the second backward."""
     torch.manual_seed(0)
     model, inputs, _ = _models.gpt2(dropout=0.1 if train else 0.0, attn_implementation="eager")
     model.train(train)
@@ -467,10 +474,11 @@ def test_a_gradient_penalty_through_a_fused_model_matches_the_unfused_one(train)
     kw = inputs(2, 8)
 
     def step(m):
-        embeds = m.transformer.wte(kw["input_ids"]).detach().requires_grad_()
-        loss = m(inputs_embeds=embeds, labels=kw["labels"], use_cache=False).loss
-        (grad,) = torch.autograd.grad(loss, embeds, create_graph=True)
-        (loss + grad.pow(2).sum()).backward()
+        with torch.device(_models.DEVICE) if under == "device-mode" else contextlib.nullcontext():
+            embeds = m.transformer.wte(kw["input_ids"]).detach().requires_grad_()
+            loss = m(inputs_embeds=embeds, labels=kw["labels"], use_cache=False).loss
+            (grad,) = torch.autograd.grad(loss, embeds, create_graph=True)
+            (loss + grad.pow(2).sum()).backward()
 
     step(model)
     counts = trifuse.report(model).counts()

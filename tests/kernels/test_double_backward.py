@@ -5,6 +5,7 @@ regenerated from the forward's seed, never redrawn)."""
 import pytest
 import torch
 from torch.autograd import gradcheck, gradgradcheck
+from torch.overrides import TorchFunctionMode
 
 import trifuse
 from _device import DEVICE
@@ -23,6 +24,30 @@ def _seeded(f):
         torch.manual_seed(7)
         return f(*args)
     return call
+
+
+class _Traced(TorchFunctionMode):
+    """A function mode that changes nothing: under it trifuse's ops take their registered
+    `trifuse::` ops and those ops' autograd formulas, as in a graph `torch.compile(...,
+    backend="trifuse")` runs, instead of the eager autograd.Functions."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _on(path, f):
+    """f as the eager path or the registered ops run it (only the forward under the mode: the
+    backward runs outside it, as after a compiled forward)."""
+    if path == "eager":
+        return f
+
+    def registered(*args):
+        with _Traced():
+            return f(*args)
+    return registered
+
+
+PATHS = ["eager", "registered"]
 
 
 def _cases():
@@ -81,20 +106,24 @@ def _cases():
     }
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("name", list(_cases()))
-def test_second_derivatives_by_gradgradcheck(name):
+def test_second_derivatives_by_gradgradcheck(name, path):
     f, args = _cases()[name]
+    f = _on(path, f)
     assert gradcheck(f, args, fast_mode=True)
     assert gradgradcheck(f, args, fast_mode=True)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("name", list(_cases()))
-def test_gradients_with_create_graph_are_the_kernels_own(name):
+def test_gradients_with_create_graph_are_the_kernels_own(name, path):
     """gradgradcheck differentiates the create_graph path against itself: a wrong formula there
     (a dropout mask drawn anew) would pass it. The first-order gradients of both paths agree to
     rounding (the kernels take label smoothing as an fp32 scalar: ~1e-8 in fp64), and gradcheck
     holds the kernels' to the forward."""
     f, args = _cases()[name]
+    f = _on(path, f)
     out = f(*args)
     outs = out if isinstance(out, tuple) else (out,)
     seeds = [torch.randn_like(o) for o in outs]
