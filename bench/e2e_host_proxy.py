@@ -1,6 +1,6 @@
 """CPU proxy for the host time of a fused model's training step, kernel launches stubbed.
 
-    TRITON_INTERPRET=1 python bench/e2e_host_proxy.py [--model gpt2|bert]
+    TRITON_INTERPRET=1 python bench/e2e_host_proxy.py [--model gpt2|bert] [--default-device]
 
 GPT-2 with GPT-2 medium's 24 blocks at a tiny width (64) and 2 x 16 tokens, so that the step is
 host work: eager PyTorch (its ops run, on tensors too small to cost anything) against
@@ -9,6 +9,8 @@ host work: eager PyTorch (its ops run, on tensors too small to cost anything) ag
 What a GPU box adds on top: the launches themselves, and its slower host. On the lent GPU, a
 step is host-bound when this host time, scaled to that box, exceeds the step's GPU time
 (bench_e2e.py reports the device busy % there). The best of 5 runs of 5 steps is reported.
+`--default-device`: both steps under `torch.set_default_device` (a torch function mode that
+every torch call goes through).
 """
 import argparse
 import os
@@ -60,11 +62,15 @@ def best_ms_per_step(model: torch.nn.Module, ids: torch.Tensor) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=sorted(MODELS), default="gpt2")
-    name = ap.parse_args().model
+    ap.add_argument("--default-device", action="store_true", help="run under torch.set_default_device('cpu')")
+    args = ap.parse_args()
+    name = args.model
     build = MODELS[name]
     norm_host_proxy.stub_launches(first_configs=False)
     torch.set_num_threads(1)
     ids = torch.randint(0, 128, (2, 16))
+    if args.default_device:
+        torch.set_default_device("cpu")
     eager = best_ms_per_step(build(), ids)
     model = trifuse.fuse(build())
     fused = best_ms_per_step(model, ids)
@@ -73,7 +79,8 @@ def main() -> None:
     per_step = norm_host_proxy.launches[0] - before
     fused_ops = ", ".join(f"{k} {v}" for k, v in trifuse.report(model).by_pattern().items())
     print(f"fused: {fused_ops}")
-    print(f"{name}, 24 blocks, width 64, 2 x 16 tokens, forward + backward, host ms per step:")
+    under = ", under set_default_device" if args.default_device else ""
+    print(f"{name}, 24 blocks, width 64, 2 x 16 tokens, forward + backward{under}, host ms per step:")
     print(f"  eager PyTorch                     {eager:7.2f}")
     print(f"  trifuse.fuse (launches stubbed)   {fused:7.2f}   ({per_step} trifuse launches a step)")
 

@@ -128,6 +128,7 @@ from ._common import (
     eager_fast_path,
     next_power_of_2,
     no_autocast,
+    outside_device_modes,
     philox_seed,
     profiled,
     reference_grads,
@@ -1345,7 +1346,7 @@ def _reduce_mask_grad(ds: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor
 
 def _torch_keep_mask(seed: torch.Tensor, shape: tuple[int, ...], p: float) -> torch.Tensor:
     gen = torch.Generator(device="cpu").manual_seed(int(seed.item()))
-    return torch.rand(shape, generator=gen) >= p
+    return torch.rand(shape, generator=gen, device=gen.device) >= p
 
 
 def _torch_probs(q, k, attn_mask, is_causal, scale, softcap=0.0, sinks=None):
@@ -2053,6 +2054,7 @@ def _autocast_like_sdpa(q, k, v, attn_mask):
     return q, k, v, attn_mask
 
 
+@outside_device_modes
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,

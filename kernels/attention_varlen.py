@@ -53,6 +53,7 @@ from ._common import (
     ctx_as,
     eager_fast_path,
     no_autocast,
+    outside_device_modes,
     philox_seed,
     profiled,
     reference_grads,
@@ -816,6 +817,7 @@ class _VarlenFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None, None, None, dsinks, None
 
 
+@outside_device_modes
 def attention_varlen(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -51,6 +51,7 @@ from ._common import (
     device_sms,
     eager_fast_path,
     empty_like,
+    outside_device_modes,
     profiled,
     reference_grads,
     single_backward,
@@ -466,6 +467,7 @@ BIAS_GELU.register(dialects.Candidate("torch", _bias_gelu_f_gelu))
 # =============================================================================================
 
 
+@outside_device_modes
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None = None, approximate: str = "none") -> torch.Tensor:
     """gelu(x + bias) in one pass each way, like `F.gelu(x + bias, approximate=approximate)`
     (for "quick": `z * torch.sigmoid(1.702 * z)`, z = x + bias, CLIP's QuickGELU).

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import apply_function, check_float, check_tensor, eager_fast_path, use_triton
+from ._common import apply_function, check_float, check_tensor, eager_fast_path, outside_device_modes, use_triton
 from ._launch import CachedKernel
 
 # The most readers the summing kernel takes at once; more are summed by PyTorch, in the same order.
@@ -89,6 +89,7 @@ class _CastForReaders(torch.autograd.Function):
         return sum_grads(given, ctx.x_dtype), None, None
 
 
+@outside_device_modes
 def cast_for_readers(x: torch.Tensor, dtype: torch.dtype, readers: int) -> tuple[torch.Tensor, ...]:
     """`readers` views of one `x.to(dtype)`, one per reader; x's gradient is the fp32 sum of
     theirs, in x's dtype.

@@ -85,9 +85,10 @@ from ._common import (
     empty_like,
     next_power_of_2,
     no_autocast,
+    outside_device_modes,
     profiled,
-    rows_2d,
     reference_grads,
+    rows_2d,
     single_backward,
     use_triton,
 )
@@ -1380,6 +1381,7 @@ CROSS_ENTROPY.register(dialects.Candidate("torch", _cross_entropy_torch, support
 # =============================================================================================
 
 
+@outside_device_modes
 def cross_entropy(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -1433,6 +1435,7 @@ def cross_entropy(
     return loss.reshape(target.shape) if reduction == "none" and target.dim() != 1 else loss
 
 
+@outside_device_modes
 def linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,

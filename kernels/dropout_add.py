@@ -42,6 +42,7 @@ from ._common import (
     device_sms,
     eager_fast_path,
     empty_like,
+    outside_device_modes,
     philox_seed,
     profiled,
     single_backward,
@@ -230,7 +231,7 @@ def _column_sum(dy: torch.Tensor) -> torch.Tensor:
 
 def _torch_keep_mask(seed: torch.Tensor, shape: torch.Size, p: float) -> torch.Tensor:
     gen = torch.Generator(device="cpu").manual_seed(int(seed.item()))
-    return torch.rand(shape, generator=gen) >= p
+    return torch.rand(shape, generator=gen, device=gen.device) >= p
 
 
 def _dropout_add_torch(x, residual, bias, p, seed, dtype):
@@ -402,6 +403,7 @@ class _DropoutAddFunction(torch.autograd.Function):
 # =============================================================================================
 
 
+@outside_device_modes
 def dropout_add(
     x: torch.Tensor,
     residual: torch.Tensor,

@@ -47,9 +47,10 @@ from ._common import (
     check_tensor,
     eager_fast_path,
     empty_like,
+    outside_device_modes,
     profiled,
-    rows_2d,
     reference_grads,
+    rows_2d,
     single_backward,
     use_triton,
 )
@@ -372,6 +373,7 @@ GATED_ACTIVATION.register(dialects.Candidate("torch", _gated_activation_torch_ca
 # =============================================================================================
 
 
+@outside_device_modes
 def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     """act(gate) * up in one pass each way: a gated MLP's SwiGLU / GeGLU.
 

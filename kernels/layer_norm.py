@@ -63,6 +63,7 @@ from ._common import (
     empty_like,
     next_power_of_2,
     no_autocast,
+    outside_device_modes,
     philox_seed,
     profiled,
     reference_grads,
@@ -822,7 +823,7 @@ def layer_norm_bwd(
 
 def _torch_keep_mask(seed: torch.Tensor, shape: torch.Size, p: float) -> torch.Tensor:
     gen = torch.Generator(device="cpu").manual_seed(int(seed.item()))
-    return torch.rand(shape, generator=gen) >= p
+    return torch.rand(shape, generator=gen, device=gen.device) >= p
 
 
 def _norm_fwd_torch(x, n, weight, bias, eps, is_rms_norm, residual, x_bias, p, seed, store_s, post=None):
@@ -1637,6 +1638,7 @@ def _shape_list(op: str, normalized_shape) -> list[int]:
     raise TypeError(f"trifuse.{op}: normalized_shape must be an int or a sequence of ints, got {got}")
 
 
+@outside_device_modes
 def layer_norm(
     x: torch.Tensor,
     normalized_shape: int | Sequence[int],
@@ -1692,6 +1694,7 @@ def layer_norm(
     return LAYER_NORM(x, normalized_shape, weight, bias, eps, out_dtype, readers, full_y)
 
 
+@outside_device_modes
 def rms_norm(
     x: torch.Tensor,
     normalized_shape: int | Sequence[int],
@@ -1723,6 +1726,7 @@ def rms_norm(
     return RMS_NORM(x, normalized_shape, weight, eps, out_dtype, readers, full_y)
 
 
+@outside_device_modes
 def dropout_add_layer_norm(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -1765,6 +1769,7 @@ def dropout_add_layer_norm(
                  out_dtype, readers, full_y)
 
 
+@outside_device_modes
 def layer_norm_add(
     x: torch.Tensor,
     residual: torch.Tensor,

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from ..autotune import dialects
 from ..autotune.decisions import pow2_bucket
-from ._common import eager_fast_path, reference_grads, single_backward
+from ._common import eager_fast_path, outside_device_modes, reference_grads, single_backward
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -187,6 +187,7 @@ AUTOCAST_LINEAR.register(dialects.Candidate("fp32-grads", _linear_fp32_grads,
 AUTOCAST_LINEAR.register(dialects.Candidate("autocast", _linear_autocast))
 
 
+@outside_device_modes
 def autocast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
                     in_by_out: bool = False) -> torch.Tensor:
     """`F.linear(x, weight, bias)` as autocast with `dtype` runs it (or, with in_by_out, x @ weight

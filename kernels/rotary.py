@@ -73,6 +73,7 @@ from ._common import (
     check_tensor,
     eager_fast_path,
     next_power_of_2,
+    outside_device_modes,
     profiled,
     single_backward,
     use_triton,
@@ -609,6 +610,7 @@ ROTARY_EMBEDDING.register(dialects.Candidate("torch", _rotary_hf_formula))
 # =============================================================================================
 
 
+@outside_device_modes
 def rotary_embedding(
     q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False,
     halves_out: bool = False, dtype: torch.dtype | None = None,

@@ -18,6 +18,15 @@ FAMILY_OPS = {"layer_norm": "layer_norm", "rms_norm": "rms_norm", "residual_stre
               "dropout_add": "dropout_add", "cross_entropy": "cross_entropy", "rotary": "rotary_embedding"}
 
 
+class PassThroughMode(torch.overrides.TorchFunctionMode):
+    """A torch function mode that changes nothing, as a user's tracer or logger might be: under
+    it trifuse's ops take their registered `trifuse::` ops and those ops' autograd formulas (what
+    a DTensor, torch.export or torch.compile sees) instead of the eager autograd.Functions."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
 def has_op(name: str) -> bool:
     return callable(getattr(trifuse.ops, name, None))
 

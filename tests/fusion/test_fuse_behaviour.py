@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import trifuse
-from _fusing import available_counts, needs_ops
+from _fusing import PassThroughMode, available_counts, needs_ops
 from tolerances import assert_close
 from torch import nn
 
@@ -451,7 +451,7 @@ def test_torch_func_transforms_and_forward_ad_run_the_blocks_as_written():
     assert trifuse.report(model).counts() == fused  # outside the transforms the model runs fused again
 
 
-@pytest.mark.parametrize("under", ["plain", "device-mode"])
+@pytest.mark.parametrize("under", ["plain", "function-mode"])
 @pytest.mark.parametrize("train", [False, True], ids=["eval", "train-dropout"])
 def test_a_gradient_penalty_through_a_fused_model_matches_the_unfused_one(train, under):
     """A second backward (an input-gradient penalty, create_graph=True) through the fused ops:
@@ -462,10 +462,10 @@ def test_a_gradient_penalty_through_a_fused_model_matches_the_unfused_one(train,
     training with dropout the fused model draws its own masks: its penalty is finite and its
     weights all get gradients.
 
-    "device-mode": the step under `with torch.device(...)`, a function mode, under which the ops
-    take their registered `trifuse::` ops (as under a DTensor or torch.export) and those ops'
-    autograd formulas; those raised PyTorch's "no autograd formula registered for
-    trifuse.*_backward" at the second backward."""
+    "function-mode": the step under a user's torch function mode, under which the ops take their
+    registered `trifuse::` ops (as under a DTensor or torch.export) and those ops' autograd
+    formulas; those raised PyTorch's "no autograd formula registered for trifuse.*_backward" at
+    the second backward."""
     torch.manual_seed(0)
     model, inputs, _ = _models.gpt2(dropout=0.1 if train else 0.0, attn_implementation="eager")
     model.train(train)
@@ -474,7 +474,7 @@ def test_a_gradient_penalty_through_a_fused_model_matches_the_unfused_one(train,
     kw = inputs(2, 8)
 
     def step(m):
-        with torch.device(_models.DEVICE) if under == "device-mode" else contextlib.nullcontext():
+        with PassThroughMode() if under == "function-mode" else contextlib.nullcontext():
             embeds = m.transformer.wte(kw["input_ids"]).detach().requires_grad_()
             loss = m(inputs_embeds=embeds, labels=kw["labels"], use_cache=False).loss
             (grad,) = torch.autograd.grad(loss, embeds, create_graph=True)

@@ -5,10 +5,10 @@ regenerated from the forward's seed, never redrawn)."""
 import pytest
 import torch
 from torch.autograd import gradcheck, gradgradcheck
-from torch.overrides import TorchFunctionMode
 
 import trifuse
 from _device import DEVICE
+from _fusing import PassThroughMode
 
 ops = trifuse.ops
 
@@ -26,15 +26,6 @@ def _seeded(f):
     return call
 
 
-class _Traced(TorchFunctionMode):
-    """A function mode that changes nothing: under it trifuse's ops take their registered
-    `trifuse::` ops and those ops' autograd formulas, as in a graph `torch.compile(...,
-    backend="trifuse")` runs, instead of the eager autograd.Functions."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
-
-
 def _on(path, f):
     """f as the eager path or the registered ops run it (only the forward under the mode: the
     backward runs outside it, as after a compiled forward)."""
@@ -42,7 +33,7 @@ def _on(path, f):
         return f
 
     def registered(*args):
-        with _Traced():
+        with PassThroughMode():
             return f(*args)
     return registered
 
