@@ -136,8 +136,8 @@ def eager_fast_path(*tensors: torch.Tensor | None) -> bool:
     dispatch or function modes) must see the registered `trifuse::` op instead. One function mode
     is not a tracer: torch's DeviceContext (`torch.set_default_device`, `with torch.device(...)`),
     which only gives factory calls without a device one; the fast path passes its devices. Under
-    it the registered ops' dispatch made a fused GPT-2 step's host time 45.7 ms against eager's
-    28.5 (bench/e2e_host_proxy.py's model).
+    it the registered ops' dispatch made a fused GPT-2 step's host time 48.96 ms against eager's
+    29.95 (bench/e2e_host_proxy.py --default-device).
     """
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
         return False
@@ -217,8 +217,8 @@ def single_backward(backward=None, *, twice: Callable[..., Any] | None = None, o
     it. (PyTorch's `once_differentiable` connects them to the incoming gradients only: a second
     backward towards the op's inputs, a weight say, would never reach its error.)
 
-    It serves the registered ops' autograd formulas too (`torch.library.register_autograd`: what a
-    graph of `torch.compile(..., backend="trifuse")` runs), with their own `twice`."""
+    It serves the registered ops' autograd formulas too (`torch.library.register_autograd`: what
+    runs under a DTensor, torch.export or a torch function mode), with their own `twice`."""
     if backward is None:
         return functools.partial(single_backward, twice=twice, op=op)
 
@@ -242,8 +242,8 @@ def single_backward(backward=None, *, twice: Callable[..., Any] | None = None, o
         if not tensors or not sources:
             return outputs[0] if single else outputs
         name = type(ctx).__name__.removesuffix("Backward")
-        message = (f"trifuse.ops.{op or _PUBLIC_OPS.get(name, name)} has no double backward: its gradients, taken "
-                   "with create_graph=True, cannot be differentiated again (a gradient penalty, a "
+        message = (f"trifuse.ops.{op or _PUBLIC_OPS.get(name, name)} has no double backward: its gradients, "
+                   "taken with create_graph=True, cannot be differentiated again (a gradient penalty, a "
                    "Hessian-vector product); leave that op's family out of trifuse.fuse(model, ops=...) or "
                    "run the model unfused")
         connected = iter(_NotTwiceDifferentiable.apply(message, len(tensors), *tensors, *sources))
@@ -257,7 +257,8 @@ def ctx_as(ctx, needs_input_grad: tuple, **attributes: Any) -> types.SimpleNames
     """A stand-in for `ctx` with its saved tensors, the given needs_input_grad and attributes:
     lets a registered op's autograd formula call its eager autograd.Function's `twice`, whose
     inputs come in another order and whose attributes are spelled apart."""
-    return types.SimpleNamespace(**{"saved_tensors": ctx.saved_tensors, **attributes}, needs_input_grad=needs_input_grad)
+    attributes = {"saved_tensors": ctx.saved_tensors, **attributes}
+    return types.SimpleNamespace(**attributes, needs_input_grad=needs_input_grad)
 
 
 def reference_grads(forward: Callable[..., Any], inputs: tuple, needs: tuple, grads: tuple) -> list:

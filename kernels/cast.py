@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import apply_function, check_float, check_tensor, eager_fast_path, outside_device_modes, use_triton
+from ._common import (apply_function, check_float, check_tensor, eager_fast_path, outside_device_modes,
+                      use_triton)
 from ._launch import CachedKernel
 
 # The most readers the summing kernel takes at once; more are summed by PyTorch, in the same order.

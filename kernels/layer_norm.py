@@ -1117,7 +1117,8 @@ def _plain_twice(ctx, dy, *_):
     needs = ctx.needs_input_grad
     view = ctx_as(ctx, (needs[0], False, False, needs[2], not ctx.is_rms_norm and needs[3]),
                   saved_tensors=(x, weight, bias, None, mean, rstd, None), fused=False, residual_dtype=None,
-                  p=0.0, outputs=1, n=_width_of(ctx), eps=ctx.eps, is_rms_norm=ctx.is_rms_norm, x_dtype=x.dtype)
+                  p=0.0, outputs=1, n=_width_of(ctx), eps=ctx.eps, is_rms_norm=ctx.is_rms_norm,
+                  x_dtype=x.dtype)
     dx, _, _, dw, db, *_ = _norm_twice(view, dy)
     return (dx, None, dw, None) if ctx.is_rms_norm else (dx, None, dw, db, None)
 
@@ -1149,8 +1150,8 @@ def _fused_twice(ctx, dy, ds, *_):
     """For dropout_add_layer_norm (x, residual, normalized_shape, weight, bias, eps, p, x_bias) and
     dropout_add_rms_norm (no bias)."""
     needs = ctx.needs_input_grad
-    view = ctx_as(ctx, (needs[0], needs[1], needs[-1], needs[3], not ctx.is_rms_norm and needs[4]), fused=True,
-                  outputs=1, n=_width_of(ctx), eps=ctx.eps, p=ctx.p, is_rms_norm=ctx.is_rms_norm,
+    view = ctx_as(ctx, (needs[0], needs[1], needs[-1], needs[3], not ctx.is_rms_norm and needs[4]),
+                  fused=True, outputs=1, n=_width_of(ctx), eps=ctx.eps, p=ctx.p, is_rms_norm=ctx.is_rms_norm,
                   x_dtype=ctx.x_dtype, residual_dtype=ctx.residual_dtype)
     dx, dres, dxb, dw, db, *_ = _norm_twice(view, dy, ds)
     grads = (dx, dres, None, dw) if ctx.is_rms_norm else (dx, dres, None, dw, db)
