@@ -19,6 +19,10 @@ style: the score matrix never exists).
   transposed back, a view.
   transformers' eager_attention_forward (fp32 softmax, dropout) on K and V repeated per query
   group by `repeat_kv` becomes the op with `enable_gqa=True` on the un-repeated K and V.
+  Hand-written decoders that keep a causal mask and take a padding mask apply the first by
+  `masked_fill` or `where` with a constant fill and add the second after (nanoGPT's attention with
+  padding): the op's mask is the padding where a key is kept, fill + padding where not
+  (`attention_chain_fill_add`, as GPT-Neo's below).
 - gpt-oss's eager attention with attention sinks: the scaled scores (+ the additive mask, a
   sliding window's too), one learned logit per head concatenated as a last column
   (`sinks.reshape(1, -1, 1, 1).expand(B, -1, Sq, -1)`), the row max subtracted (a no-op for the
@@ -1164,6 +1168,59 @@ def attention_chain_where_add_fused(q, k, v, d0, d1, keep, fill, fill_dtype, dev
     return ops.attention(q, k, v, torch.where(keep, mask, mask + fill), p if training else 0.0, False, scale)
 
 
+def attention_chain_fill_add(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, scale, mask: torch.Tensor,
+                             fill, padding: torch.Tensor, p, training, *, scaling: str, fill_with: str,
+                             dropout: bool):
+    """Hand-written decoders that keep a causal mask and take a padding mask (nanoGPT's attention
+    with padding): the scaled scores masked by `masked_fill(mask, fill)` (mask: what to drop) or
+    `torch.where(mask, scores, fill)` (what to keep) with a constant fill, the additive padding mask
+    added after, softmax, [dropout], @ v."""
+    s = torch.matmul(q, k.transpose(d0, d1))
+    s = s * scale if scaling == "mul" else s / scale
+    s = s.masked_fill(mask, fill) if fill_with == "masked_fill" else torch.where(mask, s, fill)
+    a = torch.softmax(s + padding, -1)
+    if dropout:
+        a = F.dropout(a, p, training, False)
+    return torch.matmul(a, v)
+
+
+def attention_chain_fill_add_fused(q, k, v, d0, d1, scale, mask, fill, padding, p=0.0, training=False, *,
+                                   scaling: str, fill_with: str, dropout: bool):
+    # As GPT-Neo's (attention_chain_where_add_fused): the op's mask is the padding where a key is
+    # kept and fill + padding where not (the huge fill absorbs q k^T; _fill_add_shapes has checked
+    # that the unfused sum is in the padding's dtype), and a row dropped whole by a finite fill gets
+    # its query zeroed, so that its scores are fill + padding exactly.
+    keep = torch.logical_not(mask) if fill_with == "masked_fill" else mask
+    if fill != float("-inf"):
+        q = torch.where(keep.any(-1, keepdim=True), q, 0.0)
+    scale = scale if scaling == "mul" else 1.0 / scale
+    p = p if dropout and training else 0.0
+    return ops.attention(q, k, v, torch.where(keep, padding, padding + fill), p, False, scale)
+
+
+def _fill_add_shapes(m: Match) -> str | None:
+    """q, k, v 4-D; the padding mask a float tensor that broadcasts to the scores (B, H, Sq, Sk), at
+    least as wide as the scores (the unfused sum is then in its dtype, fill + padding too)."""
+    q, k, v, padding = m.value("q"), m.value("k"), m.value("v"), m.value("padding")
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
+        return "q, k and v are not all 4-D (batch, heads, seq, head_dim)"
+    if not isinstance(padding, torch.Tensor) or not padding.is_floating_point():
+        return "the added mask is not a float tensor"
+    scores = _scores_dtype(q)
+    if torch.promote_types(scores, padding.dtype) != padding.dtype:
+        return f"the added mask ({padding.dtype}) is narrower than the scores ({scores})"
+    return _broadcast_to_scores("the added mask", padding.shape, (*q.shape[:-1], k.shape[-2]))
+
+
+def _fill_add_pattern(scaling: str, fill_with: str, dropout: bool) -> Pattern:
+    name = f"attention_chain_{scaling}_{fill_with}_add" + ("_dropout" if dropout else "")
+    opts = {"scaling": scaling, "fill_with": fill_with, "dropout": dropout}
+    filters = [_transposes_last_two, _scale_is_number, needs_number("scale"), _bool_mask_over_scores, _fill_masks,
+               _fill_add_shapes, *([needs_number("p"), needs_bool("training")] if dropout else [])]
+    return Pattern(name, "attention", functools.partial(attention_chain_fill_add, **opts),
+                   functools.partial(attention_chain_fill_add_fused, **opts), ("attention",), tuple(filters))
+
+
 def _float_mask(name: str) -> Filter:
     def check(m: Match) -> str | None:
         mask = m.value(name)
@@ -1517,6 +1574,8 @@ PATTERNS = (
                _fill_is_huge, _cast_is_a_no_op, *([_q_k_v_share_a_dtype] if upcast else []),
                *([_scale_is_number] if scaling != "none" else [])))
       for upcast in (True, False) for scaling in ("none", "div", "mul")),
+    # a causal mask by masked_fill or where with a constant fill, then a padding mask added
+    *(_fill_add_pattern(*opts) for opts in itertools.product(("mul", "div"), ("masked_fill", "where"), (True, False))),
     *(Pattern("attention_bmm_of_heads_" + ("add" if masked else "no_mask"), "attention",
               functools.partial(attention_bmm_of_heads, masked=masked),
               functools.partial(attention_bmm_of_heads_fused, masked=masked), ("attention",),

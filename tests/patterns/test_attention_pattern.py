@@ -552,6 +552,69 @@ def test_older_hf_spelling_fuses_and_matches(fn, buffers, pattern):
     assert report.by_pattern() == {pattern: 1}
 
 
+# Hand-written decoders that keep a causal mask and take a padding mask: the causal one applied by
+# masked_fill or where with a constant fill, the additive padding added after.
+HF_PADDING = torch.zeros(B, 1, 1, S)
+HF_PADDING[0, ..., -2:] = torch.finfo(torch.float32).min  # as transformers builds additive masks
+HF_PADDING[1, ..., -1] = torch.finfo(torch.float32).min  # also under batch 1's row dropped whole
+
+
+def hand_masked_fill_then_padding(m, q, k, v):  # nanoGPT's attention, given a padding mask
+    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(D))
+    att = att.masked_fill(m.causal[:, :, :S, :S] == 0, float("-inf"))
+    att = att + m.mask
+    return F.softmax(att, dim=-1) @ v
+
+
+def hand_where_then_padding_dropout(m, q, k, v):
+    att = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(D)
+    att = torch.where(m.keep, att, float("-inf"))
+    att = F.dropout(F.softmax(att + m.mask, dim=-1), 0.1, m.training)
+    return torch.matmul(att, v)
+
+
+def hand_finfo_min_fill_then_finfo_min_padding(m, q, k, v):
+    """A query row dropped whole (batch 1, query 2): every unfused score there is finfo.min +
+    padding, finfo.min or -inf where the padding is finfo.min too: the softmax uniform over the
+    keys the padding keeps. The op's row (its query zeroed, its mask fill + padding) is the same."""
+    att = (q @ k.transpose(-2, -1)) * 0.3
+    att = att.masked_fill(~m.keep_some_rows_none, torch.finfo(torch.float32).min)
+    return F.softmax(att + m.mask, dim=-1) @ v
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("fn, buffers, pattern", [
+    (hand_masked_fill_then_padding, {"causal": CAUSAL, "mask": ADDITIVE}, "attention_chain_mul_masked_fill_add"),
+    (hand_masked_fill_then_padding, {"causal": CAUSAL, "mask": HF_PADDING}, "attention_chain_mul_masked_fill_add"),
+    (hand_where_then_padding_dropout, {"keep": KEEP, "mask": ADDITIVE}, "attention_chain_div_where_add_dropout"),
+    (hand_finfo_min_fill_then_finfo_min_padding, {"keep_some_rows_none": KEEP_SOME_ROWS_NONE, "mask": HF_PADDING},
+     "attention_chain_mul_masked_fill_add"),
+], ids=lambda v: v.__name__ if callable(v) else None)
+def test_causal_fill_then_padding_fuses_and_matches(fn, buffers, pattern, capture):
+    report = check_against_unfused(functools.partial(Fn, fn, **buffers), qkv(), capture)
+    assert report.by_pattern() == {pattern: 1}
+
+
+def hand_finite_fill_then_padding(m, q, k, v):  # -1e4: whether a partly open row underflows depends on the scores
+    att = (q @ k.transpose(-2, -1)) * 0.3
+    return F.softmax(att.masked_fill(m.causal == 0, -1e4) + m.mask, dim=-1) @ v
+
+
+def hand_fill_then_half_padding(m, q, k, v):  # fp16 padding beside fp32 scores: the sum is fp32, fill + padding not
+    att = torch.where(m.keep, (q @ k.transpose(-2, -1)) * 0.3, torch.finfo(torch.float32).min)
+    return F.softmax(att + m.mask.half(), dim=-1) @ v
+
+
+@pytest.mark.parametrize("fn, buffers, reason", [
+    (hand_finite_fill_then_padding, {"causal": CAUSAL, "mask": ADDITIVE}, "a finite fill"),
+    (hand_fill_then_half_padding, {"keep": KEEP, "mask": ADDITIVE}, "narrower than the scores"),
+], ids=lambda v: v.__name__ if callable(v) else None)
+def test_causal_fill_then_padding_near_misses_are_left_saying_why(fn, buffers, reason):
+    report = check_against_unfused(functools.partial(Fn, fn, **buffers), qkv(), "dynamo")
+    assert report.by_pattern() == {}
+    assert reason in str(report), str(report)
+
+
 def chain_inkling(m, q, k, v, n_rep=2):  # Inkling's eager attention: scale, position bias, mask, fp32 softmax
     if n_rep > 1:  # transformers' repeat_kv returns k and v as they are for one kv head per query head
         k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
