@@ -493,6 +493,40 @@ def test_a_gradient_penalty_through_a_fused_model_matches_the_unfused_one(train,
             assert_close(f"grad {name}", p.grad, p64.grad, pr.grad)
 
 
+def test_a_fused_model_under_a_default_device_takes_the_eager_path_with_the_same_bits():
+    """Under `with torch.device(...)` (set_default_device's mode) the captured blocks' ops keep
+    their thin eager path: no registered `trifuse::` op in the autograd graph, and the loss and
+    every gradient the same bits as without the mode."""
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _models.gpt2()
+    trifuse.fuse(model)
+    kw = inputs(2, 8)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss = loss_fn(model, kw)
+        nodes, stack = set(), [loss.grad_fn]
+        while stack:
+            node = stack.pop()
+            if node is not None and node not in nodes:
+                nodes.add(node)
+                stack.extend(n for n, _ in node.next_functions)
+        loss.backward()
+        return loss, [p.grad for p in model.parameters()], {type(n).__name__ for n in nodes}
+
+    plain = step()
+    with torch.device(_models.DEVICE):
+        under = step()
+    assert "_AttentionFunctionBackward" in under[2] or not trifuse.report(model).counts().get("attention")
+    assert not any(n.startswith("GeneratedBackwardFor_trifuse") for n in under[2]), sorted(under[2])
+    assert under[2] == plain[2]
+    torch.testing.assert_close(under[0], plain[0], rtol=0, atol=0)
+    for a, b in zip(plain[1], under[1]):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
 def _gpt2_with_hooks():
     model, inputs, loss_fn = _models.gpt2()
     kw = inputs(2, 8)

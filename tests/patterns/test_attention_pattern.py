@@ -595,6 +595,17 @@ def test_causal_fill_then_padding_fuses_and_matches(fn, buffers, pattern, captur
     assert report.by_pattern() == {pattern: 1}
 
 
+def hand_fill_then_padding_fp16(m, q, k, v, dtype=torch.float16):  # a 16-bit model: finfo(fp16).min, fp16 padding
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    att = torch.where(m.keep, (q @ k.transpose(-2, -1)) * 0.3, torch.finfo(q.dtype).min)
+    return F.softmax(att + m.mask.to(dtype), dim=-1) @ v
+
+
+def test_causal_fill_then_padding_fuses_in_16_bits():
+    check_16_bit_chain(Fn, hand_fill_then_padding_fp16, {"keep": KEEP, "mask": ADDITIVE},
+                       "attention_chain_mul_where_add")
+
+
 def hand_finite_fill_then_padding(m, q, k, v):  # -1e4: whether a partly open row underflows depends on the scores
     att = (q @ k.transpose(-2, -1)) * 0.3
     return F.softmax(att.masked_fill(m.causal == 0, -1e4) + m.mask, dim=-1) @ v
