@@ -1160,12 +1160,19 @@ def attention_chain_where_add_fused(q, k, v, d0, d1, keep, fill, fill_dtype, dev
     # which the huge fill absorbs (|q k^T| < ulp(finfo.min) / 2): the same scores, so the same softmax.
     mask = mask.to(fill_dtype)  # the unfused sum is in the scores' dtype (fp32 beside a 16-bit mask)
     scale = 1.0 / scale if scaling == "div" else scale if scaling == "mul" else 1.0
+    q, attn_mask = _fill_then_mask_as_op_mask(q, keep, mask, fill)
+    return ops.attention(q, k, v, attn_mask, p if training else 0.0, False, scale)
+
+
+def _fill_then_mask_as_op_mask(q: torch.Tensor, keep: torch.Tensor, mask: torch.Tensor, fill):
+    """`where(keep, scores, fill) + mask` as the op's inputs (q, attn_mask): the mask where a key is
+    kept, fill + mask where not (the huge fill absorbs q k^T). A row dropped whole (GPT-Neo's and
+    ImageGPT's causal masks keep the diagonal; a custom one may not) by a finite fill gets its query
+    zeroed: the op's scores there are fill + mask exactly, and neither q nor k gets a gradient from
+    it, as through the where()."""
     if fill != float("-inf"):
-        # A row the where() drops whole (GPT-Neo's and ImageGPT's causal masks keep the diagonal; a
-        # custom one may not): its query zeroed, the op's scores there are fill + mask exactly, and
-        # neither q nor k gets a gradient from it, as through the where().
         q = torch.where(keep.any(-1, keepdim=True), q, 0.0)
-    return ops.attention(q, k, v, torch.where(keep, mask, mask + fill), p if training else 0.0, False, scale)
+    return q, torch.where(keep, mask, mask + fill)
 
 
 def attention_chain_fill_add(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, scale, mask: torch.Tensor,
@@ -1186,16 +1193,11 @@ def attention_chain_fill_add(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 def attention_chain_fill_add_fused(q, k, v, d0, d1, scale, mask, fill, padding, p=0.0, training=False, *,
                                    scaling: str, fill_with: str, dropout: bool):
-    # As GPT-Neo's (attention_chain_where_add_fused): the op's mask is the padding where a key is
-    # kept and fill + padding where not (the huge fill absorbs q k^T; _fill_add_shapes has checked
-    # that the unfused sum is in the padding's dtype), and a row dropped whole by a finite fill gets
-    # its query zeroed, so that its scores are fill + padding exactly.
+    # As GPT-Neo's (_fill_add_shapes has checked that the unfused sum is in the padding's dtype).
     keep = torch.logical_not(mask) if fill_with == "masked_fill" else mask
-    if fill != float("-inf"):
-        q = torch.where(keep.any(-1, keepdim=True), q, 0.0)
+    q, attn_mask = _fill_then_mask_as_op_mask(q, keep, padding, fill)
     scale = scale if scaling == "mul" else 1.0 / scale
-    p = p if dropout and training else 0.0
-    return ops.attention(q, k, v, torch.where(keep, padding, padding + fill), p, False, scale)
+    return ops.attention(q, k, v, attn_mask, p if dropout and training else 0.0, False, scale)
 
 
 def _fill_add_shapes(m: Match) -> str | None:
