@@ -21,6 +21,7 @@ installed where, and after a forward what each capture replaced.
 """
 import functools
 import inspect
+import types
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -94,6 +95,7 @@ def fuse(model: torch.nn.Module, *, ops: Iterable[str] | None = None, skip_logit
     patterns = select_patterns(PATTERNS, families)
     if model in _RECORDS or any(installed_unit(m) is not None for m in model.modules()):
         raise ValueError("trifuse.fuse: this model is already fused; fuse a fresh copy to change `ops`")
+    _drop_rebound_forwards(model)
     notes: list[Note] = []
     blocks = _find_blocks(model)
     block_set = {id(m) for members in blocks.values() for _, m in members}
@@ -127,6 +129,19 @@ def fuse(model: torch.nn.Module, *, ops: Iterable[str] | None = None, skip_logit
     return model
 
 
+def _drop_rebound_forwards(model: torch.nn.Module) -> None:
+    """Removes instance `forward` attributes that are only the module's own class forward bound
+    to it again. Pickling a fused model (`torch.save(model)`) stores each installed forward as
+    `getattr(module, "forward")`, so the loaded model holds its class's forwards as instance
+    attributes: it runs unfused, as it should (a fused forward is this process's state), but
+    `fuse` took every such module for one with a forward of its own and left it alone."""
+    for module in model.modules():
+        forward = module.__dict__.get("forward")
+        if isinstance(forward, types.MethodType) and forward.__self__ is module \
+                and forward.__func__ is getattr(type(module), "forward", None):
+            del module.__dict__["forward"]
+
+
 def _train_without_kv_cache(model: torch.nn.Module, notes: list[Note]) -> None:
     """The outermost modules whose forward takes `use_cache` (Hugging Face decoders, the model
     itself or one inside a wrapper) get a forward pre-hook: a training call (module.training,
@@ -146,9 +161,12 @@ def _train_without_kv_cache(model: torch.nn.Module, notes: list[Note]) -> None:
             continue
         if "use_cache" not in params:
             continue
-        module.register_forward_pre_hook(
-            functools.partial(_no_cache_in_training, positional=params.index("use_cache") - 1), with_kwargs=True)
         hooked.append(path)
+        # a model fused before, pickled and loaded, has the hook already
+        if not any(isinstance(h, functools.partial) and h.func is _no_cache_in_training
+                   for h in module._forward_pre_hooks.values()):
+            module.register_forward_pre_hook(
+                functools.partial(_no_cache_in_training, positional=params.index("use_cache") - 1), with_kwargs=True)
         notes.append(Note(path or "(model)", type(module).__name__,
                           "training calls that do not set use_cache run with use_cache=False (a KV cache would "
                           "keep the blocks unfused; transformers does the same under gradient checkpointing)",

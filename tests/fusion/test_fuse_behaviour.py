@@ -687,6 +687,32 @@ def test_deepcopy_of_a_fused_model_runs_its_own_weights():
     assert trifuse.report(twin).counts() == trifuse.report(model).counts()
 
 
+def test_a_fused_model_saved_whole_loads_unfused_and_fuses_again():
+    """torch.save(model) pickles each installed forward as getattr(module, "forward"): the loaded
+    model holds its classes' own forwards, runs as the unfused model does, and fuse takes it
+    again (it took those attributes for forwards of the user's own and fused nothing)."""
+    import io
+
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _models.gpt2()
+    trifuse.fuse(model)
+    kw = inputs(2, 8)
+    loss_fn(model, kw).backward()
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert not trifuse.report(loaded).counts()
+    torch.testing.assert_close(loss_fn(loaded, kw), loss_fn(model, kw))
+    trifuse.fuse(loaded)
+    loss_fn(loaded, kw).backward()
+    assert trifuse.report(loaded).counts() == trifuse.report(model).counts()
+    assert "own forward attribute" not in trifuse.report(loaded).table()
+    hooks = [h for m in loaded.modules() for h in m._forward_pre_hooks.values()
+             if isinstance(h, functools.partial) and h.func.__name__ == "_no_cache_in_training"]
+    assert len(hooks) == 1, "the use_cache hook that came with the pickle is not added twice"
+
+
 def test_model_to_another_dtype_after_fuse():
     torch.manual_seed(0)
     model, inputs, loss_fn = _models.nanogpt()
