@@ -183,11 +183,15 @@ _peek_functorch = getattr(getattr(torch._C, "_functorch", None), "peek_interpret
 def function_transform() -> str | None:
     """Why a call must run as the model wrote it, when it must: inside a torch.func transform
     (`grad`, `vmap`, `jvp`, `jacrev`: per-sample gradients, JVP-based losses) or under forward-mode
-    AD, which trifuse's ops do not implement (their autograd Functions have no vmap or jvp rule)."""
+    AD, which trifuse's ops do not implement (their autograd Functions have no vmap or jvp rule),
+    or under `torch.jit.trace`."""
     if _peek_functorch() is not None:
         return "inside a torch.func transform (grad, vmap, jvp, ...), which trifuse's ops do not implement"
     if torch.autograd.forward_ad._current_level >= 0:
         return "under forward-mode AD (a dual level is open), which trifuse's ops do not implement"
+    if torch._C._get_tracing_state() is not None:
+        # Dynamo refuses to run under the tracer; the traced module stays portable without trifuse
+        return "under torch.jit.trace, which records the model's own ops"
     return None
 
 

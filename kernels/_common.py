@@ -139,11 +139,15 @@ def eager_fast_path(*tensors: torch.Tensor | None) -> bool:
     it the registered ops' dispatch made a fused GPT-2 step's host time 48.96 ms against eager's
     29.95 (bench/e2e_host_proxy.py --default-device).
     """
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0 or _jit_tracing():
         return False
     if torch._C._is_torch_function_mode_enabled() and not _only_device_modes():
         return False
     return all(t is None or type(t) in _PLAIN_TENSORS for t in tensors)
+
+
+_jit_tracing = torch._C._get_tracing_state  # torch.jit.trace records the registered op, not the kernels'
+                                            # launches, which it cannot see (its sizes are traced values)
 
 
 def outside_device_modes(fn: Callable[..., Any]) -> Callable[..., Any]:

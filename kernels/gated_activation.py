@@ -217,12 +217,16 @@ def _gated_activation_torch(gate, up, activation):
 
 
 def _gated_activation_bwd_torch(dy, gate, up, activation):
-    g = _upcast(gate).detach().requires_grad_()
-    with torch.enable_grad():
-        a = _act_ref(g, activation)
-    (da,) = torch.autograd.grad(a, g, torch.ones_like(a))
-    dy, u = dy.to(g.dtype), _upcast(up)
-    return (dy * u * da).to(gate.dtype).contiguous(), (dy * a.detach()).to(gate.dtype).contiguous()
+    # PyTorch's own backward formulas, not autograd: inside the registered backward op autograd
+    # records nothing (it runs below the Autograd key), and torch.autograd.grad failed there.
+    g, u = _upcast(gate), _upcast(up)
+    dy = dy.to(g.dtype)
+    if activation == "silu":
+        dgate = torch.ops.aten.silu_backward(dy * u, g)
+    else:
+        approximate = "tanh" if activation == "gelu_tanh" else "none"
+        dgate = torch.ops.aten.gelu_backward(dy * u, g, approximate=approximate)
+    return dgate.to(gate.dtype).contiguous(), (dy * _act_ref(g, activation)).to(gate.dtype).contiguous()
 
 
 # =============================================================================================

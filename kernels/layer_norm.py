@@ -865,7 +865,9 @@ def _norm_bwd_torch(dy, s, n, weight, mean, rstd, is_rms_norm, ds, p, seed, stor
     dx = grad_s
     if p > 0.0:
         dx = torch.where(_torch_keep_mask(seed, grad_s.shape, p).to(s.device), grad_s * _dropout_scale(p), 0.0)
-    dr = grad_s.reshape(s.shape).to(s.dtype) if store_dresidual else None
+    # a buffer of its own, as the kernel's: without dropout dx is grad_s, and the registered
+    # backward op may not return two outputs that alias
+    dr = grad_s.reshape(s.shape).to(s.dtype, copy=True) if store_dresidual else None
     dx_out = dx.reshape(s.shape).to(s.dtype)
     return dx_out, dr if dr is not None else dx_out, (dy2 * xhat).sum(0), dy2.sum(0), dx.sum(0)
 

@@ -404,6 +404,36 @@ def test_data_dependent_control_flow_and_numpy_are_left_working():
     assert any("fx cannot trace" in n.reason for n in report.notes)
 
 
+def test_torch_jit_trace_of_a_fused_model_records_the_model_as_written():
+    """torch.jit.trace (and the ONNX exporter's tracing mode) over a fused model: Dynamo refuses
+    to run under the tracer (a RuntimeError from every fused block), so the blocks run as the
+    model wrote them there and the traced module needs no trifuse; the report counts why."""
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _models.gpt2()
+    model.eval()
+    ref = copy.deepcopy(model)
+    trifuse.fuse(model)
+    kw, other = inputs(2, 8), inputs(2, 8)
+
+    class Logits(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, ids):
+            return self.inner(input_ids=ids, use_cache=False).logits
+
+    traced = torch.jit.trace(Logits(model), kw["input_ids"], check_trace=False)
+    assert not any(n.kind().startswith("trifuse::") for n in traced.inlined_graph.nodes())
+    torch.testing.assert_close(traced(other["input_ids"]), Logits(ref)(other["input_ids"]))
+    reasons = collections.Counter()
+    for calls in trifuse.report(model).unfused_calls().values():
+        reasons.update(calls)
+    assert any("torch.jit.trace" in r for r in reasons), reasons
+    torch.testing.assert_close(loss_fn(model, kw), loss_fn(ref, kw))  # fused again outside
+    assert trifuse.report(model).counts().get("attention") == _models.LAYERS
+
+
 def test_torch_func_transforms_and_forward_ad_run_the_blocks_as_written():
     """torch.func's grad and jvp, vmap for per-sample gradients, and forward-mode AD through a
     fused model: trifuse's ops implement none of them, so each fused block and the fused loss run

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import trifuse
-from _device import DEVICE
+from _device import DEVICE, INTERPRETED, ON_GPU
 from _fusing import PassThroughMode
 
 ops = trifuse.ops
@@ -111,3 +111,74 @@ def test_under_another_function_mode_the_ops_take_their_registered_ops(name):
     assert any(n.startswith("GeneratedBackwardFor_trifuse") for n in nodes_m), nodes_m
     for a, b in zip((*outs, *grads), (*outs_m, *grads_m)):
         torch.testing.assert_close(b, a)
+
+
+def _leaf_grads(outs):
+    """Every leaf the outputs depend on (in a fixed order), and its gradient for random output
+    gradients."""
+    leaves, seen, stack = [], set(), [t.grad_fn for t in outs if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if hasattr(node, "variable"):
+            leaves.append(node.variable)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    leaves.sort(key=lambda t: (tuple(t.shape), t.detach().flatten()[0].item()))
+    torch.manual_seed(2)
+    seeds = [torch.randn(t.shape, dtype=t.dtype, device=t.device) for t in outs if t.requires_grad]
+    return leaves, torch.autograd.grad([t for t in outs if t.requires_grad], leaves, seeds, allow_unused=True)
+
+
+@pytest.mark.skipif(ON_GPU or INTERPRETED, reason="the PyTorch path: CPU tensors without TRITON_INTERPRET "
+                    "(test_the_reference_path_in_a_process_of_its_own runs it)")
+@pytest.mark.parametrize("name", [*_cases(), "residual_stream_p0"])
+def test_on_the_reference_path_the_registered_ops_equal_the_eager_path(name):
+    """CPU tensors without the interpreter run the PyTorch path, inside the registered ops too
+    (torch.compile, a function mode, torch.jit.trace): gated_activation's backward op failed there
+    (it took its derivative with torch.autograd.grad, which records nothing below the Autograd
+    key), and the residual stream's without dropout returned dx and dresidual as one buffer, which
+    a custom op may not."""
+    if name == "residual_stream_p0":
+        torch.manual_seed(0)
+        x, r, w, b, xb = _t(3, 40), _t(3, 40), _t(40), _t(40), _t(40)
+        cases = {name: lambda: ops.dropout_add_layer_norm(x, r, 40, w, b, p=0.0, x_bias=xb)}
+    else:
+        cases = _cases()
+    results = []
+    for mode in (contextlib.nullcontext, PassThroughMode):
+        torch.manual_seed(1)
+        with mode():
+            out = cases[name]()
+            outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,))
+                    if isinstance(t, torch.Tensor)]
+            leaves, grads = _leaf_grads(outs)
+        results.append((outs, leaves, grads))
+    (outs, leaves, grads), (outs_r, leaves_r, grads_r) = results
+    assert [id(t) for t in leaves_r] == [id(t) for t in leaves]
+    for a, b in zip((*outs, *grads), (*outs_r, *grads_r)):
+        if a is None:
+            assert b is None
+            continue
+        torch.testing.assert_close(b, a)
+
+
+def test_the_reference_path_in_a_process_of_its_own():
+    """The tests above that need the PyTorch path, and the jit-trace tests on it, in a pytest
+    process without the interpreter (the suite runs with it on a CPU machine)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "", "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    here = Path(__file__).resolve()
+    args = [f"{here}::test_on_the_reference_path_the_registered_ops_equal_the_eager_path",
+            str(here.parent / "test_jit_trace.py")]
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", *args]
+    out = subprocess.run(command, cwd=tests.parent, env=env, capture_output=True, text=True, timeout=600,
+                         check=False)
+    assert out.returncode == 0 and " passed" in out.stdout and "skipped" not in out.stdout, out.stdout[-4000:]
