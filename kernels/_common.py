@@ -133,13 +133,15 @@ def eager_fast_path(*tensors: torch.Tensor | None) -> bool:
     """True when plain eager autograd can take the thin `autograd.Function` path.
 
     Anything traced (Dynamo, AOTAutograd's fake and proxy tensors, tensor subclasses, active
-    dispatch or function modes) must see the registered `trifuse::` op instead. One function mode
-    is not a tracer: torch's DeviceContext (`torch.set_default_device`, `with torch.device(...)`),
-    which only gives factory calls without a device one; the fast path passes its devices. Under
-    it the registered ops' dispatch made a fused GPT-2 step's host time 48.96 ms against eager's
-    29.95 (bench/e2e_host_proxy.py --default-device).
+    dispatch or function modes, torch.jit.trace) must see the registered `trifuse::` op instead.
+    One function mode is not a tracer: torch's DeviceContext (`torch.set_default_device`, `with
+    torch.device(...)`), which only gives factory calls without a device one; the fast path passes
+    its devices. Under it the registered ops' dispatch made a fused GPT-2 step's host time 48.96
+    ms against eager's 29.95 (bench/e2e_host_proxy.py --default-device).
     """
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0 or _jit_tracing():
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+        return False
+    if _jit_tracing() is not None:
         return False
     if torch._C._is_torch_function_mode_enabled() and not _only_device_modes():
         return False
