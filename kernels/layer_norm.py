@@ -830,15 +830,22 @@ def _norm_fwd_torch(x, n, weight, bias, eps, is_rms_norm, residual, x_bias, p, s
     other = residual if residual is not None else post
     dtype = x.dtype if other is None else torch.promote_types(x.dtype, other.dtype)
     acc = torch.float64 if dtype == torch.float64 else torch.float32
-    s = x.to(acc) if x_bias is None else x.to(acc) + x_bias.to(acc)
+    # in rows of the normalized width: x_bias comes flat, whatever normalized_shape's rank
+    s2 = x.reshape(-1, n).to(acc)
+    if x_bias is not None:
+        s2 = s2 + x_bias.reshape(-1).to(acc)
     if p > 0.0:
-        s = torch.where(_torch_keep_mask(seed, s.shape, p).to(s.device), s * _dropout_scale(p), 0.0)
+        s2 = torch.where(_torch_keep_mask(seed, s2.shape, p).to(s2.device), s2 * _dropout_scale(p), 0.0)
     if residual is not None:
-        s = s + residual.to(acc)
-    s = s.to(dtype).to(acc)  # normalize s as stored, as the kernel does
-    s2 = s.reshape(-1, n)
-    mean = torch.zeros(s2.shape[0], dtype=acc, device=x.device) if is_rms_norm else s2.mean(dim=1)
-    d = s2 - mean[:, None]
+        s2 = s2 + residual.reshape(-1, n).to(acc)
+    s2 = s2.to(dtype).to(acc)  # normalize s as stored, as the kernel does
+    if is_rms_norm:
+        mean = torch.zeros(s2.shape[0], dtype=acc, device=x.device)
+        d = s2
+    else:  # corrected two-pass, as the kernels: rows far from 0 (1e4 +- 1) keep what the mean's
+        mean = s2.mean(dim=1)  # rounding loses, as a correction of the centred values
+        d = s2 - mean[:, None]
+        d = d - d.mean(dim=1, keepdim=True)
     rstd = torch.rsqrt(d.square().mean(dim=1) + eps)
     y = d * rstd[:, None]
     if weight is not None:
@@ -847,7 +854,7 @@ def _norm_fwd_torch(x, n, weight, bias, eps, is_rms_norm, residual, x_bias, p, s
         y = y + bias.reshape(-1).to(acc)
     if post is not None:
         y = y + post.reshape(-1, n).to(acc)
-    s_out = s.to(dtype) if store_s else x
+    s_out = s2.reshape(x.shape).to(dtype) if store_s else x
     return y.reshape(x.shape).to(dtype), s_out, mean[:0] if is_rms_norm else mean, rstd
 
 
@@ -855,7 +862,11 @@ def _norm_bwd_torch(dy, s, n, weight, mean, rstd, is_rms_norm, ds, p, seed, stor
     acc = mean.dtype if mean.numel() else rstd.dtype
     s2 = s.reshape(-1, n).to(acc)
     dy2 = dy.reshape(-1, n).to(acc)
-    xhat = (s2 - (0.0 if is_rms_norm else mean[:, None])) * rstd[:, None]
+    if is_rms_norm:
+        xhat = s2 * rstd[:, None]
+    else:  # the saved mean corrected as the forward's
+        d = s2 - mean[:, None].to(acc)
+        xhat = (d - d.mean(dim=1, keepdim=True)) * rstd[:, None]
     g = dy2 * weight.reshape(-1).to(acc) if weight is not None else dy2
     c1 = (xhat * g).mean(dim=1, keepdim=True)
     c2 = 0.0 if is_rms_norm else g.mean(dim=1, keepdim=True)

