@@ -311,7 +311,13 @@ def unsupported_argument(args: tuple, kwargs: dict, *, containers: bool = True) 
 
 
 def _unsupported(v: Any, containers: bool) -> str | None:
-    if isinstance(v, (torch.Tensor, *_SIMPLE)):
+    if isinstance(v, torch.Tensor):
+        # A nested tensor (nn.TransformerEncoder's eval fast path hands its layers one) made Dynamo
+        # skip the block's frame for good: every later call, training ones too, ran unfused.
+        if v.is_nested:
+            return "a nested tensor (nn.TransformerEncoder's fast path, in eval without grad)"
+        return None if v.layout == torch.strided else f"a tensor of layout {v.layout}"
+    if isinstance(v, _SIMPLE):
         return None
     if containers and type(v) in (tuple, list, torch.Size):  # BEiT passes its patch grid as a torch.Size
         return next((w for w in (_unsupported(x, containers) for x in v) if w), None)

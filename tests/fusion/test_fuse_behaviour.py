@@ -743,6 +743,29 @@ def test_a_fused_model_saved_whole_loads_unfused_and_fuses_again():
     assert len(hooks) == 1, "the use_cache hook that came with the pickle is not added twice"
 
 
+def test_an_encoder_called_first_on_its_nested_eval_path_still_fuses_in_training():
+    """nn.TransformerEncoder (enable_nested_tensor=True, its default) in eval without grad, with a
+    key padding mask, turns its input into a nested tensor for its layers' fast path. Dynamo
+    traced a layer called with it, found nothing, and skipped the frame for good: every later
+    call, the training ones too, ran unfused (a validation pass before training). A nested
+    tensor argument now runs the layer as written, named in the report."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(_models.HIDDEN, 4, 2 * _models.HIDDEN, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, _models.LAYERS).eval()
+    ref = copy.deepcopy(model)
+    trifuse.fuse(model)
+    x = torch.randn(3, 7, _models.HIDDEN)
+    pad = torch.zeros(3, 7, dtype=torch.bool)
+    pad[0, 5:], pad[2, 3:] = True, True
+    with torch.no_grad():
+        torch.testing.assert_close(model(x, src_key_padding_mask=pad), ref(x, src_key_padding_mask=pad))
+    reasons = [r for calls in trifuse.report(model).unfused_calls().values() for r in calls]
+    assert any("nested tensor" in r for r in reasons), reasons
+    model.train(), ref.train()
+    torch.testing.assert_close(model(x, src_key_padding_mask=pad), ref(x, src_key_padding_mask=pad))
+    assert trifuse.report(model).counts().get("attention") == _models.LAYERS
+
+
 def test_model_to_another_dtype_after_fuse():
     torch.manual_seed(0)
     model, inputs, loss_fn = _models.nanogpt()
