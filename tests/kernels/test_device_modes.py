@@ -63,27 +63,37 @@ MODES = {
 }
 
 
-def _run(call):
-    """The call's tensor outputs, its inputs' gradients for random output gradients, and the
-    class names of every autograd node it recorded."""
-    torch.manual_seed(1)
-    out = call()
-    outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
-    nodes, stack = set(), [t.grad_fn for t in outs if t.grad_fn is not None]
-    leaves = []
+def _outputs(out) -> list[torch.Tensor]:
+    return [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
+
+
+def _leaf_grads(outs):
+    """Every leaf the outputs depend on (in a fixed order), its gradient for random output
+    gradients, and the class names of every autograd node on the way."""
+    leaves, names, seen, stack = [], set(), set(), [t.grad_fn for t in outs if t.grad_fn is not None]
     while stack:
         node = stack.pop()
-        if node is None or type(node).__name__ in nodes:
+        if node is None or id(node) in seen:
             continue
-        nodes.add(type(node).__name__)
+        seen.add(id(node))
+        names.add(type(node).__name__)
         if hasattr(node, "variable"):
             leaves.append(node.variable)
         stack.extend(next_node for next_node, _ in node.next_functions)
-    leaves = sorted({id(t): t for t in leaves}.values(), key=lambda t: t.shape)
+    leaves.sort(key=lambda t: (tuple(t.shape), t.detach().flatten()[0].item()))
     torch.manual_seed(2)
     seeds = [torch.randn(t.shape, dtype=t.dtype, device=t.device) for t in outs if t.requires_grad]
     grads = torch.autograd.grad([t for t in outs if t.requires_grad], leaves, seeds, allow_unused=True)
-    return outs, grads, nodes
+    return leaves, grads, names
+
+
+def _run(call):
+    """The call's tensor outputs, its leaves' gradients for random output gradients, and the
+    class names of every autograd node it recorded."""
+    torch.manual_seed(1)
+    outs = _outputs(call())
+    _, grads, names = _leaf_grads(outs)
+    return outs, grads, names
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -113,24 +123,6 @@ def test_under_another_function_mode_the_ops_take_their_registered_ops(name):
         torch.testing.assert_close(b, a)
 
 
-def _leaf_grads(outs):
-    """Every leaf the outputs depend on (in a fixed order), and its gradient for random output
-    gradients."""
-    leaves, seen, stack = [], set(), [t.grad_fn for t in outs if t.grad_fn is not None]
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        if hasattr(node, "variable"):
-            leaves.append(node.variable)
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    leaves.sort(key=lambda t: (tuple(t.shape), t.detach().flatten()[0].item()))
-    torch.manual_seed(2)
-    seeds = [torch.randn(t.shape, dtype=t.dtype, device=t.device) for t in outs if t.requires_grad]
-    return leaves, torch.autograd.grad([t for t in outs if t.requires_grad], leaves, seeds, allow_unused=True)
-
-
 @pytest.mark.skipif(ON_GPU or INTERPRETED, reason="the PyTorch path: CPU tensors without TRITON_INTERPRET "
                     "(test_the_reference_path_in_a_process_of_its_own runs it)")
 @pytest.mark.parametrize("name", [*_cases(), "residual_stream_p0"])
@@ -150,10 +142,8 @@ def test_on_the_reference_path_the_registered_ops_equal_the_eager_path(name):
     for mode in (contextlib.nullcontext, PassThroughMode):
         torch.manual_seed(1)
         with mode():
-            out = cases[name]()
-            outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,))
-                    if isinstance(t, torch.Tensor)]
-            leaves, grads = _leaf_grads(outs)
+            outs = _outputs(cases[name]())
+            leaves, grads, _ = _leaf_grads(outs)
         results.append((outs, leaves, grads))
     (outs, leaves, grads), (outs_r, leaves_r, grads_r) = results
     assert [id(t) for t in leaves_r] == [id(t) for t in leaves]
