@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
 from ..patterns._base import Pattern, example_value
@@ -1072,12 +1073,12 @@ class FxUnit(Unit):
             return self.original(module, *args, **kwargs)  # raises the error the user would get
         bound.apply_defaults()
         values = list(bound.arguments.values())[1:]
-        reason = unsupported_argument(tuple(values), {}, containers=False)
+        reason = next((f"argument {i} is {why}" for i, why in enumerate(map(_fx_unsupported, values)) if why), None)
         if reason is not None:
             return self._eager(module, args, kwargs, reason)
         everywhere = global_hooks()
         key = (
-            tuple((v.dtype, v.device.type, v.dim()) if isinstance(v, torch.Tensor) else (type(v), v) for v in values),
+            tuple(map(_fx_key, values)),
             # a hook registered after a capture keeps its module a call in a capture of its own; a
             # submodule replaced by one of another class (an adapter around a Linear) is traced anew
             tuple((type(m), m.training, everywhere or bool(m._forward_hooks or m._forward_pre_hooks
@@ -1101,17 +1102,23 @@ class FxUnit(Unit):
         if entry.fn is None:
             return self._eager(module, args, kwargs, entry.reason)
         self.last[module] = entry.capture
-        return entry.fn(module, *values)
+        return entry.fn(module, *pytree.tree_leaves(values))
 
     def _capture_fx(self, module: torch.nn.Module, names: list[str], values: list[Any], key: tuple) -> _FxEntry:
-        concrete = {n: v for n, v in zip(names, values) if not isinstance(v, torch.Tensor)}
+        # Plain values are traced as constants (the call key holds them); a container's tensors
+        # become placeholders (fx.PH), one per leaf, as its plain values do.
+        concrete = {n: pytree.tree_map(lambda x: fx.PH if isinstance(x, torch.Tensor) else x, v)
+                    for n, v in zip(names, values) if not isinstance(v, torch.Tensor)}
         try:
             graph = LeafTracer(self.leaves).trace(module, concrete_args=concrete)
         except Exception as e:  # noqa: BLE001  (fx cannot trace this call: run it as written)
             return _FxEntry(None, None, f"fx cannot trace it: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+        if not _flat_inputs(graph):
+            return _FxEntry(None, None, "fx traced a different signature (outputs in a container of a class of its own)")
         _drop_specialization_asserts(graph)
         gm = fx.GraphModule(module, graph)
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        values = pytree.tree_leaves(values)
         if len(placeholders) != len(values):
             return _FxEntry(None, None, "fx traced a different signature")
         params = tuple((p.dtype, p.device, tuple(p.shape)) for p in module.parameters())
@@ -1182,6 +1189,52 @@ def _function_apply(cls: type) -> Callable[..., Any]:
 
     apply.__name__ = apply.__qualname__ = f"{cls.__name__}_apply"
     return apply
+
+
+_FX_CONTAINERS = (tuple, list, torch.Size, dict)
+
+
+def _fx_unsupported(v: Any) -> str | None:
+    """Why an fx unit cannot take `v` as an argument (None when it can): tensors, plain values,
+    and tuples, lists, torch.Size and dicts of them (CoaT hands its blocks the token grid as a
+    tuple, its parallel blocks a list of grids; CrossViT a list of token tensors)."""
+    if type(v) in _FX_CONTAINERS:
+        return next((w for w in map(_fx_unsupported, v.values() if type(v) is dict else v) if w), None)
+    return _unsupported(v, containers=False)
+
+
+def _fx_key(v: Any) -> Any:
+    """An fx argument in the call key: a tensor by dtype, device type and rank (the graph holds
+    no size), a plain value by value (the graph holds it as a constant), a container by its
+    structure and its items' keys."""
+    if isinstance(v, torch.Tensor):
+        return v.dtype, v.device.type, v.dim()
+    if type(v) is dict:
+        return dict, tuple((k, _fx_key(x)) for k, x in v.items())
+    if type(v) in _FX_CONTAINERS:
+        return type(v), tuple(map(_fx_key, v))
+    return type(v), v
+
+
+def _flat_inputs(graph: fx.Graph) -> bool:
+    """A graph fx traced with containers among its arguments takes their leaves flattened back
+    into the containers (pytree code generation) and returns its outputs flattened: give it a
+    placeholder per leaf, called as such, and its outputs in their own structure again. False
+    where that structure holds a class of its own (it cannot be written into the graph)."""
+    codegen = graph._codegen
+    if not isinstance(codegen, fx.graph._PyTreeCodeGen):
+        return True
+    out_spec = codegen.pytree_info.out_spec
+    if out_spec is not None:
+        def builtin(spec: pytree.TreeSpec) -> bool:
+            return spec.is_leaf() or (spec.type in (tuple, list, dict) and all(map(builtin, spec.children_specs)))
+
+        if not builtin(out_spec):
+            return False
+        output = graph.output_node()
+        output.args = (pytree.tree_unflatten(list(output.args[0]), out_spec),)
+    graph._codegen = fx.graph.CodeGen()
+    return True
 
 
 def _drop_specialization_asserts(graph: fx.Graph) -> None:

@@ -879,6 +879,66 @@ def test_a_torch_size_argument_is_captured():
     assert report.counts() == available_counts({"layer_norm": 1}) and not report.unfused_calls()
 
 
+class _TupleGridBlock(nn.Module):
+    """timm's CoaT: a serial block takes its token grid as a tuple of ints, a parallel block a
+    list of token tensors and a list of grids, and returns a tuple; fx traces both."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.ln = nn.Linear(_models.HIDDEN, _models.HIDDEN), nn.LayerNorm(_models.HIDDEN)
+
+    def forward(self, x, size):
+        h, w = size
+        y = F.gelu(self.fc(x)).view(x.shape[0], h, w, -1)
+        return self.ln(x + y.flatten(1, 2))
+
+
+class _ListBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(_models.HIDDEN)
+
+    def forward(self, xs, sizes, scale=None):
+        outs = [self.ln(x + x.view(x.shape[0], *hw, -1).flatten(1, 2)) for x, hw in zip(xs, sizes)]
+        return outs[0] * scale[0], outs[1] * scale[1]
+
+
+class _Grids(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.serial = nn.ModuleList([_TupleGridBlock() for _ in range(2)])
+        self.parallel = nn.ModuleList([_ListBlock() for _ in range(2)])
+
+    def forward(self, x, grid):
+        for block in self.serial:
+            x = block(x, grid)
+        xs = [x, x.flip(1)]
+        for block in self.parallel:
+            xs = block(xs, [grid, grid[::-1]], scale={0: 2.0, 1: 0.5})
+        return xs[0] + xs[1]
+
+
+def test_tuple_list_and_dict_arguments_are_captured_by_fx():
+    """Container arguments once left fx units unfused for good ("argument 1 is a tuple"): a
+    plain value in one is a constant of the capture, keyed by value (another grid captures
+    anew, no stale constant), a tensor in one is an input of the graph."""
+    torch.manual_seed(0)
+    ref = _Grids().double()  # float64: the comparison is tight, not fp32 rounding's
+    model = trifuse.fuse(copy.deepcopy(ref))
+    for grid in ((2, 3), (3, 2), (2, 3)):
+        x = torch.randn(2, 6, _models.HIDDEN, dtype=torch.float64, requires_grad=True)
+        out, expected = model(x, grid), ref(x, grid)
+        torch.testing.assert_close(out, expected)
+        grads = torch.autograd.grad(out.square().sum(), [x, *model.parameters()])
+        ref_grads = torch.autograd.grad(expected.square().sum(), [x, *ref.parameters()])
+        torch.testing.assert_close(grads, ref_grads)
+        report = trifuse.report(model)
+        assert "fx" in report.table() and not report.unfused_calls(), report.table()
+        assert report.counts() == available_counts({"bias_gelu": 2, "residual_stream": 6}), report.counts()
+    serial = next(u.unit for u in report.units if u.unit.cls is _TupleGridBlock)
+    assert len(serial.shared) == 2  # one capture per grid, shared by both layers
+
+
 class _BlockReturningModelOutput(nn.Module):
     """A block that fx traces and that returns a Hugging Face ModelOutput, which its caller
     indexes by position (SqueezeBERT's encoder: `encoder_outputs[0]`)."""
