@@ -1166,7 +1166,15 @@ class LeafTracer(fx.Tracer):
 
         torch.autograd.Function.apply = classmethod(apply)
         try:
-            return super().trace(root, concrete_args)
+            removed = _trace_into_wrapped_functions()
+            try:
+                return super().trace(root, concrete_args)
+            except Exception:
+                if not removed:
+                    raise
+            finally:
+                _WRAPPED_FUNCTIONS.update(removed)
+            return super().trace(root, concrete_args)  # the wrapped functions as calls, as fx keeps them
         finally:
             torch.autograd.Function.apply = original
 
@@ -1178,6 +1186,35 @@ class LeafTracer(fx.Tracer):
                 and all(isinstance(k, str) for k in a):
             return self.create_node("call_function", type(a), (), {k: self.create_arg(v) for k, v in a.items()})
         return super().create_arg(a)
+
+
+# fx.wrap's registry: functions each fx trace keeps as one call, (id(globals), name) -> globals.
+_WRAPPED_FUNCTIONS: dict = getattr(fx._symbolic_trace, "_wrapped_fns_to_patch", {})
+
+
+def _trace_into_wrapped_functions() -> dict:
+    """Takes out of fx.wrap's registry the functions other libraries wrapped (torch's own stay),
+    and returns them to put back after the trace: fx would keep each one call no pattern sees into,
+    and they hold what the patterns look for (timm's `maybe_add_mask` between an explicit
+    attention's scores and its softmax; torchvision's Swin attention whole). One whose code fx
+    cannot trace (control flow on a size) fails the trace, and the caller traces again with them
+    wrapped."""
+    if not isinstance(_WRAPPED_FUNCTIONS, dict):
+        return {}
+    removed = {key: frame_globals for key, frame_globals in list(_WRAPPED_FUNCTIONS.items())
+               if not str(frame_globals.get("__name__", "")).startswith("torch.")}
+    for key in removed:
+        del _WRAPPED_FUNCTIONS[key]
+    return removed
+
+
+def wrapped_calls(graph: fx.Graph) -> list[Callable[..., Any]]:
+    """The functions of other libraries an fx graph calls without seeing into them (fx.wrap'd
+    ones its code fx could not trace, e.g. torchvision's shifted_window_attention)."""
+    names = {name for (_, name), g in _WRAPPED_FUNCTIONS.items()
+             if not str(g.get("__name__", "")).startswith("torch.")} if isinstance(_WRAPPED_FUNCTIONS, dict) else set()
+    return [n.target for n in graph.nodes if n.op == "call_function" and isinstance(n.target, types.FunctionType)
+            and n.target.__name__ in names and not n.target.__module__.startswith("torch.")]
 
 
 @functools.cache

@@ -31,7 +31,7 @@ from torch import fx
 
 from ..patterns import PATTERNS
 from ..patterns._base import available
-from .capture import DynamoUnit, FxUnit, HeadUnit, LeafTracer, Unit, installed_unit
+from .capture import DynamoUnit, FxUnit, HeadUnit, LeafTracer, Unit, installed_unit, wrapped_calls
 from .graphs import BlockGraphs
 from .match import compile_pattern, matches
 from .normalize import canonicalize, squares_as_powers
@@ -259,19 +259,28 @@ def _find_blocks(model: torch.nn.Module) -> dict[type, list[tuple[str, torch.nn.
 def _unit_for_blocks(cls, members, patterns, verbose, is_leaf) -> Unit:
     module = members[0][1]
     graph, _ = _trace(module, is_leaf)
-    if graph is not None and not _calls_multihead_attention(graph, module):
+    if graph is not None and not _hides_attention_from_fx(graph, module):
         return FxUnit(module, patterns, verbose, is_leaf)
     return DynamoUnit(cls, patterns, verbose)
 
 
-def _calls_multihead_attention(graph: fx.Graph, module: torch.nn.Module) -> bool:
-    """Whether an fx graph of `module` calls an nn.MultiheadAttention. fx keeps it a module call
-    that no pattern looks into; Dynamo traces through it to F.multi_head_attention_forward,
-    which the attention patterns fuse (nn.TransformerDecoderLayer, which fx traces)."""
-    return any(
-        node.op == "call_module" and isinstance(module.get_submodule(node.target), torch.nn.MultiheadAttention)
-        for node in graph.nodes
-    )
+def _hides_attention_from_fx(graph: fx.Graph, module: torch.nn.Module) -> bool:
+    """Whether an fx graph of `module` keeps an attention in a call no pattern looks into: an
+    nn.MultiheadAttention (a module call; Dynamo traces through it to
+    F.multi_head_attention_forward, which the attention patterns fuse: nn.TransformerDecoderLayer,
+    which fx traces), or a function fx.wrap'd by its library whose code fx cannot trace
+    (torchvision's Swin: shifted_window_attention branches on its padding); Dynamo traces both."""
+    if any(node.op == "call_module" and isinstance(module.get_submodule(node.target), torch.nn.MultiheadAttention)
+           for node in graph.nodes):
+        return True
+    for fn in wrapped_calls(graph):
+        try:
+            source = inspect.getsource(fn)
+        except (OSError, TypeError):
+            continue
+        if any(word in source for word in _ATTENTION_WORDS):
+            return True
+    return False
 
 
 def _trace(module: torch.nn.Module, is_leaf) -> tuple[fx.Graph | None, str]:
@@ -327,7 +336,7 @@ def _visit(module: torch.nn.Module, path: str, patterns, verbose, is_leaf, notes
         for name, child in module.named_children():
             _visit(child, f"{path}.{name}" if path else name, patterns, verbose, is_leaf, notes, units)
         return
-    if _calls_multihead_attention(graph, module):
+    if _hides_attention_from_fx(graph, module):
         DynamoUnit(type(module), patterns, verbose).install(module, path or "(model)")
         return
     gm = canonicalize(fx.GraphModule(module, graph), module)

@@ -939,6 +939,71 @@ def test_tuple_list_and_dict_arguments_are_captured_by_fx():
     assert len(serial.shared) == 2  # one capture per grid, shared by both layers
 
 
+def _scores_plus_mask(scores, mask=None):
+    """timm's `maybe_add_mask`: fx.wrap'd by its library, so fx would keep it one opaque call
+    between an explicit attention's scores and its softmax."""
+    return scores if mask is None else scores + mask
+
+
+def _padded_window_attention(q, k, v):
+    """torchvision's shifted_window_attention in small: fx.wrap'd, and fx cannot trace its code
+    (it branches on a size), so an fx graph keeps the whole attention one call."""
+    pad = (4 - q.shape[-2] % 4) % 4
+    if pad:
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    out = torch.softmax(q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5, dim=-1) @ v
+    return out[..., : out.shape[-2] - pad, :]
+
+
+torch.fx.wrap("_scores_plus_mask")
+torch.fx.wrap("_padded_window_attention")
+
+
+class _WrappedAttentionBlock(nn.Module):
+    def __init__(self, windowed: bool):
+        super().__init__()
+        self.windowed = windowed
+        self.qkv, self.proj = nn.Linear(_models.HIDDEN, 3 * _models.HIDDEN), nn.Linear(_models.HIDDEN, _models.HIDDEN)
+
+    def forward(self, x, mask=None):
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 2, d // 2).permute(2, 0, 3, 1, 4).unbind(0)
+        if self.windowed:
+            o = _padded_window_attention(q, k, v)
+        else:
+            o = torch.softmax(_scores_plus_mask(q @ k.transpose(-2, -1) * (d // 2) ** -0.5, mask), dim=-1) @ v
+        return x + self.proj(o.transpose(1, 2).reshape(b, n, d))
+
+
+class _Stack(nn.Module):
+    def __init__(self, blocks):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("windowed", [False, True], ids=["traced-into", "opaque-to-fx"])
+def test_attention_inside_functions_other_libraries_fx_wrap_is_fused(windowed):
+    """fx.wrap'd functions of other libraries: traced into where fx can (the attention chain
+    around timm's maybe_add_mask fuses in an fx capture); where it cannot, the block goes to
+    Dynamo, which traces through (torchvision's Swin attention). Both once stayed unfused."""
+    torch.manual_seed(0)
+    ref = _Stack(_WrappedAttentionBlock(windowed) for _ in range(2)).double()
+    model = trifuse.fuse(copy.deepcopy(ref))
+    x = torch.randn(2, 7, _models.HIDDEN, dtype=torch.float64, requires_grad=True)
+    out, expected = model(x), ref(x)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(torch.autograd.grad(out.sum(), x), torch.autograd.grad(expected.sum(), x))
+    report = trifuse.report(model)
+    assert report.counts() == available_counts({"attention": 2}), report.table()
+    assert ("(_WrappedAttentionBlock, dynamo)" if windowed else "(_WrappedAttentionBlock, fx)") in report.table()
+    assert torch.fx._symbolic_trace._wrapped_fns_to_patch  # the registry is whole again after the traces
+
+
 class _BlockReturningModelOutput(nn.Module):
     """A block that fx traces and that returns a Hugging Face ModelOutput, which its caller
     indexes by position (SqueezeBERT's encoder: `encoder_outputs[0]`)."""
