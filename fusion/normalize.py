@@ -191,6 +191,7 @@ def canonicalize_graph(graph: fx.Graph, root: torch.nn.Module | None = None) -> 
     _static_shapes_as(graph)
     _out_of_place_updates(graph)
     _softmax_of_casts(graph)
+    _window_mask_views(graph)
     _view_round_trips(graph)
 
 
@@ -816,6 +817,50 @@ def _view_round_trips(graph: fx.Graph) -> None:
         graph.erase_node(node)
         if not inner.users:
             graph.erase_node(inner)
+
+
+def _window_mask_views(graph: fx.Graph) -> None:
+    """`s.view(B / nW, nW, H, N, M) + m` viewed back to s's (B, H, N, M), m (1, nW, 1 or H, N, M)
+    -> `s + m.expand(B / nW, nW, ., N, M).reshape(B, ., N, M)`: Swin's shifted windows add their
+    (nW, N, M) mask (`mask.unsqueeze(1).unsqueeze(0)`) over a 5-D view of the scores
+    (transformers' Swin, torchvision's, timm's explicit path), where the attention patterns take a
+    mask over the 4-D scores. The same sums; the tiled mask holds B x N x M values (per head only
+    where m is), no stride can repeat the windows along the batch. Where example values show
+    those shapes and nothing else reads the views or writes to them."""
+    for back in list(graph.nodes):
+        added = back.args[0] if _is_view(back) else None
+        if not isinstance(added, fx.Node) or added.op != "call_function" or added.target is not operator.add \
+                or len(added.args) != 2 or added.kwargs or len(added.users) != 1:
+            continue
+        view, mask = added.args if _is_view(added.args[0]) else added.args[::-1]
+        if not _is_view(view) or len(view.users) != 1 or not isinstance(mask, fx.Node) \
+                or any(_written_in_place(n) for n in (view, added, back)):
+            continue
+        scores = view.args[0]
+        s, v, m, out = (_value(n) for n in (scores, view, mask, back))
+        if not all(isinstance(t, torch.Tensor) for t in (s, v, m, out)) or s.dim() != 4 or v.dim() != 5 \
+                or m.dim() != 5 or not same_shape(s, out) or not m.is_floating_point():
+            continue
+        batch, heads, n, k = s.shape
+        per, windows = v.shape[:2]
+        if tuple(v.shape[2:]) != (heads, n, k) or per * windows != batch or tuple(m.shape[:2]) != (1, windows) \
+                or m.shape[2] not in (1, heads) or tuple(m.shape[3:]) != (n, k):
+            continue
+        shape = view.args[1]
+        if not isinstance(shape, (tuple, list)) or len(shape) != 5:
+            continue
+        # the view's own sizes (nodes of a dynamic capture, or ints), the mask's heads 1 or the view's
+        sizes = (*shape[:2], 1 if m.shape[2] == 1 else shape[2], *shape[3:])
+        with graph.inserting_before(back):
+            tiled = graph.call_method("expand", (mask, sizes))
+            tiled.meta["val"] = m.expand(per, windows, m.shape[2], n, k)
+            flat = graph.call_method("reshape", (tiled, (-1, *sizes[2:])))
+            flat.meta["val"] = tiled.meta["val"].reshape(batch, m.shape[2], n, k)
+            total = graph.call_function(operator.add, (scores, flat) if added.args[0] is view else (flat, scores))
+            total.meta["val"] = out
+        back.replace_all_uses_with(total)
+        for node in (back, added, view):
+            graph.erase_node(node)
 
 
 def _is_view(node: Any) -> bool:

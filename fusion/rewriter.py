@@ -479,7 +479,12 @@ def _placement_problem(graph: fx.Graph, m: Match, plan: _Plan) -> str | None:
     inputs = [n for n in plan.inputs.values() if isinstance(n, fx.Node)]
     if not all(movable(n) for n in inputs):
         return "an input of the replacement is computed after the pattern starts"
-    written = next((n for n in inputs if _written_after(n, first, order)), None)
+    # What moves up reads what it read where it was: neither an input nor anything a moved node
+    # reads may be written after the pattern starts (torchvision's Swin fills its window mask by
+    # `mask[h, w] = i` between the scores and the mask's add; moved up, the mask read zeros).
+    # (A write that moves up with them keeps its place among them: DeBERTa's `pos_query_layer /= s`.)
+    read = [*inputs, *sorted({i for n in seen for i in (n, *n.all_input_nodes)}, key=order.__getitem__)]
+    written = next((n for n in read if _written_after(n, first, order, seen)), None)
     if written is not None:
         return f"{written.name} is written in place after the pattern starts"
     return None
@@ -491,8 +496,10 @@ _ALIASING = {"view", "view_as", "reshape", "transpose", "permute", "unsqueeze", 
              "detach", "to", "type", "float", "getitem", "movedim", "swapaxes", "diagonal", "unfold", "real", "imag"}
 
 
-def _written_after(node: fx.Node, position: int, order: dict[fx.Node, int]) -> bool:
-    """Whether `node`, or a view of it, is written in place by a node after `position`."""
+def _written_after(node: fx.Node, position: int, order: dict[fx.Node, int],
+                   moving: set[fx.Node] = frozenset()) -> bool:
+    """Whether `node`, or a view of it, is written in place by a node after `position` (other
+    than the nodes `moving` up before it)."""
     stack, seen = [node], set()
     while stack:
         n = stack.pop()
@@ -500,7 +507,7 @@ def _written_after(node: fx.Node, position: int, order: dict[fx.Node, int]) -> b
             continue
         seen.add(n)
         for user in n.users:
-            if writes_in_place(user) and order.get(user, -1) > position:
+            if writes_in_place(user) and order.get(user, -1) > position and user not in moving:
                 return True
             name = user.target if isinstance(user.target, str) else getattr(user.target, "__name__", "")
             if user.op in ("call_function", "call_method") and name in _ALIASING and user.args and user.args[0] is n:

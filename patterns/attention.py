@@ -1039,23 +1039,30 @@ def attention_chain_add_add(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d
                             v_shape=None, k_heads=None, v_heads=None, *, scaling: str, upcast: bool = False,
                             repeat_kv: bool = False):
     """Scores scaled (scaling "div": MPNet's; "mul": Switch Transformers' and LongT5's eager
-    attention, `* scaling`), a relative position bias added (`scores += position_bias`), then the
-    additive mask, softmax, dropout. upcast: the softmax in fp32 cast back to `dtype`, over k and v
-    repeated per query group (repeat_kv): Inkling's eager attention."""
+    attention, `* scaling`; "none": q scaled before the product, torchvision's Swin), a relative
+    position bias added (`scores += position_bias`), then the additive mask (Swin's shifted
+    windows' mask, tiled over the batch by the normalizer), softmax, dropout. upcast: the softmax in
+    fp32 cast back to `dtype`, over k and v repeated per query group (repeat_kv): Inkling's eager
+    attention."""
     if repeat_kv:
         k, v = _repeat_kv(k, k_shape, k_heads), _repeat_kv(v, v_shape, v_heads)
     s = torch.matmul(q, k.transpose(d0, d1))
-    s = (s / scale if scaling == "div" else s * scale) + bias
+    if scaling == "div":
+        s = s / scale
+    elif scaling == "mul":
+        s = s * scale
+    s = s + bias
     a = torch.softmax(s + mask, -1, torch.float32).to(dtype) if upcast else torch.softmax(s + mask, -1)
     return torch.matmul(F.dropout(a, p, training, False), v)
 
 
-def attention_chain_add_add_fused(q, k, v, d0, d1, scale, bias, mask, p, training, dtype=None, k_shape=None,
+def attention_chain_add_add_fused(q, k, v, d0, d1, scale=None, bias=None, mask=None, p=0.0, training=False,
+                                  dtype=None, k_shape=None,
                                   v_shape=None, k_heads=None, v_heads=None, *, scaling: str,
                                   upcast: bool = False, repeat_kv: bool = False):
     # one float mask: the sum the unfused code adds in two steps (the op's dMask reaches both addends)
     return ops.attention(q, k, v, bias + mask, p if training else 0.0, False,
-                         1.0 / scale if scaling == "div" else scale, repeat_kv)
+                         1.0 / scale if scaling == "div" else scale if scaling == "mul" else 1.0, repeat_kv)
 
 
 def attention_chain_add_rounded_add(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, scale,
@@ -1539,12 +1546,13 @@ PATTERNS = (
             attention_chain_mul_add_masked_fill_fused, ("attention",),
             (_transposes_last_two, _scale_is_number, needs_number("scale", "p"), needs_bool("training"),
              _float_mask("bias"), _bool_mask("mask"), _fill_masks, _cast_is_a_no_op)),
-    *(Pattern(f"attention_chain_{scaling}_add_add", "attention",
+    *(Pattern(f"attention_chain_{'unscaled' if scaling == 'none' else scaling}_add_add", "attention",
               functools.partial(attention_chain_add_add, scaling=scaling),
               functools.partial(attention_chain_add_add_fused, scaling=scaling), ("attention",),
-              (_transposes_last_two, _scale_is_number, needs_number("scale", "p"), needs_bool("training"),
-               _float_mask("bias"), _float_mask("mask"), _two_masks_broadcast_to_the_scores))
-      for scaling in ("div", "mul")),
+              (_transposes_last_two, *([_scale_is_number, needs_number("scale")] if scaling != "none" else []),
+               needs_number("p"), needs_bool("training"), _float_mask("bias"), _float_mask("mask"),
+               _two_masks_broadcast_to_the_scores))
+      for scaling in ("div", "mul", "none")),
     *(Pattern("attention_chain_mul_add_add_upcast" + ("_repeat_kv" if repeat_kv else ""), "attention",
               functools.partial(attention_chain_add_add, scaling="mul", upcast=True, repeat_kv=repeat_kv),
               functools.partial(attention_chain_add_add_fused, scaling="mul", upcast=True,

@@ -240,6 +240,68 @@ def test_an_input_written_in_place_after_the_pattern_starts_is_not_read_early():
     assert any("written in place after the pattern starts" in reason for *_, reason in report.rejected())
 
 
+class _MaskFilledAfterTheScores(nn.Module):
+    """torchvision's Swin: the scores first, then a window mask made by `mask[h, w] = i` and
+    turned into an additive mask by ops that copy (not views of the written tensor), then added."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 2, 8).permute(2, 0, 3, 1, 4).unbind(0)
+        scores = (q * 8 ** -0.5) @ k.transpose(-2, -1)
+        ids = x.new_zeros(n)
+        ids[n // 2:] = 1.0
+        mask = (ids.unsqueeze(0) - ids.unsqueeze(1)).abs() * -100.0
+        return torch.softmax(scores + mask, dim=-1) @ v
+
+
+def test_what_a_moved_input_reads_is_not_written_after_the_pattern_starts():
+    """The replacement goes where the pattern starts, and the mask's computation moves up with
+    it: the tensor it reads is filled in place after the scores (no view of the mask itself), so
+    moved up it read zeros, a wrong answer. The rewrite is refused there and says why."""
+    from _fusing import check_against_unfused
+
+    report = check_against_unfused(_MaskFilledAfterTheScores, (torch.randn(2, 6, 16),), "dynamo")
+    assert "attention" not in report.counts()
+    assert any("ids is written in place after the pattern starts" in reason for *_, reason in report.rejected())
+
+
+class _ShiftedWindowAttention(nn.Module):
+    """Swin's shifted windows as transformers, timm (explicit) and torchvision write them: the
+    relative position bias added, then the (windows, N, N) mask over a (B / nW, nW, H, N, N)
+    view of the scores, viewed back."""
+
+    def __init__(self, heads=2, windows=3, n=5):
+        super().__init__()
+        self.heads, self.qkv = heads, nn.Linear(16, 48)
+        self.bias = nn.Parameter(torch.randn(1, heads, n, n))
+        self.register_buffer("mask", torch.where(torch.rand(windows, n, n) < 0.3, -100.0, 0.0))
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        attn = (q * (c // self.heads) ** -0.5) @ k.transpose(-2, -1) + self.bias
+        windows = self.mask.shape[0]
+        attn = attn.view(b // windows, windows, self.heads, n, n) + self.mask.unsqueeze(1).unsqueeze(0)
+        attn = F.dropout(torch.softmax(attn.view(-1, self.heads, n, n), dim=-1), 0.0, self.training)
+        return (attn @ v).transpose(1, 2).reshape(b, n, c)
+
+
+@pytest.mark.parametrize("capture", ["fx", "dynamo"])
+def test_a_window_mask_added_over_a_view_of_the_scores_is_fused(capture):
+    """The normalizer tiles the window mask over the batch, (B, 1, N, N), and the attention
+    chain with two added masks takes it (without: the softmax stayed unfused)."""
+    from _fusing import check_against_unfused
+
+    make = (lambda: _Stack([_ShiftedWindowAttention()])) if capture == "fx" else _ShiftedWindowAttention
+    report = check_against_unfused(make, (torch.randn(6, 5, 16),), capture, train=True)
+    assert report.counts() == available_counts({"attention": 1}), report.table()
+    assert ("(_ShiftedWindowAttention, fx)" if capture == "fx" else "dynamo") in report.table()
+
+
 def test_new_shapes_and_modes_recapture_a_bounded_number_of_times():
     torch.manual_seed(0)
     model, inputs, loss_fn = _models.gpt2()
