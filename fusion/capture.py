@@ -1073,7 +1073,8 @@ class FxUnit(Unit):
             return self.original(module, *args, **kwargs)  # raises the error the user would get
         bound.apply_defaults()
         values = list(bound.arguments.values())[1:]
-        reason = next((f"argument {i} is {why}" for i, why in enumerate(map(_fx_unsupported, values)) if why), None)
+        reason = next((f"argument {i} is {why}" for i, why in enumerate(map(_fx_unsupported, values)) if why),
+                      None)
         if reason is not None:
             return self._eager(module, args, kwargs, reason)
         everywhere = global_hooks()
@@ -1114,7 +1115,8 @@ class FxUnit(Unit):
         except Exception as e:  # noqa: BLE001  (fx cannot trace this call: run it as written)
             return _FxEntry(None, None, f"fx cannot trace it: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
         if not _flat_inputs(graph):
-            return _FxEntry(None, None, "fx traced a different signature (outputs in a container of a class of its own)")
+            return _FxEntry(None, None, "fx traced a different signature (outputs in a container of a "
+                                        "class of its own)")
         _drop_specialization_asserts(graph)
         gm = fx.GraphModule(module, graph)
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -1211,9 +1213,12 @@ def _trace_into_wrapped_functions() -> dict:
 def wrapped_calls(graph: fx.Graph) -> list[Callable[..., Any]]:
     """The functions of other libraries an fx graph calls without seeing into them (fx.wrap'd
     ones its code fx could not trace, e.g. torchvision's shifted_window_attention)."""
+    if not isinstance(_WRAPPED_FUNCTIONS, dict):
+        return []
     names = {name for (_, name), g in _WRAPPED_FUNCTIONS.items()
-             if not str(g.get("__name__", "")).startswith("torch.")} if isinstance(_WRAPPED_FUNCTIONS, dict) else set()
-    return [n.target for n in graph.nodes if n.op == "call_function" and isinstance(n.target, types.FunctionType)
+             if not str(g.get("__name__", "")).startswith("torch.")}
+    return [n.target for n in graph.nodes
+            if n.op == "call_function" and isinstance(n.target, types.FunctionType)
             and n.target.__name__ in names and not n.target.__module__.startswith("torch.")]
 
 
@@ -1264,7 +1269,8 @@ def _flat_inputs(graph: fx.Graph) -> bool:
     out_spec = codegen.pytree_info.out_spec
     if out_spec is not None:
         def builtin(spec: pytree.TreeSpec) -> bool:
-            return spec.is_leaf() or (spec.type in (tuple, list, dict) and all(map(builtin, spec.children_specs)))
+            return spec.is_leaf() or (spec.type in (tuple, list, dict)
+                                      and all(map(builtin, spec.children_specs)))
 
         if not builtin(out_spec):
             return False

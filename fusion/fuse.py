@@ -270,8 +270,8 @@ def _hides_attention_from_fx(graph: fx.Graph, module: torch.nn.Module) -> bool:
     F.multi_head_attention_forward, which the attention patterns fuse: nn.TransformerDecoderLayer,
     which fx traces), or a function fx.wrap'd by its library whose code fx cannot trace
     (torchvision's Swin: shifted_window_attention branches on its padding); Dynamo traces both."""
-    if any(node.op == "call_module" and isinstance(module.get_submodule(node.target), torch.nn.MultiheadAttention)
-           for node in graph.nodes):
+    if any(node.op == "call_module" and isinstance(module.get_submodule(node.target),
+                                                   torch.nn.MultiheadAttention) for node in graph.nodes):
         return True
     for fn in wrapped_calls(graph):
         try:

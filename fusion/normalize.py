@@ -823,7 +823,7 @@ def _window_mask_views(graph: fx.Graph) -> None:
     """`s.view(B / nW, nW, H, N, M) + m` viewed back to s's (B, H, N, M), m (1, nW, 1 or H, N, M)
     -> `s + m.expand(B / nW, nW, ., N, M).reshape(B, ., N, M)`: Swin's shifted windows add their
     (nW, N, M) mask (`mask.unsqueeze(1).unsqueeze(0)`) over a 5-D view of the scores
-    (transformers' Swin, torchvision's, timm's explicit path), where the attention patterns take a
+    (torchvision's Swin, timm's with fused_attn off), where the attention patterns take a
     mask over the 4-D scores. The same sums; the tiled mask holds B x N x M values (per head only
     where m is), no stride can repeat the windows along the batch. Where example values show
     those shapes and nothing else reads the views or writes to them."""
@@ -843,8 +843,9 @@ def _window_mask_views(graph: fx.Graph) -> None:
             continue
         batch, heads, n, k = s.shape
         per, windows = v.shape[:2]
-        if tuple(v.shape[2:]) != (heads, n, k) or per * windows != batch or tuple(m.shape[:2]) != (1, windows) \
-                or m.shape[2] not in (1, heads) or tuple(m.shape[3:]) != (n, k):
+        if tuple(v.shape[2:]) != (heads, n, k) or per * windows != batch \
+                or tuple(m.shape[:2]) != (1, windows) or m.shape[2] not in (1, heads) \
+                or tuple(m.shape[3:]) != (n, k):
             continue
         shape = view.args[1]
         if not isinstance(shape, (tuple, list)) or len(shape) != 5:
@@ -856,7 +857,8 @@ def _window_mask_views(graph: fx.Graph) -> None:
             tiled.meta["val"] = m.expand(per, windows, m.shape[2], n, k)
             flat = graph.call_method("reshape", (tiled, (-1, *sizes[2:])))
             flat.meta["val"] = tiled.meta["val"].reshape(batch, m.shape[2], n, k)
-            total = graph.call_function(operator.add, (scores, flat) if added.args[0] is view else (flat, scores))
+            order = (scores, flat) if added.args[0] is view else (flat, scores)
+            total = graph.call_function(operator.add, order)
             total.meta["val"] = out
         back.replace_all_uses_with(total)
         for node in (back, added, view):

@@ -1549,7 +1549,8 @@ PATTERNS = (
     *(Pattern(f"attention_chain_{'unscaled' if scaling == 'none' else scaling}_add_add", "attention",
               functools.partial(attention_chain_add_add, scaling=scaling),
               functools.partial(attention_chain_add_add_fused, scaling=scaling), ("attention",),
-              (_transposes_last_two, *([_scale_is_number, needs_number("scale")] if scaling != "none" else []),
+              (_transposes_last_two,
+               *([_scale_is_number, needs_number("scale")] if scaling != "none" else []),
                needs_number("p"), needs_bool("training"), _float_mask("bias"), _float_mask("mask"),
                _two_masks_broadcast_to_the_scores))
       for scaling in ("div", "mul", "none")),

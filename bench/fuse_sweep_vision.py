@@ -1,0 +1,292 @@
+"""`trifuse.fuse` on the vision models people train outside transformers: one architecture of
+each timm model module (ViT, DeiT, BEiT, EVA, Swin, CaiT, XCiT, PVT, MaxViT, Hiera, ConvNeXt, ...)
+and torchvision's transformers (ViT, Swin, Swin V2, MaxViT), built small, in float64 on CPU (Triton's
+interpreter). Does the fused model still run, train and give the unfused model's loss and
+gradients, and what did fuse replace? The same net as bench/fuse_sweep.py (transformers' models),
+for code written by other hands: timm's blocks call `F.scaled_dot_product_attention` or spell the
+chain out (`fused_attn`), scale layers (`LayerScale`), norm q and k, wrap norms of their own
+(LayerNorm2d over channels-first maps), window and pool their tokens.
+
+    TRITON_INTERPRET=1 python bench/fuse_sweep_vision.py [--jobs N] [--explicit-attention] [NAME ...]
+        # NAME: a timm model name (e.g. vit_tiny_patch16_224) or torchvision.vit / .swin / .swin_v2 /
+        # .maxvit; named rows replace theirs in the results. Default: every timm module's smallest
+        # model, and the torchvision four (~40-60 min on 2 cores with --jobs 2).
+        # --explicit-attention: timm's blocks with fused_attn off (TIMM_FUSED_ATTN=0): the written-out
+        # softmax(q k^T) v chains instead of F.scaled_dot_product_attention
+
+Needs timm and torchvision importable (not in the test extras: torchvision's wheel must match
+torch's build, and CI's CPU torch has none on PyPI; the rows in bench/results/ say which versions
+ran). Each model runs in its own process (memory-capped, timed out), dropout and drop-path off, one
+training step (cross-entropy over 10 classes, a batch of 2) before and after fuse, then a second
+fused call. Statuses and tolerances as in bench/fuse_sweep.py ("ok": loss within 1e-6, every
+gradient within 1e-5 of its parameter's largest, or of FLOOR of the model's largest; "MISMATCH";
+"FUSED CRASH": the unfused model ran and the fused one raised); "build" / "unfused fails" / "not
+repeatable" (two unfused steps disagree: GhostNet's tiny batch statistics) / "too big" / "timeout"
+are the harness's.
+Writes bench/results/fuse_sweep_vision[_explicit-attention].json and .md.
+"""
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
+import time
+import traceback
+
+if __name__ == "__main__" and any(a.startswith("--one=") for a in sys.argv):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch
+
+from fuse_sweep import RESULTS, TOLERANCES, _grad_error, _non_finite  # noqa: E402
+
+MAX_PARAMS = 35_000_000
+# A gradient below this fraction of the model's largest is numerically zero and compared at it
+# (bench/fuse_sweep.py's 1e-10 suits models that compute in fp32 in places): these models run in
+# float64 throughout, and a BatchNorm bias before another norm (EfficientViT, InceptionNeXt) has a
+# gradient that is zero in exact arithmetic and float64 rounding noise of 1e-16 to 1e-15 of the
+# largest in practice, which another summation order (a fused kernel's) draws anew.
+FLOOR = 1e-8
+CLASSES = 10
+# The smallest of a module's models by name, in this order; else the shortest name.
+SIZE_WORDS = ("test", "atto", "femto", "pico", "nano", "xxs", "tiny", "xs", "mini", "s0", "b0", "m0", "t",
+              "small", "s", "s1", "b1", "m1", "lite", "base")
+# Image sizes tried, smallest first: a model whose constructor takes img_size is built at the first
+# its forward accepts (window sizes, strides and pooling fix the rest at their defaults).
+SIZES = (64, 96, 128)
+# ViT variants beside each module's smallest: LayerScale (DeiT III), register tokens and global
+# pooling, SigLIP's attention-pool head, AIMv2's SwiGLU and RMSNorm, rotary ViTs.
+EXTRA = ("deit3_small_patch16_224", "vit_small_patch16_224", "vit_little_patch16_reg4_gap_256",
+         "vit_base_patch16_siglip_224", "aimv2_large_patch14_224", "vit_medium_patch16_rope_reg1_gap_256",
+         # and the small members of modules whose smallest by name is large: MetaFormer's CAFormer,
+         # the MLP mixers
+         "caformer_s18", "gmlp_s16_224", "mixer_s16_224", "resmlp_12_224")
+# Tried first at each size: a ViT-like constructor's depth and width cut down (the base and large
+# models of some modules are the smallest they have).
+SHRINK = {"depth": 2, "embed_dim": 64, "num_heads": 2}
+TORCHVISION = ("torchvision.vit", "torchvision.swin", "torchvision.swin_v2", "torchvision.maxvit")
+
+
+def _size_rank(name: str) -> tuple:
+    words = re.split(r"[_\-]", name)
+    for i, word in enumerate(SIZE_WORDS):
+        if word in words:
+            return (i, len(name), name)
+    return (len(SIZE_WORDS), len(name), name)
+
+
+def timm_names() -> list[str]:
+    """The smallest model of each timm module, by SIZE_WORDS."""
+    import timm
+
+    return sorted(min(timm.list_models(module=m), key=_size_rank) for m in timm.list_modules()
+                  if timm.list_models(module=m))
+
+
+def _torchvision_model(name: str) -> torch.nn.Module:
+    """torchvision's transformer classifiers, built small through their public constructors."""
+    from functools import partial
+
+    from torchvision.models import maxvit, swin_transformer, vision_transformer
+
+    if name == "torchvision.vit":
+        return vision_transformer.VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2,
+                                                    hidden_dim=32, mlp_dim=64, num_classes=CLASSES)
+    if name == "torchvision.swin":
+        return swin_transformer.SwinTransformer(patch_size=[4, 4], embed_dim=16, depths=[2, 2],
+                                                num_heads=[2, 2], window_size=[4, 4], num_classes=CLASSES)
+    if name == "torchvision.swin_v2":
+        return swin_transformer.SwinTransformer(patch_size=[4, 4], embed_dim=16, depths=[2, 2],
+                                                num_heads=[2, 2], window_size=[4, 4], num_classes=CLASSES,
+                                                block=swin_transformer.SwinTransformerBlockV2,
+                                                downsample_layer=swin_transformer.PatchMergingV2)
+    if name == "torchvision.maxvit":
+        return maxvit.MaxVit(input_size=(32, 32), stem_channels=16, partition_size=2, block_channels=[16, 32],
+                             block_layers=[1, 1], head_dim=8, stochastic_depth_prob=0.0, num_classes=CLASSES,
+                             norm_layer=partial(torch.nn.BatchNorm2d, eps=1e-3, momentum=0.01))
+    raise ValueError(f"fuse_sweep_vision: no torchvision model {name!r} (known: {', '.join(TORCHVISION)})")
+
+
+def _build(name: str) -> tuple[torch.nn.Module, tuple[int, int, int]]:
+    """(the model in float64, its input's (C, H, W)): a torchvision one at 32 x 32, a timm one at
+    the first of SIZES its forward runs at, else at its default input size."""
+    if name.startswith("torchvision."):
+        return _torchvision_model(name).double(), (3, 32, 32)
+    import timm
+
+    default = timm.get_pretrained_cfg(name)
+    default = tuple(getattr(default, "input_size", None) or (3, 224, 224)) if default else (3, 224, 224)
+    attempts = [(size, shrink) for size in (*SIZES, None) for shrink in (SHRINK, {})
+                if size is None or size < default[1]]
+    for size, shrink in attempts:
+        try:
+            kwargs = {**shrink, **({} if size is None else {"img_size": size})}
+            torch.manual_seed(0)
+            model = timm.create_model(name, pretrained=False, num_classes=CLASSES, **kwargs).double()
+            shape = default if size is None else (default[0], size, size)
+            with torch.no_grad():
+                model.eval()(torch.randn(1, *shape, dtype=torch.float64))
+            return model, shape
+        except Exception:  # noqa: BLE001  (no img_size, or a size its windows do not divide: the next)
+            if (size, shrink) == attempts[-1]:
+                raise
+    raise AssertionError("unreachable")
+
+
+def run_one(name: str) -> dict:
+    import trifuse
+
+    try:
+        model, shape = _build(name)
+    except Exception as e:  # noqa: BLE001
+        return {"status": "build", "why": f"{type(e).__name__}: {str(e).strip()[:150]}"}
+    for module in model.modules():  # dropout and drop-path off, as the sweep compares gradients
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if hasattr(module, "drop_prob") and isinstance(module.drop_prob, float):  # timm's DropPath
+            module.drop_prob = 0.0
+        if type(module).__name__ == "StochasticDepth":  # torchvision's (Swin's default rate is 0.2)
+            module.p = 0.0
+    params = sum(p.numel() for p in model.parameters())
+    if params > MAX_PARAMS:
+        return {"status": "too big", "why": f"{params} parameters"}
+    torch.manual_seed(1)
+    images = torch.randn(2, *shape, dtype=torch.float64)
+    labels = torch.tensor([3, 7])
+    leaves = [p for p in model.parameters() if p.requires_grad]
+    model.train()
+    loss_tol, grad_tol, _ = TOLERANCES["float64"]
+
+    def loss_of(m):
+        out = m(images)
+        out = out[0] if isinstance(out, (tuple, list)) else out  # distilled heads: (class, distillation)
+        return torch.nn.functional.cross_entropy(out, labels)
+
+    try:
+        loss0 = loss_of(model)
+        grads0 = torch.autograd.grad(loss0, leaves, allow_unused=True)
+        again = _grad_error(grads0, torch.autograd.grad(loss_of(model), leaves, allow_unused=True), FLOOR)
+    except Exception as e:  # noqa: BLE001
+        return {"status": "unfused fails", "why": f"{type(e).__name__}: {str(e).strip()[:150]}"}
+    if again >= grad_tol:
+        return {"status": "not repeatable",
+                "why": f"two unfused steps' gradients differ by {again:.2g}: no baseline"}
+    try:
+        fused = trifuse.fuse(model)
+        loss1 = loss_of(fused)
+        grads1 = torch.autograd.grad(loss1, leaves, allow_unused=True)
+        loss2 = loss_of(fused).detach()
+    except Exception as e:  # noqa: BLE001
+        return {"status": "FUSED CRASH", "why": f"{type(e).__name__}: {str(e).strip()[:300]}",
+                "traceback": traceback.format_exc()[-3000:]}
+    loss_err = abs(float(loss1) - float(loss0)) / max(abs(float(loss0)), 1e-30)
+    grad_err = _grad_error(grads0, grads1, FLOOR)
+    ok = loss_err < loss_tol and grad_err < grad_tol and float(loss2) == float(loss1)
+    report = trifuse.report(fused)
+    row = {"status": "ok" if ok else "MISMATCH", "input": "x".join(map(str, shape[1:])), "params": params,
+           "loss_rel_err": loss_err, "grad_rel_err": grad_err,
+           "replaced": dict(sorted(report.counts().items())), "left": len(report.left()),
+           "left_why": sorted({f"{op}: {why}"[:100] for _, _, op, why in report.left()})[:4],
+           "unfused_calls": {k: sum(v.values()) for k, v in report.unfused_calls().items()}}
+    if _non_finite(grads0):
+        row["why"] = (f"the unfused model's gradients hold {_non_finite(grads0)} NaN/inf entries "
+                      "(compared by place)")
+    return row
+
+
+def _child(name: str, explicit: bool, timeout: int = 900, threads: int | None = None) -> dict:
+    def cap_memory():
+        resource.setrlimit(resource.RLIMIT_AS, (10 << 30, 10 << 30))
+
+    t0 = time.time()
+    env = dict(os.environ, TIMM_FUSED_ATTN="0" if explicit else "1",
+               **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
+    try:
+        done = subprocess.run([sys.executable, os.path.abspath(__file__), f"--one={name}"],
+                              capture_output=True, text=True, timeout=timeout, preexec_fn=cap_memory,
+                              check=False, env=env)
+        lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+        row = json.loads(lines[-1]) if lines else {
+            "status": f"died (rc {done.returncode})",
+            "why": done.stderr.strip().splitlines()[-1][:150] if done.stderr.strip() else ""}
+    except subprocess.TimeoutExpired:
+        row = {"status": "timeout"}
+    return {"type": name, **row, "s": round(time.time() - t0, 1)}
+
+
+def _markdown(rows: list[dict], header: str) -> str:
+    from collections import Counter
+
+    counts = Counter(r["status"] for r in rows)
+    out = [f"# fuse sweep (timm and torchvision)\n\n{header}\n", "| status | models |", "|---|---|"]
+    out += [f"| {s} | {n} |" for s, n in counts.most_common()]
+    out += ["", "| model | status | input | replaced | left as written | loss rel err | max grad rel err "
+            "| why |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        replaced = ", ".join(f"{k} {v}" for k, v in r.get("replaced", {}).items())
+        err = (f"{r['loss_rel_err']:.2g}", f"{r['grad_rel_err']:.2g}") if "loss_rel_err" in r else ("", "")
+        why = "; ".join([r["why"]] if r.get("why") else r.get("left_why", []))
+        why = why.replace("|", "/").replace("\n", " ")[:160]
+        out.append(f"| {r['type']} | {r['status']} | {r.get('input', '')} | {replaced} | "
+                   f"{r.get('left', '')} | {err[0]} | {err[1]} | {why} |")
+    return "\n".join(out) + "\n"
+
+
+def main(names: list[str], jobs: int, explicit: bool) -> None:
+    import platform
+    from concurrent.futures import ThreadPoolExecutor
+
+    import timm
+    import torchvision
+    import triton
+
+    stem = "fuse_sweep_vision" + ("_explicit-attention" if explicit else "")
+    path = os.path.join(RESULTS, f"{stem}.json")
+    kept = {}
+    if names and os.path.exists(path):
+        with open(path) as f:
+            kept = {r["type"]: r for r in json.load(f)["rows"]}
+    names = names or [*timm_names(), *EXTRA, *TORCHVISION]
+    threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else None
+    rows = []
+    with ThreadPoolExecutor(jobs) as pool:
+        for row in pool.map(lambda n: _child(n, explicit, threads=threads), names):
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
+            if "traceback" in row:
+                print(row["traceback"], flush=True)
+    header = (f"date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · torch {torch.__version__} · "
+              f"triton {triton.__version__} · timm {timm.__version__} · "
+              f"torchvision {torchvision.__version__} · "
+              f"python {platform.python_version()} · CPU (TRITON_INTERPRET=1), float64, one training step, "
+              "dropout off"
+              + (", timm's attention written out (TIMM_FUSED_ATTN=0)" if explicit else ""))
+    if kept:
+        with open(path) as f:
+            swept = json.load(f)["header"]
+        header = f"{swept} · rerun {header.split(' · ')[0][len('date '):]}: {', '.join(names)}"
+    rows = sorted({**kept, **{r["type"]: r for r in rows}}.values(), key=lambda r: r["type"])
+    with open(path, "w") as f:
+        json.dump({"header": header, "rows": rows}, f, indent=1)
+    with open(os.path.join(RESULTS, f"{stem}.md"), "w") as f:
+        f.write(_markdown(rows, header))
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    one = [a for a in args if a.startswith("--one=")]
+    if one:
+        print(json.dumps(run_one(one[0][len("--one="):])), flush=True)
+        sys.exit(0)
+    jobs = 1
+    if "--jobs" in args:
+        i = args.index("--jobs")
+        jobs = int(args[i + 1])
+        del args[i:i + 2]
+    explicit = "--explicit-attention" in args
+    args = [a for a in args if a != "--explicit-attention"]
+    unknown = [a for a in args if a.startswith("-")]
+    if unknown:
+        sys.exit(f"fuse_sweep_vision: unknown option {unknown[0]!r}\n{__doc__}")
+    main(args, jobs, explicit)
