@@ -878,10 +878,26 @@ def _markdown(rows: list[dict], header: str, task: str = "causal-lm", dtype: str
     return "\n".join(out) + "\n"
 
 
+def run_rows(names: list[str], child, jobs: int) -> list[dict]:
+    """`child(name, threads)` for each name, `jobs` at a time (each a child process: the pool's
+    threads only wait on them, each child gets its share of the cores), printing each row as it
+    comes; the rows in the order of `names`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else None
+    rows = []
+    with ThreadPoolExecutor(jobs) as pool:
+        for row in pool.map(lambda name: child(name, threads), names):
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
+            if "traceback" in row:
+                print(row["traceback"], flush=True)
+    return rows
+
+
 def main(types: list[str], task: str = "causal-lm", via: str = "fuse", dtype: str = "float64", jobs: int = 1,
          attn: str = "sdpa") -> None:
     import platform
-    from concurrent.futures import ThreadPoolExecutor
 
     import transformers as tf
     import triton
@@ -906,14 +922,7 @@ def main(types: list[str], task: str = "causal-lm", via: str = "fuse", dtype: st
         with open(path) as f:
             kept = {r["type"]: r for r in json.load(f)["rows"]}
     types = types or sorted(getattr(modeling_auto, mapping))
-    rows = []
-    with ThreadPoolExecutor(jobs) as pool:  # each type is a child process: threads only wait on them
-        threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else None
-        for row in pool.map(lambda mt: _child(mt, task, via, dtype, threads=threads, attn=attn), types):
-            rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
-            if "traceback" in row:
-                print(row["traceback"], flush=True)
+    rows = run_rows(types, lambda mt, threads: _child(mt, task, via, dtype, threads=threads, attn=attn), jobs)
     header = (f"date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · torch {torch.__version__} · triton "
               f"{triton.__version__} · transformers {tf.__version__} · python {platform.python_version()} · CPU "
               f"(TRITON_INTERPRET=1), {dtype}, one training step, dropout off, task {task}, via {via}"

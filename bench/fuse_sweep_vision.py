@@ -39,7 +39,7 @@ if __name__ == "__main__" and any(a.startswith("--one=") for a in sys.argv):
 
 import torch
 
-from fuse_sweep import RESULTS, TOLERANCES, _grad_error, _non_finite  # noqa: E402
+from fuse_sweep import RESULTS, TOLERANCES, _grad_error, _non_finite, run_rows  # noqa: E402
 
 MAX_PARAMS = 35_000_000
 # A gradient below this fraction of the model's largest is numerically zero and compared at it
@@ -235,7 +235,6 @@ def _markdown(rows: list[dict], header: str) -> str:
 
 def main(names: list[str], jobs: int, explicit: bool) -> None:
     import platform
-    from concurrent.futures import ThreadPoolExecutor
 
     import timm
     import torchvision
@@ -248,14 +247,7 @@ def main(names: list[str], jobs: int, explicit: bool) -> None:
         with open(path) as f:
             kept = {r["type"]: r for r in json.load(f)["rows"]}
     names = names or [*timm_names(), *EXTRA, *TORCHVISION]
-    threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else None
-    rows = []
-    with ThreadPoolExecutor(jobs) as pool:
-        for row in pool.map(lambda n: _child(n, explicit, threads=threads), names):
-            rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
-            if "traceback" in row:
-                print(row["traceback"], flush=True)
+    rows = run_rows(names, lambda name, threads: _child(name, explicit, threads=threads), jobs)
     header = (f"date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · torch {torch.__version__} · "
               f"triton {triton.__version__} · timm {timm.__version__} · "
               f"torchvision {torchvision.__version__} · "

@@ -848,7 +848,10 @@ def _window_mask_views(graph: fx.Graph) -> None:
                 or tuple(m.shape[3:]) != (n, k):
             continue
         shape = view.args[1]
-        if not isinstance(shape, (tuple, list)) or len(shape) != 5:
+        # The sizes come from the view (a size read off the scores would be a use outside the
+        # attention's pattern); a -1 there (timm's `view(-1, nW, H, N, N)`) says nothing to expand.
+        if not isinstance(shape, (tuple, list)) or len(shape) != 5 \
+                or not all(isinstance(d, fx.Node) or (type(d) is int and d > 0) for d in shape):
             continue
         # the view's own sizes (nodes of a dynamic capture, or ints), the mask's heads 1 or the view's
         sizes = (*shape[:2], 1 if m.shape[2] == 1 else shape[2], *shape[3:])
