@@ -1103,7 +1103,9 @@ class FxUnit(Unit):
         if entry.fn is None:
             return self._eager(module, args, kwargs, entry.reason)
         self.last[module] = entry.capture
-        return entry.fn(module, *pytree.tree_leaves(values))
+        if any(type(v) in _FX_CONTAINERS for v in values):  # flattening costs ~1 us a call: only then
+            values = pytree.tree_leaves(values)
+        return entry.fn(module, *values)
 
     def _capture_fx(self, module: torch.nn.Module, names: list[str], values: list[Any], key: tuple) -> _FxEntry:
         # Plain values are traced as constants (the call key holds them); a container's tensors
