@@ -1039,8 +1039,8 @@ def attention_chain_add_add(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d
                             v_shape=None, k_heads=None, v_heads=None, *, scaling: str, upcast: bool = False,
                             repeat_kv: bool = False):
     """Scores scaled (scaling "div": MPNet's; "mul": Switch Transformers' and LongT5's eager
-    attention, `* scaling`; "none": q scaled before the product, torchvision's Swin), a relative
-    position bias added (`scores += position_bias`), then the additive mask (Swin's shifted
+    attention, `* scaling`; "none": q scaled before the product, timm's Swin with fused_attn off), a
+    relative position bias added (`scores += position_bias`), then the additive mask (Swin's shifted
     windows' mask, tiled over the batch by the normalizer), softmax, dropout. upcast: the softmax in
     fp32 cast back to `dtype`, over k and v repeated per query group (repeat_kv): Inkling's eager
     attention."""
@@ -1057,9 +1057,8 @@ def attention_chain_add_add(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d
 
 
 def attention_chain_add_add_fused(q, k, v, d0, d1, scale=None, bias=None, mask=None, p=0.0, training=False,
-                                  dtype=None, k_shape=None,
-                                  v_shape=None, k_heads=None, v_heads=None, *, scaling: str,
-                                  upcast: bool = False, repeat_kv: bool = False):
+                                  dtype=None, k_shape=None, v_shape=None, k_heads=None, v_heads=None, *,
+                                  scaling: str, upcast: bool = False, repeat_kv: bool = False):
     # one float mask: the sum the unfused code adds in two steps (the op's dMask reaches both addends)
     return ops.attention(q, k, v, bias + mask, p if training else 0.0, False,
                          1.0 / scale if scaling == "div" else scale if scaling == "mul" else 1.0, repeat_kv)
