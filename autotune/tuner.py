@@ -71,6 +71,43 @@ def wall_timer(label: str, step: Callable[[], object]) -> float:
     return statistics.median(samples)
 
 
+@contextlib.contextmanager
+def capture_failures_recovered():
+    """Around a CUDA-graph capture that may fail: on failure, ends the default CUDA generator's
+    capture mode before the error propagates. PyTorch puts the generator in capture mode when a
+    capture begins and takes it out only when the capture ends without error, so after a failed
+    capture every later random op on that device (dropout, torch.randn) raises "Offset increment
+    outside graph capture encountered unexpectedly" (seen on the lent H200, 2026-11-30: one
+    failed block capture, and the model crashed in its next attention dropout). An empty capture
+    that succeeds ends the mode, on the same generator state: graphs captured before keep
+    advancing the one Philox offset eager ops draw from (a fresh state would replay their
+    offsets)."""
+    try:
+        yield
+    except BaseException:
+        end_generator_capture_mode()
+        raise
+
+
+def end_generator_capture_mode() -> None:
+    """Takes the current device's default CUDA generator out of capture mode (see
+    `capture_failures_recovered`); a no-op on its state otherwise. Never raises."""
+    import torch
+
+    try:
+        if not torch.cuda.is_initialized():
+            return  # nothing ran on a GPU: no capture began
+        if torch.cuda.is_current_stream_capturing():
+            return  # a capture still under way (nested): its own end decides
+        scratch = torch.empty(1, device="cuda")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # begin: capture mode on; a clean end: off
+            scratch.zero_()
+        del graph
+    except Exception as e:  # noqa: BLE001  (a broken context: nothing left to save here)
+        log.warning("trifuse: could not reset the CUDA generator after a failed graph capture: %s", e)
+
+
 def graph_timer(label: str, step: Callable[[], object]) -> float:
     """Median GPU milliseconds of a CUDA step replayed from a CUDA graph: for implementations of
     an op that will run inside one (`fuse(cuda_graphs=True)`), where their host paths are gone and
@@ -93,8 +130,9 @@ def graph_timer(label: str, step: Callable[[], object]) -> float:
                 step()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
+        with capture_failures_recovered():
+            with torch.cuda.graph(graph):
+                step()
     finally:
         torch.set_autocast_cache_enabled(cache)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

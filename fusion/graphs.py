@@ -5,21 +5,23 @@ Why: a fused training step is host-bound on the lent H200 (2026-11-27: GPT-2 med
 88 ms for 121 ms of kernels). Each block's forward is ~30 Python-level calls and 5 fused ops,
 each with its autograd node. Replayed from a CUDA graph, a block's forward and its backward are
 one launch each, plus a copy of the block's inputs (and of the gradient arriving at its output)
-into the graph's own buffers. Measured there: GPT-2 medium 69.3 ms a step (1.83x eager, 64.4 ms
-of kernels), BERT-large 16x512 67.3 ms (1.20x; 0.68x ungraphed).
+into the graph's own buffers. Measured there (2026-11-30): GPT-2 medium 66.7 ms a step (1.90x
+eager, 61.4 ms of kernels; 1.22x ungraphed), BERT-large 16x512 62.6 ms (1.13x; 0.87x ungraphed).
 
 How: `torch.cuda.make_graphed_callables` on the block's fused forward (the Dynamo capture, with
 the block's trainable parameters as inputs, so that their gradients flow out of the backward
-graph into `.grad` as usual). One graph pair per block instance and per call signature (shapes,
-strides, dtypes, non-tensor arguments, autocast; parameters that move to new storage drop the
-graph, and a block whose parameters keep moving runs ungraphed), built on the second training
-call with that signature (the first one captures and tunes: no timing may run inside a
-capture). The parameters' gradients are copied out of the backward graph's buffers. The ops of
-a block to be graphed choose their implementations by GPU time in a CUDA graph, not wall time
-(`autotune.dialects.graphed_calls`): their host paths no longer count. Only training calls with
-grad on CUDA tensors are graphed; eval calls, calls without grad, gradient-checkpointed blocks
-and anything unsupported run the fused forward as before, and a graph that cannot be built is
-reported (`BlockGraphs.failures`) and never tried again for that signature.
+graph into `.grad` as usual; captured on fresh leaves that alias them, see `_build`). One graph
+pair per block instance and per call signature (shapes, strides, dtypes, non-tensor arguments,
+autocast; parameters that move to new storage drop the graph, and a block whose parameters keep
+moving runs ungraphed), built on the second training call with that signature (the first one
+captures and tunes: no timing may run inside a capture). The parameters' gradients are copied
+out of the backward graph's buffers. The ops of a block to be graphed choose their
+implementations by GPU time in a CUDA graph, not wall time (`autotune.dialects.graphed_calls`):
+their host paths no longer count. Only training calls with grad on CUDA tensors are graphed;
+eval calls, calls without grad, gradient-checkpointed blocks and anything unsupported run the
+fused forward as before, and a graph that cannot be built is reported (`BlockGraphs.failures`)
+and never tried again for that signature (the CUDA generator taken out of the capture mode a
+failed capture leaves it in: `tuner.capture_failures_recovered`).
 
 What a user should know: a block's outputs live in its graph's buffers and are overwritten when
 that block runs again (the next step), as with `torch.cuda.make_graphed_callables`; the loss and
@@ -28,6 +30,7 @@ the gradients are unaffected, but an activation kept across steps (hidden states
 The dropout masks differ from the ungraphed run's (graph-safe Philox offsets), with the same
 distribution.
 """
+import contextlib
 import weakref
 from collections import Counter
 from collections.abc import Callable
@@ -37,6 +40,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..autotune.dialects import graphed_calls
+from ..autotune.tuner import capture_failures_recovered
 from .outputs import collecting_outputs
 
 _FAILED = object()  # an entry: this signature is not graphed
@@ -115,6 +119,14 @@ class BlockGraphs:
 
     def _build(self, module, leaves: list, spec, run) -> Any:
         params = _trainable(module)
+        # The graph computes the gradients of fresh leaves that share the parameters' storage,
+        # not of the parameters: autograd runs a leaf's gradient on the stream its
+        # AccumulateGrad node was made on, and the parameters' nodes outlive a step while the
+        # user holds its loss (`loss = model(x)` of the next step runs before the old loss is
+        # dropped): made on the default stream, they end the capture ("operation failed due to
+        # a previous error during capture": the lent H200, 2026-11-30, a training loop of four
+        # steps). Replays hand the gradients to the parameters (`_OwnGrads`).
+        aliases = tuple(torch.nn.Parameter(p.detach(), requires_grad=True) for p in params)
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         # The graph's own input buffers, in the arguments' layouts (clone keeps dense strides).
         static = [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
@@ -126,7 +138,8 @@ class BlockGraphs:
             given = iter(flat[:n])
             args, kwargs = pytree.tree_unflatten(
                 [next(given) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
-            out_leaves, out_spec = pytree.tree_flatten(run(module, args, kwargs))
+            with _parameters_replaced(module, params, flat[n:]):
+                out_leaves, out_spec = pytree.tree_flatten(run(module, args, kwargs))
             # The graph returns tensors only (a None among the outputs is a leaf to pytree).
             structure = (out_spec, [_TENSOR if isinstance(x, torch.Tensor) else x for x in out_leaves])
             if out_structure and out_structure[0] != structure:
@@ -137,9 +150,9 @@ class BlockGraphs:
         cache = torch.is_autocast_cache_enabled()
         torch.set_autocast_cache_enabled(False)  # make_graphed_callables refuses autocast's weight cache
         try:
-            with graphed_calls():
+            with graphed_calls(), capture_failures_recovered():
                 graphed = torch.cuda.make_graphed_callables(
-                    block, (*static, *params), num_warmup_iters=self.warmup_iters, allow_unused_input=True)
+                    block, (*static, *aliases), num_warmup_iters=self.warmup_iters, allow_unused_input=True)
         except Exception as e:  # noqa: BLE001  (never break a model: the block runs ungraphed)
             self.failures[f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"] += 1
             return _FAILED
@@ -192,6 +205,26 @@ def _not_graphable(module: torch.nn.Module) -> str | None:
 
 def _trainable(module: torch.nn.Module) -> tuple[torch.Tensor, ...]:
     return tuple(p for p in module.parameters() if p.requires_grad)
+
+
+@contextlib.contextmanager
+def _parameters_replaced(module: torch.nn.Module, params: tuple[torch.Tensor, ...],
+                         replacements: tuple[torch.Tensor, ...]):
+    """`module`'s parameters `params` replaced by `replacements` (every place each one is
+    registered: a parameter shared by two submodules stays shared), restored on exit."""
+    by_id = {id(p): r for p, r in zip(params, replacements)}
+    replaced = []
+    for sub in module.modules():
+        for name, p in sub._parameters.items():
+            if p is not None and id(p) in by_id:
+                replaced.append((sub, name, p))
+    try:
+        for sub, name, p in replaced:
+            sub._parameters[name] = by_id[id(p)]
+        yield
+    finally:
+        for sub, name, p in replaced:
+            sub._parameters[name] = p
 
 
 def _signature(leaves: list, spec, device_type: str) -> tuple | str:
