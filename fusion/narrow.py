@@ -82,6 +82,38 @@ def narrow_norm_outputs(graph: fx.Graph) -> list[fx.Node]:
     return changed
 
 
+def drop_cast_backs(graph: fx.Graph) -> list[tuple[fx.Node, torch.dtype]]:
+    """Under autocast, a replacement's output in the autocast dtype that the rewriter cast back to
+    fp32 (the model computed it in fp32: Hugging Face's NewGELU, whose `pow` CUDA's autocast runs
+    in fp32, makes GPT-2's MLP activation fp32; the trifuse op returns its input's 16-bit dtype)
+    and that one autocast-lowered matmul alone reads (through views) reaches that matmul uncast:
+    the matmul would cast the exact fp32 copy back to the same bits, and its 16-bit gradient would
+    come back through two exact casts. GPT-2 medium (H200, 2026-11-30): 4.9 ms a step of
+    conversion kernels, 48 of the 50 `direct_copy` calls. With several readers the gradients
+    would be summed in 16 bits instead of fp32: those casts stay. Returns (source, dtype) per
+    cast dropped."""
+    if any(_switches_autocast(n) for n in graph.nodes):
+        return []
+    dropped = []
+    for node in list(graph.nodes):
+        if not (node.op == "call_method" and node.target == "to" and node.meta.get("trifuse_cast_back")):
+            continue
+        source = node.args[0]
+        dtype = _autocast_dtype_for(example_value(node))
+        narrow = example_value(source) if isinstance(source, fx.Node) else None
+        if dtype is None or not isinstance(narrow, torch.Tensor) or narrow.dtype != dtype:
+            continue
+        branches, others = _branches_to_matmuls(node)
+        if others or len(branches) != 1:
+            continue
+        first, chain = branches[0]
+        first.replace_input_with(node, source)
+        _narrow_example_values(chain, dtype)
+        graph.erase_node(node)
+        dropped.append((source, dtype))
+    return dropped
+
+
 def share_input_casts(graph: fx.Graph) -> list[tuple[fx.Node, int, torch.dtype]]:
     """Under autocast, an fp32 value that several autocast-lowered matmuls read (through views) and
     that is not a norm's (those narrow above) — a post-norm block's input, which its query, key

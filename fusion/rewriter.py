@@ -22,7 +22,8 @@ matched (match.py's `resolve_from_local`). A replaced op consumed by a later, la
 counts only once, as the larger one.
 Every candidate left in the graph is reported with the reasons it was rejected, and so is every
 op of interest no pattern took. Last, under autocast, a fused norm whose output only autocast's
-matmuls read writes it in their dtype (narrow.py).
+matmuls read writes it in their dtype, and a replacement's output that was cast back to fp32 for
+one such matmul alone reaches it uncast (narrow.py).
 """
 import operator
 import re
@@ -39,7 +40,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from ..patterns._base import Pattern, available, example_value, same_shape
 from .dtensor_calls import holds_unprintable, recompile
 from .match import Match, compile_pattern, matches, resolve_from_local, trace_function
-from .narrow import full_y, narrow_norm_outputs, out_dtype, readers
+from .narrow import drop_cast_backs, full_y, narrow_norm_outputs, out_dtype, readers
 from .normalize import canonicalize_node, writes_in_place
 
 FAMILIES = ("attention", "layer_norm", "rms_norm", "bias_gelu", "gated_activation", "dropout_add",
@@ -180,6 +181,12 @@ def rewrite_graph(graph: fx.Graph, patterns: Sequence[Pattern]) -> RewriteLog:
     for node, rejected in rejections.items():
         if not _erased(node):
             log.rejected.extend(rejected)
+    for source, dtype in drop_cast_backs(graph):
+        event = _event_of(source)
+        if event is not None:
+            name = str(dtype).replace("torch.", "")
+            event.note = re.sub(r"output cast back to torch\.float32",
+                                f"output in {name}: one autocast matmul reads it", event.note, count=1)
     for node in narrow_norm_outputs(graph):
         event = node.meta.get("trifuse_event")
         if event is not None:
@@ -515,6 +522,13 @@ def _written_after(node: fx.Node, position: int, order: dict[fx.Node, int],
     return False
 
 
+def _event_of(node: fx.Node):
+    """The Replaced event of the trifuse op whose output `node` is (the op, or an item of it)."""
+    if node.op == "call_function" and node.target is operator.getitem:
+        node = node.args[0]
+    return node.meta.get("trifuse_event") if isinstance(node, fx.Node) else None
+
+
 def _splice(graph: fx.Graph, m: Match, plan: _Plan, log: RewriteLog,
             stand_ins: dict[fx.Node, fx.Node]) -> None:
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -544,6 +558,7 @@ def _splice(graph: fx.Graph, m: Match, plan: _Plan, log: RewriteLog,
             if dtype is not None:
                 cast = graph.call_method("to", (outputs[i], dtype))
                 cast.meta.update(meta)
+                cast.meta["trifuse_cast_back"] = True  # narrow.drop_cast_backs may take it out again
                 value = example_value(outputs[i])
                 if isinstance(value, torch.Tensor):
                     cast.meta["example_value"] = cast.meta["val"] = value.to(dtype)

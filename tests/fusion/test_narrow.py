@@ -282,3 +282,82 @@ def test_fp32_weight_grads_only_where_graphs_hide_the_host_path():
     _step(model, inputs(2, 8), loss_fn)
     assert trifuse.report(model).counts()["attention"] == _models.LAYERS  # the blocks are fused ...
     assert not _fp32_weight_grads(model)  # ... without the pass
+
+
+def _cast_back_graph(readers: str):
+    """bias_gelu -> its output cast back to fp32 (as the rewriter splices it) -> view -> mm, with
+    example values for a 16-bit activation and fp32 weights; `readers`: who else reads the cast."""
+    x, b, w, w2 = torch.randn(8, 16).to(torch.float16), torch.randn(16), torch.randn(16, 4), torch.randn(16, 4)
+    graph = torch.fx.Graph()
+    nodes = {name: graph.placeholder(name) for name in ("x", "b", "w", "w2")}
+    for name, value in zip(nodes, (x, b, w, w2)):
+        nodes[name].meta["example_value"] = value
+    y = graph.call_function(trifuse.ops.bias_gelu, (nodes["x"], nodes["b"], "tanh"))
+    y.meta["example_value"] = x
+    cast = graph.call_method("to", (y, torch.float32))
+    cast.meta.update(example_value=x.float(), trifuse_cast_back=readers != "unmarked cast")
+    view = graph.call_method("view", (cast, (-1, 16)))
+    view.meta["example_value"] = x.float()
+    out = graph.call_function(torch.mm, (view, nodes["w"]))
+    if readers == "second matmul":
+        out = graph.call_function(torch.add, (out, graph.call_function(torch.mm, (cast, nodes["w2"]))))
+    elif readers == "other op":
+        out = graph.call_function(torch.add, (out, graph.call_function(torch.sum, (cast,))))
+    graph.output(out)
+    return graph, y, cast, view, (x, b, w, w2)
+
+
+@pytest.mark.parametrize("readers", ["one matmul", "second matmul", "other op", "unmarked cast", "autocast off"])
+def test_a_cast_back_that_one_autocast_matmul_alone_reads_is_dropped_and_changes_no_bit(readers):
+    """GPT-2's MLP under CUDA's autocast: its NewGELU is fp32 (autocast runs `pow` in fp32), the
+    fused bias_gelu returns 16 bits, the rewriter casts it back for the model, and c_proj's
+    autocast cast it down again: 4.9 ms of conversions a GPT-2 medium step on the H200. With one
+    matmul reading the value the cast goes (narrow.drop_cast_backs), the matmul reads the 16-bit
+    output, and the result and every gradient are bitwise the same; with several readers (their
+    gradients would be summed in 16 bits), another reader, a cast the rewriter did not add, or
+    autocast off, the graph stays. CPU's autocast runs `pow` in 16 bits, so a graph stands in
+    for the model here; test_gpu_gpt2s_gelu_output_reaches_c_proj_uncast runs the model."""
+    import contextlib
+
+    graph, y, cast, view, values = _cast_back_graph(readers)
+    before = torch.fx.GraphModule(torch.nn.Module(), copy.deepcopy(graph))
+    autocast = (torch.autocast("cpu", dtype=torch.float16) if readers != "autocast off"
+                else contextlib.nullcontext())
+    with autocast:
+        dropped = narrow.drop_cast_backs(graph)
+    if readers != "one matmul":
+        assert dropped == [] and cast in graph.nodes
+        return
+    assert dropped == [(y, torch.float16)] and cast not in graph.nodes
+    assert view.args[0] is y and narrow.example_value(view).dtype == torch.float16
+    after = torch.fx.GraphModule(torch.nn.Module(), graph)
+    results = []
+    for gm in (before, after):
+        leaves = [v.clone().requires_grad_(v.dtype == torch.float32 or v is values[0]) for v in values]
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = gm(*leaves)
+        grads = torch.autograd.grad(out.float().sum(), [leaves[0], leaves[1], leaves[2]])
+        results.append((out, *grads))
+    for a, b in zip(*results):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_models.DEVICE != "cuda", reason="CUDA's autocast runs pow in fp32")
+def test_gpu_gpt2s_gelu_output_reaches_c_proj_uncast():
+    """On the GPU, GPT-2's fused GeLU writes bf16 for c_proj (no cast back to fp32 and down
+    again), and the loss and gradients stay those of the model fused with the cast."""
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _models.gpt2(layers=2)
+    plain = copy.deepcopy(model)
+    kw = inputs(2, 8)
+    trifuse.fuse(model)
+    _step(model, kw, loss_fn)
+    notes = [r.note for u in trifuse.report(model).units for c in u.unit.captures for r in c.log.replaced
+             if r.pattern == "conv1d_bias_gelu"]
+    assert notes and all(f"output in {NAME}: one autocast matmul reads it" in n for n in notes), notes
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(rewriter, "drop_cast_backs", lambda graph: [])
+        trifuse.fuse(plain)
+        _step(plain, kw, loss_fn)
+    _assert_same_step(model, plain, kw, loss_fn)
