@@ -8,14 +8,14 @@
   `trifuse.linear_cross_entropy`: the (tokens x vocab) logits never exist. When the model also
   returns the logits (Hugging Face models do), the head's output is used outside the pattern:
   that match is rejected (the report says so) and the loss alone is fused on the logits.
-- Such a head left as a linear, without a bias, computing 16-bit logits over a vocabulary that is
-  not a multiple of 8 (GPT-2's 50257), runs its three matmuls on cuBLAS's slow unaligned kernels
-  (a row of the logits is not 16-byte aligned): 20 of GPT-2 medium's 115 ms a step on an H200.
-  It becomes the same linear over a weight padded to a multiple of 64 rows, whose logits are
-  sliced back to the vocabulary (a view whose rows keep the padded stride, as Inductor's
-  padding gives): the matmuls run aligned, for a copy of the weight and of the logits' gradient.
-  A head with a bias (BERT's decoder, 30522) goes through cuBLASLt's bias epilogue, whose
-  kernels ran at the blocks' speed there: it is left as it is.
+- Such a head left as a linear, computing 16-bit logits over a vocabulary that is not a multiple
+  of 8 (GPT-2's 50257, BERT's 30522), runs its three matmuls on cuBLAS's slow unaligned kernels
+  (a row of the logits is not 16-byte aligned): 20 of GPT-2 medium's 115 ms a step on an H200;
+  BERT-large's biased decoder took 6 ms of its 56 (three CUTLASS `align2` GEMMs of ~2 ms each:
+  the bias epilogue does not save it). It becomes the same linear over a weight (and bias)
+  padded to a multiple of 64 rows, whose logits are sliced back to the vocabulary (a view whose
+  rows keep the padded stride, as Inductor's padding gives): the matmuls run aligned, for a copy
+  of the weight and of the logits' gradient.
 """
 import torch
 import torch.nn.functional as F
@@ -96,7 +96,10 @@ def lm_head(x: torch.Tensor, weight: torch.Tensor, bias):
 
 
 def lm_head_padded(x, weight, bias, pad, out_features):
-    """The head over `pad` zero rows more (the pad's gradient is dropped), its logits sliced back."""
+    """The head over `pad` zero rows more (and zeros past the bias; the pads' gradients are
+    dropped), its logits sliced back."""
+    if bias is not None:
+        bias = F.pad(bias, (0, pad))
     return F.linear(x, F.pad(weight, (0, 0, 0, pad)), bias)[..., :out_features]
 
 
@@ -112,7 +115,9 @@ def _misaligned_16bit_head(m: Match) -> str | None:
     if type(w).__name__ == "DTensor":  # trifuse.parallel's vocabulary-parallel head: its shards' own widths
         return "the weight is a DTensor"
     if m["bias"] is not None:
-        return "a head with a bias runs on cuBLASLt's bias kernels, aligned or not"
+        b = m.value("bias")
+        if not isinstance(b, torch.Tensor) or b.dim() != 1:
+            return "the bias is not a 1-D tensor (no metadata, or a shape F.linear would not take)"
     n = w.shape[0]
     if n % 8 == 0:
         return f"out_features {n} is a multiple of 8: aligned already"

@@ -1313,6 +1313,39 @@ def test_a_misaligned_16bit_head_runs_padded_and_returns_its_logits(vocab, padde
     assert model.transformer.wte.weight is model.lm_head.weight  # the tie is kept
 
 
+def test_bert_biased_decoder_runs_padded_and_returns_its_logits():
+    """BERT's MLM decoder (tied weight, and a bias the head module also holds) over 1030 words
+    under 16-bit autocast: weight and bias padded, logits sliced back, loss, logits and every
+    gradient (the bias's included) as before, the tie and the shared bias kept."""
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = tf.BertConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+                        max_position_embeddings=32, vocab_size=1030, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0, attn_implementation="sdpa")
+    model = tf.BertForMaskedLM(cfg).to(_models.DEVICE).train()
+    ref = copy.deepcopy(model)
+    trifuse.fuse(model)
+    ids = torch.randint(0, 1030, (2, 8), device=_models.DEVICE)
+    labels = ids.masked_fill(torch.rand(ids.shape, device=ids.device) < 0.5, -100)
+
+    def run(m):
+        with torch.autocast(_models.DEVICE, dtype=torch.bfloat16 if _models.DEVICE == "cuda" else torch.float16):
+            out = m(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels)
+        out.loss.backward()
+        return out
+
+    out, out_ref = run(model), run(ref)
+    assert trifuse.report(model).by_pattern().get("lm_head_padded", 0) == 1, trifuse.report(model).by_pattern()
+    assert out.logits.shape == out_ref.logits.shape and out.logits.stride(-2) == 1088
+    torch.testing.assert_close(out.logits, out_ref.logits, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.loss, out_ref.loss, rtol=1e-2, atol=1e-2)
+    decoder = model.cls.predictions.decoder
+    assert decoder.bias is not None and decoder.bias.grad is not None and decoder.bias.grad.abs().sum() > 0
+    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, p_ref.grad, rtol=5e-2, atol=5e-3, msg=name)
+    assert decoder.weight is model.bert.embeddings.word_embeddings.weight
+
+
 def test_the_use_cache_hook_leaves_calls_that_set_it():
     """The pre-hook sets use_cache only where the caller left it unset: not when it is passed
     (keyword or positionally), not in eval, not without grad."""

@@ -232,7 +232,7 @@ class WideHead(nn.Module):
 
 @pytest.mark.parametrize("vocab, bias, dtype, padded", [
     (1030, False, torch.float16, True),
-    (1030, True, torch.float16, False),   # cuBLASLt's bias kernels: left as it is
+    (1030, True, torch.float16, True),    # BERT's decoder: the bias padded too
     (1030, False, torch.float32, False),  # only 16-bit matmuls fall onto the unaligned kernels
     (1032, False, torch.float16, False),  # a multiple of 8
     (1001, False, torch.float16, False),  # too narrow to pay for the padding
