@@ -16,16 +16,21 @@ import trifuse
 from _device import DEVICE
 from trifuse.autotune.dialects import graphed_calls
 from trifuse.fusion.capture import DynamoUnit, installed_unit
+from trifuse.fusion import graphs as graphs_module
 from trifuse.fusion.graphs import BlockGraphs
 
 
 class _StandIn:
     """torch.cuda.make_graphed_callables without the graphs, but with its buffers: each call's
     outputs, and the gradients its backward hands out, are views of the same static tensors,
-    overwritten by the next call (as a replay overwrites them). Records its calls."""
+    overwritten by the next call (as a replay overwrites them). As in a real graph pair, the
+    backward reads the activations of the latest forward (a replay overwrites the last one's), and
+    a forward may write over the gradient buffers (its temporaries share the pool): filled with
+    NaN here. Records its calls."""
 
     def __init__(self, fail: Exception | None = None):
         self.builds, self.calls, self.fail = [], 0, fail
+        self.grad_buffers: list = []  # of every build
 
     def __call__(self, fn, sample_args, num_warmup_iters=3, allow_unused_input=False):
         if self.fail is not None:
@@ -35,6 +40,8 @@ class _StandIn:
         self.builds.append(len(sample_args))
         static_out = [o.detach().clone() for o in fn(*sample_args)]  # a warm-up, as the real one runs
         static_grads: list = [None] * len(sample_args)
+        self.grad_buffers.append(static_grads)
+        latest = {}  # the activations in the graph's pool: the latest forward's
         stand_in = self
 
         class Replay(torch.autograd.Function):
@@ -46,21 +53,25 @@ class _StandIn:
                     for buf, x in zip(sample_args, inputs):
                         if buf.data_ptr() != x.data_ptr():
                             buf.copy_(x)
+                    for buf in static_grads:
+                        if buf is not None:
+                            buf.fill_(float("nan"))
                 with torch.enable_grad(), graphed_calls():  # replays what was captured
                     outs = fn(*sample_args)
                 assert isinstance(outs, tuple) and all(isinstance(o, torch.Tensor) for o in outs)
-                ctx.leaves, ctx.outs = sample_args, outs
+                latest["leaves"], latest["outs"] = sample_args, outs
                 for buf, o in zip(static_out, outs):
                     buf.copy_(o.detach())
                 return tuple(buf.detach() for buf in static_out)
 
             @staticmethod
             def backward(ctx, *grads):
-                wanted = [i for i, leaf in enumerate(ctx.leaves) if leaf.requires_grad]
-                got = torch.autograd.grad([o for o in ctx.outs if o.requires_grad],
-                                          [ctx.leaves[i] for i in wanted],
-                                          [g for o, g in zip(ctx.outs, grads) if o.requires_grad], allow_unused=True)
-                out = [None] * len(ctx.leaves)
+                leaves, outs = latest["leaves"], latest["outs"]
+                wanted = [i for i, leaf in enumerate(leaves) if leaf.requires_grad]
+                got = torch.autograd.grad([o for o in outs if o.requires_grad], [leaves[i] for i in wanted],
+                                          [g for o, g in zip(outs, grads) if o.requires_grad],
+                                          allow_unused=True, retain_graph=True)
+                out = [None] * len(leaves)
                 for i, g in zip(wanted, got):
                     if g is not None:
                         if static_grads[i] is None:
@@ -213,6 +224,81 @@ def test_gradient_accumulation_over_graphed_blocks(monkeypatch):
         model(**batches[3]).loss.backward()
     (graphs,) = _block_graphs(lm)
     assert graphs.replays == 6
+    want = dict(ref.named_parameters())
+    for name, p in lm.named_parameters():
+        assert torch.equal(p.grad, want[name].grad), name
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the stand-in for make_graphed_callables: CPU runs")
+@pytest.mark.parametrize("zeroing", ["to-none", "zeros", "zeros-after-none"])
+def test_gradients_are_the_graphs_buffers_until_a_replay_needs_them(monkeypatch, zeroing):
+    """With zero_grad() (to None) before each step, .grad is the backward graph's own buffer (no
+    copy); zero_grad(set_to_none=False) keeps a .grad that is not, or one that is (after steps
+    that set it to None): that one, zeroed, is copied out before the next replay writes there.
+    Either way the steps equal the ungraphed model's bitwise (the stand-in's forward replays write
+    NaN over the gradient buffers, as a real one's temporaries may)."""
+    lm, ref, inputs = _graphed_gpt2_and_ungraphed(monkeypatch)
+    stand_in = _StandIn()
+    _on_cpu(lm, monkeypatch, stand_in)
+    batches = [inputs(2, 8) for _ in range(5)]
+    to_none = {"to-none": [True] * 5, "zeros": [False] * 5,
+               "zeros-after-none": [True] * 3 + [False] * 2}[zeroing]
+    results = []
+    for model in (lm, ref):
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        grads = []
+        for kw, set_to_none in zip(batches, to_none):
+            opt.zero_grad(set_to_none=set_to_none)
+            model(**kw).loss.backward()
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+            opt.step()
+        results.append(grads)
+    for got, want in zip(*results):
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    (graphs,) = _block_graphs(lm)
+    assert graphs.replays == 8 and not graphs.skipped
+    handed = {b.untyped_storage().data_ptr() for bufs in stand_in.grad_buffers for b in bufs if b is not None}
+    in_buffers = [p.grad.untyped_storage().data_ptr() in handed for p in lm.transformer.h.parameters()]
+    assert all(in_buffers) if zeroing == "to-none" else not any(in_buffers)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the stand-in for make_graphed_callables: CPU runs")
+def test_a_block_called_again_before_its_backward_runs_that_call_ungraphed(monkeypatch):
+    """Two forwards, then one backward of both (two views of a batch, a siamese loss): a second
+    replay would overwrite the activations the first call's backward reads. The second call runs
+    ungraphed, and the gradients equal the ungraphed model's; once the first backward ran (or its
+    loss is dropped), the block replays again."""
+    lm, ref, inputs = _graphed_gpt2_and_ungraphed(monkeypatch)
+    a, b, c = inputs(2, 8), inputs(2, 8), inputs(2, 8)
+    for model in (lm, ref):
+        model(**a).loss.backward()  # capture
+        model(**a).loss.backward()  # build
+        model.zero_grad(set_to_none=True)
+        (model(**a).loss + 2 * model(**b).loss).backward()
+    (graphs,) = _block_graphs(lm)
+    assert graphs.replays == 4 and graphs.skipped == {graphs_module.IN_USE: 2}
+    want = dict(ref.named_parameters())
+    for name, p in lm.named_parameters():
+        assert torch.equal(p.grad, want[name].grad), name
+    lm(**c)  # a loss dropped unused: its buffers are free again
+    lm(**c).loss.backward()
+    assert graphs.replays == 8 and graphs.skipped == {graphs_module.IN_USE: 2}
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the stand-in for make_graphed_callables: CPU runs")
+def test_a_second_backward_through_one_replay_accumulates(monkeypatch):
+    """Two backwards through the same graphed call (retain_graph=True, then of 3 x the loss): the
+    first gradients were handed to .grad in the graph's buffers; the second backward copies them
+    out before it writes there, and .grad is four times the gradient, as without graphs."""
+    lm, ref, inputs = _graphed_gpt2_and_ungraphed(monkeypatch)
+    kw = inputs(2, 8)
+    for model in (lm, ref):
+        model(**kw).loss.backward()
+        model(**kw).loss.backward()
+        model.zero_grad(set_to_none=True)
+        loss = model(**kw).loss
+        loss.backward(retain_graph=True)
+        (3 * loss).backward()
     want = dict(ref.named_parameters())
     for name, p in lm.named_parameters():
         assert torch.equal(p.grad, want[name].grad), name
