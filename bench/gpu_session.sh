@@ -56,6 +56,12 @@
 #   bisect graphs e2e-host` (tests-gpu has the new gpu tests; bisect ~1 min: the bf16 attention
 #   case with dropout and rows at finfo.min that failed, variant by variant), call 2 `e2e-warm
 #   attention` at once (the machine stays warm only 30 s: `e2e-warm` ran on a fresh one).
+#   Twenty-fifth session (2026-12-01, no GPU): BERT's biased MLM decoder (30522) now runs padded
+#   like GPT-2's head (`graphs`' BERT top kernels should lose the three CUTLASS align2 GEMMs, ~6
+#   ms); graphed blocks hand their gradient buffers to .grad without the per-step clone (the
+#   "Memcpy DtoD" rows: BERT 432 -> ~48 copies, 1.9 ms; GPT-2 362 -> ~72; peak memory lower by
+#   the blocks' gradients), and a block called again before its backward runs ungraphed (new gpu
+#   test in tests-gpu). The next session's calls are as the twenty-fourth's below.
 #   Later sessions, one or two calls each: `kernels` (the remaining memory-bound ops), `tma
 #   dialects`, `e2e-ckpt` (gradient checkpointing on), `e2e-llama` (Llama 3.2 1B's shape against
 #   Liger-Kernel), `tune` (the shipped H100 defaults).

@@ -546,3 +546,46 @@ def test_gpu_graphs_build_in_a_training_loop_with_dropout():
     (graphs,) = _block_graphs(lm)
     assert all(map(math.isfinite, losses)), losses
     assert graphs.built == 2 and graphs.replays == 6 and not graphs.failures, graphs.summary()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_buffers_in_use_and_gradients_handed_out_as_the_ungraphed_model(monkeypatch):
+    """The real graph pair, bf16 autocast, dropout off, against the ungraphed fused model: a step
+    of two forwards and one backward of both (the second call runs ungraphed: a replay would
+    overwrite the first call's activations), steps with zero_grad() (.grad is the graph's buffer,
+    no copy), then accumulation over two steps with zero_grad(set_to_none=False) (a zeroed .grad
+    still in a buffer is copied out before the replay writes there)."""
+    monkeypatch.setattr(DynamoUnit, "host_time_hidden", lambda self: True)
+    torch.manual_seed(0)
+    lm, inputs, _ = _models.gpt2(layers=2)
+    ref = copy.deepcopy(lm)
+    trifuse.fuse(ref)
+    trifuse.fuse(lm, cuda_graphs=True)
+    a, b, c, d = (inputs(2, 16) for _ in range(4))
+    results = []
+    for model in (lm, ref):
+        grads = []
+
+        def loss_of(kw, model=model):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                return model(**kw).loss
+
+        for kw in (a, b):  # capture, build
+            model.zero_grad(set_to_none=True)
+            loss_of(kw).backward()
+        model.zero_grad(set_to_none=True)
+        (loss_of(a) + 2 * loss_of(b)).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        model.zero_grad(set_to_none=False)
+        loss_of(c).backward()
+        loss_of(d).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        results.append(grads)
+    for step, (got, want) in enumerate(zip(*results)):
+        for k in got:
+            torch.testing.assert_close(got[k], want[k], rtol=2e-2, atol=2e-3,
+                                       msg=lambda m, k=k, step=step: f"check {step} {k}: {m}")
+    (graphs,) = _block_graphs(lm)
+    assert graphs.built == 2 and not graphs.failures, graphs.summary()
+    assert graphs.skipped == {graphs_module.IN_USE: 2}, graphs.summary()
