@@ -5,8 +5,10 @@ Why: a fused training step is host-bound on the lent H200 (2026-11-27: GPT-2 med
 88 ms for 121 ms of kernels). Each block's forward is ~30 Python-level calls and 5 fused ops,
 each with its autograd node. Replayed from a CUDA graph, a block's forward and its backward are
 one launch each, plus a copy of the block's inputs (and of the gradient arriving at its output)
-into the graph's own buffers. Measured there (2026-11-30): GPT-2 medium 66.7 ms a step (1.90x
-eager, 61.4 ms of kernels; 1.22x ungraphed), BERT-large 16x512 62.6 ms (1.13x; 0.87x ungraphed).
+into the graph's own buffers; a block whose input is the block before's output (a buffer of that
+block's graph) reads it where it is, with no copy and no buffer of its own. Measured there
+(2026-11-30): GPT-2 medium 66.7 ms a step (1.90x eager, 61.4 ms of kernels; 1.22x ungraphed),
+BERT-large 16x512 62.6 ms (1.13x; 0.87x ungraphed).
 
 How: `torch.cuda.make_graphed_callables` on the block's fused forward (the Dynamo capture, with
 the block's trainable parameters as inputs, so that their gradients flow out of the backward
@@ -133,6 +135,10 @@ class BlockGraphs:
         self.replays += 1
         outs = graphed(*[x for x in leaves if isinstance(x, torch.Tensor)], *params)
         buffers.replayed(outs, params)
+        if not buffers.outputs_known:  # the next block's graph may read them where they are
+            for o in outs:
+                _PRODUCERS[o.data_ptr()] = weakref.ref(buffers)
+            buffers.outputs_known = True
         tensors = iter(outs)
         return pytree.tree_unflatten([next(tensors) if x is _TENSOR else x for x in out_leaves], out_spec)
 
@@ -148,8 +154,18 @@ class BlockGraphs:
         # their gradients go to them (`_Buffers`).
         aliases = tuple(torch.nn.Parameter(p.detach(), requires_grad=True) for p in params)
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        # The graph's own input buffers, in the arguments' layouts (clone keeps dense strides).
-        static = [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
+        buffers = _Buffers()
+        # The graph's own input buffers, in the arguments' layouts (clone keeps dense strides);
+        # an argument that another graph returns from its own buffers (the block before's output)
+        # is read where it is: no copy in at each replay, no second buffer (`_Buffers.readers`).
+        static = []
+        for t in tensors:
+            producer = _producer_of(t)
+            if producer is not None:
+                producer.readers.add(buffers)
+                static.append(t.detach().requires_grad_(t.requires_grad))
+            else:
+                static.append(t.detach().clone().requires_grad_(t.requires_grad))
         n = len(static)
 
         out_structure: list = []  # the output's spec and its non-tensor leaves, as the block returns them
@@ -179,7 +195,7 @@ class BlockGraphs:
         finally:
             torch.set_autocast_cache_enabled(cache)
         self.built += 1
-        return graphed, params, out_structure[0], _Buffers()
+        return graphed, params, out_structure[0], buffers
 
     def summary(self) -> str:
         """One line for the report."""
@@ -201,14 +217,21 @@ class _Buffers:
     write there (the backward's outputs; the forward's temporaries, in the pool they share), so
     before a replay a `.grad` that is still one of them becomes a copy of itself."""
 
-    __slots__ = ("_token", "_handed")
+    __slots__ = ("_token", "_handed", "readers", "outputs_known", "__weakref__")
 
     def __init__(self) -> None:
         self._token: weakref.ref | None = None
         self._handed: set[int] = set()  # storage addresses of the gradient buffers handed out
+        # The graphs that read this one's outputs in place as their inputs: until their backward
+        # ran, a replay of this one would overwrite an input they saved.
+        self.readers: weakref.WeakSet[_Buffers] = weakref.WeakSet()
+        self.outputs_known = False  # registered in _PRODUCERS
+
+    def _claimed(self) -> bool:
+        return self._token is not None and self._token() is not None
 
     def in_use(self) -> bool:
-        return self._token is not None and self._token() is not None
+        return self._claimed() or any(r._claimed() for r in self.readers)
 
     def release_gradients(self, params: tuple[torch.Tensor, ...]) -> None:
         """Copies out each `.grad` of `params` that is one of this graph's gradient buffers."""
@@ -225,11 +248,24 @@ class _Buffers:
         if node is None:  # nothing will run a backward of this call
             return
         token = _Token()
-        holder = [token]
-        node.trifuse_buffers_in_use = holder  # freed with the autograd graph
+        holder = [token]  # the post-hook holds it: freed with the node, or emptied when it ran
         self._token = weakref.ref(token)
         node.register_prehook(functools.partial(_before_backward_replay, self, params))
         node.register_hook(functools.partial(_after_backward_replay, self, holder, len(params)))
+
+
+# The address of each output a graph returns from its own buffers -> that graph's _Buffers:
+# a block whose input is the block before's output reads it there (_build).
+_PRODUCERS: dict[int, weakref.ref] = {}
+
+
+def _producer_of(t: torch.Tensor) -> "_Buffers | None":
+    """The live graph whose replays return `t` from their own buffers, or None."""
+    ref = _PRODUCERS.get(t.data_ptr())
+    producer = ref() if ref is not None else None
+    if producer is None and ref is not None:
+        del _PRODUCERS[t.data_ptr()]
+    return producer
 
 
 class _Token:

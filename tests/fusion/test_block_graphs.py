@@ -31,6 +31,7 @@ class _StandIn:
     def __init__(self, fail: Exception | None = None):
         self.builds, self.calls, self.fail = [], 0, fail
         self.grad_buffers: list = []  # of every build
+        self.copied_in: list = []  # per replay: which inputs were copied into the graph's buffers
 
     def __call__(self, fn, sample_args, num_warmup_iters=3, allow_unused_input=False):
         if self.fail is not None:
@@ -50,9 +51,12 @@ class _StandIn:
                 # A replay: the inputs copied into the sample arguments (the graph's inputs; the
                 # parameters among them are the real ones), the captured work run on those.
                 with torch.no_grad():
+                    copied = []
                     for buf, x in zip(sample_args, inputs):
-                        if buf.data_ptr() != x.data_ptr():
+                        copied.append(buf.data_ptr() != x.data_ptr())
+                        if copied[-1]:
                             buf.copy_(x)
+                    stand_in.copied_in.append(copied)
                     for buf in static_grads:
                         if buf is not None:
                             buf.fill_(float("nan"))
@@ -388,6 +392,58 @@ def test_the_graphs_run_on_fresh_leaves_that_share_the_parameters_storage(monkey
     assert all(a is b for a, b in zip(block.parameters(), own))
     for a, b in zip(got[1], want[1]):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the stand-in for make_graphed_callables: CPU runs")
+@pytest.mark.parametrize("model", ["gpt2", "bert"])
+def test_a_block_reads_the_block_befores_output_where_its_graph_left_it(monkeypatch, model):
+    """The second block's hidden-states argument is the first block's output, a buffer of the
+    first block's graph: its graph takes that buffer as its input (no buffer of its own, no copy
+    in at a replay); the first block's input (the embeddings, new each step) is copied in. The
+    steps equal the ungraphed model's bitwise."""
+    torch.manual_seed(0)
+    lm, inputs, _ = getattr(_models, model)(layers=2)
+    ref = copy.deepcopy(lm)
+    trifuse.fuse(ref)
+    trifuse.fuse(lm, cuda_graphs=True)
+    stand_in = _KeepsArguments()
+    _on_cpu(lm, monkeypatch, stand_in)
+    batches = [inputs(2, 8) for _ in range(4)]
+    got, want = _steps(lm, inputs, batches), _steps(ref, inputs, batches)
+    for a, b in zip(got[0] + got[1], want[0] + want[1]):
+        assert (torch.equal(a, b) if isinstance(a, torch.Tensor)
+                else a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a))
+    first, second = stand_in.given
+    hidden = second[0]
+    assert hidden.shape == first[0].shape and hidden.requires_grad and hidden.is_leaf
+    assert hidden.data_ptr() != first[0].data_ptr()
+    assert graphs_module._producer_of(hidden) is not None  # the first block's output buffer
+    assert graphs_module._producer_of(first[0]) is None
+    replays = stand_in.copied_in
+    assert len(replays) == 6 and all(r[0] for r in replays[0::2]) and not any(r[0] for r in replays[1::2])
+    # the parameters are never copied in (the graph reads them where they are)
+    n_params = len(list(lm.transformer.h[0].parameters() if model == "gpt2"
+                        else lm.bert.encoder.layer[0].parameters()))
+    assert not any(any(r[-n_params:]) for r in replays)
+
+
+def test_a_graph_whose_output_another_reads_is_in_use_until_the_readers_backward():
+    """A producer's replay would overwrite the input its reader saved: the producer is in use
+    while a reader's replay awaits its backward (a partial backward can run the producer's first)."""
+    producer, reader = graphs_module._Buffers(), graphs_module._Buffers()
+    producer.readers.add(reader)
+    assert not producer.in_use() and not reader.in_use()
+    x = torch.ones(2, requires_grad=True)
+    out = (x * 2,)
+    reader.replayed(out, ())
+    assert reader.in_use() and producer.in_use()
+    out[0].sum().backward()
+    assert not reader.in_use() and not producer.in_use()
+    out = (x * 3,)
+    reader.replayed(out, ())
+    assert producer.in_use()
+    del out  # the loss dropped: its autograd graph, and the claim, go with it
+    assert not producer.in_use()
 
 
 def test_parameters_replaced_keeps_shared_parameters_shared():
