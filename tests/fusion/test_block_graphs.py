@@ -602,6 +602,18 @@ def test_gpu_graphs_build_in_a_training_loop_with_dropout():
     (graphs,) = _block_graphs(lm)
     assert all(map(math.isfinite, losses)), losses
     assert graphs.built == 2 and graphs.replays == 6 and not graphs.failures, graphs.summary()
+    # Replays draw new dropout masks (the seed is drawn inside the graph, from the generator's
+    # graph-safe offset): the same batch, no step between, gives another loss each time, with
+    # the embeddings' dropout (outside the blocks) off.
+    lm.transformer.drop.p = 0.0
+    batch = inputs(2, 16)
+    again = []
+    for _ in range(3):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = lm(**batch).loss
+        loss.backward()
+        again.append(loss.item())
+    assert graphs.replays == 12 and len(set(again)) == 3, (graphs.summary(), again)
 
 
 @pytest.mark.gpu
