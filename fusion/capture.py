@@ -219,6 +219,12 @@ def installed_unit(module: torch.nn.Module) -> Unit | None:
     return getattr(getattr(fwd, "__func__", None), "__trifuse_unit__", None)
 
 
+def _holds_units(module: torch.nn.Module) -> bool:
+    """Whether a unit is installed below `module` (its blocks, when it is a model): a Dynamo
+    capture of it would trace into their own captures."""
+    return any(installed_unit(m) is not None for m in module.modules() if m is not module)
+
+
 def _hop_bodies(gm: fx.GraphModule, hop: Any) -> list[fx.GraphModule]:
     """The bodies of `gm`'s activation checkpoints (`hop` calls), nested ones included, each
     replaced by a copy of its own so that the captured graph stays untouched."""
@@ -1017,6 +1023,7 @@ class _FxEntry:
     reason: str = ""
     # (submodule path, attribute, value) the graph took as constants (normalize.baked_attributes)
     baked: tuple[tuple[str, str, Any], ...] = ()
+    untraceable: bool = False  # fx could not trace the call: Dynamo captures it instead
 
 
 def _baked_checks(module: torch.nn.Module, entry: _FxEntry) -> tuple[tuple[Any, str, Any], ...] | None:
@@ -1064,6 +1071,9 @@ class FxUnit(Unit):
         self.recaptures = 0  # captures made again because a module attribute they hold changed
         # (key, parameter dtypes and shapes, traced code) -> entry: identical layers share a capture
         self.shared: dict[tuple[tuple, tuple, str], _FxEntry] = {}
+        self.dynamo: DynamoUnit | None = None  # captures the calls fx cannot trace (_via_dynamo)
+        self.dynamo_calls: Counter[str] = Counter()  # why fx could not trace them
+        self._dynamo_eager_seen: dict[str, int] = {}
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         self.calls += 1
@@ -1101,11 +1111,32 @@ class FxUnit(Unit):
             found = per_module[key] = (entry, _baked_checks(module, entry) or ())
         entry = found[0]
         if entry.fn is None:
+            if entry.untraceable and not _holds_units(module):
+                return self._via_dynamo(module, args, kwargs, entry.reason)
             return self._eager(module, args, kwargs, entry.reason)
         self.last[module] = entry.capture
         if any(type(v) in _FX_CONTAINERS for v in values):  # flattening costs ~1 us a call: only then
             values = pytree.tree_leaves(values)
         return entry.fn(module, *values)
+
+    def _via_dynamo(self, module: torch.nn.Module, args: tuple, kwargs: dict, reason: str) -> Any:
+        """A call fx cannot trace (its arguments take a branch the default ones did not: a block
+        traced with `mask=None` that branches on the mask's dtype once one is passed) is captured
+        by Dynamo, as a block fx cannot trace at all is: one DynamoUnit for this unit's class,
+        made on the first such call. Its captures join this unit's in the report. (A module that
+        holds other units, a model around its blocks, runs such calls as written.)"""
+        if self.dynamo is None:
+            self.dynamo = DynamoUnit(self.cls, self.patterns, self.verbose)
+        self.dynamo_calls[reason] += 1
+        before, fallbacks = len(self.dynamo.captures), self.dynamo.fallbacks
+        out = self.dynamo(module, args, kwargs)
+        self.captures.extend(self.dynamo.captures[before:])
+        self.fallbacks += self.dynamo.fallbacks - fallbacks
+        self.last[module] = self.dynamo.last.get(module)
+        for why, n in self.dynamo.eager_calls.items():
+            self.eager_calls[why] += n - self._dynamo_eager_seen.get(why, 0)
+            self._dynamo_eager_seen[why] = n
+        return out
 
     def _capture_fx(self, module: torch.nn.Module, names: list[str], values: list[Any], key: tuple) -> _FxEntry:
         # Plain values are traced as constants (the call key holds them); a container's tensors
@@ -1114,17 +1145,18 @@ class FxUnit(Unit):
                     for n, v in zip(names, values) if not isinstance(v, torch.Tensor)}
         try:
             graph = LeafTracer(self.leaves).trace(module, concrete_args=concrete)
-        except Exception as e:  # noqa: BLE001  (fx cannot trace this call: run it as written)
-            return _FxEntry(None, None, f"fx cannot trace it: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+        except Exception as e:  # noqa: BLE001  (fx cannot trace this call: Dynamo will)
+            why = f"fx cannot trace it: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            return _FxEntry(None, None, why, untraceable=True)
         if not _flat_inputs(graph):
             return _FxEntry(None, None, "fx traced a different signature (outputs in a container of a "
-                                        "class of its own)")
+                                        "class of its own)", untraceable=True)
         _drop_specialization_asserts(graph)
         gm = fx.GraphModule(module, graph)
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         values = pytree.tree_leaves(values)
         if len(placeholders) != len(values):
-            return _FxEntry(None, None, "fx traced a different signature")
+            return _FxEntry(None, None, "fx traced a different signature", untraceable=True)
         params = tuple((p.dtype, p.device, tuple(p.shape)) for p in module.parameters())
         shared = self.shared.get((key, params, gm.code))
         if shared is not None and _baked_checks(module, shared) is not None:

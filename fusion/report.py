@@ -106,6 +106,8 @@ class FusionReport:
             lines.append(f"  {u.name}: {u.unit.calls} call(s), {len(u.unit.captures)} capture(s)")
             if getattr(u.unit, "graphs", None) is not None:
                 lines.append(f"    {u.unit.graphs.summary()}")
+            for reason, n in getattr(u.unit, "dynamo_calls", {}).items():
+                lines.append(f"    captured by Dynamo instead: {n} call(s): {reason}")
         for n in self.notes:
             lines.append(f"  {n.kind}: {n.path} ({n.cls}): {n.reason}")
         for u in self.units:

@@ -1,0 +1,80 @@
+"""A long fuzz of the rewriter: random blocks (tests/_random_blocks.py) fused and compared with the
+unfused model and float64 by the tests' oracle rule, outputs and every gradient.
+
+    TRITON_INTERPRET=1 python bench/fuzz_rewriter.py [--examples 200] [--seed 0] [--save]
+
+Each example draws a Spec (faithful spellings and near misses of every family), a capture (fx or
+Dynamo) and a mode (eval; or train without dropout). Prints one line per failure and a summary
+(how many examples fused each family); --save writes bench/results/fuzz_rewriter.{json,md}.
+The CI test (tests/fusion/test_fuzz_rewriter.py) runs a fixed 24 of these."""
+import argparse
+import dataclasses
+import json
+import os
+import random
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "tests")]
+
+import _device  # noqa: E402,F401  (before trifuse: the interpreter)
+import _random_blocks as rb  # noqa: E402
+from _fusing import check_against_unfused  # noqa: E402
+
+
+def draw(rng: random.Random) -> tuple[rb.Spec, str, bool]:
+    spec = rb.Spec(norm=rng.choice(rb.NORMS), attention=rng.choice(rb.ATTENTIONS),
+                   activation=rng.choice(rb.ACTIVATIONS), residual=rng.choice(rb.RESIDUALS),
+                   mask=rng.choice(rb.MASKS), pre_norm=rng.random() < 0.5, eps=rng.choice([1e-5, 1e-6, 1e-2]),
+                   dropout=rng.choice([0.0, 0.1]), mlp_bias=rng.random() < 0.5)
+    train = rng.random() < 0.5
+    if train:
+        spec = dataclasses.replace(spec, dropout=0.0)  # the kernels' dropout masks are not PyTorch's
+    return spec, rng.choice(["fx", "dynamo"]), train
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--examples", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--save", action="store_true")
+    args = ap.parse_args()
+    rng = random.Random(args.seed)
+    failures, fused, t0 = [], Counter(), time.perf_counter()
+    for i in range(args.examples):
+        spec, capture, train = draw(rng)
+        try:
+            report = check_against_unfused(lambda spec=spec: rb.random_model(spec), rb.inputs(), capture,
+                                           train=train)
+            fused.update(report.counts().keys())
+        except Exception as e:  # noqa: BLE001  (a failure is the finding: record it, go on)
+            line = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            failures.append({"spec": dataclasses.asdict(spec), "capture": capture, "train": train,
+                             "error": line})
+            print(f"FAIL {i}: {spec.id} {capture} train={train}: {line}", flush=True)
+    seconds = time.perf_counter() - t0
+    print(f"{args.examples} examples, {len(failures)} failures, {seconds:.0f} s; "
+          "examples fusing each family: "
+          + ", ".join(f"{k} {v}" for k, v in sorted(fused.items())))
+    if args.save:
+        out = ROOT / "bench" / "results" / "fuzz_rewriter"
+        data = {"examples": args.examples, "seed": args.seed, "seconds": round(seconds, 1),
+                "fused_families": dict(fused), "failures": failures}
+        out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
+        lines = ["# fuzz_rewriter", "", f"{args.examples} random blocks (seed {args.seed}), {len(failures)} "
+                 f"failures, {seconds:.0f} s on this CPU (Triton interpreter).", "",
+                 "| family | examples that fused it |", "|---|---|"]
+        lines += [f"| {k} | {v} |" for k, v in sorted(fused.items())]
+        if failures:
+            lines += ["", "| spec | capture | train | error |", "|---|---|---|---|"]
+            lines += [f"| {rb.Spec(**f['spec']).id} | {f['capture']} | {f['train']} | {f['error']} |"
+                      for f in failures]
+        out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,271 @@
+"""Random transformer blocks for fuzzing the rewriter: each block is drawn from the spellings real
+models use (LayerNorm and RMSNorm as modules, functions and written out; SDPA and the explicit
+attention chain with its scale and mask spellings; the GeLU forms; residual adds with dropout;
+pre- and post-norm) and from near misses that must NOT be fused as the op they resemble (eps
+outside the square root, an unbiased variance, a GeLU constant off by a little, a scale applied
+after the softmax, a softmax over the wrong axis, a residual that is subtracted...). Whatever
+`fuse` does with a block, the fused model must compute what the block computes: a near miss is
+left as written, a faithful spelling is fused or left, never changed.
+
+`Spec` is one draw; `RandomBlock(spec)` builds it; `random_model(spec)` stacks two of them in a
+ModuleList (so that `fuse` captures them through Dynamo, one capture for both)."""
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+NORMS = ("ln_module", "ln_functional", "ln_no_bias", "ln_written", "rms_module", "rms_written",
+         "rms_written_upcast",
+         # near misses
+         "ln_unbiased_var", "rms_eps_outside_sqrt", "rms_mean_over_seq", "ln_no_centering")
+ATTENTIONS = ("sdpa", "sdpa_causal", "sdpa_gqa", "chain_mul", "chain_div", "chain_masked_fill",
+              "chain_where", "chain_softmax_fp32", "chain_gqa_repeat_interleave", "chain_gqa_expand",
+              # near misses
+              "chain_scale_after_softmax", "chain_softmax_wrong_axis", "chain_mask_multiplied",
+              "chain_no_scale_sqrt_off", "chain_gqa_tiled")
+ACTIVATIONS = ("gelu", "gelu_tanh", "nn_gelu", "new_gelu_written", "erf_written", "relu", "silu_gated",
+               "silu_gated_up_silu",
+               # near misses
+               "new_gelu_constant_off", "erf_sqrt2_off", "gelu_of_half")
+RESIDUALS = ("plus_dropout", "dropout_plus",
+             # near misses
+             "minus_dropout", "scaled_residual")
+MASKS = ("none", "bool_keypad", "float_keypad")
+NEAR_MISSES = {"ln_unbiased_var", "rms_eps_outside_sqrt", "rms_mean_over_seq", "ln_no_centering",
+               "chain_scale_after_softmax", "chain_softmax_wrong_axis", "chain_mask_multiplied",
+               "chain_no_scale_sqrt_off", "chain_gqa_tiled", "new_gelu_constant_off", "erf_sqrt2_off",
+               "gelu_of_half",
+               "minus_dropout", "scaled_residual"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    norm: str = "ln_module"
+    attention: str = "sdpa"
+    activation: str = "gelu"
+    residual: str = "plus_dropout"
+    mask: str = "none"
+    pre_norm: bool = True
+    eps: float = 1e-5
+    dropout: float = 0.1
+    mlp_bias: bool = True
+
+    @property
+    def id(self) -> str:
+        return "-".join(str(v) for v in dataclasses.astuple(self))
+
+    def near_misses(self) -> list[str]:
+        return [v for v in (self.norm, self.attention, self.activation, self.residual) if v in NEAR_MISSES]
+
+
+HIDDEN, HEADS, KV_HEADS = 32, 4, 2  # head dim 8; the GQA spellings share each kv head by 2 heads
+
+
+class Norm(nn.Module):
+    def __init__(self, kind: str, eps: float) -> None:
+        super().__init__()
+        self.kind, self.eps = kind, eps
+        if kind == "ln_module":
+            self.ln = nn.LayerNorm(HIDDEN, eps=eps)
+        elif kind == "rms_module":
+            self.rms = nn.RMSNorm(HIDDEN, eps=eps)
+        else:
+            self.weight = nn.Parameter(1.0 + 0.1 * torch.randn(HIDDEN))
+            if kind not in ("ln_no_bias",) and not kind.startswith("rms"):
+                self.bias = nn.Parameter(0.1 * torch.randn(HIDDEN))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k, eps = self.kind, self.eps
+        if k == "ln_module":
+            return self.ln(x)
+        if k == "rms_module":
+            return self.rms(x)
+        if k == "ln_functional":
+            return F.layer_norm(x, (HIDDEN,), self.weight, self.bias, eps)
+        if k == "ln_no_bias":
+            return F.layer_norm(x, (HIDDEN,), self.weight, None, eps)
+        if k == "ln_written":
+            mean = x.mean(-1, keepdim=True)
+            var = (x - mean).pow(2).mean(-1, keepdim=True)
+            return (x - mean) * torch.rsqrt(var + eps) * self.weight + self.bias
+        if k == "rms_written":
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * self.weight
+        if k == "rms_written_upcast":  # Llama's: compute in fp32, back to the input dtype
+            h = x.to(torch.float32)
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+            return self.weight * h.to(x.dtype)
+        # near misses
+        if k == "ln_unbiased_var":
+            mean = x.mean(-1, keepdim=True)
+            return (x - mean) / torch.sqrt(x.var(-1, keepdim=True) + eps) * self.weight + self.bias
+        if k == "rms_eps_outside_sqrt":
+            return x / (x.pow(2).mean(-1, keepdim=True).sqrt() + eps) * self.weight
+        if k == "rms_mean_over_seq":
+            return x * torch.rsqrt(x.pow(2).mean(1, keepdim=True) + eps) * self.weight
+        if k == "ln_no_centering":
+            var = x.var(-1, keepdim=True, unbiased=False)
+            return x * torch.rsqrt(var + eps) * self.weight + self.bias
+        raise ValueError(k)
+
+
+def gelu_like(kind: str, x: torch.Tensor) -> torch.Tensor:
+    if kind == "gelu":
+        return F.gelu(x)
+    if kind == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    if kind == "new_gelu_written":  # Hugging Face's NewGELUActivation
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+    if kind == "erf_written":
+        return x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))
+    if kind == "relu":
+        return F.relu(x)
+    if kind == "new_gelu_constant_off":
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.0447 * torch.pow(x, 3.0))))
+    if kind == "erf_sqrt2_off":
+        return x * 0.5 * (1.0 + torch.erf(x / 1.41))
+    if kind == "gelu_of_half":
+        return F.gelu(0.5 * x)
+    raise ValueError(kind)
+
+
+class Mlp(nn.Module):
+    def __init__(self, kind: str, bias: bool) -> None:
+        super().__init__()
+        self.kind = kind
+        self.up = nn.Linear(HIDDEN, 4 * HIDDEN, bias=bias)
+        self.down = nn.Linear(4 * HIDDEN, HIDDEN, bias=bias)
+        self.act = nn.GELU() if kind == "nn_gelu" else None
+        if kind.startswith("silu_gated"):  # Llama's MLP: down(silu(gate(x)) * up(x))
+            self.gate = nn.Linear(HIDDEN, 4 * HIDDEN, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "silu_gated":
+            return self.down(F.silu(self.gate(x)) * self.up(x))
+        if self.kind == "silu_gated_up_silu":  # the other operand activated: another function
+            return self.down(self.gate(x) * F.silu(self.up(x)))
+        h = self.up(x)
+        h = self.act(h) if self.act is not None else gelu_like(self.kind, h)
+        return self.down(h)
+
+
+class Attention(nn.Module):
+    def __init__(self, kind: str, dropout: float) -> None:
+        super().__init__()
+        self.kind, self.p = kind, dropout
+        self.kv_heads = KV_HEADS if "gqa" in kind else HEADS
+        d = HIDDEN // HEADS
+        self.q = nn.Linear(HIDDEN, HIDDEN)
+        self.kv = nn.Linear(HIDDEN, 2 * self.kv_heads * d)
+        self.out = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        b, s, _ = x.shape
+        d, kind = HIDDEN // HEADS, self.kind
+        q = self.q(x).view(b, s, HEADS, d).transpose(1, 2)
+        k, v = self.kv(x).view(b, s, 2, self.kv_heads, d).permute(2, 0, 3, 1, 4).unbind(0)
+        group = HEADS // self.kv_heads
+        if kind == "chain_gqa_repeat_interleave":
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        elif kind == "chain_gqa_expand":  # transformers' repeat_kv
+            k, v = (t[:, :, None].expand(b, self.kv_heads, group, s, d).reshape(b, HEADS, s, d)
+                    for t in (k, v))
+        elif kind == "chain_gqa_tiled":  # near miss: head h reads kv head h % kv_heads, not h // group
+            k, v = k.repeat(1, group, 1, 1), v.repeat(1, group, 1, 1)
+        p = self.p if self.training else 0.0
+        if kind in ("sdpa", "sdpa_causal", "sdpa_gqa"):
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
+                                               is_causal=kind == "sdpa_causal" and mask is None,
+                                               enable_gqa=kind == "sdpa_gqa")
+        else:
+            scores = q @ k.transpose(-1, -2)
+            if kind == "chain_div":
+                scores = scores / math.sqrt(d)
+            elif kind == "chain_no_scale_sqrt_off":
+                scores = scores / math.sqrt(d + 1)
+            elif kind != "chain_scale_after_softmax":
+                scores = scores * d ** -0.5
+            if mask is not None:
+                if mask.dtype == torch.bool:
+                    if kind == "chain_where":
+                        scores = torch.where(mask, scores, torch.finfo(scores.dtype).min)
+                    elif kind == "chain_mask_multiplied":
+                        scores = scores * mask
+                    else:
+                        scores = scores.masked_fill(~mask, float("-inf"))
+                elif kind == "chain_mask_multiplied":
+                    scores = scores * mask
+                else:
+                    scores = scores + mask
+            if kind == "chain_softmax_fp32":  # transformers' eager attention
+                probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            else:
+                probs = scores.softmax(-2 if kind == "chain_softmax_wrong_axis" else -1)
+            if kind == "chain_scale_after_softmax":
+                probs = probs * d ** -0.5
+            probs = F.dropout(probs, p, self.training)
+            o = probs @ v
+        return self.out(o.transpose(1, 2).reshape(b, s, HIDDEN))
+
+
+class RandomBlock(nn.Module):
+    def __init__(self, spec: Spec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.norm1, self.norm2 = Norm(spec.norm, spec.eps), Norm(spec.norm, spec.eps)
+        self.attn = Attention(spec.attention, spec.dropout)
+        self.mlp = Mlp(spec.activation, spec.mlp_bias)
+
+    def residual(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        kind, p = self.spec.residual, self.spec.dropout
+        if kind == "plus_dropout":
+            return r + F.dropout(x, p, self.training)
+        if kind == "dropout_plus":
+            return F.dropout(x, p, self.training) + r
+        if kind == "minus_dropout":
+            return r - F.dropout(x, p, self.training)
+        if kind == "scaled_residual":
+            return 0.5 * r + F.dropout(x, p, self.training)
+        raise ValueError(kind)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        if self.spec.pre_norm:
+            x = self.residual(self.attn(self.norm1(x), mask), x)
+            return self.residual(self.mlp(self.norm2(x)), x)
+        x = self.norm1(self.residual(self.attn(x, mask), x))
+        return self.norm2(self.residual(self.mlp(x), x))
+
+
+class RandomModel(nn.Module):
+    """Two blocks of one spec in a ModuleList, and the mask the spec asks for built per call."""
+
+    def __init__(self, spec: Spec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.blocks = nn.ModuleList([RandomBlock(spec) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        s = x.shape[1]
+        keep = torch.arange(s, device=x.device)[None, :] < lengths[:, None]  # key padding (B, S)
+        mask = None
+        if self.spec.mask == "bool_keypad":
+            mask = keep[:, None, None, :]
+        elif self.spec.mask == "float_keypad":
+            mask = torch.zeros(keep.shape, dtype=x.dtype, device=x.device).masked_fill(
+                ~keep, torch.finfo(x.dtype).min)[:, None, None, :]
+        for block in self.blocks:
+            x = block(x, mask)
+        return x
+
+
+def random_model(spec: Spec, seed: int = 0) -> RandomModel:
+    torch.manual_seed(seed)
+    return RandomModel(spec)
+
+
+def inputs(batch: int = 2, seq: int = 7, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, seq, HIDDEN, generator=gen)
+    lengths = torch.tensor([seq, max(1, seq - 3)][:batch] + [seq] * max(0, batch - 2))
+    return x, lengths

@@ -1,0 +1,72 @@
+"""The rewriter against random blocks (tests/_random_blocks.py): faithful spellings and near misses
+of every family, drawn together, pre- and post-norm, with and without masks, captured by fx and
+by Dynamo. The fused model's outputs and every gradient must match the unfused model by the
+oracle rule, whatever was fused. Derandomized for CI; `bench/fuzz_rewriter.py` draws many more."""
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import _random_blocks as rb
+import trifuse
+from _fusing import check_against_unfused
+
+SPECS = st.builds(
+    rb.Spec, norm=st.sampled_from(rb.NORMS), attention=st.sampled_from(rb.ATTENTIONS),
+    activation=st.sampled_from(rb.ACTIVATIONS), residual=st.sampled_from(rb.RESIDUALS),
+    mask=st.sampled_from(rb.MASKS), pre_norm=st.booleans(), eps=st.sampled_from([1e-5, 1e-6, 1e-2]),
+    dropout=st.sampled_from([0.0, 0.1]), mlp_bias=st.booleans())
+
+
+def check_spec(spec: rb.Spec, capture: str, train: bool) -> "trifuse.FusionReport":
+    """Fused against unfused (and float64) on one batch; train mode only without dropout (the
+    kernels' masks are not PyTorch's)."""
+    if train and spec.dropout:
+        spec = rb.Spec(**{**spec.__dict__, "dropout": 0.0})
+    return check_against_unfused(lambda: rb.random_model(spec), rb.inputs(), capture, train=train)
+
+
+@settings(max_examples=24, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(spec=SPECS, capture=st.sampled_from(["fx", "dynamo"]), train=st.booleans())
+def test_random_blocks_fuse_to_what_they_compute(spec, capture, train):
+    check_spec(spec, capture, train)
+
+
+@pytest.mark.parametrize("capture", ["fx", "dynamo"])
+def test_faithful_spellings_are_fused(capture):
+    """The fuzz compares something fused: a block of canonical spellings has every family replaced.
+    Through fx, the block traces with its default `mask=None` (so fuse picks fx) but not with a
+    mask passed (it branches on the mask's dtype): those calls are captured by Dynamo, not run
+    unfused (the first fuzz run found them unfused)."""
+    spec = rb.Spec(norm="ln_module", attention="chain_mul", activation="new_gelu_written",
+                   residual="plus_dropout", mask="float_keypad", pre_norm=True)
+    report = check_spec(spec, capture, train=False)
+    assert {"attention", "bias_gelu", "layer_norm"} <= set(report.counts()), report.counts()
+    assert not report.unfused_calls(), report.unfused_calls()
+    if capture == "fx":
+        assert "captured by Dynamo instead: 2 call(s): fx cannot trace it" in report.table()
+
+
+@pytest.mark.parametrize("near_miss", sorted(rb.NEAR_MISSES))
+def test_each_near_miss_is_left_as_written_or_fused_right(near_miss):
+    """Every near miss alone in an otherwise canonical block."""
+    field = next(f for f, values in (("norm", rb.NORMS), ("attention", rb.ATTENTIONS),
+                                     ("activation", rb.ACTIVATIONS), ("residual", rb.RESIDUALS))
+                 if near_miss in values)
+    spec = rb.Spec(**{field: near_miss}, mask="bool_keypad")
+    check_spec(spec, "fx", train=False)
+
+
+def test_the_fuzz_catches_a_wrong_rewrite(monkeypatch):
+    """Negative control: a LayerNorm replacement that forgets eps is caught by the comparison."""
+    from trifuse import ops
+
+    real = ops.layer_norm
+
+    def no_eps(x, normalized_shape, weight=None, bias=None, eps=1e-5, *args, **kwargs):
+        return real(x, normalized_shape, weight, bias, 0.5, *args, **kwargs)
+
+    monkeypatch.setattr(ops, "layer_norm", no_eps)
+    with pytest.raises(AssertionError, match="max error"):
+        check_spec(rb.Spec(norm="ln_module", attention="sdpa", activation="relu", residual="minus_dropout",
+                           eps=1e-5), "fx", train=False)
