@@ -4,8 +4,9 @@ unfused model and float64 by the tests' oracle rule, outputs and every gradient.
     TRITON_INTERPRET=1 python bench/fuzz_rewriter.py [--examples 200] [--seed 0] [--save]
 
 Each example draws a Spec (faithful spellings and near misses of every family), a capture (fx or
-Dynamo) and a mode (eval; or train without dropout). Prints one line per failure and a summary
-(how many examples fused each family); --save writes bench/results/fuzz_rewriter.{json,md}.
+Dynamo), a mode (eval; or train without dropout) and a dtype (fp32 or fp16). Prints one line
+per failure and a summary (how many examples fused each family); --save writes
+bench/results/fuzz_rewriter.{json,md}.
 The CI test (tests/fusion/test_fuzz_rewriter.py) runs a fixed 24 of these."""
 import argparse
 import dataclasses
@@ -23,10 +24,11 @@ sys.path[:0] = [str(ROOT / "tests")]
 
 import _device  # noqa: E402,F401  (before trifuse: the interpreter)
 import _random_blocks as rb  # noqa: E402
+import torch  # noqa: E402
 from _fusing import check_against_unfused  # noqa: E402
 
 
-def draw(rng: random.Random) -> tuple[rb.Spec, str, bool]:
+def draw(rng: random.Random) -> tuple[rb.Spec, str, bool, torch.dtype]:
     spec = rb.Spec(norm=rng.choice(rb.NORMS), attention=rng.choice(rb.ATTENTIONS),
                    activation=rng.choice(rb.ACTIVATIONS), residual=rng.choice(rb.RESIDUALS),
                    mask=rng.choice(rb.MASKS), pre_norm=rng.random() < 0.5, eps=rng.choice([1e-5, 1e-6, 1e-2]),
@@ -34,7 +36,7 @@ def draw(rng: random.Random) -> tuple[rb.Spec, str, bool]:
     train = rng.random() < 0.5
     if train:
         spec = dataclasses.replace(spec, dropout=0.0)  # the kernels' dropout masks are not PyTorch's
-    return spec, rng.choice(["fx", "dynamo"]), train
+    return spec, rng.choice(["fx", "dynamo"]), train, rng.choice([torch.float32, torch.float16])
 
 
 def main() -> None:
@@ -46,16 +48,16 @@ def main() -> None:
     rng = random.Random(args.seed)
     failures, fused, t0 = [], Counter(), time.perf_counter()
     for i in range(args.examples):
-        spec, capture, train = draw(rng)
+        spec, capture, train, dtype = draw(rng)
         try:
-            report = check_against_unfused(lambda spec=spec: rb.random_model(spec), rb.inputs(), capture,
-                                           train=train)
+            report = check_against_unfused(lambda spec=spec: rb.random_model(spec, dtype=dtype),
+                                           rb.inputs(dtype=dtype), capture, train=train)
             fused.update(report.counts().keys())
         except Exception as e:  # noqa: BLE001  (a failure is the finding: record it, go on)
             line = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             failures.append({"spec": dataclasses.asdict(spec), "capture": capture, "train": train,
-                             "error": line})
-            print(f"FAIL {i}: {spec.id} {capture} train={train}: {line}", flush=True)
+                             "dtype": str(dtype), "error": line})
+            print(f"FAIL {i}: {spec.id} {capture} train={train} {dtype}: {line}", flush=True)
     seconds = time.perf_counter() - t0
     print(f"{args.examples} examples, {len(failures)} failures, {seconds:.0f} s; "
           "examples fusing each family: "
@@ -70,9 +72,9 @@ def main() -> None:
                  "| family | examples that fused it |", "|---|---|"]
         lines += [f"| {k} | {v} |" for k, v in sorted(fused.items())]
         if failures:
-            lines += ["", "| spec | capture | train | error |", "|---|---|---|---|"]
-            lines += [f"| {rb.Spec(**f['spec']).id} | {f['capture']} | {f['train']} | {f['error']} |"
-                      for f in failures]
+            lines += ["", "| spec | capture | train | dtype | error |", "|---|---|---|---|---|"]
+            lines += [f"| {rb.Spec(**f['spec']).id} | {f['capture']} | {f['train']} | {f['dtype']} "
+                      f"| {f['error']} |" for f in failures]
         out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 

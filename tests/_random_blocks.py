@@ -25,7 +25,10 @@ ATTENTIONS = ("sdpa", "sdpa_causal", "sdpa_gqa", "chain_mul", "chain_div", "chai
               # near misses
               "chain_scale_after_softmax", "chain_softmax_wrong_axis", "chain_mask_multiplied",
               "chain_no_scale_sqrt_off", "chain_gqa_tiled")
-ACTIVATIONS = ("gelu", "gelu_tanh", "nn_gelu", "new_gelu_written", "erf_written", "relu", "silu_gated",
+# (no ReLU: its kink makes the gradient jump where the fp16 rounding of the fused and the unfused
+# model differ in the sign of an input near 0, which the oracle rule reads as an error, 0.32 on a
+# weight's gradient in the first fp16 fuzz run; SiLU is a smooth activation no GeLU pattern takes)
+ACTIVATIONS = ("gelu", "gelu_tanh", "nn_gelu", "new_gelu_written", "erf_written", "silu", "silu_gated",
                "silu_gated_up_silu",
                # near misses
                "new_gelu_constant_off", "erf_sqrt2_off", "gelu_of_half")
@@ -119,8 +122,8 @@ def gelu_like(kind: str, x: torch.Tensor) -> torch.Tensor:
         return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
     if kind == "erf_written":
         return x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))
-    if kind == "relu":
-        return F.relu(x)
+    if kind == "silu":
+        return F.silu(x)
     if kind == "new_gelu_constant_off":
         return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.0447 * torch.pow(x, 3.0))))
     if kind == "erf_sqrt2_off":
@@ -259,13 +262,14 @@ class RandomModel(nn.Module):
         return x
 
 
-def random_model(spec: Spec, seed: int = 0) -> RandomModel:
+def random_model(spec: Spec, seed: int = 0, dtype: torch.dtype = torch.float32) -> RandomModel:
     torch.manual_seed(seed)
-    return RandomModel(spec)
+    return RandomModel(spec).to(dtype)
 
 
-def inputs(batch: int = 2, seq: int = 7, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def inputs(batch: int = 2, seq: int = 7, seed: int = 1,
+           dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(batch, seq, HIDDEN, generator=gen)
+    x = torch.randn(batch, seq, HIDDEN, generator=gen).to(dtype)
     lengths = torch.tensor([seq, max(1, seq - 3)][:batch] + [seq] * max(0, batch - 2))
     return x, lengths

@@ -1,7 +1,8 @@
 """The rewriter against random blocks (tests/_random_blocks.py): faithful spellings and near misses
 of every family, drawn together, pre- and post-norm, with and without masks, captured by fx and
-by Dynamo. The fused model's outputs and every gradient must match the unfused model by the
-oracle rule, whatever was fused. Derandomized for CI; `bench/fuzz_rewriter.py` draws many more."""
+by Dynamo, in fp32 and fp16. The fused model's outputs and every gradient must match the unfused
+model by the oracle rule, whatever was fused. Derandomized for CI; `bench/fuzz_rewriter.py`
+draws many more."""
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -18,18 +19,21 @@ SPECS = st.builds(
     dropout=st.sampled_from([0.0, 0.1]), mlp_bias=st.booleans())
 
 
-def check_spec(spec: rb.Spec, capture: str, train: bool) -> "trifuse.FusionReport":
+def check_spec(spec: rb.Spec, capture: str, train: bool,
+               dtype: torch.dtype = torch.float32) -> "trifuse.FusionReport":
     """Fused against unfused (and float64) on one batch; train mode only without dropout (the
     kernels' masks are not PyTorch's)."""
     if train and spec.dropout:
         spec = rb.Spec(**{**spec.__dict__, "dropout": 0.0})
-    return check_against_unfused(lambda: rb.random_model(spec), rb.inputs(), capture, train=train)
+    return check_against_unfused(lambda: rb.random_model(spec, dtype=dtype), rb.inputs(dtype=dtype), capture,
+                                 train=train)
 
 
 @settings(max_examples=24, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
-@given(spec=SPECS, capture=st.sampled_from(["fx", "dynamo"]), train=st.booleans())
-def test_random_blocks_fuse_to_what_they_compute(spec, capture, train):
-    check_spec(spec, capture, train)
+@given(spec=SPECS, capture=st.sampled_from(["fx", "dynamo"]), train=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.float16]))
+def test_random_blocks_fuse_to_what_they_compute(spec, capture, train, dtype):
+    check_spec(spec, capture, train, dtype)
 
 
 @pytest.mark.parametrize("capture", ["fx", "dynamo"])
@@ -68,5 +72,5 @@ def test_the_fuzz_catches_a_wrong_rewrite(monkeypatch):
 
     monkeypatch.setattr(ops, "layer_norm", no_eps)
     with pytest.raises(AssertionError, match="max error"):
-        check_spec(rb.Spec(norm="ln_module", attention="sdpa", activation="relu", residual="minus_dropout",
+        check_spec(rb.Spec(norm="ln_module", attention="sdpa", activation="silu", residual="minus_dropout",
                            eps=1e-5), "fx", train=False)
