@@ -3,10 +3,10 @@ unfused model and float64 by the tests' oracle rule, outputs and every gradient.
 
     TRITON_INTERPRET=1 python bench/fuzz_rewriter.py [--examples 200] [--seed 0] [--save]
 
-Each example draws a Spec (faithful spellings and near misses of every family), a capture (fx or
-Dynamo), a mode (eval; or train without dropout) and a dtype (fp32 or fp16). Prints one line
-per failure and a summary (how many examples fused each family); --save writes
-bench/results/fuzz_rewriter.{json,md}.
+Each example draws a Spec (faithful spellings and near misses of every family), a capture (fx,
+Dynamo, torch.compile with backend "trifuse" or, one in ten, "trifuse_inductor"), a mode (eval;
+or train without dropout) and a dtype (fp32 or fp16). Prints one line per failure and a summary
+(how many examples fused each family); --save writes bench/results/fuzz_rewriter.{json,md}.
 The CI test (tests/fusion/test_fuzz_rewriter.py) runs a fixed 24 of these."""
 import argparse
 import dataclasses
@@ -36,7 +36,8 @@ def draw(rng: random.Random) -> tuple[rb.Spec, str, bool, torch.dtype]:
     train = rng.random() < 0.5
     if train:
         spec = dataclasses.replace(spec, dropout=0.0)  # the kernels' dropout masks are not PyTorch's
-    return spec, rng.choice(["fx", "dynamo"]), train, rng.choice([torch.float32, torch.float16])
+    capture = rng.choices(["fx", "dynamo", "compile", "compile-inductor"], weights=[3, 3, 3, 1])[0]
+    return spec, capture, train, rng.choice([torch.float32, torch.float16])
 
 
 def main() -> None:

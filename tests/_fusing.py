@@ -75,7 +75,11 @@ class Act(nn.Module):
 
 
 def fuse_via(module: nn.Module, capture: str, **kwargs) -> nn.Module:
-    """The fused model to call: `module` itself fused by fx, or a Dynamo host around it."""
+    """The fused model to call: `module` itself fused by fx, a Dynamo host around it, or (capture
+    "compile" or "compile-inductor") torch.compile of it with trifuse's backend."""
+    if capture.startswith("compile"):
+        backend = "trifuse_inductor" if capture == "compile-inductor" else "trifuse"
+        return torch.compile(module, backend=backend, **kwargs)
     target = module if capture == "fx" else DynamoHost(module)
     trifuse.fuse(target, **kwargs)
     return target

@@ -1,6 +1,6 @@
 """The rewriter against random blocks (tests/_random_blocks.py): faithful spellings and near misses
-of every family, drawn together, pre- and post-norm, with and without masks, captured by fx and
-by Dynamo, in fp32 and fp16. The fused model's outputs and every gradient must match the unfused
+of every family, drawn together, pre- and post-norm, with and without masks, captured by fx, by
+Dynamo and by torch.compile(backend="trifuse"), in fp32 and fp16. The fused model's outputs and every gradient must match the unfused
 model by the oracle rule, whatever was fused. Derandomized for CI; `bench/fuzz_rewriter.py`
 draws many more."""
 import pytest
@@ -30,7 +30,7 @@ def check_spec(spec: rb.Spec, capture: str, train: bool,
 
 
 @settings(max_examples=24, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
-@given(spec=SPECS, capture=st.sampled_from(["fx", "dynamo"]), train=st.booleans(),
+@given(spec=SPECS, capture=st.sampled_from(["fx", "dynamo", "compile"]), train=st.booleans(),
        dtype=st.sampled_from([torch.float32, torch.float16]))
 def test_random_blocks_fuse_to_what_they_compute(spec, capture, train, dtype):
     check_spec(spec, capture, train, dtype)
