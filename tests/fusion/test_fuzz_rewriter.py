@@ -1,8 +1,8 @@
 """The rewriter against random blocks (tests/_random_blocks.py): faithful spellings and near misses
 of every family, drawn together, pre- and post-norm, with and without masks, captured by fx, by
-Dynamo and by torch.compile(backend="trifuse"), in fp32 and fp16. The fused model's outputs and every gradient must match the unfused
-model by the oracle rule, whatever was fused. Derandomized for CI; `bench/fuzz_rewriter.py`
-draws many more."""
+Dynamo and by torch.compile(backend="trifuse"), in fp32 and fp16. The fused model's outputs and
+every gradient must match the unfused model by the oracle rule, whatever was fused. Derandomized
+for CI; `bench/fuzz_rewriter.py` draws many more."""
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
