@@ -65,6 +65,7 @@ MAX_SIGNATURES = 16
 MAX_MOVES = 1
 MOVING = "its parameters keep moving to new storage (FSDP's resharding?)"
 IN_USE = "called again before the backward of its last graphed call (the graph's buffers are in use)"
+NOT_IN_PLACE = "its input was not the block before's graphed output this time (that block ran ungraphed)"
 
 
 class BlockGraphs:
@@ -131,9 +132,14 @@ class BlockGraphs:
         if buffers.in_use():
             self.skipped[IN_USE] += 1
             return run(module, args, kwargs)
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        if buffers.read_in_place and any(tensors[i].data_ptr() != at for i, at in buffers.read_in_place):
+            # The replay would copy this input into the other graph's output buffer.
+            self.skipped[NOT_IN_PLACE] += 1
+            return run(module, args, kwargs)
         buffers.release_gradients(params)
         self.replays += 1
-        outs = graphed(*[x for x in leaves if isinstance(x, torch.Tensor)], *params)
+        outs = graphed(*tensors, *params)
         buffers.replayed(outs, params)
         if not buffers.outputs_known:  # the next block's graph may read them where they are
             for o in outs:
@@ -163,6 +169,7 @@ class BlockGraphs:
             producer = _producer_of(t)
             if producer is not None:
                 producer.readers.add(buffers)
+                buffers.read_in_place.append((len(static), t.data_ptr()))
                 static.append(t.detach().requires_grad_(t.requires_grad))
             else:
                 static.append(t.detach().clone().requires_grad_(t.requires_grad))
@@ -217,7 +224,7 @@ class _Buffers:
     write there (the backward's outputs; the forward's temporaries, in the pool they share), so
     before a replay a `.grad` that is still one of them becomes a copy of itself."""
 
-    __slots__ = ("_token", "_handed", "readers", "outputs_known", "__weakref__")
+    __slots__ = ("_token", "_handed", "readers", "outputs_known", "read_in_place", "__weakref__")
 
     def __init__(self) -> None:
         self._token: weakref.ref | None = None
@@ -226,6 +233,8 @@ class _Buffers:
         # ran, a replay of this one would overwrite an input they saved.
         self.readers: weakref.WeakSet[_Buffers] = weakref.WeakSet()
         self.outputs_known = False  # registered in _PRODUCERS
+        # (input index, address): the inputs this graph reads in another graph's output buffer
+        self.read_in_place: list[tuple[int, int]] = []
 
     def _claimed(self) -> bool:
         return self._token is not None and self._token() is not None

@@ -427,6 +427,36 @@ def test_a_block_reads_the_block_befores_output_where_its_graph_left_it(monkeypa
     assert not any(any(r[-n_params:]) for r in replays)
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="the stand-in for make_graphed_callables: CPU runs")
+def test_a_block_whose_graph_reads_in_place_runs_ungraphed_when_its_input_comes_from_elsewhere(monkeypatch):
+    """The block before ran ungraphed on this call (its buffers held): its output is a new tensor,
+    which a replay of the second block would copy into the first block's output buffer. The
+    second block runs ungraphed too, the step equals the ungraphed model's, and the next step
+    replays both."""
+    import weakref
+
+    lm, ref, inputs = _graphed_gpt2_and_ungraphed(monkeypatch)
+    batches = [inputs(2, 8) for _ in range(4)]
+    (graphs,) = _block_graphs(lm)
+    first = lm.transformer.h[0]
+    got, want = [], []
+    for step, kw in enumerate(batches):
+        held = None
+        if step == 2:  # the first block's buffers in use by someone else for this call
+            (slot,) = graphs._entries[first].values()
+            held = graphs_module._Token()
+            slot[1][3]._token = weakref.ref(held)
+        for model, out in ((lm, got), (ref, want)):
+            model.zero_grad(set_to_none=True)
+            model(**kw).loss.backward()
+            out.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        del held
+    for a, b in zip(got, want):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    assert graphs.skipped == {graphs_module.IN_USE: 1, graphs_module.NOT_IN_PLACE: 1}, graphs.summary()
+    assert graphs.replays == 4  # steps 2 and 4, two blocks each
+
+
 def test_a_graph_whose_output_another_reads_is_in_use_until_the_readers_backward():
     """A producer's replay would overwrite the input its reader saved: the producer is in use
     while a reader's replay awaits its backward (a partial backward can run the producer's first)."""
