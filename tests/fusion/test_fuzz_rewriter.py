@@ -74,3 +74,51 @@ def test_the_fuzz_catches_a_wrong_rewrite(monkeypatch):
     with pytest.raises(AssertionError, match="max error"):
         check_spec(rb.Spec(norm="ln_module", attention="sdpa", activation="silu", residual="minus_dropout",
                            eps=1e-5), "fx", train=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.nn's own layers over their options: TransformerEncoderLayer / TransformerDecoderLayer
+# ---------------------------------------------------------------------------------------------
+
+
+class _TorchLayers(torch.nn.Module):
+    """Two nn.Transformer{Encoder,Decoder}Layer of one configuration in a ModuleList, called with
+    a key padding mask and optionally a causal mask, as nn.TransformerEncoder calls them."""
+
+    def __init__(self, decoder: bool, activation: str, norm_first: bool, bias: bool, batch_first: bool,
+                 eps: float) -> None:
+        super().__init__()
+        cls = torch.nn.TransformerDecoderLayer if decoder else torch.nn.TransformerEncoderLayer
+        act = {"gelu": "gelu", "gelu_fn": torch.nn.functional.gelu, "relu": "relu"}[activation]
+        self.decoder, self.batch_first = decoder, batch_first
+        self.layers = torch.nn.ModuleList(
+            cls(32, 4, 64, dropout=0.0, activation=act, layer_norm_eps=eps, batch_first=batch_first,
+                norm_first=norm_first, bias=bias) for _ in range(2))
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        s = x.shape[1]
+        pad = torch.arange(s, device=x.device)[None, :] >= lengths[:, None]  # True = padding
+        if not self.batch_first:
+            x = x.transpose(0, 1)
+        memory = x
+        for layer in self.layers:
+            if self.decoder:
+                x = layer(x, memory, tgt_key_padding_mask=pad, memory_key_padding_mask=pad)
+            else:
+                x = layer(x, src_key_padding_mask=pad)
+        return x if self.batch_first else x.transpose(0, 1)
+
+
+@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(decoder=st.booleans(), activation=st.sampled_from(["gelu", "gelu_fn", "relu"]), norm_first=st.booleans(),
+       bias=st.booleans(), batch_first=st.booleans(), eps=st.sampled_from([1e-5, 1e-3]), train=st.booleans(),
+       capture=st.sampled_from(["fx", "compile"]))
+def test_torch_transformer_layers_fuse_to_what_they_compute(decoder, activation, norm_first, bias, batch_first,
+                                                            eps, train, capture):
+    """fp32 (ReLU's kink: see _random_blocks.ACTIVATIONS), dropout 0; eval runs the layers' own
+    fast path unfused where PyTorch takes it (no grad there: here grad is on)."""
+    def make():
+        torch.manual_seed(0)
+        return _TorchLayers(decoder, activation, norm_first, bias, batch_first, eps)
+
+    check_against_unfused(make, rb.inputs(), capture, train=train)
