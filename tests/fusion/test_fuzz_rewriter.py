@@ -111,8 +111,8 @@ class _TorchLayers(torch.nn.Module):
 
 @settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(decoder=st.booleans(), activation=st.sampled_from(["gelu", "gelu_fn", "relu"]),
-       norm_first=st.booleans(), bias=st.booleans(), batch_first=st.booleans(), eps=st.sampled_from([1e-5, 1e-3]),
-       train=st.booleans(), capture=st.sampled_from(["fx", "compile"]))
+       norm_first=st.booleans(), bias=st.booleans(), batch_first=st.booleans(),
+       eps=st.sampled_from([1e-5, 1e-3]), train=st.booleans(), capture=st.sampled_from(["fx", "compile"]))
 def test_torch_transformer_layers_fuse_to_what_they_compute(decoder, activation, norm_first, bias,
                                                             batch_first, eps, train, capture):
     """fp32 (ReLU's kink: see _random_blocks.ACTIVATIONS), dropout 0; eval runs the layers' own
