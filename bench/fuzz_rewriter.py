@@ -3,10 +3,11 @@ unfused model and float64 by the tests' oracle rule, outputs and every gradient.
 
     TRITON_INTERPRET=1 python bench/fuzz_rewriter.py [--examples 200] [--seed 0] [--save]
 
-Each example draws a Spec (faithful spellings and near misses of every family), a capture (fx,
-Dynamo, torch.compile with backend "trifuse" or, one in ten, "trifuse_inductor"), a mode (eval;
-or train without dropout) and a dtype (fp32 or fp16). Prints one line per failure and a summary
-(how many examples fused each family); --save writes bench/results/fuzz_rewriter.{json,md}.
+Each example draws a Spec (faithful spellings and near misses of every family; one in three a
+HeadSpec: an LM head and its loss), a capture (fx, Dynamo, torch.compile with backend "trifuse"
+or, one in ten, "trifuse_inductor"), a mode (eval; or train without dropout) and a dtype (fp32 or
+fp16). Prints one line per failure and a summary (how many examples fused each family); --save
+writes bench/results/fuzz_rewriter.{json,md}.
 The CI test (tests/fusion/test_fuzz_rewriter.py) runs a fixed 24 of these."""
 import argparse
 import dataclasses
@@ -27,6 +28,9 @@ import _random_blocks as rb  # noqa: E402
 import torch  # noqa: E402
 from _fusing import check_against_unfused  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "tests" / "fusion"))
+from test_fuzz_rewriter import checked  # noqa: E402
+
 
 def draw(rng: random.Random) -> tuple[rb.Spec, str, bool, torch.dtype]:
     spec = rb.Spec(norm=rng.choice(rb.NORMS), attention=rng.choice(rb.ATTENTIONS),
@@ -40,6 +44,17 @@ def draw(rng: random.Random) -> tuple[rb.Spec, str, bool, torch.dtype]:
     return spec, capture, train, rng.choice([torch.float32, torch.float16])
 
 
+def draw_head(rng: random.Random) -> tuple[rb.HeadSpec, str, bool, torch.dtype]:
+    spec = rb.HeadSpec(vocab=rng.choice([1030, 77, 64]), bias=rng.random() < 0.5, tied=rng.random() < 0.5,
+                       upcast=rng.random() < 0.5, shift=rng.random() < 0.5,
+                       ignored=rng.choice(["none", "some", "all"]),
+                       reduction=rng.choice(["mean", "sum", "none"]),
+                       smoothing=rng.choice([0.0, 0.1]), returns_logits=rng.random() < 0.5,
+                       loss=rng.choice(rb.LOSSES))
+    capture = rng.choices(["fx", "dynamo", "compile", "compile-inductor"], weights=[3, 3, 3, 1])[0]
+    return spec, capture, True, rng.choice([torch.float32, torch.float16])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--examples", type=int, default=200)
@@ -49,14 +64,23 @@ def main() -> None:
     rng = random.Random(args.seed)
     failures, fused, t0 = [], Counter(), time.perf_counter()
     for i in range(args.examples):
-        spec, capture, train, dtype = draw(rng)
+        spec, capture, train, dtype = draw(rng) if i % 3 else draw_head(rng)
         try:
-            report = check_against_unfused(lambda spec=spec: rb.random_model(spec, dtype=dtype),
-                                           rb.inputs(dtype=dtype), capture, train=train)
+            def run(spec=spec, dtype=dtype, capture=capture, train=train):
+                if isinstance(spec, rb.HeadSpec):
+                    def make():
+                        torch.manual_seed(0)
+                        return rb.RandomHead(spec).to(dtype)
+                    return check_against_unfused(make, rb.head_inputs(spec), capture, train=True)
+                return check_against_unfused(lambda: rb.random_model(spec, dtype=dtype),
+                                             rb.inputs(dtype=dtype), capture, train=train)
+
+            report = checked(run, capture)
             fused.update(report.counts().keys())
         except Exception as e:  # noqa: BLE001  (a failure is the finding: record it, go on)
             line = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-            failures.append({"spec": dataclasses.asdict(spec), "capture": capture, "train": train,
+            failures.append({"spec": {"kind": type(spec).__name__, **dataclasses.asdict(spec)},
+                             "capture": capture, "train": train,
                              "dtype": str(dtype), "error": line})
             print(f"FAIL {i}: {spec.id} {capture} train={train} {dtype}: {line}", flush=True)
     seconds = time.perf_counter() - t0
@@ -74,7 +98,7 @@ def main() -> None:
         lines += [f"| {k} | {v} |" for k, v in sorted(fused.items())]
         if failures:
             lines += ["", "| spec | capture | train | dtype | error |", "|---|---|---|---|---|"]
-            lines += [f"| {rb.Spec(**f['spec']).id} | {f['capture']} | {f['train']} | {f['dtype']} "
+            lines += [f"| {f['spec']} | {f['capture']} | {f['train']} | {f['dtype']} "
                       f"| {f['error']} |" for f in failures]
         out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 

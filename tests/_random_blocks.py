@@ -273,3 +273,83 @@ def inputs(batch: int = 2, seq: int = 7, seed: int = 1,
     x = torch.randn(batch, seq, HIDDEN, generator=gen).to(dtype)
     lengths = torch.tensor([seq, max(1, seq - 3)][:batch] + [seq] * max(0, batch - 2))
     return x, lengths
+
+
+# ---------------------------------------------------------------------------------------------
+# LM heads and losses
+# ---------------------------------------------------------------------------------------------
+
+LOSSES = ("functional", "module", "log_softmax_nll",
+          # near misses: a class-weighted loss, a temperature on the logits
+          "class_weights", "temperature")
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadSpec:
+    vocab: int = 1030  # past 1024 and not a multiple of 8: a 16-bit head runs padded when kept
+    bias: bool = False
+    tied: bool = False
+    upcast: bool = True  # transformers' logits.float() before the loss
+    shift: bool = True  # a causal LM's labels[..., 1:] against logits[..., :-1, :]
+    ignored: str = "some"  # "none", "some", "all" labels at ignore_index
+    reduction: str = "mean"
+    smoothing: float = 0.0
+    returns_logits: bool = True  # without: the head and the loss become linear_cross_entropy
+    loss: str = "functional"
+
+    @property
+    def id(self) -> str:
+        return "-".join(str(v) for v in dataclasses.astuple(self))
+
+
+class RandomHead(nn.Module):
+    """Embedding -> a small body -> the LM head -> the loss, as `spec` writes them."""
+
+    def __init__(self, spec: HeadSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed = nn.Embedding(spec.vocab, HIDDEN)
+        self.body = nn.Linear(HIDDEN, HIDDEN)
+        self.head = nn.Linear(HIDDEN, spec.vocab, bias=spec.bias)
+        if spec.tied:
+            self.head.weight = self.embed.weight
+        if spec.loss == "class_weights":
+            self.register_buffer("class_weight", torch.rand(spec.vocab) + 0.5)
+        if spec.loss == "module":
+            self.loss_fn = nn.CrossEntropyLoss(reduction=spec.reduction, label_smoothing=spec.smoothing)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor):
+        spec = self.spec
+        h = torch.tanh(self.body(self.embed(ids)))
+        logits = self.head(h)
+        lg = logits.float() if spec.upcast else logits
+        if spec.shift:
+            lg, labels = lg[..., :-1, :].contiguous(), labels[..., 1:].contiguous()
+        lg, labels = lg.view(-1, spec.vocab), labels.view(-1)
+        if spec.loss == "functional":
+            loss = F.cross_entropy(lg, labels, reduction=spec.reduction, label_smoothing=spec.smoothing)
+        elif spec.loss == "module":
+            loss = self.loss_fn(lg, labels)
+        elif spec.loss == "log_softmax_nll":
+            loss = F.nll_loss(F.log_softmax(lg, dim=-1), labels, reduction=spec.reduction)
+        elif spec.loss == "class_weights":
+            loss = F.cross_entropy(lg, labels, weight=self.class_weight.to(lg.dtype),
+                                   reduction=spec.reduction, label_smoothing=spec.smoothing)
+        elif spec.loss == "temperature":
+            loss = F.cross_entropy(lg / 0.7, labels, reduction=spec.reduction, label_smoothing=spec.smoothing)
+        else:
+            raise ValueError(spec.loss)
+        return (loss, logits) if spec.returns_logits else loss
+
+
+def head_inputs(spec: HeadSpec, batch: int = 2, seq: int = 6,
+                seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, spec.vocab, (batch, seq), generator=gen)
+    labels = torch.randint(0, spec.vocab, (batch, seq), generator=gen)
+    if spec.ignored == "some":
+        labels[0, :2] = -100
+        labels[-1, -1] = -100
+    elif spec.ignored == "all":
+        labels[:] = -100
+    return ids, labels

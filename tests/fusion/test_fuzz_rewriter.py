@@ -25,8 +25,23 @@ def check_spec(spec: rb.Spec, capture: str, train: bool,
     kernels' masks are not PyTorch's)."""
     if train and spec.dropout:
         spec = rb.Spec(**{**spec.__dict__, "dropout": 0.0})
-    return check_against_unfused(lambda: rb.random_model(spec, dtype=dtype), rb.inputs(dtype=dtype), capture,
-                                 train=train)
+    def run():
+        return check_against_unfused(lambda: rb.random_model(spec, dtype=dtype), rb.inputs(dtype=dtype),
+                                     capture, train=train)
+
+    return checked(run, capture)
+
+
+def checked(run, capture: str) -> "trifuse.FusionReport":
+    """`run()`'s report; for torch.compile captures, after a reset of Dynamo's caches and with a
+    check that a rewritten graph ran: every draw compiles the same forward code, and past
+    Dynamo's recompile limit it would run unfused, the comparison then vacuous."""
+    if capture.startswith("compile"):
+        torch._dynamo.reset()
+    report = run()
+    if capture.startswith("compile"):
+        assert report.compiled_runs, "torch.compile ran no rewritten graph"
+    return report
 
 
 @settings(max_examples=24, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
@@ -121,4 +136,36 @@ def test_torch_transformer_layers_fuse_to_what_they_compute(decoder, activation,
         torch.manual_seed(0)
         return _TorchLayers(decoder, activation, norm_first, bias, batch_first, eps)
 
-    check_against_unfused(make, rb.inputs(), capture, train=train)
+    checked(lambda: check_against_unfused(make, rb.inputs(), capture, train=train), capture)
+
+
+# ---------------------------------------------------------------------------------------------
+# LM heads and losses: the cross-entropy patterns, the padded head, linear_cross_entropy
+# ---------------------------------------------------------------------------------------------
+
+HEAD_SPECS = st.builds(
+    rb.HeadSpec, vocab=st.sampled_from([1030, 77, 64]), bias=st.booleans(), tied=st.booleans(),
+    upcast=st.booleans(), shift=st.booleans(), ignored=st.sampled_from(["none", "some", "all"]),
+    reduction=st.sampled_from(["mean", "sum", "none"]), smoothing=st.sampled_from([0.0, 0.1]),
+    returns_logits=st.booleans(), loss=st.sampled_from(rb.LOSSES))
+
+
+def check_head(spec: rb.HeadSpec, capture: str, dtype: torch.dtype) -> "trifuse.FusionReport":
+    def make():
+        torch.manual_seed(0)
+        return rb.RandomHead(spec).to(dtype)
+
+    return checked(lambda: check_against_unfused(make, rb.head_inputs(spec), capture, train=True), capture)
+
+
+@settings(max_examples=16, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(spec=HEAD_SPECS, capture=st.sampled_from(["fx", "dynamo", "compile"]),
+       dtype=st.sampled_from([torch.float32, torch.float16]))
+def test_random_heads_and_losses_fuse_to_what_they_compute(spec, capture, dtype):
+    check_head(spec, capture, dtype)
+
+
+def test_a_head_without_its_logits_fuses_into_linear_cross_entropy():
+    """The fuzz's heads compare something fused: the loss alone becomes linear_cross_entropy."""
+    spec = rb.HeadSpec(returns_logits=False, shift=False, upcast=False)
+    assert check_head(spec, "fx", torch.float32).counts().get("cross_entropy") == 1
