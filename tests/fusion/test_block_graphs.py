@@ -103,15 +103,15 @@ def _on_cpu(model, monkeypatch, stand_in):
         g.device_type = "cpu"
 
 
-def _graphed_gpt2_and_ungraphed(monkeypatch):
-    """(a 2-layer GPT-2 fused with graphs against the stand-in, the same weights fused without,
-    its inputs(batch, seq))."""
+def _graphed_and_ungraphed(monkeypatch, model: str = "gpt2", stand_in: "_StandIn | None" = None):
+    """(a 2-layer `model` (GPT-2) fused with graphs against the stand-in, the same weights fused
+    without, its inputs(batch, seq))."""
     torch.manual_seed(0)
-    lm, inputs, _ = _models.gpt2(layers=2)
+    lm, inputs, _ = getattr(_models, model)(layers=2)
     ref = copy.deepcopy(lm)
     trifuse.fuse(ref)
     trifuse.fuse(lm, cuda_graphs=True)
-    _on_cpu(lm, monkeypatch, _StandIn())
+    _on_cpu(lm, monkeypatch, stand_in or _StandIn())
     return lm, ref, inputs
 
 
@@ -138,13 +138,8 @@ def test_blocks_are_graphed_from_their_second_call_and_train_bitwise_as_ungraphe
     """GPT-2 (a block of hidden states alone), BERT (a padding mask reaches the blocks) and Llama
     (RoPE's cos and sin as a tuple, position ids): every tensor argument into the graph, every
     other one in the signature."""
-    torch.manual_seed(0)
-    lm, inputs, _ = getattr(_models, model)(layers=2)
-    ref = copy.deepcopy(lm)
-    trifuse.fuse(ref)
-    trifuse.fuse(lm, cuda_graphs=True)
     stand_in = _StandIn()
-    _on_cpu(lm, monkeypatch, stand_in)
+    lm, ref, inputs = _graphed_and_ungraphed(monkeypatch, model, stand_in)
     batches = [inputs(2, 8) for _ in range(3)] + [inputs(2, 5)]  # a new length: a new signature
     got, want = _steps(lm, inputs, batches), _steps(ref, inputs, batches)
     for a, b in zip(got[0], want[0]):
@@ -177,7 +172,7 @@ def test_ops_of_blocks_to_be_graphed_choose_as_graphed_calls(monkeypatch):
         return implementation(self, *args)
 
     monkeypatch.setattr(dialects.Dialect, "implementation", recording)
-    lm, ref, inputs = _graphed_gpt2_and_ungraphed(monkeypatch)
+    lm, ref, inputs = _graphed_and_ungraphed(monkeypatch)
     kw = inputs(2, 8)
     lm(**kw).loss.backward()  # first call of each block: decides
     first = list(seen)
@@ -218,7 +213,7 @@ def test_graphs_with_skip_logits_as_the_main_job_runs_them(monkeypatch):
 def test_gradient_accumulation_over_graphed_blocks(monkeypatch):
     """Two backward passes into the same .grad: a graph hands the parameters' gradients out as its
     own buffers, which the next replay overwrites; .grad must not be one of them."""
-    lm, ref, inputs = _graphed_gpt2_and_ungraphed(monkeypatch)
+    lm, ref, inputs = _graphed_and_ungraphed(monkeypatch)
     batches = [inputs(2, 8) for _ in range(4)]
     for model in (lm, ref):
         model(**batches[0]).loss.backward()  # capture
@@ -241,7 +236,7 @@ def test_gradients_are_the_graphs_buffers_until_a_replay_needs_them(monkeypatch,
     that set it to None): that one, zeroed, is copied out before the next replay writes there.
     Either way the steps equal the ungraphed model's bitwise (the stand-in's forward replays write
     NaN over the gradient buffers, as a real one's temporaries may)."""
-    lm, ref, inputs = _graphed_gpt2_and_ungraphed(monkeypatch)
+    lm, ref, inputs = _graphed_and_ungraphed(monkeypatch)
     stand_in = _StandIn()
     _on_cpu(lm, monkeypatch, stand_in)
     batches = [inputs(2, 8) for _ in range(5)]
@@ -272,7 +267,7 @@ def test_a_block_called_again_before_its_backward_runs_that_call_ungraphed(monke
     replay would overwrite the activations the first call's backward reads. The second call runs
     ungraphed, and the gradients equal the ungraphed model's; once the first backward ran (or its
     loss is dropped), the block replays again."""
-    lm, ref, inputs = _graphed_gpt2_and_ungraphed(monkeypatch)
+    lm, ref, inputs = _graphed_and_ungraphed(monkeypatch)
     a, b, c = inputs(2, 8), inputs(2, 8), inputs(2, 8)
     for model in (lm, ref):
         model(**a).loss.backward()  # capture
@@ -294,7 +289,7 @@ def test_a_second_backward_through_one_replay_accumulates(monkeypatch):
     """Two backwards through the same graphed call (retain_graph=True, then of 3 x the loss): the
     first gradients were handed to .grad in the graph's buffers; the second backward copies them
     out before it writes there, and .grad is four times the gradient, as without graphs."""
-    lm, ref, inputs = _graphed_gpt2_and_ungraphed(monkeypatch)
+    lm, ref, inputs = _graphed_and_ungraphed(monkeypatch)
     kw = inputs(2, 8)
     for model in (lm, ref):
         model(**kw).loss.backward()
@@ -401,13 +396,8 @@ def test_a_block_reads_the_block_befores_output_where_its_graph_left_it(monkeypa
     first block's graph: its graph takes that buffer as its input (no buffer of its own, no copy
     in at a replay); the first block's input (the embeddings, new each step) is copied in. The
     steps equal the ungraphed model's bitwise."""
-    torch.manual_seed(0)
-    lm, inputs, _ = getattr(_models, model)(layers=2)
-    ref = copy.deepcopy(lm)
-    trifuse.fuse(ref)
-    trifuse.fuse(lm, cuda_graphs=True)
     stand_in = _KeepsArguments()
-    _on_cpu(lm, monkeypatch, stand_in)
+    lm, ref, inputs = _graphed_and_ungraphed(monkeypatch, model, stand_in)
     batches = [inputs(2, 8) for _ in range(4)]
     got, want = _steps(lm, inputs, batches), _steps(ref, inputs, batches)
     for a, b in zip(got[0] + got[1], want[0] + want[1]):
@@ -435,7 +425,7 @@ def test_a_block_whose_graph_reads_in_place_runs_ungraphed_when_its_input_comes_
     replays both."""
     import weakref
 
-    lm, ref, inputs = _graphed_gpt2_and_ungraphed(monkeypatch)
+    lm, ref, inputs = _graphed_and_ungraphed(monkeypatch)
     batches = [inputs(2, 8) for _ in range(4)]
     (graphs,) = _block_graphs(lm)
     first = lm.transformer.h[0]
