@@ -93,8 +93,9 @@ def main() -> None:
                 "fused_families": dict(fused), "failures": failures}
         out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
         lines = ["# fuzz_rewriter", "",
-                 f"{args.examples} random draws (blocks; one in three an LM head and its loss; seed {args.seed}), "
-                 f"{len(failures)} failures, {seconds:.0f} s on this CPU (Triton interpreter).", "",
+                 f"{args.examples} random draws (blocks; one in three an LM head and its loss; "
+                 f"seed {args.seed}), {len(failures)} failures, {seconds:.0f} s on this CPU (Triton interpreter).",
+                 "",
                  "| family | examples that fused it |", "|---|---|"]
         lines += [f"| {k} | {v} |" for k, v in sorted(fused.items())]
         if failures:
