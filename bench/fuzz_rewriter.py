@@ -94,8 +94,8 @@ def main() -> None:
         out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
         lines = ["# fuzz_rewriter", "",
                  f"{args.examples} random draws (blocks; one in three an LM head and its loss; "
-                 f"seed {args.seed}), {len(failures)} failures, {seconds:.0f} s on this CPU (Triton interpreter).",
-                 "",
+                 f"seed {args.seed}), {len(failures)} failures, {seconds:.0f} s on this CPU "
+                 "(Triton interpreter).", "",
                  "| family | examples that fused it |", "|---|---|"]
         lines += [f"| {k} | {v} |" for k, v in sorted(fused.items())]
         if failures:

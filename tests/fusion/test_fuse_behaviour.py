@@ -1328,14 +1328,17 @@ def test_bert_biased_decoder_runs_padded_and_returns_its_logits():
     ids = torch.randint(0, 1030, (2, 8), device=_models.DEVICE)
     labels = ids.masked_fill(torch.rand(ids.shape, device=ids.device) < 0.5, -100)
 
+    half = torch.bfloat16 if _models.DEVICE == "cuda" else torch.float16
+
     def run(m):
-        with torch.autocast(_models.DEVICE, dtype=torch.bfloat16 if _models.DEVICE == "cuda" else torch.float16):
+        with torch.autocast(_models.DEVICE, dtype=half):
             out = m(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels)
         out.loss.backward()
         return out
 
     out, out_ref = run(model), run(ref)
-    assert trifuse.report(model).by_pattern().get("lm_head_padded", 0) == 1, trifuse.report(model).by_pattern()
+    patterns = trifuse.report(model).by_pattern()
+    assert patterns.get("lm_head_padded", 0) == 1, patterns
     assert out.logits.shape == out_ref.logits.shape and out.logits.stride(-2) == 1088
     torch.testing.assert_close(out.logits, out_ref.logits, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(out.loss, out_ref.loss, rtol=1e-2, atol=1e-2)
