@@ -353,3 +353,98 @@ def head_inputs(spec: HeadSpec, batch: int = 2, seq: int = 6,
     elif spec.ignored == "all":
         labels[:] = -100
     return ids, labels
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotary position embeddings
+# ---------------------------------------------------------------------------------------------
+
+ROPES = ("halves", "halves_partial", "interleaved", "pairs_to_halves", "complex",
+         # near misses: rotate_half's sign on the wrong half, cos and sin swapped, pairs swapped
+         "halves_sign_flipped", "halves_cos_sin_swapped", "interleaved_pairs_swapped")
+NEAR_MISSES_ROPE = {"halves_sign_flipped", "halves_cos_sin_swapped", "interleaved_pairs_swapped"}
+
+
+def _rotate_half(x: torch.Tensor, flipped: bool = False) -> torch.Tensor:
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((x2, -x1) if flipped else (-x2, x1), dim=-1)
+
+
+def _rotate_pairs(x: torch.Tensor, swapped: bool = False) -> torch.Tensor:
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.stack((even, -odd) if swapped else (-odd, even), dim=-1).flatten(-2)
+
+
+class RopeAttention(nn.Module):
+    """q, k, v projections, q and k rotated as `kind` writes it (the k rotation only with
+    `both`), then SDPA."""
+
+    def __init__(self, kind: str, both: bool = True) -> None:
+        super().__init__()
+        self.kind, self.both = kind, both
+        self.q, self.k, self.v = (nn.Linear(HIDDEN, HIDDEN) for _ in range(3))
+        self.out = nn.Linear(HIDDEN, HIDDEN)
+
+    def tables(self, s: int, d: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
+        freqs = torch.arange(s, device=device, dtype=torch.float32)[:, None] * inv[None, :]  # (S, d/2)
+        if self.kind.startswith("interleaved"):
+            emb = freqs.repeat_interleave(2, dim=-1)
+        elif self.kind == "pairs_to_halves":
+            emb = freqs
+        else:
+            emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype)[None, None], emb.sin().to(dtype)[None, None]  # (1, 1, S, width)
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, freqs) -> torch.Tensor:
+        kind = self.kind
+        if kind in ("halves", "halves_partial"):
+            return x * cos + _rotate_half(x) * sin
+        if kind == "halves_sign_flipped":
+            return x * cos + _rotate_half(x, flipped=True) * sin
+        if kind == "halves_cos_sin_swapped":
+            return x * sin + _rotate_half(x) * cos
+        if kind == "interleaved":
+            return x * cos + _rotate_pairs(x) * sin
+        if kind == "interleaved_pairs_swapped":
+            return x * cos + _rotate_pairs(x, swapped=True) * sin
+        if kind == "pairs_to_halves":  # DeepSeek's apply_rotary_pos_emb_interleave
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+            return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        if kind == "complex":  # Meta's Llama reference
+            xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+            return torch.view_as_real(xc * freqs).flatten(3).to(x.dtype)
+        raise ValueError(kind)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        d = HIDDEN // HEADS
+        q, k, v = (lin(x).view(b, s, HEADS, d).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        rot = d // 2 if self.kind == "halves_partial" else d
+        cos, sin = self.tables(s, rot, x.dtype, x.device)
+        freqs = None
+        if self.kind == "complex":
+            inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+            angles = torch.arange(s, device=x.device, dtype=torch.float32)[:, None] * inv[None, :]
+            freqs = torch.polar(torch.ones_like(angles), angles)[None, None]  # (1, 1, S, d/2)
+        if rot < d:
+            q = torch.cat((self.rotate(q[..., :rot], cos, sin, freqs), q[..., rot:]), dim=-1)
+            if self.both:
+                k = torch.cat((self.rotate(k[..., :rot], cos, sin, freqs), k[..., rot:]), dim=-1)
+        else:
+            q = self.rotate(q, cos, sin, freqs)
+            if self.both:
+                k = self.rotate(k, cos, sin, freqs)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(o.transpose(1, 2).reshape(b, s, HIDDEN))
+
+
+class RopeModel(nn.Module):
+    def __init__(self, kind: str, both: bool = True) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([RopeAttention(kind, both) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return x

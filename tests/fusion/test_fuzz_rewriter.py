@@ -169,3 +169,32 @@ def test_a_head_without_its_logits_fuses_into_linear_cross_entropy():
     """The fuzz's heads compare something fused: the loss alone becomes linear_cross_entropy."""
     spec = rb.HeadSpec(returns_logits=False, shift=False, upcast=False)
     assert check_head(spec, "fx", torch.float32).counts().get("cross_entropy") == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotary position embeddings: each convention, partial rotary, k left alone, near misses
+# ---------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(kind=st.sampled_from(rb.ROPES), both=st.booleans(),
+       capture=st.sampled_from(["fx", "dynamo", "compile"]), dtype=st.sampled_from([torch.float32, torch.float16]))
+def test_random_rotary_spellings_fuse_to_what_they_compute(kind, both, capture, dtype):
+    def make():
+        torch.manual_seed(0)
+        return rb.RopeModel(kind, both).to(dtype)
+
+    checked(lambda: check_against_unfused(make, (rb.inputs(dtype=dtype)[0],), capture, train=True), capture)
+
+
+@pytest.mark.parametrize("kind", rb.ROPES)
+def test_each_rotary_spelling(kind):
+    """Faithful conventions fuse (the fuzz compares something fused); with the near misses,
+    whatever fuse does, the answer is the unfused model's."""
+    def make():
+        torch.manual_seed(0)
+        return rb.RopeModel(kind)
+
+    report = check_against_unfused(make, (rb.inputs()[0],), "fx", train=True)
+    if kind not in rb.NEAR_MISSES_ROPE:
+        assert report.counts().get("rotary", 0) > 0, report.counts()
