@@ -178,7 +178,8 @@ def test_a_head_without_its_logits_fuses_into_linear_cross_entropy():
 
 @settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(kind=st.sampled_from(rb.ROPES), both=st.booleans(),
-       capture=st.sampled_from(["fx", "dynamo", "compile"]), dtype=st.sampled_from([torch.float32, torch.float16]))
+       capture=st.sampled_from(["fx", "dynamo", "compile"]),
+       dtype=st.sampled_from([torch.float32, torch.float16]))
 def test_random_rotary_spellings_fuse_to_what_they_compute(kind, both, capture, dtype):
     def make():
         torch.manual_seed(0)
