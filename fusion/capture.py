@@ -1023,7 +1023,8 @@ class _FxEntry:
     reason: str = ""
     # (submodule path, attribute, value) the graph took as constants (normalize.baked_attributes)
     baked: tuple[tuple[str, str, Any], ...] = ()
-    untraceable: bool = False  # fx could not trace the call: Dynamo captures it instead
+    # fx could not trace the call: Dynamo captures it instead (not for a module holding other units)
+    untraceable: bool = False
 
 
 def _baked_checks(module: torch.nn.Module, entry: _FxEntry) -> tuple[tuple[Any, str, Any], ...] | None:
@@ -1073,7 +1074,6 @@ class FxUnit(Unit):
         self.shared: dict[tuple[tuple, tuple, str], _FxEntry] = {}
         self.dynamo: DynamoUnit | None = None  # captures the calls fx cannot trace (_via_dynamo)
         self.dynamo_calls: Counter[str] = Counter()  # why fx could not trace them
-        self._dynamo_eager_seen: dict[str, int] = {}
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         self.calls += 1
@@ -1111,7 +1111,7 @@ class FxUnit(Unit):
             found = per_module[key] = (entry, _baked_checks(module, entry) or ())
         entry = found[0]
         if entry.fn is None:
-            if entry.untraceable and not _holds_units(module):
+            if entry.untraceable:
                 return self._via_dynamo(module, args, kwargs, entry.reason)
             return self._eager(module, args, kwargs, entry.reason)
         self.last[module] = entry.capture
@@ -1127,15 +1127,13 @@ class FxUnit(Unit):
         holds other units, a model around its blocks, runs such calls as written.)"""
         if self.dynamo is None:
             self.dynamo = DynamoUnit(self.cls, self.patterns, self.verbose)
+            # its captures and its calls run as written are this unit's, in the report
+            self.dynamo.captures, self.dynamo.eager_calls = self.captures, self.eager_calls
         self.dynamo_calls[reason] += 1
-        before, fallbacks = len(self.dynamo.captures), self.dynamo.fallbacks
+        fallbacks = self.dynamo.fallbacks
         out = self.dynamo(module, args, kwargs)
-        self.captures.extend(self.dynamo.captures[before:])
         self.fallbacks += self.dynamo.fallbacks - fallbacks
         self.last[module] = self.dynamo.last.get(module)
-        for why, n in self.dynamo.eager_calls.items():
-            self.eager_calls[why] += n - self._dynamo_eager_seen.get(why, 0)
-            self._dynamo_eager_seen[why] = n
         return out
 
     def _capture_fx(self, module: torch.nn.Module, names: list[str], values: list[Any], key: tuple) -> _FxEntry:
@@ -1147,16 +1145,17 @@ class FxUnit(Unit):
             graph = LeafTracer(self.leaves).trace(module, concrete_args=concrete)
         except Exception as e:  # noqa: BLE001  (fx cannot trace this call: Dynamo will)
             why = f"fx cannot trace it: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
-            return _FxEntry(None, None, why, untraceable=True)
+            return _FxEntry(None, None, why, untraceable=not _holds_units(module))
         if not _flat_inputs(graph):
             return _FxEntry(None, None, "fx traced a different signature (outputs in a container of a "
-                                        "class of its own)", untraceable=True)
+                                        "class of its own)", untraceable=not _holds_units(module))
         _drop_specialization_asserts(graph)
         gm = fx.GraphModule(module, graph)
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         values = pytree.tree_leaves(values)
         if len(placeholders) != len(values):
-            return _FxEntry(None, None, "fx traced a different signature", untraceable=True)
+            return _FxEntry(None, None, "fx traced a different signature",
+                            untraceable=not _holds_units(module))
         params = tuple((p.dtype, p.device, tuple(p.shape)) for p in module.parameters())
         shared = self.shared.get((key, params, gm.code))
         if shared is not None and _baked_checks(module, shared) is not None:

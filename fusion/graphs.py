@@ -141,12 +141,8 @@ class BlockGraphs:
         self.replays += 1
         outs = graphed(*tensors, *params)
         buffers.replayed(outs, params)
-        if not buffers.outputs_known:  # the next block's graph may read them where they are
-            for o in outs:
-                _PRODUCERS[o.data_ptr()] = weakref.ref(buffers)
-            buffers.outputs_known = True
-        tensors = iter(outs)
-        return pytree.tree_unflatten([next(tensors) if x is _TENSOR else x for x in out_leaves], out_spec)
+        results = iter(outs)
+        return pytree.tree_unflatten([next(results) if x is _TENSOR else x for x in out_leaves], out_spec)
 
     def _build(self, module, leaves: list, spec, run) -> Any:
         params = _trainable(module)
@@ -252,15 +248,30 @@ class _Buffers:
                 p.grad = g.clone()
 
     def replayed(self, outs: tuple[torch.Tensor, ...], params: tuple[torch.Tensor, ...]) -> None:
-        """Marks the buffers in use by the replay that returned `outs`, until its backward ran."""
+        """Marks the buffers in use by the replay that returned `outs`, until its backward ran;
+        on the first replay, registers its outputs for the next block's graph to read in place."""
+        if not self.outputs_known:
+            for o in outs:
+                _PRODUCERS[o.data_ptr()] = weakref.ref(self)
+            self.outputs_known = True
         node = next((o.grad_fn for o in outs if o.grad_fn is not None), None)
         if node is None:  # nothing will run a backward of this call
             return
         token = _Token()
         holder = [token]  # the post-hook holds it: freed with the node, or emptied when it ran
         self._token = weakref.ref(token)
-        node.register_prehook(functools.partial(_before_backward_replay, self, params))
-        node.register_hook(functools.partial(_after_backward_replay, self, holder, len(params)))
+        node.register_prehook(functools.partial(self._before_backward, params))
+        node.register_hook(functools.partial(self._after_backward, holder, len(params)))
+
+    def _before_backward(self, params: tuple, grad_outputs) -> None:
+        # A second backward through the same replay (retain_graph=True) rewrites the buffers that
+        # the first one handed to .grad.
+        self.release_gradients(params)
+
+    def _after_backward(self, holder: list, n_params: int, grad_inputs, grad_outputs) -> None:
+        self._handed.update(g.untyped_storage().data_ptr() for g in grad_inputs[len(grad_inputs) - n_params:]
+                            if g is not None)
+        holder.clear()
 
 
 # The address of each output a graph returns from its own buffers -> that graph's _Buffers:
@@ -279,18 +290,6 @@ def _producer_of(t: torch.Tensor) -> "_Buffers | None":
 
 class _Token:
     """A replay's claim on its graph's buffers (weakly referenced by `_Buffers`)."""
-
-
-def _before_backward_replay(buffers: _Buffers, params: tuple, grad_outputs) -> None:
-    # A second backward through the same replay (retain_graph=True) rewrites the buffers that
-    # the first one handed to .grad.
-    buffers.release_gradients(params)
-
-
-def _after_backward_replay(buffers: _Buffers, holder: list, n_params: int, grad_inputs, grad_outputs) -> None:
-    buffers._handed.update(g.untyped_storage().data_ptr() for g in grad_inputs[len(grad_inputs) - n_params:]
-                           if g is not None)
-    holder.clear()
 
 
 _SEEN = object()  # an entry: called once with this signature, not graphed yet
