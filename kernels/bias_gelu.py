@@ -58,7 +58,7 @@ from ._common import (
     use_triton,
 )
 from ._launch import CachedKernel
-from ._tiles import elementwise_plan, reduce_plan
+from ._tiles import RowwiseTuning, rowwise_launch
 
 APPROXIMATE = ("none", "tanh", "quick")
 # The quick form's slope: z * sigmoid(1.702 z), transformers' QuickGELUActivation.
@@ -177,7 +177,7 @@ def _bias_gelu_bwd_kernel(
     DB_PARTIAL,  # out (groups, N) fp32: this program's rows' share of dbias; unused unless HAS_BIAS
     M, N, stride_dym, stride_xm, stride_dxm, rows_per_program, col_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, FORM: tl.constexpr,
-    ACC: tl.constexpr,
+    ACC: tl.constexpr, PREFETCH: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     group = pid // col_tiles
@@ -188,14 +188,29 @@ def _bias_gelu_bwd_kernel(
     row_start = group.to(tl.int64) * rows_per_program  # int64: rows * stride may pass 2^31
     row_end = tl.minimum(row_start + rows_per_program, M)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+    if PREFETCH:  # the first tile's loads, issued before the loop (see the loop's head)
+        rows = row_start + tl.arange(0, BLOCK_M)
+        mask = (rows < row_end)[:, None] & col_mask[None, :]
+        x_next = tl.load(X + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+        dy_next = tl.load(DY + rows[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0)
     for start in range(row_start, row_end, BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
         mask = (rows < row_end)[:, None] & col_mask[None, :]
-        z = tl.load(X + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(ACC)
+        if PREFETCH:
+            # This tile was loaded one step ago; the next one's loads go out now, before this
+            # tile's arithmetic, so each thread keeps two tiles' loads in flight, not one.
+            x_tile, dy_tile = x_next, dy_next
+            ahead = rows + BLOCK_M
+            mask_ahead = (ahead < row_end)[:, None] & col_mask[None, :]
+            x_next = tl.load(X + ahead[:, None] * stride_xm + cols[None, :], mask=mask_ahead, other=0.0)
+            dy_next = tl.load(DY + ahead[:, None] * stride_dym + cols[None, :], mask=mask_ahead, other=0.0)
+        else:
+            x_tile = tl.load(X + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+            dy_tile = tl.load(DY + rows[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0)
+        z = x_tile.to(ACC)
         if HAS_BIAS:
             z += b
-        dy = tl.load(DY + rows[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0).to(ACC)
-        dz = dy * _act_grad(z, FORM)
+        dz = dy_tile.to(ACC) * _act_grad(z, FORM)
         tl.store(DX + rows[:, None] * stride_dxm + cols[None, :], dz.to(DX.dtype.element_ty), mask=mask)
         if HAS_BIAS:
             acc += tl.where(mask, dz, 0.0)
@@ -222,6 +237,36 @@ _bias_gelu_fwd = CachedKernel(_bias_gelu_fwd_kernel)
 _bias_gelu_bwd = CachedKernel(_bias_gelu_bwd_kernel)
 
 
+# Launch configurations: tuned per (device, dtype, width, rows bucket, bias?, form) by
+# trifuse's tuner over autotune/configs.py's row-wise spaces (kernels/_tiles.py).
+_FWD_TUNING = RowwiseTuning("bias_gelu_fwd", ("bias", "form"), backward=False)
+_BWD_TUNING = RowwiseTuning("bias_gelu_bwd", ("bias", "form"), backward=True)
+
+
+def _fwd_timed(cfg, m: int, n: int, constexprs: dict, args: tuple) -> None:
+    """One forward launch with `cfg` (what the tuner times; it rewrites y only)."""
+    launch = rowwise_launch(cfg, m, n, 0, False, constexprs)
+    _bias_gelu_fwd.run(launch.grid, (*args, launch.plan.col_tiles), launch.meta)
+
+
+def _bwd_run(launch, head: tuple, tail: tuple, n: int, acc: torch.dtype, has_bias: bool,
+             device: torch.device) -> torch.Tensor | None:
+    """The backward kernel with `launch`; returns its fp32 partial rows of dbias (None without a
+    bias). head and tail: the kernel's arguments before and after DB_PARTIAL, up to the row
+    geometry."""
+    plan = launch.plan
+    partial = torch.empty((plan.groups, n), dtype=acc, device=device) if has_bias else None
+    _bias_gelu_bwd.run(launch.grid, (*head, head[3] if partial is None else partial, *tail,
+                                     plan.rows_per_group, plan.col_tiles), launch.meta)
+    return partial
+
+
+def _bwd_timed(cfg, m: int, n: int, sms: int, constexprs: dict, head: tuple, tail: tuple, acc: torch.dtype,
+               has_bias: bool, device: torch.device) -> None:
+    """One backward with `cfg` (what the tuner times): its own partial rows, sized by its plan."""
+    _bwd_run(rowwise_launch(cfg, m, n, sms, has_bias, constexprs), head, tail, n, acc, has_bias, device)
+
+
 def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor | None, approximate: str) -> torch.Tensor:
     """y = gelu(x + bias), contiguous, shaped like x, in x's dtype."""
     if x.numel() and not use_triton(x):
@@ -233,12 +278,11 @@ def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor | None, approximate: str) 
     # Row bases and strides, not (rows, n) views: a view op costs host time on every call.
     (x2, stride_x), bias = as_rows(x, n), _flat(bias)
     m = x.numel() // n
-    plan = elementwise_plan(m, n)
-    _bias_gelu_fwd[(plan.programs,)](
-        x2, bias if bias is not None else x2, y, m, n, stride_x, n, plan.col_tiles,
-        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, HAS_BIAS=bias is not None, FORM=_FORM_CODE[approximate],
-        ACC=acc_dtype(x.dtype), num_warps=plan.num_warps,
-    )
+    args = (x2, bias if bias is not None else x2, y, m, n, stride_x, n)
+    constexprs = dict(HAS_BIAS=bias is not None, FORM=_FORM_CODE[approximate], ACC=acc_dtype(x.dtype))
+    launch = _FWD_TUNING.launch(x.get_device() if x.is_cuda else -1, x.dtype, m, n, 0, False,
+                                (bias is not None, approximate), constexprs, _fwd_timed, m, n, constexprs, args)
+    _bias_gelu_fwd.run(launch.grid, (*args, launch.plan.col_tiles), launch.meta)
     return y
 
 
@@ -256,15 +300,16 @@ def bias_gelu_bwd(
         return dx, torch.zeros(0 if bias is None else n, dtype=acc, device=x.device)
     (x2, stride_x), (dy2, stride_dy), bias = as_rows(x, n), as_rows(dy, n), _flat(bias)
     m = x.numel() // n
-    plan = reduce_plan(m, n, device_sms(x), bias is not None)
-    partial = dx if bias is None else torch.empty((plan.groups, n), dtype=acc, device=x.device)
-    _bias_gelu_bwd[(plan.programs,)](
-        dy2, x2, bias if bias is not None else x2, dx, partial,
-        m, n, stride_dy, stride_x, n, plan.rows_per_group, plan.col_tiles,
-        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, HAS_BIAS=bias is not None, FORM=_FORM_CODE[approximate],
-        ACC=acc_dtype(x.dtype), num_warps=plan.num_warps,
-    )
-    return dx, partial.sum(dim=0) if bias is not None else dx.new_empty(0, dtype=acc)
+    has_bias = bias is not None
+    head = (dy2, x2, bias if has_bias else x2, dx)
+    tail = (m, n, stride_dy, stride_x, n)
+    constexprs = dict(HAS_BIAS=has_bias, FORM=_FORM_CODE[approximate], ACC=acc_dtype(x.dtype))
+    sms = device_sms(x)
+    launch = _BWD_TUNING.launch(x.get_device() if x.is_cuda else -1, x.dtype, m, n, sms, has_bias,
+                                (has_bias, approximate), constexprs, _bwd_timed, m, n, sms, constexprs, head, tail,
+                                acc, has_bias, x.device)
+    partial = _bwd_run(launch, head, tail, n, acc, has_bias, x.device)
+    return dx, partial.sum(dim=0) if has_bias else dx.new_empty(0, dtype=acc)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -50,7 +50,7 @@ from ._common import (
 )
 from ._launch import CachedKernel
 from ._random import dropout_keep_quads
-from ._tiles import elementwise_plan, reduce_plan
+from ._tiles import RowwiseTuning, rowwise_launch
 
 # =============================================================================================
 # Reference: the spec. It takes the kernel's mask as an argument so tests can compare exactly.
@@ -114,6 +114,7 @@ def _dropout_add_bwd_kernel(
     DB_PARTIAL,  # out (groups, N) fp32: this program's rows' share of dbias; unused unless HAS_BIAS
     M, N, stride_dym, stride_dxm, p, scale, rows_per_program, col_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, ACC: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     group = pid // col_tiles
@@ -123,11 +124,23 @@ def _dropout_add_bwd_kernel(
     row_start = group.to(tl.int64) * rows_per_program  # int64: rows * stride may pass 2^31
     row_end = tl.minimum(row_start + rows_per_program, M)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+    if PREFETCH:  # the first tile's load, issued before the loop (see the loop's head)
+        rows = row_start + tl.arange(0, BLOCK_M)
+        mask = (rows < row_end)[:, None] & col_mask[None, :]
+        dy_next = tl.load(DY + rows[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0)
     for start in range(row_start, row_end, BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
         mask = (rows < row_end)[:, None] & col_mask[None, :]
-        dy = tl.load(DY + rows[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0).to(ACC)
-        dx = tl.where(dropout_keep_quads(seed, rows[:, None], cols[None, :], p), dy * scale, 0.0)
+        if PREFETCH:
+            # This tile was loaded one step ago; the next one's load goes out before this tile's
+            # Philox rounds, so a thread keeps two tiles' loads in flight, not one.
+            dy_tile = dy_next
+            ahead = rows + BLOCK_M
+            mask_ahead = (ahead < row_end)[:, None] & col_mask[None, :]
+            dy_next = tl.load(DY + ahead[:, None] * stride_dym + cols[None, :], mask=mask_ahead, other=0.0)
+        else:
+            dy_tile = tl.load(DY + rows[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0)
+        dx = tl.where(dropout_keep_quads(seed, rows[:, None], cols[None, :], p), dy_tile.to(ACC) * scale, 0.0)
         tl.store(DX + rows[:, None] * stride_dxm + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         if HAS_BIAS:
             acc += dx  # 0 where masked: dy loads as 0 there
@@ -157,6 +170,37 @@ _dropout_add_fwd = CachedKernel(_dropout_add_fwd_kernel)
 _dropout_add_bwd = CachedKernel(_dropout_add_bwd_kernel)
 
 
+# Launch configurations: tuned per (device, dtype, width, rows bucket, variant) by trifuse's
+# tuner over autotune/configs.py's row-wise spaces (kernels/_tiles.py). The dtype is y's (dy's
+# in the backward); "x" ("dx") is x's (dx's), which may be narrower.
+_FWD_TUNING = RowwiseTuning("dropout_add_fwd", ("x", "bias", "dropout"), backward=False)
+_BWD_TUNING = RowwiseTuning("dropout_add_bwd", ("dx", "bias"), backward=True)
+
+
+def _fwd_timed(cfg, m: int, n: int, constexprs: dict, args: tuple) -> None:
+    """One forward launch with `cfg` (what the tuner times; it rewrites y only)."""
+    launch = rowwise_launch(cfg, m, n, 0, False, constexprs)
+    _dropout_add_fwd.run(launch.grid, (*args, launch.plan.col_tiles), launch.meta)
+
+
+def _bwd_run(launch, head: tuple, tail: tuple, n: int, acc: torch.dtype, has_bias: bool,
+             device: torch.device) -> torch.Tensor | None:
+    """The backward kernel with `launch`; returns its fp32 partial rows of dbias (None without a
+    bias). head and tail: the kernel's arguments before and after DB_PARTIAL, up to the row
+    geometry."""
+    plan = launch.plan
+    partial = torch.empty((plan.groups, n), dtype=acc, device=device) if has_bias else None
+    _dropout_add_bwd.run(launch.grid, (*head, head[2] if partial is None else partial, *tail,
+                                       plan.rows_per_group, plan.col_tiles), launch.meta)
+    return partial
+
+
+def _bwd_timed(cfg, m: int, n: int, sms: int, constexprs: dict, head: tuple, tail: tuple, acc: torch.dtype,
+               has_bias: bool, device: torch.device) -> None:
+    """One backward with `cfg` (what the tuner times): its own partial rows, sized by its plan."""
+    _bwd_run(rowwise_launch(cfg, m, n, sms, has_bias, constexprs), head, tail, n, acc, has_bias, device)
+
+
 def dropout_add_fwd(
     x: torch.Tensor,
     residual: torch.Tensor,
@@ -177,13 +221,12 @@ def dropout_add_fwd(
     (x2, stride_x), (r2, stride_r) = as_rows(x, n), as_rows(residual, n)
     bias = None if bias is None else bias.contiguous()  # the kernel indexes it as a vector
     m = x.numel() // n
-    plan = elementwise_plan(m, n)
-    _dropout_add_fwd[(plan.programs,)](
-        x2, r2, bias if bias is not None else x2, seed if p > 0.0 else x2, y,
-        m, n, stride_x, stride_r, n, p, _dropout_scale(p), plan.col_tiles,
-        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, HAS_BIAS=bias is not None, HAS_DROPOUT=p > 0.0,
-        ACC=acc_dtype(y.dtype), num_warps=plan.num_warps,
-    )
+    args = (x2, r2, bias if bias is not None else x2, seed if p > 0.0 else x2, y,
+            m, n, stride_x, stride_r, n, p, _dropout_scale(p))
+    constexprs = dict(HAS_BIAS=bias is not None, HAS_DROPOUT=p > 0.0, ACC=acc_dtype(y.dtype))
+    launch = _FWD_TUNING.launch(x.get_device() if x.is_cuda else -1, dtype, m, n, 0, False,
+                                (x.dtype, bias is not None, p > 0.0), constexprs, _fwd_timed, m, n, constexprs, args)
+    _dropout_add_fwd.run(launch.grid, (*args, launch.plan.col_tiles), launch.meta)
     return y
 
 
@@ -203,14 +246,14 @@ def dropout_add_bwd(
         return dx, torch.zeros(n if has_bias else 0, dtype=acc, device=dy.device)
     dy2, stride_dy = as_rows(dy, n)
     m = dy.numel() // n
-    plan = reduce_plan(m, n, device_sms(dy), has_bias)
-    partial = torch.empty((plan.groups, n), dtype=acc, device=dy.device) if has_bias else dx
-    _dropout_add_bwd[(plan.programs,)](
-        dy2, seed, dx, partial, m, n, stride_dy, n, p, _dropout_scale(p),
-        plan.rows_per_group, plan.col_tiles,
-        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, HAS_BIAS=has_bias, ACC=acc_dtype(dy.dtype),
-        num_warps=plan.num_warps,
-    )
+    head = (dy2, seed, dx)
+    tail = (m, n, stride_dy, n, p, _dropout_scale(p))
+    constexprs = dict(HAS_BIAS=has_bias, ACC=acc_dtype(dy.dtype))
+    sms = device_sms(dy)
+    launch = _BWD_TUNING.launch(dy.get_device() if dy.is_cuda else -1, dy.dtype, m, n, sms, has_bias,
+                                (dx.dtype, has_bias), constexprs, _bwd_timed, m, n, sms, constexprs, head, tail, acc,
+                                has_bias, dy.device)
+    partial = _bwd_run(launch, head, tail, n, acc, has_bias, dy.device)
     return dx, partial.sum(dim=0) if has_bias else dx.new_empty(0, dtype=acc)
 
 

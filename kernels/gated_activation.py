@@ -55,7 +55,7 @@ from ._common import (
     use_triton,
 )
 from ._launch import CachedKernel
-from ._tiles import elementwise_plan
+from ._tiles import RowwiseTuning, rowwise_launch
 from .bias_gelu import _gelu, _gelu_grad
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
@@ -159,6 +159,24 @@ _gated_activation_fwd = CachedKernel(_gated_activation_fwd_kernel)
 _gated_activation_bwd = CachedKernel(_gated_activation_bwd_kernel)
 
 
+# Launch configurations: tuned per (device, dtype, width, rows bucket, activation) by trifuse's
+# tuner over autotune/configs.py's one-tile row-wise space (kernels/_tiles.py).
+_FWD_TUNING = RowwiseTuning("gated_activation_fwd", ("activation",), backward=False)
+_BWD_TUNING = RowwiseTuning("gated_activation_bwd", ("activation",), backward=False)
+
+
+def _fwd_timed(cfg, m: int, n: int, constexprs: dict, args: tuple) -> None:
+    """One forward launch with `cfg` (what the tuner times; it rewrites y only)."""
+    launch = rowwise_launch(cfg, m, n, 0, False, constexprs)
+    _gated_activation_fwd.run(launch.grid, (*args, launch.plan.col_tiles), launch.meta)
+
+
+def _bwd_timed(cfg, m: int, n: int, constexprs: dict, args: tuple) -> None:
+    """One backward launch with `cfg` (what the tuner times; it rewrites dgate and dup only)."""
+    launch = rowwise_launch(cfg, m, n, 0, False, constexprs)
+    _gated_activation_bwd.run(launch.grid, (*args, launch.plan.col_tiles), launch.meta)
+
+
 def gated_activation_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
     """y = act(gate) * up, contiguous, shaped like gate, in gate's dtype."""
     if gate.numel() and not use_triton(gate):
@@ -170,12 +188,11 @@ def gated_activation_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str) 
     g2, u2 = rows_2d(gate, n), rows_2d(up, n)  # chunked halves keep their row stride: no copy
     m = g2.shape[0]
     y2 = y.view(m, n)
-    plan = elementwise_plan(m, n)
-    _gated_activation_fwd[(plan.programs,)](
-        g2, u2, y2, m, n, g2.stride(0), u2.stride(0), y2.stride(0), plan.col_tiles,
-        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, ACT=_ACT_CODE[activation], ACC=acc_dtype(gate.dtype),
-        num_warps=plan.num_warps,
-    )
+    args = (g2, u2, y2, m, n, g2.stride(0), u2.stride(0), y2.stride(0))
+    constexprs = dict(ACT=_ACT_CODE[activation], ACC=acc_dtype(gate.dtype))
+    launch = _FWD_TUNING.launch(gate.get_device() if gate.is_cuda else -1, gate.dtype, m, n, 0, False, (activation,),
+                                constexprs, _fwd_timed, m, n, constexprs, args)
+    _gated_activation_fwd.run(launch.grid, (*args, launch.plan.col_tiles), launch.meta)
     return y
 
 
@@ -193,13 +210,11 @@ def gated_activation_bwd(
     dy2, g2, u2 = rows_2d(dy, n), rows_2d(gate, n), rows_2d(up, n)
     m = g2.shape[0]
     dg2, du2 = dgate.view(m, n), dup.view(m, n)
-    plan = elementwise_plan(m, n)
-    _gated_activation_bwd[(plan.programs,)](
-        dy2, g2, u2, dg2, du2, m, n, dy2.stride(0), g2.stride(0), u2.stride(0), dg2.stride(0), du2.stride(0),
-        plan.col_tiles,
-        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, ACT=_ACT_CODE[activation], ACC=acc_dtype(gate.dtype),
-        num_warps=plan.num_warps,
-    )
+    args = (dy2, g2, u2, dg2, du2, m, n, dy2.stride(0), g2.stride(0), u2.stride(0), dg2.stride(0), du2.stride(0))
+    constexprs = dict(ACT=_ACT_CODE[activation], ACC=acc_dtype(gate.dtype))
+    launch = _BWD_TUNING.launch(gate.get_device() if gate.is_cuda else -1, gate.dtype, m, n, 0, False, (activation,),
+                                constexprs, _bwd_timed, m, n, constexprs, args)
+    _gated_activation_bwd.run(launch.grid, (*args, launch.plan.col_tiles), launch.meta)
     return dgate, dup
 
 
