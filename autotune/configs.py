@@ -1,5 +1,6 @@
-"""The LayerNorm / RMSNorm configuration spaces, with their pruning rules beside them (attention
-declares its block-size lists beside its kernels, in kernels/attention.py).
+"""The LayerNorm / RMSNorm and row-wise elementwise (bias + GeLU, dropout + add, gated
+activations) configuration spaces, with their pruning rules beside them (attention declares its
+block-size lists beside its kernels, in kernels/attention.py).
 
 Each space is a function of the shape (the Tuner passes the key's named entries it declares) and
 returns a list of `triton.Config`; entry 0 is the default: what runs with TRIFUSE_AUTOTUNE=0, under
@@ -59,12 +60,20 @@ def norm_fwd(n: int) -> list[triton.Config]:
 def norm_bwd(n: int) -> list[triton.Config]:
     """Tile size, warps and programs per SM. Default: 4096-element tiles, one warp per 512
     elements of the tile (4 to 16), 2 programs per SM for row blocks up to 2048 elements and
-    1 for wider ones (what kernels/layer_norm.py launched before it was tuned)."""
+    1 for wider ones (what kernels/layer_norm.py launched before it was tuned). Rows that fit one
+    block add, per tile size, its one-warp-per-512 config with PREFETCH: the next tile's s and
+    dy loaded before this tile's row sums (the backward moved 1.8 TB/s at 16384 x 1024 on the
+    H200, 2026-11-27, 42% of a copy; BERT-large's 48 calls a step took 2.8 ms)."""
     tiles = _tiles(n, (4096, 2048, 8192))
-    default = (tiles[0], min(16, max(4, tiles[0] // 512)), 2 if _norm_block(n) <= 2048 else 1)
+    programs = 2 if _norm_block(n) <= 2048 else 1
+    default = (tiles[0], min(16, max(4, tiles[0] // 512)), programs)
     space = [default] + [(t, w, k) for t in tiles for w in (4, 8, 16) for k in (2, 1, 4)
                          if (t, w, k) != default]
-    return [triton.Config({"TILE": t, "PROGRAMS_PER_SM": k}, num_warps=w) for t, w, k in space]
+    configs = [triton.Config({"TILE": t, "PROGRAMS_PER_SM": k}, num_warps=w) for t, w, k in space]
+    if n <= NORM_MAX_BLOCK:
+        configs += [triton.Config({"TILE": t, "PROGRAMS_PER_SM": programs, "PREFETCH": True},
+                                  num_warps=min(16, max(4, t // 512))) for t in tiles]
+    return configs
 
 
 def prune_rows(config: triton.Config, limits, n: int) -> str | None:
@@ -85,6 +94,7 @@ def prune_rows(config: triton.Config, limits, n: int) -> str | None:
 NORM_FWD_LIVE_TILES = 2
 NORM_BWD_LIVE_TILES = 5
 NORM_BWD_MULTI_ROW_LIVE_TILES = 8
+NORM_PREFETCH_LIVE_TILES = 2  # the next tile's s and dy, held across this tile's work
 
 
 def register_values_per_thread(limits, num_warps: int) -> int:
@@ -118,9 +128,11 @@ def prune_norm_fwd(config: triton.Config, limits, n: int) -> str | None:
 
 
 def prune_norm_bwd(config: triton.Config, limits, n: int) -> str | None:
-    """prune_rows, and the backward's register estimate (module docstring)."""
+    """prune_rows, and the backward's register estimate (module docstring; a prefetch holds
+    the next tile's s and dy besides)."""
     rows = config.kwargs["TILE"] // _norm_block(n) if n <= NORM_MAX_BLOCK else 1
-    return _prune_norm(config, limits, n, NORM_BWD_MULTI_ROW_LIVE_TILES if rows > 1 else NORM_BWD_LIVE_TILES)
+    live = NORM_BWD_MULTI_ROW_LIVE_TILES if rows > 1 else NORM_BWD_LIVE_TILES
+    return _prune_norm(config, limits, n, live + (NORM_PREFETCH_LIVE_TILES if config.kwargs.get("PREFETCH") else 0))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,17 +141,20 @@ def prune_norm_bwd(config: triton.Config, limits, n: int) -> str | None:
 # reduction take one tile per program; the backward passes that also sum over rows (dbias) run
 # PROGRAMS_PER_SM x SMs programs, each walking its range of rows tile by tile, and with PREFETCH
 # load the next tile before working on this one. Why that is worth a knob: on the H200
-# (2026-11-27/30) those backward passes moved 1.8-2.1 TB/s of the 4.26 TB/s a copy reaches (BERT-
-# large: bias + GeLU 92 us and the residual stream 58 us a call), while the one-tile forward
-# passes reached 3.3-3.9 TB/s: 16 warps an SM with two 16-byte loads each in flight is about the
-# bytes in flight Little's law asks of H200's memory latency, and the loop's arithmetic leaves
-# gaps. More programs an SM raise it too, where their registers let them all be resident.
+# (2026-11-27) those backward passes moved 2.0-2.6 TB/s of the 4.26 TB/s a copy reaches (BERT-
+# large's bias + GeLU backward: 92 us a call), the one-tile forward passes 3.3-3.9 TB/s. At the
+# default, 16 warps an SM each have one tile's loads in flight (32 bytes a thread per input), near
+# what Little's law asks of the memory latency, and the loop's arithmetic leaves gaps between
+# them; a prefetch doubles the bytes in flight, as do more programs an SM where their registers
+# let them all be resident. Not yet timed on a GPU (bench/tune_rowwise.py will say).
 # Entry 0 of each space is the plan the launchers ran before they were tuned.
 # ---------------------------------------------------------------------------------------------
 
 # fp32 tiles live a thread in the walking backward passes: the accumulator, the two inputs and
 # the gradient; a prefetch holds the next tile's two inputs as well. Registers beside them
-# (addresses, offsets, loop state): about ROWWISE_BASE_REGISTERS.
+# (addresses, offsets, loop state): about ROWWISE_BASE_REGISTERS. An upper estimate: compiled for
+# sm_90 at the e2e widths (bench/compile_sm90.py --spaces), bias + GeLU's backward took 72
+# registers at the default where it says 88, 96 with a prefetch where it says 120; none spilled.
 ROWWISE_BWD_LIVE_TILES = 4
 ROWWISE_PREFETCH_LIVE_TILES = 2
 ROWWISE_BASE_REGISTERS = 24

@@ -71,6 +71,9 @@ def _catalogue(torch, family: str):
         return run
 
     rows = 4
+    # The row-wise elementwise kernels' tiles take up to 32 rows (autotune/configs.py's spaces):
+    # fewer rows would compile smaller blocks than a training step's thousands of rows get.
+    tile_rows = 32
     if family == "layer_norm":
         for n in (768, 1024, 2048, 4096, 8192, 16384, 20000):
             x, w, b = leaf(rows, n), leaf(n), leaf(n)
@@ -105,12 +108,12 @@ def _catalogue(torch, family: str):
                                                       full_y=True)[0])
     elif family == "bias_gelu":
         for n in (3072, 4096):
-            x, b = leaf(rows, n), leaf(n)
+            x, b = leaf(tile_rows, n), leaf(n)
             for approximate in ("none", "tanh", "quick"):
                 yield f"bias_gelu {n} {approximate}", fwd_bwd(
                     lambda x=x, b=b, a=approximate: ops.bias_gelu(x, b, approximate=a))
     elif family == "dropout_add":
-        x, r, b = leaf(rows, 1024), leaf(rows, 1024), leaf(1024)
+        x, r, b = leaf(tile_rows, 1024), leaf(tile_rows, 1024), leaf(1024)
         yield "dropout_add 1024 p=0.1 bias", fwd_bwd(lambda x=x, r=r, b=b: ops.dropout_add(x, r, 0.1, bias=b))
     elif family == "cast":
         # A post-norm block's fp32 input cast once for its q, k and v projections (BERT), and a
@@ -122,7 +125,7 @@ def _catalogue(torch, family: str):
             yield f"cast_for_readers 1024 -> bf16 x {readers}", fwd_bwd(
                 lambda x=x, k=readers: cast_for_readers(x, bf16, k))
     elif family == "gated_activation":
-        g, u = leaf(rows, 8192), leaf(rows, 8192)
+        g, u = leaf(tile_rows, 8192), leaf(tile_rows, 8192)
         for act in ("silu", "gelu", "gelu_tanh"):
             yield f"gated_activation 8192 {act}", fwd_bwd(lambda act=act, g=g, u=u: ops.gated_activation(g, u, act))
     elif family == "rotary":

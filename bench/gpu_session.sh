@@ -64,6 +64,15 @@
 #   buffer: 23 fewer 32 MB copies and buffers a step), and a block called again before its backward
 #   runs ungraphed (new gpu test in tests-gpu). The next session's calls are as the twenty-fourth's
 #   below.
+#   Twenty-sixth session (2026-12-01, no GPU): the row-wise kernels (bias + GeLU, dropout + add,
+#   gated activations) are tuned like the norms (autotune/configs.py rowwise_*; their defaults
+#   are the former fixed plans), and the summing backward passes may prefetch the next row tile
+#   (PREFETCH, a config of the space; compiled for sm_90 here without spills). The e2e runs'
+#   first step now also times those spaces ("tuning s" up a little); `rowwise` (~1 min) writes
+#   every config's GB/s at the e2e shapes (bench/tune_rowwise.py: was BERT-large's bias + GeLU
+#   backward, 92 us = 2.1 TB/s at the default, faster with a prefetch or more warps?), and
+#   tests-gpu has test_rowwise_tuning's gpu test (every op measured, replayed, equal to the
+#   default config's outputs). Call 2 becomes `e2e-warm rowwise attention`.
 #   Later sessions, one or two calls each: `kernels` (the remaining memory-bound ops), `tma
 #   dialects`, `e2e-ckpt` (gradient checkpointing on), `e2e-llama` (Llama 3.2 1B's shape against
 #   Liger-Kernel), `tune` (the shipped H100 defaults).
@@ -192,11 +201,13 @@ for what in "$@"; do
             stage nccl-tp-unfused 45 python3 -m torch.distributed.run --standalone --nproc-per-node 1 examples/train_tp.py --steps 6 --no-fuse
             stage nccl-tp-vocab 60 python3 -m torch.distributed.run --standalone --nproc-per-node 1 examples/train_tp.py --steps 6 \
                 --vocab-parallel ;;
+        rowwise)  # every config of the row-wise kernels' spaces at the e2e shapes, in GB/s
+            stage tune-rowwise 90 python3 bench/tune_rowwise.py ;;
         tune)  # this GPU's winners, shipped as defaults for its family (and the same chip's: H100/H200)
             stage tune 150 python3 -m trifuse.autotune gpt2-medium --batch 8 --seq 1024
             stage tune-llama 150 python3 -m trifuse.autotune llama-3.2-1b --batch 4 --seq 2048 \
                 --export-defaults autotune/defaults/ ;;  # this GPU's family: h100.json or h200.json
-        *) echo "unknown stage $what (tests bisect host kernels-core kernels attention tma dialects e2e e2e-ckpt e2e-bert e2e-llama graphs e2e-host nccl tune)" ;;
+        *) echo "unknown stage $what (tests bisect host kernels-core kernels attention tma dialects e2e e2e-ckpt e2e-bert e2e-llama graphs e2e-host nccl rowwise tune)" ;;
     esac
 done
 

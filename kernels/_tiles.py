@@ -10,7 +10,11 @@ run a fixed number of programs, each walking a contiguous range of row tiles of 
 and writing one fp32 partial row; the partial rows are summed afterwards in a fixed order
 (deterministic, no atomics).
 
-Plans are cached per shape: a launcher pays a dictionary lookup, not this arithmetic.
+The tile size, warps, programs per SM and the backward's prefetch are a tuner's choice per shape
+bucket (autotune/configs.py: rowwise_fwd, rowwise_bwd; entry 0 of each space is the plan below
+with its default arguments, what the kernels ran before they were tuned). `RowwiseTuning` keeps
+each kernel's launch per exact call shape: once its bucket is decided, a launcher pays a
+dictionary lookup, not this arithmetic.
 """
 import functools
 from collections.abc import Callable

@@ -31,7 +31,9 @@ dbias is reduced deterministically: each backward program walks a range of rows 
 tile and writes one fp32 partial row, summed afterwards in a fixed order (no atomics).
 
 Kernels: 2-D tiles of several rows x up to 1024 columns (kernels/_tiles.py), 16 elements per
-thread, int64 row offsets (tensors past 2^31 elements), fp32 arithmetic on fp16/bf16 loads.
+thread by default, int64 row offsets (tensors past 2^31 elements), fp32 arithmetic on fp16/bf16
+loads. Tile sizes, warps, programs per SM and the backward's prefetch of the next row tile are
+tuned per shape bucket (autotune/configs.py: rowwise_fwd, rowwise_bwd).
 """
 import torch
 import torch.nn.functional as F

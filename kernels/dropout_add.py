@@ -21,8 +21,10 @@ is reduced deterministically: fp32 partial rows, one per backward program, summe
 a fixed order.
 
 Kernels: 2-D tiles of several rows x up to 1024 columns (kernels/_tiles.py), int64 row
-offsets. The mask draws four decisions per Philox call (`dropout_keep_quads`): one call per
-element would make these bandwidth-bound kernels compute-bound on H100.
+offsets, the launch configuration tuned per shape bucket (autotune/configs.py: rowwise_fwd,
+rowwise_bwd, with the backward's prefetch of the next row tile). The mask draws four decisions
+per Philox call (`dropout_keep_quads`): one call per element would make these bandwidth-bound
+kernels compute-bound on H100.
 """
 import torch
 import triton

@@ -28,8 +28,9 @@ act'(g) from them. PyTorch eager saves act(g) as well (the input of its multipli
 (tokens x intermediate) activation less per layer, and one pass over it less each way.
 
 Kernels: 2-D tiles of several rows x up to 1024 columns, one tile per program
-(kernels/_tiles.py), int64 row offsets (tensors past 2^31 elements), fp32 arithmetic on
-fp16/bf16 loads. No reduction: forward and backward are one pass each.
+(kernels/_tiles.py; tile size and warps tuned per shape bucket, autotune/configs.py:
+rowwise_fwd), int64 row offsets (tensors past 2^31 elements), fp32 arithmetic on fp16/bf16
+loads. No reduction: forward and backward are one pass each.
 """
 import torch
 import torch.nn.functional as F

@@ -324,9 +324,17 @@ def _tile_grads(S, DY, DY2, DY3, W, cols, mask, N, mean, rstd,
     off at 1e3, and d's own mean takes that back. With NUM_DY 2 or 3, dy is the fp32 sum of DY,
     DY2 (and DY3): y's gradients from as many readers of one 16-bit y (fusion/narrow.py), summed
     as autograd sums fp32 ones."""
-    s = tl.load(S + cols, mask=mask, other=0.0).to(ACC)
-    d = tl.where(mask, s - mean[:, None], 0.0)
-    dy = tl.load(DY + cols, mask=mask, other=0.0).to(ACC)
+    s = tl.load(S + cols, mask=mask, other=0.0)
+    dy = tl.load(DY + cols, mask=mask, other=0.0)
+    return _loaded_tile_grads(s, dy, DY2, DY3, W, cols, mask, N, mean, rstd, HAS_W, NUM_DY, ACC)
+
+
+@triton.jit
+def _loaded_tile_grads(s, dy, DY2, DY3, W, cols, mask, N, mean, rstd,
+                       HAS_W: tl.constexpr, NUM_DY: tl.constexpr, ACC: tl.constexpr):
+    """_tile_grads on a tile whose s and dy were loaded already (as stored; 0 where masked)."""
+    d = tl.where(mask, s.to(ACC) - mean[:, None], 0.0)
+    dy = dy.to(ACC)
     if NUM_DY >= 2:
         dy += tl.load(DY2 + cols, mask=mask, other=0.0).to(ACC)
     if NUM_DY >= 3:
@@ -400,6 +408,9 @@ def _layer_norm_bwd_kernel(
     # which of the three shares are wanted: an accumulator nobody sums is registers and stores
     # for nothing (a plain LayerNorm has no dx_bias; an RMSNorm no dbias)
     STORE_DW: tl.constexpr, STORE_DB: tl.constexpr, STORE_DXB: tl.constexpr, NUM_DY: tl.constexpr,
+    # rows in one block: load the next tile's s and dy before this tile's row sums (whose
+    # cross-warp reductions wait for every warp), so that loads stay in flight across them
+    PREFETCH: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     row_start = pid.to(tl.int64) * rows_per_program  # int64 rows: row * stride may pass 2^31
@@ -417,16 +428,29 @@ def _layer_norm_bwd_kernel(
         dw = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
         db = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
         dxb = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+        if PREFETCH:  # the first tile's s and dy, before the loop
+            rows2 = (row_start + tl.arange(0, BLOCK_M))[:, None]
+            mask = (rows2 < row_end) & col_mask
+            s_next = tl.load(S + rows2 * stride_sm + offs, mask=mask, other=0.0)
+            dy_next = tl.load(DY + rows2 * stride_dym + offs, mask=mask, other=0.0)
         for row0 in range(row_start, row_end, BLOCK_M):
             rows = row0 + tl.arange(0, BLOCK_M)
             row_mask = rows < row_end
             rows2 = rows[:, None]
             mask = row_mask[:, None] & col_mask
+            if PREFETCH:
+                s_tile, dy_tile = s_next, dy_next
+                ahead = rows2 + BLOCK_M
+                mask_ahead = (ahead < row_end) & col_mask
+                s_next = tl.load(S + ahead * stride_sm + offs, mask=mask_ahead, other=0.0)
+                dy_next = tl.load(DY + ahead * stride_dym + offs, mask=mask_ahead, other=0.0)
+            else:
+                s_tile = tl.load(S + rows2 * stride_sm + offs, mask=mask, other=0.0)
+                dy_tile = tl.load(DY + rows2 * stride_dym + offs, mask=mask, other=0.0)
             mean = tl.zeros([BLOCK_M], dtype=ACC) if IS_RMS_NORM else tl.load(MEAN + rows, mask=row_mask, other=0.0)
             rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
-            d, dy, g = _tile_grads(S + rows2 * stride_sm, DY + rows2 * stride_dym,
-                                   DY2 + rows2 * stride_dy2m, DY3 + rows2 * stride_dy3m, W, offs, mask,
-                                   N, mean, rstd, HAS_W, NUM_DY, ACC)
+            d, dy, g = _loaded_tile_grads(s_tile, dy_tile, DY2 + rows2 * stride_dy2m, DY3 + rows2 * stride_dy3m, W,
+                                          offs, mask, N, mean, rstd, HAS_W, NUM_DY, ACC)
             if IS_RMS_NORM:
                 sum_d = tl.zeros([BLOCK_M], dtype=ACC)
                 sum_g = sum_d
@@ -610,6 +634,8 @@ def _bwd_plan(cfg: triton.Config, m: int, n: int, sms: int, constexprs: dict, su
     programs = cdiv(m, rows_per_program)
     meta = {**constexprs, "BLOCK_M": block_m, "BLOCK_N": block_n, "SINGLE_BLOCK": single,
             "num_warps": cfg.num_warps}
+    if single and cfg.kwargs.get("PREFETCH"):
+        meta["PREFETCH"] = True
     return (programs,), meta, programs, rows_per_program, not single, *_sum_plan(n, programs, sum_flags)
 
 

@@ -241,3 +241,38 @@ def test_deterministic_algorithms_take_the_default_backward(fresh, launches, cac
     launches.clear()
     _fwd_bwd(*_inputs())
     assert bwd.timer.calls and len(ln._BWD_PLANS) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("is_rms_norm", [False, True], ids=["layer_norm", "rms_norm"])
+def test_prefetching_backward_configs_compute_the_same(fresh, cache_dir, is_rms_norm, dtype):
+    """The backward's PREFETCH configs (the next tile's s and dy loaded before this tile's row
+    sums), forced one at a time, over 3000 rows: each program walks several tiles, the last one
+    ragged, and the prefetch runs past its range. Every gradient is bitwise what the same config
+    without the prefetch gives (a row's arithmetic does not depend on when its tile was loaded,
+    and the partial-sum split is the same), and repeatable."""
+    m = 3000
+    g = torch.Generator().manual_seed(5)
+    x, r, dy = (torch.randn(m, N, generator=g).to(DEVICE, dtype) for _ in range(3))
+    w, b = (torch.randn(N, generator=g).to(DEVICE) for _ in range(2))
+    _, bwd = fresh
+    prefetching = [c for c in configs.norm_bwd(N) if c.kwargs.get("PREFETCH")]
+    assert prefetching and all(configs.prune_norm_bwd(c, DeviceLimits(), N) is None for c in prefetching[:2])
+
+    def run(cfg):
+        bwd.clear()
+        ln._BWD_PLANS.clear()
+        bwd.config = lambda key, launch, *args: cfg
+        y, s, mean, rstd = ln.layer_norm_fwd(x, N, w, None if is_rms_norm else b, 1e-5, is_rms_norm=is_rms_norm,
+                                             residual=r, store_s=True)
+        return ln.layer_norm_bwd(dy, s, N, w, mean, rstd, is_rms_norm=is_rms_norm, ds=dy, store_dresidual=True)
+
+    for cfg in prefetching[:2]:
+        plain = triton.Config({k: v for k, v in cfg.kwargs.items() if k != "PREFETCH"}, num_warps=cfg.num_warps)
+        got, again, want = run(cfg), run(cfg), run(plain)
+        plan = next(iter(ln._BWD_PLANS.values()), None)
+        for name, a, b_, ref in zip(("dx", "dresidual", "dweight", "dbias", "dx_bias"), got, again, want):
+            assert (a is None) == (ref is None)
+            if a is not None:
+                assert torch.equal(a, b_) and torch.equal(a, ref), f"{name}, {config_label(cfg)}"
+    assert plan is None, "a forced, undecided config is not stored"

@@ -238,3 +238,28 @@ def test_tuning_decisions_show_in_the_report(fresh, cache_dir):
     table = format_table(records(kind="kernel"))
     assert "bias_gelu_fwd" in table and "bias_gelu_bwd" in table
     assert "form=tanh" in table and "rows=16" in table and "n=24" in table and "bias=True" in table
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_gpu_tuning_measures_replays_and_matches_the_default(op, fresh, cache_dir, monkeypatch):
+    """On the GPU with do_bench (and every config compiled natively, the prefetching loops
+    included): each kernel is measured once, later calls replay the winner, and the winner's
+    outputs are the default config's (dbias within fp32 rounding: another split of the rows)."""
+    inputs = [t.cuda() for t in _inputs(torch.bfloat16, seed=3)]
+    inputs = [t.repeat(8, 1) if t.dim() == 2 else t for t in inputs]  # 8000 rows: several per program
+    monkeypatch.setenv("TRIFUSE_AUTOTUNE", "0")
+    default = OPS[op](*inputs)
+    monkeypatch.delenv("TRIFUSE_AUTOTUNE")
+    for tuning in fresh.values():
+        tuning.tuner.clear()
+        tuning.launches.clear()
+    tuned = [OPS[op](*inputs) for _ in range(2)]
+    sources = {d.name: d.source for d in records(kind="kernel") if d.name.startswith(op)}
+    assert sources == {f"{op}_fwd": "measured", f"{op}_bwd": "measured"}
+    for k, (a, b, ref) in enumerate(zip(*tuned, default)):
+        assert torch.equal(a, b), f"{op} output {k} differs between two tuned runs"
+        if op != "gated_activation" and k == 2:
+            torch.testing.assert_close(a, ref, rtol=1e-4, atol=1e-2)
+        else:
+            assert torch.equal(a, ref), f"{op} output {k}: the tuned config's differs from the default's"
