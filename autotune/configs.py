@@ -1,5 +1,6 @@
-"""The LayerNorm / RMSNorm and row-wise elementwise (bias + GeLU, dropout + add, gated
-activations) configuration spaces, with their pruning rules beside them (attention declares its
+"""The configuration spaces of trifuse's bandwidth-bound kernels, with their pruning rules beside
+them: LayerNorm / RMSNorm, the row-wise elementwise kernels (bias + GeLU, dropout + add, gated
+activations), rotary embeddings and cross-entropy's row kernels (attention declares its
 block-size lists beside its kernels, in kernels/attention.py).
 
 Each space is a function of the shape (the Tuner passes the key's named entries it declares) and
@@ -190,3 +191,18 @@ def prune_rowwise_bwd(config: triton.Config, limits, bias: bool) -> str | None:
         return (f"{programs} programs of {warps} warps at ~{registers} registers a thread would not all be "
                 f"resident on an SM ({limits.registers_per_sm} registers)")
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotary embedding (kernels/rotary.py): a program rotates BLOCK_S positions x both halves of one
+# head, TILE_HALF elements a half (BLOCK_S = TILE_HALF / the half's power-of-two width), with
+# warps that keep the full tile's elements a thread. Entry 0 is the plan it ran before it was
+# tuned: 2048 with 8 warps, 16 elements of each half a thread. No pruning rule: no config of the
+# space gives a thread more than 16 elements a half (4 x 16 values: the two halves, cos, sin).
+# ---------------------------------------------------------------------------------------------
+
+
+def rotary() -> list[triton.Config]:
+    """(TILE_HALF, warps)."""
+    space = ((2048, 8), (4096, 8), (1024, 4), (2048, 4), (4096, 16))
+    return [triton.Config({"TILE_HALF": t}, num_warps=w) for t, w in space]

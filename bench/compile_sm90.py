@@ -129,23 +129,27 @@ def _catalogue(torch, family: str):
         for act in ("silu", "gelu", "gelu_tanh"):
             yield f"gated_activation 8192 {act}", fwd_bwd(lambda act=act, g=g, u=u: ops.gated_activation(g, u, act))
     elif family == "rotary":
+        # 128 positions: the tiles of autotune/configs.py's rotary space take up to 128 of them at
+        # head dim 64 (fewer would compile smaller blocks than a training step's 2048 positions get)
+        positions = 128
         for hq, hkv, d in ((32, 8, 128), (16, 16, 64)):
-            q, k = leaf(1, hq, 16, d), leaf(1, hkv, 16, d)
-            cos, sin = torch.randn(1, 1, 16, d), torch.randn(1, 1, 16, d)
+            q, k = leaf(1, hq, positions, d), leaf(1, hkv, positions, d)
+            cos, sin = torch.randn(1, 1, positions, d), torch.randn(1, 1, positions, d)
             for inter in (False, True):
                 yield f"rotary {hq}/{hkv}x{d} interleaved={inter}", fwd_bwd(
                     lambda q=q, k=k, cos=cos, sin=sin, i=inter: ops.rotary_embedding(q, k, cos, sin, interleaved=i))
         # DeepSeek-V3's rotary part: 64 features of q (128 heads) and of its one k head, pairs in,
         # halves out, tables of one entry per pair
-        q, k = leaf(1, 128, 16, 64), leaf(1, 1, 16, 64)
-        cos, sin = torch.randn(1, 1, 16, 32), torch.randn(1, 1, 16, 32)
+        q, k = leaf(1, 128, positions, 64), leaf(1, 1, positions, 64)
+        cos, sin = torch.randn(1, 1, positions, 32), torch.randn(1, 1, positions, 32)
         yield "rotary 128/1x64 halves_out", fwd_bwd(
             lambda: ops.rotary_embedding(q, k, cos, sin, interleaved=True, halves_out=True))
         # Llama 4's, torchtitan's and torchtune's product: (B, S, H, D) bf16 q and k (transposed
         # views), the interleaved pairs, fp32 tables of one entry per pair, bf16 out (the model's
         # upcast and cast back taken in)
-        q, k = leaf(1, 16, 40, 128).transpose(1, 2), leaf(1, 16, 8, 128).transpose(1, 2)
-        cos, sin = torch.randn(1, 1, 16, 64, dtype=torch.float32), torch.randn(1, 1, 16, 64, dtype=torch.float32)
+        q, k = leaf(1, positions, 40, 128).transpose(1, 2), leaf(1, positions, 8, 128).transpose(1, 2)
+        cos = torch.randn(1, 1, positions, 64, dtype=torch.float32)
+        sin = torch.randn(1, 1, positions, 64, dtype=torch.float32)
         yield "rotary 40/8x128 interleaved per-pair (complex), bf16 out", fwd_bwd(
             lambda: ops.rotary_embedding(q, k, cos, sin, interleaved=True, dtype=bf16))
     elif family == "attention":

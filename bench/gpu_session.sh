@@ -65,9 +65,10 @@
 #   runs ungraphed (new gpu test in tests-gpu). The next session's calls are as the twenty-fourth's
 #   below.
 #   Twenty-sixth session (2026-12-01, no GPU): the row-wise kernels (bias + GeLU, dropout + add,
-#   gated activations) are tuned like the norms (autotune/configs.py rowwise_*; their defaults
-#   are the former fixed plans), and the summing backward passes may prefetch the next row tile
-#   (PREFETCH, a config of the space; compiled for sm_90 here without spills). The e2e runs'
+#   gated activations) and the rotary embedding are tuned like the norms (autotune/configs.py
+#   rowwise_*, rotary; their defaults are the former fixed plans), and the summing backward
+#   passes, the LayerNorm backward's among them, may prefetch the next row tile (PREFETCH, a
+#   config of their spaces; compiled for sm_90 here, bench/results/sm90_compile_spaces-*.md). The e2e runs'
 #   first step now also times those spaces ("tuning s" up a little); `rowwise` (~1 min) writes
 #   every config's GB/s at the e2e shapes (bench/tune_rowwise.py: was BERT-large's bias + GeLU
 #   backward, 92 us = 2.1 TB/s at the default, faster with a prefetch or more warps?), and

@@ -145,7 +145,7 @@ class RowwiseTuning:
         self.backward = backward
         self.launches: dict[tuple, RowwiseLaunch] = {}
 
-    def launch(self, device: int, dtype, m: int, n: int, sms: int, reduce: bool, variant: tuple,
+    def launch(self, device: int, dtype: torch.dtype, m: int, n: int, sms: int, reduce: bool, variant: tuple,
                constexprs: dict, timed: Callable[..., object], *args) -> RowwiseLaunch:
         """The launch for this call. `timed(cfg, *args)` runs the kernel with `cfg`, for the tuner."""
         deterministic = reduce and torch.are_deterministic_algorithms_enabled()

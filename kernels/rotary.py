@@ -56,14 +56,14 @@ the forward input's and output's layouts; TABLE_HALF). A
 read one tile of cos and sin run next to each other (the later ones should find it in L2; not yet
 measured). A program rotates a BLOCK_S x D tile of one head as its two halves (BLOCK_S x
 BLOCK_HALF each, BLOCK_HALF the power of two >= D / 2, masked; interleaved, the even and the odd
-features, stride-2 loads): D = 80 or 96 pads to 64-wide halves. int64 offsets (tensors past 2^31
-elements).
+features, stride-2 loads): D = 80 or 96 pads to 64-wide halves; BLOCK_S and the warps are tuned
+per shape bucket (autotune/configs.py: rotary). int64 offsets (tensors past 2^31 elements).
 """
 import torch
 import triton
 import triton.language as tl
 
-from ..autotune import dialects, pow2_bucket
+from ..autotune import Tuner, configs, dialects, pow2_bucket
 from ._common import (
     acc_dtype,
     apply_function,
@@ -230,24 +230,47 @@ def _rotary_embedding_kernel(
 # Launchers: check nothing, allocate the outputs, launch. Tensors in, tensors out.
 # =============================================================================================
 
-# Elements of one half-tile: each program moves 2 x TILE_HALF elements of x and of y (16 per
-# thread at 8 warps, 16-byte vectors of bf16) and reads as many of cos and sin, mostly from L2.
-TILE_HALF = 2048
+# Launch configurations (autotune/configs.py: rotary): TILE_HALF elements of one half-tile per
+# program, and warps; the default moves 2 x 2048 elements of x and of y a program (16 per thread
+# at 8 warps, 16-byte vectors of bf16) and reads as many of cos and sin, mostly from L2. Tuned
+# per (device, dtype, head dim, positions bucket, heads x batch bucket, direction, layout); a
+# launch per exact call shape once decided (_LAUNCHES), as the other kernels keep theirs.
+_KEY_NAMES = ("device", "dtype", "d", "s", "rows", "backward", "pairs")
+_TUNER = Tuner("rotary_embedding", configs.rotary, _KEY_NAMES)
+_LAUNCHES: dict[tuple, tuple[tuple[int], int, dict]] = {}
 
 _rotary_embedding = CachedKernel(_rotary_embedding_kernel)
-_plans: dict[tuple[int, int], tuple[int, int, int]] = {}
 
 
-def _plan(s: int, d: int) -> tuple[int, int, int]:
-    """(BLOCK_S, BLOCK_HALF, num_warps) for S positions of head dim D, cached per shape: every
-    convention tiles alike (the layout constexprs, in CachedKernel's key, pick the kernel)."""
-    plan = _plans.get((s, d))
-    if plan is None:
-        block_half = max(next_power_of_2(d // 2), 2)
-        block_s = min(max(TILE_HALF // block_half, 1), next_power_of_2(s))
-        plan = (block_s, block_half, min(max(block_s * block_half // 256, 1), 8))
-        store_plan(_plans, (s, d), plan)
-    return plan
+def _plan(cfg: triton.Config, s: int, d: int) -> tuple[int, int, int]:
+    """(BLOCK_S, BLOCK_HALF, num_warps) of a config for S positions of head dim D: every
+    convention tiles alike (the layout constexprs, in CachedKernel's key, pick the kernel). Warps
+    keep the full tile's elements a thread, at most the config's."""
+    tile_half, warps = cfg.kwargs["TILE_HALF"], cfg.num_warps
+    block_half = max(next_power_of_2(d // 2), 2)
+    block_s = min(max(tile_half // block_half, 1), next_power_of_2(s))
+    per_thread = max(tile_half // (32 * warps), 1)
+    return block_s, block_half, min(max(block_s * block_half // (32 * per_thread), 1), warps)
+
+
+def _rotary_launch(cfg: triton.Config, b: int, heads: int, s: int, d: int,
+                   constexprs: dict) -> tuple[tuple[int], int, dict]:
+    """(grid, blocks of positions, launch keywords) of `cfg`."""
+    block_s, block_half, num_warps = _plan(cfg, s, d)
+    s_blocks = cdiv(s, block_s)
+    return ((b * s_blocks * heads,), s_blocks,
+            {**constexprs, "BLOCK_S": block_s, "BLOCK_HALF": block_half, "num_warps": num_warps})
+
+
+def _run(launch: tuple[tuple[int], int, dict], head: tuple, tail: tuple) -> None:
+    grid, s_blocks, meta = launch
+    _rotary_embedding.run(grid, (*head, s_blocks, *tail), meta)
+
+
+def _timed(cfg: triton.Config, b: int, heads: int, s: int, d: int, constexprs: dict, head: tuple,
+           tail: tuple) -> None:
+    """One launch with `cfg` (what the tuner times; it rewrites the outputs only)."""
+    _run(_rotary_launch(cfg, b, heads, s, d, constexprs), head, tail)
 
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
@@ -291,17 +314,25 @@ def _launch(x: torch.Tensor, y: torch.Tensor | None, cos: torch.Tensor, sin: tor
     x, cos, sin = _unit_last(x), _unit_last(cos), _unit_last(sin)
     y = x if y is None else _unit_last(y)
     y_out = xo if yo is None else yo
-    block_s, block_half, num_warps = _plan(s, d)
-    s_blocks = cdiv(s, block_s)
-    _rotary_embedding[(b * s_blocks * (hq + hkv),)](
-        x, y, cos, sin, xo, y_out, hq, hkv, s, d // 2, s_blocks,
-        x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2),
-        xo.stride(0), xo.stride(1), xo.stride(2), y_out.stride(0), y_out.stride(1), y_out.stride(2),
-        *_bcast_strides(cos), *_bcast_strides(sin),
-        BLOCK_S=block_s, BLOCK_HALF=block_half, BACKWARD=backward,
-        ACC=acc_dtype(out_dtype(x, cos)), X_PAIRS=interleaved, Y_PAIRS=interleaved and not halves_out,
-        TABLE_HALF=cos.shape[-1] != d, num_warps=num_warps,
-    )
+    head = (x, y, cos, sin, xo, y_out, hq, hkv, s, d // 2)
+    tail = (x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2),
+            xo.stride(0), xo.stride(1), xo.stride(2), y_out.stride(0), y_out.stride(1), y_out.stride(2),
+            *_bcast_strides(cos), *_bcast_strides(sin))
+    device = x.get_device() if x.is_cuda else -1
+    key = (device, x.dtype, dtype, cos.dtype, b, hq + hkv, s, d, backward, interleaved, halves_out,
+           cos.shape[-1])
+    launch = _LAUNCHES.get(key)
+    if launch is None:
+        constexprs = dict(BACKWARD=backward, ACC=acc_dtype(out_dtype(x, cos)), X_PAIRS=interleaved,
+                          Y_PAIRS=interleaved and not halves_out, TABLE_HALF=cos.shape[-1] != d)
+        # "pairs": the layouts in and out (interleaved reads stride-2, halves contiguous halves).
+        pairs = "interleaved" if interleaved and not halves_out else "to-halves" if interleaved else "halves"
+        tuning_key = (device, x.dtype, d, pow2_bucket(s), pow2_bucket(b * (hq + hkv)), backward, pairs)
+        cfg = _TUNER.config(tuning_key, _timed, b, hq + hkv, s, d, constexprs, head, tail)
+        launch = _rotary_launch(cfg, b, hq + hkv, s, d, constexprs)
+        if _TUNER.is_decided(tuning_key):
+            store_plan(_LAUNCHES, key, launch)
+    _run(launch, head, tail)
     return xo, yo
 
 
