@@ -133,7 +133,9 @@ def prune_norm_bwd(config: triton.Config, limits, n: int) -> str | None:
     the next tile's s and dy besides)."""
     rows = config.kwargs["TILE"] // _norm_block(n) if n <= NORM_MAX_BLOCK else 1
     live = NORM_BWD_MULTI_ROW_LIVE_TILES if rows > 1 else NORM_BWD_LIVE_TILES
-    return _prune_norm(config, limits, n, live + (NORM_PREFETCH_LIVE_TILES if config.kwargs.get("PREFETCH") else 0))
+    if config.kwargs.get("PREFETCH"):
+        live += NORM_PREFETCH_LIVE_TILES
+    return _prune_norm(config, limits, n, live)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,10 +175,12 @@ def rowwise_bwd(bias: bool) -> list[triton.Config]:
     bias nothing is summed and each program takes one tile: the one-tile space, from 2048 x 4."""
     if not bias:
         space = ((2048, 4), (4096, 8), (8192, 8), (4096, 4), (8192, 16))
-        return [triton.Config({"TILE": t, "PROGRAMS_PER_SM": 4, "PREFETCH": False}, num_warps=w) for t, w in space]
+        return [triton.Config({"TILE": t, "PROGRAMS_PER_SM": 4, "PREFETCH": False}, num_warps=w)
+                for t, w in space]
     space = ((2048, 4, 4, False), (2048, 4, 4, True), (2048, 8, 2, True), (4096, 8, 2, True),
              (2048, 8, 4, False), (1024, 4, 8, False))
-    return [triton.Config({"TILE": t, "PROGRAMS_PER_SM": k, "PREFETCH": f}, num_warps=w) for t, w, k, f in space]
+    return [triton.Config({"TILE": t, "PROGRAMS_PER_SM": k, "PREFETCH": f}, num_warps=w)
+            for t, w, k, f in space]
 
 
 def prune_rowwise_bwd(config: triton.Config, limits, bias: bool) -> str | None:

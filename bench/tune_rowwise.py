@@ -80,7 +80,8 @@ def main() -> None:
                              "chosen": config == d.chosen,
                              "x vs default": d.times_ms[default] / ms if default else float("nan")})
             for config, why in d.rejected.items():
-                rows.append({"case": label, "kernel": name, "shape": f"{m}x{n}", "config": config, "pruned": why})
+                rows.append({"case": label, "kernel": name, "shape": f"{m}x{n}", "config": config,
+                             "pruned": why})
         H.write_results("tune_rowwise", rows, ("case", "kernel", "shape", "config", "ms", "GB/s", "% copy",
                                                "x vs default", "default", "chosen", "pruned"))
         H.print_table([r for r in rows if r["case"] == label and r.get("chosen")],

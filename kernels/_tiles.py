@@ -119,7 +119,8 @@ class RowwiseLaunch(NamedTuple):
     plan: Plan
 
 
-def rowwise_launch(cfg: triton.Config, m: int, n: int, sms: int, reduce: bool, constexprs: dict) -> RowwiseLaunch:
+def rowwise_launch(cfg: triton.Config, m: int, n: int, sms: int, reduce: bool,
+                   constexprs: dict) -> RowwiseLaunch:
     """The launch of `cfg` at (m, n): the plan's grid and block sizes, the config's PREFETCH where
     it has one, and the kernel's own constexprs."""
     plan = plan_of(cfg, m, n, sms, reduce)

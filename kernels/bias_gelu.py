@@ -282,8 +282,9 @@ def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor | None, approximate: str) 
     m = x.numel() // n
     args = (x2, bias if bias is not None else x2, y, m, n, stride_x, n)
     constexprs = dict(HAS_BIAS=bias is not None, FORM=_FORM_CODE[approximate], ACC=acc_dtype(x.dtype))
-    launch = _FWD_TUNING.launch(x.get_device() if x.is_cuda else -1, x.dtype, m, n, 0, False,
-                                (bias is not None, approximate), constexprs, _fwd_timed, m, n, constexprs, args)
+    device, variant = x.get_device() if x.is_cuda else -1, (bias is not None, approximate)
+    launch = _FWD_TUNING.launch(device, x.dtype, m, n, 0, False, variant, constexprs,
+                                _fwd_timed, m, n, constexprs, args)
     _bias_gelu_fwd.run(launch.grid, (*args, launch.plan.col_tiles), launch.meta)
     return y
 
@@ -307,9 +308,9 @@ def bias_gelu_bwd(
     tail = (m, n, stride_dy, stride_x, n)
     constexprs = dict(HAS_BIAS=has_bias, FORM=_FORM_CODE[approximate], ACC=acc_dtype(x.dtype))
     sms = device_sms(x)
-    launch = _BWD_TUNING.launch(x.get_device() if x.is_cuda else -1, x.dtype, m, n, sms, has_bias,
-                                (has_bias, approximate), constexprs, _bwd_timed, m, n, sms, constexprs, head, tail,
-                                acc, has_bias, x.device)
+    device = x.get_device() if x.is_cuda else -1
+    launch = _BWD_TUNING.launch(device, x.dtype, m, n, sms, has_bias, (has_bias, approximate), constexprs,
+                                _bwd_timed, m, n, sms, constexprs, head, tail, acc, has_bias, x.device)
     partial = _bwd_run(launch, head, tail, n, acc, has_bias, x.device)
     return dx, partial.sum(dim=0) if has_bias else dx.new_empty(0, dtype=acc)
 

@@ -226,8 +226,9 @@ def dropout_add_fwd(
     args = (x2, r2, bias if bias is not None else x2, seed if p > 0.0 else x2, y,
             m, n, stride_x, stride_r, n, p, _dropout_scale(p))
     constexprs = dict(HAS_BIAS=bias is not None, HAS_DROPOUT=p > 0.0, ACC=acc_dtype(y.dtype))
-    launch = _FWD_TUNING.launch(x.get_device() if x.is_cuda else -1, dtype, m, n, 0, False,
-                                (x.dtype, bias is not None, p > 0.0), constexprs, _fwd_timed, m, n, constexprs, args)
+    device, variant = x.get_device() if x.is_cuda else -1, (x.dtype, bias is not None, p > 0.0)
+    launch = _FWD_TUNING.launch(device, dtype, m, n, 0, False, variant, constexprs,
+                                _fwd_timed, m, n, constexprs, args)
     _dropout_add_fwd.run(launch.grid, (*args, launch.plan.col_tiles), launch.meta)
     return y
 
@@ -252,9 +253,9 @@ def dropout_add_bwd(
     tail = (m, n, stride_dy, n, p, _dropout_scale(p))
     constexprs = dict(HAS_BIAS=has_bias, ACC=acc_dtype(dy.dtype))
     sms = device_sms(dy)
-    launch = _BWD_TUNING.launch(dy.get_device() if dy.is_cuda else -1, dy.dtype, m, n, sms, has_bias,
-                                (dx.dtype, has_bias), constexprs, _bwd_timed, m, n, sms, constexprs, head, tail, acc,
-                                has_bias, dy.device)
+    device = dy.get_device() if dy.is_cuda else -1
+    launch = _BWD_TUNING.launch(device, dy.dtype, m, n, sms, has_bias, (dx.dtype, has_bias), constexprs,
+                                _bwd_timed, m, n, sms, constexprs, head, tail, acc, has_bias, dy.device)
     partial = _bwd_run(launch, head, tail, n, acc, has_bias, dy.device)
     return dx, partial.sum(dim=0) if has_bias else dx.new_empty(0, dtype=acc)
 

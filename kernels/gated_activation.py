@@ -191,8 +191,9 @@ def gated_activation_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str) 
     y2 = y.view(m, n)
     args = (g2, u2, y2, m, n, g2.stride(0), u2.stride(0), y2.stride(0))
     constexprs = dict(ACT=_ACT_CODE[activation], ACC=acc_dtype(gate.dtype))
-    launch = _FWD_TUNING.launch(gate.get_device() if gate.is_cuda else -1, gate.dtype, m, n, 0, False, (activation,),
-                                constexprs, _fwd_timed, m, n, constexprs, args)
+    device = gate.get_device() if gate.is_cuda else -1
+    launch = _FWD_TUNING.launch(device, gate.dtype, m, n, 0, False, (activation,), constexprs,
+                                _fwd_timed, m, n, constexprs, args)
     _gated_activation_fwd.run(launch.grid, (*args, launch.plan.col_tiles), launch.meta)
     return y
 
@@ -211,10 +212,12 @@ def gated_activation_bwd(
     dy2, g2, u2 = rows_2d(dy, n), rows_2d(gate, n), rows_2d(up, n)
     m = g2.shape[0]
     dg2, du2 = dgate.view(m, n), dup.view(m, n)
-    args = (dy2, g2, u2, dg2, du2, m, n, dy2.stride(0), g2.stride(0), u2.stride(0), dg2.stride(0), du2.stride(0))
+    args = (dy2, g2, u2, dg2, du2, m, n,
+            dy2.stride(0), g2.stride(0), u2.stride(0), dg2.stride(0), du2.stride(0))
     constexprs = dict(ACT=_ACT_CODE[activation], ACC=acc_dtype(gate.dtype))
-    launch = _BWD_TUNING.launch(gate.get_device() if gate.is_cuda else -1, gate.dtype, m, n, 0, False, (activation,),
-                                constexprs, _bwd_timed, m, n, constexprs, args)
+    device = gate.get_device() if gate.is_cuda else -1
+    launch = _BWD_TUNING.launch(device, gate.dtype, m, n, 0, False, (activation,), constexprs,
+                                _bwd_timed, m, n, constexprs, args)
     _gated_activation_bwd.run(launch.grid, (*args, launch.plan.col_tiles), launch.meta)
     return dgate, dup
 

@@ -449,8 +449,9 @@ def _layer_norm_bwd_kernel(
                 dy_tile = tl.load(DY + rows2 * stride_dym + offs, mask=mask, other=0.0)
             mean = tl.zeros([BLOCK_M], dtype=ACC) if IS_RMS_NORM else tl.load(MEAN + rows, mask=row_mask, other=0.0)
             rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
-            d, dy, g = _loaded_tile_grads(s_tile, dy_tile, DY2 + rows2 * stride_dy2m, DY3 + rows2 * stride_dy3m, W,
-                                          offs, mask, N, mean, rstd, HAS_W, NUM_DY, ACC)
+            d, dy, g = _loaded_tile_grads(s_tile, dy_tile, DY2 + rows2 * stride_dy2m,
+                                          DY3 + rows2 * stride_dy3m, W, offs, mask, N, mean, rstd,
+                                          HAS_W, NUM_DY, ACC)
             if IS_RMS_NORM:
                 sum_d = tl.zeros([BLOCK_M], dtype=ACC)
                 sum_g = sum_d

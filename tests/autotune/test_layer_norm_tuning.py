@@ -263,12 +263,14 @@ def test_prefetching_backward_configs_compute_the_same(fresh, cache_dir, is_rms_
         bwd.clear()
         ln._BWD_PLANS.clear()
         bwd.config = lambda key, launch, *args: cfg
-        y, s, mean, rstd = ln.layer_norm_fwd(x, N, w, None if is_rms_norm else b, 1e-5, is_rms_norm=is_rms_norm,
-                                             residual=r, store_s=True)
-        return ln.layer_norm_bwd(dy, s, N, w, mean, rstd, is_rms_norm=is_rms_norm, ds=dy, store_dresidual=True)
+        y, s, mean, rstd = ln.layer_norm_fwd(x, N, w, None if is_rms_norm else b, 1e-5,
+                                             is_rms_norm=is_rms_norm, residual=r, store_s=True)
+        return ln.layer_norm_bwd(dy, s, N, w, mean, rstd, is_rms_norm=is_rms_norm, ds=dy,
+                                 store_dresidual=True)
 
     for cfg in prefetching[:2]:
-        plain = triton.Config({k: v for k, v in cfg.kwargs.items() if k != "PREFETCH"}, num_warps=cfg.num_warps)
+        without = {k: v for k, v in cfg.kwargs.items() if k != "PREFETCH"}
+        plain = triton.Config(without, num_warps=cfg.num_warps)
         got, again, want = run(cfg), run(cfg), run(plain)
         plan = next(iter(ln._BWD_PLANS.values()), None)
         for name, a, b_, ref in zip(("dx", "dresidual", "dweight", "dbias", "dx_bias"), got, again, want):

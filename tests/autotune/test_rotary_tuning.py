@@ -49,7 +49,8 @@ def _inputs(dtype=torch.float32, seed=0):
 
 def _fwd_bwd(q, k, cos, sin, interleaved, halves_out):
     qe, ke = rk.rotary_embedding_fwd(q, k, cos, sin, interleaved=interleaved, halves_out=halves_out)
-    dq, dk = rk.rotary_embedding_bwd(qe, ke, cos, sin, q.dtype, interleaved=interleaved, halves_out=halves_out)
+    dq, dk = rk.rotary_embedding_bwd(qe, ke, cos, sin, q.dtype, interleaved=interleaved,
+                                     halves_out=halves_out)
     return qe, ke, dq, dk
 
 

@@ -44,9 +44,8 @@ def _renewed(tuning: _tiles.RowwiseTuning) -> _tiles.RowwiseTuning:
 def launches(monkeypatch):
     """Every launch of the six kernels, as (kernel, grid, launch keywords); they still run."""
     seen = []
-    for module, names in ((bg, ("_bias_gelu_fwd", "_bias_gelu_bwd")), (da, ("_dropout_add_fwd", "_dropout_add_bwd")),
-                          (ga, ("_gated_activation_fwd", "_gated_activation_bwd"))):
-        for name in names:
+    for module, op in ((bg, "bias_gelu"), (da, "dropout_add"), (ga, "gated_activation")):
+        for name in (f"_{op}_fwd", f"_{op}_bwd"):
             kernel = getattr(module, name)
 
             def run(grid, args, kwargs, _run=kernel.run, _name=name):
@@ -118,7 +117,8 @@ def test_every_config_computes_the_same(op, dtype, fresh, cache_dir):
         fwd_cfg, bwd_cfg = fwd_space[min(i, len(fwd_space) - 1)], bwd_space[min(i, len(bwd_space) - 1)]
         for name, cfg in ((fwd_name, fwd_cfg), (bwd_name, bwd_cfg)):
             tuning = _renewed(fresh[name])
-            tuning.tuner.config = lambda key, launch, *args, _cfg=cfg: _cfg  # this config, undecided: not stored
+            # this config, undecided: not stored
+            tuning.tuner.config = lambda key, launch, *args, _cfg=cfg: _cfg
             setattr(OPS_MODULES[op], "_FWD_TUNING" if name.endswith("_fwd") else "_BWD_TUNING", tuning)
         runs = [OPS[op](*inputs) for _ in range(2)]
         for a, b in zip(*runs):
@@ -130,7 +130,8 @@ def test_every_config_computes_the_same(op, dtype, fresh, cache_dir):
             if op != "gated_activation" and k == 2:  # dbias: fp32 sums in another order
                 torch.testing.assert_close(a, ref, rtol=1e-5, atol=1e-4 * M ** 0.5)
             else:
-                assert torch.equal(a, ref), f"{op} output {k}: {config_label(fwd_cfg)} / {config_label(bwd_cfg)}"
+                labels = f"{config_label(fwd_cfg)} / {config_label(bwd_cfg)}"
+                assert torch.equal(a, ref), f"{op} output {k}: {labels}"
 
 
 OPS_MODULES = {"bias_gelu": bg, "dropout_add": da, "gated_activation": ga}
@@ -170,7 +171,8 @@ def test_tuned_once_per_key_then_replayed(fresh, launches, cache_dir, timer):
     # Another row count in the same bucket: its own launch, the tuner's memo, nothing timed again.
     _bias_gelu(*(t[: M - 20] if t.dim() == 2 else t for t in inputs))
     assert asked == ["bias_gelu_fwd", "bias_gelu_bwd"] * 2
-    assert len(fwd.tuner.timer.calls) == len(configs.rowwise_fwd()) and len(fwd.launches) == len(bwd.launches) == 2
+    assert len(fwd.tuner.timer.calls) == len(configs.rowwise_fwd())
+    assert len(fwd.launches) == len(bwd.launches) == 2
     chosen = {d.name: (d.chosen, d.source) for d in records(kind="kernel")}
     assert chosen == {"bias_gelu_fwd": (FWD_WIN, "measured"), "bias_gelu_bwd": (BWD_WIN, "measured")}
 
@@ -218,7 +220,8 @@ def test_pruning_keeps_the_summing_programs_resident():
     h100 = DeviceLimits()
     assert all(configs.prune_rowwise_bwd(c, h100, bias=True) is None for c in configs.rowwise_bwd(True))
     smaller = DeviceLimits(registers_per_sm=49152)
-    pruned = {config_label(c): configs.prune_rowwise_bwd(c, smaller, bias=True) for c in configs.rowwise_bwd(True)}
+    pruned = {config_label(c): configs.prune_rowwise_bwd(c, smaller, bias=True)
+              for c in configs.rowwise_bwd(True)}
     kept = [label for label, why in pruned.items() if why is None]
     assert kept == ["TILE=2048,PROGRAMS_PER_SM=4,PREFETCH=False,warps=4,stages=3",
                     "TILE=2048,PROGRAMS_PER_SM=2,PREFETCH=True,warps=8,stages=3"]
