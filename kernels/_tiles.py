@@ -163,3 +163,39 @@ class RowwiseTuning:
         if deterministic or self.tuner.is_decided(tuning_key):
             store_plan(self.launches, key, launch)
         return launch
+
+
+# Launches shared by the row-wise kernels. A one-tile kernel takes its runtime arguments, then
+# col_tiles; a summing backward kernel its arguments up to and including DX (`head`), its fp32
+# partial rows of dbias (DX again, unused, without a bias), the rest (`tail`), then
+# rows_per_program and col_tiles.
+
+
+def run_one_tile(kernel: Callable, launch: RowwiseLaunch, args: tuple) -> None:
+    """Launches a one-tile kernel (a CachedKernel) with `launch`."""
+    kernel.run(launch.grid, (*args, launch.plan.col_tiles), launch.meta)
+
+
+def time_one_tile(cfg: triton.Config, kernel: Callable, m: int, n: int, constexprs: dict,
+                  args: tuple) -> None:
+    """One launch of a one-tile kernel with `cfg` (what its tuner times; it rewrites the outputs)."""
+    run_one_tile(kernel, rowwise_launch(cfg, m, n, 0, False, constexprs), args)
+
+
+def run_summing(kernel: Callable, launch: RowwiseLaunch, head: tuple, tail: tuple, n: int, acc: torch.dtype,
+                has_bias: bool, device: torch.device) -> torch.Tensor | None:
+    """Launches a summing backward kernel with `launch`; returns its partial rows of dbias
+    (launch.plan.groups x n in `acc`), None without a bias."""
+    plan = launch.plan
+    partial = torch.empty((plan.groups, n), dtype=acc, device=device) if has_bias else None
+    kernel.run(launch.grid, (*head, head[-1] if partial is None else partial, *tail, plan.rows_per_group,
+                             plan.col_tiles), launch.meta)
+    return partial
+
+
+def time_summing(cfg: triton.Config, kernel: Callable, m: int, n: int, sms: int, constexprs: dict,
+                 head: tuple, tail: tuple, acc: torch.dtype, has_bias: bool, device: torch.device) -> None:
+    """One launch of a summing backward kernel with `cfg` (what its tuner times), with partial
+    rows of its own, sized by its plan."""
+    launch = rowwise_launch(cfg, m, n, sms, has_bias, constexprs)
+    run_summing(kernel, launch, head, tail, n, acc, has_bias, device)

@@ -60,7 +60,7 @@ from ._common import (
     use_triton,
 )
 from ._launch import CachedKernel
-from ._tiles import RowwiseTuning, rowwise_launch
+from ._tiles import RowwiseTuning, run_one_tile, run_summing, time_one_tile, time_summing
 
 APPROXIMATE = ("none", "tanh", "quick")
 # The quick form's slope: z * sigmoid(1.702 z), transformers' QuickGELUActivation.
@@ -245,30 +245,6 @@ _FWD_TUNING = RowwiseTuning("bias_gelu_fwd", ("bias", "form"), backward=False)
 _BWD_TUNING = RowwiseTuning("bias_gelu_bwd", ("bias", "form"), backward=True)
 
 
-def _fwd_timed(cfg, m: int, n: int, constexprs: dict, args: tuple) -> None:
-    """One forward launch with `cfg` (what the tuner times; it rewrites y only)."""
-    launch = rowwise_launch(cfg, m, n, 0, False, constexprs)
-    _bias_gelu_fwd.run(launch.grid, (*args, launch.plan.col_tiles), launch.meta)
-
-
-def _bwd_run(launch, head: tuple, tail: tuple, n: int, acc: torch.dtype, has_bias: bool,
-             device: torch.device) -> torch.Tensor | None:
-    """The backward kernel with `launch`; returns its fp32 partial rows of dbias (None without a
-    bias). head and tail: the kernel's arguments before and after DB_PARTIAL, up to the row
-    geometry."""
-    plan = launch.plan
-    partial = torch.empty((plan.groups, n), dtype=acc, device=device) if has_bias else None
-    _bias_gelu_bwd.run(launch.grid, (*head, head[3] if partial is None else partial, *tail,
-                                     plan.rows_per_group, plan.col_tiles), launch.meta)
-    return partial
-
-
-def _bwd_timed(cfg, m: int, n: int, sms: int, constexprs: dict, head: tuple, tail: tuple, acc: torch.dtype,
-               has_bias: bool, device: torch.device) -> None:
-    """One backward with `cfg` (what the tuner times): its own partial rows, sized by its plan."""
-    _bwd_run(rowwise_launch(cfg, m, n, sms, has_bias, constexprs), head, tail, n, acc, has_bias, device)
-
-
 def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor | None, approximate: str) -> torch.Tensor:
     """y = gelu(x + bias), contiguous, shaped like x, in x's dtype."""
     if x.numel() and not use_triton(x):
@@ -284,8 +260,8 @@ def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor | None, approximate: str) 
     constexprs = dict(HAS_BIAS=bias is not None, FORM=_FORM_CODE[approximate], ACC=acc_dtype(x.dtype))
     device, variant = x.get_device() if x.is_cuda else -1, (bias is not None, approximate)
     launch = _FWD_TUNING.launch(device, x.dtype, m, n, 0, False, variant, constexprs,
-                                _fwd_timed, m, n, constexprs, args)
-    _bias_gelu_fwd.run(launch.grid, (*args, launch.plan.col_tiles), launch.meta)
+                                time_one_tile, _bias_gelu_fwd, m, n, constexprs, args)
+    run_one_tile(_bias_gelu_fwd, launch, args)
     return y
 
 
@@ -310,8 +286,9 @@ def bias_gelu_bwd(
     sms = device_sms(x)
     device = x.get_device() if x.is_cuda else -1
     launch = _BWD_TUNING.launch(device, x.dtype, m, n, sms, has_bias, (has_bias, approximate), constexprs,
-                                _bwd_timed, m, n, sms, constexprs, head, tail, acc, has_bias, x.device)
-    partial = _bwd_run(launch, head, tail, n, acc, has_bias, x.device)
+                                time_summing, _bias_gelu_bwd, m, n, sms, constexprs, head, tail, acc,
+                                has_bias, x.device)
+    partial = run_summing(_bias_gelu_bwd, launch, head, tail, n, acc, has_bias, x.device)
     return dx, partial.sum(dim=0) if has_bias else dx.new_empty(0, dtype=acc)
 
 

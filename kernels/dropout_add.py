@@ -52,7 +52,7 @@ from ._common import (
 )
 from ._launch import CachedKernel
 from ._random import dropout_keep_quads
-from ._tiles import RowwiseTuning, rowwise_launch
+from ._tiles import RowwiseTuning, run_one_tile, run_summing, time_one_tile, time_summing
 
 # =============================================================================================
 # Reference: the spec. It takes the kernel's mask as an argument so tests can compare exactly.
@@ -179,30 +179,6 @@ _FWD_TUNING = RowwiseTuning("dropout_add_fwd", ("x", "bias", "dropout"), backwar
 _BWD_TUNING = RowwiseTuning("dropout_add_bwd", ("dx", "bias"), backward=True)
 
 
-def _fwd_timed(cfg, m: int, n: int, constexprs: dict, args: tuple) -> None:
-    """One forward launch with `cfg` (what the tuner times; it rewrites y only)."""
-    launch = rowwise_launch(cfg, m, n, 0, False, constexprs)
-    _dropout_add_fwd.run(launch.grid, (*args, launch.plan.col_tiles), launch.meta)
-
-
-def _bwd_run(launch, head: tuple, tail: tuple, n: int, acc: torch.dtype, has_bias: bool,
-             device: torch.device) -> torch.Tensor | None:
-    """The backward kernel with `launch`; returns its fp32 partial rows of dbias (None without a
-    bias). head and tail: the kernel's arguments before and after DB_PARTIAL, up to the row
-    geometry."""
-    plan = launch.plan
-    partial = torch.empty((plan.groups, n), dtype=acc, device=device) if has_bias else None
-    _dropout_add_bwd.run(launch.grid, (*head, head[2] if partial is None else partial, *tail,
-                                       plan.rows_per_group, plan.col_tiles), launch.meta)
-    return partial
-
-
-def _bwd_timed(cfg, m: int, n: int, sms: int, constexprs: dict, head: tuple, tail: tuple, acc: torch.dtype,
-               has_bias: bool, device: torch.device) -> None:
-    """One backward with `cfg` (what the tuner times): its own partial rows, sized by its plan."""
-    _bwd_run(rowwise_launch(cfg, m, n, sms, has_bias, constexprs), head, tail, n, acc, has_bias, device)
-
-
 def dropout_add_fwd(
     x: torch.Tensor,
     residual: torch.Tensor,
@@ -228,8 +204,8 @@ def dropout_add_fwd(
     constexprs = dict(HAS_BIAS=bias is not None, HAS_DROPOUT=p > 0.0, ACC=acc_dtype(y.dtype))
     device, variant = x.get_device() if x.is_cuda else -1, (x.dtype, bias is not None, p > 0.0)
     launch = _FWD_TUNING.launch(device, dtype, m, n, 0, False, variant, constexprs,
-                                _fwd_timed, m, n, constexprs, args)
-    _dropout_add_fwd.run(launch.grid, (*args, launch.plan.col_tiles), launch.meta)
+                                time_one_tile, _dropout_add_fwd, m, n, constexprs, args)
+    run_one_tile(_dropout_add_fwd, launch, args)
     return y
 
 
@@ -255,8 +231,9 @@ def dropout_add_bwd(
     sms = device_sms(dy)
     device = dy.get_device() if dy.is_cuda else -1
     launch = _BWD_TUNING.launch(device, dy.dtype, m, n, sms, has_bias, (dx.dtype, has_bias), constexprs,
-                                _bwd_timed, m, n, sms, constexprs, head, tail, acc, has_bias, dy.device)
-    partial = _bwd_run(launch, head, tail, n, acc, has_bias, dy.device)
+                                time_summing, _dropout_add_bwd, m, n, sms, constexprs, head, tail, acc,
+                                has_bias, dy.device)
+    partial = run_summing(_dropout_add_bwd, launch, head, tail, n, acc, has_bias, dy.device)
     return dx, partial.sum(dim=0) if has_bias else dx.new_empty(0, dtype=acc)
 
 

@@ -56,7 +56,7 @@ from ._common import (
     use_triton,
 )
 from ._launch import CachedKernel
-from ._tiles import RowwiseTuning, rowwise_launch
+from ._tiles import RowwiseTuning, run_one_tile, time_one_tile
 from .bias_gelu import _gelu, _gelu_grad
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
@@ -166,18 +166,6 @@ _FWD_TUNING = RowwiseTuning("gated_activation_fwd", ("activation",), backward=Fa
 _BWD_TUNING = RowwiseTuning("gated_activation_bwd", ("activation",), backward=False)
 
 
-def _fwd_timed(cfg, m: int, n: int, constexprs: dict, args: tuple) -> None:
-    """One forward launch with `cfg` (what the tuner times; it rewrites y only)."""
-    launch = rowwise_launch(cfg, m, n, 0, False, constexprs)
-    _gated_activation_fwd.run(launch.grid, (*args, launch.plan.col_tiles), launch.meta)
-
-
-def _bwd_timed(cfg, m: int, n: int, constexprs: dict, args: tuple) -> None:
-    """One backward launch with `cfg` (what the tuner times; it rewrites dgate and dup only)."""
-    launch = rowwise_launch(cfg, m, n, 0, False, constexprs)
-    _gated_activation_bwd.run(launch.grid, (*args, launch.plan.col_tiles), launch.meta)
-
-
 def gated_activation_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
     """y = act(gate) * up, contiguous, shaped like gate, in gate's dtype."""
     if gate.numel() and not use_triton(gate):
@@ -193,8 +181,8 @@ def gated_activation_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str) 
     constexprs = dict(ACT=_ACT_CODE[activation], ACC=acc_dtype(gate.dtype))
     device = gate.get_device() if gate.is_cuda else -1
     launch = _FWD_TUNING.launch(device, gate.dtype, m, n, 0, False, (activation,), constexprs,
-                                _fwd_timed, m, n, constexprs, args)
-    _gated_activation_fwd.run(launch.grid, (*args, launch.plan.col_tiles), launch.meta)
+                                time_one_tile, _gated_activation_fwd, m, n, constexprs, args)
+    run_one_tile(_gated_activation_fwd, launch, args)
     return y
 
 
@@ -217,8 +205,8 @@ def gated_activation_bwd(
     constexprs = dict(ACT=_ACT_CODE[activation], ACC=acc_dtype(gate.dtype))
     device = gate.get_device() if gate.is_cuda else -1
     launch = _BWD_TUNING.launch(device, gate.dtype, m, n, 0, False, (activation,), constexprs,
-                                _bwd_timed, m, n, constexprs, args)
-    _gated_activation_bwd.run(launch.grid, (*args, launch.plan.col_tiles), launch.meta)
+                                time_one_tile, _gated_activation_bwd, m, n, constexprs, args)
+    run_one_tile(_gated_activation_bwd, launch, args)
     return dgate, dup
 
 
