@@ -69,3 +69,19 @@ def count_calls():
             sys.setprofile(None)
         return n - 1  # setprofile(None) itself
     return calls
+
+
+@pytest.fixture
+def record_launches(monkeypatch):
+    """Returns record({name: CachedKernel}): from then on every launch of those kernels is
+    appended, as (name, grid, launch keywords), to the list record returns; they still run."""
+    seen: list = []
+
+    def record(kernels: dict) -> list:
+        for name, kernel in kernels.items():
+            def run(grid, args, kwargs, _run=kernel.run, _name=name):
+                seen.append((_name, grid, dict(kwargs)))
+                _run(grid, args, kwargs)
+            monkeypatch.setattr(kernel, "run", run)
+        return seen
+    return record

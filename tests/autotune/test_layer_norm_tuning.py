@@ -28,17 +28,9 @@ def fresh(monkeypatch):
 
 
 @pytest.fixture
-def launches(monkeypatch):
+def launches(record_launches):
     """Every launch of the two norm kernels, as (kernel, grid, launch keywords); they still run."""
-    seen = []
-    for name in ("_layer_norm_fwd", "_layer_norm_bwd"):
-        kernel = getattr(ln, name)
-
-        def run(grid, args, kwargs, _run=kernel.run, _name=name):
-            seen.append((_name, grid, dict(kwargs)))
-            _run(grid, args, kwargs)
-        monkeypatch.setattr(kernel, "run", run)
-    return seen
+    return record_launches({name: getattr(ln, name) for name in ("_layer_norm_fwd", "_layer_norm_bwd")})
 
 
 def _inputs(seed=0):

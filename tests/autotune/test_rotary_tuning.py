@@ -27,16 +27,9 @@ def fresh(monkeypatch):
 
 
 @pytest.fixture
-def launches(monkeypatch):
-    """Every launch of the kernel, as (grid, launch keywords); they still run."""
-    seen = []
-    kernel = rk._rotary_embedding
-
-    def run(grid, args, kwargs, _run=kernel.run):
-        seen.append((grid, dict(kwargs)))
-        _run(grid, args, kwargs)
-    monkeypatch.setattr(kernel, "run", run)
-    return seen
+def launches(record_launches):
+    """Every launch of the kernel, as ("rotary", grid, launch keywords); they still run."""
+    return record_launches({"rotary": rk._rotary_embedding})
 
 
 def _inputs(dtype=torch.float32, seed=0):
@@ -60,7 +53,7 @@ def test_default_without_tuning_is_the_former_fixed_plan(fresh, launches, cache_
     warps, one program per (batch, block of positions, head)."""
     monkeypatch.setenv("TRIFUSE_AUTOTUNE", "0")
     _fwd_bwd(*_inputs(), False, False)
-    assert [(grid, meta["BLOCK_S"], meta["BLOCK_HALF"], meta["num_warps"]) for grid, meta in launches] \
+    assert [(grid, meta["BLOCK_S"], meta["BLOCK_HALF"], meta["num_warps"]) for _, grid, meta in launches] \
         == [((B * (HQ + HKV),), 64, 32, 8)] * 2
     assert {d.source for d in records(kind="kernel")} == {"default (TRIFUSE_AUTOTUNE=0)"}
 
@@ -76,7 +69,7 @@ def test_every_config_computes_the_same(convention, dtype, fresh, cache_dir, lau
         fresh.config = lambda key, launch, *args, _cfg=cfg: _cfg  # this config, undecided: not stored
         launches.clear()
         got = _fwd_bwd(*inputs, *CONVENTIONS[convention])
-        assert launches[-1][1]["BLOCK_S"] == rk._plan(cfg, S, D)[0]
+        assert launches[-1][2]["BLOCK_S"] == rk._plan(cfg, S, D)[0]
         if default is None:
             default = got
             continue
@@ -93,14 +86,14 @@ def test_tuned_once_per_key_then_replayed(fresh, launches, cache_dir, timer):
     inputs = _inputs()
     _fwd_bwd(*inputs, False, False)
     assert fresh.timer.calls == [config_label(c) for c in configs.rotary()] * 2, "forward and backward"
-    first = launches[-1]
-    assert first[1]["BLOCK_S"] == 1024 // 32 and first[1]["num_warps"] == 4
-    assert first[0] == (B * 2 * (HQ + HKV),), "50 positions in 2 blocks of 32"
+    _, first_grid, first_meta = launches[-1]
+    assert first_meta["BLOCK_S"] == 1024 // 32 and first_meta["num_warps"] == 4
+    assert first_grid == (B * 2 * (HQ + HKV),), "50 positions in 2 blocks of 32"
     launches.clear()
     for _ in range(2):
         _fwd_bwd(*inputs, False, False)
     assert len(fresh.timer.calls) == 2 * len(configs.rotary()), "nothing timed again"
-    assert len(launches) == 4 and all(grid == first[0] for grid, _ in launches)
+    assert len(launches) == 4 and all(grid == first_grid for _, grid, _ in launches)
     assert len(rk._LAUNCHES) == 2
     buckets = {d.bucket for d in records(kind="kernel") if d.name == "rotary_embedding"}
     assert buckets == {f"dtype=float32,d={D},s=64,rows=8,backward={b},pairs=halves" for b in (False, True)}

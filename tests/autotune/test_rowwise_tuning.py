@@ -41,18 +41,11 @@ def _renewed(tuning: _tiles.RowwiseTuning) -> _tiles.RowwiseTuning:
 
 
 @pytest.fixture
-def launches(monkeypatch):
+def launches(record_launches):
     """Every launch of the six kernels, as (kernel, grid, launch keywords); they still run."""
-    seen = []
-    for module, op in ((bg, "bias_gelu"), (da, "dropout_add"), (ga, "gated_activation")):
-        for name in (f"_{op}_fwd", f"_{op}_bwd"):
-            kernel = getattr(module, name)
-
-            def run(grid, args, kwargs, _run=kernel.run, _name=name):
-                seen.append((_name, grid, dict(kwargs)))
-                _run(grid, args, kwargs)
-            monkeypatch.setattr(kernel, "run", run)
-    return seen
+    return record_launches({name: getattr(module, name)
+                            for module, op in ((bg, "bias_gelu"), (da, "dropout_add"), (ga, "gated_activation"))
+                            for name in (f"_{op}_fwd", f"_{op}_bwd")})
 
 
 def _inputs(dtype=torch.float32, seed=0):
