@@ -43,8 +43,8 @@ def _renewed(tuning: _tiles.RowwiseTuning) -> _tiles.RowwiseTuning:
 @pytest.fixture
 def launches(record_launches):
     """Every launch of the six kernels, as (kernel, grid, launch keywords); they still run."""
-    return record_launches({name: getattr(module, name)
-                            for module, op in ((bg, "bias_gelu"), (da, "dropout_add"), (ga, "gated_activation"))
+    modules = ((bg, "bias_gelu"), (da, "dropout_add"), (ga, "gated_activation"))
+    return record_launches({name: getattr(module, name) for module, op in modules
                             for name in (f"_{op}_fwd", f"_{op}_bwd")})
 
 
