@@ -270,3 +270,33 @@ def test_prefetching_backward_configs_compute_the_same(fresh, cache_dir, is_rms_
             if a is not None:
                 assert torch.equal(a, b_) and torch.equal(a, ref), f"{name}, {config_label(cfg)}"
     assert plan is None, "a forced, undecided config is not stored"
+
+
+@pytest.mark.parametrize("is_rms_norm", [False, True], ids=["layer_norm", "rms_norm"])
+def test_one_row_backward_configs_compute_what_the_default_does(fresh, cache_dir, launches, is_rms_norm):
+    """Rows narrower than the smallest tile also get one-row tiles (a fraction of the default's
+    registers): forced one at a time, dx and dresidual are bitwise the default's (a row's
+    arithmetic does not depend on its tile), dweight and dbias the same within fp32 rounding (the
+    rows are split into other partial sums), and every config is repeatable."""
+    _, bwd = fresh
+    one_row = [c for c in configs.norm_bwd(N) if c.kwargs["TILE"] == N]
+    assert len(one_row) == 6 and {c.kwargs["PROGRAMS_PER_SM"] for c in one_row} == {2, 4, 8}
+    inputs = _inputs(4)
+    default = _fwd_bwd(*inputs, is_rms_norm=is_rms_norm)
+    for cfg in one_row:
+        bwd.clear()
+        ln._BWD_PLANS.clear()
+        bwd.config = lambda key, launch, *args, _cfg=cfg: _cfg
+        runs = [_fwd_bwd(*inputs, is_rms_norm=is_rms_norm) for _ in range(2)]
+        _, _, meta = [c for c in launches if c[0] == "_layer_norm_bwd"][-1]
+        assert (meta["BLOCK_M"], meta["num_warps"]) == (1, cfg.num_warps)
+        names = ("y", "s", "dx", "dresidual", "dweight", "dbias", "dx_bias")
+        for name, a, b, ref in zip(names, *runs, default):
+            if a is None:
+                assert ref is None
+                continue
+            assert torch.equal(a, b), f"{name} differs between runs of {config_label(cfg)}"
+            if name in ("dweight", "dbias", "dx_bias"):
+                torch.testing.assert_close(a, ref, rtol=1e-5, atol=1e-5)
+            else:
+                assert torch.equal(a, ref), f"{name}: {config_label(cfg)}"
