@@ -68,7 +68,9 @@
 #   gated activations) and the rotary embedding are tuned like the norms (autotune/configs.py
 #   rowwise_*, rotary; their defaults are the former fixed plans), and the summing backward
 #   passes, the LayerNorm backward's among them, may prefetch the next row tile (PREFETCH, a
-#   config of their spaces; compiled for sm_90 here, bench/results/sm90_compile_spaces-*.md). The e2e runs'
+#   config of their spaces; compiled for sm_90 here, bench/results/sm90_compile_tuned_spaces.md),
+#   and rows up to 1024 wide get one-row LayerNorm backward tiles (BERT's residual stream: 56
+#   registers a thread against the default's 236; 2.8 ms a graphed BERT-large step was its share). The e2e runs'
 #   first step now also times those spaces ("tuning s" up a little); `rowwise` (~1 min) writes
 #   every config's GB/s at the e2e shapes (bench/tune_rowwise.py: was BERT-large's bias + GeLU
 #   backward, 92 us = 2.1 TB/s at the default, faster with a prefetch or more warps?), and
