@@ -1,7 +1,8 @@
 """The configuration spaces of trifuse's bandwidth-bound kernels, with their pruning rules beside
 them: LayerNorm / RMSNorm, the row-wise elementwise kernels (bias + GeLU, dropout + add, gated
-activations), rotary embeddings and cross-entropy's row kernels (attention declares its
-block-size lists beside its kernels, in kernels/attention.py).
+activations) and rotary embeddings (attention declares its block-size lists beside its kernels,
+in kernels/attention.py; cross-entropy's row kernels keep a fixed plan, kernels/cross_entropy.py
+says why).
 
 Each space is a function of the shape (the Tuner passes the key's named entries it declares) and
 returns a list of `triton.Config`; entry 0 is the default: what runs with TRIFUSE_AUTOTUNE=0, under
@@ -61,10 +62,11 @@ def norm_fwd(n: int) -> list[triton.Config]:
 def norm_bwd(n: int) -> list[triton.Config]:
     """Tile size, warps and programs per SM. Default: 4096-element tiles, one warp per 512
     elements of the tile (4 to 16), 2 programs per SM for row blocks up to 2048 elements and
-    1 for wider ones (what kernels/layer_norm.py launched before it was tuned). Rows that fit one
-    block add, per tile size, its one-warp-per-512 config with PREFETCH: the next tile's s and
-    dy loaded before this tile's row sums (the backward moved 1.8 TB/s at 16384 x 1024 on the
-    H200, 2026-11-27, 42% of a copy; BERT-large's 48 calls a step took 2.8 ms)."""
+    1 for wider ones (what kernels/layer_norm.py launched before it was tuned). Rows narrower
+    than the smallest tile add one-row tiles. Rows that fit one block add, per tile size, its
+    one-warp-per-512 config with PREFETCH: the next tile's s and dy loaded before this tile's row
+    sums (the backward moved 1.8 TB/s at 16384 x 1024 on the H200, 2026-11-27, 42% of a copy;
+    BERT-large's 48 calls a step took 2.8 ms)."""
     tiles = _tiles(n, (4096, 2048, 8192))
     programs = 2 if _norm_block(n) <= 2048 else 1
     default = (tiles[0], min(16, max(4, tiles[0] // 512)), programs)

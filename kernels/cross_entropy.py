@@ -361,6 +361,9 @@ def _scale_cast_kernel(
 
 
 def _block_and_warps(n: int) -> tuple[int, int]:
+    """A row kernel's block and warps: a fixed plan, not a tuned one (the other bandwidth-bound
+    kernels' are, autotune/configs.py). The forward may write the gradient into the logits
+    chunk in place, so a tuner's repeated launches would need a second chunk-sized buffer."""
     block = min(next_power_of_2(n), MAX_BLOCK)
     return block, min(max(block // 256, 1), 8)
 
