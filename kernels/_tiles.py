@@ -1,4 +1,4 @@
-"""Launch plans for the row-wise elementwise kernels (bias + GeLU, dropout + add).
+"""Launch plans for the row-wise elementwise kernels (bias + GeLU, dropout + add, gated activations).
 
 Those kernels see their input as M rows of N contiguous features (any row stride) and work on
 2-D tiles of BLOCK_M rows x BLOCK_N columns, a few thousand elements per program, 16 per thread:
@@ -137,13 +137,14 @@ class RowwiseTuning:
     The tuning key is (device, dtype, n, rows bucket, *variant); `variant_names` name the kernel's
     own flags (bias, form, ...). A summing backward's config sets how the rows are split into
     partial sums, so under torch.use_deterministic_algorithms it takes its space's default, the
-    same in every process."""
+    same in every process. `summing`: the kernel is a summing backward (its programs walk rows:
+    rowwise_bwd's space), not a one-tile kernel (rowwise_fwd's; the gated backward is one)."""
 
-    def __init__(self, name: str, variant_names: tuple[str, ...], backward: bool) -> None:
-        space = configs.rowwise_bwd if backward else configs.rowwise_fwd
-        prune = configs.prune_rowwise_bwd if backward else None
+    def __init__(self, name: str, variant_names: tuple[str, ...], summing: bool) -> None:
+        space = configs.rowwise_bwd if summing else configs.rowwise_fwd
+        prune = configs.prune_rowwise_bwd if summing else None
         self.tuner = Tuner(name, space, ("device", "dtype", "n", "rows", *variant_names), prune=prune)
-        self.backward = backward
+        self.summing = summing
         self.launches: dict[tuple, RowwiseLaunch] = {}
 
     def launch(self, device: int, dtype: torch.dtype, m: int, n: int, sms: int, reduce: bool, variant: tuple,

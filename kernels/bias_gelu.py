@@ -241,8 +241,8 @@ _bias_gelu_bwd = CachedKernel(_bias_gelu_bwd_kernel)
 
 # Launch configurations: tuned per (device, dtype, width, rows bucket, bias?, form) by
 # trifuse's tuner over autotune/configs.py's row-wise spaces (kernels/_tiles.py).
-_FWD_TUNING = RowwiseTuning("bias_gelu_fwd", ("bias", "form"), backward=False)
-_BWD_TUNING = RowwiseTuning("bias_gelu_bwd", ("bias", "form"), backward=True)
+_FWD_TUNING = RowwiseTuning("bias_gelu_fwd", ("bias", "form"), summing=False)
+_BWD_TUNING = RowwiseTuning("bias_gelu_bwd", ("bias", "form"), summing=True)
 
 
 def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor | None, approximate: str) -> torch.Tensor:

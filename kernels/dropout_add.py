@@ -175,8 +175,8 @@ _dropout_add_bwd = CachedKernel(_dropout_add_bwd_kernel)
 # Launch configurations: tuned per (device, dtype, width, rows bucket, variant) by trifuse's
 # tuner over autotune/configs.py's row-wise spaces (kernels/_tiles.py). The dtype is y's (dy's
 # in the backward); "x" ("dx") is x's (dx's), which may be narrower.
-_FWD_TUNING = RowwiseTuning("dropout_add_fwd", ("x", "bias", "dropout"), backward=False)
-_BWD_TUNING = RowwiseTuning("dropout_add_bwd", ("dx", "bias"), backward=True)
+_FWD_TUNING = RowwiseTuning("dropout_add_fwd", ("x", "bias", "dropout"), summing=False)
+_BWD_TUNING = RowwiseTuning("dropout_add_bwd", ("dx", "bias"), summing=True)
 
 
 def dropout_add_fwd(

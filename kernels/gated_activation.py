@@ -162,8 +162,8 @@ _gated_activation_bwd = CachedKernel(_gated_activation_bwd_kernel)
 
 # Launch configurations: tuned per (device, dtype, width, rows bucket, activation) by trifuse's
 # tuner over autotune/configs.py's one-tile row-wise space (kernels/_tiles.py).
-_FWD_TUNING = RowwiseTuning("gated_activation_fwd", ("activation",), backward=False)
-_BWD_TUNING = RowwiseTuning("gated_activation_bwd", ("activation",), backward=False)
+_FWD_TUNING = RowwiseTuning("gated_activation_fwd", ("activation",), summing=False)
+_BWD_TUNING = RowwiseTuning("gated_activation_bwd", ("activation",), summing=False)
 
 
 def gated_activation_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:

@@ -37,7 +37,7 @@ def fresh(monkeypatch):
 
 def _renewed(tuning: _tiles.RowwiseTuning) -> _tiles.RowwiseTuning:
     """A new RowwiseTuning like `tuning` (key names: device, dtype, n, rows, then its variant's)."""
-    return _tiles.RowwiseTuning(tuning.tuner.name, tuning.tuner.key_names[4:], backward=tuning.backward)
+    return _tiles.RowwiseTuning(tuning.tuner.name, tuning.tuner.key_names[4:], summing=tuning.summing)
 
 
 @pytest.fixture
@@ -93,7 +93,7 @@ def test_defaults_without_tuning_launch_the_former_fixed_plans(fresh, launches, 
 
 
 def _spaces(tuning: _tiles.RowwiseTuning, bias: bool) -> list[triton.Config]:
-    return configs.rowwise_bwd(bias) if tuning.backward else configs.rowwise_fwd()
+    return configs.rowwise_bwd(bias) if tuning.summing else configs.rowwise_fwd()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
