@@ -5,16 +5,17 @@ patched Llama when it loads), bf16 autocast, AdamW.
     python bench/bench_e2e.py [--compile] [--steps 10] [--grad-ckpt]   # GPU: bench/results/e2e.*
     pytest bench/bench_e2e.py                             # CPU: a tiny config, one step each
 
-Reports tokens/s, step time, peak memory and set-up time (the fuse or compile call plus the
-first three steps' excess over a steady step), all measured in this process, and of it, for the
-fused runs, the time spent tuning ("tuning s": kernel configs and op dialects chosen in those
-steps, the costliest listed in the JSON); for each provider a
-profile of one more step: its top CUDA kernels (e2e-top-kernels.*) and how busy the GPU was over
-the step's wall time (what host overhead leaves); for the fused runs, what each op's dialect
-chose and why (the rows' "dialect choices", in the log and the JSON); and a bar plot of tokens/s
-(e2e.png).
+Reports tokens/s, step time, peak memory (allocated, and reserved by the allocator: a CUDA graph's
+pool holds its freed temporaries) and set-up time (the fuse or compile call plus the first three
+steps' excess over a steady step), all measured in this process, and of it, for the fused runs,
+the time spent tuning ("tuning s": kernel configs and op dialects chosen in those steps, the
+costliest listed in the JSON); for each provider a profile of one more step: its top CUDA kernels
+(e2e-top-kernels.*) and how busy the GPU was over the step's wall time (what host overhead
+leaves); for the fused runs, what each op's dialect chose and why (the rows' "dialect choices",
+in the log and the JSON); and a bar plot of tokens/s (e2e.png).
 """
 import argparse
+import gc
 import time
 
 import _harness as H  # noqa: I001
@@ -89,6 +90,9 @@ def train_steps(model, opt, batch, steps: int, autocast: bool) -> list[float]:
 
 def run_one(name: str, provider: str, spec, steps: int, device: str, checkpointing: bool = False) -> dict:
     kind, kwargs, batch, seq = spec
+    if torch.cuda.is_available():  # the providers before gave their memory back: peaks are this one's
+        gc.collect()
+        torch.cuda.empty_cache()
     torch.manual_seed(0)
     model = build(kind, kwargs, device)  # same seed: every provider starts from the same weights
     model.train()
@@ -125,6 +129,10 @@ def run_one(name: str, provider: str, spec, steps: int, device: str, checkpointi
         "batch x seq": f"{batch}x{seq}",
         "step ms": step * 1e3, "tokens/s": batch * seq / step,
         "peak GiB": torch.cuda.max_memory_allocated() / 2**30 if gpu else float("nan"),
+        # What the allocator held: tensors plus its cached free blocks, and a CUDA graph's private
+        # pool, whose freed temporaries count as reserved, not allocated (each graphed block's own
+        # pool keeps its forward's and backward's temporaries). What an out-of-memory error sees.
+        "peak reserved GiB": torch.cuda.max_memory_reserved() / 2**30 if gpu else float("nan"),
         # the first steps' excess over a steady one: captures, tuning, CUDA graphs (built in step 2)
         "set-up s": setup_call + sum(max(0.0, t - step) for t in [first, *warm]),
     }
@@ -206,7 +214,7 @@ def providers(compile_: bool, kind: str = "gpt2") -> list[str]:
 
 
 COLUMNS = ("model", "provider", "batch x seq", "step ms", "tokens/s", "x vs eager-sdpa", "x vs torch.compile",
-           "x vs liger", "peak GiB",
+           "x vs liger", "peak GiB", "peak reserved GiB",
            "device busy %", "device ms", "set-up s", "tuning s", "fused")
 TOP_COLUMNS = ("model", "provider", "name", "calls", "ms", "% of device time")
 
