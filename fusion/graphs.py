@@ -40,8 +40,15 @@ that block runs again (the next step), as with `torch.cuda.make_graphed_callable
 the gradients are unaffected, but an activation kept across steps (hidden states returned with
 `output_hidden_states=True`) must be cloned, and so must a `.grad` kept past `zero_grad()` (the
 optimizer's step, clipping and accumulation are fine). Each block's graphs keep their own memory
-pool. The dropout masks differ from the ungraphed run's (graph-safe Philox offsets), with the same
-distribution.
+pool: its saved activations, as eager keeps them, and its forward's and backward's temporaries,
+which, freed, no other block can reuse, where eager reuses one block's for the next: that is the
+graphs' memory beyond eager's. The summary gives the pools' size ("GiB in their memory pools");
+`max_memory_allocated` does not count freed temporaries, `max_memory_reserved` does. One pool
+shared by every block would need the captures in the replay order (every forward, then the
+backwards in reverse), as make_graphed_callables does for a tuple of callables: captured block by
+block, a block's saved activations, freed into the pool once its backward is captured, could take
+the next block's, and in a step both are live from the forwards to the backwards. The dropout
+masks differ from the ungraphed run's (graph-safe Philox offsets), with the same distribution.
 """
 import contextlib
 import functools
@@ -80,6 +87,9 @@ class BlockGraphs:
         self.failures: Counter[str] = Counter()  # why a signature could not be graphed
         self.skipped: Counter[str] = Counter()  # why a call was not graphed (eval, no grad, ...)
         self.moves: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
+        # Bytes the built pairs' private memory pools took from the GPU (their segments): saved
+        # activations, and the temporaries each pool keeps to itself once freed (module docstring).
+        self.pool_bytes = 0
 
     def call(self, module: torch.nn.Module, args: tuple, kwargs: dict,
              run: Callable[[torch.nn.Module, tuple, dict], Any],
@@ -188,6 +198,7 @@ class BlockGraphs:
 
         cache = torch.is_autocast_cache_enabled()
         torch.set_autocast_cache_enabled(False)  # make_graphed_callables refuses autocast's weight cache
+        pools_before = _pool_bytes(self.device_type)
         try:
             with graphed_calls(), capture_failures_recovered():
                 graphed = torch.cuda.make_graphed_callables(
@@ -198,11 +209,13 @@ class BlockGraphs:
         finally:
             torch.set_autocast_cache_enabled(cache)
         self.built += 1
+        self.pool_bytes += max(0, _pool_bytes(self.device_type) - pools_before)
         return graphed, params, out_structure[0], buffers
 
     def summary(self) -> str:
         """One line for the report."""
-        parts = [f"{self.built} graph pair(s) built, {self.replays} call(s) replayed"]
+        parts = [f"{self.built} graph pair(s) built ({self.pool_bytes / 2**30:.2f} GiB in their memory pools), "
+                 f"{self.replays} call(s) replayed"]
         parts += [f"not graphed: {why} ({n} call(s))" for why, n in self.skipped.items()]
         parts += [f"could not graph: {why} ({n} signature(s))" for why, n in self.failures.items()]
         return "CUDA graphs: " + "; ".join(parts)
@@ -277,6 +290,19 @@ class _Buffers:
 # The address of each output a graph returns from its own buffers -> that graph's _Buffers:
 # a block whose input is the block before's output reads it there (_build).
 _PRODUCERS: dict[int, weakref.ref] = {}
+
+
+def _pool_bytes(device_type: str) -> int:
+    """Bytes of the current GPU's memory held in private pools (CUDA graphs'), from the caching
+    allocator's segments; 0 off CUDA or where the snapshot has no pool ids."""
+    if device_type != "cuda":
+        return 0
+    try:
+        device = torch.cuda.current_device()
+        return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+                   if seg.get("device") == device and tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0))
+    except Exception:  # noqa: BLE001  (a diagnostic: never let it break a build)
+        return 0
 
 
 def _producer_of(t: torch.Tensor) -> "_Buffers | None":

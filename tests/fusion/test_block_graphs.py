@@ -153,7 +153,7 @@ def test_blocks_are_graphed_from_their_second_call_and_train_bitwise_as_ungraphe
     assert graphs.replays == 4 and stand_in.calls == 4
     assert not graphs.failures
     text = trifuse.report(lm).table()
-    assert "CUDA graphs: 2 graph pair(s) built, 4 call(s) replayed" in text
+    assert "CUDA graphs: 2 graph pair(s) built (0.00 GiB in their memory pools), 4 call(s) replayed" in text
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the stand-in for make_graphed_callables: CPU runs")
@@ -677,3 +677,22 @@ def test_gpu_buffers_in_use_and_gradients_handed_out_as_the_ungraphed_model(monk
     (graphs,) = _block_graphs(lm)
     assert graphs.built == 2 and not graphs.failures, graphs.summary()
     assert graphs.skipped == {graphs_module.IN_USE: 2}, graphs.summary()
+
+
+def test_pool_bytes_sums_the_private_pools_of_the_current_gpu(monkeypatch):
+    """The graphs' memory in the report: segments of private pools (pool id not (0, 0)) on the
+    current device, from a stand-in snapshot; the default pool and other devices do not count,
+    and a snapshot that raises gives 0 rather than breaking a build."""
+    segments = [{"device": 0, "total_size": 2 << 20, "segment_pool_id": (0, 0)},   # the default pool
+                {"device": 0, "total_size": 3 << 20, "segment_pool_id": (1, 0)},   # a graph's pool
+                {"device": 0, "total_size": 5 << 20, "segment_pool_id": [2, 1]},   # another (list form)
+                {"device": 1, "total_size": 7 << 20, "segment_pool_id": (1, 0)}]   # another GPU
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda *a, **k: segments)
+    assert graphs_module._pool_bytes("cuda") == 8 << 20
+    assert graphs_module._pool_bytes("cpu") == 0
+
+    def broken(*a, **k):
+        raise RuntimeError("no allocator")
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", broken)
+    assert graphs_module._pool_bytes("cuda") == 0
