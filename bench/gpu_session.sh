@@ -76,6 +76,12 @@
 #   backward, 92 us = 2.1 TB/s at the default, faster with a prefetch or more warps?), and
 #   tests-gpu has test_rowwise_tuning's gpu test (every op measured, replayed, equal to the
 #   default config's outputs). Call 2 becomes `e2e-warm rowwise attention`.
+#   Twenty-seventh session (2026-12-01, no GPU): the whole suite passed here on the GPU's torch
+#   2.11 / Triton 3.6 (`bash .ci/compat`), and Triton 3.6 compiles all 507 launches of the tuned
+#   spaces for sm_90. The e2e rows gain "peak reserved GiB" (max_memory_reserved: a graphed
+#   block's private pool keeps its freed temporaries, which "peak GiB" does not count; BERT
+#   graphs were 16.2 GiB allocated against eager's 14.8) and the graphs summary the pools' GiB:
+#   `graphs` says what per-block pools cost. The calls stay as above.
 #   Later sessions, one or two calls each: `kernels` (the remaining memory-bound ops), `tma
 #   dialects`, `e2e-ckpt` (gradient checkpointing on), `e2e-llama` (Llama 3.2 1B's shape against
 #   Liger-Kernel), `tune` (the shipped H100 defaults).
