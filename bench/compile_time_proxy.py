@@ -43,7 +43,7 @@ def one(model_name: str, provider: str) -> dict:
 
     import trifuse  # noqa: F401  (the expressions below name it)
 
-    norm_host_proxy.stub_launches(first_configs=False)
+    norm_host_proxy.stub_launches()
     torch.set_num_threads(1)
     model = E.MODELS[model_name]()
     ids = torch.randint(0, 128, (2, 16))

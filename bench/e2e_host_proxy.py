@@ -66,7 +66,7 @@ def main() -> None:
     args = ap.parse_args()
     name = args.model
     build = MODELS[name]
-    norm_host_proxy.stub_launches(first_configs=False)
+    norm_host_proxy.stub_launches()
     torch.set_num_threads(1)
     ids = torch.randint(0, 128, (2, 16))
     if args.default_device:

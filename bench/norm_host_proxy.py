@@ -5,7 +5,7 @@
 What a GPU box spends around the kernels, measured where there is no GPU: trifuse's Python
 (checks, dialect dispatch, autograd.Function, launch plans, the launch key of CachedKernel,
 allocations) beside PyTorch eager's calls at the same tiny size. Every CachedKernel launch is
-stubbed after building its key (nothing runs), and the tuners take their first config. The
+stubbed after building its key (nothing runs); the tuners take their default config. The
 absolute numbers are this CPU's; the ratios carried over to the lent H200 box within ~15% on
 2026-11-27 (trifuse's LayerNorm kernels fwd+bwd 2.6x F.layer_norm here, 2.3x there). The minimum
 over 7 runs is reported (the machine may be shared).
@@ -18,7 +18,6 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import trifuse  # noqa: E402
-from trifuse.autotune import tuner  # noqa: E402
 from trifuse.kernels import _launch  # noqa: E402
 from trifuse.kernels import bias_gelu as bg  # noqa: E402
 from trifuse.kernels import layer_norm as ln  # noqa: E402
@@ -34,17 +33,11 @@ def _stub_run(self, grid, args, kwargs):
     launches[0] += 1
 
 
-def _first_config(self, key, launch, *args):
-    return self.configs(args[1])[0]
-
-
-def stub_launches(first_configs: bool = True) -> None:
-    """Every CachedKernel launch stops after its key and lookup (counted in `launches`); with
-    first_configs, the norm and elementwise tuners take their first config without timing."""
+def stub_launches() -> None:
+    """Every CachedKernel launch stops after its key and lookup (counted in `launches`). The
+    tuners need no stub: under the interpreter they take their default config without timing,
+    once per key, and then a call is their usual dict lookup."""
     _launch.CachedKernel.run = _stub_run
-    if first_configs:
-        tuner.Tuner.config = _first_config
-        tuner.Tuner.is_decided = lambda self, key: True
 
 
 def fwd(fn):
