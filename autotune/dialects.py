@@ -25,7 +25,8 @@ runs. Otherwise the choice for (key, deterministic mode) is made once:
 3. The disk cache, when it names an eligible candidate.
 4. Measuring, on the real inputs' shapes (detached views of them): each eligible candidate runs
    forward, and backward when the call needs gradients, and its outputs and gradients are checked
-   against the reference run in float64 (`gate`); those that pass are timed, forward and backward
+   against the reference run in float64 (`gate`; computed once for all the candidates of the call,
+   also by an op's own `check`, through `trial_memo`); those that pass are timed, forward and backward
    together, by wall time per call run back to back (`tuner.wall_timer`: host overhead counts);
    inside `graphed_calls()` (a block that `fuse(cuda_graphs=True)` runs from a CUDA graph, whose
    host paths are gone) by GPU time replayed from a CUDA graph instead (`tuner.graph_timer`),
@@ -119,6 +120,30 @@ class Candidate:
         if deterministic and not self.deterministic:
             return "not deterministic (torch.use_deterministic_algorithms is on)"
         return None
+
+
+# While a dialect measures its candidates on one call (`Dialect._measure`): a dict their checks
+# share; None otherwise.
+_TRIAL_MEMO: contextvars.ContextVar[dict | None] = contextvars.ContextVar("trifuse_trial_memo", default=None)
+
+
+@contextlib.contextmanager
+def _checks_sharing():
+    """Around one measurement: its checks share one `trial_memo`, dropped at the end."""
+    token = _TRIAL_MEMO.set({})
+    try:
+        yield
+    finally:
+        _TRIAL_MEMO.reset(token)
+
+
+def trial_memo() -> dict:
+    """Inside a dialect's measurement of one call: a dict that the checks of all its candidates
+    share (the tuned ones' re-check too), so that what a check derives from the call's arguments
+    alone, its references above all, is computed once, not once per candidate. Elsewhere a fresh
+    dict each time: nothing is shared."""
+    memo = _TRIAL_MEMO.get()
+    return {} if memo is None else memo
 
 
 # True while a block whose calls will replay from a CUDA graph runs its fused forward (its first
@@ -301,7 +326,7 @@ class Dialect:
         times: dict[str, float] = {}
         left: list[str] = []
         devices = [device_index] if device_index >= 0 else []
-        with torch.random.fork_rng(devices=devices), on_device(device_index):
+        with torch.random.fork_rng(devices=devices), on_device(device_index), _checks_sharing():
             try:
                 trial = _Trial(self.reference, args, self.check, self.output_like)
             except Exception as e:  # noqa: BLE001  (bad inputs, or no memory for the float64 reference)
@@ -484,8 +509,14 @@ class _Trial:
 def compare_with_reference(reference: Callable[..., Any], fn: Callable[..., Any], args: tuple) -> str | None:
     """The check `Dialect` makes by default, on `args` (for a `check` that runs it on a smaller
     call than the real one): None when `fn`'s outputs, and gradients where `args` need them,
-    pass `gate` against `reference` in float64, else what is wrong."""
-    return _Trial(reference, args, None).problem(fn)
+    pass `gate` against `reference` in float64, else what is wrong. The references are computed
+    once per `args` object in a measurement (`trial_memo`)."""
+    memo = trial_memo()
+    key = ("compare_with_reference", reference, id(args))
+    held = memo.get(key)
+    if held is None or held[0] is not args:  # the args held too: their id stays theirs
+        held = memo[key] = (args, _Trial(reference, args, None))
+    return held[1].problem(fn)
 
 
 def _needs_grad(a: object) -> bool:

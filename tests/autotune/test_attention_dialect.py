@@ -470,6 +470,31 @@ def test_the_measured_winner_runs_and_is_replayed(cache_dir, timer, winner):
     assert len(fake.calls) == 2
 
 
+def test_the_check_computes_its_references_once_per_measured_call(cache_dir, timer, monkeypatch):
+    """Three candidates checked on one call: the float64 reference and the one in the inputs'
+    dtype are computed once for all of them (dialects.trial_memo), not once per candidate; a
+    second call in a new bucket computes them again; the check called outside a measurement
+    computes them each time."""
+    computed = []
+    blocks = A._reference_blocks
+
+    def counting(args, dtype, dy, train):
+        computed.append(dtype)
+        return blocks(args, dtype, dy, train)
+    monkeypatch.setattr(A, "_reference_blocks", counting)
+    d = plumbing(Candidate("stand-in", math_attention, deterministic=False),
+                 Candidate("stand-in-2", math_attention, deterministic=False))
+    d.timer = timer({"trifuse": 2.0, "stand-in": 1.0, "stand-in-2": 3.0})
+    fwd_bwd(d, call(*qkv(s=20), is_causal=True))
+    assert d.explain(*call(*qkv(s=20), is_causal=True)).chosen == "stand-in"
+    assert computed == [torch.float64, torch.float32]
+    fwd_bwd(d, call(*qkv(s=40), is_causal=True))  # another bucket: measured, referenced anew
+    assert computed == [torch.float64, torch.float32] * 2
+    args = call(*qkv(s=12))
+    assert A._attention_check(math_attention, args) is None and A._attention_check(math_attention, args) is None
+    assert len(computed) == 8
+
+
 def test_trifuse_far_behind_at_default_configs_leaves_its_kernels_untuned(cache_dir, timer, monkeypatch):
     """Screening with the real kernels: forward, dK/dV and dQ run at their default configs while
     trifuse is checked and timed; at 3x the stand-in's time it is not tuned, and no attention

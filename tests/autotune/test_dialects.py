@@ -333,6 +333,39 @@ def test_autotune_off_replays_shipped_defaults_for_the_gpu_family(cache_dir, tim
     assert d.explain(x_(n=32), 2.0).chosen == "own" and fake.calls == []
 
 
+def test_a_check_on_a_smaller_call_runs_its_reference_once_for_all_candidates(cache_dir, timer):
+    """A check that compares a sample of the call with `compare_with_reference` (cross-entropy's
+    rows) builds its references once per measured call, whichever candidate it checks: the
+    wrong candidate is still rejected against them; outside a measurement each comparison runs
+    the reference anew."""
+    ran = []
+
+    def counted_ref(x, s):
+        ran.append(x.dtype)
+        return x * s
+
+    def check(fn, args):
+        memo = dialects.trial_memo()
+        if "sample" not in memo:
+            memo["sample"] = (args[0].detach()[:2].requires_grad_(args[0].requires_grad), args[1])
+        return dialects.compare_with_reference(counted_ref, fn, memo["sample"])
+
+    d = Dialect("scale_sampled", key, ("device", "dtype", "n", "grad"), reference=scale_ref, check=check,
+                output_like=lambda x, s: torch.empty_like(x).requires_grad_(x.requires_grad))
+    for c in CANDIDATES[:3]:
+        d.register(c)
+    d.timer = timer(TIMES)
+    x = torch.randn(4, 8, requires_grad=True)
+    d(x, 2.0)
+    rec = d.explain(x, 2.0)
+    assert rec.chosen == "fast" and rec.rejected["wrong"].startswith("wrong result: output 0 max error")
+    assert sorted(map(str, ran)) == ["torch.float32", "torch.float64"]
+    sample = (x.detach()[:2].requires_grad_(), 2.0)
+    assert dialects.compare_with_reference(counted_ref, CANDIDATES[0].fn, sample) is None
+    assert dialects.compare_with_reference(counted_ref, CANDIDATES[0].fn, sample) is None
+    assert len(ran) == 6
+
+
 def test_a_check_with_output_like_never_runs_the_reference(cache_dir, timer):
     """Ops whose reference does not fit at real shapes (attention's is O(S^2)) pass `check` and
     `output_like`: the trial takes the output gradients' shapes from output_like, and the
