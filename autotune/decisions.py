@@ -29,7 +29,10 @@ class Decision:
     times_ms holds what was timed (empty unless measured or replayed from the disk cache);
     rejected maps each candidate not taken to why, when it could not take the call at all.
     seconds: the wall time the decision took (compiles, checks and timing; a dialect's includes
-    the tuning of its candidates' kernels): what a first step spends choosing.
+    the tuning of its candidates' kernels): what a first step spends choosing. phases: where
+    those seconds went, by part (a dialect's "reference", "check <candidate>" and "time
+    <candidate>", the first call of a candidate compiling its kernels inside its check; a
+    kernel's "compile" and "time"); what no phase covers is bookkeeping.
     """
 
     kind: str
@@ -42,6 +45,7 @@ class Decision:
     rejected: Mapping[str, str] = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
     nested: bool = False  # made while another decision was being made (a dialect's trial)
+    phases: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     def __str__(self) -> str:
         text = f"{self.name} [{self.bucket}] on {self.device}: {self.chosen} ({self.source}"
@@ -59,25 +63,45 @@ _DEPTH: contextvars.ContextVar[int] = contextvars.ContextVar("trifuse_deciding",
 
 
 class Clock:
-    """The wall time of one decision so far, and whether another decision encloses it."""
+    """The wall time of one decision so far, whether another decision encloses it, and the
+    seconds of its phases (`phase`)."""
 
     def __init__(self, nested: bool) -> None:
         self.start = time.perf_counter()
         self.nested = nested
+        self.phases: dict[str, float] = {}
 
     def seconds(self) -> float:
         return time.perf_counter() - self.start
+
+
+_CLOCK: contextvars.ContextVar[Clock | None] = contextvars.ContextVar("trifuse_decision_clock", default=None)
 
 
 @contextlib.contextmanager
 def deciding():
     """Around one decision (a tuner's or a dialect's): yields its Clock."""
     depth = _DEPTH.get()
-    token = _DEPTH.set(depth + 1)
+    clock = Clock(depth > 0)
+    token, clock_token = _DEPTH.set(depth + 1), _CLOCK.set(clock)
     try:
-        yield Clock(depth > 0)
+        yield clock
     finally:
+        _CLOCK.reset(clock_token)
         _DEPTH.reset(token)
+
+
+@contextlib.contextmanager
+def phase(name: str):
+    """Adds the wall time inside to phase `name` of the decision being made (the innermost);
+    nothing outside a decision."""
+    clock = _CLOCK.get()
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        if clock is not None:
+            clock.phases[name] = clock.phases.get(name, 0.0) + time.perf_counter() - start
 
 
 def record(decision: Decision) -> None:
@@ -108,7 +132,15 @@ def set_up_seconds(decisions: Iterable[Decision], top: int = 8) -> tuple[float, 
     decisions = [d for d in decisions if d.seconds > 0]
     total = sum(d.seconds for d in decisions if not d.nested)
     ranked = sorted(decisions, key=lambda d: -d.seconds)[:top]
-    return total, [f"{d.seconds:.2f} s {d.kind} {d.name} [{d.bucket}] ({d.source})" for d in ranked]
+    return total, [f"{d.seconds:.2f} s {d.kind} {d.name} [{d.bucket}] ({d.source})" + _phases_text(d)
+                   for d in ranked]
+
+
+def _phases_text(d: Decision) -> str:
+    """'; phases: check trifuse 6.1 s, ...' by time, the phases under 0.01 s left out."""
+    parts = [f"{name} {sec:.2f} s" for name, sec in sorted(d.phases.items(), key=lambda kv: -kv[1])
+             if sec >= 0.01]
+    return "; phases: " + ", ".join(parts) if parts else ""
 
 
 # ---------------------------------------------------------------------------------------------

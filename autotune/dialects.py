@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from .cache import disk_cache, environment, shipped_default
-from .decisions import Clock, Decision, Timer, bucket_string, deciding, log, lookup, record, records
+from .decisions import Clock, Decision, Timer, bucket_string, deciding, log, lookup, phase, record, records
 from .tuner import (capturing, error_text, graph_timer, on_device, progress, timer_for, tuned, untuned,
                     wall_timer)
 
@@ -272,7 +272,7 @@ class Dialect:
         def keep(c: Candidate, source: str, times: dict | None = None) -> Callable:
             self._memo_for(deterministic, graphed)[key] = c.fn
             record(Decision("dialect", self.name, device, bucket, c.name, source, times or {}, rejected,
-                            clock.seconds(), clock.nested))
+                            clock.seconds(), clock.nested, dict(clock.phases)))
             return c.fn
 
         if not eligible:
@@ -328,7 +328,8 @@ class Dialect:
         devices = [device_index] if device_index >= 0 else []
         with torch.random.fork_rng(devices=devices), on_device(device_index), _checks_sharing():
             try:
-                trial = _Trial(self.reference, args, self.check, self.output_like)
+                with phase("reference"):
+                    trial = _Trial(self.reference, args, self.check, self.output_like)
             except Exception as e:  # noqa: BLE001  (bad inputs, or no memory for the float64 reference)
                 return {}, f"the reference {error_text(e)}", left
             wants_tuning: list[Candidate] = []
@@ -356,11 +357,13 @@ class Dialect:
         """ms per call of `c` on the trial's inputs, or None (and its reason in `rejected`) when
         its result is wrong or it raises."""
         try:
-            problem = trial.problem(c.fn)
+            with phase(f"check {c.name}"):
+                problem = trial.problem(c.fn)
             if problem is not None:
                 rejected[c.name] = f"wrong result: {problem}"
                 return None
-            return float(timer(c.name, trial.step(c.fn)))
+            with phase(f"time {c.name}"):
+                return float(timer(c.name, trial.step(c.fn)))
         except Exception as e:  # noqa: BLE001  (candidates from other libraries fail in many ways)
             rejected[c.name] = error_text(e)
             return None

@@ -35,7 +35,7 @@ import triton
 
 from .cache import disk_cache, environment, shipped_default
 from .env import INTERPRET, tuning_requested
-from .decisions import Clock, Decision, Timer, bucket_string, deciding, log, lookup, record
+from .decisions import Clock, Decision, Timer, bucket_string, deciding, log, lookup, phase, record
 
 # Short timing windows: tuning runs inside the first training step, once per shape bucket.
 WARMUP_MS = 5
@@ -371,7 +371,7 @@ class Tuner:
         def keep(cfg: triton.Config, source: str, times: dict | None = None) -> triton.Config:
             self._memo[key] = cfg
             record(Decision("kernel", self.name, environment(device_index).device, bucket, config_label(cfg),
-                            source, times or {}, rejected, clock.seconds(), clock.nested))
+                            source, times or {}, rejected, clock.seconds(), clock.nested, dict(clock.phases)))
             return cfg
 
         if capturing():
@@ -402,12 +402,14 @@ class Tuner:
             if self.timer is None:  # the GPU's own timer: every config compiles first, in parallel
                 from ..kernels._launch import precompile  # (kernels import autotune, not the reverse)
 
-                precompile(functools.partial(launch, cfg, *args) for cfg in by_label.values())
-            for label, cfg in progress(list(by_label.items()), f"trifuse: tuning {self.name} [{bucket}]"):
-                try:
-                    times[label] = float(timer(label, functools.partial(launch, cfg, *args)))
-                except _CONFIG_ERRORS as e:
-                    rejected[label] = error_text(e)
+                with phase("compile"):
+                    precompile(functools.partial(launch, cfg, *args) for cfg in by_label.values())
+            with phase("time"):  # a config that did not precompile compiles at its first timed launch
+                for label, cfg in progress(list(by_label.items()), f"trifuse: tuning {self.name} [{bucket}]"):
+                    try:
+                        times[label] = float(timer(label, functools.partial(launch, cfg, *args)))
+                    except _CONFIG_ERRORS as e:
+                        rejected[label] = error_text(e)
         if not times:
             log.warning("trifuse: every config of %s failed for %s; using the default", self.name, bucket)
             return keep(fitting[0], "fallback (every config failed)")

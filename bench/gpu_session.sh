@@ -81,7 +81,11 @@
 #   spaces for sm_90. The e2e rows gain "peak reserved GiB" (max_memory_reserved: a graphed
 #   block's private pool keeps its freed temporaries, which "peak GiB" does not count; BERT
 #   graphs were 16.2 GiB allocated against eager's 14.8) and the graphs summary the pools' GiB:
-#   `graphs` says what per-block pools cost. The calls stay as above.
+#   `graphs` says what per-block pools cost. The e2e rows' "costliest decisions" now say where
+#   each one's seconds went ("phases": a dialect's reference, check and timing per candidate, the
+#   compiles inside the check of a candidate's first call; a kernel's compile and time): the
+#   attention dialect's 20.9 s of GPT-2's first step, explained. A dialect's checks also compute
+#   their references once per call, not once per candidate. The calls stay as above.
 #   Later sessions, one or two calls each: `kernels` (the remaining memory-bound ops), `tma
 #   dialects`, `e2e-ckpt` (gradient checkpointing on), `e2e-llama` (Llama 3.2 1B's shape against
 #   Liger-Kernel), `tune` (the shipped H100 defaults).

@@ -422,6 +422,14 @@ def test_decisions_say_how_long_they_took_and_which_ran_inside_another(cache_dir
     assert total == dialect.seconds
     assert costliest[0].startswith(f"{dialect.seconds:.2f} s dialect scale [")
     assert f"({dialect.source}, {dialect.seconds:.2f} s)" in str(dialect)
+    # where the seconds went: the reference, each candidate's checks and timings; the kernel's
+    # tuning inside the check that first ran it tuned (the re-check after screening)
+    assert set(dialect.phases) == {"reference", "check own", "time own", "check tuned", "time tuned"}
+    assert dialect.phases["time own"] >= 0.05 and dialect.phases["time tuned"] >= 0.1, "timed twice"
+    assert dialect.phases["check tuned"] >= kernel.seconds >= kernel.phases["time"] >= 0.04
+    assert "compile" not in kernel.phases, "a tuner with its own timer compiles nothing first"
+    assert sum(dialect.phases.values()) <= dialect.seconds
+    assert "; phases: " in costliest[0] and f"time tuned {dialect.phases['time tuned']:.2f} s" in costliest[0]
 
 
 # A candidate whose "kernel" has three launch configs for a toy tuner: screening at the default
@@ -501,3 +509,25 @@ def test_a_dialect_deciding_inside_another_ones_screening_tunes_in_full(cache_di
                  (CANDIDATES[0], Candidate("calls-inner", lambda x, s: inner(x, s))))
     outer(x_(), 2.0)
     assert kernel.is_decided((-1, 16)) and len(kernel_timer.calls) == 3
+
+
+def test_phases_add_to_the_innermost_decision_and_nothing_outside_one():
+    """`phase` charges the decision being made, the innermost when one runs inside another (its
+    seconds are not the outer one's phase), and is a no-op outside any decision; the costliest
+    list names phases of 0.01 s and more, longest first."""
+    from trifuse.autotune import decisions
+
+    with decisions.phase("outside"):  # nothing to charge: no error, nothing recorded
+        pass
+    with decisions.deciding() as outer:
+        with decisions.phase("a"):
+            with decisions.deciding() as inner:
+                with decisions.phase("b"):
+                    pass
+        with decisions.phase("a"):
+            pass
+    assert set(outer.phases) == {"a"} and set(inner.phases) == {"b"}
+    d = decisions.Decision("dialect", "op", "cpu", "n=1", "x", "measured", seconds=3.0,
+                           phases={"check x": 0.5, "reference": 2.0, "time x": 0.004})
+    assert decisions.set_up_seconds([d])[1] == ["3.00 s dialect op [n=1] (measured); phases: reference 2.00 s, "
+                                                "check x 0.50 s"]
