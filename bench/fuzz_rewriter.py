@@ -10,6 +10,7 @@ fp16). Prints one line per failure and a summary (how many examples fused each f
 writes bench/results/fuzz_rewriter.{json,md}.
 The CI test (tests/fusion/test_fuzz_rewriter.py) runs a fixed 24 of these."""
 import argparse
+import copy
 import dataclasses
 import json
 import os
@@ -26,7 +27,7 @@ sys.path[:0] = [str(ROOT / "tests")]
 import _device  # noqa: E402,F401  (before trifuse: the interpreter)
 import _random_blocks as rb  # noqa: E402
 import torch  # noqa: E402
-from _fusing import check_against_unfused  # noqa: E402
+from _fusing import _double, _outputs, check_against_unfused  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tests" / "fusion"))
 from test_fuzz_rewriter import checked  # noqa: E402
@@ -55,6 +56,20 @@ def draw_head(rng: random.Random) -> tuple[rb.HeadSpec, str, bool, torch.dtype]:
     return spec, capture, True, rng.choice([torch.float32, torch.float16])
 
 
+def unfused_overflows(make, inputs: tuple, train: bool) -> bool:
+    """Whether the unfused model's own outputs in the draw's dtype are NaN or inf where float64's
+    are not (an fp16 loss summing a label-smoothed class-weighted cross-entropy over 1030 classes
+    overflows in PyTorch as written): when such a draw fails the check, which holds the fused
+    outputs to float64's finiteness, it shows nothing about the rewriter."""
+    torch.manual_seed(0)
+    model = make().train(train)
+    wide = copy.deepcopy(model).double()
+    with torch.no_grad():
+        lowp = _outputs(model(*inputs))
+        ref = _outputs(wide(*(_double(x) for x in inputs)))
+    return any(not torch.equal(torch.isfinite(a.double()), torch.isfinite(b)) for a, b in zip(lowp, ref))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--examples", type=int, default=200)
@@ -62,39 +77,49 @@ def main() -> None:
     ap.add_argument("--save", action="store_true")
     args = ap.parse_args()
     rng = random.Random(args.seed)
-    failures, fused, t0 = [], Counter(), time.perf_counter()
+    failures, fused, overflowing, t0 = [], Counter(), 0, time.perf_counter()
     for i in range(args.examples):
         spec, capture, train, dtype = draw(rng) if i % 3 else draw_head(rng)
+        if isinstance(spec, rb.HeadSpec):
+            def make(spec=spec, dtype=dtype):
+                torch.manual_seed(0)
+                return rb.RandomHead(spec).to(dtype)
+            inputs, train = rb.head_inputs(spec), True
+        else:
+            def make(spec=spec, dtype=dtype):
+                return rb.random_model(spec, dtype=dtype)
+            inputs = rb.inputs(dtype=dtype)
         try:
-            def run(spec=spec, dtype=dtype, capture=capture, train=train):
-                if isinstance(spec, rb.HeadSpec):
-                    def make():
-                        torch.manual_seed(0)
-                        return rb.RandomHead(spec).to(dtype)
-                    return check_against_unfused(make, rb.head_inputs(spec), capture, train=True)
-                return check_against_unfused(lambda: rb.random_model(spec, dtype=dtype),
-                                             rb.inputs(dtype=dtype), capture, train=train)
+            def run(make=make, inputs=inputs, capture=capture, train=train):
+                return check_against_unfused(make, inputs, capture, train=train)
 
             report = checked(run, capture)
             fused.update(report.counts().keys())
         except Exception as e:  # noqa: BLE001  (a failure is the finding: record it, go on)
+            if unfused_overflows(make, inputs, train):  # PyTorch's own fails the check: no finding
+                overflowing += 1
+                print(f"EXCUSED {i}: {spec.id} {dtype}: the unfused model overflows in {dtype} too", flush=True)
+                continue
             line = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             failures.append({"spec": {"kind": type(spec).__name__, **dataclasses.asdict(spec)},
                              "capture": capture, "train": train,
                              "dtype": str(dtype), "error": line})
             print(f"FAIL {i}: {spec.id} {capture} train={train} {dtype}: {line}", flush=True)
     seconds = time.perf_counter() - t0
-    print(f"{args.examples} examples, {len(failures)} failures, {seconds:.0f} s; "
+    print(f"{args.examples} examples, {len(failures)} failures, {overflowing} excused (the unfused model "
+          f"overflows too), {seconds:.0f} s; "
           "examples fusing each family: "
           + ", ".join(f"{k} {v}" for k, v in sorted(fused.items())))
     if args.save:
         out = ROOT / "bench" / "results" / "fuzz_rewriter"
         data = {"examples": args.examples, "seed": args.seed, "seconds": round(seconds, 1),
+                "excused_unfused_overflows": overflowing,
                 "fused_families": dict(fused), "failures": failures}
         out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
         lines = ["# fuzz_rewriter", "",
                  f"{args.examples} random draws (blocks; one in three an LM head and its loss; "
-                 f"seed {args.seed}), {len(failures)} failures, {seconds:.0f} s on this CPU "
+                 f"seed {args.seed}), {len(failures)} failures, {overflowing} excused (failed as the "
+                 f"unfused model does: it overflows in the draw's dtype), {seconds:.0f} s on this CPU "
                  "(Triton interpreter).", "",
                  "| family | examples that fused it |", "|---|---|"]
         lines += [f"| {k} | {v} |" for k, v in sorted(fused.items())]
