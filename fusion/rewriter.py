@@ -285,10 +285,15 @@ def _rewrite_at(graph: fx.Graph, node: fx.Node, cp: Any, log: RewriteLog, earlie
         plan = None
         if reason is None:
             plan, reason = _plan(m)
+        at_end = False
         if reason is None and plan is not None:
             reason = _placement_problem(graph, m, plan)
+            if reason is not None:
+                at_end_reason = _end_placement_problem(graph, m, plan, stand_ins)
+                at_end = at_end_reason is None
+                reason = None if at_end else f"{reason}; nor where it ends: {at_end_reason}"
         if reason is None and plan is not None:
-            _splice(graph, m, plan, log, stand_ins)
+            _splice(graph, m, plan, log, stand_ins, at_end)
             kept = [f"not {r.pattern}: {r.reason}" for r in earlier if "outside the pattern" in r.reason]
             log.replaced[-1].note = "; ".join([n for n in (log.replaced[-1].note, *kept) if n])
             return None
@@ -497,6 +502,34 @@ def _placement_problem(graph: fx.Graph, m: Match, plan: _Plan) -> str | None:
     return None
 
 
+def _end_placement_problem(graph: fx.Graph, m: Match, plan: _Plan,
+                           stand_ins: dict[fx.Node, fx.Node]) -> str | None:
+    """Why the replacement cannot go right after the last matched node instead, or None. There it
+    reads its inputs as they are at the pattern's end, so none may be written in place between its
+    first read by a matched node and that end (writes before that first read the pattern saw too:
+    torchvision's Swin fills its window mask by `mask[h, w] = i` after the scores, then adds it;
+    RecurrentGemma fills the scan's output before gating it). Nothing moves, so every input must
+    already come before the end, and no node outside the pattern may use an output before it."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    matched = set(m.nodes)
+    last = max(order[n] for n in matched)
+    for x in (n for n in plan.inputs.values() if isinstance(n, fx.Node)):
+        if order[x] > last:
+            return f"{x.name}, an input of the replacement, comes after the pattern ends"
+        first_read = min((order[u] for u in x.users if u in matched), default=last)
+        if _written_after(x, first_read, order, until=last):
+            return f"{x.name} is written in place while the pattern reads it"
+    for out in m.outputs:
+        early = next((u for u in out.users if u not in matched and order[u] < last), None)
+        if early is not None:
+            return f"{out.name} is used by {early.name} before the pattern ends"
+    for old, same in stand_ins.items():
+        early = next((u for u in old.users if u not in matched and order[u] < order[same]), None)
+        if early is not None:
+            return f"{early.name} reads the shape of {old.name} before {same.name} exists"
+    return None
+
+
 # Calls whose result may share memory with their first argument: a write through it writes that.
 _ALIASING = {"view", "view_as", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "expand", "expand_as",
              "flatten", "unflatten", "narrow", "select", "as_strided", "t", "split", "chunk", "unbind", "contiguous",
@@ -504,9 +537,9 @@ _ALIASING = {"view", "view_as", "reshape", "transpose", "permute", "unsqueeze", 
 
 
 def _written_after(node: fx.Node, position: int, order: dict[fx.Node, int],
-                   moving: set[fx.Node] = frozenset()) -> bool:
-    """Whether `node`, or a view of it, is written in place by a node after `position` (other
-    than the nodes `moving` up before it)."""
+                   moving: set[fx.Node] = frozenset(), until: int | None = None) -> bool:
+    """Whether `node`, or a view of it, is written in place by a node after `position` (and
+    before `until`, when given), other than the nodes `moving` up before it."""
     stack, seen = [node], set()
     while stack:
         n = stack.pop()
@@ -514,7 +547,9 @@ def _written_after(node: fx.Node, position: int, order: dict[fx.Node, int],
             continue
         seen.add(n)
         for user in n.users:
-            if writes_in_place(user) and order.get(user, -1) > position and user not in moving:
+            at = order.get(user, -1)
+            in_span = position < at and (until is None or at < until)
+            if writes_in_place(user) and in_span and user not in moving:
                 return True
             name = user.target if isinstance(user.target, str) else getattr(user.target, "__name__", "")
             if user.op in ("call_function", "call_method") and name in _ALIASING and user.args and user.args[0] is n:
@@ -530,18 +565,21 @@ def _event_of(node: fx.Node):
 
 
 def _splice(graph: fx.Graph, m: Match, plan: _Plan, log: RewriteLog,
-            stand_ins: dict[fx.Node, fx.Node]) -> None:
+            stand_ins: dict[fx.Node, fx.Node], at_end: bool = False) -> None:
+    """Puts the replacement where the pattern starts (its late inputs moved up before it), or with
+    `at_end` right after the last matched node (`_end_placement_problem`)."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     matched = sorted(m.nodes, key=order.__getitem__)
     first = matched[0]
-    inputs = [n for n in plan.inputs.values() if isinstance(n, fx.Node)]  # not a mesh or placements
-    late = [n for n in _closure(inputs, order, order[first])]
-    for node in sorted(late, key=order.__getitem__):
-        first.prepend(node)
+    if not at_end:
+        inputs = [n for n in plan.inputs.values() if isinstance(n, fx.Node)]  # not a mesh or placements
+        late = [n for n in _closure(inputs, order, order[first])]
+        for node in sorted(late, key=order.__getitem__):
+            first.prepend(node)
     meta = {k: m.anchor.meta[k] for k in ("nn_module_stack", "stack_trace") if k in m.anchor.meta}
     env: dict[fx.Node, Any] = {}
     new_nodes = []
-    with graph.inserting_before(first):
+    with graph.inserting_before(matched[-1].next if at_end else first):
         for n in plan.graph.nodes:
             if n.op == "placeholder":
                 env[n] = plan.inputs[n.target]
@@ -565,8 +603,10 @@ def _splice(graph: fx.Graph, m: Match, plan: _Plan, log: RewriteLog,
                 outputs[i] = cast
                 new_nodes.append(cast)
     placed = where(matched)
-    event = Replaced(m.pattern.name, m.pattern.family, placed, "",
-                     note=", ".join(f"output cast back to {d}" for d in plan.casts if d is not None))
+    notes = [f"output cast back to {d}" for d in plan.casts if d is not None]
+    if at_end:
+        notes.append("placed where the pattern ends: an input is written in place after it starts")
+    event = Replaced(m.pattern.name, m.pattern.family, placed, "", note=", ".join(notes))
     for new in new_nodes:
         if new.op == "call_function" and getattr(new.target, "__module__", "").startswith("trifuse."):
             new.meta["trifuse_event"] = event

@@ -1039,7 +1039,8 @@ def attention_chain_add_add(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d
                             v_shape=None, k_heads=None, v_heads=None, *, scaling: str, upcast: bool = False,
                             repeat_kv: bool = False):
     """Scores scaled (scaling "div": MPNet's; "mul": Switch Transformers' and LongT5's eager
-    attention, `* scaling`; "none": q scaled before the product, timm's Swin with fused_attn off), a
+    attention, `* scaling`; "per_head": times a learned tensor per head, torchvision's Swin V2 in
+    shifted windows; "none": q scaled before the product, timm's Swin with fused_attn off), a
     relative position bias added (`scores += position_bias`), then the additive mask (Swin's shifted
     windows' mask, tiled over the batch by the normalizer), softmax, dropout. upcast: the softmax in
     fp32 cast back to `dtype`, over k and v repeated per query group (repeat_kv): Inkling's eager
@@ -1049,7 +1050,7 @@ def attention_chain_add_add(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d
     s = torch.matmul(q, k.transpose(d0, d1))
     if scaling == "div":
         s = s / scale
-    elif scaling == "mul":
+    elif scaling in ("mul", "per_head"):
         s = s * scale
     s = s + bias
     a = torch.softmax(s + mask, -1, torch.float32).to(dtype) if upcast else torch.softmax(s + mask, -1)
@@ -1059,9 +1060,13 @@ def attention_chain_add_add(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d
 def attention_chain_add_add_fused(q, k, v, d0, d1, scale=None, bias=None, mask=None, p=0.0, training=False,
                                   dtype=None, k_shape=None, v_shape=None, k_heads=None, v_heads=None, *,
                                   scaling: str, upcast: bool = False, repeat_kv: bool = False):
+    if scaling == "per_head":
+        # torchvision's Swin V2 in shifted windows: the learned scale per head (a tensor) moves onto
+        # q, as for transformers' (attention_chain_per_head_scale_fused), the op's scale 1
+        q, scale = (q * scale).to(q.dtype), 1.0
     # one float mask: the sum the unfused code adds in two steps (the op's dMask reaches both addends)
     return ops.attention(q, k, v, bias + mask, p if training else 0.0, False,
-                         1.0 / scale if scaling == "div" else scale if scaling == "mul" else 1.0, repeat_kv)
+                         1.0 / scale if scaling == "div" else 1.0 if scaling == "none" else scale, repeat_kv)
 
 
 def attention_chain_add_rounded_add(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, scale,
@@ -1294,11 +1299,10 @@ def attention_chain_per_head_scale_fused(q, k, v, d0, d1, logit_scale, bias, win
     return ops.attention(q_scaled, k, v, attn_mask, p if training else 0.0, False, 1.0)
 
 
-def _per_head_scale_and_bias(m: Match, windowed: bool) -> str | None:
-    """4-D q, k, v; a float tensor scale constant along the queries and keys (per head, or one
-    number), so it can scale q instead; a float bias over the scores; windowed: a 3-D float
-    window mask (nW, Sq, Sk), the scores viewed as (B / nW, nW, H, Sq, Sk) and back to 4-D."""
-    q, k, v, scale, bias = (m.value(n) for n in ("q", "k", "v", "logit_scale", "bias"))
+def _scale_moves_onto_q(q, k, v, scale) -> str | None:
+    """Why a tensor scale of the scores cannot scale q instead: q, k, v must be 4-D and the scale a
+    float tensor constant along the queries and keys (per head, or one number) that broadcasts to
+    q without widening it."""
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
         return "q, k and v are not all 4-D (batch, heads, seq, head_dim)"
     if not isinstance(scale, torch.Tensor) or not scale.is_floating_point():
@@ -1310,6 +1314,21 @@ def _per_head_scale_and_bias(m: Match, windowed: bool) -> str | None:
             return f"the scale {tuple(scale.shape)} broadcasts beyond q {tuple(q.shape)}"
     except RuntimeError:
         return f"the scale {tuple(scale.shape)} does not broadcast to q {tuple(q.shape)}"
+    return None
+
+
+def _scale_per_head(m: Match) -> str | None:
+    return _scale_moves_onto_q(m.value("q"), m.value("k"), m.value("v"), m.value("scale"))
+
+
+def _per_head_scale_and_bias(m: Match, windowed: bool) -> str | None:
+    """4-D q, k, v; a float tensor scale constant along the queries and keys (per head, or one
+    number), so it can scale q instead; a float bias over the scores; windowed: a 3-D float
+    window mask (nW, Sq, Sk), the scores viewed as (B / nW, nW, H, Sq, Sk) and back to 4-D."""
+    q, k, v, scale, bias = (m.value(n) for n in ("q", "k", "v", "logit_scale", "bias"))
+    why = _scale_moves_onto_q(q, k, v, scale)
+    if why:
+        return why
     if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
         return "the added bias is not a float tensor"
     scores = (*q.shape[:-1], k.shape[-2])
@@ -1549,10 +1568,11 @@ PATTERNS = (
               functools.partial(attention_chain_add_add, scaling=scaling),
               functools.partial(attention_chain_add_add_fused, scaling=scaling), ("attention",),
               (_transposes_last_two,
-               *([_scale_is_number, needs_number("scale")] if scaling != "none" else []),
+               *([_scale_is_number, needs_number("scale")] if scaling in ("div", "mul") else []),
+               *([_scale_per_head] if scaling == "per_head" else []),
                needs_number("p"), needs_bool("training"), _float_mask("bias"), _float_mask("mask"),
                _two_masks_broadcast_to_the_scores))
-      for scaling in ("div", "mul", "none")),
+      for scaling in ("div", "mul", "per_head", "none")),
     *(Pattern("attention_chain_mul_add_add_upcast" + ("_repeat_kv" if repeat_kv else ""), "attention",
               functools.partial(attention_chain_add_add, scaling="mul", upcast=True, repeat_kv=repeat_kv),
               functools.partial(attention_chain_add_add_fused, scaling="mul", upcast=True,

@@ -5,6 +5,7 @@ ops); it runs on the PyTorch reference path too."""
 import collections
 import contextlib
 import functools
+import math
 import copy
 import os
 import re
@@ -231,13 +232,15 @@ class FilledInPlace(nn.Module):
         return gate * out
 
 
-def test_an_input_written_in_place_after_the_pattern_starts_is_not_read_early():
+def test_an_input_written_in_place_after_the_pattern_starts_is_read_where_the_pattern_ends():
+    """Where the pattern starts the buffer is still empty: the replacement goes after the last
+    matched node (the product), where the buffer is filled, and says so in its note."""
     from _fusing import check_against_unfused
 
     # Dynamo: fx cannot trace the loop over a traced length
     report = check_against_unfused(FilledInPlace, (torch.randn(2, 3, 8),), "dynamo")
-    assert "gated_activation" not in report.counts()
-    assert any("written in place after the pattern starts" in reason for *_, reason in report.rejected())
+    assert report.counts() == {"gated_activation": 1}
+    assert "placed where the pattern ends: an input is written in place after it starts" in report.table()
 
 
 class _MaskFilledAfterTheScores(nn.Module):
@@ -259,15 +262,48 @@ class _MaskFilledAfterTheScores(nn.Module):
 
 
 def test_what_a_moved_input_reads_is_not_written_after_the_pattern_starts():
-    """The replacement goes where the pattern starts, and the mask's computation moves up with
+    """The replacement would go where the pattern starts, the mask's computation moved up with
     it: the tensor it reads is filled in place after the scores (no view of the mask itself), so
-    moved up it read zeros, a wrong answer. The rewrite is refused there and says why."""
+    moved up it read zeros, a wrong answer (the first version did). It goes where the pattern
+    ends instead, after the fill and the mask's computation, nothing moved."""
     from _fusing import check_against_unfused
 
-    report = check_against_unfused(_MaskFilledAfterTheScores, (torch.randn(2, 6, 16),), "dynamo")
+    for capture in ("dynamo", "fx"):
+        report = check_against_unfused(_MaskFilledAfterTheScores, (torch.randn(2, 6, 16),), capture)
+        assert report.counts() == {"attention": 1}, capture
+        assert "placed where the pattern ends" in report.table()
+
+
+class _KeyWrittenWhileTheAttentionReadsIt(nn.Module):
+    """A key written in place between the scores that read it and the product with v: neither
+    where the pattern starts (the mask is filled after it) nor where it ends (the key changed)
+    may the replacement go."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 2, 8).permute(2, 0, 3, 1, 4).unbind(0)
+        k = k.clone()
+        scores = (q * 8 ** -0.5) @ k.transpose(-2, -1)
+        k.mul_(3.0)
+        ids = x.new_zeros(n)
+        ids[n // 2:] = 1.0
+        mask = (ids.unsqueeze(0) - ids.unsqueeze(1)).abs() * -100.0
+        return torch.softmax(scores + mask, dim=-1) @ v + k.mean()
+
+
+def test_an_input_written_while_the_pattern_reads_it_is_left_as_written():
+    from _fusing import check_against_unfused
+
+    report = check_against_unfused(_KeyWrittenWhileTheAttentionReadsIt, (torch.randn(2, 6, 16),), "dynamo",
+                                   grads=False)
     assert "attention" not in report.counts()
     rejected = [reason for *_, reason in report.rejected()]
-    assert any("ids is written in place after the pattern starts" in reason for reason in rejected)
+    assert any("written in place after the pattern starts; nor where it ends: " in r
+               and "is written in place while the pattern reads it" in r for r in rejected), rejected
 
 
 class _ShiftedWindowAttention(nn.Module):
@@ -307,6 +343,43 @@ def test_a_window_mask_added_over_a_view_of_the_scores_is_fused(capture):
     report = check_against_unfused(lambda: _Stack([_ShiftedWindowAttention(per_batch=-1)]),
                                    (torch.randn(6, 5, 16),), capture, train=True)
     assert "attention" not in report.counts()
+
+
+class _ShiftedCosineWindowAttention(nn.Module):
+    """torchvision's Swin V2 in shifted windows: cosine scores times a learned scale per head
+    (the exp of a clamp, (H, 1, 1)), the relative position bias, the window mask once over a
+    (B / nW, nW, H, N, N) view. The scale moves onto q (the op's scale is 1)."""
+
+    def __init__(self, heads=2, windows=3, n=5):
+        super().__init__()
+        self.heads, self.qkv = heads, nn.Linear(16, 48)
+        self.logit_scale = nn.Parameter(torch.log(10 * torch.rand(heads, 1, 1) + 1.0))
+        self.bias = nn.Parameter(torch.randn(1, heads, n, n))
+        self.register_buffer("mask", torch.where(torch.rand(windows, n, n) < 0.3, -100.0, 0.0))
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        attn = F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-2, -1)
+        attn = attn * torch.clamp(self.logit_scale, max=math.log(100.0)).exp() + self.bias
+        windows = self.mask.shape[0]
+        attn = attn.view(b // windows, windows, self.heads, n, n) + self.mask.unsqueeze(1).unsqueeze(0)
+        attn = F.dropout(torch.softmax(attn.view(-1, self.heads, n, n), dim=-1), 0.0, self.training)
+        return (attn @ v).transpose(1, 2).reshape(b, n, c)
+
+
+@pytest.mark.parametrize("capture", ["fx", "dynamo"])
+def test_a_learned_scale_per_head_with_a_window_mask_is_fused(capture):
+    """Its scale a tensor, the two-mask chain's number-scaled form refuses it; the per-head form
+    takes it, and the scale's gradient comes through q's product (without: the softmax stayed
+    unfused, one attention in two of torchvision's Swin V2)."""
+    from _fusing import check_against_unfused
+
+    make = (lambda: _Stack([_ShiftedCosineWindowAttention()])) if capture == "fx" else _ShiftedCosineWindowAttention
+    report = check_against_unfused(make, (torch.randn(6, 5, 16),), capture, train=True)
+    assert report.counts() == available_counts({"attention": 1}), report.table()
+    if "attention" in report.counts():
+        assert report.by_pattern() == {"attention_chain_per_head_add_add": 1}, report.table()
 
 
 def test_new_shapes_and_modes_recapture_a_bounded_number_of_times():
