@@ -28,6 +28,7 @@ import _device  # noqa: E402,F401  (before trifuse: the interpreter)
 import _random_blocks as rb  # noqa: E402
 import torch  # noqa: E402
 from _fusing import _double, _outputs, check_against_unfused  # noqa: E402
+from tolerances import check_close  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tests" / "fusion"))
 from test_fuzz_rewriter import checked  # noqa: E402
@@ -70,6 +71,25 @@ def unfused_overflows(make, inputs: tuple, train: bool) -> bool:
     return any(not torch.equal(torch.isfinite(a.double()), torch.isfinite(b)) for a, b in zip(lowp, ref))
 
 
+def inductor_fails_too(make, inputs: tuple, train: bool) -> bool:
+    """Whether plain torch.compile (Inductor, no trifuse) of the unfused model gives outputs that
+    fail the same check against float64 (an fp16 block whose softmax runs over the wrong axis of
+    a finfo.min-masked score: Inductor's CPU code 0.135 off, eager PyTorch 0.003): for a
+    "compile-inductor" draw, what Inductor compiles around trifuse's ops is then Inductor's own."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = make().train(train)
+    eager, wide = copy.deepcopy(model), copy.deepcopy(model).double()
+    try:
+        with torch.no_grad():
+            outs = _outputs(torch.compile(model)(*inputs))
+            lowp = _outputs(eager(*inputs))
+            ref = _outputs(wide(*(_double(x) for x in inputs)))
+    finally:
+        torch._dynamo.reset()
+    return any(not check_close("output", o, r, lp)[0] for o, r, lp in zip(outs, ref, lowp))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--examples", type=int, default=200)
@@ -77,7 +97,7 @@ def main() -> None:
     ap.add_argument("--save", action="store_true")
     args = ap.parse_args()
     rng = random.Random(args.seed)
-    failures, fused, overflowing, t0 = [], Counter(), 0, time.perf_counter()
+    failures, fused, excused, t0 = [], Counter(), Counter(), time.perf_counter()
     for i in range(args.examples):
         spec, capture, train, dtype = draw(rng) if i % 3 else draw_head(rng)
         if isinstance(spec, rb.HeadSpec):
@@ -96,9 +116,13 @@ def main() -> None:
             report = checked(run, capture)
             fused.update(report.counts().keys())
         except Exception as e:  # noqa: BLE001  (a failure is the finding: record it, go on)
-            if unfused_overflows(make, inputs, train):  # PyTorch's own fails the check: no finding
-                overflowing += 1
-                print(f"EXCUSED {i}: {spec.id} {dtype}: the unfused model overflows in {dtype} too", flush=True)
+            # PyTorch's own fails the check too: no finding about trifuse
+            excuse = ("the unfused model overflows" if unfused_overflows(make, inputs, train) else
+                      "plain Inductor fails it too" if capture == "compile-inductor"
+                      and inductor_fails_too(make, inputs, train) else None)
+            if excuse is not None:
+                excused[excuse] += 1
+                print(f"EXCUSED {i}: {spec.id} {capture} {dtype}: {excuse}", flush=True)
                 continue
             line = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             failures.append({"spec": {"kind": type(spec).__name__, **dataclasses.asdict(spec)},
@@ -106,20 +130,20 @@ def main() -> None:
                              "dtype": str(dtype), "error": line})
             print(f"FAIL {i}: {spec.id} {capture} train={train} {dtype}: {line}", flush=True)
     seconds = time.perf_counter() - t0
-    print(f"{args.examples} examples, {len(failures)} failures, {overflowing} excused (the unfused model "
-          f"overflows too), {seconds:.0f} s; "
+    excuses = ", ".join(f"{n} as {why}" for why, n in excused.items()) or "none"
+    print(f"{args.examples} examples, {len(failures)} failures, excused: {excuses}, {seconds:.0f} s; "
           "examples fusing each family: "
           + ", ".join(f"{k} {v}" for k, v in sorted(fused.items())))
     if args.save:
         out = ROOT / "bench" / "results" / "fuzz_rewriter"
         data = {"examples": args.examples, "seed": args.seed, "seconds": round(seconds, 1),
-                "excused_unfused_overflows": overflowing,
+                "excused": dict(excused),
                 "fused_families": dict(fused), "failures": failures}
         out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
         lines = ["# fuzz_rewriter", "",
                  f"{args.examples} random draws (blocks; one in three an LM head and its loss; "
-                 f"seed {args.seed}), {len(failures)} failures, {overflowing} excused (failed as the "
-                 f"unfused model does: it overflows in the draw's dtype), {seconds:.0f} s on this CPU "
+                 f"seed {args.seed}), {len(failures)} failures; excused (failed where PyTorch itself "
+                 f"does): {excuses}; {seconds:.0f} s on this CPU "
                  "(Triton interpreter).", "",
                  "| family | examples that fused it |", "|---|---|"]
         lines += [f"| {k} | {v} |" for k, v in sorted(fused.items())]
