@@ -214,7 +214,8 @@ class BlockGraphs:
 
     def summary(self) -> str:
         """One line for the report."""
-        parts = [f"{self.built} graph pair(s) built ({self.pool_bytes / 2**30:.2f} GiB in their memory pools), "
+        pools = f"{self.pool_bytes / 2**30:.2f} GiB in their memory pools"
+        parts = [f"{self.built} graph pair(s) built ({pools}), "
                  f"{self.replays} call(s) replayed"]
         parts += [f"not graphed: {why} ({n} call(s))" for why, n in self.skipped.items()]
         parts += [f"could not graph: {why} ({n} signature(s))" for why, n in self.failures.items()]

@@ -491,7 +491,8 @@ def test_the_check_computes_its_references_once_per_measured_call(cache_dir, tim
     fwd_bwd(d, call(*qkv(s=40), is_causal=True))  # another bucket: measured, referenced anew
     assert computed == [torch.float64, torch.float32] * 2
     args = call(*qkv(s=12))
-    assert A._attention_check(math_attention, args) is None and A._attention_check(math_attention, args) is None
+    assert A._attention_check(math_attention, args) is None
+    assert A._attention_check(math_attention, args) is None
     assert len(computed) == 8
 
 

@@ -333,6 +333,19 @@ def test_autotune_off_replays_shipped_defaults_for_the_gpu_family(cache_dir, tim
     assert d.explain(x_(n=32), 2.0).chosen == "own" and fake.calls == []
 
 
+def _checked_choice(name: str, check, timer, reference=scale_ref):
+    """(x, the decision) of a dialect with its own `check` and `output_like` over the first three
+    candidates (own, fast, wrong), called once on x."""
+    d = Dialect(name, key, ("device", "dtype", "n", "grad"), reference=reference, check=check,
+                output_like=lambda x, s: torch.empty_like(x).requires_grad_(x.requires_grad))
+    for c in CANDIDATES[:3]:
+        d.register(c)
+    d.timer = timer(TIMES)
+    x = torch.randn(4, 8, requires_grad=True)
+    d(x, 2.0)
+    return x, d.explain(x, 2.0)
+
+
 def test_a_check_on_a_smaller_call_runs_its_reference_once_for_all_candidates(cache_dir, timer):
     """A check that compares a sample of the call with `compare_with_reference` (cross-entropy's
     rows) builds its references once per measured call, whichever candidate it checks: the
@@ -350,14 +363,7 @@ def test_a_check_on_a_smaller_call_runs_its_reference_once_for_all_candidates(ca
             memo["sample"] = (args[0].detach()[:2].requires_grad_(args[0].requires_grad), args[1])
         return dialects.compare_with_reference(counted_ref, fn, memo["sample"])
 
-    d = Dialect("scale_sampled", key, ("device", "dtype", "n", "grad"), reference=scale_ref, check=check,
-                output_like=lambda x, s: torch.empty_like(x).requires_grad_(x.requires_grad))
-    for c in CANDIDATES[:3]:
-        d.register(c)
-    d.timer = timer(TIMES)
-    x = torch.randn(4, 8, requires_grad=True)
-    d(x, 2.0)
-    rec = d.explain(x, 2.0)
+    x, rec = _checked_choice("scale_sampled", check, timer)
     assert rec.chosen == "fast" and rec.rejected["wrong"].startswith("wrong result: output 0 max error")
     assert sorted(map(str, ran)) == ["torch.float32", "torch.float64"]
     sample = (x.detach()[:2].requires_grad_(), 2.0)
@@ -379,14 +385,7 @@ def test_a_check_with_output_like_never_runs_the_reference(cache_dir, timer):
         checked.append(fn)
         return None if torch.equal(fn(*args), args[0] * args[1]) else "differs"
 
-    d = Dialect("scale_checked", key, ("device", "dtype", "n", "grad"), reference=no_reference, check=check,
-                output_like=lambda x, s: torch.empty_like(x).requires_grad_(x.requires_grad))
-    for c in CANDIDATES[:3]:
-        d.register(c)
-    d.timer = timer(TIMES)
-    x = torch.randn(4, 8, requires_grad=True)
-    d(x, 2.0)
-    rec = d.explain(x, 2.0)
+    _, rec = _checked_choice("scale_checked", check, timer, reference=no_reference)
     assert rec.chosen == "fast" and len(checked) == 3
     assert rec.rejected["wrong"] == "wrong result: differs"
 
@@ -529,5 +528,5 @@ def test_phases_add_to_the_innermost_decision_and_nothing_outside_one():
     assert set(outer.phases) == {"a"} and set(inner.phases) == {"b"}
     d = decisions.Decision("dialect", "op", "cpu", "n=1", "x", "measured", seconds=3.0,
                            phases={"check x": 0.5, "reference": 2.0, "time x": 0.004})
-    assert decisions.set_up_seconds([d])[1] == ["3.00 s dialect op [n=1] (measured); phases: reference 2.00 s, "
-                                                "check x 0.50 s"]
+    assert decisions.set_up_seconds([d])[1] == [
+        "3.00 s dialect op [n=1] (measured); phases: reference 2.00 s, check x 0.50 s"]
