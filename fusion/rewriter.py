@@ -495,8 +495,9 @@ def _placement_problem(graph: fx.Graph, m: Match, plan: _Plan) -> str | None:
     # reads may be written after the pattern starts (torchvision's Swin fills its window mask by
     # `mask[h, w] = i` between the scores and the mask's add; moved up, the mask read zeros).
     # (A write that moves up with them keeps its place among them: DeBERTa's `pos_query_layer /= s`.)
+    # A write to the tensor an input is a view of, or to another view of it, counts too.
     read = [*inputs, *sorted({i for n in seen for i in (n, *n.all_input_nodes)}, key=order.__getitem__)]
-    written = next((n for n in read if _written_after(n, first, order, seen)), None)
+    written = next((n for n in read if _written_after(_alias_root(n), first, order, seen)), None)
     if written is not None:
         return f"{written.name} is written in place after the pattern starts"
     return None
@@ -517,7 +518,7 @@ def _end_placement_problem(graph: fx.Graph, m: Match, plan: _Plan,
         if order[x] > last:
             return f"{x.name}, an input of the replacement, comes after the pattern ends"
         first_read = min((order[u] for u in x.users if u in matched), default=last)
-        if _written_after(x, first_read, order, until=last):
+        if _written_after(_alias_root(x), first_read, order, until=last):  # x, its base, any view of it
             return f"{x.name} is written in place while the pattern reads it"
     for out in m.outputs:
         early = next((u for u in out.users if u not in matched and order[u] < last), None)
@@ -534,6 +535,16 @@ def _end_placement_problem(graph: fx.Graph, m: Match, plan: _Plan,
 _ALIASING = {"view", "view_as", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "expand", "expand_as",
              "flatten", "unflatten", "narrow", "select", "as_strided", "t", "split", "chunk", "unbind", "contiguous",
              "detach", "to", "type", "float", "getitem", "movedim", "swapaxes", "diagonal", "unfold", "real", "imag"}
+
+
+def _alias_root(node: fx.Node) -> fx.Node:
+    """The tensor `node` is a view of (through _ALIASING calls), or `node` itself."""
+    while node.op in ("call_function", "call_method") and node.args and isinstance(node.args[0], fx.Node):
+        name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+        if name not in _ALIASING:
+            break
+        node = node.args[0]
+    return node
 
 
 def _written_after(node: fx.Node, position: int, order: dict[fx.Node, int],

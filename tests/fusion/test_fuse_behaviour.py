@@ -246,21 +246,23 @@ def test_an_input_written_in_place_after_the_pattern_starts_is_read_where_the_pa
 class _MaskFilledAfterTheScores(nn.Module):
     """torchvision's Swin: the scores first, then a window mask made by `mask[h, w] = i` and
     turned into an additive mask by ops that copy (not views of the written tensor), then added.
-    With `write_key`, the key is also written in place between the scores that read it and the
-    product with v: then neither where the pattern starts (the mask is filled after it) nor where
-    it ends (the key changed) may the replacement go."""
+    With `write_key` ("key", or "base": the tensor the key is a view of), the key is also written
+    in place between the scores that read it and the product with v: then neither where the
+    pattern starts (the mask is filled after it) nor where it ends (the key changed) may the
+    replacement go."""
 
-    def __init__(self, write_key: bool = False):
+    def __init__(self, write_key: str | None = None):
         super().__init__()
         self.qkv, self.write_key = nn.Linear(16, 48), write_key
 
     def forward(self, x):
         b, n, _ = x.shape
         q, k, v = self.qkv(x).view(b, n, 3, 2, 8).permute(2, 0, 3, 1, 4).unbind(0)
-        k = k.clone() if self.write_key else k
+        base = k.clone() if self.write_key else k
+        k = base.view_as(base) if self.write_key == "base" else base
         scores = (q * 8 ** -0.5) @ k.transpose(-2, -1)
         if self.write_key:
-            k.mul_(3.0)
+            base.mul_(3.0)
         ids = x.new_zeros(n)
         ids[n // 2:] = 1.0
         mask = (ids.unsqueeze(0) - ids.unsqueeze(1)).abs() * -100.0
@@ -281,10 +283,39 @@ def test_what_a_moved_input_reads_is_not_written_after_the_pattern_starts():
         assert "placed where the pattern ends" in report.table()
 
 
-def test_an_input_written_while_the_pattern_reads_it_is_left_as_written():
+class _ValueBaseWrittenAfterTheScores(nn.Module):
+    """The value is a view of a tensor written in place after the scores (and before the product
+    with v): where the pattern starts the replacement would read v before the write, where it ends
+    after it, as the unfused code does."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 2, 8).permute(2, 0, 3, 1, 4).unbind(0)
+        base = v.clone()
+        value = base.view_as(base)
+        scores = (q * 8 ** -0.5) @ k.transpose(-2, -1)
+        base.mul_(3.0)
+        return torch.softmax(scores, dim=-1) @ value
+
+
+def test_a_write_to_the_base_of_an_input_after_the_pattern_starts_is_seen():
     from _fusing import check_against_unfused
 
-    writing = functools.partial(_MaskFilledAfterTheScores, write_key=True)
+    block = _ValueBaseWrittenAfterTheScores
+    report = check_against_unfused(block, (torch.randn(2, 6, 16),), "dynamo", grads=False)
+    assert report.counts() == {"attention": 1}
+    assert "placed where the pattern ends" in report.table()
+
+
+@pytest.mark.parametrize("written", ["key", "base"])
+def test_an_input_written_while_the_pattern_reads_it_is_left_as_written(written):
+    from _fusing import check_against_unfused
+
+    writing = functools.partial(_MaskFilledAfterTheScores, write_key=written)
     report = check_against_unfused(writing, (torch.randn(2, 6, 16),), "dynamo", grads=False)
     assert "attention" not in report.counts()
     rejected = [reason for *_, reason in report.rejected()]
