@@ -26,7 +26,7 @@ runs. Otherwise the choice for (key, deterministic mode) is made once:
 4. Measuring, on the real inputs' shapes (detached views of them): each eligible candidate runs
    forward, and backward when the call needs gradients, and its outputs and gradients are checked
    against the reference run in float64 (`gate`; computed once for all the candidates of the call,
-   also by an op's own `check`, through `trial_memo`); those that pass are timed, forward and backward
+   also by an op's own `check`, through `shared_by_checks`); those that pass are timed, forward and backward
    together, by wall time per call run back to back (`tuner.wall_timer`: host overhead counts);
    inside `graphed_calls()` (a block that `fuse(cuda_graphs=True)` runs from a CUDA graph, whose
    host paths are gone) by GPU time replayed from a CUDA graph instead (`tuner.graph_timer`),
@@ -122,14 +122,14 @@ class Candidate:
         return None
 
 
-# While a dialect measures its candidates on one call (`Dialect._measure`): a dict their checks
-# share; None otherwise.
+# While a dialect measures its candidates on one call (`Dialect._measure`): what their checks
+# share (`shared_by_checks`); None otherwise.
 _TRIAL_MEMO: contextvars.ContextVar[dict | None] = contextvars.ContextVar("trifuse_trial_memo", default=None)
 
 
 @contextlib.contextmanager
 def _checks_sharing():
-    """Around one measurement: its checks share one `trial_memo`, dropped at the end."""
+    """Around one measurement: its checks share what they compute (`shared_by_checks`), dropped at the end."""
     token = _TRIAL_MEMO.set({})
     try:
         yield
@@ -137,13 +137,18 @@ def _checks_sharing():
         _TRIAL_MEMO.reset(token)
 
 
-def trial_memo() -> dict:
-    """Inside a dialect's measurement of one call: a dict that the checks of all its candidates
-    share (the tuned ones' re-check too), so that what a check derives from the call's arguments
-    alone, its references above all, is computed once, not once per candidate. Elsewhere a fresh
-    dict each time: nothing is shared."""
+def shared_by_checks(name: str | tuple, args: tuple, compute: Callable[[], Any]) -> Any:
+    """`compute()`, once per `args` object inside a dialect's measurement of one call: the checks
+    of all its candidates (the tuned ones' re-check too) share what a check derives from the
+    call's arguments alone, its references above all, instead of computing it per candidate.
+    Outside a measurement, computed each time."""
     memo = _TRIAL_MEMO.get()
-    return {} if memo is None else memo
+    if memo is None:
+        return compute()
+    held = memo.get(name)
+    if held is None or held[0] is not args:  # the args held too: their id stays theirs
+        held = memo[name] = (args, compute())
+    return held[1]
 
 
 # True while a block whose calls will replay from a CUDA graph runs its fused forward (its first
@@ -513,13 +518,10 @@ def compare_with_reference(reference: Callable[..., Any], fn: Callable[..., Any]
     """The check `Dialect` makes by default, on `args` (for a `check` that runs it on a smaller
     call than the real one): None when `fn`'s outputs, and gradients where `args` need them,
     pass `gate` against `reference` in float64, else what is wrong. The references are computed
-    once per `args` object in a measurement (`trial_memo`)."""
-    memo = trial_memo()
-    key = ("compare_with_reference", reference, id(args))
-    held = memo.get(key)
-    if held is None or held[0] is not args:  # the args held too: their id stays theirs
-        held = memo[key] = (args, _Trial(reference, args, None))
-    return held[1].problem(fn)
+    once per `args` object in a measurement (`shared_by_checks`)."""
+    trial = shared_by_checks(("compare_with_reference", reference), args,
+                             lambda: _Trial(reference, args, None))
+    return trial.problem(fn)
 
 
 def _needs_grad(a: object) -> bool:

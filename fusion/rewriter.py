@@ -537,13 +537,20 @@ _ALIASING = {"view", "view_as", "reshape", "transpose", "permute", "unsqueeze", 
              "detach", "to", "type", "float", "getitem", "movedim", "swapaxes", "diagonal", "unfold", "real", "imag"}
 
 
+def _view_of(node: fx.Node) -> fx.Node | None:
+    """The node whose memory `node`'s result may share (an _ALIASING call's first argument), or None."""
+    if node.op not in ("call_function", "call_method") or not node.args:
+        return None
+    if not isinstance(node.args[0], fx.Node):
+        return None
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return node.args[0] if name in _ALIASING else None
+
+
 def _alias_root(node: fx.Node) -> fx.Node:
     """The tensor `node` is a view of (through _ALIASING calls), or `node` itself."""
-    while node.op in ("call_function", "call_method") and node.args and isinstance(node.args[0], fx.Node):
-        name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-        if name not in _ALIASING:
-            break
-        node = node.args[0]
+    while (base := _view_of(node)) is not None:
+        node = base
     return node
 
 
@@ -562,8 +569,7 @@ def _written_after(node: fx.Node, position: int, order: dict[fx.Node, int],
             in_span = position < at and (until is None or at < until)
             if writes_in_place(user) and in_span and user not in moving:
                 return True
-            name = user.target if isinstance(user.target, str) else getattr(user.target, "__name__", "")
-            if user.op in ("call_function", "call_method") and name in _ALIASING and user.args and user.args[0] is n:
+            if _view_of(user) is n:
                 stack.append(user)
     return False
 

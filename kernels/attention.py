@@ -1978,17 +1978,16 @@ def _attention_check(fn, args: tuple) -> str | None:
     q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa = args
     train = torch.is_grad_enabled() and (any(t.requires_grad for t in (q, k, v)) or _needs_mask_grad(attn_mask))
     no_drop = (q, k, v, attn_mask, 0.0, is_causal, scale, enable_gqa)
-    memo = dialects.trial_memo()  # the references once for all the candidates of this call
-    held = memo.get("attention check")
-    if held is None or held[0] is not args:
+
+    def references():
         gen = torch.Generator(device=q.device).manual_seed(0)
         dy = torch.randn((*q.shape[:3], v.shape[3]), generator=gen, device=q.device, dtype=q.dtype)
-        with torch.autocast(q.device.type, enabled=False):
-            refs = (dy, _reference_blocks(no_drop, torch.float64, dy, train),
-                    _reference_blocks(no_drop, q.dtype, dy, train))
-        held = memo["attention check"] = (args, refs)
-    dy, ref64, ref_lowp = held[1]
+        wide = _reference_blocks(no_drop, torch.float64, dy, train)
+        return dy, wide, _reference_blocks(no_drop, q.dtype, dy, train)
+
     with torch.autocast(q.device.type, enabled=False):
+        # the references once for all the candidates of this call
+        dy, ref64, ref_lowp = dialects.shared_by_checks("attention check", args, references)
         got = _run_candidate(fn, no_drop, dy, train)
     labels = ("output", "dq", "dk", "dv", "dmask")
     for label, g, e64, elp in zip(labels, got, ref64, ref_lowp):

@@ -1304,17 +1304,20 @@ def _cross_entropy_reference(logits, target, ignore_index, reduction, label_smoo
 CHECK_ELEMENTS = 2**24
 
 
+def _check_rows(args: tuple) -> tuple:
+    """The call's first CHECK_ELEMENTS logits' worth of rows (all of them when they fit)."""
+    logits, target, *options = args
+    rows = max(1, min(logits.shape[0], CHECK_ELEMENTS // max(1, logits.shape[1])))
+    if rows < logits.shape[0]:
+        logits = logits.detach()[:rows].requires_grad_(logits.requires_grad)
+        target = target[:rows]
+    return (logits, target, *options)
+
+
 def _cross_entropy_check(fn, args) -> str | None:
-    memo = dialects.trial_memo()  # one sample of rows, so one reference, for all the candidates
-    held = memo.get("cross_entropy check")
-    if held is None or held[0] is not args:
-        logits, target, *options = args
-        rows = max(1, min(logits.shape[0], CHECK_ELEMENTS // max(1, logits.shape[1])))
-        if rows < logits.shape[0]:
-            logits = logits.detach()[:rows].requires_grad_(logits.requires_grad)
-            target = target[:rows]
-        held = memo["cross_entropy check"] = (args, (logits, target, *options))
-    return dialects.compare_with_reference(_cross_entropy_reference, fn, held[1])
+    # one sample of rows, so one reference, for all the candidates
+    sample = dialects.shared_by_checks("cross_entropy check", args, lambda: _check_rows(args))
+    return dialects.compare_with_reference(_cross_entropy_reference, fn, sample)
 
 
 def _cross_entropy_output_like(logits, target, ignore_index, reduction, label_smoothing, out_dtype):

@@ -472,7 +472,7 @@ def test_the_measured_winner_runs_and_is_replayed(cache_dir, timer, winner):
 
 def test_the_check_computes_its_references_once_per_measured_call(cache_dir, timer, monkeypatch):
     """Three candidates checked on one call: the float64 reference and the one in the inputs'
-    dtype are computed once for all of them (dialects.trial_memo), not once per candidate; a
+    dtype are computed once for all of them (dialects.shared_by_checks), not once per candidate; a
     second call in a new bucket computes them again; the check called outside a measurement
     computes them each time."""
     computed = []

@@ -358,10 +358,9 @@ def test_a_check_on_a_smaller_call_runs_its_reference_once_for_all_candidates(ca
         return x * s
 
     def check(fn, args):
-        memo = dialects.trial_memo()
-        if "sample" not in memo:
-            memo["sample"] = (args[0].detach()[:2].requires_grad_(args[0].requires_grad), args[1])
-        return dialects.compare_with_reference(counted_ref, fn, memo["sample"])
+        sample = dialects.shared_by_checks("sample", args, lambda: (
+            args[0].detach()[:2].requires_grad_(args[0].requires_grad), args[1]))
+        return dialects.compare_with_reference(counted_ref, fn, sample)
 
     x, rec = _checked_choice("scale_sampled", check, timer)
     assert rec.chosen == "fast" and rec.rejected["wrong"].startswith("wrong result: output 0 max error")
