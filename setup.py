@@ -29,7 +29,8 @@ setup(
         ],
     },
     extras_require={
-        "test": ["pytest", "pytest-xdist", "hypothesis", "pytest-benchmark", "transformers", "peft"],
+        "test": ["pytest", "pytest-xdist", "hypothesis", "pytest-benchmark", "transformers", "peft",
+                 "diffusers"],
         "bench": ["pytest-benchmark", "matplotlib"],
         "flash-attn": ["flash-attn"],
         "xformers": ["xformers"],

@@ -653,15 +653,19 @@ def _splice(graph: fx.Graph, m: Match, plan: _Plan, log: RewriteLog,
 
 
 _STACK_PREFIX = re.compile(r"^L\['[^']*'\](?:\[\d+\])?\.?")
+# A submodule Dynamo reached through the module's dict (diffusers' Transformer2DModel iterates
+# `self.transformer_blocks` so): `a.__dict__['_modules']['blocks'].0` is the submodule `a.blocks.0`.
+_MODULES_ENTRY = re.compile(r"(^|\.)(?:__dict__\['_modules'\]|_modules)\['([^']+)'\]")
 
 
 def module_path(node: fx.Node) -> str:
-    """The submodule a node's code ran in, relative to the captured module ('' for itself)."""
+    """The submodule a node's code ran in, relative to the captured module ('' for itself), as
+    named_modules() names it."""
     stack = node.meta.get("nn_module_stack")
     if not stack:
         return ""
     path = list(stack.values())[-1][0]
-    return _STACK_PREFIX.sub("", str(path))
+    return _MODULES_ENTRY.sub(r"\1\2", _STACK_PREFIX.sub("", str(path)))
 
 
 def _join_where(a: str, b: str) -> str:

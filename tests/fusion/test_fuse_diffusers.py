@@ -1,0 +1,114 @@
+"""diffusers' denoisers, built from small configs (no download): the DiT, PixArt-alpha, SD3 and
+Flux transformers and the Stable Diffusion UNet. `fuse` replaces the attention, LayerNorm,
+RMSNorm (Flux's q/k norms), GeLU and residual-stream ops of their transformer blocks (diffusers'
+`Attention` with its SDPA processor, `FeedForward`'s GELU / GEGLU, `BasicTransformerBlock`'s and
+the joint blocks' norms); outputs and every gradient equal the unfused model's by the oracle rule.
+"""
+import pytest
+import torch
+from _fusing import available_counts, check_against_unfused
+from torch import nn
+
+diffusers = pytest.importorskip("diffusers")
+
+B, HEADS, HEAD_DIM = 2, 2, 16
+
+
+class Denoiser(nn.Module):
+    """A training loop's call of a diffusers model, positional tensors in, the prediction out:
+    `make(model)` names the arguments (the keyword ones diffusers takes)."""
+
+    def __init__(self, model: nn.Module, call) -> None:
+        super().__init__()
+        self.model = model
+        self.call = call
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.call(self.model, *inputs).sample
+
+
+def dit():
+    # DiT-style class-conditional adaLN-Zero blocks. Its label embedding drops labels at random in
+    # training (class_dropout_prob 0.1): the three runs of the check would see different labels.
+    model = diffusers.DiTTransformer2DModel(
+        num_attention_heads=HEADS, attention_head_dim=HEAD_DIM, in_channels=4, out_channels=8, num_layers=2,
+        sample_size=8, patch_size=2, num_embeds_ada_norm=10)
+
+    def call(m, x, t, labels):
+        return m(x, timestep=t, class_labels=labels)
+
+    return Denoiser(model, call), (torch.randn(B, 4, 8, 8), torch.tensor([1, 5]), torch.tensor([1, 2])), False
+
+
+def pixart():
+    model = diffusers.PixArtTransformer2DModel(
+        num_attention_heads=HEADS, attention_head_dim=HEAD_DIM, in_channels=4, out_channels=8, num_layers=2,
+        sample_size=8, patch_size=2, cross_attention_dim=32, caption_channels=24,
+        use_additional_conditions=False)
+
+    def call(m, x, t, text):
+        return m(x, encoder_hidden_states=text, timestep=t,
+                 added_cond_kwargs={"resolution": None, "aspect_ratio": None})
+
+    return Denoiser(model, call), (torch.randn(B, 4, 8, 8), torch.tensor([1, 5]), torch.randn(B, 7, 24)), True
+
+
+def sd3():
+    model = diffusers.SD3Transformer2DModel(
+        sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=HEAD_DIM,
+        num_attention_heads=HEADS, joint_attention_dim=24, caption_projection_dim=32,
+        pooled_projection_dim=12, out_channels=4, pos_embed_max_size=16)
+
+    def call(m, x, t, text, pooled):
+        return m(x, encoder_hidden_states=text, pooled_projections=pooled, timestep=t)
+
+    inputs = (torch.randn(B, 4, 8, 8), torch.tensor([1, 5]), torch.randn(B, 7, 24), torch.randn(B, 12))
+    return Denoiser(model, call), inputs, True
+
+
+def flux():
+    model = diffusers.FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=HEAD_DIM,
+        num_attention_heads=HEADS, joint_attention_dim=24, pooled_projection_dim=12, axes_dims_rope=(4, 6, 6))
+
+    def call(m, x, t, text, pooled, img_ids, txt_ids):
+        return m(x, encoder_hidden_states=text, pooled_projections=pooled, timestep=t, img_ids=img_ids,
+                 txt_ids=txt_ids)
+
+    inputs = (torch.randn(B, 16, 16), torch.tensor([0.1, 0.5]), torch.randn(B, 7, 24), torch.randn(B, 12),
+              torch.randn(16, 3), torch.zeros(7, 3))
+    return Denoiser(model, call), inputs, True
+
+
+def unet():
+    model = diffusers.UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=24, attention_head_dim=8,
+        norm_num_groups=8)
+
+    def call(m, x, t, text):
+        return m(x, t, encoder_hidden_states=text)
+
+    return Denoiser(model, call), (torch.randn(B, 4, 8, 8), torch.tensor([1, 5]), torch.randn(B, 7, 24)), True
+
+
+# Per model: the replacements of one forward, per family. DiT, PixArt and SD3 two blocks (SD3's
+# last one without its context MLP), Flux one joint and one single block, the UNet four
+# BasicTransformerBlocks (one in the down path, one in the middle, two in the up path), each with
+# a self- and a cross-attention and a GEGLU.
+MODELS = {
+    "dit": (dit, {"layer_norm": 3, "attention": 2, "bias_gelu": 2, "residual_stream": 2}),
+    "pixart": (pixart, {"layer_norm": 3, "attention": 4, "bias_gelu": 3, "residual_stream": 2}),
+    "sd3": (sd3, {"layer_norm": 5, "attention": 2, "bias_gelu": 3, "residual_stream": 3}),
+    "flux": (flux, {"layer_norm": 4, "rms_norm": 6, "attention": 2, "bias_gelu": 3, "residual_stream": 2}),
+    "unet": (unet, {"layer_norm": 4, "attention": 8, "gated_activation": 4, "residual_stream": 8}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_a_diffusers_denoiser_fuses_its_blocks(name):
+    build, counts = MODELS[name]
+    model, inputs, train = build()
+    report = check_against_unfused(lambda: model, inputs, train=train)
+    assert report.counts() == available_counts(counts)
