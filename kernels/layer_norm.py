@@ -194,13 +194,24 @@ def _load_stream(X, R, XB, seed, rows, cols, mask, p, scale,
 
 
 @triton.jit
+def _affine_tile(V, rows, cols, mask, N, rows_per_group, GROUPED: tl.constexpr):
+    """A per-feature vector on a (rows, cols) tile: V (N,) broadcast over the rows, or with
+    GROUPED V (G, N) contiguous, row r reading V[r // rows_per_group] (an adaptive norm's
+    per-sample modulation folded into the affine: `layer_norm_modulate`)."""
+    if GROUPED:
+        return tl.load(V + (rows // rows_per_group) * N + cols, mask=mask, other=0.0)
+    else:
+        return tl.load(V + cols, mask=cols < N)
+
+
+@triton.jit
 def _layer_norm_fwd_kernel(
     X,  # in (M, N)
     R,  # in (M, N) residual; unused unless HAS_RESIDUAL
     P,  # in (M, N) added to y after the norm; unused unless HAS_POST
     XB,  # in (N,) bias added to x before dropout; unused unless HAS_X_BIAS
-    W,  # in (N,) weight; unused unless HAS_W
-    B,  # in (N,) bias; unused unless HAS_B
+    W,  # in (N,) weight, or (G, N) with GROUPED; unused unless HAS_W
+    B,  # in (N,) bias, or (G, N) with GROUPED; unused unless HAS_B
     SEED,  # in (1,) int64 Philox seed; unused unless HAS_DROPOUT
     Y,  # out (M, N)
     S,  # out (M, N) the residual stream s; Y when not STORE_S (same dtype)
@@ -209,10 +220,11 @@ def _layer_norm_fwd_kernel(
     stride_xm, stride_rm, stride_pm, stride_ym, stride_sm,
     M, N, eps, p, scale,
     Y2,  # out (M, N) y once more in another dtype (fusion/narrow.py); unused unless STORE_Y2
+    rows_per_group,  # with GROUPED, rows r..r+rows_per_group-1 read row r // rows_per_group of W, B
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
     IS_RMS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_X_BIAS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, STORE_S: tl.constexpr,
-    HAS_POST: tl.constexpr, ACC: tl.constexpr, STORE_Y2: tl.constexpr,
+    HAS_POST: tl.constexpr, ACC: tl.constexpr, STORE_Y2: tl.constexpr, GROUPED: tl.constexpr = False,
 ):
     # int64 rows: row * stride may pass 2^31
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -248,9 +260,9 @@ def _layer_norm_fwd_kernel(
             d -= shift[:, None]
         y = d * rstd[:, None]
         if HAS_W:
-            y *= tl.load(W + offs, mask=offs < N).to(ACC)
+            y *= _affine_tile(W, rows2, offs, mask, N, rows_per_group, GROUPED).to(ACC)
         if HAS_B:
-            y += tl.load(B + offs, mask=offs < N).to(ACC)
+            y += _affine_tile(B, rows2, offs, mask, N, rows_per_group, GROUPED).to(ACC)
         if HAS_POST:
             y += tl.load(P + offs, mask=mask, other=0.0).to(ACC)
         tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
@@ -301,9 +313,9 @@ def _layer_norm_fwd_kernel(
             s = s.to(S.dtype.element_ty).to(ACC)
             y = ((s - mean[:, None]) - shift[:, None]) * rstd[:, None]
             if HAS_W:
-                y *= tl.load(W + cols, mask=cols < N).to(ACC)
+                y *= _affine_tile(W, rows2, cols, mask, N, rows_per_group, GROUPED).to(ACC)
             if HAS_B:
-                y += tl.load(B + cols, mask=cols < N).to(ACC)
+                y += _affine_tile(B, rows2, cols, mask, N, rows_per_group, GROUPED).to(ACC)
             if HAS_POST:
                 y += tl.load(P + cols, mask=mask, other=0.0).to(ACC)
             tl.store(Y + cols, y.to(Y.dtype.element_ty), mask=mask)
@@ -391,17 +403,20 @@ def _layer_norm_bwd_kernel(
     DY,  # in (M, N)
     DS,  # in (M, N) gradient arriving at the returned s; unused unless HAS_DS
     S,  # in (M, N) the saved s (x for the plain forms)
-    W,  # in (N,) weight; unused unless HAS_W
+    W,  # in (N,) weight, or (G, N): row group g's at W + g * stride_wg; unused unless HAS_W
     SEED,  # in (1,) int64 Philox seed; unused unless HAS_DROPOUT
     MEAN,  # in (M,) fp32; unused for RMSNorm
     RSTD,  # in (M,) fp32
     DX,  # out (M, N) gradient for x
     DR,  # out (M, N) gradient for the residual; unused unless STORE_DR
-    PARTIAL,  # out (3, programs, N) fp32: this program's shares of dweight, dbias, dx_bias
+    PARTIAL,  # out (3, G x programs, N) fp32: this program's shares of dweight, dbias, dx_bias
     stride_dym, stride_dsm, stride_sm, stride_dxm, stride_drm,
     M, N, rows_per_program, stride_pk, p, scale,
     DY2, DY3,  # in (M, N) further gradients for y, added to DY; unused unless NUM_DY > 1, > 2
     stride_dy2m, stride_dy3m,
+    # Rows come in groups of rows_per_group (M: one group), each with its own weight row and its
+    # own partial sums (the grid's second axis); a program's rows never leave its group.
+    rows_per_group, stride_wg,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
     IS_RMS_NORM: tl.constexpr, HAS_W: tl.constexpr, HAS_DS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, STORE_DR: tl.constexpr, ACC: tl.constexpr,
@@ -413,11 +428,14 @@ def _layer_norm_bwd_kernel(
     PREFETCH: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
-    row_start = pid.to(tl.int64) * rows_per_program  # int64 rows: row * stride may pass 2^31
-    row_end = tl.minimum(row_start + rows_per_program, M)
+    group = tl.program_id(1)
+    group_start = group.to(tl.int64) * rows_per_group  # int64 rows: row * stride may pass 2^31
+    row_start = group_start + pid.to(tl.int64) * rows_per_program
+    row_end = tl.minimum(tl.minimum(row_start + rows_per_program, group_start + rows_per_group), M)
     seed = tl.load(SEED) if HAS_DROPOUT else 0
     offs = tl.arange(0, BLOCK_N)[None, :]
-    DW_PARTIAL = PARTIAL + pid.to(tl.int64) * N
+    W += group.to(tl.int64) * stride_wg
+    DW_PARTIAL = PARTIAL + (group.to(tl.int64) * tl.num_programs(0) + pid) * N
     DB_PARTIAL = DW_PARTIAL + stride_pk
     DXB_PARTIAL = DB_PARTIAL + stride_pk
 
@@ -519,10 +537,10 @@ def _layer_norm_bwd_kernel(
 
 @triton.jit
 def _sum_partials_kernel(
-    PARTIAL,  # in (3, programs, N) fp32
-    DW,  # out (N,) dweight in the weight's dtype; unused unless STORE_DW
-    DB,  # out (N,) dbias; unused unless STORE_DB
-    DXB,  # out (N,) dx_bias; unused unless STORE_DXB
+    PARTIAL,  # in (3, G x programs, N) fp32
+    DW,  # out (G, N) dweight in the weight's dtype; unused unless STORE_DW
+    DB,  # out (G, N) dbias; unused unless STORE_DB
+    DXB,  # out (G, N) dx_bias; unused unless STORE_DXB
     programs, N, stride_pk,
     BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
     STORE_DW: tl.constexpr, STORE_DB: tl.constexpr, STORE_DXB: tl.constexpr,
@@ -533,6 +551,11 @@ def _sum_partials_kernel(
     tiles (no cross-warp reduction per step); the rows are summed once at the end."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
+    group = tl.program_id(1)  # the row group whose `programs` partial rows this sums (G = 1: all)
+    PARTIAL += group.to(tl.int64) * programs * N
+    DW += group * N
+    DB += group * N
+    DXB += group * N
     # One pointer step of stride_pk at a time: stride_pk is int32 below 2^31, and 2 * stride_pk
     # in int32 would wrap (from programs x N >= 2^30: 528 programs, N of about 2M).
     DB_PARTIAL = PARTIAL + stride_pk
@@ -619,46 +642,58 @@ def _sum_tile(n: int, programs: int) -> tuple[int, int]:
     return block_n, min(max(SUM_TILE // block_n, 1), next_power_of_2(programs))
 
 
-def _sum_plan(n: int, programs: int, sum_flags: dict) -> tuple[tuple[int], dict]:
-    """(grid, launch keywords) of the partial sums' reduction."""
+def _sum_plan(n: int, programs: int, sum_flags: dict, groups: int = 1) -> tuple[tuple[int, ...], dict]:
+    """(grid, launch keywords) of the partial sums' reduction: `programs` partial rows per group."""
     block_n, block_p = _sum_tile(n, programs)
-    return (cdiv(n, block_n),), {"BLOCK_N": block_n, "BLOCK_P": block_p, **sum_flags, "num_warps": 4}
+    grid = (cdiv(n, block_n),) if groups == 1 else (cdiv(n, block_n), groups)
+    return grid, {"BLOCK_N": block_n, "BLOCK_P": block_p, **sum_flags, "num_warps": 4}
 
 
-def _bwd_plan(cfg: triton.Config, m: int, n: int, sms: int, constexprs: dict, sum_flags: dict) -> tuple:
+def _bwd_plan(cfg: triton.Config, m: int, n: int, sms: int, constexprs: dict, sum_flags: dict,
+              groups: int = 1) -> tuple:
     """The backward's plan for `cfg`: PROGRAMS_PER_SM x SMs programs at most, each owning a
     contiguous range of rows (a multiple of BLOCK_M) and one row of the fp32 partial sums,
-    then the fixed-order sum of those rows."""
+    then the fixed-order sum of those rows. With `groups` (m of them, of m / groups rows each:
+    an adaptive norm's per-sample weights), every group gets as many programs, none crossing
+    into the next group, and its own sum; the programs count is per group."""
     block_m, block_n, single = _row_block(cfg, n, MAX_SINGLE_BLOCK_BWD, configs.NORM_WIDE_CHUNK)
-    most = min(cdiv(m, block_m), cfg.kwargs["PROGRAMS_PER_SM"] * sms)
-    rows_per_program = cdiv(cdiv(m, most), block_m) * block_m
-    programs = cdiv(m, rows_per_program)
+    rows = m // groups
+    most = max(1, min(cdiv(rows, block_m) * groups, cfg.kwargs["PROGRAMS_PER_SM"] * sms) // groups)
+    rows_per_program = cdiv(cdiv(rows, most), block_m) * block_m
+    programs = cdiv(rows, rows_per_program)
     meta = {**constexprs, "BLOCK_M": block_m, "BLOCK_N": block_n, "SINGLE_BLOCK": single,
             "num_warps": cfg.num_warps}
     if single and cfg.kwargs.get("PREFETCH"):
         meta["PREFETCH"] = True
-    return (programs,), meta, programs, rows_per_program, not single, *_sum_plan(n, programs, sum_flags)
+    grid = (programs,) if groups == 1 else (programs, groups)
+    return grid, meta, programs, rows_per_program, not single, *_sum_plan(n, programs, sum_flags, groups)
 
 
 def _bwd_run(plan: tuple, head: tuple, tail: tuple, m: int, n: int, acc: torch.dtype,
-             grad_dtypes: tuple, device: torch.device) -> tuple:
-    """The backward kernel and the partial sums' reduction with `plan`; returns the (n,) vectors
-    (None where grad_dtypes is None). head and tail: the kernel's arguments before PARTIAL and
-    after the row geometry."""
+             grad_dtypes: tuple, device: torch.device, groups: int = 1) -> tuple:
+    """The backward kernel and the partial sums' reduction with `plan`; returns the (n,) vectors,
+    (groups, n) with groups (None where grad_dtypes is None). head and tail: the kernel's
+    arguments before PARTIAL and after the row geometry."""
     grid, meta, programs, rows_per_program, zero, sum_grid, sum_meta = plan
-    partials = (torch.zeros if zero else torch.empty)((3, programs, n), dtype=acc, device=device)
-    _layer_norm_bwd.run(grid, (*head, partials, *tail[:5], m, n, rows_per_program, programs * n, *tail[5:]), meta)
-    vecs = tuple(None if d is None else torch.empty(n, dtype=d, device=device) for d in grad_dtypes)
-    _sum_partials.run(sum_grid, (partials, *(partials if v is None else v for v in vecs), programs, n, programs * n),
-                      sum_meta)
+    total = programs * groups
+    partials = (torch.zeros if zero else torch.empty)((3, total, n), dtype=acc, device=device)
+    geometry = (m // groups, n if groups > 1 else 0)  # rows a group, the weight's group stride
+    args = (*head, partials, *tail[:5], m, n, rows_per_program, total * n, *tail[5:], *geometry)
+    _layer_norm_bwd.run(grid, args, meta)
+    shape = (n,) if groups == 1 else (groups, n)
+    vecs = tuple(None if d is None else torch.empty(shape, dtype=d, device=device) for d in grad_dtypes)
+    outs = (partials if v is None else v for v in vecs)
+    _sum_partials.run(sum_grid, (partials, *outs, programs, n, total * n), sum_meta)
     return vecs
 
 
 def _bwd_launch(cfg: triton.Config, m: int, n: int, sms: int, constexprs: dict, sum_flags: dict,
-                head: tuple, tail: tuple, acc: torch.dtype, grad_dtypes: tuple, device: torch.device) -> None:
+                head: tuple, tail: tuple, acc: torch.dtype, grad_dtypes: tuple, device: torch.device,
+                groups: int = 1) -> None:
     """One backward with `cfg` (what the tuner times): its own partial-sum buffer, sized by the
     config's program count, and the reduction of it, as a real call runs them."""
-    _bwd_run(_bwd_plan(cfg, m, n, sms, constexprs, sum_flags), head, tail, m, n, acc, grad_dtypes, device)
+    plan = _bwd_plan(cfg, m, n, sms, constexprs, sum_flags, groups)
+    _bwd_run(plan, head, tail, m, n, acc, grad_dtypes, device, groups)
 
 
 def _flat(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -689,13 +724,15 @@ def layer_norm_fwd(
     post: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     y2_dtype: torch.dtype | None = None,
+    rows_per_group: int | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Normalizes the last `n` features of `x`. Returns (y, s, mean, rstd): y and s shaped like
     x (s is x itself unless store_s), mean and rstd (rows,) in fp32 (mean empty for RMSNorm),
     or shaped `stats_shape` (x's leading dims; same memory), as the registered ops return them.
     `post` (like x; not with residual) is added to y after the norm, y in the promoted dtype, or
     in out_dtype when given (rounded once by the kernel). With y2_dtype, the kernel stores y a
-    second time in that dtype, returned fifth."""
+    second time in that dtype, returned fifth. With rows_per_group (Triton only), weight and bias
+    are (G, n), contiguous, each group of rows_per_group consecutive rows reading its own row."""
     other = residual if residual is not None else post
     dtype = x.dtype if other is None else torch.promote_types(x.dtype, other.dtype)
     weight, bias, x_bias = _flat(weight), _flat(bias), _flat(x_bias)
@@ -729,13 +766,13 @@ def layer_norm_fwd(
             x2 if bias is None else bias, seed if has_dropout else x2,
             y, s_arg, rstd if is_rms_norm else mean, rstd,
             stride_x, stride_r, stride_p, n, n,
-            m, n, eps, p, _dropout_scale(p), y if y2 is None else y2)
+            m, n, eps, p, _dropout_scale(p), y if y2 is None else y2, rows_per_group or 1)
     device = x.get_device() if x.is_cuda else -1
     # The tuning key's "residual": False, True (added before the norm) or "post" (after it); the
     # bytes moved are the same either way, but a post add keeps y live longer.
     residual_kind = "post" if post is not None else residual is not None
     key = (device, dtype, m, n, is_rms_norm, residual_kind, x_bias is not None, has_dropout,
-           weight is not None, bias is not None, store_s, y2 is not None)
+           weight is not None, bias is not None, store_s, y2 is not None, rows_per_group is not None)
     out = (y, s, mean, rstd) if y2 is None else (y, s, mean, rstd, y2)
     plan = _FWD_PLANS.get(key)
     if plan is not None:
@@ -744,7 +781,7 @@ def layer_norm_fwd(
     constexprs = dict(IS_RMS_NORM=is_rms_norm, HAS_RESIDUAL=residual is not None, HAS_X_BIAS=x_bias is not None,
                       HAS_DROPOUT=has_dropout, HAS_W=weight is not None, HAS_B=bias is not None,
                       STORE_S=store_s, HAS_POST=post is not None, ACC=acc_dtype(dtype),
-                      STORE_Y2=y2 is not None)
+                      STORE_Y2=y2 is not None, GROUPED=rows_per_group is not None)
     tuning_key = (device, dtype, n, pow2_bucket(m), is_rms_norm, residual_kind, has_dropout, store_s)
     cfg = _FWD_TUNER.config(tuning_key, _fwd_launch, m, n, constexprs, args)
     plan = _fwd_plan(cfg, m, n, constexprs)
@@ -771,6 +808,7 @@ def layer_norm_bwd(
     dx_dtype: torch.dtype | None = None,
     dr_dtype: torch.dtype | None = None,
     more_dy: tuple[torch.Tensor, ...] = (),
+    groups: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of the norm. Returns (dx, dresidual, dweight, dbias, dx_bias); dresidual is dx
     itself unless store_dresidual. y's gradient is dy, plus (in fp32, inside the kernel) up to two
@@ -778,7 +816,10 @@ def layer_norm_bwd(
     stored dresidual in dr_dtype (s's dtype by default): the kernel rounds each once to its input's
     dtype, where a cast after it would be one more pass over the rows (x in bf16 beside an fp32
     residual stream under autocast). The three vectors are (n,): in fp32 (fp64 for fp64) when
-    grad_dtypes is None, else each in its dtype from grad_dtypes, or None where that is None."""
+    grad_dtypes is None, else each in its dtype from grad_dtypes, or None where that is None.
+    With `groups` (Triton only; it divides the rows), the weight is (groups, n), each group of
+    consecutive rows reading its own row (layer_norm_fwd's rows_per_group), and the vectors are
+    (groups, n): each group's sums."""
     weight = _flat(weight)
     m = s.numel() // n if n else 0
     acc = torch.float64 if s.dtype == torch.float64 else torch.float32
@@ -819,7 +860,7 @@ def layer_norm_bwd(
     # everywhere, tuned cache or not.
     deterministic = torch.are_deterministic_algorithms_enabled()
     key = (device, s.dtype, m, n, is_rms_norm, weight is not None, ds is not None, has_dropout,
-           store_dresidual, grad_dtypes, deterministic, len(more_dy))
+           store_dresidual, grad_dtypes, deterministic, len(more_dy), groups)
     plan = _BWD_PLANS.get(key)
     if plan is None:
         sum_flags = dict(STORE_DW=grad_dtypes[0] is not None, STORE_DB=grad_dtypes[1] is not None,
@@ -835,11 +876,11 @@ def layer_norm_bwd(
             cfg = configs.norm_bwd(n)[0]
         else:
             cfg = _BWD_TUNER.config(tuning_key, _bwd_launch, m, n, sms, constexprs, sum_flags, head, tail, acc,
-                                    grad_dtypes, s.device)
-        plan = _bwd_plan(cfg, m, n, sms, constexprs, sum_flags)
+                                    grad_dtypes, s.device, groups)
+        plan = _bwd_plan(cfg, m, n, sms, constexprs, sum_flags, groups)
         if deterministic or _BWD_TUNER.is_decided(tuning_key):
             store_plan(_BWD_PLANS, key, plan)
-    vecs = _bwd_run(plan, head, tail, m, n, acc, grad_dtypes, s.device)
+    vecs = _bwd_run(plan, head, tail, m, n, acc, grad_dtypes, s.device, groups)
     return dx, dr, *vecs
 
 

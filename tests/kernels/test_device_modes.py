@@ -157,8 +157,8 @@ def test_on_the_reference_path_the_registered_ops_equal_the_eager_path(name):
 def test_the_reference_path_in_a_process_of_its_own():
     """The PyTorch path, which CPU tensors take without TRITON_INTERPRET (a CPU user's default; the
     suite runs with the interpreter): the tests above that need it, the jit-trace tests, and the
-    norm, residual-stream, gated-activation and double-backward suites, in a pytest process of its
-    own. Left out: tests of the kernels' own partial sums, and NaN/inf propagation (PyTorch's fp32
+    norm, residual-stream, adaptive-norm, gated-activation and double-backward suites, in a pytest
+    process of its own. Left out: tests of the kernels' own partial sums, and NaN/inf propagation (PyTorch's fp32
     CPU gelu returns NaN for inf in its vectorized path, which the float64 oracle does not)."""
     import os
     import re
@@ -170,7 +170,7 @@ def test_the_reference_path_in_a_process_of_its_own():
     env = {**os.environ, "TRITON_INTERPRET": "", "CUDA_VISIBLE_DEVICES": ""}
     env.pop("PYTEST_XDIST_WORKER", None)
     files = ["test_layer_norm.py", "test_residual_stream.py", "test_gated_activation.py",
-             "test_double_backward.py", "test_jit_trace.py"]
+             "test_double_backward.py", "test_jit_trace.py", "test_adaptive_norm.py"]
     args = [f"{here}::test_on_the_reference_path_the_registered_ops_equal_the_eager_path",
             *(str(here.parent / f) for f in files), "-k", "not partial_sums and not nan_and_inf_propagate"]
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", *args]

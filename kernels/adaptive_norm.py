@@ -1,0 +1,367 @@
+"""Adaptive LayerNorm / RMSNorm (adaLN): y = norm(x) * mul + add, mul and add one vector per sample.
+
+Diffusion transformers (DiT, PixArt, SD3, Flux and their kin) modulate each normalized activation
+with vectors computed from the timestep and the condition, one per sample:
+
+    y = LayerNorm(x; weight, bias, eps) * (1 + scale[:, None]) + shift[:, None]
+
+Eagerly that is three passes over the activation forward (the norm, the product, the sum) and
+more backward (the products, the per-sample sums of dscale and dshift). Here the modulation folds
+into per-group affine parameters, computed by PyTorch on those small (G, N) vectors:
+
+    W_g = weight * mul_g          B_g = bias * mul_g + add_g          (weight 1, bias 0 if absent)
+
+so that y = xhat * W_g + B_g, one LayerNorm pass each way (kernels/layer_norm.py with GROUPED
+affine: row r reads group r // rows_per_group). The backward's dW_g = sum over the group's rows
+of dy * xhat and dB_g = sum of dy come out of the norm's backward, summed per group in a fixed
+order (deterministic); autograd over the (G, N) products takes them on to weight, bias, mul and
+add.
+
+Groups: `mul` and `add` broadcast against x (..., N) over a leading prefix of its dims, 1 over
+the rest: (B, 1, N) or (B, N)[:, None] against (B, S, N) is B groups of S rows; (N,) or (1, 1, N)
+one group. The normalized shape is the last dim. Dtypes: x fp16 / bf16 / fp32 / fp64; mul, add,
+weight and bias any float dtype; y in the dtype of `norm(x) * mul + add` (x's promoted with mul's
+and add's); the folded affine and all maths in fp32 (fp64 for fp64).
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ._common import (
+    apply_function,
+    cast,
+    check_float,
+    check_same_device,
+    check_shape,
+    check_tensor,
+    eager_fast_path,
+    outside_device_modes,
+    profiled,
+    reference_grads,
+    single_backward,
+    use_triton,
+)
+from .layer_norm import layer_norm_bwd, layer_norm_fwd
+
+OP = "layer_norm_modulate"
+
+
+# =============================================================================================
+# Reference: the spec, in PyTorch ops
+# =============================================================================================
+
+
+def layer_norm_modulate_ref(x: torch.Tensor, normalized_shape, mul: torch.Tensor | None = None,
+                            add: torch.Tensor | None = None, weight: torch.Tensor | None = None,
+                            bias: torch.Tensor | None = None, eps: float = 1e-5,
+                            is_rms_norm: bool = False) -> torch.Tensor:
+    """`norm(x) * mul + add` as a model writes it (the oracle's formula)."""
+    if is_rms_norm:
+        y = F.rms_norm(x, normalized_shape, weight, eps)
+    else:
+        y = F.layer_norm(x, normalized_shape, weight, bias, eps)
+    if mul is not None:
+        y = y * mul
+    return y if add is None else y + add
+
+
+def _grouped_norm_torch(x: torch.Tensor, weight, bias, n: int, eps: float, is_rms_norm: bool, groups: int):
+    """y = xhat * W_g + B_g in PyTorch ops (differentiable), in the folded affine's dtype; with
+    (mean, rstd) per row."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    h = x.reshape(groups, -1, n).to(acc)
+    mean = torch.zeros(h.shape[:2], dtype=acc, device=x.device) if is_rms_norm else h.mean(-1)
+    d = h - mean[..., None]
+    rstd = torch.rsqrt(d.pow(2).mean(-1) + eps)
+    y = d * rstd[..., None]
+    if weight is not None:
+        y = y * weight[:, None]
+    if bias is not None:
+        y = y + bias[:, None]
+    return y.reshape(x.shape), mean.reshape(-1), rstd.reshape(-1)
+
+
+# =============================================================================================
+# Launch: the norm with grouped affine parameters, forward and backward
+# =============================================================================================
+
+
+def _grouped_fwd(x, weight, bias, n, eps, is_rms_norm, groups, out_dtype):
+    """(y, mean, rstd): y in out_dtype; mean and rstd per row, fp32 (fp64 for fp64)."""
+    if not use_triton(x):
+        with torch.no_grad():
+            y, mean, rstd = _grouped_norm_torch(x, weight, bias, n, eps, is_rms_norm, groups)
+        return y.to(out_dtype), mean, rstd
+    rows = x.numel() // n
+    y, _, mean, rstd = layer_norm_fwd(x, n, weight, bias, eps, is_rms_norm=is_rms_norm, out_dtype=out_dtype,
+                                      rows_per_group=rows // groups)
+    return y, mean, rstd
+
+
+def _grouped_bwd(dy, x, weight, mean, rstd, n, eps, is_rms_norm, groups, needs):
+    """(dx in x's dtype, dW_g, dB_g in fp32 / fp64) as `needs` (x, weight, bias) asks; None where not."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    if not use_triton(x):
+        with torch.no_grad():
+            h = x.reshape(groups, -1, n).to(acc)
+            g_y = dy.reshape(groups, -1, n).to(acc)
+            rstd3 = rstd.reshape(groups, -1, 1)
+            xhat = (h if is_rms_norm else h - mean.reshape(groups, -1, 1)) * rstd3
+            g = g_y if weight is None else g_y * weight[:, None]
+            c1 = (g * xhat).mean(-1, keepdim=True)
+            dx = (g - xhat * c1 if is_rms_norm else g - g.mean(-1, keepdim=True) - xhat * c1) * rstd3
+            return (dx.reshape(x.shape).to(x.dtype) if needs[0] else None,
+                    (g_y * xhat).sum(1) if needs[1] else None, g_y.sum(1) if needs[2] else None)
+    grad_dtypes = (acc if needs[1] and weight is not None else None, acc if needs[2] else None, None)
+    dx, _, dw, db, _ = layer_norm_bwd(dy, x, n, weight, mean, rstd, is_rms_norm=is_rms_norm,
+                                      grad_dtypes=grad_dtypes, dx_dtype=x.dtype, groups=groups)
+    # one group comes back as (n,) vectors
+    return dx if needs[0] else None, *(None if v is None else v.view(groups, n) for v in (dw, db))
+
+
+# =============================================================================================
+# Checks, shared by the public function, the registered ops and their fakes
+# =============================================================================================
+
+
+def _width(op: str, x: torch.Tensor, normalized_shape) -> int:
+    if isinstance(normalized_shape, int) and not isinstance(normalized_shape, bool):
+        normalized_shape = [normalized_shape]
+    shape = list(normalized_shape) if isinstance(normalized_shape, (list, tuple, torch.Size)) else None
+    if (shape is None or len(shape) != 1 or not isinstance(shape[0], int) or x.dim() < 1
+            or x.shape[-1] != shape[0]):
+        raise ValueError(f"trifuse.{op}: normalized_shape must be the last dim of input "
+                         f"({list(x.shape[-1:])}), one dim; got {normalized_shape!r}")
+    return shape[0]
+
+
+def _not_per_sample(op: str, name: str, t: torch.Tensor, x: torch.Tensor, n: int) -> str:
+    return (f"trifuse.{op}: {name} must broadcast against input {list(x.shape)} as one vector per sample "
+            f"(shaped like input over its leading dims, 1 over the rest, last dim {n} or 1); "
+            f"got {list(t.shape)}")
+
+
+def _group_count(op: str, name: str, t: torch.Tensor, x: torch.Tensor, n: int) -> int:
+    """How many groups `t` makes of x's rows: it must broadcast against x over a leading prefix
+    of x's dims (equal there) and be 1 over the others but the last, which is n or 1."""
+    shape = (1,) * (x.dim() - t.dim()) + tuple(t.shape)
+    if t.dim() > x.dim() or shape[-1] not in (n, 1):
+        raise ValueError(_not_per_sample(op, name, t, x, n))
+    k = x.dim() - 1
+    while k > 0 and shape[k - 1] == 1:
+        k -= 1
+    if tuple(shape[:k]) != tuple(x.shape[:k]):
+        raise ValueError(_not_per_sample(op, name, t, x, n))
+    return math.prod(x.shape[:k])
+
+
+def _check(op, x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm=False) -> tuple[int, int]:
+    """(n, groups) of a call, or a TypeError / ValueError naming the op and the argument."""
+    if is_rms_norm and bias is not None:
+        raise ValueError(f"trifuse.{op}: RMSNorm has no bias (is_rms_norm=True with a bias given)")
+    check_tensor(op, "input", x)
+    check_float(op, "input", x)
+    n = _width(op, x, normalized_shape)
+    groups = 1
+    for name, t in (("mul", mul), ("add", add)):
+        if t is not None:
+            check_tensor(op, name, t)
+            check_float(op, name, t)
+            groups = max(groups, _group_count(op, name, t, x, n))
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None:
+            check_tensor(op, name, t)
+            check_float(op, name, t)
+            check_shape(op, name, t, (n,))
+    check_same_device(op, "input", x, mul=mul, add=add, weight=weight, bias=bias)
+    if not isinstance(eps, (int, float)) or not eps >= 0.0:
+        raise ValueError(f"trifuse.{op}: eps must be a non-negative number, got {eps!r}")
+    return n, groups
+
+
+def _as_groups(t: torch.Tensor, x: torch.Tensor, n: int, groups: int, acc: torch.dtype) -> torch.Tensor:
+    """t (a per-sample vector, checked) as (groups, n) in acc: broadcast over the samples it is
+    shared by and over the features where it is 1."""
+    shape = (1,) * (x.dim() - t.dim()) + tuple(t.shape)
+    lead = x.shape[:-1]
+    k = len(lead)
+    while k > 0 and math.prod(lead[:k]) != groups:
+        k -= 1
+    return t.reshape(shape).to(acc).expand(*lead[:k], *shape[k:-1], n).reshape(groups, n)
+
+
+def _folded_affine(x, n, groups, mul, add, weight, bias):
+    """(W_g, B_g), each (groups, n) in fp32 (fp64 for fp64 x) or None where it is the identity:
+    differentiable PyTorch ops on the small vectors."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    m = None if mul is None else _as_groups(mul, x, n, groups, acc)
+    a = None if add is None else _as_groups(add, x, n, groups, acc)
+    w = None if weight is None else weight.to(acc)
+    b = None if bias is None else bias.to(acc)
+    if m is None:
+        wg = None if w is None else w.expand(groups, n)
+        bg = b.expand(groups, n) if b is not None else None
+    else:
+        wg = m if w is None else m * w
+        bg = None if b is None else m * b
+    if a is not None:
+        bg = a if bg is None else bg + a
+    return wg, bg
+
+
+# =============================================================================================
+# Registered ops: what torch.compile, fx and exported graphs see (the folded affine stays in
+# PyTorch ops around them)
+# =============================================================================================
+
+Tensor = torch.Tensor
+OptTensor = torch.Tensor | None
+
+
+def _stat_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+@torch.library.custom_op("trifuse::grouped_norm", mutates_args=())
+def _grouped_norm_op(x: Tensor, weight: OptTensor, bias: OptTensor, eps: float, is_rms_norm: bool,
+                     groups: int, out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """(y, mean, rstd): the norm of x's last dim with affine (groups, N) parameters, row r of
+    group r // (rows / groups)."""
+    return _grouped_fwd(x, weight, bias, x.shape[-1], eps, is_rms_norm, groups, out_dtype)
+
+
+@torch.library.custom_op("trifuse::grouped_norm_backward", mutates_args=())
+def _grouped_norm_backward_op(dy: Tensor, x: Tensor, weight: OptTensor, mean: Tensor, rstd: Tensor,
+                              eps: float, is_rms_norm: bool, groups: int, need_dw: bool,
+                              need_db: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dW_g, dB_g); the two vectors (groups, N) fp32 (fp64 for fp64), empty where not needed."""
+    dx, dw, db = _grouped_bwd(dy, x, weight, mean, rstd, x.shape[-1], eps, is_rms_norm, groups,
+                              (True, need_dw, need_db))
+    empty = x.new_empty(0, dtype=_stat_dtype(x))
+    return dx, empty if dw is None else dw, empty if db is None else db
+
+
+@_grouped_norm_op.register_fake
+def _(x, weight, bias, eps, is_rms_norm, groups, out_dtype):
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return x.new_empty(x.shape, dtype=out_dtype), x.new_empty(rows, dtype=_stat_dtype(x)), \
+        x.new_empty(rows, dtype=_stat_dtype(x))
+
+
+@_grouped_norm_backward_op.register_fake
+def _(dy, x, weight, mean, rstd, eps, is_rms_norm, groups, need_dw, need_db):
+    n = x.shape[-1]
+    vec = (groups, n)
+    return (x.new_empty(x.shape), x.new_empty(vec if need_dw else 0, dtype=_stat_dtype(x)),
+            x.new_empty(vec if need_db else 0, dtype=_stat_dtype(x)))
+
+
+def _twice(ctx, dy, *_):
+    """The backward in PyTorch ops, differentiable again (create_graph=True)."""
+    x, weight, bias, _, _ = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    dx, dw, db = reference_grads(
+        lambda x, w, b: _grouped_norm_torch(x, w, b, x.shape[-1], ctx.eps, ctx.is_rms_norm, ctx.groups)[0],
+        (x, weight, bias), needs[:3], (dy,))
+    return (None if dx is None else dx.to(x.dtype), dw, db, *(None,) * 4)
+
+
+def _setup(ctx, inputs, output):
+    x, weight, bias, eps, is_rms_norm, groups, _ = inputs
+    ctx.save_for_backward(x, weight, bias, output[1], output[2])
+    ctx.eps, ctx.is_rms_norm, ctx.groups = eps, is_rms_norm, groups
+    ctx.set_materialize_grads(False)
+
+
+@single_backward(twice=_twice, op=OP)
+def _backward(ctx, dy, *_):
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    if dy is None:
+        return (None,) * 7
+    need_dw, need_db = needs[1] and weight is not None, needs[2] and bias is not None
+    dx, dw, db = torch.ops.trifuse.grouped_norm_backward(dy, x, weight, mean, rstd, ctx.eps, ctx.is_rms_norm,
+                                                         ctx.groups, need_dw, need_db)
+    return (dx if needs[0] else None, dw if need_dw else None, db if need_db else None, *(None,) * 4)
+
+
+torch.library.register_autograd("trifuse::grouped_norm", _backward, setup_context=_setup)
+
+
+# =============================================================================================
+# Eager fast path: a thin autograd.Function straight over the launchers
+# =============================================================================================
+
+
+class _GroupedNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, is_rms_norm, groups, out_dtype):
+        y, mean, rstd = _grouped_fwd(x, weight, bias, x.shape[-1], eps, is_rms_norm, groups, out_dtype)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        ctx.eps, ctx.is_rms_norm, ctx.groups = eps, is_rms_norm, groups
+        return y
+
+    @staticmethod
+    @single_backward(twice=_twice)
+    def backward(ctx, dy):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        with profiled("trifuse::grouped_norm_backward"):
+            dx, dw, db = _grouped_bwd(dy, x, weight, mean, rstd, x.shape[-1], ctx.eps, ctx.is_rms_norm,
+                                      ctx.groups, (needs[0], needs[1] and weight is not None,
+                                                   needs[2] and bias is not None))
+        return dx, dw, db, None, None, None, None
+
+
+# =============================================================================================
+# Public API
+# =============================================================================================
+
+
+@outside_device_modes
+def layer_norm_modulate(
+    x: torch.Tensor,
+    normalized_shape: int | list[int] | tuple[int, ...] | torch.Size,
+    mul: torch.Tensor | None = None,
+    add: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    *,
+    is_rms_norm: bool = False,
+) -> torch.Tensor:
+    """`norm(x) * mul + add` in one pass each way: the adaptive LayerNorm (RMSNorm) of diffusion
+    transformers, `F.layer_norm(x, (N,), weight, bias, eps) * (1 + scale[:, None]) + shift[:, None]`
+    with mul = 1 + scale[:, None] and add = shift[:, None].
+
+    Args:
+        x: (..., N), fp16 / bf16 / fp32 / fp64; any strides.
+        normalized_shape: N (the last dim; one dim only).
+        mul, add: per-sample vectors or None: broadcastable to x over a leading prefix of its
+            dims (equal there), 1 over the other leading dims, last dim N or 1; any float dtype.
+        weight, bias: (N,) or None, the norm's own affine (no bias for RMSNorm).
+        eps: added to the variance (mean square for RMSNorm).
+        is_rms_norm: RMSNorm instead of LayerNorm.
+
+    Returns:
+        y shaped like x, contiguous, in x's dtype promoted with mul's and add's. Gradients reach x,
+        mul, add, weight and bias; the per-sample sums are deterministic.
+
+    Raises:
+        TypeError for non-float tensors; ValueError for shapes, devices or eps that do not fit.
+    """
+    n, groups = _check(OP, x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm)
+    out_dtype = x.dtype
+    for t in (mul, add):
+        if t is not None:
+            out_dtype = torch.promote_types(out_dtype, t.dtype)
+    eps = float(eps)
+    if x.numel() == 0:  # no rows: nothing to normalize (the empty product keeps the gradients' paths)
+        y = layer_norm_modulate_ref(x.to(out_dtype), [n], mul, add, weight, bias, eps, is_rms_norm)
+        return y.to(out_dtype)
+    wg, bg = _folded_affine(x, n, groups, mul, add, weight, bias)
+    if eager_fast_path(x, wg, bg):
+        with profiled(f"trifuse::{OP}"):
+            return apply_function(_GroupedNormFunction, x, wg, bg, eps, is_rms_norm, groups, out_dtype)
+    return torch.ops.trifuse.grouped_norm(x, wg, bg, eps, is_rms_norm, groups, out_dtype)[0]
