@@ -86,6 +86,10 @@
 #   compiles inside the check of a candidate's first call; a kernel's compile and time): the
 #   attention dialect's 20.9 s of GPT-2's first step, explained. A dialect's checks also compute
 #   their references once per call, not once per candidate. The calls stay as above.
+#   Twenty-eighth session (2026-12-01, no GPU): diffusion transformers' adaptive norms
+#   (`layer_norm_modulate`: the LayerNorm kernels with per-sample affine rows) are fused in DiT,
+#   PixArt, SD3 and Flux; `tests` runs their bf16 tests, and `adaptive` (~1 min) times them at
+#   those models' shapes: call 2 becomes `e2e-warm rowwise adaptive attention`.
 #   Later sessions, one or two calls each: `kernels` (the remaining memory-bound ops), `tma
 #   dialects`, `e2e-ckpt` (gradient checkpointing on), `e2e-llama` (Llama 3.2 1B's shape against
 #   Liger-Kernel), `tune` (the shipped H100 defaults).
@@ -148,7 +152,8 @@ for what in "$@"; do
             # 410 tests, the issues' ops first.
             stage tests-bf16 120 env TRIFUSE_AUTOTUNE=0 python3 -m pytest -q -n 8 -p no:cacheprovider \
                 -k "bf16 or bfloat16" tests/kernels/test_{layer_norm,residual_stream,bias_gelu,dropout_add}.py \
-                tests/kernels/test_{rotary,gated_activation,cross_entropy,attention,attention_varlen}.py
+                tests/kernels/test_{rotary,gated_activation,cross_entropy,attention,attention_varlen}.py \
+                tests/kernels/test_adaptive_norm.py
             # the kernels' and the launcher's gpu tests first, the 81 attention-dialect ones last
             stage tests-gpu 120 python3 -m pytest -q -n 8 --maxfail=20 -p no:cacheprovider -m gpu \
                 tests/kernels tests/fusion tests/autotune ;;
@@ -214,13 +219,16 @@ for what in "$@"; do
             stage nccl-tp-unfused 45 python3 -m torch.distributed.run --standalone --nproc-per-node 1 examples/train_tp.py --steps 6 --no-fuse
             stage nccl-tp-vocab 60 python3 -m torch.distributed.run --standalone --nproc-per-node 1 examples/train_tp.py --steps 6 \
                 --vocab-parallel ;;
+        adaptive)  # the diffusion transformers' adaptive norm (DiT, PixArt, SD3, Flux shapes) against
+                   # PyTorch's norm, product and sum, eager and compiled (~1 min)
+            stage bench-adaptive_norm 90 python3 bench/bench_adaptive_norm.py ;;
         rowwise)  # every config of the row-wise kernels' spaces at the e2e shapes, in GB/s
             stage tune-rowwise 90 python3 bench/tune_rowwise.py ;;
         tune)  # this GPU's winners, shipped as defaults for its family (and the same chip's: H100/H200)
             stage tune 150 python3 -m trifuse.autotune gpt2-medium --batch 8 --seq 1024
             stage tune-llama 150 python3 -m trifuse.autotune llama-3.2-1b --batch 4 --seq 2048 \
                 --export-defaults autotune/defaults/ ;;  # this GPU's family: h100.json or h200.json
-        *) echo "unknown stage $what (tests bisect host kernels-core kernels attention tma dialects e2e e2e-ckpt e2e-bert e2e-llama graphs e2e-host nccl rowwise tune)" ;;
+        *) echo "unknown stage $what (tests bisect host kernels-core kernels attention tma dialects e2e e2e-ckpt e2e-bert e2e-llama graphs e2e-host nccl adaptive rowwise tune)" ;;
     esac
 done
 

@@ -30,7 +30,6 @@ import torch.nn.functional as F
 
 from ._common import (
     apply_function,
-    cast,
     check_float,
     check_same_device,
     check_shape,
@@ -88,14 +87,16 @@ def _grouped_norm_torch(x: torch.Tensor, weight, bias, n: int, eps: float, is_rm
 
 
 def _grouped_fwd(x, weight, bias, n, eps, is_rms_norm, groups, out_dtype):
-    """(y, mean, rstd): y in out_dtype; mean and rstd per row, fp32 (fp64 for fp64)."""
+    """(y, mean, rstd): y in out_dtype; mean (empty for RMSNorm) and rstd per row, fp32 (fp64
+    for fp64)."""
     if not use_triton(x):
         with torch.no_grad():
             y, mean, rstd = _grouped_norm_torch(x, weight, bias, n, eps, is_rms_norm, groups)
-        return y.to(out_dtype), mean, rstd
+        return y.to(out_dtype), mean[:0] if is_rms_norm else mean, rstd  # no mean for RMSNorm, as the kernels
     rows = x.numel() // n
+    # one group: the plain launch, its affine read once per tile rather than per row
     y, _, mean, rstd = layer_norm_fwd(x, n, weight, bias, eps, is_rms_norm=is_rms_norm, out_dtype=out_dtype,
-                                      rows_per_group=rows // groups)
+                                      rows_per_group=rows // groups if groups > 1 else None)
     return y, mean, rstd
 
 
@@ -245,8 +246,9 @@ def _grouped_norm_backward_op(dy: Tensor, x: Tensor, weight: OptTensor, mean: Te
 @_grouped_norm_op.register_fake
 def _(x, weight, bias, eps, is_rms_norm, groups, out_dtype):
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return x.new_empty(x.shape, dtype=out_dtype), x.new_empty(rows, dtype=_stat_dtype(x)), \
-        x.new_empty(rows, dtype=_stat_dtype(x))
+    stat = _stat_dtype(x)
+    return (x.new_empty(x.shape, dtype=out_dtype), x.new_empty(0 if is_rms_norm else rows, dtype=stat),
+            x.new_empty(rows, dtype=stat))
 
 
 @_grouped_norm_backward_op.register_fake

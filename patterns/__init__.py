@@ -3,9 +3,11 @@
 PATTERNS is the registry, in priority order within each stage (see _base.py): the residual
 stream is tried before a lone dropout + add, so an add feeding a norm becomes the larger op;
 a GeLU times another tensor becomes gated_activation in stage 0, before bias_gelu's stage 1 could
-take the GeLU alone.
+take the GeLU alone; a norm modulated per sample (adaptive_norm) before the residual stream, so a
+DiT block's modulated norm keeps its product and sum rather than the add before it.
 """
 from . import (
+    adaptive_norm,
     attention,
     bias_gelu,
     cross_entropy,
@@ -19,6 +21,7 @@ from ._base import Pattern
 
 PATTERNS: tuple[Pattern, ...] = (
     *layer_norm.PATTERNS,
+    *adaptive_norm.PATTERNS,
     *rotary.PATTERNS,
     *attention.PATTERNS,
     *gated_activation.PATTERNS,

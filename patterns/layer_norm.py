@@ -89,6 +89,18 @@ def rms_norm_written_out_no_weight(x: torch.Tensor, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
+def rms_norm_variance_upcast_no_weight(x: torch.Tensor, eps, dtype):
+    """diffusers' RMSNorm (LTX-Video's, Lumina's, the attention processors' qk norms): the mean
+    square of an fp32 copy, x itself times its rsqrt (promoted to fp32), cast back; a 16-bit
+    weight, when there is one, multiplies after the cast (folded by `rms_norm_weight_folded`)."""
+    variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    return (x * torch.rsqrt(variance + eps)).to(dtype)
+
+
+def rms_norm_variance_upcast_no_weight_fused(x, eps, dtype, width):
+    return ops.rms_norm(x, (width,), None, eps)
+
+
 def rms_norm_written_out_pow(x: torch.Tensor, weight: torch.Tensor, eps):
     """RMSNorm with `pow(ms, -0.5)` for rsqrt, as Gemma 4 writes it (to agree with JAX); its fp32
     copy and cast back go with `rms_norm_in_fp32`."""
@@ -398,6 +410,10 @@ PATTERNS = (
             (*_RMS_FILTERS, _fp32_weight), derive=_upcast_if_16_bit),
     Pattern("rms_norm_t5_half", "rms_norm", rms_norm_t5_half, rms_norm_t5_half_fused, ("rms_norm",),
             (*_RMS_FILTERS, _rounds_to_half_weight)),
+    # After T5's (the same mean square of an fp32 copy, its weight in the pattern)
+    Pattern("rms_norm_variance_upcast_no_weight", "rms_norm", rms_norm_variance_upcast_no_weight,
+            rms_norm_variance_upcast_no_weight_fused, ("rms_norm",), (*_RMS_FILTERS, _casts_back_to_input),
+            derive=_last_dim),
     # After the spellings above: the norm of an fp32 copy, cast back, is the norm of x.
     Pattern("rms_norm_in_fp32", "rms_norm", rms_norm_in_fp32, rms_norm_in_fp32_fused, ("rms_norm",),
             (*_RMS_FILTERS, _casts_back_to_input, _params_fp32_or_like_input)),

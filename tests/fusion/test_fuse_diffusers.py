@@ -2,7 +2,9 @@
 Flux transformers and the Stable Diffusion UNet. `fuse` replaces the attention, LayerNorm,
 RMSNorm (Flux's q/k norms), GeLU and residual-stream ops of their transformer blocks (diffusers'
 `Attention` with its SDPA processor, `FeedForward`'s GELU / GEGLU, `BasicTransformerBlock`'s and
-the joint blocks' norms); outputs and every gradient equal the unfused model's by the oracle rule.
+the joint blocks' norms), and the adaptive norms of the diffusion transformers (a norm times
+`1 + scale` plus `shift` per sample) become `layer_norm_modulate`; outputs and every gradient
+equal the unfused model's by the oracle rule.
 """
 import pytest
 import torch
@@ -93,22 +95,84 @@ def unet():
     return Denoiser(model, call), (torch.randn(B, 4, 8, 8), torch.tensor([1, 5]), torch.randn(B, 7, 24)), True
 
 
-# Per model: the replacements of one forward, per family. DiT, PixArt and SD3 two blocks (SD3's
-# last one without its context MLP), Flux one joint and one single block, the UNet four
+def sana():
+    model = diffusers.SanaTransformer2DModel(
+        in_channels=4, out_channels=4, num_attention_heads=HEADS, attention_head_dim=HEAD_DIM, num_layers=2,
+        num_cross_attention_heads=HEADS, cross_attention_head_dim=HEAD_DIM, cross_attention_dim=32,
+        caption_channels=24, sample_size=8, patch_size=2)
+
+    def call(m, x, t, text):
+        return m(x, encoder_hidden_states=text, timestep=t)
+
+    return Denoiser(model, call), (torch.randn(B, 4, 8, 8), torch.tensor([1, 5]), torch.randn(B, 7, 24)), True
+
+
+def cogvideox():
+    model = diffusers.CogVideoXTransformer3DModel(
+        num_attention_heads=HEADS, attention_head_dim=HEAD_DIM, in_channels=4, out_channels=4,
+        time_embed_dim=16, text_embed_dim=24, num_layers=2, sample_width=8, sample_height=8, sample_frames=9,
+        patch_size=2, max_text_seq_length=7)
+
+    def call(m, x, t, text):
+        return m(x, encoder_hidden_states=text, timestep=t)
+
+    inputs = (torch.randn(B, 3, 4, 8, 8), torch.tensor([1, 5]), torch.randn(B, 7, 24))
+    return Denoiser(model, call), inputs, True
+
+
+def wan():
+    model = diffusers.WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=HEADS, attention_head_dim=HEAD_DIM, in_channels=4,
+        out_channels=4, text_dim=24, freq_dim=16, ffn_dim=48, num_layers=2, rope_max_seq_len=32)
+
+    def call(m, x, t, text):
+        return m(x, timestep=t, encoder_hidden_states=text)
+
+    inputs = (torch.randn(B, 4, 2, 8, 8), torch.tensor([1, 5]), torch.randn(B, 7, 24))
+    return Denoiser(model, call), inputs, True
+
+
+def ltx():
+    # diffusers' own RMSNorm (written out, the mean square of an fp32 copy), modulated per sample
+    model = diffusers.LTXVideoTransformer3DModel(
+        in_channels=8, out_channels=8, patch_size=1, patch_size_t=1, num_attention_heads=HEADS,
+        attention_head_dim=HEAD_DIM, cross_attention_dim=32, num_layers=2, caption_channels=24)
+
+    def call(m, x, t, text, text_mask):
+        return m(x, encoder_hidden_states=text, timestep=t, encoder_attention_mask=text_mask, num_frames=2,
+                 height=4, width=4)
+
+    inputs = (torch.randn(B, 32, 8), torch.tensor([1, 5]), torch.randn(B, 7, 24), torch.ones(B, 7))
+    return Denoiser(model, call), inputs, True
+
+
+# Per model: the replacements of one forward, per family, and how many of the norms are adaptive
+# (`layer_norm_modulate`: DiT's, SD3's, PixArt's and Flux's norms modulated per sample, the
+# final norm_out's too where it is inside a captured module). DiT, PixArt and SD3 two blocks
+# (SD3's last one without its context MLP), Flux one joint and one single block, the UNet four
 # BasicTransformerBlocks (one in the down path, one in the middle, two in the up path), each with
-# a self- and a cross-attention and a GEGLU.
+# a self- and a cross-attention and a GEGLU, and plain norms. Sana's linear attention stays as
+# written (no softmax); its cross-attention fuses. Wan modulates norms of fp32 copies (fused
+# where the copy is the norm's own), LTX-Video diffusers' written-out RMSNorm.
 MODELS = {
-    "dit": (dit, {"layer_norm": 3, "attention": 2, "bias_gelu": 2, "residual_stream": 2}),
-    "pixart": (pixart, {"layer_norm": 3, "attention": 4, "bias_gelu": 3, "residual_stream": 2}),
-    "sd3": (sd3, {"layer_norm": 5, "attention": 2, "bias_gelu": 3, "residual_stream": 3}),
-    "flux": (flux, {"layer_norm": 4, "rms_norm": 6, "attention": 2, "bias_gelu": 3, "residual_stream": 2}),
-    "unet": (unet, {"layer_norm": 4, "attention": 8, "gated_activation": 4, "residual_stream": 8}),
+    "dit": (dit, {"layer_norm": 5, "attention": 2, "bias_gelu": 2}, 4),
+    "pixart": (pixart, {"layer_norm": 5, "attention": 4, "bias_gelu": 3}, 4),
+    "sd3": (sd3, {"layer_norm": 8, "attention": 2, "bias_gelu": 3}, 8),
+    "flux": (flux, {"layer_norm": 6, "rms_norm": 6, "attention": 2, "bias_gelu": 3}, 6),
+    "unet": (unet, {"layer_norm": 4, "attention": 8, "gated_activation": 4, "residual_stream": 8}, 0),
+    "sana": (sana, {"layer_norm": 5, "rms_norm": 1, "attention": 2, "bias_gelu": 1,
+                    "gated_activation": 2}, 5),
+    "cogvideox": (cogvideox, {"layer_norm": 14, "attention": 2, "bias_gelu": 2}, 9),
+    "wan": (wan, {"layer_norm": 7, "rms_norm": 8, "attention": 4, "bias_gelu": 3, "dropout_add": 2}, 4),
+    "ltx": (ltx, {"layer_norm": 1, "rms_norm": 12, "attention": 4, "bias_gelu": 3, "dropout_add": 2}, 4),
 }
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_a_diffusers_denoiser_fuses_its_blocks(name):
-    build, counts = MODELS[name]
+    build, counts, modulated = MODELS[name]
     model, inputs, train = build()
     report = check_against_unfused(lambda: model, inputs, train=train)
     assert report.counts() == available_counts(counts)
+    patterns = report.by_pattern()
+    assert patterns.get("layer_norm_modulate", 0) + patterns.get("rms_norm_modulate", 0) == modulated

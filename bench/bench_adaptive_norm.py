@@ -1,0 +1,110 @@
+"""The adaptive norm of diffusion transformers: trifuse's `layer_norm_modulate` against the
+unfused PyTorch `F.layer_norm(x) * (1 + scale[:, None]) + shift[:, None]`, eager and under
+torch.compile.
+
+    python bench/bench_adaptive_norm.py              # the sweep on the GPU, writes bench/results/
+    pytest bench/bench_adaptive_norm.py              # CPU: a tiny smoke in the interpreter
+
+Shapes (batch x tokens x width) as the models train: DiT-XL/2 at 256 px (32 x 256 x 1152),
+PixArt-alpha at 512 px (16 x 1024 x 1152), SD3-medium at 512 px (8 x 1024 x 1536), Flux at 1024
+px (1 x 4096 x 3072). The norm without its own affine (elementwise_affine=False, as those models
+have it); scale and shift one (B, N) vector each, as the adaLN linear makes them. Bytes per step,
+the activation's M = B x S rows of N features, e bytes an element (the (B, N) vectors counted):
+    fwd      read x, scale, shift; write y                    2·M·N·e + 2·B·N·e
+    bwd      read dy, x, scale; write dx, dscale, dshift      3·M·N·e + 3·B·N·e
+    fwd+bwd  the sum of the two
+Eager PyTorch moves the activation ~3x in the forward (the norm, the product, the sum) and more
+in the backward; trifuse folds the modulation into the norm's affine per sample.
+"""
+import _harness as H  # noqa: I001  (bench/conftest.py sets TRITON_INTERPRET before this)
+import pytest
+import torch
+import torch.nn.functional as F
+
+import trifuse
+
+DTYPE = torch.bfloat16 if H.on_gpu() else torch.float32
+DEVICE = "cuda" if H.on_gpu() else "cpu"
+MODEL_SHAPES = ((32, 256, 1152), (16, 1024, 1152), (8, 1024, 1536), (1, 4096, 3072))
+EPS = 1e-6
+
+
+def make_inputs(shape):
+    b, s, n = shape
+    x = torch.randn(b, s, n, device=DEVICE, dtype=DTYPE, requires_grad=True)
+    scale, shift = (torch.randn(b, n, device=DEVICE, dtype=DTYPE, requires_grad=True) for _ in range(2))
+    return (x, scale, shift), (x, scale, shift)
+
+
+def bytes_for(shape, mode):
+    b, s, n = shape
+    e = torch.finfo(DTYPE).bits // 8
+    fwd = 2 * b * s * n * e + 2 * b * n * e
+    bwd = 3 * b * s * n * e + 3 * b * n * e
+    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]
+
+
+def providers() -> dict:
+    def torch_modulate(x, scale, shift):
+        return F.layer_norm(x, x.shape[-1:], eps=EPS) * (1 + scale[:, None]) + shift[:, None]
+
+    def trifuse_modulate(x, scale, shift):
+        return trifuse.ops.layer_norm_modulate(x, x.shape[-1:], 1 + scale[:, None], shift[:, None], eps=EPS)
+
+    out = {"trifuse": trifuse_modulate, "torch": torch_modulate}
+    if H.on_gpu():
+        out["torch.compile"] = H.compiled(torch_modulate)
+    return out
+
+
+def host_overhead() -> list[dict]:
+    """Wall µs per call at a tiny size: trifuse's eager path beside PyTorch's three ops."""
+    shape = (2, 4, 1024)
+    cases = {}
+    for mode in ("fwd", "fwd+bwd"):
+        for name, fn in providers().items():
+            if name != "torch.compile":
+                cases[f"{name} {mode}"] = H.make_step(fn, lambda: make_inputs(shape), mode)
+    return H.host_overhead_rows(cases)
+
+
+COLUMNS = ("provider", "mode", "shape", "ms", "GB/s", "% copy", "graph ms", "graph GB/s",
+           "x vs torch", "x vs torch.compile", "error", "graph error")
+
+
+def main() -> None:
+    H.cli(__doc__)
+    overhead = host_overhead()
+    H.print_table(overhead, ("provider", "host µs"))
+    H.write_results("adaptive_norm", overhead, ("provider", "host µs"), suffix="host-overhead")
+    rows = H.sweep(providers(), MODEL_SHAPES, make_inputs, bytes_for)
+    H.write_results("adaptive_norm", rows, COLUMNS, plot_x="N")
+    H.print_table(rows, COLUMNS)
+
+
+# ---------------------------------------------------------------------------------------------
+# pytest entry points: on CPU a tiny smoke of every step in the interpreter, so this file
+# cannot rot; on a GPU the same points timed by pytest-benchmark.
+# ---------------------------------------------------------------------------------------------
+
+SMOKE_SHAPE = (4, 64, 1152) if H.on_gpu() else (2, 3, 40)
+
+
+@pytest.mark.parametrize("mode", H.MODES)
+@pytest.mark.parametrize("provider", ["trifuse", "torch"])
+def test_adaptive_norm(benchmark, provider, mode):
+    step = H.make_step(providers()[provider], lambda: make_inputs(SMOKE_SHAPE), mode)
+    benchmark.pedantic(step, rounds=3 if H.on_gpu() else 1, iterations=1)
+
+
+def test_matches_pytorch():
+    H.check_against_reference(providers(), "torch", make_inputs, SMOKE_SHAPE)
+
+
+def test_host_overhead_runs():
+    rows = host_overhead()
+    assert all(r["host µs"] > 0 for r in rows)
+
+
+if __name__ == "__main__":
+    main()

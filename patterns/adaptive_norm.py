@@ -1,0 +1,102 @@
+"""The adaptive norm of diffusion transformers: a norm whose output is modulated per sample.
+
+    y = norm(x) * mul + add              the norm already a trifuse norm (stage 0); mul and add
+                                         one vector per sample, e.g. (1 + scale[:, None]), shift[:, None]
+  ->  y = layer_norm_modulate(x, normalized_shape, mul, add, weight, bias, eps)
+
+DiT's, SD3's and Flux's AdaLayerNormZero, PixArt's `norm(x) * (1 + scale_msa) + shift_msa`,
+AdaLayerNormContinuous's `norm(x) * (1 + scale)[:, None, :] + shift[:, None, :]` and the
+blocks' `norm2(h) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]` all write it so: the product
+and the sum each a pass over the activation (and more in the backward), folded into the norm's
+one pass. mul and add are whatever tensors the model computes (the `1 + scale` stays PyTorch's,
+on a (B, N) vector), as long as each is one vector per sample: shaped like x over a leading prefix
+of its dims and 1 over the rest (`per_sample`). A full-size tensor (a residual, a gate over
+tokens) is not: such a norm is left to the other patterns (quietly: most norms followed by a
+product and a sum are no modulation, and the report does not list them). Nor is a product
+wider than the norm's output (`in_the_norms_dtype`): under autocast DiT's residual stream is
+fp32 and its modulation bf16, fused; fp16 activations beside an fp32 affine written out keep
+the model's rounding.
+
+Tried before the residual stream's (stage 1, earlier in the registry): when an add feeds a
+modulated norm (a DiT block's second and third norms), folding the modulation saves more passes
+than folding the add.
+"""
+import torch
+
+from ._base import Match, Pattern, known_equal, needs_number, ops
+
+
+def layer_norm_modulate(x: torch.Tensor, mul: torch.Tensor, add: torch.Tensor, normalized_shape, weight, bias,
+                        eps):
+    return ops.layer_norm(x, normalized_shape, weight, bias, eps) * mul + add
+
+
+def layer_norm_modulate_fused(x, mul, add, normalized_shape, weight, bias, eps):
+    return ops.layer_norm_modulate(x, normalized_shape, mul, add, weight, bias, eps)
+
+
+def rms_norm_modulate(x: torch.Tensor, mul: torch.Tensor, add: torch.Tensor, normalized_shape, weight, eps):
+    return ops.rms_norm(x, normalized_shape, weight, eps) * mul + add
+
+
+def rms_norm_modulate_fused(x, mul, add, normalized_shape, weight, eps):
+    return ops.layer_norm_modulate(x, normalized_shape, mul, add, weight, None, eps, is_rms_norm=True)
+
+
+def _not_per_sample(t: torch.Tensor, x: torch.Tensor) -> str | None:
+    """Why t does not broadcast against x as one vector per sample, or None: over a leading
+    prefix of x's dims it must equal x, over the others but the last be 1 (at least one such dim:
+    a vector per row is an elementwise product, and the backward's per-group sums would have one
+    row a group), and its last dim x's or 1."""
+    if t.dim() > x.dim():
+        return f"it has more dims than the input {list(x.shape)}"
+    shape = (1,) * (x.dim() - t.dim()) + tuple(t.shape)
+    if not (known_equal(shape[-1], x.shape[-1]) or known_equal(shape[-1], 1)):
+        return f"its last dim is neither the input's ({x.shape[-1]}) nor 1"
+    k = x.dim() - 1
+    while k > 0 and known_equal(shape[k - 1], 1):
+        k -= 1
+    if k == x.dim() - 1 or not all(known_equal(a, b) for a, b in zip(shape[:k], x.shape[:k])):
+        return "it varies along a sample's rows"
+    return None
+
+
+def per_sample(m: Match) -> str | None:
+    """mul and add one vector per sample (not full-size tensors), the norm over x's last dim."""
+    x = m.value("x")
+    shape = m.value("normalized_shape")
+    if not isinstance(x, torch.Tensor):
+        return "the input's shape is unknown"
+    if not isinstance(shape, (list, tuple)) or len(shape) != 1 or not known_equal(shape[0], x.shape[-1]):
+        return f"normalized_shape {shape!r} is not the input's last dim alone"
+    for name in ("mul", "add"):
+        t = m.value(name)
+        if not isinstance(t, torch.Tensor):
+            return f"{name}'s shape is unknown"
+        why = _not_per_sample(t, x)
+        if why is not None:
+            return f"{name} {list(t.shape)} is not one vector per sample of the input {list(x.shape)}: {why}"
+    return None
+
+
+def in_the_norms_dtype(m: Match) -> str | None:
+    """The product and the sum in the norm's own dtype (mul and add no wider than x): the op rounds
+    once, where the model rounds after each step in that dtype. A wider mul or add (fp32
+    parameters beside fp16 activations, kept apart by the norm patterns' `*_weight_apart` forms)
+    means the model rounds the norm to x's dtype before a wider product: left as written."""
+    x, mul, add = (m.value(name) for name in ("x", "mul", "add"))
+    wider = torch.promote_types(torch.promote_types(x.dtype, mul.dtype), add.dtype)
+    if wider != x.dtype:
+        return (f"the norm is rounded to {x.dtype} before a {wider} product or sum (the model's rounding, "
+                "kept as written)")
+    return None
+
+
+PATTERNS = (
+    Pattern("layer_norm_modulate", "layer_norm", layer_norm_modulate, layer_norm_modulate_fused,
+            ("layer_norm_modulate", "layer_norm"), (per_sample, in_the_norms_dtype, needs_number("eps")),
+            stage=1, quiet=True),
+    Pattern("rms_norm_modulate", "rms_norm", rms_norm_modulate, rms_norm_modulate_fused,
+            ("layer_norm_modulate", "rms_norm"), (per_sample, in_the_norms_dtype, needs_number("eps")),
+            stage=1, quiet=True),
+)
