@@ -60,6 +60,7 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     x, w, b, r = (torch.randn(*s, requires_grad=True) for s in ((4, 1024), (1024,), (1024,), (4, 1024)))
+    x3, scale, shift = (torch.randn(*s, requires_grad=True) for s in ((2, 2, 1024), (2, 1024), (2, 1024)))
     # The dialects choose per shape on a GPU; here each is pinned to the candidate being timed.
     def pin(dialect, candidate, *args):
         for grad in (False, True):
@@ -76,6 +77,11 @@ def main() -> None:
         ("F.gelu(x + b)", lambda: F.gelu(x + b), (x, b)),
         ("trifuse bias_gelu kernels", lambda: bg._bias_gelu_trifuse(x, b, "none"), (x, b)),
         ("trifuse.ops.bias_gelu, dialect -> torch", lambda: trifuse.ops.bias_gelu(x, b), (x, b)),
+        ("F.layer_norm(x) * (1 + scale) + shift",
+         lambda: F.layer_norm(x3, (1024,)) * (1 + scale[:, None]) + shift[:, None], (x3, scale, shift)),
+        ("trifuse.ops.layer_norm_modulate",
+         lambda: trifuse.ops.layer_norm_modulate(x3, (1024,), 1 + scale[:, None], shift[:, None]),
+         (x3, scale, shift)),
     ):
         cases[f"{name} fwd"] = fwd(fn)
         cases[f"{name} fwd+bwd"] = fwd_bwd(fn, inputs)

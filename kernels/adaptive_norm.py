@@ -28,6 +28,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..autotune import dialects, pow2_bucket
 from ._common import (
     apply_function,
     check_float,
@@ -35,10 +36,12 @@ from ._common import (
     check_shape,
     check_tensor,
     eager_fast_path,
+    no_autocast,
     outside_device_modes,
     profiled,
     reference_grads,
     single_backward,
+    unscoped,
     use_triton,
 )
 from .layer_norm import layer_norm_bwd, layer_norm_fwd
@@ -143,6 +146,16 @@ def _not_per_sample(op: str, name: str, t: torch.Tensor, x: torch.Tensor, n: int
             f"got {list(t.shape)}")
 
 
+def _prefix_groups(t: torch.Tensor, x: torch.Tensor) -> int:
+    """How many groups a per-sample vector t makes of x's rows: the product of x's leading dims
+    up to t's last one that is not 1."""
+    shape = (1,) * (x.dim() - t.dim()) + tuple(t.shape)
+    k = x.dim() - 1
+    while k > 0 and shape[k - 1] == 1:
+        k -= 1
+    return math.prod(x.shape[:k])
+
+
 def _group_count(op: str, name: str, t: torch.Tensor, x: torch.Tensor, n: int) -> int:
     """How many groups `t` makes of x's rows: it must broadcast against x over a leading prefix
     of x's dims (equal there) and be 1 over the others but the last, which is n or 1."""
@@ -184,12 +197,16 @@ def _check(op, x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm=Fal
 def _as_groups(t: torch.Tensor, x: torch.Tensor, n: int, groups: int, acc: torch.dtype) -> torch.Tensor:
     """t (a per-sample vector, checked) as (groups, n) in acc: broadcast over the samples it is
     shared by and over the features where it is 1."""
-    shape = (1,) * (x.dim() - t.dim()) + tuple(t.shape)
-    lead = x.shape[:-1]
-    k = len(lead)
-    while k > 0 and math.prod(lead[:k]) != groups:
-        k -= 1
-    return t.reshape(shape).to(acc).expand(*lead[:k], *shape[k:-1], n).reshape(groups, n)
+    if t.numel() == groups * n:  # one vector a group already (DiT's (B, 1, N)): a view, no copy
+        v = t.reshape(groups, n)
+    else:  # shared by several groups, or one value for every feature
+        shape = (1,) * (x.dim() - t.dim()) + tuple(t.shape)
+        lead = x.shape[:-1]
+        k = len(lead)
+        while k > 0 and math.prod(lead[:k]) != groups:
+            k -= 1
+        v = t.reshape(shape).expand(*lead[:k], *shape[k:-1], n).reshape(groups, n)
+    return v if v.dtype == acc else v.to(acc)
 
 
 def _folded_affine(x, n, groups, mul, add, weight, bias):
@@ -350,15 +367,33 @@ def layer_norm_modulate(
         y shaped like x, contiguous, in x's dtype promoted with mul's and add's. Gradients reach x,
         mul, add, weight and bias; the per-sample sums are deterministic.
 
+    Eager calls run trifuse's kernels or PyTorch's norm, product and sum, whichever the
+    `layer_norm_modulate` dialect measured faster for this shape on this GPU (on tiny
+    activations PyTorch's shorter host path can win); elsewhere, and under torch.compile,
+    trifuse's.
+
     Raises:
         TypeError for non-float tensors; ValueError for shapes, devices or eps that do not fit.
     """
-    n, groups = _check(OP, x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm)
-    out_dtype = x.dtype
+    _check(OP, x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm)
+    return LAYER_NORM_MODULATE(x, normalized_shape, mul, add, weight, bias, float(eps), is_rms_norm)
+
+
+def _out_dtype(x: torch.Tensor, mul: torch.Tensor | None, add: torch.Tensor | None) -> torch.dtype:
+    """The dtype of `norm(x) * mul + add` as written (the norm in x's dtype)."""
+    out = x.dtype
     for t in (mul, add):
         if t is not None:
-            out_dtype = torch.promote_types(out_dtype, t.dtype)
-    eps = float(eps)
+            out = torch.promote_types(out, t.dtype)
+    return out
+
+
+def _modulate_trifuse(x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm):
+    """The op's own candidate: the folded affine (PyTorch, on the small vectors) and the norm
+    kernels with it. Checked inputs."""
+    n = x.shape[-1]
+    groups = max(1 if t is None else _prefix_groups(t, x) for t in (mul, add))
+    out_dtype = _out_dtype(x, mul, add)
     if x.numel() == 0:  # no rows: nothing to normalize (the empty product keeps the gradients' paths)
         y = layer_norm_modulate_ref(x.to(out_dtype), [n], mul, add, weight, bias, eps, is_rms_norm)
         return y.to(out_dtype)
@@ -367,3 +402,50 @@ def layer_norm_modulate(
         with profiled(f"trifuse::{OP}"):
             return apply_function(_GroupedNormFunction, x, wg, bg, eps, is_rms_norm, groups, out_dtype)
     return torch.ops.trifuse.grouped_norm(x, wg, bg, eps, is_rms_norm, groups, out_dtype)[0]
+
+
+def _modulate_torch(x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm):
+    """PyTorch's norm, product and sum, in the op's dtypes (autocast, which would run the norm in
+    fp32, off: the implementation chosen must not change the output dtype)."""
+    if unscoped(x.device):
+        y = layer_norm_modulate_ref(x, [x.shape[-1]], mul, add, weight, bias, eps, is_rms_norm)
+    else:
+        with profiled(f"trifuse::{OP}"), no_autocast(x.device):
+            y = layer_norm_modulate_ref(x, [x.shape[-1]], mul, add, weight, bias, eps, is_rms_norm)
+    return y.to(_out_dtype(x, mul, add))
+
+
+def _modulate_torch_supports(x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm) -> str | None:
+    allowed = (x.dtype, torch.float32) if x.dtype in (torch.float16, torch.bfloat16) else (x.dtype,)
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.dtype not in allowed:
+            norm = "rms_norm" if is_rms_norm else "layer_norm"
+            return f"F.{norm} takes {name} in {' or '.join(map(str, allowed))}, got {t.dtype}"
+    return None
+
+
+def _modulate_key(x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm):
+    """The dialect key of an eager call: None (the op's kernels) when traced or empty."""
+    if not eager_fast_path(x, mul, add, weight, bias):
+        return None
+    n = x.shape[-1] if x.dim() else 0
+    rows = x.numel() // n if n else 0
+    if rows == 0:
+        return None
+    tensors = (x, mul, add, weight, bias)
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    dtypes = tuple(None if t is None else t.dtype for t in tensors[1:])
+    return (x.get_device() if x.is_cuda else -1, x.dtype, pow2_bucket(rows), n, *dtypes, is_rms_norm, grad)
+
+
+def _modulate_dialect_ref(x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm):
+    return layer_norm_modulate_ref(x, [x.shape[-1]], mul, add, weight, bias, eps, is_rms_norm)
+
+
+# The op's kernels or PyTorch's three ops, whichever measured faster per shape on this GPU (on
+# tiny activations the host path decides, and PyTorch's is shorter).
+LAYER_NORM_MODULATE = dialects.define(
+    OP, _modulate_key, ("device", "dtype", "rows", "n", "mul", "add", "weight", "bias", "rms", "grad"),
+    reference=_modulate_dialect_ref)
+LAYER_NORM_MODULATE.register(dialects.Candidate("trifuse", _modulate_trifuse))
+LAYER_NORM_MODULATE.register(dialects.Candidate("torch", _modulate_torch, supports=_modulate_torch_supports))

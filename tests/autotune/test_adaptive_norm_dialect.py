@@ -1,0 +1,77 @@
+"""The layer_norm_modulate dialect wired into trifuse.ops.layer_norm_modulate: trifuse's kernels or
+PyTorch's norm, product and sum, chosen with a fake timer here (on the GPU: measured). Whichever
+runs, the result is bitwise that implementation's, in the op's dtype; traced calls always see
+trifuse::grouped_norm."""
+import pytest
+import torch
+
+import trifuse
+from _device import DEVICE
+from trifuse.kernels import adaptive_norm as an
+
+N = 48
+
+
+@pytest.fixture
+def modulate_dialect(cache_dir, monkeypatch):
+    an.LAYER_NORM_MODULATE.clear()
+    monkeypatch.setattr(an.LAYER_NORM_MODULATE, "timer", None)
+    yield an.LAYER_NORM_MODULATE
+    an.LAYER_NORM_MODULATE.clear()
+
+
+def inputs(dtype=torch.float32, samples=2, tokens=3):
+    x = torch.randn(samples, tokens, N, device=DEVICE, dtype=dtype, requires_grad=True)
+    scale, shift = (torch.randn(samples, N, device=DEVICE, dtype=dtype, requires_grad=True) for _ in range(2))
+    return x, scale, shift
+
+
+def fwd_bwd(fn, x, scale, shift):
+    y = fn(x, (N,), 1 + scale[:, None], shift[:, None], None, None, 1e-6, False)
+    dy = torch.randn(y.shape, generator=torch.Generator(device=y.device).manual_seed(1), device=y.device,
+                     dtype=y.dtype)
+    return (y, *torch.autograd.grad(y, (x, scale, shift), dy))
+
+
+def public(x, ns, mul, add, w, b, eps, rms):
+    return trifuse.ops.layer_norm_modulate(x, ns, mul, add, w, b, eps, is_rms_norm=rms)
+
+
+@pytest.mark.parametrize("winner", ["trifuse", "torch"])
+def test_the_measured_winner_runs_bitwise(modulate_dialect, timer, monkeypatch, winner):
+    fake = timer({"trifuse": 1.0, "torch": 2.0} if winner == "trifuse" else {"trifuse": 2.0, "torch": 1.0})
+    monkeypatch.setattr(modulate_dialect, "timer", fake)
+    x, scale, shift = inputs()
+    got = fwd_bwd(public, x, scale, shift)
+    want = fwd_bwd(an._modulate_trifuse if winner == "trifuse" else an._modulate_torch, x, scale, shift)
+    for a, e in zip(got, want):
+        assert torch.equal(a, e)
+    rec = modulate_dialect.explain(x, (N,), 1 + scale[:, None], shift[:, None], None, None, 1e-6, False)
+    assert rec.chosen == winner and rec.source == "measured" and set(fake.calls) == {"trifuse", "torch"}
+    fwd_bwd(public, *inputs(tokens=4))  # 8 rows either way: the same rows bucket, replayed
+    assert len(fake.calls) == 2
+
+
+def test_the_torch_candidate_keeps_the_ops_dtype_under_autocast(modulate_dialect, timer, monkeypatch):
+    """Autocast runs PyTorch's norm in fp32; the candidate must return the op's dtype all the same."""
+    monkeypatch.setattr(modulate_dialect, "timer", timer({"trifuse": 2.0, "torch": 1.0}))
+    x, scale, shift = inputs(torch.float16)
+    with torch.autocast(DEVICE if DEVICE == "cuda" else "cpu", dtype=torch.float16):
+        y = public(x, (N,), 1 + scale[:, None], shift[:, None], None, None, 1e-6, False)
+    assert y.dtype == torch.float16
+
+
+def test_compiled_graphs_keep_the_registered_op(modulate_dialect, timer, monkeypatch):
+    monkeypatch.setattr(modulate_dialect, "timer", timer({"trifuse": 2.0, "torch": 1.0}))
+    x, scale, shift = inputs()
+    fwd_bwd(public, x, scale, shift)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(lambda *a: public(*a), backend=backend, fullgraph=True)(
+        x, (N,), 1 + scale[:, None], shift[:, None], None, None, 1e-6, False)
+    assert any("trifuse.grouped_norm" in gm.code for gm in graphs)
