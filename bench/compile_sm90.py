@@ -85,6 +85,15 @@ def _catalogue(torch, family: str):
 
         for n in (1024, 4096, 16384):
             yield f"partial sums 528 x {n}", lambda n=n: _sum_partials_at(torch, ln_mod, 528, n)
+        # Diffusion transformers' adaptive norms (DiT 1152, SD3 1536, Flux 3072, and a wide row):
+        # the affine read per group of rows, the backward's partial sums per group.
+        for n in (1152, 1536, 3072, 20000):
+            x, scale, shift = leaf(2, rows, n), leaf(2, 1, n), leaf(2, 1, n)
+            yield f"layer_norm_modulate {n}", fwd_bwd(
+                lambda x=x, scale=scale, shift=shift, n=n: ops.layer_norm_modulate(x, n, 1 + scale, shift, eps=1e-6))
+            yield f"rms_norm_modulate {n}", fwd_bwd(
+                lambda x=x, scale=scale, shift=shift, n=n: ops.layer_norm_modulate(x, n, 1 + scale, shift, eps=1e-6,
+                                                                                   is_rms_norm=True))
     elif family == "residual_stream":
         for n in (1024, 4096):
             x, r, w, b, xb = leaf(rows, n), leaf(rows, n), leaf(n), leaf(n), leaf(n)

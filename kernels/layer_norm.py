@@ -403,7 +403,7 @@ def _layer_norm_bwd_kernel(
     DY,  # in (M, N)
     DS,  # in (M, N) gradient arriving at the returned s; unused unless HAS_DS
     S,  # in (M, N) the saved s (x for the plain forms)
-    W,  # in (N,) weight, or (G, N): row group g's at W + g * stride_wg; unused unless HAS_W
+    W,  # in (N,) weight, or with GROUPED (G, N), group g's row at W + g * N; unused unless HAS_W
     SEED,  # in (1,) int64 Philox seed; unused unless HAS_DROPOUT
     MEAN,  # in (M,) fp32; unused for RMSNorm
     RSTD,  # in (M,) fp32
@@ -414,9 +414,9 @@ def _layer_norm_bwd_kernel(
     M, N, rows_per_program, stride_pk, p, scale,
     DY2, DY3,  # in (M, N) further gradients for y, added to DY; unused unless NUM_DY > 1, > 2
     stride_dy2m, stride_dy3m,
-    # Rows come in groups of rows_per_group (M: one group), each with its own weight row and its
+    # With GROUPED, rows come in groups of rows_per_group, each with its own weight row and its
     # own partial sums (the grid's second axis); a program's rows never leave its group.
-    rows_per_group, stride_wg,
+    rows_per_group,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
     IS_RMS_NORM: tl.constexpr, HAS_W: tl.constexpr, HAS_DS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, STORE_DR: tl.constexpr, ACC: tl.constexpr,
@@ -426,16 +426,22 @@ def _layer_norm_bwd_kernel(
     # rows in one block: load the next tile's s and dy before this tile's row sums (whose
     # cross-warp reductions wait for every warp), so that loads stay in flight across them
     PREFETCH: tl.constexpr = False,
+    GROUPED: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
-    group = tl.program_id(1)
-    group_start = group.to(tl.int64) * rows_per_group  # int64 rows: row * stride may pass 2^31
-    row_start = group_start + pid.to(tl.int64) * rows_per_program
-    row_end = tl.minimum(tl.minimum(row_start + rows_per_program, group_start + rows_per_group), M)
+    if GROUPED:  # (the plain launch keeps its registers: the 16384-wide one-row tile spilled with these)
+        group = tl.program_id(1)
+        group_end = tl.minimum((group + 1) * rows_per_group, M)
+        row_start = (group * rows_per_group + pid * rows_per_program).to(tl.int64)  # row * stride may pass 2^31
+        row_end = tl.minimum(row_start + rows_per_program, group_end)
+        W += group * N
+        DW_PARTIAL = PARTIAL + (group * tl.num_programs(0) + pid).to(tl.int64) * N
+    else:
+        row_start = pid.to(tl.int64) * rows_per_program  # int64 rows: row * stride may pass 2^31
+        row_end = tl.minimum(row_start + rows_per_program, M)
+        DW_PARTIAL = PARTIAL + pid.to(tl.int64) * N
     seed = tl.load(SEED) if HAS_DROPOUT else 0
     offs = tl.arange(0, BLOCK_N)[None, :]
-    W += group.to(tl.int64) * stride_wg
-    DW_PARTIAL = PARTIAL + (group.to(tl.int64) * tl.num_programs(0) + pid) * N
     DB_PARTIAL = DW_PARTIAL + stride_pk
     DXB_PARTIAL = DB_PARTIAL + stride_pk
 
@@ -677,8 +683,7 @@ def _bwd_run(plan: tuple, head: tuple, tail: tuple, m: int, n: int, acc: torch.d
     grid, meta, programs, rows_per_program, zero, sum_grid, sum_meta = plan
     total = programs * groups
     partials = (torch.zeros if zero else torch.empty)((3, total, n), dtype=acc, device=device)
-    geometry = (m // groups, n if groups > 1 else 0)  # rows a group, the weight's group stride
-    args = (*head, partials, *tail[:5], m, n, rows_per_program, total * n, *tail[5:], *geometry)
+    args = (*head, partials, *tail[:5], m, n, rows_per_program, total * n, *tail[5:], m // groups)
     _layer_norm_bwd.run(grid, args, meta)
     shape = (n,) if groups == 1 else (groups, n)
     vecs = tuple(None if d is None else torch.empty(shape, dtype=d, device=device) for d in grad_dtypes)
@@ -867,7 +872,7 @@ def layer_norm_bwd(
                          STORE_DXB=grad_dtypes[2] is not None)
         constexprs = dict(IS_RMS_NORM=is_rms_norm, HAS_W=weight is not None, HAS_DS=ds is not None,
                           HAS_DROPOUT=has_dropout, STORE_DR=store_dresidual, ACC=acc_dtype(s.dtype),
-                          NUM_DY=1 + len(more_dy), **sum_flags)
+                          NUM_DY=1 + len(more_dy), GROUPED=groups > 1, **sum_flags)
         grads = "".join(c for c, d in zip("wbx", grad_dtypes) if d is not None)
         tuning_key = (device, s.dtype, n, pow2_bucket(m), is_rms_norm, ds is not None, has_dropout,
                       store_dresidual, grads)
