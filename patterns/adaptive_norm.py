@@ -61,12 +61,22 @@ def _not_per_sample(t: torch.Tensor, x: torch.Tensor) -> str | None:
     return None
 
 
+def _is_dtensor(t) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
 def per_sample(m: Match) -> str | None:
     """mul and add one vector per sample (not full-size tensors), the norm over x's last dim."""
     x = m.value("x")
     shape = m.value("normalized_shape")
     if not isinstance(x, torch.Tensor):
         return "the input's shape is unknown"
+    if any(_is_dtensor(m.value(name)) for name in ("x", "mul", "add")):
+        return "a DTensor (the op has no sharding rule: tensor or sequence parallelism keeps it as written)"
     if not isinstance(shape, (list, tuple)) or len(shape) != 1 or not known_equal(shape[0], x.shape[-1]):
         return f"normalized_shape {shape!r} is not the input's last dim alone"
     for name in ("mul", "add"):
