@@ -1,6 +1,7 @@
 """End-to-end training: HF GPT-2 medium, BERT-large and a Llama 3.2 1B-shaped Llama from configs,
-eager (SDPA) against `trifuse.fuse(model)` (and torch.compile with --compile; Liger-Kernel's
-patched Llama when it loads), bf16 autocast, AdamW.
+and diffusers' DiT-XL/2 (256 px, class-conditional, the noise predicted from a noisy latent:
+"tokens" are its 256 patches a sample), eager (SDPA) against `trifuse.fuse(model)` (and
+torch.compile with --compile; Liger-Kernel's patched Llama when it loads), bf16 autocast, AdamW.
 
     python bench/bench_e2e.py [--compile] [--steps 10] [--grad-ckpt]   # GPU: bench/results/e2e.*
     pytest bench/bench_e2e.py                             # CPU: a tiny config, one step each
@@ -15,6 +16,7 @@ leaves); for the fused runs, what each op's dialect chose and why (the rows' "di
 in the log and the JSON); and a bar plot of tokens/s (e2e.png).
 """
 import argparse
+import collections
 import gc
 import time
 
@@ -37,6 +39,9 @@ MODELS = {
     "llama-1b": ("llama", dict(num_hidden_layers=16, hidden_size=2048, num_attention_heads=32,
                                num_key_value_heads=8, intermediate_size=8192, vocab_size=128256,
                                max_position_embeddings=2048, tie_word_embeddings=True), 4, 2048),
+    # DiT-XL/2 at 256 px (32 x 32 latents, 2 x 2 patches: 256 tokens), its adaLN-Zero blocks
+    "dit-xl": ("dit", dict(num_layers=28, num_attention_heads=16, attention_head_dim=72, in_channels=4,
+                           out_channels=8, sample_size=32, patch_size=2, num_embeds_ada_norm=1000), 32, 256),
 }
 TINY = {
     "gpt2-medium": ("gpt2", dict(n_layer=2, n_embd=64, n_head=4, n_positions=64, vocab_size=128), 2, 16),
@@ -45,7 +50,26 @@ TINY = {
     "llama-1b": ("llama", dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                                intermediate_size=128, vocab_size=128, max_position_embeddings=64,
                                tie_word_embeddings=True), 2, 16),
+    "dit-xl": ("dit", dict(num_layers=2, num_attention_heads=2, attention_head_dim=16, in_channels=4,
+                           out_channels=8, sample_size=8, patch_size=2, num_embeds_ada_norm=10), 2, 16),
 }
+
+DiffusionOutput = collections.namedtuple("DiffusionOutput", "loss")
+
+
+class DiffusionLoss(torch.nn.Module):
+    """A diffusion model's training loss as a training loop computes it: the noise predicted from
+    a noisy latent (the first `in_channels` output channels; DiT predicts a variance too), mean
+    squared error in fp32."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.config = model.config
+
+    def forward(self, sample, timestep, class_labels, noise):
+        pred = self.model(sample, timestep=timestep, class_labels=class_labels).sample
+        return DiffusionOutput(torch.nn.functional.mse_loss(pred[:, :noise.shape[1]].float(), noise.float()))
 
 
 def build(kind: str, kwargs: dict, device: str) -> torch.nn.Module:
@@ -55,6 +79,8 @@ def build(kind: str, kwargs: dict, device: str) -> torch.nn.Module:
     elif kind == "llama":
         cfg = transformers.LlamaConfig(**kwargs, attn_implementation="sdpa")
         model = transformers.LlamaForCausalLM(cfg)
+    elif kind == "dit":
+        model = DiffusionLoss(H.try_import("diffusers").DiTTransformer2DModel(**kwargs))
     else:
         cfg = transformers.BertConfig(**kwargs, attn_implementation="sdpa")
         model = transformers.BertForMaskedLM(cfg)
@@ -62,6 +88,13 @@ def build(kind: str, kwargs: dict, device: str) -> torch.nn.Module:
 
 
 def make_batch(kind: str, model: torch.nn.Module, batch: int, seq: int, device: str) -> dict:
+    if kind == "dit":  # seq: the patches of a latent
+        cfg = model.config
+        latent = torch.randn(batch, cfg.in_channels, cfg.sample_size, cfg.sample_size, device=device)
+        noise = torch.randn_like(latent)
+        labels = torch.randint(0, cfg.num_embeds_ada_norm, (batch,), device=device)
+        return {"sample": latent + noise, "timestep": torch.randint(0, 1000, (batch,), device=device),
+                "class_labels": labels, "noise": noise}
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (batch, seq), device=device)
     if kind in ("gpt2", "llama"):
@@ -293,6 +326,8 @@ def main() -> None:
 @pytest.mark.parametrize("provider", ["eager-sdpa", "trifuse.fuse", "trifuse.fuse(skip_logits)",
                                       "trifuse.fuse(cuda_graphs)"])
 def test_e2e_smoke(name, provider):
+    if TINY[name][0] == "dit" and H.try_import("diffusers") is None:
+        pytest.skip("needs diffusers")
     device = "cuda" if H.on_gpu() else "cpu"
     row = run_one(name, provider, TINY[name], 1, device)
     assert row["tokens/s"] > 0

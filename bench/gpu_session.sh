@@ -89,7 +89,8 @@
 #   Twenty-eighth session (2026-12-01, no GPU): diffusion transformers' adaptive norms
 #   (`layer_norm_modulate`: the LayerNorm kernels with per-sample affine rows) are fused in DiT,
 #   PixArt, SD3 and Flux; `tests` runs their bf16 tests, and `adaptive` (~1 min) times them at
-#   those models' shapes: call 2 becomes `e2e-warm rowwise adaptive attention`.
+#   those models' shapes: call 2 becomes `e2e-warm rowwise adaptive attention`. `e2e-dit`
+#   (~4 min, a later call) trains diffusers' DiT-XL/2 end to end, eager against fuse.
 #   Later sessions, one or two calls each: `kernels` (the remaining memory-bound ops), `tma
 #   dialects`, `e2e-ckpt` (gradient checkpointing on), `e2e-llama` (Llama 3.2 1B's shape against
 #   Liger-Kernel), `tune` (the shipped H100 defaults).
@@ -222,13 +223,16 @@ for what in "$@"; do
         adaptive)  # the diffusion transformers' adaptive norm (DiT, PixArt, SD3, Flux shapes) against
                    # PyTorch's norm, product and sum, eager and compiled (~1 min)
             stage bench-adaptive_norm 90 python3 bench/bench_adaptive_norm.py ;;
+        e2e-dit)  # diffusers' DiT-XL/2 (256 px, B32) training: eager against fuse, with and without graphs
+            stage bench-e2e-dit 300 python3 bench/bench_e2e.py --steps 6 --models dit-xl --suffix dit \
+                --providers "eager-sdpa,trifuse.fuse,trifuse.fuse(cuda_graphs)" ;;
         rowwise)  # every config of the row-wise kernels' spaces at the e2e shapes, in GB/s
             stage tune-rowwise 90 python3 bench/tune_rowwise.py ;;
         tune)  # this GPU's winners, shipped as defaults for its family (and the same chip's: H100/H200)
             stage tune 150 python3 -m trifuse.autotune gpt2-medium --batch 8 --seq 1024
             stage tune-llama 150 python3 -m trifuse.autotune llama-3.2-1b --batch 4 --seq 2048 \
                 --export-defaults autotune/defaults/ ;;  # this GPU's family: h100.json or h200.json
-        *) echo "unknown stage $what (tests bisect host kernels-core kernels attention tma dialects e2e e2e-ckpt e2e-bert e2e-llama graphs e2e-host nccl adaptive rowwise tune)" ;;
+        *) echo "unknown stage $what (tests bisect host kernels-core kernels attention tma dialects e2e e2e-ckpt e2e-bert e2e-llama e2e-dit graphs e2e-host nccl adaptive rowwise tune)" ;;
     esac
 done
 
