@@ -89,11 +89,10 @@ def _catalogue(torch, family: str):
         # the affine read per group of rows, the backward's partial sums per group.
         for n in (1152, 1536, 3072, 20000):
             x, scale, shift = leaf(2, rows, n), leaf(2, 1, n), leaf(2, 1, n)
-            yield f"layer_norm_modulate {n}", fwd_bwd(
-                lambda x=x, scale=scale, shift=shift, n=n: ops.layer_norm_modulate(x, n, 1 + scale, shift, eps=1e-6))
-            yield f"rms_norm_modulate {n}", fwd_bwd(
-                lambda x=x, scale=scale, shift=shift, n=n: ops.layer_norm_modulate(x, n, 1 + scale, shift, eps=1e-6,
-                                                                                   is_rms_norm=True))
+            for rms in (False, True):
+                yield f"{'rms' if rms else 'layer'}_norm_modulate {n}", fwd_bwd(
+                    lambda x=x, scale=scale, shift=shift, n=n, rms=rms: ops.layer_norm_modulate(
+                        x, n, 1 + scale, shift, eps=1e-6, is_rms_norm=rms))
     elif family == "residual_stream":
         for n in (1024, 4096):
             x, r, w, b, xb = leaf(rows, n), leaf(rows, n), leaf(n), leaf(n), leaf(n)

@@ -429,15 +429,17 @@ def _layer_norm_bwd_kernel(
     GROUPED: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
-    if GROUPED:  # (the plain launch keeps its registers: the 16384-wide one-row tile spilled with these)
+    # int64 rows: row * stride may pass 2^31. The group arithmetic only where grouped: in every
+    # launch it made the plain 16384-wide one-row tile spill.
+    if GROUPED:
         group = tl.program_id(1)
         group_end = tl.minimum((group + 1) * rows_per_group, M)
-        row_start = (group * rows_per_group + pid * rows_per_program).to(tl.int64)  # row * stride may pass 2^31
+        row_start = (group * rows_per_group + pid * rows_per_program).to(tl.int64)
         row_end = tl.minimum(row_start + rows_per_program, group_end)
         W += group * N
         DW_PARTIAL = PARTIAL + (group * tl.num_programs(0) + pid).to(tl.int64) * N
     else:
-        row_start = pid.to(tl.int64) * rows_per_program  # int64 rows: row * stride may pass 2^31
+        row_start = pid.to(tl.int64) * rows_per_program
         row_end = tl.minimum(row_start + rows_per_program, M)
         DW_PARTIAL = PARTIAL + pid.to(tl.int64) * N
     seed = tl.load(SEED) if HAS_DROPOUT else 0

@@ -158,8 +158,9 @@ def test_the_reference_path_in_a_process_of_its_own():
     """The PyTorch path, which CPU tensors take without TRITON_INTERPRET (a CPU user's default; the
     suite runs with the interpreter): the tests above that need it, the jit-trace tests, and the
     norm, residual-stream, adaptive-norm, gated-activation and double-backward suites, in a pytest
-    process of its own. Left out: tests of the kernels' own partial sums, and NaN/inf propagation (PyTorch's fp32
-    CPU gelu returns NaN for inf in its vectorized path, which the float64 oracle does not)."""
+    process of its own. Left out: tests of the kernels' own partial sums, and NaN/inf propagation
+    (PyTorch's fp32 CPU gelu returns NaN for inf in its vectorized path, which the float64 oracle
+    does not)."""
     import os
     import re
     import subprocess

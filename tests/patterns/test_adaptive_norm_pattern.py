@@ -102,6 +102,6 @@ class DiffusersRMSNormModulated(nn.Module):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_diffusers_rms_norm_written_out_modulated(dtype):
     x, cond = inputs()
-    report = check_against_unfused(lambda: DiffusersRMSNormModulated().to(dtype), (x.to(dtype), cond.to(dtype)),
-                                   "dynamo", train=True)
+    report = check_against_unfused(lambda: DiffusersRMSNormModulated().to(dtype),
+                                   (x.to(dtype), cond.to(dtype)), "dynamo", train=True)
     assert report.by_pattern() == {"rms_norm_modulate": 1}, report.table()
