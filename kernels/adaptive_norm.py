@@ -44,7 +44,7 @@ from ._common import (
     unscoped,
     use_triton,
 )
-from .layer_norm import layer_norm_bwd, layer_norm_fwd
+from .layer_norm import _stat_dtype, layer_norm_bwd, layer_norm_fwd
 
 OP = "layer_norm_modulate"
 
@@ -71,7 +71,7 @@ def layer_norm_modulate_ref(x: torch.Tensor, normalized_shape, mul: torch.Tensor
 def _grouped_norm_torch(x: torch.Tensor, weight, bias, n: int, eps: float, is_rms_norm: bool, groups: int):
     """y = xhat * W_g + B_g in PyTorch ops (differentiable), in the folded affine's dtype; with
     (mean, rstd) per row."""
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    acc = _stat_dtype(x)
     h = x.reshape(groups, -1, n).to(acc)
     mean = torch.zeros(h.shape[:2], dtype=acc, device=x.device) if is_rms_norm else h.mean(-1)
     d = h - mean[..., None]
@@ -105,7 +105,7 @@ def _grouped_fwd(x, weight, bias, n, eps, is_rms_norm, groups, out_dtype):
 
 def _grouped_bwd(dy, x, weight, mean, rstd, n, eps, is_rms_norm, groups, needs):
     """(dx in x's dtype, dW_g, dB_g in fp32 / fp64) as `needs` (x, weight, bias) asks; None where not."""
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    acc = _stat_dtype(x)
     if not use_triton(x):
         with torch.no_grad():
             h = x.reshape(groups, -1, n).to(acc)
@@ -146,43 +146,40 @@ def _not_per_sample(op: str, name: str, t: torch.Tensor, x: torch.Tensor, n: int
             f"got {list(t.shape)}")
 
 
-def _prefix_groups(t: torch.Tensor, x: torch.Tensor) -> int:
-    """How many groups a per-sample vector t makes of x's rows: the product of x's leading dims
-    up to t's last one that is not 1."""
+def _sample_dims(t: torch.Tensor, x: torch.Tensor) -> int:
+    """How many of x's leading dims a per-sample vector t follows: up to its last leading dim that
+    is not 1 (t padded on the left to x's dims). The groups it makes of x's rows: the product of
+    those dims of x."""
     shape = (1,) * (x.dim() - t.dim()) + tuple(t.shape)
     k = x.dim() - 1
     while k > 0 and shape[k - 1] == 1:
         k -= 1
-    return math.prod(x.shape[:k])
+    return k
 
 
-def _group_count(op: str, name: str, t: torch.Tensor, x: torch.Tensor, n: int) -> int:
-    """How many groups `t` makes of x's rows: it must broadcast against x over a leading prefix
-    of x's dims (equal there) and be 1 over the others but the last, which is n or 1."""
+def _check_per_sample(op: str, name: str, t: torch.Tensor, x: torch.Tensor, n: int) -> None:
+    """t must broadcast against x over a leading prefix of x's dims (equal there) and be 1 over the
+    others but the last, which is n or 1."""
     shape = (1,) * (x.dim() - t.dim()) + tuple(t.shape)
     if t.dim() > x.dim() or shape[-1] not in (n, 1):
         raise ValueError(_not_per_sample(op, name, t, x, n))
-    k = x.dim() - 1
-    while k > 0 and shape[k - 1] == 1:
-        k -= 1
+    k = _sample_dims(t, x)
     if tuple(shape[:k]) != tuple(x.shape[:k]):
         raise ValueError(_not_per_sample(op, name, t, x, n))
-    return math.prod(x.shape[:k])
 
 
-def _check(op, x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm=False) -> tuple[int, int]:
-    """(n, groups) of a call, or a TypeError / ValueError naming the op and the argument."""
+def _check(op, x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm=False) -> None:
+    """A TypeError / ValueError naming the op and the argument, for a call that does not fit."""
     if is_rms_norm and bias is not None:
         raise ValueError(f"trifuse.{op}: RMSNorm has no bias (is_rms_norm=True with a bias given)")
     check_tensor(op, "input", x)
     check_float(op, "input", x)
     n = _width(op, x, normalized_shape)
-    groups = 1
     for name, t in (("mul", mul), ("add", add)):
         if t is not None:
             check_tensor(op, name, t)
             check_float(op, name, t)
-            groups = max(groups, _group_count(op, name, t, x, n))
+            _check_per_sample(op, name, t, x, n)
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None:
             check_tensor(op, name, t)
@@ -191,30 +188,27 @@ def _check(op, x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm=Fal
     check_same_device(op, "input", x, mul=mul, add=add, weight=weight, bias=bias)
     if not isinstance(eps, (int, float)) or not eps >= 0.0:
         raise ValueError(f"trifuse.{op}: eps must be a non-negative number, got {eps!r}")
-    return n, groups
 
 
-def _as_groups(t: torch.Tensor, x: torch.Tensor, n: int, groups: int, acc: torch.dtype) -> torch.Tensor:
-    """t (a per-sample vector, checked) as (groups, n) in acc: broadcast over the samples it is
-    shared by and over the features where it is 1."""
+def _as_groups(t: torch.Tensor, x: torch.Tensor, n: int, k: int, acc: torch.dtype) -> torch.Tensor:
+    """t (a per-sample vector, checked) as (groups, n) in acc, the groups those of x's first k
+    dims: broadcast over the samples it is shared by and over the features where it is 1."""
+    groups = math.prod(x.shape[:k])
     if t.numel() == groups * n:  # one vector a group already (DiT's (B, 1, N)): a view, no copy
         v = t.reshape(groups, n)
     else:  # shared by several groups, or one value for every feature
         shape = (1,) * (x.dim() - t.dim()) + tuple(t.shape)
-        lead = x.shape[:-1]
-        k = len(lead)
-        while k > 0 and math.prod(lead[:k]) != groups:
-            k -= 1
-        v = t.reshape(shape).expand(*lead[:k], *shape[k:-1], n).reshape(groups, n)
+        v = t.reshape(shape).expand(*x.shape[:k], *shape[k:-1], n).reshape(groups, n)
     return v if v.dtype == acc else v.to(acc)
 
 
-def _folded_affine(x, n, groups, mul, add, weight, bias):
-    """(W_g, B_g), each (groups, n) in fp32 (fp64 for fp64 x) or None where it is the identity:
-    differentiable PyTorch ops on the small vectors."""
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    m = None if mul is None else _as_groups(mul, x, n, groups, acc)
-    a = None if add is None else _as_groups(add, x, n, groups, acc)
+def _folded_affine(x, n, k, mul, add, weight, bias):
+    """(W_g, B_g), each (groups, n) in fp32 (fp64 for fp64 x) or None where it is the identity,
+    the groups those of x's first k dims: differentiable PyTorch ops on the small vectors."""
+    acc = _stat_dtype(x)
+    groups = math.prod(x.shape[:k])
+    m = None if mul is None else _as_groups(mul, x, n, k, acc)
+    a = None if add is None else _as_groups(add, x, n, k, acc)
     w = None if weight is None else weight.to(acc)
     b = None if bias is None else bias.to(acc)
     if m is None:
@@ -235,10 +229,6 @@ def _folded_affine(x, n, groups, mul, add, weight, bias):
 
 Tensor = torch.Tensor
 OptTensor = torch.Tensor | None
-
-
-def _stat_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 @torch.library.custom_op("trifuse::grouped_norm", mutates_args=())
@@ -392,12 +382,13 @@ def _modulate_trifuse(x, normalized_shape, mul, add, weight, bias, eps, is_rms_n
     """The op's own candidate: the folded affine (PyTorch, on the small vectors) and the norm
     kernels with it. Checked inputs."""
     n = x.shape[-1]
-    groups = max(1 if t is None else _prefix_groups(t, x) for t in (mul, add))
+    k = max(0 if t is None else _sample_dims(t, x) for t in (mul, add))
+    groups = math.prod(x.shape[:k])
     out_dtype = _out_dtype(x, mul, add)
     if x.numel() == 0:  # no rows: nothing to normalize (the empty product keeps the gradients' paths)
         y = layer_norm_modulate_ref(x.to(out_dtype), [n], mul, add, weight, bias, eps, is_rms_norm)
         return y.to(out_dtype)
-    wg, bg = _folded_affine(x, n, groups, mul, add, weight, bias)
+    wg, bg = _folded_affine(x, n, k, mul, add, weight, bias)
     if eager_fast_path(x, wg, bg):
         with profiled(f"trifuse::{OP}"):
             return apply_function(_GroupedNormFunction, x, wg, bg, eps, is_rms_norm, groups, out_dtype)
