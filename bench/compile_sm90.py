@@ -93,6 +93,13 @@ def _catalogue(torch, family: str):
                 yield f"{'rms' if rms else 'layer'}_norm_modulate {n}", fwd_bwd(
                     lambda x=x, scale=scale, shift=shift, n=n, rms=rms: ops.layer_norm_modulate(
                         x, n, 1 + scale, shift, eps=1e-6, is_rms_norm=rms))
+        # DiT's under autocast, narrowed (fusion/narrow.py): y for the q, k and v projections, the
+        # backward summing their three gradients per group.
+        for n in (1152, 1536):
+            x, scale, shift = leaf(2, rows, n), leaf(2, 1, n), leaf(2, 1, n)
+            yield f"layer_norm_modulate {n} -> bf16 x 3 readers", fwd_bwd(
+                lambda x=x, scale=scale, shift=shift, n=n: ops.layer_norm_modulate(
+                    x, n, 1 + scale, shift, eps=1e-6, out_dtype=bf16, readers=3))
     elif family == "residual_stream":
         for n in (1024, 4096):
             x, r, w, b, xb = leaf(rows, n), leaf(rows, n), leaf(n), leaf(n), leaf(n)

@@ -4,7 +4,9 @@ Under autocast a pre-norm block's residual stream stays fp32, so its norm return
 matmul after it (the attention's q/k/v projections, the MLP's first linear or gate and up) casts
 that to bf16 or fp16 first: a kernel reading 4 and writing 2 bytes an element per matmul forward,
 and backward one casting each matmul's 16-bit gradient back to fp32 and adds summing them for the
-norm's backward, on every layer. When a fused norm's output goes to such matmuls alone (through
+norm's backward, on every layer (a diffusion transformer's modulated norms, `layer_norm_modulate`,
+the same: their outputs are fp32 too, a 16-bit scale times an fp32 norm). When a fused norm's
+output goes to such matmuls alone (through
 views and reshapes), the norm writes the 16-bit values itself (`out_dtype`): the kernel rounds
 the same fp32 result once, as each cast did, so every matmul sees the same bits. With several
 matmuls (up to `MAX_READERS`) the norm returns one view of its output for each (`readers`), so
@@ -33,6 +35,7 @@ import operator
 import torch
 from torch import fx
 
+from ..kernels import adaptive_norm
 from ..kernels import layer_norm as ln
 from ..kernels.cast import cast_for_readers
 from ..kernels.linear import autocast_linear
@@ -46,7 +49,8 @@ _VIEWS = frozenset({"view", "reshape", "flatten", "unflatten"})
 _SHAPE_ONLY = frozenset({"size", "dim"})
 # The trifuse ops that take out_dtype and readers, and which of their results is y (None: the
 # op's value).
-_NORMS = {ln.layer_norm: None, ln.rms_norm: None, ln.dropout_add_layer_norm: 0}
+_NORMS = {ln.layer_norm: None, ln.rms_norm: None, ln.dropout_add_layer_norm: 0,
+          adaptive_norm.layer_norm_modulate: None}
 
 
 def narrow_norm_outputs(graph: fx.Graph) -> list[fx.Node]:
@@ -57,8 +61,11 @@ def narrow_norm_outputs(graph: fx.Graph) -> list[fx.Node]:
         return []
     changed = []
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in _NORMS or out_dtype(node) is not None:
+        if node.op != "call_function" or node.target not in _NORMS or readers(node) != 1 or full_y(node):
             continue
+        # (an out_dtype already set widens: the modulated norm of a 16-bit x, fp32 under CUDA's
+        # autocast; the op's own dtype is then not the one the graph reads)
+        widened = out_dtype(node) is not None
         y = _output(node, _NORMS[node.target])
         value = example_value(y) if y is not None else None
         dtype = _autocast_dtype_for(value)
@@ -68,6 +75,8 @@ def narrow_norm_outputs(graph: fx.Graph) -> list[fx.Node]:
         if not branches:
             continue
         keep_full = others or len(branches) > ln.MAX_READERS
+        if keep_full and widened:
+            continue
         if keep_full:
             branches = branches[:1]
         narrow = value.to(dtype)

@@ -44,7 +44,15 @@ from ._common import (
     unscoped,
     use_triton,
 )
-from .layer_norm import _stat_dtype, layer_norm_bwd, layer_norm_fwd
+from .layer_norm import (
+    _cast_for_readers,
+    _check_narrowing,
+    _narrowed_key,
+    _narrowed_ref,
+    _stat_dtype,
+    layer_norm_bwd,
+    layer_norm_fwd,
+)
 
 OP = "layer_norm_modulate"
 
@@ -89,24 +97,29 @@ def _grouped_norm_torch(x: torch.Tensor, weight, bias, n: int, eps: float, is_rm
 # =============================================================================================
 
 
-def _grouped_fwd(x, weight, bias, n, eps, is_rms_norm, groups, out_dtype):
-    """(y, mean, rstd): y in out_dtype; mean (empty for RMSNorm) and rstd per row, fp32 (fp64
-    for fp64)."""
+def _grouped_fwd(x, weight, bias, n, eps, is_rms_norm, groups, out_dtype, y2_dtype=None):
+    """(y, mean, rstd), and y2 with y2_dtype: y in out_dtype (y2, the same values, in y2_dtype);
+    mean (empty for RMSNorm) and rstd per row, fp32 (fp64 for fp64)."""
     if not use_triton(x):
         with torch.no_grad():
             y, mean, rstd = _grouped_norm_torch(x, weight, bias, n, eps, is_rms_norm, groups)
-        return y.to(out_dtype), mean[:0] if is_rms_norm else mean, rstd  # no mean for RMSNorm, as the kernels
+        # no mean for RMSNorm, as the kernels
+        out = (y.to(out_dtype), mean[:0] if is_rms_norm else mean, rstd)
+        return out if y2_dtype is None else (*out, y.to(y2_dtype))
     rows = x.numel() // n
     # one group: the plain launch, its affine read once per tile rather than per row
-    y, _, mean, rstd = layer_norm_fwd(x, n, weight, bias, eps, is_rms_norm=is_rms_norm, out_dtype=out_dtype,
-                                      rows_per_group=rows // groups if groups > 1 else None)
-    return y, mean, rstd
+    out = layer_norm_fwd(x, n, weight, bias, eps, is_rms_norm=is_rms_norm, out_dtype=out_dtype,
+                         y2_dtype=y2_dtype, rows_per_group=rows // groups if groups > 1 else None)
+    return out[0], *out[2:]
 
 
-def _grouped_bwd(dy, x, weight, mean, rstd, n, eps, is_rms_norm, groups, needs):
-    """(dx in x's dtype, dW_g, dB_g in fp32 / fp64) as `needs` (x, weight, bias) asks; None where not."""
+def _grouped_bwd(dy, x, weight, mean, rstd, n, eps, is_rms_norm, groups, needs, more_dy=()):
+    """(dx in x's dtype, dW_g, dB_g in fp32 / fp64) as `needs` (x, weight, bias) asks; None where not.
+    y's gradient is dy plus, summed in fp32 in that order, those of its other views (more_dy)."""
     acc = _stat_dtype(x)
     if not use_triton(x):
+        for extra in more_dy:
+            dy = dy.to(acc) + extra
         with torch.no_grad():
             h = x.reshape(groups, -1, n).to(acc)
             g_y = dy.reshape(groups, -1, n).to(acc)
@@ -119,7 +132,8 @@ def _grouped_bwd(dy, x, weight, mean, rstd, n, eps, is_rms_norm, groups, needs):
                     (g_y * xhat).sum(1) if needs[1] else None, g_y.sum(1) if needs[2] else None)
     grad_dtypes = (acc if needs[1] and weight is not None else None, acc if needs[2] else None, None)
     dx, _, dw, db, _ = layer_norm_bwd(dy, x, n, weight, mean, rstd, is_rms_norm=is_rms_norm,
-                                      grad_dtypes=grad_dtypes, dx_dtype=x.dtype, groups=groups)
+                                      grad_dtypes=grad_dtypes, dx_dtype=x.dtype, more_dy=more_dy,
+                                      groups=groups)
     # one group comes back as (n,) vectors
     return dx if needs[0] else None, *(None if v is None else v.view(groups, n) for v in (dw, db))
 
@@ -266,20 +280,27 @@ def _(dy, x, weight, mean, rstd, eps, is_rms_norm, groups, need_dw, need_db):
             x.new_empty(vec if need_db else 0, dtype=_stat_dtype(x)))
 
 
-def _twice(ctx, dy, *_):
-    """The backward in PyTorch ops, differentiable again (create_graph=True)."""
+def _twice(ctx, *grads):
+    """The backward in PyTorch ops, differentiable again (create_graph=True); y's gradient the sum
+    of its views' (the first ctx.outputs grads; the registered op's others are mean's and rstd's)."""
     x, weight, bias, _, _ = ctx.saved_tensors
     needs = ctx.needs_input_grad
+    dy = None
+    for g in grads[:ctx.outputs]:
+        if g is not None:
+            dy = g.to(_stat_dtype(x)) if dy is None else dy + g
+    if dy is None:
+        return (None,) * len(needs)
     dx, dw, db = reference_grads(
         lambda x, w, b: _grouped_norm_torch(x, w, b, x.shape[-1], ctx.eps, ctx.is_rms_norm, ctx.groups)[0],
         (x, weight, bias), needs[:3], (dy,))
-    return (None if dx is None else dx.to(x.dtype), dw, db, *(None,) * 4)
+    return (None if dx is None else dx.to(x.dtype), dw, db, *(None,) * (len(needs) - 3))
 
 
 def _setup(ctx, inputs, output):
     x, weight, bias, eps, is_rms_norm, groups, _ = inputs
     ctx.save_for_backward(x, weight, bias, output[1], output[2])
-    ctx.eps, ctx.is_rms_norm, ctx.groups = eps, is_rms_norm, groups
+    ctx.eps, ctx.is_rms_norm, ctx.groups, ctx.outputs = eps, is_rms_norm, groups, 1
     ctx.set_materialize_grads(False)
 
 
@@ -305,22 +326,32 @@ torch.library.register_autograd("trifuse::grouped_norm", _backward, setup_contex
 
 class _GroupedNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, eps, is_rms_norm, groups, out_dtype):
-        y, mean, rstd = _grouped_fwd(x, weight, bias, x.shape[-1], eps, is_rms_norm, groups, out_dtype)
+    def forward(ctx, x, weight, bias, eps, is_rms_norm, groups, y_dtype, narrowing):
+        # narrowing: None, or (out_dtype, readers, full_y) as `layer_norm_modulate` takes them
+        out_dtype, readers, full_y = narrowing or (None, 1, False)
+        y_out = y_dtype if full_y or out_dtype is None else out_dtype
+        out = _grouped_fwd(x, weight, bias, x.shape[-1], eps, is_rms_norm, groups, y_out,
+                           out_dtype if full_y else None)
+        y, mean, rstd = out[:3]
         ctx.save_for_backward(x, weight, bias, mean, rstd)
         ctx.eps, ctx.is_rms_norm, ctx.groups = eps, is_rms_norm, groups
-        return y
+        # y (in full as well, with full_y) and a view of the narrowed y for each reader beyond the
+        # first: one buffer, each view's gradient reaching the backward apart (summed there in fp32)
+        narrow = out[3] if full_y else y
+        ys = ((y,) if full_y else ()) + (narrow, *(narrow.view_as(narrow) for _ in range(readers - 1)))
+        ctx.outputs = len(ys)
+        return ys if len(ys) > 1 else y
 
     @staticmethod
     @single_backward(twice=_twice)
-    def backward(ctx, dy):
+    def backward(ctx, dy, *more_dy):
         x, weight, bias, mean, rstd = ctx.saved_tensors
         needs = ctx.needs_input_grad
         with profiled("trifuse::grouped_norm_backward"):
             dx, dw, db = _grouped_bwd(dy, x, weight, mean, rstd, x.shape[-1], ctx.eps, ctx.is_rms_norm,
                                       ctx.groups, (needs[0], needs[1] and weight is not None,
-                                                   needs[2] and bias is not None))
-        return dx, dw, db, None, None, None, None
+                                                   needs[2] and bias is not None), more_dy)
+        return dx, dw, db, None, None, None, None, None
 
 
 # =============================================================================================
@@ -339,7 +370,10 @@ def layer_norm_modulate(
     eps: float = 1e-5,
     *,
     is_rms_norm: bool = False,
-) -> torch.Tensor:
+    out_dtype: torch.dtype | None = None,
+    readers: int = 1,
+    full_y: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """`norm(x) * mul + add` in one pass each way: the adaptive LayerNorm (RMSNorm) of diffusion
     transformers, `F.layer_norm(x, (N,), weight, bias, eps) * (1 + scale[:, None]) + shift[:, None]`
     with mul = 1 + scale[:, None] and add = shift[:, None].
@@ -352,10 +386,18 @@ def layer_norm_modulate(
         weight, bias: (N,) or None, the norm's own affine (no bias for RMSNorm).
         eps: added to the variance (mean square for RMSNorm).
         is_rms_norm: RMSNorm instead of LayerNorm.
+        out_dtype: y's dtype when not the promoted one, rounded once from the fp32 result:
+            narrower for autocast's matmuls (a DiT block's modulated norms feed the attention's
+            q, k and v projections, and the MLP's first linear, alone), or wider where the model
+            modulates the norm's output in a wider dtype (CUDA autocast returns fp32 from a
+            16-bit LayerNorm). `fuse` sets it.
+        readers, full_y: with a narrower out_dtype, as `trifuse.ops.layer_norm` takes them: that
+            many views of y, their gradients summed in fp32 in the backward; or (y in its
+            own dtype, y in out_dtype).
 
     Returns:
-        y shaped like x, contiguous, in x's dtype promoted with mul's and add's. Gradients reach x,
-        mul, add, weight and bias; the per-sample sums are deterministic.
+        y shaped like x, contiguous, in x's dtype promoted with mul's and add's (or as narrowed).
+        Gradients reach x, mul, add, weight and bias; the per-sample sums are deterministic.
 
     Eager calls run trifuse's kernels or PyTorch's norm, product and sum, whichever the
     `layer_norm_modulate` dialect measured faster for this shape on this GPU (on tiny
@@ -366,10 +408,15 @@ def layer_norm_modulate(
         TypeError for non-float tensors; ValueError for shapes, devices or eps that do not fit.
     """
     _check(OP, x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm)
-    return LAYER_NORM_MODULATE(x, normalized_shape, mul, add, weight, bias, float(eps), is_rms_norm)
+    if out_dtype is None and readers == 1 and not full_y:
+        return LAYER_NORM_MODULATE(x, normalized_shape, mul, add, weight, bias, float(eps), is_rms_norm)
+    # narrowed: a choice of its own, timed with the casts PyTorch's candidate needs
+    _check_narrowing(OP, out_dtype, readers, full_y)
+    return LAYER_NORM_MODULATE(x, normalized_shape, mul, add, weight, bias, float(eps), is_rms_norm,
+                               out_dtype, readers, full_y)
 
 
-def _out_dtype(x: torch.Tensor, mul: torch.Tensor | None, add: torch.Tensor | None) -> torch.dtype:
+def _y_dtype(x: torch.Tensor, mul: torch.Tensor | None, add: torch.Tensor | None) -> torch.dtype:
     """The dtype of `norm(x) * mul + add` as written (the norm in x's dtype)."""
     out = x.dtype
     for t in (mul, add):
@@ -378,35 +425,52 @@ def _out_dtype(x: torch.Tensor, mul: torch.Tensor | None, add: torch.Tensor | No
     return out
 
 
-def _modulate_trifuse(x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm):
+# The candidates take the narrowing arguments (out_dtype, readers, full_y) after the plain ones:
+# trifuse's kernels write y in out_dtype, PyTorch's y is cast once per reader.
+
+
+def _modulate_trifuse(x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm, out_dtype=None,
+                      readers=1, full_y=False):
     """The op's own candidate: the folded affine (PyTorch, on the small vectors) and the norm
     kernels with it. Checked inputs."""
     n = x.shape[-1]
     k = max(0 if t is None else _sample_dims(t, x) for t in (mul, add))
     groups = math.prod(x.shape[:k])
-    out_dtype = _out_dtype(x, mul, add)
+    y_dtype = _y_dtype(x, mul, add)
     if x.numel() == 0:  # no rows: nothing to normalize (the empty product keeps the gradients' paths)
-        y = layer_norm_modulate_ref(x.to(out_dtype), [n], mul, add, weight, bias, eps, is_rms_norm)
-        return y.to(out_dtype)
+        y = layer_norm_modulate_ref(x.to(y_dtype), [n], mul, add, weight, bias, eps, is_rms_norm)
+        return _cast_for_readers(y.to(y_dtype), out_dtype, readers, full_y)
     wg, bg = _folded_affine(x, n, k, mul, add, weight, bias)
     if eager_fast_path(x, wg, bg):
+        plain = out_dtype is None and readers == 1 and not full_y
+        narrowing = None if plain else (out_dtype, readers, full_y)
         with profiled(f"trifuse::{OP}"):
-            return apply_function(_GroupedNormFunction, x, wg, bg, eps, is_rms_norm, groups, out_dtype)
-    return torch.ops.trifuse.grouped_norm(x, wg, bg, eps, is_rms_norm, groups, out_dtype)[0]
+            return apply_function(_GroupedNormFunction, x, wg, bg, eps, is_rms_norm, groups, y_dtype,
+                                  narrowing)
+    # traced: the registered op, y in the wider of its dtype and out_dtype, narrowed by a cast after
+    # it (which a compiler fuses into the kernel before it)
+    wide = y_dtype if out_dtype is None or full_y else torch.promote_types(y_dtype, out_dtype)
+    y = torch.ops.trifuse.grouped_norm(x, wg, bg, eps, is_rms_norm, groups, wide)[0]
+    return _cast_for_readers(y, out_dtype, readers, full_y)
 
 
-def _modulate_torch(x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm):
+def _modulate_torch(x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm, out_dtype=None,
+                    readers=1, full_y=False):
     """PyTorch's norm, product and sum, in the op's dtypes (autocast, which would run the norm in
-    fp32, off: the implementation chosen must not change the output dtype)."""
+    fp32, off: the implementation chosen must not change the output dtype); for a wider out_dtype
+    (y not rounded to x's dtype on the way), in that dtype."""
+    if out_dtype is not None and not full_y and torch.promote_types(x.dtype, out_dtype) != x.dtype:
+        x, weight, bias = (None if t is None else t.to(out_dtype) for t in (x, weight, bias))
     if unscoped(x.device):
         y = layer_norm_modulate_ref(x, [x.shape[-1]], mul, add, weight, bias, eps, is_rms_norm)
     else:
         with profiled(f"trifuse::{OP}"), no_autocast(x.device):
             y = layer_norm_modulate_ref(x, [x.shape[-1]], mul, add, weight, bias, eps, is_rms_norm)
-    return y.to(_out_dtype(x, mul, add))
+    return _cast_for_readers(y.to(_y_dtype(x, mul, add)), out_dtype, readers, full_y)
 
 
-def _modulate_torch_supports(x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm) -> str | None:
+def _modulate_torch_supports(x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm,
+                             *narrowing) -> str | None:
     allowed = (x.dtype, torch.float32) if x.dtype in (torch.float16, torch.bfloat16) else (x.dtype,)
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and t.dtype not in allowed:
@@ -415,8 +479,10 @@ def _modulate_torch_supports(x, normalized_shape, mul, add, weight, bias, eps, i
     return None
 
 
-def _modulate_key(x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm):
-    """The dialect key of an eager call: None (the op's kernels) when traced or empty."""
+def _modulate_key(x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm, out_dtype=None, readers=1,
+                  full_y=False):
+    """The dialect key of an eager call: None (the op's kernels) when traced or empty; a narrowed
+    call's with the narrowing as its last entry (`layer_norm`'s keys the same)."""
     if not eager_fast_path(x, mul, add, weight, bias):
         return None
     n = x.shape[-1] if x.dim() else 0
@@ -426,17 +492,22 @@ def _modulate_key(x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm)
     tensors = (x, mul, add, weight, bias)
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     dtypes = tuple(None if t is None else t.dtype for t in tensors[1:])
-    return (x.get_device() if x.is_cuda else -1, x.dtype, pow2_bucket(rows), n, *dtypes, is_rms_norm, grad)
+    key = (x.get_device() if x.is_cuda else -1, x.dtype, pow2_bucket(rows), n, *dtypes, is_rms_norm, grad)
+    if out_dtype is None and readers == 1 and not full_y:
+        return key
+    return _narrowed_key(key, x, out_dtype, readers, full_y)
 
 
-def _modulate_dialect_ref(x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm):
-    return layer_norm_modulate_ref(x, [x.shape[-1]], mul, add, weight, bias, eps, is_rms_norm)
+def _modulate_dialect_ref(x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm, out_dtype=None,
+                          readers=1, full_y=False):
+    y = layer_norm_modulate_ref(x, [x.shape[-1]], mul, add, weight, bias, eps, is_rms_norm)
+    return _narrowed_ref(y, x, out_dtype, readers, full_y)
 
 
 # The op's kernels or PyTorch's three ops, whichever measured faster per shape on this GPU (on
 # tiny activations the host path decides, and PyTorch's is shorter).
 LAYER_NORM_MODULATE = dialects.define(
-    OP, _modulate_key, ("device", "dtype", "rows", "n", "mul", "add", "weight", "bias", "rms", "grad"),
+    OP, _modulate_key, ("device", "dtype", "rows", "n", "mul", "add", "weight", "bias", "rms", "grad", "out"),
     reference=_modulate_dialect_ref)
 LAYER_NORM_MODULATE.register(dialects.Candidate("trifuse", _modulate_trifuse))
 LAYER_NORM_MODULATE.register(dialects.Candidate("torch", _modulate_torch, supports=_modulate_torch_supports))

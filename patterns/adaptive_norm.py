@@ -17,6 +17,13 @@ wider than the norm's output (`in_the_norms_dtype`): under autocast DiT's residu
 fp32 and its modulation bf16, fused; fp16 activations beside an fp32 affine written out keep
 the model's rounding.
 
+Under CUDA's autocast a 16-bit x (diffusers' DiT, PixArt, SD3 keep their residual stream in the
+autocast dtype) is normalized in fp32 and the norm returns fp32, which the stage-0 norm pattern
+keeps with a cast back (`ops.layer_norm(x).to(torch.float32)`); the modulation then runs in fp32
+(`*_upcast`): the op computes it as ever and writes y in fp32 (`out_dtype`), or, where only
+autocast's matmuls read y (q, k and v; the MLP's first linear), in the autocast dtype directly
+(fusion/narrow.py).
+
 Tried before the residual stream's (stage 1, earlier in the registry): when an add feeds a
 modulated norm (a DiT block's second and third norms), folding the modulation saves more passes
 than folding the add.
@@ -35,12 +42,32 @@ def layer_norm_modulate_fused(x, mul, add, normalized_shape, weight, bias, eps):
     return ops.layer_norm_modulate(x, normalized_shape, mul, add, weight, bias, eps)
 
 
+def layer_norm_modulate_upcast(x: torch.Tensor, mul: torch.Tensor, add: torch.Tensor, normalized_shape,
+                               weight, bias, eps, dtype):
+    """CUDA autocast's LayerNorm of a 16-bit x: fp32 out (the stage-0 norm's cast back), modulated in fp32."""
+    return ops.layer_norm(x, normalized_shape, weight, bias, eps).to(dtype) * mul + add
+
+
+def layer_norm_modulate_upcast_fused(x, mul, add, normalized_shape, weight, bias, eps, dtype):
+    return ops.layer_norm_modulate(x, normalized_shape, mul, add, weight, bias, eps, out_dtype=dtype)
+
+
 def rms_norm_modulate(x: torch.Tensor, mul: torch.Tensor, add: torch.Tensor, normalized_shape, weight, eps):
     return ops.rms_norm(x, normalized_shape, weight, eps) * mul + add
 
 
 def rms_norm_modulate_fused(x, mul, add, normalized_shape, weight, eps):
     return ops.layer_norm_modulate(x, normalized_shape, mul, add, weight, None, eps, is_rms_norm=True)
+
+
+def rms_norm_modulate_upcast(x: torch.Tensor, mul: torch.Tensor, add: torch.Tensor, normalized_shape, weight,
+                             eps, dtype):
+    return ops.rms_norm(x, normalized_shape, weight, eps).to(dtype) * mul + add
+
+
+def rms_norm_modulate_upcast_fused(x, mul, add, normalized_shape, weight, eps, dtype):
+    return ops.layer_norm_modulate(x, normalized_shape, mul, add, weight, None, eps, is_rms_norm=True,
+                                   out_dtype=dtype)
 
 
 def _not_per_sample(t: torch.Tensor, x: torch.Tensor) -> str | None:
@@ -102,11 +129,32 @@ def in_the_norms_dtype(m: Match) -> str | None:
     return None
 
 
+def upcast_holds_the_product(m: Match) -> str | None:
+    """The norm's output widened (x's dtype to a wider float: CUDA autocast runs LayerNorm in
+    fp32 and returns fp32 for a 16-bit x) and the product and sum in that wider dtype: the op
+    computes it all in fp32 and writes y in it, where the model rounds in it after each step."""
+    x, mul, add, dtype = (m.value(name) for name in ("x", "mul", "add", "dtype"))
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        return f"the cast is to {dtype!r}, not a float dtype"
+    if dtype == x.dtype or torch.promote_types(x.dtype, dtype) != dtype:
+        return f"the cast from {x.dtype} to {dtype} does not widen"
+    wider = torch.promote_types(torch.promote_types(dtype, mul.dtype), add.dtype)
+    if wider != dtype:
+        return f"the product or sum is wider ({wider}) than the norm's {dtype} output"
+    return None
+
+
 PATTERNS = (
     Pattern("layer_norm_modulate", "layer_norm", layer_norm_modulate, layer_norm_modulate_fused,
             ("layer_norm_modulate", "layer_norm"), (per_sample, in_the_norms_dtype, needs_number("eps")),
             stage=1, quiet=True),
     Pattern("rms_norm_modulate", "rms_norm", rms_norm_modulate, rms_norm_modulate_fused,
             ("layer_norm_modulate", "rms_norm"), (per_sample, in_the_norms_dtype, needs_number("eps")),
+            stage=1, quiet=True),
+    Pattern("layer_norm_modulate_upcast", "layer_norm", layer_norm_modulate_upcast,
+            layer_norm_modulate_upcast_fused, ("layer_norm_modulate", "layer_norm"),
+            (per_sample, upcast_holds_the_product, needs_number("eps")), stage=1, quiet=True),
+    Pattern("rms_norm_modulate_upcast", "rms_norm", rms_norm_modulate_upcast, rms_norm_modulate_upcast_fused,
+            ("layer_norm_modulate", "rms_norm"), (per_sample, upcast_holds_the_product, needs_number("eps")),
             stage=1, quiet=True),
 )

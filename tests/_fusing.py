@@ -1,6 +1,7 @@
 """Helpers for the pattern and fusion tests: fuse a module through fx or through Dynamo, compare
 the fused model with the unfused one against the float64 oracle (tests/tolerances.py), list the
 trifuse ops a run executed."""
+import contextlib
 import copy
 from collections.abc import Callable
 
@@ -25,6 +26,31 @@ class PassThroughMode(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def cuda_like_autocast():
+    """CPU autocast as CUDA's for LayerNorm: run in fp32 (16-bit input and affine upcast; fp64
+    left), fp32 out. CPU autocast leaves LayerNorm in the input's dtype, so without this the tests never see
+    the fp32 norm output that a GPU training run under autocast hands the ops after it. (On a
+    GPU, nothing to change.)"""
+    if DEVICE == "cuda":
+        yield
+        return
+    lib = torch.library.Library("aten", "IMPL")
+    autocast = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+
+    def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
+        wide = [t.float() if t is not None and t.dtype in (torch.float16, torch.bfloat16) else t
+                for t in (x, weight, bias)]
+        with torch._C._ExcludeDispatchKeyGuard(autocast):
+            return torch.ops.aten.layer_norm(wide[0], normalized_shape, wide[1], wide[2], eps, cudnn_enable)
+
+    lib.impl("layer_norm", layer_norm, "AutocastCPU")
+    try:
+        yield
+    finally:
+        lib._destroy()
 
 
 def has_op(name: str) -> bool:

@@ -4,7 +4,6 @@ runs, the result is bitwise that implementation's, in the op's dtype; traced cal
 trifuse::grouped_norm."""
 import pytest
 import torch
-
 import trifuse
 from _device import DEVICE
 from trifuse.kernels import adaptive_norm as an
@@ -75,3 +74,29 @@ def test_compiled_graphs_keep_the_registered_op(modulate_dialect, timer, monkeyp
     torch.compile(lambda *a: public(*a), backend=backend, fullgraph=True)(
         x, (N,), 1 + scale[:, None], shift[:, None], None, None, 1e-6, False)
     assert any("trifuse.grouped_norm" in gm.code for gm in graphs)
+
+
+@pytest.mark.parametrize("winner", ["trifuse", "torch"])
+def test_a_narrowed_call_is_chosen_apart_and_runs_bitwise(modulate_dialect, timer, monkeypatch, winner):
+    """y in fp16 for three readers (fuse's narrowing under autocast): a key of its own, timed with
+    the casts PyTorch's candidate needs; the winner's three ys and gradients bitwise."""
+    fake = timer({"trifuse": 1.0, "torch": 2.0} if winner == "trifuse" else {"trifuse": 2.0, "torch": 1.0})
+    monkeypatch.setattr(modulate_dialect, "timer", fake)
+    x, scale, shift = inputs()
+    args = (x, (N,), 1 + scale[:, None], shift[:, None], None, None, 1e-6, False)
+    narrowing = (torch.float16, 3, False)
+    assert modulate_dialect.key(*args, *narrowing) == (*modulate_dialect.key(*args), "float16x3")
+
+    def run(fn):
+        ys = fn(*args, *narrowing)
+        dys = [torch.randn(y.shape, generator=torch.Generator(device=y.device).manual_seed(i),
+                           device=y.device, dtype=y.dtype) for i, y in enumerate(ys)]
+        return (*ys, *torch.autograd.grad(ys, (x, scale, shift), dys))
+
+    got = run(lambda *a: trifuse.ops.layer_norm_modulate(*a[:7], is_rms_norm=a[7], out_dtype=a[8],
+                                                         readers=a[9], full_y=a[10]))
+    want = run(an._modulate_trifuse if winner == "trifuse" else an._modulate_torch)
+    for a, e in zip(got, want):
+        assert a.dtype == e.dtype and torch.equal(a, e)
+    rec = modulate_dialect.explain(*args, *narrowing)
+    assert rec.chosen == winner and set(fake.calls) == {"trifuse", "torch"}

@@ -8,7 +8,8 @@ equal the unfused model's by the oracle rule.
 """
 import pytest
 import torch
-from _fusing import available_counts, check_against_unfused
+from _device import DEVICE
+from _fusing import available_counts, check_against_unfused, cuda_like_autocast
 from torch import nn
 
 diffusers = pytest.importorskip("diffusers")
@@ -176,3 +177,22 @@ def test_a_diffusers_denoiser_fuses_its_blocks(name):
     assert report.counts() == available_counts(counts)
     patterns = report.by_pattern()
     assert patterns.get("layer_norm_modulate", 0) + patterns.get("rms_norm_modulate", 0) == modulated
+
+
+@pytest.mark.parametrize("name", ["dit", "pixart", "sd3", "flux"])
+def test_adaptive_norms_fuse_under_cuda_autocast_too(name):
+    """Under CUDA's fp16/bf16 autocast a 16-bit x's LayerNorm returns fp32 (these models keep
+    their residual stream in the autocast dtype), and the modulation runs in fp32: the same norms
+    fuse (`*_upcast`), and those only autocast's matmuls read write the 16-bit y themselves (q, k
+    and v: three views). The output by the oracle rule against the float64 model, the unfused one
+    under the same autocast the yardstick (its loss only, as the other autocast tests: the
+    gradients of fp16 matmuls differ with every reordering)."""
+    build, _, modulated = MODELS[name]
+    model, inputs, train = build()
+    with cuda_like_autocast(), torch.autocast("cuda" if DEVICE == "cuda" else "cpu", dtype=torch.float16):
+        report = check_against_unfused(lambda: model, inputs, train=train, grads=False)
+    found = [r for u in report.units for c in u.unit.captures for r in c.log.replaced
+             if r.pattern.endswith("norm_modulate_upcast") or r.pattern.endswith("norm_modulate")]
+    assert len(found) == modulated, report.table()
+    assert any(r.pattern.endswith("_upcast") for r in found), report.table()
+    assert any("only autocast's matmuls read it (3, a view each)" in r.note for r in found), report.table()

@@ -8,7 +8,7 @@ import _models
 import pytest
 import torch
 import trifuse
-from _fusing import DynamoHost
+from _fusing import DynamoHost, cuda_like_autocast
 from torch import nn
 from trifuse.fusion import narrow, rewriter
 
@@ -361,3 +361,33 @@ def test_gpu_gpt2s_gelu_output_reaches_c_proj_uncast():
         trifuse.fuse(plain)
         _step(plain, kw, loss_fn)
     _assert_same_step(model, plain, kw, loss_fn)
+
+
+def _dit():
+    """diffusers' DiT (two adaLN-Zero blocks) from a small config: inputs(batch, _) and a loss."""
+    diffusers = pytest.importorskip("diffusers")
+    model = diffusers.DiTTransformer2DModel(
+        num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=8, num_layers=2,
+        sample_size=8, patch_size=2, num_embeds_ada_norm=10).to(_models.DEVICE)
+
+    def inputs(batch, _):
+        return {"hidden_states": torch.randn(batch, 4, 8, 8, device=_models.DEVICE),
+                "timestep": torch.arange(1, batch + 1, device=_models.DEVICE),
+                "class_labels": torch.arange(batch, device=_models.DEVICE) % 10}
+
+    return model, inputs, lambda m, kw: m(**kw).sample.float().square().mean()
+
+
+def test_a_dit_blocks_modulated_norms_narrow_and_change_no_bit(monkeypatch):
+    """DiT under CUDA's autocast: its fp16 residual stream's LayerNorm returns fp32, modulated in
+    fp32 (`layer_norm_modulate_upcast`); norm1's output, read by q, k and v alone, comes as three
+    fp16 views, norm2's, read by the MLP's first linear, as one. Loss and every gradient bitwise
+    those of the model fused without narrowing."""
+    with cuda_like_autocast():
+        model, plain, kw, loss_fn = _fused_pair(_dit, monkeypatch)
+        readers = sorted(int(k.group(1)) if (k := re.search(r"\((\d), a view each\)", r.note)) else 1
+                         for u in trifuse.report(model).units for c in u.unit.captures for r in c.log.replaced
+                         if r.pattern == "layer_norm_modulate_upcast" and NOTE in r.note)
+        assert readers == [1, 1, 3, 3], readers  # two blocks
+        assert not _narrowed(plain)
+        _assert_same_step(model, plain, kw, loss_fn)

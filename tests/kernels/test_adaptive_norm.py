@@ -10,10 +10,10 @@ same tests add bf16.
 import pytest
 import torch
 import torch.nn.functional as F
-from tolerances import DTYPES, assert_close
-
-from _device import DEVICE
 import trifuse
+from _device import DEVICE
+from tolerances import DTYPES, assert_close, check_close
+from trifuse.kernels import adaptive_norm as an
 from trifuse.kernels.adaptive_norm import layer_norm_modulate_ref
 
 EPS = 1e-6
@@ -255,3 +255,151 @@ def test_rms_norm_refuses_a_bias():
     with pytest.raises(ValueError, match="RMSNorm has no bias"):
         trifuse.ops.layer_norm_modulate(torch.randn(2, 3, 4, device=DEVICE), [4],
                                         bias=torch.randn(4, device=DEVICE), is_rms_norm=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# out_dtype, readers, full_y: y narrowed for autocast's matmuls, or widened as CUDA autocast's
+# norm returns it (fuse sets them: fusion/narrow.py, patterns/adaptive_norm.py), through either
+# candidate of the dialect
+# ---------------------------------------------------------------------------------------------
+
+CANDIDATES = {"trifuse": an._modulate_trifuse, "torch": an._modulate_torch}
+
+
+def _modulated(norm, dtype=torch.float32, affine_dtype=torch.float32):
+    """(x, mul, add, weight, bias) for a (3, 7, 37) x, DiT's per-sample vectors, all requiring grad."""
+    torch.manual_seed(0)
+    x = (torch.randn(3, 7, 37, device=DEVICE) * 2 + 0.5).to(dtype)
+    mul = (torch.randn(3, 1, 37, device=DEVICE) * 0.5 + 1).to(dtype)
+    add = torch.randn(3, 1, 37, device=DEVICE).to(dtype)
+    w = (torch.randn(37, device=DEVICE) * 0.3 + 1).to(affine_dtype)
+    b = torch.randn(37, device=DEVICE).to(affine_dtype) if norm == "layer_norm" else None
+    return [None if t is None else t.requires_grad_() for t in (x, mul, add, w, b)]
+
+
+def _call(candidate, inputs, norm, **narrowing):
+    x, mul, add, w, b = inputs
+    args = (x, [37], mul, add, w, b, EPS, norm == "rms_norm")
+    defaults = (("out_dtype", None), ("readers", 1), ("full_y", False))
+    return CANDIDATES[candidate](*args, *(narrowing.get(k, d) for k, d in defaults))
+
+
+@pytest.mark.parametrize("candidate", CANDIDATES)
+@pytest.mark.parametrize("norm", NORMS)
+def test_out_dtype_is_the_cast_of_y_without_a_cast_pass(candidate, norm):
+    """y in a narrower out_dtype is bitwise y.to(out_dtype), and the gradients (y's arriving in
+    it) bitwise those of the cast's backward."""
+    inputs = _modulated(norm)
+    leaves = [t for t in inputs if t is not None]
+    y = _call(candidate, inputs, norm)
+    dy = torch.randn(y.shape, device=DEVICE).half()
+    grads = torch.autograd.grad(y.half(), leaves, dy)
+    y16 = _call(candidate, inputs, norm, out_dtype=torch.float16)
+    grads16 = torch.autograd.grad(y16, leaves, dy)
+    assert y16.dtype == torch.float16 and torch.equal(y16, y.half())
+    for a, c in zip(grads, grads16):
+        assert a.dtype == c.dtype and torch.equal(a, c)
+
+
+@pytest.mark.parametrize("readers", [2, 3])
+@pytest.mark.parametrize("candidate", CANDIDATES)
+def test_readers_get_views_whose_gradients_sum_in_fp32(candidate, readers):
+    """y as `readers` fp16 tensors (views of one buffer from the kernels), each read by its own
+    matmul (a DiT block's q, k and v): every gradient bitwise that of one cast of the fp32 y per
+    matmul, whose gradients autograd sums in fp32 (as the backward kernel sums the views')."""
+    inputs = _modulated("layer_norm")
+    leaves = [t for t in inputs if t is not None]
+    mats = [torch.randn(37, 5, device=DEVICE).half() for _ in range(readers)]
+
+    def grads(k):
+        out = _call(candidate, inputs, "layer_norm", out_dtype=torch.float16 if k > 1 else None, readers=k)
+        ys = out if k > 1 else [out.half() for _ in mats]
+        assert k == 1 or (len(ys) == k and all(t.dtype == torch.float16 for t in ys))
+        # the kernels' views share one buffer (PyTorch's y is cast once per reader)
+        assert k == 1 or candidate == "torch" or all(t.data_ptr() == ys[0].data_ptr() for t in ys)
+        loss = sum((t @ m).float().square().sum() for t, m in zip(ys, mats))
+        return torch.autograd.grad(loss, leaves)
+
+    for a, c in zip(grads(1), grads(readers)):
+        assert torch.equal(a, c)
+
+
+@pytest.mark.parametrize("candidate", CANDIDATES)
+def test_full_y_returns_y_and_its_narrow_copy_whose_gradients_add(candidate):
+    """full_y: (y, y in fp16), y read by another op and the copy by a matmul; loss and gradients
+    bitwise those of y and its cast."""
+    inputs = _modulated("layer_norm")
+    leaves = [t for t in inputs if t is not None]
+    mat, c = torch.randn(37, 5, device=DEVICE).half(), torch.randn(3, 7, 37, device=DEVICE)
+
+    def loss_and_grads(narrow):
+        out = _call(candidate, inputs, "layer_norm", out_dtype=torch.float16 if narrow else None,
+                    full_y=narrow)
+        y, y16 = out if narrow else (out, out.half())
+        assert y.dtype == torch.float32 and y16.dtype == torch.float16
+        loss = (y16 @ mat).float().square().sum() + (y * c).sum()
+        return loss, torch.autograd.grad(loss, leaves)
+
+    (loss, grads), (loss_narrow, grads_narrow) = loss_and_grads(False), loss_and_grads(True)
+    assert torch.equal(loss, loss_narrow)
+    for a, c2 in zip(grads, grads_narrow):
+        assert torch.equal(a, c2)
+
+
+@pytest.mark.parametrize("candidate", CANDIDATES)
+@pytest.mark.parametrize("norm", NORMS)
+def test_a_wider_out_dtype_is_never_rounded_to_the_inputs_dtype(candidate, norm):
+    """fp16 x, mul and add with out_dtype fp32: CUDA autocast's LayerNorm of a 16-bit x returns
+    fp32, modulated in fp32. y and the gradients against float64 by the oracle rule, PyTorch's
+    yardstick that computation in fp32 (y an fp32 result, not an fp16 one cast up: the negative
+    control, y rounded to fp16 on the way, fails the same check)."""
+    inputs = _modulated(norm, torch.float16)
+    leaves = [t for t in inputs if t is not None]
+    y = _call(candidate, inputs, norm, out_dtype=torch.float32)
+    assert y.dtype == torch.float32
+    i64 = [None if t is None else t.detach().double().requires_grad_() for t in inputs]
+    i32 = [None if t is None else t.detach().clone().requires_grad_() for t in inputs]
+    y64 = layer_norm_modulate_ref(i64[0], [37], *i64[1:], EPS, norm == "rms_norm")
+    y32 = layer_norm_modulate_ref(i32[0].float(), [37], *(None if t is None else t.float() for t in i32[1:]),
+                                  EPS, norm == "rms_norm")
+    assert_close("y", y, y64, y32)
+    rounded = _call(candidate, inputs, norm).float()
+    assert not check_close("y rounded to fp16", rounded, y64, y32)[0]
+    g = torch.randn_like(y64)
+    grads = torch.autograd.grad(y, leaves, g.float())
+    grads64 = torch.autograd.grad(y64, [t for t in i64 if t is not None], g)
+    grads32 = torch.autograd.grad(y32, [t for t in i32 if t is not None], g.float())
+    for name, a, a64, a32 in zip(("dx", "dmul", "dadd", "dweight", "dbias"), grads, grads64, grads32):
+        assert a.dtype == a32.dtype
+        assert_close(name, a, a64, a32)
+
+
+@pytest.mark.parametrize("readers, full_y, wide", [(1, False, False), (3, False, False), (1, True, False),
+                                                    (1, False, True)])
+def test_narrowed_and_widened_through_the_registered_op(readers, full_y, wide):
+    """Traced calls (torch.compile) run the registered op with y in the wider of its dtype and
+    out_dtype, then cast once per reader (after y itself with full_y)."""
+    dtype, out = (torch.float16, torch.float32) if wide else (torch.float32, torch.float16)
+    x, mul, add, w, b = (None if t is None else t.detach() for t in _modulated("layer_norm", dtype))
+    torch._dynamo.reset()
+    fn = torch.compile(lambda *a: trifuse.ops.layer_norm_modulate(a[0], [37], *a[1:], eps=EPS, out_dtype=out,
+                                                                  readers=readers, full_y=full_y),
+                       fullgraph=True, backend="aot_eager")
+    ys = fn(x, mul, add, w, b)
+    ys = ys if readers + full_y > 1 else (ys,)
+    assert len(ys) == readers + full_y
+    wide_inputs = [t.to(out) if wide else t for t in (x, mul, add, w, b)]
+    expected = layer_norm_modulate_ref(wide_inputs[0], [37], *wide_inputs[1:], EPS)
+    for i, y in enumerate(ys):
+        assert y.dtype == (torch.float32 if full_y and i == 0 else out)
+        torch.testing.assert_close(y, expected.to(y.dtype))
+
+
+@pytest.mark.parametrize("out_dtype, readers, error", [
+    (torch.float16, 4, ValueError), (torch.int32, 1, TypeError), (None, 2, TypeError)])
+def test_narrowing_arguments_are_checked(out_dtype, readers, error):
+    x = torch.randn(2, 3, 8, device=DEVICE)
+    match = r"trifuse\.layer_norm_modulate: (readers must be an int from 1 to 3|out_dtype)"
+    with pytest.raises(error, match=match):
+        trifuse.ops.layer_norm_modulate(x, [8], torch.randn(2, 1, 8, device=DEVICE), out_dtype=out_dtype,
+                                        readers=readers)

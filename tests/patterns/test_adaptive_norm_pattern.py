@@ -5,7 +5,8 @@ product or sum that varies along a sample's rows is left to the other patterns."
 import pytest
 import torch
 import torch.nn.functional as F
-from _fusing import available_counts, check_against_unfused
+from _device import DEVICE
+from _fusing import available_counts, check_against_unfused, cuda_like_autocast
 from torch import nn
 
 N, COND = 24, 10
@@ -105,3 +106,38 @@ def test_diffusers_rms_norm_written_out_modulated(dtype):
     report = check_against_unfused(lambda: DiffusersRMSNormModulated().to(dtype),
                                    (x.to(dtype), cond.to(dtype)), "dynamo", train=True)
     assert report.by_pattern() == {"rms_norm_modulate": 1}, report.table()
+
+
+@pytest.mark.parametrize("spelling", ["dit", "continuous"])
+def test_cuda_autocasts_fp32_norm_of_a_16_bit_x_is_modulated_in_fp32(spelling):
+    """CUDA autocast's LayerNorm returns fp32 for an fp16 x, so the modulation runs in fp32: one
+    op all the same (`*_upcast`: y computed in fp32), and y, read by one autocast matmul alone,
+    written in fp16 directly; outputs and gradients by the oracle rule against the float64 model,
+    the unfused one under the same autocast the yardstick."""
+    x, cond = inputs()  # x in fp16: diffusers' DiT keeps its residual stream 16-bit under autocast
+    with cuda_like_autocast(), torch.autocast("cuda" if DEVICE == "cuda" else "cpu", dtype=torch.float16):
+        report = check_against_unfused(lambda: Modulated(spelling), (x.half(), cond), "dynamo", train=True)
+    assert report.by_pattern() == {"layer_norm_modulate_upcast": 1}, report.table()
+    notes = [r.note for u in report.units for c in u.unit.captures for r in c.log.replaced
+             if r.pattern == "layer_norm_modulate_upcast"]
+    assert notes and all("y in float16: only autocast's matmuls read it" in n for n in notes), notes
+
+
+def test_an_upcast_that_does_not_hold_the_product_is_left():
+    """The `*_upcast` forms take a widening cast whose dtype holds the product and the sum."""
+    from types import SimpleNamespace
+
+    from trifuse.patterns.adaptive_norm import upcast_holds_the_product
+
+    def match(x, mul, add, dtype):
+        values = {"x": torch.empty(2, 3, 4, dtype=x), "mul": torch.empty(2, 1, 4, dtype=mul),
+                  "add": torch.empty(2, 1, 4, dtype=add), "dtype": dtype}
+        return SimpleNamespace(value=values.__getitem__)
+
+    half, single, double = torch.float16, torch.float32, torch.float64
+    assert upcast_holds_the_product(match(half, half, half, single)) is None
+    assert upcast_holds_the_product(match(half, single, half, single)) is None
+    assert "does not widen" in upcast_holds_the_product(match(single, half, half, half))
+    assert "does not widen" in upcast_holds_the_product(match(single, single, single, single))
+    assert "wider (torch.float64)" in upcast_holds_the_product(match(half, double, half, single))
+    assert "not a float dtype" in upcast_holds_the_product(match(half, half, half, torch.int32))
