@@ -6,9 +6,9 @@ that to bf16 or fp16 first: a kernel reading 4 and writing 2 bytes an element pe
 and backward one casting each matmul's 16-bit gradient back to fp32 and adds summing them for the
 norm's backward, on every layer (a diffusion transformer's modulated norms, `layer_norm_modulate`,
 the same: their outputs are fp32 too, a 16-bit scale times an fp32 norm). When a fused norm's
-output goes to such matmuls alone (through
-views and reshapes), the norm writes the 16-bit values itself (`out_dtype`): the kernel rounds
-the same fp32 result once, as each cast did, so every matmul sees the same bits. With several
+output goes to such matmuls alone (through views and reshapes), the norm writes the 16-bit
+values itself (`out_dtype`): the kernel rounds the same fp32 result once, as each cast did, so
+every matmul sees the same bits. With several
 matmuls (up to `MAX_READERS`) the norm returns one view of its output for each (`readers`), so
 that their gradients reach its backward apart and are summed there in fp32, as autograd summed
 the casts' fp32 gradients; one 16-bit tensor read by all of them would have its gradients summed
