@@ -99,8 +99,11 @@ def drop_cast_backs(graph: fx.Graph) -> list[tuple[fx.Node, torch.dtype]]:
     the matmul would cast the exact fp32 copy back to the same bits, and its 16-bit gradient would
     come back through two exact casts. GPT-2 medium (H200, 2026-11-30): 4.9 ms a step of
     conversion kernels, 48 of the 50 `direct_copy` calls. With several readers the gradients
-    would be summed in 16 bits instead of fp32: those casts stay. Returns (source, dtype) per
-    cast dropped."""
+    would be summed in 16 bits instead of fp32: those casts stay, but where the output is a
+    norm's y (a 16-bit LayerNorm under CUDA's autocast, which returns fp32: SD's UNet
+    transformer blocks, a ViT kept in bf16), the norm returns a view of it per matmul (`readers`),
+    their gradients summed in fp32 by its backward kernel, where the copy's backward rounded
+    their fp32 sum to 16 bits. Returns (source, dtype, readers) per cast dropped."""
     if any(_switches_autocast(n) for n in graph.nodes):
         return []
     dropped = []
@@ -113,14 +116,29 @@ def drop_cast_backs(graph: fx.Graph) -> list[tuple[fx.Node, torch.dtype]]:
         if dtype is None or not isinstance(narrow, torch.Tensor) or narrow.dtype != dtype:
             continue
         branches, others = _branches_to_matmuls(node)
-        if others or len(branches) != 1:
+        norm = _norm_of(source)
+        if others or not branches or (len(branches) > 1 and (norm is None or len(source.users) != 1
+                                                             or len(branches) > ln.MAX_READERS)):
             continue
-        first, chain = branches[0]
-        first.replace_input_with(node, source)
-        _narrow_example_values(chain, dtype)
+        for first, chain in branches:
+            first.replace_input_with(node, source)
+            _narrow_example_values(chain, dtype)
         graph.erase_node(node)
-        dropped.append((source, dtype))
+        if len(branches) > 1:
+            _set_argument(norm, "out_dtype", dtype)
+            _split_into_readers(norm, source, branches, narrow, None)
+        dropped.append((source, dtype, len(branches)))
     return dropped
+
+
+def _norm_of(y: fx.Node) -> fx.Node | None:
+    """The norm node (of `_NORMS`, not narrowed yet) whose y `y` is, or None."""
+    for node in (y, y.args[0] if y.op == "call_function" and y.target is operator.getitem else None):
+        if isinstance(node, fx.Node) and node.op == "call_function" and node.target in _NORMS and \
+                _output(node, _NORMS[node.target]) is y and out_dtype(node) is None and readers(node) == 1 \
+                and not full_y(node):
+            return node
+    return None
 
 
 def share_input_casts(graph: fx.Graph) -> list[tuple[fx.Node, int, torch.dtype]]:

@@ -181,12 +181,14 @@ def rewrite_graph(graph: fx.Graph, patterns: Sequence[Pattern]) -> RewriteLog:
     for node, rejected in rejections.items():
         if not _erased(node):
             log.rejected.extend(rejected)
-    for source, dtype in drop_cast_backs(graph):
+    for source, dtype, k in drop_cast_backs(graph):
         event = _event_of(source)
         if event is not None:
             name = str(dtype).replace("torch.", "")
-            event.note = re.sub(r"output cast back to torch\.float32",
-                                f"output in {name}: one autocast matmul reads it", event.note, count=1)
+            read = "one autocast matmul reads it" if k == 1 else \
+                f"only autocast's matmuls read it ({k}, a view each)"
+            event.note = re.sub(r"output cast back to torch\.float32", f"output in {name}: {read}",
+                                event.note, count=1)
     for node in narrow_norm_outputs(graph):
         event = node.meta.get("trifuse_event")
         if event is not None:

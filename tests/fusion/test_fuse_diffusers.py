@@ -196,3 +196,17 @@ def test_adaptive_norms_fuse_under_cuda_autocast_too(name):
     assert len(found) == modulated, report.table()
     assert any(r.pattern.endswith("_upcast") for r in found), report.table()
     assert any("only autocast's matmuls read it (3, a view each)" in r.note for r in found), report.table()
+
+
+def test_the_unets_16_bit_norms_under_cuda_autocast_feed_q_k_v_a_view_each():
+    """The UNet's transformer blocks run their residual stream in the autocast dtype, and CUDA's
+    autocast returns their LayerNorm's output in fp32: each block's first norm, read by the
+    self-attention's q, k and v alone, returns three views of its 16-bit y (their gradients summed
+    in fp32 by its backward), not an fp32 copy cast back three times. The output by the oracle
+    rule, as above."""
+    model, inputs, train = unet()
+    with cuda_like_autocast(), torch.autocast("cuda" if DEVICE == "cuda" else "cpu", dtype=torch.float16):
+        report = check_against_unfused(lambda: model, inputs, train=train, grads=False)
+    views = [r for u in report.units for c in u.unit.captures for r in c.log.replaced
+             if "only autocast's matmuls read it (3, a view each)" in r.note]
+    assert len(views) == 4, report.table()  # one a BasicTransformerBlock

@@ -8,7 +8,7 @@ import _models
 import pytest
 import torch
 import trifuse
-from _fusing import DynamoHost, cuda_like_autocast
+from _fusing import DynamoHost, check_against_unfused, cuda_like_autocast
 from torch import nn
 from trifuse.fusion import narrow, rewriter
 
@@ -152,7 +152,7 @@ def test_only_outputs_read_by_lowered_matmuls_alone_narrow(other_use, readers):
         out, expected = model(x), ref(x)
     assert trifuse.report(model).counts().get("layer_norm") == 1
     assert _narrowed(model).get("layer_norm") == readers
-    as_tuple = lambda t: t if isinstance(t, tuple) else (t,)  # noqa: E731
+    as_tuple = lambda t: t if isinstance(t, tuple) else (t,)
     for a, b in zip(as_tuple(out), as_tuple(expected)):
         assert a.dtype == b.dtype and a.shape == b.shape
         torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
@@ -313,8 +313,9 @@ def test_a_cast_back_that_one_autocast_matmul_alone_reads_is_dropped_and_changes
     fused bias_gelu returns 16 bits, the rewriter casts it back for the model, and c_proj's
     autocast cast it down again: 4.9 ms of conversions a GPT-2 medium step on the H200. With one
     matmul reading the value the cast goes (narrow.drop_cast_backs), the matmul reads the 16-bit
-    output, and the result and every gradient are bitwise the same; with several readers (their
-    gradients would be summed in 16 bits), another reader, a cast the rewriter did not add, or
+    output, and the result and every gradient are bitwise the same; with several readers of a
+    value that is no norm's y (their gradients would be summed in 16 bits), another reader, a cast
+    the rewriter did not add, or
     autocast off, the graph stays. CPU's autocast runs `pow` in 16 bits, so a graph stands in
     for the model here; test_gpu_gpt2s_gelu_output_reaches_c_proj_uncast runs the model."""
     import contextlib
@@ -328,7 +329,7 @@ def test_a_cast_back_that_one_autocast_matmul_alone_reads_is_dropped_and_changes
     if readers != "one matmul":
         assert dropped == [] and cast in graph.nodes
         return
-    assert dropped == [(y, torch.float16)] and cast not in graph.nodes
+    assert dropped == [(y, torch.float16, 1)] and cast not in graph.nodes
     assert view.args[0] is y and narrow.example_value(view).dtype == torch.float16
     after = torch.fx.GraphModule(torch.nn.Module(), graph)
     results = []
@@ -391,3 +392,34 @@ def test_a_dit_blocks_modulated_norms_narrow_and_change_no_bit(monkeypatch):
         assert readers == [1, 1, 3, 3], readers  # two blocks
         assert not _narrowed(plain)
         _assert_same_step(model, plain, kw, loss_fn)
+
+
+class SixteenBitStreamBlock(nn.Module):
+    """A LayerNorm of a 16-bit residual stream read by `readers` projections (SD's UNet transformer
+    blocks under autocast; a ViT kept in bf16)."""
+
+    def __init__(self, readers: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(24)
+        self.proj = nn.ModuleList(nn.Linear(24, 8) for _ in range(readers))
+
+    def forward(self, x):
+        h = self.norm(x)
+        return torch.cat([p(h) for p in self.proj], -1)
+
+
+@pytest.mark.parametrize("readers", [1, 2, 3])
+def test_a_16_bit_norm_cast_back_for_several_matmuls_gives_each_a_view(readers):
+    """CUDA's autocast returns fp32 from LayerNorm of an fp16 x; the fused norm returns fp16, which
+    the rewriter casts back. One matmul reads that copy uncast (as before); several each get a view
+    of the norm's fp16 y, their gradients summed in fp32 by its backward (the copy's backward had
+    rounded their sum to 16 bits). Output and every gradient by the oracle rule against float64,
+    the unfused block under the same autocast the yardstick."""
+    x = torch.randn(3, 5, 24)
+    device_type = "cuda" if _models.DEVICE == "cuda" else "cpu"
+    with cuda_like_autocast(), torch.autocast(device_type, dtype=torch.float16):
+        report = check_against_unfused(lambda: SixteenBitStreamBlock(readers), (x.half(),), "dynamo")
+    notes = [r.note for u in report.units for c in u.unit.captures for r in c.log.replaced]
+    read = "one autocast matmul reads it" if readers == 1 else \
+        f"only autocast's matmuls read it ({readers}, a view each)"
+    assert notes == [f"output in float16: {read}"], notes
