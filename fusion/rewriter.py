@@ -187,8 +187,11 @@ def rewrite_graph(graph: fx.Graph, patterns: Sequence[Pattern]) -> RewriteLog:
             name = str(dtype).replace("torch.", "")
             read = "one autocast matmul reads it" if k == 1 else \
                 f"only autocast's matmuls read it ({k}, a view each)"
-            event.note = re.sub(r"output cast back to torch\.float32", f"output in {name}: {read}",
-                                event.note, count=1)
+            note = f"output in {name}: {read}"
+            if "output cast back to torch.float32" in event.note:
+                event.note = event.note.replace("output cast back to torch.float32", note, 1)
+            else:  # another replacement's cast, absorbed here (GPT-2's written-out GeLU, then its bias)
+                event.note = "; ".join(n for n in (event.note, note) if n)
     for node in narrow_norm_outputs(graph):
         event = node.meta.get("trifuse_event")
         if event is not None:

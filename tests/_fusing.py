@@ -28,25 +28,41 @@ class PassThroughMode(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+# CUDA autocast's fp32 ops that transformers and diffusion models call (its "float32" list): the
+# aten overload, and the position of a dtype argument that makes a call ineligible (None: none).
+CUDA_AUTOCAST_FP32 = (("layer_norm", None), ("group_norm", None), ("softmax.int", 2), ("log_softmax.int", 2),
+                      ("pow.Tensor_Scalar", None), ("pow.Tensor_Tensor", None), ("rsqrt", None),
+                      ("exp", None), ("log", None), ("reciprocal", None))
+
+
 @contextlib.contextmanager
 def cuda_like_autocast():
-    """CPU autocast as CUDA's for LayerNorm: run in fp32 (16-bit input and affine upcast; fp64
-    left), fp32 out. CPU autocast leaves LayerNorm in the input's dtype, so without this the tests never see
-    the fp32 norm output that a GPU training run under autocast hands the ops after it. (On a
-    GPU, nothing to change.)"""
+    """CPU autocast as CUDA's for the ops of CUDA_AUTOCAST_FP32: 16-bit tensor arguments upcast,
+    fp32 out (fp64 left; a call with an explicit dtype left). CPU's autocast runs them in the
+    input's dtype, so without this the tests never see, say, the fp32 LayerNorm output that a GPU
+    training run under autocast hands the ops after it, or GPT-2's fp32 `pow`. (On a GPU, nothing
+    to change.)"""
     if DEVICE == "cuda":
         yield
         return
     lib = torch.library.Library("aten", "IMPL")
     autocast = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
 
-    def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
-        wide = [t.float() if t is not None and t.dtype in (torch.float16, torch.bfloat16) else t
-                for t in (x, weight, bias)]
-        with torch._C._ExcludeDispatchKeyGuard(autocast):
-            return torch.ops.aten.layer_norm(wide[0], normalized_shape, wide[1], wide[2], eps, cudnn_enable)
+    def upcast(op, dtype_at):
+        def kernel(*args, **kwargs):
+            explicit = kwargs.get("dtype") is not None or (dtype_at is not None and len(args) > dtype_at
+                                                          and args[dtype_at] is not None)
+            if not explicit:
+                half = (torch.float16, torch.bfloat16)
+                args = [a.float() if isinstance(a, torch.Tensor) and a.dtype in half else a for a in args]
+            with torch._C._ExcludeDispatchKeyGuard(autocast):
+                return op(*args, **kwargs)
+        return kernel
 
-    lib.impl("layer_norm", layer_norm, "AutocastCPU")
+    for name, dtype_at in CUDA_AUTOCAST_FP32:
+        packet, _, overload = name.partition(".")
+        lib.impl(name, upcast(getattr(getattr(torch.ops.aten, packet), overload or "default"), dtype_at),
+                 "AutocastCPU")
     try:
         yield
     finally:

@@ -315,9 +315,8 @@ def test_a_cast_back_that_one_autocast_matmul_alone_reads_is_dropped_and_changes
     matmul reading the value the cast goes (narrow.drop_cast_backs), the matmul reads the 16-bit
     output, and the result and every gradient are bitwise the same; with several readers of a
     value that is no norm's y (their gradients would be summed in 16 bits), another reader, a cast
-    the rewriter did not add, or
-    autocast off, the graph stays. CPU's autocast runs `pow` in 16 bits, so a graph stands in
-    for the model here; test_gpu_gpt2s_gelu_output_reaches_c_proj_uncast runs the model."""
+    the rewriter did not add, or autocast off, the graph stays. A graph stands in for the model
+    here; test_gpt2s_gelu_output_reaches_c_proj_uncast runs the model."""
     import contextlib
 
     graph, y, cast, view, values = _cast_back_graph(readers)
@@ -343,11 +342,15 @@ def test_a_cast_back_that_one_autocast_matmul_alone_reads_is_dropped_and_changes
         assert a.dtype == b.dtype and torch.equal(a, b)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(_models.DEVICE != "cuda", reason="CUDA's autocast runs pow in fp32")
-def test_gpu_gpt2s_gelu_output_reaches_c_proj_uncast():
-    """On the GPU, GPT-2's fused GeLU writes bf16 for c_proj (no cast back to fp32 and down
-    again), and the loss and gradients stay those of the model fused with the cast."""
+def test_gpt2s_gelu_output_reaches_c_proj_uncast():
+    """Under CUDA's autocast (CPU's made like it: its `pow` in fp32) GPT-2's fused GeLU writes bf16
+    (fp16 on CPU) for c_proj, no cast back to fp32 and down again, and the loss and gradients stay
+    those of the model fused with the cast."""
+    with cuda_like_autocast():
+        _gpt2s_gelu_output_reaches_c_proj_uncast()
+
+
+def _gpt2s_gelu_output_reaches_c_proj_uncast():
     torch.manual_seed(0)
     model, inputs, loss_fn = _models.gpt2(layers=2)
     plain = copy.deepcopy(model)
