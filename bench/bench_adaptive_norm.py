@@ -15,6 +15,13 @@ the activation's M = B x S rows of N features, e bytes an element (the (B, N) ve
     fwd+bwd  the sum of the two
 Eager PyTorch moves the activation ~3x in the forward (the norm, the product, the sum) and more
 in the backward; trifuse folds the modulation into the norm's affine per sample.
+
+The "autocast, 3 readers" variant is a DiT block's norm1 as a GPU training step runs it: bf16
+autocast, the 16-bit residual stream normalized in fp32 (CUDA's autocast), modulated in fp32, and
+cast to bf16 by each of the attention's q, k and v projections (the three casts timed here, the
+matmuls not); trifuse's op as `fuse` calls it there, writing bf16 y once for the three
+(`out_dtype`, `readers=3`), their gradients summed in its backward. Bytes (the minimum): fwd read x,
+write y, 2·M·N·e; bwd read three dy and x, write dx, 5·M·N·e.
 """
 import _harness as H  # noqa: I001  (bench/conftest.py sets TRITON_INTERPRET before this)
 import pytest
@@ -57,6 +64,41 @@ def providers() -> dict:
     return out
 
 
+AUTOCAST_DTYPE = torch.bfloat16 if H.on_gpu() else torch.float16  # (bf16 is wrong in the interpreter)
+READERS = 3
+
+
+def make_autocast_inputs(shape):
+    b, s, n = shape
+    x = torch.randn(b, s, n, device=DEVICE, dtype=AUTOCAST_DTYPE, requires_grad=True)
+    scale, shift = (torch.randn(b, n, device=DEVICE, dtype=AUTOCAST_DTYPE, requires_grad=True)
+                    for _ in range(2))
+    return (x, scale, shift), (x, scale, shift)
+
+
+def autocast_bytes_for(shape, mode):
+    b, s, n = shape
+    e = torch.finfo(AUTOCAST_DTYPE).bits // 8
+    fwd, bwd = 2 * b * s * n * e, (READERS + 2) * b * s * n * e
+    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]
+
+
+def autocast_providers() -> dict:
+    def torch_modulate(x, scale, shift):
+        with torch.autocast(DEVICE, dtype=AUTOCAST_DTYPE):
+            y = F.layer_norm(x, x.shape[-1:], eps=EPS) * (1 + scale[:, None]) + shift[:, None]
+            return tuple(y.to(AUTOCAST_DTYPE) for _ in range(READERS))  # each projection's cast
+
+    def trifuse_modulate(x, scale, shift):
+        return trifuse.ops.layer_norm_modulate(x, x.shape[-1:], 1 + scale[:, None], shift[:, None], eps=EPS,
+                                               out_dtype=AUTOCAST_DTYPE, readers=READERS)
+
+    out = {"trifuse": trifuse_modulate, "torch": torch_modulate}
+    if H.on_gpu():
+        out["torch.compile"] = H.compiled(torch_modulate)
+    return out
+
+
 def host_overhead() -> list[dict]:
     """Wall µs per call at a tiny size: trifuse's eager path beside PyTorch's three ops."""
     shape = (2, 4, 1024)
@@ -68,7 +110,7 @@ def host_overhead() -> list[dict]:
     return H.host_overhead_rows(cases)
 
 
-COLUMNS = ("provider", "mode", "shape", "ms", "GB/s", "% copy", "graph ms", "graph GB/s",
+COLUMNS = ("provider", "variant", "mode", "shape", "ms", "GB/s", "% copy", "graph ms", "graph GB/s",
            "x vs torch", "x vs torch.compile", "error", "graph error")
 
 
@@ -78,6 +120,8 @@ def main() -> None:
     H.print_table(overhead, ("provider", "host µs"))
     H.write_results("adaptive_norm", overhead, ("provider", "host µs"), suffix="host-overhead")
     rows = H.sweep(providers(), MODEL_SHAPES, make_inputs, bytes_for)
+    rows += H.sweep(autocast_providers(), MODEL_SHAPES[:1], make_autocast_inputs, autocast_bytes_for,
+                    variant=f"autocast, {READERS} readers")
     H.write_results("adaptive_norm", rows, COLUMNS, plot_x="N")
     H.print_table(rows, COLUMNS)
 
@@ -99,6 +143,13 @@ def test_adaptive_norm(benchmark, provider, mode):
 
 def test_matches_pytorch():
     H.check_against_reference(providers(), "torch", make_inputs, SMOKE_SHAPE)
+
+
+@pytest.mark.parametrize("mode", H.MODES)
+def test_under_autocast_for_three_readers(mode):
+    H.check_against_reference(autocast_providers(), "torch", make_autocast_inputs, SMOKE_SHAPE)
+    for fn in autocast_providers().values():
+        H.make_step(fn, lambda: make_autocast_inputs(SMOKE_SHAPE), mode)()
 
 
 def test_host_overhead_runs():

@@ -91,6 +91,10 @@
 #   PixArt, SD3 and Flux; `tests` runs their bf16 tests, and `adaptive` (~1 min) times them at
 #   those models' shapes: call 2 becomes `e2e-warm rowwise adaptive attention`. `e2e-dit`
 #   (~4 min, a later call) trains diffusers' DiT-XL/2 end to end, eager against fuse.
+#   Twenty-ninth session (2026-12-01, no GPU): under CUDA's autocast DiT's modulated norms had not
+#   fused at all (a 16-bit x's LayerNorm returns fp32 there, not on CPU); now they do, and write
+#   bf16 for their q/k/v and MLP readers. `adaptive` adds that case (DiT's norm1, three readers);
+#   `e2e-dit` is the first to see it end to end.
 #   Later sessions, one or two calls each: `kernels` (the remaining memory-bound ops), `tma
 #   dialects`, `e2e-ckpt` (gradient checkpointing on), `e2e-llama` (Llama 3.2 1B's shape against
 #   Liger-Kernel), `tune` (the shipped H100 defaults).
@@ -221,8 +225,9 @@ for what in "$@"; do
             stage nccl-tp-vocab 60 python3 -m torch.distributed.run --standalone --nproc-per-node 1 examples/train_tp.py --steps 6 \
                 --vocab-parallel ;;
         adaptive)  # the diffusion transformers' adaptive norm (DiT, PixArt, SD3, Flux shapes) against
-                   # PyTorch's norm, product and sum, eager and compiled (~1 min)
-            stage bench-adaptive_norm 90 python3 bench/bench_adaptive_norm.py ;;
+                   # PyTorch's norm, product and sum, eager and compiled, and DiT's norm1 under
+                   # autocast for three readers (~1.5 min)
+            stage bench-adaptive_norm 150 python3 bench/bench_adaptive_norm.py ;;
         e2e-dit)  # diffusers' DiT-XL/2 (256 px, B32) training: eager against fuse, with and without graphs
             stage bench-e2e-dit 300 python3 bench/bench_e2e.py --steps 6 --models dit-xl --suffix dit \
                 --providers "eager-sdpa,trifuse.fuse,trifuse.fuse(cuda_graphs)" ;;
