@@ -448,3 +448,89 @@ class RopeModel(nn.Module):
         for block in self.blocks:
             x = x + block(x)
         return x
+
+
+# ---------------------------------------------------------------------------------------------
+# Adaptive norms (diffusion transformers): a norm modulated per sample by a conditioning vector
+# ---------------------------------------------------------------------------------------------
+
+ADAPTIVE = ("dit", "continuous", "commuted", "pixart", "scale_only", "shift_only", "rms_dit",
+            "affine_dit",
+            # near misses: a product over tokens, a vector per token, the shift subtracted, the
+            # modulation before the norm, a 16-bit norm modulated by an fp32 product (left: the
+            # model rounds the norm first)
+            "gate_over_tokens", "per_token_scale", "shift_subtracted", "modulated_before_norm",
+            "wider_product")
+NEAR_MISSES_ADAPTIVE = {"gate_over_tokens", "per_token_scale", "shift_subtracted",
+                        "modulated_before_norm", "wider_product"}
+# Faithful but left to PyTorch: the patterns take a product and a sum both (a scale or a shift
+# alone after a norm is no spelling the models of diffusers write).
+LEFT_ADAPTIVE = {"scale_only", "shift_only"}
+COND = 12
+
+
+class AdaptiveBlock(nn.Module):
+    """adaLN-Zero as DiT writes it, its norm's modulation spelt as `kind`: the norm (no affine but
+    for `affine_dit`), modulated per sample by shift and scale from a conditioning vector, the
+    attention, gated and added back; then the MLP the same way."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        affine = kind == "affine_dit"
+        make = nn.RMSNorm if kind == "rms_dit" else nn.LayerNorm
+        self.norm1, self.norm2 = (make(HIDDEN, eps=1e-6, elementwise_affine=affine) for _ in range(2))
+        self.ada = nn.Linear(COND, 6 * HIDDEN)
+        self.attn = Attention("sdpa", 0.0)
+        self.mlp = Mlp("gelu_tanh", True)
+
+    def modulate(self, norm: nn.Module, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor):
+        k = self.kind
+        if k == "modulated_before_norm":
+            return norm(x * (1 + scale[:, None]) + shift[:, None])
+        h = norm(x)
+        if k in ("dit", "rms_dit", "affine_dit"):
+            return h * (1 + scale[:, None]) + shift[:, None]
+        if k == "continuous":
+            return h * (1 + scale)[:, None, :] + shift[:, None, :]
+        if k == "commuted":
+            return shift.unsqueeze(1) + (1 + scale.unsqueeze(1)) * h
+        if k == "pixart":
+            return h * (1 + scale.view(-1, 1, HIDDEN)) + shift.view(-1, 1, HIDDEN)
+        if k == "scale_only":
+            return h * (1 + scale[:, None])
+        if k == "shift_only":
+            return h + shift[:, None]
+        if k == "gate_over_tokens":
+            return h * torch.sigmoid(x) + shift[:, None]
+        if k == "per_token_scale":
+            ramp = torch.linspace(0.5, 1.5, x.shape[1], device=x.device, dtype=x.dtype)[:, None]
+            return h * (1 + scale[:, None] * ramp) + shift[:, None]
+        if k == "shift_subtracted":
+            return h * (1 + scale[:, None]) - shift[:, None]
+        if k == "wider_product":
+            return (h * (1 + scale[:, None].float()) + shift[:, None].float()).to(x.dtype)
+        raise ValueError(k)
+
+    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        shift1, scale1, gate1, shift2, scale2, gate2 = self.ada(F.silu(cond)).chunk(6, dim=1)
+        h = self.attn(self.modulate(self.norm1, x, shift1, scale1), None)
+        x = x + gate1.unsqueeze(1) * h
+        h = self.mlp(self.modulate(self.norm2, x, shift2, scale2))
+        return x + gate2.unsqueeze(1) * h
+
+
+class AdaptiveModel(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([AdaptiveBlock(kind) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, cond)
+        return x
+
+
+def adaptive_inputs(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(2)
+    return inputs(dtype=dtype)[0], torch.randn(2, COND, generator=gen).to(dtype)

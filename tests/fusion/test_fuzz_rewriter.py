@@ -199,3 +199,38 @@ def test_each_rotary_spelling(kind):
     report = check_against_unfused(make, (rb.inputs()[0],), "fx", train=True)
     if kind not in rb.NEAR_MISSES_ROPE:
         assert report.counts().get("rotary", 0) > 0, report.counts()
+
+
+# ---------------------------------------------------------------------------------------------
+# Adaptive norms (DiT's adaLN-Zero blocks): each modulation spelling, near misses
+# ---------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(kind=st.sampled_from(rb.ADAPTIVE), capture=st.sampled_from(["fx", "dynamo", "compile"]),
+       dtype=st.sampled_from([torch.float32, torch.float16]))
+def test_random_adaptive_norms_fuse_to_what_they_compute(kind, capture, dtype):
+    def make():
+        torch.manual_seed(0)
+        return rb.AdaptiveModel(kind).to(dtype)
+
+    checked(lambda: check_against_unfused(make, rb.adaptive_inputs(dtype), capture, train=True), capture)
+
+
+@pytest.mark.parametrize("kind", rb.ADAPTIVE)
+def test_each_adaptive_norm_spelling(kind):
+    """Faithful spellings become `layer_norm_modulate` (both norms of both blocks: the Dynamo host
+    captures the model whole); with the near misses whatever fuse does, the answer is the unfused
+    model's, and no modulation is fused (the norms alone may be); nor is a scale or a shift alone."""
+    dtype = torch.float16 if kind == "wider_product" else torch.float32  # (in fp32 no wider product)
+
+    def make():
+        torch.manual_seed(0)
+        return rb.AdaptiveModel(kind).to(dtype)
+
+    report = check_against_unfused(make, rb.adaptive_inputs(dtype), "dynamo", train=True)
+    modulated = sum(n for p, n in report.by_pattern().items() if "modulate" in p)
+    if kind in rb.NEAR_MISSES_ADAPTIVE or kind in rb.LEFT_ADAPTIVE:
+        assert modulated == 0, report.table()
+    else:
+        assert modulated == 4, report.table()  # two norms a block
