@@ -8,11 +8,10 @@ norm's backward, on every layer (a diffusion transformer's modulated norms, `lay
 the same: their outputs are fp32 too, a 16-bit scale times an fp32 norm). When a fused norm's
 output goes to such matmuls alone (through views and reshapes), the norm writes the 16-bit
 values itself (`out_dtype`): the kernel rounds the same fp32 result once, as each cast did, so
-every matmul sees the same bits. With several
-matmuls (up to `MAX_READERS`) the norm returns one view of its output for each (`readers`), so
-that their gradients reach its backward apart and are summed there in fp32, as autograd summed
-the casts' fp32 gradients; one 16-bit tensor read by all of them would have its gradients summed
-in 16 bits. Where other ops read the output in full as well (a post-norm block's norm output is
+every matmul sees the same bits. With several matmuls (up to `MAX_READERS`) the norm returns one
+view of its output for each (`readers`), so that their gradients reach its backward apart and
+are summed there in fp32, as autograd summed the casts' fp32 gradients; one 16-bit tensor read by
+all of them would have its gradients summed in 16 bits. Where other ops read the output in full as well (a post-norm block's norm output is
 also the next residual: BERT's), the norm returns both (`full_y`): its output as before and the
 16-bit one for one matmul, both stored by the kernel, their two gradients added in the backward.
 
@@ -91,7 +90,7 @@ def narrow_norm_outputs(graph: fx.Graph) -> list[fx.Node]:
     return changed
 
 
-def drop_cast_backs(graph: fx.Graph) -> list[tuple[fx.Node, torch.dtype]]:
+def drop_cast_backs(graph: fx.Graph) -> list[tuple[fx.Node, torch.dtype, int]]:
     """Under autocast, a replacement's output in the autocast dtype that the rewriter cast back to
     fp32 (the model computed it in fp32: Hugging Face's NewGELU, whose `pow` CUDA's autocast runs
     in fp32, makes GPT-2's MLP activation fp32; the trifuse op returns its input's 16-bit dtype)
@@ -116,15 +115,18 @@ def drop_cast_backs(graph: fx.Graph) -> list[tuple[fx.Node, torch.dtype]]:
         if dtype is None or not isinstance(narrow, torch.Tensor) or narrow.dtype != dtype:
             continue
         branches, others = _branches_to_matmuls(node)
-        norm = _norm_of(source)
-        if others or not branches or (len(branches) > 1 and (norm is None or len(source.users) != 1
-                                                             or len(branches) > ln.MAX_READERS)):
+        if others or not branches:
             continue
+        norm = None
+        if len(branches) > 1:  # a view each: a norm's y, which nothing else reads, for up to three
+            norm = _norm_of(source)
+            if norm is None or len(source.users) != 1 or len(branches) > ln.MAX_READERS:
+                continue
         for first, chain in branches:
             first.replace_input_with(node, source)
             _narrow_example_values(chain, dtype)
         graph.erase_node(node)
-        if len(branches) > 1:
+        if norm is not None:
             _set_argument(norm, "out_dtype", dtype)
             _split_into_readers(norm, source, branches, narrow, None)
         dropped.append((source, dtype, len(branches)))
