@@ -85,6 +85,74 @@ def set_interpreter_overflow_checks(enabled: bool) -> None:
         builder.options = dataclasses.replace(options, sanitize_overflow=enabled)
 
 
+def _memoize_interpreter_types() -> None:
+    """Speed only, under the interpreter: three pure functions of a Triton type that every op of
+    every program instance calls again. `_get_np_dtype` (the numpy dtype an interpreted tensor of
+    a Triton dtype holds) builds its table of 20 dtypes on each call; `block_type(element, shape)`
+    unwraps, validates and names its shape on each construction; `tensor(handle, type)` wraps each
+    dimension of its type's shape in a constexpr, the lot in Triton's tuple (a third of an
+    attention kernel's interpreted time between them). Each now looks up what it computed for the
+    same arguments: the numpy dtype; a block type's shape, element count and name, for a shape of
+    plain ints (any other shape, one that raises included, takes Triton's own path); a tensor's
+    shape and element count, for its type (shared between tensors: Triton never mutates them).
+    The kernels run exactly as before; a Triton without these internals is left as it is."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    get_np_dtype = getattr(interpreter, "_get_np_dtype", None)
+    if get_np_dtype is not None and not hasattr(get_np_dtype, "__wrapped__"):
+        np_dtypes: dict = {}
+
+        def memo_np_dtype(tt_dtype):
+            key = str(tt_dtype)  # a dtype's name, a block type's shape and element type
+            found = np_dtypes.get(key)
+            if found is None:
+                found = np_dtypes[key] = get_np_dtype(tt_dtype)
+            return found
+
+        memo_np_dtype.__wrapped__ = get_np_dtype
+        interpreter._get_np_dtype = memo_np_dtype
+
+    init = tl.block_type.__init__
+    if hasattr(init, "__wrapped__"):
+        return
+    blocks: dict = {}  # (element type, shape) -> (shape, numel, name)
+    shapes = (list, tl.tuple)  # what Triton takes for a shape (its `tuple`, not Python's)
+
+    def memo_init(self, element_ty, shape):
+        plain = type(shape) in shapes and all(type(d) is int for d in shape)
+        key = (element_ty.name, *shape) if plain else None
+        found = blocks.get(key) if plain else None
+        if found is None:
+            init(self, element_ty, shape)
+            if plain:
+                blocks[key] = (self.shape, self.numel, self.name)
+            return
+        self.element_ty = element_ty
+        self.shape, self.numel, self.name = found
+
+    memo_init.__wrapped__ = init
+    tl.block_type.__init__ = memo_init
+
+    tensor_init = tl.tensor.__init__
+    tensor_shapes: dict = {}  # (type's class, type's name) -> (shape, numel): values, never mutated
+
+    def memo_tensor_init(self, handle, type):
+        key = (type.__class__, type.name)
+        found = tensor_shapes.get(key)
+        if found is None:
+            tensor_init(self, handle, type)
+            tensor_shapes[key] = (self.shape, self.numel)
+            return
+        self.handle = handle
+        self.type = type
+        self.dtype = type.scalar
+        self.shape, self.numel = found
+
+    memo_tensor_init.__wrapped__ = tensor_init
+    tl.tensor.__init__ = memo_tensor_init
+
+
 def _skip_dynamo_guard_latency_profile() -> None:
     """Speed only: after building the guards of each new capture, Dynamo times them once for its
     compilation metrics (`profile_guard_manager`, which first flushes the CPU caches: ~20 ms a
@@ -104,4 +172,5 @@ def _skip_dynamo_guard_latency_profile() -> None:
 _skip_dynamo_guard_latency_profile()
 if INTERPRETED:
     _patch_triton_language_once_per_launch()
+    _memoize_interpreter_types()
     set_interpreter_overflow_checks(False)

@@ -313,6 +313,70 @@ def test_interpreter_patched_once_per_launch_runs_as_triton_patches_it(monkeypat
 
 
 @triton.jit
+def _half_row_kernel(X, OUT, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tile = X + tl.program_id(0) * n + offs[:, None] * 0 + offs[None, :]  # the row, BLOCK times over
+    v = tl.load(tile, mask=offs[None, :] < n, other=0.0)
+    row = tl.sum(v.to(tl.float32) * 1.5, axis=0).to(tl.float16)
+    tl.store(OUT + tl.program_id(0) * n + offs, row, mask=offs < n)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter's memoized types (tests/_device.py)")
+def test_interpreter_memoized_types_are_tritons_own(monkeypatch):
+    """tests/_device.py memoizes three pure functions of a Triton type: what they give is what
+    Triton's own give, for dtypes, pointers and block types of each; a bad shape still raises
+    Triton's error (and is never remembered); and a kernel gives bitwise what it gives without."""
+    from triton.runtime import interpreter
+
+    memo_np, memo_init = interpreter._get_np_dtype, tl.block_type.__init__
+    memo_tensor_init = tl.tensor.__init__
+    for memo in (memo_np, memo_init, memo_tensor_init):
+        assert hasattr(memo, "__wrapped__"), "tests/_device.py did not patch"
+    scalars = [tl.float16, tl.bfloat16, tl.float32, tl.float64, tl.int1, tl.int8, tl.int32, tl.uint64,
+               tl.float8e4nv, tl.pointer_type(tl.float32), tl.pointer_type(tl.float32, const=True)]
+    for shape in ([4], [2, 8], tl.tuple([1, 16, 32]), tl.tuple([2, 8])):
+        for element in scalars:
+            block = tl.block_type(element, shape)
+            tl.block_type.__init__ = memo_init.__wrapped__
+            try:
+                own = tl.block_type(element, shape)
+            finally:
+                tl.block_type.__init__ = memo_init
+            assert (block.element_ty, block.shape, block.numel, block.name) == (own.element_ty, own.shape,
+                                                                                own.numel, own.name)
+            assert block == own
+            for t in (element, block):
+                memo_tensor = tl.tensor(None, t)
+                tl.tensor.__init__ = memo_tensor_init.__wrapped__
+                try:
+                    own_tensor = tl.tensor(None, t)
+                finally:
+                    tl.tensor.__init__ = memo_tensor_init
+                assert memo_tensor.type is t and memo_tensor.dtype == own_tensor.dtype
+                assert memo_tensor.shape == own_tensor.shape and memo_tensor.numel == own_tensor.numel
+            for t in (element, block):
+                assert memo_np(t) == memo_np.__wrapped__(t), t
+    # (Triton's `tuple` is its own class: a Python tuple for a shape fails its assert)
+    for bad, error in (([3], ValueError), ([], TypeError), ([2, 6], ValueError), ((4,), AssertionError)):
+        for _ in range(2):
+            with pytest.raises(error):
+                tl.block_type(tl.float32, bad)
+    x = torch.randn(3, 20, device=DEVICE).half()
+
+    def launch():
+        out = torch.empty_like(x)
+        _half_row_kernel[(3,)](x, out, 20, BLOCK=32)
+        return out
+
+    fast = launch()
+    monkeypatch.setattr(interpreter, "_get_np_dtype", memo_np.__wrapped__)
+    monkeypatch.setattr(tl.block_type, "__init__", memo_init.__wrapped__)
+    monkeypatch.setattr(tl.tensor, "__init__", memo_tensor_init.__wrapped__)
+    assert torch.equal(fast, launch())
+    torch.testing.assert_close(fast, (x.float() * 1.5 * 32).half(), rtol=1e-3, atol=1e-3)
+
+
+@triton.jit
 def _scale_int_kernel(X, OUT, factor):
     tl.store(OUT, tl.load(X) * factor)
 
