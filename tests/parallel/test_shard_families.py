@@ -216,8 +216,14 @@ def test_mixture_of_experts_run_the_configured_implementation_on_their_pieces(
             assert seen == [(4, 16, 32)] * 2, seen  # each layer's experts, on this rank's halves
 
 
-@pytest.mark.parametrize("order", ["fuse_then_shard", "shard_then_fuse"])
-@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "gpt_oss"])
+# Fused before and after sharding: the experts layouts of their own (Qwen2-MoE's gated shared
+# expert, gpt-oss's interleaved experts with biases) both ways, the others one way each (fuse keeps
+# the modules, their classes and parameters, so `shard` recognizes the same model either way).
+@pytest.mark.parametrize("kind, order", [
+    ("qwen2_moe", "fuse_then_shard"), ("qwen2_moe", "shard_then_fuse"), ("gpt_oss", "fuse_then_shard"),
+    ("gpt_oss", "shard_then_fuse"), ("qwen3_moe", "fuse_then_shard"), ("mixtral", "shard_then_fuse"),
+    ("glm4_moe", "fuse_then_shard"),
+])
 def test_mixture_of_experts_fused_and_sharded(world, kind, order):
     """Sequence parallel, fused before or after: the attention, norms and rotary fuse as in one
     process. The sharded experts run Hugging Face's eager loop on their pieces, where each routed
@@ -253,8 +259,8 @@ def test_mixture_of_experts_grouped_mm_fused_and_sharded(world):
                           "cross_entropy": 1}, counts
 
 
-@pytest.mark.parametrize("order", ["fuse_then_shard", "shard_then_fuse"])
-@pytest.mark.parametrize("kind", ["deepseek_v3", "deepseek_v2", "deepseek_v32"])
+@pytest.mark.parametrize("kind, order", [("deepseek_v3", "fuse_then_shard"), ("deepseek_v3", "shard_then_fuse"),
+                                         ("deepseek_v2", "fuse_then_shard"), ("deepseek_v32", "shard_then_fuse")])
 def test_latent_attention_fused_and_sharded(world, kind, order):
     """Sequence parallel, fused before or after: the latents' norms (replicated) fuse beside the
     residual stream's, the rotary on this rank's query heads and the key every head shares, the
