@@ -259,8 +259,10 @@ def test_mixture_of_experts_grouped_mm_fused_and_sharded(world):
                           "cross_entropy": 1}, counts
 
 
-@pytest.mark.parametrize("kind, order", [("deepseek_v3", "fuse_then_shard"), ("deepseek_v3", "shard_then_fuse"),
-                                         ("deepseek_v2", "fuse_then_shard"), ("deepseek_v32", "shard_then_fuse")])
+@pytest.mark.parametrize("kind, order", [
+    ("deepseek_v3", "fuse_then_shard"), ("deepseek_v3", "shard_then_fuse"), ("deepseek_v2", "fuse_then_shard"),
+    ("deepseek_v32", "shard_then_fuse"),
+])
 def test_latent_attention_fused_and_sharded(world, kind, order):
     """Sequence parallel, fused before or after: the latents' norms (replicated) fuse beside the
     residual stream's, the rotary on this rank's query heads and the key every head shares, the
