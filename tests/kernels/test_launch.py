@@ -321,6 +321,16 @@ def _half_row_kernel(X, OUT, n, BLOCK: tl.constexpr):
     tl.store(OUT + tl.program_id(0) * n + offs, row, mask=offs < n)
 
 
+def _built_by_tritons_own(cls, *args):
+    """cls(*args) by Triton's own __init__, tests/_device.py's memo set aside."""
+    memo = cls.__init__
+    cls.__init__ = memo.__wrapped__
+    try:
+        return cls(*args)
+    finally:
+        cls.__init__ = memo
+
+
 @pytest.mark.skipif(ON_GPU, reason="the interpreter's memoized types (tests/_device.py)")
 def test_interpreter_memoized_types_are_tritons_own(monkeypatch):
     """tests/_device.py memoizes three pure functions of a Triton type: what they give is what
@@ -336,26 +346,16 @@ def test_interpreter_memoized_types_are_tritons_own(monkeypatch):
                tl.float8e4nv, tl.pointer_type(tl.float32), tl.pointer_type(tl.float32, const=True)]
     for shape in ([4], [2, 8], tl.tuple([1, 16, 32]), tl.tuple([2, 8])):
         for element in scalars:
-            block = tl.block_type(element, shape)
-            tl.block_type.__init__ = memo_init.__wrapped__
-            try:
-                own = tl.block_type(element, shape)
-            finally:
-                tl.block_type.__init__ = memo_init
-            assert (block.element_ty, block.shape, block.numel, block.name) == (own.element_ty, own.shape,
-                                                                                own.numel, own.name)
-            assert block == own
+            tl.block_type(element, shape)  # remembered, if it was not yet
+            block, own = tl.block_type(element, shape), _built_by_tritons_own(tl.block_type, element, shape)
+            assert block == own and block.element_ty is element
+            assert (block.shape, block.numel, block.name) == (own.shape, own.numel, own.name)
             for t in (element, block):
-                memo_tensor = tl.tensor(None, t)
-                tl.tensor.__init__ = memo_tensor_init.__wrapped__
-                try:
-                    own_tensor = tl.tensor(None, t)
-                finally:
-                    tl.tensor.__init__ = memo_tensor_init
+                tl.tensor(None, t)
+                memo_tensor, own_tensor = tl.tensor(None, t), _built_by_tritons_own(tl.tensor, None, t)
                 assert memo_tensor.type is t and memo_tensor.dtype == own_tensor.dtype
                 assert memo_tensor.shape == own_tensor.shape and memo_tensor.numel == own_tensor.numel
-            for t in (element, block):
-                assert memo_np(t) == memo_np.__wrapped__(t), t
+                assert memo_np(t) == memo_np(t) == memo_np.__wrapped__(t), t
     # (Triton's `tuple` is its own class: a Python tuple for a shape fails its assert)
     for bad, error in (([3], ValueError), ([], TypeError), ([2, 6], ValueError), ((4,), AssertionError)):
         for _ in range(2):
