@@ -95,7 +95,8 @@ def _memoize_interpreter_types() -> None:
     same arguments: the numpy dtype; a block type's shape, element count and name, for a shape of
     plain ints (any other shape, one that raises included, takes Triton's own path); a tensor's
     shape and element count, for its type (shared between tensors: Triton never mutates them).
-    The kernels run exactly as before; a Triton without these internals is left as it is."""
+    The kernels run exactly as before; a Triton without these internals, or whose constructors set
+    more than these, is left as it is."""
     import triton.language as tl
     from triton.runtime import interpreter
 
@@ -117,15 +118,19 @@ def _memoize_interpreter_types() -> None:
     if hasattr(init, "__wrapped__"):
         return
     blocks: dict = {}  # (element type, shape) -> (shape, numel, name)
-    shapes = (list, tl.tuple)  # what Triton takes for a shape (its `tuple`, not Python's)
+    shapes = (list, getattr(tl, "tuple", list))  # what Triton takes for a shape (its `tuple`, not Python's)
+    # What Triton's own __init__s set. One that sets more (another Triton) is never short-cut.
+    block_fields = {"element_ty", "shape", "numel", "name"}
+    tensor_fields = {"handle", "type", "dtype", "shape", "numel"}
 
     def memo_init(self, element_ty, shape):
-        plain = type(shape) in shapes and all(type(d) is int for d in shape)
-        key = (element_ty.name, *shape) if plain else None
+        name = getattr(element_ty, "name", None)
+        plain = name is not None and type(shape) in shapes and all(type(d) is int for d in shape)
+        key = (name, *shape) if plain else None
         found = blocks.get(key) if plain else None
         if found is None:
             init(self, element_ty, shape)
-            if plain:
+            if plain and vars(self).keys() == block_fields:
                 blocks[key] = (self.shape, self.numel, self.name)
             return
         self.element_ty = element_ty
@@ -138,11 +143,12 @@ def _memoize_interpreter_types() -> None:
     tensor_shapes: dict = {}  # (type's class, type's name) -> (shape, numel): values, never mutated
 
     def memo_tensor_init(self, handle, type):
-        key = (type.__class__, type.name)
+        key = (type.__class__, getattr(type, "name", None))
         found = tensor_shapes.get(key)
         if found is None:
             tensor_init(self, handle, type)
-            tensor_shapes[key] = (self.shape, self.numel)
+            if key[1] is not None and vars(self).keys() == tensor_fields:
+                tensor_shapes[key] = (self.shape, self.numel)
             return
         self.handle = handle
         self.type = type

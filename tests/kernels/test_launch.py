@@ -356,6 +356,9 @@ def test_interpreter_memoized_types_are_tritons_own(monkeypatch):
                 assert memo_tensor.type is t and memo_tensor.dtype == own_tensor.dtype
                 assert memo_tensor.shape == own_tensor.shape and memo_tensor.numel == own_tensor.numel
                 assert memo_np(t) == memo_np(t) == memo_np.__wrapped__(t), t
+            # the memo is in use (not set aside by a Triton whose constructors set more)
+            assert tl.tensor(None, block).shape is tl.tensor(None, block).shape
+            assert tl.block_type(element, shape).shape is block.shape
     # (Triton's `tuple` is its own class: a Python tuple for a shape fails its assert)
     for bad, error in (([3], ValueError), ([], TypeError), ([2, 6], ValueError), ((4,), AssertionError)):
         for _ in range(2):
