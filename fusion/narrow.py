@@ -11,9 +11,10 @@ values itself (`out_dtype`): the kernel rounds the same fp32 result once, as eac
 every matmul sees the same bits. With several matmuls (up to `MAX_READERS`) the norm returns one
 view of its output for each (`readers`), so that their gradients reach its backward apart and
 are summed there in fp32, as autograd summed the casts' fp32 gradients; one 16-bit tensor read by
-all of them would have its gradients summed in 16 bits. Where other ops read the output in full as well (a post-norm block's norm output is
-also the next residual: BERT's), the norm returns both (`full_y`): its output as before and the
-16-bit one for one matmul, both stored by the kernel, their two gradients added in the backward.
+all of them would have its gradients summed in 16 bits. Where other ops read the output in full
+as well (a post-norm block's norm output is also the next residual: BERT's), the norm returns both
+(`full_y`): its output as before and the 16-bit one for one matmul, both stored by the kernel,
+their two gradients added in the backward.
 
 The same for an fp32 value that is not a norm's and that several such matmuls read (a post-norm
 block's input, read by its query, key and value projections): `share_input_casts` casts it once,

@@ -47,13 +47,13 @@ def cuda_like_autocast():
         return
     lib = torch.library.Library("aten", "IMPL")
     autocast = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+    half = (torch.float16, torch.bfloat16)
 
     def upcast(op, dtype_at):
         def kernel(*args, **kwargs):
             explicit = kwargs.get("dtype") is not None or (dtype_at is not None and len(args) > dtype_at
                                                           and args[dtype_at] is not None)
             if not explicit:
-                half = (torch.float16, torch.bfloat16)
                 args = [a.float() if isinstance(a, torch.Tensor) and a.dtype in half else a for a in args]
             with torch._C._ExcludeDispatchKeyGuard(autocast):
                 return op(*args, **kwargs)
