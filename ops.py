@@ -3,7 +3,7 @@
 Each dispatches to a thin autograd.Function in eager mode and to the registered `trifuse::`
 op under torch.compile, fx and export.
 """
-from .kernels.adaptive_norm import layer_norm_modulate
+from .kernels.adaptive_norm import gated_add_layer_norm_modulate, layer_norm_modulate
 from .kernels.attention import attention
 from .kernels.attention_varlen import attention_varlen
 from .kernels.bias_gelu import bias_gelu
@@ -16,3 +16,4 @@ from .kernels.rotary import rotary_embedding
 __all__ = ["layer_norm", "rms_norm", "dropout_add_layer_norm", "layer_norm_add", "attention", "attention_varlen"]
 __all__ += ["cross_entropy", "linear_cross_entropy"]
 __all__ += ["bias_gelu", "dropout_add", "gated_activation", "rotary_embedding", "layer_norm_modulate"]
+__all__ += ["gated_add_layer_norm_modulate"]

@@ -50,7 +50,7 @@ _SHAPE_ONLY = frozenset({"size", "dim"})
 # The trifuse ops that take out_dtype and readers, and which of their results is y (None: the
 # op's value).
 _NORMS = {ln.layer_norm: None, ln.rms_norm: None, ln.dropout_add_layer_norm: 0,
-          adaptive_norm.layer_norm_modulate: None}
+          adaptive_norm.layer_norm_modulate: None, adaptive_norm.gated_add_layer_norm_modulate: 0}
 
 
 def narrow_norm_outputs(graph: fx.Graph) -> list[fx.Node]:

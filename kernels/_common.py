@@ -296,7 +296,9 @@ _PUBLIC_OPS = {"_AttentionFunction": "attention", "_VarlenFunction": "attention_
                "_LinearCrossEntropyFunction": "linear_cross_entropy", "_DropoutAddFunction": "dropout_add",
                "_GatedActivationFunction": "gated_activation", "_NormFunction": "layer_norm (or rms_norm)",
                "_NormAddFunction": "layer_norm_add", "_RotaryEmbeddingFunction": "rotary_embedding",
-               "_CastForReaders": "cast_for_readers", "_AutocastLinear": "autocast_linear"}
+               "_CastForReaders": "cast_for_readers", "_AutocastLinear": "autocast_linear",
+               "_GroupedNormFunction": "layer_norm_modulate",
+               "_GatedNormFunction": "gated_add_layer_norm_modulate"}
 
 
 def apply_function(fn: type[torch.autograd.Function], *args):

@@ -511,3 +511,313 @@ LAYER_NORM_MODULATE = dialects.define(
     reference=_modulate_dialect_ref)
 LAYER_NORM_MODULATE.register(dialects.Candidate("trifuse", _modulate_trifuse))
 LAYER_NORM_MODULATE.register(dialects.Candidate("torch", _modulate_torch, supports=_modulate_torch_supports))
+
+
+# =============================================================================================
+# The gated residual feeding the adaptive norm: s = residual + gate * x, y = norm(s) * mul + add
+# =============================================================================================
+#
+# A DiT block's second norm (and Flux's, SD3's, PixArt's) reads the residual stream just after
+# the attention's gated residual add, `h = h + gate_msa[:, None] * attn_out`: eagerly the
+# product and the sum are two more passes each way, and the backward's dgate a per-sample sum of
+# its own. Here the norm kernel loads x, multiplies it by the group's gate row and adds the
+# residual as it reads (_load_stream), stores s once, and its backward writes dx = ds * gate and
+# dresidual = ds, summing dgate = sum over the group's rows of ds * x in the partial buffer
+# dx_bias uses elsewhere (deterministic, as dW_g and dB_g).
+
+GATED_OP = "gated_add_layer_norm_modulate"
+
+
+def _gated_sum_torch(x: torch.Tensor, residual: torch.Tensor, gate: torch.Tensor | None, groups: int,
+                     s_dtype: torch.dtype) -> torch.Tensor:
+    """s = residual + gate_g * x in PyTorch ops (differentiable), in fp32 (fp64) rounded once to s_dtype."""
+    acc = _stat_dtype(x)
+    n = x.shape[-1]
+    h = x.reshape(groups, -1, n).to(acc)
+    if gate is not None:
+        h = h * gate.to(acc)[:, None]
+    return (h + residual.reshape(groups, -1, n).to(acc)).to(s_dtype).reshape(x.shape)
+
+
+def _gated_fwd(x, residual, gate, weight, bias, n, eps, is_rms_norm, groups, s_dtype, out_dtype,
+               y2_dtype=None):
+    """(y, s, mean, rstd), and y2 with y2_dtype: s = residual + gate * x in s_dtype, y its grouped
+    norm in out_dtype; gate (groups, n) or None."""
+    if not use_triton(x):
+        with torch.no_grad():
+            s = _gated_sum_torch(x, residual, gate, groups, s_dtype)
+            y, mean, rstd = _grouped_norm_torch(s, weight, bias, n, eps, is_rms_norm, groups)
+        out = (y.to(out_dtype), s, mean[:0] if is_rms_norm else mean, rstd)
+        return out if y2_dtype is None else (*out, y.to(y2_dtype))
+    rows = x.numel() // n
+    return layer_norm_fwd(x, n, weight, bias, eps, is_rms_norm=is_rms_norm, residual=residual, store_s=True,
+                          out_dtype=out_dtype, y2_dtype=y2_dtype, gate=gate,
+                          rows_per_group=rows // groups if groups > 1 else None)
+
+
+def _gated_bwd(dy, ds, x, s, gate, weight, mean, rstd, n, eps, is_rms_norm, groups, needs, dr_dtype,
+               more_dy=()):
+    """(dx in x's dtype, dresidual in dr_dtype, dW_g, dB_g, dgate_g in fp32 / fp64) as `needs`
+    (x, residual, weight, bias, gate) asks; None where not. ds: the gradient arriving at s, or None."""
+    acc = _stat_dtype(s)
+    if not use_triton(s):
+        for extra in more_dy:
+            dy = dy.to(acc) + extra
+        with torch.no_grad():
+            h = s.reshape(groups, -1, n).to(acc)
+            g_y = dy.reshape(groups, -1, n).to(acc)
+            rstd3 = rstd.reshape(groups, -1, 1)
+            xhat = (h if is_rms_norm else h - mean.reshape(groups, -1, 1)) * rstd3
+            g = g_y if weight is None else g_y * weight[:, None]
+            c1 = (g * xhat).mean(-1, keepdim=True)
+            d_s = (g - xhat * c1 if is_rms_norm else g - g.mean(-1, keepdim=True) - xhat * c1) * rstd3
+            if ds is not None:
+                d_s = d_s + ds.reshape(groups, -1, n).to(acc)
+            x3 = x.reshape(groups, -1, n).to(acc)
+            dx = d_s if gate is None else d_s * gate.to(acc)[:, None]
+            return (dx.reshape(x.shape).to(x.dtype) if needs[0] else None,
+                    d_s.reshape(x.shape).to(dr_dtype) if needs[1] else None,
+                    (g_y * xhat).sum(1) if needs[2] else None, g_y.sum(1) if needs[3] else None,
+                    (d_s * x3).sum(1) if needs[4] and gate is not None else None)
+    grad_dtypes = (acc if needs[2] and weight is not None else None, acc if needs[3] else None,
+                   acc if needs[4] and gate is not None else None)
+    # without a gate dx is dresidual, stored once where the dtypes agree
+    store_dr = gate is not None or dr_dtype != x.dtype
+    dx, dr, dw, db, dg = layer_norm_bwd(dy, s, n, weight, mean, rstd, is_rms_norm=is_rms_norm, ds=ds,
+                                        store_dresidual=store_dr, grad_dtypes=grad_dtypes, dx_dtype=x.dtype,
+                                        dr_dtype=dr_dtype, more_dy=more_dy, groups=groups,
+                                        x=x if gate is not None else None, gate=gate)
+    # one group comes back as (n,) vectors
+    return (dx if needs[0] else None, dr if needs[1] else None,
+            *(None if v is None else v.view(groups, n) for v in (dw, db, dg)))
+
+
+def _gated_s_dtype(x: torch.Tensor, residual: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, residual.dtype)
+
+
+def _check_gated(op, x, residual, gate, normalized_shape, mul, add, weight, bias, eps, is_rms_norm) -> None:
+    """`_check`'s errors for the norm's input s, and those of x, the residual and the gate."""
+    check_tensor(op, "input", x)
+    check_float(op, "input", x)
+    check_tensor(op, "residual", residual)
+    check_float(op, "residual", residual)
+    if residual.shape != x.shape:
+        raise ValueError(f"trifuse.{op}: residual must have the input's shape {list(x.shape)}, "
+                         f"got {list(residual.shape)}")
+    _check(op, x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm)
+    if gate is not None:
+        check_tensor(op, "gate", gate)
+        check_float(op, "gate", gate)
+        _check_per_sample(op, "gate", gate, x, x.shape[-1])
+        s_dtype = _gated_s_dtype(x, residual)
+        if torch.promote_types(s_dtype, gate.dtype) != s_dtype:
+            raise ValueError(f"trifuse.{op}: gate ({gate.dtype}) must be no wider than input and residual "
+                             f"({s_dtype}): the sum is rounded to their dtype")
+    check_same_device(op, "input", x, residual=residual, gate=gate)
+
+
+@torch.library.custom_op("trifuse::gated_grouped_norm", mutates_args=())
+def _gated_grouped_norm_op(x: Tensor, residual: Tensor, gate: OptTensor, weight: OptTensor, bias: OptTensor,
+                           eps: float, is_rms_norm: bool, groups: int,
+                           out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(y, s, mean, rstd): s = residual + gate * x (gate (groups, N) or None), y the norm of s's last
+    dim with affine (groups, N) parameters, row r of group r // (rows / groups)."""
+    return _gated_fwd(x, residual, gate, weight, bias, x.shape[-1], eps, is_rms_norm, groups,
+                      _gated_s_dtype(x, residual), out_dtype)
+
+
+@torch.library.custom_op("trifuse::gated_grouped_norm_backward", mutates_args=())
+def _gated_grouped_norm_backward_op(dy: Tensor, ds: OptTensor, x: Tensor, s: Tensor, gate: OptTensor,
+                                    weight: OptTensor, mean: Tensor, rstd: Tensor, eps: float,
+                                    is_rms_norm: bool, groups: int, need_dw: bool, need_db: bool,
+                                    need_dgate: bool,
+                                    dr_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dx, dresidual, dW_g, dB_g, dgate_g); the three vectors (groups, N) fp32 (fp64 for fp64),
+    empty where not needed."""
+    out = _gated_bwd(dy, ds, x, s, gate, weight, mean, rstd, x.shape[-1], eps, is_rms_norm, groups,
+                     (True, True, need_dw, need_db, need_dgate), dr_dtype)
+    empty = x.new_empty(0, dtype=_stat_dtype(s))
+    # a registered op returns no output aliasing another: dresidual may be dx itself
+    dr = out[1].clone() if out[1] is out[0] else out[1]
+    return out[0], dr, *(empty if v is None else v for v in out[2:])
+
+
+@_gated_grouped_norm_op.register_fake
+def _(x, residual, gate, weight, bias, eps, is_rms_norm, groups, out_dtype):
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    stat = _stat_dtype(x)
+    return (x.new_empty(x.shape, dtype=out_dtype), x.new_empty(x.shape, dtype=_gated_s_dtype(x, residual)),
+            x.new_empty(0 if is_rms_norm else rows, dtype=stat), x.new_empty(rows, dtype=stat))
+
+
+@_gated_grouped_norm_backward_op.register_fake
+def _(dy, ds, x, s, gate, weight, mean, rstd, eps, is_rms_norm, groups, need_dw, need_db, need_dgate,
+      dr_dtype):
+    vec = (groups, x.shape[-1])
+    stat = _stat_dtype(s)
+    return (x.new_empty(x.shape), x.new_empty(x.shape, dtype=dr_dtype),
+            *(x.new_empty(vec if need else 0, dtype=stat) for need in (need_dw, need_db, need_dgate)))
+
+
+def _gated_twice(ctx, *grads):
+    """The backward in PyTorch ops, differentiable again (create_graph=True): y's gradient the sum
+    of its views' (the first ctx.outputs grads), then s's."""
+    x, residual, gate, weight, bias, _, _, _ = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    dy = None
+    for g in grads[:ctx.outputs]:
+        if g is not None:
+            dy = g.to(_stat_dtype(x)) if dy is None else dy + g
+    ds = grads[ctx.outputs]
+    if dy is None and ds is None:
+        return (None,) * len(needs)
+
+    def forward(x, residual, gate, w, b):
+        s = _gated_sum_torch(x, residual, gate, ctx.groups, _gated_s_dtype(x, residual))
+        return _grouped_norm_torch(s, w, b, x.shape[-1], ctx.eps, ctx.is_rms_norm, ctx.groups)[0], s
+
+    dx, dr, dg, dw, db = reference_grads(forward, (x, residual, gate, weight, bias), needs[:5], (dy, ds))
+    return (None if dx is None else dx.to(x.dtype), None if dr is None else dr.to(residual.dtype), dg, dw, db,
+            *(None,) * (len(needs) - 5))
+
+
+def _gated_saved(ctx, x, residual, gate, weight, bias, s, mean, rstd, groups, eps, is_rms_norm, outputs):
+    # residual is saved for its dtype and the double backward only: the backward reads s
+    ctx.save_for_backward(x, residual, gate, weight, bias, s, mean, rstd)
+    ctx.eps, ctx.is_rms_norm, ctx.groups, ctx.outputs = eps, is_rms_norm, groups, outputs
+
+
+def _gated_setup(ctx, inputs, output):
+    x, residual, gate, weight, bias, eps, is_rms_norm, groups, _ = inputs
+    _, s, mean, rstd = output
+    _gated_saved(ctx, x, residual, gate, weight, bias, s, mean, rstd, groups, eps, is_rms_norm, 1)
+    ctx.set_materialize_grads(False)
+
+
+def _gated_grads(ctx, dy, ds, more_dy=()):
+    """(dx, dresidual, dgate_g, dW_g, dB_g) in the inputs' order, None where not needed."""
+    x, residual, gate, weight, bias, s, mean, rstd = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    if dy is None:  # only s's gradient: it goes on to the residual, and through the gate to x
+        dy = torch.zeros_like(s)
+    need = (needs[0], needs[1], needs[3] and weight is not None, needs[4] and bias is not None,
+            needs[2] and gate is not None)
+    dx, dr, dw, db, dg = _gated_bwd(dy, ds, x, s, gate, weight, mean, rstd, x.shape[-1], ctx.eps,
+                                    ctx.is_rms_norm, ctx.groups, need, residual.dtype, more_dy)
+    return dx, dr, dg, dw, db
+
+
+@single_backward(twice=_gated_twice, op=GATED_OP)
+def _gated_backward(ctx, dy, ds, *_):
+    x, residual, gate, weight, bias, s, mean, rstd = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    if dy is None and ds is None:
+        return (None,) * 9
+    need_dw, need_db = needs[3] and weight is not None, needs[4] and bias is not None
+    need_dg = needs[2] and gate is not None
+    dy = torch.zeros_like(s) if dy is None else dy
+    dx, dr, dw, db, dg = torch.ops.trifuse.gated_grouped_norm_backward(
+        dy, ds, x, s, gate, weight, mean, rstd, ctx.eps, ctx.is_rms_norm, ctx.groups, need_dw, need_db,
+        need_dg, residual.dtype)
+    return (dx if needs[0] else None, dr if needs[1] else None, dg if need_dg else None,
+            dw if need_dw else None, db if need_db else None, *(None,) * 4)
+
+
+torch.library.register_autograd("trifuse::gated_grouped_norm", _gated_backward, setup_context=_gated_setup)
+
+
+class _GatedNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, gate, weight, bias, eps, is_rms_norm, groups, y_dtype, narrowing):
+        out_dtype, readers, full_y = narrowing or (None, 1, False)
+        y_out = y_dtype if full_y or out_dtype is None else out_dtype
+        out = _gated_fwd(x, residual, gate, weight, bias, x.shape[-1], eps, is_rms_norm, groups,
+                         _gated_s_dtype(x, residual), y_out, out_dtype if full_y else None)
+        y, s, mean, rstd = out[:4]
+        narrow = out[4] if full_y else y
+        ys = ((y,) if full_y else ()) + (narrow, *(narrow.view_as(narrow) for _ in range(readers - 1)))
+        _gated_saved(ctx, x, residual, gate, weight, bias, s, mean, rstd, groups, eps, is_rms_norm, len(ys))
+        return (*ys, s)
+
+    @staticmethod
+    @single_backward(twice=_gated_twice)
+    def backward(ctx, *grads):
+        # (gradients materialized: zeros for an output nobody read)
+        dy, *more_dy = grads[:ctx.outputs]
+        with profiled("trifuse::gated_grouped_norm_backward"):
+            return (*_gated_grads(ctx, dy, grads[ctx.outputs], tuple(more_dy)), *(None,) * 5)
+
+
+@outside_device_modes
+def gated_add_layer_norm_modulate(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    gate: torch.Tensor | None,
+    normalized_shape: int | list[int] | tuple[int, ...] | torch.Size,
+    mul: torch.Tensor | None = None,
+    add: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    *,
+    is_rms_norm: bool = False,
+    out_dtype: torch.dtype | None = None,
+    readers: int = 1,
+    full_y: bool = False,
+) -> tuple[torch.Tensor | tuple[torch.Tensor, ...], torch.Tensor]:
+    """A diffusion transformer's gated residual add and the adaptive norm after it, in one pass
+    each way:
+
+        s = residual + gate * x;   y = norm(s) * mul + add;   returns (y, s)
+
+    as DiT's, SD3's, Flux's and PixArt's blocks write `h = h + gate_msa[:, None] * attn_out`
+    and then `norm2(h) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]`.
+
+    Args:
+        x: (..., N), fp16 / bf16 / fp32 / fp64; any strides.
+        residual: shaped like x, any float dtype; s takes the dtype x and residual promote to.
+        gate: a per-sample vector as mul and add are (or None: s = residual + x), no wider than s.
+        normalized_shape, mul, add, weight, bias, eps, is_rms_norm, out_dtype, readers, full_y:
+            as `layer_norm_modulate` takes them, for the norm of s.
+
+    Returns:
+        (y, s): y as `layer_norm_modulate` returns it for the input s; s shaped like x,
+        contiguous, rounded once (the model rounds the product, then the sum). Gradients reach x,
+        residual, gate, mul, add, weight and bias; the per-sample sums are deterministic.
+
+    Runs trifuse's kernels on the GPU and under the interpreter, PyTorch ops elsewhere.
+
+    Raises:
+        TypeError for non-float tensors; ValueError for shapes, devices or eps that do not fit.
+    """
+    _check_gated(GATED_OP, x, residual, gate, normalized_shape, mul, add, weight, bias, eps, is_rms_norm)
+    if out_dtype is not None or readers != 1 or full_y:
+        _check_narrowing(GATED_OP, out_dtype, readers, full_y)
+    eps = float(eps)
+    n = x.shape[-1]
+    k = max(0 if t is None else _sample_dims(t, x) for t in (mul, add, gate))
+    groups = math.prod(x.shape[:k])
+    s_dtype = _gated_s_dtype(x, residual)
+    y_dtype = s_dtype  # norm(s) * mul + add as written
+    for t in (mul, add):
+        y_dtype = y_dtype if t is None else torch.promote_types(y_dtype, t.dtype)
+    if x.numel() == 0:  # no rows: the ops as written (the empty products keep the gradients' paths)
+        s = residual + (x if gate is None else gate * x)
+        y = layer_norm_modulate_ref(s.to(s_dtype), [n], mul, add, weight, bias, eps, is_rms_norm)
+        return _cast_for_readers(y.to(y_dtype), out_dtype, readers, full_y), s.to(s_dtype)
+    wg, bg = _folded_affine(x, n, k, mul, add, weight, bias)
+    gate_g = None if gate is None else _as_groups(gate, x, n, k, _stat_dtype(x)).contiguous()
+    if eager_fast_path(x, residual, gate_g, wg, bg):
+        plain = out_dtype is None and readers == 1 and not full_y
+        narrowing = None if plain else (out_dtype, readers, full_y)
+        with profiled(f"trifuse::{GATED_OP}"):
+            out = apply_function(_GatedNormFunction, x, residual, gate_g, wg, bg, eps, is_rms_norm, groups,
+                                 y_dtype, narrowing)
+        ys, s = out[:-1], out[-1]
+        return (ys if len(ys) > 1 else ys[0]), s
+    # traced: the registered op, y in the wider of its dtype and out_dtype, narrowed by a cast after it
+    wide = y_dtype if out_dtype is None or full_y else torch.promote_types(y_dtype, out_dtype)
+    y, s = torch.ops.trifuse.gated_grouped_norm(x, residual, gate_g, wg, bg, eps, is_rms_norm, groups,
+                                                wide)[:2]
+    return _cast_for_readers(y, out_dtype, readers, full_y), s

@@ -178,16 +178,19 @@ def _corrected_moments(sum_d, sum_d2, N, ACC: tl.constexpr):
 
 
 @triton.jit
-def _load_stream(X, R, XB, seed, rows, cols, mask, p, scale,
+def _load_stream(X, R, XB, GATE, seed, rows, cols, mask, p, scale, N, rows_per_group,
                  HAS_RESIDUAL: tl.constexpr, HAS_X_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                 ACC: tl.constexpr):
-    """s = residual + dropout(x + x_bias) on a (rows, cols) tile, in ACC; 0 where masked.
-    X and R point at the tile's rows already (a (BLOCK_M, 1) block of pointers)."""
+                 HAS_GATE: tl.constexpr, GROUPED: tl.constexpr, ACC: tl.constexpr):
+    """s = residual + gate * dropout(x + x_bias) on a (rows, cols) tile, in ACC; 0 where masked.
+    X and R point at the tile's rows already (a (BLOCK_M, 1) block of pointers); the gate is a
+    per-feature vector like the affine's (_affine_tile)."""
     s = tl.load(X + cols, mask=mask, other=0.0).to(ACC)
     if HAS_X_BIAS:
         s += tl.load(XB + cols, mask=mask, other=0.0).to(ACC)
     if HAS_DROPOUT:
         s = tl.where(dropout_keep_quads(seed, rows, cols, p), s * scale, 0.0)
+    if HAS_GATE:
+        s *= _affine_tile(GATE, rows, cols, mask, N, rows_per_group, GROUPED).to(ACC)
     if HAS_RESIDUAL:
         s += tl.load(R + cols, mask=mask, other=0.0).to(ACC)
     return s
@@ -221,10 +224,12 @@ def _layer_norm_fwd_kernel(
     M, N, eps, p, scale,
     Y2,  # out (M, N) y once more in another dtype (fusion/narrow.py); unused unless STORE_Y2
     rows_per_group,  # with GROUPED, rows r..r+rows_per_group-1 read row r // rows_per_group of W, B
+    GATE,  # in (N,) or with GROUPED (G, N), multiplying x before the residual; unused unless HAS_GATE
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
     IS_RMS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_X_BIAS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, STORE_S: tl.constexpr,
     HAS_POST: tl.constexpr, ACC: tl.constexpr, STORE_Y2: tl.constexpr, GROUPED: tl.constexpr = False,
+    HAS_GATE: tl.constexpr = False,
 ):
     # int64 rows: row * stride may pass 2^31
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -241,8 +246,8 @@ def _layer_norm_fwd_kernel(
 
     if SINGLE_BLOCK:
         mask = row_mask[:, None] & (offs < N)
-        s = _load_stream(X, R, XB, seed, rows2, offs, mask, p, scale,
-                         HAS_RESIDUAL, HAS_X_BIAS, HAS_DROPOUT, ACC)
+        s = _load_stream(X, R, XB, GATE, seed, rows2, offs, mask, p, scale, N, rows_per_group,
+                         HAS_RESIDUAL, HAS_X_BIAS, HAS_DROPOUT, HAS_GATE, GROUPED, ACC)
         # Normalize s as stored (rounded to its dtype): the backward reads the stored s.
         s = s.to(S.dtype.element_ty).to(ACC)
         if STORE_S:
@@ -274,8 +279,8 @@ def _layer_norm_fwd_kernel(
         for start in range(0, N, BLOCK_N):
             cols = start + offs
             mask = row_mask[:, None] & (cols < N)
-            s = _load_stream(X, R, XB, seed, rows2, cols, mask, p, scale,
-                             HAS_RESIDUAL, HAS_X_BIAS, HAS_DROPOUT, ACC)
+            s = _load_stream(X, R, XB, GATE, seed, rows2, cols, mask, p, scale, N, rows_per_group,
+                             HAS_RESIDUAL, HAS_X_BIAS, HAS_DROPOUT, HAS_GATE, GROUPED, ACC)
             s = s.to(S.dtype.element_ty).to(ACC)
             if STORE_S:
                 tl.store(S + cols, s.to(S.dtype.element_ty), mask=mask)
@@ -291,8 +296,8 @@ def _layer_norm_fwd_kernel(
         for start in range(0, N, BLOCK_N):
             cols = start + offs
             mask = row_mask[:, None] & (cols < N)
-            s = _load_stream(X, R, XB, seed, rows2, cols, mask, p, scale,
-                             HAS_RESIDUAL, HAS_X_BIAS, HAS_DROPOUT, ACC)
+            s = _load_stream(X, R, XB, GATE, seed, rows2, cols, mask, p, scale, N, rows_per_group,
+                             HAS_RESIDUAL, HAS_X_BIAS, HAS_DROPOUT, HAS_GATE, GROUPED, ACC)
             s = s.to(S.dtype.element_ty).to(ACC)
             d = tl.where(mask, s - mean[:, None], 0.0)
             acc += d * d
@@ -308,8 +313,8 @@ def _layer_norm_fwd_kernel(
         for start in range(0, N, BLOCK_N):
             cols = start + offs
             mask = row_mask[:, None] & (cols < N)
-            s = _load_stream(X, R, XB, seed, rows2, cols, mask, p, scale,
-                             HAS_RESIDUAL, HAS_X_BIAS, HAS_DROPOUT, ACC)
+            s = _load_stream(X, R, XB, GATE, seed, rows2, cols, mask, p, scale, N, rows_per_group,
+                             HAS_RESIDUAL, HAS_X_BIAS, HAS_DROPOUT, HAS_GATE, GROUPED, ACC)
             s = s.to(S.dtype.element_ty).to(ACC)
             y = ((s - mean[:, None]) - shift[:, None]) * rstd[:, None]
             if HAS_W:
@@ -384,9 +389,12 @@ def _row_constants(sum_d, sum_dg, sum_g, rstd, N, IS_RMS_NORM: tl.constexpr, ACC
 
 
 @triton.jit
-def _store_input_grads(ds, DS, DX, DR, seed, rows, cols, mask, p, scale,
-                       HAS_DS: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_DR: tl.constexpr):
-    """Adds the gradient arriving at s, stores dresidual and dx; returns dx (0 where masked)."""
+def _store_input_grads(ds, DS, DX, DR, X, GATE, seed, rows, cols, mask, p, scale, N,
+                       HAS_DS: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_DR: tl.constexpr,
+                       HAS_GATE: tl.constexpr):
+    """Adds the gradient arriving at s, stores dresidual and dx. Returns the row-summed share of
+    the third vector (0 where masked): dx (for dx_bias), or with a gate ds * x (for dgate; GATE
+    this group's (N,) row, X the tile's rows; no dropout with it)."""
     if HAS_DS:
         ds += tl.load(DS + cols, mask=mask, other=0.0).to(ds.dtype)
     if STORE_DR:
@@ -394,7 +402,11 @@ def _store_input_grads(ds, DS, DX, DR, seed, rows, cols, mask, p, scale,
     dx = ds
     if HAS_DROPOUT:
         dx = tl.where(dropout_keep_quads(seed, rows, cols, p), ds * scale, 0.0)
+    if HAS_GATE:
+        dx = ds * tl.load(GATE + cols, mask=cols < N, other=0.0).to(ds.dtype)
     tl.store(DX + cols, dx.to(DX.dtype.element_ty), mask=mask)
+    if HAS_GATE:
+        return tl.where(mask, ds * tl.load(X + cols, mask=mask, other=0.0).to(ds.dtype), 0.0)
     return tl.where(mask, dx, 0.0)
 
 
@@ -409,7 +421,7 @@ def _layer_norm_bwd_kernel(
     RSTD,  # in (M,) fp32
     DX,  # out (M, N) gradient for x
     DR,  # out (M, N) gradient for the residual; unused unless STORE_DR
-    PARTIAL,  # out (3, G x programs, N) fp32: this program's shares of dweight, dbias, dx_bias
+    PARTIAL,  # out (3, G x programs, N) fp32: this program's shares of dweight, dbias, dx_bias (dgate)
     stride_dym, stride_dsm, stride_sm, stride_dxm, stride_drm,
     M, N, rows_per_program, stride_pk, p, scale,
     DY2, DY3,  # in (M, N) further gradients for y, added to DY; unused unless NUM_DY > 1, > 2
@@ -417,6 +429,9 @@ def _layer_norm_bwd_kernel(
     # With GROUPED, rows come in groups of rows_per_group, each with its own weight row and its
     # own partial sums (the grid's second axis); a program's rows never leave its group.
     rows_per_group,
+    X,  # in (M, N) the x that GATE multiplied in the forward; unused unless HAS_GATE
+    GATE,  # in (N,) or with GROUPED (G, N); unused unless HAS_GATE (then the third share is dgate)
+    stride_xm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
     IS_RMS_NORM: tl.constexpr, HAS_W: tl.constexpr, HAS_DS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, STORE_DR: tl.constexpr, ACC: tl.constexpr,
@@ -427,6 +442,7 @@ def _layer_norm_bwd_kernel(
     # cross-warp reductions wait for every warp), so that loads stay in flight across them
     PREFETCH: tl.constexpr = False,
     GROUPED: tl.constexpr = False,
+    HAS_GATE: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     # int64 rows: row * stride may pass 2^31. The group arithmetic only where grouped: in every
@@ -437,6 +453,7 @@ def _layer_norm_bwd_kernel(
         row_start = (group * rows_per_group + pid * rows_per_program).to(tl.int64)
         row_end = tl.minimum(row_start + rows_per_program, group_end)
         W += group * N
+        GATE += group * N
         DW_PARTIAL = PARTIAL + (group * tl.num_programs(0) + pid).to(tl.int64) * N
     else:
         row_start = pid.to(tl.int64) * rows_per_program
@@ -485,11 +502,11 @@ def _layer_norm_bwd_kernel(
                 sum_d, sum_g = tl.sum(d, axis=1), tl.sum(g, axis=1)
             shift, c1, c2 = _row_constants(sum_d, tl.sum(d * g, axis=1), sum_g, rstd, N, IS_RMS_NORM, ACC)
             xhat, ds = _xhat_and_ds(d, g, shift, c1, c2, rstd, mask, IS_RMS_NORM)
-            dx = _store_input_grads(ds, DS + rows2 * stride_dsm, DX + rows2 * stride_dxm,
-                                    DR + rows2 * stride_drm, seed, rows2, offs, mask, p, scale,
-                                    HAS_DS, HAS_DROPOUT, STORE_DR)
+            share = _store_input_grads(ds, DS + rows2 * stride_dsm, DX + rows2 * stride_dxm,
+                                       DR + rows2 * stride_drm, X + rows2 * stride_xm, GATE, seed, rows2,
+                                       offs, mask, p, scale, N, HAS_DS, HAS_DROPOUT, STORE_DR, HAS_GATE)
             if STORE_DXB:
-                dxb += dx
+                dxb += share
             if STORE_DW:
                 dw += dy * xhat
             if STORE_DB:
@@ -532,15 +549,17 @@ def _layer_norm_bwd_kernel(
                                        DY2 + rows2 * stride_dy2m, DY3 + rows2 * stride_dy3m, W, cols,
                                        mask, N, mean, rstd, HAS_W, NUM_DY, ACC)
                 xhat, ds = _xhat_and_ds(d, g, shift, c1, c2, rstd, mask, IS_RMS_NORM)
-                dx = _store_input_grads(ds, DS + rows2 * stride_dsm, DX + rows2 * stride_dxm,
-                                        DR + rows2 * stride_drm, seed, rows2, cols, mask, p, scale,
-                                        HAS_DS, HAS_DROPOUT, STORE_DR)
+                share = _store_input_grads(ds, DS + rows2 * stride_dsm, DX + rows2 * stride_dxm,
+                                           DR + rows2 * stride_drm, X + rows2 * stride_xm, GATE, seed,
+                                           rows2, cols, mask, p, scale, N, HAS_DS, HAS_DROPOUT, STORE_DR,
+                                           HAS_GATE)
                 if STORE_DW:
                     tl.store(DW_PARTIAL + cols, tl.load(DW_PARTIAL + cols, mask=mask) + dy * xhat, mask=mask)
                 if STORE_DB:
                     tl.store(DB_PARTIAL + cols, tl.load(DB_PARTIAL + cols, mask=mask) + dy, mask=mask)
                 if STORE_DXB:
-                    tl.store(DXB_PARTIAL + cols, tl.load(DXB_PARTIAL + cols, mask=mask) + dx, mask=mask)
+                    tl.store(DXB_PARTIAL + cols, tl.load(DXB_PARTIAL + cols, mask=mask) + share,
+                             mask=mask)
 
 
 @triton.jit
@@ -685,7 +704,8 @@ def _bwd_run(plan: tuple, head: tuple, tail: tuple, m: int, n: int, acc: torch.d
     grid, meta, programs, rows_per_program, zero, sum_grid, sum_meta = plan
     total = programs * groups
     partials = (torch.zeros if zero else torch.empty)((3, total, n), dtype=acc, device=device)
-    args = (*head, partials, *tail[:5], m, n, rows_per_program, total * n, *tail[5:], m // groups)
+    args = (*head, partials, *tail[:5], m, n, rows_per_program, total * n, *tail[5:11], m // groups,
+            *tail[11:])
     _layer_norm_bwd.run(grid, args, meta)
     shape = (n,) if groups == 1 else (groups, n)
     vecs = tuple(None if d is None else torch.empty(shape, dtype=d, device=device) for d in grad_dtypes)
@@ -732,6 +752,7 @@ def layer_norm_fwd(
     out_dtype: torch.dtype | None = None,
     y2_dtype: torch.dtype | None = None,
     rows_per_group: int | None = None,
+    gate: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Normalizes the last `n` features of `x`. Returns (y, s, mean, rstd): y and s shaped like
     x (s is x itself unless store_s), mean and rstd (rows,) in fp32 (mean empty for RMSNorm),
@@ -739,10 +760,12 @@ def layer_norm_fwd(
     `post` (like x; not with residual) is added to y after the norm, y in the promoted dtype, or
     in out_dtype when given (rounded once by the kernel). With y2_dtype, the kernel stores y a
     second time in that dtype, returned fifth. With rows_per_group (Triton only), weight and bias
-    are (G, n), contiguous, each group of rows_per_group consecutive rows reading its own row."""
+    are (G, n), contiguous, each group of rows_per_group consecutive rows reading its own row.
+    A gate (Triton only; no dropout, no x_bias; (n,), or (G, n) with rows_per_group, contiguous)
+    multiplies x before the residual is added: s = residual + gate * x."""
     other = residual if residual is not None else post
     dtype = x.dtype if other is None else torch.promote_types(x.dtype, other.dtype)
-    weight, bias, x_bias = _flat(weight), _flat(bias), _flat(x_bias)
+    weight, bias, x_bias, gate = _flat(weight), _flat(bias), _flat(x_bias), _flat(gate)
     m = x.numel() // n if n else 0
     stat_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     y = empty_like(x, out_dtype if out_dtype is not None else dtype)
@@ -753,7 +776,9 @@ def layer_norm_fwd(
     mean = torch.empty(0 if is_rms_norm else shape, dtype=stat_dtype, device=x.device)
     if m == 0:
         return (y, s, mean, rstd) if y2 is None else (y, s, mean, rstd, y2)
-    if not use_triton(x):
+    if not use_triton(x) or gate is not None and (p > 0.0 or x_bias is not None):
+        if gate is not None:
+            raise ValueError("trifuse.layer_norm_fwd: a gate runs on Triton only, without dropout or x_bias")
         y, s, mean_t, rstd_t = _norm_fwd_torch(x, n, weight, bias, eps, is_rms_norm, residual, x_bias, p, seed,
                                                store_s, post)
         rstd.view(-1).copy_(rstd_t)
@@ -773,13 +798,15 @@ def layer_norm_fwd(
             x2 if bias is None else bias, seed if has_dropout else x2,
             y, s_arg, rstd if is_rms_norm else mean, rstd,
             stride_x, stride_r, stride_p, n, n,
-            m, n, eps, p, _dropout_scale(p), y if y2 is None else y2, rows_per_group or 1)
+            m, n, eps, p, _dropout_scale(p), y if y2 is None else y2, rows_per_group or 1,
+            x2 if gate is None else gate)
     device = x.get_device() if x.is_cuda else -1
     # The tuning key's "residual": False, True (added before the norm) or "post" (after it); the
     # bytes moved are the same either way, but a post add keeps y live longer.
     residual_kind = "post" if post is not None else residual is not None
     key = (device, dtype, m, n, is_rms_norm, residual_kind, x_bias is not None, has_dropout,
-           weight is not None, bias is not None, store_s, y2 is not None, rows_per_group is not None)
+           weight is not None, bias is not None, store_s, y2 is not None, rows_per_group is not None,
+           gate is not None)
     out = (y, s, mean, rstd) if y2 is None else (y, s, mean, rstd, y2)
     plan = _FWD_PLANS.get(key)
     if plan is not None:
@@ -788,7 +815,7 @@ def layer_norm_fwd(
     constexprs = dict(IS_RMS_NORM=is_rms_norm, HAS_RESIDUAL=residual is not None, HAS_X_BIAS=x_bias is not None,
                       HAS_DROPOUT=has_dropout, HAS_W=weight is not None, HAS_B=bias is not None,
                       STORE_S=store_s, HAS_POST=post is not None, ACC=acc_dtype(dtype),
-                      STORE_Y2=y2 is not None, GROUPED=rows_per_group is not None)
+                      STORE_Y2=y2 is not None, GROUPED=rows_per_group is not None, HAS_GATE=gate is not None)
     tuning_key = (device, dtype, n, pow2_bucket(m), is_rms_norm, residual_kind, has_dropout, store_s)
     cfg = _FWD_TUNER.config(tuning_key, _fwd_launch, m, n, constexprs, args)
     plan = _fwd_plan(cfg, m, n, constexprs)
@@ -816,6 +843,8 @@ def layer_norm_bwd(
     dr_dtype: torch.dtype | None = None,
     more_dy: tuple[torch.Tensor, ...] = (),
     groups: int = 1,
+    x: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of the norm. Returns (dx, dresidual, dweight, dbias, dx_bias); dresidual is dx
     itself unless store_dresidual. y's gradient is dy, plus (in fp32, inside the kernel) up to two
@@ -826,8 +855,9 @@ def layer_norm_bwd(
     grad_dtypes is None, else each in its dtype from grad_dtypes, or None where that is None.
     With `groups` (Triton only; it divides the rows), the weight is (groups, n), each group of
     consecutive rows reading its own row (layer_norm_fwd's rows_per_group), and the vectors are
-    (groups, n): each group's sums."""
-    weight = _flat(weight)
+    (groups, n): each group's sums. With a gate (Triton only; as layer_norm_fwd's, x the tensor it
+    multiplied, no dropout): dx = ds * gate, and the third vector is dgate = sum_rows(ds * x)."""
+    weight, gate = _flat(weight), _flat(gate)
     m = s.numel() // n if n else 0
     acc = torch.float64 if s.dtype == torch.float64 else torch.float32
     if grad_dtypes is None:
@@ -838,6 +868,8 @@ def layer_norm_bwd(
         return dx, dr, *(None if d is None else torch.zeros(n, dtype=d, device=s.device) for d in grad_dtypes)
     if len(more_dy) > 2:
         raise ValueError(f"trifuse.layer_norm_bwd: at most two more_dy, got {len(more_dy)}")
+    if gate is not None and (not use_triton(s) or p > 0.0 or x is None):
+        raise ValueError("trifuse.layer_norm_bwd: a gate runs on Triton only, with x and without dropout")
     if not use_triton(s):
         for extra in more_dy:
             dy = dy.to(acc) + extra
@@ -860,6 +892,11 @@ def layer_norm_bwd(
                 extra[0][0], extra[1][0], extra[0][1], extra[1][1])
     else:
         tail = (stride_dy, stride_ds, stride_s, n, n, p, _dropout_scale(p), dy2, dy2, 0, 0)
+    if gate is not None:
+        x2, stride_x = as_rows(x, n)
+        tail += (x2, gate, stride_x)
+    else:
+        tail += (s2, s2, 0)
     device = s.get_device() if s.is_cuda else -1
     # The tuned backward config sets how the rows are split into fp32 partial sums, so two
     # processes tuning apart could sum dweight in different orders. Under
@@ -867,15 +904,17 @@ def layer_norm_bwd(
     # everywhere, tuned cache or not.
     deterministic = torch.are_deterministic_algorithms_enabled()
     key = (device, s.dtype, m, n, is_rms_norm, weight is not None, ds is not None, has_dropout,
-           store_dresidual, grad_dtypes, deterministic, len(more_dy), groups)
+           store_dresidual, grad_dtypes, deterministic, len(more_dy), groups, gate is not None)
     plan = _BWD_PLANS.get(key)
     if plan is None:
         sum_flags = dict(STORE_DW=grad_dtypes[0] is not None, STORE_DB=grad_dtypes[1] is not None,
                          STORE_DXB=grad_dtypes[2] is not None)
         constexprs = dict(IS_RMS_NORM=is_rms_norm, HAS_W=weight is not None, HAS_DS=ds is not None,
                           HAS_DROPOUT=has_dropout, STORE_DR=store_dresidual, ACC=acc_dtype(s.dtype),
-                          NUM_DY=1 + len(more_dy), GROUPED=groups > 1, **sum_flags)
-        grads = "".join(c for c, d in zip("wbx", grad_dtypes) if d is not None)
+                          NUM_DY=1 + len(more_dy), GROUPED=groups > 1, HAS_GATE=gate is not None, **sum_flags)
+        # (a gate reads x as well: its dgate tunes apart from dx_bias)
+        third = "g" if gate is not None else "x"
+        grads = "".join(c for c, d in zip("wb" + third, grad_dtypes) if d is not None)
         tuning_key = (device, s.dtype, n, pow2_bucket(m), is_rms_norm, ds is not None, has_dropout,
                       store_dresidual, grads)
         sms = device_sms(s)
