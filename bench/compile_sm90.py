@@ -100,6 +100,15 @@ def _catalogue(torch, family: str):
             yield f"layer_norm_modulate {n} -> bf16 x 3 readers", fwd_bwd(
                 lambda x=x, scale=scale, shift=shift, n=n: ops.layer_norm_modulate(
                     x, n, 1 + scale, shift, eps=1e-6, out_dtype=bf16, readers=3))
+        # DiT's gated residual add folded into the MLP's modulated norm: the gate read per group
+        # in the forward; x read again and dgate summed per group in the backward.
+        for n in (1152, 3072, 20000):
+            x, r, gate = leaf(2, rows, n), leaf(2, rows, n), leaf(2, 1, n)
+            scale, shift = leaf(2, 1, n), leaf(2, 1, n)
+            for rms in (False, True):
+                yield f"gated_add_{'rms' if rms else 'layer'}_norm_modulate {n}", fwd_bwd(
+                    lambda x=x, r=r, gate=gate, scale=scale, shift=shift, n=n, rms=rms:
+                    ops.gated_add_layer_norm_modulate(x, r, gate, n, 1 + scale, shift, eps=1e-6, is_rms_norm=rms))
     elif family == "residual_stream":
         for n in (1024, 4096):
             x, r, w, b, xb = leaf(rows, n), leaf(rows, n), leaf(n), leaf(n), leaf(n)

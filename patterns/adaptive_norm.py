@@ -28,9 +28,11 @@ Tried before the residual stream's (stage 1, earlier in the registry): when an a
 modulated norm (a DiT block's second and third norms), folding the modulation saves more passes
 than folding the add.
 """
+import functools
+
 import torch
 
-from ._base import Match, Pattern, known_equal, needs_number, ops
+from ._base import Match, Pattern, known_equal, needs_number, ops, same_shape
 
 
 def layer_norm_modulate(x: torch.Tensor, mul: torch.Tensor, add: torch.Tensor, normalized_shape, weight, bias,
@@ -144,6 +146,127 @@ def upcast_holds_the_product(m: Match) -> str | None:
     return None
 
 
+# The residual add before a modulated norm (stage 2, once stage 1 made the norm one op):
+#
+#     s = residual + gate * x             (gate a vector per sample; or residual + x)
+#     y = layer_norm_modulate(s, ...)     any stage-1 form: LayerNorm or RMSNorm, upcast or not
+#  -> y, s = gated_add_layer_norm_modulate(x, residual, gate, ...)
+#
+# DiT's, PixArt's, SD3's and Flux's blocks: `h = h + gate_msa[:, None] * attn_out` and then
+# `norm2(h) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]`; PixArt's cross-attention adds its
+# output ungated before that norm. The product and the sum fold into the norm's loads: two passes
+# over the activation fewer each way, and dgate summed in the norm's backward. (RMSNorm's forms
+# bind `bias` to the None the stage-1 replacement passes.)
+
+
+def gated_add_layer_norm_modulate(x: torch.Tensor, residual: torch.Tensor, gate: torch.Tensor, mul, add,
+                                  normalized_shape, weight, bias, eps, *, rms: bool = False):
+    s = residual + gate * x
+    kwargs = {"is_rms_norm": True} if rms else {}
+    return ops.layer_norm_modulate(s, normalized_shape, mul, add, weight, bias, eps, **kwargs), s
+
+
+def gated_add_layer_norm_modulate_fused(x, residual, gate, mul, add, normalized_shape, weight, bias, eps, *,
+                                        rms: bool = False):
+    y, s = ops.gated_add_layer_norm_modulate(x, residual, gate, normalized_shape, mul, add, weight, bias, eps,
+                                             is_rms_norm=rms)
+    return y, s
+
+
+def gated_add_layer_norm_modulate_upcast(x: torch.Tensor, residual: torch.Tensor, gate: torch.Tensor, mul,
+                                         add, normalized_shape, weight, bias, eps, dtype, *,
+                                         rms: bool = False):
+    s = residual + gate * x
+    kwargs = {"is_rms_norm": True} if rms else {}
+    return ops.layer_norm_modulate(s, normalized_shape, mul, add, weight, bias, eps, out_dtype=dtype,
+                                   **kwargs), s
+
+
+def gated_add_layer_norm_modulate_upcast_fused(x, residual, gate, mul, add, normalized_shape, weight, bias,
+                                               eps, dtype, *, rms: bool = False):
+    y, s = ops.gated_add_layer_norm_modulate(x, residual, gate, normalized_shape, mul, add, weight, bias, eps,
+                                             is_rms_norm=rms, out_dtype=dtype)
+    return y, s
+
+
+def add_layer_norm_modulate(x: torch.Tensor, residual: torch.Tensor, mul, add, normalized_shape, weight, bias,
+                            eps, *, rms: bool = False):
+    s = residual + x
+    kwargs = {"is_rms_norm": True} if rms else {}
+    return ops.layer_norm_modulate(s, normalized_shape, mul, add, weight, bias, eps, **kwargs), s
+
+
+def add_layer_norm_modulate_fused(x, residual, mul, add, normalized_shape, weight, bias, eps, *,
+                                  rms: bool = False):
+    y, s = ops.gated_add_layer_norm_modulate(x, residual, None, normalized_shape, mul, add, weight, bias, eps,
+                                             is_rms_norm=rms)
+    return y, s
+
+
+def add_layer_norm_modulate_upcast(x: torch.Tensor, residual: torch.Tensor, mul, add, normalized_shape,
+                                   weight, bias, eps, dtype, *, rms: bool = False):
+    s = residual + x
+    kwargs = {"is_rms_norm": True} if rms else {}
+    return ops.layer_norm_modulate(s, normalized_shape, mul, add, weight, bias, eps, out_dtype=dtype,
+                                   **kwargs), s
+
+
+def add_layer_norm_modulate_upcast_fused(x, residual, mul, add, normalized_shape, weight, bias, eps, dtype, *,
+                                         rms: bool = False):
+    y, s = ops.gated_add_layer_norm_modulate(x, residual, None, normalized_shape, mul, add, weight, bias, eps,
+                                             is_rms_norm=rms, out_dtype=dtype)
+    return y, s
+
+
+def sum_operands(m: Match) -> str | None:
+    """x and the residual tensors of one shape and one dtype (the model rounds the product, then
+    the sum, in it; the op rounds once), neither a DTensor."""
+    x, residual = m.value("x"), m.value("residual")
+    if not isinstance(x, torch.Tensor) or not isinstance(residual, torch.Tensor):
+        return "x or residual: no tensor metadata"
+    if _is_dtensor(x) or _is_dtensor(residual):
+        return "a DTensor (the op has no sharding rule: tensor or sequence parallelism keeps it as written)"
+    if not same_shape(x, residual):
+        return f"x {tuple(x.shape)} and residual {tuple(residual.shape)} differ in shape (a broadcast add)"
+    if x.dtype != residual.dtype:
+        return (f"x ({x.dtype}) and the residual ({residual.dtype}) differ in dtype (the model's rounding, "
+                "kept)")
+    return None
+
+
+def gate_per_sample(m: Match) -> str | None:
+    """The gate one vector per sample (as mul and add; a (N,) vector too), no wider than x."""
+    x, gate = m.value("x"), m.value("gate")
+    if not isinstance(gate, torch.Tensor):
+        return "the gate's shape is unknown"
+    if _is_dtensor(gate):
+        return "a DTensor gate (the op has no sharding rule)"
+    why = _not_per_sample(gate, x)
+    if why is not None:
+        return f"gate {list(gate.shape)} is not one vector per sample of x {list(x.shape)}: {why}"
+    if torch.promote_types(x.dtype, gate.dtype) != x.dtype:
+        return f"the gate ({gate.dtype}) is wider than x ({x.dtype})"
+    return None
+
+
+OPS_CALLED = ("gated_add_layer_norm_modulate", "layer_norm_modulate")
+
+
+def _sum_patterns() -> tuple[Pattern, ...]:
+    """The eight forms: gated or not, LayerNorm or RMSNorm, upcast or not."""
+    forms = []
+    for gated in (True, False):
+        for upcast in (False, True):
+            for rms in (False, True):
+                base = f"{'gated_add' if gated else 'add'}_layer_norm_modulate{'_upcast' if upcast else ''}"
+                search, replacement = globals()[base], globals()[base + "_fused"]
+                name = base.replace("layer_norm", "rms_norm") if rms else base
+                filters = (sum_operands, gate_per_sample) if gated else (sum_operands,)
+                forms.append(Pattern(name, "residual_stream", functools.partial(search, rms=rms),
+                                     functools.partial(replacement, rms=rms), OPS_CALLED, filters, stage=2))
+    return tuple(forms)
+
+
 PATTERNS = (
     Pattern("layer_norm_modulate", "layer_norm", layer_norm_modulate, layer_norm_modulate_fused,
             ("layer_norm_modulate", "layer_norm"), (per_sample, in_the_norms_dtype, needs_number("eps")),
@@ -157,4 +280,5 @@ PATTERNS = (
     Pattern("rms_norm_modulate_upcast", "rms_norm", rms_norm_modulate_upcast, rms_norm_modulate_upcast_fused,
             ("layer_norm_modulate", "rms_norm"), (per_sample, upcast_holds_the_product, needs_number("eps")),
             stage=1, quiet=True),
+    *_sum_patterns(),
 )

@@ -141,3 +141,95 @@ def test_an_upcast_that_does_not_hold_the_product_is_left():
     assert "does not widen" in upcast_holds_the_product(match(single, single, single, single))
     assert "wider (torch.float64)" in upcast_holds_the_product(match(half, double, half, single))
     assert "not a float dtype" in upcast_holds_the_product(match(half, half, half, torch.int32))
+
+
+class GatedResidual(nn.Module):
+    """A DiT block's middle: the attention's output (a linear here) added to the residual stream
+    through a per-sample gate, then the MLP's modulated norm; `spelling` says how the add is written."""
+
+    def __init__(self, spelling: str, norm: str = "layer_norm") -> None:
+        super().__init__()
+        self.spelling = spelling
+        if norm == "rms_norm":
+            self.norm = nn.RMSNorm(N, eps=1e-6, elementwise_affine=False)
+        else:
+            self.norm = nn.LayerNorm(N, eps=1e-6, elementwise_affine=False)
+        self.ada = nn.Linear(COND, 3 * N)
+        self.attn = nn.Linear(N, N)
+        self.mlp = nn.Linear(N, N)
+
+    def forward(self, h, cond):
+        gate, shift, scale = self.ada(F.silu(cond)).chunk(3, dim=1)
+        out = self.attn(h)
+        if self.spelling == "dit":  # diffusers' BasicTransformerBlock: gate first, then the add
+            out = gate.unsqueeze(1) * out
+            h = out + h
+        elif self.spelling == "flux":  # h + gate * out, the gate (B, 1, N) from a view
+            h = h + gate.view(-1, 1, N) * out
+        elif self.spelling == "ungated":  # PixArt's cross-attention output
+            h = h + out
+        elif self.spelling == "gate_over_tokens":  # a product varying along the rows: not a gate
+            h = h + torch.sigmoid(out) * out
+        elif self.spelling == "broadcast":  # one token's output added to every row
+            h = h + out[:, :1]
+        norm = self.norm(h) * (1 + scale[:, None]) + shift[:, None]
+        return h + self.mlp(norm)
+
+
+@pytest.mark.parametrize("capture", ["fx", "dynamo"])
+@pytest.mark.parametrize("spelling, pattern", [("dit", "gated_add_layer_norm_modulate"),
+                                               ("flux", "gated_add_layer_norm_modulate"),
+                                               ("ungated", "add_layer_norm_modulate")])
+def test_the_residual_add_before_a_modulated_norm_folds_into_it(spelling, pattern, capture):
+    """The sum the norm reads is the op's second result, which the block adds on (h + mlp(...))."""
+    report = check_against_unfused(lambda: GatedResidual(spelling), inputs(), capture, train=True)
+    assert report.counts() == available_counts({"residual_stream": 1}), report.table()
+    assert report.by_pattern() == {pattern: 1}, report.table()
+
+
+def test_rms_norm_after_a_gated_add():
+    report = check_against_unfused(lambda: GatedResidual("dit", "rms_norm"), inputs(), "dynamo", train=True)
+    assert report.by_pattern() == {"gated_add_rms_norm_modulate": 1}, report.table()
+
+
+def test_a_product_over_tokens_is_the_summand_not_a_gate():
+    """`h + sigmoid(out) * out`: the product varies along the rows, so it is no gate; it is added
+    ungated, its own ops PyTorch's."""
+    report = check_against_unfused(lambda: GatedResidual("gate_over_tokens"), inputs(), "dynamo", train=True)
+    assert report.by_pattern() == {"add_layer_norm_modulate": 1}, report.table()
+
+
+def test_a_broadcast_add_is_left():
+    """`h + out[:, :1]` adds one row to every row: not a residual stream of one shape, so the
+    modulated norm stays alone (negative control)."""
+    report = check_against_unfused(lambda: GatedResidual("broadcast"), inputs(), "dynamo", train=True)
+    assert report.by_pattern() == {"layer_norm_modulate": 1}, report.table()
+
+
+def test_a_residual_stream_of_another_dtype_is_left():
+    """x fp16 beside an fp32 residual: the model rounds the product to fp16 before an fp32 sum,
+    which the op would not; the modulated norm is fused alone and the filter says why."""
+    from types import SimpleNamespace
+
+    from trifuse.patterns.adaptive_norm import gate_per_sample, sum_operands
+
+    def match(x, residual, gate=None):
+        values = {"x": x, "residual": residual, "gate": gate}
+        return SimpleNamespace(value=values.__getitem__)
+
+    x = torch.empty(2, 3, N, dtype=torch.float16)
+    assert sum_operands(match(x, x)) is None
+    assert "differ in dtype" in sum_operands(match(x, x.float()))
+    assert "differ in shape" in sum_operands(match(x, torch.empty(1, 3, N, dtype=torch.float16)))
+    assert gate_per_sample(match(x, x, torch.empty(2, 1, N, dtype=torch.float16))) is None
+    assert "wider than x" in gate_per_sample(match(x, x, torch.empty(2, 1, N)))
+    assert "varies along a sample's rows" in gate_per_sample(match(x, x, torch.empty(2, 3, N, dtype=x.dtype)))
+
+
+def test_cuda_autocast_folds_the_gated_add_into_the_upcast_form():
+    """A 16-bit residual stream under CUDA's autocast: the norm returns fp32 and is modulated in
+    fp32 (`*_upcast`), the gated add before it folds in all the same."""
+    x, cond = inputs()
+    with cuda_like_autocast(), torch.autocast("cuda" if DEVICE == "cuda" else "cpu", dtype=torch.float16):
+        report = check_against_unfused(lambda: GatedResidual("dit"), (x.half(), cond), "dynamo", train=True)
+    assert report.by_pattern() == {"gated_add_layer_norm_modulate_upcast": 1}, report.table()
