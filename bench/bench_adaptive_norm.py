@@ -22,6 +22,12 @@ cast to bf16 by each of the attention's q, k and v projections (the three casts 
 matmuls not); trifuse's op as `fuse` calls it there, writing bf16 y once for the three
 (`out_dtype`, `readers=3`), their gradients summed in its backward. Bytes (the minimum): fwd read x,
 write y, 2·M·N·e; bwd read three dy and x, write dx, 5·M·N·e.
+
+The "gated residual" variant is a DiT block's norm2 with the attention's gated residual add
+before it, `h = h + gate[:, None] * attn_out; norm2(h) * (1 + scale[:, None]) + shift[:, None]`,
+returning y and the new residual stream h (trifuse's `gated_add_layer_norm_modulate`). Bytes (the
+minimum): fwd read x and the residual, write s and y, 4·M·N·e; bwd read dy, ds, s and x, write dx
+and dresidual, 6·M·N·e (the vectors counted as above).
 """
 import _harness as H  # noqa: I001  (bench/conftest.py sets TRITON_INTERPRET before this)
 import pytest
@@ -99,6 +105,37 @@ def autocast_providers() -> dict:
     return out
 
 
+def make_gated_inputs(shape):
+    b, s, n = shape
+    x, residual = (torch.randn(b, s, n, device=DEVICE, dtype=DTYPE, requires_grad=True) for _ in range(2))
+    gate, scale, shift = (torch.randn(b, n, device=DEVICE, dtype=DTYPE, requires_grad=True) for _ in range(3))
+    args = (x, residual, gate, scale, shift)
+    return args, args
+
+
+def gated_bytes_for(shape, mode):
+    b, s, n = shape
+    e = torch.finfo(DTYPE).bits // 8
+    fwd = 4 * b * s * n * e + 3 * b * n * e
+    bwd = 6 * b * s * n * e + 6 * b * n * e
+    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]
+
+
+def gated_providers() -> dict:
+    def torch_gated(x, residual, gate, scale, shift):
+        s = residual + gate[:, None] * x
+        return F.layer_norm(s, s.shape[-1:], eps=EPS) * (1 + scale[:, None]) + shift[:, None], s
+
+    def trifuse_gated(x, residual, gate, scale, shift):
+        return trifuse.ops.gated_add_layer_norm_modulate(x, residual, gate[:, None], x.shape[-1:],
+                                                         1 + scale[:, None], shift[:, None], eps=EPS)
+
+    out = {"trifuse": trifuse_gated, "torch": torch_gated}
+    if H.on_gpu():
+        out["torch.compile"] = H.compiled(torch_gated)
+    return out
+
+
 def host_overhead() -> list[dict]:
     """Wall µs per call at a tiny size: trifuse's eager path beside PyTorch's three ops."""
     shape = (2, 4, 1024)
@@ -122,6 +159,8 @@ def main() -> None:
     rows = H.sweep(providers(), MODEL_SHAPES, make_inputs, bytes_for)
     rows += H.sweep(autocast_providers(), MODEL_SHAPES[:1], make_autocast_inputs, autocast_bytes_for,
                     variant=f"autocast, {READERS} readers")
+    rows += H.sweep(gated_providers(), MODEL_SHAPES, make_gated_inputs, gated_bytes_for,
+                    variant="gated residual")
     H.write_results("adaptive_norm", rows, COLUMNS, plot_x="N")
     H.print_table(rows, COLUMNS)
 
@@ -150,6 +189,13 @@ def test_under_autocast_for_three_readers(mode):
     H.check_against_reference(autocast_providers(), "torch", make_autocast_inputs, SMOKE_SHAPE)
     for fn in autocast_providers().values():
         H.make_step(fn, lambda: make_autocast_inputs(SMOKE_SHAPE), mode)()
+
+
+@pytest.mark.parametrize("mode", H.MODES)
+def test_gated_residual(mode):
+    H.check_against_reference(gated_providers(), "torch", make_gated_inputs, SMOKE_SHAPE)
+    for fn in gated_providers().values():
+        H.make_step(fn, lambda: make_gated_inputs(SMOKE_SHAPE), mode)()
 
 
 def test_host_overhead_runs():
