@@ -786,22 +786,30 @@ def gated_add_layer_norm_modulate(
         contiguous, rounded once (the model rounds the product, then the sum). Gradients reach x,
         residual, gate, mul, add, weight and bias; the per-sample sums are deterministic.
 
-    Runs trifuse's kernels on the GPU and under the interpreter, PyTorch ops elsewhere.
+    Eager calls run trifuse's kernels or PyTorch's ops as written, whichever the
+    `gated_add_layer_norm_modulate` dialect measured faster for this shape on this GPU; elsewhere,
+    and under torch.compile, trifuse's.
 
     Raises:
         TypeError for non-float tensors; ValueError for shapes, devices or eps that do not fit.
     """
     _check_gated(GATED_OP, x, residual, gate, normalized_shape, mul, add, weight, bias, eps, is_rms_norm)
-    if out_dtype is not None or readers != 1 or full_y:
-        _check_narrowing(GATED_OP, out_dtype, readers, full_y)
-    eps = float(eps)
+    args = (x, residual, gate, normalized_shape, mul, add, weight, bias, float(eps), is_rms_norm)
+    if out_dtype is None and readers == 1 and not full_y:
+        return GATED_ADD_LAYER_NORM_MODULATE(*args)
+    _check_narrowing(GATED_OP, out_dtype, readers, full_y)
+    return GATED_ADD_LAYER_NORM_MODULATE(*args, out_dtype, readers, full_y)
+
+
+def _gated_trifuse(x, residual, gate, normalized_shape, mul, add, weight, bias, eps, is_rms_norm,
+                   out_dtype=None, readers=1, full_y=False):
+    """The op's own candidate: the folded affine and gate (PyTorch, on the small vectors) and the
+    norm kernels reading x, the residual and the gate. Checked inputs."""
     n = x.shape[-1]
     k = max(0 if t is None else _sample_dims(t, x) for t in (mul, add, gate))
     groups = math.prod(x.shape[:k])
     s_dtype = _gated_s_dtype(x, residual)
-    y_dtype = s_dtype  # norm(s) * mul + add as written
-    for t in (mul, add):
-        y_dtype = y_dtype if t is None else torch.promote_types(y_dtype, t.dtype)
+    y_dtype = _promoted(s_dtype, mul, add)
     if x.numel() == 0:  # no rows: the ops as written (the empty products keep the gradients' paths)
         s = residual + (x if gate is None else gate * x)
         y = layer_norm_modulate_ref(s.to(s_dtype), [n], mul, add, weight, bias, eps, is_rms_norm)
@@ -821,3 +829,61 @@ def gated_add_layer_norm_modulate(
     y, s = torch.ops.trifuse.gated_grouped_norm(x, residual, gate_g, wg, bg, eps, is_rms_norm, groups,
                                                 wide)[:2]
     return _cast_for_readers(y, out_dtype, readers, full_y), s
+
+
+def _promoted(dtype: torch.dtype, *tensors: torch.Tensor | None) -> torch.dtype:
+    for t in tensors:
+        if t is not None:
+            dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+def _gated_torch(x, residual, gate, normalized_shape, mul, add, weight, bias, eps, is_rms_norm,
+                 out_dtype=None, readers=1, full_y=False):
+    """PyTorch's product and sum as the model writes them, then `layer_norm_modulate`'s torch
+    candidate on s."""
+    s = residual + (x if gate is None else gate * x)
+    y = _modulate_torch(s, normalized_shape, mul, add, weight, bias, eps, is_rms_norm, out_dtype, readers,
+                        full_y)
+    return y, s
+
+
+def _gated_torch_supports(x, residual, gate, normalized_shape, mul, add, weight, bias, eps, is_rms_norm,
+                          *narrowing) -> str | None:
+    s = x.new_empty(0, dtype=_gated_s_dtype(x, residual))
+    return _modulate_torch_supports(s, normalized_shape, mul, add, weight, bias, eps, is_rms_norm)
+
+
+def _gated_key(x, residual, gate, normalized_shape, mul, add, weight, bias, eps, is_rms_norm, out_dtype=None,
+               readers=1, full_y=False):
+    """The dialect key of an eager call (`_modulate_key`'s, with the residual's and the gate's
+    dtypes); None (the op's kernels) when traced or empty."""
+    if not eager_fast_path(residual, gate):
+        return None
+    key = _modulate_key(x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm)
+    if key is None:
+        return None
+    grad = key[-1] or torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (residual, gate))
+    key = (*key[:-1], residual.dtype, None if gate is None else gate.dtype, grad)
+    if out_dtype is None and readers == 1 and not full_y:
+        return key
+    return _narrowed_key(key, x, out_dtype, readers, full_y)
+
+
+def _gated_dialect_ref(x, residual, gate, normalized_shape, mul, add, weight, bias, eps, is_rms_norm,
+                       out_dtype=None, readers=1, full_y=False):
+    s = residual + (x if gate is None else gate * x)
+    y = layer_norm_modulate_ref(s, [x.shape[-1]], mul, add, weight, bias, eps, is_rms_norm)
+    return _narrowed_ref(y, x, out_dtype, readers, full_y), s
+
+
+# The op's kernels or PyTorch's product, sum, norm, product and sum, whichever measured faster per
+# shape on this GPU.
+GATED_ADD_LAYER_NORM_MODULATE = dialects.define(
+    GATED_OP, _gated_key, ("device", "dtype", "rows", "n", "mul", "add", "weight", "bias", "rms", "residual",
+                           "gate", "grad", "out"),
+    reference=_gated_dialect_ref)
+GATED_ADD_LAYER_NORM_MODULATE.register(dialects.Candidate("trifuse", _gated_trifuse))
+GATED_ADD_LAYER_NORM_MODULATE.register(
+    dialects.Candidate("torch", _gated_torch, supports=_gated_torch_supports))

@@ -100,3 +100,71 @@ def test_a_narrowed_call_is_chosen_apart_and_runs_bitwise(modulate_dialect, time
         assert a.dtype == e.dtype and torch.equal(a, e)
     rec = modulate_dialect.explain(*args, *narrowing)
     assert rec.chosen == winner and set(fake.calls) == {"trifuse", "torch"}
+
+
+# ---------------------------------------------------------------------------------------------
+# gated_add_layer_norm_modulate: the residual add before the norm, its own dialect
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def gated_dialect(cache_dir, monkeypatch):
+    an.GATED_ADD_LAYER_NORM_MODULATE.clear()
+    monkeypatch.setattr(an.GATED_ADD_LAYER_NORM_MODULATE, "timer", None)
+    yield an.GATED_ADD_LAYER_NORM_MODULATE
+    an.GATED_ADD_LAYER_NORM_MODULATE.clear()
+
+
+def gated_inputs(dtype=torch.float32, tokens=3):
+    x, residual = (torch.randn(2, tokens, N, device=DEVICE, dtype=dtype, requires_grad=True) for _ in range(2))
+    gate, scale, shift = (torch.randn(2, N, device=DEVICE, dtype=dtype, requires_grad=True) for _ in range(3))
+    return x, residual, gate, scale, shift
+
+
+def gated_fwd_bwd(fn, x, residual, gate, scale, shift, *narrowing):
+    """y (or its views), s and the gradients of all five inputs, for fixed output gradients."""
+    y, s = fn(x, residual, gate[:, None], (N,), 1 + scale[:, None], shift[:, None], None, None, 1e-6, False,
+              *narrowing)
+    outs = (*(y if isinstance(y, tuple) else (y,)), s)
+    grads = [torch.randn(o.shape, generator=torch.Generator(device=o.device).manual_seed(i), device=o.device,
+                         dtype=o.dtype) for i, o in enumerate(outs)]
+    return (*outs, *torch.autograd.grad(outs, (x, residual, gate, scale, shift), grads))
+
+
+def gated_public(x, residual, gate, ns, mul, add, w, b, eps, rms, out_dtype=None, readers=1, full_y=False):
+    return trifuse.ops.gated_add_layer_norm_modulate(x, residual, gate, ns, mul, add, w, b, eps, is_rms_norm=rms,
+                                                     out_dtype=out_dtype, readers=readers, full_y=full_y)
+
+
+@pytest.mark.parametrize("narrowing", [(), (torch.float16, 3, False)], ids=["plain", "fp16x3"])
+@pytest.mark.parametrize("winner", ["trifuse", "torch"])
+def test_gated_the_measured_winner_runs_bitwise(gated_dialect, timer, monkeypatch, winner, narrowing):
+    fake = timer({"trifuse": 1.0, "torch": 2.0} if winner == "trifuse" else {"trifuse": 2.0, "torch": 1.0})
+    monkeypatch.setattr(gated_dialect, "timer", fake)
+    inputs = gated_inputs()
+    got = gated_fwd_bwd(gated_public, *inputs, *narrowing)
+    want = gated_fwd_bwd(an._gated_trifuse if winner == "trifuse" else an._gated_torch, *inputs, *narrowing)
+    for a, e in zip(got, want):
+        assert a.dtype == e.dtype and torch.equal(a, e)
+    x, residual, gate, scale, shift = inputs
+    args = (x, residual, gate[:, None], (N,), 1 + scale[:, None], shift[:, None], None, None, 1e-6, False)
+    rec = gated_dialect.explain(*args, *narrowing)
+    assert rec.chosen == winner and rec.source == "measured" and set(fake.calls) == {"trifuse", "torch"}
+    if narrowing:
+        assert gated_dialect.key(*args, *narrowing) == (*gated_dialect.key(*args), "float16x3")
+
+
+def test_gated_compiled_graphs_keep_the_registered_op(gated_dialect, timer, monkeypatch):
+    monkeypatch.setattr(gated_dialect, "timer", timer({"trifuse": 2.0, "torch": 1.0}))
+    x, residual, gate, scale, shift = gated_inputs()
+    gated_fwd_bwd(gated_public, x, residual, gate, scale, shift)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(lambda *a: gated_public(*a), backend=backend, fullgraph=True)(
+        x, residual, gate[:, None], (N,), 1 + scale[:, None], shift[:, None], None, None, 1e-6, False)
+    assert any("trifuse.gated_grouped_norm" in gm.code for gm in graphs)
