@@ -467,16 +467,21 @@ NEAR_MISSES_ADAPTIVE = {"gate_over_tokens", "per_token_scale", "shift_subtracted
 # alone after a norm is no spelling the models of diffusers write).
 LEFT_ADAPTIVE = {"scale_only", "shift_only"}
 COND = 12
+# How the attention's output is added back before the MLP's norm: gated per sample (either way
+# round), ungated (PixArt's cross-attention), through a gate that varies along the tokens (no
+# gate then: the product is the summand), or broadcast from one token (a near miss: no residual
+# stream of one shape, the add stays PyTorch's).
+ADAPTIVE_RESIDUALS = ("gated", "gated_commuted", "ungated", "per_token_gate", "broadcast")
 
 
 class AdaptiveBlock(nn.Module):
     """adaLN-Zero as DiT writes it, its norm's modulation spelt as `kind`: the norm (no affine but
     for `affine_dit`), modulated per sample by shift and scale from a conditioning vector, the
-    attention, gated and added back; then the MLP the same way."""
+    attention, gated and added back (as `residual` spells it); then the MLP the same way."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, residual: str = "gated") -> None:
         super().__init__()
-        self.kind = kind
+        self.kind, self.residual = kind, residual
         affine = kind == "affine_dit"
         make = nn.RMSNorm if kind == "rms_dit" else nn.LayerNorm
         self.norm1, self.norm2 = (make(HIDDEN, eps=1e-6, elementwise_affine=affine) for _ in range(2))
@@ -512,18 +517,33 @@ class AdaptiveBlock(nn.Module):
             return (h * (1 + scale[:, None].float()) + shift[:, None].float()).to(x.dtype)
         raise ValueError(k)
 
+    def add_back(self, x: torch.Tensor, h: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        r = self.residual
+        if r == "gated":
+            return x + gate.unsqueeze(1) * h
+        if r == "gated_commuted":
+            return h * gate[:, None] + x
+        if r == "ungated":
+            return x + h
+        if r == "per_token_gate":
+            ramp = torch.linspace(0.5, 1.5, x.shape[1], device=x.device, dtype=x.dtype)[:, None]
+            return x + gate[:, None] * ramp * h
+        if r == "broadcast":
+            return x + h.mean(1, keepdim=True)
+        raise ValueError(r)
+
     def forward(self, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         shift1, scale1, gate1, shift2, scale2, gate2 = self.ada(F.silu(cond)).chunk(6, dim=1)
         h = self.attn(self.modulate(self.norm1, x, shift1, scale1), None)
-        x = x + gate1.unsqueeze(1) * h
+        x = self.add_back(x, h, gate1)
         h = self.mlp(self.modulate(self.norm2, x, shift2, scale2))
         return x + gate2.unsqueeze(1) * h
 
 
 class AdaptiveModel(nn.Module):
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, residual: str = "gated") -> None:
         super().__init__()
-        self.blocks = nn.ModuleList([AdaptiveBlock(kind) for _ in range(2)])
+        self.blocks = nn.ModuleList([AdaptiveBlock(kind, residual) for _ in range(2)])
 
     def forward(self, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:

@@ -208,11 +208,11 @@ def test_each_rotary_spelling(kind):
 
 @settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(kind=st.sampled_from(rb.ADAPTIVE), capture=st.sampled_from(["fx", "dynamo", "compile"]),
-       dtype=st.sampled_from([torch.float32, torch.float16]))
-def test_random_adaptive_norms_fuse_to_what_they_compute(kind, capture, dtype):
+       dtype=st.sampled_from([torch.float32, torch.float16]), residual=st.sampled_from(rb.ADAPTIVE_RESIDUALS))
+def test_random_adaptive_norms_fuse_to_what_they_compute(kind, capture, dtype, residual):
     def make():
         torch.manual_seed(0)
-        return rb.AdaptiveModel(kind).to(dtype)
+        return rb.AdaptiveModel(kind, residual).to(dtype)
 
     checked(lambda: check_against_unfused(make, rb.adaptive_inputs(dtype), capture, train=True), capture)
 
@@ -234,3 +234,25 @@ def test_each_adaptive_norm_spelling(kind):
         assert modulated == 0, report.table()
     else:
         assert modulated == 4, report.table()  # two norms a block
+
+
+@pytest.mark.parametrize("residual", rb.ADAPTIVE_RESIDUALS)
+def test_each_residual_add_before_a_modulated_norm(residual):
+    """The attention's output added back before the MLP's modulated norm: through a gate per
+    sample (either way round) it folds in as `gated_add_*`, ungated or through a gate that varies
+    along the tokens (the product the summand) as `add_*`, in each block; broadcast from one
+    token it stays PyTorch's. The first block's gated MLP add before the second block's norm1
+    folds in every time (Dynamo captures the model whole). The answer is the unfused model's
+    whatever fuse does."""
+    def make():
+        torch.manual_seed(0)
+        return rb.AdaptiveModel("dit", residual)
+
+    report = check_against_unfused(make, rb.adaptive_inputs(), "dynamo", train=True)
+    patterns = report.by_pattern()
+    gated = patterns.get("gated_add_layer_norm_modulate", 0)
+    ungated = patterns.get("add_layer_norm_modulate", 0)
+    expected = {"gated": (3, 0), "gated_commuted": (3, 0), "ungated": (1, 2), "per_token_gate": (1, 2),
+                "broadcast": (1, 0)}[residual]
+    assert (gated, ungated) == expected, report.table()
+    assert sum(n for p, n in patterns.items() if "modulate" in p) == 4, report.table()
