@@ -61,6 +61,12 @@ def main() -> None:
     torch.manual_seed(0)
     x, w, b, r = (torch.randn(*s, requires_grad=True) for s in ((4, 1024), (1024,), (1024,), (4, 1024)))
     x3, scale, shift = (torch.randn(*s, requires_grad=True) for s in ((2, 2, 1024), (2, 1024), (2, 1024)))
+    r3, gate = torch.randn(2, 2, 1024, requires_grad=True), torch.randn(2, 1024, requires_grad=True)
+
+    def gated_torch():
+        s = r3 + gate[:, None] * x3
+        return F.layer_norm(s, (1024,)) * (1 + scale[:, None]) + shift[:, None], s
+
     # The dialects choose per shape on a GPU; here each is pinned to the candidate being timed.
     def pin(dialect, candidate, *args):
         for grad in (False, True):
@@ -82,6 +88,11 @@ def main() -> None:
         ("trifuse.ops.layer_norm_modulate",
          lambda: trifuse.ops.layer_norm_modulate(x3, (1024,), 1 + scale[:, None], shift[:, None]),
          (x3, scale, shift)),
+        ("torch r + gate * x, F.layer_norm * (1 + scale) + shift", gated_torch, (x3, r3, gate, scale, shift)),
+        ("trifuse.ops.gated_add_layer_norm_modulate",
+         lambda: trifuse.ops.gated_add_layer_norm_modulate(x3, r3, gate[:, None], (1024,), 1 + scale[:, None],
+                                                           shift[:, None]),
+         (x3, r3, gate, scale, shift)),
     ):
         cases[f"{name} fwd"] = fwd(fn)
         cases[f"{name} fwd+bwd"] = fwd_bwd(fn, inputs)

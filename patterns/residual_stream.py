@@ -31,10 +31,13 @@ written `residual + norm(from_local(x, placements)).to_local()` there, and fuses
 (`layer_norm_add_on_shards`). The normalized shape may be computed in the graph (`weight.shape`
 of the replicated DTensor weight): its value is read from the graph, the node passed on.
 """
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from ._base import Match, Pattern, from_local, known_equal, needs_bool, needs_number, ops, same_shape
+from .adaptive_norm import gate_per_sample, sum_operands
 from .bias_gelu import bias_is_a_row_vector
 
 
@@ -355,6 +358,45 @@ def addmm_residual_norm_fused(h2d, weight, bias, residual, normalized_shape, nor
                                       eps, p, training, bias, is_rms_norm)
 
 
+# Stage 2: a LayerScale before the add (DINOv2, DeiT III, CaiT, EVA: `residual + gamma * x`, gamma
+# a learned (N,) vector) folds into the norm's load of x, as a DiT block's gate does: the product
+# is one pass fewer each way, and dgamma is summed in the norm's backward.
+
+
+def layer_scale_residual_norm(x: torch.Tensor, gate: torch.Tensor, residual: torch.Tensor, normalized_shape,
+                              weight, bias, eps, p, training, is_rms_norm, *, swapped: bool = False):
+    # gate: the LayerScale's gamma, named as gated_add_layer_norm_modulate and its filters name it.
+    # swapped: the stage-1 add took the product as its residual (`gamma * x + h` matches either
+    # way round; without dropout the two arguments are a plain sum).
+    scaled = gate * x
+    if swapped:
+        return ops.dropout_add_layer_norm(residual, scaled, normalized_shape, weight, bias, eps, p, training,
+                                          None, is_rms_norm)
+    return ops.dropout_add_layer_norm(scaled, residual, normalized_shape, weight, bias, eps, p, training,
+                                      None, is_rms_norm)
+
+
+def layer_scale_residual_norm_fused(x, gate, residual, normalized_shape, weight, bias, eps, p, training,
+                                    is_rms_norm, *, swapped: bool = False):
+    return ops.gated_add_layer_norm_modulate(x, residual, gate, normalized_shape, None, None, weight, bias,
+                                             eps, is_rms_norm=is_rms_norm)
+
+
+def no_dropout_on_the_sum(m: Match) -> str | None:
+    """The add's dropout inactive (p 0, or not training: the op has no dropout with a gate), the
+    norm over x's last dim alone (the op's normalized shape), x and the residual of one shape and
+    dtype, the gate (gamma) a vector no wider than x."""
+    p, training = m["p"], m["training"]
+    if not (isinstance(p, (int, float)) and p == 0 or training is False):
+        return f"dropout p={p!r} in training on the sum (the fused op has no dropout with a gate)"
+    x, shape = m.value("x"), m.value("normalized_shape")
+    shape = (shape,) if isinstance(shape, int) else shape
+    if (not isinstance(x, torch.Tensor) or not isinstance(shape, (tuple, list)) or len(shape) != 1
+            or not known_equal(shape[0], x.shape[-1])):
+        return f"normalized_shape {shape!r} is not x's last dim alone"
+    return sum_operands(m) or gate_per_sample(m)
+
+
 _DROPOUT = (needs_number("p"), needs_bool("training"))
 _OPS = ("dropout_add_layer_norm", "layer_norm")
 _RMS_OPS = ("dropout_add_layer_norm", "rms_norm")
@@ -390,6 +432,11 @@ PATTERNS = (
             stage=1),
     Pattern("add_rms_norm_on_shards", "residual_stream", add_rms_norm_on_shards, add_rms_norm_on_shards_fused,
             _RMS_OPS, (needs_number("eps"), rows_sharded), stage=1),
+    *(Pattern("layer_scale_residual_norm", "residual_stream", functools.partial(layer_scale_residual_norm,
+                                                                               swapped=swapped),
+              functools.partial(layer_scale_residual_norm_fused, swapped=swapped),
+              ("gated_add_layer_norm_modulate", "dropout_add_layer_norm"), (no_dropout_on_the_sum,), stage=2)
+      for swapped in (False, True)),
     Pattern("linear_residual_norm", "residual_stream", linear_residual_norm, linear_residual_norm_fused,
             ("dropout_add_layer_norm",), stage=2),
     Pattern("conv1d_residual_norm", "residual_stream", conv1d_residual_norm, conv1d_residual_norm_fused,

@@ -20,7 +20,7 @@ NAMES = ("x", "residual", "gate", "mul", "add", "weight", "bias")
 
 # (x shape, gate shape, mul shape, add shape): DiT's (B, 1, N) gate and modulation, no gate (PixArt's
 # cross-attention add), one gate for all samples, a scalar gate per sample, a video's gate per
-# frame beside a modulation per sample, one row per sample, odd widths, mul alone.
+# frame beside a modulation per sample, one row per sample, odd widths, mul alone, no modulation.
 CASES = [
     ((3, 5, 40), (3, 1, 40), (3, 1, 40), (3, 1, 40)),
     ((2, 7, 33), None, (2, 1, 33), (2, 1, 33)),
@@ -29,6 +29,7 @@ CASES = [
     ((2, 3, 4, 16), (2, 3, 1, 16), (2, 1, 1, 16), (2, 1, 1, 16)),
     ((5, 1, 7), (5, 1, 7), (5, 1, 7), (5, 1, 7)),
     ((2, 8, 1000), (2, 1, 1000), (2, 1, 1000), None),
+    ((3, 5, 40), (40,), None, None),  # a LayerScale before a plain norm: one group, the gate (N,)
 ]
 
 

@@ -1,7 +1,9 @@
 """The adaptive norm's spellings (patterns/adaptive_norm.py): a norm modulated per sample by
 vectors a conditioning MLP computes becomes `layer_norm_modulate`, through fx and Dynamo, with
 outputs and every gradient (the conditioning MLP's included) equal to the unfused model's; a
-product or sum that varies along a sample's rows is left to the other patterns."""
+product or sum that varies along a sample's rows is left to the other patterns. The residual add
+before such a norm (DiT's gated `h + gate * attn_out`) and a LayerScale's `h + gamma * x` before a
+plain one fold into the norm as `gated_add_layer_norm_modulate`."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -233,3 +235,65 @@ def test_cuda_autocast_folds_the_gated_add_into_the_upcast_form():
     with cuda_like_autocast(), torch.autocast("cuda" if DEVICE == "cuda" else "cpu", dtype=torch.float16):
         report = check_against_unfused(lambda: GatedResidual("dit"), (x.half(), cond), "dynamo", train=True)
     assert report.by_pattern() == {"gated_add_layer_norm_modulate_upcast": 1}, report.table()
+
+
+class LayerScaleBlock(nn.Module):
+    """A ViT block with LayerScale (DINOv2, DeiT III, CaiT: timm's `ls1`, Hugging Face's
+    `layer_scale1`): the attention's output (a linear here) scaled by a learned (N,) gamma, added to
+    the residual stream, then the MLP's plain norm. `per_token`: a (S, N) scale instead, one vector
+    per token (no LayerScale)."""
+
+    def __init__(self, norm: str = "layer_norm", per_token: bool = False,
+                 product_first: bool = False) -> None:
+        super().__init__()
+        self.product_first = product_first
+        self.norm = nn.RMSNorm(N, eps=1e-6) if norm == "rms_norm" else nn.LayerNorm(N, eps=1e-6)
+        self.attn = nn.Linear(N, N)
+        shape = (7, N) if per_token else (N,)
+        self.gamma = nn.Parameter(torch.full(shape, 0.1) + 0.05 * torch.randn(shape))
+        self.mlp = nn.Linear(N, N)
+
+    def forward(self, h):
+        h = self.attn(h) * self.gamma + h if self.product_first else h + self.gamma * self.attn(h)
+        return h + self.mlp(self.norm(h))
+
+
+@pytest.mark.parametrize("capture", ["fx", "dynamo"])
+@pytest.mark.parametrize("norm, product_first",
+                         [("layer_norm", False), ("rms_norm", False), ("layer_norm", True)])
+def test_a_layer_scale_before_the_residual_add_folds_into_the_norm(norm, product_first, capture):
+    """`h + gamma * attn(h)` feeding the norm (or `attn(h) * gamma + h`, as DINOv2 writes it): one
+    op (its gamma's gradient summed in the norm's backward); outputs and every gradient, gamma's
+    included, the unfused model's."""
+    x = torch.randn(3, 7, N)
+    report = check_against_unfused(lambda: LayerScaleBlock(norm, product_first=product_first), (x,), capture,
+                                   train=True)
+    assert report.counts() == available_counts({"residual_stream": 1}), report.table()
+    assert report.by_pattern() == {"layer_scale_residual_norm": 1}, report.table()
+
+
+def test_a_scale_per_token_is_no_layer_scale():
+    """A (S, N) scale varies along a sample's rows: the add and the norm fuse, the product stays
+    PyTorch's (negative control)."""
+    x = torch.randn(3, 7, N)
+    report = check_against_unfused(lambda: LayerScaleBlock(per_token=True), (x,), "dynamo", train=True)
+    assert report.by_pattern() == {"add_layer_norm": 1}, report.table()
+
+
+def test_dinov2s_layer_scales_fold_into_its_norms():
+    """Hugging Face's DINOv2 (a tiny config): each block's two LayerScale adds fold into the norm
+    after them (the next block's norm1, the final layernorm for the last), the model whole."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                       intermediate_size=64, image_size=16, patch_size=4, num_labels=3)
+
+    class Classifier(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = transformers.Dinov2ForImageClassification(config)
+
+        def forward(self, pixels):
+            return self.model(pixel_values=pixels).logits
+
+    report = check_against_unfused(Classifier, (torch.randn(2, 3, 16, 16),), "dynamo", train=True)
+    assert report.by_pattern().get("layer_scale_residual_norm") == 4, report.table()
