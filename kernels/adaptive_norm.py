@@ -22,6 +22,10 @@ the rest: (B, 1, N) or (B, N)[:, None] against (B, S, N) is B groups of S rows; 
 one group. The normalized shape is the last dim. Dtypes: x fp16 / bf16 / fp32 / fp64; mul, add,
 weight and bias any float dtype; y in the dtype of `norm(x) * mul + add` (x's promoted with mul's
 and add's); the folded affine and all maths in fp32 (fp64 for fp64).
+
+The residual add before such a norm, s = residual + gate * x (a DiT block's gated add, a
+LayerScale's gamma before a plain norm), folds into the same kernels: `gated_add_layer_norm_modulate`
+at the end of this file.
 """
 import math
 
@@ -113,23 +117,31 @@ def _grouped_fwd(x, weight, bias, n, eps, is_rms_norm, groups, out_dtype, y2_dty
     return out[0], *out[2:]
 
 
+def _grouped_grads_torch(dy, x, weight, mean, rstd, n, is_rms_norm, groups, more_dy=()):
+    """The grouped norm's backward in PyTorch ops (no grad), (groups, rows, n) in fp32 (fp64):
+    (dx, y's gradient summed over more_dy, xhat)."""
+    acc = _stat_dtype(x)
+    for extra in more_dy:
+        dy = dy.to(acc) + extra
+    with torch.no_grad():
+        h = x.reshape(groups, -1, n).to(acc)
+        g_y = dy.reshape(groups, -1, n).to(acc)
+        rstd3 = rstd.reshape(groups, -1, 1)
+        xhat = (h if is_rms_norm else h - mean.reshape(groups, -1, 1)) * rstd3
+        g = g_y if weight is None else g_y * weight[:, None]
+        c1 = (g * xhat).mean(-1, keepdim=True)
+        dx = (g - xhat * c1 if is_rms_norm else g - g.mean(-1, keepdim=True) - xhat * c1) * rstd3
+    return dx, g_y, xhat
+
+
 def _grouped_bwd(dy, x, weight, mean, rstd, n, eps, is_rms_norm, groups, needs, more_dy=()):
     """(dx in x's dtype, dW_g, dB_g in fp32 / fp64) as `needs` (x, weight, bias) asks; None where not.
     y's gradient is dy plus, summed in fp32 in that order, those of its other views (more_dy)."""
     acc = _stat_dtype(x)
     if not use_triton(x):
-        for extra in more_dy:
-            dy = dy.to(acc) + extra
-        with torch.no_grad():
-            h = x.reshape(groups, -1, n).to(acc)
-            g_y = dy.reshape(groups, -1, n).to(acc)
-            rstd3 = rstd.reshape(groups, -1, 1)
-            xhat = (h if is_rms_norm else h - mean.reshape(groups, -1, 1)) * rstd3
-            g = g_y if weight is None else g_y * weight[:, None]
-            c1 = (g * xhat).mean(-1, keepdim=True)
-            dx = (g - xhat * c1 if is_rms_norm else g - g.mean(-1, keepdim=True) - xhat * c1) * rstd3
-            return (dx.reshape(x.shape).to(x.dtype) if needs[0] else None,
-                    (g_y * xhat).sum(1) if needs[1] else None, g_y.sum(1) if needs[2] else None)
+        dx, g_y, xhat = _grouped_grads_torch(dy, x, weight, mean, rstd, n, is_rms_norm, groups, more_dy)
+        return (dx.reshape(x.shape).to(x.dtype) if needs[0] else None,
+                (g_y * xhat).sum(1) if needs[1] else None, g_y.sum(1) if needs[2] else None)
     grad_dtypes = (acc if needs[1] and weight is not None else None, acc if needs[2] else None, None)
     dx, _, dw, db, _ = layer_norm_bwd(dy, x, n, weight, mean, rstd, is_rms_norm=is_rms_norm,
                                       grad_dtypes=grad_dtypes, dx_dtype=x.dtype, more_dy=more_dy,
@@ -561,24 +573,15 @@ def _gated_bwd(dy, ds, x, s, gate, weight, mean, rstd, n, eps, is_rms_norm, grou
     (x, residual, weight, bias, gate) asks; None where not. ds: the gradient arriving at s, or None."""
     acc = _stat_dtype(s)
     if not use_triton(s):
-        for extra in more_dy:
-            dy = dy.to(acc) + extra
+        d_s, g_y, xhat = _grouped_grads_torch(dy, s, weight, mean, rstd, n, is_rms_norm, groups, more_dy)
         with torch.no_grad():
-            h = s.reshape(groups, -1, n).to(acc)
-            g_y = dy.reshape(groups, -1, n).to(acc)
-            rstd3 = rstd.reshape(groups, -1, 1)
-            xhat = (h if is_rms_norm else h - mean.reshape(groups, -1, 1)) * rstd3
-            g = g_y if weight is None else g_y * weight[:, None]
-            c1 = (g * xhat).mean(-1, keepdim=True)
-            d_s = (g - xhat * c1 if is_rms_norm else g - g.mean(-1, keepdim=True) - xhat * c1) * rstd3
             if ds is not None:
                 d_s = d_s + ds.reshape(groups, -1, n).to(acc)
-            x3 = x.reshape(groups, -1, n).to(acc)
             dx = d_s if gate is None else d_s * gate.to(acc)[:, None]
+            dgate = (d_s * x.reshape(groups, -1, n).to(acc)).sum(1) if needs[4] and gate is not None else None
             return (dx.reshape(x.shape).to(x.dtype) if needs[0] else None,
                     d_s.reshape(x.shape).to(dr_dtype) if needs[1] else None,
-                    (g_y * xhat).sum(1) if needs[2] else None, g_y.sum(1) if needs[3] else None,
-                    (d_s * x3).sum(1) if needs[4] and gate is not None else None)
+                    (g_y * xhat).sum(1) if needs[2] else None, g_y.sum(1) if needs[3] else None, dgate)
     grad_dtypes = (acc if needs[2] and weight is not None else None, acc if needs[3] else None,
                    acc if needs[4] and gate is not None else None)
     # without a gate dx is dresidual, stored once where the dtypes agree

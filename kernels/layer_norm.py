@@ -3,6 +3,8 @@
 Maths, per row of N features, accumulated in fp32 (fp64 for fp64 inputs):
 
     s    = residual + dropout(x + x_bias, p)      residual-stream form; s = x otherwise
+           (or residual + gate * x)               a DiT block's gated add, a LayerScale's gamma
+                                                  (kernels/adaptive_norm.py); no dropout then
     mean = sum(s) / N                             LayerNorm only (0 for RMSNorm)
     rstd = 1 / sqrt(sum((s - mean)^2) / N + eps)
                                                   two passes, the mean corrected by the second's
@@ -18,6 +20,7 @@ corrected again by the row's mean of s - mean: _tile_grads):
     ds        = rstd * (g - xhat * mean(g * xhat) - mean(g))   (RMSNorm drops the mean(g) term)
                 + ds_out                     gradient arriving at the returned s
     dresidual = ds;  dx = ds * keep / (1 - p);  dx_bias = sum_rows(dx)
+    (gated)          dx = ds * gate;  dgate = sum_rows(ds * x), in dx_bias's partial sums
     dweight   = sum_rows(dy * xhat);  dbias = sum_rows(dy)
     dpost     = dy                           (the norm-then-add form: no kernel for it)
 
