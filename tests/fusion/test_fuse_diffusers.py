@@ -207,8 +207,13 @@ def test_adaptive_norms_fuse_under_cuda_autocast_too(name):
              and (r.pattern.endswith("norm_modulate_upcast") or r.pattern.endswith("norm_modulate"))]
     assert len(found) == modulated, report.table()
     assert any(r.pattern.endswith("_upcast") for r in found), report.table()
-    # the residual add before the MLP's norm folded in as well (the 16-bit residual stream)
-    assert any(r.pattern.startswith(("gated_add_", "add_")) for r in found), report.table()
+    # the gated residual add before the MLP's norm folded in as well (the 16-bit residual stream);
+    # PixArt's cross-attention output comes out in fp32 beside its fp16 stream, a sum the model
+    # rounds as written: left, and the report says why
+    if name == "pixart":
+        assert "differ in dtype" in report.table()
+    else:
+        assert any(r.pattern.startswith("gated_add_") for r in found), report.table()
     assert any("only autocast's matmuls read it (3, a view each)" in r.note for r in found), report.table()
 
 
