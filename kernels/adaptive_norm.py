@@ -799,9 +799,17 @@ def gated_add_layer_norm_modulate(
     _check_gated(GATED_OP, x, residual, gate, normalized_shape, mul, add, weight, bias, eps, is_rms_norm)
     args = (x, residual, gate, normalized_shape, mul, add, weight, bias, float(eps), is_rms_norm)
     if out_dtype is None and readers == 1 and not full_y:
-        return GATED_ADD_LAYER_NORM_MODULATE(*args)
-    _check_narrowing(GATED_OP, out_dtype, readers, full_y)
-    return GATED_ADD_LAYER_NORM_MODULATE(*args, out_dtype, readers, full_y)
+        *ys, s = GATED_ADD_LAYER_NORM_MODULATE(*args)
+    else:
+        _check_narrowing(GATED_OP, out_dtype, readers, full_y)
+        *ys, s = GATED_ADD_LAYER_NORM_MODULATE(*args, out_dtype, readers, full_y)
+    return (tuple(ys) if len(ys) > 1 else ys[0]), s
+
+
+def _ys_then_s(y: torch.Tensor | tuple[torch.Tensor, ...], s: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The candidates' results as one flat tuple, y's views first and s last: what the dialect
+    checks and differentiates output by output."""
+    return (*(y if isinstance(y, tuple) else (y,)), s)
 
 
 def _gated_trifuse(x, residual, gate, normalized_shape, mul, add, weight, bias, eps, is_rms_norm,
@@ -816,7 +824,7 @@ def _gated_trifuse(x, residual, gate, normalized_shape, mul, add, weight, bias, 
     if x.numel() == 0:  # no rows: the ops as written (the empty products keep the gradients' paths)
         s = residual + (x if gate is None else gate * x)
         y = layer_norm_modulate_ref(s.to(s_dtype), [n], mul, add, weight, bias, eps, is_rms_norm)
-        return _cast_for_readers(y.to(y_dtype), out_dtype, readers, full_y), s.to(s_dtype)
+        return _ys_then_s(_cast_for_readers(y.to(y_dtype), out_dtype, readers, full_y), s.to(s_dtype))
     wg, bg = _folded_affine(x, n, k, mul, add, weight, bias)
     gate_g = None if gate is None else _as_groups(gate, x, n, k, _stat_dtype(x)).contiguous()
     if eager_fast_path(x, residual, gate_g, wg, bg):
@@ -825,13 +833,12 @@ def _gated_trifuse(x, residual, gate, normalized_shape, mul, add, weight, bias, 
         with profiled(f"trifuse::{GATED_OP}"):
             out = apply_function(_GatedNormFunction, x, residual, gate_g, wg, bg, eps, is_rms_norm, groups,
                                  y_dtype, narrowing)
-        ys, s = out[:-1], out[-1]
-        return (ys if len(ys) > 1 else ys[0]), s
+        return out
     # traced: the registered op, y in the wider of its dtype and out_dtype, narrowed by a cast after it
     wide = y_dtype if out_dtype is None or full_y else torch.promote_types(y_dtype, out_dtype)
     y, s = torch.ops.trifuse.gated_grouped_norm(x, residual, gate_g, wg, bg, eps, is_rms_norm, groups,
                                                 wide)[:2]
-    return _cast_for_readers(y, out_dtype, readers, full_y), s
+    return _ys_then_s(_cast_for_readers(y, out_dtype, readers, full_y), s)
 
 
 def _promoted(dtype: torch.dtype, *tensors: torch.Tensor | None) -> torch.dtype:
@@ -848,7 +855,7 @@ def _gated_torch(x, residual, gate, normalized_shape, mul, add, weight, bias, ep
     s = residual + (x if gate is None else gate * x)
     y = _modulate_torch(s, normalized_shape, mul, add, weight, bias, eps, is_rms_norm, out_dtype, readers,
                         full_y)
-    return y, s
+    return _ys_then_s(y, s)
 
 
 def _gated_torch_supports(x, residual, gate, normalized_shape, mul, add, weight, bias, eps, is_rms_norm,
@@ -878,7 +885,7 @@ def _gated_dialect_ref(x, residual, gate, normalized_shape, mul, add, weight, bi
                        out_dtype=None, readers=1, full_y=False):
     s = residual + (x if gate is None else gate * x)
     y = layer_norm_modulate_ref(s, [x.shape[-1]], mul, add, weight, bias, eps, is_rms_norm)
-    return _narrowed_ref(y, x, out_dtype, readers, full_y), s
+    return _ys_then_s(_narrowed_ref(y, x, out_dtype, readers, full_y), s)
 
 
 # The op's kernels or PyTorch's product, sum, norm, product and sum, whichever measured faster per

@@ -116,24 +116,27 @@ def gated_dialect(cache_dir, monkeypatch):
 
 
 def gated_inputs(dtype=torch.float32, tokens=3):
-    x, residual = (torch.randn(2, tokens, N, device=DEVICE, dtype=dtype, requires_grad=True) for _ in range(2))
+    x, residual = (torch.randn(2, tokens, N, device=DEVICE, dtype=dtype, requires_grad=True)
+                   for _ in range(2))
     gate, scale, shift = (torch.randn(2, N, device=DEVICE, dtype=dtype, requires_grad=True) for _ in range(3))
     return x, residual, gate, scale, shift
 
 
 def gated_fwd_bwd(fn, x, residual, gate, scale, shift, *narrowing):
-    """y (or its views), s and the gradients of all five inputs, for fixed output gradients."""
-    y, s = fn(x, residual, gate[:, None], (N,), 1 + scale[:, None], shift[:, None], None, None, 1e-6, False,
+    """y (or its views), s and the gradients of all five inputs, for fixed output gradients (the
+    candidates return y's views and s as one flat tuple, the public function (y, s))."""
+    outs = fn(x, residual, gate[:, None], (N,), 1 + scale[:, None], shift[:, None], None, None, 1e-6, False,
               *narrowing)
-    outs = (*(y if isinstance(y, tuple) else (y,)), s)
     grads = [torch.randn(o.shape, generator=torch.Generator(device=o.device).manual_seed(i), device=o.device,
                          dtype=o.dtype) for i, o in enumerate(outs)]
     return (*outs, *torch.autograd.grad(outs, (x, residual, gate, scale, shift), grads))
 
 
 def gated_public(x, residual, gate, ns, mul, add, w, b, eps, rms, out_dtype=None, readers=1, full_y=False):
-    return trifuse.ops.gated_add_layer_norm_modulate(x, residual, gate, ns, mul, add, w, b, eps, is_rms_norm=rms,
-                                                     out_dtype=out_dtype, readers=readers, full_y=full_y)
+    y, s = trifuse.ops.gated_add_layer_norm_modulate(x, residual, gate, ns, mul, add, w, b, eps,
+                                                     is_rms_norm=rms, out_dtype=out_dtype, readers=readers,
+                                                     full_y=full_y)
+    return an._ys_then_s(y, s)
 
 
 @pytest.mark.parametrize("narrowing", [(), (torch.float16, 3, False)], ids=["plain", "fp16x3"])
@@ -152,6 +155,8 @@ def test_gated_the_measured_winner_runs_bitwise(gated_dialect, timer, monkeypatc
     assert rec.chosen == winner and rec.source == "measured" and set(fake.calls) == {"trifuse", "torch"}
     if narrowing:
         assert gated_dialect.key(*args, *narrowing) == (*gated_dialect.key(*args), "float16x3")
+        # the dialect's trial sees y's three views and s as four outputs, each checked and differentiated
+        assert len(an._gated_dialect_ref(*args, *narrowing)) == 4
 
 
 def test_gated_compiled_graphs_keep_the_registered_op(gated_dialect, timer, monkeypatch):
