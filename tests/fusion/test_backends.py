@@ -61,6 +61,35 @@ def test_backend_matches_eager(name, backend):
             assert any(n.startswith(f"trifuse::{FAMILY_OPS[family]}") for n in names), sorted(names)
 
 
+@pytest.mark.parametrize("backend", ["trifuse", "trifuse_inductor"])
+def test_backend_folds_a_dit_blocks_gated_add_into_its_modulated_norm(backend):
+    """DiT's adaLN-Zero blocks (tests/_random_blocks.py) compiled: the modulated norms and the gated
+    residual adds before them run as trifuse's registered ops inside the compiled graphs; loss and
+    every gradient (the conditioning's included) by the oracle rule."""
+    import _random_blocks as rb
+
+    torch.manual_seed(0)
+    model = rb.AdaptiveModel("dit")
+    ref, ref64 = copy.deepcopy(model), copy.deepcopy(model).double()
+    x, cond = rb.adaptive_inputs()
+
+    def loss_fn(m, *inputs):
+        return m(*inputs).square().mean()
+
+    compiled = torch.compile(model, backend=backend)
+    names = trifuse_ops_run(lambda: loss_fn(compiled, x, cond).backward())
+    assert {"trifuse::grouped_norm", "trifuse::gated_grouped_norm"} <= names, sorted(names)
+    model.zero_grad()
+    loss, lowp = loss_fn(compiled, x, cond), loss_fn(ref, x, cond)
+    loss64 = loss_fn(ref64, x.double(), cond.double())
+    for value in (loss, lowp, loss64):
+        value.backward()
+    assert_close("loss", loss, loss64, lowp)
+    for (pname, p), p64, pr in zip(model.named_parameters(), ref64.parameters(), ref.parameters()):
+        assert_close(f"grad {pname}", p.grad, p64.grad, pr.grad)
+    assert trifuse.report(compiled).by_pattern().get("gated_add_layer_norm_modulate", 0) >= 2
+
+
 def _fullgraph_works(model, kw, backend):
     try:
         torch.compile(copy.deepcopy(model), backend=backend, fullgraph=True)(**kw)
