@@ -26,7 +26,8 @@ autocast's matmuls read y (q, k and v; the MLP's first linear), in the autocast 
 
 Tried before the residual stream's (stage 1, earlier in the registry): when an add feeds a
 modulated norm (a DiT block's second and third norms), folding the modulation saves more passes
-than folding the add.
+than folding the add; the add then folds in as well, at stage 2 (`gated_add_layer_norm_modulate`,
+below).
 """
 import functools
 
@@ -250,6 +251,13 @@ def gate_per_sample(m: Match) -> str | None:
 
 
 OPS_CALLED = ("gated_add_layer_norm_modulate", "layer_norm_modulate")
+# (gated, upcast) -> (search, replacement); RMSNorm's forms are the same functions with rms=True
+_SUM_FORMS = {
+    (True, False): (gated_add_layer_norm_modulate, gated_add_layer_norm_modulate_fused),
+    (True, True): (gated_add_layer_norm_modulate_upcast, gated_add_layer_norm_modulate_upcast_fused),
+    (False, False): (add_layer_norm_modulate, add_layer_norm_modulate_fused),
+    (False, True): (add_layer_norm_modulate_upcast, add_layer_norm_modulate_upcast_fused),
+}
 
 
 def _sum_patterns() -> tuple[Pattern, ...]:
@@ -258,9 +266,8 @@ def _sum_patterns() -> tuple[Pattern, ...]:
     for gated in (True, False):
         for upcast in (False, True):
             for rms in (False, True):
-                base = f"{'gated_add' if gated else 'add'}_layer_norm_modulate{'_upcast' if upcast else ''}"
-                search, replacement = globals()[base], globals()[base + "_fused"]
-                name = base.replace("layer_norm", "rms_norm") if rms else base
+                search, replacement = _SUM_FORMS[gated, upcast]
+                name = search.__name__.replace("layer_norm", "rms_norm") if rms else search.__name__
                 filters = (sum_operands, gate_per_sample) if gated else (sum_operands,)
                 forms.append(Pattern(name, "residual_stream", functools.partial(search, rms=rms),
                                      functools.partial(replacement, rms=rms), OPS_CALLED, filters, stage=2))
