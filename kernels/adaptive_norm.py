@@ -428,9 +428,9 @@ def layer_norm_modulate(
                                out_dtype, readers, full_y)
 
 
-def _y_dtype(x: torch.Tensor, mul: torch.Tensor | None, add: torch.Tensor | None) -> torch.dtype:
-    """The dtype of `norm(x) * mul + add` as written (the norm in x's dtype)."""
-    out = x.dtype
+def _y_dtype(dtype: torch.dtype, mul: torch.Tensor | None, add: torch.Tensor | None) -> torch.dtype:
+    """The dtype of `norm(x) * mul + add` as written, the norm in `dtype` (x's, or s's)."""
+    out = dtype
     for t in (mul, add):
         if t is not None:
             out = torch.promote_types(out, t.dtype)
@@ -448,7 +448,7 @@ def _modulate_trifuse(x, normalized_shape, mul, add, weight, bias, eps, is_rms_n
     n = x.shape[-1]
     k = max(0 if t is None else _sample_dims(t, x) for t in (mul, add))
     groups = math.prod(x.shape[:k])
-    y_dtype = _y_dtype(x, mul, add)
+    y_dtype = _y_dtype(x.dtype, mul, add)
     if x.numel() == 0:  # no rows: nothing to normalize (the empty product keeps the gradients' paths)
         y = layer_norm_modulate_ref(x.to(y_dtype), [n], mul, add, weight, bias, eps, is_rms_norm)
         return _cast_for_readers(y.to(y_dtype), out_dtype, readers, full_y)
@@ -478,7 +478,7 @@ def _modulate_torch(x, normalized_shape, mul, add, weight, bias, eps, is_rms_nor
     else:
         with profiled(f"trifuse::{OP}"), no_autocast(x.device):
             y = layer_norm_modulate_ref(x, [x.shape[-1]], mul, add, weight, bias, eps, is_rms_norm)
-    return _cast_for_readers(y.to(_y_dtype(x, mul, add)), out_dtype, readers, full_y)
+    return _cast_for_readers(y.to(_y_dtype(x.dtype, mul, add)), out_dtype, readers, full_y)
 
 
 def _modulate_torch_supports(x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm,
@@ -600,15 +600,14 @@ def _gated_s_dtype(x: torch.Tensor, residual: torch.Tensor) -> torch.dtype:
 
 
 def _check_gated(op, x, residual, gate, normalized_shape, mul, add, weight, bias, eps, is_rms_norm) -> None:
-    """`_check`'s errors for the norm's input s, and those of x, the residual and the gate."""
-    check_tensor(op, "input", x)
-    check_float(op, "input", x)
+    """`_check`'s errors for the norm's input s (x's shape and dtype), and those of the residual and
+    the gate."""
+    _check(op, x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm)
     check_tensor(op, "residual", residual)
     check_float(op, "residual", residual)
     if residual.shape != x.shape:
         raise ValueError(f"trifuse.{op}: residual must have the input's shape {list(x.shape)}, "
                          f"got {list(residual.shape)}")
-    _check(op, x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm)
     if gate is not None:
         check_tensor(op, "gate", gate)
         check_float(op, "gate", gate)
@@ -702,8 +701,6 @@ def _gated_grads(ctx, dy, ds, more_dy=()):
     """(dx, dresidual, dgate_g, dW_g, dB_g) in the inputs' order, None where not needed."""
     x, residual, gate, weight, bias, s, mean, rstd = ctx.saved_tensors
     needs = ctx.needs_input_grad
-    if dy is None:  # only s's gradient: it goes on to the residual, and through the gate to x
-        dy = torch.zeros_like(s)
     need = (needs[0], needs[1], needs[3] and weight is not None, needs[4] and bias is not None,
             needs[2] and gate is not None)
     dx, dr, dw, db, dg = _gated_bwd(dy, ds, x, s, gate, weight, mean, rstd, x.shape[-1], ctx.eps,
@@ -820,9 +817,9 @@ def _gated_trifuse(x, residual, gate, normalized_shape, mul, add, weight, bias, 
     k = max(0 if t is None else _sample_dims(t, x) for t in (mul, add, gate))
     groups = math.prod(x.shape[:k])
     s_dtype = _gated_s_dtype(x, residual)
-    y_dtype = _promoted(s_dtype, mul, add)
+    y_dtype = _y_dtype(s_dtype, mul, add)
     if x.numel() == 0:  # no rows: the ops as written (the empty products keep the gradients' paths)
-        s = residual + (x if gate is None else gate * x)
+        s = _written_sum(x, residual, gate)
         y = layer_norm_modulate_ref(s.to(s_dtype), [n], mul, add, weight, bias, eps, is_rms_norm)
         return _ys_then_s(_cast_for_readers(y.to(y_dtype), out_dtype, readers, full_y), s.to(s_dtype))
     wg, bg = _folded_affine(x, n, k, mul, add, weight, bias)
@@ -841,18 +838,16 @@ def _gated_trifuse(x, residual, gate, normalized_shape, mul, add, weight, bias, 
     return _ys_then_s(_cast_for_readers(y, out_dtype, readers, full_y), s)
 
 
-def _promoted(dtype: torch.dtype, *tensors: torch.Tensor | None) -> torch.dtype:
-    for t in tensors:
-        if t is not None:
-            dtype = torch.promote_types(dtype, t.dtype)
-    return dtype
+def _written_sum(x: torch.Tensor, residual: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    """s as the model writes it: the product, then the sum, each rounded in its dtype."""
+    return residual + (x if gate is None else gate * x)
 
 
 def _gated_torch(x, residual, gate, normalized_shape, mul, add, weight, bias, eps, is_rms_norm,
                  out_dtype=None, readers=1, full_y=False):
     """PyTorch's product and sum as the model writes them, then `layer_norm_modulate`'s torch
     candidate on s."""
-    s = residual + (x if gate is None else gate * x)
+    s = _written_sum(x, residual, gate)
     y = _modulate_torch(s, normalized_shape, mul, add, weight, bias, eps, is_rms_norm, out_dtype, readers,
                         full_y)
     return _ys_then_s(y, s)
@@ -883,7 +878,7 @@ def _gated_key(x, residual, gate, normalized_shape, mul, add, weight, bias, eps,
 
 def _gated_dialect_ref(x, residual, gate, normalized_shape, mul, add, weight, bias, eps, is_rms_norm,
                        out_dtype=None, readers=1, full_y=False):
-    s = residual + (x if gate is None else gate * x)
+    s = _written_sum(x, residual, gate)
     y = layer_norm_modulate_ref(s, [x.shape[-1]], mul, add, weight, bias, eps, is_rms_norm)
     return _ys_then_s(_narrowed_ref(y, x, out_dtype, readers, full_y), s)
 

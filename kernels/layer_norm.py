@@ -779,9 +779,9 @@ def layer_norm_fwd(
     mean = torch.empty(0 if is_rms_norm else shape, dtype=stat_dtype, device=x.device)
     if m == 0:
         return (y, s, mean, rstd) if y2 is None else (y, s, mean, rstd, y2)
-    if not use_triton(x) or gate is not None and (p > 0.0 or x_bias is not None):
-        if gate is not None:
-            raise ValueError("trifuse.layer_norm_fwd: a gate runs on Triton only, without dropout or x_bias")
+    if gate is not None and (not use_triton(x) or p > 0.0 or x_bias is not None):
+        raise ValueError("trifuse.layer_norm_fwd: a gate runs on Triton only, without dropout or x_bias")
+    if not use_triton(x):
         y, s, mean_t, rstd_t = _norm_fwd_torch(x, n, weight, bias, eps, is_rms_norm, residual, x_bias, p, seed,
                                                store_s, post)
         rstd.view(-1).copy_(rstd_t)
