@@ -114,6 +114,9 @@ class Match:
     def __init__(self, cp: CompiledPattern, env: dict[fx.Node, Any]) -> None:
         self.cp = cp
         self.env = env
+        # matched casts of a pattern input that the model reads elsewhere too: they stay where
+        # they are, for those readers (the replacement reads the input itself)
+        self.kept: set[fx.Node] = set()
 
     @property
     def pattern(self) -> Pattern:
@@ -130,8 +133,9 @@ class Match:
 
     @property
     def nodes(self) -> list[fx.Node]:
-        """Graph nodes matched by the pattern's operations (what the replacement removes)."""
-        return [g for p, g in self.env.items() if p.op != "placeholder"]
+        """Graph nodes matched by the pattern's operations (what the replacement removes), but
+        those `kept`."""
+        return [g for p, g in self.env.items() if p.op != "placeholder" and g not in self.kept]
 
     @property
     def outputs(self) -> list[fx.Node]:

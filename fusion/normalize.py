@@ -631,7 +631,7 @@ def _out_of_place_masked_fills(graph: fx.Graph) -> None:
             continue
         a = node.args[0]
         if not isinstance(a, fx.Node) or a.op != "call_function" or a.target not in _FRESH \
-                or any(order[u] < order[node] and not _reads_only_metadata(u, a)
+                or any(order[u] < order[node] and not reads_only_metadata(u, a)
                        for u in a.users if u is not node):
             continue
         node.target = "masked_fill"
@@ -644,7 +644,7 @@ def _out_of_place_masked_fills(graph: fx.Graph) -> None:
 _METADATA_ARGS = {"expand_as": 1, "view_as": 1, "reshape_as": 1, "type_as": 1, "size": 0, "dim": 0}
 
 
-def _reads_only_metadata(user: fx.Node, a: fx.Node) -> bool:
+def reads_only_metadata(user: fx.Node, a: fx.Node) -> bool:
     """Whether `user` reads no value of `a`, only its shape, dtype or device."""
     if user.op == "call_function" and user.target is getattr and user.args[1:] in (("shape",), ("dtype",)):
         return True

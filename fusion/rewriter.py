@@ -41,7 +41,7 @@ from ..patterns._base import Pattern, available, example_value, same_shape
 from .dtensor_calls import holds_unprintable, recompile
 from .match import Match, compile_pattern, matches, resolve_from_local, trace_function
 from .narrow import drop_cast_backs, full_y, narrow_norm_outputs, out_dtype, readers
-from .normalize import canonicalize_node, writes_in_place
+from .normalize import canonicalize_node, reads_only_metadata, writes_in_place
 
 FAMILIES = ("attention", "layer_norm", "rms_norm", "bias_gelu", "gated_activation", "dropout_add",
             "residual_stream", "cross_entropy", "rotary")
@@ -312,13 +312,17 @@ _SHAPE_READERS = ("size", "dim", "numel")
 def _shape_stand_ins(m: Match) -> dict[fx.Node, fx.Node] | str:
     """{intermediate: pattern input of the same shape} for the matched intermediates whose only
     users outside the pattern read their shape (`size()`, `dim()`, `numel()`), or why a use
-    outside the pattern blocks the rewrite."""
+    outside the pattern blocks the rewrite. A matched upcast of a pattern input read outside too
+    (Wan's `h.float()`, its sum's and its norm's) is kept for those readers (`m.kept`)."""
     matched, outputs = set(m.nodes), set(m.outputs)
     inputs = [v for v in m.bindings().values() if isinstance(v, fx.Node) and v not in matched]
     stand_ins: dict[fx.Node, fx.Node] = {}
     for g in m.nodes:
         outside = [u for u in g.users if u not in matched]
         if g in outputs or not outside:
+            continue
+        if _exact_cast_of_input(g, inputs) and any(not _reads_metadata(u, g) for u in outside):
+            m.kept.add(g)
             continue
         value = example_value(g)
         reader = next((u for u in outside if not (u.op == "call_method" and u.target in _SHAPE_READERS)), None)
@@ -330,6 +334,24 @@ def _shape_stand_ins(m: Match) -> dict[fx.Node, fx.Node] | str:
             return f"{g.name} is also used by {(reader or outside[0]).name}, outside the pattern"
         stand_ins[g] = same
     return stand_ins
+
+
+def _reads_metadata(user: fx.Node, g: fx.Node) -> bool:
+    return reads_only_metadata(user, g) or user.op == "call_method" and user.target in _SHAPE_READERS
+
+
+def _exact_cast_of_input(g: fx.Node, inputs: list[fx.Node]) -> bool:
+    """g is `x.to(dtype)` of a pattern input x to a float dtype at least as wide (exact, a copy
+    or x itself), neither written in place: what the replacement computes from x is what the
+    pattern computed from g. (Kept only for a reader of its values, never for its shape alone.)"""
+    if not (g.op == "call_method" and g.target == "to" and len(g.args) == 2 and not g.kwargs
+            and g.args[0] in inputs and isinstance(g.args[1], torch.dtype)):
+        return False
+    source = example_value(g.args[0])
+    if not (isinstance(source, torch.Tensor) and source.is_floating_point() and g.args[1].is_floating_point
+            and torch.promote_types(source.dtype, g.args[1]) == g.args[1]):
+        return False
+    return not any(writes_in_place(u) for n in (g, g.args[0]) for u in n.users)
 
 
 def _check(m: Match) -> str | None:

@@ -469,10 +469,15 @@ def _modulate_trifuse(x, normalized_shape, mul, add, weight, bias, eps, is_rms_n
 def _modulate_torch(x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm, out_dtype=None,
                     readers=1, full_y=False):
     """PyTorch's norm, product and sum, in the op's dtypes (autocast, which would run the norm in
-    fp32, off: the implementation chosen must not change the output dtype); for a wider out_dtype
-    (y not rounded to x's dtype on the way), in that dtype."""
-    if out_dtype is not None and not full_y and torch.promote_types(x.dtype, out_dtype) != x.dtype:
-        x, weight, bias = (None if t is None else t.to(out_dtype) for t in (x, weight, bias))
+    fp32, off: the implementation chosen must not change the output dtype); where the modulation
+    or out_dtype is wider than x (Wan's fp32 modulation of a bf16 x; CUDA autocast's fp32 norm
+    of a 16-bit x), the norm of x's exact upcast, in that dtype: y is never rounded to x's dtype on
+    the way, as the kernels compute it."""
+    wide = _y_dtype(x.dtype, mul, add)
+    if out_dtype is not None and not full_y:
+        wide = torch.promote_types(wide, out_dtype)
+    if wide != x.dtype:
+        x, weight, bias = (None if t is None else t.to(wide) for t in (x, weight, bias))
     if unscoped(x.device):
         y = layer_norm_modulate_ref(x, [x.shape[-1]], mul, add, weight, bias, eps, is_rms_norm)
     else:
@@ -612,10 +617,12 @@ def _check_gated(op, x, residual, gate, normalized_shape, mul, add, weight, bias
         check_tensor(op, "gate", gate)
         check_float(op, "gate", gate)
         _check_per_sample(op, "gate", gate, x, x.shape[-1])
-        s_dtype = _gated_s_dtype(x, residual)
-        if torch.promote_types(s_dtype, gate.dtype) != s_dtype:
-            raise ValueError(f"trifuse.{op}: gate ({gate.dtype}) must be no wider than input and residual "
-                             f"({s_dtype}): the sum is rounded to their dtype")
+        # the product and the sum are computed in the accumulation dtype: a gate wider than s (Wan's
+        # fp32 gate beside a bf16 stream) is exact up to it, a wider one would lose digits
+        acc = torch.float64 if _gated_s_dtype(x, residual) == torch.float64 else torch.float32
+        if torch.promote_types(acc, gate.dtype) != acc:
+            raise ValueError(f"trifuse.{op}: gate ({gate.dtype}) must be no wider than {acc}, the dtype the "
+                             "product and the sum are computed in")
     check_same_device(op, "input", x, residual=residual, gate=gate)
 
 
@@ -777,7 +784,9 @@ def gated_add_layer_norm_modulate(
     Args:
         x: (..., N), fp16 / bf16 / fp32 / fp64; any strides.
         residual: shaped like x, any float dtype; s takes the dtype x and residual promote to.
-        gate: a per-sample vector as mul and add are (or None: s = residual + x), no wider than s.
+        gate: a per-sample vector as mul and add are (or None: s = residual + x), no wider than
+            fp32 (fp64 for fp64 s): the product and the sum are computed in fp32 and rounded once to
+            s's dtype, as Wan writes `(h.float() + attn_out * gate).type_as(h)` with an fp32 gate.
         normalized_shape, mul, add, weight, bias, eps, is_rms_norm, out_dtype, readers, full_y:
             as `layer_norm_modulate` takes them, for the norm of s.
 
@@ -839,8 +848,10 @@ def _gated_trifuse(x, residual, gate, normalized_shape, mul, add, weight, bias, 
 
 
 def _written_sum(x: torch.Tensor, residual: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
-    """s as the model writes it: the product, then the sum, each rounded in its dtype."""
-    return residual + (x if gate is None else gate * x)
+    """s as the model writes it: the product, then the sum, each rounded in its dtype (a gate wider
+    than s, Wan's: both in the gate's dtype, the sum rounded to s's)."""
+    s = residual + (x if gate is None else gate * x)
+    return s.to(_gated_s_dtype(x, residual))
 
 
 def _gated_torch(x, residual, gate, normalized_shape, mul, add, weight, bias, eps, is_rms_norm,

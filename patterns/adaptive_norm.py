@@ -235,8 +235,9 @@ def sum_operands(m: Match) -> str | None:
     return None
 
 
-def gate_per_sample(m: Match) -> str | None:
-    """The gate one vector per sample (as mul and add; a (N,) vector too), no wider than x."""
+def _gate_problem(m: Match, widest: torch.dtype | None) -> str | None:
+    """Why the gate is not one vector per sample (as mul and add; a (N,) vector too) no wider than
+    `widest` (x's dtype when None), or None."""
     x, gate = m.value("x"), m.value("gate")
     if not isinstance(gate, torch.Tensor):
         return "the gate's shape is unknown"
@@ -245,8 +246,59 @@ def gate_per_sample(m: Match) -> str | None:
     why = _not_per_sample(gate, x)
     if why is not None:
         return f"gate {list(gate.shape)} is not one vector per sample of x {list(x.shape)}: {why}"
-    if torch.promote_types(x.dtype, gate.dtype) != x.dtype:
-        return f"the gate ({gate.dtype}) is wider than x ({x.dtype})"
+    widest = widest or x.dtype
+    if torch.promote_types(widest, gate.dtype) != widest:
+        return f"the gate ({gate.dtype}) is wider than {'x' if widest == x.dtype else widest} ({widest})"
+    return None
+
+
+def gate_per_sample(m: Match) -> str | None:
+    """The gate one vector per sample, no wider than x (a wider one widens the model's sum)."""
+    return _gate_problem(m, None)
+
+
+def gate_per_sample_up_to_fp32(m: Match) -> str | None:
+    """The gate one vector per sample, no wider than fp32: where the model computes the sum in fp32
+    and casts it back, the op's fp32 product and sum are the model's."""
+    return _gate_problem(m, torch.float64 if m.value("x").dtype == torch.float64 else torch.float32)
+
+
+# The modulated norm of an fp32 copy, cast back (stage 2, once stage 1 made it one op): Wan's
+# `(norm1(h.float()) * (1 + scale) + shift).type_as(h)` with its fp32 modulation, h in 16 bits:
+#
+#  -> y = layer_norm_modulate(h, ..., out_dtype=h's dtype)
+#
+# The op normalizes h in fp32 (its exact upcast), modulates in fp32 and rounds y once to the
+# dtype the model casts to: the copy's pass (write and read of 4 bytes an element) and the cast's
+# go. The copy stays where the model reads it elsewhere too (Wan's gated add before the
+# cross-attention's norm, when that is not fused; its feed-forward's gated add at the block's end).
+
+
+def layer_norm_modulate_of_fp32_copy(x: torch.Tensor, normalized_shape, mul, add, weight, bias, eps, dtype, *,
+                                     rms: bool = False):
+    kwargs = {"is_rms_norm": True} if rms else {}
+    return ops.layer_norm_modulate(x.to(torch.float32), normalized_shape, mul, add, weight, bias, eps,
+                                   **kwargs).to(dtype)
+
+
+def layer_norm_modulate_of_fp32_copy_fused(x, normalized_shape, mul, add, weight, bias, eps, dtype, *,
+                                           rms: bool = False):
+    return ops.layer_norm_modulate(x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm=rms,
+                                   out_dtype=dtype)
+
+
+def copied_from_16_bits(m: Match) -> str | None:
+    """x narrower than fp32 (the copy a real one; quiet otherwise), the modulation no wider than
+    fp32 (the op's), the cast back to a float dtype."""
+    x, mul, add, dtype = m.value("x"), m.value("mul"), m.value("add"), m["dtype"]
+    if not isinstance(x, torch.Tensor) or torch.promote_types(x.dtype, torch.float32) != torch.float32 \
+            or x.dtype == torch.float32:
+        return "x is no narrower than fp32: no copy to fold"
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        return f"the cast back is to {dtype!r}, not a float dtype"
+    for name, t in (("mul", mul), ("add", add)):
+        if isinstance(t, torch.Tensor) and torch.promote_types(t.dtype, torch.float32) != torch.float32:
+            return f"{name} ({t.dtype}) is wider than the op's fp32 modulation"
     return None
 
 
@@ -287,5 +339,11 @@ PATTERNS = (
     Pattern("rms_norm_modulate_upcast", "rms_norm", rms_norm_modulate_upcast, rms_norm_modulate_upcast_fused,
             ("layer_norm_modulate", "rms_norm"), (per_sample, upcast_holds_the_product, needs_number("eps")),
             stage=1, quiet=True),
+    # before the sum's forms: a modulated norm of the sum's fp32 copy then reads the sum itself
+    *(Pattern(f"fp32_copy_{norm}_modulate", norm,
+              functools.partial(layer_norm_modulate_of_fp32_copy, rms=rms),
+              functools.partial(layer_norm_modulate_of_fp32_copy_fused, rms=rms), ("layer_norm_modulate",),
+              (copied_from_16_bits,), stage=2, quiet=True)
+      for norm, rms in (("layer_norm", False), ("rms_norm", True))),
     *_sum_patterns(),
 )

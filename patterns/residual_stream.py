@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from ._base import Match, Pattern, from_local, known_equal, needs_bool, needs_number, ops, same_shape
-from .adaptive_norm import gate_per_sample, sum_operands
+from .adaptive_norm import gate_per_sample, gate_per_sample_up_to_fp32, sum_operands
 from .bias_gelu import bias_is_a_row_vector
 
 
@@ -397,6 +397,54 @@ def no_dropout_on_the_sum(m: Match) -> str | None:
     return sum_operands(m) or gate_per_sample(m)
 
 
+# Stage 2: Wan's gated add, written in fp32 and cast back to the stream's dtype, before a plain
+# norm (its cross-attention's FP32LayerNorm, the stage-0 norm of the cast-back sum):
+#
+#     s = (h.float() + attn_out * gate_msa).type_as(h);  y = norm2(s.float()).type_as(s)
+#  -> y, s = gated_add_layer_norm_modulate(attn_out, h, gate_msa, ..., weight, bias)
+#
+# The op's product and sum are in fp32 as the model's (its gate fp32 beside a bf16 stream), s
+# rounded once to the stream's dtype and normalized as stored. The fp32 copy of h stays where
+# the model reads it elsewhere too (its first norm).
+
+
+def gated_add_in_fp32_layer_norm(x: torch.Tensor, gate: torch.Tensor, residual: torch.Tensor,
+                                 normalized_shape, weight, bias, eps, dtype):
+    s = (residual.to(torch.float32) + x * gate).to(dtype)
+    return ops.layer_norm(s, normalized_shape, weight, bias, eps), s
+
+
+def gated_add_in_fp32_layer_norm_fused(x, gate, residual, normalized_shape, weight, bias, eps, dtype):
+    y, s = ops.gated_add_layer_norm_modulate(x, residual, gate, normalized_shape, None, None, weight, bias,
+                                             eps)
+    return y, s
+
+
+def gated_add_in_fp32_rms_norm(x: torch.Tensor, gate: torch.Tensor, residual: torch.Tensor, normalized_shape,
+                               weight, eps, dtype):
+    s = (residual.to(torch.float32) + x * gate).to(dtype)
+    return ops.rms_norm(s, normalized_shape, weight, eps), s
+
+
+def gated_add_in_fp32_rms_norm_fused(x, gate, residual, normalized_shape, weight, eps, dtype):
+    y, s = ops.gated_add_layer_norm_modulate(x, residual, gate, normalized_shape, None, None, weight, None,
+                                             eps, is_rms_norm=True)
+    return y, s
+
+
+def sum_cast_back_to_the_stream(m: Match) -> str | None:
+    """x and the residual of one shape and dtype, the fp32 sum cast back to it (s in the op's
+    dtype), the norm over x's last dim alone, the gate a vector per sample no wider than fp32."""
+    x, shape, dtype = m.value("x"), m.value("normalized_shape"), m["dtype"]
+    if isinstance(x, torch.Tensor) and dtype != x.dtype:
+        return f"the sum is cast to {dtype}, not to x's dtype {x.dtype}"
+    shape = (shape,) if isinstance(shape, int) else shape
+    if (not isinstance(x, torch.Tensor) or not isinstance(shape, (tuple, list)) or len(shape) != 1
+            or not known_equal(shape[0], x.shape[-1])):
+        return f"normalized_shape {shape!r} is not x's last dim alone"
+    return sum_operands(m) or gate_per_sample_up_to_fp32(m)
+
+
 _DROPOUT = (needs_number("p"), needs_bool("training"))
 _OPS = ("dropout_add_layer_norm", "layer_norm")
 _RMS_OPS = ("dropout_add_layer_norm", "rms_norm")
@@ -437,6 +485,12 @@ PATTERNS = (
               functools.partial(layer_scale_residual_norm_fused, swapped=swapped),
               ("gated_add_layer_norm_modulate", "dropout_add_layer_norm"), (no_dropout_on_the_sum,), stage=2)
       for swapped in (False, True)),
+    Pattern("gated_add_in_fp32_layer_norm", "residual_stream", gated_add_in_fp32_layer_norm,
+            gated_add_in_fp32_layer_norm_fused, ("gated_add_layer_norm_modulate", "layer_norm"),
+            (sum_cast_back_to_the_stream, needs_number("eps")), stage=2),
+    Pattern("gated_add_in_fp32_rms_norm", "residual_stream", gated_add_in_fp32_rms_norm,
+            gated_add_in_fp32_rms_norm_fused, ("gated_add_layer_norm_modulate", "rms_norm"),
+            (sum_cast_back_to_the_stream, needs_number("eps")), stage=2),
     Pattern("linear_residual_norm", "residual_stream", linear_residual_norm, linear_residual_norm_fused,
             ("dropout_add_layer_norm",), stage=2),
     Pattern("conv1d_residual_norm", "residual_stream", conv1d_residual_norm, conv1d_residual_norm_fused,

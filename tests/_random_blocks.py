@@ -455,7 +455,7 @@ class RopeModel(nn.Module):
 # ---------------------------------------------------------------------------------------------
 
 ADAPTIVE = ("dit", "continuous", "commuted", "pixart", "scale_only", "shift_only", "rms_dit",
-            "affine_dit",
+            "affine_dit", "fp32_copy",
             # near misses: a product over tokens, a vector per token, the shift subtracted, the
             # modulation before the norm, a 16-bit norm modulated by an fp32 product (left: the
             # model rounds the norm first)
@@ -493,6 +493,8 @@ class AdaptiveBlock(nn.Module):
         k = self.kind
         if k == "modulated_before_norm":
             return norm(x * (1 + scale[:, None]) + shift[:, None])
+        if k == "fp32_copy":  # Wan's: the norm of an fp32 copy, modulated in fp32, cast back
+            return (norm(x.float()) * (1 + scale[:, None].float()) + shift[:, None].float()).to(x.dtype)
         h = norm(x)
         if k in ("dit", "rms_dit", "affine_dit"):
             return h * (1 + scale[:, None]) + shift[:, None]

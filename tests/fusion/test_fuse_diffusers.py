@@ -164,16 +164,18 @@ MODELS = {
     "sana": (sana, {"layer_norm": 3, "rms_norm": 1, "attention": 2, "bias_gelu": 1,
                     "gated_activation": 2, "residual_stream": 2}, 5),
     "cogvideox": (cogvideox, {"layer_norm": 10, "attention": 2, "bias_gelu": 2, "residual_stream": 4}, 9),
-    "wan": (wan, {"layer_norm": 7, "rms_norm": 8, "attention": 4, "bias_gelu": 3, "dropout_add": 2}, 4),
+    "wan": (wan, {"layer_norm": 5, "rms_norm": 8, "attention": 4, "bias_gelu": 3, "dropout_add": 2,
+                  "residual_stream": 2}, 4),
     "ltx": (ltx, {"layer_norm": 1, "rms_norm": 12, "attention": 4, "bias_gelu": 3, "dropout_add": 2}, 4),
 }
 
 
 # The residual adds that feed a modulated norm in one block (`gated_add_layer_norm_modulate`): the
 # attention's gated add before the MLP's norm (DiT, SD3 and Flux per joint stream; CogVideoX's
-# video and text streams), the cross-attention's ungated add (PixArt, Sana). Wan's is taken by
-# the linear's dropout-add first.
-GATED_SUMS = {"dit": 2, "pixart": 2, "sd3": 3, "flux": 2, "sana": 2, "cogvideox": 4}
+# video and text streams), the cross-attention's ungated add (PixArt, Sana); Wan's gated add,
+# written in fp32 and cast back, before its cross-attention's plain norm (its add before the
+# modulated norm is taken by the linear's dropout-add first).
+GATED_SUMS = {"dit": 2, "pixart": 2, "sd3": 3, "flux": 2, "sana": 2, "cogvideox": 4, "wan": 2}
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -187,7 +189,8 @@ def test_a_diffusers_denoiser_fuses_its_blocks(name):
     # the residual add before a modulated norm (DiT's gated `h + gate * attn_out`, PixArt's and
     # Sana's ungated cross-attention output) folded into it
     folded = sum(count for pattern, count in patterns.items()
-                 if pattern.startswith(("gated_add_", "add_")) and "modulate" in pattern)
+                 if pattern.startswith(("gated_add_", "add_"))
+                 and ("modulate" in pattern or "in_fp32" in pattern))
     assert folded == GATED_SUMS.get(name, 0)
 
 
@@ -215,6 +218,26 @@ def test_adaptive_norms_fuse_under_cuda_autocast_too(name):
     else:
         assert any(r.pattern.startswith("gated_add_") for r in found), report.table()
     assert any("only autocast's matmuls read it (3, a view each)" in r.note for r in found), report.table()
+
+
+def test_wans_gated_add_in_fp32_reads_its_16_bit_stream():
+    """Wan trained in 16 bits: its residual stream fp16 (bf16 on a GPU), its modulation and gates
+    fp32 (`scale_shift_table + temb.float()`), the gated add written in fp32 and cast back
+    (`(h.float() + attn_out * gate).type_as(h)`) before the cross-attention's FP32LayerNorm. The
+    op takes the 16-bit stream and the fp32 gate, its sum and norm in fp32 as the model's, and
+    the modulated norms of fp32 copies (`norm1(h.float()) * (1 + scale) + shift).type_as(h)`)
+    read the 16-bit tensors: no fp32 copy of h is left. Outputs and gradients by the oracle rule."""
+    model, inputs, train = wan()
+    model = model.to(torch.float16 if DEVICE == "cpu" else torch.bfloat16)
+    inputs = tuple(t.to(model.model.dtype) if t.is_floating_point() else t for t in inputs)
+    report = check_against_unfused(lambda: model, inputs, train=train)
+    patterns = report.by_pattern()
+    assert patterns["gated_add_in_fp32_layer_norm"] == 2, report.table()
+    # the modulated norms of h's (and of the cross-attention's sum's) fp32 copies read the 16-bit
+    # tensors and write 16 bits themselves
+    assert patterns["fp32_copy_layer_norm_modulate"] == 4, report.table()
+    notes = [r.note for u in report.units for c in u.unit.captures for r in c.log.replaced]
+    assert not any("cast back" in note for note in notes), report.table()
 
 
 def test_the_unets_16_bit_norms_under_cuda_autocast_feed_q_k_v_a_view_each():

@@ -222,7 +222,8 @@ def test_each_adaptive_norm_spelling(kind):
     """Faithful spellings become `layer_norm_modulate` (both norms of both blocks: the Dynamo host
     captures the model whole); with the near misses whatever fuse does, the answer is the unfused
     model's, and no modulation is fused (the norms alone may be); nor is a scale or a shift alone."""
-    dtype = torch.float16 if kind == "wider_product" else torch.float32  # (in fp32 no wider product)
+    # (in fp32 no wider product, and the copy no copy)
+    dtype = torch.float16 if kind in ("wider_product", "fp32_copy") else torch.float32
 
     def make():
         torch.manual_seed(0)
@@ -234,6 +235,12 @@ def test_each_adaptive_norm_spelling(kind):
         assert modulated == 0, report.table()
     else:
         assert modulated == 4, report.table()  # two norms a block
+    if kind == "fp32_copy":
+        # the norms read the 16-bit x, not its fp32 copy; the gated adds before three of them
+        # then fold in as well (the forms with out_dtype: y computed in fp32, written in x's dtype)
+        patterns = report.by_pattern()
+        assert patterns.get("fp32_copy_layer_norm_modulate") == 1, report.table()
+        assert patterns.get("gated_add_layer_norm_modulate_upcast") == 3, report.table()
 
 
 @pytest.mark.parametrize("residual", rb.ADAPTIVE_RESIDUALS)

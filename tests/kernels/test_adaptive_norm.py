@@ -348,6 +348,32 @@ def test_full_y_returns_y_and_its_narrow_copy_whose_gradients_add(candidate):
 
 @pytest.mark.parametrize("candidate", CANDIDATES)
 @pytest.mark.parametrize("norm", NORMS)
+def test_fp32_modulation_of_a_16_bit_x_written_in_16_bits(candidate, norm):
+    """Wan's `(norm1(h.float()) * (1 + scale) + shift).type_as(h)`: fp16 x, fp32 mul, add and
+    affine, y in x's dtype (out_dtype), the norm and the modulation in fp32 and y rounded once,
+    as the model's fp32 copy and cast back (fuse's `fp32_copy_*_modulate`). y and every gradient
+    against float64 by the oracle rule, that spelling the yardstick."""
+    inputs = _modulated(norm, affine_dtype=torch.float32)
+    inputs[0] = inputs[0].detach().half().requires_grad_()
+    leaves = [t for t in inputs if t is not None]
+    y = _call(candidate, inputs, norm, out_dtype=torch.float16)
+    assert y.dtype == torch.float16
+    i64 = [None if t is None else t.detach().double().requires_grad_() for t in inputs]
+    ilp = [None if t is None else t.detach().clone().requires_grad_() for t in inputs]
+    y64 = layer_norm_modulate_ref(i64[0], [37], *i64[1:], EPS, norm == "rms_norm")
+    ylp = layer_norm_modulate_ref(ilp[0].float(), [37], *ilp[1:], EPS, norm == "rms_norm").half()
+    assert_close("y", y, y64, ylp)
+    g = torch.randn_like(y64)
+    grads = torch.autograd.grad(y, leaves, g.half())
+    grads64 = torch.autograd.grad(y64, [t for t in i64 if t is not None], g)
+    gradslp = torch.autograd.grad(ylp, [t for t in ilp if t is not None], g.half())
+    for name, a, a64, alp in zip(("dx", "dmul", "dadd", "dweight", "dbias"), grads, grads64, gradslp):
+        assert a.dtype == alp.dtype, name
+        assert_close(name, a, a64, alp)
+
+
+@pytest.mark.parametrize("candidate", CANDIDATES)
+@pytest.mark.parametrize("norm", NORMS)
 def test_a_wider_out_dtype_is_never_rounded_to_the_inputs_dtype(candidate, norm):
     """fp16 x, mul and add with out_dtype fp32: CUDA autocast's LayerNorm of a 16-bit x returns
     fp32, modulated in fp32. y and the gradients against float64 by the oracle rule, PyTorch's

@@ -64,11 +64,20 @@ def run_ref(inputs, norm):
     return layer_norm_modulate_ref(s, [x.shape[-1]], mul, add, w, b, EPS, norm == "rms_norm"), s
 
 
-def check_fwd_bwd(inputs, norm):
-    """y, s and every gradient against float64 by the oracle rule; y's and s's gradients both given."""
+def run_wan_ref(inputs, norm):
+    """Wan's spelling of the sum with a gate wider than the stream: `(h.float() + attn_out *
+    gate).type_as(h)` (the gate's dtype, float64 for the oracle), then the norm."""
+    x, residual, gate, mul, add, w, b = inputs
+    s = (residual.to(gate.dtype) + x * gate).to(x.dtype)
+    return layer_norm_modulate_ref(s, [x.shape[-1]], mul, add, w, b, EPS, norm == "rms_norm"), s
+
+
+def check_fwd_bwd(inputs, norm, ref=run_ref):
+    """y, s and every gradient against float64 by the oracle rule, the formula as `ref` writes it
+    in the inputs' dtypes the yardstick; y's and s's gradients both given."""
     i64 = [None if t is None else t.detach().double().requires_grad_() for t in inputs]
     ilp = [None if t is None else t.detach().clone().requires_grad_() for t in inputs]
-    (y, s), (y64, s64), (ylp, slp) = run(inputs, norm), run_ref(i64, norm), run_ref(ilp, norm)
+    (y, s), (y64, s64), (ylp, slp) = run(inputs, norm), ref(i64, norm), ref(ilp, norm)
     assert y.shape == ylp.shape and y.dtype == ylp.dtype and s.dtype == slp.dtype
     assert_close("y", y, y64, ylp)
     assert_close("s", s, s64, slp)
@@ -86,6 +95,18 @@ def check_fwd_bwd(inputs, norm):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_matches_the_oracle(dtype, norm, case):
     check_fwd_bwd(make(case, dtype, norm), norm)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[-1]], ids=_id)
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32], ids=str)
+def test_a_gate_wider_than_the_stream(dtype, norm, case):
+    """Wan's fp32 gate beside a 16-bit residual stream (its sum written in fp32 and cast back): the
+    op computes the product and the sum in fp32 as the model does, s in the stream's dtype, the
+    gate's gradient in fp32."""
+    inputs = make(case, dtype, norm)
+    inputs[2] = inputs[2].detach().float().requires_grad_()
+    check_fwd_bwd(inputs, norm, ref=run_wan_ref)
 
 
 @pytest.mark.parametrize("norm", NORMS)
@@ -227,7 +248,8 @@ def test_narrowed_y_for_autocasts_matmuls(readers):
     ({"residual": (3, 4, 40)}, "residual must have the input's shape"),
     ({"gate": (3, 2, 40)}, "gate must broadcast against input"),
     ({"gate": (2, 1, 40)}, "gate must broadcast against input"),
-    ({"gate_dtype": torch.float64}, "gate .* must be no wider"),
+    # the sum is computed in fp32 for fp32 x: an fp64 gate would lose digits
+    ({"gate_dtype": torch.float64}, r"gate \(torch.float64\) must be no wider than torch.float32"),
     ({"mul": (3, 1, 39)}, "mul must broadcast"),
 ])
 def test_bad_input_names_the_op_and_argument(bad, message):

@@ -280,6 +280,86 @@ def test_a_scale_per_token_is_no_layer_scale():
     assert report.by_pattern() == {"add_layer_norm": 1}, report.table()
 
 
+class FP32Norm(nn.Module):
+    """diffusers' FP32LayerNorm: the norm of an fp32 copy, cast back; or the same RMSNorm."""
+
+    def __init__(self, norm: str) -> None:
+        super().__init__()
+        self.rms = norm == "rms_norm"
+        self.weight, self.bias = nn.Parameter(1 + 0.1 * torch.randn(N)), nn.Parameter(0.1 * torch.randn(N))
+
+    def forward(self, x):
+        if self.rms:
+            return F.rms_norm(x.float(), (N,), self.weight.float(), 1e-6).to(x.dtype)
+        return F.layer_norm(x.float(), (N,), self.weight.float(), self.bias.float(), 1e-6).to(x.dtype)
+
+
+class WanGatedAdd(nn.Module):
+    """Wan's self-attention half: the modulation and the gate fp32 (a table plus the conditioning),
+    the modulated norm of h's fp32 copy, the gated add written in fp32 and cast back to h's dtype,
+    then the cross-attention's FP32 norm. `cast`: the dtype the sum is cast to (h's unless set);
+    `gate64`: an fp64 gate."""
+
+    def __init__(self, norm: str = "layer_norm", gate64: bool = False) -> None:
+        super().__init__()
+        self.gate64 = gate64
+        self.table = nn.Parameter(0.1 * torch.randn(1, 3, N))
+        self.ada = nn.Linear(COND, 3 * N)
+        self.attn = nn.Linear(N, N)
+        self.norm2 = FP32Norm(norm)
+        self.proj = nn.Linear(N, N)
+
+    def forward(self, h, cond):
+        shift, scale, gate = (self.table + self.ada(cond).view(-1, 3, N).float()).chunk(3, dim=1)
+        gate = gate.double() if self.gate64 else gate
+        y = (F.layer_norm(h.float(), (N,), eps=1e-6) * (1 + scale) + shift).type_as(h)
+        h = (h.float() + self.attn(y) * gate).type_as(h)
+        return h + self.proj(self.norm2(h.float()).type_as(h))
+
+
+@pytest.mark.parametrize("capture", ["fx", "dynamo"])
+@pytest.mark.parametrize("norm", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_wans_gated_add_written_in_fp32_folds_into_the_norm_after_it(dtype, norm, capture):
+    """`(h.float() + attn * gate).type_as(h)` then the fp32 norm of that: one op reading h in its
+    own dtype and the fp32 gate (its sum in fp32, rounded once to h's dtype, as the model's); h's
+    fp32 copy stays for the modulated norm that reads it too. Outputs and every gradient."""
+    x, cond = inputs()
+    report = check_against_unfused(lambda: WanGatedAdd(norm).to(dtype), (x.to(dtype), cond.to(dtype)),
+                                   capture, train=True)
+    assert report.by_pattern().get(f"gated_add_in_fp32_{norm}") == 1, report.table()
+
+
+def test_an_fp64_gate_beside_an_fp32_stream_is_left():
+    """A gate wider than fp32 beside an fp32 stream: the model's sum is fp64, rounded once to fp32,
+    the op's would be fp32 throughout. Left as written, and the report says why (negative
+    control)."""
+    report = check_against_unfused(lambda: WanGatedAdd(gate64=True), inputs(), "dynamo", train=True)
+    assert "gated_add_in_fp32_layer_norm" not in report.by_pattern(), report.table()
+    assert "the gate (torch.float64) is wider than" in report.table(), report.table()
+
+
+def test_a_sum_in_fp32_cast_to_another_dtype_than_the_streams_is_left():
+    """The filter of the fp32 sum: cast back to x's dtype (the op's s), over x's last dim alone,
+    x and the residual alike, the gate no wider than fp32 (negative controls)."""
+    from trifuse.patterns.residual_stream import sum_cast_back_to_the_stream
+
+    class match(dict):  # a Match's reads: m["dtype"] (a constant), m.value(name)
+        def __init__(self, x, residual, gate, dtype, shape=(N,)):
+            super().__init__(x=x, residual=residual, gate=gate, dtype=dtype, normalized_shape=shape)
+
+        value = dict.__getitem__
+
+    x, gate = torch.empty(2, 3, N, dtype=torch.bfloat16), torch.empty(2, 1, N)
+    fits = sum_cast_back_to_the_stream
+    assert fits(match(x, x, gate, torch.bfloat16)) is None
+    assert "not to x's dtype" in fits(match(x, x, gate, torch.float16))
+    assert "not x's last dim alone" in fits(match(x, x, gate, torch.bfloat16, (3, N)))
+    assert "differ in dtype" in fits(match(x, x.half(), gate, torch.bfloat16))
+    assert "is wider than" in fits(match(x, x, gate.double(), torch.bfloat16))
+    assert "varies along a sample's rows" in fits(match(x, x, torch.empty(2, 3, N), torch.bfloat16))
+
+
 def test_dinov2s_layer_scales_fold_into_its_norms():
     """Hugging Face's DINOv2 (a tiny config): each block's two LayerScale adds fold into the norm
     after them (the next block's norm1, the final layernorm for the last), the model whole."""
