@@ -404,8 +404,8 @@ def no_dropout_on_the_sum(m: Match) -> str | None:
 #  -> y, s = gated_add_layer_norm_modulate(attn_out, h, gate_msa, ..., weight, bias)
 #
 # The op's product and sum are in fp32 as the model's (its gate fp32 beside a bf16 stream), s
-# rounded once to the stream's dtype and normalized as stored. The fp32 copy of h stays where
-# the model reads it elsewhere too (its first norm).
+# rounded once to the stream's dtype and normalized as stored. The fp32 copy of h stays only
+# where something else still reads it (Wan's first norm does not: fp32_copy_*_modulate).
 
 
 def gated_add_in_fp32_layer_norm(x: torch.Tensor, gate: torch.Tensor, residual: torch.Tensor,

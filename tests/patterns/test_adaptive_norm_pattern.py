@@ -312,7 +312,8 @@ class WanGatedAdd(nn.Module):
     def forward(self, h, cond):
         shift, scale, gate = (self.table + self.ada(cond).view(-1, 3, N).float()).chunk(3, dim=1)
         gate = gate.double() if self.gate64 else gate
-        y = (F.layer_norm(h.float(), (N,), eps=1e-6) * (1 + scale) + shift).type_as(h)
+        norm = F.rms_norm if self.norm2.rms else F.layer_norm
+        y = (norm(h.float(), (N,), eps=1e-6) * (1 + scale) + shift).type_as(h)
         h = (h.float() + self.attn(y) * gate).type_as(h)
         return h + self.proj(self.norm2(h.float()).type_as(h))
 
@@ -322,12 +323,15 @@ class WanGatedAdd(nn.Module):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_wans_gated_add_written_in_fp32_folds_into_the_norm_after_it(dtype, norm, capture):
     """`(h.float() + attn * gate).type_as(h)` then the fp32 norm of that: one op reading h in its
-    own dtype and the fp32 gate (its sum in fp32, rounded once to h's dtype, as the model's); h's
-    fp32 copy stays for the modulated norm that reads it too. Outputs and every gradient."""
+    own dtype and the fp32 gate (its sum in fp32, rounded once to h's dtype, as the model's). In
+    fp16 the modulated norm of h's fp32 copy reads h too and writes fp16 itself. Outputs and every
+    gradient."""
     x, cond = inputs()
     report = check_against_unfused(lambda: WanGatedAdd(norm).to(dtype), (x.to(dtype), cond.to(dtype)),
                                    capture, train=True)
     assert report.by_pattern().get(f"gated_add_in_fp32_{norm}") == 1, report.table()
+    if dtype == torch.float16:
+        assert report.by_pattern().get(f"fp32_copy_{norm}_modulate") == 1, report.table()
 
 
 def test_an_fp64_gate_beside_an_fp32_stream_is_left():
