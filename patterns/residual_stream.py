@@ -405,7 +405,8 @@ def no_dropout_on_the_sum(m: Match) -> str | None:
 #
 # The op's product and sum are in fp32 as the model's (its gate fp32 beside a bf16 stream), s
 # rounded once to the stream's dtype and normalized as stored. The fp32 copy of h stays only
-# where something else still reads it (Wan's first norm does not: fp32_copy_*_modulate).
+# where something else still reads it (Wan's first norm does not: fp32_copy_*_modulate). ACE-Step
+# writes the same sum without the copy, its fp32 gate promoting it (`gated_add_promoted_*`).
 
 
 def gated_add_in_fp32_layer_norm(x: torch.Tensor, gate: torch.Tensor, residual: torch.Tensor,
@@ -430,6 +431,19 @@ def gated_add_in_fp32_rms_norm_fused(x, gate, residual, normalized_shape, weight
     y, s = ops.gated_add_layer_norm_modulate(x, residual, gate, normalized_shape, None, None, weight, None,
                                              eps, is_rms_norm=True)
     return y, s
+
+
+def gated_add_promoted_layer_norm(x: torch.Tensor, gate: torch.Tensor, residual: torch.Tensor,
+                                  normalized_shape, weight, bias, eps, dtype):
+    """ACE-Step's spelling: `(h + attn_out * gate).type_as(h)`, the fp32 gate promoting the sum."""
+    s = (residual + x * gate).to(dtype)
+    return ops.layer_norm(s, normalized_shape, weight, bias, eps), s
+
+
+def gated_add_promoted_rms_norm(x: torch.Tensor, gate: torch.Tensor, residual: torch.Tensor, normalized_shape,
+                                weight, eps, dtype):
+    s = (residual + x * gate).to(dtype)
+    return ops.rms_norm(s, normalized_shape, weight, eps), s
 
 
 def sum_cast_back_to_the_stream(m: Match) -> str | None:
@@ -489,6 +503,12 @@ PATTERNS = (
             gated_add_in_fp32_layer_norm_fused, ("gated_add_layer_norm_modulate", "layer_norm"),
             (sum_cast_back_to_the_stream, needs_number("eps")), stage=2),
     Pattern("gated_add_in_fp32_rms_norm", "residual_stream", gated_add_in_fp32_rms_norm,
+            gated_add_in_fp32_rms_norm_fused, ("gated_add_layer_norm_modulate", "rms_norm"),
+            (sum_cast_back_to_the_stream, needs_number("eps")), stage=2),
+    Pattern("gated_add_promoted_layer_norm", "residual_stream", gated_add_promoted_layer_norm,
+            gated_add_in_fp32_layer_norm_fused, ("gated_add_layer_norm_modulate", "layer_norm"),
+            (sum_cast_back_to_the_stream, needs_number("eps")), stage=2),
+    Pattern("gated_add_promoted_rms_norm", "residual_stream", gated_add_promoted_rms_norm,
             gated_add_in_fp32_rms_norm_fused, ("gated_add_layer_norm_modulate", "rms_norm"),
             (sum_cast_back_to_the_stream, needs_number("eps")), stage=2),
     Pattern("linear_residual_norm", "residual_stream", linear_residual_norm, linear_residual_norm_fused,
