@@ -430,9 +430,11 @@ def _rotate_pairs(q, k, cos, sin, positions_dim, dtype=None):
     return q_out, k_out
 
 
-def _cos_sin_of(table, complex_table):
+def _cos_sin_of(table, complex_table, pad=0):
     if complex_table:  # the real and imaginary parts; a conjugate table (the inverse rotation) as its values
         table = torch.view_as_real(table.resolve_conj())
+    for _ in range(pad):  # a 3-D table (Qwen-Image's (S, 1, D/2)) as the 4-D one it broadcasts as
+        table = table.unsqueeze(0)
     return table[..., 0], table[..., 1]
 
 
@@ -441,11 +443,12 @@ def _pairs_fused(complex_table: bool, with_k: bool):
     without the casts (`dtype`: derived, the cast back's)."""
 
     def fused_q_k(q, k, q_freqs, k_freqs=None, q_shape=None, k_shape=None, q_flat=None, k_flat=None, q_up=None,
-                  k_up=None, q_back=None, k_back=None, positions_dim=2, dtype=None):
-        return _rotate_pairs(q, k, *_cos_sin_of(q_freqs, complex_table), positions_dim, dtype)
+                  k_up=None, q_back=None, k_back=None, positions_dim=2, dtype=None, pad=0):
+        return _rotate_pairs(q, k, *_cos_sin_of(q_freqs, complex_table, pad), positions_dim, dtype)
 
-    def fused(x, freqs, x_shape=None, x_flat=None, x_up=None, x_back=None, positions_dim=2, dtype=None):
-        return _rotate_pairs(x, None, *_cos_sin_of(freqs, complex_table), positions_dim, dtype)[0]
+    def fused(x, freqs, x_shape=None, x_flat=None, x_up=None, x_back=None, positions_dim=2, dtype=None,
+              pad=0):
+        return _rotate_pairs(x, None, *_cos_sin_of(freqs, complex_table, pad), positions_dim, dtype)[0]
 
     return fused_q_k if with_k else fused
 
@@ -453,12 +456,18 @@ def _pairs_fused(complex_table: bool, with_k: bool):
 def _positions_dim(m: Match, name: str) -> int | None:
     """Where the positions of `name` are: dim 2 (B, H, S, D), the table (B or 1, 1, S, D/2[, 2]);
     dim 1 (B, S, H, D), the table (B or 1, S, 1, D/2[, 2]); None when the table is neither."""
-    t = m.value(f"{name}_freqs" if name in ("q", "k") else "freqs")
-    if known_equal(t.shape[1], 1):
+    shape = _as_4d(m.value(f"{name}_freqs" if name in ("q", "k") else "freqs").shape)
+    if known_equal(shape[1], 1):
         return 2
-    if known_equal(t.shape[2], 1):
+    if known_equal(shape[2], 1):
         return 1
     return None
+
+
+def _as_4d(shape) -> tuple:
+    """A complex table's shape padded on the left to 4 dims, as it broadcasts against (B, ., ., D/2)
+    pairs (a 5-D cache of real pairs as it is)."""
+    return (1,) * max(0, 4 - len(shape)) + tuple(shape)
 
 
 def _complex_pairs(names: tuple[str, ...], real_cache: bool = False):
@@ -489,14 +498,16 @@ def _complex_pairs(names: tuple[str, ...], real_cache: bool = False):
                         or not known_equal(freqs.shape[4], 2):
                     return f"the cache is not a 5-D float tensor of (cos, sin) pairs (got " \
                            f"{getattr(freqs, 'shape', freqs)!r})"
-            elif not isinstance(freqs, torch.Tensor) or not freqs.is_complex() or freqs.dim() != 4:
-                return f"the table is not a 4-D complex tensor (got {getattr(freqs, 'shape', freqs)!r})"
-            if not known_equal(freqs.shape[3], d // 2) or not (known_equal(freqs.shape[0], 1)
-                                                                or known_equal(freqs.shape[0], x.shape[0])):
+            elif not isinstance(freqs, torch.Tensor) or not freqs.is_complex() or freqs.dim() not in (3, 4):
+                got = getattr(freqs, "shape", freqs)
+                return f"the table is not a 3-D or 4-D complex tensor (got {got!r})"
+            table = _as_4d(freqs.shape)
+            if not known_equal(table[3], d // 2) or not (known_equal(table[0], 1)
+                                                         or known_equal(table[0], x.shape[0])):
                 return f"the table {tuple(freqs.shape)} does not broadcast to {name}'s pairs {tuple(shape)}"
             positions = _positions_dim(m, name)
-            if positions is None or not (known_equal(freqs.shape[positions], 1)
-                                         or known_equal(freqs.shape[positions], x.shape[positions])):
+            if positions is None or not (known_equal(table[positions], 1)
+                                         or known_equal(table[positions], x.shape[positions])):
                 return f"the table {tuple(freqs.shape)} is not one row per position of {name} {tuple(x.shape)}"
         return None
 
@@ -537,7 +548,8 @@ def _one_table(m: Match) -> str | None:
 
 def _complex_layout(name: str, cast: bool = False):
     def derive(m: Match) -> dict:
-        out = {"positions_dim": _positions_dim(m, name)}
+        freqs = m.value(f"{name}_freqs" if name in ("q", "k") else "freqs")
+        out = {"positions_dim": _positions_dim(m, name), "pad": len(_as_4d(freqs.shape)) - freqs.dim()}
         if cast:
             out["dtype"] = m.value(name).dtype
         return out

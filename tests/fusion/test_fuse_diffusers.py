@@ -133,6 +133,20 @@ def wan():
     return Denoiser(model, call), inputs, True
 
 
+def qwenimage():
+    # Qwen-Image's dual-stream blocks: the rotary a complex product with a 3-D (S, 1, D/2) table
+    model = diffusers.QwenImageTransformer2DModel(
+        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=HEAD_DIM,
+        num_attention_heads=HEADS, joint_attention_dim=24, axes_dims_rope=(4, 6, 6))
+
+    def call(m, x, t, text, text_mask):
+        return m(x, encoder_hidden_states=text, encoder_hidden_states_mask=text_mask, timestep=t,
+                 img_shapes=[(1, 4, 4)] * B)
+
+    inputs = (torch.randn(B, 16, 16), torch.tensor([0.1, 0.5]), torch.randn(B, 7, 24), torch.ones(B, 7))
+    return Denoiser(model, call), inputs, True
+
+
 def ltx():
     # diffusers' own RMSNorm (written out, the mean square of an fp32 copy), modulated per sample
     model = diffusers.LTXVideoTransformer3DModel(
@@ -153,8 +167,10 @@ def ltx():
 # (SD3's last one without its context MLP), Flux one joint and one single block, the UNet four
 # BasicTransformerBlocks (one in the down path, one in the middle, two in the up path), each with
 # a self- and a cross-attention and a GEGLU, and plain norms. Sana's linear attention stays as
-# written (no softmax); its cross-attention fuses. Wan modulates norms of fp32 copies (fused
-# where the copy is the norm's own), LTX-Video diffusers' written-out RMSNorm.
+# written (no softmax); its cross-attention fuses. Wan modulates norms of fp32 copies (in fp32
+# these are no copies; see the fp16 test below), LTX-Video diffusers' written-out RMSNorm.
+# Qwen-Image two dual-stream blocks (the image's and the text's norms, gated adds and MLPs, the
+# joint attention, the rotary on q and k of each stream).
 MODELS = {
     "dit": (dit, {"layer_norm": 3, "attention": 2, "bias_gelu": 2, "residual_stream": 2}, 4),
     "pixart": (pixart, {"layer_norm": 3, "attention": 4, "bias_gelu": 3, "residual_stream": 2}, 4),
@@ -167,6 +183,8 @@ MODELS = {
     "wan": (wan, {"layer_norm": 5, "rms_norm": 8, "attention": 4, "bias_gelu": 3, "dropout_add": 2,
                   "residual_stream": 2}, 4),
     "ltx": (ltx, {"layer_norm": 1, "rms_norm": 12, "attention": 4, "bias_gelu": 3, "dropout_add": 2}, 4),
+    "qwenimage": (qwenimage, {"layer_norm": 5, "rms_norm": 9, "attention": 2, "bias_gelu": 4,
+                              "residual_stream": 4, "rotary": 4}, 9),
 }
 
 
@@ -175,7 +193,7 @@ MODELS = {
 # video and text streams), the cross-attention's ungated add (PixArt, Sana); Wan's gated add,
 # written in fp32 and cast back, before its cross-attention's plain norm (its add before the
 # modulated norm is taken by the linear's dropout-add first).
-GATED_SUMS = {"dit": 2, "pixart": 2, "sd3": 3, "flux": 2, "sana": 2, "cogvideox": 4, "wan": 2}
+GATED_SUMS = {"dit": 2, "pixart": 2, "sd3": 3, "flux": 2, "sana": 2, "cogvideox": 4, "wan": 2, "qwenimage": 4}
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

@@ -447,6 +447,17 @@ def rotate_complex_alone(x, freqs_cis):
     return torch.view_as_real(x_ * freqs_cis[:, :, None, :]).flatten(3).type_as(x)
 
 
+def rotate_qwen_image(x, freqs_cis):
+    """diffusers' Qwen-Image apply_rotary_emb_qwen (use_real=False): its (S, D/2) table unsqueezed
+    to (S, 1, D/2), a 3-D table against the (B, S, H, D/2) pairs."""
+    x_rotated = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(x_rotated * freqs_cis[0].unsqueeze(1)).flatten(3).type_as(x)
+
+
+def apply_rotary_emb_qwen_image(xq, xk, freqs_cis):
+    return rotate_qwen_image(xq, freqs_cis), rotate_qwen_image(xk, freqs_cis)
+
+
 def rotate_complex_per_head_table(x, freqs_cis):
     """A table with a phase per head as well as per position: (B, S, H, D/2), not a rotary table
     of positions; left as written, with a reason."""
@@ -500,8 +511,10 @@ class ComplexRotary(nn.Module):
     (lambda: ComplexRotary(rotate_complex_alone, which="q"), {"rotary_complex_cast": 1}, ["dynamo"]),
     (lambda: ComplexRotary(separate_k_table=True), {"rotary_complex_cast": 2}, ["dynamo"]),
     (lambda: ComplexRotary(apply_rotary_emb_inverse), {"rotary_complex_cast_q_k": 1}, ["dynamo"]),
+    (lambda: ComplexRotary(apply_rotary_emb_qwen_image), {"rotary_complex_cast_q_k": 1}, ["dynamo"]),
+    (lambda: ComplexRotary(rotate_qwen_image, which="q"), {"rotary_complex_cast": 1}, ["dynamo"]),
 ], ids=["hf-llama4", "per-batch-positions", "torchtitan", "hf-deepseek-v2", "explicit-shapes", "q-alone",
-        "other-table-for-k", "conjugate-table"])
+        "other-table-for-k", "conjugate-table", "qwen-image-3d-table", "qwen-image-q-alone"])
 def test_complex_product_fuses_and_matches(make, counts, captures):
     """The interleaved pairs times a complex table become the interleaved op with the table's
     real and imaginary parts: outputs and gradients equal the unfused module's, in both layouts;
