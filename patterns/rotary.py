@@ -471,8 +471,9 @@ def _as_4d(shape) -> tuple:
 
 
 def _complex_pairs(names: tuple[str, ...], real_cache: bool = False):
-    """The pairs of each tensor times a table of one entry per pair: complex and 4-D, or with
-    `real_cache` a float (.., D/2, 2) cache of (cos, sin) pairs."""
+    """The pairs of each tensor times a table of one entry per pair: complex and 4-D (or 3-D, as it
+    broadcasts: Qwen-Image's (S, 1, D/2)), or with `real_cache` a float (.., D/2, 2) cache of (cos,
+    sin) pairs."""
 
     def check(m: Match) -> str | None:
         for name in names:
