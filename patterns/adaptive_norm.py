@@ -63,6 +63,23 @@ def rms_norm_modulate_fused(x, mul, add, normalized_shape, weight, eps):
     return ops.layer_norm_modulate(x, normalized_shape, mul, add, weight, None, eps, is_rms_norm=True)
 
 
+def layer_norm_scale(x: torch.Tensor, mul: torch.Tensor, normalized_shape, weight, bias, eps):
+    """A norm scaled per sample, no shift (Lumina 2's and Z-Image's `norm(x) * scale_msa`)."""
+    return ops.layer_norm(x, normalized_shape, weight, bias, eps) * mul
+
+
+def layer_norm_scale_fused(x, mul, normalized_shape, weight, bias, eps):
+    return ops.layer_norm_modulate(x, normalized_shape, mul, None, weight, bias, eps)
+
+
+def rms_norm_scale(x: torch.Tensor, mul: torch.Tensor, normalized_shape, weight, eps):
+    return ops.rms_norm(x, normalized_shape, weight, eps) * mul
+
+
+def rms_norm_scale_fused(x, mul, normalized_shape, weight, eps):
+    return ops.layer_norm_modulate(x, normalized_shape, mul, None, weight, None, eps, is_rms_norm=True)
+
+
 def rms_norm_modulate_upcast(x: torch.Tensor, mul: torch.Tensor, add: torch.Tensor, normalized_shape, weight,
                              eps, dtype):
     return ops.rms_norm(x, normalized_shape, weight, eps).to(dtype) * mul + add
@@ -99,17 +116,22 @@ def _is_dtensor(t) -> bool:
     return isinstance(t, DTensor)
 
 
+def _modulation(m: Match) -> tuple[str, ...]:
+    """The modulation's tensors the pattern binds: mul and add, or mul alone (the scale-only forms)."""
+    return tuple(name for name in ("mul", "add") if name in m.cp.params)
+
+
 def per_sample(m: Match) -> str | None:
     """mul and add one vector per sample (not full-size tensors), the norm over x's last dim."""
     x = m.value("x")
     shape = m.value("normalized_shape")
     if not isinstance(x, torch.Tensor):
         return "the input's shape is unknown"
-    if any(_is_dtensor(m.value(name)) for name in ("x", "mul", "add")):
+    if any(_is_dtensor(m.value(name)) for name in ("x", *_modulation(m))):
         return "a DTensor (the op has no sharding rule: tensor or sequence parallelism keeps it as written)"
     if not isinstance(shape, (list, tuple)) or len(shape) != 1 or not known_equal(shape[0], x.shape[-1]):
         return f"normalized_shape {shape!r} is not the input's last dim alone"
-    for name in ("mul", "add"):
+    for name in _modulation(m):
         t = m.value(name)
         if not isinstance(t, torch.Tensor):
             return f"{name}'s shape is unknown"
@@ -124,8 +146,10 @@ def in_the_norms_dtype(m: Match) -> str | None:
     once, where the model rounds after each step in that dtype. A wider mul or add (fp32
     parameters beside fp16 activations, kept apart by the norm patterns' `*_weight_apart` forms)
     means the model rounds the norm to x's dtype before a wider product: left as written."""
-    x, mul, add = (m.value(name) for name in ("x", "mul", "add"))
-    wider = torch.promote_types(torch.promote_types(x.dtype, mul.dtype), add.dtype)
+    x = m.value("x")
+    wider = x.dtype
+    for name in _modulation(m):
+        wider = torch.promote_types(wider, m.value(name).dtype)
     if wider != x.dtype:
         return (f"the norm is rounded to {x.dtype} before a {wider} product or sum (the model's rounding, "
                 "kept as written)")
@@ -331,6 +355,13 @@ PATTERNS = (
             ("layer_norm_modulate", "layer_norm"), (per_sample, in_the_norms_dtype, needs_number("eps")),
             stage=1, quiet=True),
     Pattern("rms_norm_modulate", "rms_norm", rms_norm_modulate, rms_norm_modulate_fused,
+            ("layer_norm_modulate", "rms_norm"), (per_sample, in_the_norms_dtype, needs_number("eps")),
+            stage=1, quiet=True),
+    # after the forms with a shift: a scale alone (Lumina 2, Z-Image, Ideogram 4, Bria FIBO 2)
+    Pattern("layer_norm_modulate_scale", "layer_norm", layer_norm_scale, layer_norm_scale_fused,
+            ("layer_norm_modulate", "layer_norm"), (per_sample, in_the_norms_dtype, needs_number("eps")),
+            stage=1, quiet=True),
+    Pattern("rms_norm_modulate_scale", "rms_norm", rms_norm_scale, rms_norm_scale_fused,
             ("layer_norm_modulate", "rms_norm"), (per_sample, in_the_norms_dtype, needs_number("eps")),
             stage=1, quiet=True),
     Pattern("layer_norm_modulate_upcast", "layer_norm", layer_norm_modulate_upcast,

@@ -456,16 +456,15 @@ class RopeModel(nn.Module):
 
 ADAPTIVE = ("dit", "continuous", "commuted", "pixart", "scale_only", "shift_only", "rms_dit",
             "affine_dit", "fp32_copy",
-            # near misses: a product over tokens, a vector per token, the shift subtracted, the
-            # modulation before the norm, a 16-bit norm modulated by an fp32 product (left: the
-            # model rounds the norm first)
+            # near misses: a product over tokens, a vector per token, the shift subtracted (its
+            # scale fuses alone, as Lumina 2's), the modulation before the norm, a 16-bit norm
+            # modulated by an fp32 product (left: the model rounds the norm first)
             "gate_over_tokens", "per_token_scale", "shift_subtracted", "modulated_before_norm",
             "wider_product")
-NEAR_MISSES_ADAPTIVE = {"gate_over_tokens", "per_token_scale", "shift_subtracted",
-                        "modulated_before_norm", "wider_product"}
-# Faithful but left to PyTorch: the patterns take a product and a sum both (a scale or a shift
-# alone after a norm is no spelling the models of diffusers write).
-LEFT_ADAPTIVE = {"scale_only", "shift_only"}
+NEAR_MISSES_ADAPTIVE = {"gate_over_tokens", "per_token_scale", "modulated_before_norm", "wider_product"}
+# Faithful but left to PyTorch: a shift alone after a norm (no spelling the models of diffusers
+# write; a scale alone is Lumina 2's and Z-Image's, fused).
+LEFT_ADAPTIVE = {"shift_only"}
 COND = 12
 # How the attention's output is added back before the MLP's norm: gated per sample (either way
 # round), ungated (PixArt's cross-attention), through a gate that varies along the tokens (no

@@ -39,6 +39,8 @@ class Modulated(nn.Module):
             h = shift.unsqueeze(1) + (1 + scale.unsqueeze(1)) * h
         elif self.spelling == "pixart":  # (B, 1, N) chunks of a table plus the timestep embedding
             h = h * (1 + scale.view(-1, 1, N)) + shift.view(-1, 1, N)
+        elif self.spelling == "scale_only":  # Lumina 2's, Z-Image's: a scale, no shift
+            h = h * (1 + scale[:, None])
         elif self.spelling == "full_size_gate":  # a product over tokens: not one vector per sample
             h = h * torch.sigmoid(x) + shift[:, None]
         return self.proj(h)
@@ -63,6 +65,15 @@ def test_the_norms_own_affine_and_rms_norm(norm, family):
     assert report.counts() == available_counts({family: 1}), report.table()
     pattern = "layer_norm_modulate" if norm == "layer_norm" else "rms_norm_modulate"
     assert report.by_pattern() == {pattern: 1}, report.table()
+
+
+@pytest.mark.parametrize("capture", ["fx", "dynamo"])
+@pytest.mark.parametrize("norm", ["layer_norm", "rms_norm"])
+def test_a_norm_scaled_per_sample_without_a_shift_becomes_one_op(norm, capture):
+    """Lumina 2's and Z-Image's `norm(x) * scale` (no shift): `layer_norm_modulate` with mul alone."""
+    report = check_against_unfused(lambda: Modulated("scale_only", norm, affine=True), inputs(), capture,
+                                   train=True)
+    assert report.by_pattern() == {f"{norm}_modulate_scale": 1}, report.table()
 
 
 def test_a_product_over_tokens_is_not_a_modulation():
