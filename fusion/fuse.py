@@ -378,7 +378,7 @@ def _has_candidates(graph: fx.Graph, patterns) -> bool:
     """Whether some pattern whose op exists matches the graph's structure (filters aside: they
     need the example values only a call brings). Stage-0 and -1 patterns start from what models
     write, so they find every place a later stage could. The graph is a throwaway copy: its
-    softmaxes may lose their dtype arguments."""
+    softmaxes may lose their dtype arguments, its `type_as` calls become casts."""
     compiled = [compile_pattern(p) for p in patterns if p.stage <= 1 and all(available(op) for op in p.ops)]
     squares_as_powers(graph)  # what a float x * x becomes once example values show x's dtype
 
@@ -394,4 +394,12 @@ def _has_candidates(graph: fx.Graph, patterns) -> bool:
                  and len(n.args) == 3 and n.args[2] is not None]
     for n in softmaxes:
         n.args = (*n.args[:2], None)
-    return bool(softmaxes) and found()
+    # `y.type_as(x)` is `y.to(<x's dtype>)` once example values show x's dtype and device:
+    # without them, try it as the cast to `x.dtype` (a node, as `.to(x.dtype)` is written).
+    typed = [n for n in graph.nodes if n.op == "call_method" and n.target == "type_as" and len(n.args) == 2
+             and not n.kwargs]
+    for n in typed:
+        with graph.inserting_before(n):
+            dtype = graph.call_function(getattr, (n.args[1], "dtype"))
+        n.target, n.args = "to", (n.args[0], dtype)
+    return bool(softmaxes or typed) and found()

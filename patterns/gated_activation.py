@@ -3,7 +3,8 @@ way that saves only gate and up.
 
 Spellings (stage 0): `F.silu(gate) * up` (`nn.SiLU`, Hugging Face's SiLUActivation: Llama,
 Mistral, Qwen2, OLMo, Cohere, Phi-3), the SiLU written out as `gate * torch.sigmoid(gate) * up`,
-and `F.gelu(gate, approximate=...) * up` in both forms (`nn.GELU`, Hugging Face's GELUActivation
+the SiLU of gate's fp32 copy cast back (diffusers' FP32SiLU: Lumina 2's feed-forward), and
+`F.gelu(gate, approximate=...) * up` in both forms (`nn.GELU`, Hugging Face's GELUActivation
 and GELUTanh: Gemma's gelu_pytorch_tanh), kept as written: the exact erf form stays "gelu", the
 tanh form "gelu_tanh". Multiplications match either way round (fusion/match.py). Phi-3's
 `gate, up = gate_up_proj(x).chunk(2, dim=-1)` needs no spelling of its own: the two halves are the
@@ -35,6 +36,11 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor):
 
 def silu_written_out_mul(gate: torch.Tensor, up: torch.Tensor):
     return gate * torch.sigmoid(gate) * up
+
+
+def silu_of_fp32_copy_mul(gate: torch.Tensor, up: torch.Tensor, dtype):
+    """diffusers' FP32SiLU (Lumina 2's feed-forward): `F.silu(gate.float()).to(gate.dtype) * up`."""
+    return F.silu(gate.to(torch.float32), False).to(dtype) * up
 
 
 def silu_mul_fused(gate, up):
@@ -70,6 +76,20 @@ def gate_and_up_alike(m: Match) -> str | None:
     return None
 
 
+def cast_back_to_the_gate(m: Match) -> str | None:
+    """The SiLU of gate's fp32 copy cast back to gate's dtype: the op's SiLU, computed in fp32 as
+    the kernels compute it, its product rounded once (the model rounds the SiLU too). A gate wider
+    than fp32 would lose digits in the copy."""
+    gate, dtype = m.value("gate"), m["dtype"]
+    if not isinstance(gate, torch.Tensor):
+        return "no tensor metadata for gate"
+    if torch.promote_types(gate.dtype, torch.float32) != torch.float32:
+        return f"gate ({gate.dtype}) is wider than its fp32 copy"
+    if dtype != gate.dtype:
+        return f"the SiLU of gate's fp32 copy is cast to {dtype}, not back to gate's {gate.dtype}"
+    return None
+
+
 def known_gelu_form(m: Match) -> str | None:
     if m["approximate"] not in _GELU:
         return f"approximate is {m['approximate']!r}, not 'none' or 'tanh'"
@@ -81,6 +101,8 @@ _FILTERS = (gate_and_up_alike,)
 
 PATTERNS = (
     Pattern("silu_mul", "gated_activation", silu_mul, silu_mul_fused, _OPS, _FILTERS),
+    Pattern("silu_of_fp32_copy_mul", "gated_activation", silu_of_fp32_copy_mul, silu_mul_fused, _OPS,
+            (cast_back_to_the_gate, *_FILTERS)),
     Pattern("silu_written_out_mul", "gated_activation", silu_written_out_mul, silu_mul_fused, _OPS, _FILTERS),
     Pattern("gelu_mul", "gated_activation", gelu_mul, gelu_mul_fused, _OPS, (known_gelu_form, *_FILTERS)),
     Pattern("bias_gelu_mul", "gated_activation", bias_gelu_mul, gelu_mul_fused, ("bias_gelu", *_OPS),

@@ -226,12 +226,18 @@ def rms_norm_t5_fused(x, weight, eps, upcast):
 
 
 def rms_norm_t5_half(x: torch.Tensor, weight: torch.Tensor, eps, dtype):
-    """T5LayerNorm with a 16-bit weight: the normalized value rounds to the weight's dtype first."""
+    """T5LayerNorm with a 16-bit weight (diffusers' RMSNorm too: Flux's, SD3's, Lumina's): the
+    normalized value rounds to the weight's dtype first. With x in that dtype the weight joins the
+    norm (rounded once, as Llama's); an fp32 x keeps the model's two steps (`_weight_apart`)."""
     variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
     return weight * (x * torch.rsqrt(variance + eps)).to(dtype)
 
 
 def rms_norm_t5_half_fused(x, weight, eps, dtype):
+    return ops.rms_norm(x, weight.shape, weight, eps)
+
+
+def rms_norm_t5_half_weight_apart(x, weight, eps, dtype):
     return weight * ops.rms_norm(x, weight.shape, None, eps).to(dtype)
 
 
@@ -409,7 +415,9 @@ PATTERNS = (
     Pattern("rms_norm_t5", "rms_norm", rms_norm_t5, rms_norm_t5_fused, ("rms_norm",),
             (*_RMS_FILTERS, _fp32_weight), derive=_upcast_if_16_bit),
     Pattern("rms_norm_t5_half", "rms_norm", rms_norm_t5_half, rms_norm_t5_half_fused, ("rms_norm",),
-            (*_RMS_FILTERS, _rounds_to_half_weight)),
+            (*_RMS_FILTERS, _rounds_to_half_weight, _casts_back_to_input)),
+    Pattern("rms_norm_t5_half_weight_apart", "rms_norm", rms_norm_t5_half, rms_norm_t5_half_weight_apart,
+            ("rms_norm",), (*_RMS_FILTERS, _rounds_to_half_weight)),
     # After T5's (the same mean square of an fp32 copy, its weight in the pattern)
     Pattern("rms_norm_variance_upcast_no_weight", "rms_norm", rms_norm_variance_upcast_no_weight,
             rms_norm_variance_upcast_no_weight_fused, ("rms_norm",), (*_RMS_FILTERS, _casts_back_to_input),

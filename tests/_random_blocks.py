@@ -29,7 +29,7 @@ ATTENTIONS = ("sdpa", "sdpa_causal", "sdpa_gqa", "chain_mul", "chain_div", "chai
 # model differ in the sign of an input near 0, which the oracle rule reads as an error, 0.32 on a
 # weight's gradient in the first fp16 fuzz run; SiLU is a smooth activation no GeLU pattern takes)
 ACTIVATIONS = ("gelu", "gelu_tanh", "nn_gelu", "new_gelu_written", "erf_written", "silu", "silu_gated",
-               "silu_gated_up_silu",
+               "silu_gated_up_silu", "silu_gated_fp32_copy",
                # near misses
                "new_gelu_constant_off", "erf_sqrt2_off", "gelu_of_half")
 RESIDUALS = ("plus_dropout", "dropout_plus",
@@ -148,6 +148,8 @@ class Mlp(nn.Module):
             return self.down(F.silu(self.gate(x)) * self.up(x))
         if self.kind == "silu_gated_up_silu":  # the other operand activated: another function
             return self.down(self.gate(x) * F.silu(self.up(x)))
+        if self.kind == "silu_gated_fp32_copy":  # diffusers' FP32SiLU (Lumina 2)
+            return self.down(F.silu(self.gate(x).float()).type_as(x) * self.up(x))
         h = self.up(x)
         h = self.act(h) if self.act is not None else gelu_like(self.kind, h)
         return self.down(h)

@@ -1,9 +1,10 @@
-"""diffusers' denoisers, built from small configs (no download): the DiT, PixArt-alpha, SD3 and
-Flux transformers and the Stable Diffusion UNet. `fuse` replaces the attention, LayerNorm,
-RMSNorm (Flux's q/k norms), GeLU and residual-stream ops of their transformer blocks (diffusers'
-`Attention` with its SDPA processor, `FeedForward`'s GELU / GEGLU, `BasicTransformerBlock`'s and
-the joint blocks' norms), and the adaptive norms of the diffusion transformers (a norm times
-`1 + scale` plus `shift` per sample) become `layer_norm_modulate`; outputs and every gradient
+"""diffusers' denoisers, built from small configs (no download): the DiT, PixArt-alpha, SD3, Flux,
+Sana, CogVideoX, Wan, LTX-Video, Qwen-Image, Lumina 2 and Z-Image transformers and the Stable
+Diffusion UNet. `fuse` replaces the attention, LayerNorm, RMSNorm (Flux's q/k norms), GeLU and
+residual-stream ops of their transformer blocks (diffusers' `Attention` with its SDPA processor,
+`FeedForward`'s GELU / GEGLU, `BasicTransformerBlock`'s and the joint blocks' norms), and the
+adaptive norms of the diffusion transformers (a norm times `1 + scale` plus `shift` per sample, or
+times a scale alone: Lumina 2, Z-Image) become `layer_norm_modulate`; outputs and every gradient
 equal the unfused model's by the oracle rule.
 """
 import pytest
@@ -19,7 +20,7 @@ B, HEADS, HEAD_DIM = 2, 2, 16
 
 class Denoiser(nn.Module):
     """A training loop's call of a diffusers model, positional tensors in, the prediction out:
-    `make(model)` names the arguments (the keyword ones diffusers takes)."""
+    `call(model, *inputs)` names the arguments (the keyword ones diffusers takes)."""
 
     def __init__(self, model: nn.Module, call) -> None:
         super().__init__()
@@ -27,7 +28,8 @@ class Denoiser(nn.Module):
         self.call = call
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
-        return self.call(self.model, *inputs).sample
+        sample = self.call(self.model, *inputs).sample
+        return torch.stack(sample) if isinstance(sample, list) else sample  # Z-Image: one per image
 
 
 def dit():
@@ -161,6 +163,35 @@ def ltx():
     return Denoiser(model, call), inputs, True
 
 
+def lumina2():
+    # Lumina 2: sandwich norms scaled per sample (`norm(x) * scale`, no shift; the gate the same way
+    # on the output's norm), diffusers' FP32SiLU in its feed-forward, grouped-query attention
+    model = diffusers.Lumina2Transformer2DModel(
+        sample_size=8, patch_size=2, in_channels=4, hidden_size=32, num_layers=2, num_refiner_layers=1,
+        num_attention_heads=HEADS, num_kv_heads=1, multiple_of=16, axes_dim_rope=(4, 6, 6),
+        axes_lens=(32, 16, 16), cap_feat_dim=24)
+
+    def call(m, x, t, text, text_mask):
+        return m(x, t, encoder_hidden_states=text, encoder_attention_mask=text_mask)
+
+    inputs = (torch.randn(B, 4, 8, 8), torch.tensor([0.1, 0.5]), torch.randn(B, 7, 24),
+              torch.ones(B, 7, dtype=torch.bool))
+    return Denoiser(model, call), inputs, True
+
+
+def zimage():
+    # Z-Image: Lumina 2's block with a tanh gate, one list entry per image and per caption
+    model = diffusers.ZImageTransformer2DModel(
+        in_channels=4, dim=32, n_layers=2, n_refiner_layers=1, n_heads=HEADS, n_kv_heads=HEADS,
+        cap_feat_dim=24, axes_dims=[4, 6, 6], axes_lens=[128, 16, 16])
+
+    def call(m, x, t, text):
+        return m(list(x.unbind(0)), t, list(text.unbind(0)))
+
+    inputs = (torch.randn(B, 4, 1, 8, 8), torch.tensor([0.1, 0.5]), torch.randn(B, 7, 24))
+    return Denoiser(model, call), inputs, True
+
+
 # Per model: the replacements of one forward, per family, and how many of the norms are adaptive
 # (`layer_norm_modulate`: DiT's, SD3's, PixArt's and Flux's norms modulated per sample, the
 # final norm_out's too where it is inside a captured module). DiT, PixArt and SD3 two blocks
@@ -170,7 +201,11 @@ def ltx():
 # written (no softmax); its cross-attention fuses. Wan modulates norms of fp32 copies (in fp32
 # these are no copies; see the fp16 test below), LTX-Video diffusers' written-out RMSNorm.
 # Qwen-Image two dual-stream blocks (the image's and the text's norms, gated adds and MLPs, the
-# joint attention, the rotary on q and k of each stream).
+# joint attention, the rotary on q and k of each stream). Lumina 2 and Z-Image a modulated refiner
+# block, an unmodulated (caption) one and two main blocks, in three captures (the refiners' shapes
+# differ): per modulated block the four norms scaled per sample (the attention's input and the MLP's,
+# and the outputs' norms times their gates), the attention's gated output added into the MLP's
+# norm; per unmodulated block the outputs' norms with their residual adds; and the final norm.
 MODELS = {
     "dit": (dit, {"layer_norm": 3, "attention": 2, "bias_gelu": 2, "residual_stream": 2}, 4),
     "pixart": (pixart, {"layer_norm": 3, "attention": 4, "bias_gelu": 3, "residual_stream": 2}, 4),
@@ -183,6 +218,10 @@ MODELS = {
     "wan": (wan, {"layer_norm": 5, "rms_norm": 8, "attention": 4, "bias_gelu": 3, "dropout_add": 2,
                   "residual_stream": 2}, 4),
     "ltx": (ltx, {"layer_norm": 1, "rms_norm": 12, "attention": 4, "bias_gelu": 3, "dropout_add": 2}, 4),
+    "lumina2": (lumina2, {"layer_norm": 1, "rms_norm": 20, "attention": 4, "gated_activation": 4,
+                          "residual_stream": 5, "rotary": 4}, 13),
+    "zimage": (zimage, {"layer_norm": 1, "rms_norm": 20, "attention": 4, "gated_activation": 4,
+                        "residual_stream": 5, "rotary": 4}, 13),
     "qwenimage": (qwenimage, {"layer_norm": 5, "rms_norm": 9, "attention": 2, "bias_gelu": 4,
                               "residual_stream": 4, "rotary": 4}, 9),
 }
@@ -192,8 +231,10 @@ MODELS = {
 # attention's gated add before the MLP's norm (DiT, SD3 and Flux per joint stream; CogVideoX's
 # video and text streams), the cross-attention's ungated add (PixArt, Sana); Wan's gated add,
 # written in fp32 and cast back, before its cross-attention's plain norm (its add before the
-# modulated norm is taken by the linear's dropout-add first).
-GATED_SUMS = {"dit": 2, "pixart": 2, "sd3": 3, "flux": 2, "sana": 2, "cogvideox": 4, "wan": 2, "qwenimage": 4}
+# modulated norm is taken by the linear's dropout-add first); Lumina 2's and Z-Image's add of the
+# attention output's gated norm (itself a norm scaled by the gate) into the MLP's scaled norm.
+GATED_SUMS = {"dit": 2, "pixart": 2, "sd3": 3, "flux": 2, "sana": 2, "cogvideox": 4, "wan": 2, "qwenimage": 4,
+              "lumina2": 3, "zimage": 3}
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -203,7 +244,8 @@ def test_a_diffusers_denoiser_fuses_its_blocks(name):
     report = check_against_unfused(lambda: model, inputs, train=train)
     assert report.counts() == available_counts(counts)
     patterns = report.by_pattern()
-    assert sum(count for pattern, count in patterns.items() if pattern.endswith("norm_modulate")) == modulated
+    assert sum(count for pattern, count in patterns.items()
+               if pattern.endswith(("norm_modulate", "norm_modulate_scale"))) == modulated
     # the residual add before a modulated norm (DiT's gated `h + gate * attn_out`, PixArt's and
     # Sana's ungated cross-attention output) folded into it
     folded = sum(count for pattern, count in patterns.items()
@@ -270,3 +312,21 @@ def test_the_unets_16_bit_norms_under_cuda_autocast_feed_q_k_v_a_view_each():
     views = [r for u in report.units for c in u.unit.captures for r in c.log.replaced
              if "only autocast's matmuls read it (3, a view each)" in r.note]
     assert len(views) == 4, report.table()  # one a BasicTransformerBlock
+
+
+def test_lumina2_in_16_bits_fuses_as_in_fp32():
+    """Lumina 2 trained in 16 bits (fp16 here, bf16 on a GPU): diffusers' RMSNorm rounds the
+    normalized value to its 16-bit weight's dtype before the weight (T5's spelling), its FP32SiLU
+    takes the SiLU of an fp32 copy and casts back. The weight joins the norm and the scale joins
+    them both, as in fp32 (not the weight apart, nor the gate's product folded as a LayerScale);
+    outputs and gradients by the oracle rule."""
+    build, counts, modulated = MODELS["lumina2"]
+    model, inputs, train = build()
+    model = model.to(torch.float16 if DEVICE == "cpu" else torch.bfloat16)
+    inputs = tuple(t.to(model.model.dtype) if t.is_floating_point() else t for t in inputs)
+    report = check_against_unfused(lambda: model, inputs, train=train)
+    assert report.counts() == available_counts(counts), report.table()
+    patterns = report.by_pattern()
+    assert patterns["rms_norm_t5_half"] == 11 and patterns["silu_of_fp32_copy_mul"] == 4, report.table()
+    assert patterns["rms_norm_modulate_scale"] + patterns["layer_norm_modulate_scale"] \
+        + patterns["add_rms_norm_modulate"] == modulated, report.table()

@@ -34,6 +34,14 @@ def sigmoid_first_silu(x):
     return torch.sigmoid(x) * x
 
 
+def fp32_silu(x):  # diffusers' FP32SiLU (Lumina 2's feed-forward)
+    return F.silu(x.float()).to(x.dtype)
+
+
+def fp32_silu_type_as(x):
+    return F.silu(x.to(torch.float32)).type_as(x)
+
+
 def quick_gelu(x):  # x * sigmoid(1.702 x): not SiLU (it becomes bias_gelu's quick form)
     return x * torch.sigmoid(1.702 * x)
 
@@ -84,6 +92,8 @@ def _hf(name):
     (lambda: GatedMLP(_hf("silu")), "silu_mul"),
     (lambda: GatedMLP(Act(silu_written_out)), "silu_written_out_mul"),
     (lambda: GatedMLP(Act(sigmoid_first_silu), up_first=True), "silu_written_out_mul"),
+    (lambda: GatedMLP(Act(fp32_silu)), "silu_of_fp32_copy_mul"),
+    (lambda: GatedMLP(Act(fp32_silu_type_as), up_first=True), "silu_of_fp32_copy_mul"),
     (lambda: GatedMLP(nn.GELU()), "gelu_mul"),
     (lambda: GatedMLP(nn.GELU(approximate="tanh"), up_first=True), "gelu_mul"),
     (lambda: GatedMLP(_hf("gelu_pytorch_tanh")), "gelu_mul"),
@@ -93,12 +103,21 @@ def _hf(name):
     (lambda: ChunkedMLP(_hf("silu")), "silu_mul"),
     (lambda: ChunkedMLP(nn.GELU(approximate="tanh")), "gelu_mul"),
 ], ids=["nn.SiLU", "nn.SiLU-up-first", "F.silu", "hf-silu", "silu-written-out", "sigmoid-first-up-first",
-        "nn.GELU", "nn.GELU-tanh-up-first", "hf-gelu_pytorch_tanh", "hf-gelu", "new-gelu-written-out",
-        "erf-gelu-written-out", "phi3-chunk-silu", "chunk-gelu-tanh"])
+        "fp32-silu", "fp32-silu-type_as-up-first", "nn.GELU", "nn.GELU-tanh-up-first", "hf-gelu_pytorch_tanh",
+        "hf-gelu", "new-gelu-written-out", "erf-gelu-written-out", "phi3-chunk-silu", "chunk-gelu-tanh"])
 def test_spelling_fuses_and_matches(make, pattern, capture):
     # The oracle would catch erf <-> tanh (they differ by ~5e-4, far above fp32's bound) and SiLU
     # for either: the activation stays the one written.
     assert check_against_unfused(make, X, capture).by_pattern() == {pattern: 1}
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_the_silu_of_an_fp32_copy_in_a_16_bit_mlp_reads_the_16_bit_gate(capture):
+    """diffusers' FP32SiLU in fp16: the SiLU of the gate's fp32 copy, rounded back to fp16, times
+    up. The op reads the fp16 gate, its SiLU in fp32 as the copy's, and rounds the product once
+    (the model rounds the SiLU as well: the fused result is the closer one to float64)."""
+    report = check_against_unfused(lambda: GatedMLP(Act(fp32_silu)).half(), (X[0].half(),), capture)
+    assert report.by_pattern() == {"silu_of_fp32_copy_mul": 1}, report.table()
 
 
 @pytest.mark.parametrize("capture", CAPTURES)
@@ -204,6 +223,23 @@ def test_mixed_dtypes_are_rejected_with_a_reason(capture):
     report = trifuse.report(model)
     assert report.by_pattern() == {}
     assert any("gate has dtype torch.float32 but up torch.float64" in reason for *_, reason in report.rejected())
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("act, dtype, reason", [
+    (lambda a: F.silu(a.float()).half(), torch.float32,
+     "the SiLU of gate's fp32 copy is cast to torch.float16, not back to gate's torch.float32"),
+    (fp32_silu, torch.float64, "gate (torch.float64) is wider than its fp32 copy"),
+], ids=["cast-elsewhere", "fp64-gate"])
+def test_an_fp32_copys_silu_not_cast_back_is_left_with_a_reason(act, dtype, reason, capture):
+    """A SiLU of the copy cast to another dtype rounds where the op would not; an fp64 gate's fp32
+    copy loses digits the op would keep: both left as written."""
+    model = fuse_via(Product(act), capture)
+    a, b = torch.randn(3, N, dtype=dtype), torch.randn(3, N, dtype=dtype)
+    torch.testing.assert_close(model(a, b), act(a) * b, rtol=0, atol=0)
+    report = trifuse.report(model)
+    assert report.by_pattern() == {}
+    assert any(reason in why for *_, why in report.rejected()), report.table()
 
 
 @pytest.mark.parametrize("capture", CAPTURES)

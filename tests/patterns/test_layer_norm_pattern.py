@@ -132,7 +132,8 @@ def test_hf_rmsnorm_mixed_dtypes_keeps_the_weight_apart(capture):
     (GemmaRMSNorm, "rms_norm_in_fp32"),  # the fp32 (1 + w) joins the fp32 maths; one rounding to fp16
     (OlmoLayerNorm, "layer_norm_in_fp32"),
     (T5LayerNorm, "rms_norm_t5"),  # fp32 weight: the model returns fp32, the op normalizes an fp32 copy
-    (lambda: T5LayerNorm(dtype=torch.float16), "rms_norm_t5_half"),  # rounds to fp16, then the weight
+    # the weight in x's dtype joins the norm (rounded once, as Llama's fp16 weight)
+    (lambda: T5LayerNorm(dtype=torch.float16), "rms_norm_t5_half"),
     (CohereLayerNorm, "layer_norm_in_fp32"),
     (lambda: Gemma4RMSNorm(N), "rms_norm_in_fp32"),
     # fp32 weight and bias: the normalized value rounds to fp16, the affine promotes to fp32
@@ -144,6 +145,14 @@ def test_fp16_activations_keep_the_models_roundings(make, pattern, capture):
     x = (torch.randn(3, 5, N).half(),)
     report = check_against_unfused(make, x, capture, grads=False)
     assert report.by_pattern() == {pattern: 1}
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_t5_norm_of_fp32_activations_with_a_16_bit_weight_keeps_its_two_roundings(capture):
+    """fp32 x, fp16 weight: T5 rounds the normalized value to fp16, then multiplies by the weight
+    in fp16; the op's fp32 output would be wider. The weight stays apart, the cast with it."""
+    report = check_against_unfused(lambda: T5LayerNorm(dtype=torch.float16), X, capture)
+    assert report.by_pattern() == {"rms_norm_t5_half_weight_apart": 1}, report.table()
 
 
 @pytest.mark.parametrize("capture", CAPTURES)
