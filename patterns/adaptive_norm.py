@@ -243,6 +243,48 @@ def add_layer_norm_modulate_upcast_fused(x, residual, mul, add, normalized_shape
     return y, s
 
 
+def add_after_inactive_dropout_layer_norm_modulate(x: torch.Tensor, residual: torch.Tensor, p, training, mul,
+                                                   add, normalized_shape, weight, bias, eps, *,
+                                                   rms: bool = False):
+    """The sum as stage 1 left it: `residual + F.dropout(x, p, training)` made dropout_add."""
+    s = ops.dropout_add(x, residual, p, training, None)
+    kwargs = {"is_rms_norm": True} if rms else {}
+    return ops.layer_norm_modulate(s, normalized_shape, mul, add, weight, bias, eps, **kwargs), s
+
+
+def add_after_inactive_dropout_layer_norm_modulate_fused(x, residual, p, training, mul, add, normalized_shape,
+                                                         weight, bias, eps, *, rms: bool = False):
+    return add_layer_norm_modulate_fused(x, residual, mul, add, normalized_shape, weight, bias, eps, rms=rms)
+
+
+def add_after_inactive_dropout_layer_norm_modulate_upcast(x: torch.Tensor, residual: torch.Tensor, p,
+                                                          training, mul, add, normalized_shape, weight, bias,
+                                                          eps, dtype, *, rms: bool = False):
+    s = ops.dropout_add(x, residual, p, training, None)
+    kwargs = {"is_rms_norm": True} if rms else {}
+    return ops.layer_norm_modulate(s, normalized_shape, mul, add, weight, bias, eps, out_dtype=dtype,
+                                   **kwargs), s
+
+
+def add_after_inactive_dropout_layer_norm_modulate_upcast_fused(x, residual, p, training, mul, add,
+                                                                normalized_shape, weight, bias, eps, dtype, *,
+                                                                rms: bool = False):
+    return add_layer_norm_modulate_upcast_fused(x, residual, mul, add, normalized_shape, weight, bias, eps,
+                                                dtype, rms=rms)
+
+
+def dropout_inactive(m: Match) -> str | None:
+    """The dropout before the add an identity (p = 0, as diffusers' attention output's
+    `Dropout(0.0)`, or not training): the add alone folds into the norm. An active one keeps
+    dropout_add, whose pass draws its mask."""
+    p, training = m["p"], m["training"]
+    if not isinstance(p, (int, float)) or not isinstance(training, bool):
+        return f"the dropout's p ({p!r}) or training flag ({training!r}) is not a constant"
+    if p != 0 and training:
+        return f"the dropout before the add is active (p = {p}, training): dropout_add keeps it"
+    return None
+
+
 def sum_operands(m: Match) -> str | None:
     """x and the residual tensors of one shape and one dtype (the model rounds the product, then
     the sum, in it; the op rounds once), neither a DTensor."""
@@ -296,6 +338,7 @@ def gate_per_sample_up_to_fp32(m: Match) -> str | None:
 # dtype the model casts to: the copy's pass (write and read of 4 bytes an element) and the cast's
 # go. The copy stays where the model reads it elsewhere too (Wan's gated add before the
 # cross-attention's norm, when that is not fused; its feed-forward's gated add at the block's end).
+# With h in fp32 both casts are no-ops: dropped, so that an add before the norm folds as well.
 
 
 def layer_norm_modulate_of_fp32_copy(x: torch.Tensor, normalized_shape, mul, add, weight, bias, eps, dtype, *,
@@ -311,13 +354,13 @@ def layer_norm_modulate_of_fp32_copy_fused(x, normalized_shape, mul, add, weight
                                    out_dtype=dtype)
 
 
-def copied_from_16_bits(m: Match) -> str | None:
-    """x narrower than fp32 (the copy a real one; quiet otherwise), the modulation no wider than
-    fp32 (the op's), the cast back to a float dtype."""
+def copied_to_fp32(m: Match) -> str | None:
+    """x no wider than fp32 (an fp32 x's copy and cast back are no-ops, dropped as well: an ungated
+    add before the norm then folds in fp32 too; an fp64 x's copy would round), the modulation no
+    wider than fp32 (the op's), the cast back to a float dtype."""
     x, mul, add, dtype = m.value("x"), m.value("mul"), m.value("add"), m["dtype"]
-    if not isinstance(x, torch.Tensor) or torch.promote_types(x.dtype, torch.float32) != torch.float32 \
-            or x.dtype == torch.float32:
-        return "x is no narrower than fp32: no copy to fold"
+    if not isinstance(x, torch.Tensor) or torch.promote_types(x.dtype, torch.float32) != torch.float32:
+        return "x is wider than fp32: its fp32 copy rounds"
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         return f"the cast back is to {dtype!r}, not a float dtype"
     for name, t in (("mul", mul), ("add", add)):
@@ -327,26 +370,32 @@ def copied_from_16_bits(m: Match) -> str | None:
 
 
 OPS_CALLED = ("gated_add_layer_norm_modulate", "layer_norm_modulate")
-# (gated, upcast) -> (search, replacement); RMSNorm's forms are the same functions with rms=True
+# (sum, upcast) -> (search, replacement); RMSNorm's forms are the same functions with rms=True. The
+# sum: gated, plain, or plain after an inactive dropout (which stage 1 made dropout_add: Wan's and
+# LTX-Video's cross-attention output, `h + to_out[1](to_out[0](o))` with `Dropout(0.0)`).
 _SUM_FORMS = {
-    (True, False): (gated_add_layer_norm_modulate, gated_add_layer_norm_modulate_fused),
-    (True, True): (gated_add_layer_norm_modulate_upcast, gated_add_layer_norm_modulate_upcast_fused),
-    (False, False): (add_layer_norm_modulate, add_layer_norm_modulate_fused),
-    (False, True): (add_layer_norm_modulate_upcast, add_layer_norm_modulate_upcast_fused),
+    ("gated", False): (gated_add_layer_norm_modulate, gated_add_layer_norm_modulate_fused),
+    ("gated", True): (gated_add_layer_norm_modulate_upcast, gated_add_layer_norm_modulate_upcast_fused),
+    ("plain", False): (add_layer_norm_modulate, add_layer_norm_modulate_fused),
+    ("plain", True): (add_layer_norm_modulate_upcast, add_layer_norm_modulate_upcast_fused),
+    ("dropout", False): (add_after_inactive_dropout_layer_norm_modulate,
+                         add_after_inactive_dropout_layer_norm_modulate_fused),
+    ("dropout", True): (add_after_inactive_dropout_layer_norm_modulate_upcast,
+                        add_after_inactive_dropout_layer_norm_modulate_upcast_fused),
 }
+_SUM_FILTERS = {"gated": (sum_operands, gate_per_sample), "plain": (sum_operands,),
+                "dropout": (dropout_inactive, sum_operands)}
 
 
 def _sum_patterns() -> tuple[Pattern, ...]:
-    """The eight forms: gated or not, LayerNorm or RMSNorm, upcast or not."""
+    """The twelve forms: a gated, plain or dropout's sum, LayerNorm or RMSNorm, upcast or not."""
     forms = []
-    for gated in (True, False):
-        for upcast in (False, True):
-            for rms in (False, True):
-                search, replacement = _SUM_FORMS[gated, upcast]
-                name = search.__name__.replace("layer_norm", "rms_norm") if rms else search.__name__
-                filters = (sum_operands, gate_per_sample) if gated else (sum_operands,)
-                forms.append(Pattern(name, "residual_stream", functools.partial(search, rms=rms),
-                                     functools.partial(replacement, rms=rms), OPS_CALLED, filters, stage=2))
+    for (kind, _), (search, replacement) in _SUM_FORMS.items():
+        for rms in (False, True):
+            name = search.__name__.replace("layer_norm", "rms_norm") if rms else search.__name__
+            forms.append(Pattern(name, "residual_stream", functools.partial(search, rms=rms),
+                                 functools.partial(replacement, rms=rms), OPS_CALLED, _SUM_FILTERS[kind],
+                                 stage=2))
     return tuple(forms)
 
 
@@ -374,7 +423,7 @@ PATTERNS = (
     *(Pattern(f"fp32_copy_{norm}_modulate", norm,
               functools.partial(layer_norm_modulate_of_fp32_copy, rms=rms),
               functools.partial(layer_norm_modulate_of_fp32_copy_fused, rms=rms), ("layer_norm_modulate",),
-              (copied_from_16_bits,), stage=2, quiet=True)
+              (copied_to_fp32,), stage=2, quiet=True)
       for norm, rms in (("layer_norm", False), ("rms_norm", True))),
     *_sum_patterns(),
 )

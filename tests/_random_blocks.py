@@ -470,9 +470,10 @@ LEFT_ADAPTIVE = {"shift_only"}
 COND = 12
 # How the attention's output is added back before the MLP's norm: gated per sample (either way
 # round), ungated (PixArt's cross-attention), through a gate that varies along the tokens (no
-# gate then: the product is the summand), or broadcast from one token (a near miss: no residual
-# stream of one shape, the add stays PyTorch's).
-ADAPTIVE_RESIDUALS = ("gated", "gated_commuted", "ungated", "per_token_gate", "broadcast")
+# gate then: the product is the summand), after a Dropout(0.0) (Wan's and LTX-Video's cross-
+# attention output), or broadcast from one token (a near miss: no residual stream of one shape,
+# the add stays PyTorch's).
+ADAPTIVE_RESIDUALS = ("gated", "gated_commuted", "ungated", "per_token_gate", "after_dropout_p0", "broadcast")
 
 
 class AdaptiveBlock(nn.Module):
@@ -531,6 +532,8 @@ class AdaptiveBlock(nn.Module):
         if r == "per_token_gate":
             ramp = torch.linspace(0.5, 1.5, x.shape[1], device=x.device, dtype=x.dtype)[:, None]
             return x + gate[:, None] * ramp * h
+        if r == "after_dropout_p0":
+            return x + F.dropout(h, 0.0, self.training)
         if r == "broadcast":
             return x + h.mean(1, keepdim=True)
         raise ValueError(r)

@@ -160,9 +160,10 @@ class GatedResidual(nn.Module):
     """A DiT block's middle: the attention's output (a linear here) added to the residual stream
     through a per-sample gate, then the MLP's modulated norm; `spelling` says how the add is written."""
 
-    def __init__(self, spelling: str, norm: str = "layer_norm") -> None:
+    def __init__(self, spelling: str, norm: str = "layer_norm", p: float = 0.0) -> None:
         super().__init__()
         self.spelling = spelling
+        self.drop = nn.Dropout(p)
         if norm == "rms_norm":
             self.norm = nn.RMSNorm(N, eps=1e-6, elementwise_affine=False)
         else:
@@ -181,6 +182,8 @@ class GatedResidual(nn.Module):
             h = h + gate.view(-1, 1, N) * out
         elif self.spelling == "ungated":  # PixArt's cross-attention output
             h = h + out
+        elif self.spelling == "dropout":  # Wan's, LTX-Video's: the output's dropout right before
+            h = h + self.drop(out)
         elif self.spelling == "gate_over_tokens":  # a product varying along the rows: not a gate
             h = h + torch.sigmoid(out) * out
         elif self.spelling == "broadcast":  # one token's output added to every row
@@ -198,6 +201,30 @@ def test_the_residual_add_before_a_modulated_norm_folds_into_it(spelling, patter
     report = check_against_unfused(lambda: GatedResidual(spelling), inputs(), capture, train=True)
     assert report.counts() == available_counts({"residual_stream": 1}), report.table()
     assert report.by_pattern() == {pattern: 1}, report.table()
+
+
+@pytest.mark.parametrize("capture", ["fx", "dynamo"])
+@pytest.mark.parametrize("norm", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("p, train", [(0.0, True), (0.1, False)], ids=["p0-train", "p0.1-eval"])
+def test_an_add_after_an_inactive_dropout_folds_into_the_norm(p, train, norm, capture):
+    """`h + dropout(out)` with the dropout an identity (diffusers' `Dropout(0.0)` on an attention's
+    output, or any p in eval): stage 1 made it dropout_add; the add alone folds into the norm."""
+    report = check_against_unfused(lambda: GatedResidual("dropout", norm, p), inputs(), capture, train=train)
+    assert report.by_pattern() == {f"add_after_inactive_dropout_{norm}_modulate": 1}, report.table()
+
+
+def test_an_active_dropout_keeps_its_dropout_add():
+    """p = 0.1 in training: the dropout's mask needs dropout_add's pass (its bias folded in);
+    the norm is modulated alone, and the report says why the add stayed out."""
+    import trifuse
+    from _fusing import fuse_via
+
+    model = fuse_via(GatedResidual("dropout", p=0.1).train(), "dynamo")
+    model(*inputs())
+    report = trifuse.report(model)
+    assert report.by_pattern() == {"layer_norm_modulate": 1, "linear_dropout_add": 1}, report.table()
+    reasons = [why for *_, why in report.rejected()]
+    assert any("the add is active (p = 0.1, training)" in why for why in reasons), report.table()
 
 
 def test_rms_norm_after_a_gated_add():
