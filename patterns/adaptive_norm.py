@@ -158,13 +158,14 @@ def in_the_norms_dtype(m: Match) -> str | None:
 
 def upcast_holds_the_product(m: Match) -> str | None:
     """The norm's output widened (x's dtype to a wider float: CUDA autocast runs LayerNorm in
-    fp32 and returns fp32 for a 16-bit x) and the product and sum in that wider dtype: the op
-    computes it all in fp32 and writes y in it, where the model rounds in it after each step."""
+    fp32 and returns fp32 for a 16-bit x), or cast to x's own dtype (a no-op: CogView4's and
+    HiDream's `norm(x).to(dtype=x.dtype)`), and the product and sum in that dtype: the op computes
+    it all in fp32 and writes y in it, where the model rounds in it after each step."""
     x, mul, add, dtype = (m.value(name) for name in ("x", "mul", "add", "dtype"))
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         return f"the cast is to {dtype!r}, not a float dtype"
-    if dtype == x.dtype or torch.promote_types(x.dtype, dtype) != dtype:
-        return f"the cast from {x.dtype} to {dtype} does not widen"
+    if torch.promote_types(x.dtype, dtype) != dtype:
+        return f"the cast from {x.dtype} to {dtype} narrows"
     wider = torch.promote_types(torch.promote_types(dtype, mul.dtype), add.dtype)
     if wider != dtype:
         return f"the product or sum is wider ({wider}) than the norm's {dtype} output"

@@ -64,6 +64,13 @@ which becomes the same op with `cache[..., 0]` and `cache[..., 1]` as cos and si
 `.float()` before and the `.type_as(x)` after stay as written, as for Cohere. Filters: the reshape splits only the last dim into pairs, the flatten
 merges exactly the pair dims back, the table is complex, 4-D, D/2 wide and broadcasts over the
 heads.
+
+diffusers' `apply_rotary_emb(x, (cos, sin), use_real=True)` (Flux, Chroma, HunyuanVideo,
+CogView4, Cosmos) splits x with `reshape(...).unbind(...)` into pairs or halves, rotates them with
+`stack` or `cat`, and computes `(x.float() * cos + x_rotated.float() * sin).to(x.dtype)` with D-wide
+tables: the op with `interleaved` as the split says and `dtype=x.dtype`, q and k in one call when
+both are rotated by views of one table (`rotary_unbind_*`, below). A float64 model's `.float()`
+rounds: left as written.
 """
 import operator
 
@@ -575,6 +582,159 @@ def _upcast_and_back(names: tuple[str, ...]):
     return check
 
 
+# diffusers' `apply_rotary_emb(x, (cos, sin), use_real=True)` (Flux, Chroma, HunyuanVideo, CogVideoX,
+# HunyuanDiT: `use_real_unbind_dim=-1`, the interleaved pairs; CogView4, Cosmos, Stable Audio,
+# OmniGen: -2, the halves), cos and sin D wide and unsqueezed to (1, S, 1, D) or (1, 1, S, D):
+#
+#     x_real, x_imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
+#     x_rotated = torch.stack([-x_imag, x_real], dim=-1).flatten(3)
+#     (or x.reshape(*x.shape[:-1], 2, -1).unbind(-2) and torch.cat([-x_imag, x_real], dim=-1))
+#     out = (x.float() * cos + x_rotated.float() * sin).to(x.dtype)
+#
+# the op with `interleaved` as the pairs say and `dtype=x.dtype`: the rotation in fp32, rounded
+# once, as the model's. Called once for q and once for k, each with its own unsqueezed view of one
+# table: one call of the op when those are the same view of the same table (`_one_table`'s test).
+
+
+def _unbind_pairs_rotated(x, shape, flat):
+    pairs = x.reshape(shape).unbind(-1)
+    return torch.stack([-pairs[1], pairs[0]], dim=-1).flatten(flat)
+
+
+def _unbind_halves_rotated(x, shape):
+    halves = x.reshape(shape).unbind(-2)
+    return torch.cat([-halves[1], halves[0]], dim=-1)
+
+
+def _diffusers_formula(x, rotated, cos, sin, back):
+    return (x.to(torch.float32) * cos + rotated.to(torch.float32) * sin).to(back)
+
+
+def rotary_unbind_pairs_q_k(q: torch.Tensor, k: torch.Tensor, q_cos: torch.Tensor, q_sin: torch.Tensor,
+                            k_cos: torch.Tensor, k_sin: torch.Tensor, q_shape, k_shape, q_flat, k_flat,
+                            q_back, k_back):
+    """diffusers' apply_rotary_emb with `use_real_unbind_dim=-1` on q and on k (Flux's)."""
+    return (_diffusers_formula(q, _unbind_pairs_rotated(q, q_shape, q_flat), q_cos, q_sin, q_back),
+            _diffusers_formula(k, _unbind_pairs_rotated(k, k_shape, k_flat), k_cos, k_sin, k_back))
+
+
+def rotary_unbind_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x_shape, x_flat, x_back):
+    return _diffusers_formula(x, _unbind_pairs_rotated(x, x_shape, x_flat), cos, sin, x_back)
+
+
+def rotary_unbind_halves_q_k(q: torch.Tensor, k: torch.Tensor, q_cos: torch.Tensor, q_sin: torch.Tensor,
+                             k_cos: torch.Tensor, k_sin: torch.Tensor, q_shape, k_shape, q_back, k_back):
+    """diffusers' apply_rotary_emb with `use_real_unbind_dim=-2` on q and on k (CogView4's, Cosmos')."""
+    return (_diffusers_formula(q, _unbind_halves_rotated(q, q_shape), q_cos, q_sin, q_back),
+            _diffusers_formula(k, _unbind_halves_rotated(k, k_shape), k_cos, k_sin, k_back))
+
+
+def rotary_unbind_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x_shape, x_back):
+    return _diffusers_formula(x, _unbind_halves_rotated(x, x_shape), cos, sin, x_back)
+
+
+def _rotate_either_layout(q, k, cos, sin, positions_dim, interleaved, dtype):
+    # (B, S, H, D) tensors and (1, S, 1, D) tables go to the op as (B, H, S, D) views and back
+    if positions_dim == 1:
+        q, cos, sin = q.transpose(1, 2), cos.transpose(1, 2), sin.transpose(1, 2)
+        k = None if k is None else k.transpose(1, 2)
+    q_out, k_out = ops.rotary_embedding(q, k, cos, sin, interleaved=interleaved, dtype=dtype)
+    if positions_dim == 1:
+        q_out = q_out.transpose(1, 2)
+        k_out = None if k is None else k_out.transpose(1, 2)
+    return q_out, k_out
+
+
+def _unbind_fused(interleaved: bool, with_k: bool):
+    def fused_q_k(q, k, q_cos, q_sin, k_cos, k_sin, q_shape=None, k_shape=None, q_flat=None, k_flat=None,
+                  q_back=None, k_back=None, positions_dim=2):
+        return _rotate_either_layout(q, k, q_cos, q_sin, positions_dim, interleaved, q_back)
+
+    def fused(x, cos, sin, x_shape=None, x_flat=None, x_back=None, positions_dim=2):
+        return _rotate_either_layout(x, None, cos, sin, positions_dim, interleaved, x_back)[0]
+
+    return fused_q_k if with_k else fused
+
+
+def _unbind_split(names: tuple[str, ...], interleaved: bool):
+    """Each tensor 4-D and float (16-bit or fp32: a float64 model's `.float()` rounds), its last
+    dim split in two (into pairs, or into halves), the pairs flattened back from dim 3, cast back
+    to its own dtype; its tables 4-D, D wide, in one float dtype, one row per position on dim 1
+    or 2 and 1 on the other (the heads); with q and k, the same table for both."""
+
+    def check(m: Match) -> str | None:
+        one = len(names) == 1
+        for name in names:
+            x, back = m.value(name), m[f"{name}_back"]
+            shape = m.value(f"{name}_shape")
+            if not isinstance(x, torch.Tensor) or x.dim() != 4 \
+                    or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+                return f"{name} is not a 4-D 16-bit or fp32 tensor"
+            if back is not x.dtype:
+                return f"{name} ({x.dtype}) is rotated in fp32 and cast to {back!r}, not back to its dtype"
+            d = x.shape[-1]
+            shape = [example_value(v) for v in shape] if isinstance(shape, (tuple, list)) else shape
+            if not isinstance(shape, list) or len(shape) != 5 or any(
+                    not isinstance(v, (int, torch.SymInt)) or isinstance(v, bool) for v in shape):
+                return f"{name} is reshaped to {shape!r}, not a known 5-D shape"
+            width, two = (shape[3], shape[4]) if interleaved else (shape[4], shape[3])
+            if not (all(known_equal(a, b) for a, b in zip(shape[:3], x.shape[:3]))
+                    and (known_equal(width, -1) or known_equal(width, d // 2)) and known_equal(two, 2)
+                    and known_equal(d % 2, 0)):
+                what = "pairs" if interleaved else "halves"
+                return f"{name} {tuple(x.shape)} is reshaped to {tuple(shape)}: not its last dim in {what}"
+            if interleaved:
+                flat = m[f"{name}_flat"]
+                if not isinstance(flat, int) or isinstance(flat, bool) or flat not in (3, -2):
+                    return f"the rotated pairs of {name} are flattened from dim {flat!r}, not from 3"
+            cos, sin = (m.value(t if one else f"{name}_{t}") for t in ("cos", "sin"))
+            if not all(isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_floating_point()
+                       for t in (cos, sin)):
+                return f"{name}'s cos and sin are not 4-D float tensors"
+            if cos.dtype != sin.dtype or tuple(cos.shape) != tuple(sin.shape):
+                return (f"{name}'s cos {tuple(cos.shape)} {cos.dtype} and sin {tuple(sin.shape)} {sin.dtype} "
+                        "differ")
+            if not known_equal(cos.shape[3], d) or not (known_equal(cos.shape[0], 1)
+                                                        or known_equal(cos.shape[0], x.shape[0])):
+                return f"the table {tuple(cos.shape)} does not broadcast to {name} {tuple(x.shape)} (D wide)"
+            if _table_positions_dim(cos, x) is None:
+                return f"the table {tuple(cos.shape)} is not one row per position of {name} {tuple(x.shape)}"
+        if not one:
+            if not (_same_table(m["q_cos"], m["k_cos"]) and _same_table(m["q_sin"], m["k_sin"])):
+                return "q and k are rotated by different tables"
+            if _table_positions_dim(m.value("q_cos"), m.value("q")) != _table_positions_dim(m.value("k_cos"),
+                                                                                            m.value("k")):
+                return "q and k have their positions on different dims"
+        return None
+
+    check.__name__ = "unbind_pairs" if interleaved else "unbind_halves"
+    return check
+
+
+def _table_positions_dim(table: torch.Tensor, x: torch.Tensor) -> int | None:
+    """2 for a (B or 1, 1, S or 1, D) table, 1 for (B or 1, S or 1, 1, D); None when neither fits x."""
+    for positions, heads in ((2, 1), (1, 2)):
+        rows = table.shape[positions]
+        one_per_position = known_equal(rows, 1) or known_equal(rows, x.shape[positions])
+        if known_equal(table.shape[heads], 1) and one_per_position:
+            return positions
+    return None
+
+
+def _unbind_layout(name: str):
+    def derive(m: Match) -> dict:
+        table = m.value("cos" if name == "x" else f"{name}_cos")
+        return {"positions_dim": _table_positions_dim(table, m.value(name))}
+
+    return derive
+
+
+def _unbind_pattern(search, interleaved: bool, with_k: bool) -> Pattern:
+    names = ("q", "k") if with_k else ("x",)
+    return Pattern(search.__name__, "rotary", search, _unbind_fused(interleaved, with_k), _OPS,
+                   (_unbind_split(names, interleaved),), derive=_unbind_layout(names[0]))
+
+
 _OPS = ("rotary_embedding",)
 
 
@@ -627,6 +787,10 @@ PATTERNS = (
     _pairs_pattern(rotary_complex, complex_table=True, cast=False, with_k=False),
     _pairs_pattern(rotary_real_pairs_q_k, complex_table=False, cast=False, with_k=True),
     _pairs_pattern(rotary_real_pairs, complex_table=False, cast=False, with_k=False),
+    _unbind_pattern(rotary_unbind_pairs_q_k, interleaved=True, with_k=True),
+    _unbind_pattern(rotary_unbind_pairs, interleaved=True, with_k=False),
+    _unbind_pattern(rotary_unbind_halves_q_k, interleaved=False, with_k=True),
+    _unbind_pattern(rotary_unbind_halves, interleaved=False, with_k=False),
     Pattern("rotary_every_two_q_k", "rotary", rotary_every_two_q_k, rotary_every_two_q_k_fused, _OPS,
             (_positions_on_dim_1(("q", "k"), unsqueezed=False),)),
     Pattern("rotary_every_two", "rotary", rotary_every_two, rotary_every_two_fused, _OPS,

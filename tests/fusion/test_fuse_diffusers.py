@@ -1,6 +1,6 @@
 """diffusers' denoisers, built from small configs (no download): the DiT, PixArt-alpha, SD3, Flux,
-Sana, CogVideoX, Wan, LTX-Video, Qwen-Image, Lumina 2 and Z-Image transformers and the Stable
-Diffusion UNet. `fuse` replaces the attention, LayerNorm, RMSNorm (Flux's q/k norms), GeLU and
+Sana, CogVideoX, Wan, LTX-Video, Qwen-Image, Lumina 2, Z-Image and CogView4 transformers and the
+Stable Diffusion UNet. `fuse` replaces the attention, LayerNorm, RMSNorm (Flux's q/k norms), GeLU and
 residual-stream ops of their transformer blocks (diffusers' `Attention` with its SDPA processor,
 `FeedForward`'s GELU / GEGLU, `BasicTransformerBlock`'s and the joint blocks' norms), and the
 adaptive norms of the diffusion transformers (a norm times `1 + scale` plus `shift` per sample, or
@@ -192,10 +192,28 @@ def zimage():
     return Denoiser(model, call), inputs, True
 
 
+def cogview4():
+    # CogView4: `norm(x).to(dtype=x.dtype)` before the modulation, diffusers' rotary in halves
+    model = diffusers.CogView4Transformer2DModel(
+        patch_size=2, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=HEAD_DIM,
+        num_attention_heads=HEADS, text_embed_dim=24, time_embed_dim=16, condition_dim=8,
+        pos_embed_max_size=8, sample_size=8, rope_axes_dim=(8, 8))
+
+    def call(m, x, text, t, original_size, target_size, crop_coords):
+        return m(x, encoder_hidden_states=text, timestep=t, original_size=original_size,
+                 target_size=target_size, crop_coords=crop_coords)
+
+    sizes = torch.tensor([[64.0, 64.0]] * B)
+    inputs = (torch.randn(B, 4, 8, 8), torch.randn(B, 7, 24), torch.tensor([1, 5]), sizes, sizes.clone(),
+              torch.zeros(B, 2))
+    return Denoiser(model, call), inputs, True
+
+
 # Per model: the replacements of one forward, per family, and how many of the norms are adaptive
 # (`layer_norm_modulate`: DiT's, SD3's, PixArt's and Flux's norms modulated per sample, the
 # final norm_out's too where it is inside a captured module). DiT, PixArt and SD3 two blocks
-# (SD3's last one without its context MLP), Flux one joint and one single block, the UNet four
+# (SD3's last one without its context MLP), Flux one joint and one single block (the rotary on q
+# and k of each, diffusers' apply_rotary_emb: one call per block), the UNet four
 # BasicTransformerBlocks (one in the down path, one in the middle, two in the up path), each with
 # a self- and a cross-attention and a GEGLU, and plain norms. Sana's linear attention stays as
 # written (no softmax); its cross-attention fuses. Wan modulates norms of fp32 copies (in fp32
@@ -207,11 +225,15 @@ def zimage():
 # differ): per modulated block the four norms scaled per sample (the attention's input and the MLP's,
 # and the outputs' norms times their gates), the attention's gated output added into the MLP's
 # norm; per unmodulated block the outputs' norms with their residual adds; and the final norm.
+# CogView4 two blocks: the image's and the text's modulated norms (cast to their own dtype first),
+# gated adds and MLPs, q/k LayerNorms, and the rotary on the image tokens' slice of q and of k
+# (two calls: the slice is written back in place).
 MODELS = {
     "dit": (dit, {"layer_norm": 3, "attention": 2, "bias_gelu": 2, "residual_stream": 2}, 4),
     "pixart": (pixart, {"layer_norm": 3, "attention": 4, "bias_gelu": 3, "residual_stream": 2}, 4),
     "sd3": (sd3, {"layer_norm": 5, "attention": 2, "bias_gelu": 3, "residual_stream": 3}, 8),
-    "flux": (flux, {"layer_norm": 4, "rms_norm": 6, "attention": 2, "bias_gelu": 3, "residual_stream": 2}, 6),
+    "flux": (flux, {"layer_norm": 4, "rms_norm": 6, "attention": 2, "bias_gelu": 3, "residual_stream": 2,
+                    "rotary": 2}, 6),
     "unet": (unet, {"layer_norm": 4, "attention": 8, "gated_activation": 4, "residual_stream": 8}, 0),
     "sana": (sana, {"layer_norm": 3, "rms_norm": 1, "attention": 2, "bias_gelu": 1,
                     "gated_activation": 2, "residual_stream": 2}, 5),
@@ -222,6 +244,8 @@ MODELS = {
                           "residual_stream": 5, "rotary": 4}, 13),
     "zimage": (zimage, {"layer_norm": 1, "rms_norm": 20, "attention": 4, "gated_activation": 4,
                         "residual_stream": 5, "rotary": 4}, 13),
+    "cogview4": (cogview4, {"layer_norm": 9, "attention": 2, "bias_gelu": 4, "residual_stream": 4,
+                            "rotary": 4}, 9),
     "qwenimage": (qwenimage, {"layer_norm": 5, "rms_norm": 9, "attention": 2, "bias_gelu": 4,
                               "residual_stream": 4, "rotary": 4}, 9),
 }
@@ -234,7 +258,7 @@ MODELS = {
 # its cross-attention's plain norm; Lumina 2's and Z-Image's add of the attention output's gated
 # norm (itself a norm scaled by the gate) into the MLP's scaled norm.
 GATED_SUMS = {"dit": 2, "pixart": 2, "sd3": 3, "flux": 2, "sana": 2, "cogvideox": 4, "wan": 4, "ltx": 2,
-              "qwenimage": 4, "lumina2": 3, "zimage": 3}
+              "qwenimage": 4, "lumina2": 3, "zimage": 3, "cogview4": 4}
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

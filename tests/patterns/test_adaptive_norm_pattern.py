@@ -136,8 +136,26 @@ def test_cuda_autocasts_fp32_norm_of_a_16_bit_x_is_modulated_in_fp32(spelling):
     assert notes and all("y in float16: only autocast's matmuls read it" in n for n in notes), notes
 
 
+class CastToOwnDtype(Modulated):
+    """CogView4's and HiDream's `norm(x).to(dtype=x.dtype)` before the modulation: a no-op cast."""
+
+    def forward(self, x, cond):
+        shift, scale = self.ada(F.silu(cond)).chunk(2, dim=1)
+        h = self.norm(x).to(dtype=x.dtype)
+        return self.proj(h * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_a_norm_cast_to_its_own_dtype_is_modulated(dtype):
+    x, cond = inputs()
+    report = check_against_unfused(lambda: CastToOwnDtype("dit").to(dtype), (x.to(dtype), cond.to(dtype)),
+                                   "dynamo", train=True)
+    assert report.by_pattern() == {"layer_norm_modulate_upcast": 1}, report.table()
+
+
 def test_an_upcast_that_does_not_hold_the_product_is_left():
-    """The `*_upcast` forms take a widening cast whose dtype holds the product and the sum."""
+    """The `*_upcast` forms take a widening cast, or a cast to x's own dtype (a no-op), whose dtype
+    holds the product and the sum; not a narrowing one."""
     from types import SimpleNamespace
 
     from trifuse.patterns.adaptive_norm import upcast_holds_the_product
@@ -150,8 +168,10 @@ def test_an_upcast_that_does_not_hold_the_product_is_left():
     half, single, double = torch.float16, torch.float32, torch.float64
     assert upcast_holds_the_product(match(half, half, half, single)) is None
     assert upcast_holds_the_product(match(half, single, half, single)) is None
-    assert "does not widen" in upcast_holds_the_product(match(single, half, half, half))
-    assert "does not widen" in upcast_holds_the_product(match(single, single, single, single))
+    assert "narrows" in upcast_holds_the_product(match(single, half, half, half))
+    assert upcast_holds_the_product(match(single, single, single, single)) is None  # no-op: CogView4's
+    assert upcast_holds_the_product(match(half, half, half, half)) is None
+    assert "wider (torch.float32)" in upcast_holds_the_product(match(half, single, half, half))
     assert "wider (torch.float64)" in upcast_holds_the_product(match(half, double, half, single))
     assert "not a float dtype" in upcast_holds_the_product(match(half, half, half, torch.int32))
 

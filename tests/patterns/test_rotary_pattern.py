@@ -729,3 +729,99 @@ def test_rejected_with_reason(make, reason, capture):
     assert report.counts() == {}
     reasons = [why for _, _, pattern, why in report.rejected() if pattern in ("rotary_q_k", "rotary_interleaved_q_k")]
     assert any(reason in why for why in reasons), reasons
+
+
+# ---------------------------------------------------------------------------------------------
+# diffusers' apply_rotary_emb (use_real=True): Flux, Chroma, HunyuanVideo (pairs), CogView4, Cosmos (halves)
+# ---------------------------------------------------------------------------------------------
+
+
+def diffusers_apply_rotary_emb(x, freqs_cis, use_real_unbind_dim=-1, sequence_dim=2):
+    """diffusers' apply_rotary_emb with use_real=True, verbatim but for the branch on use_real."""
+    cos, sin = freqs_cis  # [S, D]
+    if sequence_dim == 2:
+        cos = cos[None, None, :, :]
+        sin = sin[None, None, :, :]
+    elif sequence_dim == 1:
+        cos = cos[None, :, None, :]
+        sin = sin[None, :, None, :]
+    cos, sin = cos.to(x.device), sin.to(x.device)
+    if use_real_unbind_dim == -1:
+        x_real, x_imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)  # [B, H, S, D//2]
+        x_rotated = torch.stack([-x_imag, x_real], dim=-1).flatten(3)
+    else:
+        x_real, x_imag = x.reshape(*x.shape[:-1], 2, -1).unbind(-2)  # [B, H, S, D//2]
+        x_rotated = torch.cat([-x_imag, x_real], dim=-1)
+    return (x.float() * cos + x_rotated.float() * sin).to(x.dtype)
+
+
+class DiffusersRotary(nn.Module):
+    """q and k projected, laid out (B, S, H, D) as Flux's attention (or (B, H, S, D)), rotated by
+    apply_rotary_emb each with one (S, D) table pair given as inputs (k too unless `which` is "q";
+    `k_table` "other": k rotated by another table)."""
+
+    def __init__(self, unbind: int = -1, sequence_dim: int = 1, which: str = "q_k", k_table: str = "same"):
+        super().__init__()
+        self.unbind, self.sequence_dim, self.which, self.k_table = unbind, sequence_dim, which, k_table
+        self.proj = nn.Linear(HQ * D, 2 * HQ * D)
+
+    def forward(self, x, cos, sin):
+        q, k = (t.unflatten(-1, (HQ, D)) for t in self.proj(x).chunk(2, dim=-1))
+        if self.sequence_dim == 2:
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+        q = diffusers_apply_rotary_emb(q, (cos, sin), self.unbind, self.sequence_dim)
+        if self.which == "q_k":
+            k_freqs = (cos, sin) if self.k_table == "same" else (cos.flip(0), sin.flip(0))
+            k = diffusers_apply_rotary_emb(k, k_freqs, self.unbind, self.sequence_dim)
+        return q, k
+
+
+def diffusers_tables(dtype=torch.float32):
+    angles = torch.randn(S, D // 2).repeat_interleave(2, dim=-1)  # Flux's: each angle for a pair
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+@pytest.mark.parametrize("which", ["q_k", "q"])
+@pytest.mark.parametrize("sequence_dim", [1, 2])
+@pytest.mark.parametrize("unbind, spelling", [(-1, "pairs"), (-2, "halves")])
+def test_diffusers_apply_rotary_emb_fuses_and_matches(unbind, spelling, sequence_dim, which):
+    """Either unbind, positions on dim 1 (Flux's (B, S, H, D)) or 2, q and k in one call (their
+    tables the same views of one (S, D) pair) or a tensor alone; outputs and every gradient."""
+    report = check_against_unfused(lambda: DiffusersRotary(unbind, sequence_dim, which),
+                                   (X[0], *diffusers_tables()), "dynamo")
+    name = f"rotary_unbind_{spelling}" + ("_q_k" if which == "q_k" else "")
+    assert report.by_pattern() == {name: 1}, report.table()
+
+
+@pytest.mark.parametrize("unbind", [-1, -2])
+def test_diffusers_rotary_of_16_bit_q_and_k_with_fp32_tables(unbind):
+    """Flux in bf16 (fp16 here): 16-bit q and k, fp32 tables, the rotation in fp32 cast back: the
+    op reads and writes the 16-bit tensors, rounding once as the model does."""
+    report = check_against_unfused(lambda: DiffusersRotary(unbind).half(), (X[0].half(), *diffusers_tables()),
+                                   "dynamo")
+    assert report.counts() == {"rotary": 1}, report.table()
+    model = fuse_via(DiffusersRotary(unbind).half(), "dynamo")
+    out = model(X[0].half(), *diffusers_tables())
+    assert all(o.dtype == torch.float16 for o in out)
+
+
+def test_diffusers_rotary_of_float64_q_and_k_is_left_with_a_reason():
+    """A float64 model's `.float()` rounds q and k to fp32, which the op would not: left."""
+    model = fuse_via(DiffusersRotary().double(), "dynamo")
+    model(X[0].double(), *diffusers_tables(torch.float64))
+    report = trifuse.report(model)
+    assert report.counts() == {}, report.table()
+    assert any("not a 4-D 16-bit or fp32 tensor" in why for *_, why in report.rejected()), report.table()
+
+
+def test_diffusers_rotary_of_q_and_k_by_different_tables_is_two_calls():
+    report = check_against_unfused(lambda: DiffusersRotary(k_table="other"), (X[0], *diffusers_tables()),
+                                   "dynamo")
+    assert report.by_pattern() == {"rotary_unbind_pairs": 2}, report.table()
+
+
+def test_diffusers_rotary_runs_the_op_forward_and_backward():
+    model = fuse_via(DiffusersRotary(), "dynamo")
+    x = X[0].clone().requires_grad_()
+    ran = trifuse_ops_run(lambda: sum(o.sum() for o in model(x, *diffusers_tables())).backward())
+    assert {"trifuse::rotary_embedding", "trifuse::rotary_embedding_backward"} <= ran
