@@ -361,10 +361,14 @@ def head_inputs(spec: HeadSpec, batch: int = 2, seq: int = 6,
 # Rotary position embeddings
 # ---------------------------------------------------------------------------------------------
 
-ROPES = ("halves", "halves_partial", "interleaved", "pairs_to_halves", "complex",
-         # near misses: rotate_half's sign on the wrong half, cos and sin swapped, pairs swapped
-         "halves_sign_flipped", "halves_cos_sin_swapped", "interleaved_pairs_swapped")
-NEAR_MISSES_ROPE = {"halves_sign_flipped", "halves_cos_sin_swapped", "interleaved_pairs_swapped"}
+ROPES = ("halves", "halves_partial", "interleaved", "pairs_to_halves", "complex", "diffusers_pairs",
+         "diffusers_halves",
+         # near misses: rotate_half's sign on the wrong half, cos and sin swapped, pairs swapped,
+         # diffusers' unbound pairs with the sign on the wrong one
+         "halves_sign_flipped", "halves_cos_sin_swapped", "interleaved_pairs_swapped",
+         "diffusers_pairs_sign_flipped")
+NEAR_MISSES_ROPE = {"halves_sign_flipped", "halves_cos_sin_swapped", "interleaved_pairs_swapped",
+                    "diffusers_pairs_sign_flipped"}
 
 
 def _rotate_half(x: torch.Tensor, flipped: bool = False) -> torch.Tensor:
@@ -390,7 +394,7 @@ class RopeAttention(nn.Module):
     def tables(self, s: int, d: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
         inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
         freqs = torch.arange(s, device=device, dtype=torch.float32)[:, None] * inv[None, :]  # (S, d/2)
-        if self.kind.startswith("interleaved"):
+        if self.kind.startswith(("interleaved", "diffusers_pairs")):
             emb = freqs.repeat_interleave(2, dim=-1)
         elif self.kind == "pairs_to_halves":
             emb = freqs
@@ -413,6 +417,15 @@ class RopeAttention(nn.Module):
         if kind == "pairs_to_halves":  # DeepSeek's apply_rotary_pos_emb_interleave
             x1, x2 = x[..., 0::2], x[..., 1::2]
             return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        if kind.startswith("diffusers_"):  # diffusers' apply_rotary_emb(use_real=True), each product cast
+            if kind == "diffusers_halves":
+                x_real, x_imag = x.reshape(*x.shape[:-1], 2, -1).unbind(-2)
+                rotated = torch.cat([-x_imag, x_real], dim=-1)
+            else:
+                x_real, x_imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
+                pair = [x_imag, -x_real] if kind.endswith("sign_flipped") else [-x_imag, x_real]
+                rotated = torch.stack(pair, dim=-1).flatten(3)
+            return (x.float() * cos + rotated.float() * sin).to(x.dtype)
         if kind == "complex":  # Meta's Llama reference
             xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
             return torch.view_as_real(xc * freqs).flatten(3).to(x.dtype)
