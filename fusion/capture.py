@@ -74,9 +74,31 @@ class Capture:
     # report tells what ran in a model's latest forward, and how many times.
     runs: list[int] = field(default_factory=list)
     runs_for: dict[int, list] = field(default_factory=dict)  # id -> [latest run, weakref]
+    # Dynamo's graph breaks while this was captured: what runs between its graphs runs as written
+    # (a frame with a break inside a loop runs unfused whole: Mochi's per-sample attention).
+    graph_breaks: list[str] = field(default_factory=list)
 
 
 _SERIAL = itertools.count()
+_BREAKS_SEEN: dict[str, int] = {}  # Dynamo's graph-break counts at the latest capture
+
+
+def _new_graph_breaks() -> list[str]:
+    """The graph breaks Dynamo counted since the previous call (process-wide: at a capture's
+    compile they are the ones on the way to its graph), each as its reason and explanation."""
+    counts = torch._dynamo.utils.counters["graph_break"]
+    if any(counts.get(reason, 0) < n for reason, n in _BREAKS_SEEN.items()):
+        _BREAKS_SEEN.clear()  # the counters were cleared (torch._dynamo.reset() in a test, say)
+    new = [reason for reason, n in counts.items() if n > _BREAKS_SEEN.get(reason, 0)]
+    _BREAKS_SEEN.clear()
+    _BREAKS_SEEN.update(counts)
+    described = []
+    for reason in new:
+        lines = [line.strip() for line in str(reason).splitlines() if line.strip()]
+        why = next((line.removeprefix("Explanation:").strip() for line in lines[1:]
+                    if line.startswith("Explanation:")), "")
+        described.append(f"{lines[0] if lines else reason}{': ' + why if why else ''}"[:300])
+    return described
 
 
 class Unit:
@@ -740,6 +762,7 @@ class DynamoUnit(Unit):
             self._capture = self._new_capture(mode)
             self._capture_seq = self._call_seq
         capture = self._capture
+        capture.graph_breaks += [b for b in _new_graph_breaks() if b not in capture.graph_breaks]
         with torch.no_grad():
             work, log = self._rewrite(gm, capture, None)
         fwd, key, ran = work.forward, id(log), (capture, log)

@@ -173,7 +173,7 @@ def _compiled_table(capture: Capture, runs: int) -> str:
 
 
 def _signature(c: Capture) -> tuple:
-    return (c.mode, c.error, tuple((r.pattern, r.where) for r in c.log.active),
+    return (c.mode, c.error, tuple(c.graph_breaks), tuple((r.pattern, r.where) for r in c.log.active),
             tuple((r.pattern, r.where, r.reason) for r in c.log.rejected), tuple((r.op, r.where) for r in c.log.left))
 
 
@@ -190,6 +190,8 @@ def capture_table(unit: Unit, capture: Capture, paths: str | None = None, count:
     rows += [("left", "", r.op, f"{r.where} [{r.node}]: {r.reason}") for r in capture.log.left]
     rows += [("cast once", "", "", text) for text in capture.log.shared_casts]
     rows += [("fp32 weight grad", "", "", text) for text in capture.log.fp32_weight_grads]
+    rows += [("graph break", "", "", f"{text} (what runs between its graphs runs as written)")
+             for text in capture.graph_breaks]
     if rows:
         w = [max(len(r[i]) for r in rows) for i in range(3)]
         lines += [f"    {a:<{w[0]}}  {b:<{w[1]}}  {c:<{w[2]}}  {d}" for a, b, c, d in rows]

@@ -107,6 +107,37 @@ def test_dynamo_fallback_is_detected_and_reported():
     assert "fell back to eager" in trifuse.report(model).table()
 
 
+class PerRowLoop(nn.Module):
+    """Mochi's attention processor's shape: a loop over the batch that selects each row's valid
+    tokens with `nonzero` (an output shape Dynamo cannot know): a graph break inside a loop, so
+    Dynamo runs that frame as written, its attention unfused."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+
+    def attend(self, x, mask):
+        rows = []
+        for i in range(x.shape[0]):
+            keep = mask[i].nonzero()[:, 0]
+            q = x[i:i + 1, keep]
+            rows.append(F.scaled_dot_product_attention(q, q, q))
+        return torch.cat(rows)
+
+    def forward(self, x, mask):
+        return self.attend(self.norm(x), mask)
+
+
+def test_a_graph_break_in_a_block_is_reported_with_its_reason():
+    model = nn.ModuleDict({"layers": nn.ModuleList([PerRowLoop(), PerRowLoop()])})
+    trifuse.fuse(model)
+    x, mask = torch.randn(2, 5, 8), torch.ones(2, 5, dtype=torch.bool)
+    for layer in model["layers"]:
+        x = layer(x, mask)
+    table = trifuse.report(model).table()
+    assert "graph break" in table and "nonzero" in table, table
+
+
 def test_a_block_dynamo_cannot_capture_runs_as_written_and_is_reported(monkeypatch):
     """Dynamo's own failure on a block (a TorchDynamoException, e.g. from its fake tensors) must
     not break the model: that call and every later one run the block as written, once eager has
