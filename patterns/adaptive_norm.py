@@ -80,6 +80,23 @@ def rms_norm_scale_fused(x, mul, normalized_shape, weight, eps):
     return ops.layer_norm_modulate(x, normalized_shape, mul, None, weight, None, eps, is_rms_norm=True)
 
 
+def layer_norm_shift(x: torch.Tensor, add: torch.Tensor, normalized_shape, weight, bias, eps):
+    """A norm shifted per sample, no scale (HunyuanDiT's AdaLayerNormShift: `norm(x) + shift[:, None]`)."""
+    return ops.layer_norm(x, normalized_shape, weight, bias, eps) + add
+
+
+def layer_norm_shift_fused(x, add, normalized_shape, weight, bias, eps):
+    return ops.layer_norm_modulate(x, normalized_shape, None, add, weight, bias, eps)
+
+
+def rms_norm_shift(x: torch.Tensor, add: torch.Tensor, normalized_shape, weight, eps):
+    return ops.rms_norm(x, normalized_shape, weight, eps) + add
+
+
+def rms_norm_shift_fused(x, add, normalized_shape, weight, eps):
+    return ops.layer_norm_modulate(x, normalized_shape, None, add, weight, None, eps, is_rms_norm=True)
+
+
 def rms_norm_modulate_upcast(x: torch.Tensor, mul: torch.Tensor, add: torch.Tensor, normalized_shape, weight,
                              eps, dtype):
     return ops.rms_norm(x, normalized_shape, weight, eps).to(dtype) * mul + add
@@ -117,7 +134,8 @@ def _is_dtensor(t) -> bool:
 
 
 def _modulation(m: Match) -> tuple[str, ...]:
-    """The modulation's tensors the pattern binds: mul and add, or mul alone (the scale-only forms)."""
+    """The modulation's tensors the pattern binds: mul and add, or one alone (the scale-only and
+    shift-only forms)."""
     return tuple(name for name in ("mul", "add") if name in m.cp.params)
 
 
@@ -412,6 +430,13 @@ PATTERNS = (
             ("layer_norm_modulate", "layer_norm"), (per_sample, in_the_norms_dtype, needs_number("eps")),
             stage=1, quiet=True),
     Pattern("rms_norm_modulate_scale", "rms_norm", rms_norm_scale, rms_norm_scale_fused,
+            ("layer_norm_modulate", "rms_norm"), (per_sample, in_the_norms_dtype, needs_number("eps")),
+            stage=1, quiet=True),
+    # a shift alone (HunyuanDiT's norm1); a full-size summand (a residual) is no shift: quietly left
+    Pattern("layer_norm_modulate_shift", "layer_norm", layer_norm_shift, layer_norm_shift_fused,
+            ("layer_norm_modulate", "layer_norm"), (per_sample, in_the_norms_dtype, needs_number("eps")),
+            stage=1, quiet=True),
+    Pattern("rms_norm_modulate_shift", "rms_norm", rms_norm_shift, rms_norm_shift_fused,
             ("layer_norm_modulate", "rms_norm"), (per_sample, in_the_norms_dtype, needs_number("eps")),
             stage=1, quiet=True),
     Pattern("layer_norm_modulate_upcast", "layer_norm", layer_norm_modulate_upcast,

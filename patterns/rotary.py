@@ -425,12 +425,12 @@ def rotary_real_pairs_cast(x: torch.Tensor, freqs: torch.Tensor, x_shape, x_flat
     return _pairs_times_cache(x.to(x_up), freqs, x_shape, x_flat).to(x_back)
 
 
-def _rotate_pairs(q, k, cos, sin, positions_dim, dtype=None):
+def _rotate_pairs(q, k, cos, sin, positions_dim, dtype=None, interleaved=True):
     # (B, S, H, D) tensors go to the op as (B, H, S, D) views and come back the same way.
     if positions_dim == 1:
         q, cos, sin = q.transpose(1, 2), cos.transpose(1, 2), sin.transpose(1, 2)
         k = None if k is None else k.transpose(1, 2)
-    q_out, k_out = ops.rotary_embedding(q, k, cos, sin, interleaved=True, dtype=dtype)
+    q_out, k_out = ops.rotary_embedding(q, k, cos, sin, interleaved=interleaved, dtype=dtype)
     if positions_dim == 1:
         q_out = q_out.transpose(1, 2)
         k_out = None if k is None else k_out.transpose(1, 2)
@@ -477,6 +477,16 @@ def _as_4d(shape) -> tuple:
     return (1,) * max(0, 4 - len(shape)) + tuple(shape)
 
 
+def _five_sizes(shape) -> list | str:
+    """A reshape's target as 5 sizes (a capture with symbolic sizes writes them as graph nodes:
+    their values, SymInts), or its repr when it is not 5 known sizes."""
+    sizes = [example_value(v) for v in shape] if isinstance(shape, (tuple, list)) else shape
+    if not isinstance(sizes, list) or len(sizes) != 5 or any(
+            not isinstance(v, (int, torch.SymInt)) or isinstance(v, bool) for v in sizes):
+        return repr(sizes)
+    return sizes
+
+
 def _complex_pairs(names: tuple[str, ...], real_cache: bool = False):
     """The pairs of each tensor times a table of one entry per pair: complex and 4-D (or 3-D, as it
     broadcasts: Qwen-Image's (S, 1, D/2)), or with `real_cache` a float (.., D/2, 2) cache of (cos,
@@ -490,11 +500,9 @@ def _complex_pairs(names: tuple[str, ...], real_cache: bool = False):
             if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_floating_point():
                 return f"{name} is not a 4-D float tensor"
             d = x.shape[-1]
-            # a capture with symbolic sizes writes them as graph nodes: their values (SymInts)
-            shape = [example_value(v) for v in shape] if isinstance(shape, (tuple, list)) else shape
-            if not isinstance(shape, list) or len(shape) != 5 or any(
-                    not isinstance(v, (int, torch.SymInt)) or isinstance(v, bool) for v in shape):
-                return f"{name} is reshaped to {shape!r}, not a known 5-D shape"
+            shape = _five_sizes(shape)
+            if isinstance(shape, str):
+                return f"{name} is reshaped to {shape}, not a known 5-D shape"
             if not (all(known_equal(a, b) for a, b in zip(shape[:3], x.shape[:3]))
                     and (known_equal(shape[3], -1) or known_equal(shape[3], d // 2)) and known_equal(shape[4], 2)
                     and known_equal(d % 2, 0)):
@@ -633,25 +641,13 @@ def rotary_unbind_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     return _diffusers_formula(x, _unbind_halves_rotated(x, x_shape), cos, sin, x_back)
 
 
-def _rotate_either_layout(q, k, cos, sin, positions_dim, interleaved, dtype):
-    # (B, S, H, D) tensors and (1, S, 1, D) tables go to the op as (B, H, S, D) views and back
-    if positions_dim == 1:
-        q, cos, sin = q.transpose(1, 2), cos.transpose(1, 2), sin.transpose(1, 2)
-        k = None if k is None else k.transpose(1, 2)
-    q_out, k_out = ops.rotary_embedding(q, k, cos, sin, interleaved=interleaved, dtype=dtype)
-    if positions_dim == 1:
-        q_out = q_out.transpose(1, 2)
-        k_out = None if k is None else k_out.transpose(1, 2)
-    return q_out, k_out
-
-
 def _unbind_fused(interleaved: bool, with_k: bool):
     def fused_q_k(q, k, q_cos, q_sin, k_cos, k_sin, q_shape=None, k_shape=None, q_flat=None, k_flat=None,
                   q_back=None, k_back=None, positions_dim=2):
-        return _rotate_either_layout(q, k, q_cos, q_sin, positions_dim, interleaved, q_back)
+        return _rotate_pairs(q, k, q_cos, q_sin, positions_dim, q_back, interleaved)
 
     def fused(x, cos, sin, x_shape=None, x_flat=None, x_back=None, positions_dim=2):
-        return _rotate_either_layout(x, None, cos, sin, positions_dim, interleaved, x_back)[0]
+        return _rotate_pairs(x, None, cos, sin, positions_dim, x_back, interleaved)[0]
 
     return fused_q_k if with_k else fused
 
@@ -673,10 +669,9 @@ def _unbind_split(names: tuple[str, ...], interleaved: bool):
             if back is not x.dtype:
                 return f"{name} ({x.dtype}) is rotated in fp32 and cast to {back!r}, not back to its dtype"
             d = x.shape[-1]
-            shape = [example_value(v) for v in shape] if isinstance(shape, (tuple, list)) else shape
-            if not isinstance(shape, list) or len(shape) != 5 or any(
-                    not isinstance(v, (int, torch.SymInt)) or isinstance(v, bool) for v in shape):
-                return f"{name} is reshaped to {shape!r}, not a known 5-D shape"
+            shape = _five_sizes(shape)
+            if isinstance(shape, str):
+                return f"{name} is reshaped to {shape}, not a known 5-D shape"
             width, two = (shape[3], shape[4]) if interleaved else (shape[4], shape[3])
             if not (all(known_equal(a, b) for a, b in zip(shape[:3], x.shape[:3]))
                     and (known_equal(width, -1) or known_equal(width, d // 2)) and known_equal(two, 2)

@@ -477,9 +477,9 @@ ADAPTIVE = ("dit", "continuous", "commuted", "pixart", "scale_only", "shift_only
             "gate_over_tokens", "per_token_scale", "shift_subtracted", "modulated_before_norm",
             "wider_product")
 NEAR_MISSES_ADAPTIVE = {"gate_over_tokens", "per_token_scale", "modulated_before_norm", "wider_product"}
-# Faithful but left to PyTorch: a shift alone after a norm (no spelling the models of diffusers
-# write; a scale alone is Lumina 2's and Z-Image's, fused).
-LEFT_ADAPTIVE = {"shift_only"}
+# Faithful but left to PyTorch: none now (a scale alone is Lumina 2's and Z-Image's, a shift alone
+# HunyuanDiT's: both fused).
+LEFT_ADAPTIVE: set[str] = set()
 COND = 12
 # How the attention's output is added back before the MLP's norm: gated per sample (either way
 # round), ungated (PixArt's cross-attention), through a gate that varies along the tokens (no

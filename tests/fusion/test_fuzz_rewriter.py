@@ -220,9 +220,9 @@ def test_random_adaptive_norms_fuse_to_what_they_compute(kind, capture, dtype, r
 @pytest.mark.parametrize("kind", rb.ADAPTIVE)
 def test_each_adaptive_norm_spelling(kind):
     """Faithful spellings become `layer_norm_modulate` (both norms of both blocks: the Dynamo host
-    captures the model whole), a scale alone too (the shift subtracted: its scale fuses, the
-    subtraction stays); with the near misses whatever fuse does, the answer is the unfused model's,
-    and no modulation is fused (the norms alone may be); nor is a shift alone."""
+    captures the model whole), a scale alone and a shift alone too (the shift subtracted: its scale
+    fuses, the subtraction stays); with the near misses whatever fuse does, the answer is the
+    unfused model's, and no modulation is fused (the norms alone may be)."""
     # (in fp32 no wider product, and the copy no copy)
     dtype = torch.float16 if kind in ("wider_product", "fp32_copy") else torch.float32
 

@@ -41,6 +41,8 @@ class Modulated(nn.Module):
             h = h * (1 + scale.view(-1, 1, N)) + shift.view(-1, 1, N)
         elif self.spelling == "scale_only":  # Lumina 2's, Z-Image's: a scale, no shift
             h = h * (1 + scale[:, None])
+        elif self.spelling == "shift_only":  # HunyuanDiT's AdaLayerNormShift: a shift, no scale
+            h = h + shift.unsqueeze(dim=1)
         elif self.spelling == "full_size_gate":  # a product over tokens: not one vector per sample
             h = h * torch.sigmoid(x) + shift[:, None]
         return self.proj(h)
@@ -74,6 +76,32 @@ def test_a_norm_scaled_per_sample_without_a_shift_becomes_one_op(norm, capture):
     report = check_against_unfused(lambda: Modulated("scale_only", norm, affine=True), inputs(), capture,
                                    train=True)
     assert report.by_pattern() == {f"{norm}_modulate_scale": 1}, report.table()
+
+
+@pytest.mark.parametrize("capture", ["fx", "dynamo"])
+@pytest.mark.parametrize("norm", ["layer_norm", "rms_norm"])
+def test_a_norm_shifted_per_sample_without_a_scale_becomes_one_op(norm, capture):
+    """HunyuanDiT's `norm(x) + shift.unsqueeze(1)` (no scale): `layer_norm_modulate` with add alone."""
+    report = check_against_unfused(lambda: Modulated("shift_only", norm, affine=True), inputs(), capture,
+                                   train=True)
+    assert report.by_pattern() == {f"{norm}_modulate_shift": 1}, report.table()
+
+
+def test_a_residual_added_after_a_norm_is_no_shift():
+    """`norm(x) + x`: a full-size summand, not one vector per sample (negative control): the norm
+    is fused alone."""
+    report = check_against_unfused(lambda: NormPlusInput(), inputs(), "dynamo", train=True)
+    assert "modulate" not in str(report.by_pattern()), report.table()
+
+
+class NormPlusInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(N, elementwise_affine=False)
+        self.proj = nn.Linear(N, N)
+
+    def forward(self, x, cond):
+        return self.proj(self.norm(x) + x)
 
 
 def test_a_product_over_tokens_is_not_a_modulation():
