@@ -418,27 +418,22 @@ def _sum_patterns() -> tuple[Pattern, ...]:
     return tuple(forms)
 
 
+def _own_dtype_form(name: str, family: str, search, replacement) -> Pattern:
+    """A stage-1 modulation in the norm's own dtype: one vector per sample, no wider than x. Quiet:
+    most products and sums after a norm are no modulation."""
+    return Pattern(name, family, search, replacement, ("layer_norm_modulate", family),
+                   (per_sample, in_the_norms_dtype, needs_number("eps")), stage=1, quiet=True)
+
+
 PATTERNS = (
-    Pattern("layer_norm_modulate", "layer_norm", layer_norm_modulate, layer_norm_modulate_fused,
-            ("layer_norm_modulate", "layer_norm"), (per_sample, in_the_norms_dtype, needs_number("eps")),
-            stage=1, quiet=True),
-    Pattern("rms_norm_modulate", "rms_norm", rms_norm_modulate, rms_norm_modulate_fused,
-            ("layer_norm_modulate", "rms_norm"), (per_sample, in_the_norms_dtype, needs_number("eps")),
-            stage=1, quiet=True),
+    _own_dtype_form("layer_norm_modulate", "layer_norm", layer_norm_modulate, layer_norm_modulate_fused),
+    _own_dtype_form("rms_norm_modulate", "rms_norm", rms_norm_modulate, rms_norm_modulate_fused),
     # after the forms with a shift: a scale alone (Lumina 2, Z-Image, Ideogram 4, Bria FIBO 2)
-    Pattern("layer_norm_modulate_scale", "layer_norm", layer_norm_scale, layer_norm_scale_fused,
-            ("layer_norm_modulate", "layer_norm"), (per_sample, in_the_norms_dtype, needs_number("eps")),
-            stage=1, quiet=True),
-    Pattern("rms_norm_modulate_scale", "rms_norm", rms_norm_scale, rms_norm_scale_fused,
-            ("layer_norm_modulate", "rms_norm"), (per_sample, in_the_norms_dtype, needs_number("eps")),
-            stage=1, quiet=True),
+    _own_dtype_form("layer_norm_modulate_scale", "layer_norm", layer_norm_scale, layer_norm_scale_fused),
+    _own_dtype_form("rms_norm_modulate_scale", "rms_norm", rms_norm_scale, rms_norm_scale_fused),
     # a shift alone (HunyuanDiT's norm1); a full-size summand (a residual) is no shift: quietly left
-    Pattern("layer_norm_modulate_shift", "layer_norm", layer_norm_shift, layer_norm_shift_fused,
-            ("layer_norm_modulate", "layer_norm"), (per_sample, in_the_norms_dtype, needs_number("eps")),
-            stage=1, quiet=True),
-    Pattern("rms_norm_modulate_shift", "rms_norm", rms_norm_shift, rms_norm_shift_fused,
-            ("layer_norm_modulate", "rms_norm"), (per_sample, in_the_norms_dtype, needs_number("eps")),
-            stage=1, quiet=True),
+    _own_dtype_form("layer_norm_modulate_shift", "layer_norm", layer_norm_shift, layer_norm_shift_fused),
+    _own_dtype_form("rms_norm_modulate_shift", "rms_norm", rms_norm_shift, rms_norm_shift_fused),
     Pattern("layer_norm_modulate_upcast", "layer_norm", layer_norm_modulate_upcast,
             layer_norm_modulate_upcast_fused, ("layer_norm_modulate", "layer_norm"),
             (per_sample, upcast_holds_the_product, needs_number("eps")), stage=1, quiet=True),

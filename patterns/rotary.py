@@ -70,7 +70,8 @@ CogView4, Cosmos) splits x with `reshape(...).unbind(...)` into pairs or halves,
 `stack` or `cat`, and computes `(x.float() * cos + x_rotated.float() * sin).to(x.dtype)` with D-wide
 tables: the op with `interleaved` as the split says and `dtype=x.dtype`, q and k in one call when
 both are rotated by views of one table (`rotary_unbind_*`, below). A float64 model's `.float()`
-rounds: left as written.
+rounds: left as written. Allegro's rotate-half with each product's operand cast the same way,
+`(x.float() * cos + rotate_half(x).float() * sin).to(x.dtype)`, is `rotary_cast_each`.
 """
 import operator
 
@@ -137,6 +138,37 @@ def rotary_cast_q_k_fused(q, k, cos, sin, q_start=None, q_end=None, k_start=None
                           k_up=None, q_back=None, k_back=None, dtype=None, seq_heads=False):
     out = _rotate_half_op(q, k, cos, sin, dtype=dtype, seq_heads=seq_heads)
     return out[0], out[1]
+
+
+_FP32_OR_NARROWER = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def rotary_cast_each(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x_start, x_end, dim, x_back):
+    """A tensor rotated with each product's operand upcast, then cast back (diffusers' Allegro:
+    `(x.float() * cos + rotate_half(x).float() * sin).to(x.dtype)`)."""
+    rotated = torch.cat((-x[..., x_start:], x[..., :x_end]), dim=dim)
+    return (x.to(torch.float32) * cos + rotated.to(torch.float32) * sin).to(x_back)
+
+
+def rotary_cast_each_fused(x, cos, sin, x_start=None, x_end=None, dim=None, x_back=None, seq_heads=False):
+    return _rotate_half_op(x, None, cos, sin, dtype=x_back, seq_heads=seq_heads)[0]
+
+
+def _cast_back_to_its_dtype(names: tuple[str, ...]):
+    """Each tensor 16-bit or fp32 (a float64 model's `.float()` rounds), rotated in fp32 and cast
+    back to its own dtype."""
+
+    def check(m: Match) -> str | None:
+        for name in names:
+            x, back = m.value(name), m[f"{name}_back"]
+            if not isinstance(x, torch.Tensor) or x.dtype not in _FP32_OR_NARROWER:
+                return f"{name} is not a 16-bit or fp32 tensor"
+            if back is not x.dtype:
+                return f"{name} ({x.dtype}) is rotated in fp32 and cast to {back!r}, not back to its dtype"
+        return None
+
+    check.__name__ = "cast_back_to_its_dtype"
+    return check
 
 
 def _rotates_half_of_last_dim(names: tuple[str, ...]):
@@ -763,6 +795,9 @@ PATTERNS = (
             (_rotates_half_of_last_dim(("q", "k")), _cos_sin_layout), derive=_seq_heads),
     Pattern("rotary", "rotary", rotary, rotary_fused, _OPS,
             (_rotates_half_of_last_dim(("x",)), _cos_sin_layout), derive=_seq_heads),
+    Pattern("rotary_cast_each", "rotary", rotary_cast_each, rotary_cast_each_fused, _OPS,
+            (_rotates_half_of_last_dim(("x",)), _cos_sin_layout, _cast_back_to_its_dtype(("x",))),
+            derive=_seq_heads),
     Pattern("rotary_interleaved_cast_q_k", "rotary", rotary_interleaved_cast_q_k, rotary_interleaved_cast_q_k_fused,
             _OPS, (_pairs_last_dim(("q", "k")), _cos_sin_are_4d, _upcast_and_back(("q", "k"))), derive=_q_dtype),
     Pattern("rotary_interleaved_q_k", "rotary", rotary_interleaved_q_k, rotary_interleaved_q_k_fused, _OPS,

@@ -71,20 +71,13 @@ def test_the_norms_own_affine_and_rms_norm(norm, family):
 
 @pytest.mark.parametrize("capture", ["fx", "dynamo"])
 @pytest.mark.parametrize("norm", ["layer_norm", "rms_norm"])
-def test_a_norm_scaled_per_sample_without_a_shift_becomes_one_op(norm, capture):
-    """Lumina 2's and Z-Image's `norm(x) * scale` (no shift): `layer_norm_modulate` with mul alone."""
-    report = check_against_unfused(lambda: Modulated("scale_only", norm, affine=True), inputs(), capture,
+@pytest.mark.parametrize("spelling, form", [("scale_only", "scale"), ("shift_only", "shift")])
+def test_a_norm_scaled_or_shifted_alone_becomes_one_op(spelling, form, norm, capture):
+    """Lumina 2's and Z-Image's `norm(x) * scale` (no shift), HunyuanDiT's `norm(x) +
+    shift.unsqueeze(1)` (no scale): `layer_norm_modulate` with mul or add alone."""
+    report = check_against_unfused(lambda: Modulated(spelling, norm, affine=True), inputs(), capture,
                                    train=True)
-    assert report.by_pattern() == {f"{norm}_modulate_scale": 1}, report.table()
-
-
-@pytest.mark.parametrize("capture", ["fx", "dynamo"])
-@pytest.mark.parametrize("norm", ["layer_norm", "rms_norm"])
-def test_a_norm_shifted_per_sample_without_a_scale_becomes_one_op(norm, capture):
-    """HunyuanDiT's `norm(x) + shift.unsqueeze(1)` (no scale): `layer_norm_modulate` with add alone."""
-    report = check_against_unfused(lambda: Modulated("shift_only", norm, affine=True), inputs(), capture,
-                                   train=True)
-    assert report.by_pattern() == {f"{norm}_modulate_shift": 1}, report.table()
+    assert report.by_pattern() == {f"{norm}_modulate_{form}": 1}, report.table()
 
 
 def test_a_residual_added_after_a_norm_is_no_shift():

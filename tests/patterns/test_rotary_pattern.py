@@ -825,3 +825,55 @@ def test_diffusers_rotary_runs_the_op_forward_and_backward():
     x = X[0].clone().requires_grad_()
     ran = trifuse_ops_run(lambda: sum(o.sum() for o in model(x, *diffusers_tables())).backward())
     assert {"trifuse::rotary_embedding", "trifuse::rotary_embedding_backward"} <= ran
+
+
+def allegro_apply_rotary_emb(x, freqs_cis, positions):
+    """diffusers' apply_rotary_emb_allegro: rotate-half on each third of the head, its tables
+    gathered per position, each product's operand upcast and the sum cast back."""
+    def apply_1d_rope(tokens, pos, cos, sin):
+        cos = F.embedding(pos, cos)[:, None, :, :]
+        sin = F.embedding(pos, sin)[:, None, :, :]
+        x1, x2 = tokens[..., : tokens.shape[-1] // 2], tokens[..., tokens.shape[-1] // 2 :]
+        tokens_rotated = torch.cat((-x2, x1), dim=-1)
+        return (tokens.float() * cos + tokens_rotated.float() * sin).to(tokens.dtype)
+
+    (t_cos, t_sin), (h_cos, h_sin), (w_cos, w_sin) = freqs_cis
+    t, h, w = x.chunk(3, dim=-1)
+    t = apply_1d_rope(t, positions[0], t_cos, t_sin)
+    h = apply_1d_rope(h, positions[1], h_cos, h_sin)
+    w = apply_1d_rope(w, positions[2], w_cos, w_sin)
+    return torch.cat([t, h, w], dim=-1)
+
+
+class AllegroRotary(nn.Module):
+    """q and k (B, H, S, 24) rotated by Allegro's three 1-D rotaries (one table pair for all three)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(2 * 24, 4 * 24)
+
+    def forward(self, x, cos, sin, positions):
+        q, k = (t.unflatten(-1, (2, 24)).transpose(1, 2) for t in self.proj(x).chunk(2, dim=-1))
+        freqs, pos = ((cos, sin),) * 3, (positions,) * 3
+        return allegro_apply_rotary_emb(q, freqs, pos), allegro_apply_rotary_emb(k, freqs, pos)
+
+
+def allegro_inputs(dtype=torch.float32):
+    angles = torch.randn(S, 4).repeat(1, 2)  # rotate-half tables for an 8-wide third of the head
+    return (torch.randn(B, S, 2 * 24).to(dtype), angles.cos(), angles.sin(), torch.arange(S).repeat(B, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_allegros_rotary_with_each_product_cast_fuses(dtype):
+    """Six rotations (three thirds of q and of k), each the op reading and writing x's dtype."""
+    report = check_against_unfused(lambda: AllegroRotary().to(dtype), allegro_inputs(dtype), "dynamo")
+    assert report.by_pattern() == {"rotary_cast_each": 6}, report.table()
+
+
+def test_allegros_rotary_of_float64_q_and_k_is_left_with_a_reason():
+    model = fuse_via(AllegroRotary().double(), "dynamo")
+    x, cos, sin, positions = allegro_inputs(torch.float64)
+    model(x, cos.double(), sin.double(), positions)
+    report = trifuse.report(model)
+    assert report.counts() == {}, report.table()
+    assert any("is not a 16-bit or fp32 tensor" in why for *_, why in report.rejected()), report.table()
