@@ -225,6 +225,13 @@ def rms_norm_t5_fused(x, weight, eps, upcast):
     return ops.rms_norm(x.to(torch.float32) if upcast else x, weight.shape, weight, eps)
 
 
+def rms_norm_t5_cast_back(x: torch.Tensor, weight: torch.Tensor, eps, dtype):
+    """T5's form with the cast back after the weight (diffusers' MochiRMSNorm): a 16-bit weight
+    joins the fp32 product exactly, so the model rounds once, as the op does."""
+    variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    return (weight * (x * torch.rsqrt(variance + eps))).to(dtype)
+
+
 def rms_norm_t5_half(x: torch.Tensor, weight: torch.Tensor, eps, dtype):
     """T5LayerNorm with a 16-bit weight (diffusers' RMSNorm too: Flux's, SD3's, Lumina's): the
     normalized value rounds to the weight's dtype first. With x in that dtype the weight joins the
@@ -412,6 +419,9 @@ PATTERNS = (
             rms_norm_no_weight_fused, ("rms_norm",), _RMS_FILTERS, derive=_last_dim),
     Pattern("rms_norm_div_sqrt_no_weight", "rms_norm", rms_norm_div_sqrt_no_weight, rms_norm_no_weight_fused,
             ("rms_norm",), _RMS_FILTERS, derive=_last_dim),
+    # Before T5's, whose match would leave the cast back apart
+    Pattern("rms_norm_t5_cast_back", "rms_norm", rms_norm_t5_cast_back, rms_norm_t5_half_fused, ("rms_norm",),
+            (*_RMS_FILTERS, _casts_back_to_input, _params_fp32_or_like_input)),
     Pattern("rms_norm_t5", "rms_norm", rms_norm_t5, rms_norm_t5_fused, ("rms_norm",),
             (*_RMS_FILTERS, _fp32_weight), derive=_upcast_if_16_bit),
     Pattern("rms_norm_t5_half", "rms_norm", rms_norm_t5_half, rms_norm_t5_half_fused, ("rms_norm",),

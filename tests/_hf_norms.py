@@ -53,6 +53,21 @@ class OlmoLayerNorm(nn.Module):
                             eps=1e-5).to(orig_dtype)
 
 
+class MochiRMSNorm(nn.Module):
+    """diffusers' MochiRMSNorm: T5's fp32 variance, the weight in the fp32 product, one cast back."""
+
+    def __init__(self, dim=N, eps=1e-6, dtype=torch.float32):
+        super().__init__()
+        self.weight = nn.Parameter((torch.ones(dim) + 0.1 * torch.randn(dim)).to(dtype))
+        self.eps = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        variance = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.eps)
+        return (hidden_states * self.weight).to(input_dtype)
+
+
 class T5LayerNorm(nn.Module):
     """transformers' T5LayerNorm, verbatim: x scaled as it is by an fp32 variance, weight first."""
 

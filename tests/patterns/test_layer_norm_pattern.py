@@ -10,6 +10,7 @@ from _hf_norms import (
     CohereLayerNorm,
     GemmaRMSNorm,
     HFRMSNorm,
+    MochiRMSNorm,
     OlmoLayerNorm,
     T5LayerNorm,
 )
@@ -92,6 +93,7 @@ class HandRMSNorm(nn.Module):
     (GemmaRMSNorm, "rms_norm_in_fp32"),
     (OlmoLayerNorm, "layer_norm_in_fp32"),
     (T5LayerNorm, "rms_norm_t5"),
+    (MochiRMSNorm, "rms_norm_t5_cast_back"),
     (CohereLayerNorm, "layer_norm_in_fp32"),  # written out on an fp32 copy: spelling, then the copy goes
     (CentredOnceLayerNorm, "layer_norm_written_out_centred_once"),
     # transformers' own Gemma 4 norm: pow(ms, -0.5) on an fp32 copy, with a weight or none
@@ -100,9 +102,9 @@ class HandRMSNorm(nn.Module):
     (NanoChatRMSNorm, "rms_norm_in_fp32"),  # no weight, rsqrt, on an fp32 copy
     (deberta_layer_norm, "layer_norm_upcast_div_sqrt"),
 ], ids=["nn.LayerNorm", "nn.LayerNorm-no-affine", "F.layer_norm-kwargs", "torch.layer_norm", "nn.RMSNorm",
-        "hf-rmsnorm", "written-out-rmsnorm", "gemma-rmsnorm", "olmo-layernorm", "t5-layernorm", "cohere-layernorm",
-        "written-out-layernorm-centred-once", "gemma4-rmsnorm", "gemma4-rmsnorm-no-scale", "nanochat-rmsnorm",
-        "deberta-layernorm"])
+        "hf-rmsnorm", "written-out-rmsnorm", "gemma-rmsnorm", "olmo-layernorm", "t5-layernorm",
+        "mochi-rmsnorm", "cohere-layernorm", "written-out-layernorm-centred-once", "gemma4-rmsnorm",
+        "gemma4-rmsnorm-no-scale", "nanochat-rmsnorm", "deberta-layernorm"])
 def test_spelling_fuses_and_matches(make, pattern, capture):
     report = check_against_unfused(make, X, capture)
     assert report.by_pattern() == {pattern: 1}
@@ -134,13 +136,16 @@ def test_hf_rmsnorm_mixed_dtypes_keeps_the_weight_apart(capture):
     (T5LayerNorm, "rms_norm_t5"),  # fp32 weight: the model returns fp32, the op normalizes an fp32 copy
     # the weight in x's dtype joins the norm (rounded once, as Llama's fp16 weight)
     (lambda: T5LayerNorm(dtype=torch.float16), "rms_norm_t5_half"),
+    # the weight, fp32 or fp16, joins the fp32 product before the one cast back
+    (MochiRMSNorm, "rms_norm_t5_cast_back"),
+    (lambda: MochiRMSNorm(dtype=torch.float16), "rms_norm_t5_cast_back"),
     (CohereLayerNorm, "layer_norm_in_fp32"),
     (lambda: Gemma4RMSNorm(N), "rms_norm_in_fp32"),
     # fp32 weight and bias: the normalized value rounds to fp16, the affine promotes to fp32
     (deberta_layer_norm, "layer_norm_upcast_div_sqrt_weight_apart"),
     (lambda: deberta_layer_norm(torch.float16), "layer_norm_upcast_div_sqrt"),  # fp16 parameters join
-], ids=["gemma", "olmo", "t5-fp32-weight", "t5-fp16-weight", "cohere", "gemma4", "deberta-fp32-params",
-        "deberta-fp16-params"])
+], ids=["gemma", "olmo", "t5-fp32-weight", "t5-fp16-weight", "mochi-fp32-weight", "mochi-fp16-weight",
+        "cohere", "gemma4", "deberta-fp32-params", "deberta-fp16-params"])
 def test_fp16_activations_keep_the_models_roundings(make, pattern, capture):
     x = (torch.randn(3, 5, N).half(),)
     report = check_against_unfused(make, x, capture, grads=False)
@@ -332,6 +337,15 @@ def test_eps_from_a_tensor_is_rejected_with_a_reason(capture):
     report = check_against_unfused(EpsTensorRMSNorm, X, capture)
     assert report.by_pattern() == {}
     assert any("eps" in reason and "not a number" in reason for *_, reason in report.rejected())
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_mochi_norm_with_a_float64_weight_keeps_its_float64_product(capture):
+    """An fp64 weight makes the model's product fp64 before the cast back: not the op's fp32 maths."""
+    report = check_against_unfused(lambda: MochiRMSNorm(dtype=torch.float64), X, capture)
+    assert report.by_pattern() == {}
+    assert any(pattern == "rms_norm_t5_cast_back" and "float64" in reason
+               for _, _, pattern, reason in report.rejected()), report.table()
 
 
 class QuarterPowerNorm(nn.Module):
