@@ -33,6 +33,9 @@ rewrites, in place:
   where the sum promotes (16-bit scores and an fp32 bias under autocast: what the update stores); and
   `a.masked_fill_(mask, v)` on a fresh intermediate read only after it -> `a.masked_fill(mask, v)`
   (ldm's CrossAttention), its later readers reading the filled tensor.
+- `out = torch.empty_like(x); out[..., 0::2] = a; out[..., 1::2] = b`, out read by nothing
+  before both writes (Wan's rotary) -> `torch.stack([a, b], -1).flatten(-2)`, each half cast to
+  out's dtype where the write would cast it.
 - `y.expand_as(x)` -> `y.expand(<x's shape>)` (likewise `view_as`, `reshape_as`) in Dynamo graphs,
   where x's shape is static (guarded).
 - `torch.softmax(x.to(dtype), dim)` -> `torch.softmax(x, dim, dtype)` (softmax casts its input to
@@ -190,6 +193,7 @@ def canonicalize_graph(graph: fx.Graph, root: torch.nn.Module | None = None) -> 
     _baddbmm_over_zeros(graph)
     _static_shapes_as(graph)
     _out_of_place_updates(graph)
+    _interleaved_writes(graph)
     _softmax_of_casts(graph)
     _window_mask_views(graph)
     _view_round_trips(graph)
@@ -637,6 +641,58 @@ def _out_of_place_masked_fills(graph: fx.Graph) -> None:
         node.target = "masked_fill"
         for user in [u for u in a.users if order[u] > order[node]]:
             user.replace_input_with(a, node)
+
+
+_EVEN = ((Ellipsis, slice(0, None, 2)), (Ellipsis, slice(None, None, 2)))
+_ODD = ((Ellipsis, slice(1, None, 2)),)
+
+
+def _interleaved_writes(graph: fx.Graph) -> None:
+    """`out = torch.empty_like(x); out[..., 0::2] = a; out[..., 1::2] = b` (Wan's rotary, Sana-Video's)
+    -> `torch.stack([a, b], -1).flatten(-2)`, each cast to out's dtype as the writes cast: every
+    element written once, the same values and gradients, so patterns written functionally match.
+    Only where nothing reads out before both writes and a and b have the slices' shape (no
+    broadcast). Needs example values; without them the writes stay."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for out in list(graph.nodes):
+        if out.op != "call_function" or out.target is not torch.empty_like or len(out.args) != 1 \
+                or out.kwargs:
+            continue
+        writes = [u for u in out.users if u.op == "call_function" and u.target is operator.setitem]
+        if len(writes) != 2 or any(len(w.args) != 3 or w.kwargs or w.args[0] is not out for w in writes):
+            continue
+        even = next((w for w in writes if w.args[1] in _EVEN), None)
+        odd = next((w for w in writes if w.args[1] in _ODD), None)
+        if even is None or odd is None:
+            continue
+        last = max(writes, key=order.__getitem__)
+        if any(order[u] < order[last] for u in out.users if u not in writes):
+            continue
+        a, b = even.args[2], odd.args[2]
+        vo, va, vb = _value(out), _value(a), _value(b)
+        if not all(isinstance(v, torch.Tensor) for v in (vo, va, vb)) or va.shape != vb.shape \
+                or vo.dim() != va.dim() or vo.shape[:-1] != va.shape[:-1] or vo.shape[-1] != 2 * va.shape[-1]:
+            continue
+        key = "val" if "val" in out.meta else "example_value"
+        halves = []
+        with graph.inserting_before(last.next):  # in this order, after both writes
+            for half, value in ((a, va), (b, vb)):
+                if value.dtype != vo.dtype:
+                    half = graph.call_method("to", (half, vo.dtype))
+                    half.meta[key] = value.to(vo.dtype)
+                halves.append(half)
+            stacked = graph.call_function(torch.stack, (halves, -1))
+            stacked.meta[key] = torch.stack([va.to(vo.dtype), vb.to(vo.dtype)], -1)
+            flat = graph.call_method("flatten", (stacked, -2))
+            flat.meta[key] = vo
+        canonicalize_node(stacked)
+        _method(flat)
+        for user in [u for u in out.users if u not in writes]:
+            user.replace_input_with(out, flat)
+        for w in writes:
+            graph.erase_node(w)
+        graph.erase_node(out)
+        order = {n: i for i, n in enumerate(graph.nodes)}
 
 
 # Methods that read only the shape, dtype or device of their argument at this position (XLM's

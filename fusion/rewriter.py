@@ -25,6 +25,7 @@ op of interest no pattern took. Last, under autocast, a fused norm whose output 
 matmuls read writes it in their dtype, and a replacement's output that was cast back to fp32 for
 one such matmul alone reaches it uncast (narrow.py).
 """
+import functools
 import operator
 import re
 from collections import Counter
@@ -313,7 +314,8 @@ def _shape_stand_ins(m: Match) -> dict[fx.Node, fx.Node] | str:
     """{intermediate: pattern input of the same shape} for the matched intermediates whose only
     users outside the pattern read their shape (`size()`, `dim()`, `numel()`), or why a use
     outside the pattern blocks the rewrite. A matched upcast of a pattern input read outside too
-    (Wan's `h.float()`, its sum's and its norm's) is kept for those readers (`m.kept`)."""
+    (Wan's `h.float()`, its sum's and its norm's), or a fused norm of pattern inputs, is kept for
+    those readers (`m.kept`)."""
     matched, outputs = set(m.nodes), set(m.outputs)
     inputs = [v for v in m.bindings().values() if isinstance(v, fx.Node) and v not in matched]
     stand_ins: dict[fx.Node, fx.Node] = {}
@@ -321,7 +323,9 @@ def _shape_stand_ins(m: Match) -> dict[fx.Node, fx.Node] | str:
         outside = [u for u in g.users if u not in matched]
         if g in outputs or not outside:
             continue
-        if _exact_cast_of_input(g, inputs) and any(not _reads_metadata(u, g) for u in outside):
+        kept_for_readers = _exact_cast_of_input(g, inputs) or \
+            _norm_of_inputs(g, inputs) and _passes_after(g, matched) >= 2
+        if kept_for_readers and any(not _reads_metadata(u, g) for u in outside):
             m.kept.add(g)
             continue
         value = example_value(g)
@@ -334,6 +338,37 @@ def _shape_stand_ins(m: Match) -> dict[fx.Node, fx.Node] | str:
             return f"{g.name} is also used by {(reader or outside[0]).name}, outside the pattern"
         stand_ins[g] = same
     return stand_ins
+
+
+def _norm_of_inputs(g: fx.Node, inputs: list[fx.Node]) -> bool:
+    """g is a fused norm (an earlier pattern's) of pattern inputs alone: the replacement computes
+    it again inside its own op, and g stays for its other readers (LTX-2's one norm, modulated
+    per cross-attention direction: each modulation takes the norm in). Only where the pattern
+    takes two or more passes over the norm's output (a product and a sum; `_passes_after`): the
+    second read of the norm's input then costs less than the passes saved. After one pass alone
+    (a residual add, a scale) the traffic would be the same, with a norm more to compute."""
+    norms = _norm_ops()
+    return (g.op == "call_function" and _hashable(g.target) and g.target in norms
+            and all(n in inputs for n in g.all_input_nodes))
+
+
+def _passes_after(g: fx.Node, matched: set[fx.Node]) -> int:
+    """How many matched operations read g's value, directly or through one another."""
+    seen: set[fx.Node] = set()
+    stack = [u for u in g.users if u in matched]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(u for u in n.users if u in matched)
+    return len(seen)
+
+
+@functools.cache
+def _norm_ops() -> frozenset:
+    from .. import ops
+
+    return frozenset(getattr(ops, name) for name in ("layer_norm", "rms_norm") if available(name))
 
 
 def _reads_metadata(user: fx.Node, g: fx.Node) -> bool:

@@ -762,6 +762,205 @@ def _unbind_pattern(search, interleaved: bool, with_k: bool) -> Pattern:
                    (_unbind_split(names, interleaved),), derive=_unbind_layout(names[0]))
 
 
+# LTX-Video's `apply_rotary_emb` (LTX-2's `apply_interleaved_rotary_emb`): the same formula on
+# 3-D (B, S, C) q and k, before the heads are split, with (B, S, C) tables:
+#
+#     x_real, x_imag = x.unflatten(2, (-1, 2)).unbind(-1)
+#     x_rotated = torch.stack([-x_imag, x_real], dim=-1).flatten(2)
+#     out = (x.float() * cos + x_rotated.float() * sin).to(x.dtype)
+#
+# The pairs never cross a head (a head's width is even), so this is the op over C, one "head".
+
+
+def _unflatten_pairs_rotated(x, sizes, flat):
+    pairs = x.unflatten(2, sizes).unbind(-1)
+    return torch.stack([-pairs[1], pairs[0]], dim=-1).flatten(flat)
+
+
+def rotary_unflatten_pairs_q_k(q: torch.Tensor, k: torch.Tensor, q_cos: torch.Tensor, q_sin: torch.Tensor,
+                               k_cos: torch.Tensor, k_sin: torch.Tensor, q_sizes, k_sizes, q_flat, k_flat,
+                               q_back, k_back):
+    """LTX-Video's apply_rotary_emb on q and on k, one table."""
+    return (_diffusers_formula(q, _unflatten_pairs_rotated(q, q_sizes, q_flat), q_cos, q_sin, q_back),
+            _diffusers_formula(k, _unflatten_pairs_rotated(k, k_sizes, k_flat), k_cos, k_sin, k_back))
+
+
+def rotary_unflatten_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x_sizes, x_flat, x_back):
+    """The same on one tensor (LTX-2's cross-attention: q and k rotated by tables of their own)."""
+    return _diffusers_formula(x, _unflatten_pairs_rotated(x, x_sizes, x_flat), cos, sin, x_back)
+
+
+def _one_head(x):
+    return x.unsqueeze(2)  # (B, S, C) as (B, S, 1, C): positions on dim 1, one head of width C
+
+
+def rotary_unflatten_pairs_q_k_fused(q, k, q_cos, q_sin, k_cos, k_sin, q_sizes=None, k_sizes=None,
+                                     q_flat=None, k_flat=None, q_back=None, k_back=None):
+    q_out, k_out = _rotate_pairs(_one_head(q), _one_head(k), _one_head(q_cos), _one_head(q_sin), 1, q_back)
+    return q_out.squeeze(2), k_out.squeeze(2)
+
+
+def rotary_unflatten_pairs_fused(x, cos, sin, x_sizes=None, x_flat=None, x_back=None):
+    return _rotate_pairs(_one_head(x), None, _one_head(cos), _one_head(sin), 1, x_back)[0].squeeze(2)
+
+
+def _unflatten_split(names: tuple[str, ...]):
+    """Each tensor 3-D and float (16-bit or fp32: a float64 model's `.float()` rounds), its last
+    dim split into pairs and flattened back, cast back to its own dtype; its tables 3-D, as wide,
+    one dtype, one row per sample (or one for all) and per position (or one for all); with q and
+    k, the same table for both."""
+
+    def check(m: Match) -> str | None:
+        one = len(names) == 1
+        for name in names:
+            x, back, sizes, flat = m.value(name), m[f"{name}_back"], m[f"{name}_sizes"], m[f"{name}_flat"]
+            if not isinstance(x, torch.Tensor) or x.dim() != 3 \
+                    or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+                return f"{name} is not a 3-D 16-bit or fp32 tensor"
+            if back is not x.dtype:
+                return f"{name} ({x.dtype}) is rotated in fp32 and cast to {back!r}, not back to its dtype"
+            c = x.shape[-1]
+            pairs = isinstance(sizes, (tuple, list)) and len(sizes) == 2 and known_equal(sizes[1], 2) \
+                and (known_equal(sizes[0], -1) or known_equal(sizes[0], c // 2))
+            if not (pairs and known_equal(c % 2, 0)):
+                return f"{name} {tuple(x.shape)} is unflattened to {sizes!r}: not its last dim in pairs"
+            if isinstance(flat, bool) or flat not in (2, -2):
+                return f"the rotated pairs of {name} are flattened from dim {flat!r}, not from 2"
+            cos, sin = (m.value(t if one else f"{name}_{t}") for t in ("cos", "sin"))
+            if not all(isinstance(t, torch.Tensor) and t.dim() == 3 and t.is_floating_point()
+                       for t in (cos, sin)):
+                return f"{name}'s cos and sin are not 3-D float tensors"
+            if cos.dtype != sin.dtype or tuple(cos.shape) != tuple(sin.shape):
+                return (f"{name}'s cos {tuple(cos.shape)} {cos.dtype} and sin {tuple(sin.shape)} {sin.dtype} "
+                        "differ")
+            rows = all(known_equal(cos.shape[i], 1) or known_equal(cos.shape[i], x.shape[i]) for i in (0, 1))
+            if not (known_equal(cos.shape[2], c) and rows):
+                return f"the table {tuple(cos.shape)} is not one row per sample and position of {name} " \
+                    f"{tuple(x.shape)}, as wide"
+        if not one and not (_same_table(m["q_cos"], m["k_cos"]) and _same_table(m["q_sin"], m["k_sin"])):
+            return "q and k are rotated by different tables"
+        return None
+
+    check.__name__ = "unflatten_pairs"
+    return check
+
+
+# Wan's rotary (Sana-Video's too), once its two strided writes into `torch.empty_like(x)` are
+# the stack they compute (fusion/normalize.py's `_interleaved_writes`):
+#
+#     x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+#     cos, sin = freqs_cos[..., 0::2], freqs_sin[..., 1::2]
+#     out = torch.empty_like(x)
+#     out[..., 0::2] = x1 * cos - x2 * sin
+#     out[..., 1::2] = x1 * sin + x2 * cos
+#
+# each half cast to x's dtype by its write where the tables' dtype is another (float64 tables, as
+# Wan registers them, under a 16-bit or fp32 x): the op with one table entry per pair, in x's dtype.
+
+
+def _written_pairs(x, cos, sin, sizes, back=None):
+    pairs = x.unflatten(-1, sizes).unbind(-1)
+    x1, x2 = pairs[0], pairs[1]
+    cos, sin = cos[..., 0::2], sin[..., 1::2]
+    even, odd = x1 * cos - x2 * sin, x1 * sin + x2 * cos
+    if back is not None:
+        even, odd = even.to(back), odd.to(back)
+    return torch.stack([even, odd], -1).flatten(-2)
+
+
+def rotary_written_pairs_cast_q_k(q: torch.Tensor, k: torch.Tensor, q_cos: torch.Tensor, q_sin: torch.Tensor,
+                                  k_cos: torch.Tensor, k_sin: torch.Tensor, q_sizes, k_sizes, q_back, k_back):
+    """Wan's rotary of q and of k, float64 tables."""
+    return (_written_pairs(q, q_cos, q_sin, q_sizes, q_back),
+            _written_pairs(k, k_cos, k_sin, k_sizes, k_back))
+
+
+def rotary_written_pairs_cast(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x_sizes, x_back):
+    return _written_pairs(x, cos, sin, x_sizes, x_back)
+
+
+def rotary_written_pairs_q_k(q: torch.Tensor, k: torch.Tensor, q_cos: torch.Tensor, q_sin: torch.Tensor,
+                             k_cos: torch.Tensor, k_sin: torch.Tensor, q_sizes, k_sizes):
+    """Wan's rotary of q and of k, tables in x's dtype (a model cast whole to bf16)."""
+    return _written_pairs(q, q_cos, q_sin, q_sizes), _written_pairs(k, k_cos, k_sin, k_sizes)
+
+
+def rotary_written_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x_sizes):
+    return _written_pairs(x, cos, sin, x_sizes)
+
+
+def _written_pairs_fused(with_k: bool):
+    def fused_q_k(q, k, q_cos, q_sin, k_cos, k_sin, q_sizes=None, k_sizes=None, q_back=None, k_back=None,
+                  positions_dim=2, dtype=None):
+        return _rotate_pairs(q, k, q_cos[..., 0::2], q_sin[..., 1::2], positions_dim, dtype)
+
+    def fused(x, cos, sin, x_sizes=None, x_back=None, positions_dim=2, dtype=None):
+        return _rotate_pairs(x, None, cos[..., 0::2], sin[..., 1::2], positions_dim, dtype)[0]
+
+    return fused_q_k if with_k else fused
+
+
+def _written_pairs_split(names: tuple[str, ...], cast: bool):
+    """Each tensor 4-D and float, its last dim (even) split into pairs; with `cast`, both halves
+    cast back to its dtype; without, computed in it (the tables no wider). Its tables 4-D, D wide
+    (every other entry read), one dtype, one row per position on dim 1 or 2 and 1 on the other
+    (the heads); with q and k, the same table for both."""
+
+    def check(m: Match) -> str | None:
+        one = len(names) == 1
+        for name in names:
+            x, sizes = m.value(name), m[f"{name}_sizes"]
+            if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_floating_point():
+                return f"{name} is not a 4-D float tensor"
+            d = x.shape[-1]
+            pairs = isinstance(sizes, (tuple, list)) and len(sizes) == 2 and known_equal(sizes[1], 2) \
+                and (known_equal(sizes[0], -1) or known_equal(sizes[0], d // 2))
+            if not (pairs and known_equal(d % 2, 0)):
+                return f"{name} {tuple(x.shape)} is unflattened to {sizes!r}: not its last dim in pairs"
+            cos, sin = (m.value(t if one else f"{name}_{t}") for t in ("cos", "sin"))
+            if not all(isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_floating_point()
+                       for t in (cos, sin)):
+                return f"{name}'s cos and sin are not 4-D float tensors"
+            if cos.dtype != sin.dtype or tuple(cos.shape) != tuple(sin.shape):
+                return (f"{name}'s cos {tuple(cos.shape)} {cos.dtype} and sin {tuple(sin.shape)} {sin.dtype} "
+                        "differ")
+            if cast:
+                back = m[f"{name}_back"]
+                if back is not x.dtype:
+                    return f"{name} ({x.dtype}) is rotated and cast to {back!r}, not back to its dtype"
+            elif torch.promote_types(x.dtype, cos.dtype) != x.dtype:
+                return f"{name} ({x.dtype}) is rotated in {cos.dtype}, its tables' dtype, and not cast back"
+            if not known_equal(cos.shape[3], d) or not (known_equal(cos.shape[0], 1)
+                                                        or known_equal(cos.shape[0], x.shape[0])):
+                return f"the table {tuple(cos.shape)} does not broadcast to {name} {tuple(x.shape)} (D wide)"
+            if _table_positions_dim(cos, x) is None:
+                return f"the table {tuple(cos.shape)} is not one row per position of {name} {tuple(x.shape)}"
+        if not one:
+            if not (_same_table(m["q_cos"], m["k_cos"]) and _same_table(m["q_sin"], m["k_sin"])):
+                return "q and k are rotated by different tables"
+            if _table_positions_dim(m.value("q_cos"), m.value("q")) != _table_positions_dim(m.value("k_cos"),
+                                                                                            m.value("k")):
+                return "q and k have their positions on different dims"
+        return None
+
+    check.__name__ = "written_pairs"
+    return check
+
+
+def _written_pairs_layout(name: str):
+    def derive(m: Match) -> dict:
+        table = m.value("cos" if name == "x" else f"{name}_cos")
+        return {"positions_dim": _table_positions_dim(table, m.value(name)), "dtype": m.value(name).dtype}
+
+    return derive
+
+
+def _written_pairs_pattern(search, cast: bool, with_k: bool) -> Pattern:
+    names = ("q", "k") if with_k else ("x",)
+    return Pattern(search.__name__, "rotary", search, _written_pairs_fused(with_k), _OPS,
+                   (_written_pairs_split(names, cast),), derive=_written_pairs_layout(names[0]))
+
+
 _OPS = ("rotary_embedding",)
 
 
@@ -821,6 +1020,14 @@ PATTERNS = (
     _unbind_pattern(rotary_unbind_pairs, interleaved=True, with_k=False),
     _unbind_pattern(rotary_unbind_halves_q_k, interleaved=False, with_k=True),
     _unbind_pattern(rotary_unbind_halves, interleaved=False, with_k=False),
+    Pattern("rotary_unflatten_pairs_q_k", "rotary", rotary_unflatten_pairs_q_k,
+            rotary_unflatten_pairs_q_k_fused, _OPS, (_unflatten_split(("q", "k")),)),
+    Pattern("rotary_unflatten_pairs", "rotary", rotary_unflatten_pairs, rotary_unflatten_pairs_fused, _OPS,
+            (_unflatten_split(("x",)),)),
+    _written_pairs_pattern(rotary_written_pairs_cast_q_k, cast=True, with_k=True),
+    _written_pairs_pattern(rotary_written_pairs_cast, cast=True, with_k=False),
+    _written_pairs_pattern(rotary_written_pairs_q_k, cast=False, with_k=True),
+    _written_pairs_pattern(rotary_written_pairs, cast=False, with_k=False),
     Pattern("rotary_every_two_q_k", "rotary", rotary_every_two_q_k, rotary_every_two_q_k_fused, _OPS,
             (_positions_on_dim_1(("q", "k"), unsqueezed=False),)),
     Pattern("rotary_every_two", "rotary", rotary_every_two, rotary_every_two_fused, _OPS,

@@ -362,7 +362,7 @@ def head_inputs(spec: HeadSpec, batch: int = 2, seq: int = 6,
 # ---------------------------------------------------------------------------------------------
 
 ROPES = ("halves", "halves_partial", "interleaved", "pairs_to_halves", "complex", "diffusers_pairs",
-         "diffusers_halves",
+         "diffusers_halves", "ltx_before_heads", "wan_written",
          # near misses: rotate_half's sign on the wrong half, cos and sin swapped, pairs swapped,
          # diffusers' unbound pairs with the sign on the wrong one
          "halves_sign_flipped", "halves_cos_sin_swapped", "interleaved_pairs_swapped",
@@ -381,6 +381,11 @@ def _rotate_pairs(x: torch.Tensor, swapped: bool = False) -> torch.Tensor:
     return torch.stack((even, -odd) if swapped else (-odd, even), dim=-1).flatten(-2)
 
 
+def _ltx_rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    real, imag = x.unflatten(2, (-1, 2)).unbind(-1)
+    return (x.float() * cos + torch.stack([-imag, real], dim=-1).flatten(2).float() * sin).to(x.dtype)
+
+
 class RopeAttention(nn.Module):
     """q, k, v projections, q and k rotated as `kind` writes it (the k rotation only with
     `both`), then SDPA."""
@@ -394,7 +399,7 @@ class RopeAttention(nn.Module):
     def tables(self, s: int, d: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
         inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
         freqs = torch.arange(s, device=device, dtype=torch.float32)[:, None] * inv[None, :]  # (S, d/2)
-        if self.kind.startswith(("interleaved", "diffusers_pairs")):
+        if self.kind.startswith(("interleaved", "diffusers_pairs", "ltx", "wan")):
             emb = freqs.repeat_interleave(2, dim=-1)
         elif self.kind == "pairs_to_halves":
             emb = freqs
@@ -426,6 +431,13 @@ class RopeAttention(nn.Module):
                 pair = [x_imag, -x_real] if kind.endswith("sign_flipped") else [-x_imag, x_real]
                 rotated = torch.stack(pair, dim=-1).flatten(3)
             return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+        if kind == "wan_written":  # Wan's: strided writes of each half into an empty tensor
+            x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+            c, s = cos[..., 0::2], sin[..., 1::2]
+            out = torch.empty_like(x)
+            out[..., 0::2] = x1 * c - x2 * s
+            out[..., 1::2] = x1 * s + x2 * c
+            return out.type_as(x)
         if kind == "complex":  # Meta's Llama reference
             xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
             return torch.view_as_real(xc * freqs).flatten(3).to(x.dtype)
@@ -434,6 +446,14 @@ class RopeAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         d = HIDDEN // HEADS
+        if self.kind == "ltx_before_heads":  # LTX-Video's: (B, S, C) q and k rotated, then the heads split
+            cos, sin = (t[0] for t in self.tables(s, HIDDEN, x.dtype, x.device))  # (1, S, C)
+            q, k, v = self.q(x), self.k(x), self.v(x)
+            q = _ltx_rotated(q, cos, sin)
+            k = _ltx_rotated(k, cos, sin) if self.both else k
+            q, k, v = (t.view(b, s, HEADS, d).transpose(1, 2) for t in (q, k, v))
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.out(o.transpose(1, 2).reshape(b, s, HIDDEN))
         q, k, v = (lin(x).view(b, s, HEADS, d).transpose(1, 2) for lin in (self.q, self.k, self.v))
         rot = d // 2 if self.kind == "halves_partial" else d
         cos, sin = self.tables(s, rot, x.dtype, x.device)

@@ -1,12 +1,14 @@
 """diffusers' denoisers, built from small configs (no download): the DiT, PixArt-alpha, SD3, Flux,
-Sana, CogVideoX, Wan, LTX-Video, Qwen-Image, Lumina 2, Z-Image and CogView4 transformers and the
-Stable Diffusion UNet. `fuse` replaces the attention, LayerNorm, RMSNorm (Flux's q/k norms), GeLU and
+Sana, CogVideoX, Wan, LTX-Video, LTX-2, Qwen-Image, Lumina 2, Z-Image and CogView4 transformers and
+the Stable Diffusion UNet. `fuse` replaces the attention, LayerNorm, RMSNorm (Flux's q/k norms), GeLU and
 residual-stream ops of their transformer blocks (diffusers' `Attention` with its SDPA processor,
 `FeedForward`'s GELU / GEGLU, `BasicTransformerBlock`'s and the joint blocks' norms), and the
 adaptive norms of the diffusion transformers (a norm times `1 + scale` plus `shift` per sample, or
 times a scale alone: Lumina 2, Z-Image) become `layer_norm_modulate`; outputs and every gradient
 equal the unfused model's by the oracle rule.
 """
+from types import SimpleNamespace
+
 import pytest
 import torch
 from _device import DEVICE
@@ -163,6 +165,25 @@ def ltx():
     return Denoiser(model, call), inputs, True
 
 
+def ltx2():
+    # LTX-2: a video and an audio stream, 32 wide each, with cross-attention both ways between them,
+    # each direction's query and key modulated from one shared norm per stream; the output the
+    # video and audio samples flattened side by side
+    model = diffusers.LTX2VideoTransformer3DModel(
+        in_channels=8, out_channels=8, num_attention_heads=HEADS, attention_head_dim=HEAD_DIM,
+        cross_attention_dim=32, audio_in_channels=8, audio_out_channels=8, audio_num_attention_heads=HEADS,
+        audio_attention_head_dim=HEAD_DIM, audio_cross_attention_dim=32, num_layers=1, caption_channels=24)
+
+    def call(m, x, audio, text, audio_text, t, text_mask):
+        out = m(x, audio, text, audio_text, t, encoder_attention_mask=text_mask,
+                audio_encoder_attention_mask=text_mask, num_frames=2, height=4, width=4, audio_num_frames=4)
+        return SimpleNamespace(sample=torch.cat([out.sample.flatten(1), out.audio_sample.flatten(1)], 1))
+
+    inputs = (torch.randn(B, 32, 8), torch.randn(B, 4, 8), torch.randn(B, 7, 24), torch.randn(B, 7, 24),
+              torch.tensor([1, 5]), torch.ones(B, 7))
+    return Denoiser(model, call), inputs, True
+
+
 def lumina2():
     # Lumina 2: sandwich norms scaled per sample (`norm(x) * scale`, no shift; the gate the same way
     # on the output's norm), diffusers' FP32SiLU in its feed-forward, grouped-query attention
@@ -217,7 +238,9 @@ def cogview4():
 # BasicTransformerBlocks (one in the down path, one in the middle, two in the up path), each with
 # a self- and a cross-attention and a GEGLU, and plain norms. Sana's linear attention stays as
 # written (no softmax); its cross-attention fuses. Wan modulates norms of fp32 copies (in fp32
-# these are no copies; see the fp16 test below), LTX-Video diffusers' written-out RMSNorm; their
+# these are no copies; see the fp16 test below) and rotates q and k by strided writes into an
+# empty tensor (one call a block), LTX-Video diffusers' written-out RMSNorm (its
+# rotary on q and k before their heads are split, one call a block); their
 # cross-attention's output, added after a `Dropout(0.0)`, folds into the next modulated norm.
 # Qwen-Image two dual-stream blocks (the image's and the text's norms, gated adds and MLPs, the
 # joint attention, the rotary on q and k of each stream). Lumina 2 and Z-Image a modulated refiner
@@ -227,7 +250,12 @@ def cogview4():
 # norm; per unmodulated block the outputs' norms with their residual adds; and the final norm.
 # CogView4 two blocks: the image's and the text's modulated norms (cast to their own dtype first),
 # gated adds and MLPs, q/k LayerNorms, and the rotary on the image tokens' slice of q and of k
-# (two calls: the slice is written back in place).
+# (two calls: the slice is written back in place). LTX-2 one block of two streams: per stream the
+# norm before the cross-attention between them is modulated twice (once as query, once as key and
+# value), and each modulation takes the norm in (four norms fused with their modulations, the
+# residual add before one of each pair folded in as well); the rotaries before the heads split in
+# pairs of one table (each self-attention's q and k; the video tokens of both cross-attentions,
+# the audio tokens likewise).
 MODELS = {
     "dit": (dit, {"layer_norm": 3, "attention": 2, "bias_gelu": 2, "residual_stream": 2}, 4),
     "pixart": (pixart, {"layer_norm": 3, "attention": 4, "bias_gelu": 3, "residual_stream": 2}, 4),
@@ -238,8 +266,12 @@ MODELS = {
     "sana": (sana, {"layer_norm": 3, "rms_norm": 1, "attention": 2, "bias_gelu": 1,
                     "gated_activation": 2, "residual_stream": 2}, 5),
     "cogvideox": (cogvideox, {"layer_norm": 10, "attention": 2, "bias_gelu": 2, "residual_stream": 4}, 9),
-    "wan": (wan, {"layer_norm": 3, "rms_norm": 8, "attention": 4, "bias_gelu": 3, "residual_stream": 4}, 4),
-    "ltx": (ltx, {"layer_norm": 1, "rms_norm": 10, "attention": 4, "bias_gelu": 3, "residual_stream": 2}, 4),
+    "wan": (wan, {"layer_norm": 3, "rms_norm": 8, "attention": 4, "bias_gelu": 3, "residual_stream": 4,
+                  "rotary": 2}, 4),
+    "ltx": (ltx, {"layer_norm": 1, "rms_norm": 10, "attention": 4, "bias_gelu": 3, "residual_stream": 2,
+                  "rotary": 2}, 4),
+    "ltx2": (ltx2, {"layer_norm": 2, "rms_norm": 16, "attention": 6, "bias_gelu": 4,
+                    "residual_stream": 6, "rotary": 4}, 8),
     "lumina2": (lumina2, {"layer_norm": 1, "rms_norm": 20, "attention": 4, "gated_activation": 4,
                           "residual_stream": 5, "rotary": 4}, 13),
     "zimage": (zimage, {"layer_norm": 1, "rms_norm": 20, "attention": 4, "gated_activation": 4,
@@ -258,7 +290,7 @@ MODELS = {
 # its cross-attention's plain norm; Lumina 2's and Z-Image's add of the attention output's gated
 # norm (itself a norm scaled by the gate) into the MLP's scaled norm.
 GATED_SUMS = {"dit": 2, "pixart": 2, "sd3": 3, "flux": 2, "sana": 2, "cogvideox": 4, "wan": 4, "ltx": 2,
-              "qwenimage": 4, "lumina2": 3, "zimage": 3, "cogview4": 4}
+              "ltx2": 4, "qwenimage": 4, "lumina2": 3, "zimage": 3, "cogview4": 4}
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

@@ -1,4 +1,5 @@
 """The canonical form (normalize.py) and the dataflow matcher (match.py) on small graphs."""
+import functools
 import operator
 
 import pytest
@@ -270,6 +271,36 @@ def _dynamo_canonical(fn, *inputs):
     out = torch.compile(fn, backend=backend, fullgraph=True)(*inputs)
     torch.testing.assert_close(out, fn(*inputs))
     return graphs[0]
+
+
+def test_interleaved_writes_into_an_empty_like_are_a_stack():
+    """Wan's rotary: `out = empty_like(x); out[..., 0::2] = a; out[..., 1::2] = b` becomes
+    `stack([a, b], -1).flatten(-2)`, each half cast to out's dtype as its write casts it (float64
+    halves into an fp32 out); the values the same (`_dynamo_canonical` runs the canonical graph).
+    Left as written: out read between the writes, a half broadcast into its slice, one slice
+    written."""
+    def written(x, c, kind="both"):
+        a, b = x[..., 0::2] * c, x[..., 1::2] - c
+        out = torch.empty_like(x)
+        out[..., 0::2] = a
+        first = out[..., 0::2].sum() if kind == "read_between" else 0.0
+        if kind != "one_slice":
+            out[..., 1::2] = b[..., :1] if kind == "broadcast" else b
+        else:
+            out[..., 1::2] = 0.0
+        return out * 3 + first
+
+    x = torch.randn(3, 5, 8)
+    for c in (torch.randn(4), torch.randn(4, dtype=torch.float64)):
+        graph = _dynamo_canonical(written, x, c).graph
+        assert not [n for n in graph.nodes if n.target in (torch.empty_like, operator.setitem)]
+        stack = next(n for n in graph.nodes if n.target is torch.stack)
+        casts = [n for n in stack.args[0] if n.target == "to"]
+        assert len(casts) == (2 if c.dtype == torch.float64 else 0)
+    for kind in ("read_between", "broadcast", "one_slice"):
+        graph = _dynamo_canonical(functools.partial(written, kind=kind), x, torch.randn(4)).graph
+        assert [n for n in graph.nodes if n.target is torch.empty_like], kind
+        assert not [n for n in graph.nodes if n.target is torch.stack], kind
 
 
 def test_an_update_of_a_fresh_result_is_out_of_place_rounded_where_it_promotes():

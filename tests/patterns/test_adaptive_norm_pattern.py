@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _device import DEVICE
-from _fusing import available_counts, check_against_unfused, cuda_like_autocast
+from _fusing import available_counts, check_against_unfused, cuda_like_autocast, fuse_via, op_names
 from torch import nn
 
 N, COND = 24, 10
@@ -67,6 +67,60 @@ def test_the_norms_own_affine_and_rms_norm(norm, family):
     assert report.counts() == available_counts({family: 1}), report.table()
     pattern = "layer_norm_modulate" if norm == "layer_norm" else "rms_norm_modulate"
     assert report.by_pattern() == {pattern: 1}, report.table()
+
+
+class SharedNorm(nn.Module):
+    """LTX-2's audio-video cross-attention: one norm, modulated twice by vectors of its own per
+    direction; `also` reads the norm itself as well (a projection), or has it read by products
+    that are no modulation (gates that vary along the rows) instead."""
+
+    def __init__(self, norm: str = "rms_norm", also: str | None = None) -> None:
+        super().__init__()
+        self.also = also
+        self.norm = nn.RMSNorm(N, eps=1e-6, elementwise_affine=False) if norm == "rms_norm" else \
+            nn.LayerNorm(N, eps=1e-6, elementwise_affine=False)
+        self.ada = nn.Linear(COND, 4 * N)
+        self.proj = nn.Linear(N, N)
+
+    def forward(self, x, cond):
+        scale_a, shift_a, scale_b, shift_b = self.ada(F.silu(cond))[:, None].chunk(4, dim=-1)
+        h = self.norm(x)
+        if self.also == "gated":
+            return self.proj(h * torch.sigmoid(x)) + h * torch.tanh(x)
+        if self.also == "gated_once":
+            return self.proj(h * torch.sigmoid(x)) + (h * (1 + scale_a) + shift_a)
+        out = self.proj(h * (1 + scale_a) + shift_a) * (h * (1 + scale_b) + shift_b)
+        return out + self.proj(h) if self.also == "projection" else out
+
+
+@pytest.mark.parametrize("capture", ["fx", "dynamo"])
+@pytest.mark.parametrize("norm", ["layer_norm", "rms_norm"])
+def test_one_norm_modulated_twice_becomes_two_ops(norm, capture):
+    report = check_against_unfused(lambda: SharedNorm(norm), inputs(), capture, train=True)
+    assert report.by_pattern() == {f"{norm}_modulate": 2}, report.table()
+    assert report.counts() == available_counts({norm: 2}), report.table()
+
+
+@pytest.mark.parametrize("capture", ["fx", "dynamo"])
+def test_a_norm_read_by_its_modulations_and_a_projection_stays_for_the_projection(capture):
+    report = check_against_unfused(lambda: SharedNorm(also="projection"), inputs(), capture, train=True)
+    assert report.by_pattern() == {"rms_norm_modulate": 2, "rms_norm": 1}, report.table()
+
+
+@pytest.mark.parametrize("capture", ["fx", "dynamo"])
+@pytest.mark.parametrize("also, patterns", [("gated", {"rms_norm": 1}),
+                                            ("gated_once", {"rms_norm": 1, "rms_norm_modulate": 1})])
+def test_a_norm_read_by_products_that_are_no_modulation_runs_once(also, patterns, capture):
+    """Gates that vary along the rows take no norm in: the norm runs once for them, beside the
+    one modulation that takes it in."""
+    report = check_against_unfused(lambda: SharedNorm(also=also), inputs(), capture, train=True)
+    assert report.by_pattern() == patterns, report.table()
+    fused = fuse_via(SharedNorm(also=also), capture)
+    with torch.no_grad():
+        fused(*inputs())
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            fused(*inputs())
+    assert op_names(prof).count("trifuse::rms_norm") == 1
 
 
 @pytest.mark.parametrize("capture", ["fx", "dynamo"])

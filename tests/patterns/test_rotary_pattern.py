@@ -827,6 +827,139 @@ def test_diffusers_rotary_runs_the_op_forward_and_backward():
     assert {"trifuse::rotary_embedding", "trifuse::rotary_embedding_backward"} <= ran
 
 
+def ltx_apply_rotary_emb(x, freqs):
+    """diffusers' LTX-Video apply_rotary_emb (LTX-2's apply_interleaved_rotary_emb), verbatim: 3-D
+    (B, S, C) x, the heads not yet split, (B, S, C) tables."""
+    cos, sin = freqs
+    x_real, x_imag = x.unflatten(2, (-1, 2)).unbind(-1)  # [B, S, C // 2]
+    x_rotated = torch.stack([-x_imag, x_real], dim=-1).flatten(2)
+    return (x.float() * cos + x_rotated.float() * sin).to(x.dtype)
+
+
+class LtxRotary(nn.Module):
+    """q and k projected to (B, S, C), rotated before their heads are split (k by a table of its
+    own with `k_table` "other"; q the other way round with `q_inverse`, a near miss), then the
+    attention over the heads."""
+
+    def __init__(self, k_table: str = "same", q_inverse: bool = False) -> None:
+        super().__init__()
+        self.k_table, self.q_inverse = k_table, q_inverse
+        self.proj = nn.Linear(HQ * D, 2 * HQ * D)
+
+    def forward(self, x, cos, sin):
+        q, k = self.proj(x).chunk(2, dim=-1)
+        if self.q_inverse:  # (imag, -real): the rotation by minus the angle, which the op is not
+            real, imag = q.unflatten(2, (-1, 2)).unbind(-1)
+            q = (q.float() * cos + torch.stack([imag, -real], dim=-1).flatten(2).float() * sin).to(q.dtype)
+        else:
+            q = ltx_apply_rotary_emb(q, (cos, sin))
+        k = ltx_apply_rotary_emb(k, (cos, sin) if self.k_table == "same" else (cos.flip(1), sin.flip(1)))
+        b, s, _ = q.shape
+        q, k = (t.view(b, s, HQ, D).transpose(1, 2) for t in (q, k))
+        return F.scaled_dot_product_attention(q, k, k)
+
+
+def ltx_tables(batch: int = B, dtype=torch.float32):
+    # one table per sample, as LTX builds from its video coordinates
+    angles = torch.randn(batch, S, HQ * D // 2).repeat_interleave(2, dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+@pytest.mark.parametrize("capture", ["fx", "dynamo"])
+@pytest.mark.parametrize("batch", [1, B])
+@pytest.mark.parametrize("k_table, patterns", [("same", {"rotary_unflatten_pairs_q_k": 1}),
+                                               ("other", {"rotary_unflatten_pairs": 2})])
+def test_ltx_rotary_before_the_head_split_fuses_and_matches(k_table, patterns, batch, capture):
+    """LTX-Video's rotary of (B, S, C) q and k by one (B or 1, S, C) table: one call over C as a
+    single head (pairs never cross a head); by tables of their own, a call each (LTX-2's
+    cross-attention). Outputs and every gradient; the sdpa fuses beside them."""
+    report = check_against_unfused(lambda: LtxRotary(k_table), (X[0], *ltx_tables(batch)), capture)
+    assert report.by_pattern() == {**patterns, "sdpa": 1}, report.table()
+
+
+def test_ltx_rotary_of_16_bit_q_and_k_with_fp32_tables():
+    report = check_against_unfused(lambda: LtxRotary().half(), (X[0].half(), *ltx_tables()), "dynamo")
+    assert report.by_pattern()["rotary_unflatten_pairs_q_k"] == 1, report.table()
+    model = fuse_via(LtxRotary().half(), "dynamo")
+    x = X[0].half().clone().requires_grad_()
+    ran = trifuse_ops_run(lambda: model(x, *ltx_tables()).sum().backward())
+    assert {"trifuse::rotary_embedding", "trifuse::rotary_embedding_backward"} <= ran
+
+
+def test_ltx_rotary_the_other_way_round_is_left():
+    report = check_against_unfused(lambda: LtxRotary(q_inverse=True), (X[0], *ltx_tables()), "dynamo")
+    assert report.by_pattern() == {"rotary_unflatten_pairs": 1, "sdpa": 1}, report.table()  # k alone
+
+
+def test_ltx_rotary_of_a_float64_model_is_left_with_a_reason():
+    """A float64 model's `.float()` rounds q and k to fp32, which the op would not."""
+    model = fuse_via(LtxRotary().double(), "dynamo")
+    model(X[0].double(), *ltx_tables(dtype=torch.float64))
+    report = trifuse.report(model)
+    assert "rotary" not in report.counts(), report.table()
+    assert any("not a 3-D 16-bit or fp32 tensor" in why for *_, why in report.rejected()), report.table()
+
+
+def wan_apply_rotary_emb(hidden_states, freqs_cos, freqs_sin, cos_offset=0):
+    """diffusers' Wan attention processor's apply_rotary_emb, verbatim (`cos_offset` 1 reads
+    the cosines of the odd entries, a near miss where the table is no pairwise repeat)."""
+    x1, x2 = hidden_states.unflatten(-1, (-1, 2)).unbind(-1)
+    cos = freqs_cos[..., cos_offset::2]
+    sin = freqs_sin[..., 1::2]
+    out = torch.empty_like(hidden_states)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(hidden_states)
+
+
+class WanRotary(nn.Module):
+    """q and k projected and split into (B, S, H, D) heads as Wan's attention does, each rotated
+    by (1, S, 1, D) tables held as buffers (float64, as Wan registers them, unless the model was
+    cast whole), then the attention."""
+
+    def __init__(self, dtype=torch.float32, table_dtype=torch.float64, cos_offset: int = 0) -> None:
+        super().__init__()
+        self.cos_offset = cos_offset
+        self.proj = nn.Linear(HQ * D, 2 * HQ * D, dtype=dtype)
+        angles = torch.randn(1, S, 1, D // 2).repeat_interleave(2, dim=-1)  # a pairwise repeat
+        self.register_buffer("cos", angles.cos().to(table_dtype), persistent=False)
+        self.register_buffer("sin", angles.sin().to(table_dtype), persistent=False)
+
+    def forward(self, x):
+        q, k = (t.unflatten(2, (HQ, -1)) for t in self.proj(x).chunk(2, dim=-1))
+        q = wan_apply_rotary_emb(q, self.cos, self.sin, self.cos_offset)
+        k = wan_apply_rotary_emb(k, self.cos, self.sin)
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), k.transpose(1, 2))
+
+
+@pytest.mark.parametrize("capture", ["fx", "dynamo"])
+@pytest.mark.parametrize("x_dtype, table_dtype, pattern", [
+    (torch.float32, torch.float64, "rotary_written_pairs_cast_q_k"),  # the halves cast back by their writes
+    (torch.float16, torch.float64, "rotary_written_pairs_cast_q_k"),
+    (torch.float32, torch.float32, "rotary_written_pairs_q_k"),  # a model cast whole, tables and all
+    (torch.float16, torch.float16, "rotary_written_pairs_q_k"),
+], ids=["fp32-fp64", "fp16-fp64", "fp32-fp32", "fp16-fp16"])
+def test_wan_rotary_written_into_an_empty_like_fuses_and_matches(x_dtype, table_dtype, pattern, capture):
+    """Wan's rotary: its two strided writes into `empty_like(x)` are the stack they compute, and
+    q and k go in one call; outputs and every gradient by the oracle rule."""
+    report = check_against_unfused(lambda: WanRotary(x_dtype, table_dtype), (X[0].to(x_dtype),), capture)
+    assert report.by_pattern() == {pattern: 1, "sdpa": 1}, report.table()
+
+
+def test_wan_rotary_runs_the_op_forward_and_backward():
+    model = fuse_via(WanRotary(), "dynamo")
+    x = X[0].clone().requires_grad_()
+    ran = trifuse_ops_run(lambda: model(x).sum().backward())
+    assert {"trifuse::rotary_embedding", "trifuse::rotary_embedding_backward"} <= ran
+
+
+def test_wan_rotary_reading_the_cosines_of_the_odd_entries_is_left():
+    """Of a table that is no pairwise repeat, the odd entries' cosines are another rotation: q is
+    left (k, rotated as Wan does, fuses alone)."""
+    report = check_against_unfused(lambda: WanRotary(cos_offset=1), X, "dynamo")
+    assert report.by_pattern() == {"rotary_written_pairs_cast": 1, "sdpa": 1}, report.table()
+
+
 def allegro_apply_rotary_emb(x, freqs_cis, positions):
     """diffusers' apply_rotary_emb_allegro: rotate-half on each third of the head, its tables
     gathered per position, each product's operand upcast and the sum cast back."""
