@@ -714,28 +714,40 @@ def _unbind_split(names: tuple[str, ...], interleaved: bool):
                 flat = m[f"{name}_flat"]
                 if not isinstance(flat, int) or isinstance(flat, bool) or flat not in (3, -2):
                     return f"the rotated pairs of {name} are flattened from dim {flat!r}, not from 3"
-            cos, sin = (m.value(t if one else f"{name}_{t}") for t in ("cos", "sin"))
-            if not all(isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_floating_point()
-                       for t in (cos, sin)):
-                return f"{name}'s cos and sin are not 4-D float tensors"
-            if cos.dtype != sin.dtype or tuple(cos.shape) != tuple(sin.shape):
-                return (f"{name}'s cos {tuple(cos.shape)} {cos.dtype} and sin {tuple(sin.shape)} {sin.dtype} "
-                        "differ")
-            if not known_equal(cos.shape[3], d) or not (known_equal(cos.shape[0], 1)
-                                                        or known_equal(cos.shape[0], x.shape[0])):
-                return f"the table {tuple(cos.shape)} does not broadcast to {name} {tuple(x.shape)} (D wide)"
-            if _table_positions_dim(cos, x) is None:
-                return f"the table {tuple(cos.shape)} is not one row per position of {name} {tuple(x.shape)}"
-        if not one:
-            if not (_same_table(m["q_cos"], m["k_cos"]) and _same_table(m["q_sin"], m["k_sin"])):
-                return "q and k are rotated by different tables"
-            if _table_positions_dim(m.value("q_cos"), m.value("q")) != _table_positions_dim(m.value("k_cos"),
-                                                                                            m.value("k")):
-                return "q and k have their positions on different dims"
-        return None
+            reason = _d_wide_tables(m, name, one)
+            if reason is not None:
+                return reason
+        return None if one else _q_k_one_table(m)
 
     check.__name__ = "unbind_pairs" if interleaved else "unbind_halves"
     return check
+
+
+def _d_wide_tables(m: Match, name: str, one: bool) -> str | None:
+    """x's cos and sin: 4-D float tables of one dtype and shape, D wide, one row per sample (or
+    one for all) and per position on dim 1 or 2, 1 on the other (the heads); or why not."""
+    x = m.value(name)
+    cos, sin = (m.value(t if one else f"{name}_{t}") for t in ("cos", "sin"))
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_floating_point() for t in (cos, sin)):
+        return f"{name}'s cos and sin are not 4-D float tensors"
+    if cos.dtype != sin.dtype or tuple(cos.shape) != tuple(sin.shape):
+        return f"{name}'s cos {tuple(cos.shape)} {cos.dtype} and sin {tuple(sin.shape)} {sin.dtype} differ"
+    if not known_equal(cos.shape[3], x.shape[-1]) or not (known_equal(cos.shape[0], 1)
+                                                         or known_equal(cos.shape[0], x.shape[0])):
+        return f"the table {tuple(cos.shape)} does not broadcast to {name} {tuple(x.shape)} (D wide)"
+    if _table_positions_dim(cos, x) is None:
+        return f"the table {tuple(cos.shape)} is not one row per position of {name} {tuple(x.shape)}"
+    return None
+
+
+def _q_k_one_table(m: Match) -> str | None:
+    """q and k rotated by views of one table, their positions on the same dim; or why not."""
+    if not (_same_table(m["q_cos"], m["k_cos"]) and _same_table(m["q_sin"], m["k_sin"])):
+        return "q and k are rotated by different tables"
+    q_dim, k_dim = (_table_positions_dim(m.value(f"{t}_cos"), m.value(t)) for t in ("q", "k"))
+    if q_dim != k_dim:
+        return "q and k have their positions on different dims"
+    return None
 
 
 def _table_positions_dim(table: torch.Tensor, x: torch.Tensor) -> int | None:
@@ -917,31 +929,17 @@ def _written_pairs_split(names: tuple[str, ...], cast: bool):
                 and (known_equal(sizes[0], -1) or known_equal(sizes[0], d // 2))
             if not (pairs and known_equal(d % 2, 0)):
                 return f"{name} {tuple(x.shape)} is unflattened to {sizes!r}: not its last dim in pairs"
-            cos, sin = (m.value(t if one else f"{name}_{t}") for t in ("cos", "sin"))
-            if not all(isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_floating_point()
-                       for t in (cos, sin)):
-                return f"{name}'s cos and sin are not 4-D float tensors"
-            if cos.dtype != sin.dtype or tuple(cos.shape) != tuple(sin.shape):
-                return (f"{name}'s cos {tuple(cos.shape)} {cos.dtype} and sin {tuple(sin.shape)} {sin.dtype} "
-                        "differ")
+            reason = _d_wide_tables(m, name, one)
+            if reason is not None:
+                return reason
+            cos = m.value("cos" if one else f"{name}_cos")
             if cast:
                 back = m[f"{name}_back"]
                 if back is not x.dtype:
                     return f"{name} ({x.dtype}) is rotated and cast to {back!r}, not back to its dtype"
             elif torch.promote_types(x.dtype, cos.dtype) != x.dtype:
                 return f"{name} ({x.dtype}) is rotated in {cos.dtype}, its tables' dtype, and not cast back"
-            if not known_equal(cos.shape[3], d) or not (known_equal(cos.shape[0], 1)
-                                                        or known_equal(cos.shape[0], x.shape[0])):
-                return f"the table {tuple(cos.shape)} does not broadcast to {name} {tuple(x.shape)} (D wide)"
-            if _table_positions_dim(cos, x) is None:
-                return f"the table {tuple(cos.shape)} is not one row per position of {name} {tuple(x.shape)}"
-        if not one:
-            if not (_same_table(m["q_cos"], m["k_cos"]) and _same_table(m["q_sin"], m["k_sin"])):
-                return "q and k are rotated by different tables"
-            if _table_positions_dim(m.value("q_cos"), m.value("q")) != _table_positions_dim(m.value("k_cos"),
-                                                                                            m.value("k")):
-                return "q and k have their positions on different dims"
-        return None
+        return None if one else _q_k_one_table(m)
 
     check.__name__ = "written_pairs"
     return check
