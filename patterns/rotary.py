@@ -612,7 +612,7 @@ def _upcast_and_back(names: tuple[str, ...]):
     def check(m: Match) -> str | None:
         for name in names:
             x, up, back = m.value(name), m.value(f"{name}_up"), m.value(f"{name}_back")
-            if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            if not isinstance(x, torch.Tensor) or x.dtype not in _FP32_OR_NARROWER:
                 return f"{name} is not a 16-bit or fp32 tensor"
             if up is not torch.float32 or back is not x.dtype:
                 return f"{name} ({x.dtype}) is cast to {up!r} and back to {back!r}, not to fp32 and back"
@@ -696,7 +696,7 @@ def _unbind_split(names: tuple[str, ...], interleaved: bool):
             x, back = m.value(name), m[f"{name}_back"]
             shape = m.value(f"{name}_shape")
             if not isinstance(x, torch.Tensor) or x.dim() != 4 \
-                    or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+                    or x.dtype not in _FP32_OR_NARROWER:
                 return f"{name} is not a 4-D 16-bit or fp32 tensor"
             if back is not x.dtype:
                 return f"{name} ({x.dtype}) is rotated in fp32 and cast to {back!r}, not back to its dtype"
@@ -827,7 +827,7 @@ def _unflatten_split(names: tuple[str, ...]):
         for name in names:
             x, back, sizes, flat = m.value(name), m[f"{name}_back"], m[f"{name}_sizes"], m[f"{name}_flat"]
             if not isinstance(x, torch.Tensor) or x.dim() != 3 \
-                    or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+                    or x.dtype not in _FP32_OR_NARROWER:
                 return f"{name} is not a 3-D 16-bit or fp32 tensor"
             if back is not x.dtype:
                 return f"{name} ({x.dtype}) is rotated in fp32 and cast to {back!r}, not back to its dtype"
@@ -946,9 +946,10 @@ def _written_pairs_split(names: tuple[str, ...], cast: bool):
 
 
 def _written_pairs_layout(name: str):
+    layout = _unbind_layout(name)
+
     def derive(m: Match) -> dict:
-        table = m.value("cos" if name == "x" else f"{name}_cos")
-        return {"positions_dim": _table_positions_dim(table, m.value(name)), "dtype": m.value(name).dtype}
+        return {**layout(m), "dtype": m.value(name).dtype}
 
     return derive
 
