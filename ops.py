@@ -10,10 +10,11 @@ from .kernels.bias_gelu import bias_gelu
 from .kernels.cross_entropy import cross_entropy, linear_cross_entropy
 from .kernels.dropout_add import dropout_add
 from .kernels.gated_activation import gated_activation
+from .kernels.group_norm import group_norm
 from .kernels.layer_norm import dropout_add_layer_norm, layer_norm, layer_norm_add, rms_norm
 from .kernels.rotary import rotary_embedding
 
 __all__ = ["layer_norm", "rms_norm", "dropout_add_layer_norm", "layer_norm_add", "attention", "attention_varlen"]
 __all__ += ["cross_entropy", "linear_cross_entropy"]
 __all__ += ["bias_gelu", "dropout_add", "gated_activation", "rotary_embedding", "layer_norm_modulate"]
-__all__ += ["gated_add_layer_norm_modulate"]
+__all__ += ["gated_add_layer_norm_modulate", "group_norm"]

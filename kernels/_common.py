@@ -298,7 +298,8 @@ _PUBLIC_OPS = {"_AttentionFunction": "attention", "_VarlenFunction": "attention_
                "_NormAddFunction": "layer_norm_add", "_RotaryEmbeddingFunction": "rotary_embedding",
                "_CastForReaders": "cast_for_readers", "_AutocastLinear": "autocast_linear",
                "_GroupedNormFunction": "layer_norm_modulate",
-               "_GatedNormFunction": "gated_add_layer_norm_modulate"}
+               "_GatedNormFunction": "gated_add_layer_norm_modulate",
+               "_GroupNormFunction": "group_norm"}
 
 
 def apply_function(fn: type[torch.autograd.Function], *args):

@@ -1,0 +1,648 @@
+"""GroupNorm, optionally followed by SiLU: y = act(GroupNorm(x)), one op each way.
+
+diffusers' UNets and VAEs (Stable Diffusion 1.x/2.x, SDXL, their VAEs, AnimateDiff) open every
+ResNet block with `conv(silu(group_norm(x)))`, twice; their attention blocks and up/down samplers
+GroupNorm without the SiLU. Eager PyTorch runs the norm and the SiLU apart and keeps both of their
+inputs for the backward; here the SiLU is applied before the single write, and the backward
+recomputes it, so the norm's output (a full activation per call) is neither written to be read
+back nor kept.
+
+Maths, x of shape (N, C, *spatial), S = prod(spatial), G groups of Cg = C / G channels: row
+r = (n, g) holds the L = Cg * S values of its channels. In fp32 (fp64 for fp64 inputs):
+
+    mean_r, var_r = the row's mean and biased variance;  rstd_r = 1 / sqrt(var_r + eps)
+    xhat = (x - mean_r) * rstd_r;  z = xhat * w[c] + b[c];  y = silu(z) = z * sigmoid(z)  (or z)
+
+    backward:  dz = dy * silu'(z) = dy * s * (1 + z * (1 - s)), s = sigmoid(z)   (or dy)
+               g = dz * w[c]
+               dx = rstd_r * (g - mean_r(g) - xhat * mean_r(g * xhat))
+               dw[c] = sum over n and spatial of dz * xhat;  db[c] = sum of dz
+
+The row statistics are sums of x minus the row's first value (a shift inside the row's range):
+the variance as E[d^2] - E[d]^2 then loses nothing to a mean far from zero (large values).
+
+Shapes: x (N, C, *spatial) with at least 2 dims (N, C); weight and bias (C,) or None. Dtypes:
+fp16 / bf16 / fp32 / fp64; the weight and bias in x's dtype or, for a 16-bit x, fp32 (master
+weights); y in x's dtype or, for a 16-bit x, `out_dtype=torch.float32` (CUDA autocast runs
+GroupNorm in fp32: its 16-bit input, fp32 output). Layout: x is read as contiguous rows (another
+layout, channels_last included, is copied once); y and dx are contiguous.
+
+Kernels (1-D grids; int64 offsets, tensors past 2^31 elements):
+  forward   `_stats`: each program sums one chunk of one row (a row is cut in up to 64 chunks
+            so that a few wide rows, a VAE's at 512x512, still fill the GPU); `_fwd`: each
+            program combines its row's chunk sums into mean and rstd (the first chunk's program
+            stores them, for the backward) and normalizes its chunk. Two launches.
+  backward  `_bwd_sums`: per (n, c) and chunk of spatial positions, sum(dz * xhat) and sum(dz);
+            `_bwd_dx`: each program combines its row's channel sums weighted by w into the two
+            row means and writes its chunk of dx. dw and db are the per-(n, c) sums added over n
+            and the chunks in a fixed order: bitwise the same on every run.
+Memory plan: the forward saves x, mean and rstd ((N, G) each), nothing of the size of y.
+Launch configuration: fixed (a block of 1024 values, chunks of 4 blocks at least); not tuned yet.
+"""
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ..autotune import dialects, pow2_bucket
+from ..autotune.env import INTERPRET
+from ._common import (
+    acc_dtype,
+    apply_function,
+    check_float,
+    check_same_device,
+    check_shape,
+    check_tensor,
+    device_sms,
+    eager_fast_path,
+    next_power_of_2,
+    outside_device_modes,
+    profiled,
+    reference_grads,
+    single_backward,
+    use_triton,
+)
+from ._launch import CachedKernel
+
+ACTIVATIONS = (None, "silu")
+_HALF = (torch.float16, torch.bfloat16)
+
+# =============================================================================================
+# Reference: the spec. Tests run it in float64 as the oracle and in the input dtype to measure
+# PyTorch's own error.
+# =============================================================================================
+
+
+def group_norm_ref(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None = None,
+                   bias: torch.Tensor | None = None, eps: float = 1e-5, activation: str | None = None
+                   ) -> torch.Tensor:
+    """act(F.group_norm(x, num_groups, weight, bias, eps)) in plain PyTorch."""
+    if weight is None and bias is not None:  # ones (exact): PyTorch's backward of a bias alone fails
+        weight = torch.ones_like(bias)
+    y = F.group_norm(x, num_groups, weight, bias, eps)
+    return F.silu(y) if activation == "silu" else y
+
+
+# =============================================================================================
+# Kernels
+# =============================================================================================
+
+
+@triton.jit
+def _silu_and_grad(z):
+    s = 1.0 / (1.0 + tl.exp(-z))
+    return z * s, s * (1.0 + z * (1.0 - s))
+
+
+@triton.jit
+def _group_norm_stats_kernel(
+    X,  # in (R, L) contiguous rows
+    PART,  # out (R * SPLIT, 2) fp32/fp64: per chunk, sum(x - x0) and sum((x - x0)^2)
+    L, CHUNK, SPLIT,
+    BLOCK: tl.constexpr, ACC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    row = pid // SPLIT
+    start = (pid % SPLIT) * CHUNK
+    base = X + row.to(tl.int64) * L
+    shift = tl.load(base).to(ACC)  # the row's first value
+    acc = tl.zeros((BLOCK,), ACC)
+    acc2 = tl.zeros((BLOCK,), ACC)
+    for off in range(start, tl.minimum(start + CHUNK, L), BLOCK):
+        cols = off + tl.arange(0, BLOCK)
+        mask = cols < tl.minimum(start + CHUNK, L)
+        d = tl.where(mask, tl.load(base + cols, mask=mask, other=0.0).to(ACC) - shift, 0.0)
+        acc += d
+        acc2 += d * d
+    tl.store(PART + pid * 2, tl.sum(acc, 0))
+    tl.store(PART + pid * 2 + 1, tl.sum(acc2, 0))
+
+
+@triton.jit
+def _row_stats(X, PART, row, L, SPLIT, eps, SPLIT_P2: tl.constexpr, ACC: tl.constexpr):
+    """(mean, rstd) of `row` from its chunks' shifted sums."""
+    parts = tl.arange(0, SPLIT_P2)
+    found = parts < SPLIT
+    s1 = tl.sum(tl.load(PART + (row * SPLIT + parts) * 2, mask=found, other=0.0), 0)
+    s2 = tl.sum(tl.load(PART + (row * SPLIT + parts) * 2 + 1, mask=found, other=0.0), 0)
+    shift = tl.load(X + row.to(tl.int64) * L).to(ACC)
+    d_mean = s1 / L
+    var = tl.maximum(s2 / L - d_mean * d_mean, 0.0)
+    return shift + d_mean, 1.0 / tl.sqrt(var + eps)
+
+
+@triton.jit
+def _group_norm_fwd_kernel(
+    X,  # in (R, L)
+    W, B,  # in (C,) each, or unused
+    Y,  # out (R, L), Y's dtype
+    PART,  # in (R * SPLIT, 2), from _stats
+    MEAN, RSTD,  # out (R,) fp32/fp64
+    L, S, CG, G, CHUNK, SPLIT, eps,
+    SPLIT_P2: tl.constexpr, BLOCK: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    SILU: tl.constexpr, ACC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    row = pid // SPLIT
+    part = pid % SPLIT
+    mean, rstd = _row_stats(X, PART, row, L, SPLIT, eps, SPLIT_P2, ACC)
+    if part == 0:
+        tl.store(MEAN + row, mean)
+        tl.store(RSTD + row, rstd)
+    first_channel = (row % G) * CG
+    base = row.to(tl.int64) * L
+    start = part * CHUNK
+    end = tl.minimum(start + CHUNK, L)
+    for off in range(start, end, BLOCK):
+        cols = off + tl.arange(0, BLOCK)
+        mask = cols < end
+        z = (tl.load(X + base + cols, mask=mask, other=0.0).to(ACC) - mean) * rstd
+        channel = first_channel + cols // S
+        if HAS_W:
+            z = z * tl.load(W + channel, mask=mask, other=0.0).to(ACC)
+        if HAS_B:
+            z = z + tl.load(B + channel, mask=mask, other=0.0).to(ACC)
+        if SILU:
+            z = z / (1.0 + tl.exp(-z))
+        tl.store(Y + base + cols, z.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dz_and_xhat(DY, X, W, B, offs, mask, mean, rstd, w, b, SILU: tl.constexpr, ACC: tl.constexpr):
+    """(dz, xhat) at `offs`: the gradient reaching the norm's affine output, and x normalized."""
+    xhat = (tl.load(X + offs, mask=mask, other=0.0).to(ACC) - mean) * rstd
+    dz = tl.load(DY + offs, mask=mask, other=0.0).to(ACC)
+    if SILU:
+        _, ds = _silu_and_grad(xhat * w + b)  # z recomputed: the forward kept no activation
+        dz = dz * ds
+    return tl.where(mask, dz, 0.0), xhat
+
+
+@triton.jit
+def _group_norm_bwd_sums_kernel(
+    DY,  # in (N * C, S), dy
+    X,  # in (N * C, S)
+    W, B,  # in (C,) each, or unused
+    MEAN, RSTD,  # in (N * G,)
+    PART,  # out (N * C * SPLIT, 2): per (n, c) and chunk, sum(dz * xhat) and sum(dz)
+    S, C, CG, CHUNK, SPLIT,
+    BLOCK: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, SILU: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    plane = pid // SPLIT  # n * C + c
+    start = (pid % SPLIT) * CHUNK
+    end = tl.minimum(start + CHUNK, S)
+    c = plane % C
+    row = (plane // C) * (C // CG) + c // CG
+    mean = tl.load(MEAN + row)
+    rstd = tl.load(RSTD + row)
+    w = tl.load(W + c).to(ACC) if HAS_W else 1.0
+    b = tl.load(B + c).to(ACC) if HAS_B else 0.0
+    base = plane.to(tl.int64) * S
+    acc_dzx = tl.zeros((BLOCK,), ACC)
+    acc_dz = tl.zeros((BLOCK,), ACC)
+    for off in range(start, end, BLOCK):
+        cols = off + tl.arange(0, BLOCK)
+        dz, xhat = _dz_and_xhat(DY, X, W, B, base + cols, cols < end, mean, rstd, w, b, SILU, ACC)
+        acc_dzx += dz * xhat
+        acc_dz += dz
+    tl.store(PART + pid * 2, tl.sum(acc_dzx, 0))
+    tl.store(PART + pid * 2 + 1, tl.sum(acc_dz, 0))
+
+
+@triton.jit
+def _group_norm_bwd_dx_kernel(
+    DY, X,  # in (R, L)
+    W, B,  # in (C,) each, or unused
+    MEAN, RSTD,  # in (R,)
+    PART,  # in (N * C * SPLIT_S, 2), from _bwd_sums
+    DX,  # out (R, L)
+    L, S, C, CG, G, CHUNK, SPLIT, SPLIT_S,
+    SPLIT_S_P2: tl.constexpr, CB: tl.constexpr, BLOCK: tl.constexpr, HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr, SILU: tl.constexpr, ACC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    row = pid // SPLIT
+    part = pid % SPLIT
+    first_channel = (row % G) * CG
+    first_plane = (row // G) * C + first_channel
+    mean = tl.load(MEAN + row)
+    rstd = tl.load(RSTD + row)
+    # The row's sums of g * xhat and g (g = dz * w): its channels' sums, each weighted by w[c].
+    sum_gx = tl.zeros((CB,), ACC)
+    sum_g = tl.zeros((CB,), ACC)
+    chunks = tl.arange(0, SPLIT_S_P2)
+    for c0 in range(0, CG, CB):
+        ci = c0 + tl.arange(0, CB)
+        found = (ci < CG)[:, None] & (chunks < SPLIT_S)[None, :]
+        at = ((first_plane + ci)[:, None] * SPLIT_S + chunks[None, :]) * 2
+        dzx = tl.sum(tl.load(PART + at, mask=found, other=0.0), 1)
+        dz = tl.sum(tl.load(PART + at + 1, mask=found, other=0.0), 1)
+        if HAS_W:
+            w = tl.load(W + first_channel + ci, mask=ci < CG, other=0.0).to(ACC)
+            dzx = dzx * w
+            dz = dz * w
+        sum_gx += dzx
+        sum_g += dz
+    mean_gx = tl.sum(sum_gx, 0) / L
+    mean_g = tl.sum(sum_g, 0) / L
+    base = row.to(tl.int64) * L
+    start = part * CHUNK
+    end = tl.minimum(start + CHUNK, L)
+    for off in range(start, end, BLOCK):
+        cols = off + tl.arange(0, BLOCK)
+        mask = cols < end
+        channel = first_channel + cols // S
+        w = tl.load(W + channel, mask=mask, other=0.0).to(ACC) if HAS_W else 1.0
+        b = tl.load(B + channel, mask=mask, other=0.0).to(ACC) if HAS_B else 0.0
+        dz, xhat = _dz_and_xhat(DY, X, W, B, base + cols, mask, mean, rstd, w, b, SILU, ACC)
+        dx = rstd * (dz * w - mean_g - xhat * mean_gx)
+        tl.store(DX + base + cols, dx.to(DX.dtype.element_ty), mask=mask)
+
+
+# =============================================================================================
+# Launchers: check nothing, allocate the outputs, launch. Tensors in, tensors out.
+# =============================================================================================
+
+_stats = CachedKernel(_group_norm_stats_kernel)
+_fwd = CachedKernel(_group_norm_fwd_kernel)
+_bwd_sums = CachedKernel(_group_norm_bwd_sums_kernel)
+_bwd_dx = CachedKernel(_group_norm_bwd_dx_kernel)
+
+# A block of values per loop step, and the fewest blocks a chunk holds. Under the interpreter
+# both are small, so that tests of a few hundred values cross blocks and chunks.
+_BLOCK = 64 if INTERPRET else 1024
+_MIN_BLOCKS = 2 if INTERPRET else 4
+_MAX_SPLIT = 64  # chunks per row at most (the combining programs load them all)
+_WAVES = 4  # programs wanted per multiprocessor
+
+
+def _chunking(rows: int, width: int, sms: int) -> tuple[int, int, int]:
+    """(block, chunk, chunks per row) for `rows` rows of `width` values: enough programs for the
+    GPU where rows are few and wide, chunks of whole blocks."""
+    block = min(_BLOCK, next_power_of_2(max(width, 1)))
+    want = max(1, min(_MAX_SPLIT, -(-_WAVES * sms // max(rows, 1))))
+    chunk = max(-(-width // want), _MIN_BLOCKS * block, -(-width // _MAX_SPLIT))
+    chunk = -(-chunk // block) * block
+    return block, chunk, max(1, -(-width // chunk))
+
+
+def _dims(x: torch.Tensor, num_groups: int) -> tuple[int, int, int, int]:
+    """(N, C, S, L): batch, channels, spatial size, values per row."""
+    n, c = x.shape[0], x.shape[1]
+    s = x.numel() // (n * c) if n * c else 0
+    return n, c, s, (c // num_groups) * s
+
+
+def group_norm_fwd(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                   eps: float, activation: str | None, out_dtype: torch.dtype
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, mean, rstd): y contiguous, shaped like x, in out_dtype; mean and rstd (N, G) in the
+    accumulation dtype (fp32, fp64 for fp64 x)."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    if x.numel() and not use_triton(x):
+        return _group_norm_torch(x, num_groups, weight, bias, eps, activation, out_dtype)
+    n, c, s, width = _dims(x, num_groups)
+    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    mean = torch.empty((n, num_groups), dtype=acc, device=x.device)
+    rstd = torch.empty((n, num_groups), dtype=acc, device=x.device)
+    if x.numel() == 0:
+        return y, mean.fill_(float("nan")), rstd.fill_(float("nan"))
+    x = x.contiguous()
+    rows = n * num_groups
+    block, chunk, split = _chunking(rows, width, device_sms(x))
+    part = torch.empty((rows * split, 2), dtype=acc, device=x.device)
+    accum = acc_dtype(x.dtype)
+    _stats[(rows * split,)](x, part, width, chunk, split, BLOCK=block, ACC=accum)
+    _fwd[(rows * split,)](
+        x, weight if weight is not None else x, bias if bias is not None else x, y, part, mean, rstd,
+        width, s, c // num_groups, num_groups, chunk, split, eps,
+        SPLIT_P2=next_power_of_2(split), BLOCK=block, HAS_W=weight is not None, HAS_B=bias is not None,
+        SILU=activation == "silu", ACC=accum)
+    return y, mean, rstd
+
+
+def group_norm_bwd(dy: torch.Tensor, x: torch.Tensor, num_groups: int, weight: torch.Tensor | None,
+                   bias: torch.Tensor | None, mean: torch.Tensor, rstd: torch.Tensor, activation: str | None,
+                   need_dx: bool = True
+                   ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(dx, dweight, dbias): dx contiguous in x's dtype (None when not needed), dweight and dbias
+    (C,) in the weight's and bias's dtypes (None for an absent one)."""
+    if x.numel() and not use_triton(x):
+        return _group_norm_bwd_torch(dy, x, num_groups, weight, bias, mean, rstd, activation, need_dx)
+    n, c, s, width = _dims(x, num_groups)
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    if x.numel() == 0:
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_dx else None
+        dw = torch.zeros_like(weight) if weight is not None else None
+        db = torch.zeros_like(bias) if bias is not None else None
+        return dx, dw, db
+    x, dy = x.contiguous(), dy.contiguous()
+    accum = acc_dtype(x.dtype)
+    flags = {"HAS_W": weight is not None, "HAS_B": bias is not None, "SILU": activation == "silu",
+             "ACC": accum}
+    w_arg = weight if weight is not None else x
+    b_arg = bias if bias is not None else x
+    sms = device_sms(x)
+    block_s, chunk_s, split_s = _chunking(n * c, s, sms)
+    part = torch.empty((n * c * split_s, 2), dtype=acc, device=x.device)
+    _bwd_sums[(n * c * split_s,)](dy, x, w_arg, b_arg, mean, rstd, part, s, c, c // num_groups, chunk_s,
+                                  split_s, BLOCK=block_s, **flags)
+    dx = None
+    if need_dx:
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        rows = n * num_groups
+        block, chunk, split = _chunking(rows, width, sms)
+        cg = c // num_groups
+        _bwd_dx[(rows * split,)](
+            dy, x, w_arg, b_arg, mean, rstd, part, dx, width, s, c, cg, num_groups, chunk, split, split_s,
+            SPLIT_S_P2=next_power_of_2(split_s),
+            CB=min(next_power_of_2(cg), max(1, 256 // next_power_of_2(split_s))),  # <= 256 sums a step
+            BLOCK=block, **flags)
+    sums = part.view(n, c, split_s, 2).sum(dim=(0, 2))  # a fixed order: deterministic
+    # copies: the two are never views of one buffer (a registered op's outputs must not alias)
+    dw = sums[:, 0].to(weight.dtype, copy=True) if weight is not None else None
+    db = sums[:, 1].to(bias.dtype, copy=True) if bias is not None else None
+    return dx, dw, db
+
+
+# ---------------------------------------------------------------------------------------------
+# PyTorch path for CPU tensors without the interpreter: the kernels' maths, same outputs.
+# ---------------------------------------------------------------------------------------------
+
+
+def _upcast(t: torch.Tensor | None) -> torch.Tensor | None:
+    if t is None:
+        return None
+    return t.to(torch.float64 if t.dtype == torch.float64 else torch.float32)
+
+
+def _group_norm_torch(x, num_groups, weight, bias, eps, activation, out_dtype):
+    n = x.shape[0]
+    xf = _upcast(x)
+    rows = xf.reshape(n, num_groups, -1)
+    var, mean = torch.var_mean(rows, dim=-1, unbiased=False)
+    y = group_norm_ref(xf, num_groups, _upcast(weight), _upcast(bias), eps, activation)
+    return y.to(out_dtype).contiguous(), mean, torch.rsqrt(var + eps)
+
+
+def _group_norm_bwd_torch(dy, x, num_groups, weight, bias, mean, rstd, activation, need_dx):
+    # The formulas, not autograd: inside the registered backward op autograd records nothing.
+    n, c = x.shape[0], x.shape[1]
+    xf, w, b = _upcast(x), _upcast(weight), _upcast(bias)
+    mean, rstd = mean.to(xf.dtype).view(n, num_groups, 1), rstd.to(xf.dtype).view(n, num_groups, 1)
+    xhat = ((xf.reshape(n, num_groups, -1) - mean) * rstd).reshape(n, c, -1)
+    dz = dy.to(xf.dtype).reshape(n, c, -1)
+    w3 = w.view(1, c, 1) if w is not None else None
+    if activation == "silu":
+        z = xhat * w3 if w3 is not None else xhat
+        z = z + b.view(1, c, 1) if b is not None else z
+        s = torch.sigmoid(z)
+        dz = dz * s * (1 + z * (1 - s))
+    dw = (dz * xhat).sum(dim=(0, 2)).to(weight.dtype) if weight is not None else None
+    db = dz.sum(dim=(0, 2)).to(bias.dtype) if bias is not None else None
+    dx = None
+    if need_dx:
+        g = (dz * w3 if w3 is not None else dz).reshape(n, num_groups, -1)
+        xh = xhat.reshape(n, num_groups, -1)
+        dx = rstd * (g - g.mean(-1, keepdim=True) - xh * (g * xh).mean(-1, keepdim=True))
+        dx = dx.reshape(x.shape).to(x.dtype).contiguous()
+    return dx, dw, db
+
+
+# =============================================================================================
+# Checks, shared by the registered ops (real and fake) and the eager path
+# =============================================================================================
+
+
+def _check_inputs(x: object, num_groups: object, weight: object, bias: object, eps: object,
+                  activation: object, out_dtype: object) -> torch.dtype:
+    """The output dtype, once every argument is checked."""
+    op = "group_norm"
+    check_tensor(op, "x", x)
+    check_float(op, "x", x)
+    if x.dim() < 2:
+        raise ValueError(f"trifuse.{op}: x must have at least 2 dimensions (N, C, ...), "
+                         f"got shape {tuple(x.shape)}")
+    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1:
+        raise ValueError(f"trifuse.{op}: num_groups must be a positive int, got {num_groups!r}")
+    channels = x.shape[1]
+    if channels % num_groups:
+        raise ValueError(f"trifuse.{op}: the channels of x (dim 1, {channels}) must divide into num_groups "
+                         f"({num_groups}) groups")
+    params = {"weight": weight, "bias": bias}
+    for name, p in params.items():
+        if p is None:
+            continue
+        check_tensor(op, name, p)
+        check_float(op, name, p)
+        check_shape(op, name, p, (channels,))
+        if p.dtype != x.dtype and not (p.dtype == torch.float32 and x.dtype in _HALF):
+            raise TypeError(f"trifuse.{op}: {name} has dtype {p.dtype}; it must be x's ({x.dtype}) or, for a "
+                            "16-bit x, float32")
+    if weight is not None and bias is not None and weight.dtype != bias.dtype:
+        raise TypeError(f"trifuse.{op}: bias has dtype {bias.dtype} but weight has {weight.dtype}")
+    check_same_device(op, "x", x, weight=weight, bias=bias)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"trifuse.{op}: eps must be a number >= 0, got {eps!r}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"trifuse.{op}: activation must be None or 'silu', got {activation!r}")
+    if out_dtype is None or out_dtype == x.dtype:
+        return x.dtype
+    if out_dtype == torch.float32 and x.dtype in _HALF:
+        return out_dtype
+    raise TypeError(f"trifuse.{op}: out_dtype must be None, x's dtype ({x.dtype}) or, for a 16-bit x, "
+                    f"torch.float32; got {out_dtype}")
+
+
+# =============================================================================================
+# Registered ops: what torch.compile, fx and exported graphs see. The forward returns the
+# statistics its backward needs; the backward returns empty tensors for gradients not asked for.
+# =============================================================================================
+
+Tensor = torch.Tensor
+OptTensor = torch.Tensor | None
+
+
+@torch.library.custom_op("trifuse::group_norm", mutates_args=())
+def _group_norm_op(x: Tensor, num_groups: int, weight: OptTensor, bias: OptTensor, eps: float,
+                   activation: str | None, out_dtype: torch.dtype | None) -> tuple[Tensor, Tensor, Tensor]:
+    """(y, mean, rstd)."""
+    dtype = _check_inputs(x, num_groups, weight, bias, eps, activation, out_dtype)
+    return group_norm_fwd(x, num_groups, weight, bias, eps, activation, dtype)
+
+
+@torch.library.custom_op("trifuse::group_norm_backward", mutates_args=())
+def _group_norm_backward_op(dy: Tensor, x: Tensor, num_groups: int, weight: OptTensor, bias: OptTensor,
+                            mean: Tensor, rstd: Tensor, activation: str | None,
+                            need_dx: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dweight, dbias), each empty where not needed or absent."""
+    dx, dw, db = group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, need_dx)
+    return tuple(t if t is not None else x.new_empty(0) for t in (dx, dw, db))  # one empty each: no aliases
+
+
+@_group_norm_op.register_fake
+def _(x, num_groups, weight, bias, eps, activation, out_dtype):
+    dtype = _check_inputs(x, num_groups, weight, bias, eps, activation, out_dtype)
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    stats = (x.shape[0], num_groups)
+    return x.new_empty(x.shape, dtype=dtype), x.new_empty(stats, dtype=acc), x.new_empty(stats, dtype=acc)
+
+
+@_group_norm_backward_op.register_fake
+def _(dy, x, num_groups, weight, bias, mean, rstd, activation, need_dx):
+    return (x.new_empty(x.shape if need_dx else (0,)), weight.new_empty(weight.shape) if weight is not None
+            else x.new_empty(0), bias.new_empty(bias.shape) if bias is not None else x.new_empty(0))
+
+
+def _setup(ctx, inputs, output):
+    x, num_groups, weight, bias, eps, activation, _ = inputs
+    _, mean, rstd = output
+    ctx.save_for_backward(x, weight, bias, mean, rstd)
+    ctx.num_groups, ctx.eps, ctx.activation = num_groups, eps, activation
+    ctx.set_materialize_grads(False)
+
+
+def _op_twice(ctx, dy, *_):
+    dx, dw, db = _group_norm_twice(ctx, dy)
+    return dx, None, dw, db, None, None, None
+
+
+@single_backward(twice=_op_twice, op="group_norm")
+def _backward(ctx, dy, *_):
+    if dy is None:
+        return (None,) * 7
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    dx, dw, db = torch.ops.trifuse.group_norm_backward(dy, x, ctx.num_groups, weight, bias, mean, rstd,
+                                                       ctx.activation, needs[0])
+    return (dx if needs[0] else None, None, dw if weight is not None and needs[2] else None,
+            db if bias is not None and needs[3] else None, None, None, None)
+
+
+torch.library.register_autograd("trifuse::group_norm", _backward, setup_context=_setup)
+
+
+# =============================================================================================
+# Eager fast path: a thin autograd.Function straight over the launchers (see DESIGN.md "Host
+# overhead"). Same launchers, same bits as the registered op.
+# =============================================================================================
+
+
+def _group_norm_twice(ctx, dy):
+    """(dx, dweight, dbias) in PyTorch ops, differentiable again (create_graph=True)."""
+    x, weight, bias, _, _ = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    dx, dw, db = reference_grads(
+        lambda x, w, b: _group_norm_torch(x, ctx.num_groups, w, b, ctx.eps, ctx.activation, x.dtype)[0],
+        (x, weight, bias), (needs[0], needs[2], needs[3]), (dy,))
+    return dx, dw, db
+
+
+class _GroupNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, num_groups, weight, bias, eps, activation, out_dtype):
+        y, mean, rstd = group_norm_fwd(x, num_groups, weight, bias, eps, activation, out_dtype)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        ctx.num_groups, ctx.eps, ctx.activation = num_groups, eps, activation
+        return y
+
+    @staticmethod
+    @single_backward(twice=lambda ctx, dy: _op_twice(ctx, dy))
+    def backward(ctx, dy):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        with profiled("trifuse::group_norm_backward"):
+            dx, dw, db = group_norm_bwd(dy, x, ctx.num_groups, weight, bias, mean, rstd, ctx.activation,
+                                        needs[0])
+        return (dx, None, dw if needs[2] else None, db if needs[3] else None, None, None, None)
+
+
+# =============================================================================================
+# Dialect: trifuse's kernels or PyTorch's `F.group_norm` (then `F.silu`), whichever is faster for
+# the shape, chosen once per (device, dtype, rows bucket, width, activation, grad) on the GPU and
+# cached on disk (autotune/dialects.py). Traced calls always see trifuse::group_norm.
+# =============================================================================================
+
+
+def _group_norm_key(x, num_groups, weight, bias, eps, activation, out_dtype):
+    """The dialect key of an eager call; None (the trifuse op decides, and raises on bad input)
+    when traced, empty or not fitting. It runs on every call."""
+    if not isinstance(x, torch.Tensor) or not eager_fast_path(x, weight, bias) or not x.is_floating_point():
+        return None
+    if x.dim() < 2 or not isinstance(num_groups, int) or num_groups < 1 or x.shape[1] % num_groups:
+        return None
+    if x.numel() == 0 or activation not in ACTIVATIONS:
+        return None
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    rows = x.shape[0] * num_groups
+    return (x.get_device() if x.is_cuda else -1, x.dtype, pow2_bucket(rows), pow2_bucket(x.numel() // rows),
+            activation, out_dtype, grad)
+
+
+def _group_norm_trifuse(x, num_groups, weight, bias, eps, activation, out_dtype):
+    dtype = _check_inputs(x, num_groups, weight, bias, eps, activation, out_dtype)
+    if eager_fast_path(x, weight, bias):
+        with profiled("trifuse::group_norm"):
+            return apply_function(_GroupNormFunction, x, num_groups, weight, bias, eps, activation, dtype)
+    return torch.ops.trifuse.group_norm(x, num_groups, weight, bias, eps, activation, out_dtype)[0]
+
+
+def _group_norm_torch_candidate(x, num_groups, weight, bias, eps, activation, out_dtype):
+    # trifuse's checks first: the same clear errors whichever candidate runs.
+    dtype = _check_inputs(x, num_groups, weight, bias, eps, activation, out_dtype)
+    with profiled("trifuse::group_norm"):
+        if dtype != x.dtype or (weight is not None and weight.dtype != x.dtype):
+            # CUDA autocast's form: the norm (and the SiLU) in fp32, from x upcast
+            x, weight, bias = _upcast(x), _upcast(weight), _upcast(bias)
+        return group_norm_ref(x, num_groups, weight, bias, eps, activation).to(dtype).contiguous()
+
+
+def _reference(x, num_groups, weight=None, bias=None, eps=1e-5, activation=None, out_dtype=None):
+    return group_norm_ref(x, num_groups, weight, bias, eps, activation)
+
+
+GROUP_NORM = dialects.define(
+    "group_norm", _group_norm_key, ("device", "dtype", "rows", "width", "activation", "out_dtype", "grad"),
+    reference=_reference,
+    captures=((torch.nn.GroupNorm, lambda m, x: (x, m.num_groups, m.weight, m.bias, m.eps, None, None)),))
+GROUP_NORM.register(dialects.Candidate("trifuse", _group_norm_trifuse))
+GROUP_NORM.register(dialects.Candidate("torch", _group_norm_torch_candidate))
+
+
+# =============================================================================================
+# Public API
+# =============================================================================================
+
+
+@outside_device_modes
+def group_norm(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None = None,
+               bias: torch.Tensor | None = None, eps: float = 1e-5, activation: str | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`F.group_norm(x, num_groups, weight, bias, eps)`, then SiLU if asked, in one pass each way.
+
+    Args:
+        x: (N, C, *spatial), fp16 / bf16 / fp32 / fp64, C divisible by num_groups; any layout
+            (non-contiguous ones, channels_last included, are copied once).
+        num_groups: G; each of the N * G rows normalizes C / G channels over every spatial position.
+        weight, bias: (C,) or None, in x's dtype or, for a 16-bit x, fp32.
+        eps: added to the variance.
+        activation: None, or "silu" (`F.silu` of the norm's output, as a ResNet block's
+            `nonlinearity(norm(x))`).
+        out_dtype: None (x's dtype) or, for a 16-bit x, torch.float32: CUDA autocast's GroupNorm,
+            which computes in fp32 and returns fp32.
+
+    Returns:
+        y, contiguous, shaped like x. Gradients reach x, weight and bias; the backward recomputes
+        the norm's output from x and the saved (N, G) statistics (no activation is kept).
+
+    Eager calls run trifuse's kernels or PyTorch's GroupNorm (and SiLU), whichever the `group_norm`
+    dialect measured faster for this shape on this GPU; elsewhere, and under torch.compile, trifuse's.
+
+    Raises:
+        TypeError for non-float tensors or parameters of another dtype; ValueError for fewer than
+        2 dims, channels that do not divide into the groups, parameters not (C,), tensors on
+        different devices, a negative eps or an unknown activation.
+    """
+    return GROUP_NORM(x, num_groups, weight, bias, eps, activation, out_dtype)
