@@ -45,7 +45,7 @@ HOPPER_SMEM = 232448
 SASS_COUNTED = ("HGMMA", "HMMA", "UTMALDG", "UTMASTG", "LDGSTS", "LDL", "STL", "MUFU")
 
 FAMILIES = ("layer_norm", "residual_stream", "bias_gelu", "dropout_add", "gated_activation", "rotary",
-            "attention", "attention_dropout", "attention_varlen", "cross_entropy", "cast")
+            "attention", "attention_dropout", "attention_varlen", "cross_entropy", "cast", "group_norm")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,6 +148,13 @@ def _catalogue(torch, family: str):
         for readers in (3, 2):
             yield f"cast_for_readers 1024 -> bf16 x {readers}", fwd_bwd(
                 lambda x=x, k=readers: cast_for_readers(x, bf16, k))
+    elif family == "group_norm":
+        # SD's UNet at its widest level (320 channels, 32 groups) and a VAE decoder's 1M-value rows
+        for shape in ((2, 320, 64, 64), (1, 128, 256, 256)):
+            x, w, b = leaf(*shape), leaf(shape[1]), leaf(shape[1])
+            for act in ("silu", None):
+                yield f"group_norm {'x'.join(map(str, shape))} {act}", fwd_bwd(
+                    lambda x=x, w=w, b=b, act=act: ops.group_norm(x, 32, w, b, 1e-5, act))
     elif family == "gated_activation":
         g, u = leaf(tile_rows, 8192), leaf(tile_rows, 8192)
         for act in ("silu", "gelu", "gelu_tanh"):
@@ -266,6 +273,7 @@ def record(families: list[str], spaces: bool, smoke: bool = False) -> list[dict]
     from trifuse.autotune import tuner as tuner_mod
     from trifuse.kernels import _launch
     from trifuse.kernels import attention as attention_mod
+    from trifuse.kernels import group_norm as group_norm_mod
 
     launches: list[dict] = []
     state = {"label": "", "only_record": False, "config": ""}
@@ -304,8 +312,11 @@ def record(families: list[str], spaces: bool, smoke: bool = False) -> list[dict]
         return original_decide(self, key, launch, args)
 
     _launch.CachedKernel.run = run
-    # Attention's block sizes as on the GPU, not the interpreter's small test blocks.
+    # Attention's block sizes as on the GPU, not the interpreter's small test blocks; GroupNorm's
+    # blocks and row chunks likewise (an H100's 132 multiprocessors).
     attention_mod.INTERPRET = False
+    group_norm_mod._BLOCK, group_norm_mod._MIN_BLOCKS = 1024, 4
+    group_norm_mod.device_sms = lambda t: 132
     if spaces:
         tuner_mod.Tuner._decide = decide
     torch.manual_seed(0)

@@ -41,9 +41,12 @@ from ..kernels.cast import cast_for_readers
 from ..kernels.linear import autocast_linear
 from ..patterns._base import example_value
 
-# Ops autocast runs in its lower-precision dtype, casting every fp32 tensor argument to it.
+# Ops autocast runs in its lower-precision dtype, casting every fp32 tensor argument to it: the
+# matmuls, and the convolutions (F.conv2d is torch.conv2d) that read a UNet's GroupNorm + SiLU.
+# The notes below say "matmul" for either.
 LOWERED = frozenset({torch._C._nn.linear, torch.addmm, torch.mm, torch.matmul, torch.bmm, torch.baddbmm,
-                     operator.matmul})
+                     operator.matmul, torch.conv1d, torch.conv2d, torch.conv3d, torch.conv_transpose1d,
+                     torch.conv_transpose2d, torch.conv_transpose3d})
 # Methods that pass values on unchanged (any dtype), and those that read only the shape.
 _VIEWS = frozenset({"view", "reshape", "flatten", "unflatten"})
 _SHAPE_ONLY = frozenset({"size", "dim"})
@@ -293,6 +296,24 @@ def _output(node: fx.Node, index: int | None) -> fx.Node | None:
     return items[0] if len(items) == 1 else None
 
 
+# A convolution module an fx graph calls (canonicalize keeps those as modules): autocast lowers it too.
+_CONV_MODULES = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.ConvTranspose1d,
+                 torch.nn.ConvTranspose2d, torch.nn.ConvTranspose3d)
+
+
+def _lowered(node: fx.Node) -> bool:
+    """Whether autocast runs `node` in its lower-precision dtype (LOWERED, or a convolution module)."""
+    if node.op == "call_function":
+        return node.target in LOWERED
+    if node.op != "call_module" or node.graph.owning_module is None:
+        return False
+    try:
+        module = node.graph.owning_module.get_submodule(node.target)
+    except AttributeError:
+        return False
+    return type(module) in _CONV_MODULES
+
+
 def _branches_to_matmuls(y: fx.Node) -> tuple[list[tuple[fx.Node, list[fx.Node]]], bool]:
     """(branches, others): y's uses that end in an autocast-lowered op reading them once, as
     (first node, its views), each view read by the next alone; and whether anything else reads y
@@ -310,7 +331,7 @@ def _branches_to_matmuls(y: fx.Node) -> tuple[list[tuple[fx.Node, list[fx.Node]]
                 break
             value = uses[0]
         source = chain[-1] if chain else y
-        if value is not source and value.op == "call_function" and value.target in LOWERED and \
+        if value is not source and _lowered(value) and \
                 sum(a is source for a in (*value.args, *value.kwargs.values())) == 1:
             branches.append((first, chain))
         else:

@@ -85,6 +85,7 @@ def _sig_where(condition, input, other): ...
 def _sig_masked_fill(input, mask, value): ...
 def _sig_torch_layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True): ...
 def _sig_torch_rms_norm(input, normalized_shape, weight=None, eps=None): ...
+def _sig_torch_group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, cudnn_enabled=True): ...
 def _sig_torch_dropout(input, p, train): ...
 def _sig_add(input, other, *, alpha=1): ...
 def _sig_div(input, other, *, rounding_mode=None): ...
@@ -110,6 +111,8 @@ _FUNCTIONS: dict[Any, tuple[Callable[..., Any], Callable[..., Any] | None]] = {
     F.scaled_dot_product_attention: (F.scaled_dot_product_attention, _sig_sdpa),
     F.layer_norm: (F.layer_norm, None),
     torch.layer_norm: (F.layer_norm, _sig_torch_layer_norm),
+    F.group_norm: (F.group_norm, None),
+    torch.group_norm: (F.group_norm, _sig_torch_group_norm),
     F.dropout: (F.dropout, None),
     torch.dropout: (F.dropout, _sig_torch_dropout),
     F.softmax: (torch.softmax, _sig_f_softmax),
@@ -162,6 +165,7 @@ _MUST_BE = {
     (operator.sub, "alpha"): 1,
     (operator.truediv, "rounding_mode"): None,
     (F.layer_norm, "cudnn_enable"): True,
+    (F.group_norm, "cudnn_enabled"): True,
 }
 
 _CAST_METHODS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16,
@@ -462,6 +466,7 @@ def has_hooks(module: torch.nn.Module) -> bool:
 # reads of the module): a graph holding the call is right only while they keep these values.
 _BAKED: dict[type, tuple[str, ...]] = {
     torch.nn.LayerNorm: ("normalized_shape", "eps"),
+    torch.nn.GroupNorm: ("num_groups", "eps"),
     torch.nn.GELU: ("approximate",),
     torch.nn.SiLU: ("inplace",),
     torch.nn.ReLU: ("inplace",),
@@ -522,6 +527,9 @@ def _module_to_function(graph: fx.Graph, node: fx.Node, root: torch.nn.Module) -
         elif type(mod) is torch.nn.LayerNorm:
             new = graph.call_function(F.layer_norm, (x, tuple(mod.normalized_shape), param("weight"),
                                                      param("bias"), mod.eps))
+        elif type(mod) is torch.nn.GroupNorm:
+            new = graph.call_function(F.group_norm, (x, mod.num_groups, param("weight"), param("bias"),
+                                                     mod.eps))
         elif hasattr(torch.nn, "RMSNorm") and type(mod) is torch.nn.RMSNorm:
             new = graph.call_function(F.rms_norm, (x, tuple(mod.normalized_shape), param("weight"), mod.eps))
         elif type(mod) is torch.nn.GELU:

@@ -45,7 +45,7 @@ from .narrow import drop_cast_backs, full_y, narrow_norm_outputs, out_dtype, rea
 from .normalize import canonicalize_node, reads_only_metadata, writes_in_place
 
 FAMILIES = ("attention", "layer_norm", "rms_norm", "bias_gelu", "gated_activation", "dropout_add",
-            "residual_stream", "cross_entropy", "rotary")
+            "residual_stream", "cross_entropy", "rotary", "group_norm")
 # Families whose patterns build on another family's output (the residual stream starts from a
 # fused norm), so selecting them selects those too.
 DEPENDS = {"residual_stream": ("layer_norm", "rms_norm")}
@@ -53,6 +53,7 @@ DEPENDS = {"residual_stream": ("layer_norm", "rms_norm")}
 # Ops whose presence in a rewritten graph is worth a line in the report when no pattern took them.
 _OF_INTEREST = {
     F.layer_norm: "layer_norm",
+    F.group_norm: "group_norm",
     F.gelu: "gelu",
     F.dropout: "dropout",
     F.scaled_dot_product_attention: "scaled_dot_product_attention",

@@ -13,6 +13,7 @@ from . import (
     cross_entropy,
     dropout_add,
     gated_activation,
+    group_norm,
     layer_norm,
     residual_stream,
     rotary,
@@ -21,6 +22,7 @@ from ._base import Pattern
 
 PATTERNS: tuple[Pattern, ...] = (
     *layer_norm.PATTERNS,
+    *group_norm.PATTERNS,
     *adaptive_norm.PATTERNS,
     *rotary.PATTERNS,
     *attention.PATTERNS,

@@ -16,7 +16,8 @@ from torch import nn
 # not in this build is skipped by fuse, and its tests skip).
 FAMILY_OPS = {"layer_norm": "layer_norm", "rms_norm": "rms_norm", "residual_stream": "dropout_add_layer_norm",
               "attention": "attention", "bias_gelu": "bias_gelu", "gated_activation": "gated_activation",
-              "dropout_add": "dropout_add", "cross_entropy": "cross_entropy", "rotary": "rotary_embedding"}
+              "dropout_add": "dropout_add", "cross_entropy": "cross_entropy", "rotary": "rotary_embedding",
+              "group_norm": "group_norm"}
 
 
 class PassThroughMode(torch.overrides.TorchFunctionMode):

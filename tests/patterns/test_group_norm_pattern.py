@@ -1,0 +1,116 @@
+"""GroupNorm: `nn.GroupNorm`, `F.group_norm` and `torch.group_norm` become one trifuse.group_norm,
+with the SiLU after it (`nn.SiLU`, `F.silu`, written out) where the norm's output has no other
+reader, as in diffusers' ResNet blocks; outputs and gradients by the oracle rule, fx and Dynamo."""
+import pytest
+import torch
+import torch.nn.functional as F
+import trifuse
+from _fusing import Act, check_against_unfused, cuda_like_autocast, needs_ops, trifuse_ops_run
+from torch import nn
+
+pytestmark = needs_ops("group_norm")
+C = 12
+X = (torch.randn(2, C, 5, 7),)
+CAPTURES = ["fx", "dynamo"]
+
+
+class ResnetHalf(nn.Module):
+    """diffusers' ResnetBlock2D, its first half: conv(nonlinearity(norm(x)))."""
+
+    def __init__(self, norm, act):
+        super().__init__()
+        self.norm = norm
+        self.nonlinearity = act
+        self.conv = nn.Conv2d(C, C, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(self.nonlinearity(self.norm(x)))
+
+
+class FunctionalNorm(nn.Module):
+    def __init__(self, fn, affine=True):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.3 * torch.randn(C)) if affine else None
+        self.bias = nn.Parameter(0.3 * torch.randn(C)) if affine else None
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x, 4, self.weight, self.bias, 1e-6)
+
+
+def silu_written_out(y):
+    return y * torch.sigmoid(y)
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("make, pattern", [
+    (lambda: ResnetHalf(nn.GroupNorm(4, C), nn.SiLU()), "group_norm_silu"),
+    (lambda: ResnetHalf(nn.GroupNorm(3, C, eps=1e-6), Act(F.silu)), "group_norm_silu"),
+    (lambda: ResnetHalf(nn.GroupNorm(4, C), Act(silu_written_out)), "group_norm_silu_written_out"),
+    (lambda: ResnetHalf(nn.GroupNorm(C, C, affine=False), nn.SiLU()), "group_norm_silu"),
+    (lambda: ResnetHalf(FunctionalNorm(torch.group_norm), nn.SiLU()), "group_norm_silu"),
+    (lambda: ResnetHalf(nn.GroupNorm(4, C), nn.Identity()), "group_norm"),
+    (lambda: ResnetHalf(FunctionalNorm(F.group_norm, affine=False), nn.GELU()), "group_norm"),
+], ids=["nn.GroupNorm-nn.SiLU", "eps-F.silu", "silu-written-out", "no-affine-one-channel-a-group",
+        "torch.group_norm", "no-activation", "functional-then-gelu"])
+def test_spelling_fuses_and_matches(make, pattern, capture):
+    report = check_against_unfused(make, X, capture)
+    assert report.by_pattern() == {pattern: 1}, report.table()
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_a_norm_read_beside_its_silu_fuses_alone(capture):
+    """The norm's output read by the SiLU and by a skip connection: the SiLU stays PyTorch's
+    (the op returns only its SiLU), the norm is fused by itself."""
+    class TwoReaders(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.GroupNorm(4, C)
+            self.act = nn.SiLU()
+
+        def forward(self, x):
+            h = self.norm(x)
+            return self.act(h) + h
+
+    report = check_against_unfused(TwoReaders, X, capture)
+    assert report.by_pattern() == {"group_norm": 1}, report.table()
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_an_in_place_silu_is_left_as_written(capture):
+    report = check_against_unfused(lambda: ResnetHalf(nn.GroupNorm(4, C), nn.SiLU(inplace=True)), X, capture)
+    assert report.by_pattern() == {"group_norm": 1}, report.table()
+
+
+def test_the_fused_step_runs_the_op_and_keeps_no_activation():
+    """One trifuse op forward, its backward op too; the SiLU's input (eager keeps it) is gone."""
+    model = ResnetHalf(nn.GroupNorm(4, C), nn.SiLU())
+    trifuse.fuse(model)
+    x = X[0].clone().requires_grad_()
+    names = trifuse_ops_run(lambda: model(x).sum().backward())
+    assert {"trifuse::group_norm", "trifuse::group_norm_backward"} & names, names
+    assert trifuse.report(model).counts() == {"group_norm": 1}
+
+
+def test_ops_selection_leaves_group_norm_out():
+    model = ResnetHalf(nn.GroupNorm(4, C), nn.SiLU())
+    trifuse.fuse(model, ops=["layer_norm"])
+    model(X[0])
+    assert trifuse.report(model).counts() == {}
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_16_bit_under_cuda_autocast_keeps_the_models_dtypes(capture):
+    """CUDA's autocast runs GroupNorm in fp32 on a 16-bit x (the conv before it returns 16 bits):
+    the fused op computes in fp32 as well and returns x's 16 bits, which the convolution after it
+    reads as they are (it would round the model's fp32 output to the same 16 bits: no fp32 copy
+    is written). Output by the oracle rule, the unfused model under the same autocast the
+    yardstick (its loss-free output: fp16 convolutions' gradients move with any reordering)."""
+    def make():
+        return nn.Sequential(nn.Conv2d(C, C, 1), ResnetHalf(nn.GroupNorm(4, C), nn.SiLU()))
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with cuda_like_autocast(), torch.autocast(device, dtype=torch.float16):
+        report = check_against_unfused(make, X, capture, grads=False)
+    assert report.by_pattern() == {"group_norm_silu": 1}, report.table()
+    assert "output in float16: one autocast matmul reads it" in report.table(), report.table()
