@@ -498,9 +498,9 @@ def _(dy, x, num_groups, weight, bias, mean, rstd, activation, need_dx):
 
 def _setup(ctx, inputs, output):
     x, num_groups, weight, bias, eps, activation, _ = inputs
-    _, mean, rstd = output
+    y, mean, rstd = output
     ctx.save_for_backward(x, weight, bias, mean, rstd)
-    ctx.num_groups, ctx.eps, ctx.activation = num_groups, eps, activation
+    ctx.num_groups, ctx.eps, ctx.activation, ctx.out_dtype = num_groups, eps, activation, y.dtype
     ctx.set_materialize_grads(False)
 
 
@@ -535,7 +535,7 @@ def _group_norm_twice(ctx, dy):
     x, weight, bias, _, _ = ctx.saved_tensors
     needs = ctx.needs_input_grad
     dx, dw, db = reference_grads(
-        lambda x, w, b: _group_norm_torch(x, ctx.num_groups, w, b, ctx.eps, ctx.activation, x.dtype)[0],
+        lambda x, w, b: _group_norm_torch(x, ctx.num_groups, w, b, ctx.eps, ctx.activation, ctx.out_dtype)[0],
         (x, weight, bias), (needs[0], needs[2], needs[3]), (dy,))
     return dx, dw, db
 
@@ -545,7 +545,7 @@ class _GroupNormFunction(torch.autograd.Function):
     def forward(ctx, x, num_groups, weight, bias, eps, activation, out_dtype):
         y, mean, rstd = group_norm_fwd(x, num_groups, weight, bias, eps, activation, out_dtype)
         ctx.save_for_backward(x, weight, bias, mean, rstd)
-        ctx.num_groups, ctx.eps, ctx.activation = num_groups, eps, activation
+        ctx.num_groups, ctx.eps, ctx.activation, ctx.out_dtype = num_groups, eps, activation, out_dtype
         return y
 
     @staticmethod
