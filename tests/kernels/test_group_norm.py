@@ -146,6 +146,25 @@ def test_double_backward_float64():
         lambda x, w, b: torch.ops.trifuse.group_norm(x, 2, w, b, 1e-5, "silu", None)[0], (x, weight, bias))
 
 
+def test_double_backward_of_the_autocast_form():
+    """create_graph=True through a 16-bit x with an fp32 output (CUDA autocast's form), both paths:
+    the second derivatives are PyTorch's GroupNorm's on x upcast (the reference formula runs in
+    the op's output dtype)."""
+    x, weight, bias = make((2, 4, 5), torch.float16, param_dtype=torch.float32)
+    xf, wf, bf = _detached((x, weight, bias), torch.float32)
+    ref_y = group_norm_ref(xf, 2, wf, bf, 1e-5, "silu")
+    ref_gw, = torch.autograd.grad(ref_y.square().sum(), wf, create_graph=True)
+    ref_dx, = torch.autograd.grad(ref_gw.sum(), xf)
+    for fn in (lambda: trifuse.ops.group_norm(x, 2, weight, bias, 1e-5, "silu", torch.float32),
+               lambda: torch.ops.trifuse.group_norm(x, 2, weight, bias, 1e-5, "silu", torch.float32)[0]):
+        y = fn()
+        assert y.dtype == torch.float32
+        gw, = torch.autograd.grad(y.square().sum(), weight, create_graph=True)
+        dx, = torch.autograd.grad(gw.sum(), x)
+        assert dx.dtype == torch.float16
+        torch.testing.assert_close(dx.float(), ref_dx, rtol=2e-3, atol=2e-3)
+
+
 def test_backward_saves_no_activation():
     """x, the parameters and the (N, G) statistics: nothing of y's size besides x (eager keeps the
     norm's output for the SiLU as well)."""
