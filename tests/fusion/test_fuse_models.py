@@ -228,8 +228,9 @@ MODELS = {
     # ones call F.multi_head_attention_forward themselves (separate q/k/v weights, the gated relative
     # position bias as a per-head float mask, a boolean key padding mask, need_weights with the
     # weights dropped), and its feature encoder's 7 convolutions each end in a LayerNorm
+    # (wav2vec2's feature encoder: its first convolution's GroupNorm, one group per channel)
     "wav2vec2": (_family("wav2vec2"), {"layer_norm": 2, "attention": L, "bias_gelu": L,
-                                       "residual_stream": 2 * L}),
+                                       "residual_stream": 2 * L, "group_norm": 1}),
     "wavlm": (_family("wavlm"), {"layer_norm": 9 + L, "attention": L, "bias_gelu": L, "residual_stream": L,
                                  "dropout_add": L}),
     # Vision-language models: the vision tower's blocks and the LM's fuse alike. LLaVA: CLIP's
@@ -257,7 +258,7 @@ OPS = {"layer_norm": ("trifuse::layer_norm",), "rms_norm": ("trifuse::rms_norm",
        "residual_stream": ("trifuse::dropout_add_layer_norm", "trifuse::dropout_add_rms_norm",
                            "trifuse::layer_norm_add", "trifuse::rms_norm_add"),
        "cross_entropy": ("trifuse::cross_entropy", "trifuse::linear_cross_entropy"),
-       "rotary": ("trifuse::rotary_embedding",)}
+       "rotary": ("trifuse::rotary_embedding",), "group_norm": ("trifuse::group_norm",)}
 
 
 def _double_inputs(kw):
