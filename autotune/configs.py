@@ -1,6 +1,6 @@
 """The configuration spaces of trifuse's bandwidth-bound kernels, with their pruning rules beside
 them: LayerNorm / RMSNorm, the row-wise elementwise kernels (bias + GeLU, dropout + add, gated
-activations) and rotary embeddings (attention declares its block-size lists beside its kernels,
+activations), rotary embeddings and GroupNorm (attention declares its block-size lists beside its kernels,
 in kernels/attention.py; cross-entropy's row kernels keep a fixed plan, kernels/cross_entropy.py
 says why).
 
@@ -219,3 +219,21 @@ def rotary() -> list[triton.Config]:
     """(TILE_HALF, warps)."""
     space = ((2048, 8), (4096, 8), (1024, 4), (2048, 4), (4096, 16))
     return [triton.Config({"TILE_HALF": t}, num_warps=w) for t, w in space]
+
+
+# ---------------------------------------------------------------------------------------------
+# GroupNorm (kernels/group_norm.py): a program walks one chunk of a row (or, in the backward's
+# sums, of one channel's plane) BLOCK values a step; the rows are cut into chunks so that about
+# WAVES programs an SM run where rows are few and wide (a VAE's 1M-value rows), each of at least
+# MIN_BLOCKS blocks. Entry 0 is the plan it ran before it was tuned: blocks of 1024 values, 4
+# warps (8 values a thread), 4 programs an SM wanted. No pruning rule: at most 16 fp32 values a
+# thread a tile, and the kernels hold at most four tiles (the backward's two sums, dz, xhat).
+# Not yet timed on a GPU (bench/tune_rowwise.py will say).
+# ---------------------------------------------------------------------------------------------
+
+
+def group_norm() -> list[triton.Config]:
+    """(BLOCK, warps, WAVES), MIN_BLOCKS 4: the forward's two launches and the backward's two
+    take one config each (tuned apart)."""
+    space = ((1024, 4, 4), (2048, 8, 4), (4096, 8, 2), (1024, 4, 8), (2048, 4, 8), (512, 4, 8))
+    return [triton.Config({"BLOCK": b, "WAVES": w, "MIN_BLOCKS": 4}, num_warps=nw) for b, nw, w in space]

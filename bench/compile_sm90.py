@@ -313,7 +313,7 @@ def record(families: list[str], spaces: bool, smoke: bool = False) -> list[dict]
     # Attention's block sizes as on the GPU, not the interpreter's small test blocks; GroupNorm's
     # blocks and row chunks likewise (an H100's 132 multiprocessors).
     attention_mod.INTERPRET = False
-    group_norm_mod._BLOCK, group_norm_mod._MIN_BLOCKS = 1024, 4
+    group_norm_mod._INTERPRET_CAPS = None
     group_norm_mod.device_sms = lambda t: 132
     if spaces:
         tuner_mod.Tuner._decide = decide

@@ -37,14 +37,14 @@ Kernels (1-D grids; int64 offsets, tensors past 2^31 elements):
             row means and writes its chunk of dx. dw and db are the per-(n, c) sums added over n
             and the chunks in a fixed order: bitwise the same on every run.
 Memory plan: the forward saves x, mean and rstd ((N, G) each), nothing of the size of y.
-Launch configuration: fixed (a block of 1024 values, chunks of 4 blocks at least); not tuned yet.
+Launch configuration: tuned per shape bucket (autotune/configs.py: group_norm); not yet timed on a GPU.
 """
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ..autotune import dialects, pow2_bucket
+from ..autotune import Tuner, configs, dialects, pow2_bucket
 from ..autotune.env import INTERPRET
 from ._common import (
     acc_dtype,
@@ -62,7 +62,7 @@ from ._common import (
     single_backward,
     use_triton,
 )
-from ._launch import CachedKernel
+from ._launch import CachedKernel, store_plan
 
 ACTIVATIONS = (None, "silu")
 _HALF = (torch.float16, torch.bfloat16)
@@ -270,22 +270,35 @@ _fwd = CachedKernel(_group_norm_fwd_kernel)
 _bwd_sums = CachedKernel(_group_norm_bwd_sums_kernel)
 _bwd_dx = CachedKernel(_group_norm_bwd_dx_kernel)
 
-# A block of values per loop step, and the fewest blocks a chunk holds. Under the interpreter
-# both are small, so that tests of a few hundred values cross blocks and chunks.
-_BLOCK = 64 if INTERPRET else 1024
-_MIN_BLOCKS = 2 if INTERPRET else 4
+# Launch configurations (autotune/configs.py: group_norm): a block of BLOCK values a loop step
+# with num_warps warps, rows cut into chunks of at least MIN_BLOCKS blocks so that about WAVES
+# programs an SM run. Tuned per (device, dtype, rows bucket, row-width bucket, activation) for the
+# forward's two launches together, and per (device, dtype, rows, width, plane-size buckets,
+# activation, dx wanted) for the backward's; a plan per exact call shape once decided (_LAUNCHES).
+_FWD_KEY_NAMES = ("device", "dtype", "out_dtype", "rows", "width", "silu")
+_BWD_KEY_NAMES = ("device", "dtype", "rows", "width", "plane", "silu", "dx")
+_FWD_TUNER = Tuner("group_norm_fwd", configs.group_norm, _FWD_KEY_NAMES)
+_BWD_TUNER = Tuner("group_norm_bwd", configs.group_norm, _BWD_KEY_NAMES)
+_LAUNCHES: dict[tuple, tuple] = {}
+
+# Under the interpreter, blocks of at most 64 values and chunks of 2 blocks at least, whatever the
+# config: tests of a few hundred values then cross blocks and chunks. None: the config's own.
+_INTERPRET_CAPS = (64, 2) if INTERPRET else None
 _MAX_SPLIT = 64  # chunks per row at most (the combining programs load them all)
-_WAVES = 4  # programs wanted per multiprocessor
 
 
-def _chunking(rows: int, width: int, sms: int) -> tuple[int, int, int]:
-    """(block, chunk, chunks per row) for `rows` rows of `width` values: enough programs for the
-    GPU where rows are few and wide, chunks of whole blocks."""
-    block = min(_BLOCK, next_power_of_2(max(width, 1)))
-    want = max(1, min(_MAX_SPLIT, -(-_WAVES * sms // max(rows, 1))))
-    chunk = max(-(-width // want), _MIN_BLOCKS * block, -(-width // _MAX_SPLIT))
+def _chunking(cfg: triton.Config, rows: int, width: int, sms: int) -> tuple[int, int, int, int]:
+    """(block, chunk, chunks per row, warps) of `cfg` for `rows` rows of `width` values: enough
+    programs for the GPU where rows are few and wide, chunks of whole blocks, and at least 4
+    values a thread of a block (fewer warps for narrow rows)."""
+    block, min_blocks = cfg.kwargs["BLOCK"], cfg.kwargs["MIN_BLOCKS"]
+    if _INTERPRET_CAPS is not None:
+        block, min_blocks = min(block, _INTERPRET_CAPS[0]), min(min_blocks, _INTERPRET_CAPS[1])
+    block = min(block, next_power_of_2(max(width, 1)))
+    want = max(1, min(_MAX_SPLIT, -(-cfg.kwargs["WAVES"] * sms // max(rows, 1))))
+    chunk = max(-(-width // want), min_blocks * block, -(-width // _MAX_SPLIT))
     chunk = -(-chunk // block) * block
-    return block, chunk, max(1, -(-width // chunk))
+    return block, chunk, max(1, -(-width // chunk)), min(cfg.num_warps, max(1, block // 128))
 
 
 def _dims(x: torch.Tensor, num_groups: int) -> tuple[int, int, int, int]:
@@ -293,6 +306,63 @@ def _dims(x: torch.Tensor, num_groups: int) -> tuple[int, int, int, int]:
     n, c = x.shape[0], x.shape[1]
     s = x.numel() // (n * c) if n * c else 0
     return n, c, s, (c // num_groups) * s
+
+
+def _fwd_plan(cfg: triton.Config, n: int, c: int, s: int, groups: int, sms: int, flags: dict) -> tuple:
+    """(grid, runtime sizes, _stats's and _fwd's launch keywords) of `cfg`."""
+    rows, width = n * groups, (c // groups) * s
+    block, chunk, split, warps = _chunking(cfg, rows, width, sms)
+    stats_meta = {"BLOCK": block, "ACC": flags["ACC"], "num_warps": warps}
+    fwd_meta = {**flags, "SPLIT_P2": next_power_of_2(split), "BLOCK": block, "num_warps": warps}
+    return (rows * split,), (width, s, c // groups, groups, chunk, split), stats_meta, fwd_meta
+
+
+def _fwd_run(plan: tuple, x, w_arg, b_arg, y, mean, rstd, eps: float) -> None:
+    grid, (width, s, cg, groups, chunk, split), stats_meta, fwd_meta = plan
+    part = torch.empty((grid[0], 2), dtype=mean.dtype, device=x.device)  # per chunk: two sums
+    _stats.run(grid, (x, part, width, chunk, split), stats_meta)
+    _fwd.run(grid, (x, w_arg, b_arg, y, part, mean, rstd, width, s, cg, groups, chunk, split, eps), fwd_meta)
+
+
+def _fwd_timed(cfg: triton.Config, x, w_arg, b_arg, y, mean, rstd, eps, *shape) -> None:
+    """The forward's two launches with `cfg` (what the tuner times; they rewrite the outputs)."""
+    _fwd_run(_fwd_plan(cfg, *shape), x, w_arg, b_arg, y, mean, rstd, eps)
+
+
+def _bwd_plan(cfg: triton.Config, n: int, c: int, s: int, groups: int, sms: int, flags: dict,
+              need_dx: bool) -> tuple:
+    """(the sums' grid, sizes and keywords; dx's grid, sizes and keywords or None) of `cfg`."""
+    block_s, chunk_s, split_s, warps_s = _chunking(cfg, n * c, s, sms)
+    sums = ((n * c * split_s,), (s, c, c // groups, chunk_s, split_s),
+            {**flags, "BLOCK": block_s, "num_warps": warps_s})
+    if not need_dx:
+        return sums, None
+    rows, width, cg = n * groups, (c // groups) * s, c // groups
+    block, chunk, split, warps = _chunking(cfg, rows, width, sms)
+    dx_meta = {**flags, "SPLIT_S_P2": next_power_of_2(split_s), "BLOCK": block, "num_warps": warps,
+               "CB": min(next_power_of_2(cg), max(1, 256 // next_power_of_2(split_s)))}  # <= 256 sums a step
+    return sums, ((rows * split,), (width, s, c, cg, groups, chunk, split, split_s), dx_meta)
+
+
+def _bwd_run(plan: tuple, dy, x, w_arg, b_arg, mean, rstd, dx) -> torch.Tensor:
+    """Launches the backward; returns the per-(n, c) and chunk sums of dz * xhat and dz."""
+    (grid_s, sizes_s, meta_s), dx_launch = plan
+    part = torch.empty((grid_s[0], 2), dtype=mean.dtype, device=x.device)
+    _bwd_sums.run(grid_s, (dy, x, w_arg, b_arg, mean, rstd, part, *sizes_s), meta_s)
+    if dx_launch is not None:
+        grid, sizes, meta = dx_launch
+        _bwd_dx.run(grid, (dy, x, w_arg, b_arg, mean, rstd, part, dx, *sizes), meta)
+    return part
+
+
+def _bwd_timed(cfg: triton.Config, dy, x, w_arg, b_arg, mean, rstd, dx, *shape) -> None:
+    """The backward's launches with `cfg` (what the tuner times; they rewrite dx and scratch)."""
+    _bwd_run(_bwd_plan(cfg, *shape), dy, x, w_arg, b_arg, mean, rstd, dx)
+
+
+def _flags(x: torch.Tensor, weight, bias, activation) -> dict:
+    return {"HAS_W": weight is not None, "HAS_B": bias is not None, "SILU": activation == "silu",
+            "ACC": acc_dtype(x.dtype)}
 
 
 def group_norm_fwd(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
@@ -310,16 +380,20 @@ def group_norm_fwd(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None
     if x.numel() == 0:
         return y, mean.fill_(float("nan")), rstd.fill_(float("nan"))
     x = x.contiguous()
-    rows = n * num_groups
-    block, chunk, split = _chunking(rows, width, device_sms(x))
-    part = torch.empty((rows * split, 2), dtype=acc, device=x.device)
-    accum = acc_dtype(x.dtype)
-    _stats[(rows * split,)](x, part, width, chunk, split, BLOCK=block, ACC=accum)
-    _fwd[(rows * split,)](
-        x, weight if weight is not None else x, bias if bias is not None else x, y, part, mean, rstd,
-        width, s, c // num_groups, num_groups, chunk, split, eps,
-        SPLIT_P2=next_power_of_2(split), BLOCK=block, HAS_W=weight is not None, HAS_B=bias is not None,
-        SILU=activation == "silu", ACC=accum)
+    w_arg = weight if weight is not None else x
+    b_arg = bias if bias is not None else x
+    device = x.get_device() if x.is_cuda else -1
+    key = (device, x.dtype, out_dtype, n, c, s, num_groups, weight is not None, bias is not None, activation)
+    plan = _LAUNCHES.get(key)
+    if plan is None:
+        shape = (n, c, s, num_groups, device_sms(x), _flags(x, weight, bias, activation))
+        tuning_key = (device, x.dtype, out_dtype, pow2_bucket(n * num_groups), pow2_bucket(width),
+                      activation == "silu")
+        cfg = _FWD_TUNER.config(tuning_key, _fwd_timed, x, w_arg, b_arg, y, mean, rstd, eps, *shape)
+        plan = _fwd_plan(cfg, *shape)
+        if _FWD_TUNER.is_decided(tuning_key):
+            store_plan(_LAUNCHES, key, plan)
+    _fwd_run(plan, x, w_arg, b_arg, y, mean, rstd, eps)
     return y, mean, rstd
 
 
@@ -332,35 +406,29 @@ def group_norm_bwd(dy: torch.Tensor, x: torch.Tensor, num_groups: int, weight: t
     if x.numel() and not use_triton(x):
         return _group_norm_bwd_torch(dy, x, num_groups, weight, bias, mean, rstd, activation, need_dx)
     n, c, s, width = _dims(x, num_groups)
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     if x.numel() == 0:
         dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_dx else None
         dw = torch.zeros_like(weight) if weight is not None else None
         db = torch.zeros_like(bias) if bias is not None else None
         return dx, dw, db
     x, dy = x.contiguous(), dy.contiguous()
-    accum = acc_dtype(x.dtype)
-    flags = {"HAS_W": weight is not None, "HAS_B": bias is not None, "SILU": activation == "silu",
-             "ACC": accum}
     w_arg = weight if weight is not None else x
     b_arg = bias if bias is not None else x
-    sms = device_sms(x)
-    block_s, chunk_s, split_s = _chunking(n * c, s, sms)
-    part = torch.empty((n * c * split_s, 2), dtype=acc, device=x.device)
-    _bwd_sums[(n * c * split_s,)](dy, x, w_arg, b_arg, mean, rstd, part, s, c, c // num_groups, chunk_s,
-                                  split_s, BLOCK=block_s, **flags)
-    dx = None
-    if need_dx:
-        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        rows = n * num_groups
-        block, chunk, split = _chunking(rows, width, sms)
-        cg = c // num_groups
-        _bwd_dx[(rows * split,)](
-            dy, x, w_arg, b_arg, mean, rstd, part, dx, width, s, c, cg, num_groups, chunk, split, split_s,
-            SPLIT_S_P2=next_power_of_2(split_s),
-            CB=min(next_power_of_2(cg), max(1, 256 // next_power_of_2(split_s))),  # <= 256 sums a step
-            BLOCK=block, **flags)
-    sums = part.view(n, c, split_s, 2).sum(dim=(0, 2))  # a fixed order: deterministic
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_dx else None
+    device = x.get_device() if x.is_cuda else -1
+    key = ("bwd", device, x.dtype, n, c, s, num_groups, weight is not None, bias is not None, activation,
+           need_dx)
+    plan = _LAUNCHES.get(key)
+    if plan is None:
+        shape = (n, c, s, num_groups, device_sms(x), _flags(x, weight, bias, activation), need_dx)
+        tuning_key = (device, x.dtype, pow2_bucket(n * num_groups), pow2_bucket(width), pow2_bucket(s),
+                      activation == "silu", need_dx)
+        cfg = _BWD_TUNER.config(tuning_key, _bwd_timed, dy, x, w_arg, b_arg, mean, rstd, dx, *shape)
+        plan = _bwd_plan(cfg, *shape)
+        if _BWD_TUNER.is_decided(tuning_key):
+            store_plan(_LAUNCHES, key, plan)
+    part = _bwd_run(plan, dy, x, w_arg, b_arg, mean, rstd, dx)
+    sums = part.view(n, c, -1, 2).sum(dim=(0, 2))  # a fixed order: deterministic
     # copies: the two are never views of one buffer (a registered op's outputs must not alias)
     dw = sums[:, 0].to(weight.dtype, copy=True) if weight is not None else None
     db = sums[:, 1].to(bias.dtype, copy=True) if bias is not None else None
