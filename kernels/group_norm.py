@@ -18,8 +18,12 @@ r = (n, g) holds the L = Cg * S values of its channels. In fp32 (fp64 for fp64 i
                dx = rstd_r * (g - mean_r(g) - xhat * mean_r(g * xhat))
                dw[c] = sum over n and spatial of dz * xhat;  db[c] = sum of dz
 
-The row statistics are sums of x minus the row's first value (a shift inside the row's range):
-the variance as E[d^2] - E[d]^2 then loses nothing to a mean far from zero (large values).
+The row statistics are Welford's, of x - x0 (x0 the row's first value, so the running means stay
+near zero and round finely): each lane of a chunk keeps a running mean and the sum of squared
+deviations from it, the lanes and then the chunks combined by Chan's formula (mean of means, plus
+the deviations of the means). Neither a mean far from zero (large values) nor a variance small
+beside the mean's square cancels: within 2x PyTorch's own fp32 error (E[d^2] - E[d]^2 about x0,
+the first version, measured 2-5x it where x0 fell a few deviations from the mean).
 
 Shapes: x (N, C, *spatial) with at least 2 dims (N, C); weight and bias (C,) or None. Dtypes:
 fp16 / bf16 / fp32 / fp64; the weight and bias in x's dtype or, for a 16-bit x, fp32 (master
@@ -28,9 +32,9 @@ GroupNorm in fp32: its 16-bit input, fp32 output). Layout: x is read as contiguo
 layout, channels_last included, is copied once); y and dx are contiguous.
 
 Kernels (1-D grids; int64 offsets, tensors past 2^31 elements):
-  forward   `_stats`: each program sums one chunk of one row (a row is cut in up to 64 chunks
-            so that a few wide rows, a VAE's at 512x512, still fill the GPU); `_fwd`: each
-            program combines its row's chunk sums into mean and rstd (the first chunk's program
+  forward   `_stats`: each program takes the mean and squared deviations of one chunk of one
+            row (a row is cut in up to 64 chunks so that a few wide rows, a VAE's at 512x512,
+            still fill the GPU); `_fwd`: each program combines its row's chunks into mean and rstd (the first chunk's program
             stores them, for the backward) and normalizes its chunk. Two launches.
   backward  `_bwd_sums`: per (n, c) and chunk of spatial positions, sum(dz * xhat) and sum(dz);
             `_bwd_dx`: each program combines its row's channel sums weighted by w into the two
@@ -97,38 +101,50 @@ def _silu_and_grad(z):
 @triton.jit
 def _group_norm_stats_kernel(
     X,  # in (R, L) contiguous rows
-    PART,  # out (R * SPLIT, 2) fp32/fp64: per chunk, sum(x - x0) and sum((x - x0)^2)
+    PART,  # out (R * SPLIT, 2) fp32/fp64: per chunk, its mean of x - x0 and sum((x - its mean)^2)
     L, CHUNK, SPLIT,
     BLOCK: tl.constexpr, ACC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     row = pid // SPLIT
     start = (pid % SPLIT) * CHUNK
+    end = tl.minimum(start + CHUNK, L)
     base = X + row.to(tl.int64) * L
-    shift = tl.load(base).to(ACC)  # the row's first value
-    acc = tl.zeros((BLOCK,), ACC)
-    acc2 = tl.zeros((BLOCK,), ACC)
-    for off in range(start, tl.minimum(start + CHUNK, L), BLOCK):
+    shift = tl.load(base).to(ACC)  # x0, the row's first value: the means are of x - x0, near 0
+    # Welford per lane: each lane's running mean and sum of squared deviations from it, so that no
+    # sum of squares of a large mean cancels; the k-th block's values are each lane's (k+1)-th.
+    count = tl.zeros((BLOCK,), ACC)
+    mean = tl.zeros((BLOCK,), ACC)
+    m2 = tl.zeros((BLOCK,), ACC)
+    for off in range(start, end, BLOCK):
         cols = off + tl.arange(0, BLOCK)
-        mask = cols < tl.minimum(start + CHUNK, L)
-        d = tl.where(mask, tl.load(base + cols, mask=mask, other=0.0).to(ACC) - shift, 0.0)
-        acc += d
-        acc2 += d * d
-    tl.store(PART + pid * 2, tl.sum(acc, 0))
-    tl.store(PART + pid * 2 + 1, tl.sum(acc2, 0))
+        mask = cols < end
+        v = tl.load(base + cols, mask=mask, other=0.0).to(ACC) - shift
+        inv = 1.0 / ((off - start) // BLOCK + 1).to(ACC)
+        delta = v - mean
+        mean += tl.where(mask, delta * inv, 0.0)
+        m2 += tl.where(mask, delta * (v - mean), 0.0)
+        count += mask.to(ACC)
+    # the lanes combined (Chan et al.): the chunk's mean, and its deviations from it
+    chunk_mean = tl.sum(count * mean, 0) / (end - start).to(ACC)
+    d = mean - chunk_mean
+    tl.store(PART + pid * 2, chunk_mean)
+    tl.store(PART + pid * 2 + 1, tl.sum(m2 + count * d * d, 0))
 
 
 @triton.jit
-def _row_stats(X, PART, row, L, SPLIT, eps, SPLIT_P2: tl.constexpr, ACC: tl.constexpr):
-    """(mean, rstd) of `row` from its chunks' shifted sums."""
+def _row_stats(X, PART, row, L, CHUNK, SPLIT, eps, SPLIT_P2: tl.constexpr, ACC: tl.constexpr):
+    """(mean, rstd) of `row` from its chunks' means and squared deviations (combined as the
+    stats kernel combines its lanes)."""
     parts = tl.arange(0, SPLIT_P2)
     found = parts < SPLIT
-    s1 = tl.sum(tl.load(PART + (row * SPLIT + parts) * 2, mask=found, other=0.0), 0)
-    s2 = tl.sum(tl.load(PART + (row * SPLIT + parts) * 2 + 1, mask=found, other=0.0), 0)
-    shift = tl.load(X + row.to(tl.int64) * L).to(ACC)
-    d_mean = s1 / L
-    var = tl.maximum(s2 / L - d_mean * d_mean, 0.0)
-    return shift + d_mean, 1.0 / tl.sqrt(var + eps)
+    n = tl.where(found, tl.minimum(CHUNK, L - parts * CHUNK), 0).to(ACC)
+    means = tl.load(PART + (row * SPLIT + parts) * 2, mask=found, other=0.0)
+    m2 = tl.load(PART + (row * SPLIT + parts) * 2 + 1, mask=found, other=0.0)
+    mean = tl.sum(n * means, 0) / L
+    d = means - mean
+    var = tl.sum(m2 + n * d * d, 0) / L
+    return tl.load(X + row.to(tl.int64) * L).to(ACC) + mean, 1.0 / tl.sqrt(var + eps)
 
 
 @triton.jit
@@ -145,7 +161,7 @@ def _group_norm_fwd_kernel(
     pid = tl.program_id(0)
     row = pid // SPLIT
     part = pid % SPLIT
-    mean, rstd = _row_stats(X, PART, row, L, SPLIT, eps, SPLIT_P2, ACC)
+    mean, rstd = _row_stats(X, PART, row, L, CHUNK, SPLIT, eps, SPLIT_P2, ACC)
     if part == 0:
         tl.store(MEAN + row, mean)
         tl.store(RSTD + row, rstd)

@@ -141,14 +141,20 @@ def _double(v):
 
 
 def check_against_unfused(make: Callable[[], nn.Module], inputs: tuple, capture: str = "fx", *,
-                          grads: bool = True, train: bool = False, **fuse_kwargs) -> "trifuse.FusionReport":
+                          grads: bool = True, train: bool = False,
+                          twin64: Callable[[nn.Module], nn.Module] | None = None,
+                          **fuse_kwargs) -> "trifuse.FusionReport":
     """Fuses a fresh `make()`, runs it and the unfused model (fp32 and float64) on `inputs`, and
-    checks outputs and every parameter and input gradient by the oracle rule. Returns the report."""
+    checks outputs and every parameter and input gradient by the oracle rule. Returns the report.
+    `twin64(model64)`, for a model whose float64 copy cannot run as written (it casts to fp32
+    inside), returns the float64 model that computes what the model means."""
     torch.manual_seed(0)
     model = make().to(DEVICE)
     inputs = tuple(x.to(DEVICE) for x in inputs)
     ref = copy.deepcopy(model)
     ref64 = copy.deepcopy(model).double()
+    if twin64 is not None:
+        ref64 = twin64(ref64)
     for m in (model, ref, ref64):
         m.train(train)
     fused = fuse_via(model, capture, **fuse_kwargs)

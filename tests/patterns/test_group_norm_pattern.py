@@ -5,7 +5,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 import trifuse
-from _fusing import Act, check_against_unfused, cuda_like_autocast, needs_ops, trifuse_ops_run
+from _fusing import (
+    Act,
+    check_against_unfused,
+    cuda_like_autocast,
+    fuse_via,
+    needs_ops,
+    op_names,
+    trifuse_ops_run,
+)
 from torch import nn
 
 pytestmark = needs_ops("group_norm")
@@ -114,3 +122,106 @@ def test_16_bit_under_cuda_autocast_keeps_the_models_dtypes(capture):
         report = check_against_unfused(make, X, capture, grads=False)
     assert report.by_pattern() == {"group_norm_silu": 1}, report.table()
     assert "output in float16: one autocast matmul reads it" in report.table(), report.table()
+
+
+class GroupNorm32(nn.GroupNorm):
+    """guided-diffusion's and latent-diffusion's (SD's original code, SDXL's generative-models):
+    the norm of an fp32 copy, cast back."""
+
+    def forward(self, x):
+        return super().forward(x.float()).type(x.dtype)
+
+
+class NormThenSiluInFp32(nn.Module):
+    """The SiLU inside the cast too: `silu(group_norm(x.float())).to(x.dtype)`."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.GroupNorm(4, C)
+
+    def forward(self, x):
+        return F.silu(self.norm(x.float())).to(x.dtype)
+
+
+class _GroupNorm32In64(GroupNorm32):
+    def forward(self, x):
+        return nn.GroupNorm.forward(self, x.double()).type(x.dtype)
+
+
+class _NormThenSiluIn64(NormThenSiluInFp32):
+    def forward(self, x):
+        return F.silu(self.norm(x.double())).to(x.dtype)
+
+
+def _computing_in_float64(model: nn.Module) -> nn.Module:
+    """The float64 twin: the same modules computing on a float64 copy (on an fp32 one, with its
+    float64 parameters, they could not run; and the copy's precision is what is compared)."""
+    for m in model.modules():
+        if type(m) is GroupNorm32:
+            m.__class__ = _GroupNorm32In64
+        elif type(m) is NormThenSiluInFp32:
+            m.__class__ = _NormThenSiluIn64
+    return model
+
+
+def _half_but_norms(module: nn.Module) -> nn.Module:
+    """What guided-diffusion's `convert_to_fp16` does: convolutions in fp16, norms left in fp32."""
+    for m in module.modules():
+        if isinstance(m, nn.Conv2d):
+            m.half()
+    return module
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("make, silu_fused", [
+    (lambda: ResnetHalf(GroupNorm32(4, C), nn.SiLU()), False),
+    (lambda: NormThenSiluInFp32(), True),
+], ids=["GroupNorm32-then-silu", "silu-inside-the-cast"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_the_norm_of_an_fp32_copy_cast_back_is_the_norm_of_x(make, silu_fused, dtype, capture):
+    """The op reads x itself, with the fp32 parameters, and returns x's dtype: the forward casts
+    nothing (no fp32 copy is made or kept), and a SiLU inside the cast joins the op (in fp32
+    before the one rounding, as the model computed it). Outputs and gradients by the oracle rule
+    against the model as written. An fp32 x's copy is x: the casts go too."""
+    def build():
+        model = make()
+        return _half_but_norms(model) if dtype == torch.float16 else model
+
+    report = check_against_unfused(build, (X[0].to(dtype),), capture, twin64=_computing_in_float64)
+    assert report.by_pattern() == {"group_norm_in_fp32": 1}, report.table()
+    torch.manual_seed(0)
+    model = fuse_via(build(), capture)
+    x = X[0].to(dtype).requires_grad_()
+    model(x)  # captured
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model(x)
+    names = set(op_names(prof))
+    assert "aten::_to_copy" not in names, sorted(names)
+    assert ("aten::silu" in names) != silu_fused, sorted(names)
+
+
+class _RoundsToFp32(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.GroupNorm(4, C)
+
+    def forward(self, x):
+        return self.norm(x.float()).type(x.dtype)
+
+
+class _RoundsToFp32In64(_RoundsToFp32):
+    def forward(self, x):
+        return self.norm(x.float().double()).type(x.dtype)  # x rounded to fp32, as the model does
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_a_float64_input_keeps_its_fp32_copy(capture):
+    """`x.float()` of a float64 x rounds it: the op on x would compute in float64, other maths, so
+    the copy stays (the norm of it still fuses), and the report says why."""
+    def twin(model):
+        model.__class__ = _RoundsToFp32In64
+        return model
+
+    report = check_against_unfused(_RoundsToFp32, (X[0].double(),), capture, twin64=twin)
+    assert report.by_pattern() == {"group_norm": 1}, report.table()
+    assert "not 16-bit or float32" in report.table(), report.table()
