@@ -111,11 +111,30 @@ def test_other_layouts_and_gradients(activation):
 @pytest.mark.parametrize("activation", ACTIVATIONS, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_large_values_far_from_zero(dtype, activation):
-    """A mean of 1000 standard deviations: the shifted sums keep the variance (E[x^2] - E[x]^2
-    of x itself would lose it in fp32)."""
+    """A mean of 1000 standard deviations: the statistics of x - x0 keep the variance (E[x^2] -
+    E[x]^2 of x itself would lose it in fp32: the negative control below)."""
     scale, shift = (1.0, 1000.0) if dtype == torch.float32 else (0.25, 200.0)
     x, weight, bias = make((2, 4, 300), dtype, scale=scale, shift=shift)
     check_fwd_bwd(x, 2, weight, bias, activation)
+
+
+def test_statistics_where_the_first_value_is_far_from_the_mean():
+    """The saved mean and rstd in fp32 within a few ulps of float64's, each row's first value 8
+    deviations from its mean: E[d^2] - E[d]^2 about that value (the first version) cancelled
+    (8^2 + 1) / 1 of the variance's bits, rstd off by ~30 ulps (the negative control below)."""
+    x = torch.randn(3, 8, 700, device=DEVICE)
+    x[:, ::2, 0] = 8.0  # the first value of each of the 4 groups' rows
+    _, mean, rstd = torch.ops.trifuse.group_norm(x, 4, None, None, 1e-5, None, None)
+    rows = x.double().view(3, 4, -1)
+    mean64, var64 = rows.mean(-1), rows.var(-1, unbiased=False)
+    rstd64 = (var64 + 1e-5).rsqrt()
+    ulp = torch.finfo(torch.float32).eps
+    assert ((rstd.double() - rstd64).abs() / rstd64).max() < 4 * ulp
+    assert ((mean.double() - mean64).abs()).max() < 4 * ulp * rows.abs().amax(-1).max()
+    shift = rows[..., :1]
+    about_x0 = ((rows - shift) ** 2).float().mean(-1).double() - ((rows - shift).float().mean(-1).double()) ** 2
+    wrong = (about_x0.float() + 1e-5).rsqrt().double()  # as the first version: fp32 sums about x0
+    assert ((wrong - rstd64).abs() / rstd64).max() > 4 * ulp, "the control no longer shows the cancellation"
 
 
 def test_nan_stays_in_its_row():
