@@ -4,7 +4,7 @@ unfused model and float64 by the tests' oracle rule, outputs and every gradient.
     TRITON_INTERPRET=1 python bench/fuzz_rewriter.py [--examples 200] [--seed 0] [--save]
 
 Each example draws a Spec (faithful spellings and near misses of every family; one in three a
-HeadSpec: an LM head and its loss), a capture (fx, Dynamo, torch.compile with backend "trifuse"
+HeadSpec: an LM head and its loss; one in five a ResnetSpec: a diffusion UNet's ResNet block), a capture (fx, Dynamo, torch.compile with backend "trifuse"
 or, one in ten, "trifuse_inductor"), a mode (eval; or train without dropout) and a dtype (fp32 or
 fp16). Prints one line per failure and a summary (how many examples fused each family); --save
 writes bench/results/fuzz_rewriter.{json,md}.
@@ -57,7 +57,18 @@ def draw_head(rng: random.Random) -> tuple[rb.HeadSpec, str, bool, torch.dtype]:
     return spec, capture, True, rng.choice([torch.float32, torch.float16])
 
 
-def unfused_overflows(make, inputs: tuple, train: bool) -> bool:
+def draw_resnet(rng: random.Random) -> tuple[rb.ResnetSpec, str, bool, torch.dtype]:
+    while True:
+        spec = rb.ResnetSpec(norm=rng.choice(rb.RESNET_NORMS), act=rng.choice(rb.RESNET_ACTS),
+                             eps=rng.choice([1e-6, 1e-5, 1e-2]))
+        dtype = rng.choice([torch.float32, torch.float16])
+        if not rb.resnet_check_is_noise(spec.norm, spec.act, dtype):
+            break
+    capture = rng.choices(["fx", "dynamo", "compile", "compile-inductor"], weights=[3, 3, 3, 1])[0]
+    return spec, capture, rng.random() < 0.5, dtype
+
+
+def unfused_overflows(make, inputs: tuple, train: bool, twin64=None) -> bool:
     """Whether the unfused model's own outputs in the draw's dtype are NaN or inf where float64's
     are not (an fp16 loss summing a label-smoothed class-weighted cross-entropy over 1030 classes
     overflows in PyTorch as written): when such a draw fails the check, which holds the fused
@@ -65,13 +76,14 @@ def unfused_overflows(make, inputs: tuple, train: bool) -> bool:
     torch.manual_seed(0)
     model = make().train(train)
     wide = copy.deepcopy(model).double()
+    wide = twin64(wide) if twin64 is not None else wide
     with torch.no_grad():
         lowp = _outputs(model(*inputs))
         ref = _outputs(wide(*(_double(x) for x in inputs)))
     return any(not torch.equal(torch.isfinite(a.double()), torch.isfinite(b)) for a, b in zip(lowp, ref))
 
 
-def inductor_fails_too(make, inputs: tuple, train: bool) -> bool:
+def inductor_fails_too(make, inputs: tuple, train: bool, twin64=None) -> bool:
     """Whether plain torch.compile (Inductor, no trifuse) of the unfused model gives outputs that
     fail the same check against float64 (an fp16 block whose softmax runs over the wrong axis of
     a finfo.min-masked score: Inductor's CPU code 0.135 off, eager PyTorch 0.003): for a
@@ -80,6 +92,7 @@ def inductor_fails_too(make, inputs: tuple, train: bool) -> bool:
     torch.manual_seed(0)
     model = make().train(train)
     eager, wide = copy.deepcopy(model), copy.deepcopy(model).double()
+    wide = twin64(wide) if twin64 is not None else wide
     try:
         with torch.no_grad():
             outs = _outputs(torch.compile(model)(*inputs))
@@ -99,8 +112,13 @@ def main() -> None:
     rng = random.Random(args.seed)
     failures, fused, excused, t0 = [], Counter(), Counter(), time.perf_counter()
     for i in range(args.examples):
-        spec, capture, train, dtype = draw(rng) if i % 3 else draw_head(rng)
-        if isinstance(spec, rb.HeadSpec):
+        spec, capture, train, dtype = draw_resnet(rng) if i % 5 == 4 else draw(rng) if i % 3 else draw_head(rng)
+        twin64 = None
+        if isinstance(spec, rb.ResnetSpec):
+            def make(spec=spec, dtype=dtype):
+                return rb.resnet_model(spec.norm, spec.act, dtype, spec.eps)
+            inputs, twin64 = rb.resnet_inputs(dtype), rb.resnet_float64_twin
+        elif isinstance(spec, rb.HeadSpec):
             def make(spec=spec, dtype=dtype):
                 torch.manual_seed(0)
                 return rb.RandomHead(spec).to(dtype)
@@ -110,16 +128,16 @@ def main() -> None:
                 return rb.random_model(spec, dtype=dtype)
             inputs = rb.inputs(dtype=dtype)
         try:
-            def run(make=make, inputs=inputs, capture=capture, train=train):
-                return check_against_unfused(make, inputs, capture, train=train)
+            def run(make=make, inputs=inputs, capture=capture, train=train, twin64=twin64):
+                return check_against_unfused(make, inputs, capture, train=train, twin64=twin64)
 
             report = checked(run, capture)
             fused.update(report.counts().keys())
         except Exception as e:  # noqa: BLE001  (a failure is the finding: record it, go on)
             # PyTorch's own fails the check too: no finding about trifuse
-            excuse = ("the unfused model overflows" if unfused_overflows(make, inputs, train) else
+            excuse = ("the unfused model overflows" if unfused_overflows(make, inputs, train, twin64) else
                       "plain Inductor fails it too" if capture == "compile-inductor"
-                      and inductor_fails_too(make, inputs, train) else None)
+                      and inductor_fails_too(make, inputs, train, twin64) else None)
             if excuse is not None:
                 excused[excuse] += 1
                 print(f"EXCUSED {i}: {spec.id} {capture} {dtype}: {excuse}", flush=True)

@@ -593,3 +593,152 @@ class AdaptiveModel(nn.Module):
 def adaptive_inputs(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(2)
     return inputs(dtype=dtype)[0], torch.randn(2, COND, generator=gen).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# ResNet blocks of diffusion UNets and VAEs (GroupNorm, then SiLU, then a convolution, twice)
+# ---------------------------------------------------------------------------------------------
+
+# The norm's spellings: diffusers' nn.GroupNorm, the functional forms, no affine, one group
+# (LayerNorm over C, H, W), one channel a group (InstanceNorm), and guided-diffusion's /
+# latent-diffusion's GroupNorm32 (the norm of an fp32 copy, cast back).
+RESNET_NORMS = ("gn_module", "gn_functional", "torch_group_norm", "gn_no_affine", "gn_one_group",
+                "gn_channel_groups", "gn32_fp32_copy")
+# The activation after it: nn.SiLU, F.silu, written out, and near misses that must keep their
+# own maths: SiLU in place (the norm's output overwritten: left), QuickGELU's y * sigmoid(1.702 y)
+# (no SiLU: bias_gelu's quick form takes it), the SiLU of the norm plus the time embedding, the
+# norm read twice (y * sigmoid(y) + y), GeLU.
+RESNET_ACTS = ("nn_silu", "f_silu", "silu_written",
+               "silu_inplace", "quick_gelu", "silu_after_add", "norm_read_twice", "gelu")
+# where the SiLU joins the norm; elsewhere the norm is fused alone (or, silu_after_add's first
+# norm, SiLU-less: its add comes first)
+RESNET_SILU_JOINS = {"nn_silu", "f_silu", "silu_written"}
+RESNET_CHANNELS, RESNET_TEMB = 8, 6
+
+
+@dataclasses.dataclass(frozen=True)
+class ResnetSpec:
+    """One draw of `ResnetModel` (bench/fuzz_rewriter.py)."""
+
+    norm: str = "gn_module"
+    act: str = "nn_silu"
+    eps: float = 1e-6
+
+    @property
+    def id(self) -> str:
+        return "-".join(str(v) for v in dataclasses.astuple(self))
+
+
+class ResnetNorm(nn.Module):
+    def __init__(self, kind: str, eps: float) -> None:
+        super().__init__()
+        self.kind, self.eps = kind, eps
+        self.groups = {"gn_one_group": 1, "gn_channel_groups": RESNET_CHANNELS}.get(kind, 4)
+        affine = kind != "gn_no_affine"
+        self.norm = nn.GroupNorm(self.groups, RESNET_CHANNELS, eps=eps, affine=affine)
+        with torch.no_grad():
+            if affine:
+                self.norm.weight.add_(0.3 * torch.randn(RESNET_CHANNELS))
+                self.norm.bias.add_(0.3 * torch.randn(RESNET_CHANNELS))
+        self.in_float64 = False  # the float64 twin's (tests/_fusing.check_against_unfused's twin64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k, n = self.kind, self.norm
+        if k == "gn_functional":
+            return F.group_norm(x, self.groups, n.weight, n.bias, self.eps)
+        if k == "torch_group_norm":
+            return torch.group_norm(x, self.groups, n.weight, n.bias, self.eps)
+        if k == "gn32_fp32_copy":
+            return n(x.double() if self.in_float64 else x.float()).type(x.dtype)
+        return n(x)
+
+
+def resnet_act(kind: str, y: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+    if kind == "nn_silu":
+        return nn.functional.silu(y, False)  # what nn.SiLU() calls
+    if kind == "f_silu":
+        return F.silu(y)
+    if kind == "silu_written":
+        return y * torch.sigmoid(y)
+    if kind == "silu_inplace":
+        return F.silu(y, inplace=True)
+    if kind == "quick_gelu":
+        return y * torch.sigmoid(1.702 * y)
+    if kind == "silu_after_add":
+        return F.silu(y + temb[:, :, None, None])
+    if kind == "norm_read_twice":
+        return y * torch.sigmoid(y) + y
+    if kind == "gelu":
+        return F.gelu(y)
+    raise ValueError(kind)
+
+
+class ResnetBlock(nn.Module):
+    """diffusers' ResnetBlock2D: norm, activation, conv, plus the time embedding; norm,
+    activation, dropout, conv; plus the input."""
+
+    def __init__(self, norm: str, act: str, eps: float) -> None:
+        super().__init__()
+        self.act = act
+        self.norm1, self.norm2 = ResnetNorm(norm, eps), ResnetNorm(norm, eps)
+        self.conv1 = nn.Conv2d(RESNET_CHANNELS, RESNET_CHANNELS, 3, padding=1)
+        self.conv2 = nn.Conv2d(RESNET_CHANNELS, RESNET_CHANNELS, 3, padding=1)
+        self.time_proj = nn.Linear(RESNET_TEMB, RESNET_CHANNELS)
+        self.dropout = nn.Dropout(0.0)
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        t = self.time_proj(F.silu(temb))
+        h = self.conv1(resnet_act(self.act, self.norm1(x), t))
+        h = h + t[:, :, None, None]
+        h = self.conv2(self.dropout(resnet_act(self.act, self.norm2(h), t)))
+        return x + h
+
+
+class ResnetModel(nn.Module):
+    def __init__(self, norm: str, act: str, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([ResnetBlock(norm, act, eps) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, temb)
+        return x
+
+
+def resnet_model(norm: str, act: str, dtype: torch.dtype = torch.float32, eps: float = 1e-6) -> ResnetModel:
+    """Seeded, in `dtype`; GroupNorm32's parameters left in fp32, as guided-diffusion's
+    convert_to_fp16 leaves them (its fp32 copy of x meets them; the other spellings in fp16 too:
+    their fp32 gradients would be held to fp32's error bound while fp16's rounding of everything
+    upstream moves them, by either ordering of the same sums: the fused SiLU, rounded once, moved
+    a norm weight's gradient 0.2x to 2.6x as far from float64's as PyTorch's own, median 0.9)."""
+    torch.manual_seed(0)
+    model = ResnetModel(norm, act, eps).to(dtype)
+    if norm == "gn32_fp32_copy":
+        for m in model.modules():
+            if isinstance(m, nn.GroupNorm):
+                m.float()
+    return model
+
+
+def resnet_check_is_noise(norm: str, act: str, dtype: torch.dtype) -> bool:
+    """Draws the oracle rule cannot judge: in fp16, GroupNorm32's fp32 norm weights' gradients,
+    held to fp32's bound, behind a QuickGELU that fuses (its maths in fp32, rounded once; the
+    model's rounds each of its ops to fp16): 2 of 150 draws of a long fuzz measured 2.7x
+    PyTorch's own error there, both orderings of the same fp16-rounded sums, every other value
+    within the rule."""
+    return norm == "gn32_fp32_copy" and act == "quick_gelu" and dtype == torch.float16
+
+
+def resnet_float64_twin(model: nn.Module) -> nn.Module:
+    """The float64 model: GroupNorm32's copy in float64 (an fp32 copy beside float64 parameters
+    cannot run, and the copy's precision is what is compared)."""
+    for m in model.modules():
+        if isinstance(m, ResnetNorm):
+            m.in_float64 = True
+    return model
+
+
+def resnet_inputs(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    return (torch.randn(2, RESNET_CHANNELS, 6, 5, generator=gen).to(dtype),
+            torch.randn(2, RESNET_TEMB, generator=gen).to(dtype))

@@ -5,7 +5,7 @@ every gradient must match the unfused model by the oracle rule, whatever was fus
 for CI; `bench/fuzz_rewriter.py` draws many more."""
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import _random_blocks as rb
@@ -265,3 +265,45 @@ def test_each_residual_add_before_a_modulated_norm(residual):
                 "after_dropout_p0": (1, 2), "broadcast": (1, 0)}[residual]
     assert (gated, ungated) == expected, report.table()
     assert sum(n for p, n in patterns.items() if "modulate" in p) == 4, report.table()
+
+
+# ---------------------------------------------------------------------------------------------
+# ResNet blocks (GroupNorm + SiLU of the diffusion UNets and VAEs): spellings, near misses
+# ---------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=16, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(norm=st.sampled_from(rb.RESNET_NORMS), act=st.sampled_from(rb.RESNET_ACTS),
+       capture=st.sampled_from(["fx", "dynamo", "compile"]),
+       dtype=st.sampled_from([torch.float32, torch.float16]), eps=st.sampled_from([1e-6, 1e-5, 1e-2]))
+def test_random_resnet_blocks_fuse_to_what_they_compute(norm, act, capture, dtype, eps):
+    assume(not rb.resnet_check_is_noise(norm, act, dtype))
+    checked(lambda: check_against_unfused(lambda: rb.resnet_model(norm, act, dtype, eps), rb.resnet_inputs(dtype),
+                                          capture, train=True, twin64=rb.resnet_float64_twin), capture)
+
+
+@pytest.mark.parametrize("act", rb.RESNET_ACTS)
+@pytest.mark.parametrize("norm", ["gn_module", "gn32_fp32_copy"])
+def test_each_resnet_activation(norm, act):
+    """Every norm of both blocks fuses (the Dynamo host captures the model whole); the SiLU joins
+    it where it is the norm's SiLU and its only reader, nowhere else (QuickGELU, no SiLU, becomes
+    bias_gelu's quick form). In fp16, GroupNorm32's fp32 copy goes (the op reads the 16-bit x).
+    The answer is the unfused model's."""
+    dtype = torch.float16 if norm == "gn32_fp32_copy" else torch.float32
+    report = check_against_unfused(lambda: rb.resnet_model(norm, act, dtype), rb.resnet_inputs(dtype), "dynamo",
+                                   train=True, twin64=rb.resnet_float64_twin)
+    patterns = {p: n for p, n in report.by_pattern().items() if p.startswith("group_norm")}
+    assert report.counts() == {"group_norm": 4, **({"bias_gelu": 4} if act == "quick_gelu" else {})}, \
+        report.table()
+    if norm == "gn32_fp32_copy":
+        assert patterns == {"group_norm_in_fp32": 4}, report.table()
+    else:
+        joined = sum(n for p, n in patterns.items() if p.startswith("group_norm_silu"))
+        assert joined == (4 if act in rb.RESNET_SILU_JOINS else 0), report.table()
+
+
+@pytest.mark.parametrize("norm", rb.RESNET_NORMS)
+def test_each_resnet_norm_spelling(norm):
+    report = check_against_unfused(lambda: rb.resnet_model(norm, "nn_silu"), rb.resnet_inputs(), "fx",
+                                   train=True, twin64=rb.resnet_float64_twin)
+    assert report.counts() == {"group_norm": 4}, report.table()
