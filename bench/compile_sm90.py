@@ -149,10 +149,12 @@ def _catalogue(torch, family: str):
             yield f"cast_for_readers 1024 -> bf16 x {readers}", fwd_bwd(
                 lambda x=x, k=readers: cast_for_readers(x, bf16, k))
     elif family == "group_norm":
-        # SD's UNet's first level (320 channels, 32 groups) with its SiLU: each of the four kernels
-        # once (one call: its recording in the interpreter and its compiles took 51 s for four)
-        x, w, b = leaf(2, 320, 16, 16), leaf(320), leaf(320)
-        yield "group_norm 2x320x16x16 silu", fwd_bwd(lambda: ops.group_norm(x, 32, w, b, 1e-5, "silu"))
+        # SD's UNet's first level's norm (320 channels, 32 groups) with its SiLU at 8x8: a row a
+        # program (its two kernels); a VAE's one-group norm of 80x80: the chunked four
+        x, w, b = leaf(2, 320, 8, 8), leaf(320), leaf(320)
+        yield "group_norm 2x320x8x8 silu", fwd_bwd(lambda: ops.group_norm(x, 32, w, b, 1e-5, "silu"))
+        xv, wv, bv = leaf(1, 8, 80, 80), leaf(8), leaf(8)
+        yield "group_norm 1x8x80x80 silu", fwd_bwd(lambda: ops.group_norm(xv, 1, wv, bv, 1e-5, "silu"))
     elif family == "gated_activation":
         g, u = leaf(tile_rows, 8192), leaf(tile_rows, 8192)
         for act in ("silu", "gelu", "gelu_tanh"):
@@ -313,7 +315,7 @@ def record(families: list[str], spaces: bool, smoke: bool = False) -> list[dict]
     # Attention's block sizes as on the GPU, not the interpreter's small test blocks; GroupNorm's
     # blocks and row chunks likewise (an H100's 132 multiprocessors).
     attention_mod.INTERPRET = False
-    group_norm_mod._INTERPRET_CAPS = None
+    group_norm_mod._INTERPRET_CAPS, group_norm_mod._ROW_MAX = None, 4096
     group_norm_mod.device_sms = lambda t: 132
     if spaces:
         tuner_mod.Tuner._decide = decide

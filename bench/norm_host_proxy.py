@@ -20,6 +20,7 @@ import torch.nn.functional as F  # noqa: E402
 import trifuse  # noqa: E402
 from trifuse.kernels import _launch  # noqa: E402
 from trifuse.kernels import bias_gelu as bg  # noqa: E402
+from trifuse.kernels import group_norm as gn  # noqa: E402
 from trifuse.kernels import layer_norm as ln  # noqa: E402
 
 
@@ -62,6 +63,7 @@ def main() -> None:
     x, w, b, r = (torch.randn(*s, requires_grad=True) for s in ((4, 1024), (1024,), (1024,), (4, 1024)))
     x3, scale, shift = (torch.randn(*s, requires_grad=True) for s in ((2, 2, 1024), (2, 1024), (2, 1024)))
     r3, gate = torch.randn(2, 2, 1024, requires_grad=True), torch.randn(2, 1024, requires_grad=True)
+    xg, wg, bg_ = (torch.randn(*s, requires_grad=True) for s in ((2, 64, 8, 8), (64,), (64,)))
 
     def gated_torch():
         s = r3 + gate[:, None] * x3
@@ -93,6 +95,9 @@ def main() -> None:
          lambda: trifuse.ops.gated_add_layer_norm_modulate(x3, r3, gate[:, None], (1024,), 1 + scale[:, None],
                                                            shift[:, None]),
          (x3, r3, gate, scale, shift)),
+        ("F.silu(F.group_norm(x))", lambda: F.silu(F.group_norm(xg, 32, wg, bg_)), (xg, wg, bg_)),
+        ("trifuse group_norm kernels, silu",
+         lambda: gn._group_norm_trifuse(xg, 32, wg, bg_, 1e-5, "silu", None), (xg, wg, bg_)),
     ):
         cases[f"{name} fwd"] = fwd(fn)
         cases[f"{name} fwd+bwd"] = fwd_bwd(fn, inputs)

@@ -32,16 +32,26 @@ GroupNorm in fp32: its 16-bit input, fp32 output). Layout: x is read as contiguo
 layout, channels_last included, is copied once); y and dx are contiguous.
 
 Kernels (1-D grids; int64 offsets, tensors past 2^31 elements):
+  rows that fit one program (their channels x positions tile, padded to powers of two, at most
+  _ROW_MAX = 4096 values: 8x8 positions at up to 64 channels a group, as SD's UNet's last level)
+  forward   `_row_fwd`: a program per row holds it whole: statistics two-pass in registers, y
+            written. One launch, x read once.
+  backward  `_row_bwd`: a program per row: its channels' sums of dz * xhat and dz (stored for dw
+            and db), then dx from them. One launch, x and dy read once.
+  wider rows
   forward   `_stats`: each program takes the mean and squared deviations of one chunk of one
             row (a row is cut in up to 64 chunks so that a few wide rows, a VAE's at 512x512,
-            still fill the GPU); `_fwd`: each program combines its row's chunks into mean and rstd (the first chunk's program
-            stores them, for the backward) and normalizes its chunk. Two launches.
+            still fill the GPU); `_fwd`: each program combines its row's chunks into mean and
+            rstd (the first chunk's program stores them, for the backward) and normalizes its
+            chunk. Two launches.
   backward  `_bwd_sums`: per (n, c) and chunk of spatial positions, sum(dz * xhat) and sum(dz);
             `_bwd_dx`: each program combines its row's channel sums weighted by w into the two
-            row means and writes its chunk of dx. dw and db are the per-(n, c) sums added over n
-            and the chunks in a fixed order: bitwise the same on every run.
+            row means and writes its chunk of dx.
+  dw and db are the per-(n, c) sums added over n (and the chunks) in a fixed order: bitwise the
+  same on every run.
 Memory plan: the forward saves x, mean and rstd ((N, G) each), nothing of the size of y.
-Launch configuration: tuned per shape bucket (autotune/configs.py: group_norm); not yet timed on a GPU.
+Launch configuration: the chunked kernels' tuned per shape bucket (autotune/configs.py:
+group_norm; not yet timed on a GPU); the row kernels' fixed (warps for 16 values a thread).
 """
 import torch
 import torch.nn.functional as F
@@ -172,10 +182,9 @@ def _group_norm_fwd_kernel(
     for off in range(start, end, BLOCK):
         cols = off + tl.arange(0, BLOCK)
         mask = cols < end
-        z = (tl.load(X + base + cols, mask=mask, other=0.0).to(ACC) - mean) * rstd
         channel = first_channel + cols // S
-        if HAS_W:
-            z = z * tl.load(W + channel, mask=mask, other=0.0).to(ACC)
+        scale = rstd * tl.load(W + channel, mask=mask, other=0.0).to(ACC) if HAS_W else rstd
+        z = (tl.load(X + base + cols, mask=mask, other=0.0).to(ACC) - mean) * scale  # w applied with rstd
         if HAS_B:
             z = z + tl.load(B + channel, mask=mask, other=0.0).to(ACC)
         if SILU:
@@ -277,6 +286,83 @@ def _group_norm_bwd_dx_kernel(
         tl.store(DX + base + cols, dx.to(DX.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _row_tile(row, S, CG, G, L, CB: tl.constexpr, SB: tl.constexpr):
+    """A row (n, g) held whole as a (channel, position) tile: (offsets from X, mask, channels of
+    the tile's rows, which of them are real)."""
+    ci = tl.arange(0, CB)
+    si = tl.arange(0, SB)
+    real = ci < CG
+    mask = real[:, None] & (si < S)[None, :]
+    offs = row.to(tl.int64) * L + ci[:, None] * S + si[None, :]
+    return offs, mask, (row % G) * CG + ci, real
+
+
+@triton.jit
+def _group_norm_row_fwd_kernel(
+    X, W, B,  # in (R, L) contiguous rows; (C,) each, or unused
+    Y,  # out (R, L)
+    MEAN, RSTD,  # out (R,)
+    S, CG, G, L, eps,
+    CB: tl.constexpr, SB: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, SILU: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    """One row per program, read once: the statistics two-pass in registers, about x0."""
+    row = tl.program_id(0)
+    offs, mask, channel, real = _row_tile(row, S, CG, G, L, CB, SB)
+    shift = tl.load(X + row.to(tl.int64) * L).to(ACC)  # x0: the sums are of values near 0
+    x = tl.load(X + offs, mask=mask, other=0.0).to(ACC)
+    d = tl.where(mask, x - shift, 0.0)
+    d_mean = tl.sum(tl.sum(d, 1), 0) / L
+    d = tl.where(mask, d - d_mean, 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(d * d, 1), 0) / L + eps)
+    mean = shift + d_mean
+    # y from x - mean (two roundings, not d's three), w applied with rstd: PyTorch's own error
+    scale = rstd * tl.load(W + channel, mask=real, other=0.0).to(ACC) if HAS_W else tl.full((CB,), 1.0, ACC) * rstd
+    z = (x - mean) * scale[:, None]
+    if HAS_B:
+        z = z + tl.load(B + channel, mask=real, other=0.0).to(ACC)[:, None]
+    if SILU:
+        z = z / (1.0 + tl.exp(-z))
+    tl.store(Y + offs, z.to(Y.dtype.element_ty), mask=mask)
+    tl.store(MEAN + row, mean)
+    tl.store(RSTD + row, rstd)
+
+
+@triton.jit
+def _group_norm_row_bwd_kernel(
+    DY, X, W, B,  # in (R, L) each; (C,) each, or unused
+    MEAN, RSTD,  # in (R,)
+    PART,  # out (N * C, 2): per (n, c), sum(dz * xhat) and sum(dz)
+    DX,  # out (R, L), or unused
+    S, C, CG, G, L,
+    CB: tl.constexpr, SB: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, SILU: tl.constexpr,
+    NEED_DX: tl.constexpr, ACC: tl.constexpr,
+):
+    """One row per program, x and dy read once: its channels' sums, then dx from them."""
+    row = tl.program_id(0)
+    offs, mask, channel, real = _row_tile(row, S, CG, G, L, CB, SB)
+    mean = tl.load(MEAN + row)
+    rstd = tl.load(RSTD + row)
+    w = tl.load(W + channel, mask=real, other=0.0).to(ACC) if HAS_W else tl.full((CB,), 1.0, ACC)
+    b = tl.load(B + channel, mask=real, other=0.0).to(ACC) if HAS_B else tl.full((CB,), 0.0, ACC)
+    xhat = tl.where(mask, (tl.load(X + offs, mask=mask, other=0.0).to(ACC) - mean) * rstd, 0.0)
+    dz = tl.load(DY + offs, mask=mask, other=0.0).to(ACC)
+    if SILU:
+        _, ds = _silu_and_grad(xhat * w[:, None] + b[:, None])  # z recomputed
+        dz = tl.where(mask, dz * ds, 0.0)
+    sum_dzx = tl.sum(dz * xhat, 1)
+    sum_dz = tl.sum(dz, 1)
+    plane = (row // G) * C + channel
+    tl.store(PART + plane * 2, sum_dzx, mask=real)
+    tl.store(PART + plane * 2 + 1, sum_dz, mask=real)
+    if NEED_DX:
+        mean_gx = tl.sum(sum_dzx * w, 0) / L
+        mean_g = tl.sum(sum_dz * w, 0) / L
+        dx = rstd * (dz * w[:, None] - mean_g - xhat * mean_gx)
+        tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+
+
 # =============================================================================================
 # Launchers: check nothing, allocate the outputs, launch. Tensors in, tensors out.
 # =============================================================================================
@@ -285,6 +371,16 @@ _stats = CachedKernel(_group_norm_stats_kernel)
 _fwd = CachedKernel(_group_norm_fwd_kernel)
 _bwd_sums = CachedKernel(_group_norm_bwd_sums_kernel)
 _bwd_dx = CachedKernel(_group_norm_bwd_dx_kernel)
+_row_fwd = CachedKernel(_group_norm_row_fwd_kernel)
+_row_bwd = CachedKernel(_group_norm_row_bwd_kernel)
+
+# A row whose (channels x positions) tile, each side padded to a power of two, holds at most this
+# many values is normalized by one program holding it whole (one launch each way, x read once
+# in the forward, x and dy once in the backward); wider rows take the chunked kernels above. At
+# 4096 (8 warps, 16 values a thread a tile) the backward keeps about five tiles live. Under the
+# interpreter 256, so that the tests take both paths. Rows this narrow never split into chunks
+# (a chunk is at least 4 blocks of up to 1024 values), so the one-pass path costs no parallelism.
+_ROW_MAX = 256 if INTERPRET else 4096
 
 # Launch configurations (autotune/configs.py: group_norm): a block of BLOCK values a loop step
 # with num_warps warps, rows cut into chunks of at least MIN_BLOCKS blocks so that about WAVES
@@ -324,6 +420,15 @@ def _dims(x: torch.Tensor, num_groups: int) -> tuple[int, int, int, int]:
     return n, c, s, (c // num_groups) * s
 
 
+def _row_plan(c: int, s: int, groups: int) -> tuple | None:
+    """(tile channels, tile positions, warps) of the one-program-a-row path, None where a row's
+    tile exceeds _ROW_MAX."""
+    cb, sb = next_power_of_2(c // groups), next_power_of_2(s)
+    if cb * sb > _ROW_MAX:
+        return None
+    return cb, sb, min(8, max(1, cb * sb // 512))
+
+
 def _fwd_plan(cfg: triton.Config, n: int, c: int, s: int, groups: int, sms: int, flags: dict) -> tuple:
     """(grid, runtime sizes, _stats's and _fwd's launch keywords) of `cfg`."""
     rows, width = n * groups, (c // groups) * s
@@ -334,6 +439,10 @@ def _fwd_plan(cfg: triton.Config, n: int, c: int, s: int, groups: int, sms: int,
 
 
 def _fwd_run(plan: tuple, x, w_arg, b_arg, y, mean, rstd, eps: float) -> None:
+    if plan[0] == "row":
+        _, grid, sizes, meta = plan
+        _row_fwd.run(grid, (x, w_arg, b_arg, y, mean, rstd, *sizes, eps), meta)
+        return
     grid, (width, s, cg, groups, chunk, split), stats_meta, fwd_meta = plan
     part = torch.empty((grid[0], 2), dtype=mean.dtype, device=x.device)  # per chunk: two sums
     _stats.run(grid, (x, part, width, chunk, split), stats_meta)
@@ -362,6 +471,12 @@ def _bwd_plan(cfg: triton.Config, n: int, c: int, s: int, groups: int, sms: int,
 
 def _bwd_run(plan: tuple, dy, x, w_arg, b_arg, mean, rstd, dx) -> torch.Tensor:
     """Launches the backward; returns the per-(n, c) and chunk sums of dz * xhat and dz."""
+    if plan[0] == "row":
+        _, grid, (n, c, s, cg, groups, width), meta = plan
+        part = torch.empty((n * c, 2), dtype=mean.dtype, device=x.device)
+        _row_bwd.run(grid, (dy, x, w_arg, b_arg, mean, rstd, part, x if dx is None else dx,
+                            s, c, cg, groups, width), meta)
+        return part
     (grid_s, sizes_s, meta_s), dx_launch = plan
     part = torch.empty((grid_s[0], 2), dtype=mean.dtype, device=x.device)
     _bwd_sums.run(grid_s, (dy, x, w_arg, b_arg, mean, rstd, part, *sizes_s), meta_s)
@@ -401,6 +516,11 @@ def group_norm_fwd(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None
     device = x.get_device() if x.is_cuda else -1
     key = (device, x.dtype, out_dtype, n, c, s, num_groups, weight is not None, bias is not None, activation)
     plan = _LAUNCHES.get(key)
+    if plan is None and (row := _row_plan(c, s, num_groups)) is not None:
+        cb, sb, warps = row
+        plan = ("row", (n * num_groups,), (s, c // num_groups, num_groups, width),
+                {**_flags(x, weight, bias, activation), "CB": cb, "SB": sb, "num_warps": warps})
+        store_plan(_LAUNCHES, key, plan)
     if plan is None:
         shape = (n, c, s, num_groups, device_sms(x), _flags(x, weight, bias, activation))
         tuning_key = (device, x.dtype, out_dtype, pow2_bucket(n * num_groups), pow2_bucket(width),
@@ -435,6 +555,12 @@ def group_norm_bwd(dy: torch.Tensor, x: torch.Tensor, num_groups: int, weight: t
     key = ("bwd", device, x.dtype, n, c, s, num_groups, weight is not None, bias is not None, activation,
            need_dx)
     plan = _LAUNCHES.get(key)
+    if plan is None and (row := _row_plan(c, s, num_groups)) is not None:
+        cb, sb, warps = row
+        plan = ("row", (n * num_groups,), (n, c, s, c // num_groups, num_groups, width),
+                {**_flags(x, weight, bias, activation), "CB": cb, "SB": sb, "NEED_DX": need_dx,
+                 "num_warps": warps})
+        store_plan(_LAUNCHES, key, plan)
     if plan is None:
         shape = (n, c, s, num_groups, device_sms(x), _flags(x, weight, bias, activation), need_dx)
         tuning_key = (device, x.dtype, pow2_bucket(n * num_groups), pow2_bucket(width), pow2_bucket(s),

@@ -12,19 +12,21 @@ from trifuse.autotune import Tuner, configs, records
 from trifuse.autotune.tuner import config_label
 from trifuse.kernels import group_norm as gn
 
-KERNELS = {"stats": gn._stats, "fwd": gn._fwd, "bwd_sums": gn._bwd_sums, "bwd_dx": gn._bwd_dx}
+KERNELS = {"stats": gn._stats, "fwd": gn._fwd, "bwd_sums": gn._bwd_sums, "bwd_dx": gn._bwd_dx,
+           "row_fwd": gn._row_fwd, "row_bwd": gn._row_bwd}
 
 
 @pytest.fixture
 def fresh(monkeypatch):
-    """New tuners (nothing decided), no stored plans, and the configs' own block sizes (not the
-    interpreter's small test blocks)."""
+    """New tuners (nothing decided), no stored plans, the configs' own block sizes (not the
+    interpreter's small test blocks), and every row through the chunked kernels (the tuned ones)."""
     fwd = Tuner("group_norm_fwd", configs.group_norm, gn._FWD_KEY_NAMES)
     bwd = Tuner("group_norm_bwd", configs.group_norm, gn._BWD_KEY_NAMES)
     monkeypatch.setattr(gn, "_FWD_TUNER", fwd)
     monkeypatch.setattr(gn, "_BWD_TUNER", bwd)
     monkeypatch.setattr(gn, "_LAUNCHES", {})
     monkeypatch.setattr(gn, "_INTERPRET_CAPS", None)
+    monkeypatch.setattr(gn, "_ROW_MAX", 0)
     return fwd, bwd
 
 
@@ -108,7 +110,7 @@ def test_tuned_once_per_key_then_replayed(fresh, launches, cache_dir, timer):
     _fwd_bwd(*inputs)
     assert len(fwd_tuner.timer.calls) == 2 * len(labels), "nothing timed again"
     replayed = [(name, grid, meta["BLOCK"]) for name, grid, meta in launches]
-    assert [(name, block) for name, _, block in replayed] == [(name, 2048) for name in KERNELS]
+    assert [(name, block) for name, _, block in replayed] == [(name, 2048) for name in list(KERNELS)[:4]]
     launches.clear()
     _fwd_bwd(*inputs)
     assert [(name, grid, meta["BLOCK"]) for name, grid, meta in launches] == replayed
@@ -117,6 +119,19 @@ def test_tuned_once_per_key_then_replayed(fresh, launches, cache_dir, timer):
     assert buckets == {"group_norm_fwd": "dtype=float32,out_dtype=float32,rows=4,width=4096,silu=True",
                        "group_norm_bwd": "dtype=float32,rows=4,width=4096,plane=2048,silu=True,dx=True"}
     assert {d.chosen for d in records(kind="kernel") if d.name.startswith("group_norm")} == {WIN}
+
+
+def test_rows_that_fit_one_program_take_no_tuning(fresh, launches, cache_dir, timer, monkeypatch):
+    """Rows whose (channels x positions) tile fits _ROW_MAX run one program a row, one launch each
+    way, with nothing to tune: 4 channels x 32 positions (3 x 21 padded) at 128 values, one warp."""
+    monkeypatch.setattr(gn, "_ROW_MAX", 4096)
+    fwd_tuner, bwd_tuner = fresh
+    fwd_tuner.timer = bwd_tuner.timer = timer({})
+    _fwd_bwd(*_inputs((2, 6, 3, 7), 2))
+    assert [(name, grid, meta["CB"], meta["SB"], meta["num_warps"]) for name, grid, meta in launches] \
+        == [("row_fwd", (4,), 4, 32, 1), ("row_bwd", (4,), 4, 32, 1)]
+    assert not fwd_tuner.timer.calls and not records(kind="kernel")
+    assert len(gn._LAUNCHES) == 2
 
 
 def test_an_empty_input_decides_nothing(fresh, launches, cache_dir, timer):

@@ -2,7 +2,8 @@
 
 On CPU these run the real Triton kernels in the interpreter (tests/_device.py), where blocks are
 64 values and chunks 2 blocks, so rows of a few hundred values cross blocks and are cut in
-chunks; on a GPU the same tests run natively and add bf16.
+chunks, and a row takes the one-program path only up to 256 padded values: CASES take both;
+on a GPU the same tests run natively and add bf16.
 """
 import pytest
 import torch
@@ -75,6 +76,25 @@ def check_fwd_bwd(x, groups, weight, bias, activation, eps=1e-5, dy=None, out_dt
 def test_matches_float64_oracle(dtype, case, activation):
     shape, groups = case
     check_fwd_bwd(*make(shape, dtype)[:1], groups, *make(shape, dtype)[1:], activation)
+
+
+@pytest.mark.parametrize("path", ["row", "chunks"])
+@pytest.mark.parametrize("activation", ACTIVATIONS, ids=str)
+@pytest.mark.parametrize("case", [((2, 12, 5, 7), 4), ((3, 8, 2, 9), 8), ((2, 4, 16, 16), 2)], ids=_ids)
+def test_both_paths_match_float64_oracle(case, activation, path, monkeypatch):
+    """The same rows through the one-program path and through the chunked kernels: 3 channels x
+    35 positions (tile 4 x 64), one channel a group, and 2 x 256 at _ROW_MAX 512 (a full tile)."""
+    monkeypatch.setattr(gn_mod, "_ROW_MAX", 512 if path == "row" else 0)
+    monkeypatch.setattr(gn_mod, "_LAUNCHES", {})
+    shape, groups = case
+    x, weight, bias = make(shape, torch.float32)
+    launched = []
+    for name in ("_row_fwd", "_stats"):
+        kernel = getattr(gn_mod, name)
+        monkeypatch.setattr(kernel, "run", lambda grid, args, kw, _run=kernel.run, _n=name:
+                            (launched.append(_n), _run(grid, args, kw)))
+    check_fwd_bwd(x, groups, weight, bias, activation)
+    assert launched == ["_row_fwd" if path == "row" else "_stats"]
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS, ids=str)

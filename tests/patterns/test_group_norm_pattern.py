@@ -1,6 +1,8 @@
 """GroupNorm: `nn.GroupNorm`, `F.group_norm` and `torch.group_norm` become one trifuse.group_norm,
 with the SiLU after it (`nn.SiLU`, `F.silu`, written out) where the norm's output has no other
 reader, as in diffusers' ResNet blocks; outputs and gradients by the oracle rule, fx and Dynamo."""
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,6 +16,7 @@ from _fusing import (
     op_names,
     trifuse_ops_run,
 )
+from tolerances import assert_close
 from torch import nn
 
 pytestmark = needs_ops("group_norm")
@@ -191,7 +194,7 @@ def test_the_norm_of_an_fp32_copy_cast_back_is_the_norm_of_x(make, silu_fused, d
     assert report.by_pattern() == {"group_norm_in_fp32": 1}, report.table()
     torch.manual_seed(0)
     model = fuse_via(build(), capture)
-    x = X[0].to(dtype).requires_grad_()
+    x = X[0].to(dtype, copy=True).requires_grad_()
     model(x)  # captured
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         model(x)
@@ -217,11 +220,21 @@ class _RoundsToFp32In64(_RoundsToFp32):
 @pytest.mark.parametrize("capture", CAPTURES)
 def test_a_float64_input_keeps_its_fp32_copy(capture):
     """`x.float()` of a float64 x rounds it: the op on x would compute in float64, other maths, so
-    the copy stays (the norm of it still fuses), and the report says why."""
-    def twin(model):
-        model.__class__ = _RoundsToFp32In64
-        return model
-
-    report = check_against_unfused(_RoundsToFp32, (X[0].double(),), capture, twin64=twin)
+    the copy stays (the norm of it still fuses), and the report says why. The answer and x's
+    gradient carry fp32's precision (float64 values of an fp32 computation): held to fp32's rule."""
+    torch.manual_seed(0)
+    model = _RoundsToFp32()
+    ref, ref64 = copy.deepcopy(model), _RoundsToFp32In64()
+    ref64.load_state_dict(model.state_dict())
+    ref64.double()
+    fused = fuse_via(model, capture)
+    xs = [X[0].to(torch.float64, copy=True).requires_grad_() for _ in range(3)]
+    outs = [m(x) for m, x in zip((fused, ref, ref64), xs)]
+    seed = torch.randn_like(outs[0])
+    for o in outs:
+        (o * seed).sum().backward()
+    assert_close("output", outs[0].float(), outs[2], outs[1].float())
+    assert_close("grad x", xs[0].grad.float(), xs[2].grad, xs[1].grad.float())
+    report = trifuse.report(fused)
     assert report.by_pattern() == {"group_norm": 1}, report.table()
     assert "not 16-bit or float32" in report.table(), report.table()
