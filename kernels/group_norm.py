@@ -771,7 +771,7 @@ class _GroupNormFunction(torch.autograd.Function):
 
 # =============================================================================================
 # Dialect: trifuse's kernels or PyTorch's `F.group_norm` (then `F.silu`), whichever is faster for
-# the shape, chosen once per (device, dtype, rows bucket, width, activation, grad) on the GPU and
+# the shape, chosen once per (device, dtype, rows bucket, width, activation, grad, layout) on the GPU and
 # cached on disk (autotune/dialects.py). Traced calls always see trifuse::group_norm.
 # =============================================================================================
 
@@ -779,16 +779,20 @@ class _GroupNormFunction(torch.autograd.Function):
 def _group_norm_key(x, num_groups, weight, bias, eps, activation, out_dtype):
     """The dialect key of an eager call; None (the trifuse op decides, and raises on bad input)
     when traced, empty or not fitting. It runs on every call."""
-    if not isinstance(x, torch.Tensor) or not eager_fast_path(x, weight, bias) or not x.is_floating_point():
+    if not isinstance(x, torch.Tensor) or not eager_fast_path(x, weight, bias) or x.dim() < 2:
         return None
-    if x.dim() < 2 or not isinstance(num_groups, int) or num_groups < 1 or x.shape[1] % num_groups:
+    c = x.shape[1]
+    if type(num_groups) is not int or num_groups < 1 or c % num_groups or activation not in ACTIVATIONS:
         return None
-    if x.numel() == 0 or activation not in ACTIVATIONS:
-        return None
-    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     rows = x.shape[0] * num_groups
-    return (x.get_device() if x.is_cuda else -1, x.dtype, pow2_bucket(rows), pow2_bucket(x.numel() // rows),
-            activation, out_dtype, grad)
+    numel = x.numel()
+    if numel == 0 or not x.is_floating_point():
+        return None
+    grad = torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)
+                                        or (bias is not None and bias.requires_grad))
+    # contiguous: trifuse's kernels copy another layout (channels_last) first; PyTorch's need not
+    return (x.get_device() if x.is_cuda else -1, x.dtype, pow2_bucket(rows), pow2_bucket(numel // rows),
+            activation, out_dtype, grad, x.is_contiguous())
 
 
 def _group_norm_trifuse(x, num_groups, weight, bias, eps, activation, out_dtype):
@@ -814,7 +818,8 @@ def _reference(x, num_groups, weight=None, bias=None, eps=1e-5, activation=None,
 
 
 GROUP_NORM = dialects.define(
-    "group_norm", _group_norm_key, ("device", "dtype", "rows", "width", "activation", "out_dtype", "grad"),
+    "group_norm", _group_norm_key,
+    ("device", "dtype", "rows", "width", "activation", "out_dtype", "grad", "contiguous"),
     reference=_reference,
     captures=((torch.nn.GroupNorm, lambda m, x: (x, m.num_groups, m.weight, m.bias, m.eps, None, None)),))
 GROUP_NORM.register(dialects.Candidate("trifuse", _group_norm_trifuse))
