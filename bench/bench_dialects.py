@@ -8,11 +8,12 @@ The claim checked: with dialects on, every shape runs at least as fast as the be
 candidate, within noise ("dialect / best" near 1.00 or below), since the choice is measured.
 Rows also say which candidate the dialect chose and what it rejected. Dialects covered:
 layer_norm, rms_norm, bias_gelu (erf and tanh), gated_activation (SiLU), cross_entropy,
-rotary_embedding and attention (causal and full). Bytes as in bench_layer_norm.py (LayerNorm
-fwd+bwd: 5·M·N·e + 5·N·e; RMSNorm the same without the bias: 5·M·N·e + 3·N·e), bench_bias_gelu.py,
-bench_gated_activation.py (8·M·N·e), bench_cross_entropy.py (logits read twice, dlogits written:
-3·N·C·e) and bench_rotary.py; attention FLOPs as in bench_attention.py. A forced candidate that
-cannot take a shape is an error row with its reason (never a silent fallback to trifuse's kernels).
+rotary_embedding, group_norm (SiLU) and attention (causal and full). Bytes as in
+bench_layer_norm.py (LayerNorm fwd+bwd: 5·M·N·e + 5·N·e; RMSNorm the same without the bias:
+5·M·N·e + 3·N·e), bench_bias_gelu.py, bench_gated_activation.py (8·M·N·e),
+bench_cross_entropy.py (logits read twice, dlogits written: 3·N·C·e), bench_rotary.py and
+bench_group_norm.py; attention FLOPs as in bench_attention.py. A forced candidate that cannot
+take a shape is an error row with its reason (never a silent fallback to trifuse's kernels).
 """
 import _harness as H  # noqa: I001  (bench/conftest.py sets TRITON_INTERPRET before this)
 import pytest
@@ -23,6 +24,7 @@ import bench_attention as BA
 import bench_bias_gelu as BG
 import bench_cross_entropy as BCE
 import bench_gated_activation as BGA
+import bench_group_norm as BGN
 import bench_layer_norm as BL
 import bench_rotary as BR
 import trifuse
@@ -140,11 +142,28 @@ def rotary_case():
     return dialect, providers, shapes, BR.make_inputs, BR.bytes_for, explain
 
 
+def group_norm_case():
+    """(dialect, providers, shapes, make_inputs, bytes_for, explain) for GroupNorm + SiLU at SD's
+    UNet's and VAE's shapes (bench_group_norm.py)."""
+    dialect = dialects.get("group_norm")
+    def forced(candidate):
+        return lambda x, w, b: _forced(candidate)(x, BGN.GROUPS, w, b, 1e-5, "silu", None)
+
+    providers = {f"only {c.name}": forced(c) for c in dialect.candidates}
+    providers["dialect"] = lambda x, w, b: trifuse.ops.group_norm(x, BGN.GROUPS, w, b, 1e-5, "silu")
+
+    def explain(shape):
+        x, w, b = BGN.make_inputs(shape)[0]
+        return dialect.explain(x, BGN.GROUPS, w, b, 1e-5, "silu", None)
+    return dialect, providers, list(BGN.SHAPES), BGN.make_inputs, BGN.bytes_for, explain
+
+
 def other_cases() -> list[tuple[str, tuple]]:
     """(variant, case) for the dialects beside layer_norm and attention."""
     return [("rms_norm", rms_norm_case()), ("bias_gelu none", bias_gelu_case("none")),
             ("bias_gelu tanh", bias_gelu_case("tanh")), ("gated_activation silu", gated_activation_case("silu")),
-            ("cross_entropy", cross_entropy_case()), ("rotary_embedding", rotary_case())]
+            ("cross_entropy", cross_entropy_case()), ("rotary_embedding", rotary_case()),
+            ("group_norm silu", group_norm_case())]
 
 
 def attention_case(causal: bool):
@@ -244,10 +263,11 @@ def test_attention_dialect(benchmark, provider):
 
 @pytest.mark.parametrize("provider", ["only trifuse", "only torch", "dialect"])
 @pytest.mark.parametrize("variant", ["rms_norm", "bias_gelu none", "bias_gelu tanh", "gated_activation silu",
-                                     "cross_entropy", "rotary_embedding"])
+                                     "cross_entropy", "rotary_embedding", "group_norm silu"])
 def test_other_dialects(benchmark, variant, provider):
     _, providers, _, make_inputs, _, explain = dict(other_cases())[variant]
-    shape = {"cross_entropy": BCE.SMOKE_CE, "rotary_embedding": BR.SMOKE_SHAPE}.get(variant, SMOKE_SHAPE)
+    shape = {"cross_entropy": BCE.SMOKE_CE, "rotary_embedding": BR.SMOKE_SHAPE,
+             "group_norm silu": BGN.SMOKE_SHAPE}.get(variant, SMOKE_SHAPE)
     step = H.make_step(providers[provider], lambda: make_inputs(shape), MODE)
     H.check_against_reference(providers, "only torch", make_inputs, shape)
     benchmark.pedantic(step, rounds=3 if H.on_gpu() else 1, iterations=1)
