@@ -47,8 +47,8 @@ Kernels (1-D grids; int64 offsets, tensors past 2^31 elements):
   backward  `_bwd_sums`: per (n, c) and chunk of spatial positions, sum(dz * xhat) and sum(dz);
             `_bwd_dx`: each program combines its row's channel sums weighted by w into the two
             row means and writes its chunk of dx.
-  dw and db are the per-(n, c) sums added over n (and the chunks) in a fixed order: bitwise the
-  same on every run.
+  `_dparams`: dw and db, the per-(n, c) sums added over n (and the chunks) in a fixed order:
+  bitwise the same on every run.
 Memory plan: the forward saves x, mean and rstd ((N, G) each), nothing of the size of y.
 Launch configuration: the chunked kernels' tuned per shape bucket (autotune/configs.py:
 group_norm; not yet timed on a GPU); the row kernels' fixed (warps for 16 values a thread).
@@ -363,6 +363,29 @@ def _group_norm_row_bwd_kernel(
         tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _group_norm_dparams_kernel(
+    PART,  # in (N, C, SPLIT, 2): per (n, c) and chunk, sum(dz * xhat) and sum(dz)
+    DW, DB,  # out (C,) each in the parameter's dtype, or unused
+    N, C, SPLIT,
+    BLOCK_C: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACC: tl.constexpr,
+):
+    """dw and db: the sums over n and the chunks, added in one fixed order (deterministic)."""
+    cs = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    real = cs < C
+    dw = tl.zeros((BLOCK_C,), ACC)
+    db = tl.zeros((BLOCK_C,), ACC)
+    for n in range(N):
+        for k in range(SPLIT):
+            at = ((n * C + cs).to(tl.int64) * SPLIT + k) * 2
+            dw += tl.load(PART + at, mask=real, other=0.0)
+            db += tl.load(PART + at + 1, mask=real, other=0.0)
+    if HAS_W:
+        tl.store(DW + cs, dw.to(DW.dtype.element_ty), mask=real)
+    if HAS_B:
+        tl.store(DB + cs, db.to(DB.dtype.element_ty), mask=real)
+
+
 # =============================================================================================
 # Launchers: check nothing, allocate the outputs, launch. Tensors in, tensors out.
 # =============================================================================================
@@ -373,6 +396,8 @@ _bwd_sums = CachedKernel(_group_norm_bwd_sums_kernel)
 _bwd_dx = CachedKernel(_group_norm_bwd_dx_kernel)
 _row_fwd = CachedKernel(_group_norm_row_fwd_kernel)
 _row_bwd = CachedKernel(_group_norm_row_bwd_kernel)
+_dparams = CachedKernel(_group_norm_dparams_kernel)
+_DPARAMS_BLOCK = 128  # channels a program
 
 # A row whose (channels x positions) tile, each side padded to a power of two, holds at most this
 # many values is normalized by one program holding it whole (one launch each way, x read once
@@ -570,10 +595,13 @@ def group_norm_bwd(dy: torch.Tensor, x: torch.Tensor, num_groups: int, weight: t
         if _BWD_TUNER.is_decided(tuning_key):
             store_plan(_LAUNCHES, key, plan)
     part = _bwd_run(plan, dy, x, w_arg, b_arg, mean, rstd, dx)
-    sums = part.view(n, c, -1, 2).sum(dim=(0, 2))  # a fixed order: deterministic
-    # copies: the two are never views of one buffer (a registered op's outputs must not alias)
-    dw = sums[:, 0].to(weight.dtype, copy=True) if weight is not None else None
-    db = sums[:, 1].to(bias.dtype, copy=True) if bias is not None else None
+    dw = torch.empty_like(weight) if weight is not None else None
+    db = torch.empty_like(bias) if bias is not None else None
+    if dw is not None or db is not None:
+        _dparams.run((-(-c // _DPARAMS_BLOCK),), (part, dw if dw is not None else db, db if db is not None else dw,
+                                                  n, c, part.shape[0] // (n * c)),
+                     {"BLOCK_C": _DPARAMS_BLOCK, "HAS_W": dw is not None, "HAS_B": db is not None,
+                      "ACC": acc_dtype(part.dtype)})
     return dx, dw, db
 
 
