@@ -4,7 +4,8 @@ unfused model and float64 by the tests' oracle rule, outputs and every gradient.
     TRITON_INTERPRET=1 python bench/fuzz_rewriter.py [--examples 200] [--seed 0] [--save]
 
 Each example draws a Spec (faithful spellings and near misses of every family; one in three a
-HeadSpec: an LM head and its loss; one in five a ResnetSpec: a diffusion UNet's ResNet block), a capture (fx, Dynamo, torch.compile with backend "trifuse"
+HeadSpec: an LM head and its loss; one in five a ResnetSpec: a diffusion UNet's ResNet block),
+a capture (fx, Dynamo, torch.compile with backend "trifuse"
 or, one in ten, "trifuse_inductor"), a mode (eval; or train without dropout) and a dtype (fp32 or
 fp16). Prints one line per failure and a summary (how many examples fused each family); --save
 writes bench/results/fuzz_rewriter.{json,md}.
@@ -112,7 +113,8 @@ def main() -> None:
     rng = random.Random(args.seed)
     failures, fused, excused, t0 = [], Counter(), Counter(), time.perf_counter()
     for i in range(args.examples):
-        spec, capture, train, dtype = draw_resnet(rng) if i % 5 == 4 else draw(rng) if i % 3 else draw_head(rng)
+        drawn = draw_resnet if i % 5 == 4 else draw if i % 3 else draw_head
+        spec, capture, train, dtype = drawn(rng)
         twin64 = None
         if isinstance(spec, rb.ResnetSpec):
             def make(spec=spec, dtype=dtype):

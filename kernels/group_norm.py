@@ -318,7 +318,10 @@ def _group_norm_row_fwd_kernel(
     rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(d * d, 1), 0) / L + eps)
     mean = shift + d_mean
     # y from x - mean (two roundings, not d's three), w applied with rstd: PyTorch's own error
-    scale = rstd * tl.load(W + channel, mask=real, other=0.0).to(ACC) if HAS_W else tl.full((CB,), 1.0, ACC) * rstd
+    if HAS_W:
+        scale = rstd * tl.load(W + channel, mask=real, other=0.0).to(ACC)
+    else:
+        scale = tl.full((CB,), 1.0, ACC) * rstd
     z = (x - mean) * scale[:, None]
     if HAS_B:
         z = z + tl.load(B + channel, mask=real, other=0.0).to(ACC)[:, None]
@@ -598,8 +601,8 @@ def group_norm_bwd(dy: torch.Tensor, x: torch.Tensor, num_groups: int, weight: t
     dw = torch.empty_like(weight) if weight is not None else None
     db = torch.empty_like(bias) if bias is not None else None
     if dw is not None or db is not None:
-        _dparams.run((-(-c // _DPARAMS_BLOCK),), (part, dw if dw is not None else db, db if db is not None else dw,
-                                                  n, c, part.shape[0] // (n * c)),
+        dw_arg, db_arg = (dw if dw is not None else db), (db if db is not None else dw)
+        _dparams.run((-(-c // _DPARAMS_BLOCK),), (part, dw_arg, db_arg, n, c, part.shape[0] // (n * c)),
                      {"BLOCK_C": _DPARAMS_BLOCK, "HAS_W": dw is not None, "HAS_B": db is not None,
                       "ACC": acc_dtype(part.dtype)})
     return dx, dw, db

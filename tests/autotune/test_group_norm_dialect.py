@@ -119,8 +119,8 @@ def test_the_measured_winner_runs_bitwise(gn_dialect, timer, monkeypatch, winner
         assert torch.equal(a, e)
     rec = gn_dialect.explain(x, G, w, b, EPS, activation, None)
     assert rec.chosen == winner and rec.source == "measured" and set(fake.calls) == {"trifuse", "torch"}
-    assert rec.bucket == f"dtype=float32,rows=16,width=128,activation={activation},out_dtype=None,grad=True," \
-                         "contiguous=True"
+    assert rec.bucket == (f"dtype=float32,rows=16,width=128,activation={activation},out_dtype=None,"
+                          "grad=True,contiguous=True")
     fwd_bwd(trifuse.ops.group_norm, *inputs(n=4), activation)  # the same rows bucket: replayed
     assert len(fake.calls) == 2
 

@@ -278,8 +278,11 @@ def test_each_residual_add_before_a_modulated_norm(residual):
        dtype=st.sampled_from([torch.float32, torch.float16]), eps=st.sampled_from([1e-6, 1e-5, 1e-2]))
 def test_random_resnet_blocks_fuse_to_what_they_compute(norm, act, capture, dtype, eps):
     assume(not rb.resnet_check_is_noise(norm, act, dtype))
-    checked(lambda: check_against_unfused(lambda: rb.resnet_model(norm, act, dtype, eps), rb.resnet_inputs(dtype),
-                                          capture, train=True, twin64=rb.resnet_float64_twin), capture)
+    def make():
+        return rb.resnet_model(norm, act, dtype, eps)
+
+    checked(lambda: check_against_unfused(make, rb.resnet_inputs(dtype), capture, train=True,
+                                          twin64=rb.resnet_float64_twin), capture)
 
 
 @pytest.mark.parametrize("act", rb.RESNET_ACTS)
@@ -292,8 +295,8 @@ def test_each_resnet_activation(norm, act):
     dtype = torch.float16 if norm == "gn32_fp32_copy" else torch.float32
     if rb.resnet_check_is_noise(norm, act, dtype):
         dtype = torch.float32  # the one draw the oracle rule cannot judge (rb.resnet_check_is_noise)
-    report = check_against_unfused(lambda: rb.resnet_model(norm, act, dtype), rb.resnet_inputs(dtype), "dynamo",
-                                   train=True, twin64=rb.resnet_float64_twin)
+    report = check_against_unfused(lambda: rb.resnet_model(norm, act, dtype), rb.resnet_inputs(dtype),
+                                   "dynamo", train=True, twin64=rb.resnet_float64_twin)
     patterns = {p: n for p, n in report.by_pattern().items() if p.startswith("group_norm")}
     assert report.counts() == {"group_norm": 4, **({"bias_gelu": 4} if act == "quick_gelu" else {})}, \
         report.table()

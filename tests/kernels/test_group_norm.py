@@ -155,7 +155,8 @@ def test_statistics_where_the_first_value_is_far_from_the_mean(path, monkeypatch
     assert ((rstd.double() - rstd64).abs() / rstd64).max() < 4 * ulp
     assert ((mean.double() - mean64).abs()).max() < 4 * ulp * rows.abs().amax(-1).max()
     shift = rows[..., :1]
-    about_x0 = ((rows - shift) ** 2).float().mean(-1).double() - ((rows - shift).float().mean(-1).double()) ** 2
+    d = rows - shift
+    about_x0 = (d**2).float().mean(-1).double() - d.float().mean(-1).double() ** 2
     wrong = (about_x0.float() + 1e-5).rsqrt().double()  # as the first version: fp32 sums about x0
     assert ((wrong - rstd64).abs() / rstd64).max() > 4 * ulp, "the control no longer shows the cancellation"
 
