@@ -5,6 +5,7 @@ import torch
 
 from . import ops
 from .kernels.bias_gelu import APPROXIMATE
+from .kernels.group_norm import ACTIVATIONS as GROUP_NORM_ACTIVATIONS
 
 
 class LayerNorm(torch.nn.LayerNorm):
@@ -47,6 +48,35 @@ class RMSNorm(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+
+
+class GroupNorm(torch.nn.GroupNorm):
+    """`torch.nn.GroupNorm` computed by trifuse's kernels, optionally followed by SiLU in the same
+    pass (`activation="silu"`: a UNet's or VAE's `nonlinearity(norm(x))`, whose norm output is
+    then neither written nor kept for the backward). Same parameters, initialization and
+    state_dict keys as nn.GroupNorm, so either loads the other's.
+    """
+
+    def __init__(
+        self,
+        num_groups: int,
+        num_channels: int,
+        eps: float = 1e-5,
+        affine: bool = True,
+        activation: str | None = None,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if activation not in GROUP_NORM_ACTIVATIONS:
+            raise ValueError(f"trifuse.nn.GroupNorm: activation must be None or 'silu', got {activation!r}")
+        super().__init__(num_groups, num_channels, eps, affine, device, dtype)
+        self.activation = activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.group_norm(x, self.num_groups, self.weight, self.bias, self.eps, self.activation)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (f", activation={self.activation!r}" if self.activation else "")
 
 
 class LinearGELU(torch.nn.Module):

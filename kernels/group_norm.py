@@ -852,7 +852,8 @@ GROUP_NORM = dialects.define(
     "group_norm", _group_norm_key,
     ("device", "dtype", "rows", "width", "activation", "out_dtype", "grad", "contiguous"),
     reference=_reference,
-    captures=((torch.nn.GroupNorm, lambda m, x: (x, m.num_groups, m.weight, m.bias, m.eps, None, None)),))
+    captures=((torch.nn.GroupNorm,  # trifuse.nn.GroupNorm too, with its activation
+               lambda m, x: (x, m.num_groups, m.weight, m.bias, m.eps, getattr(m, "activation", None), None)),))
 GROUP_NORM.register(dialects.Candidate("trifuse", _group_norm_trifuse))
 GROUP_NORM.register(dialects.Candidate("torch", _group_norm_torch_candidate))
 

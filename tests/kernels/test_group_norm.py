@@ -378,3 +378,33 @@ def test_reference_path_without_interpreter_matches(monkeypatch):
         for dtype in (torch.float32, torch.float16):
             x, weight, bias = make((2, 6, 37), dtype)
             check_fwd_bwd(x, 3, weight, bias, activation)
+
+
+# ---------------------------------------------------------------------------------------------
+# trifuse.nn.GroupNorm
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS, ids=str)
+def test_nn_group_norm_matches_and_shares_nn_group_norms_state_dict(activation):
+    """The module computes act(nn.GroupNorm(x)) by the oracle rule, forward and backward, and
+    loads an nn.GroupNorm's state_dict (and the reverse) with the same keys."""
+    torch.manual_seed(0)
+    ref = torch.nn.GroupNorm(3, 6, eps=1e-6).to(DEVICE)
+    with torch.no_grad():
+        ref.weight.add_(0.3 * torch.randn(6, device=DEVICE))
+        ref.bias.add_(0.3 * torch.randn(6, device=DEVICE))
+    ours = trifuse.nn.GroupNorm(3, 6, eps=1e-6, activation=activation, device=DEVICE)
+    assert ours.load_state_dict(ref.state_dict()) is not None
+    assert set(ours.state_dict()) == set(ref.state_dict())
+    x = torch.randn(2, 6, 5, 4, device=DEVICE, requires_grad=True)
+    check_fwd_bwd(x, 3, ours.weight, ours.bias, activation, eps=1e-6)
+    y = ours(x)
+    assert torch.equal(y, trifuse.ops.group_norm(x, 3, ours.weight, ours.bias, 1e-6, activation))
+    assert ("activation='silu'" in repr(ours)) == (activation == "silu")
+    torch.nn.GroupNorm(3, 6).load_state_dict(ours.state_dict())
+
+
+def test_nn_group_norm_rejects_an_unknown_activation():
+    with pytest.raises(ValueError, match=r"trifuse.nn.GroupNorm: activation must be None or 'silu', got 'gelu'"):
+        trifuse.nn.GroupNorm(2, 4, activation="gelu")
