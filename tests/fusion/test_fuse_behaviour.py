@@ -1630,3 +1630,36 @@ def test_python_arithmetic_on_shapes_stays_python_in_fx_graphs():
 
     report = check_against_unfused(Pool, (torch.randn(2, 7, 16),), "fx")
     assert report.counts().get("attention") == available_counts({"attention": 1})["attention"], report.table()
+
+
+class _WithTrifuseModules(nn.Module):
+    """A model written with trifuse.nn's modules beside torch.nn's: GroupNorm + SiLU fused already,
+    a LinearGELU, a trifuse LayerNorm; the torch.nn norm after a residual add is fuse's to take."""
+
+    def __init__(self):
+        super().__init__()
+        self.gn = trifuse.nn.GroupNorm(2, 4, activation="silu")
+        self.ln = trifuse.nn.LayerNorm(4)
+        self.lin = nn.Linear(4, 4)
+        self.norm = nn.LayerNorm(4)
+        self.fc = trifuse.nn.LinearGELU(4, 6)
+
+    def forward(self, x):
+        h = self.gn(x).flatten(2).transpose(1, 2)  # (B, positions, 4)
+        return self.fc(self.norm(self.lin(self.ln(h)) + h))
+
+
+def test_trifuse_nn_modules_stay_calls_and_the_model_around_them_traces():
+    """fx cannot trace into trifuse's ops (their checks reject a Proxy): a trifuse.nn module stays
+    one call in the parent's graph, so the parent traces whole and the rest fuses (the residual
+    add into the torch.nn LayerNorm after it), where before the parent fell back to its
+    submodules. Outputs and gradients by the oracle rule."""
+    from _fusing import check_against_unfused
+
+    def make():
+        torch.manual_seed(0)
+        return _WithTrifuseModules()
+
+    report = check_against_unfused(make, (torch.randn(2, 4, 3, 3),), "fx")
+    assert report.by_pattern() == {"add_layer_norm": 1}, report.table()
+    assert "fx cannot trace" not in report.table(), report.table()
