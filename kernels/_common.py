@@ -157,15 +157,28 @@ def outside_device_modes(fn: Callable[..., Any]) -> Callable[..., Any]:
     DeviceContexts (see eager_fast_path): its checks, dialect keys and launchers make thousands
     of tensor calls a step (shape, device, data_ptr, ...), and each would go through the mode's
     Python handler; the registered op ran its implementation outside the mode too. Every tensor
-    made there names its device. Anything else (compiling, another mode) runs as it is."""
+    made there names its device. Anything else (compiling, another mode) runs as it is.
+
+    Called on fx Proxies (torch.fx.symbolic_trace of a model that calls trifuse.ops itself), the
+    op becomes one graph node whose target is the public function: its checks cannot read a
+    Proxy, and `fuse` then sees the call as it sees the ops its own rewrites put in a graph."""
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
+        if _fx_tracing():
+            proxy = next((a for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                          if isinstance(a, torch.fx.Proxy)), None)
+            if proxy is not None:
+                return proxy.tracer.create_proxy("call_function", call, args, kwargs)
         if (not torch.compiler.is_compiling() and torch._C._is_torch_function_mode_enabled()
                 and _only_device_modes()):
             with torch._C.DisableTorchFunction():
                 return fn(*args, **kwargs)
         return fn(*args, **kwargs)
     return call
+
+
+_fx_tracing = getattr(torch.fx._symbolic_trace, "is_fx_symbolic_tracing", None) \
+    or torch.fx._symbolic_trace.is_fx_tracing  # an older torch's
 
 
 def _only_device_modes() -> bool:

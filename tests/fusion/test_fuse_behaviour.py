@@ -1663,3 +1663,44 @@ def test_trifuse_nn_modules_stay_calls_and_the_model_around_them_traces():
     report = check_against_unfused(make, (torch.randn(2, 4, 3, 3),), "fx")
     assert report.by_pattern() == {"add_layer_norm": 1}, report.table()
     assert "fx cannot trace" not in report.table(), report.table()
+
+
+class _CallsTrifuseOps(nn.Module):
+    """A model calling trifuse.ops in its forward (a tuple-returning one among them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w, self.b = nn.Parameter(1 + 0.3 * torch.randn(4)), nn.Parameter(0.3 * torch.randn(4))
+        self.lin = nn.Linear(4, 4)
+        self.norm = nn.LayerNorm(4)
+
+    def forward(self, x):
+        h = trifuse.ops.group_norm(x, 2, self.w, self.b, 1e-5, "silu").flatten(2).transpose(1, 2)
+        y, s = trifuse.ops.layer_norm(h, (4,), self.w, self.b, residual=h)
+        return self.norm(self.lin(y) + s)
+
+
+def test_symbolic_trace_keeps_a_trifuse_op_one_node():
+    """torch.fx.symbolic_trace of code calling trifuse.ops: each op one call_function node whose
+    target is the public function (its checks cannot read a Proxy), the graph running as the code."""
+    torch.manual_seed(0)
+    model = _CallsTrifuseOps()
+    gm = torch.fx.symbolic_trace(model)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert trifuse.ops.group_norm in targets and trifuse.ops.layer_norm in targets
+    x = torch.randn(2, 4, 3, 3)
+    torch.testing.assert_close(gm(x), model(x), rtol=0, atol=0)
+
+
+def test_a_model_calling_trifuse_ops_traces_whole_and_the_rest_fuses():
+    """Before, fx failed on the model (the ops' checks read a Proxy) and fuse fell back to its
+    submodules; now it traces whole, and the residual add into the torch.nn LayerNorm fuses."""
+    from _fusing import check_against_unfused
+
+    def make():
+        torch.manual_seed(0)
+        return _CallsTrifuseOps()
+
+    report = check_against_unfused(make, (torch.randn(2, 4, 3, 3),), "fx")
+    assert report.by_pattern() == {"add_layer_norm": 1}, report.table()
+    assert "fx cannot trace" not in report.table(), report.table()
