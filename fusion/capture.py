@@ -45,6 +45,7 @@ from torch import fx
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
+from ..kernels._common import is_fx_tracing
 from ..patterns._base import Pattern, example_value
 from .dtensor_calls import recompile
 from .graphs import BlockGraphs
@@ -196,10 +197,6 @@ class Unit:
         return work, log
 
 
-_is_fx_tracing = getattr(torch.fx._symbolic_trace, "is_fx_symbolic_tracing", None) \
-    or torch.fx._symbolic_trace.is_fx_tracing  # an older torch's, which also warns once
-
-
 _peek_functorch = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", lambda: None)
 
 
@@ -221,7 +218,7 @@ def function_transform() -> str | None:
 def _installed_forward(unit: Unit) -> Callable[..., Any]:
     @functools.wraps(unit.original)
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0 or _is_fx_tracing():
+        if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0 or is_fx_tracing():
             # Someone compiles or fake-traces a model containing this module, or fx traces its
             # parent, which called `layer.forward(...)` where fx looks for `layer(...)` (a leaf
             # call): show them the original code. Not a call of this unit: fx records the ops

@@ -164,7 +164,7 @@ def outside_device_modes(fn: Callable[..., Any]) -> Callable[..., Any]:
     Proxy, and `fuse` then sees the call as it sees the ops its own rewrites put in a graph."""
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
-        if _fx_tracing():
+        if is_fx_tracing():
             proxy = next((a for a in torch.utils._pytree.tree_leaves((args, kwargs))
                           if isinstance(a, torch.fx.Proxy)), None)
             if proxy is not None:
@@ -177,8 +177,10 @@ def outside_device_modes(fn: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-_fx_tracing = getattr(torch.fx._symbolic_trace, "is_fx_symbolic_tracing", None) \
-    or torch.fx._symbolic_trace.is_fx_tracing  # an older torch's
+# Whether torch.fx.symbolic_trace is tracing (not Dynamo): an older torch's is_fx_tracing, which
+# also warns once, where it has no is_fx_symbolic_tracing.
+is_fx_tracing = getattr(torch.fx._symbolic_trace, "is_fx_symbolic_tracing", None) \
+    or torch.fx._symbolic_trace.is_fx_tracing
 
 
 def _only_device_modes() -> bool:
