@@ -1196,9 +1196,6 @@ class FxUnit(Unit):
         return _FxEntry(type(work).forward, capture, baked=baked)
 
 
-_TRIFUSE_NN = __name__.rsplit(".", 2)[0] + ".nn"  # "trifuse.nn"
-
-
 class LeafTracer(fx.Tracer):
     """fx's tracer, also keeping other fused units (blocks) as module calls, and each
     `torch.autograd.Function.apply` as one call: fx alone traces into the Function's forward and
@@ -1210,10 +1207,8 @@ class LeafTracer(fx.Tracer):
         self._leaves = leaves
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
-        # a submodule with hooks stays a call, which runs them (fx would trace its forward alone);
-        # so does a trifuse.nn module: already fused, and fx cannot trace into trifuse's ops
-        return (self._leaves(m) or has_hooks(m) or type(m).__module__ == _TRIFUSE_NN
-                or super().is_leaf_module(m, module_qualified_name))
+        # a submodule with hooks stays a call, which runs them (fx would trace its forward alone)
+        return self._leaves(m) or has_hooks(m) or super().is_leaf_module(m, module_qualified_name)
 
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
         original = torch.autograd.Function.__dict__["apply"]

@@ -210,6 +210,23 @@ def same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dim() == b.dim() and all(known_equal(x, y) for x, y in zip(a.shape, b.shape))
 
 
+def params_fp32_or_like_input(m: Match) -> str | None:
+    """For a norm of an fp32 copy of x, cast back, rewritten as the norm of x itself: that
+    computes what the copy's norm did when each parameter (weight, bias, where the pattern has
+    them) is fp32 (it joins the fp32 maths either way) or in x's dtype (upcast inside the kernel)."""
+    x = m.value("x")
+    if not isinstance(x, torch.Tensor):
+        return "no dtype for x"
+    for name in ("weight", "bias"):
+        try:
+            v = m.value(name)
+        except KeyError:
+            continue
+        if isinstance(v, torch.Tensor) and v.dtype not in (torch.float32, x.dtype):
+            return f"{name} dtype {v.dtype} is neither float32 nor the input's {x.dtype}"
+    return None
+
+
 def needs_number(*names: str) -> Filter:
     """The named parameters matched Python numbers: constants, or scalars the graph computes
     (`is_runtime_number`), never tensors."""

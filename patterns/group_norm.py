@@ -23,7 +23,7 @@ and channels that do not divide into the groups, with their message in the repor
 import torch
 import torch.nn.functional as F
 
-from ._base import Match, Pattern, needs_number, ops
+from ._base import Match, Pattern, needs_number, ops, params_fp32_or_like_input
 
 
 def group_norm(x: torch.Tensor, num_groups, weight, bias, eps):
@@ -67,17 +67,6 @@ def _casts_back_to_input(m: Match) -> str | None:
     return None
 
 
-def _params_fp32_or_like_input(m: Match) -> str | None:
-    """The op takes a 16-bit x with fp32 parameters (the maths is fp32 either way) or with
-    parameters in x's dtype (upcast inside the kernel, as the copy's norm upcast them)."""
-    x = m.value("x")
-    for name in ("weight", "bias"):
-        v = m.value(name)
-        if isinstance(v, torch.Tensor) and v.dtype not in (torch.float32, x.dtype):
-            return f"{name} dtype {v.dtype} is neither float32 nor the input's {x.dtype}"
-    return None
-
-
 def groups_constant(m: Match) -> str | None:
     """num_groups a plain int: the op's grid and statistics are shaped by it."""
     groups = m["num_groups"]
@@ -96,5 +85,5 @@ PATTERNS = (
     Pattern("group_norm", "group_norm", group_norm, group_norm_fused, _OPS, _FILTERS),
     # After the spellings above: the op on an fp32 copy of a 16-bit x, cast back, is the op on x.
     Pattern("group_norm_in_fp32", "group_norm", group_norm_in_fp32, group_norm_in_fp32_fused, _OPS,
-            (*_FILTERS, _casts_back_to_input, _params_fp32_or_like_input)),
+            (*_FILTERS, _casts_back_to_input, params_fp32_or_like_input)),
 )

@@ -32,7 +32,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ._base import Match, Pattern, needs_number, ops
+from ._base import Match, Pattern, needs_number, ops, params_fp32_or_like_input
 
 
 def layer_norm(x: torch.Tensor, normalized_shape, weight, bias, eps):
@@ -264,22 +264,6 @@ def layer_norm_in_fp32_fused(x, normalized_shape, weight, bias, eps, dtype):
     return ops.layer_norm(x, normalized_shape, weight, bias, eps)
 
 
-def _params_fp32_or_like_input(m: Match) -> str | None:
-    """The norm of x itself computes what the norm of its fp32 copy did when each parameter is
-    fp32 (it joins the fp32 maths either way) or in x's dtype (upcast inside the kernel)."""
-    x = m.value("x")
-    if not isinstance(x, torch.Tensor):
-        return "no dtype for x"
-    for name in ("weight", "bias"):
-        try:
-            v = m.value(name)
-        except KeyError:
-            continue
-        if isinstance(v, torch.Tensor) and v.dtype not in (torch.float32, x.dtype):
-            return f"{name} dtype {v.dtype} is neither float32 nor the input's {x.dtype}"
-    return None
-
-
 def _fp32_weight(m: Match) -> str | None:
     w = m.value("weight")
     if not isinstance(w, torch.Tensor) or w.dim() != 1:
@@ -421,7 +405,7 @@ PATTERNS = (
             ("rms_norm",), _RMS_FILTERS, derive=_last_dim),
     # Before T5's, whose match would leave the cast back apart
     Pattern("rms_norm_t5_cast_back", "rms_norm", rms_norm_t5_cast_back, rms_norm_t5_half_fused, ("rms_norm",),
-            (*_RMS_FILTERS, _casts_back_to_input, _params_fp32_or_like_input)),
+            (*_RMS_FILTERS, _casts_back_to_input, params_fp32_or_like_input)),
     Pattern("rms_norm_t5", "rms_norm", rms_norm_t5, rms_norm_t5_fused, ("rms_norm",),
             (*_RMS_FILTERS, _fp32_weight), derive=_upcast_if_16_bit),
     Pattern("rms_norm_t5_half", "rms_norm", rms_norm_t5_half, rms_norm_t5_half_fused, ("rms_norm",),
@@ -434,9 +418,9 @@ PATTERNS = (
             derive=_last_dim),
     # After the spellings above: the norm of an fp32 copy, cast back, is the norm of x.
     Pattern("rms_norm_in_fp32", "rms_norm", rms_norm_in_fp32, rms_norm_in_fp32_fused, ("rms_norm",),
-            (*_RMS_FILTERS, _casts_back_to_input, _params_fp32_or_like_input)),
+            (*_RMS_FILTERS, _casts_back_to_input, params_fp32_or_like_input)),
     Pattern("layer_norm_in_fp32", "layer_norm", layer_norm_in_fp32, layer_norm_in_fp32_fused, ("layer_norm",),
-            (needs_number("eps"), _casts_back_to_input, _params_fp32_or_like_input)),
+            (needs_number("eps"), _casts_back_to_input, params_fp32_or_like_input)),
     # Last: a weight, then a bias, after a fused norm without them (what the spellings above leave
     # of `w * norm(x) + b` written out). Quiet: most products and sums are no norm's affine.
     Pattern("layer_norm_weight_folded", "layer_norm", layer_norm_then_weight, layer_norm_weight_folded,

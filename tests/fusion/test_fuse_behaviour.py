@@ -1649,22 +1649,6 @@ class _WithTrifuseModules(nn.Module):
         return self.fc(self.norm(self.lin(self.ln(h)) + h))
 
 
-def test_trifuse_nn_modules_stay_calls_and_the_model_around_them_traces():
-    """fx cannot trace into trifuse's ops (their checks reject a Proxy): a trifuse.nn module stays
-    one call in the parent's graph, so the parent traces whole and the rest fuses (the residual
-    add into the torch.nn LayerNorm after it), where before the parent fell back to its
-    submodules. Outputs and gradients by the oracle rule."""
-    from _fusing import check_against_unfused
-
-    def make():
-        torch.manual_seed(0)
-        return _WithTrifuseModules()
-
-    report = check_against_unfused(make, (torch.randn(2, 4, 3, 3),), "fx")
-    assert report.by_pattern() == {"add_layer_norm": 1}, report.table()
-    assert "fx cannot trace" not in report.table(), report.table()
-
-
 class _CallsTrifuseOps(nn.Module):
     """A model calling trifuse.ops in its forward (a tuple-returning one among them)."""
 
@@ -1692,14 +1676,18 @@ def test_symbolic_trace_keeps_a_trifuse_op_one_node():
     torch.testing.assert_close(gm(x), model(x), rtol=0, atol=0)
 
 
-def test_a_model_calling_trifuse_ops_traces_whole_and_the_rest_fuses():
-    """Before, fx failed on the model (the ops' checks read a Proxy) and fuse fell back to its
-    submodules; now it traces whole, and the residual add into the torch.nn LayerNorm fuses."""
+@pytest.mark.parametrize("model", [_WithTrifuseModules, _CallsTrifuseOps], ids=["trifuse.nn", "trifuse.ops"])
+def test_a_model_using_trifuse_traces_whole_and_the_rest_fuses(model):
+    """A model holding trifuse.nn modules, or calling trifuse.ops in its forward: fx failed on it
+    (the ops' checks read a Proxy) and fuse fell back to its submodules. Now each op is one node
+    of the traced graph (kernels/_common.py: outside_device_modes), the model traces whole, and
+    the residual add into the torch.nn LayerNorm after it fuses. Outputs and gradients by the
+    oracle rule."""
     from _fusing import check_against_unfused
 
     def make():
         torch.manual_seed(0)
-        return _CallsTrifuseOps()
+        return model()
 
     report = check_against_unfused(make, (torch.randn(2, 4, 3, 3),), "fx")
     assert report.by_pattern() == {"add_layer_norm": 1}, report.table()
