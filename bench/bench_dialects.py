@@ -142,9 +142,9 @@ def rotary_case():
     return dialect, providers, shapes, BR.make_inputs, BR.bytes_for, explain
 
 
-def group_norm_case():
+def group_norm_case(channels_last: bool = False):
     """(dialect, providers, shapes, make_inputs, bytes_for, explain) for GroupNorm + SiLU at SD's
-    UNet's and VAE's shapes (bench_group_norm.py)."""
+    UNet's and VAE's shapes (bench_group_norm.py), x contiguous or channels-last (its own key)."""
     dialect = dialects.get("group_norm")
     def forced(candidate):
         return lambda x, w, b: _forced(candidate)(x, BGN.GROUPS, w, b, 1e-5, "silu", None)
@@ -152,10 +152,13 @@ def group_norm_case():
     providers = {f"only {c.name}": forced(c) for c in dialect.candidates}
     providers["dialect"] = lambda x, w, b: trifuse.ops.group_norm(x, BGN.GROUPS, w, b, 1e-5, "silu")
 
+    def make_inputs(shape):
+        return BGN.make_inputs(shape, channels_last)
+
     def explain(shape):
-        x, w, b = BGN.make_inputs(shape)[0]
+        x, w, b = make_inputs(shape)[0]
         return dialect.explain(x, BGN.GROUPS, w, b, 1e-5, "silu", None)
-    return dialect, providers, list(BGN.SHAPES), BGN.make_inputs, BGN.bytes_for, explain
+    return dialect, providers, list(BGN.SHAPES), make_inputs, BGN.bytes_for, explain
 
 
 def other_cases() -> list[tuple[str, tuple]]:
@@ -163,7 +166,8 @@ def other_cases() -> list[tuple[str, tuple]]:
     return [("rms_norm", rms_norm_case()), ("bias_gelu none", bias_gelu_case("none")),
             ("bias_gelu tanh", bias_gelu_case("tanh")), ("gated_activation silu", gated_activation_case("silu")),
             ("cross_entropy", cross_entropy_case()), ("rotary_embedding", rotary_case()),
-            ("group_norm silu", group_norm_case())]
+            ("group_norm silu", group_norm_case()),
+            ("group_norm silu channels_last", group_norm_case(channels_last=True))]
 
 
 def attention_case(causal: bool):
@@ -263,11 +267,13 @@ def test_attention_dialect(benchmark, provider):
 
 @pytest.mark.parametrize("provider", ["only trifuse", "only torch", "dialect"])
 @pytest.mark.parametrize("variant", ["rms_norm", "bias_gelu none", "bias_gelu tanh", "gated_activation silu",
-                                     "cross_entropy", "rotary_embedding", "group_norm silu"])
+                                     "cross_entropy", "rotary_embedding", "group_norm silu",
+                                     "group_norm silu channels_last"])
 def test_other_dialects(benchmark, variant, provider):
     _, providers, _, make_inputs, _, explain = dict(other_cases())[variant]
     shape = {"cross_entropy": BCE.SMOKE_CE, "rotary_embedding": BR.SMOKE_SHAPE,
-             "group_norm silu": BGN.SMOKE_SHAPE}.get(variant, SMOKE_SHAPE)
+             "group_norm silu": BGN.SMOKE_SHAPE,
+             "group_norm silu channels_last": BGN.SMOKE_SHAPE}.get(variant, SMOKE_SHAPE)
     step = H.make_step(providers[provider], lambda: make_inputs(shape), MODE)
     H.check_against_reference(providers, "only torch", make_inputs, shape)
     benchmark.pedantic(step, rounds=3 if H.on_gpu() else 1, iterations=1)

@@ -19,7 +19,11 @@ the dialect would choose; "trifuse.ops (dialect)" the public function (the measu
 trifuse and PyTorch for the shape); "torch" eager; "torch.compile"; "liger" (GroupNorm alone).
 Shapes: Stable Diffusion 1.5's UNet at 512 x 512 (latents 64 x 64), batch 8, the widths of its
 four levels, and its VAE decoder's widest norm at 512 x 512 (batch 1: few, 1M-value rows); 32
-groups; bf16 on the GPU (the CPU smoke: 4 groups, tiny shapes).
+groups; bf16 on the GPU (the CPU smoke: 4 groups, tiny shapes). Variants: with the SiLU and
+without, and with the SiLU on x laid out channels_last (a UNet converted with
+`.to(memory_format=torch.channels_last)`, as diffusers advises): trifuse reads it where it lies
+and writes y channels-last; PyTorch's CUDA GroupNorm copies x to contiguous and returns y
+contiguous (the next conv then copies it back, not counted here).
 """
 import _harness as H  # noqa: I001  (bench/conftest.py sets TRITON_INTERPRET before this)
 import pytest
@@ -33,10 +37,14 @@ DEVICE = "cuda" if H.on_gpu() else "cpu"
 GROUPS = 32 if H.on_gpu() else 4  # few programs in the interpreter's smoke
 SHAPES = ((8, 320, 64, 64), (8, 640, 32, 32), (8, 1280, 16, 16), (8, 1280, 8, 8), (1, 128, 512, 512))
 ACTIVATIONS = ("silu", None)
+VARIANTS = (("silu", False), (None, False), ("silu", True))  # (activation, channels_last)
 
 
-def make_inputs(shape):
-    x = torch.randn(shape, device=DEVICE, dtype=DTYPE, requires_grad=True)
+def make_inputs(shape, channels_last=False):
+    x = torch.randn(shape, device=DEVICE, dtype=DTYPE)
+    if channels_last:
+        x = x.movedim(1, -1).contiguous().movedim(-1, 1)
+    x.requires_grad_()
     w = (1 + 0.1 * torch.randn(shape[1], device=DEVICE, dtype=DTYPE)).requires_grad_()
     b = (0.1 * torch.randn(shape[1], device=DEVICE, dtype=DTYPE)).requires_grad_()
     return (x, w, b), (x, w, b)
@@ -78,13 +86,14 @@ def providers(activation: str | None) -> dict:
     return out
 
 
-def with_peak_memory(rows: list[dict], activation: str | None) -> list[dict]:
+def with_peak_memory(rows: list[dict], activation: str | None, channels_last: bool) -> list[dict]:
     fns = providers(activation)
     for row in rows:
         if "ms" not in row or row["mode"] == "bwd":
             continue
         shape = tuple(int(s) for s in row["shape"].split("x"))
-        step = H.make_step(fns[row["provider"]], lambda shape=shape: make_inputs(shape), row["mode"])
+        step = H.make_step(fns[row["provider"]], lambda shape=shape: make_inputs(shape, channels_last),
+                           row["mode"])
         row["peak MiB"] = H.peak_memory_mib(step)
     return rows
 
@@ -115,9 +124,10 @@ COLUMNS = ("provider", "variant", "mode", "shape", "ms", "GB/s", "% copy", "grap
 
 def main() -> None:
     rows = []
-    for activation in ACTIVATIONS:
-        swept = H.sweep(providers(activation), SHAPES, make_inputs, bytes_for, variant=str(activation))
-        rows += with_peak_memory(swept, activation)
+    for activation, channels_last in VARIANTS:
+        swept = H.sweep(providers(activation), SHAPES, lambda shape, cl=channels_last: make_inputs(shape, cl),
+                        bytes_for, variant=str(activation) + (" channels_last" if channels_last else ""))
+        rows += with_peak_memory(swept, activation, channels_last)
     overhead = host_overhead()
     H.print_table(rows, COLUMNS)
     H.print_table(overhead, ("provider", "host µs"))
@@ -135,11 +145,13 @@ SMOKE_SHAPE = (2, 320, 16, 16) if H.on_gpu() else (2, 8, 3, 3)
 
 @pytest.mark.parametrize("mode", H.MODES)
 @pytest.mark.parametrize("provider", ["trifuse", "trifuse.ops (dialect)", "torch"])
-@pytest.mark.parametrize("activation", ACTIVATIONS, ids=str)
-def test_group_norm(benchmark, activation, provider, mode):
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: str(v[0]) + ("-channels_last" if v[1] else ""))
+def test_group_norm(benchmark, variant, provider, mode):
+    activation, channels_last = variant
     fn = providers(activation)[provider]
-    step = H.make_step(fn, lambda: make_inputs(SMOKE_SHAPE), mode)
-    H.check_against_reference(providers(activation), "torch", make_inputs, SMOKE_SHAPE)
+    step = H.make_step(fn, lambda: make_inputs(SMOKE_SHAPE, channels_last), mode)
+    H.check_against_reference(providers(activation), "torch", lambda shape: make_inputs(shape, channels_last),
+                              SMOKE_SHAPE)
     benchmark.pedantic(step, rounds=3 if H.on_gpu() else 1, iterations=1)
 
 

@@ -155,6 +155,14 @@ def _catalogue(torch, family: str):
         yield "group_norm 2x320x8x8 silu", fwd_bwd(lambda: ops.group_norm(x, 32, w, b, 1e-5, "silu"))
         xv, wv, bv = leaf(1, 8, 80, 80), leaf(8), leaf(8)
         yield "group_norm 1x8x80x80 silu", fwd_bwd(lambda: ops.group_norm(xv, 1, wv, bv, 1e-5, "silu"))
+        # the same read channels-last where it lies (a channels_last UNet): the row kernels, and
+        # the chunked ones with the channels-last sums at 64 channels a program
+        xl = leaf(2, 320, 8, 8).detach().to(memory_format=torch.channels_last).requires_grad_()
+        yield "group_norm 2x320x8x8 silu channels_last", fwd_bwd(lambda: ops.group_norm(xl, 32, w, b, 1e-5, "silu"))
+        xc, wc, bc = leaf(1, 128, 32, 32), leaf(128), leaf(128)
+        xc = xc.detach().to(memory_format=torch.channels_last).requires_grad_()
+        yield "group_norm 1x128x32x32 g8 silu channels_last", fwd_bwd(
+            lambda: ops.group_norm(xc, 8, wc, bc, 1e-5, "silu"))
     elif family == "gated_activation":
         g, u = leaf(tile_rows, 8192), leaf(tile_rows, 8192)
         for act in ("silu", "gelu", "gelu_tanh"):
@@ -418,7 +426,11 @@ def compile_all(launches: list[dict], arch: int) -> list[dict]:
                 row["num_warps"] = int(compiled.metadata.num_warps)
                 row["error"] = ""
             except Exception as e:  # noqa: BLE001  (a kernel that does not compile is the finding, not a crash)
-                row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}"
+                # Triton's CompilationError ends with the source line and a caret; the reason is
+                # its cause (or its first line)
+                cause = e.__cause__ or e
+                lines = [ln for ln in str(cause).strip().splitlines() if ln.strip() and ln.strip() != "^"]
+                row["error"] = f"{type(e).__name__}: {type(cause).__name__}: {lines[-1][:300] if lines else ''}"
             row["compile_s"] = round(time.perf_counter() - t0, 2)
             rows.append(row)
     finally:

@@ -48,8 +48,10 @@ def _gated(m: int, n: int):
     return {"gated_activation_fwd": 3, "gated_activation_bwd": 5}
 
 
-def _group_norm(shape: tuple[int, ...], silu: bool):
+def _group_norm(shape: tuple[int, ...], silu: bool, channels_last: bool = False):
     x, dy = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    if channels_last:  # its own tuning key: the kernels read it in another order
+        x, dy = (t.movedim(1, -1).contiguous().movedim(-1, 1) for t in (x, dy))
     w, b = (torch.randn(shape[1], device="cuda", dtype=torch.bfloat16) for _ in range(2))
     act = "silu" if silu else None
     _, mean, rstd = gn.group_norm_fwd(x, 32, w, b, 1e-5, act, x.dtype)  # reads x twice, writes y
@@ -70,6 +72,8 @@ CASES = (
     ("SD UNet GN+SiLU 8x320x64x64", 8 * 320, 64 * 64, lambda m, n: _group_norm((8, 320, 64, 64), True)),
     ("SD UNet GN+SiLU 8x1280x8x8", 8 * 1280, 8 * 8, lambda m, n: _group_norm((8, 1280, 8, 8), True)),
     ("SD VAE GN+SiLU 1x128x512x512", 128, 512 * 512, lambda m, n: _group_norm((1, 128, 512, 512), True)),
+    ("SD UNet GN+SiLU 8x320x64x64 channels_last", 8 * 320, 64 * 64,
+     lambda m, n: _group_norm((8, 320, 64, 64), True, channels_last=True)),
 )
 
 

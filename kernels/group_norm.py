@@ -28,8 +28,11 @@ the first version, measured 2-5x it where x0 fell a few deviations from the mean
 Shapes: x (N, C, *spatial) with at least 2 dims (N, C); weight and bias (C,) or None. Dtypes:
 fp16 / bf16 / fp32 / fp64; the weight and bias in x's dtype or, for a 16-bit x, fp32 (master
 weights); y in x's dtype or, for a 16-bit x, `out_dtype=torch.float32` (CUDA autocast runs
-GroupNorm in fp32: its 16-bit input, fp32 output). Layout: x is read as contiguous rows (another
-layout, channels_last included, is copied once); y and dx are contiguous.
+GroupNorm in fp32: its 16-bit input, fp32 output). Layout: x contiguous or channels-last
+(channels_last, channels_last_3d, an (N, L, C) tensor transposed to (N, C, L)) is read where it
+lies, and y and dx come out in that layout: a channels_last UNet pays no copy either way (PyTorch's
+CUDA GroupNorm copies x to contiguous and returns y contiguous, for the next conv to copy back).
+Any other layout (a slice) is copied once to contiguous.
 
 Kernels (1-D grids; int64 offsets, tensors past 2^31 elements):
   rows that fit one program (their channels x positions tile, padded to powers of two, at most
@@ -41,10 +44,13 @@ Kernels (1-D grids; int64 offsets, tensors past 2^31 elements):
   wider rows
   forward   `_stats`: each program takes the mean and squared deviations of one chunk of one
             row (a row is cut in up to 64 chunks so that a few wide rows, a VAE's at 512x512,
-            still fill the GPU); `_fwd`: each program combines its row's chunks into mean and
+            still fill the GPU; a row's values are walked in memory order, so channels-last
+            reads runs of C / G channels, C apart); `_fwd`: each program combines its row's chunks into mean and
             rstd (the first chunk's program stores them, for the backward) and normalizes its
             chunk. Two launches.
-  backward  `_bwd_sums`: per (n, c) and chunk of spatial positions, sum(dz * xhat) and sum(dz);
+  backward  `_bwd_sums`: per (n, c) and chunk of spatial positions, sum(dz * xhat) and sum(dz)
+            (`_bwd_sums_cl` for channels-last: a program per 64 neighbouring channels and chunk
+            of positions, reading (channels, positions) tiles whose columns are contiguous);
             `_bwd_dx`: each program combines its row's channel sums weighted by w into the two
             row means and writes its chunk of dx.
   `_dparams`: dw and db, the per-(n, c) sums added over n (and the chunks) in a fixed order:
@@ -109,17 +115,41 @@ def _silu_and_grad(z):
 
 
 @triton.jit
+def _row_start(row, G, CG, L, CL: tl.constexpr):
+    """Offset of row (n, g)'s first value. Contiguous: rows are L apart. Channels-last: a sample's
+    G rows share its positions, the row's CG channels at g * CG in each."""
+    if CL:
+        return (row // G).to(tl.int64) * G * L + (row % G) * CG
+    return row.to(tl.int64) * L
+
+
+@triton.jit
+def _row_element(j, S, CG, CL: tl.constexpr):
+    """(offset from the row's start, channel within the group) of the row's j-th values, the
+    row walked in memory order: channel by channel (contiguous), position by position
+    (channels-last, C = G * CG values apart; passed as S)."""
+    if CL:
+        s = j // CG
+        c = j - s * CG
+        at = s.to(tl.int64) * S + c
+    else:
+        at = j
+        c = j // S
+    return at, c  # one return: Triton wants every return statement's types alike
+
+
+@triton.jit
 def _group_norm_stats_kernel(
-    X,  # in (R, L) contiguous rows
+    X,  # in (N, C, S) contiguous or channels-last
     PART,  # out (R * SPLIT, 2) fp32/fp64: per chunk, its mean of x - x0 and sum((x - its mean)^2)
-    L, CHUNK, SPLIT,
-    BLOCK: tl.constexpr, ACC: tl.constexpr,
+    L, STEP, CG, G, CHUNK, SPLIT,
+    BLOCK: tl.constexpr, CL: tl.constexpr, ACC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     row = pid // SPLIT
     start = (pid % SPLIT) * CHUNK
     end = tl.minimum(start + CHUNK, L)
-    base = X + row.to(tl.int64) * L
+    base = X + _row_start(row, G, CG, L, CL)
     shift = tl.load(base).to(ACC)  # x0, the row's first value: the means are of x - x0, near 0
     # Welford per lane: each lane's running mean and sum of squared deviations from it, so that no
     # sum of squares of a large mean cancels; the k-th block's values are each lane's (k+1)-th.
@@ -129,7 +159,8 @@ def _group_norm_stats_kernel(
     for off in range(start, end, BLOCK):
         cols = off + tl.arange(0, BLOCK)
         mask = cols < end
-        v = tl.load(base + cols, mask=mask, other=0.0).to(ACC) - shift
+        at, _ = _row_element(cols, STEP, CG, CL)
+        v = tl.load(base + at, mask=mask, other=0.0).to(ACC) - shift
         inv = 1.0 / ((off - start) // BLOCK + 1).to(ACC)
         delta = v - mean
         mean += tl.where(mask, delta * inv, 0.0)
@@ -143,7 +174,8 @@ def _group_norm_stats_kernel(
 
 
 @triton.jit
-def _row_stats(X, PART, row, L, CHUNK, SPLIT, eps, SPLIT_P2: tl.constexpr, ACC: tl.constexpr):
+def _row_stats(X, PART, row, L, CG, G, CHUNK, SPLIT, eps, SPLIT_P2: tl.constexpr, CL: tl.constexpr,
+               ACC: tl.constexpr):
     """(mean, rstd) of `row` from its chunks' means and squared deviations (combined as the
     stats kernel combines its lanes)."""
     parts = tl.arange(0, SPLIT_P2)
@@ -154,42 +186,43 @@ def _row_stats(X, PART, row, L, CHUNK, SPLIT, eps, SPLIT_P2: tl.constexpr, ACC: 
     mean = tl.sum(n * means, 0) / L
     d = means - mean
     var = tl.sum(m2 + n * d * d, 0) / L
-    return tl.load(X + row.to(tl.int64) * L).to(ACC) + mean, 1.0 / tl.sqrt(var + eps)
+    return tl.load(X + _row_start(row, G, CG, L, CL)).to(ACC) + mean, 1.0 / tl.sqrt(var + eps)
 
 
 @triton.jit
 def _group_norm_fwd_kernel(
-    X,  # in (R, L)
+    X,  # in (N, C, S) contiguous or channels-last
     W, B,  # in (C,) each, or unused
-    Y,  # out (R, L), Y's dtype
+    Y,  # out, X's layout, Y's dtype
     PART,  # in (R * SPLIT, 2), from _stats
     MEAN, RSTD,  # out (R,) fp32/fp64
-    L, S, CG, G, CHUNK, SPLIT, eps,
+    L, STEP, CG, G, CHUNK, SPLIT, eps,
     SPLIT_P2: tl.constexpr, BLOCK: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-    SILU: tl.constexpr, ACC: tl.constexpr,
+    SILU: tl.constexpr, CL: tl.constexpr, ACC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     row = pid // SPLIT
     part = pid % SPLIT
-    mean, rstd = _row_stats(X, PART, row, L, CHUNK, SPLIT, eps, SPLIT_P2, ACC)
+    mean, rstd = _row_stats(X, PART, row, L, CG, G, CHUNK, SPLIT, eps, SPLIT_P2, CL, ACC)
     if part == 0:
         tl.store(MEAN + row, mean)
         tl.store(RSTD + row, rstd)
     first_channel = (row % G) * CG
-    base = row.to(tl.int64) * L
+    base = _row_start(row, G, CG, L, CL)
     start = part * CHUNK
     end = tl.minimum(start + CHUNK, L)
     for off in range(start, end, BLOCK):
         cols = off + tl.arange(0, BLOCK)
         mask = cols < end
-        channel = first_channel + cols // S
+        at, ci = _row_element(cols, STEP, CG, CL)
+        channel = first_channel + ci
         scale = rstd * tl.load(W + channel, mask=mask, other=0.0).to(ACC) if HAS_W else rstd
-        z = (tl.load(X + base + cols, mask=mask, other=0.0).to(ACC) - mean) * scale  # w applied with rstd
+        z = (tl.load(X + base + at, mask=mask, other=0.0).to(ACC) - mean) * scale  # w applied with rstd
         if HAS_B:
             z = z + tl.load(B + channel, mask=mask, other=0.0).to(ACC)
         if SILU:
             z = z / (1.0 + tl.exp(-z))
-        tl.store(Y + base + cols, z.to(Y.dtype.element_ty), mask=mask)
+        tl.store(Y + base + at, z.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -237,15 +270,55 @@ def _group_norm_bwd_sums_kernel(
 
 
 @triton.jit
+def _group_norm_bwd_sums_cl_kernel(
+    DY, X,  # in (N, S, C): channels-last
+    W, B,  # in (C,) each, or unused
+    MEAN, RSTD,  # in (N * G,)
+    PART,  # out (N * C * SPLIT, 2): per (n, c) and chunk of positions, sum(dz * xhat) and sum(dz)
+    S, C, CG, G, CHUNK, SPLIT, CBLOCKS,
+    BS: tl.constexpr, CB: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, SILU: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    """Channels-last's per-channel sums: a program takes CB neighbouring channels (whatever their
+    groups) of one sample over a chunk of positions, in (CB channels, BS positions) tiles whose
+    columns are contiguous (Triton lays the tile out along them). Summed along the positions."""
+    pid = tl.program_id(0)
+    part = pid % SPLIT
+    n = pid // (SPLIT * CBLOCKS)
+    cs = ((pid // SPLIT) % CBLOCKS) * CB + tl.arange(0, CB)
+    real = cs < C
+    row = n * G + cs // CG
+    mean = tl.load(MEAN + row, mask=real, other=0.0)[:, None]
+    rstd = tl.load(RSTD + row, mask=real, other=0.0)[:, None]
+    w = tl.load(W + cs, mask=real, other=0.0).to(ACC)[:, None] if HAS_W else 1.0
+    b = tl.load(B + cs, mask=real, other=0.0).to(ACC)[:, None] if HAS_B else 0.0
+    base = n.to(tl.int64) * S * C
+    start = part * CHUNK
+    end = tl.minimum(start + CHUNK, S)
+    acc_dzx = tl.zeros((CB, BS), ACC)
+    acc_dz = tl.zeros((CB, BS), ACC)
+    for off in range(start, end, BS):
+        si = off + tl.arange(0, BS)
+        mask = real[:, None] & (si < end)[None, :]
+        offs = base + cs[:, None] + si.to(tl.int64)[None, :] * C
+        dz, xhat = _dz_and_xhat(DY, X, W, B, offs, mask, mean, rstd, w, b, SILU, ACC)
+        acc_dzx += dz * xhat
+        acc_dz += dz
+    at = ((n * C + cs).to(tl.int64) * SPLIT + part) * 2
+    tl.store(PART + at, tl.sum(acc_dzx, 1), mask=real)
+    tl.store(PART + at + 1, tl.sum(acc_dz, 1), mask=real)
+
+
+@triton.jit
 def _group_norm_bwd_dx_kernel(
-    DY, X,  # in (R, L)
+    DY, X,  # in (N, C, S) contiguous or channels-last, both the same
     W, B,  # in (C,) each, or unused
     MEAN, RSTD,  # in (R,)
     PART,  # in (N * C * SPLIT_S, 2), from _bwd_sums
-    DX,  # out (R, L)
-    L, S, C, CG, G, CHUNK, SPLIT, SPLIT_S,
+    DX,  # out, X's layout
+    L, STEP, C, CG, G, CHUNK, SPLIT, SPLIT_S,
     SPLIT_S_P2: tl.constexpr, CB: tl.constexpr, BLOCK: tl.constexpr, HAS_W: tl.constexpr,
-    HAS_B: tl.constexpr, SILU: tl.constexpr, ACC: tl.constexpr,
+    HAS_B: tl.constexpr, SILU: tl.constexpr, CL: tl.constexpr, ACC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     row = pid // SPLIT
@@ -272,45 +345,49 @@ def _group_norm_bwd_dx_kernel(
         sum_g += dz
     mean_gx = tl.sum(sum_gx, 0) / L
     mean_g = tl.sum(sum_g, 0) / L
-    base = row.to(tl.int64) * L
+    base = _row_start(row, G, CG, L, CL)
     start = part * CHUNK
     end = tl.minimum(start + CHUNK, L)
     for off in range(start, end, BLOCK):
         cols = off + tl.arange(0, BLOCK)
         mask = cols < end
-        channel = first_channel + cols // S
+        at, ci = _row_element(cols, STEP, CG, CL)
+        channel = first_channel + ci
         w = tl.load(W + channel, mask=mask, other=0.0).to(ACC) if HAS_W else 1.0
         b = tl.load(B + channel, mask=mask, other=0.0).to(ACC) if HAS_B else 0.0
-        dz, xhat = _dz_and_xhat(DY, X, W, B, base + cols, mask, mean, rstd, w, b, SILU, ACC)
+        dz, xhat = _dz_and_xhat(DY, X, W, B, base + at, mask, mean, rstd, w, b, SILU, ACC)
         dx = rstd * (dz * w - mean_g - xhat * mean_gx)
-        tl.store(DX + base + cols, dx.to(DX.dtype.element_ty), mask=mask)
+        tl.store(DX + base + at, dx.to(DX.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _row_tile(row, S, CG, G, L, CB: tl.constexpr, SB: tl.constexpr):
+def _row_tile(row, S, CG, G, L, CB: tl.constexpr, SB: tl.constexpr, CL: tl.constexpr):
     """A row (n, g) held whole as a (channel, position) tile: (offsets from X, mask, channels of
     the tile's rows, which of them are real)."""
     ci = tl.arange(0, CB)
     si = tl.arange(0, SB)
     real = ci < CG
     mask = real[:, None] & (si < S)[None, :]
-    offs = row.to(tl.int64) * L + ci[:, None] * S + si[None, :]
+    if CL:  # channels contiguous, positions C = G * CG apart
+        offs = _row_start(row, G, CG, L, CL) + ci[:, None] + si.to(tl.int64)[None, :] * (G * CG)
+    else:
+        offs = row.to(tl.int64) * L + ci[:, None] * S + si[None, :]
     return offs, mask, (row % G) * CG + ci, real
 
 
 @triton.jit
 def _group_norm_row_fwd_kernel(
-    X, W, B,  # in (R, L) contiguous rows; (C,) each, or unused
-    Y,  # out (R, L)
+    X, W, B,  # in (N, C, S) contiguous or channels-last; (C,) each, or unused
+    Y,  # out, X's layout
     MEAN, RSTD,  # out (R,)
     S, CG, G, L, eps,
     CB: tl.constexpr, SB: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, SILU: tl.constexpr,
-    ACC: tl.constexpr,
+    CL: tl.constexpr, ACC: tl.constexpr,
 ):
     """One row per program, read once: the statistics two-pass in registers, about x0."""
     row = tl.program_id(0)
-    offs, mask, channel, real = _row_tile(row, S, CG, G, L, CB, SB)
-    shift = tl.load(X + row.to(tl.int64) * L).to(ACC)  # x0: the sums are of values near 0
+    offs, mask, channel, real = _row_tile(row, S, CG, G, L, CB, SB, CL)
+    shift = tl.load(X + _row_start(row, G, CG, L, CL)).to(ACC)  # x0: the sums are of values near 0
     x = tl.load(X + offs, mask=mask, other=0.0).to(ACC)
     d = tl.where(mask, x - shift, 0.0)
     d_mean = tl.sum(tl.sum(d, 1), 0) / L
@@ -334,17 +411,17 @@ def _group_norm_row_fwd_kernel(
 
 @triton.jit
 def _group_norm_row_bwd_kernel(
-    DY, X, W, B,  # in (R, L) each; (C,) each, or unused
+    DY, X, W, B,  # in (N, C, S) each, both contiguous or both channels-last; (C,) each, or unused
     MEAN, RSTD,  # in (R,)
     PART,  # out (N * C, 2): per (n, c), sum(dz * xhat) and sum(dz)
-    DX,  # out (R, L), or unused
+    DX,  # out, X's layout, or unused
     S, C, CG, G, L,
     CB: tl.constexpr, SB: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, SILU: tl.constexpr,
-    NEED_DX: tl.constexpr, ACC: tl.constexpr,
+    NEED_DX: tl.constexpr, CL: tl.constexpr, ACC: tl.constexpr,
 ):
     """One row per program, x and dy read once: its channels' sums, then dx from them."""
     row = tl.program_id(0)
-    offs, mask, channel, real = _row_tile(row, S, CG, G, L, CB, SB)
+    offs, mask, channel, real = _row_tile(row, S, CG, G, L, CB, SB, CL)
     mean = tl.load(MEAN + row)
     rstd = tl.load(RSTD + row)
     w = tl.load(W + channel, mask=real, other=0.0).to(ACC) if HAS_W else tl.full((CB,), 1.0, ACC)
@@ -396,6 +473,7 @@ def _group_norm_dparams_kernel(
 _stats = CachedKernel(_group_norm_stats_kernel)
 _fwd = CachedKernel(_group_norm_fwd_kernel)
 _bwd_sums = CachedKernel(_group_norm_bwd_sums_kernel)
+_bwd_sums_cl = CachedKernel(_group_norm_bwd_sums_cl_kernel)
 _bwd_dx = CachedKernel(_group_norm_bwd_dx_kernel)
 _row_fwd = CachedKernel(_group_norm_row_fwd_kernel)
 _row_bwd = CachedKernel(_group_norm_row_bwd_kernel)
@@ -415,8 +493,8 @@ _ROW_MAX = 256 if INTERPRET else 4096
 # programs an SM run. Tuned per (device, dtype, rows bucket, row-width bucket, activation) for the
 # forward's two launches together, and per (device, dtype, rows, width, plane-size buckets,
 # activation, dx wanted) for the backward's; a plan per exact call shape once decided (_LAUNCHES).
-_FWD_KEY_NAMES = ("device", "dtype", "out_dtype", "rows", "width", "silu")
-_BWD_KEY_NAMES = ("device", "dtype", "rows", "width", "plane", "silu", "dx")
+_FWD_KEY_NAMES = ("device", "dtype", "out_dtype", "rows", "width", "silu", "channels_last")
+_BWD_KEY_NAMES = ("device", "dtype", "rows", "width", "plane", "silu", "dx", "channels_last")
 _FWD_TUNER = Tuner("group_norm_fwd", configs.group_norm, _FWD_KEY_NAMES)
 _BWD_TUNER = Tuner("group_norm_bwd", configs.group_norm, _BWD_KEY_NAMES)
 _LAUNCHES: dict[tuple, tuple] = {}
@@ -425,6 +503,27 @@ _LAUNCHES: dict[tuple, tuple] = {}
 # config: tests of a few hundred values then cross blocks and chunks. None: the config's own.
 _INTERPRET_CAPS = (64, 2) if INTERPRET else None
 _MAX_SPLIT = 64  # chunks per row at most (the combining programs load them all)
+# Channels a program of channels-last's backward sums (128 bytes of a position's fp16 values);
+# under the interpreter 16, so that tests of a few dozen channels cross channel blocks.
+_CL_CHANNELS = 16 if INTERPRET else 64
+
+
+def channels_last(x: torch.Tensor) -> bool:
+    """Whether x (N, C, *spatial) is laid out channels-last (N, *spatial, C), and not also
+    contiguous: channels_last / channels_last_3d, or (N, L, C) transposed to (N, C, L)."""
+    return x.dim() >= 3 and not x.is_contiguous() and x.movedim(1, -1).is_contiguous()
+
+
+def _empty_in_layout(x: torch.Tensor, dtype: torch.dtype, cl: bool) -> torch.Tensor:
+    """An empty tensor shaped like x: channels-last where `cl`, contiguous otherwise."""
+    if cl:
+        return torch.empty(x.movedim(1, -1).shape, dtype=dtype, device=x.device).movedim(-1, 1)
+    return torch.empty(x.shape, dtype=dtype, device=x.device)
+
+
+def _in_layout(t: torch.Tensor, cl: bool) -> torch.Tensor:
+    """t channels-last where `cl`, contiguous otherwise (a copy only when it is not already)."""
+    return t.movedim(1, -1).contiguous().movedim(-1, 1) if cl else t.contiguous()
 
 
 def _chunking(cfg: triton.Config, rows: int, width: int, sms: int) -> tuple[int, int, int, int]:
@@ -461,9 +560,10 @@ def _fwd_plan(cfg: triton.Config, n: int, c: int, s: int, groups: int, sms: int,
     """(grid, runtime sizes, _stats's and _fwd's launch keywords) of `cfg`."""
     rows, width = n * groups, (c // groups) * s
     block, chunk, split, warps = _chunking(cfg, rows, width, sms)
-    stats_meta = {"BLOCK": block, "ACC": flags["ACC"], "num_warps": warps}
+    stats_meta = {"BLOCK": block, "CL": flags["CL"], "ACC": flags["ACC"], "num_warps": warps}
     fwd_meta = {**flags, "SPLIT_P2": next_power_of_2(split), "BLOCK": block, "num_warps": warps}
-    return (rows * split,), (width, s, c // groups, groups, chunk, split), stats_meta, fwd_meta
+    step = c if flags["CL"] else s  # from one value of a row to the next channel's / position's
+    return (rows * split,), (width, step, c // groups, groups, chunk, split), stats_meta, fwd_meta
 
 
 def _fwd_run(plan: tuple, x, w_arg, b_arg, y, mean, rstd, eps: float) -> None:
@@ -471,10 +571,11 @@ def _fwd_run(plan: tuple, x, w_arg, b_arg, y, mean, rstd, eps: float) -> None:
         _, grid, sizes, meta = plan
         _row_fwd.run(grid, (x, w_arg, b_arg, y, mean, rstd, *sizes, eps), meta)
         return
-    grid, (width, s, cg, groups, chunk, split), stats_meta, fwd_meta = plan
+    grid, (width, step, cg, groups, chunk, split), stats_meta, fwd_meta = plan
     part = torch.empty((grid[0], 2), dtype=mean.dtype, device=x.device)  # per chunk: two sums
-    _stats.run(grid, (x, part, width, chunk, split), stats_meta)
-    _fwd.run(grid, (x, w_arg, b_arg, y, part, mean, rstd, width, s, cg, groups, chunk, split, eps), fwd_meta)
+    _stats.run(grid, (x, part, width, step, cg, groups, chunk, split), stats_meta)
+    _fwd.run(grid, (x, w_arg, b_arg, y, part, mean, rstd, width, step, cg, groups, chunk, split, eps),
+             fwd_meta)
 
 
 def _fwd_timed(cfg: triton.Config, x, w_arg, b_arg, y, mean, rstd, eps, *shape) -> None:
@@ -484,17 +585,39 @@ def _fwd_timed(cfg: triton.Config, x, w_arg, b_arg, y, mean, rstd, eps, *shape) 
 
 def _bwd_plan(cfg: triton.Config, n: int, c: int, s: int, groups: int, sms: int, flags: dict,
               need_dx: bool) -> tuple:
-    """(the sums' grid, sizes and keywords; dx's grid, sizes and keywords or None) of `cfg`."""
-    block_s, chunk_s, split_s, warps_s = _chunking(cfg, n * c, s, sms)
-    sums = ((n * c * split_s,), (s, c, c // groups, chunk_s, split_s),
-            {**flags, "BLOCK": block_s, "num_warps": warps_s})
+    """(the sums' kernel, grid, sizes, keywords and chunks a plane; dx's grid, sizes and keywords or
+    None) of `cfg`."""
+    if flags["CL"]:
+        sums = _cl_sums_plan(cfg, n, c, s, groups, sms, flags)
+    else:
+        block_s, chunk_s, split_s, warps_s = _chunking(cfg, n * c, s, sms)
+        meta = {k: v for k, v in flags.items() if k != "CL"}
+        sums = (_bwd_sums, (n * c * split_s,), (s, c, c // groups, chunk_s, split_s),
+                {**meta, "BLOCK": block_s, "num_warps": warps_s}, split_s)
+    split_s = sums[-1]
     if not need_dx:
         return sums, None
     rows, width, cg = n * groups, (c // groups) * s, c // groups
     block, chunk, split, warps = _chunking(cfg, rows, width, sms)
     dx_meta = {**flags, "SPLIT_S_P2": next_power_of_2(split_s), "BLOCK": block, "num_warps": warps,
                "CB": min(next_power_of_2(cg), max(1, 256 // next_power_of_2(split_s)))}  # <= 256 sums a step
-    return sums, ((rows * split,), (width, s, c, cg, groups, chunk, split, split_s), dx_meta)
+    step = c if flags["CL"] else s
+    return sums, ((rows * split,), (width, step, c, cg, groups, chunk, split, split_s), dx_meta)
+
+
+def _cl_sums_plan(cfg: triton.Config, n: int, c: int, s: int, groups: int, sms: int, flags: dict) -> tuple:
+    """Channels-last's sums launch: programs of CB channels by a chunk of positions, in tiles of
+    (CB channels, BS positions) as large as `cfg`'s block, enough of them for the GPU."""
+    cb = min(next_power_of_2(c), _CL_CHANNELS)
+    cblocks = -(-c // cb)
+    block, chunk, _, warps = _chunking(cfg, n * cblocks, s * cb, sms)
+    bs = max(1, block // cb)
+    chunk_s = max(chunk // cb, -(-s // _MAX_SPLIT))
+    chunk_s = -(-chunk_s // bs) * bs  # whole tiles
+    split = -(-s // chunk_s)
+    meta = {k: v for k, v in flags.items() if k != "CL"}
+    return (_bwd_sums_cl, (n * cblocks * split,), (s, c, c // groups, groups, chunk_s, split, cblocks),
+            {**meta, "BS": bs, "CB": cb, "num_warps": min(warps, max(1, bs * cb // 128))}, split)
 
 
 def _bwd_run(plan: tuple, dy, x, w_arg, b_arg, mean, rstd, dx) -> torch.Tensor:
@@ -505,9 +628,9 @@ def _bwd_run(plan: tuple, dy, x, w_arg, b_arg, mean, rstd, dx) -> torch.Tensor:
         _row_bwd.run(grid, (dy, x, w_arg, b_arg, mean, rstd, part, x if dx is None else dx,
                             s, c, cg, groups, width), meta)
         return part
-    (grid_s, sizes_s, meta_s), dx_launch = plan
-    part = torch.empty((grid_s[0], 2), dtype=mean.dtype, device=x.device)
-    _bwd_sums.run(grid_s, (dy, x, w_arg, b_arg, mean, rstd, part, *sizes_s), meta_s)
+    (sums_kernel, grid_s, sizes_s, meta_s, split_s), dx_launch = plan
+    part = torch.empty((x.shape[0] * x.shape[1] * split_s, 2), dtype=mean.dtype, device=x.device)
+    sums_kernel.run(grid_s, (dy, x, w_arg, b_arg, mean, rstd, part, *sizes_s), meta_s)
     if dx_launch is not None:
         grid, sizes, meta = dx_launch
         _bwd_dx.run(grid, (dy, x, w_arg, b_arg, mean, rstd, part, dx, *sizes), meta)
@@ -519,40 +642,43 @@ def _bwd_timed(cfg: triton.Config, dy, x, w_arg, b_arg, mean, rstd, dx, *shape) 
     _bwd_run(_bwd_plan(cfg, *shape), dy, x, w_arg, b_arg, mean, rstd, dx)
 
 
-def _flags(x: torch.Tensor, weight, bias, activation) -> dict:
+def _flags(x: torch.Tensor, weight, bias, activation, cl: bool) -> dict:
     return {"HAS_W": weight is not None, "HAS_B": bias is not None, "SILU": activation == "silu",
-            "ACC": acc_dtype(x.dtype)}
+            "CL": cl, "ACC": acc_dtype(x.dtype)}
 
 
 def group_norm_fwd(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
                    eps: float, activation: str | None, out_dtype: torch.dtype
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, mean, rstd): y contiguous, shaped like x, in out_dtype; mean and rstd (N, G) in the
-    accumulation dtype (fp32, fp64 for fp64 x)."""
+    """(y, mean, rstd): y shaped like x, in out_dtype, channels-last where x is (see
+    `channels_last`) and contiguous otherwise; mean and rstd (N, G) in the accumulation dtype (fp32,
+    fp64 for fp64 x)."""
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     if x.numel() and not use_triton(x):
         return _group_norm_torch(x, num_groups, weight, bias, eps, activation, out_dtype)
     n, c, s, width = _dims(x, num_groups)
-    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    cl = channels_last(x)
+    y = _empty_in_layout(x, out_dtype, cl)
     mean = torch.empty((n, num_groups), dtype=acc, device=x.device)
     rstd = torch.empty((n, num_groups), dtype=acc, device=x.device)
     if x.numel() == 0:
         return y, mean.fill_(float("nan")), rstd.fill_(float("nan"))
-    x = x.contiguous()
+    x = _in_layout(x, cl)  # another layout (a slice, say) copied once
     w_arg = weight if weight is not None else x
     b_arg = bias if bias is not None else x
     device = x.get_device() if x.is_cuda else -1
-    key = (device, x.dtype, out_dtype, n, c, s, num_groups, weight is not None, bias is not None, activation)
+    key = (device, x.dtype, out_dtype, n, c, s, num_groups, weight is not None, bias is not None, activation,
+           cl)
     plan = _LAUNCHES.get(key)
     if plan is None and (row := _row_plan(c, s, num_groups)) is not None:
         cb, sb, warps = row
         plan = ("row", (n * num_groups,), (s, c // num_groups, num_groups, width),
-                {**_flags(x, weight, bias, activation), "CB": cb, "SB": sb, "num_warps": warps})
+                {**_flags(x, weight, bias, activation, cl), "CB": cb, "SB": sb, "num_warps": warps})
         store_plan(_LAUNCHES, key, plan)
     if plan is None:
-        shape = (n, c, s, num_groups, device_sms(x), _flags(x, weight, bias, activation))
+        shape = (n, c, s, num_groups, device_sms(x), _flags(x, weight, bias, activation, cl))
         tuning_key = (device, x.dtype, out_dtype, pow2_bucket(n * num_groups), pow2_bucket(width),
-                      activation == "silu")
+                      activation == "silu", cl)
         cfg = _FWD_TUNER.config(tuning_key, _fwd_timed, x, w_arg, b_arg, y, mean, rstd, eps, *shape)
         plan = _fwd_plan(cfg, *shape)
         if _FWD_TUNER.is_decided(tuning_key):
@@ -565,8 +691,8 @@ def group_norm_bwd(dy: torch.Tensor, x: torch.Tensor, num_groups: int, weight: t
                    bias: torch.Tensor | None, mean: torch.Tensor, rstd: torch.Tensor, activation: str | None,
                    need_dx: bool = True
                    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """(dx, dweight, dbias): dx contiguous in x's dtype (None when not needed), dweight and dbias
-    (C,) in the weight's and bias's dtypes (None for an absent one)."""
+    """(dx, dweight, dbias): dx in x's dtype and group_norm_fwd's layout for x (None when not
+    needed), dweight and dbias (C,) in the weight's and bias's dtypes (None for an absent one)."""
     if x.numel() and not use_triton(x):
         return _group_norm_bwd_torch(dy, x, num_groups, weight, bias, mean, rstd, activation, need_dx)
     n, c, s, width = _dims(x, num_groups)
@@ -575,24 +701,25 @@ def group_norm_bwd(dy: torch.Tensor, x: torch.Tensor, num_groups: int, weight: t
         dw = torch.zeros_like(weight) if weight is not None else None
         db = torch.zeros_like(bias) if bias is not None else None
         return dx, dw, db
-    x, dy = x.contiguous(), dy.contiguous()
+    cl = channels_last(x)
+    x, dy = _in_layout(x, cl), _in_layout(dy, cl)  # dy in x's layout: the kernels index both alike
     w_arg = weight if weight is not None else x
     b_arg = bias if bias is not None else x
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_dx else None
+    dx = _empty_in_layout(x, x.dtype, cl) if need_dx else None
     device = x.get_device() if x.is_cuda else -1
     key = ("bwd", device, x.dtype, n, c, s, num_groups, weight is not None, bias is not None, activation,
-           need_dx)
+           need_dx, cl)
     plan = _LAUNCHES.get(key)
     if plan is None and (row := _row_plan(c, s, num_groups)) is not None:
         cb, sb, warps = row
         plan = ("row", (n * num_groups,), (n, c, s, c // num_groups, num_groups, width),
-                {**_flags(x, weight, bias, activation), "CB": cb, "SB": sb, "NEED_DX": need_dx,
+                {**_flags(x, weight, bias, activation, cl), "CB": cb, "SB": sb, "NEED_DX": need_dx,
                  "num_warps": warps})
         store_plan(_LAUNCHES, key, plan)
     if plan is None:
-        shape = (n, c, s, num_groups, device_sms(x), _flags(x, weight, bias, activation), need_dx)
+        shape = (n, c, s, num_groups, device_sms(x), _flags(x, weight, bias, activation, cl), need_dx)
         tuning_key = (device, x.dtype, pow2_bucket(n * num_groups), pow2_bucket(width), pow2_bucket(s),
-                      activation == "silu", need_dx)
+                      activation == "silu", need_dx, cl)
         cfg = _BWD_TUNER.config(tuning_key, _bwd_timed, dy, x, w_arg, b_arg, mean, rstd, dx, *shape)
         plan = _bwd_plan(cfg, *shape)
         if _BWD_TUNER.is_decided(tuning_key):
@@ -625,7 +752,7 @@ def _group_norm_torch(x, num_groups, weight, bias, eps, activation, out_dtype):
     rows = xf.reshape(n, num_groups, -1)
     var, mean = torch.var_mean(rows, dim=-1, unbiased=False)
     y = group_norm_ref(xf, num_groups, _upcast(weight), _upcast(bias), eps, activation)
-    return y.to(out_dtype).contiguous(), mean, torch.rsqrt(var + eps)
+    return _in_layout(y.to(out_dtype), channels_last(x)), mean, torch.rsqrt(var + eps)
 
 
 def _group_norm_bwd_torch(dy, x, num_groups, weight, bias, mean, rstd, activation, need_dx):
@@ -648,7 +775,7 @@ def _group_norm_bwd_torch(dy, x, num_groups, weight, bias, mean, rstd, activatio
         g = (dz * w3 if w3 is not None else dz).reshape(n, num_groups, -1)
         xh = xhat.reshape(n, num_groups, -1)
         dx = rstd * (g - g.mean(-1, keepdim=True) - xh * (g * xh).mean(-1, keepdim=True))
-        dx = dx.reshape(x.shape).to(x.dtype).contiguous()
+        dx = _in_layout(dx.reshape(x.shape).to(x.dtype), channels_last(x))
     return dx, dw, db
 
 
@@ -728,12 +855,13 @@ def _(x, num_groups, weight, bias, eps, activation, out_dtype):
     dtype = _check_inputs(x, num_groups, weight, bias, eps, activation, out_dtype)
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     stats = (x.shape[0], num_groups)
-    return x.new_empty(x.shape, dtype=dtype), x.new_empty(stats, dtype=acc), x.new_empty(stats, dtype=acc)
+    y = _empty_in_layout(x, dtype, channels_last(x))
+    return y, x.new_empty(stats, dtype=acc), x.new_empty(stats, dtype=acc)
 
 
 @_group_norm_backward_op.register_fake
 def _(dy, x, num_groups, weight, bias, mean, rstd, activation, need_dx):
-    return (x.new_empty(x.shape if need_dx else (0,)), weight.new_empty(weight.shape) if weight is not None
+    return (_empty_in_layout(x, x.dtype, channels_last(x)) if need_dx else x.new_empty(0), weight.new_empty(weight.shape) if weight is not None
             else x.new_empty(0), bias.new_empty(bias.shape) if bias is not None else x.new_empty(0))
 
 
@@ -821,9 +949,11 @@ def _group_norm_key(x, num_groups, weight, bias, eps, activation, out_dtype):
         return None
     grad = torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)
                                         or (bias is not None and bias.requires_grad))
-    # contiguous: trifuse's kernels copy another layout (channels_last) first; PyTorch's need not
+    # the layout: trifuse's kernels read channels-last as it is and copy any other; PyTorch's CUDA
+    # GroupNorm copies all but contiguous (and the torch candidate copies its y back)
+    layout = "contiguous" if x.is_contiguous() else "channels_last" if channels_last(x) else "other"
     return (x.get_device() if x.is_cuda else -1, x.dtype, pow2_bucket(rows), pow2_bucket(numel // rows),
-            activation, out_dtype, grad, x.is_contiguous())
+            activation, out_dtype, grad, layout)
 
 
 def _group_norm_trifuse(x, num_groups, weight, bias, eps, activation, out_dtype):
@@ -837,11 +967,12 @@ def _group_norm_trifuse(x, num_groups, weight, bias, eps, activation, out_dtype)
 def _group_norm_torch_candidate(x, num_groups, weight, bias, eps, activation, out_dtype):
     # trifuse's checks first: the same clear errors whichever candidate runs.
     dtype = _check_inputs(x, num_groups, weight, bias, eps, activation, out_dtype)
+    layout = channels_last(x)  # y laid out as trifuse's kernels lay it out
     with profiled("trifuse::group_norm"):
         if dtype != x.dtype or (weight is not None and weight.dtype != x.dtype):
             # CUDA autocast's form: the norm (and the SiLU) in fp32, from x upcast
             x, weight, bias = _upcast(x), _upcast(weight), _upcast(bias)
-        return group_norm_ref(x, num_groups, weight, bias, eps, activation).to(dtype).contiguous()
+        return _in_layout(group_norm_ref(x, num_groups, weight, bias, eps, activation).to(dtype), layout)
 
 
 def _reference(x, num_groups, weight=None, bias=None, eps=1e-5, activation=None, out_dtype=None):
@@ -850,7 +981,7 @@ def _reference(x, num_groups, weight=None, bias=None, eps=1e-5, activation=None,
 
 GROUP_NORM = dialects.define(
     "group_norm", _group_norm_key,
-    ("device", "dtype", "rows", "width", "activation", "out_dtype", "grad", "contiguous"),
+    ("device", "dtype", "rows", "width", "activation", "out_dtype", "grad", "layout"),
     reference=_reference,
     captures=((torch.nn.GroupNorm,  # trifuse.nn.GroupNorm too, with its activation
                lambda m, x: (x, m.num_groups, m.weight, m.bias, m.eps, getattr(m, "activation", None), None)),))
@@ -870,8 +1001,8 @@ def group_norm(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None = N
     """`F.group_norm(x, num_groups, weight, bias, eps)`, then SiLU if asked, in one pass each way.
 
     Args:
-        x: (N, C, *spatial), fp16 / bf16 / fp32 / fp64, C divisible by num_groups; any layout
-            (non-contiguous ones, channels_last included, are copied once).
+        x: (N, C, *spatial), fp16 / bf16 / fp32 / fp64, C divisible by num_groups; contiguous or
+            channels-last read where it lies, any other layout copied once.
         num_groups: G; each of the N * G rows normalizes C / G channels over every spatial position.
         weight, bias: (C,) or None, in x's dtype or, for a 16-bit x, fp32.
         eps: added to the variance.
@@ -881,7 +1012,7 @@ def group_norm(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None = N
             which computes in fp32 and returns fp32.
 
     Returns:
-        y, contiguous, shaped like x. Gradients reach x, weight and bias; the backward recomputes
+        y, shaped like x, channels-last where x is, contiguous otherwise. Gradients reach x, weight and bias; the backward recomputes
         the norm's output from x and the saved (N, G) statistics (no activation is kept).
 
     Eager calls run trifuse's kernels or PyTorch's GroupNorm (and SiLU), whichever the `group_norm`

@@ -1,7 +1,7 @@
 """The group_norm dialect wired into trifuse.ops.group_norm: trifuse's kernels or PyTorch's
 F.group_norm (then F.silu), chosen with a fake timer here (on the GPU: measured). Whichever runs,
 the result is bitwise that implementation's; traced calls always see trifuse::group_norm; the
-check rejects a wrong one; another layout (channels_last, which trifuse copies) is its own key."""
+check rejects a wrong one; each layout (contiguous, channels-last, other) is its own key."""
 
 import pytest
 import torch
@@ -58,18 +58,35 @@ def test_key_is_a_small_tuple_of_plain_values():
     x, w, b = inputs(n=3)
     device = -1 if DEVICE == "cpu" else 0
     assert gn._group_norm_key(x, G, w, b, EPS, "silu", None) == \
-        (device, torch.float32, 16, 128, "silu", None, True, True)
+        (device, torch.float32, 16, 128, "silu", None, True, "contiguous")
     assert len(gn._group_norm_key(x, G, w, b, EPS, None, None)) == len(gn.GROUP_NORM.key_names)
     with torch.no_grad():
         assert gn._group_norm_key(x, G, None, None, EPS, None, None)[-2] is False
 
 
-def test_channels_last_is_its_own_key():
-    """trifuse's kernels copy a channels_last x first, PyTorch's read it in place: measured apart."""
+def test_each_layout_is_its_own_key():
+    """trifuse's kernels read channels-last where it lies and copy another layout, PyTorch's CUDA
+    GroupNorm copies all but contiguous: measured apart."""
     x, w, b = inputs()
     last = x.detach().to(memory_format=torch.channels_last)
-    assert gn._group_norm_key(x, G, w, b, EPS, None, None)[-1] is True
-    assert gn._group_norm_key(last, G, w, b, EPS, None, None)[-1] is False
+    sliced = torch.cat([x.detach(), x.detach()], -1)[..., ::2]
+    assert [gn._group_norm_key(t, G, w, b, EPS, None, None)[-1] for t in (x, last, sliced)] == \
+        ["contiguous", "channels_last", "other"]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "other"])
+def test_both_candidates_lay_y_out_alike(layout):
+    """Whichever candidate runs, y has the registered op's layout (x's if channels-last,
+    contiguous otherwise): a replayed choice never changes what the next op reads."""
+    x, w, b = inputs()
+    x = x.detach()
+    x = {"contiguous": x, "channels_last": x.to(memory_format=torch.channels_last),
+         "other": torch.cat([x, x], -1)[..., ::2]}[layout]
+    op = torch.ops.trifuse.group_norm(x, G, w, b, EPS, "silu", None)[0]
+    for candidate in (gn._group_norm_trifuse, gn._group_norm_torch_candidate):
+        y = candidate(x, G, w, b, EPS, "silu", None)
+        assert y.stride() == op.stride() == (x.stride() if layout == "channels_last" else x.contiguous().stride())
+        torch.testing.assert_close(y, op)
 
 
 @pytest.mark.parametrize("case", ["traced", "empty", "groups", "activation", "one dim", "not a tensor"])
@@ -120,7 +137,7 @@ def test_the_measured_winner_runs_bitwise(gn_dialect, timer, monkeypatch, winner
     rec = gn_dialect.explain(x, G, w, b, EPS, activation, None)
     assert rec.chosen == winner and rec.source == "measured" and set(fake.calls) == {"trifuse", "torch"}
     assert rec.bucket == (f"dtype=float32,rows=16,width=128,activation={activation},out_dtype=None,"
-                          "grad=True,contiguous=True")
+                          "grad=True,layout=contiguous")
     fwd_bwd(trifuse.ops.group_norm, *inputs(n=4), activation)  # the same rows bucket: replayed
     assert len(fake.calls) == 2
 

@@ -13,7 +13,7 @@ from trifuse.autotune.tuner import config_label
 from trifuse.kernels import group_norm as gn
 
 KERNELS = {"stats": gn._stats, "fwd": gn._fwd, "bwd_sums": gn._bwd_sums, "bwd_dx": gn._bwd_dx,
-           "row_fwd": gn._row_fwd, "row_bwd": gn._row_bwd}
+           "row_fwd": gn._row_fwd, "row_bwd": gn._row_bwd, "bwd_sums_cl": gn._bwd_sums_cl}
 
 
 @pytest.fixture
@@ -36,9 +36,11 @@ def launches(record_launches):
     return record_launches(KERNELS)
 
 
-def _inputs(shape, groups, seed=0, dtype=torch.float32):
+def _inputs(shape, groups, seed=0, dtype=torch.float32, layout="contiguous"):
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(shape, generator=g) * 3 + 2).to(DEVICE, dtype)
+    if layout == "channels_last":
+        x = x.movedim(1, -1).contiguous().movedim(-1, 1)
     c = shape[1]
     w = (1 + 0.5 * torch.randn(c, generator=g)).to(DEVICE, dtype)
     b = (0.5 * torch.randn(c, generator=g)).to(DEVICE, dtype)
@@ -75,19 +77,25 @@ def test_narrow_rows_take_fewer_warps(fresh, launches, cache_dir, monkeypatch):
     assert forward == {("stats", 64, 1), ("fwd", 64, 1)}
 
 
+def _block(meta: dict) -> int:
+    """Values a loop step: BLOCK, or channels-last's sums' (positions x channels) tile."""
+    return meta["BLOCK"] if "BLOCK" in meta else meta["BS"] * meta["CB"]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 @pytest.mark.parametrize("activation", [None, "silu"])
-def test_every_config_computes_the_same(activation, fresh, cache_dir, launches):
+def test_every_config_computes_the_same(activation, layout, fresh, cache_dir, launches):
     """Each config forced in turn on rows of 12000 values (several blocks and chunks at every
     config): outputs, statistics and gradients equal the default's up to rounding (the sums are
     taken in another order), and each launch runs the config's block."""
-    inputs = _inputs((2, 8, 40, 75), 2, seed=1)
+    inputs = _inputs((2, 8, 40, 75), 2, seed=1, layout=layout)
     default = None
     for cfg in configs.group_norm():
         for tuner in fresh:
             tuner.config = lambda key, launch, *args, _cfg=cfg: _cfg  # forced, undecided: not stored
         launches.clear()
         got = _fwd_bwd(*inputs, activation=activation)
-        assert {meta["BLOCK"] for _, _, meta in launches} == {cfg.kwargs["BLOCK"]}, config_label(cfg)
+        assert {_block(meta) for _, _, meta in launches} == {cfg.kwargs["BLOCK"]}, config_label(cfg)
         if default is None:
             default = got
             continue
@@ -117,8 +125,9 @@ def test_tuned_once_per_key_then_replayed(fresh, launches, cache_dir, timer):
     assert [(name, grid, meta["BLOCK"]) for name, grid, meta in launches] == replayed
     assert len(gn._LAUNCHES) == 2
     buckets = {d.name: d.bucket for d in records(kind="kernel") if d.name.startswith("group_norm")}
-    assert buckets == {"group_norm_fwd": "dtype=float32,out_dtype=float32,rows=4,width=4096,silu=True",
-                       "group_norm_bwd": "dtype=float32,rows=4,width=4096,plane=2048,silu=True,dx=True"}
+    assert buckets == {
+        "group_norm_fwd": "dtype=float32,out_dtype=float32,rows=4,width=4096,silu=True,channels_last=False",
+        "group_norm_bwd": "dtype=float32,rows=4,width=4096,plane=2048,silu=True,dx=True,channels_last=False"}
     assert {d.chosen for d in records(kind="kernel") if d.name.startswith("group_norm")} == {WIN}
 
 
@@ -161,3 +170,15 @@ def test_gpu_tuning_measures_replays_and_matches_the_default(fresh, cache_dir, m
     for name, a, b, ref in zip(("y", "mean", "rstd", "dx", "dw", "db"), *tuned, default):
         assert torch.equal(a, b), f"{name} differs between two tuned runs"
         torch.testing.assert_close(a.float(), ref.float(), rtol=2e-2, atol=2e-2, msg=name)
+
+
+def test_channels_last_is_tuned_apart(fresh, launches, cache_dir, timer):
+    """The same shape channels-last is its own key each way (its kernels read another order), and
+    its backward sums run the channels-last kernel."""
+    fwd_tuner, bwd_tuner = fresh
+    fwd_tuner.timer = bwd_tuner.timer = timer({WIN: 0.1})
+    _fwd_bwd(*_inputs((2, 4, 30, 50), 2))
+    _fwd_bwd(*_inputs((2, 4, 30, 50), 2, layout="channels_last"))
+    buckets = [d.bucket for d in records(kind="kernel") if d.name.startswith("group_norm")]
+    assert sorted(b.endswith("channels_last=True") for b in buckets) == [False, False, True, True]
+    assert [name for name, _, _ in launches].count("bwd_sums_cl") >= 1

@@ -375,6 +375,28 @@ def test_wans_gated_add_in_fp32_reads_its_16_bit_stream():
     assert not any("cast back" in note for note in notes), report.table()
 
 
+def test_a_channels_last_vae_fuses_alike_and_its_group_norms_read_in_place(monkeypatch):
+    """The VAE converted to channels_last (diffusers' advice for speed), its input too: the same
+    replacements, outputs and gradients by the oracle rule, and every fused GroupNorm reads its
+    channels-last input where it lies and writes y in that layout (PyTorch's CUDA GroupNorm
+    copies x to contiguous and returns y contiguous, for the next conv to copy back)."""
+    from trifuse.kernels import group_norm as gn_mod
+
+    model, inputs, train = vae()
+    model = model.to(memory_format=torch.channels_last)
+    inputs = tuple(t.to(memory_format=torch.channels_last) for t in inputs)
+    layouts = []
+
+    def spy(x, *args, _real=gn_mod.group_norm_fwd):
+        y, mean, rstd = _real(x, *args)
+        layouts.append((gn_mod.channels_last(x), y.stride() == x.stride()))
+        return y, mean, rstd
+    monkeypatch.setattr(gn_mod, "group_norm_fwd", spy)
+    report = check_against_unfused(lambda: model, inputs, train=train)
+    assert report.counts() == available_counts(MODELS["vae"][1])
+    assert layouts and set(layouts) == {(True, True)}
+
+
 def test_the_unets_16_bit_norms_under_cuda_autocast_feed_q_k_v_a_view_each():
     """The UNet's transformer blocks run their residual stream in the autocast dtype, and CUDA's
     autocast returns their LayerNorm's output in fp32: each block's first norm, read by the

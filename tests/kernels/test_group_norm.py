@@ -28,8 +28,15 @@ def _ids(case):
     return "x".join(map(str, shape)) + f"-g{groups}"
 
 
-def make(shape, dtype, affine=True, scale=2.0, shift=0.5, param_dtype=None):
-    x = (torch.randn(shape, device=DEVICE, dtype=torch.float64) * scale + shift).to(dtype).requires_grad_()
+def channels_last(t: torch.Tensor) -> torch.Tensor:
+    """t laid out (N, *spatial, C): channels_last for 4-D, channels_last_3d for 5-D, (N, L, C)
+    transposed for 3-D."""
+    return t.movedim(1, -1).contiguous().movedim(-1, 1)
+
+
+def make(shape, dtype, affine=True, scale=2.0, shift=0.5, param_dtype=None, layout="contiguous"):
+    x = torch.randn(shape, device=DEVICE, dtype=torch.float64) * scale + shift
+    x = (channels_last(x) if layout == "channels_last" else x).to(dtype).requires_grad_()
     c = shape[1]
     param_dtype = param_dtype or dtype
     weight = bias = None
@@ -46,14 +53,17 @@ def _detached(ts, dtype=None):
 
 def check_fwd_bwd(x, groups, weight, bias, activation, eps=1e-5, dy=None, out_dtype=None):
     """y, dx, dweight and dbias against float64, bounded by PyTorch's own error in the inputs'
-    dtypes (F.group_norm, then F.silu)."""
+    dtypes (F.group_norm, then F.silu). y and dx come out channels-last where x is, contiguous
+    otherwise."""
     y = trifuse.ops.group_norm(x, groups, weight, bias, eps, activation, out_dtype)
     inputs = (x, weight, bias)
     ins64 = _detached(inputs, torch.float64)
     ins_lp = _detached(inputs, torch.float32 if out_dtype == torch.float32 else None)
     y64 = group_norm_ref(ins64[0], groups, ins64[1], ins64[2], eps, activation)
     ylp = group_norm_ref(ins_lp[0], groups, ins_lp[1], ins_lp[2], eps, activation)
-    assert y.dtype == (out_dtype or x.dtype) and y.shape == x.shape and y.is_contiguous()
+    assert y.dtype == (out_dtype or x.dtype) and y.shape == x.shape
+    in_layout = channels_last(x).stride() if gn_mod.channels_last(x) else x.contiguous().stride()
+    assert y.stride() == in_layout
     assert_close(f"group_norm {activation} y", y, y64, ylp)
     if x.numel() == 0:
         dx, *dp = torch.autograd.grad(y, [t for t in inputs if t is not None], torch.ones_like(y))
@@ -67,6 +77,7 @@ def check_fwd_bwd(x, groups, weight, bias, activation, eps=1e-5, dy=None, out_dt
     for i, a, a64, alp in zip(wanted, grads, grads64, grads_lp):
         name = ("dx", "dweight", "dbias")[i]
         assert a.dtype == inputs[i].dtype and a.shape == inputs[i].shape, name
+        assert i > 0 or a.stride() == in_layout
         assert_close(f"group_norm {activation} {name}", a, a64, alp.to(a.dtype))
 
 
@@ -78,23 +89,37 @@ def test_matches_float64_oracle(dtype, case, activation):
     check_fwd_bwd(*make(shape, dtype)[:1], groups, *make(shape, dtype)[1:], activation)
 
 
+LAUNCHERS = ("_row_fwd", "_stats", "_row_bwd", "_bwd_sums", "_bwd_sums_cl")
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 @pytest.mark.parametrize("path", ["row", "chunks"])
 @pytest.mark.parametrize("activation", ACTIVATIONS, ids=str)
-@pytest.mark.parametrize("case", [((2, 12, 5, 7), 4), ((3, 8, 2, 9), 8), ((2, 4, 16, 16), 2)], ids=_ids)
-def test_both_paths_match_float64_oracle(case, activation, path, monkeypatch):
-    """The same rows through the one-program path and through the chunked kernels: 3 channels x
-    35 positions (tile 4 x 64), one channel a group, and 2 x 256 at _ROW_MAX 512 (a full tile)."""
+@pytest.mark.parametrize("case", [((2, 12, 5, 7), 4), ((3, 8, 2, 9), 8), ((2, 4, 16, 16), 2),
+                                  ((2, 40, 3, 5), 8), ((2, 6, 3, 4, 5), 2)], ids=_ids)
+def test_both_paths_match_float64_oracle(case, activation, path, layout, monkeypatch):
+    """The same rows through the one-program path and through the chunked kernels, contiguous and
+    channels-last (read where they lie: the kernels get x itself): 3 channels x 35 positions
+    (tile 4 x 64), one channel a group, 2 x 256 at _ROW_MAX 512 (a full tile), 40 channels (the
+    channels-last sums' blocks of 16, the last part-filled), 5-D."""
     monkeypatch.setattr(gn_mod, "_ROW_MAX", 512 if path == "row" else 0)
     monkeypatch.setattr(gn_mod, "_LAUNCHES", {})
     shape, groups = case
-    x, weight, bias = make(shape, torch.float32)
-    launched = []
-    for name in ("_row_fwd", "_stats"):
+    x, weight, bias = make(shape, torch.float32, layout=layout)
+    launched, read = [], set()
+
+    def spy(grid, args, kw, _run, _n):
+        launched.append(_n)
+        read.add(args[1 if _n in ("_row_bwd", "_bwd_sums", "_bwd_sums_cl") else 0].data_ptr())
+        return _run(grid, args, kw)
+    for name in LAUNCHERS:
         kernel = getattr(gn_mod, name)
-        monkeypatch.setattr(kernel, "run", lambda grid, args, kw, _run=kernel.run, _n=name:
-                            (launched.append(_n), _run(grid, args, kw)))
+        monkeypatch.setattr(kernel, "run", lambda grid, args, kw, _run=kernel.run, _n=name: spy(grid, args, kw,
+                                                                                                 _run, _n))
     check_fwd_bwd(x, groups, weight, bias, activation)
-    assert launched == ["_row_fwd" if path == "row" else "_stats"]
+    sums = "_bwd_sums_cl" if layout == "channels_last" else "_bwd_sums"
+    assert launched == (["_row_fwd", "_row_bwd"] if path == "row" else ["_stats", sums])
+    assert read == {x.data_ptr()}
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS, ids=str)
@@ -116,16 +141,27 @@ def test_16_bit_x_with_fp32_parameters(out_dtype, activation):
 
 @pytest.mark.parametrize("activation", ACTIVATIONS, ids=str)
 def test_other_layouts_and_gradients(activation):
-    """channels_last and a sliced input are copied once; a non-contiguous and an expanded
-    incoming gradient work too."""
+    """channels_last with an incoming gradient in yet another layout (copied to x's), a contiguous
+    one into a channels-last x, and a sliced input (copied once) with an expanded gradient."""
     x = torch.randn(2, 6, 7, 9, device=DEVICE).to(memory_format=torch.channels_last).requires_grad_()
     _, weight, bias = make((2, 6), torch.float32)
     dy = torch.randn(2, 9, 7, 6, device=DEVICE).permute(0, 3, 2, 1)
     check_fwd_bwd(x, 2, weight, bias, activation, dy=dy)
+    check_fwd_bwd(x, 2, weight, bias, activation, dy=torch.randn(2, 6, 7, 9, device=DEVICE))
     big = torch.randn(3, 8, 50, device=DEVICE)
     x = big[:, :, 5:45].requires_grad_()
     _, weight, bias = make((3, 8), torch.float32)
     check_fwd_bwd(x, 4, weight, bias, activation, dy=torch.randn(40, device=DEVICE).expand(3, 8, 40))
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", [c for c in CASES if len(c[0]) > 2], ids=_ids)
+def test_channels_last_matches_float64_oracle(case, dtype, activation):
+    """Every CASE with spatial dims (without, channels-last is contiguous) with x laid out
+    (N, *spatial, C)."""
+    shape, groups = case
+    check_fwd_bwd(*make(shape, dtype, layout="channels_last")[:1], groups, *make(shape, dtype)[1:], activation)
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS, ids=str)
@@ -175,12 +211,14 @@ def test_gradcheck_float64(path, monkeypatch):
     monkeypatch.setattr(gn_mod, "_ROW_MAX", 256 if path == "row" else 0)
     monkeypatch.setattr(gn_mod, "_LAUNCHES", {})
     x, weight, bias = make((2, 4, 3), torch.float64)
+    x_cl = make((2, 4, 3, 2), torch.float64, layout="channels_last")[0]
     for act in ACTIVATIONS:
         eager = lambda x, w, b, act=act: trifuse.ops.group_norm(x, 2, w, b, 1e-5, act)
         registered = lambda x, w, b, act=act: torch.ops.trifuse.group_norm(
             x, 2, w, b, 1e-5, act, None)[0]
-        assert torch.autograd.gradcheck(eager, (x, weight, bias))
-        assert torch.autograd.gradcheck(registered, (x, weight, bias))
+        for inputs in ((x, weight, bias), (x_cl, weight, bias)):
+            assert torch.autograd.gradcheck(eager, inputs)
+            assert torch.autograd.gradcheck(registered, inputs)
 
 
 def test_double_backward_float64():
@@ -235,20 +273,25 @@ def test_eager_path_and_registered_op_are_bitwise_equal_and_repeatable(activatio
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 @pytest.mark.parametrize("activation", ACTIVATIONS, ids=str)
-def test_compiles_fullgraph_without_graph_breaks(activation):
-    x, weight, bias = make((2, 6, 5, 5), torch.float32)
+def test_compiles_fullgraph_without_graph_breaks(activation, layout):
+    """Same bits compiled as eager, and y laid out as eager lays it out (the fake's strides are
+    the kernels')."""
+    x, weight, bias = make((2, 6, 5, 5), torch.float32, layout=layout)
     fn = torch.compile(lambda x, w, b: trifuse.ops.group_norm(x, 3, w, b, 1e-5, activation), fullgraph=True,
                        backend="aot_eager")
     out, ref = fn(x, weight, bias), trifuse.ops.group_norm(x, 3, weight, bias, 1e-5, activation)
-    assert torch.equal(out, ref)
+    assert torch.equal(out, ref) and out.stride() == ref.stride()
     for a, b in zip(torch.autograd.grad(out, (x, weight, bias), torch.ones_like(out)),
                     torch.autograd.grad(ref, (x, weight, bias), torch.ones_like(ref))):
         assert torch.equal(a, b)
 
 
-def test_opcheck_every_op():
-    x, weight, bias = make((2, 4, 10), torch.float32)
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_opcheck_every_op(layout):
+    """opcheck compares the fake's outputs (strides included) with the real ones."""
+    x, weight, bias = make((2, 4, 10), torch.float32, layout=layout)
     for act in ACTIVATIONS:
         torch.library.opcheck(torch.ops.trifuse.group_norm.default, (x, 2, weight, bias, 1e-5, act, None))
     torch.library.opcheck(torch.ops.trifuse.group_norm.default, (x, 4, None, None, 1e-6, "silu", None))
@@ -376,8 +419,9 @@ def test_reference_path_without_interpreter_matches(monkeypatch):
     monkeypatch.setattr(gn_mod, "use_triton", lambda t: False)
     for activation in ACTIVATIONS:
         for dtype in (torch.float32, torch.float16):
-            x, weight, bias = make((2, 6, 37), dtype)
-            check_fwd_bwd(x, 3, weight, bias, activation)
+            for layout in ("contiguous", "channels_last"):
+                x, weight, bias = make((2, 6, 37), dtype, layout=layout)
+                check_fwd_bwd(x, 3, weight, bias, activation)
 
 
 # ---------------------------------------------------------------------------------------------
