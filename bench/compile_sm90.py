@@ -149,20 +149,21 @@ def _catalogue(torch, family: str):
             yield f"cast_for_readers 1024 -> bf16 x {readers}", fwd_bwd(
                 lambda x=x, k=readers: cast_for_readers(x, bf16, k))
     elif family == "group_norm":
-        # SD's UNet's first level's norm (320 channels, 32 groups) with its SiLU at 8x8: a row a
-        # program (its two kernels); a VAE's one-group norm of 80x80: the chunked four
+        # SD's UNet's first level's norm (320 channels, 32 groups) with its SiLU at 8x8, contiguous
+        # and channels-last: a row a program (its two kernels); a VAE's one-group norm of 80x80:
+        # the chunked four
         x, w, b = leaf(2, 320, 8, 8), leaf(320), leaf(320)
         yield "group_norm 2x320x8x8 silu", fwd_bwd(lambda: ops.group_norm(x, 32, w, b, 1e-5, "silu"))
-        xv, wv, bv = leaf(1, 8, 80, 80), leaf(8), leaf(8)
-        yield "group_norm 1x8x80x80 silu", fwd_bwd(lambda: ops.group_norm(xv, 1, wv, bv, 1e-5, "silu"))
-        # the same read channels-last where it lies (a channels_last UNet): the row kernels, and
-        # the chunked ones with the channels-last sums at 64 channels a program
         xl = leaf(2, 320, 8, 8).detach().to(memory_format=torch.channels_last).requires_grad_()
         yield "group_norm 2x320x8x8 silu channels_last", fwd_bwd(lambda: ops.group_norm(xl, 32, w, b, 1e-5, "silu"))
+        # the chunked kernels of both layouts in one call (the smoke compiles the first and the
+        # last): the VAE's row contiguous, and 1x128x32x32 in 8 groups read channels-last where
+        # it lies (the channels-last sums at 64 channels a program)
+        xv, wv, bv = leaf(1, 8, 80, 80), leaf(8), leaf(8)
         xc, wc, bc = leaf(1, 128, 32, 32), leaf(128), leaf(128)
         xc = xc.detach().to(memory_format=torch.channels_last).requires_grad_()
-        yield "group_norm 1x128x32x32 g8 silu channels_last", fwd_bwd(
-            lambda: ops.group_norm(xc, 8, wc, bc, 1e-5, "silu"))
+        yield "group_norm 1x8x80x80 silu; 1x128x32x32 g8 silu channels_last", fwd_bwd(
+            lambda: (ops.group_norm(xv, 1, wv, bv, 1e-5, "silu"), ops.group_norm(xc, 8, wc, bc, 1e-5, "silu")))
     elif family == "gated_activation":
         g, u = leaf(tile_rows, 8192), leaf(tile_rows, 8192)
         for act in ("silu", "gelu", "gelu_tanh"):

@@ -61,7 +61,7 @@ def draw_head(rng: random.Random) -> tuple[rb.HeadSpec, str, bool, torch.dtype]:
 def draw_resnet(rng: random.Random) -> tuple[rb.ResnetSpec, str, bool, torch.dtype]:
     while True:
         spec = rb.ResnetSpec(norm=rng.choice(rb.RESNET_NORMS), act=rng.choice(rb.RESNET_ACTS),
-                             eps=rng.choice([1e-6, 1e-5, 1e-2]))
+                             eps=rng.choice([1e-6, 1e-5, 1e-2]), channels_last=rng.random() < 0.5)
         dtype = rng.choice([torch.float32, torch.float16])
         if not rb.resnet_check_is_noise(spec.norm, spec.act, dtype):
             break
@@ -118,8 +118,8 @@ def main() -> None:
         twin64 = None
         if isinstance(spec, rb.ResnetSpec):
             def make(spec=spec, dtype=dtype):
-                return rb.resnet_model(spec.norm, spec.act, dtype, spec.eps)
-            inputs, twin64 = rb.resnet_inputs(dtype), rb.resnet_float64_twin
+                return rb.resnet_model(spec.norm, spec.act, dtype, spec.eps, spec.channels_last)
+            inputs, twin64 = rb.resnet_inputs(dtype, spec.channels_last), rb.resnet_float64_twin
         elif isinstance(spec, rb.HeadSpec):
             def make(spec=spec, dtype=dtype):
                 torch.manual_seed(0)

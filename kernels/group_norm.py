@@ -515,15 +515,25 @@ def channels_last(x: torch.Tensor) -> bool:
 
 
 def _empty_in_layout(x: torch.Tensor, dtype: torch.dtype, cl: bool) -> torch.Tensor:
-    """An empty tensor shaped like x: channels-last where `cl`, contiguous otherwise."""
-    if cl:
-        return torch.empty(x.movedim(1, -1).shape, dtype=dtype, device=x.device).movedim(-1, 1)
-    return torch.empty(x.shape, dtype=dtype, device=x.device)
+    """An empty tensor shaped like x: channels-last where `cl`, contiguous otherwise. Not a view
+    (an autograd.Function's output that is a view may not be modified in place: an in-place SiLU)."""
+    if not cl:
+        return torch.empty(x.shape, dtype=dtype, device=x.device)
+    n, c, *spatial = x.shape
+    strides, step = [], c
+    for size in reversed(spatial):  # (N, *spatial, C) in memory
+        strides.append(step)
+        step *= size
+    return torch.empty_strided(x.shape, (step, 1, *reversed(strides)), dtype=dtype, device=x.device)
 
 
 def _in_layout(t: torch.Tensor, cl: bool) -> torch.Tensor:
     """t channels-last where `cl`, contiguous otherwise (a copy only when it is not already)."""
-    return t.movedim(1, -1).contiguous().movedim(-1, 1) if cl else t.contiguous()
+    if not cl:
+        return t.contiguous()
+    if t.movedim(1, -1).is_contiguous():
+        return t
+    return _empty_in_layout(t, t.dtype, True).copy_(t)
 
 
 def _chunking(cfg: triton.Config, rows: int, width: int, sms: int) -> tuple[int, int, int, int]:

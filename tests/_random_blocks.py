@@ -623,6 +623,7 @@ class ResnetSpec:
     norm: str = "gn_module"
     act: str = "nn_silu"
     eps: float = 1e-6
+    channels_last: bool = False  # the model and its input (diffusers' advice for speed)
 
     @property
     def id(self) -> str:
@@ -705,14 +706,18 @@ class ResnetModel(nn.Module):
         return x
 
 
-def resnet_model(norm: str, act: str, dtype: torch.dtype = torch.float32, eps: float = 1e-6) -> ResnetModel:
+def resnet_model(norm: str, act: str, dtype: torch.dtype = torch.float32, eps: float = 1e-6,
+                 channels_last: bool = False) -> ResnetModel:
     """Seeded, in `dtype`; GroupNorm32's parameters left in fp32, as guided-diffusion's
     convert_to_fp16 leaves them (its fp32 copy of x meets them; the other spellings in fp16 too:
     their fp32 gradients would be held to fp32's error bound while fp16's rounding of everything
     upstream moves them, by either ordering of the same sums: the fused SiLU, rounded once, moved
-    a norm weight's gradient 0.2x to 2.6x as far from float64's as PyTorch's own, median 0.9)."""
+    a norm weight's gradient 0.2x to 2.6x as far from float64's as PyTorch's own, median 0.9).
+    `channels_last`: its convolutions' weights so (their outputs, the norms' inputs, follow)."""
     torch.manual_seed(0)
     model = ResnetModel(norm, act, eps).to(dtype)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
     if norm == "gn32_fp32_copy":
         for m in model.modules():
             if isinstance(m, nn.GroupNorm):
@@ -738,7 +743,9 @@ def resnet_float64_twin(model: nn.Module) -> nn.Module:
     return model
 
 
-def resnet_inputs(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def resnet_inputs(dtype: torch.dtype = torch.float32, channels_last: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(3)
-    return (torch.randn(2, RESNET_CHANNELS, 6, 5, generator=gen).to(dtype),
+    x = torch.randn(2, RESNET_CHANNELS, 6, 5, generator=gen).to(dtype)
+    return (x.to(memory_format=torch.channels_last) if channels_last else x,
             torch.randn(2, RESNET_TEMB, generator=gen).to(dtype))

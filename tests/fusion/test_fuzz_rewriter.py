@@ -275,13 +275,14 @@ def test_each_residual_add_before_a_modulated_norm(residual):
 @settings(max_examples=16, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(norm=st.sampled_from(rb.RESNET_NORMS), act=st.sampled_from(rb.RESNET_ACTS),
        capture=st.sampled_from(["fx", "dynamo", "compile"]),
-       dtype=st.sampled_from([torch.float32, torch.float16]), eps=st.sampled_from([1e-6, 1e-5, 1e-2]))
-def test_random_resnet_blocks_fuse_to_what_they_compute(norm, act, capture, dtype, eps):
+       dtype=st.sampled_from([torch.float32, torch.float16]), eps=st.sampled_from([1e-6, 1e-5, 1e-2]),
+       channels_last=st.booleans())
+def test_random_resnet_blocks_fuse_to_what_they_compute(norm, act, capture, dtype, eps, channels_last):
     assume(not rb.resnet_check_is_noise(norm, act, dtype))
     def make():
-        return rb.resnet_model(norm, act, dtype, eps)
+        return rb.resnet_model(norm, act, dtype, eps, channels_last)
 
-    checked(lambda: check_against_unfused(make, rb.resnet_inputs(dtype), capture, train=True,
+    checked(lambda: check_against_unfused(make, rb.resnet_inputs(dtype, channels_last), capture, train=True,
                                           twin64=rb.resnet_float64_twin), capture)
 
 
@@ -305,6 +306,18 @@ def test_each_resnet_activation(norm, act):
     else:
         joined = sum(n for p, n in patterns.items() if p.startswith("group_norm_silu"))
         assert joined == (4 if act in rb.RESNET_SILU_JOINS else 0), report.table()
+
+
+@pytest.mark.parametrize("capture", ["fx", "dynamo"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_a_channels_last_resnet_fuses_alike(dtype, capture):
+    """The model and its input channels_last: the same four norms and SiLUs fuse, the answer is
+    the unfused model's (the kernels read the norms' channels-last inputs where they lie)."""
+    report = check_against_unfused(lambda: rb.resnet_model("gn_module", "nn_silu", dtype, channels_last=True),
+                                   rb.resnet_inputs(dtype, channels_last=True), capture, train=True,
+                                   twin64=rb.resnet_float64_twin)
+    assert report.counts() == {"group_norm": 4}, report.table()
+    assert report.by_pattern().get("group_norm_silu") == 4, report.table()
 
 
 @pytest.mark.parametrize("norm", rb.RESNET_NORMS)

@@ -164,6 +164,20 @@ def test_channels_last_matches_float64_oracle(case, dtype, activation):
     check_fwd_bwd(*make(shape, dtype, layout="channels_last")[:1], groups, *make(shape, dtype)[1:], activation)
 
 
+def test_channels_last_output_takes_an_in_place_op():
+    """y channels-last is a tensor of its own, not a view (autograd forbids modifying a custom
+    Function's view output in place: a ResNet's `SiLU(inplace=True)` after the norm), through the
+    eager path and the registered op; the gradient is the out-of-place one's."""
+    x = make((2, 8, 3, 5), torch.float32, layout="channels_last")[0]
+    for fn in (lambda: trifuse.ops.group_norm(x, 2),
+               lambda: torch.ops.trifuse.group_norm(x, 2, None, None, 1e-5, None, None)[0]):
+        y = fn()
+        assert y._base is None and y.stride() == x.stride()
+        dx, = torch.autograd.grad(F.silu(y, inplace=True).sum(), x)
+        want, = torch.autograd.grad(F.silu(fn()).sum(), x)
+        torch.testing.assert_close(dx, want)
+
+
 @pytest.mark.parametrize("activation", ACTIVATIONS, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_large_values_far_from_zero(dtype, activation):
