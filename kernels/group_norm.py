@@ -519,7 +519,7 @@ def _empty_in_layout(x: torch.Tensor, dtype: torch.dtype, cl: bool) -> torch.Ten
     (an autograd.Function's output that is a view may not be modified in place: an in-place SiLU)."""
     if not cl:
         return torch.empty(x.shape, dtype=dtype, device=x.device)
-    n, c, *spatial = x.shape
+    c, spatial = x.shape[1], x.shape[2:]
     strides, step = [], c
     for size in reversed(spatial):  # (N, *spatial, C) in memory
         strides.append(step)
