@@ -21,6 +21,12 @@ tells it. Per mesh dim, the strategies offered are:
         dbias                   Partial()                     Shard(0)             Replicate
     gated_activation (elementwise; gate, up, y, dy, dgate, dup alike)
         every tensor            Shard(d), d any dim                                Replicate
+    group_norm (a row (n, g) spans its channels and every position: only the batch splits;
+                num_groups is the whole tensor's, so channel shards cannot take it)
+        x, y, dy, dx            Shard(0)                                           Replicate
+        mean, rstd              Shard(0) ((N, G))                                  Replicate
+        weight, bias            Replicate                                          Replicate
+        dweight, dbias          Partial()                                          Replicate
 
 `trifuse::rotary_embedding` has no strategy: like attention it runs inside the attention core,
 on the local head shards the column-parallel q/k projections hand it (tests/parallel: Llama fuses
@@ -222,13 +228,30 @@ def register() -> bool:
             gate, [("row", dy), ("row", gate), ("row", up), (None, None)], [("row", gate), ("row", gate)]
         )
 
+    @register_sharding(ops.group_norm.default)
+    def _group_norm(x, num_groups, weight, bias, eps, activation, out_dtype):
+        args = [("row", x), (None, None), ("feat", weight), ("feat", bias), (None, None), (None, None),
+                (None, None)]
+        return _norm_strategies(x, x.ndim - 1, args, [("row", x), ("stat", x), ("stat", x)])
+
+    @register_sharding(ops.group_norm_backward.default)
+    def _group_norm_backward(dy, x, num_groups, weight, bias, mean, rstd, activation, need_dx):
+        args = [("row", dy), ("row", x), (None, None), ("feat", weight), ("feat", bias), ("stat", mean),
+                ("stat", rstd), (None, None), (None, None)]
+        return _norm_strategies(
+            x, x.ndim - 1, args,
+            [("row", x) if need_dx else ("stat", _EMPTY), ("part", x if weight is not None else _EMPTY),
+             ("part", x if bias is not None else _EMPTY)],
+        )
+
     # Hash every argument from the first non-tensor one on (see the module docstring).
     propagator = DTensor._op_dispatcher.sharding_propagator
     infos = getattr(propagator, "op_to_schema_info", None)
     for packet in (ops.layer_norm, ops.rms_norm, ops.layer_norm_add, ops.rms_norm_add,
                    ops.dropout_add_layer_norm, ops.dropout_add_rms_norm,
                    ops.layer_norm_backward, ops.dropout_add, ops.dropout_add_backward, ops.bias_gelu,
-                   ops.bias_gelu_backward, ops.gated_activation, ops.gated_activation_backward):
+                   ops.bias_gelu_backward, ops.gated_activation, ops.gated_activation_backward,
+                   ops.group_norm, ops.group_norm_backward):
         op = packet.default
         if infos is not None and op in infos:
             first = next(

@@ -208,6 +208,51 @@ def ops_on_sequence_shards(rank, size):
     return failures, placements, masks
 
 
+def group_norm_on_batch_shards(rank, size):
+    """trifuse.ops.group_norm (with and without its SiLU and affine) on a DTensor sharded over the
+    batch with replicated parameters, against the op on the whole tensors: (failures, output
+    placements, weight gradient placements before any redistribution)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import trifuse
+
+    mesh = _mesh(size)
+    g = torch.Generator().manual_seed(0)
+    full = {"x": torch.randn(4, 6, 5, 3, dtype=torch.float64, generator=g) * 2 + 1,
+            "w": torch.randn(6, dtype=torch.float64, generator=g),
+            "b": torch.randn(6, dtype=torch.float64, generator=g),
+            "dy": torch.randn(4, 6, 5, 3, dtype=torch.float64, generator=g)}
+    failures, placements = [], {}
+    for activation in (None, "silu"):
+        for affine in (True, False):
+            name = f"group_norm {activation} affine={affine}"
+            ref = {k: v.clone().requires_grad_(k != "dy") for k, v in full.items()}
+            dt = {k: distribute_tensor(v, mesh, [Replicate() if v.dim() == 1 else Shard(0)]).requires_grad_(k != "dy")
+                  for k, v in full.items()}
+            params = ("w", "b") if affine else ()
+            want = trifuse.ops.group_norm(ref["x"], 3, *(ref[k] for k in params), activation=activation)
+            got = trifuse.ops.group_norm(dt["x"], 3, *(dt[k] for k in params), activation=activation)
+            want.backward(ref["dy"])
+            got.backward(dt["dy"])
+            placements[name] = (got.placements, *(dt[k].grad.placements for k in params))
+            for k, a, e in [("y", got, want)] + [(f"d{k}", dt[k].grad, ref[k].grad) for k in ("x", *params)]:
+                ok, msg = check_close(f"{name} {k}", a.full_tensor(), e, None)
+                failures.extend([] if ok else [msg])
+    return failures, placements
+
+
+def test_group_norm_on_batch_shards(world):
+    """GroupNorm's strategy splits the batch only (y stays sharded there); the parameters'
+    gradients, each rank's sum over its samples, equal the whole batch's once reduced."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    for failures, placements in world.run(group_norm_on_batch_shards):
+        assert not failures, "\n".join(failures[:10])
+        for name, (y, *grads) in placements.items():
+            assert y == (Shard(0),), (name, y)
+            assert all(p in ((Partial(),), (Replicate(),)) for p in grads), (name, grads)
+
+
 # Per block: GPT-2 (pre-norm) fuses ln_2 with the attention's residual add, ln_1 stays a norm
 # (its add is the previous block's, in another graph) and the MLP's add a dropout_add; BERT
 # (post-norm) fuses both adds with their norms. Plus the embeddings' / final / head norms. The
