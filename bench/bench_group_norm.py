@@ -64,7 +64,10 @@ def _liger():
     module = H.try_import("liger_kernel.ops.group_norm")
     if module is None:
         return None
-    return lambda x, w, b: module.LigerGroupNormFunction.apply(x, w, b, x.shape[1], GROUPS, 1e-5)
+    # (N, C, H*W): Liger's backward takes the row width from dY's last dim before flattening, so a
+    # 4-D input writes past dX (linkedin/Liger-Kernel#1375); its 3-D form is right (a view here)
+    return lambda x, w, b: module.LigerGroupNormFunction.apply(x.flatten(2), w, b, x.shape[1], GROUPS,
+                                                               1e-5).view_as(x)
 
 
 def providers(activation: str | None) -> dict:

@@ -90,6 +90,34 @@ def test_backend_folds_a_dit_blocks_gated_add_into_its_modulated_norm(backend):
     assert trifuse.report(compiled).by_pattern().get("gated_add_layer_norm_modulate", 0) >= 2
 
 
+@pytest.mark.parametrize("backend", ["trifuse", "trifuse_inductor"])
+def test_backend_keeps_a_channels_last_resnet_in_its_layout(backend):
+    """A ResNet model (tests/_random_blocks.py: GroupNorm + SiLU before each conv) converted to
+    channels_last, compiled: its norms run as trifuse::group_norm on the channels-last activations
+    (the op's fake gives Inductor the kernels' strides: y channels-last), the output keeps the
+    eager layout, and loss and every gradient match the float64 model by the oracle rule."""
+    import _random_blocks as rb
+
+    model = rb.resnet_model("gn_module", "nn_silu", channels_last=True)
+    ref, ref64 = copy.deepcopy(model), rb.resnet_float64_twin(copy.deepcopy(model).double())
+    # x requires grad: PyTorch's own CPU GroupNorm backward (the unfused references) segfaults on
+    # a channels-last input whose gradient is not wanted (torch 2.11 and 2.13)
+    x, temb = (t.requires_grad_() for t in rb.resnet_inputs(channels_last=True))
+    compiled = torch.compile(model, backend=backend)
+    names = trifuse_ops_run(lambda: compiled(x, temb).square().mean().backward())
+    assert "trifuse::group_norm" in names, sorted(names)
+    model.zero_grad()
+    out, lowp, out64 = compiled(x, temb), ref(x, temb), ref64(x.double(), temb.double())
+    assert out.stride() == lowp.stride()
+    losses = [o.square().mean() for o in (out, lowp, out64)]
+    for value in losses:
+        value.backward()
+    assert_close("loss", losses[0], losses[2], losses[1])
+    for (pname, p), p64, pr in zip(model.named_parameters(), ref64.parameters(), ref.parameters()):
+        assert_close(f"grad {pname}", p.grad, p64.grad, pr.grad)
+    assert trifuse.report(compiled).counts() == {"group_norm": 4}
+
+
 def _fullgraph_works(model, kw, backend):
     try:
         torch.compile(copy.deepcopy(model), backend=backend, fullgraph=True)(**kw)
