@@ -479,6 +479,7 @@ _row_fwd = CachedKernel(_group_norm_row_fwd_kernel)
 _row_bwd = CachedKernel(_group_norm_row_bwd_kernel)
 _dparams = CachedKernel(_group_norm_dparams_kernel)
 _DPARAMS_BLOCK = 128  # channels a program
+_DPARAMS_META: dict[tuple, dict] = {}  # launch keywords per (dweight wanted, dbias wanted, sums' dtype)
 
 # A row whose (channels x positions) tile, each side padded to a power of two, holds at most this
 # many values is normalized by one program holding it whole (one launch each way, x read once
@@ -739,9 +740,12 @@ def group_norm_bwd(dy: torch.Tensor, x: torch.Tensor, num_groups: int, weight: t
     db = torch.empty_like(bias) if bias is not None else None
     if dw is not None or db is not None:
         dw_arg, db_arg = (dw if dw is not None else db), (db if db is not None else dw)
-        _dparams.run((-(-c // _DPARAMS_BLOCK),), (part, dw_arg, db_arg, n, c, part.shape[0] // (n * c)),
-                     {"BLOCK_C": _DPARAMS_BLOCK, "HAS_W": dw is not None, "HAS_B": db is not None,
-                      "ACC": acc_dtype(part.dtype)})
+        meta_key = (dw is not None, db is not None, part.dtype)
+        meta = _DPARAMS_META.get(meta_key)
+        if meta is None:  # built once per kind: this runs on every backward
+            meta = _DPARAMS_META[meta_key] = {"BLOCK_C": _DPARAMS_BLOCK, "HAS_W": meta_key[0],
+                                              "HAS_B": meta_key[1], "ACC": acc_dtype(part.dtype)}
+        _dparams.run((-(-c // _DPARAMS_BLOCK),), (part, dw_arg, db_arg, n, c, part.shape[0] // (n * c)), meta)
     return dx, dw, db
 
 
