@@ -491,9 +491,10 @@ _ROW_MAX = 256 if INTERPRET else 4096
 
 # Launch configurations (autotune/configs.py: group_norm): a block of BLOCK values a loop step
 # with num_warps warps, rows cut into chunks of at least MIN_BLOCKS blocks so that about WAVES
-# programs an SM run. Tuned per (device, dtype, rows bucket, row-width bucket, activation) for the
-# forward's two launches together, and per (device, dtype, rows, width, plane-size buckets,
-# activation, dx wanted) for the backward's; a plan per exact call shape once decided (_LAUNCHES).
+# programs an SM run. Tuned per (device, dtype, rows bucket, row-width bucket, activation, layout)
+# for the forward's two launches together, and per (device, dtype, rows, width, plane-size buckets,
+# activation, dx wanted, layout) for the backward's (channels-last reads in another order); a plan
+# per exact call shape once decided (_LAUNCHES).
 _FWD_KEY_NAMES = ("device", "dtype", "out_dtype", "rows", "width", "silu", "channels_last")
 _BWD_KEY_NAMES = ("device", "dtype", "rows", "width", "plane", "silu", "dx", "channels_last")
 _FWD_TUNER = Tuner("group_norm_fwd", configs.group_norm, _FWD_KEY_NAMES)
