@@ -131,11 +131,12 @@ def test_without_weight_or_bias(params, activation):
     check_fwd_bwd(x, 3, weight, bias, activation)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 @pytest.mark.parametrize("activation", ACTIVATIONS, ids=str)
 @pytest.mark.parametrize("out_dtype", [None, torch.float32], ids=["out-x-dtype", "out-fp32"])
-def test_16_bit_x_with_fp32_parameters(out_dtype, activation):
+def test_16_bit_x_with_fp32_parameters(out_dtype, activation, layout):
     """Master weights beside 16-bit activations, and CUDA autocast's form (fp32 out of a 16-bit x)."""
-    x, weight, bias = make((2, 8, 150), torch.float16, param_dtype=torch.float32)
+    x, weight, bias = make((2, 8, 150), torch.float16, param_dtype=torch.float32, layout=layout)
     check_fwd_bwd(x, 4, weight, bias, activation, out_dtype=out_dtype)
 
 
@@ -328,10 +329,14 @@ def test_hypothesis_shapes(n, groups, per_group, spatial, activation):
 
 @pytest.mark.gpu
 @pytest.mark.slow
-def test_more_than_2_to_the_31_elements():
-    """Row offsets in int64: the last rows of a tensor past 2^31 elements are right."""
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_more_than_2_to_the_31_elements(layout):
+    """Row offsets in int64: the last rows of a tensor past 2^31 elements are right, in either
+    layout (channels-last's positions are C apart: a sample's offsets pass 2^31 too)."""
     n, c, s = 2**31 // (64 * 4096) + 2, 64, 4096
     x = torch.randn(n, c, s, device=DEVICE, dtype=torch.bfloat16)
+    if layout == "channels_last":
+        x = channels_last(x)
     y = trifuse.ops.group_norm(x, 32, activation="silu")
     tail = slice(n - 2, n)
     assert_close("tail", y[tail], group_norm_ref(x[tail].double(), 32, activation="silu"),
