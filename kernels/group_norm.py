@@ -599,13 +599,13 @@ def _bwd_plan(cfg: triton.Config, n: int, c: int, s: int, groups: int, sms: int,
               need_dx: bool) -> tuple:
     """(the sums' kernel, grid, sizes, keywords and chunks a plane; dx's grid, sizes and keywords or
     None) of `cfg`."""
+    sums_flags = {k: v for k, v in flags.items() if k != "CL"}  # each sums kernel serves one layout
     if flags["CL"]:
-        sums = _cl_sums_plan(cfg, n, c, s, groups, sms, flags)
+        sums = _cl_sums_plan(cfg, n, c, s, groups, sms, sums_flags)
     else:
         block_s, chunk_s, split_s, warps_s = _chunking(cfg, n * c, s, sms)
-        meta = {k: v for k, v in flags.items() if k != "CL"}
         sums = (_bwd_sums, (n * c * split_s,), (s, c, c // groups, chunk_s, split_s),
-                {**meta, "BLOCK": block_s, "num_warps": warps_s}, split_s)
+                {**sums_flags, "BLOCK": block_s, "num_warps": warps_s}, split_s)
     split_s = sums[-1]
     if not need_dx:
         return sums, None
@@ -627,9 +627,8 @@ def _cl_sums_plan(cfg: triton.Config, n: int, c: int, s: int, groups: int, sms: 
     chunk_s = max(chunk // cb, -(-s // _MAX_SPLIT))
     chunk_s = -(-chunk_s // bs) * bs  # whole tiles
     split = -(-s // chunk_s)
-    meta = {k: v for k, v in flags.items() if k != "CL"}
     return (_bwd_sums_cl, (n * cblocks * split,), (s, c, c // groups, groups, chunk_s, split, cblocks),
-            {**meta, "BS": bs, "CB": cb, "num_warps": min(warps, max(1, bs * cb // 128))}, split)
+            {**flags, "BS": bs, "CB": cb, "num_warps": min(warps, max(1, bs * cb // 128))}, split)
 
 
 def _bwd_run(plan: tuple, dy, x, w_arg, b_arg, mean, rstd, dx) -> torch.Tensor:
