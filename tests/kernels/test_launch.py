@@ -380,6 +380,49 @@ def test_interpreter_memoized_types_are_tritons_own(monkeypatch):
 
 
 @triton.jit
+def _outer_kernel(X, Y, OUT, n, scale, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(X + offs, mask=offs < n, other=0.0)
+    y = tl.load(Y + offs, mask=offs < n, other=0.0)
+    same = x * y + scale  # blocks of one shape, then a block and a scalar
+    outer = x[:, None] * y[None, :] - same[None, :]  # (BLOCK, 1) against (1, BLOCK)
+    rows = tl.sum(outer, axis=1) + x  # (BLOCK,) against (BLOCK,) again
+    tl.store(OUT + offs, rows.to(tl.float16), mask=offs < n)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter's broadcast short cut (tests/_device.py)")
+def test_interpreter_equal_shape_broadcast_short_cut_is_tritons_own(monkeypatch):
+    """tests/_device.py hands two blocks of one shape back from the interpreter's broadcast as
+    they came, as Triton's own does after comparing the shapes; every other pair goes to Triton's.
+    Blocks of one shape come back as the same objects either way (whatever their dtypes), and a
+    kernel broadcasting blocks of one shape, scalars, rows and columns gives bitwise the same."""
+    from triton.runtime import interpreter
+
+    semantic = interpreter.interpreter_semantic
+    short_cut = semantic.broadcast_impl_value
+    assert hasattr(short_cut, "__wrapped__"), "tests/_device.py did not patch"
+    for shape in ([4], [2, 8], tl.tuple([1, 16, 32])):
+        for left, right in ((tl.float32, tl.float32), (tl.int32, tl.float16)):
+            a, b = tl.tensor(None, tl.block_type(left, shape)), tl.tensor(None, tl.block_type(right, shape))
+            for broadcast in (short_cut, short_cut.__wrapped__):
+                out = broadcast(a, b)
+                assert out[0] is a and out[1] is b
+    x, y = torch.randn(2, 37, device=DEVICE)
+
+    def launch():
+        out = torch.empty(37, device=DEVICE, dtype=torch.float16)
+        _outer_kernel[(1,)](x, y, out, 37, 0.25, BLOCK=64)
+        return out
+
+    fast = launch()
+    monkeypatch.setattr(semantic, "broadcast_impl_value", short_cut.__wrapped__)
+    assert torch.equal(fast, launch())
+    padding = (64 - 37) * 0.25  # the masked columns load zeros: each subtracts the scale
+    expected = (x[:, None] * y[None, :] - (x * y + 0.25)[None, :]).sum(1) - padding + x
+    torch.testing.assert_close(fast, expected.half(), rtol=2e-3, atol=2e-3)
+
+
+@triton.jit
 def _scale_int_kernel(X, OUT, factor):
     tl.store(OUT, tl.load(X) * factor)
 
