@@ -28,3 +28,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not ON_GPU:
             item.add_marker(skip_gpu)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`pytest -n auto` (the README's command) schedules as xdist's `--dist load` does, but sends
+    the distributed tests (tests/parallel, on persistent gloo worlds: _world.py) to one worker
+    together, and first: each worker would otherwise start worlds of its own, processes importing
+    torch and transformers (seconds of CPU each, on the cores the tests share). xdist's
+    `xdist_group` marks would do this, but its `loadgroup` renames items in a way pytest 9 ignores."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class DistributedTestsTogether(LoadScopeScheduling):
+        # A unit of work per test, the distributed tests one unit; xdist runs the largest first.
+        def _split_scope(self, nodeid: str) -> str:
+            return "tests/parallel" if nodeid.startswith("tests/parallel/") else nodeid
+
+    return DistributedTestsTogether(config, log)
+
