@@ -13,6 +13,21 @@ DEVICE: str = "cuda" if ON_GPU else "cpu"
 INTERPRETED: bool = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def configs_run_here(configs: list) -> list:
+    """The configs a test that forces each in turn runs on this machine: every one on a GPU; under
+    the interpreter, which runs neither warps nor pipeline stages, the first of those that differ
+    only in those (they compute alike there, launch for launch)."""
+    if not INTERPRETED:
+        return list(configs)
+    seen, kept = set(), []
+    for config in configs:
+        key = tuple(sorted(config.kwargs.items()))
+        if key not in seen:
+            seen.add(key)
+            kept.append(config)
+    return kept
+
+
 def _patch_triton_language_once_per_launch() -> None:
     """Speed only, under the interpreter: Triton's interpreter patches `triton.language` when a
     kernel is launched (restoring it when the grid is done), then walks the language modules again
