@@ -231,7 +231,8 @@ def test_gradcheck_float64(path, monkeypatch):
         eager = lambda x, w, b, act=act: trifuse.ops.group_norm(x, 2, w, b, 1e-5, act)
         registered = lambda x, w, b, act=act: torch.ops.trifuse.group_norm(
             x, 2, w, b, 1e-5, act, None)[0]
-        for inputs in ((x, weight, bias), (x_cl, weight, bias)):
+        # the channels-last indexing does not depend on the activation: checked once, with SiLU
+        for inputs in ((x, weight, bias), (x_cl, weight, bias))[:2 if act else 1]:
             assert torch.autograd.gradcheck(eager, inputs)
             assert torch.autograd.gradcheck(registered, inputs)
 
