@@ -219,7 +219,30 @@ def _skip_dynamo_guard_latency_profile() -> None:
         guards.profile_guard_manager = no_profile
 
 
+def _keep_pytest_off_torchs_trace_log() -> None:
+    """Speed only: pytest (9 and later) attaches its log-capture handlers to every logger that
+    does not propagate, torch's structured-trace logger among them, and torch builds each trace
+    event (its metadata, its payload: graphs, guards, as JSON with an MD5) whenever that logger
+    has a handler at all. So under pytest every Dynamo capture paid for a trace that no test
+    reads. That logger now refuses pytest's handlers; torch's own (TORCH_TRACE) still attach,
+    and every other logger is captured as before."""
+    import logging
+
+    trace_log = logging.getLogger("torch.__trace")
+    add = trace_log.addHandler
+    if hasattr(add, "__wrapped__"):
+        return
+
+    def add_unless_pytests(handler: logging.Handler) -> None:
+        if not type(handler).__module__.startswith("_pytest"):
+            add(handler)
+
+    add_unless_pytests.__wrapped__ = add
+    trace_log.addHandler = add_unless_pytests
+
+
 _skip_dynamo_guard_latency_profile()
+_keep_pytest_off_torchs_trace_log()
 if INTERPRETED:
     _patch_triton_language_once_per_launch()
     _memoize_interpreter_types()

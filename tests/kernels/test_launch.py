@@ -448,3 +448,22 @@ def test_interpreter_overflow_checks_assert_nothing_so_they_are_skipped():
     finally:
         set_interpreter_overflow_checks(False)
     assert checked.item() == 12
+
+
+def test_pytests_log_capture_stays_off_torchs_trace_log(caplog):
+    """tests/_device.py keeps pytest's log-capture handlers off torch's structured-trace logger
+    (torch builds every trace event while that logger has any handler): inside a test it has none
+    of pytest's, a handler of torch's own still attaches, and other loggers are captured as before."""
+    import logging
+
+    trace_log = logging.getLogger("torch.__trace")
+    assert hasattr(trace_log.addHandler, "__wrapped__"), "tests/_device.py did not patch"
+    assert not [h for h in trace_log.handlers if type(h).__module__.startswith("_pytest")], trace_log.handlers
+    own = logging.NullHandler()
+    trace_log.addHandler(own)
+    try:
+        assert own in trace_log.handlers
+    finally:
+        trace_log.removeHandler(own)
+    logging.getLogger("trifuse").warning("still captured")
+    assert "still captured" in caplog.text
