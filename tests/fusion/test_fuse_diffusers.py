@@ -107,8 +107,8 @@ def vae():
     model = diffusers.AutoencoderKL(
         in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
         up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(16, 32), layers_per_block=1,
-        latent_channels=4, norm_num_groups=8, sample_size=16)
-    return Denoiser(model, lambda m, x: m(x)), (torch.randn(B, 3, 16, 16),), True
+        latent_channels=4, norm_num_groups=8, sample_size=8)
+    return Denoiser(model, lambda m, x: m(x)), (torch.randn(B, 3, 8, 8),), True
 
 
 def sana():
