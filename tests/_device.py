@@ -174,14 +174,16 @@ def _memoize_interpreter_types() -> None:
     tl.tensor.__init__ = memo_tensor_init
 
 
-def _short_cut_equal_shape_broadcasts() -> None:
+def _short_cut_broadcasts() -> None:
     """Speed only, under the interpreter: every binary op of every program instance first
     broadcasts its operands to a common shape (`broadcast_impl_value`), comparing the two shapes
-    dimension by dimension through Triton's tuple class (~30 us an op, a fifth of a kernel's
-    interpreted time). When both operands are blocks of one shape, Triton returns them unchanged
-    after those comparisons; here they are returned at once. Every other case (a scalar, a
-    different shape or rank) takes Triton's own path. The kernels run exactly as before; a Triton
-    without these internals is left as it is."""
+    dimension by dimension through Triton's tuple class, or building the type a scalar is splat
+    to (~30 us an op, a fifth of a kernel's interpreted time). Two blocks of one shape, which
+    Triton returns unchanged after those comparisons, are returned at once; a number (not a
+    pointer) beside a block is splat as Triton splats it, to a type built once per (block type,
+    number type). Every other case (different shapes or ranks, pointers, two scalars) takes
+    Triton's own path. The kernels run exactly as before; a Triton without these internals is
+    left as it is."""
     import triton.language as tl
     from triton.runtime import interpreter
 
@@ -191,16 +193,33 @@ def _short_cut_equal_shape_broadcasts() -> None:
         return
     block = tl.block_type
 
-    def broadcast_equal_shapes(lhs, rhs):
+    scalar = tl.dtype  # exactly: a number's type (a pointer's name leaves out its address space)
+    splat_types: dict = {}  # (block type's name, scalar type's name) -> the splat's type, its IR type
+
+    def splat(value, like):
+        key = (like.name, value.type.name)
+        found = splat_types.get(key)
+        if found is None:
+            splat_type = like.with_element_ty(value.type)
+            found = splat_types[key] = (splat_type, splat_type.to_ir(semantic.builder))
+        splat_type, ir_type = found
+        return semantic.make_tensor(semantic.builder.create_splat(ir_type, value.handle), splat_type)
+
+    def broadcast_short_cut(lhs, rhs):
         lhs_type, rhs_type = lhs.type, rhs.type
-        if type(lhs_type) is block and type(rhs_type) is block:
-            left, right = lhs_type.shape, rhs_type.shape
-            if left is right or list(left) == list(right):
-                return lhs, rhs
+        if type(lhs_type) is block:
+            if type(rhs_type) is block:
+                left, right = lhs_type.shape, rhs_type.shape
+                if left is right or list(left) == list(right):
+                    return lhs, rhs
+            elif type(rhs_type) is scalar:
+                return lhs, splat(rhs, lhs_type)
+        elif type(rhs_type) is block and type(lhs_type) is scalar:
+            return splat(lhs, rhs_type), rhs
         return broadcast(lhs, rhs)
 
-    broadcast_equal_shapes.__wrapped__ = broadcast
-    semantic.broadcast_impl_value = broadcast_equal_shapes
+    broadcast_short_cut.__wrapped__ = broadcast
+    semantic.broadcast_impl_value = broadcast_short_cut
 
 
 def _skip_dynamo_guard_latency_profile() -> None:
@@ -246,5 +265,5 @@ _keep_pytest_off_torchs_trace_log()
 if INTERPRETED:
     _patch_triton_language_once_per_launch()
     _memoize_interpreter_types()
-    _short_cut_equal_shape_broadcasts()
+    _short_cut_broadcasts()
     set_interpreter_overflow_checks(False)

@@ -391,11 +391,14 @@ def _outer_kernel(X, Y, OUT, n, scale, BLOCK: tl.constexpr):
 
 
 @pytest.mark.skipif(ON_GPU, reason="the interpreter's broadcast short cut (tests/_device.py)")
-def test_interpreter_equal_shape_broadcast_short_cut_is_tritons_own(monkeypatch):
+def test_interpreter_broadcast_short_cut_is_tritons_own(monkeypatch):
     """tests/_device.py hands two blocks of one shape back from the interpreter's broadcast as
-    they came, as Triton's own does after comparing the shapes; every other pair goes to Triton's.
-    Blocks of one shape come back as the same objects either way (whatever their dtypes), and a
-    kernel broadcasting blocks of one shape, scalars, rows and columns gives bitwise the same."""
+    they came, as Triton's own does after comparing the shapes, and splats a number beside a
+    block to a type built once; every other pair goes to Triton's. Blocks of one shape come back
+    as the same objects either way (whatever their dtypes); a splat number has Triton's type and
+    values on either side of the block, the second time too; and a kernel broadcasting blocks of
+    one shape, numbers, rows and columns gives bitwise the same."""
+    import numpy as np
     from triton.runtime import interpreter
 
     semantic = interpreter.interpreter_semantic
@@ -407,6 +410,14 @@ def test_interpreter_equal_shape_broadcast_short_cut_is_tritons_own(monkeypatch)
             for broadcast in (short_cut, short_cut.__wrapped__):
                 out = broadcast(a, b)
                 assert out[0] is a and out[1] is b
+    block = tl.tensor(interpreter.TensorHandle(np.arange(16, dtype=np.float32).reshape(2, 8), tl.float32),
+                      tl.block_type(tl.float32, [2, 8]))
+    for number in (semantic.to_tensor(2.5), semantic.to_tensor(3)):  # fp32, int32
+        for pair in ((block, number), (number, block), (block, number)):
+            for mine, own in zip(short_cut(*pair), short_cut.__wrapped__(*pair)):
+                assert mine.type == own.type and mine.handle.dtype == own.handle.dtype
+                assert np.array_equal(mine.handle.data, own.handle.data)
+                assert mine.handle.data.dtype == own.handle.data.dtype
     x, y = torch.randn(2, 37, device=DEVICE)
 
     def launch():
