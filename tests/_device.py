@@ -192,8 +192,8 @@ def _short_cut_broadcasts() -> None:
     if broadcast is None or hasattr(broadcast, "__wrapped__"):
         return
     block = tl.block_type
-
     scalar = tl.dtype  # exactly: a number's type (a pointer's name leaves out its address space)
+    make_tensor = getattr(semantic, "make_tensor", semantic.tensor)  # Triton 3.6: `tensor` itself
     splat_types: dict = {}  # (block type's name, scalar type's name) -> the splat's type, its IR type
 
     def splat(value, like):
@@ -203,7 +203,7 @@ def _short_cut_broadcasts() -> None:
             splat_type = like.with_element_ty(value.type)
             found = splat_types[key] = (splat_type, splat_type.to_ir(semantic.builder))
         splat_type, ir_type = found
-        return semantic.make_tensor(semantic.builder.create_splat(ir_type, value.handle), splat_type)
+        return make_tensor(semantic.builder.create_splat(ir_type, value.handle), splat_type)
 
     def broadcast_short_cut(lhs, rhs):
         lhs_type, rhs_type = lhs.type, rhs.type
