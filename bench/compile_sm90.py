@@ -15,8 +15,9 @@ otherwise reveal:
 Two phases. The first runs in a child process under TRITON_INTERPRET=1: it calls each op family
 at the catalogue's shapes (small batch, real widths, so that every constexpr and launch option
 is what the GPU would get) forward and backward, and records every launch at CachedKernel (the
-one launch path of all trifuse kernels) instead of running it. With --spaces, each tuner's whole config space (after
-pruning against the H100's limits) is recorded too: the configs a GPU session would time.
+one launch path of all trifuse kernels) instead of running it. With --spaces, each tuner's whole
+config space (after pruning against the H100's limits) is recorded too: the configs a GPU session
+would time.
 The second compiles each distinct launch through `JITFunction.warmup` with a stand-in driver
 that names the target, so nothing is launched and no GPU is asked for.
 
@@ -278,8 +279,8 @@ def record(families: list[str], spaces: bool, smoke: bool = False) -> list[dict]
     """Runs the catalogue's host code in this (interpreted) process (the first and last call of
     each family when `smoke`: together they launch every kernel) and returns one dict per launch.
     The launches are recorded, not run: what the host launches never depends on what an earlier
-    kernel computed (on 2026-12-02 the smoke's 73 launches and the whole catalogue's were the same
-    with every kernel run in the interpreter, which took 6x as long)."""
+    kernel computed (on 2026-12-02 the smoke's 73 launches and the whole catalogue's 256 were the
+    same with every kernel run in the interpreter, which took 6x as long)."""
     import torch
     import triton.language as tl
     from trifuse.autotune import tuner as tuner_mod
