@@ -260,6 +260,146 @@ def _keep_pytest_off_torchs_trace_log() -> None:
     trace_log.addHandler = add_unless_pytests
 
 
+def _emulate_bf16_arithmetic() -> None:
+    """Correctness, under the interpreter: Triton's interpreter holds bf16 values as their raw
+    16 bits (numpy has no bf16) and converts them only in a cast to or from fp32, so arithmetic,
+    math functions, comparisons, `tl.max` / `tl.min` and `tl.dot` on bf16 operands computed on
+    the bits as integers, casts between bf16 and any type but fp32 reinterpreted them, and the
+    fp32 -> bf16 cast truncated where a GPU rounds to nearest even. Each of those now takes the
+    bf16 operands to fp32 exactly, computes there and rounds a bf16 result once to nearest even
+    (a rounding-toward-zero cast, `fp_downcast_rounding="rtz"`, truncates), as a GPU does for
+    one operation; `tl.dot` accumulates bf16 products in its accumulator's dtype as tensor cores
+    do. Loads, stores, `where`, reshapes and bitcasts keep the bits, as before. So bf16 kernels
+    can be checked here, not only on a GPU (tests/kernels/test_launch.py checks this against
+    PyTorch's own bf16). A Triton without these internals is left as it is."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder_type = getattr(interpreter, "InterpreterBuilder", None)
+    handle_type = getattr(interpreter, "TensorHandle", None)
+    reduce_type = getattr(interpreter, "ReduceOps", None)
+    names = ("binary_op", "unary_op", "create_erf", "create_rsqrt", "create_fma", "create_clampf",
+             "create_dot", "cast_impl", "create_fp_to_fp")
+    if builder_type is None or handle_type is None or reduce_type is None:
+        return
+    if not all(hasattr(builder_type, name) for name in names) or hasattr(builder_type.binary_op, "__wrapped__"):
+        return
+    bf16, fp32 = tl.bfloat16, tl.float32
+    comparisons = {np.less, np.less_equal, np.greater, np.greater_equal, np.equal, np.not_equal}
+    rtz = getattr(getattr(interpreter, "_ir", None), "ROUNDING_MODE", None)
+    rtz = getattr(rtz, "RTZ", object())
+
+    def is_bf16(handle) -> bool:
+        return handle.dtype.scalar == bf16
+
+    def to_fp32(bits: np.ndarray) -> np.ndarray:
+        return (np.asarray(bits).astype(np.uint32) << 16).view(np.float32)
+
+    def to_bf16(values: np.ndarray, truncate: bool = False) -> np.ndarray:
+        values = np.asarray(values, dtype=np.float32)
+        bits = values.view(np.uint32).astype(np.uint64)
+        if not truncate:  # round to nearest, ties to even; carries into the exponent (inf on overflow)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        out = (bits >> 16).astype(np.uint16)
+        nan = np.isnan(values)
+        if nan.any():
+            out = np.where(nan, (values.view(np.uint32) >> 16).astype(np.uint16) | 0x0040, out)
+        return out
+
+    def up(handle):
+        return handle_type(to_fp32(handle.data), fp32) if is_bf16(handle) else handle
+
+    def down(handle, truncate: bool = False):
+        return handle_type(to_bf16(handle.data, truncate), bf16)
+
+    def wrap(name, make):
+        original = getattr(builder_type, name)
+        patched = make(original)
+        patched.__wrapped__ = original
+        setattr(builder_type, name, patched)
+
+    def binary(original):
+        def binary_op(self, lhs, rhs, op):
+            if not (is_bf16(lhs) or is_bf16(rhs)):
+                return original(self, lhs, rhs, op)
+            out = original(self, up(lhs), up(rhs), op)
+            return out if op in comparisons else down(out)
+        return binary_op
+
+    def elementwise(original):  # every argument a value of the result's dtype
+        def op(self, *args):
+            if not any(isinstance(a, handle_type) and is_bf16(a) for a in args):
+                return original(self, *args)
+            args = [up(a) if isinstance(a, handle_type) else a for a in args]
+            return down(original(self, *args))
+        return op
+
+    def dot(original):
+        def create_dot(self, a, b, d, *args):
+            if not (is_bf16(a) or is_bf16(b) or is_bf16(d)):
+                return original(self, a, b, d, *args)
+            out = original(self, up(a), up(b), up(d), *args)
+            return down(out) if is_bf16(d) else out
+        return create_dot
+
+    def cast(original):
+        def cast_impl(self, src, dst_type):
+            to = dst_type.scalar
+            if is_bf16(src) and to != bf16:
+                return original(self, up(src), dst_type) if to != fp32 else up(src)
+            if to == bf16 and src.dtype.scalar != bf16:
+                src = src if src.dtype.scalar == fp32 else original(self, src, fp32)
+                return down(src)
+            return original(self, src, dst_type)
+        return cast_impl
+
+    def fp_to_fp(original):
+        def create_fp_to_fp(self, src, dst_type, rounding_mode):
+            to = dst_type.scalar
+            if to == bf16 and src.dtype.scalar == fp32:
+                return down(src, truncate=rounding_mode == rtz)
+            if is_bf16(src) and to == fp32:
+                return up(src)
+            return original(self, src, dst_type, rounding_mode)
+        return create_fp_to_fp
+
+    wrap("binary_op", binary)
+    for name in ("unary_op", "create_erf", "create_rsqrt", "create_fma", "create_clampf"):
+        wrap(name, elementwise)
+    wrap("create_dot", dot)
+    wrap("cast_impl", cast)
+    wrap("create_fp_to_fp", fp_to_fp)
+
+    min_max = reduce_type.min_max
+
+    def bf16_min_max(self, input, val_reduce_op, idx_reduce_op=None):
+        value = input[0] if isinstance(input, tuple) else input
+        if value.dtype.scalar != bf16 or not (val_reduce_op or idx_reduce_op):
+            return min_max(self, input, val_reduce_op, idx_reduce_op)
+        data, where = to_fp32(value.handle.data), {"axis": self.axis, "keepdims": self.keep_dims}
+        found = []
+        if val_reduce_op:  # a bf16 value: exact
+            found.append(self.to_tensor(to_bf16(val_reduce_op(data, **where)), bf16))
+        if idx_reduce_op:
+            found.append(self.to_tensor(idx_reduce_op(data, **where), tl.int32))
+        return tuple(found) if len(found) == 2 else found[0]
+
+    bf16_min_max.__wrapped__ = min_max
+    reduce_type.min_max = bf16_min_max
+
+    total = reduce_type.sum
+
+    def bf16_sum(self, input):
+        if input.dtype.scalar != bf16:
+            return total(self, input)
+        sums = np.sum(to_fp32(input.handle.data), axis=self.axis, keepdims=self.keep_dims)
+        return self.to_tensor(to_bf16(sums), bf16)
+
+    bf16_sum.__wrapped__ = total
+    reduce_type.sum = bf16_sum
+
+
 _skip_dynamo_guard_latency_profile()
 _keep_pytest_off_torchs_trace_log()
 if INTERPRETED:
@@ -267,3 +407,4 @@ if INTERPRETED:
     _memoize_interpreter_types()
     _short_cut_broadcasts()
     set_interpreter_overflow_checks(False)
+    _emulate_bf16_arithmetic()

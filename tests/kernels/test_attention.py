@@ -1283,7 +1283,7 @@ def _launched_tma_bwd(dtype: torch.dtype = torch.float16) -> list[tuple[bool, bo
 
 
 @pytest.mark.parametrize("case", TMA_CASES, ids=lambda c: c.id)
-@pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if ON_GPU else []), ids=str)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_tma_forward_matches_float64_oracle(tma, dtype, case):
     q, k, v, mask = make(case, dtype)
     check_fwd_bwd(q, k, v, mask, kwargs_of(case), name="tma")
