@@ -310,7 +310,7 @@ def test_check_passes_both_candidates_with_a_wider_bias_over_many_rows(candidate
     """16-bit activations beside an fp32 bias (autocast's Linear/Conv1D bias): the bias gradient
     sums thousands of rows. Before the reference returned x's dtype, its output gradients were
     drawn in fp32 and the candidates saw them rounded to x's, so every candidate failed the check
-    at GPT-2's rows on the H200 (fp16 here: the interpreter's bf16 is wrong)."""
-    x, b = inputs(torch.float16, rows=3000, bias_dtype=torch.float32)
+    at GPT-2's rows on the H200."""
+    x, b = inputs(torch.bfloat16, rows=3000, bias_dtype=torch.float32)
     trial = dialects._Trial(bg.BIAS_GELU.reference, (x, b, "tanh"), None)
     assert trial.problem(bg.BIAS_GELU.candidate(candidate).fn) is None

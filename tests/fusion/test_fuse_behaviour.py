@@ -511,10 +511,11 @@ def test_blocks_of_one_class_and_other_widths_capture_with_static_shapes(monkeyp
     assert report.counts()["layer_norm"] == len(widths) and not report.unfused_calls()
 
 
-def _fused_under_autocast(build):
-    """(fused model, its loss, the unfused loss in the autocast dtype, the float64 loss): bf16 on a
-    GPU; fp16 on CPU (bf16 arithmetic is wrong in Triton's interpreter)."""
-    dtype = torch.bfloat16 if _models.DEVICE == "cuda" else torch.float16
+AUTOCAST_DTYPES = [torch.bfloat16, torch.float16]  # bf16 first: what training on a GPU runs
+
+
+def _fused_under_autocast(build, dtype: torch.dtype = torch.bfloat16):
+    """(fused model, its loss, the unfused loss in the autocast dtype, the float64 loss)."""
     torch.manual_seed(0)
     model, inputs, loss_fn = build()
     ref, ref64 = copy.deepcopy(model), copy.deepcopy(model).double()
@@ -525,12 +526,12 @@ def _fused_under_autocast(build):
     return model, fused, lowp, loss_fn(ref64, kw)
 
 
-def test_autocast():
-    model, fused, lowp, ref64 = _fused_under_autocast(_models.gpt2)
+@pytest.mark.parametrize("dtype", AUTOCAST_DTYPES, ids=str)
+def test_autocast(dtype):
+    model, fused, lowp, ref64 = _fused_under_autocast(_models.gpt2, dtype)
     assert fused.dtype == lowp.dtype
     assert_close("autocast loss", fused, ref64, lowp)
-    dtype = "bfloat16" if _models.DEVICE == "cuda" else "float16"
-    assert f"autocast {_models.DEVICE} {dtype}" in trifuse.report(model).table()
+    assert f"autocast {_models.DEVICE} {str(dtype)[6:]}" in trifuse.report(model).table()
 
 
 class _FxMLP(nn.Module):
@@ -544,13 +545,13 @@ class _FxMLP(nn.Module):
         return self.ln(x + self.proj(F.gelu(self.fc(x))))
 
 
-def test_autocast_with_an_fx_capture():
+@pytest.mark.parametrize("dtype", AUTOCAST_DTYPES, ids=str)
+def test_autocast_with_an_fx_capture(dtype):
     """A block fx captures on its first call, here under autocast: the capture's fake-tensor
     propagation must leave nothing in autocast's per-region cache of cast weights (it once left
     fake fp16 copies of the Linear weights there, and the real forward returned fake tensors)."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    dtype = torch.bfloat16 if _models.DEVICE == "cuda" else torch.float16
     torch.manual_seed(0)
     ref = _FxMLP().to(_models.DEVICE)
     model = trifuse.fuse(copy.deepcopy(ref))
@@ -1415,8 +1416,7 @@ def test_a_misaligned_16bit_head_runs_padded_and_returns_its_logits(vocab, padde
     ids = torch.randint(0, vocab, (2, 8), device=_models.DEVICE)
 
     def run(m):
-        # fp16 on the CPU: the interpreter's bf16 arithmetic is wrong (DESIGN.md)
-        with torch.autocast(_models.DEVICE, dtype=torch.bfloat16 if _models.DEVICE == "cuda" else torch.float16):
+        with torch.autocast(_models.DEVICE, dtype=torch.bfloat16):
             out = m(input_ids=ids, labels=ids, use_cache=False)
         out.loss.backward()
         return out
@@ -1450,10 +1450,8 @@ def test_bert_biased_decoder_runs_padded_and_returns_its_logits():
     ids = torch.randint(0, 1030, (2, 8), device=_models.DEVICE)
     labels = ids.masked_fill(torch.rand(ids.shape, device=ids.device) < 0.5, -100)
 
-    half = torch.bfloat16 if _models.DEVICE == "cuda" else torch.float16
-
     def run(m):
-        with torch.autocast(_models.DEVICE, dtype=half):
+        with torch.autocast(_models.DEVICE, dtype=torch.bfloat16):
             out = m(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels)
         out.loss.backward()
         return out

@@ -361,7 +361,7 @@ def test_wans_gated_add_in_fp32_reads_its_16_bit_stream():
     the modulated norms of fp32 copies (`norm1(h.float()) * (1 + scale) + shift).type_as(h)`)
     read the 16-bit tensors: no fp32 copy of h is left. Outputs and gradients by the oracle rule."""
     model, inputs, train = wan()
-    model = model.to(torch.float16 if DEVICE == "cpu" else torch.bfloat16)
+    model = model.to(torch.bfloat16)
     inputs = tuple(t.to(model.model.dtype) if t.is_floating_point() else t for t in inputs)
     report = check_against_unfused(lambda: model, inputs, train=train)
     patterns = report.by_pattern()
@@ -412,14 +412,14 @@ def test_the_unets_16_bit_norms_under_cuda_autocast_feed_q_k_v_a_view_each():
 
 
 def test_lumina2_in_16_bits_fuses_as_in_fp32():
-    """Lumina 2 trained in 16 bits (fp16 here, bf16 on a GPU): diffusers' RMSNorm rounds the
+    """Lumina 2 trained in bf16: diffusers' RMSNorm rounds the
     normalized value to its 16-bit weight's dtype before the weight (T5's spelling), its FP32SiLU
     takes the SiLU of an fp32 copy and casts back. The weight joins the norm and the scale joins
     them both, as in fp32 (not the weight apart, nor the gate's product folded as a LayerScale);
     outputs and gradients by the oracle rule."""
     build, counts, modulated = MODELS["lumina2"]
     model, inputs, train = build()
-    model = model.to(torch.float16 if DEVICE == "cpu" else torch.bfloat16)
+    model = model.to(torch.bfloat16)
     inputs = tuple(t.to(model.model.dtype) if t.is_floating_point() else t for t in inputs)
     report = check_against_unfused(lambda: model, inputs, train=train)
     assert report.counts() == available_counts(counts), report.table()

@@ -12,7 +12,7 @@ from _fusing import DynamoHost, check_against_unfused, cuda_like_autocast
 from torch import nn
 from trifuse.fusion import narrow, rewriter
 
-DTYPE = torch.bfloat16 if _models.DEVICE == "cuda" else torch.float16  # bf16 is wrong in the interpreter
+DTYPE = torch.bfloat16  # autocast as training runs it on a GPU (and in the interpreter: tests/_device.py)
 NAME = str(DTYPE).replace("torch.", "")
 NOTE, NOTE_FULL = f"y in {NAME}: only autocast's matmuls read it", f"y in {NAME} too, for the autocast matmul"
 
@@ -186,8 +186,11 @@ def test_a_post_norm_block_input_is_cast_once_for_its_three_projections(monkeypa
     """BERT's block input (fp32 under autocast, the previous block's output norm) is read by the
     query, key and value projections: one cast, a view for each, their gradients summed in fp32
     by one kernel (kernels/cast.py), where each projection cast it and autograd summed three fp32
-    casts of their gradients. Loss and gradients are bitwise the same (the fp32 sums in the same
-    order); the step runs one cast of an activation per block instead of five."""
+    casts of their gradients. The loss is bitwise the same. The input's gradient is the same fp32
+    sum in another order: autograd adds the residual's gradient first, then the value's, key's and
+    query's, where the kernel sums the three readers and autograd adds the residual's to that, so
+    the gradients agree to a re-association of four fp32 terms (bitwise in fp16 here, not in
+    bf16). The step runs one cast of an activation per block instead of five."""
     from torch.profiler import ProfilerActivity, profile
     from trifuse.fusion import capture
 
@@ -199,8 +202,9 @@ def test_a_post_norm_block_input_is_cast_once_for_its_three_projections(monkeypa
     loss, grads = _step(model, kw, loss_fn)
     loss_plain, grads_plain = _step(plain, kw, loss_fn)
     assert torch.equal(loss, loss_plain)
-    for g, gp in zip(grads, grads_plain):  # the kernel sums in reader order, as autograd did here
-        assert torch.equal(g, gp)
+    for g, gp in zip(grads, grads_plain):  # a few fp32 roundings of the largest gradient apart
+        if gp is not None:
+            assert (g - gp).abs().max() <= 8 * torch.finfo(torch.float32).eps * gp.abs().max()
 
     def activation_casts(m) -> int:
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
@@ -344,7 +348,7 @@ def test_a_cast_back_that_one_autocast_matmul_alone_reads_is_dropped_and_changes
 
 def test_gpt2s_gelu_output_reaches_c_proj_uncast():
     """Under CUDA's autocast (CPU's made like it: its `pow` in fp32) GPT-2's fused GeLU writes bf16
-    (fp16 on CPU) for c_proj, no cast back to fp32 and down again, and the loss and gradients stay
+    for c_proj, no cast back to fp32 and down again, and the loss and gradients stay
     those of the model fused with the cast."""
     with cuda_like_autocast():
         _gpt2s_gelu_output_reaches_c_proj_uncast()

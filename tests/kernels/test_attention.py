@@ -1241,8 +1241,8 @@ def test_dropout_defaults_are_the_entries_that_do_not_spill(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------
-# The forward through tensor descriptors (TMA), TRIFUSE_ATTENTION_TMA=1: 16-bit only (fp16 here;
-# bf16 on the GPU), unit stride along head_dim and 16-byte aligned addresses and strides.
+# The forward through tensor descriptors (TMA), TRIFUSE_ATTENTION_TMA=1: 16-bit only (fp16 and
+# bf16), unit stride along head_dim and 16-byte aligned addresses and strides.
 # ---------------------------------------------------------------------------------------------
 
 TMA_CASES = [
