@@ -70,7 +70,7 @@ def providers() -> dict:
     return out
 
 
-AUTOCAST_DTYPE = torch.bfloat16 if H.on_gpu() else torch.float16  # (bf16 is wrong in the interpreter)
+AUTOCAST_DTYPE = torch.bfloat16
 READERS = 3
 
 

@@ -13,8 +13,13 @@ import triton.language as tl
 from torch.utils._device import DeviceContext
 
 from ..autotune.env import INTERPRET
+from ._interpreter import correct_bf16
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+# Under the interpreter, bf16 computed as on a GPU (kernels/_interpreter.py); where this Triton's
+# interpreter cannot be corrected, bf16 CPU tensors take the PyTorch path instead.
+INTERPRETER_BF16: bool = INTERPRET and correct_bf16()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -124,9 +129,12 @@ def next_power_of_2(n: int) -> int:
 
 
 def use_triton(t: torch.Tensor) -> bool:
-    """CUDA tensors run the Triton kernels; CPU tensors do too under TRITON_INTERPRET=1,
-    and otherwise fall back to the PyTorch reference, so models still run on CPU machines."""
-    return t.is_cuda or (INTERPRET and t.device.type == "cpu")
+    """CUDA tensors run the Triton kernels; CPU tensors do too under TRITON_INTERPRET=1 (bf16
+    ones where the interpreter computes bf16 right, kernels/_interpreter.py), and otherwise fall
+    back to the PyTorch reference, so models still run on CPU machines."""
+    if t.is_cuda:
+        return True
+    return INTERPRET and t.device.type == "cpu" and (t.dtype != torch.bfloat16 or INTERPRETER_BF16)
 
 
 def eager_fast_path(*tensors: torch.Tensor | None) -> bool:
