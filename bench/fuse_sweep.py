@@ -16,27 +16,29 @@ replace? A net for "never break a model" wider than the test suite's hand-config
         # models: two sequences with a small image each, as _image_text_inputs lays them out);
         # VIA: fuse (default), backend (torch.compile(model, backend="trifuse")) or hf-attention (the model
         # with attn_implementation="trifuse", unfused, on the sweep's batch and a packed one; causal-lm);
-        # DTYPE: float64 (default) or fp16-autocast (an fp32 model under CPU autocast to fp16, at
-        # fp16's tolerance); ATTN: sdpa (default) or eager (transformers' eager attention, the explicit
+        # DTYPE: float64 (default), fp16-autocast or bf16-autocast (an fp32 model under CPU autocast
+        # to fp16 / bf16, at that dtype's tolerance);
+        # ATTN: sdpa (default) or eager (transformers' eager attention, the explicit
         # chains, where a model has SDPA too); named types replace their rows; --jobs N runs N types at once
 
-Each type runs in its own process (memory-capped, timed out), in float64 (or fp32 under fp16
-autocast), one training step (dropout off) before and after fuse, then a second fused call.
+Each type runs in its own process (memory-capped, timed out), in float64 (or fp32 under fp16 or
+bf16 autocast), one training step (dropout off) before and after fuse, then a second fused call.
 Status per type:
     ok              loss within 1e-6 and every gradient within 1e-5 (relative to its largest
                     entry, or to 1e-10 of the model's largest where a gradient is numerically
                     zero) of the unfused model's; the models compute parts in fp32 themselves
                     (HF's norms upcast), so float64 agreement is at fp32's level, not better.
                     fp16-autocast: against a float64 copy, the fused loss and every gradient at
-                    most twice as far as the unfused ones, plus 1e-3 (TOLERANCES)
+                    most twice as far as the unfused ones, plus 1e-3 (bf16-autocast: 8e-3;
+                    TOLERANCES)
     MISMATCH        runs, but differs by more
     FUSED CRASH     the unfused model ran and the fused one raised: a trifuse bug
     refused         (--via hf-attention) a model trifuse/hf.py refuses with a clear error, by design
     Dynamo fails    (--via backend) torch.compile(backend="eager"), without trifuse, fails on it too
     config / build / unfused fails / too big / died: the tiny config does not suit the
                     architecture (a harness limit, not a verdict on trifuse)
-Writes bench/results/fuse_sweep[_<task>][_backend][_eager][_fp16-autocast].json and .md (no task
-suffix for causal-lm).
+Writes bench/results/fuse_sweep[_<task>][_backend][_eager][_fp16-autocast|_bf16-autocast].json and .md
+(no task suffix for causal-lm).
 """
 import inspect
 import json
@@ -156,7 +158,10 @@ MAX_PARAMS = 3_000_000
 # (q and k projections' gradients differ by ~8% of their largest entry in some models, for both
 # against float64); there the oracle rule judges: the fused model's error against a float64 copy
 # of the model at most twice the unfused model's own, plus the tolerance below as slack.
-TOLERANCES = {"float64": (1e-6, 1e-5, 1e-10), "fp16-autocast": (1e-3, 1e-3, 1e-2)}
+# bf16-autocast: the same rule, the slack 8x fp16's (bf16 keeps 3 bits fewer).
+TOLERANCES = {"float64": (1e-6, 1e-5, 1e-10), "fp16-autocast": (1e-3, 1e-3, 1e-2),
+              "bf16-autocast": (8e-3, 8e-3, 1e-2)}
+AUTOCAST_DTYPES = {"fp16-autocast": torch.float16, "bf16-autocast": torch.bfloat16}
 # A multiple-choice head scores each choice with one logit: a bias that shifts every choice's logit alike
 # is cancelled by the softmax over the choices, so its gradient is zero in exact arithmetic and holds
 # float64 rounding only, which the 1e-10 floor judges against 1e-15 of the largest gradient.
@@ -772,8 +777,9 @@ def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: s
         kwargs = _inputs(task, input_dtype)
     leaves = [p for p in model.parameters() if p.requires_grad]
     model.train()
-    # fp16-autocast: the model in fp32 under CPU autocast to fp16, as a user trains in mixed precision
-    autocast = torch.autocast("cpu", dtype=torch.float16, enabled=dtype == "fp16-autocast")
+    # fp16- / bf16-autocast: the model in fp32 under CPU autocast, as a user trains in mixed precision
+    autocast = torch.autocast("cpu", dtype=AUTOCAST_DTYPES.get(dtype, torch.float16),
+                              enabled=dtype in AUTOCAST_DTYPES)
     loss_tol, grad_tol, floor = TOLERANCES[dtype]
     try:
         with autocast:
