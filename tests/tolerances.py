@@ -13,8 +13,8 @@ implementation that must fail the same check (see `check_close`).
 import torch
 
 
-# bf16 everywhere: on CPU, the interpreter computes on bf16 values as a GPU does (tests/_device.py
-# corrects Triton's own, which computed on the raw bits).
+# bf16 everywhere: on CPU, the interpreter computes on bf16 values as a GPU does
+# (kernels/_interpreter.py corrects Triton's own, which computed on the raw bits).
 DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
 
 ERR_FACTOR = 2.0
