@@ -10,7 +10,8 @@ even. A bf16 kernel run there gave wrong answers, silently (seen with Triton 3.6
 round a bf16 result once to nearest even (toward zero for `fp_downcast_rounding="rtz"`), as a GPU
 does for one operation; `tl.dot` accumulates bf16 products in its accumulator's dtype, as tensor
 cores do. Loads, stores, `where`, reshapes and bitcasts keep the bits, as before; fp16, fp32 and
-every other dtype take Triton's own path untouched. trifuse calls it when kernels/ is imported
+every other dtype take Triton's own path untouched. Not corrected: bf16 atomics and scans
+(`tl.cumsum`), which no trifuse kernel uses. trifuse calls it when kernels/ is imported
 under the interpreter. Should a Triton's interpreter lack the internals it corrects, nothing is
 changed, it returns False, and trifuse's ops send bf16 CPU tensors to their PyTorch path
 (`_common.use_triton`) rather than run them wrong.
