@@ -148,7 +148,7 @@ cat "$LOGS/device.txt"
 
 for what in "$@"; do
     case $what in
-        tests)  # what only a GPU shows: bf16, native compilation on Triton 3.6, the gpu-marked tests.
+        tests)  # what only a GPU shows: bf16 compiled (CPU runs it interpreted), Triton 3.6 natively, gpu tests.
                 # Compiling the kernels takes most of it: 8 pytest-xdist workers (in the device
                 # image) compile on 8 of its 16 cores, one GPU shared (2026-11-27, second session:
                 # 410 bf16 tests in 82 s, 86 gpu tests in 70 s; on one process it was 8 and 52).
