@@ -36,10 +36,14 @@ def max_error(a: torch.Tensor, ref64: torch.Tensor) -> float:
 
 
 def check_close(
-    name: str, out: torch.Tensor, ref64: torch.Tensor, ref_lowp: torch.Tensor | None
+    name: str, out: torch.Tensor, ref64: torch.Tensor, ref_lowp: torch.Tensor | None,
+    compute_dtype: torch.dtype | None = None,
 ) -> tuple[bool, str]:
     """(passed, message) for the rule above. `ref_lowp` None means PyTorch has no low-precision
-    version of this computation: its error is then taken as the rounding of ref64 to out's dtype."""
+    version of this computation: its error is then taken as the rounding of ref64 to out's dtype.
+    `compute_dtype` names the narrowest dtype the output was computed from when that is narrower
+    than out's own (autocast's fp32 weight gradient of bf16 activations): the floor is that
+    dtype's, since out's precision then says nothing about the rounding upstream of it."""
     out = out.detach()
     ref64 = ref64.detach().to(torch.float64)
     if out.shape != ref64.shape:
@@ -59,12 +63,18 @@ def check_close(
     err = max_error(out, ref64)
     torch_err = max_error(ref_lowp, ref64)
     scale = max(1.0, ref64[~ref_nonfinite].abs().max().item() if (~ref_nonfinite).any() else 1.0)
-    bound = ERR_FACTOR * torch_err + FLOOR[out.dtype] * scale
+    floor_dtype = out.dtype
+    if compute_dtype is not None and FLOOR[compute_dtype] > FLOOR[out.dtype]:
+        floor_dtype = compute_dtype
+    bound = ERR_FACTOR * torch_err + FLOOR[floor_dtype] * scale
     ok = err <= bound
-    return ok, f"{name}: max error {err:.3e} {'<=' if ok else '>'} bound {bound:.3e} (PyTorch's own {torch_err:.3e}, {out.dtype})"
+    return ok, f"{name}: max error {err:.3e} {'<=' if ok else '>'} bound {bound:.3e} (PyTorch's own {torch_err:.3e}, {floor_dtype})"
 
 
-def assert_close(name: str, out: torch.Tensor, ref64: torch.Tensor, ref_lowp: torch.Tensor | None) -> None:
+def assert_close(
+    name: str, out: torch.Tensor, ref64: torch.Tensor, ref_lowp: torch.Tensor | None,
+    compute_dtype: torch.dtype | None = None,
+) -> None:
     """Fails the test unless `out` passes the rule above against `ref64`."""
-    ok, msg = check_close(name, out, ref64, ref_lowp)
+    ok, msg = check_close(name, out, ref64, ref_lowp, compute_dtype)
     assert ok, msg

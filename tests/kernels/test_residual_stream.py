@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from tolerances import DTYPES, assert_close, check_close
 
@@ -91,7 +91,8 @@ def check_fwd_bwd(inputs, norm="layer_norm", p=P, grads_out=None):
     glp = torch.autograd.grad((ylp, slp), [ilp[i] for _, i in live], (dy, ds))
     for (name, i), a, a64, alp in zip(live, g, g64, glp):
         assert a.dtype == inputs[i].dtype and a.shape == inputs[i].shape
-        assert_close(f"{norm} {name}", a, a64, alp)
+        # an fp32 weight's gradient sums products with the stored 16-bit s: its floor is s's dtype's
+        assert_close(f"{norm} {name}", a, a64, alp, compute_dtype=dtype)
     # The backward regenerated the forward's mask: dx is zero where the forward dropped (a kept
     # element's gradient may round to zero in 16 bits).
     assert (g[0][~mask] == 0).all()
@@ -401,6 +402,9 @@ def test_gradcheck_float64_with_dropout():
 
 
 @settings(max_examples=16, deadline=None)
+# CI's draw: bf16 activations, fp32 weights; dweight's floor is bf16's, not its own fp32's
+@example(m=9, n=9, norm="layer_norm", p=0.0, residual=True, x_bias=True, dtype=torch.bfloat16,
+         fp32_weights=True, offset=0.0, strided=False)
 @given(m=st.integers(0, 9), n=st.integers(1, 1100), norm=st.sampled_from(NORMS),
        p=st.sampled_from([0.0, 0.2, 0.8]), residual=st.booleans(), x_bias=st.booleans(),
        dtype=st.sampled_from(DTYPES), fp32_weights=st.booleans(), offset=st.sampled_from([0.0, 1e3]),
