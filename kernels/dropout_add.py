@@ -20,6 +20,15 @@ backward regenerates the mask from (seed, row, column). dresidual is dy itself (
 is reduced deterministically: fp32 partial rows, one per backward program, summed afterwards in
 a fixed order.
 
+Gated (`gate=`): y = residual + gate * dropout(x + bias), the end of a diffusion transformer's
+block (`h = h + gate_mlp[:, None] * ff_out`, Wan's `(h.float() + ff_out * gate).type_as(h)`) and
+a LayerScale (`x + gamma * f(x)`). The gate is one vector per sample, broadcast like adaLN's
+modulation (kernels/adaptive_norm.py): (B, 1, N), (B, N)[:, None] or (N,); it reaches the kernels
+as (G, N) rows in fp32, row r of x reading gate row r // (M / G). Backward: dz = keep ? dy / (1 -
+p) : 0;  dx = dz * gate;  dgate_g = sum over g's rows of dz * (x + bias);  dbias = sum of dx. The
+backward's programs each walk rows of one sample (G x splits x column tiles), so each partial row
+of dgate belongs to one sample: summed per sample afterwards, in a fixed order.
+
 Kernels: 2-D tiles of several rows x up to 1024 columns (kernels/_tiles.py), int64 row
 offsets, the launch configuration tuned per shape bucket (autotune/configs.py: rowwise_fwd,
 rowwise_bwd, with the backward's prefetch of the next row tile). The mask draws four decisions
@@ -52,7 +61,16 @@ from ._common import (
 )
 from ._launch import CachedKernel
 from ._random import dropout_keep_quads
-from ._tiles import RowwiseTuning, run_one_tile, run_summing, time_one_tile, time_summing
+from ._tiles import (
+    RowwiseTuning,
+    cdiv,
+    rowwise_launch,
+    run_one_tile,
+    run_summing,
+    time_one_tile,
+    time_summing,
+)
+from .adaptive_norm import _as_groups, _check_per_sample, _sample_dims
 
 # =============================================================================================
 # Reference: the spec. It takes the kernel's mask as an argument so tests can compare exactly.
@@ -67,13 +85,14 @@ def dropout_add_ref(
     bias: torch.Tensor | None = None,
     *,
     dropout_mask: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """residual + dropout(x + bias) in plain PyTorch, `dropout_mask` (bool, True = keep)
-    standing in for the kernel's random mask; no mask means no dropout."""
+    """residual + gate * dropout(x + bias) in plain PyTorch (no gate: 1), `dropout_mask` (bool,
+    True = keep) standing in for the kernel's random mask; no mask means no dropout."""
     z = x if bias is None else x + bias
     if training and dropout_mask is not None and p > 0.0:
         z = z * dropout_mask / (1.0 - p) if p < 1.0 else torch.zeros_like(z)
-    return residual + z
+    return residual + (z if gate is None else gate * z)
 
 
 # =============================================================================================
@@ -86,11 +105,12 @@ def _dropout_add_fwd_kernel(
     X,  # in (M, N)
     R,  # in (M, N) residual
     B,  # in (N,) bias; unused unless HAS_BIAS
+    G,  # in (M / rows_per_gate, N) gate rows, contiguous; unused unless HAS_GATE
     SEED,  # in (1,) int64 Philox seed; unused unless HAS_DROPOUT
     Y,  # out (M, N)
-    M, N, stride_xm, stride_rm, stride_ym, p, scale, col_tiles,
+    M, N, stride_xm, stride_rm, stride_ym, p, scale, rows_per_gate, col_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, ACC: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, ACC: tl.constexpr, HAS_GATE: tl.constexpr = False,
 ):
     # A 1-D grid over (row tile, column tile): no 65535 limit on a second grid axis.
     pid = tl.program_id(0)
@@ -104,6 +124,9 @@ def _dropout_add_fwd_kernel(
     if HAS_DROPOUT:
         keep = dropout_keep_quads(tl.load(SEED), rows[:, None], cols[None, :], p)
         z = tl.where(keep, z * scale, 0.0)
+    if HAS_GATE:
+        g_rows = tl.minimum(rows, M - 1) // rows_per_gate  # rows past M read a real gate row
+        z *= tl.load(G + g_rows[:, None] * N + cols[None, :], mask=mask, other=0.0).to(ACC)
     y = tl.load(R + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0).to(ACC) + z
     tl.store(Y + rows[:, None] * stride_ym + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
@@ -150,6 +173,56 @@ def _dropout_add_bwd_kernel(
         tl.store(DB_PARTIAL + group.to(tl.int64) * N + cols, tl.sum(acc, axis=0), mask=col_mask)
 
 
+@triton.jit
+def _gated_dropout_add_bwd_kernel(
+    DY,  # in (M, N)
+    X,  # in (M, N); unused unless NEED_DGATE
+    B,  # in (N,) bias; unused unless NEED_DGATE and HAS_BIAS
+    G,  # in (M / R, N) gate rows, contiguous
+    SEED,  # in (1,) int64 Philox seed (zero without HAS_DROPOUT)
+    DX,  # out (M, N); unused unless NEED_DX
+    DG_PARTIAL,  # out (M / R * splits, N) fp32: a program's share of its sample's dgate; unused unless NEED_DGATE
+    DB_PARTIAL,  # out (M / R * splits, N) fp32: a program's share of dbias; unused unless HAS_BIAS
+    R, N, stride_dym, stride_xm, stride_dxm, p, scale, rows_per_program, splits, col_tiles,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    NEED_DX: tl.constexpr, NEED_DGATE: tl.constexpr, ACC: tl.constexpr, PREFETCH: tl.constexpr = False,
+):
+    # program -> (sample, split of its R rows, column tile): no program's rows cross a sample
+    pid = tl.program_id(0)
+    cols = (pid % col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    part = (pid // col_tiles).to(tl.int64)  # sample * splits + split: the partial row written
+    sample = part // splits
+    g = tl.load(G + sample * N + cols, mask=col_mask, other=0.0).to(ACC)
+    if NEED_DGATE and HAS_BIAS:
+        b = tl.load(B + cols, mask=col_mask, other=0.0).to(ACC)
+    seed = tl.load(SEED)  # a zero when not HAS_DROPOUT (the launcher passes one)
+    row_start = sample * R + (part % splits) * rows_per_program  # int64: rows * stride may pass 2^31
+    row_end = tl.minimum(row_start + rows_per_program, sample * R + R)
+    acc_b = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+    for start in range(row_start, row_end, BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        mask = (rows < row_end)[:, None] & col_mask[None, :]
+        dz = tl.load(DY + rows[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0).to(ACC)
+        if HAS_DROPOUT:
+            dz = tl.where(dropout_keep_quads(seed, rows[:, None], cols[None, :], p), dz * scale, 0.0)
+        dx = dz * g[None, :]
+        if NEED_DX:
+            tl.store(DX + rows[:, None] * stride_dxm + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        if HAS_BIAS:
+            acc_b += dx
+        if NEED_DGATE:
+            z = tl.load(X + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(ACC)
+            if HAS_BIAS:
+                z += b[None, :]
+            acc_g += dz * z  # dz is 0 on masked-off elements: the bias added there counts nothing
+    if HAS_BIAS:
+        tl.store(DB_PARTIAL + part * N + cols, tl.sum(acc_b, axis=0), mask=col_mask)
+    if NEED_DGATE:
+        tl.store(DG_PARTIAL + part * N + cols, tl.sum(acc_g, axis=0), mask=col_mask)
+
+
 # =============================================================================================
 # Launchers: check nothing, allocate the outputs, launch. Tensors in, tensors out.
 # =============================================================================================
@@ -170,13 +243,15 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
 # Thin launch path: Triton's own costs ~60 µs of host time per launch (_launch.py).
 _dropout_add_fwd = CachedKernel(_dropout_add_fwd_kernel)
 _dropout_add_bwd = CachedKernel(_dropout_add_bwd_kernel)
+_gated_dropout_add_bwd = CachedKernel(_gated_dropout_add_bwd_kernel)
 
 
 # Launch configurations: tuned per (device, dtype, width, rows bucket, variant) by trifuse's
 # tuner over autotune/configs.py's row-wise spaces (kernels/_tiles.py). The dtype is y's (dy's
 # in the backward); "x" ("dx") is x's (dx's), which may be narrower.
-_FWD_TUNING = RowwiseTuning("dropout_add_fwd", ("x", "bias", "dropout"), summing=False)
+_FWD_TUNING = RowwiseTuning("dropout_add_fwd", ("x", "bias", "dropout", "gate"), summing=False)
 _BWD_TUNING = RowwiseTuning("dropout_add_bwd", ("dx", "bias"), summing=True)
+_GATED_BWD_TUNING = RowwiseTuning("gated_dropout_add_bwd", ("dx", "bias", "dropout", "dgate"), summing=True)
 
 
 def dropout_add_fwd(
@@ -185,12 +260,15 @@ def dropout_add_fwd(
     bias: torch.Tensor | None,
     p: float,
     seed: torch.Tensor | None,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y = residual + dropout(x + bias), contiguous, shaped like x, in the promoted dtype of x
-    and residual. `seed` (an int64 (1,) tensor) is read only when p > 0."""
+    """y = residual + gate * dropout(x + bias), contiguous, shaped like x, in the promoted dtype
+    of x and residual. `seed` (an int64 (1,) tensor) is read only when p > 0. `gate`: None, or
+    (G, N) contiguous in fp32 (fp64 for fp64), G dividing x's rows: row r reads gate row
+    r // (rows / G)."""
     dtype = torch.promote_types(x.dtype, residual.dtype)
     if x.numel() and not use_triton(x):
-        return _dropout_add_torch(x, residual, bias, p, seed, dtype)
+        return _dropout_add_torch(x, residual, bias, p, seed, dtype, gate)
     n = _width(x)
     y = empty_like(x, dtype)
     if y.numel() == 0:
@@ -199,14 +277,86 @@ def dropout_add_fwd(
     (x2, stride_x), (r2, stride_r) = as_rows(x, n), as_rows(residual, n)
     bias = None if bias is None else bias.contiguous()  # the kernel indexes it as a vector
     m = x.numel() // n
-    args = (x2, r2, bias if bias is not None else x2, seed if p > 0.0 else x2, y,
-            m, n, stride_x, stride_r, n, p, _dropout_scale(p))
-    constexprs = dict(HAS_BIAS=bias is not None, HAS_DROPOUT=p > 0.0, ACC=acc_dtype(y.dtype))
-    device, variant = x.get_device() if x.is_cuda else -1, (x.dtype, bias is not None, p > 0.0)
+    args = (x2, r2, bias if bias is not None else x2, x2 if gate is None else gate,
+            seed if p > 0.0 else x2, y, m, n, stride_x, stride_r, n, p, _dropout_scale(p),
+            1 if gate is None else m // gate.shape[0])
+    constexprs = dict(HAS_BIAS=bias is not None, HAS_DROPOUT=p > 0.0, ACC=acc_dtype(y.dtype),
+                      HAS_GATE=gate is not None)
+    device = x.get_device() if x.is_cuda else -1
+    variant = (x.dtype, bias is not None, p > 0.0, gate is not None)
     launch = _FWD_TUNING.launch(device, dtype, m, n, 0, False, variant, constexprs,
                                 time_one_tile, _dropout_add_fwd, m, n, constexprs, args)
     run_one_tile(_dropout_add_fwd, launch, args)
     return y
+
+
+def _run_gated_bwd(launch, samples: int, head: tuple, tail: tuple, n: int, acc: torch.dtype,
+                   need_dgate: bool, has_bias: bool, device: torch.device):
+    """Launches the gated backward with `launch` (planned over one sample's rows) for every
+    sample; returns its (dgate, dbias) partial rows, (samples x splits, n) in `acc`, or None."""
+    plan = launch.plan
+    rows = samples * plan.groups
+    dg = torch.empty((rows, n), dtype=acc, device=device) if need_dgate else None
+    db = torch.empty((rows, n), dtype=acc, device=device) if has_bias else None
+    unused = head[0]
+    _gated_dropout_add_bwd.run((samples * plan.programs,),
+                               (*head, unused if dg is None else dg, unused if db is None else db, *tail,
+                                plan.rows_per_group, plan.groups, plan.col_tiles), launch.meta)
+    return dg, db
+
+
+def _time_gated_bwd(cfg, r: int, n: int, sms: int, constexprs: dict, samples: int, head: tuple, tail: tuple,
+                    acc: torch.dtype, need_dgate: bool, has_bias: bool, device: torch.device) -> None:
+    """One launch with `cfg` (what the tuner times)."""
+    launch = rowwise_launch(cfg, r, n, sms, True, constexprs)
+    _run_gated_bwd(launch, samples, head, tail, n, acc, need_dgate, has_bias, device)
+
+
+def gated_dropout_add_bwd(
+    dy: torch.Tensor, x: torch.Tensor | None, bias: torch.Tensor | None, gate: torch.Tensor, seed: torch.Tensor,
+    p: float, needs: tuple[bool, bool, bool], dx_dtype: torch.dtype,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(dx in dx_dtype, dbias (N,), dgate (G, N)) of the gated forward, as `needs` (dx, dbias,
+    dgate) asks, None where not; the sums in fp32 (fp64 for fp64), each per-sample one over that
+    sample's rows in a fixed order. `seed` is read only when p > 0, x only for dgate."""
+    if dy.numel() and not use_triton(dy):
+        return _gated_dropout_add_bwd_torch(dy, x, bias, gate, seed, p, needs, dx_dtype)
+    n, samples = _width(dy), gate.shape[0]
+    acc = _acc(dy.dtype)
+    need_dx, has_bias, need_dgate = needs[0], needs[1] and bias is not None, needs[2]
+    dx = empty_like(dy, dx_dtype) if need_dx else None
+    if dy.numel() == 0:
+        zeros = torch.zeros((samples, n), dtype=acc, device=dy.device)
+        return dx, zeros[0] if has_bias else None, zeros if need_dgate else None
+    (dy2, stride_dy), (x2, stride_x) = as_rows(dy, n), as_rows(x, n) if need_dgate else (dy, n)
+    m = dy.numel() // n
+    r = m // samples
+    head = (dy2, x2, bias.contiguous() if has_bias and need_dgate else dy2, gate,
+            seed if p > 0.0 else _zero_seed(dy.device), dy2 if dx is None else dx)
+    tail = (r, n, stride_dy, stride_x, n, p, _dropout_scale(p))
+    constexprs = dict(HAS_BIAS=has_bias, HAS_DROPOUT=p > 0.0, NEED_DX=need_dx, NEED_DGATE=need_dgate,
+                      ACC=acc_dtype(dy.dtype))
+    # planned as one sample's rows on its share of the SMs: samples x splits programs fill them once
+    sms = max(cdiv(device_sms(dy), samples), 1)
+    device = dy.get_device() if dy.is_cuda else -1
+    variant = (dx_dtype if need_dx else None, has_bias, p > 0.0, need_dgate)
+    launch = _GATED_BWD_TUNING.launch(device, dy.dtype, r, n, sms, True, variant, constexprs, _time_gated_bwd,
+                                      r, n, sms, constexprs, samples, head, tail, acc, need_dgate, has_bias,
+                                      dy.device)
+    dg, db = _run_gated_bwd(launch, samples, head, tail, n, acc, need_dgate, has_bias, dy.device)
+    return (dx, None if db is None else db.sum(dim=0),
+            None if dg is None else dg.view(samples, -1, n).sum(dim=1))
+
+
+_ZERO_SEEDS: dict[torch.device, torch.Tensor] = {}
+
+
+def _zero_seed(device: torch.device) -> torch.Tensor:
+    """A (1,) int64 zero on `device`, made once: the seed a kernel loads without dropout."""
+    seed = _ZERO_SEEDS.get(device)
+    if seed is None:
+        seed = _ZERO_SEEDS[device] = torch.zeros(1, dtype=torch.int64, device=device)
+    return seed
 
 
 def dropout_add_bwd(
@@ -257,12 +407,31 @@ def _torch_keep_mask(seed: torch.Tensor, shape: torch.Size, p: float) -> torch.T
     return torch.rand(shape, generator=gen, device=gen.device) >= p
 
 
-def _dropout_add_torch(x, residual, bias, p, seed, dtype):
+def _dropout_add_torch(x, residual, bias, p, seed, dtype, gate=None):
     acc = _acc(dtype)
     z = x.to(acc) if bias is None else x.to(acc) + bias.to(acc)
     if p > 0.0:
         z = torch.where(_torch_keep_mask(seed, z.shape, p).to(z.device), z * _dropout_scale(p), 0.0)
+    if gate is not None:
+        n = _width(x)
+        z = (z.reshape(gate.shape[0], -1, n) * gate.to(acc)[:, None]).reshape(z.shape)
     return (residual.to(acc) + z).to(dtype).contiguous()
+
+
+def _gated_dropout_add_bwd_torch(dy, x, bias, gate, seed, p, needs, dx_dtype):
+    n, samples = _width(dy), gate.shape[0]
+    acc = _acc(dy.dtype)
+    dz = dy.to(acc)
+    if p > 0.0:
+        dz = torch.where(_torch_keep_mask(seed, dy.shape, p).to(dy.device), dz * _dropout_scale(p), 0.0)
+    dz = dz.reshape(samples, -1, n)
+    dx = dz * gate.to(acc)[:, None]
+    dgate = None
+    if needs[2]:
+        z = x.to(acc) if bias is None else x.to(acc) + bias.to(acc)
+        dgate = (dz * z.reshape(samples, -1, n)).sum(dim=1)
+    dbias = dx.sum(dim=(0, 1)) if needs[1] and bias is not None else None
+    return (dx.reshape(dy.shape).to(dx_dtype) if needs[0] else None), dbias, dgate
 
 
 def _dropout_add_bwd_torch(dy, seed, p, has_bias):
@@ -290,6 +459,27 @@ def _check_inputs(x: object, residual: object, p: object, bias: object) -> None:
         check_shape(op, "bias", bias, (_width(x),))
     check_same_device(op, "input", x, residual=residual, bias=bias)
     check_probability(op, "p", p)
+
+
+def _check_gate(x: torch.Tensor, residual: torch.Tensor, gate: object) -> None:
+    """The gate one vector per sample of x (as adaLN's modulation), no wider than the fp32 (fp64)
+    the product and the sum are computed in."""
+    op = "dropout_add"
+    check_tensor(op, "gate", gate)
+    check_float(op, "gate", gate)
+    _check_per_sample(op, "gate", gate, x, _width(x))
+    acc = _acc(torch.promote_types(x.dtype, residual.dtype))
+    if torch.promote_types(acc, gate.dtype) != acc:
+        raise ValueError(f"trifuse.{op}: gate ({gate.dtype}) must be no wider than {acc}, the dtype the product "
+                         "and the sum are computed in")
+    check_same_device(op, "input", x, gate=gate)
+
+
+def _gate_rows(gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The (checked) gate as (G, N) rows in fp32 (fp64 for fp64), contiguous, G the samples it
+    follows: differentiable PyTorch ops on the small vector (a view where it already is one)."""
+    n, k = _width(x), _sample_dims(gate, x)
+    return _as_groups(gate, x, n, k, _acc(torch.promote_types(x.dtype, gate.dtype))).contiguous()
 
 
 # =============================================================================================
@@ -421,6 +611,138 @@ class _DropoutAddFunction(torch.autograd.Function):
         return dx, dres, dbias, None
 
 
+# ---------------------------------------------------------------------------------------------
+# The gated form: y = residual + gate * dropout(x + bias), gate as (G, N) rows (`_gate_rows`)
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_gate_rows(x: torch.Tensor, gate: torch.Tensor) -> None:
+    """What the gated ops take (made by `_gate_rows`): (G, N) rows, G dividing x's rows."""
+    n = _width(x)
+    rows = x.numel() // n if n else 0
+    if gate.dim() != 2 or gate.shape[1] != n or gate.shape[0] < 1 or (rows and rows % gate.shape[0]):
+        raise ValueError(f"trifuse.dropout_add: gate rows must be (G, {n}) with G dividing the input's {rows} "
+                         f"rows; got {list(gate.shape)}")
+
+
+@torch.library.custom_op("trifuse::gated_dropout_add", mutates_args=())
+def _gated_dropout_add_op(x: Tensor, residual: Tensor, gate: Tensor, p: float,
+                          bias: OptTensor) -> tuple[Tensor, Tensor]:
+    _check_inputs(x, residual, p, bias)
+    _check_gate_rows(x, gate)
+    seed = philox_seed(x.device) if p > 0.0 else torch.zeros(1, dtype=torch.int64, device=x.device)
+    return dropout_add_fwd(x, residual, bias, p, seed, gate), seed
+
+
+@torch.library.custom_op("trifuse::gated_dropout_add_backward", mutates_args=())
+def _gated_dropout_add_backward_op(dy: Tensor, x: OptTensor, bias: OptTensor, gate: Tensor, seed: Tensor, p: float,
+                                   need_dx: bool, need_dbias: bool, need_dgate: bool,
+                                   dx_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dbias, dgate); each one not asked for (or dbias without a bias) is empty."""
+    dx, dbias, dgate = gated_dropout_add_bwd(dy, x, bias, gate, seed, p, (need_dx, need_dbias, need_dgate),
+                                             dx_dtype)
+    acc = _acc(dy.dtype)
+    return (dy.new_empty(0, dtype=dx_dtype) if dx is None else dx,
+            dy.new_empty(0, dtype=acc) if dbias is None else dbias,
+            dy.new_empty(0, dtype=acc) if dgate is None else dgate)
+
+
+@_gated_dropout_add_op.register_fake
+def _(x, residual, gate, p, bias):
+    _check_inputs(x, residual, p, bias)
+    _check_gate_rows(x, gate)
+    y = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype))
+    return y, x.new_empty(1, dtype=torch.int64)
+
+
+@_gated_dropout_add_backward_op.register_fake
+def _(dy, x, bias, gate, seed, p, need_dx, need_dbias, need_dgate, dx_dtype):
+    acc = _acc(dy.dtype)
+    return (dy.new_empty(dy.shape if need_dx else (0,), dtype=dx_dtype),
+            dy.new_empty((_width(dy),) if need_dbias and bias is not None else (0,), dtype=acc),
+            dy.new_empty(tuple(gate.shape) if need_dgate else (0,), dtype=acc))
+
+
+def _gated_grads(ctx, dx, dbias, dgate, dy):
+    """(dx, dresidual, dgate rows, dbias) in their inputs' dtypes; dresidual is dy itself."""
+    return (None if dx is None else cast(dx, ctx.x_dtype), cast(dy, ctx.residual_dtype), dgate,
+            None if dbias is None else cast(dbias, ctx.bias_dtype))
+
+
+def _gated_twice(ctx, dy):
+    """The gated backward in PyTorch ops, differentiable again (create_graph=True); the mask as
+    _DropoutMask. Returns (dx, dresidual, dgate rows, dbias)."""
+    x, bias, gate, seed = ctx.saved_tensors
+    needs = ctx.needs_input_grad  # (x, residual, gate, bias)
+    samples, n = gate.shape
+    dz = dy.to(gate.dtype) if ctx.p == 0.0 else _DropoutMask.apply(dy, seed, ctx.p, gate.dtype)
+    dz = dz.reshape(samples, -1, n)
+    dx = dz * gate[:, None]
+    dgate = None
+    if needs[2]:
+        z = x.to(gate.dtype) if bias is None else x.to(gate.dtype) + bias.to(gate.dtype)
+        dgate = (dz * z.reshape(samples, -1, n)).sum(dim=1)
+    dbias = dx.sum(dim=(0, 1)) if bias is not None and needs[3] else None
+    return _gated_grads(ctx, dx.reshape(dy.shape) if needs[0] else None, dbias, dgate, dy)
+
+
+def _gated_save(ctx, x, residual, gate, bias, seed, p) -> None:
+    """x is kept only for dgate (as PyTorch's product keeps it): without a gate that wants a
+    gradient the backward reads dy alone."""
+    ctx.save_for_backward(x if ctx.needs_input_grad[2] else None, bias, gate, seed)
+    ctx.p = p
+    _save_dtypes(ctx, x, residual, bias)
+
+
+def _gated_kernel_grads(ctx, dy, needs):
+    """The backward kernels' (dx, dresidual, dgate rows, dbias), needs as (x, residual, gate, bias)."""
+    x, bias, gate, seed = ctx.saved_tensors
+    dx, dbias, dgate = gated_dropout_add_bwd(dy, x, bias, gate, seed, ctx.p,
+                                             (needs[0], needs[3] and bias is not None, needs[2]), ctx.x_dtype)
+    return _gated_grads(ctx, dx, dbias, dgate, dy)
+
+
+def _gated_setup(ctx, inputs, output):
+    x, residual, gate, p, bias = inputs
+    _gated_save(ctx, x, residual, gate, bias, output[1], p)
+
+
+def _gated_registered_twice(ctx, dy, _):
+    needs = ctx.needs_input_grad  # (x, residual, gate, p, bias)
+    view = ctx_as(ctx, (needs[0], needs[1], needs[2], needs[4]), p=ctx.p, x_dtype=ctx.x_dtype,
+                  residual_dtype=ctx.residual_dtype, bias_dtype=ctx.bias_dtype)
+    dx, dres, dgate, dbias = _gated_twice(view, dy)
+    return dx, dres, dgate, None, dbias
+
+
+@single_backward(twice=_gated_registered_twice, op="dropout_add")
+def _gated_backward(ctx, dy, _):
+    x, bias, gate, seed = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    dx, dbias, dgate = torch.ops.trifuse.gated_dropout_add_backward(
+        dy, x, bias, gate, seed, ctx.p, needs[0], needs[4] and bias is not None, needs[2], ctx.x_dtype)
+    dx, dres, dgate, dbias = _gated_grads(ctx, dx if needs[0] else None, dbias if needs[4] and bias is not None
+                                          else None, dgate if needs[2] else None, dy)
+    return dx, dres, dgate, None, dbias
+
+
+torch.library.register_autograd("trifuse::gated_dropout_add", _gated_backward, setup_context=_gated_setup)
+
+
+class _GatedDropoutAddFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, gate, bias, p):
+        seed = philox_seed(x.device) if p > 0.0 else None
+        _gated_save(ctx, x, residual, gate, bias, seed, p)
+        return dropout_add_fwd(x, residual, bias, p, seed, gate)
+
+    @staticmethod
+    @single_backward(twice=lambda ctx, dy: (*_gated_twice(ctx, dy), None))
+    def backward(ctx, dy):
+        with profiled("trifuse::gated_dropout_add_backward"):
+            return (*_gated_kernel_grads(ctx, dy, ctx.needs_input_grad), None)
+
+
 # =============================================================================================
 # Public API
 # =============================================================================================
@@ -433,9 +755,11 @@ def dropout_add(
     p: float,
     training: bool = True,
     bias: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """residual + dropout(x + bias, p) in one pass each way, like
-    `residual + F.dropout(x + bias, p, training)`.
+    `residual + F.dropout(x + bias, p, training)`; with a gate, residual + gate * dropout(x +
+    bias), as a diffusion transformer's block ends (`h + gate_mlp[:, None] * ff_out`).
 
     Args:
         x: (..., N), fp16 / bf16 / fp32 / fp64; any strides.
@@ -443,6 +767,12 @@ def dropout_add(
         p: drop probability in [0, 1]; kept values are scaled by 1 / (1 - p).
         training: False (or p = 0) makes it a plain add, drawing no random numbers.
         bias: (N,) or None, added to x before dropout (the bias of the linear producing x).
+        gate: None, or one vector per sample broadcast against x over a leading prefix of its
+            dims, 1 over the rest ((B, 1, N) or (B, N)[:, None] against (B, S, N); (N,) for a
+            LayerScale; last dim N or 1), no wider than fp32 (fp64 for fp64): the product and the
+            sum are computed in fp32 and rounded once to y's dtype, as Wan writes
+            `(h.float() + ff_out * gate).type_as(h)`. Its gradient is summed per sample in a
+            fixed order.
 
     Returns:
         y, contiguous, shaped like x, in the promoted dtype of x and residual. The mask comes
@@ -456,6 +786,13 @@ def dropout_add(
     """
     _check_inputs(x, residual, p, bias)
     p = float(p) if training else 0.0
+    if gate is not None:
+        _check_gate(x, residual, gate)
+        rows = _gate_rows(gate, x)
+        if eager_fast_path(x, residual, rows, bias):
+            with profiled("trifuse::gated_dropout_add"):
+                return apply_function(_GatedDropoutAddFunction, x, residual, rows, bias, p)
+        return torch.ops.trifuse.gated_dropout_add(x, residual, rows, p, bias)[0]
     if eager_fast_path(x, residual, bias):
         with profiled("trifuse::dropout_add"):
             return apply_function(_DropoutAddFunction, x, residual, bias, p)

@@ -10,14 +10,13 @@ import math
 import numpy as np
 import pytest
 import torch
+import trifuse
 import triton
 import triton.language as tl
+from _device import DEVICE
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tolerances import DTYPES, assert_close, check_close
-
-from _device import DEVICE
-import trifuse
 from trifuse.kernels import dropout_add as da_mod
 from trifuse.kernels._random import dropout_keep_quads
 from trifuse.kernels.dropout_add import dropout_add_ref
@@ -413,3 +412,224 @@ def test_reference_path_without_interpreter_matches(monkeypatch):
     monkeypatch.setattr(da_mod, "use_triton", lambda t: False)
     for bias in (True, False):
         check_fwd_bwd(*make((40, 37), torch.float32, bias))
+
+
+# ---------------------------------------------------------------------------------------------
+# The gated form: y = residual + gate * dropout(x + bias), gate one vector per sample
+# ---------------------------------------------------------------------------------------------
+
+# (x's shape, the gate's): DiT's (B, 1, N); a chunk of a modulation, (B, N)[:, None] with a row
+# stride of 6N; a scalar per sample; a LayerScale's (N,); one vector shared by every sample; 4-D
+# video latents with the gate per (B, T); samples of one row each
+GATE_CASES = [
+    ((3, 5, 37), (3, 1, 37)),
+    ((2, 7, 40), "chunk"),
+    ((3, 4, 17), (3, 1, 1)),
+    ((6, 129), (129,)),
+    ((2, 3, 50), (1, 1, 50)),
+    ((2, 3, 4, 24), (2, 3, 1, 24)),
+    ((5, 1, 33), (5, 1, 33)),
+    ((0, 4, 16), (0, 1, 16)),
+]
+
+
+def _gate_id(case):
+    return f"{_ids(case[0])}-{case[1] if isinstance(case[1], str) else _ids(case[1])}"
+
+
+def make_gate(x_shape, gate_shape, dtype):
+    """A gate with |gate| >= 0.5 (so a kept element still moves y off the residual)."""
+    if gate_shape == "chunk":
+        table = torch.randn(x_shape[0], 6 * x_shape[-1], device=DEVICE, dtype=dtype)
+        g = table.chunk(6, dim=1)[2][:, None]
+        assert not g.is_contiguous()
+    else:
+        g = torch.randn(gate_shape, device=DEVICE, dtype=dtype)
+    g = torch.where(g.abs() < 0.5, torch.sign(g) * 0.5 + (g == 0), g)
+    return g.detach().requires_grad_()
+
+
+def check_gated(x, r, b, gate, p=P, dy=None):
+    """y and every gradient, dgate's per-sample sums included, against float64 given the kernel's
+    mask; returns (y, grads)."""
+    y = trifuse.ops.dropout_add(x, r, p, bias=b, gate=gate)
+    assert y.shape == x.shape and y.dtype == torch.promote_types(x.dtype, r.dtype)
+    mask = recover_mask(y, r) if p > 0 else None
+    x64, r64, b64, g64 = upcast(x, r, b, gate)
+    xl, rl, bl, gl = lowp(x, r, b, gate)
+    y64 = dropout_add_ref(x64, r64, p, bias=b64, dropout_mask=mask, gate=g64)
+    ylp = dropout_add_ref(xl, rl, p, bias=bl, dropout_mask=mask, gate=gl).to(y.dtype)
+    assert_close("y", y, y64, ylp)
+    if x.numel() == 0:
+        return y, None
+    dy = torch.randn_like(y) if dy is None else dy
+    inputs = [t for t in (x, r, b, gate) if t is not None]
+    g = torch.autograd.grad(y, inputs, dy)
+    g64 = torch.autograd.grad(y64, [t for t in (x64, r64, b64, g64) if t is not None], dy.double())
+    glp = torch.autograd.grad(ylp, [t for t in (xl, rl, bl, gl) if t is not None], dy)
+    names = [n for n, t in zip(("dx", "dresidual", "dbias", "dgate"), (x, r, b, gate)) if t is not None]
+    for name, a, a64, alp, t in zip(names, g, g64, glp, inputs):
+        assert a.dtype == t.dtype and a.shape == t.shape, name
+        assert_close(name, a, a64, alp, compute_dtype=x.dtype)
+    if mask is not None:  # the backward regenerated the forward's mask
+        assert torch.equal(g[0] != 0, mask & (dy != 0))
+    return y, g
+
+
+@pytest.mark.parametrize("p", [0.0, P])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("case", GATE_CASES, ids=_gate_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gated_matches_float64_oracle(dtype, case, bias, p):
+    x, r, b = make(case[0], dtype, bias)
+    check_gated(x, r, b, make_gate(case[0], case[1], dtype), p)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_gated_fp32_gate_beside_a_16_bit_stream(dtype):
+    """Wan's `(h.float() + ff_out * gate).type_as(h)`: the fp32 gate's product and the sum in fp32,
+    y rounded once to the stream's dtype; dgate in fp32."""
+    x, r, _ = make((2, 9, 48), dtype, False)
+    gate = make_gate((2, 9, 48), (2, 1, 48), torch.float32)
+    y, _ = check_gated(x, r, None, gate, 0.0)
+    want = (r.detach().float() + x.detach().float() * gate.detach()).to(dtype)
+    assert torch.equal(y, want)
+
+
+def test_gated_mixed_residual_promotes_like_pytorch():
+    x, r, b = make((2, 6, 40), torch.float16, residual_dtype=torch.float32)
+    check_gated(x, r, b, make_gate((2, 6, 40), (2, 1, 40), torch.float16))
+
+
+def test_gated_many_rows_per_sample_split_over_several_programs(monkeypatch):
+    """A sample's rows over several backward programs, each with its own partial rows: dgate and
+    dbias add every row once (the splits follow the SMs: 64 here)."""
+    monkeypatch.setattr(da_mod, "device_sms", lambda t: 64)
+    monkeypatch.setattr(da_mod._GATED_BWD_TUNING, "launches", {})
+    x, r, b = make((3, 300, 48), torch.float32)
+    check_gated(x, r, b, make_gate((3, 300, 48), (3, 1, 48), torch.float32))
+    launch = next(iter(da_mod._GATED_BWD_TUNING.launches.values()))
+    assert launch.plan.groups > 1  # splits per sample
+
+
+def test_gated_gradients_are_deterministic():
+    x, r, b = make((4, 150, 130), torch.float32)
+    gate = make_gate((4, 150, 130), (4, 1, 130), torch.float32)
+    dy = torch.randn(4, 150, 130, device=DEVICE)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        runs.append(torch.autograd.grad(trifuse.ops.dropout_add(x, r, P, bias=b, gate=gate), (x, r, b, gate), dy))
+    for a, a_ in zip(*runs):
+        assert torch.equal(a, a_)
+
+
+@pytest.mark.parametrize("p", [0.0, P])
+def test_gated_eager_path_and_registered_op_are_bitwise_equal(p):
+    x, r, b = make((3, 13, 70), torch.float32)
+    gate = make_gate((3, 13, 70), (3, 1, 70), torch.float32)
+    rows = da_mod._gate_rows(gate, x)
+    torch.manual_seed(11)
+    eager = trifuse.ops.dropout_add(x, r, p, bias=b, gate=gate)
+    torch.manual_seed(11)
+    op = torch.ops.trifuse.gated_dropout_add(x, r, rows, p, b)[0]
+    assert torch.equal(eager, op)
+    dy = torch.randn_like(eager)
+    for a, a_ in zip(torch.autograd.grad(eager, (x, r, b, gate), dy), torch.autograd.grad(op, (x, r, b, gate), dy)):
+        assert torch.equal(a, a_)
+
+
+@pytest.mark.parametrize("p", [0.0, P])
+def test_gated_compiles_fullgraph_without_graph_breaks(p):
+    x, r, b = make((2, 4, 48), torch.float32)
+    gate = make_gate((2, 4, 48), (2, 1, 48), torch.float32)
+    fn = torch.compile(lambda x, r, b, g: trifuse.ops.dropout_add(x, r, p, bias=b, gate=g), fullgraph=True,
+                       backend="aot_eager")
+    torch.manual_seed(5)
+    out = fn(x, r, b, gate)
+    torch.manual_seed(5)
+    ref = trifuse.ops.dropout_add(x, r, p, bias=b, gate=gate)
+    assert torch.equal(out, ref)
+    for a, a_ in zip(torch.autograd.grad(out, (x, r, b, gate), torch.ones_like(out)),
+                     torch.autograd.grad(ref, (x, r, b, gate), torch.ones_like(ref))):
+        assert torch.equal(a, a_)
+
+
+def test_gated_opcheck_every_op():
+    x = torch.randn(2, 3, 16, device=DEVICE, requires_grad=True)
+    r = torch.randn(2, 3, 16, device=DEVICE, requires_grad=True)
+    b = torch.randn(16, device=DEVICE, requires_grad=True)
+    rows = torch.randn(2, 16, device=DEVICE, requires_grad=True)
+    torch.library.opcheck(torch.ops.trifuse.gated_dropout_add.default, (x, r, rows, 0.0, b))
+    torch.library.opcheck(torch.ops.trifuse.gated_dropout_add.default, (x, r, rows, P, None))
+    seed = torch.tensor([123], dtype=torch.int64, device=DEVICE)
+    torch.library.opcheck(torch.ops.trifuse.gated_dropout_add_backward.default,
+                          (x.detach(), x.detach(), b.detach(), rows.detach(), seed, P, True, True, True, x.dtype))
+    torch.library.opcheck(torch.ops.trifuse.gated_dropout_add_backward.default,
+                          (x.detach(), x.detach(), None, rows.detach(), seed, 0.0, False, False, True, x.dtype))
+
+
+def test_gated_gradcheck_float64_twice_differentiable():
+    """Seeded, the op is a deterministic function: gradcheck it, and gradgradcheck (a gradient
+    penalty's create_graph=True runs the backward in PyTorch ops)."""
+    x, r, b = (torch.randn(s, device=DEVICE, dtype=torch.float64, requires_grad=True)
+               for s in ((2, 3, 6), (2, 3, 6), (6,)))
+    gate = torch.randn(2, 1, 6, device=DEVICE, dtype=torch.float64, requires_grad=True)
+
+    def seeded(x, r, b, gate):
+        torch.manual_seed(0)
+        return trifuse.ops.dropout_add(x, r, P, bias=b, gate=gate)
+
+    assert torch.autograd.gradcheck(seeded, (x, r, b, gate))
+    assert torch.autograd.gradgradcheck(seeded, (x, r, b, gate))
+    rows = gate.detach().reshape(2, 6).requires_grad_()
+    assert torch.autograd.gradcheck(lambda x, r, g, b: torch.ops.trifuse.gated_dropout_add(x, r, g, 0.0, b)[0],
+                                    (x, r, rows, b))
+
+
+def test_gated_reference_path_without_interpreter_matches(monkeypatch):
+    monkeypatch.setattr(da_mod, "use_triton", lambda t: False)
+    x, r, b = make((3, 20, 37), torch.float32)
+    check_gated(x, r, b, make_gate((3, 20, 37), (3, 1, 37), torch.float32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_negative_control_gate_of_the_wrong_sample_fails(dtype):
+    """A kernel that read gate row r % G instead of r // G (or the samples in another order) must
+    fail the same tolerance."""
+    x, r, _ = make((3, 6, 40), dtype, False)
+    gate = make_gate((3, 6, 40), (3, 1, 40), dtype)
+    y = trifuse.ops.dropout_add(x, r, 0.0, gate=gate)
+    wrong = dropout_add_ref(*upcast(x, r), 0.0, gate=gate.detach().double().roll(1, dims=0))
+    assert not check_close("y", y, wrong, None)[0]
+
+
+@pytest.mark.parametrize(
+    "gate, exc, match",
+    [
+        (torch.ones(1, 5, 8), ValueError, "dropout_add: gate must broadcast against input"),
+        (torch.ones(4, 1, 8), ValueError, "gate must broadcast against input"),
+        (torch.ones(7), ValueError, "gate must broadcast against input"),
+        (torch.ones(2, 1, 8, dtype=torch.int32), TypeError, "dropout_add: gate must be float"),
+        (torch.ones(2, 1, 8, dtype=torch.float64), ValueError, r"gate \(torch.float64\) must be no wider than"),
+        ("g", TypeError, "dropout_add: gate must be a torch.Tensor"),
+    ],
+    ids=["per-token-shared", "other-batch", "other-width", "int", "fp64-beside-fp32", "not-tensor"],
+)
+def test_gated_bad_gate_raises_clear_error(gate, exc, match):
+    gate = gate.to(DEVICE) if isinstance(gate, torch.Tensor) else gate
+    with pytest.raises(exc, match=match):
+        trifuse.ops.dropout_add(torch.ones(2, 5, 8, device=DEVICE), torch.ones(2, 5, 8, device=DEVICE), P, gate=gate)
+
+
+def test_gated_backward_keeps_x_only_for_dgate():
+    """x is saved for dgate alone, as PyTorch's product keeps it: a frozen gate (a LayerScale not
+    trained) leaves the backward reading dy only."""
+    x, r, b = make((2, 4, 32), torch.float32)
+    for gate_grad in (True, False):
+        gate = make_gate((2, 4, 32), (2, 1, 32), torch.float32).requires_grad_(gate_grad)
+        y = trifuse.ops.dropout_add(x, r, P, bias=b, gate=gate)
+        saved = [t for t in y.grad_fn.saved_tensors if t is not None and t.shape == x.shape]
+        assert len(saved) == (1 if gate_grad else 0)
+        grads = torch.autograd.grad(y, (x, r, b), torch.ones_like(y))
+        assert all(g is not None for g in grads)
