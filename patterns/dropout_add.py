@@ -7,11 +7,24 @@ residual; a bias of one vector over the output columns).
 An add that feeds a norm is the residual stream's (residual_stream.py, matched first). p and the
 training flag are the model's; an inactive dropout (p = 0 or eval) makes the op a plain add that
 still takes the bias.
+
+Stage 3: the gated add at a diffusion transformer block's end, where no norm follows in the block
+(the next block's norm is in another graph): `residual + gate * x`, the gate one vector per sample
+(Flux's, SD3's and DiT's `h + gate_mlp.unsqueeze(1) * ff_out`, a LayerScale's `x + gamma * f(x)`),
+and Wan's and ACE-Step's fp32 forms cast back to the stream, `(h.float() + ff_out.float() *
+gate).type_as(h)`, become `dropout_add(x, residual, 0.0, gate=gate)`: one pass each way instead of
+the product's and the sum's, dgate summed per sample in the backward. A gated add before a norm is
+the gated norm's (adaptive_norm.py, stage 2). Stage 4 folds the bias of the linear producing x in
+(Flux's single blocks: `residual + gate * proj_out(h)`). These are found in the graphs fuse
+captures for a block's other ops (its norms, its attention): a module whose only candidate is a
+sum of a product is not captured for it (most such sums are no gated add; their capture would
+cost every model with one).
 """
 import torch
 import torch.nn.functional as F
 
-from ._base import Pattern, needs_bool, needs_number, ops
+from ._base import Match, Pattern, needs_bool, needs_number, ops
+from .adaptive_norm import gate_per_sample, gate_per_sample_up_to_fp32, sum_operands
 from .bias_gelu import bias_is_a_row_vector
 
 
@@ -49,6 +62,52 @@ def addmm_dropout_add_fused(h2d, weight, bias, residual, p, training):
     return ops.dropout_add(torch.mm(h2d, weight), residual, p, training, bias)
 
 
+def gated_add(x: torch.Tensor, residual: torch.Tensor, gate: torch.Tensor):
+    return residual + gate * x
+
+
+def gated_add_fused(x, residual, gate):
+    return ops.dropout_add(x, residual, 0.0, True, None, gate)
+
+
+def gated_add_in_fp32(x: torch.Tensor, residual: torch.Tensor, gate: torch.Tensor, dtype):
+    """Wan's feed-forward: `(h.float() + ff_output.float() * c_gate_msa).type_as(h)`."""
+    return (residual.to(torch.float32) + x.to(torch.float32) * gate).to(dtype)
+
+
+def gated_add_in_fp32_of_x(x: torch.Tensor, residual: torch.Tensor, gate: torch.Tensor, dtype):
+    """Wan's self-attention output where no norm follows: `(h.float() + attn_out * gate).type_as(h)`."""
+    return (residual.to(torch.float32) + x * gate).to(dtype)
+
+
+def gated_add_promoted(x: torch.Tensor, residual: torch.Tensor, gate: torch.Tensor, dtype):
+    """ACE-Step's: `(h + attn_out * gate).type_as(h)`, the fp32 gate promoting the sum."""
+    return (residual + x * gate).to(dtype)
+
+
+def gated_add_cast_back_fused(x, residual, gate, dtype):
+    return ops.dropout_add(x, residual, 0.0, True, None, gate)
+
+
+def cast_back_to_the_stream(m: Match) -> str | None:
+    """The fp32 sum cast back to x's and the residual's dtype (the op's y), the gate a vector per
+    sample no wider than fp32: the op's fp32 product and sum are the model's."""
+    x, dtype = m.value("x"), m["dtype"]
+    if isinstance(x, torch.Tensor) and dtype != x.dtype:
+        return f"the sum is cast to {dtype}, not to x's dtype {x.dtype}"
+    return sum_operands(m) or gate_per_sample_up_to_fp32(m)
+
+
+def linear_gated_add(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor, residual: torch.Tensor, gate: torch.Tensor):
+    return ops.dropout_add(F.linear(h, w, b), residual, 0.0, True, None, gate)
+
+
+def linear_gated_add_fused(h, w, b, residual, gate):
+    return ops.dropout_add(F.linear(h, w), residual, 0.0, True, b, gate)
+
+
+_GATED_CAST_BACK = (gated_add_in_fp32, gated_add_in_fp32_of_x, gated_add_promoted)
+
 PATTERNS = (
     Pattern("dropout_add", "dropout_add", dropout_add, dropout_add_fused, ("dropout_add",),
             (needs_number("p"), needs_bool("training")), stage=1),
@@ -58,4 +117,11 @@ PATTERNS = (
             stage=2),
     Pattern("addmm_dropout_add", "dropout_add", addmm_dropout_add, addmm_dropout_add_fused, ("dropout_add",),
             (bias_is_a_row_vector,), stage=2),
+    # quiet: most sums of a product are no gated add
+    *(Pattern(search.__name__, "dropout_add", search, gated_add_cast_back_fused, ("dropout_add",),
+              (cast_back_to_the_stream,), stage=3, quiet=True) for search in _GATED_CAST_BACK),
+    Pattern("gated_add", "dropout_add", gated_add, gated_add_fused, ("dropout_add",), (sum_operands, gate_per_sample),
+            stage=3, quiet=True),
+    Pattern("linear_gated_add", "dropout_add", linear_gated_add, linear_gated_add_fused, ("dropout_add",),
+            stage=4),
 )

@@ -266,33 +266,38 @@ def cogview4():
 # value), and each modulation takes the norm in (four norms fused with their modulations, the
 # residual add before one of each pair folded in as well); the rotaries before the heads split in
 # pairs of one table (each self-attention's q and k; the video tokens of both cross-attentions,
-# the audio tokens likewise).
+# the audio tokens likewise). "dropout_add": the gated adds no norm follows in the block (the
+# feed-forward's at the block's end, Flux's single block's `residual + gate * proj_out(h)`, PixArt's
+# and LTX-Video's gated attention output before an ungated cross-attention) become the gated
+# dropout_add, the bias of the linear before them folded in where there is one.
 MODELS = {
-    "dit": (dit, {"layer_norm": 3, "attention": 2, "bias_gelu": 2, "residual_stream": 2}, 4),
-    "pixart": (pixart, {"layer_norm": 3, "attention": 4, "bias_gelu": 3, "residual_stream": 2}, 4),
-    "sd3": (sd3, {"layer_norm": 5, "attention": 2, "bias_gelu": 3, "residual_stream": 3}, 8),
+    "dit": (dit, {"layer_norm": 3, "attention": 2, "bias_gelu": 2, "residual_stream": 2, "dropout_add": 2}, 4),
+    "pixart": (pixart, {"layer_norm": 3, "attention": 4, "bias_gelu": 3, "residual_stream": 2,
+                        "dropout_add": 4}, 4),
+    "sd3": (sd3, {"layer_norm": 5, "attention": 2, "bias_gelu": 3, "residual_stream": 3, "dropout_add": 3}, 8),
     "flux": (flux, {"layer_norm": 4, "rms_norm": 6, "attention": 2, "bias_gelu": 3, "residual_stream": 2,
-                    "rotary": 2}, 6),
+                    "rotary": 2, "dropout_add": 3}, 6),
     "unet": (unet, {"layer_norm": 4, "attention": 8, "gated_activation": 4, "residual_stream": 8,
                     "group_norm": 21}, 0),
     "vae": (vae, {"attention": 2, "group_norm": 24}, 0),
     "sana": (sana, {"layer_norm": 3, "rms_norm": 1, "attention": 2, "bias_gelu": 1,
-                    "gated_activation": 2, "residual_stream": 2}, 5),
-    "cogvideox": (cogvideox, {"layer_norm": 10, "attention": 2, "bias_gelu": 2, "residual_stream": 4}, 9),
+                    "gated_activation": 2, "residual_stream": 2, "dropout_add": 4}, 5),
+    "cogvideox": (cogvideox, {"layer_norm": 10, "attention": 2, "bias_gelu": 2, "residual_stream": 4,
+                              "dropout_add": 4}, 9),
     "wan": (wan, {"layer_norm": 3, "rms_norm": 8, "attention": 4, "bias_gelu": 3, "residual_stream": 4,
-                  "rotary": 2}, 4),
+                  "rotary": 2, "dropout_add": 2}, 4),
     "ltx": (ltx, {"layer_norm": 1, "rms_norm": 10, "attention": 4, "bias_gelu": 3, "residual_stream": 2,
-                  "rotary": 2}, 4),
+                  "rotary": 2, "dropout_add": 4}, 4),
     "ltx2": (ltx2, {"layer_norm": 2, "rms_norm": 16, "attention": 6, "bias_gelu": 4,
-                    "residual_stream": 6, "rotary": 4}, 8),
+                    "residual_stream": 6, "rotary": 4, "dropout_add": 2}, 8),
     "lumina2": (lumina2, {"layer_norm": 1, "rms_norm": 20, "attention": 4, "gated_activation": 4,
                           "residual_stream": 5, "rotary": 4}, 13),
     "zimage": (zimage, {"layer_norm": 1, "rms_norm": 20, "attention": 4, "gated_activation": 4,
                         "residual_stream": 5, "rotary": 4}, 13),
     "cogview4": (cogview4, {"layer_norm": 9, "attention": 2, "bias_gelu": 4, "residual_stream": 4,
-                            "rotary": 4}, 9),
+                            "rotary": 4, "dropout_add": 4}, 9),
     "qwenimage": (qwenimage, {"layer_norm": 5, "rms_norm": 9, "attention": 2, "bias_gelu": 4,
-                              "residual_stream": 4, "rotary": 4}, 9),
+                              "residual_stream": 4, "rotary": 4, "dropout_add": 4}, 9),
 }
 
 
@@ -371,6 +376,9 @@ def test_wans_gated_add_in_fp32_reads_its_16_bit_stream():
     assert patterns["fp32_copy_layer_norm_modulate"] == 2, report.table()
     # norm3's fp32 copy with the cross-attention's output added before it (after its Dropout(0.0))
     assert patterns["add_after_inactive_dropout_layer_norm_modulate_upcast"] == 2, report.table()
+    # the feed-forward's gated add at the block's end, `(h.float() + ff_out.float() * c_gate).type_as(h)`:
+    # the gated dropout_add reads both 16-bit tensors, the linear's bias folded in
+    assert patterns["linear_gated_add"] == 2, report.table()
     notes = [r.note for u in report.units for c in u.unit.captures for r in c.log.replaced]
     assert not any("cast back" in note for note in notes), report.table()
 

@@ -91,3 +91,123 @@ def test_broadcast_add_is_rejected_by_the_op(capture):
     report = check_against_unfused(BiasAdd, X, capture)
     assert report.by_pattern() == {}
     assert any(pattern == "dropout_add" for _, _, pattern, _ in report.rejected())
+
+
+# ---------------------------------------------------------------------------------------------
+# The gated add no norm follows: a diffusion transformer block's end, a LayerScale
+# ---------------------------------------------------------------------------------------------
+
+COND = (torch.randn(2, 5, N), torch.randn(2, N))
+
+
+class GatedEnd(nn.Module):
+    """h + gate * f(norm(h)), the gate one vector per sample from a conditioning linear (adaLN's),
+    in the spellings models write; `cast` the fp32 forms of a 16-bit stream (Wan's, ACE-Step's).
+    The norm stands for the rest of a block: fuse captures a module for the ops models write
+    (stages 0 and 1), and the gated add is found in that capture."""
+
+    def __init__(self, spelling="gate_first", bias=True, cast=None):
+        super().__init__()
+        self.norm = nn.LayerNorm(N)
+        self.fc = nn.Linear(N, N, bias=bias)
+        self.ada = nn.Linear(N, N)
+        self.spelling, self.cast = spelling, cast
+
+    def forward(self, h, cond):
+        gate = self.ada(cond)
+        if self.cast is not None:
+            gate = gate.float()
+        f = self.fc(self.norm(h))
+        if self.cast == "wan_ff":
+            return (h.float() + f.float() * gate[:, None]).type_as(h)
+        if self.cast == "wan_attn":
+            return (h.float() + f * gate[:, None]).type_as(h)
+        if self.cast == "promoted":
+            return (h + f * gate[:, None]).type_as(h)
+        if self.spelling == "gate_first":
+            return h + gate.unsqueeze(1) * f
+        if self.spelling == "x_first":
+            return h + f * gate[:, None]
+        return gate[:, None] * f + h  # sum_reversed
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("make, pattern", [
+    (GatedEnd, "linear_gated_add"),
+    (lambda: GatedEnd("x_first"), "linear_gated_add"),
+    (lambda: GatedEnd("sum_reversed"), "linear_gated_add"),
+    (lambda: GatedEnd(bias=False), "gated_add"),
+], ids=["gate-first", "x-first", "sum-reversed", "no-bias"])
+def test_gated_spelling_fuses_and_matches(make, pattern, capture):
+    report = check_against_unfused(make, COND, capture)
+    assert report.by_pattern() == {"layer_norm": 1, pattern: 1}, report.table()
+
+
+@pytest.mark.parametrize("cast", ["wan_ff", "wan_attn", "promoted"])
+def test_gated_add_in_fp32_cast_back_to_a_16_bit_stream(cast):
+    """Wan's `(h.float() + ff_out.float() * gate).type_as(h)` (and its attention's, ACE-Step's
+    promoted sum) with an fp32 gate beside an fp16 stream: the op's fp32 product and sum rounded
+    once to fp16, as the model's."""
+    def make():
+        model = GatedEnd(cast=cast).half()
+        model.ada.float()
+        return model
+    inputs = (COND[0].half(), COND[1])
+    report = check_against_unfused(make, inputs, "dynamo")
+    assert report.by_pattern().get("linear_gated_add") == 1, report.table()
+
+
+class LayerScaleEnd(nn.Module):
+    """A LayerScale (CaiT, DINOv2, ConvNeXt): x + gamma * f(x), gamma one (N,) parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(N)
+        self.fc = nn.Linear(N, N)
+        self.gamma = nn.Parameter(torch.full((N,), 0.1) + torch.rand(N))
+
+    def forward(self, x):
+        return x + self.gamma * self.fc(self.norm(x))
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_layer_scale_fuses_as_a_gated_add(capture):
+    assert check_against_unfused(LayerScaleEnd, X, capture).by_pattern() == {"layer_norm": 1, "linear_gated_add": 1}
+
+
+class NotGated(nn.Module):
+    """Sums of products that are no gated add: a gate per position shared by the batch, an fp32
+    gate that widens a 16-bit sum (the model's result is fp32), a residual of another shape."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.norm = nn.LayerNorm(N)
+        self.fc = nn.Linear(N, N, bias=False)
+        self.pos = nn.Parameter(torch.randn(1, 5, N))
+
+    def forward(self, h, cond):
+        f = self.fc(self.norm(h))
+        if self.kind == "per-position":
+            return h + self.pos * f
+        if self.kind == "wider-gate":
+            return h + cond.float()[:, None] * f
+        return h[:, :1] + cond[:, None] * f  # broadcast residual
+
+
+@pytest.mark.parametrize("kind", ["per-position", "wider-gate", "broadcast-residual"])
+def test_sums_of_products_that_are_no_gated_add_stay(kind):
+    def make():
+        model = NotGated(kind)
+        return model.half() if kind == "wider-gate" else model
+    inputs = (COND[0].half(), COND[1].half()) if kind == "wider-gate" else COND
+    report = check_against_unfused(make, inputs, "dynamo")
+    assert report.by_pattern().get("layer_norm") == 1, report.table()  # the block was captured
+    assert "gated_add" not in report.by_pattern() and "linear_gated_add" not in report.by_pattern()
+
+
+def test_gated_trifuse_op_runs():
+    model = fuse_via(GatedEnd(), "dynamo")
+    h = COND[0].clone().requires_grad_()
+    ran = trifuse_ops_run(lambda: model(h, COND[1]).sum().backward())
+    assert "trifuse::gated_dropout_add" in ran and "trifuse::gated_dropout_add_backward" in ran
