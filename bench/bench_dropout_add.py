@@ -13,6 +13,12 @@ one-byte-per-element mask.
 Outputs differ between providers (each draws its own mask), so correctness is checked at p = 0
 against PyTorch, and at p = P by the kept fraction (within 5 sigma of 1 - P).
 Targets (DESIGN.md, issue 3; H100, bf16): fwd+bwd >= 2.3 TB/s and >= 2x PyTorch eager.
+
+The gated form (a diffusion transformer block's end, `h + gate[:, None] * ff_out`), B samples of
+S tokens, the gate one (B, N) row per sample, against PyTorch eager and torch.compile of the same
+expression; "wan": Wan's fp32 gate and `(h.float() + ff_out.float() * gate).type_as(h)`:
+    fwd      read x, h; write y                   3·M·N·e   (M = B·S; the gate's B·N not counted)
+    bwd      read dy, x; write dx                 3·M·N·e   (dh is dy; dgate's partial rows small)
 """
 import _harness as H  # noqa: I001  (bench/conftest.py sets TRITON_INTERPRET before this)
 import pytest
@@ -88,6 +94,42 @@ def host_overhead() -> list[dict]:
     return H.host_overhead_rows(cases)
 
 
+# (B, S, N): Flux's and SD3's joint blocks at 1024 px (4096 image tokens), Flux's single block
+# (image and text tokens), Wan 14B's 480p video latents
+GATED_SHAPES = ((2, 4096, 3072), (1, 4608, 3072), (2, 4096, 1536), (1, 32760, 5120))
+
+
+def make_gated_inputs(shape, gate_dtype=None):
+    b, s, n = shape
+    x = torch.randn(b, s, n, device=DEVICE, dtype=DTYPE, requires_grad=True)
+    h = torch.randn(b, s, n, device=DEVICE, dtype=DTYPE, requires_grad=True)
+    g = torch.randn(b, n, device=DEVICE, dtype=gate_dtype or DTYPE, requires_grad=True)
+    return (x, h, g), (x, h, g)
+
+
+def gated_bytes_for(shape, mode):
+    e = torch.finfo(DTYPE).bits // 8
+    per_pass = 3 * shape[0] * shape[1] * shape[2] * e
+    return {"fwd": per_pass, "bwd": per_pass, "fwd+bwd": 2 * per_pass}[mode]
+
+
+def gated_providers(wan: bool = False) -> dict:
+    if wan:
+        def torch_gated(x, h, g):
+            return (h.float() + x.float() * g[:, None]).type_as(h)
+    else:
+        def torch_gated(x, h, g):
+            return h + g[:, None] * x
+
+    def trifuse_gated(x, h, g):
+        return trifuse.ops.dropout_add(x, h, 0.0, gate=g[:, None])
+
+    out = {"trifuse": trifuse_gated, "torch": torch_gated}
+    if H.on_gpu():
+        out["torch.compile"] = H.compiled(torch_gated)
+    return out
+
+
 COLUMNS = ("provider", "variant", "mode", "shape", "ms", "GB/s", "% copy", "graph ms", "graph GB/s",
            "x vs torch", "x vs torch.compile", "error", "graph error")
 
@@ -105,7 +147,13 @@ def main() -> None:
         # reference="": the outputs differ by their masks; check() above did the checking.
         rows += H.sweep(providers(), shapes, make_inputs, bytes_for, reference="", variant=f"p={P}")
         H.write_results("dropout_add", rows, COLUMNS, plot_x="N")
-    H.print_table(rows, COLUMNS)
+    gated = []
+    for variant, wan in (("gated", False), ("gated wan fp32 gate", True)):
+        gated += H.sweep(gated_providers(wan), GATED_SHAPES[:2] if args.quick else GATED_SHAPES,
+                         lambda shape, wan=wan: make_gated_inputs(shape, torch.float32 if wan else None),
+                         gated_bytes_for, variant=variant)
+        H.write_results("dropout_add", gated, COLUMNS, suffix="gated")
+    H.print_table(rows + gated, COLUMNS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,6 +169,23 @@ SMOKE_SHAPE = (64, 4096) if H.on_gpu() else (3, 100)
 def test_dropout_add(benchmark, provider, mode):
     step = H.make_step(providers()[provider], lambda: make_inputs(SMOKE_SHAPE), mode)
     benchmark.pedantic(step, rounds=3 if H.on_gpu() else 1, iterations=1)
+
+
+@pytest.mark.parametrize("wan", [False, True], ids=["gated", "wan"])
+@pytest.mark.parametrize("mode", H.MODES)
+@pytest.mark.parametrize("provider", ["trifuse", "torch"])
+def test_gated_dropout_add(benchmark, provider, mode, wan):
+    shape = (2, 64, 3072) if H.on_gpu() else (2, 3, 40)
+    step = H.make_step(gated_providers(wan)[provider],
+                       lambda: make_gated_inputs(shape, torch.float32 if wan else None), mode)
+    benchmark.pedantic(step, rounds=3 if H.on_gpu() else 1, iterations=1)
+
+
+def test_gated_providers_agree():
+    for wan in (False, True):
+        H.check_against_reference(gated_providers(wan), "torch",
+                                  lambda shape, wan=wan: make_gated_inputs(shape, torch.float32 if wan else None),
+                                  (2, 5, 48))
 
 
 def test_checks_pass():
