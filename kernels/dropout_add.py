@@ -185,7 +185,8 @@ def _gated_dropout_add_bwd_kernel(
     DB_PARTIAL,  # out (M / R * splits, N) fp32: a program's share of dbias; unused unless HAS_BIAS
     R, N, stride_dym, stride_xm, stride_dxm, p, scale, rows_per_program, splits, col_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    NEED_DX: tl.constexpr, NEED_DGATE: tl.constexpr, ACC: tl.constexpr, PREFETCH: tl.constexpr = False,
+    NEED_DX: tl.constexpr, NEED_DGATE: tl.constexpr, ACC: tl.constexpr,
+    PREFETCH: tl.constexpr = False,  # a knob of the tuned space (rowwise_bwd); this loop does not prefetch
 ):
     # program -> (sample, split of its R rows, column tile): no program's rows cross a sample
     pid = tl.program_id(0)
@@ -325,9 +326,9 @@ def gated_dropout_add_bwd(
     acc = _acc(dy.dtype)
     need_dx, has_bias, need_dgate = needs[0], needs[1] and bias is not None, needs[2]
     dx = empty_like(dy, dx_dtype) if need_dx else None
-    if dy.numel() == 0:
-        zeros = torch.zeros((samples, n), dtype=acc, device=dy.device)
-        return dx, zeros[0] if has_bias else None, zeros if need_dgate else None
+    if dy.numel() == 0:  # no rows (or no samples): sums of nothing
+        return (dx, torch.zeros(n, dtype=acc, device=dy.device) if has_bias else None,
+                torch.zeros((samples, n), dtype=acc, device=dy.device) if need_dgate else None)
     (dy2, stride_dy), (x2, stride_x) = as_rows(dy, n), as_rows(x, n) if need_dgate else (dy, n)
     m = dy.numel() // n
     r = m // samples
@@ -620,7 +621,7 @@ def _check_gate_rows(x: torch.Tensor, gate: torch.Tensor) -> None:
     """What the gated ops take (made by `_gate_rows`): (G, N) rows, G dividing x's rows."""
     n = _width(x)
     rows = x.numel() // n if n else 0
-    if gate.dim() != 2 or gate.shape[1] != n or gate.shape[0] < 1 or (rows and rows % gate.shape[0]):
+    if gate.dim() != 2 or gate.shape[1] != n or (rows and (gate.shape[0] < 1 or rows % gate.shape[0])):
         raise ValueError(f"trifuse.dropout_add: gate rows must be (G, {n}) with G dividing the input's {rows} "
                          f"rows; got {list(gate.shape)}")
 

@@ -633,3 +633,20 @@ def test_gated_backward_keeps_x_only_for_dgate():
         assert len(saved) == (1 if gate_grad else 0)
         grads = torch.autograd.grad(y, (x, r, b), torch.ones_like(y))
         assert all(g is not None for g in grads)
+
+
+@pytest.mark.parametrize("shape, gate_shape", [((0, 4, 16), (0, 1, 16)), ((3, 0, 16), (3, 1, 16))],
+                         ids=["no-samples", "no-tokens"])
+def test_gated_empty_input_has_zero_gradients(shape, gate_shape):
+    """No rows: y is empty, and dbias and dgate are sums of nothing, zeros shaped like their inputs,
+    eagerly and through the registered op."""
+    x, r, b = make(shape, torch.float32)
+    gate = make_gate(shape, gate_shape, torch.float32) if gate_shape[0] else torch.zeros(
+        gate_shape, device=DEVICE, requires_grad=True)
+    for run in (lambda: trifuse.ops.dropout_add(x, r, P, bias=b, gate=gate),
+                lambda: torch.ops.trifuse.gated_dropout_add(x, r, da_mod._gate_rows(gate, x), P, b)[0]):
+        y = run()
+        assert y.shape == x.shape
+        grads = torch.autograd.grad(y, (x, r, b, gate), torch.ones_like(y))
+        assert [tuple(g.shape) for g in grads] == [tuple(t.shape) for t in (x, r, b, gate)]
+        assert not any(g.any() for g in grads)
