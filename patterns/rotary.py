@@ -72,6 +72,10 @@ tables: the op with `interleaved` as the split says and `dtype=x.dtype`, q and k
 both are rotated by views of one table (`rotary_unbind_*`, below). A float64 model's `.float()`
 rounds: left as written. Allegro's rotate-half with each product's operand cast the same way,
 `(x.float() * cos + rotate_half(x).float() * sin).to(x.dtype)`, is `rotary_cast_each`.
+
+BFL's Flux reference and diffusers' HiDream multiply each pair by a 2x2 matrix from a (.., D/2, 2, 2)
+table (`freqs_cis[..., 0] * x_[..., 0] + freqs_cis[..., 1] * x_[..., 1]`): `rotary_matrix*`, the
+interleaved op with D-wide tables that carry any 2x2 matrix (below, before PATTERNS).
 """
 import operator
 
@@ -509,11 +513,11 @@ def _as_4d(shape) -> tuple:
     return (1,) * max(0, 4 - len(shape)) + tuple(shape)
 
 
-def _five_sizes(shape) -> list | str:
-    """A reshape's target as 5 sizes (a capture with symbolic sizes writes them as graph nodes:
-    their values, SymInts), or its repr when it is not 5 known sizes."""
+def _five_sizes(shape, n: int = 5) -> list | str:
+    """A reshape's target as n sizes (a capture with symbolic sizes writes them as graph nodes:
+    their values, SymInts), or its repr when it is not n known sizes."""
     sizes = [example_value(v) for v in shape] if isinstance(shape, (tuple, list)) else shape
-    if not isinstance(sizes, list) or len(sizes) != 5 or any(
+    if not isinstance(sizes, list) or len(sizes) != n or any(
             not isinstance(v, (int, torch.SymInt)) or isinstance(v, bool) for v in sizes):
         return repr(sizes)
     return sizes
@@ -960,6 +964,134 @@ def _written_pairs_pattern(search, cast: bool, with_k: bool) -> Pattern:
                    (_written_pairs_split(names, cast),), derive=_written_pairs_layout(names[0]))
 
 
+# BFL's Flux reference (`flux.math.apply_rope`, and the fine-tuning code built on it) and diffusers'
+# HiDream multiply each pair by a 2x2 matrix, from a (.., D/2, 2, 2) table that their `rope()` fills
+# with [[cos, -sin], [sin, cos]]:
+#
+#     xq_ = xq.float().reshape(*xq.shape[:-1], -1, 1, 2)
+#     xq_out = freqs_cis[..., 0] * xq_[..., 0] + freqs_cis[..., 1] * xq_[..., 1]
+#     return xq_out.reshape(*xq.shape).type_as(xq)
+#
+# that is y[2i + r] = M[i, r, 0] x[2i] + M[i, r, 1] x[2i + 1]. The table is data made outside the
+# block, so no pattern can know that it is a rotation. The replacement gives the op D-wide
+# interleaved tables that carry any 2x2 matrix: cos = (M[0, 0], M[1, 1]) and sin = (-M[0, 1], M[1, 0])
+# per pair. The op's y[2i] = x[2i] cos[2i] - x[2i+1] sin[2i] and y[2i+1] = x[2i+1] cos[2i+1] +
+# x[2i] sin[2i+1] are then the matrix product term for term (the negation is exact). The tables are
+# (B, 1, S, D): the heads' share of the activation's traffic, once per call for q and k together.
+
+
+def _matrix_product(x, freqs, shape, out_shape):
+    pairs = x.reshape(shape)
+    return (freqs[..., 0] * pairs[..., 0] + freqs[..., 1] * pairs[..., 1]).reshape(out_shape)
+
+
+def rotary_matrix_cast_q_k(q: torch.Tensor, k: torch.Tensor, q_freqs: torch.Tensor, k_freqs: torch.Tensor, q_shape,
+                           k_shape, q_out_shape, k_out_shape, q_up, k_up, q_back, k_back):
+    """BFL's and HiDream's apply_rope: q and k upcast, each pair times its 2x2 matrix, cast back."""
+    return (_matrix_product(q.to(q_up), q_freqs, q_shape, q_out_shape).to(q_back),
+            _matrix_product(k.to(k_up), k_freqs, k_shape, k_out_shape).to(k_back))
+
+
+def rotary_matrix_cast(x: torch.Tensor, freqs: torch.Tensor, x_shape, x_out_shape, x_up, x_back):
+    return _matrix_product(x.to(x_up), freqs, x_shape, x_out_shape).to(x_back)
+
+
+def rotary_matrix_q_k(q: torch.Tensor, k: torch.Tensor, q_freqs: torch.Tensor, k_freqs: torch.Tensor, q_shape,
+                      k_shape, q_out_shape, k_out_shape):
+    """The same without the casts (an fp32 model's `.float()` and `.type_as` are no-ops, dropped)."""
+    return (_matrix_product(q, q_freqs, q_shape, q_out_shape),
+            _matrix_product(k, k_freqs, k_shape, k_out_shape))
+
+
+def rotary_matrix(x: torch.Tensor, freqs: torch.Tensor, x_shape, x_out_shape):
+    return _matrix_product(x, freqs, x_shape, x_out_shape)
+
+
+def _matrix_as_cos_sin(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(.., D/2, 2, 2) matrices as the op's D-wide interleaved cos and sin (above)."""
+    cos = torch.stack((freqs[..., 0, 0], freqs[..., 1, 1]), dim=-1).flatten(-2)
+    sin = torch.stack((-freqs[..., 0, 1], freqs[..., 1, 0]), dim=-1).flatten(-2)
+    return cos, sin
+
+
+def _matrix_fused(with_k: bool):
+    def fused_q_k(q, k, q_freqs, k_freqs=None, q_shape=None, k_shape=None, q_out_shape=None, k_out_shape=None,
+                  q_up=None, k_up=None, q_back=None, k_back=None, positions_dim=2, dtype=None):
+        return _rotate_pairs(q, k, *_matrix_as_cos_sin(q_freqs), positions_dim, dtype)
+
+    def fused(x, freqs, x_shape=None, x_out_shape=None, x_up=None, x_back=None, positions_dim=2, dtype=None):
+        return _rotate_pairs(x, None, *_matrix_as_cos_sin(freqs), positions_dim, dtype)[0]
+
+    return fused_q_k if with_k else fused
+
+
+def _matrix_positions_dim(freqs: torch.Tensor, x: torch.Tensor) -> int | None:
+    """2 for a (B or 1, 1, S or 1, D/2, 2, 2) table, 1 for (B or 1, S or 1, 1, D/2, 2, 2)."""
+    return _table_positions_dim(freqs[..., 0, 0], x)
+
+
+def _matrix_pairs(names: tuple[str, ...]):
+    """Each tensor 4-D and float, its last dim (even) reshaped to (D/2, 1, 2) pairs and the product
+    reshaped back to its shape; its table a 6-D float (B or 1, ., ., D/2, 2, 2) of matrices, one row
+    per position on dim 1 or 2 and 1 on the other (the heads); with q and k, one table for both."""
+
+    def check(m: Match) -> str | None:
+        one = len(names) == 1
+        for name in names:
+            x, freqs = m.value(name), m.value("freqs" if one else f"{name}_freqs")
+            if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_floating_point():
+                return f"{name} is not a 4-D float tensor"
+            d = x.shape[-1]
+            shape = _five_sizes(m.value(f"{name}_shape"), 6)
+            if isinstance(shape, str):
+                return f"{name} is reshaped to {shape}, not a known 6-D shape"
+            if not (all(known_equal(a, b) for a, b in zip(shape[:3], x.shape[:3]))
+                    and (known_equal(shape[3], -1) or known_equal(shape[3], d // 2)) and known_equal(shape[4], 1)
+                    and known_equal(shape[5], 2) and known_equal(d % 2, 0)):
+                return f"{name} {tuple(x.shape)} is reshaped to {tuple(shape)}: not its last dim as (D/2, 1, 2) pairs"
+            out_shape = _five_sizes(m.value(f"{name}_out_shape"), 4)
+            if isinstance(out_shape, str) or not all(known_equal(a, b) for a, b in zip(out_shape, x.shape)):
+                return f"the product of {name} {tuple(x.shape)} is reshaped to {out_shape}, not to its shape"
+            if not isinstance(freqs, torch.Tensor) or freqs.dim() != 6 or not freqs.is_floating_point():
+                return f"the table is not a 6-D float tensor of 2x2 matrices (got {getattr(freqs, 'shape', freqs)!r})"
+            if not (known_equal(freqs.shape[4], 2) and known_equal(freqs.shape[5], 2)
+                    and known_equal(freqs.shape[3], d // 2)
+                    and (known_equal(freqs.shape[0], 1) or known_equal(freqs.shape[0], x.shape[0]))):
+                return f"the table {tuple(freqs.shape)} is not (batch, ., ., D/2, 2, 2) matrices for {name} " \
+                    f"{tuple(x.shape)}"
+            if _matrix_positions_dim(freqs, x) is None:
+                return f"the table {tuple(freqs.shape)} is not one row per position of {name} {tuple(x.shape)}"
+        if one:
+            return None
+        if not _same_table(m["q_freqs"], m["k_freqs"]):
+            return "q and k are multiplied by different tables"
+        if _matrix_positions_dim(m.value("q_freqs"), m.value("q")) != \
+                _matrix_positions_dim(m.value("k_freqs"), m.value("k")):
+            return "q and k have their positions on different dims"
+        return None
+
+    check.__name__ = "matrix_pairs"
+    return check
+
+
+def _matrix_layout(name: str, cast: bool):
+    def derive(m: Match) -> dict:
+        freqs = m.value("freqs" if name == "x" else f"{name}_freqs")
+        out = {"positions_dim": _matrix_positions_dim(freqs, m.value(name))}
+        if cast:
+            out["dtype"] = m.value(name).dtype
+        return out
+
+    return derive
+
+
+def _matrix_pattern(search, cast: bool, with_k: bool) -> Pattern:
+    names = ("q", "k") if with_k else ("x",)
+    filters = (_matrix_pairs(names), *((_upcast_and_back(names),) if cast else ()))
+    return Pattern(search.__name__, "rotary", search, _matrix_fused(with_k), _OPS, filters,
+                   derive=_matrix_layout(names[0], cast))
+
+
 _OPS = ("rotary_embedding",)
 
 
@@ -1015,6 +1147,10 @@ PATTERNS = (
     _pairs_pattern(rotary_complex, complex_table=True, cast=False, with_k=False),
     _pairs_pattern(rotary_real_pairs_q_k, complex_table=False, cast=False, with_k=True),
     _pairs_pattern(rotary_real_pairs, complex_table=False, cast=False, with_k=False),
+    _matrix_pattern(rotary_matrix_cast_q_k, cast=True, with_k=True),
+    _matrix_pattern(rotary_matrix_cast, cast=True, with_k=False),
+    _matrix_pattern(rotary_matrix_q_k, cast=False, with_k=True),
+    _matrix_pattern(rotary_matrix, cast=False, with_k=False),
     _unbind_pattern(rotary_unbind_pairs_q_k, interleaved=True, with_k=True),
     _unbind_pattern(rotary_unbind_pairs, interleaved=True, with_k=False),
     _unbind_pattern(rotary_unbind_halves_q_k, interleaved=False, with_k=True),

@@ -362,13 +362,13 @@ def head_inputs(spec: HeadSpec, batch: int = 2, seq: int = 6,
 # ---------------------------------------------------------------------------------------------
 
 ROPES = ("halves", "halves_partial", "interleaved", "pairs_to_halves", "complex", "diffusers_pairs",
-         "diffusers_halves", "ltx_before_heads", "wan_written",
+         "diffusers_halves", "ltx_before_heads", "wan_written", "matrix",
          # near misses: rotate_half's sign on the wrong half, cos and sin swapped, pairs swapped,
-         # diffusers' unbound pairs with the sign on the wrong one
+         # diffusers' unbound pairs with the sign on the wrong one, each pair times the other column
          "halves_sign_flipped", "halves_cos_sin_swapped", "interleaved_pairs_swapped",
-         "diffusers_pairs_sign_flipped")
+         "diffusers_pairs_sign_flipped", "matrix_columns_swapped")
 NEAR_MISSES_ROPE = {"halves_sign_flipped", "halves_cos_sin_swapped", "interleaved_pairs_swapped",
-                    "diffusers_pairs_sign_flipped"}
+                    "diffusers_pairs_sign_flipped", "matrix_columns_swapped"}
 
 
 def _rotate_half(x: torch.Tensor, flipped: bool = False) -> torch.Tensor:
@@ -441,6 +441,10 @@ class RopeAttention(nn.Module):
         if kind == "complex":  # Meta's Llama reference
             xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
             return torch.view_as_real(xc * freqs).flatten(3).to(x.dtype)
+        if kind.startswith("matrix"):  # BFL's Flux apply_rope: each pair times a 2x2 matrix
+            x_ = x.float().reshape(*x.shape[:-1], -1, 1, 2)
+            first, second = (1, 0) if kind == "matrix_columns_swapped" else (0, 1)
+            return (freqs[..., first] * x_[..., 0] + freqs[..., second] * x_[..., 1]).reshape(*x.shape).type_as(x)
         raise ValueError(kind)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -462,6 +466,11 @@ class RopeAttention(nn.Module):
             inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
             angles = torch.arange(s, device=x.device, dtype=torch.float32)[:, None] * inv[None, :]
             freqs = torch.polar(torch.ones_like(angles), angles)[None, None]  # (1, 1, S, d/2)
+        if self.kind.startswith("matrix"):  # BFL's rope(): (1, 1, S, d/2, 2, 2) rotation matrices
+            inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+            angles = torch.arange(s, device=x.device, dtype=torch.float32)[:, None] * inv[None, :]
+            c, sn = angles.cos(), angles.sin()
+            freqs = torch.stack([c, -sn, sn, c], dim=-1).view(1, 1, s, d // 2, 2, 2)
         if rot < d:
             q = torch.cat((self.rotate(q[..., :rot], cos, sin, freqs), q[..., rot:]), dim=-1)
             if self.both:

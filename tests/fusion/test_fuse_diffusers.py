@@ -1,5 +1,5 @@
 """diffusers' denoisers, built from small configs (no download): the DiT, PixArt-alpha, SD3,
-Flux, Sana, CogVideoX, Wan, LTX-Video, LTX-2, Qwen-Image, Lumina 2, Z-Image and CogView4
+Flux, Sana, CogVideoX, Wan, LTX-Video, LTX-2, Qwen-Image, Lumina 2, Z-Image, CogView4 and HiDream
 transformers, the Stable Diffusion UNet and its VAE (AutoencoderKL). `fuse` replaces the
 attention, LayerNorm, RMSNorm (Flux's q/k norms), GeLU and residual-stream ops of their transformer
 blocks (diffusers' `Attention` with its SDPA processor, `FeedForward`'s GELU / GEGLU,
@@ -241,6 +241,24 @@ def cogview4():
     return Denoiser(model, call), inputs, True
 
 
+
+def hidream():
+    # HiDream's dual- and single-stream blocks: the rotary each pair times a 2x2 matrix (BFL's
+    # apply_rope), a mixture of SwiGLU experts routed by a softmax gate (a per-expert `nonzero`:
+    # graph breaks); llama_layers index the stacked Llama states, one per block
+    model = diffusers.HiDreamImageTransformer2DModel(
+        patch_size=2, in_channels=4, out_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=HEAD_DIM,
+        num_attention_heads=HEADS, caption_channels=[24, 20], text_emb_dim=12, num_routed_experts=2,
+        num_activated_experts=1, axes_dims_rope=(8, 4, 4), max_resolution=(8, 8), llama_layers=[0, 1])
+
+    def call(m, x, t, t5, llama, pooled):
+        return m(x, timesteps=t, encoder_hidden_states_t5=t5, encoder_hidden_states_llama3=llama,
+                 pooled_embeds=pooled)
+
+    inputs = (torch.randn(B, 4, 8, 8), torch.tensor([1, 5]), torch.randn(B, 5, 24), torch.randn(2, B, 6, 20),
+              torch.randn(B, 12))
+    return Denoiser(model, call), inputs, True
+
 # Per model: the replacements of one forward, per family, and how many of the norms are adaptive
 # (`layer_norm_modulate`: DiT's, SD3's, PixArt's and Flux's norms modulated per sample, the
 # final norm_out's too where it is inside a captured module). DiT, PixArt and SD3 two blocks
@@ -269,7 +287,10 @@ def cogview4():
 # the audio tokens likewise). "dropout_add": the gated adds no norm follows in the block (the
 # feed-forward's at the block's end, Flux's single block's `residual + gate * proj_out(h)`, PixArt's
 # and LTX-Video's gated attention output before an ungated cross-attention) become the gated
-# dropout_add, the bias of the linear before them folded in where there is one.
+# dropout_add, the bias of the linear before them folded in where there is one. HiDream one dual- and
+# one single-stream block: the modulated norms (an fp32 copy's), q/k RMSNorms, the rotary as each
+# pair times a 2x2 matrix (q and k in one call a block), the routed SwiGLU experts each that got
+# tokens (this draw: all of them), the gated adds; its router's softmax stays.
 MODELS = {
     "dit": (dit, {"layer_norm": 3, "attention": 2, "bias_gelu": 2, "residual_stream": 2, "dropout_add": 2}, 4),
     "pixart": (pixart, {"layer_norm": 3, "attention": 4, "bias_gelu": 3, "residual_stream": 2,
@@ -298,6 +319,8 @@ MODELS = {
                             "rotary": 4, "dropout_add": 4}, 9),
     "qwenimage": (qwenimage, {"layer_norm": 5, "rms_norm": 9, "attention": 2, "bias_gelu": 4,
                               "residual_stream": 4, "rotary": 4, "dropout_add": 4}, 9),
+    "hidream": (hidream, {"layer_norm": 4, "rms_norm": 6, "attention": 2, "gated_activation": 6,
+                          "residual_stream": 3, "rotary": 2, "dropout_add": 3}, 7),
 }
 
 
@@ -309,7 +332,7 @@ MODELS = {
 # norm (itself a norm scaled by the gate) into the MLP's scaled norm.
 GROUP_NORM_SILU = {"unet": 16, "vae": 22}
 GATED_SUMS = {"dit": 2, "pixart": 2, "sd3": 3, "flux": 2, "sana": 2, "cogvideox": 4, "wan": 4, "ltx": 2,
-              "ltx2": 4, "qwenimage": 4, "lumina2": 3, "zimage": 3, "cogview4": 4}
+              "ltx2": 4, "qwenimage": 4, "lumina2": 3, "zimage": 3, "cogview4": 4, "hidream": 3}
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

@@ -1010,3 +1010,129 @@ def test_allegros_rotary_of_float64_q_and_k_is_left_with_a_reason():
     report = trifuse.report(model)
     assert report.counts() == {}, report.table()
     assert any("is not a 16-bit or fp32 tensor" in why for *_, why in report.rejected()), report.table()
+
+
+# ---------------------------------------------------------------------------------------------
+# BFL's Flux reference and diffusers' HiDream: each pair times a 2x2 matrix from a (.., D/2, 2, 2) table
+# ---------------------------------------------------------------------------------------------
+
+
+def apply_rope_bfl(xq, xk, freqs_cis):
+    """BFL's `flux.math.apply_rope` (and diffusers' HiDream `apply_rope`), verbatim."""
+    xq_ = xq.float().reshape(*xq.shape[:-1], -1, 1, 2)
+    xk_ = xk.float().reshape(*xk.shape[:-1], -1, 1, 2)
+    xq_out = freqs_cis[..., 0] * xq_[..., 0] + freqs_cis[..., 1] * xq_[..., 1]
+    xk_out = freqs_cis[..., 0] * xk_[..., 0] + freqs_cis[..., 1] * xk_[..., 1]
+    return xq_out.reshape(*xq.shape).type_as(xq), xk_out.reshape(*xk.shape).type_as(xk)
+
+
+def apply_rope_bfl_alone(x, freqs_cis):
+    x_ = x.float().reshape(*x.shape[:-1], -1, 1, 2)
+    return (freqs_cis[..., 0] * x_[..., 0] + freqs_cis[..., 1] * x_[..., 1]).reshape(*x.shape).type_as(x)
+
+
+def apply_rope_columns_swapped(xq, xk, freqs_cis):
+    """Each pair's features times the other column: another linear map (a negative control)."""
+    out = []
+    for x in (xq, xk):
+        x_ = x.float().reshape(*x.shape[:-1], -1, 1, 2)
+        out.append((freqs_cis[..., 1] * x_[..., 0] + freqs_cis[..., 0] * x_[..., 1]).reshape(*x.shape).type_as(x))
+    return tuple(out)
+
+
+def rope_matrices(positions: torch.Tensor, d: int = D, theta: float = 10000.0) -> torch.Tensor:
+    """BFL's `flux.math.rope`: (B, S, D/2, 2, 2) matrices [[cos, -sin], [sin, cos]] per pair."""
+    omega = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angles = torch.einsum("...n,d->...nd", positions.double(), omega)
+    cos, sin = angles.cos(), angles.sin()
+    return torch.stack([cos, -sin, sin, cos], dim=-1).view(*angles.shape, 2, 2).float()
+
+
+class MatrixRotary(nn.Module):
+    """q and k projected and rotated by 2x2 matrices: BFL's layout, (B, H, S, D) with a (B, 1, S, D/2,
+    2, 2) table (`heads_first`), or HiDream's, (B, S, H, D) with (B, S, 1, D/2, 2, 2). `table`:
+    "rope" (rotations, per-sample positions), "any" (random matrices: no rotation at all),
+    "learned" (a Parameter), "per_head" (a matrix per head too: not a table of positions)."""
+
+    def __init__(self, apply=apply_rope_bfl, heads_first=True, which="q_k", table="rope", half_q_k=False):
+        super().__init__()
+        self.q_proj, self.k_proj = nn.Linear(HQ * D, HQ * D, bias=False), nn.Linear(HQ * D, HKV * D, bias=False)
+        positions = torch.arange(S).float() + torch.tensor([[0.0], [3.0]])
+        matrices = rope_matrices(positions) if table == "rope" else torch.randn(B, S, D // 2, 2, 2)
+        matrices = matrices.unsqueeze(1 if heads_first else 2)
+        if table == "per_head":
+            matrices = matrices.expand(-1, HQ, -1, -1, -1, -1) if heads_first else \
+                matrices.expand(-1, -1, HQ, -1, -1, -1)
+        if table == "learned":
+            self.freqs = nn.Parameter(matrices)
+        else:
+            self.register_buffer("freqs", matrices.contiguous())
+        self.apply_fn, self.heads_first, self.which, self.half_q_k = apply, heads_first, which, half_q_k
+
+    def forward(self, x):
+        q, k = self.q_proj(x).view(B, S, -1, D), self.k_proj(x).view(B, S, -1, D)
+        if self.half_q_k:
+            q, k = q.half(), k.half()
+        if self.heads_first:
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+        if self.which == "q":
+            q = self.apply_fn(q, self.freqs)
+        else:
+            q, k = self.apply_fn(q, k, self.freqs)
+        if not self.heads_first:
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+        return q, k
+
+
+@pytest.mark.parametrize("make, counts", [
+    (MatrixRotary, {"rotary_matrix_cast_q_k": 1}),
+    (lambda: MatrixRotary(heads_first=False), {"rotary_matrix_cast_q_k": 1}),
+    (lambda: MatrixRotary(apply_rope_bfl_alone, which="q"), {"rotary_matrix_cast": 1}),
+    (lambda: MatrixRotary(table="any"), {"rotary_matrix_cast_q_k": 1}),
+    (lambda: MatrixRotary(heads_first=False, table="learned"), {"rotary_matrix_cast_q_k": 1}),
+    (lambda: MatrixRotary(apply_rope_columns_swapped), {}),
+], ids=["bfl-flux", "hidream-layout", "q-alone", "any-matrices", "learned-table", "columns-swapped-left"])
+def test_matrix_rotary_fuses_and_matches(make, counts):
+    """Each pair times a 2x2 matrix becomes the interleaved op with D-wide tables that carry the
+    matrix: outputs and every gradient (the learned table's too) equal the unfused module's, for
+    rotations and for matrices that are none; the columns the other way round stay as written."""
+    assert check_against_unfused(make, X, "dynamo").by_pattern() == counts
+
+
+def test_matrix_rotary_of_fp16_q_and_k_takes_the_casts_in():
+    report = check_against_unfused(lambda: MatrixRotary(half_q_k=True), X, "dynamo", grads=False)
+    assert report.by_pattern() == {"rotary_matrix_cast_q_k": 1}
+    model = fuse_via(MatrixRotary(half_q_k=True), "dynamo")
+    ran = trifuse_ops_run(lambda: model(X[0]))
+    assert "trifuse::rotary_embedding" in ran and all(o.dtype == torch.float16 for o in model(X[0]))
+
+
+def test_matrix_rotary_of_float64_q_keeps_its_fp32_rounding():
+    """A float64 model's `.float()` rounds: the casts stay, the op rotates the fp32 copies."""
+    inner = MatrixRotary().double()
+    ref = copy.deepcopy(inner)
+    model = fuse_via(inner, "dynamo")
+    x = X[0].double()
+    for out, want in zip(model(x), ref(x)):
+        assert out.dtype == torch.float64
+        torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+    report = trifuse.report(model)
+    assert report.by_pattern() == {"rotary_matrix_q_k": 1}
+    assert any("is not a 16-bit or fp32 tensor" in why for *_, why in report.rejected())
+
+
+def test_matrix_rotary_runs_the_op_forward_and_backward():
+    inner = MatrixRotary(table="learned")
+    model = fuse_via(inner, "dynamo")
+    x = X[0].clone().requires_grad_()
+    ran = trifuse_ops_run(lambda: sum(o.sum() for o in model(x)).backward())
+    assert {"trifuse::rotary_embedding", "trifuse::rotary_embedding_backward"} <= ran
+    assert inner.freqs.grad is not None and inner.freqs.grad.abs().sum() > 0
+
+
+def test_matrix_rotary_with_a_table_per_head_is_left_with_a_reason():
+    report = check_against_unfused(lambda: MatrixRotary(apply_rope_bfl_alone, which="q", table="per_head"), X,
+                                   "dynamo")
+    assert report.counts() == {}
+    reasons = [why for _, _, pattern, why in report.rejected() if pattern.startswith("rotary_matrix")]
+    assert any("is not one row per position" in why for why in reasons), reasons
