@@ -179,7 +179,7 @@ def _gated_dropout_add_bwd_kernel(
     X,  # in (M, N); unused unless NEED_DGATE
     B,  # in (N,) bias; unused unless NEED_DGATE and HAS_BIAS
     G,  # in (M / R, N) gate rows, contiguous
-    SEED,  # in (1,) int64 Philox seed (zero without HAS_DROPOUT)
+    SEED,  # in (1,) int64 Philox seed; unused unless HAS_DROPOUT
     DX,  # out (M, N); unused unless NEED_DX
     DG_PARTIAL,  # out (M / R * splits, N) fp32: a program's share of its sample's dgate; unused unless NEED_DGATE
     DB_PARTIAL,  # out (M / R * splits, N) fp32: a program's share of dbias; unused unless HAS_BIAS
@@ -197,7 +197,6 @@ def _gated_dropout_add_bwd_kernel(
     g = tl.load(G + sample * N + cols, mask=col_mask, other=0.0).to(ACC)
     if NEED_DGATE and HAS_BIAS:
         b = tl.load(B + cols, mask=col_mask, other=0.0).to(ACC)
-    seed = tl.load(SEED)  # a zero when not HAS_DROPOUT (the launcher passes one)
     row_start = sample * R + (part % splits) * rows_per_program  # int64: rows * stride may pass 2^31
     row_end = tl.minimum(row_start + rows_per_program, sample * R + R)
     acc_b = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
@@ -207,7 +206,7 @@ def _gated_dropout_add_bwd_kernel(
         mask = (rows < row_end)[:, None] & col_mask[None, :]
         dz = tl.load(DY + rows[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0).to(ACC)
         if HAS_DROPOUT:
-            dz = tl.where(dropout_keep_quads(seed, rows[:, None], cols[None, :], p), dz * scale, 0.0)
+            dz = tl.where(dropout_keep_quads(tl.load(SEED), rows[:, None], cols[None, :], p), dz * scale, 0.0)
         dx = dz * g[None, :]
         if NEED_DX:
             tl.store(DX + rows[:, None] * stride_dxm + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
@@ -333,7 +332,7 @@ def gated_dropout_add_bwd(
     m = dy.numel() // n
     r = m // samples
     head = (dy2, x2, bias.contiguous() if has_bias and need_dgate else dy2, gate,
-            seed if p > 0.0 else _zero_seed(dy.device), dy2 if dx is None else dx)
+            seed if p > 0.0 else dy2, dy2 if dx is None else dx)
     tail = (r, n, stride_dy, stride_x, n, p, _dropout_scale(p))
     constexprs = dict(HAS_BIAS=has_bias, HAS_DROPOUT=p > 0.0, NEED_DX=need_dx, NEED_DGATE=need_dgate,
                       ACC=acc_dtype(dy.dtype))
@@ -347,17 +346,6 @@ def gated_dropout_add_bwd(
     dg, db = _run_gated_bwd(launch, samples, head, tail, n, acc, need_dgate, has_bias, dy.device)
     return (dx, None if db is None else db.sum(dim=0),
             None if dg is None else dg.view(samples, -1, n).sum(dim=1))
-
-
-_ZERO_SEEDS: dict[torch.device, torch.Tensor] = {}
-
-
-def _zero_seed(device: torch.device) -> torch.Tensor:
-    """A (1,) int64 zero on `device`, made once: the seed a kernel loads without dropout."""
-    seed = _ZERO_SEEDS.get(device)
-    if seed is None:
-        seed = _ZERO_SEEDS[device] = torch.zeros(1, dtype=torch.int64, device=device)
-    return seed
 
 
 def dropout_add_bwd(
