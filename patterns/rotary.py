@@ -75,7 +75,9 @@ rounds: left as written. Allegro's rotate-half with each product's operand cast 
 
 BFL's Flux reference and diffusers' HiDream multiply each pair by a 2x2 matrix from a (.., D/2, 2, 2)
 table (`freqs_cis[..., 0] * x_[..., 0] + freqs_cis[..., 1] * x_[..., 1]`): `rotary_matrix*`, the
-interleaved op with D-wide tables that carry any 2x2 matrix (below, before PATTERNS).
+interleaved op with D-wide tables that carry any 2x2 matrix (below, before PATTERNS). Mochi's
+even and odd slices, each upcast and each half of the result cast back (a table per head and
+position, D/2 wide): `rotary_slices_cast*`, the interleaved op with its table as it is.
 """
 import operator
 
@@ -964,6 +966,124 @@ def _written_pairs_pattern(search, cast: bool, with_k: bool) -> Pattern:
                    (_written_pairs_split(names, cast),), derive=_written_pairs_layout(names[0]))
 
 
+# Mochi's rotary (diffusers' MochiAttnProcessor2_0): the even and the odd features sliced and
+# upcast apart, each half of the result cast back, stacked into pairs, with (S, H, D/2) tables (a
+# frequency per head, learned: Mochi's `pos_frequencies` is a Parameter):
+#
+#     x_even, x_odd = x[..., 0::2].float(), x[..., 1::2].float()
+#     cos = (x_even * freqs_cos - x_odd * freqs_sin).to(x.dtype)
+#     sin = (x_even * freqs_sin + x_odd * freqs_cos).to(x.dtype)
+#     return torch.stack([cos, sin], dim=-1).flatten(-2)
+#
+# the interleaved op with one table entry per pair, in x's dtype (rounded once, as each half is).
+
+
+def _slices_rotated(x, cos, sin, start, dim, flat, even_up, odd_up, even_back, odd_back):
+    even, odd = x[..., start::2].to(even_up), x[..., 1::2].to(odd_up)
+    return torch.stack([(even * cos - odd * sin).to(even_back), (even * sin + odd * cos).to(odd_back)],
+                       dim=dim).flatten(flat)
+
+
+def rotary_slices_cast_q_k(q: torch.Tensor, k: torch.Tensor, q_cos: torch.Tensor, q_sin: torch.Tensor,
+                           k_cos: torch.Tensor, k_sin: torch.Tensor, q_start, k_start, q_dim, k_dim, q_flat, k_flat,
+                           q_even_up, q_odd_up, k_even_up, k_odd_up, q_even_back, q_odd_back, k_even_back,
+                           k_odd_back):
+    """Mochi's apply_rotary_emb on q and on k."""
+    return (_slices_rotated(q, q_cos, q_sin, q_start, q_dim, q_flat, q_even_up, q_odd_up, q_even_back, q_odd_back),
+            _slices_rotated(k, k_cos, k_sin, k_start, k_dim, k_flat, k_even_up, k_odd_up, k_even_back, k_odd_back))
+
+
+def rotary_slices_cast(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x_start, x_dim, x_flat, x_even_up,
+                       x_odd_up, x_even_back, x_odd_back):
+    return _slices_rotated(x, cos, sin, x_start, x_dim, x_flat, x_even_up, x_odd_up, x_even_back, x_odd_back)
+
+
+def _as_op_table(t: torch.Tensor, pad: int) -> torch.Tensor:
+    for _ in range(pad):  # views: Mochi's (S, H, D/2) as (1, S, H, D/2)
+        t = t.unsqueeze(0)
+    return t
+
+
+def _slices_fused(with_k: bool):
+    def fused_q_k(q, k, q_cos, q_sin, k_cos=None, k_sin=None, q_start=None, k_start=None, q_dim=None, k_dim=None,
+                  q_flat=None, k_flat=None, q_even_up=None, q_odd_up=None, k_even_up=None, k_odd_up=None,
+                  q_even_back=None, q_odd_back=None, k_even_back=None, k_odd_back=None, positions_dim=2, dtype=None,
+                  pad=0):
+        return _rotate_pairs(q, k, _as_op_table(q_cos, pad), _as_op_table(q_sin, pad), positions_dim, dtype)
+
+    def fused(x, cos, sin, x_start=None, x_dim=None, x_flat=None, x_even_up=None, x_odd_up=None, x_even_back=None,
+              x_odd_back=None, positions_dim=2, dtype=None, pad=0):
+        return _rotate_pairs(x, None, _as_op_table(cos, pad), _as_op_table(sin, pad), positions_dim, dtype)[0]
+
+    return fused_q_k if with_k else fused
+
+
+def _half_table_positions_dim(table: torch.Tensor, x: torch.Tensor) -> int | None:
+    """Where x's positions are for a table of one entry per pair padded to (B or 1, ., ., D/2): dim 1
+    when the table is 1 on dim 2 (B, S, H, D with (.., S, 1, D/2)), else dim 2; None when the table
+    does not broadcast to x's pairs without growing them."""
+    shape = (1,) * (4 - table.dim()) + tuple(table.shape)
+    if not (known_equal(shape[3], x.shape[-1] // 2) and all(
+            known_equal(shape[i], 1) or known_equal(shape[i], x.shape[i]) for i in range(3))):
+        return None
+    return 1 if known_equal(shape[2], 1) and not known_equal(shape[1], 1) else 2
+
+
+def _slices_split(names: tuple[str, ...]):
+    """Each tensor 4-D, 16-bit or fp32 (a float64 model's `.float()` rounds), its even (0::2) and
+    odd (1::2) features upcast to fp32, each half of the result cast back to its dtype, the halves
+    stacked along a new last dim and flattened into it; its tables float, one shape and dtype, at
+    most 4-D, D/2 wide, broadcasting to its pairs; with q and k, the same tables for both."""
+
+    def check(m: Match) -> str | None:
+        one = len(names) == 1
+        for name in names:
+            x = m.value(name)
+            if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.dtype not in _FP32_OR_NARROWER:
+                return f"{name} is not a 4-D 16-bit or fp32 tensor"
+            start, dim, flat = m.value(f"{name}_start"), m.value(f"{name}_dim"), m.value(f"{name}_flat")
+            if start is not None and (not isinstance(start, int) or isinstance(start, bool) or start != 0):
+                return f"the pairs are {name}[..., {start!r}::2] with {name}[..., 1::2], not 0::2"
+            if isinstance(dim, bool) or dim not in (-1, x.dim()) or isinstance(flat, bool) \
+                    or flat not in (-2, x.dim() - 1):
+                return f"the halves of {name} are stacked along {dim!r} and flattened from {flat!r}, not into pairs"
+            for half in ("even", "odd"):
+                up, back = m[f"{name}_{half}_up"], m[f"{name}_{half}_back"]
+                if up is not torch.float32 or back is not x.dtype:
+                    return f"{name}'s {half} features ({x.dtype}) are cast to {up!r} and back to {back!r}, " \
+                        "not to fp32 and back"
+            cos, sin = (m.value(t if one else f"{name}_{t}") for t in ("cos", "sin"))
+            if not all(isinstance(t, torch.Tensor) and t.is_floating_point() and 1 <= t.dim() <= 4
+                       for t in (cos, sin)):
+                return f"{name}'s cos and sin are not float tables of at most 4 dims"
+            if cos.dtype != sin.dtype or tuple(cos.shape) != tuple(sin.shape):
+                return f"{name}'s cos {tuple(cos.shape)} {cos.dtype} and sin {tuple(sin.shape)} {sin.dtype} differ"
+            if _half_table_positions_dim(cos, x) is None:
+                return f"the table {tuple(cos.shape)} does not broadcast to the pairs of {name} {tuple(x.shape)}"
+        if one:
+            return None
+        if not (_same_table(m["q_cos"], m["k_cos"]) and _same_table(m["q_sin"], m["k_sin"])):
+            return "q and k are rotated by different tables"
+        return None
+
+    check.__name__ = "slices_cast"
+    return check
+
+
+def _slices_layout(name: str):
+    def derive(m: Match) -> dict:
+        x, cos = m.value(name), m.value("cos" if name == "x" else f"{name}_cos")
+        return {"positions_dim": _half_table_positions_dim(cos, x), "dtype": x.dtype, "pad": 4 - cos.dim()}
+
+    return derive
+
+
+def _slices_pattern(search, with_k: bool) -> Pattern:
+    names = ("q", "k") if with_k else ("x",)
+    return Pattern(search.__name__, "rotary", search, _slices_fused(with_k), _OPS, (_slices_split(names),),
+                   derive=_slices_layout(names[0]))
+
+
 # BFL's Flux reference (`flux.math.apply_rope`, and the fine-tuning code built on it) and diffusers'
 # HiDream multiply each pair by a 2x2 matrix, from a (.., D/2, 2, 2) table that their `rope()` fills
 # with [[cos, -sin], [sin, cos]]:
@@ -1147,6 +1267,8 @@ PATTERNS = (
     _pairs_pattern(rotary_complex, complex_table=True, cast=False, with_k=False),
     _pairs_pattern(rotary_real_pairs_q_k, complex_table=False, cast=False, with_k=True),
     _pairs_pattern(rotary_real_pairs, complex_table=False, cast=False, with_k=False),
+    _slices_pattern(rotary_slices_cast_q_k, with_k=True),
+    _slices_pattern(rotary_slices_cast, with_k=False),
     _matrix_pattern(rotary_matrix_cast_q_k, cast=True, with_k=True),
     _matrix_pattern(rotary_matrix_cast, cast=True, with_k=False),
     _matrix_pattern(rotary_matrix_q_k, cast=False, with_k=True),

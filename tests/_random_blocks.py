@@ -362,7 +362,7 @@ def head_inputs(spec: HeadSpec, batch: int = 2, seq: int = 6,
 # ---------------------------------------------------------------------------------------------
 
 ROPES = ("halves", "halves_partial", "interleaved", "pairs_to_halves", "complex", "diffusers_pairs",
-         "diffusers_halves", "ltx_before_heads", "wan_written", "matrix",
+         "diffusers_halves", "ltx_before_heads", "wan_written", "matrix", "mochi_slices",
          # near misses: rotate_half's sign on the wrong half, cos and sin swapped, pairs swapped,
          # diffusers' unbound pairs with the sign on the wrong one, each pair times the other column
          "halves_sign_flipped", "halves_cos_sin_swapped", "interleaved_pairs_swapped",
@@ -401,7 +401,7 @@ class RopeAttention(nn.Module):
         freqs = torch.arange(s, device=device, dtype=torch.float32)[:, None] * inv[None, :]  # (S, d/2)
         if self.kind.startswith(("interleaved", "diffusers_pairs", "ltx", "wan")):
             emb = freqs.repeat_interleave(2, dim=-1)
-        elif self.kind == "pairs_to_halves":
+        elif self.kind in ("pairs_to_halves", "mochi_slices"):
             emb = freqs
         else:
             emb = torch.cat((freqs, freqs), dim=-1)
@@ -438,6 +438,10 @@ class RopeAttention(nn.Module):
             out[..., 0::2] = x1 * c - x2 * s
             out[..., 1::2] = x1 * s + x2 * c
             return out.type_as(x)
+        if kind == "mochi_slices":  # Mochi's: the even and odd features upcast apart, each half cast back
+            even, odd = x[..., 0::2].float(), x[..., 1::2].float()
+            return torch.stack([(even * cos - odd * sin).to(x.dtype), (even * sin + odd * cos).to(x.dtype)],
+                               dim=-1).flatten(-2)
         if kind == "complex":  # Meta's Llama reference
             xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
             return torch.view_as_real(xc * freqs).flatten(3).to(x.dtype)

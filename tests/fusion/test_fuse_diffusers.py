@@ -1,6 +1,6 @@
 """diffusers' denoisers, built from small configs (no download): the DiT, PixArt-alpha, SD3,
-Flux, Sana, CogVideoX, Wan, LTX-Video, LTX-2, Qwen-Image, Lumina 2, Z-Image, CogView4 and HiDream
-transformers, the Stable Diffusion UNet and its VAE (AutoencoderKL). `fuse` replaces the
+Flux, Sana, CogVideoX, Wan, LTX-Video, LTX-2, Qwen-Image, Lumina 2, Z-Image, CogView4, HiDream and
+Mochi transformers, the Stable Diffusion UNet and its VAE (AutoencoderKL). `fuse` replaces the
 attention, LayerNorm, RMSNorm (Flux's q/k norms), GeLU and residual-stream ops of their transformer
 blocks (diffusers' `Attention` with its SDPA processor, `FeedForward`'s GELU / GEGLU,
 `BasicTransformerBlock`'s and the joint blocks' norms), the ResNet blocks' GroupNorm + SiLU and
@@ -259,6 +259,24 @@ def hidream():
               torch.randn(B, 12))
     return Denoiser(model, call), inputs, True
 
+
+def mochi():
+    # Mochi's asymmetric joint blocks: its rotary slices the even and odd features and casts each
+    # apart, with a table per position and head from learned frequencies (zeros at init: drawn here,
+    # so that the rotation is one); its attention runs per sample over the valid text tokens (a
+    # `nonzero`: a graph break), and each rotation is then a graph of its own, run for q and for k
+    model = diffusers.MochiTransformer3DModel(
+        patch_size=2, num_attention_heads=HEADS, attention_head_dim=HEAD_DIM, num_layers=2, pooled_projection_dim=16,
+        in_channels=4, text_embed_dim=24, time_embed_dim=16, max_sequence_length=7)
+    with torch.no_grad():
+        model.pos_frequencies.normal_()
+
+    def call(m, x, text, t, mask):
+        return m(x, encoder_hidden_states=text, timestep=t, encoder_attention_mask=mask)
+
+    inputs = (torch.randn(B, 4, 2, 8, 8), torch.randn(B, 7, 24), torch.tensor([1, 5]), torch.ones(B, 7))
+    return Denoiser(model, call), inputs, True
+
 # Per model: the replacements of one forward, per family, and how many of the norms are adaptive
 # (`layer_norm_modulate`: DiT's, SD3's, PixArt's and Flux's norms modulated per sample, the
 # final norm_out's too where it is inside a captured module). DiT, PixArt and SD3 two blocks
@@ -290,7 +308,11 @@ def hidream():
 # dropout_add, the bias of the linear before them folded in where there is one. HiDream one dual- and
 # one single-stream block: the modulated norms (an fp32 copy's), q/k RMSNorms, the rotary as each
 # pair times a 2x2 matrix (q and k in one call a block), the routed SwiGLU experts each that got
-# tokens (this draw: all of them), the gated adds; its router's softmax stays.
+# tokens (this draw: all of them), the gated adds; its router's softmax stays. Mochi two blocks
+# (the last one's text stream without its MLP): the modulated RMSNorms of fp32 copies, the q/k
+# norms, the rotary (one graph a block, run for q and for k); the blocks' attention, a per-sample
+# loop around `nonzero` (graph breaks), stays as written: the attention fused is the caption
+# pooler's.
 MODELS = {
     "dit": (dit, {"layer_norm": 3, "attention": 2, "bias_gelu": 2, "residual_stream": 2, "dropout_add": 2}, 4),
     "pixart": (pixart, {"layer_norm": 3, "attention": 4, "bias_gelu": 3, "residual_stream": 2,
@@ -321,6 +343,8 @@ MODELS = {
                               "residual_stream": 4, "rotary": 4, "dropout_add": 4}, 9),
     "hidream": (hidream, {"layer_norm": 4, "rms_norm": 6, "attention": 2, "gated_activation": 6,
                           "residual_stream": 3, "rotary": 2, "dropout_add": 3}, 7),
+    "mochi": (mochi, {"layer_norm": 1, "rms_norm": 13, "attention": 1, "gated_activation": 3,
+                      "residual_stream": 3, "rotary": 2}, 14),
 }
 
 
@@ -332,7 +356,8 @@ MODELS = {
 # norm (itself a norm scaled by the gate) into the MLP's scaled norm.
 GROUP_NORM_SILU = {"unet": 16, "vae": 22}
 GATED_SUMS = {"dit": 2, "pixart": 2, "sd3": 3, "flux": 2, "sana": 2, "cogvideox": 4, "wan": 4, "ltx": 2,
-              "ltx2": 4, "qwenimage": 4, "lumina2": 3, "zimage": 3, "cogview4": 4, "hidream": 3}
+              "ltx2": 4, "qwenimage": 4, "lumina2": 3, "zimage": 3, "cogview4": 4, "hidream": 3,
+              "mochi": 3}
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

@@ -1136,3 +1136,86 @@ def test_matrix_rotary_with_a_table_per_head_is_left_with_a_reason():
     assert report.counts() == {}
     reasons = [why for _, _, pattern, why in report.rejected() if pattern.startswith("rotary_matrix")]
     assert any("is not one row per position" in why for why in reasons), reasons
+
+
+# ---------------------------------------------------------------------------------------------
+# Mochi's: even and odd slices upcast apart, each half of the result cast back, a table per head
+# ---------------------------------------------------------------------------------------------
+
+
+def apply_rotary_emb_mochi(x, freqs_cos, freqs_sin):
+    """diffusers' MochiAttnProcessor2_0 apply_rotary_emb, verbatim."""
+    x_even = x[..., 0::2].float()
+    x_odd = x[..., 1::2].float()
+
+    cos = (x_even * freqs_cos - x_odd * freqs_sin).to(x.dtype)
+    sin = (x_even * freqs_sin + x_odd * freqs_cos).to(x.dtype)
+
+    return torch.stack([cos, sin], dim=-1).flatten(-2)
+
+
+def apply_rotary_emb_mochi_inverse(x, freqs_cos, freqs_sin):
+    """The rotation the other way round (a negative control: not this op's maths)."""
+    x_even, x_odd = x[..., 0::2].float(), x[..., 1::2].float()
+    cos = (x_even * freqs_cos + x_odd * freqs_sin).to(x.dtype)
+    sin = (x_odd * freqs_cos - x_even * freqs_sin).to(x.dtype)
+    return torch.stack([cos, sin], dim=-1).flatten(-2)
+
+
+class MochiRotary(nn.Module):
+    """Mochi's attention up to the rotary: (B, S, H, D) q and k (`unflatten(2, (heads, -1))`) rotated
+    by cos and sin of learned frequencies, (S, H, D/2) (`table="per_head"`, Mochi's) or (S, 1, D/2)
+    (`"per_position"`); `heads_first` rotates (B, H, S, D) tensors with (H, S, D/2) tables instead."""
+
+    def __init__(self, apply=apply_rotary_emb_mochi, table="per_head", which="q_k", heads_first=False,
+                 half_q_k=False):
+        super().__init__()
+        self.q_proj, self.k_proj = nn.Linear(HQ * D, HQ * D), nn.Linear(HQ * D, HQ * D)
+        heads = HQ if table == "per_head" else 1
+        self.freqs = nn.Parameter(torch.randn(heads, S, D // 2) if heads_first else torch.randn(S, heads, D // 2))
+        self.apply_fn, self.which, self.heads_first, self.half_q_k = apply, which, heads_first, half_q_k
+
+    def forward(self, x):
+        q, k = self.q_proj(x).unflatten(2, (HQ, -1)), self.k_proj(x).unflatten(2, (HQ, -1))
+        if self.half_q_k:
+            q, k = q.half(), k.half()
+        if self.heads_first:
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+        rope = (self.freqs.cos(), self.freqs.sin())
+        q = self.apply_fn(q, *rope)
+        if self.which == "q_k":
+            k = self.apply_fn(k, *rope)
+        return (q, k) if self.heads_first else (q.transpose(1, 2), k.transpose(1, 2))
+
+
+@pytest.mark.parametrize("make, counts", [
+    (MochiRotary, {"rotary_slices_cast_q_k": 1}),
+    (lambda: MochiRotary(table="per_position"), {"rotary_slices_cast_q_k": 1}),
+    (lambda: MochiRotary(heads_first=True), {"rotary_slices_cast_q_k": 1}),
+    (lambda: MochiRotary(which="q"), {"rotary_slices_cast": 1}),
+    (lambda: MochiRotary(apply_rotary_emb_mochi_inverse), {}),
+], ids=["mochi", "table-per-position", "heads-first", "q-alone", "inverse-rotation-left"])
+def test_mochi_rotary_fuses_and_matches(make, counts):
+    """Mochi's slices, each upcast and each half cast back, become the interleaved op with the
+    table as it is (one entry per pair, per head or not): outputs and every gradient, the learned
+    frequencies' too, equal the unfused module's; the inverse rotation stays as written."""
+    assert check_against_unfused(make, X, "dynamo").by_pattern() == counts
+
+
+def test_mochi_rotary_of_fp16_q_and_k_reads_and_writes_fp16():
+    report = check_against_unfused(lambda: MochiRotary(half_q_k=True), X, "dynamo", grads=False)
+    assert report.by_pattern() == {"rotary_slices_cast_q_k": 1}
+    inner = MochiRotary(half_q_k=True)
+    model = fuse_via(inner, "dynamo")
+    x = X[0].clone().requires_grad_()
+    ran = trifuse_ops_run(lambda: sum(o.float().sum() for o in model(x)).backward())
+    assert {"trifuse::rotary_embedding", "trifuse::rotary_embedding_backward"} <= ran
+    assert all(o.dtype == torch.float16 for o in model(X[0])) and inner.freqs.grad is not None
+
+
+def test_mochi_rotary_of_a_float64_model_is_left_with_a_reason():
+    model = fuse_via(MochiRotary().double(), "dynamo")
+    model(X[0].double())
+    report = trifuse.report(model)
+    assert report.counts() == {}, report.table()
+    assert any("is not a 4-D 16-bit or fp32 tensor" in why for *_, why in report.rejected()), report.table()
