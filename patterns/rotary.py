@@ -985,16 +985,18 @@ def _slices_rotated(x, cos, sin, start, dim, flat, even_up, odd_up, even_back, o
 
 
 def rotary_slices_cast_q_k(q: torch.Tensor, k: torch.Tensor, q_cos: torch.Tensor, q_sin: torch.Tensor,
-                           k_cos: torch.Tensor, k_sin: torch.Tensor, q_start, k_start, q_dim, k_dim, q_flat, k_flat,
-                           q_even_up, q_odd_up, k_even_up, k_odd_up, q_even_back, q_odd_back, k_even_back,
-                           k_odd_back):
+                           k_cos: torch.Tensor, k_sin: torch.Tensor, q_start, k_start, q_dim, k_dim, q_flat,
+                           k_flat, q_even_up, q_odd_up, k_even_up, k_odd_up, q_even_back, q_odd_back,
+                           k_even_back, k_odd_back):
     """Mochi's apply_rotary_emb on q and on k."""
-    return (_slices_rotated(q, q_cos, q_sin, q_start, q_dim, q_flat, q_even_up, q_odd_up, q_even_back, q_odd_back),
-            _slices_rotated(k, k_cos, k_sin, k_start, k_dim, k_flat, k_even_up, k_odd_up, k_even_back, k_odd_back))
+    return (_slices_rotated(q, q_cos, q_sin, q_start, q_dim, q_flat, q_even_up, q_odd_up, q_even_back,
+                            q_odd_back),
+            _slices_rotated(k, k_cos, k_sin, k_start, k_dim, k_flat, k_even_up, k_odd_up, k_even_back,
+                            k_odd_back))
 
 
-def rotary_slices_cast(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x_start, x_dim, x_flat, x_even_up,
-                       x_odd_up, x_even_back, x_odd_back):
+def rotary_slices_cast(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x_start, x_dim, x_flat,
+                       x_even_up, x_odd_up, x_even_back, x_odd_back):
     return _slices_rotated(x, cos, sin, x_start, x_dim, x_flat, x_even_up, x_odd_up, x_even_back, x_odd_back)
 
 
@@ -1005,14 +1007,14 @@ def _as_op_table(t: torch.Tensor, pad: int) -> torch.Tensor:
 
 
 def _slices_fused(with_k: bool):
-    def fused_q_k(q, k, q_cos, q_sin, k_cos=None, k_sin=None, q_start=None, k_start=None, q_dim=None, k_dim=None,
-                  q_flat=None, k_flat=None, q_even_up=None, q_odd_up=None, k_even_up=None, k_odd_up=None,
-                  q_even_back=None, q_odd_back=None, k_even_back=None, k_odd_back=None, positions_dim=2, dtype=None,
-                  pad=0):
+    def fused_q_k(q, k, q_cos, q_sin, k_cos=None, k_sin=None, q_start=None, k_start=None, q_dim=None,
+                  k_dim=None, q_flat=None, k_flat=None, q_even_up=None, q_odd_up=None, k_even_up=None,
+                  k_odd_up=None, q_even_back=None, q_odd_back=None, k_even_back=None, k_odd_back=None,
+                  positions_dim=2, dtype=None, pad=0):
         return _rotate_pairs(q, k, _as_op_table(q_cos, pad), _as_op_table(q_sin, pad), positions_dim, dtype)
 
-    def fused(x, cos, sin, x_start=None, x_dim=None, x_flat=None, x_even_up=None, x_odd_up=None, x_even_back=None,
-              x_odd_back=None, positions_dim=2, dtype=None, pad=0):
+    def fused(x, cos, sin, x_start=None, x_dim=None, x_flat=None, x_even_up=None, x_odd_up=None,
+              x_even_back=None, x_odd_back=None, positions_dim=2, dtype=None, pad=0):
         return _rotate_pairs(x, None, _as_op_table(cos, pad), _as_op_table(sin, pad), positions_dim, dtype)[0]
 
     return fused_q_k if with_k else fused
@@ -1046,7 +1048,8 @@ def _slices_split(names: tuple[str, ...]):
                 return f"the pairs are {name}[..., {start!r}::2] with {name}[..., 1::2], not 0::2"
             if isinstance(dim, bool) or dim not in (-1, x.dim()) or isinstance(flat, bool) \
                     or flat not in (-2, x.dim() - 1):
-                return f"the halves of {name} are stacked along {dim!r} and flattened from {flat!r}, not into pairs"
+                return f"the halves of {name} are stacked along {dim!r} and flattened from {flat!r}, " \
+                    "not into pairs"
             for half in ("even", "odd"):
                 up, back = m[f"{name}_{half}_up"], m[f"{name}_{half}_back"]
                 if up is not torch.float32 or back is not x.dtype:
@@ -1057,9 +1060,11 @@ def _slices_split(names: tuple[str, ...]):
                        for t in (cos, sin)):
                 return f"{name}'s cos and sin are not float tables of at most 4 dims"
             if cos.dtype != sin.dtype or tuple(cos.shape) != tuple(sin.shape):
-                return f"{name}'s cos {tuple(cos.shape)} {cos.dtype} and sin {tuple(sin.shape)} {sin.dtype} differ"
+                return f"{name}'s cos {tuple(cos.shape)} {cos.dtype} and sin {tuple(sin.shape)} " \
+                    f"{sin.dtype} differ"
             if _half_table_positions_dim(cos, x) is None:
-                return f"the table {tuple(cos.shape)} does not broadcast to the pairs of {name} {tuple(x.shape)}"
+                return f"the table {tuple(cos.shape)} does not broadcast to the pairs of {name} " \
+                    f"{tuple(x.shape)}"
         if one:
             return None
         if not (_same_table(m["q_cos"], m["k_cos"]) and _same_table(m["q_sin"], m["k_sin"])):
@@ -1105,8 +1110,8 @@ def _matrix_product(x, freqs, shape, out_shape):
     return (freqs[..., 0] * pairs[..., 0] + freqs[..., 1] * pairs[..., 1]).reshape(out_shape)
 
 
-def rotary_matrix_cast_q_k(q: torch.Tensor, k: torch.Tensor, q_freqs: torch.Tensor, k_freqs: torch.Tensor, q_shape,
-                           k_shape, q_out_shape, k_out_shape, q_up, k_up, q_back, k_back):
+def rotary_matrix_cast_q_k(q: torch.Tensor, k: torch.Tensor, q_freqs: torch.Tensor, k_freqs: torch.Tensor,
+                           q_shape, k_shape, q_out_shape, k_out_shape, q_up, k_up, q_back, k_back):
     """BFL's and HiDream's apply_rope: q and k upcast, each pair times its 2x2 matrix, cast back."""
     return (_matrix_product(q.to(q_up), q_freqs, q_shape, q_out_shape).to(q_back),
             _matrix_product(k.to(k_up), k_freqs, k_shape, k_out_shape).to(k_back))
@@ -1166,21 +1171,24 @@ def _matrix_pairs(names: tuple[str, ...]):
             if isinstance(shape, str):
                 return f"{name} is reshaped to {shape}, not a known 6-D shape"
             if not (all(known_equal(a, b) for a, b in zip(shape[:3], x.shape[:3]))
-                    and (known_equal(shape[3], -1) or known_equal(shape[3], d // 2)) and known_equal(shape[4], 1)
-                    and known_equal(shape[5], 2) and known_equal(d % 2, 0)):
-                return f"{name} {tuple(x.shape)} is reshaped to {tuple(shape)}: not its last dim as (D/2, 1, 2) pairs"
+                    and (known_equal(shape[3], -1) or known_equal(shape[3], d // 2))
+                    and known_equal(shape[4], 1) and known_equal(shape[5], 2) and known_equal(d % 2, 0)):
+                return f"{name} {tuple(x.shape)} is reshaped to {tuple(shape)}: not its last dim as " \
+                    "(D/2, 1, 2) pairs"
             out_shape = _five_sizes(m.value(f"{name}_out_shape"), 4)
             if isinstance(out_shape, str) or not all(known_equal(a, b) for a, b in zip(out_shape, x.shape)):
                 return f"the product of {name} {tuple(x.shape)} is reshaped to {out_shape}, not to its shape"
             if not isinstance(freqs, torch.Tensor) or freqs.dim() != 6 or not freqs.is_floating_point():
-                return f"the table is not a 6-D float tensor of 2x2 matrices (got {getattr(freqs, 'shape', freqs)!r})"
+                got = getattr(freqs, "shape", freqs)
+                return f"the table is not a 6-D float tensor of 2x2 matrices (got {got!r})"
             if not (known_equal(freqs.shape[4], 2) and known_equal(freqs.shape[5], 2)
                     and known_equal(freqs.shape[3], d // 2)
                     and (known_equal(freqs.shape[0], 1) or known_equal(freqs.shape[0], x.shape[0]))):
-                return f"the table {tuple(freqs.shape)} is not (batch, ., ., D/2, 2, 2) matrices for {name} " \
-                    f"{tuple(x.shape)}"
+                return f"the table {tuple(freqs.shape)} is not (batch, ., ., D/2, 2, 2) matrices for " \
+                    f"{name} {tuple(x.shape)}"
             if _matrix_positions_dim(freqs, x) is None:
-                return f"the table {tuple(freqs.shape)} is not one row per position of {name} {tuple(x.shape)}"
+                return f"the table {tuple(freqs.shape)} is not one row per position of {name} " \
+                    f"{tuple(x.shape)}"
         if one:
             return None
         if not _same_table(m["q_freqs"], m["k_freqs"]):

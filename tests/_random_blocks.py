@@ -448,7 +448,8 @@ class RopeAttention(nn.Module):
         if kind.startswith("matrix"):  # BFL's Flux apply_rope: each pair times a 2x2 matrix
             x_ = x.float().reshape(*x.shape[:-1], -1, 1, 2)
             first, second = (1, 0) if kind == "matrix_columns_swapped" else (0, 1)
-            return (freqs[..., first] * x_[..., 0] + freqs[..., second] * x_[..., 1]).reshape(*x.shape).type_as(x)
+            out = freqs[..., first] * x_[..., 0] + freqs[..., second] * x_[..., 1]
+            return out.reshape(*x.shape).type_as(x)
         raise ValueError(kind)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

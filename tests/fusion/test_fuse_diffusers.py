@@ -247,9 +247,9 @@ def hidream():
     # apply_rope), a mixture of SwiGLU experts routed by a softmax gate (a per-expert `nonzero`:
     # graph breaks); llama_layers index the stacked Llama states, one per block
     model = diffusers.HiDreamImageTransformer2DModel(
-        patch_size=2, in_channels=4, out_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=HEAD_DIM,
-        num_attention_heads=HEADS, caption_channels=[24, 20], text_emb_dim=12, num_routed_experts=2,
-        num_activated_experts=1, axes_dims_rope=(8, 4, 4), max_resolution=(8, 8), llama_layers=[0, 1])
+        patch_size=2, in_channels=4, out_channels=4, num_layers=1, num_single_layers=1,
+        attention_head_dim=HEAD_DIM, num_attention_heads=HEADS, caption_channels=[24, 20], text_emb_dim=12,
+        num_routed_experts=2, num_activated_experts=1, axes_dims_rope=(8, 4, 4), max_resolution=(8, 8), llama_layers=[0, 1])
 
     def call(m, x, t, t5, llama, pooled):
         return m(x, timesteps=t, encoder_hidden_states_t5=t5, encoder_hidden_states_llama3=llama,
@@ -266,8 +266,8 @@ def mochi():
     # so that the rotation is one); its attention runs per sample over the valid text tokens (a
     # `nonzero`: a graph break), and each rotation is then a graph of its own, run for q and for k
     model = diffusers.MochiTransformer3DModel(
-        patch_size=2, num_attention_heads=HEADS, attention_head_dim=HEAD_DIM, num_layers=2, pooled_projection_dim=16,
-        in_channels=4, text_embed_dim=24, time_embed_dim=16, max_sequence_length=7)
+        patch_size=2, num_attention_heads=HEADS, attention_head_dim=HEAD_DIM, num_layers=2,
+        pooled_projection_dim=16, in_channels=4, text_embed_dim=24, time_embed_dim=16, max_sequence_length=7)
     with torch.no_grad():
         model.pos_frequencies.normal_()
 

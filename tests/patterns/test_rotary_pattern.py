@@ -1036,7 +1036,8 @@ def apply_rope_columns_swapped(xq, xk, freqs_cis):
     out = []
     for x in (xq, xk):
         x_ = x.float().reshape(*x.shape[:-1], -1, 1, 2)
-        out.append((freqs_cis[..., 1] * x_[..., 0] + freqs_cis[..., 0] * x_[..., 1]).reshape(*x.shape).type_as(x))
+        swapped = freqs_cis[..., 1] * x_[..., 0] + freqs_cis[..., 0] * x_[..., 1]
+        out.append(swapped.reshape(*x.shape).type_as(x))
     return tuple(out)
 
 
@@ -1056,7 +1057,8 @@ class MatrixRotary(nn.Module):
 
     def __init__(self, apply=apply_rope_bfl, heads_first=True, which="q_k", table="rope", half_q_k=False):
         super().__init__()
-        self.q_proj, self.k_proj = nn.Linear(HQ * D, HQ * D, bias=False), nn.Linear(HQ * D, HKV * D, bias=False)
+        self.q_proj = nn.Linear(HQ * D, HQ * D, bias=False)
+        self.k_proj = nn.Linear(HQ * D, HKV * D, bias=False)
         positions = torch.arange(S).float() + torch.tensor([[0.0], [3.0]])
         matrices = rope_matrices(positions) if table == "rope" else torch.randn(B, S, D // 2, 2, 2)
         matrices = matrices.unsqueeze(1 if heads_first else 2)
@@ -1172,7 +1174,7 @@ class MochiRotary(nn.Module):
         super().__init__()
         self.q_proj, self.k_proj = nn.Linear(HQ * D, HQ * D), nn.Linear(HQ * D, HQ * D)
         heads = HQ if table == "per_head" else 1
-        self.freqs = nn.Parameter(torch.randn(heads, S, D // 2) if heads_first else torch.randn(S, heads, D // 2))
+        self.freqs = nn.Parameter(torch.randn((heads, S, D // 2) if heads_first else (S, heads, D // 2)))
         self.apply_fn, self.which, self.heads_first, self.half_q_k = apply, which, heads_first, half_q_k
 
     def forward(self, x):

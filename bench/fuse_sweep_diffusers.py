@@ -1,0 +1,182 @@
+"""`trifuse.fuse` on diffusers' denoisers: every transformer (and the UNet and VAE) that
+bench/diffusers_models.py builds from a tiny config, in fp32 on CPU (Triton's interpreter). Does
+the fused model still run, train and give the unfused model's outputs and gradients, and what did
+fuse replace? The same net as bench/fuse_sweep.py (transformers' models) and fuse_sweep_vision.py (timm,
+torchvision), for the models people fine-tune for images, video and audio: their blocks modulate
+norms per sample, gate residual adds, rotate q and k in a dozen spellings and route experts.
+
+    TRITON_INTERPRET=1 python bench/fuse_sweep_diffusers.py [--jobs N] [NAME ...]
+        # NAME: a key of diffusers_models.BUILDERS (e.g. flux2, hunyuan_video); named rows replace
+        # theirs in the results. Default: all of them (~10-20 min on 2 cores).
+
+Each model runs in its own process (memory-capped, timed out), dropout off, in training mode,
+through the test suite's oracle (tests/_fusing.py `check_against_unfused`): the fused fp32 model's
+prediction and every parameter's and input's gradient against a float64 copy, within twice what
+the unfused fp32 model gets wrong plus a floor (tests/tolerances.py). fp32 rather than float64,
+as in the other sweeps: the models' own `.float()` casts round a float64 model, and trifuse leaves
+those spellings as written there (they would fuse in a real fp32 or 16-bit model). Statuses: "ok";
+"MISMATCH" (the oracle's first complaint in "why"); "FUSED CRASH" (the unfused model ran and the
+fused one raised: a trifuse bug); "build" / "unfused fails" (in float64) / "not repeatable" (two
+unfused calls differ) / "timeout" are the harness's.
+tests/fusion/test_fuse_diffusers.py checks a subset (in fp32 and fp16, by the oracle rule, with
+the replacement counts pinned); this sweep is the wider net.
+Writes bench/results/fuse_sweep_diffusers.json and .md.
+"""
+import copy
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+import traceback
+
+if __name__ == "__main__" and any(a.startswith("--one=") for a in sys.argv):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch
+from fuse_sweep import RESULTS, run_rows
+
+
+def _prediction(out) -> torch.Tensor:
+    """The denoiser's prediction from what diffusers returns: an output's `.sample`, a tuple's first
+    entry, or a list of per-sample tensors (stacked)."""
+    out = getattr(out, "sample", out)
+    if isinstance(out, (tuple, list)):
+        out = out[0] if isinstance(out, tuple) else torch.stack(out)
+    return out
+
+
+def run_one(name: str) -> dict:
+    import diffusers_models
+
+    return run_build(diffusers_models.BUILDERS[name])
+
+
+def run_build(build) -> dict:
+    """One model's row: `build()` returns (model, call, inputs), `call(model, *inputs)` its output."""
+    from _fusing import check_against_unfused
+    from test_fuse_diffusers import Denoiser
+
+    try:
+        torch.manual_seed(0)
+        model, call, inputs = build()
+    except Exception as e:  # noqa: BLE001
+        return {"status": "build", "why": f"{type(e).__name__}: {str(e).strip()[:150]}"}
+    inner = getattr(model, "model", model)
+    for module in model.modules():  # dropout off: the check compares gradients
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    denoiser = model if isinstance(model, Denoiser) else Denoiser(model, call)
+    params = sum(p.numel() for p in model.parameters())
+    try:  # the unfused model in float64, twice: it runs, and repeats itself
+        twin = copy.deepcopy(denoiser).double().train()
+        x64 = tuple(x.double() if x.is_floating_point() else x for x in inputs)
+        first, second = (_prediction(twin(*x64)) for _ in range(2))
+        if not torch.equal(first, second):
+            return {"status": "not repeatable", "class": type(inner).__name__,
+                    "why": "two unfused float64 calls differ"}
+    except Exception as e:  # noqa: BLE001
+        return {"status": "unfused fails", "class": type(inner).__name__,
+                "why": f"{type(e).__name__}: {str(e).strip()[:150]}"}
+    row = {"class": type(inner).__name__, "params": params}
+    try:
+        report = check_against_unfused(lambda: denoiser, inputs, train=True)
+        row["status"] = "ok"
+    except AssertionError as e:
+        row.update(status="MISMATCH", why=str(e).strip().splitlines()[0][:300])
+        return row
+    except Exception as e:  # noqa: BLE001
+        return {**row, "status": "FUSED CRASH", "why": f"{type(e).__name__}: {str(e).strip()[:300]}",
+                "traceback": traceback.format_exc()[-3000:]}
+    row.update(replaced=dict(sorted(report.counts().items())),
+               patterns=dict(sorted(report.by_pattern().items())), left=len(report.left()),
+               left_why=sorted({f"{op}: {why}"[:100] for _, _, op, why in report.left()})[:4],
+               unfused_calls={k: sum(v.values()) for k, v in report.unfused_calls().items()})
+    return row
+
+
+def _child(name: str, timeout: int = 900, threads: int | None = None) -> dict:
+    def cap_memory():
+        resource.setrlimit(resource.RLIMIT_AS, (10 << 30, 10 << 30))
+
+    t0 = time.time()
+    env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
+    try:
+        done = subprocess.run([sys.executable, os.path.abspath(__file__), f"--one={name}"],
+                              capture_output=True, text=True, timeout=timeout, preexec_fn=cap_memory,
+                              check=False, env=env)
+        lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+        row = json.loads(lines[-1]) if lines else {
+            "status": f"died (rc {done.returncode})",
+            "why": done.stderr.strip().splitlines()[-1][:150] if done.stderr.strip() else ""}
+    except subprocess.TimeoutExpired:
+        row = {"status": "timeout"}
+    return {"type": name, **row, "s": round(time.time() - t0, 1)}
+
+
+def _markdown(rows: list[dict], header: str) -> str:
+    from collections import Counter
+
+    counts = Counter(r["status"] for r in rows)
+    out = [f"# fuse sweep (diffusers)\n\n{header}\n", "| status | models |", "|---|---|"]
+    out += [f"| {s} | {n} |" for s, n in counts.most_common()]
+    out += ["", "| model | status | class | params | replaced | left as written | why |",
+            "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        replaced = ", ".join(f"{k} {v}" for k, v in r.get("replaced", {}).items())
+        why = "; ".join([r["why"]] if r.get("why") else r.get("left_why", []))
+        why = why.replace("|", "/").replace("\n", " ")[:160]
+        out.append(f"| {r['type']} | {r['status']} | {r.get('class', '')} | {r.get('params', '')} | "
+                   f"{replaced} | {r.get('left', '')} | {why} |")
+    return "\n".join(out) + "\n"
+
+
+def main(names: list[str], jobs: int) -> None:
+    import platform
+
+    import diffusers
+    import diffusers_models
+    import triton
+
+    path = os.path.join(RESULTS, "fuse_sweep_diffusers.json")
+    kept = {}
+    if names and os.path.exists(path):
+        with open(path) as f:
+            kept = {r["type"]: r for r in json.load(f)["rows"]}
+    unknown = [n for n in names if n not in diffusers_models.BUILDERS]
+    if unknown:
+        known = ", ".join(diffusers_models.BUILDERS)
+        sys.exit(f"fuse_sweep_diffusers: no builder {unknown[0]!r} (known: {known})")
+    names = names or list(diffusers_models.BUILDERS)
+    rows = run_rows(names, lambda name, threads: _child(name, threads=threads), jobs)
+    header = (f"date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · torch {torch.__version__} · "
+              f"triton {triton.__version__} · diffusers {diffusers.__version__} · "
+              f"python {platform.python_version()} · CPU (TRITON_INTERPRET=1), fp32 against float64 by the "
+              "oracle rule, training mode, dropout off")
+    if kept:
+        with open(path) as f:
+            swept = json.load(f)["header"]
+        header = f"{swept} · rerun {header.split(' · ')[0][len('date '):]}: {', '.join(names)}"
+    rows = sorted({**kept, **{r["type"]: r for r in rows}}.values(), key=lambda r: r["type"])
+    with open(path, "w") as f:
+        json.dump({"header": header, "rows": rows}, f, indent=1)
+    with open(os.path.join(RESULTS, "fuse_sweep_diffusers.md"), "w") as f:
+        f.write(_markdown(rows, header))
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    one = [a for a in args if a.startswith("--one=")]
+    if one:
+        print(json.dumps(run_one(one[0][len("--one="):])), flush=True)
+        sys.exit(0)
+    jobs = 1
+    if "--jobs" in args:
+        i = args.index("--jobs")
+        jobs = int(args[i + 1])
+        del args[i:i + 2]
+    unknown = [a for a in args if a.startswith("-")]
+    if unknown:
+        sys.exit(f"fuse_sweep_diffusers: unknown option {unknown[0]!r}\n{__doc__}")
+    main(args, jobs)
