@@ -12,7 +12,8 @@ tensor rotated alone becomes a call with k=None. Partial-rotary models (Phi, GPT
 apply the same formula to slices `q[..., :rot]` and `cat` the rest back: the formula on the
 slices is what matches, the slices are read in place and the `cat` stays.
 
-Filters: rotate_half splits the last dim exactly in half (the same half in both slices, the cat
+rotate_half through `chunk` (`x1, x2 = x.chunk(2, dim=-1)`: Megatron, diffusers' ERNIE-Image) is
+`rotary_chunk[_q_k]`, the same op. Filters: rotate_half splits the last dim exactly in half (the same half in both slices, the cat
 along the last dim); cos and sin are 4-D. That they broadcast to q and k (batch or 1, 1,
 positions, head_dim), q and k share a dtype and cos and sin share one (fp32 tables beside 16-bit
 q and k, as under autocast, are fine) the op checks when the replacement is tried. cos and sin
@@ -130,6 +131,54 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x_start, x_end
 
 def rotary_fused(x, cos, sin, x_start=None, x_end=None, dim=None, seq_heads=False):
     return _rotate_half_op(x, None, cos, sin, seq_heads=seq_heads)[0]
+
+
+def _rotate_half_by_chunk(x, dim, cat_dim):
+    halves = x.chunk(2, dim=dim)
+    return torch.cat((-halves[1], halves[0]), dim=cat_dim)
+
+
+def rotary_chunk_q_k(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_dim, k_dim, q_cat,
+                     k_cat):
+    """rotate_half as `x1, x2 = x.chunk(2, dim=-1); cat((-x2, x1), dim=-1)` (diffusers' ERNIE-Image,
+    Megatron's `_rotate_half`), on q and on k."""
+    return (q * cos + _rotate_half_by_chunk(q, q_dim, q_cat) * sin,
+            k * cos + _rotate_half_by_chunk(k, k_dim, k_cat) * sin)
+
+
+def rotary_chunk_q_k_fused(q, k, cos, sin, q_dim=None, k_dim=None, q_cat=None, k_cat=None, seq_heads=False):
+    out = _rotate_half_op(q, k, cos, sin, seq_heads=seq_heads)
+    return out[0], out[1]
+
+
+def rotary_chunk(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x_dim, x_cat):
+    return x * cos + _rotate_half_by_chunk(x, x_dim, x_cat) * sin
+
+
+def rotary_chunk_fused(x, cos, sin, x_dim=None, x_cat=None, seq_heads=False):
+    return _rotate_half_op(x, None, cos, sin, seq_heads=seq_heads)[0]
+
+
+def _chunks_last_dim_in_half(names: tuple[str, ...]):
+    """Each tensor chunked in two along its last dim (halves: the chunk of an odd width is not) and
+    the halves concatenated back along it."""
+
+    def check(m: Match) -> str | None:
+        for name in names:
+            x = m.value(name)
+            if not isinstance(x, torch.Tensor):
+                return f"no shape for {name}"
+            for what in ("dim", "cat"):
+                dim = m.value(f"{name}_{what}")
+                if not isinstance(dim, int) or isinstance(dim, bool) or dim not in (-1, x.dim() - 1):
+                    verb = "chunks" if what == "dim" else "concatenates"
+                    return f"rotate_half {verb} {name} along dim {dim!r}, not the last"
+            if x.shape[-1] % 2:
+                return f"rotate_half chunks {name}'s odd last dim ({x.shape[-1]}) in two unequal parts"
+        return None
+
+    check.__name__ = "chunks_last_dim_in_half"
+    return check
 
 
 def rotary_cast_q_k(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_start, q_end, k_start,
@@ -1253,6 +1302,10 @@ PATTERNS = (
             (_rotates_half_of_last_dim(("q", "k")), _cos_sin_layout), derive=_seq_heads),
     Pattern("rotary", "rotary", rotary, rotary_fused, _OPS,
             (_rotates_half_of_last_dim(("x",)), _cos_sin_layout), derive=_seq_heads),
+    Pattern("rotary_chunk_q_k", "rotary", rotary_chunk_q_k, rotary_chunk_q_k_fused, _OPS,
+            (_chunks_last_dim_in_half(("q", "k")), _cos_sin_layout), derive=_seq_heads),
+    Pattern("rotary_chunk", "rotary", rotary_chunk, rotary_chunk_fused, _OPS,
+            (_chunks_last_dim_in_half(("x",)), _cos_sin_layout), derive=_seq_heads),
     Pattern("rotary_cast_each", "rotary", rotary_cast_each, rotary_cast_each_fused, _OPS,
             (_rotates_half_of_last_dim(("x",)), _cos_sin_layout, _cast_back_to_its_dtype(("x",))),
             derive=_seq_heads),

@@ -362,7 +362,7 @@ def head_inputs(spec: HeadSpec, batch: int = 2, seq: int = 6,
 # ---------------------------------------------------------------------------------------------
 
 ROPES = ("halves", "halves_partial", "interleaved", "pairs_to_halves", "complex", "diffusers_pairs",
-         "diffusers_halves", "ltx_before_heads", "wan_written", "matrix", "mochi_slices",
+         "diffusers_halves", "ltx_before_heads", "wan_written", "matrix", "mochi_slices", "halves_chunk",
          # near misses: rotate_half's sign on the wrong half, cos and sin swapped, pairs swapped,
          # diffusers' unbound pairs with the sign on the wrong one, each pair times the other column
          "halves_sign_flipped", "halves_cos_sin_swapped", "interleaved_pairs_swapped",
@@ -411,6 +411,9 @@ class RopeAttention(nn.Module):
         kind = self.kind
         if kind in ("halves", "halves_partial"):
             return x * cos + _rotate_half(x) * sin
+        if kind == "halves_chunk":  # Megatron's and ERNIE-Image's rotate_half through chunk
+            x1, x2 = x.chunk(2, dim=-1)
+            return x * cos + torch.cat((-x2, x1), dim=-1) * sin
         if kind == "halves_sign_flipped":
             return x * cos + _rotate_half(x, flipped=True) * sin
         if kind == "halves_cos_sin_swapped":

@@ -38,6 +38,17 @@ def rotate_half_concat_positional(x):
     return torch.concat([-x[..., half:], x[..., :half]], 3)
 
 
+def rotate_half_chunk(x):
+    """rotate_half through `chunk` (Megatron's `_rotate_half`, diffusers' ERNIE-Image)."""
+    halves = x.chunk(2, dim=-1)
+    return torch.cat((-halves[1], halves[0]), dim=-1)
+
+
+def rotate_half_chunk_sign_flipped(x):
+    halves = x.chunk(2, dim=-1)
+    return torch.cat((halves[1], -halves[0]), dim=-1)
+
+
 def rotate_half_sign_flipped(x):
     half = x.shape[-1] // 2
     return torch.cat((x[..., half:], -x[..., :half]), dim=-1)
@@ -155,7 +166,11 @@ class HFRotary(Rotary):
     (lambda: Rotary(rot=4), "rotary_q_k"),
     (lambda: Rotary(which="q"), "rotary"),
     (lambda: Rotary(learned=True), "rotary_q_k"),
-], ids=["hf-llama", "per-batch-positions", "concat-positional-dim", "partial-rotary", "q-alone", "learned-cos-sin"])
+    (lambda: Rotary(rotate=rotate_half_chunk), "rotary_chunk_q_k"),
+    (lambda: Rotary(rot=4, rotate=rotate_half_chunk, learned=True), "rotary_chunk_q_k"),
+    (lambda: Rotary(rotate=rotate_half_chunk, which="q"), "rotary_chunk"),
+], ids=["hf-llama", "per-batch-positions", "concat-positional-dim", "partial-rotary", "q-alone", "learned-cos-sin",
+        "chunk", "chunk-partial-learned", "chunk-q-alone"])
 def test_spelling_fuses_and_matches(make, pattern, capture):
     """Outputs and every gradient (learned cos and sin included) equal the unfused module's."""
     assert check_against_unfused(make, X, capture).by_pattern() == {pattern: 1}
@@ -709,7 +724,8 @@ def test_trifuse_op_runs_forward_and_backward():
     lambda: Rotary(rotate=rotate_half_sign_flipped),
     lambda: Rotary(rotate=rotate_interleaved_swapped),
     lambda: Rotary(rotate=rotate_interleaved_sign_flipped),
-], ids=["sign-flipped", "interleaved-swapped", "interleaved-sign-flipped"])
+    lambda: Rotary(rotate=rotate_half_chunk_sign_flipped),
+], ids=["sign-flipped", "interleaved-swapped", "interleaved-sign-flipped", "chunk-sign-flipped"])
 def test_other_rotations_are_left_as_written(make, capture):
     """Neither convention: nothing matches, and the module computes what it did."""
     report = check_against_unfused(make, X, capture)
@@ -1221,3 +1237,33 @@ def test_mochi_rotary_of_a_float64_model_is_left_with_a_reason():
     report = trifuse.report(model)
     assert report.counts() == {}, report.table()
     assert any("is not a 4-D 16-bit or fp32 tensor" in why for *_, why in report.rejected()), report.table()
+
+
+def apply_rotary_emb_ernie_image(x_in, freqs_cis):
+    """diffusers' ERNIE-Image apply_rotary_emb, verbatim: (B, S, H, D) x, a (B, S, 1, D) angle
+    table whose cos and sin it takes per call, rotate_half through `chunk`."""
+    rot_dim = freqs_cis.shape[-1]
+    x, x_pass = x_in[..., :rot_dim], x_in[..., rot_dim:]
+    cos_ = torch.cos(freqs_cis).to(x.dtype)
+    sin_ = torch.sin(freqs_cis).to(x.dtype)
+    # Non-interleaved rotate_half: [-x2, x1]
+    x1, x2 = x.chunk(2, dim=-1)
+    x_rotated = torch.cat((-x2, x1), dim=-1)
+    return torch.cat((x * cos_ + x_rotated * sin_, x_pass), dim=-1)
+
+
+class ErnieImageRotary(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj = nn.Linear(HQ * D, HQ * D), nn.Linear(HQ * D, HQ * D)
+
+    def forward(self, x, angles):
+        q, k = self.q_proj(x).unflatten(-1, (HQ, -1)), self.k_proj(x).unflatten(-1, (HQ, -1))
+        return apply_rotary_emb_ernie_image(q, angles), apply_rotary_emb_ernie_image(k, angles)
+
+
+def test_ernie_image_rotary_through_chunk_fuses_and_matches():
+    """Each of q and k (its cos and sin computed for it) becomes the op: the (B, S, 1, D) table on
+    (B, S, H, D) tensors, the positions read as the op's heads (an elementwise map either way)."""
+    angles = torch.randn(B, S, 1, D)
+    assert check_against_unfused(ErnieImageRotary, (X[0], angles), "dynamo").by_pattern() == {"rotary_chunk": 2}
