@@ -1211,6 +1211,18 @@ class LeafTracer(fx.Tracer):
         return self._leaves(m) or has_hooks(m) or super().is_leaf_module(m, module_qualified_name)
 
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
+        """fx's trace; a forward that assigns to its modules' state (a cache, a counter) fails it:
+        the graph would not do that when it runs, and the assignments (of Proxies) are undone."""
+        state = _module_state(root) if isinstance(root, torch.nn.Module) else None
+        try:
+            graph = self._trace(root, concrete_args)
+        finally:
+            changed = _restore_module_state(state) if state is not None else []
+        if changed:
+            raise fx.proxy.TraceError(f"its forward assigns to {', '.join(changed[:3])}: a graph would not")
+        return graph
+
+    def _trace(self, root: Any, concrete_args: dict[str, Any] | None) -> fx.Graph:
         original = torch.autograd.Function.__dict__["apply"]
         tracer = self
 
@@ -1241,6 +1253,52 @@ class LeafTracer(fx.Tracer):
                 and all(isinstance(k, str) for k in a):
             return self.create_node("call_function", type(a), (), {k: self.create_arg(v) for k, v in a.items()})
         return super().create_arg(a)
+
+
+def _module_state(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module, dict, dict]]:
+    """Each module's attribute bindings, and the contents of its list and dict attributes (its
+    parameters, buffers and submodules among them), before an fx trace runs its forward."""
+    state = []
+    for path, module in root.named_modules():
+        contents = {name: (value, list(value) if isinstance(value, list) else dict(value))
+                    for name, value in vars(module).items() if isinstance(value, (list, dict))}
+        state.append((path, module, dict(vars(module)), contents))
+    return state
+
+
+# what fx itself adds to the root: the tensor constants its graph reads
+_FX_CONSTANT = ("_tensor_constant", "_param_constant")
+
+
+def _restore_module_state(state: list[tuple[str, torch.nn.Module, dict, dict]]) -> list[str]:
+    """Undoes what a traced forward did to its modules, and names what it did. fx runs the
+    forward with Proxies: a forward that caches into `self` (Qwen-Image 2.1's rope: `self.freqs =
+    [f.to(device) for f in self.freqs]`, AnyFlow's `self._freqs_cache`) would keep Proxies there,
+    and every later call would fail, fused or not."""
+    changed = []
+    for path, module, bindings, contents in state:
+        attributes = vars(module)
+        where = f"{path}." if path else "self."
+        for name in [name for name in attributes if name not in bindings]:
+            if not name.startswith(_FX_CONSTANT) or _holds_proxy(attributes[name]):
+                changed.append(where + name)
+                del attributes[name]
+        changed += [where + name for name, value in bindings.items() if attributes.get(name, value) is not value]
+        attributes.update(bindings)
+        for name, (value, saved) in contents.items():
+            if isinstance(value, list):
+                if len(value) != len(saved) or any(a is not b for a, b in zip(value, saved)):
+                    changed.append(where + name)
+                    value[:] = saved
+            elif list(value) != list(saved) or any(value[key] is not saved[key] for key in saved):
+                changed.append(where + name)
+                value.clear()
+                value.update(saved)
+    return changed
+
+
+def _holds_proxy(value: Any) -> bool:
+    return any(isinstance(leaf, fx.Proxy) for leaf in pytree.tree_leaves(value))
 
 
 # fx.wrap's registry: functions each fx trace keeps as one call, (id(globals), name) -> globals.

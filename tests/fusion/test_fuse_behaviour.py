@@ -1690,3 +1690,49 @@ def test_a_model_using_trifuse_traces_whole_and_the_rest_fuses(model):
     report = check_against_unfused(make, (torch.randn(2, 4, 3, 3),), "fx")
     assert report.by_pattern() == {"add_layer_norm": 1}, report.table()
     assert "fx cannot trace" not in report.table(), report.table()
+
+
+class _CachingRope(nn.Module):
+    """A rope that caches into itself when called, as Qwen-Image 2.1's does (`self.freqs = [f.to(device)
+    for f in self.freqs]`), counts its calls, and remembers the last shape in a dict; `branch` adds
+    data-dependent control flow, so fx fails after the assignments (else it traces through them)."""
+
+    def __init__(self, branch: bool) -> None:
+        super().__init__()
+        self.freqs = [torch.randn(8), torch.randn(8)]
+        self.calls, self.seen, self.branch = 0, {}, branch
+
+    def forward(self, x: torch.Tensor, device: torch.device) -> torch.Tensor:
+        self.freqs = [f.to(device) for f in self.freqs]
+        self.calls += 1
+        self.seen["shape"] = x.shape
+        if self.branch and x.sum() > 0:
+            return x * self.freqs[1]
+        return x * self.freqs[0]
+
+
+class _RopeThenNorm(nn.Module):
+    def __init__(self, branch: bool) -> None:
+        super().__init__()
+        self.rope, self.norm = _CachingRope(branch), nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.rope(x, x.device))
+
+
+@pytest.mark.parametrize("branch", [True, False], ids=["fx-fails", "fx-traces"])
+def test_an_fx_trace_leaves_no_proxies_in_modules_that_cache_into_themselves(branch):
+    """fx runs the forward with Proxies: whatever it assigned to the modules is undone after the
+    trace, whether it failed or not. Before, Proxies stayed in `freqs` and every later call of the
+    model failed (Qwen-Image 2.1's rope, found by bench/fuse_sweep_diffusers.py)."""
+    torch.manual_seed(0)
+    model = _RopeThenNorm(branch)
+    ref = copy.deepcopy(model)
+    x = torch.randn(3, 8)
+    trifuse.fuse(model)
+    rope = model.rope
+    assert all(type(f) is torch.Tensor for f in rope.freqs) and rope.calls == 0 and rope.seen == {}
+    for _ in range(2):
+        assert_close("output", model(x), ref(x).double(), ref(x))
+    assert rope.calls == 2 and rope.seen == {"shape": x.shape}
+    assert all(type(f) is torch.Tensor for f in rope.freqs)
