@@ -43,41 +43,6 @@ def _grid_ids(h, w, axes=3, offset=0):
     return ids.reshape(h * w, axes)
 
 
-def flux2():
-    # Flux 2: joint (dual-stream) blocks with SwiGLU MLPs and shared per-stream modulation, single
-    # blocks with one fused qkv+MLP projection (parallel attention + SwiGLU); 4-axis real rotary
-    model = diffusers.Flux2Transformer2DModel(
-        patch_size=1,
-        in_channels=16,
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=HEAD_DIM,
-        num_attention_heads=HEADS,
-        joint_attention_dim=24,
-        timestep_guidance_channels=16,
-        mlp_ratio=2.0,
-        axes_dims_rope=(4, 4, 4, 4),
-        guidance_embeds=True,
-    )
-
-    def call(m, x, t, text, img_ids, txt_ids, guidance):
-        return m(
-            x, encoder_hidden_states=text, timestep=t, img_ids=img_ids, txt_ids=txt_ids, guidance=guidance
-        )
-
-    txt_ids = torch.zeros(7, 4, dtype=torch.long)
-    txt_ids[:, 3] = torch.arange(7)
-    inputs = (
-        torch.randn(B, 64, 16),
-        torch.tensor([0.1, 0.5]),
-        torch.randn(B, 7, 24),
-        _grid_ids(8, 8, 4),
-        txt_ids,
-        torch.tensor([3.5, 4.0]),
-    )
-    return model, call, inputs
-
-
 def flux3():
     # FLUX.3: per-mode blocks (text, image, reference image: each self-attends within itself) then
     # joint single blocks over the concatenation, both parallel attention + SwiGLU from one
@@ -116,44 +81,6 @@ def flux3():
         txt_ids,
         torch.randn(B, 16, 16),
         _grid_ids(4, 4, 4, offset=1),
-    )
-    return model, call, inputs
-
-
-def chroma():
-    # Chroma: Flux's joint and single blocks (GELU-tanh MLPs, RMSNorm q/k, rotary) with the
-    # modulation pruned out of the blocks: one approximator MLP (RMSNorm + SiLU residual layers)
-    # makes every block's shift/scale/gate; a text mask over the joint sequence
-    model = diffusers.ChromaTransformer2DModel(
-        patch_size=1,
-        in_channels=16,
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=HEAD_DIM,
-        num_attention_heads=HEADS,
-        joint_attention_dim=24,
-        axes_dims_rope=(4, 6, 6),
-        approximator_num_channels=16,
-        approximator_hidden_dim=32,
-        approximator_layers=2,
-    )
-
-    def call(m, x, t, text, img_ids, txt_ids, mask):
-        return m(
-            x, encoder_hidden_states=text, timestep=t, img_ids=img_ids, txt_ids=txt_ids, attention_mask=mask
-        )
-
-    mask = torch.ones(
-        B, 7 + 64
-    )  # the pipeline's: the text mask in the text encoder's dtype, ones for the image
-    mask[1, 5:7] = 0
-    inputs = (
-        torch.randn(B, 64, 16),
-        torch.tensor([0.1, 0.5]),
-        torch.randn(B, 7, 24),
-        _grid_ids(8, 8).float(),
-        torch.zeros(7, 3),
-        mask,
     )
     return model, call, inputs
 
@@ -866,49 +793,6 @@ def _text_mask(n=7, valid=5):
     mask = torch.ones(B, n, dtype=torch.long)
     mask[1, valid:] = 0
     return mask
-
-
-def hunyuan_video():
-    # HunyuanVideo: a token refiner (plain LayerNorms, masked self-attention, Linear-SiLU-Linear MLP,
-    # gated adds), dual-stream blocks (AdaLayerNormZero, q/k RMSNorm, real cos/sin rotary on
-    # interleaved pairs of the image tokens, GELU-tanh MLP), single-stream blocks (parallel
-    # attention + MLP, one output projection)
-    model = diffusers.HunyuanVideoTransformer3DModel(
-        in_channels=4,
-        out_channels=4,
-        num_attention_heads=HEADS,
-        attention_head_dim=HEAD_DIM,
-        num_layers=1,
-        num_single_layers=1,
-        num_refiner_layers=1,
-        mlp_ratio=2.0,
-        patch_size=2,
-        patch_size_t=1,
-        guidance_embeds=True,
-        text_embed_dim=24,
-        pooled_projection_dim=12,
-        rope_axes_dim=(4, 6, 6),
-    )
-
-    def call(m, x, t, text, text_mask, pooled, guidance):
-        return m(
-            x,
-            timestep=t,
-            encoder_hidden_states=text,
-            encoder_attention_mask=text_mask,
-            pooled_projections=pooled,
-            guidance=guidance,
-        )
-
-    inputs = (
-        torch.randn(B, 4, 2, 8, 8),
-        torch.tensor([1, 5]),
-        torch.randn(B, 7, 24),
-        _text_mask(),
-        torch.randn(B, 12),
-        torch.tensor([3.5, 4.0]),
-    )
-    return model, call, inputs
 
 
 def hunyuan_video15():
@@ -1826,9 +1710,7 @@ def joyimage_edit():
 
 BUILDERS = {
     **{name: _from_tests(build) for name, (build, _, _) in _tested.MODELS.items()},
-    "flux2": flux2,
     "flux3": flux3,
-    "chroma": chroma,
     "bria": bria,
     "bria_fibo": bria_fibo,
     "bria_fibo2": bria_fibo2,
@@ -1849,7 +1731,6 @@ BUILDERS = {
     "prx": prx,
     "stableaudio": stableaudio,
     "acestep": acestep,
-    "hunyuan_video": hunyuan_video,
     "hunyuan_video15": hunyuan_video15,
     "hunyuan_video_framepack": hunyuan_video_framepack,
     "cosmos": cosmos,

@@ -1,6 +1,7 @@
 """diffusers' denoisers, built from small configs (no download): the DiT, PixArt-alpha, SD3,
-Flux, Sana, CogVideoX, Wan, LTX-Video, LTX-2, Qwen-Image, Lumina 2, Z-Image, CogView4, HiDream and
-Mochi transformers, the Stable Diffusion UNet and its VAE (AutoencoderKL). `fuse` replaces the
+Flux, Flux 2, Chroma, HunyuanVideo, Sana, CogVideoX, Wan, LTX-Video, LTX-2, Qwen-Image, Lumina 2,
+Z-Image, CogView4, HiDream and Mochi transformers, the Stable Diffusion UNet and its VAE
+(AutoencoderKL). `fuse` replaces the
 attention, LayerNorm, RMSNorm (Flux's q/k norms), GeLU and residual-stream ops of their transformer
 blocks (diffusers' `Attention` with its SDPA processor, `FeedForward`'s GELU / GEGLU,
 `BasicTransformerBlock`'s and the joint blocks' norms), the ResNet blocks' GroupNorm + SiLU and
@@ -249,7 +250,8 @@ def hidream():
     model = diffusers.HiDreamImageTransformer2DModel(
         patch_size=2, in_channels=4, out_channels=4, num_layers=1, num_single_layers=1,
         attention_head_dim=HEAD_DIM, num_attention_heads=HEADS, caption_channels=[24, 20], text_emb_dim=12,
-        num_routed_experts=2, num_activated_experts=1, axes_dims_rope=(8, 4, 4), max_resolution=(8, 8), llama_layers=[0, 1])
+        num_routed_experts=2, num_activated_experts=1, axes_dims_rope=(8, 4, 4), max_resolution=(8, 8),
+        llama_layers=[0, 1])
 
     def call(m, x, t, t5, llama, pooled):
         return m(x, timesteps=t, encoder_hidden_states_t5=t5, encoder_hidden_states_llama3=llama,
@@ -275,6 +277,70 @@ def mochi():
         return m(x, encoder_hidden_states=text, timestep=t, encoder_attention_mask=mask)
 
     inputs = (torch.randn(B, 4, 2, 8, 8), torch.randn(B, 7, 24), torch.tensor([1, 5]), torch.ones(B, 7))
+    return Denoiser(model, call), inputs, True
+
+
+def _grid_ids(h, w, axes=3):
+    """(h * w, axes) positions of an h x w latent: row and column on axes 1 and 2, the others 0."""
+    ids = torch.zeros(h, w, axes, dtype=torch.long)
+    ids[..., 1], ids[..., 2] = torch.arange(h)[:, None], torch.arange(w)[None, :]
+    return ids.reshape(h * w, axes)
+
+
+def flux2():
+    # Flux 2: joint blocks with SwiGLU MLPs and one modulation per stream shared by the blocks,
+    # single blocks with one fused qkv + MLP projection; a 4-axis rotary
+    model = diffusers.Flux2Transformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=HEAD_DIM,
+        num_attention_heads=HEADS, joint_attention_dim=24, timestep_guidance_channels=16, mlp_ratio=2.0,
+        axes_dims_rope=(4, 4, 4, 4), guidance_embeds=True)
+
+    def call(m, x, t, text, img_ids, txt_ids, guidance):
+        return m(x, encoder_hidden_states=text, timestep=t, img_ids=img_ids, txt_ids=txt_ids,
+                 guidance=guidance)
+
+    txt_ids = torch.zeros(7, 4, dtype=torch.long)
+    txt_ids[:, 3] = torch.arange(7)
+    inputs = (torch.randn(B, 64, 16), torch.tensor([0.1, 0.5]), torch.randn(B, 7, 24), _grid_ids(8, 8, 4),
+              txt_ids, torch.tensor([3.5, 4.0]))
+    return Denoiser(model, call), inputs, True
+
+
+def chroma():
+    # Chroma: Flux's blocks with the modulation made outside them by one approximator MLP; a text
+    # mask over the joint sequence (float, as the pipeline passes it)
+    model = diffusers.ChromaTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=HEAD_DIM,
+        num_attention_heads=HEADS, joint_attention_dim=24, axes_dims_rope=(4, 6, 6),
+        approximator_num_channels=16, approximator_hidden_dim=32, approximator_layers=2)
+
+    def call(m, x, t, text, img_ids, txt_ids, mask):
+        return m(x, encoder_hidden_states=text, timestep=t, img_ids=img_ids, txt_ids=txt_ids,
+                 attention_mask=mask)
+
+    mask = torch.ones(B, 7 + 64)
+    mask[1, 5:7] = 0
+    inputs = (torch.randn(B, 64, 16), torch.tensor([0.1, 0.5]), torch.randn(B, 7, 24),
+              _grid_ids(8, 8).float(), torch.zeros(7, 3), mask)
+    return Denoiser(model, call), inputs, True
+
+
+def hunyuan_video():
+    # HunyuanVideo: a token refiner (masked self-attention, a Linear-SiLU-Linear MLP, gated adds),
+    # dual- and single-stream blocks (q/k RMSNorms, the rotary on the image tokens' pairs)
+    model = diffusers.HunyuanVideoTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=HEADS, attention_head_dim=HEAD_DIM, num_layers=1,
+        num_single_layers=1, num_refiner_layers=1, mlp_ratio=2.0, patch_size=2, patch_size_t=1,
+        guidance_embeds=True, text_embed_dim=24, pooled_projection_dim=12, rope_axes_dim=(4, 6, 6))
+
+    def call(m, x, t, text, text_mask, pooled, guidance):
+        return m(x, timestep=t, encoder_hidden_states=text, encoder_attention_mask=text_mask,
+                 pooled_projections=pooled, guidance=guidance)
+
+    text_mask = torch.ones(B, 7, dtype=torch.long)
+    text_mask[1, 5:] = 0
+    inputs = (torch.randn(B, 4, 2, 8, 8), torch.tensor([1, 5]), torch.randn(B, 7, 24), text_mask,
+              torch.randn(B, 12), torch.tensor([3.5, 4.0]))
     return Denoiser(model, call), inputs, True
 
 # Per model: the replacements of one forward, per family, and how many of the norms are adaptive
@@ -312,7 +378,10 @@ def mochi():
 # (the last one's text stream without its MLP): the modulated RMSNorms of fp32 copies, the q/k
 # norms, the rotary (one graph a block, run for q and for k); the blocks' attention, a per-sample
 # loop around `nonzero` (graph breaks), stays as written: the attention fused is the caption
-# pooler's.
+# pooler's. Flux 2, Chroma and HunyuanVideo, Flux's descendants, fuse as Flux does (Flux 2's
+# SwiGLU MLPs as gated_activation; Chroma's approximator-made modulation per sample as any other;
+# HunyuanVideo's token refiner too, but for its plain SiLU MLP). bench/fuse_sweep_diffusers.py
+# checks 45 more of diffusers' denoisers the same way.
 MODELS = {
     "dit": (dit, {"layer_norm": 3, "attention": 2, "bias_gelu": 2, "residual_stream": 2, "dropout_add": 2}, 4),
     "pixart": (pixart, {"layer_norm": 3, "attention": 4, "bias_gelu": 3, "residual_stream": 2,
@@ -345,6 +414,12 @@ MODELS = {
                           "residual_stream": 3, "rotary": 2, "dropout_add": 3}, 7),
     "mochi": (mochi, {"layer_norm": 1, "rms_norm": 13, "attention": 1, "gated_activation": 3,
                       "residual_stream": 3, "rotary": 2}, 14),
+    "flux2": (flux2, {"layer_norm": 4, "rms_norm": 6, "attention": 2, "gated_activation": 3,
+                      "residual_stream": 2, "rotary": 2, "dropout_add": 3}, 6),
+    "chroma": (chroma, {"layer_norm": 4, "rms_norm": 7, "attention": 2, "bias_gelu": 3, "residual_stream": 3,
+                        "rotary": 2, "dropout_add": 3}, 6),
+    "hunyuan_video": (hunyuan_video, {"layer_norm": 5, "rms_norm": 6, "attention": 3, "bias_gelu": 3,
+                                      "residual_stream": 3, "rotary": 2, "dropout_add": 4}, 6),
 }
 
 
@@ -357,7 +432,7 @@ MODELS = {
 GROUP_NORM_SILU = {"unet": 16, "vae": 22}
 GATED_SUMS = {"dit": 2, "pixart": 2, "sd3": 3, "flux": 2, "sana": 2, "cogvideox": 4, "wan": 4, "ltx": 2,
               "ltx2": 4, "qwenimage": 4, "lumina2": 3, "zimage": 3, "cogview4": 4, "hidream": 3,
-              "mochi": 3}
+              "mochi": 3, "flux2": 2, "chroma": 2, "hunyuan_video": 2}
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
