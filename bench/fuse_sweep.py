@@ -852,23 +852,30 @@ def _child(model_type: str, task: str = "causal-lm", via: str = "fuse", dtype: s
     """One type in its own process. `threads`: its intra-op threads (OMP_NUM_THREADS), one per child
     when several run at once: two children each spinning as many OpenMP threads as there are cores
     took 40x longer on Qwen 3.5's many small ops (its recurrence), timing out."""
+    args = [f"--one={model_type}", f"--task={task}", f"--via={via}", f"--dtype={dtype}", f"--attn={attn}"]
+    return child_row(__file__, args, model_type, timeout, threads, memory_gib=8)
+
+
+def child_row(script: str, args: list[str], name: str, timeout: int, threads: int | None, memory_gib: int,
+              env: dict | None = None) -> dict:
+    """A sweep's row for `name`, computed by `python script *args` in a child process (address space
+    capped at memory_gib, killed after timeout seconds, `threads` intra-op threads): the last JSON
+    line it prints, else why it died; with the row's name and wall time."""
     def cap_memory():
-        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+        resource.setrlimit(resource.RLIMIT_AS, (memory_gib << 30, memory_gib << 30))
 
     t0 = time.time()
-    env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
+    env = dict(os.environ, **(env or {}), **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
     try:
-        cmd = [sys.executable, os.path.abspath(__file__), f"--one={model_type}", f"--task={task}", f"--via={via}",
-               f"--dtype={dtype}", f"--attn={attn}"]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, preexec_fn=cap_memory,
-                              check=False, env=env)
+        done = subprocess.run([sys.executable, os.path.abspath(script), *args], capture_output=True, text=True,
+                              timeout=timeout, preexec_fn=cap_memory, check=False, env=env)
         lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
         row = json.loads(lines[-1]) if lines else {"status": f"died (rc {done.returncode})",
                                                     "why": done.stderr.strip().splitlines()[-1:][0][:150]
                                                     if done.stderr.strip() else ""}
     except subprocess.TimeoutExpired:
         row = {"status": "timeout"}
-    return {"type": model_type, **row, "s": round(time.time() - t0, 1)}
+    return {"type": name, **row, "s": round(time.time() - t0, 1)}
 
 
 def _markdown(rows: list[dict], header: str, task: str = "causal-lm", dtype: str = "float64") -> str:

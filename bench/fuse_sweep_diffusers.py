@@ -25,8 +25,6 @@ Writes bench/results/fuse_sweep_diffusers.json and .md.
 import copy
 import json
 import os
-import resource
-import subprocess
 import sys
 import time
 import traceback
@@ -35,7 +33,7 @@ if __name__ == "__main__" and any(a.startswith("--one=") for a in sys.argv):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch
-from fuse_sweep import RESULTS, run_rows
+from fuse_sweep import RESULTS, child_row, run_rows
 
 TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
 sys.path[:0] = [TESTS, os.path.join(TESTS, "fusion")]  # the oracle (_fusing) and the tested builders
@@ -115,24 +113,10 @@ EXPLAINED = {
 
 
 def _child(name: str, timeout: int = 900, threads: int | None = None) -> dict:
-    def cap_memory():
-        resource.setrlimit(resource.RLIMIT_AS, (10 << 30, 10 << 30))
-
-    t0 = time.time()
-    env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
-    try:
-        done = subprocess.run([sys.executable, os.path.abspath(__file__), f"--one={name}"],
-                              capture_output=True, text=True, timeout=timeout, preexec_fn=cap_memory,
-                              check=False, env=env)
-        lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
-        row = json.loads(lines[-1]) if lines else {
-            "status": f"died (rc {done.returncode})",
-            "why": done.stderr.strip().splitlines()[-1][:150] if done.stderr.strip() else ""}
-    except subprocess.TimeoutExpired:
-        row = {"status": "timeout"}
+    row = child_row(__file__, [f"--one={name}"], name, timeout, threads, memory_gib=10)
     if row.get("status") == "MISMATCH" and name in EXPLAINED:
         row["why"] = f"{EXPLAINED[name]} (the oracle: {row.get('why', '')})"
-    return {"type": name, **row, "s": round(time.time() - t0, 1)}
+    return row
 
 
 def _markdown(rows: list[dict], header: str) -> str:

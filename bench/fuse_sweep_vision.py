@@ -28,8 +28,6 @@ Writes bench/results/fuse_sweep_vision[_explicit-attention].json and .md.
 import json
 import os
 import re
-import resource
-import subprocess
 import sys
 import time
 import traceback
@@ -39,7 +37,7 @@ if __name__ == "__main__" and any(a.startswith("--one=") for a in sys.argv):
 
 import torch
 
-from fuse_sweep import RESULTS, TOLERANCES, _grad_error, _non_finite, run_rows  # noqa: E402
+from fuse_sweep import RESULTS, TOLERANCES, _grad_error, _non_finite, child_row, run_rows  # noqa: E402
 
 MAX_PARAMS = 35_000_000
 # A gradient below this fraction of the model's largest is numerically zero and compared at it
@@ -196,23 +194,8 @@ def run_one(name: str) -> dict:
 
 
 def _child(name: str, explicit: bool, timeout: int = 900, threads: int | None = None) -> dict:
-    def cap_memory():
-        resource.setrlimit(resource.RLIMIT_AS, (10 << 30, 10 << 30))
-
-    t0 = time.time()
-    env = dict(os.environ, TIMM_FUSED_ATTN="0" if explicit else "1",
-               **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
-    try:
-        done = subprocess.run([sys.executable, os.path.abspath(__file__), f"--one={name}"],
-                              capture_output=True, text=True, timeout=timeout, preexec_fn=cap_memory,
-                              check=False, env=env)
-        lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
-        row = json.loads(lines[-1]) if lines else {
-            "status": f"died (rc {done.returncode})",
-            "why": done.stderr.strip().splitlines()[-1][:150] if done.stderr.strip() else ""}
-    except subprocess.TimeoutExpired:
-        row = {"status": "timeout"}
-    return {"type": name, **row, "s": round(time.time() - t0, 1)}
+    return child_row(__file__, [f"--one={name}"], name, timeout, threads, memory_gib=10,
+                     env={"TIMM_FUSED_ATTN": "0" if explicit else "1"})
 
 
 def _markdown(rows: list[dict], header: str) -> str:
