@@ -778,6 +778,13 @@ def _unbind_split(names: tuple[str, ...], interleaved: bool):
     return check
 
 
+def _tables_differ(cos: torch.Tensor, sin: torch.Tensor, name: str) -> str | None:
+    """Why cos and sin are not one table's two halves (another shape or dtype), or None."""
+    if cos.dtype == sin.dtype and tuple(cos.shape) == tuple(sin.shape):
+        return None
+    return f"{name}'s cos {tuple(cos.shape)} {cos.dtype} and sin {tuple(sin.shape)} {sin.dtype} differ"
+
+
 def _d_wide_tables(m: Match, name: str, one: bool) -> str | None:
     """x's cos and sin: 4-D float tables of one dtype and shape, D wide, one row per sample (or
     one for all) and per position on dim 1 or 2, 1 on the other (the heads); or why not."""
@@ -785,8 +792,8 @@ def _d_wide_tables(m: Match, name: str, one: bool) -> str | None:
     cos, sin = (m.value(t if one else f"{name}_{t}") for t in ("cos", "sin"))
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_floating_point() for t in (cos, sin)):
         return f"{name}'s cos and sin are not 4-D float tensors"
-    if cos.dtype != sin.dtype or tuple(cos.shape) != tuple(sin.shape):
-        return f"{name}'s cos {tuple(cos.shape)} {cos.dtype} and sin {tuple(sin.shape)} {sin.dtype} differ"
+    if (reason := _tables_differ(cos, sin, name)) is not None:
+        return reason
     if not known_equal(cos.shape[3], x.shape[-1]) or not (known_equal(cos.shape[0], 1)
                                                          or known_equal(cos.shape[0], x.shape[0])):
         return f"the table {tuple(cos.shape)} does not broadcast to {name} {tuple(x.shape)} (D wide)"
@@ -897,9 +904,8 @@ def _unflatten_split(names: tuple[str, ...]):
             if not all(isinstance(t, torch.Tensor) and t.dim() == 3 and t.is_floating_point()
                        for t in (cos, sin)):
                 return f"{name}'s cos and sin are not 3-D float tensors"
-            if cos.dtype != sin.dtype or tuple(cos.shape) != tuple(sin.shape):
-                return (f"{name}'s cos {tuple(cos.shape)} {cos.dtype} and sin {tuple(sin.shape)} {sin.dtype} "
-                        "differ")
+            if (reason := _tables_differ(cos, sin, name)) is not None:
+                return reason
             rows = all(known_equal(cos.shape[i], 1) or known_equal(cos.shape[i], x.shape[i]) for i in (0, 1))
             if not (known_equal(cos.shape[2], c) and rows):
                 return f"the table {tuple(cos.shape)} is not one row per sample and position of {name} " \
@@ -1108,9 +1114,8 @@ def _slices_split(names: tuple[str, ...]):
             if not all(isinstance(t, torch.Tensor) and t.is_floating_point() and 1 <= t.dim() <= 4
                        for t in (cos, sin)):
                 return f"{name}'s cos and sin are not float tables of at most 4 dims"
-            if cos.dtype != sin.dtype or tuple(cos.shape) != tuple(sin.shape):
-                return f"{name}'s cos {tuple(cos.shape)} {cos.dtype} and sin {tuple(sin.shape)} " \
-                    f"{sin.dtype} differ"
+            if (reason := _tables_differ(cos, sin, name)) is not None:
+                return reason
             if _half_table_positions_dim(cos, x) is None:
                 return f"the table {tuple(cos.shape)} does not broadcast to the pairs of {name} " \
                     f"{tuple(x.shape)}"
