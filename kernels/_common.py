@@ -100,6 +100,13 @@ def rows_2d(t: torch.Tensor, n: int) -> torch.Tensor:
     return t2
 
 
+def default_rms_eps(dtype: torch.dtype) -> float:
+    """RMSNorm's eps when none is given, as PyTorch computes it (`torch.rms_norm`, `nn.RMSNorm(eps=None)`):
+    the epsilon of the dtype it computes in, fp32 for 16-bit inputs (2.11 to 2.13 do; their docs say
+    the input dtype's, which for fp16 is 8192 times larger and moves a small row's output a lot)."""
+    return torch.finfo(torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype).eps
+
+
 def acc_dtype(dtype: torch.dtype) -> tl.dtype:
     """The Triton accumulation dtype: fp64 for fp64 inputs (gradcheck), fp32 otherwise."""
     return tl.float64 if dtype == torch.float64 else tl.float32

@@ -61,6 +61,7 @@ from ._common import (
     check_shape,
     check_tensor,
     ctx_as,
+    default_rms_eps,
     device_sms,
     eager_fast_path,
     empty_like,
@@ -132,9 +133,9 @@ def rms_norm_ref(
     eps: float | None = None,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm in plain PyTorch, as `rms_norm` (eps None means `torch.finfo(x.dtype).eps`)."""
+    """RMSNorm in plain PyTorch, as `rms_norm` (eps None: PyTorch's default, `default_rms_eps`)."""
     if eps is None:
-        eps = torch.finfo(x.dtype).eps
+        eps = default_rms_eps(x.dtype)
     return layer_norm_ref(x, normalized_shape, weight, None, eps, residual, is_rms_norm=True)
 
 
@@ -1681,8 +1682,8 @@ def _rms_norm_torch_supports(x, normalized_shape, weight, eps, *narrowing) -> st
 
 
 def _rms_norm_module_args(m, x):
-    # nn.RMSNorm's eps None means finfo(x.dtype).eps, resolved here as trifuse.ops.rms_norm does.
-    eps = m.eps if m.eps is not None else torch.finfo(x.dtype).eps
+    # nn.RMSNorm's eps None: PyTorch's default, resolved here as trifuse.ops.rms_norm does.
+    eps = m.eps if m.eps is not None else default_rms_eps(x.dtype)
     return x, tuple(m.normalized_shape), m.weight, eps
 
 
@@ -1836,7 +1837,8 @@ def rms_norm(
     readers: int = 1,
     full_y: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    """RMSNorm, like `F.rms_norm` (eps None means `torch.finfo(x.dtype).eps`).
+    """RMSNorm, like `F.rms_norm` (eps None: the epsilon of the dtype PyTorch computes in, fp32's
+    for 16-bit x, as `torch.rms_norm` does; `default_rms_eps`).
 
     y = s * rsqrt(mean(s^2) + eps) * weight over the trailing dims, with s = x (+ residual).
     Shapes, dtypes, the residual form, out_dtype, readers, full_y and errors as `layer_norm`;
@@ -1845,7 +1847,7 @@ def rms_norm(
     and why).
     """
     if eps is None:
-        eps = torch.finfo(x.dtype).eps if isinstance(x, torch.Tensor) and x.is_floating_point() else 1e-6
+        eps = default_rms_eps(x.dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else 1e-6
     if residual is not None:
         return _norm("dropout_add_rms_norm", x, normalized_shape, weight, None, eps, residual,
                      is_rms_norm=True, out_dtype=out_dtype, readers=readers, full_y=full_y)
@@ -1921,7 +1923,7 @@ def layer_norm_add(
     Args:
         x: (..., *normalized_shape), fp16 / bf16 / fp32 / fp64; any strides.
         residual: shaped like x, any float dtype; y takes the dtype x and residual promote to.
-        weight, bias, eps: as `layer_norm` (`rms_norm`: eps None means finfo(x.dtype).eps).
+        weight, bias, eps: as `layer_norm` (`rms_norm`: eps None as `rms_norm` resolves it).
 
     Raises:
         TypeError for non-float tensors; ValueError for shapes, devices or eps that do not fit,
@@ -1931,7 +1933,7 @@ def layer_norm_add(
     if is_rms_norm and bias is not None:
         raise ValueError("trifuse.rms_norm_add: RMSNorm takes no bias, got one")
     if eps is None:
-        eps = torch.finfo(x.dtype).eps if isinstance(x, torch.Tensor) and x.is_floating_point() else 1e-6
+        eps = default_rms_eps(x.dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else 1e-6
     if isinstance(normalized_shape, int):
         normalized_shape = (normalized_shape,)
     normalized_shape = list(normalized_shape)

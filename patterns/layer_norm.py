@@ -32,6 +32,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from ..kernels._common import default_rms_eps
 from ._base import Match, Pattern, needs_number, ops, params_fp32_or_like_input
 
 
@@ -351,12 +352,12 @@ def _folds_as_affine(name: str):
 
 
 def _resolve_eps(m: Match) -> dict | None:
-    """F.rms_norm's eps=None means the input dtype's epsilon: make it a number, so the residual
-    stream (which takes a number) can absorb this norm later."""
+    """F.rms_norm's eps=None means the epsilon of the dtype PyTorch computes in (fp32's for 16-bit x):
+    make it that number, so the residual stream (which takes a number) can absorb this norm later."""
     if m["eps"] is not None:
         return {}
     x = m.value("x")
-    return {"eps": torch.finfo(x.dtype).eps} if isinstance(x, torch.Tensor) else None
+    return {"eps": default_rms_eps(x.dtype)} if isinstance(x, torch.Tensor) else None
 
 
 _RMS_FILTERS = (needs_number("eps"),)

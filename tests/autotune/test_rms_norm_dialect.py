@@ -230,9 +230,10 @@ def test_check_passes_both_and_rejects_a_wrong_rms_norm(cache_dir, timer, dtype)
 
 
 def test_reference_resolves_eps_as_the_op():
-    x = torch.randn(4, N, dtype=torch.float16)
-    eps = torch.finfo(torch.float16).eps
-    assert torch.equal(ln.rms_norm_ref(x, (N,)), F.rms_norm(x, (N,), None, eps))
+    """eps None is PyTorch's default: the epsilon of the dtype it computes in (fp32 for fp16 x)."""
+    x = torch.randn(4, N, dtype=torch.float16) * 0.01
+    assert torch.equal(ln.rms_norm_ref(x, (N,)), F.rms_norm(x, (N,), None, None))
+    assert torch.equal(ln.rms_norm_ref(x, (N,)), F.rms_norm(x, (N,), None, torch.finfo(torch.float32).eps))
 
 
 def test_nn_rms_norm_calls_are_captured_with_eps_resolved():
@@ -240,7 +241,7 @@ def test_nn_rms_norm_calls_are_captured_with_eps_resolved():
     m = torch.nn.RMSNorm(N)
     x = torch.randn(2, N, dtype=torch.float16)
     assert module_type is torch.nn.RMSNorm
-    assert to_args(m, x) == (x, (N,), m.weight, torch.finfo(torch.float16).eps)
+    assert to_args(m, x) == (x, (N,), m.weight, torch.finfo(torch.float32).eps)
 
 
 def test_explain_is_reachable_by_op_name(rms_dialect, timer, monkeypatch):

@@ -703,3 +703,28 @@ def test_full_y_takes_one_reader():
     x = torch.randn(2, 8, device=DEVICE)
     with pytest.raises(ValueError, match=r"trifuse\.layer_norm: readers must be an int from 1 to 1 with"):
         trifuse.ops.layer_norm(x, (8,), out_dtype=torch.float16, readers=2, full_y=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm_without_eps_takes_pytorchs_default(dtype):
+    """eps None is PyTorch's default as `torch.rms_norm` computes it: the epsilon of the dtype it
+    computes in, fp32's for 16-bit x (its docs say x's own: fp16's is 8192 times larger). Rows of
+    small values, where eps weighs: the input dtype's epsilon moved fp16 outputs by up to 1.3."""
+    torch.manual_seed(0)
+    x = (torch.randn(6, 48, device=DEVICE) * 0.01).to(dtype).requires_grad_()
+    w = (1 + 0.1 * torch.randn(48, device=DEVICE)).to(dtype).requires_grad_()
+    dy = torch.randn(6, 48, device=DEVICE).to(dtype)
+    y = trifuse.ops.rms_norm(x, (48,), w)
+    module = trifuse.nn.RMSNorm(48).to(device=DEVICE, dtype=dtype)
+    module.load_state_dict({"weight": w.detach()})
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    eps = torch.finfo(torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype).eps
+    y64 = torch.rms_norm(x64, (48,), w64, eps)
+    y_lowp = torch.rms_norm(x, (48,), w, None)
+    assert_close("y", y, y64, y_lowp)
+    assert_close("module y", module(x), y64, y_lowp)
+    grads = torch.autograd.grad(y, (x, w), dy)
+    grads64 = torch.autograd.grad(y64, (x64, w64), dy.double())
+    grads_lowp = torch.autograd.grad(y_lowp, (x, w), dy)
+    for name, g, g64, g_lowp in zip(("dx", "dw"), grads, grads64, grads_lowp):
+        assert_close(name, g, g64, g_lowp, compute_dtype=dtype)

@@ -394,3 +394,23 @@ class NotLayerNorm(nn.Module):
 @pytest.mark.parametrize("kind", ["unbiased", "std", "eps_outside", "other_dim"])
 def test_near_misses_of_layer_norm_are_not_fused(kind, capture):
     assert check_against_unfused(lambda: NotLayerNorm(kind), X, capture).by_pattern() == {}
+
+
+class SmallRowsRMSNorm(nn.Module):
+    """nn.RMSNorm with eps None over rows of small values, where the epsilon weighs."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.norm = nn.Linear(N, N), nn.RMSNorm(N)
+
+    def forward(self, x):
+        return self.norm(self.proj(x) * 0.01)
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_rms_norm_module_without_eps_keeps_pytorchs_default(dtype, capture):
+    """eps None in a 16-bit model is fp32's epsilon, as PyTorch computes it (not fp16's, 8192 times
+    larger, which moved these outputs by up to 1.3 before)."""
+    report = check_against_unfused(lambda: SmallRowsRMSNorm().to(dtype), (X[0].to(dtype),), capture)
+    assert report.counts() == {"rms_norm": 1}
