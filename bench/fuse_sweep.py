@@ -896,6 +896,24 @@ def _markdown(rows: list[dict], header: str, task: str = "causal-lm", dtype: str
     return "\n".join(out) + "\n"
 
 
+def save_rows(stem: str, rows: list[dict], header: str, markdown, partial: bool) -> None:
+    """Writes bench/results/<stem>.json and .md (`markdown(rows, header)`). A partial rerun (rows for
+    named models only) replaces those rows and keeps the others, and the sweep's header, which then
+    says which rows are newer."""
+    path = os.path.join(RESULTS, f"{stem}.json")
+    if partial and os.path.exists(path):
+        with open(path) as f:
+            swept = json.load(f)
+        header = f"{swept['header']} · rerun {header.split(' · ')[0][len('date '):]}: " \
+            f"{', '.join(r['type'] for r in rows)}"
+        rows = [*(r for r in swept["rows"] if r["type"] not in {row["type"] for row in rows}), *rows]
+    rows = sorted(rows, key=lambda r: r["type"])
+    with open(path, "w") as f:
+        json.dump({"header": header, "rows": rows}, f, indent=1)
+    with open(os.path.join(RESULTS, f"{stem}.md"), "w") as f:
+        f.write(markdown(rows, header))
+
+
 def run_rows(names: list[str], child, jobs: int) -> list[dict]:
     """`child(name, threads)` for each name, `jobs` at a time (each a child process: the pool's
     threads only wait on them, each child gets its share of the cores), printing each row as it

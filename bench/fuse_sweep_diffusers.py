@@ -35,7 +35,7 @@ if __name__ == "__main__" and any(a.startswith("--one=") for a in sys.argv):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch
-from fuse_sweep import RESULTS, child_row, run_rows
+from fuse_sweep import child_row, run_rows, save_rows
 
 TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
 sys.path[:0] = [TESTS, os.path.join(TESTS, "fusion")]  # the oracle (_fusing) and the tested builders
@@ -116,9 +116,10 @@ EXPLAINED_FP16 = {
               "copy's do not",
 }
 EXPLAINED = {
-    "kandinsky5": "the model's own bf16 rounding inside an fp32 model: its rotary ends in `.to(torch.bfloat16)`, "
-                  "so the fused norms' fp32-level differences flip a bf16 rounding now and then, which the "
-                  "float64 twin (cast to bf16 too) does not share the same way; with that cast made fp32, ok",
+    "kandinsky5": "the model's own bf16 rounding inside an fp32 model: its rotary ends in "
+                  "`.to(torch.bfloat16)`, so the fused norms' fp32-level differences flip a bf16 rounding "
+                  "now and then, which the float64 twin (cast to bf16 too) does not share the same way; with "
+                  "that cast made fp32, ok",
     "sana_wm": "the model's own bf16 rounding inside an fp32 model: its camera branch casts fp32 q, k and v "
                "to bf16 (padded to head dim 128) for its attention, and the oracle's fp32 floor is told "
                "nothing of it; fusing the attention alone gives the same number, the other families alone "
@@ -159,31 +160,18 @@ def main(names: list[str], jobs: int, fp16: bool) -> None:
     import diffusers_models
     import triton
 
-    stem = "fuse_sweep_diffusers" + ("_fp16" if fp16 else "")
-    path = os.path.join(RESULTS, f"{stem}.json")
-    kept = {}
-    if names and os.path.exists(path):
-        with open(path) as f:
-            kept = {r["type"]: r for r in json.load(f)["rows"]}
     unknown = [n for n in names if n not in diffusers_models.BUILDERS]
     if unknown:
         known = ", ".join(diffusers_models.BUILDERS)
         sys.exit(f"fuse_sweep_diffusers: no builder {unknown[0]!r} (known: {known})")
+    partial = bool(names)
     names = names or list(diffusers_models.BUILDERS)
     rows = run_rows(names, lambda name, threads: _child(name, fp16, threads=threads), jobs)
     header = (f"date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · torch {torch.__version__} · "
               f"triton {triton.__version__} · diffusers {diffusers.__version__} · "
               f"python {platform.python_version()} · CPU (TRITON_INTERPRET=1), {'fp16' if fp16 else 'fp32'} "
               "against float64 by the oracle rule, training mode, dropout off")
-    if kept:
-        with open(path) as f:
-            swept = json.load(f)["header"]
-        header = f"{swept} · rerun {header.split(' · ')[0][len('date '):]}: {', '.join(names)}"
-    rows = sorted({**kept, **{r["type"]: r for r in rows}}.values(), key=lambda r: r["type"])
-    with open(path, "w") as f:
-        json.dump({"header": header, "rows": rows}, f, indent=1)
-    with open(os.path.join(RESULTS, f"{stem}.md"), "w") as f:
-        f.write(_markdown(rows, header))
+    save_rows("fuse_sweep_diffusers" + ("_fp16" if fp16 else ""), rows, header, _markdown, partial)
 
 
 if __name__ == "__main__":
@@ -192,7 +180,8 @@ if __name__ == "__main__":
     fp16 = "--fp16" in args
     args = [a for a in args if a != "--fp16"]
     if one:
-        print(json.dumps(run_one(one[0][len("--one="):], torch.float16 if fp16 else torch.float32)), flush=True)
+        row = run_one(one[0][len("--one="):], torch.float16 if fp16 else torch.float32)
+        print(json.dumps(row), flush=True)
         sys.exit(0)
     jobs = 1
     if "--jobs" in args:

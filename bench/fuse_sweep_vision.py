@@ -37,7 +37,7 @@ if __name__ == "__main__" and any(a.startswith("--one=") for a in sys.argv):
 
 import torch
 
-from fuse_sweep import RESULTS, TOLERANCES, _grad_error, _non_finite, child_row, run_rows  # noqa: E402
+from fuse_sweep import TOLERANCES, _grad_error, _non_finite, child_row, run_rows, save_rows  # noqa: E402
 
 MAX_PARAMS = 35_000_000
 # A gradient below this fraction of the model's largest is numerically zero and compared at it
@@ -223,12 +223,7 @@ def main(names: list[str], jobs: int, explicit: bool) -> None:
     import torchvision
     import triton
 
-    stem = "fuse_sweep_vision" + ("_explicit-attention" if explicit else "")
-    path = os.path.join(RESULTS, f"{stem}.json")
-    kept = {}
-    if names and os.path.exists(path):
-        with open(path) as f:
-            kept = {r["type"]: r for r in json.load(f)["rows"]}
+    partial = bool(names)
     names = names or [*timm_names(), *EXTRA, *TORCHVISION]
     rows = run_rows(names, lambda name, threads: _child(name, explicit, threads=threads), jobs)
     header = (f"date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · torch {torch.__version__} · "
@@ -237,15 +232,8 @@ def main(names: list[str], jobs: int, explicit: bool) -> None:
               f"python {platform.python_version()} · CPU (TRITON_INTERPRET=1), float64, one training step, "
               "dropout off"
               + (", timm's attention written out (TIMM_FUSED_ATTN=0)" if explicit else ""))
-    if kept:
-        with open(path) as f:
-            swept = json.load(f)["header"]
-        header = f"{swept} · rerun {header.split(' · ')[0][len('date '):]}: {', '.join(names)}"
-    rows = sorted({**kept, **{r["type"]: r for r in rows}}.values(), key=lambda r: r["type"])
-    with open(path, "w") as f:
-        json.dump({"header": header, "rows": rows}, f, indent=1)
-    with open(os.path.join(RESULTS, f"{stem}.md"), "w") as f:
-        f.write(_markdown(rows, header))
+    stem = "fuse_sweep_vision" + ("_explicit-attention" if explicit else "")
+    save_rows(stem, rows, header, _markdown, partial)
 
 
 if __name__ == "__main__":
