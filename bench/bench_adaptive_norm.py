@@ -1,6 +1,6 @@
 """The adaptive norm of diffusion transformers: trifuse's `layer_norm_modulate` against the
-unfused PyTorch `F.layer_norm(x) * (1 + scale[:, None]) + shift[:, None]`, eager and under
-torch.compile.
+unfused PyTorch `F.layer_norm(x) * (1 + scale[:, None]) + shift[:, None]` (and per token, below),
+eager and under torch.compile.
 
     python bench/bench_adaptive_norm.py              # the sweep on the GPU, writes bench/results/
     pytest bench/bench_adaptive_norm.py              # CPU: a tiny smoke in the interpreter
@@ -28,6 +28,13 @@ before it, `h = h + gate[:, None] * attn_out; norm2(h) * (1 + scale[:, None]) + 
 returning y and the new residual stream h (trifuse's `gated_add_layer_norm_modulate`). Bytes (the
 minimum): fwd read x and the residual, write s and y, 4·M·N·e; bwd read dy, ds, s and x, write dx
 and dresidual, 6·M·N·e (the vectors counted as above).
+
+The "per token" variant is FLUX.3's (and Qwen-Image 2.1's, Helios') modulation with a timestep per
+token: scale and shift (B, S, N) chunks of one (B, S, 3N) projection, `(1 + scale) * norm(x) +
+shift` (trifuse's row kernels: the chunks read in place, the 1 added as scale is read). Bytes (the
+minimum): fwd read x, scale and shift, write y, 4·M·N·e; bwd read dy, x and scale, write dx,
+dscale and dshift (dshift is dy itself in PyTorch's autograd and in trifuse's: not counted),
+5·M·N·e.
 """
 import _harness as H  # noqa: I001  (bench/conftest.py sets TRITON_INTERPRET before this)
 import pytest
@@ -136,6 +143,35 @@ def gated_providers() -> dict:
     return out
 
 
+def make_per_token_inputs(shape):
+    b, s, n = shape
+    x = torch.randn(b, s, n, device=DEVICE, dtype=DTYPE, requires_grad=True)
+    emb = torch.randn(b, s, 3 * n, device=DEVICE, dtype=DTYPE, requires_grad=True)
+    return (x, emb), (x, emb)
+
+
+def per_token_bytes_for(shape, mode):
+    b, s, n = shape
+    e = torch.finfo(DTYPE).bits // 8
+    fwd, bwd = 4 * b * s * n * e, 5 * b * s * n * e
+    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]
+
+
+def per_token_providers() -> dict:
+    def torch_per_token(x, emb):
+        shift, scale, _ = emb.chunk(3, dim=-1)
+        return (1 + scale) * F.layer_norm(x, x.shape[-1:], eps=EPS) + shift
+
+    def trifuse_per_token(x, emb):
+        shift, scale, _ = emb.chunk(3, dim=-1)
+        return trifuse.ops.layer_norm_modulate(x, x.shape[-1:], scale, shift, eps=EPS, mul_offset=1.0)
+
+    out = {"trifuse": trifuse_per_token, "torch": torch_per_token}
+    if H.on_gpu():
+        out["torch.compile"] = H.compiled(torch_per_token)
+    return out
+
+
 def host_overhead() -> list[dict]:
     """Wall µs per call at a tiny size: trifuse's eager path beside PyTorch's three ops."""
     shape = (2, 4, 1024)
@@ -161,6 +197,8 @@ def main() -> None:
                     variant=f"autocast, {READERS} readers")
     rows += H.sweep(gated_providers(), MODEL_SHAPES, make_gated_inputs, gated_bytes_for,
                     variant="gated residual")
+    rows += H.sweep(per_token_providers(), MODEL_SHAPES, make_per_token_inputs, per_token_bytes_for,
+                    variant="per token")
     H.write_results("adaptive_norm", rows, COLUMNS, plot_x="N")
     H.print_table(rows, COLUMNS)
 
@@ -196,6 +234,13 @@ def test_gated_residual(mode):
     H.check_against_reference(gated_providers(), "torch", make_gated_inputs, SMOKE_SHAPE)
     for fn in gated_providers().values():
         H.make_step(fn, lambda: make_gated_inputs(SMOKE_SHAPE), mode)()
+
+
+@pytest.mark.parametrize("mode", H.MODES)
+def test_per_token(mode):
+    H.check_against_reference(per_token_providers(), "torch", make_per_token_inputs, SMOKE_SHAPE)
+    for fn in per_token_providers().values():
+        H.make_step(fn, lambda: make_per_token_inputs(SMOKE_SHAPE), mode)()
 
 
 def test_host_overhead_runs():

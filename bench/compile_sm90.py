@@ -45,7 +45,7 @@ from pathlib import Path
 HOPPER_SMEM = 232448
 SASS_COUNTED = ("HGMMA", "HMMA", "UTMALDG", "UTMASTG", "LDGSTS", "LDL", "STL", "MUFU")
 
-FAMILIES = ("layer_norm", "residual_stream", "bias_gelu", "dropout_add", "gated_activation", "rotary",
+FAMILIES = ("layer_norm", "adaptive_norm_rows", "residual_stream", "bias_gelu", "dropout_add", "gated_activation", "rotary",
             "attention", "attention_dropout", "attention_varlen", "cross_entropy", "cast", "group_norm")
 
 
@@ -110,6 +110,19 @@ def _catalogue(torch, family: str):
                 yield f"gated_add_{'rms' if rms else 'layer'}_norm_modulate {n}", fwd_bwd(
                     lambda x=x, r=r, gate=gate, scale=scale, shift=shift, n=n, rms=rms:
                     ops.gated_add_layer_norm_modulate(x, r, gate, n, 1 + scale, shift, eps=1e-6, is_rms_norm=rms))
+    elif family == "adaptive_norm_rows":
+        # Per-token modulation (FLUX.3, Qwen-Image 2.1): scale and shift chunks of one (B, S, 3N)
+        # projection read in place, `1 + scale` in the load; the backward writes dscale per element.
+        # With the norm's own affine too (its partial sums), and a wide row.
+        for n in (1152, 3072, 20000):
+            x, emb, w, b = leaf(2, rows, n), leaf(2, rows, 3 * n), leaf(n), leaf(n)
+            for rms in (False, True):
+                for affine in (False, True):
+                    yield (f"{'rms' if rms else 'layer'}_norm_modulate per-token {n}{' affine' if affine else ''}",
+                           fwd_bwd(lambda x=x, emb=emb, w=w, b=b, n=n, rms=rms, affine=affine:
+                                   ops.layer_norm_modulate(x, n, emb[..., n:2 * n], emb[..., :n],
+                                                           w if affine else None, b if affine and not rms else None,
+                                                           eps=1e-6, is_rms_norm=rms, mul_offset=1.0)))
     elif family == "residual_stream":
         for n in (1024, 4096):
             x, r, w, b, xb = leaf(rows, n), leaf(rows, n), leaf(n), leaf(n), leaf(n)

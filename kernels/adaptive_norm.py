@@ -25,21 +25,33 @@ and add's); the folded affine and all maths in fp32 (fp64 for fp64).
 
 The residual add before such a norm, s = residual + gate * x (a DiT block's gated add, a
 LayerScale's gamma before a plain norm), folds into the same kernels: `gated_add_layer_norm_modulate`
-at the end of this file.
+further down.
+
+Per token (mul or add varying along a sample's rows: FLUX.3's, Qwen-Image 2.1's, Helios' mixed
+timesteps, scale and shift (B, S, N)) the fold would write (M, N) parameters; kernels of their own
+read a row of mul and of add beside each row of x instead, `1 + scale` in the load (mul_offset),
+and write dmul per element in the backward: the last section of this file.
 """
 import math
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
-from ..autotune import dialects, pow2_bucket
+from ..autotune import Tuner, configs, dialects, pow2_bucket
 from ._common import (
+    acc_dtype,
     apply_function,
+    as_rows,
+    cast,
     check_float,
     check_same_device,
     check_shape,
     check_tensor,
+    device_sms,
     eager_fast_path,
+    empty_like,
     no_autocast,
     outside_device_modes,
     profiled,
@@ -48,12 +60,20 @@ from ._common import (
     unscoped,
     use_triton,
 )
+from ._launch import CachedKernel, store_plan
 from .layer_norm import (
+    _bwd_plan,
     _cast_for_readers,
     _check_narrowing,
+    _corrected_moments,
+    _div,
+    _fwd_plan,
     _narrowed_key,
     _narrowed_ref,
+    _row_constants,
     _stat_dtype,
+    _sum_partials,
+    _xhat_and_ds,
     layer_norm_bwd,
     layer_norm_fwd,
 )
@@ -194,18 +214,37 @@ def _check_per_sample(op: str, name: str, t: torch.Tensor, x: torch.Tensor, n: i
         raise ValueError(_not_per_sample(op, name, t, x, n))
 
 
-def _check(op, x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm=False) -> None:
-    """A TypeError / ValueError naming the op and the argument, for a call that does not fit."""
+def _check_per_token(op: str, name: str, t: torch.Tensor, x: torch.Tensor, n: int) -> bool:
+    """Whether t, which must broadcast against x (each dim x's or 1, the last n or 1), is per token:
+    not one vector per sample (`_check_per_sample`) but varying along a sample's rows."""
+    shape = (1,) * (x.dim() - t.dim()) + tuple(t.shape)
+    if t.dim() > x.dim() or shape[-1] not in (n, 1) or any(
+            a != b and a != 1 for a, b in zip(shape[:-1], x.shape[:-1])):
+        raise ValueError(f"trifuse.{op}: {name} must broadcast against input {list(x.shape)} as one vector "
+                         f"per sample or per token (each dim the input's or 1, last dim {n} or 1); "
+                         f"got {list(t.shape)}")
+    k = _sample_dims(t, x)
+    # one vector a row (k = x's leading dims) or shared along a leading dim of x's that is not 1
+    return k == x.dim() - 1 > 0 or tuple(shape[:k]) != tuple(x.shape[:k])
+
+
+def _check(op, x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm=False, per_token=False) -> bool:
+    """A TypeError / ValueError naming the op and the argument, for a call that does not fit.
+    With per_token, mul and add may also vary along a sample's rows: returns whether either does."""
     if is_rms_norm and bias is not None:
         raise ValueError(f"trifuse.{op}: RMSNorm has no bias (is_rms_norm=True with a bias given)")
     check_tensor(op, "input", x)
     check_float(op, "input", x)
     n = _width(op, x, normalized_shape)
+    rows = False
     for name, t in (("mul", mul), ("add", add)):
         if t is not None:
             check_tensor(op, name, t)
             check_float(op, name, t)
-            _check_per_sample(op, name, t, x, n)
+            if per_token:
+                rows = _check_per_token(op, name, t, x, n) or rows
+            else:
+                _check_per_sample(op, name, t, x, n)
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None:
             check_tensor(op, name, t)
@@ -214,6 +253,7 @@ def _check(op, x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm=Fal
     check_same_device(op, "input", x, mul=mul, add=add, weight=weight, bias=bias)
     if not isinstance(eps, (int, float)) or not eps >= 0.0:
         raise ValueError(f"trifuse.{op}: eps must be a non-negative number, got {eps!r}")
+    return rows
 
 
 def _as_groups(t: torch.Tensor, x: torch.Tensor, n: int, k: int, acc: torch.dtype) -> torch.Tensor:
@@ -385,16 +425,21 @@ def layer_norm_modulate(
     out_dtype: torch.dtype | None = None,
     readers: int = 1,
     full_y: bool = False,
+    mul_offset: float = 0.0,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """`norm(x) * mul + add` in one pass each way: the adaptive LayerNorm (RMSNorm) of diffusion
     transformers, `F.layer_norm(x, (N,), weight, bias, eps) * (1 + scale[:, None]) + shift[:, None]`
-    with mul = 1 + scale[:, None] and add = shift[:, None].
+    with mul = 1 + scale[:, None] and add = shift[:, None]; or per token, `norm(x) * (1 + scale) +
+    shift` with scale and shift shaped like x (FLUX.3, Qwen-Image 2.1: a timestep per token).
 
     Args:
         x: (..., N), fp16 / bf16 / fp32 / fp64; any strides.
         normalized_shape: N (the last dim; one dim only).
-        mul, add: per-sample vectors or None: broadcastable to x over a leading prefix of its
-            dims (equal there), 1 over the other leading dims, last dim N or 1; any float dtype.
+        mul, add: None, or broadcastable to x (each dim x's or 1, the last N or 1), any float
+            dtype. Per-sample vectors (equal to x over a leading prefix of its dims, 1 over its
+            other leading dims: (B, 1, N), (B, T, 1, N)) fold into the norm's affine; anything
+            varying along a sample's rows (per token: (B, S, N), a chunk of a (B, S, 3N)
+            projection read in place) is read a row at a time beside x.
         weight, bias: (N,) or None, the norm's own affine (no bias for RMSNorm).
         eps: added to the variance (mean square for RMSNorm).
         is_rms_norm: RMSNorm instead of LayerNorm.
@@ -406,6 +451,8 @@ def layer_norm_modulate(
         readers, full_y: with a narrower out_dtype, as `trifuse.ops.layer_norm` takes them: that
             many views of y, their gradients summed in fp32 in the backward; or (y in its
             own dtype, y in out_dtype).
+        mul_offset: added to mul as it is read: `norm(x) * (1 + scale) + shift` is mul=scale,
+            mul_offset=1, with no pass to write 1 + scale (needs mul).
 
     Returns:
         y shaped like x, contiguous, in x's dtype promoted with mul's and add's (or as narrowed).
@@ -419,13 +466,22 @@ def layer_norm_modulate(
     Raises:
         TypeError for non-float tensors; ValueError for shapes, devices or eps that do not fit.
     """
-    _check(OP, x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm)
-    if out_dtype is None and readers == 1 and not full_y:
-        return LAYER_NORM_MODULATE(x, normalized_shape, mul, add, weight, bias, float(eps), is_rms_norm)
-    # narrowed: a choice of its own, timed with the casts PyTorch's candidate needs
-    _check_narrowing(OP, out_dtype, readers, full_y)
-    return LAYER_NORM_MODULATE(x, normalized_shape, mul, add, weight, bias, float(eps), is_rms_norm,
-                               out_dtype, readers, full_y)
+    per_token = _check(OP, x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm, per_token=True)
+    if mul_offset != 0.0:
+        if not isinstance(mul_offset, (int, float)) or isinstance(mul_offset, bool) or not math.isfinite(mul_offset):
+            raise TypeError(f"trifuse.{OP}: mul_offset must be a finite number, got {mul_offset!r}")
+        if mul is None:
+            raise ValueError(f"trifuse.{OP}: mul_offset ({mul_offset}) needs a mul to add it to")
+    plain = out_dtype is None and readers == 1 and not full_y
+    if not plain:  # narrowed: a choice of its own, timed with the casts PyTorch's candidate needs
+        _check_narrowing(OP, out_dtype, readers, full_y)
+    narrowing = () if plain else (out_dtype, readers, full_y)
+    if per_token:
+        return LAYER_NORM_MODULATE_ROWS(x, normalized_shape, mul, add, weight, bias, float(eps), is_rms_norm,
+                                        float(mul_offset), *narrowing)
+    # per sample: the offset joins the small vector
+    mul = _with_offset(mul, mul_offset)
+    return LAYER_NORM_MODULATE(x, normalized_shape, mul, add, weight, bias, float(eps), is_rms_norm, *narrowing)
 
 
 def _y_dtype(dtype: torch.dtype, mul: torch.Tensor | None, add: torch.Tensor | None) -> torch.dtype:
@@ -903,3 +959,630 @@ GATED_ADD_LAYER_NORM_MODULATE = dialects.define(
 GATED_ADD_LAYER_NORM_MODULATE.register(dialects.Candidate("trifuse", _gated_trifuse))
 GATED_ADD_LAYER_NORM_MODULATE.register(
     dialects.Candidate("torch", _gated_torch, supports=_gated_torch_supports))
+
+
+# =============================================================================================
+# Per-token modulation: mul and add full-size, one row of each per row of x
+# =============================================================================================
+#
+# Models that give each token its own timestep (FLUX.3, Qwen-Image 2.1's edit tokens, SANA-WM,
+# Helios' and MiniMax's per-frame noise levels) modulate per token: scale and shift (B, S, N),
+# usually chunks of one (B, S, 3N) projection. Folded into the affine as above they would become
+# two fp32 (M, N) parameter tensors written by PyTorch first; instead these kernels read a row of
+# mul and a row of add beside each row of x, in place (any row stride: the chunks are not copied):
+#
+#     y = (xhat * weight + bias) * (mul + mul_offset) + add
+#
+# mul_offset makes the model's `(1 + scale)` part of the load: no pass writes 1 + scale. The
+# backward has no reduction for the modulation: dmul = dy * (xhat * weight + bias) is written
+# per element beside dx, and dadd is dy itself (summed down only where add broadcasts). The
+# norm's own weight and bias, where present, get their per-feature sums from fp32 partial rows
+# summed in a fixed order (layer_norm's reduction kernel), deterministic like the others.
+
+
+@triton.jit
+def _row_modulation(y, W, B, MUL, ADD, cols, mask, N, mul_offset, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                    HAS_MUL: tl.constexpr, HAS_ADD: tl.constexpr, ACC: tl.constexpr):
+    """(y * weight + bias) * (mul + mul_offset) + add on a tile of normalized rows; MUL and ADD
+    point at the tile's rows."""
+    if HAS_W:
+        y *= tl.load(W + cols, mask=cols < N, other=0.0).to(ACC)
+    if HAS_B:
+        y += tl.load(B + cols, mask=cols < N, other=0.0).to(ACC)
+    if HAS_MUL:
+        y *= tl.load(MUL + cols, mask=mask, other=0.0).to(ACC) + mul_offset
+    if HAS_ADD:
+        y += tl.load(ADD + cols, mask=mask, other=0.0).to(ACC)
+    return y
+
+
+@triton.jit
+def _norm_modulate_rows_fwd_kernel(
+    X,  # in (M, N), rows stride_xm apart
+    MUL,  # in (M, N); unused unless HAS_MUL
+    ADD,  # in (M, N); unused unless HAS_ADD
+    W,  # in (N,); unused unless HAS_W
+    B,  # in (N,); unused unless HAS_B
+    Y,  # out (M, N) contiguous
+    MEAN,  # out (M,) fp32 (fp64); unused for RMSNorm
+    RSTD,  # out (M,)
+    stride_xm, stride_mulm, stride_addm,
+    M, N, eps, mul_offset,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr, IS_RMS_NORM: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_MUL: tl.constexpr, HAS_ADD: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    # int64 rows: row * stride may pass 2^31
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    rows2 = rows[:, None]
+    X += rows2 * stride_xm
+    MUL += rows2 * stride_mulm
+    ADD += rows2 * stride_addm
+    Y += rows2 * N
+    offs = tl.arange(0, BLOCK_N)[None, :]
+    if SINGLE_BLOCK:
+        mask = row_mask[:, None] & (offs < N)
+        x = tl.load(X + offs, mask=mask, other=0.0).to(ACC)
+        if IS_RMS_NORM:
+            mean = tl.zeros([BLOCK_M], dtype=ACC)
+            d = x
+            rstd = 1.0 / tl.sqrt(_div(tl.sum(d * d, axis=1), N, ACC) + eps)
+        else:
+            mean = _div(tl.sum(x, axis=1), N, ACC)
+            d = tl.where(mask, x - mean[:, None], 0.0)
+            shift, var = _corrected_moments(tl.sum(d, axis=1), tl.sum(d * d, axis=1), N, ACC)
+            mean += shift
+            rstd = 1.0 / tl.sqrt(var + eps)
+            d -= shift[:, None]
+        y = _row_modulation(d * rstd[:, None], W, B, MUL, ADD, offs, mask, N, mul_offset,
+                            HAS_W, HAS_B, HAS_MUL, HAS_ADD, ACC)
+        tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+    else:
+        # Wide rows: the mean, then the variance around it (no cancellation for large means),
+        # then normalize and modulate.
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+        if not IS_RMS_NORM:
+            for start in range(0, N, BLOCK_N):
+                cols = start + offs
+                acc += tl.load(X + cols, mask=row_mask[:, None] & (cols < N), other=0.0).to(ACC)
+        mean = _div(tl.sum(acc, axis=1), N, ACC)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+        acc_d = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+        for start in range(0, N, BLOCK_N):
+            cols = start + offs
+            mask = row_mask[:, None] & (cols < N)
+            d = tl.where(mask, tl.load(X + cols, mask=mask, other=0.0).to(ACC) - mean[:, None], 0.0)
+            acc += d * d
+            acc_d += d
+        if IS_RMS_NORM:
+            shift = tl.zeros([BLOCK_M], dtype=ACC)
+            rstd = 1.0 / tl.sqrt(_div(tl.sum(acc, axis=1), N, ACC) + eps)
+        else:
+            shift, var = _corrected_moments(tl.sum(acc_d, axis=1), tl.sum(acc, axis=1), N, ACC)
+            rstd = 1.0 / tl.sqrt(var + eps)
+        for start in range(0, N, BLOCK_N):
+            cols = start + offs
+            mask = row_mask[:, None] & (cols < N)
+            x = tl.load(X + cols, mask=mask, other=0.0).to(ACC)
+            y = _row_modulation(((x - mean[:, None]) - shift[:, None]) * rstd[:, None], W, B, MUL, ADD, cols,
+                                mask, N, mul_offset, HAS_W, HAS_B, HAS_MUL, HAS_ADD, ACC)
+            tl.store(Y + cols, y.to(Y.dtype.element_ty), mask=mask)
+        mean += shift
+    if not IS_RMS_NORM:
+        tl.store(MEAN + rows, mean, mask=row_mask)
+    tl.store(RSTD + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def _row_tile_grads(DY, X, MUL, W, cols, mask, N, mean, mul_offset, IS_RMS_NORM: tl.constexpr,
+                    HAS_W: tl.constexpr, HAS_MUL: tl.constexpr, ACC: tl.constexpr):
+    """On a tile (0 where masked; the pointers at the tile's rows): d = x - mean (x for RMSNorm),
+    y's gradient dy, the normalized output's dyn = dy * (mul + mul_offset), and g = dyn * weight."""
+    if IS_RMS_NORM:
+        d = tl.load(X + cols, mask=mask, other=0.0).to(ACC)
+    else:
+        d = tl.where(mask, tl.load(X + cols, mask=mask, other=0.0).to(ACC) - mean[:, None], 0.0)
+    dy = tl.load(DY + cols, mask=mask, other=0.0).to(ACC)
+    dyn = dy
+    if HAS_MUL:
+        dyn = dy * (tl.load(MUL + cols, mask=mask, other=0.0).to(ACC) + mul_offset)
+    g = dyn
+    if HAS_W:
+        g = dyn * tl.load(W + cols, mask=cols < N, other=0.0).to(ACC)
+    return d, dy, dyn, g
+
+
+@triton.jit
+def _store_row_grads(ds, dy, xhat, DX, DMUL, W, B, cols, mask, N,
+                     HAS_W: tl.constexpr, HAS_B: tl.constexpr, STORE_DMUL: tl.constexpr, ACC: tl.constexpr):
+    """dx = ds and dmul = dy * (xhat * weight + bias) (DX, DMUL at the tile's rows)."""
+    tl.store(DX + cols, ds.to(DX.dtype.element_ty), mask=mask)
+    if STORE_DMUL:
+        u = xhat
+        if HAS_W:
+            u *= tl.load(W + cols, mask=cols < N, other=0.0).to(ACC)
+        if HAS_B:
+            u += tl.load(B + cols, mask=cols < N, other=0.0).to(ACC)
+        tl.store(DMUL + cols, (dy * u).to(DMUL.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_modulate_rows_bwd_kernel(
+    DY,  # in (M, N) contiguous
+    X,  # in (M, N), rows stride_xm apart
+    MUL,  # in (M, N); unused unless HAS_MUL
+    W,  # in (N,); unused unless HAS_W
+    B,  # in (N,); unused unless HAS_B
+    MEAN,  # in (M,); unused for RMSNorm
+    RSTD,  # in (M,)
+    DX,  # out (M, N) contiguous
+    DMUL,  # out (M, N) contiguous; unused unless STORE_DMUL
+    PARTIAL,  # out (2, programs, N) fp32 (fp64): this program's shares of dweight, dbias
+    stride_xm, stride_mulm,
+    M, N, rows_per_program, stride_pk, mul_offset,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr, IS_RMS_NORM: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_MUL: tl.constexpr, STORE_DMUL: tl.constexpr,
+    STORE_DW: tl.constexpr, STORE_DB: tl.constexpr, ACC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    row_start = pid.to(tl.int64) * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, M)
+    DW_PARTIAL = PARTIAL + pid.to(tl.int64) * N
+    DB_PARTIAL = DW_PARTIAL + stride_pk
+    offs = tl.arange(0, BLOCK_N)[None, :]
+    if SINGLE_BLOCK:
+        col_mask = offs < N
+        dw = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+        db = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+        for row0 in range(row_start, row_end, BLOCK_M):
+            rows = row0 + tl.arange(0, BLOCK_M)
+            row_mask = rows < row_end
+            rows2 = rows[:, None]
+            mask = row_mask[:, None] & col_mask
+            mean = tl.zeros([BLOCK_M], dtype=ACC) if IS_RMS_NORM else tl.load(MEAN + rows, mask=row_mask, other=0.0)
+            rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+            d, dy, dyn, g = _row_tile_grads(DY + rows2 * N, X + rows2 * stride_xm, MUL + rows2 * stride_mulm, W,
+                                            offs, mask, N, mean, mul_offset, IS_RMS_NORM, HAS_W, HAS_MUL, ACC)
+            if IS_RMS_NORM:
+                sum_d = tl.zeros([BLOCK_M], dtype=ACC)
+                sum_g = sum_d
+            else:
+                sum_d, sum_g = tl.sum(d, axis=1), tl.sum(g, axis=1)
+            shift, c1, c2 = _row_constants(sum_d, tl.sum(d * g, axis=1), sum_g, rstd, N, IS_RMS_NORM, ACC)
+            xhat, ds = _xhat_and_ds(d, g, shift, c1, c2, rstd, mask, IS_RMS_NORM)
+            _store_row_grads(ds, dy, xhat, DX + rows2 * N, DMUL + rows2 * N, W, B, offs, mask, N,
+                             HAS_W, HAS_B, STORE_DMUL, ACC)
+            if STORE_DW:
+                dw += dyn * xhat
+            if STORE_DB:
+                db += dyn
+        cols1 = tl.arange(0, BLOCK_N)
+        if STORE_DW:
+            tl.store(DW_PARTIAL + cols1, tl.sum(dw, axis=0), mask=cols1 < N)
+        if STORE_DB:
+            tl.store(DB_PARTIAL + cols1, tl.sum(db, axis=0), mask=cols1 < N)
+    else:
+        # Wide rows, one at a time: one pass for the row sums, one for the gradients. The partial
+        # rows are this program's alone (zeroed by the launcher): read-add-write is deterministic.
+        for row in range(row_start, row_end):
+            rows = row + tl.arange(0, 1)
+            rows2 = rows[:, None]
+            mean = tl.zeros([1], dtype=ACC) if IS_RMS_NORM else tl.load(MEAN + rows)
+            rstd = tl.load(RSTD + rows)
+            acc_dg = tl.zeros([1, BLOCK_N], dtype=ACC)
+            if not IS_RMS_NORM:
+                acc_g = tl.zeros([1, BLOCK_N], dtype=ACC)
+                acc_d = tl.zeros([1, BLOCK_N], dtype=ACC)
+            for start in range(0, N, BLOCK_N):
+                cols = start + offs
+                mask = cols < N
+                d, dy, dyn, g = _row_tile_grads(DY + rows2 * N, X + rows2 * stride_xm, MUL + rows2 * stride_mulm,
+                                                W, cols, mask, N, mean, mul_offset, IS_RMS_NORM, HAS_W, HAS_MUL, ACC)
+                acc_dg += d * g
+                if not IS_RMS_NORM:
+                    acc_g += g
+                    acc_d += d
+            if IS_RMS_NORM:  # (no accumulators of zeros: at 8192 columns and 16 warps they spilled)
+                sum_d = tl.zeros([1], dtype=ACC)
+                sum_g = sum_d
+            else:
+                sum_d, sum_g = tl.sum(acc_d, axis=1), tl.sum(acc_g, axis=1)
+            shift, c1, c2 = _row_constants(sum_d, tl.sum(acc_dg, axis=1), sum_g, rstd, N, IS_RMS_NORM, ACC)
+            for start in range(0, N, BLOCK_N):
+                cols = start + offs
+                mask = cols < N
+                d, dy, dyn, g = _row_tile_grads(DY + rows2 * N, X + rows2 * stride_xm, MUL + rows2 * stride_mulm,
+                                                W, cols, mask, N, mean, mul_offset, IS_RMS_NORM, HAS_W, HAS_MUL, ACC)
+                xhat, ds = _xhat_and_ds(d, g, shift, c1, c2, rstd, mask, IS_RMS_NORM)
+                _store_row_grads(ds, dy, xhat, DX + rows2 * N, DMUL + rows2 * N, W, B, cols, mask, N,
+                                 HAS_W, HAS_B, STORE_DMUL, ACC)
+                if STORE_DW:
+                    tl.store(DW_PARTIAL + cols, tl.load(DW_PARTIAL + cols, mask=mask) + dyn * xhat, mask=mask)
+                if STORE_DB:
+                    tl.store(DB_PARTIAL + cols, tl.load(DB_PARTIAL + cols, mask=mask) + dyn, mask=mask)
+
+
+_rows_fwd_kernel = CachedKernel(_norm_modulate_rows_fwd_kernel)
+_rows_bwd_kernel = CachedKernel(_norm_modulate_rows_bwd_kernel)
+
+
+def _rows_bwd_configs(n: int) -> list[triton.Config]:
+    """layer_norm's backward space without its PREFETCH configs (this kernel has no prefetch)."""
+    return [c for c in configs.norm_bwd(n) if not c.kwargs.get("PREFETCH")]
+
+
+# Tuned as layer_norm's kernels are (one Tuner a kernel, a launch plan per exact call). The
+# modulation's rows are two more inputs a tile forward and one more input and output backward.
+_ROWS_FWD_KEY_NAMES = ("device", "dtype", "n", "rows", "rms", "mod")
+_ROWS_BWD_KEY_NAMES = ("device", "dtype", "n", "rows", "rms", "grads")
+_ROWS_FWD_TUNER = Tuner("norm_modulate_rows_fwd", configs.norm_fwd, _ROWS_FWD_KEY_NAMES,
+                        prune=configs.prune_norm_fwd)
+_ROWS_BWD_TUNER = Tuner("norm_modulate_rows_bwd", _rows_bwd_configs, _ROWS_BWD_KEY_NAMES,
+                        prune=configs.prune_norm_bwd)
+_ROWS_FWD_PLANS: dict[tuple, tuple] = {}
+_ROWS_BWD_PLANS: dict[tuple, tuple] = {}
+
+
+def _rows_fwd_launch(cfg: triton.Config, m: int, n: int, constexprs: dict, args: tuple) -> None:
+    grid, meta = _fwd_plan(cfg, m, n, constexprs)
+    _rows_fwd_kernel.run(grid, args, meta)
+
+
+def _rows_bwd_run(plan: tuple, args: tuple, m: int, n: int, acc: torch.dtype, need_dw: bool, need_db: bool,
+                  device: torch.device) -> tuple:
+    """The backward kernel, then (where the norm has an affine) the fixed-order sum of its partial
+    rows. args: the kernel's arguments before PARTIAL, then stride_xm, stride_mulm, mul_offset."""
+    grid, meta, programs, rows_per_program, zero, sum_grid, sum_meta = plan
+    sums = need_dw or need_db
+    partials = ((torch.zeros if zero else torch.empty)((2, programs, n), dtype=acc, device=device) if sums
+                else args[0])
+    *head, stride_xm, stride_mulm, mul_offset = args
+    _rows_bwd_kernel.run(grid, (*head, partials, stride_xm, stride_mulm, m, n, rows_per_program, programs * n,
+                                mul_offset), meta)
+    if not sums:
+        return None, None
+    dw = torch.empty(n, dtype=acc, device=device) if need_dw else None
+    db = torch.empty(n, dtype=acc, device=device) if need_db else None
+    _sum_partials.run(sum_grid, (partials, partials if dw is None else dw, partials if db is None else db,
+                                 partials, programs, n, programs * n), sum_meta)
+    return dw, db
+
+
+def _rows_bwd_launch(cfg: triton.Config, m: int, n: int, sms: int, constexprs: dict, sum_flags: dict,
+                     args: tuple, acc: torch.dtype, device: torch.device) -> None:
+    _rows_bwd_run(_bwd_plan(cfg, m, n, sms, constexprs, sum_flags), args, m, n, acc, sum_flags["STORE_DW"],
+                  sum_flags["STORE_DB"], device)
+
+
+def _rows_of(t: torch.Tensor, x: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+    """(base, row stride) of t broadcast to x's shape, as (rows, n) with unit stride along n: a
+    full-size tensor or a chunk of a wider one in place; a broadcasting one copied."""
+    return as_rows(t if t.shape == x.shape else t.expand(x.shape), n)
+
+
+def _rows_acc(x: torch.Tensor, mul: torch.Tensor | None, add: torch.Tensor | None) -> torch.dtype:
+    """The dtype of the maths and the statistics: fp64 where any input is, else fp32."""
+    return torch.float64 if torch.float64 in (x.dtype, _y_dtype(x.dtype, mul, add)) else torch.float32
+
+
+def _rows_torch(x, mul, add, weight, bias, eps, is_rms_norm, mul_offset, acc):
+    """(y in acc, mean, rstd per row) in PyTorch ops: the path of CPU tensors without Triton, and
+    the double backward's differentiable form."""
+    h = x.to(acc)
+    mean = torch.zeros(h.shape[:-1], dtype=acc, device=x.device) if is_rms_norm else h.mean(-1)
+    d = h - mean[..., None]
+    rstd = torch.rsqrt(d.pow(2).mean(-1) + eps)
+    y = d * rstd[..., None]
+    if weight is not None:
+        y = y * weight.to(acc)
+    if bias is not None:
+        y = y + bias.to(acc)
+    if mul is not None:
+        y = y * (mul.to(acc) + mul_offset)
+    if add is not None:
+        y = y + add.to(acc)
+    return y, mean.reshape(-1), rstd.reshape(-1)
+
+
+def _rows_fwd(x, mul, add, weight, bias, eps, is_rms_norm, mul_offset, out_dtype):
+    """(y in out_dtype, mean (empty for RMSNorm), rstd) of the per-token modulated norm: mul and
+    add broadcastable to x, neither needed full-size (the kernels read a broadcast one as copied)."""
+    n = x.shape[-1]
+    m = x.numel() // n if n else 0
+    acc = _rows_acc(x, mul, add)
+    if m == 0 or not use_triton(x):
+        with torch.no_grad():
+            y, mean, rstd = _rows_torch(x, mul, add, weight, bias, eps, is_rms_norm, mul_offset, acc)
+        return y.to(out_dtype), mean[:0] if is_rms_norm else mean, rstd
+    y = empty_like(x, out_dtype)
+    rstd = torch.empty(m, dtype=acc, device=x.device)
+    mean = torch.empty(0 if is_rms_norm else m, dtype=acc, device=x.device)
+    x2, stride_x = as_rows(x, n)
+    mul2, stride_mul = _rows_of(mul, x, n) if mul is not None else (x2, 0)
+    add2, stride_add = _rows_of(add, x, n) if add is not None else (x2, 0)
+    weight, bias = _flat_vector(weight), _flat_vector(bias)
+    args = (x2, mul2, add2, x2 if weight is None else weight, x2 if bias is None else bias, y,
+            rstd if is_rms_norm else mean, rstd, stride_x, stride_mul, stride_add, m, n, eps, float(mul_offset))
+    device = x.get_device() if x.is_cuda else -1
+    key = (device, x.dtype, y.dtype, tuple(None if t is None else t.dtype for t in (mul, add, weight, bias)), m, n,
+           is_rms_norm)
+    plan = _ROWS_FWD_PLANS.get(key)
+    if plan is None:
+        constexprs = {"IS_RMS_NORM": is_rms_norm, "HAS_W": weight is not None, "HAS_B": bias is not None,
+                      "HAS_MUL": mul is not None, "HAS_ADD": add is not None, "ACC": acc_dtype(acc)}
+        mod = ("m" if mul is not None else "") + ("a" if add is not None else "")
+        tuning_key = (device, x.dtype, n, pow2_bucket(m), is_rms_norm, mod)
+        cfg = _ROWS_FWD_TUNER.config(tuning_key, _rows_fwd_launch, m, n, constexprs, args)
+        plan = _fwd_plan(cfg, m, n, constexprs)
+        if _ROWS_FWD_TUNER.is_decided(tuning_key):
+            store_plan(_ROWS_FWD_PLANS, key, plan)
+    _rows_fwd_kernel.run(plan[0], args, plan[1])
+    return y, mean, rstd
+
+
+def _rows_bwd(dy, x, mul, weight, bias, mean, rstd, eps, is_rms_norm, mul_offset, needs, dmul_dtype):
+    """(dx in x's dtype, dmul shaped like x in dmul_dtype, dweight, dbias in fp32 / fp64), each None
+    where `needs` (x, mul, weight, bias) does not ask for it."""
+    n = x.shape[-1]
+    m = x.numel() // n if n else 0
+    acc = rstd.dtype
+    need_dmul, need_dw, need_db = needs[1] and mul is not None, needs[2] and weight is not None, \
+        needs[3] and bias is not None
+    if m == 0 or not use_triton(x):
+        with torch.enable_grad():
+            full_mul = None if mul is None else mul.detach().expand(x.shape)
+            leaves = [None if t is None else t.detach().requires_grad_(need)
+                      for t, need in zip((x, full_mul, weight, bias), (True, need_dmul, need_dw, need_db))]
+            y = _rows_torch(*leaves[:2], None, *leaves[2:], eps, is_rms_norm, mul_offset, acc)[0]
+            wanted = [t for t in leaves if t is not None and t.requires_grad]
+            grads = iter(torch.autograd.grad(y, wanted, dy.to(acc), allow_unused=True))
+        dx, dmul, dw, db = (next(grads) if t is not None and t.requires_grad else None for t in leaves)
+        dmul = None if dmul is None else dmul.to(dmul_dtype)
+        return (dx.to(x.dtype) if needs[0] else None, dmul, None if dw is None else dw.to(acc),
+                None if db is None else db.to(acc))
+    dx = empty_like(x)
+    dmul = torch.empty(x.shape, dtype=dmul_dtype, device=x.device) if need_dmul else None
+    dy2 = dy if dy.is_contiguous() else dy.contiguous()
+    x2, stride_x = as_rows(x, n)
+    mul2, stride_mul = _rows_of(mul, x, n) if mul is not None else (x2, 0)
+    weight, bias = _flat_vector(weight), _flat_vector(bias)
+    args = (dy2, x2, mul2, x2 if weight is None else weight, x2 if bias is None else bias,
+            rstd if is_rms_norm else mean, rstd, dx, dx if dmul is None else dmul, stride_x, stride_mul,
+            float(mul_offset))
+    device = x.get_device() if x.is_cuda else -1
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    key = (device, x.dtype, dy.dtype, tuple(None if t is None else t.dtype for t in (mul, weight, bias)), dmul_dtype,
+           m, n, is_rms_norm, need_dmul, need_dw, need_db, deterministic)
+    plan = _ROWS_BWD_PLANS.get(key)
+    if plan is None:
+        sum_flags = {"STORE_DW": need_dw, "STORE_DB": need_db, "STORE_DXB": False}
+        constexprs = {"IS_RMS_NORM": is_rms_norm, "HAS_W": weight is not None, "HAS_B": bias is not None,
+                      "HAS_MUL": mul is not None, "STORE_DMUL": need_dmul, "STORE_DW": need_dw,
+                      "STORE_DB": need_db, "ACC": acc_dtype(acc)}
+        grads = "".join(c for c, need in zip("mwb", (need_dmul, need_dw, need_db)) if need)
+        tuning_key = (device, x.dtype, n, pow2_bucket(m), is_rms_norm, grads)
+        sms = device_sms(x)
+        if deterministic:  # the split into partial rows fixed: the same bits in every process
+            cfg = _rows_bwd_configs(n)[0]
+        else:
+            cfg = _ROWS_BWD_TUNER.config(tuning_key, _rows_bwd_launch, m, n, sms, constexprs, sum_flags, args, acc,
+                                         x.device)
+        plan = _bwd_plan(cfg, m, n, sms, constexprs, sum_flags)
+        if deterministic or _ROWS_BWD_TUNER.is_decided(tuning_key):
+            store_plan(_ROWS_BWD_PLANS, key, plan)
+    dw, db = _rows_bwd_run(plan, args, m, n, acc, need_dw, need_db, x.device)
+    return dx if needs[0] else None, dmul, dw, db
+
+
+def _flat_vector(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A per-feature vector contiguous (no copy when it is)."""
+    return t if t is None or t.is_contiguous() else t.contiguous()
+
+
+def _dmul_dtype(mul: torch.Tensor, x: torch.Tensor, acc: torch.dtype) -> torch.dtype:
+    """dmul as the kernel writes it: in mul's dtype where mul is full-size, else in fp32 (fp64),
+    to be summed down to mul's shape."""
+    return mul.dtype if mul.shape == x.shape else acc
+
+
+def _rows_grads_down(dy, dmul, mul, add_meta):
+    """(dmul, dadd) in mul's and add's shapes and dtypes: the full-size gradients summed over
+    what each broadcast (PyTorch ops: traceable and differentiable)."""
+    if dmul is not None and dmul.shape != mul.shape:
+        dmul = dmul.sum_to_size(mul.shape)
+    dadd = None
+    if add_meta is not None:
+        shape, dtype = add_meta
+        dadd = dy.sum_to_size(shape) if dy.shape != shape else dy
+        dadd = cast(dadd, dtype)
+    return None if dmul is None else cast(dmul, mul.dtype), dadd
+
+
+def _rows_dy(grads, acc):
+    """y's gradient: the sum of its views' (fp32 / fp64 when several), or None where none came."""
+    present = [g for g in grads if g is not None]
+    if len(present) <= 1:
+        return present[0] if present else None
+    total = present[0].to(acc)
+    for g in present[1:]:
+        total = total + g
+    return total
+
+
+def _rows_twice(ctx, *grads):
+    """The backward in differentiable PyTorch ops (create_graph=True)."""
+    x, mul, weight, bias, _, _ = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    dy = _rows_dy(grads[:ctx.outputs], ctx.acc)
+    if dy is None:
+        return (None,) * len(needs)
+    dx, dmul, dw, db = reference_grads(
+        lambda x, mul, w, b: _rows_torch(x, mul, None, w, b, ctx.eps, ctx.is_rms_norm, ctx.mul_offset, ctx.acc)[0],
+        (x, mul, weight, bias), (needs[0], needs[1], needs[3], needs[4]), (dy.to(ctx.acc),))
+    dadd = _rows_grads_down(dy, None, mul, ctx.add_meta)[1] if needs[2] else None
+    grads_out = (dx, dmul, dadd, dw, db)
+    likes = (x, mul, None, weight, bias)
+    grads_out = tuple(g if g is None or t is None else g.to(t.dtype) for g, t in zip(grads_out, likes))
+    return (*grads_out, *(None,) * (len(needs) - 5))
+
+
+def _rows_save(ctx, x, mul, add, weight, bias, mean, rstd, eps, is_rms_norm, mul_offset, outputs):
+    ctx.save_for_backward(x, mul, weight, bias, mean, rstd)
+    ctx.eps, ctx.is_rms_norm, ctx.mul_offset, ctx.outputs, ctx.acc = eps, is_rms_norm, mul_offset, outputs, rstd.dtype
+    ctx.add_meta = None if add is None else (add.shape, add.dtype)
+    ctx.set_materialize_grads(False)
+
+
+def _rows_backward_grads(ctx, dy):
+    """(dx, dmul, dadd, dweight, dbias) for y's gradient dy, by the kernels (or their registered op
+    when `traced`), each None where not needed."""
+    x, mul, weight, bias, mean, rstd = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    need = (needs[0], needs[1] and mul is not None, needs[3] and weight is not None, needs[4] and bias is not None)
+    dmul_dtype = None if mul is None else _dmul_dtype(mul, x, ctx.acc)
+    dx, dmul, dw, db = _rows_bwd(dy, x, mul, weight, bias, mean, rstd, ctx.eps, ctx.is_rms_norm, ctx.mul_offset,
+                                 need, dmul_dtype)
+    dmul, dadd = _rows_grads_down(dy, dmul, mul, ctx.add_meta if needs[2] else None)
+    return (dx, dmul, dadd, None if dw is None else cast(dw, weight.dtype),
+            None if db is None else cast(db, bias.dtype))
+
+
+class _RowsNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, mul, add, weight, bias, eps, is_rms_norm, mul_offset, y_dtype, narrowing):
+        # narrowing: None, or (out_dtype, readers, full_y) as `layer_norm_modulate` takes them
+        out_dtype, readers, full_y = narrowing or (None, 1, False)
+        y_out = y_dtype if full_y or out_dtype is None else out_dtype
+        y, mean, rstd = _rows_fwd(x, mul, add, weight, bias, eps, is_rms_norm, mul_offset, y_out)
+        # y and its narrowed copy (full_y), or y and a view of it for each reader beyond the first:
+        # each view's gradient reaches the backward apart, summed there in fp32
+        ys = (y, y.to(out_dtype)) if full_y else (y, *(y.view_as(y) for _ in range(readers - 1)))
+        _rows_save(ctx, x, mul, add, weight, bias, mean, rstd, eps, is_rms_norm, mul_offset, len(ys))
+        return ys if len(ys) > 1 else y
+
+    @staticmethod
+    @single_backward(twice=_rows_twice)
+    def backward(ctx, *grads):
+        dy = _rows_dy(grads, ctx.acc)
+        if dy is None:
+            return (None,) * 10
+        with profiled("trifuse::norm_modulate_rows_backward"):
+            return (*_rows_backward_grads(ctx, dy), *(None,) * 5)
+
+
+@torch.library.custom_op("trifuse::norm_modulate_rows", mutates_args=())
+def _rows_op(x: Tensor, mul: OptTensor, add: OptTensor, weight: OptTensor, bias: OptTensor, eps: float,
+             is_rms_norm: bool, mul_offset: float, out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """(y, mean, rstd): the norm of x's last dim, then its affine, then * (mul + mul_offset) + add
+    read per row (mul and add broadcastable to x)."""
+    return _rows_fwd(x, mul, add, weight, bias, eps, is_rms_norm, mul_offset, out_dtype)
+
+
+@torch.library.custom_op("trifuse::norm_modulate_rows_backward", mutates_args=())
+def _rows_backward_op(dy: Tensor, x: Tensor, mul: OptTensor, weight: OptTensor, bias: OptTensor, mean: Tensor,
+                      rstd: Tensor, eps: float, is_rms_norm: bool, mul_offset: float, need_dmul: bool,
+                      need_dw: bool, need_db: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dx, dmul shaped like x, dweight, dbias in fp32 / fp64); empty where not needed."""
+    dmul_dtype = None if mul is None else _dmul_dtype(mul, x, rstd.dtype)
+    dx, dmul, dw, db = _rows_bwd(dy, x, mul, weight, bias, mean, rstd, eps, is_rms_norm, mul_offset,
+                                 (True, need_dmul, need_dw, need_db), dmul_dtype)
+    empty = x.new_empty(0, dtype=rstd.dtype)
+    return dx, *(empty if t is None else t for t in (dmul, dw, db))
+
+
+@_rows_op.register_fake
+def _(x, mul, add, weight, bias, eps, is_rms_norm, mul_offset, out_dtype):
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    acc = _rows_acc(x, mul, add)
+    return (x.new_empty(x.shape, dtype=out_dtype), x.new_empty(0 if is_rms_norm else rows, dtype=acc),
+            x.new_empty(rows, dtype=acc))
+
+
+@_rows_backward_op.register_fake
+def _(dy, x, mul, weight, bias, mean, rstd, eps, is_rms_norm, mul_offset, need_dmul, need_dw, need_db):
+    n = x.shape[-1]
+    acc = rstd.dtype
+    dmul = (x.new_empty(x.shape, dtype=_dmul_dtype(mul, x, acc)) if need_dmul and mul is not None
+            else x.new_empty(0, dtype=acc))
+    return (x.new_empty(x.shape), dmul, x.new_empty(n if need_dw else 0, dtype=acc),
+            x.new_empty(n if need_db else 0, dtype=acc))
+
+
+def _rows_setup(ctx, inputs, output):
+    x, mul, add, weight, bias, eps, is_rms_norm, mul_offset, _ = inputs
+    _rows_save(ctx, x, mul, add, weight, bias, output[1], output[2], eps, is_rms_norm, mul_offset, 1)
+
+
+@single_backward(twice=_rows_twice, op=OP)
+def _rows_backward(ctx, dy, *_):
+    x, mul, weight, bias, mean, rstd = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    if dy is None:
+        return (None,) * 9
+    need_dmul, need_dw, need_db = needs[1] and mul is not None, needs[3] and weight is not None, \
+        needs[4] and bias is not None
+    dx, dmul, dw, db = torch.ops.trifuse.norm_modulate_rows_backward(
+        dy, x, mul, weight, bias, mean, rstd, ctx.eps, ctx.is_rms_norm, ctx.mul_offset, need_dmul, need_dw, need_db)
+    dmul, dadd = _rows_grads_down(dy, dmul if need_dmul else None, mul, ctx.add_meta if needs[2] else None)
+    return (dx if needs[0] else None, dmul, dadd, dw.to(weight.dtype) if need_dw else None,
+            db.to(bias.dtype) if need_db else None, None, None, None, None)
+
+
+torch.library.register_autograd("trifuse::norm_modulate_rows", _rows_backward, setup_context=_rows_setup)
+
+
+# The dialect's candidates: the op's arguments, then mul_offset, then the narrowing ones.
+
+
+def _rows_trifuse(x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm, mul_offset, out_dtype=None,
+                  readers=1, full_y=False):
+    """The op's own candidate for a per-token modulation: the row kernels. Checked inputs."""
+    y_dtype = _y_dtype(x.dtype, mul, add)
+    if eager_fast_path(x, mul, add, weight, bias):
+        plain = out_dtype is None and readers == 1 and not full_y
+        with profiled(f"trifuse::{OP}"):
+            return apply_function(_RowsNormFunction, x, mul, add, weight, bias, eps, is_rms_norm, float(mul_offset),
+                                  y_dtype, None if plain else (out_dtype, readers, full_y))
+    wide = y_dtype if out_dtype is None or full_y else torch.promote_types(y_dtype, out_dtype)
+    y = torch.ops.trifuse.norm_modulate_rows(x, mul, add, weight, bias, eps, is_rms_norm, float(mul_offset), wide)[0]
+    return _cast_for_readers(y, out_dtype, readers, full_y)
+
+
+def _with_offset(mul: torch.Tensor | None, mul_offset: float) -> torch.Tensor | None:
+    return mul + mul_offset if mul is not None and mul_offset != 0 else mul
+
+
+def _rows_torch_candidate(x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm, mul_offset, out_dtype=None,
+                          readers=1, full_y=False):
+    """PyTorch's norm, product and sum; `mul + mul_offset` in y's dtype, or in a wider out_dtype
+    (where the modulation is computed in that dtype, as the kernels compute it)."""
+    if mul_offset != 0 and out_dtype is not None and not full_y:
+        wide = torch.promote_types(_y_dtype(x.dtype, mul, add), out_dtype)
+        mul = cast(mul, torch.promote_types(mul.dtype, wide))
+    return _modulate_torch(x, normalized_shape, _with_offset(mul, mul_offset), add, weight, bias, eps, is_rms_norm,
+                           out_dtype, readers, full_y)
+
+
+def _rows_torch_supports(x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm, mul_offset,
+                         *narrowing) -> str | None:
+    return _modulate_torch_supports(x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm)
+
+
+def _rows_key(x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm, mul_offset, *narrowing):
+    return _modulate_key(x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm, *narrowing)
+
+
+def _rows_dialect_ref(x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm, mul_offset, *narrowing):
+    return _modulate_dialect_ref(x, normalized_shape, _with_offset(mul, mul_offset), add, weight, bias, eps,
+                                 is_rms_norm, *narrowing)
+
+
+# A per-token modulation: the row kernels or PyTorch's norm, product and sum, whichever measured faster.
+LAYER_NORM_MODULATE_ROWS = dialects.define(
+    "layer_norm_modulate_rows", _rows_key,
+    ("device", "dtype", "rows", "n", "mul", "add", "weight", "bias", "rms", "grad", "out"),
+    reference=_rows_dialect_ref)
+LAYER_NORM_MODULATE_ROWS.register(dialects.Candidate("trifuse", _rows_trifuse))
+LAYER_NORM_MODULATE_ROWS.register(
+    dialects.Candidate("torch", _rows_torch_candidate, supports=_rows_torch_supports))

@@ -1,4 +1,4 @@
-"""The adaptive norm of diffusion transformers: a norm whose output is modulated per sample.
+"""The adaptive norm of diffusion transformers: a norm whose output is modulated per sample or per token.
 
     y = norm(x) * mul + add              the norm already a trifuse norm (stage 0); mul and add
                                          one vector per sample, e.g. (1 + scale[:, None]), shift[:, None]
@@ -10,12 +10,15 @@ blocks' `norm2(h) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]` all write it 
 and the sum each a pass over the activation (and more in the backward), folded into the norm's
 one pass. mul and add are whatever tensors the model computes (the `1 + scale` stays PyTorch's,
 on a (B, N) vector), as long as each is one vector per sample: shaped like x over a leading prefix
-of its dims and 1 over the rest (`per_sample`). A full-size tensor (a residual, a gate over
-tokens) is not: such a norm is left to the other patterns (quietly: most norms followed by a
-product and a sum are no modulation, and the report does not list them). Nor is a product
-wider than the norm's output (`in_the_norms_dtype`): under autocast DiT's residual stream is
-fp32 and its modulation bf16, fused; fp16 activations beside an fp32 affine written out keep
-the model's rounding.
+of its dims and 1 over the rest (`per_sample`), or, for the forms with both a product and a sum,
+per token (`per_sample_or_token`: FLUX.3's, Helios' and MiniMax H3's scale and shift (B, S, N), the
+op's row kernels read them a row at a time; `norm(x) * (1 + scale) + shift` per token is the
+`*_offset` forms, whose op adds the 1 as it reads scale, and Qwen-Image 2.1's `norm(x) * (1 +
+scale)` the scale-only one). A product alone or a sum alone that varies along the rows (a gate, a
+residual) is no modulation: left to the other patterns (quietly: most norms followed by a product
+are none, and the report does not list them). Nor is a product wider than the norm's output
+(`in_the_norms_dtype`): under autocast DiT's residual stream is fp32 and its modulation bf16,
+fused; fp16 activations beside an fp32 affine written out keep the model's rounding.
 
 Under CUDA's autocast a 16-bit x (diffusers' DiT, PixArt, SD3 keep their residual stream in the
 autocast dtype) is normalized in fp32 and the norm returns fp32, which the stage-0 norm pattern
@@ -107,6 +110,79 @@ def rms_norm_modulate_upcast_fused(x, mul, add, normalized_shape, weight, eps, d
                                    out_dtype=dtype)
 
 
+def layer_norm_modulate_offset(x: torch.Tensor, mul: torch.Tensor, add: torch.Tensor, offset, normalized_shape,
+                               weight, bias, eps):
+    """Per token, `norm(x) * (1 + scale) + shift` (FLUX.3): the op adds the offset as it reads scale, no pass
+    writes 1 + scale (per sample that vector is small, and the plain form takes it)."""
+    return ops.layer_norm(x, normalized_shape, weight, bias, eps) * (offset + mul) + add
+
+
+def layer_norm_modulate_offset_fused(x, mul, add, offset, normalized_shape, weight, bias, eps):
+    return ops.layer_norm_modulate(x, normalized_shape, mul, add, weight, bias, eps, mul_offset=offset)
+
+
+def rms_norm_modulate_offset(x: torch.Tensor, mul: torch.Tensor, add: torch.Tensor, offset, normalized_shape,
+                             weight, eps):
+    return ops.rms_norm(x, normalized_shape, weight, eps) * (offset + mul) + add
+
+
+def rms_norm_modulate_offset_fused(x, mul, add, offset, normalized_shape, weight, eps):
+    return ops.layer_norm_modulate(x, normalized_shape, mul, add, weight, None, eps, is_rms_norm=True,
+                                   mul_offset=offset)
+
+
+def layer_norm_modulate_offset_upcast(x: torch.Tensor, mul: torch.Tensor, add: torch.Tensor, offset,
+                                      normalized_shape, weight, bias, eps, dtype):
+    return ops.layer_norm(x, normalized_shape, weight, bias, eps).to(dtype) * (offset + mul) + add
+
+
+def layer_norm_modulate_offset_upcast_fused(x, mul, add, offset, normalized_shape, weight, bias, eps, dtype):
+    return ops.layer_norm_modulate(x, normalized_shape, mul, add, weight, bias, eps, out_dtype=dtype,
+                                   mul_offset=offset)
+
+
+def rms_norm_modulate_offset_upcast(x: torch.Tensor, mul: torch.Tensor, add: torch.Tensor, offset,
+                                    normalized_shape, weight, eps, dtype):
+    return ops.rms_norm(x, normalized_shape, weight, eps).to(dtype) * (offset + mul) + add
+
+
+def rms_norm_modulate_offset_upcast_fused(x, mul, add, offset, normalized_shape, weight, eps, dtype):
+    return ops.layer_norm_modulate(x, normalized_shape, mul, add, weight, None, eps, is_rms_norm=True,
+                                   out_dtype=dtype, mul_offset=offset)
+
+
+def layer_norm_scale_offset(x: torch.Tensor, mul: torch.Tensor, offset, normalized_shape, weight, bias, eps):
+    """Per token, `norm(x) * (1 + scale)` alone (Qwen-Image 2.1, its scale chosen per token by
+    `torch.where`): the offset says it is a modulation, not a gate."""
+    return ops.layer_norm(x, normalized_shape, weight, bias, eps) * (offset + mul)
+
+
+def layer_norm_scale_offset_fused(x, mul, offset, normalized_shape, weight, bias, eps):
+    return ops.layer_norm_modulate(x, normalized_shape, mul, None, weight, bias, eps, mul_offset=offset)
+
+
+def rms_norm_scale_offset(x: torch.Tensor, mul: torch.Tensor, offset, normalized_shape, weight, eps):
+    return ops.rms_norm(x, normalized_shape, weight, eps) * (offset + mul)
+
+
+def rms_norm_scale_offset_fused(x, mul, offset, normalized_shape, weight, eps):
+    return ops.layer_norm_modulate(x, normalized_shape, mul, None, weight, None, eps, is_rms_norm=True,
+                                   mul_offset=offset)
+
+
+def _not_broadcast(t: torch.Tensor, x: torch.Tensor) -> str | None:
+    """Why t does not broadcast against x as a modulation (each dim x's or 1, the last x's or 1:
+    never wider than x), or None."""
+    if t.dim() > x.dim():
+        return f"it has more dims than the input {list(x.shape)}"
+    shape = (1,) * (x.dim() - t.dim()) + tuple(t.shape)
+    if not (known_equal(shape[-1], x.shape[-1]) or known_equal(shape[-1], 1)):
+        return f"its last dim is neither the input's ({x.shape[-1]}) nor 1"
+    if not all(known_equal(a, b) or known_equal(a, 1) for a, b in zip(shape[:-1], x.shape[:-1])):
+        return "it does not broadcast against the input"
+    return None
+
+
 def _not_per_sample(t: torch.Tensor, x: torch.Tensor) -> str | None:
     """Why t does not broadcast against x as one vector per sample, or None: over a leading
     prefix of x's dims it must equal x, over the others but the last be 1 (at least one such dim:
@@ -139,8 +215,9 @@ def _modulation(m: Match) -> tuple[str, ...]:
     return tuple(name for name in ("mul", "add") if name in m.cp.params)
 
 
-def per_sample(m: Match) -> str | None:
-    """mul and add one vector per sample (not full-size tensors), the norm over x's last dim."""
+def per_sample(m: Match, per_token: bool = False) -> str | None:
+    """mul and add one vector per sample (not full-size tensors), the norm over x's last dim; with
+    per_token, or varying along a sample's rows as well (`per_sample_or_token`)."""
     x = m.value("x")
     shape = m.value("normalized_shape")
     if not isinstance(x, torch.Tensor):
@@ -151,11 +228,45 @@ def per_sample(m: Match) -> str | None:
         return f"normalized_shape {shape!r} is not the input's last dim alone"
     for name in _modulation(m):
         t = m.value(name)
+        if t is None:  # (a stage-2 form's call of the op without it)
+            continue
         if not isinstance(t, torch.Tensor):
             return f"{name}'s shape is unknown"
+        if per_token:
+            why = _not_broadcast(t, x)
+            if why is not None:
+                return f"{name} {list(t.shape)} is no modulation of the input {list(x.shape)}: {why}"
+            continue
         why = _not_per_sample(t, x)
         if why is not None:
             return f"{name} {list(t.shape)} is not one vector per sample of the input {list(x.shape)}: {why}"
+    return None
+
+
+def per_sample_or_token(m: Match) -> str | None:
+    """mul and add one vector per sample (folded into the norm's affine) or varying along a sample's
+    rows (per token: FLUX.3's scale and shift (B, S, N), read a row at a time), broadcasting against
+    x and no wider along its last dim. The scale-only and shift-only forms stay per sample: a
+    full-size product or sum after a norm is more often a gate or a residual (the residual-stream
+    patterns' post-norm add) than a modulation."""
+    why = per_sample(m, per_token=True)
+    if why is None and "mul" in m.cp.params and "add" in m.cp.params and per_sample(m) is not None:
+        x, mul, add = m.value("x"), m.value("mul"), m.value("add")
+        if _not_per_sample(mul, x) is None:
+            return (f"mul {list(mul.shape)} is one vector per sample and add {list(add.shape)} varies along the rows: "
+                    "a gated residual add after a norm, which the residual-stream patterns fold into the next norm")
+    return why
+
+
+def per_token(m: Match) -> str | None:
+    """The modulation varies along a sample's rows (`per_sample_or_token`, not `per_sample`): the
+    offset forms fold `1 + scale` into the row kernels' loads; per sample the plain forms take the
+    small `1 + scale` vector as written."""
+    why = per_sample_or_token(m)
+    if why is not None:
+        return why
+    if per_sample(m) is None:
+        return "the modulation is one vector per sample (the plain form takes it, 1 + scale as written)"
     return None
 
 
@@ -402,8 +513,9 @@ _SUM_FORMS = {
     ("dropout", True): (add_after_inactive_dropout_layer_norm_modulate_upcast,
                         add_after_inactive_dropout_layer_norm_modulate_upcast_fused),
 }
-_SUM_FILTERS = {"gated": (sum_operands, gate_per_sample), "plain": (sum_operands,),
-                "dropout": (dropout_inactive, sum_operands)}
+# (the gated op folds the modulation into per-sample affine vectors: a per-token one stays apart)
+_SUM_FILTERS = {"gated": (per_sample, sum_operands, gate_per_sample), "plain": (per_sample, sum_operands),
+                "dropout": (dropout_inactive, per_sample, sum_operands)}
 
 
 def _sum_patterns() -> tuple[Pattern, ...]:
@@ -418,16 +530,40 @@ def _sum_patterns() -> tuple[Pattern, ...]:
     return tuple(forms)
 
 
-def _own_dtype_form(name: str, family: str, search, replacement) -> Pattern:
-    """A stage-1 modulation in the norm's own dtype: one vector per sample, no wider than x. Quiet:
-    most products and sums after a norm are no modulation."""
+def _own_dtype_form(name: str, family: str, search, replacement, shape=per_sample) -> Pattern:
+    """A stage-1 modulation in the norm's own dtype: one vector per sample (or as `shape` says), no
+    wider than x. Quiet: most products and sums after a norm are no modulation."""
     return Pattern(name, family, search, replacement, ("layer_norm_modulate", family),
-                   (per_sample, in_the_norms_dtype, needs_number("eps")), stage=1, quiet=True)
+                   (shape, in_the_norms_dtype, needs_number("eps")), stage=1, quiet=True)
+
+
+def _offset_form(name: str, family: str, search, replacement, upcast: bool) -> Pattern:
+    """A stage-1 per-token modulation `norm(x) * (offset + scale) + shift`, offset a number."""
+    dtype_filter = upcast_holds_the_product if upcast else in_the_norms_dtype
+    return Pattern(name, family, search, replacement, ("layer_norm_modulate", family),
+                   (per_token, needs_number("offset"), dtype_filter, needs_number("eps")), stage=1, quiet=True)
 
 
 PATTERNS = (
-    _own_dtype_form("layer_norm_modulate", "layer_norm", layer_norm_modulate, layer_norm_modulate_fused),
-    _own_dtype_form("rms_norm_modulate", "rms_norm", rms_norm_modulate, rms_norm_modulate_fused),
+    # per token, `1 + scale` folded into the op's loads (before the plain forms, which take it as
+    # written where its `1 + scale` is read elsewhere too)
+    _offset_form("layer_norm_modulate_offset", "layer_norm", layer_norm_modulate_offset,
+                 layer_norm_modulate_offset_fused, upcast=False),
+    _offset_form("rms_norm_modulate_offset", "rms_norm", rms_norm_modulate_offset, rms_norm_modulate_offset_fused,
+                 upcast=False),
+    _offset_form("layer_norm_modulate_offset_upcast", "layer_norm", layer_norm_modulate_offset_upcast,
+                 layer_norm_modulate_offset_upcast_fused, upcast=True),
+    _offset_form("rms_norm_modulate_offset_upcast", "rms_norm", rms_norm_modulate_offset_upcast,
+                 rms_norm_modulate_offset_upcast_fused, upcast=True),
+    # (after those with a shift, which the scale alone would match the front of)
+    _offset_form("layer_norm_modulate_scale_offset", "layer_norm", layer_norm_scale_offset,
+                 layer_norm_scale_offset_fused, upcast=False),
+    _offset_form("rms_norm_modulate_scale_offset", "rms_norm", rms_norm_scale_offset, rms_norm_scale_offset_fused,
+                 upcast=False),
+    _own_dtype_form("layer_norm_modulate", "layer_norm", layer_norm_modulate, layer_norm_modulate_fused,
+                    per_sample_or_token),
+    _own_dtype_form("rms_norm_modulate", "rms_norm", rms_norm_modulate, rms_norm_modulate_fused,
+                    per_sample_or_token),
     # after the forms with a shift: a scale alone (Lumina 2, Z-Image, Ideogram 4, Bria FIBO 2)
     _own_dtype_form("layer_norm_modulate_scale", "layer_norm", layer_norm_scale, layer_norm_scale_fused),
     _own_dtype_form("rms_norm_modulate_scale", "rms_norm", rms_norm_scale, rms_norm_scale_fused),
@@ -436,10 +572,10 @@ PATTERNS = (
     _own_dtype_form("rms_norm_modulate_shift", "rms_norm", rms_norm_shift, rms_norm_shift_fused),
     Pattern("layer_norm_modulate_upcast", "layer_norm", layer_norm_modulate_upcast,
             layer_norm_modulate_upcast_fused, ("layer_norm_modulate", "layer_norm"),
-            (per_sample, upcast_holds_the_product, needs_number("eps")), stage=1, quiet=True),
+            (per_sample_or_token, upcast_holds_the_product, needs_number("eps")), stage=1, quiet=True),
     Pattern("rms_norm_modulate_upcast", "rms_norm", rms_norm_modulate_upcast, rms_norm_modulate_upcast_fused,
-            ("layer_norm_modulate", "rms_norm"), (per_sample, upcast_holds_the_product, needs_number("eps")),
-            stage=1, quiet=True),
+            ("layer_norm_modulate", "rms_norm"),
+            (per_sample_or_token, upcast_holds_the_product, needs_number("eps")), stage=1, quiet=True),
     # before the sum's forms: a modulated norm of the sum's fp32 copy then reads the sum itself
     *(Pattern(f"fp32_copy_{norm}_modulate", norm,
               functools.partial(layer_norm_modulate_of_fp32_copy, rms=rms),

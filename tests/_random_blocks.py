@@ -508,12 +508,15 @@ class RopeModel(nn.Module):
 
 ADAPTIVE = ("dit", "continuous", "commuted", "pixart", "scale_only", "shift_only", "rms_dit",
             "affine_dit", "fp32_copy",
-            # near misses: a product over tokens, a vector per token, the shift subtracted (its
-            # scale fuses alone, as Lumina 2's), the modulation before the norm, a 16-bit norm
-            # modulated by an fp32 product (left: the model rounds the norm first)
-            "gate_over_tokens", "per_token_scale", "shift_subtracted", "modulated_before_norm",
-            "wider_product")
-NEAR_MISSES_ADAPTIVE = {"gate_over_tokens", "per_token_scale", "modulated_before_norm", "wider_product"}
+            # per token (FLUX.3's, Helios' mixed timesteps): a product over tokens beside a
+            # per-sample shift, a scale that varies along the tokens (`1 + scale` folded into the
+            # loads), scale and shift both per token
+            "gate_over_tokens", "per_token_scale", "per_token_both",
+            # near misses: the shift subtracted (its scale fuses alone, as Lumina 2's), the
+            # modulation before the norm, a 16-bit norm modulated by an fp32 product (left: the
+            # model rounds the norm first)
+            "shift_subtracted", "modulated_before_norm", "wider_product")
+NEAR_MISSES_ADAPTIVE = {"modulated_before_norm", "wider_product"}
 # Faithful but left to PyTorch: none now (a scale alone is Lumina 2's and Z-Image's, a shift alone
 # HunyuanDiT's: both fused).
 LEFT_ADAPTIVE: set[str] = set()
@@ -562,8 +565,10 @@ class AdaptiveBlock(nn.Module):
             return h + shift[:, None]
         if k == "gate_over_tokens":
             return h * torch.sigmoid(x) + shift[:, None]
-        if k == "per_token_scale":
+        if k in ("per_token_scale", "per_token_both"):
             ramp = torch.linspace(0.5, 1.5, x.shape[1], device=x.device, dtype=x.dtype)[:, None]
+            if k == "per_token_both":
+                return (1 + scale[:, None] * ramp) * h + shift[:, None] * ramp.flip(0)
             return h * (1 + scale[:, None] * ramp) + shift[:, None]
         if k == "shift_subtracted":
             return h * (1 + scale[:, None]) - shift[:, None]

@@ -221,7 +221,8 @@ def test_random_adaptive_norms_fuse_to_what_they_compute(kind, capture, dtype, r
 def test_each_adaptive_norm_spelling(kind):
     """Faithful spellings become `layer_norm_modulate` (both norms of both blocks: the Dynamo host
     captures the model whole), a scale alone and a shift alone too (the shift subtracted: its scale
-    fuses, the subtraction stays); with the near misses whatever fuse does, the answer is the
+    fuses, the subtraction stays), per token as well (`1 + scale` folded into the loads where the
+    scale varies along the tokens); with the near misses whatever fuse does, the answer is the
     unfused model's, and no modulation is fused (the norms alone may be)."""
     # (in fp32 no wider product, and the copy no copy)
     dtype = torch.float16 if kind in ("wider_product", "fp32_copy") else torch.float32
@@ -236,6 +237,8 @@ def test_each_adaptive_norm_spelling(kind):
         assert modulated == 0, report.table()
     else:
         assert modulated == 4, report.table()  # two norms a block
+    if kind in ("per_token_scale", "per_token_both"):
+        assert report.by_pattern().get("layer_norm_modulate_offset") == 4, report.table()
     if kind == "fp32_copy":
         # the norms read the 16-bit x, not its fp32 copy; the gated adds before three of them
         # then fold in as well (the forms with out_dtype: y computed in fp32, written in x's dtype)

@@ -1,7 +1,8 @@
 """The adaptive norm's spellings (patterns/adaptive_norm.py): a norm modulated per sample by
 vectors a conditioning MLP computes becomes `layer_norm_modulate`, through fx and Dynamo, with
-outputs and every gradient (the conditioning MLP's included) equal to the unfused model's; a
-product or sum that varies along a sample's rows is left to the other patterns. The residual add
+outputs and every gradient (the conditioning MLP's included) equal to the unfused model's; so does
+one modulated per token (FLUX.3's scale and shift (B, S, N)), read a row at a time, while a product
+or a sum alone that varies along a sample's rows is left to the other patterns. The residual add
 before such a norm (DiT's gated `h + gate * attn_out`) and a LayerScale's `h + gamma * x` before a
 plain one fold into the norm as `gated_add_layer_norm_modulate`."""
 import pytest
@@ -85,8 +86,8 @@ class SharedNorm(nn.Module):
     def forward(self, x, cond):
         scale_a, shift_a, scale_b, shift_b = self.ada(F.silu(cond))[:, None].chunk(4, dim=-1)
         h = self.norm(x)
-        if self.also == "gated":
-            return self.proj(h * torch.sigmoid(x)) + h * torch.tanh(x)
+        if self.also == "gated":  # (products alone: with a full-size sum a product is a per-token modulation)
+            return self.proj(h * torch.sigmoid(x)) * (h * torch.tanh(x))
         if self.also == "gated_once":
             return self.proj(h * torch.sigmoid(x)) + (h * (1 + scale_a) + shift_a)
         out = self.proj(h * (1 + scale_a) + shift_a) * (h * (1 + scale_b) + shift_b)
@@ -151,11 +152,92 @@ class NormPlusInput(nn.Module):
         return self.proj(self.norm(x) + x)
 
 
-def test_a_product_over_tokens_is_not_a_modulation():
-    """`norm(x) * sigmoid(x) + shift`: the product varies along the rows; the norm is fused alone,
-    the product and the sum stay PyTorch's (negative control)."""
+def test_a_product_over_tokens_is_modulated_per_token():
+    """`norm(x) * sigmoid(x) + shift`: the product varies along the rows, a per-token modulation
+    (the row kernels read sigmoid(x) a row at a time beside the per-sample shift); outputs and
+    gradients the unfused model's."""
     report = check_against_unfused(lambda: Modulated("full_size_gate"), inputs(), "dynamo", train=True)
-    assert report.by_pattern() == {"layer_norm": 1}, report.table()
+    assert report.by_pattern() == {"layer_norm_modulate": 1}, report.table()
+
+
+class PerToken(nn.Module):
+    """FLUX.3's block: a conditioning vector per token (B, S, COND) projected to shift, scale and
+    gate (B, S, N), then `(1 + scale) * norm(x) + shift` (`scale_only`: Qwen-Image 2.1's
+    `norm(x) * (1 + scale)`; `one_plus_read_twice`: the `1 + scale` read by a second product)."""
+
+    def __init__(self, spelling: str = "flux3", norm: str = "layer_norm", affine: bool = False) -> None:
+        super().__init__()
+        self.spelling = spelling
+        self.norm = (nn.RMSNorm(N, eps=1e-6, elementwise_affine=affine) if norm == "rms_norm"
+                     else nn.LayerNorm(N, eps=1e-6, elementwise_affine=affine))
+        self.ada = nn.Linear(COND, 3 * N)
+        self.proj = nn.Linear(N, N)
+
+    def forward(self, x, cond):
+        shift, scale, gate = self.ada(F.silu(cond)).chunk(3, dim=-1)
+        h = self.norm(x)
+        if self.spelling == "flux3":
+            h = (1 + scale) * h + shift
+        elif self.spelling == "scale_only":
+            h = h * (1 + scale)
+        elif self.spelling == "one_plus_read_twice":
+            one_plus = 1 + scale
+            h = h * one_plus + shift + one_plus.sum()
+        return x + gate * self.proj(h)
+
+
+def per_token_inputs():
+    return torch.randn(3, 7, N) * 2 + 0.5, torch.randn(3, 7, COND)
+
+
+@pytest.mark.parametrize("capture", ["fx", "dynamo"])
+@pytest.mark.parametrize("norm, affine", [("layer_norm", False), ("rms_norm", False), ("layer_norm", True),
+                                          ("rms_norm", True)])
+def test_a_norm_modulated_per_token_becomes_one_op(norm, affine, capture):
+    """FLUX.3's per-token modulation: one op whose loads add the 1 to scale (`*_offset`), scale
+    and shift read in place as chunks of the projection; every gradient the unfused model's."""
+    report = check_against_unfused(lambda: PerToken("flux3", norm, affine), per_token_inputs(), capture,
+                                   train=True)
+    assert report.counts() == available_counts({norm: 1}), report.table()
+    assert report.by_pattern() == {f"{norm}_modulate_offset": 1}, report.table()
+
+
+@pytest.mark.parametrize("norm", ["layer_norm", "rms_norm"])
+def test_a_norm_scaled_per_token_alone_becomes_one_op(norm):
+    """Qwen-Image 2.1's `norm(x) * (1 + scale)` per token: the `1 +` says modulation."""
+    report = check_against_unfused(lambda: PerToken("scale_only", norm), per_token_inputs(), "dynamo", train=True)
+    assert report.by_pattern() == {f"{norm}_modulate_scale_offset": 1}, report.table()
+
+
+def test_a_one_plus_scale_read_elsewhere_is_taken_as_written():
+    """`1 + scale` read by another op too: the offset form would drop it, so the plain form takes
+    the tensor the model computes as mul."""
+    report = check_against_unfused(lambda: PerToken("one_plus_read_twice"), per_token_inputs(), "dynamo",
+                                   train=True)
+    assert report.by_pattern() == {"layer_norm_modulate": 1}, report.table()
+
+
+def test_cuda_autocasts_fp32_norm_modulated_per_token():
+    """Under CUDA-like autocast the norm of an fp16 x returns fp32 and the per-token modulation
+    runs in fp32: the upcast offset form, y written in fp16 for the one matmul that reads it."""
+    x, cond = per_token_inputs()
+    with cuda_like_autocast(), torch.autocast("cuda" if DEVICE == "cuda" else "cpu", dtype=torch.float16):
+        report = check_against_unfused(lambda: PerToken("flux3"), (x.half(), cond), "dynamo", train=True)
+    assert report.by_pattern() == {"layer_norm_modulate_offset_upcast": 1}, report.table()
+
+
+def test_a_gated_add_before_a_norm_modulated_per_token_stays_apart():
+    """The gated add before a modulated norm folds into it per sample only (the gated op's affine
+    is per sample): per token the sum stays PyTorch's and the norm and its modulation one op."""
+
+    class TwoNorms(PerToken):
+        def forward(self, x, cond):
+            shift, scale, gate = self.ada(F.silu(cond)).chunk(3, dim=-1)
+            h = x + gate * self.proj(x)
+            return self.proj((1 + scale) * self.norm(h) + shift)
+
+    report = check_against_unfused(lambda: TwoNorms(), per_token_inputs(), "dynamo", train=True)
+    assert report.by_pattern() == {"layer_norm_modulate_offset": 1}, report.table()
 
 
 def test_what_is_not_one_vector_per_sample_is_named():
@@ -170,6 +252,17 @@ def test_what_is_not_one_vector_per_sample_is_named():
     assert "varies along a sample's rows" in _not_per_sample(torch.empty(2, 1, N), x)
     assert "last dim" in _not_per_sample(torch.empty(3, 1, 5), x)
     assert "more dims" in _not_per_sample(torch.empty(1, 3, 1, N), x)
+
+
+def test_what_is_no_modulation_per_token_is_named():
+    from trifuse.patterns.adaptive_norm import _not_broadcast
+
+    x = torch.empty(3, 7, N)
+    for shape in ((3, 7, N), (7, N), (3, 7, 1), (1, 7, N), (3, 1, N), (N,)):
+        assert _not_broadcast(torch.empty(shape), x) is None, shape
+    assert "does not broadcast" in _not_broadcast(torch.empty(2, 7, N), x)
+    assert "last dim" in _not_broadcast(torch.empty(3, 7, 5), x)
+    assert "more dims" in _not_broadcast(torch.empty(1, 3, 7, N), x)
 
 
 class DiffusersRMSNormModulated(nn.Module):

@@ -255,8 +255,9 @@ def test_layer_norm_written_out_keeps_its_eps_and_fp16_roundings(capture):
 
 
 class ParamsApart(WrittenOutLayerNorm):
-    """fp32 parameters on fp16 activations (the product promotes), or a per-token scale and shift
-    (adaLN's modulation): the norm fuses, the affine stays the model's."""
+    """fp32 parameters on fp16 activations (the product promotes): the norm fuses, the affine
+    stays the model's; or a per-token scale and shift (adaLN's modulation), which is no affine but
+    a modulation per token: one op with it."""
 
     def __init__(self, kind):
         super().__init__("var", "div_sqrt", "none")
@@ -274,9 +275,9 @@ def test_an_affine_that_is_not_the_norms_own_stays_apart(capture):
     x16 = (torch.randn(3, 5, N).half(),)
     report = check_against_unfused(lambda: ParamsApart("fp32_params").half(), x16, capture, grads=False)
     assert report.by_pattern() == {"layer_norm_bare_var_div_sqrt": 1}
-    report = check_against_unfused(lambda: ParamsApart("per_token"), X, capture)
-    assert report.by_pattern() == {"layer_norm_bare_var_div_sqrt": 1}
     assert report.rejected() == []  # a product that is no norm's weight is not worth a line
+    report = check_against_unfused(lambda: ParamsApart("per_token"), X, capture)
+    assert report.by_pattern() == {"layer_norm_modulate_offset": 1}
 
 
 class WrittenOutRMSNorm(nn.Module):
