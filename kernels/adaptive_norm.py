@@ -1487,8 +1487,8 @@ def _rows_backward_op(dy: Tensor, x: Tensor, mul: OptTensor, weight: OptTensor, 
     dmul_dtype = None if mul is None else _dmul_dtype(mul, x, rstd.dtype)
     dx, dmul, dw, db = _rows_bwd(dy, x, mul, weight, bias, mean, rstd, eps, is_rms_norm, mul_offset,
                                  (True, need_dmul, need_dw, need_db), dmul_dtype)
-    empty = x.new_empty(0, dtype=rstd.dtype)
-    return dx, *(empty if t is None else t for t in (dmul, dw, db))
+    # (one empty tensor each: a custom op's outputs must not alias one another)
+    return dx, *(x.new_empty(0, dtype=rstd.dtype) if t is None else t for t in (dmul, dw, db))
 
 
 @_rows_op.register_fake
@@ -1505,8 +1505,8 @@ def _(dy, x, mul, weight, bias, mean, rstd, eps, is_rms_norm, mul_offset, need_d
     acc = rstd.dtype
     dmul = (x.new_empty(x.shape, dtype=_dmul_dtype(mul, x, acc)) if need_dmul and mul is not None
             else x.new_empty(0, dtype=acc))
-    return (x.new_empty(x.shape), dmul, x.new_empty(n if need_dw else 0, dtype=acc),
-            x.new_empty(n if need_db else 0, dtype=acc))
+    return (x.new_empty(x.shape), dmul, x.new_empty(n if need_dw and weight is not None else 0, dtype=acc),
+            x.new_empty(n if need_db and bias is not None else 0, dtype=acc))
 
 
 def _rows_setup(ctx, inputs, output):

@@ -173,3 +173,66 @@ def test_gated_compiled_graphs_keep_the_registered_op(gated_dialect, timer, monk
     torch.compile(lambda *a: gated_public(*a), backend=backend, fullgraph=True)(
         x, residual, gate[:, None], (N,), 1 + scale[:, None], shift[:, None], None, None, 1e-6, False)
     assert any("trifuse.gated_grouped_norm" in gm.code for gm in graphs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per token: the layer_norm_modulate_rows dialect (the row kernels or PyTorch's ops)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def rows_dialect(cache_dir, monkeypatch):
+    an.LAYER_NORM_MODULATE_ROWS.clear()
+    monkeypatch.setattr(an.LAYER_NORM_MODULATE_ROWS, "timer", None)
+    yield an.LAYER_NORM_MODULATE_ROWS
+    an.LAYER_NORM_MODULATE_ROWS.clear()
+
+
+def per_token_fwd_bwd(fn, x, emb):
+    """FLUX.3's `(1 + scale) * norm(x) + shift`, scale and shift chunks of one (B, S, 3N) tensor."""
+    shift, scale, _ = emb.chunk(3, dim=-1)
+    y = fn(x, (N,), scale, shift, None, None, 1e-6, False, 1.0)
+    dy = torch.randn(y.shape, generator=torch.Generator(device=y.device).manual_seed(1), device=y.device,
+                     dtype=y.dtype)
+    return (y, *torch.autograd.grad(y, (x, emb), dy))
+
+
+def public_rows(x, ns, mul, add, w, b, eps, rms, mul_offset):
+    return trifuse.ops.layer_norm_modulate(x, ns, mul, add, w, b, eps, is_rms_norm=rms, mul_offset=mul_offset)
+
+
+def per_token_inputs(tokens=3):
+    x = torch.randn(2, tokens, N, device=DEVICE, requires_grad=True)
+    return x, torch.randn(2, tokens, 3 * N, device=DEVICE, requires_grad=True)
+
+
+@pytest.mark.parametrize("winner", ["trifuse", "torch"])
+def test_per_token_the_measured_winner_runs_bitwise(rows_dialect, timer, monkeypatch, winner):
+    """A per-token call goes to its own dialect (not the per-sample one), which runs what it
+    measured faster, bitwise; the same rows bucket is replayed without measuring again."""
+    fake = timer({"trifuse": 1.0, "torch": 2.0} if winner == "trifuse" else {"trifuse": 2.0, "torch": 1.0})
+    monkeypatch.setattr(rows_dialect, "timer", fake)
+    x, emb = per_token_inputs()
+    got = per_token_fwd_bwd(public_rows, x, emb)
+    want = per_token_fwd_bwd(an._rows_trifuse if winner == "trifuse" else an._rows_torch_candidate, x, emb)
+    for a, e in zip(got, want):
+        assert torch.equal(a, e)
+    shift, scale, _ = emb.chunk(3, dim=-1)
+    rec = rows_dialect.explain(x, (N,), scale, shift, None, None, 1e-6, False, 1.0)
+    assert rec.chosen == winner and rec.source == "measured" and set(fake.calls) == {"trifuse", "torch"}
+    per_token_fwd_bwd(public_rows, *per_token_inputs(tokens=4))
+    assert len(fake.calls) == 2
+
+
+def test_per_token_compiled_graphs_keep_the_registered_op(rows_dialect, timer, monkeypatch):
+    monkeypatch.setattr(rows_dialect, "timer", timer({"trifuse": 2.0, "torch": 1.0}))
+    x, emb = per_token_inputs()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(lambda x, emb: per_token_fwd_bwd(public_rows, x, emb)[0], backend=backend)(x, emb)
+    assert any("trifuse.norm_modulate_rows" in gm.code for gm in graphs)

@@ -222,12 +222,13 @@ def test_twice_differentiable():
         lambda *a: trifuse.ops.layer_norm_modulate(a[0], [8], *a[1:], eps=EPS, mul_offset=1.0), tuple(inputs))
 
 
+@pytest.mark.parametrize("affine", [True, False])
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("norm", NORMS)
-def test_compiles_without_graph_breaks(norm, backend):
+def test_compiles_without_graph_breaks(norm, backend, affine):
     """Under torch.compile(fullgraph=True) the registered op and its backward op run, equal to
     the eager path; with a broadcast add, summed down outside the op."""
-    inputs = make(((2, 5, 32), (2, 5, 32), (2, 1, 32)), torch.float32, norm)
+    inputs = make(((2, 5, 32), (2, 5, 32), (2, 1, 32)), torch.float32, norm, affine)
     torch._dynamo.reset()
     compiled = torch.compile(lambda *a: run(a, norm), fullgraph=True, backend=backend)
     i2 = [None if t is None else t.detach().clone().requires_grad_() for t in inputs]
@@ -240,14 +241,23 @@ def test_compiles_without_graph_breaks(norm, backend):
             torch.testing.assert_close(a.grad, b.grad)
 
 
+@pytest.mark.parametrize("affine", [False, True])
 @pytest.mark.parametrize("is_rms_norm", [False, True], ids=["layer_norm", "rms_norm"])
-def test_registered_op_passes_opcheck(is_rms_norm):
+def test_registered_ops_pass_opcheck(is_rms_norm, affine):
+    """The forward op and the backward op: schema, fake tensors, autograd registration (and no
+    output aliasing another: the backward's unneeded gradients are empty tensors of their own)."""
     x = torch.randn(2, 5, 16, device=DEVICE)
     mul, add = torch.randn(2, 5, 16, device=DEVICE), torch.randn(2, 1, 16, device=DEVICE)
-    w, b = torch.randn(16, device=DEVICE), None if is_rms_norm else torch.randn(16, device=DEVICE)
-    args = (x, mul, add, w, b, EPS, is_rms_norm, 1.0, torch.float32)
-    torch.library.opcheck(torch.ops.trifuse.norm_modulate_rows.default, args,
-                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    w = torch.randn(16, device=DEVICE) if affine else None
+    b = torch.randn(16, device=DEVICE) if affine and not is_rms_norm else None
+    utils = ("test_schema", "test_faketensor", "test_autograd_registration")
+    torch.library.opcheck(torch.ops.trifuse.norm_modulate_rows.default,
+                          (x, mul, add, w, b, EPS, is_rms_norm, 1.0, torch.float32), test_utils=utils)
+    _, mean, rstd = torch.ops.trifuse.norm_modulate_rows(x, mul, add, w, b, EPS, is_rms_norm, 1.0, torch.float32)
+    for need in ((True, True, True), (False, False, False)):
+        torch.library.opcheck(torch.ops.trifuse.norm_modulate_rows_backward.default,
+                              (torch.randn_like(x), x, mul, w, b, mean, rstd, EPS, is_rms_norm, 1.0, *need),
+                              test_utils=utils)
 
 
 @pytest.mark.parametrize("bad, error, message", [
