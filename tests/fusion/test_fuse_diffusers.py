@@ -558,3 +558,29 @@ def test_lumina2_in_16_bits_fuses_as_in_fp32():
     assert patterns["rms_norm_t5_half"] == 11 and patterns["silu_of_fp32_copy_mul"] == 4, report.table()
     assert patterns["rms_norm_modulate_scale"] + patterns["layer_norm_modulate_scale"] \
         + patterns["add_rms_norm_modulate"] == modulated, report.table()
+
+
+# Mixed-timestep models modulate per token (a timestep per token or per frame: scale and shift
+# (B, S, N)); bench/diffusers_models.py builds them (the sweep's builders).
+PER_TOKEN = {
+    # `(1 + scale) * norm(x) + shift`, chunks of one (B, S, 3N) projection: every LayerNorm of
+    # the blocks and the output norm
+    "flux3": {"layer_norm_modulate_offset": 6},
+    # `norm(x) * (1 + scale)`, scale chosen per token by torch.where
+    "qwenimage21": {"layer_norm_modulate_scale_offset": 5},
+    # the RMSNorm form, LTX-2's refiner blocks
+    "sana_wm_refiner": {"rms_norm_modulate_offset": 4},
+}
+
+
+@pytest.mark.parametrize("name", PER_TOKEN)
+def test_a_per_token_modulation_fuses_in_mixed_timestep_models(name):
+    """The modulated norms become one op each (the row kernels, `1 + scale` in their loads); the
+    prediction and every gradient by the oracle rule against the float64 model."""
+    import diffusers_models
+
+    torch.manual_seed(0)
+    model, call, inputs = diffusers_models.BUILDERS[name]()[:3]
+    report = check_against_unfused(lambda: Denoiser(model, call), inputs, train=True)
+    patterns = report.by_pattern()
+    assert {p: patterns.get(p) for p in PER_TOKEN[name]} == PER_TOKEN[name], report.table()
