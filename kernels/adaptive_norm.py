@@ -459,9 +459,10 @@ def layer_norm_modulate(
         Gradients reach x, mul, add, weight and bias; the per-sample sums are deterministic.
 
     Eager calls run trifuse's kernels or PyTorch's norm, product and sum, whichever the
-    `layer_norm_modulate` dialect measured faster for this shape on this GPU (on tiny
-    activations PyTorch's shorter host path can win); elsewhere, and under torch.compile,
-    trifuse's.
+    `layer_norm_modulate` dialect (per token: `layer_norm_modulate_rows`) measured faster for
+    this shape on this GPU (on tiny activations PyTorch's shorter host path can win); elsewhere,
+    and under torch.compile, trifuse's (`trifuse::grouped_norm`, per token
+    `trifuse::norm_modulate_rows`).
 
     Raises:
         TypeError for non-float tensors; ValueError for shapes, devices or eps that do not fit.
