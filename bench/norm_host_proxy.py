@@ -64,6 +64,7 @@ def main() -> None:
     x3, scale, shift = (torch.randn(*s, requires_grad=True) for s in ((2, 2, 1024), (2, 1024), (2, 1024)))
     r3, gate = torch.randn(2, 2, 1024, requires_grad=True), torch.randn(2, 1024, requires_grad=True)
     xg, wg, bg_ = (torch.randn(*s, requires_grad=True) for s in ((2, 64, 8, 8), (64,), (64,)))
+    emb = torch.randn(2, 2, 3 * 1024, requires_grad=True)  # FLUX.3's per-token shift, scale, gate
 
     def gated_torch():
         s = r3 + gate[:, None] * x3
@@ -90,6 +91,11 @@ def main() -> None:
         ("trifuse.ops.layer_norm_modulate",
          lambda: trifuse.ops.layer_norm_modulate(x3, (1024,), 1 + scale[:, None], shift[:, None]),
          (x3, scale, shift)),
+        ("per token: (1 + scale) * F.layer_norm(x) + shift",
+         lambda: (1 + emb[..., 1024:2048]) * F.layer_norm(x3, (1024,)) + emb[..., :1024], (x3, emb)),
+        ("per token: trifuse.ops.layer_norm_modulate, mul_offset=1",
+         lambda: trifuse.ops.layer_norm_modulate(x3, (1024,), emb[..., 1024:2048], emb[..., :1024], mul_offset=1.0),
+         (x3, emb)),
         ("torch r + gate * x, F.layer_norm * (1 + scale) + shift", gated_torch, (x3, r3, gate, scale, shift)),
         ("trifuse.ops.gated_add_layer_norm_modulate",
          lambda: trifuse.ops.gated_add_layer_norm_modulate(x3, r3, gate[:, None], (1024,), 1 + scale[:, None],

@@ -573,14 +573,17 @@ PER_TOKEN = {
 }
 
 
-@pytest.mark.parametrize("name", PER_TOKEN)
-def test_a_per_token_modulation_fuses_in_mixed_timestep_models(name):
+@pytest.mark.parametrize("name, dtype", [(name, torch.float32) for name in PER_TOKEN] + [("flux3", torch.float16)],
+                         ids=[*PER_TOKEN, "flux3-fp16"])
+def test_a_per_token_modulation_fuses_in_mixed_timestep_models(name, dtype):
     """The modulated norms become one op each (the row kernels, `1 + scale` in their loads); the
-    prediction and every gradient by the oracle rule against the float64 model."""
+    prediction and every gradient by the oracle rule against the float64 model (in fp16 too: the
+    16-bit modulation computed in fp32 and rounded once)."""
     import diffusers_models
 
     torch.manual_seed(0)
     model, call, inputs = diffusers_models.BUILDERS[name]()[:3]
-    report = check_against_unfused(lambda: Denoiser(model, call), inputs, train=True)
+    inputs = tuple(t.to(dtype) if t.is_floating_point() else t for t in inputs)
+    report = check_against_unfused(lambda: Denoiser(model, call).to(dtype), inputs, train=True)
     patterns = report.by_pattern()
     assert {p: patterns.get(p) for p in PER_TOKEN[name]} == PER_TOKEN[name], report.table()

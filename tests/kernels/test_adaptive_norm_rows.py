@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 import trifuse
 from _device import DEVICE
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 from tolerances import DTYPES, assert_close, check_close
 from trifuse.kernels import adaptive_norm as an
 
@@ -397,3 +399,57 @@ def test_narrowed_through_the_registered_op(readers, full_y):
     for i, y in enumerate(ys):
         assert y.dtype == (torch.float32 if full_y and i == 0 else torch.float16)
         torch.testing.assert_close(y, expected.to(y.dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# Random feature combinations, and negative controls: plausible wrong kernels fail the oracle
+# ---------------------------------------------------------------------------------------------
+
+CPU_DTYPES = [d for d in DTYPES if DEVICE == "cuda" or d != torch.bfloat16]
+
+
+@settings(max_examples=32, deadline=None, derandomize=True)
+@given(b=st.integers(1, 3), s=st.integers(2, 7), n=st.integers(1, 1100), norm=st.sampled_from(NORMS),
+       affine=st.booleans(), mul_kind=st.sampled_from(["full", "chunk", "row_scalar", "shared", "none"]),
+       add_kind=st.sampled_from(["full", "per_sample", "none"]), offset=st.sampled_from([0.0, 1.0]),
+       dtype=st.sampled_from(CPU_DTYPES), far=st.booleans())
+def test_hypothesis_feature_combinations(b, s, n, norm, affine, mul_kind, add_kind, offset, dtype, far):
+    """Widths, broadcasts, the affine, the offset and rows far from 0, drawn together; at least
+    one of mul and add per token (else the per-sample path runs)."""
+    assume(mul_kind in ("full", "chunk", "row_scalar", "shared") or add_kind == "full")
+    torch.manual_seed(b * 10000 + s * 1000 + n)
+    x, _, _, w, bias = make(((b, s, n), None, None), dtype, norm, affine)
+    if far:
+        x = (x.detach().double() * 0.1 + 100.0).to(dtype).requires_grad_()
+    shapes = {"full": (b, s, n), "row_scalar": (b, s, 1), "shared": (1, s, n), "per_sample": (b, 1, n)}
+    if mul_kind == "chunk":
+        mul = (torch.randn(b, s, 3 * n, device=DEVICE) * 0.5).to(dtype)[..., n:2 * n].requires_grad_()
+    else:
+        mul = None if mul_kind == "none" else (torch.randn(shapes[mul_kind], device=DEVICE) * 0.5).to(
+            dtype).requires_grad_()
+    add = None if add_kind == "none" else torch.randn(shapes[add_kind], device=DEVICE).to(dtype).requires_grad_()
+    check_fwd_bwd([x, mul, add, w, bias], norm, offset)
+
+
+def test_negative_control_mul_read_from_the_next_row_fails():
+    """The oracle notices a mul row read one row off (a wrong row stride)."""
+    x, mul, add, w, b = make(((2, 6, 40), (2, 6, 40), (2, 6, 40)), torch.float32, "layer_norm")
+    y = run([x, mul, add, w, b], "layer_norm")
+    i64 = [t.detach().double() for t in (x, mul, add, w, b)]
+    wrong = formula(i64[0], torch.roll(i64[1], 1, dims=1), *i64[2:], "layer_norm", 1.0)
+    assert not check_close("y, mul one row off", y, wrong, None)[0]
+    right = formula(*i64, "layer_norm", 1.0)
+    assert check_close("y", y, right, None)[0]
+
+
+def test_negative_control_offset_dropped_fails():
+    """...and a `1 + scale` computed as scale alone (mul_offset not applied), in y and dx."""
+    x, mul, add, w, b = make(((2, 6, 40), (2, 6, 40), (2, 6, 40)), torch.float32, "rms_norm", affine=False)
+    y = run([x, mul, add, w, b], "rms_norm", 1.0)
+    i64 = [None if t is None else t.detach().double().requires_grad_() for t in (x, mul, add, w, b)]
+    wrong = formula(*i64, "rms_norm", 0.0)
+    assert not check_close("y, offset dropped", y, wrong, None)[0]
+    g = torch.randn_like(wrong)
+    y.backward(g.float())
+    wrong.backward(g)
+    assert not check_close("dx, offset dropped", x.grad, i64[0].grad, None)[0]
