@@ -67,6 +67,7 @@ from .layer_norm import (
     _check_narrowing,
     _corrected_moments,
     _div,
+    _flat,
     _fwd_plan,
     _narrowed_key,
     _narrowed_ref,
@@ -1302,7 +1303,7 @@ def _rows_fwd(x, mul, add, weight, bias, eps, is_rms_norm, mul_offset, out_dtype
     x2, stride_x = as_rows(x, n)
     mul2, stride_mul = _rows_of(mul, x, n) if mul is not None else (x2, 0)
     add2, stride_add = _rows_of(add, x, n) if add is not None else (x2, 0)
-    weight, bias = _flat_vector(weight), _flat_vector(bias)
+    weight, bias = _flat(weight), _flat(bias)
     args = (x2, mul2, add2, x2 if weight is None else weight, x2 if bias is None else bias, y,
             rstd if is_rms_norm else mean, rstd, stride_x, stride_mul, stride_add, m, n, eps, float(mul_offset))
     device = x.get_device() if x.is_cuda else -1
@@ -1347,7 +1348,7 @@ def _rows_bwd(dy, x, mul, weight, bias, mean, rstd, eps, is_rms_norm, mul_offset
     dy2 = dy if dy.is_contiguous() else dy.contiguous()
     x2, stride_x = as_rows(x, n)
     mul2, stride_mul = _rows_of(mul, x, n) if mul is not None else (x2, 0)
-    weight, bias = _flat_vector(weight), _flat_vector(bias)
+    weight, bias = _flat(weight), _flat(bias)
     args = (dy2, x2, mul2, x2 if weight is None else weight, x2 if bias is None else bias,
             rstd if is_rms_norm else mean, rstd, dx, dx if dmul is None else dmul, stride_x, stride_mul,
             float(mul_offset))
@@ -1375,10 +1376,6 @@ def _rows_bwd(dy, x, mul, weight, bias, mean, rstd, eps, is_rms_norm, mul_offset
     dw, db = _rows_bwd_run(plan, args, m, n, acc, need_dw, need_db, x.device)
     return dx if needs[0] else None, dmul, dw, db
 
-
-def _flat_vector(t: torch.Tensor | None) -> torch.Tensor | None:
-    """A per-feature vector contiguous (no copy when it is)."""
-    return t if t is None or t.is_contiguous() else t.contiguous()
 
 
 def _dmul_dtype(mul: torch.Tensor, x: torch.Tensor, acc: torch.dtype) -> torch.dtype:
