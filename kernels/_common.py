@@ -329,6 +329,8 @@ _PUBLIC_OPS = {"_AttentionFunction": "attention", "_VarlenFunction": "attention_
                "_CastForReaders": "cast_for_readers", "_AutocastLinear": "autocast_linear",
                "_GroupedNormFunction": "layer_norm_modulate",
                "_GatedNormFunction": "gated_add_layer_norm_modulate",
+               "_RowsNormFunction": "layer_norm_modulate",
+               "_GatedRowsNormFunction": "gated_add_layer_norm_modulate",
                "_GroupNormFunction": "group_norm"}
 
 

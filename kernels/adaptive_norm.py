@@ -469,11 +469,7 @@ def layer_norm_modulate(
         TypeError for non-float tensors; ValueError for shapes, devices or eps that do not fit.
     """
     per_token = _check(OP, x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm, per_token=True)
-    if mul_offset != 0.0:
-        if not isinstance(mul_offset, (int, float)) or isinstance(mul_offset, bool) or not math.isfinite(mul_offset):
-            raise TypeError(f"trifuse.{OP}: mul_offset must be a finite number, got {mul_offset!r}")
-        if mul is None:
-            raise ValueError(f"trifuse.{OP}: mul_offset ({mul_offset}) needs a mul to add it to")
+    _check_offset(OP, mul, mul_offset)
     plain = out_dtype is None and readers == 1 and not full_y
     if not plain:  # narrowed: a choice of its own, timed with the casts PyTorch's candidate needs
         _check_narrowing(OP, out_dtype, readers, full_y)
@@ -484,6 +480,14 @@ def layer_norm_modulate(
     # per sample: the offset joins the small vector
     mul = _with_offset(mul, mul_offset)
     return LAYER_NORM_MODULATE(x, normalized_shape, mul, add, weight, bias, float(eps), is_rms_norm, *narrowing)
+
+
+def _check_offset(op: str, mul: torch.Tensor | None, mul_offset) -> None:
+    if mul_offset != 0.0:
+        if not isinstance(mul_offset, (int, float)) or isinstance(mul_offset, bool) or not math.isfinite(mul_offset):
+            raise TypeError(f"trifuse.{op}: mul_offset must be a finite number, got {mul_offset!r}")
+        if mul is None:
+            raise ValueError(f"trifuse.{op}: mul_offset ({mul_offset}) needs a mul to add it to")
 
 
 def _y_dtype(dtype: torch.dtype, mul: torch.Tensor | None, add: torch.Tensor | None) -> torch.dtype:
@@ -662,10 +666,12 @@ def _gated_s_dtype(x: torch.Tensor, residual: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, residual.dtype)
 
 
-def _check_gated(op, x, residual, gate, normalized_shape, mul, add, weight, bias, eps, is_rms_norm) -> None:
+def _check_gated(op, x, residual, gate, normalized_shape, mul, add, weight, bias, eps, is_rms_norm,
+                 per_token=False) -> bool:
     """`_check`'s errors for the norm's input s (x's shape and dtype), and those of the residual and
-    the gate."""
-    _check(op, x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm)
+    the gate. With per_token, mul, add and the gate may vary along a sample's rows: returns whether
+    any does."""
+    rows = _check(op, x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm, per_token=per_token)
     check_tensor(op, "residual", residual)
     check_float(op, "residual", residual)
     if residual.shape != x.shape:
@@ -674,7 +680,10 @@ def _check_gated(op, x, residual, gate, normalized_shape, mul, add, weight, bias
     if gate is not None:
         check_tensor(op, "gate", gate)
         check_float(op, "gate", gate)
-        _check_per_sample(op, "gate", gate, x, x.shape[-1])
+        if per_token:
+            rows = _check_per_token(op, "gate", gate, x, x.shape[-1]) or rows
+        else:
+            _check_per_sample(op, "gate", gate, x, x.shape[-1])
         # the product and the sum are computed in the accumulation dtype: a gate wider than s (Wan's
         # fp32 gate beside a bf16 stream) is exact up to it, a wider one would lose digits
         acc = torch.float64 if _gated_s_dtype(x, residual) == torch.float64 else torch.float32
@@ -682,6 +691,7 @@ def _check_gated(op, x, residual, gate, normalized_shape, mul, add, weight, bias
             raise ValueError(f"trifuse.{op}: gate ({gate.dtype}) must be no wider than {acc}, the dtype the "
                              "product and the sum are computed in")
     check_same_device(op, "input", x, residual=residual, gate=gate)
+    return rows
 
 
 @torch.library.custom_op("trifuse::gated_grouped_norm", mutates_args=())
@@ -830,23 +840,27 @@ def gated_add_layer_norm_modulate(
     out_dtype: torch.dtype | None = None,
     readers: int = 1,
     full_y: bool = False,
+    mul_offset: float = 0.0,
 ) -> tuple[torch.Tensor | tuple[torch.Tensor, ...], torch.Tensor]:
     """A diffusion transformer's gated residual add and the adaptive norm after it, in one pass
     each way:
 
-        s = residual + gate * x;   y = norm(s) * mul + add;   returns (y, s)
+        s = residual + gate * x;   y = norm(s) * (mul + mul_offset) + add;   returns (y, s)
 
     as DiT's, SD3's, Flux's and PixArt's blocks write `h = h + gate_msa[:, None] * attn_out`
-    and then `norm2(h) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]`.
+    and then `norm2(h) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]`; or per token (Qwen-Image
+    2.1's image stream: gate, scale and shift (B, S, N)), `h + gate1 * attn_out` and
+    `norm2(h) * (1 + scale) + shift`.
 
     Args:
         x: (..., N), fp16 / bf16 / fp32 / fp64; any strides.
         residual: shaped like x, any float dtype; s takes the dtype x and residual promote to.
-        gate: a per-sample vector as mul and add are (or None: s = residual + x), no wider than
-            fp32 (fp64 for fp64 s): the product and the sum are computed in fp32 and rounded once to
-            s's dtype, as Wan writes `(h.float() + attn_out * gate).type_as(h)` with an fp32 gate.
-        normalized_shape, mul, add, weight, bias, eps, is_rms_norm, out_dtype, readers, full_y:
-            as `layer_norm_modulate` takes them, for the norm of s.
+        gate: a per-sample vector as mul and add are, or per token (varying along a sample's rows,
+            any broadcast of x's shape), or None (s = residual + x); no wider than fp32 (fp64 for
+            fp64 s): the product and the sum are computed in fp32 and rounded once to s's dtype, as
+            Wan writes `(h.float() + attn_out * gate).type_as(h)` with an fp32 gate.
+        normalized_shape, mul, add, weight, bias, eps, is_rms_norm, out_dtype, readers, full_y,
+            mul_offset: as `layer_norm_modulate` takes them, for the norm of s.
 
     Returns:
         (y, s): y as `layer_norm_modulate` returns it for the input s; s shaped like x,
@@ -854,19 +868,26 @@ def gated_add_layer_norm_modulate(
         residual, gate, mul, add, weight and bias; the per-sample sums are deterministic.
 
     Eager calls run trifuse's kernels or PyTorch's ops as written, whichever the
-    `gated_add_layer_norm_modulate` dialect measured faster for this shape on this GPU; elsewhere,
-    and under torch.compile, trifuse's.
+    `gated_add_layer_norm_modulate` dialect (per token: `gated_add_layer_norm_modulate_rows`)
+    measured faster for this shape on this GPU; elsewhere, and under torch.compile, trifuse's
+    (`trifuse::gated_grouped_norm`, per token `trifuse::gated_norm_modulate_rows`).
 
     Raises:
         TypeError for non-float tensors; ValueError for shapes, devices or eps that do not fit.
     """
-    _check_gated(GATED_OP, x, residual, gate, normalized_shape, mul, add, weight, bias, eps, is_rms_norm)
-    args = (x, residual, gate, normalized_shape, mul, add, weight, bias, float(eps), is_rms_norm)
-    if out_dtype is None and readers == 1 and not full_y:
-        *ys, s = GATED_ADD_LAYER_NORM_MODULATE(*args)
-    else:
+    per_token = _check_gated(GATED_OP, x, residual, gate, normalized_shape, mul, add, weight, bias, eps, is_rms_norm,
+                             per_token=True)
+    _check_offset(GATED_OP, mul, mul_offset)
+    plain = out_dtype is None and readers == 1 and not full_y
+    if not plain:
         _check_narrowing(GATED_OP, out_dtype, readers, full_y)
-        *ys, s = GATED_ADD_LAYER_NORM_MODULATE(*args, out_dtype, readers, full_y)
+    narrowing = () if plain else (out_dtype, readers, full_y)
+    if per_token:
+        *ys, s = GATED_ADD_LAYER_NORM_MODULATE_ROWS(x, residual, gate, normalized_shape, mul, add, weight, bias,
+                                                    float(eps), is_rms_norm, float(mul_offset), *narrowing)
+    else:
+        *ys, s = GATED_ADD_LAYER_NORM_MODULATE(x, residual, gate, normalized_shape, _with_offset(mul, mul_offset), add,
+                                               weight, bias, float(eps), is_rms_norm, *narrowing)
     return (tuple(ys) if len(ys) > 1 else ys[0]), s
 
 
@@ -999,6 +1020,23 @@ def _row_modulation(y, W, B, MUL, ADD, cols, mask, N, mul_offset, HAS_W: tl.cons
 
 
 @triton.jit
+def _row_input(X, R, GATE, S, cols, mask, HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr,
+               STORE_S: tl.constexpr, ACC: tl.constexpr):
+    """The norm's input on a tile (0 where masked; the pointers at the tile's rows): x, or with
+    HAS_RESIDUAL s = residual + gate * x, computed in ACC and rounded once to S's dtype (the
+    norm reads s as stored: the backward reads the stored s), stored where STORE_S."""
+    h = tl.load(X + cols, mask=mask, other=0.0).to(ACC)
+    if HAS_RESIDUAL:
+        if HAS_GATE:
+            h *= tl.load(GATE + cols, mask=mask, other=0.0).to(ACC)
+        h = (h + tl.load(R + cols, mask=mask, other=0.0).to(ACC)).to(S.dtype.element_ty)
+        if STORE_S:
+            tl.store(S + cols, h, mask=mask)
+        h = h.to(ACC)
+    return h
+
+
+@triton.jit
 def _norm_modulate_rows_fwd_kernel(
     X,  # in (M, N), rows stride_xm apart
     MUL,  # in (M, N); unused unless HAS_MUL
@@ -1008,11 +1046,14 @@ def _norm_modulate_rows_fwd_kernel(
     Y,  # out (M, N) contiguous
     MEAN,  # out (M,) fp32 (fp64); unused for RMSNorm
     RSTD,  # out (M,)
-    stride_xm, stride_mulm, stride_addm,
+    R,  # in (M, N) the residual, rows stride_rm apart; unused unless HAS_RESIDUAL
+    GATE,  # in (M, N) multiplying x before the residual, rows stride_gm apart; unused unless HAS_GATE
+    S,  # out (M, N) contiguous, s = residual + gate * x, the norm's input; unused unless HAS_RESIDUAL
+    stride_xm, stride_mulm, stride_addm, stride_rm, stride_gm,
     M, N, eps, mul_offset,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr, IS_RMS_NORM: tl.constexpr,
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_MUL: tl.constexpr, HAS_ADD: tl.constexpr,
-    ACC: tl.constexpr,
+    ACC: tl.constexpr, HAS_RESIDUAL: tl.constexpr = False, HAS_GATE: tl.constexpr = False,
 ):
     # int64 rows: row * stride may pass 2^31
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -1022,10 +1063,13 @@ def _norm_modulate_rows_fwd_kernel(
     MUL += rows2 * stride_mulm
     ADD += rows2 * stride_addm
     Y += rows2 * N
+    R += rows2 * stride_rm
+    GATE += rows2 * stride_gm
+    S += rows2 * N
     offs = tl.arange(0, BLOCK_N)[None, :]
     if SINGLE_BLOCK:
         mask = row_mask[:, None] & (offs < N)
-        x = tl.load(X + offs, mask=mask, other=0.0).to(ACC)
+        x = _row_input(X, R, GATE, S, offs, mask, HAS_RESIDUAL, HAS_GATE, True, ACC)
         if IS_RMS_NORM:
             mean = tl.zeros([BLOCK_M], dtype=ACC)
             d = x
@@ -1043,18 +1087,22 @@ def _norm_modulate_rows_fwd_kernel(
     else:
         # Wide rows: the mean, then the variance around it (no cancellation for large means),
         # then normalize and modulate.
+        # (s, where the residual is added, is stored by the first pass and recomputed by the others,
+        # as layer_norm's wide path does)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
         if not IS_RMS_NORM:
             for start in range(0, N, BLOCK_N):
                 cols = start + offs
-                acc += tl.load(X + cols, mask=row_mask[:, None] & (cols < N), other=0.0).to(ACC)
+                acc += _row_input(X, R, GATE, S, cols, row_mask[:, None] & (cols < N), HAS_RESIDUAL, HAS_GATE,
+                                  True, ACC)
         mean = _div(tl.sum(acc, axis=1), N, ACC)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
         acc_d = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
         for start in range(0, N, BLOCK_N):
             cols = start + offs
             mask = row_mask[:, None] & (cols < N)
-            d = tl.where(mask, tl.load(X + cols, mask=mask, other=0.0).to(ACC) - mean[:, None], 0.0)
+            d = tl.where(mask, _row_input(X, R, GATE, S, cols, mask, HAS_RESIDUAL, HAS_GATE, IS_RMS_NORM, ACC)
+                         - mean[:, None], 0.0)
             acc += d * d
             acc_d += d
         if IS_RMS_NORM:
@@ -1066,7 +1114,7 @@ def _norm_modulate_rows_fwd_kernel(
         for start in range(0, N, BLOCK_N):
             cols = start + offs
             mask = row_mask[:, None] & (cols < N)
-            x = tl.load(X + cols, mask=mask, other=0.0).to(ACC)
+            x = _row_input(X, R, GATE, S, cols, mask, HAS_RESIDUAL, HAS_GATE, False, ACC)
             y = _row_modulation(((x - mean[:, None]) - shift[:, None]) * rstd[:, None], W, B, MUL, ADD, cols,
                                 mask, N, mul_offset, HAS_W, HAS_B, HAS_MUL, HAS_ADD, ACC)
             tl.store(Y + cols, y.to(Y.dtype.element_ty), mask=mask)
@@ -1096,10 +1144,24 @@ def _row_tile_grads(DY, X, MUL, W, cols, mask, N, mean, mul_offset, IS_RMS_NORM:
 
 
 @triton.jit
-def _store_row_grads(ds, dy, xhat, DX, DMUL, W, B, cols, mask, N,
-                     HAS_W: tl.constexpr, HAS_B: tl.constexpr, STORE_DMUL: tl.constexpr, ACC: tl.constexpr):
-    """dx = ds and dmul = dy * (xhat * weight + bias) (DX, DMUL at the tile's rows)."""
+def _store_row_grads(ds, dy, xhat, DX, DMUL, W, B, DS, XG, GATE, DXG, DGATE, cols, mask, N,
+                     HAS_W: tl.constexpr, HAS_B: tl.constexpr, STORE_DMUL: tl.constexpr, HAS_DS: tl.constexpr,
+                     HAS_GATE: tl.constexpr, STORE_DXG: tl.constexpr, STORE_DGATE: tl.constexpr,
+                     ACC: tl.constexpr):
+    """The norm input's gradient ds (plus DS, the gradient arriving at s, with HAS_DS) into DX,
+    and dmul = dy * (xhat * weight + bias); with a gated sum before the norm, DX is dresidual,
+    DXG dx = ds * gate and DGATE dgate = ds * x (all pointers at the tile's rows)."""
+    if HAS_DS:
+        ds += tl.load(DS + cols, mask=mask, other=0.0).to(ACC)
     tl.store(DX + cols, ds.to(DX.dtype.element_ty), mask=mask)
+    if STORE_DXG:
+        dxg = ds
+        if HAS_GATE:
+            dxg = ds * tl.load(GATE + cols, mask=mask, other=0.0).to(ACC)
+        tl.store(DXG + cols, dxg.to(DXG.dtype.element_ty), mask=mask)
+    if STORE_DGATE:
+        dgate = ds * tl.load(XG + cols, mask=mask, other=0.0).to(ACC)
+        tl.store(DGATE + cols, dgate.to(DGATE.dtype.element_ty), mask=mask)
     if STORE_DMUL:
         u = xhat
         if HAS_W:
@@ -1121,12 +1183,19 @@ def _norm_modulate_rows_bwd_kernel(
     DX,  # out (M, N) contiguous
     DMUL,  # out (M, N) contiguous; unused unless STORE_DMUL
     PARTIAL,  # out (2, programs, N) fp32 (fp64): this program's shares of dweight, dbias
-    stride_xm, stride_mulm,
+    DS,  # in (M, N) contiguous, the gradient arriving at s; unused unless HAS_DS
+    XG,  # in (M, N) the x the gate multiplied, rows stride_xgm apart; unused unless STORE_DGATE
+    GATE,  # in (M, N), rows stride_gm apart; unused unless HAS_GATE
+    DXG,  # out (M, N) contiguous, x's gradient beside DX's dresidual; unused unless STORE_DXG
+    DGATE,  # out (M, N) contiguous; unused unless STORE_DGATE
+    stride_xm, stride_mulm, stride_xgm, stride_gm,
     M, N, rows_per_program, stride_pk, mul_offset,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr, IS_RMS_NORM: tl.constexpr,
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_MUL: tl.constexpr, STORE_DMUL: tl.constexpr,
-    STORE_DW: tl.constexpr, STORE_DB: tl.constexpr, ACC: tl.constexpr,
+    STORE_DW: tl.constexpr, STORE_DB: tl.constexpr, ACC: tl.constexpr, HAS_DS: tl.constexpr = False,
+    HAS_GATE: tl.constexpr = False, STORE_DXG: tl.constexpr = False, STORE_DGATE: tl.constexpr = False,
 ):
+    # With a gated sum before the norm, X is s (as stored by the forward) and DX dresidual.
     pid = tl.program_id(0)
     row_start = pid.to(tl.int64) * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, M)
@@ -1153,8 +1222,10 @@ def _norm_modulate_rows_bwd_kernel(
                 sum_d, sum_g = tl.sum(d, axis=1), tl.sum(g, axis=1)
             shift, c1, c2 = _row_constants(sum_d, tl.sum(d * g, axis=1), sum_g, rstd, N, IS_RMS_NORM, ACC)
             xhat, ds = _xhat_and_ds(d, g, shift, c1, c2, rstd, mask, IS_RMS_NORM)
-            _store_row_grads(ds, dy, xhat, DX + rows2 * N, DMUL + rows2 * N, W, B, offs, mask, N,
-                             HAS_W, HAS_B, STORE_DMUL, ACC)
+            _store_row_grads(ds, dy, xhat, DX + rows2 * N, DMUL + rows2 * N, W, B, DS + rows2 * N,
+                             XG + rows2 * stride_xgm, GATE + rows2 * stride_gm, DXG + rows2 * N, DGATE + rows2 * N,
+                             offs, mask, N, HAS_W, HAS_B, STORE_DMUL, HAS_DS, HAS_GATE, STORE_DXG, STORE_DGATE,
+                             ACC)
             if STORE_DW:
                 dw += dyn * xhat
             if STORE_DB:
@@ -1197,8 +1268,10 @@ def _norm_modulate_rows_bwd_kernel(
                 d, dy, dyn, g = _row_tile_grads(DY + rows2 * N, X + rows2 * stride_xm, MUL + rows2 * stride_mulm,
                                                 W, cols, mask, N, mean, mul_offset, IS_RMS_NORM, HAS_W, HAS_MUL, ACC)
                 xhat, ds = _xhat_and_ds(d, g, shift, c1, c2, rstd, mask, IS_RMS_NORM)
-                _store_row_grads(ds, dy, xhat, DX + rows2 * N, DMUL + rows2 * N, W, B, cols, mask, N,
-                                 HAS_W, HAS_B, STORE_DMUL, ACC)
+                _store_row_grads(ds, dy, xhat, DX + rows2 * N, DMUL + rows2 * N, W, B, DS + rows2 * N,
+                                 XG + rows2 * stride_xgm, GATE + rows2 * stride_gm, DXG + rows2 * N,
+                                 DGATE + rows2 * N, cols, mask, N, HAS_W, HAS_B, STORE_DMUL, HAS_DS, HAS_GATE,
+                                 STORE_DXG, STORE_DGATE, ACC)
                 if STORE_DW:
                     tl.store(DW_PARTIAL + cols, tl.load(DW_PARTIAL + cols, mask=mask) + dyn * xhat, mask=mask)
                 if STORE_DB:
@@ -1234,14 +1307,15 @@ def _rows_fwd_launch(cfg: triton.Config, m: int, n: int, constexprs: dict, args:
 def _rows_bwd_run(plan: tuple, args: tuple, m: int, n: int, acc: torch.dtype, need_dw: bool, need_db: bool,
                   device: torch.device) -> tuple:
     """The backward kernel, then (where the norm has an affine) the fixed-order sum of its partial
-    rows. args: the kernel's arguments before PARTIAL, then stride_xm, stride_mulm, mul_offset."""
+    rows. args: the kernel's arguments before PARTIAL, then those from DS to mul_offset bar M, N,
+    rows_per_program and stride_pk."""
     grid, meta, programs, rows_per_program, zero, sum_grid, sum_meta = plan
     sums = need_dw or need_db
     partials = ((torch.zeros if zero else torch.empty)((2, programs, n), dtype=acc, device=device) if sums
                 else args[0])
-    *head, stride_xm, stride_mulm, mul_offset = args
-    _rows_bwd_kernel.run(grid, (*head, partials, stride_xm, stride_mulm, m, n, rows_per_program, programs * n,
-                                mul_offset), meta)
+    head, tail = args[:9], args[9:]
+    _rows_bwd_kernel.run(grid, (*head, partials, *tail[:-1], m, n, rows_per_program, programs * n, tail[-1]),
+                         meta)
     if not sums:
         return None, None
     dw = torch.empty(n, dtype=acc, device=device) if need_dw else None
@@ -1287,82 +1361,136 @@ def _rows_torch(x, mul, add, weight, bias, eps, is_rms_norm, mul_offset, acc):
     return y, mean.reshape(-1), rstd.reshape(-1)
 
 
-def _rows_fwd(x, mul, add, weight, bias, eps, is_rms_norm, mul_offset, out_dtype):
-    """(y in out_dtype, mean (empty for RMSNorm), rstd) of the per-token modulated norm: mul and
-    add broadcastable to x, neither needed full-size (the kernels read a broadcast one as copied)."""
+def _rows_sum_torch(x: torch.Tensor, residual: torch.Tensor, gate: torch.Tensor | None, s_dtype: torch.dtype,
+                    acc: torch.dtype) -> torch.Tensor:
+    """s = residual + gate * x in PyTorch ops (differentiable), in acc rounded once to s_dtype, the
+    gate broadcasting as it will."""
+    h = x.to(acc)
+    if gate is not None:
+        h = h * gate.to(acc)
+    return (h + residual.to(acc)).to(s_dtype)
+
+
+def _rows_fwd(x, mul, add, weight, bias, eps, is_rms_norm, mul_offset, out_dtype, residual=None, gate=None):
+    """(y in out_dtype, mean (empty for RMSNorm), rstd, s) of the per-token modulated norm: mul and
+    add broadcastable to x, neither needed full-size (the kernels read a broadcast one as copied).
+    With a residual the norm's input is s = residual + gate * x (gate broadcastable to x, or None),
+    in the dtype x and the residual promote to; s is None without one."""
     n = x.shape[-1]
     m = x.numel() // n if n else 0
-    acc = _rows_acc(x, mul, add)
+    s_dtype = x.dtype if residual is None else _gated_s_dtype(x, residual)
+    acc = _rows_acc(x.new_empty(0, dtype=s_dtype), mul, add)
     if m == 0 or not use_triton(x):
         with torch.no_grad():
-            y, mean, rstd = _rows_torch(x, mul, add, weight, bias, eps, is_rms_norm, mul_offset, acc)
-        return y.to(out_dtype), mean[:0] if is_rms_norm else mean, rstd
+            s = None if residual is None else _rows_sum_torch(x, residual, gate, s_dtype, acc)
+            y, mean, rstd = _rows_torch(x if s is None else s, mul, add, weight, bias, eps, is_rms_norm, mul_offset,
+                                        acc)
+        return y.to(out_dtype), mean[:0] if is_rms_norm else mean, rstd, s
     y = empty_like(x, out_dtype)
     rstd = torch.empty(m, dtype=acc, device=x.device)
     mean = torch.empty(0 if is_rms_norm else m, dtype=acc, device=x.device)
     x2, stride_x = as_rows(x, n)
     mul2, stride_mul = _rows_of(mul, x, n) if mul is not None else (x2, 0)
     add2, stride_add = _rows_of(add, x, n) if add is not None else (x2, 0)
+    s = empty_like(x, s_dtype) if residual is not None else None
+    r2, stride_r = _rows_of(residual, x, n) if residual is not None else (x2, 0)
+    gate2, stride_gate = _rows_of(gate, x, n) if gate is not None else (x2, 0)
     weight, bias = _flat(weight), _flat(bias)
     args = (x2, mul2, add2, x2 if weight is None else weight, x2 if bias is None else bias, y,
-            rstd if is_rms_norm else mean, rstd, stride_x, stride_mul, stride_add, m, n, eps, float(mul_offset))
+            rstd if is_rms_norm else mean, rstd, r2, gate2, y if s is None else s,
+            stride_x, stride_mul, stride_add, stride_r, stride_gate, m, n, eps, float(mul_offset))
     device = x.get_device() if x.is_cuda else -1
-    key = (device, x.dtype, y.dtype, tuple(None if t is None else t.dtype for t in (mul, add, weight, bias)), m, n,
-           is_rms_norm)
+    key = (device, x.dtype, y.dtype, tuple(None if t is None else t.dtype for t in (mul, add, weight, bias, residual,
+                                                                                    gate)), m, n, is_rms_norm)
     plan = _ROWS_FWD_PLANS.get(key)
     if plan is None:
         constexprs = {"IS_RMS_NORM": is_rms_norm, "HAS_W": weight is not None, "HAS_B": bias is not None,
-                      "HAS_MUL": mul is not None, "HAS_ADD": add is not None, "ACC": acc_dtype(acc)}
-        mod = ("m" if mul is not None else "") + ("a" if add is not None else "")
+                      "HAS_MUL": mul is not None, "HAS_ADD": add is not None, "ACC": acc_dtype(acc),
+                      "HAS_RESIDUAL": residual is not None, "HAS_GATE": gate is not None}
+        mod = "".join(c for c, t in zip("marg", (mul, add, residual, gate)) if t is not None)
         tuning_key = (device, x.dtype, n, pow2_bucket(m), is_rms_norm, mod)
         cfg = _ROWS_FWD_TUNER.config(tuning_key, _rows_fwd_launch, m, n, constexprs, args)
         plan = _fwd_plan(cfg, m, n, constexprs)
         if _ROWS_FWD_TUNER.is_decided(tuning_key):
             store_plan(_ROWS_FWD_PLANS, key, plan)
     _rows_fwd_kernel.run(plan[0], args, plan[1])
-    return y, mean, rstd
+    return y, mean, rstd, s
 
 
-def _rows_bwd(dy, x, mul, weight, bias, mean, rstd, eps, is_rms_norm, mul_offset, needs, dmul_dtype):
-    """(dx in x's dtype, dmul shaped like x in dmul_dtype, dweight, dbias in fp32 / fp64), each None
-    where `needs` (x, mul, weight, bias) does not ask for it."""
+def _rows_bwd_torch(dy, x, mul, weight, bias, eps, is_rms_norm, mul_offset, need, acc):
+    """(dx, dmul full-size, dweight, dbias) in acc by autograd over `_rows_torch`, None where `need`
+    (x, mul, weight, bias) says not: the path of CPU tensors without Triton, and of no rows."""
+    with torch.enable_grad():
+        full_mul = None if mul is None else mul.detach().expand(x.shape)
+        leaves = [None if t is None else t.detach().requires_grad_(want)
+                  for t, want in zip((x, full_mul, weight, bias), need)]
+        y = _rows_torch(*leaves[:2], None, *leaves[2:], eps, is_rms_norm, mul_offset, acc)[0]
+        wanted = [t for t in leaves if t is not None and t.requires_grad]
+        grads = iter(torch.autograd.grad(y, wanted, dy.to(acc), allow_unused=True) if wanted else ())
+    return tuple(next(grads) if t is not None and t.requires_grad else None for t in leaves)
+
+
+def _rows_bwd(dy, x, mul, weight, bias, mean, rstd, eps, is_rms_norm, mul_offset, needs, dmul_dtype,
+              stream=None):
+    """(dx in x's dtype, dmul shaped like x in dmul_dtype, dweight, dbias in fp32 / fp64, dx_in,
+    dgate), each None where `needs` (x, mul, weight, bias) does not ask for it.
+
+    stream: None, or with a gated sum before the norm (x then the norm's input s)
+    (ds, x_in, gate, need_dx_in, dx_in_dtype, need_dgate, dgate_dtype): ds the gradient arriving
+    at s (or None); dx is then dresidual (in the dtype of the x given, or as the caller casts it),
+    dx_in = ds_total * gate in dx_in_dtype and dgate = ds_total * x_in, full-size, in dgate_dtype."""
     n = x.shape[-1]
     m = x.numel() // n if n else 0
     acc = rstd.dtype
     need_dmul, need_dw, need_db = needs[1] and mul is not None, needs[2] and weight is not None, \
         needs[3] and bias is not None
+    ds_in, x_in, gate, need_dxg, dxg_dtype, need_dgate, dgate_dtype = stream or (None,) * 7
+    need_dgate = bool(need_dgate) and gate is not None
     if m == 0 or not use_triton(x):
-        with torch.enable_grad():
-            full_mul = None if mul is None else mul.detach().expand(x.shape)
-            leaves = [None if t is None else t.detach().requires_grad_(need)
-                      for t, need in zip((x, full_mul, weight, bias), (True, need_dmul, need_dw, need_db))]
-            y = _rows_torch(*leaves[:2], None, *leaves[2:], eps, is_rms_norm, mul_offset, acc)[0]
-            wanted = [t for t in leaves if t is not None and t.requires_grad]
-            grads = iter(torch.autograd.grad(y, wanted, dy.to(acc), allow_unused=True))
-        dx, dmul, dw, db = (next(grads) if t is not None and t.requires_grad else None for t in leaves)
-        dmul = None if dmul is None else dmul.to(dmul_dtype)
-        return (dx.to(x.dtype) if needs[0] else None, dmul, None if dw is None else dw.to(acc),
-                None if db is None else db.to(acc))
+        dx, dmul, dw, db = _rows_bwd_torch(dy, x, mul, weight, bias, eps, is_rms_norm, mul_offset,
+                                           (True, need_dmul, need_dw, need_db), acc)
+        dxg = dgate = None
+        if stream is not None:
+            with torch.no_grad():
+                if ds_in is not None:
+                    dx = dx + ds_in.to(acc)
+                if need_dxg:
+                    dxg = (dx if gate is None else dx * gate.to(acc)).to(dxg_dtype)
+                if need_dgate:
+                    dgate = (dx * x_in.to(acc)).to(dgate_dtype)
+        return (dx.to(x.dtype) if needs[0] else None, None if dmul is None else dmul.to(dmul_dtype),
+                None if dw is None else dw.to(acc), None if db is None else db.to(acc), dxg, dgate)
     dx = empty_like(x)
     dmul = torch.empty(x.shape, dtype=dmul_dtype, device=x.device) if need_dmul else None
     dy2 = dy if dy.is_contiguous() else dy.contiguous()
     x2, stride_x = as_rows(x, n)
     mul2, stride_mul = _rows_of(mul, x, n) if mul is not None else (x2, 0)
+    ds2 = x2 if ds_in is None else (ds_in if ds_in.is_contiguous() else ds_in.contiguous())
+    xg2, stride_xg = _rows_of(x_in, x, n) if need_dgate else (x2, 0)
+    gate2, stride_gate = _rows_of(gate, x, n) if need_dxg and gate is not None else (x2, 0)
+    dxg = torch.empty(x.shape, dtype=dxg_dtype, device=x.device) if need_dxg else None
+    dgate = torch.empty(x.shape, dtype=dgate_dtype, device=x.device) if need_dgate else None
     weight, bias = _flat(weight), _flat(bias)
     args = (dy2, x2, mul2, x2 if weight is None else weight, x2 if bias is None else bias,
-            rstd if is_rms_norm else mean, rstd, dx, dx if dmul is None else dmul, stride_x, stride_mul,
-            float(mul_offset))
+            rstd if is_rms_norm else mean, rstd, dx, dx if dmul is None else dmul,
+            ds2, xg2, gate2, dx if dxg is None else dxg, dx if dgate is None else dgate,
+            stride_x, stride_mul, stride_xg, stride_gate, float(mul_offset))
     device = x.get_device() if x.is_cuda else -1
     deterministic = torch.are_deterministic_algorithms_enabled()
+    stream_key = None if stream is None else (ds_in is not None, None if gate is None else gate.dtype,
+                                              dxg_dtype if need_dxg else None, dgate_dtype if need_dgate else None)
     key = (device, x.dtype, dy.dtype, tuple(None if t is None else t.dtype for t in (mul, weight, bias)), dmul_dtype,
-           m, n, is_rms_norm, need_dmul, need_dw, need_db, deterministic)
+           m, n, is_rms_norm, need_dmul, need_dw, need_db, deterministic, stream_key)
     plan = _ROWS_BWD_PLANS.get(key)
     if plan is None:
         sum_flags = {"STORE_DW": need_dw, "STORE_DB": need_db, "STORE_DXB": False}
         constexprs = {"IS_RMS_NORM": is_rms_norm, "HAS_W": weight is not None, "HAS_B": bias is not None,
                       "HAS_MUL": mul is not None, "STORE_DMUL": need_dmul, "STORE_DW": need_dw,
-                      "STORE_DB": need_db, "ACC": acc_dtype(acc)}
-        grads = "".join(c for c, need in zip("mwb", (need_dmul, need_dw, need_db)) if need)
+                      "STORE_DB": need_db, "ACC": acc_dtype(acc), "HAS_DS": ds_in is not None,
+                      "HAS_GATE": need_dxg and gate is not None, "STORE_DXG": bool(need_dxg),
+                      "STORE_DGATE": need_dgate}
+        grads = "".join(c for c, want in zip("mwbsxg", (need_dmul, need_dw, need_db, ds_in is not None, need_dxg,
+                                                        need_dgate)) if want)
         tuning_key = (device, x.dtype, n, pow2_bucket(m), is_rms_norm, grads)
         sms = device_sms(x)
         if deterministic:  # the split into partial rows fixed: the same bits in every process
@@ -1374,8 +1502,7 @@ def _rows_bwd(dy, x, mul, weight, bias, mean, rstd, eps, is_rms_norm, mul_offset
         if deterministic or _ROWS_BWD_TUNER.is_decided(tuning_key):
             store_plan(_ROWS_BWD_PLANS, key, plan)
     dw, db = _rows_bwd_run(plan, args, m, n, acc, need_dw, need_db, x.device)
-    return dx if needs[0] else None, dmul, dw, db
-
+    return dx if needs[0] else None, dmul, dw, db, dxg, dgate
 
 
 def _dmul_dtype(mul: torch.Tensor, x: torch.Tensor, acc: torch.dtype) -> torch.dtype:
@@ -1440,7 +1567,7 @@ def _rows_backward_grads(ctx, dy):
     need = (needs[0], needs[1] and mul is not None, needs[3] and weight is not None, needs[4] and bias is not None)
     dmul_dtype = None if mul is None else _dmul_dtype(mul, x, ctx.acc)
     dx, dmul, dw, db = _rows_bwd(dy, x, mul, weight, bias, mean, rstd, ctx.eps, ctx.is_rms_norm, ctx.mul_offset,
-                                 need, dmul_dtype)
+                                 need, dmul_dtype)[:4]
     dmul, dadd = _rows_grads_down(dy, dmul, mul, ctx.add_meta if needs[2] else None)
     return (dx, dmul, dadd, None if dw is None else cast(dw, weight.dtype),
             None if db is None else cast(db, bias.dtype))
@@ -1452,7 +1579,7 @@ class _RowsNormFunction(torch.autograd.Function):
         # narrowing: None, or (out_dtype, readers, full_y) as `layer_norm_modulate` takes them
         out_dtype, readers, full_y = narrowing or (None, 1, False)
         y_out = y_dtype if full_y or out_dtype is None else out_dtype
-        y, mean, rstd = _rows_fwd(x, mul, add, weight, bias, eps, is_rms_norm, mul_offset, y_out)
+        y, mean, rstd = _rows_fwd(x, mul, add, weight, bias, eps, is_rms_norm, mul_offset, y_out)[:3]
         # y and its narrowed copy (full_y), or y and a view of it for each reader beyond the first:
         # each view's gradient reaches the backward apart, summed there in fp32
         ys = (y, y.to(out_dtype)) if full_y else (y, *(y.view_as(y) for _ in range(readers - 1)))
@@ -1474,7 +1601,7 @@ def _rows_op(x: Tensor, mul: OptTensor, add: OptTensor, weight: OptTensor, bias:
              is_rms_norm: bool, mul_offset: float, out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     """(y, mean, rstd): the norm of x's last dim, then its affine, then * (mul + mul_offset) + add
     read per row (mul and add broadcastable to x)."""
-    return _rows_fwd(x, mul, add, weight, bias, eps, is_rms_norm, mul_offset, out_dtype)
+    return _rows_fwd(x, mul, add, weight, bias, eps, is_rms_norm, mul_offset, out_dtype)[:3]
 
 
 @torch.library.custom_op("trifuse::norm_modulate_rows_backward", mutates_args=())
@@ -1484,7 +1611,7 @@ def _rows_backward_op(dy: Tensor, x: Tensor, mul: OptTensor, weight: OptTensor, 
     """(dx, dmul shaped like x, dweight, dbias in fp32 / fp64); empty where not needed."""
     dmul_dtype = None if mul is None else _dmul_dtype(mul, x, rstd.dtype)
     dx, dmul, dw, db = _rows_bwd(dy, x, mul, weight, bias, mean, rstd, eps, is_rms_norm, mul_offset,
-                                 (True, need_dmul, need_dw, need_db), dmul_dtype)
+                                 (True, need_dmul, need_dw, need_db), dmul_dtype)[:4]
     # (one empty tensor each: a custom op's outputs must not alias one another)
     return dx, *(x.new_empty(0, dtype=rstd.dtype) if t is None else t for t in (dmul, dw, db))
 
@@ -1584,3 +1711,255 @@ LAYER_NORM_MODULATE_ROWS = dialects.define(
 LAYER_NORM_MODULATE_ROWS.register(dialects.Candidate("trifuse", _rows_trifuse))
 LAYER_NORM_MODULATE_ROWS.register(
     dialects.Candidate("torch", _rows_torch_candidate, supports=_rows_torch_supports))
+
+
+# =============================================================================================
+# Per token, with the gated residual add before the norm: s = residual + gate * x, y = norm(s) * (mul + offset) + add
+# =============================================================================================
+#
+# The same blocks with a timestep per token (Qwen-Image 2.1's image stream, Helios' frames) add
+# the attention's output through a per-token gate, `h = h + gate1 * attn_out` with gate1 (B, S, N),
+# and normalize and modulate h per token next. The row kernels take the residual and the gate as
+# two more rows read beside x (HAS_RESIDUAL, HAS_GATE), store s once, and normalize s as stored;
+# the backward reads s, adds the gradient arriving at s, and writes dresidual = ds, dx = ds * gate
+# and dgate = ds * x per element beside dmul: no reduction beyond the norm's affine.
+
+GATED_ROWS_OP = "gated_add_layer_norm_modulate_rows"
+
+
+def _gated_rows_torch(x, residual, gate, mul, add, weight, bias, eps, is_rms_norm, mul_offset, acc):
+    """(y in acc, s) in differentiable PyTorch ops: the double backward's form."""
+    s = _rows_sum_torch(x, residual, gate, _gated_s_dtype(x, residual), acc)
+    return _rows_torch(s, mul, add, weight, bias, eps, is_rms_norm, mul_offset, acc)[0], s
+
+
+def _gated_rows_grads(dy, ds, x, residual, gate, s, mul, weight, bias, mean, rstd, eps, is_rms_norm, mul_offset,
+                      needs, gate_shape):
+    """(dx, dresidual, dgate, dmul, dweight, dbias) as `needs` (x, residual, gate, mul, weight, bias)
+    asks, each in its input's dtype and shape (dgate, dmul summed down where they broadcast; dweight,
+    dbias in fp32 / fp64); None where not. dy or ds may be None (no gradient reached that output)."""
+    acc = rstd.dtype
+    if dy is None:
+        dy = torch.zeros_like(s)
+    need_dx, need_dr, need_dgate = needs[0], needs[1], needs[2] and gate is not None
+    dmul_dtype = None if mul is None else _dmul_dtype(mul, s, acc)
+    dgate_dtype = None if gate is None else _dmul_dtype(gate, s, acc)
+    # without a gate, dx is dresidual: written once where their dtypes agree
+    dx_apart = need_dx and (gate is not None or x.dtype != residual.dtype)
+    stream = (ds, x, gate, dx_apart, x.dtype, need_dgate, dgate_dtype)
+    dr, dmul, dw, db, dx, dgate = _rows_bwd(dy, s, mul, weight, bias, mean, rstd, eps, is_rms_norm, mul_offset,
+                                            (True, needs[3], needs[4], needs[5]), dmul_dtype, stream)
+    if need_dx and not dx_apart:
+        dx = dr
+    if dgate is not None and tuple(gate_shape) != tuple(s.shape):
+        dgate = dgate.sum_to_size(gate_shape)
+    if dmul is not None and dmul.shape != mul.shape:
+        dmul = dmul.sum_to_size(mul.shape)
+    return (dx if need_dx else None, cast(dr, residual.dtype) if need_dr else None,
+            None if dgate is None else cast(dgate, gate.dtype), None if dmul is None else cast(dmul, mul.dtype),
+            dw, db)
+
+
+def _gated_rows_twice(ctx, *grads):
+    """The backward in differentiable PyTorch ops (create_graph=True): y's gradient the sum of its
+    views' (the first ctx.outputs grads), then s's."""
+    x, residual, gate, mul, weight, bias = ctx.saved_tensors[:6]
+    needs = ctx.needs_input_grad
+    dy = _rows_dy(grads[:ctx.outputs], ctx.acc)
+    ds = grads[ctx.outputs]
+    if dy is None and ds is None:
+        return (None,) * len(needs)
+    dx, dr, dg, dmul, dw, db = reference_grads(
+        lambda x, r, g, mul, w, b: _gated_rows_torch(x, r, g, mul, None, w, b, ctx.eps, ctx.is_rms_norm,
+                                                     ctx.mul_offset, ctx.acc),
+        (x, residual, gate, mul, weight, bias), (needs[0], needs[1], needs[2], needs[3], needs[5], needs[6]),
+        (None if dy is None else dy.to(ctx.acc), ds))
+    dadd = None
+    if needs[4] and ctx.add_meta is not None and dy is not None:
+        dadd = _rows_grads_down(dy, None, mul, ctx.add_meta)[1]
+    grads_out = (dx, dr, dg, dmul, dadd, dw, db)
+    likes = (x, residual, gate, mul, None, weight, bias)
+    grads_out = tuple(g if g is None or t is None else g.to(t.dtype) for g, t in zip(grads_out, likes))
+    return (*grads_out, *(None,) * (len(needs) - 7))
+
+
+def _gated_rows_save(ctx, x, residual, gate, mul, add, weight, bias, s, mean, rstd, eps, is_rms_norm, mul_offset,
+                     outputs):
+    # residual is saved for its dtype and the double backward only: the backward reads s
+    ctx.save_for_backward(x, residual, gate, mul, weight, bias, s, mean, rstd)
+    ctx.eps, ctx.is_rms_norm, ctx.mul_offset, ctx.outputs, ctx.acc = eps, is_rms_norm, mul_offset, outputs, rstd.dtype
+    ctx.add_meta = None if add is None else (add.shape, add.dtype)
+    ctx.set_materialize_grads(False)
+
+
+def _gated_rows_backward_grads(ctx, dy, ds):
+    """The gradients of the op's tensor inputs (x, residual, gate, mul, add, weight, bias)."""
+    x, residual, gate, mul, weight, bias, s, mean, rstd = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    need = (needs[0], needs[1], needs[2] and gate is not None, needs[3] and mul is not None,
+            needs[5] and weight is not None, needs[6] and bias is not None)
+    dx, dr, dg, dmul, dw, db = _gated_rows_grads(dy, ds, x, residual, gate, s, mul, weight, bias, mean, rstd,
+                                                 ctx.eps, ctx.is_rms_norm, ctx.mul_offset, need,
+                                                 None if gate is None else gate.shape)
+    dadd = None
+    if needs[4] and ctx.add_meta is not None:
+        dadd = _rows_grads_down(torch.zeros_like(s) if dy is None else dy, None, mul, ctx.add_meta)[1]
+    return (dx, dr, dg, dmul, dadd, None if dw is None else cast(dw, weight.dtype),
+            None if db is None else cast(db, bias.dtype))
+
+
+class _GatedRowsNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, gate, mul, add, weight, bias, eps, is_rms_norm, mul_offset, y_dtype, narrowing):
+        # narrowing: None, or (out_dtype, readers, full_y) as `gated_add_layer_norm_modulate` takes them
+        out_dtype, readers, full_y = narrowing or (None, 1, False)
+        y_out = y_dtype if full_y or out_dtype is None else out_dtype
+        y, mean, rstd, s = _rows_fwd(x, mul, add, weight, bias, eps, is_rms_norm, mul_offset, y_out, residual, gate)
+        ys = (y, y.to(out_dtype)) if full_y else (y, *(y.view_as(y) for _ in range(readers - 1)))
+        _gated_rows_save(ctx, x, residual, gate, mul, add, weight, bias, s, mean, rstd, eps, is_rms_norm, mul_offset,
+                         len(ys))
+        return (*ys, s)
+
+    @staticmethod
+    @single_backward(twice=_gated_rows_twice)
+    def backward(ctx, *grads):
+        dy = _rows_dy(grads[:ctx.outputs], ctx.acc)
+        ds = grads[ctx.outputs]
+        if dy is None and ds is None:
+            return (None,) * 12
+        with profiled("trifuse::gated_norm_modulate_rows_backward"):
+            return (*_gated_rows_backward_grads(ctx, dy, ds), *(None,) * 5)
+
+
+@torch.library.custom_op("trifuse::gated_norm_modulate_rows", mutates_args=())
+def _gated_rows_op(x: Tensor, residual: Tensor, gate: OptTensor, mul: OptTensor, add: OptTensor, weight: OptTensor,
+                   bias: OptTensor, eps: float, is_rms_norm: bool, mul_offset: float,
+                   out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(y, s, mean, rstd): s = residual + gate * x, then the norm of s's last dim, its affine, and
+    * (mul + mul_offset) + add read per row (gate, mul and add broadcastable to x)."""
+    y, mean, rstd, s = _rows_fwd(x, mul, add, weight, bias, eps, is_rms_norm, mul_offset, out_dtype, residual, gate)
+    return y, s, mean, rstd
+
+
+@torch.library.custom_op("trifuse::gated_norm_modulate_rows_backward", mutates_args=())
+def _gated_rows_backward_op(dy: OptTensor, ds: OptTensor, x: Tensor, residual: Tensor, gate: OptTensor, s: Tensor,
+                            mul: OptTensor, weight: OptTensor, bias: OptTensor, mean: Tensor, rstd: Tensor,
+                            eps: float, is_rms_norm: bool, mul_offset: float, need_dx: bool, need_dr: bool,
+                            need_dgate: bool, need_dmul: bool, need_dw: bool,
+                            need_db: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dx, dresidual, dgate, dmul in their inputs' shapes and dtypes, dweight, dbias in fp32 /
+    fp64); each an empty tensor where not needed."""
+    out = _gated_rows_grads(dy, ds, x, residual, gate, s, mul, weight, bias, mean, rstd, eps, is_rms_norm,
+                            mul_offset, (need_dx, need_dr, need_dgate, need_dmul, need_dw, need_db),
+                            None if gate is None else gate.shape)
+    # (a custom op's outputs must not alias one another, nor its inputs: dx may be dresidual)
+    dx, dr = out[:2]
+    if dx is not None and dx is dr:
+        dr = dr.clone()
+    return tuple(x.new_empty(0, dtype=rstd.dtype) if t is None else t for t in (dx, dr, *out[2:]))
+
+
+@_gated_rows_op.register_fake
+def _(x, residual, gate, mul, add, weight, bias, eps, is_rms_norm, mul_offset, out_dtype):
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    s_dtype = _gated_s_dtype(x, residual)
+    acc = _rows_acc(x.new_empty(0, dtype=s_dtype), mul, add)
+    return (x.new_empty(x.shape, dtype=out_dtype), x.new_empty(x.shape, dtype=s_dtype),
+            x.new_empty(0 if is_rms_norm else rows, dtype=acc), x.new_empty(rows, dtype=acc))
+
+
+@_gated_rows_backward_op.register_fake
+def _(dy, ds, x, residual, gate, s, mul, weight, bias, mean, rstd, eps, is_rms_norm, mul_offset, need_dx, need_dr,
+      need_dgate, need_dmul, need_dw, need_db):
+    n = x.shape[-1]
+    acc = rstd.dtype
+
+    def like(t, need):
+        return t.new_empty(t.shape) if need and t is not None else x.new_empty(0, dtype=acc)
+
+    return (like(x, need_dx), like(residual, need_dr), like(gate, need_dgate), like(mul, need_dmul),
+            x.new_empty(n if need_dw and weight is not None else 0, dtype=acc),
+            x.new_empty(n if need_db and bias is not None else 0, dtype=acc))
+
+
+def _gated_rows_setup(ctx, inputs, output):
+    x, residual, gate, mul, add, weight, bias, eps, is_rms_norm, mul_offset, _ = inputs
+    _, s, mean, rstd = output
+    _gated_rows_save(ctx, x, residual, gate, mul, add, weight, bias, s, mean, rstd, eps, is_rms_norm, mul_offset, 1)
+
+
+@single_backward(twice=_gated_rows_twice, op=GATED_OP)
+def _gated_rows_backward(ctx, dy, ds, *_):
+    x, residual, gate, mul, weight, bias, s, mean, rstd = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    if dy is None and ds is None:
+        return (None,) * 11
+    need = (needs[0], needs[1], needs[2] and gate is not None, needs[3] and mul is not None,
+            needs[5] and weight is not None, needs[6] and bias is not None)
+    dx, dr, dg, dmul, dw, db = torch.ops.trifuse.gated_norm_modulate_rows_backward(
+        dy, ds, x, residual, gate, s, mul, weight, bias, mean, rstd, ctx.eps, ctx.is_rms_norm, ctx.mul_offset, *need)
+    dadd = None
+    if needs[4] and ctx.add_meta is not None:
+        dadd = _rows_grads_down(torch.zeros_like(s) if dy is None else dy, None, mul, ctx.add_meta)[1]
+    grads = (dx, dr, dg, dmul, None, dw.to(weight.dtype) if need[4] else None,
+             db.to(bias.dtype) if need[5] else None)
+    grads = tuple(g if want else None for g, want in zip(grads, (*need[:4], False, True, True)))
+    return (*grads[:4], dadd, *grads[5:], None, None, None, None)
+
+
+torch.library.register_autograd("trifuse::gated_norm_modulate_rows", _gated_rows_backward,
+                                setup_context=_gated_rows_setup)
+
+
+# The dialect's candidates: the op's arguments, then mul_offset, then the narrowing ones.
+
+
+def _gated_rows_trifuse(x, residual, gate, normalized_shape, mul, add, weight, bias, eps, is_rms_norm, mul_offset,
+                        out_dtype=None, readers=1, full_y=False):
+    """The op's own candidate for a per-token gated add and modulation: the row kernels. Checked inputs."""
+    y_dtype = _y_dtype(_gated_s_dtype(x, residual), mul, add)
+    if eager_fast_path(x, residual, gate, mul, add, weight, bias):
+        plain = out_dtype is None and readers == 1 and not full_y
+        with profiled(f"trifuse::{GATED_OP}"):
+            return apply_function(_GatedRowsNormFunction, x, residual, gate, mul, add, weight, bias, eps, is_rms_norm,
+                                  float(mul_offset), y_dtype, None if plain else (out_dtype, readers, full_y))
+    wide = y_dtype if out_dtype is None or full_y else torch.promote_types(y_dtype, out_dtype)
+    y, s = torch.ops.trifuse.gated_norm_modulate_rows(x, residual, gate, mul, add, weight, bias, eps, is_rms_norm,
+                                                      float(mul_offset), wide)[:2]
+    return _ys_then_s(_cast_for_readers(y, out_dtype, readers, full_y), s)
+
+
+def _gated_rows_torch_candidate(x, residual, gate, normalized_shape, mul, add, weight, bias, eps, is_rms_norm,
+                                mul_offset, out_dtype=None, readers=1, full_y=False):
+    """PyTorch's product and sum as the model writes them, then `layer_norm_modulate_rows`' torch candidate."""
+    s = _written_sum(x, residual, gate)
+    y = _rows_torch_candidate(s, normalized_shape, mul, add, weight, bias, eps, is_rms_norm, mul_offset, out_dtype,
+                              readers, full_y)
+    return _ys_then_s(y, s)
+
+
+def _gated_rows_torch_supports(x, residual, gate, normalized_shape, mul, add, weight, bias, eps, is_rms_norm,
+                               mul_offset, *narrowing) -> str | None:
+    s = x.new_empty(0, dtype=_gated_s_dtype(x, residual))
+    return _modulate_torch_supports(s, normalized_shape, mul, add, weight, bias, eps, is_rms_norm)
+
+
+def _gated_rows_key(x, residual, gate, normalized_shape, mul, add, weight, bias, eps, is_rms_norm, mul_offset,
+                    *narrowing):
+    return _gated_key(x, residual, gate, normalized_shape, mul, add, weight, bias, eps, is_rms_norm, *narrowing)
+
+
+def _gated_rows_dialect_ref(x, residual, gate, normalized_shape, mul, add, weight, bias, eps, is_rms_norm,
+                            mul_offset, *narrowing):
+    return _gated_dialect_ref(x, residual, gate, normalized_shape, _with_offset(mul, mul_offset), add, weight, bias,
+                              eps, is_rms_norm, *narrowing)
+
+
+# A per-token gated add and modulation: the row kernels or PyTorch's ops, whichever measured faster.
+GATED_ADD_LAYER_NORM_MODULATE_ROWS = dialects.define(
+    GATED_ROWS_OP, _gated_rows_key,
+    ("device", "dtype", "rows", "n", "mul", "add", "weight", "bias", "rms", "residual", "gate", "grad", "out"),
+    reference=_gated_rows_dialect_ref)
+GATED_ADD_LAYER_NORM_MODULATE_ROWS.register(dialects.Candidate("trifuse", _gated_rows_trifuse))
+GATED_ADD_LAYER_NORM_MODULATE_ROWS.register(
+    dialects.Candidate("torch", _gated_rows_torch_candidate, supports=_gated_rows_torch_supports))

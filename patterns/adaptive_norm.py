@@ -403,6 +403,102 @@ def add_after_inactive_dropout_layer_norm_modulate_upcast_fused(x, residual, p, 
                                                 dtype, rms=rms)
 
 
+# Per token with `1 + scale` in the op's loads: the same sums before the stage-1 `*_offset` forms'
+# call (Qwen-Image 2.1's image stream: `h + gate1 * attn_out`, then `norm2(h) * (1 + scale) + shift`,
+# gate, scale and shift (B, S, N)).
+
+
+def _norm_kwargs(rms: bool, **kwargs) -> dict:
+    return {"is_rms_norm": True, **kwargs} if rms else kwargs
+
+
+def gated_add_layer_norm_modulate_offset(x: torch.Tensor, residual: torch.Tensor, gate: torch.Tensor, mul, add,
+                                         offset, normalized_shape, weight, bias, eps, *, rms: bool = False):
+    s = residual + gate * x
+    return ops.layer_norm_modulate(s, normalized_shape, mul, add, weight, bias, eps,
+                                   **_norm_kwargs(rms, mul_offset=offset)), s
+
+
+def gated_add_layer_norm_modulate_offset_fused(x, residual, gate, mul, add, offset, normalized_shape, weight, bias,
+                                               eps, *, rms: bool = False):
+    y, s = ops.gated_add_layer_norm_modulate(x, residual, gate, normalized_shape, mul, add, weight, bias, eps,
+                                             is_rms_norm=rms, mul_offset=offset)
+    return y, s
+
+
+def gated_add_layer_norm_modulate_offset_upcast(x: torch.Tensor, residual: torch.Tensor, gate: torch.Tensor, mul,
+                                                add, offset, normalized_shape, weight, bias, eps, dtype, *,
+                                                rms: bool = False):
+    s = residual + gate * x
+    return ops.layer_norm_modulate(s, normalized_shape, mul, add, weight, bias, eps,
+                                   **_norm_kwargs(rms, out_dtype=dtype, mul_offset=offset)), s
+
+
+def gated_add_layer_norm_modulate_offset_upcast_fused(x, residual, gate, mul, add, offset, normalized_shape, weight,
+                                                      bias, eps, dtype, *, rms: bool = False):
+    y, s = ops.gated_add_layer_norm_modulate(x, residual, gate, normalized_shape, mul, add, weight, bias, eps,
+                                             is_rms_norm=rms, out_dtype=dtype, mul_offset=offset)
+    return y, s
+
+
+def add_layer_norm_modulate_offset(x: torch.Tensor, residual: torch.Tensor, mul, add, offset, normalized_shape,
+                                   weight, bias, eps, *, rms: bool = False):
+    s = residual + x
+    return ops.layer_norm_modulate(s, normalized_shape, mul, add, weight, bias, eps,
+                                   **_norm_kwargs(rms, mul_offset=offset)), s
+
+
+def add_layer_norm_modulate_offset_fused(x, residual, mul, add, offset, normalized_shape, weight, bias, eps, *,
+                                         rms: bool = False):
+    y, s = ops.gated_add_layer_norm_modulate(x, residual, None, normalized_shape, mul, add, weight, bias, eps,
+                                             is_rms_norm=rms, mul_offset=offset)
+    return y, s
+
+
+def add_layer_norm_modulate_offset_upcast(x: torch.Tensor, residual: torch.Tensor, mul, add, offset,
+                                          normalized_shape, weight, bias, eps, dtype, *, rms: bool = False):
+    s = residual + x
+    return ops.layer_norm_modulate(s, normalized_shape, mul, add, weight, bias, eps,
+                                   **_norm_kwargs(rms, out_dtype=dtype, mul_offset=offset)), s
+
+
+def add_layer_norm_modulate_offset_upcast_fused(x, residual, mul, add, offset, normalized_shape, weight, bias, eps,
+                                                dtype, *, rms: bool = False):
+    y, s = ops.gated_add_layer_norm_modulate(x, residual, None, normalized_shape, mul, add, weight, bias, eps,
+                                             is_rms_norm=rms, out_dtype=dtype, mul_offset=offset)
+    return y, s
+
+
+def add_after_inactive_dropout_layer_norm_modulate_offset(x: torch.Tensor, residual: torch.Tensor, p, training,
+                                                          mul, add, offset, normalized_shape, weight, bias, eps, *,
+                                                          rms: bool = False):
+    s = ops.dropout_add(x, residual, p, training, None)
+    return ops.layer_norm_modulate(s, normalized_shape, mul, add, weight, bias, eps,
+                                   **_norm_kwargs(rms, mul_offset=offset)), s
+
+
+def add_after_inactive_dropout_layer_norm_modulate_offset_fused(x, residual, p, training, mul, add, offset,
+                                                                normalized_shape, weight, bias, eps, *,
+                                                                rms: bool = False):
+    return add_layer_norm_modulate_offset_fused(x, residual, mul, add, offset, normalized_shape, weight, bias, eps,
+                                                rms=rms)
+
+
+def add_after_inactive_dropout_layer_norm_modulate_offset_upcast(x: torch.Tensor, residual: torch.Tensor, p,
+                                                                 training, mul, add, offset, normalized_shape,
+                                                                 weight, bias, eps, dtype, *, rms: bool = False):
+    s = ops.dropout_add(x, residual, p, training, None)
+    return ops.layer_norm_modulate(s, normalized_shape, mul, add, weight, bias, eps,
+                                   **_norm_kwargs(rms, out_dtype=dtype, mul_offset=offset)), s
+
+
+def add_after_inactive_dropout_layer_norm_modulate_offset_upcast_fused(x, residual, p, training, mul, add, offset,
+                                                                       normalized_shape, weight, bias, eps, dtype, *,
+                                                                       rms: bool = False):
+    return add_layer_norm_modulate_offset_upcast_fused(x, residual, mul, add, offset, normalized_shape, weight, bias,
+                                                       eps, dtype, rms=rms)
+
+
 def dropout_inactive(m: Match) -> str | None:
     """The dropout before the add an identity (p = 0, as diffusers' attention output's
     `Dropout(0.0)`, or not training): the add alone folds into the norm. An active one keeps
@@ -431,17 +527,19 @@ def sum_operands(m: Match) -> str | None:
     return None
 
 
-def _gate_problem(m: Match, widest: torch.dtype | None) -> str | None:
-    """Why the gate is not one vector per sample (as mul and add; a (N,) vector too) no wider than
-    `widest` (x's dtype when None), or None."""
+def _gate_problem(m: Match, widest: torch.dtype | None, per_token: bool = False) -> str | None:
+    """Why the gate is not one vector per sample (as mul and add; a (N,) vector too), or with
+    per_token one varying along a sample's rows as well (a (B, S, N) gate, which the op's row
+    kernels read a row at a time), no wider than `widest` (x's dtype when None); or None."""
     x, gate = m.value("x"), m.value("gate")
     if not isinstance(gate, torch.Tensor):
         return "the gate's shape is unknown"
     if _is_dtensor(gate):
         return "a DTensor gate (the op has no sharding rule)"
-    why = _not_per_sample(gate, x)
+    why = _not_broadcast(gate, x) if per_token else _not_per_sample(gate, x)
     if why is not None:
-        return f"gate {list(gate.shape)} is not one vector per sample of x {list(x.shape)}: {why}"
+        kind = "a gate" if per_token else "one vector per sample"
+        return f"gate {list(gate.shape)} is not {kind} of x {list(x.shape)}: {why}"
     widest = widest or x.dtype
     if torch.promote_types(widest, gate.dtype) != widest:
         return f"the gate ({gate.dtype}) is wider than {'x' if widest == x.dtype else widest} ({widest})"
@@ -457,6 +555,18 @@ def gate_per_sample_up_to_fp32(m: Match) -> str | None:
     """The gate one vector per sample, no wider than fp32: where the model computes the sum in fp32
     and casts it back, the op's fp32 product and sum are the model's."""
     return _gate_problem(m, torch.float64 if m.value("x").dtype == torch.float64 else torch.float32)
+
+
+def gate_per_sample_or_token(m: Match) -> str | None:
+    """The gate one vector per sample or per token, no wider than x: `gated_add_layer_norm_modulate`
+    takes either (its row kernels the per-token one)."""
+    return _gate_problem(m, None, per_token=True)
+
+
+def modulation_per_sample_or_token(m: Match) -> str | None:
+    """The modulation the stage-1 form fused: one vector per sample or per token (`per_sample`'s
+    broadcast rule with per_token; the op picks its kernels)."""
+    return per_sample(m, per_token=True)
 
 
 # The modulated norm of an fp32 copy, cast back (stage 2, once stage 1 made it one op): Wan's
@@ -500,28 +610,41 @@ def copied_to_fp32(m: Match) -> str | None:
 
 
 OPS_CALLED = ("gated_add_layer_norm_modulate", "layer_norm_modulate")
-# (sum, upcast) -> (search, replacement); RMSNorm's forms are the same functions with rms=True. The
-# sum: gated, plain, or plain after an inactive dropout (which stage 1 made dropout_add: Wan's and
-# LTX-Video's cross-attention output, `h + to_out[1](to_out[0](o))` with `Dropout(0.0)`).
+# (sum, upcast, offset) -> (search, replacement); RMSNorm's forms are the same functions with
+# rms=True. The sum: gated, plain, or plain after an inactive dropout (which stage 1 made
+# dropout_add: Wan's and LTX-Video's cross-attention output, `h + to_out[1](to_out[0](o))` with
+# `Dropout(0.0)`); the offset: the stage-1 `*_offset` forms' `mul_offset`.
 _SUM_FORMS = {
-    ("gated", False): (gated_add_layer_norm_modulate, gated_add_layer_norm_modulate_fused),
-    ("gated", True): (gated_add_layer_norm_modulate_upcast, gated_add_layer_norm_modulate_upcast_fused),
-    ("plain", False): (add_layer_norm_modulate, add_layer_norm_modulate_fused),
-    ("plain", True): (add_layer_norm_modulate_upcast, add_layer_norm_modulate_upcast_fused),
-    ("dropout", False): (add_after_inactive_dropout_layer_norm_modulate,
-                         add_after_inactive_dropout_layer_norm_modulate_fused),
-    ("dropout", True): (add_after_inactive_dropout_layer_norm_modulate_upcast,
-                        add_after_inactive_dropout_layer_norm_modulate_upcast_fused),
+    ("gated", False, False): (gated_add_layer_norm_modulate, gated_add_layer_norm_modulate_fused),
+    ("gated", True, False): (gated_add_layer_norm_modulate_upcast, gated_add_layer_norm_modulate_upcast_fused),
+    ("plain", False, False): (add_layer_norm_modulate, add_layer_norm_modulate_fused),
+    ("plain", True, False): (add_layer_norm_modulate_upcast, add_layer_norm_modulate_upcast_fused),
+    ("dropout", False, False): (add_after_inactive_dropout_layer_norm_modulate,
+                                add_after_inactive_dropout_layer_norm_modulate_fused),
+    ("dropout", True, False): (add_after_inactive_dropout_layer_norm_modulate_upcast,
+                               add_after_inactive_dropout_layer_norm_modulate_upcast_fused),
+    ("gated", False, True): (gated_add_layer_norm_modulate_offset, gated_add_layer_norm_modulate_offset_fused),
+    ("gated", True, True): (gated_add_layer_norm_modulate_offset_upcast,
+                            gated_add_layer_norm_modulate_offset_upcast_fused),
+    ("plain", False, True): (add_layer_norm_modulate_offset, add_layer_norm_modulate_offset_fused),
+    ("plain", True, True): (add_layer_norm_modulate_offset_upcast, add_layer_norm_modulate_offset_upcast_fused),
+    ("dropout", False, True): (add_after_inactive_dropout_layer_norm_modulate_offset,
+                               add_after_inactive_dropout_layer_norm_modulate_offset_fused),
+    ("dropout", True, True): (add_after_inactive_dropout_layer_norm_modulate_offset_upcast,
+                              add_after_inactive_dropout_layer_norm_modulate_offset_upcast_fused),
 }
-# (the gated op folds the modulation into per-sample affine vectors: a per-token one stays apart)
-_SUM_FILTERS = {"gated": (per_sample, sum_operands, gate_per_sample), "plain": (per_sample, sum_operands),
-                "dropout": (dropout_inactive, per_sample, sum_operands)}
+# (the op takes the modulation and the gate per sample, folded into its affine, or per token, read
+# by its row kernels)
+_SUM_FILTERS = {"gated": (modulation_per_sample_or_token, sum_operands, gate_per_sample_or_token),
+                "plain": (modulation_per_sample_or_token, sum_operands),
+                "dropout": (dropout_inactive, modulation_per_sample_or_token, sum_operands)}
 
 
 def _sum_patterns() -> tuple[Pattern, ...]:
-    """The twelve forms: a gated, plain or dropout's sum, LayerNorm or RMSNorm, upcast or not."""
+    """The twenty-four forms: a gated, plain or dropout's sum, LayerNorm or RMSNorm, upcast or not,
+    `1 + scale` in the loads or not."""
     forms = []
-    for (kind, _), (search, replacement) in _SUM_FORMS.items():
+    for (kind, _, _), (search, replacement) in _SUM_FORMS.items():
         for rms in (False, True):
             name = search.__name__.replace("layer_norm", "rms_norm") if rms else search.__name__
             forms.append(Pattern(name, "residual_stream", functools.partial(search, rms=rms),

@@ -236,3 +236,69 @@ def test_per_token_compiled_graphs_keep_the_registered_op(rows_dialect, timer, m
     torch._dynamo.reset()
     torch.compile(lambda x, emb: per_token_fwd_bwd(public_rows, x, emb)[0], backend=backend)(x, emb)
     assert any("trifuse.norm_modulate_rows" in gm.code for gm in graphs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per token with the gated add: the gated_add_layer_norm_modulate_rows dialect
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def gated_rows_dialect(cache_dir, monkeypatch):
+    an.GATED_ADD_LAYER_NORM_MODULATE_ROWS.clear()
+    monkeypatch.setattr(an.GATED_ADD_LAYER_NORM_MODULATE_ROWS, "timer", None)
+    yield an.GATED_ADD_LAYER_NORM_MODULATE_ROWS
+    an.GATED_ADD_LAYER_NORM_MODULATE_ROWS.clear()
+
+
+def gated_per_token_fwd_bwd(fn, x, residual, emb):
+    """Qwen-Image 2.1's `h + gate * x`, then `norm(h) * (1 + scale) + shift`, gate, scale and shift
+    chunks of one (B, S, 3N) tensor: y, s and the gradients of x, the residual and emb."""
+    shift, scale, gate = emb.chunk(3, dim=-1)
+    y, s = fn(x, residual, gate, (N,), scale, shift, None, None, 1e-6, False, 1.0)
+    gen = torch.Generator(device=y.device).manual_seed(1)
+    dy, ds = (torch.randn(y.shape, generator=gen, device=y.device, dtype=y.dtype) for _ in range(2))
+    return (y, s, *torch.autograd.grad((y, s), (x, residual, emb), (dy, ds)))
+
+
+def public_gated_rows(x, residual, gate, ns, mul, add, w, b, eps, rms, mul_offset):
+    return trifuse.ops.gated_add_layer_norm_modulate(x, residual, gate, ns, mul, add, w, b, eps, is_rms_norm=rms,
+                                                     mul_offset=mul_offset)
+
+
+def gated_per_token_inputs(tokens=3):
+    x, emb = per_token_inputs(tokens)
+    return x, torch.randn(2, tokens, N, device=DEVICE, requires_grad=True), emb
+
+
+@pytest.mark.parametrize("winner", ["trifuse", "torch"])
+def test_gated_per_token_the_measured_winner_runs_bitwise(gated_rows_dialect, timer, monkeypatch, winner):
+    """A per-token gated call goes to its own dialect, which runs what it measured faster, bitwise;
+    the same rows bucket is replayed without measuring again."""
+    fake = timer({"trifuse": 1.0, "torch": 2.0} if winner == "trifuse" else {"trifuse": 2.0, "torch": 1.0})
+    monkeypatch.setattr(gated_rows_dialect, "timer", fake)
+    x, residual, emb = gated_per_token_inputs()
+    got = gated_per_token_fwd_bwd(public_gated_rows, x, residual, emb)
+    candidate = an._gated_rows_trifuse if winner == "trifuse" else an._gated_rows_torch_candidate
+    want = gated_per_token_fwd_bwd(lambda *a: candidate(*a), x, residual, emb)
+    for a, e in zip(got, want):
+        assert torch.equal(a, e)
+    shift, scale, gate = emb.chunk(3, dim=-1)
+    rec = gated_rows_dialect.explain(x, residual, gate, (N,), scale, shift, None, None, 1e-6, False, 1.0)
+    assert rec.chosen == winner and rec.source == "measured" and set(fake.calls) == {"trifuse", "torch"}
+    gated_per_token_fwd_bwd(public_gated_rows, *gated_per_token_inputs(tokens=4))
+    assert len(fake.calls) == 2
+
+
+def test_gated_per_token_compiled_graphs_keep_the_registered_op(gated_rows_dialect, timer, monkeypatch):
+    monkeypatch.setattr(gated_rows_dialect, "timer", timer({"trifuse": 2.0, "torch": 1.0}))
+    x, residual, emb = gated_per_token_inputs()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(lambda *a: gated_per_token_fwd_bwd(public_gated_rows, *a)[0], backend=backend)(x, residual, emb)
+    assert any("trifuse.gated_norm_modulate_rows" in gm.code for gm in graphs)

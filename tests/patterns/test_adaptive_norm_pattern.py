@@ -226,18 +226,82 @@ def test_cuda_autocasts_fp32_norm_modulated_per_token():
     assert report.by_pattern() == {"layer_norm_modulate_offset_upcast": 1}, report.table()
 
 
-def test_a_gated_add_before_a_norm_modulated_per_token_stays_apart():
-    """The gated add before a modulated norm folds into it per sample only (the gated op's affine
-    is per sample): per token the sum stays PyTorch's and the norm and its modulation one op."""
+class GatedPerToken(PerToken):
+    """Qwen-Image 2.1's image stream: `h = x + gate * attn(x)` with a per-token gate, then the
+    norm of h modulated per token (`sum`: "gated", "plain" (Helios' cross-attention output added
+    ungated), "per_sample_gate" (a per-sample gate beside the per-token modulation)); `form`: the
+    modulation "flux3" `(1 + scale) * norm + shift`, "scale_only" `norm * (1 + scale)`, or
+    "as_written" with `1 + scale` also read elsewhere (the plain stage-1 form)."""
 
-    class TwoNorms(PerToken):
+    def __init__(self, sum_kind: str = "gated", form: str = "flux3", norm: str = "layer_norm",
+                 affine: bool = False) -> None:
+        super().__init__("flux3", norm, affine)
+        self.sum_kind, self.form = sum_kind, form
+        self.gate_proj = nn.Linear(COND, N)
+
+    def forward(self, x, cond):
+        shift, scale, gate = self.ada(F.silu(cond)).chunk(3, dim=-1)
+        out = self.proj(x)
+        if self.sum_kind == "gated":
+            h = x + gate * out
+        elif self.sum_kind == "per_sample_gate":
+            h = x + self.gate_proj(cond.mean(1, keepdim=True)) * out
+        else:
+            h = x + out
+        if self.form == "flux3":
+            y = (1 + scale) * self.norm(h) + shift
+        elif self.form == "scale_only":
+            y = self.norm(h) * (1 + scale)
+        else:
+            one_plus = 1 + scale
+            y = self.norm(h) * one_plus + shift + one_plus.mean()
+        return self.proj(y) + h
+
+
+@pytest.mark.parametrize("capture", ["fx", "dynamo"])
+@pytest.mark.parametrize("norm, affine", [("layer_norm", False), ("rms_norm", True)])
+def test_a_gated_add_before_a_norm_modulated_per_token_folds_into_it(norm, affine, capture):
+    """The per-token gated add, the norm and its per-token modulation: one op (the row kernels with
+    the residual), s read by the block's end; every gradient the unfused model's."""
+    report = check_against_unfused(lambda: GatedPerToken("gated", "flux3", norm, affine), per_token_inputs(),
+                                   capture, train=True)
+    name = "gated_add_layer_norm_modulate_offset".replace("layer_norm", norm)
+    assert report.by_pattern() == {name: 1}, report.table()
+
+
+@pytest.mark.parametrize("sum_kind, form, pattern", [
+    ("plain", "flux3", "add_layer_norm_modulate_offset"),
+    ("gated", "scale_only", "gated_add_layer_norm_modulate_offset"),
+    ("gated", "as_written", "gated_add_layer_norm_modulate"),
+    ("per_sample_gate", "flux3", "gated_add_layer_norm_modulate_offset"),
+])
+def test_the_sums_and_modulations_per_token(sum_kind, form, pattern):
+    """An ungated add (Helios), Qwen-Image 2.1's scale alone, a `1 + scale` read elsewhere (taken as
+    written), a per-sample gate beside a per-token modulation: each sum folds into the norm."""
+    report = check_against_unfused(lambda: GatedPerToken(sum_kind, form), per_token_inputs(), "dynamo", train=True)
+    assert report.by_pattern() == {pattern: 1}, report.table()
+
+
+def test_cuda_autocast_folds_a_per_token_gated_add_into_the_upcast_form():
+    x, cond = per_token_inputs()
+    with cuda_like_autocast(), torch.autocast("cuda" if DEVICE == "cuda" else "cpu", dtype=torch.float16):
+        report = check_against_unfused(lambda: GatedPerToken("gated"), (x.half(), cond), "dynamo", train=True)
+    assert report.by_pattern() == {"gated_add_layer_norm_modulate_offset_upcast": 1}, report.table()
+
+
+def test_a_per_token_gate_read_twice_keeps_its_product():
+    """The gated product read by another op as well: interior to the gated form, so the product
+    stays PyTorch's and the add folds into the norm ungated, the product its x."""
+
+    class ProductReadTwice(GatedPerToken):
         def forward(self, x, cond):
             shift, scale, gate = self.ada(F.silu(cond)).chunk(3, dim=-1)
-            h = x + gate * self.proj(x)
-            return self.proj((1 + scale) * self.norm(h) + shift)
+            gated = gate * self.proj(x)
+            h = x + gated
+            return self.proj((1 + scale) * self.norm(h) + shift) + gated
 
-    report = check_against_unfused(lambda: TwoNorms(), per_token_inputs(), "dynamo", train=True)
-    assert report.by_pattern() == {"layer_norm_modulate_offset": 1}, report.table()
+    report = check_against_unfused(lambda: ProductReadTwice(), per_token_inputs(), "dynamo", train=True)
+    assert report.by_pattern() == {"add_layer_norm_modulate_offset": 1}, report.table()
 
 
 def test_what_is_not_one_vector_per_sample_is_named():
@@ -420,11 +484,11 @@ def test_rms_norm_after_a_gated_add():
     assert report.by_pattern() == {"gated_add_rms_norm_modulate": 1}, report.table()
 
 
-def test_a_product_over_tokens_is_the_summand_not_a_gate():
-    """`h + sigmoid(out) * out`: the product varies along the rows, so it is no gate; it is added
-    ungated, its own ops PyTorch's."""
+def test_a_product_over_tokens_is_a_per_token_gate():
+    """`h + sigmoid(out) * out`: the product varies along the rows, a per-token gate (the row
+    kernels read sigmoid(out) beside out); outputs and gradients the unfused model's."""
     report = check_against_unfused(lambda: GatedResidual("gate_over_tokens"), inputs(), "dynamo", train=True)
-    assert report.by_pattern() == {"add_layer_norm_modulate": 1}, report.table()
+    assert report.by_pattern() == {"gated_add_layer_norm_modulate": 1}, report.table()
 
 
 def test_a_broadcast_add_is_left():
