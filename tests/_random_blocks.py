@@ -522,8 +522,8 @@ NEAR_MISSES_ADAPTIVE = {"modulated_before_norm", "wider_product"}
 LEFT_ADAPTIVE: set[str] = set()
 COND = 12
 # How the attention's output is added back before the MLP's norm: gated per sample (either way
-# round), ungated (PixArt's cross-attention), through a gate that varies along the tokens (no
-# gate then: the product is the summand), after a Dropout(0.0) (Wan's and LTX-Video's cross-
+# round), ungated (PixArt's cross-attention), through a gate that varies along the tokens (a
+# per-token gate, Qwen-Image 2.1's), after a Dropout(0.0) (Wan's and LTX-Video's cross-
 # attention output), or broadcast from one token (a near miss: no residual stream of one shape,
 # the add stays PyTorch's).
 ADAPTIVE_RESIDUALS = ("gated", "gated_commuted", "ungated", "per_token_gate", "after_dropout_p0", "broadcast")

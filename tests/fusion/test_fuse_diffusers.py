@@ -566,18 +566,20 @@ PER_TOKEN = {
     # `(1 + scale) * norm(x) + shift`, chunks of one (B, S, 3N) projection: every LayerNorm of
     # the blocks and the output norm
     "flux3": {"layer_norm_modulate_offset": 6},
-    # `norm(x) * (1 + scale)`, scale chosen per token by torch.where
-    "qwenimage21": {"layer_norm_modulate_scale_offset": 5},
-    # the RMSNorm form, LTX-2's refiner blocks
-    "sana_wm_refiner": {"rms_norm_modulate_offset": 4},
+    # `norm(x) * (1 + scale)`, scale chosen per token by torch.where; the image stream's second
+    # norm with the per-token gated add before it (`h + img_gate1 * attn_out`)
+    "qwenimage21": {"layer_norm_modulate_scale_offset": 3, "gated_add_layer_norm_modulate_offset": 2},
+    # the RMSNorm form, LTX-2's refiner blocks; the third norm with the cross-attention's output
+    # added before it (through its Dropout(0.0))
+    "sana_wm_refiner": {"rms_norm_modulate_offset": 2, "add_after_inactive_dropout_rms_norm_modulate_offset": 2},
 }
 
 
 @pytest.mark.parametrize("name, dtype", [(name, torch.float32) for name in PER_TOKEN] + [("flux3", torch.float16)],
                          ids=[*PER_TOKEN, "flux3-fp16"])
 def test_a_per_token_modulation_fuses_in_mixed_timestep_models(name, dtype):
-    """The modulated norms become one op each (the row kernels, `1 + scale` in their loads); the
-    prediction and every gradient by the oracle rule against the float64 model (in fp16 too: the
+    """The modulated norms become one op each (the row kernels, `1 + scale` in their loads; with the
+    residual add before them where there is one); the prediction and every gradient by the oracle rule against the float64 model (in fp16 too: the
     16-bit modulation computed in fp32 and rounded once)."""
     import diffusers_models
 
