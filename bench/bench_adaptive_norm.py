@@ -35,6 +35,13 @@ shift` (trifuse's row kernels: the chunks read in place, the 1 added as scale is
 minimum): fwd read x, scale and shift, write y, 4·M·N·e; bwd read dy, x and scale, write dx,
 dscale and dshift (dshift is dy itself in PyTorch's autograd and in trifuse's: not counted),
 5·M·N·e.
+
+The "gated per token" variant is Qwen-Image 2.1's image stream: the attention's output added back
+through a per-token gate, then the per-token modulated norm, `h = h + gate * attn_out;
+norm2(h) * (1 + scale) + shift`, gate, scale and shift chunks of one (B, S, 3N) projection,
+returning y and h (trifuse's `gated_add_layer_norm_modulate`, the row kernels with the residual).
+Bytes (the minimum): fwd read x, the residual, gate, scale and shift, write s and y, 7·M·N·e; bwd
+read dy, ds, s, x, gate and scale, write dx, dresidual, dgate and dscale, 10·M·N·e.
 """
 import _harness as H  # noqa: I001  (bench/conftest.py sets TRITON_INTERPRET before this)
 import pytest
@@ -172,6 +179,36 @@ def per_token_providers() -> dict:
     return out
 
 
+def make_gated_per_token_inputs(shape):
+    (x, emb), _ = make_per_token_inputs(shape)
+    residual = torch.randn(shape, device=DEVICE, dtype=DTYPE, requires_grad=True)
+    return (x, residual, emb), (x, residual, emb)
+
+
+def gated_per_token_bytes_for(shape, mode):
+    b, s, n = shape
+    e = torch.finfo(DTYPE).bits // 8
+    fwd, bwd = 7 * b * s * n * e, 10 * b * s * n * e
+    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]
+
+
+def gated_per_token_providers() -> dict:
+    def torch_gated_per_token(x, residual, emb):
+        shift, scale, gate = emb.chunk(3, dim=-1)
+        h = residual + gate * x
+        return (1 + scale) * F.layer_norm(h, h.shape[-1:], eps=EPS) + shift, h
+
+    def trifuse_gated_per_token(x, residual, emb):
+        shift, scale, gate = emb.chunk(3, dim=-1)
+        return trifuse.ops.gated_add_layer_norm_modulate(x, residual, gate, x.shape[-1:], scale, shift, eps=EPS,
+                                                         mul_offset=1.0)
+
+    out = {"trifuse": trifuse_gated_per_token, "torch": torch_gated_per_token}
+    if H.on_gpu():
+        out["torch.compile"] = H.compiled(torch_gated_per_token)
+    return out
+
+
 def host_overhead() -> list[dict]:
     """Wall µs per call at a tiny size: trifuse's eager path beside PyTorch's three ops."""
     shape = (2, 4, 1024)
@@ -199,6 +236,8 @@ def main() -> None:
                     variant="gated residual")
     rows += H.sweep(per_token_providers(), MODEL_SHAPES, make_per_token_inputs, per_token_bytes_for,
                     variant="per token")
+    rows += H.sweep(gated_per_token_providers(), MODEL_SHAPES, make_gated_per_token_inputs,
+                    gated_per_token_bytes_for, variant="gated per token")
     H.write_results("adaptive_norm", rows, COLUMNS, plot_x="N")
     H.print_table(rows, COLUMNS)
 
@@ -241,6 +280,13 @@ def test_per_token(mode):
     H.check_against_reference(per_token_providers(), "torch", make_per_token_inputs, SMOKE_SHAPE)
     for fn in per_token_providers().values():
         H.make_step(fn, lambda: make_per_token_inputs(SMOKE_SHAPE), mode)()
+
+
+@pytest.mark.parametrize("mode", H.MODES)
+def test_gated_per_token(mode):
+    H.check_against_reference(gated_per_token_providers(), "torch", make_gated_per_token_inputs, SMOKE_SHAPE)
+    for fn in gated_per_token_providers().values():
+        H.make_step(fn, lambda: make_gated_per_token_inputs(SMOKE_SHAPE), mode)()
 
 
 def test_host_overhead_runs():

@@ -123,6 +123,15 @@ def _catalogue(torch, family: str):
                                    ops.layer_norm_modulate(x, n, emb[..., n:2 * n], emb[..., :n],
                                                            w if affine else None, b if affine and not rms else None,
                                                            eps=1e-6, is_rms_norm=rms, mul_offset=1.0)))
+            # with the per-token gated add before the norm (Qwen-Image 2.1): the residual and the
+            # gate read beside x, s stored; dresidual, dx and dgate written per element
+            r = leaf(2, rows, n)
+            for rms in (False, True):
+                yield (f"gated_add_{'rms' if rms else 'layer'}_norm_modulate per-token {n}",
+                       fwd_bwd(lambda x=x, r=r, emb=emb, n=n, rms=rms:
+                               ops.gated_add_layer_norm_modulate(x, r, emb[..., 2 * n:], n, emb[..., n:2 * n],
+                                                                 emb[..., :n], eps=1e-6, is_rms_norm=rms,
+                                                                 mul_offset=1.0)))
     elif family == "residual_stream":
         for n in (1024, 4096):
             x, r, w, b, xb = leaf(rows, n), leaf(rows, n), leaf(n), leaf(n), leaf(n)

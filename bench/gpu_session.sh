@@ -159,6 +159,7 @@ for what in "$@"; do
                 -k "bf16 or bfloat16" tests/kernels/test_{layer_norm,residual_stream,bias_gelu,dropout_add}.py \
                 tests/kernels/test_{rotary,gated_activation,cross_entropy,attention,attention_varlen}.py \
                 tests/kernels/test_adaptive_norm.py tests/kernels/test_adaptive_norm_rows.py \
+                tests/kernels/test_gated_adaptive_norm_rows.py \
                 tests/kernels/test_group_norm.py
             # the kernels' and the launcher's gpu tests first, the 81 attention-dialect ones last
             stage tests-gpu 120 python3 -m pytest -q -n 8 --maxfail=20 -p no:cacheprovider -m gpu \

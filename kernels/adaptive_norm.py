@@ -1487,7 +1487,7 @@ def _rows_bwd(dy, x, mul, weight, bias, mean, rstd, eps, is_rms_norm, mul_offset
         constexprs = {"IS_RMS_NORM": is_rms_norm, "HAS_W": weight is not None, "HAS_B": bias is not None,
                       "HAS_MUL": mul is not None, "STORE_DMUL": need_dmul, "STORE_DW": need_dw,
                       "STORE_DB": need_db, "ACC": acc_dtype(acc), "HAS_DS": ds_in is not None,
-                      "HAS_GATE": need_dxg and gate is not None, "STORE_DXG": bool(need_dxg),
+                      "HAS_GATE": bool(need_dxg) and gate is not None, "STORE_DXG": bool(need_dxg),
                       "STORE_DGATE": need_dgate}
         grads = "".join(c for c, want in zip("mwbsxg", (need_dmul, need_dw, need_db, ds_in is not None, need_dxg,
                                                         need_dgate)) if want)
