@@ -30,7 +30,9 @@ further down.
 Per token (mul or add varying along a sample's rows: FLUX.3's, Qwen-Image 2.1's, Helios' mixed
 timesteps, scale and shift (B, S, N)) the fold would write (M, N) parameters; kernels of their own
 read a row of mul and of add beside each row of x instead, `1 + scale` in the load (mul_offset),
-and write dmul per element in the backward: the last section of this file.
+and write dmul per element in the backward: the last two sections of this file, the second with
+the gated residual add before the norm read a row at a time as well (Qwen-Image 2.1's image
+stream: gate, scale and shift all per token).
 """
 import math
 

@@ -15,7 +15,8 @@ per token (`per_sample_or_token`: FLUX.3's, Helios' and MiniMax H3's scale and s
 op's row kernels read them a row at a time; `norm(x) * (1 + scale) + shift` per token is the
 `*_offset` forms, whose op adds the 1 as it reads scale, and Qwen-Image 2.1's `norm(x) * (1 +
 scale)` the scale-only one). A product alone or a sum alone that varies along the rows (a gate, a
-residual) is no modulation: left to the other patterns (quietly: most norms followed by a product
+residual) is no modulation: left to the other patterns (a gated or plain residual add before the
+norm folds in at stage 2, per sample or per token) (quietly: most norms followed by a product
 are none, and the report does not list them). Nor is a product wider than the norm's output
 (`in_the_norms_dtype`): under autocast DiT's residual stream is fp32 and its modulation bf16,
 fused; fp16 activations beside an fp32 affine written out keep the model's rounding.
@@ -303,13 +304,15 @@ def upcast_holds_the_product(m: Match) -> str | None:
 
 # The residual add before a modulated norm (stage 2, once stage 1 made the norm one op):
 #
-#     s = residual + gate * x             (gate a vector per sample; or residual + x)
-#     y = layer_norm_modulate(s, ...)     any stage-1 form: LayerNorm or RMSNorm, upcast or not
+#     s = residual + gate * x             (gate a vector per sample or per token; or residual + x)
+#     y = layer_norm_modulate(s, ...)     any stage-1 form: LayerNorm or RMSNorm, upcast or not,
+#                                         per sample or per token, with mul_offset or not
 #  -> y, s = gated_add_layer_norm_modulate(x, residual, gate, ...)
 #
 # DiT's, PixArt's, SD3's and Flux's blocks: `h = h + gate_msa[:, None] * attn_out` and then
 # `norm2(h) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]`; PixArt's cross-attention adds its
-# output ungated before that norm. The product and the sum fold into the norm's loads: two passes
+# output ungated before that norm; Qwen-Image 2.1's image stream does it all per token (gate,
+# scale and shift (B, S, N): the op's row kernels read the residual and the gate beside x). The product and the sum fold into the norm's loads: two passes
 # over the activation fewer each way, and dgate summed in the norm's backward. (RMSNorm's forms
 # bind `bias` to the None the stage-1 replacement passes.)
 
