@@ -566,6 +566,12 @@ def gate_per_sample_or_token(m: Match) -> str | None:
     return _gate_problem(m, None, per_token=True)
 
 
+def gate_per_sample_or_token_up_to_fp32(m: Match) -> str | None:
+    """The gate per sample or per token, no wider than fp32 (Helios' per-token fp32 gate beside its
+    16-bit stream, the sum written in fp32 and cast back)."""
+    return _gate_problem(m, torch.float64 if m.value("x").dtype == torch.float64 else torch.float32, per_token=True)
+
+
 def modulation_per_sample_or_token(m: Match) -> str | None:
     """The modulation the stage-1 form fused: one vector per sample or per token (`per_sample`'s
     broadcast rule with per_token; the op picks its kernels)."""

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from ._base import Match, Pattern, from_local, known_equal, needs_bool, needs_number, ops, same_shape
-from .adaptive_norm import gate_per_sample, gate_per_sample_up_to_fp32, sum_operands
+from .adaptive_norm import gate_per_sample_or_token, gate_per_sample_or_token_up_to_fp32, sum_operands
 from .bias_gelu import bias_is_a_row_vector
 
 
@@ -360,7 +360,9 @@ def addmm_residual_norm_fused(h2d, weight, bias, residual, normalized_shape, nor
 
 # Stage 2: a LayerScale before the add (DINOv2, DeiT III, CaiT, EVA: `residual + gamma * x`, gamma
 # a learned (N,) vector) folds into the norm's load of x, as a DiT block's gate does: the product
-# is one pass fewer each way, and dgamma is summed in the norm's backward.
+# is one pass fewer each way, and dgamma is summed in the norm's backward. A gate that varies along
+# the tokens (Helios' per-token gate, any full-size product before the add) folds the same way:
+# the op's row kernels read it a row at a time and write dgate per element.
 
 
 def layer_scale_residual_norm(x: torch.Tensor, gate: torch.Tensor, residual: torch.Tensor, normalized_shape,
@@ -385,7 +387,7 @@ def layer_scale_residual_norm_fused(x, gate, residual, normalized_shape, weight,
 def no_dropout_on_the_sum(m: Match) -> str | None:
     """The add's dropout inactive (p 0, or not training: the op has no dropout with a gate), the
     norm over x's last dim alone (the op's normalized shape), x and the residual of one shape and
-    dtype, the gate (gamma) a vector no wider than x."""
+    dtype, the gate (gamma) a vector, or a gate per token, no wider than x."""
     p, training = m["p"], m["training"]
     if not (isinstance(p, (int, float)) and p == 0 or training is False):
         return f"dropout p={p!r} in training on the sum (the fused op has no dropout with a gate)"
@@ -394,7 +396,7 @@ def no_dropout_on_the_sum(m: Match) -> str | None:
     if (not isinstance(x, torch.Tensor) or not isinstance(shape, (tuple, list)) or len(shape) != 1
             or not known_equal(shape[0], x.shape[-1])):
         return f"normalized_shape {shape!r} is not x's last dim alone"
-    return sum_operands(m) or gate_per_sample(m)
+    return sum_operands(m) or gate_per_sample_or_token(m)
 
 
 # Stage 2: Wan's gated add, written in fp32 and cast back to the stream's dtype, before a plain
@@ -448,7 +450,8 @@ def gated_add_promoted_rms_norm(x: torch.Tensor, gate: torch.Tensor, residual: t
 
 def sum_cast_back_to_the_stream(m: Match) -> str | None:
     """x and the residual of one shape and dtype, the fp32 sum cast back to it (s in the op's
-    dtype), the norm over x's last dim alone, the gate a vector per sample no wider than fp32."""
+    dtype), the norm over x's last dim alone, the gate a vector per sample or per token (Helios')
+    no wider than fp32."""
     x, shape, dtype = m.value("x"), m.value("normalized_shape"), m["dtype"]
     if isinstance(x, torch.Tensor) and dtype != x.dtype:
         return f"the sum is cast to {dtype}, not to x's dtype {x.dtype}"
@@ -456,7 +459,7 @@ def sum_cast_back_to_the_stream(m: Match) -> str | None:
     if (not isinstance(x, torch.Tensor) or not isinstance(shape, (tuple, list)) or len(shape) != 1
             or not known_equal(shape[0], x.shape[-1])):
         return f"normalized_shape {shape!r} is not x's last dim alone"
-    return sum_operands(m) or gate_per_sample_up_to_fp32(m)
+    return sum_operands(m) or gate_per_sample_or_token_up_to_fp32(m)
 
 
 _DROPOUT = (needs_number("p"), needs_bool("training"))

@@ -531,7 +531,7 @@ class LayerScaleBlock(nn.Module):
     """A ViT block with LayerScale (DINOv2, DeiT III, CaiT: timm's `ls1`, Hugging Face's
     `layer_scale1`): the attention's output (a linear here) scaled by a learned (N,) gamma, added to
     the residual stream, then the MLP's plain norm. `per_token`: a (S, N) scale instead, one vector
-    per token (no LayerScale)."""
+    per token (no LayerScale: a per-token gate)."""
 
     def __init__(self, norm: str = "layer_norm", per_token: bool = False,
                  product_first: bool = False) -> None:
@@ -562,12 +562,12 @@ def test_a_layer_scale_before_the_residual_add_folds_into_the_norm(norm, product
     assert report.by_pattern() == {"layer_scale_residual_norm": 1}, report.table()
 
 
-def test_a_scale_per_token_is_no_layer_scale():
-    """A (S, N) scale varies along a sample's rows: the add and the norm fuse, the product stays
-    PyTorch's (negative control)."""
+def test_a_scale_per_token_folds_as_a_per_token_gate():
+    """A (S, N) scale varies along a sample's rows: no LayerScale, but a per-token gate, which the
+    gated op's row kernels read a row at a time; outputs and gradients the unfused model's."""
     x = torch.randn(3, 7, N)
     report = check_against_unfused(lambda: LayerScaleBlock(per_token=True), (x,), "dynamo", train=True)
-    assert report.by_pattern() == {"add_layer_norm": 1}, report.table()
+    assert report.by_pattern() == {"layer_scale_residual_norm": 1}, report.table()
 
 
 class FP32Norm(nn.Module):
@@ -588,11 +588,13 @@ class WanGatedAdd(nn.Module):
     """Wan's self-attention half: the modulation and the gate fp32 (a table plus the conditioning),
     the modulated norm of h's fp32 copy, the gated add written in fp32 and cast back to h's dtype,
     then the cross-attention's FP32 norm. `gate64`: an fp64 gate; `promoted`: ACE-Step's sum, no
-    copy of h (the fp32 gate promotes it)."""
+    copy of h (the fp32 gate promotes it); `per_token`: Helios' fp32 gate, one per token."""
 
-    def __init__(self, norm: str = "layer_norm", gate64: bool = False, promoted: bool = False) -> None:
+    def __init__(self, norm: str = "layer_norm", gate64: bool = False, promoted: bool = False,
+                 per_token: bool = False) -> None:
         super().__init__()
-        self.gate64, self.promoted = gate64, promoted
+        self.gate64, self.promoted, self.per_token = gate64, promoted, per_token
+        self.gate_proj = nn.Linear(N, N)
         self.table = nn.Parameter(0.1 * torch.randn(1, 3, N))
         self.ada = nn.Linear(COND, 3 * N)
         self.attn = nn.Linear(N, N)
@@ -602,6 +604,8 @@ class WanGatedAdd(nn.Module):
     def forward(self, h, cond):
         shift, scale, gate = (self.table + self.ada(cond).view(-1, 3, N).float()).chunk(3, dim=1)
         gate = gate.double() if self.gate64 else gate
+        if self.per_token:
+            gate = 0.5 + 0.1 * self.gate_proj(h).float()
         norm = F.rms_norm if self.norm2.rms else F.layer_norm
         y = (norm(h.float(), (N,), eps=1e-6) * (1 + scale) + shift).type_as(h)
         h = ((h if self.promoted else h.float()) + self.attn(y) * gate).type_as(h)
@@ -622,6 +626,16 @@ def test_wans_gated_add_written_in_fp32_folds_into_the_norm_after_it(dtype, norm
     assert report.by_pattern().get(f"gated_add_in_fp32_{norm}") == 1, report.table()
     if dtype == torch.float16:
         assert report.by_pattern().get(f"fp32_copy_{norm}_modulate") == 1, report.table()
+
+
+@pytest.mark.parametrize("norm", ["layer_norm", "rms_norm"])
+def test_helios_per_token_fp32_gate_folds_into_the_norm_after_it(norm):
+    """Helios' `(h.float() + attn * gate).type_as(h)` with an fp32 gate per token, then the fp32
+    norm of that: one op (the row kernels with the residual); outputs and every gradient."""
+    x, cond = inputs()
+    report = check_against_unfused(lambda: WanGatedAdd(norm, per_token=True).half(), (x.half(), cond.half()),
+                                   "dynamo", train=True)
+    assert report.by_pattern().get(f"gated_add_in_fp32_{norm}") == 1, report.table()
 
 
 @pytest.mark.parametrize("norm", ["layer_norm", "rms_norm"])
@@ -662,7 +676,8 @@ def test_a_sum_in_fp32_cast_to_another_dtype_than_the_streams_is_left():
     assert "not x's last dim alone" in fits(match(x, x, gate, torch.bfloat16, (3, N)))
     assert "differ in dtype" in fits(match(x, x.half(), gate, torch.bfloat16))
     assert "is wider than" in fits(match(x, x, gate.double(), torch.bfloat16))
-    assert "varies along a sample's rows" in fits(match(x, x, torch.empty(2, 3, N), torch.bfloat16))
+    assert fits(match(x, x, torch.empty(2, 3, N), torch.bfloat16)) is None  # per token (Helios')
+    assert "does not broadcast" in fits(match(x, x, torch.empty(4, 3, N), torch.bfloat16))
 
 
 def test_dinov2s_layer_scales_fold_into_its_norms():
