@@ -70,6 +70,10 @@ def main() -> None:
         s = r3 + gate[:, None] * x3
         return F.layer_norm(s, (1024,)) * (1 + scale[:, None]) + shift[:, None], s
 
+    def gated_per_token_torch():
+        s = r3 + emb[..., 2048:] * x3
+        return (1 + emb[..., 1024:2048]) * F.layer_norm(s, (1024,)) + emb[..., :1024], s
+
     # The dialects choose per shape on a GPU; here each is pinned to the candidate being timed.
     def pin(dialect, candidate, *args):
         for grad in (False, True):
@@ -96,6 +100,11 @@ def main() -> None:
         ("per token: trifuse.ops.layer_norm_modulate, mul_offset=1",
          lambda: trifuse.ops.layer_norm_modulate(x3, (1024,), emb[..., 1024:2048], emb[..., :1024], mul_offset=1.0),
          (x3, emb)),
+        ("per token: torch r + gate * x, (1 + scale) * F.layer_norm + shift", gated_per_token_torch, (x3, r3, emb)),
+        ("per token: trifuse.ops.gated_add_layer_norm_modulate, mul_offset=1",
+         lambda: trifuse.ops.gated_add_layer_norm_modulate(x3, r3, emb[..., 2048:], (1024,), emb[..., 1024:2048],
+                                                           emb[..., :1024], mul_offset=1.0),
+         (x3, r3, emb)),
         ("torch r + gate * x, F.layer_norm * (1 + scale) + shift", gated_torch, (x3, r3, gate, scale, shift)),
         ("trifuse.ops.gated_add_layer_norm_modulate",
          lambda: trifuse.ops.gated_add_layer_norm_modulate(x3, r3, gate[:, None], (1024,), 1 + scale[:, None],

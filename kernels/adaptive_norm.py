@@ -1339,9 +1339,10 @@ def _rows_of(t: torch.Tensor, x: torch.Tensor, n: int) -> tuple[torch.Tensor, in
     return as_rows(t if t.shape == x.shape else t.expand(x.shape), n)
 
 
-def _rows_acc(x: torch.Tensor, mul: torch.Tensor | None, add: torch.Tensor | None) -> torch.dtype:
-    """The dtype of the maths and the statistics: fp64 where any input is, else fp32."""
-    return torch.float64 if torch.float64 in (x.dtype, _y_dtype(x.dtype, mul, add)) else torch.float32
+def _rows_acc(dtype: torch.dtype, mul: torch.Tensor | None, add: torch.Tensor | None) -> torch.dtype:
+    """The dtype of the maths and the statistics of a norm of a `dtype` input: fp64 where any input
+    is, else fp32."""
+    return torch.float64 if torch.float64 in (dtype, _y_dtype(dtype, mul, add)) else torch.float32
 
 
 def _rows_torch(x, mul, add, weight, bias, eps, is_rms_norm, mul_offset, acc):
@@ -1381,7 +1382,7 @@ def _rows_fwd(x, mul, add, weight, bias, eps, is_rms_norm, mul_offset, out_dtype
     n = x.shape[-1]
     m = x.numel() // n if n else 0
     s_dtype = x.dtype if residual is None else _gated_s_dtype(x, residual)
-    acc = _rows_acc(x.new_empty(0, dtype=s_dtype), mul, add)
+    acc = _rows_acc(s_dtype, mul, add)
     if m == 0 or not use_triton(x):
         with torch.no_grad():
             s = None if residual is None else _rows_sum_torch(x, residual, gate, s_dtype, acc)
@@ -1621,7 +1622,7 @@ def _rows_backward_op(dy: Tensor, x: Tensor, mul: OptTensor, weight: OptTensor, 
 @_rows_op.register_fake
 def _(x, mul, add, weight, bias, eps, is_rms_norm, mul_offset, out_dtype):
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    acc = _rows_acc(x, mul, add)
+    acc = _rows_acc(x.dtype, mul, add)
     return (x.new_empty(x.shape, dtype=out_dtype), x.new_empty(0 if is_rms_norm else rows, dtype=acc),
             x.new_empty(rows, dtype=acc))
 
@@ -1865,7 +1866,7 @@ def _gated_rows_backward_op(dy: OptTensor, ds: OptTensor, x: Tensor, residual: T
 def _(x, residual, gate, mul, add, weight, bias, eps, is_rms_norm, mul_offset, out_dtype):
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     s_dtype = _gated_s_dtype(x, residual)
-    acc = _rows_acc(x.new_empty(0, dtype=s_dtype), mul, add)
+    acc = _rows_acc(s_dtype, mul, add)
     return (x.new_empty(x.shape, dtype=out_dtype), x.new_empty(x.shape, dtype=s_dtype),
             x.new_empty(0 if is_rms_norm else rows, dtype=acc), x.new_empty(rows, dtype=acc))
 
