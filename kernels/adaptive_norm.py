@@ -1737,7 +1737,7 @@ def _gated_rows_torch(x, residual, gate, mul, add, weight, bias, eps, is_rms_nor
 
 
 def _gated_rows_grads(dy, ds, x, residual, gate, s, mul, weight, bias, mean, rstd, eps, is_rms_norm, mul_offset,
-                      needs, gate_shape):
+                      needs):
     """(dx, dresidual, dgate, dmul, dweight, dbias) as `needs` (x, residual, gate, mul, weight, bias)
     asks, each in its input's dtype and shape (dgate, dmul summed down where they broadcast; dweight,
     dbias in fp32 / fp64); None where not. dy or ds may be None (no gradient reached that output)."""
@@ -1754,8 +1754,8 @@ def _gated_rows_grads(dy, ds, x, residual, gate, s, mul, weight, bias, mean, rst
                                             (True, needs[3], needs[4], needs[5]), dmul_dtype, stream)
     if need_dx and not dx_apart:
         dx = dr
-    if dgate is not None and tuple(gate_shape) != tuple(s.shape):
-        dgate = dgate.sum_to_size(gate_shape)
+    if dgate is not None and gate.shape != s.shape:
+        dgate = dgate.sum_to_size(gate.shape)
     if dmul is not None and dmul.shape != mul.shape:
         dmul = dmul.sum_to_size(mul.shape)
     return (dx if need_dx else None, cast(dr, residual.dtype) if need_dr else None,
@@ -1802,11 +1802,10 @@ def _gated_rows_backward_grads(ctx, dy, ds):
     need = (needs[0], needs[1], needs[2] and gate is not None, needs[3] and mul is not None,
             needs[5] and weight is not None, needs[6] and bias is not None)
     dx, dr, dg, dmul, dw, db = _gated_rows_grads(dy, ds, x, residual, gate, s, mul, weight, bias, mean, rstd,
-                                                 ctx.eps, ctx.is_rms_norm, ctx.mul_offset, need,
-                                                 None if gate is None else gate.shape)
+                                                 ctx.eps, ctx.is_rms_norm, ctx.mul_offset, need)
     dadd = None
-    if needs[4] and ctx.add_meta is not None:
-        dadd = _rows_grads_down(torch.zeros_like(s) if dy is None else dy, None, mul, ctx.add_meta)[1]
+    if needs[4] and ctx.add_meta is not None and dy is not None:
+        dadd = _rows_grads_down(dy, None, mul, ctx.add_meta)[1]
     return (dx, dr, dg, dmul, dadd, None if dw is None else cast(dw, weight.dtype),
             None if db is None else cast(db, bias.dtype))
 
@@ -1853,8 +1852,7 @@ def _gated_rows_backward_op(dy: OptTensor, ds: OptTensor, x: Tensor, residual: T
     """(dx, dresidual, dgate, dmul in their inputs' shapes and dtypes, dweight, dbias in fp32 /
     fp64); each an empty tensor where not needed."""
     out = _gated_rows_grads(dy, ds, x, residual, gate, s, mul, weight, bias, mean, rstd, eps, is_rms_norm,
-                            mul_offset, (need_dx, need_dr, need_dgate, need_dmul, need_dw, need_db),
-                            None if gate is None else gate.shape)
+                            mul_offset, (need_dx, need_dr, need_dgate, need_dmul, need_dw, need_db))
     # (a custom op's outputs must not alias one another, nor its inputs: dx may be dresidual)
     dx, dr = out[:2]
     if dx is not None and dx is dr:
@@ -1901,13 +1899,13 @@ def _gated_rows_backward(ctx, dy, ds, *_):
             needs[5] and weight is not None, needs[6] and bias is not None)
     dx, dr, dg, dmul, dw, db = torch.ops.trifuse.gated_norm_modulate_rows_backward(
         dy, ds, x, residual, gate, s, mul, weight, bias, mean, rstd, ctx.eps, ctx.is_rms_norm, ctx.mul_offset, *need)
+    # (add's gradient is dy, summed down where add broadcasts; none when no gradient reached y)
     dadd = None
-    if needs[4] and ctx.add_meta is not None:
-        dadd = _rows_grads_down(torch.zeros_like(s) if dy is None else dy, None, mul, ctx.add_meta)[1]
-    grads = (dx, dr, dg, dmul, None, dw.to(weight.dtype) if need[4] else None,
-             db.to(bias.dtype) if need[5] else None)
-    grads = tuple(g if want else None for g, want in zip(grads, (*need[:4], False, True, True)))
-    return (*grads[:4], dadd, *grads[5:], None, None, None, None)
+    if needs[4] and ctx.add_meta is not None and dy is not None:
+        dadd = _rows_grads_down(dy, None, mul, ctx.add_meta)[1]
+    return (dx if need[0] else None, dr if need[1] else None, dg if need[2] else None, dmul if need[3] else None,
+            dadd, dw.to(weight.dtype) if need[4] else None, db.to(bias.dtype) if need[5] else None,
+            None, None, None, None)
 
 
 torch.library.register_autograd("trifuse::gated_norm_modulate_rows", _gated_rows_backward,
