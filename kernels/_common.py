@@ -324,6 +324,7 @@ def reference_grads(forward: Callable[..., Any], inputs: tuple, needs: tuple, gr
 _PUBLIC_OPS = {"_AttentionFunction": "attention", "_VarlenFunction": "attention_varlen",
                "_BiasGeluFunction": "bias_gelu", "_CrossEntropyFunction": "cross_entropy",
                "_LinearCrossEntropyFunction": "linear_cross_entropy", "_DropoutAddFunction": "dropout_add",
+               "_GatedDropoutAddFunction": "dropout_add", "_GatedRowsDropoutAddFunction": "dropout_add",
                "_GatedActivationFunction": "gated_activation", "_NormFunction": "layer_norm (or rms_norm)",
                "_NormAddFunction": "layer_norm_add", "_RotaryEmbeddingFunction": "rotary_embedding",
                "_CastForReaders": "cast_for_readers", "_AutocastLinear": "autocast_linear",

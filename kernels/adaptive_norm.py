@@ -315,8 +315,9 @@ def _grouped_norm_backward_op(dy: Tensor, x: Tensor, weight: OptTensor, mean: Te
     """(dx, dW_g, dB_g); the two vectors (groups, N) fp32 (fp64 for fp64), empty where not needed."""
     dx, dw, db = _grouped_bwd(dy, x, weight, mean, rstd, x.shape[-1], eps, is_rms_norm, groups,
                               (True, need_dw, need_db))
-    empty = x.new_empty(0, dtype=_stat_dtype(x))
-    return dx, empty if dw is None else dw, empty if db is None else db
+    # an empty tensor of its own for each output not needed: a registered op's outputs never alias
+    stat = _stat_dtype(x)
+    return dx, *(x.new_empty(0, dtype=stat) if v is None else v for v in (dw, db))
 
 
 @_grouped_norm_op.register_fake
@@ -716,10 +717,10 @@ def _gated_grouped_norm_backward_op(dy: Tensor, ds: OptTensor, x: Tensor, s: Ten
     empty where not needed."""
     out = _gated_bwd(dy, ds, x, s, gate, weight, mean, rstd, x.shape[-1], eps, is_rms_norm, groups,
                      (True, True, need_dw, need_db, need_dgate), dr_dtype)
-    empty = x.new_empty(0, dtype=_stat_dtype(s))
-    # a registered op returns no output aliasing another: dresidual may be dx itself
+    # a registered op returns no output aliasing another: dresidual may be dx itself, and each
+    # output not needed gets an empty tensor of its own
     dr = out[1].clone() if out[1] is out[0] else out[1]
-    return out[0], dr, *(empty if v is None else v for v in out[2:])
+    return out[0], dr, *(x.new_empty(0, dtype=_stat_dtype(s)) if v is None else v for v in out[2:])
 
 
 @_gated_grouped_norm_op.register_fake

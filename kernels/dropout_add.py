@@ -27,7 +27,16 @@ modulation (kernels/adaptive_norm.py): (B, 1, N), (B, N)[:, None] or (N,); it re
 as (G, N) rows in fp32, row r of x reading gate row r // (M / G). Backward: dz = keep ? dy / (1 -
 p) : 0;  dx = dz * gate;  dgate_g = sum over g's rows of dz * (x + bias);  dbias = sum of dx. The
 backward's programs each walk rows of one sample (G x splits x column tiles), so each partial row
-of dgate belongs to one sample: summed per sample afterwards, in a fixed order.
+of dgate belongs to one sample: summed per sample afterwards, in a fixed order. A bias that wants
+no gradient still shifts dgate's x + bias.
+
+Per token (a gate varying along a sample's rows: FLUX.3's and Qwen-Image 2.1's block ends, `h +
+gate * out` with gate a (B, S, N) chunk of a per-token projection): the forward reads a gate row
+beside each row of x, in place at its own row stride and dtype (a broadcast one copied to full
+size first); the backward writes dgate = dz * (x + bias) per element, in the gate's dtype (summed
+down in PyTorch where the gate broadcasts), beside dx = dz * gate; only dbias sums over rows.
+Bytes per element: forward 4 (x, residual, gate, y) against eager PyTorch's 6 (product 3, sum 3);
+backward 5 (dy, gate, x, dx, dgate) against 6 (two products; dresidual is dy itself).
 
 Kernels: 2-D tiles of several rows x up to 1024 columns (kernels/_tiles.py), int64 row
 offsets, the launch configuration tuned per shape bucket (autotune/configs.py: rowwise_fwd,
@@ -70,7 +79,7 @@ from ._tiles import (
     time_one_tile,
     time_summing,
 )
-from .adaptive_norm import _as_groups, _check_per_sample, _sample_dims
+from .adaptive_norm import _as_groups, _check_per_token, _rows_of, _sample_dims
 
 # =============================================================================================
 # Reference: the spec. It takes the kernel's mask as an argument so tests can compare exactly.
@@ -105,10 +114,10 @@ def _dropout_add_fwd_kernel(
     X,  # in (M, N)
     R,  # in (M, N) residual
     B,  # in (N,) bias; unused unless HAS_BIAS
-    G,  # in (M / rows_per_gate, N) gate rows, contiguous; unused unless HAS_GATE
+    G,  # in (M / rows_per_gate, N) gate rows, row stride stride_gm; unused unless HAS_GATE
     SEED,  # in (1,) int64 Philox seed; unused unless HAS_DROPOUT
     Y,  # out (M, N)
-    M, N, stride_xm, stride_rm, stride_ym, p, scale, rows_per_gate, col_tiles,
+    M, N, stride_xm, stride_rm, stride_ym, stride_gm, p, scale, rows_per_gate, col_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, ACC: tl.constexpr, HAS_GATE: tl.constexpr = False,
 ):
@@ -126,7 +135,7 @@ def _dropout_add_fwd_kernel(
         z = tl.where(keep, z * scale, 0.0)
     if HAS_GATE:
         g_rows = tl.minimum(rows, M - 1) // rows_per_gate  # rows past M read a real gate row
-        z *= tl.load(G + g_rows[:, None] * N + cols[None, :], mask=mask, other=0.0).to(ACC)
+        z *= tl.load(G + g_rows[:, None] * stride_gm + cols[None, :], mask=mask, other=0.0).to(ACC)
     y = tl.load(R + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0).to(ACC) + z
     tl.store(Y + rows[:, None] * stride_ym + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
@@ -182,12 +191,14 @@ def _gated_dropout_add_bwd_kernel(
     SEED,  # in (1,) int64 Philox seed; unused unless HAS_DROPOUT
     DX,  # out (M, N); unused unless NEED_DX
     DG_PARTIAL,  # out (M / R * splits, N) fp32: a program's share of its sample's dgate; unused unless NEED_DGATE
-    DB_PARTIAL,  # out (M / R * splits, N) fp32: a program's share of dbias; unused unless HAS_BIAS
+    DB_PARTIAL,  # out (M / R * splits, N) fp32: a program's share of dbias; unused unless NEED_DBIAS
     R, N, stride_dym, stride_xm, stride_dxm, p, scale, rows_per_program, splits, col_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    NEED_DX: tl.constexpr, NEED_DGATE: tl.constexpr, ACC: tl.constexpr,
+    NEED_DX: tl.constexpr, NEED_DGATE: tl.constexpr, ACC: tl.constexpr, NEED_DBIAS: tl.constexpr,
     PREFETCH: tl.constexpr = False,  # a knob of the tuned space (rowwise_bwd); this loop does not prefetch
 ):
+    # HAS_BIAS: x's bias is given, and dgate's z = x + bias reads it whether or not the bias wants a
+    # gradient (a frozen bias still shifts z); NEED_DBIAS: its partial sums are asked for.
     # program -> (sample, split of its R rows, column tile): no program's rows cross a sample
     pid = tl.program_id(0)
     cols = (pid % col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -210,17 +221,65 @@ def _gated_dropout_add_bwd_kernel(
         dx = dz * g[None, :]
         if NEED_DX:
             tl.store(DX + rows[:, None] * stride_dxm + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-        if HAS_BIAS:
+        if NEED_DBIAS:
             acc_b += dx
         if NEED_DGATE:
             z = tl.load(X + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(ACC)
             if HAS_BIAS:
                 z += b[None, :]
             acc_g += dz * z  # dz is 0 on masked-off elements: the bias added there counts nothing
-    if HAS_BIAS:
+    if NEED_DBIAS:
         tl.store(DB_PARTIAL + part * N + cols, tl.sum(acc_b, axis=0), mask=col_mask)
     if NEED_DGATE:
         tl.store(DG_PARTIAL + part * N + cols, tl.sum(acc_g, axis=0), mask=col_mask)
+
+
+@triton.jit
+def _gated_rows_dropout_add_bwd_kernel(
+    DY,  # in (M, N)
+    X,  # in (M, N); unused unless NEED_DGATE
+    B,  # in (N,) bias; unused unless NEED_DGATE and HAS_BIAS
+    G,  # in (M, N) gate, a row per token, row stride stride_gm
+    SEED,  # in (1,) int64 Philox seed; unused unless HAS_DROPOUT
+    DG,  # out (M, N) dgate, one per element; unused unless NEED_DGATE
+    DX,  # out (M, N); unused unless NEED_DX
+    DB_PARTIAL,  # out (groups, N) fp32: this program's rows' share of dbias; unused unless NEED_DBIAS
+    M, N, stride_dym, stride_xm, stride_gm, stride_dgm, stride_dxm, p, scale, rows_per_program, col_tiles,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, NEED_DBIAS: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, NEED_DX: tl.constexpr, NEED_DGATE: tl.constexpr, ACC: tl.constexpr,
+    PREFETCH: tl.constexpr = False,  # a knob of the tuned space (rowwise_bwd); this loop does not prefetch
+):
+    # The per-token gate: dgate = dz * (x + bias) per element, no sum over rows; only dbias sums
+    # (fixed-order partial rows, as _dropout_add_bwd_kernel's). Without dbias every program takes
+    # one row tile.
+    pid = tl.program_id(0)
+    group = pid // col_tiles
+    cols = (pid % col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    if NEED_DGATE and HAS_BIAS:
+        b = tl.load(B + cols, mask=col_mask, other=0.0).to(ACC)
+    row_start = group.to(tl.int64) * rows_per_program  # int64: rows * stride may pass 2^31
+    row_end = tl.minimum(row_start + rows_per_program, M)
+    acc_b = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+    for start in range(row_start, row_end, BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        mask = (rows < row_end)[:, None] & col_mask[None, :]
+        dz = tl.load(DY + rows[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0).to(ACC)
+        if HAS_DROPOUT:
+            dz = tl.where(dropout_keep_quads(tl.load(SEED), rows[:, None], cols[None, :], p), dz * scale, 0.0)
+        if NEED_DX or NEED_DBIAS:
+            dx = dz * tl.load(G + rows[:, None] * stride_gm + cols[None, :], mask=mask, other=0.0).to(ACC)
+            if NEED_DX:
+                tl.store(DX + rows[:, None] * stride_dxm + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+            if NEED_DBIAS:
+                acc_b += dx  # 0 past the rows: dy loads as 0 there
+        if NEED_DGATE:
+            z = tl.load(X + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(ACC)
+            if HAS_BIAS:
+                z += b[None, :]
+            tl.store(DG + rows[:, None] * stride_dgm + cols[None, :], (dz * z).to(DG.dtype.element_ty), mask=mask)
+    if NEED_DBIAS:
+        tl.store(DB_PARTIAL + group.to(tl.int64) * N + cols, tl.sum(acc_b, axis=0), mask=col_mask)
 
 
 # =============================================================================================
@@ -244,14 +303,18 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
 _dropout_add_fwd = CachedKernel(_dropout_add_fwd_kernel)
 _dropout_add_bwd = CachedKernel(_dropout_add_bwd_kernel)
 _gated_dropout_add_bwd = CachedKernel(_gated_dropout_add_bwd_kernel)
+_gated_rows_dropout_add_bwd = CachedKernel(_gated_rows_dropout_add_bwd_kernel)
 
 
 # Launch configurations: tuned per (device, dtype, width, rows bucket, variant) by trifuse's
 # tuner over autotune/configs.py's row-wise spaces (kernels/_tiles.py). The dtype is y's (dy's
 # in the backward); "x" ("dx") is x's (dx's), which may be narrower.
-_FWD_TUNING = RowwiseTuning("dropout_add_fwd", ("x", "bias", "dropout", "gate"), summing=False)
+_FWD_TUNING = RowwiseTuning("dropout_add_fwd", ("x", "bias", "dropout", "gate", "token_gate"), summing=False)
 _BWD_TUNING = RowwiseTuning("dropout_add_bwd", ("dx", "bias"), summing=True)
-_GATED_BWD_TUNING = RowwiseTuning("gated_dropout_add_bwd", ("dx", "bias", "dropout", "dgate"), summing=True)
+_GATED_BWD_TUNING = RowwiseTuning("gated_dropout_add_bwd", ("dx", "dbias", "dropout", "dgate", "bias"),
+                                  summing=True)
+_GATED_ROWS_BWD_TUNING = RowwiseTuning("gated_rows_dropout_add_bwd", ("dx", "dbias", "dropout", "dgate", "bias"),
+                                       summing=True)
 
 
 def dropout_add_fwd(
@@ -261,14 +324,16 @@ def dropout_add_fwd(
     p: float,
     seed: torch.Tensor | None,
     gate: torch.Tensor | None = None,
+    per_token: bool = False,
 ) -> torch.Tensor:
     """y = residual + gate * dropout(x + bias), contiguous, shaped like x, in the promoted dtype
     of x and residual. `seed` (an int64 (1,) tensor) is read only when p > 0. `gate`: None, or
     (G, N) contiguous in fp32 (fp64 for fp64), G dividing x's rows: row r reads gate row
-    r // (rows / G)."""
+    r // (rows / G); or with `per_token`, any tensor broadcasting against x, in any float dtype no
+    wider than the sum's (a full-size one, a chunk of a wider projection, read in place)."""
     dtype = torch.promote_types(x.dtype, residual.dtype)
     if x.numel() and not use_triton(x):
-        return _dropout_add_torch(x, residual, bias, p, seed, dtype, gate)
+        return _dropout_add_torch(x, residual, bias, p, seed, dtype, gate, per_token)
     n = _width(x)
     y = empty_like(x, dtype)
     if y.numel() == 0:
@@ -277,13 +342,18 @@ def dropout_add_fwd(
     (x2, stride_x), (r2, stride_r) = as_rows(x, n), as_rows(residual, n)
     bias = None if bias is None else bias.contiguous()  # the kernel indexes it as a vector
     m = x.numel() // n
-    args = (x2, r2, bias if bias is not None else x2, x2 if gate is None else gate,
-            seed if p > 0.0 else x2, y, m, n, stride_x, stride_r, n, p, _dropout_scale(p),
-            1 if gate is None else m // gate.shape[0])
+    if gate is None:
+        gate2, stride_g, rows_per_gate = x2, n, 1
+    elif per_token:
+        (gate2, stride_g), rows_per_gate = _rows_of(gate, x, n), 1
+    else:
+        gate2, stride_g, rows_per_gate = gate, n, m // gate.shape[0]
+    args = (x2, r2, bias if bias is not None else x2, gate2, seed if p > 0.0 else x2, y, m, n, stride_x,
+            stride_r, n, stride_g, p, _dropout_scale(p), rows_per_gate)
     constexprs = dict(HAS_BIAS=bias is not None, HAS_DROPOUT=p > 0.0, ACC=acc_dtype(y.dtype),
                       HAS_GATE=gate is not None)
     device = x.get_device() if x.is_cuda else -1
-    variant = (x.dtype, bias is not None, p > 0.0, gate is not None)
+    variant = (x.dtype, bias is not None, p > 0.0, gate is not None, gate.dtype if per_token else None)
     launch = _FWD_TUNING.launch(device, dtype, m, n, 0, False, variant, constexprs,
                                 time_one_tile, _dropout_add_fwd, m, n, constexprs, args)
     run_one_tile(_dropout_add_fwd, launch, args)
@@ -291,13 +361,13 @@ def dropout_add_fwd(
 
 
 def _run_gated_bwd(launch, samples: int, head: tuple, tail: tuple, n: int, acc: torch.dtype,
-                   need_dgate: bool, has_bias: bool, device: torch.device):
+                   need_dgate: bool, need_dbias: bool, device: torch.device):
     """Launches the gated backward with `launch` (planned over one sample's rows) for every
     sample; returns its (dgate, dbias) partial rows, (samples x splits, n) in `acc`, or None."""
     plan = launch.plan
     rows = samples * plan.groups
     dg = torch.empty((rows, n), dtype=acc, device=device) if need_dgate else None
-    db = torch.empty((rows, n), dtype=acc, device=device) if has_bias else None
+    db = torch.empty((rows, n), dtype=acc, device=device) if need_dbias else None
     unused = head[0]
     _gated_dropout_add_bwd.run((samples * plan.programs,),
                                (*head, unused if dg is None else dg, unused if db is None else db, *tail,
@@ -306,10 +376,10 @@ def _run_gated_bwd(launch, samples: int, head: tuple, tail: tuple, n: int, acc: 
 
 
 def _time_gated_bwd(cfg, r: int, n: int, sms: int, constexprs: dict, samples: int, head: tuple, tail: tuple,
-                    acc: torch.dtype, need_dgate: bool, has_bias: bool, device: torch.device) -> None:
+                    acc: torch.dtype, need_dgate: bool, need_dbias: bool, device: torch.device) -> None:
     """One launch with `cfg` (what the tuner times)."""
     launch = rowwise_launch(cfg, r, n, sms, True, constexprs)
-    _run_gated_bwd(launch, samples, head, tail, n, acc, need_dgate, has_bias, device)
+    _run_gated_bwd(launch, samples, head, tail, n, acc, need_dgate, need_dbias, device)
 
 
 def gated_dropout_add_bwd(
@@ -323,29 +393,78 @@ def gated_dropout_add_bwd(
         return _gated_dropout_add_bwd_torch(dy, x, bias, gate, seed, p, needs, dx_dtype)
     n, samples = _width(dy), gate.shape[0]
     acc = _acc(dy.dtype)
-    need_dx, has_bias, need_dgate = needs[0], needs[1] and bias is not None, needs[2]
+    need_dx, need_dbias, need_dgate = needs[0], needs[1] and bias is not None, needs[2]
+    read_bias = need_dgate and bias is not None  # dgate's z = x + bias, the bias frozen or not
     dx = empty_like(dy, dx_dtype) if need_dx else None
     if dy.numel() == 0:  # no rows (or no samples): sums of nothing
-        return (dx, torch.zeros(n, dtype=acc, device=dy.device) if has_bias else None,
+        return (dx, torch.zeros(n, dtype=acc, device=dy.device) if need_dbias else None,
                 torch.zeros((samples, n), dtype=acc, device=dy.device) if need_dgate else None)
     (dy2, stride_dy), (x2, stride_x) = as_rows(dy, n), as_rows(x, n) if need_dgate else (dy, n)
     m = dy.numel() // n
     r = m // samples
-    head = (dy2, x2, bias.contiguous() if has_bias and need_dgate else dy2, gate,
+    head = (dy2, x2, bias.contiguous() if read_bias else dy2, gate,
             seed if p > 0.0 else dy2, dy2 if dx is None else dx)
     tail = (r, n, stride_dy, stride_x, n, p, _dropout_scale(p))
-    constexprs = dict(HAS_BIAS=has_bias, HAS_DROPOUT=p > 0.0, NEED_DX=need_dx, NEED_DGATE=need_dgate,
-                      ACC=acc_dtype(dy.dtype))
+    constexprs = dict(HAS_BIAS=read_bias, HAS_DROPOUT=p > 0.0, NEED_DX=need_dx, NEED_DGATE=need_dgate,
+                      ACC=acc_dtype(dy.dtype), NEED_DBIAS=need_dbias)
     # planned as one sample's rows on its share of the SMs: samples x splits programs fill them once
     sms = max(cdiv(device_sms(dy), samples), 1)
     device = dy.get_device() if dy.is_cuda else -1
-    variant = (dx_dtype if need_dx else None, has_bias, p > 0.0, need_dgate)
+    variant = (dx_dtype if need_dx else None, need_dbias, p > 0.0, need_dgate, read_bias)
     launch = _GATED_BWD_TUNING.launch(device, dy.dtype, r, n, sms, True, variant, constexprs, _time_gated_bwd,
-                                      r, n, sms, constexprs, samples, head, tail, acc, need_dgate, has_bias,
+                                      r, n, sms, constexprs, samples, head, tail, acc, need_dgate, need_dbias,
                                       dy.device)
-    dg, db = _run_gated_bwd(launch, samples, head, tail, n, acc, need_dgate, has_bias, dy.device)
+    dg, db = _run_gated_bwd(launch, samples, head, tail, n, acc, need_dgate, need_dbias, dy.device)
     return (dx, None if db is None else db.sum(dim=0),
             None if dg is None else dg.view(samples, -1, n).sum(dim=1))
+
+
+def gated_rows_dropout_add_bwd(
+    dy: torch.Tensor, x: torch.Tensor | None, bias: torch.Tensor | None, gate: torch.Tensor, seed: torch.Tensor,
+    p: float, needs: tuple[bool, bool, bool], dx_dtype: torch.dtype,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(dx in dx_dtype, dbias (N,) in fp32 (fp64 for fp64), dgate in gate's shape and dtype) of the
+    per-token gated forward, as `needs` (dx, dbias, dgate) asks, None where not. dgate is written
+    per element (in gate's dtype where the gate is full-size, else in fp32 and summed down over what
+    it broadcasts); dbias from fixed-order partial rows. `seed` is read only when p > 0, x only for
+    dgate."""
+    if dy.numel() and not use_triton(dy):
+        return _gated_rows_dropout_add_bwd_torch(dy, x, bias, gate, seed, p, needs, dx_dtype)
+    n = _width(dy)
+    acc = _acc(dy.dtype)
+    need_dx, need_dbias, need_dgate = needs[0], needs[1] and bias is not None, needs[2]
+    read_bias = need_dgate and bias is not None  # dgate's z = x + bias, the bias frozen or not
+    full_gate = gate.shape == dy.shape
+    dx = empty_like(dy, dx_dtype) if need_dx else None
+    dgate = empty_like(dy, gate.dtype if full_gate else acc) if need_dgate else None
+    if dy.numel() == 0 or not (need_dx or need_dbias or need_dgate):
+        return (dx, torch.zeros(n, dtype=acc, device=dy.device) if need_dbias else None,
+                None if dgate is None else _sum_gate_down(dgate, gate))
+    m = dy.numel() // n
+    (dy2, stride_dy) = as_rows(dy, n)
+    x2, stride_x = as_rows(x, n) if need_dgate else (dy2, n)
+    gate2, stride_g = _rows_of(gate, dy, n) if need_dx or need_dbias else (dy2, n)
+    head = (dy2, x2, bias.contiguous() if read_bias else dy2, gate2, seed if p > 0.0 else dy2,
+            dy2 if dgate is None else dgate, dy2 if dx is None else dx)
+    tail = (m, n, stride_dy, stride_x, stride_g, n, n, p, _dropout_scale(p))
+    constexprs = dict(HAS_BIAS=read_bias, NEED_DBIAS=need_dbias, HAS_DROPOUT=p > 0.0, NEED_DX=need_dx,
+                      NEED_DGATE=need_dgate, ACC=acc_dtype(dy.dtype))
+    sms = device_sms(dy)
+    device = dy.get_device() if dy.is_cuda else -1
+    variant = (dx_dtype if need_dx else None, need_dbias, p > 0.0, dgate.dtype if need_dgate else None, read_bias)
+    launch = _GATED_ROWS_BWD_TUNING.launch(device, dy.dtype, m, n, sms, need_dbias, variant, constexprs,
+                                           time_summing, _gated_rows_dropout_add_bwd, m, n, sms, constexprs, head,
+                                           tail, acc, need_dbias, dy.device)
+    partial = run_summing(_gated_rows_dropout_add_bwd, launch, head, tail, n, acc, need_dbias, dy.device)
+    return (dx, None if partial is None else partial.sum(dim=0),
+            None if dgate is None else _sum_gate_down(dgate, gate))
+
+
+def _sum_gate_down(dgate: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """dgate, full-size, in gate's shape and dtype: summed over what the gate broadcasts."""
+    if dgate.shape != gate.shape:
+        dgate = dgate.sum_to_size(gate.shape)
+    return cast(dgate, gate.dtype)
 
 
 def dropout_add_bwd(
@@ -396,12 +515,14 @@ def _torch_keep_mask(seed: torch.Tensor, shape: torch.Size, p: float) -> torch.T
     return torch.rand(shape, generator=gen, device=gen.device) >= p
 
 
-def _dropout_add_torch(x, residual, bias, p, seed, dtype, gate=None):
+def _dropout_add_torch(x, residual, bias, p, seed, dtype, gate=None, per_token=False):
     acc = _acc(dtype)
     z = x.to(acc) if bias is None else x.to(acc) + bias.to(acc)
     if p > 0.0:
         z = torch.where(_torch_keep_mask(seed, z.shape, p).to(z.device), z * _dropout_scale(p), 0.0)
-    if gate is not None:
+    if gate is not None and per_token:
+        z = z * gate.to(acc)
+    elif gate is not None:
         n = _width(x)
         z = (z.reshape(gate.shape[0], -1, n) * gate.to(acc)[:, None]).reshape(z.shape)
     return (residual.to(acc) + z).to(dtype).contiguous()
@@ -421,6 +542,20 @@ def _gated_dropout_add_bwd_torch(dy, x, bias, gate, seed, p, needs, dx_dtype):
         dgate = (dz * z.reshape(samples, -1, n)).sum(dim=1)
     dbias = dx.sum(dim=(0, 1)) if needs[1] and bias is not None else None
     return (dx.reshape(dy.shape).to(dx_dtype) if needs[0] else None), dbias, dgate
+
+
+def _gated_rows_dropout_add_bwd_torch(dy, x, bias, gate, seed, p, needs, dx_dtype):
+    acc = _acc(dy.dtype)
+    dz = dy.to(acc)
+    if p > 0.0:
+        dz = torch.where(_torch_keep_mask(seed, dy.shape, p).to(dy.device), dz * _dropout_scale(p), 0.0)
+    dx = dz * gate.to(acc)
+    dgate = None
+    if needs[2]:
+        z = x.to(acc) if bias is None else x.to(acc) + bias.to(acc)
+        dgate = _sum_gate_down(dz * z, gate)
+    dbias = dx.reshape(-1, _width(dy)).sum(dim=0) if needs[1] and bias is not None else None
+    return (dx.to(dx_dtype) if needs[0] else None), dbias, dgate
 
 
 def _dropout_add_bwd_torch(dy, seed, p, has_bias):
@@ -450,18 +585,20 @@ def _check_inputs(x: object, residual: object, p: object, bias: object) -> None:
     check_probability(op, "p", p)
 
 
-def _check_gate(x: torch.Tensor, residual: torch.Tensor, gate: object) -> None:
-    """The gate one vector per sample of x (as adaLN's modulation), no wider than the fp32 (fp64)
-    the product and the sum are computed in."""
+def _check_gate(x: torch.Tensor, residual: torch.Tensor, gate: object) -> bool:
+    """The gate broadcasting against x (each dim x's or 1, the last N or 1), no wider than the fp32
+    (fp64) the product and the sum are computed in. Returns whether it is per token (varies along
+    a sample's rows), not one vector per sample as adaLN's modulation."""
     op = "dropout_add"
     check_tensor(op, "gate", gate)
     check_float(op, "gate", gate)
-    _check_per_sample(op, "gate", gate, x, _width(x))
+    per_token = _check_per_token(op, "gate", gate, x, _width(x))
     acc = _acc(torch.promote_types(x.dtype, residual.dtype))
     if torch.promote_types(acc, gate.dtype) != acc:
         raise ValueError(f"trifuse.{op}: gate ({gate.dtype}) must be no wider than {acc}, the dtype the product "
                          "and the sum are computed in")
     check_same_device(op, "input", x, gate=gate)
+    return per_token
 
 
 def _gate_rows(gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -732,6 +869,118 @@ class _GatedDropoutAddFunction(torch.autograd.Function):
             return (*_gated_kernel_grads(ctx, dy, ctx.needs_input_grad), None)
 
 
+# ---------------------------------------------------------------------------------------------
+# The per-token gate: y = residual + gate * dropout(x + bias), gate varying along a sample's rows
+# (FLUX.3's and Qwen-Image 2.1's `h + gate * out` with gate (B, S, N), a chunk of a per-token
+# projection), read a row at a time in place; dgate written per element.
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("trifuse::gated_dropout_add_rows", mutates_args=())
+def _gated_rows_dropout_add_op(x: Tensor, residual: Tensor, gate: Tensor, p: float,
+                               bias: OptTensor) -> tuple[Tensor, Tensor]:
+    _check_inputs(x, residual, p, bias)
+    _check_gate(x, residual, gate)
+    seed = philox_seed(x.device) if p > 0.0 else torch.zeros(1, dtype=torch.int64, device=x.device)
+    return dropout_add_fwd(x, residual, bias, p, seed, gate, per_token=True), seed
+
+
+@torch.library.custom_op("trifuse::gated_dropout_add_rows_backward", mutates_args=())
+def _gated_rows_dropout_add_backward_op(dy: Tensor, x: OptTensor, bias: OptTensor, gate: Tensor, seed: Tensor,
+                                        p: float, need_dx: bool, need_dbias: bool, need_dgate: bool,
+                                        dx_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dbias, dgate in gate's shape and dtype); each one not asked for (or dbias without a
+    bias) is empty, an empty tensor of its own."""
+    dx, dbias, dgate = gated_rows_dropout_add_bwd(dy, x, bias, gate, seed, p, (need_dx, need_dbias, need_dgate),
+                                                  dx_dtype)
+    acc = _acc(dy.dtype)
+    return (dy.new_empty(0, dtype=dx_dtype) if dx is None else dx,
+            dy.new_empty(0, dtype=acc) if dbias is None else dbias,
+            dy.new_empty(0, dtype=gate.dtype) if dgate is None else dgate)
+
+
+@_gated_rows_dropout_add_op.register_fake
+def _(x, residual, gate, p, bias):
+    _check_inputs(x, residual, p, bias)
+    _check_gate(x, residual, gate)
+    y = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype))
+    return y, x.new_empty(1, dtype=torch.int64)
+
+
+@_gated_rows_dropout_add_backward_op.register_fake
+def _(dy, x, bias, gate, seed, p, need_dx, need_dbias, need_dgate, dx_dtype):
+    return (dy.new_empty(dy.shape if need_dx else (0,), dtype=dx_dtype),
+            dy.new_empty((_width(dy),) if need_dbias and bias is not None else (0,), dtype=_acc(dy.dtype)),
+            dy.new_empty(tuple(gate.shape) if need_dgate else (0,), dtype=gate.dtype))
+
+
+def _gated_rows_twice(ctx, dy):
+    """The per-token gated backward in PyTorch ops, differentiable again (create_graph=True); the
+    mask as _DropoutMask. Returns (dx, dresidual, dgate, dbias) in their inputs' dtypes."""
+    x, bias, gate, seed = ctx.saved_tensors
+    needs = ctx.needs_input_grad  # (x, residual, gate, bias)
+    acc = _acc(dy.dtype)
+    dz = dy.to(acc) if ctx.p == 0.0 else _DropoutMask.apply(dy, seed, ctx.p, acc)
+    dx = dz * gate.to(acc)
+    dgate = None
+    if needs[2]:
+        z = x.to(acc) if bias is None else x.to(acc) + bias.to(acc)
+        dgate = _sum_gate_down(dz * z, gate)
+    dbias = _column_sum(dx) if bias is not None and needs[3] else None
+    return _gated_grads(ctx, dx if needs[0] else None, dbias, dgate, dy)
+
+
+def _gated_rows_kernel_grads(ctx, dy, needs):
+    """The backward kernel's (dx, dresidual, dgate, dbias), needs as (x, residual, gate, bias)."""
+    x, bias, gate, seed = ctx.saved_tensors
+    dx, dbias, dgate = gated_rows_dropout_add_bwd(dy, x, bias, gate, seed, ctx.p,
+                                                  (needs[0], needs[3] and bias is not None, needs[2]), ctx.x_dtype)
+    return _gated_grads(ctx, dx, dbias, dgate, dy)
+
+
+def _gated_rows_setup(ctx, inputs, output):
+    x, residual, gate, p, bias = inputs
+    _gated_save(ctx, x, residual, gate, bias, output[1], p)
+
+
+def _gated_rows_registered_twice(ctx, dy, _):
+    needs = ctx.needs_input_grad  # (x, residual, gate, p, bias)
+    view = ctx_as(ctx, (needs[0], needs[1], needs[2], needs[4]), p=ctx.p, x_dtype=ctx.x_dtype,
+                  residual_dtype=ctx.residual_dtype, bias_dtype=ctx.bias_dtype)
+    dx, dres, dgate, dbias = _gated_rows_twice(view, dy)
+    return dx, dres, dgate, None, dbias
+
+
+@single_backward(twice=_gated_rows_registered_twice, op="dropout_add")
+def _gated_rows_backward(ctx, dy, _):
+    x, bias, gate, seed = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    need_dbias = needs[4] and bias is not None
+    dx, dbias, dgate = torch.ops.trifuse.gated_dropout_add_rows_backward(
+        dy, x, bias, gate, seed, ctx.p, needs[0], need_dbias, needs[2], ctx.x_dtype)
+    dx, dres, dgate, dbias = _gated_grads(ctx, dx if needs[0] else None, dbias if need_dbias else None,
+                                          dgate if needs[2] else None, dy)
+    return dx, dres, dgate, None, dbias
+
+
+torch.library.register_autograd("trifuse::gated_dropout_add_rows", _gated_rows_backward,
+                                setup_context=_gated_rows_setup)
+
+
+class _GatedRowsDropoutAddFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, gate, bias, p):
+        seed = philox_seed(x.device) if p > 0.0 else None
+        _gated_save(ctx, x, residual, gate, bias, seed, p)
+        return dropout_add_fwd(x, residual, bias, p, seed, gate, per_token=True)
+
+    @staticmethod
+    @single_backward(twice=lambda ctx, dy: (*_gated_rows_twice(ctx, dy), None))
+    def backward(ctx, dy):
+        with profiled("trifuse::gated_dropout_add_rows_backward"):
+            return (*_gated_rows_kernel_grads(ctx, dy, ctx.needs_input_grad), None)
+
+
 # =============================================================================================
 # Public API
 # =============================================================================================
@@ -756,12 +1005,14 @@ def dropout_add(
         p: drop probability in [0, 1]; kept values are scaled by 1 / (1 - p).
         training: False (or p = 0) makes it a plain add, drawing no random numbers.
         bias: (N,) or None, added to x before dropout (the bias of the linear producing x).
-        gate: None, or one vector per sample broadcast against x over a leading prefix of its
-            dims, 1 over the rest ((B, 1, N) or (B, N)[:, None] against (B, S, N); (N,) for a
-            LayerScale; last dim N or 1), no wider than fp32 (fp64 for fp64): the product and the
-            sum are computed in fp32 and rounded once to y's dtype, as Wan writes
-            `(h.float() + ff_out * gate).type_as(h)`. Its gradient is summed per sample in a
-            fixed order.
+        gate: None, or a tensor broadcasting against x (each dim x's or 1, the last N or 1), no
+            wider than fp32 (fp64 for fp64): the product and the sum are computed in fp32 and
+            rounded once to y's dtype, as Wan writes `(h.float() + ff_out * gate).type_as(h)`.
+            One vector per sample ((B, 1, N) or (B, N)[:, None] against (B, S, N); (N,) for a
+            LayerScale) has its gradient summed per sample in a fixed order; one that varies
+            along a sample's rows (per token: FLUX.3's (B, S, N) chunk of a projection) is read
+            in place a row at a time and gets its gradient per element, summed down in PyTorch
+            over whatever it broadcasts.
 
     Returns:
         y, contiguous, shaped like x, in the promoted dtype of x and residual. The mask comes
@@ -775,8 +1026,12 @@ def dropout_add(
     """
     _check_inputs(x, residual, p, bias)
     p = float(p) if training else 0.0
+    if gate is not None and _check_gate(x, residual, gate):  # per token: read in place, a row at a time
+        if eager_fast_path(x, residual, gate, bias):
+            with profiled("trifuse::gated_dropout_add_rows"):
+                return apply_function(_GatedRowsDropoutAddFunction, x, residual, gate, bias, p)
+        return torch.ops.trifuse.gated_dropout_add_rows(x, residual, gate, p, bias)[0]
     if gate is not None:
-        _check_gate(x, residual, gate)
         rows = _gate_rows(gate, x)
         if eager_fast_path(x, residual, rows, bias):
             with profiled("trifuse::gated_dropout_add"):

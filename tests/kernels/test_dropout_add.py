@@ -607,14 +607,14 @@ def test_negative_control_gate_of_the_wrong_sample_fails(dtype):
 @pytest.mark.parametrize(
     "gate, exc, match",
     [
-        (torch.ones(1, 5, 8), ValueError, "dropout_add: gate must broadcast against input"),
+        (torch.ones(3, 5, 8), ValueError, "dropout_add: gate must broadcast against input"),
         (torch.ones(4, 1, 8), ValueError, "gate must broadcast against input"),
         (torch.ones(7), ValueError, "gate must broadcast against input"),
         (torch.ones(2, 1, 8, dtype=torch.int32), TypeError, "dropout_add: gate must be float"),
         (torch.ones(2, 1, 8, dtype=torch.float64), ValueError, r"gate \(torch.float64\) must be no wider than"),
         ("g", TypeError, "dropout_add: gate must be a torch.Tensor"),
     ],
-    ids=["per-token-shared", "other-batch", "other-width", "int", "fp64-beside-fp32", "not-tensor"],
+    ids=["more-samples", "other-batch", "other-width", "int", "fp64-beside-fp32", "not-tensor"],
 )
 def test_gated_bad_gate_raises_clear_error(gate, exc, match):
     gate = gate.to(DEVICE) if isinstance(gate, torch.Tensor) else gate
@@ -650,3 +650,208 @@ def test_gated_empty_input_has_zero_gradients(shape, gate_shape):
         grads = torch.autograd.grad(y, (x, r, b, gate), torch.ones_like(y))
         assert [tuple(g.shape) for g in grads] == [tuple(t.shape) for t in (x, r, b, gate)]
         assert not any(g.any() for g in grads)
+
+
+# ---------------------------------------------------------------------------------------------
+# A gate per token: FLUX.3's and Qwen-Image 2.1's block ends, `h + gate * out`, gate (B, S, N)
+# ---------------------------------------------------------------------------------------------
+
+# (x's shape, the gate's): full-size; a chunk of a (B, S, 3N) per-token projection (row stride 3N,
+# read in place); a scalar per token; one per position shared by the batch; 4-D video latents; a
+# vector per row of a 2-D input; no samples; no tokens
+TOKEN_GATE_CASES = [
+    ((3, 5, 37), (3, 5, 37)),
+    ((2, 7, 40), "token-chunk"),
+    ((2, 7, 40), (2, 7, 1)),
+    ((2, 7, 40), (7, 40)),
+    ((2, 3, 4, 24), (2, 3, 4, 24)),
+    ((6, 129), (6, 129)),
+    ((300, 130), (300, 130)),
+    ((0, 4, 16), (0, 4, 16)),
+    ((3, 0, 16), (3, 0, 16)),
+]
+
+
+def make_token_gate(x_shape, gate_shape, dtype):
+    """A per-token gate with |gate| >= 0.5 (so a kept element still moves y off the residual)."""
+    chunk = gate_shape == "token-chunk"
+    g = torch.randn((*x_shape[:-1], 3 * x_shape[-1]) if chunk else gate_shape, device=DEVICE, dtype=dtype)
+    g = torch.where(g.abs() < 0.5, torch.sign(g) * 0.5 + (g == 0), g)
+    if chunk:  # the third of the projection's chunks, row stride 3N: read in place
+        g = g.chunk(3, dim=-1)[2]
+        assert not g.is_contiguous()
+    return g.detach().requires_grad_()
+
+
+@pytest.mark.parametrize("p", [0.0, P])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("case", TOKEN_GATE_CASES, ids=_gate_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_per_token_gated_matches_float64_oracle(dtype, case, bias, p):
+    """y, dx, dresidual, dbias and dgate (per element, summed down where the gate broadcasts)
+    against float64 given the kernel's mask."""
+    x, r, b = make(case[0], dtype, bias)
+    gate = make_token_gate(case[0], case[1], dtype)
+    _, grads = check_gated(x, r, b, gate, p)
+    if grads is not None:
+        assert grads[-1].dtype == gate.dtype and grads[-1].shape == gate.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_per_token_fp32_gate_beside_a_16_bit_stream(dtype):
+    """Helios' per-token fp32 gate beside a 16-bit stream, the sum in fp32 and cast back: y is
+    `(r.float() + x.float() * gate).to(dtype)` exactly, dgate fp32."""
+    x, r, _ = make((2, 9, 48), dtype, False)
+    gate = make_token_gate((2, 9, 48), (2, 9, 48), torch.float32)
+    y, grads = check_gated(x, r, None, gate, 0.0)
+    assert torch.equal(y, (r.detach().float() + x.detach().float() * gate.detach()).to(dtype))
+    assert grads[-1].dtype == torch.float32
+
+
+def test_per_token_gate_is_read_in_place(monkeypatch):
+    """A chunk of the per-token projection reaches the forward kernel as itself (its row stride,
+    no copy), and the backward's too."""
+    x, r, b = make((2, 7, 40), torch.float32)
+    gate = make_token_gate((2, 7, 40), "token-chunk", torch.float32)
+    seen = []
+    for name in ("_dropout_add_fwd", "_gated_rows_dropout_add_bwd"):
+        kernel = getattr(da_mod, name)
+        monkeypatch.setattr(kernel, "run", lambda grid, args, meta, run=kernel.run: (seen.append(args), run(grid, args,
+                                                                                                      meta))[1])
+    y = trifuse.ops.dropout_add(x, r, 0.0, bias=b, gate=gate)
+    torch.autograd.grad(y, (x, gate), torch.ones_like(y))
+    assert len(seen) == 2
+    assert all(any(isinstance(a, torch.Tensor) and a.data_ptr() == gate.data_ptr() for a in args) for args in seen)
+
+
+def test_per_token_dbias_is_summed_over_several_programs_deterministically(monkeypatch):
+    """With a bias the backward's programs each sum a range of rows into a partial row of dbias;
+    every row counts once, in the same order on every run."""
+    monkeypatch.setattr(da_mod, "device_sms", lambda t: 64)
+    monkeypatch.setattr(da_mod._GATED_ROWS_BWD_TUNING, "launches", {})
+    x, r, b = make((3, 300, 48), torch.float32)
+    gate = make_token_gate((3, 300, 48), (3, 300, 48), torch.float32)
+    check_gated(x, r, b, gate)
+    launch = next(iter(da_mod._GATED_ROWS_BWD_TUNING.launches.values()))
+    assert launch.plan.groups > 1
+    dy = torch.randn(3, 300, 48, device=DEVICE)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        runs.append(torch.autograd.grad(trifuse.ops.dropout_add(x, r, P, bias=b, gate=gate), (x, r, b, gate), dy))
+    for a, a_ in zip(*runs):
+        assert torch.equal(a, a_)
+
+
+@pytest.mark.parametrize("p", [0.0, P])
+def test_per_token_eager_path_and_registered_op_are_bitwise_equal(p):
+    x, r, b = make((3, 13, 70), torch.float32)
+    gate = make_token_gate((3, 13, 70), "token-chunk", torch.float32)
+    torch.manual_seed(11)
+    eager = trifuse.ops.dropout_add(x, r, p, bias=b, gate=gate)
+    torch.manual_seed(11)
+    op = torch.ops.trifuse.gated_dropout_add_rows(x, r, gate, p, b)[0]
+    assert torch.equal(eager, op)
+    dy = torch.randn_like(eager)
+    for a, a_ in zip(torch.autograd.grad(eager, (x, r, b, gate), dy), torch.autograd.grad(op, (x, r, b, gate), dy)):
+        assert torch.equal(a, a_)
+
+
+@pytest.mark.parametrize("p", [0.0, P])
+def test_per_token_compiles_fullgraph_without_graph_breaks(p):
+    x, r, b = make((2, 4, 48), torch.float32)
+    gate = make_token_gate((2, 4, 48), (2, 4, 48), torch.float32)
+    fn = torch.compile(lambda x, r, b, g: trifuse.ops.dropout_add(x, r, p, bias=b, gate=g), fullgraph=True,
+                       backend="aot_eager")
+    torch.manual_seed(5)
+    out = fn(x, r, b, gate)
+    torch.manual_seed(5)
+    ref = trifuse.ops.dropout_add(x, r, p, bias=b, gate=gate)
+    assert torch.equal(out, ref)
+    for a, a_ in zip(torch.autograd.grad(out, (x, r, b, gate), torch.ones_like(out)),
+                     torch.autograd.grad(ref, (x, r, b, gate), torch.ones_like(ref))):
+        assert torch.equal(a, a_)
+
+
+def test_per_token_opcheck_every_op():
+    x = torch.randn(2, 3, 16, device=DEVICE, requires_grad=True)
+    r = torch.randn(2, 3, 16, device=DEVICE, requires_grad=True)
+    b = torch.randn(16, device=DEVICE, requires_grad=True)
+    gate = torch.randn(2, 3, 16, device=DEVICE, requires_grad=True)
+    scalar_gate = torch.randn(2, 3, 1, device=DEVICE, requires_grad=True)
+    torch.library.opcheck(torch.ops.trifuse.gated_dropout_add_rows.default, (x, r, gate, 0.0, b))
+    torch.library.opcheck(torch.ops.trifuse.gated_dropout_add_rows.default, (x, r, scalar_gate, P, None))
+    seed = torch.tensor([123], dtype=torch.int64, device=DEVICE)
+    torch.library.opcheck(torch.ops.trifuse.gated_dropout_add_rows_backward.default,
+                          (x.detach(), x.detach(), b.detach(), gate.detach(), seed, P, True, True, True, x.dtype))
+    torch.library.opcheck(torch.ops.trifuse.gated_dropout_add_rows_backward.default,
+                          (x.detach(), x.detach(), None, scalar_gate.detach(), seed, 0.0, False, False, True,
+                           x.dtype))
+    torch.library.opcheck(torch.ops.trifuse.gated_dropout_add_rows_backward.default,
+                          (x.detach(), None, b.detach(), gate.detach(), seed, 0.0, False, False, False, x.dtype))
+
+
+def test_per_token_gradcheck_float64_twice_differentiable():
+    x, r, b = (torch.randn(s, device=DEVICE, dtype=torch.float64, requires_grad=True)
+               for s in ((2, 3, 6), (2, 3, 6), (6,)))
+    for gate_shape in ((2, 3, 6), (2, 3, 1)):
+        gate = torch.randn(gate_shape, device=DEVICE, dtype=torch.float64, requires_grad=True)
+
+        def seeded(x, r, b, gate):
+            torch.manual_seed(0)
+            return trifuse.ops.dropout_add(x, r, P, bias=b, gate=gate)
+
+        assert torch.autograd.gradcheck(seeded, (x, r, b, gate))
+        assert torch.autograd.gradgradcheck(seeded, (x, r, b, gate))
+        assert torch.autograd.gradcheck(
+            lambda x, r, g, b: torch.ops.trifuse.gated_dropout_add_rows(x, r, g, 0.0, b)[0], (x, r, gate, b))
+
+
+def test_per_token_reference_path_without_interpreter_matches(monkeypatch):
+    monkeypatch.setattr(da_mod, "use_triton", lambda t: False)
+    x, r, b = make((3, 20, 37), torch.float32)
+    check_gated(x, r, b, make_token_gate((3, 20, 37), (3, 20, 1), torch.float32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_negative_control_gate_of_the_next_token_fails(dtype):
+    """A kernel that read the gate row of the next token (or of a sample's first) must fail the
+    same tolerance."""
+    x, r, _ = make((3, 6, 40), dtype, False)
+    gate = make_token_gate((3, 6, 40), (3, 6, 40), dtype)
+    y = trifuse.ops.dropout_add(x, r, 0.0, gate=gate)
+    for wrong_gate in (gate.detach().roll(1, dims=1), gate.detach()[:, :1].expand_as(gate)):
+        wrong = dropout_add_ref(*upcast(x, r), 0.0, gate=wrong_gate.double())
+        assert not check_close("y", y, wrong, None)[0]
+
+
+@pytest.mark.parametrize("gate_shape", [(2, 1, 32), (2, 4, 32)], ids=["per-sample", "per-token"])
+def test_a_frozen_bias_still_shifts_dgate(gate_shape):
+    """The bias of the linear folded in, frozen (LoRA): dgate = sum of dz * (x + bias) still reads
+    it, against float64."""
+    x, r, b = make((2, 4, 32), torch.float32)
+    b = (b.detach() * 4).requires_grad_(False)
+    gate = make_token_gate((2, 4, 32), gate_shape, torch.float32)
+    for run in (lambda: trifuse.ops.dropout_add(x, r, P, bias=b, gate=gate),
+                lambda: torch.ops.trifuse.gated_dropout_add_rows(x, r, gate, P, b)[0] if gate_shape[1] > 1 else
+                torch.ops.trifuse.gated_dropout_add(x, r, da_mod._gate_rows(gate, x), P, b)[0]):
+        torch.manual_seed(3)
+        y = run()
+        mask = recover_mask(y, r)
+        x64, r64, g64 = upcast(x, r, gate)
+        y64 = dropout_add_ref(x64, r64, P, bias=b.double(), dropout_mask=mask, gate=g64)
+        dy = torch.randn_like(y)
+        dgate, = torch.autograd.grad(y, (gate,), dy)
+        dgate64, = torch.autograd.grad(y64, (g64,), dy.double())
+        assert_close("dgate", dgate, dgate64, None)
+
+
+def test_per_token_backward_keeps_x_only_for_dgate():
+    x, r, b = make((2, 4, 32), torch.float32)
+    for gate_grad in (True, False):
+        gate = make_token_gate((2, 4, 32), (2, 4, 32), torch.float32).requires_grad_(gate_grad)
+        y = trifuse.ops.dropout_add(x, r, P, bias=b, gate=gate)
+        saved = [t for t in y.grad_fn.saved_tensors if t is not None and t.shape == x.shape]
+        assert len(saved) == (2 if gate_grad else 1)  # the gate itself, and x for dgate
+        grads = torch.autograd.grad(y, (x, r, b), torch.ones_like(y))
+        assert all(g is not None for g in grads)
