@@ -19,6 +19,9 @@ S tokens, the gate one (B, N) row per sample, against PyTorch eager and torch.co
 expression; "wan": Wan's fp32 gate and `(h.float() + ff_out.float() * gate).type_as(h)`:
     fwd      read x, h; write y                   3·M·N·e   (M = B·S; the gate's B·N not counted)
     bwd      read dy, x; write dx                 3·M·N·e   (dh is dy; dgate's partial rows small)
+"gated per token": FLUX.3's and Qwen-Image 2.1's block end, the gate (B, S, N) per token:
+    fwd      read x, h, gate; write y             4·M·N·e
+    bwd      read dy, gate, x; write dx, dgate    5·M·N·e
 """
 import _harness as H  # noqa: I001  (bench/conftest.py sets TRITON_INTERPRET before this)
 import pytest
@@ -99,22 +102,27 @@ def host_overhead() -> list[dict]:
 GATED_SHAPES = ((2, 4096, 3072), (1, 4608, 3072), (2, 4096, 1536), (1, 32760, 5120))
 
 
-def make_gated_inputs(shape, gate_dtype=None):
+def make_gated_inputs(shape, gate_dtype=None, per_token=False):
     b, s, n = shape
     x = torch.randn(b, s, n, device=DEVICE, dtype=DTYPE, requires_grad=True)
     h = torch.randn(b, s, n, device=DEVICE, dtype=DTYPE, requires_grad=True)
-    g = torch.randn(b, n, device=DEVICE, dtype=gate_dtype or DTYPE, requires_grad=True)
+    g = torch.randn(*((b, s, n) if per_token else (b, n)), device=DEVICE, dtype=gate_dtype or DTYPE,
+                    requires_grad=True)
     return (x, h, g), (x, h, g)
 
 
-def gated_bytes_for(shape, mode):
+def gated_bytes_for(shape, mode, per_token=False):
     e = torch.finfo(DTYPE).bits // 8
-    per_pass = 3 * shape[0] * shape[1] * shape[2] * e
-    return {"fwd": per_pass, "bwd": per_pass, "fwd+bwd": 2 * per_pass}[mode]
+    elements = shape[0] * shape[1] * shape[2] * e
+    fwd, bwd = (4, 5) if per_token else (3, 3)
+    return {"fwd": fwd * elements, "bwd": bwd * elements, "fwd+bwd": (fwd + bwd) * elements}[mode]
 
 
-def gated_providers(wan: bool = False) -> dict:
-    if wan:
+def gated_providers(wan: bool = False, per_token: bool = False) -> dict:
+    if per_token:
+        def torch_gated(x, h, g):
+            return h + g * x
+    elif wan:
         def torch_gated(x, h, g):
             return (h.float() + x.float() * g[:, None]).type_as(h)
     else:
@@ -122,7 +130,7 @@ def gated_providers(wan: bool = False) -> dict:
             return h + g[:, None] * x
 
     def trifuse_gated(x, h, g):
-        return trifuse.ops.dropout_add(x, h, 0.0, gate=g[:, None])
+        return trifuse.ops.dropout_add(x, h, 0.0, gate=g if per_token else g[:, None])
 
     out = {"trifuse": trifuse_gated, "torch": torch_gated}
     if H.on_gpu():
@@ -148,10 +156,12 @@ def main() -> None:
         rows += H.sweep(providers(), shapes, make_inputs, bytes_for, reference="", variant=f"p={P}")
         H.write_results("dropout_add", rows, COLUMNS, plot_x="N")
     gated = []
-    for variant, wan in (("gated", False), ("gated wan fp32 gate", True)):
-        gated += H.sweep(gated_providers(wan), GATED_SHAPES[:2] if args.quick else GATED_SHAPES,
-                         lambda shape, wan=wan: make_gated_inputs(shape, torch.float32 if wan else None),
-                         gated_bytes_for, variant=variant)
+    for variant, wan, per_token in (("gated", False, False), ("gated wan fp32 gate", True, False),
+                                    ("gated per token", False, True)):
+        gated += H.sweep(gated_providers(wan, per_token), GATED_SHAPES[:2] if args.quick else GATED_SHAPES,
+                         lambda shape, wan=wan, t=per_token: make_gated_inputs(shape, torch.float32 if wan else None,
+                                                                               t),
+                         lambda shape, mode, t=per_token: gated_bytes_for(shape, mode, t), variant=variant)
         H.write_results("dropout_add", gated, COLUMNS, suffix="gated")
     H.print_table(rows + gated, COLUMNS)
 
@@ -171,20 +181,22 @@ def test_dropout_add(benchmark, provider, mode):
     benchmark.pedantic(step, rounds=3 if H.on_gpu() else 1, iterations=1)
 
 
-@pytest.mark.parametrize("wan", [False, True], ids=["gated", "wan"])
+@pytest.mark.parametrize("wan, per_token", [(False, False), (True, False), (False, True)],
+                         ids=["gated", "wan", "per-token"])
 @pytest.mark.parametrize("mode", H.MODES)
 @pytest.mark.parametrize("provider", ["trifuse", "torch"])
-def test_gated_dropout_add(benchmark, provider, mode, wan):
+def test_gated_dropout_add(benchmark, provider, mode, wan, per_token):
     shape = (2, 64, 3072) if H.on_gpu() else (2, 3, 40)
-    step = H.make_step(gated_providers(wan)[provider],
-                       lambda: make_gated_inputs(shape, torch.float32 if wan else None), mode)
+    step = H.make_step(gated_providers(wan, per_token)[provider],
+                       lambda: make_gated_inputs(shape, torch.float32 if wan else None, per_token), mode)
     benchmark.pedantic(step, rounds=3 if H.on_gpu() else 1, iterations=1)
 
 
 def test_gated_providers_agree():
-    for wan in (False, True):
-        H.check_against_reference(gated_providers(wan), "torch",
-                                  lambda shape, wan=wan: make_gated_inputs(shape, torch.float32 if wan else None),
+    for wan, per_token in ((False, False), (True, False), (False, True)):
+        H.check_against_reference(gated_providers(wan, per_token), "torch",
+                                  lambda shape, wan=wan, t=per_token: make_gated_inputs(
+                                      shape, torch.float32 if wan else None, t),
                                   (2, 5, 48))
 
 

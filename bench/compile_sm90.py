@@ -162,12 +162,17 @@ def _catalogue(torch, family: str):
     elif family == "dropout_add":
         x, r, b = leaf(tile_rows, 1024), leaf(tile_rows, 1024), leaf(1024)
         yield "dropout_add 1024 p=0.1 bias", fwd_bwd(lambda x=x, r=r, b=b: ops.dropout_add(x, r, 0.1, bias=b))
-        # the gated add at a diffusion transformer block's end: Flux's bf16 gate, then (last, the
-        # smoke's) Wan's fp32 gate with a linear's bias folded in and dropout, every flag on
-        for n, gate_dtype, bias, p in ((3072, bf16, False, 0.0), (5120, torch.float32, True, 0.1)):
-            x, r, g = leaf(2, tile_rows, n), leaf(2, tile_rows, n), leaf(2, 1, n, dtype=gate_dtype)
+        # the gated add at a diffusion transformer block's end: Flux's bf16 gate; FLUX.3's per-token
+        # bf16 gate, and a per-token fp32 one with a bias and dropout (the per-token kernels); then
+        # (last, the smoke's) Wan's fp32 gate with a linear's bias folded in and dropout, every flag on
+        for n, gate_dtype, bias, p, per_token in ((3072, bf16, False, 0.0, False), (3072, bf16, False, 0.0, True),
+                                                  (3072, torch.float32, True, 0.1, True),
+                                                  (5120, torch.float32, True, 0.1, False)):
+            x, r = leaf(2, tile_rows, n), leaf(2, tile_rows, n)
+            g = leaf(2, tile_rows if per_token else 1, n, dtype=gate_dtype)
             b = leaf(n) if bias else None
-            yield f"gated dropout_add {n} {str(gate_dtype)[6:]} gate p={p}{' bias' if bias else ''}", fwd_bwd(
+            kind = "per-token " if per_token else ""
+            yield f"gated dropout_add {n} {kind}{str(gate_dtype)[6:]} gate p={p}{' bias' if bias else ''}", fwd_bwd(
                 lambda x=x, r=r, g=g, b=b, p=p: ops.dropout_add(x, r, p, bias=b, gate=g))
     elif family == "cast":
         # A post-norm block's fp32 input cast once for its q, k and v projections (BERT), and a

@@ -15,7 +15,10 @@ and Wan's and ACE-Step's fp32 forms cast back to the stream, `(h.float() + ff_ou
 gate).type_as(h)`, become `dropout_add(x, residual, 0.0, gate=gate)`: one pass each way instead of
 the product's and the sum's, dgate summed per sample in the backward. A gated add before a norm is
 the gated norm's (adaptive_norm.py, stage 2). Stage 4 folds the bias of the linear producing x in
-(Flux's single blocks: `residual + gate * proj_out(h)`). These are found in the graphs fuse
+(Flux's single blocks: `residual + gate * proj_out(h)`). A gate per token of x's full size (FLUX.3's
+and Qwen-Image 2.1's `h + gate * (attn + ff)`, gate a (B, S, N) chunk of a per-token projection;
+Helios' fp32 one) takes the op's per-token kernels, read in place; a gate broadcast per token
+((S, N), (B, S, 1)) stays PyTorch's product. These are found in the graphs fuse
 captures for a block's other ops (its norms, its attention): a module whose only candidate is a
 sum of a product is not captured for it (most such sums are no gated add; their capture would
 cost every model with one).
@@ -23,8 +26,14 @@ cost every model with one).
 import torch
 import torch.nn.functional as F
 
-from ._base import Match, Pattern, needs_bool, needs_number, ops
-from .adaptive_norm import gate_per_sample, gate_per_sample_up_to_fp32, sum_operands
+from ._base import Match, Pattern, needs_bool, needs_number, ops, same_shape
+from .adaptive_norm import (
+    gate_per_sample,
+    gate_per_sample_or_token,
+    gate_per_sample_or_token_up_to_fp32,
+    gate_per_sample_up_to_fp32,
+    sum_operands,
+)
 from .bias_gelu import bias_is_a_row_vector
 
 
@@ -89,13 +98,45 @@ def gated_add_cast_back_fused(x, residual, gate, dtype):
     return ops.dropout_add(x, residual, 0.0, True, None, gate)
 
 
+def _gate_per_sample_or_full_size(m: Match, per_sample, per_token) -> str | None:
+    """`per_sample(m)`'s answer where the gate is one vector per sample; else, for a gate of x's
+    full size (FLUX.3's and Qwen-Image 2.1's per-token chunks), `per_token(m)`'s. A gate broadcast
+    per token ((S, N) against (B, S, N), a scalar per token) stays PyTorch's product: the op would
+    copy it to full size first, a pass the product does not make."""
+    why = per_sample(m)
+    if why is None:
+        return None
+    x, gate = m.value("x"), m.value("gate")
+    if isinstance(x, torch.Tensor) and isinstance(gate, torch.Tensor) and same_shape(gate, x):
+        return per_token(m) or _not_in_rows(m)
+    return why
+
+
+def _not_in_rows(m: Match) -> str | None:
+    """x, the residual and the gate each with a unit stride along the last dim (rows the kernels
+    read in place); a channels-last activation's product and sum stay PyTorch's, which keep its
+    layout without a copy."""
+    for name in ("x", "residual", "gate"):
+        t = m.value(name)
+        if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+            return f"{name} is not laid out in rows (last-dim stride {t.stride(-1)}, channels-last): the op would copy it"
+    return None
+
+
+def gate_per_sample_or_full_size(m: Match) -> str | None:
+    """The gate one vector per sample, or per token of x's full size; no wider than x."""
+    return _gate_per_sample_or_full_size(m, gate_per_sample, gate_per_sample_or_token)
+
+
 def cast_back_to_the_stream(m: Match) -> str | None:
     """The fp32 sum cast back to x's and the residual's dtype (the op's y), the gate a vector per
-    sample no wider than fp32: the op's fp32 product and sum are the model's."""
+    sample or per token of x's full size, no wider than fp32 (Helios' per-token fp32 gate): the
+    op's fp32 product and sum are the model's."""
     x, dtype = m.value("x"), m["dtype"]
     if isinstance(x, torch.Tensor) and dtype != x.dtype:
         return f"the sum is cast to {dtype}, not to x's dtype {x.dtype}"
-    return sum_operands(m) or gate_per_sample_up_to_fp32(m)
+    return sum_operands(m) or _gate_per_sample_or_full_size(m, gate_per_sample_up_to_fp32,
+                                                            gate_per_sample_or_token_up_to_fp32)
 
 
 def linear_gated_add(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor, residual: torch.Tensor, gate: torch.Tensor):
@@ -120,8 +161,8 @@ PATTERNS = (
     # quiet: most sums of a product are no gated add
     *(Pattern(search.__name__, "dropout_add", search, gated_add_cast_back_fused, ("dropout_add",),
               (cast_back_to_the_stream,), stage=3, quiet=True) for search in _GATED_CAST_BACK),
-    Pattern("gated_add", "dropout_add", gated_add, gated_add_fused, ("dropout_add",), (sum_operands, gate_per_sample),
-            stage=3, quiet=True),
+    Pattern("gated_add", "dropout_add", gated_add, gated_add_fused, ("dropout_add",),
+            (sum_operands, gate_per_sample_or_full_size), stage=3, quiet=True),
     Pattern("linear_gated_add", "dropout_add", linear_gated_add, linear_gated_add_fused, ("dropout_add",),
             stage=4),
 )

@@ -564,14 +564,18 @@ def test_lumina2_in_16_bits_fuses_as_in_fp32():
 # (B, S, N)); bench/diffusers_models.py builds them (the sweep's builders).
 PER_TOKEN = {
     # `(1 + scale) * norm(x) + shift`, chunks of one (B, S, 3N) projection: every LayerNorm of
-    # the blocks and the output norm
-    "flux3": {"layer_norm_modulate_offset": 6},
+    # the blocks and the output norm; each block's end `h + gate * (attn + ff)` with its per-token
+    # gate (3 per-mode blocks, the joint block's text and content streams), no norm after it in the
+    # block's graph
+    "flux3": {"layer_norm_modulate_offset": 6, "gated_add": 5},
     # `norm(x) * (1 + scale)`, scale chosen per token by torch.where; the image stream's second
-    # norm with the per-token gated add before it (`h + img_gate1 * attn_out`)
-    "qwenimage21": {"layer_norm_modulate_scale_offset": 3, "gated_add_layer_norm_modulate_offset": 2},
+    # norm with the per-token gated add before it (`h + img_gate1 * attn_out`); the block's end
+    "qwenimage21": {"layer_norm_modulate_scale_offset": 3, "gated_add_layer_norm_modulate_offset": 2,
+                    "gated_add": 2},
     # the RMSNorm form, LTX-2's refiner blocks; the third norm with the cross-attention's output
-    # added before it (through its Dropout(0.0))
-    "sana_wm_refiner": {"rms_norm_modulate_offset": 2, "add_after_inactive_dropout_rms_norm_modulate_offset": 2},
+    # added before it (through its Dropout(0.0)); the per-token gated adds at the block's end
+    "sana_wm_refiner": {"rms_norm_modulate_offset": 2, "add_after_inactive_dropout_rms_norm_modulate_offset": 2,
+                        "gated_add": 2},
 }
 
 

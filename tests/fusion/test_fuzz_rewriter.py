@@ -295,7 +295,7 @@ def test_random_resnet_blocks_fuse_to_what_they_compute(norm, act, capture, dtyp
 def test_each_resnet_activation(norm, act):
     """Every norm of both blocks fuses (the Dynamo host captures the model whole); the SiLU joins
     it where it is the norm's SiLU and its only reader, nowhere else (QuickGELU, no SiLU, becomes
-    bias_gelu's quick form). In fp16, GroupNorm32's fp32 copy goes (the op reads the 16-bit x).
+    bias_gelu's quick form; `y * sigmoid(y) + y` a gated add). In fp16, GroupNorm32's fp32 copy goes (the op reads the 16-bit x).
     The answer is the unfused model's."""
     dtype = torch.float16 if norm == "gn32_fp32_copy" else torch.float32
     if rb.resnet_check_is_noise(norm, act, dtype):
@@ -303,8 +303,9 @@ def test_each_resnet_activation(norm, act):
     report = check_against_unfused(lambda: rb.resnet_model(norm, act, dtype), rb.resnet_inputs(dtype),
                                    "dynamo", train=True, twin64=rb.resnet_float64_twin)
     patterns = {p: n for p, n in report.by_pattern().items() if p.startswith("group_norm")}
-    assert report.counts() == {"group_norm": 4, **({"bias_gelu": 4} if act == "quick_gelu" else {})}, \
-        report.table()
+    # norm_read_twice's `y * sigmoid(y) + y`: a sum of a full-size product, the gated add's op
+    assert report.counts() == {"group_norm": 4, **({"bias_gelu": 4} if act == "quick_gelu" else {}),
+                               **({"dropout_add": 4} if act == "norm_read_twice" else {})}, report.table()
     if norm == "gn32_fp32_copy":
         assert patterns == {"group_norm_in_fp32": 4}, report.table()
     else:

@@ -104,8 +104,9 @@ def test_one_norm_modulated_twice_becomes_two_ops(norm, capture):
 
 @pytest.mark.parametrize("capture", ["fx", "dynamo"])
 def test_a_norm_read_by_its_modulations_and_a_projection_stays_for_the_projection(capture):
+    """(`proj(h) + proj(a) * b`: a sum of a full-size product, the gated add's op.)"""
     report = check_against_unfused(lambda: SharedNorm(also="projection"), inputs(), capture, train=True)
-    assert report.by_pattern() == {"rms_norm_modulate": 2, "rms_norm": 1}, report.table()
+    assert report.by_pattern() == {"rms_norm_modulate": 2, "rms_norm": 1, "gated_add": 1}, report.table()
 
 
 @pytest.mark.parametrize("capture", ["fx", "dynamo"])
@@ -162,7 +163,7 @@ def test_a_product_over_tokens_is_modulated_per_token():
 
 class PerToken(nn.Module):
     """FLUX.3's block: a conditioning vector per token (B, S, COND) projected to shift, scale and
-    gate (B, S, N), then `(1 + scale) * norm(x) + shift` (`scale_only`: Qwen-Image 2.1's
+    gate (B, S, N), then `(1 + scale) * norm(x) + shift` and the per-token gated add at the end (`scale_only`: Qwen-Image 2.1's
     `norm(x) * (1 + scale)`; `one_plus_read_twice`: the `1 + scale` read by a second product)."""
 
     def __init__(self, spelling: str = "flux3", norm: str = "layer_norm", affine: bool = False) -> None:
@@ -198,15 +199,15 @@ def test_a_norm_modulated_per_token_becomes_one_op(norm, affine, capture):
     and shift read in place as chunks of the projection; every gradient the unfused model's."""
     report = check_against_unfused(lambda: PerToken("flux3", norm, affine), per_token_inputs(), capture,
                                    train=True)
-    assert report.counts() == available_counts({norm: 1}), report.table()
-    assert report.by_pattern() == {f"{norm}_modulate_offset": 1}, report.table()
+    assert report.counts() == available_counts({norm: 1, "dropout_add": 1}), report.table()
+    assert report.by_pattern() == {f"{norm}_modulate_offset": 1, "linear_gated_add": 1}, report.table()
 
 
 @pytest.mark.parametrize("norm", ["layer_norm", "rms_norm"])
 def test_a_norm_scaled_per_token_alone_becomes_one_op(norm):
     """Qwen-Image 2.1's `norm(x) * (1 + scale)` per token: the `1 +` says modulation."""
     report = check_against_unfused(lambda: PerToken("scale_only", norm), per_token_inputs(), "dynamo", train=True)
-    assert report.by_pattern() == {f"{norm}_modulate_scale_offset": 1}, report.table()
+    assert report.by_pattern() == {f"{norm}_modulate_scale_offset": 1, "linear_gated_add": 1}, report.table()
 
 
 def test_a_one_plus_scale_read_elsewhere_is_taken_as_written():
@@ -214,7 +215,7 @@ def test_a_one_plus_scale_read_elsewhere_is_taken_as_written():
     the tensor the model computes as mul."""
     report = check_against_unfused(lambda: PerToken("one_plus_read_twice"), per_token_inputs(), "dynamo",
                                    train=True)
-    assert report.by_pattern() == {"layer_norm_modulate": 1}, report.table()
+    assert report.by_pattern() == {"layer_norm_modulate": 1, "linear_gated_add": 1}, report.table()
 
 
 def test_cuda_autocasts_fp32_norm_modulated_per_token():
@@ -223,7 +224,7 @@ def test_cuda_autocasts_fp32_norm_modulated_per_token():
     x, cond = per_token_inputs()
     with cuda_like_autocast(), torch.autocast("cuda" if DEVICE == "cuda" else "cpu", dtype=torch.float16):
         report = check_against_unfused(lambda: PerToken("flux3"), (x.half(), cond), "dynamo", train=True)
-    assert report.by_pattern() == {"layer_norm_modulate_offset_upcast": 1}, report.table()
+    assert report.by_pattern() == {"layer_norm_modulate_offset_upcast": 1, "linear_gated_add": 1}, report.table()
 
 
 class GatedPerToken(PerToken):

@@ -1,6 +1,7 @@
 """Dropout + residual add, either way round, with the bias of the linear before folded in."""
 import pytest
 import torch
+import torch.nn.functional as F
 import trifuse
 from _fusing import check_against_unfused, fuse_via, needs_ops, trifuse_ops_run
 from torch import nn
@@ -211,3 +212,71 @@ def test_gated_trifuse_op_runs():
     h = COND[0].clone().requires_grad_()
     ran = trifuse_ops_run(lambda: model(h, COND[1]).sum().backward())
     assert "trifuse::gated_dropout_add" in ran and "trifuse::gated_dropout_add_backward" in ran
+
+
+# ---------------------------------------------------------------------------------------------
+# The gated add per token: FLUX.3's and Qwen-Image 2.1's block ends, gate (B, S, N)
+# ---------------------------------------------------------------------------------------------
+
+TOKEN_COND = (torch.randn(2, 5, N) * 2, torch.randn(2, 5, N))
+
+
+class PerTokenEnd(nn.Module):
+    """A block's end with a gate per token, a chunk of a per-token projection of the conditioning
+    (B, S, N): FLUX.3's `h + gate * (attn + ff)` ("flux3"), one sublayer's `h + gate * fc(...)`
+    ("linear"), Helios' fp32 gate beside its stream, cast back ("fp32_cast"), a scalar per token
+    ("scalar_per_token": broadcast, kept as written)."""
+
+    def __init__(self, kind="linear"):
+        super().__init__()
+        self.kind = kind
+        self.norm = nn.LayerNorm(N)
+        self.fc = nn.Linear(N, N)
+        self.ff = nn.Linear(N, N, bias=False)
+        self.ada = nn.Linear(N, 3 * N)
+        self.scalar = nn.Linear(N, 1)
+
+    def forward(self, h, cond):
+        shift, scale, gate = self.ada(F.silu(cond)).chunk(3, dim=-1)
+        if self.kind == "fp32_cast":  # gate fp32 (ada kept in fp32), the stream 16-bit
+            return (h.float() + self.fc(self.norm(h)) * gate).type_as(h)
+        n = self.norm(h) * (1 + scale) + shift
+        if self.kind == "flux3":
+            return h + gate * (self.fc(n) + self.ff(n))
+        if self.kind == "scalar_per_token":
+            return h + self.scalar(cond) * self.fc(n)
+        return h + gate * self.fc(n)
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("kind, pattern", [("linear", "linear_gated_add"), ("flux3", "gated_add")])
+def test_a_per_token_gate_at_the_block_end_fuses(kind, pattern, capture):
+    """The per-token gated add no norm follows: one op, the gate read as the chunk it is, every
+    gradient the unfused model's."""
+    report = check_against_unfused(lambda: PerTokenEnd(kind), TOKEN_COND, capture, train=True)
+    assert report.by_pattern().get(pattern) == 1, report.table()
+    assert report.counts().get("dropout_add") == 1, report.table()
+
+
+def test_a_per_token_fp32_gate_cast_back_to_a_16_bit_stream_fuses():
+    """Helios' `(h.float() + out * gate).type_as(h)` with a per-token fp32 gate beside an fp16 stream:
+    the op's fp32 product and sum rounded once to fp16, as the model's."""
+    def make():
+        model = PerTokenEnd("fp32_cast").half()
+        model.ada.float()
+        return model
+    report = check_against_unfused(make, (TOKEN_COND[0].half(), TOKEN_COND[1]), "dynamo", train=True)
+    assert report.counts().get("dropout_add") == 1, report.table()
+
+
+def test_a_scalar_gate_per_token_stays_as_written():
+    """(B, S, 1): the op would copy it to full size first; PyTorch's product broadcasts it free."""
+    report = check_against_unfused(lambda: PerTokenEnd("scalar_per_token"), TOKEN_COND, "dynamo", train=True)
+    assert "dropout_add" not in report.counts(), report.table()
+
+
+def test_per_token_gated_trifuse_op_runs():
+    model = fuse_via(PerTokenEnd(), "dynamo")
+    h = TOKEN_COND[0].clone().requires_grad_()
+    ran = trifuse_ops_run(lambda: model(h, TOKEN_COND[1]).sum().backward())
+    assert "trifuse::gated_dropout_add_rows" in ran and "trifuse::gated_dropout_add_rows_backward" in ran

@@ -165,7 +165,7 @@ class Product(nn.Module):
 class ActivationReused(GatedMLP):
     def forward(self, x):
         gate = self.act_fn(self.gate_proj(x))
-        return self.down_proj(gate * self.up_proj(x) + gate)
+        return self.down_proj(gate * self.up_proj(x)) + self.down_proj(gate)  # (no sum of the product)
 
 
 class ScaledByAParameter(nn.Module):
