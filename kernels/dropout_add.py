@@ -32,8 +32,9 @@ no gradient still shifts dgate's x + bias.
 
 Per token (a gate varying along a sample's rows: FLUX.3's and Qwen-Image 2.1's block ends, `h +
 gate * out` with gate a (B, S, N) chunk of a per-token projection): the forward reads a gate row
-beside each row of x, in place at its own row stride and dtype (a broadcast one copied to full
-size first); the backward writes dgate = dz * (x + bias) per element, in the gate's dtype (summed
+beside each row of x, in place at its own row stride and dtype (one per position repeated over the
+batch, MiniMax H3's (S, N), read in place too, row r reading gate row r % S; one broadcast
+otherwise, (B, S, 1), copied to full size first); the backward writes dgate = dz * (x + bias) per element, in the gate's dtype (summed
 down in PyTorch where the gate broadcasts), beside dx = dz * gate; only dbias sums over rows.
 Bytes per element: forward 4 (x, residual, gate, y) against eager PyTorch's 6 (product 3, sum 3);
 backward 5 (dy, gate, x, dx, dgate) against 6 (two products; dresidual is dy itself).
@@ -114,10 +115,10 @@ def _dropout_add_fwd_kernel(
     X,  # in (M, N)
     R,  # in (M, N) residual
     B,  # in (N,) bias; unused unless HAS_BIAS
-    G,  # in (M / rows_per_gate, N) gate rows, row stride stride_gm; unused unless HAS_GATE
+    G,  # in (gate_rows, N) gate rows, row stride stride_gm; unused unless HAS_GATE
     SEED,  # in (1,) int64 Philox seed; unused unless HAS_DROPOUT
     Y,  # out (M, N)
-    M, N, stride_xm, stride_rm, stride_ym, stride_gm, p, scale, rows_per_gate, col_tiles,
+    M, N, stride_xm, stride_rm, stride_ym, stride_gm, p, scale, rows_per_gate, gate_rows, col_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, ACC: tl.constexpr, HAS_GATE: tl.constexpr = False,
 ):
@@ -134,7 +135,9 @@ def _dropout_add_fwd_kernel(
         keep = dropout_keep_quads(tl.load(SEED), rows[:, None], cols[None, :], p)
         z = tl.where(keep, z * scale, 0.0)
     if HAS_GATE:
-        g_rows = tl.minimum(rows, M - 1) // rows_per_gate  # rows past M read a real gate row
+        # row r reads gate row (r // rows_per_gate) % gate_rows: one per sample (r // R), one per
+        # token (r), or one per position repeated over the leading dims ((S, N) against (B, S, N))
+        g_rows = (tl.minimum(rows, M - 1) // rows_per_gate) % gate_rows  # rows past M read a real one
         z *= tl.load(G + g_rows[:, None] * stride_gm + cols[None, :], mask=mask, other=0.0).to(ACC)
     y = tl.load(R + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0).to(ACC) + z
     tl.store(Y + rows[:, None] * stride_ym + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
@@ -239,12 +242,13 @@ def _gated_rows_dropout_add_bwd_kernel(
     DY,  # in (M, N)
     X,  # in (M, N); unused unless NEED_DGATE
     B,  # in (N,) bias; unused unless NEED_DGATE and HAS_BIAS
-    G,  # in (M, N) gate, a row per token, row stride stride_gm
+    G,  # in (gate_rows, N) gate, row r of x reading row r % gate_rows, row stride stride_gm
     SEED,  # in (1,) int64 Philox seed; unused unless HAS_DROPOUT
     DG,  # out (M, N) dgate, one per element; unused unless NEED_DGATE
     DX,  # out (M, N); unused unless NEED_DX
     DB_PARTIAL,  # out (groups, N) fp32: this program's rows' share of dbias; unused unless NEED_DBIAS
-    M, N, stride_dym, stride_xm, stride_gm, stride_dgm, stride_dxm, p, scale, rows_per_program, col_tiles,
+    M, N, stride_dym, stride_xm, stride_gm, stride_dgm, stride_dxm, gate_rows, p, scale, rows_per_program,
+    col_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, NEED_DBIAS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, NEED_DX: tl.constexpr, NEED_DGATE: tl.constexpr, ACC: tl.constexpr,
     PREFETCH: tl.constexpr = False,  # a knob of the tuned space (rowwise_bwd); this loop does not prefetch
@@ -268,7 +272,8 @@ def _gated_rows_dropout_add_bwd_kernel(
         if HAS_DROPOUT:
             dz = tl.where(dropout_keep_quads(tl.load(SEED), rows[:, None], cols[None, :], p), dz * scale, 0.0)
         if NEED_DX or NEED_DBIAS:
-            dx = dz * tl.load(G + rows[:, None] * stride_gm + cols[None, :], mask=mask, other=0.0).to(ACC)
+            g_rows = rows % gate_rows
+            dx = dz * tl.load(G + g_rows[:, None] * stride_gm + cols[None, :], mask=mask, other=0.0).to(ACC)
             if NEED_DX:
                 tl.store(DX + rows[:, None] * stride_dxm + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
             if NEED_DBIAS:
@@ -343,13 +348,13 @@ def dropout_add_fwd(
     bias = None if bias is None else bias.contiguous()  # the kernel indexes it as a vector
     m = x.numel() // n
     if gate is None:
-        gate2, stride_g, rows_per_gate = x2, n, 1
+        gate2, stride_g, rows_per_gate, gate_rows = x2, n, 1, 1
     elif per_token:
-        (gate2, stride_g), rows_per_gate = _rows_of(gate, x, n), 1
+        (gate2, stride_g, gate_rows), rows_per_gate = _token_gate_rows(gate, x, n), 1
     else:
-        gate2, stride_g, rows_per_gate = gate, n, m // gate.shape[0]
+        gate2, stride_g, rows_per_gate, gate_rows = gate, n, m // gate.shape[0], gate.shape[0]
     args = (x2, r2, bias if bias is not None else x2, gate2, seed if p > 0.0 else x2, y, m, n, stride_x,
-            stride_r, n, stride_g, p, _dropout_scale(p), rows_per_gate)
+            stride_r, n, stride_g, p, _dropout_scale(p), rows_per_gate, gate_rows)
     constexprs = dict(HAS_BIAS=bias is not None, HAS_DROPOUT=p > 0.0, ACC=acc_dtype(y.dtype),
                       HAS_GATE=gate is not None)
     device = x.get_device() if x.is_cuda else -1
@@ -443,10 +448,10 @@ def gated_rows_dropout_add_bwd(
     m = dy.numel() // n
     (dy2, stride_dy) = as_rows(dy, n)
     x2, stride_x = as_rows(x, n) if need_dgate else (dy2, n)
-    gate2, stride_g = _rows_of(gate, dy, n) if need_dx or need_dbias else (dy2, n)
+    gate2, stride_g, gate_rows = _token_gate_rows(gate, dy, n) if need_dx or need_dbias else (dy2, n, 1)
     head = (dy2, x2, bias.contiguous() if read_bias else dy2, gate2, seed if p > 0.0 else dy2,
             dy2 if dgate is None else dgate, dy2 if dx is None else dx)
-    tail = (m, n, stride_dy, stride_x, stride_g, n, n, p, _dropout_scale(p))
+    tail = (m, n, stride_dy, stride_x, stride_g, n, n, gate_rows, p, _dropout_scale(p))
     constexprs = dict(HAS_BIAS=read_bias, NEED_DBIAS=need_dbias, HAS_DROPOUT=p > 0.0, NEED_DX=need_dx,
                       NEED_DGATE=need_dgate, ACC=acc_dtype(dy.dtype))
     sms = device_sms(dy)
@@ -458,6 +463,22 @@ def gated_rows_dropout_add_bwd(
     partial = run_summing(_gated_rows_dropout_add_bwd, launch, head, tail, n, acc, need_dbias, dy.device)
     return (dx, None if partial is None else partial.sum(dim=0),
             None if dgate is None else _sum_gate_down(dgate, gate))
+
+
+def _token_gate_rows(gate: torch.Tensor, x: torch.Tensor, n: int) -> tuple[torch.Tensor, int, int]:
+    """(base, row stride, rows) of a per-token gate as rows that x's rows read in turn, row r the
+    gate's row r % rows: in place where the gate is x's trailing dims (full-size, or (S, N) repeated
+    over the batch; a chunk of a wider projection at its own row stride); copied to x's full size
+    where it broadcasts otherwise ((B, S, 1))."""
+    shape = (1,) * (x.dim() - gate.dim()) + tuple(gate.shape)
+    k = 0
+    while k < x.dim() - 1 and shape[k] == 1:
+        k += 1
+    if tuple(shape[k:]) == tuple(x.shape[k:]):
+        base, stride = as_rows(gate, n)
+        return base, stride, max(gate.numel() // n, 1)
+    base, stride = _rows_of(gate, x, n)
+    return base, stride, max(x.numel() // n, 1)
 
 
 def _sum_gate_down(dgate: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

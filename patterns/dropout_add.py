@@ -26,7 +26,7 @@ cost every model with one).
 import torch
 import torch.nn.functional as F
 
-from ._base import Match, Pattern, needs_bool, needs_number, ops, same_shape
+from ._base import Match, Pattern, known_equal, needs_bool, needs_number, ops
 from .adaptive_norm import (
     gate_per_sample,
     gate_per_sample_or_token,
@@ -99,17 +99,28 @@ def gated_add_cast_back_fused(x, residual, gate, dtype):
 
 
 def _gate_per_sample_or_full_size(m: Match, per_sample, per_token) -> str | None:
-    """`per_sample(m)`'s answer where the gate is one vector per sample; else, for a gate of x's
-    full size (FLUX.3's and Qwen-Image 2.1's per-token chunks), `per_token(m)`'s. A gate broadcast
-    per token ((S, N) against (B, S, N), a scalar per token) stays PyTorch's product: the op would
-    copy it to full size first, a pass the product does not make."""
+    """`per_sample(m)`'s answer where the gate is one vector per sample; else, for a gate shaped
+    like x's trailing dims (FLUX.3's and Qwen-Image 2.1's full-size per-token chunks, MiniMax H3's
+    (S, N) per position repeated over the batch), `per_token(m)`'s: the op reads those in place.
+    A gate broadcast otherwise ((B, S, 1), a scalar per token) stays PyTorch's product: the op
+    would copy it to full size first, a pass the product does not make."""
     why = per_sample(m)
     if why is None:
         return None
     x, gate = m.value("x"), m.value("gate")
-    if isinstance(x, torch.Tensor) and isinstance(gate, torch.Tensor) and same_shape(gate, x):
+    if isinstance(x, torch.Tensor) and isinstance(gate, torch.Tensor) and _trailing_dims_of(gate, x):
         return per_token(m) or _not_in_rows(m)
     return why
+
+
+def _trailing_dims_of(gate: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether gate, 1s aside on the left, is x's trailing dims (the last one included)."""
+    if gate.dim() > x.dim() or gate.dim() == 0:
+        return False
+    dims = list(gate.shape)
+    while len(dims) > 1 and known_equal(dims[0], 1):
+        dims.pop(0)
+    return all(known_equal(a, b) for a, b in zip(dims, x.shape[x.dim() - len(dims):]))
 
 
 def _not_in_rows(m: Match) -> str | None:

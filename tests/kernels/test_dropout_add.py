@@ -657,13 +657,17 @@ def test_gated_empty_input_has_zero_gradients(shape, gate_shape):
 # ---------------------------------------------------------------------------------------------
 
 # (x's shape, the gate's): full-size; a chunk of a (B, S, 3N) per-token projection (row stride 3N,
-# read in place); a scalar per token; one per position shared by the batch; 4-D video latents; a
-# vector per row of a 2-D input; no samples; no tokens
+# read in place); a scalar per token (copied to full size); one per position shared by the batch,
+# (S, N) and MiniMax H3's (S, 3N) chunk (row r reads gate row r % S, in place); 4-D video latents,
+# per (T, H, W) position or per W; a vector per row of a 2-D input; no samples; no tokens
 TOKEN_GATE_CASES = [
     ((3, 5, 37), (3, 5, 37)),
     ((2, 7, 40), "token-chunk"),
     ((2, 7, 40), (2, 7, 1)),
     ((2, 7, 40), (7, 40)),
+    ((2, 7, 40), "position-chunk"),
+    ((2, 3, 4, 24), (1, 3, 4, 24)),
+    ((2, 3, 4, 24), (4, 24)),
     ((2, 3, 4, 24), (2, 3, 4, 24)),
     ((6, 129), (6, 129)),
     ((300, 130), (300, 130)),
@@ -674,8 +678,9 @@ TOKEN_GATE_CASES = [
 
 def make_token_gate(x_shape, gate_shape, dtype):
     """A per-token gate with |gate| >= 0.5 (so a kept element still moves y off the residual)."""
-    chunk = gate_shape == "token-chunk"
-    g = torch.randn((*x_shape[:-1], 3 * x_shape[-1]) if chunk else gate_shape, device=DEVICE, dtype=dtype)
+    chunk = gate_shape in ("token-chunk", "position-chunk")
+    rows = x_shape[:-1] if gate_shape == "token-chunk" else x_shape[1:-1]
+    g = torch.randn((*rows, 3 * x_shape[-1]) if chunk else gate_shape, device=DEVICE, dtype=dtype)
     g = torch.where(g.abs() < 0.5, torch.sign(g) * 0.5 + (g == 0), g)
     if chunk:  # the third of the projection's chunks, row stride 3N: read in place
         g = g.chunk(3, dim=-1)[2]
@@ -708,11 +713,12 @@ def test_per_token_fp32_gate_beside_a_16_bit_stream(dtype):
     assert grads[-1].dtype == torch.float32
 
 
-def test_per_token_gate_is_read_in_place(monkeypatch):
-    """A chunk of the per-token projection reaches the forward kernel as itself (its row stride,
-    no copy), and the backward's too."""
+@pytest.mark.parametrize("gate_shape", ["token-chunk", "position-chunk"])
+def test_per_token_gate_is_read_in_place(monkeypatch, gate_shape):
+    """A chunk of the per-token projection (or of a per-position one, repeated over the batch)
+    reaches the forward kernel as itself (its row stride, no copy), and the backward's too."""
     x, r, b = make((2, 7, 40), torch.float32)
-    gate = make_token_gate((2, 7, 40), "token-chunk", torch.float32)
+    gate = make_token_gate((2, 7, 40), gate_shape, torch.float32)
     seen = []
     for name in ("_dropout_add_fwd", "_gated_rows_dropout_add_bwd"):
         kernel = getattr(da_mod, name)

@@ -177,15 +177,16 @@ def test_layer_scale_fuses_as_a_gated_add(capture):
 
 
 class NotGated(nn.Module):
-    """Sums of products that are no gated add: a gate per position shared by the batch, an fp32
-    gate that widens a 16-bit sum (the model's result is fp32), a residual of another shape."""
+    """Sums of products that are no gated add: a scalar per position (the op would copy it to full
+    size), an fp32 gate that widens a 16-bit sum (the model's result is fp32), a residual of
+    another shape."""
 
     def __init__(self, kind):
         super().__init__()
         self.kind = kind
         self.norm = nn.LayerNorm(N)
         self.fc = nn.Linear(N, N, bias=False)
-        self.pos = nn.Parameter(torch.randn(1, 5, N))
+        self.pos = nn.Parameter(torch.randn(1, 5, 1))
 
     def forward(self, h, cond):
         f = self.fc(self.norm(h))
@@ -224,8 +225,9 @@ TOKEN_COND = (torch.randn(2, 5, N) * 2, torch.randn(2, 5, N))
 class PerTokenEnd(nn.Module):
     """A block's end with a gate per token, a chunk of a per-token projection of the conditioning
     (B, S, N): FLUX.3's `h + gate * (attn + ff)` ("flux3"), one sublayer's `h + gate * fc(...)`
-    ("linear"), Helios' fp32 gate beside its stream, cast back ("fp32_cast"), a scalar per token
-    ("scalar_per_token": broadcast, kept as written)."""
+    ("linear"), Helios' fp32 gate beside its stream, cast back ("fp32_cast"), MiniMax H3's gate per
+    position shared by the batch ("per_position"), a scalar per token ("scalar_per_token":
+    broadcast, kept as written)."""
 
     def __init__(self, kind="linear"):
         super().__init__()
@@ -245,11 +247,14 @@ class PerTokenEnd(nn.Module):
             return h + gate * (self.fc(n) + self.ff(n))
         if self.kind == "scalar_per_token":
             return h + self.scalar(cond) * self.fc(n)
+        if self.kind == "per_position":  # MiniMax H3's: one gate row per position, shared by the batch
+            return h + gate[0] * self.fc(n)
         return h + gate * self.fc(n)
 
 
 @pytest.mark.parametrize("capture", CAPTURES)
-@pytest.mark.parametrize("kind, pattern", [("linear", "linear_gated_add"), ("flux3", "gated_add")])
+@pytest.mark.parametrize("kind, pattern", [("linear", "linear_gated_add"), ("flux3", "gated_add"),
+                                           ("per_position", "linear_gated_add")])
 def test_a_per_token_gate_at_the_block_end_fuses(kind, pattern, capture):
     """The per-token gated add no norm follows: one op, the gate read as the chunk it is, every
     gradient the unfused model's."""
