@@ -163,10 +163,29 @@ def _drop_dead_reads(graph: fx.Graph) -> None:
             graph.erase_node(node)
 
 
+def _under_functorch_transforms(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes Dynamo inlined from inside a torch.func transform (vmap, grad, jvp: between its
+    `_*_increment_nesting` and `_*_decrement_nesting` calls; a higher-order scan's combine
+    function, Mamba's `associative_scan`, runs under vmap). trifuse's ops have no batching rule,
+    so nothing there is rewritten: it runs as written."""
+    inside: set[fx.Node] = set()
+    depth = 0
+    for node in graph.nodes:
+        name = getattr(node.target, "__name__", "") if node.op == "call_function" else ""
+        if name.endswith("_decrement_nesting"):
+            depth = max(depth - 1, 0)
+        if depth:
+            inside.add(node)
+        if name.endswith("_increment_nesting"):
+            depth += 1
+    return inside
+
+
 def rewrite_graph(graph: fx.Graph, patterns: Sequence[Pattern]) -> RewriteLog:
     log = RewriteLog()
     _drop_dead_reads(graph)
     rejections: dict[fx.Node, list[Rejected]] = {}
+    transformed = _under_functorch_transforms(graph)
     for pattern in patterns:
         missing = [name for name in pattern.ops if not available(name)]
         if missing:
@@ -174,7 +193,7 @@ def rewrite_graph(graph: fx.Graph, patterns: Sequence[Pattern]) -> RewriteLog:
             continue
         cp = compile_pattern(pattern)
         for node in list(graph.nodes):
-            if node.graph is not graph or _erased(node) or not cp.is_candidate(node):
+            if node.graph is not graph or _erased(node) or node in transformed or not cp.is_candidate(node):
                 continue
             reason = _rewrite_at(graph, node, cp, log, rejections.get(node, []))
             if reason is not None and not pattern.quiet:
@@ -209,6 +228,8 @@ def rewrite_graph(graph: fx.Graph, patterns: Sequence[Pattern]) -> RewriteLog:
         op = _OF_INTEREST.get(node.target) if node.op == "call_function" and _hashable(node.target) else None
         if op is not None:
             reasons = "; ".join(f"{r.pattern}: {r.reason}" for r in rejections.get(node, []))
+            if node in transformed:
+                reasons = "inside a torch.func transform (vmap, grad, jvp): trifuse's ops have no batching rule"
             log.left.append(Left(op, where([node]), node.name, reasons or _why_no_pattern(node, op)))
     return log
 

@@ -285,3 +285,25 @@ def test_per_token_gated_trifuse_op_runs():
     h = TOKEN_COND[0].clone().requires_grad_()
     ran = trifuse_ops_run(lambda: model(h, TOKEN_COND[1]).sum().backward())
     assert "trifuse::gated_dropout_add_rows" in ran and "trifuse::gated_dropout_add_rows_backward" in ran
+
+
+class SumInsideVmap(nn.Module):
+    """A sum of a full-size product inside torch.vmap (Mamba's `associative_scan` runs its combine
+    function so), and one outside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(N)
+        self.fc = nn.Linear(N, N, bias=False)
+
+    def forward(self, h):
+        f = self.fc(self.norm(h))
+        inside = torch.vmap(lambda a, b, c: a + b * c)(h, f, torch.sigmoid(h))
+        return inside + torch.tanh(f) * h
+
+
+def test_nothing_inside_a_torch_func_transform_is_rewritten():
+    """Dynamo inlines vmap's body into the block's graph; trifuse's ops have no batching rule, so
+    the sum inside stays as written and the one outside fuses; the answer is the unfused model's."""
+    report = check_against_unfused(SumInsideVmap, X, "dynamo", train=True)
+    assert report.by_pattern() == {"layer_norm": 1, "gated_add": 1}, report.table()
