@@ -248,6 +248,9 @@ EXPLAINED = {
         "its vision tower's k_proj biases, whose gradient is zero in exact arithmetic (a softmax ignores "
         "a shift of every key's score): unfused 0.9-1.2e-15 (float64 rounding), fused ~1e-24, 5-6e-5 "
         "of the 1e-10 floor",
+    ("causal-lm", "float64", "cpmant"):
+        "the model's own fp32 parts (its RMSNorm's mean square of `hidden.to(torch.float32)`, a downcast in "
+        "float64): unfused is 2.8e-5 from float64 itself, fused 3.7e-14 (bench/fp64_truth.py)",
     ("causal-lm", "float64", "lara_mini"):
         "the model's own fp32 parts (Qwen3.5's gated delta rule): unfused is 2.0e-4 from float64 itself, "
         "another fp32 formula for its loss moves it 1.7e-5 (bench/fp64_truth.py)",

@@ -109,6 +109,10 @@ def _gate_per_sample_or_full_size(m: Match, per_sample, per_token) -> str | None
         return None
     x, gate = m.value("x"), m.value("gate")
     if isinstance(x, torch.Tensor) and isinstance(gate, torch.Tensor) and _trailing_dims_of(gate, x):
+        if x.dim() < 3:
+            # a recurrent scan's step ((B, N) products in a loop over time: RWKV's, RecurrentGemma's):
+            # small tensors, many calls, where the op's host path would cost more than it saves
+            return f"{why}; a per-token gate needs tokens: x is {x.dim()}-D, not (batch, tokens, features)"
         return per_token(m) or _not_in_rows(m)
     return why
 

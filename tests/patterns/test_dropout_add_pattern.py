@@ -179,7 +179,8 @@ def test_layer_scale_fuses_as_a_gated_add(capture):
 class NotGated(nn.Module):
     """Sums of products that are no gated add: a scalar per position (the op would copy it to full
     size), an fp32 gate that widens a 16-bit sum (the model's result is fp32), a residual of
-    another shape."""
+    another shape, a recurrent scan's 2-D steps (many small calls, where the op's host path would
+    cost more than it saves)."""
 
     def __init__(self, kind):
         super().__init__()
@@ -194,10 +195,15 @@ class NotGated(nn.Module):
             return h + self.pos * f
         if self.kind == "wider-gate":
             return h + cond.float()[:, None] * f
+        if self.kind == "scan-step":  # a recurrent scan's (B, N) steps (RWKV's, RecurrentGemma's)
+            state = f[:, 0]
+            for t in range(1, f.shape[1]):
+                state = f[:, t] + torch.sigmoid(h[:, t]) * state
+            return state
         return h[:, :1] + cond[:, None] * f  # broadcast residual
 
 
-@pytest.mark.parametrize("kind", ["per-position", "wider-gate", "broadcast-residual"])
+@pytest.mark.parametrize("kind", ["per-position", "wider-gate", "broadcast-residual", "scan-step"])
 def test_sums_of_products_that_are_no_gated_add_stay(kind):
     def make():
         model = NotGated(kind)
