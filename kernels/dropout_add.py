@@ -613,6 +613,8 @@ def _check_gate(x: torch.Tensor, residual: torch.Tensor, gate: object) -> bool:
     op = "dropout_add"
     check_tensor(op, "gate", gate)
     check_float(op, "gate", gate)
+    if x.dim() == 0:
+        raise ValueError(f"trifuse.{op}: a gate needs an input with a last dim of features; got a 0-dim input")
     per_token = _check_per_token(op, "gate", gate, x, _width(x))
     acc = _acc(torch.promote_types(x.dtype, residual.dtype))
     if torch.promote_types(acc, gate.dtype) != acc:

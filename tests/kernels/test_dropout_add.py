@@ -622,6 +622,12 @@ def test_gated_bad_gate_raises_clear_error(gate, exc, match):
         trifuse.ops.dropout_add(torch.ones(2, 5, 8, device=DEVICE), torch.ones(2, 5, 8, device=DEVICE), P, gate=gate)
 
 
+def test_gated_0_dim_input_raises_clear_error():
+    with pytest.raises(ValueError, match="dropout_add: a gate needs an input with a last dim"):
+        trifuse.ops.dropout_add(torch.tensor(1.0, device=DEVICE), torch.tensor(2.0, device=DEVICE), 0.0,
+                                gate=torch.tensor(3.0, device=DEVICE))
+
+
 def test_gated_backward_keeps_x_only_for_dgate():
     """x is saved for dgate alone, as PyTorch's product keeps it: a frozen gate (a LayerScale not
     trained) leaves the backward reading dy only."""
