@@ -843,11 +843,13 @@ def _gated_save(ctx, x, residual, gate, bias, seed, p) -> None:
     _save_dtypes(ctx, x, residual, bias)
 
 
-def _gated_kernel_grads(ctx, dy, needs):
-    """The backward kernels' (dx, dresidual, dgate rows, dbias), needs as (x, residual, gate, bias)."""
+def _gated_kernel_grads(ctx, dy, needs, launcher=None):
+    """The backward kernels' (dx, dresidual, dgate, dbias), needs as (x, residual, gate, bias);
+    `launcher` the per-sample backward's (by default) or the per-token one's."""
     x, bias, gate, seed = ctx.saved_tensors
-    dx, dbias, dgate = gated_dropout_add_bwd(dy, x, bias, gate, seed, ctx.p,
-                                             (needs[0], needs[3] and bias is not None, needs[2]), ctx.x_dtype)
+    launcher = launcher or gated_dropout_add_bwd
+    dx, dbias, dgate = launcher(dy, x, bias, gate, seed, ctx.p, (needs[0], needs[3] and bias is not None, needs[2]),
+                                ctx.x_dtype)
     return _gated_grads(ctx, dx, dbias, dgate, dy)
 
 
@@ -856,12 +858,20 @@ def _gated_setup(ctx, inputs, output):
     _gated_save(ctx, x, residual, gate, bias, output[1], p)
 
 
-def _gated_registered_twice(ctx, dy, _):
-    needs = ctx.needs_input_grad  # (x, residual, gate, p, bias)
-    view = ctx_as(ctx, (needs[0], needs[1], needs[2], needs[4]), p=ctx.p, x_dtype=ctx.x_dtype,
-                  residual_dtype=ctx.residual_dtype, bias_dtype=ctx.bias_dtype)
-    dx, dres, dgate, dbias = _gated_twice(view, dy)
-    return dx, dres, dgate, None, dbias
+def _registered_twice(twice):
+    """`twice` (the eager Function's, inputs (x, residual, gate, bias)) for a registered gated op,
+    whose inputs are (x, residual, gate, p, bias)."""
+    def registered_twice(ctx, dy, _):
+        needs = ctx.needs_input_grad
+        view = ctx_as(ctx, (needs[0], needs[1], needs[2], needs[4]), p=ctx.p, x_dtype=ctx.x_dtype,
+                      residual_dtype=ctx.residual_dtype, bias_dtype=ctx.bias_dtype)
+        dx, dres, dgate, dbias = twice(view, dy)
+        return dx, dres, dgate, None, dbias
+
+    return registered_twice
+
+
+_gated_registered_twice = _registered_twice(_gated_twice)
 
 
 @single_backward(twice=_gated_registered_twice, op="dropout_add")
@@ -953,28 +963,7 @@ def _gated_rows_twice(ctx, dy):
     return _gated_grads(ctx, dx if needs[0] else None, dbias, dgate, dy)
 
 
-def _gated_rows_kernel_grads(ctx, dy, needs):
-    """The backward kernel's (dx, dresidual, dgate, dbias), needs as (x, residual, gate, bias)."""
-    x, bias, gate, seed = ctx.saved_tensors
-    dx, dbias, dgate = gated_rows_dropout_add_bwd(dy, x, bias, gate, seed, ctx.p,
-                                                  (needs[0], needs[3] and bias is not None, needs[2]), ctx.x_dtype)
-    return _gated_grads(ctx, dx, dbias, dgate, dy)
-
-
-def _gated_rows_setup(ctx, inputs, output):
-    x, residual, gate, p, bias = inputs
-    _gated_save(ctx, x, residual, gate, bias, output[1], p)
-
-
-def _gated_rows_registered_twice(ctx, dy, _):
-    needs = ctx.needs_input_grad  # (x, residual, gate, p, bias)
-    view = ctx_as(ctx, (needs[0], needs[1], needs[2], needs[4]), p=ctx.p, x_dtype=ctx.x_dtype,
-                  residual_dtype=ctx.residual_dtype, bias_dtype=ctx.bias_dtype)
-    dx, dres, dgate, dbias = _gated_rows_twice(view, dy)
-    return dx, dres, dgate, None, dbias
-
-
-@single_backward(twice=_gated_rows_registered_twice, op="dropout_add")
+@single_backward(twice=_registered_twice(_gated_rows_twice), op="dropout_add")
 def _gated_rows_backward(ctx, dy, _):
     x, bias, gate, seed = ctx.saved_tensors
     needs = ctx.needs_input_grad
@@ -987,7 +976,7 @@ def _gated_rows_backward(ctx, dy, _):
 
 
 torch.library.register_autograd("trifuse::gated_dropout_add_rows", _gated_rows_backward,
-                                setup_context=_gated_rows_setup)
+                                setup_context=_gated_setup)
 
 
 class _GatedRowsDropoutAddFunction(torch.autograd.Function):
@@ -1001,7 +990,7 @@ class _GatedRowsDropoutAddFunction(torch.autograd.Function):
     @single_backward(twice=lambda ctx, dy: (*_gated_rows_twice(ctx, dy), None))
     def backward(ctx, dy):
         with profiled("trifuse::gated_dropout_add_rows_backward"):
-            return (*_gated_rows_kernel_grads(ctx, dy, ctx.needs_input_grad), None)
+            return (*_gated_kernel_grads(ctx, dy, ctx.needs_input_grad, gated_rows_dropout_add_bwd), None)
 
 
 # =============================================================================================

@@ -524,25 +524,35 @@ def test_gated_gradients_are_deterministic():
         assert torch.equal(a, a_)
 
 
+def _gate_and_registered_op(shape, kind):
+    """A per-sample gate (B, 1, N) and the registered op called on its rows, or a per-token chunk
+    (B, S, N) and the per-token registered op."""
+    if kind == "per-sample":
+        gate = make_gate(shape, (shape[0], 1, shape[-1]), torch.float32)
+        return gate, lambda x, r, g, p, b: torch.ops.trifuse.gated_dropout_add(x, r, da_mod._gate_rows(g, x), p, b)
+    return make_token_gate(shape, "token-chunk", torch.float32), torch.ops.trifuse.gated_dropout_add_rows
+
+
+@pytest.mark.parametrize("kind", ["per-sample", "per-token"])
 @pytest.mark.parametrize("p", [0.0, P])
-def test_gated_eager_path_and_registered_op_are_bitwise_equal(p):
+def test_gated_eager_path_and_registered_op_are_bitwise_equal(p, kind):
     x, r, b = make((3, 13, 70), torch.float32)
-    gate = make_gate((3, 13, 70), (3, 1, 70), torch.float32)
-    rows = da_mod._gate_rows(gate, x)
+    gate, registered = _gate_and_registered_op((3, 13, 70), kind)
     torch.manual_seed(11)
     eager = trifuse.ops.dropout_add(x, r, p, bias=b, gate=gate)
     torch.manual_seed(11)
-    op = torch.ops.trifuse.gated_dropout_add(x, r, rows, p, b)[0]
+    op = registered(x, r, gate, p, b)[0]
     assert torch.equal(eager, op)
     dy = torch.randn_like(eager)
     for a, a_ in zip(torch.autograd.grad(eager, (x, r, b, gate), dy), torch.autograd.grad(op, (x, r, b, gate), dy)):
         assert torch.equal(a, a_)
 
 
+@pytest.mark.parametrize("kind", ["per-sample", "per-token"])
 @pytest.mark.parametrize("p", [0.0, P])
-def test_gated_compiles_fullgraph_without_graph_breaks(p):
+def test_gated_compiles_fullgraph_without_graph_breaks(p, kind):
     x, r, b = make((2, 4, 48), torch.float32)
-    gate = make_gate((2, 4, 48), (2, 1, 48), torch.float32)
+    gate = _gate_and_registered_op((2, 4, 48), kind)[0]
     fn = torch.compile(lambda x, r, b, g: trifuse.ops.dropout_add(x, r, p, bias=b, gate=g), fullgraph=True,
                        backend="aot_eager")
     torch.manual_seed(5)
@@ -587,10 +597,12 @@ def test_gated_gradcheck_float64_twice_differentiable():
                                     (x, r, rows, b))
 
 
-def test_gated_reference_path_without_interpreter_matches(monkeypatch):
+@pytest.mark.parametrize("gate_shape", [(3, 1, 37), (3, 20, 1)], ids=["per-sample", "per-token"])
+def test_gated_reference_path_without_interpreter_matches(monkeypatch, gate_shape):
     monkeypatch.setattr(da_mod, "use_triton", lambda t: False)
     x, r, b = make((3, 20, 37), torch.float32)
-    check_gated(x, r, b, make_gate((3, 20, 37), (3, 1, 37), torch.float32))
+    make_one = make_gate if gate_shape[1] == 1 else make_token_gate
+    check_gated(x, r, b, make_one((3, 20, 37), gate_shape, torch.float32))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -755,36 +767,6 @@ def test_per_token_dbias_is_summed_over_several_programs_deterministically(monke
         assert torch.equal(a, a_)
 
 
-@pytest.mark.parametrize("p", [0.0, P])
-def test_per_token_eager_path_and_registered_op_are_bitwise_equal(p):
-    x, r, b = make((3, 13, 70), torch.float32)
-    gate = make_token_gate((3, 13, 70), "token-chunk", torch.float32)
-    torch.manual_seed(11)
-    eager = trifuse.ops.dropout_add(x, r, p, bias=b, gate=gate)
-    torch.manual_seed(11)
-    op = torch.ops.trifuse.gated_dropout_add_rows(x, r, gate, p, b)[0]
-    assert torch.equal(eager, op)
-    dy = torch.randn_like(eager)
-    for a, a_ in zip(torch.autograd.grad(eager, (x, r, b, gate), dy), torch.autograd.grad(op, (x, r, b, gate), dy)):
-        assert torch.equal(a, a_)
-
-
-@pytest.mark.parametrize("p", [0.0, P])
-def test_per_token_compiles_fullgraph_without_graph_breaks(p):
-    x, r, b = make((2, 4, 48), torch.float32)
-    gate = make_token_gate((2, 4, 48), (2, 4, 48), torch.float32)
-    fn = torch.compile(lambda x, r, b, g: trifuse.ops.dropout_add(x, r, p, bias=b, gate=g), fullgraph=True,
-                       backend="aot_eager")
-    torch.manual_seed(5)
-    out = fn(x, r, b, gate)
-    torch.manual_seed(5)
-    ref = trifuse.ops.dropout_add(x, r, p, bias=b, gate=gate)
-    assert torch.equal(out, ref)
-    for a, a_ in zip(torch.autograd.grad(out, (x, r, b, gate), torch.ones_like(out)),
-                     torch.autograd.grad(ref, (x, r, b, gate), torch.ones_like(ref))):
-        assert torch.equal(a, a_)
-
-
 def test_per_token_opcheck_every_op():
     x = torch.randn(2, 3, 16, device=DEVICE, requires_grad=True)
     r = torch.randn(2, 3, 16, device=DEVICE, requires_grad=True)
@@ -817,12 +799,6 @@ def test_per_token_gradcheck_float64_twice_differentiable():
         assert torch.autograd.gradgradcheck(seeded, (x, r, b, gate))
         assert torch.autograd.gradcheck(
             lambda x, r, g, b: torch.ops.trifuse.gated_dropout_add_rows(x, r, g, 0.0, b)[0], (x, r, gate, b))
-
-
-def test_per_token_reference_path_without_interpreter_matches(monkeypatch):
-    monkeypatch.setattr(da_mod, "use_triton", lambda t: False)
-    x, r, b = make((3, 20, 37), torch.float32)
-    check_gated(x, r, b, make_token_gate((3, 20, 37), (3, 20, 1), torch.float32))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
