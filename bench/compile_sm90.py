@@ -160,8 +160,12 @@ def _catalogue(torch, family: str):
                 yield f"bias_gelu {n} {approximate}", fwd_bwd(
                     lambda x=x, b=b, a=approximate: ops.bias_gelu(x, b, approximate=a))
     elif family == "dropout_add":
-        x, r, b = leaf(tile_rows, 1024), leaf(tile_rows, 1024), leaf(1024)
-        yield "dropout_add 1024 p=0.1 bias", fwd_bwd(lambda x=x, r=r, b=b: ops.dropout_add(x, r, 0.1, bias=b))
+        # (first, the smoke's) the plain one, then a per-token fp32 gated add of its output with a bias
+        # and dropout, every per-token flag on: both of their backward kernels in one call
+        x, r, b = leaf(2, tile_rows, 1024), leaf(2, tile_rows, 1024), leaf(1024)
+        g = leaf(2, tile_rows, 1024, dtype=torch.float32)
+        yield "dropout_add 1024 p=0.1 bias, then a per-token float32 gate p=0.1 bias", fwd_bwd(
+            lambda x=x, r=r, g=g, b=b: ops.dropout_add(ops.dropout_add(x, r, 0.1, bias=b), r, 0.1, bias=b, gate=g))
         # the gated add at a diffusion transformer block's end: Flux's bf16 gate; FLUX.3's per-token
         # bf16 gate, and a per-token fp32 one with a bias and dropout (the per-token kernels); then
         # (last, the smoke's) Wan's fp32 gate with a linear's bias folded in and dropout, every flag on

@@ -212,9 +212,10 @@ MODELS = {
     # gpt-oss: attention sinks in every layer (a sliding-window one and a full one), the sinks'
     # gradient through the op's dsinks; the router and the clamps of the SwiGLU experts are left,
     # their `gate * sigmoid(gate * 1.702)` (swiglu_alpha: QuickGELU's function) is bias_gelu's
-    # quick form, one call for all experts
+    # quick form, one call for all experts; its rotary (`second * cos + first * sin` on the halves, cat
+    # back) is no spelling the rotary op takes, and q's and k's sum of products are gated adds (per position)
     "gpt_oss": (_family("gpt_oss"), {"rms_norm": L + 1, "attention": L, "bias_gelu": L, "residual_stream": L,
-                                     **LOSS}),
+                                     "dropout_add": 2 * L, **LOSS}),
     # TrOCR: BART's older bmm attention on (B*H, S, D) tensors under the causal mask, a LayerNorm on
     # the embeddings; MiMo-V2-Flash: one layer without sinks (the max-subtracted chain), one with;
     # Granite's sinks as an output scale, the sinks' gradient through the op's dsinks
@@ -254,7 +255,7 @@ MODELS = {
 OPS = {"layer_norm": ("trifuse::layer_norm",), "rms_norm": ("trifuse::rms_norm",),
        "attention": ("trifuse::attention",), "bias_gelu": ("trifuse::bias_gelu",),
        "gated_activation": ("trifuse::gated_activation",),
-       "dropout_add": ("trifuse::dropout_add",),
+       "dropout_add": ("trifuse::dropout_add", "trifuse::gated_dropout_add", "trifuse::gated_dropout_add_rows"),
        "residual_stream": ("trifuse::dropout_add_layer_norm", "trifuse::dropout_add_rms_norm",
                            "trifuse::layer_norm_add", "trifuse::rms_norm_add"),
        "cross_entropy": ("trifuse::cross_entropy", "trifuse::linear_cross_entropy"),

@@ -232,10 +232,11 @@ def test_mixture_of_experts_fused_and_sharded(world, kind, order):
     MLP) fuse on their column shards, one per layer. gpt-oss's attention with its sinks fuses on
     the local heads; its norms fuse alone, as in one process of this float64 model (they compute
     in float32: a cast down before the norm, which no residual-stream op takes; in float32 its
-    residual adds fuse on shards as in one process)."""
+    residual adds fuse on shards as in one process); the second halves of its rotary, `second * cos +
+    first * sin`, as gated adds on the local heads."""
     counts_of = {"qwen3_moe": {"rms_norm": 7, "rotary": 2, "attention": 2, "residual_stream": 2},
                  "mixtral": {"rms_norm": 3, "rotary": 2, "attention": 2, "residual_stream": 2},
-                 "gpt_oss": {"rms_norm": 5, "attention": 2}}
+                 "gpt_oss": {"rms_norm": 5, "attention": 2, "dropout_add": 4}}
     counts_of["qwen2_moe"] = counts_of["glm4_moe"] = counts_of["mixtral"]
     for failures, checks, counts in world.run(fused_equal_to_single_process, kind, order, True):
         assert checks > 30
