@@ -37,6 +37,20 @@ def _quiet_transformers():
     return transformers
 
 
+
+def gpt_oss_rotary_tables_have_unit_stride() -> bool:
+    """Whether this transformers' gpt-oss rotary gives cos and sin tables with a unit last-dim
+    stride. Newer ones multiply position by frequency (contiguous); older ones take a matmul's
+    transpose (a view of last-dim stride head_dim / 2), which the per-position gated add reads
+    only by copying, so its rotary halves are rightly left there."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+
+    tf = _quiet_transformers()
+    cfg = tf.AutoConfig.for_model("gpt_oss", **_FAMILIES["gpt_oss"])
+    x = torch.zeros(1, 3, HIDDEN)
+    _, sin = GptOssRotaryEmbedding(cfg)(x, torch.arange(3)[None])
+    return sin.stride(-1) == 1
+
 @_on_device
 def gpt2(dropout: float = 0.0, layers: int = LAYERS, attn_implementation: str = "sdpa"):
     tf = _quiet_transformers()

@@ -213,9 +213,11 @@ MODELS = {
     # gradient through the op's dsinks; the router and the clamps of the SwiGLU experts are left,
     # their `gate * sigmoid(gate * 1.702)` (swiglu_alpha: QuickGELU's function) is bias_gelu's
     # quick form, one call for all experts; its rotary (`second * cos + first * sin` on the halves, cat
-    # back) is no spelling the rotary op takes, and q's and k's sum of products are gated adds (per position)
+    # back) is no spelling the rotary op takes, and q's and k's sum of products are gated adds (per
+    # position) where the sin table has a unit last-dim stride (older transformers give a transposed view)
     "gpt_oss": (_family("gpt_oss"), {"rms_norm": L + 1, "attention": L, "bias_gelu": L, "residual_stream": L,
-                                     "dropout_add": 2 * L, **LOSS}),
+                                     **({"dropout_add": 2 * L} if _models.gpt_oss_rotary_tables_have_unit_stride()
+                                        else {}), **LOSS}),
     # TrOCR: BART's older bmm attention on (B*H, S, D) tensors under the causal mask, a LayerNorm on
     # the embeddings; MiMo-V2-Flash: one layer without sinks (the max-subtracted chain), one with;
     # Granite's sinks as an output scale, the sinks' gradient through the op's dsinks
