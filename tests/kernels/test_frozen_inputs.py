@@ -12,83 +12,7 @@ reached here under a no-op TorchFunctionMode.
 """
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
-from trifuse import ops
-
-N = 24  # not a power of two
-
-
-class _Traced(TorchFunctionMode):
-    """Any active function mode sends the public ops to their registered `trifuse::` form."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
-
-
-def _rand(*shape, scale=1.0, shift=0.0):
-    return torch.randn(*shape) * scale + shift
-
-
-def _cases():
-    """name -> (inputs: dict of differentiable tensors, call(inputs) -> tensor or tuple)."""
-    cases = {}
-
-    def case(name, make, call):
-        cases[name] = (make, call)
-
-    case("bias_gelu", lambda: {"x": _rand(3, 5, N), "bias": _rand(N, scale=2)},
-         lambda t: ops.bias_gelu(t["x"], t["bias"]))
-    case("dropout_add_gated", lambda: {"x": _rand(3, 5, N), "residual": _rand(3, 5, N), "bias": _rand(N, scale=3),
-                                           "gate": _rand(3, 1, N)},
-         lambda t: ops.dropout_add(t["x"], t["residual"], 0.0, True, t["bias"], t["gate"]))
-    case("dropout_add_gated_per_token", lambda: {"x": _rand(3, 5, N), "residual": _rand(3, 5, N),
-                                                     "bias": _rand(N, scale=3), "gate": _rand(3, 5, N)},
-         lambda t: ops.dropout_add(t["x"], t["residual"], 0.0, True, t["bias"], t["gate"]))
-    case("dropout_add_layer_norm", lambda: {"x": _rand(3, 5, N), "residual": _rand(3, 5, N), "weight": _rand(N, shift=1),
-                                                "bias": _rand(N), "x_bias": _rand(N, scale=3)},
-         lambda t: ops.dropout_add_layer_norm(t["x"], t["residual"], N, t["weight"], t["bias"], x_bias=t["x_bias"]))
-    case("gated_activation", lambda: {"gate": _rand(3, 5, N), "up": _rand(3, 5, N)},
-         lambda t: ops.gated_activation(t["gate"], t["up"]))
-    for per in ("sample", "token"):
-        rows = 1 if per == "sample" else 5
-        case(f"gated_add_layer_norm_modulate_per_{per}",
-             lambda rows=rows: {"x": _rand(3, 5, N), "residual": _rand(3, 5, N), "gate": _rand(3, rows, N),
-                                    "mul": _rand(3, rows, N), "add": _rand(3, rows, N), "weight": _rand(N, shift=1),
-                                    "bias": _rand(N)},
-             lambda t: ops.gated_add_layer_norm_modulate(t["x"], t["residual"], t["gate"], N, t["mul"], t["add"],
-                                                         t["weight"], t["bias"], mul_offset=1.0))
-        case(f"layer_norm_modulate_per_{per}",
-             lambda rows=rows: {"x": _rand(3, 5, N), "mul": _rand(3, rows, N), "add": _rand(3, rows, N),
-                                    "weight": _rand(N, shift=1), "bias": _rand(N)},
-             lambda t: ops.layer_norm_modulate(t["x"], N, t["mul"], t["add"], t["weight"], t["bias"]))
-    case("group_norm_silu", lambda: {"x": _rand(2, 6, 5, 3), "weight": _rand(6, shift=1), "bias": _rand(6)},
-         lambda t: ops.group_norm(t["x"], 3, t["weight"], t["bias"], activation="silu"))
-    case("layer_norm_residual", lambda: {"x": _rand(3, 5, N), "weight": _rand(N, shift=1), "bias": _rand(N),
-                                             "residual": _rand(3, 5, N)},
-         lambda t: ops.layer_norm(t["x"], N, t["weight"], t["bias"], residual=t["residual"]))
-    case("layer_norm_add", lambda: {"x": _rand(3, 5, N), "residual": _rand(3, 5, N), "weight": _rand(N, shift=1),
-                                        "bias": _rand(N)},
-         lambda t: ops.layer_norm_add(t["x"], t["residual"], N, t["weight"], t["bias"]))
-    case("rms_norm_residual", lambda: {"x": _rand(3, 5, N), "weight": _rand(N, shift=1), "residual": _rand(3, 5, N)},
-         lambda t: ops.rms_norm(t["x"], N, t["weight"], residual=t["residual"]))
-    case("rotary", lambda: {"q": _rand(2, 3, 5, 8), "k": _rand(2, 1, 5, 8)},
-         lambda t: ops.rotary_embedding(t["q"], t["k"], *_rotary_table()))
-    case("linear_cross_entropy", lambda: {"hidden": _rand(7, N), "weight": _rand(11, N, scale=0.3),
-                                              "bias": _rand(11)},
-         lambda t: ops.linear_cross_entropy(t["hidden"], t["weight"], torch.arange(7) % 11, t["bias"]))
-    case("attention_sinks", lambda: {"q": _rand(2, 2, 5, 8), "k": _rand(2, 2, 6, 8), "v": _rand(2, 2, 6, 8),
-                                         "sinks": _rand(2)},
-         lambda t: ops.attention(t["q"], t["k"], t["v"], sinks=t["sinks"]))
-    return cases
-
-
-def _rotary_table():
-    angle = torch.arange(5.0)[:, None] * torch.arange(1.0, 5.0)[None, :] * 0.3
-    angle = torch.cat([angle, angle], dim=-1)[None, None]
-    return angle.cos(), angle.sin()
-
-
-CASES = _cases()
+from _op_cases import CASES, Traced
 
 
 def _grads(make, call, wanted: set[str], traced: bool) -> dict[str, torch.Tensor]:
@@ -97,7 +21,7 @@ def _grads(make, call, wanted: set[str], traced: bool) -> dict[str, torch.Tensor
     for name, t in inputs.items():
         t.requires_grad_(name in wanted)
     if traced:
-        with _Traced():
+        with Traced():
             out = call(inputs)
     else:
         out = call(inputs)

@@ -1,0 +1,99 @@
+"""One call of every op and form with differentiable inputs, for the tests that run each op the
+same way (tests/kernels/test_frozen_inputs.py, tests/kernels/test_grad_layouts.py): small awkward
+shapes, each input drawn fresh, and a no-op TorchFunctionMode that sends the public ops to their
+registered `trifuse::` form."""
+import torch
+from torch.overrides import TorchFunctionMode
+from trifuse import ops
+
+N = 24  # not a power of two
+
+
+class Traced(TorchFunctionMode):
+    """Any active function mode sends the public ops to their registered `trifuse::` form."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def rand(*shape, scale=1.0, shift=0.0):
+    return torch.randn(*shape) * scale + shift
+
+
+def _cases():
+    """name -> (inputs: dict of differentiable tensors, call(inputs) -> tensor or tuple)."""
+    cases = {}
+
+    def case(name, make, call):
+        cases[name] = (make, call)
+
+    case("bias_gelu", lambda: {"x": rand(3, 5, N), "bias": rand(N, scale=2)},
+         lambda t: ops.bias_gelu(t["x"], t["bias"]))
+    case("dropout_add_gated", lambda: {"x": rand(3, 5, N), "residual": rand(3, 5, N), "bias": rand(N, scale=3),
+                                           "gate": rand(3, 1, N)},
+         lambda t: ops.dropout_add(t["x"], t["residual"], 0.0, True, t["bias"], t["gate"]))
+    case("dropout_add_gated_per_token", lambda: {"x": rand(3, 5, N), "residual": rand(3, 5, N),
+                                                     "bias": rand(N, scale=3), "gate": rand(3, 5, N)},
+         lambda t: ops.dropout_add(t["x"], t["residual"], 0.0, True, t["bias"], t["gate"]))
+    case("dropout_add_layer_norm", lambda: {"x": rand(3, 5, N), "residual": rand(3, 5, N), "weight": rand(N, shift=1),
+                                                "bias": rand(N), "x_bias": rand(N, scale=3)},
+         lambda t: ops.dropout_add_layer_norm(t["x"], t["residual"], N, t["weight"], t["bias"], x_bias=t["x_bias"]))
+    case("gated_activation", lambda: {"gate": rand(3, 5, N), "up": rand(3, 5, N)},
+         lambda t: ops.gated_activation(t["gate"], t["up"]))
+    for per in ("sample", "token"):
+        rows = 1 if per == "sample" else 5
+        case(f"gated_add_layer_norm_modulate_per_{per}",
+             lambda rows=rows: {"x": rand(3, 5, N), "residual": rand(3, 5, N), "gate": rand(3, rows, N),
+                                    "mul": rand(3, rows, N), "add": rand(3, rows, N), "weight": rand(N, shift=1),
+                                    "bias": rand(N)},
+             lambda t: ops.gated_add_layer_norm_modulate(t["x"], t["residual"], t["gate"], N, t["mul"], t["add"],
+                                                         t["weight"], t["bias"], mul_offset=1.0))
+        case(f"layer_norm_modulate_per_{per}",
+             lambda rows=rows: {"x": rand(3, 5, N), "mul": rand(3, rows, N), "add": rand(3, rows, N),
+                                    "weight": rand(N, shift=1), "bias": rand(N)},
+             lambda t: ops.layer_norm_modulate(t["x"], N, t["mul"], t["add"], t["weight"], t["bias"]))
+    case("group_norm_silu", lambda: {"x": rand(2, 6, 5, 3), "weight": rand(6, shift=1), "bias": rand(6)},
+         lambda t: ops.group_norm(t["x"], 3, t["weight"], t["bias"], activation="silu"))
+    case("layer_norm_residual", lambda: {"x": rand(3, 5, N), "weight": rand(N, shift=1), "bias": rand(N),
+                                             "residual": rand(3, 5, N)},
+         lambda t: ops.layer_norm(t["x"], N, t["weight"], t["bias"], residual=t["residual"]))
+    case("layer_norm_add", lambda: {"x": rand(3, 5, N), "residual": rand(3, 5, N), "weight": rand(N, shift=1),
+                                        "bias": rand(N)},
+         lambda t: ops.layer_norm_add(t["x"], t["residual"], N, t["weight"], t["bias"]))
+    case("rms_norm_residual", lambda: {"x": rand(3, 5, N), "weight": rand(N, shift=1), "residual": rand(3, 5, N)},
+         lambda t: ops.rms_norm(t["x"], N, t["weight"], residual=t["residual"]))
+    case("rotary", lambda: {"q": rand(2, 3, 5, 8), "k": rand(2, 1, 5, 8)},
+         lambda t: ops.rotary_embedding(t["q"], t["k"], *_rotary_table()))
+    case("linear_cross_entropy", lambda: {"hidden": rand(7, N), "weight": rand(11, N, scale=0.3),
+                                              "bias": rand(11)},
+         lambda t: ops.linear_cross_entropy(t["hidden"], t["weight"], torch.arange(7) % 11, t["bias"]))
+    case("attention_sinks", lambda: {"q": rand(2, 2, 5, 8), "k": rand(2, 2, 6, 8), "v": rand(2, 2, 6, 8),
+                                         "sinks": rand(2)},
+         lambda t: ops.attention(t["q"], t["k"], t["v"], sinks=t["sinks"]))
+    # forms the frozen-input cases above do not reach: several outputs (readers of one narrowed y,
+    # the residual stream's y and sum), a per-row loss, causal GQA attention, packed sequences
+    case("layer_norm_three_readers_fp16", lambda: {"x": rand(3, 5, N), "weight": rand(N, shift=1), "bias": rand(N)},
+         lambda t: ops.layer_norm(t["x"], N, t["weight"], t["bias"], out_dtype=torch.float16, readers=3))
+    case("rms_norm_full_y", lambda: {"x": rand(3, 5, N), "weight": rand(N, shift=1)},
+         lambda t: ops.rms_norm(t["x"], N, t["weight"], out_dtype=torch.float16, full_y=True))
+    case("dropout_add_rms_norm", lambda: {"x": rand(3, 5, N), "residual": rand(3, 5, N), "weight": rand(N, shift=1)},
+         lambda t: ops.dropout_add_layer_norm(t["x"], t["residual"], N, t["weight"], is_rms_norm=True))
+    case("cross_entropy_per_row", lambda: {"logits": rand(7, 11, scale=3)},
+         lambda t: ops.cross_entropy(t["logits"], torch.tensor([0, 3, -100, 10, 5, 5, 1]), reduction="none"))
+    case("attention_causal_gqa", lambda: {"q": rand(2, 4, 5, 8), "k": rand(2, 2, 7, 8), "v": rand(2, 2, 7, 8)},
+         lambda t: ops.attention(t["q"], t["k"], t["v"], is_causal=True, enable_gqa=True))
+    case("attention_varlen", lambda: {"q": rand(9, 2, 8), "k": rand(9, 2, 8), "v": rand(9, 2, 8)},
+         lambda t: ops.attention_varlen(t["q"], t["k"], t["v"], torch.tensor([0, 4, 9], dtype=torch.int32),
+                                        torch.tensor([0, 4, 9], dtype=torch.int32), causal=True))
+    case("gated_activation_gelu_tanh", lambda: {"gate": rand(3, 5, N), "up": rand(3, 5, N)},
+         lambda t: ops.gated_activation(t["gate"], t["up"], "gelu_tanh"))
+    return cases
+
+
+def _rotary_table():
+    angle = torch.arange(5.0)[:, None] * torch.arange(1.0, 5.0)[None, :] * 0.3
+    angle = torch.cat([angle, angle], dim=-1)[None, None]
+    return angle.cos(), angle.sin()
+
+
+CASES = _cases()
