@@ -30,13 +30,13 @@ def _cases():
     case("bias_gelu", lambda: {"x": rand(3, 5, N), "bias": rand(N, scale=2)},
          lambda t: ops.bias_gelu(t["x"], t["bias"]))
     case("dropout_add_gated", lambda: {"x": rand(3, 5, N), "residual": rand(3, 5, N), "bias": rand(N, scale=3),
-                                           "gate": rand(3, 1, N)},
+                                       "gate": rand(3, 1, N)},
          lambda t: ops.dropout_add(t["x"], t["residual"], 0.0, True, t["bias"], t["gate"]))
     case("dropout_add_gated_per_token", lambda: {"x": rand(3, 5, N), "residual": rand(3, 5, N),
-                                                     "bias": rand(N, scale=3), "gate": rand(3, 5, N)},
+                                                 "bias": rand(N, scale=3), "gate": rand(3, 5, N)},
          lambda t: ops.dropout_add(t["x"], t["residual"], 0.0, True, t["bias"], t["gate"]))
     case("dropout_add_layer_norm", lambda: {"x": rand(3, 5, N), "residual": rand(3, 5, N), "weight": rand(N, shift=1),
-                                                "bias": rand(N), "x_bias": rand(N, scale=3)},
+                                            "bias": rand(N), "x_bias": rand(N, scale=3)},
          lambda t: ops.dropout_add_layer_norm(t["x"], t["residual"], N, t["weight"], t["bias"], x_bias=t["x_bias"]))
     case("gated_activation", lambda: {"gate": rand(3, 5, N), "up": rand(3, 5, N)},
          lambda t: ops.gated_activation(t["gate"], t["up"]))
@@ -44,31 +44,31 @@ def _cases():
         rows = 1 if per == "sample" else 5
         case(f"gated_add_layer_norm_modulate_per_{per}",
              lambda rows=rows: {"x": rand(3, 5, N), "residual": rand(3, 5, N), "gate": rand(3, rows, N),
-                                    "mul": rand(3, rows, N), "add": rand(3, rows, N), "weight": rand(N, shift=1),
-                                    "bias": rand(N)},
+                                "mul": rand(3, rows, N), "add": rand(3, rows, N), "weight": rand(N, shift=1),
+                                "bias": rand(N)},
              lambda t: ops.gated_add_layer_norm_modulate(t["x"], t["residual"], t["gate"], N, t["mul"], t["add"],
                                                          t["weight"], t["bias"], mul_offset=1.0))
         case(f"layer_norm_modulate_per_{per}",
              lambda rows=rows: {"x": rand(3, 5, N), "mul": rand(3, rows, N), "add": rand(3, rows, N),
-                                    "weight": rand(N, shift=1), "bias": rand(N)},
+                                "weight": rand(N, shift=1), "bias": rand(N)},
              lambda t: ops.layer_norm_modulate(t["x"], N, t["mul"], t["add"], t["weight"], t["bias"]))
     case("group_norm_silu", lambda: {"x": rand(2, 6, 5, 3), "weight": rand(6, shift=1), "bias": rand(6)},
          lambda t: ops.group_norm(t["x"], 3, t["weight"], t["bias"], activation="silu"))
     case("layer_norm_residual", lambda: {"x": rand(3, 5, N), "weight": rand(N, shift=1), "bias": rand(N),
-                                             "residual": rand(3, 5, N)},
+                                         "residual": rand(3, 5, N)},
          lambda t: ops.layer_norm(t["x"], N, t["weight"], t["bias"], residual=t["residual"]))
     case("layer_norm_add", lambda: {"x": rand(3, 5, N), "residual": rand(3, 5, N), "weight": rand(N, shift=1),
-                                        "bias": rand(N)},
+                                    "bias": rand(N)},
          lambda t: ops.layer_norm_add(t["x"], t["residual"], N, t["weight"], t["bias"]))
     case("rms_norm_residual", lambda: {"x": rand(3, 5, N), "weight": rand(N, shift=1), "residual": rand(3, 5, N)},
          lambda t: ops.rms_norm(t["x"], N, t["weight"], residual=t["residual"]))
     case("rotary", lambda: {"q": rand(2, 3, 5, 8), "k": rand(2, 1, 5, 8)},
          lambda t: ops.rotary_embedding(t["q"], t["k"], *_rotary_table()))
     case("linear_cross_entropy", lambda: {"hidden": rand(7, N), "weight": rand(11, N, scale=0.3),
-                                              "bias": rand(11)},
+                                          "bias": rand(11)},
          lambda t: ops.linear_cross_entropy(t["hidden"], t["weight"], torch.arange(7) % 11, t["bias"]))
     case("attention_sinks", lambda: {"q": rand(2, 2, 5, 8), "k": rand(2, 2, 6, 8), "v": rand(2, 2, 6, 8),
-                                         "sinks": rand(2)},
+                                     "sinks": rand(2)},
          lambda t: ops.attention(t["q"], t["k"], t["v"], sinks=t["sinks"]))
     # forms the frozen-input cases above do not reach: several outputs (readers of one narrowed y,
     # the residual stream's y and sum), a per-row loss, causal GQA attention, packed sequences
@@ -78,6 +78,12 @@ def _cases():
          lambda t: ops.rms_norm(t["x"], N, t["weight"], out_dtype=torch.float16, full_y=True))
     case("dropout_add_rms_norm", lambda: {"x": rand(3, 5, N), "residual": rand(3, 5, N), "weight": rand(N, shift=1)},
          lambda t: ops.dropout_add_layer_norm(t["x"], t["residual"], N, t["weight"], is_rms_norm=True))
+    case("dropout_add", lambda: {"x": rand(3, 5, N), "residual": rand(3, 5, N), "bias": rand(N, scale=3)},
+         lambda t: ops.dropout_add(t["x"], t["residual"], 0.0, True, t["bias"]))
+    case("dropout_add_p", lambda: {"x": rand(3, 5, N), "residual": rand(3, 5, N)},
+         lambda t: ops.dropout_add(t["x"], t["residual"], 0.3))
+    case("rms_norm_add", lambda: {"x": rand(3, 5, N), "residual": rand(3, 5, N), "weight": rand(N, shift=1)},
+         lambda t: ops.layer_norm_add(t["x"], t["residual"], N, t["weight"], is_rms_norm=True))
     case("cross_entropy_per_row", lambda: {"logits": rand(7, 11, scale=3)},
          lambda t: ops.cross_entropy(t["logits"], torch.tensor([0, 3, -100, 10, 5, 5, 1]), reduction="none"))
     case("attention_causal_gqa", lambda: {"q": rand(2, 4, 5, 8), "k": rand(2, 2, 7, 8), "v": rand(2, 2, 7, 8)},
@@ -87,6 +93,39 @@ def _cases():
                                         torch.tensor([0, 4, 9], dtype=torch.int32), causal=True))
     case("gated_activation_gelu_tanh", lambda: {"gate": rand(3, 5, N), "up": rand(3, 5, N)},
          lambda t: ops.gated_activation(t["gate"], t["up"], "gelu_tanh"))
+    # options and dtypes: masks (one that wants a gradient), dropout, softcap, windows, q/k/v as
+    # transposed views of (B, S, H, D), no affine, 16-bit inputs, label smoothing
+    case("attention_float_mask", lambda: {"q": rand(2, 2, 5, 8), "k": rand(2, 2, 7, 8), "v": rand(2, 2, 7, 8),
+                                          "mask": rand(1, 2, 5, 7)},
+         lambda t: ops.attention(t["q"], t["k"], t["v"], attn_mask=t["mask"]))
+    case("attention_bool_mask_softcap_dropout", lambda: {"q": rand(2, 2, 5, 8), "k": rand(2, 2, 7, 8),
+                                                         "v": rand(2, 2, 7, 8)},
+         lambda t: ops.attention(t["q"], t["k"], t["v"], attn_mask=torch.arange(7) < 5, dropout_p=0.25,
+                                 softcap=4.0))
+    case("attention_transposed_fp16", lambda: {"q": rand(2, 5, 2, 16).half(), "k": rand(2, 7, 2, 16).half(),
+                                               "v": rand(2, 7, 2, 16).half()},
+         lambda t: ops.attention(*(t[n].transpose(1, 2) for n in "qkv"), is_causal=True))
+    case("attention_varlen_window_sinks", lambda: {"q": rand(9, 2, 8), "k": rand(9, 2, 8), "v": rand(9, 2, 8),
+                                                   "sinks": rand(2)},
+         lambda t: ops.attention_varlen(t["q"], t["k"], t["v"], torch.tensor([0, 6, 9], dtype=torch.int32),
+                                        torch.tensor([0, 6, 9], dtype=torch.int32), causal=True, sinks=t["sinks"],
+                                        sliding_window=2))
+    case("bias_gelu_quick_fp16", lambda: {"x": rand(3, 5, N).half(), "bias": rand(N).half()},
+         lambda t: ops.bias_gelu(t["x"], t["bias"], "quick"))
+    case("cross_entropy_smoothing_fp16", lambda: {"logits": rand(7, 11, scale=3).half()},
+         lambda t: ops.cross_entropy(t["logits"], torch.tensor([0, 3, -100, 10, 5, 5, 1]), label_smoothing=0.1))
+    case("dropout_add_layer_norm_p", lambda: {"x": rand(3, 5, N), "residual": rand(3, 5, N),
+                                              "weight": rand(N, shift=1), "bias": rand(N)},
+         lambda t: ops.dropout_add_layer_norm(t["x"], t["residual"], N, t["weight"], t["bias"], p=0.25))
+    case("group_norm_no_affine", lambda: {"x": rand(2, 6, 7)}, lambda t: ops.group_norm(t["x"], 2))
+    case("layer_norm_no_affine", lambda: {"x": rand(4, 3, N, scale=5, shift=2)}, lambda t: ops.layer_norm(t["x"], N))
+    case("linear_cross_entropy_smoothing_sum", lambda: {"hidden": rand(7, N), "weight": rand(11, N, scale=0.3)},
+         lambda t: ops.linear_cross_entropy(t["hidden"], t["weight"], torch.tensor([0, 3, -100, 10, 5, 5, 1]),
+                                            reduction="sum", label_smoothing=0.2))
+    case("rms_norm_fp16", lambda: {"x": rand(3, 5, N).half(), "weight": rand(N, shift=1).half()},
+         lambda t: ops.rms_norm(t["x"], N, t["weight"]))
+    case("rotary_interleaved", lambda: {"q": rand(2, 3, 5, 8), "k": rand(2, 3, 5, 8)},
+         lambda t: ops.rotary_embedding(t["q"], t["k"], *_rotary_table(), interleaved=True))
     return cases
 
 

@@ -1,0 +1,71 @@
+"""Every registered `trifuse::` op passes torch.library.opcheck on the calls the ops really make.
+
+The calls are recorded (a TorchDispatchMode) while each op and form of tests/_op_cases.py runs
+forward and backward on its registered path, once with every input wanting a gradient and once
+with each input alone wanting one: the backward ops then get their needs-gradient masks and the
+empty outputs that stand for gradients nobody asked for. opcheck checks each call's schema
+(no undeclared aliasing or mutation: two outputs that are one tensor fail here), the fake
+implementation against the real outputs' shapes, strides and dtypes, and the op under
+AOTAutograd with dynamic shapes. Every op in the namespace must be reached by some case.
+"""
+import pytest
+import torch
+from _op_cases import CASES, Traced
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "trifuse":
+            clone = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), (args, kwargs))
+            self.calls.append((func, *clone))
+        return func(*args, **kwargs)
+
+
+def _recorded_calls(name: str) -> list:
+    """(op, args, kwargs) of each distinct call: the forward once, the backward per gradient mask."""
+    make, call = CASES[name]
+    every = sorted(make())
+    calls, seen = [], set()
+    for wanted in [every] + [[n] for n in every] if len(every) > 1 else [every]:
+        torch.manual_seed(1)
+        inputs = make()
+        for n, t in inputs.items():
+            t.requires_grad_(n in wanted)
+        with _Recorder() as recorder:
+            with Traced():
+                out = call(inputs)
+            outs = [o for o in (out if isinstance(out, tuple) else (out,)) if o is not None and o.requires_grad]
+            torch.manual_seed(2)
+            torch.autograd.grad(outs, [inputs[n] for n in wanted], [torch.randn_like(o) for o in outs],
+                                allow_unused=True)
+        for func, args, kwargs in recorder.calls:
+            key = (str(func), repr(torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.numel() > 0,
+                                                                      (args, kwargs))))
+            if key not in seen:
+                seen.add(key)
+                calls.append((func, args, kwargs))
+    return calls
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_registered_calls_pass_opcheck(name):
+    calls = _recorded_calls(name)
+    assert calls, f"{name}: no trifuse op ran"
+    for func, args, kwargs in calls:
+        try:
+            torch.library.opcheck(func, args, kwargs)
+        except Exception as e:
+            raise AssertionError(f"{name}: {func} failed opcheck") from e
+
+
+def test_the_cases_reach_every_registered_op():
+    reached = {str(func).split(".")[1] for name in sorted(CASES) for func, _, _ in _recorded_calls(name)}
+    registered = {n for n in dir(torch.ops.trifuse) if isinstance(getattr(torch.ops.trifuse, n),
+                                                                  torch._ops.OpOverloadPacket)}
+    assert registered - reached == set()
