@@ -49,6 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..autotune import dialects, pow2_bucket
 from ._common import (
     acc_dtype,
     apply_function,
@@ -994,6 +995,83 @@ class _GatedRowsDropoutAddFunction(torch.autograd.Function):
 
 
 # =============================================================================================
+# Dialect: trifuse's kernels or PyTorch's `residual + gate * (x + bias)`, whichever is faster for
+# the shape, chosen once per key on the GPU and cached on disk (autotune/dialects.py). Without
+# dropout it is an add or two, where a small call's host path decides; with dropout only
+# trifuse's kernels take the call (PyTorch's dropout draws another mask and stores it for the
+# backward: not the same op). Traced calls always see the registered ops.
+# =============================================================================================
+
+
+def _dropout_add_key(x, residual, p, bias, gate):
+    """The dialect key of an eager call (after the public function's checks); None (trifuse's
+    kernels decide, and raise on a bad gate) when traced, empty or 0-dim. It runs on every call."""
+    if not eager_fast_path(x, residual, bias, gate) or x.dim() == 0:
+        return None
+    n = x.shape[-1]
+    rows = x.numel() // n if n else 0
+    if rows == 0:
+        return None
+    grad = torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad
+                                        or (bias is not None and bias.requires_grad)
+                                        or (gate is not None and gate.requires_grad))
+    # the gate by dtype and by how many rows it holds (one per sample, per token, per position)
+    gate_dtype, gate_rows = (None, 0) if gate is None else (gate.dtype, pow2_bucket(gate.numel() // max(n, 1)))
+    return (x.get_device() if x.is_cuda else -1, x.dtype, residual.dtype, pow2_bucket(rows), n,
+            None if bias is None else bias.dtype, gate_dtype, gate_rows, p > 0.0, grad)
+
+
+def _dropout_add_trifuse(x, residual, p, bias, gate):
+    if gate is not None and _check_gate(x, residual, gate):  # per token: read in place, a row at a time
+        if eager_fast_path(x, residual, gate, bias):
+            with profiled("trifuse::gated_dropout_add_rows"):
+                return apply_function(_GatedRowsDropoutAddFunction, x, residual, gate, bias, p)
+        return torch.ops.trifuse.gated_dropout_add_rows(x, residual, gate, p, bias)[0]
+    if gate is not None:
+        rows = _gate_rows(gate, x)
+        if eager_fast_path(x, residual, rows, bias):
+            with profiled("trifuse::gated_dropout_add"):
+                return apply_function(_GatedDropoutAddFunction, x, residual, rows, bias, p)
+        return torch.ops.trifuse.gated_dropout_add(x, residual, rows, p, bias)[0]
+    if eager_fast_path(x, residual, bias):
+        with profiled("trifuse::dropout_add"):
+            return apply_function(_DropoutAddFunction, x, residual, bias, p)
+    return torch.ops.trifuse.dropout_add(x, residual, p, bias)[0]
+
+
+def _dropout_add_torch_candidate(x, residual, p, bias, gate):
+    """PyTorch's ops for a call without dropout (supports rejects the others), in the op's output
+    dtype (x's promoted with residual's: a wider bias or gate is rounded away once at the end, as
+    the kernel does) and contiguous as trifuse's output."""
+    if gate is not None:
+        _check_gate(x, residual, gate)  # trifuse's errors: `*` would broadcast a gate the op refuses
+    with profiled("trifuse::dropout_add"):
+        z = x if bias is None else x + bias
+        y = residual + (z if gate is None else gate * z)
+        return y.to(torch.promote_types(x.dtype, residual.dtype)).contiguous()
+
+
+def _dropout_add_torch_supports(x, residual, p, bias, gate) -> str | None:
+    if p > 0.0:
+        return ("dropout: PyTorch's draws another mask and stores it for the backward (trifuse's is "
+                "regenerated from a seed), not exchanged")
+    return None
+
+
+def _dropout_add_dialect_ref(x, residual, p, bias, gate):
+    """The dialect's reference, for the calls it measures (no dropout)."""
+    return dropout_add_ref(x, residual, p, True, bias, gate=gate)
+
+
+DROPOUT_ADD = dialects.define(
+    "dropout_add", _dropout_add_key,
+    ("device", "dtype", "residual", "rows", "n", "bias", "gate", "gate_rows", "dropout", "grad"),
+    reference=_dropout_add_dialect_ref)
+DROPOUT_ADD.register(dialects.Candidate("trifuse", _dropout_add_trifuse))
+DROPOUT_ADD.register(dialects.Candidate("torch", _dropout_add_torch_candidate, supports=_dropout_add_torch_supports))
+
+
+# =============================================================================================
 # Public API
 # =============================================================================================
 
@@ -1032,24 +1110,14 @@ def dropout_add(
         repeatable; successive calls differ) and is regenerated in the backward: nothing per
         element is saved. p = 1 returns residual's values.
 
+    Eager calls without dropout run trifuse's kernels or PyTorch's adds, whichever the
+    `dropout_add` dialect measured faster for this shape on this GPU
+    (`trifuse.autotune.dialects.explain("dropout_add", x, residual, p, bias, gate)` says which);
+    with dropout, elsewhere, and under torch.compile, trifuse's.
+
     Raises:
         ValueError for p outside [0, 1], shapes that do not match, or tensors on different
         devices; TypeError for non-float tensors.
     """
     _check_inputs(x, residual, p, bias)
-    p = float(p) if training else 0.0
-    if gate is not None and _check_gate(x, residual, gate):  # per token: read in place, a row at a time
-        if eager_fast_path(x, residual, gate, bias):
-            with profiled("trifuse::gated_dropout_add_rows"):
-                return apply_function(_GatedRowsDropoutAddFunction, x, residual, gate, bias, p)
-        return torch.ops.trifuse.gated_dropout_add_rows(x, residual, gate, p, bias)[0]
-    if gate is not None:
-        rows = _gate_rows(gate, x)
-        if eager_fast_path(x, residual, rows, bias):
-            with profiled("trifuse::gated_dropout_add"):
-                return apply_function(_GatedDropoutAddFunction, x, residual, rows, bias, p)
-        return torch.ops.trifuse.gated_dropout_add(x, residual, rows, p, bias)[0]
-    if eager_fast_path(x, residual, bias):
-        with profiled("trifuse::dropout_add"):
-            return apply_function(_DropoutAddFunction, x, residual, bias, p)
-    return torch.ops.trifuse.dropout_add(x, residual, p, bias)[0]
+    return DROPOUT_ADD(x, residual, float(p) if training else 0.0, bias, gate)
