@@ -1696,6 +1696,95 @@ RMS_NORM.register(dialects.Candidate("trifuse", _rms_norm_trifuse))
 RMS_NORM.register(dialects.Candidate("torch", _rms_norm_torch, supports=_rms_norm_torch_supports))
 
 
+# The residual stream (s = residual + dropout(x + x_bias), y = norm(s)) the same way: trifuse's
+# one kernel each way, or PyTorch's add(s) and F.layer_norm / F.rms_norm. Without dropout only:
+# PyTorch's dropout draws another mask and stores it, so with dropout trifuse's kernels take the
+# call alone (nothing timed). Calls with several readers of y (or full_y) stay with trifuse's
+# kernels: their outputs nest.
+
+
+def _residual_stream_key(x, residual, normalized_shape, weight, bias, eps, p, x_bias, out_dtype):
+    """The dialect key of an eager residual-stream call; None (trifuse's kernels decide, and raise
+    on bad input) when traced, empty, or when the shapes do not fit. It runs on every call."""
+    if x is None or not eager_fast_path(x, residual, weight, bias, x_bias):
+        return None
+    n = _key_width(x.shape, normalized_shape)
+    rows = x.numel() // n if n else 0
+    if rows == 0:
+        return None
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                           for t in (x, residual, weight, bias, x_bias))
+    key = (x.get_device() if x.is_cuda else -1, x.dtype, None if residual is None else residual.dtype,
+           pow2_bucket(rows), n, None if weight is None else weight.dtype, None if bias is None else bias.dtype,
+           None if x_bias is None else x_bias.dtype, p > 0.0, grad)
+    return key if out_dtype is None else _narrowed_key(key, x, out_dtype, 1, False)
+
+
+_RESIDUAL_STREAM_KEY_NAMES = ("device", "dtype", "residual", "rows", "n", "weight", "bias", "x_bias", "dropout",
+                              "grad", "out")
+
+
+def _residual_stream_trifuse(op, is_rms_norm):
+    def run(x, residual, normalized_shape, weight, bias, eps, p, x_bias, out_dtype):
+        return _norm_kernels(op, x, normalized_shape, weight, bias, eps, residual, is_rms_norm, p, x_bias,
+                             out_dtype)
+    return run
+
+
+def _residual_stream_torch(op, is_rms_norm):
+    def run(x, residual, normalized_shape, weight, bias, eps, p, x_bias, out_dtype):
+        """PyTorch's add and norm for a call without dropout (supports rejects the others), with
+        trifuse's errors first (`+` would broadcast a residual the op refuses); s in x's dtype
+        promoted with residual's and contiguous, y in s's (or out_dtype), as trifuse's kernels."""
+        _check_norm_inputs(op, x, normalized_shape, weight, bias, eps, residual, x_bias, p)
+        if out_dtype is not None:
+            _check_narrowing(op, out_dtype)
+        with profiled(f"trifuse::{op}"):
+            s = x if x_bias is None else x + x_bias
+            if residual is not None:
+                s = residual + s
+            s = s.to(x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)).contiguous()
+        y = _torch_norm(op, s, normalized_shape, weight, bias, eps, is_rms_norm)
+        return (y if out_dtype is None else y.to(out_dtype)), s
+    return run
+
+
+def _residual_stream_torch_supports(x, residual, normalized_shape, weight, bias, eps, p, x_bias, out_dtype):
+    if p > 0.0:
+        return ("dropout: PyTorch's draws another mask and stores it for the backward (trifuse's is "
+                "regenerated from a seed), not exchanged")
+    s_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    allowed = (s_dtype, torch.float32) if s_dtype in (torch.float16, torch.bfloat16) else (s_dtype,)
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.dtype not in allowed:
+            return f"PyTorch's norm takes {name} in {' or '.join(map(str, allowed))}, got {t.dtype}"
+    return None
+
+
+def _residual_stream_ref(is_rms_norm):
+    def ref(x, residual, normalized_shape, weight, bias, eps, p, x_bias, out_dtype):
+        """The dialect's reference for the calls it measures (no dropout): (y, s), y narrowed as
+        `_layer_norm_dialect_ref` narrows it."""
+        out = layer_norm_ref(x, normalized_shape, weight, bias, eps, residual, is_rms_norm=is_rms_norm,
+                             x_bias=x_bias)
+        y, s = out if isinstance(out, tuple) else (out, x)  # (dropout alone: never measured)
+        return _narrowed_ref(y, x, out_dtype, 1, False), s
+    return ref
+
+
+DROPOUT_ADD_LAYER_NORM = dialects.define("dropout_add_layer_norm", _residual_stream_key, _RESIDUAL_STREAM_KEY_NAMES,
+                                         reference=_residual_stream_ref(False))
+DROPOUT_ADD_LAYER_NORM.register(dialects.Candidate(
+    "trifuse", _residual_stream_trifuse("dropout_add_layer_norm", False)))
+DROPOUT_ADD_LAYER_NORM.register(dialects.Candidate(
+    "torch", _residual_stream_torch("dropout_add_layer_norm", False), supports=_residual_stream_torch_supports))
+DROPOUT_ADD_RMS_NORM = dialects.define("dropout_add_rms_norm", _residual_stream_key, _RESIDUAL_STREAM_KEY_NAMES,
+                                       reference=_residual_stream_ref(True))
+DROPOUT_ADD_RMS_NORM.register(dialects.Candidate("trifuse", _residual_stream_trifuse("dropout_add_rms_norm", True)))
+DROPOUT_ADD_RMS_NORM.register(dialects.Candidate(
+    "torch", _residual_stream_torch("dropout_add_rms_norm", True), supports=_residual_stream_torch_supports))
+
+
 # =============================================================================================
 # Public API
 # =============================================================================================
@@ -1703,6 +1792,16 @@ RMS_NORM.register(dialects.Candidate("torch", _rms_norm_torch, supports=_rms_nor
 
 def _norm(op_name, x, normalized_shape, weight, bias, eps, residual, is_rms_norm, p=0.0, x_bias=None,
           out_dtype=None, readers=1, full_y=False):
+    if (residual is not None or p > 0.0 or x_bias is not None) and readers == 1 and not full_y:
+        # the residual stream with one y: its dialect (eager calls; traced ones get trifuse's)
+        dialect = DROPOUT_ADD_RMS_NORM if is_rms_norm else DROPOUT_ADD_LAYER_NORM
+        return dialect(x, residual, normalized_shape, weight, bias, eps, p, x_bias, out_dtype)
+    return _norm_kernels(op_name, x, normalized_shape, weight, bias, eps, residual, is_rms_norm, p, x_bias,
+                         out_dtype, readers, full_y)
+
+
+def _norm_kernels(op_name, x, normalized_shape, weight, bias, eps, residual, is_rms_norm, p=0.0, x_bias=None,
+                  out_dtype=None, readers=1, full_y=False):
     normalized_shape = _shape_list(op_name, normalized_shape)
     fused = residual is not None or p > 0.0 or x_bias is not None
     check_tensor(op_name, "input", x)
