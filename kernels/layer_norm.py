@@ -1794,6 +1794,8 @@ def _norm(op_name, x, normalized_shape, weight, bias, eps, residual, is_rms_norm
           out_dtype=None, readers=1, full_y=False):
     if (residual is not None or p > 0.0 or x_bias is not None) and readers == 1 and not full_y:
         # the residual stream with one y: its dialect (eager calls; traced ones get trifuse's)
+        if isinstance(normalized_shape, int):
+            normalized_shape = (normalized_shape,)
         dialect = DROPOUT_ADD_RMS_NORM if is_rms_norm else DROPOUT_ADD_LAYER_NORM
         return dialect(x, residual, normalized_shape, weight, bias, eps, p, x_bias, out_dtype)
     return _norm_kernels(op_name, x, normalized_shape, weight, bias, eps, residual, is_rms_norm, p, x_bias,
@@ -1887,7 +1889,8 @@ def layer_norm(
         x: (..., *normalized_shape), fp16 / bf16 / fp32 / fp64; any strides.
         weight, bias: normalized_shape, optional; any float dtype.
         residual: like x, optional. When given, computes s = x + residual and y = LN(s) in one
-            pass and returns (y, s): the pre-norm residual stream. Gradients reach x and residual.
+            pass and returns (y, s): the pre-norm residual stream (`dropout_add_layer_norm`, its
+            dialect included). Gradients reach x and residual.
         out_dtype: y's dtype, when not x's (s keeps its own): the kernel rounds y to it once, as
             `y.to(out_dtype)` would, without that cast's pass over y, and the gradient arriving at
             y may be in it. `fuse` sets it under autocast where y feeds only matmuls that would
@@ -1983,6 +1986,12 @@ def dropout_add_layer_norm(
     x's device (torch.manual_seed controls it) and is regenerated in the backward; p=1 gives
     s = residual. Shapes, dtypes, out_dtype, readers and full_y (y's alone) as `layer_norm`; with
     is_rms_norm=True, bias must be None.
+
+    Eager calls without dropout and with one y run trifuse's kernel or PyTorch's add and norm,
+    whichever the `dropout_add_layer_norm` (`dropout_add_rms_norm`) dialect measured faster for
+    this shape on this GPU (`trifuse.autotune.dialects.explain("dropout_add_layer_norm", x,
+    residual, normalized_shape, weight, bias, eps, p, x_bias, out_dtype)` says which); so do
+    `layer_norm` and `rms_norm` with a residual. Elsewhere, and under torch.compile, trifuse's.
 
     Raises:
         ValueError for p outside [0, 1] and everything `layer_norm` rejects.
