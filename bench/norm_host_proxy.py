@@ -20,6 +20,7 @@ import torch.nn.functional as F  # noqa: E402
 import trifuse  # noqa: E402
 from trifuse.kernels import _launch  # noqa: E402
 from trifuse.kernels import bias_gelu as bg  # noqa: E402
+from trifuse.kernels import dropout_add as da  # noqa: E402
 from trifuse.kernels import group_norm as gn  # noqa: E402
 from trifuse.kernels import layer_norm as ln  # noqa: E402
 
@@ -87,6 +88,20 @@ def main() -> None:
         ("trifuse.ops.layer_norm, dialect -> torch", lambda: trifuse.ops.layer_norm(x, (1024,), w, b), (x, w, b)),
         ("torch r + F.dropout(x + b)", lambda: r + F.dropout(x + b, 0.1), (x, r, b)),
         ("trifuse.ops.dropout_add", lambda: trifuse.ops.dropout_add(x, r, 0.1, bias=b), (x, r, b)),
+        ("torch r + (x + b)", lambda: r + (x + b), (x, r, b)),
+        ("trifuse dropout_add kernels, p=0", lambda: da._dropout_add_trifuse(x, r, 0.0, b, None), (x, r, b)),
+        ("trifuse.ops.dropout_add p=0, dialect -> torch", lambda: trifuse.ops.dropout_add(x, r, 0.0, bias=b),
+         (x, r, b)),
+        ("torch s = r + x, F.layer_norm(s)", lambda: (F.layer_norm(r + x, (1024,), w, b), r + x), (x, r, w, b)),
+        ("trifuse residual stream kernels",
+         lambda: ln._norm_kernels("dropout_add_layer_norm", x, (1024,), w, b, 1e-5, r, False), (x, r, w, b)),
+        ("trifuse.ops.layer_norm(residual=), dialect -> torch",
+         lambda: trifuse.ops.layer_norm(x, (1024,), w, b, residual=r), (x, r, w, b)),
+        ("torch r + F.layer_norm(x)", lambda: r + F.layer_norm(x, (1024,), w, b), (x, r, w, b)),
+        ("trifuse layer_norm_add kernels",
+         lambda: ln.LAYER_NORM_ADD.candidate("trifuse").fn(x, r, [1024], w, b, 1e-5), (x, r, w, b)),
+        ("trifuse.ops.layer_norm_add, dialect -> torch", lambda: trifuse.ops.layer_norm_add(x, r, (1024,), w, b),
+         (x, r, w, b)),
         ("F.gelu(x + b)", lambda: F.gelu(x + b), (x, b)),
         ("trifuse bias_gelu kernels", lambda: bg._bias_gelu_trifuse(x, b, "none"), (x, b)),
         ("trifuse.ops.bias_gelu, dialect -> torch", lambda: trifuse.ops.bias_gelu(x, b), (x, b)),
@@ -118,6 +133,9 @@ def main() -> None:
         cases[f"{name} fwd+bwd"] = fwd_bwd(fn, inputs)
     pin(ln.LAYER_NORM, "torch", x, (1024,), w, b, 1e-5)
     pin(bg.BIAS_GELU, "torch", x, b, "none")
+    pin(da.DROPOUT_ADD, "torch", x, r, 0.0, b, None)
+    pin(ln.DROPOUT_ADD_LAYER_NORM, "torch", x, r, (1024,), w, b, 1e-5, 0.0, None, None)
+    pin(ln.LAYER_NORM_ADD, "torch", x, r, [1024], w, b, 1e-5)
     width = max(map(len, cases))
     for name, step in cases.items():
         print(f"{name:{width}s}  {H.best_us_per_call(step):7.1f} µs")

@@ -1734,18 +1734,29 @@ def _residual_stream_trifuse(op, is_rms_norm):
 def _residual_stream_torch(op, is_rms_norm):
     def run(x, residual, normalized_shape, weight, bias, eps, p, x_bias, out_dtype):
         """PyTorch's add and norm for a call without dropout (supports rejects the others), with
-        trifuse's errors first (`+` would broadcast a residual the op refuses); s in x's dtype
-        promoted with residual's and contiguous, y in s's (or out_dtype), as trifuse's kernels."""
-        _check_norm_inputs(op, x, normalized_shape, weight, bias, eps, residual, x_bias, p)
+        trifuse's errors (`+` would broadcast a residual or x_bias the op refuses); s in x's
+        dtype promoted with residual's and contiguous, y in s's (or out_dtype), as trifuse's
+        kernels. trifuse's full checks (half this path's host time) run only where a cheap look
+        finds something off, or after PyTorch raised, to say what was wrong in trifuse's words;
+        the norm's own inputs are `_torch_norm`'s to check."""
+        if not (x.dtype in FLOAT_DTYPES and (residual is None or (residual.shape == x.shape
+                                                                  and residual.dtype in FLOAT_DTYPES))
+                and (x_bias is None or (tuple(x_bias.shape) == tuple(normalized_shape)
+                                        and x_bias.dtype in FLOAT_DTYPES))):
+            _check_norm_inputs(op, x, normalized_shape, weight, bias, eps, residual, x_bias, p)
         if out_dtype is not None:
             _check_narrowing(op, out_dtype)
-        with profiled(f"trifuse::{op}"):
-            s = x if x_bias is None else x + x_bias
-            if residual is not None:
-                s = residual + s
-            s = s.to(x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)).contiguous()
-        y = _torch_norm(op, s, normalized_shape, weight, bias, eps, is_rms_norm)
-        return (y if out_dtype is None else y.to(out_dtype)), s
+        try:
+            with profiled(f"trifuse::{op}"):
+                s = x if x_bias is None else x + x_bias
+                if residual is not None:
+                    s = residual + s
+                s = s.to(x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype))
+        except Exception:
+            _check_norm_inputs(op, x, normalized_shape, weight, bias, eps, residual, x_bias, p)
+            raise
+        y = _torch_norm(op, s.contiguous(), normalized_shape, weight, bias, eps, is_rms_norm)
+        return (y if out_dtype is None else y.to(out_dtype)), s.contiguous()
     return run
 
 
@@ -1783,6 +1794,74 @@ DROPOUT_ADD_RMS_NORM = dialects.define("dropout_add_rms_norm", _residual_stream_
 DROPOUT_ADD_RMS_NORM.register(dialects.Candidate("trifuse", _residual_stream_trifuse("dropout_add_rms_norm", True)))
 DROPOUT_ADD_RMS_NORM.register(dialects.Candidate(
     "torch", _residual_stream_torch("dropout_add_rms_norm", True), supports=_residual_stream_torch_supports))
+
+
+# The post-norm residual add (y = residual + norm(x), `layer_norm_add`) the same way: trifuse's
+# one kernel each way, or PyTorch's norm then the add.
+
+
+def _norm_add_key(x, residual, normalized_shape, weight, bias, eps):
+    """The dialect key of an eager `layer_norm_add` call; None (trifuse's kernels decide, and
+    raise on bad input) when traced, empty, or when the shapes do not fit."""
+    if x is None or residual is None or not eager_fast_path(x, residual, weight, bias):
+        return None
+    n = _key_width(x.shape, normalized_shape)
+    rows = x.numel() // n if n else 0
+    if rows == 0:
+        return None
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, residual, weight, bias))
+    return (x.get_device() if x.is_cuda else -1, x.dtype, residual.dtype, pow2_bucket(rows), n,
+            None if weight is None else weight.dtype, None if bias is None else bias.dtype, grad)
+
+
+def _norm_add_trifuse(op, is_rms_norm):
+    def run(x, residual, normalized_shape, weight, bias, eps):
+        if eager_fast_path(x, weight, bias, residual):
+            n = _check_norm_add_inputs(op, x, residual, normalized_shape, weight, bias, eps)
+            with profiled(f"trifuse::{op}"):
+                return apply_function(_NormAddFunction, x, residual, weight, bias, n, eps, is_rms_norm, op)
+        if is_rms_norm:
+            return torch.ops.trifuse.rms_norm_add(x, residual, normalized_shape, weight, eps)[0]
+        return torch.ops.trifuse.layer_norm_add(x, residual, normalized_shape, weight, bias, eps)[0]
+    return run
+
+
+def _norm_add_torch(op, is_rms_norm):
+    def run(x, residual, normalized_shape, weight, bias, eps):
+        """PyTorch's norm and add, with trifuse's errors first (`+` would broadcast a residual the
+        op refuses); the norm in x's dtype, y in x's promoted with residual's, contiguous."""
+        if residual is None or residual.shape != x.shape or residual.dtype not in FLOAT_DTYPES:
+            _check_norm_add_inputs(op, x, residual, normalized_shape, weight, bias, eps)  # raises
+        y = _torch_norm(op, x, normalized_shape, weight, bias, eps, is_rms_norm)  # (its inputs: its checks)
+        try:
+            with profiled(f"trifuse::{op}"):
+                return (residual + y).to(torch.promote_types(x.dtype, residual.dtype)).contiguous()
+        except Exception:
+            _check_norm_add_inputs(op, x, residual, normalized_shape, weight, bias, eps)
+            raise
+    return run
+
+
+def _norm_add_torch_supports(x, residual, normalized_shape, weight, bias, eps):
+    return _layer_norm_torch_supports(x, normalized_shape, weight, bias, eps)
+
+
+def _norm_add_ref(is_rms_norm):
+    def ref(x, residual, normalized_shape, weight, bias, eps):
+        """residual + norm(x), the norm in float64 for the oracle as for the tests."""
+        return residual + _norm_mixed(x, normalized_shape, weight, bias, eps, is_rms_norm)
+    return ref
+
+
+_NORM_ADD_KEY_NAMES = ("device", "dtype", "residual", "rows", "n", "weight", "bias", "grad")
+LAYER_NORM_ADD = dialects.define("layer_norm_add", _norm_add_key, _NORM_ADD_KEY_NAMES, reference=_norm_add_ref(False))
+LAYER_NORM_ADD.register(dialects.Candidate("trifuse", _norm_add_trifuse("layer_norm_add", False)))
+LAYER_NORM_ADD.register(dialects.Candidate("torch", _norm_add_torch("layer_norm_add", False),
+                                           supports=_norm_add_torch_supports))
+RMS_NORM_ADD = dialects.define("rms_norm_add", _norm_add_key, _NORM_ADD_KEY_NAMES, reference=_norm_add_ref(True))
+RMS_NORM_ADD.register(dialects.Candidate("trifuse", _norm_add_trifuse("rms_norm_add", True)))
+RMS_NORM_ADD.register(dialects.Candidate("torch", _norm_add_torch("rms_norm_add", True),
+                                         supports=_norm_add_torch_supports))
 
 
 # =============================================================================================
@@ -2036,6 +2115,10 @@ def layer_norm_add(
     Raises:
         TypeError for non-float tensors; ValueError for shapes, devices or eps that do not fit,
         and for a bias with is_rms_norm=True.
+
+    Eager calls run trifuse's kernel or PyTorch's norm and add, whichever the `layer_norm_add`
+    (`rms_norm_add`) dialect measured faster for this shape on this GPU; elsewhere, and under
+    torch.compile, trifuse's.
     """
     op = "rms_norm_add" if is_rms_norm else "layer_norm_add"
     if is_rms_norm and bias is not None:
@@ -2046,10 +2129,4 @@ def layer_norm_add(
         normalized_shape = (normalized_shape,)
     normalized_shape = list(normalized_shape)
     check_tensor(op, "input", x)
-    if eager_fast_path(x, weight, bias, residual):
-        n = _check_norm_add_inputs(op, x, residual, normalized_shape, weight, bias, eps)
-        with profiled(f"trifuse::{op}"):
-            return apply_function(_NormAddFunction, x, residual, weight, bias, n, eps, is_rms_norm, op)
-    if is_rms_norm:
-        return torch.ops.trifuse.rms_norm_add(x, residual, normalized_shape, weight, eps)[0]
-    return torch.ops.trifuse.layer_norm_add(x, residual, normalized_shape, weight, bias, eps)[0]
+    return (RMS_NORM_ADD if is_rms_norm else LAYER_NORM_ADD)(x, residual, normalized_shape, weight, bias, eps)

@@ -256,11 +256,15 @@ def test_torch_candidate_gives_the_ops_dtypes_and_keeps_them_under_autocast():
         torch.testing.assert_close(a, e, rtol=1e-3, atol=1e-3)
 
 
-@pytest.mark.parametrize("case", ["residual broadcasts", "x_bias shape", "eps", "out_dtype"])
+@pytest.mark.parametrize("case", ["residual broadcasts", "x_bias shape", "eps", "out_dtype", "integer input",
+                                  "integer residual", "weight shape"])
 def test_torch_candidate_raises_trifuse_errors(case):
     x, residual, ns, w, b, eps, p, xb, out = inputs("layer_norm_x_bias")
     args = {"residual broadcasts": (x, residual[:1], ns, w, b, eps, p, xb, out),  # `+` would take it
             "x_bias shape": (x, residual, ns, w, b, eps, p, xb[:1], out),  # so would this
+            "integer input": (x.detach().long(), residual, ns, w, b, eps, p, xb, out),  # s would be float
+            "integer residual": (x, residual.detach().long(), ns, w, b, eps, p, xb, out),
+            "weight shape": (x, residual, ns, w[:3], b, eps, p, xb, out),
             "eps": (x, residual, ns, w, b, -1.0, p, xb, out),
             "out_dtype": (x, residual, ns, w, b, eps, p, xb, torch.int32)}[case]
     with pytest.raises((TypeError, ValueError)) as want:
