@@ -8,9 +8,11 @@ The claim checked: with dialects on, every shape runs at least as fast as the be
 candidate, within noise ("dialect / best" near 1.00 or below), since the choice is measured.
 Rows also say which candidate the dialect chose and what it rejected. Dialects covered:
 layer_norm, rms_norm, bias_gelu (erf and tanh), gated_activation (SiLU), cross_entropy,
-rotary_embedding, group_norm (SiLU) and attention (causal and full). Bytes as in
+rotary_embedding, group_norm (SiLU), dropout_add, dropout_add_layer_norm and layer_norm_add
+(without dropout) and attention (causal and full). Bytes as in
 bench_layer_norm.py (LayerNorm fwd+bwd: 5·M·N·e + 5·N·e; RMSNorm the same without the bias:
-5·M·N·e + 3·N·e), bench_bias_gelu.py, bench_gated_activation.py (8·M·N·e),
+5·M·N·e + 3·N·e; y = r + LayerNorm(x): 6·M·N·e + 5·N·e), bench_dropout_add.py,
+bench_residual_stream.py, bench_bias_gelu.py, bench_gated_activation.py (8·M·N·e),
 bench_cross_entropy.py (logits read twice, dlogits written: 3·N·C·e), bench_rotary.py and
 bench_group_norm.py; attention FLOPs as in bench_attention.py. A forced candidate that cannot
 take a shape is an error row with its reason (never a silent fallback to trifuse's kernels).
@@ -23,9 +25,11 @@ import torch
 import bench_attention as BA
 import bench_bias_gelu as BG
 import bench_cross_entropy as BCE
+import bench_dropout_add as BDA
 import bench_gated_activation as BGA
 import bench_group_norm as BGN
 import bench_layer_norm as BL
+import bench_residual_stream as BRS
 import bench_rotary as BR
 import trifuse
 from trifuse.autotune import dialects
@@ -161,13 +165,81 @@ def group_norm_case(channels_last: bool = False):
     return dialect, providers, list(BGN.SHAPES), make_inputs, BGN.bytes_for, explain
 
 
+def dropout_add_case():
+    """(dialect, providers, shapes, make_inputs, bytes_for, explain) for residual + (x + bias)
+    without dropout (with dropout only trifuse's kernels take the call)."""
+    dialect = dialects.get("dropout_add")
+
+    def forced(candidate):
+        return lambda x, r, b: _forced(candidate, 0.0, b, None)(x, r)
+
+    providers = {f"only {c.name}": forced(c) for c in dialect.candidates}
+    providers["dialect"] = lambda x, r, b: trifuse.ops.dropout_add(x, r, 0.0, bias=b)
+    shapes = [*BDA.TARGET_SHAPES, *((BDA.ELEMENTS // n, n) for n in BDA.WIDTHS)]
+
+    def explain(shape):
+        x, r, b = BDA.make_inputs(shape)[0]
+        return dialect.explain(x, r, 0.0, b, None)
+    return dialect, providers, shapes, BDA.make_inputs, BDA.bytes_for, explain
+
+
+def residual_stream_case():
+    """(dialect, providers, shapes, make_inputs, bytes_for, explain) for the pre-norm residual
+    stream without dropout: s = r + (x + x_bias), y = LayerNorm(s), (y, s) returned."""
+    dialect = dialects.get("dropout_add_layer_norm")
+
+    def forced(candidate):
+        return lambda x, r, w, b, xb: _forced(candidate, r, (x.shape[-1],), w, b, BRS.EPS, 0.0, xb, None)(x)
+
+    def through_the_dialect(x, r, w, b, xb):
+        return trifuse.ops.dropout_add_layer_norm(x, r, (x.shape[-1],), w, b, BRS.EPS, x_bias=xb)
+
+    providers = {f"only {c.name}": forced(c) for c in dialect.candidates}
+    providers["dialect"] = through_the_dialect
+    shapes = [*BRS.TARGET_SHAPES, *((BRS.ELEMENTS // n, n) for n in BRS.WIDTHS)]
+
+    def explain(shape):
+        x, r, w, b, xb = BRS.make_inputs(shape)[0]
+        return dialect.explain(x, r, (shape[1],), w, b, BRS.EPS, 0.0, xb, None)
+    return dialect, providers, shapes, BRS.make_inputs, BRS.bytes_for, explain
+
+
+def layer_norm_add_case():
+    """(dialect, providers, shapes, make_inputs, bytes_for, explain) for the post-norm add
+    y = r + LayerNorm(x)."""
+    dialect = dialects.get("layer_norm_add")
+
+    def make_inputs(shape):
+        return BL.make_inputs(shape, residual=True)
+
+    def bytes_for(shape, mode):
+        m, n = shape
+        e = torch.finfo(BL.DTYPE).bits // 8
+        fwd, bwd = 3 * m * n * e + 2 * n * e, 3 * m * n * e + 3 * n * e  # r read, y written; dy read, dx written
+        return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]
+
+    def forced(candidate):
+        return lambda x, r, w, b: _forced(candidate, r, [x.shape[-1]], w, b, 1e-5)(x)
+
+    providers = {f"only {c.name}": forced(c) for c in dialect.candidates}
+    providers["dialect"] = lambda x, r, w, b: trifuse.ops.layer_norm_add(x, r, (x.shape[-1],), w, b)
+    shapes = [*BL.TARGET_SHAPES, *((BL.ELEMENTS // n, n) for n in BL.WIDTHS)]
+
+    def explain(shape):
+        x, r, w, b = make_inputs(shape)[0]
+        return dialect.explain(x, r, [shape[1]], w, b, 1e-5)
+    return dialect, providers, shapes, make_inputs, bytes_for, explain
+
+
 def other_cases() -> list[tuple[str, tuple]]:
     """(variant, case) for the dialects beside layer_norm and attention."""
     return [("rms_norm", rms_norm_case()), ("bias_gelu none", bias_gelu_case("none")),
             ("bias_gelu tanh", bias_gelu_case("tanh")), ("gated_activation silu", gated_activation_case("silu")),
             ("cross_entropy", cross_entropy_case()), ("rotary_embedding", rotary_case()),
             ("group_norm silu", group_norm_case()),
-            ("group_norm silu channels_last", group_norm_case(channels_last=True))]
+            ("group_norm silu channels_last", group_norm_case(channels_last=True)),
+            ("dropout_add", dropout_add_case()), ("dropout_add_layer_norm", residual_stream_case()),
+            ("layer_norm_add", layer_norm_add_case())]
 
 
 def attention_case(causal: bool):
@@ -268,7 +340,8 @@ def test_attention_dialect(benchmark, provider):
 @pytest.mark.parametrize("provider", ["only trifuse", "only torch", "dialect"])
 @pytest.mark.parametrize("variant", ["rms_norm", "bias_gelu none", "bias_gelu tanh", "gated_activation silu",
                                      "cross_entropy", "rotary_embedding", "group_norm silu",
-                                     "group_norm silu channels_last"])
+                                     "group_norm silu channels_last", "dropout_add", "dropout_add_layer_norm",
+                                     "layer_norm_add"])
 def test_other_dialects(benchmark, variant, provider):
     _, providers, _, make_inputs, _, explain = dict(other_cases())[variant]
     shape = {"cross_entropy": BCE.SMOKE_CE, "rotary_embedding": BR.SMOKE_SHAPE,
