@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..autotune import dialects, pow2_bucket
 from ..autotune.tuner import Tuner
 from . import attention as attn
 from ._common import (
@@ -817,6 +818,206 @@ class _VarlenFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None, None, None, dsinks, None
 
 
+# =============================================================================================
+# Dialect: trifuse's kernels, PyTorch's own varlen attention (torch.nn.attention.varlen, flash
+# backend) and flash-attn's flash_attn_varlen_func when importable; the fastest correct one chosen
+# once per (device, dtype, buckets of sequences, tokens and lengths, heads, head dims, flags) on the
+# GPU and cached on disk (autotune/dialects.py). Calls with a soft cap or sinks, and traced calls,
+# go to trifuse's kernels directly. The arguments reach the candidates checked (attention_varlen
+# runs the checks first) and normalized: (q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale,
+# causal, window), window 0 for none, causal only with equal offsets (where top-left and
+# bottom-right alignment agree).
+# =============================================================================================
+
+_DIALECT_KEY_NAMES = ("device", "dtype", "seqs", "tokens", "max_q", "max_k", "heads", "h_kv", "d", "dv", "causal",
+                      "window", "dropout", "grad")
+
+
+def _varlen_key(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, window):
+    """The dialect key of an eager call; None (trifuse's kernels) when traced or empty. Ints,
+    dtypes and flags: it runs on every call."""
+    if not eager_fast_path(q, k, v, cu_q, cu_k) or q.dim() != 3 or k.dim() != 3 or cu_q.dim() != 1:
+        return None
+    if not q.numel() or not k.numel():
+        return None
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    heads, h_kv = q.shape[1], k.shape[1]
+    return (q.get_device() if q.is_cuda else -1, q.dtype, pow2_bucket(cu_q.shape[0] - 1), pow2_bucket(q.shape[0]),
+            pow2_bucket(max_q), pow2_bucket(max_k), heads, h_kv if h_kv != heads else 0, q.shape[2], v.shape[2],
+            causal, pow2_bucket(window), dropout_p > 0.0, grad)
+
+
+def _varlen_trifuse(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, window, softcap=0.0, sinks=None):
+    """trifuse's kernels (the arguments checked by attention_varlen)."""
+    if eager_fast_path(q, k, v, cu_q, cu_k, sinks):
+        with profiled(f"trifuse::{OP}"):
+            return apply_function(_VarlenFunction, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal,
+                                  _resolve_scale(scale, q.shape[-1]), softcap, sinks, window)
+    return torch.ops.trifuse.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal,
+                                              None if scale is None else float(scale), softcap, sinks, window)[0]
+
+
+def _flash_layout_problem(library: str, q, k, v) -> str | None:
+    """Why a flash-style varlen kernel (PyTorch's or flash-attn's) cannot take these tensors, or None."""
+    if not q.is_cuda:
+        return f"{library} runs on CUDA, got {q.device.type} tensors"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"{library} takes float16 / bfloat16, got {str(q.dtype)[6:]}"
+    d = q.shape[-1]
+    if d % 8 != 0 or d > 256:
+        return f"{library} takes head dims that are multiples of 8 up to 256, got {d}"
+    if v.shape[-1] != d:
+        return f"{library} takes one head dim for q, k and v, got {d} and {v.shape[-1]} for v"
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        return f"{library} needs a unit stride on the head dim"
+    return None
+
+
+def _window_size(causal: bool, window: int) -> tuple[int, int]:
+    """flash-attn's (and PyTorch's varlen) window_size for trifuse's causal flag and window."""
+    if window:
+        return (window - 1, 0)
+    return (-1, 0) if causal else (-1, -1)
+
+
+@functools.cache
+def _torch_varlen_takes_gqa() -> bool:
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
+def _torch_varlen_supports(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, window) -> str | None:
+    problem = _flash_layout_problem("PyTorch's varlen_attn", q, k, v)
+    if problem is not None:
+        return problem
+    if dropout_p > 0.0:
+        return "PyTorch's varlen_attn takes no dropout"
+    if k.shape[1] != q.shape[1] and not _torch_varlen_takes_gqa():
+        return f"PyTorch's varlen_attn takes no GQA in torch {torch.__version__} (no enable_gqa)"
+    return None
+
+
+def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, window):
+    from torch.nn.attention.varlen import varlen_attn  # requires= checked it imports
+
+    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+    with profiled(f"trifuse::{OP}"):
+        return varlen_attn(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k, scale=scale,
+                           window_size=_window_size(causal, window), **gqa)
+
+
+def _flash_attn_varlen_supports(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, window) -> str | None:
+    return _flash_layout_problem("flash-attn", q, k, v)
+
+
+def _flash_attn_varlen(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, window):
+    from flash_attn import flash_attn_varlen_func  # requires= checked it imports
+
+    # Fewer kv heads (GQA / MQA) natively; causal only with equal offsets here, where its
+    # bottom-right alignment is trifuse's top-left.
+    return flash_attn_varlen_func(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k,
+                                  dropout_p=dropout_p, softmax_scale=scale, causal=causal,
+                                  window_size=_window_size(causal, window) if window else (-1, -1))
+
+
+# The check: each sequence against attention_ref in float64, a block of query rows at a time
+# (attention.py's `_reference_blocks`), outputs and gradients, with the reference in the inputs'
+# dtype as PyTorch's own error; with dropout, attention's: the call at p = 0 against the
+# reference, then at p > 0 a changed and repeatable output.
+
+
+def _varlen_reference(args: tuple, dtype: torch.dtype, dy: torch.Tensor | None, train: bool) -> list:
+    """[o, dq, dk, dv] (gradients only when train) of the packed call in `dtype`, sequence by sequence."""
+    q, k, v, cu_q, cu_k, _, _, _, scale, causal, window = args
+    o = q.new_zeros((q.shape[0], q.shape[1], v.shape[2]), dtype=dtype)
+    dq, dk, dv = (torch.zeros(t.shape, dtype=dtype, device=t.device) for t in (q, k, v))
+    gqa = k.shape[1] != q.shape[1]
+    for _, sq, sk in _spans(cu_q, cu_k):
+        if sq.stop == sq.start or sk.stop == sk.start:
+            continue  # no queries, or no keys: zeros, as the kernels give
+        mask, is_causal = None, causal
+        if window:  # the causal band as one bool mask
+            n_q, n_k = sq.stop - sq.start, sk.stop - sk.start
+            mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril() & _band(sq, sk, window, q.device)
+            is_causal = False
+        blocks = attn._reference_blocks((_heads_first(q[sq]), _heads_first(k[sk]), _heads_first(v[sk]), mask, 0.0,
+                                         is_causal, scale, gqa), dtype,
+                                        None if dy is None else _heads_first(dy[sq]), train)
+        o[sq] = blocks[0][0].transpose(0, 1)
+        if train:
+            dq[sq] = blocks[1][0].transpose(0, 1)
+            dk[sk] += blocks[2][0].transpose(0, 1)
+            dv[sk] += blocks[3][0].transpose(0, 1)
+    return [o, dq, dk, dv] if train else [o]
+
+
+def _varlen_dialect_ref(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, window):
+    """The spec of a dialect call without dropout: attention_ref per sequence."""
+    return _varlen_reference((q, k, v, cu_q, cu_k, max_q, max_k, 0.0, scale, causal, window), q.dtype, None,
+                             False)[0]
+
+
+def _varlen_output_like(q, k, v, *rest):
+    return q.new_empty((q.shape[0], q.shape[1], v.shape[2])).requires_grad_(
+        q.requires_grad or k.requires_grad or v.requires_grad)
+
+
+def _run_varlen(fn, args: tuple, dy: torch.Tensor, train: bool) -> list:
+    q, k, v = (t.detach().requires_grad_(train) for t in args[:3])
+    o = fn(q, k, v, *args[3:])
+    if not train:
+        return [o.detach()]
+    return [o.detach(), *torch.autograd.grad(o, (q, k, v), dy, allow_unused=True)]
+
+
+def _varlen_check(fn, args: tuple) -> str | None:
+    q, k, v = args[:3]
+    dropout_p = args[7]
+    train = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    no_drop = (*args[:7], 0.0, *args[8:])
+
+    def references():
+        gen = torch.Generator(device=q.device).manual_seed(0)
+        dy = torch.randn((q.shape[0], q.shape[1], v.shape[2]), generator=gen, device=q.device, dtype=q.dtype)
+        return dy, _varlen_reference(no_drop, torch.float64, dy, train), _varlen_reference(no_drop, q.dtype, dy, train)
+
+    with torch.autocast(q.device.type, enabled=False):
+        dy, ref64, ref_lowp = dialects.shared_by_checks("attention_varlen check", args, references)
+        got = _run_varlen(fn, no_drop, dy, train)
+    labels = ("output", "dq", "dk", "dv")
+    for label, g, e64, elp in zip(labels, got, ref64, ref_lowp):
+        problem = dialects.gate(label + (" at dropout_p=0" if dropout_p > 0.0 else ""), g, e64, elp)
+        if problem is not None:
+            return problem
+    if dropout_p <= 0.0:
+        return None
+    state = attn._rng_state(q.device)
+    first = _run_varlen(fn, args, dy, train)
+    attn._set_rng_state(q.device, state)
+    again = _run_varlen(fn, args, dy, train)
+    if dropout_p < 1.0 and torch.equal(first[0], got[0]):
+        return f"dropout check: the output at dropout_p={dropout_p} equals the one at 0"
+    if not torch.equal(first[0], again[0]):
+        return "dropout check: output is not repeatable from the same RNG state"
+    for label, a, b in zip(labels[1:], first[1:], again[1:]):
+        problem = attn._differs_beyond_rounding(a, b)  # atomics in others' backwards: rounding only
+        if problem is not None:
+            return f"dropout check: {label} is not repeatable from the same RNG state ({problem})"
+    return None
+
+
+ATTENTION_VARLEN = dialects.define(
+    OP, _varlen_key, _DIALECT_KEY_NAMES, reference=_varlen_dialect_ref, check=_varlen_check,
+    output_like=_varlen_output_like)
+ATTENTION_VARLEN.register(dialects.Candidate("trifuse", _varlen_trifuse))
+ATTENTION_VARLEN.register(dialects.Candidate("torch-varlen", _torch_varlen, supports=_torch_varlen_supports,
+                                             deterministic=False, requires=("torch.nn.attention.varlen",)))
+ATTENTION_VARLEN.register(dialects.Candidate("flash-attn", _flash_attn_varlen, supports=_flash_attn_varlen_supports,
+                                             deterministic=False, requires=("flash_attn",)))
+
+
 @outside_device_modes
 def attention_varlen(
     q: torch.Tensor,
@@ -860,6 +1061,11 @@ def attention_varlen(
 
     Under autocast, q, k and v are cast to the autocast dtype first, as SDPA's inputs are.
 
+    Eager calls without a soft cap or sinks run trifuse's kernels, PyTorch's varlen_attn or
+    flash-attn's flash_attn_varlen_func (when installed), whichever the `attention_varlen` dialect
+    found fastest and correct for this shape on this GPU (`trifuse.autotune.dialects.explain(
+    "attention_varlen")` lists the choices); elsewhere, and under torch.compile, trifuse's.
+
     Returns:
         (total_q, Hq, Dv), contiguous, in q's dtype.
 
@@ -889,10 +1095,11 @@ def attention_varlen(
     if eager_fast_path(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks):
         _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, causal, softmax_scale)
         _check_offsets(q, k, cu_seqlens_q, cu_seqlens_k, max_q, max_k, bool(causal))
-        with profiled(f"trifuse::{OP}"):
-            return apply_function(_VarlenFunction, q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k,
-                                  float(dropout_p), bool(causal), _resolve_scale(softmax_scale, q.shape[-1]),
-                                  softcap, sinks, window)
+        args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, float(dropout_p), softmax_scale, bool(causal),
+                window)
+        if softcap or sinks is not None:  # no other candidate takes both: trifuse's kernels
+            return _varlen_trifuse(*args, softcap, sinks)
+        return ATTENTION_VARLEN(*args)
     scale = None if softmax_scale is None else float(softmax_scale)
     return torch.ops.trifuse.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k,
                                               float(dropout_p), bool(causal), scale, softcap, sinks,
