@@ -7,7 +7,11 @@ packed batch of documents gets its attention.
 A shape (T, H, N, D) is one row of T tokens holding N documents (lengths drawn once from a
 seeded Dirichlet split, every document >= 1 token), H heads of dim D, causal within each
 document: what transformers' DataCollatorWithFlattening hands a decoder. Providers:
-    trifuse varlen            trifuse.ops.attention_varlen over the offsets
+    trifuse varlen            trifuse's varlen kernels over the offsets (the op's checks, then its
+                              "trifuse" candidate)
+    trifuse.ops.attention_varlen (dialect)
+                              the public op: its dialect's choice of trifuse's kernels, PyTorch's
+                              varlen_attn or flash-attn
     trifuse.ops.attention     the public op on the row with the (1, 1, T, T) bool mask transformers
                               builds for SDPA from packed position ids: what a fused model calls;
                               it recognizes the block-diagonal mask (checked once per mask, cached)
@@ -21,6 +25,7 @@ document: what transformers' DataCollatorWithFlattening hands a decoder. Provide
     sdpa-efficient block mask SDPA's memory-efficient backend with that mask (flash takes none)
     sdpa-flash per document   one causal SDPA flash call per document (a loop on the host)
     flex-attention            FlexAttention with a document block mask (compiled), GPU only
+    torch varlen_attn         torch.nn.attention.varlen.varlen_attn (its flash backend), GPU only
     flash-attn varlen         flash_attn_varlen_func, when importable
 The mask and the offsets are built once, outside the timing (transformers builds them once a
 step). FLOPs count each document's own square, halved for causal: sum_b 2 * H * s_b^2 * (D + D)
@@ -29,7 +34,6 @@ than that for the same answer, which is the point.
 """
 import _harness as H  # noqa: I001  (bench/conftest.py sets TRITON_INTERPRET before this)
 import functools
-import sys
 
 import pytest
 import torch
@@ -38,6 +42,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import trifuse
 from trifuse.kernels import attention as attn_mod
+from trifuse.kernels import attention_varlen as varlen_mod
 
 DTYPE = torch.bfloat16 if H.on_gpu() else torch.float32
 DEVICE = "cuda" if H.on_gpu() else "cpu"
@@ -87,6 +92,17 @@ def _tokens_first(t):
 
 
 def trifuse_varlen(q, k, v, shape):
+    """trifuse's kernels, always (trifuse.ops.attention_varlen may choose PyTorch's varlen_attn or
+    flash-attn: its dialect), after the checks the op runs."""
+    cu, longest, _ = packing(shape)
+    q, k, v = (_tokens_first(t) for t in (q, k, v))
+    varlen_mod._check_inputs(q, k, v, cu, cu, 0.0, True, None)
+    varlen_mod._check_offsets(q, k, cu, cu, longest, longest, True)
+    out = varlen_mod.ATTENTION_VARLEN.candidate("trifuse").fn(q, k, v, cu, cu, longest, longest, 0.0, None, True, 0)
+    return out.transpose(0, 1)[None]
+
+
+def dialect_varlen(q, k, v, shape):
     cu, longest, _ = packing(shape)
     out = trifuse.ops.attention_varlen(_tokens_first(q), _tokens_first(k), _tokens_first(v), cu, cu, longest,
                                        longest, causal=True)
@@ -154,7 +170,8 @@ def sdpa_flash_per_document(q, k, v, shape):
 
 
 def providers() -> dict:
-    out = {"trifuse varlen": trifuse_varlen, "trifuse.ops.attention": trifuse_ops_attention,
+    out = {"trifuse varlen": trifuse_varlen, "trifuse.ops.attention_varlen (dialect)": dialect_varlen,
+           "trifuse.ops.attention": trifuse_ops_attention,
            "trifuse block mask": trifuse_block_mask, "trifuse every block": trifuse_every_block}
     if not H.on_gpu():
         return {**out, "sdpa-math block mask": sdpa_math_block_mask}
@@ -175,6 +192,14 @@ def providers() -> dict:
         out["flex-attention"] = lambda q, k, v, shape: flex(q, k, v, block_mask=block_mask(shape))
     except ImportError:
         pass
+    torch_varlen = H.try_import("torch.nn.attention.varlen")
+    if torch_varlen is not None:
+        def torch_varlen_attn(q, k, v, shape):
+            cu, longest, _ = packing(shape)
+            q, k, v = (_tokens_first(t) for t in (q, k, v))
+            out = torch_varlen.varlen_attn(q, k, v, cu.int(), cu.int(), longest, longest, window_size=(-1, 0))
+            return out.transpose(0, 1)[None]
+        out["torch varlen_attn"] = torch_varlen_attn
     flash_attn = H.try_import("flash_attn")
     if flash_attn is not None:
         def flash_varlen(q, k, v, shape):

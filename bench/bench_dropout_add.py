@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import trifuse
+from trifuse.kernels import dropout_add as da_mod
 
 DTYPE = torch.bfloat16 if H.on_gpu() else torch.float32
 DEVICE = "cuda" if H.on_gpu() else "cpu"
@@ -59,7 +59,10 @@ def providers(p: float = P) -> dict:
         return r + F.dropout(x + b, p)
 
     def trifuse_dropout_add(x, r, b):
-        return trifuse.ops.dropout_add(x, r, p, bias=b)
+        # trifuse's kernels, always: without dropout trifuse.ops.dropout_add may choose PyTorch's
+        # adds (its dialect); the op's checks as it runs them
+        da_mod._check_inputs(x, r, p, b)
+        return da_mod.DROPOUT_ADD.candidate("trifuse").fn(x, r, p, b, None)
 
     out = {"trifuse": trifuse_dropout_add, "torch": torch_dropout_add}
     if H.on_gpu():
@@ -130,7 +133,8 @@ def gated_providers(wan: bool = False, per_token: bool = False) -> dict:
             return h + g[:, None] * x
 
     def trifuse_gated(x, h, g):
-        return trifuse.ops.dropout_add(x, h, 0.0, gate=g if per_token else g[:, None])
+        da_mod._check_inputs(x, h, 0.0, None)  # trifuse's kernels, always (as above)
+        return da_mod.DROPOUT_ADD.candidate("trifuse").fn(x, h, 0.0, None, g if per_token else g[:, None])
 
     out = {"trifuse": trifuse_gated, "torch": torch_gated}
     if H.on_gpu():

@@ -52,7 +52,10 @@ def providers(residual: bool = False) -> dict:
             return F.layer_norm(s, s.shape[-1:], w, b), s
 
         def trifuse_ln(x, r, w, b):
-            return trifuse.ops.layer_norm(x, x.shape[-1:], w, b, residual=r)
+            # trifuse's kernel, always: trifuse.ops.layer_norm(residual=) may choose PyTorch's add
+            # and F.layer_norm (the dropout_add_layer_norm dialect)
+            return ln_mod.DROPOUT_ADD_LAYER_NORM.candidate("trifuse").fn(x, r, x.shape[-1:], w, b, 1e-5, 0.0, None,
+                                                                         None)
     else:
         def torch_ln(x, w, b):
             return F.layer_norm(x, x.shape[-1:], w, b)

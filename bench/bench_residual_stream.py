@@ -29,7 +29,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import trifuse
+from trifuse.kernels import layer_norm as ln_mod
 
 DTYPE = torch.bfloat16 if H.on_gpu() else torch.float32
 DEVICE = "cuda" if H.on_gpu() else "cpu"
@@ -61,7 +61,9 @@ def providers(p: float = P) -> dict:
         return F.layer_norm(s, s.shape[-1:], w, b, EPS), s
 
     def trifuse_stream(x, r, w, b, xb):
-        return trifuse.ops.dropout_add_layer_norm(x, r, x.shape[-1:], w, b, EPS, p, True, xb)
+        # trifuse's kernel, always: without dropout trifuse.ops.dropout_add_layer_norm may choose
+        # PyTorch's add and norm (its dialect)
+        return ln_mod.DROPOUT_ADD_LAYER_NORM.candidate("trifuse").fn(x, r, x.shape[-1:], w, b, EPS, p, xb, None)
 
     out = {"trifuse": trifuse_stream, "torch": torch_stream}
     if H.on_gpu():
@@ -88,7 +90,8 @@ def post_providers() -> dict:
         return r + F.rms_norm(x, x.shape[-1:], w, EPS)
 
     def trifuse_post(x, r, w):
-        return trifuse.ops.layer_norm_add(x, r, x.shape[-1:], w, None, EPS, is_rms_norm=True)
+        # trifuse's kernel, always (trifuse.ops.layer_norm_add's dialect may choose PyTorch's)
+        return ln_mod.RMS_NORM_ADD.candidate("trifuse").fn(x, r, list(x.shape[-1:]), w, None, EPS)
 
     out = {"trifuse": trifuse_post, "torch": torch_post}
     if H.on_gpu():
