@@ -1387,6 +1387,84 @@ CROSS_ENTROPY.register(dialects.Candidate("torch", _cross_entropy_torch, support
 
 
 # =============================================================================================
+# Dialect of the LM head: trifuse's chunked kernels or PyTorch's F.linear + F.cross_entropy on the
+# whole logits. The op exists for memory, so PyTorch's path is a candidate only where memory does
+# not decide: where trifuse would take all the tokens in one chunk too (chunk_rows), the logits
+# exist whole either way and the choice is one of speed. Elsewhere trifuse's kernels take the call
+# with that reason. An explicit chunk_size asks for trifuse's chunking: no dialect.
+# =============================================================================================
+
+
+def _lce_key(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, compute_dtype, dtype):
+    """The dialect key of an eager call (after the op's checks); None when traced or empty."""
+    if not eager_fast_path(hidden, weight, target, bias) or hidden.dim() < 1 or weight.dim() != 2:
+        return None
+    tokens = target.numel()
+    if tokens == 0:
+        return None
+    grad = _wants_grad(hidden, weight, bias)
+    return (hidden.get_device() if hidden.is_cuda else -1, compute_dtype, pow2_bucket(tokens), weight.shape[0],
+            weight.shape[1], hidden.dtype, weight.dtype, None if bias is None else bias.dtype, reduction,
+            label_smoothing > 0, dtype, grad)
+
+
+def _lce_trifuse(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, compute_dtype, dtype,
+                 chunk_size=None):
+    """trifuse's kernels (the arguments checked by linear_cross_entropy)."""
+    with profiled("trifuse::linear_cross_entropy"):
+        if _wants_grad(hidden, weight, bias):
+            return apply_function(_LinearCrossEntropyFunction, hidden, weight, target, bias, ignore_index,
+                                  reduction, label_smoothing, compute_dtype, dtype, chunk_size)
+        # Inference: the loss alone (no dlogits, no gradient matmuls, no lse), no autograd node.
+        return linear_cross_entropy_fwd(hidden, weight, target, bias, ignore_index, reduction, label_smoothing,
+                                        compute_dtype, dtype, chunk_size, (False, False, False), store_lse=False)[0]
+
+
+def _lce_torch(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, compute_dtype, dtype):
+    """F.linear in the compute dtype, the loss in fp32 or wider (as trifuse's kernels compute it:
+    16-bit logits upcast, as HF's loss path does), in the op's loss dtype and shape."""
+    _check_target_range("linear_cross_entropy", target, weight.shape[0], ignore_index)
+    with profiled("trifuse::linear_cross_entropy"), no_autocast(hidden.device):
+        logits = F.linear(hidden.to(compute_dtype), weight.to(compute_dtype),
+                          None if bias is None else bias.to(compute_dtype))
+        x = logits.reshape(-1, logits.shape[-1])
+        if torch.promote_types(x.dtype, torch.float32) != x.dtype:
+            x = x.float()
+        t = target.reshape(-1)
+        t = t if t.dtype == torch.int64 else t.long()  # nll_loss takes int64 only
+        loss = _f_cross_entropy(x, t, ignore_index, reduction, label_smoothing, guard=x.is_cuda)
+        loss = loss.reshape(target.shape) if reduction == "none" else loss
+        return loss if loss.dtype == dtype else loss.to(dtype)
+
+
+def _lce_torch_supports(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, compute_dtype,
+                        dtype) -> str | None:
+    if not dtype.is_floating_point:
+        return f"the loss dtype must be a float dtype for F.cross_entropy, got {dtype}"
+    tokens, vocab = target.numel(), weight.shape[0]
+    if chunk_rows(tokens, padded_vocab(vocab), weight.shape[1], compute_dtype, hidden.device) < tokens:
+        mib = tokens * vocab * 4 / 2**20
+        return (f"PyTorch's path holds all {tokens} x {vocab} logits ({mib:.0f} MiB in fp32) where trifuse's "
+                "takes them in chunks: memory, not exchanged for speed")
+    return None
+
+
+def _lce_reference(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, compute_dtype, dtype):
+    """The spec (the loss on upcast logits, as HF computes it); the loss dtype is pinned by tests."""
+    return linear_cross_entropy_ref(hidden, weight, target, bias, ignore_index, reduction, label_smoothing,
+                                    upcast=hidden.dtype != torch.float64)
+
+
+LINEAR_CROSS_ENTROPY = dialects.define(
+    "linear_cross_entropy", _lce_key,
+    ("device", "dtype", "tokens", "vocab", "hidden", "hidden_dtype", "weight", "bias", "reduction", "smoothing",
+     "loss", "grad"),
+    reference=_lce_reference)
+LINEAR_CROSS_ENTROPY.register(dialects.Candidate("trifuse", _lce_trifuse))
+LINEAR_CROSS_ENTROPY.register(dialects.Candidate("torch", _lce_torch, supports=_lce_torch_supports))
+
+
+# =============================================================================================
 # Public API
 # =============================================================================================
 
@@ -1475,7 +1553,10 @@ def linear_cross_entropy(
         weight and bias in their own dtypes.
 
     Memory: O(chunk_size x V) for the logits, plus the weight's gradient; the (tokens x V)
-    logits never exist. With "mean" / "sum" the gradients are computed during the forward (when
+    logits never exist. Where trifuse would take all the tokens in one chunk anyway, eager calls
+    run its kernels or PyTorch's F.linear + F.cross_entropy, whichever the `linear_cross_entropy`
+    dialect measured faster on this GPU; elsewhere (and with chunk_size, and under torch.compile)
+    trifuse's kernels. With "mean" / "sum" the gradients are computed during the forward (when
     autograd will ask for them), so the backward only scales them.
 
     Raises:
@@ -1491,14 +1572,10 @@ def linear_cross_entropy(
     if eager_fast_path(hidden, weight, target, bias):
         _check_lce_inputs(hidden, weight, target, bias, ignore_index, reduction, label_smoothing,
                           compute_dtype, chunk_size)
-        with profiled("trifuse::linear_cross_entropy"):
-            if _wants_grad(hidden, weight, bias):
-                return apply_function(_LinearCrossEntropyFunction, hidden, weight, target, bias, ignore_index,
-                                      reduction, label_smoothing, compute_dtype, dtype, chunk_size)
-            # Inference: the loss alone (no dlogits, no gradient matmuls, no lse), no autograd node.
-            return linear_cross_entropy_fwd(hidden, weight, target, bias, ignore_index, reduction, label_smoothing,
-                                            compute_dtype, dtype, chunk_size, (False, False, False),
-                                            store_lse=False)[0]
+        args = (hidden, weight, target, bias, ignore_index, reduction, label_smoothing, compute_dtype, dtype)
+        if chunk_size is not None:  # trifuse's chunking asked for
+            return _lce_trifuse(*args, chunk_size)
+        return LINEAR_CROSS_ENTROPY(*args)
     grad = torch.is_grad_enabled()
     return torch.ops.trifuse.linear_cross_entropy(
         hidden, weight, target, bias, ignore_index, reduction, label_smoothing, compute_dtype, dtype,
