@@ -576,6 +576,16 @@ def padded_vocab(v: int) -> int:
     return v if v % 8 == 0 else -(-v // VOCAB_ALIGN) * VOCAB_ALIGN
 
 
+def chunk_budget(vocab_padded: int, hidden: int, device: torch.device) -> int:
+    """The bytes one chunk's logits may take: 8 V H, twice the fp32 weight gradient the caller
+    holds anyway, and at most a quarter of the free device memory (CPU: CPU_CHUNK_BYTES)."""
+    budget = 8 * vocab_padded * hidden
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return min(budget, free // 4)
+    return min(budget, CPU_CHUNK_BYTES)
+
+
 # Cached per problem: a training loop asks the same question every step, and the free-memory
 # query behind the answer costs a driver call (and reflects the first step's free memory,
 # which is the one that matters: later steps reuse the allocator's blocks).
@@ -586,13 +596,7 @@ def chunk_rows(tokens: int, vocab_padded: int, hidden: int, dtype: torch.dtype, 
     free device memory (CPU: CPU_CHUNK_BYTES). Chunks are then balanced, in multiples of 128 rows
     (a tensor-core tile) when they are that large."""
     row_bytes = max(vocab_padded * torch.finfo(dtype).bits // 8, 1)
-    budget = 8 * vocab_padded * hidden
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = min(budget, free // 4)
-    else:
-        budget = min(budget, CPU_CHUNK_BYTES)
-    rows = max(budget // row_bytes, 1)
+    rows = max(chunk_budget(vocab_padded, hidden, device) // row_bytes, 1)
     if rows >= tokens:
         return max(tokens, 1)
     chunks = -(-tokens // rows)
@@ -1389,9 +1393,10 @@ CROSS_ENTROPY.register(dialects.Candidate("torch", _cross_entropy_torch, support
 # =============================================================================================
 # Dialect of the LM head: trifuse's chunked kernels or PyTorch's F.linear + F.cross_entropy on the
 # whole logits. The op exists for memory, so PyTorch's path is a candidate only where memory does
-# not decide: where trifuse would take all the tokens in one chunk too (chunk_rows), the logits
-# exist whole either way and the choice is one of speed. Elsewhere trifuse's kernels take the call
-# with that reason. An explicit chunk_size asks for trifuse's chunking: no dialect.
+# not decide: where all it holds for the logits (with their gradient and the fp32 upcast) fits in
+# the budget trifuse allows itself for one chunk (chunk_budget), the choice is one of speed.
+# Elsewhere trifuse's kernels take the call, with that reason. An explicit chunk_size asks for
+# trifuse's chunking: no dialect.
 # =============================================================================================
 
 
@@ -1442,11 +1447,18 @@ def _lce_torch_supports(hidden, weight, target, bias, ignore_index, reduction, l
     if not dtype.is_floating_point:
         return f"the loss dtype must be a float dtype for F.cross_entropy, got {dtype}"
     tokens, vocab = target.numel(), weight.shape[0]
-    if chunk_rows(tokens, padded_vocab(vocab), weight.shape[1], compute_dtype, hidden.device) < tokens:
-        mib = tokens * vocab * 4 / 2**20
-        return (f"PyTorch's path holds all {tokens} x {vocab} logits ({mib:.0f} MiB in fp32) where trifuse's "
-                "takes them in chunks: memory, not exchanged for speed")
+    held = tokens * vocab * _TORCH_BYTES_PER_LOGIT
+    budget = chunk_budget(padded_vocab(vocab), weight.shape[1], hidden.device)
+    if held > budget:
+        return (f"PyTorch's path holds all {tokens} x {vocab} logits ({held / 2**20:.0f} MiB with their gradient "
+                f"and upcast), over the {budget / 2**20:.0f} MiB trifuse allows one chunk: memory, not exchanged "
+                "for speed")
     return None
+
+
+# What PyTorch's path holds per logit at most: the logits and their gradient in a 16-bit compute
+# dtype (2 + 2 bytes) and the fp32 upcast and its gradient (4 + 4); in fp32, 4 + 4.
+_TORCH_BYTES_PER_LOGIT = 12
 
 
 def _lce_reference(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, compute_dtype, dtype):
@@ -1553,10 +1565,10 @@ def linear_cross_entropy(
         weight and bias in their own dtypes.
 
     Memory: O(chunk_size x V) for the logits, plus the weight's gradient; the (tokens x V)
-    logits never exist. Where trifuse would take all the tokens in one chunk anyway, eager calls
-    run its kernels or PyTorch's F.linear + F.cross_entropy, whichever the `linear_cross_entropy`
-    dialect measured faster on this GPU; elsewhere (and with chunk_size, and under torch.compile)
-    trifuse's kernels. With "mean" / "sum" the gradients are computed during the forward (when
+    logits never exist. Where PyTorch's whole logits (with their gradient and upcast, 12 bytes
+    each) fit in the budget one chunk may take (chunk_budget), eager calls run trifuse's kernels or
+    PyTorch's F.linear + F.cross_entropy, whichever the `linear_cross_entropy` dialect measured
+    faster on this GPU; elsewhere (and with chunk_size, and under torch.compile) trifuse's kernels. With "mean" / "sum" the gradients are computed during the forward (when
     autograd will ask for them), so the backward only scales them.
 
     Raises:

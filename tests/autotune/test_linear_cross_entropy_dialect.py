@@ -1,7 +1,7 @@
 """The linear_cross_entropy dialect wired into trifuse.ops.linear_cross_entropy: trifuse's chunked
 kernels or PyTorch's F.linear + F.cross_entropy, chosen with a fake timer here (on the GPU:
-measured). PyTorch's path is a candidate only where trifuse would take all the tokens in one
-chunk too (the memory rule: the op exists so that the whole logits never do); whichever runs gives
+measured). PyTorch's path is a candidate only where all it holds for the logits fits in the
+budget trifuse allows one chunk (the memory rule: the op exists so that the whole logits never do); whichever runs gives
 that implementation's loss and gradients bitwise, in the op's loss dtype and shape. An explicit
 chunk_size and traced calls keep trifuse's kernels; the check rejects a wrong candidate."""
 import pytest
@@ -72,12 +72,11 @@ def test_key_is_a_small_tuple_of_plain_values(count_calls):
 def test_the_memory_rule_gives_pytorch_only_one_chunk_problems(monkeypatch):
     args = dialect_args(*head())
     assert ce._lce_torch_supports(*args) is None
-    monkeypatch.setattr(ce, "CPU_CHUNK_BYTES", 64 * 4 * 5)  # five rows of (padded) fp32 logits per chunk
-    ce.chunk_rows.cache_clear()
-    try:
-        reason = ce._lce_torch_supports(*args)
-    finally:
-        ce.chunk_rows.cache_clear()
+    # 14 x 37 logits at 12 bytes: 6216 bytes; one byte less of budget and PyTorch's path is out
+    monkeypatch.setattr(ce, "CPU_CHUNK_BYTES", 14 * 37 * 12)
+    assert ce._lce_torch_supports(*args) is None
+    monkeypatch.setattr(ce, "CPU_CHUNK_BYTES", 14 * 37 * 12 - 1)
+    reason = ce._lce_torch_supports(*args)
     assert reason.startswith("PyTorch's path holds all 14 x 37 logits") and "memory" in reason
 
 
