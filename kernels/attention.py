@@ -108,6 +108,7 @@ register reallocation (setmaxnreg) for the others.
 import functools
 import logging
 import math
+from collections.abc import Callable, Sequence
 
 import torch
 import triton
@@ -1996,11 +1997,20 @@ def _attention_check(fn, args: tuple) -> str | None:
             return problem
     if dropout_p <= 0.0:
         return None
-    state = _rng_state(q.device)
-    first = _run_candidate(fn, args, dy, train)
-    _set_rng_state(q.device, state)
-    again = _run_candidate(fn, args, dy, train)
-    if dropout_p < 1.0 and torch.equal(first[0], got[0]):
+    return dropout_problem(lambda: _run_candidate(fn, args, dy, train), got, dropout_p, q.device, labels)
+
+
+def dropout_problem(run: Callable[[], list], at_zero: list, dropout_p: float, device: torch.device,
+                    labels: Sequence[str]) -> str | None:
+    """The dropout half of a candidate's check (attention's and varlen's): `run()` gives [output,
+    gradients...] at dropout_p; run twice from one RNG state, the output must differ from
+    `at_zero`'s (the same call at p = 0) and be bitwise repeatable, the gradients repeatable up
+    to rounding. None when it is, else what is wrong."""
+    state = _rng_state(device)
+    first = run()
+    _set_rng_state(device, state)
+    again = run()
+    if dropout_p < 1.0 and torch.equal(first[0], at_zero[0]):
         return f"dropout check: the output at dropout_p={dropout_p} equals the one at 0"
     if not torch.equal(first[0], again[0]):
         return "dropout check: output is not repeatable from the same RNG state"

@@ -993,19 +993,7 @@ def _varlen_check(fn, args: tuple) -> str | None:
             return problem
     if dropout_p <= 0.0:
         return None
-    state = attn._rng_state(q.device)
-    first = _run_varlen(fn, args, dy, train)
-    attn._set_rng_state(q.device, state)
-    again = _run_varlen(fn, args, dy, train)
-    if dropout_p < 1.0 and torch.equal(first[0], got[0]):
-        return f"dropout check: the output at dropout_p={dropout_p} equals the one at 0"
-    if not torch.equal(first[0], again[0]):
-        return "dropout check: output is not repeatable from the same RNG state"
-    for label, a, b in zip(labels[1:], first[1:], again[1:]):
-        problem = attn._differs_beyond_rounding(a, b)  # atomics in others' backwards: rounding only
-        if problem is not None:
-            return f"dropout check: {label} is not repeatable from the same RNG state ({problem})"
-    return None
+    return attn.dropout_problem(lambda: _run_varlen(fn, args, dy, train), got, dropout_p, q.device, labels)
 
 
 ATTENTION_VARLEN = dialects.define(

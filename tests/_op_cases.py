@@ -136,3 +136,20 @@ def _rotary_table():
 
 
 CASES = _cases()
+
+
+def run(name: str, wanted: set[str] | None, traced: bool) -> tuple[dict, list]:
+    """(inputs, outputs) of case `name`: its inputs drawn after torch.manual_seed(1), those in
+    `wanted` (None: all) requiring grad, and the call's outputs that require grad, on the
+    registered path when `traced`."""
+    make, call = CASES[name]
+    torch.manual_seed(1)
+    inputs = make()
+    for n, t in inputs.items():
+        t.requires_grad_(wanted is None or n in wanted)
+    if traced:
+        with Traced():
+            out = call(inputs)
+    else:
+        out = call(inputs)
+    return inputs, [o for o in (out if isinstance(out, tuple) else (out,)) if o is not None and o.requires_grad]

@@ -31,6 +31,24 @@ def cache_dir(tmp_path, monkeypatch):
 
 
 @pytest.fixture
+def fresh_dialects(cache_dir, monkeypatch):
+    """Call it with real dialects: their memory is cleared now and after the test, and their
+    timer is the real one (None) until the test sets a fake."""
+    held = []
+
+    def fresh(*dialects):
+        for d in dialects:
+            d.clear()
+            monkeypatch.setattr(d, "timer", None)
+            held.append(d)
+        return dialects[0] if len(dialects) == 1 else dialects
+
+    yield fresh
+    for d in held:
+        d.clear()
+
+
+@pytest.fixture
 def new_process(monkeypatch):
     """Call it to forget what this process holds in memory (cache objects, records), as a second
     process would start; the disk cache stays."""

@@ -19,12 +19,9 @@ LENS = (5, 0, 19, 1, 12)  # an empty sequence, one of one token
 
 
 @pytest.fixture
-def varlen_dialect(cache_dir, monkeypatch):
-    """The real attention_varlen dialect with its memory cleared before and after the test."""
-    AV.ATTENTION_VARLEN.clear()
-    monkeypatch.setattr(AV.ATTENTION_VARLEN, "timer", None)
-    yield AV.ATTENTION_VARLEN
-    AV.ATTENTION_VARLEN.clear()
+def varlen_dialect(fresh_dialects):
+    """The real dialect with its memory cleared before and after the test."""
+    return fresh_dialects(AV.ATTENTION_VARLEN)
 
 
 def packed(lens=LENS, h=2, h_kv=None, d=16, dtype=torch.float32, grad=True, device=DEVICE):

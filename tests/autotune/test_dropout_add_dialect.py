@@ -19,12 +19,9 @@ FORMS = ["plain", "bias", "gate_per_sample", "gate_per_token"]
 
 
 @pytest.fixture
-def add_dialect(cache_dir, monkeypatch):
-    """The real dropout_add dialect with its memory cleared before and after the test."""
-    da.DROPOUT_ADD.clear()
-    monkeypatch.setattr(da.DROPOUT_ADD, "timer", None)
-    yield da.DROPOUT_ADD
-    da.DROPOUT_ADD.clear()
+def add_dialect(fresh_dialects):
+    """The real dialect with its memory cleared before and after the test."""
+    return fresh_dialects(da.DROPOUT_ADD)
 
 
 def inputs(form="bias", dtype=torch.float32, rows=5, batch=2):

@@ -17,12 +17,9 @@ V, H = 37, 24  # a vocabulary that is no multiple of 8
 
 
 @pytest.fixture
-def lce_dialect(cache_dir, monkeypatch):
+def lce_dialect(fresh_dialects):
     """The real dialect with its memory cleared before and after the test."""
-    ce.LINEAR_CROSS_ENTROPY.clear()
-    monkeypatch.setattr(ce.LINEAR_CROSS_ENTROPY, "timer", None)
-    yield ce.LINEAR_CROSS_ENTROPY
-    ce.LINEAR_CROSS_ENTROPY.clear()
+    return fresh_dialects(ce.LINEAR_CROSS_ENTROPY)
 
 
 def head(tokens=(2, 7), dtype=torch.float32, bias=True):

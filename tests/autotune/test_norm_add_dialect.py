@@ -17,15 +17,9 @@ NORMS = ["layer_norm", "rms_norm"]
 
 
 @pytest.fixture
-def add_dialects(cache_dir, monkeypatch):
+def add_dialects(fresh_dialects):
     """The real dialects with their memory cleared before and after the test."""
-    both = (ln.LAYER_NORM_ADD, ln.RMS_NORM_ADD)
-    for d in both:
-        d.clear()
-        monkeypatch.setattr(d, "timer", None)
-    yield both
-    for d in both:
-        d.clear()
+    return fresh_dialects(ln.LAYER_NORM_ADD, ln.RMS_NORM_ADD)
 
 
 def dialect_of(norm):

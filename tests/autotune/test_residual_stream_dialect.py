@@ -21,15 +21,9 @@ FORMS = {"layer_norm": (False, False, True), "layer_norm_x_bias": (False, True, 
 
 
 @pytest.fixture
-def stream_dialects(cache_dir, monkeypatch):
+def stream_dialects(fresh_dialects):
     """The real dialects with their memory cleared before and after the test."""
-    both = (ln.DROPOUT_ADD_LAYER_NORM, ln.DROPOUT_ADD_RMS_NORM)
-    for d in both:
-        d.clear()
-        monkeypatch.setattr(d, "timer", None)
-    yield both
-    for d in both:
-        d.clear()
+    return fresh_dialects(ln.DROPOUT_ADD_LAYER_NORM, ln.DROPOUT_ADD_RMS_NORM)
 
 
 def dialect_of(form):

@@ -12,20 +12,11 @@ reached here under a no-op TorchFunctionMode.
 """
 import pytest
 import torch
-from _op_cases import CASES, Traced
+from _op_cases import CASES, run
 
 
-def _grads(make, call, wanted: set[str], traced: bool) -> dict[str, torch.Tensor]:
-    torch.manual_seed(1)
-    inputs = make()
-    for name, t in inputs.items():
-        t.requires_grad_(name in wanted)
-    if traced:
-        with Traced():
-            out = call(inputs)
-    else:
-        out = call(inputs)
-    outs = [o for o in (out if isinstance(out, tuple) else (out,)) if o is not None and o.requires_grad]
+def _grads(name: str, wanted: set[str], traced: bool) -> dict[str, torch.Tensor]:
+    inputs, outs = run(name, wanted, traced)
     torch.manual_seed(2)
     loss = sum((o.float() * torch.randn(o.shape)).sum() for o in outs)
     grads = torch.autograd.grad(loss, [inputs[n] for n in sorted(wanted)], allow_unused=True)
@@ -35,14 +26,13 @@ def _grads(make, call, wanted: set[str], traced: bool) -> dict[str, torch.Tensor
 @pytest.mark.parametrize("traced", [False, True], ids=["eager", "registered"])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_gradients_do_not_depend_on_which_other_inputs_want_one(name, traced):
-    make, call = CASES[name]
-    every = set(make())
-    full = _grads(make, call, every, traced)
+    every = set(CASES[name][0]())
+    full = _grads(name, every, traced)
     for held in sorted(every):
         for wanted in (every - {held}, {held}):
             if not wanted:
                 continue
-            part = _grads(make, call, wanted, traced)
+            part = _grads(name, wanted, traced)
             for n in sorted(wanted):
                 assert (part[n] is None) == (full[n] is None), (name, n, wanted)
                 if part[n] is not None:

@@ -9,7 +9,7 @@ gradient: the input gradients must be the same as with the contiguous one. Both 
 """
 import pytest
 import torch
-from _op_cases import CASES, Traced
+from _op_cases import CASES, run
 
 
 def _transposed(g: torch.Tensor) -> torch.Tensor:
@@ -40,21 +40,6 @@ LAYOUTS = {"transposed": _transposed, "every_other": _every_other, "offset": _of
            "broadcast_rows": _broadcast_rows, "expanded": _expanded}
 
 
-def _run(name: str, traced: bool):
-    make, call = CASES[name]
-    torch.manual_seed(1)
-    inputs = make()
-    for t in inputs.values():
-        t.requires_grad_(True)
-    if traced:
-        with Traced():
-            out = call(inputs)
-    else:
-        out = call(inputs)
-    outs = [o for o in (out if isinstance(out, tuple) else (out,)) if o is not None and o.requires_grad]
-    return inputs, outs
-
-
 def _input_grads(inputs, outs, grads):
     names = sorted(inputs)
     got = torch.autograd.grad(outs, [inputs[n] for n in names], grads, retain_graph=True, allow_unused=True)
@@ -64,7 +49,7 @@ def _input_grads(inputs, outs, grads):
 @pytest.mark.parametrize("traced", [False, True], ids=["eager", "registered"])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_output_gradients_in_any_layout_give_the_same_input_gradients(name, traced):
-    inputs, outs = _run(name, traced)
+    inputs, outs = run(name, None, traced)
     torch.manual_seed(2)
     values = [torch.randn(o.shape, dtype=o.dtype) for o in outs]
     for layout, make_layout in LAYOUTS.items():

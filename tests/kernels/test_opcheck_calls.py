@@ -10,7 +10,7 @@ AOTAutograd with dynamic shapes. Every op in the namespace must be reached by so
 """
 import pytest
 import torch
-from _op_cases import CASES, Traced
+from _op_cases import CASES, run
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -29,18 +29,11 @@ class _Recorder(TorchDispatchMode):
 
 def _recorded_calls(name: str) -> list:
     """(op, args, kwargs) of each distinct call: the forward once, the backward per gradient mask."""
-    make, call = CASES[name]
-    every = sorted(make())
+    every = sorted(CASES[name][0]())
     calls, seen = [], set()
     for wanted in [every] + [[n] for n in every] if len(every) > 1 else [every]:
-        torch.manual_seed(1)
-        inputs = make()
-        for n, t in inputs.items():
-            t.requires_grad_(n in wanted)
         with _Recorder() as recorder:
-            with Traced():
-                out = call(inputs)
-            outs = [o for o in (out if isinstance(out, tuple) else (out,)) if o is not None and o.requires_grad]
+            inputs, outs = run(name, set(wanted), traced=True)
             torch.manual_seed(2)
             torch.autograd.grad(outs, [inputs[n] for n in wanted], [torch.randn_like(o) for o in outs],
                                 allow_unused=True)
