@@ -1846,22 +1846,31 @@ def _sdpa_fn(name: str):
     return run
 
 
-def _flash_attn_supports(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> str | None:
+def flash_layout_problem(library: str, q, k, v, strides: bool = True) -> str | None:
+    """Why a flash-style kernel (flash-attn's, PyTorch's varlen) cannot take these q, k, v, or None;
+    the head dim's stride only with `strides`."""
     if not q.is_cuda:
-        return f"flash-attn runs on CUDA, got {q.device.type} tensors"
+        return f"{library} runs on CUDA, got {q.device.type} tensors"
     if q.dtype not in (torch.float16, torch.bfloat16):
-        return f"flash-attn takes float16 / bfloat16, got {str(q.dtype)[6:]}"
+        return f"{library} takes float16 / bfloat16, got {str(q.dtype)[6:]}"
     if q.shape[-1] % 8 != 0 or q.shape[-1] > 256:
-        return f"flash-attn takes head dims that are multiples of 8 up to 256, got {q.shape[-1]}"
+        return f"{library} takes head dims that are multiples of 8 up to 256, got {q.shape[-1]}"
     if v.shape[-1] != q.shape[-1]:
-        return f"flash-attn takes one head dim for q, k and v, got {q.shape[-1]} and {v.shape[-1]} for v"
+        return f"{library} takes one head dim for q, k and v, got {q.shape[-1]} and {v.shape[-1]} for v"
+    if strides and (q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1):
+        return f"{library} needs a unit stride on the head dim"
+    return None
+
+
+def _flash_attn_supports(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> str | None:
+    problem = flash_layout_problem("flash-attn", q, k, v, strides=False)
+    if problem is not None:
+        return problem
     if attn_mask is not None:
         return "flash-attn takes no attn_mask"
     if is_causal and q.shape[2] != k.shape[2]:
         return "flash-attn aligns the causal mask bottom-right; SDPA's is_causal is top-left (query len != key len)"
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        return "flash-attn needs a unit stride on the head dim"
-    return None
+    return flash_layout_problem("flash-attn", q, k, v)  # the strides last, as before
 
 
 def _flash_attn(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):

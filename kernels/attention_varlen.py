@@ -857,22 +857,6 @@ def _varlen_trifuse(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal,
                                               None if scale is None else float(scale), softcap, sinks, window)[0]
 
 
-def _flash_layout_problem(library: str, q, k, v) -> str | None:
-    """Why a flash-style varlen kernel (PyTorch's or flash-attn's) cannot take these tensors, or None."""
-    if not q.is_cuda:
-        return f"{library} runs on CUDA, got {q.device.type} tensors"
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return f"{library} takes float16 / bfloat16, got {str(q.dtype)[6:]}"
-    d = q.shape[-1]
-    if d % 8 != 0 or d > 256:
-        return f"{library} takes head dims that are multiples of 8 up to 256, got {d}"
-    if v.shape[-1] != d:
-        return f"{library} takes one head dim for q, k and v, got {d} and {v.shape[-1]} for v"
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        return f"{library} needs a unit stride on the head dim"
-    return None
-
-
 def _window_size(causal: bool, window: int) -> tuple[int, int]:
     """flash-attn's (and PyTorch's varlen) window_size for trifuse's causal flag and window."""
     if window:
@@ -889,7 +873,7 @@ def _torch_varlen_takes_gqa() -> bool:
 
 
 def _torch_varlen_supports(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, window) -> str | None:
-    problem = _flash_layout_problem("PyTorch's varlen_attn", q, k, v)
+    problem = attn.flash_layout_problem("PyTorch's varlen_attn", q, k, v)
     if problem is not None:
         return problem
     if dropout_p > 0.0:
@@ -909,7 +893,7 @@ def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, w
 
 
 def _flash_attn_varlen_supports(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, window) -> str | None:
-    return _flash_layout_problem("flash-attn", q, k, v)
+    return attn.flash_layout_problem("flash-attn", q, k, v)
 
 
 def _flash_attn_varlen(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, window):
