@@ -529,3 +529,14 @@ def test_phases_add_to_the_innermost_decision_and_nothing_outside_one():
                            phases={"check x": 0.5, "reference": 2.0, "time x": 0.004})
     assert decisions.set_up_seconds([d])[1] == [
         "3.00 s dialect op [n=1] (measured); phases: reference 2.00 s, check x 0.50 s"]
+
+
+def test_every_public_op_has_a_dialect_with_pytorchs_or_anothers_candidate():
+    """Issue 7's rule, kept as ops are added: each op in trifuse.ops chooses per shape between its
+    kernels and at least one other implementation (its dialect shares the op's name)."""
+    import trifuse.ops
+
+    defined = {d.name: d for d in dialects.all_dialects()}
+    for name in trifuse.ops.__all__:
+        assert name in defined, f"trifuse.ops.{name} has no dialect"
+        assert defined[name].candidates[0].name == "trifuse" and len(defined[name].candidates) >= 2, name
