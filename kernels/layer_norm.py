@@ -1751,12 +1751,12 @@ def _residual_stream_torch(op, is_rms_norm):
                 s = x if x_bias is None else x + x_bias
                 if residual is not None:
                     s = residual + s
-                s = s.to(x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype))
+                s = s.to(x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)).contiguous()
         except Exception:
             _check_norm_inputs(op, x, normalized_shape, weight, bias, eps, residual, x_bias, p)
             raise
-        y = _torch_norm(op, s.contiguous(), normalized_shape, weight, bias, eps, is_rms_norm)
-        return (y if out_dtype is None else y.to(out_dtype)), s.contiguous()
+        y = _torch_norm(op, s, normalized_shape, weight, bias, eps, is_rms_norm)
+        return (y if out_dtype is None else y.to(out_dtype)), s
     return run
 
 
