@@ -1568,8 +1568,9 @@ def linear_cross_entropy(
     logits never exist. Where PyTorch's whole logits (with their gradient and upcast, 12 bytes
     each) fit in the budget one chunk may take (chunk_budget), eager calls run trifuse's kernels or
     PyTorch's F.linear + F.cross_entropy, whichever the `linear_cross_entropy` dialect measured
-    faster on this GPU; elsewhere (and with chunk_size, and under torch.compile) trifuse's kernels. With "mean" / "sum" the gradients are computed during the forward (when
-    autograd will ask for them), so the backward only scales them.
+    faster on this GPU; elsewhere (and with chunk_size, and under torch.compile) trifuse's kernels.
+    With "mean" / "sum" the gradients are computed during the forward (when autograd will ask for
+    them), so the backward only scales them.
 
     Raises:
         TypeError / ValueError as `cross_entropy`, and for weight, bias or dtypes that do not fit.
