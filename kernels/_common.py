@@ -391,6 +391,11 @@ def no_autocast(device: torch.device):
     return _NO_SCOPE
 
 
+# Why a dialect keeps trifuse's kernels for a call with dropout: PyTorch's candidate is another op.
+DROPOUT_NOT_EXCHANGED = ("dropout: PyTorch's draws another mask and stores it for the backward (trifuse's is "
+                         "regenerated from a seed), not exchanged")
+
+
 def philox_seed(device: torch.device) -> torch.Tensor:
     """A fresh int64 seed drawn from PyTorch's generator on `device`, kept on that device.
 

@@ -51,6 +51,7 @@ import triton.language as tl
 
 from ..autotune import dialects, pow2_bucket
 from ._common import (
+    DROPOUT_NOT_EXCHANGED,
     acc_dtype,
     apply_function,
     as_rows,
@@ -1053,8 +1054,7 @@ def _dropout_add_torch_candidate(x, residual, p, bias, gate):
 
 def _dropout_add_torch_supports(x, residual, p, bias, gate) -> str | None:
     if p > 0.0:
-        return ("dropout: PyTorch's draws another mask and stores it for the backward (trifuse's is "
-                "regenerated from a seed), not exchanged")
+        return DROPOUT_NOT_EXCHANGED
     return None
 
 

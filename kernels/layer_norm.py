@@ -50,6 +50,7 @@ import triton.language as tl
 
 from ..autotune import Tuner, configs, dialects, pow2_bucket
 from ._common import (
+    DROPOUT_NOT_EXCHANGED,
     FLOAT_DTYPES,
     acc_dtype,
     apply_function,
@@ -1762,8 +1763,7 @@ def _residual_stream_torch(op, is_rms_norm):
 
 def _residual_stream_torch_supports(x, residual, normalized_shape, weight, bias, eps, p, x_bias, out_dtype):
     if p > 0.0:
-        return ("dropout: PyTorch's draws another mask and stores it for the backward (trifuse's is "
-                "regenerated from a seed), not exchanged")
+        return DROPOUT_NOT_EXCHANGED
     s_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     allowed = (s_dtype, torch.float32) if s_dtype in (torch.float16, torch.bfloat16) else (s_dtype,)
     for name, t in (("weight", weight), ("bias", bias)):
