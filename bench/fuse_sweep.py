@@ -1,7 +1,7 @@
 """`trifuse.fuse` on every architecture the installed transformers has for a task (causal LM by
 default; masked LM, seq2seq LM, image classification, sequence and token classification,
 question answering, multiple choice, speech recognition with CTC, audio classification, image and
-text to text: the vision-language models), built from a tiny config: does the fused
+text to text: the vision-language models; and the base models of every other type), built from a tiny config: does the fused
 model still run, train and give the unfused model's loss and gradients, and what did fuse
 replace? A net for "never break a model" wider than the test suite's hand-configured families
 (tests/_models.py); on CPU, in the Triton interpreter.
@@ -13,7 +13,11 @@ replace? A net for "never break a model" wider than the test suite's hand-config
         # per token, some -100), qa (extractive question answering: start and end positions, one past
         # the sequence), multiple-choice (3 choices an example), ctc (speech to characters: 2 clips,
         # transcripts of 4 and 2 tokens), audio-cls (a class per clip), image-text (vision-language
-        # models: two sequences with a small image each, as _image_text_inputs lays them out);
+        # models: two sequences with a small image each, as _image_text_inputs lays them out), base
+        # (AutoModel, no head, for the types no other task reaches: detection, segmentation, depth,
+        # speech synthesis, backbones, time series, composite models' towers; token ids, a 32x32
+        # image or audio by the model's main input, the loss every floating output against fixed
+        # random weights: _loss);
         # VIA: fuse (default), backend (torch.compile(model, backend="trifuse")) or hf-attention (the model
         # with attn_implementation="trifuse", unfused, on the sweep's batch and a packed one; causal-lm);
         # DTYPE: float64 (default), fp16-autocast or bf16-autocast (an fp32 model under CPU autocast
@@ -144,7 +148,7 @@ OVERRIDES = {"t5gemma": {"bos_token_id": 2},
              "kimi_linear": {**_HYBRID, "linear_head_dim": 16, "linear_num_heads": 2, "qk_rope_head_dim": 8,
                              "qk_nope_head_dim": 8, "v_head_dim": 16, "kv_lora_rank": 16, "head_dim": 8}}
 TASKS = ("causal-lm", "masked-lm", "seq2seq", "image-cls", "seq-cls", "token-cls", "qa", "multiple-choice",
-         "ctc", "audio-cls", "image-text")
+         "ctc", "audio-cls", "image-text", "base")
 AUDIO_TASKS = ("ctc", "audio-cls")
 # trifuse.fuse(model), torch.compile(model, backend="trifuse"), or the model with
 # attn_implementation="trifuse" (trifuse/hf.py; causal LMs, float64: _hf_attention_row)
@@ -476,7 +480,7 @@ def _auto_class(tf, task: str):
             "token-cls": tf.AutoModelForTokenClassification, "qa": tf.AutoModelForQuestionAnswering,
             "multiple-choice": tf.AutoModelForMultipleChoice, "ctc": tf.AutoModelForCTC,
             "audio-cls": tf.AutoModelForAudioClassification,
-            "image-text": tf.AutoModelForImageTextToText}[task]
+            "image-text": tf.AutoModelForImageTextToText, "base": tf.AutoModel}[task]
 
 
 def _audio_inputs(model, task: str, dtype: torch.dtype) -> dict:
@@ -503,6 +507,52 @@ def _audio_inputs(model, task: str, dtype: torch.dtype) -> dict:
 
 def _first(x):
     return x[0] if isinstance(x, (list, tuple)) else x
+
+
+def _base_inputs(model, dtype: torch.dtype) -> dict:
+    """One batch for a model without a head, by its main input: token ids (2 x 12), images
+    (2 x channels x 32 x 32, or the config's own size up to 64), or audio as the audio tasks
+    lay it out. Anything else raises (status "inputs": a harness limit)."""
+    cfg, name = model.config, model.main_input_name
+    if name == "input_ids":
+        return {"input_ids": torch.randint(1, 64, (2, 12))}
+    if name == "pixel_values":
+        size = getattr(cfg, "image_size", 32)
+        size = size if isinstance(size, int) and 8 <= size <= 64 else 32
+        return {"pixel_values": torch.randn(2, getattr(cfg, "num_channels", 3) or 3, size, size, dtype=dtype)}
+    if name in ("input_values", "input_features"):
+        kwargs = _audio_inputs(model, "ctc", dtype)
+        del kwargs["labels"]
+        return kwargs
+    raise ValueError(f"main input {name!r}: no batch for it in this sweep")
+
+
+def _seeded(model):
+    """The model, called after reseeding PyTorch's generator: a model's own randomness in training
+    (DINOv3's random rescale of its rotary coordinates, an audio encoder's masking) then draws the
+    same numbers fused and unfused, and in the second fused call. Dropout is off; trifuse draws
+    nothing without it."""
+    torch.manual_seed(1234)
+    return model
+
+
+def _loss(out, task: str) -> torch.Tensor:
+    """The model's own loss; for a model without a head ("base"), the mean squared error of every
+    floating output tensor (nested tuples and ModelOutput fields included) against fixed random
+    targets of its shape: the same outputs give the same loss fused or not, every output's
+    gradient flows (a plain sum would give a norm's output none but its bias's), and no terms
+    cancel (a sum against random weights can end near 0, where a relative error means nothing)."""
+    if task != "base":
+        return out.loss
+    leaves = [t for t in torch.utils._pytree.tree_leaves(out.to_tuple() if hasattr(out, "to_tuple") else out)
+              if torch.is_tensor(t) and t.is_floating_point() and t.requires_grad]
+    if not leaves:
+        raise ValueError("no floating output wants a gradient")
+    total = 0.0
+    for i, t in enumerate(leaves):
+        g = torch.Generator().manual_seed(i)
+        total = total + (t - torch.randn(t.shape, generator=g, dtype=torch.float64).to(t.dtype)).square().mean()
+    return total
 
 
 def _image_token_counts(out, images: int) -> list[int] | None:
@@ -641,12 +691,12 @@ def _inputs(task: str, dtype: torch.dtype = torch.float64) -> dict:
     return kwargs
 
 
-def _dynamo_fails(model, kwargs: dict, autocast) -> bool:
+def _dynamo_fails(model, kwargs: dict, autocast, task: str = "causal-lm") -> bool:
     """Whether torch.compile with Dynamo's own backend (no trifuse) fails on the model too."""
     torch._dynamo.reset()
     try:
         with autocast:
-            torch.compile(model, backend="eager")(**kwargs).loss.backward()
+            _loss(torch.compile(model, backend="eager")(**kwargs), task).backward()
     except Exception:  # noqa: BLE001
         return True
     return False
@@ -776,9 +826,9 @@ def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: s
     input_dtype = torch.float64 if dtype == "float64" else torch.float32
     if task in AUDIO_TASKS:
         kwargs = _audio_inputs(model, task, input_dtype)
-    elif task == "image-text":
+    elif task in ("image-text", "base"):
         try:
-            kwargs = _image_text_inputs(model, input_dtype)
+            kwargs = (_image_text_inputs if task == "image-text" else _base_inputs)(model, input_dtype)
         except Exception as e:  # noqa: BLE001
             return {"status": "inputs", "why": f"{type(e).__name__}: {str(e).strip()[:150]}"}
     else:
@@ -791,14 +841,14 @@ def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: s
     loss_tol, grad_tol, floor = TOLERANCES[dtype]
     try:
         with autocast:
-            loss0 = model(**kwargs).loss
+            loss0 = _loss(_seeded(model)(**kwargs), task)
         grads0 = torch.autograd.grad(loss0, leaves, allow_unused=True)
         if dtype != "float64":  # the oracle: the same model and batch in float64
             import copy
 
             model64 = copy.deepcopy(model).double()
-            loss64 = model64(**{k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v
-                                for k, v in kwargs.items()}).loss
+            loss64 = _loss(_seeded(model64)(**{k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v
+                                for k, v in kwargs.items()}), task)
             grads64 = torch.autograd.grad(loss64, [p for p in model64.parameters() if p.requires_grad],
                                           allow_unused=True)
             del model64
@@ -809,14 +859,14 @@ def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: s
     try:
         fused = trifuse.fuse(model) if via == "fuse" else torch.compile(model, backend="trifuse")
         with autocast:
-            loss1 = fused(**kwargs).loss
+            loss1 = _loss(_seeded(fused)(**kwargs), task)
         grads1 = torch.autograd.grad(loss1, leaves, allow_unused=True)
         with autocast:
-            loss2 = fused(**kwargs).loss.detach()
+            loss2 = _loss(_seeded(fused)(**kwargs), task).detach()
     except Exception as e:  # noqa: BLE001
         crash = {"status": "FUSED CRASH", "why": f"{type(e).__name__}: {str(e).strip()[:300]}",
                  "traceback": traceback.format_exc()[-3000:]}
-        if via == "backend" and _dynamo_fails(model, kwargs, autocast):
+        if via == "backend" and _dynamo_fails(model, kwargs, autocast, task):
             crash["status"] = "Dynamo fails"
         return crash
     # NaN against NaN agrees, as the gradients are compared by place (a model whose own loss is NaN)
@@ -934,6 +984,32 @@ def run_rows(names: list[str], child, jobs: int) -> list[dict]:
     return rows
 
 
+# transformers' auto mapping of each task's architectures. "base" sweeps the models without a
+# head (AutoModel) of the types no other task reaches: detection, segmentation, depth, speech
+# synthesis, backbones, time series, the towers of composite models.
+TASK_MAPPINGS = {"causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+                 "seq2seq": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+                 "image-cls": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+                 "seq-cls": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+                 "token-cls": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
+                 "qa": "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES",
+                 "multiple-choice": "MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES",
+                 "ctc": "MODEL_FOR_CTC_MAPPING_NAMES",
+                 "audio-cls": "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES",
+                 "image-text": "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
+                 "base": "MODEL_MAPPING_NAMES"}
+
+
+def task_types(modeling_auto, task: str) -> list[str]:
+    """The model types a task sweeps by default."""
+    types = set(getattr(modeling_auto, TASK_MAPPINGS[task]))
+    if task == "base":
+        for other in TASKS:
+            if other != "base":
+                types -= set(getattr(modeling_auto, TASK_MAPPINGS[other]))
+    return sorted(types)
+
+
 def main(types: list[str], task: str = "causal-lm", via: str = "fuse", dtype: str = "float64", jobs: int = 1,
          attn: str = "sdpa") -> None:
     import platform
@@ -942,16 +1018,6 @@ def main(types: list[str], task: str = "causal-lm", via: str = "fuse", dtype: st
     import triton
     from transformers.models.auto import modeling_auto
 
-    mapping = {"causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
-               "seq2seq": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
-               "image-cls": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
-               "seq-cls": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
-               "token-cls": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
-               "qa": "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES",
-               "multiple-choice": "MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES",
-               "ctc": "MODEL_FOR_CTC_MAPPING_NAMES",
-               "audio-cls": "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES",
-               "image-text": "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES"}[task]
     stem = "fuse_sweep" + ("" if task == "causal-lm" else f"_{task}") + ("" if via == "fuse" else f"_{via}") \
         + ("" if attn == "sdpa" else f"_{attn}") + ("" if dtype == "float64" else f"_{dtype}")
     path = os.path.join(RESULTS, f"{stem}.json")
@@ -960,7 +1026,7 @@ def main(types: list[str], task: str = "causal-lm", via: str = "fuse", dtype: st
     if types and os.path.exists(path):
         with open(path) as f:
             kept = {r["type"]: r for r in json.load(f)["rows"]}
-    types = types or sorted(getattr(modeling_auto, mapping))
+    types = types or task_types(modeling_auto, task)
     rows = run_rows(types, lambda mt, threads: _child(mt, task, via, dtype, threads=threads, attn=attn), jobs)
     header = (f"date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · torch {torch.__version__} · triton "
               f"{triton.__version__} · transformers {tf.__version__} · python {platform.python_version()} · CPU "
