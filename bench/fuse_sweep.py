@@ -1,8 +1,8 @@
 """`trifuse.fuse` on every architecture the installed transformers has for a task (causal LM by
 default; masked LM, seq2seq LM, image classification, sequence and token classification,
 question answering, multiple choice, speech recognition with CTC, audio classification, image and
-text to text: the vision-language models; and the base models of every other type), built from a tiny config: does the fused
-model still run, train and give the unfused model's loss and gradients, and what did fuse
+text to text: the vision-language models; and the base models of every other type), built from a
+tiny config: does the fused model still run, train and give the unfused model's loss and gradients, and what did fuse
 replace? A net for "never break a model" wider than the test suite's hand-configured families
 (tests/_models.py); on CPU, in the Triton interpreter.
 
@@ -16,8 +16,8 @@ replace? A net for "never break a model" wider than the test suite's hand-config
         # models: two sequences with a small image each, as _image_text_inputs lays them out), base
         # (AutoModel, no head, for the types no other task reaches: detection, segmentation, depth,
         # speech synthesis, backbones, time series, composite models' towers; token ids, a 32x32
-        # image or audio by the model's main input, the loss every floating output against fixed
-        # random weights: _loss);
+        # image or audio by the model's main input, the loss the squared error of every floating
+        # output against fixed random targets: _loss);
         # VIA: fuse (default), backend (torch.compile(model, backend="trifuse")) or hf-attention (the model
         # with attn_implementation="trifuse", unfused, on the sweep's batch and a packed one; causal-lm);
         # DTYPE: float64 (default), fp16-autocast or bf16-autocast (an fp32 model under CPU autocast
@@ -847,8 +847,9 @@ def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: s
             import copy
 
             model64 = copy.deepcopy(model).double()
-            loss64 = _loss(_seeded(model64)(**{k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v
-                                for k, v in kwargs.items()}), task)
+            inputs64 = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v
+                        for k, v in kwargs.items()}
+            loss64 = _loss(_seeded(model64)(**inputs64), task)
             grads64 = torch.autograd.grad(loss64, [p for p in model64.parameters() if p.requires_grad],
                                           allow_unused=True)
             del model64
