@@ -2,9 +2,9 @@
 default; masked LM, seq2seq LM, image classification, sequence and token classification,
 question answering, multiple choice, speech recognition with CTC, audio classification, image and
 text to text: the vision-language models; and the base models of every other type), built from a
-tiny config: does the fused model still run, train and give the unfused model's loss and gradients, and what did fuse
-replace? A net for "never break a model" wider than the test suite's hand-configured families
-(tests/_models.py); on CPU, in the Triton interpreter.
+tiny config: does the fused model still run, train and give the unfused model's loss and
+gradients, and what did fuse replace? A net for "never break a model" wider than the test
+suite's hand-configured families (tests/_models.py); on CPU, in the Triton interpreter.
 
     TRITON_INTERPRET=1 python bench/fuse_sweep.py [--task TASK] [--via VIA] [--dtype DTYPE] [--attn ATTN]
                                                    [MODEL_TYPE ...]
