@@ -597,6 +597,52 @@ def test_data_dependent_control_flow_and_numpy_are_left_working():
     assert any("fx cannot trace" in n.reason for n in report.notes)
 
 
+class _TupleDefaultEmbeddings(nn.Module):
+    """YOLOS's embeddings, cut down: a forward with a tuple default (`img_size=(800, 1344)`), a
+    position table cut to it, a LayerNorm and a biased GeLU after."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(64, width))
+        self.norm = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, 4 * width)
+
+    def forward(self, x, img_size=(4, 2)):
+        pos = self.pos[: img_size[0] * img_size[1]]
+        return F.gelu(self.fc(self.norm(x + pos)))
+
+
+class _NotTraced(nn.Module):
+    """A model fx cannot trace (its forward takes **kwargs, as transformers' do): fuse visits its
+    children one by one, each traced as a root with its own defaults."""
+
+    def __init__(self):
+        super().__init__()
+        self.embeddings = _TupleDefaultEmbeddings()
+        self.out = nn.Linear(64, 16)
+
+    def forward(self, x, **kwargs):
+        return self.out(self.embeddings(x))
+
+
+def test_a_module_with_a_tuple_default_is_fused_through_its_submodules():
+    """fx traces such a forward with one placeholder per element of the tuple, each defaulting to
+    the whole tuple, and its code generation then writes invalid Python: fuse raised a
+    SyntaxError on YOLOS (bench/results/fuse_sweep_base.md). It is now a module fx cannot trace,
+    named in the report; its children are fused alone (the LayerNorm module), and it runs as
+    written (the GeLU after its linear is in the untraced forward, so it stays)."""
+    torch.manual_seed(0)
+    model = _NotTraced()
+    ref = copy.deepcopy(model)
+    trifuse.fuse(model)
+    x = torch.randn(2, 8, 16, requires_grad=True)
+    torch.testing.assert_close(model(x), ref(x))
+    torch.autograd.grad(model(x).sum(), [x, *model.parameters()])
+    report = trifuse.report(model)
+    assert any("fx cannot trace" in n.reason and "SyntaxError" in n.reason for n in report.notes), report
+    assert report.counts() == available_counts({"layer_norm": 1})
+
+
 def test_torch_jit_trace_of_a_fused_model_records_the_model_as_written():
     """torch.jit.trace (and the ONNX exporter's tracing mode) over a fused model: Dynamo refuses
     to run under the tracer (a RuntimeError from every fused block), so the blocks run as the
