@@ -112,13 +112,15 @@ def _build(model_type: str, task: str = "causal-lm") -> tuple[torch.nn.Module, d
         model.train()
         if task == "image-text":
             return model, fuse_sweep._image_text_inputs(model, torch.float64)
+        if task == "base":
+            return model, fuse_sweep._base_inputs(model, torch.float64)
         return model, fuse_sweep._inputs(task)
     raise RuntimeError(f"{model_type}: no attention implementation builds")
 
 
-def _step(model: torch.nn.Module, kwargs: dict) -> tuple[float, tuple]:
+def _step(model: torch.nn.Module, kwargs: dict, task: str = "causal-lm") -> tuple[float, tuple]:
     leaves = [p for p in model.parameters() if p.requires_grad]
-    loss = model(**kwargs).loss
+    loss = fuse_sweep._loss(fuse_sweep._seeded(model)(**kwargs), task)
     return float(loss), torch.autograd.grad(loss, leaves, allow_unused=True)
 
 
@@ -136,15 +138,15 @@ def measure(model_type: str, ops: list[str] | None = None, task: str = "causal-l
 
     model, kwargs = _build(model_type, task)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
-    unfused = _step(model, kwargs)
+    unfused = _step(model, kwargs, task)
     with Float64Throughout():
-        truth = _step(copy.deepcopy(model), kwargs)
+        truth = _step(copy.deepcopy(model), kwargs, task)
     with other_fp32_cross_entropy():
-        perturbed = _step(model, kwargs)
+        perturbed = _step(model, kwargs, task)
     trifuse.fuse(model, ops=ops)
-    fused = _step(model, kwargs)
+    fused = _step(model, kwargs, task)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        _step(model, kwargs)
+        _step(model, kwargs, task)
     ran = Counter(e.name for e in prof.events() if e.name.startswith("trifuse::"))
 
     def compare(ref, got):
