@@ -1212,7 +1212,10 @@ class LeafTracer(fx.Tracer):
 
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
         """fx's trace; a forward that assigns to its modules' state (a cache, a counter) fails it:
-        the graph would not do that when it runs, and the assignments (of Proxies) are undone."""
+        the graph would not do that when it runs, and the assignments (of Proxies) are undone. So
+        does a graph whose generated code does not compile: a tuple default (YOLOS's
+        `img_size=(800, 1344)`) becomes one placeholder per element, each with the whole tuple as
+        its default, which fx writes as invalid Python."""
         state = _module_state(root) if isinstance(root, torch.nn.Module) else None
         try:
             graph = self._trace(root, concrete_args)
@@ -1220,6 +1223,7 @@ class LeafTracer(fx.Tracer):
             changed = _restore_module_state(state) if state is not None else []
         if changed:
             raise fx.proxy.TraceError(f"its forward assigns to {', '.join(changed[:3])}: a graph would not")
+        compile(graph.python_code(root_module="self").src, "<trifuse fx trace>", "exec")  # SyntaxError
         return graph
 
     def _trace(self, root: Any, concrete_args: dict[str, Any] | None) -> fx.Graph:

@@ -295,12 +295,7 @@ def _trace(module: torch.nn.Module, is_leaf) -> tuple[fx.Graph | None, str]:
         return None, "forward takes *args or **kwargs"
     concrete = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
     try:
-        graph = LeafTracer(is_leaf).trace(module, concrete_args=concrete)
-        # A tuple default (YOLOS's `img_size=(800, 1344)`) becomes one placeholder per element,
-        # each with the whole tuple as its default, which fx's code generation writes as invalid
-        # Python: such a graph traced but cannot run. Compiled here, it is one fx cannot trace.
-        compile(graph.python_code(root_module="self").src, "<trifuse fx trace>", "exec")
-        return graph, ""
+        return LeafTracer(is_leaf).trace(module, concrete_args=concrete), ""
     except Exception as e:  # noqa: BLE001  (fx cannot trace it: the caller decides what next)
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
 
