@@ -99,7 +99,16 @@ def group_norm_ref(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None
     """act(F.group_norm(x, num_groups, weight, bias, eps)) in plain PyTorch."""
     if weight is None and bias is not None:  # ones (exact): PyTorch's backward of a bias alone fails
         weight = torch.ones_like(bias)
-    y = F.group_norm(x, num_groups, weight, bias, eps)
+    if x.numel() == 0:
+        # torch 2.14's F.group_norm refuses an empty spatial size ("Expected HxW to be greater than
+        # 0"); earlier ones gave the empty output, with zero gradients for the affine parameters.
+        y = x * 0
+        for p in (weight, bias):
+            if p is not None:
+                y = y + p.reshape((1, -1) + (1,) * (x.dim() - 2)) * 0
+        y = y.to(x.dtype)
+    else:
+        y = F.group_norm(x, num_groups, weight, bias, eps)
     return F.silu(y) if activation == "silu" else y
 
 
