@@ -110,11 +110,7 @@ def _build(model_type: str, task: str = "causal-lm") -> tuple[torch.nn.Module, d
                 continue
             raise
         model.train()
-        if task == "image-text":
-            return model, fuse_sweep._image_text_inputs(model, torch.float64)
-        if task == "base":
-            return model, fuse_sweep._base_inputs(model, torch.float64)
-        return model, fuse_sweep._inputs(task)
+        return model, fuse_sweep.batch(model, task)
     raise RuntimeError(f"{model_type}: no attention implementation builds")
 
 

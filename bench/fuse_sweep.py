@@ -1,7 +1,8 @@
 """`trifuse.fuse` on every architecture the installed transformers has for a task (causal LM by
 default; masked LM, seq2seq LM, image classification, sequence and token classification,
-question answering, multiple choice, speech recognition with CTC, audio classification, image and
-text to text: the vision-language models; and the base models of every other type), built from a
+question answering, multiple choice, speech recognition with CTC, audio classification, video
+classification, image and text to text: the vision-language models; and the base models of every
+other type), built from a
 tiny config: does the fused model still run, train and give the unfused model's loss and
 gradients, and what did fuse replace? A net for "never break a model" wider than the test
 suite's hand-configured families (tests/_models.py); on CPU, in the Triton interpreter.
@@ -12,12 +13,14 @@ suite's hand-configured families (tests/_models.py); on CPU, in the Triton inter
         # image-cls, seq-cls (sequence classification: 3 labels, the model's own loss), token-cls (a label
         # per token, some -100), qa (extractive question answering: start and end positions, one past
         # the sequence), multiple-choice (3 choices an example), ctc (speech to characters: 2 clips,
-        # transcripts of 4 and 2 tokens), audio-cls (a class per clip), image-text (vision-language
+        # transcripts of 4 and 2 tokens), audio-cls (a class per clip), video-cls (a class per clip of the
+        # config's frames, 32x32), image-text (vision-language
         # models: two sequences with a small image each, as _image_text_inputs lays them out), base
         # (AutoModel, no head, for the types no other task reaches: detection, segmentation, depth,
         # speech synthesis, backbones, time series, composite models' towers; token ids, a 32x32
-        # image or audio by the model's main input, the loss the squared error of every floating
-        # output against fixed random targets: _loss);
+        # image or audio by the model's main input, with a dual encoder's other input or a speech
+        # seq2seq model's decoder ids where it needs them (_base_layouts), the loss the squared
+        # error of every floating output against fixed random targets: _loss);
         # VIA: fuse (default), backend (torch.compile(model, backend="trifuse")) or hf-attention (the model
         # with attn_implementation="trifuse", unfused, on the sweep's batch and a packed one; causal-lm);
         # DTYPE: float64 (default), fp16-autocast or bf16-autocast (an fp32 model under CPU autocast
@@ -148,7 +151,7 @@ OVERRIDES = {"t5gemma": {"bos_token_id": 2},
              "kimi_linear": {**_HYBRID, "linear_head_dim": 16, "linear_num_heads": 2, "qk_rope_head_dim": 8,
                              "qk_nope_head_dim": 8, "v_head_dim": 16, "kv_lora_rank": 16, "head_dim": 8}}
 TASKS = ("causal-lm", "masked-lm", "seq2seq", "image-cls", "seq-cls", "token-cls", "qa", "multiple-choice",
-         "ctc", "audio-cls", "image-text", "base")
+         "ctc", "audio-cls", "video-cls", "image-text", "base")
 AUDIO_TASKS = ("ctc", "audio-cls")
 # trifuse.fuse(model), torch.compile(model, backend="trifuse"), or the model with
 # attn_implementation="trifuse" (trifuse/hf.py; causal LMs, float64: _hf_attention_row)
@@ -245,6 +248,16 @@ EXPLAINED = {
     ("base", "float64", "embedding_gemma2"):
         "the model's own fp32 parts (worst at a k norm's weight): unfused is 1.3e-4 from float64 itself, "
         "fused 3.7e-5 (bench/fp64_truth.py --task base)",
+    ("video-cls", "float64", "videoprism_vision_model"):
+        "the model's own fp32 softmax (`softmax(..., dtype=torch.float32)` in its eager attention, the only one "
+        "it has): the loss unfused 3.1e-8 from float64 itself, fused 7.6e-16; worst at the pooling head's "
+        "k_proj.bias, whose gradient is zero in exact arithmetic: unfused 4e-9 (fp32 rounding), fused ~1e-17 "
+        "(bench/fp64_truth.py --task video-cls)",
+    ("base", "float64", "videoprism"):
+        "the model's own fp32 softmax, as video-cls's videoprism_vision_model, at its video pooling head's "
+        "k_proj.bias, whose gradient is zero in exact arithmetic (float64 truth 1.9e-18): unfused 4.4e-10, fused "
+        "4.8e-10, both the fp32 rounding of that head, which stays as written in both (its attention weights "
+        "are the module's output: the capture cannot tell the caller drops them) (bench/fp64_truth.py --task base)",
     ("causal-lm", "float64", "gemma4"):  # its text model, now at the tiny head_dim: gemma4_text's numbers
         "the model's own fp32 parts (worst at its q and k norms): unfused is 3.3e-5 from float64 itself, "
         "fused 2.1e-5 (bench/fp64_truth.py)",
@@ -482,7 +495,7 @@ def _auto_class(tf, task: str):
             "seq-cls": tf.AutoModelForSequenceClassification,
             "token-cls": tf.AutoModelForTokenClassification, "qa": tf.AutoModelForQuestionAnswering,
             "multiple-choice": tf.AutoModelForMultipleChoice, "ctc": tf.AutoModelForCTC,
-            "audio-cls": tf.AutoModelForAudioClassification,
+            "audio-cls": tf.AutoModelForAudioClassification, "video-cls": tf.AutoModelForVideoClassification,
             "image-text": tf.AutoModelForImageTextToText, "base": tf.AutoModel}[task]
 
 
@@ -512,22 +525,78 @@ def _first(x):
     return x[0] if isinstance(x, (list, tuple)) else x
 
 
-def _base_inputs(model, dtype: torch.dtype) -> dict:
-    """One batch for a model without a head, by its main input: token ids (2 x 12), images
-    (2 x channels x 32 x 32, or the config's own size up to 64), or audio as the audio tasks
-    lay it out. Anything else raises (status "inputs": a harness limit)."""
-    cfg, name = model.config, model.main_input_name
+def _naflex_inputs(vision_cfg, dtype: torch.dtype) -> dict:
+    """SigLIP 2's NaFlex layout, as its processor pads a batch: each image's patches flattened
+    (patches x channels * patch * patch), its (height, width) in patches, and a mask; the first
+    image 4 x 4 patches, the second 4 x 3, its last 4 rows padding."""
+    patch, channels = _first(vision_cfg.patch_size), getattr(vision_cfg, "num_channels", 3) or 3
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, 12:] = 0
+    return {"pixel_values": torch.randn(2, 16, channels * patch * patch, dtype=dtype),
+            "spatial_shapes": torch.tensor([[4, 4], [4, 3]]), "pixel_attention_mask": mask}
+
+
+def _pixels(model, dtype: torch.dtype) -> dict:
+    """Images for the model's vision side: 2 x channels x 32 x 32 (or the config's own size up to
+    64), video clips of the config's frames (VideoMAE, ViViT, TimeSformer; VideoPrism's
+    `pixel_values_videos`), or SigLIP 2's patches."""
+    forward = inspect.signature(model.forward).parameters
+    vision = _attribute(model.config, "vision_config") or model.config
+    if "spatial_shapes" in forward:
+        return _naflex_inputs(vision, dtype)
+    size = _first(getattr(vision, "image_size", 32))
+    size = size if isinstance(size, int) and 8 <= size <= 64 else 32
+    frames = _attribute(vision, "num_frames")
+    frames = (frames,) if isinstance(frames, int) and 0 < frames <= 32 else ()
+    name = "pixel_values_videos" if model.main_input_name == "pixel_values_videos" else "pixel_values"
+    return {name: torch.randn(2, *frames, getattr(vision, "num_channels", 3) or 3, size, size, dtype=dtype)}
+
+
+def _base_layouts(model, dtype: torch.dtype) -> list[dict]:
+    """The batches a model without a head may take, fewest inputs first: its main input alone, then
+    with what its forward takes beside it (a dual encoder's images or audio for its text, CLIP's
+    text for its images, a speech seq2seq model's decoder ids)."""
+    name = model.main_input_name
+    forward = inspect.signature(model.forward).parameters
+    ids = {"input_ids": torch.randint(1, 64, (2, 12))}
     if name == "input_ids":
-        return {"input_ids": torch.randint(1, 64, (2, 12))}
-    if name == "pixel_values":
-        size = getattr(cfg, "image_size", 32)
-        size = size if isinstance(size, int) and 8 <= size <= 64 else 32
-        return {"pixel_values": torch.randn(2, getattr(cfg, "num_channels", 3) or 3, size, size, dtype=dtype)}
-    if name in ("input_values", "input_features"):
-        kwargs = _audio_inputs(model, "ctc", dtype)
-        del kwargs["labels"]
-        return kwargs
-    raise ValueError(f"main input {name!r}: no batch for it in this sweep")
+        main = dict(ids)
+    elif name in ("pixel_values", "pixel_values_videos"):
+        main = _pixels(model, dtype)
+    elif name in ("input_values", "input_features"):
+        main = _audio_inputs(model, "ctc", dtype)
+        del main["labels"]
+    else:
+        return []
+    layouts = [main]
+    if name == "input_ids" and "pixel_values" in forward:
+        layouts.append({**main, **_pixels(model, dtype)})
+    if name == "input_ids" and "input_features" in forward:
+        audio = _audio_inputs(model, "ctc", dtype)
+        del audio["labels"]
+        layouts.append({**main, **audio})
+    if name != "input_ids" and "input_ids" in forward:
+        layouts.append({**main, **ids})
+    if name != "input_ids" and "decoder_input_ids" in forward:
+        layouts.append({**main, "decoder_input_ids": torch.randint(1, 64, (2, 6))})
+    return layouts
+
+
+def _base_inputs(model, dtype: torch.dtype) -> dict:
+    """One batch for a model without a head: the first of `_base_layouts` it runs on (a forward
+    without gradients); where none of the others does, the last, to fail in the unfused step. A main input
+    with no batch here raises (status "inputs": a harness limit)."""
+    layouts = _base_layouts(model, dtype)
+    if not layouts:
+        raise ValueError(f"main input {model.main_input_name!r}: no batch for it in this sweep")
+    for kwargs in layouts[:-1]:
+        try:
+            with torch.no_grad():
+                _seeded(model)(**kwargs)
+            return kwargs
+        except Exception:  # noqa: BLE001, S112  (not this layout)
+            continue
+    return layouts[-1]
 
 
 def _seeded(model):
@@ -672,7 +741,7 @@ def _cross_attention_image_text_inputs(model, dtype: torch.dtype) -> dict:
 
 def _inputs(task: str, dtype: torch.dtype = torch.float64) -> dict:
     """One batch with labels, so the model computes its own loss."""
-    if task == "image-cls":
+    if task in ("image-cls", "video-cls"):  # video-cls: run_one puts the clips in (_pixels)
         return {"pixel_values": torch.randn(2, 3, 32, 32, dtype=dtype), "labels": torch.tensor([0, 2])}
     ids = torch.randint(1, 64, (2, 12))
     if task == "seq-cls":  # one of SMALL_EXTRA's 3 labels per sequence; each sequence ends with eos (= pad,
@@ -691,6 +760,21 @@ def _inputs(task: str, dtype: torch.dtype = torch.float64) -> dict:
     kwargs = {"input_ids": ids, "labels": ids}
     if task in ("causal-lm", "seq2seq"):
         kwargs["use_cache"] = False
+    return kwargs
+
+
+def batch(model, task: str, dtype: torch.dtype = torch.float64) -> dict:
+    """The batch the sweep feeds a model of a task, floating inputs in `dtype`; raises where the
+    harness has none for the model (status "inputs")."""
+    if task in AUDIO_TASKS:
+        return _audio_inputs(model, task, dtype)
+    if task == "image-text":
+        return _image_text_inputs(model, dtype)
+    if task == "base":
+        return _base_inputs(model, dtype)
+    kwargs = _inputs(task, dtype)
+    if task == "video-cls" or task == "image-cls" and "spatial_shapes" in inspect.signature(model.forward).parameters:
+        kwargs.update(_pixels(model, dtype))  # clips, or SigLIP 2's patches, for the image
     return kwargs
 
 
@@ -827,15 +911,10 @@ def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: s
     if params > MAX_PARAMS:
         return {"status": "too big", "why": f"{params} parameters with the tiny config"}
     input_dtype = torch.float64 if dtype == "float64" else torch.float32
-    if task in AUDIO_TASKS:
-        kwargs = _audio_inputs(model, task, input_dtype)
-    elif task in ("image-text", "base"):
-        try:
-            kwargs = (_image_text_inputs if task == "image-text" else _base_inputs)(model, input_dtype)
-        except Exception as e:  # noqa: BLE001
-            return {"status": "inputs", "why": f"{type(e).__name__}: {str(e).strip()[:150]}"}
-    else:
-        kwargs = _inputs(task, input_dtype)
+    try:
+        kwargs = batch(model, task, input_dtype)
+    except Exception as e:  # noqa: BLE001
+        return {"status": "inputs", "why": f"{type(e).__name__}: {str(e).strip()[:150]}"}
     leaves = [p for p in model.parameters() if p.requires_grad]
     model.train()
     # fp16- / bf16-autocast: the model in fp32 under CPU autocast, as a user trains in mixed precision
@@ -1000,6 +1079,7 @@ TASK_MAPPINGS = {"causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "masked-lm": 
                  "multiple-choice": "MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES",
                  "ctc": "MODEL_FOR_CTC_MAPPING_NAMES",
                  "audio-cls": "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES",
+                 "video-cls": "MODEL_FOR_VIDEO_CLASSIFICATION_MAPPING_NAMES",
                  "image-text": "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
                  "base": "MODEL_MAPPING_NAMES"}
 
