@@ -2,10 +2,10 @@
 default; masked LM, seq2seq LM, image classification, sequence and token classification,
 question answering, multiple choice, speech recognition with CTC, audio classification, video
 classification, image and text to text: the vision-language models; and the base models of every
-other type), built from a
-tiny config: does the fused model still run, train and give the unfused model's loss and
-gradients, and what did fuse replace? A net for "never break a model" wider than the test
-suite's hand-configured families (tests/_models.py); on CPU, in the Triton interpreter.
+other type), built from a tiny config: does the fused model still run, train and give the
+unfused model's loss and gradients, and what did fuse replace? A net for "never break a model"
+wider than the test suite's hand-configured families (tests/_models.py); on CPU, in the Triton
+interpreter.
 
     TRITON_INTERPRET=1 python bench/fuse_sweep.py [--task TASK] [--via VIA] [--dtype DTYPE] [--attn ATTN]
                                                    [MODEL_TYPE ...]
@@ -559,22 +559,25 @@ def _base_layouts(model, dtype: torch.dtype) -> list[dict]:
     name = model.main_input_name
     forward = inspect.signature(model.forward).parameters
     ids = {"input_ids": torch.randint(1, 64, (2, 12))}
+
+    def audio() -> dict:
+        kwargs = _audio_inputs(model, "ctc", dtype)
+        del kwargs["labels"]
+        return kwargs
+
     if name == "input_ids":
         main = dict(ids)
     elif name in ("pixel_values", "pixel_values_videos"):
         main = _pixels(model, dtype)
     elif name in ("input_values", "input_features"):
-        main = _audio_inputs(model, "ctc", dtype)
-        del main["labels"]
+        main = audio()
     else:
         return []
     layouts = [main]
     if name == "input_ids" and "pixel_values" in forward:
         layouts.append({**main, **_pixels(model, dtype)})
     if name == "input_ids" and "input_features" in forward:
-        audio = _audio_inputs(model, "ctc", dtype)
-        del audio["labels"]
-        layouts.append({**main, **audio})
+        layouts.append({**main, **audio()})
     if name != "input_ids" and "input_ids" in forward:
         layouts.append({**main, **ids})
     if name != "input_ids" and "decoder_input_ids" in forward:
@@ -584,8 +587,8 @@ def _base_layouts(model, dtype: torch.dtype) -> list[dict]:
 
 def _base_inputs(model, dtype: torch.dtype) -> dict:
     """One batch for a model without a head: the first of `_base_layouts` it runs on (a forward
-    without gradients); where none of the others does, the last, to fail in the unfused step. A main input
-    with no batch here raises (status "inputs": a harness limit)."""
+    without gradients); where none of the others does, the last, to fail in the unfused step. A
+    main input with no batch here raises (status "inputs": a harness limit)."""
     layouts = _base_layouts(model, dtype)
     if not layouts:
         raise ValueError(f"main input {model.main_input_name!r}: no batch for it in this sweep")
@@ -741,7 +744,7 @@ def _cross_attention_image_text_inputs(model, dtype: torch.dtype) -> dict:
 
 def _inputs(task: str, dtype: torch.dtype = torch.float64) -> dict:
     """One batch with labels, so the model computes its own loss."""
-    if task in ("image-cls", "video-cls"):  # video-cls: run_one puts the clips in (_pixels)
+    if task in ("image-cls", "video-cls"):  # video-cls: `batch` puts the clips in (_pixels)
         return {"pixel_values": torch.randn(2, 3, 32, 32, dtype=dtype), "labels": torch.tensor([0, 2])}
     ids = torch.randint(1, 64, (2, 12))
     if task == "seq-cls":  # one of SMALL_EXTRA's 3 labels per sequence; each sequence ends with eos (= pad,
