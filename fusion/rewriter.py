@@ -708,8 +708,17 @@ def _splice(graph: fx.Graph, m: Match, plan: _Plan, log: RewriteLog,
     if at_end:
         notes.append("placed where the pattern ends: an input is written in place after it starts")
     event = Replaced(m.pattern.name, m.pattern.family, placed, "", note=", ".join(notes))
-    for new in new_nodes:
-        if new.op == "call_function" and getattr(new.target, "__module__", "").startswith("trifuse."):
+    events = [event]
+    calls = [new for new in new_nodes
+             if new.op == "call_function" and getattr(new.target, "__module__", "").startswith("trifuse.")]
+    if m.pattern.call_families is not None:  # an event per call, each counted in its own family
+        assert len(calls) == len(m.pattern.call_families), (m.pattern.name, calls)
+        events = [Replaced(m.pattern.name, family, placed, "", note=event.note) for family in m.pattern.call_families]
+        for new, call_event in zip(calls, events):
+            new.meta["trifuse_event"] = call_event
+            call_event.node = new.name
+    else:
+        for new in calls:
             new.meta["trifuse_event"] = event
             event.node = event.node or new.name
     for old, new in zip(m.outputs, outputs):
@@ -722,18 +731,19 @@ def _splice(graph: fx.Graph, m: Match, plan: _Plan, log: RewriteLog,
             absorbed = node.meta.get("trifuse_event")
             if absorbed is not None:
                 absorbed.absorbed = True
-                event.where = _join_where(absorbed.where, event.where)
-                if m.pattern.folds and absorbed.family == event.family:
-                    spelled = absorbed.note or f"spelled as {absorbed.pattern}"
-                    notes = (spelled, f"{m.pattern.folds} folded in", event.note)
-                    event.note = "; ".join(n for n in notes if n)
+                for new_event in events:
+                    new_event.where = _join_where(absorbed.where, new_event.where)
+                    if m.pattern.folds and absorbed.family == new_event.family:
+                        spelled = absorbed.note or f"spelled as {absorbed.pattern}"
+                        notes = (spelled, f"{m.pattern.folds} folded in", new_event.note)
+                        new_event.note = "; ".join(n for n in notes if n)
             graph.erase_node(node)
     # What the model does not use of the replacement (the sum a post-norm block drops, brought
     # back to a local tensor) goes, unless it has side effects.
     for new in reversed(new_nodes):
         if not new.users and not new.is_impure():
             graph.erase_node(new)
-    log.replaced.append(event)
+    log.replaced.extend(events)
 
 
 _STACK_PREFIX = re.compile(r"^L\['[^']*'\](?:\[\d+\])?\.?")

@@ -60,6 +60,9 @@ class Pattern:
     # Constants for the replacement computed from the match's values (they override matched ones),
     # e.g. eps=None resolved to the input dtype's epsilon, as the op it replaces would.
     derive: Callable[[Match], dict[str, Any]] | None = None
+    # For a replacement that makes several trifuse calls (a parallel block's two dropout_adds): the
+    # family of each, in the order the replacement makes them; the report counts each call apart.
+    call_families: tuple[str, ...] | None = None
     # True for a pattern whose anchor is an op most of whose calls it is not meant for (every
     # linear, for the padded LM head): its rejections stay out of the report.
     quiet: bool = False

@@ -6,7 +6,9 @@ residual; a bias of one vector over the output columns).
 
 An add that feeds a norm is the residual stream's (residual_stream.py, matched first). p and the
 training flag are the model's; an inactive dropout (p = 0 or eval) makes the op a plain add that
-still takes the bias.
+still takes the bias. A parallel block's `dropout(attn) + dropout(mlp) + residual` (GPT-J,
+GPT-NeoX, Phi) is summed the other way round, `dropout_add(attn, dropout_add(mlp, residual))`, so
+that both dropouts are the op's: one rounding of the sum moves, as in any fused add.
 
 Stage 3: the gated add at a diffusion transformer block's end, where no norm follows in the block
 (the next block's norm is in another graph): `residual + gate * x`, the gate one vector per sample
@@ -23,6 +25,8 @@ captures for a block's other ops (its norms, its attention): a module whose only
 sum of a product is not captured for it (most such sums are no gated add; their capture would
 cost every model with one).
 """
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -43,6 +47,33 @@ def dropout_add(x: torch.Tensor, residual: torch.Tensor, p, training):
 
 def dropout_add_fused(x, residual, p, training):
     return ops.dropout_add(x, residual, p, training)
+
+
+def parallel_dropouts_add(x: torch.Tensor, y: torch.Tensor, residual: torch.Tensor, p, training, q, training_y):
+    """A parallel block's end (GPT-J's, GPT-NeoX's, Phi's): `dropout(attn) + dropout(mlp) + residual`,
+    after stage 1 made the first sum `dropout_add(attn, dropout(mlp))`."""
+    return ops.dropout_add(x, F.dropout(y, q, training_y, False), p, training) + residual
+
+
+def parallel_dropouts_add_fused(x, y, residual, p, training, q, training_y):
+    return ops.dropout_add(x, ops.dropout_add(y, residual, q, training_y), p, training)
+
+
+def parallel_dropouts_add_norm(x: torch.Tensor, y: torch.Tensor, residual: torch.Tensor, p, training, q,
+                               training_y, normalized_shape, weight, bias, eps, is_rms_norm, *, swapped: bool):
+    """The same sum where the next block's norm reads it in the same graph (torch.compile of a whole
+    model): stage 1 made it `dropout_add_layer_norm(dropout_add(attn, dropout(mlp)), residual)`, the
+    two dropouts' sum as the norm op's x or (`swapped`) as its residual."""
+    branches = ops.dropout_add(x, F.dropout(y, q, training_y, False), p, training)
+    first, second = (residual, branches) if swapped else (branches, residual)
+    return ops.dropout_add_layer_norm(first, second, normalized_shape, weight, bias, eps, 0.0, True, None,
+                                      is_rms_norm)
+
+
+def parallel_dropouts_add_norm_fused(x, y, residual, p, training, q, training_y, normalized_shape, weight, bias,
+                                     eps, is_rms_norm, *, swapped: bool):
+    return ops.dropout_add_layer_norm(x, ops.dropout_add(y, residual, q, training_y), normalized_shape, weight,
+                                      bias, eps, p, training, None, is_rms_norm)
 
 
 def linear_dropout_add(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor, residual: torch.Tensor, p, training):
@@ -167,6 +198,16 @@ _GATED_CAST_BACK = (gated_add_in_fp32, gated_add_in_fp32_of_x, gated_add_promote
 PATTERNS = (
     Pattern("dropout_add", "dropout_add", dropout_add, dropout_add_fused, ("dropout_add",),
             (needs_number("p"), needs_bool("training")), stage=1),
+    # after dropout_add, in the same stage: before stage 2 folds each branch's bias
+    Pattern("parallel_dropouts_add", "dropout_add", parallel_dropouts_add, parallel_dropouts_add_fused,
+            ("dropout_add",), (needs_number("q"), needs_bool("training_y")), stage=1,
+            call_families=("dropout_add", "dropout_add")),
+    *(Pattern("parallel_dropouts_add_norm", "dropout_add",
+              functools.partial(parallel_dropouts_add_norm, swapped=swapped),
+              functools.partial(parallel_dropouts_add_norm_fused, swapped=swapped),
+              ("dropout_add", "dropout_add_layer_norm"), (needs_number("q"), needs_bool("training_y")), stage=1,
+              call_families=("dropout_add", "residual_stream"))
+      for swapped in (False, True)),
     Pattern("linear_dropout_add", "dropout_add", linear_dropout_add, linear_dropout_add_fused, ("dropout_add",),
             stage=2),
     Pattern("conv1d_dropout_add", "dropout_add", conv1d_dropout_add, conv1d_dropout_add_fused, ("dropout_add",),

@@ -93,7 +93,9 @@ MODELS = {
     "falcon": (_family("falcon"), {"layer_norm": L + 1, "attention": L, "dropout_add": L, **ROTARY, **LOSS}),
     "olmo": (_family("olmo"), {"layer_norm": L + 1, "attention": L, "residual_stream": L, **GATED, **ROTARY,
                                **LOSS}),
-    "phi": (_family("phi"), {"layer_norm": L + 1, "attention": L, "bias_gelu": L, "dropout_add": L, **ROTARY,
+    # Phi, GPT-NeoX, GPT-J, CodeGen: parallel blocks, `dropout(attn) + dropout(mlp) + residual`, both
+    # dropouts fused (parallel_dropouts_add)
+    "phi": (_family("phi"), {"layer_norm": L + 1, "attention": L, "bias_gelu": L, "dropout_add": 2 * L, **ROTARY,
                              **LOSS}),
     # Phi-3: `gate, up = gate_up_proj(x).chunk(2, dim=-1)`, the halves read in place; its residual
     # dropouts (p = 0 here) before the add fuse as dropout_add, the add into the next norm
@@ -102,7 +104,7 @@ MODELS = {
     "qwen2": (_family("qwen2"), {"rms_norm": L + 1, "attention": L, "residual_stream": L, **GATED, **ROTARY,
                                  **LOSS}),
     "gpt_neox": (_family("gpt_neox"),
-                 {"layer_norm": 2 * L + 1, "attention": L, "bias_gelu": L, "dropout_add": L, **ROTARY, **LOSS}),
+                 {"layer_norm": 2 * L + 1, "attention": L, "bias_gelu": L, "dropout_add": 2 * L, **ROTARY, **LOSS}),
     # The interleaved rotary convention (rotary_interleaved_q_k). Cohere rotates fp32 copies of
     # q and k (`.float()`, cast back after); its parallel block sums residual + attention + MLP
     # in one expression, with no norm after it inside the block: nothing there to fuse.
@@ -195,9 +197,9 @@ MODELS = {
     # attention + MLP + residual, no norm after it: the MLP's dropout and add fuse; their interleaved
     # partial rotary (rotate_every_two on (B, S, H, D)) fuses. BLOOM's GeLU is an autograd.Function
     # in training (EVAL_ONLY); MPT's MLP has no bias.
-    "gptj": (_family("gptj"), {"layer_norm": L + 1, "attention": L, "bias_gelu": L, "dropout_add": L, **ROTARY,
+    "gptj": (_family("gptj"), {"layer_norm": L + 1, "attention": L, "bias_gelu": L, "dropout_add": 2 * L, **ROTARY,
                                **LOSS}),
-    "codegen": (_family("codegen"), {"layer_norm": L + 1, "attention": L, "bias_gelu": L, "dropout_add": L,
+    "codegen": (_family("codegen"), {"layer_norm": L + 1, "attention": L, "bias_gelu": L, "dropout_add": 2 * L,
                                      **ROTARY, **LOSS}),
     "gpt_neo": (_family("gpt_neo"), {"layer_norm": L + 1, "attention": L, "bias_gelu": L, "residual_stream": L,
                                      "dropout_add": L, **LOSS}),

@@ -313,3 +313,70 @@ def test_nothing_inside_a_torch_func_transform_is_rewritten():
     the sum inside stays as written and the one outside fuses; the answer is the unfused model's."""
     report = check_against_unfused(SumInsideVmap, X, "dynamo", train=True)
     assert report.by_pattern() == {"layer_norm": 1, "gated_add": 1}, report.table()
+
+
+class ParallelBlock(nn.Module):
+    """GPT-J's, GPT-NeoX's and Phi's parallel block: `dropout(attn(h)) + dropout(mlp(h)) + x`, h the
+    block's norm of x; `then_norm` adds the next block's norm on the sum (a whole model in one
+    graph, as torch.compile captures it)."""
+
+    def __init__(self, p=0.0, bias=True, order="branches_first", then_norm=False):
+        super().__init__()
+        self.norm = nn.LayerNorm(N)
+        self.attn = nn.Linear(N, N, bias=bias)
+        self.mlp = nn.Linear(N, N, bias=bias)
+        self.attn_drop, self.mlp_drop = nn.Dropout(p), nn.Dropout(p)
+        self.next_norm = nn.LayerNorm(N) if then_norm else None
+        self.order = order
+
+    def forward(self, x):
+        h = self.norm(x)
+        a, m = self.attn_drop(self.attn(h)), self.mlp_drop(self.mlp(h))
+        s = a + m + x if self.order == "branches_first" else x + (m + a)
+        return s if self.next_norm is None else self.next_norm(s)
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("make, patterns", [
+    (ParallelBlock, {"layer_norm": 1, "linear_dropout_add": 2}),
+    (lambda: ParallelBlock(order="residual_first"), {"layer_norm": 1, "linear_dropout_add": 2}),
+    (lambda: ParallelBlock(bias=False), {"layer_norm": 1, "parallel_dropouts_add": 2}),
+    (lambda: ParallelBlock(then_norm=True), {"layer_norm": 1, "linear_dropout_add": 1, "linear_residual_norm": 1}),
+    (lambda: ParallelBlock(order="residual_first", then_norm=True),
+     {"layer_norm": 1, "linear_dropout_add": 1, "linear_residual_norm": 1}),
+    (lambda: ParallelBlock(bias=False, then_norm=True), {"layer_norm": 1, "parallel_dropouts_add_norm": 2}),
+], ids=["branches+residual", "residual+branches", "no-bias", "then-norm", "residual-first-then-norm",
+        "no-bias-then-norm"])
+def test_a_parallel_blocks_two_dropouts_both_fuse(make, patterns, capture):
+    """The sum taken the other way round, `dropout_add(attn, dropout_add(mlp, x))`, each dropout the
+    op's; each op counted apart, in its own family."""
+    report = check_against_unfused(make, X, capture, train=True)
+    assert report.by_pattern() == patterns, report.table()
+    then_norm = "linear_residual_norm" in patterns or "parallel_dropouts_add_norm" in patterns
+    assert report.counts() == ({"layer_norm": 1, "dropout_add": 1, "residual_stream": 1} if then_norm else
+                               {"layer_norm": 1, "dropout_add": 2}), report.table()
+    assert not [left for left in report.left() if left[2] == "dropout"], report.table()
+
+
+def test_a_parallel_blocks_dropouts_draw_apart_and_backward_reuses_their_masks():
+    """attn(h) = 1 and mlp(h) = 2 everywhere, p = 0.5: each kept value doubles, so the sum less x is
+    0, 2, 4 or 6, and all four show only if the two masks are drawn apart. Each bias's gradient is
+    then the count of its kept values (times 2): the backward regenerates the forward's masks."""
+    block = ParallelBlock(p=0.5)
+    with torch.no_grad():
+        for lin, value in ((block.attn, 1.0), (block.mlp, 2.0)):
+            lin.weight.zero_()
+            lin.bias.fill_(value)
+    model = fuse_via(block.train(), "fx")
+    x = torch.randn(4, 50, N)
+    z = model(x)
+    drops = (z - x).detach()
+    torch.testing.assert_close(drops, drops.round(), rtol=0, atol=1e-5)
+    values = set(drops.round().flatten().tolist())
+    assert values == {0.0, 2.0, 4.0, 6.0}, values
+    z.sum().backward()
+    kept_attn = drops.round().remainder(4) == 2  # 2 or 6
+    kept_mlp = drops.round() >= 4
+    torch.testing.assert_close(block.attn.bias.grad, 2.0 * kept_attn.sum((0, 1)).float())
+    torch.testing.assert_close(block.mlp.bias.grad, 2.0 * kept_mlp.sum((0, 1)).float())
+    assert trifuse.report(model).counts().get("dropout_add") == 2
