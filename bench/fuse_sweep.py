@@ -1110,6 +1110,13 @@ def main(types: list[str], task: str = "causal-lm", via: str = "fuse", dtype: st
     path = os.path.join(RESULTS, f"{stem}.json")
     # Named types replace their rows in the results; the others stay as last swept.
     kept = {}
+    outside = sorted(set(types) - set(task_types(modeling_auto, task)))
+    if outside:  # no such head: a row of "build" would only grow the table
+        print(f"fuse_sweep: {task} has no model for {', '.join(outside)} ({TASK_MAPPINGS[task]}); not swept",
+              file=sys.stderr)
+        types = [t for t in types if t not in outside]
+        if not types:
+            return
     if types and os.path.exists(path):
         with open(path) as f:
             kept = {r["type"]: r for r in json.load(f)["rows"]}
