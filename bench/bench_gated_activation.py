@@ -19,12 +19,17 @@ trifuse and PyTorch for the shape); "torch" eager; "torch.compile"; "liger".
 Liger's backward writes its gradients into the gate and up it saved (its inputs): the "bwd" mode,
 which replays one graph's backward, then computes on overwritten values. Its time stands; its
 values are checked in the forward only, as every provider's are here.
+With dropout on the product (p = 0.1, variant "gelu_tanh p=0.1": T5 v1.1's, mT5's and Flan-T5's
+`dropout(gelu_new(wi_0 x) * wi_1 x)`): the same bytes for trifuse, whose mask is a seed; eager's
+F.dropout makes its own pass each way and saves a byte mask, torch.compile's its own. Before timing,
+every provider equals PyTorch at p = 0 and trifuse keeps 1 - p of the elements.
 Shapes: Llama-7B (intermediate 11008) and Llama-3-8B / Mistral-7B (14336) MLPs at 4096, 8192 and
 16384 tokens for SwiGLU, 8192 x 14336 for the GeGLU forms; bf16 on the GPU.
 """
 import _harness as H  # noqa: I001  (bench/conftest.py sets TRITON_INTERPRET before this)
 import pytest
 import torch
+import torch.nn.functional as F
 
 import trifuse
 from trifuse.kernels import gated_activation as ga
@@ -38,6 +43,7 @@ ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 # SwiGLU at every target shape; the GeGLU forms (same traffic, more arithmetic) at one, so that the
 # sweep fits its stage of bench/gpu_session.sh.
 SHAPES = {"silu": TARGET_SHAPES, "gelu_tanh": ((8192, 14336),), "gelu": ((8192, 14336),)}
+P = 0.1  # the dropout variant's: T5 v1.1's dropout_rate
 
 
 def make_inputs(shape):
@@ -67,29 +73,42 @@ def _liger(activation: str):
     return None
 
 
-def providers(activation: str) -> dict:
+def providers(activation: str, p: float = 0.0) -> dict:
     def torch_gated(gate, up):
-        return ga.gated_activation_ref(gate, up, activation)
+        y = ga.gated_activation_ref(gate, up, activation)
+        return F.dropout(y, p) if p else y
 
     def trifuse_kernels(gate, up):
-        return ga.GATED_ACTIVATION.candidate("trifuse").fn(gate, up, activation)
+        return ga.GATED_ACTIVATION.candidate("trifuse").fn(gate, up, activation, p)
 
     def trifuse_dialect(gate, up):
-        return trifuse.ops.gated_activation(gate, up, activation)
+        return trifuse.ops.gated_activation(gate, up, activation, p)
 
     out = {"trifuse": trifuse_kernels, "trifuse.ops (dialect)": trifuse_dialect, "torch": torch_gated}
     if H.on_gpu():
         out["torch.compile"] = H.compiled(torch_gated)
         liger = _liger(activation)
-        if liger is not None:
+        if liger is not None and not p:  # Liger's has no dropout
             out["liger"] = liger
     return out
 
 
-def with_peak_memory(rows: list[dict], activation: str) -> list[dict]:
+def check_dropout(activation: str, shape) -> float:
+    """Before timing the dropout variant: every provider equals PyTorch at p = 0; returns the
+    fraction trifuse keeps at p = P (the sweep asserts it within 5 sigma of 1 - P)."""
+    H.check_against_reference(providers(activation), "torch", make_inputs, shape)
+    ones = torch.ones(shape, device=DEVICE, dtype=DTYPE)
+    with torch.no_grad():
+        kept = (providers(activation, P)["trifuse"](ones, ones) != 0).double().mean().item()
+    sigma = (P * (1 - P) / ones.numel()) ** 0.5
+    assert abs(kept - (1 - P)) < 5 * sigma + 1e-12, f"trifuse keeps {kept:.4f}, not {1 - P}"
+    return kept
+
+
+def with_peak_memory(rows: list[dict], activation: str, p: float = 0.0) -> list[dict]:
     """Adds each timed fwd and fwd+bwd row's peak memory (MiB) for one step. What a forward keeps
     for its backward is `saved_mib`'s (fwd steps run without grad)."""
-    fns = providers(activation)
+    fns = providers(activation, p)
     for row in rows:
         if "ms" not in row or row["mode"] == "bwd":
             continue
@@ -99,10 +118,10 @@ def with_peak_memory(rows: list[dict], activation: str) -> list[dict]:
     return rows
 
 
-def saved_mib(activation: str, shape=(4096, 11008)) -> list[dict]:
+def saved_mib(activation: str, shape=(4096, 11008), p: float = 0.0) -> list[dict]:
     """MiB that one forward keeps alive for its backward, per provider (the memory plan)."""
     rows = []
-    for name, fn in providers(activation).items():
+    for name, fn in providers(activation, p).items():
         (gate, up), _ = make_inputs(shape)
         if H.on_gpu():
             torch.cuda.synchronize()
@@ -113,7 +132,7 @@ def saved_mib(activation: str, shape=(4096, 11008)) -> list[dict]:
             kept = (torch.cuda.memory_allocated() - before - y.numel() * y.element_size()) / 2**20
         else:
             kept = float("nan")
-        rows.append({"provider": name, "variant": activation, "shape": "x".join(map(str, shape)),
+        rows.append({"provider": name, "variant": activation + (f" p={p}" if p else ""), "shape": "x".join(map(str, shape)),
                      "saved MiB": kept})
         del y
     return rows
@@ -150,6 +169,12 @@ def main() -> None:
         swept = H.sweep(providers(activation), SHAPES[activation], make_inputs, bytes_for, variant=activation)
         rows += with_peak_memory(swept, activation)
         saved += saved_mib(activation)
+    shape = SHAPES["gelu_tanh"][0]
+    check_dropout("gelu_tanh", shape)
+    swept = H.sweep(providers("gelu_tanh", P), (shape,), make_inputs, bytes_for, reference="",
+                    variant=f"gelu_tanh p={P}")
+    rows += with_peak_memory(swept, "gelu_tanh", P)
+    saved += saved_mib("gelu_tanh", p=P)
     overhead = host_overhead()
     H.print_table(rows, COLUMNS)
     H.print_table(saved, ("provider", "variant", "shape", "saved MiB"))
@@ -174,6 +199,14 @@ def test_gated_activation(benchmark, activation, provider, mode):
     fn = providers(activation)[provider]
     step = H.make_step(fn, lambda: make_inputs(SMOKE_SHAPE), mode)
     H.check_against_reference(providers(activation), "torch", make_inputs, SMOKE_SHAPE)
+    benchmark.pedantic(step, rounds=3 if H.on_gpu() else 1, iterations=1)
+
+
+@pytest.mark.parametrize("mode", H.MODES)
+@pytest.mark.parametrize("provider", ["trifuse", "trifuse.ops (dialect)", "torch"])
+def test_gated_activation_dropout(benchmark, provider, mode):
+    check_dropout("gelu_tanh", SMOKE_SHAPE)
+    step = H.make_step(providers("gelu_tanh", P)[provider], lambda: make_inputs(SMOKE_SHAPE), mode)
     benchmark.pedantic(step, rounds=3 if H.on_gpu() else 1, iterations=1)
 
 

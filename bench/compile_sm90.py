@@ -207,6 +207,7 @@ def _catalogue(torch, family: str):
         g, u = leaf(tile_rows, 8192), leaf(tile_rows, 8192)
         for act in ("silu", "gelu", "gelu_tanh"):
             yield f"gated_activation 8192 {act}", fwd_bwd(lambda act=act, g=g, u=u: ops.gated_activation(g, u, act))
+        yield "gated_activation 8192 gelu_tanh p=0.1", fwd_bwd(lambda: ops.gated_activation(g, u, "gelu_tanh", p=0.1))
     elif family == "rotary":
         # 128 positions: the tiles of autotune/configs.py's rotary space take up to 128 of them at
         # head dim 64 (fewer would compile smaller blocks than a training step's 2048 positions get)

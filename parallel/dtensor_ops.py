@@ -19,7 +19,8 @@ tells it. Per mesh dim, the strategies offered are:
         x, residual, dy         Shard(d), d a leading dim     Shard(last)          Replicate
         bias                    Replicate                     Shard(0)             Replicate
         dbias                   Partial()                     Shard(0)             Replicate
-    gated_activation (elementwise; gate, up, y, dy, dgate, dup alike)
+    gated_activation (elementwise; gate, up, y, dy, dgate, dup alike; with dropout its seed as
+    dropout_add's, below)
         every tensor            Shard(d), d any dim                                Replicate
     group_norm (a row (n, g) spans its channels and every position: only the batch splits;
                 num_groups is the whole tensor's, so channel shards cannot take it)
@@ -228,6 +229,19 @@ def register() -> bool:
             gate, [("row", dy), ("row", gate), ("row", up), (None, None)], [("row", gate), ("row", gate)]
         )
 
+    @register_sharding(ops.gated_activation_dropout.default)
+    def _gated_activation_dropout(gate, up, activation, p):
+        return _elementwise_strategies(
+            gate, [("row", gate), ("row", up), (None, None), (None, None)], [("row", gate), ("seed", gate)]
+        )
+
+    @register_sharding(ops.gated_activation_dropout_backward.default)
+    def _gated_activation_dropout_backward(dy, gate, up, activation, p, seed):
+        return _elementwise_strategies(
+            gate, [("row", dy), ("row", gate), ("row", up), (None, None), (None, None), ("seed", seed)],
+            [("row", gate), ("row", gate)],
+        )
+
     @register_sharding(ops.group_norm.default)
     def _group_norm(x, num_groups, weight, bias, eps, activation, out_dtype):
         args = [("row", x), (None, None), ("feat", weight), ("feat", bias), (None, None), (None, None),
@@ -251,6 +265,7 @@ def register() -> bool:
                    ops.dropout_add_layer_norm, ops.dropout_add_rms_norm,
                    ops.layer_norm_backward, ops.dropout_add, ops.dropout_add_backward, ops.bias_gelu,
                    ops.bias_gelu_backward, ops.gated_activation, ops.gated_activation_backward,
+                   ops.gated_activation_dropout, ops.gated_activation_dropout_backward,
                    ops.group_norm, ops.group_norm_backward):
         op = packet.default
         if infos is not None and op in infos:

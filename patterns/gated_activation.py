@@ -18,13 +18,17 @@ becomes gated_activation in stage 1 (`bias_gelu_mul`), before stage 2 could give
 QuickGELU (bias_gelu's "quick" form, gpt-oss's `gate * sigmoid(1.702 gate)`) times up stays two
 ops: gated_activation has no quick form, and `known_gelu_form` says so in the report.
 
+Stage 1, after all of those: a dropout on the product (T5 v1.1's, mT5's and Flan-T5's
+`dropout(act(wi_0(x)) * wi_1(x))` before `wo`) moves into the op, its mask regenerated from a seed
+in the backward rather than stored; p and the training flag are the model's.
+
 Filters: gate and up have the same shape (the op does not broadcast) and the same floating-point
 dtype (the product would promote); anything else is left as written, with the reason in the report.
 """
 import torch
 import torch.nn.functional as F
 
-from ._base import Match, Pattern, ops, same_shape
+from ._base import Match, Pattern, needs_bool, needs_number, ops, same_shape
 
 _GELU = {"none": "gelu", "tanh": "gelu_tanh"}
 
@@ -96,6 +100,14 @@ def known_gelu_form(m: Match) -> str | None:
     return None
 
 
+def gated_activation_dropout(gate: torch.Tensor, up: torch.Tensor, activation, p, training):
+    return F.dropout(ops.gated_activation(gate, up, activation, 0.0, True), p, training, False)
+
+
+def gated_activation_dropout_fused(gate, up, activation, p, training):
+    return ops.gated_activation(gate, up, activation, p, training)
+
+
 _OPS = ("gated_activation",)
 _FILTERS = (gate_and_up_alike,)
 
@@ -107,4 +119,6 @@ PATTERNS = (
     Pattern("gelu_mul", "gated_activation", gelu_mul, gelu_mul_fused, _OPS, (known_gelu_form, *_FILTERS)),
     Pattern("bias_gelu_mul", "gated_activation", bias_gelu_mul, gelu_mul_fused, ("bias_gelu", *_OPS),
             (known_gelu_form, *_FILTERS), stage=1),
+    Pattern("gated_activation_dropout", "gated_activation", gated_activation_dropout, gated_activation_dropout_fused,
+            _OPS, (needs_number("p"), needs_bool("training")), stage=1),
 )

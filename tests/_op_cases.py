@@ -93,6 +93,8 @@ def _cases():
                                         torch.tensor([0, 4, 9], dtype=torch.int32), causal=True))
     case("gated_activation_gelu_tanh", lambda: {"gate": rand(3, 5, N), "up": rand(3, 5, N)},
          lambda t: ops.gated_activation(t["gate"], t["up"], "gelu_tanh"))
+    case("gated_activation_dropout", lambda: {"gate": rand(3, 5, N), "up": rand(3, 5, N)},
+         lambda t: ops.gated_activation(t["gate"], t["up"], "gelu_tanh", 0.3))
     # options and dtypes: masks (one that wants a gradient), dropout, softcap, windows, q/k/v as
     # transposed views of (B, S, H, D), no affine, 16-bit inputs, label smoothing
     case("attention_float_mask", lambda: {"q": rand(2, 2, 5, 8), "k": rand(2, 2, 7, 8), "v": rand(2, 2, 7, 8),

@@ -57,12 +57,13 @@ def eager(gate, up, activation):
 def test_key_is_a_small_tuple_of_plain_values():
     gate, up = inputs(rows=7)
     device = -1 if DEVICE == "cpu" else 0
-    assert ga._gated_activation_key(gate, up, "silu") == (device, torch.float32, 8, N, "silu", True)
+    assert ga._gated_activation_key(gate, up, "silu") == (device, torch.float32, 8, N, "silu", False, True)
+    assert ga._gated_activation_key(gate, up, "silu", 0.1)[5:] == (True, True)  # dropout: its own decision
     assert len(ga._gated_activation_key(gate, up, "silu")) == len(ga.GATED_ACTIVATION.key_names)
     assert ga._gated_activation_key(gate, up, "gelu")[4] == "gelu"  # activations never share a decision
     with torch.no_grad():
         halves = torch.randn(7, 2 * N, device=DEVICE).chunk(2, dim=-1)
-        assert ga._gated_activation_key(*halves, "gelu_tanh") == (device, torch.float32, 8, N, "gelu_tanh", False)
+        assert ga._gated_activation_key(*halves, "gelu_tanh") == (device, torch.float32, 8, N, "gelu_tanh", False, False)
 
 
 @pytest.mark.parametrize("case", ["traced", "empty", "integer", "scalar", "up shape", "up dtype", "activation",
@@ -117,9 +118,29 @@ def test_the_measured_winner_runs_bitwise(gated_dialect, timer, monkeypatch, win
         assert torch.equal(a, e)
     rec = gated_dialect.explain(gate, up, activation)
     assert rec.chosen == winner and rec.source == "measured" and set(fake.calls) == {"trifuse", "torch"}
-    assert rec.bucket == f"dtype=float32,rows=8,n={N},activation={activation},grad=True"
+    assert rec.bucket == f"dtype=float32,rows=8,n={N},activation={activation},dropout=False,grad=True"
     fwd_bwd(trifuse.ops.gated_activation, *inputs(rows=7), activation)  # same rows bucket: replayed
     assert len(fake.calls) == 2
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_with_dropout_only_trifuse_takes_the_call_and_nothing_is_timed(gated_dialect, timer, monkeypatch,
+                                                                       activation):
+    """PyTorch's dropout draws another mask and stores it: not the same op, never exchanged."""
+    fake = timer({"trifuse": 2.0, "torch": 1.0})
+    monkeypatch.setattr(gated_dialect, "timer", fake)
+    gate, up = inputs()
+    torch.manual_seed(3)
+    got = fwd_bwd(lambda g, u, a: trifuse.ops.gated_activation(g, u, a, p=0.3), gate, up, activation)
+    torch.manual_seed(3)
+    want = fwd_bwd(lambda g, u, a: torch.ops.trifuse.gated_activation_dropout(g, u, a, 0.3)[0], gate, up, activation)
+    for a, e in zip(got, want):
+        assert torch.equal(a, e)
+    rec = gated_dialect.explain(gate, up, activation, 0.3)
+    assert (rec.chosen, rec.source, fake.calls) == ("trifuse", "only eligible candidate", [])
+    assert "dropout" in rec.rejected["torch"] and rec.bucket.endswith("dropout=True,grad=True")
+    y = trifuse.ops.gated_activation(gate, up, activation, p=0.3, training=False)  # eval: no dropout, timed
+    assert torch.equal(y, eager(gate, up, activation)) and set(fake.calls) == {"trifuse", "torch"}
 
 
 def test_a_second_process_replays_the_choice_from_disk(gated_dialect, timer, monkeypatch, new_process):

@@ -320,3 +320,176 @@ def test_reference_path_without_interpreter_matches(monkeypatch):
     for activation in ACTIVATIONS:
         check_fwd_bwd(*make((4, 37), torch.float32), activation)
         check_fwd_bwd(*make((4, 37), torch.float16), activation)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dropout on the product (T5 v1.1's, mT5's): y = dropout(act(gate) * up, p), the mask drawn from a
+# seed (Philox, as dropout_add's) and regenerated in the backward, never stored.
+# ---------------------------------------------------------------------------------------------
+
+
+def keep_of(seed, shape, p):
+    """The 0/1 mask `seed` draws for an output of `shape`: dropout_add's, a shared helper."""
+    from trifuse.kernels.dropout_add import dropout_add_bwd
+
+    ones = torch.ones(shape, device=DEVICE)
+    return (dropout_add_bwd(ones, seed, p, False)[0] != 0).double()
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("shape", [(3, 7), (1, 100), (2, 129), (5, 1000), (2, 3, 50)], ids=_ids)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_dropout_matches_float64_oracle_through_its_mask(dtype, shape, activation):
+    """The launchers with a seed against float64 through the mask the seed draws: y, dgate, dup."""
+    p = 0.3
+    gate, up = make(shape, dtype)
+    seed = torch.tensor([1234], device=DEVICE)
+    y = ga_mod.gated_activation_fwd(gate.detach(), up.detach(), activation, p, seed)
+    keep = keep_of(seed, shape, p)
+    assert 0.5 < keep.mean() < 0.9
+    g64, u64 = upcast(gate, up)
+    gl, ul = lowp(gate, up)
+    y64 = gated_activation_ref(g64, u64, activation) * keep / (1 - p)
+    ylp = gated_activation_ref(gl, ul, activation) * keep.to(dtype) / (1 - p)
+    assert_close(f"{activation} dropout y", y, y64, ylp)
+    dy = torch.randn_like(y)
+    grads = ga_mod.gated_activation_bwd(dy, gate.detach(), up.detach(), activation, p, seed)
+    grads64 = torch.autograd.grad(y64, (g64, u64), dy.double())
+    grads_lp = torch.autograd.grad(ylp, (gl, ul), dy)
+    for name, a, a64, alp in zip(("dgate", "dup"), grads, grads64, grads_lp):
+        assert_close(f"{activation} dropout {name}", a, a64, alp)
+
+
+@pytest.mark.parametrize("make_inputs", [
+    lambda: make((4, 37), torch.float32),
+    lambda: torch.randn(6, 74, device=DEVICE, requires_grad=True).chunk(2, dim=-1),
+    lambda: [t.transpose(0, 1) for t in make((37, 4), torch.float32)],
+], ids=["rows", "chunked-halves", "transposed"])
+def test_dropout_forward_and_backward_share_one_mask(make_inputs):
+    """Through the public op: every kept output is act(gate) * up / (1 - p), every dropped one 0,
+    and the gradients flow through exactly the kept elements (the backward regenerates the mask)."""
+    p = 0.4
+    gate, up = make_inputs()
+    y = trifuse.ops.gated_activation(gate, up, "silu", p=p)
+    full = gated_activation_ref(gate.detach().double(), up.detach().double(), "silu") / (1 - p)
+    kept = y.detach() != 0
+    assert 0.4 < kept.double().mean() < 0.8
+    torch.testing.assert_close(y.detach().double()[kept], full[kept], rtol=1e-5, atol=1e-5)
+    dy = torch.randn_like(y)
+    dgate, dup = torch.autograd.grad(y, (gate, up), dy)
+    g64, u64 = upcast(gate, up)
+    ref = gated_activation_ref(g64, u64, "silu") * kept / (1 - p)
+    rg, ru = torch.autograd.grad(ref, (g64, u64), dy.double())
+    torch.testing.assert_close(dgate.double(), rg, rtol=1e-5, atol=1e-5)  # fp32 against float64
+    torch.testing.assert_close(dup.double(), ru, rtol=1e-5, atol=1e-5)
+
+
+def test_dropout_mask_is_dropout_adds_for_the_same_seed():
+    """One Philox stream for every kernel that drops: the same seed drops the same elements."""
+    gate, up = make((9, 130), torch.float32)
+    seed = torch.tensor([77], device=DEVICE)
+    y = ga_mod.gated_activation_fwd(gate.detach(), up.detach(), "gelu", 0.5, seed)
+    assert torch.equal((y != 0).double(), keep_of(seed, y.shape, 0.5))
+
+
+def test_dropout_statistics_seeds_and_edge_probabilities():
+    gate, up = make((64, 257), torch.float32)
+    gate, up = gate.detach(), up.detach()
+    torch.manual_seed(1)
+    a = trifuse.ops.gated_activation(gate, up, "gelu_tanh", p=0.25)
+    torch.manual_seed(1)
+    b = trifuse.ops.gated_activation(gate, up, "gelu_tanh", p=0.25)
+    c = trifuse.ops.gated_activation(gate, up, "gelu_tanh", p=0.25)
+    assert torch.equal(a, b) and not torch.equal(a, c)  # torch.manual_seed controls the mask
+    assert abs((a != 0).double().mean().item() - 0.75) < 0.02
+    plain = trifuse.ops.gated_activation(gate, up, "gelu_tanh")
+    assert torch.equal(trifuse.ops.gated_activation(gate, up, "gelu_tanh", p=0.0), plain)
+    assert torch.equal(trifuse.ops.gated_activation(gate, up, "gelu_tanh", p=0.5, training=False), plain)
+    huge = torch.full((4, 16), 1e30, device=DEVICE)  # act * up overflows to inf: p = 1 still gives 0
+    assert torch.equal(trifuse.ops.gated_activation(huge, huge, "silu", p=1.0), torch.zeros(4, 16, device=DEVICE))
+
+
+def test_dropout_saves_gate_up_and_a_seed_not_a_mask():
+    gate, up = make((4, 16), torch.float32)
+    y = trifuse.ops.gated_activation(gate, up, p=0.2)
+    saved = y.grad_fn.saved_tensors
+    assert len(saved) == 3 and saved[0] is gate and saved[1] is up and saved[2].shape == (1,)
+
+
+def _seeded(fn, seed=0):
+    def call(*args):
+        torch.manual_seed(seed)  # the same mask on every call: a deterministic function to check
+        return fn(*args)
+    return call
+
+
+def test_dropout_gradcheck_and_gradgradcheck_float64():
+    gate = torch.randn(4, 6, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    up = torch.randn(4, 6, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    for act in ACTIVATIONS:
+        eager = _seeded(lambda g, u, act=act: trifuse.ops.gated_activation(g, u, act, p=0.3))
+        op = _seeded(lambda g, u, act=act: torch.ops.trifuse.gated_activation_dropout(g, u, act, 0.3)[0])
+        for fn in (eager, op):
+            assert torch.autograd.gradcheck(fn, (gate, up))
+            assert torch.autograd.gradgradcheck(fn, (gate, up))
+
+
+def test_dropout_eager_path_and_registered_op_are_bitwise_equal():
+    gate, up = make((37, 70), torch.float32)
+    torch.manual_seed(3)
+    eager = trifuse.ops.gated_activation(gate, up, "gelu", p=0.3)
+    torch.manual_seed(3)
+    op = torch.ops.trifuse.gated_activation_dropout(gate, up, "gelu", 0.3)[0]
+    assert torch.equal(eager, op)
+    dy = torch.randn_like(eager)
+    for a, a_ in zip(torch.autograd.grad(eager, (gate, up), dy), torch.autograd.grad(op, (gate, up), dy)):
+        assert torch.equal(a, a_)
+
+
+def test_dropout_compiles_fullgraph_and_opchecks():
+    gate, up = make((4, 48), torch.float32)
+    fn = torch.compile(lambda g, u: trifuse.ops.gated_activation(g, u, "silu", p=0.3), fullgraph=True,
+                       backend="aot_eager")
+    torch.manual_seed(5)
+    out = fn(gate, up)
+    torch.manual_seed(5)
+    ref = trifuse.ops.gated_activation(gate, up, "silu", p=0.3)
+    assert torch.equal(out, ref)
+    torch.library.opcheck(torch.ops.trifuse.gated_activation_dropout.default, (gate, up, "gelu_tanh", 0.3),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor",
+                                      "test_aot_dispatch_dynamic"))
+    seed = torch.tensor([9], device=DEVICE)
+    torch.library.opcheck(torch.ops.trifuse.gated_activation_dropout_backward.default,
+                          (torch.randn(4, 48, device=DEVICE), gate.detach(), up.detach(), "silu", 0.3, seed))
+
+
+@pytest.mark.parametrize("p, training", [(1.5, True), (-0.1, True), (2.0, False), ("0.1", True)])
+def test_dropout_bad_probability_raises_clear_error(p, training):
+    gate, up = make((3, 8), torch.float32)
+    with pytest.raises(ValueError, match=r"trifuse.gated_activation: p must be a probability in \[0, 1\]"):
+        trifuse.ops.gated_activation(gate, up, "silu", p=p, training=training)
+
+
+def test_dropout_negative_control_a_mask_other_than_the_forwards_fails():
+    """The oracle check catches a backward through another seed's mask."""
+    gate, up = make((8, 64), torch.float32)
+    seed, other = torch.tensor([1], device=DEVICE), torch.tensor([2], device=DEVICE)
+    dy = torch.randn(8, 64, device=DEVICE)
+    wrong = ga_mod.gated_activation_bwd(dy, gate.detach(), up.detach(), "silu", 0.3, other)[1]
+    g64, u64 = upcast(gate, up)
+    y64 = gated_activation_ref(g64, u64, "silu") * keep_of(seed, (8, 64), 0.3) / 0.7
+    right = torch.autograd.grad(y64, u64, dy.double())[0]
+    assert not check_close("dup", wrong, right, right.float())[0]
+
+
+def test_dropout_reference_path_without_interpreter(monkeypatch):
+    """CPU tensors without TRITON_INTERPRET: PyTorch's path, its own mask, the same API."""
+    monkeypatch.setattr(ga_mod, "use_triton", lambda t: False)
+    gate, up = make((6, 33), torch.float32)
+    y = trifuse.ops.gated_activation(gate, up, "gelu", p=0.5)
+    kept = y.detach() != 0
+    assert 0.25 < kept.double().mean() < 0.75
+    full = gated_activation_ref(gate.detach().double(), up.detach().double(), "gelu") * 2
+    torch.testing.assert_close(y.detach().double()[kept], full[kept], rtol=1e-5, atol=1e-5)
+    _, dup = torch.autograd.grad(y, (gate, up), torch.ones_like(y))
+    assert torch.equal(dup != 0, kept & (gate.detach() != 0))

@@ -254,3 +254,47 @@ def test_inplace_silu_product_keeps_its_maths(capture):
     """nn.SiLU(inplace=True) writes into the gate projection's output: left as written, or fused
     with the same result; never wrong."""
     check_against_unfused(lambda: GatedMLP(nn.SiLU(inplace=True)), X, capture)
+
+
+class T5GatedFFN(nn.Module):
+    """T5 v1.1's, mT5's and Flan-T5's T5DenseGatedActDense: `wo(dropout(act(wi_0(x)) * wi_1(x)))`
+    with act transformers' NewGELUActivation (the tanh GeLU written out)."""
+
+    def __init__(self, p=0.0, act=new_gelu):
+        super().__init__()
+        self.wi_0 = nn.Linear(N, I, bias=False)
+        self.wi_1 = nn.Linear(N, I, bias=False)
+        self.wo = nn.Linear(I, N, bias=False)
+        self.dropout = nn.Dropout(p)
+        self.act = act
+
+    def forward(self, x):
+        return self.wo(self.dropout(self.act(self.wi_0(x)) * self.wi_1(x)))
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("act", [new_gelu, F.silu], ids=["gelu-new", "silu"])
+def test_a_dropout_on_the_product_moves_into_the_op(act, capture):
+    """Its p and training flag carried: here p = 0 in training, checked against the unfused model."""
+    report = check_against_unfused(lambda: T5GatedFFN(act=act), X, capture, train=True)
+    assert report.by_pattern() == {"gated_activation_dropout": 1}, report.table()
+    assert not [left for left in report.left() if left[2] == "dropout"], report.table()
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_the_dropout_in_the_op_drops_and_keeps_like_the_model(capture):
+    """p = 1 drops every product (the output is 0); eval keeps them all (the unfused model's output);
+    p = 0.5 in training runs trifuse's dropout kernels (their statistics: tests/kernels)."""
+    ffn = T5GatedFFN(p=1.0)
+    model = fuse_via(ffn.train(), capture)
+    x = torch.randn(2, 5, N)
+    torch.testing.assert_close(model(x), torch.zeros(2, 5, N), rtol=0, atol=0)
+    model.eval()
+    inner = ffn if capture == "fx" else model.blocks[0].inner
+    with torch.no_grad():
+        want = inner.wo(new_gelu(inner.wi_0(x)) * inner.wi_1(x))
+    torch.testing.assert_close(model(x), want)
+    half = fuse_via(T5GatedFFN(p=0.5).train(), capture)
+    h = torch.randn(4, 50, N)
+    ran = trifuse_ops_run(lambda: half(h).sum().backward())
+    assert "trifuse::gated_activation_dropout" in ran or "trifuse::gated_activation_dropout_backward" in ran
