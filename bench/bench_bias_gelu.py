@@ -12,6 +12,10 @@ Bytes per step, M rows of N features, e bytes per element (activations and bias 
 The backward reads what the forward saved: trifuse recomputes from x and b, PyTorch eager reads
 its saved x + b; either way one M·N activation.
 Targets (DESIGN.md, issue 3; H100, bf16): fwd+bwd >= 2.3 TB/s and >= 2x PyTorch eager.
+With dropout on the output (variant "erf p=0.1", BART's activation dropout at (8192, 4096)): the
+same bytes for trifuse, whose mask is a seed; eager's F.dropout makes its own pass each way and
+saves a byte mask. Before timing, every provider equals PyTorch at p = 0 and trifuse keeps 1 - p
+of the elements.
 """
 import _harness as H  # noqa: I001  (bench/conftest.py sets TRITON_INTERPRET before this)
 import pytest
@@ -28,6 +32,7 @@ TARGET_SHAPES = ((16384, 1024), (8192, 4096), (4096, 8192))
 ELEMENTS = 2**26  # rows x width for the width sweep: 128 MiB of bf16 per activation
 FORMS = ("none", "tanh", "quick")
 VARIANT = {"none": "erf", "tanh": "tanh", "quick": "quick"}
+P = 0.1  # the dropout variant's: BART's activation_dropout
 
 
 def make_inputs(shape):
@@ -45,22 +50,37 @@ def bytes_for(shape, mode):
     return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]
 
 
-def providers(approximate: str) -> dict:
+def providers(approximate: str, p: float = 0.0) -> dict:
     def torch_bias_gelu(x, b):
         z = x + b
-        return z * torch.sigmoid(1.702 * z) if approximate == "quick" else F.gelu(z, approximate=approximate)
+        y = z * torch.sigmoid(1.702 * z) if approximate == "quick" else F.gelu(z, approximate=approximate)
+        return F.dropout(y, p) if p else y
 
     def trifuse_bias_gelu(x, b):
         # trifuse's kernels, always: trifuse.ops.bias_gelu may choose F.gelu (its dialect)
-        return bg_mod._bias_gelu_trifuse(x, b, approximate)
+        return bg_mod._bias_gelu_trifuse(x, b, approximate, p)
 
     def dialect_bias_gelu(x, b):
-        return trifuse.ops.bias_gelu(x, b, approximate)
+        return trifuse.ops.bias_gelu(x, b, approximate, p)
 
     out = {"trifuse": trifuse_bias_gelu, "trifuse.ops (dialect)": dialect_bias_gelu, "torch": torch_bias_gelu}
     if H.on_gpu():
         out["torch.compile"] = H.compiled(torch_bias_gelu)
     return out
+
+
+def check_dropout(shape) -> float:
+    """Before timing the dropout variant: every provider equals PyTorch at p = 0; returns the
+    fraction trifuse keeps at p = P, asserted within 5 sigma of 1 - P."""
+    H.check_against_reference(providers("none"), "torch", make_inputs, shape)
+    m, n = shape
+    x = torch.full((m, n), 4.0, device=DEVICE, dtype=DTYPE)  # gelu(4) > 0: only the mask zeroes
+    with torch.no_grad():
+        kept = (providers("none", P)["trifuse"](x, torch.zeros(n, device=DEVICE, dtype=DTYPE)) != 0)
+    kept = kept.double().mean().item()
+    sigma = (P * (1 - P) / (m * n)) ** 0.5
+    assert abs(kept - (1 - P)) < 5 * sigma + 1e-12, f"trifuse keeps {kept:.4f}, not {1 - P}"
+    return kept
 
 
 def host_overhead() -> list[dict]:
@@ -96,6 +116,10 @@ def main() -> None:
             rows += H.sweep(providers(approximate), shapes, make_inputs, bytes_for,
                             variant=VARIANT[approximate])
             H.write_results("bias_gelu", rows, COLUMNS, plot_x="N")
+    shape = (8192, 4096)
+    check_dropout(shape)
+    rows += H.sweep(providers("none", P), (shape,), make_inputs, bytes_for, reference="", variant=f"erf p={P}")
+    H.write_results("bias_gelu", rows, COLUMNS, plot_x="N")
     H.print_table(rows, COLUMNS)
 
 
@@ -114,6 +138,14 @@ def test_bias_gelu(benchmark, approximate, provider, mode):
     fn = providers(approximate)[provider]
     step = H.make_step(fn, lambda: make_inputs(SMOKE_SHAPE), mode)
     H.check_against_reference(providers(approximate), "torch", make_inputs, SMOKE_SHAPE)
+    benchmark.pedantic(step, rounds=3 if H.on_gpu() else 1, iterations=1)
+
+
+@pytest.mark.parametrize("mode", H.MODES)
+@pytest.mark.parametrize("provider", ["trifuse", "trifuse.ops (dialect)", "torch"])
+def test_bias_gelu_dropout(benchmark, provider, mode):
+    check_dropout(SMOKE_SHAPE)
+    step = H.make_step(providers("none", P)[provider], lambda: make_inputs(SMOKE_SHAPE), mode)
     benchmark.pedantic(step, rounds=3 if H.on_gpu() else 1, iterations=1)
 
 

@@ -159,6 +159,7 @@ def _catalogue(torch, family: str):
             for approximate in ("none", "tanh", "quick"):
                 yield f"bias_gelu {n} {approximate}", fwd_bwd(
                     lambda x=x, b=b, a=approximate: ops.bias_gelu(x, b, approximate=a))
+        yield "bias_gelu 4096 none p=0.1", fwd_bwd(lambda x=x, b=b: ops.bias_gelu(x, b, p=0.1))
     elif family == "dropout_add":
         # (first, the smoke's) the plain one, then a per-token fp32 gated add of its output with a bias
         # and dropout, every per-token flag on: both of their backward kernels in one call

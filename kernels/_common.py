@@ -322,7 +322,8 @@ def reference_grads(forward: Callable[..., Any], inputs: tuple, needs: tuple, gr
 
 # The public functions each autograd.Function serves, for messages.
 _PUBLIC_OPS = {"_AttentionFunction": "attention", "_VarlenFunction": "attention_varlen",
-               "_BiasGeluFunction": "bias_gelu", "_CrossEntropyFunction": "cross_entropy",
+               "_BiasGeluFunction": "bias_gelu",
+               "_BiasGeluDropoutFunction": "bias_gelu", "_CrossEntropyFunction": "cross_entropy",
                "_LinearCrossEntropyFunction": "linear_cross_entropy", "_DropoutAddFunction": "dropout_add",
                "_GatedDropoutAddFunction": "dropout_add", "_GatedRowsDropoutAddFunction": "dropout_add",
                "_GatedActivationFunction": "gated_activation",

@@ -42,11 +42,13 @@ import triton.language as tl
 
 from ..autotune import dialects, pow2_bucket
 from ._common import (
+    DROPOUT_NOT_EXCHANGED,
     acc_dtype,
     apply_function,
     as_rows,
     cast,
     check_float,
+    check_probability,
     check_same_device,
     check_shape,
     check_tensor,
@@ -54,13 +56,16 @@ from ._common import (
     eager_fast_path,
     empty_like,
     outside_device_modes,
+    philox_seed,
     profiled,
     reference_grads,
     single_backward,
     use_triton,
 )
 from ._launch import CachedKernel
+from ._random import dropout_keep_quads
 from ._tiles import RowwiseTuning, run_one_tile, run_summing, time_one_tile, time_summing
+from .dropout_add import _dropout_scale, _DropoutMask, _torch_keep_mask
 
 APPROXIMATE = ("none", "tanh", "quick")
 # The quick form's slope: z * sigmoid(1.702 z), transformers' QuickGELUActivation.
@@ -153,9 +158,10 @@ def _bias_gelu_fwd_kernel(
     X,  # in (M, N)
     B,  # in (N,) bias; unused unless HAS_BIAS
     Y,  # out (M, N)
-    M, N, stride_xm, stride_ym, col_tiles,
+    SEED,  # in (1,) int64 Philox seed; unused unless HAS_DROPOUT
+    M, N, stride_xm, stride_ym, p, scale, col_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, FORM: tl.constexpr,
-    ACC: tl.constexpr,
+    ACC: tl.constexpr, HAS_DROPOUT: tl.constexpr = False,
 ):
     # A 1-D grid over (row tile, column tile): no 65535 limit on a second grid axis.
     pid = tl.program_id(0)
@@ -167,6 +173,8 @@ def _bias_gelu_fwd_kernel(
     if HAS_BIAS:
         z += tl.load(B + cols, mask=col_mask, other=0.0).to(ACC)[None, :]
     y = _act(z, FORM)
+    if HAS_DROPOUT:  # the (M, N) output's mask, as dropout_add draws it for the same seed
+        y = tl.where(dropout_keep_quads(tl.load(SEED), rows[:, None], cols[None, :], p), y * scale, 0.0)
     tl.store(Y + rows[:, None] * stride_ym + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -177,9 +185,10 @@ def _bias_gelu_bwd_kernel(
     B,  # in (N,) bias; unused unless HAS_BIAS
     DX,  # out (M, N)
     DB_PARTIAL,  # out (groups, N) fp32: this program's rows' share of dbias; unused unless HAS_BIAS
-    M, N, stride_dym, stride_xm, stride_dxm, rows_per_program, col_tiles,
+    SEED,  # in (1,) int64 the forward's Philox seed; unused unless HAS_DROPOUT
+    M, N, stride_dym, stride_xm, stride_dxm, p, scale, rows_per_program, col_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, FORM: tl.constexpr,
-    ACC: tl.constexpr, PREFETCH: tl.constexpr = False,
+    ACC: tl.constexpr, PREFETCH: tl.constexpr = False, HAS_DROPOUT: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     group = pid // col_tiles
@@ -190,6 +199,8 @@ def _bias_gelu_bwd_kernel(
     row_start = group.to(tl.int64) * rows_per_program  # int64: rows * stride may pass 2^31
     row_end = tl.minimum(row_start + rows_per_program, M)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+    if HAS_DROPOUT:
+        seed = tl.load(SEED)
     if PREFETCH:  # the first tile's loads, issued before the loop (see the loop's head)
         rows = row_start + tl.arange(0, BLOCK_M)
         mask = (rows < row_end)[:, None] & col_mask[None, :]
@@ -212,7 +223,10 @@ def _bias_gelu_bwd_kernel(
         z = x_tile.to(ACC)
         if HAS_BIAS:
             z += b
-        dz = dy_tile.to(ACC) * _act_grad(z, FORM)
+        g = dy_tile.to(ACC)
+        if HAS_DROPOUT:  # the forward's mask, regenerated from its seed
+            g = tl.where(dropout_keep_quads(seed, rows[:, None], cols[None, :], p), g * scale, 0.0)
+        dz = g * _act_grad(z, FORM)
         tl.store(DX + rows[:, None] * stride_dxm + cols[None, :], dz.to(DX.dtype.element_ty), mask=mask)
         if HAS_BIAS:
             acc += tl.where(mask, dz, 0.0)
@@ -241,14 +255,16 @@ _bias_gelu_bwd = CachedKernel(_bias_gelu_bwd_kernel)
 
 # Launch configurations: tuned per (device, dtype, width, rows bucket, bias?, form) by
 # trifuse's tuner over autotune/configs.py's row-wise spaces (kernels/_tiles.py).
-_FWD_TUNING = RowwiseTuning("bias_gelu_fwd", ("bias", "form"), summing=False)
-_BWD_TUNING = RowwiseTuning("bias_gelu_bwd", ("bias", "form"), summing=True)
+_FWD_TUNING = RowwiseTuning("bias_gelu_fwd", ("bias", "form", "dropout"), summing=False)
+_BWD_TUNING = RowwiseTuning("bias_gelu_bwd", ("bias", "form", "dropout"), summing=True)
 
 
-def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor | None, approximate: str) -> torch.Tensor:
-    """y = gelu(x + bias), contiguous, shaped like x, in x's dtype."""
+def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor | None, approximate: str, p: float = 0.0,
+                  seed: torch.Tensor | None = None) -> torch.Tensor:
+    """y = dropout(gelu(x + bias), p), contiguous, shaped like x, in x's dtype; the mask drawn
+    from `seed` (a (1,) int64 tensor, needed for p > 0)."""
     if x.numel() and not use_triton(x):
-        return _bias_gelu_torch(x, bias, approximate)
+        return _bias_gelu_torch(x, bias, approximate, p, seed)
     n = _width(x)
     y = empty_like(x)
     if y.numel() == 0:
@@ -256,9 +272,11 @@ def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor | None, approximate: str) 
     # Row bases and strides, not (rows, n) views: a view op costs host time on every call.
     (x2, stride_x), bias = as_rows(x, n), _flat(bias)
     m = x.numel() // n
-    args = (x2, bias if bias is not None else x2, y, m, n, stride_x, n)
-    constexprs = dict(HAS_BIAS=bias is not None, FORM=_FORM_CODE[approximate], ACC=acc_dtype(x.dtype))
-    device, variant = x.get_device() if x.is_cuda else -1, (bias is not None, approximate)
+    dropout = p > 0.0
+    args = (x2, bias if bias is not None else x2, y, seed if dropout else y, m, n, stride_x, n, p, _dropout_scale(p))
+    constexprs = {"HAS_BIAS": bias is not None, "FORM": _FORM_CODE[approximate], "ACC": acc_dtype(x.dtype),
+                  "HAS_DROPOUT": dropout}
+    device, variant = x.get_device() if x.is_cuda else -1, (bias is not None, approximate, dropout)
     launch = _FWD_TUNING.launch(device, x.dtype, m, n, 0, False, variant, constexprs,
                                 time_one_tile, _bias_gelu_fwd, m, n, constexprs, args)
     run_one_tile(_bias_gelu_fwd, launch, args)
@@ -266,12 +284,13 @@ def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor | None, approximate: str) 
 
 
 def bias_gelu_bwd(
-    dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, approximate: str
+    dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, approximate: str, p: float = 0.0,
+    seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dbias): dx contiguous like x in x's dtype; dbias (N,) fp32 (fp64 for fp64 x), empty
-    when bias is None."""
+    when bias is None; for p > 0 through the forward's mask, regenerated from its `seed`."""
     if x.numel() and not use_triton(x):
-        return _bias_gelu_bwd_torch(dy, x, bias, approximate)
+        return _bias_gelu_bwd_torch(dy, x, bias, approximate, p, seed)
     n = _width(x)
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     dx = empty_like(x)
@@ -280,12 +299,14 @@ def bias_gelu_bwd(
     (x2, stride_x), (dy2, stride_dy), bias = as_rows(x, n), as_rows(dy, n), _flat(bias)
     m = x.numel() // n
     has_bias = bias is not None
+    dropout = p > 0.0
     head = (dy2, x2, bias if has_bias else x2, dx)
-    tail = (m, n, stride_dy, stride_x, n)
-    constexprs = dict(HAS_BIAS=has_bias, FORM=_FORM_CODE[approximate], ACC=acc_dtype(x.dtype))
+    tail = (seed if dropout else dx, m, n, stride_dy, stride_x, n, p, _dropout_scale(p))
+    constexprs = {"HAS_BIAS": has_bias, "FORM": _FORM_CODE[approximate], "ACC": acc_dtype(x.dtype),
+                  "HAS_DROPOUT": dropout}
     sms = device_sms(x)
     device = x.get_device() if x.is_cuda else -1
-    launch = _BWD_TUNING.launch(device, x.dtype, m, n, sms, has_bias, (has_bias, approximate), constexprs,
+    launch = _BWD_TUNING.launch(device, x.dtype, m, n, sms, has_bias, (has_bias, approximate, dropout), constexprs,
                                 time_summing, _bias_gelu_bwd, m, n, sms, constexprs, head, tail, acc,
                                 has_bias, x.device)
     partial = run_summing(_bias_gelu_bwd, launch, head, tail, n, acc, has_bias, x.device)
@@ -307,16 +328,24 @@ def _quick_gelu_grad_torch(z: torch.Tensor) -> torch.Tensor:
     return s + QUICK_ALPHA * z * s * (1.0 - s)
 
 
-def _bias_gelu_torch(x, bias, approximate):
-    return bias_gelu_ref(_upcast(x, bias), None, approximate).to(x.dtype).contiguous()
+def _dropped(t: torch.Tensor, p: float, seed: torch.Tensor | None) -> torch.Tensor:
+    """t through the mask `seed` draws (dropout_add's PyTorch path's, its own random stream)."""
+    if p == 0.0:
+        return t
+    return torch.where(_torch_keep_mask(seed, t.shape, p).to(t.device), t * _dropout_scale(p), 0.0)
 
 
-def _bias_gelu_bwd_torch(dy, x, bias, approximate):
+def _bias_gelu_torch(x, bias, approximate, p=0.0, seed=None):
+    return _dropped(bias_gelu_ref(_upcast(x, bias), None, approximate), p, seed).to(x.dtype).contiguous()
+
+
+def _bias_gelu_bwd_torch(dy, x, bias, approximate, p=0.0, seed=None):
     z = _upcast(x, bias)
+    dy = _dropped(dy.to(z.dtype), p, seed)
     if approximate == "quick":
-        dz = dy.to(z.dtype) * _quick_gelu_grad_torch(z)
+        dz = dy * _quick_gelu_grad_torch(z)
     else:
-        dz = torch.ops.aten.gelu_backward(dy.to(z.dtype), z, approximate=approximate)
+        dz = torch.ops.aten.gelu_backward(dy, z, approximate=approximate)
     dbias = dz.reshape(-1, _width(x)).sum(dim=0) if bias is not None else z.new_empty(0)
     return dz.to(x.dtype).contiguous(), dbias
 
@@ -326,8 +355,9 @@ def _bias_gelu_bwd_torch(dy, x, bias, approximate):
 # =============================================================================================
 
 
-def _check_inputs(x: object, bias: object, approximate: object) -> None:
+def _check_inputs(x: object, bias: object, approximate: object, p: object = 0.0) -> None:
     op = "bias_gelu"
+    check_probability(op, "p", p)
     check_tensor(op, "input", x)
     check_float(op, "input", x)
     if bias is not None:
@@ -357,6 +387,33 @@ def _bias_gelu_op(x: Tensor, bias: OptTensor, approximate: str) -> Tensor:
 def _bias_gelu_backward_op(dy: Tensor, x: Tensor, bias: OptTensor, approximate: str) -> tuple[Tensor, Tensor]:
     """(dx, dbias); dbias is (N,) in fp32 (fp64 for fp64 x), empty when bias is None."""
     return bias_gelu_bwd(dy, x, bias, approximate)
+
+
+@torch.library.custom_op("trifuse::bias_gelu_dropout", mutates_args=())
+def _bias_gelu_dropout_op(x: Tensor, bias: OptTensor, approximate: str, p: float) -> tuple[Tensor, Tensor]:
+    """(y, seed): y = dropout(gelu(x + bias), p), its mask drawn from seed (for the backward)."""
+    _check_inputs(x, bias, approximate, p)
+    seed = philox_seed(x.device)
+    return bias_gelu_fwd(x, bias, approximate, p, seed), seed
+
+
+@torch.library.custom_op("trifuse::bias_gelu_dropout_backward", mutates_args=())
+def _bias_gelu_dropout_backward_op(dy: Tensor, x: Tensor, bias: OptTensor, approximate: str, p: float,
+                                   seed: Tensor) -> tuple[Tensor, Tensor]:
+    """(dx, dbias) through the forward's mask, regenerated from its seed; dbias as bias_gelu_backward's."""
+    return bias_gelu_bwd(dy, x, bias, approximate, p, seed)
+
+
+@_bias_gelu_dropout_op.register_fake
+def _(x, bias, approximate, p):
+    _check_inputs(x, bias, approximate, p)
+    return x.new_empty(x.shape), x.new_empty(1, dtype=torch.int64)
+
+
+@_bias_gelu_dropout_backward_op.register_fake
+def _(dy, x, bias, approximate, p, seed):
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return x.new_empty(x.shape), x.new_empty(0 if bias is None else _width(x), dtype=acc)
 
 
 @_bias_gelu_op.register_fake
@@ -392,6 +449,22 @@ def _backward(ctx, dy):
 torch.library.register_autograd("trifuse::bias_gelu", _backward, setup_context=_setup)
 
 
+def _setup_dropout(ctx, inputs, output):
+    x, bias, approximate, p = inputs
+    ctx.save_for_backward(x, bias, output[1])
+    ctx.approximate, ctx.p = approximate, p
+
+
+@single_backward(twice=lambda ctx, dy, _: _bias_gelu_dropout_twice(ctx, dy), op="bias_gelu")
+def _backward_dropout(ctx, dy, _):
+    x, bias, seed = ctx.saved_tensors
+    dx, dbias = torch.ops.trifuse.bias_gelu_dropout_backward(dy, x, bias, ctx.approximate, ctx.p, seed)
+    return dx, _grad_as(dbias, bias), None, None
+
+
+torch.library.register_autograd("trifuse::bias_gelu_dropout", _backward_dropout, setup_context=_setup_dropout)
+
+
 # =============================================================================================
 # Eager fast path: a thin autograd.Function straight over the launchers (see DESIGN.md "Host
 # overhead"). Same launchers, same bits as the registered op.
@@ -404,6 +477,33 @@ def _bias_gelu_twice(ctx, dy):
     dx, dbias = reference_grads(lambda x, b: _bias_gelu_torch(x, b, ctx.approximate), (x, bias),
                                 ctx.needs_input_grad[:2], (dy,))
     return dx, dbias, None
+
+
+def _bias_gelu_dropout_twice(ctx, dy):
+    """The backward with dropout, differentiable again: the forward's mask as dropout_add's
+    _DropoutMask (the same mask for the same seed), then PyTorch's bias + GeLU."""
+    x, bias, seed = ctx.saved_tensors
+    dz = _DropoutMask.apply(dy, seed, ctx.p, dy.dtype)
+    dx, dbias = reference_grads(lambda x, b: _bias_gelu_torch(x, b, ctx.approximate), (x, bias),
+                                ctx.needs_input_grad[:2], (dz,))
+    return dx, dbias, None, None
+
+
+class _BiasGeluDropoutFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, bias, approximate, p):
+        seed = philox_seed(x.device)
+        ctx.save_for_backward(x, bias, seed)
+        ctx.approximate, ctx.p = approximate, p
+        return bias_gelu_fwd(x, bias, approximate, p, seed)
+
+    @staticmethod
+    @single_backward(twice=_bias_gelu_dropout_twice)
+    def backward(ctx, dy):
+        x, bias, seed = ctx.saved_tensors
+        with profiled("trifuse::bias_gelu_dropout_backward"):
+            dx, dbias = bias_gelu_bwd(dy, x, bias, ctx.approximate, ctx.p, seed)
+        return dx, _grad_as(dbias, bias), None, None
 
 
 class _BiasGeluFunction(torch.autograd.Function):
@@ -431,7 +531,7 @@ class _BiasGeluFunction(torch.autograd.Function):
 # =============================================================================================
 
 
-def _bias_gelu_key(x, bias, approximate):
+def _bias_gelu_key(x, bias, approximate, p=0.0):
     """The dialect key of an eager call; None (the trifuse op decides, and raises on bad input)
     when traced, empty, not float, or when the bias or `approximate` does not fit. About 2 µs: it
     runs on every call."""
@@ -447,21 +547,27 @@ def _bias_gelu_key(x, bias, approximate):
         return None
     grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
     return (x.get_device() if x.is_cuda else -1, x.dtype, pow2_bucket(rows), n,
-            None if bias is None else bias.dtype, approximate, grad)
+            None if bias is None else bias.dtype, approximate, p > 0.0, grad)
 
 
-def _bias_gelu_trifuse(x, bias, approximate):
-    _check_inputs(x, bias, approximate)
+def _bias_gelu_trifuse(x, bias, approximate, p=0.0):
+    _check_inputs(x, bias, approximate, p)
+    if p > 0.0:
+        if eager_fast_path(x, bias):
+            with profiled("trifuse::bias_gelu_dropout"):
+                return apply_function(_BiasGeluDropoutFunction, x, bias, approximate, p)
+        return torch.ops.trifuse.bias_gelu_dropout(x, bias, approximate, p)[0]
     if eager_fast_path(x, bias):
         with profiled("trifuse::bias_gelu"):
             return apply_function(_BiasGeluFunction, x, bias, approximate)
     return torch.ops.trifuse.bias_gelu(x, bias, approximate)
 
 
-def _bias_gelu_f_gelu(x, bias, approximate):
+def _bias_gelu_f_gelu(x, bias, approximate, p=0.0):
+    """PyTorch's ops for a call without dropout (supports rejects the others)."""
     # trifuse's checks first: the same clear errors whichever candidate runs (F.gelu would take a
     # bias that broadcasts from another shape, for one).
-    _check_inputs(x, bias, approximate)
+    _check_inputs(x, bias, approximate, p)
     with profiled("trifuse::bias_gelu"):
         # `approximate` as asked: the exact erf form stays erf, tanh stays tanh, and the quick form
         # (no F.gelu for it) is QuickGELU's own spelling. A bias in another dtype (fp32 master
@@ -480,11 +586,20 @@ def _bias_gelu_in_x_dtype(x, bias, approximate):
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
+def _bias_gelu_f_gelu_supports(x, bias, approximate, p=0.0) -> str | None:
+    return DROPOUT_NOT_EXCHANGED if p > 0.0 else None
+
+
+def _bias_gelu_dialect_ref(x, bias, approximate, p=0.0):
+    """The dialect's reference, for the calls it measures (no dropout)."""
+    return _bias_gelu_in_x_dtype(x, bias, approximate)
+
+
 BIAS_GELU = dialects.define(
-    "bias_gelu", _bias_gelu_key, ("device", "dtype", "rows", "n", "bias", "form", "grad"),
-    reference=_bias_gelu_in_x_dtype)
+    "bias_gelu", _bias_gelu_key, ("device", "dtype", "rows", "n", "bias", "form", "dropout", "grad"),
+    reference=_bias_gelu_dialect_ref)
 BIAS_GELU.register(dialects.Candidate("trifuse", _bias_gelu_trifuse))
-BIAS_GELU.register(dialects.Candidate("torch", _bias_gelu_f_gelu))
+BIAS_GELU.register(dialects.Candidate("torch", _bias_gelu_f_gelu, supports=_bias_gelu_f_gelu_supports))
 
 
 # =============================================================================================
@@ -493,9 +608,11 @@ BIAS_GELU.register(dialects.Candidate("torch", _bias_gelu_f_gelu))
 
 
 @outside_device_modes
-def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None = None, approximate: str = "none") -> torch.Tensor:
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None = None, approximate: str = "none", p: float = 0.0,
+              training: bool = True) -> torch.Tensor:
     """gelu(x + bias) in one pass each way, like `F.gelu(x + bias, approximate=approximate)`
-    (for "quick": `z * torch.sigmoid(1.702 * z)`, z = x + bias, CLIP's QuickGELU).
+    (for "quick": `z * torch.sigmoid(1.702 * z)`, z = x + bias, CLIP's QuickGELU); with p > 0 in
+    training, `F.dropout` of it (BART's and Pegasus' activation dropout before fc2).
 
     Args:
         x: (..., N), fp16 / bf16 / fp32 / fp64; any strides (rows with a stride are read in
@@ -503,10 +620,13 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None = None, approximate: st
         bias: (N,) or None; any float dtype.
         approximate: "none" for the exact erf form, "tanh" for the tanh approximation, "quick"
             for QuickGELU, z * sigmoid(1.702 z) (CLIP, OWL-ViT, X-CLIP, GroupViT, ...).
+        p: dropout probability on the output, in [0, 1]; kept values are scaled by 1 / (1 - p).
+        training: dropout only applies when True (as `F.dropout`'s flag).
 
     Returns:
         y, contiguous, shaped like x, in x's dtype. Gradients reach x and bias; the backward
-        recomputes from x and bias (nothing else is saved) and reduces dbias deterministically.
+        recomputes from x and bias, and the dropout mask from a seed (nothing else is saved), and
+        reduces dbias deterministically.
 
     Eager calls run trifuse's kernels or PyTorch's `F.gelu(x + bias, approximate=approximate)`
     (the quick form written out), whichever
@@ -516,6 +636,7 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None = None, approximate: st
 
     Raises:
         TypeError for non-float tensors; ValueError for a bias that is not (N,), tensors on
-        different devices, or an unknown `approximate`.
+        different devices, an unknown `approximate`, or p outside [0, 1].
     """
-    return BIAS_GELU(x, bias, approximate)
+    check_probability("bias_gelu", "p", p)
+    return BIAS_GELU(x, bias, approximate, p if training else 0.0)

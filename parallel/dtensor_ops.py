@@ -15,7 +15,7 @@ tells it. Per mesh dim, the strategies offered are:
         y, s, dx, dresidual     Shard(d)                      Replicate
         mean, rstd              Shard(d) (shaped like x's leading dims, see kernels/layer_norm.py)
         dweight, dbias, dx_bias Partial() (each rank summed its rows; DTensor adds them up)
-    dropout_add, bias_gelu (elementwise, bias over the last dim)
+    dropout_add, bias_gelu (elementwise, bias over the last dim; bias_gelu's dropout seed as dropout_add's)
         x, residual, dy         Shard(d), d a leading dim     Shard(last)          Replicate
         bias                    Replicate                     Shard(0)             Replicate
         dbias                   Partial()                     Shard(0)             Replicate
@@ -219,6 +219,19 @@ def register() -> bool:
             [("row", x), ("part", x if bias is not None else _EMPTY)],
         )
 
+    @register_sharding(ops.bias_gelu_dropout.default)
+    def _bias_gelu_dropout(x, bias, approximate, p):
+        return _elementwise_strategies(
+            x, [("row", x), ("bias", bias), (None, None), (None, None)], [("row", x), ("seed", x)]
+        )
+
+    @register_sharding(ops.bias_gelu_dropout_backward.default)
+    def _bias_gelu_dropout_backward(dy, x, bias, approximate, p, seed):
+        return _elementwise_strategies(
+            x, [("row", dy), ("row", x), ("bias", bias), (None, None), (None, None), ("seed", seed)],
+            [("row", x), ("part", x if bias is not None else _EMPTY)],
+        )
+
     @register_sharding(ops.gated_activation.default)
     def _gated_activation(gate, up, activation):
         return _elementwise_strategies(gate, [("row", gate), ("row", up), (None, None)], [("row", gate)])
@@ -264,7 +277,8 @@ def register() -> bool:
     for packet in (ops.layer_norm, ops.rms_norm, ops.layer_norm_add, ops.rms_norm_add,
                    ops.dropout_add_layer_norm, ops.dropout_add_rms_norm,
                    ops.layer_norm_backward, ops.dropout_add, ops.dropout_add_backward, ops.bias_gelu,
-                   ops.bias_gelu_backward, ops.gated_activation, ops.gated_activation_backward,
+                   ops.bias_gelu_backward, ops.bias_gelu_dropout, ops.bias_gelu_dropout_backward,
+                   ops.gated_activation, ops.gated_activation_backward,
                    ops.gated_activation_dropout, ops.gated_activation_dropout_backward,
                    ops.group_norm, ops.group_norm_backward):
         op = packet.default

@@ -10,6 +10,10 @@ without bias (stage 0), then take the bias of the linear before them (stage 2). 
 `nn.Linear`, or Hugging Face's Conv1D (`addmm(bias, x2d, w).view(...)`). A GeLU without a
 biased linear before it stays `F.gelu`: one kernel already.
 
+Stage 3, after the bias moved in: a dropout on the op's output (BART's and Pegasus' activation
+dropout, `fc2(dropout(gelu(fc1(x))))`) moves into the op, its mask regenerated from a seed in the
+backward rather than stored; p and the training flag are the model's.
+
 Under tensor parallelism (trifuse.parallel) a column-parallel linear runs on DTensors and its
 output reaches the GeLU as the local shard of its columns, `linear(...).redistribute(mesh,
 placements).to_local()`; the `*_on_shards` spellings move the bias out of the linear into the
@@ -24,7 +28,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ._base import Filter, Match, Pattern, ops
+from ._base import Filter, Match, Pattern, needs_bool, needs_number, ops
 
 # QuickGELU's sigmoid slope, as transformers writes it (kernels/bias_gelu.py's QUICK_ALPHA).
 QUICK_GELU_SLOPE = 1.702
@@ -193,6 +197,14 @@ def bias_sharded_like_columns(weight_out_dim: int, out_ndim: Callable[[Match], i
     return check
 
 
+def bias_gelu_dropout(x: torch.Tensor, bias, approximate, p, training):
+    return F.dropout(ops.bias_gelu(x, bias, approximate, 0.0, True), p, training, False)
+
+
+def bias_gelu_dropout_fused(x, bias, approximate, p, training):
+    return ops.bias_gelu(x, bias, approximate, p, training)
+
+
 _OPS = ("bias_gelu",)
 
 PATTERNS = (
@@ -220,4 +232,6 @@ PATTERNS = (
             stage=2),
     Pattern("conv1d_bias_gelu_on_shards", "bias_gelu", conv1d_bias_gelu_on_shards, conv1d_gelu_on_shards_fused,
             _OPS, (bias_sharded_like_columns(1, lambda m: len(m.value("shape"))),), stage=2),
+    Pattern("bias_gelu_dropout", "bias_gelu", bias_gelu_dropout, bias_gelu_dropout_fused, _OPS,
+            (needs_number("p"), needs_bool("training")), stage=3),
 )

@@ -93,6 +93,8 @@ def _cases():
                                         torch.tensor([0, 4, 9], dtype=torch.int32), causal=True))
     case("gated_activation_gelu_tanh", lambda: {"gate": rand(3, 5, N), "up": rand(3, 5, N)},
          lambda t: ops.gated_activation(t["gate"], t["up"], "gelu_tanh"))
+    case("bias_gelu_dropout", lambda: {"x": rand(3, 5, N), "bias": rand(N, scale=2)},
+         lambda t: ops.bias_gelu(t["x"], t["bias"], "tanh", 0.3))
     case("gated_activation_dropout", lambda: {"gate": rand(3, 5, N), "up": rand(3, 5, N)},
          lambda t: ops.gated_activation(t["gate"], t["up"], "gelu_tanh", 0.3))
     # options and dtypes: masks (one that wants a gradient), dropout, softcap, windows, q/k/v as

@@ -59,13 +59,14 @@ def eager(x, b, approximate):
 def test_key_is_a_small_tuple_of_plain_values():
     x, b = inputs(rows=7)
     device = -1 if DEVICE == "cpu" else 0
-    assert bg._bias_gelu_key(x, b, "none") == (device, torch.float32, 8, N, torch.float32, "none", True)
+    assert bg._bias_gelu_key(x, b, "none") == (device, torch.float32, 8, N, torch.float32, "none", False, True)
+    assert bg._bias_gelu_key(x, b, "none", 0.1)[6:] == (True, True)  # dropout: its own decision
     assert len(bg._bias_gelu_key(x, b, "none")) == len(bg.BIAS_GELU.key_names)
     # erf, tanh and quick never share a decision
     assert [bg._bias_gelu_key(x, b, form)[5] for form in FORMS] == FORMS
     with torch.no_grad():
         assert bg._bias_gelu_key(x.view(7, 2, N // 2).transpose(0, 1), None, "none") == (
-            device, torch.float32, 16, N // 2, None, "none", False)
+            device, torch.float32, 16, N // 2, None, "none", False, False)
 
 
 @pytest.mark.parametrize("case", ["traced", "empty", "integer", "scalar", "bias shape", "approximate",
@@ -119,7 +120,7 @@ def test_the_measured_winner_runs_bitwise(gelu_dialect, timer, monkeypatch, winn
         assert torch.equal(a, e)
     rec = gelu_dialect.explain(x, b, approximate)
     assert rec.chosen == winner and rec.source == "measured" and set(fake.calls) == {"trifuse", "torch"}
-    assert rec.bucket == f"dtype=float32,rows=8,n={N},bias=float32,form={approximate},grad=True"
+    assert rec.bucket == f"dtype=float32,rows=8,n={N},bias=float32,form={approximate},dropout=False,grad=True"
     fwd_bwd(trifuse.ops.bias_gelu, *inputs(rows=7), approximate)  # same rows bucket: replayed
     assert len(fake.calls) == 2
 
@@ -135,6 +136,26 @@ def test_each_form_is_chosen_apart(gelu_dialect, timer, monkeypatch):
     assert gelu_dialect.explain(x, b, "none").chosen == "torch"
     assert gelu_dialect.explain(x, b, "tanh").chosen == "trifuse"
     assert gelu_dialect.explain(x, b, "quick").chosen == "torch"
+
+
+@pytest.mark.parametrize("approximate", FORMS)
+def test_with_dropout_only_trifuse_takes_the_call_and_nothing_is_timed(gelu_dialect, timer, monkeypatch,
+                                                                       approximate):
+    """PyTorch's dropout draws another mask and stores it: not the same op, never exchanged."""
+    fake = timer({"trifuse": 2.0, "torch": 1.0})
+    monkeypatch.setattr(gelu_dialect, "timer", fake)
+    x, b = inputs()
+    torch.manual_seed(3)
+    got = fwd_bwd(lambda x, b, a: trifuse.ops.bias_gelu(x, b, a, p=0.3), x, b, approximate)
+    torch.manual_seed(3)
+    want = fwd_bwd(lambda x, b, a: torch.ops.trifuse.bias_gelu_dropout(x, b, a, 0.3)[0], x, b, approximate)
+    for a, e in zip(got, want):
+        assert torch.equal(a, e)
+    rec = gelu_dialect.explain(x, b, approximate, 0.3)
+    assert (rec.chosen, rec.source, fake.calls) == ("trifuse", "only eligible candidate", [])
+    assert "dropout" in rec.rejected["torch"] and rec.bucket.endswith("dropout=True,grad=True")
+    y = trifuse.ops.bias_gelu(x, b, approximate, p=0.3, training=False)  # eval: no dropout, timed
+    assert torch.equal(y, eager(x, b, approximate)) and set(fake.calls) == {"trifuse", "torch"}
 
 
 def test_a_second_process_replays_the_choice_from_disk(gelu_dialect, timer, monkeypatch, new_process):

@@ -347,3 +347,181 @@ def test_reference_path_without_interpreter_matches(monkeypatch):
     for approximate in FORMS:
         check_fwd_bwd(*make((4, 37), torch.float32), approximate)
         check_fwd_bwd(*make((4, 37), torch.float32, bias=False), approximate)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dropout on the output (BART's and Pegasus' activation dropout before fc2): y = dropout(gelu(x +
+# b), p), the mask drawn from a seed (Philox, as dropout_add's) and regenerated in the backward.
+# ---------------------------------------------------------------------------------------------
+
+
+def keep_of(seed, shape, p):
+    """The 0/1 mask `seed` draws for an output of `shape`: dropout_add's, a shared helper."""
+    from trifuse.kernels.dropout_add import dropout_add_bwd
+
+    return (dropout_add_bwd(torch.ones(shape, device=DEVICE), seed, p, False)[0] != 0).double()
+
+
+@pytest.mark.parametrize("approximate", FORMS)
+@pytest.mark.parametrize("shape", [(3, 7), (4, 100), (2, 129), (5, 1000), (300, 130), (2, 3, 50)], ids=_ids)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_dropout_matches_float64_oracle_through_its_mask(dtype, shape, approximate):
+    """The launchers with a seed against float64 through the mask the seed draws: y, dx, dbias
+    (the summing backward's rows of programs each drawing their own tiles' mask)."""
+    p = 0.3
+    x, b = make(shape, dtype)
+    seed = torch.tensor([4321], device=DEVICE)
+    y = bg_mod.bias_gelu_fwd(x.detach(), b.detach(), approximate, p, seed)
+    keep = keep_of(seed, shape, p)
+    assert 0.5 < keep.mean() < 0.9
+    x64, b64 = upcast(x, b)
+    xl, bl = lowp(x, b)
+    y64 = bias_gelu_ref(x64, b64, approximate) * keep / (1 - p)
+    ylp = bias_gelu_ref(xl, bl, approximate) * keep.to(dtype) / (1 - p)
+    assert_close(f"{approximate} dropout y", y, y64, ylp)
+    dy = torch.randn_like(y)
+    dx, dbias = bg_mod.bias_gelu_bwd(dy, x.detach(), b.detach(), approximate, p, seed)
+    g64 = torch.autograd.grad(y64, (x64, b64), dy.double())
+    glp = torch.autograd.grad(ylp, (xl, bl), dy)
+    assert_close(f"{approximate} dropout dx", dx, g64[0], glp[0])
+    assert_close(f"{approximate} dropout dbias", dbias.to(dtype), g64[1], glp[1])
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_dropout_forward_and_backward_share_one_mask(bias):
+    """Through the public op, strided x too: every kept output is gelu(x + b) / (1 - p), every
+    dropped one 0, and the gradients flow through exactly the kept elements."""
+    p = 0.4
+    x, b = make((37, 4), torch.float32, bias=bias)
+    xt = x.transpose(0, 1)  # (4, 37) with a column stride
+    bt = None if b is None else torch.randn(37, device=DEVICE, requires_grad=True)
+    y = trifuse.ops.bias_gelu(xt, bt, "none", p=p)
+    x64, b64 = upcast(xt, bt)
+    full = bias_gelu_ref(x64, b64, "none") / (1 - p)
+    kept = y.detach() != 0
+    assert 0.4 < kept.double().mean() < 0.8
+    torch.testing.assert_close(y.detach().double()[kept], full.detach()[kept], rtol=1e-5, atol=1e-5)
+    dy = torch.randn_like(y)
+    wanted = [t for t in (x, bt) if t is not None]
+    grads = torch.autograd.grad(y, wanted, dy)
+    ref = full * kept
+    ref_grads = torch.autograd.grad(ref, [t for t in (x64, b64) if t is not None], dy.double())
+    torch.testing.assert_close(grads[0].double(), ref_grads[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+    if bias:
+        torch.testing.assert_close(grads[1].double(), ref_grads[1], rtol=1e-5, atol=1e-5)
+
+
+def test_dropout_mask_is_dropout_adds_for_the_same_seed():
+    x, b = make((9, 130), torch.float32)
+    seed = torch.tensor([77], device=DEVICE)
+    y = bg_mod.bias_gelu_fwd(x.detach() + 10.0, b.detach(), "tanh", 0.5, seed)  # gelu > 0 everywhere
+    assert torch.equal((y != 0).double(), keep_of(seed, y.shape, 0.5))
+
+
+def test_dropout_statistics_seeds_and_edge_probabilities():
+    x, b = make((64, 257), torch.float32)
+    x, b = x.detach() + 10.0, b.detach()
+    torch.manual_seed(1)
+    a = trifuse.ops.bias_gelu(x, b, "tanh", p=0.25)
+    torch.manual_seed(1)
+    c = trifuse.ops.bias_gelu(x, b, "tanh", p=0.25)
+    d = trifuse.ops.bias_gelu(x, b, "tanh", p=0.25)
+    assert torch.equal(a, c) and not torch.equal(a, d)  # torch.manual_seed controls the mask
+    assert abs((a != 0).double().mean().item() - 0.75) < 0.02
+    plain = trifuse.ops.bias_gelu(x, b, "tanh")
+    assert torch.equal(trifuse.ops.bias_gelu(x, b, "tanh", p=0.0), plain)
+    assert torch.equal(trifuse.ops.bias_gelu(x, b, "tanh", p=0.5, training=False), plain)
+    huge = torch.full((4, 16), float("inf"), device=DEVICE)
+    assert torch.equal(trifuse.ops.bias_gelu(huge, None, "none", p=1.0), torch.zeros(4, 16, device=DEVICE))
+
+
+def test_dropout_saves_x_bias_and_a_seed_not_a_mask():
+    x, b = make((4, 16), torch.float32)
+    y = trifuse.ops.bias_gelu(x, b, p=0.2)
+    saved = y.grad_fn.saved_tensors
+    assert len(saved) == 3 and saved[0] is x and saved[1] is b and saved[2].shape == (1,)
+
+
+def test_dropout_bias_grad_is_deterministic():
+    x, b = make((300, 130), torch.float32)
+    seed = torch.tensor([5], device=DEVICE)
+    dy = torch.randn(300, 130, device=DEVICE)
+    first = bg_mod.bias_gelu_bwd(dy, x.detach(), b.detach(), "none", 0.2, seed)[1]
+    assert torch.equal(first, bg_mod.bias_gelu_bwd(dy, x.detach(), b.detach(), "none", 0.2, seed)[1])
+
+
+def _seeded(fn, seed=0):
+    def call(*args):
+        torch.manual_seed(seed)  # the same mask on every call: a deterministic function to check
+        return fn(*args)
+    return call
+
+
+def test_dropout_gradcheck_and_gradgradcheck_float64():
+    x = torch.randn(4, 6, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(6, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    for form in FORMS:
+        eager = _seeded(lambda x, b, form=form: trifuse.ops.bias_gelu(x, b, form, p=0.3))
+        op = _seeded(lambda x, b, form=form: torch.ops.trifuse.bias_gelu_dropout(x, b, form, 0.3)[0])
+        for fn in (eager, op):
+            assert torch.autograd.gradcheck(fn, (x, b))
+            assert torch.autograd.gradgradcheck(fn, (x, b))
+
+
+def test_dropout_eager_path_and_registered_op_are_bitwise_equal():
+    x, b = make((37, 70), torch.float32)
+    torch.manual_seed(3)
+    eager = trifuse.ops.bias_gelu(x, b, "tanh", p=0.3)
+    torch.manual_seed(3)
+    op = torch.ops.trifuse.bias_gelu_dropout(x, b, "tanh", 0.3)[0]
+    assert torch.equal(eager, op)
+    dy = torch.randn_like(eager)
+    for a, a_ in zip(torch.autograd.grad(eager, (x, b), dy), torch.autograd.grad(op, (x, b), dy)):
+        assert torch.equal(a, a_)
+
+
+def test_dropout_compiles_fullgraph_and_opchecks():
+    x, b = make((4, 48), torch.float32)
+    fn = torch.compile(lambda x, b: trifuse.ops.bias_gelu(x, b, "none", p=0.3), fullgraph=True, backend="aot_eager")
+    torch.manual_seed(5)
+    out = fn(x, b)
+    torch.manual_seed(5)
+    assert torch.equal(out, trifuse.ops.bias_gelu(x, b, "none", p=0.3))
+    torch.library.opcheck(torch.ops.trifuse.bias_gelu_dropout.default, (x, b, "tanh", 0.3),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor",
+                                      "test_aot_dispatch_dynamic"))
+    seed = torch.tensor([9], device=DEVICE)
+    torch.library.opcheck(torch.ops.trifuse.bias_gelu_dropout_backward.default,
+                          (torch.randn(4, 48, device=DEVICE), x.detach(), b.detach(), "none", 0.3, seed))
+
+
+@pytest.mark.parametrize("p, training", [(1.5, True), (-0.1, True), (2.0, False), ("0.1", True)])
+def test_dropout_bad_probability_raises_clear_error(p, training):
+    x, b = make((3, 8), torch.float32)
+    with pytest.raises(ValueError, match=r"trifuse.bias_gelu: p must be a probability in \[0, 1\]"):
+        trifuse.ops.bias_gelu(x, b, "none", p=p, training=training)
+
+
+def test_dropout_negative_control_a_mask_other_than_the_forwards_fails():
+    x, b = make((8, 64), torch.float32)
+    seed, other = torch.tensor([1], device=DEVICE), torch.tensor([2], device=DEVICE)
+    dy = torch.randn(8, 64, device=DEVICE)
+    wrong = bg_mod.bias_gelu_bwd(dy, x.detach(), b.detach(), "none", 0.3, other)[0]
+    x64, b64 = upcast(x, b)
+    y64 = bias_gelu_ref(x64, b64, "none") * keep_of(seed, (8, 64), 0.3) / 0.7
+    right = torch.autograd.grad(y64, x64, dy.double())[0]
+    assert not check_close("dx", wrong, right, right.float())[0]
+
+
+def test_dropout_reference_path_without_interpreter(monkeypatch):
+    monkeypatch.setattr(bg_mod, "use_triton", lambda t: False)
+    x, b = make((6, 33), torch.float32)
+    y = trifuse.ops.bias_gelu(x.detach() + 10.0, b, "none", p=0.5)
+    kept = y.detach() != 0
+    assert 0.25 < kept.double().mean() < 0.75
+    full = bias_gelu_ref(x.detach().double() + 10.0, b.detach().double(), "none") * 2
+    torch.testing.assert_close(y.detach().double()[kept], full[kept], rtol=1e-5, atol=1e-5)
+    (db,) = torch.autograd.grad(y, (b,), torch.ones_like(y))
+    b64 = b.detach().double().requires_grad_()
+    ref = bias_gelu_ref(x.detach().double() + 10.0, b64, "none") * kept * 2  # through the same mask
+    torch.testing.assert_close(db.double(), torch.autograd.grad(ref.sum(), b64)[0], rtol=1e-5, atol=1e-5)

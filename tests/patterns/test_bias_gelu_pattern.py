@@ -292,3 +292,49 @@ def test_column_parallel_output_not_on_its_columns_keeps_the_bias_of_a_written_o
     assert report.by_pattern() == {"gelu_quick_written_out": 1}, report.by_pattern()
     assert any(pattern == "linear_bias_gelu_on_shards" and "not sharded over the output features alike" in why
                for _, _, pattern, why in report.rejected()), report.rejected()
+
+
+class BartFFN(nn.Module):
+    """BART's and Pegasus' feed-forward: `fc2(dropout(gelu(fc1(x)), activation_dropout))`."""
+
+    def __init__(self, p=0.0, act=None):
+        super().__init__()
+        self.fc1 = nn.Linear(N, 24)
+        self.fc2 = nn.Linear(24, N)
+        self.p = p
+        self.act = act or nn.GELU()
+
+    def forward(self, x):
+        h = F.dropout(self.act(self.fc1(x)), p=self.p, training=self.training)
+        return self.fc2(h)
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("act", [nn.GELU(), nn.GELU(approximate="tanh"), Act(new_gelu)],
+                         ids=["erf", "tanh", "written-out-tanh"])
+def test_an_activation_dropout_moves_into_the_op(act, capture):
+    """After the bias moved in: p and the training flag carried (p = 0 in training here, against
+    the unfused model)."""
+    report = check_against_unfused(lambda: BartFFN(act=act), X, capture, train=True)
+    assert report.by_pattern() == {"bias_gelu_dropout": 1}, report.table()
+    assert report.counts() == {"bias_gelu": 1}
+    assert not [left for left in report.left() if left[2] == "dropout"], report.table()
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_the_dropout_in_the_op_drops_and_keeps_like_the_model(capture):
+    """p = 1 drops every activation (fc2's bias alone comes out); eval keeps them all; p = 0.5 in
+    training runs trifuse's dropout kernels."""
+    ffn = BartFFN(p=1.0)
+    model = fuse_via(ffn.train(), capture)
+    x = torch.randn(2, 5, N)
+    inner = ffn if capture == "fx" else model.blocks[0].inner
+    torch.testing.assert_close(model(x), inner.fc2.bias.detach().expand(2, 5, N), rtol=0, atol=0)
+    model.eval()
+    with torch.no_grad():
+        want = inner.fc2(F.gelu(inner.fc1(x)))
+    torch.testing.assert_close(model(x), want)
+    half = fuse_via(BartFFN(p=0.5).train(), capture)
+    h = torch.randn(4, 50, N)
+    ran = trifuse_ops_run(lambda: half(h).sum().backward())
+    assert "trifuse::bias_gelu_dropout" in ran or "trifuse::bias_gelu_dropout_backward" in ran
