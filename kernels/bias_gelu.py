@@ -65,7 +65,7 @@ from ._common import (
 from ._launch import CachedKernel
 from ._random import dropout_keep_quads
 from ._tiles import RowwiseTuning, run_one_tile, run_summing, time_one_tile, time_summing
-from .dropout_add import _dropout_scale, _DropoutMask, _torch_keep_mask
+from .dropout_add import _dropout_scale, _DropoutMask, _dropped
 
 APPROXIMATE = ("none", "tanh", "quick")
 # The quick form's slope: z * sigmoid(1.702 z), transformers' QuickGELUActivation.
@@ -326,13 +326,6 @@ def _upcast(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
 def _quick_gelu_grad_torch(z: torch.Tensor) -> torch.Tensor:
     s = torch.sigmoid(QUICK_ALPHA * z)
     return s + QUICK_ALPHA * z * s * (1.0 - s)
-
-
-def _dropped(t: torch.Tensor, p: float, seed: torch.Tensor | None) -> torch.Tensor:
-    """t through the mask `seed` draws (dropout_add's PyTorch path's, its own random stream)."""
-    if p == 0.0:
-        return t
-    return torch.where(_torch_keep_mask(seed, t.shape, p).to(t.device), t * _dropout_scale(p), 0.0)
 
 
 def _bias_gelu_torch(x, bias, approximate, p=0.0, seed=None):

@@ -538,6 +538,14 @@ def _torch_keep_mask(seed: torch.Tensor, shape: torch.Size, p: float) -> torch.T
     return torch.rand(shape, generator=gen, device=gen.device) >= p
 
 
+def _dropped(t: torch.Tensor, p: float, seed: torch.Tensor | None) -> torch.Tensor:
+    """t through the mask `seed` draws on this path (bias_gelu's and gated_activation's PyTorch
+    paths take their dropout from here too)."""
+    if p == 0.0:
+        return t
+    return torch.where(_torch_keep_mask(seed, t.shape, p).to(t.device), t * _dropout_scale(p), 0.0)
+
+
 def _dropout_add_torch(x, residual, bias, p, seed, dtype, gate=None, per_token=False):
     acc = _acc(dtype)
     z = x.to(acc) if bias is None else x.to(acc) + bias.to(acc)

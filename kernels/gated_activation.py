@@ -69,7 +69,7 @@ from ._launch import CachedKernel
 from ._random import dropout_keep_quads
 from ._tiles import RowwiseTuning, run_one_tile, time_one_tile
 from .bias_gelu import _gelu, _gelu_grad
-from .dropout_add import _dropout_scale, _DropoutMask, _torch_keep_mask
+from .dropout_add import _dropout_scale, _DropoutMask, _dropped
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 # The kernels' ACT constexpr for each activation.
@@ -244,13 +244,6 @@ def gated_activation_bwd(
 
 def _upcast(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float64 if t.dtype == torch.float64 else torch.float32)
-
-
-def _dropped(t: torch.Tensor, p: float, seed: torch.Tensor | None) -> torch.Tensor:
-    """t through the mask `seed` draws (dropout_add's PyTorch path's, its own random stream)."""
-    if p == 0.0:
-        return t
-    return torch.where(_torch_keep_mask(seed, t.shape, p).to(t.device), t * _dropout_scale(p), 0.0)
 
 
 def _gated_activation_torch(gate, up, activation, p=0.0, seed=None):

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from tolerances import DTYPES, assert_close, check_close
 
 from _device import DEVICE
+from _dropout_masks import keep_of, seeded
 import trifuse
 from trifuse.kernels import bias_gelu as bg_mod
 from trifuse.kernels.bias_gelu import bias_gelu_ref
@@ -355,13 +356,6 @@ def test_reference_path_without_interpreter_matches(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 
 
-def keep_of(seed, shape, p):
-    """The 0/1 mask `seed` draws for an output of `shape`: dropout_add's, a shared helper."""
-    from trifuse.kernels.dropout_add import dropout_add_bwd
-
-    return (dropout_add_bwd(torch.ones(shape, device=DEVICE), seed, p, False)[0] != 0).double()
-
-
 @pytest.mark.parametrize("approximate", FORMS)
 @pytest.mark.parametrize("shape", [(3, 7), (4, 100), (2, 129), (5, 1000), (300, 130), (2, 3, 50)], ids=_ids)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -450,19 +444,12 @@ def test_dropout_bias_grad_is_deterministic():
     assert torch.equal(first, bg_mod.bias_gelu_bwd(dy, x.detach(), b.detach(), "none", 0.2, seed)[1])
 
 
-def _seeded(fn, seed=0):
-    def call(*args):
-        torch.manual_seed(seed)  # the same mask on every call: a deterministic function to check
-        return fn(*args)
-    return call
-
-
 def test_dropout_gradcheck_and_gradgradcheck_float64():
     x = torch.randn(4, 6, device=DEVICE, dtype=torch.float64, requires_grad=True)
     b = torch.randn(6, device=DEVICE, dtype=torch.float64, requires_grad=True)
     for form in FORMS:
-        eager = _seeded(lambda x, b, form=form: trifuse.ops.bias_gelu(x, b, form, p=0.3))
-        op = _seeded(lambda x, b, form=form: torch.ops.trifuse.bias_gelu_dropout(x, b, form, 0.3)[0])
+        eager = seeded(lambda x, b, form=form: trifuse.ops.bias_gelu(x, b, form, p=0.3))
+        op = seeded(lambda x, b, form=form: torch.ops.trifuse.bias_gelu_dropout(x, b, form, 0.3)[0])
         for fn in (eager, op):
             assert torch.autograd.gradcheck(fn, (x, b))
             assert torch.autograd.gradgradcheck(fn, (x, b))

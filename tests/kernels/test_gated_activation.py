@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from tolerances import DTYPES, assert_close, check_close
 
 from _device import DEVICE
+from _dropout_masks import keep_of, seeded
 import trifuse
 from trifuse.kernels import gated_activation as ga_mod
 from trifuse.kernels.gated_activation import gated_activation_ref
@@ -328,14 +329,6 @@ def test_reference_path_without_interpreter_matches(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 
 
-def keep_of(seed, shape, p):
-    """The 0/1 mask `seed` draws for an output of `shape`: dropout_add's, a shared helper."""
-    from trifuse.kernels.dropout_add import dropout_add_bwd
-
-    ones = torch.ones(shape, device=DEVICE)
-    return (dropout_add_bwd(ones, seed, p, False)[0] != 0).double()
-
-
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("shape", [(3, 7), (1, 100), (2, 129), (5, 1000), (2, 3, 50)], ids=_ids)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -416,19 +409,12 @@ def test_dropout_saves_gate_up_and_a_seed_not_a_mask():
     assert len(saved) == 3 and saved[0] is gate and saved[1] is up and saved[2].shape == (1,)
 
 
-def _seeded(fn, seed=0):
-    def call(*args):
-        torch.manual_seed(seed)  # the same mask on every call: a deterministic function to check
-        return fn(*args)
-    return call
-
-
 def test_dropout_gradcheck_and_gradgradcheck_float64():
     gate = torch.randn(4, 6, device=DEVICE, dtype=torch.float64, requires_grad=True)
     up = torch.randn(4, 6, device=DEVICE, dtype=torch.float64, requires_grad=True)
     for act in ACTIVATIONS:
-        eager = _seeded(lambda g, u, act=act: trifuse.ops.gated_activation(g, u, act, p=0.3))
-        op = _seeded(lambda g, u, act=act: torch.ops.trifuse.gated_activation_dropout(g, u, act, 0.3)[0])
+        eager = seeded(lambda g, u, act=act: trifuse.ops.gated_activation(g, u, act, p=0.3))
+        op = seeded(lambda g, u, act=act: torch.ops.trifuse.gated_activation_dropout(g, u, act, 0.3)[0])
         for fn in (eager, op):
             assert torch.autograd.gradcheck(fn, (gate, up))
             assert torch.autograd.gradgradcheck(fn, (gate, up))
