@@ -4,7 +4,7 @@ from collections.abc import Sequence
 import torch
 
 from . import ops
-from .kernels.bias_gelu import APPROXIMATE
+from .kernels.bias_gelu import GELU_FORMS
 from .kernels.group_norm import ACTIVATIONS as GROUP_NORM_ACTIVATIONS
 
 
@@ -99,7 +99,7 @@ class LinearGELU(torch.nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        if approximate not in APPROXIMATE:
+        if approximate not in GELU_FORMS:
             raise ValueError("trifuse.nn.LinearGELU: approximate must be 'none', 'tanh' or 'quick', "
                              f"got {approximate!r}")
         self.in_features, self.out_features, self.approximate = in_features, out_features, approximate

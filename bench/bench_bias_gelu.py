@@ -1,6 +1,6 @@
-"""bias + GeLU (erf, tanh and quick forms) against PyTorch eager `F.gelu(x + b)` (for the quick
-form, CLIP's QuickGELU as transformers writes it, `z * torch.sigmoid(1.702 * z)`) and torch.compile
-of it.
+"""bias + GeLU (erf, tanh and quick forms) and bias + ReLU against PyTorch eager `F.gelu(x + b)`
+(for the quick form, CLIP's QuickGELU as transformers writes it, `z * torch.sigmoid(1.702 * z)`;
+for relu, `torch.relu(x + b)`) and torch.compile of it.
 
     python bench/bench_bias_gelu.py            # full sweep on the GPU, writes bench/results/
     pytest bench/bench_bias_gelu.py            # CPU: a tiny smoke in the interpreter
@@ -14,8 +14,9 @@ its saved x + b; either way one M·N activation.
 Targets (DESIGN.md, issue 3; H100, bf16): fwd+bwd >= 2.3 TB/s and >= 2x PyTorch eager.
 With dropout on the output (variant "erf p=0.1", BART's activation dropout at (8192, 4096)): the
 same bytes for trifuse, whose mask is a seed; eager's F.dropout makes its own pass each way and
-saves a byte mask. Before timing, every provider equals PyTorch at p = 0 and trifuse keeps 1 - p
-of the elements.
+saves a byte mask. Variant "relu p=0.1" is T5's `dropout(relu(wi(x)))` at the same shape (no bias
+in T5; the bias here, as OPT's fc1 would add it, is the same pass). Before timing, every provider
+equals PyTorch at p = 0 and trifuse keeps 1 - p of the elements.
 """
 import _harness as H  # noqa: I001  (bench/conftest.py sets TRITON_INTERPRET before this)
 import pytest
@@ -30,8 +31,8 @@ DEVICE = "cuda" if H.on_gpu() else "cpu"
 WIDTHS = (768, 1024, 2048, 3072, 4096, 8192, 16384)
 TARGET_SHAPES = ((16384, 1024), (8192, 4096), (4096, 8192))
 ELEMENTS = 2**26  # rows x width for the width sweep: 128 MiB of bf16 per activation
-FORMS = ("none", "tanh", "quick")
-VARIANT = {"none": "erf", "tanh": "tanh", "quick": "quick"}
+FORMS = ("none", "tanh", "quick", "relu")
+VARIANT = {"none": "erf", "tanh": "tanh", "quick": "quick", "relu": "relu"}
 P = 0.1  # the dropout variant's: BART's activation_dropout
 
 
@@ -53,7 +54,10 @@ def bytes_for(shape, mode):
 def providers(approximate: str, p: float = 0.0) -> dict:
     def torch_bias_gelu(x, b):
         z = x + b
-        y = z * torch.sigmoid(1.702 * z) if approximate == "quick" else F.gelu(z, approximate=approximate)
+        if approximate == "relu":
+            y = torch.relu(z)
+        else:
+            y = z * torch.sigmoid(1.702 * z) if approximate == "quick" else F.gelu(z, approximate=approximate)
         return F.dropout(y, p) if p else y
 
     def trifuse_bias_gelu(x, b):
@@ -69,14 +73,14 @@ def providers(approximate: str, p: float = 0.0) -> dict:
     return out
 
 
-def check_dropout(shape) -> float:
-    """Before timing the dropout variant: every provider equals PyTorch at p = 0; returns the
+def check_dropout(shape, approximate: str = "none") -> float:
+    """Before timing a dropout variant: every provider equals PyTorch at p = 0; returns the
     fraction trifuse keeps at p = P, asserted within 5 sigma of 1 - P."""
-    H.check_against_reference(providers("none"), "torch", make_inputs, shape)
+    H.check_against_reference(providers(approximate), "torch", make_inputs, shape)
     m, n = shape
-    x = torch.full((m, n), 4.0, device=DEVICE, dtype=DTYPE)  # gelu(4) > 0: only the mask zeroes
+    x = torch.full((m, n), 4.0, device=DEVICE, dtype=DTYPE)  # act(4) > 0: only the mask zeroes
     with torch.no_grad():
-        kept = (providers("none", P)["trifuse"](x, torch.zeros(n, device=DEVICE, dtype=DTYPE)) != 0)
+        kept = (providers(approximate, P)["trifuse"](x, torch.zeros(n, device=DEVICE, dtype=DTYPE)) != 0)
     kept = kept.double().mean().item()
     sigma = (P * (1 - P) / (m * n)) ** 0.5
     assert abs(kept - (1 - P)) < 5 * sigma + 1e-12, f"trifuse keeps {kept:.4f}, not {1 - P}"
@@ -117,8 +121,10 @@ def main() -> None:
                             variant=VARIANT[approximate])
             H.write_results("bias_gelu", rows, COLUMNS, plot_x="N")
     shape = (8192, 4096)
-    check_dropout(shape)
-    rows += H.sweep(providers("none", P), (shape,), make_inputs, bytes_for, reference="", variant=f"erf p={P}")
+    for approximate in ("none", "relu"):
+        check_dropout(shape, approximate)
+        rows += H.sweep(providers(approximate, P), (shape,), make_inputs, bytes_for, reference="",
+                        variant=f"{VARIANT[approximate]} p={P}")
     H.write_results("bias_gelu", rows, COLUMNS, plot_x="N")
     H.print_table(rows, COLUMNS)
 
@@ -143,9 +149,10 @@ def test_bias_gelu(benchmark, approximate, provider, mode):
 
 @pytest.mark.parametrize("mode", H.MODES)
 @pytest.mark.parametrize("provider", ["trifuse", "trifuse.ops (dialect)", "torch"])
-def test_bias_gelu_dropout(benchmark, provider, mode):
-    check_dropout(SMOKE_SHAPE)
-    step = H.make_step(providers("none", P)[provider], lambda: make_inputs(SMOKE_SHAPE), mode)
+@pytest.mark.parametrize("approximate", ["none", "relu"])
+def test_bias_gelu_dropout(benchmark, approximate, provider, mode):
+    check_dropout(SMOKE_SHAPE, approximate)
+    step = H.make_step(providers(approximate, P)[provider], lambda: make_inputs(SMOKE_SHAPE), mode)
     benchmark.pedantic(step, rounds=3 if H.on_gpu() else 1, iterations=1)
 
 

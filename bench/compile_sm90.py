@@ -156,10 +156,12 @@ def _catalogue(torch, family: str):
     elif family == "bias_gelu":
         for n in (3072, 4096):
             x, b = leaf(tile_rows, n), leaf(n)
-            for approximate in ("none", "tanh", "quick"):
+            for approximate in ("none", "tanh", "quick", "relu"):
                 yield f"bias_gelu {n} {approximate}", fwd_bwd(
                     lambda x=x, b=b, a=approximate: ops.bias_gelu(x, b, approximate=a))
         yield "bias_gelu 4096 none p=0.1", fwd_bwd(lambda x=x, b=b: ops.bias_gelu(x, b, p=0.1))
+        # (last, the smoke's) T5's ReLU and dropout, without a bias
+        yield "bias_gelu 4096 relu p=0.1 no bias", fwd_bwd(lambda x=x: ops.bias_gelu(x, None, "relu", p=0.1))
     elif family == "dropout_add":
         # (first, the smoke's) the plain one, then a per-token fp32 gated add of its output with a bias
         # and dropout, every per-token flag on: both of their backward kernels in one call

@@ -13,7 +13,8 @@ rewrites, in place:
   capture.py), never otherwise. A module with hooks stays a module call (its hooks must run).
 - functions and methods with one meaning into one target: `x.tanh()`/`torch.tanh(x)` ->
   `torch.tanh(x)`, `torch.add(a, b)`/`a.add(b)` -> `a + b`, `x ** 2` -> `torch.pow(x, 2)`,
-  `F.softmax` -> `torch.softmax`, `torch.layer_norm` -> `F.layer_norm`, `torch.special.erf` ->
+  `F.softmax` -> `torch.softmax`, `F.relu(x)` / `x.relu()` -> `torch.relu(x)` (not the in-place
+  `F.relu(x, inplace=True)`), `torch.layer_norm` -> `F.layer_norm`, `torch.special.erf` ->
   `torch.erf` (and `expit` -> `torch.sigmoid`), `torch.concat` ->
   `torch.cat(tensors, dim)` (and `torch.stack(tensors, dim)`), `x.logsumexp(dim=-1)` -> `torch.logsumexp(x, -1, False)`,
   `x.float()` -> `x.to(torch.float32)`, `a @ b` -> `torch.matmul(a, b)`, `x.square()` and
@@ -246,6 +247,8 @@ def canonicalize_node(node: fx.Node) -> None:
         _bind(node, target, sig if sig is not None else node.target, aliases=sig is not None)
     elif _is_python_function(node.target):
         _bind(node, node.target, node.target)
+        if node.target is F.relu and len(node.args) == 2 and node.args[1] is False:
+            node.target, node.args = torch.relu, node.args[:1]  # one spelling of an out-of-place ReLU
 
 
 _ARITHMETIC = frozenset((operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv,

@@ -1,4 +1,6 @@
-"""Bias + GeLU: y = gelu(x + bias), the activation after a transformer's first MLP linear.
+"""Bias + GeLU: y = gelu(x + bias), the activation after a transformer's first MLP linear; and,
+in the same kernels, bias + ReLU (`approximate="relu"`, for the ReLU MLPs of T5, OPT, DETR and
+`nn.TransformerEncoderLayer`).
 
 Maths, per element with z = x + bias, in fp32 (fp64 for fp64 inputs):
 
@@ -10,10 +12,14 @@ Maths, per element with z = x + bias, in fp32 (fp64 for fp64 inputs):
                                     u' = sqrt(2 / pi) * (1 + 3 * 0.044715 z^2)
     quick form ("quick"): qgelu(z) = z * sigmoid(1.702 z)   (CLIP's QuickGELU)
                          qgelu'(z) = s + 1.702 z s (1 - s),  s = sigmoid(1.702 z)
+    ReLU ("relu"):       relu(z)  = max(z, 0), NaN kept (as torch.relu)
+                         backward: dz = 0 where z <= 0, else dy (as PyTorch's threshold_backward:
+                         no inf * 0 for a large dy where z is negative)
 
 The erf and tanh forms are exactly the functions `F.gelu(z, approximate=...)` defines; the quick
 form is transformers' QuickGELUActivation, `z * torch.sigmoid(1.702 * z)` (PyTorch has no
-F.gelu for it). The tanh form is written through the identity 0.5 (1 + tanh(u)) = sigmoid(2u),
+F.gelu for it); "relu" is `torch.relu`, not a GeLU: it shares the kernels because the pass over
+the activation is the same. The tanh form is written through the identity 0.5 (1 + tanh(u)) = sigmoid(2u),
 which is exact and avoids the cancellation of 1 + tanh(u) for negative u. Every sigmoid is
 1 / (1 + exp(-t)): for large negative t the exp overflows to inf and s to 0, so y is -0 and the
 derivative 0, never NaN. No form is ever substituted for another (tests show each pair differs
@@ -26,7 +32,7 @@ Dtypes: x fp16 / bf16 / fp32 / fp64; bias any float dtype (fp32 master weights u
 y and dx take x's dtype, dbias bias's dtype.
 
 Memory plan: the forward saves its inputs x and bias, nothing else; the backward recomputes
-z = x + bias and gelu'(z) from them (one activation read instead of a stored z or gelu'(z)).
+z = x + bias and act'(z) from them (one activation read instead of a stored z or gelu'(z)).
 dbias is reduced deterministically: each backward program walks a range of rows for one column
 tile and writes one fp32 partial row, summed afterwards in a fixed order (no atomics).
 
@@ -67,11 +73,13 @@ from ._random import dropout_keep_quads
 from ._tiles import RowwiseTuning, run_one_tile, run_summing, time_one_tile, time_summing
 from .dropout_add import _dropout_scale, _DropoutMask, _dropped
 
-APPROXIMATE = ("none", "tanh", "quick")
+APPROXIMATE = ("none", "tanh", "quick", "relu")
+# The GeLU forms alone (trifuse.nn.LinearGELU's).
+GELU_FORMS = APPROXIMATE[:3]
 # The quick form's slope: z * sigmoid(1.702 z), transformers' QuickGELUActivation.
 QUICK_ALPHA = 1.702
 # The kernels' FORM constexpr for each value of `approximate`.
-_FORM_CODE = {"none": 0, "tanh": 1, "quick": 2}
+_FORM_CODE = {"none": 0, "tanh": 1, "quick": 2, "relu": 3}
 
 # =============================================================================================
 # Reference: the spec. Tests run it in float64 as the oracle and in the input dtype to measure
@@ -81,8 +89,10 @@ _FORM_CODE = {"none": 0, "tanh": 1, "quick": 2}
 
 def bias_gelu_ref(x: torch.Tensor, bias: torch.Tensor | None = None, approximate: str = "none") -> torch.Tensor:
     """gelu(x + bias) in plain PyTorch; the quick form as transformers' QuickGELUActivation
-    writes it."""
+    writes it, "relu" as torch.relu."""
     z = x if bias is None else x + bias
+    if approximate == "relu":
+        return torch.relu(z)
     return _quick_gelu_torch(z) if approximate == "quick" else F.gelu(z, approximate=approximate)
 
 
@@ -101,9 +111,10 @@ INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
 KAPPA = tl.constexpr(0.044715)
 # The quick form's sigmoid slope, as CLIP's QuickGELU writes it.
 QUICK_ALPHA_C = tl.constexpr(QUICK_ALPHA)
-# FORM: 0 erf ("none"), 1 tanh, 2 quick (_FORM_CODE).
+# FORM: 0 erf ("none"), 1 tanh, 2 quick, 3 relu (_FORM_CODE).
 FORM_TANH = tl.constexpr(1)
 FORM_QUICK = tl.constexpr(2)
+FORM_RELU = tl.constexpr(3)
 
 
 @triton.jit
@@ -141,16 +152,22 @@ def _quick_gelu_grad(z):
 def _act(z, FORM: tl.constexpr):
     if FORM == FORM_QUICK:
         return _quick_gelu(z)
+    elif FORM == FORM_RELU:
+        return tl.where(z < 0.0, 0.0, z)  # not max(z, 0): that would turn NaN into 0
     else:
         return _gelu(z, FORM == FORM_TANH)
 
 
 @triton.jit
-def _act_grad(z, FORM: tl.constexpr):
+def _act_vjp(g, z, FORM: tl.constexpr):
+    """dz = g * act'(z); for ReLU a select, as PyTorch's threshold_backward (dz is 0 where
+    z <= 0 even for an infinite g, and g where z is NaN)."""
     if FORM == FORM_QUICK:
-        return _quick_gelu_grad(z)
+        return g * _quick_gelu_grad(z)
+    elif FORM == FORM_RELU:
+        return tl.where(z <= 0.0, 0.0, g)
     else:
-        return _gelu_grad(z, FORM == FORM_TANH)
+        return g * _gelu_grad(z, FORM == FORM_TANH)
 
 
 @triton.jit
@@ -226,7 +243,7 @@ def _bias_gelu_bwd_kernel(
         g = dy_tile.to(ACC)
         if HAS_DROPOUT:  # the forward's mask, regenerated from its seed
             g = tl.where(dropout_keep_quads(seed, rows[:, None], cols[None, :], p), g * scale, 0.0)
-        dz = g * _act_grad(z, FORM)
+        dz = _act_vjp(g, z, FORM)
         tl.store(DX + rows[:, None] * stride_dxm + cols[None, :], dz.to(DX.dtype.element_ty), mask=mask)
         if HAS_BIAS:
             acc += tl.where(mask, dz, 0.0)
@@ -337,6 +354,8 @@ def _bias_gelu_bwd_torch(dy, x, bias, approximate, p=0.0, seed=None):
     dy = _dropped(dy.to(z.dtype), p, seed)
     if approximate == "quick":
         dz = dy * _quick_gelu_grad_torch(z)
+    elif approximate == "relu":
+        dz = torch.ops.aten.threshold_backward(dy, z, 0.0)
     else:
         dz = torch.ops.aten.gelu_backward(dy, z, approximate=approximate)
     dbias = dz.reshape(-1, _width(x)).sum(dim=0) if bias is not None else z.new_empty(0)
@@ -359,7 +378,7 @@ def _check_inputs(x: object, bias: object, approximate: object, p: object = 0.0)
         check_shape(op, "bias", bias, (_width(x),))
         check_same_device(op, "input", x, bias=bias)
     if approximate not in APPROXIMATE:
-        raise ValueError(f"trifuse.{op}: approximate must be 'none', 'tanh' or 'quick', got {approximate!r}")
+        raise ValueError(f"trifuse.{op}: approximate must be 'none', 'tanh', 'quick' or 'relu', got {approximate!r}")
 
 
 # =============================================================================================
@@ -520,7 +539,7 @@ class _BiasGeluFunction(torch.autograd.Function):
 # transformers writes it), whichever is faster for the shape, chosen once per (device, dtype, rows
 # bucket, width, bias dtype, form, grad) on the GPU and cached on disk (autotune/dialects.py).
 # Traced calls (torch.compile, export) always see trifuse::bias_gelu. The form is part of the key
-# and passed through as asked: erf, tanh and quick are never exchanged.
+# and passed through as asked: erf, tanh, quick and relu are never exchanged.
 # =============================================================================================
 
 
@@ -604,15 +623,17 @@ BIAS_GELU.register(dialects.Candidate("torch", _bias_gelu_f_gelu, supports=_bias
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None = None, approximate: str = "none", p: float = 0.0,
               training: bool = True) -> torch.Tensor:
     """gelu(x + bias) in one pass each way, like `F.gelu(x + bias, approximate=approximate)`
-    (for "quick": `z * torch.sigmoid(1.702 * z)`, z = x + bias, CLIP's QuickGELU); with p > 0 in
-    training, `F.dropout` of it (BART's and Pegasus' activation dropout before fc2).
+    (for "quick": `z * torch.sigmoid(1.702 * z)`, z = x + bias, CLIP's QuickGELU; for "relu":
+    `torch.relu(x + bias)`); with p > 0 in training, `F.dropout` of it (BART's and Pegasus'
+    activation dropout before fc2, T5's dropout after its ReLU).
 
     Args:
         x: (..., N), fp16 / bf16 / fp32 / fp64; any strides (rows with a stride are read in
             place, other layouts are copied once).
         bias: (N,) or None; any float dtype.
         approximate: "none" for the exact erf form, "tanh" for the tanh approximation, "quick"
-            for QuickGELU, z * sigmoid(1.702 z) (CLIP, OWL-ViT, X-CLIP, GroupViT, ...).
+            for QuickGELU, z * sigmoid(1.702 z) (CLIP, OWL-ViT, X-CLIP, GroupViT, ...); "relu"
+            for ReLU, not a GeLU but the same fused pass (T5, OPT, DETR, nn.Transformer).
         p: dropout probability on the output, in [0, 1]; kept values are scaled by 1 / (1 - p).
         training: dropout only applies when True (as `F.dropout`'s flag).
 

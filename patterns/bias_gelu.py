@@ -14,6 +14,14 @@ Stage 3, after the bias moved in: a dropout on the op's output (BART's and Pegas
 dropout, `fc2(dropout(gelu(fc1(x))))`) moves into the op, its mask regenerated from a seed in the
 backward rather than stored; p and the training flag are the model's.
 
+ReLU MLPs (OPT, T5, DETR, M2M100 and NLLB, FSMT, Speech2Text, and `nn.TransformerEncoderLayer` /
+`DecoderLayer` by default) take the op's "relu" form (`torch.relu`, `F.relu`, `nn.ReLU`, `x.relu()`;
+the in-place `F.relu(x, inplace=True)` is left as written). A ReLU alone is one kernel already and
+stays torch.relu: it becomes the op where a linear's bias moves in (`linear_relu`) or where a
+dropout in training follows it (`relu_dropout`: T5's `wo(dropout(relu(wi(x))))`, whose `wi` has no
+bias), both stage 1, `linear_relu` tried first so that a biased linear's ReLU takes its bias, its
+dropout folding in at stage 3 as the GeLUs' does.
+
 Under tensor parallelism (trifuse.parallel) a column-parallel linear runs on DTensors and its
 output reaches the GeLU as the local shard of its columns, `linear(...).redistribute(mesh,
 placements).to_local()`; the `*_on_shards` spellings move the bias out of the linear into the
@@ -197,6 +205,46 @@ def bias_sharded_like_columns(weight_out_dim: int, out_ndim: Callable[[Match], i
     return check
 
 
+def linear_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor):
+    return torch.relu(F.linear(x, weight, bias))
+
+
+def linear_relu_fused(x, weight, bias):
+    return ops.bias_gelu(F.linear(x, weight), bias, "relu")
+
+
+def linear_relu_on_shards(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, mesh, placements):
+    return torch.relu(F.linear(x, weight, bias).redistribute(mesh, placements, async_op=False).to_local())
+
+
+def linear_relu_on_shards_fused(x, weight, bias, mesh, placements):
+    local = F.linear(x, weight).redistribute(mesh, placements, async_op=False).to_local()
+    return ops.bias_gelu(local, bias.to_local(), "relu")
+
+
+def linear_has_a_bias(m: Match) -> str | None:
+    """A linear without a bias gives the op nothing to take in: its ReLU stays torch.relu."""
+    return None if isinstance(m["bias"], torch.fx.Node) else "the linear has no bias to move into the op"
+
+
+def relu_dropout(x: torch.Tensor, p, training):
+    return F.dropout(torch.relu(x), p, training, False)
+
+
+def relu_dropout_fused(x, p, training):
+    return ops.bias_gelu(x, None, "relu", p, training)
+
+
+def dropout_in_training(m: Match) -> str | None:
+    """The dropout drops something: in eval (or at p = 0) it is the identity and the ReLU alone
+    stays torch.relu, one kernel already."""
+    if m["training"] is not True:
+        return "the dropout is off (training=False): the ReLU alone is one kernel already"
+    if isinstance(m["p"], (int, float)) and m["p"] == 0:
+        return "the dropout's p is 0: the ReLU alone is one kernel already"
+    return None
+
+
 def bias_gelu_dropout(x: torch.Tensor, bias, approximate, p, training):
     return F.dropout(ops.bias_gelu(x, bias, approximate, 0.0, True), p, training, False)
 
@@ -232,6 +280,11 @@ PATTERNS = (
             stage=2),
     Pattern("conv1d_bias_gelu_on_shards", "bias_gelu", conv1d_bias_gelu_on_shards, conv1d_gelu_on_shards_fused,
             _OPS, (bias_sharded_like_columns(1, lambda m: len(m.value("shape"))),), stage=2),
+    Pattern("linear_relu", "bias_gelu", linear_relu, linear_relu_fused, _OPS, (linear_has_a_bias,), stage=1),
+    Pattern("linear_relu_on_shards", "bias_gelu", linear_relu_on_shards, linear_relu_on_shards_fused, _OPS,
+            (linear_has_a_bias, bias_sharded_like_columns(0, lambda m: m.value("x").dim())), stage=1),
+    Pattern("relu_dropout", "bias_gelu", relu_dropout, relu_dropout_fused, _OPS,
+            (needs_number("p"), needs_bool("training"), dropout_in_training), stage=1),
     Pattern("bias_gelu_dropout", "bias_gelu", bias_gelu_dropout, bias_gelu_dropout_fused, _OPS,
             (needs_number("p"), needs_bool("training")), stage=3),
 )

@@ -116,6 +116,8 @@ def _cases():
                                         sliding_window=2))
     case("bias_gelu_quick_fp16", lambda: {"x": rand(3, 5, N).half(), "bias": rand(N).half()},
          lambda t: ops.bias_gelu(t["x"], t["bias"], "quick"))
+    case("bias_relu_dropout_fp16", lambda: {"x": rand(3, 5, N).half(), "bias": rand(N).half()},
+         lambda t: ops.bias_gelu(t["x"], t["bias"], "relu", 0.3))
     case("cross_entropy_smoothing_fp16", lambda: {"logits": rand(7, 11, scale=3).half()},
          lambda t: ops.cross_entropy(t["logits"], torch.tensor([0, 3, -100, 10, 5, 5, 1]), label_smoothing=0.1))
     case("dropout_add_layer_norm_p", lambda: {"x": rand(3, 5, N), "residual": rand(3, 5, N),

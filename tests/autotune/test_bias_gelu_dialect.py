@@ -16,7 +16,7 @@ from trifuse.autotune.dialects import Candidate, Dialect
 from trifuse.kernels import bias_gelu as bg
 
 N = 40
-FORMS = ["none", "tanh", "quick"]
+FORMS = ["none", "tanh", "quick", "relu"]
 
 
 @pytest.fixture
@@ -46,8 +46,10 @@ def registered(x, b, approximate):
 
 
 def eager(x, b, approximate):
-    """What PyTorch eager computes: F.gelu, or transformers' QuickGELUActivation."""
+    """What PyTorch eager computes: F.gelu, transformers' QuickGELUActivation, or torch.relu."""
     z = x + b
+    if approximate == "relu":
+        return torch.relu(z)
     return z * torch.sigmoid(1.702 * z) if approximate == "quick" else F.gelu(z, approximate=approximate)
 
 
@@ -62,7 +64,7 @@ def test_key_is_a_small_tuple_of_plain_values():
     assert bg._bias_gelu_key(x, b, "none") == (device, torch.float32, 8, N, torch.float32, "none", False, True)
     assert bg._bias_gelu_key(x, b, "none", 0.1)[6:] == (True, True)  # dropout: its own decision
     assert len(bg._bias_gelu_key(x, b, "none")) == len(bg.BIAS_GELU.key_names)
-    # erf, tanh and quick never share a decision
+    # erf, tanh, quick and relu never share a decision
     assert [bg._bias_gelu_key(x, b, form)[5] for form in FORMS] == FORMS
     with torch.no_grad():
         assert bg._bias_gelu_key(x.view(7, 2, N // 2).transpose(0, 1), None, "none") == (
@@ -237,7 +239,7 @@ def test_bad_input_still_raises_trifuse_errors(gelu_dialect, timer, monkeypatch)
     monkeypatch.setattr(gelu_dialect, "timer", timer({}))
     with pytest.raises(ValueError, match="bias_gelu: bias must have shape"):
         trifuse.ops.bias_gelu(torch.ones(3, 8, device=DEVICE), torch.ones(5, device=DEVICE))
-    with pytest.raises(ValueError, match="approximate must be 'none', 'tanh' or 'quick'"):
+    with pytest.raises(ValueError, match="approximate must be 'none', 'tanh', 'quick' or 'relu'"):
         trifuse.ops.bias_gelu(torch.ones(3, 8, device=DEVICE), None, "erf")
 
 
@@ -276,7 +278,7 @@ def test_check_passes_both_and_rejects_a_wrong_gelu(cache_dir, timer, dtype, app
 
 
 @pytest.mark.parametrize("approximate, other", [("none", "tanh"), ("tanh", "none"), ("quick", "none"),
-                                               ("none", "quick")])
+                                               ("none", "quick"), ("relu", "none")])
 def test_check_rejects_the_other_form(cache_dir, timer, approximate, other):
     """Negative control: one form for another (erf for tanh, erf for quick, ...) is a wrong
     result, not a faster one."""

@@ -42,7 +42,7 @@ EAGER_ATTENTION = {"gpt2-eager": "attention_chain_mul_add_dropout_cast",
 EVAL_FAST_PATH = ("encoder-post-norm", "encoder-pre-norm")
 # nn.Transformer in eval: its encoder layers take that fast path, its decoder layers (which have
 # none) fuse as in training.
-EVAL_COUNTS = {"transformer": {"layer_norm": 2, "attention": 2 * L, "residual_stream": 3 * L}}
+EVAL_COUNTS = {"transformer": {"layer_norm": 2, "attention": 2 * L, "bias_gelu": L, "residual_stream": 3 * L}}
 # BLOOM's GeLU is an autograd.Function in training and its tanh formula written out in eval: fused in eval only.
 EVAL_ONLY = {"bloom": {"bias_gelu": L}}
 
@@ -69,7 +69,8 @@ MODELS = {
                          {"layer_norm": L, "attention": L, "bias_gelu": L, "residual_stream": L, "dropout_add": L}),
     # nn.Transformer: the decoder layers' self- and cross-attention (nn.MultiheadAttention, which
     # Dynamo traces into where fx would keep it a module call); post-norm, ReLU
-    "transformer": (_models.transformer, {"layer_norm": 2, "attention": 3 * L, "residual_stream": 5 * L}),
+    "transformer": (_models.transformer, {"layer_norm": 2, "attention": 3 * L, "bias_gelu": 2 * L,
+                                          "residual_stream": 5 * L}),
     "nanogpt": (_models.nanogpt, NANOGPT),
     "nanogpt-explicit-attention": (lambda: _models.nanogpt(flash=False), NANOGPT),
     # A Llama as PyTorch-native training code writes it (tests/_models.py), its loss outside the
@@ -114,7 +115,8 @@ MODELS = {
     "helium": (_family("helium"), {"rms_norm": L + 1, "attention": L, "residual_stream": L, **GATED, **ROTARY,
                                    **LOSS}),
     # OPT flattens the sum to rows before the MLP's norm (a reshape that commutes with the norm)
-    "opt": (_family("opt"), {"layer_norm": L + 1, "attention": L, "residual_stream": L, "dropout_add": L, **LOSS}),
+    "opt": (_family("opt"), {"layer_norm": L + 1, "attention": L, "bias_gelu": L, "residual_stream": L,
+                             "dropout_add": L, **LOSS}),
     # encoder-decoder: L encoder and L decoder blocks; each stack's last add feeds its final norm
     # across the block boundary (left as dropout_add), the others fuse with the next block's norm
     "t5": (_family("t5"), {"rms_norm": 2 * L + 2, "residual_stream": 3 * L, "dropout_add": 2 * L,

@@ -1,4 +1,4 @@
-"""bias + GeLU (erf, tanh and quick forms) and LinearGELU against the float64 oracle.
+"""bias + GeLU (erf, tanh and quick forms), bias + ReLU, and LinearGELU against the float64 oracle.
 
 On CPU these run the real Triton kernels in the interpreter (tests/_device.py); on a GPU the
 same tests run natively and add bf16.
@@ -20,7 +20,7 @@ from trifuse.kernels.bias_gelu import bias_gelu_ref
 # (300 x 130) whose backward walks several row tiles per program in several programs (with the
 # interpreter's 4 "SMs").
 SHAPES = [(1, 1), (3, 7), (4, 100), (2, 129), (5, 1000), (3, 2500), (0, 32), (2, 3, 50), (2, 2, 3, 17), (300, 130)]
-FORMS = ["none", "tanh", "quick"]
+FORMS = ["none", "tanh", "quick", "relu"]
 
 
 def _ids(shape):
@@ -265,8 +265,9 @@ def test_linear_gelu_loads_linear_state_dict_and_back():
     x = torch.randn(3, 8, device=DEVICE)
     assert_close("no bias", ours(x), F.gelu(ref(x.double().float()).double(), approximate="tanh"), None)
     assert "approximate='tanh'" in repr(ours)
-    with pytest.raises(ValueError, match="LinearGELU: approximate must be 'none', 'tanh' or 'quick'"):
-        trifuse.nn.LinearGELU(8, 12, approximate="sigmoid")
+    for other in ("sigmoid", "relu"):  # ReLU is the op's, not a LinearGELU's
+        with pytest.raises(ValueError, match="LinearGELU: approximate must be 'none', 'tanh' or 'quick'"):
+            trifuse.nn.LinearGELU(8, 12, approximate=other)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -294,6 +295,35 @@ def test_negative_control_other_gelu_form_fails(asked, computed):
     assert not ok, msg
 
 
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float64], ids=str)
+def test_relu_backward_selects_as_pytorch_does(dtype):
+    """ReLU's backward is a select, not dy * (z > 0): an infinite dy where z < 0 gives 0, not NaN;
+    dx is 0 at z = 0 exactly (PyTorch's convention), and dy passes where z is NaN."""
+    x = torch.tensor([[-3.0, -1.0, 0.0, 2.0, float("nan"), 5.0]], device=DEVICE, dtype=dtype,
+                     requires_grad=True)
+    b = torch.zeros(6, device=DEVICE, dtype=dtype, requires_grad=True)
+    dy = torch.tensor([[float("inf"), 1.0, 7.0, 3.0, 4.0, float("-inf")]], device=DEVICE, dtype=dtype)
+    y = trifuse.ops.bias_gelu(x, b, "relu")
+    xr = x.detach().clone().requires_grad_()
+    ref = torch.relu(xr)
+    assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.nan_to_num(), ref.nan_to_num())
+    (dx,) = torch.autograd.grad(y, x, dy)
+    (dx_ref,) = torch.autograd.grad(ref, xr, dy)
+    assert torch.equal(dx, dx_ref), (dx, dx_ref)
+
+
+def test_negative_control_relu_passed_off_as_a_gelu_fails():
+    """ReLU and the erf GeLU differ by up to 0.17 (at |z| = 0.75): a form swapped in the dispatch
+    must fail even fp16's tolerance."""
+    x, b = make((64, 256), torch.float16)
+    for asked, computed in (("relu", "none"), ("none", "relu")):
+        wrong = trifuse.ops.bias_gelu(x, b, computed)
+        x64, b64 = upcast(x, b)
+        ok, msg = check_close(f"{computed} as {asked}", wrong, bias_gelu_ref(x64, b64, asked),
+                              bias_gelu_ref(x, b, asked))
+        assert not ok, msg
+
+
 def test_negative_control_gradient_without_bias_fails():
     """A backward that forgets the bias (gelu'(x) instead of gelu'(x + b)) must not pass."""
     x, b = make((32, 64), torch.float32)
@@ -318,7 +348,7 @@ def test_negative_control_gradient_without_bias_fails():
         (torch.ones(3, 8, dtype=torch.int64), None, "none", TypeError, "bias_gelu: input must be float"),
         (torch.ones(3, 8), torch.ones(8, dtype=torch.int32), "none", TypeError, "bias_gelu: bias must be float"),
         (torch.ones(3, 8), None, "exact", ValueError,
-         "approximate must be 'none', 'tanh' or 'quick', got 'exact'"),
+         "approximate must be 'none', 'tanh', 'quick' or 'relu', got 'exact'"),
         ("not a tensor", None, "none", TypeError, "bias_gelu: input must be a torch.Tensor"),
         (torch.ones(3, 8), [1.0] * 8, "none", TypeError, "bias must be a torch.Tensor"),
     ],

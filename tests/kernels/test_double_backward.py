@@ -58,6 +58,7 @@ def _cases():
         "bias_gelu-erf": (lambda x, b: ops.bias_gelu(x, b), (x, b)),
         "bias_gelu-tanh": (lambda x, b: ops.bias_gelu(x, b, "tanh"), (x, b)),
         "bias_gelu-quick": (lambda x: ops.bias_gelu(x, None, "quick"), (x,)),
+        "bias_gelu-relu": (lambda x, b: ops.bias_gelu(x, b, "relu"), (x, b)),
         "gated_activation-silu": (lambda g, u: ops.gated_activation(g, u, "silu"), (x, r)),
         "gated_activation-gelu_tanh": (lambda g, u: ops.gated_activation(g, u, "gelu_tanh"), (x, r)),
         "group_norm-silu": (lambda x, w, b: ops.group_norm(x.view(2, 6, 2), 3, w, b, 1e-5, "silu"),

@@ -446,7 +446,7 @@ def test_latent_attention_matches_single_process(world, kind, sp):
 FUSED_COUNTS = {
     "phi3": {"rms_norm": 3, "attention": 2, "residual_stream": 2, "dropout_add": 2, "rotary": 2,
              "gated_activation": 2},
-    "opt": {"layer_norm": 3, "attention": 2, "residual_stream": 2, "dropout_add": 2},
+    "opt": {"layer_norm": 3, "attention": 2, "bias_gelu": 2, "residual_stream": 2, "dropout_add": 2},
     "bart": {"layer_norm": 2, "attention": 6, "bias_gelu": 4, "residual_stream": 10},
     "neox": {"layer_norm": 5, "attention": 2, "bias_gelu": 2, "dropout_add": 4, "rotary": 2},
     # BLOOM's ALiBi attention on each rank's slice of the bias (its GeLU fuses in eval only)
@@ -538,8 +538,8 @@ def test_more_families_fused_and_sharded(world, kind, sp):
 # attention); nn.Transformer's decoder layers are captured by Dynamo, as in one process.
 TORCH_FUSED_COUNTS = {
     "torch_encoder": {"layer_norm": 3, "attention": 2, "bias_gelu": 2, "residual_stream": 2, "dropout_add": 2},
-    "torch_seq_first": {"attention": 2, "residual_stream": 4},
-    "torch_transformer": {"layer_norm": 2, "attention": 6, "residual_stream": 10},
+    "torch_seq_first": {"attention": 2, "bias_gelu": 2, "residual_stream": 4},
+    "torch_transformer": {"layer_norm": 2, "attention": 6, "bias_gelu": 4, "residual_stream": 10},
 }
 
 

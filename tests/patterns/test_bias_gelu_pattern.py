@@ -1,5 +1,6 @@
 """Bias + GeLU: every GeLU spelling after a biased linear (nn.Linear, F.linear, HF Conv1D) moves
-the bias into trifuse.bias_gelu; exact stays exact, tanh stays tanh, CLIP's QuickGELU stays quick."""
+the bias into trifuse.bias_gelu; exact stays exact, tanh stays tanh, CLIP's QuickGELU stays quick.
+ReLU MLPs take the op's relu form where a bias moves in or a dropout in training follows."""
 import math
 
 import pytest
@@ -201,9 +202,9 @@ class LinearOutputReused(LinearAct):
     lambda: LinearAct(Act(silu_as_slope_1)),
     lambda: LinearAct(Act(wrong_constant_gelu)),
     lambda: LinearAct(Act(erf_over_1_41421_gelu)),
-    lambda: LinearAct(nn.ReLU()),
+    lambda: LinearAct(nn.SiLU()),
     lambda: AddmmAct(nn.GELU(), bias_shape=(10, 2 * N)),  # addmm's bias per element, not a vector
-], ids=["no-bias", "sigmoid-slope-1.7", "sigmoid-slope-1", "wrong-constant", "erf-over-1.41421", "relu",
+], ids=["no-bias", "sigmoid-slope-1.7", "sigmoid-slope-1", "wrong-constant", "erf-over-1.41421", "silu",
         "addmm-2d-bias"])
 def test_not_gelu_after_a_biased_linear_is_left(make, capture):
     assert check_against_unfused(make, X, capture).by_pattern() == {}
@@ -266,8 +267,9 @@ def _colwise(mesh, act, conv1d=False, output_layouts=None):
     (lambda: Act(new_gelu), False, "linear_bias_gelu_on_shards"),
     (lambda: Act(quick_gelu), False, "linear_bias_gelu_on_shards"),
     (lambda: Act(quick_gelu), True, "conv1d_bias_gelu_on_shards"),
+    (nn.ReLU, False, "linear_relu_on_shards"),
 ], ids=["linear-nn.GELU", "linear-nn.GELU-tanh", "conv1d-new-gelu", "linear-new-gelu", "linear-quick-gelu",
-        "conv1d-quick-gelu"])
+        "conv1d-quick-gelu", "linear-nn.ReLU"])
 def test_column_parallel_bias_moves_into_the_gelu(one_rank_mesh, make_act, conv1d, expected):
     report = check_sharded_against_unfused(_colwise(one_rank_mesh, make_act(), conv1d), X)
     assert report.by_pattern() == {expected: 1}, report.by_pattern()
@@ -310,8 +312,8 @@ class BartFFN(nn.Module):
 
 
 @pytest.mark.parametrize("capture", CAPTURES)
-@pytest.mark.parametrize("act", [nn.GELU(), nn.GELU(approximate="tanh"), Act(new_gelu)],
-                         ids=["erf", "tanh", "written-out-tanh"])
+@pytest.mark.parametrize("act", [nn.GELU(), nn.GELU(approximate="tanh"), Act(new_gelu), nn.ReLU()],
+                         ids=["erf", "tanh", "written-out-tanh", "relu"])
 def test_an_activation_dropout_moves_into_the_op(act, capture):
     """After the bias moved in: p and the training flag carried (p = 0 in training here, against
     the unfused model)."""
@@ -337,4 +339,65 @@ def test_the_dropout_in_the_op_drops_and_keeps_like_the_model(capture):
     half = fuse_via(BartFFN(p=0.5).train(), capture)
     h = torch.randn(4, 50, N)
     ran = trifuse_ops_run(lambda: half(h).sum().backward())
+    assert "trifuse::bias_gelu_dropout" in ran or "trifuse::bias_gelu_dropout_backward" in ran
+
+
+# ---------------------------------------------------------------------------------------------
+# ReLU MLPs (OPT, T5, DETR, nn.TransformerEncoderLayer): the op's relu form, where a linear's
+# bias moves in or a dropout in training follows; a ReLU alone stays torch.relu.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("act", [nn.ReLU(), Act(F.relu), Act(torch.relu), Act(lambda x: x.relu())],
+                         ids=["nn.ReLU", "F.relu", "torch.relu", "method"])
+def test_relu_after_a_biased_linear_takes_its_bias(act, capture):
+    """OPT's fc1 + ReLU. The oracle would catch a GeLU form in its place (they differ by up to 0.17)."""
+    report = check_against_unfused(lambda: LinearAct(act), X, capture)
+    assert report.by_pattern() == {"linear_relu": 1}, report.table()
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("make", [lambda: LinearAct(nn.ReLU(), bias=False), lambda: LinearAct(nn.ReLU(inplace=True))],
+                         ids=["no-bias", "in-place"])
+def test_relu_alone_or_in_place_is_left(make, capture):
+    """Without a bias to take or a dropout to fold, a ReLU is one kernel already; the in-place
+    ReLU writes the linear's output, which the op would not."""
+    assert check_against_unfused(make, X, capture).by_pattern() == {}
+
+
+class T5DenseActDense(nn.Module):
+    """The original T5's feed-forward: `wo(dropout(relu(wi(x))))`, neither linear biased."""
+
+    def __init__(self, p=0.0):
+        super().__init__()
+        self.wi = nn.Linear(N, 24, bias=False)
+        self.wo = nn.Linear(24, N, bias=False)
+        self.act = nn.ReLU()
+        self.dropout = nn.Dropout(p)
+
+    def forward(self, x):
+        return self.wo(self.dropout(self.act(self.wi(x))))
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_a_relus_dropout_in_training_becomes_the_op_without_bias(capture):
+    """T5's ReLU and dropout are one op in training: p = 1 drops everything (zeros out), eval and
+    p = 0 keep the ReLU as written (the dropout drops nothing), and p = 0.5 runs trifuse's
+    dropout kernels."""
+    x = torch.randn(2, 5, N)
+    model = fuse_via(T5DenseActDense(p=1.0).train(), capture)
+    torch.testing.assert_close(model(x), torch.zeros(2, 5, N), rtol=0, atol=0)
+    assert trifuse.report(model).by_pattern() == {"relu_dropout": 1}, trifuse.report(model).table()
+    model.eval()
+    inner = model if capture == "fx" else model.blocks[0].inner
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), inner.wo(torch.relu(inner.wi(x))))
+    assert trifuse.report(model).by_pattern() == {}
+    report = check_against_unfused(lambda: T5DenseActDense(p=0.0), X, capture, train=True)
+    assert report.by_pattern() == {}
+    assert any(pattern == "relu_dropout" and "p is 0" in why for _, _, pattern, why in report.rejected()), \
+        report.rejected()
+    half = fuse_via(T5DenseActDense(p=0.5).train(), capture)
+    ran = trifuse_ops_run(lambda: half(torch.randn(4, 50, N)).sum().backward())
     assert "trifuse::bias_gelu_dropout" in ran or "trifuse::bias_gelu_dropout_backward" in ran
