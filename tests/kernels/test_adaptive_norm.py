@@ -168,7 +168,7 @@ def test_twice_differentiable():
     """create_graph=True: the gradients differentiate again (a gradient penalty), in PyTorch ops."""
     inputs = make(((2, 4, 8), (2, 1, 8), (2, 1, 8)), torch.float64, "layer_norm")
     assert torch.autograd.gradgradcheck(
-        lambda *a: trifuse.ops.layer_norm_modulate(a[0], [8], *a[1:], eps=EPS), tuple(inputs))
+        lambda *a: trifuse.ops.layer_norm_modulate(a[0], [8], *a[1:], eps=EPS), tuple(inputs), fast_mode=True)
 
 
 def test_compiles_without_graph_breaks():

@@ -480,9 +480,9 @@ def test_dropout_gradcheck_and_gradgradcheck_float64():
     for form in FORMS:
         eager = seeded(lambda x, b, form=form: trifuse.ops.bias_gelu(x, b, form, p=0.3))
         op = seeded(lambda x, b, form=form: torch.ops.trifuse.bias_gelu_dropout(x, b, form, 0.3)[0])
-        for fn in (eager, op):
-            assert torch.autograd.gradcheck(fn, (x, b))
-            assert torch.autograd.gradgradcheck(fn, (x, b))
+        for fn in (eager, op):  # the op: the same kernels, checked by a random projection
+            assert torch.autograd.gradcheck(fn, (x, b), fast_mode=fn is op)
+            assert torch.autograd.gradgradcheck(fn, (x, b), fast_mode=True)
 
 
 def test_dropout_eager_path_and_registered_op_are_bitwise_equal():

@@ -595,7 +595,7 @@ def test_gated_gradcheck_float64_twice_differentiable():
         return trifuse.ops.dropout_add(x, r, P, bias=b, gate=gate)
 
     assert torch.autograd.gradcheck(seeded, (x, r, b, gate))
-    assert torch.autograd.gradgradcheck(seeded, (x, r, b, gate))
+    assert torch.autograd.gradgradcheck(seeded, (x, r, b, gate), fast_mode=True)
     rows = gate.detach().reshape(2, 6).requires_grad_()
     assert torch.autograd.gradcheck(lambda x, r, g, b: torch.ops.trifuse.gated_dropout_add(x, r, g, 0.0, b)[0],
                                     (x, r, rows, b))
@@ -794,7 +794,7 @@ def test_per_token_gradcheck_float64_twice_differentiable():
             return trifuse.ops.dropout_add(x, r, P, bias=b, gate=gate)
 
         assert torch.autograd.gradcheck(seeded, (x, r, b, gate))
-        assert torch.autograd.gradgradcheck(seeded, (x, r, b, gate))
+        assert torch.autograd.gradgradcheck(seeded, (x, r, b, gate), fast_mode=True)
         assert torch.autograd.gradcheck(
             lambda x, r, g, b: torch.ops.trifuse.gated_dropout_add_rows(x, r, g, 0.0, b)[0], (x, r, gate, b))
 

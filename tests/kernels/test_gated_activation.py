@@ -415,9 +415,9 @@ def test_dropout_gradcheck_and_gradgradcheck_float64():
     for act in ACTIVATIONS:
         eager = seeded(lambda g, u, act=act: trifuse.ops.gated_activation(g, u, act, p=0.3))
         op = seeded(lambda g, u, act=act: torch.ops.trifuse.gated_activation_dropout(g, u, act, 0.3)[0])
-        for fn in (eager, op):
-            assert torch.autograd.gradcheck(fn, (gate, up))
-            assert torch.autograd.gradgradcheck(fn, (gate, up))
+        for fn in (eager, op):  # the op: the same kernels, checked by a random projection
+            assert torch.autograd.gradcheck(fn, (gate, up), fast_mode=fn is op)
+            assert torch.autograd.gradgradcheck(fn, (gate, up), fast_mode=True)
 
 
 def test_dropout_eager_path_and_registered_op_are_bitwise_equal():

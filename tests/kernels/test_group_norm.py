@@ -234,16 +234,18 @@ def test_gradcheck_float64(path, monkeypatch):
         # the channels-last indexing does not depend on the activation: checked once, with SiLU
         for inputs in ((x, weight, bias), (x_cl, weight, bias))[:2 if act else 1]:
             assert torch.autograd.gradcheck(eager, inputs)
-            assert torch.autograd.gradcheck(registered, inputs)
+            # the same kernels through the registered op's autograd: a random projection suffices
+            assert torch.autograd.gradcheck(registered, inputs, fast_mode=True)
 
 
 def test_double_backward_float64():
     """A gradient penalty through the op: second derivatives by gradgradcheck, both paths."""
     x, weight, bias = make((2, 4, 3), torch.float64)
     assert torch.autograd.gradgradcheck(lambda x, w, b: trifuse.ops.group_norm(x, 2, w, b, 1e-5, "silu"),
-                                        (x, weight, bias))
+                                        (x, weight, bias), fast_mode=True)
     assert torch.autograd.gradgradcheck(
-        lambda x, w, b: torch.ops.trifuse.group_norm(x, 2, w, b, 1e-5, "silu", None)[0], (x, weight, bias))
+        lambda x, w, b: torch.ops.trifuse.group_norm(x, 2, w, b, 1e-5, "silu", None)[0], (x, weight, bias),
+        fast_mode=True)
 
 
 def test_double_backward_of_the_autocast_form():
