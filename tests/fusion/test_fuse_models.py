@@ -525,6 +525,29 @@ def test_training_with_dropout_tracks_the_unfused_model():
     assert trifuse.report(model).counts() == available_counts({**PRE_NORM, **LOSS})
 
 
+def test_t5s_relu_and_its_dropout_are_one_op_in_training_and_the_relu_alone_in_eval():
+    """The original T5's MLP, `wo(dropout(relu(wi(x))))` with dropout 0.1: in training the ReLU and
+    the dropout become one bias_gelu (relu_dropout; its mask a seed) in every block, and it runs;
+    in eval, where the dropout drops nothing, the ReLU stays as written and the outputs are the
+    unfused model's. (That the dropout keeps its distribution in training: the op's tests; the
+    model's loss varies by ~20% from mask to mask at this size, too much to compare two runs.)"""
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _models.hf_family("t5", dropout_rate=0.1)
+    ref64 = copy.deepcopy(model).double()
+    trifuse.fuse(model)
+    kw = inputs(2, 8)
+    ran = trifuse_ops_run(lambda: loss_fn(model, kw).backward())
+    assert "trifuse::bias_gelu_dropout" in ran and "trifuse::bias_gelu_dropout_backward" in ran, sorted(ran)
+    assert trifuse.report(model).counts() == available_counts({**MODELS["t5"][1], "bias_gelu": 2 * L})
+    assert trifuse.report(model).by_pattern()["relu_dropout"] == 2 * L
+    model.eval()
+    ref64.eval()
+    with torch.no_grad():
+        kw_eval = {k: v for k, v in kw.items() if k != "labels"}
+        assert_close("eval logits", model(**kw_eval).logits, ref64(**kw_eval).logits, None)
+    assert "bias_gelu" not in trifuse.report(model).counts()
+
+
 class LogitsAndLoss(torch.nn.Module):
     """nanoGPT's real return, `(logits, loss)`: the head's output is both returned and the loss's input.
     `soft_targets`: class probabilities as the target, which linear_cross_entropy does not take."""
