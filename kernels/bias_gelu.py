@@ -378,7 +378,8 @@ def _check_inputs(x: object, bias: object, approximate: object, p: object = 0.0)
         check_shape(op, "bias", bias, (_width(x),))
         check_same_device(op, "input", x, bias=bias)
     if approximate not in APPROXIMATE:
-        raise ValueError(f"trifuse.{op}: approximate must be 'none', 'tanh', 'quick' or 'relu', got {approximate!r}")
+        raise ValueError(f"trifuse.{op}: approximate must be 'none', 'tanh', 'quick' or 'relu', "
+                         f"got {approximate!r}")
 
 
 # =============================================================================================

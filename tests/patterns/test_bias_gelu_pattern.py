@@ -358,8 +358,8 @@ def test_relu_after_a_biased_linear_takes_its_bias(act, capture):
 
 
 @pytest.mark.parametrize("capture", CAPTURES)
-@pytest.mark.parametrize("make", [lambda: LinearAct(nn.ReLU(), bias=False), lambda: LinearAct(nn.ReLU(inplace=True))],
-                         ids=["no-bias", "in-place"])
+@pytest.mark.parametrize("make", [lambda: LinearAct(nn.ReLU(), bias=False),
+                                  lambda: LinearAct(nn.ReLU(inplace=True))], ids=["no-bias", "in-place"])
 def test_relu_alone_or_in_place_is_left(make, capture):
     """Without a bias to take or a dropout to fold, a ReLU is one kernel already; the in-place
     ReLU writes the linear's output, which the op would not."""
