@@ -31,8 +31,8 @@ DEVICE = "cuda" if H.on_gpu() else "cpu"
 WIDTHS = (768, 1024, 2048, 3072, 4096, 8192, 16384)
 TARGET_SHAPES = ((16384, 1024), (8192, 4096), (4096, 8192))
 ELEMENTS = 2**26  # rows x width for the width sweep: 128 MiB of bf16 per activation
-FORMS = ("none", "tanh", "quick", "relu")
-VARIANT = {"none": "erf", "tanh": "tanh", "quick": "quick", "relu": "relu"}
+FORMS = ("none", "tanh", "quick", "relu", "relu2")
+VARIANT = {"none": "erf", "tanh": "tanh", "quick": "quick", "relu": "relu", "relu2": "relu2"}
 P = 0.1  # the dropout variant's: BART's activation_dropout
 
 
@@ -56,6 +56,8 @@ def providers(approximate: str, p: float = 0.0) -> dict:
         z = x + b
         if approximate == "relu":
             y = torch.relu(z)
+        elif approximate == "relu2":  # transformers' ReLUSquaredActivation
+            y = torch.square(torch.relu(z))
         else:
             y = z * torch.sigmoid(1.702 * z) if approximate == "quick" else F.gelu(z, approximate=approximate)
         return F.dropout(y, p) if p else y

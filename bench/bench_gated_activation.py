@@ -24,7 +24,8 @@ With dropout on the product (p = 0.1, variant "gelu_tanh p=0.1": T5 v1.1's, mT5'
 F.dropout makes its own pass each way and saves a byte mask, torch.compile's its own. Before timing,
 every provider equals PyTorch at p = 0 and trifuse keeps 1 - p of the elements.
 Shapes: Llama-7B (intermediate 11008) and Llama-3-8B / Mistral-7B (14336) MLPs at 4096, 8192 and
-16384 tokens for SwiGLU, 8192 x 14336 for the GeGLU forms; bf16 on the GPU.
+16384 tokens for SwiGLU, 8192 x 14336 for the GeGLU forms and the squared ReLU (BitNet's
+`relu2(gate) * up`); bf16 on the GPU.
 """
 import _harness as H  # noqa: I001  (bench/conftest.py sets TRITON_INTERPRET before this)
 import pytest
@@ -39,10 +40,10 @@ DEVICE = "cuda" if H.on_gpu() else "cpu"
 TOKENS = (4096, 8192, 16384)
 INTERMEDIATE = (11008, 14336)
 TARGET_SHAPES = tuple((m, n) for n in INTERMEDIATE for m in TOKENS)
-ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
-# SwiGLU at every target shape; the GeGLU forms (same traffic, more arithmetic) at one, so that the
-# sweep fits its stage of bench/gpu_session.sh.
-SHAPES = {"silu": TARGET_SHAPES, "gelu_tanh": ((8192, 14336),), "gelu": ((8192, 14336),)}
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "relu2")
+# SwiGLU at every target shape; the GeGLU forms (same traffic, more arithmetic) and BitNet's relu2
+# at one, so that the sweep fits its stage of bench/gpu_session.sh.
+SHAPES = {"silu": TARGET_SHAPES, "gelu_tanh": ((8192, 14336),), "gelu": ((8192, 14336),), "relu2": ((8192, 14336),)}
 P = 0.1  # the dropout variant's: T5 v1.1's dropout_rate
 
 

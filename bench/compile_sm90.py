@@ -156,7 +156,7 @@ def _catalogue(torch, family: str):
     elif family == "bias_gelu":
         for n in (3072, 4096):
             x, b = leaf(tile_rows, n), leaf(n)
-            for approximate in ("none", "tanh", "quick", "relu"):
+            for approximate in ("none", "tanh", "quick", "relu", "relu2"):
                 yield f"bias_gelu {n} {approximate}", fwd_bwd(
                     lambda x=x, b=b, a=approximate: ops.bias_gelu(x, b, approximate=a))
         yield "bias_gelu 4096 none p=0.1", fwd_bwd(lambda x=x, b=b: ops.bias_gelu(x, b, p=0.1))
@@ -208,7 +208,7 @@ def _catalogue(torch, family: str):
             lambda: (ops.group_norm(xv, 1, wv, bv, 1e-5, "silu"), ops.group_norm(xc, 8, wc, bc, 1e-5, "silu")))
     elif family == "gated_activation":
         g, u = leaf(tile_rows, 8192), leaf(tile_rows, 8192)
-        for act in ("silu", "gelu", "gelu_tanh"):
+        for act in ("silu", "gelu", "gelu_tanh", "relu2"):
             yield f"gated_activation 8192 {act}", fwd_bwd(lambda act=act, g=g, u=u: ops.gated_activation(g, u, act))
         yield "gated_activation 8192 gelu_tanh p=0.1", fwd_bwd(lambda: ops.gated_activation(g, u, "gelu_tanh", p=0.1))
     elif family == "rotary":

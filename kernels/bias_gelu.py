@@ -1,6 +1,7 @@
 """Bias + GeLU: y = gelu(x + bias), the activation after a transformer's first MLP linear; and,
 in the same kernels, bias + ReLU (`approximate="relu"`, for the ReLU MLPs of T5, OPT, DETR and
-`nn.TransformerEncoderLayer`).
+`nn.TransformerEncoderLayer`) and bias + squared ReLU (`approximate="relu2"`, Primer's relu(z)^2:
+Nemotron, Persimmon, Fuyu, Arcee, nanochat).
 
 Maths, per element with z = x + bias, in fp32 (fp64 for fp64 inputs):
 
@@ -15,12 +16,16 @@ Maths, per element with z = x + bias, in fp32 (fp64 for fp64 inputs):
     ReLU ("relu"):       relu(z)  = max(z, 0), NaN kept (as torch.relu)
                          backward: dz = 0 where z <= 0, else dy (as PyTorch's threshold_backward:
                          no inf * 0 for a large dy where z is negative)
+    squared ReLU ("relu2"): relu2(z) = relu(z)^2, as `torch.square(torch.relu(z))`
+                         backward: dz = 0 where z <= 0, else dy * 2z (PyTorch's pow_backward,
+                         then threshold_backward)
 
 The erf and tanh forms are exactly the functions `F.gelu(z, approximate=...)` defines; the quick
 form is transformers' QuickGELUActivation, `z * torch.sigmoid(1.702 * z)` (PyTorch has no
-F.gelu for it); "relu" is `torch.relu`, not a GeLU: it shares the kernels because the pass over
-the activation is the same. The tanh form is written through the identity 0.5 (1 + tanh(u)) = sigmoid(2u),
-which is exact and avoids the cancellation of 1 + tanh(u) for negative u. Every sigmoid is
+F.gelu for it); "relu" is `torch.relu` and "relu2" its square, not GeLUs: they share the kernels
+because the pass over the activation is the same. The tanh form is written through the identity
+0.5 (1 + tanh(u)) = sigmoid(2u), which is exact and avoids the cancellation of 1 + tanh(u) for
+negative u. Every sigmoid is
 1 / (1 + exp(-t)): for large negative t the exp overflows to inf and s to 0, so y is -0 and the
 derivative 0, never NaN. No form is ever substituted for another (tests show each pair differs
 by more than the tolerance).
@@ -73,13 +78,13 @@ from ._random import dropout_keep_quads
 from ._tiles import RowwiseTuning, run_one_tile, run_summing, time_one_tile, time_summing
 from .dropout_add import _dropout_scale, _DropoutMask, _dropped
 
-APPROXIMATE = ("none", "tanh", "quick", "relu")
+APPROXIMATE = ("none", "tanh", "quick", "relu", "relu2")
 # The GeLU forms alone (trifuse.nn.LinearGELU's).
 GELU_FORMS = APPROXIMATE[:3]
 # The quick form's slope: z * sigmoid(1.702 z), transformers' QuickGELUActivation.
 QUICK_ALPHA = 1.702
 # The kernels' FORM constexpr for each value of `approximate`.
-_FORM_CODE = {"none": 0, "tanh": 1, "quick": 2, "relu": 3}
+_FORM_CODE = {"none": 0, "tanh": 1, "quick": 2, "relu": 3, "relu2": 4}
 
 # =============================================================================================
 # Reference: the spec. Tests run it in float64 as the oracle and in the input dtype to measure
@@ -89,10 +94,12 @@ _FORM_CODE = {"none": 0, "tanh": 1, "quick": 2, "relu": 3}
 
 def bias_gelu_ref(x: torch.Tensor, bias: torch.Tensor | None = None, approximate: str = "none") -> torch.Tensor:
     """gelu(x + bias) in plain PyTorch; the quick form as transformers' QuickGELUActivation
-    writes it, "relu" as torch.relu."""
+    writes it, "relu" as torch.relu, "relu2" as transformers' ReLUSquaredActivation."""
     z = x if bias is None else x + bias
     if approximate == "relu":
         return torch.relu(z)
+    if approximate == "relu2":
+        return torch.square(torch.relu(z))
     return _quick_gelu_torch(z) if approximate == "quick" else F.gelu(z, approximate=approximate)
 
 
@@ -111,10 +118,11 @@ INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
 KAPPA = tl.constexpr(0.044715)
 # The quick form's sigmoid slope, as CLIP's QuickGELU writes it.
 QUICK_ALPHA_C = tl.constexpr(QUICK_ALPHA)
-# FORM: 0 erf ("none"), 1 tanh, 2 quick, 3 relu (_FORM_CODE).
+# FORM: 0 erf ("none"), 1 tanh, 2 quick, 3 relu, 4 relu2 (_FORM_CODE).
 FORM_TANH = tl.constexpr(1)
 FORM_QUICK = tl.constexpr(2)
 FORM_RELU = tl.constexpr(3)
+FORM_RELU2 = tl.constexpr(4)
 
 
 @triton.jit
@@ -154,18 +162,23 @@ def _act(z, FORM: tl.constexpr):
         return _quick_gelu(z)
     elif FORM == FORM_RELU:
         return tl.where(z < 0.0, 0.0, z)  # not max(z, 0): that would turn NaN into 0
+    elif FORM == FORM_RELU2:
+        r = tl.where(z < 0.0, 0.0, z)
+        return r * r
     else:
         return _gelu(z, FORM == FORM_TANH)
 
 
 @triton.jit
 def _act_vjp(g, z, FORM: tl.constexpr):
-    """dz = g * act'(z); for ReLU a select, as PyTorch's threshold_backward (dz is 0 where
-    z <= 0 even for an infinite g, and g where z is NaN)."""
+    """dz = g * act'(z); for the ReLUs a select, as PyTorch's threshold_backward (dz is 0 where
+    z <= 0 even for an infinite g, and NaN where z is NaN)."""
     if FORM == FORM_QUICK:
         return g * _quick_gelu_grad(z)
     elif FORM == FORM_RELU:
         return tl.where(z <= 0.0, 0.0, g)
+    elif FORM == FORM_RELU2:
+        return tl.where(z <= 0.0, 0.0, g * (2.0 * z))  # pow_backward's grad * (2 * relu(z))
     else:
         return g * _gelu_grad(z, FORM == FORM_TANH)
 
@@ -356,6 +369,8 @@ def _bias_gelu_bwd_torch(dy, x, bias, approximate, p=0.0, seed=None):
         dz = dy * _quick_gelu_grad_torch(z)
     elif approximate == "relu":
         dz = torch.ops.aten.threshold_backward(dy, z, 0.0)
+    elif approximate == "relu2":
+        dz = torch.ops.aten.threshold_backward(dy * (2.0 * torch.relu(z)), z, 0.0)
     else:
         dz = torch.ops.aten.gelu_backward(dy, z, approximate=approximate)
     dbias = dz.reshape(-1, _width(x)).sum(dim=0) if bias is not None else z.new_empty(0)
@@ -378,8 +393,8 @@ def _check_inputs(x: object, bias: object, approximate: object, p: object = 0.0)
         check_shape(op, "bias", bias, (_width(x),))
         check_same_device(op, "input", x, bias=bias)
     if approximate not in APPROXIMATE:
-        raise ValueError(f"trifuse.{op}: approximate must be 'none', 'tanh', 'quick' or 'relu', "
-                         f"got {approximate!r}")
+        raise ValueError(f"trifuse.{op}: approximate must be 'none', 'tanh', 'quick', 'relu' or "
+                         f"'relu2', got {approximate!r}")
 
 
 # =============================================================================================
@@ -540,7 +555,7 @@ class _BiasGeluFunction(torch.autograd.Function):
 # transformers writes it), whichever is faster for the shape, chosen once per (device, dtype, rows
 # bucket, width, bias dtype, form, grad) on the GPU and cached on disk (autotune/dialects.py).
 # Traced calls (torch.compile, export) always see trifuse::bias_gelu. The form is part of the key
-# and passed through as asked: erf, tanh, quick and relu are never exchanged.
+# and passed through as asked: erf, tanh, quick, relu and relu2 are never exchanged.
 # =============================================================================================
 
 
@@ -625,8 +640,9 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None = None, approximate: st
               training: bool = True) -> torch.Tensor:
     """gelu(x + bias) in one pass each way, like `F.gelu(x + bias, approximate=approximate)`
     (for "quick": `z * torch.sigmoid(1.702 * z)`, z = x + bias, CLIP's QuickGELU; for "relu":
-    `torch.relu(x + bias)`); with p > 0 in training, `F.dropout` of it (BART's and Pegasus'
-    activation dropout before fc2, T5's dropout after its ReLU).
+    `torch.relu(x + bias)`; for "relu2": `torch.square(torch.relu(x + bias))`); with p > 0 in
+    training, `F.dropout` of it (BART's and Pegasus' activation dropout before fc2, T5's dropout
+    after its ReLU).
 
     Args:
         x: (..., N), fp16 / bf16 / fp32 / fp64; any strides (rows with a stride are read in
@@ -634,7 +650,8 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None = None, approximate: st
         bias: (N,) or None; any float dtype.
         approximate: "none" for the exact erf form, "tanh" for the tanh approximation, "quick"
             for QuickGELU, z * sigmoid(1.702 z) (CLIP, OWL-ViT, X-CLIP, GroupViT, ...); "relu"
-            for ReLU, not a GeLU but the same fused pass (T5, OPT, DETR, nn.Transformer).
+            for ReLU, not a GeLU but the same fused pass (T5, OPT, DETR, nn.Transformer);
+            "relu2" for the squared ReLU (Nemotron, Persimmon, Fuyu, Arcee, nanochat).
         p: dropout probability on the output, in [0, 1]; kept values are scaled by 1 / (1 - p).
         training: dropout only applies when True (as `F.dropout`'s flag).
 

@@ -1,4 +1,4 @@
-"""Gated activation: y = act(gate) * up, the middle of a gated MLP (SwiGLU, GeGLU).
+"""Gated activation: y = act(gate) * up, the middle of a gated MLP (SwiGLU, GeGLU, ReGLU).
 
 Llama, Mistral, Qwen2, Gemma, Phi-3, OLMo and Cohere write their MLP as
 `down_proj(act(gate_proj(x)) * up_proj(x))`; Phi-3 computes both projections at once and splits
@@ -11,6 +11,11 @@ Maths, per element with g = gate, u = up, in fp32 (fp64 for fp64 inputs):
     "gelu"       act = gelu's erf form, g * Phi(g)            (as F.gelu(g, approximate="none"))
     "gelu_tanh"  act = gelu's tanh form, g * sigmoid(2 u(g))  (as F.gelu(g, approximate="tanh"))
                  (both gelu forms and their derivatives are bias_gelu.py's `_gelu`/`_gelu_grad`)
+    "relu"       act = relu(g), NaN kept (as torch.relu)                    (T5's "gated-relu")
+    "relu2"      act = relu(g)^2, as `torch.square(torch.relu(g))`     (BitNet's gated relu2)
+                 backward: dgate = 0 where g <= 0, else dy * u (relu) or dy * u * 2g (relu2): a
+                 select, as PyTorch's threshold_backward, so an infinite dy * u where g < 0
+                 gives 0, not NaN
 
     y = act(g) * u;  backward: dgate = dy * u * act'(g),  dup = dy * act(g)
 
@@ -71,10 +76,10 @@ from ._tiles import RowwiseTuning, run_one_tile, time_one_tile
 from .bias_gelu import _gelu, _gelu_grad
 from .dropout_add import _dropout_scale, _DropoutMask, _dropped
 
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "relu2")
 # The kernels' ACT constexpr for each activation.
-SILU, GELU, GELU_TANH = 0, 1, 2
-_ACT_CODE = {"silu": SILU, "gelu": GELU, "gelu_tanh": GELU_TANH}
+SILU, GELU, GELU_TANH, RELU, RELU2 = 0, 1, 2, 3, 4
+_ACT_CODE = {"silu": SILU, "gelu": GELU, "gelu_tanh": GELU_TANH, "relu": RELU, "relu2": RELU2}
 
 # =============================================================================================
 # Reference: the spec. Tests run it in float64 as the oracle and in the input dtype to measure
@@ -85,6 +90,10 @@ _ACT_CODE = {"silu": SILU, "gelu": GELU, "gelu_tanh": GELU_TANH}
 def _act_ref(gate: torch.Tensor, activation: str) -> torch.Tensor:
     if activation == "silu":
         return F.silu(gate)
+    if activation == "relu":
+        return torch.relu(gate)
+    if activation == "relu2":  # transformers' ReLUSquaredActivation
+        return torch.square(torch.relu(gate))
     return F.gelu(gate, approximate="tanh" if activation == "gelu_tanh" else "none")
 
 
@@ -102,6 +111,11 @@ def gated_activation_ref(gate: torch.Tensor, up: torch.Tensor, activation: str =
 def _act(g, ACT: tl.constexpr):
     if ACT == 0:  # SILU
         return g / (1.0 + tl.exp(-g))
+    elif ACT >= 3:  # RELU, RELU2; where, not max(g, 0): that would turn NaN into 0
+        r = tl.where(g < 0.0, 0.0, g)
+        if ACT == 4:
+            r = r * r
+        return r
     else:
         return _gelu(g, ACT == 2)  # GELU_TANH
 
@@ -161,8 +175,16 @@ def _gated_activation_bwd_kernel(
     if HAS_DROPOUT:  # the forward's mask, regenerated from its seed
         dy = tl.where(dropout_keep_quads(tl.load(SEED), rows[:, None], cols[None, :], p), dy * scale, 0.0)
     # Recomputed from gate: act(g) was not saved (one activation less per call).
-    a, da = _act_and_grad(g, ACT)
-    tl.store(DGATE + rows[:, None] * stride_dgm + cols[None, :], (dy * u * da).to(DGATE.dtype.element_ty), mask=mask)
+    if ACT >= 3:  # RELU, RELU2: a select, as threshold_backward (never inf * 0 where g <= 0)
+        a = _act(g, ACT)
+        dgate = dy * u
+        if ACT == 4:
+            dgate = dgate * (2.0 * g)  # pow_backward's grad * (2 * relu(g))
+        dgate = tl.where(g <= 0.0, 0.0, dgate)
+    else:
+        a, da = _act_and_grad(g, ACT)
+        dgate = dy * u * da
+    tl.store(DGATE + rows[:, None] * stride_dgm + cols[None, :], dgate.to(DGATE.dtype.element_ty), mask=mask)
     tl.store(DUP + rows[:, None] * stride_dum + cols[None, :], (dy * a).to(DUP.dtype.element_ty), mask=mask)
 
 
@@ -258,6 +280,9 @@ def _gated_activation_bwd_torch(dy, gate, up, activation, p=0.0, seed=None):
     dy = _dropped(dy.to(g.dtype), p, seed)
     if activation == "silu":
         dgate = torch.ops.aten.silu_backward(dy * u, g)
+    elif activation in ("relu", "relu2"):
+        dr = dy * u if activation == "relu" else dy * u * (2.0 * torch.relu(g))
+        dgate = torch.ops.aten.threshold_backward(dr, g, 0.0)
     else:
         approximate = "tanh" if activation == "gelu_tanh" else "none"
         dgate = torch.ops.aten.gelu_backward(dy * u, g, approximate=approximate)
@@ -280,7 +305,8 @@ def _check_inputs(gate: object, up: object, activation: object, p: object = 0.0)
     check_shape(op, "up", up, tuple(gate.shape))  # no broadcasting: one up per gate element
     check_same_device(op, "gate", gate, up=up)
     if activation not in _ACT_CODE:
-        raise ValueError(f"trifuse.{op}: activation must be 'silu', 'gelu' or 'gelu_tanh', got {activation!r}")
+        raise ValueError(f"trifuse.{op}: activation must be 'silu', 'gelu', 'gelu_tanh', 'relu' or 'relu2', "
+                         f"got {activation!r}")
 
 
 # =============================================================================================
@@ -509,8 +535,10 @@ def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str = "si
             halves of `gate_up_proj(x).chunk(2, dim=-1)`, are read in place; other layouts are
             copied once).
         up: the same shape and dtype as gate, any strides.
-        activation: "silu" (x * sigmoid(x), SwiGLU), "gelu" (the exact erf form) or "gelu_tanh"
-            (the tanh form), each as `F.silu` / `F.gelu(approximate=...)` define it.
+        activation: "silu" (x * sigmoid(x), SwiGLU), "gelu" (the exact erf form), "gelu_tanh"
+            (the tanh form), "relu" (ReGLU) or "relu2" (the squared ReLU, BitNet's), each as
+            `F.silu` / `F.gelu(approximate=...)` / `torch.relu` / `torch.square(torch.relu(x))`
+            define it.
         p: dropout probability on the product, in [0, 1]; kept values are scaled by 1 / (1 - p).
         training: dropout only applies when True (as `F.dropout`'s flag).
 

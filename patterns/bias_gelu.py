@@ -22,6 +22,13 @@ dropout in training follows it (`relu_dropout`: T5's `wo(dropout(relu(wi(x))))`,
 bias), both stage 1, `linear_relu` tried first so that a biased linear's ReLU takes its bias, its
 dropout folding in at stage 3 as the GeLUs' does.
 
+The squared ReLU (Primer's relu(x)^2; transformers' ReLUSquaredActivation, `hidden_act="relu2"`:
+Nemotron, Nemotron-H, Persimmon, Fuyu, Arcee, Jais2, nanochat; modded-nanoGPT's
+`F.relu(x).square()`) is two kernels each way in PyTorch, and its backward keeps both relu(x) and
+x: it becomes the op's "relu2" form with or without a bias, in stage 0 as a written-out GeLU does
+(`relu_squared`, the square in any spelling the normalizer makes `torch.pow(x, 2)`: `torch.square`,
+`x ** 2`, `x * x`), the bias of the linear before it moving in at stage 2.
+
 Under tensor parallelism (trifuse.parallel) a column-parallel linear runs on DTensors and its
 output reaches the GeLU as the local shard of its columns, `linear(...).redistribute(mesh,
 placements).to_local()`; the `*_on_shards` spellings move the bias out of the linear into the
@@ -36,7 +43,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ._base import Filter, Match, Pattern, needs_bool, needs_number, ops
+from ._base import Filter, Match, Pattern, needs_bool, needs_float_tensors, needs_number, ops
 
 # QuickGELU's sigmoid slope, as transformers writes it (kernels/bias_gelu.py's QUICK_ALPHA).
 QUICK_GELU_SLOPE = 1.702
@@ -85,6 +92,15 @@ def slope_is_quick_gelus(m: Match) -> str | None:
     if not isinstance(slope, float) or slope != QUICK_GELU_SLOPE:
         return f"x * sigmoid({slope!r} x) is not QuickGELU's x * sigmoid({QUICK_GELU_SLOPE!r} x)"
     return None
+
+
+def relu_squared(x: torch.Tensor):
+    """Primer's squared ReLU, transformers' ReLUSquaredActivation: `torch.square(F.relu(x))`."""
+    return torch.pow(torch.relu(x), 2)
+
+
+def relu_squared_fused(x):
+    return ops.bias_gelu(x, None, "relu2")
 
 
 def gelu_tanh_fused(x):
@@ -266,6 +282,7 @@ PATTERNS = (
             gelu_erf_fused, _OPS),
     Pattern("gelu_quick_written_out", "bias_gelu", gelu_quick_written_out, gelu_quick_fused, _OPS,
             (slope_is_quick_gelus,)),
+    Pattern("relu_squared", "bias_gelu", relu_squared, relu_squared_fused, _OPS, (needs_float_tensors("x"),)),
     Pattern("linear_gelu", "bias_gelu", linear_gelu, linear_gelu_fused, _OPS, stage=1),
     Pattern("conv1d_gelu", "bias_gelu", conv1d_gelu, conv1d_gelu_fused, _OPS, stage=1),
     Pattern("addmm_gelu", "bias_gelu", addmm_gelu, addmm_gelu_fused, _OPS, (bias_is_a_row_vector,), stage=1),

@@ -18,6 +18,11 @@ becomes gated_activation in stage 1 (`bias_gelu_mul`), before stage 2 could give
 QuickGELU (bias_gelu's "quick" form, gpt-oss's `gate * sigmoid(1.702 gate)`) times up stays two
 ops: gated_activation has no quick form, and `known_gelu_form` says so in the report.
 
+ReGLU, `torch.relu(gate) * up` (`F.relu`, `nn.ReLU`: T5's feed_forward_proj="gated-relu"), is
+stage 0's `relu_mul`. The squared ReLU (BitNet's `relu2(gate_proj(x)) * up_proj(x)`) became
+bias_gelu's "relu2" form in stage 0; times up it is `bias_gelu_mul` in stage 1, as a GeLU
+written out.
+
 Stage 1, after all of those: a dropout on the product (T5 v1.1's, mT5's and Flan-T5's
 `dropout(act(wi_0(x)) * wi_1(x))` before `wo`) moves into the op, its mask regenerated from a seed
 in the backward rather than stored; p and the training flag are the model's.
@@ -30,7 +35,8 @@ import torch.nn.functional as F
 
 from ._base import Match, Pattern, needs_bool, needs_number, ops, same_shape
 
-_GELU = {"none": "gelu", "tanh": "gelu_tanh"}
+# bias_gelu's forms that gated_activation has, by its names.
+_GELU = {"none": "gelu", "tanh": "gelu_tanh", "relu": "relu", "relu2": "relu2"}
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor):
@@ -59,6 +65,15 @@ def gelu_mul(gate: torch.Tensor, up: torch.Tensor, approximate):
 def bias_gelu_mul(gate: torch.Tensor, up: torch.Tensor, approximate):
     """A GeLU written out (stage 0 made it bias_gelu without bias) times up."""
     return ops.bias_gelu(gate, None, approximate) * up
+
+
+def relu_mul(gate: torch.Tensor, up: torch.Tensor):
+    """ReGLU: `act_fn(gate_proj(x)) * up_proj(x)` with act_fn ReLU (T5's "gated-relu")."""
+    return torch.relu(gate) * up
+
+
+def relu_mul_fused(gate, up):
+    return ops.gated_activation(gate, up, "relu")
 
 
 def gelu_mul_fused(gate, up, approximate):
@@ -96,7 +111,7 @@ def cast_back_to_the_gate(m: Match) -> str | None:
 
 def known_gelu_form(m: Match) -> str | None:
     if m["approximate"] not in _GELU:
-        return f"approximate is {m['approximate']!r}, not 'none' or 'tanh'"
+        return f"approximate is {m['approximate']!r}, not one of gated_activation's {tuple(_GELU)}"
     return None
 
 
@@ -117,6 +132,7 @@ PATTERNS = (
             (cast_back_to_the_gate, *_FILTERS)),
     Pattern("silu_written_out_mul", "gated_activation", silu_written_out_mul, silu_mul_fused, _OPS, _FILTERS),
     Pattern("gelu_mul", "gated_activation", gelu_mul, gelu_mul_fused, _OPS, (known_gelu_form, *_FILTERS)),
+    Pattern("relu_mul", "gated_activation", relu_mul, relu_mul_fused, _OPS, _FILTERS),
     Pattern("bias_gelu_mul", "gated_activation", bias_gelu_mul, gelu_mul_fused, ("bias_gelu", *_OPS),
             (known_gelu_form, *_FILTERS), stage=1),
     Pattern("gated_activation_dropout", "gated_activation", gated_activation_dropout, gated_activation_dropout_fused,

@@ -407,6 +407,15 @@ _FAMILIES.update({
     "wavlm": {**_SPEECH_ENCODER, "feat_extract_norm": "layer", "do_stable_layer_norm": True, "num_buckets": 8,
               "max_bucket_distance": 16, "attn_implementation": "eager"},
 })
+_FAMILIES.update({
+    # The squared ReLU (`hidden_act="relu2"`, transformers' ReLUSquaredActivation): Nemotron's
+    # unbiased up_proj then relu2 (its LayerNorm1P, `F.layer_norm(x, w + 1, b)`, on partial rotary);
+    # Persimmon's biased dense_h_to_4h then relu2 (q and k LayerNorms); BitNet's gated relu2,
+    # `ffn_sub_norm(relu2(gate_proj(x)) * up_proj(x))`.
+    "nemotron": {**_DECODER, **_MLP, "num_key_value_heads": 1},
+    "persimmon": {**_DECODER, **_MLP, "qk_layernorm": True, "hidden_dropout": 0.0, "attention_dropout": 0.0},
+    "bitnet": {**_DECODER, **_MLP, "num_key_value_heads": 1},
+})
 SEQ2SEQ = ("t5", "bart")
 MASKED = ("modernbert", "deberta-v2", "deberta", "mpnet", "rembert", "distilbert", "squeezebert")
 SPEECH = ("whisper",)

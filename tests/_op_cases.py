@@ -95,6 +95,8 @@ def _cases():
          lambda t: ops.gated_activation(t["gate"], t["up"], "gelu_tanh"))
     case("bias_gelu_dropout", lambda: {"x": rand(3, 5, N), "bias": rand(N, scale=2)},
          lambda t: ops.bias_gelu(t["x"], t["bias"], "tanh", 0.3))
+    case("gated_activation_relu2_fp16", lambda: {"gate": rand(3, 5, N).half(), "up": rand(3, 5, N).half()},
+         lambda t: ops.gated_activation(t["gate"], t["up"], "relu2"))
     case("gated_activation_dropout", lambda: {"gate": rand(3, 5, N), "up": rand(3, 5, N)},
          lambda t: ops.gated_activation(t["gate"], t["up"], "gelu_tanh", 0.3))
     # options and dtypes: masks (one that wants a gradient), dropout, softcap, windows, q/k/v as
@@ -118,6 +120,8 @@ def _cases():
          lambda t: ops.bias_gelu(t["x"], t["bias"], "quick"))
     case("bias_relu_dropout_fp16", lambda: {"x": rand(3, 5, N).half(), "bias": rand(N).half()},
          lambda t: ops.bias_gelu(t["x"], t["bias"], "relu", 0.3))
+    case("bias_relu2_fp16", lambda: {"x": rand(3, 5, N).half(), "bias": rand(N).half()},
+         lambda t: ops.bias_gelu(t["x"], t["bias"], "relu2"))
     case("cross_entropy_smoothing_fp16", lambda: {"logits": rand(7, 11, scale=3).half()},
          lambda t: ops.cross_entropy(t["logits"], torch.tensor([0, 3, -100, 10, 5, 5, 1]), label_smoothing=0.1))
     case("dropout_add_layer_norm_p", lambda: {"x": rand(3, 5, N), "residual": rand(3, 5, N),

@@ -16,7 +16,7 @@ from trifuse.autotune.dialects import Candidate, Dialect
 from trifuse.kernels import bias_gelu as bg
 
 N = 40
-FORMS = ["none", "tanh", "quick", "relu"]
+FORMS = ["none", "tanh", "quick", "relu", "relu2"]
 
 
 @pytest.fixture
@@ -46,10 +46,13 @@ def registered(x, b, approximate):
 
 
 def eager(x, b, approximate):
-    """What PyTorch eager computes: F.gelu, transformers' QuickGELUActivation, or torch.relu."""
+    """What PyTorch eager computes: F.gelu, transformers' QuickGELUActivation, torch.relu, or
+    transformers' ReLUSquaredActivation."""
     z = x + b
     if approximate == "relu":
         return torch.relu(z)
+    if approximate == "relu2":
+        return torch.square(torch.relu(z))
     return z * torch.sigmoid(1.702 * z) if approximate == "quick" else F.gelu(z, approximate=approximate)
 
 
@@ -239,7 +242,7 @@ def test_bad_input_still_raises_trifuse_errors(gelu_dialect, timer, monkeypatch)
     monkeypatch.setattr(gelu_dialect, "timer", timer({}))
     with pytest.raises(ValueError, match="bias_gelu: bias must have shape"):
         trifuse.ops.bias_gelu(torch.ones(3, 8, device=DEVICE), torch.ones(5, device=DEVICE))
-    with pytest.raises(ValueError, match="approximate must be 'none', 'tanh', 'quick' or 'relu'"):
+    with pytest.raises(ValueError, match="approximate must be 'none', 'tanh', 'quick', 'relu' or 'relu2'"):
         trifuse.ops.bias_gelu(torch.ones(3, 8, device=DEVICE), None, "erf")
 
 
@@ -278,7 +281,7 @@ def test_check_passes_both_and_rejects_a_wrong_gelu(cache_dir, timer, dtype, app
 
 
 @pytest.mark.parametrize("approximate, other", [("none", "tanh"), ("tanh", "none"), ("quick", "none"),
-                                               ("none", "quick"), ("relu", "none")])
+                                               ("none", "quick"), ("relu", "none"), ("relu2", "relu")])
 def test_check_rejects_the_other_form(cache_dir, timer, approximate, other):
     """Negative control: one form for another (erf for tanh, erf for quick, ...) is a wrong
     result, not a faster one."""

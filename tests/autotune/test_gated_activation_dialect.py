@@ -15,7 +15,7 @@ from trifuse.autotune.dialects import Candidate, Dialect
 from trifuse.kernels import gated_activation as ga
 
 N = 40
-ACTIVATIONS = ["silu", "gelu", "gelu_tanh"]
+ACTIVATIONS = ["silu", "gelu", "gelu_tanh", "relu", "relu2"]
 
 
 @pytest.fixture
@@ -45,7 +45,8 @@ def registered(gate, up, activation):
 
 
 def eager(gate, up, activation):
-    act = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}[activation]
+    act = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh"), "relu": torch.relu,
+           "relu2": lambda g: torch.square(torch.relu(g))}[activation]
     return act(gate) * up
 
 
@@ -76,7 +77,7 @@ def test_key_is_none_where_trifuse_decides(case):
         return
     args = {"empty": (gate[:0], up[:0], "silu"), "integer": (gate.long(), up.long(), "silu"),
             "scalar": (gate[0, 0], up[0, 0], "silu"), "up shape": (gate, up[:, :1], "silu"),
-            "up dtype": (gate, up.double(), "silu"), "activation": (gate, up, "relu"),
+            "up dtype": (gate, up.double(), "silu"), "activation": (gate, up, "swish"),
             "not a tensor": (None, up, "silu")}[case]
     assert ga._gated_activation_key(*args) is None
 
@@ -193,7 +194,7 @@ def test_torch_candidate_raises_trifuse_errors(case):
     gate = torch.randn(3, 8, device=DEVICE)
     args = {"broadcastable up": (gate, torch.ones(8, device=DEVICE), "silu"),  # `*` would take it
             "up dtype": (gate, gate.double(), "silu"),  # `*` would promote
-            "activation": (gate, gate, "relu"),
+            "activation": (gate, gate, "swish"),
             "integer gate": (gate.long(), gate.long(), "silu"),
             "up not a tensor": (gate, 1.0, "silu")}[case]
     with pytest.raises((TypeError, ValueError)) as want:

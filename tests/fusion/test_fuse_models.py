@@ -227,6 +227,14 @@ MODELS = {
     # Granite's sinks as an output scale, the sinks' gradient through the op's dsinks
     "trocr": (_family("trocr"), {"layer_norm": 1, "attention": L, "bias_gelu": L, "residual_stream": 2 * L, **LOSS}),
     "xglm": (_family("xglm"), {**PRE_NORM, **LOSS}),
+    # The squared ReLU: Nemotron's without a bias (relu_squared), Persimmon's with its linear's
+    # (and q, k LayerNorms), BitNet's gated (bias_gelu_mul) before its sub-norm
+    "nemotron": (_family("nemotron"), {"layer_norm": L + 1, "attention": L, "residual_stream": L, "bias_gelu": L,
+                                       **ROTARY, **LOSS}),
+    "persimmon": (_family("persimmon"), {"layer_norm": 3 * L + 1, "attention": L, "residual_stream": L,
+                                         "dropout_add": L, "bias_gelu": L, **ROTARY, **LOSS}),
+    "bitnet": (_family("bitnet"), {"rms_norm": 3 * L + 1, "attention": L, "residual_stream": L, **GATED, **ROTARY,
+                                   **LOSS}),
     "mimo_v2_flash": (_family("mimo_v2_flash"), {"rms_norm": L + 1, "attention": L, "residual_stream": L, **GATED,
                                                  **ROTARY, **LOSS}),
     "granite_swa": (_family("granite_swa"), {"rms_norm": L + 1, "attention": L, "residual_stream": L, **GATED,

@@ -20,7 +20,7 @@ from trifuse.kernels.bias_gelu import bias_gelu_ref
 # (300 x 130) whose backward walks several row tiles per program in several programs (with the
 # interpreter's 4 "SMs").
 SHAPES = [(1, 1), (3, 7), (4, 100), (2, 129), (5, 1000), (3, 2500), (0, 32), (2, 3, 50), (2, 2, 3, 17), (300, 130)]
-FORMS = ["none", "tanh", "quick", "relu"]
+FORMS = ["none", "tanh", "quick", "relu", "relu2"]
 
 
 def _ids(shape):
@@ -119,7 +119,7 @@ def test_extreme_values_stay_finite():
         check_fwd_bwd(x, None, approximate)
 
 
-@pytest.mark.parametrize("approximate", FORMS)
+@pytest.mark.parametrize("approximate", [f for f in FORMS if f != "relu2"])  # relu2 squares: next test
 @pytest.mark.parametrize("dtype", [*DTYPES, torch.float64], ids=str)
 def test_extreme_values_stay_finite_in_every_dtype(dtype, approximate):
     """The same in each dtype, with a bias: y is z or -0 and the gradient 1 or 0, never NaN."""
@@ -132,6 +132,15 @@ def test_extreme_values_stay_finite_in_every_dtype(dtype, approximate):
         assert torch.isfinite(t).all(), t
     assert torch.equal(y[0, 4:], x[0, 4:].detach()) and y[0, 0] == 0  # z = 100, 1e4 and z = -1e4
     check_fwd_bwd(x, b, approximate)
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float64], ids=str)
+def test_relu2_overflows_where_pytorchs_square_does(dtype):
+    """relu(z)^2 is inf where the square passes the dtype's range (z = 1e4 in fp16), as PyTorch's
+    `torch.square(torch.relu(z))` in that dtype, and 0 (never NaN) for large negative z."""
+    x = torch.tensor([[-1e4, -100.0, -20.0, 20.0, 100.0, 1e4]], device=DEVICE, dtype=dtype)
+    y = trifuse.ops.bias_gelu(x, torch.zeros(6, device=DEVICE, dtype=dtype), "relu2")
+    assert torch.equal(y, torch.square(torch.relu(x))), y
 
 
 def test_gradcheck_float64():
@@ -295,28 +304,31 @@ def test_negative_control_other_gelu_form_fails(asked, computed):
     assert not ok, msg
 
 
+@pytest.mark.parametrize("form", ["relu", "relu2"])
 @pytest.mark.parametrize("dtype", [*DTYPES, torch.float64], ids=str)
-def test_relu_backward_selects_as_pytorch_does(dtype):
+def test_relu_backward_selects_as_pytorch_does(dtype, form):
     """ReLU's backward is a select, not dy * (z > 0): an infinite dy where z < 0 gives 0, not NaN;
-    dx is 0 at z = 0 exactly (PyTorch's convention), and dy passes where z is NaN."""
+    dx is 0 at z = 0 exactly (PyTorch's convention), and NaN passes where z is NaN. The squared
+    ReLU the same around dy * 2z, bitwise PyTorch's (one rounding of an exact product)."""
     x = torch.tensor([[-3.0, -1.0, 0.0, 2.0, float("nan"), 5.0]], device=DEVICE, dtype=dtype,
                      requires_grad=True)
     b = torch.zeros(6, device=DEVICE, dtype=dtype, requires_grad=True)
     dy = torch.tensor([[float("inf"), 1.0, 7.0, 3.0, 4.0, float("-inf")]], device=DEVICE, dtype=dtype)
-    y = trifuse.ops.bias_gelu(x, b, "relu")
+    y = trifuse.ops.bias_gelu(x, b, form)
     xr = x.detach().clone().requires_grad_()
-    ref = torch.relu(xr)
+    ref = torch.relu(xr) if form == "relu" else torch.square(torch.relu(xr))
     assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.nan_to_num(), ref.nan_to_num())
     (dx,) = torch.autograd.grad(y, x, dy)
     (dx_ref,) = torch.autograd.grad(ref, xr, dy)
-    assert torch.equal(dx, dx_ref), (dx, dx_ref)
+    assert torch.equal(dx.isnan(), dx_ref.isnan()) and torch.equal(dx.nan_to_num(), dx_ref.nan_to_num()), \
+        (dx, dx_ref)
 
 
 def test_negative_control_relu_passed_off_as_a_gelu_fails():
     """ReLU and the erf GeLU differ by up to 0.17 (at |z| = 0.75): a form swapped in the dispatch
-    must fail even fp16's tolerance."""
+    must fail even fp16's tolerance; so must the squared ReLU passed off as the ReLU, or back."""
     x, b = make((64, 256), torch.float16)
-    for asked, computed in (("relu", "none"), ("none", "relu")):
+    for asked, computed in (("relu", "none"), ("none", "relu"), ("relu2", "relu"), ("relu", "relu2")):
         wrong = trifuse.ops.bias_gelu(x, b, computed)
         x64, b64 = upcast(x, b)
         ok, msg = check_close(f"{computed} as {asked}", wrong, bias_gelu_ref(x64, b64, asked),
@@ -348,7 +360,7 @@ def test_negative_control_gradient_without_bias_fails():
         (torch.ones(3, 8, dtype=torch.int64), None, "none", TypeError, "bias_gelu: input must be float"),
         (torch.ones(3, 8), torch.ones(8, dtype=torch.int32), "none", TypeError, "bias_gelu: bias must be float"),
         (torch.ones(3, 8), None, "exact", ValueError,
-         "approximate must be 'none', 'tanh', 'quick' or 'relu', got 'exact'"),
+         "approximate must be 'none', 'tanh', 'quick', 'relu' or 'relu2', got 'exact'"),
         ("not a tensor", None, "none", TypeError, "bias_gelu: input must be a torch.Tensor"),
         (torch.ones(3, 8), [1.0] * 8, "none", TypeError, "bias must be a torch.Tensor"),
     ],

@@ -18,7 +18,7 @@ from trifuse.kernels.gated_activation import gated_activation_ref
 # widths: 1, odd, just past a power of two, past one column tile (1024) and a Llama-like 5504
 # (not a power of two); one row; 0 rows; 3-D and 4-D.
 SHAPES = [(1, 1), (3, 7), (1, 100), (2, 129), (5, 1000), (2, 5504), (0, 32), (2, 3, 50), (2, 2, 3, 17)]
-ACTIVATIONS = ["silu", "gelu", "gelu_tanh"]
+ACTIVATIONS = ["silu", "gelu", "gelu_tanh", "relu", "relu2"]
 
 
 def _ids(shape):
@@ -94,7 +94,7 @@ def test_other_layouts_and_gradients(activation):
     check_fwd_bwd(gate, up, activation, dy=torch.randn(40, device=DEVICE).expand(3, 5, 40))
 
 
-@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("activation", [a for a in ACTIVATIONS if a != "relu2"])  # relu2 squares: below
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_large_values_saturate_without_nan(dtype, activation):
     """|gate| ~ 1e4: exp overflows and sigmoid saturates; act and act' must stay finite (no 0 * inf)."""
@@ -118,6 +118,29 @@ def test_nan_and_inf_propagate_like_pytorch(activation):
     assert torch.equal(torch.isnan(y), torch.isnan(ref))
     assert torch.equal(torch.isinf(y), torch.isinf(ref))
     assert_close("finite rows", y[[0]], ref[[0]], None)
+
+
+@pytest.mark.parametrize("activation", ["relu", "relu2"])
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float64], ids=str)
+def test_relus_are_pytorchs_bitwise(dtype, activation):
+    """relu(g) * up and relu(g)^2 * up as PyTorch computes them in the dtype, forward and backward:
+    NaN where g is NaN, 0 (not inf * 0 = NaN) where g <= 0 under an infinite dy, inf where the
+    product passes fp16's range (200^2 * 2), and dgate = dy * up (* 2g) rounded once as PyTorch's.
+    (Where the square alone passes the range, PyTorch's rounded intermediate is inf and dup =
+    dy * relu(g)^2 with it; the kernels keep it in fp32 and stay finite.)"""
+    g = torch.tensor([[-3.0, -1.0, 0.0, 2.0, float("nan"), 5.0, 200.0, 0.5]], device=DEVICE, dtype=dtype)
+    u = torch.tensor([[1.0, 2.0, 3.0, -1.0, 1.0, 0.25, 2.0, 3.0]], device=DEVICE, dtype=dtype)
+    dy = torch.tensor([[float("inf"), 1.0, 7.0, 3.0, 4.0, float("-inf"), 1e-3, 0.1]], device=DEVICE, dtype=dtype)
+    got = _forward_and_grads(lambda g, u: trifuse.ops.gated_activation(g, u, activation), g, u, dy)
+    want = _forward_and_grads(lambda g, u: gated_activation_ref(g, u, activation), g, u, dy)
+    for name, a, b in zip(("y", "dgate", "dup"), got, want):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()), (name, a, b)
+
+
+def _forward_and_grads(fn, g, u, dy):
+    g, u = g.clone().requires_grad_(), u.clone().requires_grad_()
+    y = fn(g, u)
+    return (y.detach(), *torch.autograd.grad(y, (g, u), dy))
 
 
 def test_gradcheck_float64():
@@ -217,10 +240,11 @@ def test_more_than_2_to_the_31_elements():
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("asked, computed", [("gelu", "gelu_tanh"), ("gelu_tanh", "gelu"), ("silu", "gelu")])
+@pytest.mark.parametrize("asked, computed", [("gelu", "gelu_tanh"), ("gelu_tanh", "gelu"), ("silu", "gelu"),
+                                             ("relu", "silu"), ("relu2", "relu"), ("relu", "relu2")])
 def test_negative_control_other_activation_fails(asked, computed):
-    """The tanh form passed off as the erf form (or the reverse, or GeLU as SiLU) must not pass,
-    forward or backward. The gelu forms differ by at most 4.7e-4: fp32 shows it."""
+    """The tanh form passed off as the erf form (or the reverse, GeLU as SiLU, SiLU as ReLU, one
+    ReLU as the other) must not pass, forward or backward. The gelu forms differ by at most 4.7e-4: fp32 shows it."""
     gate, up = make((64, 256), torch.float32)
     wrong = trifuse.ops.gated_activation(gate, up, computed)
     g64, u64 = upcast(gate, up)
@@ -278,8 +302,8 @@ def test_negative_control_unsaturated_sigmoid_fails():
         (torch.ones(3, 8, dtype=torch.int64), torch.ones(3, 8), "silu", TypeError,
          "gated_activation: gate must be float16, bfloat16, float32 or float64, got torch.int64"),
         (torch.ones(3, 8), torch.ones(3, 8, dtype=torch.int32), "silu", TypeError, "gated_activation: up must be float"),
-        (torch.ones(3, 8), torch.ones(3, 8), "relu", ValueError,
-         "gated_activation: activation must be 'silu', 'gelu' or 'gelu_tanh', got 'relu'"),
+        (torch.ones(3, 8), torch.ones(3, 8), "swish", ValueError,
+         "gated_activation: activation must be 'silu', 'gelu', 'gelu_tanh', 'relu' or 'relu2', got 'swish'"),
         (torch.ones(3, 8), torch.ones(3, 8), "tanh", ValueError, "activation must be .* got 'tanh'"),
         ("not a tensor", torch.ones(3, 8), "silu", TypeError, "gated_activation: gate must be a torch.Tensor, got str"),
         (torch.ones(3, 8), [1.0] * 8, "silu", TypeError, "gated_activation: up must be a torch.Tensor, got list"),

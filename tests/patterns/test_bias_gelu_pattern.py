@@ -401,3 +401,99 @@ def test_a_relus_dropout_in_training_becomes_the_op_without_bias(capture):
     half = fuse_via(T5DenseActDense(p=0.5).train(), capture)
     ran = trifuse_ops_run(lambda: half(torch.randn(4, 50, N)).sum().backward())
     assert "trifuse::bias_gelu_dropout" in ran or "trifuse::bias_gelu_dropout_backward" in ran
+
+
+# ---------------------------------------------------------------------------------------------
+# The squared ReLU (Nemotron, Persimmon, Fuyu, Arcee, nanochat; modded-nanoGPT): the op's relu2
+# form, with the linear's bias where there is one and without where there is none.
+# ---------------------------------------------------------------------------------------------
+
+
+def relu_square_method(x):  # modded-nanoGPT's MLP
+    return F.relu(x).square()
+
+
+def relu_to_the_power_2(x):
+    return torch.relu(x) ** 2
+
+
+def relu_times_itself(x):
+    r = F.relu(x)
+    return r * r
+
+
+def relus_product(x):  # two ReLU nodes: the normalizer makes no square of them
+    return F.relu(x) * torch.relu(x)
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("make, pattern", [
+    (lambda: LinearAct(_hf_activation("relu2")), "linear_bias_gelu"),
+    (lambda: LinearAct(Act(relu_square_method)), "linear_bias_gelu"),
+    (lambda: LinearAct(Act(relu_to_the_power_2)), "linear_bias_gelu"),
+    (lambda: LinearAct(Act(relu_times_itself)), "linear_bias_gelu"),
+    (lambda: LinearAct(_hf_activation("relu2"), conv1d=True), "conv1d_bias_gelu"),
+    (lambda: AddmmAct(Act(relu_square_method)), "addmm_bias_gelu"),
+    (lambda: LinearAct(_hf_activation("relu2"), bias=False), "relu_squared"),
+    (lambda: _hf_activation("relu2"), "relu_squared"),
+], ids=["hf-ReLUSquaredActivation", "square-method", "power-2", "times-itself", "conv1d", "addmm", "no-bias",
+        "alone"])
+def test_squared_relu_is_the_relu2_form(make, pattern, capture):
+    """Persimmon's dense_h_to_4h + relu2 is one op with the bias; Nemotron's unbiased up_proj's
+    relu2 one op without. The oracle would catch relu for relu2 (they differ by far more than
+    fp32's bound)."""
+    assert check_against_unfused(make, X, capture).by_pattern() == {pattern: 1}
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_squared_relu_runs_the_relu2_kernels(capture):
+    model = fuse_via(LinearAct(_hf_activation("relu2"), bias=False), capture)
+    calls = []
+    real = trifuse.ops.bias_gelu
+
+    def spy(x, bias=None, approximate="none", p=0.0, training=True):
+        calls.append(approximate)
+        return real(x, bias, approximate, p, training)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(trifuse.ops, "bias_gelu", spy)
+        x = X[0].clone().requires_grad_()
+        names = trifuse_ops_run(lambda: model(x).sum().backward())
+    assert calls and set(calls) == {"relu2"}, calls
+    assert {"trifuse::bias_gelu", "trifuse::bias_gelu_backward"} <= names, names
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("act, expected", [
+    (Act(relus_product), {"relu_mul": 1}),
+    (Act(lambda x: torch.relu(x) ** 3), {"linear_relu": 1}),
+    (Act(lambda x: torch.relu(x).square().sqrt()), {"linear_bias_gelu": 1}),
+], ids=["two-relus", "cube", "square-used-again"])
+def test_what_is_not_a_squared_relu_is_not_relu2(act, expected, capture):
+    """Two ReLU nodes multiplied are a ReGLU of the linear's output by its own ReLU (gated_activation),
+    another power keeps its ReLU (which takes the bias) and the power as written; a squared ReLU
+    whose square feeds something else is still relu2 (the square is the op's output)."""
+    assert check_against_unfused(lambda: LinearAct(act), X, capture).by_pattern() == expected
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_squared_relu_of_an_integer_tensor_is_left_with_a_reason(capture):
+    """The op is for floating point: an integer relu(x)^2 stays as written, and the report says why."""
+
+    class IntegerSquare(nn.Module):
+        def forward(self, x):
+            return x + torch.square(torch.relu(x.round().to(torch.int64))).to(x.dtype)
+
+    report = check_against_unfused(IntegerSquare, X, capture)
+    assert report.by_pattern() == {}, report.table()
+    assert any(pattern == "relu_squared" and "int64" in why for _, _, pattern, why in report.rejected()), \
+        report.rejected()
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_squared_relus_dropout_in_training_moves_into_the_op(capture):
+    """fc2(dropout(relu2(fc1 x))): the bias and the dropout both move in (p = 1 drops all)."""
+    model = fuse_via(nn.Sequential(nn.Linear(N, 24), _hf_activation("relu2"), nn.Dropout(1.0),
+                                   nn.Linear(24, N, bias=False)).train(), capture)
+    torch.testing.assert_close(model(X[0]), torch.zeros(2, 5, N), rtol=0, atol=0)
+    assert trifuse.report(model).counts() == {"bias_gelu": 1}, trifuse.report(model).table()
