@@ -111,7 +111,7 @@ def cast_back_to_the_gate(m: Match) -> str | None:
 
 def known_gelu_form(m: Match) -> str | None:
     if m["approximate"] not in _GELU:
-        return f"approximate is {m['approximate']!r}, not one of gated_activation's {tuple(_GELU)}"
+        return f"approximate is {m['approximate']!r}: gated_activation has the forms {tuple(_GELU)} only"
     return None
 
 

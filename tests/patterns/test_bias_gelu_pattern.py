@@ -268,8 +268,9 @@ def _colwise(mesh, act, conv1d=False, output_layouts=None):
     (lambda: Act(quick_gelu), False, "linear_bias_gelu_on_shards"),
     (lambda: Act(quick_gelu), True, "conv1d_bias_gelu_on_shards"),
     (nn.ReLU, False, "linear_relu_on_shards"),
+    (lambda: _hf_activation("relu2"), False, "linear_bias_gelu_on_shards"),
 ], ids=["linear-nn.GELU", "linear-nn.GELU-tanh", "conv1d-new-gelu", "linear-new-gelu", "linear-quick-gelu",
-        "conv1d-quick-gelu", "linear-nn.ReLU"])
+        "conv1d-quick-gelu", "linear-nn.ReLU", "linear-relu2"])
 def test_column_parallel_bias_moves_into_the_gelu(one_rank_mesh, make_act, conv1d, expected):
     report = check_sharded_against_unfused(_colwise(one_rank_mesh, make_act(), conv1d), X)
     assert report.by_pattern() == {expected: 1}, report.by_pattern()
