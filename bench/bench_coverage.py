@@ -104,6 +104,11 @@ FAMILIES = {
     "biogpt": ("causal", _DECODER),
     "xglm": ("causal", {"d_model": HIDDEN, "num_layers": LAYERS, "attention_heads": HEADS, "ffn_dim": 2 * HIDDEN,
                         "attn_implementation": "eager"}),
+    # the squared ReLU (`hidden_act="relu2"`): Nemotron's after an unbiased up_proj, Persimmon's after
+    # a biased dense_h_to_4h, BitNet's gated before its sub-norm
+    "nemotron": ("causal", {**_DECODER, "num_key_value_heads": 2}),
+    "persimmon": ("causal", {**_DECODER, "qk_layernorm": True}),
+    "bitnet": ("causal", {**_DECODER, "num_key_value_heads": 2}),
 }
 _NO_DROPOUT = {k: 0.0 for k in (
     "hidden_dropout_prob", "attention_probs_dropout_prob", "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout",
