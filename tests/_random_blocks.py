@@ -27,11 +27,12 @@ ATTENTIONS = ("sdpa", "sdpa_causal", "sdpa_gqa", "chain_mul", "chain_div", "chai
               "chain_no_scale_sqrt_off", "chain_gqa_tiled")
 # (no ReLU: its kink makes the gradient jump where the fp16 rounding of the fused and the unfused
 # model differ in the sign of an input near 0, which the oracle rule reads as an error, 0.32 on a
-# weight's gradient in the first fp16 fuzz run; SiLU is a smooth activation no GeLU pattern takes)
+# weight's gradient in the first fp16 fuzz run; SiLU is a smooth activation no GeLU pattern takes;
+# the squared ReLU's gradient, 2 relu(x), and the cube's are continuous, so they are drawn)
 ACTIVATIONS = ("gelu", "gelu_tanh", "nn_gelu", "new_gelu_written", "erf_written", "silu", "silu_gated",
-               "silu_gated_up_silu", "silu_gated_fp32_copy",
+               "silu_gated_up_silu", "silu_gated_fp32_copy", "relu_squared", "relu_squared_gated",
                # near misses
-               "new_gelu_constant_off", "erf_sqrt2_off", "gelu_of_half")
+               "new_gelu_constant_off", "erf_sqrt2_off", "gelu_of_half", "relu_cubed")
 RESIDUALS = ("plus_dropout", "dropout_plus",
              # near misses
              "minus_dropout", "scaled_residual")
@@ -39,7 +40,7 @@ MASKS = ("none", "bool_keypad", "float_keypad")
 NEAR_MISSES = {"ln_unbiased_var", "rms_eps_outside_sqrt", "rms_mean_over_seq", "ln_no_centering",
                "chain_scale_after_softmax", "chain_softmax_wrong_axis", "chain_mask_multiplied",
                "chain_no_scale_sqrt_off", "chain_gqa_tiled", "new_gelu_constant_off", "erf_sqrt2_off",
-               "gelu_of_half",
+               "gelu_of_half", "relu_cubed",
                "minus_dropout", "scaled_residual"}
 
 
@@ -130,6 +131,10 @@ def gelu_like(kind: str, x: torch.Tensor) -> torch.Tensor:
         return x * 0.5 * (1.0 + torch.erf(x / 1.41))
     if kind == "gelu_of_half":
         return F.gelu(0.5 * x)
+    if kind == "relu_squared":  # Primer's, modded-nanoGPT's spelling (no kink: relu(x)^2 is C^1)
+        return F.relu(x).square()
+    if kind == "relu_cubed":  # another power: its ReLU may take the bias, the cube stays
+        return torch.relu(x) ** 3
     raise ValueError(kind)
 
 
@@ -140,7 +145,7 @@ class Mlp(nn.Module):
         self.up = nn.Linear(HIDDEN, 4 * HIDDEN, bias=bias)
         self.down = nn.Linear(4 * HIDDEN, HIDDEN, bias=bias)
         self.act = nn.GELU() if kind == "nn_gelu" else None
-        if kind.startswith("silu_gated"):  # Llama's MLP: down(silu(gate(x)) * up(x))
+        if kind.startswith("silu_gated") or kind == "relu_squared_gated":  # Llama's: down(act(gate(x)) * up(x))
             self.gate = nn.Linear(HIDDEN, 4 * HIDDEN, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -150,6 +155,8 @@ class Mlp(nn.Module):
             return self.down(self.gate(x) * F.silu(self.up(x)))
         if self.kind == "silu_gated_fp32_copy":  # diffusers' FP32SiLU (Lumina 2)
             return self.down(F.silu(self.gate(x).float()).type_as(x) * self.up(x))
+        if self.kind == "relu_squared_gated":  # BitNet's MLP (without its sub-norm)
+            return self.down(torch.square(torch.relu(self.gate(x))) * self.up(x))
         h = self.up(x)
         h = self.act(h) if self.act is not None else gelu_like(self.kind, h)
         return self.down(h)
