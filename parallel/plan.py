@@ -269,6 +269,8 @@ MLP_SPELLINGS: tuple[MLPSpelling, ...] = (
         "intermediate.dense + output.dense (BERT)", "intermediate", ("intermediate.dense",), "output.dense"
     ),
     MLPSpelling("gate_proj/up_proj + down_proj (Llama)", "", ("gate_proj", "up_proj"), "down_proj"),
+    # after the gated one, which a Llama MLP matches first
+    MLPSpelling("up_proj + down_proj (Nemotron, Arcee, nanochat)", "", ("up_proj",), "down_proj"),
     MLPSpelling("fc1 + fc2 (ViT, CLIP, OPT, BART)", "", ("fc1",), "fc2"),
     MLPSpelling("dense_h_to_4h + dense_4h_to_h (GPT-NeoX, BLOOM)", "", ("dense_h_to_4h",), "dense_4h_to_h"),
     MLPSpelling("fused gate_up_proj + down_proj (Phi-3)", "", ("gate_up_proj",), "down_proj", fused=2),

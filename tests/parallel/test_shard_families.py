@@ -316,10 +316,11 @@ def fused_equal_to_single_process(rank, size, kind, order, sp, config=None):
     else:
         shard(model, _mesh(size), sequence_parallel=sp)
         model = trifuse.fuse(model)
-    # Their norms compute in float32 (see above); OPT's, BART's and NeoX's losses upcast the logits
-    # to float32, trifuse's fused cross-entropy keeps float64; BLOOM's softmax is float32, trifuse's
-    # attention float64.
-    fp32 = kind in ("llama", "gemma2", "gemma3", "olmo2", "phi3", "opt", "bart", "neox", "bloom", "qwen3_moe",
+    # Their norms compute in float32 (see above); OPT's, BART's, NeoX's and Nemotron's losses upcast
+    # the logits to float32, trifuse's fused cross-entropy keeps float64; BLOOM's softmax is float32,
+    # trifuse's attention float64.
+    fp32 = kind in ("llama", "gemma2", "gemma3", "olmo2", "phi3", "nemotron", "opt", "bart", "neox", "bloom",
+                    "qwen3_moe",
                     "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v3", "deepseek_v2", "deepseek_v32", "gpt_oss")
     failures, checks = train_alongside(kind, model, ref, 1, fp32=fp32, optimizer=torch.optim.SGD)
     return failures, checks, trifuse.report(model).counts()
@@ -451,6 +452,8 @@ FUSED_COUNTS = {
     "neox": {"layer_norm": 5, "attention": 2, "bias_gelu": 2, "dropout_add": 4, "rotary": 2},
     # BLOOM's ALiBi attention on each rank's slice of the bias (its GeLU fuses in eval only)
     "bloom": {"layer_norm": 4, "attention": 2, "residual_stream": 2, "dropout_add": 2},
+    # Nemotron's squared ReLU on each rank's columns of up_proj (no bias to take)
+    "nemotron": {"layer_norm": 3, "attention": 2, "residual_stream": 2, "rotary": 2, "bias_gelu": 2},
 }
 
 
