@@ -13,8 +13,9 @@ from .kernels.gated_activation import gated_activation
 from .kernels.group_norm import group_norm
 from .kernels.layer_norm import dropout_add_layer_norm, layer_norm, layer_norm_add, rms_norm
 from .kernels.rotary import rotary_embedding
+from .kernels.xielu import xielu
 
 __all__ = ["layer_norm", "rms_norm", "dropout_add_layer_norm", "layer_norm_add", "attention", "attention_varlen"]
 __all__ += ["cross_entropy", "linear_cross_entropy"]
 __all__ += ["bias_gelu", "dropout_add", "gated_activation", "rotary_embedding", "layer_norm_modulate"]
-__all__ += ["gated_add_layer_norm_modulate", "group_norm"]
+__all__ += ["gated_add_layer_norm_modulate", "group_norm", "xielu"]

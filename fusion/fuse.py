@@ -68,7 +68,7 @@ def fuse(model: torch.nn.Module, *, ops: Iterable[str] | None = None, skip_logit
             working. Modules that cannot be captured run exactly as before.
         ops: the families to fuse (`trifuse.fusion.FAMILIES`: "attention", "layer_norm",
             "rms_norm", "bias_gelu", "gated_activation", "dropout_add", "residual_stream",
-            "cross_entropy", "rotary", "group_norm");
+            "cross_entropy", "rotary", "group_norm", "xielu");
             None for all. "residual_stream" brings the norm families with it.
         skip_logits: in training calls (`model.training` and grad enabled) whose forward computes
             the loss from an LM head, return the logits as None so that the head and the loss fuse

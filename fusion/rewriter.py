@@ -45,7 +45,7 @@ from .narrow import drop_cast_backs, full_y, narrow_norm_outputs, out_dtype, rea
 from .normalize import canonicalize_node, reads_only_metadata, writes_in_place
 
 FAMILIES = ("attention", "layer_norm", "rms_norm", "bias_gelu", "gated_activation", "dropout_add",
-            "residual_stream", "cross_entropy", "rotary", "group_norm")
+            "residual_stream", "cross_entropy", "rotary", "group_norm", "xielu")
 # Families whose patterns build on another family's output (the residual stream starts from a
 # fused norm), so selecting them selects those too.
 DEPENDS = {"residual_stream": ("layer_norm", "rms_norm")}

@@ -328,6 +328,7 @@ _PUBLIC_OPS = {"_AttentionFunction": "attention", "_VarlenFunction": "attention_
                "_GatedDropoutAddFunction": "dropout_add", "_GatedRowsDropoutAddFunction": "dropout_add",
                "_GatedActivationFunction": "gated_activation",
                "_GatedActivationDropoutFunction": "gated_activation", "_NormFunction": "layer_norm (or rms_norm)",
+               "_XieluFunction": "xielu",
                "_NormAddFunction": "layer_norm_add", "_RotaryEmbeddingFunction": "rotary_embedding",
                "_CastForReaders": "cast_for_readers", "_AutocastLinear": "autocast_linear",
                "_GroupedNormFunction": "layer_norm_modulate",

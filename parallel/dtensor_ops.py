@@ -97,12 +97,18 @@ def _norm_strategies(x, k: int, tensors: dict, outputs: list[str]):
 def _elementwise_strategies(x, args: list, outputs: list):
     """Strategies for an elementwise op with a per-feature bias over the last dim. `args` and
     `outputs` are (role, value) pairs: "row" (shaped like x), "bias" (per feature), "part" (an
-    output per-feature reduction: dbias), "seed", or None (not a tensor or absent)."""
+    output per-feature reduction: dbias), "seed", "scalar" (one value every rank holds: xIELU's
+    coefficients), "sum" (an output reduced over every element: their gradients), or None (not a
+    tensor or absent)."""
     Partial, Replicate, Shard = _placements()
 
     def place(role, value, shard):
         if role is None or value is None:
             return None
+        if role == "scalar":
+            return Replicate()
+        if role == "sum":
+            return Replicate() if shard is None else Partial()
         if shard is None or (_empty(value) and role != "row") or role == "seed":
             return Replicate()
         if role == "row":
@@ -254,6 +260,16 @@ def register() -> bool:
             gate, [("row", dy), ("row", gate), ("row", up), (None, None), (None, None), ("seed", seed)],
             [("row", gate), ("row", gate)],
         )
+
+    @register_sharding(ops.xielu.default)
+    def _xielu(x, alpha_p, alpha_n, beta, eps):
+        scalars = [("scalar", t) for t in (alpha_p, alpha_n, beta, eps)]
+        return _elementwise_strategies(x, [("row", x), *scalars], [("row", x)])
+
+    @register_sharding(ops.xielu_backward.default)
+    def _xielu_backward(dy, x, alpha_p, alpha_n, beta, eps):
+        scalars = [("scalar", t) for t in (alpha_p, alpha_n, beta, eps)]
+        return _elementwise_strategies(x, [("row", dy), ("row", x), *scalars], [("row", x), ("sum", x), ("sum", x)])
 
     @register_sharding(ops.group_norm.default)
     def _group_norm(x, num_groups, weight, bias, eps, activation, out_dtype):

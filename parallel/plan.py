@@ -692,6 +692,25 @@ def _unrecognized(model: nn.Module, found: Recognized, claimed: set[str]) -> lis
                     f"a weight in the recognized block {block} that no known attention or MLP spelling covers"
                 )
                 out.append((name, why))
+    # Parameters between an MLP's column- and row-parallel projections, which would see one rank's
+    # columns only: a norm's statistics or a trainable activation's gradient silently per rank
+    # (Apertus's xIELU, two one-value coefficients). Where the MLP's container holds more than the
+    # MLP (OPT's and BART's block, its norms hidden wide), those are told apart by shape: one value,
+    # or one per intermediate feature.
+    attention_paths = [a.path for a in found.attentions]
+    for mlp in found.mlps:
+        projections = [mlp.fqn(p) for p in (*mlp.spelling.up, mlp.spelling.down)]
+        for n, p in model.get_submodule(mlp.path).named_parameters(prefix=mlp.path):
+            owner = n.rpartition(".")[0]
+            known = (*projections, *attention_paths, *(r for r, _ in out))
+            if any(under(owner, q) for q in known):
+                continue
+            if p.numel() == 1 or (p.dim() == 1 and p.shape[0] == mlp.inner):
+                why = (f"a parameter inside the MLP {mlp.path}, between its column- and row-parallel "
+                       "projections, that would see one rank's columns only (a norm's statistics or an "
+                       "activation's gradient per rank): keep that MLP whole by naming its projections in "
+                       "plan= with None")
+                out.append((owner, why))
     return out
 
 

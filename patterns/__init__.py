@@ -17,6 +17,7 @@ from . import (
     layer_norm,
     residual_stream,
     rotary,
+    xielu,
 )
 from ._base import Pattern
 
@@ -27,6 +28,7 @@ PATTERNS: tuple[Pattern, ...] = (
     *rotary.PATTERNS,
     *attention.PATTERNS,
     *gated_activation.PATTERNS,
+    *xielu.PATTERNS,  # before dropout_add's gated add, which its `alpha_p * x * x + beta * x` is
     *bias_gelu.PATTERNS,
     *residual_stream.PATTERNS,
     *dropout_add.PATTERNS,

@@ -17,7 +17,7 @@ from torch import nn
 FAMILY_OPS = {"layer_norm": "layer_norm", "rms_norm": "rms_norm", "residual_stream": "dropout_add_layer_norm",
               "attention": "attention", "bias_gelu": "bias_gelu", "gated_activation": "gated_activation",
               "dropout_add": "dropout_add", "cross_entropy": "cross_entropy", "rotary": "rotary_embedding",
-              "group_norm": "group_norm"}
+              "group_norm": "group_norm", "xielu": "xielu"}
 
 
 class PassThroughMode(torch.overrides.TorchFunctionMode):

@@ -415,6 +415,8 @@ _FAMILIES.update({
     "nemotron": {**_DECODER, **_MLP, "num_key_value_heads": 1},
     "persimmon": {**_DECODER, **_MLP, "qk_layernorm": True, "hidden_dropout": 0.0, "attention_dropout": 0.0},
     "bitnet": {**_DECODER, **_MLP, "num_key_value_heads": 1},
+    # Apertus: xIELU (trainable, two coefficients, its PyTorch path) after an unbiased up_proj
+    "apertus": {**_DECODER, **_MLP, "num_key_value_heads": 1},
 })
 SEQ2SEQ = ("t5", "bart")
 MASKED = ("modernbert", "deberta-v2", "deberta", "mpnet", "rembert", "distilbert", "squeezebert")

@@ -122,6 +122,9 @@ def _cases():
          lambda t: ops.bias_gelu(t["x"], t["bias"], "relu", 0.3))
     case("bias_relu2_fp16", lambda: {"x": rand(3, 5, N).half(), "bias": rand(N).half()},
          lambda t: ops.bias_gelu(t["x"], t["bias"], "relu2"))
+    case("xielu", lambda: {"x": rand(3, 5, N, scale=2), "alpha_p": rand(1, scale=0.1, shift=0.8),
+                           "alpha_n": rand(1, scale=0.1, shift=0.8)},
+         lambda t: ops.xielu(t["x"], t["alpha_p"], t["alpha_n"], torch.tensor(0.5), torch.tensor(-1e-6)))
     case("cross_entropy_smoothing_fp16", lambda: {"logits": rand(7, 11, scale=3).half()},
          lambda t: ops.cross_entropy(t["logits"], torch.tensor([0, 3, -100, 10, 5, 5, 1]), label_smoothing=0.1))
     case("dropout_add_layer_norm_p", lambda: {"x": rand(3, 5, N), "residual": rand(3, 5, N),

@@ -235,6 +235,9 @@ MODELS = {
                                          "dropout_add": L, "bias_gelu": L, **ROTARY, **LOSS}),
     "bitnet": (_family("bitnet"), {"rms_norm": 3 * L + 1, "attention": L, "residual_stream": L, **GATED, **ROTARY,
                                    **LOSS}),
+    # Apertus's xIELU, its two trainable coefficients' gradients from the op
+    "apertus": (_family("apertus"), {"rms_norm": 3 * L + 1, "attention": L, "residual_stream": L, "xielu": L,
+                                     **ROTARY, **LOSS}),
     "mimo_v2_flash": (_family("mimo_v2_flash"), {"rms_norm": L + 1, "attention": L, "residual_stream": L, **GATED,
                                                  **ROTARY, **LOSS}),
     "granite_swa": (_family("granite_swa"), {"rms_norm": L + 1, "attention": L, "residual_stream": L, **GATED,
@@ -273,7 +276,8 @@ OPS = {"layer_norm": ("trifuse::layer_norm",), "rms_norm": ("trifuse::rms_norm",
        "residual_stream": ("trifuse::dropout_add_layer_norm", "trifuse::dropout_add_rms_norm",
                            "trifuse::layer_norm_add", "trifuse::rms_norm_add"),
        "cross_entropy": ("trifuse::cross_entropy", "trifuse::linear_cross_entropy"),
-       "rotary": ("trifuse::rotary_embedding",), "group_norm": ("trifuse::group_norm",)}
+       "rotary": ("trifuse::rotary_embedding",), "group_norm": ("trifuse::group_norm",),
+       "xielu": ("trifuse::xielu",)}
 
 
 def _double_inputs(kw):

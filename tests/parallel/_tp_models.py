@@ -198,7 +198,7 @@ def build(kind: str, *, dropout: float = 0.0, heads: int = 4, dtype=torch.float6
             return transformers.Ernie4_5_MoeForCausalLM(config).to(dtype)
         config = transformers.OlmoeConfig(**common, num_experts=4, pad_token_id=1, eos_token_id=0, **extra)
         return transformers.OlmoeForCausalLM(config).to(dtype)
-    if kind in ("llama", "gemma2", "gemma3", "olmo2", "phi3", "nemotron"):
+    if kind in ("llama", "gemma2", "gemma3", "olmo2", "phi3", "nemotron", "apertus"):
         # Decoders of Llama's shape. Gemma 2 adds sandwich norms (a norm after each sublayer,
         # added to the residual stream); Gemma 3 and OLMo 2 Q/K norms inside the attention core,
         # Gemma 3's per head (over head_dim), OLMo 2's over all heads' features (so under tensor
@@ -212,6 +212,8 @@ def build(kind: str, *, dropout: float = 0.0, heads: int = 4, dtype=torch.float6
         )
         if kind == "llama":
             return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, **extra)).to(dtype)
+        if kind == "apertus":  # xIELU (two trainable coefficients) after an unbiased up_proj; Q/K norms
+            return transformers.ApertusForCausalLM(transformers.ApertusConfig(**common, **extra)).to(dtype)
         if kind == "nemotron":  # the squared ReLU after an unbiased up_proj; LayerNorm1P (w + 1)
             return transformers.NemotronForCausalLM(transformers.NemotronConfig(**common, **extra)).to(dtype)
         if kind == "phi3":  # fused qkv_proj [Q | K | V] with fewer K/V heads, fused gate_up_proj
@@ -362,7 +364,8 @@ def batch(kind: str, step: int = 0, *, b: int = 2, s: int = 8) -> dict:
     if kind == "nanogpt":
         return {"idx": ids, "targets": ids}
     out = {"input_ids": ids, "labels": ids}
-    if kind in ("gpt2", "llama", "gemma2", "gemma3", "olmo2", "phi3", "nemotron", "opt", "bart", "neox", "bloom",
+    if kind in ("gpt2", "llama", "gemma2", "gemma3", "olmo2", "phi3", "nemotron", "apertus", "opt", "bart", "neox",
+                "bloom",
                 "qwen3_moe",
                 "mixtral", "olmoe", "qwen2_moe", "glm4_moe", "ernie4_5_moe", "dots1", "gpt_oss", *LATENT):
         out["use_cache"] = False

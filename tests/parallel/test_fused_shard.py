@@ -188,6 +188,14 @@ def ops_on_sequence_shards(rank, size):
     run(lambda t: trifuse.ops.gated_activation(t["x"], t["r"], "silu"), "gated_activation")
     run(lambda t: trifuse.ops.gated_activation(t["x"], t["r"], "gelu_tanh"), "gated_activation_tanh")
 
+    def buffer(value, like):  # xIELU's beta and eps: one replicated value each, no gradient
+        t = torch.tensor(value, dtype=torch.float64)
+        return distribute_tensor(t, mesh, [Replicate()]) if hasattr(like, "placements") else t
+
+    # its coefficients' gradients are sums over every element: Partial on the shards, then reduced
+    run(lambda t: trifuse.ops.xielu(t["x"], t["w"][:1].abs() + 0.5, t["b"][:1].abs() + 0.5, buffer(0.5, t["x"]),
+                                    buffer(-1e-6, t["x"])), "xielu")
+
     # Dropout on sequence shards: each rank draws its own seed (random.py seeds the generator
     # per rank inside a block); the mask is reproducible and the backward regenerates it.
     masks = {"dropout_add_layer_norm": [], "dropout_add": []}

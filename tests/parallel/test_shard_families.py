@@ -347,6 +347,13 @@ def shard_error(rank, size, case, sp):
             model.cross = type("MyAttention", (nn.MultiheadAttention,), {})(32, 4).double()
     elif case == "llama_kv_heads":
         model = build("llama", heads=4, kv_heads=1)
+    elif case in ("apertus", "bitnet_sub_norm"):  # parameters between the MLP's projections
+        model = build("apertus")
+        if case == "bitnet_sub_norm":  # a norm over the intermediate features, as BitNet's ffn_sub_norm
+            from transformers.models.bitnet.modeling_bitnet import BitNetRMSNorm
+
+            for layer in model.model.layers:
+                layer.mlp.act_fn = nn.Sequential(nn.ReLU(), BitNetRMSNorm(64).double())
     elif case == "unknown_projection":  # a recognized block with one more weight matrix
         model = build("nanogpt")
         model.transformer.h[0].gate = nn.Linear(32, 32).double()
@@ -687,6 +694,10 @@ def test_fused_qkv_split_the_wrong_way_fails_the_check(world, kind):
         ("multihead_bias_kv", ("cross: nn.MultiheadAttention: add_bias_kv=True is not supported",)),
         ("multihead_subclass", ("cross: nn.MultiheadAttention: MyAttention, a subclass (its forward may differ)",)),
         ("llama_kv_heads", ("has 1 key/value heads (grouped-query attention), which do not divide",)),
+        # Apertus's trainable xIELU: its gradient would be a per-rank partial sum (it was, silently)
+        ("apertus", ("model.layers.0.mlp.act_fn: a parameter inside the MLP model.layers.0.mlp, between its "
+                     "column- and row-parallel projections",)),
+        ("bitnet_sub_norm", ("model.layers.0.mlp.act_fn.1: a parameter inside the MLP model.layers.0.mlp",)),
         (
             "unknown_projection",
             ("transformer.h.0.gate: a weight in the recognized block transformer.h.0 that no known",),
