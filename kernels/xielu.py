@@ -20,7 +20,7 @@ where `exp(m) - 1` loses every digit for m near 0; and `expm1(x) - x` for x just
 that difference is ~x^2/2, its series (x^2/2 + x^3/6 + x^4/24 + x^5/120 for -0.01 < x): each
 value keeps its own digits, not only the tensor's scale.
 
-transformers computes this in ten PyTorch kernels each way in the model's dtype (its CUDA kernel,
+transformers computes this in twelve PyTorch kernels forward in the model's dtype (its CUDA kernel,
 from an optional package, is used only where installed); here one read and one write forward, two
 reads and one write backward, the coefficient gradients reduced in fixed order (bitwise the same
 run to run): each program writes one fp32 partial per coefficient, summed afterwards.
@@ -63,7 +63,8 @@ def xielu_ref(x: torch.Tensor, alpha_p: torch.Tensor, alpha_n: torch.Tensor, bet
               eps: torch.Tensor) -> torch.Tensor:
     """transformers' `XIELUActivation._xielu_python`, given its coefficients after the softplus:
     `alpha_p` = softplus(alpha_p param), `alpha_n` = beta + softplus(alpha_n param)."""
-    return torch.where(x > 0, alpha_p * x * x + beta * x, (torch.expm1(torch.min(x, eps)) - x) * alpha_n + beta * x)
+    return torch.where(x > 0, alpha_p * x * x + beta * x,
+                       (torch.expm1(torch.min(x, eps)) - x) * alpha_n + beta * x)
 
 
 # =============================================================================================
@@ -128,6 +129,12 @@ def _xielu_bwd_kernel(DY, X, DX, AP, AN, BETA, EPS, DAP_PART, DAN_PART, n, BLOCK
 # =============================================================================================
 
 
+def _wide(*dtypes: torch.dtype | None) -> torch.dtype:
+    """The arithmetic's dtype: fp64 where any tensor in or out is fp64 (PyTorch's promotion would
+    compute in fp64 there), fp32 otherwise."""
+    return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
@@ -137,24 +144,25 @@ def _warps(x: torch.Tensor) -> int:
 
 
 def xielu_fwd(x: torch.Tensor, alpha_p: torch.Tensor, alpha_n: torch.Tensor, beta: torch.Tensor,
-              eps: torch.Tensor) -> torch.Tensor:
-    """y, contiguous, shaped like x, in x's dtype."""
+              eps: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y, contiguous, shaped like x, in out_dtype (x's by default), rounded once."""
     if x.numel() and not use_triton(x):
-        return _xielu_torch(x, alpha_p, alpha_n, beta, eps)
+        return _xielu_torch(x, alpha_p, alpha_n, beta, eps, out_dtype)
     x = _flat(x)
-    y = empty_like(x)
+    y = empty_like(x, out_dtype)
     n = x.numel()
     if n:
         _xielu_fwd_kernel[(triton.cdiv(n, BLOCK),)](x, y, alpha_p, alpha_n, beta, eps, n, BLOCK=BLOCK,
-                                                    ACC=acc_dtype(x.dtype), num_warps=_warps(x))
+                                                    ACC=acc_dtype(_wide(x.dtype, out_dtype, alpha_p.dtype, alpha_n.dtype)),
+                                                    num_warps=_warps(x))
     return y
 
 
 def xielu_bwd(dy: torch.Tensor, x: torch.Tensor, alpha_p: torch.Tensor, alpha_n: torch.Tensor,
               beta: torch.Tensor, eps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx like x in x's dtype, dalpha_p, dalpha_n), the coefficient gradients (1,) in fp32 (fp64
-    for fp64 x), summed in a fixed order."""
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    where any tensor is fp64), summed in a fixed order."""
+    acc = _wide(x.dtype, dy.dtype, alpha_p.dtype, alpha_n.dtype)
     if x.numel() and not use_triton(x):
         return _xielu_bwd_torch(dy, x, alpha_p, alpha_n, beta, eps)
     x, dy = _flat(x), _flat(dy)
@@ -165,7 +173,7 @@ def xielu_bwd(dy: torch.Tensor, x: torch.Tensor, alpha_p: torch.Tensor, alpha_n:
     dan_part = torch.empty(programs, device=x.device, dtype=acc)
     if n:
         _xielu_bwd_kernel[(programs,)](dy, x, dx, alpha_p, alpha_n, beta, eps, dap_part, dan_part, n,
-                                       BLOCK=BLOCK, ACC=acc_dtype(x.dtype), num_warps=_warps(x))
+                                       BLOCK=BLOCK, ACC=acc_dtype(acc), num_warps=_warps(x))
     return dx, dap_part.sum().reshape(1), dan_part.sum().reshape(1)
 
 
@@ -174,20 +182,18 @@ def xielu_bwd(dy: torch.Tensor, x: torch.Tensor, alpha_p: torch.Tensor, alpha_n:
 # ---------------------------------------------------------------------------------------------
 
 
-def _acc(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.float64 if like.dtype == torch.float64 else torch.float32)
-
-
-def _xielu_torch(x, alpha_p, alpha_n, beta, eps):
-    y = xielu_ref(_acc(x, x), _acc(alpha_p, x), _acc(alpha_n, x), _acc(beta, x), _acc(eps, x))
-    return y.to(x.dtype).contiguous()
+def _xielu_torch(x, alpha_p, alpha_n, beta, eps, out_dtype=None):
+    acc = _wide(x.dtype, out_dtype, alpha_p.dtype, alpha_n.dtype)
+    y = xielu_ref(*(t.to(acc) for t in (x, alpha_p, alpha_n, beta, eps)))
+    return y.to(out_dtype or x.dtype).contiguous()
 
 
 def _xielu_bwd_torch(dy, x, alpha_p, alpha_n, beta, eps):
     # The formulas above in PyTorch ops, not autograd (the registered backward op runs below the
     # Autograd key, where autograd records nothing).
-    xa, g = _acc(x, x), _acc(dy, x)
-    ap, an, b, e = (_acc(t, x).reshape(()) for t in (alpha_p, alpha_n, beta, eps))
+    acc = _wide(x.dtype, dy.dtype, alpha_p.dtype, alpha_n.dtype)
+    xa, g = x.to(acc), dy.to(acc)
+    ap, an, b, e = (t.to(acc).reshape(()) for t in (alpha_p, alpha_n, beta, eps))
     pos = xa > 0
     m = torch.min(xa, e)
     dm = torch.where(xa > e, 0.0, torch.where(xa == e, 0.5, 1.0)).to(xa.dtype)
@@ -202,8 +208,12 @@ def _xielu_bwd_torch(dy, x, alpha_p, alpha_n, beta, eps):
 # =============================================================================================
 
 
-def _check_inputs(x: object, alpha_p: object, alpha_n: object, beta: object, eps: object) -> None:
+def _check_inputs(x: object, alpha_p: object, alpha_n: object, beta: object, eps: object,
+                  out_dtype: object = None) -> None:
     op = "xielu"
+    if out_dtype is not None and out_dtype not in (torch.float16, torch.bfloat16, torch.float32,
+                                                   torch.float64):
+        raise ValueError(f"trifuse.{op}: out_dtype must be None or a float dtype, got {out_dtype!r}")
     check_tensor(op, "input", x)
     check_float(op, "input", x)
     for name, t in (("alpha_p", alpha_p), ("alpha_n", alpha_n), ("beta", beta), ("eps", eps)):
@@ -226,27 +236,28 @@ Tensor = torch.Tensor
 
 
 @torch.library.custom_op("trifuse::xielu", mutates_args=())
-def _xielu_op(x: Tensor, alpha_p: Tensor, alpha_n: Tensor, beta: Tensor, eps: Tensor) -> Tensor:
-    _check_inputs(x, alpha_p, alpha_n, beta, eps)
-    return xielu_fwd(x, alpha_p, alpha_n, beta, eps)
+def _xielu_op(x: Tensor, alpha_p: Tensor, alpha_n: Tensor, beta: Tensor, eps: Tensor,
+              out_dtype: torch.dtype | None = None) -> Tensor:
+    _check_inputs(x, alpha_p, alpha_n, beta, eps, out_dtype)
+    return xielu_fwd(x, alpha_p, alpha_n, beta, eps, out_dtype)
 
 
 @torch.library.custom_op("trifuse::xielu_backward", mutates_args=())
 def _xielu_backward_op(dy: Tensor, x: Tensor, alpha_p: Tensor, alpha_n: Tensor, beta: Tensor,
                        eps: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(dx, dalpha_p, dalpha_n); the coefficient gradients (1,) in fp32 (fp64 for fp64 x)."""
+    """(dx, dalpha_p, dalpha_n); the coefficient gradients (1,) in fp32 (fp64 where any input is)."""
     return xielu_bwd(dy, x, alpha_p, alpha_n, beta, eps)
 
 
 @_xielu_op.register_fake
-def _(x, alpha_p, alpha_n, beta, eps):
-    _check_inputs(x, alpha_p, alpha_n, beta, eps)
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+def _(x, alpha_p, alpha_n, beta, eps, out_dtype=None):
+    _check_inputs(x, alpha_p, alpha_n, beta, eps, out_dtype)
+    return torch.empty_like(x, dtype=out_dtype, memory_format=torch.contiguous_format)
 
 
 @_xielu_backward_op.register_fake
 def _(dy, x, alpha_p, alpha_n, beta, eps):
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    acc = _wide(x.dtype, dy.dtype, alpha_p.dtype, alpha_n.dtype)
     return (torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(1, dtype=acc),
             x.new_empty(1, dtype=acc))
 
@@ -254,18 +265,18 @@ def _(dy, x, alpha_p, alpha_n, beta, eps):
 def _grads(ctx, dx, dap, dan):
     _, alpha_p, alpha_n, _, _ = ctx.saved_tensors
     return (dx, cast(dap, alpha_p.dtype).reshape(alpha_p.shape), cast(dan, alpha_n.dtype).reshape(alpha_n.shape),
-            None, None)
+            None, None, None)
 
 
 def _setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
+    ctx.save_for_backward(*inputs[:5])
 
 
 def _xielu_twice(ctx, dy):
     """The backward in PyTorch ops, differentiable again (create_graph=True)."""
     grads = reference_grads(lambda x, ap, an: xielu_ref(x, ap, an, ctx.saved_tensors[3], ctx.saved_tensors[4]),
                             ctx.saved_tensors[:3], ctx.needs_input_grad[:3], (dy,))
-    return (*grads, None, None)
+    return (*grads, None, None, None)
 
 
 @single_backward(twice=_xielu_twice, op="xielu")
@@ -285,9 +296,9 @@ torch.library.register_autograd("trifuse::xielu", _backward, setup_context=_setu
 
 class _XieluFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, alpha_p, alpha_n, beta, eps):
+    def forward(ctx, x, alpha_p, alpha_n, beta, eps, out_dtype):
         ctx.save_for_backward(x, alpha_p, alpha_n, beta, eps)
-        return xielu_fwd(x, alpha_p, alpha_n, beta, eps)
+        return xielu_fwd(x, alpha_p, alpha_n, beta, eps, out_dtype)
 
     @staticmethod
     @single_backward(twice=_xielu_twice)
@@ -304,7 +315,7 @@ class _XieluFunction(torch.autograd.Function):
 # =============================================================================================
 
 
-def _xielu_key(x, alpha_p, alpha_n, beta, eps):
+def _xielu_key(x, alpha_p, alpha_n, beta, eps, out_dtype=None):
     """The dialect key of an eager call; None (the trifuse op decides, and raises on bad input)
     when traced, empty, not float, or when a coefficient is not one value."""
     tensors = (x, alpha_p, alpha_n, beta, eps)
@@ -315,32 +326,34 @@ def _xielu_key(x, alpha_p, alpha_n, beta, eps):
     if any(t.numel() != 1 or not t.is_floating_point() for t in tensors[1:]):
         return None
     grad = torch.is_grad_enabled() and (x.requires_grad or alpha_p.requires_grad or alpha_n.requires_grad)
-    return (x.get_device() if x.is_cuda else -1, x.dtype, pow2_bucket(x.numel()), alpha_p.dtype, grad)
+    return (x.get_device() if x.is_cuda else -1, x.dtype, pow2_bucket(x.numel()), alpha_p.dtype, out_dtype,
+            grad)
 
 
-def _xielu_trifuse(x, alpha_p, alpha_n, beta, eps):
-    _check_inputs(x, alpha_p, alpha_n, beta, eps)
+def _xielu_trifuse(x, alpha_p, alpha_n, beta, eps, out_dtype=None):
+    _check_inputs(x, alpha_p, alpha_n, beta, eps, out_dtype)
     if eager_fast_path(x, alpha_p, alpha_n, beta, eps):
         with profiled("trifuse::xielu"):
-            return apply_function(_XieluFunction, x, alpha_p, alpha_n, beta, eps)
-    return torch.ops.trifuse.xielu(x, alpha_p, alpha_n, beta, eps)
+            return apply_function(_XieluFunction, x, alpha_p, alpha_n, beta, eps, out_dtype)
+    return torch.ops.trifuse.xielu(x, alpha_p, alpha_n, beta, eps, out_dtype)
 
 
-def _xielu_in_x_dtype(x, alpha_p, alpha_n, beta, eps):
-    """transformers' formula, its result in x's dtype (as the op returns it)."""
+def _xielu_in_out_dtype(x, alpha_p, alpha_n, beta, eps, out_dtype=None):
+    """transformers' formula, its result in out_dtype (x's by default), as the op returns it."""
     y = xielu_ref(x, alpha_p, alpha_n, beta, eps)
-    return (y if y.dtype == x.dtype else y.to(x.dtype)).contiguous()
+    dtype = out_dtype or x.dtype
+    return (y if y.dtype == dtype else y.to(dtype)).contiguous()
 
 
-def _xielu_torch_candidate(x, alpha_p, alpha_n, beta, eps):
+def _xielu_torch_candidate(x, alpha_p, alpha_n, beta, eps, out_dtype=None):
     # trifuse's checks first: the same clear errors whichever candidate runs.
-    _check_inputs(x, alpha_p, alpha_n, beta, eps)
+    _check_inputs(x, alpha_p, alpha_n, beta, eps, out_dtype)
     with profiled("trifuse::xielu"):
-        return _xielu_in_x_dtype(x, alpha_p, alpha_n, beta, eps)
+        return _xielu_in_out_dtype(x, alpha_p, alpha_n, beta, eps, out_dtype)
 
 
-XIELU = dialects.define("xielu", _xielu_key, ("device", "dtype", "elements", "coefficients", "grad"),
-                        reference=_xielu_in_x_dtype)
+XIELU = dialects.define("xielu", _xielu_key, ("device", "dtype", "elements", "coefficients", "out", "grad"),
+                        reference=_xielu_in_out_dtype)
 XIELU.register(dialects.Candidate("trifuse", _xielu_trifuse))
 XIELU.register(dialects.Candidate("torch", _xielu_torch_candidate))
 
@@ -352,7 +365,7 @@ XIELU.register(dialects.Candidate("torch", _xielu_torch_candidate))
 
 @outside_device_modes
 def xielu(x: torch.Tensor, alpha_p: torch.Tensor, alpha_n: torch.Tensor, beta: torch.Tensor,
-          eps: torch.Tensor) -> torch.Tensor:
+          eps: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """xIELU in one pass each way, like transformers' `XIELUActivation` given its coefficients:
     `torch.where(x > 0, alpha_p * x * x + beta * x, (torch.expm1(torch.min(x, eps)) - x) * alpha_n
     + beta * x)`.
@@ -362,10 +375,13 @@ def xielu(x: torch.Tensor, alpha_p: torch.Tensor, alpha_n: torch.Tensor, beta: t
         alpha_p: one value, `F.softplus(act.alpha_p)`; gets its gradient.
         alpha_n: one value, `act.beta + F.softplus(act.alpha_n)`; gets its gradient.
         beta, eps: one value each (the activation's buffers), read on the device; no gradient.
+        out_dtype: y's dtype, x's when None; the fp32 result PyTorch's promotion gives for bf16 x
+            beside fp32 coefficients (autocast's master weights), computed in fp32 and written once.
 
     Returns:
-        y, contiguous, shaped like x, in x's dtype. The backward recomputes from x (nothing else is
-        saved) and sums the coefficients' gradients in a fixed order.
+        y, contiguous, shaped like x, in out_dtype (x's dtype by default). The backward
+        recomputes from x (nothing else is saved) and sums the coefficients' gradients in a fixed
+        order.
 
     Eager calls run trifuse's kernels or transformers' formula in PyTorch ops, whichever the
     `xielu` dialect measured faster for this shape on this GPU; elsewhere, and under
@@ -375,7 +391,7 @@ def xielu(x: torch.Tensor, alpha_p: torch.Tensor, alpha_n: torch.Tensor, beta: t
         TypeError for non-float tensors; ValueError for a coefficient of more than one value,
         tensors on different devices, or a beta or eps that requires grad.
     """
-    return XIELU(x, alpha_p, alpha_n, beta, eps)
+    return XIELU(x, alpha_p, alpha_n, beta, eps, out_dtype)
 
 
 def xielu_coefficients(act: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,9 +9,9 @@ activation's buffers, read on the device by the kernels.
 
 Filters: one value for each of alpha_p, alpha_n, beta and eps (a per-feature coefficient would be
 another function); beta and eps without grad (buffers; the op computes no gradient for them); x
-floating point with at least one dim; and the result in x's dtype: a coefficient of a wider dtype
-than x (fp32 parameters beside bf16 activations under autocast) promotes the model's result,
-which the op, returning x's dtype, would not.
+floating point with at least one dim; the result shaped like x. A coefficient of a wider dtype
+than x (fp32 parameters beside bf16 activations under autocast) promotes the model's result: the
+op writes that dtype (`out_dtype`, derived from PyTorch's own promotion), as the model does.
 """
 import functools
 
@@ -26,8 +26,8 @@ def xielu_written_out(x: torch.Tensor, alpha_p, alpha_n, beta, eps):
     return torch.where(x > 0, alpha_p * x * x + beta * x, (torch.expm1(torch.min(x, eps)) - x) * alpha_n + beta * x)
 
 
-def xielu_fused(x, alpha_p, alpha_n, beta, eps):
-    return ops.xielu(x, alpha_p, alpha_n, beta, eps)
+def xielu_fused(x, alpha_p, alpha_n, beta, eps, out_dtype):
+    return ops.xielu(x, alpha_p, alpha_n, beta, eps, out_dtype)
 
 
 def one_value_coefficients(m: Match) -> str | None:
@@ -57,22 +57,29 @@ def _requires_grad(node, value: torch.Tensor) -> bool:
     return bool(value.requires_grad)
 
 
-def result_in_x_dtype(m: Match) -> str | None:
-    """The model's result has x's dtype and shape (the op's): computed on meta tensors of the
-    inputs' dtypes and shapes, PyTorch's own promotion and broadcasting."""
+def _result(m: Match) -> torch.Tensor:
+    """The model's result on meta tensors of the inputs' dtypes and shapes: PyTorch's own
+    promotion and broadcasting (x's sizes do not matter here; the coefficients are one value)."""
     x = m.value("x")
-    meta = [torch.empty((2,) * x.dim(), dtype=x.dtype, device="meta")]  # x's sizes do not matter here
-    meta += [torch.empty(tuple(v.shape), dtype=v.dtype, device="meta")  # one value each (filtered)
+    meta = [torch.empty((2,) * x.dim(), dtype=x.dtype, device="meta")]
+    meta += [torch.empty(tuple(v.shape), dtype=v.dtype, device="meta")
              for v in (m.value(n) for n in ("alpha_p", "alpha_n", "beta", "eps"))]
-    out = xielu_ref(*meta)
-    if out.dtype != x.dtype:
-        return f"the result is {out.dtype}, promoted from x's {x.dtype} by a coefficient (the op returns x's dtype)"
-    if out.shape != meta[0].shape:
-        return f"the result has shape {tuple(out.shape)}, broadcast from x's {tuple(meta[0].shape)}"
+    return xielu_ref(*meta)
+
+
+def result_shaped_like_x(m: Match) -> str | None:
+    out, x = _result(m), m.value("x")
+    if out.dim() != x.dim():
+        return f"the result has {out.dim()} dims, broadcast from x's {x.dim()}"
     return None
+
+
+def out_dtype(m: Match) -> dict:
+    """The model's result dtype: x's, or wider where a coefficient promotes it."""
+    return {"out_dtype": _result(m).dtype}
 
 
 PATTERNS = (
     Pattern("xielu_written_out", "xielu", xielu_written_out, xielu_fused, ("xielu",),
-            (one_value_coefficients, result_in_x_dtype)),
+            (one_value_coefficients, result_shaped_like_x), derive=out_dtype),
 )

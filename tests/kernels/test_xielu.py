@@ -70,6 +70,29 @@ def test_other_layouts_and_coefficients(dtype):
     check_fwd_bwd(x, ap, an, beta, eps, dy=torch.randn(3, device=DEVICE, dtype=dtype).expand(40, 3))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_out_dtype_is_the_promoted_result(dtype):
+    """16-bit x beside fp32 coefficients (autocast's master weights): PyTorch's formula gives fp32;
+    out_dtype=float32 writes that, computed in fp32 and rounded once; gradients in x's and the
+    coefficients' dtypes."""
+    x, ap, an, beta, eps = make((9, 130), dtype)
+    ap32, an32 = (t.detach().float().requires_grad_() for t in (ap, an))
+    y = trifuse.ops.xielu(x, ap32, an32, beta, eps, out_dtype=torch.float32)
+    assert y.dtype == torch.float32
+    leaves64 = [t.detach().double().requires_grad_() for t in (x, ap32, an32)]
+    leaves_lp = [t.detach().clone().requires_grad_() for t in (x, ap32, an32)]
+    y64, ylp = xielu_ref(*leaves64, beta.double(), eps.double()), xielu_ref(*leaves_lp, beta, eps)
+    assert ylp.dtype == torch.float32
+    assert_close("xielu y fp32", y, y64, ylp)
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad(y, (x, ap32, an32), dy)
+    for name, a, a64, alp, t in zip(("dx", "dalpha_p", "dalpha_n"), grads, torch.autograd.grad(y64, leaves64, dy.double()),
+                                    torch.autograd.grad(ylp, leaves_lp, dy), (x, ap32, an32)):
+        assert a.dtype == t.dtype, name
+        assert_close(f"xielu {name}", a, a64, alp)
+    torch.library.opcheck(torch.ops.trifuse.xielu, (x, ap32, an32, beta, eps, torch.float32))
+
+
 def test_near_the_kink_expm1_keeps_its_digits():
     """x just below eps: expm1(x) - x is ~x^2 / 2, where exp(x) - 1 in fp32 would lose every
     digit of expm1; and x == eps, where PyTorch's min splits the gradient in two."""

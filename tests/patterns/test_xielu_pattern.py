@@ -73,13 +73,20 @@ def test_bf16_parameters_beside_fp32_activations_fuse(capture):
 @pytest.mark.parametrize("make, why", [
     (lambda: ApertusMLP(Written(shape=(I,))), "alpha_p has shape (24,), not one value"),
     (lambda: ApertusMLP(Written(beta_grad=True)), "beta requires grad"),
-    (lambda: _xielu(torch.float64), "the result is torch.float64, promoted from x's torch.float32"),
-], ids=["per-feature", "beta-trained", "promoting"])
+], ids=["per-feature", "beta-trained"])
 def test_what_the_op_cannot_take_is_left_with_a_reason(make, why, capture):
     report = check_against_unfused(make, X, capture)
     assert "xielu" not in report.counts(), report.table()  # (its adds may be other families' ops)
     assert any(pattern == "xielu_written_out" and why in reason for _, _, pattern, reason in report.rejected()), \
         report.rejected()
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_coefficients_wider_than_x_give_the_models_wider_result(capture):
+    """fp64 coefficients beside fp32 x (as fp32 master weights beside bf16 activations under
+    autocast): PyTorch promotes the result to fp64, and the op writes fp64 too, not fp32 cast up."""
+    report = check_against_unfused(lambda: _xielu(torch.float64), X, capture)
+    assert report.by_pattern() == {"xielu_written_out": 1}, report.table()
 
 
 def test_trifuse_op_runs():
