@@ -109,6 +109,8 @@ FAMILIES = {
     "nemotron": ("causal", {**_DECODER, "num_key_value_heads": 2}),
     "persimmon": ("causal", {**_DECODER, "qk_layernorm": True}),
     "bitnet": ("causal", {**_DECODER, "num_key_value_heads": 2}),
+    # Apertus's trainable xIELU (transformers' PyTorch formula), its coefficients' gradients from the op
+    "apertus": ("causal", {**_DECODER, "num_key_value_heads": 2}),
 }
 _NO_DROPOUT = {k: 0.0 for k in (
     "hidden_dropout_prob", "attention_probs_dropout_prob", "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout",
