@@ -46,7 +46,7 @@ HOPPER_SMEM = 232448
 SASS_COUNTED = ("HGMMA", "HMMA", "UTMALDG", "UTMASTG", "LDGSTS", "LDL", "STL", "MUFU")
 
 FAMILIES = ("layer_norm", "adaptive_norm_rows", "residual_stream", "bias_gelu", "dropout_add", "gated_activation", "rotary",
-            "attention", "attention_dropout", "attention_varlen", "cross_entropy", "cast", "group_norm")
+            "attention", "attention_dropout", "attention_varlen", "cross_entropy", "cast", "group_norm", "xielu")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,6 +211,15 @@ def _catalogue(torch, family: str):
         for act in ("silu", "gelu", "gelu_tanh", "relu2"):
             yield f"gated_activation 8192 {act}", fwd_bwd(lambda act=act, g=g, u=u: ops.gated_activation(g, u, act))
         yield "gated_activation 8192 gelu_tanh p=0.1", fwd_bwd(lambda: ops.gated_activation(g, u, "gelu_tanh", p=0.1))
+    elif family == "xielu":
+        # Apertus's MLP activation (intermediate 21504 in the 8B), bf16 with fp32 coefficients as
+        # under autocast: y in fp32, the coefficients' partial sums
+        x = leaf(tile_rows, 21504)
+        ap, an = leaf(1, dtype=torch.float32), leaf(1, dtype=torch.float32)
+        beta, eps = torch.tensor(0.5), torch.tensor(-1e-6)
+        yield "xielu 21504 -> fp32", fwd_bwd(lambda: ops.xielu(x, ap, an, beta, eps, out_dtype=torch.float32))
+        yield "xielu 21504", fwd_bwd(lambda: ops.xielu(x, ap.detach().to(bf16).requires_grad_(),
+                                                        an.detach().to(bf16).requires_grad_(), beta, eps))
     elif family == "rotary":
         # 128 positions: the tiles of autotune/configs.py's rotary space take up to 128 of them at
         # head dim 64 (fewer would compile smaller blocks than a training step's 2048 positions get)

@@ -160,7 +160,7 @@ for what in "$@"; do
                 tests/kernels/test_{rotary,gated_activation,cross_entropy,attention,attention_varlen}.py \
                 tests/kernels/test_adaptive_norm.py tests/kernels/test_adaptive_norm_rows.py \
                 tests/kernels/test_gated_adaptive_norm_rows.py \
-                tests/kernels/test_group_norm.py
+                tests/kernels/test_group_norm.py tests/kernels/test_xielu.py
             # the kernels' and the launcher's gpu tests first, the 81 attention-dialect ones last
             stage tests-gpu 120 python3 -m pytest -q -n 8 --maxfail=20 -p no:cacheprovider -m gpu \
                 tests/kernels tests/fusion tests/autotune ;;
@@ -174,8 +174,8 @@ for what in "$@"; do
             for op in layer_norm residual_stream bias_gelu dropout_add; do
                 stage "bench-$op" 80 python3 "bench/bench_$op.py" --quick
             done ;;
-        kernels)  # the memory-bound ops, 7 x 90 s
-            for op in layer_norm residual_stream bias_gelu gated_activation dropout_add rotary group_norm; do
+        kernels)  # the memory-bound ops, 8 x 90 s
+            for op in layer_norm residual_stream bias_gelu gated_activation dropout_add rotary group_norm xielu; do
                 stage "bench-$op" 90 python3 "bench/bench_$op.py"
             done ;;
         autocast)  # the patterns written for autocast, under CUDA's (its softmax computes fp16 input in
