@@ -54,6 +54,8 @@ def _cases():
     logits, target = _t(5, 7), torch.tensor([0, 3, -100, 6, 2], device=DEVICE)
     cu = torch.tensor([0, 3, 3, 8], dtype=torch.int32, device=DEVICE)
     pq, pk, pv = _t(8, 2, 4), _t(8, 1, 4), _t(8, 1, 3)
+    beta, eps = torch.tensor(0.5, dtype=torch.float64, device=DEVICE), torch.tensor(-1e-6, dtype=torch.float64,
+                                                                                   device=DEVICE)
     return {
         "bias_gelu-erf": (lambda x, b: ops.bias_gelu(x, b), (x, b)),
         "bias_gelu-tanh": (lambda x, b: ops.bias_gelu(x, b, "tanh"), (x, b)),
@@ -63,6 +65,7 @@ def _cases():
         "gated_activation-silu": (lambda g, u: ops.gated_activation(g, u, "silu"), (x, r)),
         "gated_activation-gelu_tanh": (lambda g, u: ops.gated_activation(g, u, "gelu_tanh"), (x, r)),
         "gated_activation-relu": (lambda g, u: ops.gated_activation(g, u, "relu"), (x, r)),
+        "xielu": (lambda x, ap, an: ops.xielu(x, ap.abs(), an.abs(), beta, eps), (x, b[:1], xb[:1])),
         "group_norm-silu": (lambda x, w, b: ops.group_norm(x.view(2, 6, 2), 3, w, b, 1e-5, "silu"),
                             (x, w, b)),
         "group_norm-bare": (lambda x: ops.group_norm(x.view(1, 6, 4), 2), (x,)),
