@@ -696,16 +696,18 @@ def _unrecognized(model: nn.Module, found: Recognized, claimed: set[str]) -> lis
     # columns only: a norm's statistics or a trainable activation's gradient silently per rank
     # (Apertus's xIELU, two one-value coefficients). Where the MLP's container holds more than the
     # MLP (OPT's and BART's block, its norms hidden wide), those are told apart by shape: one value,
-    # or one per intermediate feature.
+    # or one per intermediate feature where that width is not also the hidden width (a norm of the
+    # block, then, as far as its shape can say).
     attention_paths = [a.path for a in found.attentions]
     for mlp in found.mlps:
         projections = [mlp.fqn(p) for p in (*mlp.spelling.up, mlp.spelling.down)]
+        hidden = _features(model.get_submodule(mlp.fqn(mlp.spelling.down)))[1]
         for n, p in model.get_submodule(mlp.path).named_parameters(prefix=mlp.path):
             owner = n.rpartition(".")[0]
             known = (*projections, *attention_paths, *(r for r, _ in out))
-            if any(under(owner, q) for q in known):
-                continue
-            if p.numel() == 1 or (p.dim() == 1 and p.shape[0] == mlp.inner):
+            if owner == mlp.path or any(under(owner, q) for q in known):
+                continue  # (held by the container itself: a whole block's own scale, say)
+            if p.numel() == 1 or (p.dim() == 1 and p.shape[0] == mlp.inner != hidden):
                 why = (f"a parameter inside the MLP {mlp.path}, between its column- and row-parallel "
                        "projections, that would see one rank's columns only (a norm's statistics or an "
                        "activation's gradient per rank): keep that MLP whole by naming its projections in "

@@ -747,3 +747,22 @@ def test_fused_qkv_split_the_wrong_way_fails_the_check(world, kind):
 def test_unshardable_attention_is_never_silent(world, case, expected, sp):
     for message in world.run(shard_error, case, sp):
         assert message is not None and all(e in message for e in expected), message
+
+
+def test_a_blocks_norms_as_wide_as_its_mlp_are_not_taken_for_mlp_parameters():
+    """nn.TransformerEncoderLayer holds its norms beside linear1/linear2; with dim_feedforward equal
+    to d_model they are as wide as the MLP's intermediate features, and their shape cannot say
+    which they are: they are not refused (they see the whole hidden width), nor is a parameter
+    the block holds itself (a residual scale, say), while a one-value module beside the MLP's
+    linears (a PReLU) still is."""
+    from torch import nn
+
+    from trifuse.parallel.plan import recognize
+
+    model = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 32, batch_first=True), 2)
+    found = recognize(model)
+    assert len(found.mlps) == 2 and found.unrecognized == []
+    model.layers[0].scale = nn.Parameter(torch.ones(1))
+    assert recognize(model).unrecognized == []
+    model.layers[0].act = nn.PReLU()
+    assert [path for path, _ in recognize(model).unrecognized] == ["layers.0.act"]
