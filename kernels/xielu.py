@@ -32,7 +32,6 @@ Launch: one program per BLOCK elements, BLOCK = 2048 (8 warps on a GPU); not tun
 has run it).
 """
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -155,9 +154,9 @@ def xielu_fwd(x: torch.Tensor, alpha_p: torch.Tensor, alpha_n: torch.Tensor, bet
     y = empty_like(x, out_dtype)
     n = x.numel()
     if n:
-        _xielu_fwd[(triton.cdiv(n, BLOCK),)](x, y, alpha_p, alpha_n, beta, eps, n, BLOCK=BLOCK,
-                                                    ACC=acc_dtype(_wide(x.dtype, out_dtype, alpha_p.dtype, alpha_n.dtype)),
-                                                    num_warps=NUM_WARPS)
+        acc = _wide(x.dtype, out_dtype, alpha_p.dtype, alpha_n.dtype)
+        _xielu_fwd[(triton.cdiv(n, BLOCK),)](x, y, alpha_p, alpha_n, beta, eps, n, BLOCK=BLOCK, ACC=acc_dtype(acc),
+                                             num_warps=NUM_WARPS)
     return y
 
 
@@ -175,8 +174,8 @@ def xielu_bwd(dy: torch.Tensor, x: torch.Tensor, alpha_p: torch.Tensor, alpha_n:
     dap_part = torch.empty(programs, device=x.device, dtype=acc)
     dan_part = torch.empty(programs, device=x.device, dtype=acc)
     if n:
-        _xielu_bwd[(programs,)](dy, x, dx, alpha_p, alpha_n, beta, eps, dap_part, dan_part, n,
-                                       BLOCK=BLOCK, ACC=acc_dtype(acc), num_warps=NUM_WARPS)
+        _xielu_bwd[(programs,)](dy, x, dx, alpha_p, alpha_n, beta, eps, dap_part, dan_part, n, BLOCK=BLOCK,
+                                ACC=acc_dtype(acc), num_warps=NUM_WARPS)
     return dx, dap_part.sum().reshape(1), dan_part.sum().reshape(1)
 
 
@@ -396,7 +395,3 @@ def xielu(x: torch.Tensor, alpha_p: torch.Tensor, alpha_n: torch.Tensor, beta: t
     """
     return XIELU(x, alpha_p, alpha_n, beta, eps, out_dtype)
 
-
-def xielu_coefficients(act: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """(alpha_p, alpha_n) of a transformers XIELUActivation, as its forward computes them."""
-    return F.softplus(act.alpha_p), act.beta + F.softplus(act.alpha_n)
