@@ -28,6 +28,9 @@ tells it. Per mesh dim, the strategies offered are:
         mean, rstd              Shard(0) ((N, G))                                  Replicate
         weight, bias            Replicate                                          Replicate
         dweight, dbias          Partial()                                          Replicate
+    xielu (elementwise; its four one-value coefficients replicated everywhere)
+        x, y, dy, dx            Shard(d), d any dim                                Replicate
+        dalpha_p, dalpha_n      Partial() (each rank summed its elements)          Replicate
 
 `trifuse::rotary_embedding` has no strategy: like attention it runs inside the attention core,
 on the local head shards the column-parallel q/k projections hand it (tests/parallel: Llama fuses
@@ -262,9 +265,10 @@ def register() -> bool:
         )
 
     @register_sharding(ops.xielu.default)
-    def _xielu(x, alpha_p, alpha_n, beta, eps):
+    def _xielu(x, alpha_p, alpha_n, beta, eps, *out_dtype):  # out_dtype where the call passes it
         scalars = [("scalar", t) for t in (alpha_p, alpha_n, beta, eps)]
-        return _elementwise_strategies(x, [("row", x), *scalars], [("row", x)])
+        args = [("row", x), *scalars, *[(None, None)] * len(out_dtype)]
+        return _elementwise_strategies(x, args, [("row", x)])
 
     @register_sharding(ops.xielu_backward.default)
     def _xielu_backward(dy, x, alpha_p, alpha_n, beta, eps):
@@ -296,7 +300,7 @@ def register() -> bool:
                    ops.bias_gelu_backward, ops.bias_gelu_dropout, ops.bias_gelu_dropout_backward,
                    ops.gated_activation, ops.gated_activation_backward,
                    ops.gated_activation_dropout, ops.gated_activation_dropout_backward,
-                   ops.group_norm, ops.group_norm_backward):
+                   ops.group_norm, ops.group_norm_backward, ops.xielu):
         op = packet.default
         if infos is not None and op in infos:
             first = next(

@@ -195,6 +195,9 @@ def ops_on_sequence_shards(rank, size):
     # its coefficients' gradients are sums over every element: Partial on the shards, then reduced
     run(lambda t: trifuse.ops.xielu(t["x"], t["w"][:1].abs() + 0.5, t["b"][:1].abs() + 0.5, buffer(0.5, t["x"]),
                                     buffer(-1e-6, t["x"])), "xielu")
+    run(lambda t: trifuse.ops.xielu(t["x"].float(), t["w"][:1].abs() + 0.5, t["b"][:1].abs() + 0.5,
+                                    buffer(0.5, t["x"]), buffer(-1e-6, t["x"]), out_dtype=torch.float64),
+        "xielu_out_dtype")
 
     # Dropout on sequence shards: each rank draws its own seed (random.py seeds the generator
     # per rank inside a block); the mask is reproducible and the backward regenerates it.
