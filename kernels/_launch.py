@@ -16,6 +16,7 @@ Anything else (the interpreter, a Triton without `triton.knobs` or whose launche
 differs) takes Triton's own path.
 """
 import contextvars
+import inspect
 import logging
 import os
 import warnings
@@ -117,6 +118,25 @@ def launch_key(device: int, args: tuple, kwargs: dict) -> tuple[tuple, list]:
 _Tensor = torch.Tensor
 
 
+def launcher_tail(fn: triton.JITFunction, n_args: int, kwargs: dict) -> tuple:
+    """The values a compiled launcher takes after the `n_args` positional ones: each later
+    parameter's keyword value, or its default where the call leaves it out (a constexpr such as
+    `PREFETCH: tl.constexpr = False` that only some configs set)."""
+    python_fn = getattr(fn, "fn", None)  # the function under @triton.jit (also when interpreted)
+    defaults = {} if python_fn is None else {
+        name: p.default for name, p in inspect.signature(python_fn).parameters.items()
+        if p.default is not inspect.Parameter.empty}
+    tail = []
+    for name in fn.arg_names[n_args:]:
+        if name in kwargs:
+            tail.append(kwargs[name])
+        elif name in defaults:
+            tail.append(defaults[name])
+        else:
+            raise TypeError(f"{fn.__name__}: argument {name!r} was not given and has no default")
+    return tuple(tail)
+
+
 class CachedKernel:
     """Wraps a `@triton.jit` function: `CachedKernel(fn)[grid](*args, **constexprs)`.
 
@@ -147,7 +167,7 @@ class CachedKernel:
             if len(self._compiled) >= MAX_ENTRIES:
                 self._compiled.clear()
             # The launcher takes the constexprs after the runtime arguments; fixed for this key.
-            tail = tuple(kwargs[name] for name in self.fn.arg_names[len(args):])
+            tail = launcher_tail(self.fn, len(args), kwargs)
             self._compiled[key] = (compiled, tail)
             return
         compiled, tail = entry

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from _device import DEVICE, ON_GPU, set_interpreter_overflow_checks
-from trifuse.kernels._launch import CachedKernel
+from trifuse.kernels._launch import CachedKernel, launcher_tail
 
 
 @triton.jit
@@ -38,6 +38,35 @@ def test_repeated_launches_match_the_reference(n):
         for alpha, has_y in ((2.0, True), (-0.5, False), (2.0, True)):
             out = launch(x, y[:n], n, alpha, has_y)
             torch.testing.assert_close(out, x * alpha + (y[:n] if has_y else 0), rtol=0, atol=1e-6)
+
+
+@triton.jit
+def _scale_kernel(X, OUT, n, BLOCK: tl.constexpr, NEGATE: tl.constexpr = False):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(X + offs, mask=offs < n)
+    if NEGATE:
+        v = -v
+    tl.store(OUT + offs, v, mask=offs < n)
+
+
+SCALE = CachedKernel(_scale_kernel)
+
+
+def test_a_constexpr_left_to_its_default_reaches_the_launcher():
+    """The direct launcher takes every parameter after the runtime ones. A constexpr with a default
+    that a call leaves out (the norms' PREFETCH, set only by some configs) is its default there:
+    on the H200 (2026-12-04) the launch raised KeyError: 'PREFETCH' and every fused LayerNorm
+    backward failed; the interpreter takes Triton's own path and never ran this one."""
+    assert launcher_tail(_scale_kernel, 3, {"BLOCK": 64, "num_warps": 1}) == (64, False)
+    assert launcher_tail(_scale_kernel, 3, {"BLOCK": 64, "NEGATE": True}) == (64, True)
+    with pytest.raises(TypeError, match="_scale_kernel: argument 'BLOCK'"):
+        launcher_tail(_scale_kernel, 3, {"NEGATE": True})
+    x = torch.randn(50, device=DEVICE)
+    for negate in (None, True, None):  # the default, then set, then the default again
+        out = torch.empty_like(x)
+        kwargs = {} if negate is None else {"NEGATE": negate}
+        SCALE[(1,)](x, out, 50, BLOCK=64, num_warps=1, **kwargs)
+        torch.testing.assert_close(out, -x if negate else x, rtol=0, atol=0)
 
 
 @pytest.mark.gpu
