@@ -155,15 +155,27 @@ for what in "$@"; do
             # TRIFUSE_AUTOTUNE=0: each kernel's default config only (as on CPU), not every config of
             # its space compiled and timed per shape; the tuners have their own gpu tests below.
             # 410 tests, the issues' ops first.
-            stage tests-bf16 120 env TRIFUSE_AUTOTUNE=0 python3 -m pytest -q -n 8 -p no:cacheprovider \
+            stage tests-bf16 150 env TRIFUSE_AUTOTUNE=0 python3 -m pytest -v -n 8 -p no:cacheprovider \
                 -k "bf16 or bfloat16" tests/kernels/test_{layer_norm,residual_stream,bias_gelu,dropout_add}.py \
                 tests/kernels/test_{rotary,gated_activation,cross_entropy,attention,attention_varlen}.py \
                 tests/kernels/test_adaptive_norm.py tests/kernels/test_adaptive_norm_rows.py \
                 tests/kernels/test_gated_adaptive_norm_rows.py \
                 tests/kernels/test_group_norm.py tests/kernels/test_xielu.py
             # the kernels' and the launcher's gpu tests first, the 81 attention-dialect ones last
-            stage tests-gpu 120 python3 -m pytest -q -n 8 --maxfail=20 -p no:cacheprovider -m gpu \
+            # (the tests over 2^31 elements take 4-16 GiB each: 8 workers at once ran out of memory
+            # on the H200, 2026-12-04; they run after, one at a time)
+            stage tests-gpu 120 python3 -m pytest -q -rf -n 8 --maxfail=20 -p no:cacheprovider -m "gpu and not slow" \
+                tests/kernels tests/fusion tests/autotune
+            stage tests-gpu-slow 60 python3 -m pytest -q -rf -p no:cacheprovider -m "gpu and slow" \
                 tests/kernels tests/fusion tests/autotune ;;
+        tests-gpu)  # the gpu tests alone (no bf16 sweep)
+            stage tests-gpu 120 python3 -m pytest -q -rf -n 8 --maxfail=20 -p no:cacheprovider -m "gpu and not slow" \
+                tests/kernels tests/fusion tests/autotune ;;
+        bisect-configs)  # the 16-bit attention forward that failed on the H200 (2026-12-04), config by config
+            stage bisect-attention-configs 100 python3 bench/bisect_attention_configs.py ;;
+        graphs-gpt2)  # GPT-2 medium's steps alone: eager, fused, fused + graphs
+            stage bench-e2e-graphs 150 python3 bench/bench_e2e.py --steps 6 --models gpt2-medium --suffix graphs \
+                --providers "eager-sdpa,trifuse.fuse,trifuse.fuse(cuda_graphs)" ;;
         bisect)  # the bf16 attention case that failed on the H200 (2026-11-30): which feature does it
             stage bisect-attention 90 python3 bench/bisect_attention.py ;;
         host)  # wall µs per call at tiny sizes, trifuse against PyTorch, and a cProfile of one case
@@ -239,7 +251,7 @@ for what in "$@"; do
             stage tune 150 python3 -m trifuse.autotune gpt2-medium --batch 8 --seq 1024
             stage tune-llama 150 python3 -m trifuse.autotune llama-3.2-1b --batch 4 --seq 2048 \
                 --export-defaults autotune/defaults/ ;;  # this GPU's family: h100.json or h200.json
-        *) echo "unknown stage $what (tests bisect host kernels-core kernels attention tma dialects e2e e2e-ckpt e2e-bert e2e-llama e2e-dit graphs e2e-host nccl adaptive rowwise tune)" ;;
+        *) echo "unknown stage $what (tests tests-gpu bisect bisect-configs graphs-gpt2 host kernels-core kernels attention tma dialects e2e e2e-ckpt e2e-bert e2e-llama e2e-dit graphs e2e-host nccl adaptive rowwise tune)" ;;
     esac
 done
 

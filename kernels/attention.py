@@ -1032,6 +1032,23 @@ def _ensure_scratch_allocator() -> None:
 # =============================================================================================
 
 
+# Head dims below the dots' 16-wide tile are padded with zero columns on the host, so that every
+# tile the kernels load is at least 16 columns of real data. On the H200 (Triton 3.6, 2026-12-04;
+# bench/bisect_attention_configs.py) the forward with a value head dim of 8 beside a query head dim
+# of 24 read V's key rows from 16 on wrong in key blocks of 64 and 128 (errors up to 4e4, then an
+# illegal address), where 16 value columns, or key blocks of 32, were right; the interpreter never
+# showed it. A zero column adds nothing to q.k and its output column is cut off; only toy heads
+# are this narrow, so the copies cost no real model anything.
+_MIN_HEAD_DIM = 16
+
+
+def pad_head_dim(t: torch.Tensor) -> torch.Tensor:
+    """`t` with zero columns appended along its last (head) dim up to _MIN_HEAD_DIM; `t` itself
+    when it is that wide already."""
+    width = t.shape[-1]
+    return t if width >= _MIN_HEAD_DIM else torch.nn.functional.pad(t, (0, _MIN_HEAD_DIM - width))
+
+
 def _block_d(d: int) -> int:
     return max(16, next_power_of_2(d))  # tl.dot needs every dimension >= 16
 
@@ -1208,6 +1225,10 @@ def attention_fwd(
         lse[:, :, 0] = float("-inf") if sinks is None else sinks.to(lse.dtype)[None, :, None] * LOG2E
         lse[:, :, 1] = 0.0
         return o.zero_(), lse
+    if min(d, dv) < _MIN_HEAD_DIM:
+        o_wide, lse = attention_fwd(pad_head_dim(q), pad_head_dim(k), pad_head_dim(v), attn_mask, dropout_p,
+                                    is_causal, scale, seed, softcap, sinks)
+        return o.copy_(o_wide[..., :dv]), lse
     mask, sm, mask_kind = _mask_arg(attn_mask, (bsz, h, sq, sk), q)
     has_dropout = dropout_p > 0.0
     has_sinks = sinks is not None
@@ -1275,6 +1296,11 @@ def attention_bwd(
         dmask = _reduce_mask_grad(grads[3], attn_mask) if mask_grad else None
         dsinks = None if sinks is None else _sinks_grad(sinks, _row_lse2(lse), grads[4])
         return dq.copy_(grads[0]), dk.copy_(grads[1]), dv.copy_(grads[2]), dmask, dsinks
+    if min(d, d_v) < _MIN_HEAD_DIM:
+        dq_wide, dk_wide, dv_wide, dmask, dsinks = attention_bwd(
+            pad_head_dim(do), pad_head_dim(q), pad_head_dim(k), pad_head_dim(v), pad_head_dim(o), lse, seed,
+            attn_mask, dropout_p, is_causal, scale, mask_grad, softcap, sinks)
+        return dq.copy_(dq_wide[..., :d]), dk.copy_(dk_wide[..., :d]), dv.copy_(dv_wide[..., :d_v]), dmask, dsinks
     mask, sm, mask_kind = _mask_arg(attn_mask, (bsz, h, sq, sk), q)
     has_dropout = dropout_p > 0.0
     delta = lse.new_empty((bsz, h, sq))

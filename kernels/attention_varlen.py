@@ -368,6 +368,11 @@ def attention_varlen_fwd(
     has_dropout = dropout_p > 0.0
     if nseq == 0 or max_q == 0:  # no query belongs to a sequence: rows outside every sequence are 0
         return o.zero_(), lse.fill_(float("-inf"))
+    if min(q.shape[2], dv) < attn._MIN_HEAD_DIM:  # zero columns up to the dots' tile (attention.py)
+        o_wide, lse = attention_varlen_fwd(attn.pad_head_dim(q), attn.pad_head_dim(k), attn.pad_head_dim(v),
+                                           cu_q, cu_k, max_q, max_k, dropout_p, causal, scale, seed, softcap,
+                                           sinks, window)
+        return o.copy_(o_wide[..., :dv]), lse
     sinks_arg = q if sinks is None else attn._sinks_arg(sinks, q.dtype)
     args = (q, k, v, cu_q, cu_k, seed if has_dropout else q, sinks_arg, o, lse, *q.stride(), *k.stride(),
             *v.stride(), *o.stride(), total_q, total_k, h // h_kv, *attn._score_scales(scale, softcap),
@@ -399,6 +404,12 @@ def attention_varlen_bwd(
             delta = _varlen_torch_bwd(do, q, k, v, o, cu_q, cu_k, dropout_p, causal, scale, seed,
                                       softcap, sinks, window, dq, dk, dv_)
         return dq, dk, dv_, None if sinks is None else attn._sinks_grad(sinks, lse[None], delta[None])
+    if min(d, dv) < attn._MIN_HEAD_DIM:  # zero columns up to the dots' tile (attention.py)
+        pad = attn.pad_head_dim
+        dq_wide, dk_wide, dv_wide, dsinks = attention_varlen_bwd(
+            pad(do), pad(q), pad(k), pad(v), pad(o), lse, cu_q, cu_k, max_q, max_k, dropout_p, causal, scale,
+            seed, softcap, sinks, window)
+        return dq.copy_(dq_wide[..., :d]), dk.copy_(dk_wide[..., :d]), dv_.copy_(dv_wide[..., :dv]), dsinks
     has_dropout = dropout_p > 0.0
     delta = torch.empty_like(lse)
     pre_block = 32 if attn.INTERPRET else 64

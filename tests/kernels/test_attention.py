@@ -469,6 +469,31 @@ def test_dropout_matches_oracle_with_the_kernels_mask(dtype, case):
     check_fwd_bwd(q, k, v, mask, kwargs_of(case), dropout_p=p, dropout_mask=keep, seed=123, name="dropout")
 
 
+@pytest.mark.parametrize("d, dv", [(24, 8), (8, 8), (8, 24)], ids=["d24v8", "d8v8", "d8v24"])
+def test_heads_narrower_than_the_dot_tile_reach_the_kernels_padded(monkeypatch, d, dv):
+    """A head dim below 16 is padded with zero columns before the kernels (attention.py,
+    _MIN_HEAD_DIM): on the H200 the forward of a value head of 8 beside a query head of 24 read V
+    wrong without it. The kernels see 16 columns or more, and the result, forward and backward, is
+    the narrow heads' own."""
+    launched = []
+    real = attn_mod._tuned_launch
+
+    def spy(kind, key, grid_fn, args, constexprs):
+        launched.append((kind, constexprs["HEAD_DIM"], constexprs["HEAD_DIM_V"]))
+        return real(kind, key, grid_fn, args, constexprs)
+
+    monkeypatch.setattr(attn_mod, "_tuned_launch", spy)
+    monkeypatch.setattr(attn_mod, "_FWD_PLANS", {})
+    monkeypatch.setattr(attn_mod, "_BWD_PLANS", {})
+    case = Case(b=2, sq=40, sk=33, d=d, dv=dv, mask="hf")
+    q, k, v, mask = make(case, torch.float32)
+    check_fwd_bwd(q, k, v, mask, kwargs_of(case), dropout_p=0.25,
+                  dropout_mask=kernel_keep_mask(case.b, case.h, case.sq, case.sk, 0.25, seed=5), seed=5,
+                  name="narrow heads")
+    assert {kind for kind, _, _ in launched} == {"fwd", "dkdv", "dq"}
+    assert all(head >= 16 and head_v >= 16 for _, head, head_v in launched), launched
+
+
 def test_dropout_keeps_the_right_fraction_and_is_repeatable():
     p = 0.25
     keep = kernel_keep_mask(2, 3, 40, 48, p, seed=7)
