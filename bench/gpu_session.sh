@@ -95,6 +95,11 @@
 #   fused at all (a 16-bit x's LayerNorm returns fp32 there, not on CPU); now they do, and write
 #   bf16 for their q/k/v and MLP readers. `adaptive` adds that case (DiT's norm1, three readers);
 #   `e2e-dit` is the first to see it end to end.
+#   Fifty-first session (2026-12-04, H200, bench/results/h200-2026-12-04/): every fused LayerNorm
+#   backward had raised KeyError: 'PREFETCH' in the direct launcher, and attention with a value head
+#   of 8 beside a wider query head read V wrong; both fixed on the CPU, not yet rerun. GPT-2 medium
+#   with graphs 57.2 ms (2.27x). Next: call 1 `tests graphs` (~7 min: the bf16 suite named with -v,
+#   the gpu tests, BERT-large's fused rows), call 2 at once `e2e-warm kernels-core` or `attention`.
 #   Later sessions, one or two calls each: `kernels` (the remaining memory-bound ops), `tma
 #   dialects`, `e2e-ckpt` (gradient checkpointing on), `e2e-llama` (Llama 3.2 1B's shape against
 #   Liger-Kernel), `tune` (the shipped H100 defaults).
