@@ -188,6 +188,17 @@ def test_matches_float64_oracle(dtype, case):
     check_fwd_bwd(q, k, v, mask, kwargs_of(case), name=case.id)
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c.mask], ids=lambda c: c.id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_masks_without_their_bounds_match_the_oracle(monkeypatch, dtype, case):
+    """A GPU computes mask bounds only from 256 keys on (_BOUNDS_MIN_KEYS), the interpreter always:
+    the masked cases again with the bounds off, the path every short masked sequence takes on a
+    GPU (every key block visited, the mask alone hiding keys)."""
+    monkeypatch.setattr(attn_mod, "_BOUNDS_MIN_KEYS", 1 << 30)
+    q, k, v, mask = make(case, dtype)
+    check_fwd_bwd(q, k, v, mask, kwargs_of(case), name=case.id + " without bounds")
+
+
 @pytest.mark.parametrize("case", EMPTY_CASES, ids=lambda c: c.id)
 def test_empty_sizes(case):
     """Zero queries, batch or keys: SDPA gives an empty output, or zeros when there are no keys."""
