@@ -23,12 +23,22 @@ that names the target, so nothing is launched and no GPU is asked for.
 
     python bench/compile_sm90.py [--spaces | --smoke] [--only attention layer_norm ...] [--arch 90]
                                  [--json bench/results/sm90_compile.json] [--md ...]
+                                 [--memo tests/kernels/sm90_compile_memo.json [--write-memo]]
+
+--memo reads what earlier compiles of the same launches gave: a launch is compiled again unless
+the memo holds it under the same key, the kernel's Triton cache key (its source, the source of
+every @jit function it calls, the constexpr globals it reads), the launch's arguments and
+constexprs, the target and the Triton version. A compile is deterministic in those, so a hit is
+the compile's own result; an edited kernel misses and is compiled. --write-memo writes this run's
+rows into the memo and drops the entries whose kernel's source has changed since (the test suite
+reads it: regenerate it after editing kernels, or CI compiles them again, a minute or two).
 
 Exit status 1 when any kernel fails to compile, spills, or needs more shared memory than the
 target has. Run it with the Triton the GPU has (3.6 on the lent H100) as well as CI's.
 """
 import argparse
 import collections
+import hashlib
 import importlib
 import json
 import os
@@ -448,18 +458,48 @@ def _resources(cubin: bytes) -> dict:
     return out
 
 
-def compile_all(launches: list[dict], arch: int) -> list[dict]:
+def memo_key(fn, launch_key: str, arch: int) -> str:
+    """What a compile's result is a function of: the kernel's Triton cache key (source, callees,
+    constexpr globals), the launch, the target, the Triton version (and with it ptxas)."""
+    import triton
+
+    return hashlib.sha256(json.dumps([fn.cache_key, launch_key, arch, triton.__version__]).encode()).hexdigest()
+
+
+def read_memo(path: Path | None) -> dict:
+    if path is None or not path.exists():
+        return {}
+    return json.loads(path.read_text())["entries"]
+
+
+def write_memo(path: Path, memo: dict, rows: list[dict]) -> None:
+    """The memo with this run's rows added, less the entries of kernels whose cache key has changed
+    (an edited kernel's old results can never be hit again)."""
+    entries = {**memo, **{r["memo_key"]: {k: v for k, v in r.items() if k not in ("calls", "memo_key", "memo_hit")}
+                          for r in rows if "memo_key" in r and not r["error"]}}
+    live = {}
+    for key, row in entries.items():
+        fn = getattr(importlib.import_module(row["kernel_path"][0]), row["kernel_path"][1], None)
+        if fn is not None and getattr(fn, "cache_key", None) == row["cache_key"]:
+            live[key] = row
+    path.write_text(json.dumps({"note": "bench/compile_sm90.py --memo: compile results by launch (see its doc)",
+                                "entries": dict(sorted(live.items()))}, indent=0, sort_keys=True, default=str) + "\n")
+
+
+def compile_all(launches: list[dict], arch: int, memo: dict | None = None) -> list[dict]:
     import torch
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
+
+    memo = memo or {}
 
     previous = triton.runtime.driver._active  # None on a machine without a GPU
     triton.runtime.driver.set_active(_TargetOnlyDriver(GPUTarget("cuda", arch, 32)))
     distinct: dict[str, dict] = {}
     for launch in launches:
         key = json.dumps([launch["kernel"], launch["args"], sorted(launch["kwargs"].items())], default=str)
-        entry = distinct.setdefault(key, {**launch, "calls": []})
+        entry = distinct.setdefault(key, {**launch, "calls": [], "launch_key": key})
         entry["calls"].append(launch["config"] or launch["call"])
     rows = []
     try:
@@ -470,6 +510,12 @@ def compile_all(launches: list[dict], arch: int) -> list[dict]:
             kwargs = {k: _materialize(torch, tl, v) for k, v in entry["kwargs"].items()}
             row = {"kernel": name, "module": module.rsplit(".", 1)[-1], "calls": sorted(set(entry["calls"])),
                    "launch": {k: v[1] for k, v in entry["kwargs"].items()}}
+            row["memo_key"] = memo_key(fn, entry["launch_key"], arch)
+            row["kernel_path"], row["cache_key"] = [module, name], fn.cache_key
+            hit = memo.get(row["memo_key"])
+            if hit is not None:
+                rows.append({**hit, **row, "memo_hit": True})
+                continue
             t0 = time.perf_counter()
             try:
                 compiled = fn.warmup(*args, grid=(1,), **kwargs)
@@ -558,6 +604,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90 = Hopper)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--md", type=Path)
+    parser.add_argument("--memo", type=Path, help="earlier compile results to reuse where the key matches")
+    parser.add_argument("--write-memo", action="store_true", help="write this run's results into --memo")
     parser.add_argument("--record-to", type=Path, help=argparse.SUPPRESS)  # the child's side
     args = parser.parse_args(argv)
 
@@ -581,12 +629,16 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     t0 = time.perf_counter()
-    rows = compile_all(launches, args.arch)
+    memo = read_memo(args.memo)
+    rows = compile_all(launches, args.arch, memo)
+    if args.write_memo and args.memo is not None:
+        write_memo(args.memo, memo, rows)
     bad = [(r, problems(r)) for r in rows if problems(r)]
     header = (f"# Kernels compiled for sm_{args.arch} without a GPU\n\n"
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · triton {triton.__version__} · "
               f"torch {torch.__version__} · python {platform.python_version()} · {len(launches)} launches recorded, "
-              f"{len(rows)} distinct, compiled in {time.perf_counter() - t0:.0f} s · "
+              f"{len(rows)} distinct ({sum(1 for r in rows if r.get('memo_hit'))} from the memo), "
+              f"compiled in {time.perf_counter() - t0:.0f} s · "
               f"{'tuning spaces included' if args.spaces else 'the configs the catalogue launched'} · "
               f"{len(bad)} with problems")
     text = markdown(rows, header)

@@ -17,6 +17,10 @@ import trifuse.kernels
 import triton
 
 TOOL = Path(__file__).resolve().parents[2] / "bench" / "compile_sm90.py"
+# Earlier compiles of the same launches (the kernel's Triton cache key, the launch, the target and
+# the Triton version): a compile is deterministic in those, so only kernels edited since are
+# compiled again. Regenerate after editing kernels (the command's doc: --memo ... --write-memo).
+MEMO = Path(__file__).resolve().parent / "sm90_compile_memo.json"
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
 
@@ -34,7 +38,8 @@ def _kernel_names() -> set[str]:
 def _compile(tmp_path, *args: str, **env: str) -> list[dict]:
     out = tmp_path / "sm90.json"
     env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, **env}
-    run = subprocess.run([sys.executable, str(TOOL), "--smoke", "--json", str(out), *args], env=env, check=False,
+    run = subprocess.run([sys.executable, str(TOOL), "--smoke", "--json", str(out), "--memo", str(MEMO), *args],
+                         env=env, check=False,
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
     return json.loads(out.read_text())["rows"]
@@ -62,3 +67,20 @@ def test_attention_forward_through_tensor_descriptors_compiles_to_tma(tmp_path):
     for r in forward:
         assert r["sass"]["UTMALDG"] > 0 and r["sass"]["UTMASTG"] > 0 and r["sass"]["HGMMA"] > 0, r["sass"]
         assert not r["error"] and r["stack"] == 0, r
+
+
+def test_the_memo_is_keyed_by_the_kernels_source_the_launch_and_the_target():
+    """A memo entry stands for a compile only while everything the compile reads is the same: the
+    kernel's source and its callees' (Triton's cache key, here two stand-ins), the launch, the
+    target, the Triton version."""
+    import types
+
+    import compile_sm90 as tool
+
+    kernel, edited = types.SimpleNamespace(cache_key="abc"), types.SimpleNamespace(cache_key="abd")
+    key = tool.memo_key(kernel, '["launch", 1]', 90)
+    assert key == tool.memo_key(kernel, '["launch", 1]', 90)
+    assert len({key, tool.memo_key(kernel, '["launch", 2]', 90), tool.memo_key(edited, '["launch", 1]', 90),
+                tool.memo_key(kernel, '["launch", 1]', 80)}) == 4
+    entries = json.loads(MEMO.read_text())["entries"]
+    assert entries and all(e["cache_key"] and not e["error"] for e in entries.values())
