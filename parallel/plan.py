@@ -551,6 +551,10 @@ class Recognized:
     # (module name, why): attention-like modules, and projections inside recognized blocks,
     # that no spelling covers, so the derived plan would leave them unsharded.
     unrecognized: list[tuple[str, str]] = field(default_factory=list)
+    # Parameter names of elementwise activations between an MLP's column- and row-parallel
+    # projections (Apertus's xIELU coefficients): each rank sees its columns only, so their
+    # gradients are per-rank partial sums, summed over the tensor-parallel group by `shard`.
+    partial_gradients: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.attentions or self.mlps or self.moes)
@@ -697,16 +701,27 @@ def _unrecognized(model: nn.Module, found: Recognized, claimed: set[str]) -> lis
     # (Apertus's xIELU, two one-value coefficients). Where the MLP's container holds more than the
     # MLP (OPT's and BART's block, its norms hidden wide), those are told apart by shape: one value,
     # or one per intermediate feature where that width is not also the hidden width (a norm of the
-    # block, then, as far as its shape can say).
+    # block, then, as far as its shape can say). One-value parameters of an elementwise activation
+    # in an MLP module of its own are kept whole instead, their gradients summed over the group.
     attention_paths = [a.path for a in found.attentions]
     for mlp in found.mlps:
         projections = [mlp.fqn(p) for p in (*mlp.spelling.up, mlp.spelling.down)]
         hidden = _features(model.get_submodule(mlp.fqn(mlp.spelling.down)))[1]
-        for n, p in model.get_submodule(mlp.path).named_parameters(prefix=mlp.path):
+        params = list(model.get_submodule(mlp.path).named_parameters(prefix=mlp.path))
+        # An MLP module of its own (Llama's, Apertus's): its parameters are the projections' and
+        # its activations', so an activation there runs between the projections, on each rank's
+        # columns. In a whole block's container (OPT's) an activation module may run anywhere.
+        own_module = all(any(under(n.rpartition(".")[0], q) for q in projections)
+                         or (p.numel() == 1 and _elementwise_activation(model.get_submodule(n.rpartition(".")[0])))
+                         for n, p in params)
+        for n, p in params:
             owner = n.rpartition(".")[0]
             known = (*projections, *attention_paths, *(r for r, _ in out))
             if owner == mlp.path or any(under(owner, q) for q in known):
                 continue  # (held by the container itself: a whole block's own scale, say)
+            if own_module and p.numel() == 1 and _elementwise_activation(model.get_submodule(owner)):
+                found.partial_gradients.append(n)
+                continue
             if p.numel() == 1 or (p.dim() == 1 and p.shape[0] == mlp.inner != hidden):
                 why = (f"a parameter inside the MLP {mlp.path}, between its column- and row-parallel "
                        "projections, that would see one rank's columns only (a norm's statistics or an "
@@ -714,6 +729,14 @@ def _unrecognized(model: nn.Module, found: Recognized, claimed: set[str]) -> lis
                        "plan= with None")
                 out.append((owner, why))
     return out
+
+
+def _elementwise_activation(module: nn.Module) -> bool:
+    """Whether `module` is an activation known to act element by element (transformers'
+    activations, Apertus's xIELU among them; torch's, PReLU with one slope): a one-value parameter
+    of it sees each rank's columns alike, and only its gradient needs the other ranks' parts. Any
+    other module (a norm over the features with a one-value gain, say) stays refused."""
+    return type(module).__module__ in ("transformers.activations", "torch.nn.modules.activation")
 
 
 def _subtree(model: nn.Module, path: str) -> set[str]:

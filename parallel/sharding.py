@@ -32,6 +32,8 @@ states *between* blocks are sequence shards: outputs that expose them (HF's
 `output_hidden_states=True`) show each rank's slice; the final output is whole.
 """
 
+import functools
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -172,9 +174,11 @@ def _owned(plan: Plan) -> set[str]:
     return {name for name, style in plan.styles if not isinstance(style, _PREPARE_ONLY)}
 
 
-def _check_sp_coverage(model: nn.Module, plan: Plan) -> None:
+def _check_sp_coverage(model: nn.Module, plan: Plan, summed: set[str] = frozenset()) -> None:
     """Under sequence parallelism every parameter in a block sees sequence shards, so a style
-    must own it: left plain, its gradient would be this rank's partial sum only."""
+    must own it: left plain, its gradient would be this rank's partial sum only. `summed`: the
+    parameters whose gradients `shard` sums over the group itself (an activation's inside an MLP,
+    which sees the whole sequence on its columns)."""
     owned = _owned(plan)
     # A replicated module (an MoE router) runs whole with whatever it holds.
     whole = [name + "." for name, style in plan.styles if isinstance(style, ReplicatedModule)]
@@ -183,11 +187,21 @@ def _check_sp_coverage(model: nn.Module, plan: Plan) -> None:
             if name in owned or name.startswith(tuple(whole)):
                 continue
             for pname, _ in module.named_parameters(recurse=False):
+                if f"{name}.{pname}" in summed:
+                    continue
                 raise ValueError(
                     f"trifuse.parallel.shard: with sequence parallelism, parameter {name}.{pname} sees "
                     "sequence shards but no style covers it (its gradient would be a per-rank partial "
                     "sum); add it to plan= or pass sequence_parallel=False"
                 )
+
+
+def _sum_over(group: dist.ProcessGroup, grad: torch.Tensor) -> torch.Tensor:
+    """A parameter's gradient summed over the tensor-parallel group (each rank computed its
+    columns' part)."""
+    grad = grad.clone()  # autograd may hand the same tensor to other readers
+    dist.all_reduce(grad, group=group)
+    return grad
 
 
 def _replicate_grad(param: torch.Tensor) -> None:
@@ -262,6 +276,9 @@ def shard(
     device (NCCL moves CUDA tensors only), before building the optimizer. Inputs: every rank
     of a tensor-parallel group gets the same batch; with sequence parallelism the sequence
     length must divide by the tensor-parallel degree.
+    A one-value parameter of an activation between an MLP's column- and row-parallel projections
+    (Apertus's xIELU) stays whole on every rank, and its gradient, each rank's columns' part, is
+    summed over the tensor-parallel group (1-D meshes: under FSDP2 it raises).
     Raises ValueError for a mesh that does not cover the world, heads or MLP widths that do not
     divide, a model with no recognized blocks and no plan, or an attention-like module (or a
     weight inside a recognized block) that the derived plan would leave unsharded and `plan`
@@ -284,7 +301,16 @@ def shard(
         derived.styles += vocab_plan(model, tp)
     full = merge(derived, plan, model)
 
-    _check_sp_coverage(model, full)
+    partial = list(dict.fromkeys(found.partial_gradients))
+    if partial and dp_mesh is not None:
+        raise ValueError(
+            f"trifuse.parallel.shard: {partial[0]} is a parameter of an activation between an MLP's "
+            "column- and row-parallel projections, whose gradient is summed over the tensor-parallel "
+            "group by a hook on the parameter; FSDP2 over a 2-D mesh replaces the parameters and the "
+            "sum would be lost. Use a 1-D mesh, or keep that MLP whole by naming its projections in "
+            "plan= with None"
+        )
+    _check_sp_coverage(model, full, set(partial))
     tied = _tied_groups(model)
     _check_ties(tied, full)
 
@@ -308,6 +334,11 @@ def shard(
     for p in model.parameters():
         if isinstance(p, DTensor) and any(isinstance(pl, Replicate) for pl in p.placements):
             p.register_post_accumulate_grad_hook(_replicate_grad)
+    for name in partial:
+        if tp > 1:
+            # Before accumulation (a tensor hook, not a post-accumulate one): each backward's own
+            # part is summed once, also when gradients accumulate over several backwards.
+            model.get_parameter(name).register_hook(functools.partial(_sum_over, tp_mesh.get_group()))
     if dp_mesh is not None:
         from torch.distributed.fsdp import fully_shard
 

@@ -30,6 +30,7 @@ ATTENTION = {
     "llama": ("model.layers.0.self_attn", "k_proj"),
     "gemma3": ("model.layers.0.self_attn", "k_proj"),
     "olmo2": ("model.layers.0.self_attn", "k_proj"),
+    "apertus": ("model.layers.0.self_attn", "k_proj"),
     "vit": ("vit.layers.0.attention", "k_proj"),
     "opt": ("model.decoder.layers.0.self_attn", "k_proj"),
     "bart": ("model.decoder.layers.0.encoder_attn", "k_proj"),  # the cross-attention
@@ -319,8 +320,8 @@ def fused_equal_to_single_process(rank, size, kind, order, sp, config=None):
     # Their norms compute in float32 (see above); OPT's, BART's, NeoX's and Nemotron's losses upcast
     # the logits to float32, trifuse's fused cross-entropy keeps float64; BLOOM's softmax is float32,
     # trifuse's attention float64.
-    fp32 = kind in ("llama", "gemma2", "gemma3", "olmo2", "phi3", "nemotron", "opt", "bart", "neox", "bloom",
-                    "qwen3_moe",
+    fp32 = kind in ("llama", "gemma2", "gemma3", "olmo2", "phi3", "nemotron", "apertus", "opt", "bart", "neox",
+                    "bloom", "qwen3_moe",
                     "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v3", "deepseek_v2", "deepseek_v32", "gpt_oss")
     failures, checks = train_alongside(kind, model, ref, 1, fp32=fp32, optimizer=torch.optim.SGD)
     return failures, checks, trifuse.report(model).counts()
@@ -347,7 +348,7 @@ def shard_error(rank, size, case, sp):
             model.cross = type("MyAttention", (nn.MultiheadAttention,), {})(32, 4).double()
     elif case == "llama_kv_heads":
         model = build("llama", heads=4, kv_heads=1)
-    elif case in ("apertus", "bitnet_sub_norm"):  # parameters between the MLP's projections
+    elif case in ("apertus_fsdp", "bitnet_sub_norm"):  # parameters between the MLP's projections
         model = build("apertus")
         if case == "bitnet_sub_norm":  # a norm over the intermediate features, as BitNet's ffn_sub_norm
             from transformers.models.bitnet.modeling_bitnet import BitNetRMSNorm
@@ -398,8 +399,10 @@ def shard_error(rank, size, case, sp):
         model.model.layers[0].self_attn.k_rope_norm = DeepseekV3RMSNorm(4).double()
     else:
         raise AssertionError(case)
+    # (FSDP2 over a data-parallel dim of 1 beside the tensor-parallel one)
+    mesh = init_device_mesh("cpu", (1, size), mesh_dim_names=("dp", "tp")) if case == "apertus_fsdp" else _mesh(size)
     try:
-        shard(model, _mesh(size), sequence_parallel=sp)
+        shard(model, mesh, sequence_parallel=sp)
     except ValueError as e:
         return str(e)
     return None
@@ -418,12 +421,12 @@ def test_loss_grads_and_steps_match_single_process(world, kind, sp):
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
-@pytest.mark.parametrize("kind", ["opt", "bart", "whisper", "clip", "neox", "phi3", "bloom"])
+@pytest.mark.parametrize("kind", ["opt", "bart", "whisper", "clip", "neox", "phi3", "bloom", "apertus"])
 def test_more_families_match_single_process(world, kind, sp):
     # Local K projection: 4 heads of 8, 2 per rank (a K projection; NeoX's and BLOOM's whole heads
     # of their fused q, k, v: 2 x 3 x 8 rows; Phi-3's 2 query heads and 1 of its 2 K/V heads:
     # 2 x 8 + 2 x 8). BLOOM's ALiBi bias, built for all 4 heads, is sliced to each rank's 2.
-    local = {"neox": (48, 32), "phi3": (32, 32), "bloom": (48, 32)}.get(kind, (16, 32))
+    local = {"neox": (48, 32), "phi3": (32, 32), "bloom": (48, 32), "apertus": (8, 32)}.get(kind, (16, 32))
     for failures, checks, shape in world.run(equal_to_single_process, kind, sp, 2):
         assert shape == local
         assert checks > 60
@@ -461,6 +464,9 @@ FUSED_COUNTS = {
     "bloom": {"layer_norm": 4, "attention": 2, "residual_stream": 2, "dropout_add": 2},
     # Nemotron's squared ReLU on each rank's columns of up_proj (no bias to take)
     "nemotron": {"layer_norm": 3, "attention": 2, "residual_stream": 2, "rotary": 2, "bias_gelu": 2},
+    # Apertus's xIELU on each rank's columns, its two coefficients whole on every rank and their
+    # gradients (each rank's columns' part) summed over the group by shard's hooks
+    "apertus": {"rms_norm": 7, "attention": 2, "residual_stream": 2, "rotary": 2, "xielu": 2},
 }
 
 
@@ -694,9 +700,10 @@ def test_fused_qkv_split_the_wrong_way_fails_the_check(world, kind):
         ("multihead_bias_kv", ("cross: nn.MultiheadAttention: add_bias_kv=True is not supported",)),
         ("multihead_subclass", ("cross: nn.MultiheadAttention: MyAttention, a subclass (its forward may differ)",)),
         ("llama_kv_heads", ("has 1 key/value heads (grouped-query attention), which do not divide",)),
-        # Apertus's trainable xIELU: its gradient would be a per-rank partial sum (it was, silently)
-        ("apertus", ("model.layers.0.mlp.act_fn: a parameter inside the MLP model.layers.0.mlp, between its "
-                     "column- and row-parallel projections",)),
+        # Apertus's trainable xIELU, whose gradients a hook sums over the tensor-parallel group, under
+        # FSDP2, which would replace the parameters the hooks are on
+        ("apertus_fsdp", ("model.layers.0.mlp.act_fn.alpha_p is a parameter of an activation between an MLP's "
+                          "column- and row-parallel projections", "FSDP2 over a 2-D mesh")),
         ("bitnet_sub_norm", ("model.layers.0.mlp.act_fn.1: a parameter inside the MLP model.layers.0.mlp",)),
         (
             "unknown_projection",
