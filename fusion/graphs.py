@@ -335,6 +335,12 @@ def _not_graphable(module: torch.nn.Module) -> str | None:
         return "called inside torch.compile"
     if collecting_outputs():  # its hooks inside the block would not run in a replay
         return "transformers collects outputs on this call (output_hidden_states, output_attentions)"
+    for p in module.parameters():
+        # A replay hands .grad the graph's buffers: hooks on a parameter's gradient would not run
+        # (trifuse.parallel's sums over the tensor-parallel group, a DTensor's placement fix).
+        hooked = getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks", None)
+        if p.requires_grad and hooked:
+            return "a parameter has gradient hooks, which a replay would not run"
     return None
 
 

@@ -508,6 +508,28 @@ def test_calls_collecting_hidden_states_run_ungraphed(monkeypatch):
     assert graphs.replays == 3 * 2  # two blocks: the 2nd and 3rd calls, and the one after the collecting call
 
 
+def test_blocks_holding_parameters_with_gradient_hooks_run_ungraphed(monkeypatch):
+    """A replay hands .grad the graph's buffers, so a hook on a parameter's gradient would not run
+    (trifuse.parallel sums Apertus's xIELU coefficients' gradients over the tensor-parallel group
+    so): a block holding such a parameter runs ungraphed and its hook runs; the others stay graphed."""
+    torch.manual_seed(0)
+    lm, inputs, _ = _models.gpt2(layers=2)
+    ref = copy.deepcopy(lm)
+    for model in (lm, ref):
+        model.transformer.h[1].mlp.c_fc.bias.register_hook(lambda g: 2 * g)
+    trifuse.fuse(lm, cuda_graphs=True)
+    _on_cpu(lm, monkeypatch, _StandIn())
+    kw = inputs(2, 8)
+    for _ in range(3):
+        lm(**kw).loss.backward()
+        ref(**kw).loss.backward()
+    for (name, p), q in zip(lm.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    (graphs,) = _block_graphs(lm)
+    assert graphs.skipped["a parameter has gradient hooks, which a replay would not run"] == 3
+    assert graphs.replays == 2  # the first block's 2nd and 3rd calls
+
+
 @pytest.mark.skipif(DEVICE != "cpu", reason="on a CPU")
 def test_cpu_tensors_are_never_graphed():
     torch.manual_seed(0)
