@@ -73,6 +73,7 @@ MAX_MOVES = 1
 MOVING = "its parameters keep moving to new storage (FSDP's resharding?)"
 IN_USE = "called again before the backward of its last graphed call (the graph's buffers are in use)"
 NOT_IN_PLACE = "its input was not the block before's graphed output this time (that block ran ungraphed)"
+HOOKED = "a parameter has gradient hooks, which a replay would not run"
 
 
 class BlockGraphs:
@@ -109,6 +110,9 @@ class BlockGraphs:
         # The graph reads the parameters where they were at capture (in-place optimizer steps are
         # fine); new storage (model.to(), a state_dict loaded with assign) drops the old graph.
         params = tuple(module.parameters())
+        if any(_hooked(p) for p in params):
+            self.skipped[HOOKED] += 1
+            return run(module, args, kwargs)
         key += tuple((p.dtype, p.requires_grad) for p in params)
         where = tuple(p.data_ptr() for p in params)
         entries = self._entries.setdefault(module, {})
@@ -335,13 +339,14 @@ def _not_graphable(module: torch.nn.Module) -> str | None:
         return "called inside torch.compile"
     if collecting_outputs():  # its hooks inside the block would not run in a replay
         return "transformers collects outputs on this call (output_hidden_states, output_attentions)"
-    for p in module.parameters():
-        # A replay hands .grad the graph's buffers: hooks on a parameter's gradient would not run
-        # (trifuse.parallel's sums over the tensor-parallel group, a DTensor's placement fix).
-        hooked = getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks", None)
-        if p.requires_grad and hooked:
-            return "a parameter has gradient hooks, which a replay would not run"
     return None
+
+
+def _hooked(p: torch.Tensor) -> bool:
+    """Whether hooks run on `p`'s gradient: a replay hands .grad the graph's buffers without them
+    (trifuse.parallel's sums over the tensor-parallel group, a DTensor's placement fix)."""
+    return p.requires_grad and bool(getattr(p, "_backward_hooks", None)
+                                    or getattr(p, "_post_accumulate_grad_hooks", None))
 
 
 def _trainable(module: torch.nn.Module) -> tuple[torch.Tensor, ...]:
