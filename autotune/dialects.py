@@ -34,7 +34,9 @@ runs. Otherwise the choice for (key, deterministic mode) is made once:
    timed with their kernels at default configs where those are not tuned yet; a candidate whose
    kernels wanted tuning is tuned (`tuner.Tuner`) and timed again only when it came within
    SCREEN_MARGIN of the fastest (tuning a clear loser would cost the first step every config's
-   compile and timing). The fastest wins and goes to the disk cache. A candidate that raises is
+   compile and timing). On the GPU's own timers, each round's kernels are compiled first, all
+   candidates together, in parallel (`_compile_first`: a fwd+bwd check compiles several kernels
+   one after another otherwise, most of a cold first step). The fastest wins and goes to the disk cache. A candidate that raises is
    rejected with the exception as its reason; when none passes, the first eligible one is kept
    for this process (not written). Random generators are restored afterwards: tuning never
    shifts a seeded run.
@@ -47,6 +49,7 @@ import contextvars
 import dataclasses
 import functools
 import importlib
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -54,7 +57,7 @@ import torch
 
 from .cache import disk_cache, environment, shipped_default
 from .decisions import Clock, Decision, Timer, bucket_string, deciding, log, lookup, phase, record, records
-from .tuner import (capturing, error_text, graph_timer, on_device, progress, timer_for, tuned, untuned,
+from .tuner import (PRECOMPILING, capturing, error_text, graph_timer, on_device, progress, timer_for, tuned, untuned,
                     wall_timer)
 
 # The check's bound, in the form of the tests' oracle rule (tests/tolerances.py) but with twice
@@ -285,7 +288,9 @@ class Dialect:
             record(Decision("dialect", self.name, device, bucket, self.candidates[0].name,
                             "fallback (no candidate takes this call)", {}, rejected))
             return self.candidates[0].fn
-        if capturing():
+        if capturing() or PRECOMPILING.get():
+            # Nothing timed in a capture; nor while another op's candidate is being compiled
+            # (`_compile_first`): its kernels launch nothing, so nothing could be checked.
             return eligible[0].fn
         if graphed:
             timer, why_not = timer_for(device_index, self.graph_timer or self.timer, graph_timer)
@@ -307,7 +312,9 @@ class Dialect:
             if match:
                 rejected.update({k: v for k, v in hit.get("rejected", {}).items() if k not in rejected})
                 return keep(match[0], "disk cache", dict(hit.get("ms", {})))
-        times, problem, untuned_names = self._measure(eligible, args, timer, device_index, rejected)
+        own_timer = (self.graph_timer or self.timer) if graphed else self.timer
+        times, problem, untuned_names = self._measure(eligible, args, timer, device_index, rejected,
+                                                      compile_first=own_timer is None)
         if not times:
             # Kept for this process (a retry per call would cost a trial each time), not on disk.
             log.warning("trifuse: could not choose for %s [%s] (%s); using %s",
@@ -322,12 +329,13 @@ class Dialect:
         return keep(self.candidate(best), source, times)
 
     def _measure(self, eligible: list[Candidate], args: tuple, timer: Timer, device_index: int,
-                 rejected: dict[str, str]) -> tuple[dict[str, float], str, list[str]]:
+                 rejected: dict[str, str], compile_first: bool = False) -> tuple[dict[str, float], str, list[str]]:
         """({candidate: ms} of those that passed the check, what went wrong when none did, the
         candidates left untuned). Each candidate is first checked and timed with its kernels at
         their default configs where they are not tuned yet (`tuner.untuned`); one whose kernels
         wanted tuning is then tuned, checked and timed again, unless it took more than
-        SCREEN_MARGIN times the fastest: its default-config time stands, and it loses."""
+        SCREEN_MARGIN times the fastest: its default-config time stands, and it loses. With
+        `compile_first` (the GPU's own timers), each round's kernels compile together first."""
         times: dict[str, float] = {}
         left: list[str] = []
         devices = [device_index] if device_index >= 0 else []
@@ -339,6 +347,8 @@ class Dialect:
                 return {}, f"the reference {error_text(e)}", left
             wants_tuning: list[Candidate] = []
             with untuned() as pending:
+                if compile_first:
+                    _compile_first(trial, eligible)
                 for c in progress(eligible, f"trifuse: choosing {self.name}"):
                     before = len(pending)
                     ms = self._checked_time(c, trial, timer, rejected)
@@ -347,10 +357,11 @@ class Dialect:
                         if len(pending) > before:
                             wants_tuning.append(c)
             fastest = min(times.values(), default=0.0)
-            for c in wants_tuning:
-                if times[c.name] > SCREEN_MARGIN * fastest:
-                    left.append(c.name)
-                    continue
+            left = [c.name for c in wants_tuning if times[c.name] > SCREEN_MARGIN * fastest]
+            to_tune = [c for c in wants_tuning if c.name not in left]
+            if compile_first and to_tune:
+                _compile_first(trial, to_tune)  # every config of every kernel they tune, together
+            for c in to_tune:
                 del times[c.name]  # timed again with its kernels tuned (or rejected now)
                 ms = self._checked_time(c, trial, timer, rejected)
                 if ms is not None:
@@ -512,6 +523,23 @@ class _Trial:
             differentiated = [outs[i] for i in self.grad_outputs]
             return torch.autograd.grad(differentiated, leaves, self.dys, allow_unused=True)
         return run
+
+
+def _compile_first(trial: _Trial, candidates: list[Candidate]) -> None:
+    """Compiles, all at once, the Triton kernels that checking and timing `candidates` on `trial`
+    will launch (`kernels._launch.precompile`: a pool of compile threads; each call runs with
+    trifuse's kernels in compile-only mode, and a tuner that would time compiles all its configs
+    instead, deciding nothing). Other libraries' candidates simply run once more. Without it a
+    candidate's check compiles its forward and backward kernels, at each variant the check calls
+    (attention's: without dropout, then with), one after another on the first step."""
+    from ..kernels._launch import precompile  # (kernels import autotune, not the reverse)
+
+    calls = []
+    for c in candidates:
+        calls.append(functools.partial(trial.problem, c.fn))  # the check's calls (its own shapes and variants)
+        calls.append(lambda fn=c.fn: trial.step(fn)())  # the timed call
+    with phase("compile"):
+        precompile(calls, workers=min(os.cpu_count() or 1, 16))
 
 
 def compare_with_reference(reference: Callable[..., Any], fn: Callable[..., Any], args: tuple) -> str | None:

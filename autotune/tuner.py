@@ -181,6 +181,11 @@ def on_device(device_index: int):
 _UNTUNED: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("trifuse_untuned", default=None)
 
 
+# True while `kernels._launch.precompile` runs its calls: CachedKernel compiles instead of
+# launching, and a tuner that would time an undecided key compiles every config instead.
+PRECOMPILING: contextvars.ContextVar[bool] = contextvars.ContextVar("trifuse_precompiling", default=False)
+
+
 @contextlib.contextmanager
 def untuned():
     """Inside, a tuner that would time its configs for an undecided key takes its default (the
@@ -396,6 +401,13 @@ class Tuner:
             match = self._shipped(fitting, device_index, bucket)[1]
             self._untuned[key] = match if match is not None else fitting[0]
             return self._untuned[key]
+        if PRECOMPILING.get():
+            # A dialect compiling a candidate's kernels ahead of its check (`Dialect._measure`):
+            # every config goes to the compile pool with the others, nothing is timed or kept;
+            # the real call then tunes on configs already compiled.
+            for cfg in fitting:
+                launch(cfg, *args)
+            return fitting[0]
         times: dict[str, float] = {}
         by_label = {config_label(c): c for c in fitting}
         with on_device(device_index):

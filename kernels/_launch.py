@@ -15,7 +15,6 @@ launcher as their addresses (ints); launch hooks are passed on as Triton does, w
 Anything else (the interpreter, a Triton without `triton.knobs` or whose launcher signature
 differs) takes Triton's own path.
 """
-import contextvars
 import inspect
 import logging
 import os
@@ -27,6 +26,7 @@ import torch
 import triton
 
 from ..autotune.env import INTERPRET
+from ..autotune.tuner import PRECOMPILING as _PRECOMPILING
 
 _knobs = getattr(triton, "knobs", None)  # Triton >= 3.4; older ones take Triton's own path
 try:  # Triton's own parallel compilation (JIT compiles submitted to an executor); not in every Triton
@@ -50,19 +50,17 @@ def store_plan(plans: dict, key: tuple, plan: tuple) -> None:
     plans[key] = plan
 
 
-# True while `precompile` runs its calls: CachedKernel compiles instead of launching.
-_PRECOMPILING = contextvars.ContextVar("trifuse_precompiling", default=False)
-
-
 def precompile(calls: Iterable[Callable[[], object]], workers: int | None = None) -> bool:
     """Compiles what each call would launch through CachedKernel, several kernels at once, and
     launches nothing: each call runs with CachedKernel in compile-only mode (`JITFunction.warmup`)
     inside Triton's AsyncCompileMode, which hands every compile to a pool of `workers` threads
     (default: one per CPU, at most 16); Triton's passes and ptxas run outside the GIL, so a tuner's
-    dozens of configs compile in parallel instead of one after another. Later launches of the same
-    specializations find them compiled. A call whose compile fails is skipped here: its real launch
-    raises the error. Returns False (doing nothing) under the interpreter or on a Triton without
-    AsyncCompileMode."""
+    dozens of configs compile in parallel instead of one after another. Inside, a tuner that would
+    time an undecided key hands every config it would time to the pool instead and decides nothing
+    (so a whole fwd+bwd call compiles its kernels' configs together); kernels launched through
+    Triton's own path compile there and run. Later launches of the same specializations find them
+    compiled. A call whose compile fails is skipped here: its real launch raises the error. Returns
+    False (doing nothing) under the interpreter or on a Triton without AsyncCompileMode."""
     calls = list(calls)
     if INTERPRET or AsyncCompileMode is None or not calls or _PRECOMPILING.get():
         return False

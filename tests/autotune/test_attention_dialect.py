@@ -721,6 +721,49 @@ def test_gpu_dialect_measures_and_replays(attn_dialect):
     assert "trifuse" in rec.times_ms
 
 
+COLD_CHOICE = """
+import json, threading, torch, triton
+compile_one = triton.compiler.compile
+threads = []
+
+def compile_spy(*args, **kwargs):  # which thread compiles (a JITFunction binds it at first use)
+    threads.append(threading.current_thread().name)
+    return compile_one(*args, **kwargs)
+
+triton.compiler.compile = compile_spy
+import trifuse
+from trifuse.kernels import attention as A
+
+q, k, v = (torch.randn(2, 4, 320, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+trifuse.ops.attention(q, k, v, dropout_p=0.1, is_causal=True).sum().backward()
+rec = A.ATTENTION.explain(q, k, v, None, 0.1, True, None, False)
+print(json.dumps({"threads": threads, "source": rec.source, "phases": rec.phases, "times": rec.times_ms}))
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_a_cold_choice_compiles_its_candidates_kernels_together(tmp_path):
+    """A fresh process with empty Triton and trifuse caches (a user's first step): every Triton
+    compile of the attention choice (trifuse's forward and backward, with and without dropout, and
+    any tuning) happens in the compile pool ahead of the checks, none one after another on the
+    calling thread (`dialects._compile_first`)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path / "triton"), TRIFUSE_CACHE_DIR=str(tmp_path / "trifuse"))
+    run = subprocess.run([sys.executable, "-c", COLD_CHOICE], env=env, capture_output=True, text=True, check=False,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["source"].startswith("measured") and "trifuse" in out["times"], out
+    assert out["threads"], "nothing compiled: the caches were not empty"
+    serial = [t for t in out["threads"] if not t.startswith("trifuse-compile")]
+    assert not serial, f"{len(serial)} of {len(out['threads'])} compiles on the calling thread; {out}"
+
+
 @pytest.mark.gpu
 def test_gpu_sdpa_keeps_fp32_under_autocast():
     args = _gpu_args(GPU_CASES[0], torch.float32)

@@ -486,6 +486,78 @@ def test_a_candidate_near_the_fastest_is_tuned_then_checked_and_timed_again(cach
     assert kernel.config((-1, 16), None) is KERNEL_SPACE[2]
 
 
+def _fake_precompile(events: list, launched: list):
+    """Stands in for kernels._launch.precompile: runs the calls with the compile-only flag set
+    (as the real one does, with Triton's compile pool) and notes what had launched by then."""
+    from trifuse.autotune.tuner import PRECOMPILING
+
+    def precompile(calls, workers=None):
+        calls = list(calls)
+        token = PRECOMPILING.set(True)
+        try:
+            for call in calls:
+                try:
+                    call()
+                except Exception:  # noqa: BLE001, S110  (as the real one: the timed launch reports it)
+                    pass
+        finally:
+            PRECOMPILING.reset(token)
+        events.append((len(calls), list(launched)))
+        return True
+    return precompile
+
+
+def test_on_the_gpus_own_timer_each_round_compiles_all_its_candidates_first(cache_dir, timer, monkeypatch):
+    """A cold first step's time is mostly compiles: before the candidates are checked and timed,
+    one pass hands the kernels of all of them (their check's calls and the timed call) to the
+    compile pool together; before the near-fastest ones are tuned, a second pass compiles every
+    config of their kernels together, timing nothing. An explicit timer (tests, fakes) gets no
+    such pass."""
+    from trifuse.kernels import _launch
+
+    events, launched, wall_calls = [], [], []
+    kernel_timer = timer({config_label(KERNEL_SPACE[2]): 0.1})
+    kernel = _kernel(kernel_timer)
+
+    def wall(label, step):
+        step()
+        wall_calls.append(label)
+        return {"own": 1.0}.get(label, 0.8 if kernel.is_decided((-1, 16)) else 1.5)
+
+    monkeypatch.setattr(_launch, "precompile", _fake_precompile(events, launched))
+    monkeypatch.setattr(dialects, "timer_for", lambda device, explicit, default=None: (explicit or wall, ""))
+    d = make(None, (CANDIDATES[0], _tuned_candidate(kernel, launched)))
+    x = x_()
+    torch.testing.assert_close(d(x, 2.0), x * 2.0)
+    assert events[0] == (4, []), "both candidates, check and step, at default configs: nothing launched"
+    assert events[1][0] == 2 and events[1][1][:3] == [64, 128, 256], "the tuned one's every config, compiled"
+    assert len(events) == 2 and kernel_timer.calls == [config_label(c) for c in KERNEL_SPACE]
+    rec = d.explain(x, 2.0)
+    assert rec.chosen == "tuned" and rec.source == "measured" and wall_calls == ["own", "tuned", "tuned"]
+    assert rec.phases["compile"] >= 0 and kernel.config((-1, 16), None) is KERNEL_SPACE[2]
+
+    events.clear()
+    make(timer({"own": 1.0}), (CANDIDATES[0], _tuned_candidate(_kernel(timer({})), [])))(x_(), 2.0)
+    assert events == [], "an explicit timer: no compile pass"
+
+
+def test_a_dialect_called_inside_a_compile_pass_decides_nothing(cache_dir, timer):
+    """Another op's candidate being compiled (kernels launch nothing): the call runs the op's own
+    implementation and nothing is checked, timed, remembered or recorded."""
+    from trifuse.autotune.tuner import PRECOMPILING
+
+    fake = timer(TIMES)
+    d = make(fake)
+    token = PRECOMPILING.set(True)
+    try:
+        d(x_(), 2.0)
+    finally:
+        PRECOMPILING.reset(token)
+    assert fake.calls == [] and not dialects.records("scale") and not cache_dir.exists()
+    d(x_(), 2.0)
+    assert d.explain(x_(), 2.0).chosen == "fast"
+
+
 def test_kernels_decided_before_are_not_screened(cache_dir, timer):
     """A candidate whose kernels are already tuned for the call runs as tuned: timed once."""
     kernel_timer, launched = timer({}), []

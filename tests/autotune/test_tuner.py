@@ -72,6 +72,24 @@ def test_on_the_gpus_own_timer_every_config_is_precompiled_before_timing(cache_d
     assert order == ["precompiled"] and launched2 == [64, 128, 256], "an explicit timer: no precompile"
 
 
+def test_inside_a_precompile_pass_an_undecided_key_compiles_every_config_and_decides_nothing(cache_dir, timer):
+    """What a dialect's compile-first pass relies on: the tuner hands every fitting config's
+    launch to the compile pool (here: launch records it) and returns the default, with nothing
+    timed, remembered, recorded or written; the next real call tunes as usual."""
+    from trifuse.autotune.tuner import PRECOMPILING
+
+    fake, launched = timer({LABELS[1]: 0.1}), []
+    t = make_tuner(fake)
+    token = PRECOMPILING.set(True)
+    try:
+        assert t.config(KEY, launch, launched) is SPACE[0]
+    finally:
+        PRECOMPILING.reset(token)
+    assert launched == [64, 128, 256] and fake.calls == []
+    assert not t.is_decided(KEY) and not records(name="toy") and not cache_dir.exists()
+    assert t.config(KEY, launch, launched) is SPACE[1] and fake.calls == LABELS
+
+
 def test_second_process_with_the_same_shapes_does_no_timing(cache_dir, timer, new_process):
     make_tuner(timer({LABELS[2]: 0.5})).config(KEY, launch, [])
     new_process()
