@@ -100,6 +100,11 @@
 #   of 8 beside a wider query head read V wrong; both fixed on the CPU, not yet rerun. GPT-2 medium
 #   with graphs 57.2 ms (2.27x). Next: call 1 `tests graphs` (~7 min: the bf16 suite named with -v,
 #   the gpu tests, BERT-large's fused rows), call 2 at once `e2e-warm kernels-core` or `attention`.
+#   Fifty-second session (2026-12-04, no GPU): a dialect's cold choice compiles all its candidates'
+#   kernels together first (one precompile pass; the tuning round's configs likewise): `graphs`'
+#   "set-up s" and the attention decision's phases ("compile" then short "check trifuse", 17 s
+#   before) say what it saved; tests-gpu's test_gpu_a_cold_choice_compiles_its_candidates_kernels_
+#   together checks that no compile is left on the calling thread. Calls as the fifty-first's.
 #   Later sessions, one or two calls each: `kernels` (the remaining memory-bound ops), `tma
 #   dialects`, `e2e-ckpt` (gradient checkpointing on), `e2e-llama` (Llama 3.2 1B's shape against
 #   Liger-Kernel), `tune` (the shipped H100 defaults).

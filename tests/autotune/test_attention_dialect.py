@@ -752,7 +752,7 @@ def test_gpu_a_cold_choice_compiles_its_candidates_kernels_together(tmp_path):
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRIFUSE_AUTOTUNE")}
     env.update(TRITON_CACHE_DIR=str(tmp_path / "triton"), TRIFUSE_CACHE_DIR=str(tmp_path / "trifuse"))
     run = subprocess.run([sys.executable, "-c", COLD_CHOICE], env=env, capture_output=True, text=True, check=False,
                          timeout=600)
