@@ -36,7 +36,9 @@ runs. Otherwise the choice for (key, deterministic mode) is made once:
    SCREEN_MARGIN of the fastest (tuning a clear loser would cost the first step every config's
    compile and timing). On the GPU's own timers, each round's kernels are compiled first, all
    candidates together, in parallel (`_compile_first`: a fwd+bwd check compiles several kernels
-   one after another otherwise, most of a cold first step). The fastest wins and goes to the disk cache. A candidate that raises is
+   one after another otherwise, most of a cold first step); so are the kernels of a candidate
+   chosen without measuring (the only eligible one, the disk cache's), before the call that tunes
+   them. The fastest wins and goes to the disk cache. A candidate that raises is
    rejected with the exception as its reason; when none passes, the first eligible one is kept
    for this process (not written). Random generators are restored afterwards: tuning never
    shifts a seeded run.
@@ -303,18 +305,29 @@ class Dialect:
                 if match:
                     return keep(match[0], f"shipped {shipped[0]} defaults")
             return keep(eligible[0], f"default ({why_not})")
+        # On the GPU's own timers (not a test's fake), kernels compile together ahead of their use.
+        compile_first = ((self.graph_timer or self.timer) if graphed else self.timer) is None
+
+        def unmeasured(c: Candidate, source: str, times: dict | None = None) -> Callable:
+            # The call that follows tunes the winner's kernels one after another (forward, then
+            # backward) where they are not tuned yet: compile all their configs together first.
+            if compile_first:
+                with torch.random.fork_rng(devices=[device_index] if device_index >= 0 else []), \
+                        on_device(device_index):
+                    _compile_call(c.fn, args)
+            return keep(c, source, times)
+
         if len(eligible) == 1:
-            return keep(eligible[0], "only eligible candidate")
+            return unmeasured(eligible[0], "only eligible candidate")
         cache = disk_cache(device_index)
         hit = cache.get("dialect:" + self.name, bucket)
         if hit is not None:
             match = [c for c in eligible if c.name == hit.get("choice")]
             if match:
                 rejected.update({k: v for k, v in hit.get("rejected", {}).items() if k not in rejected})
-                return keep(match[0], "disk cache", dict(hit.get("ms", {})))
-        own_timer = (self.graph_timer or self.timer) if graphed else self.timer
+                return unmeasured(match[0], "disk cache", dict(hit.get("ms", {})))
         times, problem, untuned_names = self._measure(eligible, args, timer, device_index, rejected,
-                                                      compile_first=own_timer is None)
+                                                      compile_first=compile_first)
         if not times:
             # Kept for this process (a retry per call would cost a trial each time), not on disk.
             log.warning("trifuse: could not choose for %s [%s] (%s); using %s",
@@ -532,12 +545,29 @@ def _compile_first(trial: _Trial, candidates: list[Candidate]) -> None:
     instead, deciding nothing). Other libraries' candidates simply run once more. Without it a
     candidate's check compiles its forward and backward kernels, at each variant the check calls
     (attention's: without dropout, then with), one after another on the first step."""
-    from ..kernels._launch import precompile  # (kernels import autotune, not the reverse)
-
     calls = []
     for c in candidates:
         calls.append(functools.partial(trial.problem, c.fn))  # the check's calls (its own shapes and variants)
         calls.append(lambda fn=c.fn: trial.step(fn)())  # the timed call
+    _precompile(calls)
+
+
+def _compile_call(fn: Callable, args: tuple) -> None:
+    """`_compile_first` for one candidate chosen without a trial (the only eligible one, or the
+    disk cache's): its forward and backward on `args`, the output gradients zeros."""
+    leaves_args = tuple(_leaf(a) for a in args)
+
+    def call():
+        outs = [o for o in _as_tuple(fn(*leaves_args)) if _needs_grad(o)]
+        leaves = [a for a in leaves_args if _needs_grad(a)]
+        if outs and leaves and torch.is_grad_enabled():
+            torch.autograd.grad(outs, leaves, [torch.zeros_like(o) for o in outs], allow_unused=True)
+    _precompile([call])
+
+
+def _precompile(calls: list[Callable[[], object]]) -> None:
+    from ..kernels._launch import precompile  # (kernels import autotune, not the reverse)
+
     with phase("compile"):
         precompile(calls, workers=min(os.cpu_count() or 1, 16))
 

@@ -541,6 +541,53 @@ def test_on_the_gpus_own_timer_each_round_compiles_all_its_candidates_first(cach
     assert events == [], "an explicit timer: no compile pass"
 
 
+def test_a_choice_made_without_measuring_compiles_the_winners_kernels_together_first(cache_dir, timer,
+                                                                                     monkeypatch, new_process):
+    """The only eligible candidate, or the disk cache's choice: the call that follows would tune
+    its kernels one after another; on the GPU's own timer one pass first compiles every config of
+    them together (the candidate's forward and backward in compile-only mode), with the random
+    generator where it was."""
+    from trifuse.kernels import _launch
+
+    events, launched = [], []
+    monkeypatch.setattr(_launch, "precompile", _fake_precompile(events, launched))
+    monkeypatch.setattr(dialects, "timer_for", lambda device, explicit, default=None: (explicit or timer({}), ""))
+
+    def drawing(x, s):  # draws from the generator, as a dropout's seed does
+        torch.rand(1)
+        return x * s
+
+    kernel_timer = timer({})
+    d = make(None, (_tuned_candidate(_kernel(kernel_timer), launched),
+                    Candidate("picky", drawing, supports=lambda x, s: "no")))
+    x = x_()
+    state = torch.random.get_rng_state()
+    d(x, 2.0)
+    assert events == [(1, [64, 128, 256])], "one call, every config of its kernel compiled"
+    assert kernel_timer.calls == [config_label(c) for c in KERNEL_SPACE], "then tuned by the real call"
+    rec = d.explain(x, 2.0)
+    assert rec.source == "only eligible candidate" and "compile" in rec.phases
+
+    events.clear()
+    launched.clear()
+    d2 = make(None, (Candidate("own", drawing), Candidate("fast", drawing)))
+    d2.timer = timer({"own": 2.0, "fast": 1.0})
+    d2(x, 2.0)  # measured with a fake timer: written to the disk cache
+    new_process()
+    d3 = make(None, (Candidate("own", drawing), Candidate("fast", drawing)))
+    torch.random.set_rng_state(state)
+    d3(x, 2.0)
+    after = torch.random.get_rng_state()
+    assert d3.explain(x, 2.0).source == "disk cache" and events == [(1, [])]
+    assert torch.equal(after, _after_one_draw(state)), "only the real call drew: the pass left the generator"
+
+
+def _after_one_draw(state):
+    torch.random.set_rng_state(state)
+    torch.rand(1)
+    return torch.random.get_rng_state()
+
+
 def test_a_dialect_called_inside_a_compile_pass_decides_nothing(cache_dir, timer):
     """Another op's candidate being compiled (kernels launch nothing): the call runs the op's own
     implementation and nothing is checked, timed, remembered or recorded."""
