@@ -62,3 +62,73 @@ def test_precompile_compiles_every_config_in_worker_threads_and_launches_nothing
     assert out["kinds"] == ["CompiledKernel"] * 4, "every config compiled and finalized in Triton's cache"
     assert out["entries"] == 0, "nothing was launched or planned"
     assert out["threads"] and all(t.startswith("trifuse-compile") for t in out["threads"]), out["threads"]
+
+
+TUNED_CHILD = textwrap.dedent('''
+    import json, sys, threading
+    import torch, triton, triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    sys.path.insert(0, BENCH)
+    from compile_sm90 import _TargetOnlyDriver
+
+    triton.runtime.driver.set_active(_TargetOnlyDriver(GPUTarget("cuda", 90, 32)))
+    from trifuse.autotune import Tuner
+    from trifuse.kernels import _launch
+
+    threads = []
+    compile_one = triton.compiler.compile
+
+    def compile_spy(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return compile_one(*args, **kwargs)
+
+    triton.compiler.compile = compile_spy
+
+    @triton.jit
+    def _scale_kernel(X, OUT, n, alpha, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(OUT + offs, tl.load(X + offs, mask=offs < n) * alpha, mask=offs < n)
+
+    @triton.jit
+    def _add_kernel(X, OUT, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(OUT + offs, tl.load(X + offs, mask=offs < n) + 1.0, mask=offs < n)
+
+    scale, add = _launch.CachedKernel(_scale_kernel), _launch.CachedKernel(_add_kernel)
+    space = [triton.Config({"BLOCK": b}, num_warps=w) for b, w in ((64, 1), (128, 2), (256, 4))]
+    timed = []
+    tuner = Tuner("toy_scale", lambda n: space, key_names=("device", "n"))
+    tuner.timer = lambda label, step: timed.append(label) or 1.0  # a stand-in: the pass must not time
+    x, out = torch.empty(64), torch.empty(64)
+
+    def launch(cfg, x, out):
+        scale.run((1,), (x, out, 64, 2.0), {"BLOCK": cfg.kwargs["BLOCK"], "num_warps": cfg.num_warps})
+
+    def forward_and_backward():  # what a candidate's call launches: a tuned kernel, then another one
+        launch(tuner.config((-1, 64), launch, x, out), x, out)
+        add.run((1,), (out, x, 64), {"BLOCK": 64})
+
+    done = _launch.precompile([forward_and_backward], workers=2)
+    print(json.dumps({"done": done, "threads": threads, "timed": timed, "decided": tuner.is_decided((-1, 64)),
+                      "scale": sorted(type(k).__name__ for k in _scale_kernel.device_caches[0][0].values()),
+                      "add": sorted(type(k).__name__ for k in _add_kernel.device_caches[0][0].values()),
+                      "entries": len(scale._compiled) + len(add._compiled)}))
+''')
+
+
+def test_a_call_in_a_precompile_pass_compiles_its_tuners_configs_and_its_other_kernels_together(tmp_path):
+    """What a dialect's compile-first pass does with a candidate's call (real sm_90 compiles): the
+    tuner that would time an undecided key hands all its configs to the pool and decides nothing,
+    the call goes on to its next kernel, whose compile joins them; all in the pool's threads."""
+    script = tmp_path / "child.py"
+    script.write_text(f"BENCH = {str(BENCH)!r}\n" + TUNED_CHILD)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    if not out["done"]:
+        pytest.skip("this Triton has no AsyncCompileMode: precompile does nothing")
+    assert out["scale"] == ["CompiledKernel"] * 3 and out["add"] == ["CompiledKernel"], out
+    assert len(out["threads"]) == 4 and all(t.startswith("trifuse-compile") for t in out["threads"]), out
+    assert out["timed"] == [] and not out["decided"] and out["entries"] == 0, out
