@@ -535,6 +535,47 @@ def test_autocast(dtype):
     assert f"autocast {_models.DEVICE} {str(dtype)[6:]}" in trifuse.report(model).table()
 
 
+@pytest.mark.parametrize("build", ["gpt2", "bert"])
+def test_fp16_training_with_a_grad_scaler_skips_and_steps_as_the_unfused_model(build):
+    """fp16 autocast with torch.amp.GradScaler, as fp16 training runs: at a scale that overflows
+    fp16 (2^40) the fused ops' gradients come out non-finite as the unfused model's do, so the
+    scaler skips that step in both (the parameters stay where they were); at the scale it falls to
+    (2^8) both step, and the losses and parameters then track the unfused model's. (At scales on
+    the edge they may differ: the fused ops sum a folded bias's gradient in fp32, which autocast's
+    fp16 addmm backward overflows first, so the fused model skips fewer steps.)"""
+    from _fusing import cuda_like_autocast
+
+    torch.manual_seed(0)
+    model, inputs, loss_fn = getattr(_models, build)()
+    ref = copy.deepcopy(model)
+    start = copy.deepcopy(model.state_dict())
+    trifuse.fuse(model)
+    kw = inputs(2, 8)
+    runs = []
+    for m in (ref, model):
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        scaler = torch.amp.GradScaler(_models.DEVICE, init_scale=2.0**40, backoff_factor=2.0**-32)
+        losses, scales = [], []
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            with cuda_like_autocast(), torch.autocast(_models.DEVICE, dtype=torch.float16):
+                loss = loss_fn(m, kw)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            losses.append(loss.detach().float())
+            scales.append(scaler.get_scale())
+            if len(scales) == 1:
+                assert all(torch.equal(v, start[k]) for k, v in m.state_dict().items()), "the overflow was skipped"
+        runs.append((losses, scales, m))
+    (ref_losses, ref_scales, _), (losses, scales, _) = runs
+    assert scales == ref_scales == [2.0**8] * 3, "one skipped step, then two taken"
+    for i, (got, want) in enumerate(zip(losses, ref_losses)):
+        torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3, msg=f"loss of step {i}")
+    assert losses[2] < losses[0], "it trained"
+    assert trifuse.report(model).counts()["attention"] > 0
+
+
 class _FxMLP(nn.Module):
     """An MLP block fx traces whole: Linear + GeLU + Linear, residual, LayerNorm."""
 
