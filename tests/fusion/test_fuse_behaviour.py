@@ -576,6 +576,47 @@ def test_fp16_training_with_a_grad_scaler_skips_and_steps_as_the_unfused_model(b
     assert trifuse.report(model).counts()["attention"] > 0
 
 
+def _frozen_for_fine_tuning(name: str) -> bool:
+    """What fine-tuning commonly freezes: the embeddings, the first block, the norms' weights."""
+    return any(part in name for part in ("embeddings", "wte", "wpe", ".0.", "LayerNorm.weight", "ln_1.weight",
+                                         "ln_2.weight"))
+
+
+@pytest.mark.parametrize("build", ["gpt2", "bert"])
+def test_a_partly_frozen_model_trains_fused_and_runs_under_inference_mode(build):
+    """Fine-tuning with the embeddings, the first block and the norms' weights frozen: the fused
+    ops take frozen weights and a first block whose input needs no gradient, the trained
+    parameters' gradients pass the oracle rule and the frozen ones get none; then evaluation
+    under torch.inference_mode (inference tensors, which no op may save) gives the unfused logits."""
+    torch.manual_seed(0)
+    model, inputs, loss_fn = getattr(_models, build)()
+    for name, p in model.named_parameters():
+        p.requires_grad_(not _frozen_for_fine_tuning(name))
+    ref, ref64 = copy.deepcopy(model), copy.deepcopy(model).double()
+    trifuse.fuse(model)
+    kw = inputs(2, 8)
+    for m in (model, ref, ref64):
+        loss_fn(m, kw).backward()
+    frozen = 0
+    for (name, p), q, q64 in zip(model.named_parameters(), ref.parameters(), ref64.parameters()):
+        if not p.requires_grad:
+            frozen += 1
+            assert p.grad is None, name
+            continue
+        assert_close(f"grad of {name}", p.grad, q64.grad, q.grad)
+    assert frozen >= 6
+    counts = trifuse.report(model).counts()
+    assert counts["attention"] == 2 and (counts.get("residual_stream", 0) + counts.get("dropout_add", 0)) >= 2, counts
+    model.eval()
+    ref64.eval()
+    kw.pop("labels")
+    with torch.inference_mode():
+        logits = model(**kw).logits
+        ref_logits = ref.eval()(**kw).logits
+    assert logits.is_inference()
+    assert_close("logits under inference_mode", logits, ref64(**kw).logits.detach(), ref_logits)
+
+
 class _FxMLP(nn.Module):
     """An MLP block fx traces whole: Linear + GeLU + Linear, residual, LayerNorm."""
 
