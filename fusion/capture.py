@@ -121,9 +121,11 @@ class Unit:
         forward = _installed_forward(self)
         self.forward = forward
 
-    def install(self, module: torch.nn.Module, path: str) -> None:
+    def install(self, module: torch.nn.Module, path: str, attribute: str = "forward") -> None:
+        """Binds the unit's forward to `module` as its instance `forward`, or as `attribute`: the
+        `_old_forward` that accelerate's hook wrapper (in `forward`) calls (`wrapped_by_accelerate`)."""
         self.paths.append(path)
-        module.forward = types.MethodType(self.forward, module)
+        setattr(module, attribute, types.MethodType(self.forward, module))
 
     def _named_reason(self, args: tuple, kwargs: dict, reason: str) -> str:
         """'argument 1 is a DynamicCache' -> 'argument past_key_values is a DynamicCache (...)'."""
@@ -234,8 +236,20 @@ def _installed_forward(unit: Unit) -> Callable[..., Any]:
 
 
 def installed_unit(module: torch.nn.Module) -> Unit | None:
-    fwd = module.__dict__.get("forward")
-    return getattr(getattr(fwd, "__func__", None), "__trifuse_unit__", None)
+    for attribute in ("forward", "_old_forward"):  # the second: inside accelerate's hook wrapper
+        fwd = module.__dict__.get(attribute)
+        unit = getattr(getattr(fwd, "__func__", None), "__trifuse_unit__", None)
+        if unit is not None:
+            return unit
+    return None
+
+
+def wrapped_by_accelerate(module: torch.nn.Module) -> bool:
+    """Whether `module.forward` is accelerate's hook wrapper (`add_hook_to_module`: device_map
+    dispatch over several devices, CPU or disk offload), which runs the hook's pre_forward (inputs
+    and offloaded weights moved to the execution device), then `module._old_forward`, then its
+    post_forward. A fused forward goes in as `_old_forward`, inside the hook."""
+    return "forward" in module.__dict__ and "_old_forward" in module.__dict__ and hasattr(module, "_hf_hook")
 
 
 def _holds_units(module: torch.nn.Module) -> bool:
@@ -527,8 +541,8 @@ class DynamoUnit(Unit):
     def host_time_hidden(self) -> bool:
         return self.graphs is not None
 
-    def install(self, module: torch.nn.Module, path: str) -> None:
-        super().install(module, path)
+    def install(self, module: torch.nn.Module, path: str, attribute: str = "forward") -> None:
+        super().install(module, path, attribute)
         compiled = self._compiled_for(module)
         if compiled is not None:
             self._compiled_by_module[module] = compiled

@@ -31,7 +31,16 @@ from torch import fx
 
 from ..patterns import PATTERNS
 from ..patterns._base import available
-from .capture import DynamoUnit, FxUnit, HeadUnit, LeafTracer, Unit, installed_unit, wrapped_calls
+from .capture import (
+    DynamoUnit,
+    FxUnit,
+    HeadUnit,
+    LeafTracer,
+    Unit,
+    installed_unit,
+    wrapped_by_accelerate,
+    wrapped_calls,
+)
 from .graphs import BlockGraphs
 from .match import compile_pattern, matches
 from .normalize import canonicalize, squares_as_powers
@@ -108,6 +117,11 @@ def fuse(model: torch.nn.Module, *, ops: Iterable[str] | None = None, skip_logit
         if cuda_graphs and isinstance(unit, DynamoUnit):
             unit.graphs = BlockGraphs()
         for path, module in members:
+            if wrapped_by_accelerate(module):
+                unit.install(module, path, "_old_forward")
+                notes.append(Note(path, cls.__name__, "accelerate's hook kept: the fused forward runs inside it",
+                                  kind="note"))
+                continue
             if "forward" in module.__dict__:
                 notes.append(Note(path, cls.__name__, "has its own forward attribute: left as it is"))
                 continue

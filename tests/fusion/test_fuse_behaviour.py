@@ -617,6 +617,40 @@ def test_a_partly_frozen_model_trains_fused_and_runs_under_inference_mode(build)
     assert_close("logits under inference_mode", logits, ref64(**kw).logits.detach(), ref_logits)
 
 
+def test_blocks_under_accelerates_hooks_fuse_inside_them():
+    """A model dispatched by accelerate (device_map over several devices, offload) has a hook
+    wrapper as each block's `forward`: the fused forward goes in as the `_old_forward` the wrapper
+    calls, after its pre_forward has moved the inputs (and loaded offloaded weights). Training
+    matches the unfused model; taking the hook off leaves the fused forward in place."""
+    hooks = pytest.importorskip("accelerate.hooks")
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _models.gpt2()
+    ref, ref64 = copy.deepcopy(model), copy.deepcopy(model).double()
+    moved = []
+
+    class Recording(hooks.AlignDevicesHook):
+        def pre_forward(self, module, *args, **kwargs):
+            moved.append(module)
+            return super().pre_forward(module, *args, **kwargs)
+
+    for block in model.transformer.h:
+        hooks.add_hook_to_module(block, Recording(execution_device=_models.DEVICE, io_same_device=True))
+    trifuse.fuse(model)
+    kw = inputs(2, 8)
+    for m in (model, ref, ref64):
+        loss_fn(m, kw).backward()
+    assert moved == list(model.transformer.h), "the hook still runs, once a block"
+    for (name, p), q, q64 in zip(model.named_parameters(), ref.parameters(), ref64.parameters()):
+        assert_close(f"grad of {name}", p.grad, q64.grad, q.grad)
+    report = trifuse.report(model)
+    assert report.counts()["attention"] == 2, report.table()
+    assert "accelerate's hook kept" in report.table()
+    for block in model.transformer.h:
+        hooks.remove_hook_from_module(block)
+    loss_fn(model, kw)
+    assert trifuse.report(model).counts()["attention"] == 2 and len(moved) == 2
+
+
 class _FxMLP(nn.Module):
     """An MLP block fx traces whole: Linear + GeLU + Linear, residual, LayerNorm."""
 
