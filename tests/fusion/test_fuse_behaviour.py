@@ -651,6 +651,32 @@ def test_blocks_under_accelerates_hooks_fuse_inside_them():
     assert trifuse.report(model).counts()["attention"] == 2 and len(moved) == 2
 
 
+def test_a_model_dispatched_with_a_disk_offloaded_block_fuses_for_inference(tmp_path):
+    """accelerate.dispatch_model with one block offloaded to disk: that block's weights live on the
+    meta device between calls and are loaded by the hooks of its submodules (Dynamo breaks its
+    graph around each load); every block still runs its fused ops, and the logits are the
+    unfused model's."""
+    accelerate = pytest.importorskip("accelerate")
+    torch.manual_seed(0)
+    model, inputs, _ = _models.gpt2(layers=3)
+    model.eval()
+    ref, ref64 = copy.deepcopy(model), copy.deepcopy(model).double()
+    device = _models.DEVICE if _models.DEVICE == "cpu" else 0
+    device_map = {name: device for name in ("transformer.wte", "transformer.wpe", "transformer.drop",
+                                            "transformer.h.0", "transformer.h.2", "transformer.ln_f", "lm_head")}
+    device_map["transformer.h.1"] = "disk"
+    model = accelerate.dispatch_model(model, device_map=device_map, offload_dir=str(tmp_path))
+    assert model.transformer.h[1].attn.c_attn.weight.device.type == "meta"
+    trifuse.fuse(model)
+    kw = inputs(2, 8)
+    kw.pop("labels")
+    with torch.no_grad():
+        logits = model(**kw).logits
+        assert_close("logits", logits, ref64(**kw).logits, ref(**kw).logits)
+    counts = trifuse.report(model).counts()
+    assert counts["attention"] == 3 and counts["layer_norm"] >= 3, counts
+
+
 class _FxMLP(nn.Module):
     """An MLP block fx traces whole: Linear + GeLU + Linear, residual, LayerNorm."""
 
