@@ -901,14 +901,17 @@ def test_every_other_layer_checkpointed_with_offload_fuses_and_keeps_both(monkey
     assert trifuse.report(model).counts() == available_counts({**LOSS, **per_block, "layer_norm": layers + 1})
 
 
-def test_gradient_checkpointing_recomputes_the_forwards_dropout_masks():
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_gradient_checkpointing_recomputes_the_forwards_dropout_masks(reentrant):
     # The recompute in the backward must draw the forward's dropout seeds: the same fused model
     # with and without checkpointing, from the same seed, gives the same gradients. (The
     # checkpoint op's own eager path turns RNG preservation off: new masks, wrong gradients.)
+    # transformers' default is the non-reentrant checkpoint; older recipes ask for the reentrant
+    # one, which runs the forward under no_grad and the whole block again in the backward.
     torch.manual_seed(0)
     plain, inputs, loss_fn = _models.gpt2(dropout=0.2)
     checkpointed = copy.deepcopy(plain)
-    checkpointed.gradient_checkpointing_enable()
+    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     for m in (plain, checkpointed):
         trifuse.fuse(m).train()
     kw = inputs(2, 8)
