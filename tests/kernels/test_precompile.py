@@ -122,8 +122,9 @@ def test_a_call_in_a_precompile_pass_compiles_its_tuners_configs_and_its_other_k
     the call goes on to its next kernel, whose compile joins them; all in the pool's threads."""
     script = tmp_path / "child.py"
     script.write_text(f"BENCH = {str(BENCH)!r}\n" + TUNED_CHILD)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRIFUSE_AUTOTUNE")}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    env["TRIFUSE_CACHE_DIR"] = str(tmp_path / "trifuse-cache")  # no choice from another run's disk cache
     run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
