@@ -575,8 +575,13 @@ class DynamoUnit(Unit):
         """The Dynamo config of this unit's captures: one object per distinct setting, reused by
         every call."""
         # guards on the modules' hooks: a hook registered after a capture (a user's forward hook on
-        # a block's MLP) must run, not be left out of the graph that Dynamo's default would reuse
-        settings = (("capture_scalar_outputs", self.scalar_outputs), ("skip_nnmodule_hook_guards", False))
+        # a block's MLP) must run, not be left out of the graph that Dynamo's default would reuse.
+        # optimize_ddp off: inside DistributedDataParallel's forward, Dynamo would split a capture at
+        # DDP's gradient-bucket boundaries (DDPOptimizer, for an AOT-compiled backward that runs as
+        # one node), cutting patterns in two; a rewritten graph's backward runs op by op, so DDP's
+        # reducer overlaps its all-reduces with it as in eager.
+        settings = (("capture_scalar_outputs", self.scalar_outputs), ("skip_nnmodule_hook_guards", False),
+                    ("optimize_ddp", False))
         if self.static_shapes:
             settings += (("automatic_dynamic_shapes", False), ("assume_static_by_default", True))
         found = self._settings.get(settings)
