@@ -1,5 +1,5 @@
-"""trifuse.fuse under torch's DistributedDataParallel (and FSDP1, whose blocks Dynamo can capture
-only with use_orig_params=True), 2 gloo ranks: each rank trains on half of the batch, the
+"""trifuse.fuse under torch's DistributedDataParallel, FSDP1 (whose blocks Dynamo can capture only
+with use_orig_params=True) and FSDP2 (`fully_shard` per block, no tensor parallelism), 2 gloo ranks: each rank trains on half of the batch, the
 wrapper averages the gradients, so the weights after each step are those of one unfused process on
 the whole batch (float64 models, float32's rule for GPT-2's fp32 loss: test_fused_shard.py).
 
@@ -29,6 +29,12 @@ def _train(rank, size, wrap, steps=2, kind="gpt2"):
         from torch.nn.parallel import DistributedDataParallel
 
         wrapped = DistributedDataParallel(model, bucket_cap_mb=0.01)  # a bucket or more per block
+    elif wrap == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.transformer.h:
+            fully_shard(layer)
+        wrapped = fully_shard(model)
     else:
         from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
@@ -51,7 +57,8 @@ def _train(rank, size, wrap, steps=2, kind="gpt2"):
         full = FullyShardedDataParallel.summon_full_params(wrapped) if wrap == "fsdp1" else contextlib.nullcontext()
         with full:
             for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-                ok, msg = check_close(f"step {step} {name}", p.detach().float(), q, None)
+                whole = p.full_tensor() if hasattr(p, "full_tensor") else p  # FSDP2's DTensor shards
+                ok, msg = check_close(f"step {step} {name}", whole.detach().float(), q, None)
                 checks += 1
                 if not ok:
                     failures.append(msg)
@@ -60,7 +67,7 @@ def _train(rank, size, wrap, steps=2, kind="gpt2"):
     return failures, checks, dict(report.counts()), graphs
 
 
-@pytest.mark.parametrize("wrap", ["ddp", "fsdp1"])
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp1", "fsdp2"])
 def test_fused_model_under_data_parallel_wrappers_trains_as_one_process(world, wrap):
     for failures, checks, counts, graphs in world.run(_train, wrap):
         assert checks > 50
