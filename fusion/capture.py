@@ -125,7 +125,7 @@ class Unit:
         """Binds the unit's forward to `module` as its instance `forward`, or as `attribute`: the
         `_old_forward` that accelerate's hook wrapper (in `forward`) calls (`wrapped_by_accelerate`)."""
         self.paths.append(path)
-        setattr(module, attribute, types.MethodType(self.forward, module))
+        bind_forward(module, attribute, self.forward)
 
     def _named_reason(self, args: tuple, kwargs: dict, reason: str) -> str:
         """'argument 1 is a DynamicCache' -> 'argument past_key_values is a DynamicCache (...)'."""
@@ -215,6 +215,30 @@ def function_transform() -> str | None:
         # Dynamo refuses to run under the tracer; the traced module stays portable without trifuse
         return "under torch.jit.trace, which records the model's own ops"
     return None
+
+
+def bind_forward(module: torch.nn.Module, attribute: str, function: Callable[..., Any]) -> None:
+    """Sets `function`, bound to `module`, as its instance `attribute` ("forward", or accelerate's
+    "_old_forward"), and makes nn.DataParallel's replicas of `module` bind it to themselves."""
+    setattr(module, attribute, types.MethodType(function, module))
+    module.__dict__["_replicate_for_data_parallel"] = types.MethodType(_replicate_for_data_parallel, module)
+
+
+def _replicate_for_data_parallel(module: torch.nn.Module) -> torch.nn.Module:
+    """nn.DataParallel's replica of a fused module (`replicate` calls this for every module at each
+    forward; Hugging Face's Trainer wraps a model in DataParallel when it sees several GPUs without
+    a distributed launch). The class's own replica copies the module's `__dict__`, and with it the
+    fused forward bound to `module`: it would run on the original's parameters, on the first GPU.
+    The replica gets the fused forward bound to itself, as the class's forward would be. (Named
+    as the method it stands in for: a pickled model stores a bound method as `getattr(module,
+    name)`, which then finds the class's.)"""
+    replica = type(module)._replicate_for_data_parallel(module)
+    del replica.__dict__["_replicate_for_data_parallel"]  # a replica is not replicated again
+    for attribute in ("forward", "_old_forward"):
+        bound = replica.__dict__.get(attribute)
+        if isinstance(bound, types.MethodType) and bound.__self__ is module:
+            replica.__dict__[attribute] = types.MethodType(bound.__func__, replica)
+    return replica
 
 
 def _installed_forward(unit: Unit) -> Callable[..., Any]:
@@ -861,7 +885,7 @@ class HeadUnit(DynamoUnit):
 
         # Dynamo compiles this wrapper as a frame of its own (it breaks the graph at `outside`):
         # a code object per fence keeps its cache entries apart from other models' fences.
-        module.forward = types.MethodType(_own_code(forward), module)
+        bind_forward(module, "forward", _own_code(forward))
         self.fenced.append(path)
 
     def _before_rewrite(self, graph: fx.Graph) -> None:

@@ -677,6 +677,52 @@ def test_a_model_dispatched_with_a_disk_offloaded_block_fuses_for_inference(tmp_
     assert counts["attention"] == 3 and counts["layer_norm"] >= 3, counts
 
 
+def _replica(network: nn.Module, scale: float) -> nn.Module:
+    """One replica as torch.nn.parallel.replicate makes it for nn.DataParallel (which needs several
+    GPUs): each module's `_replicate_for_data_parallel()`, the children linked, every parameter set
+    as a non-leaf tensor attribute (there Broadcast's outputs; here the parameter times `scale`, so
+    that a replica running its original's parameters shows)."""
+    modules = list(network.modules())
+    copies = [m._replicate_for_data_parallel() for m in modules]
+    index = {m: i for i, m in enumerate(modules)}
+    for i, m in enumerate(modules):
+        for key, child in m._modules.items():
+            setattr(copies[i], key, None if child is None else copies[index[child]])
+        for key, p in m._parameters.items():
+            if p is None:
+                copies[i]._parameters[key] = None
+            else:
+                setattr(copies[i], key, p * scale)
+    return copies[0]
+
+
+@pytest.mark.parametrize("build", ["gpt2", "bert"])
+def test_nn_data_parallel_replicas_run_fused_on_their_own_parameters(build):
+    """nn.DataParallel (Hugging Face's Trainer uses it on several GPUs without a distributed
+    launch) replicates the model at every forward by copying each module's __dict__, which holds
+    the fused forward bound to the original module (and the head's fence around the model body):
+    a replica ran the original's parameters. Each replica now binds them to itself: its loss is the
+    unfused replica's, the gradients reach the original parameters through the replica's, and the
+    captures are reused from one step's replicas to the next's."""
+    torch.manual_seed(0)
+    model, inputs, loss_fn = getattr(_models, build)()
+    ref, ref64 = copy.deepcopy(model), copy.deepcopy(model).double()
+    trifuse.fuse(model)
+    kw = inputs(2, 8)
+    loss_fn(model, kw)  # captured on the original, as DataParallel's first device would
+    for step in range(2):
+        fused = loss_fn(_replica(model, 1.5), kw)
+        lowp, wide = loss_fn(_replica(ref, 1.5), kw), loss_fn(_replica(ref64, 1.5), kw)
+        assert_close(f"replica loss, step {step}", fused, wide, lowp)
+        for loss in (fused, lowp, wide):
+            loss.backward()
+    for (name, p), q, q64 in zip(model.named_parameters(), ref.parameters(), ref64.parameters()):
+        assert_close(f"grad of {name}", p.grad, q64.grad, q.grad)
+    report = trifuse.report(model)
+    assert report.counts()["attention"] == 2, report.table()
+    assert all(len(u.unit.captures) <= 2 and not u.unit.eager_calls for u in report.units), report.table()
+
+
 class _FxMLP(nn.Module):
     """An MLP block fx traces whole: Linear + GeLU + Linear, residual, LayerNorm."""
 
