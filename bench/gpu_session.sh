@@ -186,6 +186,9 @@ for what in "$@"; do
         graphs-gpt2)  # GPT-2 medium's steps alone: eager, fused, fused + graphs
             stage bench-e2e-graphs 150 python3 bench/bench_e2e.py --steps 6 --models gpt2-medium --suffix graphs \
                 --providers "eager-sdpa,trifuse.fuse,trifuse.fuse(cuda_graphs)" ;;
+        graphs-bert)  # BERT-large's steps alone: eager, fused, fused + graphs
+            stage bench-e2e-bert-graphs 150 python3 bench/bench_e2e.py --steps 6 --models bert-large --suffix bert-graphs \
+                --providers "eager-sdpa,trifuse.fuse,trifuse.fuse(cuda_graphs)" ;;
         bisect)  # the bf16 attention case that failed on the H200 (2026-11-30): which feature does it
             stage bisect-attention 90 python3 bench/bisect_attention.py ;;
         host)  # wall µs per call at tiny sizes, trifuse against PyTorch, and a cProfile of one case
@@ -261,7 +264,7 @@ for what in "$@"; do
             stage tune 150 python3 -m trifuse.autotune gpt2-medium --batch 8 --seq 1024
             stage tune-llama 150 python3 -m trifuse.autotune llama-3.2-1b --batch 4 --seq 2048 \
                 --export-defaults autotune/defaults/ ;;  # this GPU's family: h100.json or h200.json
-        *) echo "unknown stage $what (tests tests-gpu bisect bisect-configs graphs-gpt2 host kernels-core kernels attention tma dialects e2e e2e-ckpt e2e-bert e2e-llama e2e-dit graphs e2e-host nccl adaptive rowwise tune)" ;;
+        *) echo "unknown stage $what (tests tests-gpu bisect bisect-configs graphs-gpt2 graphs-bert host kernels-core kernels attention tma dialects e2e e2e-ckpt e2e-bert e2e-llama e2e-dit graphs e2e-host nccl adaptive rowwise tune)" ;;
     esac
 done
 
