@@ -178,8 +178,8 @@ for what in "$@"; do
                 tests/kernels tests/fusion tests/autotune
             stage tests-gpu-slow 60 python3 -m pytest -q -rf -p no:cacheprovider -m "gpu and slow" \
                 tests/kernels tests/fusion tests/autotune ;;
-        tests-gpu)  # the gpu tests alone (no bf16 sweep)
-            stage tests-gpu 120 python3 -m pytest -q -rf -n 8 --maxfail=20 -p no:cacheprovider -m "gpu and not slow" \
+        tests-gpu)  # the gpu tests alone (no bf16 sweep), each named (a cut run keeps the failures' names)
+            stage tests-gpu 150 python3 -m pytest -v -rf -n 8 --maxfail=20 -p no:cacheprovider -m "gpu and not slow" \
                 tests/kernels tests/fusion tests/autotune ;;
         bisect-configs)  # the 16-bit attention forward that failed on the H200 (2026-12-04), config by config
             stage bisect-attention-configs 100 python3 bench/bisect_attention_configs.py ;;
