@@ -31,6 +31,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 
+import torch
 import triton
 
 from .cache import disk_cache, environment, shipped_default
@@ -182,8 +183,59 @@ _UNTUNED: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("tri
 
 
 # True while `kernels._launch.precompile` runs its calls: CachedKernel compiles instead of
-# launching, and a tuner that would time an undecided key compiles every config instead.
+# launching, and a tuner that would time an undecided key compiles every config instead. Read it
+# through `precompiling()`, which also sees it from the backward of such a call.
 PRECOMPILING: contextvars.ContextVar[bool] = contextvars.ContextVar("trifuse_precompiling", default=False)
+_PASSES = [0]  # precompile passes running in this process (any thread): 0 keeps precompiling() cheap
+
+
+@contextlib.contextmanager
+def precompile_pass():
+    """Marks the calls inside as a precompile pass's (`kernels._launch.precompile`), the backward
+    passes they start included."""
+    token = PRECOMPILING.set(True)
+    _PASSES[0] += 1
+    try:
+        yield
+    finally:
+        _PASSES[0] -= 1
+        PRECOMPILING.reset(token)
+
+
+def _backward_caller_context() -> contextvars.Context | None:
+    """The contextvars of the thread that started the backward running on this thread, as autograd
+    stashes them for its device threads (torch.autograd.graph._engine_run_backward; a private
+    torch API, hence the guard), else None."""
+    try:
+        if torch._C._is_key_in_tls("context"):
+            ctx = torch._C._get_obj_in_tls("context")
+            return ctx if isinstance(ctx, contextvars.Context) else None
+    except (AttributeError, RuntimeError, TypeError):
+        pass
+    return None
+
+
+def precompiling() -> bool:
+    """Whether a launch here belongs to a precompile pass: PRECOMPILING is set in this context, or
+    this is the backward of a call the pass made. On CUDA, autograd runs a backward on its own
+    device thread, where the caller's contextvars are not set (torch 2.11: the fp32 grads of a
+    pass's check compiled one after another there, and its tuners timed configs, 2026-12-04)."""
+    if PRECOMPILING.get():
+        return True
+    if not _PASSES[0]:
+        return False
+    ctx = _backward_caller_context()
+    return ctx is not None and ctx.get(PRECOMPILING, False)
+
+
+def in_pass_context(fn: Callable, *args, **kwargs):
+    """fn(*args, **kwargs) in the precompile pass's contextvars: as it is where they are set,
+    else (a backward on autograd's device thread) in a copy of the caller's, so that Triton's
+    AsyncCompileMode, a contextvar too, hands the compiles to the pass's pool."""
+    if PRECOMPILING.get():
+        return fn(*args, **kwargs)
+    ctx = _backward_caller_context()
+    return fn(*args, **kwargs) if ctx is None else ctx.copy().run(fn, *args, **kwargs)
 
 
 @contextlib.contextmanager
@@ -401,7 +453,7 @@ class Tuner:
             match = self._shipped(fitting, device_index, bucket)[1]
             self._untuned[key] = match if match is not None else fitting[0]
             return self._untuned[key]
-        if PRECOMPILING.get():
+        if precompiling():
             # A dialect compiling a candidate's kernels ahead of its check (`Dialect._measure`):
             # every config goes to the compile pool with the others, nothing is timed or kept;
             # the real call then tunes on configs already compiled.

@@ -26,7 +26,7 @@ import torch
 import triton
 
 from ..autotune.env import INTERPRET
-from ..autotune.tuner import PRECOMPILING as _PRECOMPILING
+from ..autotune.tuner import _PASSES, PRECOMPILING, in_pass_context, precompile_pass, precompiling
 
 _knobs = getattr(triton, "knobs", None)  # Triton >= 3.4; older ones take Triton's own path
 try:  # Triton's own parallel compilation (JIT compiles submitted to an executor); not in every Triton
@@ -62,12 +62,11 @@ def precompile(calls: Iterable[Callable[[], object]], workers: int | None = None
     compiled. A call whose compile fails is skipped here: its real launch raises the error. Returns
     False (doing nothing) under the interpreter or on a Triton without AsyncCompileMode."""
     calls = list(calls)
-    if INTERPRET or AsyncCompileMode is None or not calls or _PRECOMPILING.get():
+    if INTERPRET or AsyncCompileMode is None or not calls or precompiling():
         return False
     workers = workers or min(len(calls), os.cpu_count() or 1, 16)
-    token = _PRECOMPILING.set(True)
     try:
-        with ThreadPoolExecutor(workers, thread_name_prefix="trifuse-compile") as pool:
+        with precompile_pass(), ThreadPoolExecutor(workers, thread_name_prefix="trifuse-compile") as pool:
             try:
                 mode = AsyncCompileMode(pool, ignore_errors=True)
             except TypeError:  # a Triton whose mode has no ignore_errors: failures raise at exit
@@ -80,8 +79,6 @@ def precompile(calls: Iterable[Callable[[], object]], workers: int | None = None
                         log.debug("trifuse: precompiling a launch failed: %r", e)
     except Exception as e:  # noqa: BLE001  (a compile error surfacing at the mode's exit)
         log.debug("trifuse: precompiling ended with %r", e)
-    finally:
-        _PRECOMPILING.reset(token)
     return True
 
 
@@ -151,8 +148,10 @@ class CachedKernel:
         return lambda *args, **kwargs: self.run(grid, args, kwargs)
 
     def run(self, grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:
-        if _PRECOMPILING.get():
-            self.fn.warmup(*args, grid=grid, **kwargs)
+        # (inline: a function call per launch is host time) in a precompile pass, or the backward
+        # of one of its calls on autograd's device thread (then in the pass's context)
+        if PRECOMPILING.get() or (_PASSES[0] and precompiling()):
+            in_pass_context(self.fn.warmup, *args, grid=grid, **kwargs)
             return
         if not self._fast:
             self.fn[grid](*args, **kwargs)

@@ -90,6 +90,97 @@ def test_inside_a_precompile_pass_an_undecided_key_compiles_every_config_and_dec
     assert t.config(KEY, launch, launched) is SPACE[1] and fake.calls == LABELS
 
 
+def _on_autograds_device_thread(caller_context, fn):
+    """fn() on a new thread that holds `caller_context` as autograd's device threads hold the
+    context of the thread whose backward they run (a thread-local stash, where torch 2.11 does not
+    enter it: contextvars set by the caller are unset there)."""
+    import threading
+
+    result = {}
+
+    def body():
+        if caller_context is not None:
+            torch._C._stash_obj_in_tls("context", caller_context)
+        try:
+            result["value"] = fn()
+        except Exception as e:  # noqa: BLE001  (re-raised on the test's thread)
+            result["error"] = e
+        finally:
+            if caller_context is not None:
+                torch._C._remove_obj_from_tls("context")
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+needs_tls_stash = pytest.mark.skipif(not hasattr(torch._C, "_remove_obj_from_tls"),
+                                     reason="this torch has no _remove_obj_from_tls")
+
+
+@needs_tls_stash
+def test_the_backward_of_a_precompile_pass_call_on_autograds_device_thread_compiles_and_decides_nothing(
+        cache_dir, timer):
+    """On CUDA a backward runs on autograd's device thread, without the caller's contextvars
+    (torch 2.11, the lent H200, 2026-12-04: a pass's backward kernels compiled one after another
+    there and their tuners timed every config). The tuner there sees the pass through the context
+    autograd stashes, compiles every config in it and decides nothing; a thread that no pass
+    started, during a pass (DataParallel's replicas), tunes as usual."""
+    import contextvars
+
+    from trifuse.autotune.tuner import in_pass_context, precompile_pass, precompiling
+
+    fake, launched = timer({LABELS[1]: 0.1}), []
+    t = make_tuner(fake)
+    marker = contextvars.ContextVar("caller_marker", default="unset")
+    with precompile_pass():
+        marker_token = marker.set("caller")
+        caller = contextvars.copy_context()
+        marker.reset(marker_token)
+        assert _on_autograds_device_thread(caller, precompiling)
+        # Triton's AsyncCompileMode is a contextvar too: the warmups run in the caller's context
+        assert _on_autograds_device_thread(caller, lambda: in_pass_context(marker.get)) == "caller"
+        assert _on_autograds_device_thread(caller, lambda: t.config(KEY, launch, launched)) is SPACE[0]
+        assert launched == [64, 128, 256] and fake.calls == [] and not t.is_decided(KEY)
+        assert not _on_autograds_device_thread(None, precompiling)  # another thread, no stash
+        assert not _on_autograds_device_thread(contextvars.Context(), precompiling)  # another caller's backward
+    assert not _on_autograds_device_thread(caller, precompiling), "the pass is over"
+    assert t.config(KEY, launch, launched) is SPACE[1] and fake.calls == LABELS
+
+
+@needs_tls_stash
+def test_cached_kernel_in_the_backward_of_a_pass_call_compiles_in_the_pass_context():
+    """CachedKernel on autograd's device thread, in the backward of a precompile pass's call:
+    warmup (compile only) in the caller's context, where the compile pool's mode is set; the same
+    launch outside the pass runs the kernel."""
+    import contextvars
+
+    from trifuse.autotune.tuner import PRECOMPILING, precompile_pass
+    from trifuse.kernels._launch import CachedKernel
+
+    class FakeJIT:
+        def __init__(self):
+            self.calls = []
+
+        def warmup(self, *args, grid, **kwargs):
+            self.calls.append(("warmup", PRECOMPILING.get()))
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: self.calls.append(("run", PRECOMPILING.get()))
+
+    jit = FakeJIT()
+    kernel = CachedKernel(jit)
+    kernel._fast = False  # Triton's own path for the real launch (a fake has no launcher)
+    with precompile_pass():
+        caller = contextvars.copy_context()
+        _on_autograds_device_thread(caller, lambda: kernel[(1,)](1, BLOCK=4))
+    _on_autograds_device_thread(caller, lambda: kernel[(1,)](1, BLOCK=4))
+    assert jit.calls == [("warmup", True), ("run", False)]
+
+
 def test_second_process_with_the_same_shapes_does_no_timing(cache_dir, timer, new_process):
     make_tuner(timer({LABELS[2]: 0.5})).config(KEY, launch, [])
     new_process()
