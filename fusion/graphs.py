@@ -129,7 +129,9 @@ class BlockGraphs:
             self.skipped[f"more than {MAX_SIGNATURES} call signatures for one block"] += 1
             return run(module, args, kwargs)
         if slot is None or slot[1] is None:  # first call with this signature: it captures and tunes, ungraphed
-            with graphed_calls():  # its ops will replay from a graph: they choose by GPU time
+            # its ops will replay from a graph: they choose by GPU time; autocast's cache off, as
+            # the build will have it
+            with graphed_calls(), _autocast_cache_off():
                 out = run(module, args, kwargs)
             if ran_fused(module):
                 entries[key] = [where, _SEEN]
@@ -200,18 +202,14 @@ class BlockGraphs:
             out_structure[:] = [structure]
             return tuple(x for x in out_leaves if isinstance(x, torch.Tensor))
 
-        cache = torch.is_autocast_cache_enabled()
-        torch.set_autocast_cache_enabled(False)  # make_graphed_callables refuses autocast's weight cache
         pools_before = _pool_bytes(self.device_type)
         try:
-            with graphed_calls(), capture_failures_recovered():
+            with graphed_calls(), capture_failures_recovered(), _autocast_cache_off():
                 graphed = torch.cuda.make_graphed_callables(
                     block, (*static, *aliases), num_warmup_iters=self.warmup_iters, allow_unused_input=True)
         except Exception as e:  # noqa: BLE001  (never break a model: the block runs ungraphed)
             self.failures[f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"] += 1
             return _FAILED
-        finally:
-            torch.set_autocast_cache_enabled(cache)
         self.built += 1
         self.pool_bytes += max(0, _pool_bytes(self.device_type) - pools_before)
         return graphed, params, out_structure[0], buffers
@@ -295,6 +293,21 @@ class _Buffers:
 # The address of each output a graph returns from its own buffers -> that graph's _Buffers:
 # a block whose input is the block before's output reads it there (_build).
 _PRODUCERS: dict[int, weakref.ref] = {}
+
+
+@contextlib.contextmanager
+def _autocast_cache_off():
+    """Autocast's weight cache off inside (make_graphed_callables refuses it), the user's setting
+    back after. A block's first call, the one that captures it, runs like this too: Dynamo guards
+    the flag, and a capture made with it on was traced and rewritten once more inside the build
+    (every distinct block, on the first graphed step). The cache only saves repeated casts of one
+    weight inside an autocast region: the values are the same either way."""
+    cache = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(cache)
 
 
 def _pool_bytes(device_type: str) -> int:

@@ -60,8 +60,14 @@ class _StandIn:
                     for buf in static_grads:
                         if buf is not None:
                             buf.fill_(float("nan"))
-                with torch.enable_grad(), graphed_calls():  # replays what was captured
-                    outs = fn(*sample_args)
+                # replays what was captured (as it was captured: autocast's cache off)
+                cache = torch.is_autocast_cache_enabled()
+                torch.set_autocast_cache_enabled(False)
+                try:
+                    with torch.enable_grad(), graphed_calls():
+                        outs = fn(*sample_args)
+                finally:
+                    torch.set_autocast_cache_enabled(cache)
                 assert isinstance(outs, tuple) and all(isinstance(o, torch.Tensor) for o in outs)
                 latest["leaves"], latest["outs"] = sample_args, outs
                 for buf, o in zip(static_out, outs):
@@ -154,6 +160,27 @@ def test_blocks_are_graphed_from_their_second_call_and_train_bitwise_as_ungraphe
     assert not graphs.failures
     text = trifuse.report(lm).table()
     assert "CUDA graphs: 2 graph pair(s) built (0.00 GiB in their memory pools), 4 call(s) replayed" in text
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the stand-in for make_graphed_callables: CPU runs")
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast"])
+def test_building_a_blocks_graph_traces_the_block_no_second_time(monkeypatch, autocast):
+    """make_graphed_callables refuses autocast's weight cache, so a graph is built with it off, and
+    Dynamo guards that flag: a block whose first call was captured with the cache on was traced and
+    rewritten once more inside the build (every distinct block: set-up time, and with the rewrite
+    passes of that moment: on the H200, 2026-12-04, a test's model fused without a pass got it
+    back there). The first call of a block to be graphed runs with the cache off too."""
+    lm, _, inputs = _graphed_and_ungraphed(monkeypatch)
+    kw = inputs(2, 8)
+    for _ in range(3):  # captures; builds and replays; replays
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = lm(**kw).loss
+        loss.backward()
+    (graphs,) = _block_graphs(lm)
+    assert graphs.built == 2 and graphs.replays == 4
+    (blocks,) = [u for u in trifuse.report(lm).units if "GPT2Block" in u.name]
+    assert len(blocks.unit.captures) == 1
+    assert torch.is_autocast_cache_enabled()  # the user's setting, back
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the stand-in for make_graphed_callables: CPU runs")

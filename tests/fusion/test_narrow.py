@@ -262,7 +262,12 @@ def test_autocast_matmuls_of_fp32_weights_get_their_gradients_in_fp32(build, wei
         assert (g - gp).abs().max() <= FLOOR[DTYPE] * max(1.0, gp.abs().max().item()), name
     matmul_weights = {f"{prefix}.{layer}.{w}" for layer in range(_models.LAYERS) for w in weights
                       for prefix in ("transformer.h", "bert.encoder.layer")}
-    assert matmul_weights & set(changed) == {n for n in matmul_weights if n in names}
+    # (what a failure needs said: on the H200, 2026-12-04, no matmul's gradient differed; None or equal?)
+    same = {n: "None" if g is None else "equal" for n, g, gp in zip(names, grads, grads_plain)
+            if n in matmul_weights and n not in changed}
+    graphs = [line for line in trifuse.report(model).table().splitlines()
+              if "CUDA graphs" in line or "autocast_linear" in line]
+    assert matmul_weights & set(changed) == {n for n in matmul_weights if n in names}, (same, graphs)
     assert all(n.endswith(("weight", "bias")) and not any(k in n for k in ("ln_", "LayerNorm"))
                for n in changed)
 
