@@ -254,6 +254,18 @@ def untuned():
         _UNTUNED.reset(token)
 
 
+def _screening() -> list[str] | None:
+    """The list of an enclosing `untuned()`, or None; seen from the backward of a call made inside
+    it too (on autograd's device thread: see `precompiling`), else a screened candidate's backward
+    kernels were tuned in full."""
+    pending = _UNTUNED.get()
+    if pending is None:
+        ctx = _backward_caller_context()
+        if ctx is not None:
+            pending = ctx.get(_UNTUNED)
+    return pending
+
+
 @contextlib.contextmanager
 def tuned():
     """Undoes an enclosing `untuned()` inside: a dialect deciding while another screens its
@@ -393,7 +405,7 @@ class Tuner:
         `launch(config, *args)` for each candidate config (see the module docstring)."""
         cfg = self._memo.get(key)
         if cfg is None:
-            pending = _UNTUNED.get()
+            pending = _screening()
             if pending is not None and key in self._untuned:  # screening: the default, one lookup
                 pending.append(self.name)
                 return self._untuned[key]
@@ -447,7 +459,7 @@ class Tuner:
         match = None if hit is None else _find(fitting, hit.get("config"))
         if match is not None:
             return keep(match, "disk cache", dict(hit.get("ms", {})))
-        pending = _UNTUNED.get()
+        pending = _screening()
         if pending is not None:  # a dialect screening its candidates: no timing, nothing kept
             pending.append(self.name)
             match = self._shipped(fitting, device_index, bucket)[1]

@@ -152,6 +152,27 @@ def test_the_backward_of_a_precompile_pass_call_on_autograds_device_thread_compi
 
 
 @needs_tls_stash
+def test_the_backward_of_a_screened_call_on_autograds_device_thread_takes_the_default(cache_dir, timer):
+    """A dialect screens its candidates at their default configs (`untuned()`); the backward of a
+    screened call, on autograd's device thread, takes its tuners' defaults too, untimed (before:
+    they tuned in full there), and names them in the screening's list."""
+    import contextvars
+
+    from trifuse.autotune.tuner import tuned, untuned
+
+    fake, launched = timer({LABELS[1]: 0.1}), []
+    t = make_tuner(fake)
+    with untuned() as pending:
+        caller = contextvars.copy_context()
+        assert _on_autograds_device_thread(caller, lambda: t.config(KEY, launch, launched)) is SPACE[0]
+        with tuned():  # a dialect deciding in full inside the screening: its backward tunes
+            inner = contextvars.copy_context()
+    assert pending == ["toy"] and fake.calls == [] and launched == [] and not t.is_decided(KEY)
+    assert _on_autograds_device_thread(inner, lambda: t.config(KEY, launch, launched)) is SPACE[1]
+    assert fake.calls == LABELS
+
+
+@needs_tls_stash
 def test_cached_kernel_in_the_backward_of_a_pass_call_compiles_in_the_pass_context():
     """CachedKernel on autograd's device thread, in the backward of a precompile pass's call:
     warmup (compile only) in the caller's context, where the compile pool's mode is set; the same
