@@ -11,6 +11,8 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+import torch
+
 log = logging.getLogger("trifuse")
 
 # (label, zero-argument step) -> milliseconds. The defaults time a CUDA step with
@@ -78,10 +80,36 @@ class Clock:
 _CLOCK: contextvars.ContextVar[Clock | None] = contextvars.ContextVar("trifuse_decision_clock", default=None)
 
 
+def backward_caller_context() -> contextvars.Context | None:
+    """The contextvars of the thread that started the backward running on this thread, as autograd
+    stashes them for its device threads (torch.autograd.graph._engine_run_backward; a private
+    torch API, hence the guard), else None."""
+    try:
+        if torch._C._is_key_in_tls("context"):
+            ctx = torch._C._get_obj_in_tls("context")
+            return ctx if isinstance(ctx, contextvars.Context) else None
+    except (AttributeError, RuntimeError, TypeError):
+        pass
+    return None
+
+
+def _caller_value(var: contextvars.ContextVar, unset: object) -> object:
+    """var's value here; where it is `unset` here, on autograd's device thread running the
+    backward of a call made where it was set, the value there."""
+    value = var.get()
+    if value == unset:
+        ctx = backward_caller_context()
+        if ctx is not None:
+            value = ctx.get(var, unset)
+    return value
+
+
 @contextlib.contextmanager
 def deciding():
-    """Around one decision (a tuner's or a dialect's): yields its Clock."""
-    depth = _DEPTH.get()
+    """Around one decision (a tuner's or a dialect's): yields its Clock. A decision made in the
+    backward of a call that another decision makes (on autograd's device thread) is nested in it:
+    its seconds are that one's too."""
+    depth = _caller_value(_DEPTH, 0)
     clock = Clock(depth > 0)
     token, clock_token = _DEPTH.set(depth + 1), _CLOCK.set(clock)
     try:
@@ -95,7 +123,7 @@ def deciding():
 def phase(name: str):
     """Adds the wall time inside to phase `name` of the decision being made (the innermost);
     nothing outside a decision."""
-    clock = _CLOCK.get()
+    clock = _caller_value(_CLOCK, None)
     start = time.perf_counter()
     try:
         yield

@@ -31,12 +31,12 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 
-import torch
 import triton
 
 from .cache import disk_cache, environment, shipped_default
 from .env import INTERPRET, tuning_requested
-from .decisions import Clock, Decision, Timer, bucket_string, deciding, log, lookup, phase, record
+from .decisions import (Clock, Decision, Timer, backward_caller_context, bucket_string, deciding, log, lookup, phase,
+                        record)
 
 # Short timing windows: tuning runs inside the first training step, once per shape bucket.
 WARMUP_MS = 5
@@ -202,19 +202,6 @@ def precompile_pass():
         PRECOMPILING.reset(token)
 
 
-def _backward_caller_context() -> contextvars.Context | None:
-    """The contextvars of the thread that started the backward running on this thread, as autograd
-    stashes them for its device threads (torch.autograd.graph._engine_run_backward; a private
-    torch API, hence the guard), else None."""
-    try:
-        if torch._C._is_key_in_tls("context"):
-            ctx = torch._C._get_obj_in_tls("context")
-            return ctx if isinstance(ctx, contextvars.Context) else None
-    except (AttributeError, RuntimeError, TypeError):
-        pass
-    return None
-
-
 def precompiling() -> bool:
     """Whether a launch here belongs to a precompile pass: PRECOMPILING is set in this context, or
     this is the backward of a call the pass made. On CUDA, autograd runs a backward on its own
@@ -224,7 +211,7 @@ def precompiling() -> bool:
         return True
     if not _PASSES[0]:
         return False
-    ctx = _backward_caller_context()
+    ctx = backward_caller_context()
     return ctx is not None and ctx.get(PRECOMPILING, False)
 
 
@@ -234,7 +221,7 @@ def in_pass_context(fn: Callable, *args, **kwargs):
     AsyncCompileMode, a contextvar too, hands the compiles to the pass's pool."""
     if PRECOMPILING.get():
         return fn(*args, **kwargs)
-    ctx = _backward_caller_context()
+    ctx = backward_caller_context()
     return fn(*args, **kwargs) if ctx is None else ctx.copy().run(fn, *args, **kwargs)
 
 
@@ -260,7 +247,7 @@ def _screening() -> list[str] | None:
     kernels were tuned in full."""
     pending = _UNTUNED.get()
     if pending is None:
-        ctx = _backward_caller_context()
+        ctx = backward_caller_context()
         if ctx is not None:
             pending = ctx.get(_UNTUNED)
     return pending

@@ -173,6 +173,33 @@ def test_the_backward_of_a_screened_call_on_autograds_device_thread_takes_the_de
 
 
 @needs_tls_stash
+def test_a_decision_in_the_backward_of_a_deciding_call_counts_as_nested_in_it(cache_dir, timer):
+    """A tuner deciding in the backward of a call that a dialect's decision makes (on autograd's
+    device thread) is nested in that decision, and its phases' time goes to it: the e2e rows'
+    "tuning s" counted it twice (41.2 s of a 26.7 s set-up, the H200, 2026-12-04)."""
+    import contextvars
+
+    from trifuse.autotune.decisions import deciding, phase
+
+    def in_a_phase():
+        with phase("compile"):
+            pass
+
+    t = make_tuner(timer({LABELS[1]: 0.1}))
+    with deciding() as outer:
+        caller = contextvars.copy_context()
+        _on_autograds_device_thread(caller, lambda: t.config(KEY, launch, []))
+        _on_autograds_device_thread(caller, in_a_phase)
+    (rec,) = records(name="toy")
+    assert rec.nested and rec.source == "measured"
+    assert "compile" in outer.phases
+    t2 = Tuner("toy2", space, key_names=("device", "n", "dtype"))
+    t2.timer = timer({LABELS[1]: 0.1})
+    _on_autograds_device_thread(contextvars.copy_context(), lambda: t2.config(KEY, launch, []))
+    assert not records(name="toy2")[0].nested
+
+
+@needs_tls_stash
 def test_cached_kernel_in_the_backward_of_a_pass_call_compiles_in_the_pass_context():
     """CachedKernel on autograd's device thread, in the backward of a precompile pass's call:
     warmup (compile only) in the caller's context, where the compile pool's mode is set; the same
