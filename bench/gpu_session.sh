@@ -105,6 +105,13 @@
 #   "set-up s" and the attention decision's phases ("compile" then short "check trifuse", 17 s
 #   before) say what it saved; tests-gpu's test_gpu_a_cold_choice_compiles_its_candidates_kernels_
 #   together checks that no compile is left on the calling thread. Calls as the fifty-first's.
+#   Fifty-third session (2026-12-04, H200, bench/results/h200-2026-12-04b/): bf16 suite 745 passed;
+#   GPT-2 medium graphed 56.5 ms (2.26x), cold set-up 26.7 s, warm 3.4 s; BERT-large graphed 54.1 ms
+#   (1.63x). Fixed on the CPU after: a precompile pass's backward ran on autograd's device thread
+#   without the pass's contextvars (compiled and tuned serially there: the attention dQ/dKdV and
+#   LayerNorm backward decisions, ~10 s of the cold set-up), and graphed blocks were traced twice
+#   (Dynamo guards autocast's cache flag). Next: call 1 `tests graphs-gpt2` (~7 min: set-up s and
+#   test_gpu_a_cold_choice...), call 2 at once `autocast graphs-bert` (~4 min).
 #   Later sessions, one or two calls each: `kernels` (the remaining memory-bound ops), `tma
 #   dialects`, `e2e-ckpt` (gradient checkpointing on), `e2e-llama` (Llama 3.2 1B's shape against
 #   Liger-Kernel), `tune` (the shipped H100 defaults).
