@@ -28,6 +28,7 @@ import dataclasses
 import functools
 import inspect
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -186,6 +187,7 @@ _UNTUNED: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("tri
 # launching, and a tuner that would time an undecided key compiles every config instead. Read it
 # through `precompiling()`, which also sees it from the backward of such a call.
 PRECOMPILING: contextvars.ContextVar[bool] = contextvars.ContextVar("trifuse_precompiling", default=False)
+_PASSES_LOCK = threading.Lock()
 _PASSES = [0]  # precompile passes running in this process (any thread): 0 keeps precompiling() cheap
 
 
@@ -194,11 +196,13 @@ def precompile_pass():
     """Marks the calls inside as a precompile pass's (`kernels._launch.precompile`), the backward
     passes they start included."""
     token = PRECOMPILING.set(True)
-    _PASSES[0] += 1
+    with _PASSES_LOCK:  # (DataParallel's replica threads may run passes at once)
+        _PASSES[0] += 1
     try:
         yield
     finally:
-        _PASSES[0] -= 1
+        with _PASSES_LOCK:
+            _PASSES[0] -= 1
         PRECOMPILING.reset(token)
 
 
