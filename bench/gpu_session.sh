@@ -112,7 +112,8 @@
 #   LayerNorm backward decisions, ~10 s of the cold set-up), and graphed blocks were traced twice
 #   (Dynamo guards autocast's cache flag). Next: call 1 `tests graphs-gpt2` (~7 min: set-up s and
 #   test_gpu_a_cold_choice...), call 2 at once `autocast graphs-bert` (~4 min).
-#   Later sessions, one or two calls each: `kernels` (the remaining memory-bound ops), `tma
+#   Later sessions, one or two calls each: `e2e-compile` (issue 6's 1.15x over torch.compile and
+#   its compile time: never run on the H200), `kernels` (the remaining memory-bound ops), `tma
 #   dialects`, `e2e-ckpt` (gradient checkpointing on), `e2e-llama` (Llama 3.2 1B's shape against
 #   Liger-Kernel), `tune` (the shipped H100 defaults).
 #
@@ -229,6 +230,12 @@ for what in "$@"; do
         e2e)  # GPT-2 medium training steps: eager, trifuse.fuse, trifuse.fuse(skip_logits); the
               # first fused step tunes the kernels at the model's shapes (set-up s)
             stage bench-e2e 300 python3 bench/bench_e2e.py --steps 8 --models gpt2-medium ;;
+        e2e-compile)  # issue 6 on GPT-2 medium: eager, torch.compile, compile(backend=trifuse) and
+                      # compile(backend=trifuse_inductor), each with its compile time as set-up s
+                      # (torch.compile took 69 s there on the H100); one call of its own
+            stage bench-e2e-compile 540 python3 bench/bench_e2e.py --steps 6 --models gpt2-medium --compile \
+                --suffix compile \
+                --providers "eager-sdpa,torch.compile,compile(backend=trifuse),compile(backend=trifuse_inductor)" ;;
         e2e-ckpt)  # the same with transformers' gradient checkpointing on
             stage bench-e2e-ckpt 300 python3 bench/bench_e2e.py --steps 6 --models gpt2-medium --grad-ckpt \
                 --suffix grad-ckpt ;;
@@ -271,7 +278,7 @@ for what in "$@"; do
             stage tune 150 python3 -m trifuse.autotune gpt2-medium --batch 8 --seq 1024
             stage tune-llama 150 python3 -m trifuse.autotune llama-3.2-1b --batch 4 --seq 2048 \
                 --export-defaults autotune/defaults/ ;;  # this GPU's family: h100.json or h200.json
-        *) echo "unknown stage $what (tests tests-gpu bisect bisect-configs graphs-gpt2 graphs-bert host kernels-core kernels attention tma dialects e2e e2e-ckpt e2e-bert e2e-llama e2e-dit graphs e2e-host nccl adaptive rowwise tune)" ;;
+        *) echo "unknown stage $what (tests tests-gpu bisect bisect-configs graphs-gpt2 graphs-bert e2e-compile host kernels-core kernels attention tma dialects e2e e2e-ckpt e2e-bert e2e-llama e2e-dit graphs e2e-host nccl adaptive rowwise tune)" ;;
     esac
 done
 
