@@ -142,17 +142,21 @@ class BlockGraphs:
         entry = slot[1]
         if entry is _SEEN:
             entry = slot[1] = self._build(module, leaves, spec, run)
+        # The calls of this signature that run ungraphed after all: as its first call ran (its capture's guards)
         if entry is _FAILED:
-            return run(module, args, kwargs)
+            with _autocast_cache_off():
+                return run(module, args, kwargs)
         graphed, params, (out_spec, out_leaves), buffers = entry
         if buffers.in_use():
             self.skipped[IN_USE] += 1
-            return run(module, args, kwargs)
+            with _autocast_cache_off():
+                return run(module, args, kwargs)
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         if buffers.read_in_place and any(tensors[i].data_ptr() != at for i, at in buffers.read_in_place):
             # The replay would copy this input into the other graph's output buffer.
             self.skipped[NOT_IN_PLACE] += 1
-            return run(module, args, kwargs)
+            with _autocast_cache_off():
+                return run(module, args, kwargs)
         buffers.release_gradients(params)
         self.replays += 1
         outs = graphed(*tensors, *params)

@@ -309,6 +309,8 @@ def test_a_block_called_again_before_its_backward_runs_that_call_ungraphed(monke
     lm(**c)  # a loss dropped unused: its buffers are free again
     lm(**c).loss.backward()
     assert graphs.replays == 8 and graphs.skipped == {graphs_module.IN_USE: 2}
+    (blocks,) = [u for u in trifuse.report(lm).units if "GPT2Block" in u.name]
+    assert len(blocks.unit.captures) == 1  # the ungraphed calls ran the first call's capture
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the stand-in for make_graphed_callables: CPU runs")
