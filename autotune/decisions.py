@@ -80,40 +80,28 @@ class Clock:
 _CLOCK: contextvars.ContextVar[Clock | None] = contextvars.ContextVar("trifuse_decision_clock", default=None)
 
 
-def backward_caller_context() -> contextvars.Context | None:
-    """The contextvars of the thread that started the backward running on this thread, as autograd
-    stashes them for its device threads (torch.autograd.graph._engine_run_backward; a private
-    torch API, hence the guard), else None."""
-    try:
-        if torch._C._is_key_in_tls("context"):
-            ctx = torch._C._get_obj_in_tls("context")
-            return ctx if isinstance(ctx, contextvars.Context) else None
-    except (AttributeError, RuntimeError, TypeError):
-        pass
-    return None
-
-
-def _caller_value(var: contextvars.ContextVar, unset: object) -> object:
-    """var's value here; where it is `unset` here, on autograd's device thread running the
-    backward of a call made where it was set, the value there."""
-    value = var.get()
-    if value == unset:
-        ctx = backward_caller_context()
-        if ctx is not None:
-            value = ctx.get(var, unset)
-    return value
+@contextlib.contextmanager
+def backward_here():
+    """The backward passes started inside run on this thread. On CUDA autograd runs them on a
+    device thread of its own, where this thread's contextvars are not set (torch 2.11): a
+    decision's state (its clock, a screening's `untuned`, a compile pass's flag) and Triton's
+    AsyncCompileMode. On the lent H200 (2026-12-04) a compile pass's backward kernels therefore
+    compiled one after another there, and their tuners timed every config (~10 s of GPT-2
+    medium's first step), counted apart from the decision they were part of."""
+    with torch.autograd.set_multithreading_enabled(False):  # (thread-local)
+        yield
 
 
 @contextlib.contextmanager
 def deciding():
-    """Around one decision (a tuner's or a dialect's): yields its Clock. A decision made in the
-    backward of a call that another decision makes (on autograd's device thread) is nested in it:
-    its seconds are that one's too."""
-    depth = _caller_value(_DEPTH, 0)
+    """Around one decision (a tuner's or a dialect's): yields its Clock. The backward passes of
+    the calls it makes run on this thread (`backward_here`), inside the decision."""
+    depth = _DEPTH.get()
     clock = Clock(depth > 0)
     token, clock_token = _DEPTH.set(depth + 1), _CLOCK.set(clock)
     try:
-        yield clock
+        with backward_here():
+            yield clock
     finally:
         _CLOCK.reset(clock_token)
         _DEPTH.reset(token)
@@ -123,7 +111,7 @@ def deciding():
 def phase(name: str):
     """Adds the wall time inside to phase `name` of the decision being made (the innermost);
     nothing outside a decision."""
-    clock = _caller_value(_CLOCK, None)
+    clock = _CLOCK.get()
     start = time.perf_counter()
     try:
         yield

@@ -59,8 +59,8 @@ import torch
 
 from .cache import disk_cache, environment, shipped_default
 from .decisions import Clock, Decision, Timer, bucket_string, deciding, log, lookup, phase, record, records
-from .tuner import (capturing, error_text, graph_timer, on_device, precompiling, progress, timer_for, tuned,
-                    untuned, wall_timer)
+from .tuner import (PRECOMPILING, capturing, error_text, graph_timer, on_device, progress, timer_for, tuned, untuned,
+                    wall_timer)
 
 # The check's bound, in the form of the tests' oracle rule (tests/tolerances.py) but with twice
 # the factor: it guards the choice against a broken implementation (a library bug, a backend that
@@ -290,7 +290,7 @@ class Dialect:
             record(Decision("dialect", self.name, device, bucket, self.candidates[0].name,
                             "fallback (no candidate takes this call)", {}, rejected))
             return self.candidates[0].fn
-        if capturing() or precompiling():
+        if capturing() or PRECOMPILING.get():
             # Nothing timed in a capture; nor while another op's candidate is being compiled
             # (`_compile_first`): its kernels launch nothing, so nothing could be checked.
             return eligible[0].fn

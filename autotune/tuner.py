@@ -28,7 +28,6 @@ import dataclasses
 import functools
 import inspect
 import statistics
-import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -36,8 +35,7 @@ import triton
 
 from .cache import disk_cache, environment, shipped_default
 from .env import INTERPRET, tuning_requested
-from .decisions import (Clock, Decision, Timer, backward_caller_context, bucket_string, deciding, log, lookup, phase,
-                        record)
+from .decisions import Clock, Decision, Timer, bucket_string, deciding, log, lookup, phase, record
 
 # Short timing windows: tuning runs inside the first training step, once per shape bucket.
 WARMUP_MS = 5
@@ -184,49 +182,8 @@ _UNTUNED: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("tri
 
 
 # True while `kernels._launch.precompile` runs its calls: CachedKernel compiles instead of
-# launching, and a tuner that would time an undecided key compiles every config instead. Read it
-# through `precompiling()`, which also sees it from the backward of such a call.
+# launching, and a tuner that would time an undecided key compiles every config instead.
 PRECOMPILING: contextvars.ContextVar[bool] = contextvars.ContextVar("trifuse_precompiling", default=False)
-_PASSES_LOCK = threading.Lock()
-_PASSES = [0]  # precompile passes running in this process (any thread): 0 keeps precompiling() cheap
-
-
-@contextlib.contextmanager
-def precompile_pass():
-    """Marks the calls inside as a precompile pass's (`kernels._launch.precompile`), the backward
-    passes they start included."""
-    token = PRECOMPILING.set(True)
-    with _PASSES_LOCK:  # (DataParallel's replica threads may run passes at once)
-        _PASSES[0] += 1
-    try:
-        yield
-    finally:
-        with _PASSES_LOCK:
-            _PASSES[0] -= 1
-        PRECOMPILING.reset(token)
-
-
-def precompiling() -> bool:
-    """Whether a launch here belongs to a precompile pass: PRECOMPILING is set in this context, or
-    this is the backward of a call the pass made. On CUDA, autograd runs a backward on its own
-    device thread, where the caller's contextvars are not set (torch 2.11: the fp32 grads of a
-    pass's check compiled one after another there, and its tuners timed configs, 2026-12-04)."""
-    if PRECOMPILING.get():
-        return True
-    if not _PASSES[0]:
-        return False
-    ctx = backward_caller_context()
-    return ctx is not None and ctx.get(PRECOMPILING, False)
-
-
-def in_pass_context(fn: Callable, *args, **kwargs):
-    """fn(*args, **kwargs) in the precompile pass's contextvars: as it is where they are set,
-    else (a backward on autograd's device thread) in a copy of the caller's, so that Triton's
-    AsyncCompileMode, a contextvar too, hands the compiles to the pass's pool."""
-    if PRECOMPILING.get():
-        return fn(*args, **kwargs)
-    ctx = backward_caller_context()
-    return fn(*args, **kwargs) if ctx is None else ctx.copy().run(fn, *args, **kwargs)
 
 
 @contextlib.contextmanager
@@ -243,18 +200,6 @@ def untuned():
         yield pending
     finally:
         _UNTUNED.reset(token)
-
-
-def _screening() -> list[str] | None:
-    """The list of an enclosing `untuned()`, or None; seen from the backward of a call made inside
-    it too (on autograd's device thread: see `precompiling`), else a screened candidate's backward
-    kernels were tuned in full."""
-    pending = _UNTUNED.get()
-    if pending is None:
-        ctx = backward_caller_context()
-        if ctx is not None:
-            pending = ctx.get(_UNTUNED)
-    return pending
 
 
 @contextlib.contextmanager
@@ -396,7 +341,7 @@ class Tuner:
         `launch(config, *args)` for each candidate config (see the module docstring)."""
         cfg = self._memo.get(key)
         if cfg is None:
-            pending = _screening()
+            pending = _UNTUNED.get()
             if pending is not None and key in self._untuned:  # screening: the default, one lookup
                 pending.append(self.name)
                 return self._untuned[key]
@@ -450,13 +395,13 @@ class Tuner:
         match = None if hit is None else _find(fitting, hit.get("config"))
         if match is not None:
             return keep(match, "disk cache", dict(hit.get("ms", {})))
-        pending = _screening()
+        pending = _UNTUNED.get()
         if pending is not None:  # a dialect screening its candidates: no timing, nothing kept
             pending.append(self.name)
             match = self._shipped(fitting, device_index, bucket)[1]
             self._untuned[key] = match if match is not None else fitting[0]
             return self._untuned[key]
-        if precompiling():
+        if PRECOMPILING.get():
             # A dialect compiling a candidate's kernels ahead of its check (`Dialect._measure`):
             # every config goes to the compile pool with the others, nothing is timed or kept;
             # the real call then tunes on configs already compiled.

@@ -25,8 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import triton
 
+from ..autotune.decisions import backward_here
 from ..autotune.env import INTERPRET
-from ..autotune.tuner import _PASSES, PRECOMPILING, in_pass_context, precompile_pass, precompiling
+from ..autotune.tuner import PRECOMPILING as _PRECOMPILING
 
 _knobs = getattr(triton, "knobs", None)  # Triton >= 3.4; older ones take Triton's own path
 try:  # Triton's own parallel compilation (JIT compiles submitted to an executor); not in every Triton
@@ -62,11 +63,13 @@ def precompile(calls: Iterable[Callable[[], object]], workers: int | None = None
     compiled. A call whose compile fails is skipped here: its real launch raises the error. Returns
     False (doing nothing) under the interpreter or on a Triton without AsyncCompileMode."""
     calls = list(calls)
-    if INTERPRET or AsyncCompileMode is None or not calls or precompiling():
+    if INTERPRET or AsyncCompileMode is None or not calls or _PRECOMPILING.get():
         return False
     workers = workers or min(len(calls), os.cpu_count() or 1, 16)
+    token = _PRECOMPILING.set(True)
     try:
-        with precompile_pass(), ThreadPoolExecutor(workers, thread_name_prefix="trifuse-compile") as pool:
+        # backward_here: the calls' backward passes see the flag and the mode (contextvars both)
+        with backward_here(), ThreadPoolExecutor(workers, thread_name_prefix="trifuse-compile") as pool:
             try:
                 mode = AsyncCompileMode(pool, ignore_errors=True)
             except TypeError:  # a Triton whose mode has no ignore_errors: failures raise at exit
@@ -79,6 +82,8 @@ def precompile(calls: Iterable[Callable[[], object]], workers: int | None = None
                         log.debug("trifuse: precompiling a launch failed: %r", e)
     except Exception as e:  # noqa: BLE001  (a compile error surfacing at the mode's exit)
         log.debug("trifuse: precompiling ended with %r", e)
+    finally:
+        _PRECOMPILING.reset(token)
     return True
 
 
@@ -148,10 +153,8 @@ class CachedKernel:
         return lambda *args, **kwargs: self.run(grid, args, kwargs)
 
     def run(self, grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:
-        # (inline: a function call per launch is host time) in a precompile pass, or the backward
-        # of one of its calls on autograd's device thread (then in the pass's context)
-        if PRECOMPILING.get() or (_PASSES[0] and precompiling()):
-            in_pass_context(self.fn.warmup, *args, grid=grid, **kwargs)
+        if _PRECOMPILING.get():
+            self.fn.warmup(*args, grid=grid, **kwargs)
             return
         if not self._fast:
             self.fn[grid](*args, **kwargs)

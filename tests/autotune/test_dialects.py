@@ -74,6 +74,31 @@ def test_fastest_correct_candidate_wins_and_others_say_why(cache_dir, timer):
     assert set(rec.rejected) == {"wrong", "raises", "missing", "picky"}
 
 
+def test_candidates_backward_passes_run_on_the_deciding_thread(cache_dir, timer):
+    """A dialect's checks and timed calls run their backward on the thread that decides (on CUDA
+    autograd's device thread would not see the decision's contextvars: tests/autotune/
+    test_tuner.py); the calls after the decision run theirs as usual."""
+    seen = []
+
+    class Recording(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, s):
+            ctx.s = s
+            return x * s
+
+        @staticmethod
+        def backward(ctx, dy):
+            seen.append(torch._C._is_multithreading_enabled())
+            return dy * ctx.s, None
+
+    d = make(timer({"own": 2.0, "recording": 1.0}), (CANDIDATES[0], Candidate("recording", Recording.apply)))
+    x = x_()
+    d(x, 2.0).sum().backward()
+    assert d.explain(x, 2.0).chosen == "recording"
+    assert seen[:-1] and not any(seen[:-1]), "the check's and the timed calls' backward passes"
+    assert seen[-1], "the call's own backward, after the decision"
+
+
 def test_wrong_gradient_is_caught_too(cache_dir, timer):
     class WrongBackward(torch.autograd.Function):
         @staticmethod

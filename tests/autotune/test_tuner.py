@@ -90,143 +90,26 @@ def test_inside_a_precompile_pass_an_undecided_key_compiles_every_config_and_dec
     assert t.config(KEY, launch, launched) is SPACE[1] and fake.calls == LABELS
 
 
-def _on_autograds_device_thread(caller_context, fn):
-    """fn() on a new thread that holds `caller_context` as autograd's device threads hold the
-    context of the thread whose backward they run (a thread-local stash, where torch 2.11 does not
-    enter it: contextvars set by the caller are unset there)."""
-    import threading
+def test_a_decisions_backward_passes_run_on_its_own_thread(cache_dir, timer):
+    """While a tuner decides (and a dialect: `deciding()`), the backward passes its calls start run
+    on the deciding thread: on CUDA autograd would run them on its device thread, where the
+    decision's contextvars (a screening, a compile pass, the clock) and Triton's compile mode are
+    not set (torch 2.11 on the lent H200, 2026-12-04: a compile pass's backward kernels compiled
+    one after another there, and their tuners timed every config). The thread's setting is back
+    after."""
+    seen = []
 
-    result = {}
+    def launch(cfg, launched):
+        seen.append(torch._C._is_multithreading_enabled())
 
-    def body():
-        if caller_context is not None:
-            torch._C._stash_obj_in_tls("context", caller_context)
-        try:
-            result["value"] = fn()
-        except Exception as e:  # noqa: BLE001  (re-raised on the test's thread)
-            result["error"] = e
-        finally:
-            if caller_context is not None:
-                torch._C._remove_obj_from_tls("context")
+    def timing(label, step):
+        step()
+        return {LABELS[1]: 0.1}.get(label, 1.0)
 
-    thread = threading.Thread(target=body)
-    thread.start()
-    thread.join()
-    if "error" in result:
-        raise result["error"]
-    return result["value"]
-
-
-needs_tls_stash = pytest.mark.skipif(not hasattr(torch._C, "_remove_obj_from_tls"),
-                                     reason="this torch has no _remove_obj_from_tls")
-
-
-@needs_tls_stash
-def test_the_backward_of_a_precompile_pass_call_on_autograds_device_thread_compiles_and_decides_nothing(
-        cache_dir, timer):
-    """On CUDA a backward runs on autograd's device thread, without the caller's contextvars
-    (torch 2.11, the lent H200, 2026-12-04: a pass's backward kernels compiled one after another
-    there and their tuners timed every config). The tuner there sees the pass through the context
-    autograd stashes, compiles every config in it and decides nothing; a thread that no pass
-    started, during a pass (DataParallel's replicas), tunes as usual."""
-    import contextvars
-
-    from trifuse.autotune.tuner import in_pass_context, precompile_pass, precompiling
-
-    fake, launched = timer({LABELS[1]: 0.1}), []
-    t = make_tuner(fake)
-    marker = contextvars.ContextVar("caller_marker", default="unset")
-    with precompile_pass():
-        marker_token = marker.set("caller")
-        caller = contextvars.copy_context()
-        marker.reset(marker_token)
-        assert _on_autograds_device_thread(caller, precompiling)
-        # Triton's AsyncCompileMode is a contextvar too: the warmups run in the caller's context
-        assert _on_autograds_device_thread(caller, lambda: in_pass_context(marker.get)) == "caller"
-        assert _on_autograds_device_thread(caller, lambda: t.config(KEY, launch, launched)) is SPACE[0]
-        assert launched == [64, 128, 256] and fake.calls == [] and not t.is_decided(KEY)
-        assert not _on_autograds_device_thread(None, precompiling)  # another thread, no stash
-        assert not _on_autograds_device_thread(contextvars.Context(), precompiling)  # another caller's backward
-    assert not _on_autograds_device_thread(caller, precompiling), "the pass is over"
-    assert t.config(KEY, launch, launched) is SPACE[1] and fake.calls == LABELS
-
-
-@needs_tls_stash
-def test_the_backward_of_a_screened_call_on_autograds_device_thread_takes_the_default(cache_dir, timer):
-    """A dialect screens its candidates at their default configs (`untuned()`); the backward of a
-    screened call, on autograd's device thread, takes its tuners' defaults too, untimed (before:
-    they tuned in full there), and names them in the screening's list."""
-    import contextvars
-
-    from trifuse.autotune.tuner import tuned, untuned
-
-    fake, launched = timer({LABELS[1]: 0.1}), []
-    t = make_tuner(fake)
-    with untuned() as pending:
-        caller = contextvars.copy_context()
-        assert _on_autograds_device_thread(caller, lambda: t.config(KEY, launch, launched)) is SPACE[0]
-        with tuned():  # a dialect deciding in full inside the screening: its backward tunes
-            inner = contextvars.copy_context()
-    assert pending == ["toy"] and fake.calls == [] and launched == [] and not t.is_decided(KEY)
-    assert _on_autograds_device_thread(inner, lambda: t.config(KEY, launch, launched)) is SPACE[1]
-    assert fake.calls == LABELS
-
-
-@needs_tls_stash
-def test_a_decision_in_the_backward_of_a_deciding_call_counts_as_nested_in_it(cache_dir, timer):
-    """A tuner deciding in the backward of a call that a dialect's decision makes (on autograd's
-    device thread) is nested in that decision, and its phases' time goes to it: the e2e rows'
-    "tuning s" counted it twice (41.2 s of a 26.7 s set-up, the H200, 2026-12-04)."""
-    import contextvars
-
-    from trifuse.autotune.decisions import deciding, phase
-
-    def in_a_phase():
-        with phase("compile"):
-            pass
-
-    t = make_tuner(timer({LABELS[1]: 0.1}))
-    with deciding() as outer:
-        caller = contextvars.copy_context()
-        _on_autograds_device_thread(caller, lambda: t.config(KEY, launch, []))
-        _on_autograds_device_thread(caller, in_a_phase)
-    (rec,) = records(name="toy")
-    assert rec.nested and rec.source == "measured"
-    assert "compile" in outer.phases
-    t2 = Tuner("toy2", space, key_names=("device", "n", "dtype"))
-    t2.timer = timer({LABELS[1]: 0.1})
-    _on_autograds_device_thread(contextvars.copy_context(), lambda: t2.config(KEY, launch, []))
-    assert not records(name="toy2")[0].nested
-
-
-@needs_tls_stash
-def test_cached_kernel_in_the_backward_of_a_pass_call_compiles_in_the_pass_context():
-    """CachedKernel on autograd's device thread, in the backward of a precompile pass's call:
-    warmup (compile only) in the caller's context, where the compile pool's mode is set; the same
-    launch outside the pass runs the kernel."""
-    import contextvars
-
-    from trifuse.autotune.tuner import PRECOMPILING, precompile_pass
-    from trifuse.kernels._launch import CachedKernel
-
-    class FakeJIT:
-        def __init__(self):
-            self.calls = []
-
-        def warmup(self, *args, grid, **kwargs):
-            self.calls.append(("warmup", PRECOMPILING.get()))
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: self.calls.append(("run", PRECOMPILING.get()))
-
-    jit = FakeJIT()
-    kernel = CachedKernel(jit)
-    kernel._fast = False  # Triton's own path for the real launch (a fake has no launcher)
-    with precompile_pass():
-        caller = contextvars.copy_context()
-        _on_autograds_device_thread(caller, lambda: kernel[(1,)](1, BLOCK=4))
-    _on_autograds_device_thread(caller, lambda: kernel[(1,)](1, BLOCK=4))
-    assert jit.calls == [("warmup", True), ("run", False)]
+    t = make_tuner(timing)
+    assert torch._C._is_multithreading_enabled()
+    assert t.config(KEY, launch, []) is SPACE[1]
+    assert seen == [False] * len(SPACE) and torch._C._is_multithreading_enabled()
 
 
 def test_second_process_with_the_same_shapes_does_no_timing(cache_dir, timer, new_process):

@@ -94,15 +94,19 @@ TUNED_CHILD = textwrap.dedent('''
     def launch(cfg, x, out):
         scale.run((1,), (x, out, 64, 2.0), {"BLOCK": cfg.kwargs["BLOCK"], "num_warps": cfg.num_warps})
 
+    backward_threads = []
+
     def forward_and_backward():  # what a candidate's call launches: a tuned kernel, then another one
         launch(tuner.config((-1, 64), launch, x, out), x, out)
         add.run((1,), (out, x, 64), {"BLOCK": 64})
+        backward_threads.append(torch._C._is_multithreading_enabled())  # (a backward: on this thread)
 
     done = _launch.precompile([forward_and_backward], workers=2)
     print(json.dumps({"done": done, "threads": threads, "timed": timed, "decided": tuner.is_decided((-1, 64)),
                       "scale": sorted(type(k).__name__ for k in _scale_kernel.device_caches[0][0].values()),
                       "add": sorted(type(k).__name__ for k in _add_kernel.device_caches[0][0].values()),
-                      "entries": len(scale._compiled) + len(add._compiled)}))
+                      "entries": len(scale._compiled) + len(add._compiled),
+                      "multithreaded_backward": backward_threads + [torch._C._is_multithreading_enabled()]}))
 ''')
 
 
@@ -114,3 +118,6 @@ def test_a_call_in_a_precompile_pass_compiles_its_tuners_configs_and_its_other_k
     assert out["scale"] == ["CompiledKernel"] * 3 and out["add"] == ["CompiledKernel"], out
     assert len(out["threads"]) == 4 and all(t.startswith("trifuse-compile") for t in out["threads"]), out
     assert out["timed"] == [] and not out["decided"] and out["entries"] == 0, out
+    # a pass's backward passes run on its thread, which holds its flag and Triton's compile mode
+    # (on CUDA, autograd's device thread would not: torch 2.11 on the H200, 2026-12-04)
+    assert out["multithreaded_backward"] == [False, True], out
