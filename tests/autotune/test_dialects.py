@@ -74,13 +74,10 @@ def test_fastest_correct_candidate_wins_and_others_say_why(cache_dir, timer):
     assert set(rec.rejected) == {"wrong", "raises", "missing", "picky"}
 
 
-def test_candidates_backward_passes_run_on_the_deciding_thread(cache_dir, timer):
-    """A dialect's checks and timed calls run their backward on the thread that decides (on CUDA
-    autograd's device thread would not see the decision's contextvars: tests/autotune/
-    test_tuner.py); the calls after the decision run theirs as usual."""
-    seen = []
-
-    class Recording(torch.autograd.Function):
+def _scale_function(grad_error: float = 0.0, on_backward=None):
+    """x * s as an autograd.Function (a candidate with a Python backward): its gradient is
+    dy * (s + grad_error); on_backward() runs first in each backward."""
+    class Scale(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x, s):
             ctx.s = s
@@ -88,10 +85,19 @@ def test_candidates_backward_passes_run_on_the_deciding_thread(cache_dir, timer)
 
         @staticmethod
         def backward(ctx, dy):
-            seen.append(torch._C._is_multithreading_enabled())
-            return dy * ctx.s, None
+            if on_backward is not None:
+                on_backward()
+            return dy * (ctx.s + grad_error), None
+    return Scale.apply
 
-    d = make(timer({"own": 2.0, "recording": 1.0}), (CANDIDATES[0], Candidate("recording", Recording.apply)))
+
+def test_candidates_backward_passes_run_on_the_deciding_thread(cache_dir, timer):
+    """A dialect's checks and timed calls run their backward on the thread that decides (on CUDA
+    autograd's device thread would not see the decision's contextvars: tests/autotune/
+    test_tuner.py); the calls after the decision run theirs as usual."""
+    seen = []
+    recording = _scale_function(on_backward=lambda: seen.append(torch._C._is_multithreading_enabled()))
+    d = make(timer({"own": 2.0, "recording": 1.0}), (CANDIDATES[0], Candidate("recording", recording)))
     x = x_()
     d(x, 2.0).sum().backward()
     assert d.explain(x, 2.0).chosen == "recording"
@@ -100,17 +106,7 @@ def test_candidates_backward_passes_run_on_the_deciding_thread(cache_dir, timer)
 
 
 def test_wrong_gradient_is_caught_too(cache_dir, timer):
-    class WrongBackward(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, s):
-            ctx.s = s
-            return x * s
-
-        @staticmethod
-        def backward(ctx, dy):
-            return dy * (ctx.s + 0.5), None
-
-    d = make(timer({"bad-grad": 0.1}), (CANDIDATES[0], Candidate("bad-grad", WrongBackward.apply)))
+    d = make(timer({"bad-grad": 0.1}), (CANDIDATES[0], Candidate("bad-grad", _scale_function(grad_error=0.5))))
     d(x_(), 2.0)
     rec = d.explain(x_(), 2.0)
     assert rec.chosen == "own" and rec.rejected["bad-grad"].startswith("wrong result: gradient 0")
