@@ -2,6 +2,14 @@
 a GPU *before* anything imports trifuse (the interpreter must be chosen before a kernel module
 is imported), so CPU runs execute the real Triton kernels in Triton's interpreter."""
 import os
+import sys
+
+# Off sys.path first: the checkout's root, where `python -m pytest` puts it (the current directory)
+# and xdist's workers too. There trifuse's `kernels/`, `patterns/`, ... shadow top-level packages
+# of the same name, before any test imports trifuse (whose __init__ does the same): transformers
+# 5.25 imports the Hub's `kernels` package.
+_ROOT = os.path.realpath(os.path.join(os.path.dirname(__file__), os.pardir))
+sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != _ROOT]
 
 import torch
 
