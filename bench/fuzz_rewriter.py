@@ -104,6 +104,34 @@ def inductor_fails_too(make, inputs: tuple, train: bool, twin64=None) -> bool:
     return any(not check_close("output", o, r, lp)[0] for o, r, lp in zip(outs, ref, lowp))
 
 
+def _bias_after_matmul(linear: torch.nn.Linear):
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, linear.weight) + linear.bias
+    return forward
+
+
+def split_bias(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with every Linear's bias added after its matmul: PyTorch's own spelling of what the
+    rewrite does when a bias moves into a fused op after the matmul (the matmul stays with cuBLAS)."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear) and m.bias is not None:
+            m.forward = _bias_after_matmul(m)
+    return model
+
+
+def split_bias_fails_too(make, inputs: tuple, train: bool, twin64=None) -> bool:
+    """Whether the unfused model with its biases added after the matmuls (split_bias) fails the
+    same check. In fp16 that split rounds the product before the bias is added, where addmm rounds
+    once: a ReLU that takes the bias, cubed after it, came out 2.6x PyTorch's own gradient error
+    (seed 53, draw 17), as PyTorch's split does, bit for bit. Such a draw shows the split the
+    rewrite makes on purpose, nothing about the kernels."""
+    try:
+        check_against_unfused(make, inputs, train=train, twin64=twin64, transform=split_bias)
+    except AssertionError:
+        return True
+    return False
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--examples", type=int, default=200)
@@ -139,7 +167,9 @@ def main() -> None:
             # PyTorch's own fails the check too: no finding about trifuse
             excuse = ("the unfused model overflows" if unfused_overflows(make, inputs, train, twin64) else
                       "plain Inductor fails it too" if capture == "compile-inductor"
-                      and inductor_fails_too(make, inputs, train, twin64) else None)
+                      and inductor_fails_too(make, inputs, train, twin64) else
+                      "PyTorch with the biases after the matmuls fails it too"
+                      if split_bias_fails_too(make, inputs, train, twin64) else None)
             if excuse is not None:
                 excused[excuse] += 1
                 print(f"EXCUSED {i}: {spec.id} {capture} {dtype}: {excuse}", flush=True)

@@ -143,11 +143,14 @@ def _double(v):
 def check_against_unfused(make: Callable[[], nn.Module], inputs: tuple, capture: str = "fx", *,
                           grads: bool = True, train: bool = False,
                           twin64: Callable[[nn.Module], nn.Module] | None = None,
-                          **fuse_kwargs) -> "trifuse.FusionReport":
+                          transform: Callable[[nn.Module], nn.Module] | None = None,
+                          **fuse_kwargs) -> "trifuse.FusionReport | None":
     """Fuses a fresh `make()`, runs it and the unfused model (fp32 and float64) on `inputs`, and
     checks outputs and every parameter and input gradient by the oracle rule. Returns the report.
     `twin64(model64)`, for a model whose float64 copy cannot run as written (it casts to fp32
-    inside), returns the float64 model that computes what the model means."""
+    inside), returns the float64 model that computes what the model means. `transform(model)`,
+    when given, is the model checked instead of the fused one (PyTorch's own variant of what a
+    rewrite does, held to the same rule); the return is then None."""
     torch.manual_seed(0)
     model = make().to(DEVICE)
     inputs = tuple(x.to(DEVICE) for x in inputs)
@@ -157,7 +160,7 @@ def check_against_unfused(make: Callable[[], nn.Module], inputs: tuple, capture:
         ref64 = twin64(ref64)
     for m in (model, ref, ref64):
         m.train(train)
-    fused = fuse_via(model, capture, **fuse_kwargs)
+    fused = fuse_via(model, capture, **fuse_kwargs) if transform is None else transform(model)
     xs = [x.detach().clone().requires_grad_(grads and x.is_floating_point()) for x in inputs]
     xr = [x.detach().clone().requires_grad_(grads and x.is_floating_point()) for x in inputs]
     x64 = [_double(x).detach().clone().requires_grad_(grads and x.is_floating_point()) for x in inputs]
@@ -181,7 +184,7 @@ def check_against_unfused(make: Callable[[], nn.Module], inputs: tuple, capture:
         for i, (a, a64, ar) in enumerate(zip(xs, x64, xr)):
             if a64.grad is not None:
                 assert_close(f"grad input {i}", a.grad, a64.grad, ar.grad, compute_dtype=narrowest)
-    return trifuse.report(fused)
+    return trifuse.report(fused) if transform is None else None
 
 
 def _narrowest_float(*tensors: torch.Tensor) -> torch.dtype | None:
