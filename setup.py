@@ -4,6 +4,14 @@ The repository root is the package `trifuse`; its sub-folders install as
 `trifuse.kernels`, `trifuse.fusion`, ... (never as top-level packages).
 tests/, bench/ and examples/ are not packaged.
 """
+import os
+import sys
+
+# This folder off sys.path (`python setup.py` puts it first): its kernels/ would shadow the Hub's
+# `kernels` package, whose setuptools plugin (an egg_info writer) every setup.py run imports.
+_HERE = os.path.realpath(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != _HERE]
+
 from setuptools import setup
 
 SUBPACKAGES = ("kernels", "fusion", "patterns", "autotune", "parallel")
