@@ -123,6 +123,11 @@ OVERRIDES = {"t5gemma": {"bos_token_id": 2},
                     "swa_num_key_value_heads": 1, "sliding_window_size": 8, "rel_extent": 8,
                     "n_routed_experts": 4}
                 for t in ("inkling2_text", "inkling2_loop_text")},
+             # Kolibri 1.1 (transformers 5.25): a sliding-window layer, then an indexed one (its
+             # indexer scores keys with one query head; a few local and sink tokens, top 4), MoE after
+             "kolibri1_1": {"layer_types": ["sliding_attention", "indexed_attention"], "mlp_only_layers": [0],
+                            "index_num_heads": 1, "index_topk": 4, "index_num_local_tokens": 4,
+                            "index_num_sink_tokens": 1, "sliding_window": 8},
              "luke": {"entity_vocab_size": 64, "entity_emb_size": 16},
              "perceiver": {"num_latents": 16, "d_latents": 32, "num_self_attends_per_block": 1,
                            "num_self_attention_heads": 2, "num_cross_attention_heads": 1},
