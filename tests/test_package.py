@@ -23,8 +23,10 @@ for name in {names!r}:
 
 
 def _found_in_the_package(origins: dict) -> dict:
+    """The top-level names found as trifuse's own folders (a venv inside the checkout, as CI's,
+    holds the Hub's `kernels` under it too: that one is right)."""
     return {name: origin for name, origin in origins.items()
-            if origin is not None and Path(origin).resolve().is_relative_to(PACKAGE)}
+            if origin is not None and Path(origin).resolve().parent == PACKAGE / name}
 
 
 def test_this_test_process_has_no_checkout_root_on_its_path():
