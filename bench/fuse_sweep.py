@@ -712,11 +712,14 @@ def _image_text_inputs(model, dtype: torch.dtype) -> dict:
             break
     else:
         raise ValueError(f"no pixel layout suits get_image_features ({type(failure).__name__}: {failure})")
-    start = _attribute(cfg, "vision_start_token_id")
+    start, end = _attribute(cfg, "vision_start_token_id"), None
+    if cfg.model_type in BRACKETED_IMAGES:
+        start, end = cfg.image_start_token_id, cfg.image_end_token_id
     ids, gen = [], torch.Generator().manual_seed(1)
     for n in counts:
         text = torch.randint(1, 32, (10,), generator=gen).tolist()
-        ids.append(text[:2] + ([start] if start is not None else []) + [image] * n + text[2:])
+        ids.append(text[:2] + ([start] if start is not None else []) + [image] * n
+                   + ([end] if end is not None else []) + text[2:])
     ids = torch.tensor(ids)
     labels = ids.masked_fill(ids >= 32, -100)
     kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pixels,
@@ -727,6 +730,11 @@ def _image_text_inputs(model, dtype: torch.dtype) -> dict:
     if "use_cache" in forward:
         kwargs["use_cache"] = False
     return kwargs
+
+
+# Models that count an image-start and an image-end token around each image's tokens (Ovis 2.5
+# raises without them; GLM-4V's processor writes them too, but its model does not ask).
+BRACKETED_IMAGES = {"ovis2_5"}
 
 
 def _cross_attention_image_text_inputs(model, dtype: torch.dtype) -> dict:
