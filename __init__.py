@@ -2,7 +2,8 @@
 
 Public surface: `trifuse.fuse(model)` and `trifuse.report(model)`, `trifuse.ops` (functional
 API), `trifuse.nn` (modules), `trifuse.parallel.shard` (tensor + sequence parallelism), and the
-torch.compile backends "trifuse" and "trifuse_inductor". Importing trifuse registers its `trifuse::` ops with torch.library and changes nothing else in torch.
+torch.compile backends "trifuse" and "trifuse_inductor". Importing trifuse registers its `trifuse::` ops with torch.library and changes nothing else in torch
+(it does take a source checkout's root off sys.path: `_unshadow_top_level_names`).
 """
 import os as _os
 import sys as _sys
