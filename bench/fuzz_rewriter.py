@@ -16,6 +16,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import sys
 import time
 from collections import Counter
@@ -132,6 +133,51 @@ def split_bias_fails_too(make, inputs: tuple, train: bool, twin64=None) -> bool:
     return False
 
 
+def perturbed(seed: int):
+    """A transform for check_against_unfused: every Linear's output moved by half an ulp of its
+    dtype, up or down at random (a generator seeded by `seed`): the size of what a fused op changes
+    where it takes a Linear's bias out of the matmul or rounds a sum once instead of twice."""
+    def transform(model: torch.nn.Module) -> torch.nn.Module:
+        gen = torch.Generator().manual_seed(seed)
+
+        def nudge(module, args, out):
+            if not out.is_floating_point():
+                return out
+            sign = torch.randint(0, 2, out.shape, generator=gen).to(out.dtype) * 2 - 1
+            return out + sign * out.abs() * (torch.finfo(out.dtype).eps / 2)
+
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.register_forward_hook(nudge)
+        return model
+    return transform
+
+
+_MAX_ERROR = re.compile(r"^(?P<name>.+?): max error (?P<err>[0-9.e+-]+) > bound")
+
+
+def ill_conditioned(make, inputs: tuple, train: bool, twin64=None, failure: str = "", tries: int = 6) -> bool:
+    """Whether the unfused model itself, with its Linear outputs nudged by half an ulp (perturbed),
+    fails the same check on the same output or gradient by at least half the fused model's error
+    (`failure`: the fused check's message), in one of `tries` runs. A near miss that scales fp16
+    scores by a finfo.min mask saturates its softmax: rounding a residual sum once instead of twice
+    flips which key wins, 0.022 off against a bound of 0.003 (seed 54, draw 203); PyTorch's own
+    model, nudged, came out 0.365 off in 2 runs of 6. Such a draw shows the model's conditioning,
+    nothing about the kernels. (A well-conditioned model nudged so may miss the bound narrowly,
+    which is why the error must be comparable, not merely over the bound.)"""
+    fused = _MAX_ERROR.match(failure)
+    if fused is None:
+        return False
+    for seed in range(tries):
+        try:
+            check_against_unfused(make, inputs, train=train, twin64=twin64, transform=perturbed(seed))
+        except AssertionError as e:
+            nudged = _MAX_ERROR.match(str(e))
+            if nudged and nudged["name"] == fused["name"] and float(nudged["err"]) >= float(fused["err"]) / 2:
+                return True
+    return False
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--examples", type=int, default=200)
@@ -169,7 +215,9 @@ def main() -> None:
                       "plain Inductor fails it too" if capture == "compile-inductor"
                       and inductor_fails_too(make, inputs, train, twin64) else
                       "PyTorch with the biases after the matmuls fails it too"
-                      if split_bias_fails_too(make, inputs, train, twin64) else None)
+                      if split_bias_fails_too(make, inputs, train, twin64) else
+                      "PyTorch's own model fails it with its Linear outputs nudged by half an ulp"
+                      if ill_conditioned(make, inputs, train, twin64, str(e)) else None)
             if excuse is not None:
                 excused[excuse] += 1
                 print(f"EXCUSED {i}: {spec.id} {capture} {dtype}: {excuse}", flush=True)
