@@ -1,14 +1,16 @@
 """A long fuzz of the rewriter: random blocks (tests/_random_blocks.py) fused and compared with the
 unfused model and float64 by the tests' oracle rule, outputs and every gradient.
 
-    TRITON_INTERPRET=1 python bench/fuzz_rewriter.py [--examples 200] [--seed 0] [--save]
+    TRITON_INTERPRET=1 python bench/fuzz_rewriter.py [--examples 200] [--seed 0] [--autocast DTYPE] [--save]
 
 Each example draws a Spec (faithful spellings and near misses of every family; one in three a
 HeadSpec: an LM head and its loss; one in five a ResnetSpec: a diffusion UNet's ResNet block),
 a capture (fx, Dynamo, torch.compile with backend "trifuse"
 or, one in ten, "trifuse_inductor"), a mode (eval; or train without dropout) and a dtype (fp32 or
-fp16). Prints one line per failure and a summary (how many examples fused each family); --save
-writes bench/results/fuzz_rewriter.{json,md}.
+fp16; with --autocast float16|bfloat16, each fp16 draw is instead an fp32 model whose forward runs
+under autocast to that dtype, CUDA's list of fp32 ops included: mixed-precision training as on a
+GPU). Prints one line per failure and a summary (how many examples fused each family); --save
+writes bench/results/fuzz_rewriter.{json,md} (fuzz_rewriter_autocast_DTYPE.* with --autocast).
 The CI test (tests/fusion/test_fuzz_rewriter.py) runs a fixed 24 of these."""
 import argparse
 import copy
@@ -29,7 +31,7 @@ sys.path[:0] = [str(ROOT / "tests")]
 import _device  # noqa: E402,F401  (before trifuse: the interpreter)
 import _random_blocks as rb  # noqa: E402
 import torch  # noqa: E402
-from _fusing import _double, _outputs, check_against_unfused  # noqa: E402
+from _fusing import _autocast, _double, _outputs, check_against_unfused  # noqa: E402
 from tolerances import check_close  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tests" / "fusion"))
@@ -70,7 +72,7 @@ def draw_resnet(rng: random.Random) -> tuple[rb.ResnetSpec, str, bool, torch.dty
     return spec, capture, rng.random() < 0.5, dtype
 
 
-def unfused_overflows(make, inputs: tuple, train: bool, twin64=None) -> bool:
+def unfused_overflows(make, inputs: tuple, train: bool, twin64=None, autocast=None) -> bool:
     """Whether the unfused model's own outputs in the draw's dtype are NaN or inf where float64's
     are not (an fp16 loss summing a label-smoothed class-weighted cross-entropy over 1030 classes
     overflows in PyTorch as written): when such a draw fails the check, which holds the fused
@@ -80,12 +82,13 @@ def unfused_overflows(make, inputs: tuple, train: bool, twin64=None) -> bool:
     wide = copy.deepcopy(model).double()
     wide = twin64(wide) if twin64 is not None else wide
     with torch.no_grad():
-        lowp = _outputs(model(*inputs))
+        with _autocast(autocast):
+            lowp = _outputs(model(*inputs))
         ref = _outputs(wide(*(_double(x) for x in inputs)))
     return any(not torch.equal(torch.isfinite(a.double()), torch.isfinite(b)) for a, b in zip(lowp, ref))
 
 
-def inductor_fails_too(make, inputs: tuple, train: bool, twin64=None) -> bool:
+def inductor_fails_too(make, inputs: tuple, train: bool, twin64=None, autocast=None) -> bool:
     """Whether plain torch.compile (Inductor, no trifuse) of the unfused model gives outputs that
     fail the same check against float64 (an fp16 block whose softmax runs over the wrong axis of
     a finfo.min-masked score: Inductor's CPU code 0.135 off, eager PyTorch 0.003): for a
@@ -97,8 +100,9 @@ def inductor_fails_too(make, inputs: tuple, train: bool, twin64=None) -> bool:
     wide = twin64(wide) if twin64 is not None else wide
     try:
         with torch.no_grad():
-            outs = _outputs(torch.compile(model)(*inputs))
-            lowp = _outputs(eager(*inputs))
+            with _autocast(autocast):
+                outs = _outputs(torch.compile(model)(*inputs))
+                lowp = _outputs(eager(*inputs))
             ref = _outputs(wide(*(_double(x) for x in inputs)))
     finally:
         torch._dynamo.reset()
@@ -120,14 +124,15 @@ def split_bias(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def split_bias_fails_too(make, inputs: tuple, train: bool, twin64=None) -> bool:
+def split_bias_fails_too(make, inputs: tuple, train: bool, twin64=None, autocast=None) -> bool:
     """Whether the unfused model with its biases added after the matmuls (split_bias) fails the
     same check. In fp16 that split rounds the product before the bias is added, where addmm rounds
     once: a ReLU that takes the bias, cubed after it, came out 2.6x PyTorch's own gradient error
     (seed 53, draw 17), as PyTorch's split does, bit for bit. Such a draw shows the split the
     rewrite makes on purpose, nothing about the kernels."""
     try:
-        check_against_unfused(make, inputs, train=train, twin64=twin64, transform=split_bias)
+        check_against_unfused(make, inputs, train=train, twin64=twin64, transform=split_bias,
+                              autocast=autocast)
     except AssertionError:
         return True
     return False
@@ -156,7 +161,8 @@ def perturbed(seed: int):
 _MAX_ERROR = re.compile(r"^(?P<name>.+?): max error (?P<err>[0-9.e+-]+) > bound")
 
 
-def ill_conditioned(make, inputs: tuple, train: bool, twin64=None, failure: str = "", tries: int = 6) -> bool:
+def ill_conditioned(make, inputs: tuple, train: bool, twin64=None, failure: str = "", tries: int = 6,
+                    autocast=None) -> bool:
     """Whether the unfused model itself, with its Linear outputs nudged by half an ulp (perturbed),
     fails the same check on the same output or gradient by at least half the fused model's error
     (`failure`: the fused check's message), in one of `tries` runs. A near miss that scales fp16
@@ -170,7 +176,8 @@ def ill_conditioned(make, inputs: tuple, train: bool, twin64=None, failure: str 
         return False
     for seed in range(tries):
         try:
-            check_against_unfused(make, inputs, train=train, twin64=twin64, transform=perturbed(seed))
+            check_against_unfused(make, inputs, train=train, twin64=twin64, transform=perturbed(seed),
+                                  autocast=autocast)
         except AssertionError as e:
             nudged = _MAX_ERROR.match(str(e))
             if nudged and nudged["name"] == fused["name"] and float(nudged["err"]) >= float(fused["err"]) / 2:
@@ -183,13 +190,19 @@ def main() -> None:
     ap.add_argument("--examples", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save", action="store_true")
+    ap.add_argument("--autocast", choices=["float16", "bfloat16"],
+                    help="run each draw of fp16 as an fp32 model under autocast to this dtype (as on a GPU)")
     args = ap.parse_args()
+    mixed = getattr(torch, args.autocast) if args.autocast else None
     rng = random.Random(args.seed)
     failures, fused, excused, t0 = [], Counter(), Counter(), time.perf_counter()
     for i in range(args.examples):
         drawn = draw_resnet if i % 5 == 4 else draw if i % 3 else draw_head
         spec, capture, train, dtype = drawn(rng)
-        twin64 = None
+        twin64, autocast = None, None
+        if mixed is not None and dtype == torch.float16:  # the model in fp32, its forward autocast
+            dtype, autocast = torch.float32, mixed
+        where = f"{dtype} under autocast to {autocast}" if autocast is not None else str(dtype)
         if isinstance(spec, rb.ResnetSpec):
             def make(spec=spec, dtype=dtype):
                 return rb.resnet_model(spec.norm, spec.act, dtype, spec.eps, spec.channels_last)
@@ -204,43 +217,48 @@ def main() -> None:
                 return rb.random_model(spec, dtype=dtype)
             inputs = rb.inputs(dtype=dtype)
         try:
-            def run(make=make, inputs=inputs, capture=capture, train=train, twin64=twin64):
-                return check_against_unfused(make, inputs, capture, train=train, twin64=twin64)
+            def run(make=make, inputs=inputs, capture=capture, train=train, twin64=twin64, autocast=autocast):
+                return check_against_unfused(make, inputs, capture, train=train, twin64=twin64,
+                                             autocast=autocast)
 
             report = checked(run, capture)
             fused.update(report.counts().keys())
         except Exception as e:  # noqa: BLE001  (a failure is the finding: record it, go on)
             # PyTorch's own fails the check too: no finding about trifuse
-            excuse = ("the unfused model overflows" if unfused_overflows(make, inputs, train, twin64) else
+            excuse = ("the unfused model overflows"
+                      if unfused_overflows(make, inputs, train, twin64, autocast) else
                       "plain Inductor fails it too" if capture == "compile-inductor"
-                      and inductor_fails_too(make, inputs, train, twin64) else
+                      and inductor_fails_too(make, inputs, train, twin64, autocast) else
                       "PyTorch with the biases after the matmuls fails it too"
-                      if split_bias_fails_too(make, inputs, train, twin64) else
+                      if split_bias_fails_too(make, inputs, train, twin64, autocast) else
                       "PyTorch's own model fails it with its Linear outputs nudged by half an ulp"
-                      if ill_conditioned(make, inputs, train, twin64, str(e)) else None)
+                      if ill_conditioned(make, inputs, train, twin64, str(e), autocast=autocast) else None)
             if excuse is not None:
                 excused[excuse] += 1
-                print(f"EXCUSED {i}: {spec.id} {capture} {dtype}: {excuse}", flush=True)
+                print(f"EXCUSED {i}: {spec.id} {capture} {where}: {excuse}", flush=True)
                 continue
             line = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             failures.append({"spec": {"kind": type(spec).__name__, **dataclasses.asdict(spec)},
                              "capture": capture, "train": train,
-                             "dtype": str(dtype), "error": line})
-            print(f"FAIL {i}: {spec.id} {capture} train={train} {dtype}: {line}", flush=True)
+                             "dtype": where, "error": line})
+            print(f"FAIL {i}: {spec.id} {capture} train={train} {where}: {line}", flush=True)
     seconds = time.perf_counter() - t0
     excuses = ", ".join(f"{n} as {why}" for why, n in excused.items()) or "none"
     print(f"{args.examples} examples, {len(failures)} failures, excused: {excuses}, {seconds:.0f} s; "
           "examples fusing each family: "
           + ", ".join(f"{k} {v}" for k, v in sorted(fused.items())))
     if args.save:
-        out = ROOT / "bench" / "results" / "fuzz_rewriter"
-        data = {"examples": args.examples, "seed": args.seed, "seconds": round(seconds, 1),
+        out = ROOT / "bench" / "results" / ("fuzz_rewriter" + (f"_autocast_{args.autocast}" if mixed else ""))
+        data = {"examples": args.examples, "seed": args.seed, "autocast": args.autocast,
+                "seconds": round(seconds, 1),
                 "excused": dict(excused),
                 "fused_families": dict(fused), "failures": failures}
         out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
         lines = ["# fuzz_rewriter", "",
                  f"{args.examples} random draws (blocks; one in three an LM head and its loss; "
-                 f"seed {args.seed}), {len(failures)} failures; excused (failed where PyTorch itself "
+                 f"seed {args.seed}"
+                 + (f"; each fp16 draw an fp32 model under autocast to {args.autocast}" if mixed else "")
+                 + f"), {len(failures)} failures; excused (failed where PyTorch itself "
                  f"does): {excuses}; {seconds:.0f} s on this CPU "
                  "(Triton interpreter).", "",
                  "| family | examples that fused it |", "|---|---|"]

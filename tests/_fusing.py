@@ -144,13 +144,16 @@ def check_against_unfused(make: Callable[[], nn.Module], inputs: tuple, capture:
                           grads: bool = True, train: bool = False,
                           twin64: Callable[[nn.Module], nn.Module] | None = None,
                           transform: Callable[[nn.Module], nn.Module] | None = None,
+                          autocast: torch.dtype | None = None,
                           **fuse_kwargs) -> "trifuse.FusionReport | None":
     """Fuses a fresh `make()`, runs it and the unfused model (fp32 and float64) on `inputs`, and
     checks outputs and every parameter and input gradient by the oracle rule. Returns the report.
     `twin64(model64)`, for a model whose float64 copy cannot run as written (it casts to fp32
     inside), returns the float64 model that computes what the model means. `transform(model)`,
     when given, is the model checked instead of the fused one (PyTorch's own variant of what a
-    rewrite does, held to the same rule); the return is then None."""
+    rewrite does, held to the same rule); the return is then None. `autocast`: the fused and
+    the unfused model's forwards run under autocast to that dtype, as mixed-precision training
+    runs them on a GPU (cuda_like_autocast); float64's without."""
     torch.manual_seed(0)
     model = make().to(DEVICE)
     inputs = tuple(x.to(DEVICE) for x in inputs)
@@ -164,7 +167,9 @@ def check_against_unfused(make: Callable[[], nn.Module], inputs: tuple, capture:
     xs = [x.detach().clone().requires_grad_(grads and x.is_floating_point()) for x in inputs]
     xr = [x.detach().clone().requires_grad_(grads and x.is_floating_point()) for x in inputs]
     x64 = [_double(x).detach().clone().requires_grad_(grads and x.is_floating_point()) for x in inputs]
-    outs, outs_r, outs64 = _outputs(fused(*xs)), _outputs(ref(*xr)), _outputs(ref64(*x64))
+    with _autocast(autocast):
+        outs, outs_r = _outputs(fused(*xs)), _outputs(ref(*xr))
+    outs64 = _outputs(ref64(*x64))
     assert len(outs) == len(outs64)
     for i, (o, o64, olp) in enumerate(zip(outs, outs64, outs_r)):
         assert o.dtype == olp.dtype, f"output {i}: dtype {o.dtype}, unfused {olp.dtype}"
@@ -176,8 +181,10 @@ def check_against_unfused(make: Callable[[], nn.Module], inputs: tuple, capture:
         sum(((o * s).sum() for o, s in zip(outs_r, seeds)), torch.zeros(())).backward()
         named = dict(model.named_parameters())
         # a gradient is no more precise than the narrowest values it was computed from: an fp32
-        # norm weight's in an fp16 model is a sum of fp16 products (tolerances.check_close)
-        narrowest = _narrowest_float(*xs, *model.parameters())
+        # norm weight's in an fp16 model is a sum of fp16 products (tolerances.check_close), an
+        # fp32 weight's under autocast a sum of the autocast dtype's
+        widths = [torch.empty(0, dtype=autocast)] if autocast is not None else []
+        narrowest = _narrowest_float(*xs, *model.parameters(), *widths)
         for (name, p64), pr in zip(ref64.named_parameters(), ref.parameters()):
             if p64.grad is not None:
                 assert_close(f"grad {name}", named[name].grad, p64.grad, pr.grad, compute_dtype=narrowest)
@@ -185,6 +192,16 @@ def check_against_unfused(make: Callable[[], nn.Module], inputs: tuple, capture:
             if a64.grad is not None:
                 assert_close(f"grad input {i}", a.grad, a64.grad, ar.grad, compute_dtype=narrowest)
     return trifuse.report(fused) if transform is None else None
+
+
+@contextlib.contextmanager
+def _autocast(dtype: torch.dtype | None):
+    """Autocast to `dtype` as on a GPU (cuda_like_autocast), or nothing for None."""
+    if dtype is None:
+        yield
+        return
+    with torch.autocast(DEVICE, dtype=dtype), cuda_like_autocast():
+        yield
 
 
 def _narrowest_float(*tensors: torch.Tensor) -> torch.dtype | None:

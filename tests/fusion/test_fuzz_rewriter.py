@@ -1,8 +1,8 @@
 """The rewriter against random blocks (tests/_random_blocks.py): faithful spellings and near misses
 of every family, drawn together, pre- and post-norm, with and without masks, captured by fx, by
-Dynamo and by torch.compile(backend="trifuse"), in fp32 and fp16. The fused model's outputs and
-every gradient must match the unfused model by the oracle rule, whatever was fused. Derandomized
-for CI; `bench/fuzz_rewriter.py` draws many more."""
+Dynamo and by torch.compile(backend="trifuse"), in fp32 and fp16, and in fp32 under autocast.
+The fused model's outputs and every gradient must match the unfused model by the oracle rule,
+whatever was fused. Derandomized for CI; `bench/fuzz_rewriter.py` draws many more."""
 import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
@@ -19,15 +19,17 @@ SPECS = st.builds(
     dropout=st.sampled_from([0.0, 0.1]), mlp_bias=st.booleans())
 
 
-def check_spec(spec: rb.Spec, capture: str, train: bool,
-               dtype: torch.dtype = torch.float32) -> "trifuse.FusionReport":
-    """Fused against unfused (and float64) on one batch; train mode only without dropout (the
-    kernels' masks are not PyTorch's)."""
+def check_spec(spec: rb.Spec, capture: str, train: bool, dtype: torch.dtype = torch.float32,
+               autocast: torch.dtype | None = None) -> "trifuse.FusionReport":
+    """Fused against unfused (and float64) on one batch, the forwards under `autocast` when given;
+    train mode only without dropout (the kernels' masks are not PyTorch's: with both models'
+    dropout on, PyTorch's own error against float64 would be the masks' difference, and the check
+    vacuous)."""
     if train and spec.dropout:
         spec = rb.Spec(**{**spec.__dict__, "dropout": 0.0})
     def run():
         return check_against_unfused(lambda: rb.random_model(spec, dtype=dtype), rb.inputs(dtype=dtype),
-                                     capture, train=train)
+                                     capture, train=train, autocast=autocast)
 
     return checked(run, capture)
 
@@ -49,6 +51,20 @@ def checked(run, capture: str) -> "trifuse.FusionReport":
        dtype=st.sampled_from([torch.float32, torch.float16]))
 def test_random_blocks_fuse_to_what_they_compute(spec, capture, train, dtype):
     check_spec(spec, capture, train, dtype)
+
+
+@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(spec=SPECS, capture=st.sampled_from(["fx", "dynamo", "compile"]), train=st.booleans(),
+       autocast=st.sampled_from([torch.bfloat16, torch.float16]))
+def test_random_blocks_under_autocast_fuse_to_what_they_compute(spec, capture, train, autocast):
+    """Mixed precision as a GPU trains: an fp32 model whose forward runs under autocast (CUDA's
+    fp32 list included), so the fused ops take 16-bit activations beside fp32 weights and
+    residuals, and norms may write the autocast dtype for the matmuls after them. Left out: scores
+    multiplied by a finfo.min float mask (a near miss), whose saturated softmax flips on one
+    rounding: PyTorch's own model with its Linear outputs nudged by half an ulp misses the bound
+    as far as the fused one (bench/fuzz_rewriter.py's ill_conditioned)."""
+    assume(not (spec.attention == "chain_mask_multiplied" and spec.mask == "float_keypad"))
+    check_spec(spec, capture, train, torch.float32, autocast)
 
 
 @pytest.mark.parametrize("capture", ["fx", "dynamo"])
