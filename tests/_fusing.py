@@ -9,7 +9,7 @@ import pytest
 import torch
 import trifuse
 from _device import DEVICE
-from tolerances import assert_close
+from tolerances import assert_close, max_error
 from torch import nn
 
 # The trifuse op each family's replacements call (branches land one by one: a family whose op is
@@ -145,6 +145,7 @@ def check_against_unfused(make: Callable[[], nn.Module], inputs: tuple, capture:
                           twin64: Callable[[nn.Module], nn.Module] | None = None,
                           transform: Callable[[nn.Module], nn.Module] | None = None,
                           autocast: torch.dtype | None = None,
+                          errors: dict[str, float] | None = None,
                           **fuse_kwargs) -> "trifuse.FusionReport | None":
     """Fuses a fresh `make()`, runs it and the unfused model (fp32 and float64) on `inputs`, and
     checks outputs and every parameter and input gradient by the oracle rule. Returns the report.
@@ -153,7 +154,14 @@ def check_against_unfused(make: Callable[[], nn.Module], inputs: tuple, capture:
     when given, is the model checked instead of the fused one (PyTorch's own variant of what a
     rewrite does, held to the same rule); the return is then None. `autocast`: the fused and
     the unfused model's forwards run under autocast to that dtype, as mixed-precision training
-    runs them on a GPU (cuda_like_autocast); float64's without."""
+    runs them on a GPU (cuda_like_autocast); float64's without. `errors`, when given, receives each
+    checked value's largest error against float64 by name ("output 0", "grad NAME"), as checked."""
+
+    def check(name, out, out64, lowp, compute_dtype=None):
+        if errors is not None and out.shape == out64.shape:
+            errors[name] = max_error(out.detach(), out64.detach())
+        assert_close(name, out, out64, lowp, compute_dtype=compute_dtype)
+
     torch.manual_seed(0)
     model = make().to(DEVICE)
     inputs = tuple(x.to(DEVICE) for x in inputs)
@@ -173,7 +181,7 @@ def check_against_unfused(make: Callable[[], nn.Module], inputs: tuple, capture:
     assert len(outs) == len(outs64)
     for i, (o, o64, olp) in enumerate(zip(outs, outs64, outs_r)):
         assert o.dtype == olp.dtype, f"output {i}: dtype {o.dtype}, unfused {olp.dtype}"
-        assert_close(f"output {i}", o, o64, olp)
+        check(f"output {i}", o, o64, olp)
     if grads:
         seeds = [torch.randn_like(o) for o in outs]
         sum(((o * s).sum() for o, s in zip(outs, seeds)), torch.zeros(())).backward()
@@ -187,10 +195,10 @@ def check_against_unfused(make: Callable[[], nn.Module], inputs: tuple, capture:
         narrowest = _narrowest_float(*xs, *model.parameters(), *widths)
         for (name, p64), pr in zip(ref64.named_parameters(), ref.parameters()):
             if p64.grad is not None:
-                assert_close(f"grad {name}", named[name].grad, p64.grad, pr.grad, compute_dtype=narrowest)
+                check(f"grad {name}", named[name].grad, p64.grad, pr.grad, compute_dtype=narrowest)
         for i, (a, a64, ar) in enumerate(zip(xs, x64, xr)):
             if a64.grad is not None:
-                assert_close(f"grad input {i}", a.grad, a64.grad, ar.grad, compute_dtype=narrowest)
+                check(f"grad input {i}", a.grad, a64.grad, ar.grad, compute_dtype=narrowest)
     return trifuse.report(fused) if transform is None else None
 
 
