@@ -27,6 +27,9 @@ interpreter.
         # to fp16 / bf16, at that dtype's tolerance);
         # ATTN: sdpa (default) or eager (transformers' eager attention, the explicit
         # chains, where a model has SDPA too); named types replace their rows; --jobs N runs N types at once
+        # VIA generate (causal-lm, seq2seq; float64): greedy generation of 5 tokens with and without the
+        # KV cache, after a training step of the fused model, against the unfused model: the tokens equal,
+        # every step's scores within 1e-6
 
 Each type runs in its own process (memory-capped, timed out), in float64 (or fp32 under fp16 or
 bf16 autocast), one training step (dropout off) before and after fuse, then a second fused call.
@@ -47,6 +50,7 @@ Status per type:
 Writes bench/results/fuse_sweep[_<task>][_backend][_eager][_fp16-autocast|_bf16-autocast].json and .md
 (no task suffix for causal-lm).
 """
+import copy
 import inspect
 import json
 import os
@@ -158,9 +162,12 @@ OVERRIDES = {"t5gemma": {"bos_token_id": 2},
 TASKS = ("causal-lm", "masked-lm", "seq2seq", "image-cls", "seq-cls", "token-cls", "qa", "multiple-choice",
          "ctc", "audio-cls", "video-cls", "image-text", "base")
 AUDIO_TASKS = ("ctc", "audio-cls")
-# trifuse.fuse(model), torch.compile(model, backend="trifuse"), or the model with
-# attn_implementation="trifuse" (trifuse/hf.py; causal LMs, float64: _hf_attention_row)
-VIAS = ("fuse", "backend", "hf-attention")
+# trifuse.fuse(model), torch.compile(model, backend="trifuse"), the model with
+# attn_implementation="trifuse" (trifuse/hf.py; causal LMs, float64: _hf_attention_row), or
+# greedy generation after a training step, fused against unfused (causal and seq2seq LMs, float64:
+# _generate_row)
+VIAS = ("fuse", "backend", "hf-attention", "generate")
+GENERATE_TOKENS = 5
 MAX_PARAMS = 3_000_000
 # (loss, gradient, zero-gradient floor) tolerances per run dtype. The floor: a gradient below it
 # (relative to the model's largest) is numerically zero (a key bias's, exactly zero in exact
@@ -830,8 +837,6 @@ def _hf_attention_row(model, kwargs: dict, loss0, grads0, floor: float, loss_tol
     mask) and whether the model keeps packed sequences apart at all (its logits those of each
     sequence run alone: transformers builds the packed mask only where a model hands its mask
     code the position ids)."""
-    import copy
-
     import trifuse.hf
     from trifuse.kernels import attention_varlen as varlen_mod
 
@@ -898,6 +903,72 @@ def _hf_attention_row(model, kwargs: dict, loss0, grads0, floor: float, loss_tol
     return row
 
 
+def _first_difference(ref, out) -> str:
+    """Where two greedy generations part: the step, the row, the two tokens and how far apart the
+    unfused model's scores put them (a near tie lets either rounding pick either token)."""
+    new0, new1 = (o.sequences[:, -len(o.scores):] for o in (ref, out))
+    step = int((new0 != new1).any(0).nonzero()[0])
+    row = int((new0[:, step] != new1[:, step]).nonzero()[0])
+    a, b = int(new0[row, step]), int(new1[row, step])
+    scores = ref.scores[step][row]
+    gap = float(scores[a] - scores[b]) / max(float(scores[torch.isfinite(scores)].abs().max()), 1e-30)
+    return f"step {step}, row {row}: tokens {a} and {b}, the unfused scores {gap:.2g} apart (relative)"
+
+
+def _generate_row(model, ref, kwargs: dict, task: str, tol: float) -> dict:
+    """Greedy generation, fused against unfused: `generate` with and without the KV cache, after
+    one training step of the fused model (as a model evaluated during training is: its blocks hold
+    their training captures, and eval and no_grad capture anew). The prompt is the first 6 tokens of
+    each sequence (causal LM) or the whole batch (seq2seq: the encoder's input). The tokens must be
+    equal and each step's scores within `tol` of the unfused ones (relative to their largest finite
+    entry). The row counts the blocks' calls that ran unfused, and why (a KV cache: by design)."""
+    import trifuse
+
+    prompt = kwargs["input_ids"][:, :6] if task == "causal-lm" else kwargs["input_ids"]
+    gen = {"attention_mask": torch.ones_like(prompt), "max_new_tokens": GENERATE_TOKENS,
+           "min_new_tokens": GENERATE_TOKENS, "do_sample": False, "num_beams": 1, "pad_token_id": 0,
+           "output_scores": True, "return_dict_in_generate": True}
+    ref.eval()
+    refs, notes = {}, []
+    for cache in (True, False):
+        try:
+            refs[cache] = ref.generate(prompt, use_cache=cache, **gen)
+        except Exception as e:  # noqa: BLE001
+            notes.append(f"use_cache={cache}: the unfused model fails ({type(e).__name__}: {str(e).strip()[:100]})")
+    if not refs:
+        return {"status": "unfused fails", "why": "; ".join(notes)}
+    if not any(torch.isfinite(s).any() for out in refs.values() for s in out.scores):
+        notes.append("the unfused model's scores hold no finite entry: its tokens only are compared")
+    try:
+        fused = trifuse.fuse(model)
+        _loss(_seeded(fused)(**kwargs), task).backward()
+        fused.eval()
+        outs = {cache: fused.generate(prompt, use_cache=cache, **gen) for cache in refs}
+    except Exception as e:  # noqa: BLE001
+        return {"status": "FUSED CRASH", "why": f"{type(e).__name__}: {str(e).strip()[:300]}",
+                "traceback": traceback.format_exc()[-3000:]}
+    ok, err = True, 0.0
+    for cache, out in outs.items():
+        r = refs[cache]
+        if not torch.equal(out.sequences, r.sequences):
+            ok = False
+            notes.append(f"use_cache={cache}: the tokens differ at {_first_difference(r, out)}")
+            continue
+        for s0, s1 in zip(r.scores, out.scores):
+            finite = torch.isfinite(s0)
+            if not torch.equal(finite, torch.isfinite(s1)):
+                ok = False
+                notes.append(f"use_cache={cache}: the scores are non-finite in other places")
+                break
+            if finite.any():  # (XLM's scores hold no finite entry)
+                err = max(err, float((s1 - s0)[finite].abs().max()) / float(s0[finite].abs().max().clamp_min(1e-30)))
+    ok = ok and err < tol
+    report = trifuse.report(fused)
+    return {"status": "ok" if ok else "MISMATCH", "scores_rel_err": err, "why": "; ".join(notes),
+            "replaced": dict(sorted(report.counts().items())), "left": len(report.left()),
+            "unfused_calls": {k: dict(v) for k, v in report.unfused_calls().items()}}
+
+
 def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: str = "fuse",
             dtype: str = "float64") -> dict:
     import transformers as tf
@@ -932,6 +1003,9 @@ def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: s
     except Exception as e:  # noqa: BLE001
         return {"status": "inputs", "why": f"{type(e).__name__}: {str(e).strip()[:150]}"}
     leaves = [p for p in model.parameters() if p.requires_grad]
+    # generate's reference, copied before the training step (after it a model may hold non-leaf
+    # tensors deepcopy refuses: RecurrentGemma's recurrent state)
+    ref = copy.deepcopy(model) if via == "generate" else None
     model.train()
     # fp16- / bf16-autocast: the model in fp32 under CPU autocast, as a user trains in mixed precision
     autocast = torch.autocast("cpu", dtype=AUTOCAST_DTYPES.get(dtype, torch.float16),
@@ -942,8 +1016,6 @@ def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: s
             loss0 = _loss(_seeded(model)(**kwargs), task)
         grads0 = torch.autograd.grad(loss0, leaves, allow_unused=True)
         if dtype != "float64":  # the oracle: the same model and batch in float64
-            import copy
-
             model64 = copy.deepcopy(model).double()
             inputs64 = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v
                         for k, v in kwargs.items()}
@@ -955,6 +1027,8 @@ def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: s
         return {"status": "unfused fails", "why": f"{type(e).__name__}: {str(e).strip()[:150]}"}
     if via == "hf-attention":
         return _hf_attention_row(model, kwargs, loss0, grads0, floor, loss_tol, grad_tol)
+    if via == "generate":
+        return _generate_row(model, ref, kwargs, task, loss_tol)
     try:
         fused = trifuse.fuse(model) if via == "fuse" else torch.compile(model, backend="trifuse")
         with autocast:
@@ -1040,7 +1114,8 @@ def _markdown(rows: list[dict], header: str, task: str = "causal-lm", dtype: str
             "|---|---|---|---|---|---|---|"]
     for r in rows:
         replaced = ", ".join(f"{k} {v}" for k, v in r.get("replaced", {}).items())
-        err = (f"{r['loss_rel_err']:.2g}", f"{r['grad_rel_err']:.2g}") if "loss_rel_err" in r else ("", "")
+        err = (f"{r['loss_rel_err']:.2g}", f"{r['grad_rel_err']:.2g}") if "loss_rel_err" in r else \
+            (f"scores {r['scores_rel_err']:.2g}", "") if "scores_rel_err" in r else ("", "")
         why = r.get("why", "").replace("|", "/").replace("\n", " ")[:120]
         explained = EXPLAINED.get((task, dtype, r["type"]), "") if r["status"] == "MISMATCH" else ""
         why = "; ".join(w for w in (why, explained) if w)
@@ -1183,6 +1258,8 @@ if __name__ == "__main__":
         sys.exit(f"fuse_sweep: --dtype must be one of {', '.join(TOLERANCES)}, got {opts['dtype']!r}")
     if opts["via"] == "hf-attention" and (opts["task"], opts["dtype"]) != ("causal-lm", "float64"):
         sys.exit("fuse_sweep: --via hf-attention sweeps causal LMs in float64")
+    if opts["via"] == "generate" and (opts["task"] not in ("causal-lm", "seq2seq") or opts["dtype"] != "float64"):
+        sys.exit("fuse_sweep: --via generate sweeps causal and seq2seq LMs in float64")
     if opts["attn"] not in ("sdpa", "eager"):
         sys.exit(f"fuse_sweep: --attn must be sdpa or eager, got {opts['attn']!r}")
     if args and args[0].startswith("--one="):

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import trifuse
-from _fusing import PassThroughMode, available_counts, needs_ops
+from _fusing import PassThroughMode, available_counts, needs_ops, trifuse_ops_run
 from tolerances import assert_close
 from torch import nn
 
@@ -38,6 +38,31 @@ def test_gpt2_generate_still_works_and_cache_calls_are_reported():
     assert any(
         re.match(r"argument \w+ is a DynamicCache", reason) for calls in unfused.values() for reason in calls
     ), unfused
+
+
+def test_generate_without_the_cache_after_training_runs_the_fused_blocks():
+    # As a model evaluated during training is: the blocks hold training captures, and generate's
+    # eval, no_grad calls at a growing length (6, 7, ... tokens) capture anew and run trifuse's ops.
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _models.gpt2()
+    model = model.double()
+    ref = copy.deepcopy(model).eval()
+    trifuse.fuse(model)
+    loss_fn(model, inputs(2, 8)).backward()
+    model.eval()
+    ids = inputs(2, 6)["input_ids"]
+    kwargs = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0, "use_cache": False,
+              "output_scores": True, "return_dict_in_generate": True}
+    out = {}
+    ran = trifuse_ops_run(lambda: out.setdefault("fused", model.generate(ids, **kwargs)))
+    expected = ref.generate(ids, **kwargs)
+    assert torch.equal(out["fused"].sequences, expected.sequences)
+    for fused, unfused in zip(out["fused"].scores, expected.scores, strict=True):
+        # float64 models; transformers' norms compute in fp32, so they agree to fp32's level
+        assert float((fused - unfused).abs().max()) <= 1e-6 * float(unfused.abs().max())
+    assert {"trifuse::attention", "trifuse::bias_gelu", "trifuse::dropout_add_layer_norm",
+            "trifuse::layer_norm"} <= ran, ran
+    assert trifuse.report(model).unfused_calls() == {}
 
 
 def test_kv_cache_in_training_does_not_recompile_per_layer():
