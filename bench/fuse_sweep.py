@@ -45,6 +45,8 @@ Status per type:
     FUSED CRASH     the unfused model ran and the fused one raised: a trifuse bug
     refused         (--via hf-attention) a model trifuse/hf.py refuses with a clear error, by design
     Dynamo fails    (--via backend) torch.compile(backend="eager"), without trifuse, fails on it too
+    unfused NaN     (--via generate) the unfused model's scores are NaN/inf from the first step, in both
+                    modes: nothing to compare with
     config / build / unfused fails / too big / died: the tiny config does not suit the
                     architecture (a harness limit, not a verdict on trifuse)
 Writes bench/results/fuse_sweep[_<task>][_backend][_eager][_fp16-autocast|_bf16-autocast].json and .md
@@ -911,7 +913,8 @@ def _first_difference(ref, out) -> str:
     row = int((new0[:, step] != new1[:, step]).nonzero()[0])
     a, b = int(new0[row, step]), int(new1[row, step])
     scores = ref.scores[step][row]
-    gap = float(scores[a] - scores[b]) / max(float(scores[torch.isfinite(scores)].abs().max()), 1e-30)
+    finite = scores[torch.isfinite(scores)]
+    gap = float(scores[a] - scores[b]) / float(finite.abs().max().clamp_min(1e-30)) if finite.numel() else float("nan")
     return f"step {step}, row {row}: tokens {a} and {b}, the unfused scores {gap:.2g} apart (relative)"
 
 
@@ -937,8 +940,6 @@ def _generate_row(model, ref, kwargs: dict, task: str, tol: float) -> dict:
             notes.append(f"use_cache={cache}: the unfused model fails ({type(e).__name__}: {str(e).strip()[:100]})")
     if not refs:
         return {"status": "unfused fails", "why": "; ".join(notes)}
-    if not any(torch.isfinite(s).any() for out in refs.values() for s in out.scores):
-        notes.append("the unfused model's scores hold no finite entry: its tokens only are compared")
     try:
         fused = trifuse.fuse(model)
         _loss(_seeded(fused)(**kwargs), task).backward()
@@ -947,21 +948,31 @@ def _generate_row(model, ref, kwargs: dict, task: str, tol: float) -> dict:
     except Exception as e:  # noqa: BLE001
         return {"status": "FUSED CRASH", "why": f"{type(e).__name__}: {str(e).strip()[:300]}",
                 "traceback": traceback.format_exc()[-3000:]}
-    ok, err = True, 0.0
+    ok, err, referenced = True, 0.0, 0
     for cache, out in outs.items():
         r = refs[cache]
-        if not torch.equal(out.sequences, r.sequences):
+        # From a step where a row of the unfused scores holds no finite entry (T5Gemma's decoder start
+        # token is its pad token: a row masked whole, whose float64 mask turns -inf when its eager
+        # attention casts to fp32), the unfused model has no answer to compare with.
+        valid = next((i for i, s0 in enumerate(r.scores) if not torch.isfinite(s0).any(-1).all()), len(r.scores))
+        if valid < len(r.scores):
+            notes.append(f"use_cache={cache}: the unfused scores hold a row with no finite entry from step "
+                         f"{valid} on; compared before it")
+        referenced += valid > 0
+        new0, new1 = (o.sequences[:, -len(o.scores):][:, :valid] for o in (r, out))
+        if not torch.equal(new0, new1) or r.sequences.shape != out.sequences.shape:
             ok = False
             notes.append(f"use_cache={cache}: the tokens differ at {_first_difference(r, out)}")
             continue
-        for s0, s1 in zip(r.scores, out.scores):
+        for s0, s1 in zip(r.scores[:valid], out.scores[:valid]):
             finite = torch.isfinite(s0)
             if not torch.equal(finite, torch.isfinite(s1)):
                 ok = False
                 notes.append(f"use_cache={cache}: the scores are non-finite in other places")
                 break
-            if finite.any():  # (XLM's scores hold no finite entry)
-                err = max(err, float((s1 - s0)[finite].abs().max()) / float(s0[finite].abs().max().clamp_min(1e-30)))
+            err = max(err, float((s1 - s0)[finite].abs().max()) / float(s0[finite].abs().max().clamp_min(1e-30)))
+    if not referenced:
+        return {"status": "unfused NaN", "why": "; ".join(notes)}
     ok = ok and err < tol
     report = trifuse.report(fused)
     return {"status": "ok" if ok else "MISMATCH", "scores_rel_err": err, "why": "; ".join(notes),
@@ -1110,12 +1121,12 @@ def _markdown(rows: list[dict], header: str, task: str = "causal-lm", dtype: str
     counts = Counter(r["status"] for r in rows)
     out = [f"# fuse sweep ({task})\n\n{header}\n", "| status | types |", "|---|---|"]
     out += [f"| {s} | {n} |" for s, n in counts.most_common()]
-    out += ["", "| type | status | replaced | left as written | loss rel err | max grad rel err | why |",
-            "|---|---|---|---|---|---|---|"]
+    errors = "scores rel err | " if any("scores_rel_err" in r for r in rows) else "loss rel err | max grad rel err"
+    out += ["", f"| type | status | replaced | left as written | {errors} | why |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         replaced = ", ".join(f"{k} {v}" for k, v in r.get("replaced", {}).items())
         err = (f"{r['loss_rel_err']:.2g}", f"{r['grad_rel_err']:.2g}") if "loss_rel_err" in r else \
-            (f"scores {r['scores_rel_err']:.2g}", "") if "scores_rel_err" in r else ("", "")
+            (f"{r['scores_rel_err']:.2g}", "") if "scores_rel_err" in r else ("", "")
         why = r.get("why", "").replace("|", "/").replace("\n", " ")[:120]
         explained = EXPLAINED.get((task, dtype, r["type"]), "") if r["status"] == "MISMATCH" else ""
         why = "; ".join(w for w in (why, explained) if w)
