@@ -230,6 +230,55 @@ def _short_cut_broadcasts() -> None:
     semantic.broadcast_impl_value = broadcast_short_cut
 
 
+def _short_cut_binary_type_checks() -> None:
+    """Speed only, under the interpreter: every binary op of every program instance first works
+    out the type both operands compute in (`binary_op_type_checking_impl`: pointer checks, the
+    promotion rules, a cast of each operand), then broadcasts them (a quarter of an attention
+    kernel's interpreted time before the broadcast). Two tensors of one element type that is not a
+    pointer compute in that type, and each cast returns its operand unchanged; the one exception
+    is a division or modulo of floats narrower than 32 bits, which Triton upcasts to fp32. Those
+    pairs go straight to the broadcast, and so does a pointer beside an integer tensor where the
+    op allows a pointer on that side (an address plus offsets: Triton checks, then takes both as
+    they are); every other case (a number, two element types, that division, other pointer pairs)
+    takes Triton's own path. The kernels run exactly as before; a Triton without these internals
+    is left as it is."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    semantic = getattr(interpreter, "interpreter_semantic", None)
+    checks = getattr(semantic, "binary_op_type_checking_impl", None)
+    if checks is None or hasattr(checks, "__wrapped__") or not hasattr(semantic, "broadcast_impl_value"):
+        return
+    tensor, scalar = tl.tensor, tl.dtype
+    # Element types that compute in themselves beside themselves: every float but in a division
+    # or modulo (fp32 and fp64 there too), every integer (Triton's integer promotion of one type
+    # is that type), by name: fixed per Triton type, never a pointer.
+    same = {t.name for t in (tl.float16, tl.bfloat16, tl.float32, tl.float64, tl.int1, tl.int8, tl.int16,
+                             tl.int32, tl.int64, tl.uint8, tl.uint16, tl.uint32, tl.uint64)}
+    same_in_division = same - {tl.float16.name, tl.bfloat16.name}
+    # A pointer and an integer, where the op allows a pointer on that side (an address plus
+    # offsets): Triton checks, then takes both as they are.
+    pointer = tl.pointer_type
+    integers = same - {tl.float16.name, tl.bfloat16.name, tl.float32.name, tl.float64.name}
+
+    def type_checks_short_cut(lhs, rhs, allow_lhs_ptr=False, allow_rhs_ptr=False, arithmetic_check=True,
+                              div_or_mod=False):
+        if type(lhs) is tensor and type(rhs) is tensor:
+            left, right = lhs.dtype, rhs.dtype
+            if type(left) is scalar:
+                if type(right) is scalar:
+                    if left.name == right.name and left.name in (same_in_division if div_or_mod else same):
+                        return semantic.broadcast_impl_value(lhs, rhs)
+                elif type(right) is pointer and allow_rhs_ptr and left.name in integers:
+                    return semantic.broadcast_impl_value(lhs, rhs)
+            elif type(left) is pointer and allow_lhs_ptr and type(right) is scalar and right.name in integers:
+                return semantic.broadcast_impl_value(lhs, rhs)
+        return checks(lhs, rhs, allow_lhs_ptr, allow_rhs_ptr, arithmetic_check, div_or_mod)
+
+    type_checks_short_cut.__wrapped__ = checks
+    semantic.binary_op_type_checking_impl = type_checks_short_cut
+
+
 def _skip_dynamo_guard_latency_profile() -> None:
     """Speed only: after building the guards of each new capture, Dynamo times them once for its
     compilation metrics (`profile_guard_manager`, which first flushes the CPU caches: ~20 ms a
@@ -274,4 +323,5 @@ if INTERPRETED:
     _patch_triton_language_once_per_launch()
     _memoize_interpreter_types()
     _short_cut_broadcasts()
+    _short_cut_binary_type_checks()
     set_interpreter_overflow_checks(False)

@@ -463,6 +463,76 @@ def test_interpreter_broadcast_short_cut_is_tritons_own(monkeypatch):
 
 
 @triton.jit
+def _typed_ops_kernel(X, OUT, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(X + offs, mask=offs < n, other=1.0)  # pointer + offsets: Triton's own path
+    h = x.to(tl.float16)
+    q = h / (h + 2.0)  # fp16 / fp16 computes in fp32 in Triton: never short-cut
+    r = (h * h - h).to(tl.float32) + q  # fp16 with fp16, then fp16-turned-fp32 with fp32
+    i = offs * 3 % 7 + (offs // 2)  # int32 with int32, a modulo and a division among them
+    keep = (offs < n) & (i > 2)  # int1 with int1
+    tl.store(OUT + offs, tl.where(keep, r / x + i, 0.0), mask=offs < n)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter's binary type-check short cut (tests/_device.py)")
+def test_interpreter_binary_type_check_short_cut_is_tritons_own(monkeypatch):
+    """tests/_device.py sends two tensors of one element type straight to the broadcast, skipping
+    the interpreter's promotion rules and casts, except a division or modulo of fp16 or bf16 (fp32
+    in Triton). For every pair of element types it takes, with and without a division, the types
+    that come back are Triton's own; fp16 and bf16 divisions still come back in fp32; and a kernel
+    of same-typed, mixed and pointer ops gives bitwise the same either way."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    semantic = interpreter.interpreter_semantic
+    short_cut = semantic.binary_op_type_checking_impl
+    assert hasattr(short_cut, "__wrapped__"), "tests/_device.py did not patch"
+    for element in (tl.float16, tl.bfloat16, tl.float32, tl.float64, tl.int1, tl.int8, tl.int32, tl.int64,
+                    tl.uint8, tl.uint32):
+        for shape in ([4], [2, 8]):
+            dtype = interpreter._get_np_dtype(element)
+            a, b = (tl.tensor(interpreter.TensorHandle(np.ones(shape, dtype=dtype), element),
+                              tl.block_type(element, shape)) for _ in range(2))
+            for div_or_mod in (False, True):
+                mine = short_cut(a, b, div_or_mod=div_or_mod)
+                own = short_cut.__wrapped__(a, b, div_or_mod=div_or_mod)
+                assert [t.type for t in mine] == [t.type for t in own], (element, div_or_mod)
+                if element in (tl.float16, tl.bfloat16) and div_or_mod:
+                    assert own[0].dtype == tl.float32 and mine[0].dtype == tl.float32
+                else:
+                    assert mine[0] is a and mine[1] is b
+    # a pointer beside integers, allowed on its side (as they are), or not (Triton's error)
+    address = tl.tensor(interpreter.TensorHandle(np.array([64], dtype=np.uint64), tl.pointer_type(tl.float32)),
+                        tl.pointer_type(tl.float32))
+    for element in (tl.int32, tl.int64, tl.uint8, tl.int1):
+        offsets = tl.tensor(interpreter.TensorHandle(np.ones([4], dtype=interpreter._get_np_dtype(element)), element),
+                            tl.block_type(element, [4]))
+        for pair, allow in (((address, offsets), (True, False)), ((offsets, address), (False, True))):
+            mine, own = short_cut(*pair, *allow), short_cut.__wrapped__(*pair, *allow)
+            assert [t.type for t in mine] == [t.type for t in own]  # the address splat beside the block
+            assert all(np.array_equal(m.handle.data, o.handle.data) for m, o in zip(mine, own))
+            for checks in (short_cut, short_cut.__wrapped__):
+                with pytest.raises(Exception, match="invalid operands"):
+                    checks(*pair, False, False)
+    x = torch.rand(37, device=DEVICE) + 0.5
+
+    def launch():
+        out = torch.empty(37, device=DEVICE)
+        _typed_ops_kernel[(1,)](x, out, 37, BLOCK=64)
+        return out
+
+    fast = launch()
+    monkeypatch.setattr(semantic, "binary_op_type_checking_impl", short_cut.__wrapped__)
+    assert torch.equal(fast, launch())
+    h = x.half()
+    r = (h * h - h).float() + (h.float() / (h.float() + 2.0))
+    offs = torch.arange(37, device=DEVICE)
+    i = offs * 3 % 7 + offs // 2
+    expected = torch.where(i > 2, r / x + i, 0.0)
+    torch.testing.assert_close(fast, expected, rtol=1e-3, atol=1e-3)
+
+
+@triton.jit
 def _scale_int_kernel(X, OUT, factor):
     tl.store(OUT, tl.load(X) * factor)
 
