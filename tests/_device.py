@@ -279,6 +279,62 @@ def _short_cut_binary_type_checks() -> None:
     semantic.binary_op_type_checking_impl = type_checks_short_cut
 
 
+def _lean_builtin_calls() -> None:
+    """Speed only, under the interpreter: each call of a Triton builtin inside a kernel (every
+    `+`, `tl.load`, `tl.where`, ...) goes through two wrappers before the builtin itself: the
+    interpreter's patch (a lambda that copies the keywords into a new dict without `_semantic`,
+    then passes its own) and `tl.core.builtin`'s (which checks `_semantic` was passed). Each
+    builtin is now patched with one wrapper that sets `_semantic` to the interpreter's and calls
+    the builtin itself: the same call the two made. Builtins wrapped otherwise than by
+    `tl.core.builtin` alone keep the interpreter's own patch. Also `_unwrap_if_constexpr`, which
+    the builtins call on their arguments, returns a tensor, an int, a float, a bool or None at
+    once (as it does after four isinstance checks). The kernels run exactly as before; a Triton
+    without these internals is left as it is."""
+    import inspect
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    patch_attr = getattr(interpreter, "_patch_attr", None)
+    semantic = getattr(interpreter, "interpreter_semantic", None)
+    builtin = getattr(tl.core, "builtin", None)
+    if patch_attr is None or semantic is None or builtin is None or hasattr(patch_attr, "__wrapped__"):
+        return
+    if list(inspect.signature(patch_attr).parameters) != ["obj", "name", "member", "builder", "scope"]:
+        return
+    try:
+        wrapper_code = builtin(lambda _semantic=None: None).__code__  # every builtin's wrapper's
+    except Exception:  # noqa: BLE001  (another Triton's builtin: leave the patch as it is)
+        return
+
+    def lean_patch_attr(obj, name, member, builder, scope):
+        fn = getattr(member, "__wrapped__", None)
+        if fn is None or getattr(member, "__code__", None) is not wrapper_code:
+            return patch_attr(obj, name, member, builder, scope)
+
+        def call(*args, **kwargs):
+            kwargs["_semantic"] = semantic  # kwargs: this call's own dict
+            return fn(*args, **kwargs)
+
+        scope.set_attr(obj, name, call)
+
+    lean_patch_attr.__wrapped__ = patch_attr
+    interpreter._patch_attr = lean_patch_attr
+
+    unwrap = getattr(tl.core, "_unwrap_if_constexpr", None)
+    if unwrap is None or hasattr(unwrap, "__wrapped__"):
+        return
+    as_they_are = (tl.tensor, int, float, bool, type(None))
+
+    def unwrap_short_cut(o):
+        if type(o) in as_they_are:
+            return o
+        return unwrap(o)
+
+    unwrap_short_cut.__wrapped__ = unwrap
+    tl.core._unwrap_if_constexpr = unwrap_short_cut
+
+
 def _skip_dynamo_guard_latency_profile() -> None:
     """Speed only: after building the guards of each new capture, Dynamo times them once for its
     compilation metrics (`profile_guard_manager`, which first flushes the CPU caches: ~20 ms a
@@ -324,4 +380,5 @@ if INTERPRETED:
     _memoize_interpreter_types()
     _short_cut_broadcasts()
     _short_cut_binary_type_checks()
+    _lean_builtin_calls()
     set_interpreter_overflow_checks(False)

@@ -532,6 +532,52 @@ def test_interpreter_binary_type_check_short_cut_is_tritons_own(monkeypatch):
     torch.testing.assert_close(fast, expected, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.skipif(ON_GPU, reason="the interpreter's lean builtin calls (tests/_device.py)")
+def test_interpreter_lean_builtin_calls_are_tritons_own(monkeypatch):
+    """tests/_device.py patches each `tl.core.builtin` with one wrapper that passes the
+    interpreter's semantic, and short-cuts `_unwrap_if_constexpr` for plain values: inside a
+    launch the builtins are the lean wrappers (and Triton's own again after it), the short cut
+    gives what Triton's gives for tensors, numbers, None, constexprs and lists of them, and the
+    kernels above give bitwise the same with both set aside."""
+    from triton.runtime import interpreter
+
+    lean, unwrap = interpreter._patch_attr, tl.core._unwrap_if_constexpr
+    for patched in (lean, unwrap):
+        assert hasattr(patched, "__wrapped__"), "tests/_device.py did not patch"
+    seen = {}
+
+    @triton.jit
+    def spy(X):
+        seen_here(tl.load(X))
+
+    def seen_here(_):  # (called in the launch, as the interpreter runs a kernel in Python)
+        seen["load"], seen["where"] = tl.load, tl.where
+
+    spy.fn.__globals__["seen_here"] = seen_here
+    before = tl.load
+    spy[(1,)](torch.ones(1, device=DEVICE))
+    assert seen["load"].__code__.co_name == "call" and seen["where"].__code__.co_name == "call"
+    assert tl.load is before
+    block = tl.tensor(None, tl.block_type(tl.float32, [4]))
+    assert unwrap(block) is unwrap.__wrapped__(block) is block
+    for value in (3, 2.5, True, None, tl.constexpr(7), [tl.constexpr(1), 2], tl.float32):
+        mine, own = unwrap(value), unwrap.__wrapped__(value)
+        assert type(mine) is type(own) and mine == own, value
+    x = torch.rand(37, device=DEVICE) + 0.5
+
+    def launches():
+        out, rows = torch.empty(37, device=DEVICE), torch.empty(5, device=DEVICE)
+        _typed_ops_kernel[(1,)](x, out, 37, BLOCK=64)
+        _row_sum_kernel[(5,)](x[:35], rows, 7, 0.5, BLOCK=8)
+        return out, rows
+
+    fast = launches()
+    monkeypatch.setattr(interpreter, "_patch_attr", lean.__wrapped__)
+    monkeypatch.setattr(tl.core, "_unwrap_if_constexpr", unwrap.__wrapped__)
+    for mine, own in zip(fast, launches()):
+        assert torch.equal(mine, own)
+
+
 @triton.jit
 def _scale_int_kernel(X, OUT, factor):
     tl.store(OUT, tl.load(X) * factor)
