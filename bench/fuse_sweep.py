@@ -831,19 +831,19 @@ def _packed_inputs() -> dict:
             "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest, "use_cache": False}
 
 
-def _hf_attention_row(model, kwargs: dict, loss0, grads0, floor: float, loss_tol: float,
+def _hf_attention_row(model, other, kwargs: dict, loss0, grads0, floor: float, loss_tol: float,
                       grad_tol: float) -> dict:
     """The model with attn_implementation="trifuse" against itself with SDPA (or eager), on the
     sweep's batch and on a packed one (_packed_inputs): the loss and every gradient. The row says
     how many calls ran varlen (trifuse.ops.attention recognizing transformers' block-diagonal
     mask) and whether the model keeps packed sequences apart at all (its logits those of each
     sequence run alone: transformers builds the packed mask only where a model hands its mask
-    code the position ids)."""
+    code the position ids). `other`: a copy of the model taken before its training step."""
     import trifuse.hf
     from trifuse.kernels import attention_varlen as varlen_mod
 
     trifuse.hf.register()
-    other = copy.deepcopy(model)
+    other.train()
     try:
         other.set_attn_implementation("trifuse")
     except Exception as e:  # noqa: BLE001
@@ -1014,9 +1014,11 @@ def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: s
     except Exception as e:  # noqa: BLE001
         return {"status": "inputs", "why": f"{type(e).__name__}: {str(e).strip()[:150]}"}
     leaves = [p for p in model.parameters() if p.requires_grad]
-    # generate's reference, copied before the training step (after it a model may hold non-leaf
-    # tensors deepcopy refuses: RecurrentGemma's recurrent state)
-    ref = copy.deepcopy(model) if via == "generate" else None
+    # Copies taken before the training step (after it a model may hold non-leaf tensors deepcopy
+    # refuses: RecurrentGemma's recurrent state): generate's reference, the model hf-attention
+    # switches to trifuse, the float64 oracle of an autocast sweep.
+    ref = copy.deepcopy(model) if via in ("generate", "hf-attention") else None
+    model64 = copy.deepcopy(model).double().train() if dtype != "float64" else None
     model.train()
     # fp16- / bf16-autocast: the model in fp32 under CPU autocast, as a user trains in mixed precision
     autocast = torch.autocast("cpu", dtype=AUTOCAST_DTYPES.get(dtype, torch.float16),
@@ -1026,8 +1028,7 @@ def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: s
         with autocast:
             loss0 = _loss(_seeded(model)(**kwargs), task)
         grads0 = torch.autograd.grad(loss0, leaves, allow_unused=True)
-        if dtype != "float64":  # the oracle: the same model and batch in float64
-            model64 = copy.deepcopy(model).double()
+        if model64 is not None:  # the oracle: the same model and batch in float64
             inputs64 = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v
                         for k, v in kwargs.items()}
             loss64 = _loss(_seeded(model64)(**inputs64), task)
@@ -1037,7 +1038,7 @@ def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: s
     except Exception as e:  # noqa: BLE001
         return {"status": "unfused fails", "why": f"{type(e).__name__}: {str(e).strip()[:150]}"}
     if via == "hf-attention":
-        return _hf_attention_row(model, kwargs, loss0, grads0, floor, loss_tol, grad_tol)
+        return _hf_attention_row(model, ref, kwargs, loss0, grads0, floor, loss_tol, grad_tol)
     if via == "generate":
         return _generate_row(model, ref, kwargs, task, loss_tol)
     try:
