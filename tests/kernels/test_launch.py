@@ -502,11 +502,11 @@ def test_interpreter_binary_type_check_short_cut_is_tritons_own(monkeypatch):
                 else:
                     assert mine[0] is a and mine[1] is b
     # a pointer beside integers, allowed on its side (as they are), or not (Triton's error)
-    address = tl.tensor(interpreter.TensorHandle(np.array([64], dtype=np.uint64), tl.pointer_type(tl.float32)),
-                        tl.pointer_type(tl.float32))
+    fp32_pointer = tl.pointer_type(tl.float32)
+    address = tl.tensor(interpreter.TensorHandle(np.array([64], dtype=np.uint64), fp32_pointer), fp32_pointer)
     for element in (tl.int32, tl.int64, tl.uint8, tl.int1):
-        offsets = tl.tensor(interpreter.TensorHandle(np.ones([4], dtype=interpreter._get_np_dtype(element)), element),
-                            tl.block_type(element, [4]))
+        ones = np.ones([4], dtype=interpreter._get_np_dtype(element))
+        offsets = tl.tensor(interpreter.TensorHandle(ones, element), tl.block_type(element, [4]))
         for pair, allow in (((address, offsets), (True, False)), ((offsets, address), (False, True))):
             mine, own = short_cut(*pair, *allow), short_cut.__wrapped__(*pair, *allow)
             assert [t.type for t in mine] == [t.type for t in own]  # the address splat beside the block
