@@ -553,7 +553,7 @@ def test_interpreter_lean_builtin_calls_are_tritons_own(monkeypatch):
     def seen_here(_):  # (called in the launch, as the interpreter runs a kernel in Python)
         seen["load"], seen["where"] = tl.load, tl.where
 
-    spy.fn.__globals__["seen_here"] = seen_here
+    monkeypatch.setitem(spy.fn.__globals__, "seen_here", seen_here)  # (this module's globals: put back after)
     before = tl.load
     spy[(1,)](torch.ones(1, device=DEVICE))
     assert seen["load"].__code__.co_name == "call" and seen["where"].__code__.co_name == "call"
