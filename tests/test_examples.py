@@ -1,5 +1,5 @@
 """The README's main job: its command runs `examples/train.py`, which fuses a Hugging Face GPT-2
-built from its config, trains it beside the unfused model and prints the report, the losses side
+(or, with `--model llama`, a Llama) built from its config, trains it beside the unfused model and prints the report, the losses side
 by side and the speed. Nothing else in the suite runs the script, so a change that broke it (an
 argument renamed, a report line moved, a pattern that no longer matches HF's block) would reach
 a user's first command unseen."""
@@ -10,10 +10,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
-# The families the tiny GPT-2's report must name as replaced: every block's five and the head's loss.
-GPT2_FAMILIES = ("attention", "bias_gelu", "layer_norm", "residual_stream", "dropout_add", "cross_entropy")
+# The families each tiny model's report must name as replaced: every block's and the head's loss.
+FAMILIES = {
+    "gpt2": ("attention", "bias_gelu", "layer_norm", "residual_stream", "dropout_add", "cross_entropy"),
+    "llama": ("attention", "rms_norm", "rotary", "gated_activation", "residual_stream", "cross_entropy"),
+}
 
 
 def test_the_readme_main_command_runs_examples_train():
@@ -24,25 +29,26 @@ def test_the_readme_main_command_runs_examples_train():
     assert blocks[0].rstrip().endswith("python examples/train.py"), blocks[0]
 
 
-def test_examples_train_fuses_gpt2_and_trains_it_beside_the_unfused_model():
-    """`python examples/train.py --steps 3` as a user runs it on a CPU (kernels in the interpreter):
-    it exits 0; the report names every family as replaced in the blocks and the head; each step's
-    fused loss is finite and near the unfused one (dropout draws other masks: near, not equal;
-    the losses start at ln(256) = 5.55 for random weights over a 256-token vocabulary); it prints
-    the set-up time and the tokens/s of both models."""
+@pytest.mark.parametrize("model", list(FAMILIES))
+def test_examples_train_fuses_the_model_and_trains_it_beside_the_unfused_one(model):
+    """`python examples/train.py --model M --steps 2` as a user runs it on a CPU (kernels in the
+    interpreter; the README names both models): it exits 0; the report names every family as
+    replaced in the blocks and the head; each step's fused loss is finite and near the unfused one
+    (GPT-2's dropout draws other masks: near, not equal; the losses start at ln(256) = 5.55 for
+    random weights over a 256-token vocabulary); it prints the set-up time and both tokens/s."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     env.pop("PYTEST_XDIST_WORKER", None)
-    out = subprocess.run([sys.executable, "examples/train.py", "--steps", "3"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600, check=False)
+    command = [sys.executable, "examples/train.py", "--model", model, "--steps", "2"]
+    out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
     text = out.stdout
     assert out.returncode == 0, (text + out.stderr)[-4000:]
     replaced = {line.split()[1] for line in text.splitlines() if line.strip().startswith("replaced")}
-    assert set(GPT2_FAMILIES) <= replaced, f"replaced: {sorted(replaced)}\n{text[-3000:]}"
+    assert set(FAMILIES[model]) <= replaced, f"replaced: {sorted(replaced)}\n{text[-3000:]}"
     # no call ran the original forward, and no rewrite failed
     assert not re.search(r"^\s+unfused: |rewrite failed|fell back", text, re.MULTILINE), text[-3000:]
     rows = re.finditer(r"^\s+\d+\s+(\S+)\s+(\S+)$", text, re.MULTILINE)
     losses = [tuple(map(float, m.groups())) for m in rows]
-    assert len(losses) == 3, text[-3000:]
+    assert len(losses) == 2, text[-3000:]
     for fused, unfused in losses:
         near = abs(fused - unfused) < 0.1 and abs(fused - math.log(256)) < 0.5
         assert math.isfinite(fused) and near, losses
