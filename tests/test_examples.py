@@ -1,8 +1,8 @@
 """The README's main job: its command runs `examples/train.py`, which fuses a Hugging Face GPT-2
-(or, with `--model llama`, a Llama) built from its config, trains it beside the unfused model and prints the report, the losses side
-by side and the speed. Nothing else in the suite runs the script, so a change that broke it (an
-argument renamed, a report line moved, a pattern that no longer matches HF's block) would reach
-a user's first command unseen."""
+(or, with `--model llama`, a Llama) built from its config, trains it beside the unfused model
+and prints the report, the losses side by side and the speed. Nothing else in the suite runs the
+script, so a change that broke it (an argument renamed, a report line moved, a pattern that no
+longer matches HF's block) would reach a user's first command unseen."""
 import math
 import os
 import re
