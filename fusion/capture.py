@@ -483,6 +483,15 @@ def _checkpointing(module: torch.nn.Module) -> bool:
         and torch.is_grad_enabled() and callable(getattr(module, "_gradient_checkpointing_func", None))
 
 
+# Why a checkpointed block's first call ran unfused: the body held a graph break (Qwen2-VL's vision
+# blocks) or a side effect Dynamo's checkpoint op refuses (the context variable that the Hub
+# `kernels` package, which transformers 5.25 requires, sets in the attention of Llama and of the
+# models copying it).
+_CHECKPOINT_BODY_AS_WRITTEN = (
+    "under gradient checkpointing, Dynamo could not make the checkpointed body one graph (a graph break "
+    "or a side effect inside it) and ran it as written; the next calls checkpoint the block's own compiled "
+    "forward")
+
 _CALLING: contextvars.ContextVar["DynamoUnit | None"] = contextvars.ContextVar("trifuse_dynamo_unit", default=None)
 
 
@@ -643,7 +652,8 @@ class DynamoUnit(Unit):
 
         def checkpoint_compiled(fn: functools.partial, *inputs: Any) -> Any:
             # fn: the wrapper's partial(forward, module, **kwargs)
-            return checkpoint_fn(functools.partial(compiled, *fn.args, **fn.keywords), *inputs)
+            return checkpoint_fn(functools.partial(self._run_checkpointed, compiled, *fn.args, **fn.keywords),
+                                 *inputs)
 
         own = "_gradient_checkpointing_func" in module.__dict__
         module._gradient_checkpointing_func = checkpoint_compiled
@@ -654,6 +664,25 @@ class DynamoUnit(Unit):
                 module._gradient_checkpointing_func = checkpoint_fn
             else:
                 del module._gradient_checkpointing_func
+
+    def _run_checkpointed(self, compiled: Callable[..., Any], module: torch.nn.Module, *args: Any,
+                          **kwargs: Any) -> Any:
+        """The block's compiled forward as `_checkpoint_outside` checkpoints it: in this unit's
+        call, and in the backward's recompute, which runs after the call returned. A reentrant
+        checkpoint runs the forward under no_grad and the recompute in grad mode, a frame Dynamo
+        compiles there; the backend rewrites only for the unit calling, so without this the
+        recompute ran the block as written, unfused and with other dropout masks than the
+        forward's: wrong gradients. The recompute's compiles make a capture of their own."""
+        if _CALLING.get() is self:
+            return compiled(module, *args, **kwargs)
+        token = _CALLING.set(self)
+        current, self._current = self._current, (module, args, kwargs)
+        self._call_seq += 1
+        try:
+            return compiled(module, *args, **kwargs)
+        finally:
+            _CALLING.reset(token)
+            self._current = current
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         self.calls += 1
@@ -725,10 +754,12 @@ class DynamoUnit(Unit):
             _log.warning("trifuse.fuse: %s runs unfused: %s", self.cls.__name__, reason)
             return out
         if self.runs == runs:
-            self.fallbacks += 1
             self.last[module] = None
             if _checkpointing(module) and _checkpointed_forward(self.original) and not self.checkpoint_outside:
                 self.checkpoint_outside = True  # from the next call on; this one ran as written
+                self.eager_calls[_CHECKPOINT_BODY_AS_WRITTEN] += 1
+            else:
+                self.fallbacks += 1
         else:
             self.last[module] = self._ran_capture()
         if isinstance(out, tuple) and any(v is _DROPPED_WEIGHTS for v in out):

@@ -923,6 +923,45 @@ def test_gradient_checkpointing_recomputes_the_forwards_dropout_masks(reentrant)
     assert trifuse.report(checkpointed).counts() == trifuse.report(plain).counts()
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_block_checkpointed_as_compiled_apart_recomputes_fused_with_the_forwards_masks(reentrant):
+    # A block whose checkpointed body Dynamo cannot make one checkpoint op (Llama's attention sets
+    # the Hub `kernels` package's context variable inside it where that is installed, as
+    # transformers 5.25 requires; Qwen2-VL's vision blocks break the graph) runs as written on its
+    # first call (the report says why); fuse then checkpoints the block's own compiled forward.
+    # The backward's recompute runs that forward again after the block's call returned, for a
+    # reentrant checkpoint in grad mode (its forward ran under no_grad), which Dynamo compiles anew: it must be rewritten as the forward was, or
+    # the recompute runs unfused, with PyTorch's dropout masks instead of the forward's (gradients
+    # off by 0.1 here). Against the same fused model without checkpointing, from the same seeds:
+    # equal losses and gradients, and trifuse's attention runs in the forward and the recompute.
+    torch.manual_seed(0)
+    layers = 2
+    plain, inputs, loss_fn = _models.llama(layers=layers)
+    for layer in plain.model.layers:
+        layer.self_attn.attention_dropout = 0.2
+    checkpointed = copy.deepcopy(plain)
+    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    for m in (plain, checkpointed):
+        trifuse.fuse(m).train()
+    kw = inputs(2, 8)
+    _train_step(checkpointed, loss_fn, kw, 0)
+    units = trifuse.report(checkpointed).units
+    unit = next(u.unit for u in units if u.unit.cls.__name__ == "LlamaDecoderLayer")
+    if not unit.checkpoint_outside:
+        pytest.skip("no Hub `kernels` here: Dynamo took Llama's checkpointed body as one checkpoint op")
+    assert any("under gradient checkpointing" in r for r in unit.eager_calls), unit.eager_calls
+    for seed in (1, 2):
+        checkpointed.zero_grad()
+        loss, grads = _train_step(plain, loss_fn, kw, seed)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            loss_ck, grads_ck = _train_step(checkpointed, loss_fn, kw, seed)
+        torch.testing.assert_close(loss_ck, loss)
+        for (name, _), g, g_ck in zip(plain.named_parameters(), grads, grads_ck):
+            torch.testing.assert_close(g_ck, g, msg=name)
+        assert op_names(prof).count("trifuse::attention") == 2 * layers
+        plain.zero_grad()
+
+
 def _bert_head(head: str):
     """BERT from the tests' tiny config with a question-answering or token-classification head."""
     tf = _models._quiet_transformers()
