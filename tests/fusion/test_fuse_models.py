@@ -930,9 +930,9 @@ def test_a_block_checkpointed_as_compiled_apart_recomputes_fused_with_the_forwar
     # transformers 5.25 requires; Qwen2-VL's vision blocks break the graph) runs as written on its
     # first call (the report says why); fuse then checkpoints the block's own compiled forward.
     # The backward's recompute runs that forward again after the block's call returned, for a
-    # reentrant checkpoint in grad mode (its forward ran under no_grad), which Dynamo compiles anew: it must be rewritten as the forward was, or
-    # the recompute runs unfused, with PyTorch's dropout masks instead of the forward's (gradients
-    # off by 0.1 here). Against the same fused model without checkpointing, from the same seeds:
+    # reentrant checkpoint in grad mode (its forward ran under no_grad), which Dynamo compiles anew:
+    # it must be rewritten as the forward was, or the recompute runs unfused, with PyTorch's dropout
+    # masks instead of the forward's (gradients off by 0.1 here). Against the same fused model without checkpointing, from the same seeds:
     # equal losses and gradients, and trifuse's attention runs in the forward and the recompute.
     torch.manual_seed(0)
     layers = 2
