@@ -932,8 +932,9 @@ def test_a_block_checkpointed_as_compiled_apart_recomputes_fused_with_the_forwar
     # The backward's recompute runs that forward again after the block's call returned, for a
     # reentrant checkpoint in grad mode (its forward ran under no_grad), which Dynamo compiles anew:
     # it must be rewritten as the forward was, or the recompute runs unfused, with PyTorch's dropout
-    # masks instead of the forward's (gradients off by 0.1 here). Against the same fused model without checkpointing, from the same seeds:
-    # equal losses and gradients, and trifuse's attention runs in the forward and the recompute.
+    # masks instead of the forward's (gradients off by 0.1 here). Against the same fused model
+    # without checkpointing, from the same seeds: equal losses and gradients, and trifuse's
+    # attention runs in the forward and in the recompute.
     torch.manual_seed(0)
     layers = 2
     plain, inputs, loss_fn = _models.llama(layers=layers)
