@@ -30,6 +30,11 @@ interpreter.
         # VIA generate (causal-lm, seq2seq; float64): greedy generation of 5 tokens with and without the
         # KV cache, after a training step of the fused model, against the unfused model: the tokens equal,
         # every step's scores within 1e-6
+        # VIA checkpoint (causal-lm, float64): dropout on (0.1), the fused model beside two fused copies
+        # under transformers' gradient checkpointing (non-reentrant, reentrant); after a first step (the
+        # captures), two steps from the same seeds: each copy's loss and gradients within 1e-9 of the
+        # un-checkpointed fused model's (the recompute must draw the forward's dropout masks), and
+        # trifuse's ops run again in the backward's recompute (RECOMPUTE UNFUSED otherwise)
 
 Each type runs in its own process (memory-capped, timed out), in float64 (or fp32 under fp16 or
 bf16 autocast), one training step (dropout off) before and after fuse, then a second fused call.
@@ -45,6 +50,8 @@ Status per type:
     FUSED CRASH     the unfused model ran and the fused one raised: a trifuse bug
     refused         (--via hf-attention) a model trifuse/hf.py refuses with a clear error, by design
     Dynamo fails    (--via backend) torch.compile(backend="eager"), without trifuse, fails on it too
+    RECOMPUTE UNFUSED (--via checkpoint) equal, but the backward's recompute ran no trifuse op
+    no checkpointing  (--via checkpoint) the model does not support gradient checkpointing
     unfused NaN     (--via generate) the unfused model's scores are NaN/inf from the first step, in both
                     modes: nothing to compare with
     config / build / unfused fails / too big / died: the tiny config does not suit the
@@ -55,6 +62,7 @@ Writes bench/results/fuse_sweep[_<task>][_backend][_eager][_fp16-autocast|_bf16-
 import copy
 import inspect
 import json
+import math
 import os
 import re
 import resource
@@ -168,7 +176,7 @@ AUDIO_TASKS = ("ctc", "audio-cls")
 # attn_implementation="trifuse" (trifuse/hf.py; causal LMs, float64: _hf_attention_row), or
 # greedy generation after a training step, fused against unfused (causal and seq2seq LMs, float64:
 # _generate_row)
-VIAS = ("fuse", "backend", "hf-attention", "generate")
+VIAS = ("fuse", "backend", "hf-attention", "generate", "checkpoint")
 GENERATE_TOKENS = 5
 MAX_PARAMS = 3_000_000
 # (loss, gradient, zero-gradient floor) tolerances per run dtype. The floor: a gradient below it
@@ -980,6 +988,73 @@ def _generate_row(model, ref, kwargs: dict, task: str, tol: float) -> dict:
             "unfused_calls": {k: dict(v) for k, v in report.unfused_calls().items()}}
 
 
+CHECKPOINT_DROPOUT = 0.1
+
+
+def _trifuse_forwards(prof) -> int:
+    """How many trifuse forward ops a profiled step ran (their backward ops not counted)."""
+    return sum(1 for e in prof.events() if e.name.startswith("trifuse::") and "backward" not in e.name)
+
+
+def _checkpoint_row(model, kwargs: dict, task: str) -> dict:
+    """--via checkpoint: `model` fused beside two fused copies under gradient checkpointing."""
+    import trifuse
+
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        why = f"{type(model).__name__}.supports_gradient_checkpointing is False"
+        return {"status": "no checkpointing", "why": why}
+    copies = {}
+    try:
+        for mode in ("non-reentrant", "reentrant"):
+            copies[mode] = copy.deepcopy(model)
+            copies[mode].gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": mode == "reentrant"})
+    except Exception as e:  # noqa: BLE001
+        why = f"gradient_checkpointing_enable: {type(e).__name__}: {str(e)[:150]}"
+        return {"status": "unfused fails", "why": why}
+    models = {"plain": model, **copies}
+    leaves = {name: [p for p in m.parameters() if p.requires_grad] for name, m in models.items()}
+
+    def step(name: str, seed: int):  # .backward(): a reentrant checkpoint refuses autograd.grad
+        torch.manual_seed(seed)
+        models[name].zero_grad(set_to_none=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            loss = _loss(models[name](**kwargs), task)
+            loss.backward()
+        return loss.detach(), tuple(p.grad for p in leaves[name]), _trifuse_forwards(prof)
+
+    try:
+        for m in models.values():
+            trifuse.fuse(m).train()
+        for name in models:
+            step(name, 0)  # the captures (a checkpointed block's first call may run as written)
+        loss_err = grad_err = 0.0
+        recomputed = {}
+        for seed in (1, 2):
+            loss0, grads0, ops0 = step("plain", seed)
+            for mode in copies:
+                loss1, grads1, ops1 = step(mode, seed)
+                err = abs(float(loss1) - float(loss0)) / max(abs(float(loss0)), 1e-30)
+                loss_err = max(loss_err, 0.0 if math.isnan(err) and math.isnan(float(loss0)) else err)
+                grad_err = max(grad_err, _grad_error(grads0, grads1, 1e-10))
+                recomputed[mode] = ops1 - ops0
+    except Exception as e:  # noqa: BLE001
+        return {"status": "FUSED CRASH", "why": f"{type(e).__name__}: {str(e).strip()[:300]}",
+                "traceback": traceback.format_exc()[-3000:]}
+    report = trifuse.report(models["reentrant"])
+    replaced = dict(sorted(trifuse.report(model).counts().items()))
+    ok = loss_err < 1e-9 and grad_err < 1e-9
+    status = "ok" if ok else "MISMATCH"
+    if ok and replaced and min(recomputed.values()) <= 0:
+        status = "RECOMPUTE UNFUSED"
+    row = {"status": status, "loss_rel_err": loss_err, "grad_rel_err": grad_err, "replaced": replaced,
+           "left": len(report.left()), "recomputed_ops": recomputed,
+           "unfused_calls": {k: sum(v.values()) for k, v in report.unfused_calls().items()}}
+    if status == "RECOMPUTE UNFUSED":
+        row["why"] = f"trifuse forward ops run again in the backward: {recomputed}"
+    return row
+
+
 def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: str = "fuse",
             dtype: str = "float64") -> dict:
     import transformers as tf
@@ -988,6 +1063,10 @@ def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: s
     tf.logging.set_verbosity_error()
     try:
         cfg = _config(tf, model_type, attn, task)
+        if via == "checkpoint":  # the masks are what a recompute can get wrong: dropout on
+            for name in NO_DROPOUT:
+                if _has(cfg, name) and "jitter" not in name and not _read_only(type(cfg), name):
+                    setattr(cfg, name, CHECKPOINT_DROPOUT)
     except Exception as e:  # noqa: BLE001
         return {"status": "config", "why": f"{type(e).__name__}: {str(e).strip()[:150]}"}
     torch.manual_seed(0)
@@ -1004,7 +1083,7 @@ def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: s
         return {"status": "build", "why": f"{type(e).__name__}: {str(e).strip()[:150]}"}
     for module in model.modules():  # a head's dropout its config has no field for (a token classifier's
         if isinstance(module, torch.nn.Dropout):  # falls back to 0.1): off like the rest
-            module.p = 0.0
+            module.p = CHECKPOINT_DROPOUT if via == "checkpoint" else 0.0
     params = sum(p.numel() for p in model.parameters())
     if params > MAX_PARAMS:
         return {"status": "too big", "why": f"{params} parameters with the tiny config"}
@@ -1013,6 +1092,8 @@ def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: s
         kwargs = batch(model, task, input_dtype)
     except Exception as e:  # noqa: BLE001
         return {"status": "inputs", "why": f"{type(e).__name__}: {str(e).strip()[:150]}"}
+    if via == "checkpoint":
+        return _checkpoint_row(model, kwargs, task)
     leaves = [p for p in model.parameters() if p.requires_grad]
     # Copies taken before the training step (after it a model may hold non-leaf tensors deepcopy
     # refuses: RecurrentGemma's recurrent state): generate's reference, the model hf-attention
@@ -1270,6 +1351,8 @@ if __name__ == "__main__":
         sys.exit(f"fuse_sweep: --dtype must be one of {', '.join(TOLERANCES)}, got {opts['dtype']!r}")
     if opts["via"] == "hf-attention" and (opts["task"], opts["dtype"]) != ("causal-lm", "float64"):
         sys.exit("fuse_sweep: --via hf-attention sweeps causal LMs in float64")
+    if opts["via"] == "checkpoint" and (opts["task"], opts["dtype"]) != ("causal-lm", "float64"):
+        sys.exit("fuse_sweep: --via checkpoint sweeps causal LMs in float64")
     if opts["via"] == "generate" and (opts["task"] not in ("causal-lm", "seq2seq") or opts["dtype"] != "float64"):
         sys.exit("fuse_sweep: --via generate sweeps causal and seq2seq LMs in float64")
     if opts["attn"] not in ("sdpa", "eager"):
