@@ -264,8 +264,9 @@ def _(dy, x, alpha_p, alpha_n, beta, eps):
             x.new_empty(1, dtype=acc))
 
 
-def _grads(ctx, dx, dap, dan):
-    _, alpha_p, alpha_n, _, _ = ctx.saved_tensors
+def _grads(alpha_p, alpha_n, dx, dap, dan):
+    """The backward's outputs: the coefficients' gradients in their dtypes and shapes. Takes the
+    saved coefficients, not ctx: under non-reentrant checkpointing a saved tensor unpacks once."""
     return (dx, cast(dap, alpha_p.dtype).reshape(alpha_p.shape), cast(dan, alpha_n.dtype).reshape(alpha_n.shape),
             None, None, None)
 
@@ -276,15 +277,16 @@ def _setup(ctx, inputs, output):
 
 def _xielu_twice(ctx, dy):
     """The backward in PyTorch ops, differentiable again (create_graph=True)."""
-    grads = reference_grads(lambda x, ap, an: xielu_ref(x, ap, an, ctx.saved_tensors[3], ctx.saved_tensors[4]),
-                            ctx.saved_tensors[:3], ctx.needs_input_grad[:3], (dy,))
+    saved = ctx.saved_tensors  # once: under non-reentrant checkpointing a saved tensor unpacks once
+    grads = reference_grads(lambda x, ap, an: xielu_ref(x, ap, an, saved[3], saved[4]),
+                            saved[:3], ctx.needs_input_grad[:3], (dy,))
     return (*grads, None, None, None)
 
 
 @single_backward(twice=_xielu_twice, op="xielu")
 def _backward(ctx, dy):
     x, alpha_p, alpha_n, beta, eps = ctx.saved_tensors
-    return _grads(ctx, *torch.ops.trifuse.xielu_backward(dy, x, alpha_p, alpha_n, beta, eps))
+    return _grads(alpha_p, alpha_n, *torch.ops.trifuse.xielu_backward(dy, x, alpha_p, alpha_n, beta, eps))
 
 
 torch.library.register_autograd("trifuse::xielu", _backward, setup_context=_setup)
@@ -307,7 +309,7 @@ class _XieluFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, alpha_p, alpha_n, beta, eps = ctx.saved_tensors
         with profiled("trifuse::xielu_backward"):
-            return _grads(ctx, *xielu_bwd(dy, x, alpha_p, alpha_n, beta, eps))
+            return _grads(alpha_p, alpha_n, *xielu_bwd(dy, x, alpha_p, alpha_n, beta, eps))
 
 
 # =============================================================================================
