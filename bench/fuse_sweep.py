@@ -51,6 +51,8 @@ Status per type:
     refused         (--via hf-attention) a model trifuse/hf.py refuses with a clear error, by design
     Dynamo fails    (--via backend) torch.compile(backend="eager"), without trifuse, fails on it too
     RECOMPUTE UNFUSED (--via checkpoint) equal, but the backward's recompute ran no trifuse op
+    FEWER FUSED     (--via checkpoint) a checkpointed copy fused fewer ops than the model unchecked
+                    (so its dropout draws differ and its loss with them: not compared)
     no checkpointing  (--via checkpoint) the model does not support gradient checkpointing
     unfused NaN     (--via generate) the unfused model's scores are NaN/inf from the first step, in both
                     modes: nothing to compare with
@@ -1015,6 +1017,12 @@ def _checkpoint_row(model, kwargs: dict, task: str) -> dict:
         return {"status": "unfused fails", "why": why}
     models = {"plain": model, **copies}
     leaves = {name: [p for p in m.parameters() if p.requires_grad] for name, m in models.items()}
+    try:  # each model's own training step, unfused: a model that fails here is not trifuse's to judge
+        for m in models.values():
+            _loss(_seeded(m)(**kwargs), task).backward()
+            m.zero_grad(set_to_none=True)
+    except Exception as e:  # noqa: BLE001
+        return {"status": "unfused fails", "why": f"{type(e).__name__}: {str(e).strip()[:150]}"}
 
     def step(name: str, seed: int, profiled: bool = True):
         # .backward(), not autograd.grad: a reentrant checkpoint refuses the latter
@@ -1046,15 +1054,27 @@ def _checkpoint_row(model, kwargs: dict, task: str) -> dict:
                 "traceback": traceback.format_exc()[-3000:]}
     report = trifuse.report(models["reentrant"])
     replaced = dict(sorted(trifuse.report(model).counts().items()))
+    fewer = {}
+    for mode, m in copies.items():
+        counts = trifuse.report(m).counts()
+        changed = {family: f"{n} -> {counts.get(family, 0)}" for family, n in replaced.items()
+                   if counts.get(family, 0) != n}
+        if changed:
+            fewer[mode] = changed
     ok = loss_err < 1e-9 and grad_err < 1e-9
     status = "ok" if ok else "MISMATCH"
     if ok and replaced and min(recomputed.values()) <= 0:
         status = "RECOMPUTE UNFUSED"
+    if fewer and not ok:  # other ops fused, other dropout draws: the comparison says nothing
+        status = "FEWER FUSED"
     row = {"status": status, "loss_rel_err": loss_err, "grad_rel_err": grad_err, "replaced": replaced,
            "left": len(report.left()), "recomputed_ops": recomputed,
            "unfused_calls": {k: sum(v.values()) for k, v in report.unfused_calls().items()}}
     if status == "RECOMPUTE UNFUSED":
         row["why"] = f"trifuse forward ops run again in the backward: {recomputed}"
+    if fewer:
+        row["why"] = "under checkpointing: " + "; ".join(
+            f"{mode} {', '.join(f'{k} {v}' for k, v in d.items())}" for mode, d in fewer.items())
     return row
 
 
