@@ -173,6 +173,7 @@ class Unit:
         work = fx.GraphModule(gm, graph)
         try:
             canonicalize(work, root)
+            bodies = checkpoint_bodies(work)
             self._before_rewrite(work.graph)
             log = rewrite_graph(work.graph, self.patterns)
             for value, readers, dtype in share_input_casts(work.graph):
@@ -184,8 +185,8 @@ class Unit:
             for node, dtype in fp32_grads:
                 text = f"{str(dtype).removeprefix('torch.')} GEMM, its fp32 gradient from the GEMM itself"
                 log.fp32_weight_grads.append(f"{_parameter_name(node.args[1])}: {text} (no conversion kernel)")
+            rewrite_checkpoints(work, self.patterns, log, bodies)
             self._annotate(work.graph, log)
-            rewrite_checkpoints(work, self.patterns, log)
             recompile(work)
         except Exception as e:  # noqa: BLE001  (never break a model: run the capture unfused)
             capture.error = f"{type(e).__name__}: {e}"
@@ -302,9 +303,44 @@ def _hop_bodies(gm: fx.GraphModule, hop: Any) -> list[fx.GraphModule]:
     return bodies
 
 
-def rewrite_checkpoints(gm: fx.GraphModule, patterns: Sequence[Pattern], log: RewriteLog) -> None:
+def checkpoint_bodies(gm: fx.GraphModule) -> list[fx.GraphModule]:
+    """The bodies of `gm`'s activation checkpoints (see rewrite_checkpoints), each made a copy of
+    its own (nested ones included) and canonicalized: what the rewrite may change before the
+    patterns run (a block's unread outputs, DynamoUnit._before_rewrite)."""
+    hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+    if hop is None:
+        return []
+    bodies = _hop_bodies(gm, hop)
+    for body in bodies:
+        canonicalize(body)
+    return bodies
+
+
+def checkpointed_output(value: fx.Node) -> tuple[fx.GraphModule, int] | None:
+    """For `value` = `getitem(tag_activation_checkpoint(body, ...), i)` in a graph module, the
+    body and i, where the body returns a flat tuple; else None."""
+    hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+    if value.op != "call_function" or value.target is not operator.getitem or len(value.args) != 2:
+        return None
+    call, index = value.args
+    if not (isinstance(call, fx.Node) and call.op == "call_function" and call.target is hop
+            and isinstance(index, int) and call.args and isinstance(call.args[0], fx.Node)
+            and call.args[0].op == "get_attr"):
+        return None
+    body = getattr(value.graph.owning_module, call.args[0].target, None)
+    if not isinstance(body, fx.GraphModule):
+        return None
+    returned = _output(body.graph).args[0]
+    if not isinstance(returned, (tuple, list)) or not -len(returned) <= index < len(returned):
+        return None
+    return body, index % len(returned)
+
+
+def rewrite_checkpoints(gm: fx.GraphModule, patterns: Sequence[Pattern], log: RewriteLog,
+                        bodies: list[fx.GraphModule] | None = None) -> None:
     """For a graph run as it is (not compiled by Inductor): the bodies of its activation
-    checkpoints are rewritten too, and each checkpoint calls `_checkpoint`.
+    checkpoints are rewritten too, and each checkpoint calls `_checkpoint`. `bodies`: what
+    `checkpoint_bodies(gm)` returned, when the caller needed them before; by default taken here.
 
     Dynamo puts a block called under activation checkpointing (Hugging Face's gradient
     checkpointing) into `tag_activation_checkpoint(body, ...)`. Only those bodies are rewritten:
@@ -315,9 +351,8 @@ def rewrite_checkpoints(gm: fx.GraphModule, patterns: Sequence[Pattern], log: Re
     hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
     if hop is None:
         return
-    bodies = _hop_bodies(gm, hop)
+    bodies = checkpoint_bodies(gm) if bodies is None else bodies
     for body in bodies:
-        canonicalize(body)
         _merge(log, rewrite_graph(body.graph, patterns))
     for module in gm.modules():  # checkpoints anywhere, inside other higher-order ops too
         if not isinstance(module, fx.GraphModule):
@@ -337,6 +372,10 @@ def _checkpoint(body: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
     if context_fn is not None:
         kwargs.setdefault("context_fn", context_fn)
     return checkpoint(body, *args, **kwargs)
+
+
+def _output(graph: fx.Graph) -> fx.Node:
+    return next(n for n in reversed(graph.nodes) if n.op == "output")
 
 
 def _parameter_name(node: fx.Node) -> str:
@@ -469,7 +508,7 @@ def _holds(cell: types.CellType, value: Any) -> bool:
         return False
 
 
-def _checkpointed_forward(forward: Callable[..., Any]) -> bool:
+def checkpointing_forward(forward: Callable[..., Any]) -> bool:
     """Whether `forward` is Hugging Face's `forward_with_checkpointing` around a block's own (its
     GradientCheckpointingLayer: `torch.utils.checkpoint` of `__wrapped__` when checkpointing)."""
     code = getattr(forward, "__code__", None)
@@ -554,6 +593,7 @@ class DynamoUnit(Unit):
         self._compiled_collecting: Callable[..., Any] | None = None  # see _collecting
         self._compiled_checkpointed: Callable[..., Any] | None = None  # see _checkpoint_outside
         self.checkpoint_outside = False  # see _checkpoint_outside
+        self.inner_checkpoints: list[str] = []  # see _run_checkpointed
         self.runs = 0
         self._call_seq = 0
         self._capture_seq = -1
@@ -563,6 +603,8 @@ class DynamoUnit(Unit):
         self._merged: dict[tuple[int, ...], tuple[Capture, list[RewriteLog]]] = {}  # see _ran_capture
         self._current: tuple[torch.nn.Module, tuple, dict] | None = None
         self._dropped: list[tuple[fx.Node, fx.Node]] = []  # (probabilities, placeholder) of the graph in rewrite
+        # (checkpoint body, the checkpoint's call, its output index, the probabilities there, placeholder)
+        self._dropped_in_bodies: list[tuple[fx.GraphModule, fx.Node, int, fx.Node, fx.Node]] = []
         self.drops_weights = False  # a capture returns None for the attention probabilities
         self.failed: str | None = None  # Dynamo could not capture this class: its calls run as written
         self.scalar_outputs = True  # captures keep `.item()` in the graph, unless Dynamo failed with it
@@ -672,17 +714,33 @@ class DynamoUnit(Unit):
         checkpoint runs the forward under no_grad and the recompute in grad mode, a frame Dynamo
         compiles there; the backend rewrites only for the unit calling, so without this the
         recompute ran the block as written, unfused and with other dropout masks than the
-        forward's: wrong gradients. The recompute's compiles make a capture of their own."""
-        if _CALLING.get() is self:
-            return compiled(module, *args, **kwargs)
-        token = _CALLING.set(self)
-        current, self._current = self._current, (module, args, kwargs)
-        self._call_seq += 1
+        forward's: wrong gradients. The recompute's compiles make a capture of their own.
+
+        A checkpointed layer inside the block (Zamba's hybrid layer holds a Mamba layer) would
+        checkpoint again inside this compiled forward, where Dynamo refuses it as the block's was
+        refused, and run it as written, unfused. It runs without a checkpoint of its own: the
+        block's checkpoint recomputes it, and its activations live during the block's backward only."""
+        inner = [m for m in module.modules() if m is not module and checkpointing_forward(type(m).forward)
+                 and _checkpointing(m)]
+        if inner and not self.inner_checkpoints:
+            names = {id(m): name for name, m in module.named_modules()}
+            self.inner_checkpoints = [names[id(m)] for m in inner]
+        for m in inner:
+            m.gradient_checkpointing = False
         try:
-            return compiled(module, *args, **kwargs)
+            if _CALLING.get() is self:
+                return compiled(module, *args, **kwargs)
+            token = _CALLING.set(self)
+            current, self._current = self._current, (module, args, kwargs)
+            self._call_seq += 1
+            try:
+                return compiled(module, *args, **kwargs)
+            finally:
+                _CALLING.reset(token)
+                self._current = current
         finally:
-            _CALLING.reset(token)
-            self._current = current
+            for m in inner:
+                m.gradient_checkpointing = True
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         self.calls += 1
@@ -755,7 +813,7 @@ class DynamoUnit(Unit):
             return out
         if self.runs == runs:
             self.last[module] = None
-            if _checkpointing(module) and _checkpointed_forward(self.original) and not self.checkpoint_outside:
+            if _checkpointing(module) and checkpointing_forward(self.original) and not self.checkpoint_outside:
                 self.checkpoint_outside = True  # from the next call on; this one ran as written
                 self.eager_calls[_CHECKPOINT_BODY_AS_WRITTEN] += 1
             else:
@@ -773,16 +831,36 @@ class DynamoUnit(Unit):
         outputs, replaced by `_dropped_weights()`, so an attention pattern may take the softmax.
         `__call__` returns None in their place, as transformers' SDPA and flash attention return for
         weights nobody asked for. Where no pattern takes them, `_annotate` puts them back. Once a
-        capture has dropped them, calls with output_attentions not False run as written."""
-        self._dropped = []
+        capture has dropped them, calls with output_attentions not False run as written.
+
+        Under gradient checkpointing the block's graph returns them from its checkpoint's body
+        (`getitem(tag_activation_checkpoint(body, ...), i)`): the body returns None there instead
+        (a tensor returned from a reentrant checkpoint would get its grad_fn), and the graph
+        returns the placeholder."""
+        self._dropped, self._dropped_in_bodies = [], []
         if self._current is None or self._output_attentions(*self._current) is not False:
             return
-        output = next(n for n in reversed(graph.nodes) if n.op == "output")
+        output = _output(graph)
         for value in list(output.all_input_nodes):
-            if _attention_probabilities(value):
-                with graph.inserting_before(output):
-                    placeholder = graph.call_function(_dropped_weights, ())
-                output.replace_input_with(value, placeholder)
+            checkpointed = checkpointed_output(value) if set(value.users) == {output} else None
+            if checkpointed is not None:
+                body, index = checkpointed
+                body_output = _output(body.graph)
+                returned = list(body_output.args[0])
+                probabilities = returned[index]
+                if not isinstance(probabilities, fx.Node) or not _attention_probabilities(probabilities):
+                    continue
+                returned[index] = None
+                body_output.args = (type(body_output.args[0])(returned),)
+            elif not _attention_probabilities(value):
+                continue
+            with graph.inserting_before(output):
+                placeholder = graph.call_function(_dropped_weights, ())
+            output.replace_input_with(value, placeholder)
+            if checkpointed is not None:
+                self._dropped_in_bodies.append((body, value.args[0], index, probabilities, placeholder))
+                graph.erase_node(value)
+            else:
                 self._dropped.append((value, placeholder))
 
     def _output_attentions(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -818,13 +896,26 @@ class DynamoUnit(Unit):
                 graph.erase_node(placeholder)
             else:
                 dropped += 1
+        for body, call, index, probabilities, placeholder in self._dropped_in_bodies:
+            if probabilities in set(body.graph.nodes):  # as above, in the checkpoint's body
+                body_output = _output(body.graph)
+                returned = list(body_output.args[0])
+                returned[index] = probabilities
+                body_output.args = (type(body_output.args[0])(returned),)
+                recompile(body)
+                with graph.inserting_before(output):  # the getitem, erased in _before_rewrite
+                    value = graph.call_function(operator.getitem, (call, index))
+                output.replace_input_with(placeholder, value)
+                graph.erase_node(placeholder)
+            else:
+                dropped += 1
         if dropped:
             self.drops_weights = True
             for r in log.replaced:
                 if r.family == "attention":
                     r.note = "; ".join(n for n in (r.note, "its probabilities are not returned: output_attentions=False")
                                        if n)
-        self._dropped = []
+        self._dropped, self._dropped_in_bodies = [], []
 
     def _compile(self, gm: fx.GraphModule) -> Callable[..., Any]:
         if self._capture is None or self._capture_seq != self._call_seq:

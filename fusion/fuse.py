@@ -37,6 +37,7 @@ from .capture import (
     HeadUnit,
     LeafTracer,
     Unit,
+    checkpointing_forward,
     installed_unit,
     wrapped_by_accelerate,
     wrapped_calls,
@@ -297,6 +298,16 @@ def _hides_attention_from_fx(graph: fx.Graph, module: torch.nn.Module) -> bool:
     return False
 
 
+def _traced_into(module: torch.nn.Module, is_leaf) -> list[torch.nn.Module]:
+    """`module` and the modules a trace of it goes into (not the leaves it keeps as calls)."""
+    found, stack = [], [module]
+    while stack:
+        m = stack.pop()
+        found.append(m)
+        stack += [c for c in m.children() if not is_leaf(c)]
+    return found
+
+
 def _trace(module: torch.nn.Module, is_leaf) -> tuple[fx.Graph | None, str]:
     """(graph, "") if fx traces the module with its default arguments as constants, else
     (None, why not)."""
@@ -307,6 +318,11 @@ def _trace(module: torch.nn.Module, is_leaf) -> tuple[fx.Graph | None, str]:
     params = list(sig.parameters.values())[1:]
     if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
         return None, "forward takes *args or **kwargs"
+    inside = [m for m in _traced_into(module, is_leaf) if checkpointing_forward(type(m).forward)]
+    if inside:
+        # transformers' GradientCheckpointingLayer decides per call whether to checkpoint: a trace
+        # would keep the choice of its own call, and lose the checkpoint (its body traced inline)
+        return None, f"{type(inside[0]).__name__}'s forward checkpoints under gradient checkpointing, per call"
     concrete = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
     try:
         return LeafTracer(is_leaf).trace(module, concrete_args=concrete), ""

@@ -108,6 +108,10 @@ class FusionReport:
                 lines.append(f"    {u.unit.graphs.summary()}")
             for reason, n in getattr(u.unit, "dynamo_calls", {}).items():
                 lines.append(f"    captured by Dynamo instead: {n} call(s): {reason}")
+            inner = getattr(u.unit, "inner_checkpoints", None)
+            if inner:
+                lines.append(f"    checkpointed layers inside it run in its checkpoint, without one of their own (the "
+                             f"block's recomputes them): {', '.join(inner)}")
         for n in self.notes:
             lines.append(f"  {n.kind}: {n.path} ({n.cls}): {n.reason}")
         for u in self.units:

@@ -963,6 +963,191 @@ def test_a_block_checkpointed_as_compiled_apart_recomputes_fused_with_the_forwar
         plain.zero_grad()
 
 
+def _nested_checkpointed_layers(width: int = 32, layers: int = 2, graph_break: bool = True):
+    """Blocks holding a checkpointed layer of their own, as Zamba's hybrid layer holds a Mamba
+    layer, both transformers GradientCheckpointingLayers whose forwards fx can trace; the inner
+    layer breaks Dynamo's graph (as the Hub `kernels` context variable or Qwen2-VL's `tolist()`
+    do), so no checkpoint of either can be one checkpoint op, unless `graph_break` is False."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    class Inner(GradientCheckpointingLayer):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.fc = torch.nn.LayerNorm(width), torch.nn.Linear(width, width)
+
+        def forward(self, x):
+            h = self.norm(x)
+            if graph_break:
+                torch._dynamo.graph_break()
+            return x + F.dropout(self.fc(h), 0.2, self.training)
+
+    class Block(GradientCheckpointingLayer):
+        def __init__(self):
+            super().__init__()
+            self.inner, self.fc, self.norm = Inner(), torch.nn.Linear(width, width), torch.nn.LayerNorm(width)
+
+        def forward(self, x):
+            x = self.inner(x)
+            return self.norm(x + F.dropout(self.fc(x), 0.2, self.training))
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(Block() for _ in range(layers))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    return Model()
+
+
+def _checkpointing(model, reentrant: bool) -> list:
+    """transformers' gradient checkpointing on a model's GradientCheckpointingLayers, as
+    `gradient_checkpointing_enable` sets it on a PreTrainedModel's; returns the layers."""
+    from torch.utils.checkpoint import checkpoint
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for m in layers:
+        m.gradient_checkpointing = True
+        m._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=reentrant)
+    return layers
+
+
+@pytest.mark.parametrize("enabled", ["before fuse", "after fuse"])
+def test_a_checkpointing_layer_that_fx_traces_keeps_its_checkpoint(enabled):
+    # A GradientCheckpointingLayer decides on each call whether to checkpoint. fx traced such a
+    # block (a user's layer with a plain signature): the trace kept the choice of the trace's
+    # call and inlined the checkpoint's body, so checkpointing was gone either way (the activations
+    # kept, nothing recomputed). Dynamo captures it instead: the backward recomputes the fused ops.
+    torch.manual_seed(0)
+    model = _nested_checkpointed_layers(graph_break=False)
+    if enabled == "before fuse":
+        _checkpointing(model, reentrant=False)
+    trifuse.fuse(model).train()
+    if enabled == "after fuse":
+        _checkpointing(model, reentrant=False)
+    x = torch.randn(2, 5, 32)
+    model(x).square().mean().backward()  # the captures
+    def forward_ops(prof) -> int:
+        return sum(1 for name in op_names(prof) if name.startswith("trifuse::") and "backward" not in name)
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        loss = model(x).square().mean()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof_backward:
+        loss.backward()
+    # the recompute: the block's ops, and the inner layer's twice (its own checkpoint, nested)
+    assert forward_ops(prof) == 6 and forward_ops(prof_backward) == 6 + 4, forward_ops(prof_backward)
+    assert [type(u.unit).__name__ for u in trifuse.report(model).units] == ["DynamoUnit"]
+    assert trifuse.report(model).counts() == {"layer_norm": 2, "dropout_add": 2, "residual_stream": 2}
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_checkpointed_layer_inside_a_block_checkpointed_apart_fuses(reentrant):
+    # Zamba's hybrid layer under gradient checkpointing: the block is checkpointed as compiled apart
+    # (its body cannot be one checkpoint op), and the layer inside it would checkpoint again inside
+    # that compiled forward, which Dynamo refuses as it refused the block's: the inner layer ran as
+    # written, unfused. It runs inside the block's checkpoint without one of its own (the report says
+    # so): every op fuses as without checkpointing, and from the same seeds losses and gradients equal
+    # the unchecked fused model's; the inner layers checkpoint again between calls.
+    torch.manual_seed(0)
+    plain = _nested_checkpointed_layers()
+    checkpointed = copy.deepcopy(plain)
+    inner = _checkpointing(checkpointed, reentrant)
+    for m in (plain, checkpointed):
+        trifuse.fuse(m).train()
+    x = torch.randn(2, 5, 32, requires_grad=True)
+
+    def step(model, seed):
+        torch.manual_seed(seed)
+        model.zero_grad()
+        x.grad = None
+        model(x).square().mean().backward()
+        return [p.grad for p in model.parameters()] + [x.grad]
+
+    step(checkpointed, 0)
+    unit = next(u.unit for u in trifuse.report(checkpointed).units if u.unit.cls.__name__ == "Block")
+    if not unit.checkpoint_outside:
+        pytest.skip("this transformers checkpoints in GradientCheckpointingLayer.__call__, not in its forward")
+    for seed in (1, 2):
+        grads, grads_ck = step(plain, seed), step(checkpointed, seed)
+        for g, g_ck in zip(grads, grads_ck):
+            torch.testing.assert_close(g_ck, g)
+    assert all(m.gradient_checkpointing for m in inner)
+    counts = trifuse.report(plain).counts()
+    assert trifuse.report(checkpointed).counts() == counts == {"layer_norm": 2, "dropout_add": 2, "residual_stream": 2}
+    assert unit.inner_checkpoints == ["inner"]
+    assert "without one of their own (the block's recomputes them): inner" in str(trifuse.report(checkpointed))
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("model_type, dropouts", [
+    ("gpt_neo", {"attention_dropout": 0.2, "resid_dropout": 0.1}),
+    ("bloom", {"attention_dropout": 0.2, "hidden_dropout": 0.1}),
+])
+def test_checkpointed_blocks_that_return_their_probabilities_fuse_attention(model_type, dropouts, reentrant):
+    # GPT-Neo's and BLOOM's blocks return their attention probabilities whatever output_attentions
+    # says. Under gradient checkpointing Dynamo captures the block as a checkpoint op whose body
+    # returns them, and the block's graph returns the op's output: the body must drop them too,
+    # or the attention stays unfused ("also used by output"). Against the same fused model without
+    # checkpointing, from the same seeds: equal losses, gradients and counts, and the attention
+    # runs in the forward and again in the recompute. A call that asks for the probabilities runs
+    # as written and gets them; with the attention family off they stay in the body's outputs.
+    torch.manual_seed(0)
+    plain, inputs, loss_fn = _models.hf_family(model_type, **dropouts)
+    layers = plain.config.num_hidden_layers if model_type == "gpt_neo" else plain.config.n_layer
+    unfused = copy.deepcopy(plain)
+    checkpointed = copy.deepcopy(plain)
+    others = [f for f in trifuse.fusion.FAMILIES if f != "attention"]
+    plain_others, checkpointed_others = copy.deepcopy(plain), copy.deepcopy(plain)
+    for m in (checkpointed, checkpointed_others):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    for m in (plain, checkpointed):
+        trifuse.fuse(m).train()
+    for m in (plain_others, checkpointed_others):
+        trifuse.fuse(m, ops=others).train()
+    kw = inputs(2, 8)
+    for m in (plain, checkpointed):  # the captures, outside the profile
+        _train_step(m, loss_fn, kw, 0)
+        m.zero_grad()
+    for seed in (1, 2):
+        loss, grads = _train_step(plain, loss_fn, kw, seed)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            loss_ck, grads_ck = _train_step(checkpointed, loss_fn, kw, seed)
+        torch.testing.assert_close(loss_ck, loss)
+        for (name, _), g, g_ck in zip(plain.named_parameters(), grads, grads_ck):
+            torch.testing.assert_close(g_ck, g, msg=name)
+        assert op_names(prof).count("trifuse::attention") == 2 * layers
+        for m in (plain, checkpointed):
+            m.zero_grad()
+    counts = trifuse.report(checkpointed).counts()
+    assert counts == trifuse.report(plain).counts() and counts.get("attention") == layers, counts
+    # the attention family off: the checkpoint's body returns the probabilities as written
+    for seed in (1, 2):
+        loss, grads = _train_step(plain_others, loss_fn, kw, seed)
+        loss_ck, grads_ck = _train_step(checkpointed_others, loss_fn, kw, seed)
+        torch.testing.assert_close(loss_ck, loss)
+        for (name, _), g, g_ck in zip(plain_others.named_parameters(), grads, grads_ck):
+            torch.testing.assert_close(g_ck, g, msg=name)
+        for m in (plain_others, checkpointed_others):
+            m.zero_grad()
+    units = trifuse.report(checkpointed_others).units
+    blocks = [u.unit for u in units if u.unit.cls.__name__.endswith("Block")]
+    assert blocks and not any(u.drops_weights for u in blocks)
+    assert "attention" not in trifuse.report(checkpointed_others).counts()
+    # asked for, the probabilities come back as the unfused model computes them (the blocks run as written)
+    asked = {**kw, "output_attentions": True}
+    torch.manual_seed(4)
+    out = checkpointed(**asked)
+    torch.manual_seed(4)
+    ref = unfused.train()(**asked)
+    assert len(out.attentions) == layers
+    for a, r in zip(out.attentions, ref.attentions):
+        torch.testing.assert_close(a, r)
+
+
 def _bert_head(head: str):
     """BERT from the tests' tiny config with a question-answering or token-classification head."""
     tf = _models._quiet_transformers()
