@@ -366,12 +366,28 @@ def rewrite_checkpoints(gm: fx.GraphModule, patterns: Sequence[Pattern], log: Re
 
 def _checkpoint(body: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
     """torch.utils.checkpoint of a captured body, with the options the model passed (Hugging Face:
-    use_reentrant=False, preserve_rng_state left at its default, True)."""
+    use_reentrant=False, preserve_rng_state left at its default, True).
+
+    Dynamo lifts what the body reads into its arguments: the parameters, and buffers a
+    training step changes in place (BatchNorm's running statistics and `num_batches_tracked`,
+    SwiftFormer's). A checkpoint saves its arguments and checks at the recompute that none
+    changed since, which failed every backward. Eager checkpointing reads those as module
+    attributes, not as arguments: tensors that need no gradient are held here likewise, and only
+    the others are the checkpoint's arguments (the RNG state's device found among them)."""
     kwargs.setdefault("use_reentrant", False)
     context_fn = body.meta.get("_checkpoint_context_fn")
     if context_fn is not None:
         kwargs.setdefault("context_fn", context_fn)
-    return checkpoint(body, *args, **kwargs)
+    held = [isinstance(a, torch.Tensor) and not a.requires_grad for a in args]
+    passed = [a for a, h in zip(args, held) if not h]
+    if not any(held) or not any(isinstance(a, torch.Tensor) for a in passed):
+        return checkpoint(body, *args, **kwargs)
+
+    def run(*given: Any) -> Any:
+        it = iter(given)
+        return body(*(a if h else next(it) for a, h in zip(args, held)))
+
+    return checkpoint(run, *passed, **kwargs)
 
 
 def _output(graph: fx.Graph) -> fx.Node:

@@ -804,6 +804,22 @@ def _train_step(model, loss_fn, kw, seed):
     return loss.detach(), [p.grad for p in model.parameters()]
 
 
+def _assert_steps_equal(plain, checkpointed, loss_fn, kw, attention_runs: int | None = None):
+    """From the same seeds (1, 2), `checkpointed`'s losses and gradients equal `plain`'s; with
+    `attention_runs`, trifuse's attention runs that many times in each checkpointed step."""
+    for seed in (1, 2):
+        for m in (plain, checkpointed):
+            m.zero_grad()
+        loss, grads = _train_step(plain, loss_fn, kw, seed)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            loss_ck, grads_ck = _train_step(checkpointed, loss_fn, kw, seed)
+        torch.testing.assert_close(loss_ck, loss)
+        for (name, _), g, g_ck in zip(plain.named_parameters(), grads, grads_ck):
+            torch.testing.assert_close(g_ck, g, msg=name)
+        if attention_runs is not None:
+            assert op_names(prof).count("trifuse::attention") == attention_runs
+
+
 def test_gradient_checkpointing_fuses_and_matches_the_unfused_model():
     # transformers' gradient checkpointing: Dynamo captures each block inside a
     # tag_activation_checkpoint op whose body holds the block's graph; fuse rewrites the body.
@@ -951,16 +967,7 @@ def test_a_block_checkpointed_as_compiled_apart_recomputes_fused_with_the_forwar
     if not unit.checkpoint_outside:
         pytest.skip("no Hub `kernels` here: Dynamo took Llama's checkpointed body as one checkpoint op")
     assert any("under gradient checkpointing" in r for r in unit.eager_calls), unit.eager_calls
-    for seed in (1, 2):
-        checkpointed.zero_grad()
-        loss, grads = _train_step(plain, loss_fn, kw, seed)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            loss_ck, grads_ck = _train_step(checkpointed, loss_fn, kw, seed)
-        torch.testing.assert_close(loss_ck, loss)
-        for (name, _), g, g_ck in zip(plain.named_parameters(), grads, grads_ck):
-            torch.testing.assert_close(g_ck, g, msg=name)
-        assert op_names(prof).count("trifuse::attention") == 2 * layers
-        plain.zero_grad()
+    _assert_steps_equal(plain, checkpointed, loss_fn, kw, attention_runs=2 * layers)
 
 
 def _nested_checkpointed_layers(width: int = 32, layers: int = 2, graph_break: bool = True):
@@ -1083,6 +1090,60 @@ def test_a_checkpointed_layer_inside_a_block_checkpointed_apart_fuses(reentrant)
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_checkpointed_block_with_batch_norm_trains_fused(reentrant):
+    # Dynamo lifts what a checkpointed body reads into the checkpoint op's arguments, BatchNorm's
+    # running statistics and step count among them, which the step changes in place. Passed as
+    # the checkpoint's arguments, they failed its check that its saved inputs are unchanged at the
+    # recompute: every backward raised (SwiftFormer). Against the same model unfused under the
+    # same checkpointing: outputs, gradients and the statistics (updated again by the recompute,
+    # as eager checkpointing does) equal; the norm fuses and runs again in the recompute.
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    class Block(GradientCheckpointingLayer):
+        def __init__(self, width):
+            super().__init__()
+            self.bn, self.fc, self.norm = torch.nn.BatchNorm1d(width), torch.nn.Linear(width, width), \
+                torch.nn.LayerNorm(width)
+
+        def forward(self, x):
+            return self.norm(x + self.fc(self.bn(x).relu()))
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.layers = torch.nn.Linear(24, 24), torch.nn.ModuleList([Block(24), Block(24)])
+
+        def forward(self, x):
+            x = self.embed(x)
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    torch.manual_seed(0)
+    unfused = Model().train()
+    fused = copy.deepcopy(unfused)
+    for m in (unfused, fused):
+        _checkpointing(m, reentrant)
+    trifuse.fuse(fused)
+    x = torch.randn(10, 24)
+    for step in range(3):
+        grads = []
+        for m in (unfused, fused):
+            m.zero_grad()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                m(x).square().mean().backward()
+            grads.append([p.grad for p in m.parameters()])
+        for g, g_ref in zip(grads[1], grads[0]):
+            torch.testing.assert_close(g, g_ref)
+        for (name, b), b_ref in zip(fused.named_buffers(), unfused.buffers()):
+            torch.testing.assert_close(b, b_ref, msg=name)
+    assert fused.layers[0].bn.num_batches_tracked.item() == 6  # forward and recompute, as unfused
+    assert trifuse.report(fused).counts() == {"residual_stream": 2}
+    norms = sum(1 for name in op_names(prof) if name.startswith("trifuse::") and "backward" not in name)
+    assert norms == 4, norms  # in the forward and again in the recompute
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 @pytest.mark.parametrize("model_type, dropouts", [
     ("gpt_neo", {"attention_dropout": 0.2, "resid_dropout": 0.1}),
     ("bloom", {"attention_dropout": 0.2, "hidden_dropout": 0.1}),
@@ -1112,27 +1173,11 @@ def test_checkpointed_blocks_that_return_their_probabilities_fuse_attention(mode
     for m in (plain, checkpointed):  # the captures, outside the profile
         _train_step(m, loss_fn, kw, 0)
         m.zero_grad()
-    for seed in (1, 2):
-        loss, grads = _train_step(plain, loss_fn, kw, seed)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            loss_ck, grads_ck = _train_step(checkpointed, loss_fn, kw, seed)
-        torch.testing.assert_close(loss_ck, loss)
-        for (name, _), g, g_ck in zip(plain.named_parameters(), grads, grads_ck):
-            torch.testing.assert_close(g_ck, g, msg=name)
-        assert op_names(prof).count("trifuse::attention") == 2 * layers
-        for m in (plain, checkpointed):
-            m.zero_grad()
+    _assert_steps_equal(plain, checkpointed, loss_fn, kw, attention_runs=2 * layers)
     counts = trifuse.report(checkpointed).counts()
     assert counts == trifuse.report(plain).counts() and counts.get("attention") == layers, counts
     # the attention family off: the checkpoint's body returns the probabilities as written
-    for seed in (1, 2):
-        loss, grads = _train_step(plain_others, loss_fn, kw, seed)
-        loss_ck, grads_ck = _train_step(checkpointed_others, loss_fn, kw, seed)
-        torch.testing.assert_close(loss_ck, loss)
-        for (name, _), g, g_ck in zip(plain_others.named_parameters(), grads, grads_ck):
-            torch.testing.assert_close(g_ck, g, msg=name)
-        for m in (plain_others, checkpointed_others):
-            m.zero_grad()
+    _assert_steps_equal(plain_others, checkpointed_others, loss_fn, kw)
     units = trifuse.report(checkpointed_others).units
     blocks = [u.unit for u in units if u.unit.cls.__name__.endswith("Block")]
     assert blocks and not any(u.drops_weights for u in blocks)
