@@ -610,6 +610,8 @@ class DynamoUnit(Unit):
         self._compiled_checkpointed: Callable[..., Any] | None = None  # see _checkpoint_outside
         self.checkpoint_outside = False  # see _checkpoint_outside
         self.inner_checkpoints: list[str] = []  # see _run_checkpointed
+        self._inner_layers: weakref.WeakKeyDictionary[torch.nn.Module, list[tuple[str, torch.nn.Module]]] = \
+            weakref.WeakKeyDictionary()
         self.runs = 0
         self._call_seq = 0
         self._capture_seq = -1
@@ -736,11 +738,13 @@ class DynamoUnit(Unit):
         checkpoint again inside this compiled forward, where Dynamo refuses it as the block's was
         refused, and run it as written, unfused. It runs without a checkpoint of its own: the
         block's checkpoint recomputes it, and its activations live during the block's backward only."""
-        inner = [m for m in module.modules() if m is not module and checkpointing_forward(type(m).forward)
-                 and _checkpointing(m)]
+        layers = self._inner_layers.get(module)
+        if layers is None:  # once per block: this runs in every checkpointed forward and recompute
+            layers = self._inner_layers[module] = [(name, m) for name, m in module.named_modules()
+                                                   if m is not module and checkpointing_forward(type(m).forward)]
+        inner = [m for _, m in layers if _checkpointing(m)]
         if inner and not self.inner_checkpoints:
-            names = {id(m): name for name, m in module.named_modules()}
-            self.inner_checkpoints = [names[id(m)] for m in inner]
+            self.inner_checkpoints = [name for name, m in layers if m in inner]
         for m in inner:
             m.gradient_checkpointing = False
         try:
