@@ -740,8 +740,9 @@ class DynamoUnit(Unit):
         block's checkpoint recomputes it, and its activations live during the block's backward only."""
         layers = self._inner_layers.get(module)
         if layers is None:  # once per block: this runs in every checkpointed forward and recompute
-            layers = self._inner_layers[module] = [(name, m) for name, m in module.named_modules()
-                                                   if m is not module and checkpointing_forward(type(m).forward)]
+            layers = [(name, m) for name, m in module.named_modules()
+                      if m is not module and checkpointing_forward(type(m).forward)]
+            self._inner_layers[module] = layers
         inner = [m for _, m in layers if _checkpointing(m)]
         if inner and not self.inner_checkpoints:
             self.inner_checkpoints = [name for name, m in layers if m in inner]
