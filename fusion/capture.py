@@ -394,6 +394,14 @@ def _output(graph: fx.Graph) -> fx.Node:
     return next(n for n in reversed(graph.nodes) if n.op == "output")
 
 
+def _set_returned(body: fx.GraphModule, index: int, value: fx.Node | None) -> None:
+    """Puts `value` at `index` of the flat tuple (or list) a checkpoint's body returns."""
+    output = _output(body.graph)
+    returned = list(output.args[0])
+    returned[index] = value
+    output.args = (type(output.args[0])(returned),)
+
+
 def _parameter_name(node: fx.Node) -> str:
     """A parameter's name in the captured module ("attn.c_proj.weight") from its graph input
     (Dynamo names it after its source, `L['self']._modules['attn']..._parameters['weight']`) or
@@ -866,13 +874,10 @@ class DynamoUnit(Unit):
             checkpointed = checkpointed_output(value) if set(value.users) == {output} else None
             if checkpointed is not None:
                 body, index = checkpointed
-                body_output = _output(body.graph)
-                returned = list(body_output.args[0])
-                probabilities = returned[index]
+                probabilities = _output(body.graph).args[0][index]
                 if not isinstance(probabilities, fx.Node) or not _attention_probabilities(probabilities):
                     continue
-                returned[index] = None
-                body_output.args = (type(body_output.args[0])(returned),)
+                _set_returned(body, index, None)
             elif not _attention_probabilities(value):
                 continue
             with graph.inserting_before(output):
@@ -909,7 +914,7 @@ class DynamoUnit(Unit):
 
     def _annotate(self, graph: fx.Graph, log: RewriteLog) -> None:
         live = set(graph.nodes)
-        output = next(n for n in reversed(graph.nodes) if n.op == "output")
+        output = _output(graph)
         dropped = 0
         for value, placeholder in self._dropped:
             if value in live:  # no attention pattern took it: the block returns it as written
@@ -919,10 +924,7 @@ class DynamoUnit(Unit):
                 dropped += 1
         for body, call, index, probabilities, placeholder in self._dropped_in_bodies:
             if probabilities in set(body.graph.nodes):  # as above, in the checkpoint's body
-                body_output = _output(body.graph)
-                returned = list(body_output.args[0])
-                returned[index] = probabilities
-                body_output.args = (type(body_output.args[0])(returned),)
+                _set_returned(body, index, probabilities)
                 recompile(body)
                 with graph.inserting_before(output):  # the getitem, erased in _before_rewrite
                     value = graph.call_function(operator.getitem, (call, index))
@@ -1039,7 +1041,7 @@ class HeadUnit(DynamoUnit):
         self._pending = []
         if not self._skip_now:
             return
-        output = next(n for n in reversed(graph.nodes) if n.op == "output")
+        output = _output(graph)
         for node in list(graph.nodes):
             if node.op != "call_function" or node.target is not torch.nn.functional.cross_entropy:
                 continue
@@ -1060,7 +1062,7 @@ class HeadUnit(DynamoUnit):
         says so, as it does when the model also needs the logits (BERT)."""
         nodes = {n.name: n for n in graph.nodes}
         live = set(graph.nodes)
-        output = next(n for n in reversed(graph.nodes) if n.op == "output")
+        output = _output(graph)
         for logits, placeholder in self._pending:
             if logits in live:  # linear_cross_entropy did not take it: the logits are returned after all
                 output.replace_input_with(placeholder, logits)
