@@ -758,12 +758,12 @@ class DynamoUnit(Unit):
             m.gradient_checkpointing = False
         try:
             if _CALLING.get() is self:
-                return compiled(module, *args, **kwargs)
+                return _without_dropped_weights(compiled(module, *args, **kwargs))
             token = _CALLING.set(self)
             current, self._current = self._current, (module, args, kwargs)
             self._call_seq += 1
             try:
-                return compiled(module, *args, **kwargs)
+                return _without_dropped_weights(compiled(module, *args, **kwargs))
             finally:
                 _CALLING.reset(token)
                 self._current = current
@@ -849,9 +849,7 @@ class DynamoUnit(Unit):
                 self.fallbacks += 1
         else:
             self.last[module] = self._ran_capture()
-        if isinstance(out, tuple) and any(v is _DROPPED_WEIGHTS for v in out):
-            out = _none_for_placeholder(out, _DROPPED_WEIGHTS)
-        return out
+        return _without_dropped_weights(out)
 
     def _before_rewrite(self, graph: fx.Graph) -> None:
         """A block called with `output_attentions=False` that returns its attention probabilities
@@ -1135,6 +1133,17 @@ _DROPPED_WEIGHTS = torch.empty(0)
 
 def _dropped_weights() -> torch.Tensor:
     return _DROPPED_WEIGHTS
+
+
+def _without_dropped_weights(out: Any) -> Any:
+    """A block's outputs with None for the placeholder, before anything else sees them. A
+    reentrant checkpoint around the compiled forward (`_checkpoint_outside`) sets its own grad_fn
+    on every tensor it returns, the module-wide placeholder included: the next recompute returned
+    it again, and its backward ran the same checkpoint's backward inside itself, without end
+    (LongT5, whose attention always returns its probabilities)."""
+    if isinstance(out, tuple) and any(v is _DROPPED_WEIGHTS for v in out):
+        return _none_for_placeholder(out, _DROPPED_WEIGHTS)
+    return out
 
 
 # Between a softmax and the probabilities a block returns: casts, dropout, views.

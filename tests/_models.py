@@ -418,7 +418,9 @@ _FAMILIES.update({
     # Apertus: xIELU (trainable, two coefficients, its PyTorch path) after an unbiased up_proj
     "apertus": {**_DECODER, **_MLP, "num_key_value_heads": 1},
 })
-SEQ2SEQ = ("t5", "bart")
+# LongT5: T5 with local attention in its encoder, whose attention returns its probabilities always
+_FAMILIES["longt5"] = {**_FAMILIES["t5"], "local_radius": 4, "attn_implementation": "eager"}
+SEQ2SEQ = ("t5", "bart", "longt5")
 MASKED = ("modernbert", "deberta-v2", "deberta", "mpnet", "rembert", "distilbert", "squeezebert")
 SPEECH = ("whisper",)
 CTC = ("wav2vec2", "wavlm")

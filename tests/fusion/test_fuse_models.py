@@ -2,6 +2,7 @@
 configs; torch.nn.TransformerEncoder post-norm and pre-norm) and on nanoGPT as written: every
 block fused, the trifuse ops run, outputs and gradients equal the unfused model by the oracle
 rule, the model keeps its class, Parameter objects and state_dict."""
+import contextlib
 import copy
 import functools
 import inspect
@@ -968,6 +969,62 @@ def test_a_block_checkpointed_as_compiled_apart_recomputes_fused_with_the_forwar
         pytest.skip("no Hub `kernels` here: Dynamo took Llama's checkpointed body as one checkpoint op")
     assert any("under gradient checkpointing" in r for r in unit.eager_calls), unit.eager_calls
     _assert_steps_equal(plain, checkpointed, loss_fn, kw, attention_runs=2 * layers)
+
+
+@contextlib.contextmanager
+def _checkpoint_backwards_not_nested_in_themselves():
+    """Fails, rather than recursing without end, when a reentrant checkpoint's backward runs
+    inside its own backward (its recompute returned a tensor carrying the checkpoint's grad_fn)."""
+    from torch.utils.checkpoint import CheckpointFunction
+
+    backward, active = CheckpointFunction.backward, set()
+
+    def guarded(ctx, *grads):
+        assert id(ctx) not in active, "a reentrant checkpoint's backward ran inside its own backward"
+        active.add(id(ctx))
+        try:
+            return backward(ctx, *grads)
+        finally:
+            active.discard(id(ctx))
+
+    CheckpointFunction.backward = staticmethod(guarded)
+    try:
+        yield
+    finally:
+        CheckpointFunction.backward = staticmethod(backward)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_block_checkpointed_as_compiled_apart_that_returns_its_probabilities_trains(reentrant):
+    # LongT5's attention returns its probabilities whatever output_attentions says; fuse drops them
+    # from the block's graph (a module-wide placeholder in their place, None once returned), and its
+    # blocks run as written on their first checkpointed call, then checkpoint their own compiled
+    # forward. A reentrant checkpoint there set its grad_fn on the placeholder it returned, the next
+    # recompute returned it again, and the backward ran inside itself without end. Against the same
+    # fused model without checkpointing, from the same seeds (dropout on): equal losses and
+    # gradients, attention fused in both and run again in the recompute.
+    torch.manual_seed(0)
+    plain, inputs, loss_fn = _models.hf_family("longt5", dropout_rate=0.1)
+    checkpointed = copy.deepcopy(plain)
+    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    for m in (plain, checkpointed):
+        trifuse.fuse(m).train()
+    kw = inputs(2, 8)
+    with _checkpoint_backwards_not_nested_in_themselves():
+        # the captures: the blocks' first checkpointed call runs as written, the second compiles
+        for m in (plain, checkpointed, checkpointed):
+            _train_step(m, loss_fn, kw, 0)
+        units = trifuse.report(checkpointed).units
+        unit = next(u.unit for u in units if u.unit.cls.__name__ == "LongT5Block")
+        if not unit.checkpoint_outside:
+            pytest.skip("Dynamo took LongT5's checkpointed body as one checkpoint op here")
+        assert unit.drops_weights
+        # the decoder's self- and cross-attention (the encoder's local attention, in blocks, is left)
+        attention = 2 * _models.LAYERS
+        _assert_steps_equal(plain, checkpointed, loss_fn, kw, attention_runs=2 * attention)
+    assert trifuse.fusion.capture._DROPPED_WEIGHTS.grad_fn is None
+    counts = trifuse.report(checkpointed).counts()
+    assert counts.get("attention") == attention == trifuse.report(plain).counts().get("attention"), counts
 
 
 def _nested_checkpointed_layers(width: int = 32, layers: int = 2, graph_break: bool = True):
