@@ -51,7 +51,7 @@ from .dtensor_calls import recompile
 from .graphs import BlockGraphs
 from .narrow import fp32_weight_grads, share_input_casts
 from .normalize import baked_attributes, canonicalize, global_hooks, has_hooks
-from .outputs import collector_restore, collector_to_global
+from .outputs import collecting_outputs, collector_restore, collector_to_global
 from .rewriter import RewriteLog, rewrite_graph
 
 _log = logging.getLogger("trifuse")
@@ -889,7 +889,12 @@ class DynamoUnit(Unit):
 
     def _output_attentions(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         """The block's `output_attentions` on this call, passed by name or by position (RemBERT's
-        encoder passes it positionally), else its default; None where it has none."""
+        encoder passes it positionally), else its default; None where it has none.
+
+        A Hugging Face block that takes `**kwargs: Unpack[TransformersKwargs]` gets the flag there
+        if at all: transformers 5 records attention probabilities by hooks instead, when a model's
+        caller asks for them (SwitchTransformers). There, the flag absent and transformers' output
+        collector not collecting, nobody reads the probabilities: False."""
         if "output_attentions" in kwargs:  # the usual call: no binding on the per-call path
             return kwargs["output_attentions"]
         if self._signature is None:
@@ -908,7 +913,9 @@ class DynamoUnit(Unit):
             if params[name].kind is inspect.Parameter.VAR_KEYWORD and "output_attentions" in value:
                 return value["output_attentions"]
         param = params.get("output_attentions")
-        return None if param is None or param.default is inspect.Parameter.empty else param.default
+        if param is None:
+            return False if _takes_transformers_kwargs(self._signature) and not collecting_outputs() else None
+        return None if param.default is inspect.Parameter.empty else param.default
 
     def _annotate(self, graph: fx.Graph, log: RewriteLog) -> None:
         live = set(graph.nodes)
@@ -934,8 +941,8 @@ class DynamoUnit(Unit):
             self.drops_weights = True
             for r in log.replaced:
                 if r.family == "attention":
-                    r.note = "; ".join(n for n in (r.note, "its probabilities are not returned: output_attentions=False")
-                                       if n)
+                    note = "its probabilities are not returned: output_attentions not asked for"
+                    r.note = "; ".join(n for n in (r.note, note) if n)
         self._dropped, self._dropped_in_bodies = [], []
 
     def _compile(self, gm: fx.GraphModule) -> Callable[..., Any]:
@@ -1133,6 +1140,13 @@ _DROPPED_WEIGHTS = torch.empty(0)
 
 def _dropped_weights() -> torch.Tensor:
     return _DROPPED_WEIGHTS
+
+
+def _takes_transformers_kwargs(signature: inspect.Signature) -> bool:
+    """Whether a forward's `**kwargs` is annotated `Unpack[TransformersKwargs]` (transformers 5's
+    blocks: `output_attentions` and the other flags arrive there, if at all)."""
+    kwargs = [p for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD]
+    return bool(kwargs) and "TransformersKwargs" in str(kwargs[0].annotation)
 
 
 def _without_dropped_weights(out: Any) -> Any:

@@ -418,9 +418,12 @@ _FAMILIES.update({
     # Apertus: xIELU (trainable, two coefficients, its PyTorch path) after an unbiased up_proj
     "apertus": {**_DECODER, **_MLP, "num_key_value_heads": 1},
 })
-# LongT5: T5 with local attention in its encoder, whose attention returns its probabilities always
+# LongT5: T5 with local attention in its encoder, whose attention returns its probabilities always;
+# SwitchTransformers: T5 with mixture-of-experts MLPs, its blocks' flags in TransformersKwargs
 _FAMILIES["longt5"] = {**_FAMILIES["t5"], "local_radius": 4, "attn_implementation": "eager"}
-SEQ2SEQ = ("t5", "bart", "longt5")
+_FAMILIES["switch_transformers"] = {**_FAMILIES["t5"], "num_decoder_layers": LAYERS, "num_experts": 2,
+                                   "expert_capacity": 16, "attn_implementation": "eager"}
+SEQ2SEQ = ("t5", "bart", "longt5", "switch_transformers")
 MASKED = ("modernbert", "deberta-v2", "deberta", "mpnet", "rembert", "distilbert", "squeezebert")
 SPEECH = ("whisper",)
 CTC = ("wav2vec2", "wavlm")

@@ -995,16 +995,26 @@ def _checkpoint_backwards_not_nested_in_themselves():
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
-def test_a_block_checkpointed_as_compiled_apart_that_returns_its_probabilities_trains(reentrant):
-    # LongT5's attention returns its probabilities whatever output_attentions says; fuse drops them
-    # from the block's graph (a module-wide placeholder in their place, None once returned), and its
-    # blocks run as written on their first checkpointed call, then checkpoint their own compiled
-    # forward. A reentrant checkpoint there set its grad_fn on the placeholder it returned, the next
-    # recompute returned it again, and the backward ran inside itself without end. Against the same
-    # fused model without checkpointing, from the same seeds (dropout on): equal losses and
-    # gradients, attention fused in both and run again in the recompute.
+@pytest.mark.parametrize("model_type, attention", [
+    ("longt5", 2 * _models.LAYERS),  # the decoder's self- and cross-attention (the encoder's local attention is left)
+    ("switch_transformers", 3 * _models.LAYERS),
+])
+def test_a_block_checkpointed_as_compiled_apart_that_returns_its_probabilities_trains(model_type, attention,
+                                                                                     reentrant):
+    # T5's first decoder block sets `requires_grad` on a fresh position bias under checkpointing,
+    # which breaks Dynamo's graph inside the cross-attention: the blocks run as written on their
+    # first checkpointed call, then checkpoint their own compiled forward, whose graph after the
+    # break returns the attention's probabilities. fuse drops them (a module-wide placeholder in
+    # their place, None once returned) where nobody reads them:
+    # - LongT5's blocks are called with output_attentions=False. A reentrant checkpoint set its
+    #   grad_fn on the placeholder it returned, the next recompute returned it again, and the
+    #   backward ran inside itself without end.
+    # - SwitchTransformers' blocks take the flag in `**kwargs: TransformersKwargs` and get none
+    #   (transformers records asked-for probabilities by hooks): the attention stayed unfused.
+    # Against the same fused model without checkpointing, from the same seeds (dropout on): equal
+    # losses and gradients, attention fused in both and run again in the recompute.
     torch.manual_seed(0)
-    plain, inputs, loss_fn = _models.hf_family("longt5", dropout_rate=0.1)
+    plain, inputs, loss_fn = _models.hf_family(model_type, dropout_rate=0.1)
     checkpointed = copy.deepcopy(plain)
     checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     for m in (plain, checkpointed):
@@ -1015,12 +1025,10 @@ def test_a_block_checkpointed_as_compiled_apart_that_returns_its_probabilities_t
         for m in (plain, checkpointed, checkpointed):
             _train_step(m, loss_fn, kw, 0)
         units = trifuse.report(checkpointed).units
-        unit = next(u.unit for u in units if u.unit.cls.__name__ == "LongT5Block")
+        unit = next(u.unit for u in units if u.unit.cls.__name__.endswith("Block"))
         if not unit.checkpoint_outside:
-            pytest.skip("Dynamo took LongT5's checkpointed body as one checkpoint op here")
+            pytest.skip("Dynamo took the checkpointed body as one checkpoint op here")
         assert unit.drops_weights
-        # the decoder's self- and cross-attention (the encoder's local attention, in blocks, is left)
-        attention = 2 * _models.LAYERS
         _assert_steps_equal(plain, checkpointed, loss_fn, kw, attention_runs=2 * attention)
     assert trifuse.fusion.capture._DROPPED_WEIGHTS.grad_fn is None
     counts = trifuse.report(checkpointed).counts()
