@@ -996,7 +996,7 @@ def _checkpoint_backwards_not_nested_in_themselves():
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 @pytest.mark.parametrize("model_type, attention", [
-    ("longt5", 2 * _models.LAYERS),  # the decoder's self- and cross-attention (the encoder's local attention is left)
+    ("longt5", 2 * _models.LAYERS),  # the decoder's self- and cross-attention (the encoder's is local: left)
     ("switch_transformers", 3 * _models.LAYERS),
 ])
 def test_a_block_checkpointed_as_compiled_apart_that_returns_its_probabilities_trains(model_type, attention,
