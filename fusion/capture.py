@@ -636,6 +636,7 @@ class DynamoUnit(Unit):
         self.scalar_outputs = True  # captures keep `.item()` in the graph, unless Dynamo failed with it
         self.static_shapes = False  # captures specialize on each shape, once Dynamo failed with dynamic ones
         self._signature: inspect.Signature | None = None  # of the block's forward, once needed
+        self._transformers_kwargs = False  # see _output_attentions
         self.graphs: BlockGraphs | None = None  # CUDA graphs of the blocks: fuse(cuda_graphs=True)
         self._settings: dict[tuple, _DynamoSettings] = {}
 
@@ -902,19 +903,16 @@ class DynamoUnit(Unit):
                 self._signature = inspect.signature(self.original)
             except (TypeError, ValueError):
                 return None
+            self._transformers_kwargs = _takes_transformers_kwargs(self._signature)
+        param = self._signature.parameters.get("output_attentions")
+        if param is None:  # only **kwargs could carry it, and this call's do not: no binding either
+            return False if self._transformers_kwargs and not collecting_outputs() else None
         try:
             bound = self._signature.bind(module, *args, **kwargs)
         except TypeError:
             return None
-        params = bound.signature.parameters
         if "output_attentions" in bound.arguments:
             return bound.arguments["output_attentions"]
-        for name, value in bound.arguments.items():
-            if params[name].kind is inspect.Parameter.VAR_KEYWORD and "output_attentions" in value:
-                return value["output_attentions"]
-        param = params.get("output_attentions")
-        if param is None:
-            return False if _takes_transformers_kwargs(self._signature) and not collecting_outputs() else None
         return None if param.default is inspect.Parameter.empty else param.default
 
     def _annotate(self, graph: fx.Graph, log: RewriteLog) -> None:
