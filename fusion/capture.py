@@ -51,7 +51,7 @@ from .dtensor_calls import recompile
 from .graphs import BlockGraphs
 from .narrow import fp32_weight_grads, share_input_casts
 from .normalize import baked_attributes, canonicalize, global_hooks, has_hooks
-from .outputs import collecting_outputs, collector_restore, collector_to_global
+from .outputs import collecting_attentions, collector_restore, collector_to_global
 from .rewriter import RewriteLog, rewrite_graph
 
 _log = logging.getLogger("trifuse")
@@ -895,7 +895,7 @@ class DynamoUnit(Unit):
         A Hugging Face block that takes `**kwargs: Unpack[TransformersKwargs]` gets the flag there
         if at all: transformers 5 records attention probabilities by hooks instead, when a model's
         caller asks for them (SwitchTransformers). There, the flag absent and transformers' output
-        collector not collecting, nobody reads the probabilities: False."""
+        collector not collecting attentions (hidden states, say), nobody reads the probabilities: False."""
         if "output_attentions" in kwargs:  # the usual call: no binding on the per-call path
             return kwargs["output_attentions"]
         if self._signature is None:
@@ -906,7 +906,7 @@ class DynamoUnit(Unit):
             self._transformers_kwargs = _takes_transformers_kwargs(self._signature)
         param = self._signature.parameters.get("output_attentions")
         if param is None:  # only **kwargs could carry it, and this call's do not: no binding either
-            return False if self._transformers_kwargs and not collecting_outputs() else None
+            return False if self._transformers_kwargs and not collecting_attentions() else None
         try:
             bound = self._signature.bind(module, *args, **kwargs)
         except TypeError:

@@ -28,6 +28,18 @@ def output_collector() -> Any:
     return _found[0]
 
 
+def collecting_attentions() -> bool:
+    """True while a transformers model collects attention probabilities through its hooks (a key
+    of the collector's dict ending in "attentions": self-, cross-, a mask decoder's)."""
+    collector = output_collector()
+    if collector is None:
+        return False
+    value = collector.global_var if collector.compiling else collector.context_var.get()
+    if not isinstance(value, dict):
+        return bool(value)
+    return any(str(key).endswith("attentions") for key in value)
+
+
 def collecting_outputs() -> bool:
     """True while a transformers model collects outputs through its hooks (eager callers)."""
     collector = output_collector()

@@ -1012,11 +1012,14 @@ def test_a_block_checkpointed_as_compiled_apart_that_returns_its_probabilities_t
     # - SwitchTransformers' blocks take the flag in `**kwargs: TransformersKwargs` and get none
     #   (transformers records asked-for probabilities by hooks): the attention stayed unfused.
     # Against the same fused model without checkpointing, from the same seeds (dropout on): equal
-    # losses and gradients, attention fused in both and run again in the recompute.
+    # losses and gradients, attention fused in both and run again in the recompute. Then, dropout
+    # off, against the unfused model under the same checkpointing: hidden states asked for come
+    # from the fused blocks, attention probabilities asked for from the blocks run as written.
     torch.manual_seed(0)
     plain, inputs, loss_fn = _models.hf_family(model_type, dropout_rate=0.1)
-    checkpointed = copy.deepcopy(plain)
-    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    checkpointed, unfused = copy.deepcopy(plain), copy.deepcopy(plain)
+    for m in (checkpointed, unfused):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     for m in (plain, checkpointed):
         trifuse.fuse(m).train()
     kw = inputs(2, 8)
@@ -1033,6 +1036,23 @@ def test_a_block_checkpointed_as_compiled_apart_that_returns_its_probabilities_t
     assert trifuse.fusion.capture._DROPPED_WEIGHTS.grad_fn is None
     counts = trifuse.report(checkpointed).counts()
     assert counts.get("attention") == attention == trifuse.report(plain).counts().get("attention"), counts
+    for m in (checkpointed, unfused):
+        for sub in m.modules():
+            if isinstance(sub, torch.nn.Dropout):
+                sub.p = 0.0
+            elif isinstance(getattr(sub, "dropout", None), float):  # T5's attention: a float
+                sub.dropout = 0.0
+    for asked, kind in (("output_hidden_states", "hidden_states"), ("output_attentions", "attentions")):
+        eager = sum(unit.eager_calls.values())
+        out, ref = (m(**kw, **{asked: True}) for m in (checkpointed, unfused))
+        names = [k for k in ref.keys() if k.endswith(kind)]
+        assert names, list(ref.keys())
+        for name in names:
+            assert len(out[name]) == len(ref[name]), name
+            for i, (a, r) in enumerate(zip(out[name], ref[name])):
+                torch.testing.assert_close(a, r, msg=f"{name}[{i}]")
+        ran_as_written = sum(unit.eager_calls.values()) - eager
+        assert ran_as_written == (2 * _models.LAYERS if kind == "attentions" else 0), (kind, unit.eager_calls)
 
 
 def _nested_checkpointed_layers(width: int = 32, layers: int = 2, graph_break: bool = True):
