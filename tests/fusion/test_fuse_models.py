@@ -1045,7 +1045,7 @@ def test_a_block_checkpointed_as_compiled_apart_that_returns_its_probabilities_t
     for asked, kind in (("output_hidden_states", "hidden_states"), ("output_attentions", "attentions")):
         eager = sum(unit.eager_calls.values())
         out, ref = (m(**kw, **{asked: True}) for m in (checkpointed, unfused))
-        names = [k for k in ref.keys() if k.endswith(kind)]
+        names = [k for k in ref if k.endswith(kind)]
         assert names, list(ref.keys())
         for name in names:
             assert len(out[name]) == len(ref[name]), name
