@@ -28,24 +28,26 @@ def output_collector() -> Any:
     return _found[0]
 
 
-def collecting_attentions() -> bool:
-    """True while a transformers model collects attention probabilities through its hooks (a key
-    of the collector's dict ending in "attentions": self-, cross-, a mask decoder's)."""
+def _collected() -> Any:
+    """What the hooks collect into on this call: None, an empty dict, or a dict keyed by output."""
     collector = output_collector()
     if collector is None:
-        return False
-    value = collector.global_var if collector.compiling else collector.context_var.get()
-    if not isinstance(value, dict):
-        return bool(value)
-    return any(str(key).endswith("attentions") for key in value)
+        return None
+    return collector.global_var if collector.compiling else collector.context_var.get()
 
 
 def collecting_outputs() -> bool:
     """True while a transformers model collects outputs through its hooks (eager callers)."""
-    collector = output_collector()
-    if collector is None:
-        return False
-    return bool(collector.global_var if collector.compiling else collector.context_var.get())
+    return bool(_collected())
+
+
+def collecting_attentions() -> bool:
+    """True while a transformers model collects attention probabilities through its hooks (a key
+    of the collector's dict ending in "attentions": self-, cross-, a mask decoder's)."""
+    value = _collected()
+    if not isinstance(value, dict):
+        return bool(value)
+    return any(str(key).endswith("attentions") for key in value)
 
 
 def collector_to_global() -> tuple[Any, Any] | None:
