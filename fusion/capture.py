@@ -817,13 +817,15 @@ class DynamoUnit(Unit):
                         collector_restore(collector)
                         settings.restore(prior)
                     break
-                except torch._dynamo.exc.TorchDynamoException:
-                    if not self.scalar_outputs:
+                except Exception as e:
+                    if not self.scalar_outputs or not _dynamo_failed(e):
                         raise
                     if self.static_shapes:
                         self.scalar_outputs = False
                     self.static_shapes = True
-        except torch._dynamo.exc.TorchDynamoException as e:
+        except Exception as e:
+            if not _dynamo_failed(e):
+                raise
             failure = e
         finally:
             _CALLING.reset(token)
@@ -1145,6 +1147,22 @@ def _takes_transformers_kwargs(signature: inspect.Signature) -> bool:
     blocks: `output_attentions` and the other flags arrive there, if at all)."""
     kwargs = [p for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD]
     return bool(kwargs) and "TransformersKwargs" in str(kwargs[0].annotation)
+
+
+def _dynamo_failed(error: BaseException) -> bool:
+    """Whether `error` is TorchDynamo failing on a block, not the block failing: a
+    TorchDynamoException, or any error raised while Dynamo traced it (its symbolic interpreter on
+    the traceback). Some of Dynamo's own checks raise plain errors: Longformer's global attention,
+    a tensor's bool with scalar outputs captured, gives `AssertionError: Expected bool, got
+    FakeTensor`. An error of the model's own raised while tracing raises again from the eager call."""
+    if isinstance(error, torch._dynamo.exc.TorchDynamoException):
+        return True
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.replace("\\", "/").endswith("torch/_dynamo/symbolic_convert.py"):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _without_dropped_weights(out: Any) -> Any:

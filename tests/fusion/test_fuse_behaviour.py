@@ -189,6 +189,59 @@ def test_a_block_dynamo_cannot_capture_runs_as_written_and_is_reported(monkeypat
                for calls_by_reason in reasons.values() for r, n in calls_by_reason.items())
 
 
+def test_a_block_dynamo_fails_on_with_a_plain_error_runs_as_written():
+    """Some of Dynamo's own checks fail with plain errors, not a TorchDynamoException: tracing
+    Longformer's global attention (the question's tokens attend to all, as its QA head asks)
+    raises `AssertionError: Expected bool, got FakeTensor` (torch.compile of the layer alone fails
+    the same way). That crashed the fused model; its layers must run as written, and say so."""
+    tf = _models._quiet_transformers()
+    torch.manual_seed(0)
+    cfg = tf.LongformerConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                              intermediate_size=64, attention_window=4, max_position_embeddings=64, pad_token_id=0,
+                              bos_token_id=0, eos_token_id=0, sep_token_id=2, attention_probs_dropout_prob=0.0,
+                              hidden_dropout_prob=0.0)
+    model = tf.LongformerForQuestionAnswering(cfg)
+    ref = copy.deepcopy(model)
+    trifuse.fuse(model)
+    ids = torch.randint(3, 64, (2, 12))
+    ids[:, 3] = ids[:, 4] = ids[:, -1] = cfg.sep_token_id  # question, two separators, context, one
+    kw = {"input_ids": ids, "start_positions": torch.tensor([5, 7]), "end_positions": torch.tensor([6, 9])}
+    for _ in range(2):
+        loss, expected = model(**kw).loss, ref(**kw).loss
+        torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
+        loss.backward()
+        expected.backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    reasons = trifuse.report(model).unfused_calls()
+    assert any("LongformerLayer" in unit and any("TorchDynamo could not capture it (AssertionError: Expected bool"
+                                                 in r and n == 4 for r, n in calls.items())
+               for unit, calls in reasons.items()), reasons
+
+
+def test_an_error_of_the_block_itself_is_raised_not_taken_for_dynamo(monkeypatch):
+    """An error raised while the captured block runs (not while Dynamo traces it) is the model's:
+    it raises, as it would unfused, and the block is not marked as one Dynamo cannot capture."""
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _models.gpt2()
+    trifuse.fuse(model)
+    kw = inputs(2, 8)
+    loss_fn(model, kw)
+    block = next(u for u in trifuse.report(model).units if u.unit.strategy == "dynamo").unit
+    compiled = block.compiled
+
+    def fails(*args, **kwargs):
+        raise ValueError("the block's own error")
+
+    monkeypatch.setattr(block, "compiled", fails)
+    with pytest.raises(ValueError, match="the block's own error"):
+        loss_fn(model, kw)
+    monkeypatch.setattr(block, "compiled", compiled)
+    assert block.failed is None
+    loss_fn(model, kw)
+    assert not trifuse.report(model).unfused_calls()
+
+
 def test_a_capture_that_fails_with_scalars_in_the_graph_is_retried_without(monkeypatch):
     """Dynamo captures keep `.item()` in the graph (capture_scalar_outputs); should Dynamo fail on
     a block with that setting, the block is captured again with static shapes (where DeBERTa's
