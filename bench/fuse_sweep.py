@@ -91,7 +91,9 @@ NO_DROPOUT = {k: 0.0 for k in ("hidden_dropout", "attention_dropout", "resid_pdr
                                "drop_path_rate", "hidden_dropout_rate", "attention_dropout_rate", "classifier_dropout_prob",
                                # the classification heads' own (sequence classification)
                                "seq_classif_dropout", "summary_first_dropout", "summary_last_dropout", "pooler_dropout",
-                               "cls_dropout", "final_dropout", "qa_dropout")}
+                               "cls_dropout", "final_dropout", "qa_dropout",
+                               # Reformer's attention probabilities (functional dropout, seeded anew per call)
+                               "local_attention_probs_dropout_prob", "lsh_attention_probs_dropout_prob")}
 # Sizes only the encoder-decoder and vision configs have; kept apart so the causal-LM sweep's
 # configs stay as they were.
 SMALL_EXTRA = {"encoder_layers": 2, "decoder_layers": 2, "num_decoder_layers": 2, "encoder_attention_heads": 2,
@@ -123,6 +125,20 @@ _DECODER = {k: SMALL_EXTRA[k] for k in ("encoder_layers", "decoder_layers", "enc
 # State-space mixers' sizes: their heads must tile expand x width (2 x 32) exactly.
 _MAMBA = {"mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_chunk_size": 16}
 OVERRIDES = {"t5gemma": {"bos_token_id": 2},
+             # LiLT's layout embeddings are six of hidden_size // 6; BROS's box embeddings take an eighth of a
+             # quarter of it, halved again; LayoutLMv3's are 4 coordinates and 2 shapes that add up to it
+             "lilt": {"hidden_size": 48}, "bros": {"hidden_size": 64},
+             "layoutlmv3": {"coordinate_size": 4, "shape_size": 8},
+             # XLNet's head size is checked against width / heads; X-MOD runs its language adapters only
+             # for a language; ESM C has no grouped-query heads
+             "xlnet": {"d_head": 16, "d_inner": 64}, "xmod": {"default_language": "en_XX"},
+             "esmc": {"num_key_value_heads": 2},
+             # Reformer: axial position embeddings that add up to the width and tile the 12 tokens, one
+             # local and one LSH layer with chunks that divide them, hashing seeded (its random rotations)
+             "reformer": {"axial_pos_embds_dim": [16, 16], "axial_pos_shape": [3, 4],
+                          "attn_layers": ["local", "lsh"], "local_attn_chunk_length": 4,
+                          "lsh_attn_chunk_length": 4, "feed_forward_size": 64, "attention_head_size": 16,
+                          "hash_seed": 0},
              **{t: _DECODER for t in ("bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "marian",
                                       "mbart", "mvp", "pegasus", "plbart", "whisper", "trocr")},
              # partial rotary over 8 of the 16-wide heads (the default 64 is past the head)
@@ -148,8 +164,10 @@ OVERRIDES = {"t5gemma": {"bos_token_id": 2},
                             "index_num_heads": 1, "index_topk": 4, "index_num_local_tokens": 4,
                             "index_num_sink_tokens": 1, "sliding_window": 8},
              "luke": {"entity_vocab_size": 64, "entity_emb_size": 16},
-             "perceiver": {"num_latents": 16, "d_latents": 32, "num_self_attends_per_block": 1,
-                           "num_self_attention_heads": 2, "num_cross_attention_heads": 1},
+             # Perceiver's masked LM decodes max_position_embeddings tokens: the sweep's 12
+             "perceiver": {"max_position_embeddings": 12, "num_latents": 16, "d_latents": 32,
+                           "num_self_attends_per_block": 1, "num_self_attention_heads": 2,
+                           "num_cross_attention_heads": 1},
              "roc_bert": {"pronunciation_vocab_size": 64, "shape_vocab_size": 64,
                           "pronunciation_embed_dim": 32, "shape_embed_dim": 32},
              "mamba2": {"num_heads": 4, "head_dim": 16, "n_groups": 1, "state_size": 16, "chunk_size": 16},
@@ -166,7 +184,7 @@ OVERRIDES = {"t5gemma": {"bos_token_id": 2},
              **{t: _GEMMA4 for t in ("gemma4", "gemma4_text", "gemma4_assistant", "gemma4_unified",
                                      "gemma4_unified_assistant", "gemma4_unified_text")},
              "prophetnet": {"num_encoder_layers": 2, "num_decoder_layers": 2},
-             "funnel": {"block_sizes": [1, 1, 1]}, "bit": {"hidden_sizes": 128},
+             "funnel": {"block_sizes": [1, 1, 1], "bos_token_id": None}, "bit": {"hidden_sizes": 128},
              **{t: {"window_size": 2, "patch_size": 2} for t in ("swin", "swinv2", "donut-swin")},
              **{t: _MLA for t in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "sarvam_mla", "axk1", "axk2",
                                   "youtu", "glm4_moe_lite", "minicpm3")},
@@ -327,6 +345,22 @@ def _read_only(cls, name: str) -> bool:
     return isinstance(attr, property) and attr.fset is None
 
 
+def _refused(cls, names) -> set[str]:
+    """The names among `names` that cls will not have set at all: a property whose setter raises
+    NotImplementedError (XLNet has no max_position_embeddings: no sequence length limit)."""
+    refused, default = set(), None
+    for name in names:
+        attr = inspect.getattr_static(cls, name, None)
+        if not isinstance(attr, property) or attr.fset is None:
+            continue
+        default = cls() if default is None else default
+        try:
+            attr.fset(default, attr.fget(default))
+        except NotImplementedError:
+            refused.add(name)
+    return refused
+
+
 def _small_config(cls, kw: dict):
     """cls built with the small sizes (encoder-decoder and vision tasks): per-stage sizes (Swin's
     depths and num_heads, PVT's, ...) become one small value per stage, zeroed rates keep the
@@ -439,6 +473,8 @@ def _config(tf, model_type: str, attn: str, task: str = "causal-lm"):
     kw = {**small, **NO_DROPOUT, **OVERRIDES.get(model_type, {})}
     extra = {"attn_implementation": attn, "experts_implementation": "batched_mm"}
     config_cls = tf.CONFIG_MAPPING[model_type]
+    for name in _refused(config_cls, kw):
+        kw.pop(name)
     plain = task == "causal-lm" and not getattr(config_cls, "sub_configs", None)
     if plain and _read_only(config_cls, "head_dim"):
         kw.pop("head_dim", None)
@@ -454,7 +490,7 @@ def _config(tf, model_type: str, attn: str, task: str = "causal-lm"):
             kw["vision_config"] = _small_config(vision_cls, kw)  # a tower the default leaves out (Gemma 4)
         cfg = _small_config(config_cls, {**kw, **extra})
     for k, v in small.items():  # sizes some constructors ignore; head_dim may be a derived property
-        if k == "head_dim" or k in OVERRIDES.get(model_type, {}):
+        if k == "head_dim" or k in OVERRIDES.get(model_type, {}) or k not in kw:
             continue
         if not plain and isinstance(_attribute(cfg, k), (list, tuple)):
             continue  # per-stage sizes, made small above
@@ -466,6 +502,8 @@ def _config(tf, model_type: str, attn: str, task: str = "causal-lm"):
     if task == "image-text":
         _small_token_ids(cfg)
         _small_mrope(cfg)
+    if task == "causal-lm" and _attribute(cfg, "is_decoder") is False:  # an encoder family's LM head
+        cfg.is_decoder = True  # (BertLMHeadModel, Reformer's) as a decoder: causal, as it is trained
     return cfg
 
 
@@ -474,13 +512,14 @@ def _grad_error(grads0: tuple, grads1: tuple, floor: float = 1e-10) -> float:
     parameters whose gradient is numerically zero (below `floor` of the largest over the model, e.g.
     a router's weights through a top-k) are compared at that floor instead. NaN and inf entries
     (some models' unfused gradients have them: LED's padded windows) must sit in the same places
-    (inf with the same sign); the rest is compared."""
+    (inf with the same sign); the rest is compared. A None gradient matches an all-zero one."""
     finite = [a[a.isfinite()] for a in grads0 if a is not None]
     floor = floor * max((float(a.abs().max()) for a in finite if a.numel()), default=0.0)
     worst = 0.0
     for a, b in zip(grads0, grads1):
-        if a is None or b is None:
-            if (a is None) != (b is None):
+        if a is None or b is None:  # None beside zeros is the same gradient: a reentrant checkpoint
+            other = b if a is None else a  # gives zeros where unused outputs lead (LiLT's last layout layer)
+            if other is not None and bool(other.count_nonzero()):
                 return float("inf")
             continue
         if not torch.equal(a.isnan(), b.isnan()) or not torch.equal(a.isinf(), b.isinf()) \
@@ -811,6 +850,16 @@ def batch(model, task: str, dtype: torch.dtype = torch.float64) -> dict:
     if task == "base":
         return _base_inputs(model, dtype)
     kwargs = _inputs(task, dtype)
+    model_type = getattr(model.config, "model_type", "")
+    if model_type == "bros":  # boxes are required: two corners a token, as fractions of the page
+        corner = torch.rand(*kwargs["input_ids"].shape, 2, dtype=dtype) / 2
+        kwargs["bbox"] = torch.cat([corner, corner + torch.rand_like(corner) / 2], dim=-1)
+    if model_type == "longformer" and task in ("qa", "multiple-choice"):
+        # these heads put global attention on the question: the tokens before the first of exactly
+        # three separators a sequence (question, two, context, one)
+        ids, sep = kwargs["input_ids"], model.config.sep_token_id
+        ids[ids == sep] = 1 if sep != 1 else 3
+        ids[..., 3], ids[..., 4], ids[..., -1] = sep, sep, sep
     if task == "video-cls" or task == "image-cls" and "spatial_shapes" in inspect.signature(model.forward).parameters:
         kwargs.update(_pixels(model, dtype))  # clips, or SigLIP 2's patches, for the image
     return kwargs
@@ -1070,8 +1119,19 @@ def _checkpoint_row(model, kwargs: dict, task: str) -> dict:
     ok = loss_err < 1e-9 and grad_err < 1e-9
     status = "ok" if ok else "MISMATCH"
     counted = [n for n in recomputed.values() if n is not None]
+    recomputed_why = None
     if ok and replaced and counted and min(counted) <= 0:
         status = "RECOMPUTE UNFUSED"
+        # unless the checkpointed layers run as written anyway (Dynamo cannot capture Longformer's):
+        # then nothing fused is there to recompute
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        layers = [m for m in models["reentrant"].modules() if isinstance(m, GradientCheckpointingLayer)]
+        as_written = {id(m) for u in report.units if getattr(u.unit, "failed", None) for m in u.modules}
+        if layers and all(id(m) in as_written for m in layers):
+            status = "ok"
+            recomputed_why = ("its checkpointed layers run as written (TorchDynamo cannot capture them): "
+                              "nothing fused to recompute")
     if fewer and not ok:  # other ops fused, other dropout draws: the comparison says nothing
         status = "FEWER FUSED"
     row = {"status": status, "loss_rel_err": loss_err, "grad_rel_err": grad_err, "replaced": replaced,
@@ -1079,6 +1139,8 @@ def _checkpoint_row(model, kwargs: dict, task: str) -> dict:
            "unfused_calls": {k: sum(v.values()) for k, v in report.unfused_calls().items()}}
     if status == "RECOMPUTE UNFUSED":
         row["why"] = f"trifuse forward ops run again in the backward: {recomputed}"
+    elif recomputed_why:
+        row["why"] = recomputed_why
     if len(counted) < len(recomputed):
         row["why"] = "the recompute's ops not counted: the profiler's events did not fit in memory"
     if fewer:
@@ -1109,13 +1171,22 @@ def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: s
     names = auto._model_mapping._model_mapping.get(model_type)
     if isinstance(names, (tuple, list)) and not getattr(cfg, "architectures", None):
         cfg.architectures = [names[0]]  # several classes for the task (DeiT's with and without teacher): the first
-    try:
-        model = auto.from_config(cfg)
-        model = model.double() if dtype == "float64" else model.float()
-    except Exception as e:  # noqa: BLE001
-        if attn == "sdpa" and "does not support an attention implementation" in str(e):
-            return run_one(model_type, "eager", task, via, dtype)
-        return {"status": "build", "why": f"{type(e).__name__}: {str(e).strip()[:150]}"}
+    refused = []  # under checkpointing, the dropout rates a model refuses above 0 (DiffLlama's attention's)
+    while True:
+        try:
+            model = auto.from_config(cfg)
+            model = model.double() if dtype == "float64" else model.float()
+            break
+        except Exception as e:  # noqa: BLE001
+            if attn == "sdpa" and "does not support an attention implementation" in str(e):
+                return run_one(model_type, "eager", task, via, dtype)
+            names = [n for n in NO_DROPOUT if via == "checkpoint" and n not in refused
+                     and re.search(rf"\b{n} *>", str(e)) and _attribute(cfg, n)]
+            if not names:
+                return {"status": "build", "why": f"{type(e).__name__}: {str(e).strip()[:150]}"}
+            for name in names:
+                setattr(cfg, name, 0.0)
+            refused += names
     for module in model.modules():  # a head's dropout its config has no field for (a token classifier's
         if isinstance(module, torch.nn.Dropout):  # falls back to 0.1): off like the rest
             module.p = CHECKPOINT_DROPOUT if via == "checkpoint" else 0.0
@@ -1128,7 +1199,11 @@ def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: s
     except Exception as e:  # noqa: BLE001
         return {"status": "inputs", "why": f"{type(e).__name__}: {str(e).strip()[:150]}"}
     if via == "checkpoint":
-        return _checkpoint_row(model, kwargs, task)
+        row = _checkpoint_row(model, kwargs, task)
+        if refused:
+            note = f"{', '.join(refused)} 0 (the model refuses more)"
+            row["why"] = f"{row['why']}; {note}" if row.get("why") else note
+        return row
     leaves = [p for p in model.parameters() if p.requires_grad]
     # Copies taken before the training step (after it a model may hold non-leaf tensors deepcopy
     # refuses: RecurrentGemma's recurrent state): generate's reference, the model hf-attention
