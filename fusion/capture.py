@@ -1153,8 +1153,9 @@ def _dynamo_failed(error: BaseException) -> bool:
     """Whether `error` is TorchDynamo failing on a block, not the block failing: a
     TorchDynamoException, or any error raised while Dynamo traced it (its symbolic interpreter on
     the traceback). Some of Dynamo's own checks raise plain errors: Longformer's global attention,
-    a tensor's bool with scalar outputs captured, gives `AssertionError: Expected bool, got
-    FakeTensor`. An error of the model's own raised while tracing raises again from the eager call."""
+    a data-dependent bool, gives `AssertionError: Expected bool, got FakeTensor` (with or without
+    scalar outputs captured). An error of the model's own raised while tracing raises again from
+    the eager call."""
     if isinstance(error, torch._dynamo.exc.TorchDynamoException):
         return True
     tb = error.__traceback__
