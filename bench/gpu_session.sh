@@ -233,7 +233,8 @@ for what in "$@"; do
         e2e-compile)  # issue 6 on GPT-2 medium: eager, torch.compile, compile(backend=trifuse) and
                       # compile(backend=trifuse_inductor), each with its compile time as set-up s
                       # (torch.compile took 69 s there on the H100); one call of its own
-            stage bench-e2e-compile 540 python3 bench/bench_e2e.py --steps 6 --models gpt2-medium --compile \
+                      # (E2E_COMPILE_LIMIT: the stage's seconds, to fit what is left of the budget)
+            stage bench-e2e-compile "${E2E_COMPILE_LIMIT:-540}" python3 bench/bench_e2e.py --steps 6 --models gpt2-medium --compile \
                 --suffix compile \
                 --providers "eager-sdpa,torch.compile,compile(backend=trifuse),compile(backend=trifuse_inductor)" ;;
         e2e-ckpt)  # the same with transformers' gradient checkpointing on
