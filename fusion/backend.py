@@ -44,7 +44,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..patterns import PATTERNS
 from .capture import Capture, rewrite_checkpoints
 from .dtensor_calls import recompile
-from .normalize import canonicalize
+from .normalize import canonicalize, constant_masks
 from .rewriter import rewrite_graph, select_patterns
 
 log = logging.getLogger("trifuse")
@@ -97,6 +97,7 @@ def _rewrite(gm: fx.GraphModule, example_inputs: list[Any], backend: str, eager:
         canonicalize(work)
         patterns = select_patterns(PATTERNS, None)
         capture.log = rewrite_graph(work.graph, patterns)
+        constant_masks(work.graph)  # the masks of attention chains the rewrite made trifuse calls
         if eager:
             rewrite_checkpoints(work, patterns, capture.log)
         recompile(work)
