@@ -1012,7 +1012,8 @@ def _constant(node: fx.Node, memo: dict[fx.Node, Any]) -> Any:
             return None
         name = n.target if n.op == "call_method" else getattr(n.target, "__name__", str(n.target))
         trailing = name.endswith("_") and not name.endswith("__")
-        in_place = n.target in _IN_PLACE_OPERATORS or (trailing and getattr(n.target, "__module__", None) != "_operator")
+        pure_operator = getattr(n.target, "__module__", None) == "_operator"  # and_, or_, ...
+        in_place = n.target in _IN_PLACE_OPERATORS or (trailing and not pure_operator)
         if in_place or any(bad in name for bad in _NOT_CONSTANT):
             return None
         stack.extend(n.all_input_nodes)
@@ -1071,7 +1072,8 @@ def constant_masks(graph: fx.Graph) -> int:
         mask = node.args[3]
         q, k = _value(node.args[0]), _value(node.args[1])
         if not isinstance(mask, fx.Node) or not isinstance(q, torch.Tensor) \
-                or not isinstance(k, torch.Tensor) or q.dim() < 2 or not all(type(d) is int for d in (*q.shape, *k.shape)):
+                or not isinstance(k, torch.Tensor) or q.dim() < 2 \
+                or not all(type(d) is int for d in (*q.shape, *k.shape)):
             continue
         value = _constant(mask, memo)
         keep = _kept(value) if isinstance(value, torch.Tensor) else None
