@@ -79,7 +79,8 @@ def _qkv(sq=7, sk=7):
 @pytest.mark.parametrize("kind, expected", [
     ("causal bool", (True, True)), ("causal -inf", (True, True)), ("causal finfo.min", (True, True)),
     ("keeps all", (True, False)),
-    ("finite bias", (False, False)), ("causal -1e4", (False, False)), ("sliding window", (False, False)), ("random", (False, False)),
+    ("finite bias", (False, False)), ("causal -1e4", (False, False)), ("sliding window", (False, False)),
+    ("random", (False, False)),
 ])
 def test_a_constant_mask_that_keeps_the_causal_pattern_becomes_is_causal(kind, expected):
     model = _MaskedAttention(kind)
