@@ -18,6 +18,7 @@ in the log and the JSON); and a bar plot of tokens/s (e2e.png).
 import argparse
 import collections
 import gc
+import re
 import time
 
 import _harness as H  # noqa: I001
@@ -141,8 +142,8 @@ def run_one(name: str, provider: str, spec, steps: int, device: str, checkpointi
         trifuse.fuse(model, cuda_graphs=True)
     elif provider == "torch.compile":
         model = torch.compile(model)
-    elif provider.startswith("compile(backend="):
-        model = torch.compile(model, backend=provider[len("compile(backend="):-1])
+    elif provider.startswith("compile("):  # compile(backend=trifuse_inductor, mode=reduce-overhead)
+        model = torch.compile(model, **dict(kv.strip().split("=") for kv in provider[len("compile("):-1].split(",")))
     elif provider == "liger":  # Liger-Kernel's kernels patched into this model instance
         from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
 
@@ -238,7 +239,9 @@ def _fused_summary(model) -> str:
 def providers(compile_: bool, kind: str = "gpt2") -> list[str]:
     out = ["eager-sdpa", "trifuse.fuse", "trifuse.fuse(skip_logits)", "trifuse.fuse(cuda_graphs)"]
     if compile_:
-        out += ["torch.compile", "compile(backend=trifuse)", "compile(backend=trifuse_inductor)"]
+        out += ["torch.compile", "compile(backend=trifuse)", "compile(backend=trifuse_inductor)",
+                # Inductor's CUDA graphs against trifuse + Inductor's: the host paths gone on both sides
+                "compile(mode=reduce-overhead)", "compile(backend=trifuse_inductor, mode=reduce-overhead)"]
     # Last: Liger patches transformers' Llama module globally (its RoPE function and norm class),
     # which would reach every Llama built after it. Its head fuses with the loss, as skip_logits.
     if kind == "llama" and H.try_import("liger_kernel.transformers") is not None:
@@ -288,7 +291,7 @@ def main() -> None:
     ap.add_argument("--grad-ckpt", action="store_true", help="with transformers' gradient checkpointing on")
     ap.add_argument("--providers", default="", help="comma-separated subset of the providers (default: all)")
     args = ap.parse_args()
-    chosen = set(filter(None, args.providers.split(",")))
+    chosen = {p.strip() for p in re.split(r",(?![^()]*\))", args.providers) if p.strip()}  # not inside (...)
     rows = []
     for name in args.models.split(","):
         point = []

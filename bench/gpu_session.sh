@@ -112,6 +112,17 @@
 #   LayerNorm backward decisions, ~10 s of the cold set-up), and graphed blocks were traced twice
 #   (Dynamo guards autocast's cache flag). Next: call 1 `tests graphs-gpt2` (~7 min: set-up s and
 #   test_gpu_a_cold_choice...), call 2 at once `autocast graphs-bert` (~4 min).
+#   Sixty-second session (2026-12-05, H100, bench/results/h100-2026-12-05/): bf16 suite 745 passed,
+#   gpu tests 133 passed; GPT-2 medium graphed 60.4 ms (2.42x eager), BERT-large 58.9 ms (1.32x). The
+#   compile backends against torch.compile: trifuse 0.99x / 0.93x, trifuse_inductor 0.90x / 0.80x.
+#   Two causes fixed on the CPU after: under any torch.compile transformers' causal mask is a dense
+#   tensor (cuDNN 17.2 ms a GPT-2 step where is_causal takes 7.8): a mask computed from literals is
+#   now evaluated while compiling and becomes is_causal (normalize.constant_masks); and
+#   trifuse_inductor ran trifuse's attention whatever the dialect chose (17.0 ms a BERT step where
+#   cuDNN took 9.4): the choice is now made while compiling (backend.attention_as_chosen). Next:
+#   call 1 `e2e-compile e2e-compile-bert` (~4 min: did both gaps close?), call 2 at once
+#   `e2e-compile-graphs autocast` (~4 min: Inductor's CUDA graphs on both sides; the autocast test
+#   fixed for graph replays).
 #   Later sessions, one or two calls each: `e2e-compile` (issue 6's 1.15x over torch.compile and
 #   its compile time: never run on the H200), `kernels` (the remaining memory-bound ops), `tma
 #   dialects`, `e2e-ckpt` (gradient checkpointing on), `e2e-llama` (Llama 3.2 1B's shape against
@@ -237,6 +248,14 @@ for what in "$@"; do
             stage bench-e2e-compile "${E2E_COMPILE_LIMIT:-540}" python3 bench/bench_e2e.py --steps 6 --models gpt2-medium --compile \
                 --suffix compile \
                 --providers "eager-sdpa,torch.compile,compile(backend=trifuse),compile(backend=trifuse_inductor)" ;;
+        e2e-compile-bert)  # the same four providers on BERT-large (~100 s on the H100, 2026-12-05)
+            stage bench-e2e-compile-bert "${E2E_COMPILE_LIMIT:-300}" python3 bench/bench_e2e.py --steps 6 --models bert-large \
+                --compile --suffix bert-compile \
+                --providers "eager-sdpa,torch.compile,compile(backend=trifuse),compile(backend=trifuse_inductor)" ;;
+        e2e-compile-graphs)  # Inductor's CUDA graphs (mode="reduce-overhead") with and without trifuse, both models
+            stage bench-e2e-compile-graphs "${E2E_COMPILE_LIMIT:-300}" python3 bench/bench_e2e.py --steps 6 \
+                --models gpt2-medium,bert-large --compile --suffix compile-graphs \
+                --providers "compile(mode=reduce-overhead),compile(backend=trifuse_inductor, mode=reduce-overhead)" ;;
         e2e-ckpt)  # the same with transformers' gradient checkpointing on
             stage bench-e2e-ckpt 300 python3 bench/bench_e2e.py --steps 6 --models gpt2-medium --grad-ckpt \
                 --suffix grad-ckpt ;;
@@ -279,7 +298,7 @@ for what in "$@"; do
             stage tune 150 python3 -m trifuse.autotune gpt2-medium --batch 8 --seq 1024
             stage tune-llama 150 python3 -m trifuse.autotune llama-3.2-1b --batch 4 --seq 2048 \
                 --export-defaults autotune/defaults/ ;;  # this GPU's family: h100.json or h200.json
-        *) echo "unknown stage $what (tests tests-gpu bisect bisect-configs graphs-gpt2 graphs-bert e2e-compile host kernels-core kernels attention tma dialects e2e e2e-ckpt e2e-bert e2e-llama e2e-dit graphs e2e-host nccl adaptive rowwise tune)" ;;
+        *) echo "unknown stage $what (tests tests-gpu bisect bisect-configs graphs-gpt2 graphs-bert e2e-compile e2e-compile-bert e2e-compile-graphs host kernels-core kernels attention tma dialects e2e e2e-ckpt e2e-bert e2e-llama e2e-dit graphs e2e-host nccl adaptive rowwise tune)" ;;
     esac
 done
 

@@ -26,6 +26,7 @@ the model's latest forward: each graph counted as many times as it ran there (a 
 inside every layer compiles the layer's frame once, and its graph runs once a layer).
 """
 import bisect
+import contextlib
 import functools
 import hashlib
 import itertools
@@ -224,6 +225,8 @@ def trifuse_inductor_backend(gm: fx.GraphModule, example_inputs: list[Any], mode
 
     work = _rewrite(gm, example_inputs, "backend=trifuse_inductor")
     capture = work.meta["trifuse_capture"]
+    if work is not gm:
+        attention_as_chosen(work, capture.log, graphed=mode == "reduce-overhead")
     config = {**(list_mode_options(mode) if mode else {}), **(options or {})}
     config["post_grad_custom_post_pass"] = _keyed_on_trifuse(
         config.get("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass))
@@ -238,6 +241,100 @@ def trifuse_inductor_backend(gm: fx.GraphModule, example_inputs: list[Any], mode
         capture.error, capture.log = why, type(capture.log)()  # nothing of the rewrite runs
         log.warning("trifuse: %s", why)
         return counted(compile_fx(gm, example_inputs, config_patches=config), capture, example_inputs)
+
+
+# Where the attention dialect has candidates besides trifuse's kernels (SDPA's are CUDA's).
+_DIALECT_DEVICES = ("cuda",)
+# The attention dialect's SDPA candidates and the backend each forces (kernels/attention.py).
+_SDPA_BACKENDS = {"sdpa-flash": "FLASH_ATTENTION", "sdpa-efficient": "EFFICIENT_ATTENTION",
+                  "sdpa-cudnn": "CUDNN_ATTENTION"}
+
+
+@functools.cache
+def sdpa_preferring(name: str) -> Callable[..., torch.Tensor]:
+    """SDPA with the attention dialect's candidate `name` (an `_SDPA_BACKENDS` key) first and the
+    math backend after it. For Inductor's graphs: AOTAutograd traces SDPA into the backend's own
+    aten op (`_scaled_dot_product_cudnn_attention`, ...) by the backend flags set while it traces,
+    so this runs that backend forward and backward in the compiled graph. Math only where the
+    chosen backend refuses a call at trace time: never a failed compile."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    chosen = getattr(SDPBackend, _SDPA_BACKENDS[name])
+    backends = [chosen] + ([SDPBackend.MATH] if chosen != SDPBackend.MATH else [])
+
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        with sdpa_kernel(backends, set_priority=True):
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+
+    sdpa.__name__ = sdpa.__qualname__ = "sdpa_" + name.split("-")[1]
+    return sdpa
+
+
+def _stand_in(value: torch.Tensor) -> torch.Tensor:
+    """A real tensor like a graph value (shape, dtype, device, strides, requires_grad): random
+    floats, a bool mask keeping everything, a float mask of zeros. Broadcast dims (stride 0) stay
+    broadcast."""
+    base = [1 if st == 0 else n for n, st in zip(value.shape, value.stride())]
+    if value.dtype == torch.bool:
+        t = torch.ones(base, dtype=torch.bool, device=value.device)
+    elif value.dim() >= 3 and 0 not in value.stride():  # q, k, v: their own layout
+        t = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device).normal_()
+    else:
+        t = torch.zeros(base, dtype=value.dtype, device=value.device)
+    return t.expand(value.shape).requires_grad_(value.requires_grad and value.is_floating_point())
+
+
+def attention_as_chosen(gm: fx.GraphModule, log: Any, graphed: bool = False) -> int:
+    """Each trifuse attention call of a graph for Inductor runs what the attention dialect chooses
+    for its shapes, as `fuse` and `backend="trifuse"` do at run time: a traced call has no dialect
+    key, so the compiled graph would run trifuse's kernels whatever the dialect measured (on the
+    lent H100 trifuse's masked attention took 17.0 ms a BERT-large step where `fuse` ran cuDNN's in
+    9.4). The choice is made here, once per call site, on stand-ins of the call's shapes, dtypes,
+    layouts and flags; an SDPA candidate becomes `sdpa_preferring(name)`, flash-attn, xformers and
+    trifuse stay trifuse's op (Inductor keeps it opaque). CUDA values only: elsewhere trifuse's
+    kernels are the only candidate. `graphed`: the graph replays from CUDA graphs (mode=
+    "reduce-overhead"), so the choice is by GPU time in a graph. Returns how many calls changed."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from ..autotune import dialects
+    from ..kernels.attention import ATTENTION, attention
+    from .normalize import _value
+
+    changed = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not attention or len(node.args) != 8 \
+                or any(v is not None for v in node.kwargs.values()):  # softcap, sinks: trifuse's own
+            continue
+        values = [_value(a) if isinstance(a, fx.Node) else a for a in node.args[:4]]
+        q, k, v, mask = values
+        if not all(isinstance(t, torch.Tensor) and t.device.type in _DIALECT_DEVICES for t in (q, k, v)) \
+                or not (mask is None or isinstance(mask, torch.Tensor)) \
+                or any(isinstance(a, fx.Node) for a in node.args[4:]):
+            continue
+        try:
+            with unset_fake_temporarily(), torch.enable_grad() if q.requires_grad else torch.no_grad(), \
+                    dialects.graphed_calls() if graphed else contextlib.nullcontext():
+                args = (*(_stand_in(t) for t in (q, k, v)), None if mask is None else _stand_in(mask),
+                        *node.args[4:])
+                fn = ATTENTION.implementation(*args)
+        except Exception as e:  # noqa: BLE001  (the choice is an optimization: trifuse's op stays)
+            log.dialects.append(f"{node.name}: no dialect choice, trifuse's op ({type(e).__name__}: "
+                                f"{str(e)[:120]})")
+            continue
+        name = next((c.name for c in ATTENTION.candidates if c.fn is fn), None)
+        if name not in _SDPA_BACKENDS:
+            continue
+        node.target, node.kwargs = sdpa_preferring(name), {}
+        changed += 1
+        note = f"runs {name}, the attention dialect's choice for {tuple(q.shape)} {str(q.dtype)[6:]}"
+        for r in log.replaced:
+            if r.node == node.name:
+                r.note = "; ".join(filter(None, (r.note, note)))
+        log.dialects.append(f"{node.name}: {note}")
+    if changed:
+        gm.recompile()
+    return changed
 
 
 def compiled_captures(model: torch.nn.Module) -> list[Capture]:

@@ -422,6 +422,7 @@ def _merge(into: RewriteLog, log: RewriteLog) -> None:
     into.skipped.update(log.skipped)
     into.shared_casts.extend(log.shared_casts)
     into.fp32_weight_grads.extend(log.fp32_weight_grads)
+    into.dialects.extend(log.dialects)
 
 
 def unsupported_argument(args: tuple, kwargs: dict, *, containers: bool = True) -> str | None:

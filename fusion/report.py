@@ -168,8 +168,10 @@ def _compiled_table(capture: Capture, runs: int) -> str:
     lines = [f"  [{capture.mode}]: ran {runs} time(s) in the latest forward"]
     if capture.error:
         lines.append(f"    rewrite failed, compiled unfused: {capture.error}")
-    rows = [("replaced", r.family, r.pattern, r.where) for r in capture.log.active]
+    rows = [("replaced", r.family, r.pattern, r.where + (f" ({r.note})" if r.note else ""))
+            for r in capture.log.active]
     rows += [("rejected", r.family, r.pattern, f"{r.where}: {r.reason}") for r in capture.log.rejected]
+    rows += [("dialect", "", "", text) for text in capture.log.dialects if "no dialect choice" in text]
     if rows:
         w = [max(len(r[i]) for r in rows) for i in range(3)]
         lines += [f"    {a:<{w[0]}}  {b:<{w[1]}}  {c:<{w[2]}}  {d}" for a, b, c, d in rows]

@@ -105,6 +105,7 @@ class RewriteLog:
     skipped: dict[str, str] = field(default_factory=dict)  # pattern -> why it did not run
     shared_casts: list[str] = field(default_factory=list)  # values cast once for their matmuls (narrow.py)
     fp32_weight_grads: list[str] = field(default_factory=list)  # autocast matmuls with fp32 dW, db (narrow.py)
+    dialects: list[str] = field(default_factory=list)  # choices made while compiling (backend.py)
 
     @property
     def active(self) -> list[Replaced]:

@@ -441,3 +441,127 @@ def test_trifuse_backend_fuses_inside_checkpoints_and_recomputes_the_same_dropou
         torch.testing.assert_close(p.grad, pr.grad, rtol=1e-4, atol=1e-5, msg=name)
     if has_op("bias_gelu"):
         assert trifuse.report(compiled).counts().get("bias_gelu") == 2
+
+
+class _RecordTargets:
+    """An Inductor post-grad pass that notes every op of the graphs it sees."""
+
+    def __init__(self):
+        self.targets = []
+
+    def __call__(self, graph):
+        self.targets += [str(n.target) for n in graph.nodes if n.op == "call_function"]
+
+    def uuid(self):
+        return None
+
+
+@pytest.mark.parametrize("choice", ["sdpa-math", "sdpa-cudnn"])
+def test_inductor_runs_what_the_attention_dialect_chose(monkeypatch, choice):
+    """backend="trifuse_inductor": a traced call has no dialect key, so the choice is made while
+    compiling, on stand-ins of the call's shapes, and an SDPA candidate's backend is forced while
+    AOTAutograd traces (its own aten op, forward and backward, in the compiled graph). On a CPU no
+    SDPA candidate is eligible; here the dialect is made to choose one: the math backend (not
+    the CPU's fused op; Inductor's attention patterns, which would fuse math's ops back into it,
+    off), or cuDNN's, which a CPU refuses while tracing: math runs, never a failed compile."""
+    from torch._inductor import config as inductor_config
+    from trifuse.autotune.dialects import Candidate
+    from trifuse.fusion import backend as B
+    from trifuse.kernels.attention import ATTENTION
+
+    chosen = Candidate(choice, lambda *a: None)
+    monkeypatch.setattr(ATTENTION, "candidates", (*ATTENTION.candidates, chosen))
+    monkeypatch.setattr(ATTENTION, "implementation", lambda *args: chosen.fn)
+    monkeypatch.setitem(B._SDPA_BACKENDS, "sdpa-math", "MATH")
+    monkeypatch.setattr(B, "_DIALECT_DEVICES", ("cuda", "cpu"))
+    record = _RecordTargets()
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _models.gpt2(layers=1)
+    ref, ref64 = copy.deepcopy(model), copy.deepcopy(model).double()
+    compiled = torch.compile(model, backend="trifuse_inductor")
+    kw = inputs(2, 8)
+    with inductor_config.patch(post_grad_custom_pre_pass=record, pattern_matcher=choice != "sdpa-math"):
+        names = trifuse_ops_run(lambda: loss_fn(compiled, kw).backward())
+    assert not any(n.startswith("trifuse::attention") for n in names), sorted(names)
+    assert any(n.startswith("trifuse::") for n in names)  # the rest of the block stays fused
+    if choice == "sdpa-math":
+        assert "aten._scaled_dot_product_flash_attention_for_cpu.default" not in record.targets
+        assert "aten.bmm.default" in record.targets
+    table = trifuse.report(compiled).table()
+    assert f"runs {choice}, the attention dialect's choice for (2, 2, 8, 16)" in table, table
+    model.zero_grad()
+    loss, lowp, loss64 = loss_fn(compiled, kw), loss_fn(ref, kw), loss_fn(ref64, _double(kw))
+    for value in (loss, lowp, loss64):
+        value.backward()
+    assert_close("loss", loss, loss64, lowp)
+    for (pname, p), p64, pr in zip(model.named_parameters(), ref64.parameters(), ref.parameters()):
+        assert_close(f"grad {pname}", p.grad, p64.grad, pr.grad)
+
+
+def test_inductor_traces_sdpa_as_cpus_fused_op_by_default():
+    """The control of the test above: unforced, AOTAutograd traces a CPU's SDPA into its fused op,
+    so the op's absence there says the forced backend took the call."""
+    from torch._inductor import config as inductor_config
+
+    record = _RecordTargets()
+    torch._dynamo.reset()
+    q, k, v = (torch.randn(2, 4, 8, 8, requires_grad=True) for _ in range(3))
+    f = torch.compile(lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
+                      backend="inductor")
+    with inductor_config.patch(post_grad_custom_pre_pass=record):
+        f(q, k, v).sum().backward()
+    assert "aten._scaled_dot_product_flash_attention_for_cpu.default" in record.targets, record.targets
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_inductor_asks_the_dialect_on_stand_ins_of_each_call(monkeypatch, name):
+    """The dialect itself, on stand-ins of the calls' values (BERT's: a broadcast bool mask): on a
+    CPU it keeps trifuse's op, and nothing fails on the way (a failure would be reported)."""
+    from trifuse.fusion import backend as B
+    from trifuse.kernels.attention import ATTENTION
+
+    asked, choosing = [], []
+    real, real_choice = ATTENTION.implementation, B.attention_as_chosen
+
+    def implementation(*args):
+        if choosing:  # not the op's own runs, which ask too
+            asked.append([(tuple(a.shape), a.stride(), a.dtype, a.requires_grad)
+                          if isinstance(a, torch.Tensor) else a for a in args])
+        return real(*args)
+
+    def attention_as_chosen(*args, **kwargs):
+        choosing.append(True)
+        try:
+            return real_choice(*args, **kwargs)
+        finally:
+            choosing.pop()
+
+    monkeypatch.setattr(ATTENTION, "implementation", implementation)
+    monkeypatch.setattr(B, "attention_as_chosen", attention_as_chosen)
+    monkeypatch.setattr(B, "_DIALECT_DEVICES", ("cuda", "cpu"))
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, inputs, loss_fn = MODELS[name]()
+    compiled = torch.compile(model, backend="trifuse_inductor")
+    names = trifuse_ops_run(lambda: loss_fn(compiled, inputs(2, 8)).backward())
+    assert any(n.startswith("trifuse::attention") for n in names)
+    assert len(asked) == 1, asked
+    q, k, v, mask = asked[0][:4]
+    assert q[0] == (2, 2, 8, 16) and q[3] and v[2] == torch.float32
+    if name == "bert":
+        assert mask[:3] == ((2, 1, 8, 8), (64, 64, 8, 1), torch.bool)  # transformers' padding mask
+    else:
+        assert mask is None  # the causal mask became is_causal
+    assert "no dialect choice" not in trifuse.report(compiled).table()
+
+
+def test_stand_ins_keep_shape_layout_and_broadcast():
+    from trifuse.fusion.backend import _stand_in
+
+    base = torch.randn(2, 8, 3, 4, 16).transpose(1, 3)[:, :, 0]  # a view of a fused QKV projection
+    mask = torch.ones(2, 1, 1, 8, dtype=torch.bool).expand(2, 1, 8, 8)
+    for value in (base.requires_grad_(False), mask, torch.zeros(1, 1, 8, 8, dtype=torch.float16)):
+        t = _stand_in(value)
+        assert (t.shape, t.stride(), t.dtype) == (value.shape, value.stride(), value.dtype)
+    assert bool(_stand_in(mask).all())
