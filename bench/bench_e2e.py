@@ -143,7 +143,8 @@ def run_one(name: str, provider: str, spec, steps: int, device: str, checkpointi
     elif provider == "torch.compile":
         model = torch.compile(model)
     elif provider.startswith("compile("):  # compile(backend=trifuse_inductor, mode=reduce-overhead)
-        model = torch.compile(model, **dict(kv.strip().split("=") for kv in provider[len("compile("):-1].split(",")))
+        kwargs = dict(kv.strip().split("=") for kv in provider[len("compile("):-1].split(","))
+        model = torch.compile(model, **kwargs)
     elif provider == "liger":  # Liger-Kernel's kernels patched into this model instance
         from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
 

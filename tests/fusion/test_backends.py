@@ -502,13 +502,13 @@ def test_inductor_runs_what_the_attention_dialect_chose(monkeypatch, choice):
 def test_inductor_traces_sdpa_as_cpus_fused_op_by_default():
     """The control of the test above: unforced, AOTAutograd traces a CPU's SDPA into its fused op,
     so the op's absence there says the forced backend took the call."""
+    import torch.nn.functional as F
     from torch._inductor import config as inductor_config
 
     record = _RecordTargets()
     torch._dynamo.reset()
     q, k, v = (torch.randn(2, 4, 8, 8, requires_grad=True) for _ in range(3))
-    f = torch.compile(lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
-                      backend="inductor")
+    f = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), backend="inductor")
     with inductor_config.patch(post_grad_custom_pre_pass=record):
         f(q, k, v).sum().backward()
     assert "aten._scaled_dot_product_flash_attention_for_cpu.default" in record.targets, record.targets
