@@ -143,8 +143,7 @@ def run_one(name: str, provider: str, spec, steps: int, device: str, checkpointi
     elif provider == "torch.compile":
         model = torch.compile(model)
     elif provider.startswith("compile("):  # compile(backend=trifuse_inductor, mode=reduce-overhead)
-        kwargs = dict(kv.strip().split("=") for kv in provider[len("compile("):-1].split(","))
-        model = torch.compile(model, **kwargs)
+        model = torch.compile(model, **compile_kwargs(provider))
     elif provider == "liger":  # Liger-Kernel's kernels patched into this model instance
         from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
 
@@ -283,6 +282,17 @@ def plot_tokens_per_second(rows: list[dict], path) -> None:
     plt.close(fig)
 
 
+def split_providers(text: str) -> list[str]:
+    """--providers' names: split at the commas outside parentheses, which a provider's keyword
+    arguments use (`compile(backend=trifuse_inductor, mode=reduce-overhead)`)."""
+    return [p.strip() for p in re.split(r",(?![^()]*\))", text) if p.strip()]
+
+
+def compile_kwargs(provider: str) -> dict[str, str]:
+    """`compile(backend=X, mode=Y)` -> {"backend": "X", "mode": "Y"}: torch.compile's arguments."""
+    return dict(kv.strip().split("=", 1) for kv in provider[len("compile("):-1].split(",") if kv.strip())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--compile", action="store_true", help="also time torch.compile (minutes of compile)")
@@ -292,7 +302,7 @@ def main() -> None:
     ap.add_argument("--grad-ckpt", action="store_true", help="with transformers' gradient checkpointing on")
     ap.add_argument("--providers", default="", help="comma-separated subset of the providers (default: all)")
     args = ap.parse_args()
-    chosen = {p.strip() for p in re.split(r",(?![^()]*\))", args.providers) if p.strip()}  # not inside (...)
+    chosen = set(split_providers(args.providers))
     rows = []
     for name in args.models.split(","):
         point = []
@@ -356,6 +366,16 @@ def test_e2e_smoke_with_gradient_checkpointing():
     assert "grad ckpt" in row["model"] and "sdpa" in row["fused"]
     assert row["tokens/s"] > 0
     assert row["top kernels"] and all(k["ms"] > 0 for k in row["top kernels"])
+
+
+def test_providers_with_compile_arguments():
+    names = "eager-sdpa,compile(backend=trifuse_inductor, mode=reduce-overhead),compile(mode=reduce-overhead)"
+    assert split_providers(names) == ["eager-sdpa", "compile(backend=trifuse_inductor, mode=reduce-overhead)",
+                                      "compile(mode=reduce-overhead)"]
+    assert compile_kwargs("compile(backend=trifuse_inductor, mode=reduce-overhead)") == {
+        "backend": "trifuse_inductor", "mode": "reduce-overhead"}
+    assert compile_kwargs("compile(backend=trifuse)") == {"backend": "trifuse"}
+    assert set(split_providers(names)) <= set(providers(True)) | {"eager-sdpa"}
 
 
 def test_e2e_tables_and_plot(tmp_path):
