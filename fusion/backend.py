@@ -225,9 +225,9 @@ def trifuse_inductor_backend(gm: fx.GraphModule, example_inputs: list[Any], mode
 
     work = _rewrite(gm, example_inputs, "backend=trifuse_inductor")
     capture = work.meta["trifuse_capture"]
-    if work is not gm:
-        attention_as_chosen(work, capture.log, graphed=mode == "reduce-overhead")
     config = {**(list_mode_options(mode) if mode else {}), **(options or {})}
+    if work is not gm:  # CUDA graphs: "reduce-overhead", "max-autotune", or the option itself
+        attention_as_chosen(work, capture.log, graphed=bool(config.get("triton.cudagraphs", False)))
     config["post_grad_custom_post_pass"] = _keyed_on_trifuse(
         config.get("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass))
     try:
@@ -293,8 +293,8 @@ def attention_as_chosen(gm: fx.GraphModule, log: Any, graphed: bool = False) -> 
     9.4). The choice is made here, once per call site, on stand-ins of the call's shapes, dtypes,
     layouts and flags; an SDPA candidate becomes `sdpa_preferring(name)`, flash-attn, xformers and
     trifuse stay trifuse's op (Inductor keeps it opaque). CUDA values only: elsewhere trifuse's
-    kernels are the only candidate. `graphed`: the graph replays from CUDA graphs (mode=
-    "reduce-overhead"), so the choice is by GPU time in a graph. Returns how many calls changed."""
+    kernels are the only candidate. `graphed`: the graph replays from CUDA graphs (Inductor's
+    `triton.cudagraphs`), so the choice is by GPU time in a graph. Returns how many calls changed."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     from ..autotune import dialects

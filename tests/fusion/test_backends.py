@@ -565,3 +565,18 @@ def test_stand_ins_keep_shape_layout_and_broadcast():
         t = _stand_in(value)
         assert (t.shape, t.stride(), t.dtype) == (value.shape, value.stride(), value.dtype)
     assert bool(_stand_in(mask).all())
+
+
+@pytest.mark.parametrize("mode, options, graphed", [
+    (None, None, False), ("reduce-overhead", None, True), (None, {"triton.cudagraphs": True}, True)])
+def test_inductor_chooses_attention_by_graph_time_under_cuda_graphs(monkeypatch, mode, options, graphed):
+    """Inductor's CUDA graphs hide the host paths: the attention choice is then by GPU time in a
+    graph (the dialect's graphed choices), otherwise by wall time."""
+    from trifuse.fusion import backend as B
+
+    seen = []
+    monkeypatch.setattr(B, "attention_as_chosen", lambda gm, log, graphed=False: seen.append(graphed))
+    torch._dynamo.reset()
+    model = torch.nn.Linear(4, 4)
+    torch.compile(model, backend="trifuse_inductor", mode=mode, options=options)(torch.randn(2, 4))
+    assert seen == [graphed]
