@@ -1061,6 +1061,7 @@ def constant_masks(graph: fx.Graph) -> int:
     compiles a new graph); a size that is a symbol (`dynamic=True`) is a placeholder, and the mask
     stays. Returns how many calls changed."""
     from ..kernels.attention import attention
+    from .match import _ancestors
 
     memo: dict[fx.Node, Any] = {}
     changed = 0
@@ -1092,21 +1093,11 @@ def constant_masks(graph: fx.Graph) -> int:
         changed += 1
     for mask in masks:  # what computed the masks, where nothing else reads it (pure, by _constant)
         if not mask.users:
-            above = _ancestors(mask)
+            above = _ancestors(mask) | {mask}
             for n in reversed([n for n in graph.nodes if n in above]):
                 if not n.users:
                     graph.erase_node(n)
     return changed
-
-
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    found, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n not in found:
-            found.add(n)
-            stack.extend(n.all_input_nodes)
-    return found
 
 
 def _value(arg: Any) -> Any:

@@ -37,6 +37,19 @@ def _double(kw):
     return {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in kw.items()}
 
 
+def _trains_like_eager(model, compiled, ref, ref64, loss_fn, kw) -> None:
+    """One more step of `compiled` (`model` compiled) against copies of the model taken before:
+    loss and every gradient by the oracle rule (float64 `ref64`, the dtype's own `ref`)."""
+    model.zero_grad()
+    loss, lowp, loss64 = loss_fn(compiled, kw), loss_fn(ref, kw), loss_fn(ref64, _double(kw))
+    for value in (loss, lowp, loss64):
+        value.backward()
+    assert_close("loss", loss, loss64, lowp)
+    for (pname, p), p64, pr in zip(model.named_parameters(), ref64.parameters(), ref.parameters()):
+        if p64.grad is not None:
+            assert_close(f"grad {pname}", p.grad, p64.grad, pr.grad)
+
+
 @pytest.mark.parametrize("backend", ["trifuse", "trifuse_inductor"])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_backend_matches_eager(name, backend):
@@ -46,14 +59,7 @@ def test_backend_matches_eager(name, backend):
     compiled = torch.compile(model, backend=backend)
     kw = inputs(2, 8)
     names = trifuse_ops_run(lambda: loss_fn(compiled, kw).backward())
-    model.zero_grad()
-    loss, lowp, loss64 = loss_fn(compiled, kw), loss_fn(ref, kw), loss_fn(ref64, _double(kw))
-    for value in (loss, lowp, loss64):
-        value.backward()
-    assert_close("loss", loss, loss64, lowp)
-    for (pname, p), p64, pr in zip(model.named_parameters(), ref64.parameters(), ref.parameters()):
-        if p64.grad is not None:
-            assert_close(f"grad {pname}", p.grad, p64.grad, pr.grad)
+    _trains_like_eager(model, compiled, ref, ref64, loss_fn, kw)
     counts = trifuse.report(compiled).counts()
     for family in EXPECTED[name]:
         if has_op(FAMILY_OPS[family]):
@@ -490,13 +496,7 @@ def test_inductor_runs_what_the_attention_dialect_chose(monkeypatch, choice):
         assert "aten.bmm.default" in record.targets
     table = trifuse.report(compiled).table()
     assert f"runs {choice}, the attention dialect's choice for (2, 2, 8, 16)" in table, table
-    model.zero_grad()
-    loss, lowp, loss64 = loss_fn(compiled, kw), loss_fn(ref, kw), loss_fn(ref64, _double(kw))
-    for value in (loss, lowp, loss64):
-        value.backward()
-    assert_close("loss", loss, loss64, lowp)
-    for (pname, p), p64, pr in zip(model.named_parameters(), ref64.parameters(), ref.parameters()):
-        assert_close(f"grad {pname}", p.grad, p64.grad, pr.grad)
+    _trains_like_eager(model, compiled, ref, ref64, loss_fn, kw)
 
 
 def test_inductor_traces_sdpa_as_cpus_fused_op_by_default():

@@ -125,6 +125,19 @@ def test_a_mask_read_elsewhere_stays_for_its_other_reader():
     torch.testing.assert_close(out, model(*args)[0])
 
 
+def _compiled_by_trifuse(model):
+    """`model` compiled by backend="trifuse"'s own rewrite, and the list its graphs go to."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        work = _rewrite(gm, example_inputs, "backend=trifuse", eager=True)
+        graphs.append(work.graph)
+        return work.forward
+
+    torch._dynamo.reset()
+    return torch.compile(model, backend=backend), graphs
+
+
 def _attention_calls(graph):
     return [(n.args[3], n.args[5]) for n in graph.nodes
             if n.op == "call_function" and n.target in (F.scaled_dot_product_attention, attention)]
@@ -139,16 +152,8 @@ def test_gpt2_under_compile_attends_causally_without_its_mask(attn_implementatio
     torch.manual_seed(0)
     model, inputs, loss_fn = _models.gpt2(layers=2, attn_implementation=attn_implementation)
     ref, ref64 = copy.deepcopy(model), copy.deepcopy(model).double()
-    graphs = []
-
-    def backend(gm, example_inputs):
-        work = _rewrite(gm, example_inputs, "backend=trifuse", eager=True)
-        graphs.append(work.graph)
-        return work.forward
-
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend=backend)
     kw = inputs(2, 9)
+    compiled, graphs = _compiled_by_trifuse(model)
     loss, lowp, loss64 = loss_fn(compiled, kw), loss_fn(ref, kw), loss_fn(ref64, kw)
     calls = [c for g in graphs for c in _attention_calls(g)]
     assert calls == [(None, True)] * 2
@@ -163,14 +168,7 @@ def test_bert_keeps_its_padding_mask():
     """BERT's mask comes from the attention_mask input: data, so it stays."""
     torch.manual_seed(0)
     model, inputs, loss_fn = _models.bert(layers=1)
-    graphs = []
-
-    def backend(gm, example_inputs):
-        work = _rewrite(gm, example_inputs, "backend=trifuse", eager=True)
-        graphs.append(work.graph)
-        return work.forward
-
-    torch._dynamo.reset()
-    loss_fn(torch.compile(model, backend=backend), inputs(2, 9))
+    compiled, graphs = _compiled_by_trifuse(model)
+    loss_fn(compiled, inputs(2, 9))
     calls = [c for g in graphs for c in _attention_calls(g)]
     assert calls and all(mask is not None and causal is False for mask, causal in calls)
