@@ -15,6 +15,13 @@ def tuning_requested() -> bool:
     return os.environ.get("TRIFUSE_AUTOTUNE", "1") != "0"
 
 
+def direct_ops_requested() -> bool:
+    """False when TRIFUSE_DIRECT_OPS=0: the graphs Inductor compiles call the registered trifuse
+    ops themselves instead of their direct twins (fusion/backend.py, `direct_ops`): to measure
+    what the twins save, or to rule them out."""
+    return os.environ.get("TRIFUSE_DIRECT_OPS", "1") != "0"
+
+
 def attention_tma_requested() -> bool:
     """TRIFUSE_ATTENTION_TMA=1: the attention forward may load through tensor descriptors (TMA)
     on sm_90+; its configs join the tuner's list (opt-in until measured on a GPU)."""

@@ -18,6 +18,7 @@ in the log and the JSON); and a bar plot of tokens/s (e2e.png).
 import argparse
 import collections
 import gc
+import os
 import re
 import time
 
@@ -143,6 +144,7 @@ def run_one(name: str, provider: str, spec, steps: int, device: str, checkpointi
     elif provider == "torch.compile":
         model = torch.compile(model)
     elif provider.startswith("compile("):  # compile(backend=trifuse_inductor, mode=reduce-overhead)
+        torch._dynamo.reset()  # a graph another provider compiled (another env) is not reused
         model = torch.compile(model, **compile_kwargs(provider))
     elif provider == "liger":  # Liger-Kernel's kernels patched into this model instance
         from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
@@ -240,6 +242,8 @@ def providers(compile_: bool, kind: str = "gpt2") -> list[str]:
     out = ["eager-sdpa", "trifuse.fuse", "trifuse.fuse(skip_logits)", "trifuse.fuse(cuda_graphs)"]
     if compile_:
         out += ["torch.compile", "compile(backend=trifuse)", "compile(backend=trifuse_inductor)",
+                # the same graphs calling the registered trifuse ops: what their direct twins save
+                "compile(backend=trifuse_inductor, direct=0)",
                 # Inductor's CUDA graphs against trifuse + Inductor's: the host paths gone on both sides
                 "compile(mode=reduce-overhead)", "compile(backend=trifuse_inductor, mode=reduce-overhead)"]
     # Last: Liger patches transformers' Llama module globally (its RoPE function and norm class),
@@ -289,8 +293,19 @@ def split_providers(text: str) -> list[str]:
 
 
 def compile_kwargs(provider: str) -> dict[str, str]:
-    """`compile(backend=X, mode=Y)` -> {"backend": "X", "mode": "Y"}: torch.compile's arguments."""
-    return dict(kv.strip().split("=", 1) for kv in provider[len("compile("):-1].split(",") if kv.strip())
+    """`compile(backend=X, mode=Y)` -> {"backend": "X", "mode": "Y"}: torch.compile's arguments
+    (`direct=0`, trifuse_inductor's graphs calling the registered ops, is the environment's)."""
+    pairs = dict(kv.strip().split("=", 1) for kv in provider[len("compile("):-1].split(",") if kv.strip())
+    pairs.pop("direct", None)
+    return pairs
+
+
+def provider_env(provider: str) -> dict[str, str]:
+    """The environment a provider runs under: `compile(..., direct=0)` sets TRIFUSE_DIRECT_OPS=0
+    (trifuse_inductor's graphs call the registered ops instead of their direct twins)."""
+    if provider.startswith("compile(") and "direct=0" in provider.replace(" ", ""):
+        return {"TRIFUSE_DIRECT_OPS": "0"}
+    return {}
 
 
 def main() -> None:
@@ -309,10 +324,16 @@ def main() -> None:
         for provider in providers(args.compile, MODELS[name][0]):
             if chosen and provider not in chosen:
                 continue
+            env = provider_env(provider)
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
             try:
                 row = run_one(name, provider, MODELS[name], args.steps, "cuda", args.grad_ckpt)
             except Exception as e:  # noqa: BLE001  (report the failure, keep measuring the rest)
                 row = {"model": name, "provider": provider, "fused": f"{type(e).__name__}: {str(e)[:150]}"}
+            finally:
+                for k, v in saved.items():
+                    os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
             H._print_row(row)  # each provider's numbers reach the log as soon as they exist
             point.append(row)
             torch.cuda.empty_cache()
@@ -375,6 +396,9 @@ def test_providers_with_compile_arguments():
     assert compile_kwargs("compile(backend=trifuse_inductor, mode=reduce-overhead)") == {
         "backend": "trifuse_inductor", "mode": "reduce-overhead"}
     assert compile_kwargs("compile(backend=trifuse)") == {"backend": "trifuse"}
+    assert compile_kwargs("compile(backend=trifuse_inductor, direct=0)") == {"backend": "trifuse_inductor"}
+    assert provider_env("compile(backend=trifuse_inductor, direct=0)") == {"TRIFUSE_DIRECT_OPS": "0"}
+    assert provider_env("compile(backend=trifuse_inductor)") == provider_env("trifuse.fuse") == {}
     assert set(split_providers(names)) <= set(providers(True)) | {"eager-sdpa"}
 
 

@@ -120,9 +120,13 @@
 #   now evaluated while compiling and becomes is_causal (normalize.constant_masks); and
 #   trifuse_inductor ran trifuse's attention whatever the dialect chose (17.0 ms a BERT step where
 #   cuDNN took 9.4): the choice is now made while compiling (backend.attention_as_chosen). Next:
-#   call 1 `e2e-compile e2e-compile-bert` (~4 min: did both gaps close?), call 2 at once
+#   call 1 `e2e-compile e2e-compile-bert` (~5 min: did both gaps close?), call 2 at once
 #   `e2e-compile-graphs autocast` (~4 min: Inductor's CUDA graphs on both sides; the autocast test
 #   fixed for graph replays).
+#   Sixty-third session (2026-12-05, no GPU): trifuse_inductor's graphs call each op's direct twin
+#   (backend.direct_ops), not the registered op: on this CPU 13 µs less a call, a 24-block GPT-2
+#   proxy step's host 48.5 -> 35.2 ms (Inductor alone 16.9). The compile stages now time
+#   `compile(backend=trifuse_inductor, direct=0)` beside it: what the twins save on the H100.
 #   Later sessions, one or two calls each: `e2e-compile` (issue 6's 1.15x over torch.compile and
 #   its compile time: never run on the H200), `kernels` (the remaining memory-bound ops), `tma
 #   dialects`, `e2e-ckpt` (gradient checkpointing on), `e2e-llama` (Llama 3.2 1B's shape against
@@ -175,6 +179,10 @@ save() {  # everything so far into $OUT/session.tgz, after every stage: a call c
 } > "$LOGS/device.txt" 2>&1
 cat "$LOGS/device.txt"
 
+# The compile stages' providers; the last: trifuse_inductor's graphs calling the registered ops
+# instead of their direct twins (what the twins save).
+COMPILE_PROVIDERS="eager-sdpa,torch.compile,compile(backend=trifuse),compile(backend=trifuse_inductor)"
+COMPILE_PROVIDERS+=",compile(backend=trifuse_inductor, direct=0)"
 for what in "$@"; do
     case $what in
         tests)  # what only a GPU shows: bf16 compiled (CPU runs it interpreted), Triton 3.6 natively, gpu tests.
@@ -247,11 +255,11 @@ for what in "$@"; do
                       # (E2E_COMPILE_LIMIT: the stage's seconds, to fit what is left of the budget)
             stage bench-e2e-compile "${E2E_COMPILE_LIMIT:-540}" python3 bench/bench_e2e.py --steps 6 --models gpt2-medium --compile \
                 --suffix compile \
-                --providers "eager-sdpa,torch.compile,compile(backend=trifuse),compile(backend=trifuse_inductor)" ;;
-        e2e-compile-bert)  # the same four providers on BERT-large (~100 s on the H100, 2026-12-05)
+                --providers "$COMPILE_PROVIDERS" ;;
+        e2e-compile-bert)  # the same providers on BERT-large (~100 s on the H100, 2026-12-05)
             stage bench-e2e-compile-bert "${E2E_COMPILE_LIMIT:-300}" python3 bench/bench_e2e.py --steps 6 --models bert-large \
                 --compile --suffix bert-compile \
-                --providers "eager-sdpa,torch.compile,compile(backend=trifuse),compile(backend=trifuse_inductor)" ;;
+                --providers "$COMPILE_PROVIDERS" ;;
         e2e-compile-graphs)  # Inductor's CUDA graphs (mode="reduce-overhead") with and without trifuse, both models
             stage bench-e2e-compile-graphs "${E2E_COMPILE_LIMIT:-300}" python3 bench/bench_e2e.py --steps 6 \
                 --models gpt2-medium,bert-large --compile --suffix compile-graphs \

@@ -15,9 +15,10 @@ take their thin eager path at run time.
 `trifuse_inductor`: the same rewrite, then `torch._inductor.compile_fx` on the rewritten graph.
 AOTAutograd traces the public functions into the registered `trifuse::` custom ops (their fake
 and autograd implementations), which Inductor keeps opaque: the trifuse kernels run forward and
-backward, Inductor generates everything around them. With `mode="reduce-overhead"` the graph is
-replayed by CUDA graphs: the ops draw their dropout seeds on the device (no host sync), so every
-replay draws fresh masks.
+backward, Inductor generates everything around them; the compiled graphs call each op's direct
+twin (`direct_ops`: its body, without the registered op's Python layers). With
+`mode="reduce-overhead"` the graph is replayed by CUDA graphs: the ops draw their dropout seeds on
+the device (no host sync), so every replay draws fresh masks.
 
 `trifuse.report(compiled_model)` lists what each backend replaced in the graphs holding that
 model's parameters, and in the graphs compiled while one of the model's calls was running (the
@@ -42,6 +43,7 @@ import torch
 from torch import fx
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..autotune.env import direct_ops_requested
 from ..patterns import PATTERNS
 from .capture import Capture, rewrite_checkpoints
 from .dtensor_calls import recompile
@@ -190,7 +192,8 @@ def source_hash(root: Path = Path(__file__).resolve().parent.parent) -> str:
 
 
 def _keyed_on_trifuse(current: Any) -> Any:
-    """A post-grad pass for Inductor's config that keys its caches on trifuse's source as well.
+    """A post-grad pass for Inductor's config that keys its caches on trifuse's source as well,
+    and has the graph call the trifuse ops' direct twins (`call_directly`).
 
     Inductor's FX-graph and AOTAutograd caches key a graph on its code, which names a custom op
     but not what its fake implementation returns: after an upgrade that changes a trifuse op's
@@ -202,16 +205,76 @@ def _keyed_on_trifuse(current: Any) -> Any:
 
     inner = () if current is None else tuple(current) if isinstance(current, (list, tuple)) else (current,)
 
+    direct = direct_ops_requested()
+
     class KeyedOnTrifuse(CustomGraphPass):
         def __call__(self, graph: fx.Graph) -> None:
+            if direct:
+                call_directly(graph)
             for run in inner:
                 run(graph)
 
         def uuid(self) -> Any:
             keys = [p.uuid() if isinstance(p, CustomGraphPass) else None for p in inner]
-            return None if None in keys else ("trifuse", source_hash(), *keys)
+            return None if None in keys else ("trifuse", source_hash(), direct, *keys)
 
     return KeyedOnTrifuse()
+
+
+# The namespace of the registered ops' direct twins: `trifuse_direct::layer_norm` is
+# `trifuse::layer_norm` without the layers around its body.
+DIRECT_NAMESPACE = "trifuse_direct"
+_DIRECT_LIB: torch.library.Library | None = None
+_DIRECT: dict[Any, Any] = {}  # trifuse op overload -> its twin's
+
+
+def direct_ops() -> dict[Any, Any]:
+    """{registered trifuse op: its direct twin}, the twins defined on first use (and as ops are
+    registered later).
+
+    Inductor's compiled forward and backward run with autograd off, yet a call of a
+    `torch.library.custom_op` still passes its Python autograd kernel (which finds nothing to
+    record and redispatches), Dynamo's disable wrapper and a check that no output aliases an
+    input before it reaches its body: 13 of a LayerNorm call's 30 µs on a 2-core CPU with the
+    launch stubbed (bench/norm_host_proxy.py), per call of every trifuse op in the graph. A twin
+    has the op's schema and tags, the op's body as its kernel for every backend
+    (CompositeExplicitAutograd) and the op's fake; no autograd kernel, so the dispatcher's
+    fallback (C++) passes it through. Only graphs AOTAutograd has already differentiated may
+    call one: the post-grad graphs of `call_directly`. An op with per-device kernels
+    (`register_kernel`), or a torch whose custom ops keep their parts elsewhere, gets none."""
+    global _DIRECT_LIB
+    try:
+        from torch._library.custom_ops import OPDEFS
+    except ImportError:
+        return _DIRECT
+    for qualname, opdef in list(OPDEFS.items()):
+        namespace, name = qualname.split("::", 1)
+        try:
+            op, body, fake, schema = opdef._opoverload, opdef._init_fn, opdef._abstract_fn, opdef._schema
+            per_device = list(opdef._backend_fns) != [None]
+        except AttributeError:
+            continue
+        if namespace != "trifuse" or op in _DIRECT or per_device or body is None or fake is None:
+            continue
+        if _DIRECT_LIB is None:
+            _DIRECT_LIB = torch.library.Library(DIRECT_NAMESPACE, "FRAGMENT")
+        _DIRECT_LIB.define(name + schema, tags=tuple(op.tags))
+        _DIRECT_LIB.impl(name, body, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"{DIRECT_NAMESPACE}::{name}", fake, lib=_DIRECT_LIB)
+        _DIRECT[op] = getattr(getattr(torch.ops, DIRECT_NAMESPACE), name).default
+    return _DIRECT
+
+
+def call_directly(graph: fx.Graph) -> int:
+    """Each call of a registered trifuse op in a post-grad graph retargeted to its direct twin
+    (`direct_ops`): the same body and outputs, less host time a call. Returns how many."""
+    twins = direct_ops()
+    changed = 0
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in twins:
+            node.target = twins[node.target]
+            changed += 1
+    return changed
 
 
 def trifuse_inductor_backend(gm: fx.GraphModule, example_inputs: list[Any], mode: str | None = None,
@@ -230,6 +293,8 @@ def trifuse_inductor_backend(gm: fx.GraphModule, example_inputs: list[Any], mode
         attention_as_chosen(work, capture.log, graphed=bool(config.get("triton.cudagraphs", False)))
     config["post_grad_custom_post_pass"] = _keyed_on_trifuse(
         config.get("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass))
+    if direct_ops_requested():
+        direct_ops()  # before compile_fx: code from Inductor's caches may call the twins
     try:
         compiled = compile_fx(work, example_inputs, config_patches=config)
         return counted(compiled, capture, example_inputs)

@@ -1131,9 +1131,9 @@ def _layer_norm_backward_op(
         is_rms_norm=is_rms_norm, ds=ds,
         p=p, seed=seed, store_dresidual=store_dresidual,
     )
-    # A custom op's outputs may not alias: dresidual is empty unless stored apart, and the three
-    # vectors (views of one partial-sum buffer on the eager path) are copied.
-    return dx, (dr if store_dresidual else dx.new_empty(0)), dw, db.clone(), dxb.clone()
+    # A custom op's outputs may not alias: dresidual is empty unless stored apart (else it is dx).
+    # The three vectors are buffers of their own on both paths.
+    return dx, (dr if store_dresidual else dx.new_empty(0)), dw, db, dxb
 
 
 @_layer_norm_op.register_fake

@@ -15,7 +15,7 @@ import pytest
 import torch
 import trifuse
 from _device import ON_GPU
-from _fusing import FAMILY_OPS, has_op, needs_ops, trifuse_ops_run
+from _fusing import FAMILY_OPS, has_op, needs_ops, op_names, trifuse_ops_run
 from tolerances import assert_close
 
 MODELS = {
@@ -385,7 +385,7 @@ def test_inductor_caches_are_keyed_on_trifuse_source(monkeypatch, user_pass):
     keyed = seen[0]["post_grad_custom_post_pass"]
     assert isinstance(keyed, CustomGraphPass)
     if user_pass != "unkeyed":
-        assert keyed.uuid() == ("trifuse", backend.source_hash(), *(["user-1"] if configured else []))
+        assert keyed.uuid() == ("trifuse", backend.source_hash(), True, *(["user-1"] if configured else []))
     else:
         assert keyed.uuid() is None  # Inductor bypasses its caches, as for the user's pass alone
     if configured is not None:  # chained (Inductor runs no pass when its cache hits, so call it here)
@@ -580,3 +580,62 @@ def test_inductor_chooses_attention_by_graph_time_under_cuda_graphs(monkeypatch,
     model = torch.nn.Linear(4, 4)
     torch.compile(model, backend="trifuse_inductor", mode=mode, options=options)(torch.randn(2, 4))
     assert seen == [graphed]
+
+
+def _compiled_run(monkeypatch, direct: str):
+    """One training step of a one-block GPT-2 with dropout, through backend="trifuse_inductor"
+    with TRIFUSE_DIRECT_OPS=`direct`: (the names of the ops it ran, its loss and gradients)."""
+    monkeypatch.setenv("TRIFUSE_DIRECT_OPS", direct)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _models.gpt2(dropout=0.1, layers=1)
+    compiled = torch.compile(model.train(), backend="trifuse_inductor")
+    kw = inputs(2, 8)
+    loss_fn(compiled, kw).backward()  # compiles the forward and backward graphs
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        loss = loss_fn(compiled, kw)
+        loss.backward()
+    return set(op_names(prof)), [loss.detach(), *(p.grad for p in model.parameters())]
+
+
+def test_inductor_graphs_call_the_ops_direct_twins(monkeypatch):
+    """Inductor's compiled forward and backward call each trifuse op's direct twin (the same body
+    without the registered op's Python autograd and checking layers, which only cost host time
+    there), and compute bitwise what the registered ops compute, dropout masks included. With
+    TRIFUSE_DIRECT_OPS=0 the graphs call the registered ops."""
+    names, values = _compiled_run(monkeypatch, "1")
+    registered_names, registered_values = _compiled_run(monkeypatch, "0")
+    twins = {n.split("::")[1] for n in names if n.startswith("trifuse_direct::")}
+    ops = {n.split("::")[1] for n in registered_names if n.startswith("trifuse::")}
+    expected = {"attention", "attention_backward", "dropout_add_layer_norm", "layer_norm_backward",
+                "bias_gelu"}
+    assert expected <= ops, " ".join(sorted(ops))
+    assert twins == ops, (twins, ops)
+    assert not any(n.startswith("trifuse::") for n in names), sorted(n for n in names if "trifuse" in n)
+    assert not any(n.startswith("trifuse_direct::") for n in registered_names)
+    for got, want in zip(values, registered_values, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_every_registered_op_has_a_direct_twin():
+    """Same schema and tags as the op; the same outputs, and the same fake."""
+    from torch._library.custom_ops import OPDEFS
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from trifuse.fusion.backend import DIRECT_NAMESPACE, direct_ops
+
+    twins = direct_ops()
+    ops = {d._opoverload for q, d in OPDEFS.items() if q.startswith("trifuse::")}
+    assert len(ops) > 30 and set(twins) == ops
+    for op, twin in twins.items():
+        assert str(twin._schema) == str(op._schema).replace("trifuse::", f"{DIRECT_NAMESPACE}::", 1)
+        assert twin.tags == op.tags
+    op = torch.ops.trifuse.layer_norm.default
+    args = (torch.randn(3, 5, 24), [24], torch.randn(24), torch.randn(24), 1e-5)
+    for got, want in zip(twins[op](*args), op(*args), strict=True):
+        assert torch.equal(got, want)
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        got, want = twins[op](*fake), op(*fake)
+    assert [(t.shape, t.dtype) for t in got] == [(t.shape, t.dtype) for t in want]
