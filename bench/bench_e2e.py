@@ -244,6 +244,8 @@ def providers(compile_: bool, kind: str = "gpt2") -> list[str]:
         out += ["torch.compile", "compile(backend=trifuse)", "compile(backend=trifuse_inductor)",
                 # the same graphs calling the registered trifuse ops: what their direct twins save
                 "compile(backend=trifuse_inductor, direct=0)",
+                # Dynamo alone (its graphs run as captured): its share of backend=trifuse's set-up
+                "compile(backend=eager)",
                 # Inductor's CUDA graphs against trifuse + Inductor's: the host paths gone on both sides
                 "compile(mode=reduce-overhead)", "compile(backend=trifuse_inductor, mode=reduce-overhead)"]
     # Last: Liger patches transformers' Llama module globally (its RoPE function and norm class),

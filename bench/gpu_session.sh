@@ -253,9 +253,10 @@ for what in "$@"; do
                       # compile(backend=trifuse_inductor), each with its compile time as set-up s
                       # (torch.compile took 69 s there on the H100); one call of its own
                       # (E2E_COMPILE_LIMIT: the stage's seconds, to fit what is left of the budget)
+            # (compile(backend=eager): Dynamo's share of backend=trifuse's set-up)
             stage bench-e2e-compile "${E2E_COMPILE_LIMIT:-540}" python3 bench/bench_e2e.py --steps 6 --models gpt2-medium --compile \
                 --suffix compile \
-                --providers "$COMPILE_PROVIDERS" ;;
+                --providers "$COMPILE_PROVIDERS,compile(backend=eager)" ;;
         e2e-compile-bert)  # the same providers on BERT-large (~100 s on the H100, 2026-12-05)
             stage bench-e2e-compile-bert "${E2E_COMPILE_LIMIT:-300}" python3 bench/bench_e2e.py --steps 6 --models bert-large \
                 --compile --suffix bert-compile \
