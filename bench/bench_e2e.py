@@ -189,6 +189,23 @@ def run_one(name: str, provider: str, spec, steps: int, device: str, checkpointi
     return row
 
 
+# Each GPU kernel's kind, by its name (first match): where two providers' device times differ.
+KERNEL_KINDS = (
+    ("attention", re.compile(r"sdpa|flash|fmha|_attn_|attention", re.I)),
+    ("matmul", re.compile(r"nvjet|gemm|cutlass|xmma|cublas|sm\d\d_", re.I)),
+    ("optimizer", re.compile(r"multi_tensor_apply")),
+    ("Inductor's Triton", re.compile(r"^triton_")),
+    ("trifuse's Triton", re.compile(r"^_\w+$")),  # trifuse's kernels: `_layer_norm_fwd_kernel`, ...
+    ("aten elementwise, copies", re.compile(r"elementwise|vectorized|copy|fill|unrolled", re.I)),
+    ("aten reductions", re.compile(r"reduce|softmax|norm|nll|cross_entropy", re.I)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """The KERNEL_KINDS entry a kernel's name matches first, else "other"."""
+    return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(name)), "other")
+
+
 def profile_step(model, opt, data, gpu: bool, top: int = 12) -> tuple[list[dict], float, float]:
     """One more step under torch.profiler: the `top` kernels by self device time (on a CPU, the
     ops by self CPU time), how busy the device was over the step's wall time (device time /
@@ -216,6 +233,14 @@ def profile_step(model, opt, data, gpu: bool, top: int = 12) -> tuple[list[dict]
     ranked = sorted(events, key=self_time, reverse=True)[:top]
     rows = [{"name": e.key[:90], "calls": e.count, "ms": self_time(e) / 1e3,
              "% of device time": 100 * self_time(e) / total if total else float("nan")} for e in ranked]
+    if gpu:  # then every kernel by kind (the top ones leave a provider's small kernels out)
+        kinds: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
+        for e in events:
+            entry = kinds[kernel_kind(e.key)]
+            entry[0] += e.count
+            entry[1] += self_time(e)
+        rows += [{"name": f"all {kind}", "calls": n, "ms": us / 1e3, "% of device time": 100 * us / total}
+                 for kind, (n, us) in sorted(kinds.items(), key=lambda kv: -kv[1][1])]
     busy = 100 * total / 1e6 / wall if gpu and wall > 0 else float("nan")
     return rows, busy, total / 1e3 if gpu else float("nan")
 
@@ -402,6 +427,22 @@ def test_providers_with_compile_arguments():
     assert provider_env("compile(backend=trifuse_inductor, direct=0)") == {"TRIFUSE_DIRECT_OPS": "0"}
     assert provider_env("compile(backend=trifuse_inductor)") == provider_env("trifuse.fuse") == {}
     assert set(split_providers(names)) <= set(providers(True)) | {"eager-sdpa"}
+
+
+def test_kernel_kinds():
+    names = {
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26": "attention",
+        "_attn_bwd_dkdv_kernel": "attention",
+        "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_bias_NNT": "matmul",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "matmul",
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::": "optimizer",
+        "triton_per_fused__to_copy_add_native_dropout_native_layer_norm_4": "Inductor's Triton",
+        "_layer_norm_bwd_kernel": "trifuse's Triton",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::BFloat16": "aten elementwise, copies",
+        "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float": "aten reductions",
+        "Memset (Device)": "other",
+    }
+    assert {name: kernel_kind(name) for name in names} == names
 
 
 def test_e2e_tables_and_plot(tmp_path):
