@@ -639,3 +639,36 @@ def test_every_registered_op_has_a_direct_twin():
         fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
         got, want = twins[op](*fake), op(*fake)
     assert [(t.shape, t.dtype) for t in got] == [(t.shape, t.dtype) for t in want]
+
+
+WARM_CACHE = """
+import torch
+from torch._dynamo.utils import counters
+import trifuse
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.LayerNorm(8))
+x = torch.randn(4, 8, requires_grad=True)
+compiled = torch.compile(model, backend="trifuse_inductor")
+with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    out = compiled(x)
+    out.sum().backward()
+torch.testing.assert_close(out, model(x))
+twins = sorted({e.name for e in prof.events() if e.name.startswith("trifuse_direct::")})
+print("hits", counters["inductor"]["fxgraph_cache_hit"], "twins", " ".join(twins))
+"""
+
+
+def test_inductor_code_from_a_warm_cache_finds_the_twins(tmp_path):
+    """Code Inductor cached in one process calls the twins in the next, which defines them before
+    Inductor loads it: a process that compiles the same graph runs the cached code."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
+           "TRITON_INTERPRET": "1"}
+    runs = [subprocess.run([sys.executable, "-c", WARM_CACHE], env=env, capture_output=True, text=True,
+                           timeout=600, cwd=tmp_path, check=False) for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+    (cold, warm) = (run.stdout.strip().splitlines()[-1].split() for run in runs)
+    assert cold[1] == "0" and int(warm[1]) >= 2, (cold, warm)  # the forward's and the backward's code
+    twins = ["trifuse_direct::bias_gelu", "trifuse_direct::bias_gelu_backward", "trifuse_direct::layer_norm",
+             "trifuse_direct::layer_norm_backward"]
+    assert cold[3:] == warm[3:] == twins, (cold, warm)
