@@ -125,8 +125,12 @@
 #   fixed for graph replays).
 #   Sixty-third session (2026-12-05, no GPU): trifuse_inductor's graphs call each op's direct twin
 #   (backend.direct_ops), not the registered op: on this CPU 13 µs less a call, a 24-block GPT-2
-#   proxy step's host 48.5 -> 35.2 ms (Inductor alone 16.9). The compile stages now time
-#   `compile(backend=trifuse_inductor, direct=0)` beside it: what the twins save on the H100.
+#   proxy step's host about 45 -> 25-39 ms (Inductor alone 13.8; this CPU's runs vary). Its
+#   narrowed norms write bf16 themselves and its LayerNorm backward dx in x's dtype (a cast after
+#   the opaque op was one more pass each: LN backward 3.0 ms a GPT-2 step against 2.24 under fuse).
+#   The compile stages now time `compile(backend=trifuse_inductor, direct=0)` beside it (what the
+#   twins save), GPT-2's `compile(backend=eager)` (Dynamo's share of backend=trifuse's set-up), and
+#   list every kernel by kind.
 #   Later sessions, one or two calls each: `e2e-compile` (issue 6's 1.15x over torch.compile and
 #   its compile time: never run on the H200), `kernels` (the remaining memory-bound ops), `tma
 #   dialects`, `e2e-ckpt` (gradient checkpointing on), `e2e-llama` (Llama 3.2 1B's shape against

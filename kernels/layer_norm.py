@@ -1056,45 +1056,53 @@ Tensor = torch.Tensor
 OptTensor = torch.Tensor | None
 
 
+# The norms' `out_dtype`: y in that dtype, rounded once by the kernel (a traced narrowed call,
+# fusion/narrow.py: a cast after an opaque op would be one more pass over y, and one more over
+# its gradient, in a compiled graph). Their backward op's `dx_dtype` the same for dx.
+
+
 @torch.library.custom_op("trifuse::layer_norm", mutates_args=())
 def _layer_norm_op(x: Tensor, normalized_shape: list[int], weight: OptTensor, bias: OptTensor,
-                   eps: float) -> tuple[Tensor, Tensor, Tensor]:
+                   eps: float, out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor, Tensor]:
     n = _check_norm_inputs("layer_norm", x, normalized_shape, weight, bias, eps)
-    y, _, mean, rstd = layer_norm_fwd(x, n, weight, bias, eps, stats_shape=_stats_shape(x, len(normalized_shape)))
+    y, _, mean, rstd = layer_norm_fwd(x, n, weight, bias, eps, out_dtype=out_dtype,
+                                      stats_shape=_stats_shape(x, len(normalized_shape)))
     return y, mean, rstd
 
 
 @torch.library.custom_op("trifuse::rms_norm", mutates_args=())
-def _rms_norm_op(x: Tensor, normalized_shape: list[int], weight: OptTensor, eps: float) -> tuple[Tensor, Tensor]:
+def _rms_norm_op(x: Tensor, normalized_shape: list[int], weight: OptTensor, eps: float,
+                 out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
     n = _check_norm_inputs("rms_norm", x, normalized_shape, weight, None, eps)
     y, _, _, rstd = layer_norm_fwd(x, n, weight, None, eps, is_rms_norm=True,
-                                   stats_shape=_stats_shape(x, len(normalized_shape)))
+                                   stats_shape=_stats_shape(x, len(normalized_shape)), out_dtype=out_dtype)
     return y, rstd
 
 
 @torch.library.custom_op("trifuse::dropout_add_layer_norm", mutates_args=())
 def _dropout_add_layer_norm_op(
     x: Tensor, residual: OptTensor, normalized_shape: list[int], weight: OptTensor, bias: OptTensor,
-    eps: float, p: float, x_bias: OptTensor,
+    eps: float, p: float, x_bias: OptTensor, out_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return _dropout_add_norm(x, residual, normalized_shape, weight, bias, eps, p, x_bias, False)
+    return _dropout_add_norm(x, residual, normalized_shape, weight, bias, eps, p, x_bias, False, out_dtype)
 
 
 @torch.library.custom_op("trifuse::dropout_add_rms_norm", mutates_args=())
 def _dropout_add_rms_norm_op(
     x: Tensor, residual: OptTensor, normalized_shape: list[int], weight: OptTensor,
-    eps: float, p: float, x_bias: OptTensor,
+    eps: float, p: float, x_bias: OptTensor, out_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return _dropout_add_norm(x, residual, normalized_shape, weight, None, eps, p, x_bias, True)
+    return _dropout_add_norm(x, residual, normalized_shape, weight, None, eps, p, x_bias, True, out_dtype)
 
 
-def _dropout_add_norm(x, residual, normalized_shape, weight, bias, eps, p, x_bias, is_rms_norm):
+def _dropout_add_norm(x, residual, normalized_shape, weight, bias, eps, p, x_bias, is_rms_norm,
+                      out_dtype=None):
     op = "dropout_add_rms_norm" if is_rms_norm else "dropout_add_layer_norm"
     n = _check_norm_inputs(op, x, normalized_shape, weight, bias, eps, residual, x_bias, p)
     seed = philox_seed(x.device) if p > 0.0 else torch.zeros(1, dtype=torch.int64, device=x.device)
     y, s, mean, rstd = layer_norm_fwd(x, n, weight, bias, eps, is_rms_norm=is_rms_norm,
                                       residual=residual, x_bias=x_bias, p=p, seed=seed, store_s=True,
-                                      stats_shape=_stats_shape(x, len(normalized_shape)))
+                                      stats_shape=_stats_shape(x, len(normalized_shape)), out_dtype=out_dtype)
     return y, s, mean, rstd, seed
 
 
@@ -1123,13 +1131,15 @@ def _norm_add(x, residual, normalized_shape, weight, bias, eps, is_rms_norm):
 def _layer_norm_backward_op(
     dy: Tensor, ds: OptTensor, s: Tensor, normalized_shape: list[int], weight: OptTensor,
     mean: Tensor, rstd: Tensor, seed: OptTensor, p: float, is_rms_norm: bool, store_dresidual: bool,
+    dx_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, dresidual, dweight, dbias, dx_bias) for every LayerNorm / RMSNorm forward op. mean
-    and rstd as the forward op returned them (RMSNorm ignores mean)."""
+    and rstd as the forward op returned them (RMSNorm ignores mean); dy in any float dtype (a
+    narrowed y's); dx in dx_dtype (s's by default)."""
     dx, dr, dw, db, dxb = layer_norm_bwd(
         dy, s, math.prod(normalized_shape), weight, mean.reshape(-1), rstd.reshape(-1),
         is_rms_norm=is_rms_norm, ds=ds,
-        p=p, seed=seed, store_dresidual=store_dresidual,
+        p=p, seed=seed, store_dresidual=store_dresidual, dx_dtype=dx_dtype,
     )
     # A custom op's outputs may not alias: dresidual is empty unless stored apart (else it is dx).
     # The three vectors are buffers of their own on both paths.
@@ -1137,37 +1147,42 @@ def _layer_norm_backward_op(
 
 
 @_layer_norm_op.register_fake
-def _(x, normalized_shape, weight, bias, eps):
+def _(x, normalized_shape, weight, bias, eps, out_dtype=None):
     _check_norm_inputs("layer_norm", x, normalized_shape, weight, bias, eps)
     m = _stats_shape(x, len(normalized_shape))
-    return torch.empty_like(x), x.new_empty(m, dtype=_stat_dtype(x)), x.new_empty(m, dtype=_stat_dtype(x))
+    return (torch.empty_like(x, dtype=out_dtype), x.new_empty(m, dtype=_stat_dtype(x)),
+            x.new_empty(m, dtype=_stat_dtype(x)))
 
 
 @_rms_norm_op.register_fake
-def _(x, normalized_shape, weight, eps):
+def _(x, normalized_shape, weight, eps, out_dtype=None):
     _check_norm_inputs("rms_norm", x, normalized_shape, weight, None, eps)
-    return torch.empty_like(x), x.new_empty(_stats_shape(x, len(normalized_shape)), dtype=_stat_dtype(x))
+    return (torch.empty_like(x, dtype=out_dtype),
+            x.new_empty(_stats_shape(x, len(normalized_shape)), dtype=_stat_dtype(x)))
 
 
-def _dropout_add_norm_fake(x, residual, normalized_shape, weight, bias, eps, p, x_bias, is_rms_norm):
+def _dropout_add_norm_fake(x, residual, normalized_shape, weight, bias, eps, p, x_bias, is_rms_norm,
+                           out_dtype=None):
     op = "dropout_add_rms_norm" if is_rms_norm else "dropout_add_layer_norm"
     _check_norm_inputs(op, x, normalized_shape, weight, bias, eps, residual, x_bias, p)
     dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     m = _stats_shape(x, len(normalized_shape))
-    y = x.new_empty(x.shape, dtype=dtype)
-    stat = _stat_dtype(y)
-    return (y, torch.empty_like(y), y.new_empty(0 if is_rms_norm else m, dtype=stat),
-            y.new_empty(m, dtype=stat), y.new_empty(1, dtype=torch.int64))
+    s = x.new_empty(x.shape, dtype=dtype)
+    stat = _stat_dtype(s)
+    return (torch.empty_like(s, dtype=out_dtype), s, s.new_empty(0 if is_rms_norm else m, dtype=stat),
+            s.new_empty(m, dtype=stat), s.new_empty(1, dtype=torch.int64))
 
 
 @_dropout_add_layer_norm_op.register_fake
-def _(x, residual, normalized_shape, weight, bias, eps, p, x_bias):
-    return _dropout_add_norm_fake(x, residual, normalized_shape, weight, bias, eps, p, x_bias, False)
+def _(x, residual, normalized_shape, weight, bias, eps, p, x_bias, out_dtype=None):
+    return _dropout_add_norm_fake(x, residual, normalized_shape, weight, bias, eps, p, x_bias, False,
+                                  out_dtype)
 
 
 @_dropout_add_rms_norm_op.register_fake
-def _(x, residual, normalized_shape, weight, eps, p, x_bias):
-    return _dropout_add_norm_fake(x, residual, normalized_shape, weight, None, eps, p, x_bias, True)
+def _(x, residual, normalized_shape, weight, eps, p, x_bias, out_dtype=None):
+    return _dropout_add_norm_fake(x, residual, normalized_shape, weight, None, eps, p, x_bias, True,
+                                  out_dtype)
 
 
 def _norm_add_fake(x, residual, normalized_shape, weight, bias, eps, is_rms_norm):
@@ -1190,11 +1205,11 @@ def _(x, residual, normalized_shape, weight, eps):
 
 
 @_layer_norm_backward_op.register_fake
-def _(dy, ds, s, normalized_shape, weight, mean, rstd, seed, p, is_rms_norm, store_dresidual):
+def _(dy, ds, s, normalized_shape, weight, mean, rstd, seed, p, is_rms_norm, store_dresidual, dx_dtype=None):
     n = math.prod(normalized_shape)
     vec = s.new_empty(n, dtype=_stat_dtype(s))
     dr = torch.empty_like(s) if store_dresidual else s.new_empty(0)
-    return torch.empty_like(s), dr, vec, torch.empty_like(vec), torch.empty_like(vec)
+    return torch.empty_like(s, dtype=dx_dtype), dr, vec, torch.empty_like(vec), torch.empty_like(vec)
 
 
 def _stat_dtype(t: torch.Tensor) -> torch.dtype:
@@ -1220,7 +1235,8 @@ def _setup_plain(ctx, inputs, output, is_rms_norm):
     # would do too, but not as simply for a DTensor).
     mean, rstd = (stats[0], stats[0]) if is_rms_norm else stats
     ctx.save_for_backward(x, weight, bias, mean, rstd)
-    ctx.normalized_shape, ctx.is_rms_norm, ctx.eps = normalized_shape, is_rms_norm, inputs[-1]
+    ctx.normalized_shape, ctx.is_rms_norm = normalized_shape, is_rms_norm
+    ctx.eps = inputs[3 if is_rms_norm else 4]
     ctx.needs = ctx.needs_input_grad
     # Unused outputs' gradients arrive as None, not as zeros autograd would make as plain
     # tensors (which a DTensor op refuses beside DTensors, and which cost a pass to read).
@@ -1252,17 +1268,17 @@ def _plain_twice(ctx, dy, *_):
                   p=0.0, outputs=1, n=_width_of(ctx), eps=ctx.eps, is_rms_norm=ctx.is_rms_norm,
                   x_dtype=x.dtype)
     dx, _, _, dw, db, *_ = _norm_twice(view, dy)
-    return (dx, None, dw, None) if ctx.is_rms_norm else (dx, None, dw, db, None)
+    return (dx, None, dw, None, None) if ctx.is_rms_norm else (dx, None, dw, db, None, None)
 
 
 @single_backward(twice=_plain_twice, op="layer_norm (or rms_norm)")
 def _backward_plain(ctx, dy, *_):
     if dy is None:
-        return (None,) * (4 if ctx.is_rms_norm else 5)
-    dx, dw, db = _norm_grads(ctx, dy)
+        return (None,) * (5 if ctx.is_rms_norm else 6)
+    dx, dw, db = _norm_grads(ctx, dy)  # (out_dtype's gradient: None)
     if ctx.is_rms_norm:
-        return dx, None, dw, None
-    return dx, None, dw, db, None
+        return dx, None, dw, None, None
+    return dx, None, dw, db, None, None
 
 
 def _setup_fused(ctx, inputs, output, is_rms_norm):
@@ -1279,21 +1295,21 @@ def _setup_fused(ctx, inputs, output, is_rms_norm):
 
 
 def _fused_twice(ctx, dy, ds, *_):
-    """For dropout_add_layer_norm (x, residual, normalized_shape, weight, bias, eps, p, x_bias) and
-    dropout_add_rms_norm (no bias)."""
+    """For dropout_add_layer_norm (x, residual, normalized_shape, weight, bias, eps, p, x_bias,
+    out_dtype) and dropout_add_rms_norm (no bias)."""
     needs = ctx.needs_input_grad
-    view = ctx_as(ctx, (needs[0], needs[1], needs[-1], needs[3], not ctx.is_rms_norm and needs[4]),
+    view = ctx_as(ctx, (needs[0], needs[1], needs[-2], needs[3], not ctx.is_rms_norm and needs[4]),
                   fused=True, outputs=1, n=_width_of(ctx), eps=ctx.eps, p=ctx.p, is_rms_norm=ctx.is_rms_norm,
                   x_dtype=ctx.x_dtype, residual_dtype=ctx.residual_dtype)
     dx, dres, dxb, dw, db, *_ = _norm_twice(view, dy, ds)
     grads = (dx, dres, None, dw) if ctx.is_rms_norm else (dx, dres, None, dw, db)
-    return (*grads, None, None, dxb)
+    return (*grads, None, None, dxb, None)
 
 
 @single_backward(twice=_fused_twice, op="dropout_add_layer_norm")
 def _backward_fused(ctx, dy, ds, *_):
     if dy is None and ds is None:
-        return (None,) * (7 if ctx.is_rms_norm else 8)
+        return (None,) * (8 if ctx.is_rms_norm else 9)
     s, weight, bias, x_bias, mean, rstd, seed = ctx.saved_tensors
     y_used = dy is not None
     if not y_used:  # only s was used: y's gradient is zero (ds alone is read as is)
@@ -1301,15 +1317,18 @@ def _backward_fused(ctx, dy, ds, *_):
     p = ctx.p
     # With a residual, the kernel writes dresidual apart from dx (they differ under dropout, and
     # a custom op may not return one tensor twice).
+    # dx in x's dtype from the kernel (x in bf16 beside an fp32 residual stream under autocast: a
+    # cast after the op would be one more pass over it)
+    args = (dy, ds, s, ctx.normalized_shape, weight, mean, rstd, seed, p, ctx.is_rms_norm, ctx.has_residual)
     dx, dr, dw, db, dxb = torch.ops.trifuse.layer_norm_backward(
-        dy, ds, s, ctx.normalized_shape, weight, mean, rstd, seed, p, ctx.is_rms_norm, ctx.has_residual)
+        *args, *(() if ctx.x_dtype == s.dtype else (ctx.x_dtype,)))
     dres = dr.to(ctx.residual_dtype) if ctx.has_residual else None
     # y unread: the norm's weight and bias reach the loss through nothing, so their gradients are
     # None as unfused (not zeros: an optimizer would decay and step them, DDP count them as used)
     grads = [dx.to(ctx.x_dtype), dres, None, _grad_as(dw, weight) if y_used else None]
     if not ctx.is_rms_norm:
         grads.append(_grad_as(db, bias) if y_used else None)
-    return (*grads, None, None, _grad_as(dxb, x_bias))
+    return (*grads, None, None, _grad_as(dxb, x_bias), None)
 
 
 def _setup_norm_add(ctx, inputs, output, is_rms_norm):
@@ -1900,20 +1919,23 @@ def _norm_kernels(op_name, x, normalized_shape, weight, bias, eps, residual, is_
     for name, t in (("weight", weight), ("bias", bias), ("residual", residual), ("x_bias", x_bias)):
         if t is not None:  # (the fast path above takes tensors only: no cost there)
             check_tensor(op_name, name, t)
-    # Traced, or tensor subclasses: the registered ops (out_dtype as a cast after them, which a
-    # compiler fuses into the kernel before it).
+    # Traced, or tensor subclasses: the registered ops. One narrowed y they write in out_dtype
+    # themselves (a compiler cannot fuse a cast into an opaque op: one more pass over y and one
+    # over its gradient); several readers, or full_y, as casts after them.
+    narrow = (out_dtype,) if out_dtype is not None and readers == 1 and not full_y else ()
     if fused:
         if is_rms_norm:
-            out = torch.ops.trifuse.dropout_add_rms_norm(x, residual, normalized_shape, weight, eps, p, x_bias)
+            out = torch.ops.trifuse.dropout_add_rms_norm(
+                x, residual, normalized_shape, weight, eps, p, x_bias, *narrow)
         else:
             out = torch.ops.trifuse.dropout_add_layer_norm(
-                x, residual, normalized_shape, weight, bias, eps, p, x_bias)
-        return _cast_for_readers(out[0], out_dtype, readers, full_y), out[1]
+                x, residual, normalized_shape, weight, bias, eps, p, x_bias, *narrow)
+        return (out[0] if narrow else _cast_for_readers(out[0], out_dtype, readers, full_y)), out[1]
     if is_rms_norm:
-        y = torch.ops.trifuse.rms_norm(x, normalized_shape, weight, eps)[0]
+        y = torch.ops.trifuse.rms_norm(x, normalized_shape, weight, eps, *narrow)[0]
     else:
-        y = torch.ops.trifuse.layer_norm(x, normalized_shape, weight, bias, eps)[0]
-    return _cast_for_readers(y, out_dtype, readers, full_y)
+        y = torch.ops.trifuse.layer_norm(x, normalized_shape, weight, bias, eps, *narrow)[0]
+    return y if narrow else _cast_for_readers(y, out_dtype, readers, full_y)
 
 
 def _cast_for_readers(y: torch.Tensor, out_dtype: torch.dtype | None, readers: int, full_y: bool):

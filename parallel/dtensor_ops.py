@@ -143,17 +143,21 @@ def register() -> bool:
 
     ops = torch.ops.trifuse
 
+    # (out_dtype, dx_dtype: where the call passes them)
     @register_sharding(ops.layer_norm.default)
-    def _layer_norm(x, normalized_shape, weight, bias, eps):
+    def _layer_norm(x, normalized_shape, weight, bias, eps, *out_dtype):
         return _norm_strategies(
-            x, len(normalized_shape), [("row", x), (None, None), ("feat", weight), ("feat", bias), (None, None)],
+            x, len(normalized_shape),
+            [("row", x), (None, None), ("feat", weight), ("feat", bias), (None, None),
+             *[(None, None)] * len(out_dtype)],
             [("row", x), ("stat", x), ("stat", x)],
         )
 
     @register_sharding(ops.rms_norm.default)
-    def _rms_norm(x, normalized_shape, weight, eps):
+    def _rms_norm(x, normalized_shape, weight, eps, *out_dtype):
         return _norm_strategies(
-            x, len(normalized_shape), [("row", x), (None, None), ("feat", weight), (None, None)],
+            x, len(normalized_shape),
+            [("row", x), (None, None), ("feat", weight), (None, None), *[(None, None)] * len(out_dtype)],
             [("row", x), ("stat", x)],
         )
 
@@ -172,11 +176,12 @@ def register() -> bool:
             [("row", x), ("stat", x)],
         )
 
-    def _dropout_add_norm(x, residual, normalized_shape, weight, bias, eps, p, x_bias, is_rms_norm):
+    def _dropout_add_norm(x, residual, normalized_shape, weight, bias, eps, p, x_bias, is_rms_norm,
+                          out_dtype):
         args = [("row", x), ("row", residual), (None, None), ("feat", weight)]
         if not is_rms_norm:
             args.append(("feat", bias))
-        args += [(None, None), (None, None), ("feat", x_bias)]
+        args += [(None, None), (None, None), ("feat", x_bias), *[(None, None)] * len(out_dtype)]
         # The RMSNorm's mean output is empty: any non-empty stand-in marks it "stat" only when
         # the op returns one (see place(): empty tensors are Replicate).
         mean = _EMPTY if is_rms_norm else x
@@ -186,18 +191,20 @@ def register() -> bool:
         )
 
     @register_sharding(ops.dropout_add_layer_norm.default)
-    def _dropout_add_layer_norm(x, residual, normalized_shape, weight, bias, eps, p, x_bias):
-        return _dropout_add_norm(x, residual, normalized_shape, weight, bias, eps, p, x_bias, False)
+    def _dropout_add_layer_norm(x, residual, normalized_shape, weight, bias, eps, p, x_bias, *out_dtype):
+        return _dropout_add_norm(x, residual, normalized_shape, weight, bias, eps, p, x_bias, False,
+                                 out_dtype)
 
     @register_sharding(ops.dropout_add_rms_norm.default)
-    def _dropout_add_rms_norm(x, residual, normalized_shape, weight, eps, p, x_bias):
-        return _dropout_add_norm(x, residual, normalized_shape, weight, None, eps, p, x_bias, True)
+    def _dropout_add_rms_norm(x, residual, normalized_shape, weight, eps, p, x_bias, *out_dtype):
+        return _dropout_add_norm(x, residual, normalized_shape, weight, None, eps, p, x_bias, True, out_dtype)
 
     @register_sharding(ops.layer_norm_backward.default)
     def _layer_norm_backward(dy, ds, s, normalized_shape, weight, mean, rstd, seed, p, is_rms_norm,
-                             store_dresidual):
+                             store_dresidual, *dx_dtype):
         args = [("row", dy), ("row", ds), ("row", s), (None, None), ("feat", weight), ("stat", mean),
-                ("stat", rstd), ("seed", seed), (None, None), (None, None), (None, None)]
+                ("stat", rstd), ("seed", seed), (None, None), (None, None), (None, None),
+                *[(None, None)] * len(dx_dtype)]
         return _norm_strategies(
             s, len(normalized_shape), args,
             [("row", s), ("row" if store_dresidual else "stat", s if store_dresidual else _EMPTY),

@@ -450,3 +450,53 @@ def test_a_16_bit_norm_cast_back_for_several_matmuls_gives_each_a_view(readers):
     read = "one autocast matmul reads it" if readers == 1 else \
         f"only autocast's matmuls read it ({readers}, a view each)"
     assert notes == [f"output in float16: {read}"], notes
+
+
+class _RecordCalls:
+    """An Inductor post-grad pass noting the trifuse calls of the graphs it sees: (op, args)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, graph):
+        self.calls += [(str(n.target), n.args) for n in graph.nodes
+                       if n.op == "call_function" and str(n.target).startswith("trifuse.")]
+
+    def uuid(self):
+        return None
+
+
+def _compiled_step(model, kw, loss_fn, monkeypatch, narrowing: bool):
+    from torch._inductor import config as inductor_config
+
+    record = _RecordCalls()
+    torch._dynamo.reset()
+    with monkeypatch.context() as m:
+        if not narrowing:
+            m.setattr(rewriter, "narrow_norm_outputs", lambda graph: [])
+        compiled = torch.compile(model, backend="trifuse_inductor")
+        with inductor_config.patch(post_grad_custom_pre_pass=record):
+            loss, grads = _step(compiled, kw, loss_fn)
+    return loss, grads, record.calls
+
+
+def test_compiled_graphs_narrow_inside_the_norm_ops_and_change_no_bit(monkeypatch):
+    """Under backend="trifuse_inductor" a narrowed norm is its registered op writing y in the
+    autocast dtype itself (`out_dtype`), and the backward op writes dx in x's dtype (`dx_dtype`):
+    a cast after an opaque op would be one more pass over y, and over each gradient, that the
+    compiler cannot fuse into it. Loss and gradients bitwise those compiled without narrowing."""
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _models.gpt2(dropout=0.1)
+    kw = inputs(2, 8)
+    loss, grads, calls = _compiled_step(copy.deepcopy(model), kw, loss_fn, monkeypatch, narrowing=True)
+    loss_plain, grads_plain, calls_plain = _compiled_step(copy.deepcopy(model), kw, loss_fn, monkeypatch,
+                                                          narrowing=False)
+    norms = ("trifuse.layer_norm.default", "trifuse.dropout_add_layer_norm.default")
+    narrowed = {op for op, args in calls if op in norms and args[-1] == DTYPE}
+    backward = "trifuse.layer_norm_backward.default"
+    assert narrowed == set(norms) and not any(op in norms and args[-1] == DTYPE for op, args in calls_plain)
+    # the residual stream's x (c_proj's output) is bf16 beside its fp32 residual
+    assert any(op == backward and args[-1] == DTYPE for op, args in calls)
+    assert torch.equal(loss, loss_plain)
+    for g, gp in zip(grads, grads_plain, strict=True):
+        assert (g is None and gp is None) or torch.equal(g, gp)
