@@ -1298,7 +1298,10 @@ def _fused_twice(ctx, dy, ds, *_):
     """For dropout_add_layer_norm (x, residual, normalized_shape, weight, bias, eps, p, x_bias,
     out_dtype) and dropout_add_rms_norm (no bias)."""
     needs = ctx.needs_input_grad
-    view = ctx_as(ctx, (needs[0], needs[1], needs[-2], needs[3], not ctx.is_rms_norm and needs[4]),
+    # needs: one per argument the call passed (trailing Nones and out_dtype may be left out)
+    x_bias = 6 if ctx.is_rms_norm else 7
+    needs_x_bias = len(needs) > x_bias and needs[x_bias]
+    view = ctx_as(ctx, (needs[0], needs[1], needs_x_bias, needs[3], not ctx.is_rms_norm and needs[4]),
                   fused=True, outputs=1, n=_width_of(ctx), eps=ctx.eps, p=ctx.p, is_rms_norm=ctx.is_rms_norm,
                   x_dtype=ctx.x_dtype, residual_dtype=ctx.residual_dtype)
     dx, dres, dxb, dw, db, *_ = _norm_twice(view, dy, ds)
