@@ -77,11 +77,13 @@ NUM_WARPS = 8
 
 @triton.jit
 def _expm1(m):
-    """exp(m) - 1 without the cancellation near 0 (Kahan): (u - 1) m / log(u), u = exp(m)."""
+    """exp(m) - 1 without the cancellation near 0 (Kahan): (u - 1) m / log(u), u = exp(m), for
+    |m| < 1. Further out u - 1 loses nothing, and the ratio would: where exp underflows into the
+    subnormals (m below -87 in fp32) log(u) is no longer m (at m = -103.8, 0.5% off)."""
     u = tl.exp(m)
     d = u - 1.0
-    safe = tl.where((d == 0.0) | (u == 0.0), 1.0, u)
-    return tl.where(d == 0.0, m, tl.where(u == 0.0, -1.0, d * m / tl.log(safe)))
+    near = (tl.abs(m) < 1.0) & (d != 0.0)
+    return tl.where(d == 0.0, m, tl.where(near, d * m / tl.log(tl.where(near, u, 2.0)), d))
 
 
 @triton.jit
