@@ -21,6 +21,7 @@ import gc
 import os
 import re
 import time
+from unittest import mock
 
 import _harness as H  # noqa: I001
 import pytest
@@ -351,16 +352,11 @@ def main() -> None:
         for provider in providers(args.compile, MODELS[name][0]):
             if chosen and provider not in chosen:
                 continue
-            env = provider_env(provider)
-            saved = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)
             try:
-                row = run_one(name, provider, MODELS[name], args.steps, "cuda", args.grad_ckpt)
+                with mock.patch.dict(os.environ, provider_env(provider)):
+                    row = run_one(name, provider, MODELS[name], args.steps, "cuda", args.grad_ckpt)
             except Exception as e:  # noqa: BLE001  (report the failure, keep measuring the rest)
                 row = {"model": name, "provider": provider, "fused": f"{type(e).__name__}: {str(e)[:150]}"}
-            finally:
-                for k, v in saved.items():
-                    os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
             H._print_row(row)  # each provider's numbers reach the log as soon as they exist
             point.append(row)
             torch.cuda.empty_cache()

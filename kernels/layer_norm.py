@@ -1319,9 +1319,8 @@ def _backward_fused(ctx, dy, ds, *_):
         dy = torch.zeros_like(s)
     p = ctx.p
     # With a residual, the kernel writes dresidual apart from dx (they differ under dropout, and
-    # a custom op may not return one tensor twice).
-    # dx in x's dtype from the kernel (x in bf16 beside an fp32 residual stream under autocast: a
-    # cast after the op would be one more pass over it)
+    # a custom op may not return one tensor twice); dx comes in x's dtype (bf16 beside an fp32
+    # residual stream under autocast: a cast after the op would be one more pass over it).
     args = (dy, ds, s, ctx.normalized_shape, weight, mean, rstd, seed, p, ctx.is_rms_norm, ctx.has_residual)
     dx, dr, dw, db, dxb = torch.ops.trifuse.layer_norm_backward(
         *args, *(() if ctx.x_dtype == s.dtype else (ctx.x_dtype,)))

@@ -226,6 +226,25 @@ def op_names(prof: "torch.profiler.profile") -> list[str]:
     return [e.name() for e in raw()] if raw is not None else [e.name for e in prof.events()]
 
 
+class RecordPostGrad:
+    """An Inductor post-grad pass (`post_grad_custom_pre_pass`) noting every call of the graphs it
+    sees: `calls` as (target name, args), `targets` the names alone. No uuid: Inductor's caches are
+    bypassed while it is configured, so every graph reaches it."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, tuple]] = []
+
+    def __call__(self, graph) -> None:
+        self.calls += [(str(n.target), n.args) for n in graph.nodes if n.op == "call_function"]
+
+    @property
+    def targets(self) -> list[str]:
+        return [name for name, _ in self.calls]
+
+    def uuid(self):
+        return None
+
+
 def trifuse_ops_run(fn: Callable[[], object]) -> set[str]:
     """Names of the trifuse:: ops (and their backward) a profiled call of `fn` ran; an op's direct
     twin (`trifuse_direct::`, what Inductor's graphs call: fusion/backend.py) by the op's name."""

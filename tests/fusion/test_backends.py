@@ -15,7 +15,7 @@ import pytest
 import torch
 import trifuse
 from _device import ON_GPU
-from _fusing import FAMILY_OPS, has_op, needs_ops, op_names, trifuse_ops_run
+from _fusing import FAMILY_OPS, RecordPostGrad, has_op, needs_ops, op_names, trifuse_ops_run
 from tolerances import assert_close
 
 MODELS = {
@@ -449,19 +449,6 @@ def test_trifuse_backend_fuses_inside_checkpoints_and_recomputes_the_same_dropou
         assert trifuse.report(compiled).counts().get("bias_gelu") == 2
 
 
-class _RecordTargets:
-    """An Inductor post-grad pass that notes every op of the graphs it sees."""
-
-    def __init__(self):
-        self.targets = []
-
-    def __call__(self, graph):
-        self.targets += [str(n.target) for n in graph.nodes if n.op == "call_function"]
-
-    def uuid(self):
-        return None
-
-
 @pytest.mark.parametrize("choice", ["sdpa-math", "sdpa-cudnn"])
 def test_inductor_runs_what_the_attention_dialect_chose(monkeypatch, choice):
     """backend="trifuse_inductor": a traced call has no dialect key, so the choice is made while
@@ -480,7 +467,7 @@ def test_inductor_runs_what_the_attention_dialect_chose(monkeypatch, choice):
     monkeypatch.setattr(ATTENTION, "implementation", lambda *args: chosen.fn)
     monkeypatch.setitem(B._SDPA_BACKENDS, "sdpa-math", "MATH")
     monkeypatch.setattr(B, "_DIALECT_DEVICES", ("cuda", "cpu"))
-    record = _RecordTargets()
+    record = RecordPostGrad()
     torch._dynamo.reset()
     torch.manual_seed(0)
     model, inputs, loss_fn = _models.gpt2(layers=1)
@@ -505,7 +492,7 @@ def test_inductor_traces_sdpa_as_cpus_fused_op_by_default():
     import torch.nn.functional as F
     from torch._inductor import config as inductor_config
 
-    record = _RecordTargets()
+    record = RecordPostGrad()
     torch._dynamo.reset()
     q, k, v = (torch.randn(2, 4, 8, 8, requires_grad=True) for _ in range(3))
     f = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), backend="inductor")

@@ -8,7 +8,7 @@ import _models
 import pytest
 import torch
 import trifuse
-from _fusing import DynamoHost, check_against_unfused, cuda_like_autocast
+from _fusing import DynamoHost, RecordPostGrad, check_against_unfused, cuda_like_autocast
 from torch import nn
 from trifuse.fusion import narrow, rewriter
 
@@ -452,24 +452,10 @@ def test_a_16_bit_norm_cast_back_for_several_matmuls_gives_each_a_view(readers):
     assert notes == [f"output in float16: {read}"], notes
 
 
-class _RecordCalls:
-    """An Inductor post-grad pass noting the trifuse calls of the graphs it sees: (op, args)."""
-
-    def __init__(self):
-        self.calls = []
-
-    def __call__(self, graph):
-        self.calls += [(str(n.target), n.args) for n in graph.nodes
-                       if n.op == "call_function" and str(n.target).startswith("trifuse.")]
-
-    def uuid(self):
-        return None
-
-
 def _compiled_step(model, kw, loss_fn, monkeypatch, narrowing: bool):
     from torch._inductor import config as inductor_config
 
-    record = _RecordCalls()
+    record = RecordPostGrad()
     torch._dynamo.reset()
     with monkeypatch.context() as m:
         if not narrowing:
