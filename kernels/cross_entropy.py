@@ -1093,12 +1093,13 @@ def _(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, co
 @_linear_cross_entropy_backward_op.register_fake
 def _(dloss, hidden, weight, target, bias, lse, count, dhidden, dweight, dbias, ignore_index, reduction,
       label_smoothing, compute_dtype, chunk_size, grad_hidden, grad_weight, grad_bias):
-    dh = torch.empty_like(hidden) if grad_hidden else hidden.new_empty(0)
-    dw = torch.empty_like(weight) if grad_weight else weight.new_empty(0)
+    # contiguous whatever the inputs' strides, as the chunk loop's products are
+    dh = hidden.new_empty(hidden.shape) if grad_hidden else hidden.new_empty(0)
+    dw = weight.new_empty(weight.shape) if grad_weight else weight.new_empty(0)
     if bias is None:
         db = weight.new_empty(0)
     else:
-        db = torch.empty_like(bias) if grad_bias else bias.new_empty(0)
+        db = bias.new_empty(bias.shape) if grad_bias else bias.new_empty(0)
     return dh, dw, db
 
 

@@ -1146,18 +1146,22 @@ def _layer_norm_backward_op(
     return dx, (dr if store_dresidual else dx.new_empty(0)), dw, db, dxb
 
 
+# The fakes allocate as the kernels do (`empty_like`: contiguous whatever x's strides): a fake
+# that kept a permuted x's strides fails Inductor's stride assertion on the real output.
+
+
 @_layer_norm_op.register_fake
 def _(x, normalized_shape, weight, bias, eps, out_dtype=None):
     _check_norm_inputs("layer_norm", x, normalized_shape, weight, bias, eps)
     m = _stats_shape(x, len(normalized_shape))
-    return (torch.empty_like(x, dtype=out_dtype), x.new_empty(m, dtype=_stat_dtype(x)),
+    return (empty_like(x, out_dtype), x.new_empty(m, dtype=_stat_dtype(x)),
             x.new_empty(m, dtype=_stat_dtype(x)))
 
 
 @_rms_norm_op.register_fake
 def _(x, normalized_shape, weight, eps, out_dtype=None):
     _check_norm_inputs("rms_norm", x, normalized_shape, weight, None, eps)
-    return (torch.empty_like(x, dtype=out_dtype),
+    return (empty_like(x, out_dtype),
             x.new_empty(_stats_shape(x, len(normalized_shape)), dtype=_stat_dtype(x)))
 
 
@@ -1169,7 +1173,7 @@ def _dropout_add_norm_fake(x, residual, normalized_shape, weight, bias, eps, p, 
     m = _stats_shape(x, len(normalized_shape))
     s = x.new_empty(x.shape, dtype=dtype)
     stat = _stat_dtype(s)
-    return (torch.empty_like(s, dtype=out_dtype), s, s.new_empty(0 if is_rms_norm else m, dtype=stat),
+    return (empty_like(s, out_dtype), s, s.new_empty(0 if is_rms_norm else m, dtype=stat),
             s.new_empty(m, dtype=stat), s.new_empty(1, dtype=torch.int64))
 
 
@@ -1208,8 +1212,8 @@ def _(x, residual, normalized_shape, weight, eps):
 def _(dy, ds, s, normalized_shape, weight, mean, rstd, seed, p, is_rms_norm, store_dresidual, dx_dtype=None):
     n = math.prod(normalized_shape)
     vec = s.new_empty(n, dtype=_stat_dtype(s))
-    dr = torch.empty_like(s) if store_dresidual else s.new_empty(0)
-    return torch.empty_like(s, dtype=dx_dtype), dr, vec, torch.empty_like(vec), torch.empty_like(vec)
+    dr = empty_like(s) if store_dresidual else s.new_empty(0)
+    return empty_like(s, dx_dtype), dr, vec, torch.empty_like(vec), torch.empty_like(vec)
 
 
 def _stat_dtype(t: torch.Tensor) -> torch.dtype:

@@ -151,13 +151,23 @@ def _rotary_table():
 CASES = _cases()
 
 
-def run(name: str, wanted: set[str] | None, traced: bool) -> tuple[dict, list]:
+def permuted(t: torch.Tensor) -> torch.Tensor:
+    """t's values and shape in other strides, dense: its first two dims stored swapped (a
+    (batch, heads, seq, dim) view of a (batch, seq, heads, dim) projection; the last dim stays
+    contiguous from 3 dims on, a 2-dim t becomes column-major). 1-dim tensors as they are."""
+    return t if t.dim() < 2 else t.transpose(0, 1).contiguous().transpose(0, 1)
+
+
+def run(name: str, wanted: set[str] | None, traced: bool, layout: str = "contiguous") -> tuple[dict, list]:
     """(inputs, outputs) of case `name`: its inputs drawn after torch.manual_seed(1), those in
     `wanted` (None: all) requiring grad, and the call's outputs that require grad, on the
-    registered path when `traced`."""
+    registered path when `traced`. layout "permuted": every input stored as `permuted` lays it
+    out, the same values."""
     make, call = CASES[name]
     torch.manual_seed(1)
     inputs = make()
+    if layout == "permuted":
+        inputs = {n: permuted(t) for n, t in inputs.items()}
     for n, t in inputs.items():
         t.requires_grad_(wanted is None or n in wanted)
     if traced:

@@ -27,13 +27,13 @@ class _Recorder(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _recorded_calls(name: str) -> list:
+def _recorded_calls(name: str, layout: str = "contiguous") -> list:
     """(op, args, kwargs) of each distinct call: the forward once, the backward per gradient mask."""
     every = sorted(CASES[name][0]())
     calls, seen = [], set()
     for wanted in [every] + [[n] for n in every] if len(every) > 1 else [every]:
         with _Recorder() as recorder:
-            inputs, outs = run(name, set(wanted), traced=True)
+            inputs, outs = run(name, set(wanted), traced=True, layout=layout)
             torch.manual_seed(2)
             torch.autograd.grad(outs, [inputs[n] for n in wanted], [torch.randn_like(o) for o in outs],
                                 allow_unused=True)
@@ -46,15 +46,19 @@ def _recorded_calls(name: str) -> list:
     return calls
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "permuted"])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_registered_calls_pass_opcheck(name):
-    calls = _recorded_calls(name)
+def test_registered_calls_pass_opcheck(name, layout):
+    """With the inputs permuted too (tests/_op_cases.py, `permuted`): a fake that keeps its input's
+    strides where the kernel writes a contiguous output fails Inductor's stride assertion at run
+    time (Apertus's QK norm on a (batch, heads, seq, dim) view, 2026-12-06)."""
+    calls = _recorded_calls(name, layout)
     assert calls, f"{name}: no trifuse op ran"
     for func, args, kwargs in calls:
         try:
             torch.library.opcheck(func, args, kwargs)
         except Exception as e:
-            raise AssertionError(f"{name}: {func} failed opcheck") from e
+            raise AssertionError(f"{name} ({layout}): {func} failed opcheck") from e
 
 
 def test_the_cases_reach_every_registered_op():
