@@ -135,6 +135,7 @@ def run_one(name: str, provider: str, spec, steps: int, device: str, checkpointi
     if checkpointing:  # transformers' gradient checkpointing, before fuse/compile as users do it
         model.gradient_checkpointing_enable()
     decided_before = set(map(id, decisions.records()))
+    dynamo_before = _dynamo_seconds()
     t_setup = time.perf_counter()
     if provider == "trifuse.fuse":
         trifuse.fuse(model)
@@ -178,10 +179,13 @@ def run_one(name: str, provider: str, spec, steps: int, device: str, checkpointi
         graphs = [u.graphs.summary() for u in _block_units(model) if u.graphs is not None]
         if graphs:
             row["cuda graphs"] = graphs
+    if "trifuse" in provider:
         row["dialect choices"] = _dialect_choices()
         # What the first steps spent tuning (compiles, checks, timing), of the set-up above.
         new = [d for d in decisions.records() if id(d) not in decided_before]
         row["tuning s"], row["costliest decisions"] = decisions.set_up_seconds(new)
+    if provider == "torch.compile" or provider.startswith("compile("):
+        row.update(_dynamo_seconds(dynamo_before))
     top, busy, device_ms = profile_step(model, opt, data, gpu)
     row["device busy %"] = busy
     row["device ms"] = device_ms
@@ -246,6 +250,18 @@ def profile_step(model, opt, data, gpu: bool, top: int = 12) -> tuple[list[dict]
     return rows, busy, total / 1e3 if gpu else float("nan")
 
 
+def _dynamo_seconds(before: dict | None = None) -> dict:
+    """Seconds torch.compile spent so far (less `before`): Dynamo's tracing and its backend's
+    compile together ("compile s": every frame, graph breaks' resumes and recompiles included),
+    and the backend's share ("backend compile s": the trifuse rewrite, AOTAutograd, Inductor).
+    The rest of a compile provider's set-up is its first steps' running (kernel compiles, tuning)."""
+    from torch._dynamo.utils import compilation_time_metrics as metrics
+
+    out = {"compile s": sum(metrics.get("_compile.compile_inner", ())),
+           "backend compile s": sum(metrics.get("OutputGraph.call_user_compiler", ()))}
+    return out if before is None else {k: v - before.get(k, 0.0) for k, v in out.items()}
+
+
 def _dialect_choices() -> list[str]:
     """What each op's dialect chose for the shapes this model ran, and why the others lost or were
     rejected (times and reasons): which implementation ran is part of the result."""
@@ -283,7 +299,7 @@ def providers(compile_: bool, kind: str = "gpt2") -> list[str]:
 
 COLUMNS = ("model", "provider", "batch x seq", "step ms", "tokens/s", "x vs eager-sdpa", "x vs torch.compile",
            "x vs liger", "peak GiB", "peak reserved GiB",
-           "device busy %", "device ms", "set-up s", "tuning s", "fused")
+           "device busy %", "device ms", "set-up s", "compile s", "backend compile s", "tuning s", "fused")
 TOP_COLUMNS = ("model", "provider", "name", "calls", "ms", "% of device time")
 
 
@@ -410,6 +426,17 @@ def test_e2e_smoke_with_gradient_checkpointing():
     assert "grad ckpt" in row["model"] and "sdpa" in row["fused"]
     assert row["tokens/s"] > 0
     assert row["top kernels"] and all(k["ms"] > 0 for k in row["top kernels"])
+
+
+@pytest.mark.skipif(transformers is None, reason="needs transformers")
+def test_e2e_smoke_compile_backend():
+    """A compile provider's row splits its set-up: Dynamo with the backend, the backend alone, and
+    (a trifuse backend) the first steps' tuning."""
+    device = "cuda" if H.on_gpu() else "cpu"
+    row = run_one("gpt2-medium", "compile(backend=trifuse)", TINY["gpt2-medium"], 1, device)
+    assert row["tokens/s"] > 0
+    assert 0 < row["backend compile s"] < row["compile s"]
+    assert row["tuning s"] >= 0 and isinstance(row["costliest decisions"], list)
 
 
 def test_providers_with_compile_arguments():

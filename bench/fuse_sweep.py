@@ -21,7 +21,8 @@ interpreter.
         # image or audio by the model's main input, with a dual encoder's other input or a speech
         # seq2seq model's decoder ids where it needs them (_base_layouts), the loss the squared
         # error of every floating output against fixed random targets: _loss);
-        # VIA: fuse (default), backend (torch.compile(model, backend="trifuse")) or hf-attention (the model
+        # VIA: fuse (default), backend (torch.compile(model, backend="trifuse")), inductor (backend=
+        # "trifuse_inductor": the rewritten graph compiled by Inductor, its C++ on this CPU) or hf-attention (the model
         # with attn_implementation="trifuse", unfused, on the sweep's batch and a packed one; causal-lm);
         # DTYPE: float64 (default), fp16-autocast or bf16-autocast (an fp32 model under CPU autocast
         # to fp16 / bf16, at that dtype's tolerance);
@@ -49,7 +50,8 @@ Status per type:
     MISMATCH        runs, but differs by more
     FUSED CRASH     the unfused model ran and the fused one raised: a trifuse bug
     refused         (--via hf-attention) a model trifuse/hf.py refuses with a clear error, by design
-    Dynamo fails    (--via backend) torch.compile(backend="eager"), without trifuse, fails on it too
+    Dynamo fails    (--via backend, inductor) torch.compile(backend="eager"), without trifuse, fails on it too
+    Inductor fails  (--via inductor) plain torch.compile (Inductor), without trifuse, fails on it too
     RECOMPUTE UNFUSED (--via checkpoint) equal, but the backward's recompute ran no trifuse op
     FEWER FUSED     (--via checkpoint) a checkpointed copy fused fewer ops than the model unchecked
                     (so its dropout draws differ and its loss with them: not compared)
@@ -198,11 +200,12 @@ OVERRIDES = {"t5gemma": {"bos_token_id": 2},
 TASKS = ("causal-lm", "masked-lm", "seq2seq", "image-cls", "seq-cls", "token-cls", "qa", "multiple-choice",
          "ctc", "audio-cls", "video-cls", "image-text", "base")
 AUDIO_TASKS = ("ctc", "audio-cls")
-# trifuse.fuse(model), torch.compile(model, backend="trifuse"), the model with
+# trifuse.fuse(model), torch.compile(model, backend="trifuse" or "trifuse_inductor"), the model with
 # attn_implementation="trifuse" (trifuse/hf.py; causal LMs, float64: _hf_attention_row), or
 # greedy generation after a training step, fused against unfused (causal and seq2seq LMs, float64:
 # _generate_row)
-VIAS = ("fuse", "backend", "hf-attention", "generate", "checkpoint")
+VIAS = ("fuse", "backend", "inductor", "hf-attention", "generate", "checkpoint")
+COMPILE_BACKENDS = {"backend": "trifuse", "inductor": "trifuse_inductor"}  # --via: torch.compile's backend
 GENERATE_TOKENS = 5
 MAX_PARAMS = 3_000_000
 # (loss, gradient, zero-gradient floor) tolerances per run dtype. The floor: a gradient below it
@@ -872,12 +875,12 @@ def batch(model, task: str, dtype: torch.dtype = torch.float64) -> dict:
     return kwargs
 
 
-def _dynamo_fails(model, kwargs: dict, autocast, task: str = "causal-lm") -> bool:
-    """Whether torch.compile with Dynamo's own backend (no trifuse) fails on the model too."""
+def _dynamo_fails(model, kwargs: dict, autocast, task: str = "causal-lm", backend: str = "eager") -> bool:
+    """Whether torch.compile with Dynamo's own backend, or Inductor (no trifuse), fails on the model too."""
     torch._dynamo.reset()
     try:
         with autocast:
-            _loss(torch.compile(model, backend="eager")(**kwargs), task).backward()
+            _loss(torch.compile(model, backend=backend)(**kwargs), task).backward()
     except Exception:  # noqa: BLE001
         return True
     return False
@@ -1240,7 +1243,7 @@ def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: s
     if via == "generate":
         return _generate_row(model, ref, kwargs, task, loss_tol)
     try:
-        fused = trifuse.fuse(model) if via == "fuse" else torch.compile(model, backend="trifuse")
+        fused = trifuse.fuse(model) if via == "fuse" else torch.compile(model, backend=COMPILE_BACKENDS[via])
         with autocast:
             loss1 = _loss(_seeded(fused)(**kwargs), task)
         grads1 = torch.autograd.grad(loss1, leaves, allow_unused=True)
@@ -1249,8 +1252,10 @@ def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: s
     except Exception as e:  # noqa: BLE001
         crash = {"status": "FUSED CRASH", "why": f"{type(e).__name__}: {str(e).strip()[:300]}",
                  "traceback": traceback.format_exc()[-3000:]}
-        if via == "backend" and _dynamo_fails(model, kwargs, autocast, task):
+        if via in COMPILE_BACKENDS and _dynamo_fails(model, kwargs, autocast, task):
             crash["status"] = "Dynamo fails"
+        elif via == "inductor" and _dynamo_fails(model, kwargs, autocast, task, backend="inductor"):
+            crash["status"] = "Inductor fails"
         return crash
     # NaN against NaN agrees, as the gradients are compared by place (a model whose own loss is NaN)
     loss_err = 0.0 if float(loss0) != float(loss0) and float(loss1) != float(loss1) else \
@@ -1290,7 +1295,7 @@ def _child(model_type: str, task: str = "causal-lm", via: str = "fuse", dtype: s
     took 40x longer on Qwen 3.5's many small ops (its recurrence), timing out. --via checkpoint
     trains three models, each recomputing its blocks, with dropout in the interpreted kernels:
     three times the time (Swin's windowed attention, a minute a step)."""
-    timeout = timeout * 3 if via == "checkpoint" else timeout
+    timeout = timeout * 3 if via in ("checkpoint", "inductor") else timeout  # Inductor: C++ compiles
     args = [f"--one={model_type}", f"--task={task}", f"--via={via}", f"--dtype={dtype}", f"--attn={attn}"]
     return child_row(__file__, args, model_type, timeout, threads, memory_gib=8)
 
