@@ -21,8 +21,9 @@ interpreter.
         # image or audio by the model's main input, with a dual encoder's other input or a speech
         # seq2seq model's decoder ids where it needs them (_base_layouts), the loss the squared
         # error of every floating output against fixed random targets: _loss);
-        # VIA: fuse (default), backend (torch.compile(model, backend="trifuse")), inductor (backend=
-        # "trifuse_inductor": the rewritten graph compiled by Inductor, its C++ on this CPU) or hf-attention (the model
+        # VIA: fuse (default), backend (torch.compile(model, backend="trifuse")), inductor
+        # (backend="trifuse_inductor": the rewritten graph compiled by Inductor, C++ on this CPU)
+        # or hf-attention (the model
         # with attn_implementation="trifuse", unfused, on the sweep's batch and a packed one; causal-lm);
         # DTYPE: float64 (default), fp16-autocast or bf16-autocast (an fp32 model under CPU autocast
         # to fp16 / bf16, at that dtype's tolerance);
