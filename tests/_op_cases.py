@@ -158,16 +158,27 @@ def permuted(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() < 2 else t.transpose(0, 1).contiguous().transpose(0, 1)
 
 
+def sliced(t: torch.Tensor) -> torch.Tensor:
+    """t's values and shape as the first half of a buffer twice as wide (the query of a fused QKV
+    projection): rows apart by twice their width, not dense. 1-dim tensors as they are."""
+    if t.dim() < 2:
+        return t
+    wide = torch.empty(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
+    wide[..., : t.shape[-1]] = t
+    return wide[..., : t.shape[-1]]
+
+
+LAYOUTS = {"contiguous": lambda t: t, "permuted": permuted, "sliced": sliced}
+
+
 def run(name: str, wanted: set[str] | None, traced: bool, layout: str = "contiguous") -> tuple[dict, list]:
     """(inputs, outputs) of case `name`: its inputs drawn after torch.manual_seed(1), those in
     `wanted` (None: all) requiring grad, and the call's outputs that require grad, on the
-    registered path when `traced`. layout "permuted": every input stored as `permuted` lays it
-    out, the same values."""
+    registered path when `traced`. Every input stored as LAYOUTS[layout] lays it out, the same
+    values."""
     make, call = CASES[name]
     torch.manual_seed(1)
-    inputs = make()
-    if layout == "permuted":
-        inputs = {n: permuted(t) for n, t in inputs.items()}
+    inputs = {n: LAYOUTS[layout](t) for n, t in make().items()}
     for n, t in inputs.items():
         t.requires_grad_(wanted is None or n in wanted)
     if traced:

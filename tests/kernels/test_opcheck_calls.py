@@ -14,6 +14,13 @@ from _op_cases import CASES, run
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of t in t's strides, also where they are not dense (clone() would make those
+    contiguous)."""
+    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    return out.copy_(t.detach())
+
+
 class _Recorder(TorchDispatchMode):
     def __init__(self):
         super().__init__()
@@ -22,7 +29,7 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func.namespace == "trifuse":
-            clone = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), (args, kwargs))
+            clone = torch.utils._pytree.tree_map_only(torch.Tensor, _copy, (args, kwargs))
             self.calls.append((func, *clone))
         return func(*args, **kwargs)
 
@@ -46,12 +53,12 @@ def _recorded_calls(name: str, layout: str = "contiguous") -> list:
     return calls
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "permuted"])
+@pytest.mark.parametrize("layout", ["contiguous", "permuted", "sliced"])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_registered_calls_pass_opcheck(name, layout):
-    """With the inputs permuted too (tests/_op_cases.py, `permuted`): a fake that keeps its input's
-    strides where the kernel writes a contiguous output fails Inductor's stride assertion at run
-    time (Apertus's QK norm on a (batch, heads, seq, dim) view, 2026-12-06)."""
+    """With the inputs permuted and sliced too (tests/_op_cases.py, LAYOUTS): a fake that keeps
+    its input's strides where the kernel writes a contiguous output fails Inductor's stride
+    assertion at run time (Apertus's QK norm on a (batch, heads, seq, dim) view, 2026-12-06)."""
     calls = _recorded_calls(name, layout)
     assert calls, f"{name}: no trifuse op ran"
     for func, args, kwargs in calls:
