@@ -1058,52 +1058,79 @@ OptTensor = torch.Tensor | None
 
 # The norms' `out_dtype`: y in that dtype, rounded once by the kernel (a traced narrowed call,
 # fusion/narrow.py: a cast after an opaque op would be one more pass over y, and one more over
-# its gradient, in a compiled graph). Their backward op's `dx_dtype` the same for dx.
+# its gradient, in a compiled graph). Their backward op's `dx_dtype` the same for dx. With
+# `full_y` (a post-norm block's y, read in full by the residual add and narrowed by one matmul)
+# y stays in full and the last output, `y_narrow`, is y in out_dtype, stored by the same kernel
+# (empty without full_y); the backward op adds its gradient `dy_narrow` to dy in fp32.
+
+
+def _narrowing(op: str, out_dtype: torch.dtype | None, full_y: bool) -> dict:
+    """layer_norm_fwd's dtype arguments for a forward op's (out_dtype, full_y)."""
+    if not full_y:
+        return {"out_dtype": out_dtype}
+    if out_dtype is None:
+        raise ValueError(f"trifuse.{op}: full_y needs an out_dtype for y_narrow")
+    return {"y2_dtype": out_dtype}
+
+
+def _check_dy_narrow(dy_narrow: OptTensor, s: Tensor) -> None:
+    if dy_narrow is not None and dy_narrow.shape != s.shape:
+        raise ValueError(f"trifuse.layer_norm_backward: dy_narrow must be shaped like the normed input "
+                         f"{tuple(s.shape)}, got {tuple(dy_narrow.shape)}")
+
+
+def _y_narrow(x: Tensor, out: tuple) -> Tensor:
+    """The y_narrow output: layer_norm_fwd's fifth output, else an empty tensor."""
+    return out[4] if len(out) > 4 else x.new_empty(0)
 
 
 @torch.library.custom_op("trifuse::layer_norm", mutates_args=())
 def _layer_norm_op(x: Tensor, normalized_shape: list[int], weight: OptTensor, bias: OptTensor,
-                   eps: float, out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                   eps: float, out_dtype: torch.dtype | None = None,
+                   full_y: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     n = _check_norm_inputs("layer_norm", x, normalized_shape, weight, bias, eps)
-    y, _, mean, rstd = layer_norm_fwd(x, n, weight, bias, eps, out_dtype=out_dtype,
-                                      stats_shape=_stats_shape(x, len(normalized_shape)))
-    return y, mean, rstd
+    out = layer_norm_fwd(x, n, weight, bias, eps, **_narrowing("layer_norm", out_dtype, full_y),
+                         stats_shape=_stats_shape(x, len(normalized_shape)))
+    return out[0], out[2], out[3], _y_narrow(x, out)
 
 
 @torch.library.custom_op("trifuse::rms_norm", mutates_args=())
 def _rms_norm_op(x: Tensor, normalized_shape: list[int], weight: OptTensor, eps: float,
-                 out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+                 out_dtype: torch.dtype | None = None, full_y: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     n = _check_norm_inputs("rms_norm", x, normalized_shape, weight, None, eps)
-    y, _, _, rstd = layer_norm_fwd(x, n, weight, None, eps, is_rms_norm=True,
-                                   stats_shape=_stats_shape(x, len(normalized_shape)), out_dtype=out_dtype)
-    return y, rstd
+    out = layer_norm_fwd(x, n, weight, None, eps, is_rms_norm=True, **_narrowing("rms_norm", out_dtype, full_y),
+                         stats_shape=_stats_shape(x, len(normalized_shape)))
+    return out[0], out[3], _y_narrow(x, out)
 
 
 @torch.library.custom_op("trifuse::dropout_add_layer_norm", mutates_args=())
 def _dropout_add_layer_norm_op(
     x: Tensor, residual: OptTensor, normalized_shape: list[int], weight: OptTensor, bias: OptTensor,
-    eps: float, p: float, x_bias: OptTensor, out_dtype: torch.dtype | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return _dropout_add_norm(x, residual, normalized_shape, weight, bias, eps, p, x_bias, False, out_dtype)
+    eps: float, p: float, x_bias: OptTensor, out_dtype: torch.dtype | None = None, full_y: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _dropout_add_norm(x, residual, normalized_shape, weight, bias, eps, p, x_bias, False, out_dtype,
+                             full_y)
 
 
 @torch.library.custom_op("trifuse::dropout_add_rms_norm", mutates_args=())
 def _dropout_add_rms_norm_op(
     x: Tensor, residual: OptTensor, normalized_shape: list[int], weight: OptTensor,
-    eps: float, p: float, x_bias: OptTensor, out_dtype: torch.dtype | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return _dropout_add_norm(x, residual, normalized_shape, weight, None, eps, p, x_bias, True, out_dtype)
+    eps: float, p: float, x_bias: OptTensor, out_dtype: torch.dtype | None = None, full_y: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _dropout_add_norm(x, residual, normalized_shape, weight, None, eps, p, x_bias, True, out_dtype,
+                             full_y)
 
 
 def _dropout_add_norm(x, residual, normalized_shape, weight, bias, eps, p, x_bias, is_rms_norm,
-                      out_dtype=None):
+                      out_dtype=None, full_y=False):
     op = "dropout_add_rms_norm" if is_rms_norm else "dropout_add_layer_norm"
     n = _check_norm_inputs(op, x, normalized_shape, weight, bias, eps, residual, x_bias, p)
+    narrowing = _narrowing(op, out_dtype, full_y)
     seed = philox_seed(x.device) if p > 0.0 else torch.zeros(1, dtype=torch.int64, device=x.device)
-    y, s, mean, rstd = layer_norm_fwd(x, n, weight, bias, eps, is_rms_norm=is_rms_norm,
-                                      residual=residual, x_bias=x_bias, p=p, seed=seed, store_s=True,
-                                      stats_shape=_stats_shape(x, len(normalized_shape)), out_dtype=out_dtype)
-    return y, s, mean, rstd, seed
+    out = layer_norm_fwd(x, n, weight, bias, eps, is_rms_norm=is_rms_norm, residual=residual, x_bias=x_bias,
+                         p=p, seed=seed, store_s=True, stats_shape=_stats_shape(x, len(normalized_shape)),
+                         **narrowing)
+    return (*out[:4], seed, _y_narrow(x, out))
 
 
 @torch.library.custom_op("trifuse::layer_norm_add", mutates_args=())
@@ -1131,15 +1158,17 @@ def _norm_add(x, residual, normalized_shape, weight, bias, eps, is_rms_norm):
 def _layer_norm_backward_op(
     dy: Tensor, ds: OptTensor, s: Tensor, normalized_shape: list[int], weight: OptTensor,
     mean: Tensor, rstd: Tensor, seed: OptTensor, p: float, is_rms_norm: bool, store_dresidual: bool,
-    dx_dtype: torch.dtype | None = None,
+    dx_dtype: torch.dtype | None = None, dy_narrow: OptTensor = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, dresidual, dweight, dbias, dx_bias) for every LayerNorm / RMSNorm forward op. mean
     and rstd as the forward op returned them (RMSNorm ignores mean); dy in any float dtype (a
-    narrowed y's); dx in dx_dtype (s's by default)."""
+    narrowed y's), dy_narrow (y_narrow's gradient, full_y) added to it in fp32 by the kernel;
+    dx in dx_dtype (s's by default)."""
+    _check_dy_narrow(dy_narrow, s)
     dx, dr, dw, db, dxb = layer_norm_bwd(
         dy, s, math.prod(normalized_shape), weight, mean.reshape(-1), rstd.reshape(-1),
-        is_rms_norm=is_rms_norm, ds=ds,
-        p=p, seed=seed, store_dresidual=store_dresidual, dx_dtype=dx_dtype,
+        is_rms_norm=is_rms_norm, ds=ds, p=p, seed=seed, store_dresidual=store_dresidual, dx_dtype=dx_dtype,
+        more_dy=() if dy_narrow is None else (dy_narrow,),
     )
     # A custom op's outputs may not alias: dresidual is empty unless stored apart (else it is dx).
     # The three vectors are buffers of their own on both paths.
@@ -1150,43 +1179,52 @@ def _layer_norm_backward_op(
 # that kept a permuted x's strides fails Inductor's stride assertion on the real output.
 
 
+def _fake_ys(op: str, x: Tensor, dtype: torch.dtype, out_dtype, full_y: bool) -> tuple[Tensor, Tensor]:
+    """(y, y_narrow) of a forward op's fake, y in `dtype` unless narrowed itself."""
+    narrowing = _narrowing(op, out_dtype, full_y)
+    y2_dtype = narrowing.get("y2_dtype")
+    return (empty_like(x, narrowing.get("out_dtype") or dtype),
+            x.new_empty(0) if y2_dtype is None else empty_like(x, y2_dtype))
+
+
 @_layer_norm_op.register_fake
-def _(x, normalized_shape, weight, bias, eps, out_dtype=None):
+def _(x, normalized_shape, weight, bias, eps, out_dtype=None, full_y=False):
     _check_norm_inputs("layer_norm", x, normalized_shape, weight, bias, eps)
     m = _stats_shape(x, len(normalized_shape))
-    return (empty_like(x, out_dtype), x.new_empty(m, dtype=_stat_dtype(x)),
-            x.new_empty(m, dtype=_stat_dtype(x)))
+    y, y_narrow = _fake_ys("layer_norm", x, x.dtype, out_dtype, full_y)
+    return y, x.new_empty(m, dtype=_stat_dtype(x)), x.new_empty(m, dtype=_stat_dtype(x)), y_narrow
 
 
 @_rms_norm_op.register_fake
-def _(x, normalized_shape, weight, eps, out_dtype=None):
+def _(x, normalized_shape, weight, eps, out_dtype=None, full_y=False):
     _check_norm_inputs("rms_norm", x, normalized_shape, weight, None, eps)
-    return (empty_like(x, out_dtype),
-            x.new_empty(_stats_shape(x, len(normalized_shape)), dtype=_stat_dtype(x)))
+    y, y_narrow = _fake_ys("rms_norm", x, x.dtype, out_dtype, full_y)
+    return y, x.new_empty(_stats_shape(x, len(normalized_shape)), dtype=_stat_dtype(x)), y_narrow
 
 
 def _dropout_add_norm_fake(x, residual, normalized_shape, weight, bias, eps, p, x_bias, is_rms_norm,
-                           out_dtype=None):
+                           out_dtype=None, full_y=False):
     op = "dropout_add_rms_norm" if is_rms_norm else "dropout_add_layer_norm"
     _check_norm_inputs(op, x, normalized_shape, weight, bias, eps, residual, x_bias, p)
     dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     m = _stats_shape(x, len(normalized_shape))
     s = x.new_empty(x.shape, dtype=dtype)
     stat = _stat_dtype(s)
-    return (empty_like(s, out_dtype), s, s.new_empty(0 if is_rms_norm else m, dtype=stat),
-            s.new_empty(m, dtype=stat), s.new_empty(1, dtype=torch.int64))
+    y, y_narrow = _fake_ys(op, x, dtype, out_dtype, full_y)
+    return (y, s, s.new_empty(0 if is_rms_norm else m, dtype=stat), s.new_empty(m, dtype=stat),
+            s.new_empty(1, dtype=torch.int64), y_narrow)
 
 
 @_dropout_add_layer_norm_op.register_fake
-def _(x, residual, normalized_shape, weight, bias, eps, p, x_bias, out_dtype=None):
+def _(x, residual, normalized_shape, weight, bias, eps, p, x_bias, out_dtype=None, full_y=False):
     return _dropout_add_norm_fake(x, residual, normalized_shape, weight, bias, eps, p, x_bias, False,
-                                  out_dtype)
+                                  out_dtype, full_y)
 
 
 @_dropout_add_rms_norm_op.register_fake
-def _(x, residual, normalized_shape, weight, eps, p, x_bias, out_dtype=None):
+def _(x, residual, normalized_shape, weight, eps, p, x_bias, out_dtype=None, full_y=False):
     return _dropout_add_norm_fake(x, residual, normalized_shape, weight, None, eps, p, x_bias, True,
-                                  out_dtype)
+                                  out_dtype, full_y)
 
 
 def _norm_add_fake(x, residual, normalized_shape, weight, bias, eps, is_rms_norm):
@@ -1209,7 +1247,9 @@ def _(x, residual, normalized_shape, weight, eps):
 
 
 @_layer_norm_backward_op.register_fake
-def _(dy, ds, s, normalized_shape, weight, mean, rstd, seed, p, is_rms_norm, store_dresidual, dx_dtype=None):
+def _(dy, ds, s, normalized_shape, weight, mean, rstd, seed, p, is_rms_norm, store_dresidual, dx_dtype=None,
+      dy_narrow=None):
+    _check_dy_narrow(dy_narrow, s)
     n = math.prod(normalized_shape)
     vec = s.new_empty(n, dtype=_stat_dtype(s))
     dr = empty_like(s) if store_dresidual else s.new_empty(0)
@@ -1234,24 +1274,40 @@ def _grad_as(g: torch.Tensor, like: torch.Tensor | None) -> torch.Tensor | None:
 def _setup_plain(ctx, inputs, output, is_rms_norm):
     x, normalized_shape, weight = inputs[0], inputs[1], inputs[2]
     bias = None if is_rms_norm else inputs[3]
-    stats = output[1:]
+    stats = output[1:-1]  # (after y; y_narrow last)
     # RMSNorm has no mean; its backward ignores the argument, and rstd stands in for it (a slice
     # would do too, but not as simply for a DTensor).
     mean, rstd = (stats[0], stats[0]) if is_rms_norm else stats
     ctx.save_for_backward(x, weight, bias, mean, rstd)
     ctx.normalized_shape, ctx.is_rms_norm = normalized_shape, is_rms_norm
     ctx.eps = inputs[3 if is_rms_norm else 4]
+    ctx.full_y = _full_y(inputs, 5 if is_rms_norm else 6)
     ctx.needs = ctx.needs_input_grad
     # Unused outputs' gradients arrive as None, not as zeros autograd would make as plain
     # tensors (which a DTensor op refuses beside DTensors, and which cost a pass to read).
     ctx.set_materialize_grads(False)
 
 
-def _norm_grads(ctx, dy):
-    """(dx, dweight, dbias) of a norm of the saved (x, weight, bias, mean, rstd)."""
+def _full_y(inputs: tuple, at: int) -> bool:
+    """The forward op's full_y, at index `at` of its inputs (absent where the call left it out)."""
+    return len(inputs) > at and bool(inputs[at])
+
+
+def _dy_narrow(ctx, grads: tuple) -> Tensor | None:
+    """y_narrow's gradient, the last of a forward op's output gradients: None without full_y (the
+    empty y_narrow's, when a caller differentiates every output)."""
+    return grads[-1] if ctx.full_y else None
+
+
+def _norm_grads(ctx, dy, dy_narrow=None):
+    """(dx, dweight, dbias) of a norm of the saved (x, weight, bias, mean, rstd); dy_narrow: the
+    gradient of y_narrow (full_y), added to dy's."""
     x, weight, bias, mean, rstd = ctx.saved_tensors
+    if dy is None:
+        dy, dy_narrow = dy_narrow, None
+    extra = () if dy_narrow is None else (None, dy_narrow)
     dx, _, dw, db, _ = torch.ops.trifuse.layer_norm_backward(
-        dy, None, x, ctx.normalized_shape, weight, mean, rstd, None, 0.0, ctx.is_rms_norm, False)
+        dy, None, x, ctx.normalized_shape, weight, mean, rstd, None, 0.0, ctx.is_rms_norm, False, *extra)
     return dx, _grad_as(dw, weight), _grad_as(db, bias)
 
 
@@ -1263,26 +1319,28 @@ def _width_of(ctx) -> int:
     return math.prod(ctx.normalized_shape)
 
 
-def _plain_twice(ctx, dy, *_):
-    """For layer_norm (x, normalized_shape, weight, bias, eps) and rms_norm (no bias)."""
+def _plain_twice(ctx, dy, *rest):
+    """For layer_norm (x, normalized_shape, weight, bias, eps, out_dtype, full_y) and rms_norm (no
+    bias); rest: the statistics' gradients, then y_narrow's."""
     x, weight, bias, mean, rstd = ctx.saved_tensors
     needs = ctx.needs_input_grad
     view = ctx_as(ctx, (needs[0], False, False, needs[2], not ctx.is_rms_norm and needs[3]),
                   saved_tensors=(x, weight, bias, None, mean, rstd, None), fused=False, residual_dtype=None,
-                  p=0.0, outputs=1, n=_width_of(ctx), eps=ctx.eps, is_rms_norm=ctx.is_rms_norm,
+                  p=0.0, outputs=2, n=_width_of(ctx), eps=ctx.eps, is_rms_norm=ctx.is_rms_norm,
                   x_dtype=x.dtype)
-    dx, _, _, dw, db, *_ = _norm_twice(view, dy)
-    return (dx, None, dw, None, None) if ctx.is_rms_norm else (dx, None, dw, db, None, None)
+    dx, _, _, dw, db, *_ = _norm_twice(view, dy, _dy_narrow(ctx, rest))
+    return (dx, None, dw, None, None, None) if ctx.is_rms_norm else (dx, None, dw, db, None, None, None)
 
 
 @single_backward(twice=_plain_twice, op="layer_norm (or rms_norm)")
-def _backward_plain(ctx, dy, *_):
-    if dy is None:
-        return (None,) * (5 if ctx.is_rms_norm else 6)
-    dx, dw, db = _norm_grads(ctx, dy)  # (out_dtype's gradient: None)
+def _backward_plain(ctx, dy, *rest):
+    dy_narrow = _dy_narrow(ctx, rest)  # after the statistics' gradients
+    if dy is None and dy_narrow is None:
+        return (None,) * (6 if ctx.is_rms_norm else 7)
+    dx, dw, db = _norm_grads(ctx, dy, dy_narrow)  # (out_dtype's and full_y's gradients: None)
     if ctx.is_rms_norm:
-        return dx, None, dw, None, None
-    return dx, None, dw, db, None, None
+        return dx, None, dw, None, None, None
+    return dx, None, dw, db, None, None, None
 
 
 def _setup_fused(ctx, inputs, output, is_rms_norm):
@@ -1290,33 +1348,38 @@ def _setup_fused(ctx, inputs, output, is_rms_norm):
     bias = None if is_rms_norm else inputs[4]
     eps_p_xb = inputs[4:] if is_rms_norm else inputs[5:]
     p, x_bias = eps_p_xb[1], eps_p_xb[2]
-    _, s, mean, rstd, seed = output
+    _, s, mean, rstd, seed, _ = output
     ctx.save_for_backward(s, weight, bias, x_bias, mean, rstd, seed)
     ctx.normalized_shape, ctx.is_rms_norm, ctx.p, ctx.eps = normalized_shape, is_rms_norm, p, eps_p_xb[0]
     ctx.x_dtype, ctx.has_residual = x.dtype, residual is not None
     ctx.residual_dtype = residual.dtype if residual is not None else None
+    ctx.full_y = _full_y(inputs, 8 if is_rms_norm else 9)
     ctx.set_materialize_grads(False)  # as _setup_plain
 
 
-def _fused_twice(ctx, dy, ds, *_):
+def _fused_twice(ctx, dy, ds, *rest):
     """For dropout_add_layer_norm (x, residual, normalized_shape, weight, bias, eps, p, x_bias,
-    out_dtype) and dropout_add_rms_norm (no bias)."""
+    out_dtype, full_y) and dropout_add_rms_norm (no bias); rest: the statistics' and the seed's
+    gradients, then y_narrow's."""
     needs = ctx.needs_input_grad
     # needs: one per argument the call passed (trailing Nones and out_dtype may be left out)
     x_bias = 6 if ctx.is_rms_norm else 7
     needs_x_bias = len(needs) > x_bias and needs[x_bias]
     view = ctx_as(ctx, (needs[0], needs[1], needs_x_bias, needs[3], not ctx.is_rms_norm and needs[4]),
-                  fused=True, outputs=1, n=_width_of(ctx), eps=ctx.eps, p=ctx.p, is_rms_norm=ctx.is_rms_norm,
+                  fused=True, outputs=2, n=_width_of(ctx), eps=ctx.eps, p=ctx.p, is_rms_norm=ctx.is_rms_norm,
                   x_dtype=ctx.x_dtype, residual_dtype=ctx.residual_dtype)
-    dx, dres, dxb, dw, db, *_ = _norm_twice(view, dy, ds)
+    dx, dres, dxb, dw, db, *_ = _norm_twice(view, dy, _dy_narrow(ctx, rest), ds)
     grads = (dx, dres, None, dw) if ctx.is_rms_norm else (dx, dres, None, dw, db)
-    return (*grads, None, None, dxb, None)
+    return (*grads, None, None, dxb, None, None)
 
 
 @single_backward(twice=_fused_twice, op="dropout_add_layer_norm")
-def _backward_fused(ctx, dy, ds, *_):
+def _backward_fused(ctx, dy, ds, *rest):
+    dy_narrow = _dy_narrow(ctx, rest)  # after the statistics' and the seed's gradients
+    if dy is None:
+        dy, dy_narrow = dy_narrow, None
     if dy is None and ds is None:
-        return (None,) * (8 if ctx.is_rms_norm else 9)
+        return (None,) * (9 if ctx.is_rms_norm else 10)
     s, weight, bias, x_bias, mean, rstd, seed = ctx.saved_tensors
     y_used = dy is not None
     if not y_used:  # only s was used: y's gradient is zero (ds alone is read as is)
@@ -1326,15 +1389,16 @@ def _backward_fused(ctx, dy, ds, *_):
     # a custom op may not return one tensor twice); dx comes in x's dtype (bf16 beside an fp32
     # residual stream under autocast: a cast after the op would be one more pass over it).
     args = (dy, ds, s, ctx.normalized_shape, weight, mean, rstd, seed, p, ctx.is_rms_norm, ctx.has_residual)
-    dx, dr, dw, db, dxb = torch.ops.trifuse.layer_norm_backward(
-        *args, *(() if ctx.x_dtype == s.dtype else (ctx.x_dtype,)))
+    dx_dtype = None if ctx.x_dtype == s.dtype else ctx.x_dtype
+    extra = (dx_dtype, dy_narrow) if dy_narrow is not None else () if dx_dtype is None else (dx_dtype,)
+    dx, dr, dw, db, dxb = torch.ops.trifuse.layer_norm_backward(*args, *extra)
     dres = dr.to(ctx.residual_dtype) if ctx.has_residual else None
     # y unread: the norm's weight and bias reach the loss through nothing, so their gradients are
     # None as unfused (not zeros: an optimizer would decay and step them, DDP count them as used)
     grads = [dx.to(ctx.x_dtype), dres, None, _grad_as(dw, weight) if y_used else None]
     if not ctx.is_rms_norm:
         grads.append(_grad_as(db, bias) if y_used else None)
-    return (*grads, None, None, _grad_as(dxb, x_bias), None)
+    return (*grads, None, None, _grad_as(dxb, x_bias), None, None)
 
 
 def _setup_norm_add(ctx, inputs, output, is_rms_norm):
@@ -1925,10 +1989,10 @@ def _norm_kernels(op_name, x, normalized_shape, weight, bias, eps, residual, is_
     for name, t in (("weight", weight), ("bias", bias), ("residual", residual), ("x_bias", x_bias)):
         if t is not None:  # (the fast path above takes tensors only: no cost there)
             check_tensor(op_name, name, t)
-    # Traced, or tensor subclasses: the registered ops. One narrowed y they write in out_dtype
-    # themselves (a compiler cannot fuse a cast into an opaque op: one more pass over y and one
-    # over its gradient); several readers, or full_y, as casts after them.
-    narrow = (out_dtype,) if out_dtype is not None and readers == 1 and not full_y else ()
+    # Traced, or tensor subclasses: the registered ops. One narrowed y, or y in full and one
+    # narrowed (full_y), they write themselves (a compiler cannot fuse a cast into an opaque op:
+    # one more pass over y and one over its gradient); several readers as casts after them.
+    narrow = () if out_dtype is None or readers != 1 else (out_dtype, True) if full_y else (out_dtype,)
     if fused:
         if is_rms_norm:
             out = torch.ops.trifuse.dropout_add_rms_norm(
@@ -1936,12 +2000,16 @@ def _norm_kernels(op_name, x, normalized_shape, weight, bias, eps, residual, is_
         else:
             out = torch.ops.trifuse.dropout_add_layer_norm(
                 x, residual, normalized_shape, weight, bias, eps, p, x_bias, *narrow)
-        return (out[0] if narrow else _cast_for_readers(out[0], out_dtype, readers, full_y)), out[1]
+        ys = _cast_for_readers(out[0], out_dtype, readers, full_y) if not narrow else \
+            (out[0], out[-1]) if full_y else out[0]
+        return ys, out[1]
     if is_rms_norm:
-        y = torch.ops.trifuse.rms_norm(x, normalized_shape, weight, eps, *narrow)[0]
+        out = torch.ops.trifuse.rms_norm(x, normalized_shape, weight, eps, *narrow)
     else:
-        y = torch.ops.trifuse.layer_norm(x, normalized_shape, weight, bias, eps, *narrow)[0]
-    return y if narrow else _cast_for_readers(y, out_dtype, readers, full_y)
+        out = torch.ops.trifuse.layer_norm(x, normalized_shape, weight, bias, eps, *narrow)
+    if not narrow:
+        return _cast_for_readers(out[0], out_dtype, readers, full_y)
+    return (out[0], out[-1]) if full_y else out[0]
 
 
 def _cast_for_readers(y: torch.Tensor, out_dtype: torch.dtype | None, readers: int, full_y: bool):

@@ -143,22 +143,26 @@ def register() -> bool:
 
     ops = torch.ops.trifuse
 
-    # (out_dtype, dx_dtype: where the call passes them)
+    # (out_dtype, full_y, dx_dtype, dy_narrow: where the call passes them)
+    def _y_narrow(x, narrowing):
+        """The forward ops' last output: like x with full_y, else empty (Replicate)."""
+        return x if len(narrowing) > 1 and narrowing[1] else _EMPTY
+
     @register_sharding(ops.layer_norm.default)
-    def _layer_norm(x, normalized_shape, weight, bias, eps, *out_dtype):
+    def _layer_norm(x, normalized_shape, weight, bias, eps, *narrowing):
         return _norm_strategies(
             x, len(normalized_shape),
             [("row", x), (None, None), ("feat", weight), ("feat", bias), (None, None),
-             *[(None, None)] * len(out_dtype)],
-            [("row", x), ("stat", x), ("stat", x)],
+             *[(None, None)] * len(narrowing)],
+            [("row", x), ("stat", x), ("stat", x), ("stat", _y_narrow(x, narrowing))],
         )
 
     @register_sharding(ops.rms_norm.default)
-    def _rms_norm(x, normalized_shape, weight, eps, *out_dtype):
+    def _rms_norm(x, normalized_shape, weight, eps, *narrowing):
         return _norm_strategies(
             x, len(normalized_shape),
-            [("row", x), (None, None), ("feat", weight), (None, None), *[(None, None)] * len(out_dtype)],
-            [("row", x), ("stat", x)],
+            [("row", x), (None, None), ("feat", weight), (None, None), *[(None, None)] * len(narrowing)],
+            [("row", x), ("stat", x), ("stat", _y_narrow(x, narrowing))],
         )
 
     @register_sharding(ops.layer_norm_add.default)
@@ -177,34 +181,35 @@ def register() -> bool:
         )
 
     def _dropout_add_norm(x, residual, normalized_shape, weight, bias, eps, p, x_bias, is_rms_norm,
-                          out_dtype):
+                          narrowing):
         args = [("row", x), ("row", residual), (None, None), ("feat", weight)]
         if not is_rms_norm:
             args.append(("feat", bias))
-        args += [(None, None), (None, None), ("feat", x_bias), *[(None, None)] * len(out_dtype)]
+        args += [(None, None), (None, None), ("feat", x_bias), *[(None, None)] * len(narrowing)]
         # The RMSNorm's mean output is empty: any non-empty stand-in marks it "stat" only when
         # the op returns one (see place(): empty tensors are Replicate).
         mean = _EMPTY if is_rms_norm else x
         return _norm_strategies(
             x, len(normalized_shape), args,
-            [("row", x), ("row", x), ("stat", mean), ("stat", x), ("seed", x)],
+            [("row", x), ("row", x), ("stat", mean), ("stat", x), ("seed", x),
+             ("stat", _y_narrow(x, narrowing))],
         )
 
     @register_sharding(ops.dropout_add_layer_norm.default)
-    def _dropout_add_layer_norm(x, residual, normalized_shape, weight, bias, eps, p, x_bias, *out_dtype):
+    def _dropout_add_layer_norm(x, residual, normalized_shape, weight, bias, eps, p, x_bias, *narrowing):
         return _dropout_add_norm(x, residual, normalized_shape, weight, bias, eps, p, x_bias, False,
-                                 out_dtype)
+                                 narrowing)
 
     @register_sharding(ops.dropout_add_rms_norm.default)
-    def _dropout_add_rms_norm(x, residual, normalized_shape, weight, eps, p, x_bias, *out_dtype):
-        return _dropout_add_norm(x, residual, normalized_shape, weight, None, eps, p, x_bias, True, out_dtype)
+    def _dropout_add_rms_norm(x, residual, normalized_shape, weight, eps, p, x_bias, *narrowing):
+        return _dropout_add_norm(x, residual, normalized_shape, weight, None, eps, p, x_bias, True, narrowing)
 
     @register_sharding(ops.layer_norm_backward.default)
     def _layer_norm_backward(dy, ds, s, normalized_shape, weight, mean, rstd, seed, p, is_rms_norm,
-                             store_dresidual, *dx_dtype):
+                             store_dresidual, *narrowing):
         args = [("row", dy), ("row", ds), ("row", s), (None, None), ("feat", weight), ("stat", mean),
                 ("stat", rstd), ("seed", seed), (None, None), (None, None), (None, None),
-                *[(None, None)] * len(dx_dtype)]
+                *[(None, None)] * len(narrowing[:1]), *[("row", t) for t in narrowing[1:]]]
         return _norm_strategies(
             s, len(normalized_shape), args,
             [("row", s), ("row" if store_dresidual else "stat", s if store_dresidual else _EMPTY),

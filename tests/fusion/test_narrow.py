@@ -466,23 +466,36 @@ def _compiled_step(model, kw, loss_fn, monkeypatch, narrowing: bool):
     return loss, grads, record.calls
 
 
-def test_compiled_graphs_narrow_inside_the_norm_ops_and_change_no_bit(monkeypatch):
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_compiled_graphs_narrow_inside_the_norm_ops_and_change_no_bit(name, monkeypatch):
     """Under backend="trifuse_inductor" a narrowed norm is its registered op writing y in the
     autocast dtype itself (`out_dtype`), and the backward op writes dx in x's dtype (`dx_dtype`):
     a cast after an opaque op would be one more pass over y, and over each gradient, that the
-    compiler cannot fuse into it. Loss and gradients bitwise those compiled without narrowing."""
+    compiler cannot fuse into it. BERT's post-norm y, read in full by the next residual add and
+    narrowed for one matmul, comes out of the op in both dtypes (`full_y`: y and y_narrow), and
+    the backward op adds y_narrow's gradient (`dy_narrow`). Loss and gradients bitwise those
+    compiled without narrowing."""
     torch.manual_seed(0)
-    model, inputs, loss_fn = _models.gpt2(dropout=0.1)
+    model, inputs, loss_fn = getattr(_models, name)(dropout=0.1)
     kw = inputs(2, 8)
     loss, grads, calls = _compiled_step(copy.deepcopy(model), kw, loss_fn, monkeypatch, narrowing=True)
     loss_plain, grads_plain, calls_plain = _compiled_step(copy.deepcopy(model), kw, loss_fn, monkeypatch,
                                                           narrowing=False)
     norms = ("trifuse.layer_norm.default", "trifuse.dropout_add_layer_norm.default")
-    narrowed = {op for op, args in calls if op in norms and args[-1] == DTYPE}
     backward = "trifuse.layer_norm_backward.default"
-    assert narrowed == set(norms) and not any(op in norms and args[-1] == DTYPE for op, args in calls_plain)
-    # the residual stream's x (c_proj's output) is bf16 beside its fp32 residual
-    assert any(op == backward and args[-1] == DTYPE for op, args in calls)
+
+    def narrowed(calls):  # (op, full_y) of each norm call given out_dtype (then full_y, if passed)
+        return [(op, args[-1] is True) for op, args in calls if op in norms and DTYPE in args[-2:]]
+    assert not narrowed(calls_plain)
+    if name == "gpt2":  # pre-norm: each y read by one matmul alone
+        assert set(narrowed(calls)) == {(op, False) for op in norms}
+        # the residual stream's x (c_proj's output) is bf16 beside its fp32 residual
+        assert any(op == backward and args[-1] == DTYPE for op, args in calls)
+    else:
+        assert ("trifuse.dropout_add_layer_norm.default", True) in narrowed(calls)
+        # dy_narrow, the backward op's 13th argument, passed
+        assert any(op == backward and len(args) == 13 for op, args in calls)
+        assert not any(op == backward and len(args) == 13 for op, args in calls_plain)
     assert torch.equal(loss, loss_plain)
     for g, gp in zip(grads, grads_plain, strict=True):
         assert (g is None and gp is None) or torch.equal(g, gp)

@@ -382,7 +382,7 @@ def test_opcheck_with_dropout_and_x_bias():
     torch.library.opcheck(torch.ops.trifuse.dropout_add_layer_norm.default, (x, None, [16], w, b, EPS, P, None))
     torch.library.opcheck(torch.ops.trifuse.dropout_add_rms_norm.default, (x, r, [16], w, EPS, P, xb))
     with torch.no_grad():
-        y, s, mean, rstd, seed = torch.ops.trifuse.dropout_add_layer_norm(x, r, [16], w, b, EPS, P, xb)
+        y, s, mean, rstd, seed, _ = torch.ops.trifuse.dropout_add_layer_norm(x, r, [16], w, b, EPS, P, xb)
     torch.library.opcheck(torch.ops.trifuse.layer_norm_backward.default,
                           (torch.randn_like(y), torch.randn_like(s), s, [16], w.detach(), mean, rstd, seed, P,
                            False, True))

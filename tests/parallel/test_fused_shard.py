@@ -183,6 +183,14 @@ def ops_on_sequence_shards(rank, size):
     run(lambda t: trifuse.ops.layer_norm_add(t["x"], t["r"], 16, t["w"], t["b"]), "layer_norm_add")
     run(lambda t: trifuse.ops.layer_norm_add(t["x"], t["r"], 16, t["w"], None, 1e-6, is_rms_norm=True),
         "rms_norm_add")
+    # full_y: y and y_narrow from the op (float64 both here: the rule is float64's), two gradients
+    def total(out):  # the sum of every tensor in nested tuples
+        return sum(map(total, out)) if isinstance(out, tuple) else out
+
+    run(lambda t: total(trifuse.ops.layer_norm(t["x"], 16, t["w"], t["b"], out_dtype=torch.float64, full_y=True)),
+        "layer_norm_full_y")
+    run(lambda t: total(trifuse.ops.rms_norm(t["x"], 16, t["w"], 1e-6, residual=t["r"], out_dtype=torch.float64,
+                                             full_y=True)), "add_rms_norm_full_y")
     run(lambda t: trifuse.ops.dropout_add(t["x"], t["r"], 0.0, True, t["b"]), "dropout_add")
     run(lambda t: trifuse.ops.bias_gelu(t["x"], t["b"]), "bias_gelu")
     run(lambda t: trifuse.ops.gated_activation(t["x"], t["r"], "silu"), "gated_activation")
