@@ -1098,8 +1098,9 @@ def _layer_norm_op(x: Tensor, normalized_shape: list[int], weight: OptTensor, bi
 def _rms_norm_op(x: Tensor, normalized_shape: list[int], weight: OptTensor, eps: float,
                  out_dtype: torch.dtype | None = None, full_y: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     n = _check_norm_inputs("rms_norm", x, normalized_shape, weight, None, eps)
-    out = layer_norm_fwd(x, n, weight, None, eps, is_rms_norm=True, **_narrowing("rms_norm", out_dtype, full_y),
-                         stats_shape=_stats_shape(x, len(normalized_shape)))
+    narrowing = _narrowing("rms_norm", out_dtype, full_y)
+    out = layer_norm_fwd(x, n, weight, None, eps, is_rms_norm=True,
+                         stats_shape=_stats_shape(x, len(normalized_shape)), **narrowing)
     return out[0], out[3], _y_narrow(x, out)
 
 

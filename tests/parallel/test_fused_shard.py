@@ -187,10 +187,10 @@ def ops_on_sequence_shards(rank, size):
     def total(out):  # the sum of every tensor in nested tuples
         return sum(map(total, out)) if isinstance(out, tuple) else out
 
-    run(lambda t: total(trifuse.ops.layer_norm(t["x"], 16, t["w"], t["b"], out_dtype=torch.float64, full_y=True)),
-        "layer_norm_full_y")
-    run(lambda t: total(trifuse.ops.rms_norm(t["x"], 16, t["w"], 1e-6, residual=t["r"], out_dtype=torch.float64,
-                                             full_y=True)), "add_rms_norm_full_y")
+    wide = {"out_dtype": torch.float64, "full_y": True}
+    run(lambda t: total(trifuse.ops.layer_norm(t["x"], 16, t["w"], t["b"], **wide)), "layer_norm_full_y")
+    run(lambda t: total(trifuse.ops.rms_norm(t["x"], 16, t["w"], 1e-6, residual=t["r"], **wide)),
+        "add_rms_norm_full_y")
     run(lambda t: trifuse.ops.dropout_add(t["x"], t["r"], 0.0, True, t["b"]), "dropout_add")
     run(lambda t: trifuse.ops.bias_gelu(t["x"], t["b"]), "bias_gelu")
     run(lambda t: trifuse.ops.gated_activation(t["x"], t["r"], "silu"), "gated_activation")
