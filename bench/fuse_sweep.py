@@ -876,6 +876,28 @@ def batch(model, task: str, dtype: torch.dtype = torch.float64) -> dict:
     return kwargs
 
 
+def _inductor_alone(model, kwargs: dict, task: str, leaves: list, loss0, grads0, floor: float,
+                    err: tuple[float, float], failed: tuple[bool, bool]) -> dict:
+    """--via inductor, a MISMATCH: plain torch.compile (Inductor, no trifuse) against the same
+    unfused step. Inductor's kernels need not round as eager does (a float32 downcast in a float64
+    model, its own RNG for a model's random draws); where plain Inductor differs by at least half
+    as much in what failed (`err`: the fused loss's and gradients' errors, `failed` which of them
+    is over its tolerance), the row says so."""
+    torch._dynamo.reset()
+    try:
+        loss = _loss(_seeded(torch.compile(model))(**kwargs), task)
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    except Exception as e:  # noqa: BLE001
+        return {"inductor_alone": f"{type(e).__name__}: {str(e).strip()[:100]}"}
+    loss_err = abs(float(loss) - float(loss0)) / max(abs(float(loss0)), 1e-30)
+    alone = (loss_err, _grad_error(grads0, grads, floor))
+    out = {"inductor_alone": {"loss_rel_err": alone[0], "grad_rel_err": alone[1]}}
+    if all(a >= e / 2 for a, e, f in zip(alone, err, failed) if f):
+        out["why"] = ("plain torch.compile (Inductor, no trifuse) differs from eager as much: "
+                      f"loss {alone[0]:.2g}, grad {alone[1]:.2g}")
+    return out
+
+
 def _dynamo_fails(model, kwargs: dict, autocast, task: str = "causal-lm", backend: str = "eager") -> bool:
     """Whether torch.compile with Dynamo's own backend, or Inductor (no trifuse), fails on the model too."""
     torch._dynamo.reset()
@@ -1281,6 +1303,10 @@ def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: s
             "unfused_calls": {k: sum(v.values()) for k, v in report.unfused_calls().items()}}
     if dtype != "float64":
         row["oracle_excess"] = excess
+    if via == "inductor" and not ok and dtype == "float64":
+        failed = (loss_err >= loss_tol, grad_err >= grad_tol)
+        row.update(_inductor_alone(model, kwargs, task, leaves, loss0, grads0, floor, (loss_err, grad_err),
+                                   failed))
     if _non_finite(grads0):
         row["why"] = f"the unfused model's gradients hold {_non_finite(grads0)} NaN/inf entries (compared by place)"
     if dtype != "float64" and (float(loss0) != float(loss0) or float(loss64) != float(loss64)):
