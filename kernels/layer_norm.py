@@ -1300,15 +1300,21 @@ def _dy_narrow(ctx, grads: tuple) -> Tensor | None:
     return grads[-1] if ctx.full_y else None
 
 
+def _backward_tail(dx_dtype: torch.dtype | None, dy_narrow: Tensor | None) -> tuple:
+    """layer_norm_backward's trailing (dx_dtype, dy_narrow) as far as either is given (a traced
+    call carries no trailing Nones)."""
+    return (dx_dtype, dy_narrow) if dy_narrow is not None else () if dx_dtype is None else (dx_dtype,)
+
+
 def _norm_grads(ctx, dy, dy_narrow=None):
     """(dx, dweight, dbias) of a norm of the saved (x, weight, bias, mean, rstd); dy_narrow: the
     gradient of y_narrow (full_y), added to dy's."""
     x, weight, bias, mean, rstd = ctx.saved_tensors
     if dy is None:
         dy, dy_narrow = dy_narrow, None
-    extra = () if dy_narrow is None else (None, dy_narrow)
     dx, _, dw, db, _ = torch.ops.trifuse.layer_norm_backward(
-        dy, None, x, ctx.normalized_shape, weight, mean, rstd, None, 0.0, ctx.is_rms_norm, False, *extra)
+        dy, None, x, ctx.normalized_shape, weight, mean, rstd, None, 0.0, ctx.is_rms_norm, False,
+        *_backward_tail(None, dy_narrow))
     return dx, _grad_as(dw, weight), _grad_as(db, bias)
 
 
@@ -1391,8 +1397,7 @@ def _backward_fused(ctx, dy, ds, *rest):
     # residual stream under autocast: a cast after the op would be one more pass over it).
     args = (dy, ds, s, ctx.normalized_shape, weight, mean, rstd, seed, p, ctx.is_rms_norm, ctx.has_residual)
     dx_dtype = None if ctx.x_dtype == s.dtype else ctx.x_dtype
-    extra = (dx_dtype, dy_narrow) if dy_narrow is not None else () if dx_dtype is None else (dx_dtype,)
-    dx, dr, dw, db, dxb = torch.ops.trifuse.layer_norm_backward(*args, *extra)
+    dx, dr, dw, db, dxb = torch.ops.trifuse.layer_norm_backward(*args, *_backward_tail(dx_dtype, dy_narrow))
     dres = dr.to(ctx.residual_dtype) if ctx.has_residual else None
     # y unread: the norm's weight and bias reach the loss through nothing, so their gradients are
     # None as unfused (not zeros: an optimizer would decay and step them, DDP count them as used)
@@ -2001,13 +2006,17 @@ def _norm_kernels(op_name, x, normalized_shape, weight, bias, eps, residual, is_
         else:
             out = torch.ops.trifuse.dropout_add_layer_norm(
                 x, residual, normalized_shape, weight, bias, eps, p, x_bias, *narrow)
-        ys = _cast_for_readers(out[0], out_dtype, readers, full_y) if not narrow else \
-            (out[0], out[-1]) if full_y else out[0]
-        return ys, out[1]
+        return _traced_ys(out, narrow, out_dtype, readers, full_y), out[1]
     if is_rms_norm:
         out = torch.ops.trifuse.rms_norm(x, normalized_shape, weight, eps, *narrow)
     else:
         out = torch.ops.trifuse.layer_norm(x, normalized_shape, weight, bias, eps, *narrow)
+    return _traced_ys(out, narrow, out_dtype, readers, full_y)
+
+
+def _traced_ys(out: tuple, narrow: tuple, out_dtype, readers: int, full_y: bool):
+    """What `layer_norm`'s y is from a registered forward op's outputs: y as the op wrote it
+    (narrowed, or with y_narrow under full_y), else cast after it for the readers."""
     if not narrow:
         return _cast_for_readers(out[0], out_dtype, readers, full_y)
     return (out[0], out[-1]) if full_y else out[0]
