@@ -23,7 +23,8 @@ value keeps its own digits, not only the tensor's scale.
 transformers computes this in twelve PyTorch kernels forward in the model's dtype (its CUDA kernel,
 from an optional package, is used only where installed); here one read and one write forward, two
 reads and one write backward, the coefficient gradients reduced in fixed order (bitwise the same
-run to run): each program writes one fp32 partial per coefficient, summed afterwards.
+run to run): each program writes one partial per coefficient, its terms formed and summed in fp64
+(they cancel: fp32 sums missed float64 by more than PyTorch's own error), summed afterwards.
 
 Shapes: x any shape, read as one flat run of elements (a non-contiguous x is copied once); y and
 dx like x. Dtypes: x fp16 / bf16 / fp32 / fp64; the coefficients any float dtype, their gradients
@@ -87,11 +88,12 @@ def _expm1(m):
 
 
 @triton.jit
-def _expm1_minus_x(m, x):
-    """expm1(m) - x: for m == x small (x just below eps) the series x^2/2 + x^3/6 + ..., which
-    keeps the digits the subtraction of two nearly equal numbers would lose."""
+def _expm1_minus_x(m, x, WIDE: tl.constexpr):
+    """expm1(m) - x in WIDE: for m == x small (x just below eps) the series x^2/2 + x^3/6 + ...,
+    which keeps the digits the subtraction of two nearly equal numbers would lose. The subtraction
+    in WIDE (fp64 for the backward's sums): x is exact there, so only expm1's rounding is left."""
     series = x * x * (0.5 + x * (0.16666666666666666 + x * (0.041666666666666664 + x * 0.008333333333333333)))
-    return tl.where((m == x) & (x > -0.01), series, _expm1(m) - x)
+    return tl.where((m == x) & (x > -0.01), series.to(WIDE), _expm1(m).to(WIDE) - x.to(WIDE))
 
 
 @triton.jit
@@ -102,7 +104,7 @@ def _xielu_fwd_kernel(X, Y, AP, AN, BETA, EPS, n, BLOCK: tl.constexpr, ACC: tl.c
     ap, an = tl.load(AP).to(ACC), tl.load(AN).to(ACC)
     beta, eps = tl.load(BETA).to(ACC), tl.load(EPS).to(ACC)
     m = tl.where(x > eps, eps, x)  # min(x, eps), NaN kept as torch.min keeps it
-    y = tl.where(x > 0.0, ap * x * x + beta * x, _expm1_minus_x(m, x) * an + beta * x)
+    y = tl.where(x > 0.0, ap * x * x + beta * x, _expm1_minus_x(m, x, ACC) * an + beta * x)
     tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -121,8 +123,13 @@ def _xielu_bwd_kernel(DY, X, DX, AP, AN, BETA, EPS, DAP_PART, DAN_PART, n, BLOCK
     dm = tl.where(x > eps, 0.0, tl.where(x == eps, 0.5, 1.0))  # torch.minimum's backward
     dx = tl.where(pos, g * (2.0 * ap * x + beta), g * ((tl.exp(m) * dm - 1.0) * an + beta))
     tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
-    dap = tl.where(pos & mask, g * x * x, 0.0)
-    dan = tl.where(pos | (offs >= n), 0.0, g * _expm1_minus_x(m, x))
+    # The coefficient gradients sum terms of either sign up to |x dy| large, to a result that can
+    # be 1000x smaller than their sum of magnitudes (x ~ 30: hypothesis found fp32 terms and sums
+    # off by 2-3x PyTorch's own error on 0.2% of draws). Formed and summed in fp64: the products
+    # of fp32 values are exact there, and the partials stay fp64 until the last sum.
+    g64, x64 = g.to(tl.float64), x.to(tl.float64)
+    dap = tl.where(pos & mask, g64 * x64 * x64, 0.0)
+    dan = tl.where(pos | (offs >= n), 0.0, g64 * _expm1_minus_x(m, x, tl.float64))
     tl.store(DAP_PART + pid, tl.sum(dap, axis=0))
     tl.store(DAN_PART + pid, tl.sum(dan, axis=0))
 
@@ -173,12 +180,12 @@ def xielu_bwd(dy: torch.Tensor, x: torch.Tensor, alpha_p: torch.Tensor, alpha_n:
     dx = empty_like(x)
     n = x.numel()
     programs = triton.cdiv(n, BLOCK)
-    dap_part = torch.empty(programs, device=x.device, dtype=acc)
-    dan_part = torch.empty(programs, device=x.device, dtype=acc)
+    dap_part = torch.empty(programs, device=x.device, dtype=torch.float64)
+    dan_part = torch.empty(programs, device=x.device, dtype=torch.float64)
     if n:
         _xielu_bwd[(programs,)](dy, x, dx, alpha_p, alpha_n, beta, eps, dap_part, dan_part, n, BLOCK=BLOCK,
                                 ACC=acc_dtype(acc), num_warps=NUM_WARPS)
-    return dx, dap_part.sum().reshape(1), dan_part.sum().reshape(1)
+    return dx, dap_part.sum().to(acc).reshape(1), dan_part.sum().to(acc).reshape(1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,8 +209,9 @@ def _xielu_bwd_torch(dy, x, alpha_p, alpha_n, beta, eps):
     m = torch.min(xa, e)
     dm = torch.where(xa > e, 0.0, torch.where(xa == e, 0.5, 1.0)).to(xa.dtype)
     dx = torch.where(pos, g * (2 * ap * xa + b), g * ((torch.exp(m) * dm - 1) * an + b))
-    dap = torch.where(pos, g * xa * xa, 0.0).sum().reshape(1)
-    dan = torch.where(pos, 0.0, g * (torch.expm1(m) - xa)).sum().reshape(1)
+    g64, x64 = g.double(), xa.double()  # the sums in fp64, as the kernel's
+    dap = torch.where(pos, g64 * x64 * x64, 0.0).sum().to(acc).reshape(1)
+    dan = torch.where(pos, 0.0, g64 * (torch.expm1(m).double() - x64)).sum().to(acc).reshape(1)
     return dx.to(x.dtype).contiguous(), dap, dan
 
 
