@@ -1,6 +1,7 @@
 import _device  # noqa: F401  (first: sets TRITON_INTERPRET before trifuse is imported)
 import pytest
 import torch
+from hypothesis import register_random
 
 from _device import DEVICE, ON_GPU
 
@@ -13,6 +14,31 @@ def device() -> str:
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+class _TorchGlobalRandom:
+    """torch's global generators (CPU, and CUDA's once initialized) as Hypothesis manages
+    `random`'s: seeded at the start of each example (0, or the seed `st.random_module()` draws)
+    and restored after it. Without this an example's tensors depended on every example run before
+    it in the test, so a failing draw Hypothesis replayed alone got other tensors, passed, and was
+    reported as flaky without a way to reproduce it (xIELU's, 2026-12-06)."""
+
+    def seed(self, n: int) -> None:
+        torch.manual_seed(n)
+
+    def getstate(self) -> tuple:
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        return torch.get_rng_state(), cuda
+
+    def setstate(self, state: tuple) -> None:
+        cpu, cuda = state
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+_TORCH_RANDOM = _TorchGlobalRandom()  # Hypothesis keeps a weak reference only
+register_random(_TORCH_RANDOM)
 
 
 def pytest_configure(config):
