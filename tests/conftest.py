@@ -27,7 +27,8 @@ class _TorchGlobalRandom:
         torch.manual_seed(n)
 
     def getstate(self) -> tuple:
-        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        cuda_live = torch.cuda.is_available() and torch.cuda.is_initialized()
+        cuda = torch.cuda.get_rng_state_all() if cuda_live else None
         return torch.get_rng_state(), cuda
 
     def setstate(self, state: tuple) -> None:
