@@ -209,9 +209,10 @@ def _xielu_bwd_torch(dy, x, alpha_p, alpha_n, beta, eps):
     m = torch.min(xa, e)
     dm = torch.where(xa > e, 0.0, torch.where(xa == e, 0.5, 1.0)).to(xa.dtype)
     dx = torch.where(pos, g * (2 * ap * xa + b), g * ((torch.exp(m) * dm - 1) * an + b))
-    g64, x64 = g.double(), xa.double()  # the sums in fp64, as the kernel's
-    dap = torch.where(pos, g64 * x64 * x64, 0.0).sum().to(acc).reshape(1)
-    dan = torch.where(pos, 0.0, g64 * (torch.expm1(m).double() - x64)).sum().to(acc).reshape(1)
+    wide = acc if x.device.type == "mps" else torch.float64  # the sums in fp64, as the kernel's (MPS has none)
+    gw, xw = g.to(wide), xa.to(wide)
+    dap = torch.where(pos, gw * xw * xw, 0.0).sum().to(acc).reshape(1)
+    dan = torch.where(pos, 0.0, gw * (torch.expm1(m).to(wide) - xw)).sum().to(acc).reshape(1)
     return dx.to(x.dtype).contiguous(), dap, dan
 
 
