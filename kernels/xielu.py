@@ -172,7 +172,7 @@ def xielu_fwd(x: torch.Tensor, alpha_p: torch.Tensor, alpha_n: torch.Tensor, bet
 def xielu_bwd(dy: torch.Tensor, x: torch.Tensor, alpha_p: torch.Tensor, alpha_n: torch.Tensor,
               beta: torch.Tensor, eps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx like x in x's dtype, dalpha_p, dalpha_n), the coefficient gradients (1,) in fp32 (fp64
-    where any tensor is fp64), summed in a fixed order."""
+    where any tensor is fp64), each term formed and summed in fp64, in a fixed order."""
     acc = _wide(x.dtype, dy.dtype, alpha_p.dtype, alpha_n.dtype)
     if x.numel() and not use_triton(x):
         return _xielu_bwd_torch(dy, x, alpha_p, alpha_n, beta, eps)
