@@ -541,6 +541,16 @@ def checkpointing_forward(forward: Callable[..., Any]) -> bool:
         isinstance(getattr(forward, "__wrapped__", None), types.FunctionType)
 
 
+def checkpoints_per_call(cls: type) -> bool:
+    """Whether a module class decides on each call whether to checkpoint: Hugging Face's
+    GradientCheckpointingLayer, whose forward is `forward_with_checkpointing` (transformers 5.2x)
+    or, in earlier releases (5.17, the lent GPU's), whose own `__call__` checkpoints. A trace
+    keeps the choice of its own call and inlines the checkpoint's body: not to be traced by fx."""
+    call = cls.__call__
+    return checkpointing_forward(cls.forward) or \
+        getattr(call, "__qualname__", "").endswith("GradientCheckpointingLayer.__call__")
+
+
 def _checkpointing(module: torch.nn.Module) -> bool:
     """Whether Hugging Face's wrapper checkpoints this call (its own condition, outermost wrapper aside)."""
     return bool(getattr(module, "gradient_checkpointing", False)) and module.training \

@@ -37,7 +37,7 @@ from .capture import (
     HeadUnit,
     LeafTracer,
     Unit,
-    checkpointing_forward,
+    checkpoints_per_call,
     installed_unit,
     wrapped_by_accelerate,
     wrapped_calls,
@@ -318,7 +318,7 @@ def _trace(module: torch.nn.Module, is_leaf) -> tuple[fx.Graph | None, str]:
     params = list(sig.parameters.values())[1:]
     if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
         return None, "forward takes *args or **kwargs"
-    inside = [m for m in _traced_into(module, is_leaf) if checkpointing_forward(type(m).forward)]
+    inside = [m for m in _traced_into(module, is_leaf) if checkpoints_per_call(type(m))]
     if inside:
         # transformers' GradientCheckpointingLayer decides per call whether to checkpoint: a trace
         # would keep the choice of its own call, and lose the checkpoint (its body traced inline)

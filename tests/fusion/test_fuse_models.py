@@ -1055,14 +1055,36 @@ def test_a_block_checkpointed_as_compiled_apart_that_returns_its_probabilities_t
         assert ran_as_written == (2 * _models.LAYERS if kind == "attentions" else 0), (kind, unit.eager_calls)
 
 
-def _nested_checkpointed_layers(width: int = 32, layers: int = 2, graph_break: bool = True):
+def _call_form_layer() -> type:
+    """transformers' GradientCheckpointingLayer as releases before 5.2x wrote it (5.17, the lent
+    GPU's): its own `__call__` checkpoints, where later ones wrap `forward`. Named as there."""
+
+    class GradientCheckpointingLayer(torch.nn.Module):
+        gradient_checkpointing = False
+
+        def __call__(self, *args, **kwargs):
+            if self.gradient_checkpointing and self.training:
+                return self._gradient_checkpointing_func(functools.partial(super().__call__, **kwargs), *args)
+            return super().__call__(*args, **kwargs)
+
+    return GradientCheckpointingLayer
+
+
+CallFormLayer = _call_form_layer()
+
+
+def _nested_checkpointed_layers(width: int = 32, layers: int = 2, graph_break: bool = True,
+                                call_form: bool = False):
     """Blocks holding a checkpointed layer of their own, as Zamba's hybrid layer holds a Mamba
     layer, both transformers GradientCheckpointingLayers whose forwards fx can trace; the inner
     layer breaks Dynamo's graph (as the Hub `kernels` context variable or Qwen2-VL's `tolist()`
-    do), so no checkpoint of either can be one checkpoint op, unless `graph_break` is False."""
+    do), so no checkpoint of either can be one checkpoint op, unless `graph_break` is False.
+    `call_form`: the layers of the earlier transformers form (`_call_form_layer`)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    class Inner(GradientCheckpointingLayer):
+    _Layer = CallFormLayer if call_form else GradientCheckpointingLayer
+
+    class Inner(_Layer):
         def __init__(self):
             super().__init__()
             self.norm, self.fc = torch.nn.LayerNorm(width), torch.nn.Linear(width, width)
@@ -1073,7 +1095,7 @@ def _nested_checkpointed_layers(width: int = 32, layers: int = 2, graph_break: b
                 torch._dynamo.graph_break()
             return x + F.dropout(self.fc(h), 0.2, self.training)
 
-    class Block(GradientCheckpointingLayer):
+    class Block(_Layer):
         def __init__(self):
             super().__init__()
             self.inner, self.fc, self.norm = Inner(), torch.nn.Linear(width, width), torch.nn.LayerNorm(width)
@@ -1101,21 +1123,24 @@ def _checkpointing(model, reentrant: bool) -> list:
     from torch.utils.checkpoint import checkpoint
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    layers = [m for m in model.modules() if isinstance(m, (GradientCheckpointingLayer, CallFormLayer))]
     for m in layers:
         m.gradient_checkpointing = True
         m._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=reentrant)
     return layers
 
 
+@pytest.mark.parametrize("call_form", [False, True], ids=["forward-wrapped", "call-form"])
 @pytest.mark.parametrize("enabled", ["before fuse", "after fuse"])
-def test_a_checkpointing_layer_that_fx_traces_keeps_its_checkpoint(enabled):
+def test_a_checkpointing_layer_that_fx_traces_keeps_its_checkpoint(enabled, call_form):
     # A GradientCheckpointingLayer decides on each call whether to checkpoint. fx traced such a
     # block (a user's layer with a plain signature): the trace kept the choice of the trace's
     # call and inlined the checkpoint's body, so checkpointing was gone either way (the activations
     # kept, nothing recomputed). Dynamo captures it instead: the backward recomputes the fused ops.
+    # The call form (transformers before 5.2x) was traced until 2026-12-06: its backward raised
+    # CheckpointError (64 tensors saved in the forward, 19 in the recompute).
     torch.manual_seed(0)
-    model = _nested_checkpointed_layers(graph_break=False)
+    model = _nested_checkpointed_layers(graph_break=False, call_form=call_form)
     if enabled == "before fuse":
         _checkpointing(model, reentrant=False)
     trifuse.fuse(model).train()
