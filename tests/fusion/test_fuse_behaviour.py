@@ -215,7 +215,7 @@ def test_a_block_dynamo_fails_on_with_a_plain_error_runs_as_written():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
     reasons = trifuse.report(model).unfused_calls()
     if not reasons and torch.torch_version.TorchVersion(torch.__version__) < "2.13":
-        pytest.skip("Dynamo captures Longformer's global attention here (torch 2.11, transformers 5.17): no plain error")
+        pytest.skip("Dynamo captures Longformer's global attention here (torch 2.11, transformers 5.17)")
     expected_reason = "TorchDynamo could not capture it (AssertionError: Expected bool"
     assert any("LongformerLayer" in unit and any(expected_reason in r and n == 4 for r, n in calls.items())
                for unit, calls in reasons.items()), reasons
