@@ -506,6 +506,21 @@ def _y_dtype(dtype: torch.dtype, mul: torch.Tensor | None, add: torch.Tensor | N
 # trifuse's kernels write y in out_dtype, PyTorch's y is cast once per reader.
 
 
+def _traced_y_dtype(y_dtype: torch.dtype, out_dtype: torch.dtype | None, readers: int,
+                    full_y: bool) -> torch.dtype:
+    """The dtype a registered forward op (what compiled graphs run) writes y in: out_dtype for one
+    reader (a compiler cannot fuse a cast into an opaque op: a cast after it would be one more pass
+    over y, and one over its gradient); y's own with full_y; with several readers, the widest of
+    y's, out_dtype and fp32, cast after the op once per reader (`_cast_for_readers`): their
+    gradients come back in fp32 and autograd sums them there, as the model's casts of its fp32 y
+    did (a 16-bit x's y, widened by CUDA's autocast, then narrowed: DiT's q, k and v)."""
+    if out_dtype is None or full_y:
+        return y_dtype
+    if readers == 1:
+        return out_dtype
+    return torch.promote_types(torch.promote_types(y_dtype, out_dtype), torch.float32)
+
+
 def _modulate_trifuse(x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm, out_dtype=None,
                       readers=1, full_y=False):
     """The op's own candidate: the folded affine (PyTorch, on the small vectors) and the norm
@@ -524,10 +539,9 @@ def _modulate_trifuse(x, normalized_shape, mul, add, weight, bias, eps, is_rms_n
         with profiled(f"trifuse::{OP}"):
             return apply_function(_GroupedNormFunction, x, wg, bg, eps, is_rms_norm, groups, y_dtype,
                                   narrowing)
-    # traced: the registered op, y in the wider of its dtype and out_dtype, narrowed by a cast after
-    # it (which a compiler fuses into the kernel before it)
-    wide = y_dtype if out_dtype is None or full_y else torch.promote_types(y_dtype, out_dtype)
-    y = torch.ops.trifuse.grouped_norm(x, wg, bg, eps, is_rms_norm, groups, wide)[0]
+    # traced: the registered op, y in the dtype it is read in (`_traced_y_dtype`)
+    y = torch.ops.trifuse.grouped_norm(x, wg, bg, eps, is_rms_norm, groups,
+                                       _traced_y_dtype(y_dtype, out_dtype, readers, full_y))[0]
     return _cast_for_readers(y, out_dtype, readers, full_y)
 
 
@@ -922,10 +936,9 @@ def _gated_trifuse(x, residual, gate, normalized_shape, mul, add, weight, bias, 
             out = apply_function(_GatedNormFunction, x, residual, gate_g, wg, bg, eps, is_rms_norm, groups,
                                  y_dtype, narrowing)
         return out
-    # traced: the registered op, y in the wider of its dtype and out_dtype, narrowed by a cast after it
-    wide = y_dtype if out_dtype is None or full_y else torch.promote_types(y_dtype, out_dtype)
+    # traced: the registered op, y in the dtype it is read in (`_traced_y_dtype`)
     y, s = torch.ops.trifuse.gated_grouped_norm(x, residual, gate_g, wg, bg, eps, is_rms_norm, groups,
-                                                wide)[:2]
+                                                _traced_y_dtype(y_dtype, out_dtype, readers, full_y))[:2]
     return _ys_then_s(_cast_for_readers(y, out_dtype, readers, full_y), s)
 
 
@@ -1523,9 +1536,20 @@ def _rows_grads_down(dy, dmul, mul, add_meta):
     dadd = None
     if add_meta is not None:
         shape, dtype = add_meta
-        dadd = dy.sum_to_size(shape) if dy.shape != shape else dy
-        dadd = cast(dadd, dtype)
+        dadd = cast(_sum_down(dy, shape), dtype)
     return None if dmul is None else cast(dmul, mul.dtype), dadd
+
+
+def _sum_down(t: torch.Tensor, shape) -> torch.Tensor:
+    """t summed to `shape` over what it broadcast (as `sum_to_size`), in fp32 at least: a 16-bit
+    gradient (y narrowed for autocast's matmul) is summed as the model's fp32 cast of it was, and
+    rounded once by the caller's cast."""
+    shape = tuple(shape)
+    if tuple(t.shape) == shape:
+        return t
+    lead = t.dim() - len(shape)
+    dims = [*range(lead), *(lead + i for i, n in enumerate(shape) if n == 1 and t.shape[lead + i] != 1)]
+    return t.sum(dims, keepdim=True, dtype=torch.promote_types(t.dtype, torch.float32)).reshape(shape)
 
 
 def _rows_dy(grads, acc):
@@ -1673,8 +1697,8 @@ def _rows_trifuse(x, normalized_shape, mul, add, weight, bias, eps, is_rms_norm,
         with profiled(f"trifuse::{OP}"):
             return apply_function(_RowsNormFunction, x, mul, add, weight, bias, eps, is_rms_norm, float(mul_offset),
                                   y_dtype, None if plain else (out_dtype, readers, full_y))
-    wide = y_dtype if out_dtype is None or full_y else torch.promote_types(y_dtype, out_dtype)
-    y = torch.ops.trifuse.norm_modulate_rows(x, mul, add, weight, bias, eps, is_rms_norm, float(mul_offset), wide)[0]
+    y = torch.ops.trifuse.norm_modulate_rows(x, mul, add, weight, bias, eps, is_rms_norm, float(mul_offset),
+                                             _traced_y_dtype(y_dtype, out_dtype, readers, full_y))[0]
     return _cast_for_readers(y, out_dtype, readers, full_y)
 
 
@@ -1925,9 +1949,9 @@ def _gated_rows_trifuse(x, residual, gate, normalized_shape, mul, add, weight, b
         with profiled(f"trifuse::{GATED_OP}"):
             return apply_function(_GatedRowsNormFunction, x, residual, gate, mul, add, weight, bias, eps, is_rms_norm,
                                   float(mul_offset), y_dtype, None if plain else (out_dtype, readers, full_y))
-    wide = y_dtype if out_dtype is None or full_y else torch.promote_types(y_dtype, out_dtype)
-    y, s = torch.ops.trifuse.gated_norm_modulate_rows(x, residual, gate, mul, add, weight, bias, eps, is_rms_norm,
-                                                      float(mul_offset), wide)[:2]
+    y, s = torch.ops.trifuse.gated_norm_modulate_rows(
+        x, residual, gate, mul, add, weight, bias, eps, is_rms_norm, float(mul_offset),
+        _traced_y_dtype(y_dtype, out_dtype, readers, full_y))[:2]
     return _ys_then_s(_cast_for_readers(y, out_dtype, readers, full_y), s)
 
 

@@ -1997,8 +1997,15 @@ def _norm_kernels(op_name, x, normalized_shape, weight, bias, eps, residual, is_
             check_tensor(op_name, name, t)
     # Traced, or tensor subclasses: the registered ops. One narrowed y, or y in full and one
     # narrowed (full_y), they write themselves (a compiler cannot fuse a cast into an opaque op:
-    # one more pass over y and one over its gradient); several readers as casts after them.
-    narrow = () if out_dtype is None or readers != 1 else (out_dtype, True) if full_y else (out_dtype,)
+    # one more pass over y and one over its gradient); several readers as casts after them, of y
+    # in fp32 at least: each cast's gradient comes back in fp32 and autograd sums them there (a
+    # 16-bit y's `.to` would be y itself, its readers' gradients summed in 16 bits).
+    if out_dtype is None:
+        narrow = ()
+    elif readers == 1:
+        narrow = (out_dtype, True) if full_y else (out_dtype,)
+    else:
+        narrow = (torch.promote_types(x.dtype, torch.float32),)
     if fused:
         if is_rms_norm:
             out = torch.ops.trifuse.dropout_add_rms_norm(
@@ -2017,16 +2024,19 @@ def _norm_kernels(op_name, x, normalized_shape, weight, bias, eps, residual, is_
 def _traced_ys(out: tuple, narrow: tuple, out_dtype, readers: int, full_y: bool):
     """What `layer_norm`'s y is from a registered forward op's outputs: y as the op wrote it
     (narrowed, or with y_narrow under full_y), else cast after it for the readers."""
-    if not narrow:
+    if not narrow or readers > 1:
         return _cast_for_readers(out[0], out_dtype, readers, full_y)
     return (out[0], out[-1]) if full_y else out[0]
 
 
 def _cast_for_readers(y: torch.Tensor, out_dtype: torch.dtype | None, readers: int, full_y: bool):
     """y in out_dtype, one cast per reader when several (each cast's gradient comes back in fp32
-    and autograd sums them there, as the model's own casts did), after y itself with full_y."""
+    and autograd sums them there, as the model's own casts of its fp32 y did: a 16-bit y is
+    upcast first, else its readers' gradients would sum in 16 bits), after y itself with full_y."""
     if out_dtype is None:
         return y
+    if readers > 1 and y.dtype.itemsize < 4:
+        y = y.float()
     ys = ((y,) if full_y else ()) + tuple(y.to(out_dtype) for _ in range(readers))
     return ys if len(ys) > 1 else ys[0]
 

@@ -3,6 +3,7 @@ the fused model with the unfused one against the float64 oracle (tests/tolerance
 trifuse ops a run executed."""
 import contextlib
 import copy
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -243,6 +244,38 @@ class RecordPostGrad:
 
     def uuid(self):
         return None
+
+
+def traced_graphs(fn: Callable, *inputs: torch.Tensor) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+    """(forward, backward): AOTAutograd's graphs of `fn` compiled whole (what Inductor would get),
+    run on `inputs` and backward from the sum of its floating outputs."""
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    torch._dynamo.reset()
+    record = AotEagerAndRecordGraphs()
+    with warnings.catch_warnings():  # (its compilers return unboxed functions: harmless here)
+        warnings.filterwarnings("ignore", message=".*doesn't take boxed arguments")
+        out = torch.compile(fn, backend=record, fullgraph=True)(*inputs)
+        leaves = torch.utils._pytree.tree_leaves(out)
+        sum(t.float().sum() for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad).backward()
+    return record.fw_graphs[0], record.bw_graphs[0]
+
+
+def call_of(graph: torch.fx.GraphModule, op: str) -> torch.fx.Node:
+    """The first node of an aten graph that calls `trifuse::<op>`."""
+    target = getattr(torch.ops.trifuse, op).default
+    return next(n for n in graph.graph.nodes if n.target is target)
+
+
+def dtype_casts(graph: torch.fx.GraphModule) -> list[tuple[str, torch.dtype]]:
+    """(the cast tensor's node name, the dtype cast to) for every dtype conversion in an aten graph."""
+    casts = []
+    for n in graph.graph.nodes:
+        if n.target is torch.ops.aten._to_copy.default and "dtype" in n.kwargs:
+            casts.append((n.args[0].name, n.kwargs["dtype"]))
+        elif n.target is torch.ops.prims.convert_element_type.default:
+            casts.append((n.args[0].name, n.args[1]))
+    return casts
 
 
 def trifuse_ops_run(fn: Callable[[], object]) -> set[str]:

@@ -499,3 +499,28 @@ def test_compiled_graphs_narrow_inside_the_norm_ops_and_change_no_bit(name, monk
     assert torch.equal(loss, loss_plain)
     for g, gp in zip(grads, grads_plain, strict=True):
         assert (g is None and gp is None) or torch.equal(g, gp)
+
+
+def test_a_dits_compiled_modulated_norms_narrow_inside_their_ops_and_change_no_bit(monkeypatch):
+    """DiT under CUDA's autocast through backend="trifuse_inductor": the modulated norms read by
+    one matmul (norm2, the MLP's; norm_out's) write y in bf16 themselves, no cast after the opaque
+    op; those read by q, k and v write fp32 y and each projection casts it (their gradients summed
+    in fp32, as the model's casts' were; a 16-bit y would have summed them in bf16, and did: the
+    gradients were off by 1e-5 before). Loss and gradients bitwise those compiled without
+    narrowing, where every modulated norm writes fp32."""
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _dit()
+    kw = inputs(2, 8)
+    with cuda_like_autocast():
+        loss, grads, calls = _compiled_step(copy.deepcopy(model), kw, loss_fn, monkeypatch, narrowing=True)
+        loss_plain, grads_plain, calls_plain = _compiled_step(copy.deepcopy(model), kw, loss_fn, monkeypatch,
+                                                              narrowing=False)
+    norms = ("trifuse.grouped_norm.default", "trifuse.gated_grouped_norm.default")
+
+    def y_dtypes(calls):  # the dtype each forward modulated norm writes y in (its last argument)
+        return sorted(str(args[-1]) for op, args in calls if op in norms)
+    assert y_dtypes(calls_plain) == ["torch.float32"] * 5
+    assert y_dtypes(calls) == ["torch.bfloat16"] * 3 + ["torch.float32"] * 2
+    assert torch.equal(loss, loss_plain)
+    for g, gp in zip(grads, grads_plain, strict=True):
+        assert (g is None and gp is None) or torch.equal(g, gp)

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 import trifuse
 from _device import DEVICE
+from _fusing import call_of, dtype_casts, traced_graphs
 from tolerances import DTYPES, assert_close, check_close
 from trifuse.kernels import adaptive_norm as an
 from trifuse.kernels.adaptive_norm import layer_norm_modulate_ref
@@ -403,10 +404,23 @@ def test_a_wider_out_dtype_is_never_rounded_to_the_inputs_dtype(candidate, norm)
 @pytest.mark.parametrize("readers, full_y, wide", [(1, False, False), (3, False, False), (1, True, False),
                                                     (1, False, True)])
 def test_narrowed_and_widened_through_the_registered_op(readers, full_y, wide):
-    """Traced calls (torch.compile) run the registered op with y in the wider of its dtype and
-    out_dtype, then cast once per reader (after y itself with full_y)."""
+    """Traced calls (torch.compile) run the registered op with y in out_dtype for one reader, no
+    cast after it forward or before its backward (an opaque op: each would be one more pass); with
+    several readers, or y in full too, with y in the wider of its dtype and out_dtype, then cast
+    once per reader (after y itself with full_y)."""
     dtype, out = (torch.float16, torch.float32) if wide else (torch.float32, torch.float16)
     x, mul, add, w, b = (None if t is None else t.detach() for t in _modulated("layer_norm", dtype))
+    forward, backward = traced_graphs(lambda *a: trifuse.ops.layer_norm_modulate(
+        a[0], [37], *a[1:], eps=EPS, out_dtype=out, readers=readers, full_y=full_y),
+        *(t.clone().requires_grad_() for t in (x, mul, add, w, b)))
+    op = call_of(forward, "grouped_norm")
+    in_op = readers == 1 and not full_y
+    assert op.args[-1] == (out if in_op or wide else dtype)
+    y_casts = [c for c in dtype_casts(forward) if c[0].startswith("getitem")]  # of the op's outputs
+    assert (y_casts == []) == in_op
+    # its backward reads y's gradient as it comes, not cast first
+    bop = call_of(backward, "grouped_norm_backward")
+    assert (bop.args[0].op == "placeholder") == in_op
     torch._dynamo.reset()
     fn = torch.compile(lambda *a: trifuse.ops.layer_norm_modulate(a[0], [37], *a[1:], eps=EPS, out_dtype=out,
                                                                   readers=readers, full_y=full_y),
@@ -419,6 +433,38 @@ def test_narrowed_and_widened_through_the_registered_op(readers, full_y, wide):
     for i, y in enumerate(ys):
         assert y.dtype == (torch.float32 if full_y and i == 0 else out)
         torch.testing.assert_close(y, expected.to(y.dtype))
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+@pytest.mark.parametrize("per_token", [False, True], ids=["per-sample", "per-token"])
+def test_a_16_bit_ys_readers_sum_their_gradients_in_fp32_when_traced(per_token, gated):
+    """A 16-bit x's modulated y narrowed for three matmuls (DiT under CUDA's autocast: its LayerNorm
+    returns fp32, modulated in fp32, read by q, k and v). Traced, the registered op writes y in
+    fp32 and each reader casts it, so their gradients sum in fp32 as the eager kernels' views' do:
+    gradients bitwise the eager ones (a 16-bit y's `.to` is y itself: the sum was in 16 bits)."""
+    torch.manual_seed(0)
+    x0 = (torch.randn(4, 16, 64, device=DEVICE) * 3).half()
+    mul = torch.randn(4, 16 if per_token else 1, 64, device=DEVICE).half()
+    r, gate = torch.randn(4, 16, 64, device=DEVICE).half(), torch.randn(4, 1, 64, device=DEVICE).half()
+    mats = [torch.randn(64, 32, device=DEVICE).half() for _ in range(3)]
+    op = ("gated_" if gated else "") + ("norm_modulate_rows" if per_token else "grouped_norm")
+
+    def fn(x):
+        if gated:
+            return trifuse.ops.gated_add_layer_norm_modulate(x, r, gate, [64], mul, eps=EPS, mul_offset=1.0,
+                                                             out_dtype=torch.float16, readers=3)[0]
+        return trifuse.ops.layer_norm_modulate(x, [64], mul, eps=EPS, mul_offset=1.0, out_dtype=torch.float16,
+                                               readers=3)
+
+    def grad(f):
+        x = x0.clone().requires_grad_()
+        loss = sum((y @ m).float().square().sum() for y, m in zip(f(x), mats))
+        return torch.autograd.grad(loss, x)[0]
+
+    torch._dynamo.reset()
+    assert torch.equal(grad(torch.compile(fn, backend="aot_eager", fullgraph=True)), grad(fn))
+    forward, _ = traced_graphs(fn, x0.clone().requires_grad_())
+    assert call_of(forward, op).args[-1] == torch.float32
 
 
 @pytest.mark.parametrize("out_dtype, readers, error", [

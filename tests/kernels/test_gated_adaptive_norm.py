@@ -11,6 +11,7 @@ import pytest
 import torch
 import trifuse
 from _device import DEVICE
+from _fusing import call_of, dtype_casts, traced_graphs
 from tolerances import DTYPES, assert_close
 from trifuse.kernels.adaptive_norm import layer_norm_modulate_ref
 
@@ -242,6 +243,16 @@ def test_narrowed_y_for_autocasts_matmuls(readers):
         for y in ys:
             torch.testing.assert_close(y, y_ref.to(torch.float16), atol=2e-3, rtol=2e-3)
         torch.testing.assert_close(s, s_ref)
+    # traced with one reader, the registered op writes y in fp16 itself: no cast after it forward
+    # or before its backward (an opaque op: each would be one more pass); several cast after it
+    forward, backward = traced_graphs(lambda *a: run(a, "layer_norm", out_dtype=torch.float16,
+                                                     readers=readers),
+                                      *(t.detach().clone().requires_grad_() for t in inputs))
+    op = call_of(forward, "gated_grouped_norm")
+    assert op.args[-1] == (torch.float16 if readers == 1 else torch.float32)
+    assert (not [c for c in dtype_casts(forward) if c[0].startswith("getitem")]) == (readers == 1)
+    bop = call_of(backward, "gated_grouped_norm_backward")
+    assert (bop.args[0].op == "placeholder") == (readers == 1)
 
 
 @pytest.mark.parametrize("bad, message", [

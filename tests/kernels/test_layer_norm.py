@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from tolerances import DTYPES, assert_close, check_close
 
 from _device import DEVICE, INTERPRETED
+from _fusing import call_of, traced_graphs
 import trifuse
 from trifuse.autotune import configs
 from trifuse.kernels import layer_norm as ln_mod
@@ -661,6 +662,35 @@ def test_readers_get_views_whose_gradients_sum_in_fp32(op, readers):
 
     for a, c in zip(grads(1), grads(readers)):
         assert torch.equal(a, c)
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "dropout_add_layer_norm"])
+def test_a_16_bit_ys_readers_sum_their_gradients_in_fp32_when_traced(op):
+    """A 16-bit x's y narrowed for three matmuls (CUDA's autocast returns fp32 from the model's
+    norm: SD's UNet blocks, a ViT kept in fp16). Traced, the registered op writes y in fp32 and each
+    reader casts it, so their gradients sum in fp32 as the eager kernels' views' do: gradients
+    bitwise the eager ones. (A 16-bit y's `.to` is y itself: the sum was in 16 bits, 0.5 off.)"""
+    torch.manual_seed(0)
+    x0 = (torch.randn(4, 16, 64, device=DEVICE) * 3).half()
+    r = torch.randn(4, 16, 64, device=DEVICE).half() if op == "dropout_add_layer_norm" else None
+    w, b = torch.randn(64, device=DEVICE).half(), torch.randn(64, device=DEVICE).half()
+    mats = [torch.randn(64, 32, device=DEVICE).half() for _ in range(3)]
+
+    def fn(x):
+        out = _norm_call(op, x, w, b, torch.float16, r, readers=3)
+        return out[0] if op == "dropout_add_layer_norm" else out
+
+    def grad(f):
+        torch.manual_seed(1)  # the same dropout mask
+        x = x0.clone().requires_grad_()
+        loss = sum((y @ m).float().square().sum() for y, m in zip(f(x), mats))
+        return torch.autograd.grad(loss, x)[0]
+
+    torch._dynamo.reset()
+    assert torch.equal(grad(torch.compile(fn, backend="aot_eager", fullgraph=True)), grad(fn))
+    forward, _ = traced_graphs(fn, x0.clone().requires_grad_())
+    norm = call_of(forward, "rms_norm" if op == "rms_norm" else op)
+    assert norm.args[-1] == torch.float32
 
 
 @pytest.mark.parametrize("out_dtype, readers, error", [
