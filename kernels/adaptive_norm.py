@@ -551,10 +551,14 @@ def _modulate_torch(x, normalized_shape, mul, add, weight, bias, eps, is_rms_nor
     fp32, off: the implementation chosen must not change the output dtype); where the modulation
     or out_dtype is wider than x (Wan's fp32 modulation of a bf16 x; CUDA autocast's fp32 norm
     of a 16-bit x), the norm of x's exact upcast, in that dtype: y is never rounded to x's dtype on
-    the way, as the kernels compute it."""
+    the way, as the kernels compute it. Narrowed (out_dtype set by fusion/narrow.py), in fp32 at
+    least: the model's y was fp32 (a 16-bit x's norm that CUDA's autocast widened, modulated in
+    fp32: DiT's), rounded once to out_dtype."""
     wide = _y_dtype(x.dtype, mul, add)
     if out_dtype is not None and not full_y:
         wide = torch.promote_types(wide, out_dtype)
+    if out_dtype is not None:
+        wide = torch.promote_types(wide, torch.float32)
     if wide != x.dtype:
         x, weight, bias = (None if t is None else t.to(wide) for t in (x, weight, bias))
     if unscoped(x.device):

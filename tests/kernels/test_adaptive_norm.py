@@ -375,6 +375,23 @@ def test_fp32_modulation_of_a_16_bit_x_written_in_16_bits(candidate, norm):
 
 @pytest.mark.parametrize("candidate", CANDIDATES)
 @pytest.mark.parametrize("norm", NORMS)
+def test_a_16_bit_x_narrowed_back_is_modulated_in_fp32_as_the_widened_model(candidate, norm):
+    """DiT under CUDA's autocast: an fp16 x's norm returns fp32, modulated by fp16 vectors in fp32;
+    fuse widens the op (out_dtype fp32), then narrows it for the matmul after it (out_dtype fp16,
+    x's own dtype). Either candidate still computes in fp32 and rounds once: y is the model's
+    fp32 y rounded (all but a rare element, where the two fp32 computations round across a
+    boundary; computed in fp16, 31% of them differ)."""
+    inputs = _modulated(norm, torch.float16)
+    inputs[3:] = [None, None]  # DiT's norms: no affine of their own
+    y = _call(candidate, inputs, norm, out_dtype=torch.float16)
+    x, mul, add = (t.detach() for t in inputs[:3])
+    model = layer_norm_modulate_ref(x.float(), [37], mul, add, None, None, EPS, norm == "rms_norm")
+    assert model.dtype == torch.float32 and y.dtype == torch.float16
+    assert (y != model.half()).float().mean().item() < 0.01
+
+
+@pytest.mark.parametrize("candidate", CANDIDATES)
+@pytest.mark.parametrize("norm", NORMS)
 def test_a_wider_out_dtype_is_never_rounded_to_the_inputs_dtype(candidate, norm):
     """fp16 x, mul and add with out_dtype fp32: CUDA autocast's LayerNorm of a 16-bit x returns
     fp32, modulated in fp32. y and the gradients against float64 by the oracle rule, PyTorch's
