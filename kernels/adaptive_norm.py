@@ -1439,16 +1439,30 @@ def _rows_fwd(x, mul, add, weight, bias, eps, is_rms_norm, mul_offset, out_dtype
 
 
 def _rows_bwd_torch(dy, x, mul, weight, bias, eps, is_rms_norm, mul_offset, need, acc):
-    """(dx, dmul full-size, dweight, dbias) in acc by autograd over `_rows_torch`, None where `need`
-    (x, mul, weight, bias) says not: the path of CPU tensors without Triton, and of no rows."""
-    with torch.enable_grad():
-        full_mul = None if mul is None else mul.detach().expand(x.shape)
-        leaves = [None if t is None else t.detach().requires_grad_(want)
-                  for t, want in zip((x, full_mul, weight, bias), need)]
-        y = _rows_torch(*leaves[:2], None, *leaves[2:], eps, is_rms_norm, mul_offset, acc)[0]
-        wanted = [t for t in leaves if t is not None and t.requires_grad]
-        grads = iter(torch.autograd.grad(y, wanted, dy.to(acc), allow_unused=True) if wanted else ())
-    return tuple(next(grads) if t is not None and t.requires_grad else None for t in leaves)
+    """(dx, dmul full-size, dweight, dbias) in acc, None where `need` (x, mul, weight, bias) says
+    not: the path of CPU tensors without Triton, and of no rows. Closed-form PyTorch ops, not
+    autograd over `_rows_torch`: inside the registered backward op (compiled graphs, function
+    modes) the dispatcher is below the Autograd key, where autograd records nothing."""
+    n = x.shape[-1]
+    rows = math.prod(x.shape[:-1])
+    with torch.no_grad():
+        h = x.to(acc)
+        d = h if is_rms_norm else h - h.mean(-1, keepdim=True)
+        rstd = torch.rsqrt(d.pow(2).mean(-1, keepdim=True) + eps)  # as `_rows_torch` computes them
+        xhat = d * rstd
+        dz = dy.to(acc) if mul is None else dy.to(acc) * (mul.to(acc) + mul_offset)  # z: the affine's output
+        dmul = None
+        if need[1]:
+            z = xhat if weight is None else xhat * weight.to(acc)
+            dmul = dy.to(acc) * (z if bias is None else z + bias.to(acc))
+        dw = (dz * xhat).reshape(rows, n).sum(0) if need[2] else None
+        db = dz.reshape(rows, n).sum(0) if need[3] else None
+        dx = None
+        if need[0]:
+            g = dz if weight is None else dz * weight.to(acc)
+            c1 = (g * xhat).mean(-1, keepdim=True)
+            dx = (g - xhat * c1 if is_rms_norm else g - g.mean(-1, keepdim=True) - xhat * c1) * rstd
+    return dx, dmul, dw, db
 
 
 def _rows_bwd(dy, x, mul, weight, bias, mean, rstd, eps, is_rms_norm, mul_offset, needs, dmul_dtype,

@@ -31,6 +31,7 @@ def _cases():
     h, hw = _t(5, 16), _t(7, 16)
     logits, target = _t(5, 7), torch.tensor([0, 3, -100, 6, 2], device=DEVICE)
     x3, r3, mul, add, gate = _t(2, 3, 40), _t(2, 3, 40), _t(2, 1, 40), _t(2, 1, 40), _t(2, 1, 40)
+    mul_t, add_t, gate_t = _t(2, 3, 40), _t(1, 3, 40), _t(2, 3, 1)  # per token (the row kernels)
     return {
         "layer_norm": lambda: ops.layer_norm(x, (40,), w, b),
         "rms_norm": lambda: ops.rms_norm(x, (40,), w, 1e-6),
@@ -48,6 +49,11 @@ def _cases():
         "layer_norm_modulate": lambda: ops.layer_norm_modulate(x3, (40,), mul, add, w, b),
         "gated_add_layer_norm_modulate":
             lambda: ops.gated_add_layer_norm_modulate(x3, r3, gate, (40,), mul, add, w, b),
+        "layer_norm_modulate_per_token":
+            lambda: ops.layer_norm_modulate(x3, (40,), mul_t, add_t, w, b, mul_offset=1.0),
+        "gated_add_rms_norm_modulate_per_token":
+            lambda: ops.gated_add_layer_norm_modulate(x3, r3, gate_t, (40,), mul_t, add_t, w, is_rms_norm=True),
+        "dropout_add_gated_per_token": lambda: ops.dropout_add(x3, r3, 0.25, bias=b, gate=mul_t),
     }
 
 
@@ -162,7 +168,7 @@ def test_on_the_reference_path_the_registered_ops_equal_the_eager_path(name):
 def test_the_reference_path_in_a_process_of_its_own():
     """The PyTorch path, which CPU tensors take without TRITON_INTERPRET (a CPU user's default; the
     suite runs with the interpreter): the tests above that need it, the jit-trace tests, and the
-    norm, residual-stream, adaptive-norm (the gated one too), gated-activation and double-backward
+    norm, residual-stream, adaptive-norm (gated, per token), gated-activation and double-backward
     suites, in a pytest process of its own. Left out: tests of the kernels' own partial sums, and
     NaN/inf propagation (PyTorch's fp32 CPU gelu returns NaN for inf in its vectorized path, which
     the float64 oracle does not)."""
@@ -177,7 +183,7 @@ def test_the_reference_path_in_a_process_of_its_own():
     env.pop("PYTEST_XDIST_WORKER", None)
     files = ["test_layer_norm.py", "test_residual_stream.py", "test_gated_activation.py",
              "test_double_backward.py", "test_jit_trace.py", "test_adaptive_norm.py",
-             "test_gated_adaptive_norm.py"]
+             "test_gated_adaptive_norm.py", "test_adaptive_norm_rows.py", "test_gated_adaptive_norm_rows.py"]
     args = [f"{here}::test_on_the_reference_path_the_registered_ops_equal_the_eager_path",
             *(str(here.parent / f) for f in files), "-k", "not partial_sums and not nan_and_inf_propagate"]
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", *args]
