@@ -5,11 +5,19 @@ fuse replace? The same net as bench/fuse_sweep.py (transformers' models) and fus
 torchvision), for the models people fine-tune for images, video and audio: their blocks modulate
 norms per sample, gate residual adds, rotate q and k in a dozen spellings and route experts.
 
-    TRITON_INTERPRET=1 python bench/fuse_sweep_diffusers.py [--jobs N] [--fp16] [NAME ...]
+    TRITON_INTERPRET=1 python bench/fuse_sweep_diffusers.py [--jobs N] [--fp16 | --autocast]
+                                                            [--via fuse|inductor] [NAME ...]
         # NAME: a key of diffusers_models.BUILDERS (e.g. flux2, hunyuan_video); named rows replace
         # theirs in the results. Default: all of them (~7 min on 2 cores with --jobs 2).
         # --fp16: the models and their inputs in fp16 (the 16-bit spellings: the casts the models
         # write around norms and rotaries), against the same float64 copy
+        # --autocast: the fp32 models under bf16 autocast as a GPU runs it (tests/_fusing.py
+        # `cuda_like_autocast`: the norms, softmax and pow return fp32), the fused and the unfused
+        # forward alike: what mixed-precision training runs, and where fuse narrows the modulated
+        # norms' outputs for the matmuls after them (fusion/narrow.py)
+        # --via inductor: torch.compile(model, backend="trifuse_inductor") instead of fuse (the
+        # rewritten graphs compiled by Inductor, C++ on this CPU); a MISMATCH reruns plain
+        # torch.compile (no trifuse) through the same check and says so when it fails as well
 
 Each model runs in its own process (memory-capped, timed out), dropout off, in training mode,
 through the test suite's oracle (tests/_fusing.py `check_against_unfused`): the fused fp32 model's
@@ -35,6 +43,7 @@ if __name__ == "__main__" and any(a.startswith("--one=") for a in sys.argv):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch
+import trifuse
 from fuse_sweep import child_row, run_rows, save_rows
 
 TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
@@ -50,18 +59,22 @@ def _prediction(out) -> torch.Tensor:
     return out
 
 
-def run_one(name: str, dtype: torch.dtype = torch.float32) -> dict:
+def run_one(name: str, dtype: torch.dtype = torch.float32, autocast: torch.dtype | None = None,
+            via: str = "fuse") -> dict:
     import diffusers_models
 
-    return run_build(diffusers_models.BUILDERS[name], dtype)
+    return run_build(diffusers_models.BUILDERS[name], dtype, autocast, via)
 
 
-def run_build(build, dtype: torch.dtype = torch.float32) -> dict:
+def run_build(build, dtype: torch.dtype = torch.float32, autocast: torch.dtype | None = None,
+              via: str = "fuse") -> dict:
     """One model's row: `build()` returns (model, call, inputs[, train]), `call(model, *inputs)` its
     output; in training mode unless `train` is False (DiT's label embedding drops labels at random in
     training: two calls would differ). `dtype`: the model and its float inputs cast to it (fp16: the
-    16-bit spellings, the casts models write around their norms and rotaries)."""
-    from _fusing import check_against_unfused
+    16-bit spellings, the casts models write around their norms and rotaries). `autocast`: both
+    forwards under autocast to it, as on a GPU. `via`: "fuse", or "inductor" (the model compiled
+    with backend="trifuse_inductor")."""
+    from _fusing import _autocast, check_against_unfused
     from test_fuse_diffusers import Denoiser
 
     try:
@@ -79,33 +92,74 @@ def run_build(build, dtype: torch.dtype = torch.float32) -> dict:
         denoiser = denoiser.to(dtype)
         inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs)
     params = sum(p.numel() for p in model.parameters())
-    try:  # the unfused model in float64, twice: it runs, and repeats itself; and in dtype, once
+    try:  # the unfused model in float64, twice: it runs, and repeats itself; in dtype (autocast), once
         twin = copy.deepcopy(denoiser).double().train(train)
         x64 = tuple(x.double() if x.is_floating_point() else x for x in inputs)
         first, second = (_prediction(twin(*x64)) for _ in range(2))
         if not torch.equal(first, second):
             return {"status": "not repeatable", "class": type(inner).__name__,
                     "why": "two unfused float64 calls differ"}
-        if dtype != torch.float32:
-            copy.deepcopy(denoiser).train(train)(*inputs)
+        if dtype != torch.float32 or autocast is not None:
+            with _autocast(autocast):
+                copy.deepcopy(denoiser).train(train)(*inputs)
     except Exception as e:  # noqa: BLE001
         return {"status": "unfused fails", "class": type(inner).__name__,
                 "why": f"{type(e).__name__}: {str(e).strip()[:150]}"}
     row = {"class": type(inner).__name__, "params": params}
+    compiled = []
+
+    def compile_with(backend):  # check_against_unfused's `transform`: the model it checks
+        def transform(model):
+            torch._dynamo.reset()
+            compiled.append(torch.compile(model, backend=backend))
+            return compiled[-1]
+        return transform
+
+    check = {"train": train, "autocast": autocast}
     try:
-        report = check_against_unfused(lambda: denoiser, inputs, train=train)
+        if via == "inductor":
+            check_against_unfused(lambda: denoiser, inputs, transform=compile_with("trifuse_inductor"),
+                                  **check)
+            report = trifuse.report(compiled[-1])
+        else:
+            report = check_against_unfused(lambda: denoiser, inputs, **check)
         row["status"] = "ok"
     except AssertionError as e:
         row.update(status="MISMATCH", why=str(e).strip().splitlines()[0][:300])
+        if via == "inductor":
+            row["why"] = _inductor_alone(denoiser, inputs, check, compile_with("inductor"), row["why"])
         return row
     except Exception as e:  # noqa: BLE001
-        return {**row, "status": "FUSED CRASH", "why": f"{type(e).__name__}: {str(e).strip()[:300]}",
+        crash = "FUSED CRASH"
+        if via == "inductor":  # plain Inductor's own failure, or trifuse's?
+            try:
+                check_against_unfused(lambda: denoiser, inputs, transform=compile_with("inductor"), **check)
+            except AssertionError:
+                pass
+            except Exception:  # noqa: BLE001
+                crash = "Inductor fails"
+        return {**row, "status": crash, "why": f"{type(e).__name__}: {str(e).strip()[:300]}",
                 "traceback": traceback.format_exc()[-3000:]}
     row.update(replaced=dict(sorted(report.counts().items())),
                patterns=dict(sorted(report.by_pattern().items())), left=len(report.left()),
                left_why=sorted({f"{op}: {why}"[:100] for _, _, op, why in report.left()})[:4],
                unfused_calls={k: sum(v.values()) for k, v in report.unfused_calls().items()})
     return row
+
+
+def _inductor_alone(denoiser, inputs, check: dict, transform, why: str) -> str:
+    """--via inductor, a MISMATCH: the same check of plain torch.compile (Inductor, no trifuse);
+    `why` with what it says."""
+    from _fusing import check_against_unfused
+
+    try:
+        check_against_unfused(lambda: denoiser, inputs, transform=transform, **check)
+    except AssertionError as e:
+        first = str(e).strip().splitlines()[0][:120]
+        return f"plain torch.compile (no trifuse) fails the check too ({first}); with trifuse: {why}"
+    except Exception as e:  # noqa: BLE001
+        return f"plain torch.compile (no trifuse) raises {type(e).__name__}; with trifuse: {why}"
+    return f"{why} (plain torch.compile passes the same check)"
 
 
 # MISMATCH rows whose cause was found and is not trifuse's: shown in the results' "why" column
@@ -127,10 +181,11 @@ EXPLAINED = {
 }
 
 
-def _child(name: str, fp16: bool, timeout: int = 900, threads: int | None = None) -> dict:
-    row = child_row(__file__, [f"--one={name}", *(["--fp16"] if fp16 else [])], name, timeout, threads,
-                    memory_gib=10)
-    explained = (EXPLAINED_FP16 if fp16 else EXPLAINED).get(name)
+def _child(name: str, fp16: bool, timeout: int = 900, threads: int | None = None, autocast: bool = False,
+           via: str = "fuse") -> dict:
+    flags = [*(["--fp16"] if fp16 else []), *(["--autocast"] if autocast else []), "--via", via]
+    row = child_row(__file__, [f"--one={name}", *flags], name, timeout, threads, memory_gib=10)
+    explained = (EXPLAINED_FP16 if fp16 else {} if autocast or via != "fuse" else EXPLAINED).get(name)
     if row.get("status") == "MISMATCH" and explained:
         row["why"] = f"{explained} (the oracle: {row.get('why', '')})"
     return row
@@ -153,7 +208,7 @@ def _markdown(rows: list[dict], header: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def main(names: list[str], jobs: int, fp16: bool) -> None:
+def main(names: list[str], jobs: int, fp16: bool, autocast: bool = False, via: str = "fuse") -> None:
     import platform
 
     import diffusers
@@ -166,21 +221,35 @@ def main(names: list[str], jobs: int, fp16: bool) -> None:
         sys.exit(f"fuse_sweep_diffusers: no builder {unknown[0]!r} (known: {known})")
     partial = bool(names)
     names = names or list(diffusers_models.BUILDERS)
-    rows = run_rows(names, lambda name, threads: _child(name, fp16, threads=threads), jobs)
+    rows = run_rows(names, lambda name, threads: _child(name, fp16, threads=threads, autocast=autocast,
+                                                        via=via), jobs)
+    what = "fp16" if fp16 else "fp32 under bf16 autocast (as on a GPU)" if autocast else "fp32"
+    how = " through torch.compile(backend=\"trifuse_inductor\")" if via == "inductor" else ""
     header = (f"date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · torch {torch.__version__} · "
               f"triton {triton.__version__} · diffusers {diffusers.__version__} · "
-              f"python {platform.python_version()} · CPU (TRITON_INTERPRET=1), {'fp16' if fp16 else 'fp32'} "
+              f"python {platform.python_version()} · CPU (TRITON_INTERPRET=1), {what}{how} "
               "against float64 by the oracle rule, training mode, dropout off")
-    save_rows("fuse_sweep_diffusers" + ("_fp16" if fp16 else ""), rows, header, _markdown, partial)
+    suffix = "_inductor" if via == "inductor" else ""
+    suffix += "_fp16" if fp16 else "_bf16-autocast" if autocast else ""
+    save_rows("fuse_sweep_diffusers" + suffix, rows, header, _markdown, partial)
 
 
 if __name__ == "__main__":
     args = sys.argv[1:]
     one = [a for a in args if a.startswith("--one=")]
-    fp16 = "--fp16" in args
-    args = [a for a in args if a != "--fp16"]
+    fp16, autocast = "--fp16" in args, "--autocast" in args
+    args = [a for a in args if a not in ("--fp16", "--autocast")]
+    via = "fuse"
+    if "--via" in args:
+        i = args.index("--via")
+        via = args[i + 1]
+        del args[i:i + 2]
+    if via not in ("fuse", "inductor") or (fp16 and autocast):
+        sys.exit("fuse_sweep_diffusers: --via fuse or inductor, and --fp16 or --autocast, not both\n"
+                 + __doc__)
     if one:
-        row = run_one(one[0][len("--one="):], torch.float16 if fp16 else torch.float32)
+        row = run_one(one[0][len("--one="):], torch.float16 if fp16 else torch.float32,
+                      torch.bfloat16 if autocast else None, via)
         print(json.dumps(row), flush=True)
         sys.exit(0)
     jobs = 1
@@ -191,4 +260,4 @@ if __name__ == "__main__":
     unknown = [a for a in args if a.startswith("-")]
     if unknown:
         sys.exit(f"fuse_sweep_diffusers: unknown option {unknown[0]!r}\n{__doc__}")
-    main(args, jobs, fp16)
+    main(args, jobs, fp16, autocast, via)
