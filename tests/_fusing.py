@@ -261,6 +261,23 @@ def traced_graphs(fn: Callable, *inputs: torch.Tensor) -> tuple[torch.fx.GraphMo
     return record.fw_graphs[0], record.bw_graphs[0]
 
 
+def assert_readers_sum_in_fp32_when_traced(fn: Callable, x0: torch.Tensor, mats: list, op: str) -> None:
+    """`fn(x)` returns a 16-bit y for each matmul of `mats` (a norm narrowed with `readers`):
+    compiled (aot_eager), x's gradient is bitwise the eager kernels' (their views' gradients summed
+    in fp32; each run from seed 1, the same dropout masks), and the registered op `op` writes y in
+    fp32 for the readers' casts."""
+    def grad(f):
+        torch.manual_seed(1)
+        x = x0.clone().requires_grad_()
+        loss = sum((y @ m).float().square().sum() for y, m in zip(f(x), mats))
+        return torch.autograd.grad(loss, x)[0]
+
+    torch._dynamo.reset()
+    assert torch.equal(grad(torch.compile(fn, backend="aot_eager", fullgraph=True)), grad(fn))
+    forward, _ = traced_graphs(fn, x0.clone().requires_grad_())
+    assert call_of(forward, op).args[-1] == torch.float32
+
+
 def call_of(graph: torch.fx.GraphModule, op: str) -> torch.fx.Node:
     """The first node of an aten graph that calls `trifuse::<op>`."""
     target = getattr(torch.ops.trifuse, op).default

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 import trifuse
 from _device import DEVICE
-from _fusing import call_of, dtype_casts, traced_graphs
+from _fusing import assert_readers_sum_in_fp32_when_traced, call_of, dtype_casts, traced_graphs
 from tolerances import DTYPES, assert_close, check_close
 from trifuse.kernels import adaptive_norm as an
 from trifuse.kernels.adaptive_norm import layer_norm_modulate_ref
@@ -473,15 +473,7 @@ def test_a_16_bit_ys_readers_sum_their_gradients_in_fp32_when_traced(per_token, 
         return trifuse.ops.layer_norm_modulate(x, [64], mul, eps=EPS, mul_offset=1.0, out_dtype=torch.float16,
                                                readers=3)
 
-    def grad(f):
-        x = x0.clone().requires_grad_()
-        loss = sum((y @ m).float().square().sum() for y, m in zip(f(x), mats))
-        return torch.autograd.grad(loss, x)[0]
-
-    torch._dynamo.reset()
-    assert torch.equal(grad(torch.compile(fn, backend="aot_eager", fullgraph=True)), grad(fn))
-    forward, _ = traced_graphs(fn, x0.clone().requires_grad_())
-    assert call_of(forward, op).args[-1] == torch.float32
+    assert_readers_sum_in_fp32_when_traced(fn, x0, mats, op)
 
 
 @pytest.mark.parametrize("out_dtype, readers, error", [

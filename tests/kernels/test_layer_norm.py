@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from tolerances import DTYPES, assert_close, check_close
 
 from _device import DEVICE, INTERPRETED
-from _fusing import call_of, traced_graphs
+from _fusing import assert_readers_sum_in_fp32_when_traced
 import trifuse
 from trifuse.autotune import configs
 from trifuse.kernels import layer_norm as ln_mod
@@ -680,17 +680,7 @@ def test_a_16_bit_ys_readers_sum_their_gradients_in_fp32_when_traced(op):
         out = _norm_call(op, x, w, b, torch.float16, r, readers=3)
         return out[0] if op == "dropout_add_layer_norm" else out
 
-    def grad(f):
-        torch.manual_seed(1)  # the same dropout mask
-        x = x0.clone().requires_grad_()
-        loss = sum((y @ m).float().square().sum() for y, m in zip(f(x), mats))
-        return torch.autograd.grad(loss, x)[0]
-
-    torch._dynamo.reset()
-    assert torch.equal(grad(torch.compile(fn, backend="aot_eager", fullgraph=True)), grad(fn))
-    forward, _ = traced_graphs(fn, x0.clone().requires_grad_())
-    norm = call_of(forward, "rms_norm" if op == "rms_norm" else op)
-    assert norm.args[-1] == torch.float32
+    assert_readers_sum_in_fp32_when_traced(fn, x0, mats, op)
 
 
 @pytest.mark.parametrize("out_dtype, readers, error", [
