@@ -127,18 +127,17 @@ def run_build(build, dtype: torch.dtype = torch.float32, autocast: torch.dtype |
     except AssertionError as e:
         row.update(status="MISMATCH", why=str(e).strip().splitlines()[0][:300])
         if via == "inductor":
-            row["why"] = _inductor_alone(denoiser, inputs, check, compile_with("inductor"), row["why"])
+            outcome, said = _plain_inductor(denoiser, inputs, check, compile_with("inductor"))
+            why = row["why"]
+            row["why"] = (f"{why} (plain torch.compile passes the same check)" if outcome == "passes" else
+                          f"plain torch.compile (no trifuse) {outcome} ({said}); with trifuse: {why}")
         return row
     except Exception as e:  # noqa: BLE001
-        crash = "FUSED CRASH"
-        if via == "inductor":  # plain Inductor's own failure, or trifuse's?
-            try:
-                check_against_unfused(lambda: denoiser, inputs, transform=compile_with("inductor"), **check)
-            except AssertionError:
-                pass
-            except Exception:  # noqa: BLE001
-                crash = "Inductor fails"
-        return {**row, "status": crash, "why": f"{type(e).__name__}: {str(e).strip()[:300]}",
+        # plain Inductor's own failure, or trifuse's?
+        raises = via == "inductor" and \
+            _plain_inductor(denoiser, inputs, check, compile_with("inductor"))[0] == "raises"
+        return {**row, "status": "Inductor fails" if raises else "FUSED CRASH",
+                "why": f"{type(e).__name__}: {str(e).strip()[:300]}",
                 "traceback": traceback.format_exc()[-3000:]}
     row.update(replaced=dict(sorted(report.counts().items())),
                patterns=dict(sorted(report.by_pattern().items())), left=len(report.left()),
@@ -147,19 +146,19 @@ def run_build(build, dtype: torch.dtype = torch.float32, autocast: torch.dtype |
     return row
 
 
-def _inductor_alone(denoiser, inputs, check: dict, transform, why: str) -> str:
-    """--via inductor, a MISMATCH: the same check of plain torch.compile (Inductor, no trifuse);
-    `why` with what it says."""
+def _plain_inductor(denoiser, inputs, check: dict, transform) -> tuple[str, str]:
+    """--via inductor, a MISMATCH or a crash: the same check of plain torch.compile (Inductor, no
+    trifuse): ("passes", ""), ("fails the check too", its first complaint) or ("raises", the error's
+    type)."""
     from _fusing import check_against_unfused
 
     try:
         check_against_unfused(lambda: denoiser, inputs, transform=transform, **check)
     except AssertionError as e:
-        first = str(e).strip().splitlines()[0][:120]
-        return f"plain torch.compile (no trifuse) fails the check too ({first}); with trifuse: {why}"
+        return "fails the check too", str(e).strip().splitlines()[0][:120]
     except Exception as e:  # noqa: BLE001
-        return f"plain torch.compile (no trifuse) raises {type(e).__name__}; with trifuse: {why}"
-    return f"{why} (plain torch.compile passes the same check)"
+        return "raises", type(e).__name__
+    return "passes", ""
 
 
 # MISMATCH rows whose cause was found and is not trifuse's: shown in the results' "why" column
