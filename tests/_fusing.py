@@ -10,7 +10,7 @@ import pytest
 import torch
 import trifuse
 from _device import DEVICE
-from tolerances import assert_close, max_error
+from tolerances import assert_close, check_close, max_error
 from torch import nn
 
 # The trifuse op each family's replacements call (branches land one by one: a family whose op is
@@ -147,6 +147,7 @@ def check_against_unfused(make: Callable[[], nn.Module], inputs: tuple, capture:
                           transform: Callable[[nn.Module], nn.Module] | None = None,
                           autocast: torch.dtype | None = None,
                           errors: dict[str, float] | None = None,
+                          failures: list[str] | None = None,
                           **fuse_kwargs) -> "trifuse.FusionReport | None":
     """Fuses a fresh `make()`, runs it and the unfused model (fp32 and float64) on `inputs`, and
     checks outputs and every parameter and input gradient by the oracle rule. Returns the report.
@@ -156,12 +157,20 @@ def check_against_unfused(make: Callable[[], nn.Module], inputs: tuple, capture:
     rewrite does, held to the same rule); the return is then None. `autocast`: the fused and
     the unfused model's forwards run under autocast to that dtype, as mixed-precision training
     runs them on a GPU (cuda_like_autocast); float64's without. `errors`, when given, receives each
-    checked value's largest error against float64 by name ("output 0", "grad NAME"), as checked."""
+    checked value's largest error against float64 by name ("output 0", "grad NAME"), as checked.
+    `failures`, when given, receives the message of every value that fails the rule, and the check
+    goes on to the end instead of stopping at the first (a model that fails on its output may
+    also fail on a gradient, which is what a caller may want to know)."""
 
     def check(name, out, out64, lowp, compute_dtype=None):
         if errors is not None and out.shape == out64.shape:
             errors[name] = max_error(out.detach(), out64.detach())
-        assert_close(name, out, out64, lowp, compute_dtype=compute_dtype)
+        if failures is None:
+            assert_close(name, out, out64, lowp, compute_dtype=compute_dtype)
+            return
+        ok, msg = check_close(name, out, out64, lowp, compute_dtype)
+        if not ok:
+            failures.append(msg)
 
     torch.manual_seed(0)
     model = make().to(DEVICE)

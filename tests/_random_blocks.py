@@ -498,6 +498,18 @@ class RopeAttention(nn.Module):
         return self.out(o.transpose(1, 2).reshape(b, s, HIDDEN))
 
 
+@dataclasses.dataclass(frozen=True)
+class RopeSpec:
+    """One draw of `RopeModel` (bench/fuzz_rewriter.py)."""
+
+    kind: str = "halves"
+    both: bool = True  # k rotated too
+
+    @property
+    def id(self) -> str:
+        return "-".join(str(v) for v in dataclasses.astuple(self))
+
+
 class RopeModel(nn.Module):
     def __init__(self, kind: str, both: bool = True) -> None:
         super().__init__()
@@ -606,6 +618,18 @@ class AdaptiveBlock(nn.Module):
         x = self.add_back(x, h, gate1)
         h = self.mlp(self.modulate(self.norm2, x, shift2, scale2))
         return x + gate2.unsqueeze(1) * h
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveSpec:
+    """One draw of `AdaptiveModel` (bench/fuzz_rewriter.py)."""
+
+    kind: str = "dit"
+    residual: str = "gated"
+
+    @property
+    def id(self) -> str:
+        return "-".join(str(v) for v in dataclasses.astuple(self))
 
 
 class AdaptiveModel(nn.Module):

@@ -107,6 +107,27 @@ def test_the_fuzz_catches_a_wrong_rewrite(monkeypatch):
                            eps=1e-5), "fx", train=False)
 
 
+def test_the_check_can_list_every_failing_value(monkeypatch):
+    """With `failures`, check_against_unfused goes on past the first failing value and lists them
+    all (the fuzz's ill_conditioned reads the value the fused model failed on, which a nudged model
+    may fail only after failing on its output); without it, the first raises."""
+    from trifuse import ops
+
+    real = ops.layer_norm
+
+    def no_eps(x, normalized_shape, weight=None, bias=None, eps=1e-5, *args, **kwargs):
+        return real(x, normalized_shape, weight, bias, 0.5, *args, **kwargs)
+
+    monkeypatch.setattr(ops, "layer_norm", no_eps)
+    spec = rb.Spec(norm="ln_module", attention="sdpa", activation="silu", residual="minus_dropout", eps=1e-5)
+    failures: list[str] = []
+    check_against_unfused(lambda: rb.random_model(spec), rb.inputs(), "fx", failures=failures)
+    names = [m.split(":")[0] for m in failures]
+    assert names[0] == "output 0" and len(names) > 1, failures
+    assert all("max error" in m for m in failures), failures
+    assert "grad blocks.0.norm2.ln.weight" in names, names
+
+
 # ---------------------------------------------------------------------------------------------
 # torch.nn's own layers over their options: TransformerEncoderLayer / TransformerDecoderLayer
 # ---------------------------------------------------------------------------------------------
