@@ -225,6 +225,20 @@ def test_random_rotary_spellings_fuse_to_what_they_compute(kind, both, capture, 
     checked(lambda: check_against_unfused(make, (rb.inputs(dtype=dtype)[0],), capture, train=True), capture)
 
 
+@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(kind=st.sampled_from(rb.ROPES), both=st.booleans(),
+       capture=st.sampled_from(["fx", "dynamo", "compile"]),
+       autocast=st.sampled_from([torch.bfloat16, torch.float16]))
+def test_random_rotary_spellings_under_autocast_fuse_to_what_they_compute(kind, both, capture, autocast):
+    """An fp32 model under autocast: q and k come 16-bit out of their Linears and meet fp32 tables."""
+    def make():
+        torch.manual_seed(0)
+        return rb.RopeModel(kind, both)
+
+    checked(lambda: check_against_unfused(make, (rb.inputs()[0],), capture, train=True, autocast=autocast),
+            capture)
+
+
 @pytest.mark.parametrize("kind", rb.ROPES)
 def test_each_rotary_spelling(kind):
     """Faithful conventions fuse (the fuzz compares something fused); with the near misses,
@@ -252,6 +266,22 @@ def test_random_adaptive_norms_fuse_to_what_they_compute(kind, capture, dtype, r
         return rb.AdaptiveModel(kind, residual).to(dtype)
 
     checked(lambda: check_against_unfused(make, rb.adaptive_inputs(dtype), capture, train=True), capture)
+
+
+@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(kind=st.sampled_from(rb.ADAPTIVE), capture=st.sampled_from(["fx", "dynamo", "compile"]),
+       autocast=st.sampled_from([torch.bfloat16, torch.float16]),
+       residual=st.sampled_from(rb.ADAPTIVE_RESIDUALS))
+def test_random_adaptive_norms_under_autocast_fuse_to_what_they_compute(kind, capture, autocast, residual):
+    """An fp32 DiT under autocast, as it trains on a GPU: the norms take the fp32 stream, their
+    modulated outputs are read by 16-bit matmuls (fusion/narrow.py writes them 16-bit), the gates
+    multiply 16-bit outputs into the fp32 stream."""
+    def make():
+        torch.manual_seed(0)
+        return rb.AdaptiveModel(kind, residual)
+
+    checked(lambda: check_against_unfused(make, rb.adaptive_inputs(), capture, train=True, autocast=autocast),
+            capture)
 
 
 @pytest.mark.parametrize("kind", rb.ADAPTIVE)
