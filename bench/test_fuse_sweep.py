@@ -67,3 +67,30 @@ def test_explained_only_when_every_gradient_past_the_rule_is_reached(case, monke
     assert why.startswith("ill-conditioned") and "gradient(s) past the rule" in why, why
     monkeypatch.setattr(fs, "_nudged", scaled_copy(1.05, 1.0))
     assert fs._ill_conditioned(model, kwargs, "", autocast, grads0, wrong, grads64, 1e-10, 8e-3) == ""
+
+
+def test_plain_inductor_explains_only_when_it_breaks_the_same_rule(case, monkeypatch):
+    """--via inductor: plain torch.compile held to the fused model's rule. Stood in for here by the
+    model itself (eager: within the rule) and by its output scaled (breaks it as the fused model does)."""
+    model, kwargs, autocast, grads0, grads64 = case
+    wrong = tuple(g * 1.05 for g in grads0)
+    with torch.no_grad():
+        with autocast:
+            l0 = float(_square_mean(model(**kwargs), ""))
+        l64 = float(_square_mean(copy.deepcopy(model).double()(kwargs["x"].double()), ""))
+    fused = (-1.0, fs._oracle_error(grads0, wrong, grads64, 1e-10, 8e-3))  # the loss within the rule
+
+    def alone() -> dict:
+        return fs._inductor_alone_mixed(model, kwargs, "", list(model.parameters()), autocast, (l0, l64),
+                                        grads0, grads64, 1e-10, 8e-3, 8e-3, fused)
+
+    monkeypatch.setattr(fs.torch, "compile", lambda m: m)
+    assert "why" not in alone()
+
+    def off(m: torch.nn.Module):  # the parameters shared, as torch.compile's are; gradients 10% off
+        return lambda *args, **kw: m(*args, **kw) * 1.05
+
+    monkeypatch.setattr(fs.torch, "compile", off)
+    out = alone()
+    assert "why" in out, out
+    assert out["why"].startswith("plain torch.compile (Inductor, no trifuse) breaks the same rule"), out
