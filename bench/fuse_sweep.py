@@ -978,13 +978,13 @@ def _inductor_alone_mixed(model, kwargs: dict, task: str, leaves: list, autocast
         return {"inductor_alone": f"{type(e).__name__}: {str(e).strip()[:100]}"}
     finally:
         torch._dynamo.reset()
-    l0, l64 = losses
-    alone = (abs(float(loss) - l64) - 2 * abs(l0 - l64) - loss_tol * abs(l64),
+    l0, l64, loss = *losses, float(loss.detach())
+    alone = (abs(loss - l64) - 2 * abs(l0 - l64) - loss_tol * abs(l64),
              _oracle_error(grads0, grads, grads64, floor, slack))
     out = {"inductor_alone": {"loss_excess": alone[0], "oracle_excess": alone[1]}}
     if all(a > 0 and a >= f / 2 for a, f in zip(alone, fused) if f > 0):
         out["why"] = ("plain torch.compile (Inductor, no trifuse) breaks the same rule: loss "
-                      f"{abs(float(loss) - l64) / max(abs(l64), 1e-30):.2g} off float64 (unfused "
+                      f"{abs(loss - l64) / max(abs(l64), 1e-30):.2g} off float64 (unfused "
                       f"{abs(l0 - l64) / max(abs(l64), 1e-30):.2g}), gradients' excess {alone[1]:.2g}")
     return out
 
