@@ -572,11 +572,12 @@ def _oracle_error(grads0: tuple, grads1: tuple, grads64: tuple, floor: float, sl
                default=float("-inf"))
 
 
-def _nudged(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """A copy of `model` with every Linear's and convolution's output moved by half an ulp of its
-    dtype, up or down at random (seeded): the size of what a fused op changes where it rounds once
-    instead of twice, or takes a bias out of a matmul (bench/fuzz_rewriter.py's `perturbed`)."""
-    model = copy.deepcopy(model)
+def nudge_outputs(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """`model`, its every Linear's and convolution's output moved by half an ulp of its dtype, up or
+    down at random (a generator seeded by `seed`), by forward hooks: the size of what a fused op
+    changes where it rounds once instead of twice, or takes a bias out of a matmul. PyTorch's own
+    model so nudged shows how far rounding alone moves what it computes (_ill_conditioned here,
+    bench/fuzz_rewriter.py's ill_conditioned)."""
     gen = torch.Generator().manual_seed(seed)
 
     def nudge(module, args, out):
@@ -589,6 +590,11 @@ def _nudged(model: torch.nn.Module, seed: int) -> torch.nn.Module:
         if isinstance(m, (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)):
             m.register_forward_hook(nudge)
     return model
+
+
+def _nudged(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """A copy of `model`, nudged (nudge_outputs)."""
+    return nudge_outputs(copy.deepcopy(model), seed)
 
 
 def _ill_conditioned(model: torch.nn.Module, kwargs: dict, task: str, autocast, grads0: tuple, grads1: tuple,

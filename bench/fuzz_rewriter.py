@@ -34,6 +34,7 @@ import _device  # noqa: E402,F401  (before trifuse: the interpreter)
 import _random_blocks as rb  # noqa: E402
 import torch  # noqa: E402
 from _fusing import _autocast, _double, _outputs, check_against_unfused  # noqa: E402
+from fuse_sweep import nudge_outputs  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tests" / "fusion"))
 from test_fuzz_rewriter import checked  # noqa: E402
@@ -175,23 +176,8 @@ def split_bias_fails_too(make, inputs: tuple, train: bool, twin64=None, autocast
 
 def perturbed(seed: int):
     """A transform for check_against_unfused: every Linear's and convolution's output moved by half
-    an ulp of its dtype, up or down at random (a generator seeded by `seed`): the size of what a
-    fused op changes where it takes a Linear's bias out of the matmul or rounds a sum once instead
-    of twice."""
-    def transform(model: torch.nn.Module) -> torch.nn.Module:
-        gen = torch.Generator().manual_seed(seed)
-
-        def nudge(module, args, out):
-            if not out.is_floating_point():
-                return out
-            sign = torch.randint(0, 2, out.shape, generator=gen).to(out.dtype) * 2 - 1
-            return out + sign * out.abs() * (torch.finfo(out.dtype).eps / 2)
-
-        for m in model.modules():
-            if isinstance(m, (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)):
-                m.register_forward_hook(nudge)
-        return model
-    return transform
+    an ulp of its dtype, up or down at random (fuse_sweep.nudge_outputs, seeded by `seed`)."""
+    return lambda model: nudge_outputs(model, seed)
 
 
 def ill_conditioned(make, inputs: tuple, train: bool, twin64=None, failure: str = "", tries: int = 6,

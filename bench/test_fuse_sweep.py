@@ -2,7 +2,7 @@
 own model, nudged by half an ulp, misses float64 as far on every gradient past the rule."""
 import copy
 
-import fuse_sweep as fs  # noqa: I001  (bench/conftest.py sets TRITON_INTERPRET before this)
+import fuse_sweep as fs  # (bench/conftest.py sets TRITON_INTERPRET before this)
 import pytest
 import torch
 

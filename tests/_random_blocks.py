@@ -44,8 +44,16 @@ NEAR_MISSES = {"ln_unbiased_var", "rms_eps_outside_sqrt", "rms_mean_over_seq", "
                "minus_dropout", "scaled_residual"}
 
 
+class _Drawn:
+    """What every spec below has: an id, its fields joined (the fuzz prints it for a failure)."""
+
+    @property
+    def id(self) -> str:
+        return "-".join(str(v) for v in dataclasses.astuple(self))
+
+
 @dataclasses.dataclass(frozen=True)
-class Spec:
+class Spec(_Drawn):
     norm: str = "ln_module"
     attention: str = "sdpa"
     activation: str = "gelu"
@@ -55,10 +63,6 @@ class Spec:
     eps: float = 1e-5
     dropout: float = 0.1
     mlp_bias: bool = True
-
-    @property
-    def id(self) -> str:
-        return "-".join(str(v) for v in dataclasses.astuple(self))
 
     def near_misses(self) -> list[str]:
         return [v for v in (self.norm, self.attention, self.activation, self.residual) if v in NEAR_MISSES]
@@ -294,7 +298,7 @@ LOSSES = ("functional", "module", "log_softmax_nll",
 
 
 @dataclasses.dataclass(frozen=True)
-class HeadSpec:
+class HeadSpec(_Drawn):
     vocab: int = 1030  # past 1024 and not a multiple of 8: a 16-bit head runs padded when kept
     bias: bool = False
     tied: bool = False
@@ -305,10 +309,6 @@ class HeadSpec:
     smoothing: float = 0.0
     returns_logits: bool = True  # without: the head and the loss become linear_cross_entropy
     loss: str = "functional"
-
-    @property
-    def id(self) -> str:
-        return "-".join(str(v) for v in dataclasses.astuple(self))
 
 
 class RandomHead(nn.Module):
@@ -499,15 +499,11 @@ class RopeAttention(nn.Module):
 
 
 @dataclasses.dataclass(frozen=True)
-class RopeSpec:
+class RopeSpec(_Drawn):
     """One draw of `RopeModel` (bench/fuzz_rewriter.py)."""
 
     kind: str = "halves"
     both: bool = True  # k rotated too
-
-    @property
-    def id(self) -> str:
-        return "-".join(str(v) for v in dataclasses.astuple(self))
 
 
 class RopeModel(nn.Module):
@@ -621,15 +617,11 @@ class AdaptiveBlock(nn.Module):
 
 
 @dataclasses.dataclass(frozen=True)
-class AdaptiveSpec:
+class AdaptiveSpec(_Drawn):
     """One draw of `AdaptiveModel` (bench/fuzz_rewriter.py)."""
 
     kind: str = "dit"
     residual: str = "gated"
-
-    @property
-    def id(self) -> str:
-        return "-".join(str(v) for v in dataclasses.astuple(self))
 
 
 class AdaptiveModel(nn.Module):
@@ -670,17 +662,13 @@ RESNET_CHANNELS, RESNET_TEMB = 8, 6
 
 
 @dataclasses.dataclass(frozen=True)
-class ResnetSpec:
+class ResnetSpec(_Drawn):
     """One draw of `ResnetModel` (bench/fuzz_rewriter.py)."""
 
     norm: str = "gn_module"
     act: str = "nn_silu"
     eps: float = 1e-6
     channels_last: bool = False  # the model and its input (diffusers' advice for speed)
-
-    @property
-    def id(self) -> str:
-        return "-".join(str(v) for v in dataclasses.astuple(self))
 
 
 class ResnetNorm(nn.Module):
