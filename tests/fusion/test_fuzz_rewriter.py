@@ -218,11 +218,18 @@ def test_a_head_without_its_logits_fuses_into_linear_cross_entropy():
        capture=st.sampled_from(["fx", "dynamo", "compile"]),
        dtype=st.sampled_from([torch.float32, torch.float16]))
 def test_random_rotary_spellings_fuse_to_what_they_compute(kind, both, capture, dtype):
+    check_rope(kind, both, capture, dtype)
+
+
+def check_rope(kind: str, both: bool, capture: str, dtype: torch.dtype = torch.float32,
+               autocast: torch.dtype | None = None) -> "trifuse.FusionReport":
+    """A RopeModel fused against unfused (and float64), the forwards under `autocast` when given."""
     def make():
         torch.manual_seed(0)
         return rb.RopeModel(kind, both).to(dtype)
 
-    checked(lambda: check_against_unfused(make, (rb.inputs(dtype=dtype)[0],), capture, train=True), capture)
+    return checked(lambda: check_against_unfused(make, (rb.inputs(dtype=dtype)[0],), capture, train=True,
+                                                 autocast=autocast), capture)
 
 
 @settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
@@ -231,12 +238,7 @@ def test_random_rotary_spellings_fuse_to_what_they_compute(kind, both, capture, 
        autocast=st.sampled_from([torch.bfloat16, torch.float16]))
 def test_random_rotary_spellings_under_autocast_fuse_to_what_they_compute(kind, both, capture, autocast):
     """An fp32 model under autocast: q and k come 16-bit out of their Linears and meet fp32 tables."""
-    def make():
-        torch.manual_seed(0)
-        return rb.RopeModel(kind, both)
-
-    checked(lambda: check_against_unfused(make, (rb.inputs()[0],), capture, train=True, autocast=autocast),
-            capture)
+    check_rope(kind, both, capture, autocast=autocast)
 
 
 @pytest.mark.parametrize("kind", rb.ROPES)
@@ -261,11 +263,18 @@ def test_each_rotary_spelling(kind):
 @given(kind=st.sampled_from(rb.ADAPTIVE), capture=st.sampled_from(["fx", "dynamo", "compile"]),
        dtype=st.sampled_from([torch.float32, torch.float16]), residual=st.sampled_from(rb.ADAPTIVE_RESIDUALS))
 def test_random_adaptive_norms_fuse_to_what_they_compute(kind, capture, dtype, residual):
+    check_adaptive(kind, residual, capture, dtype)
+
+
+def check_adaptive(kind: str, residual: str, capture: str, dtype: torch.dtype = torch.float32,
+                   autocast: torch.dtype | None = None) -> "trifuse.FusionReport":
+    """An AdaptiveModel fused against unfused (and float64), the forwards under `autocast` when given."""
     def make():
         torch.manual_seed(0)
         return rb.AdaptiveModel(kind, residual).to(dtype)
 
-    checked(lambda: check_against_unfused(make, rb.adaptive_inputs(dtype), capture, train=True), capture)
+    return checked(lambda: check_against_unfused(make, rb.adaptive_inputs(dtype), capture, train=True,
+                                                 autocast=autocast), capture)
 
 
 @settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
@@ -276,12 +285,7 @@ def test_random_adaptive_norms_under_autocast_fuse_to_what_they_compute(kind, ca
     """An fp32 DiT under autocast, as it trains on a GPU: the norms take the fp32 stream, their
     modulated outputs are read by 16-bit matmuls (fusion/narrow.py writes them 16-bit), the gates
     multiply 16-bit outputs into the fp32 stream."""
-    def make():
-        torch.manual_seed(0)
-        return rb.AdaptiveModel(kind, residual)
-
-    checked(lambda: check_against_unfused(make, rb.adaptive_inputs(), capture, train=True, autocast=autocast),
-            capture)
+    check_adaptive(kind, residual, capture, autocast=autocast)
 
 
 @pytest.mark.parametrize("kind", rb.ADAPTIVE)
