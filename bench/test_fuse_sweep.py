@@ -94,3 +94,14 @@ def test_plain_inductor_explains_only_when_it_breaks_the_same_rule(case, monkeyp
     out = alone()
     assert "why" in out, out
     assert out["why"].startswith("plain torch.compile (Inductor, no trifuse) breaks the same rule"), out
+
+
+def test_the_oracle_compares_where_float64_and_unfused_are_finite():
+    """NaN in float64's gradient (Longformer's padded windows) or the unfused one's is left out of
+    the comparison; a fused entry that is not finite where both are is an infinite error."""
+    g64 = (torch.tensor([1.0, float("nan"), 2.0], dtype=torch.float64),)
+    g0 = (torch.tensor([1.01, 5.0, float("nan")]),)
+    assert fs._oracle_errors(g0, (torch.tensor([1.02, float("nan"), 7.0]),), g64, 1e-10) == \
+        [(0, pytest.approx(0.01, rel=1e-5), pytest.approx(0.02, rel=1e-5))]  # of 1.0, the one entry kept
+    assert fs._oracle_errors(g0, (torch.tensor([float("nan"), 5.0, 2.0]),), g64, 1e-10)[0][2] == float("inf")
+    assert fs._oracle_error(g0, (torch.tensor([float("nan"), 5.0, 2.0]),), g64, 1e-10, 8e-3) == float("inf")
