@@ -1430,8 +1430,8 @@ def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: s
     if _non_finite(grads0):
         row["why"] = f"the unfused model's gradients hold {_non_finite(grads0)} NaN/inf entries (compared by place)"
     if dtype != "float64" and (float(loss0) != float(loss0) or float(loss64) != float(loss64)):
-        row["why"] = (f"the model's own loss is NaN (fp16 {float(loss0):.4g}, its float64 copy "
-                      f"{float(loss64):.4g}): no oracle; fused against unfused by place, NaN for NaN")
+        row["why"] = (f"the model's own loss is NaN ({dtype.split('-')[0]} {float(loss0):.4g}, its float64 "
+                      f"copy {float(loss64):.4g}): no oracle; fused against unfused by place, NaN for NaN")
     return row
 
 
