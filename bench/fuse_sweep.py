@@ -609,7 +609,8 @@ def _ill_conditioned(model: torch.nn.Module, kwargs: dict, task: str, autocast, 
                      grads64: tuple, floor: float, slack: float, tries: int = 4) -> str:
     """For an autocast MISMATCH: whether PyTorch's own model (`model`, unfused), with its Linear and
     conv outputs nudged by half an ulp (_nudged), misses float64 at least half as far as the fused
-    model on every gradient where the fused one breaks the oracle rule, in one of `tries` runs. Then
+    model on every gradient where the fused one breaks the oracle rule (each in one of `tries` runs,
+    not necessarily the same one). Then
     the rule's yardstick, the unfused model's own error, is luck: a saturated softmax, a ReLU whose
     input sits within a rounding of 0 or a router's near tie move that much on a rounding. LongT5
     under bf16 autocast, GeLU: its decoder's first cross-attention k gradient fused 4.0e-2 off,

@@ -92,8 +92,9 @@ def test_each_near_miss_is_left_as_written_or_fused_right(near_miss):
     check_spec(spec, "fx", train=False)
 
 
-def test_the_fuzz_catches_a_wrong_rewrite(monkeypatch):
-    """Negative control: a LayerNorm replacement that forgets eps is caught by the comparison."""
+@pytest.fixture
+def layer_norm_without_its_eps(monkeypatch):
+    """A wrong rewrite: trifuse's LayerNorm replacement with eps 0.5 whatever the model's."""
     from trifuse import ops
 
     real = ops.layer_norm
@@ -102,23 +103,19 @@ def test_the_fuzz_catches_a_wrong_rewrite(monkeypatch):
         return real(x, normalized_shape, weight, bias, 0.5, *args, **kwargs)
 
     monkeypatch.setattr(ops, "layer_norm", no_eps)
+
+
+def test_the_fuzz_catches_a_wrong_rewrite(layer_norm_without_its_eps):
+    """Negative control: a LayerNorm replacement that forgets eps is caught by the comparison."""
     with pytest.raises(AssertionError, match="max error"):
         check_spec(rb.Spec(norm="ln_module", attention="sdpa", activation="silu", residual="minus_dropout",
                            eps=1e-5), "fx", train=False)
 
 
-def test_the_check_can_list_every_failing_value(monkeypatch):
+def test_the_check_can_list_every_failing_value(layer_norm_without_its_eps):
     """With `failures`, check_against_unfused goes on past the first failing value and lists them
     all (the fuzz's ill_conditioned reads the value the fused model failed on, which a nudged model
-    may fail only after failing on its output); without it, the first raises."""
-    from trifuse import ops
-
-    real = ops.layer_norm
-
-    def no_eps(x, normalized_shape, weight=None, bias=None, eps=1e-5, *args, **kwargs):
-        return real(x, normalized_shape, weight, bias, 0.5, *args, **kwargs)
-
-    monkeypatch.setattr(ops, "layer_norm", no_eps)
+    may fail only after failing on its output); without it, the first raises (the test above)."""
     spec = rb.Spec(norm="ln_module", attention="sdpa", activation="silu", residual="minus_dropout", eps=1e-5)
     failures: list[str] = []
     check_against_unfused(lambda: rb.random_model(spec), rb.inputs(), "fx", failures=failures)
