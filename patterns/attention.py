@@ -283,7 +283,8 @@ def attention_chain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, s
 
 def attention_chain_fused(q, k, v, d0=None, d1=None, scale=None, mask=None, fill=None, p=0.0, training=False,
                           dtype=None, cap=None, k_shape=None, v_shape=None, k_heads=None, v_heads=None,
-                          fill_dtype=None, device=None, dims=4, shared_kv=False, *, scaling: str, masking: str,
+                          fill_dtype=None, device=None, dims=4, shared_kv=False, mask_dims=None,
+                          mask_expand=False, *, scaling: str, masking: str,
                           dropout: bool, softmax: str, softcap: bool = False, repeat_kv: bool = False,
                           upcast_qk: bool = False, k_transposed: bool = False):
     if k_transposed:
@@ -303,15 +304,29 @@ def attention_chain_fused(q, k, v, d0=None, d1=None, scale=None, mask=None, fill
         o = ops.attention(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), mask4, p, False, scale,
                           softcap=cap if softcap else None).squeeze(1)
     elif dims > 4:
-        # (B, H, W, ..., S, D) tensors (Hiera's heads and windows; no mask, as the filter requires):
-        # the dims between batch and seq flattened into the op's heads (a copy where they are no view)
-        flat = [t.flatten(1, dims - 3) for t in (q, k, v)]
-        o = ops.attention(*flat, None, p, False, scale, softcap=cap if softcap else None)
+        # (..., H, S, D) tensors (Hiera's (batch, heads, windows), MaxViT's (batch, grid, heads)):
+        # every dim before the last of them flattened into the op's batch (a copy where they are no
+        # view), the mask too, expanded first only where it varies over some of those dims
+        flat = [t.flatten(0, dims - 4) for t in (q, k, v)]
+        mask = _flat_mask(mask, q, dims - 3, mask_dims, mask_expand) if masking else None
+        o = ops.attention(*flat, mask, p, False, scale, softcap=cap if softcap else None)
         o = o.reshape(q.shape[:-1] + (v.shape[-1],))
     else:
         o = ops.attention(q, k, v, mask, p, False, scale, repeat_kv or shared_kv,
                           softcap=cap if softcap else None)
     return o
+
+
+def _flat_mask(mask: torch.Tensor, q: torch.Tensor, lead: int, mask_dims: int, expand: bool) -> torch.Tensor:
+    """A mask over scores (*q.shape[:lead], H, Sq, Sk) as the op's 4-D mask over (prod of those
+    lead dims, H, Sq, Sk): a view where it is 1 along all of them (MaxViT's (1, H, Sq, Sk) position
+    bias); otherwise (`expand`) expanded to q's sizes there first (a key-padding mask per image over
+    its windows: a copy, the mask's size times what it broadcasts over). Traced into the graph, so
+    the mask's rank comes as a number (_dims_of_q's)."""
+    mask = mask[(None,) * (lead + 3 - mask_dims)]
+    if expand:
+        mask = mask.expand(q.shape[:lead] + (-1, -1, -1))
+    return mask.flatten(0, lead - 1)
 
 
 def attention_chain_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, scale, mask: torch.Tensor,
@@ -582,21 +597,28 @@ def _scores_dtype(q: torch.Tensor) -> torch.dtype:
 
 
 def _dims_of_q(m: Match) -> dict:
-    """The replacement's layout: q's dims (3: one head each, 4: as the op takes them, more:
-    flattened into the op's heads); _attention_dims has checked them. With one key/value head
-    beside several query heads (Falcon's multi-query attention, broadcast by the products), the
-    op's GQA."""
+    """The replacement's layout: q's dims (3: one head each, 4: as the op takes them, more: all
+    but the last before (Sq, D) flattened into the op's batch); _attention_dims has checked them.
+    With one key/value head beside several query heads (Falcon's multi-query attention, broadcast
+    by the products), the op's GQA. A mask over scores of more than 4 dims: its rank, and whether
+    it varies along the dims flattened into the batch (then expanded there: _flat_mask)."""
     q, k = m.value("q"), m.value("k")
     dims = q.dim() if isinstance(q, torch.Tensor) else 4
     shared_kv = dims == 4 and isinstance(k, torch.Tensor) and k.dim() == 4 and k.shape[1] == 1 < q.shape[1]
-    return {"dims": dims, "shared_kv": shared_kv}
+    mask = m.value("mask") if dims > 4 and "mask" in m.bindings() else None
+    if not isinstance(mask, torch.Tensor):
+        return {"dims": dims, "shared_kv": shared_kv}
+    lead = ((1,) * (dims - mask.dim()) + tuple(mask.shape))[:dims - 3]  # over q's dims before (H, S, D)
+    return {"dims": dims, "shared_kv": shared_kv, "mask_dims": mask.dim(),
+            "mask_expand": any(n != 1 for n in lead)}
 
 
 def _attention_dims(m: Match, masked: bool, kv_repeated: bool = False) -> str | None:
     """q, k and v all 4-D (batch, heads, seq, head_dim), k and v with q's heads or one head that
     the products broadcast (unless repeated to q's heads before); or all 3-D (one head each) with
     a mask, if any, of 2 or 3 dims (its broadcast over the 3-D scores); or all 5-D or more with one
-    shape before the last two (Hiera's (batch, heads, windows, seq, dim)) and no mask."""
+    shape before the last two (Hiera's (batch, heads, windows, seq, dim)) and a mask, if any, that
+    broadcasts to the scores without widening them (MaxViT's position bias)."""
     q, k, v = m.value("q"), m.value("k"), m.value("v")
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         return "no shapes for q, k or v"
@@ -612,10 +634,12 @@ def _attention_dims(m: Match, masked: bool, kv_repeated: bool = False) -> str | 
             return (f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: not one batch, or k and v "
                     "with neither q's heads nor one head for all")
     if q.dim() > 4:
-        if masked:
-            return f"a mask over {q.dim()}-D scores (only unmasked ones are flattened into heads)"
         if not q.shape[:-2] == k.shape[:-2] == v.shape[:-2]:
             return f"q, k and v differ before their last two dims: {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        if masked:
+            if not isinstance(mask, torch.Tensor):
+                return "no shape for the mask"
+            return _broadcast_to_scores("the mask", mask.shape, tuple(q.shape[:-1]) + (k.shape[-2],))
     return None
 
 

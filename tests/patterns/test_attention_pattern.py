@@ -1822,12 +1822,12 @@ def timm_attention(m, q, k, v):  # timm's explicit attention (fused_attn=False):
 
 class HieraWindows(nn.Module):
     """Hiera's attention core as transformers writes it: q, k, v of (B, heads, windows, tokens,
-    dim) permuted out of one projection, q scaled before the product, softmax, @ v; `masked` adds
-    a mask over the 5-D scores (a negative control)."""
+    dim) permuted out of one projection, q scaled before the product, softmax, @ v; `mask_shape`
+    adds a random mask of that shape over the 5-D scores (B, H, 2, S, S)."""
 
-    def __init__(self, masked=False):
+    def __init__(self, mask_shape=None):
         super().__init__()
-        self.mask = torch.randn(2, S, S) if masked else None
+        self.mask = None if mask_shape is None else torch.randn(mask_shape)
 
     def forward(self, qkv):
         q, k, v = qkv.reshape(B, S, 2, 3, H, D).permute(3, 0, 4, 2, 1, 5).unbind(0)
@@ -1845,20 +1845,69 @@ def test_q_scaled_before_the_product_fuses(capture):
     assert report.by_pattern() == {"attention_chain_unscaled_no_mask_dropout": 1}
 
 
+@pytest.mark.parametrize("mask_shape", [None, (2, S, S), (H, 1, 1, S)],
+                         ids=["unmasked", "per-window", "per-head"])
 @pytest.mark.parametrize("capture", CAPTURES)
-def test_hiera_5d_attention_fuses(capture):
-    """(batch, heads, windows, tokens, dim) tensors, permuted out of one projection: heads and
-    windows flattened into the op's heads (a copy: no view of the permutation), the output viewed
-    back; outputs and gradients equal the unfused chain's."""
-    report = check_against_unfused(HieraWindows, (torch.randn(B, 2 * S, 3 * H * D),), capture)
-    assert report.by_pattern() == {"attention_chain_unscaled_no_mask_no_dropout": 1}
+def test_hiera_5d_attention_fuses(capture, mask_shape):
+    """(batch, heads, windows, tokens, dim) tensors, permuted out of one projection: all dims
+    before the windows flattened into the op's batch (a copy: no view of the permutation), the
+    output viewed back; a mask over the 5-D scores flattened with them (expanded over the batch
+    first where it varies along the heads); outputs and gradients equal the unfused chain's."""
+    report = check_against_unfused(functools.partial(HieraWindows, mask_shape),
+                                   (torch.randn(B, 2 * S, 3 * H * D),), capture)
+    name = "no_mask" if mask_shape is None else "add"
+    assert report.by_pattern() == {f"attention_chain_unscaled_{name}_no_dropout": 1}
 
 
-def test_a_mask_over_5d_scores_is_left():
-    report = check_against_unfused(functools.partial(HieraWindows, True), (torch.randn(B, 2 * S, 3 * H * D),),
-                                   "dynamo")
+def test_a_mask_wider_than_the_5d_scores_is_left():
+    """A mask with a dim the scores broadcast along (the output grows with it): no op's call."""
+    report = check_against_unfused(functools.partial(HieraWindows, (3, 1, 1, 1, S, S)),
+                                   (torch.randn(B, 2 * S, 3 * H * D),), "dynamo")
     assert report.by_pattern() == {}
-    assert any("a mask over 5-D scores" in reason for *_, reason in report.rejected())
+    assert any("wider than them" in reason for *_, reason in report.rejected())
+
+
+G = 3  # windows of a grid
+
+
+class GridAttention(nn.Module):
+    """torchvision's MaxViT attention core (RelativePositionalMultiHeadAttention): q, k, v of
+    (batch, grid, heads, tokens, dim), k scaled, the products as einsums with spaced letters, a
+    mask over the 5-D scores: MaxViT's learned (1, H, S, S) relative position bias ("bias", its
+    gradient checked), a per-window float mask ("windows"), or a boolean key-padding mask per
+    image filled with -inf ("padding"). `extra` puts one more dim before the grid (6-D)."""
+
+    def __init__(self, kind: str, extra: bool = False):
+        super().__init__()
+        self.kind = kind
+        lead = (2,) if extra else ()
+        if kind == "bias":
+            self.bias = nn.Parameter(torch.randn(1, H, S, S))
+        elif kind == "windows":
+            self.register_buffer("mask", torch.randn(G, 1, S, S))
+        else:
+            keep = torch.rand((B, *lead, 1, 1, 1, S), generator=torch.Generator().manual_seed(3)) > 0.4
+            keep[..., 0] = True
+            self.register_buffer("mask", ~keep)
+
+    def forward(self, q, k, v):
+        s = torch.einsum("... G H I D, ... G H J D -> ... G H I J", q, k * D ** -0.5)
+        if self.kind == "padding":
+            s = s.masked_fill(self.mask, float("-inf"))
+        else:
+            s = s + (self.bias if self.kind == "bias" else self.mask)
+        return torch.einsum("... G H I J, ... G H J D -> ... G H I D", F.softmax(s, dim=-1), v)
+
+
+@pytest.mark.parametrize("extra", [False, True], ids=["5d", "6d"])
+@pytest.mark.parametrize("kind", ["bias", "windows", "padding"])
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_maxvit_grid_attention_with_a_mask_over_its_scores_fuses(capture, kind, extra):
+    lead = (B, 2) if extra else (B,)
+    inputs = tuple(torch.randn(*lead, G, H, S, D, requires_grad=True) for _ in range(3))
+    report = check_against_unfused(functools.partial(GridAttention, kind, extra), inputs, capture)
+    masking = "masked_fill" if kind == "padding" else "add"
+    assert report.by_pattern() == {f"attention_chain_unscaled_{masking}_no_dropout": 1}
 
 
 class SqueezeBertSelfAttention(nn.Module):
