@@ -664,7 +664,10 @@ def _audio_inputs(model, task: str, dtype: torch.dtype) -> dict:
     if name == "input_values" and "num_mel_bins" in own:
         x = torch.randn(2, cfg.max_length, cfg.num_mel_bins, dtype=dtype)
     elif name == "input_values":
-        x = torch.randn(2, 3200, dtype=dtype)
+        # OmniASR's encoder takes (batch, 1, samples), a channel dim its first convolution reads;
+        # the wav2vec2 family adds that dim itself
+        x = torch.randn(2, 1, 3200, dtype=dtype) if cfg.model_type.startswith("omniasr") else \
+            torch.randn(2, 3200, dtype=dtype)
     elif "max_source_positions" in own and "num_mel_bins" in own:
         x = torch.randn(2, cfg.num_mel_bins, 2 * cfg.max_source_positions, dtype=dtype)
     else:  # filter-bank frames (time, features; Wav2Vec2-BERT stacks 2 frames of 80 into one of 160)
@@ -672,7 +675,11 @@ def _audio_inputs(model, task: str, dtype: torch.dtype) -> dict:
                  or 80)
         x = torch.randn(2, 40, width, dtype=dtype)
     labels = torch.tensor([0, 2]) if task == "audio-cls" else torch.tensor([[3, 4, 5, 6], [7, 8, -100, -100]])
-    return {name: x, "labels": labels}
+    extra = {}
+    if cfg.model_type.startswith("omniasr"):  # its CTC loss reads the frames' lengths from the padding mask
+        extra["padding_mask"] = torch.ones(2, x.shape[-1], dtype=torch.long)
+        extra["padding_mask"][1, -800:] = 0  # the second clip 0.05 s shorter, padded as a collator pads it
+    return {name: x, "labels": labels, **extra}
 
 
 def _first(x):
