@@ -6,7 +6,9 @@ style: the score matrix never exists).
   and with K and V repeated per query group first (`repeat_interleave`, or Llama's
   `expand` + `reshape`, torchtune's and gpt-fast's `unsqueeze(2)` + `expand` + `flatten(1, 2)`;
   or torchtitan's `unsqueeze` + `expand` + `reshape` on (B, S, H, D) before the heads move), which
-  becomes `enable_gqa=True` on the un-repeated K and V.
+  becomes `enable_gqa=True` on the un-repeated K and V. SDPA's other ranks too: unbatched (H, S,
+  D) tensors (the op's batch of one), and extra batch dims (timm's Hiera: (B, heads, windows, S,
+  D)), flattened into the op's batch with the mask.
 - The explicit chain `softmax(q @ k^T * scale [+ mask]) [-> dropout] @ v`: scale as a multiply
   or a divide, the mask added, or applied with `masked_fill(mask, fill)` (nanoGPT's causal
   buffer: True = drop) or `torch.where(mask, scores, fill)` (True = keep), the softmax optionally
@@ -110,18 +112,63 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask, dropout_p
                                           enable_gqa=enable_gqa)
 
 
-def sdpa_fused(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-    return ops.attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+def sdpa_fused(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dims=4, mask_dims=None,
+               mask_expand=False):
+    if dims == 4:
+        return ops.attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if dims == 3:  # (heads, seq, dim): SDPA's unbatched call, the op's batch of one
+        mask = attn_mask[(None,) * (4 - mask_dims)] if mask_dims is not None else None
+        return ops.attention(q[None], k[None], v[None], mask, dropout_p, is_causal, scale, enable_gqa)[0]
+    # (..., heads, seq, dim), SDPA's extra batch dims (timm's Hiera: (batch, heads, windows, seq,
+    # dim)): flattened into the op's batch, the mask with them
+    flat = [t.flatten(0, dims - 4) for t in (q, k, v)]
+    mask = _flat_mask(attn_mask, q, dims - 3, mask_dims, mask_expand) if mask_dims is not None else None
+    o = ops.attention(*flat, mask, dropout_p, is_causal, scale, enable_gqa)
+    return o.reshape(q.shape[:-1] + (v.shape[-1],))
 
 
-def _one_kv_head_broadcast(m: Match) -> dict:
-    """SDPA broadcasts K and V of one head over the query heads (Falcon's multi-query attention
-    passes them so, without enable_gqa): that is grouped-query attention with one group."""
+def _sdpa_dims(m: Match) -> str | None:
+    """q, k and v of one rank, 3 (SDPA's unbatched (heads, seq, dim)) or more; other than 4, one
+    shape before their heads, and a mask, if any, that broadcasts to the scores without widening
+    them."""
     q, k, v = m.value("q"), m.value("k"), m.value("v")
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return "no shapes for q, k or v"
+    if not q.dim() == k.dim() == v.dim() or q.dim() < 3:
+        return f"q, k and v have {q.dim()}, {k.dim()} and {v.dim()} dims, not all alike and at least 3"
+    if q.dim() == 4:
+        return None
+    if not q.shape[:-3] == k.shape[:-3] == v.shape[:-3]:
+        return f"q, k and v differ before their heads: {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+    mask = m.value("attn_mask")
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor):
+        return "no shape for the mask"
+    return _broadcast_to_scores("the mask", mask.shape, tuple(q.shape[:-1]) + (k.shape[-2],))
+
+
+def _mask_layout(mask, dims: int) -> dict:
+    """For a mask over scores of `dims` other than 4, the constants the replacement reshapes it by:
+    its rank, and whether it varies along the dims flattened into the op's batch (then expanded
+    there: _flat_mask)."""
+    if dims == 4 or not isinstance(mask, torch.Tensor):
+        return {}
+    padded = (1,) * (dims - mask.dim()) + tuple(mask.shape)
+    lead = padded[:max(dims - 3, 0)]  # its sizes over q's dims before (H, S, D)
+    return {"mask_dims": mask.dim(), "mask_expand": any(n != 1 for n in lead)}
+
+
+def _sdpa_layout(m: Match) -> dict:
+    """The replacement's constants: q's rank and its mask's layout (_sdpa_dims has checked them);
+    and, as SDPA broadcasts K and V of one head over the query heads (Falcon's multi-query
+    attention passes them so, without enable_gqa), grouped-query attention with one group."""
+    q, k, v = m.value("q"), m.value("k"), m.value("v")
+    out = {"dims": q.dim(), **_mask_layout(m.value("attn_mask"), q.dim())}
     if m["enable_gqa"] is False and all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)) \
             and k.shape[1] == 1 and v.shape[1] == 1 and q.shape[1] != 1:
-        return {"enable_gqa": True}
-    return {}
+        out["enable_gqa"] = True
+    return out
 
 
 def sdpa_repeat_interleave_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_rep, attn_mask, dropout_p,
@@ -606,11 +653,7 @@ def _dims_of_q(m: Match) -> dict:
     dims = q.dim() if isinstance(q, torch.Tensor) else 4
     shared_kv = dims == 4 and isinstance(k, torch.Tensor) and k.dim() == 4 and k.shape[1] == 1 < q.shape[1]
     mask = m.value("mask") if dims > 4 and "mask" in m.bindings() else None
-    if not isinstance(mask, torch.Tensor):
-        return {"dims": dims, "shared_kv": shared_kv}
-    lead = ((1,) * (dims - mask.dim()) + tuple(mask.shape))[:dims - 3]  # over q's dims before (H, S, D)
-    return {"dims": dims, "shared_kv": shared_kv, "mask_dims": mask.dim(),
-            "mask_expand": any(n != 1 for n in lead)}
+    return {"dims": dims, "shared_kv": shared_kv, **_mask_layout(mask, dims)}
 
 
 def _attention_dims(m: Match, masked: bool, kv_repeated: bool = False) -> str | None:
@@ -1540,7 +1583,8 @@ PATTERNS = (
             sdpa_gqa_before_transpose_fused, ("attention",),
             (needs_number("dropout_p"), needs_bool("is_causal"), _kv_repeated_over_heads_before_transpose)),
     Pattern("sdpa", "attention", sdpa, sdpa_fused, ("attention",),
-            (needs_number("dropout_p"), needs_bool("is_causal", "enable_gqa")), derive=_one_kv_head_broadcast),
+            (needs_number("dropout_p"), needs_bool("is_causal", "enable_gqa"), _sdpa_dims),
+            derive=_sdpa_layout),
     # gpt-oss's eager attention with sinks, over repeat_kv or not, with or without a mask
     *(_sinks_pattern(masked, repeat_kv) for masked, repeat_kv in itertools.product((True, False), (True, False))),
     # Flint's: scores and softmax in fp32 from upcast q and k, no row max, the cast before the dropout

@@ -1910,6 +1910,69 @@ def test_maxvit_grid_attention_with_a_mask_over_its_scores_fuses(capture, kind, 
     assert report.by_pattern() == {f"attention_chain_unscaled_{masking}_no_dropout": 1}
 
 
+class SdpaOfRank(nn.Module):
+    """F.scaled_dot_product_attention on q, k, v of (*lead, heads, S, D): SDPA's unbatched call
+    (lead ()), timm's Hiera ((B, heads, windows, ...): lead (B, H), windows as SDPA's heads), or
+    two batch dims; `mask` a buffer or (a float one) a parameter, whose gradient is checked."""
+
+    def __init__(self, mask=None, causal=False, learned=False, h_kv=None):
+        super().__init__()
+        self.causal, self.gqa = causal, h_kv is not None
+        if learned:
+            self.mask = nn.Parameter(mask)
+        else:
+            self.register_buffer("mask", mask)
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, self.mask, is_causal=self.causal, enable_gqa=self.gqa)
+
+
+_BOOL_5D = torch.rand(B, 1, 1, 1, S, generator=torch.Generator().manual_seed(5)) > 0.3
+_BOOL_5D[..., 0] = True  # every row keeps a key
+
+
+@pytest.mark.parametrize("lead, mask, causal, learned", [
+    ((), None, True, False),
+    ((), torch.randn(S, S), False, True),
+    ((), torch.randn(H, 1, S), False, False),
+    ((B, 2), None, False, False),
+    ((B, 2), torch.randn(1, 1, H, S, S), False, True),
+    ((B, 2), torch.randn(2, 1, S, S), False, False),
+    ((B, 2), _BOOL_5D, False, False),
+    ((B, 2, 3), None, True, False),
+    ((B, 2, 3), torch.randn(3, 1, S, S), False, False),
+], ids=["unbatched-causal", "unbatched-learned-2d", "unbatched-per-head", "5d", "5d-learned-bias",
+        "5d-per-window", "5d-key-padding", "6d-causal", "6d-per-window"])
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_sdpa_of_another_rank_fuses(capture, lead, mask, causal, learned):
+    """SDPA takes q, k, v of 3 dims or more than 4: the op's batch is then one, or every dim
+    before the last ahead of (S, D); a mask (bool, float, or learned, with its gradient) reshaped
+    with them; outputs and gradients equal SDPA's."""
+    inputs = tuple(torch.randn(*lead, H, S, D, requires_grad=True) for _ in range(3))
+    report = check_against_unfused(functools.partial(SdpaOfRank, mask, causal, learned), inputs, capture)
+    assert report.by_pattern() == {"sdpa": 1}
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_unbatched_sdpa_with_grouped_heads_fuses(capture):
+    """SDPA's unbatched (heads, S, D) call with enable_gqa: k and v of fewer heads, the op's GQA."""
+    inputs = (torch.randn(H, S, D), torch.randn(2, S, D), torch.randn(2, S, D))
+    report = check_against_unfused(functools.partial(SdpaOfRank, h_kv=2), inputs, capture)
+    assert report.by_pattern() == {"sdpa": 1}
+
+
+@pytest.mark.parametrize("shapes, words", [
+    (((B, 2, H, S, D), (1, 2, H, S, D), (1, 2, H, S, D)), "differ before their heads"),
+    (((H, S, D), (B, H, S, D), (B, H, S, D)), "not all alike"),
+])
+def test_sdpa_of_another_rank_it_cannot_take_is_left(shapes, words):
+    """5-D k and v broadcast over q's batch, or a 3-D q beside 4-D k and v (SDPA broadcasts both):
+    left as SDPA, with the reason."""
+    report = check_against_unfused(SdpaOfRank, tuple(torch.randn(s) for s in shapes), "dynamo")
+    assert report.by_pattern() == {}
+    assert any(words in reason for *_, reason in report.rejected())
+
+
 class SqueezeBertSelfAttention(nn.Module):
     """transformers' SqueezeBertSelfAttention core: q, k, v out of 1x1 convolutions laid out (B, C,
     S); q and v viewed per head and permuted to (B, H, S, D), k viewed per head only, (B, H, D, S):
