@@ -33,7 +33,8 @@ rewrites, in place:
   the result keeps a's shape (MPNet's `attention_scores += position_bias`); `(a + b).to(a.dtype)`
   where the sum promotes (16-bit scores and an fp32 bias under autocast: what the update stores); and
   `a.masked_fill_(mask, v)` on a fresh intermediate read only after it -> `a.masked_fill(mask, v)`
-  (ldm's CrossAttention), its later readers reading the filled tensor.
+  (ldm's CrossAttention), its later readers reading the filled tensor; likewise an in-place
+  `F.dropout(a, p, training, True)` of a fresh softmax (timm's TNT) -> the out-of-place dropout.
 - `out = torch.empty_like(x); out[..., 0::2] = a; out[..., 1::2] = b`, out read by nothing
   before both writes (Wan's rotary) -> `torch.stack([a, b], -1).flatten(-2)`, each half cast to
   out's dtype where the write would cast it.
@@ -643,17 +644,27 @@ def _out_of_place_masked_fills(graph: fx.Graph) -> None:
     whose every other reader comes after the fill (ldm's CrossAttention: `sim.masked_fill_(~mask,
     max_neg_value)`, then `sim.softmax(-1)`), or before it reads only its shape (XLM's
     `mask.expand_as(scores)`): the later readers read the filled tensor instead, the same values,
-    so patterns written with masked_fill match."""
+    so patterns written with masked_fill match. Likewise an in-place dropout of fresh attention
+    probabilities (timm's TNT: `nn.Dropout(p, inplace=True)` after the softmax) becomes
+    `F.dropout(a, p, training, False)`, the chain's spelling."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     for node in list(graph.nodes):
-        if node.op != "call_method" or node.target != "masked_fill_" or len(node.args) != 3 or node.kwargs:
+        fill = node.op == "call_method" and node.target == "masked_fill_" and len(node.args) == 3 \
+            and not node.kwargs
+        drop = node.op == "call_function" and node.target is F.dropout and len(node.args) == 4 \
+            and node.args[3] is True and not node.kwargs
+        if not (fill or drop):
             continue
         a = node.args[0]
-        if not isinstance(a, fx.Node) or a.op != "call_function" or a.target not in _FRESH \
+        fresh = _FRESH + ((torch.softmax,) if drop else ())
+        if not isinstance(a, fx.Node) or a.op != "call_function" or a.target not in fresh \
                 or any(order[u] < order[node] and not reads_only_metadata(u, a)
                        for u in a.users if u is not node):
             continue
-        node.target = "masked_fill"
+        if fill:
+            node.target = "masked_fill"
+        else:
+            node.args = (*node.args[:3], False)
         for user in [u for u in a.users if order[u] > order[node]]:
             user.replace_input_with(a, node)
 

@@ -1973,6 +1973,33 @@ def test_sdpa_of_another_rank_it_cannot_take_is_left(shapes, words):
     assert any(words in reason for *_, reason in report.rejected())
 
 
+class InPlaceDropoutAttention(nn.Module):
+    """timm's TNT attention core: the probabilities dropped out in place (`nn.Dropout(p,
+    inplace=True)`); `reread` multiplies the softmax's own tensor after the dropout (what the
+    in-place write leaves in it) instead of the dropout's result."""
+
+    def __init__(self, p: float, reread: bool = False):
+        super().__init__()
+        self.attn_drop, self.reread = nn.Dropout(p, inplace=True), reread
+
+    def forward(self, q, k, v):
+        attn = (q @ k.transpose(-2, -1)) * D ** -0.5
+        attn = attn.softmax(dim=-1)
+        dropped = self.attn_drop(attn)
+        return (attn if self.reread else dropped) @ v
+
+
+@pytest.mark.parametrize("p, train, reread", [(0.0, True, False), (0.1, False, False), (0.0, True, True)],
+                         ids=["training-p0", "eval", "reread"])
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_in_place_dropout_of_the_probabilities_fuses(capture, p, train, reread):
+    """An in-place dropout of the fresh softmax is the chain's out-of-place one (its later readers
+    read the dropped tensor either way): fused, with the dropout's p and flag carried."""
+    report = check_against_unfused(functools.partial(InPlaceDropoutAttention, p, reread), qkv(), capture,
+                                   train=train)
+    assert report.by_pattern() == {"attention_chain_mul_no_mask_dropout": 1}
+
+
 class SqueezeBertSelfAttention(nn.Module):
     """transformers' SqueezeBertSelfAttention core: q, k, v out of 1x1 convolutions laid out (B, C,
     S); q and v viewed per head and permuted to (B, H, S, D), k viewed per head only, (B, H, D, S):
