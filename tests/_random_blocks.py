@@ -22,6 +22,9 @@ NORMS = ("ln_module", "ln_functional", "ln_no_bias", "ln_written", "rms_module",
          "ln_unbiased_var", "rms_eps_outside_sqrt", "rms_mean_over_seq", "ln_no_centering")
 ATTENTIONS = ("sdpa", "sdpa_causal", "sdpa_gqa", "chain_mul", "chain_div", "chain_masked_fill",
               "chain_where", "chain_softmax_fp32", "chain_gqa_repeat_interleave", "chain_gqa_expand",
+              # other ranks: 5-D (batch, head pairs, 2, seq, dim), the mask over the 5-D scores
+              # (timm's Hiera, torchvision's MaxViT); SDPA's unbatched call per sequence
+              "sdpa_windows", "chain_windows", "chain_windows_inplace_dropout", "sdpa_unbatched",
               # near misses
               "chain_scale_after_softmax", "chain_softmax_wrong_axis", "chain_mask_multiplied",
               "chain_no_scale_sqrt_off", "chain_gqa_tiled")
@@ -190,7 +193,13 @@ class Attention(nn.Module):
         elif kind == "chain_gqa_tiled":  # near miss: head h reads kv head h % kv_heads, not h // group
             k, v = k.repeat(1, group, 1, 1), v.repeat(1, group, 1, 1)
         p = self.p if self.training else 0.0
-        if kind in ("sdpa", "sdpa_causal", "sdpa_gqa"):
+        if "windows" in kind:  # heads in pairs: (b, H/2, 2, s, d), the mask's heads dim kept as 1
+            q, k, v = (t.reshape(b, HEADS // 2, 2, s, d) for t in (q, k, v))
+            mask = mask.unsqueeze(1) if mask is not None else None
+        if kind == "sdpa_unbatched":
+            o = torch.stack([F.scaled_dot_product_attention(q[i], k[i], v[i], attn_mask=None if mask is None
+                                                            else mask[i], dropout_p=p) for i in range(b)])
+        elif kind in ("sdpa", "sdpa_causal", "sdpa_gqa", "sdpa_windows"):
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
                                                is_causal=kind == "sdpa_causal" and mask is None,
                                                enable_gqa=kind == "sdpa_gqa")
@@ -220,8 +229,11 @@ class Attention(nn.Module):
                 probs = scores.softmax(-2 if kind == "chain_softmax_wrong_axis" else -1)
             if kind == "chain_scale_after_softmax":
                 probs = probs * d ** -0.5
-            probs = F.dropout(probs, p, self.training)
+            # in place (timm's TNT) only with p 0 or in eval: autograd refuses a write to the softmax's output
+            inplace = kind == "chain_windows_inplace_dropout" and not (self.training and p)
+            probs = F.dropout(probs, p, self.training, inplace)
             o = probs @ v
+        o = o.reshape(b, HEADS, s, d)
         return self.out(o.transpose(1, 2).reshape(b, s, HIDDEN))
 
 
