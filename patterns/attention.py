@@ -164,7 +164,8 @@ def _sdpa_layout(m: Match) -> dict:
     and, as SDPA broadcasts K and V of one head over the query heads (Falcon's multi-query
     attention passes them so, without enable_gqa), grouped-query attention with one group."""
     q, k, v = m.value("q"), m.value("k"), m.value("v")
-    out = {"dims": q.dim(), **_mask_layout(m.value("attn_mask"), q.dim())}
+    dims = q.dim() if isinstance(q, torch.Tensor) else 4
+    out = {"dims": dims, **_mask_layout(m.value("attn_mask"), dims)}
     if m["enable_gqa"] is False and all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)) \
             and k.shape[1] == 1 and v.shape[1] == 1 and q.shape[1] != 1:
         out["enable_gqa"] = True
