@@ -370,7 +370,7 @@ def _flat_mask(mask: torch.Tensor, q: torch.Tensor, lead: int, mask_dims: int, e
     lead dims, H, Sq, Sk): a view where it is 1 along all of them (MaxViT's (1, H, Sq, Sk) position
     bias); otherwise (`expand`) expanded to q's sizes there first (a key-padding mask per image over
     its windows: a copy, the mask's size times what it broadcasts over). Traced into the graph, so
-    the mask's rank comes as a number (_dims_of_q's)."""
+    the mask's rank comes as a number (_mask_layout's)."""
     mask = mask[(None,) * (lead + 3 - mask_dims)]
     if expand:
         mask = mask.expand(q.shape[:lead] + (-1, -1, -1))
