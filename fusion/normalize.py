@@ -636,10 +636,10 @@ def _out_of_place_updates(graph: fx.Graph) -> None:
             node.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
             cast.meta[key] = node.meta.get(key, va)
             node.meta[key] = va.to(wide)
-    _out_of_place_masked_fills(graph)
+    _out_of_place_fills_and_dropouts(graph)
 
 
-def _out_of_place_masked_fills(graph: fx.Graph) -> None:
+def _out_of_place_fills_and_dropouts(graph: fx.Graph) -> None:
     """`a.masked_fill_(mask, value)` -> `a.masked_fill(mask, value)` where `a` is a fresh result
     whose every other reader comes after the fill (ldm's CrossAttention: `sim.masked_fill_(~mask,
     max_neg_value)`, then `sim.softmax(-1)`), or before it reads only its shape (XLM's
