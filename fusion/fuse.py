@@ -279,16 +279,27 @@ def _unit_for_blocks(cls, members, patterns, verbose, is_leaf) -> Unit:
     return DynamoUnit(cls, patterns, verbose)
 
 
+def _softmax(node: fx.Node) -> bool:
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return node.op in ("call_method", "call_function") and name == "softmax"
+
+
 def _hides_attention_from_fx(graph: fx.Graph, module: torch.nn.Module) -> bool:
     """Whether an fx graph of `module` keeps an attention in a call no pattern looks into: an
     nn.MultiheadAttention (a module call; Dynamo traces through it to
     F.multi_head_attention_forward, which the attention patterns fuse: nn.TransformerDecoderLayer,
-    which fx traces), or a function fx.wrap'd by its library whose code fx cannot trace
-    (torchvision's Swin: shifted_window_attention branches on its padding); Dynamo traces both."""
+    which fx traces), or a function fx.wrap'd by its library whose code fx cannot trace, with an
+    attention in it (torchvision's Swin: shifted_window_attention branches on its padding) or its
+    result softmaxed (torchvision's MViT: `_add_rel_pos` adds the relative positions to the
+    scores, sizes read as Python numbers); Dynamo traces all three."""
     if any(node.op == "call_module" and isinstance(module.get_submodule(node.target),
                                                    torch.nn.MultiheadAttention) for node in graph.nodes):
         return True
-    for fn in wrapped_calls(graph):
+    wrapped = wrapped_calls(graph)
+    if any(node.op == "call_function" and node.target in wrapped and any(_softmax(u) for u in node.users)
+           for node in graph.nodes):
+        return True  # the scores go through the call on their way to the softmax (torchvision's MViT)
+    for fn in wrapped:
         try:
             source = inspect.getsource(fn)
         except (OSError, TypeError):
@@ -342,18 +353,18 @@ def _visit(module: torch.nn.Module, path: str, patterns, verbose, is_leaf, notes
         return
     graph, error = _trace(module, is_leaf)
     if graph is None:
-        if next(module.children(), None) is None:
+        childless = next(module.children(), None) is None
+        if childless and _computes_a_norm(module):
             # A leaf fx cannot trace: a norm whose forward branches on a parameter's dtype
-            # (T5LayerNorm) is captured by Dynamo, which guards on it; anything else has nothing
-            # a pattern looks for.
-            if _computes_a_norm(module):
-                DynamoUnit(type(module), patterns, verbose).install(module, path or "(model)")
+            # (T5LayerNorm) is captured by Dynamo, which guards on it.
+            DynamoUnit(type(module), patterns, verbose).install(module, path or "(model)")
             return
         if not any(is_leaf(m) for m in module.modules() if m is not module) and _computes_attention(module):
             # An attention outside the repeated blocks (Perceiver's cross-attention layers and its
-            # decoders): split into its submodules, the attention would be cut from its softmax's
-            # neighbours (fx cannot trace the attention module either); captured whole by Dynamo,
-            # as a block is. Inside a capture of the head, this forward shows Dynamo its own code.
+            # decoders; an attention core with no children, scores written in place): split into
+            # its submodules, the attention would be cut from its softmax's neighbours (fx cannot
+            # trace the attention module either); captured whole by Dynamo, as a block is. Inside
+            # a capture of the head, this forward shows Dynamo its own code.
             unit = units.get(type(module))
             if unit is None:
                 unit = units[type(module)] = DynamoUnit(type(module), patterns, verbose)
@@ -361,6 +372,8 @@ def _visit(module: torch.nn.Module, path: str, patterns, verbose, is_leaf, notes
             notes.append(Note(path or "(model)", type(module).__name__, f"fx cannot trace it ({error}): captured "
                               "whole by Dynamo (an attention outside the repeated blocks)", kind="note"))
             return
+        if childless:
+            return  # nothing a pattern looks for
         notes.append(Note(path or "(model)", type(module).__name__, f"fx cannot trace it ({error}); "
                           "its submodules were tried instead"))
         for name, child in module.named_children():

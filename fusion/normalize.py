@@ -35,6 +35,11 @@ rewrites, in place:
   `a.masked_fill_(mask, v)` on a fresh intermediate read only after it -> `a.masked_fill(mask, v)`
   (ldm's CrossAttention), its later readers reading the filled tensor; likewise an in-place
   `F.dropout(a, p, training, True)` of a fresh softmax (timm's TNT) -> the out-of-place dropout.
+- fresh scores updated in place through a slice past a class token's row and column (or through
+  a whole slice), `s[:, :, 1:, 1:] = (s[:, :, 1:, 1:].view(...) + rel_h + rel_w).view(...)` (timm's
+  MViT V2) or `s[:, :, 1:, 1:] += rel_pos` (torchvision's MViT), nothing else reading s before ->
+  `s + F.pad(<the added terms' sum>, (1, 0, 1, 0))`, which the attention patterns take as a mask
+  (the one change of rounding: timm's two terms are summed before the scores).
 - `out = torch.empty_like(x); out[..., 0::2] = a; out[..., 1::2] = b`, out read by nothing
   before both writes (Wan's rotary) -> `torch.stack([a, b], -1).flatten(-2)`, each half cast to
   out's dtype where the write would cast it.
@@ -57,8 +62,9 @@ rewrites, in place:
   that keeps every score -> no mask; one that keeps SDPA's causal pattern -> `is_causal=True`
   (`constant_masks`).
 
-Nothing here changes what the graph computes.
+Nothing here changes what the graph computes (up to the rounding of sums noted above).
 """
+import functools
 import inspect
 import math
 import operator
@@ -202,6 +208,7 @@ def canonicalize_graph(graph: fx.Graph, root: torch.nn.Module | None = None) -> 
     _baddbmm_over_zeros(graph)
     _static_shapes_as(graph)
     _out_of_place_updates(graph)
+    _slice_updates_of_scores(graph)
     _interleaved_writes(graph)
     _softmax_of_casts(graph)
     _window_mask_views(graph)
@@ -667,6 +674,136 @@ def _out_of_place_fills_and_dropouts(graph: fx.Graph) -> None:
             node.args = (*node.args[:3], False)
         for user in [u for u in a.users if order[u] > order[node]]:
             user.replace_input_with(a, node)
+
+
+def _slice_starts(index: Any, dims: int) -> list[int] | None:
+    """For `x[index]` with `index` slices from a start to the end (`:`, `1:`), after an optional
+    `...`, on an x of `dims` dims: each dim's start. Else None."""
+    index = index if isinstance(index, tuple) else (index,)
+    if index[:1] == (Ellipsis,):
+        index = (slice(None),) * (dims - len(index) + 1) + index[1:]
+    if len(index) > dims or not all(isinstance(i, slice) for i in index):
+        return None
+    starts = []
+    for i in index:
+        if i.stop is not None or i.step not in (None, 1) or not (i.start is None or type(i.start) is int):
+            return None
+        if i.start is not None and i.start < 0:
+            return None
+        starts.append(i.start or 0)
+    return starts + [0] * (dims - len(starts))
+
+
+def _added_terms(node: fx.Node, start: fx.Node) -> tuple[list[fx.Node], list[fx.Node]] | None:
+    """`((start + a) + b) ...` at `node` -> ([a, b, ...], the sums), each sum read only by the
+    next; else None."""
+    terms, sums = [], []
+    while node is not start:
+        if not isinstance(node, fx.Node) or node.op != "call_function" or node.target is not operator.add \
+                or len(node.args) != 2 or node.kwargs or len(node.users) != 1:
+            return None
+        sums.append(node)
+        left, right = node.args
+        on_left = left is start or right is not start and isinstance(left, fx.Node) \
+            and left.target is operator.add
+        node, term = (left, right) if on_left else (right, left)
+        if not isinstance(term, fx.Node):
+            return None
+        terms.insert(0, term)
+    return terms, sums
+
+
+def _fresh_scores(node: Any) -> bool:
+    """A fresh result of arithmetic, a product, or a mask applied (`masked_fill`, `where`)."""
+    return isinstance(node, fx.Node) and (node.op == "call_function" and node.target in (*_FRESH, torch.where)
+                                          or node.op == "call_method" and node.target == "masked_fill")
+
+
+def _slice_updates_of_scores(graph: fx.Graph) -> None:
+    """Fresh scores s (a product, arithmetic, a mask applied) updated through a slice of their
+    trailing dims, where a class token's row and column are left out (`1:`) or nothing is (`0:`):
+
+    - `s[i] = (s[i].view(...) + a + b).view(<s[i]'s shape>)`, with a + b of the inner view's
+      shape (timm's MViT V2, `cal_rel_pos_type`: its decomposed relative positions);
+    - `s[i] += d`, d of s[i]'s shape (torchvision's MViT, `_add_rel_pos`)
+
+    -> `s + F.pad(d, <the starts>)`, d = `(a + b).reshape(<s[i]'s shape>)` in the first form, cast to
+    s's dtype where the sum promotes (the write casts): every later reader reads that, a tensor
+    the attention patterns take as scores + mask. The same values, but for the first form's sum,
+    which adds a and b before s (one rounding of the scores apart, as MPNet's two masks). Only
+    where nothing else reads s, the slice or the steps before the write, and with example values."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for write in list(graph.nodes):
+        if write.op != "call_function" or write.target is not operator.setitem or len(write.args) != 3 \
+                or write.kwargs:
+            continue
+        s, index, value = write.args
+        if not _fresh_scores(s) or not isinstance(value, fx.Node) or write.users:
+            continue
+        vs, vv = _value(s), _value(value)
+        if not isinstance(vs, torch.Tensor) or not isinstance(vv, torch.Tensor):
+            continue
+        starts = _slice_starts(index, vs.dim())
+        readers = [u for u in s.users if u is not write and order[u] < order[write]]
+        if starts is None or len(readers) != 1:
+            continue
+        part = readers[0]
+        if part.op != "call_function" or part.target is not operator.getitem or part.args != (s, index) \
+                or len(part.users) != 1 or len(value.users) != 1:
+            continue
+        vp = _value(part)
+        if not isinstance(vp, torch.Tensor) or vp.shape != vv.shape:
+            continue
+        back = None
+        if value.op == "call_function" and value.target is operator.iadd and len(value.args) == 2 \
+                and value.args[0] is part and isinstance(value.args[1], fx.Node) and not value.kwargs:
+            terms, steps = [value.args[1]], [value, part]  # torchvision's `s[i] += d`
+        elif _is_view(value) and _is_view(next(iter(part.users))):
+            back, inner = value, next(iter(part.users))  # timm's view, add, view back
+            found = _added_terms(value.args[0], inner) if len(inner.users) == 1 else None
+            if not found or not found[0]:
+                continue
+            terms, steps = found[0], [back, *found[1], inner, part]
+        else:
+            continue
+        values = [_value(t) for t in terms]
+        if not all(isinstance(t, torch.Tensor) for t in values):
+            continue
+        try:
+            shape = torch.broadcast_shapes(*(t.shape for t in values))
+            wide = functools.reduce(torch.promote_types, (t.dtype for t in values), vs.dtype)
+        except RuntimeError:
+            continue
+        target = _value(back.args[0]) if back is not None else vp
+        if not isinstance(target, torch.Tensor) or shape != target.shape or not wide.is_floating_point:
+            continue
+        first = next((d for d, start in enumerate(starts) if start), None)
+        pads = () if first is None else tuple(p for start in reversed(starts[first:]) for p in (start, 0))
+        key = "val" if "val" in s.meta else "example_value"
+        with graph.inserting_before(write):
+            delta, vd = terms[0], values[0]
+            for term, vt in zip(terms[1:], values[1:]):
+                delta = graph.call_function(operator.add, (delta, term))
+                vd = vd + vt
+                delta.meta[key] = vd
+            if back is not None:  # the inner view's sizes flattened as the view back flattens them
+                delta = graph.call_method("reshape", (delta, back.args[1]))
+                vd = vd.reshape(vp.shape)
+                delta.meta[key] = vd
+            if pads:
+                delta = graph.call_function(F.pad, (delta, pads))
+                vd = F.pad(vd, pads)
+                delta.meta[key] = vd
+            updated = graph.call_function(operator.add, (s, delta))
+            updated.meta[key] = vs + vd
+            if wide != vs.dtype:
+                updated = graph.call_method("to", (updated, vs.dtype))
+                updated.meta[key] = vs
+        for user in [u for u in s.users if u in order and order[u] > order[write]]:
+            user.replace_input_with(s, updated)
+        graph.erase_node(write)
+        for step in steps:
+            graph.erase_node(step)
 
 
 _EVEN = ((Ellipsis, slice(0, None, 2)), (Ellipsis, slice(None, None, 2)))

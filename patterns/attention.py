@@ -18,7 +18,8 @@ style: the score matrix never exists).
   built from `attention_chain` below. Gemma 2's logit soft cap between the scaling and the mask
   (`tanh(s / cap) * cap`) becomes the op's `softcap`. A key laid out as k^T already, multiplied
   without a transpose (SqueezeBERT's (B, H, D, S) view of its key convolution), is the op's key
-  transposed back, a view.
+  transposed back, a view. MViT's relative positions, written into a slice of the scores in place
+  (timm's and torchvision's), reach these patterns as a mask added (fusion/normalize.py).
   transformers' eager_attention_forward (fp32 softmax, dropout) on K and V repeated per query
   group by `repeat_kv` becomes the op with `enable_gqa=True` on the un-repeated K and V.
   Hand-written decoders that keep a causal mask and take a padding mask apply the first by
@@ -652,7 +653,10 @@ def _dims_of_q(m: Match) -> dict:
     it varies along the dims flattened into the batch (then expanded there: _flat_mask)."""
     q, k = m.value("q"), m.value("k")
     dims = q.dim() if isinstance(q, torch.Tensor) else 4
-    shared_kv = dims == 4 and isinstance(k, torch.Tensor) and k.dim() == 4 and k.shape[1] == 1 < q.shape[1]
+    # decided on sizes as Python ints: a dynamic capture's symbolic sizes are never 0 or 1 (Dynamo
+    # specializes those), and a SymBool handed to the op would be a graph constant Inductor warns of
+    shared_kv = dims == 4 and isinstance(k, torch.Tensor) and k.dim() == 4 and type(k.shape[1]) is int \
+        and k.shape[1] == 1 and not (type(q.shape[1]) is int and q.shape[1] <= 1)
     mask = m.value("mask") if dims > 4 and "mask" in m.bindings() else None
     return {"dims": dims, "shared_kv": shared_kv, **_mask_layout(mask, dims)}
 

@@ -25,6 +25,9 @@ ATTENTIONS = ("sdpa", "sdpa_causal", "sdpa_gqa", "chain_mul", "chain_div", "chai
               # other ranks: 5-D (batch, head pairs, 2, seq, dim), the mask over the 5-D scores
               # (timm's Hiera, torchvision's MaxViT); SDPA's unbatched call per sequence
               "sdpa_windows", "chain_windows", "chain_windows_inplace_dropout", "sdpa_unbatched",
+              # relative positions from q written into the scores past the first token's row and
+              # column: over a view of that slice (timm's MViT V2), or `+=` (torchvision's MViT)
+              "chain_slice_positions", "chain_slice_positions_inplace",
               # near misses
               "chain_scale_after_softmax", "chain_softmax_wrong_axis", "chain_mask_multiplied",
               "chain_no_scale_sqrt_off", "chain_gqa_tiled")
@@ -72,6 +75,7 @@ class Spec(_Drawn):
 
 
 HIDDEN, HEADS, KV_HEADS = 32, 4, 2  # head dim 8; the GQA spellings share each kv head by 2 heads
+MAX_SEQ = 16  # the longest sequence a position table covers
 
 
 class Norm(nn.Module):
@@ -178,6 +182,9 @@ class Attention(nn.Module):
         self.q = nn.Linear(HIDDEN, HIDDEN)
         self.kv = nn.Linear(HIDDEN, 2 * self.kv_heads * d)
         self.out = nn.Linear(HIDDEN, HIDDEN)
+        if kind.startswith("chain_slice_positions"):  # a key position table and a bias per key
+            self.rel = nn.Parameter(0.3 * torch.randn(MAX_SEQ, d))
+            self.rel_bias = nn.Parameter(0.3 * torch.randn(MAX_SEQ))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         b, s, _ = x.shape
@@ -223,6 +230,14 @@ class Attention(nn.Module):
                     scores = scores * mask
                 else:
                     scores = scores + mask
+            if kind.startswith("chain_slice_positions"):
+                rel = torch.einsum("bhqd,kd->bhqk", q[:, :, 1:], self.rel[: s - 1])
+                if kind == "chain_slice_positions_inplace":
+                    scores[:, :, 1:, 1:] += rel
+                else:
+                    grid = scores[:, :, 1:, 1:].view(b, HEADS, s - 1, 1, s - 1)
+                    scores[:, :, 1:, 1:] = (grid + rel.unsqueeze(-2) + self.rel_bias[: s - 1]).view(
+                        b, HEADS, s - 1, s - 1)
             if kind == "chain_softmax_fp32":  # transformers' eager attention
                 probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
             else:

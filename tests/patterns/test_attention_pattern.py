@@ -2094,3 +2094,93 @@ def test_sam_style_attention_with_its_relative_position_bias_fuses():
     capture serves every size, so its graph keeps `reshape_as`."""
     report = check_against_unfused(_SamStyleAttention, (torch.randn(B, 4, 4, H * D),), "dynamo")
     assert report.by_pattern() == {"attention_chain_unscaled_add_dropout_upcast": 1}
+
+
+QH, KH = 3, 2  # a 3 x 3 grid of queries, keys pooled to 2 x 2 (MViT's pooled k and v)
+
+
+class MViTV2Attention(nn.Module):
+    """timm's MViT V2 attention core (`cal_rel_pos_type`): `(q * scale) @ k^T`, decomposed
+    relative positions from q (one table per axis, as einsums), added over a 6-D view of a slice
+    of the scores written back in place: `s[:, :, t:, t:] = (s[:, :, t:, t:].view(...) + rel_h +
+    rel_w).view(...)`, t = 1 past a class token, 0 without. `terms`: "both" (timm's), "h" (a sum
+    that is not the view's shape: left), "read" (the scores also returned before the write: left)."""
+
+    def __init__(self, cls_token: bool, terms: str = "both"):
+        super().__init__()
+        self.t, self.terms = int(cls_token), terms
+        self.rel_h = nn.Parameter(torch.randn(QH, KH, D))
+        self.rel_w = nn.Parameter(torch.randn(QH, KH, D))
+
+    def forward(self, q, k, v):
+        t, b = self.t, q.shape[0]
+        s = (q * D ** -0.5) @ k.transpose(-2, -1)
+        before = s.clone() if self.terms == "read" else None
+        r_q = q[:, :, t:].reshape(b, H, QH, QH, D)
+        rel_h = torch.einsum("byhwc,hkc->byhwk", r_q, self.rel_h).unsqueeze(-1)
+        rel_w = torch.einsum("byhwc,wkc->byhwk", r_q, self.rel_w).unsqueeze(-2)
+        grid = s[:, :, t:, t:].view(b, -1, QH, QH, KH, KH)
+        s[:, :, t:, t:] = (grid + rel_h + (rel_w if self.terms != "h" else 0)).view(b, -1, QH * QH, KH * KH)
+        out = s.softmax(dim=-1) @ v
+        return out if before is None else (out, before)
+
+
+def _mvit_inputs(cls_token: bool) -> tuple:
+    t = int(cls_token)
+    return tuple(torch.randn(B, H, t + n, D, requires_grad=True) for n in (QH * QH, KH * KH, KH * KH))
+
+
+@pytest.mark.parametrize("cls_token", [False, True], ids=["no_cls", "cls"])
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_mvitv2_relative_positions_written_into_a_slice_of_the_scores_fuse(capture, cls_token):
+    """The slice update becomes `s + pad(rel_h + rel_w)` (zeros on the class token's row and
+    column), the op's mask; its gradient reaches q and both tables through the op's."""
+    report = check_against_unfused(functools.partial(MViTV2Attention, cls_token), _mvit_inputs(cls_token),
+                                   capture)
+    assert report.by_pattern() == {"attention_chain_unscaled_add_no_dropout": 1}
+
+
+@pytest.mark.parametrize("terms", ["h", "read"])
+def test_mvitv2_slice_update_that_is_not_a_mask_over_the_scores_is_left(terms):
+    report = check_against_unfused(functools.partial(MViTV2Attention, True, terms), _mvit_inputs(True),
+                                   "dynamo")
+    assert report.by_pattern() == {}
+
+
+def _add_rel_pos_untraceable(attn: torch.Tensor, q: torch.Tensor, rel_h: torch.Tensor) -> torch.Tensor:
+    """torchvision's MViT `_add_rel_pos`, cut down: sizes read as Python numbers (`int(max(...))`),
+    which fx cannot trace, the relative positions added to the scores past the class token in
+    place (`attn[:, :, 1:, 1:] += rel_pos`)."""
+    b, heads, n, dim = q.shape
+    q_h = int(max(math.isqrt(n - 1), 1))
+    r_q = q[:, :, 1:].reshape(b, heads, q_h, q_h, dim)
+    rel = torch.einsum("byhwc,hkc->byhwk", r_q, rel_h)
+    rel_pos = (rel[:, :, :, :, :, None] + rel[:, :, :, :, None, :]).reshape(b, heads, n - 1, -1)
+    attn[:, :, 1:, 1:] += rel_pos
+    return attn
+
+
+torch.fx.wrap("_add_rel_pos_untraceable")
+
+
+class TorchvisionMViTAttention(nn.Module):
+    """torchvision's video MViT attention core: `matmul(scale * q, k^T)`, then `_add_rel_pos` (fx.wrap'd
+    by torchvision, and untraceable by fx), softmax, `matmul` with v. Its keys are not pooled here."""
+
+    def __init__(self):
+        super().__init__()
+        self.rel_h = nn.Parameter(torch.randn(QH, QH, D))
+
+    def forward(self, q, k, v):
+        attn = torch.matmul(D ** -0.5 * q, k.transpose(2, 3))
+        attn = _add_rel_pos_untraceable(attn, q, self.rel_h)
+        return torch.matmul(attn.softmax(dim=-1), v)
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_torchvision_mvit_relative_positions_added_in_place_past_the_class_token_fuse(capture):
+    """fx keeps the wrapped call whole; its result going to the softmax sends the block to Dynamo,
+    where `attn[:, :, 1:, 1:] += rel_pos` becomes the scores plus the padded positions."""
+    inputs = tuple(torch.randn(B, H, 1 + QH * QH, D, requires_grad=True) for _ in range(3))
+    report = check_against_unfused(TorchvisionMViTAttention, inputs, capture)
+    assert report.by_pattern() == {"attention_chain_unscaled_add_no_dropout": 1}
