@@ -76,7 +76,7 @@ import torch.nn.functional as F
 from torch import fx
 from torch.nn.modules import module as _nn_module
 
-from ..patterns._base import same_shape
+from ..patterns._base import known_equal, same_shape
 from .dtensor_calls import open_closures
 
 
@@ -1045,7 +1045,9 @@ def _window_mask_views(graph: fx.Graph) -> None:
     (torchvision's Swin, timm's with fused_attn off), where the attention patterns take a
     mask over the 4-D scores. The same sums; the tiled mask holds B x N x M values (per head only
     where m is), no stride can repeat the windows along the batch. Where example values show
-    those shapes and nothing else reads the views or writes to them."""
+    those shapes and nothing else reads the views or writes to them. A view that leaves B / nW to
+    the tensor's size (timm's `view(-1, nW, H, N, N)`) has it read off the product's first operand
+    (q's dim 0 is the scores'), so the graph stays right for every batch an fx capture serves."""
     for back in list(graph.nodes):
         added = back.args[0] if _is_view(back) else None
         if not isinstance(added, fx.Node) or added.op != "call_function" or added.target is not operator.add \
@@ -1057,24 +1059,40 @@ def _window_mask_views(graph: fx.Graph) -> None:
             continue
         scores = view.args[0]
         s, v, m, out = (_value(n) for n in (scores, view, mask, back))
+        # (the view back must show the scores' shape: a dynamic capture's example value of a -1 view
+        # holds the batch as a symbolic quotient no later shape check could match)
         if not all(isinstance(t, torch.Tensor) for t in (s, v, m, out)) or s.dim() != 4 or v.dim() != 5 \
                 or m.dim() != 5 or not same_shape(s, out) or not m.is_floating_point():
             continue
-        batch, heads, n, k = s.shape
-        per, windows = v.shape[:2]
-        if tuple(v.shape[2:]) != (heads, n, k) or per * windows != batch \
-                or tuple(m.shape[:2]) != (1, windows) or m.shape[2] not in (1, heads) \
-                or tuple(m.shape[3:]) != (n, k):
-            continue
         shape = view.args[1]
         # The sizes come from the view (a size read off the scores would be a use outside the
-        # attention's pattern); a -1 there (timm's `view(-1, nW, H, N, N)`) says nothing to expand.
+        # attention's pattern); a -1 first (timm's `view(-1, nW, H, N, N)`) is read off the tensor
+        # the scores' product starts from (q: an input of the pattern), divided by the windows.
         if not isinstance(shape, (tuple, list)) or len(shape) != 5 \
-                or not all(isinstance(d, fx.Node) or (type(d) is int and d > 0) for d in shape):
+                or not all(isinstance(d, fx.Node) or (type(d) is int and (d > 0 or i == 0 and d == -1))
+                           for i, d in enumerate(shape)):
             continue
-        # the view's own sizes (nodes of a dynamic capture, or ints), the mask's heads 1 or the view's
-        sizes = (*shape[:2], 1 if m.shape[2] == 1 else shape[2], *shape[3:])
+        batch, heads, n, k = s.shape
+        windows = v.shape[1]
+        if not all(known_equal(a, b) for a, b in zip(v.shape[2:], (heads, n, k))) \
+                or not known_equal(m.shape[0], 1) or not known_equal(m.shape[1], windows) \
+                or not (known_equal(m.shape[2], 1) or known_equal(m.shape[2], heads)) \
+                or not all(known_equal(a, b) for a, b in zip(m.shape[3:], (n, k))) \
+                or shape[0] != -1 and not known_equal(v.shape[0] * windows, batch):
+            continue
+        per = batch // windows
+        source = _batch_source(scores, batch) if shape[0] == -1 else None
+        if shape[0] == -1 and source is None:
+            continue
         with graph.inserting_before(back):
+            if source is not None:
+                rows = graph.call_method("size", (source, 0))
+                rows.meta["val"] = batch
+                per_node = graph.call_function(operator.floordiv, (rows, shape[1]))
+                per_node.meta["val"] = per
+                shape = (per_node, *shape[1:])
+            # the view's own sizes (nodes of a dynamic capture, or ints), the mask's heads 1 or the view's
+            sizes = (*shape[:2], 1 if m.shape[2] == 1 else shape[2], *shape[3:])
             tiled = graph.call_method("expand", (mask, sizes))
             tiled.meta["val"] = m.expand(per, windows, m.shape[2], n, k)
             flat = graph.call_method("reshape", (tiled, (-1, *sizes[2:])))
@@ -1085,6 +1103,31 @@ def _window_mask_views(graph: fx.Graph) -> None:
         back.replace_all_uses_with(total)
         for node in (back, added, view):
             graph.erase_node(node)
+
+
+def _batch_source(scores: fx.Node, batch: int) -> fx.Node | None:
+    """The tensor whose dim 0 is the scores' batch for every size: back from the scores through
+    sums, products and casts (a scale, a position bias added) to their matrix product's first
+    operand, where example values show that operand with the scores' batch and rank."""
+    node = scores
+    for _ in range(8):
+        if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method"):
+            return None
+        if node.target in (torch.matmul, torch.bmm):
+            first = node.args[0]
+            value = _value(first)
+            ok = isinstance(value, torch.Tensor) and value.dim() == _value(node).dim() \
+                and known_equal(value.shape[0], batch)
+            return first if ok else None
+        if node.target in (operator.add, operator.sub, operator.mul, operator.truediv) or _plain_cast_of(
+                node, node.args[0] if node.args else None):
+            # the operand of the scores' shape carries the product on (a bias or a scale does not)
+            out = _value(node)
+            node = next((a for a in node.args[:2] if isinstance(_value(a), torch.Tensor)
+                         and isinstance(out, torch.Tensor) and same_shape(_value(a), out)), None)
+            continue
+        return None
+    return None
 
 
 def _is_view(node: Any) -> bool:

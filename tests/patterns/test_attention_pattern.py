@@ -2184,3 +2184,51 @@ def test_torchvision_mvit_relative_positions_added_in_place_past_the_class_token
     inputs = tuple(torch.randn(B, H, 1 + QH * QH, D, requires_grad=True) for _ in range(3))
     report = check_against_unfused(TorchvisionMViTAttention, inputs, capture)
     assert report.by_pattern() == {"attention_chain_unscaled_add_no_dropout": 1}
+
+
+NW = 2  # windows of an image
+
+
+class ShiftedWindowAttention(nn.Module):
+    """timm's Swin WindowAttention with fused_attn off (swin_s3's blocks): q scaled, `q @ k^T`, the
+    relative position bias added, then the shifted windows' (nW, N, N) mask added over a view of
+    the scores that leaves the images to -1, `view(-1, nW, H, N, N)`, and viewed back; softmax,
+    dropout. The block's norm after it (a LayerNorm fx finds without example values: with it,
+    fuse installs the fx capture, which sees the window views once a call brings values)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(1, H, S, S))
+        self.register_buffer("mask", torch.randn(NW, S, S).masked_fill(torch.rand(NW, S, S) > 0.7, -100.0))
+        self.drop = nn.Dropout(0.0)
+        self.norm = nn.LayerNorm(D)
+
+    def forward(self, q, k, v):
+        attn = (q * D ** -0.5) @ k.transpose(-2, -1) + self.bias
+        nw = self.mask.shape[0]
+        attn = attn.view(-1, nw, H, S, S) + self.mask.unsqueeze(1).unsqueeze(0)
+        attn = attn.view(-1, H, S, S).softmax(dim=-1)
+        return self.norm(self.drop(attn) @ v)
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_shifted_window_mask_over_a_view_of_minus_one_images_fuses_for_every_batch(capture):
+    """The tiled mask takes the images from q's size, not from the example batch: a second call
+    with more images reuses fx's capture (it serves every size) and must still match, fused.
+    Dynamo recaptures with dynamic sizes there, whose example value of the -1 view holds the
+    batch as a symbolic quotient: that capture leaves the chain as written (and must match too)."""
+    def windows(images):
+        return tuple(torch.randn(images * NW, H, S, D, requires_grad=True) for _ in range(3))
+
+    report = check_against_unfused(ShiftedWindowAttention, windows(1), capture)
+    assert report.by_pattern()["attention_chain_unscaled_add_add"] == 1
+    torch.manual_seed(0)
+    model = ShiftedWindowAttention().eval()
+    model64 = copy.deepcopy(model).double()
+    fused = fuse_via(copy.deepcopy(model), capture)
+    for images in (1, 3):
+        inputs = windows(images)
+        assert_close(f"output of {images} images", fused(*inputs), model64(*(t.double() for t in inputs)),
+                     model(*inputs))
+    if capture == "fx":
+        assert "trifuse::attention" in trifuse_ops_run(lambda: fused(*inputs))
