@@ -1,16 +1,17 @@
 """`trifuse.fuse` on the vision models people train outside transformers: one architecture of
 each timm model module (ViT, DeiT, BEiT, EVA, Swin, CaiT, XCiT, PVT, MaxViT, Hiera, ConvNeXt, ...)
-and torchvision's transformers (ViT, Swin, Swin V2, MaxViT), built small, in float64 on CPU (Triton's
-interpreter). Does the fused model still run, train and give the unfused model's loss and
-gradients, and what did fuse replace? The same net as bench/fuse_sweep.py (transformers' models),
-for code written by other hands: timm's blocks call `F.scaled_dot_product_attention` or spell the
-chain out (`fused_attn`), scale layers (`LayerScale`), norm q and k, wrap norms of their own
-(LayerNorm2d over channels-first maps), window and pool their tokens.
+and torchvision's transformers (ViT, Swin, Swin V2, MaxViT, the video MViT V2), built small, in
+float64 on CPU (Triton's interpreter). Does the fused model still run, train and give the unfused
+model's loss and gradients, and what did fuse replace? The same net as bench/fuse_sweep.py
+(transformers' models), for code written by other hands: timm's blocks call
+`F.scaled_dot_product_attention` or spell the chain out (`fused_attn`), scale layers
+(`LayerScale`), norm q and k, wrap norms of their own (LayerNorm2d over channels-first maps),
+window and pool their tokens.
 
     TRITON_INTERPRET=1 python bench/fuse_sweep_vision.py [--jobs N] [--explicit-attention] [NAME ...]
         # NAME: a timm model name (e.g. vit_tiny_patch16_224) or torchvision.vit / .swin / .swin_v2 /
-        # .maxvit; named rows replace theirs in the results. Default: every timm module's smallest
-        # model, and the torchvision four (~40-60 min on 2 cores with --jobs 2).
+        # .maxvit / .mvit; named rows replace theirs in the results. Default: every timm module's
+        # smallest model, and the torchvision five (~40-60 min on 2 cores with --jobs 2).
         # --explicit-attention: timm's blocks with fused_attn off (TIMM_FUSED_ATTN=0): the written-out
         # softmax(q k^T) v chains instead of F.scaled_dot_product_attention
 
@@ -59,11 +60,14 @@ EXTRA = ("deit3_small_patch16_224", "vit_small_patch16_224", "vit_little_patch16
          "vit_base_patch16_siglip_224", "aimv2_large_patch14_224", "vit_medium_patch16_rope_reg1_gap_256",
          # and the small members of modules whose smallest by name is large: MetaFormer's CAFormer,
          # the MLP mixers
-         "caformer_s18", "gmlp_s16_224", "mixer_s16_224", "resmlp_12_224")
+         "caformer_s18", "gmlp_s16_224", "mixer_s16_224", "resmlp_12_224",
+         # MViT V2 with a class token (its relative positions written past the token's row and column)
+         "mvitv2_small_cls")
 # Tried first at each size: a ViT-like constructor's depth and width cut down (the base and large
 # models of some modules are the smallest they have).
 SHRINK = {"depth": 2, "embed_dim": 64, "num_heads": 2}
-TORCHVISION = ("torchvision.vit", "torchvision.swin", "torchvision.swin_v2", "torchvision.maxvit")
+TORCHVISION = ("torchvision.vit", "torchvision.swin", "torchvision.swin_v2", "torchvision.maxvit",
+               "torchvision.mvit")
 
 
 def _size_rank(name: str) -> tuple:
@@ -87,6 +91,7 @@ def _torchvision_model(name: str) -> torch.nn.Module:
     from functools import partial
 
     from torchvision.models import maxvit, swin_transformer, vision_transformer
+    from torchvision.models.video import mvit
 
     if name == "torchvision.vit":
         return vision_transformer.VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2,
@@ -103,14 +108,21 @@ def _torchvision_model(name: str) -> torch.nn.Module:
         return maxvit.MaxVit(input_size=(32, 32), stem_channels=16, partition_size=2, block_channels=[16, 32],
                              block_layers=[1, 1], head_dim=8, stochastic_depth_prob=0.0, num_classes=CLASSES,
                              norm_layer=partial(torch.nn.BatchNorm2d, eps=1e-3, momentum=0.01))
+    if name == "torchvision.mvit":  # the video MViT V2 (mvit_v2_s's flags), two stages, 4 x 32 x 32 clips
+        blocks = [mvit.MSBlockConfig(2, 16, 16, [3, 3, 3], [3, 3, 3], [1, 1, 1], [1, 2, 2]),
+                  mvit.MSBlockConfig(2, 16, 32, [3, 3, 3], [3, 3, 3], [1, 2, 2], [1, 1, 1])]
+        return mvit.MViT((32, 32), 4, blocks, residual_pool=True, residual_with_cls_embed=False,
+                         rel_pos_embed=True, proj_after_attn=True, num_classes=CLASSES)
     raise ValueError(f"fuse_sweep_vision: no torchvision model {name!r} (known: {', '.join(TORCHVISION)})")
 
 
-def _build(name: str) -> tuple[torch.nn.Module, tuple[int, int, int]]:
-    """(the model in float64, its input's (C, H, W)): a torchvision one at 32 x 32, a timm one at
-    the first of SIZES its forward runs at, else at its default input size."""
+def _build(name: str) -> tuple[torch.nn.Module, tuple[int, ...]]:
+    """(the model in float64, its input's (C, H, W)): a torchvision one at 32 x 32 (MViT's clips of 4
+    frames: (C, T, H, W)), a timm one at the first of SIZES its forward runs at, else at its
+    default input size."""
     if name.startswith("torchvision."):
-        return _torchvision_model(name).double(), (3, 32, 32)
+        clip = name == "torchvision.mvit"
+        return _torchvision_model(name).double(), (3, 4, 32, 32) if clip else (3, 32, 32)
     import timm
 
     default = timm.get_pretrained_cfg(name)
