@@ -1107,8 +1107,9 @@ def _window_mask_views(graph: fx.Graph) -> None:
 
 def _batch_source(scores: fx.Node, batch: int) -> fx.Node | None:
     """The tensor whose dim 0 is the scores' batch for every size: back from the scores through
-    sums, products and casts (a scale, a position bias added) to their matrix product's first
-    operand, where example values show that operand with the scores' batch and rank."""
+    sums, products, masks applied and casts (a scale, a position bias added, a key padding filled)
+    to their matrix product's first operand, where example values show that operand with the
+    scores' batch and rank."""
     node = scores
     for _ in range(8):
         if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method"):
@@ -1119,11 +1120,13 @@ def _batch_source(scores: fx.Node, batch: int) -> fx.Node | None:
             ok = isinstance(value, torch.Tensor) and value.dim() == _value(node).dim() \
                 and known_equal(value.shape[0], batch)
             return first if ok else None
-        if node.target in (operator.add, operator.sub, operator.mul, operator.truediv) or _plain_cast_of(
-                node, node.args[0] if node.args else None):
-            # the operand of the scores' shape carries the product on (a bias or a scale does not)
+        if node.target in (operator.add, operator.sub, operator.mul, operator.truediv, torch.where,
+                           "masked_fill") or _plain_cast_of(node, node.args[0] if node.args else None):
+            # the float operand of the scores' shape computed in the graph carries the product on
+            # (a bias, a scale, a mask or a fill does not)
             out = _value(node)
-            node = next((a for a in node.args[:2] if isinstance(_value(a), torch.Tensor)
+            node = next((a for a in node.args[:3] if isinstance(_value(a), torch.Tensor)
+                         and _value(a).is_floating_point() and a.op != "placeholder"
                          and isinstance(out, torch.Tensor) and same_shape(_value(a), out)), None)
             continue
         return None

@@ -1264,9 +1264,13 @@ def attention_chain_fill_add(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     """Hand-written decoders that keep a causal mask and take a padding mask (nanoGPT's attention
     with padding): the scaled scores masked by `masked_fill(mask, fill)` (mask: what to drop) or
     `torch.where(mask, scores, fill)` (what to keep) with a constant fill, the additive padding mask
-    added after, softmax, [dropout], @ v."""
+    added after, softmax, [dropout], @ v. Scaling "none": q scaled before the product (a key
+    padding filled, then Swin's window mask added: fusion/normalize.py tiles it over the batch)."""
     s = torch.matmul(q, k.transpose(d0, d1))
-    s = s * scale if scaling == "mul" else s / scale
+    if scaling == "mul":
+        s = s * scale
+    elif scaling == "div":
+        s = s / scale
     s = s.masked_fill(mask, fill) if fill_with == "masked_fill" else torch.where(mask, s, fill)
     a = torch.softmax(s + padding, -1)
     if dropout:
@@ -1274,12 +1278,12 @@ def attention_chain_fill_add(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return torch.matmul(a, v)
 
 
-def attention_chain_fill_add_fused(q, k, v, d0, d1, scale, mask, fill, padding, p=0.0, training=False, *,
-                                   scaling: str, fill_with: str, dropout: bool):
+def attention_chain_fill_add_fused(q, k, v, d0, d1, scale=None, mask=None, fill=None, padding=None, p=0.0,
+                                   training=False, *, scaling: str, fill_with: str, dropout: bool):
     # As GPT-Neo's (_fill_add_shapes has checked that the unfused sum is in the padding's dtype).
     keep = torch.logical_not(mask) if fill_with == "masked_fill" else mask
     q, attn_mask = _fill_then_mask_as_op_mask(q, keep, padding, fill)
-    scale = scale if scaling == "mul" else 1.0 / scale
+    scale = scale if scaling == "mul" else 1.0 / scale if scaling == "div" else 1.0
     return ops.attention(q, k, v, attn_mask, p if dropout and training else 0.0, False, scale)
 
 
@@ -1298,10 +1302,12 @@ def _fill_add_shapes(m: Match) -> str | None:
 
 
 def _fill_add_pattern(scaling: str, fill_with: str, dropout: bool) -> Pattern:
-    name = f"attention_chain_{scaling}_{fill_with}_add" + ("_dropout" if dropout else "")
+    name = f"attention_chain_{'unscaled' if scaling == 'none' else scaling}_{fill_with}_add" \
+        + ("_dropout" if dropout else "")
     opts = {"scaling": scaling, "fill_with": fill_with, "dropout": dropout}
-    filters = [_transposes_last_two, _scale_is_number, needs_number("scale"), _bool_mask_over_scores, _fill_masks,
-               _fill_add_shapes, *([needs_number("p"), needs_bool("training")] if dropout else [])]
+    scaled = [_scale_is_number, needs_number("scale")] if scaling != "none" else []
+    filters = [_transposes_last_two, *scaled, _bool_mask_over_scores, _fill_masks, _fill_add_shapes,
+               *([needs_number("p"), needs_bool("training")] if dropout else [])]
     return Pattern(name, "attention", functools.partial(attention_chain_fill_add, **opts),
                    functools.partial(attention_chain_fill_add_fused, **opts), ("attention",), tuple(filters))
 
@@ -1678,7 +1684,8 @@ PATTERNS = (
                *([_scale_is_number] if scaling != "none" else [])))
       for upcast in (True, False) for scaling in ("none", "div", "mul")),
     # a causal mask by masked_fill or where with a constant fill, then a padding mask added
-    *(_fill_add_pattern(*opts) for opts in itertools.product(("mul", "div"), ("masked_fill", "where"), (True, False))),
+    *(_fill_add_pattern(*opts) for opts in itertools.product(("mul", "div", "none"), ("masked_fill", "where"),
+                                                              (True, False))),
     *(Pattern("attention_bmm_of_heads_" + ("add" if masked else "no_mask"), "attention",
               functools.partial(attention_bmm_of_heads, masked=masked),
               functools.partial(attention_bmm_of_heads_fused, masked=masked), ("attention",),

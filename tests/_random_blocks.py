@@ -28,6 +28,9 @@ ATTENTIONS = ("sdpa", "sdpa_causal", "sdpa_gqa", "chain_mul", "chain_div", "chai
               # relative positions from q written into the scores past the first token's row and
               # column: over a view of that slice (timm's MViT V2), or `+=` (torchvision's MViT)
               "chain_slice_positions", "chain_slice_positions_inplace",
+              # a mask per window of two over a view of the scores that leaves the images to -1
+              # (timm's Swin WindowAttention, written out: swin_s3)
+              "chain_shifted_window_mask",
               # near misses
               "chain_scale_after_softmax", "chain_softmax_wrong_axis", "chain_mask_multiplied",
               "chain_no_scale_sqrt_off", "chain_gqa_tiled")
@@ -75,7 +78,8 @@ class Spec(_Drawn):
 
 
 HIDDEN, HEADS, KV_HEADS = 32, 4, 2  # head dim 8; the GQA spellings share each kv head by 2 heads
-MAX_SEQ = 16  # the longest sequence a position table covers
+MAX_SEQ = 16  # the longest sequence a position table or a window mask covers
+WINDOWS = 2  # windows per image in chain_shifted_window_mask (the batch a multiple of it)
 
 
 class Norm(nn.Module):
@@ -185,6 +189,11 @@ class Attention(nn.Module):
         if kind.startswith("chain_slice_positions"):  # a key position table and a bias per key
             self.rel = nn.Parameter(0.3 * torch.randn(MAX_SEQ, d))
             self.rel_bias = nn.Parameter(0.3 * torch.randn(MAX_SEQ))
+        if kind == "chain_shifted_window_mask":  # Swin's: 0 where two tokens share a region, -100 elsewhere
+            regions = torch.randint(0, 2, (WINDOWS, MAX_SEQ), generator=torch.Generator().manual_seed(5))
+            apart = regions[:, :, None] != regions[:, None, :]
+            self.register_buffer("window_mask",
+                                 torch.zeros(WINDOWS, MAX_SEQ, MAX_SEQ).masked_fill(apart, -100.0))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         b, s, _ = x.shape
@@ -238,6 +247,10 @@ class Attention(nn.Module):
                     grid = scores[:, :, 1:, 1:].view(b, HEADS, s - 1, 1, s - 1)
                     scores[:, :, 1:, 1:] = (grid + rel.unsqueeze(-2) + self.rel_bias[: s - 1]).view(
                         b, HEADS, s - 1, s - 1)
+            if kind == "chain_shifted_window_mask":  # the batch as images of WINDOWS windows each
+                windows = self.window_mask[:, :s, :s].to(scores.dtype)
+                scores = scores.view(-1, WINDOWS, HEADS, s, s) + windows.unsqueeze(1).unsqueeze(0)
+                scores = scores.view(-1, HEADS, s, s)
             if kind == "chain_softmax_fp32":  # transformers' eager attention
                 probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
             else:

@@ -2196,23 +2196,30 @@ class ShiftedWindowAttention(nn.Module):
     dropout. The block's norm after it (a LayerNorm fx finds without example values: with it,
     fuse installs the fx capture, which sees the window views once a call brings values)."""
 
-    def __init__(self):
+    def __init__(self, padded: bool = False):
         super().__init__()
+        self.padded = padded
         self.bias = nn.Parameter(torch.randn(1, H, S, S))
         self.register_buffer("mask", torch.randn(NW, S, S).masked_fill(torch.rand(NW, S, S) > 0.7, -100.0))
+        self.register_buffer("pad", torch.arange(S) == S - 1)
         self.drop = nn.Dropout(0.0)
         self.norm = nn.LayerNorm(D)
 
     def forward(self, q, k, v):
-        attn = (q * D ** -0.5) @ k.transpose(-2, -1) + self.bias
+        attn = (q * D ** -0.5) @ k.transpose(-2, -1)
+        if self.padded:  # a key padding filled first (the last key of every window), not the bias
+            attn = attn.masked_fill(self.pad, float("-inf"))
+        else:
+            attn = attn + self.bias
         nw = self.mask.shape[0]
         attn = attn.view(-1, nw, H, S, S) + self.mask.unsqueeze(1).unsqueeze(0)
         attn = attn.view(-1, H, S, S).softmax(dim=-1)
         return self.norm(self.drop(attn) @ v)
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["bias", "padding"])
 @pytest.mark.parametrize("capture", CAPTURES)
-def test_shifted_window_mask_over_a_view_of_minus_one_images_fuses_for_every_batch(capture):
+def test_shifted_window_mask_over_a_view_of_minus_one_images_fuses_for_every_batch(capture, padded):
     """The tiled mask takes the images from q's size, not from the example batch: a second call
     with more images reuses fx's capture (it serves every size) and must still match, fused.
     Dynamo recaptures with dynamic sizes there, whose example value of the -1 view holds the
@@ -2220,10 +2227,12 @@ def test_shifted_window_mask_over_a_view_of_minus_one_images_fuses_for_every_bat
     def windows(images):
         return tuple(torch.randn(images * NW, H, S, D, requires_grad=True) for _ in range(3))
 
-    report = check_against_unfused(ShiftedWindowAttention, windows(1), capture)
-    assert report.by_pattern()["attention_chain_unscaled_add_add"] == 1
+    make = functools.partial(ShiftedWindowAttention, padded)
+    report = check_against_unfused(make, windows(1), capture)
+    name = "attention_chain_unscaled_masked_fill_add_dropout" if padded else "attention_chain_unscaled_add_add"
+    assert report.by_pattern() == {name: 1, "layer_norm": 1}
     torch.manual_seed(0)
-    model = ShiftedWindowAttention().eval()
+    model = make().eval()
     model64 = copy.deepcopy(model).double()
     fused = fuse_via(copy.deepcopy(model), capture)
     for images in (1, 3):
