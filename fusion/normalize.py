@@ -752,7 +752,7 @@ def _slice_updates_of_scores(graph: fx.Graph) -> None:
                 or len(part.users) != 1 or len(value.users) != 1:
             continue
         vp = _value(part)
-        if not isinstance(vp, torch.Tensor) or vp.shape != vv.shape:
+        if not isinstance(vp, torch.Tensor) or not same_shape(vp, vv):
             continue
         back = None
         if value.op == "call_function" and value.target is operator.iadd and len(value.args) == 2 \
@@ -775,7 +775,8 @@ def _slice_updates_of_scores(graph: fx.Graph) -> None:
         except RuntimeError:
             continue
         target = _value(back.args[0]) if back is not None else vp
-        if not isinstance(target, torch.Tensor) or shape != target.shape or not wide.is_floating_point:
+        if not isinstance(target, torch.Tensor) or len(shape) != target.dim() \
+                or not all(known_equal(a, b) for a, b in zip(shape, target.shape)) or not wide.is_floating_point:
             continue
         first = next((d for d, start in enumerate(starts) if start), None)
         pads = () if first is None else tuple(p for start in reversed(starts[first:]) for p in (start, 0))
