@@ -775,8 +775,8 @@ def _slice_updates_of_scores(graph: fx.Graph) -> None:
         except RuntimeError:
             continue
         target = _value(back.args[0]) if back is not None else vp
-        if not isinstance(target, torch.Tensor) or len(shape) != target.dim() \
-                or not all(known_equal(a, b) for a, b in zip(shape, target.shape)) or not wide.is_floating_point:
+        if not isinstance(target, torch.Tensor) or len(shape) != target.dim() or not wide.is_floating_point \
+                or not all(known_equal(a, b) for a, b in zip(shape, target.shape)):
             continue
         first = next((d for d, start in enumerate(starts) if start), None)
         pads = () if first is None else tuple(p for start in reversed(starts[first:]) for p in (start, 0))

@@ -2229,7 +2229,7 @@ def test_shifted_window_mask_over_a_view_of_minus_one_images_fuses_for_every_bat
 
     make = functools.partial(ShiftedWindowAttention, padded)
     report = check_against_unfused(make, windows(1), capture)
-    name = "attention_chain_unscaled_masked_fill_add_dropout" if padded else "attention_chain_unscaled_add_add"
+    name = "attention_chain_unscaled_" + ("masked_fill_add_dropout" if padded else "add_add")
     assert report.by_pattern() == {name: 1, "layer_norm": 1}
     torch.manual_seed(0)
     model = make().eval()
