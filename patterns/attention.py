@@ -18,8 +18,10 @@ style: the score matrix never exists).
   built from `attention_chain` below. Gemma 2's logit soft cap between the scaling and the mask
   (`tanh(s / cap) * cap`) becomes the op's `softcap`. A key laid out as k^T already, multiplied
   without a transpose (SqueezeBERT's (B, H, D, S) view of its key convolution), is the op's key
-  transposed back, a view. MViT's relative positions, written into a slice of the scores in place
-  (timm's and torchvision's), reach these patterns as a mask added (fusion/normalize.py).
+  transposed back, a view; with it, v and the output channels first, `v @ P^T` on (B, C, N) maps
+  (timm's iFormer written out), the op's v and output transposed, views. MViT's relative
+  positions, written into a slice of the scores in place (timm's and torchvision's), reach these
+  patterns as a mask added (fusion/normalize.py).
   transformers' eager_attention_forward (fp32 softmax, dropout) on K and V repeated per query
   group by `repeat_kv` becomes the op with `enable_gqa=True` on the un-repeated K and V.
   Hand-written decoders that keep a causal mask and take a padding mask apply the first by
@@ -279,9 +281,10 @@ def sdpa_gqa_fused(q, k, v, attn_mask, dropout_p, is_causal, scale, n_rep=None, 
 
 def attention_chain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, scale, mask: torch.Tensor,
                     fill, p, training, dtype, cap=None, k_shape=None, v_shape=None, k_heads=None, v_heads=None,
-                    fill_dtype=None, device=None, *,
+                    fill_dtype=None, device=None, d2=None, d3=None, *,
                     scaling: str, masking: str, dropout: bool, softmax: str, softcap: bool = False,
-                    repeat_kv: bool = False, upcast_qk: bool = False, k_transposed: bool = False):
+                    repeat_kv: bool = False, upcast_qk: bool = False, k_transposed: bool = False,
+                    v_transposed: bool = False):
     """softmax(q @ k^T scaled [capped] [masked]) [cast] [dropped out] @ v, in the spelling the
     keywords choose.
 
@@ -297,7 +300,10 @@ def attention_chain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, s
     before the product (GPT-J's `query.to(torch.float32)`); the op takes them as they were, its
     scores being fp32 whatever q's dtype. k_transposed: the key comes already laid out as k^T,
     (..., head_dim, keys), with no transpose before the product (SqueezeBERT's view of its key
-    convolution, or a permute straight to that layout); the op takes its transpose, a view."""
+    convolution, or a permute straight to that layout); the op takes its transpose, a view.
+    v_transposed: v and the output laid out channels first, (..., head_dim, keys) and (..., head_dim,
+    queries), the output `v @ P^T` (timm's iFormer written out, q^T @ k on (B, C, N) maps); the op
+    takes v's transpose and its output is transposed back, views."""
     if upcast_qk:
         q, k = q.to(torch.float32), k.to(torch.float32)
     if repeat_kv:
@@ -327,17 +333,19 @@ def attention_chain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, s
         a = F.dropout(a, p, training, False)
     if softmax == "cast_after":
         a = a.to(dtype)
-    return torch.matmul(a, v)
+    return torch.matmul(v, a.transpose(d2, d3)) if v_transposed else torch.matmul(a, v)
 
 
 def attention_chain_fused(q, k, v, d0=None, d1=None, scale=None, mask=None, fill=None, p=0.0, training=False,
                           dtype=None, cap=None, k_shape=None, v_shape=None, k_heads=None, v_heads=None,
-                          fill_dtype=None, device=None, dims=4, shared_kv=False, mask_dims=None,
-                          mask_expand=False, *, scaling: str, masking: str,
+                          fill_dtype=None, device=None, d2=None, d3=None, dims=4, shared_kv=False,
+                          mask_dims=None, mask_expand=False, *, scaling: str, masking: str,
                           dropout: bool, softmax: str, softcap: bool = False, repeat_kv: bool = False,
-                          upcast_qk: bool = False, k_transposed: bool = False):
+                          upcast_qk: bool = False, k_transposed: bool = False, v_transposed: bool = False):
     if k_transposed:
         k = k.transpose(-2, -1)  # (..., keys, head_dim) as the op takes it; the model multiplied by k^T
+    if v_transposed:
+        v = v.transpose(-2, -1)  # channels first: (..., keys, head_dim); the output transposed back below
     if masking in ("masked_fill", "where", "where_tensor"):
         # masked_fill marks what to drop, an attention mask what to keep; a finfo.min fill (the
         # filter allows no other finite one) makes a row masked whole a uniform softmax, dropped
@@ -363,7 +371,7 @@ def attention_chain_fused(q, k, v, d0=None, d1=None, scale=None, mask=None, fill
     else:
         o = ops.attention(q, k, v, mask, p, False, scale, repeat_kv or shared_kv,
                           softcap=cap if softcap else None)
-    return o
+    return o.transpose(-2, -1) if v_transposed else o
 
 
 def _flat_mask(mask: torch.Tensor, q: torch.Tensor, lead: int, mask_dims: int, expand: bool) -> torch.Tensor:
@@ -570,6 +578,15 @@ def _transposes_last_two(m: Match) -> str | None:
     return None if dims == [k.dim() - 2, k.dim() - 1] else f"transposes dims {m['d0']}, {m['d1']} of k, not the last two"
 
 
+def _probabilities_transposed(m: Match) -> str | None:
+    """`v @ P^T`: the product transposes P's last two dims (d2, d3)."""
+    v = m.value("v")
+    if not isinstance(v, torch.Tensor):
+        return "no shape for v"
+    dims = sorted(d % v.dim() for d in (m["d2"], m["d3"]) if isinstance(d, int))
+    return None if dims == [v.dim() - 2, v.dim() - 1] else "P is transposed in other dims than its last two"
+
+
 def _scale_is_number(m: Match) -> str | None:
     s = m["scale"]
     if isinstance(s, torch.fx.Node) and isinstance(m.value("scale"), torch.Tensor):
@@ -699,18 +716,23 @@ def _cap_is_a_positive_number(m: Match) -> str | None:
 
 
 def _chain_pattern(scaling: str, masking: str, dropout: bool, softmax: str, softcap: bool = False,
-                   repeat_kv: bool = False, upcast_qk: bool = False, k_transposed: bool = False) -> Pattern:
+                   repeat_kv: bool = False, upcast_qk: bool = False, k_transposed: bool = False,
+                   v_transposed: bool = False) -> Pattern:
     opts = {"scaling": scaling, "masking": masking, "dropout": dropout, "softmax": softmax, "softcap": softcap,
-            "repeat_kv": repeat_kv, "upcast_qk": upcast_qk, "k_transposed": k_transposed}
+            "repeat_kv": repeat_kv, "upcast_qk": upcast_qk, "k_transposed": k_transposed,
+            "v_transposed": v_transposed}
     name = "_".join(["attention_chain", "unscaled" if scaling == "none" else scaling,
                      *(["softcap"] if softcap else []), masking or "no_mask",
                      "dropout" if dropout else "no_dropout", *([softmax] if softmax != "plain" else []),
                      *(["repeat_kv"] if repeat_kv else []), *(["upcast_q_k"] if upcast_qk else []),
-                     *(["k_transposed"] if k_transposed else [])])
+                     *(["k_transposed"] if k_transposed else []),
+                     *(["v_transposed"] if v_transposed else [])])
     filters = [functools.partial(_attention_dims, masked=bool(masking), kv_repeated=repeat_kv),
                *([] if k_transposed else [_transposes_last_two]),
                *([_scale_is_number] if scaling != "none" else []), *([_cap_is_a_positive_number] if softcap else []),
-               *([_kv_repeated_over_heads] if repeat_kv else []), *([_q_k_v_share_a_dtype] if upcast_qk else [])]
+               *([_kv_repeated_over_heads] if repeat_kv else []),
+               *([_q_k_v_share_a_dtype] if upcast_qk else []),
+               *([_probabilities_transposed] if v_transposed else [])]
     if dropout:
         filters += [needs_number("p"), needs_bool("training")]
     if masking in ("masked_fill", "where", "where_tensor"):
@@ -1629,6 +1651,11 @@ PATTERNS = (
     # chains above, which take a written transpose themselves
     *(_chain_pattern(*opts, k_transposed=True) for opts in itertools.product(
         ("mul", "div"), ("add", ""), (True, False), ("plain", "upcast"))),
+    *(_chain_pattern("none", masking, dropout, "plain", k_transposed=True) for masking, dropout in
+      itertools.product(("add", ""), (True, False))),
+    # and channels first, q^T @ k on (B, C, N) maps, the output v @ P^T (timm's iFormer written out)
+    *(_chain_pattern(scaling, "", dropout, "plain", k_transposed=True, v_transposed=True)
+      for scaling, dropout in itertools.product(("none", "mul", "div"), (True, False))),
     # ALiBi and the older Hugging Face spellings (BLOOM, CodeGen, MPT, GPT-Neo)
     Pattern("attention_alibi_baddbmm", "attention", attention_alibi_baddbmm, attention_alibi_baddbmm_fused,
             ("attention",), (_transposes_last_two, _alibi_baddbmm_shapes, needs_number("p"), needs_bool("training"),

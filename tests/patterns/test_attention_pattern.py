@@ -2241,3 +2241,30 @@ def test_shifted_window_mask_over_a_view_of_minus_one_images_fuses_for_every_bat
                      model(*inputs))
     if capture == "fx":
         assert "trifuse::attention" in trifuse_ops_run(lambda: fused(*inputs))
+
+
+class ChannelsFirstAttention(nn.Module):
+    """timm's iFormer attention written out (fused_attn off): q, k, v as (B, C, N) maps, q scaled,
+    `(q^T @ k).softmax(-1)`, dropout, the output channels first, `v @ attn^T`. `scale_after`: the
+    scale on the scores instead (`* scale`)."""
+
+    def __init__(self, scale_after: bool = False):
+        super().__init__()
+        self.scale_after = scale_after
+        self.drop = nn.Dropout(0.0)
+
+    def forward(self, q, k, v):
+        if self.scale_after:
+            attn = (q.transpose(-2, -1) @ k * D ** -0.5).softmax(dim=-1)
+        else:
+            attn = ((q * D ** -0.5).transpose(-2, -1) @ k).softmax(dim=-1)
+        return v @ self.drop(attn).transpose(-2, -1)
+
+
+@pytest.mark.parametrize("scale_after", [False, True], ids=["q_scaled", "scores_scaled"])
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_channels_first_attention_fuses(capture, scale_after):
+    inputs = tuple(torch.randn(B, D, S + 3, requires_grad=True) for _ in range(3))
+    report = check_against_unfused(functools.partial(ChannelsFirstAttention, scale_after), inputs, capture)
+    scaling = "mul" if scale_after else "unscaled"
+    assert report.by_pattern() == {f"attention_chain_{scaling}_no_mask_dropout_k_transposed_v_transposed": 1}
