@@ -580,6 +580,18 @@ def _oracle_error(grads0: tuple, grads1: tuple, grads64: tuple, floor: float, sl
                default=float("-inf"))
 
 
+def past_the_rule(names: list[str], grads0: tuple, grads1: tuple, grads64: tuple, floor: float,
+                  slack: float) -> str:
+    """An autocast row's gradients past the oracle rule (_oracle_errors; `names`: the parameters'):
+    how many, and the worst one's fused and unfused errors against float64. "" when none is."""
+    failing = [(i, e0, e1) for i, e0, e1 in _oracle_errors(grads0, grads1, grads64, floor)
+               if e1 > 2 * e0 + slack]
+    if not failing:
+        return ""
+    i, e0, e1 = max(failing, key=lambda r: r[2] - 2 * r[1])
+    return f"{len(failing)} gradient(s) past the rule, the worst {names[i]}: fused {e1:.2g}, unfused {e0:.2g}"
+
+
 def nudge_outputs(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     """`model`, its every Linear's and convolution's output moved by half an ulp of its dtype, up or
     down at random (a generator seeded by `seed`), by forward hooks: the size of what a fused op
@@ -605,7 +617,7 @@ def _nudged(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return nudge_outputs(copy.deepcopy(model), seed)
 
 
-def _ill_conditioned(model: torch.nn.Module, kwargs: dict, task: str, autocast, grads0: tuple, grads1: tuple,
+def _ill_conditioned(model: torch.nn.Module, loss_of, autocast, grads0: tuple, grads1: tuple,
                      grads64: tuple, floor: float, slack: float, tries: int = 4) -> str:
     """For an autocast MISMATCH: whether PyTorch's own model (`model`, unfused), with its Linear and
     conv outputs nudged by half an ulp (_nudged), misses float64 at least half as far as the fused
@@ -614,7 +626,8 @@ def _ill_conditioned(model: torch.nn.Module, kwargs: dict, task: str, autocast, 
     the rule's yardstick, the unfused model's own error, is luck: a saturated softmax, a ReLU whose
     input sits within a rounding of 0 or a router's near tie move that much on a rounding. LongT5
     under bf16 autocast, GeLU: its decoder's first cross-attention k gradient fused 4.0e-2 off,
-    unfused 1.0e-2, nudged 2.8e-2 to 4.6e-2. Returns the row's explanation, or "" when not so."""
+    unfused 1.0e-2, nudged 2.8e-2 to 4.6e-2. `loss_of(m)`: the training step's loss through `m`.
+    Returns the row's explanation, or "" when not so."""
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     failing = [(i, e0, e1) for i, e0, e1 in _oracle_errors(grads0, grads1, grads64, floor)
                if e1 > 2 * e0 + slack]
@@ -624,7 +637,7 @@ def _ill_conditioned(model: torch.nn.Module, kwargs: dict, task: str, autocast, 
     for seed in range(tries):
         nudged = _nudged(model, seed)
         with autocast:
-            loss = _loss(_seeded(nudged)(**kwargs), task)
+            loss = loss_of(nudged)
         grads = torch.autograd.grad(loss, [p for p in nudged.parameters() if p.requires_grad],
                                     allow_unused=True)
         for i, _, e in _oracle_errors(grads0, grads, grads64, floor):
@@ -960,16 +973,16 @@ def batch(model, task: str, dtype: torch.dtype = torch.float64) -> dict:
     return kwargs
 
 
-def _inductor_alone(model, kwargs: dict, task: str, leaves: list, loss0, grads0, floor: float,
+def _inductor_alone(model, loss_of, leaves: list, loss0, grads0, floor: float,
                     err: tuple[float, float], failed: tuple[bool, bool]) -> dict:
     """--via inductor, a MISMATCH: plain torch.compile (Inductor, no trifuse) against the same
     unfused step. Inductor's kernels need not round as eager does (a float32 downcast in a float64
     model, its own RNG for a model's random draws); where plain Inductor differs by at least half
     as much in what failed (`err`: the fused loss's and gradients' errors, `failed` which of them
-    is over its tolerance), the row says so."""
+    is over its tolerance), the row says so. `loss_of(m)`: the training step's loss through `m`."""
     torch._dynamo.reset()
     try:
-        loss = _loss(_seeded(torch.compile(model))(**kwargs), task)
+        loss = loss_of(torch.compile(model))
         grads = torch.autograd.grad(loss, leaves, allow_unused=True)
     except Exception as e:  # noqa: BLE001
         return {"inductor_alone": f"{type(e).__name__}: {str(e).strip()[:100]}"}
@@ -982,7 +995,7 @@ def _inductor_alone(model, kwargs: dict, task: str, leaves: list, loss0, grads0,
     return out
 
 
-def _inductor_alone_mixed(model, kwargs: dict, task: str, leaves: list, autocast, losses: tuple[float, float],
+def _inductor_alone_mixed(model, loss_of, leaves: list, autocast, losses: tuple[float, float],
                           grads0: tuple, grads64: tuple, floor: float, loss_tol: float, slack: float,
                           fused: tuple[float, float]) -> dict:
     """--via inductor under autocast, a MISMATCH: plain torch.compile (Inductor, no trifuse) held to
@@ -994,7 +1007,7 @@ def _inductor_alone_mixed(model, kwargs: dict, task: str, leaves: list, autocast
     torch._dynamo.reset()
     try:
         with autocast:
-            loss = _loss(_seeded(torch.compile(model))(**kwargs), task)
+            loss = loss_of(torch.compile(model))
         grads = torch.autograd.grad(loss, leaves, allow_unused=True)
     except Exception as e:  # noqa: BLE001
         return {"inductor_alone": f"{type(e).__name__}: {str(e).strip()[:100]}"}
@@ -1011,12 +1024,13 @@ def _inductor_alone_mixed(model, kwargs: dict, task: str, leaves: list, autocast
     return out
 
 
-def _dynamo_fails(model, kwargs: dict, autocast, task: str = "causal-lm", backend: str = "eager") -> bool:
-    """Whether torch.compile with Dynamo's own backend, or Inductor (no trifuse), fails on the model too."""
+def _dynamo_fails(model, loss_of, autocast, backend: str = "eager") -> bool:
+    """Whether torch.compile with Dynamo's own backend, or Inductor (no trifuse), fails on the model too
+    (`loss_of(m)`: the training step's loss through `m`)."""
     torch._dynamo.reset()
     try:
         with autocast:
-            _loss(torch.compile(model, backend=backend)(**kwargs), task).backward()
+            loss_of(torch.compile(model, backend=backend)).backward()
     except Exception:  # noqa: BLE001
         return True
     return False
@@ -1351,6 +1365,10 @@ def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: s
             row["why"] = f"{row['why']}; {note}" if row.get("why") else note
         return row
     leaves = [p for p in model.parameters() if p.requires_grad]
+
+    def loss_of(m: torch.nn.Module) -> torch.Tensor:  # the step's loss through m (the explanations')
+        return _loss(_seeded(m)(**kwargs), task)
+
     # Copies taken before the training step (after it a model may hold non-leaf tensors deepcopy
     # refuses: RecurrentGemma's recurrent state): generate's reference, the model hf-attention
     # switches to trifuse, the float64 oracle of an autocast sweep.
@@ -1389,9 +1407,9 @@ def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: s
     except Exception as e:  # noqa: BLE001
         crash = {"status": "FUSED CRASH", "why": f"{type(e).__name__}: {str(e).strip()[:300]}",
                  "traceback": traceback.format_exc()[-3000:]}
-        if via in COMPILE_BACKENDS and _dynamo_fails(model, kwargs, autocast, task):
+        if via in COMPILE_BACKENDS and _dynamo_fails(model, loss_of, autocast):
             crash["status"] = "Dynamo fails"
-        elif via == "inductor" and _dynamo_fails(model, kwargs, autocast, task, backend="inductor"):
+        elif via == "inductor" and _dynamo_fails(model, loss_of, autocast, backend="inductor"):
             crash["status"] = "Inductor fails"
         return crash
     # NaN against NaN agrees, as the gradients are compared by place (a model whose own loss is NaN)
@@ -1420,20 +1438,23 @@ def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: s
         loss_excess = abs(l1 - l64) - 2 * abs(l0 - l64) - loss_tol * abs(l64)
         whys = []
         if not ok and excess > 0 and loss_excess <= 0 and again == first:
-            whys.append(_ill_conditioned(unfused, kwargs, task, autocast, grads0, grads1, grads64, floor,
+            whys.append(_ill_conditioned(unfused, loss_of, autocast, grads0, grads1, grads64, floor,
                                          grad_tol))
         if not ok and via == "inductor" and (excess > 0 or loss_excess > 0):
             trainable = [p for p in unfused.parameters() if p.requires_grad]
-            alone = _inductor_alone_mixed(unfused, kwargs, task, trainable, autocast,
+            alone = _inductor_alone_mixed(unfused, loss_of, trainable, autocast,
                                           (l0, l64), grads0, grads64, floor, loss_tol, grad_tol,
                                           (loss_excess, excess))
             whys.append(alone.pop("why", ""))
             row.update(alone)
+        if not any(whys):
+            trainable = [n for n, p in unfused.named_parameters() if p.requires_grad]
+            whys.append(past_the_rule(trainable, grads0, grads1, grads64, floor, grad_tol))
         if any(whys):
             row["why"] = "; ".join(w for w in whys if w)
     if via == "inductor" and not ok and dtype == "float64":
         failed = (loss_err >= loss_tol, grad_err >= grad_tol)
-        row.update(_inductor_alone(model, kwargs, task, leaves, loss0, grads0, floor, (loss_err, grad_err),
+        row.update(_inductor_alone(model, loss_of, leaves, loss0, grads0, floor, (loss_err, grad_err),
                                    failed))
     if _non_finite(grads0):
         row["why"] = f"the unfused model's gradients hold {_non_finite(grads0)} NaN/inf entries (compared by place)"

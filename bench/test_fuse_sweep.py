@@ -22,6 +22,11 @@ def _square_mean(out: torch.Tensor, task: str) -> torch.Tensor:
     return out.float().square().mean()
 
 
+def loss_of(kwargs: dict):
+    """The step's loss through a model, as the sweep's explanations take it."""
+    return lambda m: _square_mean(m(**kwargs), "")
+
+
 def _grads(model: torch.nn.Module, x: torch.Tensor, autocast) -> tuple:
     with autocast:
         loss = _square_mean(model(x), "")
@@ -29,9 +34,8 @@ def _grads(model: torch.nn.Module, x: torch.Tensor, autocast) -> tuple:
 
 
 @pytest.fixture
-def case(monkeypatch):
+def case():
     """A well-conditioned model under bf16 autocast: its unfused and float64 gradients."""
-    monkeypatch.setattr(fs, "_loss", _square_mean)
     torch.manual_seed(0)
     model, x = _TwoBranches(), torch.randn(64, 16)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16)
@@ -45,7 +49,7 @@ def test_a_wrong_gradient_of_a_well_conditioned_model_is_not_explained(case):
     model, kwargs, autocast, grads0, grads64 = case
     wrong = tuple(g * 1.05 for g in grads0)
     assert fs._oracle_error(grads0, wrong, grads64, 1e-10, 8e-3) > 0
-    assert fs._ill_conditioned(model, kwargs, "", autocast, grads0, wrong, grads64, 1e-10, 8e-3) == ""
+    assert fs._ill_conditioned(model, loss_of(kwargs), autocast, grads0, wrong, grads64, 1e-10, 8e-3) == ""
 
 
 def test_explained_only_when_every_gradient_past_the_rule_is_reached(case, monkeypatch):
@@ -63,10 +67,10 @@ def test_explained_only_when_every_gradient_past_the_rule_is_reached(case, monke
         return nudged
 
     monkeypatch.setattr(fs, "_nudged", scaled_copy(1.05, 1.05))
-    why = fs._ill_conditioned(model, kwargs, "", autocast, grads0, wrong, grads64, 1e-10, 8e-3)
+    why = fs._ill_conditioned(model, loss_of(kwargs), autocast, grads0, wrong, grads64, 1e-10, 8e-3)
     assert why.startswith("ill-conditioned") and "gradient(s) past the rule" in why, why
     monkeypatch.setattr(fs, "_nudged", scaled_copy(1.05, 1.0))
-    assert fs._ill_conditioned(model, kwargs, "", autocast, grads0, wrong, grads64, 1e-10, 8e-3) == ""
+    assert fs._ill_conditioned(model, loss_of(kwargs), autocast, grads0, wrong, grads64, 1e-10, 8e-3) == ""
 
 
 def test_plain_inductor_explains_only_when_it_breaks_the_same_rule(case, monkeypatch):
@@ -81,7 +85,7 @@ def test_plain_inductor_explains_only_when_it_breaks_the_same_rule(case, monkeyp
     fused = (-1.0, fs._oracle_error(grads0, wrong, grads64, 1e-10, 8e-3))  # the loss within the rule
 
     def alone() -> dict:
-        return fs._inductor_alone_mixed(model, kwargs, "", list(model.parameters()), autocast, (l0, l64),
+        return fs._inductor_alone_mixed(model, loss_of(kwargs), list(model.parameters()), autocast, (l0, l64),
                                         grads0, grads64, 1e-10, 8e-3, 8e-3, fused)
 
     monkeypatch.setattr(fs.torch, "compile", lambda m: m)
@@ -105,3 +109,13 @@ def test_the_oracle_compares_where_float64_and_unfused_are_finite():
         [(0, pytest.approx(0.01, rel=1e-5), pytest.approx(0.02, rel=1e-5))]  # of 1.0, the one entry kept
     assert fs._oracle_errors(g0, (torch.tensor([float("nan"), 5.0, 2.0]),), g64, 1e-10)[0][2] == float("inf")
     assert fs._oracle_error(g0, (torch.tensor([float("nan"), 5.0, 2.0]),), g64, 1e-10, 8e-3) == float("inf")
+
+
+def test_past_the_rule_names_the_worst_gradient(case):
+    """An autocast MISMATCH names how many gradients break the rule and the worst one; none, nothing."""
+    model, _, _, grads0, grads64 = case
+    names = [n for n, _ in model.named_parameters()]
+    assert fs.past_the_rule(names, grads0, grads0, grads64, 1e-10, 8e-3) == ""
+    wrong = (*grads0[:2], grads0[2] * 1.02, grads0[3] * 1.2)  # b's weight a little off, its bias far
+    why = fs.past_the_rule(names, grads0, wrong, grads64, 1e-10, 8e-3)
+    assert why.startswith("2 gradient(s) past the rule, the worst b.bias: fused 0.2"), why
