@@ -90,11 +90,12 @@ SHRINK = {"depth": 2, "embed_dim": 64, "num_heads": 2}
 # MISMATCH rows whose cause was found and is not trifuse's, by (dtype, model): shown in the "why" column.
 EXPLAINED = {
     ("bf16-autocast", "caformer_s18"):
-        "StarReLU's scalar scale and bias (stages.2.blocks.0.mlp.act), each gradient a sum over every activation "
-        "that cancels 250x and 135x in float64 (sum of |terms| over |sum|): bf16's rounding upstream moves them "
-        "by up to that many ulps. The 3 gradients past the rule are such scalars (scale fused 3.6e-2 off "
-        "float64, unfused 8.4e-3; bias 1.9e-2, 1.3e-3). Attention alone fused, or the norms and adds alone: "
-        "none past it. In fp32 the scale's fused 6.8e-6, unfused 3.7e-6 (the unfused model's worst, 8.7e-6)",
+        "StarReLU's scalar scale and bias (stages.2.blocks.0.mlp.act), each gradient a sum over every "
+        "activation that cancels 250x and 135x in float64 (sum of |terms| over |sum|): bf16's rounding "
+        "upstream moves them by up to that many ulps. The 3 gradients past the rule are such scalars (scale "
+        "fused 3.6e-2 off float64, unfused 8.4e-3; bias 1.9e-2, 1.3e-3). Attention alone fused, or the norms "
+        "and adds alone: none past it. In fp32 the scale's fused 6.8e-6, unfused 3.7e-6 (the unfused "
+        "model's worst, 8.7e-6)",
 }
 TORCHVISION = ("torchvision.vit", "torchvision.swin", "torchvision.swin_v2", "torchvision.maxvit",
                "torchvision.mvit")
