@@ -1036,6 +1036,19 @@ def _dynamo_fails(model, loss_of, autocast, backend: str = "eager") -> bool:
     return False
 
 
+def crash_row(e: Exception, model, loss_of, autocast, via: str) -> dict:
+    """The row of a fused step that raised `e` (in an except block: its traceback kept): "FUSED
+    CRASH", or "Dynamo fails" / "Inductor fails" where torch.compile without trifuse fails on the
+    unfused `model` too (`loss_of(m)`: the training step's loss through `m`)."""
+    crash = {"status": "FUSED CRASH", "why": f"{type(e).__name__}: {str(e).strip()[:300]}",
+             "traceback": traceback.format_exc()[-3000:]}
+    if via in COMPILE_BACKENDS and _dynamo_fails(model, loss_of, autocast):
+        crash["status"] = "Dynamo fails"
+    elif via == "inductor" and _dynamo_fails(model, loss_of, autocast, backend="inductor"):
+        crash["status"] = "Inductor fails"
+    return crash
+
+
 PACKED_LENGTHS = (5, 4, 3)
 
 
@@ -1405,13 +1418,7 @@ def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: s
         with autocast:
             loss2 = _loss(_seeded(fused)(**kwargs), task).detach()
     except Exception as e:  # noqa: BLE001
-        crash = {"status": "FUSED CRASH", "why": f"{type(e).__name__}: {str(e).strip()[:300]}",
-                 "traceback": traceback.format_exc()[-3000:]}
-        if via in COMPILE_BACKENDS and _dynamo_fails(model, loss_of, autocast):
-            crash["status"] = "Dynamo fails"
-        elif via == "inductor" and _dynamo_fails(model, loss_of, autocast, backend="inductor"):
-            crash["status"] = "Inductor fails"
-        return crash
+        return crash_row(e, model, loss_of, autocast, via)
     # NaN against NaN agrees, as the gradients are compared by place (a model whose own loss is NaN)
     loss_err = 0.0 if float(loss0) != float(loss0) and float(loss1) != float(loss1) else \
         abs(float(loss1) - float(loss0)) / max(abs(float(loss0)), 1e-30)

@@ -38,7 +38,6 @@ import os
 import re
 import sys
 import time
-import traceback
 
 if __name__ == "__main__" and any(a.startswith("--one=") for a in sys.argv):
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -48,7 +47,6 @@ from fuse_sweep import (
     AUTOCAST_DTYPES,
     COMPILE_BACKENDS,
     TOLERANCES,
-    _dynamo_fails,
     _grad_error,
     _ill_conditioned,
     _inductor_alone,
@@ -56,6 +54,7 @@ from fuse_sweep import (
     _non_finite,
     _oracle_error,
     child_row,
+    crash_row,
     past_the_rule,
     run_rows,
     save_rows,
@@ -245,13 +244,7 @@ def run_one(name: str, dtype: str = "float64", via: str = "fuse") -> dict:
         with autocast:
             loss2 = loss_of(fused).detach()
     except Exception as e:  # noqa: BLE001
-        crash = {"status": "FUSED CRASH", "why": f"{type(e).__name__}: {str(e).strip()[:300]}",
-                 "traceback": traceback.format_exc()[-3000:]}
-        if via in COMPILE_BACKENDS and _dynamo_fails(model, loss_of, autocast):
-            crash["status"] = "Dynamo fails"
-        elif via == "inductor" and _dynamo_fails(model, loss_of, autocast, backend="inductor"):
-            crash["status"] = "Inductor fails"
-        return crash
+        return crash_row(e, model, loss_of, autocast, via)
     loss0, loss1 = loss0.detach(), loss1.detach()
     loss_err = abs(float(loss1) - float(loss0)) / max(abs(float(loss0)), 1e-30)
     grad_err = _grad_error(grads0, grads1, floor)

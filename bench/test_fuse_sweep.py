@@ -119,3 +119,26 @@ def test_past_the_rule_names_the_worst_gradient(case):
     wrong = (*grads0[:2], grads0[2] * 1.02, grads0[3] * 1.2)  # b's weight a little off, its bias far
     why = fs.past_the_rule(names, grads0, wrong, grads64, 1e-10, 8e-3)
     assert why.startswith("2 gradient(s) past the rule, the worst b.bias: fused 0.2"), why
+
+
+def test_a_crash_is_the_compiler_s_only_where_it_fails_without_trifuse(case):
+    """crash_row: "FUSED CRASH" with its traceback, unless torch.compile without trifuse fails too."""
+    model, kwargs, autocast, _, _ = case
+
+    def crash(via: str, loss_of) -> dict:
+        try:
+            raise RuntimeError("the fused step failed")
+        except RuntimeError as e:
+            return fs.crash_row(e, model, loss_of, autocast, via)
+
+    runs = loss_of(kwargs)
+
+    def fails(m: torch.nn.Module) -> torch.Tensor:
+        raise ValueError("so does PyTorch's")
+
+    row = crash("fuse", fails)  # fuse: nothing compiled to blame
+    assert row["status"] == "FUSED CRASH" and row["why"] == "RuntimeError: the fused step failed", row
+    assert "the fused step failed" in row["traceback"]
+    assert crash("backend", runs)["status"] == "FUSED CRASH"
+    assert crash("backend", fails)["status"] == "Dynamo fails"
+    assert crash("inductor", fails)["status"] == "Dynamo fails"  # Dynamo's own backend tried first
