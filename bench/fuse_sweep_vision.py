@@ -269,7 +269,7 @@ def run_one(name: str, dtype: str = "float64", via: str = "fuse") -> dict:
             whys.append(_ill_conditioned(unfused, loss_of, autocast, grads0, grads1, grads64, floor,
                                          grad_tol))
         trainable = [(n, p) for n, p in unfused.named_parameters() if p.requires_grad]
-        if not ok and via == "inductor" and (excess > 0 or loss_excess > 0):  # (a rule broken: more than a repeat)
+        if not ok and via == "inductor" and (excess > 0 or loss_excess > 0):  # (the rule broken)
             alone = _inductor_alone_mixed(unfused, loss_of, [p for _, p in trainable], autocast, (l0, l64),
                                           grads0, grads64, floor, loss_tol, grad_tol, (loss_excess, excess))
             whys.append(alone.pop("why", ""))
