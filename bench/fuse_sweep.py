@@ -515,7 +515,7 @@ def _config(tf, model_type: str, attn: str, task: str = "causal-lm"):
             pass
     if task == "image-text":
         _small_token_ids(cfg)
-        _small_mrope(cfg)
+    _small_mrope(cfg)  # a VLM's text model alone takes the sections too
     if task == "causal-lm" and _attribute(cfg, "is_decoder") is False:  # an encoder family's LM head
         cfg.is_decoder = True  # (BertLMHeadModel, Reformer's) as a decoder: causal, as it is trained
     return cfg
@@ -710,6 +710,41 @@ def _naflex_inputs(vision_cfg, dtype: torch.dtype) -> dict:
             "spatial_shapes": torch.tensor([[4, 4], [4, 3]]), "pixel_attention_mask": mask}
 
 
+def _grid_patches(vision_cfg, grid: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen-VL's layout, as its processor builds it: two images of grid x grid patches, each patch
+    flattened (channels x temporal patch x patch x patch) and the images' patches one after the
+    other, with each image's (t, h, w) in patches."""
+    patch, temporal = _first(vision_cfg.patch_size), getattr(vision_cfg, "temporal_patch_size", 1) or 1
+    channels = getattr(vision_cfg, "in_channels", None) or getattr(vision_cfg, "num_channels", 3) or 3
+    return (torch.randn(2 * grid * grid, channels * temporal * patch * patch, dtype=dtype),
+            torch.tensor([[1, grid, grid]] * 2))
+
+
+def _positioned_patches(patch: int, grid: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gemma 4's layout: two images of grid x grid patches, each image's patches flattened (patches x
+    3 * patch * patch), with every patch's (x, y) in the grid."""
+    xy = torch.stack(torch.meshgrid(torch.arange(grid), torch.arange(grid), indexing="xy"), -1).reshape(-1, 2)
+    return torch.randn(2, grid * grid, 3 * patch * patch, dtype=dtype), xy.expand(2, -1, -1).contiguous()
+
+
+def _vision_tower_layouts(model, dtype: torch.dtype) -> list[dict]:
+    """A VLM's vision tower alone: Qwen-VL's and its kin's `forward(hidden_states | pixel_values,
+    grid_thw)`, two images of 4 merged patches a side as `_grid_patches` lays them out, each patch
+    flattened or as an image (Kimi K2.5's conv takes channels x patch x patch); Gemma 4's
+    `forward(pixel_values, pixel_position_ids)`, two of 4 x 4 patches."""
+    forward = inspect.signature(model.forward).parameters
+    if "pixel_position_ids" in forward:
+        patches, xy = _positioned_patches(_first(model.config.patch_size), 4, dtype)
+        return [{"pixel_values": patches, "pixel_position_ids": xy}]
+    merge = getattr(model.config, "spatial_merge_size", 2) or 2
+    patches, grid_thw = _grid_patches(model.config, 4 * merge, dtype)
+    kwargs = {"grid_thw": grid_thw}
+    if "merge_sizes" in forward:  # VideoLLaMA 3: each image's merge
+        kwargs["merge_sizes"] = torch.tensor([merge] * 2)
+    name, patch = next(iter(forward)), _first(model.config.patch_size)
+    return [{name: patches, **kwargs}, {name: patches.view(len(patches), -1, patch, patch), **kwargs}]
+
+
 def _pixels(model, dtype: torch.dtype) -> dict:
     """Images for the model's vision side: 2 x channels x 32 x 32 (or the config's own size up to
     64), video clips of the config's frames (VideoMAE, ViViT, TimeSformer; VideoPrism's
@@ -739,6 +774,8 @@ def _base_layouts(model, dtype: torch.dtype) -> list[dict]:
         del kwargs["labels"]
         return kwargs
 
+    if {"grid_thw", "pixel_position_ids"} & forward.keys():  # a VLM's vision tower (its main input
+        return _vision_tower_layouts(model, dtype)  # name is often the default's)
     if name == "input_ids":
         main = dict(ids)
     elif name in ("pixel_values", "pixel_values_videos"):
@@ -847,16 +884,13 @@ def _image_text_inputs(model, dtype: torch.dtype) -> dict:
     sig = inspect.signature(image_features).parameters
     layouts = []
     if "image_grid_thw" in sig:
-        grid, temporal = side // patch, getattr(vc, "temporal_patch_size", 1) or 1
-        channels = getattr(vc, "in_channels", None) or getattr(vc, "num_channels", 3)
-        layouts.append((torch.randn(2 * grid * grid, channels * temporal * patch * patch, dtype=dtype),
-                        {"image_grid_thw": torch.tensor([[1, grid, grid]] * 2)}))
-    if "image_position_ids" in sig:  # Gemma 4: each image's patches flattened, with their (x, y) in the grid
-        grid = side // patch
-        xy = torch.stack(torch.meshgrid(torch.arange(grid), torch.arange(grid), indexing="xy"), -1)
-        xy = xy.reshape(-1, 2)
-        layouts.append((torch.randn(2, grid * grid, 3 * patch * patch, dtype=dtype),
-                        {"image_position_ids": xy.expand(2, -1, -1).contiguous()}))
+        patches, grid_thw = _grid_patches(vc, side // patch, dtype)
+        layouts.append((patches, {"image_grid_thw": grid_thw}))
+        images = patches.view(len(patches), -1, patch, patch)  # Kimi K2.5's conv: each patch an image
+        layouts.append((images, {"image_grid_thw": grid_thw}))
+    if "image_position_ids" in sig:
+        patches, xy = _positioned_patches(patch, side // patch, dtype)
+        layouts.append((patches, {"image_position_ids": xy}))
     if "spatial_shapes" in sig:  # SigLIP 2's NaFlex patches (LFM2-VL): flattened, with their grid and mask
         grid = side // patch
         layouts.append((torch.randn(2, grid * grid, 3 * patch * patch, dtype=dtype),

@@ -142,3 +142,14 @@ def test_a_crash_is_the_compiler_s_only_where_it_fails_without_trifuse(case):
     assert crash("backend", runs)["status"] == "FUSED CRASH"
     assert crash("backend", fails)["status"] == "Dynamo fails"
     assert crash("inductor", fails)["status"] == "Dynamo fails"  # Dynamo's own backend tried first
+
+
+@pytest.mark.parametrize("model_type, fused", [("qwen2_5_vl_vision", {"attention": 2, "rotary": 2}),
+                                               ("qwen2_5_vl_text", {"attention": 2, "rotary": 2})])
+def test_a_vlm_s_towers_alone_get_their_inputs(model_type, fused):
+    """A VLM's vision tower alone takes Qwen-VL's flattened patches and (t, h, w) grid (its main
+    input name is the default's), its text model the multimodal rotary's sections sized to the tiny
+    heads: both run, fused and unfused, and agree."""
+    row = fs.run_one(model_type, task="base")
+    assert row["status"] == "ok", row
+    assert fused.items() <= row["replaced"].items(), row["replaced"]
