@@ -339,13 +339,18 @@ def attention_chain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, s
 def attention_chain_fused(q, k, v, d0=None, d1=None, scale=None, mask=None, fill=None, p=0.0, training=False,
                           dtype=None, cap=None, k_shape=None, v_shape=None, k_heads=None, v_heads=None,
                           fill_dtype=None, device=None, d2=None, d3=None, dims=4, shared_kv=False,
-                          mask_dims=None, mask_expand=False, *, scaling: str, masking: str,
+                          mask_dims=None, mask_expand=False, integer_mask=False, *, scaling: str, masking: str,
                           dropout: bool, softmax: str, softcap: bool = False, repeat_kv: bool = False,
                           upcast_qk: bool = False, k_transposed: bool = False, v_transposed: bool = False):
     if k_transposed:
         k = k.transpose(-2, -1)  # (..., keys, head_dim) as the op takes it; the model multiplied by k^T
     if v_transposed:
         v = v.transpose(-2, -1)  # channels first: (..., keys, head_dim); the output transposed back below
+    if masking == "add" and integer_mask:
+        # scores + a bool (or integer) tensor adds its values, 1 where True: an additive mask in
+        # the scores' dtype, not the op's keep-mask (BERT's eager attention adds the bool mask
+        # Grounding DINO hands its text encoder)
+        mask = mask.to(torch.float32 if upcast_qk else q.dtype)
     if masking in ("masked_fill", "where", "where_tensor"):
         # masked_fill marks what to drop, an attention mask what to keep; a finfo.min fill (the
         # filter allows no other finite one) makes a row masked whole a uniform softmax, dropped
@@ -675,7 +680,14 @@ def _dims_of_q(m: Match) -> dict:
     shared_kv = dims == 4 and isinstance(k, torch.Tensor) and k.dim() == 4 and type(k.shape[1]) is int \
         and k.shape[1] == 1 and not (type(q.shape[1]) is int and q.shape[1] <= 1)
     mask = m.value("mask") if dims > 4 and "mask" in m.bindings() else None
-    return {"dims": dims, "shared_kv": shared_kv, **_mask_layout(mask, dims)}
+    return {"dims": dims, "shared_kv": shared_kv, **_mask_layout(mask, dims), **_integer_mask(m)}
+
+
+def _integer_mask(m: Match) -> dict:
+    """Whether the mask is a bool or integer tensor (for a mask added to the scores: its values
+    added, 1 where True, never the op's keep-mask)."""
+    mask = m.value("mask") if "mask" in m.bindings() else None
+    return {"integer_mask": True} if isinstance(mask, torch.Tensor) and not mask.is_floating_point() else {}
 
 
 def _attention_dims(m: Match, masked: bool, kv_repeated: bool = False) -> str | None:
@@ -743,7 +755,7 @@ def _chain_pattern(scaling: str, masking: str, dropout: bool, softmax: str, soft
         filters.append(_cast_is_a_no_op)
     return Pattern(name, "attention", functools.partial(attention_chain, **opts),
                    functools.partial(attention_chain_fused, **opts), ("attention",), tuple(filters),
-                   derive=None if repeat_kv else _dims_of_q)
+                   derive=_integer_mask if repeat_kv else _dims_of_q)
 
 
 def attention_bmm_scaled_k(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, scale, bias: torch.Tensor,

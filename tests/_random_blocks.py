@@ -31,6 +31,9 @@ ATTENTIONS = ("sdpa", "sdpa_causal", "sdpa_gqa", "chain_mul", "chain_div", "chai
               # a mask per window of two over a view of the scores that leaves the images to -1
               # (timm's Swin WindowAttention, written out: swin_s3)
               "chain_shifted_window_mask",
+              # a bool mask added to the scores (1 where True, no key dropped: BERT's eager attention
+              # handed Grounding DINO's bool mask)
+              "chain_bool_added",
               # near misses
               "chain_scale_after_softmax", "chain_softmax_wrong_axis", "chain_mask_multiplied",
               "chain_no_scale_sqrt_off", "chain_gqa_tiled")
@@ -233,6 +236,8 @@ class Attention(nn.Module):
                         scores = torch.where(mask, scores, torch.finfo(scores.dtype).min)
                     elif kind == "chain_mask_multiplied":
                         scores = scores * mask
+                    elif kind == "chain_bool_added":
+                        scores = scores + mask
                     else:
                         scores = scores.masked_fill(~mask, float("-inf"))
                 elif kind == "chain_mask_multiplied":

@@ -207,6 +207,9 @@ CAUSAL = torch.tril(torch.ones(S, S)).view(1, 1, S, S)
 KEEP = torch.tril(torch.ones(S, S, dtype=torch.bool)).view(1, 1, S, S) & PAD  # every row keeps key 0
 KEEP_SOME_ROWS_NONE = KEEP.clone().expand(B, 1, S, S).clone()
 KEEP_SOME_ROWS_NONE[1, 0, 2] = False  # one query row of batch 1 sees no key
+# A bool mask added to the scores adds 1 where True (no key is dropped): BERT's eager attention
+# handed a bool mask (Grounding DINO's text encoder)
+ADDED_BOOL = KEEP.expand(B, 1, S, S).clone()
 
 
 @pytest.mark.parametrize("capture", CAPTURES)
@@ -223,6 +226,7 @@ KEEP_SOME_ROWS_NONE[1, 0, 2] = False  # one query row of batch 1 sees no key
     (sdpa_expand_flatten, {}, 2, "sdpa_expand_flatten_kv"),
     (sdpa_expand_getitem_reshape_method, {}, 2, "sdpa_expand_kv"),
     (chain_mul_additive, {"mask": ADDITIVE}, H, "attention_chain_mul_add_dropout"),
+    (chain_mul_additive, {"mask": ADDED_BOOL}, H, "attention_chain_mul_add_dropout"),
     (chain_div_no_mask, {}, H, "attention_chain_div_no_mask_no_dropout"),
     (chain_masked_fill, {"causal": CAUSAL}, H, "attention_chain_mul_masked_fill_no_dropout"),
     (chain_upcast, {"mask": ADDITIVE}, H, "attention_chain_mul_add_dropout_upcast"),
