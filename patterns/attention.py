@@ -339,9 +339,10 @@ def attention_chain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, s
 def attention_chain_fused(q, k, v, d0=None, d1=None, scale=None, mask=None, fill=None, p=0.0, training=False,
                           dtype=None, cap=None, k_shape=None, v_shape=None, k_heads=None, v_heads=None,
                           fill_dtype=None, device=None, d2=None, d3=None, dims=4, shared_kv=False,
-                          mask_dims=None, mask_expand=False, integer_mask=False, *, scaling: str, masking: str,
-                          dropout: bool, softmax: str, softcap: bool = False, repeat_kv: bool = False,
-                          upcast_qk: bool = False, k_transposed: bool = False, v_transposed: bool = False):
+                          mask_dims=None, mask_expand=False, integer_mask=False, *, scaling: str,
+                          masking: str, dropout: bool, softmax: str, softcap: bool = False,
+                          repeat_kv: bool = False, upcast_qk: bool = False, k_transposed: bool = False,
+                          v_transposed: bool = False):
     if k_transposed:
         k = k.transpose(-2, -1)  # (..., keys, head_dim) as the op takes it; the model multiplied by k^T
     if v_transposed:
