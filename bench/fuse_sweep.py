@@ -96,7 +96,9 @@ NO_DROPOUT = {k: 0.0 for k in ("hidden_dropout", "attention_dropout", "resid_pdr
                                "seq_classif_dropout", "summary_first_dropout", "summary_last_dropout", "pooler_dropout",
                                "cls_dropout", "final_dropout", "qa_dropout",
                                # Reformer's attention probabilities (functional dropout, seeded anew per call)
-                               "local_attention_probs_dropout_prob", "lsh_attention_probs_dropout_prob")}
+                               "local_attention_probs_dropout_prob", "lsh_attention_probs_dropout_prob",
+                               # Grounding DINO's drop path around its image-text fusion
+                               "fusion_droppath")}
 # Sizes only the encoder-decoder and vision configs have; kept apart so the causal-LM sweep's
 # configs stay as they were.
 SMALL_EXTRA = {"encoder_layers": 2, "decoder_layers": 2, "num_decoder_layers": 2, "encoder_attention_heads": 2,
@@ -197,7 +199,16 @@ OVERRIDES = {"t5gemma": {"bos_token_id": 2},
              # its rotary covers half of head_dim (partial_rotary_factor 0.5): 8 of 16, the qk rope width
              "mistral4": {**_MLA, "head_dim": 16},
              "kimi_linear": {**_HYBRID, "linear_head_dim": 16, "linear_num_heads": 2, "qk_rope_head_dim": 8,
-                             "qk_nope_head_dim": 8, "v_head_dim": 16, "kv_lora_rank": 16, "head_dim": 8}}
+                             "qk_nope_head_dim": 8, "v_head_dim": 16, "kv_lora_rank": 16, "head_dim": 8},
+             # detectors that pick their queries as the top k of the encoder's tokens: a 32 x 32 image
+             # has fewer than their 900 or 300 (Grounding DINO's Swin leaves 4 over its feature levels).
+             # Grounding DINO's GroupNorm(32, d_model) on those 1 x 1 maps: at a width of 32, one value
+             # a group, normalized to PyTorch's rounding noise (1e-14, where trifuse gives the exact 0)
+             # and blown up to O(1) by the layer norms after it. A width of 64 (d_model, alias
+             # hidden_size) puts two values in a group.
+             "rf_detr": {"num_queries": 4},
+             **{t: {"num_queries": 4, "d_model": 64, "hidden_size": 64, "patch_size": 2, "window_size": 2}
+                for t in ("grounding-dino", "mm-grounding-dino")}}
 TASKS = ("causal-lm", "masked-lm", "seq2seq", "image-cls", "seq-cls", "token-cls", "qa", "multiple-choice",
          "ctc", "audio-cls", "video-cls", "image-text", "base")
 AUDIO_TASKS = ("ctc", "audio-cls")
@@ -312,6 +323,12 @@ EXPLAINED = {
         "it has): the loss unfused 3.1e-8 from float64 itself, fused 7.6e-16; worst at the pooling head's "
         "k_proj.bias, whose gradient is zero in exact arithmetic: unfused 4e-9 (fp32 rounding), fused ~1e-17 "
         "(bench/fp64_truth.py --task video-cls)",
+    **{("base", "float64", t): (
+        "the model's own fp32 softmax (`softmax(..., dtype=torch.float32)` in the eager attention of its Swin "
+        "backbone: Grounding DINO has no SDPA path): the Swin k_proj biases' gradients, zero in exact "
+        f"arithmetic, unfused {err} from float64 itself, fused within {fused} of it everywhere "
+        "(bench/fp64_truth.py --task base)")
+       for t, err, fused in (("grounding-dino", "0.6", "1.5e-7"), ("mm-grounding-dino", "0.72", "2.3e-7"))},
     ("base", "float64", "videoprism"):
         "the model's own fp32 softmax, as video-cls's videoprism_vision_model, at its video pooling head's "
         "k_proj.bias, whose gradient is zero in exact arithmetic (float64 truth 1.9e-18): unfused 4.4e-10, fused "
@@ -441,7 +458,10 @@ _GEMMA4_IMAGE_TEXT = {"pooling_kernel_size": 2, "global_head_dim": 16}
 IMAGE_TEXT_OVERRIDES = {"llama4": {"intermediate_size": 128}, "gemma4": _GEMMA4_IMAGE_TEXT,
                         "gemma4_unified": _GEMMA4_IMAGE_TEXT, "molmo2": {"vision_feature_layer": [1, 0]},
                         "mllama": {"cross_attention_layers": [1], "intermediate_layers_indices": [0, 1],
-                                   "num_global_layers": 1, "vision_output_dim": 96}}
+                                   "num_global_layers": 1, "vision_output_dim": 96},
+                        # Kimi K2.5: DeepSeek-V3's latent attention (its validation wants head_dim x heads
+                        # = embed_dim), a projector that normalizes the vision tower's width by this name
+                        "kimi_k25": {**_MLA, "embed_dim": 16, "projection_hidden_size": 32}}
 # Token ids a config keeps as such, not the special tokens a multimodal model marks its inputs with
 _PLAIN_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "_pad_token_id",
                     "user_token_id")
@@ -462,13 +482,18 @@ def _small_token_ids(cfg, vocab: int = 64) -> None:
                 setattr(c, name, vocab - 1 - i)
 
 
+# Text configs whose models read `mrope_section` with a default of their own, undeclared in the config
+_UNDECLARED_MROPE = {"paddleocr_vl_text"}
+
+
 def _small_mrope(cfg) -> None:
     """Multimodal rotary (Qwen-VL's t/h/w sections of the rotary frequencies): sections that sum to
     the tiny heads' rotary half, where the text config takes `mrope_section` (their defaults are
     for head_dim 128)."""
     for c in (cfg, _attribute(cfg, "text_config")):
         params = _attribute(c, "rope_parameters")
-        takes_sections = "mrope_section" in getattr(type(c), "ignore_keys_at_rope_validation", ())
+        takes_sections = "mrope_section" in getattr(type(c), "ignore_keys_at_rope_validation", ()) \
+            or getattr(c, "model_type", None) in _UNDECLARED_MROPE
         if not takes_sections or not isinstance(params, dict):
             continue
         head_dim = _attribute(c, "head_dim") or c.hidden_size // c.num_attention_heads
@@ -714,7 +739,8 @@ def _grid_patches(vision_cfg, grid: int, dtype: torch.dtype) -> tuple[torch.Tens
     """Qwen-VL's layout, as its processor builds it: two images of grid x grid patches, each patch
     flattened (channels x temporal patch x patch x patch) and the images' patches one after the
     other, with each image's (t, h, w) in patches."""
-    patch, temporal = _first(vision_cfg.patch_size), getattr(vision_cfg, "temporal_patch_size", 1) or 1
+    patch = _first(vision_cfg.patch_size)
+    temporal = getattr(vision_cfg, "temporal_patch_size", None) or getattr(vision_cfg, "patch_temporal", 1) or 1
     channels = getattr(vision_cfg, "in_channels", None) or getattr(vision_cfg, "num_channels", 3) or 3
     return (torch.randn(2 * grid * grid, channels * temporal * patch * patch, dtype=dtype),
             torch.tensor([[1, grid, grid]] * 2))
@@ -827,7 +853,9 @@ def _loss(out, task: str) -> torch.Tensor:
     floating output tensor (nested tuples and ModelOutput fields included) against fixed random
     targets of its shape: the same outputs give the same loss fused or not, every output's
     gradient flows (a plain sum would give a norm's output none but its bias's), and no terms
-    cancel (a sum against random weights can end near 0, where a relative error means nothing)."""
+    cancel (a sum against random weights can end near 0, where a relative error means nothing).
+    Infinite entries (Grounding DINO's text logits past the text, -inf) count as 0: an output
+    that is infinite in one model and finite in the other still changes the loss, a NaN spreads."""
     if task != "base":
         return out.loss
     leaves = [t for t in torch.utils._pytree.tree_leaves(out.to_tuple() if hasattr(out, "to_tuple") else out)
@@ -837,6 +865,7 @@ def _loss(out, task: str) -> torch.Tensor:
     total = 0.0
     for i, t in enumerate(leaves):
         g = torch.Generator().manual_seed(i)
+        t = torch.where(t.isinf(), 0, t)
         total = total + (t - torch.randn(t.shape, generator=g, dtype=torch.float64).to(t.dtype)).square().mean()
     return total
 
@@ -885,9 +914,12 @@ def _image_text_inputs(model, dtype: torch.dtype) -> dict:
     layouts = []
     if "image_grid_thw" in sig:
         patches, grid_thw = _grid_patches(vc, side // patch, dtype)
-        layouts.append((patches, {"image_grid_thw": grid_thw}))
-        images = patches.view(len(patches), -1, patch, patch)  # Kimi K2.5's conv: each patch an image
-        layouts.append((images, {"image_grid_thw": grid_thw}))
+        grid = {"image_grid_thw": grid_thw}
+        if "image_merge_sizes" in forward:  # VideoLLaMA 3: each image's merge (in its head's **kwargs)
+            grid["image_merge_sizes"] = torch.tensor([getattr(vc, "spatial_merge_size", 2) or 2] * 2)
+        layouts.append((patches, grid))
+        # Kimi K2.5's and PaddleOCR-VL's convs take each patch as an image
+        layouts.append((patches.view(len(patches), -1, patch, patch), grid))
     if "image_position_ids" in sig:
         patches, xy = _positioned_patches(patch, side // patch, dtype)
         layouts.append((patches, {"image_position_ids": xy}))
