@@ -324,8 +324,8 @@ EXPLAINED = {
         "k_proj.bias, whose gradient is zero in exact arithmetic: unfused 4e-9 (fp32 rounding), fused ~1e-17 "
         "(bench/fp64_truth.py --task video-cls)",
     **{("base", "float64", t): (
-        "the model's own fp32 softmax (`softmax(..., dtype=torch.float32)` in the eager attention of its Swin "
-        "backbone: Grounding DINO has no SDPA path): the Swin k_proj biases' gradients, zero in exact "
+        "the model's own fp32 softmax (`softmax(..., dtype=torch.float32)` in the eager attention of its "
+        "Swin backbone: Grounding DINO has no SDPA path): the Swin k_proj biases' gradients, zero in exact "
         f"arithmetic, unfused {err} from float64 itself, fused within {fused} of it everywhere "
         "(bench/fp64_truth.py --task base)")
        for t, err, fused in (("grounding-dino", "0.6", "1.5e-7"), ("mm-grounding-dino", "0.72", "2.3e-7"))},
@@ -740,7 +740,8 @@ def _grid_patches(vision_cfg, grid: int, dtype: torch.dtype) -> tuple[torch.Tens
     flattened (channels x temporal patch x patch x patch) and the images' patches one after the
     other, with each image's (t, h, w) in patches."""
     patch = _first(vision_cfg.patch_size)
-    temporal = getattr(vision_cfg, "temporal_patch_size", None) or getattr(vision_cfg, "patch_temporal", 1) or 1
+    temporal = getattr(vision_cfg, "temporal_patch_size", None) or getattr(vision_cfg, "patch_temporal", 1)
+    temporal = temporal or 1
     channels = getattr(vision_cfg, "in_channels", None) or getattr(vision_cfg, "num_channels", 3) or 3
     return (torch.randn(2 * grid * grid, channels * temporal * patch * patch, dtype=dtype),
             torch.tensor([[1, grid, grid]] * 2))
