@@ -205,16 +205,16 @@ OVERRIDES = {"t5gemma": {"bos_token_id": 2},
              # Grounding DINO's GroupNorm(32, d_model) on those 1 x 1 maps: at a width of 32, one value
              # a group, normalized to PyTorch's rounding noise (1e-14, where trifuse gives the exact 0)
              # and blown up to O(1) by the layer norms after it. A width of 64 (d_model, alias
-             # hidden_size) puts two values in a group.
+             # hidden_size) puts two values in a group. Its Swin backbone at Swin's sizes above.
              "rf_detr": {"num_queries": 4},
+             **{t: {"num_queries": 4, "d_model": 64, "hidden_size": 64, "patch_size": 2, "window_size": 2}
+                for t in ("grounding-dino", "mm-grounding-dino")},
              # SAM: the vision neck's channels and the positional features (two per channel pair) at
              # the prompt encoder's and mask decoder's width
              **{t: {"output_channels": 32, "num_pos_feats": 16, "mlp_dim": 64, "iou_head_hidden_dim": 32}
                 for t in ("sam", "sam_hq")},
              # SAM 3: its vision FPN at the width of the rest
-             **{t: {"fpn_hidden_size": 32} for t in ("sam3", "sam3_tracker", "sam3_lite_text")},
-             **{t: {"num_queries": 4, "d_model": 64, "hidden_size": 64, "patch_size": 2, "window_size": 2}
-                for t in ("grounding-dino", "mm-grounding-dino")}}
+             **{t: {"fpn_hidden_size": 32} for t in ("sam3", "sam3_tracker", "sam3_lite_text")}}
 TASKS = ("causal-lm", "masked-lm", "seq2seq", "image-cls", "seq-cls", "token-cls", "qa", "multiple-choice",
          "ctc", "audio-cls", "video-cls", "image-text", "base")
 AUDIO_TASKS = ("ctc", "audio-cls")
