@@ -43,6 +43,10 @@ rewrites, in place:
 - `out = torch.empty_like(x); out[..., 0::2] = a; out[..., 1::2] = b`, out read by nothing
   before both writes (Wan's rotary) -> `torch.stack([a, b], -1).flatten(-2)`, each half cast to
   out's dtype where the write would cast it.
+- `(s.view(shape) + a + b).view(<s's shape>)`, a + b of the view's shape (SAM's and ViTDet's
+  decomposed relative positions, segment-anything's and detectron2's spelling; transformers'
+  SegGPT and VitDet) -> `s + (a + b).reshape(<s's shape>)`, a mask the attention patterns take
+  (as for MViT's, the two terms summed before the scores).
 - `y.expand_as(x)` -> `y.expand(<x's shape>)` (likewise `view_as`, `reshape_as`) in Dynamo graphs,
   where x's shape is static (guarded).
 - `torch.softmax(x.to(dtype), dim)` -> `torch.softmax(x, dim, dtype)` (softmax casts its input to
@@ -212,6 +216,7 @@ def canonicalize_graph(graph: fx.Graph, root: torch.nn.Module | None = None) -> 
     _interleaved_writes(graph)
     _softmax_of_casts(graph)
     _window_mask_views(graph)
+    _terms_over_a_view_of_the_scores(graph)
     _view_round_trips(graph)
     constant_masks(graph)
 
@@ -1104,6 +1109,74 @@ def _window_mask_views(graph: fx.Graph) -> None:
         back.replace_all_uses_with(total)
         for node in (back, added, view):
             graph.erase_node(node)
+
+
+def _is_view_or_reshape(node: Any) -> bool:
+    return _is_view(node) or isinstance(node, fx.Node) and node.op == "call_method" \
+        and node.target == "reshape" and len(node.args) == 2 and not node.kwargs \
+        and isinstance(node.args[0], fx.Node)
+
+
+def _terms_over_a_view_of_the_scores(graph: fx.Graph) -> None:
+    """`(s.view(shape) + a + b ...).view(<s's shape>)`, two terms or more whose sum has the inner
+    view's shape -> `s + (a + b ...).reshape(<s's shape>)`: SAM's and ViTDet's decomposed relative
+    positions, `(attn.view(B, qh, qw, kh, kw) + rel_h[..., None] + rel_w[..., None, :]).view(B, qh *
+    qw, kh * kw)` (segment-anything's and detectron2's code; transformers' SegGPT and VitDet, the
+    first with `reshape`), where the attention patterns take a mask added to the scores. The same values
+    (the view and the view back pair the elements of s in one row-major order), but for the sum,
+    which adds the terms before s (one rounding of the scores apart, as MPNet's two masks). Where
+    example values show those shapes and nothing else reads the views and sums or writes to them."""
+    for inner in list(graph.nodes):
+        if not _is_view_or_reshape(inner) or len(inner.users) != 1 or _written_in_place(inner):
+            continue
+        node, terms, sums = inner, [], []
+        while True:
+            user = next(iter(node.users))
+            if user.op != "call_function" or user.target is not operator.add or len(user.args) != 2 \
+                    or user.kwargs or len(user.users) != 1 or _written_in_place(user):
+                break
+            term = user.args[1] if user.args[0] is node else user.args[0]
+            if term is node or not isinstance(term, fx.Node):
+                break
+            terms.append(term)
+            sums.append(user)
+            node = user
+        back = next(iter(node.users))
+        # two terms at least: one mask over a view and back is BART's older attention (a mask per
+        # head over (B, H, Sq, Sk)) and Swin's, which their own patterns take as written
+        if len(terms) < 2 or not _is_view_or_reshape(back) or back.args[0] is not node \
+                or _written_in_place(back):
+            continue
+        scores = inner.args[0]
+        s, v, out = _value(scores), _value(inner), _value(back)
+        values = [_value(t) for t in terms]
+        if not all(isinstance(t, torch.Tensor) for t in (s, v, out, *values)) or not same_shape(s, out) \
+                or not all(t.is_floating_point() for t in values):
+            continue
+        try:
+            shape = torch.broadcast_shapes(*(t.shape for t in values))
+        except RuntimeError:
+            continue
+        if len(shape) != v.dim() or not all(known_equal(a, b) for a, b in zip(shape, v.shape)):
+            continue
+        wide = functools.reduce(torch.result_type, values)  # the terms' sum's dtype: s + it must have the
+        if torch.promote_types(s.dtype, wide) != out.dtype:  # unfused sum's (0-d terms promote by kind only)
+            continue
+        key = "val" if "val" in scores.meta else "example_value"
+        with graph.inserting_before(back):
+            delta, vd = terms[0], values[0]
+            for term, vt in zip(terms[1:], values[1:]):
+                delta = graph.call_function(operator.add, (delta, term))
+                vd = vd + vt
+                delta.meta[key] = vd
+            delta = graph.call_method("reshape", (delta, back.args[1]))  # the view back's own sizes
+            vd = vd.reshape(s.shape)
+            delta.meta[key] = vd
+            total = graph.call_function(operator.add, (scores, delta))
+            total.meta[key] = out
+        back.replace_all_uses_with(total)
+        for step in (back, *reversed(sums), inner):
+            graph.erase_node(step)
 
 
 def _batch_source(scores: fx.Node, batch: int) -> fx.Node | None:

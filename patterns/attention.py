@@ -21,7 +21,8 @@ style: the score matrix never exists).
   transposed back, a view; with it, v and the output channels first, `v @ P^T` on (B, C, N) maps
   (timm's iFormer written out), the op's v and output transposed, views. MViT's relative
   positions, written into a slice of the scores in place (timm's and torchvision's), reach these
-  patterns as a mask added (fusion/normalize.py).
+  patterns as a mask added (fusion/normalize.py); so do SAM's and ViTDet's decomposed ones, added
+  over a view of the scores (transformers' SegGPT and VitDet).
   transformers' eager_attention_forward (fp32 softmax, dropout) on K and V repeated per query
   group by `repeat_kv` becomes the op with `enable_gqa=True` on the un-repeated K and V.
   Hand-written decoders that keep a causal mask and take a padding mask apply the first by

@@ -34,6 +34,9 @@ ATTENTIONS = ("sdpa", "sdpa_causal", "sdpa_gqa", "chain_mul", "chain_div", "chai
               # a bool mask added to the scores (1 where True, no key dropped: BERT's eager attention
               # handed Grounding DINO's bool mask)
               "chain_bool_added",
+              # positions from q per axis of the tokens' grid, added over a 6-D view of the scores
+              # and viewed back (SAM's and ViTDet's decomposed relative positions)
+              "chain_decomposed_positions",
               # near misses
               "chain_scale_after_softmax", "chain_softmax_wrong_axis", "chain_mask_multiplied",
               "chain_no_scale_sqrt_off", "chain_gqa_tiled")
@@ -192,6 +195,9 @@ class Attention(nn.Module):
         if kind.startswith("chain_slice_positions"):  # a key position table and a bias per key
             self.rel = nn.Parameter(0.3 * torch.randn(MAX_SEQ, d))
             self.rel_bias = nn.Parameter(0.3 * torch.randn(MAX_SEQ))
+        if kind == "chain_decomposed_positions":  # a table per axis: (query row, key row, d), and columns
+            self.rel_rows = nn.Parameter(0.3 * torch.randn(MAX_SEQ, MAX_SEQ, d))
+            self.rel_cols = nn.Parameter(0.3 * torch.randn(MAX_SEQ, MAX_SEQ, d))
         if kind == "chain_shifted_window_mask":  # Swin's: 0 where two tokens share a region, -100 elsewhere
             regions = torch.randint(0, 2, (WINDOWS, MAX_SEQ), generator=torch.Generator().manual_seed(5))
             apart = regions[:, :, None] != regions[:, None, :]
@@ -252,6 +258,14 @@ class Attention(nn.Module):
                     grid = scores[:, :, 1:, 1:].view(b, HEADS, s - 1, 1, s - 1)
                     scores[:, :, 1:, 1:] = (grid + rel.unsqueeze(-2) + self.rel_bias[: s - 1]).view(
                         b, HEADS, s - 1, s - 1)
+            if kind == "chain_decomposed_positions":  # the tokens as a grid of rows x cols
+                rows = max(r for r in range(1, math.isqrt(s) + 1) if s % r == 0)
+                cols = s // rows
+                grid_q = q.reshape(b, HEADS, rows, cols, d)
+                rel_rows = torch.einsum("bnhwc,hkc->bnhwk", grid_q, self.rel_rows[:rows, :rows])
+                rel_cols = torch.einsum("bnhwc,wkc->bnhwk", grid_q, self.rel_cols[:cols, :cols])
+                scores = (scores.view(b, HEADS, rows, cols, rows, cols) + rel_rows[..., None]
+                          + rel_cols[..., None, :]).view(b, HEADS, s, s)
             if kind == "chain_shifted_window_mask":  # the batch as images of WINDOWS windows each
                 windows = self.window_mask[:, :s, :s].to(scores.dtype)
                 scores = scores.view(-1, WINDOWS, HEADS, s, s) + windows.unsqueeze(1).unsqueeze(0)
