@@ -129,6 +129,8 @@ _DECODER = {k: SMALL_EXTRA[k] for k in ("encoder_layers", "decoder_layers", "enc
                                         "decoder_attention_heads", "encoder_ffn_dim", "decoder_ffn_dim")}
 # State-space mixers' sizes: their heads must tile expand x width (2 x 32) exactly.
 _MAMBA = {"mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_chunk_size": 16}
+_TINY_RESNET = {"model_type": "resnet", "embedding_size": 16, "hidden_sizes": [16, 32], "depths": [1, 1],
+                "out_indices": [1, 2]}
 OVERRIDES = {"t5gemma": {"bos_token_id": 2},
              # LiLT's layout embeddings are six of hidden_size // 6; BROS's box embeddings take an eighth of a
              # quarter of it, halved again; LayoutLMv3's are 4 coordinates and 2 shapes that add up to it
@@ -214,7 +216,23 @@ OVERRIDES = {"t5gemma": {"bos_token_id": 2},
              **{t: {"output_channels": 32, "num_pos_feats": 16, "mlp_dim": 64, "iou_head_hidden_dim": 32}
                 for t in ("sam", "sam_hq")},
              # SAM 3: its vision FPN at the width of the rest
-             **{t: {"fpn_hidden_size": 32} for t in ("sam3", "sam3_tracker", "sam3_lite_text")}}
+             **{t: {"fpn_hidden_size": 32} for t in ("sam3", "sam3_tracker", "sam3_lite_text")},
+             # time series: a context of 8 (plus 3 lags) to forecast 4 with 2 time features; patches of
+             # 4 over 3 channels (PatchTST's default patch is one step); TimesFM's patches of 8
+             **{t: {"context_length": 8, "prediction_length": 4, "lags_sequence": [1, 2, 3],
+                    "num_time_features": 2} for t in ("informer", "autoformer", "time_series_transformer")},
+             **{t: {"patch_length": 4, "patch_stride": 4, "num_input_channels": 3}
+                for t in ("patchtst", "patchtsmixer")},
+             **{t: {"patch_length": 8, "context_length": 32, "horizon_length": 8}
+                for t in ("timesfm", "timesfm2_5")},
+             "gemma3n_audio": {"conf_num_hidden_layers": 2, "conf_num_attention_heads": 2},
+             # ViTDet's checkpoints (VitMatte's backbone too) add decomposed relative positions; the
+             # config's default leaves them off
+             "vitdet": {"use_relative_position_embeddings": True},
+             # the DETR family's default backbone is timm's ResNet-50: transformers' own ResNet at the
+             # tiny width instead (timm needs a torchvision that matches the CPU torch)
+             **{t: {"backbone_config": _TINY_RESNET, "num_queries": 4}
+                for t in ("detr", "conditional_detr", "dab-detr", "deformable_detr", "table-transformer")}}
 TASKS = ("causal-lm", "masked-lm", "seq2seq", "image-cls", "seq-cls", "token-cls", "qa", "multiple-choice",
          "ctc", "audio-cls", "video-cls", "image-text", "base")
 AUDIO_TASKS = ("ctc", "audio-cls")
@@ -415,7 +433,7 @@ def _small_config(cls, kw: dict):
             kw[k] = 0
     for name, sub_cls in (getattr(default, "sub_configs", None) or {}).items():
         sub = _attribute(default, name)
-        if sub is None:
+        if sub is None or isinstance(kw.get(name), dict):  # none, or given whole (OVERRIDES)
             continue
         if hasattr(sub, "to_dict") and not isinstance(sub, type):  # the default's own class (an AutoConfig
             sub_cls = type(sub)  # placeholder names none: Gemma 3's SigLIP tower, Llama 4's vision config)
@@ -794,6 +812,56 @@ def _pixels(model, dtype: torch.dtype) -> dict:
     return {name: torch.randn(2, *frames, getattr(vision, "num_channels", 3) or 3, size, size, dtype=dtype)}
 
 
+def _series_inputs(model, dtype: torch.dtype) -> dict:
+    """A batch of 2 time series: the GluonTS-style encoder-decoders' (Informer, Autoformer, the Time
+    Series Transformer) context with its lags and time features and the values to forecast;
+    TimesFM's univariate series of four patches with their padding; PatchTST's and PatchTSMixer's
+    multivariate context."""
+    cfg = model.config
+    forward = inspect.signature(model.forward).parameters
+    if "past_time_features" in forward:
+        past, future = cfg.context_length + max(cfg.lags_sequence), cfg.prediction_length
+        return {"past_values": torch.randn(2, past, dtype=dtype),
+                "past_time_features": torch.randn(2, past, cfg.num_time_features, dtype=dtype),
+                "past_observed_mask": torch.ones(2, past, dtype=dtype),
+                "future_values": torch.randn(2, future, dtype=dtype),
+                "future_time_features": torch.randn(2, future, cfg.num_time_features, dtype=dtype)}
+    if "past_values_padding" in forward:
+        length = 4 * cfg.patch_length
+        kwargs = {"past_values": torch.randn(2, length, dtype=dtype),
+                  "past_values_padding": torch.zeros(2, length, dtype=dtype)}
+        if "freq" in forward:
+            kwargs["freq"] = torch.zeros(2, 1, dtype=torch.long)
+        return kwargs
+    return {"past_values": torch.randn(2, cfg.context_length, cfg.num_input_channels, dtype=dtype)}
+
+
+def _other_inputs(model, dtype: torch.dtype) -> dict | None:
+    """The batch of a model whose inputs are none of the usual ones: the Decision Transformer's
+    trajectories (states, actions, rewards and returns to go), the BLIP-2 Q-Former's queries with
+    the image features they read, Gemma 3n's audio encoder's mel frames (40 tokens after its
+    subsampling), SegGPT's image and its prompt image and mask (each half the config's height)."""
+    cfg = model.config
+    forward = inspect.signature(model.forward).parameters
+    if model.main_input_name == "states":
+        return {"states": torch.randn(2, 12, cfg.state_dim, dtype=dtype),
+                "actions": torch.randn(2, 12, cfg.act_dim, dtype=dtype),
+                "rewards": torch.randn(2, 12, 1, dtype=dtype),
+                "returns_to_go": torch.randn(2, 12, 1, dtype=dtype),
+                "timesteps": torch.randint(0, 8, (2, 12)), "attention_mask": torch.ones(2, 12, dtype=dtype)}
+    if "query_embeds" in forward and "input_ids" not in forward:
+        return {"query_embeds": torch.randn(2, 4, cfg.hidden_size, dtype=dtype),
+                "encoder_hidden_states": torch.randn(2, 6, cfg.encoder_hidden_size, dtype=dtype)}
+    if model.main_input_name == "audio_mel":
+        return {"audio_mel": torch.randn(2, 160, cfg.input_feat_size, dtype=dtype),
+                "audio_mel_mask": torch.zeros(2, 160, dtype=torch.bool)}
+    if "prompt_pixel_values" in forward:
+        height, width = cfg.image_size
+        return {k: torch.randn(2, 3, height // 2, width, dtype=dtype)
+                for k in ("pixel_values", "prompt_pixel_values", "prompt_masks")}
+    return None
+
+
 def _base_layouts(model, dtype: torch.dtype) -> list[dict]:
     """The batches a model without a head may take, fewest inputs first: its main input alone, then
     with what its forward takes beside it (a dual encoder's images or audio for its text, CLIP's
@@ -809,12 +877,17 @@ def _base_layouts(model, dtype: torch.dtype) -> list[dict]:
 
     if {"grid_thw", "pixel_position_ids"} & forward.keys():  # a VLM's vision tower (its main input
         return _vision_tower_layouts(model, dtype)  # name is often the default's)
+    other = _other_inputs(model, dtype)
+    if other:
+        return [other]
     if name == "input_ids":
         main = dict(ids)
     elif name in ("pixel_values", "pixel_values_videos"):
         main = _pixels(model, dtype)
     elif name in ("input_values", "input_features"):
         main = audio()
+    elif name == "past_values":
+        main = _series_inputs(model, dtype)
     else:
         return []
     layouts = [main]
