@@ -83,11 +83,13 @@ style: the score matrix never exists).
   where q, k and v share a dtype. Their blocks return the probabilities too: fusion/capture.py drops them from
   the graph's outputs when the block is called with output_attentions=False.
 - `F.multi_head_attention_forward`, self- and cross-attention, as `nn.MultiheadAttention` (and so
-  nn.TransformerEncoder / Decoder) calls it and as WavLM calls it itself: projection weights
-  packed or separate (q, k, v), an attn_mask (2-D, or per batch and head: WavLM's gated relative
-  position bias, which gets its gradient) and a key padding mask, each boolean or additive; with
-  need_weights (nn.MultiheadAttention's default) when the weights go unused. The in-projections,
-  heads and out-projection stay as matmuls around the fused attention.
+  nn.TransformerEncoder / Decoder) calls it and as WavLM calls it itself, and on a query, key and
+  value of their own (DETR's and Mask2Former's decoders add positions to the query and key only):
+  projection weights packed or separate (q, k, v), an attn_mask (2-D, or per batch and head:
+  WavLM's gated relative position bias, which gets its gradient; Mask2Former's boolean mask per
+  query) and a key padding mask, each boolean or additive; with need_weights
+  (nn.MultiheadAttention's default) when the weights go unused. The in-projections, heads and
+  out-projection stay as matmuls around the fused attention.
 
 Dropout keeps its p and is off when the model's training flag is off, as in the model.
 
@@ -1518,17 +1520,40 @@ def cross_attention_mha_fused(x, memory, embed_dim, num_heads, in_w, in_b, dropo
                       key_padding_mask, need_weights, attn_mask, is_causal, kinds)
 
 
+def attention_mha(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, embed_dim, num_heads, in_w,
+                  in_b, dropout_p, out_w, out_b, training, key_padding_mask, need_weights, attn_mask,
+                  separate, q_w, k_w, v_w, average_attn_weights, is_causal):
+    """nn.MultiheadAttention's functional core on a query, key and value of their own: DETR's
+    decoder (its self-attention's query and key the tokens plus their positions, the value the
+    tokens; its cross-attention's key the memory plus its positions, the value the memory),
+    Mask2Former's masked cross-attention; weights as in self_attention_mha."""
+    return F.multi_head_attention_forward(
+        query, key, value, embed_dim, num_heads, in_w, in_b, None, None, False, dropout_p, out_w, out_b,
+        training, key_padding_mask, need_weights, attn_mask, separate, q_w, k_w, v_w, None, None,
+        average_attn_weights, is_causal)[0]
+
+
+def attention_mha_fused(query, key, value, embed_dim, num_heads, in_w, in_b, dropout_p, out_w, out_b,
+                        training, key_padding_mask, need_weights, attn_mask, separate, q_w, k_w, v_w,
+                        average_attn_weights, is_causal, kinds):
+    if not separate:
+        q_w, k_w, v_w = in_w.split([embed_dim, embed_dim, embed_dim])  # unpacked: fx traces no tuple() of it
+    return _mha_fused(query, key, embed_dim, num_heads, (q_w, k_w, v_w), in_b, dropout_p, out_w, out_b,
+                      training, key_padding_mask, need_weights, attn_mask, is_causal, kinds, value=value)
+
+
 def _mha_fused(x, memory, embed_dim, num_heads, weights, in_b, dropout_p, out_w, out_b, training,
-               key_padding_mask, need_weights, attn_mask, is_causal, kinds):
-    """The query from x, key and value from memory, with three projection weights or a query one
-    and a packed key-value one (2 x embed_dim rows); in_b packs the three biases."""
+               key_padding_mask, need_weights, attn_mask, is_causal, kinds, value=None):
+    """The query from x, key and value from memory (the value from `value` where given), with
+    three projection weights or a query one and a packed key-value one (2 x embed_dim rows); in_b
+    packs the three biases."""
     (seq_q, batch, _), seq_k = x.shape, memory.shape[0]
     head_dim = embed_dim // num_heads
     if len(weights) == 3:  # a tuple of the pattern's own: its length is known while tracing
         w_q, w_k, w_v = weights
         b_q, b_k, b_v = (None, None, None) if in_b is None else in_b.split([embed_dim, embed_dim, embed_dim])
-        k, v = (F.linear(memory, w, b).view(seq_k, batch, num_heads, head_dim).permute(1, 2, 0, 3)
-                for w, b in ((w_k, b_k), (w_v, b_v)))
+        k, v = (F.linear(t, w, b).view(seq_k, batch, num_heads, head_dim).permute(1, 2, 0, 3)
+                for t, w, b in ((memory, w_k, b_k), (memory if value is None else value, w_v, b_v)))
     else:
         w_q, w_kv = weights
         b_q, b_kv = (None, None) if in_b is None else in_b.split([embed_dim, 2 * embed_dim])
@@ -1587,18 +1612,27 @@ def _mha_kinds(m: Match) -> dict:
                       isinstance(kpm, torch.Tensor) and kpm.dtype == torch.bool)}
 
 
-def _mha_masks(m: Match, cross: bool) -> str | None:
+def _mha_masks(m: Match, cross: bool, general: bool = False) -> str | None:
+    """Constant flags and sizes, a batched query, and masks of the shapes
+    F.multi_head_attention_forward takes. `cross`: the key and value one tensor, `memory`;
+    `general`: the query, key and value (a key and a value of one batch and length)."""
     for name in ("is_causal", "need_weights", "separate"):
         if not isinstance(m[name], bool):
             return f"{name} is not a constant bool"
     if not is_number(m["embed_dim"]) or not is_number(m["num_heads"]):
         return "embed_dim / num_heads are not constants"
-    x = m.value("x")
+    x = m.value("query" if general else "x")
     if not isinstance(x, torch.Tensor) or x.dim() != 3:
         return "the query is not batched (seq, batch, embed_dim)"
     batch, seq_q = x.shape[1], x.shape[0]
-    memory = m.value("memory") if cross else x
+    memory = m.value("key") if general else m.value("memory") if cross else x
     seq_k = memory.shape[0] if isinstance(memory, torch.Tensor) else None
+    if general:
+        value = m.value("value")
+        if not isinstance(memory, torch.Tensor) or not isinstance(value, torch.Tensor) or memory.dim() != 3 \
+                or value.dim() != 3 or tuple(memory.shape[:2]) != (seq_k, batch) \
+                or tuple(value.shape[:2]) != (seq_k, batch):
+            return "a key and a value that are not (seq_k, batch, features) of the query's batch"
     weights = ("q_w", "k_w", "v_w") if m["separate"] else ("in_w",)
     if not all(isinstance(m.value(w), torch.Tensor) for w in weights):
         return "projection weights that are not tensors"
@@ -1753,5 +1787,11 @@ PATTERNS = (
             derive=_mha_kinds),
     Pattern("cross_attention_mha", "attention", cross_attention_mha, cross_attention_mha_fused, ("attention",),
             (needs_number("dropout_p"), needs_bool("training"), functools.partial(_mha_masks, cross=True)),
+            derive=_mha_kinds),
+    # the query, key and value each its own (DETR's positions added to the query and key only);
+    # after the two above, which take a shared one with one projection GEMM where they can
+    Pattern("attention_mha", "attention", attention_mha, attention_mha_fused, ("attention",),
+            (needs_number("dropout_p"), needs_bool("training"),
+             functools.partial(_mha_masks, cross=True, general=True)),
             derive=_mha_kinds),
 )

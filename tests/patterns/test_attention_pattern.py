@@ -351,6 +351,54 @@ def test_multihead_attention_cross_attention(batch_first, bias, padded, need_wei
     assert report.by_pattern() == {"cross_attention_mha": 1}
 
 
+class _DetrDecoderAttention(nn.Module):
+    """DETR's decoder layer as its repository writes it (and Deformable DETR's and Mask2Former's
+    decoders): self-attention on the tokens with their query positions added to the query and
+    key but not the value, then cross-attention whose key is the memory plus its positions and
+    whose value is the memory; `masked`: Mask2Former's per-head boolean mask on the cross-attention
+    (True drops a key), a row masked whole opened again, as Mask2Former does before each layer."""
+
+    def __init__(self, batch_first: bool, masked: bool, separate: bool):
+        super().__init__()
+        kdim = H * D + 4 if separate else None  # other key and value widths: separate projection weights
+        self.self_attn = nn.MultiheadAttention(H * D, H, batch_first=batch_first)
+        self.cross_attn = nn.MultiheadAttention(H * D, H, batch_first=batch_first, kdim=kdim, vdim=kdim)
+        self.masked, self.batch_first = masked, batch_first
+
+    def forward(self, tgt, query_pos, memory, pos, drop):
+        q = k = tgt + query_pos
+        tgt = tgt + self.self_attn(q, k, tgt, need_weights=False)[0]
+        mask, pad = None, None
+        if self.masked:
+            mask = drop & (drop.sum(-1, keepdim=True) != drop.shape[-1])  # a row dropped whole: all open
+        else:
+            pad = drop[::H, 0]  # (batch, memory length): the first query's row per image
+        out = self.cross_attn(tgt + query_pos, memory + pos, memory, attn_mask=mask, key_padding_mask=pad)
+        return tgt + out[0]
+
+
+@pytest.mark.parametrize("batch_first, masked, separate", [
+    (False, False, False),  # DETR's: (seq, batch, width), a key padding mask
+    (True, True, False),  # Mask2Former's masked attention
+    (False, True, True),  # key and value wider than the query: separate projection weights
+])
+def test_multihead_attention_with_a_query_key_and_value_of_their_own(batch_first, masked, separate):
+    """Positions added to the query and key but not the value (DETR's self-attention: query and
+    key one tensor, the value another; its cross-attention: all three different) once stayed
+    unfused, the two patterns above needing key and value to be one tensor."""
+    torch.manual_seed(0)
+    seq_q, seq_k, width = S, S + 3, H * D + (4 if separate else 0)
+    tgt, query_pos = torch.randn(seq_q, B, H * D), torch.randn(seq_q, B, H * D)
+    memory, pos = torch.randn(seq_k, B, width), torch.randn(seq_k, B, width)
+    drop = torch.rand(B * H, seq_q, seq_k) < 0.4
+    drop[1, 2] = True  # a row dropped whole
+    if batch_first:
+        tgt, query_pos, memory, pos = (t.transpose(0, 1) for t in (tgt, query_pos, memory, pos))
+    report = check_against_unfused(lambda: _DetrDecoderAttention(batch_first, masked, separate),
+                                   (tgt, query_pos, memory, pos, drop), "dynamo")
+    assert report.by_pattern() == {"attention_mha": 2}, report.table()
+
+
 def test_multihead_attention_whose_weights_are_used_is_left_and_reported():
     class Weighted(nn.Module):
         def __init__(self):
