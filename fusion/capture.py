@@ -1452,9 +1452,13 @@ class LeafTracer(fx.Tracer):
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
         """fx's trace; a forward that assigns to its modules' state (a cache, a counter) fails it:
         the graph would not do that when it runs, and the assignments (of Proxies) are undone. So
-        does a graph whose generated code does not compile: a tuple default (YOLOS's
-        `img_size=(800, 1344)`) becomes one placeholder per element, each with the whole tuple as
-        its default, which fx writes as invalid Python."""
+        does a graph whose generated code does not compile.
+
+        The placeholders lose their defaults: a unit calls its graph with every argument, defaults
+        bound (FxUnit), and fx writes them into the unpacking of its containers' leaves as invalid
+        Python where an argument is a container (Mask2Former's list of feature maps beside its
+        defaulted flags; a tuple default, YOLOS's `img_size=(800, 1344)`, one placeholder per
+        element, each defaulting to the whole tuple)."""
         state = _module_state(root) if isinstance(root, torch.nn.Module) else None
         try:
             graph = self._trace(root, concrete_args)
@@ -1462,6 +1466,9 @@ class LeafTracer(fx.Tracer):
             changed = _restore_module_state(state) if state is not None else []
         if changed:
             raise fx.proxy.TraceError(f"its forward assigns to {', '.join(changed[:3])}: a graph would not")
+        for node in graph.nodes:
+            if node.op == "placeholder":
+                node.args = ()
         compile(graph.python_code(root_module="self").src, "<trifuse fx trace>", "exec")  # SyntaxError
         return graph
 

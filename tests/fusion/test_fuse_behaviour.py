@@ -943,12 +943,12 @@ class _NotTraced(nn.Module):
         return self.out(self.embeddings(x))
 
 
-def test_a_module_with_a_tuple_default_is_fused_through_its_submodules():
+def test_a_module_with_a_tuple_default_is_fused_whole():
     """fx traces such a forward with one placeholder per element of the tuple, each defaulting to
-    the whole tuple, and its code generation then writes invalid Python: fuse raised a
-    SyntaxError on YOLOS (bench/results/fuse_sweep_base.md). It is now a module fx cannot trace,
-    named in the report; its children are fused alone (the LayerNorm module), and it runs as
-    written (the GeLU after its linear is in the untraced forward, so it stays)."""
+    the whole tuple, and its code generation wrote that as invalid Python: fuse raised a
+    SyntaxError on YOLOS (bench/results/fuse_sweep_base.md), then left the module as written and
+    fused its children alone. The placeholders now lose their defaults (a unit passes every
+    argument), so the module is traced whole: its biased GeLU is fused too."""
     torch.manual_seed(0)
     model = _NotTraced()
     ref = copy.deepcopy(model)
@@ -957,8 +957,50 @@ def test_a_module_with_a_tuple_default_is_fused_through_its_submodules():
     torch.testing.assert_close(model(x), ref(x))
     torch.autograd.grad(model(x).sum(), [x, *model.parameters()])
     report = trifuse.report(model)
-    assert any("fx cannot trace" in n.reason and "SyntaxError" in n.reason for n in report.notes), report
-    assert report.counts() == available_counts({"layer_norm": 1})
+    assert not any("SyntaxError" in n.reason for n in report.notes), report
+    assert report.counts() == available_counts({"layer_norm": 1, "bias_gelu": 1}), report.table()
+
+
+class _ListBesideFlags(nn.Module):
+    """Mask2Former's transformer module, cut down: a list of feature maps beside flags with
+    defaults (`output_hidden_states: bool = False`), called with the list and one flag."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(width), nn.Linear(width, 4 * width)
+
+    def forward(self, features: list, x, output_hidden_states: bool = False, output_attentions: bool = False):
+        h = features[0] + features[1] + x
+        return F.gelu(self.fc(self.norm(h)))
+
+
+class _CallsWithAList(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = _ListBesideFlags()
+
+    def forward(self, x, **kwargs):
+        return self.block([x * 2, x + 1], x, output_hidden_states=True)
+
+
+def test_a_list_argument_beside_defaulted_flags_is_traced_by_fx():
+    """fx's code for a call with a container among its arguments unpacks the leaves into names
+    with the flags' defaults (`flag_1 = False,` in a tuple target): invalid Python, so the call
+    went to Dynamo, and a module holding other units (Mask2Former's transformer module) ran as
+    written. The placeholders without their defaults compile: fx captures the call."""
+    torch.manual_seed(0)
+    model = _CallsWithAList()
+    ref = copy.deepcopy(model)
+    trifuse.fuse(model)
+    x = torch.randn(2, 8, 16, requires_grad=True)
+    out = model(x)
+    torch.testing.assert_close(out, ref(x))
+    grads = torch.autograd.grad(out.sum(), [x, *model.parameters()])
+    for g, g_ref in zip(grads, torch.autograd.grad(ref(x).sum(), [x, *ref.parameters()])):
+        torch.testing.assert_close(g, g_ref)
+    report = trifuse.report(model)
+    assert "captured by Dynamo instead" not in report.table(), report.table()
+    assert report.counts() == available_counts({"residual_stream": 1, "bias_gelu": 1}), report.table()
 
 
 def test_torch_jit_trace_of_a_fused_model_records_the_model_as_written():
