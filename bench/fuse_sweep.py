@@ -129,6 +129,9 @@ _DECODER = {k: SMALL_EXTRA[k] for k in ("encoder_layers", "decoder_layers", "enc
                                         "decoder_attention_heads", "encoder_ffn_dim", "decoder_ffn_dim")}
 # State-space mixers' sizes: their heads must tile expand x width (2 x 32) exactly.
 _MAMBA = {"mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_chunk_size": 16}
+_TINY_SWIN = {"model_type": "swin", "embed_dim": 16, "depths": [1, 1, 1, 1], "num_heads": [1, 1, 2, 2],
+              "window_size": 2, "patch_size": 2, "image_size": 32,
+              "out_features": ["stage1", "stage2", "stage3", "stage4"]}
 _TINY_RESNET = {"model_type": "resnet", "embedding_size": 16, "hidden_sizes": [16, 32], "depths": [1, 1],
                 "out_indices": [1, 2]}
 OVERRIDES = {"t5gemma": {"bos_token_id": 2},
@@ -229,6 +232,17 @@ OVERRIDES = {"t5gemma": {"bos_token_id": 2},
              # ViTDet's checkpoints (VitMatte's backbone too) add decomposed relative positions; the
              # config's default leaves them off
              "vitdet": {"use_relative_position_embeddings": True},
+             "muse_spark_text": {"moe_hidden_size": 64},  # its experts' width past the tiny one
+             # the MaskFormer family: a Swin of 16 channels, pixel decoder and queries at the tiny width
+             "maskformer": {"backbone_config": _TINY_SWIN, "fpn_feature_size": 32, "mask_feature_size": 32,
+                            "num_queries": 4},
+             "mask2former": {"backbone_config": _TINY_SWIN, "feature_size": 32, "mask_feature_size": 32,
+                             "hidden_dim": 32, "encoder_feedforward_dim": 64, "dim_feedforward": 64,
+                             "decoder_layers": 3, "num_queries": 4},
+             "oneformer": {"backbone_config": _TINY_SWIN, "conv_dim": 32, "mask_dim": 32, "hidden_dim": 32,
+                           "encoder_feedforward_dim": 64, "dim_feedforward": 64, "decoder_layers": 3,
+                           "num_queries": 4, "text_encoder_width": 32, "text_encoder_vocab_size": 64,
+                           "task_seq_len": 8},
              # the DETR family's default backbone is timm's ResNet-50: transformers' own ResNet at the
              # tiny width instead (timm needs a torchvision that matches the CPU torch)
              **{t: {"backbone_config": _TINY_RESNET, "num_queries": 4}
@@ -349,10 +363,11 @@ EXPLAINED = {
         "(bench/fp64_truth.py --task video-cls)",
     **{("base", "float64", t): (
         "the model's own fp32 softmax (`softmax(..., dtype=torch.float32)` in the eager attention of its "
-        "Swin backbone: Grounding DINO has no SDPA path): the Swin k_proj biases' gradients, zero in exact "
+        "Swin backbone: the model has no SDPA path): the Swin k_proj biases' gradients, zero in exact "
         f"arithmetic, unfused {err} from float64 itself, fused within {fused} of it everywhere "
         "(bench/fp64_truth.py --task base)")
-       for t, err, fused in (("grounding-dino", "0.6", "1.5e-7"), ("mm-grounding-dino", "0.72", "2.3e-7"))},
+       for t, err, fused in (("grounding-dino", "0.6", "1.5e-7"), ("mm-grounding-dino", "0.72", "2.3e-7"),
+                             ("mask2former", "0.31", "5.8e-7"), ("oneformer", "1.8e-3", "3.6e-8"))},
     ("base", "float64", "videoprism"):
         "the model's own fp32 softmax, as video-cls's videoprism_vision_model, at its video pooling head's "
         "k_proj.bias, whose gradient is zero in exact arithmetic (float64 truth 1.9e-18): unfused 4.4e-10, fused "
@@ -840,7 +855,8 @@ def _other_inputs(model, dtype: torch.dtype) -> dict | None:
     """The batch of a model whose inputs are none of the usual ones: the Decision Transformer's
     trajectories (states, actions, rewards and returns to go), the BLIP-2 Q-Former's queries with
     the image features they read, Gemma 3n's audio encoder's mel frames (40 tokens after its
-    subsampling), SegGPT's image and its prompt image and mask (each half the config's height)."""
+    subsampling), OneFormer's images with its task prompt, SegGPT's image and its prompt image and
+    mask (each half the config's height)."""
     cfg = model.config
     forward = inspect.signature(model.forward).parameters
     if model.main_input_name == "states":
@@ -855,6 +871,8 @@ def _other_inputs(model, dtype: torch.dtype) -> dict | None:
     if model.main_input_name == "audio_mel":
         return {"audio_mel": torch.randn(2, 160, cfg.input_feat_size, dtype=dtype),
                 "audio_mel_mask": torch.zeros(2, 160, dtype=torch.bool)}
+    if "task_inputs" in forward:  # OneFormer's task prompt ("the task is semantic") as token ids
+        return {**_pixels(model, dtype), "task_inputs": torch.randint(1, 64, (2, cfg.task_seq_len))}
     if "prompt_pixel_values" in forward:
         height, width = cfg.image_size
         return {k: torch.randn(2, 3, height // 2, width, dtype=dtype)
