@@ -233,6 +233,15 @@ OVERRIDES = {"t5gemma": {"bos_token_id": 2},
              # config's default leaves them off
              "vitdet": {"use_relative_position_embeddings": True},
              "muse_spark_text": {"moe_hidden_size": 64},  # its experts' width past the tiny one
+             # RT-DETR: its ResNet's last three stages (a sub-config built anew keeps only the last)
+             # into the hybrid encoder at the tiny width, on 64-pixel images (IMAGE_SIZES); the
+             # denoising queries off
+             **{t: {"backbone_config": {"model_type": "rt_detr_resnet", "embedding_size": 16,
+                                        "hidden_sizes": [16, 32, 32, 32], "depths": [1, 1, 1, 1],
+                                        "out_indices": [2, 3, 4]},
+                    "encoder_in_channels": [32, 32, 32], "decoder_in_channels": [32, 32, 32],
+                    "encoder_hidden_dim": 32, "num_queries": 4, "num_denoising": 0}
+                for t in ("rt_detr", "rt_detr_v2")},
              # the MaskFormer family: a Swin of 16 channels, pixel decoder and queries at the tiny width
              "maskformer": {"backbone_config": _TINY_SWIN, "fpn_feature_size": 32, "mask_feature_size": 32,
                             "num_queries": 4},
@@ -811,6 +820,11 @@ def _vision_tower_layouts(model, dtype: torch.dtype) -> list[dict]:
     return [{name: patches, **kwargs}, {name: patches.view(len(patches), -1, patch, patch), **kwargs}]
 
 
+# Image sides for configs without an image_size whose 32-pixel images leave too few tokens: RT-DETR's
+# encoder attends over its last level, one token at 32 pixels, 2 x 2 at 64
+IMAGE_SIZES = {"rt_detr": 64, "rt_detr_v2": 64}
+
+
 def _pixels(model, dtype: torch.dtype) -> dict:
     """Images for the model's vision side: 2 x channels x 32 x 32 (or the config's own size up to
     64), video clips of the config's frames (VideoMAE, ViViT, TimeSformer; VideoPrism's
@@ -819,7 +833,7 @@ def _pixels(model, dtype: torch.dtype) -> dict:
     vision = _attribute(model.config, "vision_config") or model.config
     if "spatial_shapes" in forward:
         return _naflex_inputs(vision, dtype)
-    size = _first(getattr(vision, "image_size", 32))
+    size = _first(getattr(vision, "image_size", IMAGE_SIZES.get(model.config.model_type, 32)))
     size = size if isinstance(size, int) and 8 <= size <= 64 else 32
     frames = _attribute(vision, "num_frames")
     frames = (frames,) if isinstance(frames, int) and 0 < frames <= 32 else ()

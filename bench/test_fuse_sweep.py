@@ -153,3 +153,16 @@ def test_a_vlm_s_towers_alone_get_their_inputs(model_type, fused):
     row = fs.run_one(model_type, task="base")
     assert row["status"] == "ok", row
     assert fused.items() <= row["replaced"].items(), row["replaced"]
+
+
+@pytest.mark.parametrize("model_type, fused", [("patchtst", {"attention": 2}), ("seggpt", {"attention": 2}),
+                                               ("detr", {"attention": 6}),
+                                               ("decision_transformer", {"attention": 2})])
+def test_base_models_with_inputs_of_their_own_get_them(model_type, fused):
+    """Models whose inputs are none of the usual ones get a batch: a time series (PatchTST), an
+    image with its prompt image and mask (SegGPT, whose decomposed relative positions fuse), the
+    Decision Transformer's trajectories; DETR builds on transformers' ResNet (its default backbone
+    is timm's). Each runs fused and unfused, and they agree."""
+    row = fs.run_one(model_type, task="base")
+    assert row["status"] == "ok", row
+    assert fused.items() <= row["replaced"].items(), row["replaced"]
