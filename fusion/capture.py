@@ -51,7 +51,7 @@ from .dtensor_calls import recompile
 from .graphs import BlockGraphs
 from .narrow import fp32_weight_grads, share_input_casts
 from .normalize import baked_attributes, canonicalize, global_hooks, has_hooks
-from .outputs import collecting_attentions, collector_restore, collector_to_global
+from .outputs import collecting_attentions, collector_active, collector_restore, collector_to_global
 from .rewriter import RewriteLog, rewrite_graph
 
 _log = logging.getLogger("trifuse")
@@ -648,6 +648,8 @@ class DynamoUnit(Unit):
         self.static_shapes = False  # captures specialize on each shape, once Dynamo failed with dynamic ones
         self._signature: inspect.Signature | None = None  # of the block's forward, once needed
         self._transformers_kwargs = False  # see _output_attentions
+        # per module, what _output_attentions told its last call outside a backward (see there)
+        self._flag_in_forward: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()
         self.graphs: BlockGraphs | None = None  # CUDA graphs of the blocks: fuse(cuda_graphs=True)
         self._settings: dict[tuple, _DynamoSettings] = {}
 
@@ -908,7 +910,11 @@ class DynamoUnit(Unit):
         A Hugging Face block that takes `**kwargs: Unpack[TransformersKwargs]` gets the flag there
         if at all: transformers 5 records attention probabilities by hooks instead, when a model's
         caller asks for them (SwitchTransformers). There, the flag absent and transformers' output
-        collector not collecting attentions (hidden states, say), nobody reads the probabilities: False."""
+        collector active but not collecting attentions (hidden states, say), nobody reads the
+        probabilities: False. With no collector active the caller reads what the block returns
+        (BridgeTower's model gathers its cross-modal layers' probabilities itself, asked or not):
+        unknown, None. A reentrant checkpoint recomputes the block in the backward, outside the
+        model's forward and its collector: that call gets what the forward's got."""
         if "output_attentions" in kwargs:  # the usual call: no binding on the per-call path
             return kwargs["output_attentions"]
         if self._signature is None:
@@ -919,7 +925,13 @@ class DynamoUnit(Unit):
             self._transformers_kwargs = _takes_transformers_kwargs(self._signature)
         param = self._signature.parameters.get("output_attentions")
         if param is None:  # only **kwargs could carry it, and this call's do not: no binding either
-            return False if self._transformers_kwargs and not collecting_attentions() else None
+            if not self._transformers_kwargs:
+                return None
+            if torch._C._current_graph_task_id() != -1:  # a recompute in the backward
+                return self._flag_in_forward.get(module)
+            flag = False if collector_active() and not collecting_attentions() else None
+            self._flag_in_forward[module] = flag
+            return flag
         try:
             bound = self._signature.bind(module, *args, **kwargs)
         except TypeError:

@@ -41,6 +41,12 @@ def collecting_outputs() -> bool:
     return bool(_collected())
 
 
+def collector_active() -> bool:
+    """True inside a transformers model that collects its outputs by hooks (collecting or not);
+    False outside one, and in a model that gathers its layers' outputs itself (BridgeTower's)."""
+    return _collected() is not None
+
+
 def collecting_attentions() -> bool:
     """True while a transformers model collects attention probabilities through its hooks (a key
     of the collector's dict ending in "attentions": self-, cross-, a mask decoder's)."""

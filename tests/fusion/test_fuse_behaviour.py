@@ -2143,3 +2143,73 @@ def test_an_fx_trace_leaves_no_proxies_in_modules_that_cache_into_themselves(bra
         assert_close("output", model(x), ref(x).double(), ref(x))
     assert rope.calls == 2 and rope.seen == {"shape": x.shape}
     assert all(type(f) is torch.Tensor for f in rope.freqs)
+
+
+def _transformers_kwargs_block():
+    """A transformers 5 block: its flags in `**kwargs: Unpack[TransformersKwargs]`, its attention
+    probabilities returned beside its output whether asked for or not."""
+    from transformers.utils.generic import TransformersKwargs
+    from typing_extensions import Unpack
+
+    class Block(nn.Module):
+        def __init__(self, width: int = 16, heads: int = 2):
+            super().__init__()
+            self.heads, self.qkv = heads, nn.Linear(width, 3 * width)
+
+        def forward(self, x, **kwargs: Unpack[TransformersKwargs]):
+            b, s, c = x.shape
+            q, k, v = self.qkv(x).view(b, s, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+            probs = torch.softmax(q @ k.transpose(-1, -2) * (c // self.heads) ** -0.5, dim=-1)
+            return x + (probs @ v).transpose(1, 2).reshape(b, s, c), probs
+
+    return Block
+
+
+class _GathersProbabilities(nn.Module):
+    """BridgeTower's model, cut down: it calls its blocks without the flag and returns their
+    probabilities itself, outside transformers' output collector."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.blocks = nn.ModuleList([block(), block()])
+
+    def forward(self, x):
+        probs = []
+        for block in self.blocks:
+            x, p = block(x)
+            probs.append(p)
+        return x, probs
+
+
+@pytest.mark.parametrize("collector", [False, True], ids=["no-collector", "collector-active"])
+def test_probabilities_a_caller_gathers_itself_are_returned(collector):
+    """A transformers 5 block called without `output_attentions` returns its probabilities; under
+    transformers' output collector (a model that records them by hooks, not collecting them now)
+    nobody reads them, so the attention fuses and the block returns None there. Outside one, the
+    caller may read them (BridgeTower returns its cross-modal layers' in its output, asked or
+    not): they are returned as written, the attention left. fuse once returned None there too,
+    and BridgeTower's output lost them."""
+    pytest.importorskip("transformers")
+    from transformers.utils import output_capturing
+
+    torch.manual_seed(0)
+    model = _GathersProbabilities(_transformers_kwargs_block())
+    ref = copy.deepcopy(model)
+    trifuse.fuse(model)
+    x = torch.randn(2, 6, 16)
+    collecting = output_capturing._active_collector
+    token = collecting.set({}) if collector else None
+    try:
+        out, probs = model(x)
+        out_ref, probs_ref = ref(x)
+    finally:
+        if token is not None:
+            collecting.reset(token)
+    torch.testing.assert_close(out, out_ref)
+    if collector:
+        assert all(p is None for p in probs), probs
+        assert trifuse.report(model).counts() == available_counts({"attention": 2})
+    else:
+        for p, p_ref in zip(probs, probs_ref):
+            torch.testing.assert_close(p, p_ref)
+        assert "attention" not in trifuse.report(model).counts()
