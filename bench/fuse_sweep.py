@@ -233,6 +233,11 @@ OVERRIDES = {"t5gemma": {"bos_token_id": 2},
              # config's default leaves them off
              "vitdet": {"use_relative_position_embeddings": True},
              "muse_spark_text": {"moe_hidden_size": 64},  # its experts' width past the tiny one
+             "mistral_large4_text": {**_MLA, "head_dim": 16},  # Mistral 4's latent attention, as mistral4's
+             # Swin2SR: 2 x 2 windows of 1-pixel patches on 16-pixel images (its 64 make 4096 tokens)
+             "swin2sr": {"window_size": 2, "patch_size": 1, "image_size": 16},
+             # BridgeTower's link tower has hidden_size // 64 heads: one at 64
+             "bridgetower": {"hidden_size": 64},
              # RT-DETR: its ResNet's last three stages (a sub-config built anew keeps only the last)
              # into the hybrid encoder at the tiny width, on 64-pixel images (IMAGE_SIZES); the
              # denoising queries off
