@@ -724,6 +724,18 @@ def _fresh_scores(node: Any) -> bool:
                                           or node.op == "call_method" and node.target == "masked_fill")
 
 
+def _sum_of_terms(graph: fx.Graph, terms: list[fx.Node], values: list[torch.Tensor],
+                  key: str) -> tuple[fx.Node, torch.Tensor]:
+    """`terms[0] + terms[1] + ...` as graph nodes (at the graph's insertion point) with their
+    example values under `key`; returns the last node and its value."""
+    delta, vd = terms[0], values[0]
+    for term, vt in zip(terms[1:], values[1:]):
+        delta = graph.call_function(operator.add, (delta, term))
+        vd = vd + vt
+        delta.meta[key] = vd
+    return delta, vd
+
+
 def _slice_updates_of_scores(graph: fx.Graph) -> None:
     """Fresh scores s (a product, arithmetic, a mask applied) updated through a slice of their
     trailing dims, where a class token's row and column are left out (`1:`) or nothing is (`0:`):
@@ -787,11 +799,7 @@ def _slice_updates_of_scores(graph: fx.Graph) -> None:
         pads = () if first is None else tuple(p for start in reversed(starts[first:]) for p in (start, 0))
         key = "val" if "val" in s.meta else "example_value"
         with graph.inserting_before(write):
-            delta, vd = terms[0], values[0]
-            for term, vt in zip(terms[1:], values[1:]):
-                delta = graph.call_function(operator.add, (delta, term))
-                vd = vd + vt
-                delta.meta[key] = vd
+            delta, vd = _sum_of_terms(graph, terms, values, key)
             if back is not None:  # the inner view's sizes flattened as the view back flattens them
                 delta = graph.call_method("reshape", (delta, back.args[1]))
                 vd = vd.reshape(vp.shape)
@@ -1164,11 +1172,7 @@ def _terms_over_a_view_of_the_scores(graph: fx.Graph) -> None:
             continue
         key = "val" if "val" in scores.meta else "example_value"
         with graph.inserting_before(back):
-            delta, vd = terms[0], values[0]
-            for term, vt in zip(terms[1:], values[1:]):
-                delta = graph.call_function(operator.add, (delta, term))
-                vd = vd + vt
-                delta.meta[key] = vd
+            delta, vd = _sum_of_terms(graph, terms, values, key)
             delta = graph.call_method("reshape", (delta, back.args[1]))  # the view back's own sizes
             vd = vd.reshape(s.shape)
             delta.meta[key] = vd
