@@ -36,7 +36,7 @@ import sys
 import types
 import weakref
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -1418,8 +1418,8 @@ class FxUnit(Unit):
             why = f"fx cannot trace it: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
             return _FxEntry(None, None, why, untraceable=not _holds_units(module))
         if not _flat_inputs(graph):
-            return _FxEntry(None, None, "fx traced a different signature (outputs in a container of a "
-                                        "class of its own)", untraceable=not _holds_units(module))
+            return _FxEntry(None, None, "fx traced a different signature (outputs in a class it cannot "
+                                        "rebuild)", untraceable=not _holds_units(module))
         _drop_specialization_asserts(graph)
         gm = fx.GraphModule(module, graph)
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -1635,22 +1635,40 @@ def _flat_inputs(graph: fx.Graph) -> bool:
     """A graph fx traced with containers among its arguments takes their leaves flattened back
     into the containers (pytree code generation) and returns its outputs flattened: give it a
     placeholder per leaf, called as such, and its outputs in their own structure again. False
-    where that structure holds a class of its own (it cannot be written into the graph)."""
+    where that structure holds a class that cannot be rebuilt in the graph."""
     codegen = graph._codegen
     if not isinstance(codegen, fx.graph._PyTreeCodeGen):
         return True
     out_spec = codegen.pytree_info.out_spec
     if out_spec is not None:
-        def builtin(spec: pytree.TreeSpec) -> bool:
-            return spec.is_leaf() or (spec.type in (tuple, list, dict)
-                                      and all(map(builtin, spec.children_specs)))
-
-        if not builtin(out_spec):
-            return False
         output = graph.output_node()
-        output.args = (pytree.tree_unflatten(list(output.args[0]), out_spec),)
+        try:
+            with graph.inserting_before(output):
+                structured = _rebuilt_output(graph, iter(output.args[0]), out_spec)
+        except TypeError:
+            return False
+        output.args = (structured,)
     graph._codegen = fx.graph.CodeGen()
     return True
+
+
+def _rebuilt_output(graph: fx.Graph, leaves: Iterator[Any], spec: pytree.TreeSpec) -> Any:
+    """The output's structure around its flattened leaves: tuples, lists and dicts as they are,
+    a dict subclass with string keys (a Hugging Face ModelOutput: Mask2Former's transformer
+    module takes a list and returns one) or a named tuple built by a node that calls its class."""
+    if spec.is_leaf():
+        return next(leaves)
+    children = [_rebuilt_output(graph, leaves, child) for child in spec.children()]
+    kind, keys = spec.type, spec.context
+    if kind in (tuple, list):
+        return kind(children)
+    if isinstance(kind, type) and issubclass(kind, dict) and isinstance(keys, (list, tuple)) \
+            and len(keys) == len(children) and all(isinstance(k, str) for k in keys):
+        fields = dict(zip(keys, children))
+        return fields if kind is dict else graph.call_function(kind, (), fields)
+    if isinstance(keys, type) and issubclass(keys, tuple) and hasattr(keys, "_fields"):  # pytree's namedtuple
+        return graph.call_function(keys, tuple(children))
+    raise TypeError(f"{kind} cannot be rebuilt in a graph")
 
 
 def _drop_specialization_asserts(graph: fx.Graph) -> None:

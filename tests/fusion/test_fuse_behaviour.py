@@ -1003,6 +1003,63 @@ def test_a_list_argument_beside_defaulted_flags_is_traced_by_fx():
     assert report.counts() == available_counts({"residual_stream": 1, "bias_gelu": 1}), report.table()
 
 
+_ListOutput = collections.namedtuple("_ListOutput", ["last", "hidden"])
+
+
+class _ListToStructure(_ListBesideFlags):
+    """Mask2Former's transformer module again, with its output: a Hugging Face ModelOutput (a dict
+    subclass with fields) or a named tuple, its hidden states a tuple inside it."""
+
+    def __init__(self, structure: str):
+        super().__init__()
+        self.structure = structure
+
+    def forward(self, features: list, x, output_hidden_states: bool = False, output_attentions: bool = False):
+        h = features[0] + features[1] + x
+        y = F.gelu(self.fc(self.norm(h)))
+        hidden = (h, y) if output_hidden_states else None
+        if self.structure == "model_output":
+            from transformers.modeling_outputs import BaseModelOutput
+
+            return BaseModelOutput(last_hidden_state=y, hidden_states=hidden)
+        return _ListOutput(y, hidden)
+
+
+class _ReadsTheStructure(nn.Module):
+    def __init__(self, structure: str):
+        super().__init__()
+        self.block = _ListToStructure(structure)
+
+    def forward(self, x, **kwargs):
+        out = self.block([x * 2, x + 1], x, output_hidden_states=True)
+        return out[0] * out[1][0].mean() + out[1][1]
+
+
+@pytest.mark.parametrize("structure", ["model_output", "named_tuple"])
+def test_a_list_argument_and_outputs_in_a_class_of_their_own_are_traced_by_fx(structure):
+    """fx returns the outputs of a call with a container among its arguments flattened, with
+    their structure beside: a ModelOutput or a named tuple there was taken as a signature fx
+    could not give back, and the call went to Dynamo (a module holding other units ran as
+    written: Mask2Former's transformer module). The graph now builds the class from its leaves."""
+    if structure == "model_output":
+        pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = _ReadsTheStructure(structure)
+    ref = copy.deepcopy(model)
+    trifuse.fuse(model)
+    x = torch.randn(2, 8, 16, requires_grad=True)
+    out = model(x)
+    torch.testing.assert_close(out, ref(x))
+    inner = model.block([x, x], x, output_hidden_states=True)
+    assert type(inner) is type(ref.block([x, x], x, output_hidden_states=True))
+    grads = torch.autograd.grad(out.sum(), [x, *model.parameters()])
+    for g, g_ref in zip(grads, torch.autograd.grad(ref(x).sum(), [x, *ref.parameters()])):
+        torch.testing.assert_close(g, g_ref)
+    report = trifuse.report(model)
+    assert "captured by Dynamo instead" not in report.table(), report.table()
+    assert report.counts() == available_counts({"residual_stream": 1, "bias_gelu": 1}), report.table()
+
+
 def test_torch_jit_trace_of_a_fused_model_records_the_model_as_written():
     """torch.jit.trace (and the ONNX exporter's tracing mode) over a fused model: Dynamo refuses
     to run under the tracer (a RuntimeError from every fused block), so the blocks run as the
