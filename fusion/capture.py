@@ -637,6 +637,7 @@ class DynamoUnit(Unit):
         self._capture: Capture | None = None
         # The graphs run in this call, by their log's id: (the capture they were compiled in, their log).
         self._ran: dict[int, tuple[Capture, RewriteLog]] = {}
+        self._ran_times: Counter[int] = Counter()  # per graph in _ran, its runs in this call
         self._merged: dict[tuple[int, ...], tuple[Capture, list[RewriteLog]]] = {}  # see _ran_capture
         self._current: tuple[torch.nn.Module, tuple, dict] | None = None
         self._dropped: list[tuple[fx.Node, fx.Node]] = []  # (probabilities, placeholder) of the graph in rewrite
@@ -803,7 +804,7 @@ class DynamoUnit(Unit):
             return self._eager(module, args, kwargs, "output_attentions not False: the attention probabilities are returned")
         self._call_seq += 1
         self._current = (module, args, kwargs)
-        self._ran = {}
+        self._ran, self._ran_times = {}, Counter()
         runs = self.runs
         token = _CALLING.set(self)
         failure = None
@@ -985,24 +986,29 @@ class DynamoUnit(Unit):
             if unit is not None:  # the unit calling now, which may reuse another one's graph
                 unit.runs += 1
                 unit._ran.setdefault(key, ran)
+                unit._ran_times[key] += 1
             return fwd(*args)
 
         return run
 
     def _ran_capture(self) -> Capture | None:
-        """What the graphs run in this call replaced: their capture when they all come from one,
-        else (a frame compiled for another model of the same class: Hugging Face's MoE block,
-        called from the resumed layer after a graph break) one Capture holding the logs of the
-        graphs that ran, the same object for the same graphs."""
+        """What the graphs run in this call replaced: their capture when they all come from one
+        and each ran once, else one Capture holding the logs of the graphs that ran, each as
+        many times as it ran, the same object for the same runs. Another capture's graph: a
+        frame compiled for another model of the same class (Hugging Face's MoE block, called from
+        the resumed layer after a graph break). A graph run twice: a frame after a graph break
+        called per image (MiniCPM-V's packed attention), whose second shape reuses the first's
+        graph once Dynamo made the shared frame's sizes dynamic (another model's images did so)."""
         captures = list(dict.fromkeys(c for c, _ in self._ran.values()))
-        if len(captures) <= 1:
+        if len(captures) <= 1 and all(n == 1 for n in self._ran_times.values()):
             return captures[0] if captures else None
-        key = tuple(self._ran)
+        key = tuple(self._ran_times.items())
         if key not in self._merged:
             logs = [log for _, log in self._ran.values()]  # held, so that their ids stay theirs
             merged = Capture(captures[0].mode, graphs=len(logs))
-            for log in logs:
-                _merge(merged.log, log)
+            for graph, (_, log) in self._ran.items():
+                for _ in range(self._ran_times[graph]):
+                    _merge(merged.log, log)
             self._merged[key] = (merged, logs)
         return self._merged[key][0]
 

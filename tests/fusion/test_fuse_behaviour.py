@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import trifuse
-from _fusing import PassThroughMode, available_counts, needs_ops, trifuse_ops_run
+from _fusing import PassThroughMode, available_counts, needs_ops, op_names, trifuse_ops_run
 from tolerances import assert_close
 from torch import nn
 
@@ -1058,6 +1058,65 @@ def test_a_list_argument_and_outputs_in_a_class_of_their_own_are_traced_by_fx(st
     report = trifuse.report(model)
     assert "captured by Dynamo instead" not in report.table(), report.table()
     assert report.counts() == available_counts({"residual_stream": 1, "bias_gelu": 1}), report.table()
+
+
+def _attend_per_image(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v)
+
+
+class _PerImageAttentionBlock(nn.Module):
+    """Qwen-VL's and MiniCPM-V's packed vision attention, cut down: the images' tokens in one row,
+    split by their lengths, each attended alone by one function, a graph break in the loop (as
+    their `lengths.tolist()` makes): the loop runs as written, the function is a frame Dynamo
+    compiles, its graph run once per image."""
+
+    def __init__(self, width: int = 16, heads: int = 2):
+        super().__init__()
+        self.heads, self.qkv, self.proj = heads, nn.Linear(width, 3 * width), nn.Linear(width, width)
+
+    def forward(self, x, lengths):
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.heads, -1)).permute(1, 2, 0, 3).unbind(0)
+        outs = []
+        for parts in zip(*(t.split(lengths.tolist(), dim=1) for t in (q, k, v))):
+            torch._dynamo.graph_break()
+            outs.append(_attend_per_image(*parts))
+        return x + self.proj(torch.cat(outs, dim=1).transpose(0, 1).flatten(1))
+
+
+class _PackedImages(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(_PerImageAttentionBlock() for _ in range(2))
+
+    def forward(self, x, lengths):
+        for layer in self.layers:
+            x = layer(x, lengths)
+        return x
+
+
+@pytest.mark.parametrize("lengths", [[6, 6], [6, 6, 6]], ids=["two_images", "three_images"])
+def test_a_graph_run_once_per_image_counts_each_run(lengths):
+    """A frame after a graph break that runs once per image reuses its graph for images of one
+    shape: the report counted that graph once per block call, so the count of fused attentions
+    depended on the images' sizes (and, where Dynamo had made the frame dynamic for another
+    model, on what the process ran before). It counts every run, as the ops run."""
+    torch.manual_seed(0)
+    model = _PackedImages()
+    ref = copy.deepcopy(model)
+    trifuse.fuse(model)
+    x, sizes = torch.randn(sum(lengths), 16, requires_grad=True), torch.tensor(lengths)
+    torch.testing.assert_close(model(x, sizes), ref(x, sizes))
+    ops = collections.Counter()
+
+    def step():
+        model(x, sizes).sum().backward()
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+    ops.update(name for name in op_names(prof) if name == "trifuse::attention")
+    report = trifuse.report(model)
+    assert report.counts().get("attention", 0) == ops["trifuse::attention"], report.table()
+    assert report.counts() == available_counts({"attention": 2 * len(lengths)}), report.table()
 
 
 def test_torch_jit_trace_of_a_fused_model_records_the_model_as_written():

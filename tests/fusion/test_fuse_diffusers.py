@@ -380,8 +380,10 @@ def hunyuan_video():
 # loop around `nonzero` (graph breaks), stays as written: the attention fused is the caption
 # pooler's. Flux 2, Chroma and HunyuanVideo, Flux's descendants, fuse as Flux does (Flux 2's
 # SwiGLU MLPs as gated_activation; Chroma's approximator-made modulation per sample as any other;
-# HunyuanVideo's token refiner too, but for its plain SiLU MLP). bench/fuse_sweep_diffusers.py
-# checks 45 more of diffusers' denoisers the same way.
+# HunyuanVideo's token refiner too, but for its plain SiLU MLP). A replacement counts as often as
+# its graph ran, as its op launches: a graph run twice in a block (Mochi's rotary and q/k norms,
+# for q and for k; one of HiDream's experts' graphs, reused) counts twice.
+# bench/fuse_sweep_diffusers.py checks 45 more of diffusers' denoisers the same way.
 MODELS = {
     "dit": (dit, {"layer_norm": 3, "attention": 2, "bias_gelu": 2, "residual_stream": 2, "dropout_add": 2}, 4),
     "pixart": (pixart, {"layer_norm": 3, "attention": 4, "bias_gelu": 3, "residual_stream": 2,
@@ -410,10 +412,10 @@ MODELS = {
                             "rotary": 4, "dropout_add": 4}, 9),
     "qwenimage": (qwenimage, {"layer_norm": 5, "rms_norm": 9, "attention": 2, "bias_gelu": 4,
                               "residual_stream": 4, "rotary": 4, "dropout_add": 4}, 9),
-    "hidream": (hidream, {"layer_norm": 4, "rms_norm": 6, "attention": 2, "gated_activation": 6,
+    "hidream": (hidream, {"layer_norm": 4, "rms_norm": 6, "attention": 2, "gated_activation": 7,
                           "residual_stream": 3, "rotary": 2, "dropout_add": 3}, 7),
-    "mochi": (mochi, {"layer_norm": 1, "rms_norm": 13, "attention": 1, "gated_activation": 3,
-                      "residual_stream": 3, "rotary": 2}, 14),
+    "mochi": (mochi, {"layer_norm": 1, "rms_norm": 18, "attention": 1, "gated_activation": 3,
+                      "residual_stream": 3, "rotary": 4}, 14),
     "flux2": (flux2, {"layer_norm": 4, "rms_norm": 6, "attention": 2, "gated_activation": 3,
                       "residual_stream": 2, "rotary": 2, "dropout_add": 3}, 6),
     "chroma": (chroma, {"layer_norm": 4, "rms_norm": 7, "attention": 2, "bias_gelu": 3, "residual_stream": 3,

@@ -263,8 +263,9 @@ MODELS = {
     "llava": (functools.partial(_models.vision_language, "llava"),
               {"layer_norm": L + 2, "attention": 2 * L, "bias_gelu": L + 1, "residual_stream": 2 * L,
                "rms_norm": L + 1, **GATED, **ROTARY, **LOSS}),
+    # (its vision blocks attend per image: a batch of two runs their attention twice a block)
     "qwen2_vl": (functools.partial(_models.vision_language, "qwen2_vl"),
-                 {"layer_norm": L + 1, "attention": 2 * L, "bias_gelu": L + 1, "residual_stream": 2 * L,
+                 {"layer_norm": L + 1, "attention": 3 * L, "bias_gelu": L + 1, "residual_stream": 2 * L,
                   "rms_norm": L + 1, "rotary": 2 * L, **GATED, **LOSS}),
     "gemma3": (functools.partial(_models.vision_language, "gemma3"),
                {"layer_norm": L + 2, "attention": 2 * L + 1, "bias_gelu": L + 1, "residual_stream": 3 * L,
