@@ -144,7 +144,7 @@ def test_a_crash_is_the_compiler_s_only_where_it_fails_without_trifuse(case):
     assert crash("inductor", fails)["status"] == "Dynamo fails"  # Dynamo's own backend tried first
 
 
-@pytest.mark.parametrize("model_type, fused", [("qwen2_5_vl_vision", {"attention": 2, "rotary": 2}),
+@pytest.mark.parametrize("model_type, fused", [("qwen2_5_vl_vision", {"attention": 4, "rotary": 2}),
                                                ("qwen2_5_vl_text", {"attention": 2, "rotary": 2})])
 def test_a_vlm_s_towers_alone_get_their_inputs(model_type, fused):
     """A VLM's vision tower alone takes Qwen-VL's flattened patches and (t, h, w) grid (its main
@@ -157,12 +157,17 @@ def test_a_vlm_s_towers_alone_get_their_inputs(model_type, fused):
 
 @pytest.mark.parametrize("model_type, fused", [("patchtst", {"attention": 2}), ("seggpt", {"attention": 2}),
                                                ("detr", {"attention": 6}),
-                                               ("decision_transformer", {"attention": 2})])
+                                               ("decision_transformer", {"attention": 2}),
+                                               ("minicpm_ocr_vision", {"attention": 4}),
+                                               ("fun_asr_nano_encoder", {"attention": 2}),
+                                               ("voxtral_realtime_encoder", {"attention": 2})])
 def test_base_models_with_inputs_of_their_own_get_them(model_type, fused):
     """Models whose inputs are none of the usual ones get a batch: a time series (PatchTST), an
     image with its prompt image and mask (SegGPT, whose decomposed relative positions fuse), the
-    Decision Transformer's trajectories; DETR builds on transformers' ResNet (its default backbone
-    is timm's). Each runs fused and unfused, and they agree."""
+    Decision Transformer's trajectories, MiniCPM-V's packed images with their sizes, FunASR's
+    stacked frames with their padding mask, Voxtral Realtime's mel bins first; DETR builds on
+    transformers' ResNet (its default backbone is timm's). Each runs fused and unfused, and they
+    agree."""
     row = fs.run_one(model_type, task="base")
     assert row["status"] == "ok", row
     assert fused.items() <= row["replaced"].items(), row["replaced"]
