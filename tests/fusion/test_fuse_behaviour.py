@@ -989,7 +989,13 @@ def test_a_list_argument_beside_defaulted_flags_is_traced_by_fx():
     went to Dynamo, and a module holding other units (Mask2Former's transformer module) ran as
     written. The placeholders without their defaults compile: fx captures the call."""
     torch.manual_seed(0)
-    model = _CallsWithAList()
+    _fused_by_fx_as_unfused(_CallsWithAList())
+
+
+def _fused_by_fx_as_unfused(model: nn.Module) -> tuple[nn.Module, nn.Module, torch.Tensor]:
+    """Fuses `model` (a `_ListBesideFlags` block inside), checks the output and every gradient
+    against an unfused copy, and that fx captured the block (its norm and GeLU fused, no call sent
+    to Dynamo); returns the fused model, the copy and the input."""
     ref = copy.deepcopy(model)
     trifuse.fuse(model)
     x = torch.randn(2, 8, 16, requires_grad=True)
@@ -1001,6 +1007,7 @@ def test_a_list_argument_beside_defaulted_flags_is_traced_by_fx():
     report = trifuse.report(model)
     assert "captured by Dynamo instead" not in report.table(), report.table()
     assert report.counts() == available_counts({"residual_stream": 1, "bias_gelu": 1}), report.table()
+    return model, ref, x
 
 
 _ListOutput = collections.namedtuple("_ListOutput", ["last", "hidden"])
@@ -1044,20 +1051,9 @@ def test_a_list_argument_and_outputs_in_a_class_of_their_own_are_traced_by_fx(st
     if structure == "model_output":
         pytest.importorskip("transformers")
     torch.manual_seed(0)
-    model = _ReadsTheStructure(structure)
-    ref = copy.deepcopy(model)
-    trifuse.fuse(model)
-    x = torch.randn(2, 8, 16, requires_grad=True)
-    out = model(x)
-    torch.testing.assert_close(out, ref(x))
+    model, ref, x = _fused_by_fx_as_unfused(_ReadsTheStructure(structure))
     inner = model.block([x, x], x, output_hidden_states=True)
     assert type(inner) is type(ref.block([x, x], x, output_hidden_states=True))
-    grads = torch.autograd.grad(out.sum(), [x, *model.parameters()])
-    for g, g_ref in zip(grads, torch.autograd.grad(ref(x).sum(), [x, *ref.parameters()])):
-        torch.testing.assert_close(g, g_ref)
-    report = trifuse.report(model)
-    assert "captured by Dynamo instead" not in report.table(), report.table()
-    assert report.counts() == available_counts({"residual_stream": 1, "bias_gelu": 1}), report.table()
 
 
 def _attend_per_image(q, k, v):
