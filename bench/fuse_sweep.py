@@ -775,7 +775,7 @@ def _audio_inputs(model, task: str, dtype: torch.dtype, name: str | None = None)
     cfg, name = model.config, name or model.main_input_name
     own = type(cfg)().to_dict()  # the config's own fields (the small sizes were passed to every config)
     mel_first = False  # features as (batch, mel bins, frames)
-    if name == "input_values" and "num_mel_bins" in own:
+    if name == "input_values" and "num_mel_bins" in own and "max_length" in own:
         x = torch.randn(2, cfg.max_length, cfg.num_mel_bins, dtype=dtype)
     elif name == "input_values":
         # OmniASR's encoder (and Pocket TTS's tokenizer) takes (batch, 1, samples), a channel dim
@@ -912,7 +912,8 @@ def _other_inputs(model, dtype: torch.dtype) -> dict | None:
     the image features they read, Gemma 3n's audio encoder's mel frames (40 tokens after its
     subsampling), OneFormer's images with its task prompt, SegGPT's image and its prompt image and
     mask (each half the config's height), MiniCPM-V's packed images (a row of patches, 4 x 4 and
-    2 x 6 of them, with their sizes in patches)."""
+    2 x 6 of them, with their sizes in patches), SpeechT5's encoder-decoder without its pre-nets
+    (hidden states in, for the encoder and the decoder)."""
     cfg = model.config
     forward = inspect.signature(model.forward).parameters
     if model.main_input_name == "states":
@@ -927,6 +928,9 @@ def _other_inputs(model, dtype: torch.dtype) -> dict | None:
     if model.main_input_name == "audio_mel":
         return {"audio_mel": torch.randn(2, 160, cfg.input_feat_size, dtype=dtype),
                 "audio_mel_mask": torch.zeros(2, 160, dtype=torch.bool)}
+    if cfg.model_type == "speecht5":
+        return {"input_values": torch.randn(2, 12, cfg.hidden_size, dtype=dtype),
+                "decoder_input_values": torch.randn(2, 6, cfg.hidden_size, dtype=dtype)}
     if model.main_input_name == "pixel_values" and "target_sizes" in forward:
         patch = _first(cfg.patch_size)
         return {"pixel_values": torch.randn(1, getattr(cfg, "num_channels", 3) or 3, patch, 28 * patch, dtype=dtype),
