@@ -1014,6 +1014,34 @@ def _bmm_heads(m: Match, masked: bool) -> str | None:
     return _broadcast_to_scores("the mask", mask.shape, (q.shape[0] // heads, heads, q.shape[1], k.shape[1]))
 
 
+def attention_bmm_flat_mask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, mask: torch.Tensor, p,
+                            training):
+    """The same on (B*H, S, D) tensors with a float mask added to the flat scores (B*H, Sq, Sk), no
+    per-head view: SpeechT5's encoder adds its relative position scores, q's products with a
+    table per query (`matmul(q.transpose(0, 1), pos.transpose(-2, -1)).transpose(0, 1)`), so."""
+    s = torch.bmm(q, k.transpose(d0, d1)) + mask
+    a = F.dropout(torch.softmax(s, -1), p, training, False)
+    return torch.bmm(a, v)
+
+
+def attention_bmm_flat_mask_fused(q, k, v, d0, d1, mask, p, training):
+    # each (batch * head) row block a batch of one head; the mask's leading dim, if any, that batch's
+    o = ops.attention(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), mask.unsqueeze(-3),
+                      p if training else 0.0, False, 1.0)
+    return o.squeeze(1)
+
+
+def _bmm_flat_mask(m: Match) -> str | None:
+    """q, k, v are (B*H, S, D); the mask a float one that broadcasts to the flat scores."""
+    q, k, v, mask = m.value("q"), m.value("k"), m.value("v"), m.value("mask")
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (q, k, v)):
+        return "q, k and v are not all 3-D (batch * heads, seq, head_dim)"
+    # (a mask wider than q's dtype runs only under autocast, whose softmax is fp32 anyway: the op's sum)
+    if not isinstance(mask, torch.Tensor) or not mask.is_floating_point() or mask.dim() not in (2, 3):
+        return "the mask is not a float (additive) mask of 2 or 3 dims"
+    return _broadcast_to_scores("the mask", mask.shape, (q.shape[0], q.shape[1], k.shape[1]))
+
+
 def attention_bmm_clamped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d0, d1, heads_shape, mask: torch.Tensor,
                           fill, device, flat_shape, p, training):
     """XGLM's eager attention: BART's older chain with the masked scores clamped from below,
@@ -1777,6 +1805,10 @@ PATTERNS = (
     _per_head_scale_pattern(windowed=False),
     # BART's older eager attention on (B*H, S, D) tensors (TrOCR, MVP, LED's decoder)
     _bmm_pattern(masked=True),
+    # ... with the mask added to the flat scores (SpeechT5's encoder: its relative position scores)
+    Pattern("attention_bmm_flat_add_dropout", "attention", attention_bmm_flat_mask,
+            attention_bmm_flat_mask_fused, ("attention",),
+            (_transposes_last_two, _bmm_flat_mask, needs_number("p"), needs_bool("training"))),
     _bmm_pattern(masked=False),
     # XGLM's: the same with the masked scores clamped at finfo.min
     Pattern("attention_bmm_add_clamp_dropout", "attention", attention_bmm_clamped, attention_bmm_clamped_fused,

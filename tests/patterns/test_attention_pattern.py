@@ -1455,6 +1455,37 @@ def test_bart_bmm_attention_carries_dropout():
     torch.testing.assert_close(model(*inputs), BartAttention(CROSS_MASK).eval()(*inputs))
 
 
+class SpeechT5Attention(nn.Module):
+    """transformers' SpeechT5Attention core in its encoder: BartAttention's (B*H, S, D) chain with
+    relative position scores added to the flat scores in place, q's products with a (Sq, Sk, D)
+    table per query (`matmul(q.transpose(0, 1), pos.transpose(-2, -1)).transpose(0, 1)`), no
+    per-head view; the table a parameter (its gradient, and q's through the scores')."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(S, S, D) * 0.3)
+
+    def forward(self, q, k, v):
+        bsz, tgt_len, _ = q.shape
+        q, k, v = (t.view(bsz, -1, H, D).transpose(1, 2).reshape(bsz * H, -1, D)
+                   for t in (q * D ** -0.5, k, v))
+        w = torch.bmm(q, k.transpose(1, 2))
+        rel = torch.matmul(q.contiguous().view(bsz * H, -1, D).transpose(0, 1), self.pos.transpose(-2, -1))
+        rel = rel.transpose(0, 1).view(bsz * H, tgt_len, -1)
+        w += rel
+        out = torch.bmm(F.dropout(F.softmax(w, dim=-1), p=0.0, training=self.training), v)
+        return out.view(bsz, H, tgt_len, D).transpose(1, 2).reshape(bsz, tgt_len, H * D)
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_relative_scores_added_to_flat_bmm_scores_fuse(capture):
+    """The relative position scores reach the op as a float mask of the flat scores' shape, each
+    (batch * head) block a batch of one head: their gradient reaches q (through the scores and
+    through them) and the table."""
+    report = check_against_unfused(SpeechT5Attention, bart_inputs(), capture)
+    assert report.by_pattern() == {"attention_bmm_flat_add_dropout": 1}
+
+
 class XglmAttention(BartAttention):
     """transformers' XGLMAttention core: BartAttention's chain with the masked scores clamped from
     below by a 0-d `torch.full` of the scores' finfo.min (float64 copies: float32's, as torch.full in
