@@ -1668,10 +1668,11 @@ def _rebuilt_output(graph: fx.Graph, leaves: Iterator[Any], spec: pytree.TreeSpe
     kind, keys = spec.type, spec.context
     if kind in (tuple, list):
         return kind(children)
+    if kind is dict:
+        return dict(zip(keys, children))
     if isinstance(kind, type) and issubclass(kind, dict) and isinstance(keys, (list, tuple)) \
             and len(keys) == len(children) and all(isinstance(k, str) for k in keys):
-        fields = dict(zip(keys, children))
-        return fields if kind is dict else graph.call_function(kind, (), fields)
+        return graph.call_function(kind, (), dict(zip(keys, children)))
     if isinstance(keys, type) and issubclass(keys, tuple) and hasattr(keys, "_fields"):  # pytree's namedtuple
         return graph.call_function(keys, tuple(children))
     raise TypeError(f"{kind} cannot be rebuilt in a graph")
