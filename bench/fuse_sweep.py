@@ -323,10 +323,10 @@ EXPLAINED = {
         "ReLU kink, as its fp16-autocast row, more often in bf16: relu, seeds 0-2 MISMATCH; gelu_new, seeds "
         "0-2 ok (excess -6e-3 to -8e-3)",
     ("base", "bf16-autocast", "fun_asr_nano_encoder"):
-        "ReLU kink, as T5's: a pre-activation within bf16 rounding of 0 flips sign, and a token's whole gradient "
-        "through that unit goes or comes (layer 0's fc1 weight: unfused 9.3e-2 from float64 itself, fused 0.26; "
-        "its FSMN conv 7e-3 and 0.12); the forward's activations as unfused everywhere; with gelu in its place: "
-        "ok (excess -8e-3), seeds 0 and 2 within the rule in every gradient",
+        "ReLU kink, as T5's: a pre-activation within bf16 rounding of 0 flips sign, and a token's whole "
+        "gradient through that unit goes or comes (layer 0's fc1 weight: unfused 9.3e-2 from float64 itself, "
+        "fused 0.26; its FSMN conv 7e-3 and 0.12); the forward's activations as unfused everywhere; with gelu "
+        "in its place: ok (excess -8e-3), seeds 0 and 2 within the rule in every gradient",
     ("qa", "fp16-autocast", "t5"):
         "ReLU kink, as T5's seq2seq row (with gelu_new: ok, oracle excess -1e-3)",
     ("image-cls", "float64", "mobilevit"):
@@ -778,9 +778,8 @@ def _audio_inputs(model, task: str, dtype: torch.dtype, name: str | None = None)
     if name == "input_values" and "num_mel_bins" in own and "max_length" in own:
         x = torch.randn(2, cfg.max_length, cfg.num_mel_bins, dtype=dtype)
     elif name == "input_values":
-        # OmniASR's encoder (and Pocket TTS's tokenizer) takes (batch, 1, samples), a channel dim
-        # its first convolution reads;
-        # the wav2vec2 family adds that dim itself
+        # OmniASR's encoder and Pocket TTS's tokenizer take (batch, 1, samples), a channel dim their
+        # first convolution reads; the wav2vec2 family adds that dim itself
         x = torch.randn(2, 1, 3200, dtype=dtype) if cfg.model_type.startswith("omniasr") \
             or cfg.model_type in _MONO_CHANNEL else \
             torch.randn(2, _SAMPLES.get(cfg.model_type, 3200), dtype=dtype)
@@ -859,8 +858,8 @@ def _vision_tower_layouts(model, dtype: torch.dtype) -> list[dict]:
     return [{name: patches, **kwargs}, {name: patches.view(len(patches), -1, patch, patch), **kwargs}]
 
 
-# Image sides for models whose 32-pixel images leave too few tokens (over the config's image_size): RT-DETR's
-# encoder attends over its last level, one token at 32 pixels, 2 x 2 at 64
+# Image sides for models whose 32-pixel images leave too few tokens (over the config's image_size):
+# RT-DETR's encoder attends over its last level, one token at 32 pixels, 2 x 2 at 64
 IMAGE_SIZES = {"rt_detr": 64, "rt_detr_v2": 64,
                # PP-OCRv6's recognizers pool a 1/16 height by 3: 32 pixels leave 2 rows
                "pp_ocrv6_small_rec": 64, "pp_ocrv6_tiny_rec": 64}
@@ -932,8 +931,8 @@ def _other_inputs(model, dtype: torch.dtype) -> dict | None:
         return {"input_values": torch.randn(2, 12, cfg.hidden_size, dtype=dtype),
                 "decoder_input_values": torch.randn(2, 6, cfg.hidden_size, dtype=dtype)}
     if model.main_input_name == "pixel_values" and "target_sizes" in forward:
-        patch = _first(cfg.patch_size)
-        return {"pixel_values": torch.randn(1, getattr(cfg, "num_channels", 3) or 3, patch, 28 * patch, dtype=dtype),
+        patch, channels = _first(cfg.patch_size), getattr(cfg, "num_channels", 3) or 3
+        return {"pixel_values": torch.randn(1, channels, patch, 28 * patch, dtype=dtype),
                 "target_sizes": torch.tensor([[4, 4], [2, 6]])}
     if "task_inputs" in forward:  # OneFormer's task prompt ("the task is semantic") as token ids
         return {**_pixels(model, dtype), "task_inputs": torch.randint(1, 64, (2, cfg.task_seq_len))}
