@@ -325,8 +325,8 @@ EXPLAINED = {
     ("base", "bf16-autocast", "fun_asr_nano_encoder"):
         "ReLU kink, as T5's: a pre-activation within bf16 rounding of 0 flips sign, and a token's whole "
         "gradient through that unit goes or comes (layer 0's fc1 weight: unfused 9.3e-2 from float64 itself, "
-        "fused 0.26; its FSMN conv 7e-3 and 0.12); the forward's activations as unfused everywhere; with gelu "
-        "in its place: ok (excess -8e-3), seeds 0 and 2 within the rule in every gradient",
+        "fused 0.26; its FSMN conv 7e-3 and 0.12); the forward's activations as unfused everywhere; "
+        "with gelu in its place: ok (excess -8e-3), seeds 0 and 2 within the rule in every gradient",
     ("qa", "fp16-autocast", "t5"):
         "ReLU kink, as T5's seq2seq row (with gelu_new: ok, oracle excess -1e-3)",
     ("image-cls", "float64", "mobilevit"):
