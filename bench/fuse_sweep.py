@@ -134,6 +134,14 @@ _TINY_SWIN = {"model_type": "swin", "embed_dim": 16, "depths": [1, 1, 1, 1], "nu
               "out_features": ["stage1", "stage2", "stage3", "stage4"]}
 _TINY_RESNET = {"model_type": "resnet", "embedding_size": 16, "hidden_sizes": [16, 32], "depths": [1, 1],
                 "out_indices": [1, 2]}
+_SAM2_HIERA = {"model_type": "sam2_hiera_det_model", "hidden_size": 16,
+               "embed_dim_per_stage": [16, 32, 64, 128], "num_attention_heads_per_stage": [1, 1, 2, 2],
+               "blocks_per_stage": [1, 1, 2, 1],
+               "global_attention_blocks": [3], "window_size_per_stage": [4, 4, 2, 2], "image_size": [64, 64],
+               "window_positional_embedding_background_size": [4, 4]}
+_SAM2_VISION = {"backbone_channel_list": [128, 64, 32, 16],
+                "backbone_feature_sizes": [[16, 16], [8, 8], [4, 4]], "fpn_hidden_size": 32}
+
 OVERRIDES = {"t5gemma": {"bos_token_id": 2},
              # LiLT's layout embeddings are six of hidden_size // 6; BROS's box embeddings take an eighth of a
              # quarter of it, halved again; LayoutLMv3's are 4 coordinates and 2 shapes that add up to it
@@ -155,6 +163,11 @@ OVERRIDES = {"t5gemma": {"bos_token_id": 2},
              **{t: {"rotary_dim": 8} for t in ("gptj", "codegen")},
              "gpt_neo": {"attention_types": [[["global", "local"], 1]], "window_size": 8},
              "diffllama": {"num_key_value_heads": 2},
+             # DBRX's attention reads rope_theta from its attention config, which transformers 5.25's
+             # DbrxAttentionConfig no longer declares, and clamps q, k and v to clip_qkv unconditionally
+             # (None fails): both as DBRX's config.json sets them; experts at the tiny width
+             "dbrx": {"attn_config": {"kv_n_heads": 1, "rope_theta": 10000.0, "clip_qkv": 8.0},
+                      "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2}},
              "dots1": {"n_shared_experts": 1},
              "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
              "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default",
@@ -218,6 +231,21 @@ OVERRIDES = {"t5gemma": {"bos_token_id": 2},
              # the prompt encoder's and mask decoder's width
              **{t: {"output_channels": 32, "num_pos_feats": 16, "mlp_dim": 64, "iou_head_hidden_dim": 32}
                 for t in ("sam", "sam_hq")},
+             # SAM 2: its Hiera backbone (four stages, the windowed attention pooling the queries from one
+             # stage to the next; a block of the third global) and FPN on 64-pixel images (IMAGE_SIZES),
+             # the prompt encoder's image embeddings as large as the third stage's map
+             "sam2": {"vision_config": {**_SAM2_VISION, "backbone_config": _SAM2_HIERA},
+                      "prompt_encoder_config": {"hidden_size": 32, "image_size": 64, "patch_size": 16,
+                                                "mask_input_channels": 4},
+                      "mask_decoder_config": {"hidden_size": 32, "mlp_dim": 64, "num_attention_heads": 2,
+                                              "iou_head_hidden_dim": 32}},
+             "sam2_vision_model": {**_SAM2_VISION, "backbone_config": _SAM2_HIERA},
+             "sam2_hiera_det_model": _SAM2_HIERA,
+             # CLVP's encoders rotate max(projection_dim / (2 * heads), 32) channels of each head (32 of
+             # its 64, as CLVP's own sizes: 64-wide heads, a projection of 64); the codes it writes over
+             # the decoder's output from its first stop on (83, 45, 248 by default) within the tiny vocabulary
+             "clvp": {"hidden_size": 128, "num_attention_heads": 2, "projection_dim": 64,
+                      "decoder_fixing_codes": [43, 45, 45, 48]},
              # SAM 3: its vision FPN at the width of the rest
              **{t: {"fpn_hidden_size": 32} for t in ("sam3", "sam3_tracker", "sam3_lite_text")},
              # time series: a context of 8 (plus 3 lags) to forecast 4 with 2 time features; patches of
@@ -228,6 +256,14 @@ OVERRIDES = {"t5gemma": {"bos_token_id": 2},
                 for t in ("patchtst", "patchtsmixer")},
              **{t: {"patch_length": 8, "context_length": 32, "horizon_length": 8}
                 for t in ("timesfm", "timesfm2_5")},
+             # Gemma 3n's text model: its last layers reuse the KV of the last earlier layer of their type
+             # (default 15 of 35 layers: of 2, none would make the cache); 4 layers, the last 2 sharing,
+             # its widths and its activations' sparsity (a Gaussian top-k in the MLP) per layer, its
+             # per-layer token embeddings at the tiny vocabulary
+             "gemma3n_text": {"num_hidden_layers": 4, "num_kv_shared_layers": 2,
+                              "layer_types": ["sliding_attention", "full_attention"] * 2,
+                              "intermediate_size": [64] * 4, "activation_sparsity_pattern": [0.95, 0.0] * 2,
+                              "vocab_size_per_layer_input": 64, "hidden_size_per_layer_input": 8},
              "gemma3n_audio": {"conf_num_hidden_layers": 2, "conf_num_attention_heads": 2},
              # its decoder views the query as num_key_value_heads heads: no grouped queries
              "moonshine_streaming": {"num_key_value_heads": 2},
@@ -411,6 +447,14 @@ EXPLAINED = {
     ("causal-lm", "float64", "cpmant"):
         "the model's own fp32 parts (its RMSNorm's mean square of `hidden.to(torch.float32)`, a downcast in "
         "float64): unfused is 2.8e-5 from float64 itself, fused 3.7e-14 (bench/fp64_truth.py)",
+    ("base", "bf16-autocast", "clvp"):
+        "a near tie in its argmax of the speech decoder's logits (the tokens its speech encoder reads): at "
+        "one position tokens 20 and 18 are 2.3e-3 apart in float64, one bf16 ulp of the logit (2.1e-3); the "
+        "fused attention or bias-GeLU rounds to 18, unfused to 20 (as float64): loss 9.6% off float64 fused, "
+        "0.66% unfused",
+    ("causal-lm", "float64", "longcat_flash"):
+        "the model's own fp32 parts (its router's logits of `hidden.type(torch.float32)`): unfused is 2.6e-5 "
+        "from float64 itself at the router weights, fused 2.1e-7 (bench/fp64_truth.py)",
     ("causal-lm", "float64", "lara_mini"):
         "the model's own fp32 parts (Qwen3.5's gated delta rule): unfused is 2.0e-4 from float64 itself, "
         "another fp32 formula for its loss moves it 1.7e-5 (bench/fp64_truth.py)",
@@ -755,10 +799,27 @@ def _auto_class(tf, task: str):
             "image-text": tf.AutoModelForImageTextToText, "base": tf.AutoModel}[task]
 
 
-# audio encoders that take their features mel bins first, as Whisper's, with no fixed window
-_MEL_FIRST = {"voxtral_realtime_encoder", "glmasr_encoder"}
-# mel bins an encoder takes that its config does not name (Gemma 4's audio subsampling: 128)
-_MEL_BINS = {"gemma4_audio": 128}
+def _from_config(auto, cfg):
+    """The task's model for `cfg`, built by its auto class, or by the task's class from a part of a
+    composite config where the class declares the part's config (MusicGen's causal LM is its
+    decoder: MusicgenForCausalLM takes the MusicgenDecoderConfig in the MusicgenConfig that
+    AutoModelForCausalLM maps to it, and fails on the whole)."""
+    cls = auto._model_mapping.get(type(cfg), None)
+    cls = cls[0] if isinstance(cls, (tuple, list)) else cls
+    want = getattr(cls, "config_class", None)
+    if isinstance(want, type) and not isinstance(cfg, want):
+        for name in getattr(cfg, "sub_configs", None) or {}:
+            if isinstance(_attribute(cfg, name), want):
+                return cls._from_config(_attribute(cfg, name))
+    return auto.from_config(cfg)
+
+
+# audio encoders that take their features mel bins first, as Whisper's, with no fixed window (CLVP's
+# conditioning encoder)
+_MEL_FIRST = {"voxtral_realtime_encoder", "glmasr_encoder", "clvp"}
+# mel bins an encoder takes that its config does not name (Gemma 4's audio subsampling: 128) or names
+# in a part (CLVP's decoder config's feature_size)
+_MEL_BINS = {"gemma4_audio": 128, "clvp": 80}
 # waveform encoders that take a channel dim, (batch, 1, samples)
 _MONO_CHANNEL = {"pocket_tts_audio_tokenizer_encoder"}
 # samples an encoder takes in whole frames (Muse Spark's audio: a multiple of 1920)
@@ -788,7 +849,7 @@ def _audio_inputs(model, task: str, dtype: torch.dtype, name: str | None = None)
         mel_first = True
     elif cfg.model_type in _MEL_FIRST:
         mel_first = True
-        x = torch.randn(2, cfg.num_mel_bins, 40, dtype=dtype)
+        x = torch.randn(2, _MEL_BINS.get(cfg.model_type) or cfg.num_mel_bins, 40, dtype=dtype)
     else:  # filter-bank frames (time, features; Wav2Vec2-BERT stacks 2 frames of 80 into one of 160,
         # FunASR's encoder 7 into one of 560)
         width = (own.get("feature_projection_input_dim") or own.get("feature_size") or own.get("num_mel_bins")
@@ -859,8 +920,10 @@ def _vision_tower_layouts(model, dtype: torch.dtype) -> list[dict]:
 
 
 # Image sides for models whose 32-pixel images leave too few tokens (over the config's image_size):
-# RT-DETR's encoder attends over its last level, one token at 32 pixels, 2 x 2 at 64
+# RT-DETR's encoder attends over its last level, one token at 32 pixels, 2 x 2 at 64; SAM 2's Hiera
+# pools its tokens three times (a 16 x 16 grid at 64 pixels to 2 x 2)
 IMAGE_SIZES = {"rt_detr": 64, "rt_detr_v2": 64,
+               **dict.fromkeys(("sam2", "sam2_vision_model", "sam2_hiera_det_model"), 64),
                # PP-OCRv6's recognizers pool a 1/16 height by 3: 32 pixels leave 2 rows
                "pp_ocrv6_small_rec": 64, "pp_ocrv6_tiny_rec": 64}
 
@@ -1195,6 +1258,12 @@ def batch(model, task: str, dtype: torch.dtype = torch.float64) -> dict:
         ids, sep = kwargs["input_ids"], model.config.sep_token_id
         ids[ids == sep] = 1 if sep != 1 else 3
         ids[..., 3], ids[..., 4], ids[..., -1] = sep, sep, sep
+    codebooks = getattr(model.config, "num_codebooks", None)
+    if task == "causal-lm" and isinstance(codebooks, int) and "audio_channels" in model.config:
+        # MusicGen's decoder: a sequence of codes per codebook, its rows (batch * codebooks), its labels
+        # (batch, sequence, codebooks)
+        ids = torch.randint(1, 64, (2, codebooks, 12))
+        kwargs.update(input_ids=ids.flatten(0, 1), labels=ids.transpose(1, 2))
     if task == "video-cls" or task == "image-cls" and "spatial_shapes" in inspect.signature(model.forward).parameters:
         kwargs.update(_pixels(model, dtype))  # clips, or SigLIP 2's patches, for the image
     return kwargs
@@ -1472,12 +1541,16 @@ def _checkpoint_row(model, kwargs: dict, task: str) -> dict:
         return {"status": "unfused fails", "why": why}
     models = {"plain": model, **copies}
     leaves = {name: [p for p in m.parameters() if p.requires_grad] for name, m in models.items()}
-    try:  # each model's own training step, unfused: a model that fails here is not trifuse's to judge
-        for m in models.values():
-            _loss(_seeded(m)(**kwargs), task).backward()
+    unfused = {}  # each model's own training step, unfused: a model that fails here is not trifuse's to
+    try:  # judge, and one whose checkpointed copies differ unfused differs fused too
+        for name, m in models.items():
+            torch.manual_seed(1)
+            _loss(m(**kwargs), task).backward()
+            unfused[name] = tuple(None if p.grad is None else p.grad.clone() for p in leaves[name])
             m.zero_grad(set_to_none=True)
     except Exception as e:  # noqa: BLE001
         return {"status": "unfused fails", "why": f"{type(e).__name__}: {str(e).strip()[:150]}"}
+    unfused_err = {mode: _grad_error(unfused["plain"], unfused[mode], 1e-10) for mode in copies}
 
     def step(name: str, seed: int, profiled: bool = True):
         # .backward(), not autograd.grad: a reentrant checkpoint refuses the latter
@@ -1543,6 +1616,11 @@ def _checkpoint_row(model, kwargs: dict, task: str) -> dict:
         row["why"] = recomputed_why
     if len(counted) < len(recomputed):
         row["why"] = "the recompute's ops not counted: the profiler's events did not fit in memory"
+    as_much = {mode: e for mode, e in unfused_err.items() if status == "MISMATCH" and e >= grad_err / 2}
+    if as_much:  # a model whose gradients checkpointing changes as written (a tensor its layers share
+        # outside their arguments, which a reentrant checkpoint's backward does not reach)
+        row["why"] = "the unfused model differs as much under checkpointing: " + ", ".join(
+            f"{mode} grads {e:.2g}" for mode, e in as_much.items())
     if fewer:
         row["why"] = "under checkpointing: " + "; ".join(
             f"{mode} {', '.join(f'{k} {v}' for k, v in d.items())}" for mode, d in fewer.items())
@@ -1574,7 +1652,7 @@ def run_one(model_type: str, attn: str = "sdpa", task: str = "causal-lm", via: s
     refused = []  # under checkpointing, the dropout rates a model refuses above 0 (DiffLlama's attention's)
     while True:
         try:
-            model = auto.from_config(cfg)
+            model = _from_config(auto, cfg)
             model = model.double() if dtype == "float64" else model.float()
             break
         except Exception as e:  # noqa: BLE001

@@ -160,14 +160,34 @@ def test_a_vlm_s_towers_alone_get_their_inputs(model_type, fused):
                                                ("decision_transformer", {"attention": 2}),
                                                ("minicpm_ocr_vision", {"attention": 4}),
                                                ("fun_asr_nano_encoder", {"attention": 2}),
-                                               ("voxtral_realtime_encoder", {"attention": 2})])
+                                               ("voxtral_realtime_encoder", {"attention": 2}),
+                                               ("sam2", {"attention": 12, "bias_gelu": 19}),
+                                               ("clvp", {"attention": 6, "gated_activation": 4})])
 def test_base_models_with_inputs_of_their_own_get_them(model_type, fused):
     """Models whose inputs are none of the usual ones get a batch: a time series (PatchTST), an
     image with its prompt image and mask (SegGPT, whose decomposed relative positions fuse), the
     Decision Transformer's trajectories, MiniCPM-V's packed images with their sizes, FunASR's
-    stacked frames with their padding mask, Voxtral Realtime's mel bins first; DETR builds on
-    transformers' ResNet (its default backbone is timm's). Each runs fused and unfused, and they
-    agree."""
+    stacked frames with their padding mask, Voxtral Realtime's and CLVP's mel bins first; DETR builds
+    on transformers' ResNet (its default backbone is timm's); SAM 2's Hiera on 64-pixel images. Each
+    runs fused and unfused, and they agree."""
     row = fs.run_one(model_type, task="base")
     assert row["status"] == "ok", row
     assert fused.items() <= row["replaced"].items(), row["replaced"]
+
+
+def test_a_causal_lm_of_a_part_of_a_composite_config_is_built_from_that_part():
+    """AutoModelForCausalLM maps MusicGen's composite config to MusicgenForCausalLM, which takes its
+    decoder's config alone: built from that part, on a sequence per codebook, it runs, and its loss
+    (a cross-entropy per codebook) fuses."""
+    row = fs.run_one("musicgen")
+    assert row["status"] == "ok", row
+    assert {"attention": 2, "cross_entropy": 4}.items() <= row["replaced"].items(), row["replaced"]
+
+
+def test_a_checkpointing_mismatch_the_unfused_model_has_too_says_so():
+    """Gemma 3n's last layers read the KV of earlier ones outside their arguments, which a reentrant
+    checkpoint's backward does not reach: the unfused model's gradients change under it as much as
+    the fused one's, and the row says so."""
+    row = fs.run_one("gemma3n_text", via="checkpoint")
+    assert row["status"] == "MISMATCH", row
+    assert row["why"].startswith("the unfused model differs as much under checkpointing: reentrant"), row
