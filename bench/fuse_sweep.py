@@ -241,6 +241,8 @@ OVERRIDES = {"t5gemma": {"bos_token_id": 2},
                                               "iou_head_hidden_dim": 32}},
              "sam2_vision_model": {**_SAM2_VISION, "backbone_config": _SAM2_HIERA},
              "sam2_hiera_det_model": _SAM2_HIERA,
+             # LeViT: its stem's four stride-2 convolutions make 16-pixel patches, whatever the config says
+             "levit": {"patch_size": 16},
              # CLVP's encoders rotate max(projection_dim / (2 * heads), 32) channels of each head (32 of
              # its 64, as CLVP's own sizes: 64-wide heads, a projection of 64); the codes it writes over
              # the decoder's output from its first stop on (83, 45, 248 by default) within the tiny vocabulary
@@ -569,7 +571,19 @@ IMAGE_TEXT_OVERRIDES = {"llama4": {"intermediate_size": 128}, "gemma4": _GEMMA4_
                                    "num_global_layers": 1, "vision_output_dim": 96},
                         # Kimi K2.5: DeepSeek-V3's latent attention (its validation wants head_dim x heads
                         # = embed_dim), a projector that normalizes the vision tower's width by this name
-                        "kimi_k25": {**_MLA, "embed_dim": 16, "projection_hidden_size": 32}}
+                        "kimi_k25": {**_MLA, "embed_dim": 16, "projection_hidden_size": 32},
+                        # Florence-2's DaViT: its stages' patch convolutions at their own kernels (7 then 3)
+                        "florence2": {"patch_size": [7, 3, 3, 3], "window_size": 4},
+                        # VipLLaVA: the 5 tower layers it reads (-2, -5, -8, -11, 6 by default), of the tiny 2
+                        "vipllava": {"vision_feature_layers": [-2, -3, 0, 1, 2]},
+                        # Kosmos-2: 8 latent queries an image (64 by default)
+                        "kosmos-2": {"latent_query_num": 8},
+                        # Aria: its projector's query count per patch count (1225 and 4900 by default)
+                        "aria": {"projector_patch_to_query_dict": {16: 4}},
+                        # BLIP-2 and InstructBLIP: their Q-Former's queries take the image tokens' places,
+                        # which a checkpoint's config names (image_token_index) and the default leaves out
+                        **{t: {"image_token_id": 0, "num_query_tokens": 8}
+                           for t in ("blip-2", "instructblip")}}
 # Token ids a config keeps as such, not the special tokens a multimodal model marks its inputs with
 _PLAIN_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "_pad_token_id",
                     "user_token_id")
@@ -1132,9 +1146,22 @@ def _image_text_inputs(model, dtype: torch.dtype) -> dict:
         # no image placeholders: the image conditions the text some other way (a vision encoder-
         # decoder's cross-attention, GIT's and BLIP's image tokens prepended by the model)
         ids = torch.randint(1, 32, (2, 12), generator=torch.Generator().manual_seed(1))
+        if "flattened_patches" in forward:  # Pix2Struct's patches, each its (row, column) from 1 and its pixels,
+            return {**_flattened_patches(vc, dtype), "labels": ids}  # the second image's last row padding
+        if "image_embeds_position_mask" in forward:  # Kosmos-2: the image's latent queries take the
+            queries = cfg.latent_query_num  # positions the mask marks, after the text's first 2 tokens
+            ids = torch.cat([ids[:, :2], torch.full((2, queries), 3), ids[:, 2:]], 1)
+            mask = torch.zeros_like(ids)
+            mask[:, 2:2 + queries] = 1
+            return {"pixel_values": torch.randn(2, 3, side, side, dtype=dtype), "input_ids": ids,
+                    "image_embeds_position_mask": mask, "labels": ids.masked_fill(mask.bool(), -100)}
         return {"pixel_values": torch.randn(2, 3, side, side, dtype=dtype), "labels": ids,
                 **({"input_ids": ids} if "input_ids" in forward else {})}
     sig = inspect.signature(image_features).parameters
+    qformer = {}  # InstructBLIP's instruction, which its Q-Former reads beside its queries
+    if "qformer_input_ids" in forward:
+        qformer["qformer_input_ids"] = torch.randint(1, 32, (2, 6), generator=torch.Generator().manual_seed(2))
+        qformer["qformer_attention_mask"] = torch.ones_like(qformer["qformer_input_ids"])
     layouts = []
     if "image_grid_thw" in sig:
         patches, grid_thw = _grid_patches(vc, side // patch, dtype)
@@ -1156,14 +1183,16 @@ def _image_text_inputs(model, dtype: torch.dtype) -> dict:
     layouts.append((torch.randn(2, 3, side, side, dtype=dtype), dict(sizes)))
     for tiles in (1, 2):
         extra = dict(sizes)
-        if "pixel_attention_mask" in sig:
+        if "pixel_attention_mask" in sig:  # a mask per pixel (Idefics 3), or per tile (Granite Docling)
             extra["pixel_attention_mask"] = torch.ones(2, tiles, side, side, dtype=torch.bool)
+            layouts.append((torch.randn(2, tiles, 3, side, side, dtype=dtype),
+                            {**sizes, "pixel_attention_mask": torch.ones(2, tiles, dtype=torch.bool)}))
         layouts.append((torch.randn(2, tiles, 3, side, side, dtype=dtype), extra))
     failure = None
     for pixels, extra in layouts:
         try:
             with torch.no_grad():
-                counts = _image_token_counts(image_features(pixel_values=pixels, **extra), 2)
+                counts = _image_token_counts(image_features(pixel_values=pixels, **extra, **qformer), 2)
         except Exception as e:  # noqa: BLE001  (not this layout)
             failure = e
             continue
@@ -1182,13 +1211,26 @@ def _image_text_inputs(model, dtype: torch.dtype) -> dict:
     ids = torch.tensor(ids)
     labels = ids.masked_fill(ids >= 32, -100)
     kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pixels,
-              "labels": labels, **extra}
+              "labels": labels, **extra, **qformer}
     for name in ("token_type_ids", "mm_token_type_ids"):  # 1 at the image's positions (Gemma 3, Qwen-VL)
         if name in forward:
             kwargs[name] = (ids == image).long()
     if "use_cache" in forward:
         kwargs["use_cache"] = False
     return kwargs
+
+
+def _flattened_patches(vision_cfg, dtype: torch.dtype) -> dict:
+    """Pix2Struct's input as its processor lays it out: 4 x 4 patches an image, each a row of its
+    1-based (row, column) and its pixels (patch_embed_hidden_size of them); the second image 4 x 3,
+    its last 4 rows padding (zeros, masked)."""
+    rows, cols = torch.meshgrid(torch.arange(1, 5), torch.arange(1, 5), indexing="ij")
+    positions = torch.stack([rows.flatten(), cols.flatten()], -1).to(dtype)
+    pixels = torch.randn(2, 16, vision_cfg.patch_embed_hidden_size, dtype=dtype)
+    patches = torch.cat([positions.expand(2, -1, -1), pixels], -1)
+    mask = torch.ones(2, 16, dtype=torch.long)
+    patches[1, 12:], mask[1, 12:] = 0, 0
+    return {"flattened_patches": patches, "attention_mask": mask}
 
 
 # Models that count an image-start and an image-end token around each image's tokens (Ovis 2.5

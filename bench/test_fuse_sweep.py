@@ -175,6 +175,19 @@ def test_base_models_with_inputs_of_their_own_get_them(model_type, fused):
     assert fused.items() <= row["replaced"].items(), row["replaced"]
 
 
+@pytest.mark.parametrize("model_type, fused", [("instructblip", {"attention": 7, "bias_gelu": 8}),
+                                               ("pix2struct", {"attention": 6, "gated_activation": 4}),
+                                               ("granite_docling", {"attention": 4, "rotary": 2})])
+def test_vlms_with_inputs_of_their_own_get_them(model_type, fused):
+    """VLMs whose inputs are not a processor's usual ones get a batch: InstructBLIP's Q-Former
+    queries in the image tokens' places (a token its checkpoints' config names) and its
+    instruction ids, Pix2Struct's flattened patches with their positions, Granite Docling's mask
+    per tile. Each runs fused and unfused, and they agree."""
+    row = fs.run_one(model_type, task="image-text")
+    assert row["status"] == "ok", row
+    assert fused.items() <= row["replaced"].items(), row["replaced"]
+
+
 def test_a_causal_lm_of_a_part_of_a_composite_config_is_built_from_that_part():
     """AutoModelForCausalLM maps MusicGen's composite config to MusicgenForCausalLM, which takes its
     decoder's config alone: built from that part, on a sequence per codebook, it runs, and its loss
