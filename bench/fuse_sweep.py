@@ -1146,8 +1146,8 @@ def _image_text_inputs(model, dtype: torch.dtype) -> dict:
         # no image placeholders: the image conditions the text some other way (a vision encoder-
         # decoder's cross-attention, GIT's and BLIP's image tokens prepended by the model)
         ids = torch.randint(1, 32, (2, 12), generator=torch.Generator().manual_seed(1))
-        if "flattened_patches" in forward:  # Pix2Struct's patches, each its (row, column) from 1 and its pixels,
-            return {**_flattened_patches(vc, dtype), "labels": ids}  # the second image's last row padding
+        if "flattened_patches" in forward:  # Pix2Struct's patches (_flattened_patches)
+            return {**_flattened_patches(vc, dtype), "labels": ids}
         if "image_embeds_position_mask" in forward:  # Kosmos-2: the image's latent queries take the
             queries = cfg.latent_query_num  # positions the mask marks, after the text's first 2 tokens
             ids = torch.cat([ids[:, :2], torch.full((2, queries), 3), ids[:, 2:]], 1)
@@ -1160,8 +1160,8 @@ def _image_text_inputs(model, dtype: torch.dtype) -> dict:
     sig = inspect.signature(image_features).parameters
     qformer = {}  # InstructBLIP's instruction, which its Q-Former reads beside its queries
     if "qformer_input_ids" in forward:
-        qformer["qformer_input_ids"] = torch.randint(1, 32, (2, 6), generator=torch.Generator().manual_seed(2))
-        qformer["qformer_attention_mask"] = torch.ones_like(qformer["qformer_input_ids"])
+        instruction = torch.randint(1, 32, (2, 6), generator=torch.Generator().manual_seed(2))
+        qformer = {"qformer_input_ids": instruction, "qformer_attention_mask": torch.ones_like(instruction)}
     layouts = []
     if "image_grid_thw" in sig:
         patches, grid_thw = _grid_patches(vc, side // patch, dtype)
