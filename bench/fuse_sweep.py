@@ -566,7 +566,10 @@ SMALL_IMAGE_TEXT = {"out_hidden_size": 32, "projection_dim": 32, "mm_tokens_per_
 # adapter reads its tower's two layers.
 _GEMMA4_IMAGE_TEXT = {"pooling_kernel_size": 2, "global_head_dim": 16}
 IMAGE_TEXT_OVERRIDES = {"llama4": {"intermediate_size": 128}, "gemma4": _GEMMA4_IMAGE_TEXT,
-                        "gemma4_unified": _GEMMA4_IMAGE_TEXT, "molmo2": {"vision_feature_layer": [1, 0]},
+                        # Gemma 4 Unified's patch embedder (no vision tower): its width and positions
+                        "gemma4_unified": {**_GEMMA4_IMAGE_TEXT, "mm_embed_dim": 32, "output_proj_dims": 32,
+                                           "mm_posemb_size": 16},
+                        "molmo2": {"vision_feature_layer": [1, 0]},
                         "mllama": {"cross_attention_layers": [1], "intermediate_layers_indices": [0, 1],
                                    "num_global_layers": 1, "vision_output_dim": 96},
                         # Kimi K2.5: DeepSeek-V3's latent attention (its validation wants head_dim x heads
@@ -578,6 +581,9 @@ IMAGE_TEXT_OVERRIDES = {"llama4": {"intermediate_size": 128}, "gemma4": _GEMMA4_
                         "vipllava": {"vision_feature_layers": [-2, -3, 0, 1, 2]},
                         # Kosmos-2: 8 latent queries an image (64 by default)
                         "kosmos-2": {"latent_query_num": 8},
+                        # Qwen2.5-Omni's thinker: its rope index reads the vision-start token, which its
+                        # checkpoints' config names and the default leaves out
+                        "qwen2_5_omni_thinker": {"vision_start_token_id": 0},
                         # Aria: its projector's query count per patch count (1225 and 4900 by default)
                         "aria": {"projector_patch_to_query_dict": {16: 4}},
                         # BLIP-2 and InstructBLIP: their Q-Former's queries take the image tokens' places,
@@ -606,6 +612,8 @@ def _small_token_ids(cfg, vocab: int = 64) -> None:
 
 # Text configs whose models read `mrope_section` with a default of their own, undeclared in the config
 _UNDECLARED_MROPE = {"paddleocr_vl_text"}
+# Text configs whose `mrope_section` lists the height's and width's sections before time's
+_HW_FIRST_MROPE = {"ernie4_5_vl_moe_text"}
 
 
 def _small_mrope(cfg) -> None:
@@ -620,7 +628,9 @@ def _small_mrope(cfg) -> None:
             continue
         head_dim = _attribute(c, "head_dim") or c.hidden_size // c.num_attention_heads
         half = int(head_dim * params.get("partial_rotary_factor", 1.0)) // 2
-        params["mrope_section"] = [half - 2 * (half // 3), half // 3, half // 3]
+        t, hw = half - 2 * (half // 3), half // 3
+        # (t, h, w); ERNIE 4.5 VL orders them (h, w, t) and interleaves h with w, which must match
+        params["mrope_section"] = [hw, hw, t] if c.model_type in _HW_FIRST_MROPE else [t, hw, hw]
 
 
 def _config(tf, model_type: str, attn: str, task: str = "causal-lm"):
@@ -1171,9 +1181,10 @@ def _image_text_inputs(model, dtype: torch.dtype) -> dict:
         layouts.append((patches, grid))
         # Kimi K2.5's and PaddleOCR-VL's convs take each patch as an image
         layouts.append((patches.view(len(patches), -1, patch, patch), grid))
-    if "image_position_ids" in sig:
-        patches, xy = _positioned_patches(patch, side // patch, dtype)
-        layouts.append((patches, {"image_position_ids": xy}))
+    if "image_position_ids" in sig:  # Gemma 4's patches, or Gemma 4 Unified's merged ones (model_patch_size)
+        for size in dict.fromkeys((patch, _attribute(vc, "model_patch_size") or patch)):
+            patches, xy = _positioned_patches(size, side // size, dtype)
+            layouts.append((patches, {"image_position_ids": xy}))
     if "spatial_shapes" in sig:  # SigLIP 2's NaFlex patches (LFM2-VL): flattened, with their grid and mask
         grid = side // patch
         layouts.append((torch.randn(2, grid * grid, 3 * patch * patch, dtype=dtype),
