@@ -584,6 +584,8 @@ IMAGE_TEXT_OVERRIDES = {"llama4": {"intermediate_size": 128}, "gemma4": _GEMMA4_
                         # Qwen2.5-Omni's thinker: its rope index reads the vision-start token, which its
                         # checkpoints' config names and the default leaves out
                         "qwen2_5_omni_thinker": {"vision_start_token_id": 0},
+                        # Step 3.7: its text model builds a sliding-window mask whatever its layer types
+                        "step3p7": {"sliding_window": 8},
                         # Aria: its projector's query count per patch count (1225 and 4900 by default)
                         "aria": {"projector_patch_to_query_dict": {16: 4}},
                         # BLIP-2 and InstructBLIP: their Q-Former's queries take the image tokens' places,
@@ -1143,7 +1145,8 @@ def _image_text_inputs(model, dtype: torch.dtype) -> dict:
     is the first of the usual ones the model's get_image_features takes: Qwen-VL's flattened
     patches with a (t, h, w) grid, one image (with its size where asked), or a stack of tiles."""
     cfg = model.config
-    vc = _attribute(cfg, "vision_config") or _attribute(cfg, "encoder")  # a vision encoder-decoder's encoder
+    # a vision encoder-decoder's encoder, or the config itself (Fuyu's linear patch embedding has no tower)
+    vc = _attribute(cfg, "vision_config") or _attribute(cfg, "encoder") or cfg
     side, patch = _first(vc.image_size), _first(vc.patch_size)
     forward = inspect.signature(model.forward).parameters
     if "cross_attention_mask" in forward:
@@ -1199,6 +1202,8 @@ def _image_text_inputs(model, dtype: torch.dtype) -> dict:
             layouts.append((torch.randn(2, tiles, 3, side, side, dtype=dtype),
                             {**sizes, "pixel_attention_mask": torch.ones(2, tiles, dtype=torch.bool)}))
         layouts.append((torch.randn(2, tiles, 3, side, side, dtype=dtype), extra))
+    # each image's patches flattened, row by row (Fuyu's linear patch embedding)
+    layouts.append((torch.randn(2, (side // patch) ** 2, 3 * patch * patch, dtype=dtype), dict(sizes)))
     failure = None
     for pixels, extra in layouts:
         try:

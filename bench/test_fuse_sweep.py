@@ -178,13 +178,15 @@ def test_base_models_with_inputs_of_their_own_get_them(model_type, fused):
 @pytest.mark.parametrize("model_type, fused", [("instructblip", {"attention": 7, "bias_gelu": 8}),
                                                ("pix2struct", {"attention": 6, "gated_activation": 4}),
                                                ("granite_docling", {"attention": 4, "rotary": 2}),
-                                               ("gemma4_unified", {"attention": 2, "layer_norm": 3})])
+                                               ("gemma4_unified", {"attention": 2, "layer_norm": 3}),
+                                               ("fuyu", {"attention": 2, "bias_gelu": 2})])
 def test_vlms_with_inputs_of_their_own_get_them(model_type, fused):
     """VLMs whose inputs are not a processor's usual ones get a batch: InstructBLIP's Q-Former
     queries in the image tokens' places (a token its checkpoints' config names) and its
     instruction ids, Pix2Struct's flattened patches with their positions, Granite Docling's mask
     per tile, Gemma 4 Unified's merged patches (no vision tower: its patch embedder's layer norms
-    fuse). Each runs fused and unfused, and they agree."""
+    fuse), Fuyu's flattened patches for its linear patch embedding. Each runs fused and unfused, and
+    they agree."""
     row = fs.run_one(model_type, task="image-text")
     assert row["status"] == "ok", row
     assert fused.items() <= row["replaced"].items(), row["replaced"]
