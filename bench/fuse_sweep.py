@@ -241,6 +241,14 @@ OVERRIDES = {"t5gemma": {"bos_token_id": 2},
                                               "iou_head_hidden_dim": 32}},
              "sam2_vision_model": {**_SAM2_VISION, "backbone_config": _SAM2_HIERA},
              "sam2_hiera_det_model": _SAM2_HIERA,
+             # X-CLIP: its prompt generator and the video encoder's frame-integration transformer (MIT) at
+             # the tiny width (512 by default)
+             "xclip": {"projection_dim": 32, "prompt_num_attention_heads": 2, "mit_hidden_size": 32,
+                       "mit_intermediate_size": 64, "mit_num_attention_heads": 2},
+             # VLM vision towers alone whose merger projects to the text model's width (4096 by default)
+             **{t: {"out_hidden_size": 32} for t in ("glm4v_vision", "glm4v_moe_vision", "glm_ocr_vision",
+                                                     "granite_docling_vision")},
+             "glm5_next_vision": {"out_hidden_size": 32, "projection_intermediate_size": 64},
              # LeViT: its stem's four stride-2 convolutions make 16-pixel patches, whatever the config says
              "levit": {"patch_size": 16},
              # CLVP's encoders rotate max(projection_dim / (2 * heads), 32) channels of each head (32 of
