@@ -1246,8 +1246,8 @@ def _image_text_inputs(model, dtype: torch.dtype) -> dict:
 
 def _flattened_patches(vision_cfg, dtype: torch.dtype) -> dict:
     """Pix2Struct's input as its processor lays it out: 4 x 4 patches an image, each a row of its
-    1-based (row, column) and its pixels (patch_embed_hidden_size of them); the second image 4 x 3,
-    its last 4 rows padding (zeros, masked)."""
+    1-based (row, column) and its pixels (patch_embed_hidden_size of them); the second image 3 rows
+    of 4 patches, its last 4 padding (zeros, masked)."""
     rows, cols = torch.meshgrid(torch.arange(1, 5), torch.arange(1, 5), indexing="ij")
     positions = torch.stack([rows.flatten(), cols.flatten()], -1).to(dtype)
     pixels = torch.randn(2, 16, vision_cfg.patch_embed_hidden_size, dtype=dtype)
