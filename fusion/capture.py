@@ -34,6 +34,7 @@ import logging
 import operator
 import sys
 import types
+import warnings
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -118,6 +119,7 @@ class Unit:
         self.fallbacks = 0
         self.calls = 0
         self.last: weakref.WeakKeyDictionary[torch.nn.Module, Capture | None] = weakref.WeakKeyDictionary()
+        self.outside_traces = 0  # traces by a torch.compile or torch.export of the model (_installed_forward)
         forward = _installed_forward(self)
         self.forward = forward
 
@@ -242,7 +244,34 @@ def _replicate_for_data_parallel(module: torch.nn.Module) -> torch.nn.Module:
     return replica
 
 
+# Dynamo calls a function so marked while it traces and bakes in what it returns: its body runs
+# once per trace, never in the compiled code.
+_at_trace_time = (getattr(torch.compiler, "assume_constant_result", None)
+                  or torch._dynamo.assume_constant_result)
+
+
+OUTSIDE_TRACE_MESSAGE = (
+    "trifuse: torch.compile (or torch.export) is tracing a model fused by trifuse.fuse, and sees the fused "
+    "modules' code as the model wrote it. With backend='trifuse' or 'trifuse_inductor' the compile rewrites "
+    "that code itself; with any other backend trifuse's kernels do not run in the compiled model. Run the "
+    "fused model as it is, or compile the model with one of trifuse's backends (no fuse needed); "
+    "trifuse.report(model) names the modules traced.")
+_warned_outside_trace = False
+
+
 def _installed_forward(unit: Unit) -> Callable[..., Any]:
+    @_at_trace_time
+    def traced_from_outside() -> bool:
+        # A trace of the model by someone else (a unit's own capture has _CALLING set): counted for
+        # the report (once per trace Dynamo makes, restarts included), and said once
+        global _warned_outside_trace
+        if _CALLING.get() is None:
+            unit.outside_traces += 1
+            if not _warned_outside_trace:  # once a process: the report has the rest
+                _warned_outside_trace = True
+                warnings.warn(OUTSIDE_TRACE_MESSAGE, UserWarning)
+        return True
+
     @functools.wraps(unit.original)
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0 or is_fx_tracing():
@@ -250,6 +279,8 @@ def _installed_forward(unit: Unit) -> Callable[..., Any]:
             # parent, which called `layer.forward(...)` where fx looks for `layer(...)` (a leaf
             # call): show them the original code. Not a call of this unit: fx records the ops
             # into the parent's graph, which is fused as a whole.
+            if torch.compiler.is_compiling():
+                traced_from_outside()
             return unit.original(self, *args, **kwargs)
         transform = function_transform()
         if transform is not None:

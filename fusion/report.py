@@ -108,6 +108,10 @@ class FusionReport:
                 lines.append(f"    {u.unit.graphs.summary()}")
             for reason, n in getattr(u.unit, "dynamo_calls", {}).items():
                 lines.append(f"    captured by Dynamo instead: {n} call(s): {reason}")
+            if u.unit.outside_traces:
+                lines.append("    traced by a torch.compile or torch.export of the model, which sees its "
+                             "code as the model wrote it: fused there only by backend='trifuse' or "
+                             "'trifuse_inductor'")
             inner = getattr(u.unit, "inner_checkpoints", None)
             if inner:
                 lines.append(f"    checkpointed layers inside it run in its checkpoint, without one of their own (the "
@@ -131,7 +135,7 @@ class FusionReport:
         for name, calls in self.unfused_calls().items():
             for reason, n in calls.items():
                 lines.append(f"  unfused: {name}: {n} call(s): {reason}")
-        lines.append(_counts_line(self.counts()))
+        lines.append(_counts_line(self.counts(), any(u.unit.outside_traces for u in self.units)))
         decisions = self.decisions()
         if decisions:
             from ..autotune import format_table
@@ -158,8 +162,11 @@ class FusionReport:
         return self.table()
 
 
-def _counts_line(counts: dict[str, int]) -> str:
+def _counts_line(counts: dict[str, int], traced_outside: bool = False) -> str:
     if not counts:
+        if traced_outside:  # a compiled model's calls never reach the units
+            return ("latest forward: no replacements ran (not called yet, nothing matched, or the model ran "
+                    "as compiled by torch.compile: see 'traced' above)")
         return "latest forward: no replacements ran (not called yet, or nothing matched)"
     return "latest forward, per family: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
 

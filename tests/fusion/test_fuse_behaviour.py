@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import _models
@@ -18,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import trifuse
-from _fusing import PassThroughMode, available_counts, needs_ops, op_names, trifuse_ops_run
+from _fusing import PassThroughMode, available_counts, has_op, needs_ops, op_names, trifuse_ops_run
 from tolerances import assert_close
 from torch import nn
 
@@ -1143,6 +1144,123 @@ def test_torch_jit_trace_of_a_fused_model_records_the_model_as_written():
     assert any("torch.jit.trace" in r for r in reasons), reasons
     torch.testing.assert_close(loss_fn(model, kw), loss_fn(ref, kw))  # fused again outside
     assert trifuse.report(model).counts().get("attention") == _models.LAYERS
+
+
+@contextlib.contextmanager
+def _warnings_recorded():
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        yield record
+
+
+def _outside_trace_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if "is tracing a model fused by trifuse.fuse" in str(w.message)]
+
+
+@pytest.mark.parametrize("order", ["fuse, then compile", "compile, then fuse"])
+def test_torch_compile_of_a_fused_model_says_its_blocks_run_as_written(order, monkeypatch):
+    """torch.compile of a fused model (or fuse of a compiled one) traces the blocks' code as the
+    model wrote it: with a backend other than trifuse's the compiled model runs no trifuse op.
+    Said once a process, at trace time (never in the compiled code), and by the report per unit,
+    so that an empty 'latest forward' is not read as 'nothing matched'. Run as it is afterwards,
+    the fused model still fuses."""
+    from trifuse.fusion import capture
+
+    monkeypatch.setattr(capture, "_warned_outside_trace", False)
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _models.gpt2()
+    ref = copy.deepcopy(model)
+    kw = inputs(2, 8)
+    if order == "fuse, then compile":
+        compiled = torch.compile(trifuse.fuse(model), backend="eager")
+    else:
+        compiled = trifuse.fuse(torch.compile(model, backend="eager"))
+    with _warnings_recorded() as record:
+        loss = loss_fn(compiled, kw)
+    assert len(_outside_trace_warnings(record)) == 1, [str(w.message) for w in record]
+    torch.testing.assert_close(loss, loss_fn(ref, kw))
+    report = trifuse.report(model)
+    traces = [u.unit.outside_traces for u in report.units]
+    assert all(traces), traces
+    loss_fn(compiled, inputs(2, 8))  # the compiled code: no trace
+    assert [u.unit.outside_traces for u in report.units] == traces
+    assert report.counts() == {}, report.table()
+    text = report.table()
+    assert text.count("traced by a torch.compile or torch.export of the model") == len(report.units), text
+    assert "the model ran as compiled by torch.compile" in text, text
+    with _warnings_recorded() as record:
+        torch.testing.assert_close(loss_fn(model, kw), loss_fn(ref, kw))  # the fused model, called itself
+    assert not _outside_trace_warnings(record)
+    assert trifuse.report(model).counts().get("attention") == _models.LAYERS
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_fuse_own_captures_are_not_traces_from_outside(name, monkeypatch):
+    """The control: fuse's own Dynamo captures trace fused modules' forwards too (BERT's head
+    capture traces its MLM head, fused by fx), and neither count nor warn."""
+    from trifuse.fusion import capture
+
+    monkeypatch.setattr(capture, "_warned_outside_trace", False)
+    torch.manual_seed(0)
+    model, inputs, loss_fn = getattr(_models, name)()
+    trifuse.fuse(model)
+    with _warnings_recorded() as record:
+        loss_fn(model, inputs(2, 8)).backward()
+    assert not _outside_trace_warnings(record)
+    report = trifuse.report(model)
+    assert report.counts().get("attention") == _models.LAYERS
+    assert all(u.unit.outside_traces == 0 for u in report.units)
+    assert "traced by a torch.compile" not in report.table()
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_torch_export_of_a_fused_model_records_the_model_as_written(strict, monkeypatch):
+    """torch.export (Dynamo when strict, else its own tracer) of a fused model: the exported
+    program holds the model's own ops and needs no trifuse; the units say they were traced."""
+    from trifuse.fusion import capture
+
+    monkeypatch.setattr(capture, "_warned_outside_trace", False)
+    torch.manual_seed(0)
+    model, inputs, _ = _models.gpt2()
+    model.eval()
+    ref = copy.deepcopy(model)
+    trifuse.fuse(model)
+
+    class Logits(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, ids):
+            return self.inner(input_ids=ids, use_cache=False).logits
+
+    ids, other = inputs(2, 8)["input_ids"], inputs(2, 8)["input_ids"]
+    with _warnings_recorded() as record:
+        program = torch.export.export(Logits(model), (ids,), strict=strict)
+    assert len(_outside_trace_warnings(record)) == 1
+    assert not any("trifuse" in str(n.target) for n in program.graph.nodes)
+    torch.testing.assert_close(program.module()(other), Logits(ref)(other))
+    assert all(u.unit.outside_traces for u in trifuse.report(model).units)
+
+
+def test_backend_trifuse_over_a_fused_model_rewrites_the_code_it_traces(monkeypatch):
+    """backend="trifuse" over a fused model: the compile sees the code as written and rewrites it
+    itself, so trifuse's ops run (the compiled graphs' report), beside the note on the units."""
+    from trifuse.fusion import capture
+
+    monkeypatch.setattr(capture, "_warned_outside_trace", False)
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _models.gpt2()
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(trifuse.fuse(model), backend="trifuse")
+    kw = inputs(2, 8)
+    names = trifuse_ops_run(lambda: loss_fn(compiled, kw))
+    torch.testing.assert_close(loss_fn(compiled, kw), loss_fn(ref, kw))
+    report = trifuse.report(compiled)
+    if has_op("attention"):
+        assert report.counts().get("attention") == _models.LAYERS, report.table()
+        assert "trifuse::attention" in names, sorted(names)
+    assert "traced by a torch.compile or torch.export of the model" in report.table()
 
 
 def test_torch_func_transforms_and_forward_ad_run_the_blocks_as_written():
