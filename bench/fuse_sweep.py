@@ -173,6 +173,10 @@ OVERRIDES = {"t5gemma": {"bos_token_id": 2},
              "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default",
                                                                             "rope_theta": 1e4}}},
              **{t: _DSA for t in ("glm_moe_dsa", "hy_v4")},
+             # HY-V4-VL's text model: HY-V4's, with multimodal rotary sections that sum to the tiny
+             # rotary half (validated when the config is built: _small_mrope comes too late)
+             "hy_v4_vl_text": {**_DSA, "rope_parameters": {"rope_theta": 1e4, "rope_type": "default",
+                                                           "mrope_section": [2, 1, 1]}},
              "longcat_flash": {**_MLA, "ffn_hidden_size": 64, "expert_ffn_hidden_size": 32,
                                "zero_expert_num": 2, "moe_topk": 2},
              # Inkling's sliding-window layers have sizes of their own (64 heads of 128 by default:
@@ -251,6 +255,11 @@ OVERRIDES = {"t5gemma": {"bos_token_id": 2},
              "glm5_next_vision": {"out_hidden_size": 32, "projection_intermediate_size": 64},
              # LeViT: its stem's four stride-2 convolutions make 16-pixel patches, whatever the config says
              "levit": {"patch_size": 16},
+             # transducers' prediction networks (a 2-layer LSTM of 640 by default) and OmniASR's feature
+             # encoder (7 convolutions of 512 channels) at the tiny width
+             **{t: {"decoder_hidden_size": 32}
+                for t in ("parakeet_tdt", "parakeet_rnnt", "nemotron_asr_streaming")},
+             "omniasr_audio": {"conv_dim": [32] * 7},
              # CLVP's encoders rotate max(projection_dim / (2 * heads), 32) channels of each head (32 of
              # its 64, as CLVP's own sizes: 64-wide heads, a projection of 64); the codes it writes over
              # the decoder's output from its first stop on (83, 45, 248 by default) within the tiny vocabulary
