@@ -255,6 +255,18 @@ OVERRIDES = {"t5gemma": {"bos_token_id": 2},
              "glm5_next_vision": {"out_hidden_size": 32, "projection_intermediate_size": 64},
              # LeViT: its stem's four stride-2 convolutions make 16-pixel patches, whatever the config says
              "levit": {"patch_size": 16},
+             # ALIGN's EfficientNet on 32-pixel images at a quarter of its width and a third of its depth,
+             # without its random drop-connect; its projection as wide as the image embeddings (80)
+             "align": {"vision_config": {"image_size": 32, "width_coefficient": 0.25, "hidden_dim": 64,
+                                         "depth_coefficient": 0.35, "drop_connect_rate": 0.0},
+                       "projection_dim": 80},
+             # CLAP's HTSAT audio encoder, a Swin over the spectrogram, at the tiny width: two stages of
+             # one block, 4x4 patches of a 64-frame, 16-bin spectrogram in windows of 4
+             "clap": {"audio_config": {"patch_embeds_hidden_size": 16, "hidden_size": 32, "depths": [1, 1],
+                                       "num_attention_heads": [2, 2], "spec_size": 64, "num_mel_bins": 16,
+                                       "window_size": 4, "patch_size": 4, "patch_stride": [4, 4],
+                                       "projection_dim": 32, "hidden_dropout_prob": 0.0},
+                      "projection_dim": 32},
              # transducers' prediction networks (a 2-layer LSTM of 640 by default) and OmniASR's feature
              # encoder (7 convolutions of 512 channels) at the tiny width
              **{t: {"decoder_hidden_size": 32}
@@ -448,6 +460,16 @@ EXPLAINED = {
         "(bench/fp64_truth.py --task base)")
        for t, err, fused in (("grounding-dino", "0.6", "1.5e-7"), ("mm-grounding-dino", "0.72", "2.3e-7"),
                              ("mask2former", "0.31", "5.8e-7"), ("oneformer", "1.8e-3", "3.6e-8"))},
+    ("base", "float64", "clap"):
+        "the model's own fp32 softmax (`softmax(..., dtype=torch.float32)` in its text model's eager "
+        "attention: the model has no SDPA path): the text k biases' gradients, zero in exact arithmetic, "
+        "unfused 1.7-2.0e-8 (fp32 rounding), fused ~6e-17; the loss unfused 3.4e-9 from float64 itself, "
+        "fused 2.7e-16, every gradient within 3.3e-9 of it (bench/fp64_truth.py --task base)",
+    ("base", "float64", "align"):
+        "the model's own fp32 softmax (`softmax(..., dtype=torch.float32)` in its text model's eager "
+        "attention: the model has no SDPA path): the text k biases' gradients, zero in exact arithmetic, "
+        "unfused up to 5.3e-12 (fp32 rounding; below the 1e-10 floor, compared at it), fused ~1e-17; the "
+        "loss unfused 9.8e-13 from float64 itself, fused 0 (bench/fp64_truth.py --task base)",
     ("base", "float64", "videoprism"):
         "the model's own fp32 softmax, as video-cls's videoprism_vision_model, at its video pooling head's "
         "k_proj.bias, whose gradient is zero in exact arithmetic (float64 truth 1.9e-18): unfused 4.4e-10, fused "
@@ -879,7 +901,12 @@ def _audio_inputs(model, task: str, dtype: torch.dtype, name: str | None = None)
     cfg, name = model.config, name or model.main_input_name
     own = type(cfg)().to_dict()  # the config's own fields (the small sizes were passed to every config)
     mel_first = False  # features as (batch, mel bins, frames)
-    if name == "input_values" and "num_mel_bins" in own and "max_length" in own:
+    audio_cfg = _attribute(cfg, "audio_config")
+    if name == "input_features" and _attribute(audio_cfg, "spec_size"):
+        # CLAP's HTSAT encoder reads a one-channel image of frames x mel bins (a square of spec_size
+        # frames folded from the mel axis's width)
+        x = torch.randn(2, 1, audio_cfg.spec_size, audio_cfg.num_mel_bins, dtype=dtype)
+    elif name == "input_values" and "num_mel_bins" in own and "max_length" in own:
         x = torch.randn(2, cfg.max_length, cfg.num_mel_bins, dtype=dtype)
     elif name == "input_values":
         # OmniASR's encoder and Pocket TTS's tokenizer take (batch, 1, samples), a channel dim their

@@ -202,6 +202,21 @@ def test_vlms_with_inputs_of_their_own_get_them(model_type, fused):
     assert fused.items() <= row["replaced"].items(), row["replaced"]
 
 
+def test_clap_gets_its_spectrogram_image_and_its_float64_mismatch_is_its_own_fp32_softmax():
+    """CLAP's audio encoder (HTSAT, a Swin over the spectrogram) takes its mel spectrogram as a
+    one-channel image beside the text: the fused model runs both towers' attention, and the float64
+    row's MISMATCH (EXPLAINED) is the unfused model's fp32 softmax: fused is within 1e-6 of float64
+    throughout where unfused is not."""
+    import fp64_truth
+
+    r = fp64_truth.measure("clap", task="base")
+    assert r["trifuse_ops"].get("trifuse::attention") == 4, r["trifuse_ops"]
+    assert r["fused vs unfused"][1] > 1e-5  # what the sweep's rule flags
+    assert r["fused vs truth"][0] < 1e-12 and r["fused vs truth"][1] < 1e-6, r["fused vs truth"]
+    assert r["unfused vs truth"][1] > 1e-5, r["unfused vs truth"]
+    assert ("base", "float64", "clap") in fs.EXPLAINED
+
+
 @SINCE_5_25
 def test_a_causal_lm_of_a_part_of_a_composite_config_is_built_from_that_part():
     """AutoModelForCausalLM maps MusicGen's composite config to MusicgenForCausalLM, which takes its
