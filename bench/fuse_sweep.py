@@ -260,6 +260,16 @@ OVERRIDES = {"t5gemma": {"bos_token_id": 2},
              "align": {"vision_config": {"image_size": 32, "width_coefficient": 0.25, "hidden_dim": 64,
                                          "depth_coefficient": 0.35, "drop_connect_rate": 0.0},
                        "projection_dim": 80},
+             # FastSpeech 2 at the tiny width, its many dropouts off, 16 mel bins
+             "fastspeech2_conformer": {
+                 "hidden_size": 32, "encoder_linear_units": 64, "decoder_linear_units": 64,
+                 "num_mel_bins": 16, "speech_decoder_postnet_units": 32, "duration_predictor_channels": 32,
+                 "energy_predictor_channels": 32, "pitch_predictor_channels": 32,
+                 **{f"{part}_dropout": 0.0 for part in ("energy_predictor", "energy_embed", "pitch_predictor",
+                                                         "pitch_embed", "speech_decoder_postnet")},
+                 **{f"{part}_{kind}dropout_rate": 0.0 for part in ("encoder", "decoder")
+                    for kind in ("", "positional_", "attention_")},
+                 "duration_predictor_dropout_rate": 0.0},
              # CLAP's HTSAT audio encoder, a Swin over the spectrogram, at the tiny width: two stages of
              # one block, 4x4 patches of a 64-frame, 16-bin spectrogram in windows of 4
              "clap": {"audio_config": {"patch_embeds_hidden_size": 16, "hidden_size": 32, "depths": [1, 1],
@@ -570,6 +580,8 @@ def _small_config(cls, kw: dict):
                 pass
     if not _has(default, "head_dim") or _read_only(cls, "head_dim"):  # the sub-configs' head_dim set above
         kw.pop("head_dim", None)
+    for k in [k for k in kw if _read_only(cls, k)]:  # sizes the config derives (X-Codec's hidden_size)
+        kw.pop(k)
     try:
         return cls(**kw)
     except Exception:  # noqa: BLE001  (the config's own validation: the layer count stays its own,
@@ -1048,6 +1060,11 @@ def _other_inputs(model, dtype: torch.dtype) -> dict | None:
     (hidden states in, for the encoder and the decoder)."""
     cfg = model.config
     forward = inspect.signature(model.forward).parameters
+    if "duration_labels" in forward:  # FastSpeech 2 trains on its targets: 2 frames a token
+        return {"input_ids": torch.randint(1, 40, (2, 8)),
+                "spectrogram_labels": torch.randn(2, 16, cfg.num_mel_bins, dtype=dtype),
+                "duration_labels": torch.full((2, 8), 2), "pitch_labels": torch.randn(2, 8, 1, dtype=dtype),
+                "energy_labels": torch.randn(2, 8, 1, dtype=dtype)}
     if model.main_input_name == "states":
         return {"states": torch.randn(2, 12, cfg.state_dim, dtype=dtype),
                 "actions": torch.randn(2, 12, cfg.act_dim, dtype=dtype),
