@@ -174,6 +174,34 @@ def split_bias_fails_too(make, inputs: tuple, train: bool, twin64=None, autocast
     return False
 
 
+def zero_in_exact_arithmetic(make, inputs: tuple, train: bool, twin64=None, failure: str = "",
+                             floor: float = 1e-10) -> bool:
+    """Whether the gradient the fused check failed on (`failure`: its message) is zero in exact
+    arithmetic: its float64 value below `floor` of the model's largest float64 gradient (inputs'
+    and parameters'). Both models' values are then rounding noise, and the rule's yardstick,
+    PyTorch's own error, is luck. A ResNet block whose second norm has a group per channel adds
+    the time embedding's projection just before it: the norm removes any per-channel shift, so
+    the embedding's gradient is 0 (float64 3.9e-15 against the image's 4.1); under fp16 autocast
+    the fused one came out 2.95e-3 against a bound of 2.69e-3, and PyTorch's own model, nudged,
+    stayed under half of that in 6 runs (seed 91, draw 164). The float64 model is the check's,
+    on its inputs; any output seeds do (a gradient zero in exact arithmetic is zero for all)."""
+    named = _MAX_ERROR.match(failure)
+    if named is None or not named["name"].startswith("grad "):
+        return False
+    torch.manual_seed(0)
+    model64 = copy.deepcopy(make().train(train)).double()
+    model64 = twin64(model64) if twin64 is not None else model64
+    xs = [_double(x).detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    outs = _outputs(model64(*xs))
+    gen = torch.Generator().manual_seed(1)
+    sum((o * torch.randn(o.shape, generator=gen, dtype=o.dtype)).sum() for o in outs).backward()
+    grads = {f"grad {n}": p.grad for n, p in model64.named_parameters() if p.grad is not None}
+    grads.update({f"grad input {i}": x.grad for i, x in enumerate(xs) if x.grad is not None})
+    value = grads.get(named["name"])
+    largest = max((float(g.abs().max()) for g in grads.values() if g.numel()), default=0.0)
+    return value is not None and float(value.abs().max()) < floor * largest
+
+
 def perturbed(seed: int):
     """A transform for check_against_unfused: every Linear's and convolution's output moved by half
     an ulp of its dtype, up or down at random (fuse_sweep.nudge_outputs, seeded by `seed`)."""
@@ -270,6 +298,8 @@ def main() -> None:
                       and inductor_fails_too(make, inputs, train, twin64, autocast, str(e)) else
                       "PyTorch with the biases after the matmuls fails it too"
                       if split_bias_fails_too(make, inputs, train, twin64, autocast) else
+                      "the failing gradient is zero in exact arithmetic (float64's is rounding)"
+                      if zero_in_exact_arithmetic(make, inputs, train, twin64, str(e)) else
                       "PyTorch's own model fails it with its Linear and conv outputs nudged by half an ulp"
                       if ill_conditioned(make, inputs, train, twin64, str(e), autocast=autocast) else None)
             if excuse is not None:
