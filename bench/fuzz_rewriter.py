@@ -175,7 +175,7 @@ def split_bias_fails_too(make, inputs: tuple, train: bool, twin64=None, autocast
 
 
 def zero_in_exact_arithmetic(make, inputs: tuple, train: bool, twin64=None, failure: str = "",
-                             floor: float = 1e-10) -> bool:
+                             floor: float = 1e-10, cap: float = 0.05) -> bool:
     """Whether the gradient the fused check failed on (`failure`: its message) is zero in exact
     arithmetic: its float64 value below `floor` of the model's largest float64 gradient (inputs'
     and parameters'). Both models' values are then rounding noise, and the rule's yardstick,
@@ -183,8 +183,10 @@ def zero_in_exact_arithmetic(make, inputs: tuple, train: bool, twin64=None, fail
     the time embedding's projection just before it: the norm removes any per-channel shift, so
     the embedding's gradient is 0 (float64 3.9e-15 against the image's 4.1); under fp16 autocast
     the fused one came out 2.95e-3 against a bound of 2.69e-3, and PyTorch's own model, nudged,
-    stayed under half of that in 6 runs (seed 91, draw 164). The float64 model is the check's,
-    on its inputs; any output seeds do (a gradient zero in exact arithmetic is zero for all)."""
+    stayed under half of that in 6 runs (seed 91, draw 164). The fused error must stay below
+    `cap` of that largest gradient: rounding noise, not a wrong value. The float64 model is the
+    check's, on its inputs; any output seeds do (a gradient zero in exact arithmetic is zero for
+    all)."""
     named = _MAX_ERROR.match(failure)
     if named is None or not named["name"].startswith("grad "):
         return False
@@ -199,7 +201,8 @@ def zero_in_exact_arithmetic(make, inputs: tuple, train: bool, twin64=None, fail
     grads.update({f"grad input {i}": x.grad for i, x in enumerate(xs) if x.grad is not None})
     value = grads.get(named["name"])
     largest = max((float(g.abs().max()) for g in grads.values() if g.numel()), default=0.0)
-    return value is not None and float(value.abs().max()) < floor * largest
+    return value is not None and float(value.abs().max()) < floor * largest \
+        and float(named["err"]) < cap * largest
 
 
 def perturbed(seed: int):

@@ -239,8 +239,9 @@ def test_a_checkpointing_mismatch_the_unfused_model_has_too_says_so():
 def test_the_fuzz_excuses_a_gradient_zero_in_exact_arithmetic_and_only_that():
     """bench/fuzz_rewriter.py's zero_in_exact_arithmetic: a ResNet block whose second norm has a
     group per channel removes the time embedding's per-channel shift, so that embedding's gradient
-    is zero in exact arithmetic and a failure on it is excused; the image's gradient, and the
-    embedding's where the norm's groups span several channels, are not."""
+    is zero in exact arithmetic and a failure on it is excused, at the size of rounding noise; the
+    image's gradient, the embedding's where the norm's groups span several channels, and an error
+    as large as the gradients themselves (a wrong value, not noise) are not."""
     import os
 
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -250,12 +251,13 @@ def test_the_fuzz_excuses_a_gradient_zero_in_exact_arithmetic_and_only_that():
 
     inputs = rb.resnet_inputs(torch.float32, True)
 
-    def excused(norm: str, name: str) -> bool:
+    def excused(norm: str, name: str, error: str = "2.950e-03") -> bool:
         return fuzz_rewriter.zero_in_exact_arithmetic(
             lambda: rb.resnet_model(norm, "gelu", torch.float32, 1e-5, True), inputs, True,
-            rb.resnet_float64_twin, f"{name}: max error 2.950e-03 > bound 2.692e-03 (PyTorch's own 8.5e-04)")
+            rb.resnet_float64_twin, f"{name}: max error {error} > bound 2.692e-03 (PyTorch's own 8.5e-04)")
 
     assert excused("gn_channel_groups", "grad input 1")
+    assert not excused("gn_channel_groups", "grad input 1", error="4.0e+00")
     assert not excused("gn_channel_groups", "grad input 0")
     assert not excused("gn32", "grad input 1")
     assert not excused("gn_channel_groups", "output 0")
