@@ -915,8 +915,8 @@ def _audio_inputs(model, task: str, dtype: torch.dtype, name: str | None = None)
     mel_first = False  # features as (batch, mel bins, frames)
     audio_cfg = _attribute(cfg, "audio_config")
     if name == "input_features" and _attribute(audio_cfg, "spec_size"):
-        # CLAP's HTSAT encoder reads a one-channel image of frames x mel bins (a square of spec_size
-        # frames folded from the mel axis's width)
+        # CLAP's HTSAT encoder reads the spectrogram as a one-channel image, (batch, 1, frames, mel
+        # bins), which it folds into a spec_size square
         x = torch.randn(2, 1, audio_cfg.spec_size, audio_cfg.num_mel_bins, dtype=dtype)
     elif name == "input_values" and "num_mel_bins" in own and "max_length" in own:
         x = torch.randn(2, cfg.max_length, cfg.num_mel_bins, dtype=dtype)
@@ -1057,7 +1057,8 @@ def _other_inputs(model, dtype: torch.dtype) -> dict | None:
     subsampling), OneFormer's images with its task prompt, SegGPT's image and its prompt image and
     mask (each half the config's height), MiniCPM-V's packed images (a row of patches, 4 x 4 and
     2 x 6 of them, with their sizes in patches), SpeechT5's encoder-decoder without its pre-nets
-    (hidden states in, for the encoder and the decoder)."""
+    (hidden states in, for the encoder and the decoder), FastSpeech 2's text with its training
+    targets (spectrogram, durations, pitch and energy)."""
     cfg = model.config
     forward = inspect.signature(model.forward).parameters
     if "duration_labels" in forward:  # FastSpeech 2 trains on its targets: 2 frames a token
