@@ -1116,6 +1116,17 @@ def test_a_graph_run_once_per_image_counts_each_run(lengths):
     assert report.counts() == available_counts({"attention": 2 * len(lengths)}), report.table()
 
 
+class _Logits(nn.Module):
+    """A causal LM's logits from its ids alone: what jit.trace and torch.export take."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, ids):
+        return self.inner(input_ids=ids, use_cache=False).logits
+
+
 def test_torch_jit_trace_of_a_fused_model_records_the_model_as_written():
     """torch.jit.trace (and the ONNX exporter's tracing mode) over a fused model: Dynamo refuses
     to run under the tracer (a RuntimeError from every fused block), so the blocks run as the
@@ -1127,17 +1138,9 @@ def test_torch_jit_trace_of_a_fused_model_records_the_model_as_written():
     trifuse.fuse(model)
     kw, other = inputs(2, 8), inputs(2, 8)
 
-    class Logits(nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, ids):
-            return self.inner(input_ids=ids, use_cache=False).logits
-
-    traced = torch.jit.trace(Logits(model), kw["input_ids"], check_trace=False)
+    traced = torch.jit.trace(_Logits(model), kw["input_ids"], check_trace=False)
     assert not any(n.kind().startswith("trifuse::") for n in traced.inlined_graph.nodes())
-    torch.testing.assert_close(traced(other["input_ids"]), Logits(ref)(other["input_ids"]))
+    torch.testing.assert_close(traced(other["input_ids"]), _Logits(ref)(other["input_ids"]))
     reasons = collections.Counter()
     for calls in trifuse.report(model).unfused_calls().values():
         reasons.update(calls)
@@ -1226,20 +1229,12 @@ def test_torch_export_of_a_fused_model_records_the_model_as_written(strict, monk
     ref = copy.deepcopy(model)
     trifuse.fuse(model)
 
-    class Logits(nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, ids):
-            return self.inner(input_ids=ids, use_cache=False).logits
-
     ids, other = inputs(2, 8)["input_ids"], inputs(2, 8)["input_ids"]
     with _warnings_recorded() as record:
-        program = torch.export.export(Logits(model), (ids,), strict=strict)
+        program = torch.export.export(_Logits(model), (ids,), strict=strict)
     assert len(_outside_trace_warnings(record)) == 1
     assert not any("trifuse" in str(n.target) for n in program.graph.nodes)
-    torch.testing.assert_close(program.module()(other), Logits(ref)(other))
+    torch.testing.assert_close(program.module()(other), _Logits(ref)(other))
     assert all(u.unit.outside_traces for u in trifuse.report(model).units)
 
 
