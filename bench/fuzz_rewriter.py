@@ -191,7 +191,7 @@ def zero_in_exact_arithmetic(make, inputs: tuple, train: bool, twin64=None, fail
     if named is None or not named["name"].startswith("grad "):
         return False
     torch.manual_seed(0)
-    model64 = copy.deepcopy(make().train(train)).double()
+    model64 = make().train(train).double()  # a fresh model of its own
     model64 = twin64(model64) if twin64 is not None else model64
     xs = [_double(x).detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
     outs = _outputs(model64(*xs))
