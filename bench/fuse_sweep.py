@@ -177,6 +177,20 @@ OVERRIDES = {"t5gemma": {"bos_token_id": 2},
              # rotary half (validated when the config is built: _small_mrope comes too late)
              "hy_v4_vl_text": {**_DSA, "rope_parameters": {"rope_theta": 1e4, "rope_type": "default",
                                                            "mrope_section": [2, 1, 1]}},
+             # Cosmos 3 Edge's text model likewise (sections for the tiny head_dim 16); HY-V4-VL's vision
+             # tower's positions for 64-pixel images at most (65537 of 2048 pixels: 2.1M parameters)
+             "cosmos3_edge_text": {"rope_parameters": {"rope_theta": 1e8, "rope_type": "default",
+                                                       "mrope_section": [4, 2, 2]}},
+             "hy_v4_vl_vision": {"max_image_size": 64},
+             # Muse Spark's audio encoder writes onto the text embeddings: its output at the text width
+             "muse_spark_audio": {"out_hidden_size": 32},
+             # GLM-5 Next's text model: sparse latent attention (which validates as many KV heads as query
+             # heads) beside gated linear attention, each with small heads; a layer of each, the second with
+             # experts
+             **{t: {**_DSA, "qk_rope_head_dim": 0, "qk_nope_head_dim": 16, "head_dim": 0, "index_kpool": 4,
+                    "linear_head_dim": 16, "linear_num_heads": 2, "mlp_layer_types": ["dense", "sparse"],
+                    "layer_types": ["linear_attention", "indexed_attention"]}
+                for t in ("glm5_next", "glm5_next_text")},
              "longcat_flash": {**_MLA, "ffn_hidden_size": 64, "expert_ffn_hidden_size": 32,
                                "zero_expert_num": 2, "moe_topk": 2},
              # Inkling's sliding-window layers have sizes of their own (64 heads of 128 by default:
@@ -306,6 +320,8 @@ OVERRIDES = {"t5gemma": {"bos_token_id": 2},
                               "intermediate_size": [64] * 4, "activation_sparsity_pattern": [0.95, 0.0] * 2,
                               "vocab_size_per_layer_input": 64, "hidden_size_per_layer_input": 8},
              "gemma3n_audio": {"conf_num_hidden_layers": 2, "conf_num_attention_heads": 2},
+             # the full model: its vision tower's tokens per image, 2 x 2 (TIMM_TOWERS)
+             "gemma3n": {"vision_soft_tokens_per_image": 4},
              # its decoder views the query as num_key_value_heads heads: no grouped queries
              "moonshine_streaming": {"num_key_value_heads": 2},
              # Whisper-style encoders alone: 16 positions of 16 mel bins (their 1500 take 3000 frames)
@@ -455,9 +471,6 @@ EXPLAINED = {
         "--task qa)",
     **{("multiple-choice", "float64", t): _ZERO_CLASSIFIER_BIAS
        for t in ("big_bird", "convbert", "deberta-v2", "distilbert", "squeezebert")},
-    ("base", "float64", "embedding_gemma2"):
-        "the model's own fp32 parts (worst at a k norm's weight): unfused is 1.3e-4 from float64 itself, "
-        "fused 3.7e-5 (bench/fp64_truth.py --task base)",
     ("video-cls", "float64", "videoprism_vision_model"):
         "the model's own fp32 softmax (`softmax(..., dtype=torch.float32)` in its eager attention, the only one "
         "it has): the loss unfused 3.1e-8 from float64 itself, fused 7.6e-16; worst at the pooling head's "
@@ -475,6 +488,14 @@ EXPLAINED = {
         "attention: the model has no SDPA path): the text k biases' gradients, zero in exact arithmetic, "
         "unfused 1.7-2.0e-8 (fp32 rounding), fused ~6e-17; the loss unfused 3.4e-9 from float64 itself, "
         "fused 2.7e-16, every gradient within 3.3e-9 of it (bench/fp64_truth.py --task base)",
+    ("image-text", "float64", "hy_v4_vl"):
+        "the model's own fp32 parts (its hyper-connections' mixes and norms take `.float()` copies): unfused "
+        "1.2e-5 from float64 itself, worst at the head's hc_scale, fused 1.9e-6 (bench/fp64_truth.py --task "
+        "image-text)",
+    ("image-text", "float64", "muse_spark"):
+        "the model's own fp32 parts (its vision tower's rotary takes `q.float(), k.float()`): unfused 1.5e-5 from "
+        "float64 itself, worst at the tower's second attention's output projection, fused 6.3e-7 "
+        "(bench/fp64_truth.py --task image-text)",
     ("base", "float64", "align"):
         "the model's own fp32 softmax (`softmax(..., dtype=torch.float32)` in its text model's eager "
         "attention: the model has no SDPA path): the text k biases' gradients, zero in exact arithmetic, "
@@ -573,9 +594,13 @@ def _small_config(cls, kw: dict):
         if hasattr(sub, "to_dict") and not isinstance(sub, type):  # the default's own class (an AutoConfig
             sub_cls = type(sub)  # placeholder names none: Gemma 3's SigLIP tower, Llama 4's vision config)
         if isinstance(sub_cls, type):
+            # its own overrides, as when swept alone (Gemma 3n's text model's per-layer sizes); a copy, as
+            # configs rewrite the dicts they are given (Cohere Compass's rope_parameters per layer type)
+            own = copy.deepcopy(OVERRIDES.get(getattr(sub_cls, "model_type", None), {}))
             try:
-                kw[name] = _small_config(sub_cls, {k: v for k, v in kw.items() if k != "attn_implementation"
-                                                   and k not in default.sub_configs})
+                shared = {k: v for k, v in kw.items()
+                          if k != "attn_implementation" and k not in default.sub_configs}
+                kw[name] = _small_config(sub_cls, {**shared, **own})
             except Exception:  # noqa: BLE001, S110  (a sub-config not buildable small stays its default)
                 pass
     if not _has(default, "head_dim") or _read_only(cls, "head_dim"):  # the sub-configs' head_dim set above
@@ -584,12 +609,19 @@ def _small_config(cls, kw: dict):
         kw.pop(k)
     try:
         return cls(**kw)
-    except Exception:  # noqa: BLE001  (the config's own validation: the layer count stays its own,
-        # and only sizes the config has are set: ProphetNet's num_encoder_layers, not decoder_layers)
-        aliases = getattr(cls, "attribute_map", {}) or {}
-        kw = {k: v for k, v in kw.items() if k in ("attn_implementation", "experts_implementation")
-              or (_has(default, k) and k != "num_hidden_layers" and aliases.get(k) != "num_hidden_layers")}
+    except Exception:  # noqa: BLE001, S110  (the config's own validation)
+        pass
+    # only sizes the config has: a stray one becomes an attribute its validation may read (a VLM's
+    # text model given the vision tower's embed_dim: HY-V4-VL's and Mistral Large 4's check it
+    # against their heads x head_dim)
+    kw = {k: v for k, v in kw.items()
+          if k in ("attn_implementation", "experts_implementation") or _has(default, k)}
+    try:
         return cls(**kw)
+    except Exception:  # noqa: BLE001  (the layer count stays its own: ProphetNet's num_encoder_layers is
+        aliases = getattr(cls, "attribute_map", {}) or {}  # set, not decoder_layers)
+        return cls(**{k: v for k, v in kw.items() if k != "num_hidden_layers"
+                      and aliases.get(k) != "num_hidden_layers"})
 
 
 # Speech models' own sizes and training-time randomness: the wav2vec2 family's 7-layer convolutional
@@ -605,11 +637,12 @@ SMALL_AUDIO = {"conv_dim": 32, "num_conv_pos_embeddings": 16, "num_conv_pos_embe
 
 # Vision-language models (image-text): the vision tower's output width is the text model's
 # (Qwen2.5-VL's out_hidden_size, PaliGemma's projection, Llama 4's and Cohere 2 Vision's
-# projectors), Gemma 3 pools the 4x4 patches of a 32-pixel image into 4 tokens, LLaVA-NeXT tiles
-# an image on one 32x32 grid point (a base image and one tile).
+# projectors; the projectors' own widths: LFM2-VL's, Muse Spark's 4096), Gemma 3 pools the 4x4
+# patches of a 32-pixel image into 4 tokens, LLaVA-NeXT tiles an image on one 32x32 grid point (a
+# base image and one tile).
 SMALL_IMAGE_TEXT = {"out_hidden_size": 32, "projection_dim": 32, "mm_tokens_per_image": 4,
                     "image_grid_pinpoints": [[32, 32]], "projector_input_dim": 32, "projector_output_dim": 32,
-                    "vision_output_dim": 32, "alignment_intermediate_size": 64}
+                    "vision_output_dim": 32, "alignment_intermediate_size": 64, "projector_hidden_size": 64}
 # Llama 4's pixel shuffle (ratio 0.5) hands its adapter 4x the tower's width: its intermediate size.
 # Gemma 4 pools its 4x4 patches 2x2 into 4 tokens (its global layers' heads as small as the rest).
 # Mllama: a cross-attention layer among the two text layers, its tower's global layer and the
@@ -639,6 +672,9 @@ IMAGE_TEXT_OVERRIDES = {"llama4": {"intermediate_size": 128}, "gemma4": _GEMMA4_
                         "step3p7": {"sliding_window": 8},
                         # Aria: its projector's query count per patch count (1225 and 4900 by default)
                         "aria": {"projector_patch_to_query_dict": {16: 4}},
+                        # Muse Spark and Muse Glimmer: the width their projector reads is the vision tower's
+                        # after its 2 x 2 merge, 4 x 32 (the audio encoder's, the text model's: OVERRIDES)
+                        **{t: {"out_hidden_size": 128} for t in ("muse_spark", "muse_glimmer")},
                         # BLIP-2 and InstructBLIP: their Q-Former's queries take the image tokens' places,
                         # which a checkpoint's config names (image_token_index) and the default leaves out
                         **{t: {"image_token_id": 0, "num_query_tokens": 8}
@@ -686,6 +722,51 @@ def _small_mrope(cfg) -> None:
         params["mrope_section"] = [hw, hw, t] if c.model_type in _HW_FIRST_MROPE else [t, hw, hw]
 
 
+# timm vision towers (TimmWrapper configs have no sizes of their own: timm builds the named
+# architecture with the config's `model_args`), made small, by the model type: its architecture, those
+# arguments, its output width (hidden_size) and the image side the harness feeds it.
+# - Gemma 3n: timm's MobileNet V5 encoder (300M parameters) cut to four stages of one to three blocks
+#   of 16 to 32 channels, in timm's block notation (an edge residual, universal inverted residuals,
+#   multi-query attention of 2 heads of 8 in the last two stages), which its fusion adapter reads and
+#   pools to 2 x 2 tokens of its fixed width, 2048.
+# - FastVLM: FastViT-HD (MCI3: repmixer stages, then attention stages) at one block of 8 to 32 channels a
+#   stage, 2 x 2 tokens of a 128-pixel image (its stride is 64); the default config's tower is a
+#   ResNet-50 placeholder once made small.
+# - Perception LM: the Perception Encoder (a rotary ViT), 2 layers of 32, 2 x 2 patches of 16 and its
+#   class token; the default config names no architecture (a ResNet-50 placeholder).
+TIMM_TOWERS = {
+    "gemma3n": {"architecture": "mobilenetv5_300m_enc", "hidden_size": 2048, "image_size": 32,
+                "model_args": {"stem_size": 16, "msfa_output_resolution": 2, "block_args": (
+                    ("er_r1_k3_s2_e4_c16",), ("uir_r1_a3_k5_s2_e4_c16",),
+                    ("uir_r1_a3_k5_s2_e4_c32", "mqa_r1_k3_h2_s2_d8_c32", "uir_r1_a0_k0_s1_e2_c32"),
+                    ("uir_r1_a5_k5_s2_e4_c32", "mqa_r1_k3_h2_s1_d8_c32", "uir_r1_a0_k0_s1_e2_c32"))}},
+    "fast_vlm": {"architecture": "fastvit_mci3", "hidden_size": 64, "image_size": 128,
+                 "model_args": {"inference_mode": True, "layers": [1] * 5,
+                                "embed_dims": [8, 16, 16, 32, 32]}},
+    "perception_lm": {"architecture": "vit_pe_core_tiny_patch16_384", "hidden_size": 32, "image_size": 32,
+                      "model_args": {"embed_dim": 32, "depth": 2, "num_heads": 2, "img_size": [32, 32],
+                                     "ref_feat_shape": [2, 2], "global_pool": ""}},
+}
+
+
+def _small_timm_tower(cfg, model_type: str) -> None:
+    """A composite model's timm vision tower made small (TIMM_TOWERS)."""
+    tower = TIMM_TOWERS.get(model_type)
+    vision = _attribute(cfg, "vision_config")
+    if tower is None or vision is None:
+        return
+    args = copy.deepcopy(tower["model_args"])
+    if "block_args" in args:  # timm's notation decoded here (timm's builder consumes the dicts it is given)
+        try:
+            from timm.models._efficientnet_builder import decode_arch_def
+
+            args["block_args"] = decode_arch_def([list(stage) for stage in args["block_args"]])
+        except ImportError:  # no timm: the build fails as it would have, on transformers' message
+            pass
+    vision.architecture, vision.model_args = tower["architecture"], args
+    vision.hidden_size, vision.image_size = tower["hidden_size"], tower["image_size"]
+
+
 def _config(tf, model_type: str, attn: str, task: str = "causal-lm"):
     small = SMALL if task == "causal-lm" else {**SMALL, **SMALL_EXTRA}
     if task in AUDIO_TASKS:
@@ -694,7 +775,7 @@ def _config(tf, model_type: str, attn: str, task: str = "causal-lm"):
         small = {**small, **SMALL_IMAGE_TEXT, **IMAGE_TEXT_OVERRIDES.get(model_type, {})}
     if task == "qa":  # a start and an end logit per token: heads that split num_labels take 2
         small = {**small, "num_labels": 2}
-    kw = {**small, **NO_DROPOUT, **OVERRIDES.get(model_type, {})}
+    kw = {**small, **NO_DROPOUT, **copy.deepcopy(OVERRIDES.get(model_type, {}))}  # (configs rewrite dicts)
     extra = {"attn_implementation": attn, "experts_implementation": "batched_mm"}
     config_cls = tf.CONFIG_MAPPING[model_type]
     for name in _refused(config_cls, kw):
@@ -726,6 +807,7 @@ def _config(tf, model_type: str, attn: str, task: str = "causal-lm"):
     if task == "image-text":
         _small_token_ids(cfg)
     _small_mrope(cfg)  # a VLM's text model alone takes the sections too
+    _small_timm_tower(cfg, model_type)
     if task == "causal-lm" and _attribute(cfg, "is_decoder") is False:  # an encoder family's LM head
         cfg.is_decoder = True  # (BertLMHeadModel, Reformer's) as a decoder: causal, as it is trained
     return cfg
@@ -1209,7 +1291,8 @@ def _image_text_inputs(model, dtype: torch.dtype) -> dict:
     cfg = model.config
     # a vision encoder-decoder's encoder, or the config itself (Fuyu's linear patch embedding has no tower)
     vc = _attribute(cfg, "vision_config") or _attribute(cfg, "encoder") or cfg
-    side, patch = _first(vc.image_size), _first(vc.patch_size)
+    # a timm tower has neither size (but what TIMM_TOWERS gives it): a 32-pixel image, the patch layouts tried
+    side, patch = _first(_attribute(vc, "image_size") or 32), _first(_attribute(vc, "patch_size") or 16)
     forward = inspect.signature(model.forward).parameters
     if "cross_attention_mask" in forward:
         return _cross_attention_image_text_inputs(model, dtype)
@@ -1959,7 +2042,9 @@ def save_rows(stem: str, rows: list[dict], header: str, markdown, partial: bool)
     if partial and os.path.exists(path):
         with open(path) as f:
             swept = json.load(f)
-        header = f"{swept['header']} · rerun {header.split(' · ')[0][len('date '):]}: " \
+        fields = header.split(" · ")  # the date, then the versions up to python's
+        versions = ", ".join(f for f in fields[1:] if not f.startswith(("python", "CPU")))
+        header = f"{swept['header']} · rerun {fields[0][len('date '):]} ({versions}): " \
             f"{', '.join(r['type'] for r in rows)}"
         rows = [*(r for r in swept["rows"] if r["type"] not in {row["type"] for row in rows}), *rows]
     rows = sorted(rows, key=lambda r: r["type"])
@@ -2048,7 +2133,8 @@ def main(types: list[str], task: str = "causal-lm", via: str = "fuse", dtype: st
         with open(path) as f:
             swept = json.load(f)["header"]
         rerun = header.split(" · ")[0][len("date "):]
-        header = f"{swept} · rerun {rerun} (transformers {tf.__version__}): {', '.join(types)}"
+        versions = f"torch {torch.__version__}, triton {triton.__version__}, transformers {tf.__version__}"
+        header = f"{swept} · rerun {rerun} ({versions}): {', '.join(types)}"
     rows = sorted({**kept, **{r["type"]: r for r in rows}}.values(), key=lambda r: r["type"])
     os.makedirs(RESULTS, exist_ok=True)
     with open(path, "w") as f:

@@ -86,6 +86,10 @@ EXTRA = ("deit3_small_patch16_224", "vit_small_patch16_224", "vit_little_patch16
 # Tried first at each size: a ViT-like constructor's depth and width cut down (the base and large
 # models of some modules are the smallest they have).
 SHRINK = {"depth": 2, "embed_dim": 64, "num_heads": 2}
+# Constructor arguments of models whose smallest is past MAX_PARAMS and whose constructor takes no
+# SHRINK: MobileNet V5 (Gemma 3n's vision tower: RMSNorm over channels, multi-query attention
+# blocks) at an eighth of its width (80.6M parameters at its own).
+KWARGS = {"mobilenetv5_base": {"channel_multiplier": 0.125}}
 # MISMATCH rows whose cause was found and is not trifuse's, by (dtype, model): shown in the "why" column.
 EXPLAINED = {
     ("bf16-autocast", "caformer_s18"):
@@ -162,7 +166,7 @@ def _build(name: str) -> tuple[torch.nn.Module, tuple[int, ...]]:
                 if size is None or size < default[1]]
     for size, shrink in attempts:
         try:
-            kwargs = {**shrink, **({} if size is None else {"img_size": size})}
+            kwargs = {**KWARGS.get(name, {}), **shrink, **({} if size is None else {"img_size": size})}
             torch.manual_seed(0)
             model = timm.create_model(name, pretrained=False, num_classes=CLASSES, **kwargs).double()
             shape = default if size is None else (default[0], size, size)

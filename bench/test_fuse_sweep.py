@@ -227,6 +227,45 @@ def test_a_causal_lm_of_a_part_of_a_composite_config_is_built_from_that_part():
     assert {"attention": 2, "cross_entropy": 4}.items() <= row["replaced"].items(), row["replaced"]
 
 
+def test_a_composite_config_s_parts_get_their_own_overrides_which_stay_as_written():
+    """A composite config's parts are made small with the overrides each gets when swept alone:
+    Gemma 3n's text model its per-layer embeddings at the tiny vocabulary (2.3G parameters at its
+    default 262144 x 8960) and its 4 layers, its audio encoder 2 conformer layers; Qwen2-Audio's
+    encoder 16 positions of 16 mel bins. OVERRIDES stay as written though configs rewrite the
+    dicts they are given (Cohere Compass's rope parameters per layer type: its text model alone then
+    failed its validation after the composite's build)."""
+    before = copy.deepcopy(fs.OVERRIDES)
+    cfg = fs._config(transformers, "gemma3n", "sdpa", "image-text")
+    assert (cfg.text_config.vocab_size_per_layer_input, cfg.text_config.num_hidden_layers) == (64, 4)
+    assert cfg.audio_config.conf_num_hidden_layers == 2
+    audio = fs._config(transformers, "qwen2_audio", "sdpa", "seq2seq").audio_config
+    assert (audio.max_source_positions, audio.num_mel_bins) == (16, 16)
+    if "cohere_compass" in transformers.CONFIG_MAPPING:
+        for _ in range(2):
+            fs._config(transformers, "cohere_compass", "sdpa", "image-text")
+        fs._config(transformers, "cohere_compass_text", "sdpa")
+    assert fs.OVERRIDES == before
+
+
+@pytest.mark.parametrize("model_type, tower", [("gemma3n", "mobilenetv5_300m_enc"),
+                                               ("fast_vlm", "fastvit_mci3"),
+                                               ("perception_lm", "vit_pe_core_tiny_patch16_384")])
+def test_a_timm_vision_tower_is_made_small_through_its_model_args(model_type, tower):
+    """A VLM's timm tower (TimmWrapper: no sizes of its own) is the model's architecture built
+    small through timm's arguments, at the width its projector reads (Perception LM's reads
+    model_args' embed_dim). With timm (and a torchvision matching torch: not CI's), each trains
+    fused and unfused and they agree; the vision tower's attention fuses."""
+    cfg = fs._config(transformers, model_type, "sdpa", "image-text")
+    vision = cfg.vision_config
+    assert vision.architecture == tower and vision.model_args
+    if model_type == "perception_lm":
+        assert vision.model_args["embed_dim"] == vision.hidden_size == 32
+    pytest.importorskip("timm")
+    row = fs.run_one(model_type, task="image-text")
+    assert row["status"] == "ok", row
+    assert row["replaced"]["attention"] > cfg.text_config.num_hidden_layers, row["replaced"]
+
+
 def test_a_checkpointing_mismatch_the_unfused_model_has_too_says_so():
     """Gemma 3n's last layers read the KV of earlier ones outside their arguments, which a reentrant
     checkpoint's backward does not reach: the unfused model's gradients change under it as much as
