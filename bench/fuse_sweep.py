@@ -493,8 +493,8 @@ EXPLAINED = {
         "1.2e-5 from float64 itself, worst at the head's hc_scale, fused 1.9e-6 (bench/fp64_truth.py --task "
         "image-text)",
     ("image-text", "float64", "muse_spark"):
-        "the model's own fp32 parts (its vision tower's rotary takes `q.float(), k.float()`): unfused 1.5e-5 from "
-        "float64 itself, worst at the tower's second attention's output projection, fused 6.3e-7 "
+        "the model's own fp32 parts (its vision tower's rotary takes `q.float(), k.float()`): unfused 1.5e-5 "
+        "from float64 itself, worst at the tower's second attention's output projection, fused 6.3e-7 "
         "(bench/fp64_truth.py --task image-text)",
     ("base", "float64", "align"):
         "the model's own fp32 softmax (`softmax(..., dtype=torch.float32)` in its text model's eager "
