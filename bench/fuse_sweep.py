@@ -184,6 +184,13 @@ OVERRIDES = {"t5gemma": {"bos_token_id": 2},
              "hy_v4_vl_vision": {"max_image_size": 64},
              # Muse Spark's audio encoder writes onto the text embeddings: its output at the text width
              "muse_spark_audio": {"out_hidden_size": 32},
+             # Qwen3-Omni's audio encoder: its convolutions' width apart from its own (480), 16 positions
+             "qwen3_omni_moe_audio_encoder": {"downsample_hidden_size": 32, "max_source_positions": 16,
+                                              "num_mel_bins": 16, "output_dim": 32},
+             # Janus's VQ-GAN (image generation; its group norms take 32 groups): 32 channels, two levels
+             "janus_vqgan": {"base_channels": 32, "channel_multiplier": [1, 1], "num_res_blocks": 1,
+                             "latent_channels": 32, "num_embeddings": 64, "projection_dim": 32,
+                             "image_token_embed_dim": 32},
              # GLM-5 Next's text model: sparse latent attention (which validates as many KV heads as query
              # heads) beside gated linear attention, each with small heads; a layer of each, the second with
              # experts
@@ -322,6 +329,18 @@ OVERRIDES = {"t5gemma": {"bos_token_id": 2},
              "gemma3n_audio": {"conf_num_hidden_layers": 2, "conf_num_attention_heads": 2},
              # the full model: its vision tower's tokens per image, 2 x 2 (TIMM_TOWERS)
              "gemma3n": {"vision_soft_tokens_per_image": 4},
+             # dots.3 Note: a text model of sparse latent attention (as many KV heads as query heads, which
+             # the composite validates too), a vision tower with experts in its later layers (a layer of
+             # each; the default sizes those 25 to 41 of 42) and an audio encoder whose convolutions and
+             # adapter are sized apart from its width
+             "dots3_note_text": {**_DSA, "shared_experts_intermediate_size": 32, "sliding_window": 8},
+             "dots3_note": {"num_key_value_heads": 2},
+             "dots3_note_vision_encoder": {"per_layer_config": {}, "mlp_layer_types": ["dense", "sparse"],
+                                           "adapter_in_dim": 32, "adapter_out_dim": 32,
+                                           "num_local_experts": 4},
+             "dots3_note_audio_encoder": {"adapter_input_size": 32, "adapter_out_dim": 32,
+                                          "num_key_value_heads": 2, "downsample_hidden_size": 32,
+                                          "feature_size": 16, "conv_output_size": 64},
              # its decoder views the query as num_key_value_heads heads: no grouped queries
              "moonshine_streaming": {"num_key_value_heads": 2},
              # Whisper-style encoders alone: 16 positions of 16 mel bins (their 1500 take 3000 frames)
@@ -665,9 +684,10 @@ IMAGE_TEXT_OVERRIDES = {"llama4": {"intermediate_size": 128}, "gemma4": _GEMMA4_
                         "vipllava": {"vision_feature_layers": [-2, -3, 0, 1, 2]},
                         # Kosmos-2: 8 latent queries an image (64 by default)
                         "kosmos-2": {"latent_query_num": 8},
-                        # Qwen2.5-Omni's thinker: its rope index reads the vision-start token, which its
-                        # checkpoints' config names and the default leaves out
-                        "qwen2_5_omni_thinker": {"vision_start_token_id": 0},
+                        # Qwen2.5-Omni's and Qwen3-Omni's thinkers: their rope index reads the vision-start
+                        # token, which their checkpoints' config names and the default leaves out
+                        **{t: {"vision_start_token_id": 0}
+                           for t in ("qwen2_5_omni_thinker", "qwen3_omni_moe_thinker")},
                         # Step 3.7: its text model builds a sliding-window mask whatever its layer types
                         "step3p7": {"sliding_window": 8},
                         # Aria: its projector's query count per patch count (1225 and 4900 by default)
