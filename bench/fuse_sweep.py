@@ -614,7 +614,7 @@ def _small_config(cls, kw: dict):
             sub_cls = type(sub)  # placeholder names none: Gemma 3's SigLIP tower, Llama 4's vision config)
         if isinstance(sub_cls, type):
             # its own overrides, as when swept alone (Gemma 3n's text model's per-layer sizes); a copy, as
-            # configs rewrite the dicts they are given (Cohere Compass's rope_parameters per layer type)
+            # a config keeps the dicts it is given and the sweep writes into them (_small_mrope)
             own = copy.deepcopy(OVERRIDES.get(getattr(sub_cls, "model_type", None), {}))
             try:
                 shared = {k: v for k, v in kw.items()
@@ -795,7 +795,7 @@ def _config(tf, model_type: str, attn: str, task: str = "causal-lm"):
         small = {**small, **SMALL_IMAGE_TEXT, **IMAGE_TEXT_OVERRIDES.get(model_type, {})}
     if task == "qa":  # a start and an end logit per token: heads that split num_labels take 2
         small = {**small, "num_labels": 2}
-    kw = {**small, **NO_DROPOUT, **copy.deepcopy(OVERRIDES.get(model_type, {}))}  # (configs rewrite dicts)
+    kw = {**small, **NO_DROPOUT, **copy.deepcopy(OVERRIDES.get(model_type, {}))}  # (see _small_config)
     extra = {"attn_implementation": attn, "experts_implementation": "batched_mm"}
     config_cls = tf.CONFIG_MAPPING[model_type]
     for name in _refused(config_cls, kw):
