@@ -187,6 +187,13 @@ OVERRIDES = {"t5gemma": {"bos_token_id": 2},
              # Qwen3-Omni's audio encoder: its convolutions' width apart from its own (480), 16 positions
              "qwen3_omni_moe_audio_encoder": {"downsample_hidden_size": 32, "max_source_positions": 16,
                                               "num_mel_bins": 16, "output_dim": 32},
+             # DeepSeek-OCR 2's and Unlimited OCR's SAM encoders: their necks' channels (256 to 1024 by
+             # default), the last at the text width, one global-attention layer among the 2; DeepSeek-OCR
+             # 2's text model names its layers' MLPs (the default names none, and the model reads them)
+             **{t: {"output_channels": 16, "downsample_channels": [32, 32], "mlp_dim": 64,
+                    "global_attn_indexes": [1]}
+                for t in ("deepseek_ocr2_sam_vision_model", "unlimited_ocr_sam_vision_model")},
+             "deepseek_ocr2_text": {"mlp_layer_types": ["dense", "sparse"]},
              # Janus's VQ-GAN (image generation; its group norms take 32 groups): 32 channels, two levels
              "janus_vqgan": {"base_channels": 32, "channel_multiplier": [1, 1], "num_res_blocks": 1,
                              "latent_channels": 32, "num_embeddings": 64, "projection_dim": 32,
@@ -695,6 +702,11 @@ IMAGE_TEXT_OVERRIDES = {"llama4": {"intermediate_size": 128}, "gemma4": _GEMMA4_
                         # Muse Spark and Muse Glimmer: the width their projector reads is the vision tower's
                         # after its 2 x 2 merge, 4 x 32 (the audio encoder's, the text model's: OVERRIDES)
                         **{t: {"out_hidden_size": 128} for t in ("muse_spark", "muse_glimmer")},
+                        # Inkling 2: its vision tower's projection to the text width, which it validates
+                        **{t: {"text_hidden_size": 32} for t in ("inkling2", "inkling2_loop")},
+                        # Nemotron H Omni: its RADIO tower's video patches as its own (the tower made small
+                        # takes RADIO's default, none)
+                        "nemotron_h_omni": {"video_temporal_patch_size": 2},
                         # BLIP-2 and InstructBLIP: their Q-Former's queries take the image tokens' places,
                         # which a checkpoint's config names (image_token_index) and the default leaves out
                         **{t: {"image_token_id": 0, "num_query_tokens": 8}
@@ -1349,6 +1361,12 @@ def _image_text_inputs(model, dtype: torch.dtype) -> dict:
         layouts.append((patches, grid))
         # Kimi K2.5's and PaddleOCR-VL's convs take each patch as an image
         layouts.append((patches.view(len(patches), -1, patch, patch), grid))
+        # Inkling 2: a block of merge x merge patches per image token, channels last, the grid counted
+        # in those tokens
+        merge = _attribute(vc, "spatial_merge_size") or 2
+        tokens = side // patch // merge
+        layouts.append((torch.randn(2 * tokens * tokens, patch * merge, patch * merge, 3, dtype=dtype),
+                        {"image_grid_thw": torch.tensor([[1, tokens, tokens]] * 2)}))
     if "image_position_ids" in sig:  # Gemma 4's patches, or Gemma 4 Unified's merged ones (model_patch_size)
         for size in dict.fromkeys((patch, _attribute(vc, "model_patch_size") or patch)):
             patches, xy = _positioned_patches(size, side // size, dtype)
