@@ -309,6 +309,9 @@ OVERRIDES = {"t5gemma": {"bos_token_id": 2},
              # encoder (7 convolutions of 512 channels) at the tiny width
              **{t: {"decoder_hidden_size": 32}
                 for t in ("parakeet_tdt", "parakeet_rnnt", "nemotron_asr_streaming")},
+             # Nemotron 3.5 ASR's too, and its prompts (128 of them through a 2048-wide MLP by default)
+             "nemotron3_5_asr": {"decoder_hidden_size": 32, "prompt_intermediate_size": 64, "num_prompts": 4,
+                                 "default_prompt_id": 1},
              "omniasr_audio": {"conv_dim": [32] * 7},
              # CLVP's encoders rotate max(projection_dim / (2 * heads), 32) channels of each head (32 of
              # its 64, as CLVP's own sizes: 64-wide heads, a projection of 64); the codes it writes over
