@@ -85,21 +85,22 @@ def rms_norm_upcast_weight_apart(x, weight, eps, dtype):
     return weight * ops.rms_norm(x, weight.shape, None, eps)
 
 
-def rms_norm_written_out_no_weight(x: torch.Tensor, eps):
-    """RMSNorm without a scale (nanochat's, on an fp32 copy; QK-norms without parameters)."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+def rms_norm_written_out_no_weight(x: torch.Tensor, eps, dim):
+    """RMSNorm without a scale (nanochat's, on an fp32 copy; QK-norms without parameters), or over
+    the channels of a channels-first map (timm's RmsNorm2d: `dim=1`, its weight folded after)."""
+    return x * torch.rsqrt(x.pow(2).mean(dim, keepdim=True) + eps)
 
 
-def rms_norm_variance_upcast_no_weight(x: torch.Tensor, eps, dtype):
+def rms_norm_variance_upcast_no_weight(x: torch.Tensor, eps, dtype, dim):
     """diffusers' RMSNorm (LTX-Video's, Lumina's, the attention processors' qk norms): the mean
     square of an fp32 copy, x itself times its rsqrt (promoted to fp32), cast back; a 16-bit
     weight, when there is one, multiplies after the cast (folded by `rms_norm_weight_folded`)."""
-    variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    variance = x.to(torch.float32).pow(2).mean(dim, keepdim=True)
     return (x * torch.rsqrt(variance + eps)).to(dtype)
 
 
-def rms_norm_variance_upcast_no_weight_fused(x, eps, dtype, width):
-    return ops.rms_norm(x, (width,), None, eps)
+def rms_norm_variance_upcast_no_weight_fused(x, eps, dtype, dim, width, moved):
+    return _over_dim(ops.rms_norm, x, moved, (width,), None, eps)
 
 
 def rms_norm_written_out_pow(x: torch.Tensor, weight: torch.Tensor, eps):
@@ -108,13 +109,21 @@ def rms_norm_written_out_pow(x: torch.Tensor, weight: torch.Tensor, eps):
     return x * torch.pow(x.pow(2).mean(-1, keepdim=True) + eps, -0.5) * weight
 
 
-def rms_norm_written_out_pow_no_weight(x: torch.Tensor, eps):
+def rms_norm_written_out_pow_no_weight(x: torch.Tensor, eps, dim):
     """The same without a scale (Gemma 4's `with_scale=False` norms, its value norm)."""
-    return x * torch.pow(x.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    return x * torch.pow(x.pow(2).mean(dim, keepdim=True) + eps, -0.5)
 
 
-def rms_norm_no_weight_fused(x, eps, width):
-    return ops.rms_norm(x, (width,), None, eps)
+def rms_norm_no_weight_fused(x, eps, dim, width, moved):
+    return _over_dim(ops.rms_norm, x, moved, (width,), None, eps)
+
+
+def _over_dim(norm, x, moved, *args):
+    """`norm(x, *args)` over x's last dim, or over dim `moved` (a channels-first map's channels):
+    x with that dim moved last, the result moved back (the kernels read the moved x as it lies)."""
+    if moved is None:
+        return norm(x, *args)
+    return norm(x.movedim(moved, -1), *args).movedim(-1, moved)
 
 
 def layer_norm_written_out(x: torch.Tensor, weight: torch.Tensor, eps):
@@ -143,32 +152,34 @@ def _over_root(centred, variance, eps, root):
     return centred / torch.sqrt(variance + eps)
 
 
-def layer_norm_bare(x: torch.Tensor, eps, *, variance="centred_twice", root="rsqrt"):
+def layer_norm_bare(x: torch.Tensor, eps, dim, *, variance="centred_twice", root="rsqrt"):
     """LayerNorm without weight or bias written out in x's dtype: the mean, the biased variance
     (of the centred value computed twice or once, `x.var(unbiased=False)` or `torch.var_mean`),
     and the centred value over the root (`* rsqrt` or `/ sqrt`), as pre-`nn.LayerNorm` BERT ports
     and hand-written models spell it; their weight and bias fold in after
-    (`layer_norm_weight_folded`, `layer_norm_bias_folded`)."""
+    (`layer_norm_weight_folded`, `layer_norm_bias_folded`). Over `dim`: the last, or the channels
+    of a channels-first map (ViTDet's and timm's LayerNorm2d written out, `mean(1)`; their
+    `weight[:, None, None]` and bias fold in after, `*_channels_*_folded`)."""
     if variance == "var_mean":
-        var_mean = torch.var_mean(x, -1, correction=0, keepdim=True)
+        var_mean = torch.var_mean(x, dim, correction=0, keepdim=True)
         return _over_root(x - var_mean[1], var_mean[0], eps, root)
-    mean = x.mean(-1, keepdim=True)
+    mean = x.mean(dim, keepdim=True)
     if variance == "var":
-        return _over_root(x - mean, x.var(-1, correction=0, keepdim=True), eps, root)
+        return _over_root(x - mean, x.var(dim, correction=0, keepdim=True), eps, root)
     if variance == "centred_once":
         centred = x - mean
-        return _over_root(centred, centred.pow(2).mean(-1, keepdim=True), eps, root)
-    return _over_root(x - mean, (x - mean).pow(2).mean(-1, keepdim=True), eps, root)
+        return _over_root(centred, centred.pow(2).mean(dim, keepdim=True), eps, root)
+    return _over_root(x - mean, (x - mean).pow(2).mean(dim, keepdim=True), eps, root)
 
 
-def layer_norm_bare_fused(x, eps, width, *, variance="centred_twice", root="rsqrt"):
-    return ops.layer_norm(x, (width,), None, None, eps)
+def layer_norm_bare_fused(x, eps, dim, width, moved, *, variance="centred_twice", root="rsqrt"):
+    return _over_dim(ops.layer_norm, x, moved, (width,), None, None, eps)
 
 
-def rms_norm_div_sqrt_no_weight(x: torch.Tensor, eps):
+def rms_norm_div_sqrt_no_weight(x: torch.Tensor, eps, dim):
     """RMSNorm as x over the root mean square (`x / sqrt(mean(x^2) + eps)`); a weight after it
     folds in (`rms_norm_weight_folded`)."""
-    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return x / torch.sqrt(x.pow(2).mean(dim, keepdim=True) + eps)
 
 
 def layer_norm_then_weight(x: torch.Tensor, normalized_shape, weight: torch.Tensor, eps):
@@ -195,6 +206,34 @@ def rms_norm_then_weight(x: torch.Tensor, normalized_shape, weight: torch.Tensor
 
 def rms_norm_weight_folded(x, normalized_shape, weight, eps):
     return ops.rms_norm(x, normalized_shape, weight, eps)
+
+
+# The same folds after a norm over a channels-first map's channels (`_over_dim`): its weight and bias
+# broadcast over the map, `weight[:, None, None]` or `weight.reshape(1, -1, 1, 1)`.
+
+
+def layer_norm_channels_then_weight(x: torch.Tensor, normalized_shape, weight: torch.Tensor, eps, dim):
+    return ops.layer_norm(x, normalized_shape, None, None, eps).movedim(-1, dim) * weight
+
+
+def layer_norm_channels_weight_folded(x, normalized_shape, weight, eps, dim):
+    return ops.layer_norm(x, normalized_shape, weight.reshape(normalized_shape), None, eps).movedim(-1, dim)
+
+
+def layer_norm_channels_then_bias(x: torch.Tensor, normalized_shape, weight, bias: torch.Tensor, eps, dim):
+    return ops.layer_norm(x, normalized_shape, weight, None, eps).movedim(-1, dim) + bias
+
+
+def layer_norm_channels_bias_folded(x, normalized_shape, weight, bias, eps, dim):
+    return ops.layer_norm(x, normalized_shape, weight, bias.reshape(normalized_shape), eps).movedim(-1, dim)
+
+
+def rms_norm_channels_then_weight(x: torch.Tensor, normalized_shape, weight: torch.Tensor, eps, dim):
+    return ops.rms_norm(x, normalized_shape, None, eps).movedim(-1, dim) * weight
+
+
+def rms_norm_channels_weight_folded(x, normalized_shape, weight, eps, dim):
+    return ops.rms_norm(x, normalized_shape, weight.reshape(normalized_shape), eps).movedim(-1, dim)
 
 
 def layer_norm_upcast_div_sqrt(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps, dtype):
@@ -320,10 +359,31 @@ def _bias_like_weight(m: Match) -> str | None:
     return None
 
 
-def _last_dim(m: Match) -> dict | None:
-    """The normalized width of a norm without a weight: x's last dim."""
-    x = m.value("x")
-    return {"width": x.shape[-1]} if isinstance(x, torch.Tensor) and x.dim() >= 1 else None
+def _single_dim(dim):
+    """A reduction's dim as one int (`1`, `(1,)`, `[1]`), else None."""
+    if isinstance(dim, (list, tuple)) and len(dim) == 1:
+        dim = dim[0]
+    return dim if type(dim) is int else None
+
+
+def _one_dim(m: Match) -> str | None:
+    """The norm's statistics reduce over one dim of x (any: the last, or a map's channels)."""
+    x, dim = m.value("x"), _single_dim(m["dim"])
+    if dim is None:
+        return f"reduces over dims {m['dim']!r}, not one dim"
+    if not isinstance(x, torch.Tensor) or not -x.dim() <= dim < x.dim():
+        return f"dim {dim} is no dim of x"
+    return None
+
+
+def _norm_dim(m: Match) -> dict | None:
+    """The normalized width of a norm without a weight, x's size at the dim its statistics reduce,
+    and `moved`: None for the last dim, else that dim counted from the end (x's channels)."""
+    x, dim = m.value("x"), _single_dim(m["dim"])
+    if not isinstance(x, torch.Tensor) or dim is None:
+        return None
+    d = dim % x.dim()
+    return {"dim": dim, "width": x.shape[d], "moved": None if d == x.dim() - 1 else d - x.dim()}
 
 
 def _folds_as_affine(name: str):
@@ -348,6 +408,29 @@ def _folds_as_affine(name: str):
         return None
 
     check.__name__ = f"{name}_folds_as_affine"
+    return check
+
+
+def _folds_over_channels(name: str):
+    """`_folds_as_affine` after a norm over a channels-first map's channels: the weight or bias is
+    the width's vector laid along the channel dim (C, 1, ..., 1), in x's dtype."""
+    def check(m: Match) -> str | None:
+        x, p, dim = m.value("x"), m.value(name), m["dim"]
+        if not isinstance(x, torch.Tensor) or not isinstance(p, torch.Tensor) or type(dim) is not int:
+            return f"no tensor for x or the {name}"
+        rank = x.dim()
+        along = [1] * rank
+        along[dim % rank] = x.shape[-1]
+        if p.dim() > rank or [1] * (rank - p.dim()) + list(p.shape) != along:
+            return f"{name} shaped {tuple(p.shape)}, not the channels' vector {tuple(along)}"
+        if p.dtype != x.dtype:
+            return f"{name} dtype {p.dtype} differs from the input's {x.dtype} (the product promotes)"
+        w = m.value("weight") if name == "bias" else None
+        if isinstance(w, torch.Tensor) and w.dtype != p.dtype:
+            return f"bias dtype {p.dtype} differs from the weight's {w.dtype}"
+        return None
+
+    check.__name__ = f"{name}_folds_over_channels"
     return check
 
 
@@ -396,14 +479,14 @@ PATTERNS = (
     *(Pattern(f"layer_norm_bare_{variance}_{root}", "layer_norm",
               functools.partial(layer_norm_bare, variance=variance, root=root),
               functools.partial(layer_norm_bare_fused, variance=variance, root=root), ("layer_norm",),
-              _RMS_FILTERS, derive=_last_dim)
+              (*_RMS_FILTERS, _one_dim), derive=_norm_dim)
       for variance in ("centred_twice", "centred_once", "var", "var_mean") for root in ("rsqrt", "div_sqrt")),
     Pattern("rms_norm_written_out_no_weight", "rms_norm", rms_norm_written_out_no_weight,
-            rms_norm_no_weight_fused, ("rms_norm",), _RMS_FILTERS, derive=_last_dim),
+            rms_norm_no_weight_fused, ("rms_norm",), (*_RMS_FILTERS, _one_dim), derive=_norm_dim),
     Pattern("rms_norm_written_out_pow_no_weight", "rms_norm", rms_norm_written_out_pow_no_weight,
-            rms_norm_no_weight_fused, ("rms_norm",), _RMS_FILTERS, derive=_last_dim),
+            rms_norm_no_weight_fused, ("rms_norm",), (*_RMS_FILTERS, _one_dim), derive=_norm_dim),
     Pattern("rms_norm_div_sqrt_no_weight", "rms_norm", rms_norm_div_sqrt_no_weight, rms_norm_no_weight_fused,
-            ("rms_norm",), _RMS_FILTERS, derive=_last_dim),
+            ("rms_norm",), (*_RMS_FILTERS, _one_dim), derive=_norm_dim),
     # Before T5's, whose match would leave the cast back apart
     Pattern("rms_norm_t5_cast_back", "rms_norm", rms_norm_t5_cast_back, rms_norm_t5_half_fused, ("rms_norm",),
             (*_RMS_FILTERS, _casts_back_to_input, params_fp32_or_like_input)),
@@ -415,8 +498,8 @@ PATTERNS = (
             ("rms_norm",), (*_RMS_FILTERS, _rounds_to_half_weight)),
     # After T5's (the same mean square of an fp32 copy, its weight in the pattern)
     Pattern("rms_norm_variance_upcast_no_weight", "rms_norm", rms_norm_variance_upcast_no_weight,
-            rms_norm_variance_upcast_no_weight_fused, ("rms_norm",), (*_RMS_FILTERS, _casts_back_to_input),
-            derive=_last_dim),
+            rms_norm_variance_upcast_no_weight_fused, ("rms_norm",),
+            (*_RMS_FILTERS, _casts_back_to_input, _one_dim), derive=_norm_dim),
     # After the spellings above: the norm of an fp32 copy, cast back, is the norm of x.
     Pattern("rms_norm_in_fp32", "rms_norm", rms_norm_in_fp32, rms_norm_in_fp32_fused, ("rms_norm",),
             (*_RMS_FILTERS, _casts_back_to_input, params_fp32_or_like_input)),
@@ -430,4 +513,13 @@ PATTERNS = (
             ("layer_norm",), (_folds_as_affine("bias"),), quiet=True, folds="bias"),
     Pattern("rms_norm_weight_folded", "rms_norm", rms_norm_then_weight, rms_norm_weight_folded,
             ("rms_norm",), (_folds_as_affine("weight"),), quiet=True, folds="weight"),
+    Pattern("layer_norm_channels_weight_folded", "layer_norm", layer_norm_channels_then_weight,
+            layer_norm_channels_weight_folded, ("layer_norm",), (_folds_over_channels("weight"),), quiet=True,
+            folds="weight"),
+    Pattern("layer_norm_channels_bias_folded", "layer_norm", layer_norm_channels_then_bias,
+            layer_norm_channels_bias_folded, ("layer_norm",), (_folds_over_channels("bias"),), quiet=True,
+            folds="bias"),
+    Pattern("rms_norm_channels_weight_folded", "rms_norm", rms_norm_channels_then_weight,
+            rms_norm_channels_weight_folded, ("rms_norm",), (_folds_over_channels("weight"),), quiet=True,
+            folds="weight"),
 )

@@ -18,6 +18,7 @@ from torch import nn
 from transformers.models.deberta.modeling_deberta import DebertaLayerNorm
 from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
 from transformers.models.nanochat.modeling_nanochat import NanoChatRMSNorm
+from transformers.models.vitdet.modeling_vitdet import VitDetLayerNorm
 
 N = 24
 X = (torch.randn(3, 5, N),)
@@ -307,6 +308,107 @@ def test_rmsnorm_written_out_with_a_square_or_a_division(spelling, pattern, capt
 
 
 # ---------------------------------------------------------------------------------------------
+# Norms over the channels of channels-first maps (conv nets' LayerNorm2d and RmsNorm2d, written
+# out): one norm over x with its channels moved last, the weight and bias folded in.
+# ---------------------------------------------------------------------------------------------
+
+C = 6
+MAP = (torch.randn(2, C, 5, 3),)
+
+
+class ChannelsRMSNorm(nn.Module):
+    """timm's `rms_norm2d` (RmsNorm2d: MobileNet V5, Gemma 3n's vision tower), with a weight
+    (`weight.reshape(1, -1, 1, 1)`) or without; `dim` as it writes it or as a one-entry tuple."""
+
+    def __init__(self, affine=True, dim=1):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(C)) if affine else None
+        self.dim = dim
+
+    def forward(self, x):
+        v = torch.mean(x.pow(2), dim=self.dim, keepdim=True)
+        x = x * torch.rsqrt(v + 1e-6)
+        return x if self.weight is None else x * self.weight.reshape(1, -1, 1, 1)
+
+
+class ChannelsLayerNorm(nn.Module):
+    """LayerNorm2d written out: the centred value twice, `* rsqrt`, `weight[:, None, None]` after
+    (ConvNeXt's original); over (B, C, L) maps too (`unsqueeze(-1)` for the weight); with
+    `var_mean`, timm's LayerNormExp2d on a channels-last map (`_layer_norm_cf`)."""
+
+    def __init__(self, var_mean=False):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(C))
+        self.bias = nn.Parameter(0.1 * torch.randn(C))
+        self.var_mean = var_mean
+
+    def forward(self, x):
+        if self.var_mean:
+            s, u = torch.var_mean(x, dim=1, unbiased=False, keepdim=True)
+        else:
+            u = x.mean(1, keepdim=True)
+            s = ((x - u) ** 2).mean(dim=1, keepdim=True)
+        x = (x - u) * torch.rsqrt(s + 1e-6)
+        if x.dim() == 3:
+            return x * self.weight.unsqueeze(-1) + self.bias.unsqueeze(-1)
+        return x * self.weight[:, None, None] + self.bias[:, None, None]
+
+
+def vitdet_layer_norm():
+    """transformers' own VitDetLayerNorm: `(x - u) / sqrt(s + eps)`, `weight[:, None, None] * x + bias`."""
+    norm = VitDetLayerNorm(C)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(C))
+        norm.bias.copy_(0.1 * torch.randn(C))
+    return norm
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("make, inputs, pattern, spelled", [
+    (ChannelsRMSNorm, MAP, "rms_norm_channels_weight_folded", "rms_norm_written_out_no_weight"),
+    (lambda: ChannelsRMSNorm(affine=False), MAP, "rms_norm_written_out_no_weight", None),
+    (lambda: ChannelsRMSNorm(dim=(1,)), MAP, "rms_norm_channels_weight_folded", "rms_norm_written_out_no_weight"),
+    (lambda: ChannelsRMSNorm(dim=-3), MAP, "rms_norm_channels_weight_folded", "rms_norm_written_out_no_weight"),
+    (ChannelsLayerNorm, MAP, "layer_norm_channels_bias_folded", "layer_norm_bare_centred_twice_rsqrt"),
+    (ChannelsLayerNorm, (torch.randn(3, C, 7),), "layer_norm_channels_bias_folded",
+     "layer_norm_bare_centred_twice_rsqrt"),
+    (lambda: ChannelsLayerNorm(var_mean=True), (MAP[0].to(memory_format=torch.channels_last),),
+     "layer_norm_channels_bias_folded", "layer_norm_bare_var_mean_rsqrt"),
+    (vitdet_layer_norm, MAP, "layer_norm_channels_bias_folded", "layer_norm_bare_centred_twice_div_sqrt"),
+], ids=["rms-norm-2d", "rms-norm-2d-no-weight", "dim-tuple", "dim-negative", "layer-norm-2d",
+        "layer-norm-1d-map", "layer-norm-exp-2d-channels-last", "vitdet-layer-norm"])
+def test_channels_first_norms_fuse_with_their_weight_and_bias(make, inputs, pattern, spelled, capture):
+    report = check_against_unfused(make, inputs, capture)
+    assert report.by_pattern() == {pattern: 1}, report.table()
+    if spelled is not None:
+        assert f"spelled as {spelled}; weight folded in" in report.table()
+
+
+class ChannelsNormParamsApart(ChannelsRMSNorm):
+    """A weight that is no vector along the channels (one per row of the map), or an fp32 weight
+    on fp16 activations (the product promotes): the norm fuses, the product stays the model's."""
+
+    def __init__(self, kind):
+        super().__init__(affine=False)
+        self.kind = kind
+        self.scale = nn.Parameter(torch.randn(5, 1))
+        self.channel_weight = nn.Parameter(1 + 0.1 * torch.randn(C))
+
+    def forward(self, x):
+        h = super().forward(x)
+        return h * self.scale if self.kind == "per_row" else h * self.channel_weight.float()[:, None, None]
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_channels_first_norm_keeps_a_product_that_is_not_its_weight(capture):
+    report = check_against_unfused(lambda: ChannelsNormParamsApart("per_row"), MAP, capture)
+    assert report.by_pattern() == {"rms_norm_written_out_no_weight": 1}
+    x16 = (MAP[0].half(),)
+    report = check_against_unfused(lambda: ChannelsNormParamsApart("fp32").half(), x16, capture, grads=False)
+    assert report.by_pattern() == {"rms_norm_written_out_no_weight": 1}
+
+
+# ---------------------------------------------------------------------------------------------
 # Negatives: near misses stay as they are, and the model still matches.
 # ---------------------------------------------------------------------------------------------
 
@@ -328,9 +430,12 @@ class CubicNorm(HandRMSNorm):
 
 
 @pytest.mark.parametrize("capture", CAPTURES)
-def test_rmsnorm_over_another_dim_is_not_fused(capture):
+def test_rmsnorm_over_another_dim_keeps_a_weight_along_the_last(capture):
+    """The statistics over dim 1, the weight over the last dim: the norm fuses over dim 1 and the
+    weight, which is no vector along that dim, stays the model's product."""
     report = check_against_unfused(lambda: HandRMSNorm(dim=1), X, capture)
-    assert report.by_pattern() == {}
+    assert report.by_pattern() == {"rms_norm_written_out_no_weight": 1}
+    assert report.rejected() == []  # a product that is no norm's weight is not worth a line
 
 
 @pytest.mark.parametrize("capture", CAPTURES)
@@ -373,7 +478,8 @@ def test_ops_selection_leaves_other_families():
 
 class NotLayerNorm(nn.Module):
     """Near misses of LayerNorm written out: the unbiased variance (`x.var()`'s default, the
-    Annotated Transformer's std), eps outside the root, the mean over another dim."""
+    Annotated Transformer's std), eps outside the root, the statistics over two dims (the mean
+    and variance over dim 1 instead of the last are a LayerNorm: `test_channels_first_norms_...`)."""
 
     def __init__(self, kind):
         super().__init__()
@@ -387,12 +493,12 @@ class NotLayerNorm(nn.Module):
             return (x - mean) / (x.std(-1, keepdim=True) + 1e-5)
         if self.kind == "eps_outside":
             return (x - mean) / (torch.sqrt(((x - mean) ** 2).mean(-1, keepdim=True)) + 1e-5)
-        var_mean = torch.var_mean(x, dim=1, unbiased=False, keepdim=True)
+        var_mean = torch.var_mean(x, dim=(1, 2), unbiased=False, keepdim=True)
         return (x - var_mean[1]) * torch.rsqrt(var_mean[0] + 1e-5)
 
 
 @pytest.mark.parametrize("capture", CAPTURES)
-@pytest.mark.parametrize("kind", ["unbiased", "std", "eps_outside", "other_dim"])
+@pytest.mark.parametrize("kind", ["unbiased", "std", "eps_outside", "two_dims"])
 def test_near_misses_of_layer_norm_are_not_fused(kind, capture):
     assert check_against_unfused(lambda: NotLayerNorm(kind), X, capture).by_pattern() == {}
 
