@@ -367,8 +367,10 @@ def vitdet_layer_norm():
 @pytest.mark.parametrize("make, inputs, pattern, spelled", [
     (ChannelsRMSNorm, MAP, "rms_norm_channels_weight_folded", "rms_norm_written_out_no_weight"),
     (lambda: ChannelsRMSNorm(affine=False), MAP, "rms_norm_written_out_no_weight", None),
-    (lambda: ChannelsRMSNorm(dim=(1,)), MAP, "rms_norm_channels_weight_folded", "rms_norm_written_out_no_weight"),
-    (lambda: ChannelsRMSNorm(dim=-3), MAP, "rms_norm_channels_weight_folded", "rms_norm_written_out_no_weight"),
+    (lambda: ChannelsRMSNorm(dim=(1,)), MAP, "rms_norm_channels_weight_folded",
+     "rms_norm_written_out_no_weight"),
+    (lambda: ChannelsRMSNorm(dim=-3), MAP, "rms_norm_channels_weight_folded",
+     "rms_norm_written_out_no_weight"),
     (ChannelsLayerNorm, MAP, "layer_norm_channels_bias_folded", "layer_norm_bare_centred_twice_rsqrt"),
     (ChannelsLayerNorm, (torch.randn(3, C, 7),), "layer_norm_channels_bias_folded",
      "layer_norm_bare_centred_twice_rsqrt"),
