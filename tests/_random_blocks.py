@@ -127,7 +127,7 @@ class Norm(nn.Module):
             return (x - mean) / torch.sqrt(x.var(-1, keepdim=True) + eps) * self.weight + self.bias
         if k == "rms_eps_outside_sqrt":
             return x / (x.pow(2).mean(-1, keepdim=True).sqrt() + eps) * self.weight
-        if k == "rms_mean_over_seq":
+        if k == "rms_mean_over_seq":  # (the norm over the sequence fuses as one; its weight stays)
             return x * torch.rsqrt(x.pow(2).mean(1, keepdim=True) + eps) * self.weight
         if k == "ln_no_centering":
             var = x.var(-1, keepdim=True, unbiased=False)
@@ -705,9 +705,12 @@ def adaptive_inputs(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, t
 
 # The norm's spellings: diffusers' nn.GroupNorm, the functional forms, no affine, one group
 # (LayerNorm over C, H, W), one channel a group (InstanceNorm), and guided-diffusion's /
-# latent-diffusion's GroupNorm32 (the norm of an fp32 copy, cast back).
+# latent-diffusion's GroupNorm32 (the norm of an fp32 copy, cast back); and conv nets' norms over
+# the channels at each pixel, written out: ViTDet's LayerNorm, timm's RmsNorm2d.
 RESNET_NORMS = ("gn_module", "gn_functional", "torch_group_norm", "gn_no_affine", "gn_one_group",
-                "gn_channel_groups", "gn32_fp32_copy")
+                "gn_channel_groups", "gn32_fp32_copy", "ln2d_written", "rms2d_written")
+# the family each norm spelling fuses as
+RESNET_NORM_FAMILY = {"ln2d_written": "layer_norm", "rms2d_written": "rms_norm"}
 # The activation after it: nn.SiLU, F.silu, written out, and near misses that must keep their
 # own maths: SiLU in place (the norm's output overwritten: left), QuickGELU's y * sigmoid(1.702 y)
 # (no SiLU: bias_gelu's quick form takes it), the SiLU of the norm plus the time embedding, the
@@ -745,6 +748,13 @@ class ResnetNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k, n = self.kind, self.norm
+        if k == "ln2d_written":
+            u = x.mean(1, keepdim=True)
+            s = (x - u).pow(2).mean(1, keepdim=True)
+            return n.weight[:, None, None] * ((x - u) / torch.sqrt(s + self.eps)) + n.bias[:, None, None]
+        if k == "rms2d_written":
+            x = x * torch.rsqrt(torch.mean(x.pow(2), dim=1, keepdim=True) + self.eps)
+            return x * n.weight.reshape(1, -1, 1, 1)
         if k == "gn_functional":
             return F.group_norm(x, self.groups, n.weight, n.bias, self.eps)
         if k == "torch_group_norm":

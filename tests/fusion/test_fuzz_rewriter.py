@@ -397,4 +397,15 @@ def test_a_channels_last_resnet_fuses_alike(dtype, capture):
 def test_each_resnet_norm_spelling(norm):
     report = check_against_unfused(lambda: rb.resnet_model(norm, "nn_silu"), rb.resnet_inputs(), "fx",
                                    train=True, twin64=rb.resnet_float64_twin)
-    assert report.counts() == {"group_norm": 4}, report.table()
+    assert report.counts() == {rb.RESNET_NORM_FAMILY.get(norm, "group_norm"): 4}, report.table()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("norm", sorted(rb.RESNET_NORM_FAMILY))
+def test_channel_norms_of_a_channels_last_resnet(norm, dtype):
+    """The norms over each pixel's channels on channels-last maps (the channels moved last are
+    then contiguous: no copy for the kernel): the same four norms, the unfused model's answer."""
+    report = check_against_unfused(lambda: rb.resnet_model(norm, "f_silu", dtype, channels_last=True),
+                                   rb.resnet_inputs(dtype, channels_last=True), "dynamo", train=True,
+                                   twin64=rb.resnet_float64_twin)
+    assert report.counts() == {rb.RESNET_NORM_FAMILY[norm]: 4}, report.table()
