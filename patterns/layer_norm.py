@@ -99,8 +99,8 @@ def rms_norm_variance_upcast_no_weight(x: torch.Tensor, eps, dtype, dim):
     return (x * torch.rsqrt(variance + eps)).to(dtype)
 
 
-def rms_norm_variance_upcast_no_weight_fused(x, eps, dtype, dim, width, moved):
-    return _over_dim(ops.rms_norm, x, moved, (width,), None, eps)
+def rms_norm_variance_upcast_no_weight_fused(x, eps, dtype, dim, width, moved, restore):
+    return _over_dim(ops.rms_norm, x, moved, restore, (width,), None, eps)
 
 
 def rms_norm_written_out_pow(x: torch.Tensor, weight: torch.Tensor, eps):
@@ -114,16 +114,26 @@ def rms_norm_written_out_pow_no_weight(x: torch.Tensor, eps, dim):
     return x * torch.pow(x.pow(2).mean(dim, keepdim=True) + eps, -0.5)
 
 
-def rms_norm_no_weight_fused(x, eps, dim, width, moved):
-    return _over_dim(ops.rms_norm, x, moved, (width,), None, eps)
+def rms_norm_no_weight_fused(x, eps, dim, width, moved, restore):
+    return _over_dim(ops.rms_norm, x, moved, restore, (width,), None, eps)
 
 
-def _over_dim(norm, x, moved, *args):
+def _over_dim(norm, x, moved, restore, *args):
     """`norm(x, *args)` over x's last dim, or over dim `moved` (a channels-first map's channels):
-    x with that dim moved last, the result moved back (the kernels read the moved x as it lies)."""
+    x with that dim moved last, the result moved back (`_moved_back`)."""
     if moved is None:
         return norm(x, *args)
-    return norm(x.movedim(moved, -1), *args).movedim(-1, moved)
+    return _moved_back(norm(x.movedim(moved, -1), *args), moved, restore)
+
+
+def _moved_back(y, dim, restore):
+    """A norm's y over x's dim `dim` moved last, moved back. It lies as the model's own result
+    would when x had that dim innermost (a channels-last map's channels); else (`restore`) it is
+    made contiguous, as the model's elementwise ops would leave it for a contiguous x: a
+    `view(batch, -1)` after the norm must still work. (That copy, and the copy the kernels make of
+    the moved x, are what a kernel reading and writing channels-first maps would save.)"""
+    y = y.movedim(-1, dim)
+    return y.contiguous() if restore else y
 
 
 def layer_norm_written_out(x: torch.Tensor, weight: torch.Tensor, eps):
@@ -172,8 +182,8 @@ def layer_norm_bare(x: torch.Tensor, eps, dim, *, variance="centred_twice", root
     return _over_root(x - mean, (x - mean).pow(2).mean(dim, keepdim=True), eps, root)
 
 
-def layer_norm_bare_fused(x, eps, dim, width, moved, *, variance="centred_twice", root="rsqrt"):
-    return _over_dim(ops.layer_norm, x, moved, (width,), None, None, eps)
+def layer_norm_bare_fused(x, eps, dim, width, moved, restore, *, variance="centred_twice", root="rsqrt"):
+    return _over_dim(ops.layer_norm, x, moved, restore, (width,), None, None, eps)
 
 
 def rms_norm_div_sqrt_no_weight(x: torch.Tensor, eps, dim):
@@ -209,31 +219,37 @@ def rms_norm_weight_folded(x, normalized_shape, weight, eps):
 
 
 # The same folds after a norm over a channels-first map's channels (`_over_dim`): its weight and bias
-# broadcast over the map, `weight[:, None, None]` or `weight.reshape(1, -1, 1, 1)`.
+# broadcast over the map, `weight[:, None, None]` or `weight.reshape(1, -1, 1, 1)`; y moved back
+# made contiguous (`restore`) or not, as the norm left it.
 
 
-def layer_norm_channels_then_weight(x: torch.Tensor, normalized_shape, weight: torch.Tensor, eps, dim):
-    return ops.layer_norm(x, normalized_shape, None, None, eps).movedim(-1, dim) * weight
+def layer_norm_channels_then_weight(x: torch.Tensor, normalized_shape, weight: torch.Tensor, eps, dim, *,
+                                    restore=False):
+    return _moved_back(ops.layer_norm(x, normalized_shape, None, None, eps), dim, restore) * weight
 
 
-def layer_norm_channels_weight_folded(x, normalized_shape, weight, eps, dim):
-    return ops.layer_norm(x, normalized_shape, weight.reshape(normalized_shape), None, eps).movedim(-1, dim)
+def layer_norm_channels_weight_folded(x, normalized_shape, weight, eps, dim, *, restore=False):
+    y = ops.layer_norm(x, normalized_shape, weight.reshape(normalized_shape), None, eps)
+    return _moved_back(y, dim, restore)
 
 
-def layer_norm_channels_then_bias(x: torch.Tensor, normalized_shape, weight, bias: torch.Tensor, eps, dim):
-    return ops.layer_norm(x, normalized_shape, weight, None, eps).movedim(-1, dim) + bias
+def layer_norm_channels_then_bias(x: torch.Tensor, normalized_shape, weight, bias: torch.Tensor, eps, dim, *,
+                                  restore=False):
+    return _moved_back(ops.layer_norm(x, normalized_shape, weight, None, eps), dim, restore) + bias
 
 
-def layer_norm_channels_bias_folded(x, normalized_shape, weight, bias, eps, dim):
-    return ops.layer_norm(x, normalized_shape, weight, bias.reshape(normalized_shape), eps).movedim(-1, dim)
+def layer_norm_channels_bias_folded(x, normalized_shape, weight, bias, eps, dim, *, restore=False):
+    y = ops.layer_norm(x, normalized_shape, weight, bias.reshape(normalized_shape), eps)
+    return _moved_back(y, dim, restore)
 
 
-def rms_norm_channels_then_weight(x: torch.Tensor, normalized_shape, weight: torch.Tensor, eps, dim):
-    return ops.rms_norm(x, normalized_shape, None, eps).movedim(-1, dim) * weight
+def rms_norm_channels_then_weight(x: torch.Tensor, normalized_shape, weight: torch.Tensor, eps, dim, *,
+                                  restore=False):
+    return _moved_back(ops.rms_norm(x, normalized_shape, None, eps), dim, restore) * weight
 
 
-def rms_norm_channels_weight_folded(x, normalized_shape, weight, eps, dim):
-    return ops.rms_norm(x, normalized_shape, weight.reshape(normalized_shape), eps).movedim(-1, dim)
+def rms_norm_channels_weight_folded(x, normalized_shape, weight, eps, dim, *, restore=False):
+    return _moved_back(ops.rms_norm(x, normalized_shape, weight.reshape(normalized_shape), eps), dim, restore)
 
 
 def layer_norm_upcast_div_sqrt(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps, dtype):
@@ -383,7 +399,9 @@ def _norm_dim(m: Match) -> dict | None:
     if not isinstance(x, torch.Tensor) or dim is None:
         return None
     d = dim % x.dim()
-    return {"dim": dim, "width": x.shape[d], "moved": None if d == x.dim() - 1 else d - x.dim()}
+    moved = None if d == x.dim() - 1 else d - x.dim()
+    restore = moved is not None and not x.movedim(moved, -1).is_contiguous()
+    return {"dim": dim, "width": x.shape[d], "moved": moved, "restore": restore}
 
 
 def _folds_as_affine(name: str):
@@ -513,13 +531,15 @@ PATTERNS = (
             ("layer_norm",), (_folds_as_affine("bias"),), quiet=True, folds="bias"),
     Pattern("rms_norm_weight_folded", "rms_norm", rms_norm_then_weight, rms_norm_weight_folded,
             ("rms_norm",), (_folds_as_affine("weight"),), quiet=True, folds="weight"),
-    Pattern("layer_norm_channels_weight_folded", "layer_norm", layer_norm_channels_then_weight,
-            layer_norm_channels_weight_folded, ("layer_norm",), (_folds_over_channels("weight"),), quiet=True,
-            folds="weight"),
-    Pattern("layer_norm_channels_bias_folded", "layer_norm", layer_norm_channels_then_bias,
-            layer_norm_channels_bias_folded, ("layer_norm",), (_folds_over_channels("bias"),), quiet=True,
-            folds="bias"),
-    Pattern("rms_norm_channels_weight_folded", "rms_norm", rms_norm_channels_then_weight,
-            rms_norm_channels_weight_folded, ("rms_norm",), (_folds_over_channels("weight"),), quiet=True,
-            folds="weight"),
+    *(Pattern(name, family, functools.partial(search, restore=restore),
+              functools.partial(replacement, restore=restore), (family,), (_folds_over_channels(folds),),
+              quiet=True, folds=folds)
+      for restore in (False, True)
+      for name, family, search, replacement, folds in (
+          ("layer_norm_channels_weight_folded", "layer_norm", layer_norm_channels_then_weight,
+           layer_norm_channels_weight_folded, "weight"),
+          ("layer_norm_channels_bias_folded", "layer_norm", layer_norm_channels_then_bias,
+           layer_norm_channels_bias_folded, "bias"),
+          ("rms_norm_channels_weight_folded", "rms_norm", rms_norm_channels_then_weight,
+           rms_norm_channels_weight_folded, "weight"))),
 )

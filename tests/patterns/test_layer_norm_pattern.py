@@ -1,10 +1,12 @@
 """LayerNorm / RMSNorm spellings become one trifuse norm, through fx and through Dynamo; the
 fused model equals the unfused one by the oracle rule; near misses stay as written."""
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
 import trifuse
-from _fusing import check_against_unfused
+from _fusing import check_against_unfused, fuse_via
 from _hf_norms import (
     CentredOnceLayerNorm,
     CohereLayerNorm,
@@ -384,6 +386,35 @@ def test_channels_first_norms_fuse_with_their_weight_and_bias(make, inputs, patt
     assert report.by_pattern() == {pattern: 1}, report.table()
     if spelled is not None:
         assert f"spelled as {spelled}; weight folded in" in report.table()
+
+
+class ChannelsNormThenFlatten(ChannelsRMSNorm):
+    """The norm's output (through a GeLU, which keeps its layout) flattened by `view`: only a
+    contiguous map can be, as the model's own output of a contiguous x is."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(C * 5 * 3, 4)
+
+    def forward(self, x):
+        y = super().forward(x)
+        return y, self.head(F.gelu(y).view(x.shape[0], -1))
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels-last"])
+def test_channels_first_norm_leaves_its_output_laid_out_as_the_model_did(channels_last, capture):
+    x = MAP[0].to(memory_format=torch.channels_last) if channels_last else MAP[0]
+    if not channels_last:
+        report = check_against_unfused(ChannelsNormThenFlatten, (x,), capture)
+        assert report.by_pattern() == {"rms_norm_channels_weight_folded": 1}, report.table()
+    torch.manual_seed(0)
+    model = ChannelsRMSNorm()
+    fused = fuse_via(copy.deepcopy(model), capture)
+    y, ref = fused(x), model(x)
+    assert trifuse.report(fused).counts() == {"rms_norm": 1}
+    assert y.stride() == ref.stride()
+    torch.testing.assert_close(y, ref)
 
 
 class ChannelsNormParamsApart(ChannelsRMSNorm):
