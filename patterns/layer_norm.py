@@ -15,6 +15,11 @@ RMSNorm too. A trifuse norm of an fp32 copy of x cast back to x's dtype (Gemma's
 becomes the norm of x itself: the kernels compute in fp32 whatever x's dtype and round once to
 it, so the copy is work for nothing, and an add feeding the norm can then fuse with it.
 
+Written out over one other dim of x (the channels of a conv net's channels-first map: timm's
+RmsNorm2d, ViTDet's LayerNorm, `mean(1, keepdim=True)`), a norm without parameters runs over x
+with that dim moved last and its result moved back (`_over_dim`), then its weight and bias laid
+along the channels (`weight[:, None, None]`) fold in (`*_channels_*_folded`).
+
 LayerNorm written out in x's dtype without a weight or bias (`layer_norm_bare`: the biased
 variance as `pow(2).mean` of the centred value, `var(unbiased=False)` or `var_mean`; the centred
 value `* rsqrt` or `/ sqrt` of variance + eps) and RMSNorm as `x / sqrt(mean(x^2) + eps)` become
