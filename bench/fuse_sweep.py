@@ -358,8 +358,9 @@ OVERRIDES = {"t5gemma": {"bos_token_id": 2},
                 for t in ("qwen2_audio_encoder", "voxtral_encoder", "moss_transcribe_diarize_audio",
                           "audioflamingo3_encoder")},
              # ViTDet's checkpoints (VitMatte's backbone too) add decomposed relative positions; the
-             # config's default leaves them off
-             "vitdet": {"use_relative_position_embeddings": True},
+             # config's default leaves them off. A residual conv block after its second layer, as
+             # VitMatte's backbone has after every third: its LayerNorms over the map's channels
+             "vitdet": {"use_relative_position_embeddings": True, "residual_block_indices": [1]},
              "muse_spark_text": {"moe_hidden_size": 64},  # its experts' width past the tiny one
              "mistral_large4_text": {**_MLA, "head_dim": 16},  # Mistral 4's latent attention, as mistral4's
              # Swin2SR: 2 x 2 windows of 1-pixel patches on 16-pixel images (its 64 make 4096 tokens)
