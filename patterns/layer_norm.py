@@ -125,10 +125,12 @@ def rms_norm_no_weight_fused(x, eps, dim, width, moved, restore):
 
 def _over_dim(norm, x, moved, restore, *args):
     """`norm(x, *args)` over x's last dim, or over dim `moved` (a channels-first map's channels):
-    x with that dim moved last, the result moved back (`_moved_back`)."""
+    x with that dim moved last, made contiguous (the kernels would copy it anyway, and again in
+    the backward from the x the op saves: this copy is the one they save, in place of x; none for
+    a map whose channels are innermost already), the result moved back (`_moved_back`)."""
     if moved is None:
         return norm(x, *args)
-    return _moved_back(norm(x.movedim(moved, -1), *args), moved, restore)
+    return _moved_back(norm(x.movedim(moved, -1).contiguous(), *args), moved, restore)
 
 
 def _moved_back(y, dim, restore):
