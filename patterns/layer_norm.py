@@ -425,15 +425,21 @@ def _folds_as_affine(name: str):
             return "normalized_shape unknown"
         if len(width) != 1 or tuple(p.shape) != width:
             return f"{name} shaped {tuple(p.shape)}, not the normalized width {width} alone"
-        if p.dtype != x.dtype:
-            return f"{name} dtype {p.dtype} differs from the input's {x.dtype} (the product promotes)"
-        w = m.value("weight") if name == "bias" else None
-        if isinstance(w, torch.Tensor) and w.dtype != p.dtype:
-            return f"bias dtype {p.dtype} differs from the weight's {w.dtype}"
-        return None
+        return _affine_dtype_problem(m, name, x, p)
 
     check.__name__ = f"{name}_folds_as_affine"
     return check
+
+
+def _affine_dtype_problem(m: Match, name: str, x: torch.Tensor, p: torch.Tensor) -> str | None:
+    """Why a weight or bias `p` cannot join the norm for its dtype (it must be x's, and a bias the
+    weight's), or None."""
+    if p.dtype != x.dtype:
+        return f"{name} dtype {p.dtype} differs from the input's {x.dtype} (the product promotes)"
+    w = m.value("weight") if name == "bias" else None
+    if isinstance(w, torch.Tensor) and w.dtype != p.dtype:
+        return f"bias dtype {p.dtype} differs from the weight's {w.dtype}"
+    return None
 
 
 def _folds_over_channels(name: str):
@@ -448,12 +454,7 @@ def _folds_over_channels(name: str):
         along[dim % rank] = x.shape[-1]
         if p.dim() > rank or [1] * (rank - p.dim()) + list(p.shape) != along:
             return f"{name} shaped {tuple(p.shape)}, not the channels' vector {tuple(along)}"
-        if p.dtype != x.dtype:
-            return f"{name} dtype {p.dtype} differs from the input's {x.dtype} (the product promotes)"
-        w = m.value("weight") if name == "bias" else None
-        if isinstance(w, torch.Tensor) and w.dtype != p.dtype:
-            return f"bias dtype {p.dtype} differs from the weight's {w.dtype}"
-        return None
+        return _affine_dtype_problem(m, name, x, p)
 
     check.__name__ = f"{name}_folds_over_channels"
     return check
