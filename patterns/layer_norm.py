@@ -400,8 +400,9 @@ def _one_dim(m: Match) -> str | None:
 
 
 def _norm_dim(m: Match) -> dict | None:
-    """The normalized width of a norm without a weight, x's size at the dim its statistics reduce,
-    and `moved`: None for the last dim, else that dim counted from the end (x's channels)."""
+    """The normalized width of a norm without a weight, x's size at the dim its statistics reduce;
+    `moved`: None for the last dim, else that dim counted from the end (x's channels); `restore`:
+    whether the result moved back must be made contiguous to lie as the model's (`_moved_back`)."""
     x, dim = m.value("x"), _single_dim(m["dim"])
     if not isinstance(x, torch.Tensor) or dim is None:
         return None
