@@ -33,6 +33,7 @@ import hashlib
 import itertools
 import logging
 import sys
+import types
 import weakref
 from collections import Counter
 from collections.abc import Callable
@@ -55,8 +56,10 @@ log = logging.getLogger("trifuse")
 # Parameter -> the captures of compiled graphs that read it (what report(compiled) shows); keyed
 # by identity (tensors compare elementwise).
 _COMPILED: "WeakIdKeyDictionary[torch.Tensor, list[Capture]]" = WeakIdKeyDictionary()
-# Module -> the captures of graphs compiled while a call of it was on the Python stack.
-_COMPILED_IN: "WeakIdKeyDictionary[torch.nn.Module, list[Capture]]" = WeakIdKeyDictionary()
+# Module, or function compiled by torch.compile -> the captures of graphs compiled while a call
+# of it was on the Python stack.
+_COMPILED_IN: "WeakIdKeyDictionary[torch.nn.Module | types.FunctionType, list[Capture]]" = \
+    WeakIdKeyDictionary()
 # Every capture whose graph may still run: a second model of the same class runs the graphs
 # compiled for the first (Dynamo's guards pass) without compiling anything of its own, and is
 # found through the parameters the graphs ran for.
@@ -73,6 +76,21 @@ def _calling_modules() -> list[torch.nn.Module]:
             obj = frame.f_locals.get("self")
             if isinstance(obj, torch.nn.Module):
                 found.setdefault(id(obj), obj)
+        frame = frame.f_back
+    return list(found.values())
+
+
+def _compiled_functions() -> list[types.FunctionType]:
+    """The functions `torch.compile(fn)` wrapped whose calls are on the Python stack: Dynamo's
+    wrapper (in its eval_frame.py) holds the function as `fn`, and every frame Dynamo compiles for
+    it, the graphs after a graph break among them, is compiled inside that wrapper's call."""
+    found: dict[int, types.FunctionType] = {}
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith("eval_frame.py"):
+            fn = frame.f_locals.get("fn")
+            if isinstance(fn, types.FunctionType):
+                found.setdefault(id(fn), fn)
         frame = frame.f_back
     return list(found.values())
 
@@ -112,8 +130,8 @@ def _rewrite(gm: fx.GraphModule, example_inputs: list[Any], backend: str, eager:
     for t in example_inputs:
         if isinstance(t, torch.nn.Parameter):
             _attach(_COMPILED, t, capture)
-    for module in _calling_modules():
-        _attach(_COMPILED_IN, module, capture)
+    for caller in _calling_modules() + _compiled_functions():
+        _attach(_COMPILED_IN, caller, capture)
     return work
 
 
@@ -402,11 +420,12 @@ def attention_as_chosen(gm: fx.GraphModule, log: Any, graphed: bool = False) -> 
     return changed
 
 
-def compiled_captures(model: torch.nn.Module) -> list[Capture]:
+def compiled_captures(model: torch.nn.Module | types.FunctionType) -> list[Capture]:
     """The backends' captures of graphs that read `model`'s parameters, were compiled during one
-    of its calls, or ran for its modules, oldest first."""
+    of its calls, or ran for its modules, oldest first; for a function, those compiled during
+    its calls."""
     seen: dict[int, Capture] = {}
-    params = list(model.parameters())
+    params = list(model.parameters()) if isinstance(model, torch.nn.Module) else []
     for p in params:
         for capture in _COMPILED.get(p, ()):
             seen.setdefault(id(capture), capture)

@@ -68,6 +68,7 @@ rewrites, in place:
 
 Nothing here changes what the graph computes (up to the rounding of sums noted above).
 """
+import contextlib
 import functools
 import inspect
 import math
@@ -647,7 +648,8 @@ def _out_of_place_updates(graph: fx.Graph) -> None:
                 cast = graph.call_method("to", (node, va.dtype))
             node.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
             cast.meta[key] = node.meta.get(key, va)
-            node.meta[key] = va.to(wide)
+            with _meta_only(va):
+                node.meta[key] = va.to(wide)
     _out_of_place_fills_and_dropouts(graph)
 
 
@@ -798,7 +800,7 @@ def _slice_updates_of_scores(graph: fx.Graph) -> None:
         first = next((d for d, start in enumerate(starts) if start), None)
         pads = () if first is None else tuple(p for start in reversed(starts[first:]) for p in (start, 0))
         key = "val" if "val" in s.meta else "example_value"
-        with graph.inserting_before(write):
+        with graph.inserting_before(write), _meta_only(vs):
             delta, vd = _sum_of_terms(graph, terms, values, key)
             if back is not None:  # the inner view's sizes flattened as the view back flattens them
                 delta = graph.call_method("reshape", (delta, back.args[1]))
@@ -852,7 +854,7 @@ def _interleaved_writes(graph: fx.Graph) -> None:
             continue
         key = "val" if "val" in out.meta else "example_value"
         halves = []
-        with graph.inserting_before(last.next):  # in this order, after both writes
+        with graph.inserting_before(last.next), _meta_only(vo):  # in this order, after both writes
             for half, value in ((a, va), (b, vb)):
                 if value.dtype != vo.dtype:
                     half = graph.call_method("to", (half, vo.dtype))
@@ -994,7 +996,7 @@ def _einsum_as_matmul(graph: fx.Graph) -> None:
         if len(operands) != 2 or not all(isinstance(o, fx.Node) for o in operands) or transposed is None:
             continue
         a, b = operands
-        with graph.inserting_before(node):
+        with graph.inserting_before(node), _meta_only(_value(b)):
             if transposed:
                 value = _value(b)
                 b = graph.call_method("transpose", (b, -2, -1))
@@ -1098,7 +1100,7 @@ def _window_mask_views(graph: fx.Graph) -> None:
         source = _batch_source(scores, batch) if shape[0] == -1 else None
         if shape[0] == -1 and source is None:
             continue
-        with graph.inserting_before(back):
+        with graph.inserting_before(back), _meta_only(m):
             if source is not None:
                 rows = graph.call_method("size", (source, 0))
                 rows.meta["val"] = batch
@@ -1171,7 +1173,7 @@ def _terms_over_a_view_of_the_scores(graph: fx.Graph) -> None:
         if torch.promote_types(s.dtype, wide) != out.dtype:  # unfused sum's (0-d terms promote by kind only)
             continue
         key = "val" if "val" in scores.meta else "example_value"
-        with graph.inserting_before(back):
+        with graph.inserting_before(back), _meta_only(s):
             delta, vd = _sum_of_terms(graph, terms, values, key)
             delta = graph.call_method("reshape", (delta, back.args[1]))  # the view back's own sizes
             vd = vd.reshape(s.shape)
@@ -1374,6 +1376,15 @@ def constant_masks(graph: fx.Graph) -> int:
 
 def _value(arg: Any) -> Any:
     return arg.meta.get("val", arg.meta.get("example_value")) if isinstance(arg, fx.Node) else None
+
+
+def _meta_only(value: Any) -> contextlib.AbstractContextManager:
+    """No guards from the example values computed for the nodes a pass inserts (fake tensors of a
+    dynamic capture, `value` one of them): they are bookkeeping, where a guard would specialize the
+    capture's sizes (a reshape or pad of symbolic sizes equates them with their example's: every
+    new sequence length recompiled). The decisions a pass makes still guard as they must."""
+    env = getattr(getattr(value, "fake_mode", None), "shape_env", None)
+    return env.suppress_guards() if env is not None else contextlib.nullcontext()
 
 
 def replace_uses(node: fx.Node, value: Any) -> None:

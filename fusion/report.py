@@ -8,8 +8,11 @@ forward ran, each counted as many times as it ran (a graph break inside every bl
 one graph that every block runs). Everything is derived from the units found on the model's
 modules, so a deep copy of a fused model reports on itself.
 """
+import types
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -211,13 +214,21 @@ def capture_table(unit: Unit, capture: Capture, paths: str | None = None, count:
     return "\n".join(lines)
 
 
-def report(model: torch.nn.Module) -> FusionReport:
+def report(model: torch.nn.Module | Callable[..., Any]) -> FusionReport:
     """What `trifuse.fuse(model)` replaced, per pattern and family, where, and every candidate
     it rejected and why; for a model compiled with backend="trifuse" or "trifuse_inductor", what
-    the backend replaced in its graphs. `print(report(model))` shows it as a table."""
+    the backend replaced in its graphs, and the same for a function so compiled (`report(fn)` or
+    `report(torch.compile(fn, ...))`). `print(report(model))` shows it as a table."""
     from .backend import compiled_captures, latest_forward
 
     model = getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule
+    if not isinstance(model, torch.nn.Module):
+        fn = getattr(model, "_torchdynamo_orig_callable", model)  # torch.compile(fn)'s wrapper
+        if not isinstance(fn, types.FunctionType):
+            raise TypeError("trifuse.report: model must be a torch.nn.Module or a function (compiled "
+                            f"with a trifuse backend), got {type(model).__name__}")
+        compiled = compiled_captures(fn)
+        return FusionReport([], [], None, compiled=compiled, compiled_runs=latest_forward(compiled, {}))
     units: dict[int, UnitReport] = {}
     for path, module in model.named_modules():
         unit = installed_unit(module)

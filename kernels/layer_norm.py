@@ -2054,11 +2054,14 @@ def _check_narrowing(op: str, out_dtype, readers: int = 1, full_y: bool = False)
 
 
 def _shape_list(op: str, normalized_shape) -> list[int]:
-    """normalized_shape as a list of ints (an int is one dim), or a TypeError naming the op."""
-    if isinstance(normalized_shape, int) and not isinstance(normalized_shape, bool):
+    """normalized_shape as a list of ints (an int is one dim; symbolic ints where traced with dynamic
+    shapes), or a TypeError naming the op."""
+    def is_size(n) -> bool:
+        return isinstance(n, (int, torch.SymInt)) and not isinstance(n, bool)
+
+    if is_size(normalized_shape):
         return [normalized_shape]
-    if isinstance(normalized_shape, (list, tuple, torch.Size)) and all(
-            isinstance(n, int) and not isinstance(n, bool) for n in normalized_shape):
+    if isinstance(normalized_shape, (list, tuple, torch.Size)) and all(is_size(n) for n in normalized_shape):
         return list(normalized_shape)
     got = type(normalized_shape).__name__
     if isinstance(normalized_shape, (list, tuple)):

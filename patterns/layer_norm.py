@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels._common import default_rms_eps
-from ._base import Match, Pattern, needs_number, ops, params_fp32_or_like_input
+from ._base import Match, Pattern, known_equal, needs_number, ops, params_fp32_or_like_input
 
 
 def layer_norm(x: torch.Tensor, normalized_shape, weight, bias, eps):
@@ -105,7 +105,7 @@ def rms_norm_variance_upcast_no_weight(x: torch.Tensor, eps, dtype, dim):
 
 
 def rms_norm_variance_upcast_no_weight_fused(x, eps, dtype, dim, width, moved, restore):
-    return _over_dim(ops.rms_norm, x, moved, restore, (width,), None, eps)
+    return _over_dim(ops.rms_norm, x, width, moved, restore, None, eps)
 
 
 def rms_norm_written_out_pow(x: torch.Tensor, weight: torch.Tensor, eps):
@@ -120,17 +120,20 @@ def rms_norm_written_out_pow_no_weight(x: torch.Tensor, eps, dim):
 
 
 def rms_norm_no_weight_fused(x, eps, dim, width, moved, restore):
-    return _over_dim(ops.rms_norm, x, moved, restore, (width,), None, eps)
+    return _over_dim(ops.rms_norm, x, width, moved, restore, None, eps)
 
 
-def _over_dim(norm, x, moved, restore, *args):
-    """`norm(x, *args)` over x's last dim, or over dim `moved` (a channels-first map's channels):
-    x with that dim moved last, made contiguous (the kernels would copy it anyway, and again in
-    the backward from the x the op saves: this copy is the one they save, in place of x; none for
-    a map whose channels are innermost already), the result moved back (`_moved_back`)."""
-    if moved is None:
-        return norm(x, *args)
-    return _moved_back(norm(x.movedim(moved, -1).contiguous(), *args), moved, restore)
+def _over_dim(norm, x, width, moved, restore, *args):
+    """`norm(x, (width,), *args)` over x's last dim, or over dim `moved` (a channels-first map's
+    channels): x with that dim moved last, made contiguous (the kernels would copy it anyway, and
+    again in the backward from the x the op saves: this copy is the one they save, in place of x;
+    none for a map whose channels are innermost already), the result moved back (`_moved_back`).
+    A symbolic width (`torch.compile(dynamic=True)`) is read off x in the graph, not written into
+    it as the number it was when matched."""
+    if moved is not None:
+        x = x.movedim(moved, -1).contiguous()
+    y = norm(x, (width,) if isinstance(width, int) else x.shape[-1:], *args)
+    return y if moved is None else _moved_back(y, moved, restore)
 
 
 def _moved_back(y, dim, restore):
@@ -190,7 +193,7 @@ def layer_norm_bare(x: torch.Tensor, eps, dim, *, variance="centred_twice", root
 
 
 def layer_norm_bare_fused(x, eps, dim, width, moved, restore, *, variance="centred_twice", root="rsqrt"):
-    return _over_dim(ops.layer_norm, x, moved, restore, (width,), None, None, eps)
+    return _over_dim(ops.layer_norm, x, width, moved, restore, None, None, eps)
 
 
 def rms_norm_div_sqrt_no_weight(x: torch.Tensor, eps, dim):
@@ -420,12 +423,11 @@ def _folds_as_affine(name: str):
         x, p, shape = m.value("x"), m.value(name), m.value("normalized_shape")
         if not isinstance(x, torch.Tensor) or not isinstance(p, torch.Tensor):
             return f"no tensor for x or the {name}"
-        try:
-            width = tuple(int(n) for n in shape)
-        except TypeError:
+        if not isinstance(shape, (tuple, list)) or not all(isinstance(n, (int, torch.SymInt)) for n in shape):
             return "normalized_shape unknown"
-        if len(width) != 1 or tuple(p.shape) != width:
-            return f"{name} shaped {tuple(p.shape)}, not the normalized width {width} alone"
+        # compared without guards: a symbolic width (dynamic=True) must not be specialized here
+        if len(shape) != 1 or p.dim() != 1 or not known_equal(p.shape[0], shape[0]):
+            return f"{name} shaped {tuple(p.shape)}, not the normalized width {tuple(shape)} alone"
         return _affine_dtype_problem(m, name, x, p)
 
     check.__name__ = f"{name}_folds_as_affine"
@@ -453,7 +455,8 @@ def _folds_over_channels(name: str):
         rank = x.dim()
         along = [1] * rank
         along[dim % rank] = x.shape[-1]
-        if p.dim() > rank or [1] * (rank - p.dim()) + list(p.shape) != along:
+        laid = [1] * (rank - p.dim()) + list(p.shape)
+        if p.dim() > rank or not all(known_equal(a, b) for a, b in zip(laid, along)):
             return f"{name} shaped {tuple(p.shape)}, not the channels' vector {tuple(along)}"
         return _affine_dtype_problem(m, name, x, p)
 

@@ -8,9 +8,11 @@ import re
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import _models
+import _random_blocks as rb
 import pytest
 import torch
 import trifuse
@@ -156,6 +158,101 @@ def test_dynamic_shapes_compile_once(backend):
         with torch._dynamo.config.patch(error_on_recompile=i > 0):
             torch.testing.assert_close(loss_fn(compiled, kw), loss_fn(model, kw))
     assert trifuse.report(compiled).counts().get("attention", 0) >= 1 or not has_op("attention")
+
+
+def _layer_norm_written_out(x, w, b):
+    u = x.mean(-1, keepdim=True)
+    return (x - u) * torch.rsqrt((x - u).pow(2).mean(-1, keepdim=True) + 1e-6) * w + b
+
+
+def _layer_norm_bare(x):
+    u = x.mean(-1, keepdim=True)
+    return (x - u) / torch.sqrt((x - u).pow(2).mean(-1, keepdim=True) + 1e-5)
+
+
+def _rms_norm_over_channels(x, w):  # timm's RmsNorm2d
+    return x * torch.rsqrt(x.pow(2).mean(1, keepdim=True) + 1e-6) * w.reshape(1, -1, 1, 1)
+
+
+@needs_ops("layer_norm", "rms_norm")
+@pytest.mark.parametrize("backend", ["trifuse", "trifuse_inductor"])
+@pytest.mark.parametrize("fn, shapes, family", [
+    (_layer_norm_written_out, [(3, 7), (5, 9)], "layer_norm"),
+    (_layer_norm_bare, [(3, 7), (2, 4, 9)], "layer_norm"),
+    (_rms_norm_over_channels, [(2, 5, 3, 4), (3, 6, 2, 5)], "rms_norm"),
+], ids=["weight_and_bias", "bare", "over_channels"])
+def test_norms_of_a_symbolic_width_fuse_under_dynamic_shapes(fn, shapes, family, backend):
+    # dynamic=True with no parameter fixing the normalized width: the width is symbolic. The fused
+    # op reads it off x in the graph (it was once rejected as SymInts, and written into the graph
+    # as the number it had when matched), and the weight folds without a guard on it (comparing
+    # it with int() specialized the width: every new width recompiled).
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=backend, dynamic=True)
+    for i, shape in enumerate(shapes):
+        torch.manual_seed(i)
+        width = shape[1] if fn is _rms_norm_over_channels else shape[-1]
+        args = [torch.randn(shape, dtype=torch.float64).float().requires_grad_()]
+        args += [torch.randn(width).requires_grad_() for _ in range(fn.__code__.co_argcount - 1)]
+        args64 = [a.detach().double().requires_grad_() for a in args]
+        args32 = [a.detach().clone().requires_grad_() for a in args]
+        new_rank = i > 0 and len(shape) != len(shapes[0])  # a new rank is a new graph
+        with torch._dynamo.config.patch(error_on_recompile=i > 0 and not new_rank), warnings.catch_warnings():
+            warnings.filterwarnings("error", message="Raw SymInt")
+            out = compiled(*args)
+            grads = torch.autograd.grad(out.square().sum(), args)
+        ref, ref64 = fn(*args32), fn(*args64)
+        assert_close("out", out, ref64, ref)
+        for name, g, g64, gr in zip("xwb", grads, torch.autograd.grad(ref64.square().sum(), args64),
+                                    torch.autograd.grad(ref.square().sum(), args32)):
+            assert_close(f"grad {name}", g, g64, gr)
+        assert trifuse.report(compiled).counts() == {family: 1}
+    assert trifuse.report(fn).counts() == {family: 1}
+
+
+@pytest.mark.parametrize("make, sizes", [
+    # relative positions written into the scores through a slice (MViT V2's, torchvision's MViT's):
+    # the pass that makes them a sum padded its example values, which equated the capture's batch
+    # and sequence with the first call's (every new size recompiled)
+    (lambda: _random_model("chain_slice_positions"), [(2, 7), (3, 9), (4, 5)]),
+    (lambda: _random_model("chain_slice_positions_inplace"), [(2, 7), (3, 9), (4, 5)]),
+    (lambda: _random_model("chain_gqa_expand"), [(2, 7), (3, 9), (4, 5)]),
+], ids=["slice_positions", "slice_positions_inplace", "gqa_expand"])
+def test_rewritten_graphs_compile_once_under_dynamic_shapes(make, sizes):
+    torch._dynamo.reset()
+    model = make().eval()
+    compiled = torch.compile(model, backend="trifuse", dynamic=True)
+    for i, (batch, seq) in enumerate(sizes):
+        x, lengths = rb.inputs(batch=batch, seq=seq)
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            out = compiled(x, lengths)
+        torch.testing.assert_close(out, model(x, lengths))
+    assert trifuse.report(compiled).counts().get("attention") == 2
+
+
+def _random_model(attention: str) -> torch.nn.Module:
+    return rb.random_model(rb.Spec(attention=attention, dropout=0.0))
+
+
+def _two_norms_and_a_graph_break(x):
+    y = torch.nn.functional.layer_norm(x, x.shape[-1:])
+    torch._dynamo.graph_break()
+    return torch.nn.functional.rms_norm(y.relu(), y.shape[-1:])
+
+
+@needs_ops("layer_norm", "rms_norm")
+def test_report_of_a_compiled_function():
+    torch._dynamo.reset()
+    compiled = torch.compile(_two_norms_and_a_graph_break, backend="trifuse")
+    x = torch.randn(4, 24)
+    torch.testing.assert_close(compiled(x), _two_norms_and_a_graph_break(x))
+    # both graphs, the one after the graph break too, whether asked of the wrapper or the function
+    for target in (compiled, _two_norms_and_a_graph_break):
+        report = trifuse.report(target)
+        assert report.counts() == {"layer_norm": 1, "rms_norm": 1}
+        assert len(report.compiled) == 2 and "layer_norm" in str(report)
+    assert trifuse.report(_double).compiled == []  # a function never compiled: nothing
+    with pytest.raises(TypeError, match=r"trifuse\.report: model must be a torch\.nn\.Module or a function"):
+        trifuse.report(42)
 
 
 def test_graph_breaks_in_user_code():
