@@ -1100,6 +1100,7 @@ def _window_mask_views(graph: fx.Graph) -> None:
         source = _batch_source(scores, batch) if shape[0] == -1 else None
         if shape[0] == -1 and source is None:
             continue
+        mask_heads = 1 if m.shape[2] == 1 else shape[2]  # (decided before the guards go off below)
         with graph.inserting_before(back), _meta_only(m):
             if source is not None:
                 rows = graph.call_method("size", (source, 0))
@@ -1108,7 +1109,7 @@ def _window_mask_views(graph: fx.Graph) -> None:
                 per_node.meta["val"] = per
                 shape = (per_node, *shape[1:])
             # the view's own sizes (nodes of a dynamic capture, or ints), the mask's heads 1 or the view's
-            sizes = (*shape[:2], 1 if m.shape[2] == 1 else shape[2], *shape[3:])
+            sizes = (*shape[:2], mask_heads, *shape[3:])
             tiled = graph.call_method("expand", (mask, sizes))
             tiled.meta["val"] = m.expand(per, windows, m.shape[2], n, k)
             flat = graph.call_method("reshape", (tiled, (-1, *sizes[2:])))
