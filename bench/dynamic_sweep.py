@@ -111,13 +111,13 @@ def run_one(model_type: str, task: str = "causal-lm", backend: str = "trifuse") 
     torch._logging.set_logs(recompiles=True)
     logger = logging.getLogger("torch._dynamo.guards.__recompiles")
     logger.addHandler(handler)
-    handler.why = None
     try:
         graphs1, losses1, replaced = _steps(model, task, backend)
     except Exception as e:  # noqa: BLE001
         return {"status": "FUSED CRASH", "why": f"{type(e).__name__}: {str(e).strip()[:200]}"}
     finally:
         logger.removeHandler(handler)
+        torch._logging.set_logs()  # PyTorch's defaults again (the tests call this in their process)
     err = max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(losses1, losses0))
     status = "RECOMPILES" if graphs1 > graphs0 else "MISMATCH" if not err <= LOSS_RTOL else "ok"
     row = {"status": status, "graphs_eager": graphs0, "graphs_trifuse": graphs1, "loss_rel_err": err,
