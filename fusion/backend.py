@@ -66,27 +66,19 @@ _COMPILED_IN: "WeakIdKeyDictionary[torch.nn.Module | types.FunctionType, list[Ca
 _RUNNABLE: "weakref.WeakSet[Capture]" = weakref.WeakSet()
 
 
-def _calling_modules() -> list[torch.nn.Module]:
-    """The modules whose methods are on the Python stack: Dynamo compiles a frame from inside the
-    call that runs it, so these are the model being compiled and whatever called it."""
-    found: dict[int, torch.nn.Module] = {}
+def _callers() -> list[torch.nn.Module | types.FunctionType]:
+    """What is being compiled, from the Python stack (one walk): Dynamo compiles a frame from
+    inside the call that runs it, so the modules whose methods are on the stack are the model
+    being compiled and whatever called it; and the functions `torch.compile(fn)` wrapped, which
+    Dynamo's wrapper (in its eval_frame.py) holds as `fn`: every frame Dynamo compiles for such a
+    function, the graphs after a graph break among them, is compiled inside that wrapper's call."""
+    found: dict[int, torch.nn.Module | types.FunctionType] = {}
     frame = sys._getframe(1)
     while frame is not None:
         if "self" in frame.f_code.co_varnames[:1]:
             obj = frame.f_locals.get("self")
             if isinstance(obj, torch.nn.Module):
                 found.setdefault(id(obj), obj)
-        frame = frame.f_back
-    return list(found.values())
-
-
-def _compiled_functions() -> list[types.FunctionType]:
-    """The functions `torch.compile(fn)` wrapped whose calls are on the Python stack: Dynamo's
-    wrapper (in its eval_frame.py) holds the function as `fn`, and every frame Dynamo compiles for
-    it, the graphs after a graph break among them, is compiled inside that wrapper's call."""
-    found: dict[int, types.FunctionType] = {}
-    frame = sys._getframe(1)
-    while frame is not None:
         if frame.f_code.co_filename.endswith("eval_frame.py"):
             fn = frame.f_locals.get("fn")
             if isinstance(fn, types.FunctionType):
@@ -130,7 +122,7 @@ def _rewrite(gm: fx.GraphModule, example_inputs: list[Any], backend: str, eager:
     for t in example_inputs:
         if isinstance(t, torch.nn.Parameter):
             _attach(_COMPILED, t, capture)
-    for caller in _calling_modules() + _compiled_functions():
+    for caller in _callers():
         _attach(_COMPILED_IN, caller, capture)
     return work
 
