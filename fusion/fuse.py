@@ -387,7 +387,8 @@ def _visit(module: torch.nn.Module, path: str, patterns, verbose, is_leaf, notes
         FxUnit(module, patterns, verbose, is_leaf).install(module, path or "(model)")
 
 
-_NORM_WORDS = ("layer_norm", "rms_norm", "sqrt", ".var(", "var_mean")  # sqrt: rsqrt and x / sqrt(var + eps)
+# sqrt: rsqrt and x / sqrt(var + eps); norm(: the 2-norm an L2 norm divides by
+_NORM_WORDS = ("layer_norm", "rms_norm", "sqrt", ".var(", "var_mean", "norm(")
 _ATTENTION_WORDS = ("softmax", "Softmax", "scaled_dot_product_attention", "multi_head_attention_forward",
                     "attention_interface", "ALL_ATTENTION_FUNCTIONS")
 

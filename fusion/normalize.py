@@ -20,6 +20,9 @@ rewrites, in place:
   `x.float()` -> `x.to(torch.float32)`, `a @ b` -> `torch.matmul(a, b)`, `x.square()` and
   (x floating point) `x * x` -> `torch.pow(x, 2)`, `x.var(-1, unbiased=False)` and the other
   overloads of `var`/`var_mean` -> `torch.var(x, -1, correction=0, keepdim=False)`,
+  `x.sum(-1, keepdim=True)` -> `torch.sum(x, -1, True, dtype=None)`, the 2-norm over one dim
+  (`x.norm(dim=-1)`, `torch.norm(x, 2, -1)`, `torch.linalg.norm(x, dim=-1)`) ->
+  `torch.linalg.vector_norm(x, 2, -1, False, dtype=None)`,
   `x.unsqueeze(d)`/`torch.unsqueeze(x, dim=d)`/`x[:, :, None]` (whole slices and one None) ->
   `torch.unsqueeze(x, d)`, ...
 - the fields of a (values, indices) result as indices, as Dynamo writes them:
@@ -94,6 +97,10 @@ def _sig_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
 def _sig_softmax(input, dim, dtype=None): ...
 def _sig_f_softmax(input, dim=None, _stacklevel=3, dtype=None): ...
 def _sig_mean(input, dim=None, keepdim=False, *, dtype=None): ...
+def _sig_sum(input, dim=None, keepdim=False, *, dtype=None): ...
+def _sig_torch_norm(input, p="fro", dim=None, keepdim=False, out=None, dtype=None): ...
+def _sig_linalg_norm(input, ord=None, dim=None, keepdim=False, *, out=None, dtype=None): ...
+def _sig_vector_norm(input, ord=2, dim=None, keepdim=False, *, dtype=None, out=None): ...
 def _sig_binary(input, other): ...
 def _sig_pow(input, exponent): ...
 def _sig_unary(input): ...
@@ -134,6 +141,7 @@ _FUNCTIONS: dict[Any, tuple[Callable[..., Any], Callable[..., Any] | None]] = {
     F.softmax: (torch.softmax, _sig_f_softmax),
     torch.softmax: (torch.softmax, _sig_softmax),
     torch.mean: (torch.mean, _sig_mean),
+    torch.sum: (torch.sum, _sig_sum),
     torch.pow: (torch.pow, _sig_pow),
     operator.pow: (torch.pow, _sig_pow),
     torch.where: (torch.where, _sig_where),
@@ -165,6 +173,7 @@ _METHODS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
     "div": (operator.truediv, _sig_div),
     "pow": (torch.pow, _sig_pow),
     "mean": (torch.mean, _sig_mean),
+    "sum": (torch.sum, _sig_sum),
     "softmax": (torch.softmax, _sig_softmax),
     "matmul": (torch.matmul, _sig_binary),
     "repeat_interleave": (torch.repeat_interleave, _sig_repeat_interleave),
@@ -256,6 +265,9 @@ def canonicalize_node(node: fx.Node) -> None:
     if node.target in _VARIANCES:
         _variance(node)
         return
+    if _hashable(node.target) and node.target in _NORMS:
+        _vector_norm(node, *_NORMS[node.target])
+        return
     if _squares(node):
         node.target, node.args, node.kwargs = torch.pow, (node.args[0], 2), {}
         return
@@ -334,6 +346,36 @@ def _variance(node: fx.Node) -> None:
     node.kwargs = {"correction": 1 if correction is None else correction, "keepdim": keepdim}
 
 
+# The norms that are the 2-norm over given dims for some orders: (signature, the order's name).
+_NORMS = {torch.norm: (_sig_torch_norm, "p"), torch.linalg.norm: (_sig_linalg_norm, "ord"),
+          torch.linalg.vector_norm: (_sig_vector_norm, "ord")}
+
+
+def _vector_norm(node: fx.Node, sig: Callable[..., Any], order: str) -> None:
+    """The 2-norm over one dim, `x.norm(dim=-1, keepdim=True)`, `torch.norm(x, 2, -1)`,
+    `torch.linalg.norm(x, dim=[-1])`, `torch.linalg.vector_norm(x, ord=2, dim=-1)`, as one:
+    `torch.linalg.vector_norm(x, 2, dim, keepdim, dtype=dtype)`, dim one dim (what `torch.norm`
+    calls for "fro" and numbers, and `torch.linalg.norm` for one dim). Any other call (another
+    order, several dims or none, an `out`) stays as written."""
+    try:
+        bound = inspect.signature(sig).bind(*node.args, **_numpy_names(node.kwargs))
+    except (TypeError, ValueError):
+        return
+    bound.apply_defaults()
+    a = bound.arguments
+    p, dim = a[order], a["dim"]
+    if isinstance(dim, (list, tuple)) and len(dim) == 1:
+        dim = dim[0]
+    two = (p is None and sig is _sig_linalg_norm) or (p == "fro" and sig is _sig_torch_norm) or \
+        (type(p) in (int, float) and p == 2)
+    # (dim a node: a pattern's wildcard, or a number the graph computes)
+    if not two or not (type(dim) is int or isinstance(dim, fx.Node)) or a["out"] is not None \
+            or type(a["keepdim"]) is not bool:
+        return
+    node.op, node.target = "call_function", torch.linalg.vector_norm
+    node.args, node.kwargs = (a["input"], 2, dim, a["keepdim"]), {"dtype": a["dtype"]}
+
+
 def _numbers_only(node: fx.Node) -> bool:
     """Whether every operand of a Python operator's call is a number (`_is_number`)."""
     return all(_is_number(a) for a in (*node.args, *node.kwargs.values()))
@@ -382,6 +424,8 @@ def _method(node: fx.Node) -> None:
     if name == "var":
         node.op, node.target = "call_function", torch.var
         _variance(node)
+    elif name == "norm":
+        _vector_norm(node, _sig_torch_norm, "p")
     elif name in _METHODS:
         target, sig = _METHODS[name]
         # Only a call that binds becomes the function: `x.div(k, rounding_mode="trunc")` stays the

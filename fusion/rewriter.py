@@ -588,6 +588,28 @@ def _placement_problem(graph: fx.Graph, m: Match, plan: _Plan) -> str | None:
     return None
 
 
+_FACTORIES = ("new_full", "new_zeros", "new_ones", "new_empty")
+
+
+def _factories_at_the_start(graph: fx.Graph, nodes: list[fx.Node]) -> None:
+    """A replacement's constant tensor made on a value's device (`x.new_full(shape, v, dtype=d)`,
+    the scale of an L2 norm made an RMSNorm: patterns/layer_norm.py), made instead on the device
+    of the graph's first input on that device, after the inputs: it then reads no value a later
+    pattern could take in (the sum a residual stream adds before the norm)."""
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    for n in nodes:
+        if not (n.op == "call_method" and n.target in _FACTORIES and "dtype" in n.kwargs
+                and len(n.all_input_nodes) == 1 and isinstance(n.args[0], fx.Node)):
+            continue
+        value = example_value(n.args[0])
+        device = value.device if isinstance(value, torch.Tensor) else None
+        first = next((i for i in inputs if isinstance(example_value(i), torch.Tensor)
+                      and example_value(i).device == device), None)
+        if first is not None:
+            n.replace_input_with(n.args[0], first)
+            inputs[-1].append(n)
+
+
 def _end_placement_problem(graph: fx.Graph, m: Match, plan: _Plan,
                            stand_ins: dict[fx.Node, fx.Node]) -> str | None:
     """Why the replacement cannot go right after the last matched node instead, or None. There it
@@ -704,6 +726,7 @@ def _splice(graph: fx.Graph, m: Match, plan: _Plan, log: RewriteLog,
                     cast.meta["example_value"] = cast.meta["val"] = value.to(dtype)
                 outputs[i] = cast
                 new_nodes.append(cast)
+    _factories_at_the_start(graph, new_nodes)
     placed = where(matched)
     notes = [f"output cast back to {d}" for d in plan.casts if d is not None]
     if at_end:

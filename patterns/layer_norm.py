@@ -27,6 +27,14 @@ the norm without parameters; a weight multiplying such a norm, then a bias added
 after (`*_weight_folded`, `layer_norm_bias_folded`) when each is 1-D over the normalized width
 and in x's dtype, so BERT's `weight * (x - u) / sqrt(s + eps) + bias` of old is one op.
 
+An L2 norm, x over its 2-norm with eps under the root (`x * rsqrt(sum(x^2) + eps)`: the
+l2norm of linear attention's q and k in Qwen3-Next and OLMo-Hybrid, FLA's `x / sqrt(...)`, Dory's
+norms on an fp32 copy) or none (`x / x.norm(dim=-1, keepdim=True)`), is an RMSNorm:
+rms_norm(x, eps / width) / sqrt(width), the 1 / sqrt(width) a constant fp32 weight made in the
+graph (the rewriter makes it at the graph's start, from no value a later pattern takes in); a
+weight after it joins that constant (`l2_norm_weight_folded`). `F.normalize` (eps a floor under
+the norm, `x / max(|x|, eps)`) is no such norm: left as written.
+
 When the weight's dtype differs from the activation's (fp32 master weights, bf16 activations),
 the written-out forms multiply by the weight in the promoted dtype after rounding the normalized
 value to the activation dtype; the replacement then keeps that multiplication apart, so the
@@ -200,6 +208,73 @@ def rms_norm_div_sqrt_no_weight(x: torch.Tensor, eps, dim):
     """RMSNorm as x over the root mean square (`x / sqrt(mean(x^2) + eps)`); a weight after it
     folds in (`rms_norm_weight_folded`)."""
     return x / torch.sqrt(x.pow(2).mean(dim, keepdim=True) + eps)
+
+
+def l2_norm(x: torch.Tensor, eps, dim, *, root="rsqrt"):
+    """x over its 2-norm with eps under the root, `x * rsqrt(sum(x^2) + eps)` (the l2norm of
+    Qwen3-Next's and OLMo-Hybrid's linear attention, VideoPrism's) or `x / sqrt(sum(x^2) + eps)`
+    (FLA's)."""
+    return _over_root(x, x.pow(2).sum(dim, keepdim=True), eps, root)
+
+
+def l2_norm_in_fp32(x: torch.Tensor, eps, dim, dtype, *, root="rsqrt"):
+    """The same on an fp32 copy, cast back (Dory's, nGPT's every norm)."""
+    return l2_norm(x.to(torch.float32), eps, dim, root=root).to(dtype)
+
+
+def l2_norm_no_eps(x: torch.Tensor, dim):
+    """x over its 2-norm, `x / x.norm(dim=-1, keepdim=True)` (CLIP's and its kin's embeddings)."""
+    return x / torch.linalg.vector_norm(x, 2, dim, True)
+
+
+def l2_norm_fused(x, dim, width, moved, restore, scale_dtype, eps=0.0, dtype=None, *, root="rsqrt"):
+    return _over_dim(_l2_norm_as_rms_norm, x, width, moved, restore, eps, scale_dtype)
+
+
+def _l2_norm_as_rms_norm(x, shape, eps, scale_dtype):
+    """x / sqrt(sum(x^2) + eps) over shape = (width,) is the RMSNorm rms_norm(x, eps / width) /
+    sqrt(width): the 1 / sqrt(width) a constant weight in fp32 (fp64 for an fp64 x) that the kernel
+    multiplies in before its one rounding to x's dtype."""
+    width = shape[0]
+    return ops.rms_norm(x, shape, x.new_full(shape, width ** -0.5, dtype=scale_dtype), eps / width)
+
+
+def l2_norm_then_weight(x: torch.Tensor, normalized_shape, scale: torch.Tensor, weight: torch.Tensor, eps):
+    """A weight multiplying an L2 norm made an RMSNorm (`_l2_norm_as_rms_norm`, its constant scale
+    the norm's weight)."""
+    return ops.rms_norm(x, normalized_shape, scale, eps) * weight
+
+
+def l2_norm_weight_folded(x, normalized_shape, scale, weight, eps):
+    return ops.rms_norm(x, normalized_shape, scale * weight, eps)
+
+
+def _l2_scale(m: Match) -> str | None:
+    """The norm's weight is an L2 norm's constant scale (a tensor made in the graph, fp32 or fp64:
+    the weight after it joins it exactly, and the product is rounded once, by the kernel)."""
+    scale = m["scale"]
+    if not (getattr(scale, "op", None) == "call_method" and scale.target == "new_full"):
+        return "the norm's weight is no L2 norm's scale"
+    return None
+
+
+def _static_width(m: Match) -> str | None:
+    """The L2 norm's width is a number: its eps and scale are computed from it (a symbolic width,
+    under `dynamic=True`, would be specialized)."""
+    x, dim = m.value("x"), _single_dim(m["dim"])
+    if isinstance(x, torch.Tensor) and dim is not None and -x.dim() <= dim < x.dim() \
+            and not isinstance(x.shape[dim], int):
+        return f"width {x.shape[dim]} is symbolic"
+    return None
+
+
+def _l2_norm_dim(m: Match) -> dict | None:
+    """`_norm_dim`, and the dtype of the constant scale (`_l2_norm_as_rms_norm`)."""
+    dims = _norm_dim(m)
+    if dims is None:
+        return None
+    x = m.value("x")
+    return {**dims, "scale_dtype": torch.float64 if x.dtype == torch.float64 else torch.float32}
 
 
 def layer_norm_then_weight(x: torch.Tensor, normalized_shape, weight: torch.Tensor, eps):
@@ -517,6 +592,15 @@ PATTERNS = (
             rms_norm_no_weight_fused, ("rms_norm",), (*_RMS_FILTERS, _one_dim), derive=_norm_dim),
     Pattern("rms_norm_div_sqrt_no_weight", "rms_norm", rms_norm_div_sqrt_no_weight, rms_norm_no_weight_fused,
             ("rms_norm",), (*_RMS_FILTERS, _one_dim), derive=_norm_dim),
+    # L2 norms: the fp32 copy's first (the other would take the copy for x, a pass more)
+    *(Pattern(f"l2_norm_{root}{'_in_fp32' if in_fp32 else ''}", "rms_norm",
+              functools.partial(l2_norm_in_fp32 if in_fp32 else l2_norm, root=root),
+              functools.partial(l2_norm_fused, root=root), ("rms_norm",),
+              (*_RMS_FILTERS, _one_dim, _static_width, *((_casts_back_to_input,) if in_fp32 else ())),
+              derive=_l2_norm_dim)
+      for in_fp32 in (True, False) for root in ("rsqrt", "div_sqrt")),
+    Pattern("l2_norm_no_eps", "rms_norm", l2_norm_no_eps, l2_norm_fused, ("rms_norm",),
+            (_one_dim, _static_width), derive=_l2_norm_dim),
     # Before T5's, whose match would leave the cast back apart
     Pattern("rms_norm_t5_cast_back", "rms_norm", rms_norm_t5_cast_back, rms_norm_t5_half_fused, ("rms_norm",),
             (*_RMS_FILTERS, _casts_back_to_input, params_fp32_or_like_input)),
@@ -543,6 +627,8 @@ PATTERNS = (
             ("layer_norm",), (_folds_as_affine("bias"),), quiet=True, folds="bias"),
     Pattern("rms_norm_weight_folded", "rms_norm", rms_norm_then_weight, rms_norm_weight_folded,
             ("rms_norm",), (_folds_as_affine("weight"),), quiet=True, folds="weight"),
+    Pattern("l2_norm_weight_folded", "rms_norm", l2_norm_then_weight, l2_norm_weight_folded, ("rms_norm",),
+            (_l2_scale, _folds_as_affine("weight")), quiet=True, folds="weight"),
     *(Pattern(name, family, functools.partial(search, restore=restore),
               functools.partial(replacement, restore=restore), (family,), (_folds_over_channels(folds),),
               quiet=True, folds=folds)

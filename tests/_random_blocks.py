@@ -18,8 +18,11 @@ from torch import nn
 
 NORMS = ("ln_module", "ln_functional", "ln_no_bias", "ln_written", "rms_module", "rms_written",
          "rms_written_upcast",
+         # L2 norms (eps under the root; nGPT's on an fp32 copy, cast back), a weight after
+         "l2_written", "l2_fp32_copy",
          # near misses
-         "ln_unbiased_var", "rms_eps_outside_sqrt", "rms_mean_over_seq", "ln_no_centering")
+         "ln_unbiased_var", "rms_eps_outside_sqrt", "rms_mean_over_seq", "ln_no_centering",
+         "l2_eps_outside")
 ATTENTIONS = ("sdpa", "sdpa_causal", "sdpa_gqa", "chain_mul", "chain_div", "chain_masked_fill",
               "chain_where", "chain_softmax_fp32", "chain_gqa_repeat_interleave", "chain_gqa_expand",
               # other ranks: 5-D (batch, head pairs, 2, seq, dim), the mask over the 5-D scores
@@ -53,6 +56,7 @@ RESIDUALS = ("plus_dropout", "dropout_plus",
              "minus_dropout", "scaled_residual")
 MASKS = ("none", "bool_keypad", "float_keypad")
 NEAR_MISSES = {"ln_unbiased_var", "rms_eps_outside_sqrt", "rms_mean_over_seq", "ln_no_centering",
+               "l2_eps_outside",
                "chain_scale_after_softmax", "chain_softmax_wrong_axis", "chain_mask_multiplied",
                "chain_no_scale_sqrt_off", "chain_gqa_tiled", "new_gelu_constant_off", "erf_sqrt2_off",
                "gelu_of_half", "relu_cubed",
@@ -98,7 +102,7 @@ class Norm(nn.Module):
             self.rms = nn.RMSNorm(HIDDEN, eps=eps)
         else:
             self.weight = nn.Parameter(1.0 + 0.1 * torch.randn(HIDDEN))
-            if kind not in ("ln_no_bias",) and not kind.startswith("rms"):
+            if kind not in ("ln_no_bias",) and not kind.startswith(("rms", "l2")):
                 self.bias = nn.Parameter(0.1 * torch.randn(HIDDEN))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -121,7 +125,14 @@ class Norm(nn.Module):
             h = x.to(torch.float32)
             h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
             return self.weight * h.to(x.dtype)
+        if k == "l2_written":
+            return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps) * self.weight
+        if k == "l2_fp32_copy":
+            h = x.float()
+            return (h * torch.rsqrt(h.pow(2).sum(-1, keepdim=True) + eps)).type_as(x) * self.weight
         # near misses
+        if k == "l2_eps_outside":
+            return x / (x.norm(dim=-1, keepdim=True) + eps) * self.weight
         if k == "ln_unbiased_var":
             mean = x.mean(-1, keepdim=True)
             return (x - mean) / torch.sqrt(x.var(-1, keepdim=True) + eps) * self.weight + self.bias

@@ -18,8 +18,10 @@ from _hf_norms import (
 )
 from torch import nn
 from transformers.models.deberta.modeling_deberta import DebertaLayerNorm
+from transformers.models.dory.modeling_dory import DoryL2Norm
 from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
 from transformers.models.nanochat.modeling_nanochat import NanoChatRMSNorm
+from transformers.models.qwen3_next.modeling_qwen3_next import l2norm as qwen3_next_l2norm
 from transformers.models.vitdet.modeling_vitdet import VitDetLayerNorm
 
 N = 24
@@ -554,3 +556,117 @@ def test_rms_norm_module_without_eps_keeps_pytorchs_default(dtype, capture):
     larger, which moved these outputs by up to 1.3 before)."""
     report = check_against_unfused(lambda: SmallRowsRMSNorm().to(dtype), (X[0].to(dtype),), capture)
     assert report.counts() == {"rms_norm": 1}
+
+
+# ---------------------------------------------------------------------------------------------
+# L2 norms: x over its 2-norm, eps under the root (`x * rsqrt(sum(x^2) + eps)`) or none, as the
+# RMSNorm they are (eps / width, the 1 / sqrt(width) a constant weight).
+# ---------------------------------------------------------------------------------------------
+
+
+class L2Norm(nn.Module):
+    """The L2 norm as models write it: `spelling` names whose; eps 0.5 (the rows' squared norms
+    are about N), so an eps not rescaled to the mean's would move the outputs by percents."""
+
+    def __init__(self, spelling, eps=0.5):
+        super().__init__()
+        self.spelling, self.eps = spelling, eps
+
+    def forward(self, x):
+        eps = self.eps
+        if self.spelling == "qwen3_next":  # transformers' own l2norm (Qwen3-Next, OLMo-Hybrid)
+            return qwen3_next_l2norm(x, dim=-1, eps=eps)
+        if self.spelling == "fla":
+            return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+        if self.spelling == "pow_method":
+            return x * (x.pow(2).sum(-1, keepdim=True) + eps).rsqrt()
+        if self.spelling == "channels":  # over a map's channels
+            return x * torch.rsqrt(torch.sum(x.square(), dim=1, keepdim=True) + eps)
+        if self.spelling == "norm_method":  # CLIP's embeddings: no eps
+            return x / x.norm(p=2, dim=-1, keepdim=True)
+        if self.spelling == "torch_norm":
+            return x / torch.norm(x, dim=[-1], keepdim=True)
+        return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("spelling, inputs, pattern", [
+    ("qwen3_next", X, "l2_norm_rsqrt"),
+    ("fla", X, "l2_norm_div_sqrt"),
+    ("pow_method", X, "l2_norm_rsqrt"),
+    ("channels", MAP, "l2_norm_rsqrt"),
+    ("norm_method", X, "l2_norm_no_eps"),
+    ("torch_norm", X, "l2_norm_no_eps"),
+    ("vector_norm", X, "l2_norm_no_eps"),
+])
+def test_l2_norms_fuse_as_rms_norms(spelling, inputs, pattern, capture):
+    report = check_against_unfused(lambda: L2Norm(spelling), inputs, capture)
+    assert report.by_pattern() == {pattern: 1}, report.table()
+
+
+def test_l2_norm_of_a_zero_row_is_zero_with_eps():
+    """A zero row: 0 with eps, and the gradient rsqrt(eps) * dy (the eps under the root kept)."""
+    x = X[0].clone()
+    x[1, 2] = 0.0
+    report = check_against_unfused(lambda: L2Norm("qwen3_next", eps=1e-6), (x,), "fx")
+    assert report.by_pattern() == {"l2_norm_rsqrt": 1}
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_l2_norm_on_an_fp32_copy_cast_back_is_the_norm_of_x(capture):
+    """Dory's norm (transformers' own: on an fp32 copy, `type_as(x)`): one op on the fp16 x,
+    rounded once, as the model rounds."""
+    x16 = (torch.randn(3, 5, N).half(),)
+    report = check_against_unfused(DoryL2Norm, x16, capture, grads=False)
+    assert report.by_pattern() == {"l2_norm_rsqrt_in_fp32": 1}
+    report = check_against_unfused(DoryL2Norm, X, capture)
+    assert report.by_pattern() == {"l2_norm_rsqrt_in_fp32": 1}
+
+
+class L2NormBlock(nn.Module):
+    """An L2 norm with a weight after it, of a residual add (nGPT's normalized stream, post-norm),
+    `with_sum`: or of the branch alone, pre-norm style, the weight kept apart."""
+
+    def __init__(self, with_sum=True):
+        super().__init__()
+        self.with_sum = with_sum
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(N))
+
+    def forward(self, x, residual):
+        h = residual + F.dropout(x, 0.1, self.training) if self.with_sum else x
+        return qwen3_next_l2norm(h, eps=0.5) * self.weight
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_l2_norm_takes_the_weight_after_it_and_the_add_before_it(capture):
+    """The weight joins the norm's constant scale, and the add before it the norm (its scale made
+    at the graph's start, so it reads no sum the residual stream takes in)."""
+    inputs = (X[0], torch.randn(3, 5, N))
+    report = check_against_unfused(lambda: L2NormBlock(with_sum=False), inputs, capture)
+    assert report.by_pattern() == {"l2_norm_weight_folded": 1}, report.table()
+    report = check_against_unfused(L2NormBlock, inputs, capture)
+    assert report.counts() == {"residual_stream": 1}, report.table()
+
+
+class NotL2Norm(nn.Module):
+    """Near misses: eps outside the root, a 1-norm, the 2-norm over two dims, F.normalize (eps a
+    floor under the norm: `max(|x|, eps)`, no RMSNorm)."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, x):
+        if self.kind == "eps_outside":
+            return x / (x.norm(dim=-1, keepdim=True) + 1e-6)
+        if self.kind == "one_norm":
+            return x / x.norm(p=1, dim=-1, keepdim=True)
+        if self.kind == "two_dims":
+            return x * torch.rsqrt(x.pow(2).sum((1, 2), keepdim=True) + 1e-6)
+        return F.normalize(x, dim=-1)
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("kind", ["eps_outside", "one_norm", "two_dims", "normalize"])
+def test_near_misses_of_l2_norm_are_not_fused(kind, capture):
+    assert check_against_unfused(lambda: NotL2Norm(kind), X, capture).by_pattern() == {}
