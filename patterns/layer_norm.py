@@ -222,12 +222,16 @@ def l2_norm_in_fp32(x: torch.Tensor, eps, dim, dtype, *, root="rsqrt"):
     return l2_norm(x.to(torch.float32), eps, dim, root=root).to(dtype)
 
 
-def l2_norm_no_eps(x: torch.Tensor, dim):
-    """x over its 2-norm, `x / x.norm(dim=-1, keepdim=True)` (CLIP's and its kin's embeddings)."""
-    return x / torch.linalg.vector_norm(x, 2, dim, True)
+def l2_norm_no_eps(x: torch.Tensor, dim, *, root="vector_norm"):
+    """x over its 2-norm, `x / x.norm(dim=-1, keepdim=True)` (BLIP's, ALIGN's, CLAP's embeddings),
+    or the norm written out, `pow(sum(x^2), 0.5)` (CLIP's `_get_vector_norm`, its kin's) or `sqrt`."""
+    if root == "vector_norm":
+        return x / torch.linalg.vector_norm(x, 2, dim, True)
+    squares = x.pow(2).sum(dim, keepdim=True)
+    return x / (torch.pow(squares, 0.5) if root == "pow_half" else torch.sqrt(squares))
 
 
-def l2_norm_fused(x, dim, width, moved, restore, scale_dtype, eps=0.0, dtype=None, *, root="rsqrt"):
+def l2_norm_fused(x, dim, width, moved, restore, scale_dtype, eps=0.0, dtype=None, *, root=None):
     return _over_dim(_l2_norm_as_rms_norm, x, width, moved, restore, eps, scale_dtype)
 
 
@@ -599,8 +603,10 @@ PATTERNS = (
               (*_RMS_FILTERS, _one_dim, _static_width, *((_casts_back_to_input,) if in_fp32 else ())),
               derive=_l2_norm_dim)
       for in_fp32 in (True, False) for root in ("rsqrt", "div_sqrt")),
-    Pattern("l2_norm_no_eps", "rms_norm", l2_norm_no_eps, l2_norm_fused, ("rms_norm",),
-            (_one_dim, _static_width), derive=_l2_norm_dim),
+    *(Pattern("l2_norm_no_eps" if root == "vector_norm" else f"l2_norm_no_eps_{root}", "rms_norm",
+              functools.partial(l2_norm_no_eps, root=root), l2_norm_fused, ("rms_norm",),
+              (_one_dim, _static_width), derive=_l2_norm_dim)
+      for root in ("vector_norm", "pow_half", "sqrt")),
     # Before T5's, whose match would leave the cast back apart
     Pattern("rms_norm_t5_cast_back", "rms_norm", rms_norm_t5_cast_back, rms_norm_t5_half_fused, ("rms_norm",),
             (*_RMS_FILTERS, _casts_back_to_input, params_fp32_or_like_input)),

@@ -17,6 +17,7 @@ from _hf_norms import (
     T5LayerNorm,
 )
 from torch import nn
+from transformers.models.clip.modeling_clip import _get_vector_norm as clip_vector_norm
 from transformers.models.deberta.modeling_deberta import DebertaLayerNorm
 from transformers.models.dory.modeling_dory import DoryL2Norm
 from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
@@ -586,6 +587,8 @@ class L2Norm(nn.Module):
             return x / x.norm(p=2, dim=-1, keepdim=True)
         if self.spelling == "torch_norm":
             return x / torch.norm(x, dim=[-1], keepdim=True)
+        if self.spelling == "clip":  # transformers' own _get_vector_norm
+            return x / clip_vector_norm(x)
         return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True)
 
 
@@ -597,6 +600,7 @@ class L2Norm(nn.Module):
     ("channels", MAP, "l2_norm_rsqrt"),
     ("norm_method", X, "l2_norm_no_eps"),
     ("torch_norm", X, "l2_norm_no_eps"),
+    ("clip", X, "l2_norm_no_eps_pow_half"),
     ("vector_norm", X, "l2_norm_no_eps"),
 ])
 def test_l2_norms_fuse_as_rms_norms(spelling, inputs, pattern, capture):
