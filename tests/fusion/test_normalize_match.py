@@ -171,6 +171,31 @@ def test_squares_and_variances_take_one_form_and_compute_the_same():
     assert [n.target for n in g.nodes if n.op == "call_function"] == [torch.pow]
 
 
+def test_sums_and_two_norms_over_one_dim_take_one_form_and_compute_the_same():
+    """`x.sum(d, keepdim=True)` is `torch.sum(x, d, True, dtype=None)` (d as written); the 2-norm
+    over one dim in every spelling is `torch.linalg.vector_norm(x, 2, d, keepdim, dtype=None)`.
+    Other norms (a 1-norm, the whole tensor's, a matrix norm over two dims) stay as written."""
+    class Block(nn.Module):
+        def forward(self, x):
+            return (x.sum(-1, keepdim=True), torch.sum(x, dim=[0]), x.sum(),
+                    x.norm(dim=-1, keepdim=True), torch.norm(x, 2, -1, True), x.norm(p="fro", dim=[1]),
+                    torch.linalg.norm(x, dim=-1), torch.linalg.vector_norm(x, ord=2.0, dim=(0,)),
+                    x.norm(p=1, dim=-1), x.norm(), torch.linalg.norm(x, ord=2, dim=(0, 1)))
+
+    x = torch.randn(3, 5)
+    gm = canonicalize(fx.symbolic_trace(Block()))
+    calls = [(target, args, kwargs) for _, target, args, kwargs in _calls(gm)]
+    vector_norm = torch.linalg.vector_norm
+    assert calls[:3] == [(torch.sum, (-1, True), {"dtype": None}), (torch.sum, ([0], False), {"dtype": None}),
+                         (torch.sum, (None, False), {"dtype": None})]
+    assert calls[3:8] == [(vector_norm, (2, -1, True), {"dtype": None})] * 2 + [
+        (vector_norm, (2, 1, False), {"dtype": None}), (vector_norm, (2, -1, False), {"dtype": None}),
+        (vector_norm, (2, 0, False), {"dtype": None})]
+    assert calls[8][0] == "norm" and calls[9][0] == "norm" and calls[10][0] is torch.linalg.norm
+    for got, want in zip(gm(x), Block()(x)):
+        assert torch.equal(got, want)
+
+
 def test_view_arguments_and_transposes_are_canonical():
     g1 = trace_function(lambda x: x.view(2, -1).transpose(-1, -2))
     g2 = trace_function(lambda x: x.view((2, -1)).transpose(-2, -1))
