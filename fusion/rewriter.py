@@ -602,9 +602,11 @@ def _factories_at_the_start(graph: fx.Graph, nodes: list[fx.Node]) -> None:
                 and len(n.all_input_nodes) == 1 and isinstance(n.args[0], fx.Node)):
             continue
         value = example_value(n.args[0])
-        device = value.device if isinstance(value, torch.Tensor) else None
-        first = next((i for i in inputs if isinstance(example_value(i), torch.Tensor)
-                      and example_value(i).device == device), None)
+        if not isinstance(value, torch.Tensor):
+            continue
+        # (of the same type too: a DTensor's factory makes a DTensor, a plain tensor's a tensor)
+        first = next((i for i in inputs if type(example_value(i)) is type(value)
+                      and example_value(i).device == value.device), None)
         if first is not None:
             n.replace_input_with(n.args[0], first)
             inputs[-1].append(n)
