@@ -674,3 +674,11 @@ class NotL2Norm(nn.Module):
 @pytest.mark.parametrize("kind", ["eps_outside", "one_norm", "two_dims", "normalize"])
 def test_near_misses_of_l2_norm_are_not_fused(kind, capture):
     assert check_against_unfused(lambda: NotL2Norm(kind), X, capture).by_pattern() == {}
+
+
+def test_l2_norm_over_a_symbolic_width_stays_with_a_reason():
+    """Under `dynamic=True` an L2 norm of a model input has a symbolic width, from which its eps
+    and scale would be computed (specializing it): left as written, and the report says why."""
+    report = check_against_unfused(lambda: L2Norm("qwen3_next"), X, "compile", dynamic=True)
+    assert report.counts() == {}
+    assert any("is symbolic" in reason for *_, reason in report.rejected()), report.table()
