@@ -133,11 +133,26 @@ def rms_norm_ref(
     weight: torch.Tensor | None = None,
     eps: float | None = None,
     residual: torch.Tensor | None = None,
+    clamp_eps: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm in plain PyTorch, as `rms_norm` (eps None: PyTorch's default, `default_rms_eps`)."""
+    """RMSNorm in plain PyTorch, as `rms_norm` (eps None: PyTorch's default, `default_rms_eps`);
+    with clamp_eps (no residual), x / max(rms(x), eps) * weight, in fp32 at least."""
     if eps is None:
         eps = default_rms_eps(x.dtype)
+    if clamp_eps:
+        n = math.prod(normalized_shape)
+        acc = torch.promote_types(x.dtype, torch.float32)
+        w = None if weight is None else weight.to(acc).reshape(n)
+        return _rms_norm_clamped(x.to(acc).reshape(-1, n), w, eps).reshape(x.shape).to(x.dtype)
     return layer_norm_ref(x, normalized_shape, weight, None, eps, residual, is_rms_norm=True)
+
+
+def _rms_norm_clamped(rows: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """rows / max(rms, eps) * weight: F.normalize's arithmetic (the 2-norm, whose gradient is 0 at
+    0, then a clamp) in rms units, differentiable twice."""
+    rms = torch.linalg.vector_norm(rows, 2, -1, True) * rows.shape[-1] ** -0.5
+    y = rows / rms.clamp_min(eps)
+    return y if weight is None else y * weight
 
 
 def _norm_mixed(s, normalized_shape, weight, bias, eps, is_rms_norm):
@@ -169,6 +184,21 @@ def _div(total, N, ACC: tl.constexpr):
         return total / N
     else:
         return tl.math.div_rn(total, N * 1.0)
+
+
+@triton.jit
+def _rms_rstd(mean_square, eps, CLAMP_EPS: tl.constexpr):
+    """(rstd, the rstd to store) of an RMSNorm row: 1 / sqrt(mean_square + eps), or with CLAMP_EPS
+    1 / max(rms, eps) (`F.normalize`'s floor on the norm, in rms units). A floored row's rstd is
+    stored negated: the backward's sign that its rms had no gradient (no projection term)."""
+    if CLAMP_EPS:
+        rms = tl.sqrt(mean_square)
+        floored = rms < eps
+        rstd = 1.0 / tl.where(floored, eps, rms)
+        return rstd, tl.where(floored, -rstd, rstd)
+    else:
+        rstd = 1.0 / tl.sqrt(mean_square + eps)
+        return rstd, rstd
 
 
 @triton.jit
@@ -235,6 +265,7 @@ def _layer_norm_fwd_kernel(
     HAS_DROPOUT: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, STORE_S: tl.constexpr,
     HAS_POST: tl.constexpr, ACC: tl.constexpr, STORE_Y2: tl.constexpr, GROUPED: tl.constexpr = False,
     HAS_GATE: tl.constexpr = False,
+    CLAMP_EPS: tl.constexpr = False,  # RMSNorm's rstd = 1 / max(rms, eps) (_rms_rstd)
 ):
     # int64 rows: row * stride may pass 2^31
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -260,13 +291,14 @@ def _layer_norm_fwd_kernel(
         if IS_RMS_NORM:
             mean = tl.zeros([BLOCK_M], dtype=ACC)
             d = s
-            rstd = 1.0 / tl.sqrt(_div(tl.sum(d * d, axis=1), N, ACC) + eps)
+            rstd, rstd_stored = _rms_rstd(_div(tl.sum(d * d, axis=1), N, ACC), eps, CLAMP_EPS)
         else:
             mean = _div(tl.sum(s, axis=1), N, ACC)
             d = tl.where(mask, s - mean[:, None], 0.0)
             shift, var = _corrected_moments(tl.sum(d, axis=1), tl.sum(d * d, axis=1), N, ACC)
             mean += shift
             rstd = 1.0 / tl.sqrt(var + eps)
+            rstd_stored = rstd
             d -= shift[:, None]
         y = d * rstd[:, None]
         if HAS_W:
@@ -310,10 +342,11 @@ def _layer_norm_fwd_kernel(
                 acc_d += d
         if IS_RMS_NORM:
             shift = tl.zeros([BLOCK_M], dtype=ACC)
-            rstd = 1.0 / tl.sqrt(_div(tl.sum(acc, axis=1), N, ACC) + eps)
+            rstd, rstd_stored = _rms_rstd(_div(tl.sum(acc, axis=1), N, ACC), eps, CLAMP_EPS)
         else:
             shift, var = _corrected_moments(tl.sum(acc_d, axis=1), tl.sum(acc, axis=1), N, ACC)
             rstd = 1.0 / tl.sqrt(var + eps)
+            rstd_stored = rstd
         # Pass 3: normalize.
         for start in range(0, N, BLOCK_N):
             cols = start + offs
@@ -335,7 +368,7 @@ def _layer_norm_fwd_kernel(
 
     if not IS_RMS_NORM:
         tl.store(MEAN + rows, mean, mask=row_mask)
-    tl.store(RSTD + rows, rstd, mask=row_mask)
+    tl.store(RSTD + rows, rstd_stored, mask=row_mask)
 
 
 @triton.jit
@@ -373,6 +406,7 @@ def _xhat_and_ds(d, g, shift, c1, c2, rstd, mask, IS_RMS_NORM: tl.constexpr):
     """xhat = (d - shift) rstd (0 where masked) and ds = rstd (g - xhat c1 - c2), shift and c2
     absent for RMSNorm."""
     if IS_RMS_NORM:
+        rstd = tl.abs(rstd)  # (negated where floored: _rms_rstd)
         xhat = tl.where(mask, d * rstd[:, None], 0.0)
         return xhat, (g - xhat * c1[:, None]) * rstd[:, None]
     else:
@@ -384,9 +418,10 @@ def _xhat_and_ds(d, g, shift, c1, c2, rstd, mask, IS_RMS_NORM: tl.constexpr):
 def _row_constants(sum_d, sum_dg, sum_g, rstd, N, IS_RMS_NORM: tl.constexpr, ACC: tl.constexpr):
     """(shift, c1, c2) from a row's sums of d, d g and g: shift = mean(d), c1 = mean(xhat g) =
     rstd (mean(d g) - shift mean(g)), c2 = mean(g); for RMSNorm c1 = rstd mean(d g) alone (the
-    other two are its unused sums, passed through)."""
+    other two are its unused sums, passed through), 0 where rstd is stored negated (floored)."""
     if IS_RMS_NORM:
-        return sum_d, _div(sum_dg, N, ACC) * rstd, sum_g
+        # rstd < 0: a floored row (_rms_rstd), whose rms had no gradient
+        return sum_d, tl.where(rstd < 0, 0.0, _div(sum_dg, N, ACC) * rstd), sum_g
     else:
         shift = _div(sum_d, N, ACC)
         c2 = _div(sum_g, N, ACC)
@@ -758,6 +793,7 @@ def layer_norm_fwd(
     y2_dtype: torch.dtype | None = None,
     rows_per_group: int | None = None,
     gate: torch.Tensor | None = None,
+    clamp_eps: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """Normalizes the last `n` features of `x`. Returns (y, s, mean, rstd): y and s shaped like
     x (s is x itself unless store_s), mean and rstd (rows,) in fp32 (mean empty for RMSNorm),
@@ -767,7 +803,11 @@ def layer_norm_fwd(
     second time in that dtype, returned fifth. With rows_per_group (Triton only), weight and bias
     are (G, n), contiguous, each group of rows_per_group consecutive rows reading its own row.
     A gate (Triton only; no dropout, no x_bias; (n,), or (G, n) with rows_per_group, contiguous)
-    multiplies x before the residual is added: s = residual + gate * x."""
+    multiplies x before the residual is added: s = residual + gate * x. With clamp_eps (RMSNorm
+    only), rstd = 1 / max(rms, eps), F.normalize's floor in rms units, and a floored row's rstd is
+    returned negated (the backward drops its projection term; `_rms_rstd`)."""
+    if clamp_eps and not is_rms_norm:
+        raise ValueError("trifuse.layer_norm_fwd: clamp_eps is RMSNorm's alone")
     other = residual if residual is not None else post
     dtype = x.dtype if other is None else torch.promote_types(x.dtype, other.dtype)
     weight, bias, x_bias, gate = _flat(weight), _flat(bias), _flat(x_bias), _flat(gate)
@@ -785,7 +825,7 @@ def layer_norm_fwd(
         raise ValueError("trifuse.layer_norm_fwd: a gate runs on Triton only, without dropout or x_bias")
     if not use_triton(x):
         y, s, mean_t, rstd_t = _norm_fwd_torch(x, n, weight, bias, eps, is_rms_norm, residual, x_bias, p, seed,
-                                               store_s, post)
+                                               store_s, post, clamp_eps)
         rstd.view(-1).copy_(rstd_t)
         if not is_rms_norm:
             mean.view(-1).copy_(mean_t)
@@ -811,7 +851,7 @@ def layer_norm_fwd(
     residual_kind = "post" if post is not None else residual is not None
     key = (device, dtype, m, n, is_rms_norm, residual_kind, x_bias is not None, has_dropout,
            weight is not None, bias is not None, store_s, y2 is not None, rows_per_group is not None,
-           gate is not None)
+           gate is not None, clamp_eps)
     out = (y, s, mean, rstd) if y2 is None else (y, s, mean, rstd, y2)
     plan = _FWD_PLANS.get(key)
     if plan is not None:
@@ -820,7 +860,8 @@ def layer_norm_fwd(
     constexprs = dict(IS_RMS_NORM=is_rms_norm, HAS_RESIDUAL=residual is not None, HAS_X_BIAS=x_bias is not None,
                       HAS_DROPOUT=has_dropout, HAS_W=weight is not None, HAS_B=bias is not None,
                       STORE_S=store_s, HAS_POST=post is not None, ACC=acc_dtype(dtype),
-                      STORE_Y2=y2 is not None, GROUPED=rows_per_group is not None, HAS_GATE=gate is not None)
+                      STORE_Y2=y2 is not None, GROUPED=rows_per_group is not None, HAS_GATE=gate is not None,
+                      CLAMP_EPS=clamp_eps)
     tuning_key = (device, dtype, n, pow2_bucket(m), is_rms_norm, residual_kind, has_dropout, store_s)
     cfg = _FWD_TUNER.config(tuning_key, _fwd_launch, m, n, constexprs, args)
     plan = _fwd_plan(cfg, m, n, constexprs)
@@ -945,7 +986,8 @@ def _torch_keep_mask(seed: torch.Tensor, shape: torch.Size, p: float) -> torch.T
     return torch.rand(shape, generator=gen, device=gen.device) >= p
 
 
-def _norm_fwd_torch(x, n, weight, bias, eps, is_rms_norm, residual, x_bias, p, seed, store_s, post=None):
+def _norm_fwd_torch(x, n, weight, bias, eps, is_rms_norm, residual, x_bias, p, seed, store_s, post=None,
+                    clamp_eps=False):
     other = residual if residual is not None else post
     dtype = x.dtype if other is None else torch.promote_types(x.dtype, other.dtype)
     acc = torch.float64 if dtype == torch.float64 else torch.float32
@@ -965,8 +1007,15 @@ def _norm_fwd_torch(x, n, weight, bias, eps, is_rms_norm, residual, x_bias, p, s
         mean = s2.mean(dim=1)  # rounding loses, as a correction of the centred values
         d = s2 - mean[:, None]
         d = d - d.mean(dim=1, keepdim=True)
-    rstd = torch.rsqrt(d.square().mean(dim=1) + eps)
+    if clamp_eps:  # as _rms_rstd: 1 / max(rms, eps), negated where floored
+        rms = d.square().mean(dim=1).sqrt()
+        floored = rms < eps
+        rstd = 1.0 / torch.where(floored, eps, rms)
+    else:
+        rstd = torch.rsqrt(d.square().mean(dim=1) + eps)
     y = d * rstd[:, None]
+    if clamp_eps:
+        rstd = torch.where(floored, -rstd, rstd)
     if weight is not None:
         y = y * weight.reshape(-1).to(acc)
     if bias is not None:
@@ -981,13 +1030,18 @@ def _norm_bwd_torch(dy, s, n, weight, mean, rstd, is_rms_norm, ds, p, seed, stor
     acc = mean.dtype if mean.numel() else rstd.dtype
     s2 = s.reshape(-1, n).to(acc)
     dy2 = dy.reshape(-1, n).to(acc)
+    floored = None
     if is_rms_norm:
+        floored = rstd[:, None] < 0  # negated where floored (_rms_rstd): no projection term
+        rstd = rstd.abs()
         xhat = s2 * rstd[:, None]
     else:  # the saved mean corrected as the forward's
         d = s2 - mean[:, None].to(acc)
         xhat = (d - d.mean(dim=1, keepdim=True)) * rstd[:, None]
     g = dy2 * weight.reshape(-1).to(acc) if weight is not None else dy2
     c1 = (xhat * g).mean(dim=1, keepdim=True)
+    if floored is not None:
+        c1 = torch.where(floored, 0.0, c1)
     c2 = 0.0 if is_rms_norm else g.mean(dim=1, keepdim=True)
     grad_s = (g - xhat * c1 - c2) * rstd[:, None]
     if ds is not None:
@@ -1096,10 +1150,11 @@ def _layer_norm_op(x: Tensor, normalized_shape: list[int], weight: OptTensor, bi
 
 @torch.library.custom_op("trifuse::rms_norm", mutates_args=())
 def _rms_norm_op(x: Tensor, normalized_shape: list[int], weight: OptTensor, eps: float,
-                 out_dtype: torch.dtype | None = None, full_y: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                 out_dtype: torch.dtype | None = None, full_y: bool = False,
+                 clamp_eps: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     n = _check_norm_inputs("rms_norm", x, normalized_shape, weight, None, eps)
     narrowing = _narrowing("rms_norm", out_dtype, full_y)
-    out = layer_norm_fwd(x, n, weight, None, eps, is_rms_norm=True,
+    out = layer_norm_fwd(x, n, weight, None, eps, is_rms_norm=True, clamp_eps=clamp_eps,
                          stats_shape=_stats_shape(x, len(normalized_shape)), **narrowing)
     return out[0], out[3], _y_narrow(x, out)
 
@@ -1197,7 +1252,7 @@ def _(x, normalized_shape, weight, bias, eps, out_dtype=None, full_y=False):
 
 
 @_rms_norm_op.register_fake
-def _(x, normalized_shape, weight, eps, out_dtype=None, full_y=False):
+def _(x, normalized_shape, weight, eps, out_dtype=None, full_y=False, clamp_eps=False):
     _check_norm_inputs("rms_norm", x, normalized_shape, weight, None, eps)
     y, y_narrow = _fake_ys("rms_norm", x, x.dtype, out_dtype, full_y)
     return y, x.new_empty(_stats_shape(x, len(normalized_shape)), dtype=_stat_dtype(x)), y_narrow
@@ -1283,6 +1338,7 @@ def _setup_plain(ctx, inputs, output, is_rms_norm):
     ctx.normalized_shape, ctx.is_rms_norm = normalized_shape, is_rms_norm
     ctx.eps = inputs[3 if is_rms_norm else 4]
     ctx.full_y = _full_y(inputs, 5 if is_rms_norm else 6)
+    ctx.clamp_eps = is_rms_norm and _full_y(inputs, 6)  # (rms_norm's clamp_eps, a bool after full_y)
     ctx.needs = ctx.needs_input_grad
     # Unused outputs' gradients arrive as None, not as zeros autograd would make as plain
     # tensors (which a DTensor op refuses beside DTensors, and which cost a pass to read).
@@ -1328,25 +1384,25 @@ def _width_of(ctx) -> int:
 
 def _plain_twice(ctx, dy, *rest):
     """For layer_norm (x, normalized_shape, weight, bias, eps, out_dtype, full_y) and rms_norm (no
-    bias); rest: the statistics' gradients, then y_narrow's."""
+    bias, clamp_eps after full_y); rest: the statistics' gradients, then y_narrow's."""
     x, weight, bias, mean, rstd = ctx.saved_tensors
     needs = ctx.needs_input_grad
     view = ctx_as(ctx, (needs[0], False, False, needs[2], not ctx.is_rms_norm and needs[3]),
                   saved_tensors=(x, weight, bias, None, mean, rstd, None), fused=False, residual_dtype=None,
                   p=0.0, outputs=2, n=_width_of(ctx), eps=ctx.eps, is_rms_norm=ctx.is_rms_norm,
-                  x_dtype=x.dtype)
+                  x_dtype=x.dtype, clamp_eps=ctx.clamp_eps)
     dx, _, _, dw, db, *_ = _norm_twice(view, dy, _dy_narrow(ctx, rest))
-    return (dx, None, dw, None, None, None) if ctx.is_rms_norm else (dx, None, dw, db, None, None, None)
+    return (dx, None, dw, None, None, None, None) if ctx.is_rms_norm else (dx, None, dw, db, None, None, None)
 
 
 @single_backward(twice=_plain_twice, op="layer_norm (or rms_norm)")
 def _backward_plain(ctx, dy, *rest):
     dy_narrow = _dy_narrow(ctx, rest)  # after the statistics' gradients
     if dy is None and dy_narrow is None:
-        return (None,) * (6 if ctx.is_rms_norm else 7)
-    dx, dw, db = _norm_grads(ctx, dy, dy_narrow)  # (out_dtype's and full_y's gradients: None)
+        return (None,) * 7
+    dx, dw, db = _norm_grads(ctx, dy, dy_narrow)  # (out_dtype's, full_y's, clamp_eps's gradients: None)
     if ctx.is_rms_norm:
-        return dx, None, dw, None, None, None
+        return dx, None, dw, None, None, None, None
     return dx, None, dw, db, None, None, None
 
 
@@ -1458,12 +1514,14 @@ for _name, _backward, _setup, _is_rms in (
 # =============================================================================================
 
 
-def _norm_rows(s, weight, bias, n, eps, is_rms_norm):
+def _norm_rows(s, weight, bias, n, eps, is_rms_norm, clamp_eps=False):
     """The norm over s's rows of width n in PyTorch ops, fp32 (fp64 for fp64), shaped like s."""
     acc = torch.float64 if s.dtype == torch.float64 else torch.float32
     rows = s.to(acc).reshape(-1, n)
     w = None if weight is None else weight.to(acc).reshape(n)
-    if is_rms_norm:
+    if clamp_eps:
+        y = _rms_norm_clamped(rows, w, eps)
+    elif is_rms_norm:
         y = F.rms_norm(rows, (n,), w, eps)
     else:
         y = F.layer_norm(rows, (n,), w, None if bias is None else bias.to(acc).reshape(n), eps)
@@ -1487,11 +1545,13 @@ def _norm_twice(ctx, *grads):
         acc = torch.float64 if s.dtype == torch.float64 else torch.float32
         dy = functools.reduce(torch.add, (g.to(acc) for g in dys))
         ds_norm, dw, db = reference_grads(
-            lambda s, w, b: _norm_rows(s, w, b, ctx.n, ctx.eps, ctx.is_rms_norm), (s, weight, bias),
+            lambda s, w, b: _norm_rows(s, w, b, ctx.n, ctx.eps, ctx.is_rms_norm,
+                                       getattr(ctx, "clamp_eps", False)),
+            (s, weight, bias),
             (needs[0] or needs[1] or needs[2], needs[3], needs[4]), (dy,))
     ds = ds_norm if ds is None else ds if ds_norm is None else ds_norm + ds
     if ds is None:
-        return (None,) * 12
+        return (None,) * 13
     dz = ds  # the gradient of dropout(x + x_bias)'s input
     if ctx.p > 0.0 and (needs[0] or needs[2]):
         from .dropout_add import _DropoutMask
@@ -1502,22 +1562,23 @@ def _norm_twice(ctx, *grads):
         dxb = dz.reshape(-1, ctx.n).sum(0).reshape(x_bias.shape).to(x_bias.dtype)
     return (cast(dz, ctx.x_dtype) if needs[0] else None,
             cast(ds, ctx.residual_dtype) if needs[1] else None,
-            dxb, dw, db, *(None,) * 7)
+            dxb, dw, db, *(None,) * 8)
 
 
 class _NormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, residual, x_bias, weight, bias, n, eps, p, is_rms_norm, fused, op_name, narrowing):
+    def forward(ctx, x, residual, x_bias, weight, bias, n, eps, p, is_rms_norm, fused, op_name, narrowing,
+                clamp_eps=False):
         # narrowing: None, or (out_dtype, readers, full_y) (one argument: each costs apply ~0.25 µs)
         out_dtype, readers, full_y = narrowing or (None, 1, False)
         seed = philox_seed(x.device) if p > 0.0 else None
         out = layer_norm_fwd(x, n, weight, bias, eps, is_rms_norm=is_rms_norm, residual=residual,
-                             x_bias=x_bias, p=p, seed=seed, store_s=fused,
+                             x_bias=x_bias, p=p, seed=seed, store_s=fused, clamp_eps=clamp_eps,
                              out_dtype=None if full_y else out_dtype, y2_dtype=out_dtype if full_y else None)
         y, s, mean, rstd = out[0], out[1], out[2], out[3]
         ctx.save_for_backward(s, weight, bias, x_bias, mean, rstd, seed)
         ctx.n, ctx.p, ctx.is_rms_norm, ctx.op_name = n, p, is_rms_norm, f"trifuse::{op_name}"
-        ctx.eps, ctx.fused = eps, fused
+        ctx.eps, ctx.fused, ctx.clamp_eps = eps, fused, clamp_eps
         ctx.x_dtype = x.dtype
         ctx.residual_dtype = residual.dtype if residual is not None else None
         if readers == 1 and not full_y:
@@ -1546,7 +1607,7 @@ class _NormFunction(torch.autograd.Function):
         if dy is None or any(g is None for g in more_dy):  # the fused form: unread outputs come as None
             if dy is None and all(g is None for g in more_dy):
                 if ds is None:
-                    return (None,) * 12
+                    return (None,) * 13
                 # y unread: weight and bias reach the loss through nothing, so their gradients
                 # are None as unfused (zeros would be decayed and stepped by an optimizer)
                 needs = needs[:3] + (False, False) + needs[5:]
@@ -1573,7 +1634,7 @@ class _NormFunction(torch.autograd.Function):
             _grad_as(dxb, x_bias) if needs[2] else None,
             _grad_as(dw, weight) if needs[3] else None,
             _grad_as(db, bias) if needs[4] else None,
-            None, None, None, None, None, None, None,
+            None, None, None, None, None, None, None, None,
         )
 
 
@@ -1977,7 +2038,7 @@ def _norm(op_name, x, normalized_shape, weight, bias, eps, residual, is_rms_norm
 
 
 def _norm_kernels(op_name, x, normalized_shape, weight, bias, eps, residual, is_rms_norm, p=0.0, x_bias=None,
-                  out_dtype=None, readers=1, full_y=False):
+                  out_dtype=None, readers=1, full_y=False, clamp_eps=False):
     normalized_shape = _shape_list(op_name, normalized_shape)
     fused = residual is not None or p > 0.0 or x_bias is not None
     check_tensor(op_name, "input", x)
@@ -1989,7 +2050,7 @@ def _norm_kernels(op_name, x, normalized_shape, weight, bias, eps, residual, is_
         n = _check_norm_inputs(op_name, x, normalized_shape, weight, bias, eps, residual, x_bias, p)
         with profiled(f"trifuse::{op_name}"):
             out = apply_function(_NormFunction, x, residual, x_bias, weight, bias, n, eps, p, is_rms_norm,
-                                 fused, op_name, narrowing)
+                                 fused, op_name, narrowing, *((True,) if clamp_eps else ()))
         outputs = readers + full_y
         return ((out[:outputs], out[outputs]) if fused else out) if outputs > 1 else out
     for name, t in (("weight", weight), ("bias", bias), ("residual", residual), ("x_bias", x_bias)):
@@ -2015,7 +2076,9 @@ def _norm_kernels(op_name, x, normalized_shape, weight, bias, eps, residual, is_
                 x, residual, normalized_shape, weight, bias, eps, p, x_bias, *narrow)
         return _traced_ys(out, narrow, out_dtype, readers, full_y), out[1]
     if is_rms_norm:
-        out = torch.ops.trifuse.rms_norm(x, normalized_shape, weight, eps, *narrow)
+        # clamp_eps after (out_dtype, full_y), positional: DTensor's rule takes them so
+        clamped = (*narrow, *(None, False)[len(narrow):], True) if clamp_eps else narrow
+        out = torch.ops.trifuse.rms_norm(x, normalized_shape, weight, eps, *clamped)
     else:
         out = torch.ops.trifuse.layer_norm(x, normalized_shape, weight, bias, eps, *narrow)
     return _traced_ys(out, narrow, out_dtype, readers, full_y)
@@ -2136,6 +2199,7 @@ def rms_norm(
     out_dtype: torch.dtype | None = None,
     readers: int = 1,
     full_y: bool = False,
+    clamp_eps: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """RMSNorm, like `F.rms_norm` (eps None: the epsilon of the dtype PyTorch computes in, fp32's
     for 16-bit x, as `torch.rms_norm` does; `default_rms_eps`).
@@ -2145,9 +2209,23 @@ def rms_norm(
     without a residual, eager calls run trifuse's kernels or F.rms_norm, whichever the `rms_norm`
     dialect measured faster (`trifuse.autotune.dialects.explain("rms_norm", x, ...)` says which
     and why).
+
+    With `clamp_eps` (no residual), eps floors the root mean square instead:
+    y = x / max(rms(x), eps) * weight, with no gradient through a floored rms. That is
+    `F.normalize(x, dim=-1, eps=e)` over a width n as `rms_norm(x, n, n ** -0.5 * ones, e / n ** 0.5,
+    clamp_eps=True)`. Always trifuse's kernels (PyTorch has no such RMSNorm).
     """
     if eps is None:
         eps = default_rms_eps(x.dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else 1e-6
+    if not isinstance(clamp_eps, bool):
+        raise TypeError(f"trifuse.rms_norm: clamp_eps must be a bool, got {clamp_eps!r}")
+    if clamp_eps:
+        if residual is not None:
+            raise ValueError("trifuse.rms_norm: clamp_eps takes no residual (the residual stream adds eps)")
+        if out_dtype is not None or readers != 1 or full_y:
+            _check_narrowing("rms_norm", out_dtype, readers, full_y)
+        return _norm_kernels("rms_norm", x, normalized_shape, weight, None, eps, None, True,
+                             out_dtype=out_dtype, readers=readers, full_y=full_y, clamp_eps=True)
     if residual is not None:
         return _norm("dropout_add_rms_norm", x, normalized_shape, weight, None, eps, residual,
                      is_rms_norm=True, out_dtype=out_dtype, readers=readers, full_y=full_y)

@@ -143,7 +143,8 @@ def register() -> bool:
 
     ops = torch.ops.trifuse
 
-    # (out_dtype, full_y, dx_dtype, dy_narrow: where the call passes them)
+    # (out_dtype, full_y, dx_dtype, dy_narrow: where the call passes them; rms_norm's clamp_eps after
+    # its full_y, a bool like it)
     def _y_narrow(x, narrowing):
         """The forward ops' last output: like x with full_y, else empty (Replicate)."""
         return x if len(narrowing) > 1 and narrowing[1] else _EMPTY

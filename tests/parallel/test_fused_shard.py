@@ -178,6 +178,8 @@ def ops_on_sequence_shards(rank, size):
     # Registered ops (DTensors never take the eager fast path); the residual forms return (y, s).
     run(lambda t: trifuse.ops.layer_norm(t["x"], 16, t["w"], t["b"]), "layer_norm")
     run(lambda t: trifuse.ops.rms_norm(t["x"], 16, t["w"], 1e-6), "rms_norm")
+    # (eps 1.0 floors about half the rows' rms)
+    run(lambda t: trifuse.ops.rms_norm(t["x"], 16, t["w"], 1.0, clamp_eps=True), "rms_norm_clamped")
     run(lambda t: sum(trifuse.ops.layer_norm(t["x"], 16, t["w"], t["b"], residual=t["r"])), "add_layer_norm")
     run(lambda t: sum(trifuse.ops.rms_norm(t["x"], 16, t["w"], 1e-6, residual=t["r"])), "add_rms_norm")
     run(lambda t: trifuse.ops.layer_norm_add(t["x"], t["r"], 16, t["w"], t["b"]), "layer_norm_add")
