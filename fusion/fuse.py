@@ -387,8 +387,8 @@ def _visit(module: torch.nn.Module, path: str, patterns, verbose, is_leaf, notes
         FxUnit(module, patterns, verbose, is_leaf).install(module, path or "(model)")
 
 
-# sqrt: rsqrt and x / sqrt(var + eps); norm(: the 2-norm an L2 norm divides by
-_NORM_WORDS = ("layer_norm", "rms_norm", "sqrt", ".var(", "var_mean", "norm(")
+# sqrt: rsqrt and x / sqrt(var + eps); norm(: the 2-norm an L2 norm divides by; normalize(: F.normalize
+_NORM_WORDS = ("layer_norm", "rms_norm", "sqrt", ".var(", "var_mean", "norm(", "normalize(")
 _ATTENTION_WORDS = ("softmax", "Softmax", "scaled_dot_product_attention", "multi_head_attention_forward",
                     "attention_interface", "ALL_ATTENTION_FUNCTIONS")
 

@@ -22,7 +22,8 @@ rewrites, in place:
   overloads of `var`/`var_mean` -> `torch.var(x, -1, correction=0, keepdim=False)`,
   `x.sum(-1, keepdim=True)` -> `torch.sum(x, -1, True, dtype=None)`, the 2-norm over one dim
   (`x.norm(dim=-1)`, `torch.norm(x, 2, -1)`, `torch.linalg.norm(x, dim=-1)`) ->
-  `torch.linalg.vector_norm(x, 2, -1, False, dtype=None)`,
+  `torch.linalg.vector_norm(x, 2, -1, False, dtype=None)`, a clamp from below alone
+  (`x.clamp(min=e)`, `torch.clamp(x, e)`, `x.clip(min=e)`, `x.clamp_min(e)`) -> `torch.clamp_min(x, e)`,
   `x.unsqueeze(d)`/`torch.unsqueeze(x, dim=d)`/`x[:, :, None]` (whole slices and one None) ->
   `torch.unsqueeze(x, d)`, ...
 - the fields of a (values, indices) result as indices, as Dynamo writes them:
@@ -117,6 +118,8 @@ def _sig_cat(tensors, dim=0): ...
 def _sig_stack(tensors, dim=0): ...
 def _sig_logsumexp(input, dim, keepdim=False): ...
 def _sig_unsqueeze(input, dim): ...
+def _sig_clamp(input, min=None, max=None): ...
+def _sig_clamp_min(input, min): ...
 def _sig_cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
                        reduction="mean", label_smoothing=0.0): ...
 
@@ -156,6 +159,9 @@ _FUNCTIONS: dict[Any, tuple[Callable[..., Any], Callable[..., Any] | None]] = {
     torch.stack: (torch.stack, _sig_stack),
     torch.logsumexp: (torch.logsumexp, _sig_logsumexp),
     torch.unsqueeze: (torch.unsqueeze, _sig_unsqueeze),
+    torch.clamp: (torch.clamp_min, _sig_clamp),  # with no max (_MUST_BE), else as written
+    torch.clip: (torch.clamp_min, _sig_clamp),
+    torch.clamp_min: (torch.clamp_min, _sig_clamp_min),
     **{getattr(torch, name): (getattr(torch, name), _sig_unary) for name in _UNARY},
     torch.special.erf: (torch.erf, _sig_unary),  # aliases of one function
     torch.special.expit: (torch.sigmoid, _sig_unary),
@@ -179,6 +185,9 @@ _METHODS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
     "repeat_interleave": (torch.repeat_interleave, _sig_repeat_interleave),
     "logsumexp": (torch.logsumexp, _sig_logsumexp),
     "unsqueeze": (torch.unsqueeze, _sig_unsqueeze),
+    "clamp": (torch.clamp_min, _sig_clamp),
+    "clip": (torch.clamp_min, _sig_clamp),
+    "clamp_min": (torch.clamp_min, _sig_clamp_min),
     **{name: (getattr(torch, name), _sig_unary) for name in _UNARY},
 }
 
@@ -191,6 +200,7 @@ _MUST_BE = {
     (operator.truediv, "rounding_mode"): None,
     (F.layer_norm, "cudnn_enable"): True,
     (F.group_norm, "cudnn_enabled"): True,
+    (torch.clamp_min, "max"): None,
 }
 
 _CAST_METHODS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16,

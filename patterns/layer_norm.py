@@ -32,8 +32,12 @@ l2norm of linear attention's q and k in Qwen3-Next and OLMo-Hybrid, FLA's `x / s
 norms on an fp32 copy) or none (`x / x.norm(dim=-1, keepdim=True)`), is an RMSNorm:
 rms_norm(x, eps / width) / sqrt(width), the 1 / sqrt(width) a constant fp32 weight made in the
 graph (the rewriter makes it at the graph's start, from no value a later pattern takes in); a
-weight after it joins that constant (`l2_norm_weight_folded`). `F.normalize` (eps a floor under
-the norm, `x / max(|x|, eps)`) is no such norm: left as written.
+weight after it joins that constant (`l2_norm_weight_folded`). `F.normalize` and its spelling
+written out, `x / x.norm(dim=-1, keepdim=True).clamp(min=eps)` (eps a floor under the norm, not
+added: Swin V2's cosine attention, XCiT's, many embedding heads), are the same RMSNorm with its eps
+a floor under the rms, `rms_norm(..., clamp_eps=True)`: that eps is eps / sqrt(width), eps rounded
+first to the dtype the model's clamp runs in (1e-12 is 0 in fp16, and a zero row NaN as the
+model's); a weight after it folds in as well.
 
 When the weight's dtype differs from the activation's (fp32 master weights, bf16 activations),
 the written-out forms multiply by the weight in the promoted dtype after rounding the normalized
@@ -46,7 +50,16 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels._common import default_rms_eps
-from ._base import Match, Pattern, known_equal, needs_number, ops, params_fp32_or_like_input
+from ._base import (
+    Match,
+    Pattern,
+    example_value,
+    is_runtime_number,
+    known_equal,
+    needs_number,
+    ops,
+    params_fp32_or_like_input,
+)
 
 
 def layer_norm(x: torch.Tensor, normalized_shape, weight, bias, eps):
@@ -229,6 +242,78 @@ def l2_norm_no_eps(x: torch.Tensor, dim, *, root="vector_norm"):
         return x / torch.linalg.vector_norm(x, 2, dim, True)
     squares = x.pow(2).sum(dim, keepdim=True)
     return x / (torch.pow(squares, 0.5) if root == "pow_half" else torch.sqrt(squares))
+
+
+def l2_normalize(x: torch.Tensor, eps, dim, *, spelling="F.normalize"):
+    """x over its 2-norm floored at eps, `F.normalize(x, dim=d, eps=e)`, or written out,
+    `x / x.norm(dim=d, keepdim=True).clamp(min=e)` (`clamp_min(e)`, `torch.clamp(..., e)`)."""
+    if spelling == "F.normalize":
+        return F.normalize(x, 2.0, dim, eps, None)
+    return x / torch.clamp_min(torch.linalg.vector_norm(x, 2, dim, True), eps)
+
+
+def l2_normalize_in_fp32(x: torch.Tensor, eps, dim, dtype):
+    """The same on an fp32 copy, cast back (`F.normalize(v.float(), dim=-1).to(dtype)`)."""
+    return F.normalize(x.to(torch.float32), 2.0, dim, eps, None).to(dtype)
+
+
+def l2_normalize_fused(x, eps, dim, width, moved, restore, scale_dtype, dtype=None, *, spelling=None):
+    return _over_dim(_l2_normalize_as_rms_norm, x, width, moved, restore, eps, scale_dtype)
+
+
+def _l2_normalize_as_rms_norm(x, shape, eps, scale_dtype):
+    """x / max(|x|, eps) over shape = (width,) is rms_norm(x, eps / sqrt(width), clamp_eps=True) /
+    sqrt(width): the floor in rms units, the constant weight of `_l2_norm_as_rms_norm`."""
+    width = shape[0]
+    scale = x.new_full(shape, width ** -0.5, dtype=scale_dtype)
+    return ops.rms_norm(x, shape, scale, eps * width ** -0.5, clamp_eps=True)
+
+
+def _clamp_dtype(m: Match, in_fp32: bool) -> torch.dtype | None:
+    """The dtype the model's clamp runs in: the result's (the norm's dtype sets it, fp32 under
+    autocast), fp32 for a norm of an fp32 copy."""
+    out = example_value(m.outputs[0])
+    return torch.float32 if in_fp32 else out.dtype if isinstance(out, torch.Tensor) else None
+
+
+def _l2_normalize_dim(m: Match, in_fp32: bool = False) -> dict | None:
+    """`_l2_norm_dim`, and eps rounded to the dtype the model's clamp runs in (a constant; a
+    number the graph computes runs in fp32 or fp64, `_eps_floors`, where the rounding is the
+    tie's alone)."""
+    dims, dtype = _l2_norm_dim(m), _clamp_dtype(m, in_fp32)
+    if dims is None or dtype is None:
+        return None
+    eps = m["eps"]
+    return {**dims, "eps": torch.tensor(eps, dtype=dtype).item()} if type(eps) in (int, float) else dims
+
+
+def _eps_floors(in_fp32: bool = False):
+    """eps is a number, at least 0 where written in the graph; one the graph computes (Dynamo's
+    under `dynamic=True`) only where the clamp runs in fp32 or fp64: a 16-bit clamp rounds it
+    (1e-12 to 0), which a floor computed at run time would not."""
+    def check(m: Match) -> str | None:
+        eps = m["eps"]
+        if type(eps) in (int, float):
+            return None if eps >= 0 else f"eps is {eps!r}, below 0"
+        if not is_runtime_number(eps):
+            return f"eps is {eps!r}, not a number"
+        dtype = _clamp_dtype(m, in_fp32)
+        if dtype not in (torch.float32, torch.float64):
+            return f"eps is computed at run time and the clamp runs in {dtype} (which rounds it)"
+        return None
+
+    check.__name__ = "eps_floors"
+    return check
+
+
+def l2_normalize_then_weight(x: torch.Tensor, normalized_shape, scale: torch.Tensor, weight: torch.Tensor,
+                             eps):
+    """A weight multiplying `F.normalize` made an RMSNorm (`_l2_normalize_as_rms_norm`)."""
+    return ops.rms_norm(x, normalized_shape, scale, eps, clamp_eps=True) * weight
+
+
+def l2_normalize_weight_folded(x, normalized_shape, scale, weight, eps):
+    return ops.rms_norm(x, normalized_shape, scale * weight, eps, clamp_eps=True)
 
 
 def l2_norm_fused(x, dim, width, moved, restore, scale_dtype, eps=0.0, dtype=None, *, root=None):
@@ -607,6 +692,15 @@ PATTERNS = (
               functools.partial(l2_norm_no_eps, root=root), l2_norm_fused, ("rms_norm",),
               (_one_dim, _static_width), derive=_l2_norm_dim)
       for root in ("vector_norm", "pow_half", "sqrt")),
+    # F.normalize (the fp32 copy's first, as above), and its arithmetic written out
+    Pattern("l2_normalize_in_fp32", "rms_norm", l2_normalize_in_fp32, l2_normalize_fused, ("rms_norm",),
+            (_one_dim, _static_width, _eps_floors(in_fp32=True), _casts_back_to_input),
+            derive=functools.partial(_l2_normalize_dim, in_fp32=True)),
+    *(Pattern("l2_normalize" if spelling == "F.normalize" else "l2_normalize_written_out", "rms_norm",
+              functools.partial(l2_normalize, spelling=spelling),
+              functools.partial(l2_normalize_fused, spelling=spelling), ("rms_norm",),
+              (_one_dim, _static_width, _eps_floors()), derive=_l2_normalize_dim)
+      for spelling in ("F.normalize", "clamp")),
     # Before T5's, whose match would leave the cast back apart
     Pattern("rms_norm_t5_cast_back", "rms_norm", rms_norm_t5_cast_back, rms_norm_t5_half_fused, ("rms_norm",),
             (*_RMS_FILTERS, _casts_back_to_input, params_fp32_or_like_input)),
@@ -635,6 +729,8 @@ PATTERNS = (
             ("rms_norm",), (_folds_as_affine("weight"),), quiet=True, folds="weight"),
     Pattern("l2_norm_weight_folded", "rms_norm", l2_norm_then_weight, l2_norm_weight_folded, ("rms_norm",),
             (_l2_scale, _folds_as_affine("weight")), quiet=True, folds="weight"),
+    Pattern("l2_normalize_weight_folded", "rms_norm", l2_normalize_then_weight, l2_normalize_weight_folded,
+            ("rms_norm",), (_l2_scale, _folds_as_affine("weight")), quiet=True, folds="weight"),
     *(Pattern(name, family, functools.partial(search, restore=restore),
               functools.partial(replacement, restore=restore), (family,), (_folds_over_channels(folds),),
               quiet=True, folds=folds)

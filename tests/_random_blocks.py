@@ -18,11 +18,12 @@ from torch import nn
 
 NORMS = ("ln_module", "ln_functional", "ln_no_bias", "ln_written", "rms_module", "rms_written",
          "rms_written_upcast",
-         # L2 norms (eps under the root; nGPT's on an fp32 copy, cast back), a weight after
-         "l2_written", "l2_fp32_copy",
+         # L2 norms (eps under the root; nGPT's on an fp32 copy, cast back; F.normalize's floor, and
+         # written out), a weight after
+         "l2_written", "l2_fp32_copy", "l2_normalize", "l2_clamped",
          # near misses
          "ln_unbiased_var", "rms_eps_outside_sqrt", "rms_mean_over_seq", "ln_no_centering",
-         "l2_eps_outside")
+         "l2_eps_outside", "l2_clamped_above")
 ATTENTIONS = ("sdpa", "sdpa_causal", "sdpa_gqa", "chain_mul", "chain_div", "chain_masked_fill",
               "chain_where", "chain_softmax_fp32", "chain_gqa_repeat_interleave", "chain_gqa_expand",
               # other ranks: 5-D (batch, head pairs, 2, seq, dim), the mask over the 5-D scores
@@ -56,7 +57,7 @@ RESIDUALS = ("plus_dropout", "dropout_plus",
              "minus_dropout", "scaled_residual")
 MASKS = ("none", "bool_keypad", "float_keypad")
 NEAR_MISSES = {"ln_unbiased_var", "rms_eps_outside_sqrt", "rms_mean_over_seq", "ln_no_centering",
-               "l2_eps_outside",
+               "l2_eps_outside", "l2_clamped_above",
                "chain_scale_after_softmax", "chain_softmax_wrong_axis", "chain_mask_multiplied",
                "chain_no_scale_sqrt_off", "chain_gqa_tiled", "new_gelu_constant_off", "erf_sqrt2_off",
                "gelu_of_half", "relu_cubed",
@@ -130,7 +131,13 @@ class Norm(nn.Module):
         if k == "l2_fp32_copy":
             h = x.float()
             return (h * torch.rsqrt(h.pow(2).sum(-1, keepdim=True) + eps)).type_as(x) * self.weight
+        if k == "l2_normalize":
+            return F.normalize(x, dim=-1, eps=eps) * self.weight
+        if k == "l2_clamped":
+            return x / x.norm(dim=-1, keepdim=True).clamp(min=eps) * self.weight
         # near misses
+        if k == "l2_clamped_above":  # a ceiling, not a floor
+            return x / x.norm(dim=-1, keepdim=True).clamp(max=1.0) * self.weight
         if k == "l2_eps_outside":
             return x / (x.norm(dim=-1, keepdim=True) + eps) * self.weight
         if k == "ln_unbiased_var":

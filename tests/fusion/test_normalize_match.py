@@ -196,6 +196,26 @@ def test_sums_and_two_norms_over_one_dim_take_one_form_and_compute_the_same():
         assert torch.equal(got, want)
 
 
+def test_clamps_from_below_alone_take_one_form_and_compute_the_same():
+    """`x.clamp(min=e)`, `torch.clamp(x, e)`, `x.clip(min=e)`, `x.clamp_min(e)` are
+    `torch.clamp_min(x, e)`; a clamp with a ceiling stays as written. F.normalize is one call with
+    every argument spelled out."""
+    class Block(nn.Module):
+        def forward(self, x):
+            return (x.clamp(min=0.1), torch.clamp(x, 0.1), x.clip(min=0.1), x.clamp_min(0.1),
+                    torch.clamp_min(x, min=0.1), torch.clip(x, 0.1, None), x.clamp(max=0.5),
+                    x.clamp(0.1, 0.5), F.normalize(x, dim=-1))
+
+    x = torch.randn(3, 5)
+    gm = canonicalize(fx.symbolic_trace(Block()))
+    calls = [(target, args, kwargs) for _, target, args, kwargs in _calls(gm)]
+    assert calls[:6] == [(torch.clamp_min, (0.1,), {})] * 6
+    assert [c[0] for c in calls[6:8]] == ["clamp", "clamp"]
+    assert calls[8] == (F.normalize, (2.0, -1, 1e-12, None), {})
+    for got, want in zip(gm(x), Block()(x)):
+        assert torch.equal(got, want)
+
+
 def test_view_arguments_and_transposes_are_canonical():
     g1 = trace_function(lambda x: x.view(2, -1).transpose(-1, -2))
     g2 = trace_function(lambda x: x.view((2, -1)).transpose(-2, -1))

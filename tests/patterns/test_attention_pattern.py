@@ -1744,10 +1744,10 @@ def windows_qkv():
 def test_swin_v2_cosine_attention_fuses(windowed, pattern, capture):
     """Outputs and gradients (the per-head scale's through q, the bias table's and the window
     mask's through the op's dMask summed over the batch, q's and k's through the normalize) equal
-    the unfused module's."""
+    the unfused module's; q's and k's F.normalize fuse as well (floored RMSNorms)."""
     inputs = windows_qkv() + ((_window_mask(),) if windowed else ())
     report = check_against_unfused(CosineWindowAttention, inputs, capture)
-    assert report.by_pattern() == {pattern: 1}
+    assert report.by_pattern() == {pattern: 1, "l2_normalize": 2}
 
 
 def test_swin_v2_cosine_attention_carries_dropout():
@@ -1760,7 +1760,8 @@ def test_swin_v2_cosine_attention_carries_dropout():
     for seed in (1, 1, 2):
         torch.manual_seed(seed)
         outs.append(model(q, k, v, mask))
-    assert trifuse.report(model).by_pattern() == {"attention_chain_per_head_scale_add_window_mask_dropout": 1}
+    assert trifuse.report(model).by_pattern() == {"attention_chain_per_head_scale_add_window_mask_dropout": 1,
+                                                  "l2_normalize": 2}
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
     assert not torch.allclose(outs[0], outs[2])
     model.eval()
@@ -1774,7 +1775,7 @@ def test_swin_v2_scale_along_the_keys_is_left():
     """A scale that varies along the keys cannot move onto q: left as written, with the reason."""
     report = check_against_unfused(functools.partial(CosineWindowAttention, scale_shape=(H, 1, S)), windows_qkv(),
                                    "dynamo")
-    assert report.by_pattern() == {}
+    assert report.by_pattern() == {"l2_normalize": 2}  # q's and k's norms alone
     assert any("not constant along the queries and keys" in reason for *_, reason in report.rejected())
 
 

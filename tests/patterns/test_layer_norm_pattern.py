@@ -653,8 +653,8 @@ def test_l2_norm_takes_the_weight_after_it_and_the_add_before_it(capture):
 
 
 class NotL2Norm(nn.Module):
-    """Near misses: eps outside the root, a 1-norm, the 2-norm over two dims, F.normalize (eps a
-    floor under the norm: `max(|x|, eps)`, no RMSNorm)."""
+    """Near misses: eps outside the root, a 1-norm, the 2-norm over two dims; F.normalize with
+    p=1, its norm clamped from above or on both sides, over two dims."""
 
     def __init__(self, kind):
         super().__init__()
@@ -667,13 +667,124 @@ class NotL2Norm(nn.Module):
             return x / x.norm(p=1, dim=-1, keepdim=True)
         if self.kind == "two_dims":
             return x * torch.rsqrt(x.pow(2).sum((1, 2), keepdim=True) + 1e-6)
-        return F.normalize(x, dim=-1)
+        if self.kind == "normalize_p1":
+            return F.normalize(x, p=1.0, dim=-1)
+        if self.kind == "clamped_above":
+            return x / x.norm(dim=-1, keepdim=True).clamp(max=1.0)
+        if self.kind == "clamped_both":
+            return x / x.norm(dim=-1, keepdim=True).clamp(1e-6, 10.0)
+        return x / torch.linalg.vector_norm(x, dim=(1, 2), keepdim=True).clamp_min(1e-6)
 
 
 @pytest.mark.parametrize("capture", CAPTURES)
-@pytest.mark.parametrize("kind", ["eps_outside", "one_norm", "two_dims", "normalize"])
+@pytest.mark.parametrize("kind", ["eps_outside", "one_norm", "two_dims", "normalize_p1", "clamped_above",
+                                  "clamped_both", "clamped_two_dims"])
 def test_near_misses_of_l2_norm_are_not_fused(kind, capture):
     assert check_against_unfused(lambda: NotL2Norm(kind), X, capture).by_pattern() == {}
+
+
+# F.normalize and its arithmetic written out: x / max(|x|, eps), the RMSNorm with its eps a floor
+# under the rms (`clamp_eps`).
+
+
+class L2Normalize(nn.Module):
+    """x over its 2-norm floored at eps, as models write it; eps 1e-3 floors X's rows scaled by
+    1e-5 (their norms about 5e-5) and leaves the others."""
+
+    def __init__(self, spelling, eps=1e-3):
+        super().__init__()
+        self.spelling, self.eps = spelling, eps
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(N))
+
+    def forward(self, x):
+        eps = self.eps
+        if self.spelling == "normalize":  # Swin V2's q and k, XCiT's, embedding heads
+            return F.normalize(x, dim=-1, eps=eps)
+        if self.spelling == "clamp":
+            return x / x.norm(dim=-1, keepdim=True).clamp(min=eps)
+        if self.spelling == "clamp_min":
+            return x / torch.clamp_min(torch.linalg.vector_norm(x, dim=-1, keepdim=True), eps)
+        if self.spelling == "clip":
+            return x / torch.norm(x, 2, -1, keepdim=True).clip(eps)
+        if self.spelling == "fp32_copy":  # transformers' Xcodec2-style `F.normalize(v.float()).to(dtype)`
+            return F.normalize(x.float(), dim=-1, eps=eps).to(x.dtype)
+        if self.spelling == "weight":
+            return F.normalize(x, p=2, dim=-1, eps=eps) * self.weight
+        return F.normalize(x, dim=1, eps=eps)  # a map's channels (codebooks' `F.normalize(x)`)
+
+
+def _with_floored_rows(x):
+    x = x.clone()
+    x.view(-1, x.shape[-1])[0] = 0.0
+    x.view(-1, x.shape[-1])[1] *= 1e-5
+    return x
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("spelling, inputs, pattern", [
+    ("normalize", X, "l2_normalize"),
+    ("clamp", X, "l2_normalize_written_out"),
+    ("clamp_min", X, "l2_normalize_written_out"),
+    ("clip", X, "l2_normalize_written_out"),
+    ("fp32_copy", X, "l2_normalize_in_fp32"),
+    ("weight", X, "l2_normalize_weight_folded"),
+    ("channels", MAP, "l2_normalize"),
+])
+def test_l2_normalize_fuses_as_an_rms_norm_with_a_floor(spelling, inputs, pattern, capture):
+    """Rows under the floor (a zero row, a tiny one) are x / eps, with no gradient through their
+    norm, as the model's clamp gives."""
+    x = _with_floored_rows(inputs[0]) if spelling != "channels" else inputs[0]
+    report = check_against_unfused(lambda: L2Normalize(spelling), (x,), capture)
+    assert report.by_pattern() == {pattern: 1}, report.table()
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_l2_normalize_of_16_bit_x_keeps_its_rounded_eps(capture):
+    """In an fp16 model F.normalize's clamp rounds eps 1e-12 to 0: a zero row is NaN, as the
+    model's (the fused op's floor is that rounded eps); on an fp32 copy the eps stays 1e-12 and the
+    zero row 0. The float64 twin has no such NaN: checked against the fp16 model itself."""
+    x = _with_floored_rows(torch.randn(3, 5, N)).half()
+    for spelling, nan_rows in (("normalize", 1), ("fp32_copy", 0)):
+        model = L2Normalize(spelling, eps=1e-12).half()
+        want = model(x)
+        fused = fuse_via(copy.deepcopy(model), capture)
+        got = fused(x)
+        pattern = "l2_normalize" if spelling == "normalize" else "l2_normalize_in_fp32"
+        assert trifuse.report(fused).by_pattern() == {pattern: 1}
+        assert torch.equal(got.isnan(), want.isnan()) and int(got.isnan().all(-1).sum()) == nan_rows
+        finite = ~want.isnan()
+        torch.testing.assert_close(got[finite], want[finite], atol=2e-3, rtol=2e-3)
+
+
+class ProjectedL2Normalize(nn.Module):
+    """F.normalize of a projection: a static width under `dynamic=True` (the weight's), and an eps
+    Dynamo passes as a number computed at run time."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(N, N)
+
+    def forward(self, x):
+        return F.normalize(self.proj(x) * 5e-5, dim=-1, eps=1e-4)  # (some rows floored)
+
+
+def test_l2_normalize_under_dynamic_shapes():
+    """A static width fuses, its eps computed at run time; a symbolic width stays, with its reason."""
+    report = check_against_unfused(ProjectedL2Normalize, X, "compile", dynamic=True)
+    assert report.by_pattern() == {"l2_normalize": 1}, report.table()
+    report = check_against_unfused(lambda: L2Normalize("normalize"), X, "compile", dynamic=True)
+    assert report.counts() == {}
+    assert any("is symbolic" in reason for *_, reason in report.rejected()), report.table()
+
+
+def test_l2_normalize_keeps_no_residual_add():
+    """The residual stream adds eps under the root: an add before F.normalize stays apart."""
+    class Block(nn.Module):
+        def forward(self, x, residual):
+            return F.normalize(x + residual, dim=-1)
+
+    report = check_against_unfused(Block, (X[0], torch.randn(3, 5, N)), "fx")
+    assert report.counts() == {"rms_norm": 1}, report.table()
 
 
 def test_l2_norm_over_a_symbolic_width_stays_with_a_reason():
