@@ -1501,7 +1501,8 @@ class LeafTracer(fx.Tracer):
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
         """fx's trace; a forward that assigns to its modules' state (a cache, a counter) fails it:
         the graph would not do that when it runs, and the assignments (of Proxies) are undone. So
-        does a graph whose generated code does not compile.
+        does a forward that writes into a container it is handed (`create_args_for_root`), and a
+        graph whose generated code does not compile.
 
         The placeholders lose their defaults: a unit calls its graph with every argument, defaults
         bound (FxUnit), and fx writes them into the unpacking of its containers' leaves as invalid
@@ -1520,6 +1521,35 @@ class LeafTracer(fx.Tracer):
                 node.args = ()
         compile(graph.python_code(root_module="self").src, "<trifuse fx trace>", "exec")  # SyntaxError
         return graph
+
+    def create_args_for_root(self, root_fn: Callable[..., Any], is_module: bool,
+                             concrete_args: dict[str, Any] | tuple[Any, ...] | None = None
+                             ) -> tuple[Any, list[Any]]:
+        """fx's, the forward watched: one that writes into a list, dict or tuple of lists it is
+        handed fails the trace. Wan's VAE keeps its causal convolutions' cache in a list each block
+        is passed (`feat_cache[i] = x[:, :, -2:]`, `feat_idx[0] += 1`): fx runs that write once, on
+        its own copy, the graph never, and every later call read a stale cache (an output 1e-2
+        off). Dynamo replays such writes: those blocks are its. (Not where the forward takes
+        *args or **kwargs: fx rewrites that function's code.)"""
+        inner = inspect.unwrap(root_fn)
+        code = getattr(inner, "__code__", None)
+        if code is None or code.co_flags & (inspect.CO_VARARGS | inspect.CO_VARKEYWORDS):
+            return super().create_args_for_root(root_fn, is_module, concrete_args)
+        names = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+
+        @functools.wraps(root_fn)
+        def watched(*args: Any) -> Any:
+            before = [(i, *pytree.tree_flatten(a)) for i, a in enumerate(args) if type(a) in _FX_CONTAINERS]
+            out = root_fn(*args)
+            for i, leaves, spec in before:
+                now, now_spec = pytree.tree_flatten(args[i])
+                if now_spec != spec or any(a is not b for a, b in zip(now, leaves)):
+                    name = names[i] if i < len(names) else f"argument {i}"
+                    raise fx.proxy.TraceError(f"its forward writes into its argument `{name}` (a "
+                                              f"{type(args[i]).__name__}): a graph would not")
+            return out
+
+        return super().create_args_for_root(watched, is_module, concrete_args)
 
     def _trace(self, root: Any, concrete_args: dict[str, Any] | None) -> fx.Graph:
         original = torch.autograd.Function.__dict__["apply"]

@@ -552,15 +552,15 @@ class _ShiftedCosineWindowAttention(nn.Module):
 def test_a_learned_scale_per_head_with_a_window_mask_is_fused(capture):
     """Its scale a tensor, the two-mask chain's number-scaled form refuses it; the per-head form
     takes it, and the scale's gradient comes through q's product (without: the softmax stayed
-    unfused, one attention in two of torchvision's Swin V2)."""
+    unfused, one attention in two of torchvision's Swin V2). q's and k's F.normalize fuse too."""
     from _fusing import check_against_unfused
 
     make = ((lambda: _Stack([_ShiftedCosineWindowAttention()])) if capture == "fx"
             else _ShiftedCosineWindowAttention)
     report = check_against_unfused(make, (torch.randn(6, 5, 16),), capture, train=True)
-    assert report.counts() == available_counts({"attention": 1}), report.table()
+    assert report.counts() == available_counts({"attention": 1, "rms_norm": 2}), report.table()
     if "attention" in report.counts():
-        assert report.by_pattern() == {"attention_chain_per_head_add_add": 1}, report.table()
+        assert report.by_pattern() == {"attention_chain_per_head_add_add": 1, "l2_normalize": 2}, report.table()
 
 
 def test_new_shapes_and_modes_recapture_a_bounded_number_of_times():
@@ -2368,6 +2368,64 @@ def test_an_fx_trace_leaves_no_proxies_in_modules_that_cache_into_themselves(bra
         assert_close("output", model(x), ref(x).double(), ref(x))
     assert rope.calls == 2 and rope.seen == {"shape": x.shape}
     assert all(type(f) is torch.Tensor for f in rope.freqs)
+
+
+class _CachedCausalBlock(nn.Module):
+    """Wan's VAE in small: a causal block handed its cache (a list) and the cache's index (a list
+    of one int, a default shared by every call), writing both in place; a norm for fx to fuse."""
+
+    def __init__(self, write: str) -> None:
+        super().__init__()
+        self.write, self.norm, self.proj = write, nn.LayerNorm(8), nn.Linear(8, 8)
+
+    def forward(self, x, cache=None, index=[0]):  # noqa: B006  (Wan's own default)
+        h = self.norm(x)
+        if cache is not None:  # (fuse's first trace, with the defaults, sees no cache)
+            i = index[0]
+            previous = cache[i]
+            if self.write == "item":
+                cache[i] = x[:, -1:].clone()
+            elif self.write == "append":
+                cache.append(x)
+            index[0] += 1
+            if previous is not None:
+                h = h + previous
+        return self.proj(h)
+
+
+class _ChunkedCausal(nn.Module):
+    def __init__(self, write: str) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_CachedCausalBlock(write) for _ in range(2)])
+
+    def forward(self, x):
+        cache, out = [None, None], []
+        for chunk in x.split(2, dim=1):
+            index = [0]
+            for block in self.blocks:
+                chunk = block(chunk, cache, index)
+            out.append(chunk)
+        return torch.cat(out, 1)
+
+
+@pytest.mark.parametrize("write", ["item", "append", "none"])
+def test_a_block_writing_into_a_list_it_is_handed_is_left_to_dynamo(write):
+    """fx would run such a write once, on its own copy, and the graph never: every later call read
+    a stale cache (Wan's VAE, 1e-2 off, found by a sweep of it). The trace fails with the reason,
+    Dynamo (which replays the writes) captures the block, and the outputs and gradients are the
+    model's; a block that only reads the list stays fx's."""
+    torch.manual_seed(0)
+    ref = _ChunkedCausal(write).double()
+    model = trifuse.fuse(copy.deepcopy(ref))
+    x = torch.randn(2, 6, 8, dtype=torch.float64, requires_grad=True)
+    for _ in range(2):
+        out, expected = model(x), ref(x)
+        torch.testing.assert_close(out, expected)
+        torch.testing.assert_close(torch.autograd.grad(out.square().sum(), [x, *model.parameters()]),
+                                   torch.autograd.grad(expected.square().sum(), [x, *ref.parameters()]))
+    table = trifuse.report(model).table()
+    assert ("writes into its argument `cache` (a list)" in table) == (write != "none"), table
+    assert trifuse.report(model).counts() == available_counts({"layer_norm": 2}), table
 
 
 def _transformers_kwargs_block():

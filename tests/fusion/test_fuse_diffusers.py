@@ -1,7 +1,7 @@
 """diffusers' denoisers, built from small configs (no download): the DiT, PixArt-alpha, SD3,
 Flux, Flux 2, Chroma, HunyuanVideo, Sana, CogVideoX, Wan, LTX-Video, LTX-2, Qwen-Image, Lumina 2,
 Z-Image, CogView4, HiDream and Mochi transformers, the Stable Diffusion UNet and its VAE
-(AutoencoderKL). `fuse` replaces the
+(AutoencoderKL), Wan's video VAE. `fuse` replaces the
 attention, LayerNorm, RMSNorm (Flux's q/k norms), GeLU and residual-stream ops of their transformer
 blocks (diffusers' `Attention` with its SDPA processor, `FeedForward`'s GELU / GEGLU,
 `BasicTransformerBlock`'s and the joint blocks' norms), the ResNet blocks' GroupNorm + SiLU and
@@ -110,6 +110,22 @@ def vae():
         up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(16, 32), layers_per_block=1,
         latent_channels=4, norm_num_groups=8, sample_size=8)
     return Denoiser(model, lambda m, x: m(x)), (torch.randn(B, 3, 8, 8),), True
+
+
+def wan_vae():
+    """Wan's video VAE (Qwen-Image's is its copy), encode and decode over 5 frames: causal 3D
+    convolutions whose cache each block is handed in a list and writes in place (so fx leaves
+    those blocks to Dynamo, which replays the writes), its RMS norms `F.normalize(x, dim=1) *
+    scale * gamma` over the channels (a floored RMSNorm each; the scale and gamma stay
+    elementwise), one attention block in each of the encoder and decoder."""
+    torch.manual_seed(0)
+    model = diffusers.AutoencoderKLWan(base_dim=16, z_dim=4, dim_mult=[1, 2], num_res_blocks=1,
+                                       attn_scales=[], temperal_downsample=[True])
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("gamma"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+    return Denoiser(model, lambda m, x: m(x)), (torch.randn(1, 3, 5, 16, 16),), True
 
 
 def sana():
@@ -394,6 +410,7 @@ MODELS = {
     "unet": (unet, {"layer_norm": 4, "attention": 8, "gated_activation": 4, "residual_stream": 8,
                     "group_norm": 21}, 0),
     "vae": (vae, {"attention": 2, "group_norm": 24}, 0),
+    "wan_vae": (wan_vae, {"attention": 2, "rms_norm": 20}, 0),
     "sana": (sana, {"layer_norm": 3, "rms_norm": 1, "attention": 2, "bias_gelu": 1,
                     "gated_activation": 2, "residual_stream": 2, "dropout_add": 4}, 5),
     "cogvideox": (cogvideox, {"layer_norm": 10, "attention": 2, "bias_gelu": 2, "residual_stream": 4,

@@ -154,10 +154,11 @@ MODELS = {
     "siglip": (_family("siglip"), {"layer_norm": 2 * L + 3, "attention": 2 * L + 1, "bias_gelu": 2 * L + 1,
                                    "residual_stream": 2 * L}),
     # Swin V2: cosine attention (a learned scale per head moved onto q, the relative position bias
-    # the op's mask, in shifted windows with the window mask added), two stages of two blocks; its
-    # norms after each sublayer (y = r + LN(x)) become layer_norm_add with their adds
+    # the op's mask, in shifted windows with the window mask added; q's and k's F.normalize floored
+    # RMSNorms), two stages of two blocks; its norms after each sublayer (y = r + LN(x)) become
+    # layer_norm_add with their adds
     "swinv2": (_models.swinv2, {"layer_norm": 3, "residual_stream": 4 * L, "attention": 2 * L, "bias_gelu": 2 * L,
-                                **LOSS}),
+                                "rms_norm": 4 * L, **LOSS}),
     # Hiera: attention on (batch, heads, windows, tokens, dim) tensors, q scaled before the product
     # (the op's scale 1), heads and windows flattened into the op's heads; four stages of one block
     "hiera": (_models.hiera, {"layer_norm": 5, "attention": 4, "bias_gelu": 4, "residual_stream": 4, **LOSS}),
