@@ -1708,6 +1708,31 @@ def joyimage_edit():
     return model, call, inputs
 
 
+# ---------------------------------------------------------------------------------------------
+# Video VAEs beside Wan's (tests/fusion/test_fuse_diffusers.py `wan_vae`): their RMS norms are
+# `F.normalize(x, dim=1)` over the channels times a scale and gamma, their causal convolutions
+# write the cache they are handed (left to Dynamo, which replays the writes)
+# ---------------------------------------------------------------------------------------------
+
+
+def _vae_call(m, x):
+    return m(x)
+
+
+def qwenimage_vae():
+    # Qwen-Image's VAE: Wan's architecture, its own copy of the code
+    model = diffusers.AutoencoderKLQwenImage(base_dim=16, z_dim=4, dim_mult=[1, 2], num_res_blocks=1,
+                                             attn_scales=[], temperal_downsample=[True])
+    return model, _vae_call, (torch.randn(1, 3, 5, 16, 16),)
+
+
+def hunyuan_video15_vae():
+    # HunyuanVideo 1.5's VAE: the same RMS norm, a causal conv with its own cache
+    model = diffusers.AutoencoderKLHunyuanVideo15(block_out_channels=(16, 32), layers_per_block=1, latent_channels=4,
+                                                  spatial_compression_ratio=2, temporal_compression_ratio=2)
+    return model, _vae_call, (torch.randn(1, 3, 5, 16, 16),)
+
+
 BUILDERS = {
     **{name: _from_tests(build) for name, (build, _, _) in _tested.MODELS.items()},
     "flux3": flux3,
@@ -1752,4 +1777,6 @@ BUILDERS = {
     "minimax_h3": minimax_h3,
     "anyflow": anyflow,
     "joyimage_edit": joyimage_edit,
+    "qwenimage_vae": qwenimage_vae,
+    "hunyuan_video15_vae": hunyuan_video15_vae,
 }
