@@ -417,7 +417,11 @@ def _check(m: Match) -> str | None:
         if g.op == "call_function" and g.target is F.dropout and g.args[3] is True:
             return "in-place dropout"
     for f in m.pattern.filters:
-        reason = f(m)
+        try:
+            reason = f(m)
+        except Exception as e:  # noqa: BLE001  (a filter's own bug rejects its match, not the graph's others)
+            name = getattr(f, "__name__", type(f).__name__)
+            return f"the check {name} failed on this match ({type(e).__name__}: {e})"
         if reason is not None:
             return reason
     return None

@@ -225,7 +225,8 @@ def per_sample(m: Match, per_token: bool = False) -> str | None:
         return "the input's shape is unknown"
     if any(_is_dtensor(m.value(name)) for name in ("x", *_modulation(m))):
         return "a DTensor (the op has no sharding rule: tensor or sequence parallelism keeps it as written)"
-    if not isinstance(shape, (list, tuple)) or len(shape) != 1 or not known_equal(shape[0], x.shape[-1]):
+    if not isinstance(shape, (list, tuple)) or len(shape) != 1 or x.dim() == 0 \
+            or not known_equal(shape[0], x.shape[-1]):
         return f"normalized_shape {shape!r} is not the input's last dim alone"
     for name in _modulation(m):
         t = m.value(name)

@@ -393,8 +393,8 @@ def no_dropout_on_the_sum(m: Match) -> str | None:
         return f"dropout p={p!r} in training on the sum (the fused op has no dropout with a gate)"
     x, shape = m.value("x"), m.value("normalized_shape")
     shape = (shape,) if isinstance(shape, int) else shape
-    if (not isinstance(x, torch.Tensor) or not isinstance(shape, (tuple, list)) or len(shape) != 1
-            or not known_equal(shape[0], x.shape[-1])):
+    if (not isinstance(x, torch.Tensor) or x.dim() == 0 or not isinstance(shape, (tuple, list))
+            or len(shape) != 1 or not known_equal(shape[0], x.shape[-1])):
         return f"normalized_shape {shape!r} is not x's last dim alone"
     return sum_operands(m) or gate_per_sample_or_token(m)
 
@@ -456,8 +456,8 @@ def sum_cast_back_to_the_stream(m: Match) -> str | None:
     if isinstance(x, torch.Tensor) and dtype != x.dtype:
         return f"the sum is cast to {dtype}, not to x's dtype {x.dtype}"
     shape = (shape,) if isinstance(shape, int) else shape
-    if (not isinstance(x, torch.Tensor) or not isinstance(shape, (tuple, list)) or len(shape) != 1
-            or not known_equal(shape[0], x.shape[-1])):
+    if (not isinstance(x, torch.Tensor) or x.dim() == 0 or not isinstance(shape, (tuple, list))
+            or len(shape) != 1 or not known_equal(shape[0], x.shape[-1])):
         return f"normalized_shape {shape!r} is not x's last dim alone"
     return sum_operands(m) or gate_per_sample_or_token_up_to_fp32(m)
 

@@ -570,6 +570,35 @@ def test_rewrite_of_a_traced_graph_module():
     torch.testing.assert_close(gm(x), m(x))
 
 
+def test_a_filter_that_raises_rejects_its_match_alone():
+    """A filter's own bug (NeoMMe's 0-dim x once met `x.shape[-1]` in a residual-stream check)
+    rejects that match with the error as its reason; the graph's other matches still fuse (before,
+    the whole capture ran unfused)."""
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.LayerNorm(8), nn.LayerNorm(8)
+
+        def forward(self, x):
+            return self.a(x) + self.b(x)
+
+    def picky(m):
+        if m["weight"].target.startswith("b"):
+            raise IndexError("tuple index out of range")
+        return None
+
+    patterns = [Pattern("layer_norm", "layer_norm", layer_norm.layer_norm, layer_norm.layer_norm_fused,
+                        ("layer_norm",), (picky,))]
+    m = M()
+    gm = canonicalize(fx.symbolic_trace(m), m)
+    x = torch.randn(3, 8)
+    log = rewrite(gm, patterns)
+    assert log.counts == {"layer_norm": 1}
+    assert [r.reason for r in log.rejected] == [
+        "the check picky failed on this match (IndexError: tuple index out of range)"]
+    torch.testing.assert_close(gm(x), m(x))
+
+
 def test_a_bad_pattern_is_refused():
     def returns_its_input(x):
         return x.sin(), x
