@@ -1338,7 +1338,7 @@ def _setup_plain(ctx, inputs, output, is_rms_norm):
     ctx.normalized_shape, ctx.is_rms_norm = normalized_shape, is_rms_norm
     ctx.eps = inputs[3 if is_rms_norm else 4]
     ctx.full_y = _full_y(inputs, 5 if is_rms_norm else 6)
-    ctx.clamp_eps = is_rms_norm and _full_y(inputs, 6)  # (rms_norm's clamp_eps, a bool after full_y)
+    ctx.clamp_eps = is_rms_norm and len(inputs) > 6 and bool(inputs[6])  # (rms_norm's, after full_y)
     ctx.needs = ctx.needs_input_grad
     # Unused outputs' gradients arrive as None, not as zeros autograd would make as plain
     # tensors (which a DTensor op refuses beside DTensors, and which cost a pass to read).
@@ -2222,8 +2222,6 @@ def rms_norm(
     if clamp_eps:
         if residual is not None:
             raise ValueError("trifuse.rms_norm: clamp_eps takes no residual (the residual stream adds eps)")
-        if out_dtype is not None or readers != 1 or full_y:
-            _check_narrowing("rms_norm", out_dtype, readers, full_y)
         return _norm_kernels("rms_norm", x, normalized_shape, weight, None, eps, None, True,
                              out_dtype=out_dtype, readers=readers, full_y=full_y, clamp_eps=True)
     if residual is not None:
