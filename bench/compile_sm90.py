@@ -90,6 +90,11 @@ def _catalogue(torch, family: str):
             x, w, b = leaf(rows, n), leaf(n), leaf(n)
             yield f"layer_norm {n}", fwd_bwd(lambda x=x, w=w, b=b, n=n: ops.layer_norm(x, n, w, b))
             yield f"rms_norm {n}", fwd_bwd(lambda x=x, w=w, n=n: ops.rms_norm(x, n, w, 1e-6))
+        # The floored RMSNorm F.normalize becomes (clamp_eps), in the two paths: one block, wide rows.
+        for n in (1024, 20000):
+            x, w = leaf(rows, n), leaf(n, dtype=torch.float32)
+            yield f"rms_norm clamp_eps {n}", fwd_bwd(
+                lambda x=x, w=w, n=n: ops.rms_norm(x, n, w, 1e-12, clamp_eps=True))
         # The partial sums' reduction as a training step has it: 4 rows above make 4 partial
         # rows, a GPU step up to PROGRAMS_PER_SM x SMs (here 4 x 132).
         from trifuse.kernels import layer_norm as ln_mod
