@@ -765,7 +765,8 @@ def _splice(graph: fx.Graph, m: Match, plan: _Plan, log: RewriteLog,
                     new_event.where = _join_where(absorbed.where, new_event.where)
                     if m.pattern.folds and absorbed.family == new_event.family:
                         spelled = absorbed.note or f"spelled as {absorbed.pattern}"
-                        notes = (spelled, f"{m.pattern.folds} folded in", new_event.note)
+                        folds = m.pattern.folds
+                        notes = (spelled, folds if " " in folds else f"{folds} folded in", new_event.note)
                         new_event.note = "; ".join(n for n in notes if n)
             graph.erase_node(node)
     # What the model does not use of the replacement (the sum a post-norm block drops, brought

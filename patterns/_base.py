@@ -67,7 +67,8 @@ class Pattern:
     # linear, for the padded LM head): its rejections stay out of the report.
     quiet: bool = False
     # For a pattern that folds a weight or bias written after a fused norm into it ("weight",
-    # "bias"): the report keeps the spelling of the norm it absorbed in its note.
+    # "bias"; or what it did, "an added 0 dropped"): the report keeps the spelling of the norm it
+    # absorbed in its note.
     folds: str | None = None
 
 

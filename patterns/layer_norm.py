@@ -37,7 +37,9 @@ written out, `x / x.norm(dim=-1, keepdim=True).clamp(min=eps)` (eps a floor unde
 added: Swin V2's cosine attention, XCiT's, many embedding heads), are the same RMSNorm with its eps
 a floor under the rms, `rms_norm(..., clamp_eps=True)`: that eps is eps / sqrt(width), eps rounded
 first to the dtype the model's clamp runs in (1e-12 is 0 in fp16, and a zero row NaN as the
-model's); a weight after it folds in as well.
+model's); a weight after it folds in as well. So does the tail diffusers' video VAEs write after
+their channel norm (`F.normalize(x, dim=1).to(x.dtype) * sqrt(C) * gamma + 0.0`): a cast to y's
+own dtype, a number, a weight laid along the channels, an added 0 (`l2_*_cast_dropped`, ...).
 
 When the weight's dtype differs from the activation's (fp32 master weights, bf16 activations),
 the written-out forms multiply by the weight in the promoted dtype after rounding the normalized
@@ -45,6 +47,7 @@ value to the activation dtype; the replacement then keeps that multiplication ap
 result and its dtype are the model's own.
 """
 import functools
+import operator
 
 import torch
 import torch.nn.functional as F
@@ -340,11 +343,113 @@ def l2_norm_weight_folded(x, normalized_shape, scale, weight, eps):
 
 def _l2_scale(m: Match) -> str | None:
     """The norm's weight is an L2 norm's constant scale (a tensor made in the graph, fp32 or fp64:
-    the weight after it joins it exactly, and the product is rounded once, by the kernel)."""
-    scale = m["scale"]
+    the weight after it joins it exactly, and the product is rounded once, by the kernel), or
+    that scale times what the folds below multiplied into it."""
+    scale, seen = m["scale"], 0
+    while getattr(scale, "op", None) == "call_function" and scale.target is operator.mul and seen < 8:
+        scale, seen = next((a for a in scale.args if _made_from_l2_scale(a)), None), seen + 1
     if not (getattr(scale, "op", None) == "call_method" and scale.target == "new_full"):
         return "the norm's weight is no L2 norm's scale"
     return None
+
+
+def _made_from_l2_scale(node) -> bool:
+    return getattr(node, "op", None) == "call_method" and node.target == "new_full" or \
+        getattr(node, "op", None) == "call_function" and node.target is operator.mul
+
+
+# What diffusers' video VAEs (Wan's, Qwen-Image's, HunyuanVideo 1.5's, Kandinsky 6's) write after
+# their channel norm, `F.normalize(x, dim=1).to(x.dtype) * dim ** 0.5 * gamma + 0.0`, folds into
+# the RMSNorm that the F.normalize became: the cast to the dtype y has already goes, the number
+# and the weight laid along the channels join the constant scale, and adding a constant 0 goes
+# (y is the norm's fresh tensor, so nothing aliases; -0.0 becomes 0.0, which no reader can tell).
+# `clamp` picks F.normalize's RMSNorm (eps a floor) or the L2 norm's (eps added).
+
+
+def _l2_rms_norm(x, normalized_shape, scale, eps, clamp):
+    if clamp:
+        return ops.rms_norm(x, normalized_shape, scale, eps, clamp_eps=True)
+    return ops.rms_norm(x, normalized_shape, scale, eps)
+
+
+def l2_rms_norm_cast(x: torch.Tensor, normalized_shape, scale: torch.Tensor, eps, dtype, *, clamp=False):
+    return _l2_rms_norm(x, normalized_shape, scale, eps, clamp).to(dtype)
+
+
+def l2_rms_norm_channels_cast(x: torch.Tensor, normalized_shape, scale: torch.Tensor, eps, dim, dtype, *,
+                              clamp=False, restore=False):
+    return _moved_back(_l2_rms_norm(x, normalized_shape, scale, eps, clamp), dim, restore).to(dtype)
+
+
+def l2_rms_norm_cast_dropped(x, normalized_shape, scale, eps, dtype, *, clamp=False):
+    return _l2_rms_norm(x, normalized_shape, scale, eps, clamp)
+
+
+def l2_rms_norm_channels_cast_dropped(x, normalized_shape, scale, eps, dim, dtype, *, clamp=False,
+                                      restore=False):
+    return _moved_back(_l2_rms_norm(x, normalized_shape, scale, eps, clamp), dim, restore)
+
+
+def l2_rms_norm_times_number(x: torch.Tensor, normalized_shape, scale: torch.Tensor, eps, number, *,
+                             clamp=False):
+    return _l2_rms_norm(x, normalized_shape, scale, eps, clamp) * number
+
+
+def l2_rms_norm_channels_times_number(x: torch.Tensor, normalized_shape, scale: torch.Tensor, eps, dim,
+                                      number, *, clamp=False, restore=False):
+    return _moved_back(_l2_rms_norm(x, normalized_shape, scale, eps, clamp), dim, restore) * number
+
+
+def l2_rms_norm_number_folded(x, normalized_shape, scale, eps, number, *, clamp=False):
+    return _l2_rms_norm(x, normalized_shape, scale * number, eps, clamp)
+
+
+def l2_rms_norm_channels_number_folded(x, normalized_shape, scale, eps, dim, number, *, clamp=False,
+                                       restore=False):
+    return _moved_back(_l2_rms_norm(x, normalized_shape, scale * number, eps, clamp), dim, restore)
+
+
+def l2_rms_norm_channels_then_weight(x: torch.Tensor, normalized_shape, scale: torch.Tensor, eps, dim,
+                                     weight: torch.Tensor, *, clamp=False, restore=False):
+    return _moved_back(_l2_rms_norm(x, normalized_shape, scale, eps, clamp), dim, restore) * weight
+
+
+def l2_rms_norm_channels_weight_folded(x, normalized_shape, scale, eps, dim, weight, *, clamp=False,
+                                       restore=False):
+    folded = scale * weight.reshape(normalized_shape)
+    return _moved_back(_l2_rms_norm(x, normalized_shape, folded, eps, clamp), dim, restore)
+
+
+def l2_rms_norm_plus_number(x: torch.Tensor, normalized_shape, scale: torch.Tensor, eps, number, *,
+                            clamp=False):
+    return _l2_rms_norm(x, normalized_shape, scale, eps, clamp) + number
+
+
+def l2_rms_norm_channels_plus_number(x: torch.Tensor, normalized_shape, scale: torch.Tensor, eps, dim, number,
+                                     *, clamp=False, restore=False):
+    return _moved_back(_l2_rms_norm(x, normalized_shape, scale, eps, clamp), dim, restore) + number
+
+
+def l2_rms_norm_zero_dropped(x, normalized_shape, scale, eps, number, *, clamp=False):
+    return _l2_rms_norm(x, normalized_shape, scale, eps, clamp)
+
+
+def l2_rms_norm_channels_zero_dropped(x, normalized_shape, scale, eps, dim, number, *, clamp=False,
+                                      restore=False):
+    return _moved_back(_l2_rms_norm(x, normalized_shape, scale, eps, clamp), dim, restore)
+
+
+def _cast_is_no_op(m: Match) -> str | None:
+    """The cast is to the dtype the norm's y has already (`.to` returns y itself)."""
+    y = example_value(m.anchor.args[0]) if m.anchor.args else None
+    if not isinstance(y, torch.Tensor):
+        return "no dtype for the norm's result"
+    return None if m["dtype"] == y.dtype else f"casts y from {y.dtype} to {m['dtype']}"
+
+
+def _adds_zero(m: Match) -> str | None:
+    number = m["number"]
+    return None if type(number) in (int, float) and number == 0 else f"adds {number!r}, not the number 0"
 
 
 def _static_width(m: Match) -> str | None:
@@ -727,6 +832,26 @@ PATTERNS = (
             ("layer_norm",), (_folds_as_affine("bias"),), quiet=True, folds="bias"),
     Pattern("rms_norm_weight_folded", "rms_norm", rms_norm_then_weight, rms_norm_weight_folded,
             ("rms_norm",), (_folds_as_affine("weight"),), quiet=True, folds="weight"),
+    # The tails of L2 norms (`_l2_rms_norm`): first a cast to y's dtype, then a number, then the
+    # weight (over the last dim, `l2_*_weight_folded`; over a map's channels), then adding 0.
+    *(Pattern(f"l2_{kind}_{name}", "rms_norm", functools.partial(search, **options),
+              functools.partial(replacement, **options), ("rms_norm",), (_l2_scale, *filters),
+              quiet=True, folds=folds)
+      for name, filters, folds, variants in (
+          ("cast_dropped", (_cast_is_no_op,), "a cast to y's own dtype dropped", (
+              (l2_rms_norm_cast, l2_rms_norm_cast_dropped, {}),
+              (l2_rms_norm_channels_cast, l2_rms_norm_channels_cast_dropped, {"restore": False}),
+              (l2_rms_norm_channels_cast, l2_rms_norm_channels_cast_dropped, {"restore": True}))),
+          ("number_folded", (needs_number("number"),), "a number folded in", (
+              (l2_rms_norm_times_number, l2_rms_norm_number_folded, {}),
+              (l2_rms_norm_channels_times_number, l2_rms_norm_channels_number_folded, {"restore": False}),
+              (l2_rms_norm_channels_times_number, l2_rms_norm_channels_number_folded, {"restore": True}))),
+          ("channels_weight_folded", (_folds_over_channels("weight"),), "weight", (
+              (l2_rms_norm_channels_then_weight, l2_rms_norm_channels_weight_folded, {"restore": False}),
+              (l2_rms_norm_channels_then_weight, l2_rms_norm_channels_weight_folded, {"restore": True}))))
+      for search, replacement, where in variants
+      for kind, clamp in (("normalize", True), ("norm", False))
+      for options in ({**where, "clamp": clamp},)),
     Pattern("l2_norm_weight_folded", "rms_norm", l2_norm_then_weight, l2_norm_weight_folded, ("rms_norm",),
             (_l2_scale, _folds_as_affine("weight")), quiet=True, folds="weight"),
     Pattern("l2_normalize_weight_folded", "rms_norm", l2_normalize_then_weight, l2_normalize_weight_folded,
@@ -742,4 +867,13 @@ PATTERNS = (
            layer_norm_channels_bias_folded, "bias"),
           ("rms_norm_channels_weight_folded", "rms_norm", rms_norm_channels_then_weight,
            rms_norm_channels_weight_folded, "weight"))),
+    *(Pattern(f"l2_{kind}_zero_dropped", "rms_norm", functools.partial(search, **options),
+              functools.partial(replacement, **options), ("rms_norm",), (_l2_scale, _adds_zero),
+              quiet=True, folds="an added 0 dropped")
+      for search, replacement, where in (
+          (l2_rms_norm_plus_number, l2_rms_norm_zero_dropped, {}),
+          (l2_rms_norm_channels_plus_number, l2_rms_norm_channels_zero_dropped, {"restore": False}),
+          (l2_rms_norm_channels_plus_number, l2_rms_norm_channels_zero_dropped, {"restore": True}))
+      for kind, clamp in (("normalize", True), ("norm", False))
+      for options in ({**where, "clamp": clamp},)),
 )

@@ -724,11 +724,13 @@ def adaptive_inputs(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, t
 # The norm's spellings: diffusers' nn.GroupNorm, the functional forms, no affine, one group
 # (LayerNorm over C, H, W), one channel a group (InstanceNorm), and guided-diffusion's /
 # latent-diffusion's GroupNorm32 (the norm of an fp32 copy, cast back); and conv nets' norms over
-# the channels at each pixel, written out: ViTDet's LayerNorm, timm's RmsNorm2d.
+# the channels at each pixel, written out: ViTDet's LayerNorm, timm's RmsNorm2d; and the video
+# VAEs' (diffusers' WanRMS_norm: F.normalize of an fp32 copy, cast back, times sqrt(C), the weight
+# and 0.0).
 RESNET_NORMS = ("gn_module", "gn_functional", "torch_group_norm", "gn_no_affine", "gn_one_group",
-                "gn_channel_groups", "gn32_fp32_copy", "ln2d_written", "rms2d_written")
+                "gn_channel_groups", "gn32_fp32_copy", "ln2d_written", "rms2d_written", "vae_rms2d")
 # the family each norm spelling fuses as
-RESNET_NORM_FAMILY = {"ln2d_written": "layer_norm", "rms2d_written": "rms_norm"}
+RESNET_NORM_FAMILY = {"ln2d_written": "layer_norm", "rms2d_written": "rms_norm", "vae_rms2d": "rms_norm"}
 # The activation after it: nn.SiLU, F.silu, written out, and near misses that must keep their
 # own maths: SiLU in place (the norm's output overwritten: left), QuickGELU's y * sigmoid(1.702 y)
 # (no SiLU: bias_gelu's quick form takes it), the SiLU of the norm plus the time embedding, the
@@ -773,6 +775,9 @@ class ResnetNorm(nn.Module):
         if k == "rms2d_written":
             x = x * torch.rsqrt(torch.mean(x.pow(2), dim=1, keepdim=True) + self.eps)
             return x * n.weight.reshape(1, -1, 1, 1)
+        if k == "vae_rms2d":
+            h = F.normalize(x.double() if self.in_float64 else x.float(), dim=1, eps=self.eps).to(x.dtype)
+            return h * RESNET_CHANNELS ** 0.5 * n.weight[:, None, None] + 0.0
         if k == "gn_functional":
             return F.group_norm(x, self.groups, n.weight, n.bias, self.eps)
         if k == "torch_group_norm":

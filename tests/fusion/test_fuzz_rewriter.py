@@ -398,6 +398,8 @@ def test_each_resnet_norm_spelling(norm):
     report = check_against_unfused(lambda: rb.resnet_model(norm, "nn_silu"), rb.resnet_inputs(), "fx",
                                    train=True, twin64=rb.resnet_float64_twin)
     assert report.counts() == {rb.RESNET_NORM_FAMILY.get(norm, "group_norm"): 4}, report.table()
+    if norm == "vae_rms2d":  # its cast, number, weight and added 0 all folded into the norm
+        assert report.by_pattern() == {"l2_normalize_zero_dropped": 4}, report.table()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)

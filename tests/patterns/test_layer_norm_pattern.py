@@ -787,6 +787,91 @@ def test_l2_normalize_keeps_no_residual_add():
     assert report.counts() == {"rms_norm": 1}, report.table()
 
 
+# What diffusers' video VAEs write after their channel norm (Wan's `WanRMS_norm`, Qwen-Image's,
+# HunyuanVideo 1.5's, Kandinsky 6's): `F.normalize(x, dim=1).to(x.dtype) * dim ** 0.5 * gamma +
+# bias`, the bias the number 0.0 where there is none. All but a real bias folds into the norm.
+
+
+class VaeRMSNorm(nn.Module):
+    """That norm over a map's channels (`channel_first`) or its last dim; `norm="l2_norm"`: the
+    L2 norm with eps under the root in place of F.normalize; `upcast`: on an fp32 copy, as the
+    VAEs do for 16-bit x. `near_miss` changes one step so that what follows it cannot fold."""
+
+    def __init__(self, norm="normalize", images=True, bias=False, channel_first=True, upcast=False,
+                 near_miss=None):
+        super().__init__()
+        self.norm, self.upcast, self.near_miss, self.dim = norm, upcast, near_miss, 1 if channel_first else -1
+        self.scale = C ** 0.5
+        shape = (C, *((1, 1) if images else (1, 1, 1))) if channel_first else (C,)
+        self.gamma = nn.Parameter(1 + 0.1 * torch.randn(shape))
+        self.bias = nn.Parameter(0.1 * torch.randn(shape)) if bias else 0.0
+        self.register_buffer("tensor_scale", torch.tensor(self.scale))
+        self.positions = nn.Parameter(torch.randn(MAP[0].shape[2:]))
+
+    def forward(self, x):
+        h = x.float() if self.upcast else x
+        if self.norm == "normalize":
+            h = F.normalize(h, dim=self.dim)
+        else:
+            h = h * torch.rsqrt(h.pow(2).sum(self.dim, keepdim=True) + 1e-6)
+        if self.near_miss == "cast_elsewhere":
+            return h.to(torch.float16) * self.scale * self.gamma + self.bias
+        h = h.to(x.dtype)
+        if self.near_miss == "tensor_scale":
+            return h * self.tensor_scale * self.gamma + self.bias
+        if self.near_miss == "weight_over_positions":
+            return h * self.scale * self.positions + self.bias
+        if self.near_miss == "gamma_in_fp16":
+            return h * self.scale * self.gamma.half() + self.bias
+        return h * self.scale * self.gamma + (1.0 if self.near_miss == "add_one" else self.bias)
+
+
+VIDEO = (torch.randn(2, C, 3, 5, 4),)
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("options, inputs, pattern", [
+    ({}, MAP, "l2_normalize_zero_dropped"),
+    ({"images": False}, VIDEO, "l2_normalize_zero_dropped"),
+    ({"norm": "l2_norm"}, MAP, "l2_norm_zero_dropped"),
+    ({"channel_first": False}, (torch.randn(2, 5, 3, C),), "l2_normalize_zero_dropped"),
+    ({}, (MAP[0].to(memory_format=torch.channels_last),), "l2_normalize_zero_dropped"),
+    ({"bias": True}, MAP, "l2_normalize_channels_weight_folded"),  # the bias added after
+])
+def test_the_vae_channel_norm_folds_its_tail(options, inputs, pattern, capture):
+    """The cast to y's own dtype goes, the number and the weight join the norm's constant scale,
+    adding 0 goes: the last fold's name says the chain before it folded (each needs the norm's
+    result itself). Forward and gradients (gamma's too) against the unfused model."""
+    report = check_against_unfused(lambda: VaeRMSNorm(**options), inputs, capture, train=True)
+    assert report.by_pattern() == {pattern: 1}, report.table()
+    table = report.table()
+    assert "a number folded in" in table and "weight folded in" in table, table
+
+
+@pytest.mark.parametrize("near_miss, pattern", [
+    ("cast_elsewhere", "l2_normalize"),  # a real cast: nothing after it folds
+    ("tensor_scale", "l2_normalize_cast_dropped"),  # a tensor, not a number
+    ("weight_over_positions", "l2_normalize_number_folded"),  # not laid along the channels
+    ("gamma_in_fp16", "l2_normalize_number_folded"),  # not in x's dtype
+    ("add_one", "l2_normalize_channels_weight_folded"),  # adds 1, not 0
+])
+def test_near_misses_of_the_vae_channel_norm_fold_no_further(near_miss, pattern):
+    report = check_against_unfused(lambda: VaeRMSNorm(near_miss=near_miss), MAP, "dynamo", train=True)
+    assert report.by_pattern() == {pattern: 1}, report.table()
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_the_vae_channel_norm_of_16_bit_x_folds_on_its_fp32_copy(capture):
+    """fp16 x normalized on an fp32 copy and cast back (the VAEs' 16-bit path): the copy and the
+    cast go with the norm, then the number and the 16-bit gamma join its fp32 scale, and the kernel
+    rounds once where the model rounds three times."""
+    x = MAP[0].half()
+    report = check_against_unfused(lambda: VaeRMSNorm(upcast=True).half(), (x,), capture, train=True,
+                                   twin64=lambda m: setattr(m, "upcast", False) or m)
+    assert report.by_pattern() == {"l2_normalize_zero_dropped": 1}, report.table()
+    assert "spelled as l2_normalize_in_fp32" in report.table(), report.table()
+
+
 def test_l2_norm_over_a_symbolic_width_stays_with_a_reason():
     """Under `dynamic=True` an L2 norm of a model input has a symbolic width, from which its eps
     and scale would be computed (specializing it): left as written, and the report says why."""
