@@ -1733,6 +1733,32 @@ def hunyuan_video15_vae():
     return model, _vae_call, (torch.randn(1, 3, 5, 16, 16),)
 
 
+def qwenimage21_vae():
+    # Qwen-Image 2.1's VAE: Wan's for single images (its causal convs fold the frame away)
+    model = diffusers.AutoencoderKLQwenImage21(base_dim=16, decoder_base_dim=16, z_dim=4, dim_mult=[1, 2, 2],
+                                               num_res_blocks=1, attn_scales=[], temperal_downsample=[False, True],
+                                               in_channels=3, out_channels=3)
+    return model, _vae_call, (torch.randn(1, 3, 1, 16, 16),)
+
+
+def hunyuanimage_refiner_vae():
+    # HunyuanImage 2.1's refiner VAE: HunyuanVideo 1.5's, its own copy
+    model = diffusers.AutoencoderKLHunyuanImageRefiner(block_out_channels=(16, 32), layers_per_block=1,
+                                                       latent_channels=4, spatial_compression_ratio=2,
+                                                       temporal_compression_ratio=2)
+    return model, _vae_call, (torch.randn(1, 3, 5, 16, 16),)
+
+
+def kandinsky6_sr_vae():
+    # Kandinsky 6's super-resolution VAE: causal convs that write their padding into a cache dict
+    # they are handed, `F.normalize(x.float(), dim=1).to(dtype) * scale * gamma` norms
+    from diffusers.models.autoencoders.autoencoder_kandinsky6_sr import Kandinsky6SRVAE
+
+    model = Kandinsky6SRVAE(latent_channels=4, encoder_block_out_channels=(8, 16), decoder_block_out_channels=(8, 16),
+                            layers_per_block=1, temporal_compression_ratio=2, temporal_compression_start_level=1)
+    return model, _vae_call, (torch.randn(1, 3, 5, 16, 16),)
+
+
 BUILDERS = {
     **{name: _from_tests(build) for name, (build, _, _) in _tested.MODELS.items()},
     "flux3": flux3,
@@ -1779,4 +1805,7 @@ BUILDERS = {
     "joyimage_edit": joyimage_edit,
     "qwenimage_vae": qwenimage_vae,
     "hunyuan_video15_vae": hunyuan_video15_vae,
+    "qwenimage21_vae": qwenimage21_vae,
+    "hunyuanimage_refiner_vae": hunyuanimage_refiner_vae,
+    "kandinsky6_sr_vae": kandinsky6_sr_vae,
 }
