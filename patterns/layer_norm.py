@@ -742,6 +742,26 @@ def _resolve_eps(m: Match) -> dict | None:
     return {"eps": default_rms_eps(x.dtype)} if isinstance(x, torch.Tensor) else None
 
 
+def _l2_tail_patterns(name: str, filters: tuple, folds: str, variants: tuple) -> tuple[Pattern, ...]:
+    """One fold of an L2 norm's tail, `l2_normalize_<name>` (F.normalize's RMSNorm, `clamp`) and
+    `l2_norm_<name>`, for each (search, replacement, options) over the last dim or the channels."""
+    return tuple(Pattern(f"l2_{kind}_{name}", "rms_norm", functools.partial(search, **where, clamp=clamp),
+                         functools.partial(replacement, **where, clamp=clamp), ("rms_norm",),
+                         (_l2_scale, *filters), quiet=True, folds=folds)
+                 for search, replacement, where in variants
+                 for kind, clamp in (("normalize", True), ("norm", False)))
+
+
+_L2_CASTS_DROPPED = _l2_tail_patterns("cast_dropped", (_cast_is_no_op,), "a cast to y's own dtype dropped", (
+    (l2_rms_norm_cast, l2_rms_norm_cast_dropped, {}),
+    (l2_rms_norm_channels_cast, l2_rms_norm_channels_cast_dropped, {"restore": False}),
+    (l2_rms_norm_channels_cast, l2_rms_norm_channels_cast_dropped, {"restore": True})))
+_L2_NUMBERS_FOLDED = _l2_tail_patterns("number_folded", (needs_number("number"),), "a number folded in", (
+    (l2_rms_norm_times_number, l2_rms_norm_number_folded, {}),
+    (l2_rms_norm_channels_times_number, l2_rms_norm_channels_number_folded, {"restore": False}),
+    (l2_rms_norm_channels_times_number, l2_rms_norm_channels_number_folded, {"restore": True})))
+
+
 _RMS_FILTERS = (needs_number("eps"),)
 
 PATTERNS = (
@@ -832,30 +852,18 @@ PATTERNS = (
             ("layer_norm",), (_folds_as_affine("bias"),), quiet=True, folds="bias"),
     Pattern("rms_norm_weight_folded", "rms_norm", rms_norm_then_weight, rms_norm_weight_folded,
             ("rms_norm",), (_folds_as_affine("weight"),), quiet=True, folds="weight"),
-    # The tails of L2 norms (`_l2_rms_norm`): first a cast to y's dtype, then a number, then the
-    # weight (over the last dim, `l2_*_weight_folded`; over a map's channels), then adding 0.
-    *(Pattern(f"l2_{kind}_{name}", "rms_norm", functools.partial(search, **options),
-              functools.partial(replacement, **options), ("rms_norm",), (_l2_scale, *filters),
-              quiet=True, folds=folds)
-      for name, filters, folds, variants in (
-          ("cast_dropped", (_cast_is_no_op,), "a cast to y's own dtype dropped", (
-              (l2_rms_norm_cast, l2_rms_norm_cast_dropped, {}),
-              (l2_rms_norm_channels_cast, l2_rms_norm_channels_cast_dropped, {"restore": False}),
-              (l2_rms_norm_channels_cast, l2_rms_norm_channels_cast_dropped, {"restore": True}))),
-          ("number_folded", (needs_number("number"),), "a number folded in", (
-              (l2_rms_norm_times_number, l2_rms_norm_number_folded, {}),
-              (l2_rms_norm_channels_times_number, l2_rms_norm_channels_number_folded, {"restore": False}),
-              (l2_rms_norm_channels_times_number, l2_rms_norm_channels_number_folded, {"restore": True}))),
-          ("channels_weight_folded", (_folds_over_channels("weight"),), "weight", (
-              (l2_rms_norm_channels_then_weight, l2_rms_norm_channels_weight_folded, {"restore": False}),
-              (l2_rms_norm_channels_then_weight, l2_rms_norm_channels_weight_folded, {"restore": True}))))
-      for search, replacement, where in variants
-      for kind, clamp in (("normalize", True), ("norm", False))
-      for options in ({**where, "clamp": clamp},)),
+    # The tails of L2 norms (`_l2_rms_norm`): first a cast to y's dtype, then a number and the
+    # weight (over the last dim or a map's channels) in either order, then adding 0.
+    *_L2_CASTS_DROPPED,
+    *_L2_NUMBERS_FOLDED,
+    *_l2_tail_patterns("channels_weight_folded", (_folds_over_channels("weight"),), "weight", (
+        (l2_rms_norm_channels_then_weight, l2_rms_norm_channels_weight_folded, {"restore": False}),
+        (l2_rms_norm_channels_then_weight, l2_rms_norm_channels_weight_folded, {"restore": True}))),
     Pattern("l2_norm_weight_folded", "rms_norm", l2_norm_then_weight, l2_norm_weight_folded, ("rms_norm",),
             (_l2_scale, _folds_as_affine("weight")), quiet=True, folds="weight"),
     Pattern("l2_normalize_weight_folded", "rms_norm", l2_normalize_then_weight, l2_normalize_weight_folded,
             ("rms_norm",), (_l2_scale, _folds_as_affine("weight")), quiet=True, folds="weight"),
+    *_L2_NUMBERS_FOLDED,  # after the weight (lucidrains' `F.normalize(x, dim=-1) * self.g * self.scale`)
     *(Pattern(name, family, functools.partial(search, restore=restore),
               functools.partial(replacement, restore=restore), (family,), (_folds_over_channels(folds),),
               quiet=True, folds=folds)
@@ -867,13 +875,8 @@ PATTERNS = (
            layer_norm_channels_bias_folded, "bias"),
           ("rms_norm_channels_weight_folded", "rms_norm", rms_norm_channels_then_weight,
            rms_norm_channels_weight_folded, "weight"))),
-    *(Pattern(f"l2_{kind}_zero_dropped", "rms_norm", functools.partial(search, **options),
-              functools.partial(replacement, **options), ("rms_norm",), (_l2_scale, _adds_zero),
-              quiet=True, folds="an added 0 dropped")
-      for search, replacement, where in (
-          (l2_rms_norm_plus_number, l2_rms_norm_zero_dropped, {}),
-          (l2_rms_norm_channels_plus_number, l2_rms_norm_channels_zero_dropped, {"restore": False}),
-          (l2_rms_norm_channels_plus_number, l2_rms_norm_channels_zero_dropped, {"restore": True}))
-      for kind, clamp in (("normalize", True), ("norm", False))
-      for options in ({**where, "clamp": clamp},)),
+    *_l2_tail_patterns("zero_dropped", (_adds_zero,), "an added 0 dropped", (
+        (l2_rms_norm_plus_number, l2_rms_norm_zero_dropped, {}),
+        (l2_rms_norm_channels_plus_number, l2_rms_norm_channels_zero_dropped, {"restore": False}),
+        (l2_rms_norm_channels_plus_number, l2_rms_norm_channels_zero_dropped, {"restore": True}))),
 )

@@ -860,6 +860,33 @@ def test_near_misses_of_the_vae_channel_norm_fold_no_further(near_miss, pattern)
     assert report.by_pattern() == {pattern: 1}, report.table()
 
 
+class WeightFirstRMSNorm(nn.Module):
+    """lucidrains' RMSNorm (x-transformers, denoising-diffusion-pytorch's UNet): the weight, then
+    sqrt(dim), `F.normalize(x, dim=-1) * self.g * self.scale`; over a map's channels its g is
+    shaped (1, C, 1, 1); `offset`: a weight of g + 1, computed each call."""
+
+    def __init__(self, channels=False, offset=False):
+        super().__init__()
+        self.dim, self.offset, self.scale = 1 if channels else -1, offset, C ** 0.5
+        self.g = nn.Parameter(1 + 0.1 * torch.randn((1, C, 1, 1) if channels else (C,)))
+
+    def forward(self, x):
+        g = self.g + 1 if self.offset else self.g
+        return F.normalize(x, dim=self.dim) * g * self.scale
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("options, inputs, pattern", [
+    ({}, (torch.randn(2, 5, C),), "l2_normalize_number_folded"),
+    ({"offset": True}, (torch.randn(2, 5, C),), "l2_normalize_number_folded"),
+    ({"channels": True}, MAP, "l2_normalize_number_folded"),
+])
+def test_a_weight_then_a_number_after_f_normalize_fold_too(options, inputs, pattern, capture):
+    report = check_against_unfused(lambda: WeightFirstRMSNorm(**options), inputs, capture, train=True)
+    assert report.by_pattern() == {pattern: 1}, report.table()
+    assert "weight folded in; a number folded in" in report.table(), report.table()
+
+
 @pytest.mark.parametrize("capture", CAPTURES)
 def test_the_vae_channel_norm_of_16_bit_x_folds_on_its_fp32_copy(capture):
     """fp16 x normalized on an fp32 copy and cast back (the VAEs' 16-bit path): the copy and the
