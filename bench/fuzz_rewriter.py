@@ -211,7 +211,7 @@ def perturbed(seed: int):
     return lambda model: nudge_outputs(model, seed)
 
 
-def ill_conditioned(make, inputs: tuple, train: bool, twin64=None, failure: str = "", tries: int = 6,
+def ill_conditioned(make, inputs: tuple, train: bool, twin64=None, failure: str = "", tries: int = 12,
                     autocast=None) -> bool:
     """Whether the unfused model itself, with its Linear outputs nudged by half an ulp (perturbed),
     fails the same check on the same output or gradient by at least half the fused model's error
@@ -225,7 +225,11 @@ def ill_conditioned(make, inputs: tuple, train: bool, twin64=None, failure: str 
     float16). An fp32 block under bf16 autocast that cubes a ReLU after its up projection: the fused
     up.bias gradient 8.9e-2 off against a bound of 8.7e-2; PyTorch's own model nudged misses it by
     9.5e-2 to 0.195 in 4 runs of 6, each after failing on its output first, where this check used
-    to stop (seed 69, draw 358). Such a draw shows the model's conditioning,
+    to stop (seed 69, draw 358). An fp16 block with SAM's decomposed relative positions: the fused
+    row table's gradient 2.60e-3 off against a bound of 2.46e-3 (PyTorch's own 6.5e-4), its
+    attention or its GeLU fused alone inside it; PyTorch's own model nudged passed in runs 1 to 6,
+    then missed by 2.6e-3 to 3.6e-3 in 5 of the next 6 (seed 107, draw 170: hence 12 runs, not
+    6). Such a draw shows the model's conditioning,
     nothing about the kernels. (A well-conditioned model nudged so may miss the bound narrowly,
     which is why the error must be comparable, not merely over the bound.)"""
     if _MAX_ERROR.match(failure) is None:
