@@ -21,6 +21,8 @@ NORMS = ("ln_module", "ln_functional", "ln_no_bias", "ln_written", "rms_module",
          # L2 norms (eps under the root; nGPT's on an fp32 copy, cast back; F.normalize's floor, and
          # written out), a weight after
          "l2_written", "l2_fp32_copy", "l2_normalize", "l2_clamped",
+         # F.normalize times its weight, then sqrt(width) (lucidrains' RMSNorm)
+         "l2_normalize_weight_first",
          # near misses
          "ln_unbiased_var", "rms_eps_outside_sqrt", "rms_mean_over_seq", "ln_no_centering",
          "l2_eps_outside", "l2_clamped_above")
@@ -135,6 +137,8 @@ class Norm(nn.Module):
             return F.normalize(x, dim=-1, eps=eps) * self.weight
         if k == "l2_clamped":
             return x / x.norm(dim=-1, keepdim=True).clamp(min=eps) * self.weight
+        if k == "l2_normalize_weight_first":
+            return F.normalize(x, dim=-1, eps=eps) * self.weight * HIDDEN ** 0.5
         # near misses
         if k == "l2_clamped_above":  # a ceiling, not a floor
             return x / x.norm(dim=-1, keepdim=True).clamp(max=1.0) * self.weight
