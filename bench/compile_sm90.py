@@ -90,6 +90,14 @@ def _catalogue(torch, family: str):
             x, w, b = leaf(rows, n), leaf(n), leaf(n)
             yield f"layer_norm {n}", fwd_bwd(lambda x=x, w=w, b=b, n=n: ops.layer_norm(x, n, w, b))
             yield f"rms_norm {n}", fwd_bwd(lambda x=x, w=w, n=n: ops.rms_norm(x, n, w, 1e-6))
+        # The registered ops, as trifuse_inductor's graphs call them: their backward op sums only
+        # the per-feature vectors autograd asks for (an RMSNorm's dweight alone).
+        for n in (1024, 4096):
+            x, w, b = leaf(rows, n), leaf(n), leaf(n)
+            yield f"registered layer_norm {n}", fwd_bwd(
+                lambda x=x, w=w, b=b, n=n: torch.ops.trifuse.layer_norm(x, [n], w, b, 1e-5)[0])
+            yield f"registered rms_norm {n}", fwd_bwd(
+                lambda x=x, w=w, n=n: torch.ops.trifuse.rms_norm(x, [n], w, 1e-6)[0])
         # The floored RMSNorm F.normalize becomes (clamp_eps), in the two paths: one block, wide rows.
         for n in (1024, 20000):
             x, w = leaf(rows, n), leaf(n, dtype=torch.float32)

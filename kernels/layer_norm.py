@@ -743,14 +743,18 @@ def _bwd_run(plan: tuple, head: tuple, tail: tuple, m: int, n: int, acc: torch.d
     arguments before PARTIAL and after the row geometry."""
     grid, meta, programs, rows_per_program, zero, sum_grid, sum_meta = plan
     total = programs * groups
-    partials = (torch.zeros if zero else torch.empty)((3, total, n), dtype=acc, device=device)
+    summed = any(d is not None for d in grad_dtypes)
+    # (without a vector to sum the kernel stores no partial row: a one-element stand-in buffer)
+    partials = (torch.zeros if zero else torch.empty)((3, total, n) if summed else (1,), dtype=acc,
+                                                      device=device)
     args = (*head, partials, *tail[:5], m, n, rows_per_program, total * n, *tail[5:11], m // groups,
             *tail[11:])
     _layer_norm_bwd.run(grid, args, meta)
     shape = (n,) if groups == 1 else (groups, n)
     vecs = tuple(None if d is None else torch.empty(shape, dtype=d, device=device) for d in grad_dtypes)
-    outs = (partials if v is None else v for v in vecs)
-    _sum_partials.run(sum_grid, (partials, *outs, programs, n, total * n), sum_meta)
+    if summed:
+        outs = (partials if v is None else v for v in vecs)
+        _sum_partials.run(sum_grid, (partials, *outs, programs, n, total * n), sum_meta)
     return vecs
 
 
@@ -1210,25 +1214,43 @@ def _norm_add(x, residual, normalized_shape, weight, bias, eps, is_rms_norm):
     return y, mean, rstd
 
 
+# Which of the backward's three per-feature vectors a caller needs, as bits (the op's `vectors`).
+DWEIGHT, DBIAS, DX_BIAS = 1, 2, 4
+ALL_VECTORS = DWEIGHT | DBIAS | DX_BIAS
+
+
+def _vectors_needed(needs: tuple[bool, ...], weight: int | None, bias: int | None = None,
+                    x_bias: int | None = None) -> int:
+    """The op's `vectors` for an autograd backward: each bit whose input (at that index of
+    `ctx.needs_input_grad`; None where the op has no such input) asks for a gradient."""
+    return sum(bit for bit, at in ((DWEIGHT, weight), (DBIAS, bias), (DX_BIAS, x_bias))
+               if at is not None and needs[at])
+
+
 @torch.library.custom_op("trifuse::layer_norm_backward", mutates_args=())
 def _layer_norm_backward_op(
     dy: Tensor, ds: OptTensor, s: Tensor, normalized_shape: list[int], weight: OptTensor,
     mean: Tensor, rstd: Tensor, seed: OptTensor, p: float, is_rms_norm: bool, store_dresidual: bool,
-    dx_dtype: torch.dtype | None = None, dy_narrow: OptTensor = None,
+    dx_dtype: torch.dtype | None = None, dy_narrow: OptTensor = None, vectors: int = ALL_VECTORS,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, dresidual, dweight, dbias, dx_bias) for every LayerNorm / RMSNorm forward op. mean
     and rstd as the forward op returned them (RMSNorm ignores mean); dy in any float dtype (a
     narrowed y's), dy_narrow (y_narrow's gradient, full_y) added to it in fp32 by the kernel;
-    dx in dx_dtype (s's by default)."""
+    dx in dx_dtype (s's by default). `vectors` (`_vectors_needed`: 1 dweight, 2 dbias, 4 dx_bias)
+    says which of the three the caller reads: the kernel sums only those (an RMSNorm has no bias,
+    a constant weight needs no gradient), the others come back empty."""
     _check_dy_narrow(dy_narrow, s)
+    acc = _stat_dtype(s)
     dx, dr, dw, db, dxb = layer_norm_bwd(
         dy, s, math.prod(normalized_shape), weight, mean.reshape(-1), rstd.reshape(-1),
         is_rms_norm=is_rms_norm, ds=ds, p=p, seed=seed, store_dresidual=store_dresidual, dx_dtype=dx_dtype,
         more_dy=() if dy_narrow is None else (dy_narrow,),
+        grad_dtypes=tuple(acc if vectors >> i & 1 else None for i in range(3)),
     )
     # A custom op's outputs may not alias: dresidual is empty unless stored apart (else it is dx).
-    # The three vectors are buffers of their own on both paths.
-    return dx, (dr if store_dresidual else dx.new_empty(0)), dw, db, dxb
+    # The three vectors are buffers of their own on both paths, empty where not asked for.
+    return dx, (dr if store_dresidual else dx.new_empty(0)), \
+        *(v if v is not None else s.new_empty(0, dtype=acc) for v in (dw, db, dxb))
 
 
 # The fakes allocate as the kernels do (`empty_like`: contiguous whatever x's strides): a fake
@@ -1304,12 +1326,12 @@ def _(x, residual, normalized_shape, weight, eps):
 
 @_layer_norm_backward_op.register_fake
 def _(dy, ds, s, normalized_shape, weight, mean, rstd, seed, p, is_rms_norm, store_dresidual, dx_dtype=None,
-      dy_narrow=None):
+      dy_narrow=None, vectors=ALL_VECTORS):
     _check_dy_narrow(dy_narrow, s)
     n = math.prod(normalized_shape)
-    vec = s.new_empty(n, dtype=_stat_dtype(s))
     dr = empty_like(s) if store_dresidual else s.new_empty(0)
-    return empty_like(s, dx_dtype), dr, vec, torch.empty_like(vec), torch.empty_like(vec)
+    return empty_like(s, dx_dtype), dr, \
+        *(s.new_empty(n if vectors >> i & 1 else 0, dtype=_stat_dtype(s)) for i in range(3))
 
 
 def _stat_dtype(t: torch.Tensor) -> torch.dtype:
@@ -1356,22 +1378,29 @@ def _dy_narrow(ctx, grads: tuple) -> Tensor | None:
     return grads[-1] if ctx.full_y else None
 
 
-def _backward_tail(dx_dtype: torch.dtype | None, dy_narrow: Tensor | None) -> tuple:
-    """layer_norm_backward's trailing (dx_dtype, dy_narrow) as far as either is given (a traced
-    call carries no trailing Nones)."""
+def _backward_tail(dx_dtype: torch.dtype | None, dy_narrow: Tensor | None,
+                   vectors: int = ALL_VECTORS) -> tuple:
+    """layer_norm_backward's trailing (dx_dtype, dy_narrow, vectors) as far as any differs from
+    its default (a traced call carries no trailing defaults)."""
+    if vectors != ALL_VECTORS:
+        return dx_dtype, dy_narrow, vectors
     return (dx_dtype, dy_narrow) if dy_narrow is not None else () if dx_dtype is None else (dx_dtype,)
 
 
-def _norm_grads(ctx, dy, dy_narrow=None):
+def _norm_grads(ctx, dy, dy_narrow=None, first_param=2):
     """(dx, dweight, dbias) of a norm of the saved (x, weight, bias, mean, rstd); dy_narrow: the
-    gradient of y_narrow (full_y), added to dy's."""
+    gradient of y_narrow (full_y), added to dy's. The weight is input `first_param` of the
+    forward op, the bias the next: their gradients are summed only where asked for (else None)."""
     x, weight, bias, mean, rstd = ctx.saved_tensors
     if dy is None:
         dy, dy_narrow = dy_narrow, None
+    vectors = _vectors_needed(ctx.needs_input_grad, first_param if weight is not None else None,
+                              first_param + 1 if bias is not None else None)
     dx, _, dw, db, _ = torch.ops.trifuse.layer_norm_backward(
         dy, None, x, ctx.normalized_shape, weight, mean, rstd, None, 0.0, ctx.is_rms_norm, False,
-        *_backward_tail(None, dy_narrow))
-    return dx, _grad_as(dw, weight), _grad_as(db, bias)
+        *_backward_tail(None, dy_narrow, vectors))
+    return (dx, _grad_as(dw, weight) if vectors & DWEIGHT else None,
+            _grad_as(db, bias) if vectors & DBIAS else None)
 
 
 # The registered norms' formulas are differentiable again under create_graph=True by the eager
@@ -1453,14 +1482,20 @@ def _backward_fused(ctx, dy, ds, *rest):
     # residual stream under autocast: a cast after the op would be one more pass over it).
     args = (dy, ds, s, ctx.normalized_shape, weight, mean, rstd, seed, p, ctx.is_rms_norm, ctx.has_residual)
     dx_dtype = None if ctx.x_dtype == s.dtype else ctx.x_dtype
-    dx, dr, dw, db, dxb = torch.ops.trifuse.layer_norm_backward(*args, *_backward_tail(dx_dtype, dy_narrow))
+    # (x, residual, normalized_shape, weight, [bias,] eps, p, x_bias, ...); y unread: the norm's
+    # weight and bias reach the loss through nothing, so their gradients are None as unfused (not
+    # zeros: an optimizer would decay and step them, DDP count them as used)
+    rms = ctx.is_rms_norm
+    vectors = _vectors_needed(ctx.needs_input_grad, 3 if y_used and weight is not None else None,
+                              4 if y_used and not rms and bias is not None else None,
+                              (6 if rms else 7) if x_bias is not None else None)
+    dx, dr, dw, db, dxb = torch.ops.trifuse.layer_norm_backward(*args, *_backward_tail(dx_dtype, dy_narrow,
+                                                                                      vectors))
     dres = dr.to(ctx.residual_dtype) if ctx.has_residual else None
-    # y unread: the norm's weight and bias reach the loss through nothing, so their gradients are
-    # None as unfused (not zeros: an optimizer would decay and step them, DDP count them as used)
-    grads = [dx.to(ctx.x_dtype), dres, None, _grad_as(dw, weight) if y_used else None]
-    if not ctx.is_rms_norm:
-        grads.append(_grad_as(db, bias) if y_used else None)
-    return (*grads, None, None, _grad_as(dxb, x_bias), None, None)
+    grads = [dx.to(ctx.x_dtype), dres, None, _grad_as(dw, weight) if vectors & DWEIGHT else None]
+    if not rms:
+        grads.append(_grad_as(db, bias) if vectors & DBIAS else None)
+    return (*grads, None, None, _grad_as(dxb, x_bias) if vectors & DX_BIAS else None, None, None)
 
 
 def _setup_norm_add(ctx, inputs, output, is_rms_norm):
@@ -1490,7 +1525,7 @@ def _backward_norm_add(ctx, dy, *_):
     # y = residual + norm(x): the residual's gradient is dy itself, x's the norm's backward of dy.
     if dy is None:
         return (None,) * (5 if ctx.is_rms_norm else 6)
-    dx, dw, db = _norm_grads(ctx, dy)
+    dx, dw, db = _norm_grads(ctx, dy, first_param=3)  # (x, residual, normalized_shape, weight, bias, eps)
     grads = [cast(dx, ctx.x_dtype), cast(dy, ctx.residual_dtype), None, dw]
     if not ctx.is_rms_norm:
         grads.append(db)

@@ -207,14 +207,18 @@ def register() -> bool:
 
     @register_sharding(ops.layer_norm_backward.default)
     def _layer_norm_backward(dy, ds, s, normalized_shape, weight, mean, rstd, seed, p, is_rms_norm,
-                             store_dresidual, *narrowing):
+                             store_dresidual, *tail):
+        # tail: (dx_dtype, dy_narrow, vectors) as far as the call gives them; a vector not asked
+        # for comes back empty
+        vectors = tail[2] if len(tail) > 2 else 7
         args = [("row", dy), ("row", ds), ("row", s), (None, None), ("feat", weight), ("stat", mean),
                 ("stat", rstd), ("seed", seed), (None, None), (None, None), (None, None),
-                *[(None, None)] * len(narrowing[:1]), *[("row", t) for t in narrowing[1:]]]
+                *[(None, None)] * len(tail[:1]), *[("row", t) for t in tail[1:2]],
+                *[(None, None)] * len(tail[2:])]
         return _norm_strategies(
             s, len(normalized_shape), args,
             [("row", s), ("row" if store_dresidual else "stat", s if store_dresidual else _EMPTY),
-             ("part", s), ("part", s), ("part", s)],
+             *[("part", s if vectors >> i & 1 else _EMPTY) for i in range(3)]],
         )
 
     @register_sharding(ops.dropout_add.default)

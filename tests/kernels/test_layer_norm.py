@@ -748,3 +748,76 @@ def test_rms_norm_without_eps_takes_pytorchs_default(dtype):
     grads_lowp = torch.autograd.grad(y_lowp, (x, w), dy)
     for name, g, g64, g_lowp in zip(("dx", "dw"), grads, grads64, grads_lowp):
         assert_close(name, g, g64, g_lowp, compute_dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# The backward sums only the per-feature vectors asked for (the op's `vectors`)
+# ---------------------------------------------------------------------------------------------
+
+
+def _vectors_summed(monkeypatch) -> list[tuple[bool, bool, bool]]:
+    """Records, per backward launch, which of (dweight, dbias, dx_bias) the kernel summed."""
+    seen: list[tuple[bool, bool, bool]] = []
+    real = ln_mod._bwd_run
+
+    def spy(plan, head, tail, m, n, acc, grad_dtypes, *rest):
+        seen.append(tuple(d is not None for d in grad_dtypes))
+        return real(plan, head, tail, m, n, acc, grad_dtypes, *rest)
+
+    monkeypatch.setattr(ln_mod, "_bwd_run", spy)
+    return seen
+
+
+@pytest.mark.parametrize("case, summed", [
+    ("rms_weight", (True, False, False)),  # an RMSNorm has no bias, a plain one no x_bias
+    ("rms_constant_weight", (False, False, False)),  # nothing summed, no reduction launched
+    ("ln_weight_bias", (True, True, False)),
+    ("ln_frozen_weight", (False, True, False)),
+    ("dropout_add_ln_x_bias", (True, True, True)),
+    ("dropout_add_rms_frozen", (False, False, True)),
+])
+def test_the_backward_sums_only_the_vectors_asked_for(case, summed, monkeypatch):
+    """Each norm's backward asks the kernel for the gradients autograd needs of its weight, bias
+    and x_bias, no more; the gradients it returns are the float64 reference's, and None (not zeros)
+    for what needs none."""
+    torch.manual_seed(0)
+    x, r = (torch.randn(5, 24, dtype=torch.float64, device=DEVICE, requires_grad=True) for _ in range(2))
+    w = 1 + 0.1 * torch.randn(24, dtype=torch.float64, device=DEVICE)
+    w.requires_grad_("frozen" not in case and "constant" not in case)
+    b, xb = ((0.1 * torch.randn(24, dtype=torch.float64, device=DEVICE)).requires_grad_() for _ in range(2))
+    ops = trifuse.ops
+    run, ref = {  # (trifuse's, PyTorch's)
+        "rms": (lambda: ops.rms_norm(x, (24,), w, 1e-5), lambda: F.rms_norm(x, (24,), w, 1e-5)),
+        "ln_": (lambda: ops.layer_norm(x, (24,), w, b, 1e-5), lambda: F.layer_norm(x, (24,), w, b, 1e-5)),
+        "dropout_add_ln": (lambda: ops.dropout_add_layer_norm(x, r, (24,), w, b, 1e-5, 0.0, x_bias=xb)[0],
+                           lambda: F.layer_norm(x + xb + r, (24,), w, b, 1e-5)),
+        "dropout_add_rms": (lambda: ops.dropout_add_layer_norm(x, r, (24,), w, None, 1e-5, 0.0, x_bias=xb,
+                                                               is_rms_norm=True)[0],
+                            lambda: F.rms_norm(x + xb + r, (24,), w, 1e-5)),
+    }[next(k for k in ("rms", "ln_", "dropout_add_ln", "dropout_add_rms") if case.startswith(k))]
+    for dialect in (ln_mod.RMS_NORM, ln_mod.DROPOUT_ADD_LAYER_NORM, ln_mod.DROPOUT_ADD_RMS_NORM):
+        monkeypatch.setattr(dialect, "key", lambda *args: None)  # trifuse's kernels, on a GPU too
+    seen = _vectors_summed(monkeypatch)
+    dy = torch.randn(5, 24, dtype=torch.float64, device=DEVICE)
+    live = [t for t in (x, w, b, r, xb) if t.requires_grad]
+    got = torch.autograd.grad(run(), live, dy, allow_unused=True)
+    want = torch.autograd.grad(ref(), live, dy, allow_unused=True)
+    assert seen == ([summed] if INTERPRETED or DEVICE == "cuda" else [])  # (none on PyTorch's CPU path)
+    for g, g_ in zip(got, want):
+        assert (g is None) == (g_ is None)
+        if g is not None:
+            torch.testing.assert_close(g, g_)
+
+
+def test_opcheck_of_the_backward_asking_for_some_vectors():
+    x = torch.randn(3, 16, device=DEVICE)
+    w = torch.randn(16, device=DEVICE)
+    with torch.no_grad():
+        y, mean, rstd, _ = torch.ops.trifuse.layer_norm(x, [16], w, None, 1e-5)
+    for vectors in (0, 1, 2, 5):
+        torch.library.opcheck(torch.ops.trifuse.layer_norm_backward.default,
+                              (torch.randn_like(y), None, x, [16], w, mean, rstd, None, 0.0, False, False,
+                               None, None, vectors))
+        out = torch.ops.trifuse.layer_norm_backward(torch.randn_like(y), None, x, [16], w, mean, rstd, None,
+                                                    0.0, False, False, None, None, vectors)
+        assert [v.numel() for v in out[2:]] == [16 if vectors >> i & 1 else 0 for i in range(3)]
