@@ -210,7 +210,7 @@ def register() -> bool:
                              store_dresidual, *tail):
         # tail: (dx_dtype, dy_narrow, vectors) as far as the call gives them; a vector not asked
         # for comes back empty
-        vectors = tail[2] if len(tail) > 2 else 7
+        vectors = tail[2] if len(tail) > 2 else 7  # all three (kernels/layer_norm.py's ALL_VECTORS)
         args = [("row", dy), ("row", ds), ("row", s), (None, None), ("feat", weight), ("stat", mean),
                 ("stat", rstd), ("seed", seed), (None, None), (None, None), (None, None),
                 *[(None, None)] * len(tail[:1]), *[("row", t) for t in tail[1:2]],
