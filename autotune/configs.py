@@ -239,3 +239,26 @@ def group_norm() -> list[triton.Config]:
     take one config each (tuned apart)."""
     space = ((1024, 4, 4), (2048, 8, 4), (4096, 8, 2), (1024, 4, 8), (2048, 4, 8), (512, 4, 8))
     return [triton.Config({"BLOCK": b, "WAVES": w, "MIN_BLOCKS": 4}, num_warps=nw) for b, nw, w in space]
+
+
+# ---------------------------------------------------------------------------------------------
+# LayerNorm / RMSNorm over a channels-first map's channels (kernels/channel_norm.py): a tile of
+# TILE values, positions by channels (all of them when they fit with 16 positions, else blocks of
+# channels by 64 positions); the backward runs PROGRAMS_PER_SM x SMs programs, each with a row of
+# fp32 partial sums for dW / dB. Entry 0 as the row norms' (forward tiles of 8192 values with 8
+# warps, backward tiles of 4096 and 2 programs an SM). No pruning rule: at 32 values a thread a
+# tile, the forward holds three tiles, the backward seven (its two accumulators) at 16. Not yet
+# timed on a GPU.
+# ---------------------------------------------------------------------------------------------
+
+
+def channel_norm_fwd() -> list[triton.Config]:
+    """(TILE, warps)."""
+    space = ((8192, 8), (4096, 8), (4096, 4), (2048, 4), (16384, 16))
+    return [triton.Config({"TILE": t}, num_warps=w) for t, w in space]
+
+
+def channel_norm_bwd() -> list[triton.Config]:
+    """(TILE, warps, PROGRAMS_PER_SM)."""
+    space = ((4096, 8, 2), (2048, 4, 4), (4096, 8, 1), (2048, 8, 2), (8192, 16, 1), (1024, 4, 8))
+    return [triton.Config({"TILE": t, "PROGRAMS_PER_SM": p}, num_warps=w) for t, w, p in space]

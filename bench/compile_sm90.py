@@ -56,7 +56,8 @@ HOPPER_SMEM = 232448
 SASS_COUNTED = ("HGMMA", "HMMA", "UTMALDG", "UTMASTG", "LDGSTS", "LDL", "STL", "MUFU")
 
 FAMILIES = ("layer_norm", "adaptive_norm_rows", "residual_stream", "bias_gelu", "dropout_add", "gated_activation", "rotary",
-            "attention", "attention_dropout", "attention_varlen", "cross_entropy", "cast", "group_norm", "xielu")
+            "attention", "attention_dropout", "attention_varlen", "cross_entropy", "cast", "group_norm", "xielu",
+            "channel_norm")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,6 +230,17 @@ def _catalogue(torch, family: str):
         xc = xc.detach().to(memory_format=torch.channels_last).requires_grad_()
         yield "group_norm 1x8x80x80 silu; 1x128x32x32 g8 silu channels_last", fwd_bwd(
             lambda: (ops.group_norm(xv, 1, wv, bv, 1e-5, "silu"), ops.group_norm(xc, 8, wc, bc, 1e-5, "silu")))
+    elif family == "channel_norm":
+        # Norms over a contiguous map's channels: a video VAE's F.normalize at 96 channels (one
+        # tile each way, the fp32 constant scale), 384 (one tile forward; the backward's tile of
+        # 4096 walks them in blocks) and a LayerNorm2d at 1024 (blocks both ways)
+        x, w = leaf(1, 96, 4, 32, 32), leaf(96, dtype=torch.float32)
+        yield "channel_norm 1x96x4x32x32 l2 floored", fwd_bwd(
+            lambda x=x, w=w: ops.channel_norm(x, w, None, 1e-13, rms=True, clamp_eps=True))
+        x, w = leaf(1, 384, 32, 32), leaf(384)
+        yield "channel_norm 1x384x32x32 rms", fwd_bwd(lambda x=x, w=w: ops.channel_norm(x, w, None, 1e-6, rms=True))
+        x, w, b = leaf(2, 1024, 16, 16), leaf(1024), leaf(1024)
+        yield "channel_norm 2x1024x16x16 layer", fwd_bwd(lambda x=x, w=w, b=b: ops.channel_norm(x, w, b, 1e-6))
     elif family == "gated_activation":
         g, u = leaf(tile_rows, 8192), leaf(tile_rows, 8192)
         for act in ("silu", "gelu", "gelu_tanh", "relu2"):
@@ -360,6 +372,7 @@ def record(families: list[str], spaces: bool, smoke: bool = False) -> list[dict]
     from trifuse.autotune import tuner as tuner_mod
     from trifuse.kernels import _launch
     from trifuse.kernels import attention as attention_mod
+    from trifuse.kernels import channel_norm as channel_norm_mod
     from trifuse.kernels import group_norm as group_norm_mod
 
     launches: list[dict] = []
@@ -400,6 +413,8 @@ def record(families: list[str], spaces: bool, smoke: bool = False) -> list[dict]
     attention_mod.INTERPRET = False
     group_norm_mod._INTERPRET_CAPS, group_norm_mod._ROW_MAX = None, 4096
     group_norm_mod.device_sms = lambda t: 132
+    channel_norm_mod._INTERPRET_TILE, channel_norm_mod.MIN_RUN, channel_norm_mod.RUN = None, 16, 64
+    channel_norm_mod.device_sms = lambda t: 132
     if spaces:
         tuner_mod.Tuner._decide = decide
     torch.manual_seed(0)

@@ -201,7 +201,7 @@ for what in "$@"; do
                 tests/kernels/test_{rotary,gated_activation,cross_entropy,attention,attention_varlen}.py \
                 tests/kernels/test_adaptive_norm.py tests/kernels/test_adaptive_norm_rows.py \
                 tests/kernels/test_gated_adaptive_norm_rows.py \
-                tests/kernels/test_group_norm.py tests/kernels/test_xielu.py
+                tests/kernels/test_group_norm.py tests/kernels/test_xielu.py tests/kernels/test_channel_norm.py
             # the kernels' and the launcher's gpu tests first, the 81 attention-dialect ones last
             # (the tests over 2^31 elements take 4-16 GiB each: 8 workers at once ran out of memory
             # on the H200, 2026-12-04; they run after, one at a time)
@@ -230,10 +230,16 @@ for what in "$@"; do
             for op in layer_norm residual_stream bias_gelu dropout_add; do
                 stage "bench-$op" 80 python3 "bench/bench_$op.py" --quick
             done ;;
-        kernels)  # the memory-bound ops, 8 x 90 s
-            for op in layer_norm residual_stream bias_gelu gated_activation dropout_add rotary group_norm xielu; do
+        kernels)  # the memory-bound ops, 9 x 90 s
+            for op in layer_norm residual_stream bias_gelu gated_activation dropout_add rotary group_norm xielu \
+                      channel_norm; do
                 stage "bench-$op" 90 python3 "bench/bench_$op.py"
             done ;;
+        channel-norm)  # the norms over a map's channels (eighty-second session, never on a GPU yet): bf16 tests,
+                       # then the kernels against the row path on a copy, eager and torch.compile
+            stage tests-channel-norm 60 env TRIFUSE_AUTOTUNE=0 python3 -m pytest -q -n 8 -p no:cacheprovider \
+                tests/kernels/test_channel_norm.py
+            stage bench-channel_norm 120 python3 bench/bench_channel_norm.py ;;
         autocast)  # the patterns written for autocast, under CUDA's (its softmax computes fp16 input in
                    # fp32, CPU's in fp16): eager attention of fp32 q beside 16-bit v, position biases
             stage tests-autocast 90 env TRIFUSE_AUTOTUNE=0 python3 -m pytest -q -n 8 -p no:cacheprovider \

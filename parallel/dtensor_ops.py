@@ -28,6 +28,12 @@ tells it. Per mesh dim, the strategies offered are:
         mean, rstd              Shard(0) ((N, G))                                  Replicate
         weight, bias            Replicate                                          Replicate
         dweight, dbias          Partial()                                          Replicate
+    channel_norm (a position's channels, dim `dim`, are one row: only the dims before it split;
+                  mean and rstd are shaped like x without that dim)
+        x, y, dy, dx            Shard(d), d < dim                                  Replicate
+        mean, rstd              Shard(d)                                           Replicate
+        weight, bias            Replicate                                          Replicate
+        dweight, dbias          Partial()                                          Replicate
     xielu (elementwise; its four one-value coefficients replicated everywhere)
         x, y, dy, dx            Shard(d), d any dim                                Replicate
         dalpha_p, dalpha_n      Partial() (each rank summed its elements)          Replicate
@@ -308,6 +314,24 @@ def register() -> bool:
              ("part", x if bias is not None else _EMPTY)],
         )
 
+    @register_sharding(ops.channel_norm.default)
+    def _channel_norm(x, dim, weight, bias, eps, is_rms_norm, clamp_eps):
+        args = [("row", x), (None, None), ("feat", weight), ("feat", bias), (None, None), (None, None),
+                (None, None)]
+        return _norm_strategies(x, x.ndim - dim % x.ndim, args,
+                                [("row", x), ("stat", _EMPTY if is_rms_norm else x), ("stat", x)])
+
+    @register_sharding(ops.channel_norm_backward.default)
+    def _channel_norm_backward(dy, x, dim, weight, mean, rstd, is_rms_norm, need_dx, vectors):
+        args = [("row", dy), ("row", x), (None, None), ("feat", weight), ("stat", mean), ("stat", rstd),
+                (None, None), (None, None), (None, None)]
+        return _norm_strategies(
+            x, x.ndim - dim % x.ndim, args,
+            [("row", x) if need_dx else ("stat", _EMPTY),
+             ("part", x if weight is not None and vectors & 1 else _EMPTY),
+             ("part", x if vectors & 2 else _EMPTY)],
+        )
+
     # Hash every argument from the first non-tensor one on (see the module docstring).
     propagator = DTensor._op_dispatcher.sharding_propagator
     infos = getattr(propagator, "op_to_schema_info", None)
@@ -317,7 +341,8 @@ def register() -> bool:
                    ops.bias_gelu_backward, ops.bias_gelu_dropout, ops.bias_gelu_dropout_backward,
                    ops.gated_activation, ops.gated_activation_backward,
                    ops.gated_activation_dropout, ops.gated_activation_dropout_backward,
-                   ops.group_norm, ops.group_norm_backward, ops.xielu):
+                   ops.group_norm, ops.group_norm_backward, ops.channel_norm, ops.channel_norm_backward,
+                   ops.xielu):
         op = packet.default
         if infos is not None and op in infos:
             first = next(

@@ -18,7 +18,10 @@ it, so the copy is work for nothing, and an add feeding the norm can then fuse w
 Written out over one other dim of x (the channels of a conv net's channels-first map: timm's
 RmsNorm2d, ViTDet's LayerNorm, `mean(1, keepdim=True)`), a norm without parameters runs over x
 with that dim moved last and its result moved back (`_over_dim`), then its weight and bias laid
-along the channels (`weight[:, None, None]`) fold in (`*_channels_*_folded`).
+along the channels (`weight[:, None, None]`) fold in (`*_channels_*_folded`). Last of all, on a
+map whose channels are not innermost (a contiguous one), the norm with all that folded into it
+becomes `channel_norm`, which reads the channels where they lie (`*_over_channels`): neither the
+copy of x with its channels moved last nor the copy of y back is made.
 
 LayerNorm written out in x's dtype without a weight or bias (`layer_norm_bare`: the biased
 variance as `pow(2).mean` of the centred value, `var(unbiased=False)` or `var_mean`; the centred
@@ -261,15 +264,22 @@ def l2_normalize_in_fp32(x: torch.Tensor, eps, dim, dtype):
 
 
 def l2_normalize_fused(x, eps, dim, width, moved, restore, scale_dtype, dtype=None, *, spelling=None):
-    return _over_dim(_l2_normalize_as_rms_norm, x, width, moved, restore, eps, scale_dtype)
+    return _over_dim(functools.partial(_l2_normalize_as_rms_norm, like=x), x, width, moved, restore, eps,
+                     scale_dtype)
 
 
-def _l2_normalize_as_rms_norm(x, shape, eps, scale_dtype):
+def _l2_normalize_as_rms_norm(x, shape, eps, scale_dtype, like):
     """x / max(|x|, eps) over shape = (width,) is rms_norm(x, eps / sqrt(width), clamp_eps=True) /
     sqrt(width): the floor in rms units, the constant weight of `_l2_norm_as_rms_norm`."""
     width = shape[0]
-    scale = x.new_full(shape, width ** -0.5, dtype=scale_dtype)
-    return ops.rms_norm(x, shape, scale, eps * width ** -0.5, clamp_eps=True)
+    return ops.rms_norm(x, shape, _l2_constant(like, shape, scale_dtype), eps * width ** -0.5, clamp_eps=True)
+
+
+def _l2_constant(like, shape, scale_dtype):
+    """The L2 norm's constant weight 1 / sqrt(width), made from the model's x (`like`), not from
+    the copy with its channels moved last: only the norm reads that copy, and the norm over the
+    channels in place (`_CHANNELS_IN_PLACE`) can then drop it."""
+    return like.new_full(shape, shape[0] ** -0.5, dtype=scale_dtype)
 
 
 def _clamp_dtype(m: Match, in_fp32: bool) -> torch.dtype | None:
@@ -320,15 +330,15 @@ def l2_normalize_weight_folded(x, normalized_shape, scale, weight, eps):
 
 
 def l2_norm_fused(x, dim, width, moved, restore, scale_dtype, eps=0.0, dtype=None, *, root=None):
-    return _over_dim(_l2_norm_as_rms_norm, x, width, moved, restore, eps, scale_dtype)
+    return _over_dim(functools.partial(_l2_norm_as_rms_norm, like=x), x, width, moved, restore, eps,
+                     scale_dtype)
 
 
-def _l2_norm_as_rms_norm(x, shape, eps, scale_dtype):
+def _l2_norm_as_rms_norm(x, shape, eps, scale_dtype, like):
     """x / sqrt(sum(x^2) + eps) over shape = (width,) is the RMSNorm rms_norm(x, eps / width) /
     sqrt(width): the 1 / sqrt(width) a constant weight in fp32 (fp64 for an fp64 x) that the kernel
     multiplies in before its one rounding to x's dtype."""
-    width = shape[0]
-    return ops.rms_norm(x, shape, x.new_full(shape, width ** -0.5, dtype=scale_dtype), eps / width)
+    return ops.rms_norm(x, shape, _l2_constant(like, shape, scale_dtype), eps / shape[0])
 
 
 def l2_norm_then_weight(x: torch.Tensor, normalized_shape, scale: torch.Tensor, weight: torch.Tensor, eps):
@@ -341,11 +351,11 @@ def l2_norm_weight_folded(x, normalized_shape, scale, weight, eps):
     return ops.rms_norm(x, normalized_shape, scale * weight, eps)
 
 
-def _l2_scale(m: Match) -> str | None:
-    """The norm's weight is an L2 norm's constant scale (a tensor made in the graph, fp32 or fp64:
-    the weight after it joins it exactly, and the product is rounded once, by the kernel), or
-    that scale times what the folds below multiplied into it."""
-    scale, seen = m["scale"], 0
+def _l2_scale(m: Match, name: str = "scale") -> str | None:
+    """The norm's weight (`name`) is an L2 norm's constant scale (a tensor made in the graph, fp32
+    or fp64: the weight after it joins it exactly, and the product is rounded once, by the
+    kernel), or that scale times what the folds below multiplied into it."""
+    scale, seen = m[name], 0
     while getattr(scale, "op", None) == "call_function" and scale.target is operator.mul and seen < 8:
         scale, seen = next((a for a in scale.args if _made_from_l2_scale(a)), None), seen + 1
     if not (getattr(scale, "op", None) == "call_method" and scale.target == "new_full"):
@@ -531,6 +541,30 @@ def rms_norm_channels_weight_folded(x, normalized_shape, weight, eps, dim, *, re
     return _moved_back(ops.rms_norm(x, normalized_shape, weight.reshape(normalized_shape), eps), dim, restore)
 
 
+# Last of all: a norm over a channels-first map's channels, as `_over_dim` left it after the folds
+# (x copied with its channels last, the row norm, y moved back and made contiguous), becomes the
+# norm over the channels where they lie (kernels/channel_norm.py): neither copy is made. A
+# channels-last map's (no copy either way, `restore` False) stays on the row kernels.
+
+
+def layer_norm_moved(x: torch.Tensor, normalized_shape, weight, bias, eps, dim):
+    y = ops.layer_norm(x.movedim(dim, -1).contiguous(), normalized_shape, weight, bias, eps)
+    return y.movedim(-1, dim).contiguous()
+
+
+def layer_norm_over_channels(x, normalized_shape, weight, bias, eps, dim):
+    return ops.channel_norm(x, weight, bias, eps, dim=dim)
+
+
+def rms_norm_moved(x: torch.Tensor, normalized_shape, weight, eps, dim, *, clamp=False):
+    y = _l2_rms_norm(x.movedim(dim, -1).contiguous(), normalized_shape, weight, eps, clamp)
+    return y.movedim(-1, dim).contiguous()
+
+
+def rms_norm_over_channels(x, normalized_shape, weight, eps, dim, *, clamp=False):
+    return ops.channel_norm(x, weight, None, eps, dim=dim, rms=True, clamp_eps=clamp)
+
+
 def layer_norm_upcast_div_sqrt(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps, dtype):
     """Hugging Face's DebertaLayerNorm (DeBERTa v1): computed on an fp32 copy, the centred
     value (twice) divided by sqrt(variance + eps), cast back, then weight * h + bias."""
@@ -714,6 +748,19 @@ def _affine_dtype_problem(m: Match, name: str, x: torch.Tensor, p: torch.Tensor)
     return None
 
 
+def _channels_of_x(m: Match) -> str | None:
+    """The norm's width is x's size at `dim`, and x a map with more than that one dim (the
+    channel norm's own checks, on the example values, see the rest)."""
+    x, dim, shape = m.value("x"), m["dim"], m.value("normalized_shape")
+    if not isinstance(x, torch.Tensor) or type(dim) is not int or x.dim() < 2:
+        return "no map for x"
+    if not -x.dim() <= dim < x.dim():
+        return f"dim {dim} is no dim of x"
+    if not isinstance(shape, (tuple, list)) or len(shape) != 1 or not known_equal(shape[0], x.shape[dim]):
+        return f"normalized_shape {shape!r} is not x's size at dim {dim}"
+    return None
+
+
 def _folds_over_channels(name: str):
     """`_folds_as_affine` after a norm over a channels-first map's channels: the weight or bias is
     the width's vector laid along the channel dim (C, 1, ..., 1), in x's dtype."""
@@ -763,6 +810,27 @@ _L2_NUMBERS_FOLDED = _l2_tail_patterns("number_folded", (needs_number("number"),
 
 
 _RMS_FILTERS = (needs_number("eps"),)
+
+# (`Pattern.folds`: the report's note keeps the spellings and folds before it)
+_IN_PLACE = "read over the channels where they lie"
+
+
+def _weight_is_l2_scale(m: Match) -> str | None:
+    return _l2_scale(m, "weight")
+
+
+_CHANNELS_IN_PLACE = (
+    Pattern("layer_norm_over_channels", "layer_norm", layer_norm_moved, layer_norm_over_channels,
+            ("layer_norm", "channel_norm"), (_channels_of_x,), quiet=True, folds=_IN_PLACE),
+    Pattern("l2_norm_over_channels", "rms_norm", rms_norm_moved, rms_norm_over_channels,
+            ("rms_norm", "channel_norm"), (_channels_of_x, _weight_is_l2_scale), quiet=True, folds=_IN_PLACE),
+    Pattern("rms_norm_over_channels", "rms_norm", rms_norm_moved, rms_norm_over_channels,
+            ("rms_norm", "channel_norm"), (_channels_of_x,), quiet=True, folds=_IN_PLACE),
+    Pattern("l2_normalize_over_channels", "rms_norm", functools.partial(rms_norm_moved, clamp=True),
+            functools.partial(rms_norm_over_channels, clamp=True), ("rms_norm", "channel_norm"),
+            (_channels_of_x,), quiet=True, folds=_IN_PLACE),
+)
+
 
 PATTERNS = (
     Pattern("layer_norm", "layer_norm", layer_norm, layer_norm_fused, ("layer_norm",),
@@ -879,4 +947,5 @@ PATTERNS = (
         (l2_rms_norm_plus_number, l2_rms_norm_zero_dropped, {}),
         (l2_rms_norm_channels_plus_number, l2_rms_norm_channels_zero_dropped, {"restore": False}),
         (l2_rms_norm_channels_plus_number, l2_rms_norm_channels_zero_dropped, {"restore": True}))),
+    *_CHANNELS_IN_PLACE,
 )

@@ -131,6 +131,11 @@ def _cases():
                                               "weight": rand(N, shift=1), "bias": rand(N)},
          lambda t: ops.dropout_add_layer_norm(t["x"], t["residual"], N, t["weight"], t["bias"], p=0.25))
     case("group_norm_no_affine", lambda: {"x": rand(2, 6, 7)}, lambda t: ops.group_norm(t["x"], 2))
+    case("channel_norm", lambda: {"x": rand(2, 6, 5, 3, shift=1), "weight": rand(6, shift=1),
+                                  "bias": rand(6)},
+         lambda t: ops.channel_norm(t["x"], t["weight"], t["bias"]))
+    case("channel_norm_floored", lambda: {"x": rand(2, 7, 9), "weight": rand(7, shift=1)},
+         lambda t: ops.channel_norm(t["x"], t["weight"], None, 1e-3, rms=True, clamp_eps=True))
     case("layer_norm_no_affine", lambda: {"x": rand(4, 3, N, scale=5, shift=2)}, lambda t: ops.layer_norm(t["x"], N))
     case("linear_cross_entropy_smoothing_sum", lambda: {"hidden": rand(7, N), "weight": rand(11, N, scale=0.3)},
          lambda t: ops.linear_cross_entropy(t["hidden"], t["weight"], torch.tensor([0, 3, -100, 10, 5, 5, 1]),

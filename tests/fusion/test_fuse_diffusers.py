@@ -472,8 +472,9 @@ def test_a_diffusers_denoiser_fuses_its_blocks(name):
                  if pattern.startswith(("gated_add_", "add_"))
                  and ("modulate" in pattern or "in_fp32" in pattern))
     assert folded == GATED_SUMS.get(name, 0)
-    if name == "wan_vae":  # each norm's tail folded into it, to its last step
-        assert patterns.get("l2_normalize_zero_dropped") == counts["rms_norm"], patterns
+    if name == "wan_vae":  # each norm's tail folded into it, to its last step, then read in place
+        assert patterns.get("l2_normalize_over_channels") == counts["rms_norm"], patterns
+        assert "an added 0 dropped; read over the channels where they lie" in report.table()
 
 
 @pytest.mark.parametrize("name", ["dit", "pixart", "sd3", "flux"])

@@ -398,8 +398,10 @@ def test_each_resnet_norm_spelling(norm):
     report = check_against_unfused(lambda: rb.resnet_model(norm, "nn_silu"), rb.resnet_inputs(), "fx",
                                    train=True, twin64=rb.resnet_float64_twin)
     assert report.counts() == {rb.RESNET_NORM_FAMILY.get(norm, "group_norm"): 4}, report.table()
-    if norm == "vae_rms2d":  # its cast, number, weight and added 0 all folded into the norm
-        assert report.by_pattern() == {"l2_normalize_zero_dropped": 4}, report.table()
+    if norm == "vae_rms2d":  # its cast, number, weight and added 0 all folded into the norm, which
+        # then reads the map's channels where they lie
+        assert report.by_pattern() == {"l2_normalize_over_channels": 4}, report.table()
+        assert "an added 0 dropped; read over the channels where they lie" in report.table()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)

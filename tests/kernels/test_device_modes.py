@@ -41,6 +41,7 @@ def _cases():
         "dropout_add": lambda: ops.dropout_add(x, r, 0.25, bias=b),
         "gated_activation": lambda: ops.gated_activation(x, r, "silu"),
         "group_norm": lambda: ops.group_norm(x.view(3, 8, 5), 4, w[:8], b[:8], 1e-5, "silu"),
+        "channel_norm": lambda: ops.channel_norm(x.view(3, 8, 5), w[:8], b[:8]),
         "attention": lambda: ops.attention(q, k, v, dropout_p=0.25, is_causal=True),
         "attention_varlen": lambda: ops.attention_varlen(pq, pk, pv, cu, cu, 5, 5, causal=True),
         "rotary": lambda: ops.rotary_embedding(q, k, cos, sin),

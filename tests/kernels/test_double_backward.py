@@ -69,6 +69,8 @@ def _cases():
         "group_norm-silu": (lambda x, w, b: ops.group_norm(x.view(2, 6, 2), 3, w, b, 1e-5, "silu"),
                             (x, w, b)),
         "group_norm-bare": (lambda x: ops.group_norm(x.view(1, 6, 4), 2), (x,)),
+        "channel_norm": (lambda x, w, b: ops.channel_norm(x.view(4, 6, 1), w, b), (x, w, b)),
+        "channel_norm-rms": (lambda x, w: ops.channel_norm(x.view(2, 6, 2), w, dim=1, rms=True), (x, w)),
         "layer_norm": (lambda x, w, b: ops.layer_norm(x, 6, w, b), (x, w, b)),
         "layer_norm-2d-shape": (lambda x, w, b: ops.layer_norm(x.view(4, 2, 3), (2, 3), w.view(2, 3), b.view(2, 3)),
                                 (x, w, b)),

@@ -33,6 +33,7 @@ def _cases():
         "gated_activation": (lambda x, r: ops.gated_activation(x, r, "silu"), rows),
         "group_norm": (lambda x: ops.group_norm(x.view(3, 8, 5), 4, w[:8], b[:8], 1e-5, "silu"),
                        lambda: rows()[:1]),
+        "channel_norm": (lambda x: ops.channel_norm(x.view(3, 8, 5), w[:8], b[:8]), lambda: rows()[:1]),
         "attention": (lambda q, k, v: ops.attention(q, k, v, dropout_p=0.25, is_causal=True), heads),
         "rotary": (lambda q, k: ops.rotary_embedding(q, k, cos, sin), lambda: heads()[:2]),
         "cross_entropy": (lambda logits: ops.cross_entropy(logits, target, label_smoothing=0.1), lambda: (_t(5, 7),)),

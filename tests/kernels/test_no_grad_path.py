@@ -13,6 +13,7 @@ from trifuse.kernels import _common
 from trifuse.kernels import attention as A
 from trifuse.kernels import bias_gelu as BG
 from trifuse.kernels import cast as C
+from trifuse.kernels import channel_norm as CN
 from trifuse.kernels import dropout_add as DA
 from trifuse.kernels import gated_activation as GA
 from trifuse.kernels import group_norm as GN
@@ -38,6 +39,9 @@ def _cases():
         "gated_activation": (GA._GatedActivationFunction, lambda: GA._gated_activation_trifuse(x, r, "silu")),
         "group_norm": (GN._GroupNormFunction,
                        lambda: GN._group_norm_trifuse(x.view(3, 8, 5), 4, w[:8], b[:8], 1e-5, "silu", None)),
+        "channel_norm": (CN._ChannelNormFunction,
+                         lambda: CN._channel_norm_trifuse(x.view(3, 8, 5), 1, w[:8], b[:8], 1e-5, False,
+                                                          False)),
         "attention": (A._AttentionFunction, lambda: A._attention_trifuse(q, k, v, None, 0.25, True, None, False)),
         "rotary": (RO._RotaryEmbeddingFunction, lambda: RO._rotary_trifuse(q, k, cos, sin)),
         "cast_for_readers": (C._CastForReaders, lambda: C.cast_for_readers(x, torch.float16, 2)),
@@ -114,7 +118,7 @@ def _leaves(outs):
 # linear in every input that requires grad here (dropout_add, rotary, a cast): their gradients
 # are constants of those inputs, as in PyTorch.
 _SECOND_ORDER = ("layer_norm", "residual_stream", "layer_norm_add", "bias_gelu", "gated_activation",
-                 "attention", "group_norm")
+                 "attention", "group_norm", "channel_norm")
 
 
 @pytest.mark.parametrize("name", list(_cases()))

@@ -262,6 +262,51 @@ def group_norm_on_batch_shards(rank, size):
     return failures, placements
 
 
+def channel_norm_on_batch_shards(rank, size):
+    """trifuse.ops.channel_norm (LayerNorm, RMSNorm floored at eps) on a DTensor sharded over the
+    batch with replicated parameters, against the op on the whole tensors: (failures, output
+    placements, parameter gradient placements before any redistribution)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import trifuse
+
+    mesh = _mesh(size)
+    g = torch.Generator().manual_seed(0)
+    full = {"x": torch.randn(4, 6, 5, 3, dtype=torch.float64, generator=g) * 2 + 1,
+            "w": torch.randn(6, dtype=torch.float64, generator=g),
+            "b": torch.randn(6, dtype=torch.float64, generator=g),
+            "dy": torch.randn(4, 6, 5, 3, dtype=torch.float64, generator=g)}
+    failures, placements = [], {}
+    for rms in (False, True):
+        name = f"channel_norm rms={rms}"
+        params = ("w",) if rms else ("w", "b")
+        ref = {k: v.clone().requires_grad_(k != "dy") for k, v in full.items()}
+        dt = {k: distribute_tensor(v, mesh, [Replicate() if v.dim() == 1 else Shard(0)])
+              .requires_grad_(k != "dy") for k, v in full.items()}
+        kwargs = {"rms": rms, "clamp_eps": rms, "eps": 1e-3}
+        want = trifuse.ops.channel_norm(ref["x"], *(ref[k] for k in params), **kwargs)
+        got = trifuse.ops.channel_norm(dt["x"], *(dt[k] for k in params), **kwargs)
+        want.backward(ref["dy"])
+        got.backward(dt["dy"])
+        placements[name] = (got.placements, *(dt[k].grad.placements for k in params))
+        for k, a, e in [("y", got, want)] + [(f"d{k}", dt[k].grad, ref[k].grad) for k in ("x", *params)]:
+            ok, msg = check_close(f"{name} {k}", a.full_tensor(), e, None)
+            failures.extend([] if ok else [msg])
+    return failures, placements
+
+
+def test_channel_norm_on_batch_shards(world):
+    """The channel norm's strategy splits the dims before the channels (here the batch); the
+    parameters' gradients, each rank's sum over its samples, equal the whole batch's once reduced."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    for failures, placements in world.run(channel_norm_on_batch_shards):
+        assert not failures, "\n".join(failures[:10])
+        for name, (y, *grads) in placements.items():
+            assert y == (Shard(0),), (name, y)
+            assert all(p in ((Partial(),), (Replicate(),)) for p in grads), (name, grads)
+
+
 def test_group_norm_on_batch_shards(world):
     """GroupNorm's strategy splits the batch only (y stays sharded there); the parameters'
     gradients, each rank's sum over its samples, equal the whole batch's once reduced."""

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import trifuse
-from _fusing import check_against_unfused, fuse_via
+from _fusing import check_against_unfused, fuse_via, trifuse_ops_run
 from _hf_norms import (
     CentredOnceLayerNorm,
     CohereLayerNorm,
@@ -370,25 +370,30 @@ def vitdet_layer_norm():
 
 @pytest.mark.parametrize("capture", CAPTURES)
 @pytest.mark.parametrize("make, inputs, pattern, spelled", [
-    (ChannelsRMSNorm, MAP, "rms_norm_channels_weight_folded", "rms_norm_written_out_no_weight"),
-    (lambda: ChannelsRMSNorm(affine=False), MAP, "rms_norm_written_out_no_weight", None),
-    (lambda: ChannelsRMSNorm(dim=(1,)), MAP, "rms_norm_channels_weight_folded",
-     "rms_norm_written_out_no_weight"),
-    (lambda: ChannelsRMSNorm(dim=-3), MAP, "rms_norm_channels_weight_folded",
-     "rms_norm_written_out_no_weight"),
-    (ChannelsLayerNorm, MAP, "layer_norm_channels_bias_folded", "layer_norm_bare_centred_twice_rsqrt"),
-    (ChannelsLayerNorm, (torch.randn(3, C, 7),), "layer_norm_channels_bias_folded",
-     "layer_norm_bare_centred_twice_rsqrt"),
+    (ChannelsRMSNorm, MAP, "rms_norm_over_channels", "rms_norm_written_out_no_weight; weight folded in"),
+    (lambda: ChannelsRMSNorm(affine=False), MAP, "rms_norm_over_channels", "rms_norm_written_out_no_weight"),
+    (lambda: ChannelsRMSNorm(dim=(1,)), MAP, "rms_norm_over_channels",
+     "rms_norm_written_out_no_weight; weight folded in"),
+    (lambda: ChannelsRMSNorm(dim=-3), MAP, "rms_norm_over_channels",
+     "rms_norm_written_out_no_weight; weight folded in"),
+    (ChannelsLayerNorm, MAP, "layer_norm_over_channels",
+     "layer_norm_bare_centred_twice_rsqrt; weight folded in; bias folded in"),
+    (ChannelsLayerNorm, (torch.randn(3, C, 7),), "layer_norm_over_channels",
+     "layer_norm_bare_centred_twice_rsqrt; weight folded in; bias folded in"),
     (lambda: ChannelsLayerNorm(var_mean=True), (MAP[0].to(memory_format=torch.channels_last),),
-     "layer_norm_channels_bias_folded", "layer_norm_bare_var_mean_rsqrt"),
-    (vitdet_layer_norm, MAP, "layer_norm_channels_bias_folded", "layer_norm_bare_centred_twice_div_sqrt"),
+     "layer_norm_channels_bias_folded", "layer_norm_bare_var_mean_rsqrt; weight folded in; bias folded in"),
+    (vitdet_layer_norm, MAP, "layer_norm_over_channels",
+     "layer_norm_bare_centred_twice_div_sqrt; weight folded in; bias folded in"),
 ], ids=["rms-norm-2d", "rms-norm-2d-no-weight", "dim-tuple", "dim-negative", "layer-norm-2d",
         "layer-norm-1d-map", "layer-norm-exp-2d-channels-last", "vitdet-layer-norm"])
 def test_channels_first_norms_fuse_with_their_weight_and_bias(make, inputs, pattern, spelled, capture):
+    """A contiguous map's norm ends as the norm over its channels where they lie (no copy of x
+    with its channels last, none of y back: kernels/channel_norm.py); a channels-last map's,
+    which needs no copy, stays on the row kernels."""
     report = check_against_unfused(make, inputs, capture)
     assert report.by_pattern() == {pattern: 1}, report.table()
-    if spelled is not None:
-        assert f"spelled as {spelled}; weight folded in" in report.table()
+    in_place = "; read over the channels where they lie" if pattern.endswith("over_channels") else ""
+    assert f"spelled as {spelled}{in_place})" in report.table()
 
 
 class ChannelsNormThenFlatten(ChannelsRMSNorm):
@@ -410,7 +415,7 @@ def test_channels_first_norm_leaves_its_output_laid_out_as_the_model_did(channel
     x = MAP[0].to(memory_format=torch.channels_last) if channels_last else MAP[0]
     if not channels_last:
         report = check_against_unfused(ChannelsNormThenFlatten, (x,), capture)
-        assert report.by_pattern() == {"rms_norm_channels_weight_folded": 1}, report.table()
+        assert report.by_pattern() == {"rms_norm_over_channels": 1}, report.table()
     torch.manual_seed(0)
     model = ChannelsRMSNorm()
     fused = fuse_via(copy.deepcopy(model), capture)
@@ -418,6 +423,13 @@ def test_channels_first_norm_leaves_its_output_laid_out_as_the_model_did(channel
     assert trifuse.report(fused).counts() == {"rms_norm": 1}
     assert y.stride() == ref.stride()
     torch.testing.assert_close(y, ref)
+    # the contiguous map's norm reads it where it lies; the channels-last map's rows are contiguous
+    def step():
+        fused(x.detach().requires_grad_()).sum().backward()
+
+    step()  # (a first call wanting x's gradient may capture again)
+    op = "rms_norm" if channels_last else "channel_norm"
+    assert trifuse_ops_run(step) == {f"trifuse::{op}", f"trifuse::{op}_backward"}
 
 
 class ChannelsNormParamsApart(ChannelsRMSNorm):
@@ -438,10 +450,10 @@ class ChannelsNormParamsApart(ChannelsRMSNorm):
 @pytest.mark.parametrize("capture", CAPTURES)
 def test_channels_first_norm_keeps_a_product_that_is_not_its_weight(capture):
     report = check_against_unfused(lambda: ChannelsNormParamsApart("per_row"), MAP, capture)
-    assert report.by_pattern() == {"rms_norm_written_out_no_weight": 1}
+    assert report.by_pattern() == {"rms_norm_over_channels": 1}
     x16 = (MAP[0].half(),)
     report = check_against_unfused(lambda: ChannelsNormParamsApart("fp32").half(), x16, capture, grads=False)
-    assert report.by_pattern() == {"rms_norm_written_out_no_weight": 1}
+    assert report.by_pattern() == {"rms_norm_over_channels": 1}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -470,7 +482,7 @@ def test_rmsnorm_over_another_dim_keeps_a_weight_along_the_last(capture):
     """The statistics over dim 1, the weight over the last dim: the norm fuses over dim 1 and the
     weight, which is no vector along that dim, stays the model's product."""
     report = check_against_unfused(lambda: HandRMSNorm(dim=1), X, capture)
-    assert report.by_pattern() == {"rms_norm_written_out_no_weight": 1}
+    assert report.by_pattern() == {"rms_norm_over_channels": 1}
     assert report.rejected() == []  # a product that is no norm's weight is not worth a line
 
 
@@ -597,7 +609,7 @@ class L2Norm(nn.Module):
     ("qwen3_next", X, "l2_norm_rsqrt"),
     ("fla", X, "l2_norm_div_sqrt"),
     ("pow_method", X, "l2_norm_rsqrt"),
-    ("channels", MAP, "l2_norm_rsqrt"),
+    ("channels", MAP, "l2_norm_over_channels"),
     ("norm_method", X, "l2_norm_no_eps"),
     ("torch_norm", X, "l2_norm_no_eps"),
     ("clip", X, "l2_norm_no_eps_pow_half"),
@@ -728,7 +740,7 @@ def _with_floored_rows(x):
     ("clip", X, "l2_normalize_written_out"),
     ("fp32_copy", X, "l2_normalize_in_fp32"),
     ("weight", X, "l2_normalize_weight_folded"),
-    ("channels", MAP, "l2_normalize"),
+    ("channels", MAP, "l2_normalize_over_channels"),
 ])
 def test_l2_normalize_fuses_as_an_rms_norm_with_a_floor(spelling, inputs, pattern, capture):
     """Rows under the floor (a zero row, a tiny one) are x / eps, with no gradient through their
@@ -830,34 +842,40 @@ VIDEO = (torch.randn(2, C, 3, 5, 4),)
 
 
 @pytest.mark.parametrize("capture", CAPTURES)
-@pytest.mark.parametrize("options, inputs, pattern", [
-    ({}, MAP, "l2_normalize_zero_dropped"),
-    ({"images": False}, VIDEO, "l2_normalize_zero_dropped"),
-    ({"norm": "l2_norm"}, MAP, "l2_norm_zero_dropped"),
-    ({"channel_first": False}, (torch.randn(2, 5, 3, C),), "l2_normalize_zero_dropped"),
-    ({}, (MAP[0].to(memory_format=torch.channels_last),), "l2_normalize_zero_dropped"),
-    ({"bias": True}, MAP, "l2_normalize_channels_weight_folded"),  # the bias added after
+@pytest.mark.parametrize("options, inputs, pattern, last", [
+    ({}, MAP, "l2_normalize_over_channels", "an added 0 dropped"),
+    ({"images": False}, VIDEO, "l2_normalize_over_channels", "an added 0 dropped"),
+    ({"norm": "l2_norm"}, MAP, "l2_norm_over_channels", "an added 0 dropped"),
+    ({"channel_first": False}, (torch.randn(2, 5, 3, C),), "l2_normalize_zero_dropped", None),
+    ({}, (MAP[0].to(memory_format=torch.channels_last),), "l2_normalize_zero_dropped", None),
+    ({"bias": True}, MAP, "l2_normalize_over_channels", "weight folded in"),  # the bias added after
 ])
-def test_the_vae_channel_norm_folds_its_tail(options, inputs, pattern, capture):
+def test_the_vae_channel_norm_folds_its_tail(options, inputs, pattern, last, capture):
     """The cast to y's own dtype goes, the number and the weight join the norm's constant scale,
-    adding 0 goes: the last fold's name says the chain before it folded (each needs the norm's
-    result itself). Forward and gradients (gamma's too) against the unfused model."""
+    adding 0 goes: the report's note says the chain folded (each needs the norm's result itself),
+    the last fold's name where the norm runs on rows (a channels-last map's), and on a contiguous
+    map the norm then reads the channels where they lie. Forward and gradients (gamma's too)
+    against the unfused model."""
     report = check_against_unfused(lambda: VaeRMSNorm(**options), inputs, capture, train=True)
     assert report.by_pattern() == {pattern: 1}, report.table()
     table = report.table()
     assert "a number folded in" in table and "weight folded in" in table, table
+    if last is not None:
+        assert f"{last}; read over the channels where they lie)" in table, table
 
 
-@pytest.mark.parametrize("near_miss, pattern", [
+@pytest.mark.parametrize("near_miss, chain", [
     ("cast_elsewhere", "l2_normalize"),  # a real cast: nothing after it folds
-    ("tensor_scale", "l2_normalize_cast_dropped"),  # a tensor, not a number
-    ("weight_over_positions", "l2_normalize_number_folded"),  # not laid along the channels
-    ("gamma_in_fp16", "l2_normalize_number_folded"),  # not in x's dtype
-    ("add_one", "l2_normalize_channels_weight_folded"),  # adds 1, not 0
+    ("tensor_scale", "l2_normalize; a cast to y's own dtype dropped"),  # a tensor, not a number
+    # not laid along the channels
+    ("weight_over_positions", "a cast to y's own dtype dropped; a number folded in"),
+    ("gamma_in_fp16", "a cast to y's own dtype dropped; a number folded in"),  # not in x's dtype
+    ("add_one", "a number folded in; weight folded in"),  # adds 1, not 0
 ])
-def test_near_misses_of_the_vae_channel_norm_fold_no_further(near_miss, pattern):
+def test_near_misses_of_the_vae_channel_norm_fold_no_further(near_miss, chain):
     report = check_against_unfused(lambda: VaeRMSNorm(near_miss=near_miss), MAP, "dynamo", train=True)
-    assert report.by_pattern() == {pattern: 1}, report.table()
+    assert report.by_pattern() == {"l2_normalize_over_channels": 1}, report.table()
+    assert f"{chain}; read over the channels where they lie)" in report.table(), report.table()
 
 
 class WeightFirstRMSNorm(nn.Module):
@@ -879,7 +897,7 @@ class WeightFirstRMSNorm(nn.Module):
 @pytest.mark.parametrize("options, inputs, pattern", [
     ({}, (torch.randn(2, 5, C),), "l2_normalize_number_folded"),
     ({"offset": True}, (torch.randn(2, 5, C),), "l2_normalize_number_folded"),
-    ({"channels": True}, MAP, "l2_normalize_number_folded"),
+    ({"channels": True}, MAP, "l2_normalize_over_channels"),
 ])
 def test_a_weight_then_a_number_after_f_normalize_fold_too(options, inputs, pattern, capture):
     report = check_against_unfused(lambda: WeightFirstRMSNorm(**options), inputs, capture, train=True)
@@ -895,7 +913,7 @@ def test_the_vae_channel_norm_of_16_bit_x_folds_on_its_fp32_copy(capture):
     x = MAP[0].half()
     report = check_against_unfused(lambda: VaeRMSNorm(upcast=True).half(), (x,), capture, train=True,
                                    twin64=lambda m: setattr(m, "upcast", False) or m)
-    assert report.by_pattern() == {"l2_normalize_zero_dropped": 1}, report.table()
+    assert report.by_pattern() == {"l2_normalize_over_channels": 1}, report.table()
     assert "spelled as l2_normalize_in_fp32" in report.table(), report.table()
 
 
