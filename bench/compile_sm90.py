@@ -239,6 +239,11 @@ def _catalogue(torch, family: str):
             lambda x=x, w=w: ops.channel_norm(x, w, None, 1e-13, rms=True, clamp_eps=True))
         x, w = leaf(1, 384, 32, 32), leaf(384)
         yield "channel_norm 1x384x32x32 rms", fwd_bwd(lambda x=x, w=w: ops.channel_norm(x, w, None, 1e-6, rms=True))
+        # ConvNeXt-T's block norm at 56x56 (96 channels): a contiguous map in, y written channels-last
+        # (the permuted view the MLP reads), dy read channels-last
+        x, w, b = leaf(8, 96, 56, 56), leaf(96), leaf(96)
+        yield "channel_norm 8x96x56x56 layer -> channels-last y", fwd_bwd(
+            lambda x=x, w=w, b=b: ops.channel_norm(x, w, b, 1e-6, y_channels_last=True))
         x, w, b = leaf(2, 1024, 16, 16), leaf(1024), leaf(1024)
         yield "channel_norm 2x1024x16x16 layer", fwd_bwd(lambda x=x, w=w, b=b: ops.channel_norm(x, w, b, 1e-6))
     elif family == "gated_activation":

@@ -22,8 +22,12 @@ as kernels/layer_norm.py's rows (its helpers are shared):
 
 Shapes: x (*outer, C, *inner), normalized over dim `dim` (C = x.shape[dim]); weight, bias (C,).
 Dtypes: fp16 / bf16 / fp32 / fp64 x; weight and bias any float dtype (fp32 master weights, an
-L2 norm's fp32 constant scale); y in x's dtype, contiguous; mean and rstd fp32 (fp64 for fp64),
-shaped like x without `dim`. A non-contiguous x is copied once.
+L2 norm's fp32 constant scale); y in x's dtype; mean and rstd fp32 (fp64 for fp64), shaped like x
+without `dim`. Layouts: x contiguous or with `dim` innermost (channels_last; a transposed (B, L, C))
+is read where it lies, another layout copied once; y contiguous or, with `y_channels_last`, with
+`dim` innermost: what `F.layer_norm(x.movedim(dim, -1))` returns, moved back, so that a norm of a
+permuted view (ConvNeXt's `dwconv(x).permute(0, 2, 3, 1)` then LayerNorm) reads the contiguous
+map itself and returns the same tensor; dy is read in its layout (either), dx written in x's.
 
 Kernels (1-D grids, int64 offsets):
   forward   a program per (n, block of BLOCK_S positions): channels that fit one tile are held
@@ -33,7 +37,9 @@ Kernels (1-D grids, int64 offsets):
             channel sums a position needs, then dx; its shares of dweight and dbias kept in one
             row of an fp32 partial buffer, which kernels/layer_norm.py's `_sum_partials` adds up
             in a fixed order (bitwise repeatable, no atomics).
-Memory plan: the forward saves x, mean and rstd ((N, S) each); nothing of y's size.
+Memory plan: the forward saves x, mean and rstd ((N, S) each); nothing of y's size. Each tensor's
+layout is a constexpr of the kernels (X_CL, Y_CL, DY_CL): a tile's offsets, and the order its loads
+coalesce in, follow it.
 Launch configuration: tuned per shape bucket (autotune/configs.py: channel_norm_fwd, _bwd; not yet timed
 on a GPU). Eager calls go through the `channel_norm` dialect, which measures these kernels
 against the row kernels on a channels-last copy and PyTorch's norms on one.
@@ -110,22 +116,33 @@ def channel_norm_ref(x: torch.Tensor, dim: int = 1, weight: torch.Tensor | None 
 
 @triton.jit
 def _channel_tile(pos, pos_mask, ch, C, S):
-    """(offsets from the sample's first value, mask) of a (positions, channels) tile."""
-    offs = pos[:, None] + ch.to(tl.int64)[None, :] * S
-    return offs, pos_mask[:, None] & (ch < C)[None, :]
+    """(offsets from the sample's first value in a channels-first sample, in a channels-last one,
+    mask) of a (positions, channels) tile."""
+    first = pos[:, None] + ch.to(tl.int64)[None, :] * S
+    last = pos.to(tl.int64)[:, None] * C + ch[None, :]
+    return first, last, pos_mask[:, None] & (ch < C)[None, :]
+
+
+@triton.jit
+def _in(first, last, CL: tl.constexpr):
+    """A tensor's offsets: its channels innermost (CL) or its positions."""
+    if CL:
+        return last
+    else:
+        return first
 
 
 @triton.jit
 def _channel_norm_fwd_kernel(
-    X,  # in (N, C, S) contiguous
+    X,  # in (N, C, S): contiguous, or with X_CL channels-last (N, S, C)
     W, B,  # in (C,) each; unused unless HAS_W, HAS_B
-    Y,  # out (N, C, S)
+    Y,  # out (N, C, S): contiguous, or with Y_CL channels-last
     MEAN,  # out (N, S); unused for RMSNorm
     RSTD,  # out (N, S)
     C, S, s_tiles, eps,
     BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
     IS_RMS_NORM: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, CLAMP_EPS: tl.constexpr,
-    ACC: tl.constexpr,
+    ACC: tl.constexpr, X_CL: tl.constexpr = False, Y_CL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     n = pid // s_tiles
@@ -136,8 +153,8 @@ def _channel_norm_fwd_kernel(
     Y += sample
     ch0 = tl.arange(0, BLOCK_C)
     if SINGLE_BLOCK:
-        offs, mask = _channel_tile(pos, pos_mask, ch0, C, S)
-        x = tl.load(X + offs, mask=mask, other=0.0).to(ACC)
+        first, last, mask = _channel_tile(pos, pos_mask, ch0, C, S)
+        x = tl.load(X + _in(first, last, X_CL), mask=mask, other=0.0).to(ACC)
         if IS_RMS_NORM:
             mean = tl.zeros([BLOCK_S], dtype=ACC)
             d = x
@@ -155,21 +172,22 @@ def _channel_norm_fwd_kernel(
             y *= tl.load(W + ch0, mask=ch0 < C, other=0.0).to(ACC)[None, :]
         if HAS_B:
             y += tl.load(B + ch0, mask=ch0 < C, other=0.0).to(ACC)[None, :]
-        tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+        tl.store(Y + _in(first, last, Y_CL), y.to(Y.dtype.element_ty), mask=mask)
     else:
         # Pass 1: the mean (RMSNorm: none).
         acc = tl.zeros([BLOCK_S, BLOCK_C], dtype=ACC)
         if not IS_RMS_NORM:
             for start in range(0, C, BLOCK_C):
-                offs, mask = _channel_tile(pos, pos_mask, start + ch0, C, S)
-                acc += tl.load(X + offs, mask=mask, other=0.0).to(ACC)
+                first, last, mask = _channel_tile(pos, pos_mask, start + ch0, C, S)
+                acc += tl.load(X + _in(first, last, X_CL), mask=mask, other=0.0).to(ACC)
         mean = _div(tl.sum(acc, axis=1), C, ACC)
         # Pass 2: the squares about it, and the mean's correction (_corrected_moments).
         acc = tl.zeros([BLOCK_S, BLOCK_C], dtype=ACC)
         acc_d = tl.zeros([BLOCK_S, BLOCK_C], dtype=ACC)
         for start in range(0, C, BLOCK_C):
-            offs, mask = _channel_tile(pos, pos_mask, start + ch0, C, S)
-            d = tl.where(mask, tl.load(X + offs, mask=mask, other=0.0).to(ACC) - mean[:, None], 0.0)
+            first, last, mask = _channel_tile(pos, pos_mask, start + ch0, C, S)
+            x = tl.load(X + _in(first, last, X_CL), mask=mask, other=0.0).to(ACC)
+            d = tl.where(mask, x - mean[:, None], 0.0)
             acc += d * d
             if not IS_RMS_NORM:
                 acc_d += d
@@ -183,14 +201,14 @@ def _channel_norm_fwd_kernel(
         # Pass 3: y.
         for start in range(0, C, BLOCK_C):
             ch = start + ch0
-            offs, mask = _channel_tile(pos, pos_mask, ch, C, S)
-            x = tl.load(X + offs, mask=mask, other=0.0).to(ACC)
+            first, last, mask = _channel_tile(pos, pos_mask, ch, C, S)
+            x = tl.load(X + _in(first, last, X_CL), mask=mask, other=0.0).to(ACC)
             y = ((x - mean[:, None]) - shift[:, None]) * rstd[:, None]
             if HAS_W:
                 y *= tl.load(W + ch, mask=ch < C, other=0.0).to(ACC)[None, :]
             if HAS_B:
                 y += tl.load(B + ch, mask=ch < C, other=0.0).to(ACC)[None, :]
-            tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+            tl.store(Y + _in(first, last, Y_CL), y.to(Y.dtype.element_ty), mask=mask)
         mean += shift
     stats = n.to(tl.int64) * S + pos
     if not IS_RMS_NORM:
@@ -199,10 +217,12 @@ def _channel_norm_fwd_kernel(
 
 
 @triton.jit
-def _channel_tile_grads(X, DY, W, offs, mask, ch, C, mean, HAS_W: tl.constexpr):
+def _channel_tile_grads(X, DY, W, first, last, mask, ch, C, mean, HAS_W: tl.constexpr, X_CL: tl.constexpr,
+                        DY_CL: tl.constexpr):
     """d = x - mean, dy and g = dy * weight on a tile, in the accumulation dtype (0 where masked)."""
-    d = tl.where(mask, tl.load(X + offs, mask=mask, other=0.0).to(mean.dtype) - mean[:, None], 0.0)
-    dy = tl.load(DY + offs, mask=mask, other=0.0).to(mean.dtype)
+    x = tl.load(X + _in(first, last, X_CL), mask=mask, other=0.0).to(mean.dtype)
+    d = tl.where(mask, x - mean[:, None], 0.0)
+    dy = tl.load(DY + _in(first, last, DY_CL), mask=mask, other=0.0).to(mean.dtype)
     if HAS_W:
         g = dy * tl.load(W + ch, mask=ch < C, other=0.0).to(mean.dtype)[None, :]
     else:
@@ -212,8 +232,8 @@ def _channel_tile_grads(X, DY, W, offs, mask, ch, C, mean, HAS_W: tl.constexpr):
 
 @triton.jit
 def _channel_norm_bwd_kernel(
-    DY,  # in (N, C, S) contiguous
-    X,  # in (N, C, S) the saved x
+    DY,  # in (N, C, S): contiguous, or with DY_CL channels-last
+    X,  # in (N, C, S) the saved x: contiguous, or with X_CL channels-last (dx in x's layout)
     W,  # in (C,); unused unless HAS_W
     MEAN,  # in (N, S); unused for RMSNorm
     RSTD,  # in (N, S)
@@ -222,11 +242,11 @@ def _channel_norm_bwd_kernel(
     C, S, s_tiles, tiles, tiles_per_program, stride_pk,
     BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
     IS_RMS_NORM: tl.constexpr, HAS_W: tl.constexpr, STORE_DX: tl.constexpr, STORE_DW: tl.constexpr,
-    STORE_DB: tl.constexpr, ACC: tl.constexpr,
+    STORE_DB: tl.constexpr, ACC: tl.constexpr, X_CL: tl.constexpr = False, DY_CL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
-    first = pid * tiles_per_program
-    last = tl.minimum(first + tiles_per_program, tiles)
+    first_tile = pid * tiles_per_program
+    last_tile = tl.minimum(first_tile + tiles_per_program, tiles)
     DW_PARTIAL = PARTIAL + pid.to(tl.int64) * C
     DB_PARTIAL = DW_PARTIAL + stride_pk
     ch0 = tl.arange(0, BLOCK_C)
@@ -234,7 +254,7 @@ def _channel_norm_bwd_kernel(
         # tile-shaped accumulators, summed over the positions once at the end
         dw = tl.zeros([BLOCK_S, BLOCK_C], dtype=ACC)
         db = tl.zeros([BLOCK_S, BLOCK_C], dtype=ACC)
-    for t in range(first, last):
+    for t in range(first_tile, last_tile):
         n = t // s_tiles
         pos = (t % s_tiles) * BLOCK_S + tl.arange(0, BLOCK_S)
         pos_mask = pos < S
@@ -246,8 +266,9 @@ def _channel_norm_bwd_kernel(
             mean = tl.load(MEAN + stats, mask=pos_mask, other=0.0)
         rstd = tl.load(RSTD + stats, mask=pos_mask, other=0.0)
         if SINGLE_BLOCK:
-            offs, mask = _channel_tile(pos, pos_mask, ch0, C, S)
-            d, dy, g = _channel_tile_grads(X + sample, DY + sample, W, offs, mask, ch0, C, mean, HAS_W)
+            first, last, mask = _channel_tile(pos, pos_mask, ch0, C, S)
+            d, dy, g = _channel_tile_grads(X + sample, DY + sample, W, first, last, mask, ch0, C, mean, HAS_W,
+                                           X_CL, DY_CL)
             if IS_RMS_NORM:
                 sum_d = tl.zeros([BLOCK_S], dtype=ACC)
                 sum_g = sum_d
@@ -256,7 +277,7 @@ def _channel_norm_bwd_kernel(
             shift, c1, c2 = _row_constants(sum_d, tl.sum(d * g, axis=1), sum_g, rstd, C, IS_RMS_NORM, ACC)
             xhat, ds = _xhat_and_ds(d, g, shift, c1, c2, rstd, mask, IS_RMS_NORM)
             if STORE_DX:
-                tl.store(DX + sample + offs, ds.to(DX.dtype.element_ty), mask=mask)
+                tl.store(DX + sample + _in(first, last, X_CL), ds.to(DX.dtype.element_ty), mask=mask)
             if STORE_DW:
                 dw += dy * xhat
             if STORE_DB:
@@ -269,8 +290,9 @@ def _channel_norm_bwd_kernel(
             acc_d = tl.zeros([BLOCK_S, BLOCK_C], dtype=ACC)
             for start in range(0, C, BLOCK_C):
                 ch = start + ch0
-                offs, mask = _channel_tile(pos, pos_mask, ch, C, S)
-                d, dy, g = _channel_tile_grads(X + sample, DY + sample, W, offs, mask, ch, C, mean, HAS_W)
+                first, last, mask = _channel_tile(pos, pos_mask, ch, C, S)
+                d, dy, g = _channel_tile_grads(X + sample, DY + sample, W, first, last, mask, ch, C, mean,
+                                               HAS_W, X_CL, DY_CL)
                 acc_dg += d * g
                 if not IS_RMS_NORM:
                     acc_g += g
@@ -279,11 +301,12 @@ def _channel_norm_bwd_kernel(
                                            tl.sum(acc_g, axis=1), rstd, C, IS_RMS_NORM, ACC)
             for start in range(0, C, BLOCK_C):
                 ch = start + ch0
-                offs, mask = _channel_tile(pos, pos_mask, ch, C, S)
-                d, dy, g = _channel_tile_grads(X + sample, DY + sample, W, offs, mask, ch, C, mean, HAS_W)
+                first, last, mask = _channel_tile(pos, pos_mask, ch, C, S)
+                d, dy, g = _channel_tile_grads(X + sample, DY + sample, W, first, last, mask, ch, C, mean,
+                                               HAS_W, X_CL, DY_CL)
                 xhat, ds = _xhat_and_ds(d, g, shift, c1, c2, rstd, mask, IS_RMS_NORM)
                 if STORE_DX:
-                    tl.store(DX + sample + offs, ds.to(DX.dtype.element_ty), mask=mask)
+                    tl.store(DX + sample + _in(first, last, X_CL), ds.to(DX.dtype.element_ty), mask=mask)
                 ch_mask = ch < C
                 if STORE_DW:
                     share = tl.sum(dy * xhat, axis=0)
@@ -313,8 +336,8 @@ _bwd = CachedKernel(_channel_norm_bwd_kernel)
 _INTERPRET_TILE = 128 if INTERPRET else None
 MIN_RUN, RUN = (4, 8) if INTERPRET else (16, 64)
 
-_FWD_KEY_NAMES = ("device", "dtype", "channels", "positions", "rms")
-_BWD_KEY_NAMES = ("device", "dtype", "channels", "positions", "rms", "grads")
+_FWD_KEY_NAMES = ("device", "dtype", "channels", "positions", "rms", "channels_last")
+_BWD_KEY_NAMES = ("device", "dtype", "channels", "positions", "rms", "grads", "channels_last")
 _FWD_TUNER = Tuner("channel_norm_fwd", configs.channel_norm_fwd, _FWD_KEY_NAMES)
 _BWD_TUNER = Tuner("channel_norm_bwd", configs.channel_norm_bwd, _BWD_KEY_NAMES)
 _PLANS: dict[tuple, tuple] = {}
@@ -400,18 +423,44 @@ def _stat_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def channels_last(t: torch.Tensor, dim: int) -> bool:
+    """Whether t lies with its dim `dim` innermost (`t.movedim(dim, -1)` contiguous) and is not
+    also contiguous: channels_last, channels_last_3d, a transposed (N, L, C), a permuted view."""
+    return not t.is_contiguous() and t.movedim(dim, -1).is_contiguous()
+
+
+def in_layout(t: torch.Tensor, dim: int, cl: bool) -> torch.Tensor:
+    """t with its dim `dim` innermost where `cl`, contiguous otherwise (a copy only where it does
+    not lie so already)."""
+    if not cl:
+        return t.contiguous()
+    return t if t.movedim(dim, -1).is_contiguous() else t.movedim(dim, -1).contiguous().movedim(-1, dim)
+
+
+def empty_in_layout(t: torch.Tensor, dim: int, cl: bool, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An empty tensor shaped like t: its dim `dim` innermost where `cl`, contiguous otherwise.
+    Not a view (an autograd.Function's output that is a view may not be modified in place)."""
+    if not cl:
+        return torch.empty(t.shape, dtype=dtype or t.dtype, device=t.device)
+    moved = torch.empty(t.movedim(dim, -1).shape, dtype=dtype or t.dtype, device=t.device)
+    return torch.empty_strided(t.shape, moved.movedim(-1, dim).stride(), dtype=dtype or t.dtype,
+                               device=t.device)
+
+
 def channel_norm_fwd(x: torch.Tensor, dim: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                     eps: float, is_rms_norm: bool, clamp_eps: bool
+                     eps: float, is_rms_norm: bool, clamp_eps: bool, y_channels_last: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, mean, rstd): y contiguous in x's dtype; mean and rstd shaped like x without `dim`, in the
-    accumulation dtype (mean empty for RMSNorm)."""
+    """(y, mean, rstd): y in x's dtype, contiguous or with its channels innermost (y_channels_last);
+    mean and rstd shaped like x without `dim`, in the accumulation dtype (mean empty for RMSNorm).
+    x is read where it lies, contiguous or channels-last; another layout is copied once."""
     acc = _stat_dtype(x)
-    x = x.contiguous()
+    x_cl = channels_last(x, dim)
+    x = in_layout(x, dim, x_cl)
     n, c, s = _dims(x, dim)
     stats = _stats_shape(x, dim)
     if x.numel() and not use_triton(x):
-        return _channel_norm_torch(x, dim, weight, bias, eps, is_rms_norm, clamp_eps)
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        return _channel_norm_torch(x, dim, weight, bias, eps, is_rms_norm, clamp_eps, y_channels_last)
+    y = empty_in_layout(x, dim, y_channels_last)
     mean = x.new_empty((0,) if is_rms_norm else stats, dtype=acc)
     rstd = x.new_empty(stats, dtype=acc)
     if x.numel() == 0:
@@ -421,11 +470,11 @@ def channel_norm_fwd(x: torch.Tensor, dim: int, weight: torch.Tensor | None, bia
     mean_arg = mean if not is_rms_norm else rstd
     device = x.get_device() if x.is_cuda else -1
     flags = {"IS_RMS_NORM": is_rms_norm, "HAS_W": weight is not None, "HAS_B": bias is not None,
-             "CLAMP_EPS": clamp_eps, "ACC": acc_dtype(x.dtype)}
+             "CLAMP_EPS": clamp_eps, "ACC": acc_dtype(x.dtype), "X_CL": x_cl, "Y_CL": y_channels_last}
     key = ("fwd", device, x.dtype, n, c, s, *flags.values())
     plan = _PLANS.get(key)
     if plan is None:
-        tuning_key = (device, x.dtype, c, pow2_bucket(n * s), is_rms_norm)
+        tuning_key = (device, x.dtype, c, pow2_bucket(n * s), is_rms_norm, (x_cl, y_channels_last))
         cfg = _FWD_TUNER.config(tuning_key, _fwd_timed, x, w_arg, b_arg, y, mean_arg, rstd, eps, n, c, s,
                                 flags)
         plan = _fwd_plan(cfg, n, c, s, flags)
@@ -439,30 +488,33 @@ def channel_norm_bwd(dy: torch.Tensor, x: torch.Tensor, dim: int, weight: torch.
                      mean: torch.Tensor, rstd: torch.Tensor, is_rms_norm: bool, need_dx: bool = True,
                      vectors: int = DWEIGHT | DBIAS
                      ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """(dx, dweight, dbias): dx contiguous in x's dtype (None when not needed); dweight and dbias
-    (C,) in the accumulation dtype, each None unless asked for in `vectors` (dweight only with a
-    weight)."""
+    """(dx, dweight, dbias): dx in x's dtype and layout, as channel_norm_fwd read x (None when not
+    needed); dweight and dbias (C,) in the accumulation dtype, each None unless asked for in
+    `vectors` (dweight only with a weight). dy is read where it lies, contiguous or channels-last."""
     acc = _stat_dtype(x)
     want_dw = bool(vectors & DWEIGHT) and weight is not None
     want_db = bool(vectors & DBIAS)
-    x, dy = x.contiguous(), dy.contiguous()
+    x_cl, dy_cl = channels_last(x, dim), channels_last(dy, dim)
+    x, dy = in_layout(x, dim, x_cl), in_layout(dy, dim, dy_cl)
     n, c, s = _dims(x, dim)
     if x.numel() and not use_triton(x):
         return _channel_norm_bwd_torch(dy, x, dim, weight, mean, rstd, is_rms_norm, need_dx, want_dw, want_db)
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_dx else None
+    dx = empty_in_layout(x, dim, x_cl) if need_dx else None
     if x.numel() == 0:
         zeros = (torch.zeros(c, dtype=acc, device=x.device) if want else None for want in (want_dw, want_db))
         return dx, *zeros
     device = x.get_device() if x.is_cuda else -1
     flags = {"IS_RMS_NORM": is_rms_norm, "HAS_W": weight is not None, "STORE_DX": need_dx,
-             "STORE_DW": want_dw, "STORE_DB": want_db, "ACC": acc_dtype(x.dtype)}
+             "STORE_DW": want_dw, "STORE_DB": want_db, "ACC": acc_dtype(x.dtype), "X_CL": x_cl,
+             "DY_CL": dy_cl}
     sms = device_sms(x)
     key = ("bwd", device, x.dtype, n, c, s, *flags.values())
     plan = _PLANS.get(key)
     args = (dy, x, weight if weight is not None else x, mean if not is_rms_norm else rstd, rstd,
             dx if need_dx else x)
     if plan is None:
-        tuning_key = (device, x.dtype, c, pow2_bucket(n * s), is_rms_norm, (need_dx, want_dw, want_db))
+        tuning_key = (device, x.dtype, c, pow2_bucket(n * s), is_rms_norm, (need_dx, want_dw, want_db),
+                      (x_cl, dy_cl))
         cfg = _BWD_TUNER.config(tuning_key, _bwd_timed, *args, n, c, s, sms, flags, acc)
         plan = _bwd_plan(cfg, n, c, s, sms, flags)
         if _BWD_TUNER.is_decided(tuning_key):
@@ -481,24 +533,28 @@ def _rows(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t.movedim(dim, -1).reshape(-1, t.shape[dim])
 
 
-def _from_rows(rows: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor:
-    moved = like.movedim(dim, -1).shape
-    return rows.reshape(moved).movedim(-1, dim).contiguous()
+def _from_rows(rows: torch.Tensor, like: torch.Tensor, dim: int, cl: bool) -> torch.Tensor:
+    """Rows (positions, channels) back in like's shape: channels innermost where `cl`, else
+    contiguous."""
+    y = rows.reshape(like.movedim(dim, -1).shape).movedim(-1, dim)
+    return y if cl else y.contiguous()
 
 
-def _channel_norm_torch(x, dim, weight, bias, eps, is_rms_norm, clamp_eps):
+def _channel_norm_torch(x, dim, weight, bias, eps, is_rms_norm, clamp_eps, y_channels_last=False):
     c = x.shape[dim]
     y, _, mean, rstd = _norm_fwd_torch(_rows(x, dim), c, weight, bias, eps, is_rms_norm, None, None, 0.0,
                                        None, False, clamp_eps=clamp_eps)
     stats = _stats_shape(x, dim)
-    return _from_rows(y, x, dim), mean if is_rms_norm else mean.reshape(stats), rstd.reshape(stats)
+    y = _from_rows(y, x, dim, y_channels_last)
+    return y, mean if is_rms_norm else mean.reshape(stats), rstd.reshape(stats)
 
 
 def _channel_norm_bwd_torch(dy, x, dim, weight, mean, rstd, is_rms_norm, need_dx, want_dw, want_db):
     c = x.shape[dim]
     dx, _, dw, db, _ = _norm_bwd_torch(_rows(dy, dim), _rows(x, dim), c, weight, mean.reshape(-1),
                                        rstd.reshape(-1), is_rms_norm, None, 0.0, None, False)
-    return _from_rows(dx, x, dim) if need_dx else None, dw if want_dw else None, db if want_db else None
+    dx = _from_rows(dx, x, dim, channels_last(x, dim)) if need_dx else None
+    return dx, dw if want_dw else None, db if want_db else None
 
 
 # =============================================================================================
@@ -543,10 +599,10 @@ OptTensor = torch.Tensor | None
 
 @torch.library.custom_op("trifuse::channel_norm", mutates_args=())
 def _channel_norm_op(x: Tensor, dim: int, weight: OptTensor, bias: OptTensor, eps: float, is_rms_norm: bool,
-                     clamp_eps: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(y, mean, rstd); mean empty for RMSNorm."""
+                     clamp_eps: bool, y_channels_last: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """(y, mean, rstd); mean empty for RMSNorm; y with its dim `dim` innermost where y_channels_last."""
     dim = _check_inputs(x, dim, weight, bias, eps, is_rms_norm, clamp_eps)
-    return channel_norm_fwd(x, dim, weight, bias, eps, is_rms_norm, clamp_eps)
+    return channel_norm_fwd(x, dim, weight, bias, eps, is_rms_norm, clamp_eps, y_channels_last)
 
 
 @torch.library.custom_op("trifuse::channel_norm_backward", mutates_args=())
@@ -561,17 +617,17 @@ def _channel_norm_backward_op(dy: Tensor, x: Tensor, dim: int, weight: OptTensor
 
 
 @_channel_norm_op.register_fake
-def _(x, dim, weight, bias, eps, is_rms_norm, clamp_eps):
+def _(x, dim, weight, bias, eps, is_rms_norm, clamp_eps, y_channels_last=False):
     dim = _check_inputs(x, dim, weight, bias, eps, is_rms_norm, clamp_eps)
     acc, stats = _stat_dtype(x), _stats_shape(x, dim)
-    return (x.new_empty(x.shape), x.new_empty((0,) if is_rms_norm else stats, dtype=acc),
+    return (empty_in_layout(x, dim, y_channels_last), x.new_empty((0,) if is_rms_norm else stats, dtype=acc),
             x.new_empty(stats, dtype=acc))
 
 
 @_channel_norm_backward_op.register_fake
 def _(dy, x, dim, weight, mean, rstd, is_rms_norm, need_dx, vectors):
     acc, c = _stat_dtype(x), x.shape[dim]
-    return (x.new_empty(x.shape) if need_dx else x.new_empty(0),
+    return (empty_in_layout(x, dim % x.dim(), channels_last(x, dim % x.dim())) if need_dx else x.new_empty(0),
             x.new_empty(c if vectors & DWEIGHT and weight is not None else 0, dtype=acc),
             x.new_empty(c if vectors & DBIAS else 0, dtype=acc))
 
@@ -581,7 +637,7 @@ def _grad_as(g: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor 
 
 
 def _setup(ctx, inputs, output):
-    x, dim, weight, bias, eps, is_rms_norm, clamp_eps = inputs
+    x, dim, weight, bias, eps, is_rms_norm, clamp_eps = inputs[:7]
     _, mean, rstd = output
     ctx.save_for_backward(x, weight, bias, mean, rstd)
     ctx.dim, ctx.eps, ctx.is_rms_norm, ctx.clamp_eps = dim % x.dim(), eps, is_rms_norm, clamp_eps
@@ -596,20 +652,20 @@ def _vectors(needs: tuple, weight, bias) -> int:
 
 def _op_twice(ctx, dy, *_):
     dx, dw, db = _channel_norm_twice(ctx, dy)
-    return dx, None, dw, db, None, None, None
+    return dx, None, dw, db, None, None, None, None
 
 
 @single_backward(twice=_op_twice, op="channel_norm")
 def _backward(ctx, dy, *_):
     if dy is None:
-        return (None,) * 7
+        return (None,) * 8
     x, weight, bias, mean, rstd = ctx.saved_tensors
     needs = ctx.needs_input_grad
     vectors = _vectors(needs, weight, bias)
     dx, dw, db = torch.ops.trifuse.channel_norm_backward(dy, x, ctx.dim, weight, mean, rstd, ctx.is_rms_norm,
                                                          needs[0], vectors)
     return (dx if needs[0] else None, None, _grad_as(dw, weight) if vectors & DWEIGHT else None,
-            _grad_as(db, bias) if vectors & DBIAS else None, None, None, None)
+            _grad_as(db, bias) if vectors & DBIAS else None, None, None, None, None)
 
 
 torch.library.register_autograd("trifuse::channel_norm", _backward, setup_context=_setup)
@@ -632,8 +688,8 @@ def _channel_norm_twice(ctx, dy):
 
 class _ChannelNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, weight, bias, eps, is_rms_norm, clamp_eps):
-        y, mean, rstd = channel_norm_fwd(x, dim, weight, bias, eps, is_rms_norm, clamp_eps)
+    def forward(ctx, x, dim, weight, bias, eps, is_rms_norm, clamp_eps, y_channels_last):
+        y, mean, rstd = channel_norm_fwd(x, dim, weight, bias, eps, is_rms_norm, clamp_eps, y_channels_last)
         ctx.save_for_backward(x, weight, bias, mean, rstd)
         ctx.dim, ctx.eps, ctx.is_rms_norm, ctx.clamp_eps = dim, eps, is_rms_norm, clamp_eps
         return y
@@ -647,7 +703,7 @@ class _ChannelNormFunction(torch.autograd.Function):
         with profiled("trifuse::channel_norm_backward"):
             dx, dw, db = channel_norm_bwd(dy, x, ctx.dim, weight, mean, rstd, ctx.is_rms_norm, needs[0],
                                           vectors)
-        return (dx, None, _grad_as(dw, weight), _grad_as(db, bias), None, None, None)
+        return (dx, None, _grad_as(dw, weight), _grad_as(db, bias), None, None, None, None)
 
 
 # =============================================================================================
@@ -658,7 +714,11 @@ class _ChannelNormFunction(torch.autograd.Function):
 # =============================================================================================
 
 
-def _channel_norm_key(x, dim, weight, bias, eps, is_rms_norm, clamp_eps):
+def _layout(x: torch.Tensor, dim: int) -> str:
+    return "contiguous" if x.is_contiguous() else "channels_last" if channels_last(x, dim) else "other"
+
+
+def _channel_norm_key(x, dim, weight, bias, eps, is_rms_norm, clamp_eps, y_channels_last=False):
     """The dialect key of an eager call; None (the trifuse op decides, and raises on bad input)
     when traced, empty or not fitting. It runs on every call."""
     if not isinstance(x, torch.Tensor) or not eager_fast_path(x, weight, bias) or type(dim) is not int:
@@ -670,28 +730,39 @@ def _channel_norm_key(x, dim, weight, bias, eps, is_rms_norm, clamp_eps):
                                         or (bias is not None and bias.requires_grad))
     kind = ("rms_floored" if clamp_eps else "rms") if is_rms_norm else "layer"
     return (x.get_device() if x.is_cuda else -1, x.dtype, c, pow2_bucket(x.numel() // c), kind,
-            None if weight is None else weight.dtype, bias is not None, grad)
+            None if weight is None else weight.dtype, bias is not None, grad,
+            f"{_layout(x, dim)} -> {'channels_last' if y_channels_last else 'contiguous'}")
 
 
-def _channel_norm_trifuse(x, dim, weight, bias, eps, is_rms_norm, clamp_eps):
+def _channel_norm_trifuse(x, dim, weight, bias, eps, is_rms_norm, clamp_eps, y_channels_last=False):
     dim = _check_inputs(x, dim, weight, bias, eps, is_rms_norm, clamp_eps)
     if eager_fast_path(x, weight, bias):
         with profiled("trifuse::channel_norm"):
-            return apply_function(_ChannelNormFunction, x, dim, weight, bias, eps, is_rms_norm, clamp_eps)
-    return torch.ops.trifuse.channel_norm(x, dim, weight, bias, eps, is_rms_norm, clamp_eps)[0]
+            return apply_function(_ChannelNormFunction, x, dim, weight, bias, eps, is_rms_norm, clamp_eps,
+                                  y_channels_last)
+    extra = (True,) if y_channels_last else ()  # (a traced call carries no trailing default)
+    return torch.ops.trifuse.channel_norm(x, dim, weight, bias, eps, is_rms_norm, clamp_eps, *extra)[0]
 
 
-def _channel_norm_rows(x, dim, weight, bias, eps, is_rms_norm, clamp_eps):
-    """trifuse's row kernels on x with its channels moved last (a copy), y moved back (another):
-    what the rewriter made of these norms before this op existed."""
+def _moved_back(y: torch.Tensor, dim: int, y_channels_last: bool) -> torch.Tensor:
+    """A row norm's y (channels last) as the candidates return it: that dim moved back, contiguous
+    unless y_channels_last."""
+    y = y.movedim(-1, dim)
+    return y if y_channels_last else y.contiguous()
+
+
+def _channel_norm_rows(x, dim, weight, bias, eps, is_rms_norm, clamp_eps, y_channels_last=False):
+    """trifuse's row kernels on x with its channels moved last (a copy unless x lies so), y moved
+    back (another unless asked for channels-last): what the rewriter made of these norms before
+    this op existed."""
     dim = _check_inputs(x, dim, weight, bias, eps, is_rms_norm, clamp_eps)
     moved = x.movedim(dim, -1).contiguous()
     y = _norm_kernels("rms_norm" if is_rms_norm else "layer_norm", moved, [x.shape[dim]], weight, bias, eps,
                       None, is_rms_norm, clamp_eps=clamp_eps)
-    return y.movedim(-1, dim).contiguous()
+    return _moved_back(y, dim, y_channels_last)
 
 
-def _channel_norm_torch_candidate(x, dim, weight, bias, eps, is_rms_norm, clamp_eps):
+def _channel_norm_torch_candidate(x, dim, weight, bias, eps, is_rms_norm, clamp_eps, y_channels_last=False):
     dim = _check_inputs(x, dim, weight, bias, eps, is_rms_norm, clamp_eps)
     moved = x.movedim(dim, -1)
     c = moved.shape[-1:]
@@ -702,20 +773,21 @@ def _channel_norm_torch_candidate(x, dim, weight, bias, eps, is_rms_norm, clamp_
         weight = None if weight is None else weight.to(wide)
         bias = None if bias is None else bias.to(wide)
     y = F.rms_norm(moved, c, weight, eps) if is_rms_norm else F.layer_norm(moved, c, weight, bias, eps)
-    return y.to(x.dtype).movedim(-1, dim).contiguous()
+    return _moved_back(y.to(x.dtype), dim, y_channels_last)
 
 
-def _torch_supports(x, dim, weight, bias, eps, is_rms_norm, clamp_eps) -> str | None:
+def _torch_supports(x, dim, weight, bias, eps, is_rms_norm, clamp_eps, y_channels_last=False) -> str | None:
     return "PyTorch has no RMSNorm floored at eps (F.normalize's)" if clamp_eps else None
 
 
-def _reference(x, dim=1, weight=None, bias=None, eps=1e-5, is_rms_norm=False, clamp_eps=False):
+def _reference(x, dim=1, weight=None, bias=None, eps=1e-5, is_rms_norm=False, clamp_eps=False,
+               y_channels_last=False):
     return channel_norm_ref(x, dim, weight, bias, eps, is_rms_norm, clamp_eps)
 
 
 CHANNEL_NORM = dialects.define(
     "channel_norm", _channel_norm_key,
-    ("device", "dtype", "channels", "positions", "kind", "weight", "bias", "grad"),
+    ("device", "dtype", "channels", "positions", "kind", "weight", "bias", "grad", "layout"),
     reference=_reference)
 CHANNEL_NORM.register(dialects.Candidate("trifuse", _channel_norm_trifuse))
 CHANNEL_NORM.register(dialects.Candidate("rows", _channel_norm_rows))
@@ -729,14 +801,15 @@ CHANNEL_NORM.register(dialects.Candidate("torch", _channel_norm_torch_candidate,
 
 @outside_device_modes
 def channel_norm(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                 eps: float = 1e-5, *, dim: int = 1, rms: bool = False,
-                 clamp_eps: bool = False) -> torch.Tensor:
+                 eps: float = 1e-5, *, dim: int = 1, rms: bool = False, clamp_eps: bool = False,
+                 y_channels_last: bool = False) -> torch.Tensor:
     """LayerNorm (or RMSNorm) over one dim of x, the channels of a channels-first map by default:
     timm's LayerNorm2d / RmsNorm2d, `F.layer_norm` of x with `dim` moved last, moved back.
 
     Args:
-        x: (*outer, C, *inner), fp16 / bf16 / fp32 / fp64; read where it lies when contiguous,
-            copied once otherwise.
+        x: (*outer, C, *inner), fp16 / bf16 / fp32 / fp64; read where it lies when contiguous or
+            with its dim `dim` innermost (channels_last, a transposed or permuted view of a
+            contiguous tensor), copied once otherwise.
         weight, bias: (C,) or None, any float dtype (y is rounded to x's dtype once).
         eps: added to the variance (the mean square for RMSNorm).
         dim: the dim normalized over (C = x.shape[dim]).
@@ -744,10 +817,13 @@ def channel_norm(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torc
         clamp_eps: with rms, y = x / max(rms(x), eps) * weight, no gradient through a floored
             rms: `F.normalize(x, dim=dim, eps=e)` is `channel_norm(x, C ** -0.5 * ones, None,
             e / C ** 0.5, dim=dim, rms=True, clamp_eps=True)`.
+        y_channels_last: y with its dim `dim` innermost (what `F.layer_norm` of `x.movedim(dim, -1)`
+            returns, moved back); contiguous otherwise.
 
     Returns:
-        y shaped like x, contiguous, in x's dtype. Gradients reach x, weight and bias; the backward
-        recomputes from x and the saved statistics (one fp32 value per position each).
+        y shaped like x, in x's dtype, laid out as y_channels_last says. Gradients reach x, weight
+        and bias; the backward recomputes from x and the saved statistics (one fp32 value per
+        position each).
 
     Eager calls run these kernels, the row kernels on a channels-last copy, or PyTorch's norms on
     one, whichever the `channel_norm` dialect measured faster for this shape on this GPU;
@@ -757,4 +833,6 @@ def channel_norm(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torc
         TypeError for non-float tensors; ValueError for a dim x does not have, parameters not (C,),
         tensors on different devices, a negative eps, a bias with rms or clamp_eps without it.
     """
+    if y_channels_last:
+        return CHANNEL_NORM(x, dim, weight, bias, eps, rms, clamp_eps, True)
     return CHANNEL_NORM(x, dim, weight, bias, eps, rms, clamp_eps)

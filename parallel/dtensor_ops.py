@@ -315,9 +315,9 @@ def register() -> bool:
         )
 
     @register_sharding(ops.channel_norm.default)
-    def _channel_norm(x, dim, weight, bias, eps, is_rms_norm, clamp_eps):
+    def _channel_norm(x, dim, weight, bias, eps, is_rms_norm, clamp_eps, *y_channels_last):
         args = [("row", x), (None, None), ("feat", weight), ("feat", bias), (None, None), (None, None),
-                (None, None)]
+                (None, None), *[(None, None)] * len(y_channels_last)]
         return _norm_strategies(x, x.ndim - dim % x.ndim, args,
                                 [("row", x), ("stat", _EMPTY if is_rms_norm else x), ("stat", x)])
 

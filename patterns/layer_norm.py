@@ -565,6 +565,33 @@ def rms_norm_over_channels(x, normalized_shape, weight, eps, dim, *, clamp=False
     return ops.channel_norm(x, weight, None, eps, dim=dim, rms=True, clamp_eps=clamp)
 
 
+# And a norm over the last dim of a permuted view whose last dim lies innermost in nothing (the
+# row kernels would copy it first): ConvNeXt's blocks (`dwconv(x).permute(0, 2, 3, 1)` then
+# LayerNorm), its and timm's LayerNorm2d (permute, F.layer_norm, permute back), wav2vec2's conv
+# feature encoder (`x.transpose(-2, -1)` then LayerNorm). The view moved back is a contiguous map
+# whose channels `channel_norm` reads where they lie; it writes y with them innermost, which moved
+# last again is the contiguous tensor the row norm returned.
+
+
+def layer_norm_of(x: torch.Tensor, normalized_shape, weight, bias, eps):
+    return ops.layer_norm(x, normalized_shape, weight, bias, eps)
+
+
+def layer_norm_over_permuted_channels(x, normalized_shape, weight, bias, eps, dim):
+    y = ops.channel_norm(x.movedim(-1, dim), weight, bias, eps, dim=dim, y_channels_last=True)
+    return y.movedim(dim, -1)
+
+
+def rms_norm_of(x: torch.Tensor, normalized_shape, weight, eps, *, clamp=False):
+    return _l2_rms_norm(x, normalized_shape, weight, eps, clamp)
+
+
+def rms_norm_over_permuted_channels(x, normalized_shape, weight, eps, dim, *, clamp=False):
+    y = ops.channel_norm(x.movedim(-1, dim), weight, None, eps, dim=dim, rms=True, clamp_eps=clamp,
+                         y_channels_last=True)
+    return y.movedim(dim, -1)
+
+
 def layer_norm_upcast_div_sqrt(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps, dtype):
     """Hugging Face's DebertaLayerNorm (DeBERTa v1): computed on an fp32 copy, the centred
     value (twice) divided by sqrt(variance + eps), cast back, then weight * h + bias."""
@@ -761,6 +788,33 @@ def _channels_of_x(m: Match) -> str | None:
     return None
 
 
+def _permuted_channels(m: Match) -> dict | None:
+    """{"dim": d}: x (the norm's input, normalized over its last dim) is a view of a contiguous
+    tensor whose dim d that last dim was (`x.movedim(-1, d)` contiguous), its last dim not
+    innermost; None otherwise (`_strided_last_dim` says why)."""
+    x = m.value("x")
+    if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.stride(-1) == 1 or x.shape[-1] == 1:
+        return None
+    dim = next((d for d in range(x.dim() - 1) if x.movedim(-1, d).is_contiguous()), None)
+    return None if dim is None else {"dim": dim}
+
+
+def _strided_last_dim(m: Match) -> str | None:
+    """The norm reads a permuted view of a contiguous map (`_permuted_channels`) over one dim, and
+    its output is not cast (under autocast, to fp32 for the matmuls after it, a cast the row norm
+    then drops by writing their dtype itself: fusion/narrow.py)."""
+    shape = m.value("normalized_shape")
+    if not isinstance(shape, (tuple, list)) or len(shape) != 1:
+        return "normalized over more than one dim"
+    if _permuted_channels(m) is None:
+        return "x's last dim lies innermost (rows read in place) or x is no permuted contiguous map"
+    norm = m.outputs[0]
+    if any(u.op == "call_method" and u.target in ("to", "float", "type", "half", "bfloat16")
+           or u.op == "call_function" and u.target is torch.Tensor.to for u in norm.users):
+        return "its output is cast (the row norm narrows it for the matmuls after it)"
+    return None
+
+
 def _folds_over_channels(name: str):
     """`_folds_as_affine` after a norm over a channels-first map's channels: the weight or bias is
     the width's vector laid along the channel dim (C, 1, ..., 1), in x's dtype."""
@@ -819,16 +873,28 @@ def _weight_is_l2_scale(m: Match) -> str | None:
     return _l2_scale(m, "weight")
 
 
+# Stage 3: after the residual stream, the adaptive norms and the biases (stages 1 and 2), which
+# take a trifuse norm with what surrounds it into a larger op.
 _CHANNELS_IN_PLACE = (
     Pattern("layer_norm_over_channels", "layer_norm", layer_norm_moved, layer_norm_over_channels,
-            ("layer_norm", "channel_norm"), (_channels_of_x,), quiet=True, folds=_IN_PLACE),
+            ("layer_norm", "channel_norm"), (_channels_of_x,), stage=3, quiet=True, folds=_IN_PLACE),
     Pattern("l2_norm_over_channels", "rms_norm", rms_norm_moved, rms_norm_over_channels,
-            ("rms_norm", "channel_norm"), (_channels_of_x, _weight_is_l2_scale), quiet=True, folds=_IN_PLACE),
+            ("rms_norm", "channel_norm"), (_channels_of_x, _weight_is_l2_scale), stage=3, quiet=True,
+            folds=_IN_PLACE),
     Pattern("rms_norm_over_channels", "rms_norm", rms_norm_moved, rms_norm_over_channels,
-            ("rms_norm", "channel_norm"), (_channels_of_x,), quiet=True, folds=_IN_PLACE),
+            ("rms_norm", "channel_norm"), (_channels_of_x,), stage=3, quiet=True, folds=_IN_PLACE),
     Pattern("l2_normalize_over_channels", "rms_norm", functools.partial(rms_norm_moved, clamp=True),
             functools.partial(rms_norm_over_channels, clamp=True), ("rms_norm", "channel_norm"),
-            (_channels_of_x,), quiet=True, folds=_IN_PLACE),
+            (_channels_of_x,), stage=3, quiet=True, folds=_IN_PLACE),
+    Pattern("layer_norm_over_permuted_channels", "layer_norm", layer_norm_of,
+            layer_norm_over_permuted_channels, ("layer_norm", "channel_norm"), (_strided_last_dim,), stage=3,
+            derive=_permuted_channels, quiet=True, folds=_IN_PLACE),
+    Pattern("l2_normalize_over_permuted_channels", "rms_norm", functools.partial(rms_norm_of, clamp=True),
+            functools.partial(rms_norm_over_permuted_channels, clamp=True), ("rms_norm", "channel_norm"),
+            (_strided_last_dim,), stage=3, derive=_permuted_channels, quiet=True, folds=_IN_PLACE),
+    Pattern("rms_norm_over_permuted_channels", "rms_norm", rms_norm_of, rms_norm_over_permuted_channels,
+            ("rms_norm", "channel_norm"), (_strided_last_dim,), stage=3, derive=_permuted_channels,
+            quiet=True, folds=_IN_PLACE),
 )
 
 

@@ -112,6 +112,53 @@ def test_reads_the_map_where_it_lies(case, kind, monkeypatch):
     assert read == {x.data_ptr()}
 
 
+def _channels_innermost(t: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """t laid out with its dim `dim` innermost (channels_last for a 4-D map), same values."""
+    return t.detach().movedim(dim, -1).contiguous().movedim(-1, dim).requires_grad_(t.requires_grad)
+
+
+@pytest.mark.parametrize("y_cl", [False, True], ids=["y-contiguous", "y-channels-last"])
+@pytest.mark.parametrize("x_cl", [False, True], ids=["x-contiguous", "x-channels-last"])
+@pytest.mark.parametrize("case", [((2, 24, 5, 3), 1), ((3, 100, 7), 1), ((2, 3, 20, 4), 2)], ids=_ids)
+def test_layouts_read_and_written_where_they_lie(case, x_cl, y_cl, monkeypatch):
+    """x contiguous or with its channels innermost (channels_last; the (B, L, C) a conv's output
+    transposed makes) is read where it lies, y written in either layout, dy read in y's and dx
+    written in x's: no copy of any (each launch reads x itself, and dy as autograd hands it over)."""
+    shape, dim = case
+    x, weight, bias, opts = make(shape, dim, torch.float32, "layer")
+    x = _channels_innermost(x, dim) if x_cl else x
+    launched = []
+    for name in LAUNCH_ARGS:
+        kernel = getattr(cn_mod, name)
+
+        def spy(grid, args, kw, _run=kernel.run, _n=name):
+            layout = kw.get("Y_CL", kw.get("DY_CL"))  # (y's in the forward, dy's in the backward)
+            launched.append((_n, args[LAUNCH_ARGS[_n]].data_ptr(), kw["X_CL"], layout))
+            return _run(grid, args, kw)
+        monkeypatch.setattr(kernel, "run", spy)
+    y = trifuse.ops.channel_norm(x, weight, bias, opts["eps"], dim=dim, y_channels_last=y_cl)
+    assert y.is_contiguous() == (not y_cl or y.shape[dim] == 1) and cn_mod.channels_last(y, dim) == y_cl
+    ins64 = _detached((x, weight, bias), torch.float64)
+    y64, ylp = _ref(*ins64, opts), _ref(*_detached((x, weight, bias)), opts)
+    assert_close("y", y, y64, ylp)
+    dy = torch.randn_like(y)  # in y's layout, as autograd hands a permuted view's gradient over
+    dx, dw, db = torch.autograd.grad(y, (x, weight, bias), dy)
+    assert dx.stride() == x.stride()
+    for name, a, a64 in zip(("dx", "dw", "db"), (dx, dw, db), torch.autograd.grad(y64, ins64, dy.double())):
+        assert_close(name, a, a64, None)
+    assert launched == [("_fwd", x.data_ptr(), x_cl, y_cl), ("_bwd", x.data_ptr(), x_cl, y_cl)]
+
+
+def test_y_channels_last_is_what_layer_norm_of_the_permuted_map_returns():
+    """`F.layer_norm(x.permute(0, 2, 3, 1), ...)` returns a contiguous (N, H, W, C) tensor: the op's
+    channels-last y, permuted the same way, is that tensor, strides and all (ConvNeXt's blocks)."""
+    x, weight, bias, opts = make((2, 12, 5, 6), 1, torch.float32, "layer")
+    y = trifuse.ops.channel_norm(x, weight, bias, opts["eps"], y_channels_last=True).permute(0, 2, 3, 1)
+    ref = torch.nn.functional.layer_norm(x.permute(0, 2, 3, 1), (12,), weight, bias, opts["eps"])
+    assert y.is_contiguous() and y.stride() == ref.stride()
+    torch.testing.assert_close(y, ref)
+
+
 @pytest.mark.parametrize("layout", ["channels_last", "sliced", "expanded_weight"])
 def test_other_layouts(layout):
     """A channels-last map, a slice of a wider one (copied once) and parameters that are views:
@@ -213,18 +260,23 @@ def test_compiles_fullgraph_without_graph_breaks(kind):
         assert torch.equal(a, b)
 
 
-def test_opcheck_every_op():
-    """opcheck compares the fake's outputs (strides included) with the real ones."""
+@pytest.mark.parametrize("x_cl", [False, True], ids=["x-contiguous", "x-channels-last"])
+def test_opcheck_every_op(x_cl):
+    """opcheck compares the fake's outputs (strides included) with the real ones: y in either
+    layout, dx in x's."""
     for kind in KINDS:
         x, weight, bias, opts = make((2, 9, 10), 1, torch.float32, kind)
-        args = (x, -2, weight, bias, opts["eps"], opts["rms"], opts["clamp_eps"])
-        torch.library.opcheck(torch.ops.trifuse.channel_norm.default, args)
+        x = _channels_innermost(x) if x_cl else x
+        for y_cl in (False, True):
+            args = (x, -2, weight, bias, opts["eps"], opts["rms"], opts["clamp_eps"], y_cl)
+            torch.library.opcheck(torch.ops.trifuse.channel_norm.default, args)
         _, mean, rstd = (t.detach() for t in torch.ops.trifuse.channel_norm(*args))
-        dy = torch.randn(2, 9, 10, device=DEVICE)
         w = None if weight is None else weight.detach()
-        for need_dx, vectors in ((True, 3), (False, 1), (True, 0), (True, 2)):
-            torch.library.opcheck(torch.ops.trifuse.channel_norm_backward.default,
-                                  (dy, x.detach(), 1, w, mean, rstd, opts["rms"], need_dx, vectors))
+        grad = torch.randn(2, 9, 10, device=DEVICE)
+        for dy in (grad, _channels_innermost(grad)):
+            for need_dx, vectors in ((True, 3), (False, 1), (True, 0), (True, 2)):
+                torch.library.opcheck(torch.ops.trifuse.channel_norm_backward.default,
+                                      (dy, x.detach(), 1, w, mean, rstd, opts["rms"], need_dx, vectors))
 
 
 def test_gradcheck_float64():
@@ -255,19 +307,21 @@ def test_hypothesis_shapes(n, c, spatial, kind):
 
 def test_every_candidate_of_the_dialect_agrees():
     """The row kernels on a channels-last copy and PyTorch's norms on one (what the dialect may
-    choose on a GPU) by the same rule; PyTorch has no floored RMSNorm, and says so."""
+    choose on a GPU) by the same rule, y in the layout asked for; PyTorch has no floored RMSNorm,
+    and says so."""
     for kind in KINDS:
         x, weight, bias, opts = make((2, 30, 7), 1, torch.float32, kind)
-        args = (x, opts["dim"], weight, bias, opts["eps"], opts["rms"], opts["clamp_eps"])
-        for candidate in CHANNEL_NORM.candidates:
-            reason = candidate.rejection(args, False)
-            if reason is not None:
-                assert candidate.name == "torch" and kind == "l2_floored" and "floored" in reason
-                continue
-            y = candidate.fn(*args)
-            assert y.is_contiguous()
-            ref64 = _ref(*_detached((x, weight, bias), torch.float64), opts)
-            assert_close(f"{candidate.name} {kind}", y, ref64, _ref(x, weight, bias, opts))
+        for y_cl in (False, True):
+            args = (x, opts["dim"], weight, bias, opts["eps"], opts["rms"], opts["clamp_eps"], y_cl)
+            for candidate in CHANNEL_NORM.candidates:
+                reason = candidate.rejection(args, False)
+                if reason is not None:
+                    assert candidate.name == "torch" and kind == "l2_floored" and "floored" in reason
+                    continue
+                y = candidate.fn(*args)
+                assert cn_mod.channels_last(y, 1) == y_cl and y.is_contiguous() == (not y_cl)
+                ref64 = _ref(*_detached((x, weight, bias), torch.float64), opts)
+                assert_close(f"{candidate.name} {kind}", y, ref64, _ref(x, weight, bias, opts))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from _hf_norms import (
 )
 from torch import nn
 from transformers.models.clip.modeling_clip import _get_vector_norm as clip_vector_norm
+from transformers.models.convnext.modeling_convnext import ConvNextLayerNorm
 from transformers.models.deberta.modeling_deberta import DebertaLayerNorm
 from transformers.models.dory.modeling_dory import DoryL2Norm
 from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
@@ -430,6 +431,119 @@ def test_channels_first_norm_leaves_its_output_laid_out_as_the_model_did(channel
     step()  # (a first call wanting x's gradient may capture again)
     op = "rms_norm" if channels_last else "channel_norm"
     assert trifuse_ops_run(step) == {f"trifuse::{op}", f"trifuse::{op}_backward"}
+
+
+# Norms over the last dim of a permuted view of a contiguous map: ConvNeXt's blocks, its
+# channels-first LayerNorm (permute, LayerNorm, permute back), wav2vec2's conv feature encoder
+# (transpose, LayerNorm): the row norm would copy x first; the channel norm reads the map itself.
+
+
+class ConvNextBlock(nn.Module):
+    """ConvNeXt's block: depthwise conv, `permute(0, 2, 3, 1)`, LayerNorm, the MLP on the last dim,
+    permuted back into the residual; `norm` F.normalize (an L2-normalized ConvNeXt V2-like
+    variant) or an RMSNorm in place of the LayerNorm."""
+
+    def __init__(self, norm="layer"):
+        super().__init__()
+        self.dw = nn.Conv2d(C, C, 3, padding=1, groups=C)
+        self.norm = nn.LayerNorm(C, eps=1e-6) if norm == "layer" else nn.RMSNorm(C, eps=1e-6) \
+            if norm == "rms" else None
+        self.fc1, self.fc2 = nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
+
+    def forward(self, x):
+        h = self.dw(x).permute(0, 2, 3, 1)
+        h = self.norm(h) if self.norm is not None else F.normalize(h, dim=-1)
+        return x + self.fc2(F.gelu(self.fc1(h))).permute(0, 3, 1, 2)
+
+
+class TransposedLayerNorm(nn.LayerNorm):
+    """wav2vec2's `Wav2Vec2LayerNormConvLayer` norm: (B, C, L) transposed, normalized, back."""
+
+    def forward(self, x):
+        return super().forward(x.transpose(-2, -1)).transpose(-2, -1)
+
+
+def convnext_channels_first_norm():
+    norm = ConvNextLayerNorm(C, eps=1e-6, data_format="channels_first")
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(C))
+        norm.bias.copy_(0.1 * torch.randn(C))
+    return norm
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("make, inputs, pattern", [
+    (ConvNextBlock, MAP, "layer_norm_over_permuted_channels"),
+    (lambda: ConvNextBlock("rms"), MAP, "rms_norm_over_permuted_channels"),
+    (lambda: ConvNextBlock("l2"), MAP, "l2_normalize_over_permuted_channels"),
+    (convnext_channels_first_norm, MAP, "layer_norm_over_permuted_channels"),
+    (lambda: TransposedLayerNorm(C), (torch.randn(3, C, 11),), "layer_norm_over_permuted_channels"),
+], ids=["convnext-block", "rms-norm", "f-normalize", "convnext-channels-first", "wav2vec2-transposed"])
+def test_norms_of_permuted_maps_read_the_map_where_it_lies(make, inputs, pattern, capture):
+    """The norm runs as `channel_norm` over the contiguous map the view was taken of, y written
+    with its channels innermost: the tensor the row norm returned (strides too, as the layout test
+    checks), from one read of x and one write of y, and the backward one read of dy and x; the
+    kernels it runs are the channel norm's alone."""
+    report = check_against_unfused(make, inputs, capture, train=True)
+    norms = {k: v for k, v in report.by_pattern().items() if k != "linear_gelu"}
+    assert norms == {pattern: 1}, report.table()
+    assert "read over the channels where they lie" in report.table()
+    model = fuse_via(make(), capture)
+    x = inputs[0].clone().requires_grad_()
+
+    def step():
+        model(x).sum().backward()
+
+    step()  # (a first call wanting x's gradient may capture again)
+    assert {n for n in trifuse_ops_run(step) if "norm" in n} == {"trifuse::channel_norm",
+                                                                  "trifuse::channel_norm_backward"}
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_a_permuted_maps_norm_keeps_the_models_layout(capture):
+    """ConvNeXt's channels-first norm returns a channels-last view of a contiguous (N, H, W, C)
+    tensor; the fused one returns the same strides, so what reads it sees what it saw."""
+    torch.manual_seed(0)
+    model = convnext_channels_first_norm()
+    fused = fuse_via(copy.deepcopy(model), capture)
+    y, ref = fused(MAP[0]), model(MAP[0])
+    assert y.stride() == ref.stride()
+    torch.testing.assert_close(y, ref)
+
+
+class PermutedNearMiss(nn.LayerNorm):
+    """Views the channel norm cannot take whole: a map already channels-last (its permuted view
+    is contiguous: the row norm reads it in place), a permutation that reorders the other dims
+    too (no contiguous map has that view), a norm over two dims."""
+
+    def __init__(self, kind):
+        super().__init__(C if kind != "two_dims" else (3, C))
+        self.kind = kind
+
+    def forward(self, x):
+        if self.kind == "reordered":
+            return super().forward(x.transpose(1, 3))
+        if self.kind == "two_dims":
+            return super().forward(x.permute(0, 2, 3, 1))
+        return super().forward(x.permute(0, 2, 3, 1))
+
+
+@pytest.mark.parametrize("kind, inputs", [
+    ("channels_last", (MAP[0].to(memory_format=torch.channels_last),)),
+    ("reordered", MAP),
+    ("two_dims", MAP),
+])
+def test_views_the_channel_norm_cannot_read_stay_row_norms(kind, inputs):
+    report = check_against_unfused(lambda: PermutedNearMiss(kind), inputs, "dynamo", train=True)
+    assert report.by_pattern() == {"layer_norm": 1}, report.table()
+
+
+def test_a_permuted_maps_norm_cast_for_autocasts_matmuls_stays_a_row_norm():
+    """Under autocast ConvNeXt's block norm returns fp32 for the Linear after it; the fused row
+    norm writes the Linear's 16 bits itself instead (fusion/narrow.py), a pass the channel norm
+    could not save: the block keeps the row norm there."""
+    report = check_against_unfused(ConvNextBlock, MAP, "dynamo", train=True, autocast=torch.bfloat16)
+    assert report.by_pattern().get("layer_norm") == 1, report.table()
 
 
 class ChannelsNormParamsApart(ChannelsRMSNorm):
