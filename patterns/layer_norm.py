@@ -793,7 +793,11 @@ def _permuted_channels(m: Match) -> dict | None:
     tensor whose dim d that last dim was (`x.movedim(-1, d)` contiguous), its last dim not
     innermost; None otherwise (`_strided_last_dim` says why)."""
     x = m.value("x")
-    if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.stride(-1) == 1 or x.shape[-1] == 1:
+    if not isinstance(x, torch.Tensor) or x.dim() < 2:
+        return None
+    if not all(type(v) is int for v in (*x.shape, *x.stride())):
+        return None  # symbolic (dynamic=True): asking would guard on its sizes
+    if x.stride(-1) == 1 or x.shape[-1] == 1:
         return None
     dim = next((d for d in range(x.dim() - 1) if x.movedim(-1, d).is_contiguous()), None)
     return None if dim is None else {"dim": dim}
@@ -807,7 +811,8 @@ def _strided_last_dim(m: Match) -> str | None:
     if not isinstance(shape, (tuple, list)) or len(shape) != 1:
         return "normalized over more than one dim"
     if _permuted_channels(m) is None:
-        return "x's last dim lies innermost (rows read in place) or x is no permuted contiguous map"
+        return "x's last dim lies innermost (rows read in place), x is no permuted contiguous map or its " \
+            "sizes are symbolic"
     norm = m.outputs[0]
     if any(u.op == "call_method" and u.target in ("to", "float", "type", "half", "bfloat16")
            or u.op == "call_function" and u.target is torch.Tensor.to for u in norm.users):

@@ -538,6 +538,13 @@ def test_views_the_channel_norm_cannot_read_stay_row_norms(kind, inputs):
     assert report.by_pattern() == {"layer_norm": 1}, report.table()
 
 
+def test_a_permuted_maps_norm_with_symbolic_sizes_stays_a_row_norm():
+    """Under `dynamic=True` the view's strides are symbolic: asking whether it is a permuted
+    contiguous map would guard on its sizes. The row norm takes it, and the answer is right."""
+    report = check_against_unfused(convnext_channels_first_norm, MAP, "compile", dynamic=True)
+    assert report.by_pattern() == {"layer_norm": 1}, report.table()
+
+
 def test_a_permuted_maps_norm_cast_for_autocasts_matmuls_stays_a_row_norm():
     """Under autocast ConvNeXt's block norm returns fp32 for the Linear after it; the fused row
     norm writes the Linear's 16 bits itself instead (fusion/narrow.py), a pass the channel norm
