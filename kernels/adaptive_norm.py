@@ -76,6 +76,7 @@ from .layer_norm import (
     _row_constants,
     _stat_dtype,
     _sum_partials,
+    _tile_input_grads,
     _xhat_and_ds,
     layer_norm_bwd,
     layer_norm_fwd,
@@ -1235,13 +1236,7 @@ def _norm_modulate_rows_bwd_kernel(
             rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
             d, dy, dyn, g = _row_tile_grads(DY + rows2 * N, X + rows2 * stride_xm, MUL + rows2 * stride_mulm, W,
                                             offs, mask, N, mean, mul_offset, IS_RMS_NORM, HAS_W, HAS_MUL, ACC)
-            if IS_RMS_NORM:
-                sum_d = tl.zeros([BLOCK_M], dtype=ACC)
-                sum_g = sum_d
-            else:
-                sum_d, sum_g = tl.sum(d, axis=1), tl.sum(g, axis=1)
-            shift, c1, c2 = _row_constants(sum_d, tl.sum(d * g, axis=1), sum_g, rstd, N, IS_RMS_NORM, ACC)
-            xhat, ds = _xhat_and_ds(d, g, shift, c1, c2, rstd, mask, IS_RMS_NORM)
+            xhat, ds = _tile_input_grads(d, g, rstd, mask, N, IS_RMS_NORM, ACC)
             _store_row_grads(ds, dy, xhat, DX + rows2 * N, DMUL + rows2 * N, W, B, DS + rows2 * N,
                              XG + rows2 * stride_xgm, GATE + rows2 * stride_gm, DXG + rows2 * N, DGATE + rows2 * N,
                              offs, mask, N, HAS_W, HAS_B, STORE_DMUL, HAS_DS, HAS_GATE, STORE_DXG, STORE_DGATE,

@@ -72,15 +72,16 @@ from ._common import (
 from ._launch import CachedKernel, store_plan
 from ._tiles import cdiv
 from .layer_norm import (
-    _corrected_moments,
     _div,
     _norm_bwd_torch,
     _norm_fwd_torch,
     _norm_kernels,
-    _rms_rstd,
     _row_constants,
+    _statistics_of_sums,
     _sum_partials,
     _sum_plan,
+    _tile_input_grads,
+    _tile_statistics,
     _xhat_and_ds,
     layer_norm_ref,
     rms_norm_ref,
@@ -155,18 +156,7 @@ def _channel_norm_fwd_kernel(
     if SINGLE_BLOCK:
         first, last, mask = _channel_tile(pos, pos_mask, ch0, C, S)
         x = tl.load(X + _in(first, last, X_CL), mask=mask, other=0.0).to(ACC)
-        if IS_RMS_NORM:
-            mean = tl.zeros([BLOCK_S], dtype=ACC)
-            d = x
-            rstd, rstd_stored = _rms_rstd(_div(tl.sum(d * d, axis=1), C, ACC), eps, CLAMP_EPS)
-        else:
-            mean = _div(tl.sum(x, axis=1), C, ACC)
-            d = tl.where(mask, x - mean[:, None], 0.0)
-            shift, var = _corrected_moments(tl.sum(d, axis=1), tl.sum(d * d, axis=1), C, ACC)
-            mean += shift
-            rstd = 1.0 / tl.sqrt(var + eps)
-            rstd_stored = rstd
-            d -= shift[:, None]
+        mean, d, rstd, rstd_stored = _tile_statistics(x, mask, C, eps, IS_RMS_NORM, CLAMP_EPS, ACC)
         y = d * rstd[:, None]
         if HAS_W:
             y *= tl.load(W + ch0, mask=ch0 < C, other=0.0).to(ACC)[None, :]
@@ -191,13 +181,7 @@ def _channel_norm_fwd_kernel(
             acc += d * d
             if not IS_RMS_NORM:
                 acc_d += d
-        if IS_RMS_NORM:
-            shift = tl.zeros([BLOCK_S], dtype=ACC)
-            rstd, rstd_stored = _rms_rstd(_div(tl.sum(acc, axis=1), C, ACC), eps, CLAMP_EPS)
-        else:
-            shift, var = _corrected_moments(tl.sum(acc_d, axis=1), tl.sum(acc, axis=1), C, ACC)
-            rstd = 1.0 / tl.sqrt(var + eps)
-            rstd_stored = rstd
+        shift, rstd, rstd_stored = _statistics_of_sums(acc_d, acc, C, eps, IS_RMS_NORM, CLAMP_EPS, ACC)
         # Pass 3: y.
         for start in range(0, C, BLOCK_C):
             ch = start + ch0
@@ -269,13 +253,7 @@ def _channel_norm_bwd_kernel(
             first, last, mask = _channel_tile(pos, pos_mask, ch0, C, S)
             d, dy, g = _channel_tile_grads(X + sample, DY + sample, W, first, last, mask, ch0, C, mean, HAS_W,
                                            X_CL, DY_CL)
-            if IS_RMS_NORM:
-                sum_d = tl.zeros([BLOCK_S], dtype=ACC)
-                sum_g = sum_d
-            else:
-                sum_d, sum_g = tl.sum(d, axis=1), tl.sum(g, axis=1)
-            shift, c1, c2 = _row_constants(sum_d, tl.sum(d * g, axis=1), sum_g, rstd, C, IS_RMS_NORM, ACC)
-            xhat, ds = _xhat_and_ds(d, g, shift, c1, c2, rstd, mask, IS_RMS_NORM)
+            xhat, ds = _tile_input_grads(d, g, rstd, mask, C, IS_RMS_NORM, ACC)
             if STORE_DX:
                 tl.store(DX + sample + _in(first, last, X_CL), ds.to(DX.dtype.element_ty), mask=mask)
             if STORE_DW:

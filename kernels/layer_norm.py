@@ -213,6 +213,41 @@ def _corrected_moments(sum_d, sum_d2, N, ACC: tl.constexpr):
 
 
 @triton.jit
+def _tile_statistics(s, mask, N, eps, IS_RMS_NORM: tl.constexpr, CLAMP_EPS: tl.constexpr, ACC: tl.constexpr):
+    """(mean, d, rstd, the rstd to store) of a tile of whole rows (reduced over axis 1; 0 where
+    masked): d = s - mean, centred again by the second pass (_corrected_moments), the mean with it;
+    RMSNorm: mean 0, d = s (also kernels/channel_norm.py's, a position's channels a row)."""
+    if IS_RMS_NORM:
+        d = s
+        rstd, rstd_stored = _rms_rstd(_div(tl.sum(d * d, axis=1), N, ACC), eps, CLAMP_EPS)
+        mean = tl.zeros_like(rstd)
+    else:
+        mean = _div(tl.sum(s, axis=1), N, ACC)
+        d = tl.where(mask, s - mean[:, None], 0.0)
+        shift, var = _corrected_moments(tl.sum(d, axis=1), tl.sum(d * d, axis=1), N, ACC)
+        mean += shift
+        rstd = 1.0 / tl.sqrt(var + eps)
+        rstd_stored = rstd
+        d -= shift[:, None]
+    return mean, d, rstd, rstd_stored
+
+
+@triton.jit
+def _statistics_of_sums(acc_d, acc_d2, N, eps, IS_RMS_NORM: tl.constexpr, CLAMP_EPS: tl.constexpr,
+                        ACC: tl.constexpr):
+    """(shift, rstd, the rstd to store) of rows walked in chunks, from the tile sums of d = s - mean0
+    and d^2 (_corrected_moments; RMSNorm: d = s, no shift)."""
+    if IS_RMS_NORM:
+        rstd, rstd_stored = _rms_rstd(_div(tl.sum(acc_d2, axis=1), N, ACC), eps, CLAMP_EPS)
+        shift = tl.zeros_like(rstd)
+    else:
+        shift, var = _corrected_moments(tl.sum(acc_d, axis=1), tl.sum(acc_d2, axis=1), N, ACC)
+        rstd = 1.0 / tl.sqrt(var + eps)
+        rstd_stored = rstd
+    return shift, rstd, rstd_stored
+
+
+@triton.jit
 def _load_stream(X, R, XB, GATE, seed, rows, cols, mask, p, scale, N, rows_per_group,
                  HAS_RESIDUAL: tl.constexpr, HAS_X_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                  HAS_GATE: tl.constexpr, GROUPED: tl.constexpr, ACC: tl.constexpr):
@@ -288,18 +323,7 @@ def _layer_norm_fwd_kernel(
         s = s.to(S.dtype.element_ty).to(ACC)
         if STORE_S:
             tl.store(S + offs, s.to(S.dtype.element_ty), mask=mask)
-        if IS_RMS_NORM:
-            mean = tl.zeros([BLOCK_M], dtype=ACC)
-            d = s
-            rstd, rstd_stored = _rms_rstd(_div(tl.sum(d * d, axis=1), N, ACC), eps, CLAMP_EPS)
-        else:
-            mean = _div(tl.sum(s, axis=1), N, ACC)
-            d = tl.where(mask, s - mean[:, None], 0.0)
-            shift, var = _corrected_moments(tl.sum(d, axis=1), tl.sum(d * d, axis=1), N, ACC)
-            mean += shift
-            rstd = 1.0 / tl.sqrt(var + eps)
-            rstd_stored = rstd
-            d -= shift[:, None]
+        mean, d, rstd, rstd_stored = _tile_statistics(s, mask, N, eps, IS_RMS_NORM, CLAMP_EPS, ACC)
         y = d * rstd[:, None]
         if HAS_W:
             y *= _affine_tile(W, rows2, offs, mask, N, rows_per_group, GROUPED).to(ACC)
@@ -340,13 +364,7 @@ def _layer_norm_fwd_kernel(
             acc += d * d
             if not IS_RMS_NORM:
                 acc_d += d
-        if IS_RMS_NORM:
-            shift = tl.zeros([BLOCK_M], dtype=ACC)
-            rstd, rstd_stored = _rms_rstd(_div(tl.sum(acc, axis=1), N, ACC), eps, CLAMP_EPS)
-        else:
-            shift, var = _corrected_moments(tl.sum(acc_d, axis=1), tl.sum(acc, axis=1), N, ACC)
-            rstd = 1.0 / tl.sqrt(var + eps)
-            rstd_stored = rstd
+        shift, rstd, rstd_stored = _statistics_of_sums(acc_d, acc, N, eps, IS_RMS_NORM, CLAMP_EPS, ACC)
         # Pass 3: normalize.
         for start in range(0, N, BLOCK_N):
             cols = start + offs
@@ -426,6 +444,19 @@ def _row_constants(sum_d, sum_dg, sum_g, rstd, N, IS_RMS_NORM: tl.constexpr, ACC
         shift = _div(sum_d, N, ACC)
         c2 = _div(sum_g, N, ACC)
         return shift, (_div(sum_dg, N, ACC) - shift * c2) * rstd, c2
+
+
+@triton.jit
+def _tile_input_grads(d, g, rstd, mask, N, IS_RMS_NORM: tl.constexpr, ACC: tl.constexpr):
+    """(xhat, ds) of a tile of whole rows from d and g: their row sums (_row_constants), then
+    _xhat_and_ds (also kernels/adaptive_norm.py's and kernels/channel_norm.py's)."""
+    if IS_RMS_NORM:
+        sum_d = tl.zeros_like(rstd)
+        sum_g = sum_d
+    else:
+        sum_d, sum_g = tl.sum(d, axis=1), tl.sum(g, axis=1)
+    shift, c1, c2 = _row_constants(sum_d, tl.sum(d * g, axis=1), sum_g, rstd, N, IS_RMS_NORM, ACC)
+    return _xhat_and_ds(d, g, shift, c1, c2, rstd, mask, IS_RMS_NORM)
 
 
 @triton.jit
@@ -535,13 +566,7 @@ def _layer_norm_bwd_kernel(
             d, dy, g = _loaded_tile_grads(s_tile, dy_tile, DY2 + rows2 * stride_dy2m,
                                           DY3 + rows2 * stride_dy3m, W, offs, mask, N, mean, rstd,
                                           HAS_W, NUM_DY, ACC)
-            if IS_RMS_NORM:
-                sum_d = tl.zeros([BLOCK_M], dtype=ACC)
-                sum_g = sum_d
-            else:
-                sum_d, sum_g = tl.sum(d, axis=1), tl.sum(g, axis=1)
-            shift, c1, c2 = _row_constants(sum_d, tl.sum(d * g, axis=1), sum_g, rstd, N, IS_RMS_NORM, ACC)
-            xhat, ds = _xhat_and_ds(d, g, shift, c1, c2, rstd, mask, IS_RMS_NORM)
+            xhat, ds = _tile_input_grads(d, g, rstd, mask, N, IS_RMS_NORM, ACC)
             share = _store_input_grads(ds, DS + rows2 * stride_dsm, DX + rows2 * stride_dxm,
                                        DR + rows2 * stride_drm, X + rows2 * stride_xm, GATE, seed, rows2,
                                        offs, mask, p, scale, N, HAS_DS, HAS_DROPOUT, STORE_DR, HAS_GATE)
