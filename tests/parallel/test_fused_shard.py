@@ -229,13 +229,12 @@ def ops_on_sequence_shards(rank, size):
     return failures, placements, masks
 
 
-def group_norm_on_batch_shards(rank, size):
-    """trifuse.ops.group_norm (with and without its SiLU and affine) on a DTensor sharded over the
-    batch with replicated parameters, against the op on the whole tensors: (failures, output
-    placements, weight gradient placements before any redistribution)."""
+def _norms_on_batch_shards(size: int, cases: list) -> tuple[list[str], dict]:
+    """Each case (name, op, parameters, keywords): `op(x, *parameters, **keywords)` on a DTensor
+    sharded over the batch with replicated parameters, against the op on the whole tensors:
+    (failures, {name: (output placements, parameter gradient placements before any
+    redistribution)})."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
-    import trifuse
 
     mesh = _mesh(size)
     g = torch.Generator().manual_seed(0)
@@ -244,48 +243,12 @@ def group_norm_on_batch_shards(rank, size):
             "b": torch.randn(6, dtype=torch.float64, generator=g),
             "dy": torch.randn(4, 6, 5, 3, dtype=torch.float64, generator=g)}
     failures, placements = [], {}
-    for activation in (None, "silu"):
-        for affine in (True, False):
-            name = f"group_norm {activation} affine={affine}"
-            ref = {k: v.clone().requires_grad_(k != "dy") for k, v in full.items()}
-            dt = {k: distribute_tensor(v, mesh, [Replicate() if v.dim() == 1 else Shard(0)]).requires_grad_(k != "dy")
-                  for k, v in full.items()}
-            params = ("w", "b") if affine else ()
-            want = trifuse.ops.group_norm(ref["x"], 3, *(ref[k] for k in params), activation=activation)
-            got = trifuse.ops.group_norm(dt["x"], 3, *(dt[k] for k in params), activation=activation)
-            want.backward(ref["dy"])
-            got.backward(dt["dy"])
-            placements[name] = (got.placements, *(dt[k].grad.placements for k in params))
-            for k, a, e in [("y", got, want)] + [(f"d{k}", dt[k].grad, ref[k].grad) for k in ("x", *params)]:
-                ok, msg = check_close(f"{name} {k}", a.full_tensor(), e, None)
-                failures.extend([] if ok else [msg])
-    return failures, placements
-
-
-def channel_norm_on_batch_shards(rank, size):
-    """trifuse.ops.channel_norm (LayerNorm, RMSNorm floored at eps) on a DTensor sharded over the
-    batch with replicated parameters, against the op on the whole tensors: (failures, output
-    placements, parameter gradient placements before any redistribution)."""
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
-    import trifuse
-
-    mesh = _mesh(size)
-    g = torch.Generator().manual_seed(0)
-    full = {"x": torch.randn(4, 6, 5, 3, dtype=torch.float64, generator=g) * 2 + 1,
-            "w": torch.randn(6, dtype=torch.float64, generator=g),
-            "b": torch.randn(6, dtype=torch.float64, generator=g),
-            "dy": torch.randn(4, 6, 5, 3, dtype=torch.float64, generator=g)}
-    failures, placements = [], {}
-    for rms in (False, True):
-        name = f"channel_norm rms={rms}"
-        params = ("w",) if rms else ("w", "b")
+    for name, op, params, kwargs in cases:
         ref = {k: v.clone().requires_grad_(k != "dy") for k, v in full.items()}
         dt = {k: distribute_tensor(v, mesh, [Replicate() if v.dim() == 1 else Shard(0)])
               .requires_grad_(k != "dy") for k, v in full.items()}
-        kwargs = {"rms": rms, "clamp_eps": rms, "eps": 1e-3}
-        want = trifuse.ops.channel_norm(ref["x"], *(ref[k] for k in params), **kwargs)
-        got = trifuse.ops.channel_norm(dt["x"], *(dt[k] for k in params), **kwargs)
+        want = op(ref["x"], *(ref[k] for k in params), **kwargs)
+        got = op(dt["x"], *(dt[k] for k in params), **kwargs)
         want.backward(ref["dy"])
         got.backward(dt["dy"])
         placements[name] = (got.placements, *(dt[k].grad.placements for k in params))
@@ -293,6 +256,27 @@ def channel_norm_on_batch_shards(rank, size):
             ok, msg = check_close(f"{name} {k}", a.full_tensor(), e, None)
             failures.extend([] if ok else [msg])
     return failures, placements
+
+
+def group_norm_on_batch_shards(rank, size):
+    """trifuse.ops.group_norm, with and without its SiLU and affine (`_norms_on_batch_shards`)."""
+    import trifuse
+
+    def op(x, *params, **kwargs):
+        return trifuse.ops.group_norm(x, 3, *params, **kwargs)
+
+    return _norms_on_batch_shards(size, [(f"group_norm {activation} affine={affine}", op,
+                                          ("w", "b") if affine else (), {"activation": activation})
+                                         for activation in (None, "silu") for affine in (True, False)])
+
+
+def channel_norm_on_batch_shards(rank, size):
+    """trifuse.ops.channel_norm, LayerNorm and RMSNorm floored at eps (`_norms_on_batch_shards`)."""
+    import trifuse
+
+    return _norms_on_batch_shards(size, [
+        (f"channel_norm rms={rms}", trifuse.ops.channel_norm, ("w",) if rms else ("w", "b"),
+         {"rms": rms, "clamp_eps": rms, "eps": 1e-3}) for rms in (False, True)])
 
 
 def test_channel_norm_on_batch_shards(world):
