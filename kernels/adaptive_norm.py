@@ -67,7 +67,6 @@ from .layer_norm import (
     _bwd_plan,
     _cast_for_readers,
     _check_narrowing,
-    _corrected_moments,
     _div,
     _flat,
     _fwd_plan,
@@ -75,8 +74,10 @@ from .layer_norm import (
     _narrowed_ref,
     _row_constants,
     _stat_dtype,
+    _statistics_of_sums,
     _sum_partials,
     _tile_input_grads,
+    _tile_statistics,
     _xhat_and_ds,
     layer_norm_bwd,
     layer_norm_fwd,
@@ -1091,17 +1092,7 @@ def _norm_modulate_rows_fwd_kernel(
     if SINGLE_BLOCK:
         mask = row_mask[:, None] & (offs < N)
         x = _row_input(X, R, GATE, S, offs, mask, HAS_RESIDUAL, HAS_GATE, True, ACC)
-        if IS_RMS_NORM:
-            mean = tl.zeros([BLOCK_M], dtype=ACC)
-            d = x
-            rstd = 1.0 / tl.sqrt(_div(tl.sum(d * d, axis=1), N, ACC) + eps)
-        else:
-            mean = _div(tl.sum(x, axis=1), N, ACC)
-            d = tl.where(mask, x - mean[:, None], 0.0)
-            shift, var = _corrected_moments(tl.sum(d, axis=1), tl.sum(d * d, axis=1), N, ACC)
-            mean += shift
-            rstd = 1.0 / tl.sqrt(var + eps)
-            d -= shift[:, None]
+        mean, d, rstd, _ = _tile_statistics(x, mask, N, eps, IS_RMS_NORM, False, ACC)
         y = _row_modulation(d * rstd[:, None], W, B, MUL, ADD, offs, mask, N, mul_offset,
                             HAS_W, HAS_B, HAS_MUL, HAS_ADD, ACC)
         tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
@@ -1126,12 +1117,7 @@ def _norm_modulate_rows_fwd_kernel(
                          - mean[:, None], 0.0)
             acc += d * d
             acc_d += d
-        if IS_RMS_NORM:
-            shift = tl.zeros([BLOCK_M], dtype=ACC)
-            rstd = 1.0 / tl.sqrt(_div(tl.sum(acc, axis=1), N, ACC) + eps)
-        else:
-            shift, var = _corrected_moments(tl.sum(acc_d, axis=1), tl.sum(acc, axis=1), N, ACC)
-            rstd = 1.0 / tl.sqrt(var + eps)
+        shift, rstd, _ = _statistics_of_sums(acc_d, acc, N, eps, IS_RMS_NORM, False, ACC)
         for start in range(0, N, BLOCK_N):
             cols = start + offs
             mask = row_mask[:, None] & (cols < N)
