@@ -8,7 +8,7 @@ last dim these are the row kernels of kernels/layer_norm.py; over dim 1 of a con
 need x copied channels-last first and y copied back: two more passes over the map each way (and
 the copy of x is what the backward keeps). Here a program reads a tile of BLOCK_S neighbouring
 positions by BLOCK_C channels, contiguous along the positions, and the statistics reduce across
-the channels: x is read once (channels that fit one tile) and y written once, in x's layout.
+the channels: x is read once (channels that fit one tile) and y written once.
 
 Maths, per position (n, s) over the C channels (`dim`), in fp32 (fp64 for fp64 inputs), the same
 as kernels/layer_norm.py's rows (its helpers are shared):
@@ -33,16 +33,16 @@ Kernels (1-D grids, int64 offsets):
   forward   a program per (n, block of BLOCK_S positions): channels that fit one tile are held
             whole (x read once); more channels are walked in blocks of BLOCK_C, three passes
             (mean, the corrected variance, y) re-reading x from L2.
-  backward  PROGRAMS_PER_SM x SMs programs, each walking a contiguous range of tiles: the two
-            channel sums a position needs, then dx; its shares of dweight and dbias kept in one
+  backward  PROGRAMS_PER_SM x SMs programs, each walking a contiguous range of tiles: each
+            position's sums over its channels, then dx; its shares of dweight and dbias kept in one
             row of an fp32 partial buffer, which kernels/layer_norm.py's `_sum_partials` adds up
             in a fixed order (bitwise repeatable, no atomics).
 Memory plan: the forward saves x, mean and rstd ((N, S) each); nothing of y's size. Each tensor's
 layout is a constexpr of the kernels (X_CL, Y_CL, DY_CL): a tile's offsets, and the order its loads
 coalesce in, follow it.
-Launch configuration: tuned per shape bucket (autotune/configs.py: channel_norm_fwd, _bwd; not yet timed
-on a GPU). Eager calls go through the `channel_norm` dialect, which measures these kernels
-against the row kernels on a channels-last copy and PyTorch's norms on one.
+Launch configuration: tuned per shape bucket (autotune/configs.py: channel_norm_fwd, _bwd; not
+yet timed on a GPU). Eager calls go through the `channel_norm` dialect, which measures these
+kernels against the row kernels on a channels-last copy and PyTorch's norms on one.
 """
 import math
 
